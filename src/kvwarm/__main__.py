@@ -1,0 +1,3 @@
+from kvwarm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Model runtimes: the llama.cpp backend and a deterministic stub (see ``base``)."""

@@ -1,0 +1,308 @@
+"""The backend protocol: what the engine may ask of a model runtime.
+
+Invariants every implementation keeps:
+
+- Nothing a caller can pass aborts the process. Native failures become ``BackendError``
+  subclasses (see ``kvwarm.errors``); preconditions llama.cpp would ``GGML_ASSERT`` on are
+  checked in Python first.
+- Sequence ids are arguments, never state: a KV blob from ``kv_pack(seq=a)`` restores into any
+  ``seq=b`` of any context created from the same model with the same ``ContextParams``.
+- ``prefill`` splits its work at absolute positions that are multiples of ``n_batch``; this is
+  what makes an aligned restore + prefill bit-identical to a cold prefill (DESIGN.md).
+- Handles are closed once; every use after ``close()`` raises ``HandleClosedError``. Closing a
+  model while a context created from it is open defers the native free until the last context
+  closes.
+- A context is not thread-safe: one thread (the model's worker) drives it. Model-level calls
+  (tokenize, detokenize, chat templates) are safe from any thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+KvType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+PoolingType = Literal["mean", "cls", "last", "none"]
+
+#: A load-progress callback: receives a fraction in [0, 1]; returning False aborts the load.
+ProgressCallback = Callable[[float], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelParams:
+    """Options for loading model weights."""
+
+    n_gpu_layers: int = 0
+    use_mmap: bool = True
+    use_mlock: bool = False
+    vocab_only: bool = False
+    progress: ProgressCallback | None = field(default=None, compare=False, hash=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ContextParams:
+    """Options for one ``llama_context``. Validated by ``validate()``."""
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int | None = None
+    n_threads_batch: int | None = None
+    n_seq_max: int = 1
+    type_k: KvType = "f16"
+    type_v: KvType = "f16"
+    embeddings: bool = False
+    pooling: PoolingType = "mean"
+    seed: int = 0
+
+    def validate(self) -> None:
+        from kvwarm.errors import ConfigError
+
+        if self.n_ctx < 16:
+            raise ConfigError(f"n_ctx must be >= 16, got {self.n_ctx}")
+        if self.n_batch < 1 or self.n_ubatch < 1:
+            raise ConfigError("n_batch and n_ubatch must be >= 1")
+        if self.n_ubatch > self.n_batch:
+            raise ConfigError(f"n_ubatch ({self.n_ubatch}) must be <= n_batch ({self.n_batch})")
+        if not 1 <= self.n_seq_max <= 256:
+            raise ConfigError(f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
+        for name in ("n_threads", "n_threads_batch"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+
+    def kv_hash(self) -> bytes:
+        """32 bytes identifying every parameter that shapes the KV state or its numerics.
+
+        ``n_seq_max`` and thread counts are excluded: a sequence's KV bytes do not depend on
+        them, and rows must be shareable between a 1-slot and an N-slot context.
+        """
+        fields = asdict(self)
+        for excluded in ("n_threads", "n_threads_batch", "n_seq_max", "seed", "embeddings",
+                         "pooling"):
+            fields.pop(excluded)
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(b"kvwarm-ctx-v1\0" + blob).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """A sampler chain. ``temperature <= 0`` means greedy (argmax), ignoring the others."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    grammar: str | None = None
+    grammar_root: str = "root"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchToken:
+    """One token in a mixed decode batch. ``logits`` asks for this position's logits."""
+
+    token: int
+    pos: int
+    seq: int
+    logits: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """Static facts about loaded weights."""
+
+    path: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    size_bytes: int
+    n_params: int
+    description: str
+    file_type: int  # LLAMA_FTYPE_* from general.file_type; the cache key's quant byte.
+    quant_bits: int  # nominal bits per weight of file_type (4 for Q4_*), 16 for F16...
+    bos: int | None
+    eos: int | None
+    add_bos: bool
+    chat_template: str | None
+    metadata: Mapping[str, str]
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """A stateful sampler chain bound to one model's vocabulary."""
+
+    def sample(self, ctx: BackendContext, index: int) -> int:
+        """Sample from the logits of batch row ``index`` (-1: last) and accept the token."""
+        ...
+
+    def sample_logits(self, logits: bytes | memoryview) -> int:
+        """Sample from raw float32 logits (n_vocab of them) and accept the token.
+
+        Used for an exact cache hit whose row stored its final logits: no decode needed.
+        """
+        ...
+
+    def accept(self, token: int) -> None:
+        """Feed a token chosen elsewhere (e.g. prompt history for repetition penalties)."""
+        ...
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """A loaded LoRA adapter."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def sha256(self) -> bytes:
+        """Digest of the adapter file; folded into the effective fingerprint."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class BackendContext(Protocol):
+    """One inference context with ``n_seq_max`` sequences, driven by a single thread."""
+
+    @property
+    def params(self) -> ContextParams: ...
+
+    @property
+    def n_ctx(self) -> int: ...
+
+    @property
+    def n_batch(self) -> int: ...
+
+    def decode(self, batch: Sequence[BatchToken]) -> None:
+        """One forward pass over ``len(batch) <= n_batch`` tokens, possibly of several seqs.
+
+        Afterwards, ``logits(i)`` / ``Sampler.sample(ctx, i)`` are valid for every row ``i``
+        that asked for logits, until the next decode. Raises ``ContextOverflowError`` if a
+        position is >= n_ctx, ``InvalidRequestError`` for bad token ids or seq ids.
+        """
+        ...
+
+    def prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
+        """Decode ``tokens`` at positions ``start_pos…`` of ``seq``, chunk boundaries at
+        absolute multiples of ``n_batch``; logits of the last token are kept (index -1)."""
+        ...
+
+    def logits(self, index: int = -1) -> memoryview:
+        """float32 logits (n_vocab) of batch row ``index``; ``NoLogitsError`` if none."""
+        ...
+
+    def kv_pack(self, seq: int) -> bytes:
+        """The sequence's KV state as one blob (``llama_state_seq_get_data``)."""
+        ...
+
+    def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
+        """Restore a blob into ``seq`` (cleared first) without copying it; returns the number
+        of token positions now in the sequence. ``StateRestoreError`` on a bad blob."""
+        ...
+
+    def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
+        """Remove positions ``[p0, p1)`` (``p1 < 0``: to the end) from ``seq``."""
+        ...
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        """Share positions ``[p0, p1)`` of ``src`` with ``dst`` (no copy of tensors)."""
+        ...
+
+    def seq_pos_max(self, seq: int) -> int:
+        """Largest position held by ``seq``, -1 if empty."""
+        ...
+
+    def clear(self) -> None:
+        """Drop every sequence's KV state."""
+        ...
+
+    def embed(self, tokens: Sequence[int], *, normalize: bool = True) -> list[float]:
+        """Pooled embedding of ``tokens`` (context must have ``embeddings=True``)."""
+        ...
+
+    def set_adapters(self, adapters: Sequence[tuple[Adapter, float]]) -> None:
+        """Replace the attached LoRA adapters (each with its scale)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class BackendModel(Protocol):
+    """Loaded weights and vocabulary. Thread-safe except for the contexts it creates."""
+
+    @property
+    def facts(self) -> ModelFacts: ...
+
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]: ...
+
+    def detokenize(
+        self, tokens: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False
+    ) -> str: ...
+
+    def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
+        """Raw bytes of one token; may be a partial UTF-8 sequence."""
+        ...
+
+    def is_eog(self, token: int) -> bool:
+        """End-of-generation token (EOS, EOT, …)."""
+        ...
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+    ) -> str:
+        """Render messages with the GGUF's own (Jinja) chat template, or ``template``."""
+        ...
+
+    def new_context(self, params: ContextParams) -> BackendContext: ...
+
+    def new_sampler(self, params: SamplingParams) -> Sampler:
+        """``GrammarError`` if the grammar does not compile."""
+        ...
+
+    def load_adapter(self, path: str) -> Adapter: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Factory of models. ``name`` is 'llama_cpp' or 'stub'."""
+
+    @property
+    def name(self) -> str: ...
+
+    def load_model(self, path: str, params: ModelParams | None = None) -> BackendModel: ...
+
+
+def json_schema_to_grammar(schema: Mapping[str, object] | str) -> str:
+    """GBNF for a JSON schema (llama-cpp-python's converter); ``GrammarError`` if unsupported."""
+    from kvwarm.backends.grammar import schema_to_gbnf
+
+    return schema_to_gbnf(schema)

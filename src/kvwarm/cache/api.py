@@ -1,0 +1,108 @@
+"""The cache's public surface as the engine, server and CLI use it.
+
+``kvwarm.cache.Cache`` implements ``CacheApi``. Everything here is thread-safe. Lookups never
+wait behind writers (except ``lookup_exact_or_wait``, which waits on purpose); saves never
+block the caller unless ``sync=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvwarm.cache.types import (
+    EvictResult,
+    Namespace,
+    PrefixMatch,
+    RowInfo,
+    SaveRequest,
+    TierName,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedRow:
+    """A row's bytes, valid while its ``open_row`` context is open (the row is checked out,
+    so eviction cannot remove it). ``payload`` is a zero-copy view: ``kv_unpack`` reads it
+    directly."""
+
+    info: RowInfo
+    tokens: tuple[int, ...]
+    payload: memoryview
+    logits: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    checked: int
+    bad: tuple[tuple[str, str], ...]  # (path or key hex, reason)
+
+
+class CacheApi(Protocol):
+    def key_for(self, namespace: Namespace, tokens: Sequence[int]) -> bytes: ...
+
+    def lookup_exact(self, key: bytes) -> RowInfo | None:
+        """Counts ``hits_exact`` on a hit."""
+        ...
+
+    def lookup_exact_or_wait(self, key: bytes, timeout_s: float) -> RowInfo | None:
+        """Like ``lookup_exact`` but, if a save of ``key`` is in flight, waits up to
+        ``timeout_s`` for it to publish. Counts ``hits_resume`` on a hit."""
+        ...
+
+    def longest_prefix(
+        self, namespace: Namespace, tokens: Sequence[int], *, min_shared: int = 1
+    ) -> PrefixMatch | None:
+        """The row of ``namespace`` sharing the longest prefix with ``tokens`` (ties: fewest
+        bytes). Cost grows with ``len(tokens)``, not with the number of rows. Counts
+        ``hits_longest_prefix`` on a hit."""
+        ...
+
+    def open_row(self, key: bytes) -> AbstractContextManager[LoadedRow]:
+        """Check out, read and verify (CRC) a row. ``CacheKeyError`` if absent,
+        ``CacheFormatError`` if corrupt (the bad row is dropped from index and tier)."""
+        ...
+
+    def save(self, request: SaveRequest, *, sync: bool = False, timeout_s: float = 30.0) -> bool:
+        """Write a row. Async (default): queue it and return at once; False if the writer pool
+        was full (counted as ``saves_dropped``). The key is marked in flight before returning,
+        so ``lookup_exact_or_wait`` sees it. Sync: wait up to ``timeout_s``; True if published.
+        """
+        ...
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued save has finished; True if the queue drained in time."""
+        ...
+
+    def record_miss(self) -> None: ...
+
+    def record_latency(self, name: str, seconds: float) -> None:
+        """Add to a latency total (``pack``, ``unpack``, …) reported in ``counters()``."""
+        ...
+
+    def evict_bytes(self, n_bytes: int, tiers: Sequence[TierName] | None = None) -> EvictResult:
+        """Remove least-recently-used, not-checked-out rows until ``n_bytes`` are freed."""
+        ...
+
+    def gc(self) -> EvictResult:
+        """Remove expired (TTL) rows and reap stale reservations now."""
+        ...
+
+    def delete(self, key: bytes) -> bool: ...
+
+    def rows(self, namespace: Namespace | None = None) -> list[RowInfo]: ...
+
+    def counters(self) -> Mapping[str, float]:
+        """One snapshot: hits by kind, misses, saves by reason, saves_dropped, evictions,
+        per-tier bytes/rows/quota (``tier_<name>_bytes`` …), latency totals."""
+        ...
+
+    def verify(self) -> VerifyReport:
+        """Check every row's CRC; report (and drop) bad ones."""
+        ...
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Drain the writer pool (bounded), stop background threads. Idempotent."""
+        ...

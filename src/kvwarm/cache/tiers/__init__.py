@@ -1,0 +1,1 @@
+"""File tiers and the RAM tier."""

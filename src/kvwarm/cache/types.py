@@ -1,0 +1,153 @@
+"""Value types shared by the cache's parts and its callers. Pure data; no I/O.
+
+Invariant: a cache row never carries a sequence id, a model handle or a path that its key
+depends on. A row is addressed by its key alone; ``Namespace`` + tokens derive the key.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+TierName = Literal["ram", "ram_file", "disk"]
+TIER_NAMES: tuple[TierName, ...] = ("ram", "ram_file", "disk")
+
+
+class SaveReason(enum.IntEnum):
+    """Why a row was written; stored in the KVC header byte."""
+
+    COLD = 0  # after a cold prefill, at the trimmed aligned boundary (async)
+    CONTINUED = 1  # every continued_interval generated tokens (async)
+    FINISH = 2  # prompt + reply at the end of a completion, with final logits (async)
+    EVICT = 3  # a holder releases its live KV state (sync, bounded)
+    SHUTDOWN = 4  # unload / process stop (sync, bounded)
+    PREWARM = 5  # an explicit prewarm of a prefix, e.g. a system prompt (async)
+
+    @property
+    def is_sync(self) -> bool:
+        return self in (SaveReason.EVICT, SaveReason.SHUTDOWN)
+
+
+class TtlClass(enum.IntEnum):
+    """How long a row may live unused before the TTL sweep removes it."""
+
+    SHORT = 0
+    LONG = 1
+    EXTENDED = 2
+
+
+class FingerprintMode(enum.IntEnum):
+    SAFE = 0  # sha256 of the whole model file
+    GGUF_CHUNKED = 1  # sha256 of the GGUF header, metadata and first tensor
+    FAST_UNSAFE = 2  # supplied by the caller, trusted
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """What, besides the tokens, a KV state depends on. Rows of different namespaces never mix.
+
+    ``fingerprint`` is the *effective* fingerprint: model file digest folded with any attached
+    LoRA adapters (``key.effective_fingerprint``).
+    """
+
+    fingerprint: bytes  # 32 bytes
+    quant: int  # 0..255
+    ctx_hash: bytes  # 32 bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Save gates and flow tunables (erllama's caching guide); overridable per model."""
+
+    min_tokens: int = 512
+    cold_min_tokens: int = 512
+    cold_max_tokens: int = 30_000
+    continued_interval: int = 2048
+    boundary_trim_tokens: int = 32
+    boundary_align_tokens: int = 2048
+    session_resume_wait_ms: int = 500
+    evict_save_timeout_ms: int = 30_000
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """One tier. ``root`` is required for file tiers and must be None for ``ram``."""
+
+    name: TierName
+    quota_bytes: int
+    root: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PressureConfig:
+    """Memory-pressure scheduler (off by default)."""
+
+    enabled: bool = False
+    source: Literal["noop", "system", "nvidia"] = "system"
+    interval_ms: int = 5000
+    high_watermark: float = 0.85
+    low_watermark: float = 0.75
+    min_evict_bytes: int = 1 << 20
+    evict_tiers: tuple[TierName, ...] = ("ram", "ram_file")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    tiers: tuple[TierConfig, ...] = (TierConfig("ram", 1 << 30),)
+    writer_threads: int = 2
+    writer_queue: int = 8
+    reservation_ttl_s: float = 60.0
+    ttl_seconds: tuple[float, float, float] = (300.0, 3600.0, 86_400.0)  # by TtlClass
+    sweep_interval_s: float = 30.0
+    pressure: PressureConfig = field(default_factory=PressureConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class RowInfo:
+    """A published row as the index knows it."""
+
+    key: bytes
+    tier: TierName
+    size: int  # payload bytes
+    n_tokens: int
+    hits: int
+    last_used: float  # unix seconds
+    created: float
+    reason: SaveReason
+    ttl_class: TtlClass
+    has_logits: bool
+    namespace: Namespace
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Result of a longest-prefix lookup: ``row`` shares its first ``n_shared`` tokens with the
+    query. ``n_shared`` may be less than ``row.n_tokens`` (the restore is then trimmed)."""
+
+    row: RowInfo
+    n_shared: int
+
+
+@dataclass(frozen=True, slots=True)
+class SaveRequest:
+    """A row to write. ``payload`` is handed over: the caller must not mutate it afterwards."""
+
+    namespace: Namespace
+    tokens: tuple[int, ...]
+    payload: bytes
+    reason: SaveReason
+    tier: TierName
+    logits: bytes | None = None  # float32 logits after the last token (finish/cold saves)
+    prompt_text: str = ""  # observability only; untrusted on load
+    ttl_class: TtlClass = TtlClass.SHORT
+    context_size: int = 0
+    quant_bits: int = 0
+    fingerprint_mode: FingerprintMode = FingerprintMode.SAFE
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult:
+    rows: int
+    bytes: int

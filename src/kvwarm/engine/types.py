@@ -1,0 +1,158 @@
+"""Public value types of the engine: request options, results, statistics, model info."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvwarm.backends.base import SamplingParams
+
+CacheHitKind = Literal["exact", "partial", "cold"]
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationOptions:
+    """Per-request options. Validated by ``validate()`` (``InvalidRequestError``)."""
+
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    grammar: str | None = None
+    json_schema: Mapping[str, object] | None = None
+    parent_key: bytes | None = None
+    deterministic: bool | None = None  # None: the model's default
+    add_special: bool = True  # prepend BOS etc. when tokenizing a text prompt
+    parse_special: bool = True  # special-token text in the prompt becomes special tokens
+    logprobs: int | None = None  # top-N alternatives per generated token (0: chosen only)
+
+    def validate(self) -> None:
+        from kvwarm.errors import InvalidRequestError
+
+        if self.max_tokens < 0:
+            raise InvalidRequestError("max_tokens must be >= 0", param="max_tokens")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequestError("temperature must be in [0, 100]", param="temperature")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k must be >= 0", param="top_k")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
+        if self.repeat_penalty <= 0.0:
+            raise InvalidRequestError("repeat_penalty must be > 0", param="repeat_penalty")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2]", param=name)
+        if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop must be at most 16 non-empty strings", param="stop")
+        if self.grammar is not None and self.json_schema is not None:
+            raise InvalidRequestError("give grammar or json_schema, not both", param="grammar")
+        if self.parent_key is not None and len(self.parent_key) != 32:
+            raise InvalidRequestError("parent_key must be 32 bytes", param="parent_key")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError("logprobs must be in [0, 20]", param="logprobs")
+
+    def sampling(self, grammar: str | None) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            seed=self.seed,
+            grammar=grammar,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionStats:
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens restored from the cache or a slot's live KV
+    completion_tokens: int
+    prefill_ms: float
+    generation_ms: float
+    queue_ms: float
+    cache_hit: CacheHitKind
+    finish_reason: FinishReason
+    key: bytes | None  # key of the finish save (prompt + reply): pass as the next parent_key
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.queue_ms + self.prefill_ms
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token: int
+    text: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    text: str
+    prompt_tokens: tuple[int, ...]
+    completion_tokens: tuple[int, ...]
+    stats: CompletionStats
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The full token list: prompt then completion."""
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    handle: int
+    path: str
+    scale: float
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    id: str
+    path: str
+    backend: str
+    n_ctx: int
+    n_batch: int
+    n_parallel: int
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    size_bytes: int
+    description: str
+    fingerprint: str  # hex, effective (adapters folded)
+    fingerprint_mode: str
+    save_tier: str
+    chat_template: bool
+    adapters: tuple[AdapterInfo, ...] = ()
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    id: str
+    state: Literal["loading", "ready", "unloading", "closed"]
+    queued: int
+    active: int
+    n_parallel: int
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    prefill_ms: float
+    generation_ms: float

@@ -1,0 +1,124 @@
+"""The exception tree of kvwarm.
+
+Every failure a caller can observe is a ``KvwarmError`` subclass. Native (llama.cpp) and I/O
+errors are translated once, at the boundary that meets them (``backends/`` and ``cache/tiers``);
+the server maps exception *types* to HTTP statuses, never message text.
+
+    KvwarmError
+    ├── ConfigError            (also ValueError)  bad settings, caught at construction
+    ├── InvalidRequestError    (also ValueError)  bad per-request options or inputs
+    │   ├── ContextOverflowError                  prompt (+ generation) exceeds n_ctx
+    │   └── GrammarError                          GBNF / JSON schema that does not compile
+    ├── ModelNotFoundError                        no such model file / embedded model missing
+    ├── UnknownModelError      (also KeyError)    no loaded model with that id
+    ├── ModelExistsError                          a model id loaded twice
+    ├── ModelLoadError                            llama.cpp refused the file
+    ├── BackendError                              any other native failure
+    │   ├── NoLogitsError                         decode/sample with no logits available
+    │   ├── StateRestoreError                     KV blob of wrong size / from another model
+    │   ├── HandleClosedError                     use of a freed model, context or sampler
+    │   └── AdapterError                          LoRA adapter load / attach failure
+    ├── EngineClosedError                         request to an engine or model that shut down
+    ├── QueueFullError                            admission refused: too many queued requests
+    └── CacheError
+        ├── CacheFormatError                      a malformed or foreign KVC file / blob
+        ├── CacheIOError                          the file system refused a save (ENOSPC, EIO…)
+        └── CacheKeyError          (also KeyError) a key the cache does not hold
+"""
+
+from __future__ import annotations
+
+
+class KvwarmError(Exception):
+    """Root of every error kvwarm raises on purpose."""
+
+
+class ConfigError(KvwarmError, ValueError):
+    """A setting is invalid; raised at construction, never at first use."""
+
+
+class InvalidRequestError(KvwarmError, ValueError):
+    """A request option or input is invalid. ``param`` names the offending field if known."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ContextOverflowError(InvalidRequestError):
+    """The prompt (plus requested generation) does not fit the context window."""
+
+    def __init__(self, message: str, *, n_tokens: int = 0, n_ctx: int = 0) -> None:
+        super().__init__(message, param="prompt")
+        self.n_tokens = n_tokens
+        self.n_ctx = n_ctx
+
+
+class GrammarError(InvalidRequestError):
+    """A GBNF grammar or JSON schema could not be compiled."""
+
+
+class ModelNotFoundError(KvwarmError):
+    """The model file does not exist (or the embedded default model is not installed)."""
+
+
+class UnknownModelError(KvwarmError, KeyError):
+    """No loaded model has this id."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message.
+        return str(self.args[0]) if self.args else ""
+
+
+class ModelExistsError(KvwarmError):
+    """A model with this id is already loaded."""
+
+
+class ModelLoadError(KvwarmError):
+    """llama.cpp could not load the model or create its context."""
+
+
+class BackendError(KvwarmError):
+    """A native call failed; the process and the handle's owner are still usable."""
+
+
+class NoLogitsError(BackendError):
+    """Decode or sample was asked for logits that do not exist (no prior prefill)."""
+
+
+class StateRestoreError(BackendError):
+    """A KV state blob could not be restored (wrong size, other model, corrupt)."""
+
+
+class HandleClosedError(BackendError):
+    """A model, context, sampler or adapter was used after it was freed."""
+
+
+class AdapterError(BackendError):
+    """A LoRA adapter could not be loaded, attached or detached."""
+
+
+class EngineClosedError(KvwarmError):
+    """The engine or model was shut down; the request was not run."""
+
+
+class QueueFullError(KvwarmError):
+    """The model's request queue is full; try again later."""
+
+
+class CacheError(KvwarmError):
+    """Root of cache failures."""
+
+
+class CacheFormatError(CacheError):
+    """A KVC file or blob is malformed, truncated, corrupt or for another key."""
+
+
+class CacheIOError(CacheError):
+    """The file system refused a cache operation; nothing was published."""
+
+
+class CacheKeyError(CacheError, KeyError):
+    """The cache holds no row with this key."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
