@@ -1,0 +1,1 @@
+"""The KV cache: pure Python, usable with no model (see ``api.CacheApi``)."""

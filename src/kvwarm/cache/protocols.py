@@ -1,0 +1,102 @@
+"""The seam between the index (sole writer of rows and reservations) and the tiers (bytes).
+
+A tier never decides *whether* a row exists; it asks the ``ReservationBook`` (the index) at each
+step of the publish protocol and reports the outcome. The index never touches files; it asks a
+``Tier`` to delete or load. Both sides are thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvwarm.cache.types import RowInfo, SaveRequest, TierName
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRow:
+    """A row as a tier holds it. ``location`` is the file path for file tiers, None for RAM."""
+
+    info: RowInfo
+    tokens: tuple[int, ...]
+    location: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class RowBytes:
+    """What a tier returns from ``load``: payload is a zero-copy view of the read buffer."""
+
+    tokens: tuple[int, ...]
+    payload: memoryview
+    logits: bytes | None
+
+
+class ReservationBook(Protocol):
+    """Implemented by the index. Tokens are positive ints unique per reservation."""
+
+    def reserve(self, key: bytes, tier: TierName) -> int | None:
+        """Stage 1. A fresh reservation token, or None if ``key`` is already published or
+        reserved by a live writer (the caller then skips the save)."""
+        ...
+
+    def check(self, key: bytes, token: int) -> bool:
+        """Stage 3. True if ``token`` is still the live reservation of ``key``."""
+        ...
+
+    def mark_linked(self, key: bytes, token: int, location: str) -> None:
+        """Stage 4 done: the final file exists. Lets the reaper adopt it if we die now."""
+        ...
+
+    def publish(self, key: bytes, token: int, row: StoredRow) -> bool:
+        """Stage 5. Flip the reservation to a published row and wake waiters. False if the
+        reservation was lost meanwhile (the caller must then not announce the row)."""
+        ...
+
+    def abandon(self, key: bytes, token: int) -> None:
+        """Drop the reservation (write failed, or lost the race). Idempotent."""
+        ...
+
+    def adopt(self, row: StoredRow) -> bool:
+        """Insert a row found on storage (startup scan, EEXIST adopt, orphan adoption, another
+        process's file). False if the key is already present."""
+        ...
+
+
+class Tier(Protocol):
+    """One storage tier. ``ram`` holds bytes in process; file tiers hold ``<hex key>.kvc``."""
+
+    @property
+    def name(self) -> TierName: ...
+
+    @property
+    def quota_bytes(self) -> int: ...
+
+    def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
+        """Run the publish protocol for one row. Returns the published row, or None if the
+        reservation was refused or lost. ``CacheIOError`` if storage failed (nothing is
+        announced, the reservation is abandoned, no partial file remains visible)."""
+        ...
+
+    def load(self, row: StoredRow) -> RowBytes:
+        """Read and fully verify (CRC32C, key replay). ``CacheFormatError`` if bad."""
+        ...
+
+    def delete(self, row: StoredRow) -> None:
+        """Remove the row's bytes. Missing already is fine."""
+        ...
+
+    def record_hit(self, row: StoredRow, hits: int, last_used: float) -> None:
+        """Persist the hit counter and last-used time (file header) so LRU survives restarts."""
+        ...
+
+    def scan(self) -> Iterator[StoredRow]:
+        """Startup: delete temp files, yield every valid row, remove or quarantine invalid ones.
+        Never raises because of one bad file."""
+        ...
+
+    def probe(self, key: bytes) -> StoredRow | None:
+        """Look for ``key`` on storage directly (a row another process published)."""
+        ...
+
+    def close(self) -> None: ...
