@@ -119,6 +119,9 @@ class RowInfo:
     ttl_class: TtlClass
     has_logits: bool
     namespace: Namespace
+    # Leading tokens whose KV came from aligned-chunk prefill (None: all of them). Generated
+    # tokens are decoded one at a time, so deterministic restores never trim past this.
+    canonical_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +148,7 @@ class SaveRequest:
     context_size: int = 0
     quant_bits: int = 0
     fingerprint_mode: FingerprintMode = FingerprintMode.SAFE
+    canonical_tokens: int | None = None  # see RowInfo.canonical_tokens
 
 
 @dataclass(frozen=True, slots=True)
