@@ -1,0 +1,409 @@
+"""The KVC file format (erllama's layout, kvwarm tags). Pure bytes in, bytes out; no I/O.
+
+Layout, little-endian throughout::
+
+    [0..47]   header   magic "KVC", u8 version=1, u8 quant_bits, u8 save_reason, u8[2] zero,
+                       u32 token count, u32 hit count*, u32 context size, u8[4] zero,
+                       u64 created (unix s), u64 last used* (unix s), u64 payload bytes
+    [48..71]  trailer  u64 payload offset, u64 payload length, u32 payload CRC32C,
+                       u32 meta CRC32C (erllama leaves this word reserved)
+    [72..]    prompt   u32 length + UTF-8 (observability only; untrusted, decoded leniently)
+    [..]      TLV      u32 length, then (u8 tag, u32 length, value) records
+    [..end]   payload  opaque KV bytes
+
+Invariants:
+- The payload CRC covers the payload; the meta CRC covers every byte before the payload except
+  the two fields marked * (hit count, last used), which are rewritten in place on hits. So a
+  single flipped bit anywhere but those 12 bytes makes ``parse`` fail.
+- The parser checks every declared length against the bytes present before slicing, and raises
+  ``CacheFormatError`` -- never IndexError, struct.error, UnicodeDecodeError or MemoryError.
+- ``build_prefix`` returns only the bytes before the payload, so a multi-MB payload is never
+  concatenated into a bigger buffer; ``parse`` returns the payload as a zero-copy view.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import struct
+from dataclasses import dataclass
+
+import crc32c as _crc32c
+
+from kvwarm._version import __version__
+from kvwarm.cache.key import encode_tokens, namespace_prefix
+from kvwarm.cache.types import FingerprintMode, Namespace, SaveReason, SaveRequest, TtlClass
+from kvwarm.errors import CacheFormatError
+
+# collections.abc.Buffer is 3.12+; these are the buffers the cache actually passes around.
+Buffer = bytes | bytearray | memoryview
+
+__all__ = [
+    "HEADER_SIZE",
+    "HIT_COUNT_OFFSET",
+    "LAST_USED_OFFSET",
+    "MAX_META_BYTES",
+    "PREFIX_FIXED_SIZE",
+    "TRAILER_SIZE",
+    "KvcFields",
+    "KvcFile",
+    "KvcMeta",
+    "build_prefix",
+    "crc32c",
+    "fields_from_request",
+    "pack_hit_fields",
+    "parse",
+    "parse_meta",
+]
+
+log = logging.getLogger(__name__)
+
+# Hardware CRC32C runs at ~13 GB/s here, the package's software table path at well under 1/10
+# of that -- a load would then cost several memcpys. That is slow, not wrong, so warn once
+# rather than refuse to start (CRC32C_SW_MODE=force exists for debugging on purpose).
+if not _crc32c.hardware_based:
+    log.warning("crc32c: hardware acceleration unavailable; cache loads will be CPU-bound")
+
+
+def crc32c(data: Buffer, value: int = 0) -> int:
+    """CRC32C (Castagnoli) of ``data``, continuing from ``value``."""
+    return int(_crc32c.crc32c(data, value))
+
+
+MAGIC = b"KVC"
+VERSION = 1
+_HEADER = struct.Struct("<3sBBB2sIII4sQQQ")
+_TRAILER = struct.Struct("<QQII")
+_U32 = struct.Struct("<I")
+_TLV_HEAD = struct.Struct("<BI")
+HEADER_SIZE = _HEADER.size  # 48
+TRAILER_SIZE = _TRAILER.size  # 24
+PREFIX_FIXED_SIZE = HEADER_SIZE + TRAILER_SIZE  # 72
+HIT_COUNT_OFFSET = 12  # u32, outside the meta CRC
+LAST_USED_OFFSET = 32  # u64, outside the meta CRC
+_META_CRC_OFFSET = 68
+# Metadata is tokens (4 B each), logits (4 B x vocab) and short strings; anything declaring
+# more than this is junk, refused before any allocation proportional to it.
+MAX_META_BYTES = 256 << 20
+_U32_MAX = 0xFFFF_FFFF
+_U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+
+TAG_FINGERPRINT = 0x01
+TAG_FINGERPRINT_MODE = 0x02
+TAG_QUANT = 0x03
+TAG_CTX_HASH = 0x04
+TAG_HOSTNAME = 0x05
+TAG_VERSION = 0x06
+TAG_REASON_DETAIL = 0x07
+TAG_TOKEN_COUNT = 0x08
+TAG_TOKENS = 0x09
+TAG_LOGITS = 0x0A  # kvwarm: float32 LE logits after the last token
+TAG_TTL_CLASS = 0x0B  # kvwarm: TtlClass byte
+_REQUIRED = (
+    TAG_FINGERPRINT,
+    TAG_FINGERPRINT_MODE,
+    TAG_QUANT,
+    TAG_CTX_HASH,
+    TAG_TOKEN_COUNT,
+    TAG_TOKENS,
+)
+_KNOWN = frozenset((*_REQUIRED, TAG_HOSTNAME, TAG_VERSION, TAG_REASON_DETAIL, TAG_LOGITS,
+                    TAG_TTL_CLASS))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class KvcFields:
+    """Everything a KVC file records besides the payload."""
+
+    namespace: Namespace
+    tokens: tuple[int, ...]
+    reason: SaveReason
+    created: int  # unix seconds
+    last_used: int  # unix seconds
+    hits: int = 0
+    quant_bits: int = 0
+    context_size: int = 0
+    fingerprint_mode: FingerprintMode = FingerprintMode.SAFE
+    ttl_class: TtlClass = TtlClass.SHORT
+    logits: bytes | None = None
+    prompt_text: str = ""
+    reason_detail: str = ""
+    hostname: str = ""
+    version: str = __version__
+
+
+@dataclass(frozen=True, slots=True)
+class KvcMeta:
+    """A parsed prefix: the recorded fields, the key they replay to, and the payload's place."""
+
+    key: bytes
+    fields: KvcFields
+    payload_offset: int
+    payload_length: int
+    payload_crc: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvcFile:
+    meta: KvcMeta
+    payload: memoryview  # zero-copy view into the parsed buffer
+
+
+def fields_from_request(req: SaveRequest, *, now: float) -> KvcFields:
+    t = int(now)
+    return KvcFields(
+        namespace=req.namespace,
+        tokens=req.tokens,
+        reason=req.reason,
+        created=t,
+        last_used=t,
+        quant_bits=req.quant_bits,
+        context_size=req.context_size,
+        fingerprint_mode=req.fingerprint_mode,
+        ttl_class=req.ttl_class,
+        logits=req.logits,
+        prompt_text=req.prompt_text,
+        hostname=socket.gethostname(),
+    )
+
+
+def _tlv(tag: int, value: Buffer) -> bytes:
+    return _TLV_HEAD.pack(tag, memoryview(value).nbytes) + bytes(value)
+
+
+def build_prefix(fields: KvcFields, payload: Buffer) -> bytes:
+    """The bytes preceding ``payload`` in its file. ``ValueError`` for unencodable fields."""
+    ns = fields.namespace
+    ns_bytes = namespace_prefix(ns)  # validates the namespace
+    token_bytes = encode_tokens(fields.tokens)
+    if not 0 <= fields.quant_bits <= 255 or not 0 <= fields.context_size <= _U32_MAX:
+        raise ValueError("quant_bits or context_size out of range")
+    if len(fields.tokens) > _U32_MAX or fields.hits < 0:
+        raise ValueError("token count or hits out of range")
+    if fields.logits is not None and len(fields.logits) % 4:
+        raise ValueError("logits must be float32 (length a multiple of 4)")
+    records = [
+        _tlv(TAG_FINGERPRINT, ns.fingerprint),
+        _tlv(TAG_FINGERPRINT_MODE, bytes((int(fields.fingerprint_mode),))),
+        _tlv(TAG_QUANT, ns_bytes[32:33]),
+        _tlv(TAG_CTX_HASH, ns.ctx_hash),
+        _tlv(TAG_HOSTNAME, fields.hostname.encode()),
+        _tlv(TAG_VERSION, fields.version.encode()),
+        _tlv(TAG_REASON_DETAIL, fields.reason_detail.encode()),
+        _tlv(TAG_TTL_CLASS, bytes((int(fields.ttl_class),))),
+        _tlv(TAG_TOKEN_COUNT, _U32.pack(len(fields.tokens))),
+        _tlv(TAG_TOKENS, token_bytes),
+    ]
+    if fields.logits is not None:
+        records.append(_tlv(TAG_LOGITS, fields.logits))
+    tlv = b"".join(records)
+    prompt = fields.prompt_text.encode("utf-8", "replace")
+    body = _U32.pack(len(prompt)) + prompt + _U32.pack(len(tlv)) + tlv
+    payload_len = memoryview(payload).nbytes
+    offset = PREFIX_FIXED_SIZE + len(body)
+    if offset > MAX_META_BYTES:
+        raise ValueError(f"metadata of {offset} bytes exceeds {MAX_META_BYTES}")
+    header = _HEADER.pack(
+        MAGIC,
+        VERSION,
+        fields.quant_bits,
+        int(fields.reason),
+        b"\0\0",
+        len(fields.tokens),
+        min(fields.hits, _U32_MAX),
+        fields.context_size,
+        b"\0" * 4,
+        max(0, min(fields.created, _U64_MAX)),
+        max(0, min(fields.last_used, _U64_MAX)),
+        payload_len,
+    )
+    trailer_head = _TRAILER.pack(offset, payload_len, crc32c(payload), 0)[:20]
+    meta_crc = _meta_crc(header, trailer_head, body)
+    return header + trailer_head + _U32.pack(meta_crc) + body
+
+
+def _meta_crc(header: Buffer, trailer_head: Buffer, body: Buffer) -> int:
+    h = memoryview(header)
+    c = crc32c(h[:HIT_COUNT_OFFSET])
+    c = crc32c(h[HIT_COUNT_OFFSET + 4 : LAST_USED_OFFSET], c)
+    c = crc32c(h[LAST_USED_OFFSET + 8 :], c)
+    c = crc32c(trailer_head, c)
+    return crc32c(body, c)
+
+
+def pack_hit_fields(hits: int, last_used: float) -> tuple[bytes, bytes]:
+    """Encoded (hit count, last used) for in-place rewrite at their offsets."""
+    return (
+        _U32.pack(max(0, min(int(hits), _U32_MAX))),
+        struct.pack("<Q", max(0, min(int(last_used), _U64_MAX))),
+    )
+
+
+def _bad(msg: str) -> CacheFormatError:
+    return CacheFormatError(f"malformed KVC: {msg}")
+
+
+def _as_bytes_view(buf: Buffer) -> memoryview:
+    mv = memoryview(buf)
+    if mv.ndim != 1 or mv.itemsize != 1 or not mv.contiguous:
+        raise _bad("buffer must be contiguous bytes")
+    return mv if mv.format == "B" else mv.cast("B")
+
+
+def parse_meta(buf: Buffer, *, file_size: int | None = None) -> KvcMeta:
+    """Header, trailer, prompt and TLV (meta CRC checked; payload CRC not).
+
+    ``buf`` may hold just the prefix (``file_size`` then gives the real file size) or the whole
+    file. Any inconsistency is a ``CacheFormatError``.
+    """
+    try:
+        return _parse_meta(_as_bytes_view(buf), file_size)
+    except CacheFormatError:
+        raise
+    except (struct.error, IndexError, ValueError, UnicodeDecodeError, OverflowError,
+            MemoryError, TypeError) as exc:  # fmt: skip
+        # Belt and braces: every length is checked explicitly below, but the contract is that
+        # nothing but CacheFormatError escapes a parse, whatever the bytes.
+        raise _bad(f"{type(exc).__name__}: {exc}") from None
+
+
+def _parse_meta(mv: memoryview, file_size: int | None) -> KvcMeta:
+    n = mv.nbytes
+    total = n if file_size is None else file_size
+    if n < PREFIX_FIXED_SIZE:
+        raise _bad(f"{n} bytes is shorter than header + trailer")
+    (magic, version, quant_bits, reason, res1, n_tok, hits, ctx_size, res2, created, last_used,
+     payload_bytes) = _HEADER.unpack_from(mv, 0)  # fmt: skip
+    if magic != MAGIC:
+        raise _bad("bad magic")
+    if version != VERSION:
+        raise _bad(f"unsupported version {version}")
+    if res1 != b"\0\0" or res2 != b"\0\0\0\0":
+        raise _bad("reserved header bytes are not zero")
+    if reason not in SaveReason._value2member_map_:
+        raise _bad(f"unknown save reason {reason}")
+    offset, length, payload_crc, meta_crc = _TRAILER.unpack_from(mv, HEADER_SIZE)
+    if length != payload_bytes:
+        raise _bad("header and trailer disagree on payload length")
+    if not PREFIX_FIXED_SIZE + 8 <= offset <= MAX_META_BYTES:
+        raise _bad(f"payload offset {offset} out of range")
+    if offset > n:
+        raise _bad(f"prefix of {offset} bytes but only {n} present")
+    if offset + length != total:
+        raise _bad(f"payload {offset}+{length} does not end at file size {total}")
+    if _meta_crc(mv[:HEADER_SIZE], mv[HEADER_SIZE:_META_CRC_OFFSET],
+                 mv[PREFIX_FIXED_SIZE:offset]) != meta_crc:  # fmt: skip
+        raise _bad("metadata CRC32C mismatch")
+
+    pos = PREFIX_FIXED_SIZE
+    (plen,) = _U32.unpack_from(mv, pos)
+    pos += 4
+    if plen > offset - pos - 4:
+        raise _bad("prompt section overruns the prefix")
+    prompt = bytes(mv[pos : pos + plen]).decode("utf-8", "replace")
+    pos += plen
+    (tlv_len,) = _U32.unpack_from(mv, pos)
+    pos += 4
+    if pos + tlv_len != offset:
+        raise _bad("TLV section does not end at the payload offset")
+    tags = _parse_tlv(mv[pos:offset])
+
+    for tag in _REQUIRED:
+        if tag not in tags:
+            raise _bad(f"missing required TLV tag 0x{tag:02x}")
+    fp, ctx = tags[TAG_FINGERPRINT], tags[TAG_CTX_HASH]
+    if fp.nbytes != 32 or ctx.nbytes != 32:
+        raise _bad("fingerprint / ctx hash must be 32 bytes")
+    mode_v, quant_v, count_v = tags[TAG_FINGERPRINT_MODE], tags[TAG_QUANT], tags[TAG_TOKEN_COUNT]
+    if mode_v.nbytes != 1 or quant_v.nbytes != 1 or count_v.nbytes != 4:
+        raise _bad("fingerprint mode / quant / token count has the wrong size")
+    if mode_v[0] not in FingerprintMode._value2member_map_:
+        raise _bad(f"unknown fingerprint mode {mode_v[0]}")
+    (count,) = _U32.unpack_from(count_v, 0)
+    if count != n_tok:
+        raise _bad("header and TLV disagree on token count")
+    tok_v = tags[TAG_TOKENS]
+    if tok_v.nbytes != 4 * count:
+        raise _bad("token list length does not match token count")
+    ttl = TtlClass.SHORT
+    if TAG_TTL_CLASS in tags:
+        ttl_v = tags[TAG_TTL_CLASS]
+        if ttl_v.nbytes != 1 or ttl_v[0] not in TtlClass._value2member_map_:
+            raise _bad("bad TTL class")
+        ttl = TtlClass(ttl_v[0])
+    logits: bytes | None = None
+    if TAG_LOGITS in tags:
+        if tags[TAG_LOGITS].nbytes % 4:
+            raise _bad("logits length is not a multiple of 4")
+        logits = bytes(tags[TAG_LOGITS])
+
+    ns = Namespace(fingerprint=bytes(fp), quant=quant_v[0], ctx_hash=bytes(ctx))
+    key_hash = hashlib.sha256(namespace_prefix(ns))
+    key_hash.update(tok_v)
+    tokens = _decode_tokens(tok_v)
+    fields = KvcFields(
+        namespace=ns,
+        tokens=tokens,
+        reason=SaveReason(reason),
+        created=created,
+        last_used=last_used,
+        hits=hits,
+        quant_bits=quant_bits,
+        context_size=ctx_size,
+        fingerprint_mode=FingerprintMode(mode_v[0]),
+        ttl_class=ttl,
+        logits=logits,
+        prompt_text=prompt,
+        reason_detail=_text(tags, TAG_REASON_DETAIL),
+        hostname=_text(tags, TAG_HOSTNAME),
+        version=_text(tags, TAG_VERSION),
+    )
+    return KvcMeta(key_hash.digest(), fields, offset, length, payload_crc)
+
+
+def _parse_tlv(mv: memoryview) -> dict[int, memoryview]:
+    tags: dict[int, memoryview] = {}
+    pos, end = 0, mv.nbytes
+    while pos < end:
+        if end - pos < _TLV_HEAD.size:
+            raise _bad("truncated TLV record header")
+        tag, vlen = _TLV_HEAD.unpack_from(mv, pos)
+        pos += _TLV_HEAD.size
+        if vlen > end - pos:
+            raise _bad(f"TLV 0x{tag:02x} declares {vlen} bytes, {end - pos} left")
+        if tag in _KNOWN:  # unknown tags: skipped, a newer writer's business
+            if tag in tags:
+                raise _bad(f"duplicate TLV tag 0x{tag:02x}")
+            tags[tag] = mv[pos : pos + vlen]
+        pos += vlen
+    return tags
+
+
+def _text(tags: dict[int, memoryview], tag: int) -> str:
+    v = tags.get(tag)
+    if v is None:
+        return ""
+    try:
+        return bytes(v).decode("utf-8")
+    except UnicodeDecodeError:
+        raise _bad(f"TLV 0x{tag:02x} is not UTF-8") from None
+
+
+def _decode_tokens(v: memoryview) -> tuple[int, ...]:
+    if not v.nbytes:
+        return ()
+    return struct.unpack(f"<{v.nbytes // 4}I", v)
+
+
+def parse(buf: Buffer, expected_key: bytes | None = None) -> KvcFile:
+    """Full validation of a whole file: metadata, payload CRC32C and, if given, that the
+    recorded namespace + tokens replay to ``expected_key``. The payload is a view of ``buf``."""
+    mv = _as_bytes_view(buf)
+    meta = parse_meta(mv)
+    payload = mv[meta.payload_offset : meta.payload_offset + meta.payload_length]
+    if crc32c(payload) != meta.payload_crc:
+        raise _bad("payload CRC32C mismatch")
+    if expected_key is not None and meta.key != expected_key:
+        raise _bad("file is for another key")
+    return KvcFile(meta, payload)
