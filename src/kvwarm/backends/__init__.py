@@ -1,1 +1,25 @@
-"""Model runtimes: the llama.cpp backend and a deterministic stub (see ``base``)."""
+"""Model runtimes: the llama.cpp backend and a deterministic stub (see ``base``).
+
+Invariant: importing this package never imports ``llama_cpp``; ``get_backend('llama_cpp')``
+does, so cache-only and stub-only processes never load the native library.
+"""
+
+from __future__ import annotations
+
+from kvwarm.backends.base import Backend
+from kvwarm.errors import ConfigError
+
+BACKEND_NAMES = ("llama_cpp", "stub")
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name`` ('llama_cpp' or 'stub'), with default options."""
+    if name == "stub":
+        from kvwarm.backends.stub import StubBackend
+
+        return StubBackend()
+    if name == "llama_cpp":
+        from kvwarm.backends.llama import LlamaBackend
+
+        return LlamaBackend()
+    raise ConfigError(f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")

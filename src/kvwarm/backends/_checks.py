@@ -1,0 +1,137 @@
+"""Precondition checks shared by every backend, run before anything reaches native code.
+
+Invariant: each function either returns normally or raises a ``KvwarmError`` subclass; after a
+check passes, llama.cpp will not ``GGML_ASSERT`` on the corresponding argument. Backends call
+these with their own state (``pos_max``) so the stub and llama.cpp fail identically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from kvwarm.backends.base import BatchToken
+from kvwarm.errors import ContextOverflowError, InvalidRequestError
+
+
+def check_seq(seq: int, n_seq_max: int, *, param: str = "seq") -> None:
+    if not isinstance(seq, int) or not 0 <= seq < n_seq_max:
+        raise InvalidRequestError(f"seq id {seq!r} outside [0, {n_seq_max})", param=param)
+
+
+def check_tokens(tokens: Sequence[int], n_vocab: int) -> None:
+    if not tokens:
+        return
+    lo, hi = min(tokens), max(tokens)
+    if lo < 0 or hi >= n_vocab:
+        bad = lo if lo < 0 else hi
+        raise InvalidRequestError(f"token id {bad} outside [0, {n_vocab})", param="tokens")
+
+
+def check_range(p0: int, p1: int) -> None:
+    if p0 < 0:
+        raise InvalidRequestError(f"p0 must be >= 0, got {p0}", param="p0")
+    if p1 >= 0 and p1 < p0:
+        raise InvalidRequestError(f"p1 ({p1}) must be >= p0 ({p0}) or negative", param="p1")
+
+
+def check_batch(
+    batch: Sequence[BatchToken],
+    *,
+    n_batch: int,
+    n_ctx: int,
+    n_vocab: int,
+    n_seq_max: int,
+    pos_max: Callable[[int], int],
+) -> None:
+    """Validate a decode batch: sizes, ids, and per-seq positions continuing the KV state.
+
+    llama.cpp requires each sequence's positions in a batch to continue exactly after the
+    sequence's last stored position; checking here turns its error path into a typed one.
+    """
+    if not batch:
+        raise InvalidRequestError("empty decode batch", param="batch")
+    if len(batch) > n_batch:
+        raise InvalidRequestError(
+            f"batch of {len(batch)} tokens exceeds n_batch={n_batch}", param="batch"
+        )
+    next_pos: dict[int, int] = {}
+    for item in batch:
+        check_seq(item.seq, n_seq_max)
+        if not 0 <= item.token < n_vocab:
+            raise InvalidRequestError(
+                f"token id {item.token} outside [0, {n_vocab})", param="tokens"
+            )
+        if item.pos < 0:
+            raise InvalidRequestError(f"negative position {item.pos}", param="pos")
+        if item.pos >= n_ctx:
+            raise ContextOverflowError(
+                f"position {item.pos} is beyond the context window (n_ctx={n_ctx})",
+                n_tokens=item.pos + 1,
+                n_ctx=n_ctx,
+            )
+        expected = next_pos.get(item.seq)
+        if expected is None:
+            expected = pos_max(item.seq) + 1
+        if item.pos != expected:
+            raise InvalidRequestError(
+                f"seq {item.seq}: position {item.pos} does not continue the sequence "
+                f"(expected {expected})",
+                param="pos",
+            )
+        next_pos[item.seq] = item.pos + 1
+
+
+def check_prefill(
+    seq: int,
+    tokens: Sequence[int],
+    start_pos: int,
+    *,
+    n_ctx: int,
+    n_vocab: int,
+    n_seq_max: int,
+    pos_max: Callable[[int], int],
+) -> None:
+    check_seq(seq, n_seq_max)
+    if not tokens:
+        raise InvalidRequestError("prefill needs at least one token", param="tokens")
+    if start_pos < 0:
+        raise InvalidRequestError(f"negative start_pos {start_pos}", param="start_pos")
+    end = start_pos + len(tokens)
+    if end > n_ctx:
+        raise ContextOverflowError(
+            f"{end} positions do not fit the context window (n_ctx={n_ctx})",
+            n_tokens=end,
+            n_ctx=n_ctx,
+        )
+    check_tokens(tokens, n_vocab)
+    expected = pos_max(seq) + 1
+    if start_pos != expected:
+        raise InvalidRequestError(
+            f"seq {seq}: start_pos {start_pos} does not continue the sequence "
+            f"(expected {expected})",
+            param="start_pos",
+        )
+
+
+def aligned_chunks(start_pos: int, n_tokens: int, n_batch: int) -> Iterator[tuple[int, int]]:
+    """``(offset, length)`` chunks of a prefill whose boundaries fall at absolute positions that
+    are multiples of ``n_batch`` — what makes an aligned restore bit-identical to cold."""
+    offset = 0
+    while offset < n_tokens:
+        pos = start_pos + offset
+        length = min(n_batch - pos % n_batch, n_tokens - offset)
+        yield offset, length
+        offset += length
+
+
+def resolve_row(index: int, rows: Sequence[int]) -> int:
+    """Map a caller's row ``index`` (-1: last row with logits) to a batch row holding logits.
+
+    ``rows`` lists, in order, the batch rows of the last decode that asked for logits.
+    Returns -1 if there are none (the caller raises ``NoLogitsError``).
+    """
+    if not rows:
+        return -1
+    if index == -1:
+        return rows[-1]
+    return index if index in rows else -1
