@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import tracemalloc
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,6 +33,7 @@ FIELDS = kvc.KvcFields(
     prompt_text="héllo",
     reason_detail="test",
     hostname="box",
+    canonical_tokens=3,
 )
 PAYLOAD = bytes(range(40))
 KEY = cache_key(NS, TOKENS)
@@ -205,7 +207,7 @@ def test_missing_required_tag_rejected(tag: int) -> None:
         kvc.parse(_with_records(recs))
 
 
-@pytest.mark.parametrize("tag", [0x01, 0x05, 0x09, 0x0A, 0x0B])
+@pytest.mark.parametrize("tag", [0x01, 0x05, 0x09, 0x0A, 0x0B, 0x0C])
 def test_duplicate_tag_rejected(tag: int) -> None:
     recs = _records(_file())
     dup = next(r for r in recs if r[0] == tag)
@@ -225,6 +227,8 @@ def test_duplicate_tag_rejected(tag: int) -> None:
         (0x0A, b"\0" * 5),
         (0x0B, b"\x07"),
         (0x05, b"\xff\xfe"),
+        (0x0C, b"\x05\0\0\0"),
+        (0x0C, b"\x01\0"),
     ],
 )
 def test_bad_tag_values_rejected(tag: int, value: bytes) -> None:
@@ -238,6 +242,7 @@ def test_optional_tags_default() -> None:
     recs = [r for r in _records(_file()) if r[0] in required]
     f = kvc.parse(_with_records(recs), expected_key=KEY).meta.fields
     assert f.ttl_class is TtlClass.SHORT and f.logits is None and f.hostname == ""
+    assert f.canonical_tokens is None
 
 
 fields_st = st.builds(
@@ -262,6 +267,7 @@ fields_st = st.builds(
     reason_detail=st.text(st.characters(exclude_categories=("Cs",)), max_size=10),
     hostname=st.text(st.characters(exclude_categories=("Cs",)), max_size=10),
     version=st.text(st.characters(exclude_categories=("Cs",)), max_size=10),
+    canonical_tokens=st.none() | st.just(0),
 )
 
 
@@ -288,3 +294,15 @@ def test_resealed_mutations_only_raise_format_error(edits: list[tuple[int, int]]
             buf[pos] = val
     with contextlib.suppress(CacheFormatError):
         kvc.parse(_reseal(buf))
+
+
+def test_builder_rejects_unencodable_fields() -> None:
+    for bad in (
+        replace(FIELDS, canonical_tokens=len(TOKENS) + 1),
+        replace(FIELDS, logits=b"\0" * 3),
+        replace(FIELDS, quant_bits=256),
+        replace(FIELDS, hits=-1),
+        replace(FIELDS, tokens=(-1,)),
+    ):
+        with pytest.raises(ValueError):
+            kvc.build_prefix(bad, PAYLOAD)

@@ -100,6 +100,7 @@ TAG_TOKEN_COUNT = 0x08
 TAG_TOKENS = 0x09
 TAG_LOGITS = 0x0A  # kvwarm: float32 LE logits after the last token
 TAG_TTL_CLASS = 0x0B  # kvwarm: TtlClass byte
+TAG_CANONICAL = 0x0C  # kvwarm: u32, leading tokens whose KV came from aligned prefill
 _REQUIRED = (
     TAG_FINGERPRINT,
     TAG_FINGERPRINT_MODE,
@@ -109,7 +110,7 @@ _REQUIRED = (
     TAG_TOKENS,
 )
 _KNOWN = frozenset((*_REQUIRED, TAG_HOSTNAME, TAG_VERSION, TAG_REASON_DETAIL, TAG_LOGITS,
-                    TAG_TTL_CLASS))  # fmt: skip
+                    TAG_TTL_CLASS, TAG_CANONICAL))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +132,7 @@ class KvcFields:
     reason_detail: str = ""
     hostname: str = ""
     version: str = __version__
+    canonical_tokens: int | None = None  # see RowInfo.canonical_tokens; None: all tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +167,7 @@ def fields_from_request(req: SaveRequest, *, now: float) -> KvcFields:
         logits=req.logits,
         prompt_text=req.prompt_text,
         hostname=socket.gethostname(),
+        canonical_tokens=req.canonical_tokens,
     )
 
 
@@ -181,6 +184,9 @@ def build_prefix(fields: KvcFields, payload: Buffer) -> bytes:
         raise ValueError("quant_bits or context_size out of range")
     if len(fields.tokens) > _U32_MAX or fields.hits < 0:
         raise ValueError("token count or hits out of range")
+    canonical = fields.canonical_tokens
+    if canonical is not None and not 0 <= canonical <= len(fields.tokens):
+        raise ValueError("canonical_tokens outside 0..len(tokens)")
     if fields.logits is not None and len(fields.logits) % 4:
         raise ValueError("logits must be float32 (length a multiple of 4)")
     records = [
@@ -197,6 +203,8 @@ def build_prefix(fields: KvcFields, payload: Buffer) -> bytes:
     ]
     if fields.logits is not None:
         records.append(_tlv(TAG_LOGITS, fields.logits))
+    if canonical is not None:
+        records.append(_tlv(TAG_CANONICAL, _U32.pack(canonical)))
     tlv = b"".join(records)
     prompt = fields.prompt_text.encode("utf-8", "replace")
     body = _U32.pack(len(prompt)) + prompt + _U32.pack(len(tlv)) + tlv
@@ -337,6 +345,14 @@ def _parse_meta(mv: memoryview, file_size: int | None) -> KvcMeta:
         if tags[TAG_LOGITS].nbytes % 4:
             raise _bad("logits length is not a multiple of 4")
         logits = bytes(tags[TAG_LOGITS])
+    canonical: int | None = None
+    if TAG_CANONICAL in tags:
+        can_v = tags[TAG_CANONICAL]
+        if can_v.nbytes != 4:
+            raise _bad("canonical token count has the wrong size")
+        (canonical,) = _U32.unpack_from(can_v, 0)
+        if canonical > count:
+            raise _bad("canonical token count exceeds token count")
 
     ns = Namespace(fingerprint=bytes(fp), quant=quant_v[0], ctx_hash=bytes(ctx))
     key_hash = hashlib.sha256(namespace_prefix(ns))
@@ -358,6 +374,7 @@ def _parse_meta(mv: memoryview, file_size: int | None) -> KvcMeta:
         reason_detail=_text(tags, TAG_REASON_DETAIL),
         hostname=_text(tags, TAG_HOSTNAME),
         version=_text(tags, TAG_VERSION),
+        canonical_tokens=canonical,
     )
     return KvcMeta(key_hash.digest(), fields, offset, length, payload_crc)
 
