@@ -48,4 +48,14 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["KvwarmError", "__version__", *_LAZY]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "KvwarmError",
+    "Model",
+    "__version__",
+    "default_engine",
+    "list_models",
+    "load_model",
+    "unload_model",
+]

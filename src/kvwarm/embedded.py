@@ -48,5 +48,7 @@ def default_model_path() -> Path:
         return path
     path = embedded_model_path()
     if path is None:
-        raise ModelNotFoundError(f"no model given and the embedded model is missing: {INSTALL_HINT}")
+        raise ModelNotFoundError(
+            f"no model given and the embedded model is missing: {INSTALL_HINT}"
+        )
     return path

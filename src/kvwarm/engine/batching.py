@@ -1,0 +1,143 @@
+"""Batch strategies: which tokens go into the next forward pass. A small protocol.
+
+Invariant kept by every strategy: a slot's prefill chunk never crosses an absolute multiple of
+``n_batch``; a deterministic slot's chunk is never cut by the budget (it runs in a call of its
+own when it does not fit), so its numerics equal a cold prefill's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+StrategyName = Literal["decode_first", "prefill_first", "balanced"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillWant:
+    slot: int
+    start: int  # next prompt position to prefill
+    stop: int  # exclusive: end of prompt or the cold-save pause point
+    deterministic: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    slot: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class TickPlan:
+    decode_slots: tuple[int, ...]  # slots whose pending token joins the shared call
+    shared_chunks: tuple[Chunk, ...]  # prefill chunks in the shared call
+    isolated_chunks: tuple[Chunk, ...]  # deterministic chunks that each get their own call
+
+
+def aligned_chunk_end(start: int, stop: int, n_batch: int) -> int:
+    return min((start // n_batch + 1) * n_batch, stop)
+
+
+class BatchStrategy(Protocol):
+    def plan(
+        self,
+        decoding: Sequence[int],
+        prefilling: Sequence[PrefillWant],
+        n_batch: int,
+        n_ubatch: int,
+    ) -> TickPlan: ...
+
+
+def _fill(
+    prefilling: Sequence[PrefillWant],
+    budget: int,
+    used: int,
+    n_batch: int,
+    n_ubatch: int,
+    max_chunks: int | None = None,
+) -> tuple[list[Chunk], list[Chunk], int]:
+    shared: list[Chunk] = []
+    isolated: list[Chunk] = []
+    for want in prefilling:
+        if max_chunks is not None and len(shared) + len(isolated) >= max_chunks:
+            break
+        end = aligned_chunk_end(want.start, want.stop, n_batch)
+        size = end - want.start
+        if want.deterministic:
+            # Mixing keeps numerics only if llama.cpp will not split the call differently
+            # (the whole call must fit one ubatch); otherwise the chunk runs alone.
+            if used + size <= min(budget, n_ubatch):
+                shared.append(Chunk(want.slot, want.start, end))
+                used += size
+            else:
+                isolated.append(Chunk(want.slot, want.start, end))
+            continue
+        take = min(size, budget - used)
+        if take <= 0:
+            continue
+        shared.append(Chunk(want.slot, want.start, want.start + take))
+        used += take
+    return shared, isolated, used
+
+
+class DecodeFirst:
+    """Generating slots each get their next token first; prefill fills what is left."""
+
+    def plan(
+        self,
+        decoding: Sequence[int],
+        prefilling: Sequence[PrefillWant],
+        n_batch: int,
+        n_ubatch: int,
+    ) -> TickPlan:
+        used = len(decoding)
+        shared, isolated, _ = _fill(prefilling, n_batch, used, n_batch, n_ubatch)
+        return TickPlan(tuple(decoding), tuple(shared), tuple(isolated))
+
+
+class PrefillFirst:
+    """Admitted prompts are prefilled before anyone decodes: lowest time to first token."""
+
+    def plan(
+        self,
+        decoding: Sequence[int],
+        prefilling: Sequence[PrefillWant],
+        n_batch: int,
+        n_ubatch: int,
+    ) -> TickPlan:
+        if not prefilling:
+            return TickPlan(tuple(decoding), (), ())
+        shared, isolated, _ = _fill(prefilling, n_batch, 0, n_batch, n_ubatch)
+        return TickPlan((), tuple(shared), tuple(isolated))
+
+
+class Balanced:
+    """Decode tokens first, but at most one prefill chunk per tick: steady token pacing."""
+
+    def plan(
+        self,
+        decoding: Sequence[int],
+        prefilling: Sequence[PrefillWant],
+        n_batch: int,
+        n_ubatch: int,
+    ) -> TickPlan:
+        shared, isolated, _ = _fill(
+            prefilling, n_batch, len(decoding), n_batch, n_ubatch, max_chunks=1
+        )
+        return TickPlan(tuple(decoding), tuple(shared), tuple(isolated))
+
+
+def strategy(name: StrategyName) -> BatchStrategy:
+    from kvwarm.errors import ConfigError
+
+    table: dict[str, BatchStrategy] = {
+        "decode_first": DecodeFirst(),
+        "prefill_first": PrefillFirst(),
+        "balanced": Balanced(),
+    }
+    try:
+        return table[name]
+    except KeyError:
+        raise ConfigError(f"batch_strategy must be one of {sorted(table)}; got {name!r}") from None

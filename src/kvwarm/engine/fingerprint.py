@@ -1,0 +1,156 @@
+"""Model fingerprints: the cache key is bound to a model file's *content*, never its path.
+
+Modes (``FingerprintMode``):
+
+- ``safe``: sha256 of the whole file.
+- ``gguf_chunked``: sha256 of the GGUF header, metadata, tensor table and the first tensor's
+  bytes, plus the file size. Catches accidental corruption and different files, not tampering.
+- ``fast_unsafe``: the caller supplies the 32-byte digest and is trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from kvwarm.cache.types import FingerprintMode
+from kvwarm.errors import ConfigError, ModelLoadError
+
+_CHUNK = 4 << 20
+_GGUF_MAGIC = b"GGUF"
+# Byte sizes of fixed-size GGUF metadata value types (uint8 … float64, bool).
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+Progress = Callable[[int, int], None]
+
+
+def parse_mode(mode: str | FingerprintMode) -> FingerprintMode:
+    if isinstance(mode, FingerprintMode):
+        return mode
+    try:
+        return FingerprintMode[mode.upper()]
+    except KeyError:
+        names = ", ".join(m.name.lower() for m in FingerprintMode)
+        raise ConfigError(f"fingerprint_mode must be one of {names}; got {mode!r}") from None
+
+
+def fingerprint(
+    path: str | os.PathLike[str],
+    mode: FingerprintMode,
+    supplied: bytes | None = None,
+    progress: Progress | None = None,
+) -> bytes:
+    """The 32-byte fingerprint of ``path`` under ``mode``."""
+    if mode is FingerprintMode.FAST_UNSAFE:
+        if supplied is None or len(supplied) != 32:
+            raise ConfigError("fingerprint_mode 'fast_unsafe' needs a 32-byte fingerprint")
+        return bytes(supplied)
+    if supplied is not None:
+        raise ConfigError("a supplied fingerprint is only used with fingerprint_mode 'fast_unsafe'")
+    path = Path(path)
+    if mode is FingerprintMode.SAFE:
+        return _sha256_file(path, progress)
+    return _gguf_chunked(path)
+
+
+def _sha256_file(path: Path, progress: Progress | None) -> bytes:
+    digest = hashlib.sha256()
+    total = path.stat().st_size
+    done = 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+            done += n
+            if progress is not None:
+                progress(done, total)
+    return digest.digest()
+
+
+def _gguf_chunked(path: Path) -> bytes:
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        try:
+            data_start, first_tensor_len = _gguf_layout(f, size)
+        except (struct.error, ValueError) as exc:
+            raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+        digest = hashlib.sha256(b"kvwarm-gguf-chunked-v1\0")
+        digest.update(size.to_bytes(8, "little"))
+        f.seek(0)
+        remaining = data_start + first_tensor_len
+        while remaining > 0:
+            chunk = f.read(min(_CHUNK, remaining))
+            if not chunk:
+                break
+            digest.update(chunk)
+            remaining -= len(chunk)
+    return digest.digest()
+
+
+def _gguf_layout(f: BinaryIO, size: int) -> tuple[int, int]:
+    """(offset of tensor data, byte length of the first tensor) of a GGUF v2/v3 file."""
+
+    def read(fmt: str) -> tuple[int, ...]:
+        n = struct.calcsize(fmt)
+        raw = f.read(n)
+        if len(raw) != n:
+            raise ValueError("truncated header")
+        return struct.unpack(fmt, raw)
+
+    def skip_string() -> None:
+        (n,) = read("<Q")
+        if n > size:
+            raise ValueError("string length beyond file")
+        f.seek(n, os.SEEK_CUR)
+
+    def skip_value(vtype: int) -> None:
+        if vtype in _SCALAR_SIZES:
+            f.seek(_SCALAR_SIZES[vtype], os.SEEK_CUR)
+        elif vtype == _STRING:
+            skip_string()
+        elif vtype == _ARRAY:
+            (etype,) = read("<I")
+            (count,) = read("<Q")
+            if etype in _SCALAR_SIZES:
+                f.seek(_SCALAR_SIZES[etype] * count, os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    skip_value(etype)
+        else:
+            raise ValueError(f"unknown metadata type {vtype}")
+
+    if f.read(4) != _GGUF_MAGIC:
+        raise ValueError("bad magic")
+    (version,) = read("<I")
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported")
+    n_tensors, n_kv = read("<QQ")
+    alignment = 32
+    for _ in range(n_kv):
+        (klen,) = read("<Q")
+        key = f.read(klen)
+        (vtype,) = read("<I")
+        if key == b"general.alignment" and vtype == 4:
+            (alignment,) = read("<I")
+        else:
+            skip_value(vtype)
+    offsets: list[int] = []
+    for _ in range(n_tensors):
+        skip_string()
+        (n_dims,) = read("<I")
+        f.seek(8 * n_dims + 4, os.SEEK_CUR)
+        (offset,) = read("<Q")
+        offsets.append(offset)
+    header_end = f.tell()
+    data_start = (header_end + alignment - 1) // alignment * alignment
+    if not offsets:
+        return data_start, 0
+    offsets.sort()
+    end = offsets[1] if len(offsets) > 1 else size - data_start
+    return data_start, max(0, min(end - offsets[0], size - data_start))

@@ -1,0 +1,57 @@
+"""Per-slot state. A slot owns one sequence id of the model's context for its whole life.
+
+Invariant: ``kv_tokens`` lists exactly the tokens whose KV the slot's sequence holds, at
+positions ``0..len-1``; ``canonical`` of them (a prefix) came from aligned-chunk prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvwarm.backends.base import Sampler
+from kvwarm.cache.types import Namespace
+from kvwarm.engine.request import Request
+from kvwarm.engine.text import TextAssembler
+from kvwarm.engine.types import CacheHitKind, TokenLogprob
+
+Phase = Literal["idle", "prefill", "generate"]
+
+
+@dataclass(slots=True, eq=False)
+class Active:
+    """What a slot carries while it serves one request."""
+
+    req: Request
+    namespace: Namespace
+    sampler: Sampler
+    assembler: TextAssembler
+    prefill_pos: int
+    pause_at: int | None  # cold-save point inside the prompt, if any
+    cached_tokens: int
+    hit_kind: CacheHitKind
+    admitted: float
+    prefill_done: float = 0.0
+    generated: list[int] = field(default_factory=list)
+    pending: int | None = None  # sampled, not yet decoded
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    last_continued: int = 0  # live KV length at the last continued save
+
+    @property
+    def deterministic(self) -> bool:
+        return self.req.deterministic
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    seq: int
+    kv_tokens: list[int] = field(default_factory=list)
+    canonical: int = 0
+    phase: Phase = "idle"
+    active: Active | None = None
+    last_used: float = field(default_factory=time.monotonic)
+
+    def reset_kv(self) -> None:
+        self.kv_tokens.clear()
+        self.canonical = 0
