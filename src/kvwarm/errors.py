@@ -114,7 +114,12 @@ class CacheFormatError(CacheError):
 
 
 class CacheIOError(CacheError):
-    """The file system refused a cache operation; nothing was published."""
+    """The file system refused a cache operation; nothing was published. ``errno`` is the
+    underlying OS error number (ENOSPC, EIO, ...) when there was one."""
+
+    def __init__(self, message: str, *, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 class CacheKeyError(CacheError, KeyError):

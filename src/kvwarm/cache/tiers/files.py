@@ -1,0 +1,402 @@
+"""File tiers (``ram_file`` on /dev/shm, ``disk``): one ``<root>/<hex key>.kvc`` per row.
+
+Invariants:
+- A ``.kvc`` name only ever appears through ``link(2)`` of a temp file whose bytes were already
+  fdatasync'ed, so a visible row file is complete (the crash-safe publish protocol, erllama's
+  five stages). Temp files live in the same directory, named ``<hex>.kvc.<pid>.<token>.<n>.tmp``.
+- The path is a pure function of the key (flat directory: rows are MB-sized, so even a large
+  quota holds thousands, not millions, of files), so another process sharing the directory
+  finds a row it did not write.
+- A failed fsync is never retried and a row whose sync failed is never announced: any OSError
+  removes our temp file (and our link), abandons the reservation and raises ``CacheIOError``;
+  files that existed before are left untouched.
+- Loads use plain ``readinto`` into a fresh buffer, not mmap: a mapping would turn an external
+  truncation into SIGBUS, and the page cache makes the one copy cheap. Everything is verified.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from kvwarm.cache import kvc
+from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow
+from kvwarm.cache.tiers.common import check_request, row_info
+from kvwarm.cache.types import SaveRequest, TierName
+from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError, ConfigError
+
+__all__ = ["FileTier", "StepHook"]
+
+log = logging.getLogger(__name__)
+
+# Called after each publish step with its name ("reserved", "tmp_opened", "tmp_written",
+# "tmp_synced", "checked", "linked" | "adopted", "tmp_unlinked", "dir_synced", "marked_linked",
+# "published"). Exists for fault-injection tests (kill -9 at every step); None in production.
+StepHook = Callable[[str], None]
+
+_SUFFIX = ".kvc"
+_TMP_SUFFIX = ".tmp"
+_QUARANTINE = "quarantine"
+_HEX = frozenset("0123456789abcdef")
+_LINK_ATTEMPTS = 3
+_tmp_serial = itertools.count(1)  # next() on a count is atomic under the GIL
+
+
+class FileTier:
+    """A directory of KVC files. Thread-safe; several processes may share one root."""
+
+    def __init__(
+        self,
+        name: TierName,
+        root: str | os.PathLike[str],
+        quota_bytes: int,
+        *,
+        quarantine: bool = True,
+        stale_tmp_s: float = 3600.0,
+        on_step: StepHook | None = None,
+    ) -> None:
+        if name not in ("ram_file", "disk"):
+            raise ConfigError(f"a file tier is 'ram_file' or 'disk', not {name!r}")
+        if quota_bytes < 0:
+            raise ConfigError("file tier quota must be >= 0")
+        self._name: TierName = name
+        self._root = Path(root)
+        self._quota = quota_bytes
+        self._quarantine = quarantine
+        self._stale_tmp_s = stale_tmp_s
+        self._on_step = on_step
+        self._lock = threading.Lock()
+        self._inflight: set[str] = set()  # our temp files being written; scan keeps them
+        try:
+            self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create cache root {self._root}: {exc}") from exc
+        if not self._root.is_dir():
+            raise ConfigError(f"cache root {self._root} is not a directory")
+
+    @property
+    def name(self) -> TierName:
+        return self._name
+
+    @property
+    def quota_bytes(self) -> int:
+        return self._quota
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    def path_for(self, key: bytes) -> Path:
+        return self._root / (key.hex() + _SUFFIX)
+
+    def _step(self, name: str) -> None:
+        if self._on_step is not None:
+            self._on_step(name)
+
+    # ---- publish -------------------------------------------------------------------------
+
+    def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
+        check_request(key, request)
+        token = book.reserve(key, self._name)
+        if token is None:
+            return None
+        self._step("reserved")
+        final = self.path_for(key)
+        serial = next(_tmp_serial)
+        tmp = final.with_name(f"{final.name}.{os.getpid()}.{token}.{serial}{_TMP_SUFFIX}")
+        linked_ours = False
+        try:
+            fields = kvc.fields_from_request(request, now=time.time())
+            prefix = kvc.build_prefix(fields, request.payload)
+            self._write_tmp(tmp, (prefix, request.payload))
+            if not book.check(key, token):
+                log.debug("reservation for %s lost before link; abandoning", key.hex())
+                _unlink_quiet(tmp)
+                book.abandon(key, token)
+                return None
+            self._step("checked")
+            adopted = self._link(tmp, final, key)
+            linked_ours = adopted is None
+            self._step("linked" if linked_ours else "adopted")
+            # The data is reachable through the final name now; dropping the temp name before
+            # the directory fsync lets one fsync make both name changes durable.
+            _unlink_quiet(tmp)
+            self._step("tmp_unlinked")
+            _fsync_dir(self._root)
+            self._step("dir_synced")
+            if adopted is None:
+                info = row_info(key, self._name, fields, memoryview(request.payload).nbytes)
+                row = StoredRow(info, request.tokens, str(final))
+            else:
+                info = row_info(key, self._name, adopted.fields, adopted.payload_length)
+                row = StoredRow(info, adopted.fields.tokens, str(final))
+            book.mark_linked(key, token, str(final))
+            self._step("marked_linked")
+        except OSError as exc:
+            self._fail(tmp, final if linked_ours else None, key, token, book)
+            raise CacheIOError(
+                f"{self._name}: saving {key.hex()} failed: {exc}", errno=exc.errno
+            ) from exc
+        except BaseException:
+            self._fail(tmp, final if linked_ours else None, key, token, book)
+            raise
+        finally:
+            with self._lock:
+                self._inflight.discard(tmp.name)
+        if not book.publish(key, token, row):
+            # The reservation was reaped (and may have adopted our file) or the key deleted;
+            # the file stays for the index/scan to decide, but we must not announce it.
+            log.debug("reservation for %s lost at publish", key.hex())
+            return None
+        self._step("published")
+        return row
+
+    def _fail(
+        self, tmp: Path, our_final: Path | None, key: bytes, token: int, book: ReservationBook
+    ) -> None:
+        _unlink_quiet(tmp)
+        if our_final is not None:
+            _unlink_quiet(our_final)  # linked but not durably: never leave it visible
+        book.abandon(key, token)
+
+    def _write_tmp(self, tmp: Path, parts: Sequence[kvc.Buffer]) -> None:
+        with self._lock:
+            self._inflight.add(tmp.name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600)
+        try:
+            self._step("tmp_opened")
+            _write_all(fd, parts)
+            self._step("tmp_written")
+            # Stage 2 ends durable: linking unsynced bytes could publish a zero-length row.
+            os.fdatasync(fd)
+            self._step("tmp_synced")
+        finally:
+            os.close(fd)
+
+    def _link(self, tmp: Path, final: Path, key: bytes) -> kvc.KvcMeta | None:
+        """Link ``tmp`` to ``final``. None if we created it; the existing file's metadata if
+        one valid for ``key`` was there (adopt). Junk in the way is replaced."""
+        for _ in range(_LINK_ATTEMPTS):
+            try:
+                os.link(tmp, final)
+                return None
+            except FileExistsError:
+                pass
+            existing = self._read_valid(final, key)
+            if existing is not None:
+                return existing
+            log.warning("%s: replacing invalid file %s", self._name, final.name)
+            _unlink_quiet(final)
+        raise FileExistsError(17, "link target keeps reappearing invalid", str(final))
+
+    def _read_valid(self, path: Path, key: bytes) -> kvc.KvcMeta | None:
+        try:
+            # Metadata first (bounded read): junk in the way is not read in full.
+            if _read_meta(path).key != key:
+                raise CacheFormatError("holds another key")
+            return kvc.parse(_read_file(path), expected_key=key).meta
+        except FileNotFoundError:
+            return None
+        except CacheFormatError as exc:
+            log.info("%s: %s is invalid: %s", self._name, path.name, exc)
+            return None
+
+    # ---- read side -----------------------------------------------------------------------
+
+    def _location(self, row: StoredRow) -> Path:
+        return Path(row.location) if row.location else self.path_for(row.info.key)
+
+    def load(self, row: StoredRow) -> RowBytes:
+        path = self._location(row)
+        try:
+            buf = _read_file(path)
+        except FileNotFoundError:
+            raise CacheKeyError(f"{self._name} holds no row {row.info.key.hex()}") from None
+        except OSError as exc:
+            raise CacheIOError(
+                f"{self._name}: reading {path} failed: {exc}", errno=exc.errno
+            ) from exc
+        f = kvc.parse(buf, expected_key=row.info.key)
+        return RowBytes(f.meta.fields.tokens, f.payload, f.meta.fields.logits)
+
+    def delete(self, row: StoredRow) -> None:
+        path = self._location(row)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise CacheIOError(f"{self._name}: deleting {path} failed", errno=exc.errno) from exc
+
+    def record_hit(self, row: StoredRow, hits: int, last_used: float) -> None:
+        """Best effort, no fsync: these header fields are an LRU hint outside every CRC."""
+        hits_b, last_b = kvc.pack_hit_fields(hits, last_used)
+        path = self._location(row)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("%s: cannot record hit on %s: %s", self._name, path.name, exc)
+            return
+        try:
+            if os.fstat(fd).st_size >= kvc.PREFIX_FIXED_SIZE:  # never extend a stranger
+                os.pwrite(fd, hits_b, kvc.HIT_COUNT_OFFSET)
+                os.pwrite(fd, last_b, kvc.LAST_USED_OFFSET)
+        except OSError as exc:
+            log.warning("%s: cannot record hit on %s: %s", self._name, path.name, exc)
+        finally:
+            os.close(fd)
+
+    def probe(self, key: bytes) -> StoredRow | None:
+        path = self.path_for(key)
+        try:
+            return self._row_from_file(path, key)
+        except FileNotFoundError:
+            return None
+        except (OSError, CacheFormatError) as exc:
+            log.info("%s: probe of %s found an unusable file: %s", self._name, path.name, exc)
+            return None
+
+    def _row_from_file(self, path: Path, key: bytes) -> StoredRow:
+        meta = _read_meta(path)
+        if meta.key != key:
+            raise CacheFormatError(f"{path.name} holds another key")
+        info = row_info(key, self._name, meta.fields, meta.payload_length)
+        return StoredRow(info, meta.fields.tokens, str(path))
+
+    def scan(self) -> Iterator[StoredRow]:
+        """Startup: reap temp files, yield valid rows (payload CRC deferred to ``load``),
+        quarantine (or delete) invalid ones. One bad file never stops the scan."""
+        try:
+            names = sorted(e.name for e in os.scandir(self._root))
+        except OSError as exc:
+            log.error("%s: cannot list %s: %s", self._name, self._root, exc)
+            return
+        for name in names:
+            path = self._root / name
+            try:
+                if name.endswith(_TMP_SUFFIX):
+                    self._reap_tmp(path)
+                    continue
+                if not name.endswith(_SUFFIX):
+                    continue  # the quarantine dir, or files that are not ours
+                stem = name[: -len(_SUFFIX)]
+                if len(stem) != 64 or not _HEX.issuperset(stem):
+                    raise CacheFormatError("not a <hex key>.kvc name")
+                yield self._row_from_file(path, bytes.fromhex(stem))
+            except FileNotFoundError:
+                continue  # removed by someone else meanwhile
+            except (OSError, CacheFormatError) as exc:
+                self._discard(path, exc)
+
+    def _reap_tmp(self, path: Path) -> None:
+        with self._lock:
+            if path.name in self._inflight:
+                return
+        parts = path.name.split(".")
+        pid = int(parts[2]) if len(parts) == 6 and parts[2].isdigit() else None
+        # Another live process may be mid-save in a shared root: only reap its file if stale.
+        if (
+            pid is not None
+            and pid != os.getpid()
+            and _pid_alive(pid)
+            and time.time() - path.stat().st_mtime < self._stale_tmp_s
+        ):
+            return
+        log.info("%s: removing interrupted temp file %s", self._name, path.name)
+        _unlink_quiet(path)
+
+    def _discard(self, path: Path, why: Exception) -> None:
+        log.warning("%s: invalid cache file %s: %s", self._name, path.name, why)
+        try:
+            if self._quarantine and path.is_file():
+                qdir = self._root / _QUARANTINE
+                qdir.mkdir(mode=0o700, exist_ok=True)
+                os.replace(path, qdir / path.name)
+            elif path.is_file():
+                os.unlink(path)
+        except OSError as exc:
+            log.error("%s: cannot remove invalid file %s: %s", self._name, path.name, exc)
+
+    def close(self) -> None:
+        """Nothing to release: no descriptor outlives a call."""
+
+
+def _write_all(fd: int, parts: Sequence[kvc.Buffer]) -> None:
+    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+    while views:
+        n = os.writev(fd, views)
+        if n <= 0:
+            raise OSError(5, "write made no progress")  # EIO; never loop forever
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+def _read_file(path: Path) -> bytearray:
+    """The whole file in one fresh buffer (one copy from the page cache)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = bytearray(size)
+        mv = memoryview(buf)
+        got = 0
+        while got < size:
+            n = f.readinto(mv[got:])
+            if not n:
+                break
+            got += n
+        mv.release()
+    if got != size:
+        raise CacheFormatError(f"{path.name} shrank while being read")
+    return buf
+
+
+def _read_meta(path: Path) -> kvc.KvcMeta:
+    """Header, trailer and metadata only: reads the prefix, never the payload."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(kvc.PREFIX_FIXED_SIZE)
+        if len(head) < kvc.PREFIX_FIXED_SIZE:
+            raise CacheFormatError(f"{path.name}: {size} bytes is too short")
+        (offset,) = struct.unpack_from("<Q", head, kvc.HEADER_SIZE)
+        if not kvc.PREFIX_FIXED_SIZE <= offset <= min(size, kvc.MAX_META_BYTES):
+            raise CacheFormatError(f"{path.name}: payload offset {offset} out of range")
+        rest = f.read(offset - kvc.PREFIX_FIXED_SIZE)
+    return kvc.parse_meta(head + rest, file_size=size)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", path, exc)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True

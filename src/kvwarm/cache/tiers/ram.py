@@ -1,0 +1,132 @@
+"""The ``ram`` tier: rows held as in-process bytes.
+
+Invariant: a row is visible to ``load``/``probe`` only between a successful ``book.check`` and
+the end of ``store``, and stays only if ``book.publish`` accepted it -- the same reserve/check/
+publish steps as the file tiers, so the index sees uniform semantics. Payloads are kept as
+handed over (no copy) and loaded as zero-copy views. There is no CRC here: the bytes never
+leave process memory, so nothing outside the process can damage them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from kvwarm.cache.kvc import KvcFields
+from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow
+from kvwarm.cache.tiers.common import check_request, row_info
+from kvwarm.cache.types import SaveRequest, TierName
+from kvwarm.errors import CacheKeyError, ConfigError
+
+__all__ = ["RamTier"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    row: StoredRow
+    payload: bytes
+    logits: bytes | None
+
+
+class RamTier:
+    """In-process tier; thread-safe. ``quota_bytes`` is enforced by the index, not here."""
+
+    def __init__(self, quota_bytes: int) -> None:
+        if quota_bytes < 0:
+            raise ConfigError("ram tier quota must be >= 0")
+        self._quota = quota_bytes
+        self._lock = threading.Lock()
+        self._rows: dict[bytes, _Entry] = {}
+
+    @property
+    def name(self) -> TierName:
+        return "ram"
+
+    @property
+    def quota_bytes(self) -> int:
+        return self._quota
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(e.row.info.size for e in self._rows.values())
+
+    def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
+        check_request(key, request)
+        token = book.reserve(key, "ram")
+        if token is None:
+            return None
+        entry: _Entry | None = None
+        try:
+            if not book.check(key, token):
+                book.abandon(key, token)
+                return None
+            now = time.time()
+            fields = KvcFields(
+                namespace=request.namespace,
+                tokens=request.tokens,
+                reason=request.reason,
+                created=int(now),
+                last_used=int(now),
+                ttl_class=request.ttl_class,
+                logits=request.logits,
+                canonical_tokens=request.canonical_tokens,
+            )
+            size = memoryview(request.payload).nbytes
+            info = row_info(key, "ram", fields, size, created=now, last_used=now)
+            entry = _Entry(StoredRow(info, request.tokens, None), request.payload, request.logits)
+            with self._lock:
+                self._rows[key] = entry
+            if book.publish(key, token, entry.row):
+                return entry.row
+            self._drop(key, entry)
+            return None
+        except BaseException:
+            if entry is not None:
+                self._drop(key, entry)
+            book.abandon(key, token)
+            raise
+
+    def _drop(self, key: bytes, entry: _Entry) -> None:
+        with self._lock:
+            if self._rows.get(key) is entry:
+                del self._rows[key]
+
+    def _get(self, key: bytes) -> _Entry:
+        with self._lock:
+            entry = self._rows.get(key)
+        if entry is None:
+            raise CacheKeyError(f"ram tier holds no row {key.hex()}")
+        return entry
+
+    def load(self, row: StoredRow) -> RowBytes:
+        entry = self._get(row.info.key)
+        return RowBytes(entry.row.tokens, memoryview(entry.payload), entry.logits)
+
+    def delete(self, row: StoredRow) -> None:
+        with self._lock:
+            self._rows.pop(row.info.key, None)
+
+    def record_hit(self, row: StoredRow, hits: int, last_used: float) -> None:
+        with self._lock:
+            entry = self._rows.get(row.info.key)
+            if entry is None:
+                return
+            info = replace(entry.row.info, hits=hits, last_used=last_used)
+            self._rows[row.info.key] = replace(entry, row=replace(entry.row, info=info))
+
+    def scan(self) -> Iterator[StoredRow]:
+        with self._lock:
+            rows = [e.row for e in self._rows.values()]
+        return iter(rows)
+
+    def probe(self, key: bytes) -> StoredRow | None:
+        with self._lock:
+            entry = self._rows.get(key)
+        return None if entry is None else entry.row
+
+    def close(self) -> None:
+        with self._lock:
+            self._rows.clear()

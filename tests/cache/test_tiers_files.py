@@ -1,0 +1,170 @@
+"""File-tier specifics: deterministic paths, protocol order, scan hygiene, verified loads."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fakebook import FakeBook
+from tierkit import NS, request
+
+from kvwarm.cache.key import cache_key
+from kvwarm.cache.tiers.files import FileTier
+from kvwarm.errors import CacheFormatError, ConfigError
+
+STEPS = [
+    "reserved",
+    "tmp_opened",
+    "tmp_written",
+    "tmp_synced",
+    "checked",
+    "linked",
+    "tmp_unlinked",
+    "dir_synced",
+    "marked_linked",
+    "published",
+]
+
+
+def _dead_pid() -> int:
+    p = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(p.stdout)
+
+
+def test_path_is_deterministic_and_visible_to_another_instance(tmp_path: Path) -> None:
+    root = tmp_path / "a" / "b"
+    tier = FileTier("disk", root, 1 << 20)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    key, req = request((1, 2, 3))
+    row = tier.store(key, req, FakeBook())
+    assert row is not None and row.location == str(root / f"{key.hex()}.kvc")
+    assert os.listdir(root) == [f"{key.hex()}.kvc"]
+    other = FileTier("disk", root, 1 << 20)  # e.g. another process sharing the directory
+    seen = other.probe(key)
+    assert seen is not None and seen.info == row.info
+    assert bytes(other.load(seen).payload) == req.payload
+
+
+def test_protocol_steps_in_order(tmp_path: Path) -> None:
+    steps: list[str] = []
+    tier = FileTier("disk", tmp_path, 1 << 20, on_step=steps.append)
+    book = FakeBook()
+    key, req = request((4, 5))
+    assert tier.store(key, req, book) is not None
+    assert steps == STEPS
+    assert book.calls == ["reserve", "check", "mark_linked", "publish"]
+    assert book.linked[key] == str(tier.path_for(key))
+
+
+def test_bad_config_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        FileTier("ram", tmp_path, 1)
+    with pytest.raises(ConfigError):
+        FileTier("disk", tmp_path, -1)
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(ConfigError):
+        FileTier("disk", tmp_path / "file", 1)
+
+
+@pytest.mark.parametrize("where", ["payload", "truncate", "meta"])
+def test_damaged_file_fails_load(tmp_path: Path, where: str) -> None:
+    tier = FileTier("disk", tmp_path, 1 << 20)
+    key, req = request((31, 32))
+    row = tier.store(key, req, FakeBook())
+    assert row is not None and row.location is not None
+    data = bytearray(Path(row.location).read_bytes())
+    if where == "payload":
+        data[-1] ^= 0x40
+    elif where == "meta":
+        data[100] ^= 0x01
+    else:
+        del data[-3:]
+    Path(row.location).write_bytes(data)
+    with pytest.raises(CacheFormatError):
+        tier.load(row)
+
+
+def test_scan_reaps_temp_files_but_not_live_ones(tmp_path: Path) -> None:
+    tier = FileTier("disk", tmp_path, 1 << 20, stale_tmp_s=60)
+    k = "ab" * 32
+    dead = tmp_path / f"{k}.kvc.{_dead_pid()}.1.1.tmp"
+    live_other = tmp_path / f"{k}.kvc.{os.getppid()}.1.1.tmp"
+    stale_other = tmp_path / f"{k}.kvc.{os.getppid()}.2.1.tmp"
+    ours_leftover = tmp_path / f"{k}.kvc.{os.getpid()}.3.1.tmp"
+    junk = tmp_path / "junk.tmp"
+    for p in (dead, live_other, stale_other, ours_leftover, junk):
+        p.write_bytes(b"partial")
+    os.utime(stale_other, (1, 1))
+    assert list(tier.scan()) == []
+    assert sorted(os.listdir(tmp_path)) == [live_other.name]
+
+    # A scan running while this tier is mid-save must leave that save's temp file alone.
+    seen_during: list[list[str]] = []
+
+    def hook(step: str) -> None:
+        if step == "tmp_written":
+            list(tier.scan())
+            seen_during.append(os.listdir(tmp_path))
+
+    tier = FileTier("disk", tmp_path, 1 << 20, on_step=hook)
+    key, req = request((9,))
+    assert tier.store(key, req, FakeBook()) is not None
+    assert any(n.startswith(key.hex()) and n.endswith(".tmp") for n in seen_during[0])
+    assert sorted(os.listdir(tmp_path)) == sorted([live_other.name, f"{key.hex()}.kvc"])
+
+
+@pytest.mark.parametrize("quarantine", [True, False])
+def test_scan_quarantines_invalid_files_and_keeps_going(tmp_path: Path, quarantine: bool) -> None:
+    tier = FileTier("disk", tmp_path, 1 << 20, quarantine=quarantine)
+    book = FakeBook()
+    good = []
+    for i in range(3):
+        key, req = request((i, i + 1))
+        assert tier.store(key, req, book) is not None
+        good.append(key)
+    k_junk, k_wrong = cache_key(NS, (77,)), cache_key(NS, (78,))
+    (tmp_path / f"{k_junk.hex()}.kvc").write_bytes(b"KVC\x01 not really")
+    os.link(tier.path_for(good[0]), tmp_path / f"{k_wrong.hex()}.kvc")  # valid, wrong name
+    (tmp_path / "notakey.kvc").write_bytes(b"")
+    (tmp_path / f"{'cd' * 32}.kvc").mkdir()  # unreadable as a file: must not stop the scan
+    (tmp_path / "README").write_text("not ours")
+    rows = list(FileTier("disk", tmp_path, 1 << 20, quarantine=quarantine).scan())
+    assert sorted(r.info.key for r in rows) == sorted(good)
+    bad = sorted([f"{k_junk.hex()}.kvc", f"{k_wrong.hex()}.kvc", "notakey.kvc"])
+    left = set(os.listdir(tmp_path))
+    assert not left & set(bad)
+    if quarantine:
+        assert sorted(os.listdir(tmp_path / "quarantine")) == bad
+    else:
+        assert "quarantine" not in left
+    assert {"README", f"{'cd' * 32}.kvc"} <= left
+
+
+def test_probe_of_junk_is_none_and_leaves_it(tmp_path: Path) -> None:
+    tier = FileTier("disk", tmp_path, 1 << 20)
+    key = cache_key(NS, (1,))
+    tier.path_for(key).write_bytes(b"\0" * 200)
+    assert tier.probe(key) is None
+    assert tier.path_for(key).exists()
+
+
+def test_record_hit_on_missing_or_tiny_file_is_harmless(tmp_path: Path) -> None:
+    tier = FileTier("disk", tmp_path, 1 << 20)
+    key, req = request((3, 3))
+    row = tier.store(key, req, FakeBook())
+    assert row is not None
+    tier.delete(row)
+    tier.record_hit(row, 1, 2.0)
+    assert not tier.path_for(key).exists()
+    tier.path_for(key).write_bytes(b"tiny")
+    tier.record_hit(row, 1, 2.0)
+    assert tier.path_for(key).read_bytes() == b"tiny"
