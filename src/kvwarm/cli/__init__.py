@@ -1,0 +1,55 @@
+"""The ``kvwarm`` command line: serve, complete, chat, cache, bench, models.
+
+Invariants: exit status 0 on success, 1 on a runtime error, 2 on a usage or settings error;
+error messages go to stderr as one line, never as a traceback for an expected ``KvwarmError``.
+Every subcommand reads its settings through ``kvwarm.settings.load_settings`` (flags > env >
+config file > defaults), the same loader the server uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvwarm._version import __version__
+from kvwarm.errors import ConfigError, KvwarmError
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvwarm.cli import cache_cmd, generate, misc, serve
+
+    parser = argparse.ArgumentParser(
+        prog="kvwarm",
+        description="Local LLMs through llama.cpp with a token-exact, multi-tier KV cache.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvwarm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    serve.register(sub)
+    generate.register(sub)
+    cache_cmd.register(sub)
+    misc.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except ConfigError as exc:
+        print(f"kvwarm: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KvwarmError as exc:
+        print(f"kvwarm: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("kvwarm: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `kvwarm cache ls | head`
+        logging.shutdown()
+        return EXIT_OK
+    return code

@@ -1,0 +1,146 @@
+"""``kvwarm cache stats | ls | gc | verify``: the cache with no model loaded.
+
+Invariant: these commands open the cache alone (pure Python, no llama.cpp), over the same tier
+directories the server uses, so they work on a machine without a model. ``verify`` checks every
+row's CRC and exits 1 if any is bad.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from kvwarm.cli.common import CACHE_SETTINGS, add_settings, settings_from
+from kvwarm.settings import Settings
+
+if TYPE_CHECKING:
+    from kvwarm.cache.api import CacheApi
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    cache = sub.add_parser(
+        "cache",
+        help="inspect and maintain the KV cache (no model needed)",
+        description="Inspect and maintain the KV cache tiers configured by the settings.",
+    )
+    actions = cache.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for name, help_text, run in (
+        ("stats", "counters, rows and bytes per tier", run_stats),
+        ("ls", "list rows, most recently used first", run_ls),
+        ("gc", "remove expired rows and stale reservations now", run_gc),
+        ("verify", "check every row's CRC; exit 1 if any is bad", run_verify),
+    ):
+        parser = actions.add_parser(name, help=help_text, description=help_text)
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "ls":
+            parser.add_argument("--limit", type=int, default=0, metavar="N", help="at most N rows")
+        add_settings(parser, CACHE_SETTINGS)
+        parser.set_defaults(run=run)
+
+
+@contextmanager
+def open_cache(settings: Settings) -> Iterator[CacheApi]:
+    from kvwarm.cache import Cache
+
+    cache = Cache(settings.cache_config())
+    try:
+        yield cache
+    finally:
+        cache.close()
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    with open_cache(settings) as cache:
+        counters = dict(cache.counters())
+        rows = cache.rows()
+    n_bytes = sum(r.size for r in rows)
+    n_tokens = sum(r.n_tokens for r in rows)
+    tiers = [t.name for t in settings.cache_config().tiers]
+    cache_dir = str(settings.cache_dir) if settings.cache_dir else None
+    if args.json:
+        summary = {"rows": len(rows), "bytes": n_bytes, "tokens": n_tokens, "tiers": tiers}
+        print(json.dumps({**summary, "cache_dir": cache_dir, "counters": counters}, indent=2))
+        return 0
+    print(f"cache dir: {cache_dir or '(none: RAM only)'}")
+    print(f"rows: {len(rows)}  bytes: {_size(n_bytes)}  tokens: {n_tokens}")
+    for tier in tiers:
+        n = sum(1 for r in rows if r.tier == tier)
+        size = sum(r.size for r in rows if r.tier == tier)
+        print(f"  {tier:<9} {n:>6} rows  {_size(size):>10}")
+    for key in sorted(counters):
+        print(f"{key} {counters[key]:g}")
+    return 0
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    with open_cache(settings) as cache:
+        rows = sorted(cache.rows(), key=lambda r: r.last_used, reverse=True)
+    if args.limit > 0:
+        rows = rows[: args.limit]
+    if args.json:
+        items = [
+            {
+                "key": r.key.hex(),
+                "tier": r.tier,
+                "bytes": r.size,
+                "n_tokens": r.n_tokens,
+                "hits": r.hits,
+                "last_used": r.last_used,
+                "created": r.created,
+                "reason": r.reason.name.lower(),
+                "ttl_class": r.ttl_class.name.lower(),
+                "has_logits": r.has_logits,
+            }
+            for r in rows
+        ]
+        print(json.dumps(items, indent=2))
+        return 0
+    print(f"{'KEY':<16}  {'TIER':<8} {'TOKENS':>7} {'SIZE':>10} {'HITS':>5}  "
+          f"{'LAST USED':<19}  {'REASON':<9} TTL")  # fmt: skip
+    for r in rows:
+        used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.last_used))
+        print(
+            f"{r.key.hex()[:16]}  {r.tier:<8} {r.n_tokens:>7} {_size(r.size):>10} {r.hits:>5}  "
+            f"{used:<19}  {r.reason.name.lower():<9} {r.ttl_class.name.lower()}"
+        )
+    return 0
+
+
+def run_gc(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    with open_cache(settings) as cache:
+        result = cache.gc()
+    if args.json:
+        print(json.dumps({"rows": result.rows, "bytes": result.bytes}))
+    else:
+        print(f"removed {result.rows} rows ({_size(result.bytes)})")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    with open_cache(settings) as cache:
+        report = cache.verify()
+    if args.json:
+        bad = [{"row": where, "reason": why} for where, why in report.bad]
+        print(json.dumps({"checked": report.checked, "bad": bad}))
+    else:
+        print(f"checked {report.checked} rows: {len(report.bad)} bad")
+        for where, why in report.bad:
+            print(f"bad: {where}: {why}", file=sys.stderr)
+    return 1 if report.bad else 0

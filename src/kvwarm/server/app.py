@@ -1,0 +1,131 @@
+"""``create_app(settings)``: the FastAPI application, its lifespan and its error handlers.
+
+Invariants: everything the app owns hangs off ``app.state.kvwarm`` (no module globals), so two
+apps in one process are independent. The lifespan starts model loading in the background and
+returns at once, so the server listens (and ``/health`` says 503) while models load; shutdown
+stops the loader and the keep-alive, then closes the engine, which flushes the cache.
+Every error, including unknown routes and bad methods, has the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvwarm._version import __version__
+from kvwarm.errors import KvwarmError
+from kvwarm.server import routes_admin, routes_openai
+from kvwarm.server.errors import HTTPError, error_body, error_response
+from kvwarm.server.state import ServerState
+from kvwarm.settings import Settings
+
+log = logging.getLogger("kvwarm.server")
+
+_OPEN_PATHS = frozenset({"/health"})
+
+
+class _Observe:
+    """Pure ASGI (streaming- and disconnect-transparent): counts requests by route template and
+    status, and checks the API key when one is configured."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key = self.state.settings.api_key
+        if key and scope["path"] not in _OPEN_PATHS and not self._authorised(scope, key):
+            body = error_body(
+                "invalid or missing API key", "invalid_request_error", "invalid_api_key"
+            )
+            await _send_json(send, 401, body)
+            self.state.counters.record("unauthorised", 401)
+            return
+        status = 500
+
+        async def observed_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed_send)
+        finally:
+            route = scope.get("route")
+            self.state.counters.record(getattr(route, "path", "unmatched"), status)
+
+    @staticmethod
+    def _authorised(scope: Scope, key: str) -> bool:
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                given = value.decode("latin-1")
+                token = given[7:] if given.lower().startswith("bearer ") else given
+                return hmac.compare_digest(token.encode(), key.encode())
+        return False
+
+
+async def _send_json(send: Send, status: int, body: object) -> None:
+    raw = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": raw})
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """A new app serving ``settings.models``; loading starts when the app starts (lifespan)."""
+    settings.validate()
+    state = ServerState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(state.close)
+
+    app = FastAPI(
+        title="kvwarm",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.kvwarm = state
+    app.include_router(routes_openai.router)
+    app.include_router(routes_admin.router)
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        return error_response(exc)
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(HTTPError(exc.status_code, str(exc.detail), code=code))
+
+    async def on_validation(request: Request, exc: Exception) -> Response:
+        return error_response(HTTPError(400, str(exc), code="invalid_type"))
+
+    app.add_exception_handler(HTTPError, on_error)
+    app.add_exception_handler(KvwarmError, on_error)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(Exception, on_error)
+    app.add_middleware(_Observe, state=state)
+    return app

@@ -1,0 +1,228 @@
+"""OpenAI wire shapes <-> engine types: options in, responses, chunks and usage out.
+
+Invariant: every response reports ``usage.prompt_tokens_details.cached_tokens`` from the
+engine's ``CompletionStats.cached_tokens`` (the prompt tokens restored from the cache), and the
+engine's own options type validates values, so the server never re-implements range checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+
+from kvwarm.engine.types import (
+    Completion,
+    CompletionStats,
+    GenerationOptions,
+    TokenLogprob,
+)
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.schemas import ResponseFormat, SamplingFields
+from kvwarm.server.tools import ToolCall
+
+Json = dict[str, object]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def response_schema(fmt: ResponseFormat | None) -> dict[str, object] | None:
+    """The JSON schema a response_format asks for (None: free text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    schema = fmt.json_schema.schema_ if fmt.json_schema is not None else fmt.schema_
+    if schema is None:
+        raise HTTPError(
+            400, "response_format json_schema needs a schema", param="response_format.json_schema"
+        )
+    return schema
+
+
+def options(
+    req: SamplingFields,
+    *,
+    default_max_tokens: int,
+    max_tokens: int | None = None,
+    json_schema: Mapping[str, object] | None = None,
+    logprobs: int | None = None,
+) -> GenerationOptions:
+    if req.n != 1:
+        raise HTTPError(400, "only n=1 is supported", param="n", code="unsupported_value")
+    stop: tuple[str, ...] = ()
+    if isinstance(req.stop, str):
+        stop = (req.stop,) if req.stop else ()
+    elif req.stop:
+        stop = tuple(s for s in req.stop if s)
+    if json_schema is not None and req.grammar is not None:
+        raise HTTPError(400, "give grammar or response_format, not both", param="grammar")
+    chosen = max_tokens if max_tokens is not None else req.max_tokens
+    overrides: dict[str, object] = {
+        "max_tokens": default_max_tokens if chosen is None else chosen,
+        "stop": stop,
+        "seed": req.seed,
+        "grammar": req.grammar,
+        "json_schema": json_schema,
+        "logprobs": logprobs,
+    }
+    for name in (
+        "temperature", "top_p", "top_k", "min_p", "repeat_penalty",
+        "frequency_penalty", "presence_penalty",
+    ):  # fmt: skip
+        value = getattr(req, name)
+        if value is not None:
+            overrides[name] = value
+    opts = dataclasses.replace(GenerationOptions(), **overrides)  # type: ignore[arg-type]
+    opts.validate()
+    return opts
+
+
+def usage(stats: CompletionStats) -> Json:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
+
+
+def timings(stats: CompletionStats) -> Json:
+    """kvwarm's extension (llama-server has a similar ``timings``)."""
+    return {
+        "queue_ms": round(stats.queue_ms, 3),
+        "prefill_ms": round(stats.prefill_ms, 3),
+        "generation_ms": round(stats.generation_ms, 3),
+        "cache_hit": stats.cache_hit,
+        "cached_tokens": stats.cached_tokens,
+    }
+
+
+def finish_reason(stats: CompletionStats, calls: Sequence[ToolCall] = ()) -> str:
+    if calls:
+        return "tool_calls"
+    return "length" if stats.finish_reason == "length" else "stop"
+
+
+def chat_logprobs(items: Sequence[TokenLogprob] | None) -> Json | None:
+    if items is None:
+        return None
+    return {
+        "content": [
+            {
+                "token": t.text,
+                "logprob": t.logprob,
+                "bytes": list(t.text.encode()),
+                "top_logprobs": [
+                    {"token": text, "logprob": lp, "bytes": list(text.encode())}
+                    for _, text, lp in t.top
+                ],
+            }
+            for t in items
+        ]
+    }
+
+
+def completion_logprobs(items: Sequence[TokenLogprob] | None, offset: int) -> Json | None:
+    if items is None:
+        return None
+    offsets: list[int] = []
+    for t in items:
+        offsets.append(offset)
+        offset += len(t.text)
+    return {
+        "tokens": [t.text for t in items],
+        "token_logprobs": [t.logprob for t in items],
+        "top_logprobs": [{text: lp for _, text, lp in t.top} for t in items],
+        "text_offset": offsets,
+    }
+
+
+class ResponseIds:
+    """The id/created/model triple shared by a response and all its chunks."""
+
+    def __init__(self, prefix: str, model: str) -> None:
+        self.id = new_id(prefix)
+        self.created = int(time.time())
+        self.model = model
+
+    def head(self, obj: str) -> Json:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": "kvwarm",
+        }
+
+
+def chat_response(
+    ids: ResponseIds, done: Completion, content: str | None, calls: Sequence[ToolCall]
+) -> Json:
+    message: Json = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.to_openai() for c in calls]
+    choice: Json = {
+        "index": 0,
+        "message": message,
+        "logprobs": chat_logprobs(done.logprobs),
+        "finish_reason": finish_reason(done.stats, calls),
+    }
+    return {
+        **ids.head("chat.completion"),
+        "choices": [choice],
+        "usage": usage(done.stats),
+        "timings": timings(done.stats),
+    }
+
+
+def chat_chunk(
+    ids: ResponseIds, delta: Json, finish: str | None = None, *, with_usage: bool = False
+) -> Json:
+    chunk: Json = {
+        **ids.head("chat.completion.chunk"),
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(ids: ResponseIds, obj: str, stats: CompletionStats) -> Json:
+    return {**ids.head(obj), "choices": [], "usage": usage(stats), "timings": timings(stats)}
+
+
+def text_choice(index: int, text: str, done: Completion | None, echo_offset: int = 0) -> Json:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": completion_logprobs(done.logprobs, echo_offset) if done else None,
+        "finish_reason": finish_reason(done.stats) if done else None,
+    }
+
+
+def text_chunk(ids: ResponseIds, text: str, finish: str | None, *, with_usage: bool) -> Json:
+    chunk: Json = {
+        **ids.head("text_completion"),
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def sum_stats(all_stats: Sequence[CompletionStats]) -> CompletionStats:
+    """One usage for a multi-prompt completion request."""
+    first = all_stats[0]
+    return dataclasses.replace(
+        first,
+        prompt_tokens=sum(s.prompt_tokens for s in all_stats),
+        cached_tokens=sum(s.cached_tokens for s in all_stats),
+        completion_tokens=sum(s.completion_tokens for s in all_stats),
+        prefill_ms=sum(s.prefill_ms for s in all_stats),
+        generation_ms=sum(s.generation_ms for s in all_stats),
+        queue_ms=sum(s.queue_ms for s in all_stats),
+    )

@@ -1,0 +1,107 @@
+"""OpenAI-shaped error responses, chosen by exception *type*.
+
+Invariant: the HTTP status, ``type`` and ``code`` of an error come from the exception's class
+(walking its MRO to the nearest mapped class), never from its message text. Every error body is
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse
+
+from kvwarm import errors as e
+
+log = logging.getLogger("kvwarm.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorKind:
+    status: int
+    type: str
+    code: str | None
+
+
+class HTTPError(Exception):
+    """An error the server raises itself (bad body, unknown route parameters, auth)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers
+
+
+_INVALID = "invalid_request_error"
+_SERVER = "server_error"
+
+# Most specific classes first is not required: lookup walks the MRO.
+_KINDS: dict[type[BaseException], ErrorKind] = {
+    e.ContextOverflowError: ErrorKind(400, _INVALID, "context_length_exceeded"),
+    e.GrammarError: ErrorKind(400, _INVALID, "invalid_grammar"),
+    e.InvalidRequestError: ErrorKind(400, _INVALID, "invalid_value"),
+    e.ConfigError: ErrorKind(400, _INVALID, "invalid_config"),
+    e.UnknownModelError: ErrorKind(404, _INVALID, "model_not_found"),
+    e.ModelNotFoundError: ErrorKind(404, _INVALID, "model_not_found"),
+    e.ModelExistsError: ErrorKind(409, _INVALID, "model_exists"),
+    e.CacheKeyError: ErrorKind(404, _INVALID, "cache_key_not_found"),
+    e.QueueFullError: ErrorKind(429, "rate_limit_error", "queue_full"),
+    e.EngineClosedError: ErrorKind(503, "service_unavailable", "engine_closed"),
+    e.ModelLoadError: ErrorKind(500, _SERVER, "model_load_failed"),
+    e.AdapterError: ErrorKind(400, _INVALID, "adapter_error"),
+    e.BackendError: ErrorKind(500, _SERVER, "backend_error"),
+    e.CacheFormatError: ErrorKind(500, _SERVER, "cache_corrupt"),
+    e.CacheIOError: ErrorKind(507, _SERVER, "cache_io_error"),
+    e.CacheError: ErrorKind(500, _SERVER, "cache_error"),
+    e.KvwarmError: ErrorKind(500, _SERVER, "internal_error"),
+}
+
+
+def kind_of(exc: BaseException) -> ErrorKind:
+    for cls in type(exc).__mro__:
+        kind = _KINDS.get(cls)
+        if kind is not None:
+            return kind
+    return ErrorKind(500, _SERVER, "internal_error")
+
+
+def error_body(
+    message: str,
+    type: str,
+    code: str | None = None,
+    param: str | None = None,
+) -> dict[str, dict[str, str | None]]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The response for any exception; unexpected ones are logged with their traceback and
+    answered without internals."""
+    if isinstance(exc, HTTPError):
+        body = error_body(exc.message, exc.type, exc.code, exc.param)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+    kind = kind_of(exc)
+    if isinstance(exc, e.KvwarmError):
+        param = exc.param if isinstance(exc, e.InvalidRequestError) else None
+        if kind.status >= 500:
+            log.error("request failed: %s: %s", type(exc).__name__, exc)
+        headers = {"Retry-After": "1"} if isinstance(exc, e.QueueFullError) else None
+        body = error_body(str(exc) or type(exc).__name__, kind.type, kind.code, param)
+        return JSONResponse(body, status_code=kind.status, headers=headers)
+    log.exception("unexpected error", exc_info=exc)
+    body = error_body("internal server error", _SERVER, "internal_error")
+    return JSONResponse(body, status_code=500)

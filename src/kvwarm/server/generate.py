@@ -1,0 +1,145 @@
+"""Driving one engine stream from one HTTP request: disconnects, priming, SSE, the log line.
+
+Invariants:
+
+- A generation never outlives interest in it: a watcher task listens for the client's
+  ``http.disconnect`` and cancels the engine stream at once (even mid-prefill, when no token is
+  being sent that could fail), and leaving a ``Generation`` by any path cancels a stream that
+  has not finished, so its slot is free for the next request.
+- A streamed response is *primed* before any header is sent: errors the engine raises before the
+  first fragment (context overflow, a bad grammar) become proper 4xx responses, not a 200 stream
+  carrying an error.
+- Every finished generation logs exactly one line on ``kvwarm.server.requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+
+from kvwarm.engine.types import Completion
+from kvwarm.errors import KvwarmError
+from kvwarm.server.errors import error_body, kind_of
+
+if TYPE_CHECKING:
+    from kvwarm.engine.stream import CompletionStream
+
+request_log = logging.getLogger("kvwarm.server.requests")
+
+_DONE = object()
+
+
+class Generation:
+    """An engine stream bound to the request that asked for it (``async with``)."""
+
+    def __init__(self, request: Request, stream: CompletionStream, endpoint: str, model_id: str):
+        self.stream = stream
+        self.endpoint = endpoint
+        self.model_id = model_id
+        self.started = time.perf_counter()
+        self.disconnected = False
+        self._request = request
+        self._iter = stream.__aiter__()
+        self._watcher: asyncio.Task[None] | None = None
+        self._finished = False
+        self._first: str | object | None = None
+
+    async def __aenter__(self) -> Generation:
+        self._watcher = asyncio.create_task(self._watch())
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if not self._finished:
+            self.stream.cancel()
+
+    async def _watch(self) -> None:
+        receive = self._request.receive
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected = True
+                self.stream.cancel()
+                return
+
+    async def prime(self) -> None:
+        """Wait for the first fragment (or the end), so early errors raise here."""
+        try:
+            self._first = await self._iter.__anext__()
+        except StopAsyncIteration:
+            self._first = _DONE
+
+    async def fragments(self) -> AsyncIterator[str]:
+        first, self._first = self._first, None
+        if first is _DONE:
+            return
+        if isinstance(first, str):
+            yield first
+        async for fragment in self._iter:
+            yield fragment
+
+    async def result(self) -> Completion:
+        """Wait for the completion (``Completion.stats.finish_reason`` 'cancelled' if the
+        client went away) and log its line."""
+        done = await self.stream.aresult()
+        self._finished = True
+        log_request(self.endpoint, self.model_id, done, self.started, self.disconnected)
+        return done
+
+
+def log_request(
+    endpoint: str, model_id: str, done: Completion, started: float, disconnected: bool = False
+) -> None:
+    s = done.stats
+    request_log.info(
+        "%s model=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d finish=%s "
+        "cache=%s prefill_ms=%.1f ms=%.1f%s",
+        endpoint,
+        model_id,
+        s.prompt_tokens,
+        s.cached_tokens,
+        s.completion_tokens,
+        s.finish_reason,
+        s.cache_hit,
+        s.prefill_ms,
+        (time.perf_counter() - started) * 1000,
+        " client_disconnected" if disconnected else "",
+    )
+
+
+def sse_line(event: dict[str, object]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def sse(
+    events: AsyncIterator[dict[str, object]], on_close: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    """``data: {chunk}`` lines, then ``data: [DONE]``. A ``KvwarmError`` after the headers were
+    sent becomes one OpenAI-shaped error event before ``[DONE]``."""
+    try:
+        try:
+            async for event in events:
+                yield sse_line(event)
+        except KvwarmError as exc:
+            kind = kind_of(exc)
+            yield sse_line(dict(error_body(str(exc), kind.type, kind.code)))
+        yield b"data: [DONE]\n\n"
+    finally:
+        on_close()

@@ -1,0 +1,210 @@
+"""Operational endpoints: health, metrics, tokenize/detokenize and cache administration.
+
+Invariant: ``/health`` is 200 only when every configured model is ready; while any loads it is a
+503 with an OpenAI-shaped error (``code`` model_loading), after a failed load a 503 with
+``model_load_failed``. Cache administration acts on the one shared ``Cache`` of the engine.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from kvwarm.cache.types import RowInfo, TtlClass
+from kvwarm.engine.types import CompletionStats
+from kvwarm.server import metrics
+from kvwarm.server.errors import HTTPError, error_body
+from kvwarm.server.routes_openai import server_state
+from kvwarm.server.schemas import (
+    DetokenizeRequest,
+    EvictRequest,
+    PrewarmRequest,
+    TokenizeRequest,
+    parse_body,
+    read_json,
+)
+from kvwarm.server.tools import openai_tools, template_messages
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    state = server_state(request)
+    models = {e.id: e.state for e in state.entries.values()}
+    if state.ready:
+        return JSONResponse({"status": "ok", "models": models})
+    failed = [e for e in state.entries.values() if e.state == "failed"]
+    if failed:
+        message = "; ".join(f"{e.id}: {e.error}" for e in failed)
+        code, status = "model_load_failed", "error"
+    else:
+        message = "loading: " + ", ".join(i for i, s in models.items() if s == "loading")
+        code, status = "model_loading", "loading"
+    body = {**error_body(message, "service_unavailable", code), "status": status, "models": models}
+    return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    state = server_state(request)
+    out = metrics.Exposition()
+    engine = state.engine
+    if engine is not None:
+        metrics.add_cache(out, engine.cache.counters())
+    statuses = [e.model.status() for e in state.entries.values() if e.model is not None]
+    metrics.add_models(out, {e.id: e.state for e in state.entries.values()}, statuses)
+    metrics.add_http(out, state.counters.snapshot())
+    out.add(
+        "kvwarm_keepalive_prefixes", "gauge", "prefixes kept warm", len(state.keepalive.entries())
+    )
+    return PlainTextResponse(out.render(), media_type=metrics.CONTENT_TYPE)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings.max_body_bytes), TokenizeRequest)
+    model = state.model(req.model)
+    tokens = await run_in_threadpool(
+        lambda: model.tokenize(
+            req.content, add_special=req.add_special, parse_special=req.parse_special
+        )
+    )
+    if not req.with_pieces:
+        return JSONResponse({"tokens": tokens})
+    pieces = await run_in_threadpool(lambda: [model.detokenize([t]) for t in tokens])
+    return JSONResponse(
+        {"tokens": [{"id": t, "piece": p} for t, p in zip(tokens, pieces, strict=True)]}
+    )
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings.max_body_bytes), DetokenizeRequest)
+    model = state.model(req.model)
+    return JSONResponse({"content": await run_in_threadpool(model.detokenize, req.tokens)})
+
+
+# --- cache administration --------------------------------------------------------------------
+
+
+def _row(row: RowInfo) -> dict[str, object]:
+    return {
+        "key": row.key.hex(),
+        "tier": row.tier,
+        "bytes": row.size,
+        "n_tokens": row.n_tokens,
+        "hits": row.hits,
+        "last_used": row.last_used,
+        "created": row.created,
+        "reason": row.reason.name.lower(),
+        "ttl_class": row.ttl_class.name.lower(),
+        "has_logits": row.has_logits,
+        "fingerprint": row.namespace.fingerprint.hex(),
+    }
+
+
+@router.get("/cache/stats")
+async def cache_stats(request: Request) -> Response:
+    state = server_state(request)
+    cache = state.require_engine().cache
+    counters = await run_in_threadpool(cache.counters)
+    rows = await run_in_threadpool(cache.rows)
+    return JSONResponse(
+        {
+            "counters": dict(counters),
+            "rows": len(rows),
+            "bytes": sum(r.size for r in rows),
+            "tokens": sum(r.n_tokens for r in rows),
+            "keep_alive": [
+                {
+                    "model": e.model_id,
+                    "ttl_class": e.ttl_class.name.lower(),
+                    "warms": e.warms,
+                    "failures": e.failures,
+                }
+                for e in state.keepalive.entries()
+            ],
+        }
+    )
+
+
+@router.get("/cache/rows")
+async def cache_rows(request: Request) -> Response:
+    state = server_state(request)
+    cache = state.require_engine().cache
+    rows = await run_in_threadpool(cache.rows)
+    rows.sort(key=lambda r: r.last_used, reverse=True)
+    limit = request.query_params.get("limit", "")
+    if limit.isdigit():
+        rows = rows[: int(limit)]
+    return JSONResponse({"object": "list", "data": [_row(r) for r in rows]})
+
+
+@router.post("/cache/prewarm")
+async def cache_prewarm(request: Request) -> Response:
+    """Prefill a prefix (e.g. a system prompt) and save it, generating nothing."""
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings.max_body_bytes), PrewarmRequest)
+    model = state.model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")
+    ttl = TtlClass[req.ttl_class.upper()]
+
+    def work() -> tuple[str, CompletionStats]:
+        if req.messages is not None:
+            tools = openai_tools(req.tools) if req.tools else None
+            prompt = model.apply_chat_template(
+                template_messages(req.messages, native=tools is not None),
+                tools=tools,
+                add_generation_prompt=False,
+            )
+        else:
+            assert req.prompt is not None
+            prompt = req.prompt
+        return prompt, model.prewarm(prompt, ttl_class=ttl, add_special=add_special)
+
+    # Rendered chat text carries its own special tokens, exactly as Model.stream_chat sees it.
+    add_special = req.messages is None
+    prompt, stats = await run_in_threadpool(work)
+    if req.keep_alive:
+        state.keepalive.register(model.id, prompt, ttl, add_special=add_special)
+    return JSONResponse(
+        {
+            "model": model.id,
+            "prompt_tokens": stats.prompt_tokens,
+            "cached_tokens": stats.cached_tokens,
+            "prefill_ms": round(stats.prefill_ms, 3),
+            "key": stats.key.hex() if stats.key else None,
+            "ttl_class": req.ttl_class,
+            "keep_alive": req.keep_alive,
+        }
+    )
+
+
+@router.post("/cache/evict")
+async def cache_evict(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings.max_body_bytes), EvictRequest)
+    cache = state.require_engine().cache
+    result = await run_in_threadpool(lambda: cache.evict_bytes(req.bytes, req.tiers))
+    return JSONResponse({"rows": result.rows, "bytes": result.bytes})
+
+
+@router.post("/cache/gc")
+async def cache_gc(request: Request) -> Response:
+    cache = server_state(request).require_engine().cache
+    result = await run_in_threadpool(cache.gc)
+    return JSONResponse({"rows": result.rows, "bytes": result.bytes})
+
+
+@router.post("/cache/verify")
+async def cache_verify(request: Request) -> Response:
+    cache = server_state(request).require_engine().cache
+    report = await run_in_threadpool(cache.verify)
+    bad = [{"row": where, "reason": why} for where, why in report.bad]
+    return JSONResponse({"checked": report.checked, "bad": bad})

@@ -1,0 +1,211 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic, validated, extras ignored).
+
+Invariant: unknown fields are ignored (clients send vendor extensions), but a known field of the
+wrong type is a 400 naming the field. Bodies are parsed from bytes we read ourselves
+(``read_json``), so oversized and malformed bodies get OpenAI-shaped errors too.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+
+from kvwarm.server.errors import HTTPError
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    grammar: str | None = None  # llama.cpp extension: a GBNF grammar
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    schema_: dict[str, object] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, object] | None = Field(default=None, alias="schema")  # llama.cpp style
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    response_format: ResponseFormat | None = None
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, object] = ""
+
+
+class ToolCallIn(_Body):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, object] | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoiceFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedToolChoiceFunction
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    content: str
+    add_special: bool = True
+    parse_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+class PrewarmRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    ttl_class: Literal["short", "long", "extended"] = "long"
+    keep_alive: bool = True
+
+
+class EvictRequest(_Body):
+    bytes: int = Field(ge=0)
+    tiers: list[Literal["ram", "ram_file", "disk"]] | None = None
+
+
+async def read_json(request: Request, max_bytes: int) -> object:
+    """The request body as JSON. 413 past ``max_bytes`` (checked on the declared length first,
+    then while reading, so a lying or chunked client cannot make us buffer more)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise HTTPError(
+            400, "the request body is empty; expected a JSON object", code="invalid_json"
+        )
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HTTPError(
+            400, f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from exc
+
+
+def _too_large(max_bytes: int) -> HTTPError:
+    return HTTPError(413, f"the request body exceeds {max_bytes} bytes", code="request_too_large")
+
+
+_M = TypeVar("_M", bound=BaseModel)
+# Union members and validator wrappers appear in pydantic locations; they are not field names.
+_LOC_NOISE = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    parts = [
+        str(p)
+        for p in loc
+        if isinstance(p, int) or (p.lower() not in _LOC_NOISE and "[" not in p and "-" not in p)
+    ]
+    return ".".join(parts) or None
+
+
+def parse_body(data: object, model: type[_M]) -> _M:
+    """Validate ``data``; the first problem becomes a 400 naming the offending field."""
+    if not isinstance(data, dict):
+        raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = _param(tuple(first["loc"]))
+        count = exc.error_count()
+        more = f" (and {count - 1} more)" if count > 1 else ""
+        raise HTTPError(
+            400, f"{param or 'body'}: {first['msg']}{more}", code="invalid_type", param=param
+        ) from exc

@@ -1,0 +1,209 @@
+"""Everything one server instance owns: the engine, its models' load states, counters.
+
+Invariants: there is no module-level state; one ``ServerState`` lives on ``app.state`` and is
+built by ``create_app``. Models load on a background thread after the server is listening, so
+``/health`` answers 503 until every configured model is ready. A request names its model; a
+model that is still loading (or failed to load) is a 503, an unknown one a 404.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from kvwarm.cache.types import TtlClass
+from kvwarm.errors import KvwarmError, ModelLoadError
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.keepalive import KeepAlive
+from kvwarm.settings import ModelSpec, Settings, model_config
+
+if TYPE_CHECKING:
+    from kvwarm.engine.api import Engine, Model
+
+log = logging.getLogger("kvwarm.server")
+
+LoadState = Literal["loading", "ready", "failed"]
+
+
+@dataclass(slots=True)
+class ModelEntry:
+    spec: ModelSpec
+    id: str
+    state: LoadState = "loading"
+    model: Model | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RequestCounters:
+    """HTTP request counts by (route, status); guarded by ``lock``."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    by_route: Counter[tuple[str, int]] = field(default_factory=Counter)
+    errors_by_code: Counter[str] = field(default_factory=Counter)
+
+    def record(self, route: str, status: int) -> None:
+        with self.lock:
+            self.by_route[(route, status)] += 1
+
+    def snapshot(self) -> dict[tuple[str, int], int]:
+        with self.lock:
+            return dict(self.by_route)
+
+
+class ServerState:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.started = time.time()
+        self.engine: Engine | None = None
+        self.engine_error: str | None = None
+        self.entries: dict[str, ModelEntry] = {
+            spec.model_id: ModelEntry(spec, spec.model_id) for spec in settings.models
+        }
+        self.default_id = settings.models[0].model_id
+        self.counters = RequestCounters()
+        ttl = settings.cache_config().ttl_seconds
+        self.keepalive = KeepAlive(ttl, settings.keepalive_stale_fraction)
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start loading in the background (and the keep-alive); returns at once."""
+        loader = threading.Thread(target=self._load_all, name="kvwarm-loader", daemon=True)
+        self._threads.append(loader)
+        loader.start()
+        if self.settings.keepalive_interval_s > 0:
+            keeper = threading.Thread(
+                target=self._keepalive_loop, name="kvwarm-keepalive", daemon=True
+            )
+            self._threads.append(keeper)
+            keeper.start()
+
+    def _load_all(self) -> None:
+        from kvwarm.engine.api import Engine, EngineConfig
+
+        try:
+            engine = Engine(
+                EngineConfig(cache=self.settings.cache_config(), backend=self.settings.backend)
+            )
+        except KvwarmError as exc:
+            log.error("cannot start the engine: %s", exc)
+            self.engine_error = str(exc)
+            for entry in self.entries.values():
+                entry.state, entry.error = "failed", f"engine failed to start: {exc}"
+            return
+        with self._lock:
+            if self._closing.is_set():
+                engine.close()
+                return
+            self.engine = engine
+        for entry in self.entries.values():
+            if self._closing.is_set():
+                return
+            self._load_one(engine, entry)
+
+    def _load_one(self, engine: Engine, entry: ModelEntry) -> None:
+        started = time.perf_counter()
+        log.info("loading model %s (%s)", entry.id, entry.spec.path or "default")
+        try:
+            model = engine.load_model(
+                entry.spec.path,
+                model_id=entry.id,
+                config=model_config(self.settings, entry.spec),
+                progress=lambda _fraction: not self._closing.is_set(),
+            )
+        except KvwarmError as exc:
+            entry.state, entry.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.error("model %s failed to load: %s", entry.id, exc)
+            return
+        except Exception as exc:  # a bug in a backend must not kill the loader silently
+            entry.state, entry.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.exception("model %s failed to load", entry.id)
+            return
+        for prompt in self.settings.prewarm_system:
+            self._prewarm_system(model, entry.id, prompt)
+        entry.model = model
+        entry.state = "ready"
+        log.info("model %s ready in %.0f ms", entry.id, (time.perf_counter() - started) * 1000)
+
+    def _prewarm_system(self, model: Model, model_id: str, prompt: str) -> None:
+        try:
+            text = model.apply_chat_template(
+                [{"role": "system", "content": prompt}], add_generation_prompt=False
+            )
+            # Chat text carries its own special tokens, as in Model.stream_chat.
+            model.prewarm(text, ttl_class=TtlClass.LONG, add_special=False)
+            self.keepalive.register(model_id, text, TtlClass.LONG, add_special=False)
+        except KvwarmError as exc:  # best effort: the first request just prefills cold
+            log.warning("prewarm of a system prompt for %s failed: %s", model_id, exc)
+
+    def _keepalive_loop(self) -> None:
+        # Event.wait doubles as an interruptible timer: close() wakes it at once.
+        while not self._closing.wait(self.settings.keepalive_interval_s):
+            self.keepalive.tick(self.ready_model)
+
+    def close(self) -> None:
+        self._closing.set()
+        for thread in self._threads:
+            # The loader aborts at its next progress callback; a native load in flight may
+            # still take a moment, which is bounded by the model's size.
+            thread.join(timeout=60)
+        with self._lock:
+            engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
+
+    # --- lookups -----------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return all(entry.state == "ready" for entry in self.entries.values())
+
+    def ready_model(self, model_id: str) -> Model | None:
+        entry = self.entries.get(model_id)
+        return entry.model if entry is not None and entry.state == "ready" else None
+
+    def model(self, name: str | None) -> Model:
+        """The ready model a request names (the first configured one if it names none)."""
+        model_id = name or self.default_id
+        entry = self.entries.get(model_id)
+        if entry is None:
+            raise HTTPError(
+                404,
+                f"the model {model_id!r} does not exist; available: {', '.join(self.entries)}",
+                code="model_not_found",
+                param="model",
+            )
+        if entry.state == "loading":
+            raise HTTPError(
+                503,
+                f"the model {model_id!r} is still loading",
+                type="service_unavailable",
+                code="model_loading",
+                headers={"Retry-After": "1"},
+            )
+        if entry.state == "failed" or entry.model is None:
+            raise HTTPError(
+                503,
+                f"the model {model_id!r} failed to load: {entry.error}",
+                type="service_unavailable",
+                code="model_load_failed",
+            )
+        return entry.model
+
+    def require_engine(self) -> Engine:
+        engine = self.engine
+        if engine is None:
+            if self.engine_error is not None:
+                raise ModelLoadError(self.engine_error)
+            raise HTTPError(
+                503, "the engine is starting", type="service_unavailable", code="model_loading"
+            )
+        return engine

@@ -1,0 +1,320 @@
+"""Chat messages and tools in, tool calls out.
+
+Invariants:
+
+- A template that renders the ``tools`` it is given (the tool names appear in its output) gets
+  them natively; any other template gets a Hermes-style system prompt describing them, so tools
+  work with every model. Either way the reply is parsed by the same tolerant parser, which knows
+  the common formats (``<tool_call>`` JSON, Mistral ``[TOOL_CALLS]``, Llama ``<|python_tag|>`` and
+  ``<function=…>``, and a reply that is a bare ``{"name", "arguments"}`` object).
+- A call is only reported for a tool the request declared; anything else stays content.
+- ``tool_choice`` "required" or a named function constrains decoding with a JSON schema, so the
+  reply *is* a call; "none" hides the tools from the model entirely.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.schemas import ChatMessage, NamedToolChoice, Tool
+
+Message = dict[str, object]
+
+_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<function=")
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_FUNCTION_TAG = re.compile(r"<function=([\w.\-]+)>\s*(.*?)\s*(?:</function>|$)", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON text, as the OpenAI wire format wants
+
+    def to_openai(self, index: int | None = None) -> dict[str, object]:
+        out: dict[str, object] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """What to render and how to decode: ``tools`` go to the template (native support) or are
+    None (described in a system message, or hidden by tool_choice none)."""
+
+    messages: list[Message]
+    tools: list[Message] | None
+    json_schema: dict[str, object] | None
+    names: frozenset[str]  # the tools a call may name; empty: do not parse calls
+    forced: bool  # tool_choice required / named: the whole reply is one call
+
+
+def _text(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts: list[str] = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise HTTPError(
+                400,
+                f"content part of type {part.type!r} is not supported (text only)",
+                code="unsupported_content",
+                param=f"messages.{index}.content",
+            )
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _arguments_object(arguments: str | Mapping[str, object]) -> object:
+    if not isinstance(arguments, str):
+        return dict(arguments)
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        return arguments
+
+
+def _call_text(name: str, arguments: object) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[Message]:
+    """OpenAI messages as chat-template input. Non-native templates see tool calls and tool
+    results as text in the Hermes format, so history round-trips through any template."""
+    out: list[Message] = []
+    for index, message in enumerate(messages):
+        role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
+        text = _text(message, index)
+        item: Message = {"role": role, "content": text}
+        if message.name:
+            item["name"] = message.name
+        if message.tool_calls:
+            calls = [
+                (c.function.name, _arguments_object(c.function.arguments))
+                for c in message.tool_calls
+            ]
+            if native:
+                item["tool_calls"] = [
+                    {
+                        "id": call.id or f"call_{i}",
+                        "type": "function",
+                        "function": {"name": name, "arguments": args},
+                    }
+                    for i, (call, (name, args)) in enumerate(
+                        zip(message.tool_calls, calls, strict=True)
+                    )
+                ]
+            else:
+                blocks = "\n".join(_call_text(name, args) for name, args in calls)
+                item["content"] = f"{text}\n{blocks}" if text else blocks
+        if role == "tool":
+            if native:
+                if message.tool_call_id:
+                    item["tool_call_id"] = message.tool_call_id
+            else:
+                item = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
+        out.append(item)
+    return out
+
+
+def openai_tools(tools: Sequence[Tool]) -> list[Message]:
+    return [tool.model_dump(mode="json", exclude_none=True) for tool in tools]
+
+
+def tools_system_prompt(tools: Sequence[Tool]) -> str:
+    signatures = "\n".join(json.dumps(t.model_dump(mode="json", exclude_none=True)) for t in tools)
+    return (
+        "You may call one or more functions to assist with the user query. The available "
+        f"functions are:\n<tools>\n{signatures}\n</tools>\nTo call a function, reply with a JSON "
+        'object {"name": <function-name>, "arguments": <args-object>} inside '
+        "<tool_call></tool_call> tags."
+    )
+
+
+def forced_call_schema(tools: Sequence[Tool]) -> dict[str, object]:
+    """A schema whose instances are exactly the calls of ``tools``."""
+    variants: list[dict[str, object]] = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+        }
+        for t in tools
+    ]
+    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+def plan_chat(
+    messages: Sequence[ChatMessage],
+    tools: Sequence[Tool] | None,
+    tool_choice: str | NamedToolChoice | None,
+    *,
+    renders_tools: bool,
+) -> ChatPlan:
+    """Decide how tools reach the model. ``renders_tools``: the template shows tools natively."""
+    if not tools or tool_choice == "none":
+        return ChatPlan(template_messages(messages, native=False), None, None, frozenset(), False)
+    chosen = list(tools)
+    if isinstance(tool_choice, NamedToolChoice):
+        chosen = [t for t in tools if t.function.name == tool_choice.function.name]
+        if not chosen:
+            raise HTTPError(
+                400,
+                f"tool_choice names {tool_choice.function.name!r}, which is not in tools",
+                param="tool_choice",
+            )
+    forced = tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)
+    schema = forced_call_schema(chosen) if forced else None
+    names = frozenset(t.function.name for t in chosen)
+    if renders_tools:
+        rendered = template_messages(messages, native=True)
+        return ChatPlan(rendered, openai_tools(chosen), schema, names, forced)
+    rendered = template_messages(messages, native=False)
+    prompt = tools_system_prompt(chosen)
+    if rendered and rendered[0]["role"] == "system":
+        rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{prompt}"}
+    else:
+        rendered.insert(0, {"role": "system", "content": prompt})
+    return ChatPlan(rendered, None, schema, names, forced)
+
+
+def _new_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def _as_call(obj: object, names: frozenset[str]) -> ToolCall | None:
+    if not isinstance(obj, dict):
+        return None
+    fn = obj.get("function")
+    if isinstance(fn, dict):  # OpenAI-shaped {"function": {"name", "arguments"}}
+        obj = fn
+    name = obj.get("name")
+    if not isinstance(name, str) or name not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    return ToolCall(_new_id(), name, json.dumps(args))
+
+
+def _json_values(text: str) -> list[object]:
+    """Every JSON value in ``text`` (one, a list, or several side by side)."""
+    decoder = json.JSONDecoder()
+    values: list[object] = []
+    pos = 0
+    text = text.strip()
+    while pos < len(text):
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break
+        values.extend(value if isinstance(value, list) else [value])
+        pos = end
+        while pos < len(text) and text[pos] in " \t\r\n;,":
+            pos += 1
+    return values
+
+
+def parse_tool_calls(text: str, names: frozenset[str]) -> tuple[str, list[ToolCall]]:
+    """Split a reply into (content, calls). With no recognised call the text is all content."""
+    if not names:
+        return text, []
+    calls: list[ToolCall] = []
+    start = len(text)
+    if "<tool_call>" in text:
+        start = text.index("<tool_call>")
+        for block in _TOOL_CALL_BLOCK.findall(text):
+            calls += [c for v in _json_values(block) if (c := _as_call(v, names))]
+    elif "<function=" in text:
+        start = text.index("<function=")
+        for name, body in _FUNCTION_TAG.findall(text):
+            args = _json_values(body)
+            call = _as_call({"name": name, "arguments": args[0] if args else {}}, names)
+            calls += [call] if call else []
+    else:
+        for marker in ("[TOOL_CALLS]", "<|python_tag|>"):
+            if marker in text:
+                start = text.index(marker)
+                body = text[start + len(marker) :]
+                calls += [c for v in _json_values(body) if (c := _as_call(v, names))]
+                break
+        else:
+            stripped = text.strip()
+            if stripped.startswith(("{", "[")):
+                values = _json_values(stripped)
+                found = [c for v in values if (c := _as_call(v, names))]
+                if found and len(found) == len(values):
+                    return "", found
+            return text, []
+    if not calls:
+        return text, []
+    return text[:start].strip(), calls
+
+
+class ToolStream:
+    """Streams content while holding back anything that may be the start of a tool call.
+
+    ``feed`` returns the text that is safe to show now; ``finish`` parses the whole reply.
+    """
+
+    def __init__(self, names: frozenset[str], *, forced: bool) -> None:
+        self._names = names
+        self._held = bool(names) and forced  # a forced reply is all call: show nothing
+        self._text = ""
+        self._shown = 0
+
+    def feed(self, fragment: str) -> str:
+        self._text += fragment
+        if not self._names or self._held:
+            if not self._names:
+                out = self._text[self._shown :]
+                self._shown = len(self._text)
+                return out
+            return ""
+        pending = self._text[self._shown :]
+        if not self._text[: self._shown].strip() and pending.lstrip().startswith(("{", "[")):
+            self._held = True  # may be a bare JSON call: decide at the end
+            return ""
+        cut = len(pending)
+        for marker in _MARKERS:
+            at = pending.find(marker)
+            if at >= 0:
+                cut = min(cut, at)
+                self._held = True
+            else:  # keep back a tail that could grow into the marker
+                for k in range(min(len(marker) - 1, len(pending)), 0, -1):
+                    if pending.endswith(marker[:k]):
+                        cut = min(cut, len(pending) - k)
+                        break
+        out = pending[:cut]
+        self._shown += cut
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not yet shown, calls)."""
+        content, calls = parse_tool_calls(self._text, self._names)
+        if calls:
+            rest = content[self._shown :] if content.startswith(self._text[: self._shown]) else ""
+            return rest, calls
+        rest = self._text[self._shown :]
+        self._shown = len(self._text)
+        return rest, []
