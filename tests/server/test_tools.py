@@ -1,0 +1,124 @@
+"""Tool calls: planning (native vs described), parsing every common format, streaming holdback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvwarm.server.schemas import ChatMessage, NamedToolChoice, Tool
+from kvwarm.server.tools import ToolStream, parse_tool_calls, plan_chat, template_messages
+
+NAMES = frozenset({"get_weather"})
+WEATHER = Tool.model_validate(
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        '<function=get_weather>{"city": "Paris"}</function>',
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',
+    ],
+)
+def test_formats_parse_to_one_call(text: str) -> None:
+    content, calls = parse_tool_calls(text, NAMES)
+    assert content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert calls[0].id.startswith("call_")
+
+
+def test_text_before_a_call_is_content_and_unknown_tools_are_not_calls() -> None:
+    text = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    assert parse_tool_calls(text, NAMES)[0] == "Let me check."
+    other = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert parse_tool_calls(other, NAMES) == (other, [])
+    assert parse_tool_calls('{"name": "get_weather"}', frozenset()) == (
+        '{"name": "get_weather"}',
+        [],
+    )
+
+
+def test_plain_json_that_is_not_a_call_stays_content() -> None:
+    text = '{"answer": 42}'
+    assert parse_tool_calls(text, NAMES) == (text, [])
+
+
+def test_plan_without_native_support_describes_tools_in_the_system_message() -> None:
+    msgs = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi")]
+    plan = plan_chat(msgs, [WEATHER], "auto", renders_tools=False)
+    assert plan.tools is None and plan.json_schema is None and not plan.forced
+    assert plan.messages[0]["role"] == "system"
+    content = str(plan.messages[0]["content"])
+    assert content.startswith("Be brief.") and "get_weather" in content
+    native = plan_chat(msgs, [WEATHER], None, renders_tools=True)
+    assert native.tools is not None and native.messages[0]["content"] == "Be brief."
+
+
+def test_tool_choice_none_hides_tools_and_named_choice_forces_a_schema() -> None:
+    msgs = [ChatMessage(role="user", content="Hi")]
+    hidden = plan_chat(msgs, [WEATHER], "none", renders_tools=True)
+    assert hidden.tools is None and hidden.names == frozenset()
+    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_weather"}})
+    forced = plan_chat(msgs, [WEATHER], named, renders_tools=False)
+    assert forced.forced and forced.json_schema is not None
+    props = forced.json_schema["properties"]
+    assert isinstance(props, dict) and props["name"] == {"const": "get_weather"}
+
+
+def test_history_with_calls_round_trips_through_non_native_templates() -> None:
+    msgs = [
+        ChatMessage.model_validate(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+                ],
+            }
+        ),  # fmt: skip
+        ChatMessage(role="tool", content="rainy", tool_call_id="c1"),
+    ]
+    plain = template_messages(msgs, native=False)
+    assert "<tool_call>" in str(plain[0]["content"]) and "Oslo" in str(plain[0]["content"])
+    assert plain[1] == {"role": "user", "content": "<tool_response>\nrainy\n</tool_response>"}
+    native = template_messages(msgs, native=True)
+    calls = native[0]["tool_calls"]
+    assert isinstance(calls, list) and calls[0]["function"]["arguments"] == {"city": "Oslo"}
+    assert native[1]["tool_call_id"] == "c1"
+
+
+def test_tool_stream_shows_text_but_holds_back_a_call() -> None:
+    stream = ToolStream(NAMES, forced=False)
+    shown = "".join(stream.feed(f) for f in ["Sure", ". <tool", "_call>{\"name\": \"get_weather\"",
+                                             ', "arguments": {}}</tool_call>'])  # fmt: skip
+    rest, calls = stream.finish()
+    assert shown + rest == "Sure. "
+    assert [c.name for c in calls] == ["get_weather"]
+
+
+def test_tool_stream_releases_a_false_alarm_at_the_end() -> None:
+    stream = ToolStream(NAMES, forced=False)
+    shown = stream.feed("a < b and <tool") + stream.feed("s> are fine")
+    rest, calls = stream.finish()
+    assert calls == [] and shown + rest == "a < b and <tools> are fine"
+
+
+def test_tool_stream_without_tools_passes_everything_through() -> None:
+    stream = ToolStream(frozenset(), forced=False)
+    assert stream.feed("<tool_call>") == "<tool_call>"
+    assert stream.finish() == ("", [])
