@@ -72,7 +72,9 @@ def test_tool_choice_none_hides_tools_and_named_choice_forces_a_schema() -> None
     msgs = [ChatMessage(role="user", content="Hi")]
     hidden = plan_chat(msgs, [WEATHER], "none", renders_tools=True)
     assert hidden.tools is None and hidden.names == frozenset()
-    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_weather"}})
+    named = NamedToolChoice.model_validate(
+        {"type": "function", "function": {"name": "get_weather"}}
+    )
     forced = plan_chat(msgs, [WEATHER], named, renders_tools=False)
     assert forced.forced and forced.json_schema is not None
     props = forced.json_schema["properties"]
@@ -86,11 +88,14 @@ def test_history_with_calls_round_trips_through_non_native_templates() -> None:
                 "role": "assistant",
                 "content": None,
                 "tool_calls": [
-                    {"id": "c1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
                 ],
             }
-        ),  # fmt: skip
+        ),
         ChatMessage(role="tool", content="rainy", tool_call_id="c1"),
     ]
     plain = template_messages(msgs, native=False)
