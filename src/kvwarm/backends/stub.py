@@ -444,7 +444,8 @@ class StubContext:
             if src == dst:
                 return
             source = self._seqs[src]
-            target = self._seqs[dst]
+            # dst := src[p0:p1), as in the llama.cpp backend.
+            target = self._seqs[dst] = {}
             for pos, cell in source.items():
                 if pos >= p0 and (p1 < 0 or pos < p1):
                     target[pos] = cell

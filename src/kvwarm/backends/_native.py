@@ -1,0 +1,129 @@
+"""Process-wide glue to ``llama_cpp``: one-time backend init, logging bridge, type tables.
+
+Invariants:
+
+- ``llama_cpp`` is imported here and only via ``lib()``; importing this module does not load the
+  native library.
+- ``llama_backend_init`` runs at most once per process, under a lock.
+- The ctypes log callback handed to ``llama_log_set`` is stored in a module global for the life
+  of the process: C keeps the raw pointer, and a collected callback would be a call into freed
+  memory on the next log line.
+- llama.cpp's log lines go to the ``kvwarm.llama_cpp`` logger; by default only WARNING and above
+  are formatted at all (the callback returns before building a string for filtered levels).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import cast
+
+from kvwarm.errors import ModelLoadError
+
+log = logging.getLogger("kvwarm.llama_cpp")
+
+_LOCK = threading.Lock()
+_LIB: ModuleType | None = None
+_LOG_CALLBACK: object | None = None  # the CFUNCTYPE object C holds a pointer to
+_MIN_LEVEL = logging.WARNING
+_LAST_LEVEL = logging.INFO
+
+# ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (continues the last line).
+_LEVELS = {0: logging.INFO, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_CONT = 5
+
+#: GGML tensor type ids for the KV cache types kvwarm accepts (ggml.h ``enum ggml_type``).
+GGML_TYPES = {
+    "f32": 0,
+    "f16": 1,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q8_0": 8,
+    "iq4_nl": 20,
+    "bf16": 30,
+}
+
+#: llama_pooling_type ids.
+POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3}
+
+# Nominal bits per weight of LLAMA_FTYPE_* values; the cache key's quant byte is the ftype.
+_FTYPE_BITS = {
+    0: 32, 1: 16, 32: 16,  # F32, F16, BF16
+    2: 4, 3: 4, 14: 4, 15: 4, 25: 4, 30: 4, 38: 4, 39: 4,  # Q4_*, IQ4_*, MXFP4, NVFP4
+    7: 8,  # Q8_0
+    8: 5, 9: 5, 16: 5, 17: 5,  # Q5_*
+    18: 6,  # Q6_K
+    10: 2, 19: 2, 20: 2, 21: 2, 28: 2, 29: 2, 37: 2, 41: 2,  # Q2_K*, IQ2_*, TQ2_0, Q2_0
+    11: 3, 12: 3, 13: 3, 22: 3, 23: 3, 26: 3, 27: 3,  # Q3_K*, IQ3_*
+    24: 1, 31: 1, 36: 1, 40: 1,  # IQ1_*, TQ1_0, Q1_0
+}  # fmt: skip
+
+
+def quant_bits(ftype: int) -> int:
+    """Nominal bits per weight of a ``general.file_type``; 0 if unknown."""
+    return _FTYPE_BITS.get(ftype & ~1024, 0)  # 1024 = LLAMA_FTYPE_GUESSED flag
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _on_log(level: int, text: bytes | None, _user: object) -> None:
+    global _LAST_LEVEL
+    py_level = _LAST_LEVEL if level == _CONT else _LEVELS.get(level, logging.INFO)
+    _LAST_LEVEL = py_level
+    if py_level < _MIN_LEVEL or not text or not log.isEnabledFor(py_level):
+        return
+    message = text.decode("utf-8", errors="replace").rstrip("\n")
+    if message:
+        log.log(py_level, "%s", message)
+
+
+def set_native_log_level(level: int) -> None:
+    """Lowest Python log level forwarded from llama.cpp (default WARNING)."""
+    global _MIN_LEVEL
+    _MIN_LEVEL = level
+
+
+def lib() -> ModuleType:
+    """The ``llama_cpp`` module, with logging routed and the backend initialised (once)."""
+    global _LIB, _LOG_CALLBACK
+    if _LIB is not None:
+        return _LIB
+    with _LOCK:
+        if _LIB is None:
+            try:
+                import llama_cpp
+            except (ImportError, OSError) as exc:
+                raise ModelLoadError(f"llama-cpp-python is not usable: {exc}") from exc
+            callback = llama_cpp.llama_log_callback(_on_log)
+            llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+            _LOG_CALLBACK = callback
+            llama_cpp.llama_backend_init()
+            _LIB = llama_cpp
+    return _LIB
+
+
+def read_string(
+    fill: Callable[[ctypes.Array[ctypes.c_char], int], object], initial: int = 256
+) -> str:
+    """Call ``fill(buf, size) -> needed`` (snprintf-style) until the string fits; decode it."""
+    size = initial
+    for _ in range(4):
+        buf = ctypes.create_string_buffer(size)
+        needed = int(cast(int, fill(buf, size)))
+        if needed < 0:
+            return ""
+        if needed < size:
+            return buf.raw[:needed].decode("utf-8", errors="replace")
+        size = needed + 1
+    return ""

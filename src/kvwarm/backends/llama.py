@@ -1,0 +1,23 @@
+"""The llama.cpp backend (``get_backend('llama_cpp')``), over the low-level ``llama_cpp`` API.
+
+The implementation is split by handle: ``llama_model`` (weights, vocabulary, adapters),
+``llama_context`` (decode, KV state), ``llama_sampler`` (sampler chains and grammars), with
+``_native`` holding process-wide glue. Importing this module loads no native library; the first
+``load_model`` does.
+"""
+
+from __future__ import annotations
+
+from kvwarm.backends._native import set_native_log_level
+from kvwarm.backends.llama_context import LlamaContext
+from kvwarm.backends.llama_model import LlamaAdapter, LlamaBackend, LlamaModel
+from kvwarm.backends.llama_sampler import LlamaSampler
+
+__all__ = [
+    "LlamaAdapter",
+    "LlamaBackend",
+    "LlamaContext",
+    "LlamaModel",
+    "LlamaSampler",
+    "set_native_log_level",
+]

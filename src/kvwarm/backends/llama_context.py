@@ -1,0 +1,440 @@
+"""One ``llama_context``: decode, aligned prefill, logits, KV pack/unpack, sequence ops.
+
+Invariants:
+
+- Every argument is checked (``_checks``) before llama.cpp sees it; the checks are what stand
+  between a caller and a ``GGML_ASSERT``: token / seq ids, positions that continue each
+  sequence, batch sizes, positions < ``n_ctx``, logits rows that were requested.
+- One ``llama_batch`` is allocated per context (``llama_batch_init``) and freed exactly once, in
+  ``_free``; decode and prefill refill it in place.
+- ``logits()`` returns a zero-copy view of llama.cpp's buffer. The views handed out are released
+  at the next decode and at close, so a stale view raises ``ValueError`` instead of reading
+  freed memory (unless the caller re-exported it, e.g. into numpy).
+- ``kv_pack`` copies the state once (llama.cpp writes straight into the ``bytes`` returned);
+  ``kv_unpack`` reads the caller's buffer in place. A blob that does not restore leaves the
+  sequence empty and raises ``StateRestoreError``.
+- The context holds its model (``acquire``) until ``_free`` has run ``llama_free``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
+import numpy as np
+
+from kvwarm.backends import _checks, _native
+from kvwarm.backends._lifetime import Lifetime
+from kvwarm.backends.base import Adapter, BatchToken, ContextParams
+from kvwarm.backends.llama_model import LlamaAdapter
+from kvwarm.errors import (
+    AdapterError,
+    BackendError,
+    ConfigError,
+    ContextOverflowError,
+    InvalidRequestError,
+    ModelLoadError,
+    NoLogitsError,
+    StateRestoreError,
+)
+
+if TYPE_CHECKING:
+    from kvwarm.backends.llama_model import LlamaModel
+
+log = logging.getLogger(__name__)
+
+_POOLING_UNSPECIFIED = -1
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+
+
+def _uninitialised_bytes(n: int) -> bytes:
+    """A fresh, unshared ``bytes`` of ``n`` bytes whose content the caller must fill.
+
+    CPython's ``PyBytes_FromStringAndSize(NULL, n)``: the documented way for native code to
+    build a bytes object in place, skipping the zero-fill and the copy of ``bytes(bytearray)``.
+    """
+    return cast(bytes, _new_bytes(None, n))
+
+
+class LlamaContext:
+    """``BackendContext`` over ``llama_init_from_model``; one thread drives it."""
+
+    def __init__(self, model: LlamaModel, params: ContextParams) -> None:
+        lib = model._lib
+        self._lib = lib
+        self._model = model
+        self._params = params
+        if params.n_seq_max > int(lib.llama_max_parallel_sequences()):
+            raise ConfigError(f"n_seq_max={params.n_seq_max} exceeds llama.cpp's limit")
+        cp = lib.llama_context_default_params()
+        cp.n_ctx = params.n_ctx
+        cp.n_batch = params.n_batch
+        cp.n_ubatch = params.n_ubatch
+        cp.n_seq_max = params.n_seq_max
+        threads = params.n_threads or _native.default_threads()
+        cp.n_threads = threads
+        cp.n_threads_batch = params.n_threads_batch or threads
+        cp.type_k = _native.GGML_TYPES[params.type_k]
+        cp.type_v = _native.GGML_TYPES[params.type_v]
+        cp.embeddings = params.embeddings
+        cp.pooling_type = (
+            _native.POOLING[params.pooling] if params.embeddings else (_POOLING_UNSPECIFIED)
+        )
+        # One KV buffer shared by all sequences. With per-sequence streams (kv_unified=False)
+        # llama.cpp writes the stream count into every blob, so a row saved by a 1-slot context
+        # would not restore into an N-slot one; ContextParams.kv_hash promises it does. Unified
+        # also makes seq_cp share cells instead of copying tensors. n_ctx is then both each
+        # sequence's position limit and the total cell budget of all sequences together.
+        cp.kv_unified = True
+        cp.no_perf = True
+        model.lifetime.acquire()
+        try:
+            with model.lifetime.using():
+                ptr = lib.llama_init_from_model(model.native, cp)
+            if not ptr:
+                raise ModelLoadError(
+                    f"llama.cpp could not create a context with {params!r} "
+                    "(quantised V caches need flash attention; check the log)"
+                )
+            mem = lib.llama_get_memory(ptr)
+            if not mem:
+                lib.llama_free(ptr)
+                raise ModelLoadError("the context has no memory module")
+        except BaseException:
+            model.lifetime.release()
+            raise
+        self._ptr: object = ptr
+        self._mem: object = mem
+        self._n_vocab = model.n_vocab
+        self._n_embd = int(lib.llama_model_n_embd(model.native))
+        # llama.cpp rounds n_ctx up (to 256); positions are bounded by what was asked for.
+        self._n_ctx = min(params.n_ctx, int(lib.llama_n_ctx_seq(ptr)), int(lib.llama_n_ctx(ptr)))
+        self._batch = lib.llama_batch_init(params.n_batch, 0, params.n_seq_max)
+        self._rows: list[int] = []
+        self._views: list[memoryview[float]] = []
+        self._adapters: list[tuple[LlamaAdapter, float]] = []
+        self._life = Lifetime("context", self._free)
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def params(self) -> ContextParams:
+        return self._params
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def n_batch(self) -> int:
+        return self._params.n_batch
+
+    @property
+    def model(self) -> LlamaModel:
+        return self._model
+
+    @property
+    def lifetime(self) -> Lifetime:
+        return self._life
+
+    # -- decoding -----------------------------------------------------------------------------
+
+    def _pos_max(self, seq: int) -> int:
+        return int(self._lib.llama_memory_seq_pos_max(self._mem, seq))
+
+    def decode(self, batch: Sequence[BatchToken]) -> None:
+        with self._life.using():
+            _checks.check_batch(
+                batch,
+                n_batch=self._params.n_batch,
+                n_ctx=self._n_ctx,
+                n_vocab=self._n_vocab,
+                n_seq_max=self._params.n_seq_max,
+                pos_max=self._pos_max,
+            )
+            b = self._batch
+            for i, item in enumerate(batch):
+                b.token[i] = item.token
+                b.pos[i] = item.pos
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = item.seq
+                b.logits[i] = 1 if item.logits else 0
+            starts: dict[int, int] = {}
+            for item in batch:
+                starts.setdefault(item.seq, item.pos)
+            self._run(len(batch), starts)
+            self._rows = [i for i, item in enumerate(batch) if item.logits]
+
+    def prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
+        with self._life.using():
+            _checks.check_prefill(
+                seq,
+                tokens,
+                start_pos,
+                n_ctx=self._n_ctx,
+                n_vocab=self._n_vocab,
+                n_seq_max=self._params.n_seq_max,
+                pos_max=self._pos_max,
+            )
+            toks = list(tokens)
+            total = len(toks)
+            b = self._batch
+            for offset, length in _checks.aligned_chunks(start_pos, total, self._params.n_batch):
+                pos0 = start_pos + offset
+                ctypes.memmove(b.token, (ctypes.c_int32 * length)(*toks[offset : offset + length]),
+                               4 * length)  # fmt: skip
+                ctypes.memmove(b.pos, (ctypes.c_int32 * length)(*range(pos0, pos0 + length)),
+                               4 * length)  # fmt: skip
+                ctypes.memset(b.logits, 0, length)
+                for i in range(length):
+                    b.n_seq_id[i] = 1
+                    b.seq_id[i][0] = seq
+                last = offset + length == total
+                if last:
+                    b.logits[length - 1] = 1
+                try:
+                    self._run(length, {seq: pos0})
+                except BaseException:
+                    # Earlier chunks succeeded: undo them so the sequence is as before the call.
+                    self._lib.llama_memory_seq_rm(self._mem, seq, start_pos, -1)
+                    raise
+                self._rows = [length - 1] if last else []
+
+    def _run(self, n_tokens: int, starts: dict[int, int]) -> None:
+        """``llama_decode`` the first ``n_tokens`` rows of the batch; typed errors on failure."""
+        self._release_views()
+        self._rows = []
+        self._batch.n_tokens = n_tokens
+        rc = int(self._lib.llama_decode(self._ptr, self._batch))
+        if rc == 0:
+            return
+        # Fatal errors leave processed ubatches in memory; drop them so state is consistent.
+        for seq, pos in starts.items():
+            self._lib.llama_memory_seq_rm(self._mem, seq, pos, -1)
+        if rc == 1:
+            raise ContextOverflowError(
+                "no KV cache slot for this batch (the context is full)",
+                n_tokens=n_tokens,
+                n_ctx=self._n_ctx,
+            )
+        if rc == 2:
+            raise BackendError("llama_decode was aborted")
+        raise BackendError(f"llama_decode failed with code {rc}")
+
+    def _row(self, index: int) -> int:
+        row = _checks.resolve_row(index, self._rows)
+        if row < 0:
+            raise NoLogitsError(f"no logits for batch row {index} (decode with logits first)")
+        return row
+
+    def logits(self, index: int = -1) -> memoryview:
+        with self._life.using():
+            ptr = self._lib.llama_get_logits_ith(self._ptr, self._row(index))
+            if not ptr:
+                raise NoLogitsError(f"llama.cpp has no logits for row {index}")
+            array = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float * self._n_vocab)).contents
+            view = memoryview(array).cast("B").cast("f")
+            self._views.append(view)
+            # The protocol's plain ``memoryview``; its format is "f" (len == n_vocab).
+            return cast(memoryview, view)
+
+    def sample_with(self, chain: object, index: int) -> int:
+        """``llama_sampler_sample`` on row ``index`` (for ``LlamaSampler``), under our lock."""
+        with self._life.using():
+            return int(self._lib.llama_sampler_sample(chain, self._ptr, self._row(index)))
+
+    def _release_views(self) -> None:
+        for view in self._views:
+            try:
+                view.release()
+            except BufferError:
+                log.debug("a logits view is still exported; it now reads stale logits")
+        self._views.clear()
+
+    # -- KV state -----------------------------------------------------------------------------
+
+    def kv_pack(self, seq: int) -> bytes:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            lib = self._lib
+            size = int(lib.llama_state_seq_get_size(self._ptr, seq))
+            if size <= 0:
+                raise BackendError(f"llama_state_seq_get_size returned {size}")
+            out = _uninitialised_bytes(size)
+            dst = ctypes.cast(ctypes.c_char_p(out), ctypes.POINTER(ctypes.c_uint8))
+            written = int(lib.llama_state_seq_get_data(self._ptr, dst, size, seq))
+            if written != size:
+                raise BackendError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+            return out
+
+    def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            try:
+                # Zero-copy for bytes, bytearray and (contiguous) memoryviews, writable or not.
+                buf = np.frombuffer(data, dtype=np.uint8)
+            except (ValueError, TypeError) as exc:
+                raise StateRestoreError(f"KV blob is not a contiguous buffer: {exc}") from exc
+            size = buf.size
+            lib = self._lib
+            try:
+                _validate_blob(buf, n_ctx=self._n_ctx)
+                src = ctypes.cast(ctypes.c_void_p(buf.ctypes.data), ctypes.POINTER(ctypes.c_uint8))
+                read = int(lib.llama_state_seq_set_data(self._ptr, src, size, seq))
+                if read == 0:
+                    raise StateRestoreError(
+                        "llama.cpp refused the KV blob (other model, KV type or context size?)"
+                    )
+                if read != size:
+                    raise StateRestoreError(f"KV blob has {size - read} trailing bytes")
+                pos_min = int(lib.llama_memory_seq_pos_min(self._mem, seq))
+                pos_max = self._pos_max(seq)
+                if pos_max >= self._n_ctx or (pos_max >= 0 and pos_min != 0):
+                    raise StateRestoreError(
+                        f"restored positions [{pos_min}, {pos_max}] do not fit [0, {self._n_ctx})"
+                    )
+            except BaseException:
+                lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                raise
+            return pos_max + 1
+
+    def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            _checks.check_range(p0, p1)
+            if not self._lib.llama_memory_seq_rm(self._mem, seq, p0, p1):
+                raise BackendError(f"this model's memory cannot remove [{p0}, {p1}) of seq {seq}")
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        with self._life.using():
+            _checks.check_seq(src, self._params.n_seq_max, param="src")
+            _checks.check_seq(dst, self._params.n_seq_max, param="dst")
+            _checks.check_range(p0, p1)
+            if src == dst:
+                return
+            lib, mem = self._lib, self._mem
+            # dst := src[p0:p1). Clearing dst first keeps it free of duplicate positions, which
+            # would make its next decode inconsistent. (Cells are shared, not copied: the
+            # context has one unified KV stream. Across streams llama.cpp would GGML_ASSERT on a
+            # partial range.)
+            lib.llama_memory_seq_rm(mem, dst, -1, -1)
+            lib.llama_memory_seq_cp(mem, src, dst, p0, p1)
+
+    def seq_pos_max(self, seq: int) -> int:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            return self._pos_max(seq)
+
+    def clear(self) -> None:
+        with self._life.using():
+            self._lib.llama_memory_clear(self._mem, True)
+
+    # -- embeddings and adapters --------------------------------------------------------------
+
+    def embed(self, tokens: Sequence[int], *, normalize: bool = True) -> list[float]:
+        with self._life.using():
+            if not self._params.embeddings:
+                raise InvalidRequestError(
+                    "this context was not created with embeddings=True", param="input"
+                )
+            n = len(tokens)
+            if n == 0:
+                raise InvalidRequestError("cannot embed zero tokens", param="input")
+            # Pooling needs the whole sequence in one ubatch.
+            if n > min(self._params.n_ubatch, self._n_ctx):
+                raise InvalidRequestError(
+                    f"{n} tokens exceed n_ubatch={self._params.n_ubatch}", param="input"
+                )
+            _checks.check_tokens(tokens, self._n_vocab)
+            lib, mem, b = self._lib, self._mem, self._batch
+            lib.llama_memory_seq_rm(mem, 0, -1, -1)
+            for i, token in enumerate(tokens):
+                b.token[i] = token
+                b.pos[i] = i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = 1
+            try:
+                self._run(n, {0: 0})
+                if self._params.pooling == "none":
+                    rows = []
+                    for i in range(n):
+                        ptr = lib.llama_get_embeddings_ith(self._ptr, i)
+                        if not ptr:
+                            raise BackendError("llama.cpp returned no token embeddings")
+                        rows.append(np.ctypeslib.as_array(ptr, shape=(self._n_embd,)).copy())
+                    vec = np.mean(np.stack(rows), axis=0, dtype=np.float64)
+                else:
+                    ptr = lib.llama_get_embeddings_seq(self._ptr, 0)
+                    if not ptr:
+                        raise BackendError("llama.cpp returned no pooled embedding")
+                    vec = np.ctypeslib.as_array(ptr, shape=(self._n_embd,)).astype(np.float64)
+            finally:
+                lib.llama_memory_seq_rm(mem, 0, -1, -1)
+                self._rows = []
+            if normalize:
+                norm = math.sqrt(float(np.dot(vec, vec)))
+                if norm > 0:
+                    vec = vec / norm
+            return [float(x) for x in np.asarray(vec, dtype=np.float64).ravel()]
+
+    def set_adapters(self, adapters: Sequence[tuple[Adapter, float]]) -> None:
+        with self._life.using():
+            chosen: list[tuple[LlamaAdapter, float]] = []
+            for adapter, scale in adapters:
+                if not isinstance(adapter, LlamaAdapter) or adapter.model is not self._model:
+                    raise AdapterError("adapter was not loaded by this context's model")
+                if not math.isfinite(scale):
+                    raise InvalidRequestError(f"adapter scale {scale} is not finite")
+                chosen.append((adapter, float(scale)))
+            acquired: list[LlamaAdapter] = []
+            try:
+                for adapter, _ in chosen:
+                    adapter.lifetime.acquire()
+                    acquired.append(adapter)
+                n = len(chosen)
+                lib = self._lib
+                if n:
+                    ptrs = (lib.llama_adapter_lora_p_ctypes * n)(*(a.native for a, _ in chosen))
+                    scales = (ctypes.c_float * n)(*(s for _, s in chosen))
+                    rc = int(lib.llama_set_adapters_lora(self._ptr, ptrs, n, scales))
+                else:
+                    rc = int(lib.llama_set_adapters_lora(self._ptr, None, 0, None))
+                if rc != 0:
+                    raise AdapterError(f"llama_set_adapters_lora failed with code {rc}")
+            except BaseException:
+                for adapter in acquired:
+                    adapter.lifetime.release()
+                raise
+            for adapter, _ in self._adapters:
+                adapter.lifetime.release()
+            self._adapters = chosen
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._life.close()
+
+    def _free(self) -> None:
+        self._release_views()
+        self._rows = []
+        lib = self._lib
+        lib.llama_batch_free(self._batch)
+        lib.llama_free(self._ptr)
+        self._ptr = None
+        self._mem = None
+        for adapter, _ in self._adapters:
+            adapter.lifetime.release()
+        self._adapters = []
+        self._model.lifetime.release()
+
+
+def _validate_blob(buf: np.ndarray[tuple[int], np.dtype[np.uint8]], *, n_ctx: int) -> None:
+    """Cheap structural checks llama.cpp does not make before trusting a blob's counts."""
+    if buf.size < 16:
+        raise StateRestoreError(f"KV blob of {buf.size} bytes is too short")

@@ -1,0 +1,347 @@
+"""llama.cpp models and LoRA adapters over the low-level ``llama_cpp`` bindings.
+
+Invariants:
+
+- ``llama_model_free`` runs exactly once, after ``close()`` *and* after every context, sampler
+  and adapter created from the model has closed (``_lifetime``): contexts read the model while
+  they are freed, samplers hold its vocabulary, adapters are owned by it.
+- Every vocabulary call checks token ids against ``n_vocab`` first; llama.cpp indexes its tables
+  with them unchecked.
+- The "buffer too small" protocol (negative return = needed size) is followed for tokenize,
+  detokenize and token_to_piece; nothing is truncated silently.
+- The load-progress ctypes callback is referenced from the stack frame (and the model) for as
+  long as C may call it, i.e. the whole ``llama_model_load_from_file`` call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvwarm.backends import _checks, _native
+from kvwarm.backends._lifetime import Lifetime
+from kvwarm.backends.base import ContextParams, ModelFacts, ModelParams, SamplingParams
+from kvwarm.backends.chat_template import render_chat
+from kvwarm.errors import (
+    AdapterError,
+    InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+)
+
+if TYPE_CHECKING:
+    from kvwarm.backends.llama_context import LlamaContext
+    from kvwarm.backends.llama_sampler import LlamaSampler
+
+log = logging.getLogger(__name__)
+
+_INT32_MIN = -(2**31)
+_MAX_TEXT = 2**31 - 1
+# llama_model_params.load_mode values (LLAMA_LOAD_MODE_*).
+_LOAD_NONE, _LOAD_MMAP, _LOAD_MLOCK, _LOAD_MMAP_MLOCK = 0, 1, 2, 3
+
+
+class LlamaBackend:
+    """Factory of llama.cpp models (``name == 'llama_cpp'``)."""
+
+    @property
+    def name(self) -> str:
+        return "llama_cpp"
+
+    def load_model(self, path: str, params: ModelParams | None = None) -> LlamaModel:
+        return LlamaModel(str(path), params or ModelParams())
+
+
+class LlamaModel:
+    """Loaded weights + vocabulary. Vocabulary calls are safe from any thread."""
+
+    def __init__(self, path: str, params: ModelParams) -> None:
+        if "\0" in path:
+            raise ModelNotFoundError("model path contains a NUL byte")
+        if not Path(path).is_file():
+            raise ModelNotFoundError(f"no model file at {path!r}")
+        lib = _native.lib()
+        self._lib = lib
+        self._params = params
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = params.n_gpu_layers
+        mparams.vocab_only = params.vocab_only
+        if params.use_mmap:
+            mparams.load_mode = _LOAD_MMAP_MLOCK if params.use_mlock else _LOAD_MMAP
+        else:
+            mparams.load_mode = _LOAD_MLOCK if params.use_mlock else _LOAD_NONE
+        failure: list[BaseException] = []
+        progress_cb: object | None = None
+        if params.progress is not None:
+            user_progress = params.progress
+
+            def on_progress(fraction: float, _user: object) -> bool:
+                try:
+                    return bool(user_progress(min(max(float(fraction), 0.0), 1.0)))
+                except BaseException as exc:
+                    failure.append(exc)
+                    return False
+
+            progress_cb = lib.llama_progress_callback(on_progress)
+            mparams.progress_callback = progress_cb
+        # Kept on the instance too, in case llama.cpp ever calls back after load returns.
+        self._progress_cb = progress_cb
+        ptr = lib.llama_model_load_from_file(path.encode(), mparams)
+        if not ptr:
+            if failure:
+                raise ModelLoadError(f"loading {path!r} failed in the progress callback") from (
+                    failure[0]
+                )
+            if params.progress is not None:
+                raise ModelLoadError(f"loading {path!r} failed or was cancelled")
+            raise ModelLoadError(f"llama.cpp could not load {path!r}")
+        self._ptr: object = ptr
+        self._vocab: object = lib.llama_model_get_vocab(ptr)
+        if not self._vocab:
+            lib.llama_model_free(ptr)
+            raise ModelLoadError(f"{path!r} has no vocabulary")
+        self._n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
+        self._facts = self._read_facts(path)
+        self._life = Lifetime("model", self._free)
+
+    # -- facts --------------------------------------------------------------------------------
+
+    def _read_facts(self, path: str) -> ModelFacts:
+        lib, ptr = self._lib, self._ptr
+        metadata: dict[str, str] = {}
+        for i in range(int(lib.llama_model_meta_count(ptr))):
+            key = _native.read_string(functools.partial(lib.llama_model_meta_key_by_index, ptr, i))
+            value = _native.read_string(
+                functools.partial(lib.llama_model_meta_val_str_by_index, ptr, i)
+            )
+            if key:
+                metadata[key] = value
+        try:
+            file_type = int(metadata["general.file_type"])
+        except (KeyError, ValueError):
+            file_type = int(lib.llama_model_ftype(ptr))
+        raw_template = lib.llama_model_chat_template(ptr, None)
+        bos = int(lib.llama_vocab_bos(self._vocab))
+        eos = int(lib.llama_vocab_eos(self._vocab))
+        return ModelFacts(
+            path=path,
+            n_vocab=self._n_vocab,
+            n_ctx_train=int(lib.llama_model_n_ctx_train(ptr)),
+            n_embd=int(lib.llama_model_n_embd(ptr)),
+            n_layer=int(lib.llama_model_n_layer(ptr)),
+            size_bytes=int(lib.llama_model_size(ptr)),
+            n_params=int(lib.llama_model_n_params(ptr)),
+            description=_native.read_string(lambda b, s: lib.llama_model_desc(ptr, b, s)),
+            file_type=file_type,
+            quant_bits=_native.quant_bits(file_type),
+            bos=bos if 0 <= bos < self._n_vocab else None,
+            eos=eos if 0 <= eos < self._n_vocab else None,
+            add_bos=bool(lib.llama_vocab_get_add_bos(self._vocab)),
+            chat_template=raw_template.decode("utf-8", errors="replace") if raw_template else None,
+            metadata=metadata,
+        )
+
+    @property
+    def facts(self) -> ModelFacts:
+        self._life.check()
+        return self._facts
+
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    @property
+    def lifetime(self) -> Lifetime:
+        return self._life
+
+    @property
+    def native(self) -> object:
+        """The ``llama_model *``; valid while a dependent holds ``lifetime``."""
+        return self._ptr
+
+    @property
+    def vocab(self) -> object:
+        return self._vocab
+
+    @property
+    def vocab_only(self) -> bool:
+        return self._params.vocab_only
+
+    # -- vocabulary ---------------------------------------------------------------------------
+
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
+        data = text.encode("utf-8", errors="surrogatepass")
+        if len(data) > _MAX_TEXT // 2:
+            raise InvalidRequestError("text too long to tokenize", param="prompt")
+        lib = self._lib
+        capacity = len(data) + 8
+        with self._life.using():
+            for _ in range(3):
+                buf = (ctypes.c_int32 * capacity)()
+                n = int(
+                    lib.llama_tokenize(
+                        self._vocab, data, len(data), buf, capacity, add_special, parse_special
+                    )
+                )
+                if n == _INT32_MIN:
+                    raise InvalidRequestError("tokenization overflowed int32", param="prompt")
+                if n >= 0:
+                    return list(buf[:n])
+                capacity = -n
+        raise InvalidRequestError("tokenizer kept asking for a larger buffer", param="prompt")
+
+    def detokenize(
+        self, tokens: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False
+    ) -> str:
+        _checks.check_tokens(tokens, self._n_vocab)
+        if not tokens:
+            return ""
+        arr = (ctypes.c_int32 * len(tokens))(*tokens)
+        capacity = len(tokens) * 8 + 16
+        with self._life.using():
+            for _ in range(3):
+                buf = ctypes.create_string_buffer(capacity)
+                n = int(
+                    self._lib.llama_detokenize(
+                        self._vocab, arr, len(tokens), buf, capacity, remove_special,
+                        unparse_special,
+                    )
+                )  # fmt: skip
+                if n >= 0:
+                    return buf.raw[:n].decode("utf-8", errors="replace")
+                if n == _INT32_MIN:
+                    break
+                capacity = -n
+        raise InvalidRequestError("detokenized text too long", param="tokens")
+
+    def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
+        _checks.check_tokens([token], self._n_vocab)
+        capacity = 32
+        with self._life.using():
+            for _ in range(3):
+                buf = ctypes.create_string_buffer(capacity)
+                n = int(
+                    self._lib.llama_token_to_piece(self._vocab, token, buf, capacity, 0, special)
+                )
+                if n >= 0:
+                    return buf.raw[:n]
+                capacity = -n
+        raise InvalidRequestError(f"token {token} has an oversized piece", param="tokens")
+
+    def is_eog(self, token: int) -> bool:
+        _checks.check_tokens([token], self._n_vocab)
+        with self._life.using():
+            return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+    ) -> str:
+        facts = self.facts
+        source = template or facts.chat_template
+        if not source:
+            raise InvalidRequestError("the model has no chat template", param="messages")
+        bos = self.token_to_piece(facts.bos, special=True) if facts.bos is not None else b""
+        eos = self.token_to_piece(facts.eos, special=True) if facts.eos is not None else b""
+        return render_chat(
+            source,
+            messages,
+            bos_token=bos.decode("utf-8", errors="replace"),
+            eos_token=eos.decode("utf-8", errors="replace"),
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+        )
+
+    # -- children -----------------------------------------------------------------------------
+
+    def new_context(self, params: ContextParams) -> LlamaContext:
+        from kvwarm.backends.llama_context import LlamaContext
+
+        params.validate()
+        if self._params.vocab_only:
+            raise ModelLoadError("a vocab_only model cannot create contexts")
+        return LlamaContext(self, params)
+
+    def new_sampler(self, params: SamplingParams) -> LlamaSampler:
+        from kvwarm.backends.llama_sampler import LlamaSampler
+
+        return LlamaSampler(self, params)
+
+    def load_adapter(self, path: str) -> LlamaAdapter:
+        return LlamaAdapter(self, str(path))
+
+    def close(self) -> None:
+        self._life.close()
+
+    def _free(self) -> None:
+        self._lib.llama_model_free(self._ptr)
+        self._ptr = None
+        self._vocab = None
+        log.debug("freed model %s", self._facts.path)
+
+
+class LlamaAdapter:
+    """A LoRA adapter; freed before its model (it is one of the model's dependents)."""
+
+    def __init__(self, model: LlamaModel, path: str) -> None:
+        if "\0" in path or not Path(path).is_file():
+            raise AdapterError(f"no adapter file at {path!r}")
+        try:
+            digest = hashlib.sha256()
+            with open(path, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(chunk)
+        except OSError as exc:
+            raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
+        self._path = path
+        self._sha256 = digest.digest()
+        self.model = model
+        lib = model._lib
+        model.lifetime.acquire()
+        try:
+            with model.lifetime.using():
+                ptr = lib.llama_adapter_lora_init(model.native, path.encode())
+        except BaseException:
+            model.lifetime.release()
+            raise
+        if not ptr:
+            model.lifetime.release()
+            raise AdapterError(f"llama.cpp could not load adapter {path!r} for this model")
+        self._ptr: object = ptr
+        self._lib = lib
+        self._life = Lifetime("adapter", self._free)
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def sha256(self) -> bytes:
+        return self._sha256
+
+    @property
+    def native(self) -> object:
+        return self._ptr
+
+    @property
+    def lifetime(self) -> Lifetime:
+        return self._life
+
+    def close(self) -> None:
+        self._life.close()
+
+    def _free(self) -> None:
+        self._lib.llama_adapter_lora_free(self._ptr)
+        self._ptr = None
+        self.model.lifetime.release()
