@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fakebook import FakeBook
-from tierkit import NS, TIERS, TierFactory, factory, request, shm_dir
+from tests.cache.fakebook import FakeBook
+from tests.cache.tierkit import NS, TIERS, TierFactory, factory, request, shm_dir
 
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.protocols import Tier

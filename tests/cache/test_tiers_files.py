@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from fakebook import FakeBook
-from tierkit import NS, request
+from tests.cache.fakebook import FakeBook
+from tests.cache.tierkit import NS, request
 
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.tiers.files import FileTier

@@ -1,0 +1,106 @@
+"""Subprocess writer for fault tests. Talks to the parent over stdout (and stdin for ``race``).
+
+writer_child.py kill  ROOT TIER STEP N      store N rows (ACK each), then SIGKILL self at STEP
+                                      while storing the victim row
+writer_child.py race  ROOT TIER ID          store the race row; pause at "checked" for "GO"
+writer_child.py enospc ROOT                 on a tiny tmpfs: a fitting row, then one too big
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import cast
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for tests.*
+
+from tests.cache.fakebook import FakeBook
+from tests.cache.tierkit import request
+
+from kvwarm.cache.tiers.files import FileTier
+from kvwarm.cache.types import SaveRequest, TierName
+from kvwarm.errors import CacheIOError
+
+
+def row(i: int, size: int = 64 * 1024) -> tuple[bytes, SaveRequest]:
+    """Row i of the kill test: deterministic so the parent can rebuild it."""
+    return request(tuple(range(i, i + 50)), payload=bytes([i % 251]) * size)
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def kill_mode(root: str, tier: str, step: str, n: int) -> None:
+    book = FakeBook()
+    plain = FileTier(cast(TierName, tier), root, 1 << 30)
+    for i in range(n):
+        key, req = row(i)
+        assert plain.store(key, req, book) is not None
+        say(f"ACK {key.hex()}")
+
+    def hook(s: str) -> None:
+        if s == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    victim = FileTier(cast(TierName, tier), root, 1 << 30, on_step=hook)
+    key, req = row(n)
+    say(f"VICTIM {key.hex()}")
+    victim.store(key, req, book)
+    say("SURVIVED")
+
+
+def race_mode(root: str, tier: str, ident: int) -> None:
+    steps: list[str] = []
+
+    def hook(s: str) -> None:
+        steps.append(s)
+        if s == "checked":
+            say("READY")
+            if sys.stdin.readline().strip() != "GO":
+                raise SystemExit("no GO")
+
+    t = FileTier(cast(TierName, tier), root, 1 << 30, on_step=hook)
+    key, req = request((1, 2, 3), payload=f"writer {ident} ".encode() * 1000)
+    got = t.store(key, req, FakeBook())
+    outcome = "LINKED" if "linked" in steps else "ADOPTED" if "adopted" in steps else "NONE"
+    say(f"{outcome} {got.info.size if got else -1}")
+
+
+def enospc_mode(root: str) -> None:
+    t = FileTier("ram_file", root, 1 << 30)
+    book = FakeBook()
+    small_key, small = request((1,), payload=b"s" * 8 * 1024)
+    small_row = t.store(small_key, small, book)
+    assert small_row is not None and small_row.location is not None
+    before = hashlib.sha256(Path(small_row.location).read_bytes()).hexdigest()
+    big_key, big = request((2,), payload=b"b" * 1024 * 1024)  # the tmpfs holds 256 KiB
+    err = None
+    try:
+        t.store(big_key, big, book)
+    except CacheIOError as exc:
+        err = exc.errno
+    after = hashlib.sha256(Path(small_row.location).read_bytes()).hexdigest()
+    intact = bytes(t.load(small_row).payload) == small.payload
+    say(json.dumps({
+        "errno": err, "before": before, "after": after, "intact": intact,
+        "listing": sorted(os.listdir(root)), "reservations": len(book.reservations),
+        "small": small_key.hex(),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    mode, *args = sys.argv[1:]
+    if mode == "kill":
+        kill_mode(args[0], args[1], args[2], int(args[3]))
+    elif mode == "race":
+        race_mode(args[0], args[1], int(args[2]))
+    elif mode == "enospc":
+        enospc_mode(args[0])
+    else:
+        raise SystemExit(f"unknown mode {mode}")
