@@ -1,0 +1,75 @@
+"""Cheap thread-safe counters and latency totals for the cache.
+
+Invariant: every increment is applied exactly once and ``snapshot()`` returns one consistent
+view (taken under the same lock the increments use). The lock is held for a dict update only,
+so contention costs nanoseconds; nothing here does I/O or calls back into other code.
+
+Names in the snapshot:
+
+- plain counters: ``hits_exact``, ``hits_resume``, ``hits_longest_prefix``, ``misses``,
+  ``saves_<reason>`` (one per ``SaveReason``), ``saves_dropped``, ``save_failures``,
+  ``evictions``, ``evicted_bytes``, plus anything else ``incr`` was asked to count;
+- latencies: ``latency_<name>_count`` and ``latency_<name>_seconds`` for ``pack``, ``unpack``,
+  ``load``, ``lookup``, ``save`` and any other name recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvwarm.cache.types import SaveReason
+
+__all__ = ["BASE_COUNTERS", "LATENCY_NAMES", "Counters"]
+
+BASE_COUNTERS: tuple[str, ...] = (
+    "hits_exact",
+    "hits_resume",
+    "hits_longest_prefix",
+    "misses",
+    *(f"saves_{r.name.lower()}" for r in SaveReason),
+    "saves_dropped",
+    "save_failures",
+    "evictions",
+    "evicted_bytes",
+)
+LATENCY_NAMES: tuple[str, ...] = ("pack", "unpack", "load", "lookup", "save")
+
+
+class Counters:
+    """Monotonic counters and (count, total seconds) latency pairs."""
+
+    __slots__ = ("_counts", "_lat_n", "_lat_s", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # Pre-seeded so a snapshot always shows every documented name, even at zero.
+        self._counts: dict[str, int] = dict.fromkeys(BASE_COUNTERS, 0)
+        self._lat_n: dict[str, int] = dict.fromkeys(LATENCY_NAMES, 0)
+        self._lat_s: dict[str, float] = dict.fromkeys(LATENCY_NAMES, 0.0)
+
+    def incr(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] = self._counts.get(name, 0) + n
+
+    def record_save(self, reason: SaveReason) -> None:
+        self.incr(f"saves_{reason.name.lower()}")
+
+    def record_latency(self, name: str, seconds: float) -> None:
+        if not name.isidentifier():
+            # The name becomes part of a metrics key; refuse anything that would garble it.
+            raise ValueError(f"latency name must be an identifier, got {name!r}")
+        with self._lock:
+            self._lat_n[name] = self._lat_n.get(name, 0) + 1
+            self._lat_s[name] = self._lat_s.get(name, 0.0) + max(0.0, seconds)
+
+    def get(self, name: str) -> int:
+        with self._lock:
+            return self._counts.get(name, 0)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            out: dict[str, float] = {k: float(v) for k, v in self._counts.items()}
+            for name, n in self._lat_n.items():
+                out[f"latency_{name}_count"] = float(n)
+                out[f"latency_{name}_seconds"] = self._lat_s[name]
+        return out
