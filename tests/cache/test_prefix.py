@@ -1,0 +1,155 @@
+"""The prefix index against a brute-force oracle, plus structural invariants."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwarm.cache.prefix import PrefixIndex
+
+
+def _key(ns: int, toks: tuple[int, ...]) -> bytes:
+    return hashlib.sha256(repr((ns, toks)).encode()).digest()
+
+
+def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _oracle(
+    rows: dict[bytes, tuple[int, tuple[int, ...], int]],
+    ns: int,
+    q: tuple[int, ...],
+    min_shared: int,
+) -> tuple[bytes, int] | None:
+    best: tuple[int, int, bytes] | None = None  # (-shared, size, key)
+    for key, (rns, toks, size) in rows.items():
+        if rns != ns:
+            continue
+        cand = (-_shared(toks, q), size, key)
+        if best is None or cand < best:
+            best = cand
+    if best is None or -best[0] < max(min_shared, 0):
+        return None
+    return best[2], -best[0]
+
+
+def _check_invariants(idx: PrefixIndex) -> None:
+    """Every non-root node is compressed and every best is the true subtree minimum."""
+    for root in idx._roots.values():
+        stack = [root]
+        while stack:
+            n = stack.pop()
+            if n.parent is not None:
+                assert n.edge
+                assert n.row is not None or (n.children is not None and len(n.children) >= 2)
+            if n.children:
+                for t, c in n.children.items():
+                    assert c.first_token() == t
+                    assert c.parent is n
+                stack.extend(n.children.values())
+            # recompute the subtree minimum from scratch
+            sub = [n]
+            rows = []
+            while sub:
+                m = sub.pop()
+                if m.row is not None:
+                    rows.append(m.row)
+                if m.children:
+                    sub.extend(m.children.values())
+            assert n.best == (min(rows) if rows else None)
+
+
+small_tokens = st.lists(st.integers(0, 3), min_size=0, max_size=8).map(tuple)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["ins", "del", "q"]),
+        st.integers(0, 1),
+        small_tokens,
+        st.integers(1, 5),
+        st.integers(0, 3),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops)
+def test_matches_bruteforce_oracle(
+    script: list[tuple[str, int, tuple[int, ...], int, int]],
+) -> None:
+    idx = PrefixIndex()
+    model: dict[bytes, tuple[int, tuple[int, ...], int]] = {}
+    for op, ns, toks, size, min_shared in script:
+        key = _key(ns, toks)
+        if op == "ins":
+            idx.insert(ns, key, toks, size)
+            model[key] = (ns, toks, size)
+        elif op == "del":
+            # delete the row nearest in insertion order to make removals hit real rows
+            victim = next(iter(model), None) if toks else key
+            if victim is not None:
+                assert idx.remove(victim) == (victim in model)
+                model.pop(victim, None)
+        else:
+            assert idx.longest(ns, toks, min_shared) == _oracle(model, ns, toks, min_shared)
+        _check_invariants(idx)
+        assert len(idx) == len(model)
+        for key, (_, toks2, _) in model.items():
+            assert idx.tokens(key) == toks2
+    for key in list(model):
+        assert idx.remove(key)
+    assert not idx._roots and len(idx) == 0
+
+
+def test_divergence_mid_edge_and_row_as_prefix() -> None:
+    idx = PrefixIndex()
+    a = tuple(range(100))
+    idx.insert("ns", b"a", a, 10)
+    # query extends the row: shares all of it
+    assert idx.longest("ns", (*a, 7, 8)) == (b"a", 100)
+    # query diverges at 37: shares 37 (not a stride multiple)
+    q = (*a[:37], 999)
+    assert idx.longest("ns", q) == (b"a", 37)
+    assert idx.longest("ns", q, min_shared=38) is None
+    # query is a strict prefix of the row
+    assert idx.longest("ns", a[:5]) == (b"a", 5)
+    assert idx.longest("other", a) is None
+    assert idx.longest("ns", (5,)) is None
+
+
+def test_ties_go_to_fewest_bytes_and_removal_recomputes() -> None:
+    idx = PrefixIndex()
+    base = tuple(range(50))
+    idx.insert("ns", b"big", (*base, 1, 2, 3), 1000)
+    idx.insert("ns", b"small", (*base, 4, 5), 10)
+    idx.insert("ns", b"mid", (*base, 6), 100)
+    assert idx.longest("ns", (*base, 9)) == (b"small", 50)
+    idx.remove(b"small")
+    assert idx.longest("ns", (*base, 9)) == (b"mid", 50)
+    # a longer share beats fewer bytes
+    assert idx.longest("ns", (*base, 1, 2)) == (b"big", 52)
+
+
+def test_rejects_out_of_range_tokens() -> None:
+    idx = PrefixIndex()
+    with pytest.raises(ValueError):
+        idx.insert("ns", b"k", (-1,), 1)
+    idx.insert("ns", b"k", (1,), 1)
+    with pytest.raises(ValueError):
+        idx.longest("ns", (2**32,))
+
+
+def test_two_keys_for_same_tokens_is_refused() -> None:
+    idx = PrefixIndex()
+    idx.insert("ns", b"a", (1, 2), 1)
+    with pytest.raises(ValueError):
+        idx.insert("ns", b"b", (1, 2), 1)
