@@ -1,0 +1,454 @@
+"""``Cache``: the one object callers use (implements ``api.CacheApi``).
+
+It wires the decision half (``Index``, policy validation, counters, pressure) to the storage
+half (tiers, writer pool) and is the only place that turns index decisions into tier I/O.
+
+Invariants:
+
+- The index decides, the tiers store: every row enters the index through the publish protocol
+  or an adopt of a file that parsed, and leaves it *before* its bytes are deleted, so no lookup
+  can return a row whose bytes are already gone on purpose. (Bytes removed behind our back,
+  e.g. by another process, surface as ``CacheKeyError``/``CacheFormatError`` on open and the
+  row is dropped then.)
+- A key is marked in flight before ``save`` returns and unmarked when its job ends (published,
+  failed or dropped), so ``lookup_exact_or_wait`` never waits for a save that cannot come.
+- No tier I/O happens under the index lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from types import TracebackType
+
+from kvwarm.cache.api import LoadedRow, VerifyReport
+from kvwarm.cache.counters import Counters
+from kvwarm.cache.index import Index, Orphan
+from kvwarm.cache.key import cache_key
+from kvwarm.cache.policy import validate_cache_config
+from kvwarm.cache.pressure import PressureScheduler, PressureSource, make_source
+from kvwarm.cache.protocols import StoredRow, Tier
+from kvwarm.cache.types import (
+    CacheConfig,
+    EvictResult,
+    Namespace,
+    PrefixMatch,
+    RowInfo,
+    SaveRequest,
+    TierName,
+)
+from kvwarm.cache.writer import WriterPool
+from kvwarm.errors import CacheError, CacheFormatError, CacheKeyError, InvalidRequestError
+
+__all__ = ["Cache"]
+
+log = logging.getLogger(__name__)
+
+_KVC_SUFFIX = ".kvc"
+_HEX = frozenset("0123456789abcdef")
+
+
+class Cache:
+    """A multi-tier, token-exact KV cache. Thread-safe; close it (or use ``with``)."""
+
+    def __init__(
+        self,
+        config: CacheConfig | None = None,
+        *,
+        tiers: Sequence[Tier] | None = None,
+        pressure_source: PressureSource | Callable[[], tuple[int, int]] | None = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        background: bool = True,
+    ) -> None:
+        """``tiers`` replaces the tiers built from ``config.tiers`` (tests, custom storage);
+        ``clock``/``monotonic`` drive TTLs and reservation deadlines; ``background=False``
+        starts no sweeper or pressure thread (call ``gc()``/``pressure.tick()`` yourself)."""
+        self.config = config if config is not None else CacheConfig()
+        validate_cache_config(self.config)
+        self._counters = Counters()
+        self._index = Index(
+            reservation_ttl_s=self.config.reservation_ttl_s,
+            ttl_seconds=self.config.ttl_seconds,
+            clock=clock,
+            monotonic=monotonic,
+        )
+        self._tiers: dict[TierName, Tier] = {}
+        for tier in tiers if tiers is not None else self._build_tiers():
+            self._tiers[tier.name] = tier
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._stop = threading.Event()
+        for tier in self._tiers.values():
+            self._scan(tier)
+        self._index.resort_lru()
+        for tier in self._tiers.values():
+            self._enforce_quota(tier)
+        self._writer = WriterPool(self.config.writer_threads, self.config.writer_queue)
+        self.pressure: PressureScheduler | None = None
+        if self.config.pressure.enabled:
+            source = make_source(
+                pressure_source if pressure_source is not None else self.config.pressure.source
+            )
+            self.pressure = PressureScheduler(self.config.pressure, source, self.evict_bytes)
+        self._sweeper: threading.Thread | None = None
+        if background:
+            self._sweeper = threading.Thread(
+                target=self._sweep_loop, name="kvwarm-sweep", daemon=True
+            )
+            self._sweeper.start()
+            if self.pressure is not None:
+                self.pressure.start()
+
+    def _build_tiers(self) -> list[Tier]:
+        from kvwarm.cache.tiers.files import FileTier
+        from kvwarm.cache.tiers.ram import RamTier
+
+        out: list[Tier] = []
+        for tc in self.config.tiers:
+            if tc.name == "ram":
+                out.append(RamTier(tc.quota_bytes))
+            else:
+                assert tc.root is not None  # validated
+                out.append(FileTier(tc.name, tc.root, tc.quota_bytes))
+        return out
+
+    # ------------------------------------------------------------------ lookups
+
+    def key_for(self, namespace: Namespace, tokens: Sequence[int]) -> bytes:
+        return cache_key(namespace, tokens)
+
+    def lookup_exact(self, key: bytes) -> RowInfo | None:
+        info = self._index.get(key)
+        if info is None:
+            info = self._probe(key)
+        if info is not None:
+            self._counters.incr("hits_exact")
+        return info
+
+    def lookup_exact_or_wait(self, key: bytes, timeout_s: float) -> RowInfo | None:
+        info = self._index.wait_for(key, timeout_s)
+        if info is None:
+            info = self._probe(key)
+        if info is not None:
+            self._counters.incr("hits_resume")
+        return info
+
+    def longest_prefix(
+        self, namespace: Namespace, tokens: Sequence[int], *, min_shared: int = 1
+    ) -> PrefixMatch | None:
+        t0 = time.perf_counter()
+        match = self._index.longest(namespace, tokens, min_shared)
+        self._counters.record_latency("lookup", time.perf_counter() - t0)
+        if match is not None:
+            self._counters.incr("hits_longest_prefix")
+        return match
+
+    def _probe(self, key: bytes) -> RowInfo | None:
+        """A row another process published in a shared file tier, adopted on sight."""
+        for tier in self._tiers.values():
+            if tier.name == "ram":
+                continue
+            try:
+                row = tier.probe(key)
+            except CacheError as exc:
+                log.info("%s: probe failed: %s", tier.name, exc)
+                continue
+            if row is not None and self._adopt(tier, row):
+                return self._index.get(key)
+        return self._index.get(key)
+
+    def _adopt(self, tier: Tier, row: StoredRow) -> bool:
+        try:
+            adopted = self._index.adopt(row)
+        except ValueError as exc:  # tokens out of range in a file that otherwise parsed
+            log.warning("%s: not adopting %s: %s", tier.name, row.info.key.hex(), exc)
+            return False
+        if adopted:
+            self._enforce_quota(tier)
+        return adopted
+
+    # ------------------------------------------------------------------ reading a row
+
+    @contextmanager
+    def open_row(self, key: bytes) -> Iterator[LoadedRow]:
+        stored = self._index.checkout(key)
+        if stored is None and self._probe(key) is not None:
+            stored = self._index.checkout(key)
+        if stored is None:
+            raise CacheKeyError(f"no cache row {key.hex()}")
+        try:
+            tier = self._tiers[stored.info.tier]
+            t0 = time.perf_counter()
+            try:
+                data = tier.load(stored)
+                if data.tokens != stored.tokens:
+                    raise CacheFormatError(f"row {key.hex()} holds other tokens than indexed")
+            except (CacheFormatError, CacheKeyError) as exc:
+                # Corrupt, or removed behind our back (another process): forget it for good.
+                log.warning("%s: dropping row %s: %s", tier.name, key.hex(), exc)
+                self._retire([r for r in (self._index.remove(key),) if r is not None])
+                raise
+            self._counters.record_latency("load", time.perf_counter() - t0)
+            yield LoadedRow(stored.info, data.tokens, data.payload, data.logits)
+        finally:
+            self._index.checkin(key)
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, request: SaveRequest, *, sync: bool = False, timeout_s: float = 30.0) -> bool:
+        tier = self._tiers.get(request.tier)
+        if tier is None:
+            raise InvalidRequestError(
+                f"cache tier {request.tier!r} is not configured", param="tier"
+            )
+        key = cache_key(request.namespace, request.tokens)
+        if key in self._index:
+            return True  # already published: the bytes would be identical
+        if self._closed:  # tiers are closed: nothing could be stored
+            self._counters.incr("saves_dropped")
+            return False
+        self._index.mark_in_flight(key)
+
+        def job() -> bool:
+            return self._run_save(key, request, tier)
+
+        if sync:
+            try:
+                return bool(self._writer.submit_sync(job, timeout_s))
+            except TimeoutError:
+                log.warning(
+                    "sync %s save still running after %.1fs", request.reason.name, timeout_s
+                )
+                return False
+        if not self._writer.submit(job):
+            self._index.clear_in_flight(key)
+            self._counters.incr("saves_dropped")
+            return False
+        return True
+
+    def _run_save(self, key: bytes, request: SaveRequest, tier: Tier) -> bool:
+        t0 = time.perf_counter()
+        try:
+            row = tier.store(key, request, self._index)
+        except CacheError as exc:
+            self._counters.incr("save_failures")
+            log.warning("%s: %s save failed: %s", tier.name, request.reason.name, exc)
+            return False
+        except Exception:
+            self._counters.incr("save_failures")
+            log.exception("%s: %s save failed", tier.name, request.reason.name)
+            return False
+        finally:
+            self._index.clear_in_flight(key)
+        self._counters.record_latency("save", time.perf_counter() - t0)
+        if row is None:  # another writer had it reserved or published: fine if it is there now
+            return key in self._index
+        self._counters.record_save(request.reason)
+        self._enforce_quota(tier)
+        return True
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return self._writer.drain(timeout_s)
+
+    # ------------------------------------------------------------------ counting
+
+    def record_miss(self) -> None:
+        self._counters.incr("misses")
+
+    def record_latency(self, name: str, seconds: float) -> None:
+        self._counters.record_latency(name, seconds)
+
+    def counters(self) -> Mapping[str, float]:
+        snap = self._counters.snapshot()
+        usage = self._index.usage()
+        for name, tier in self._tiers.items():
+            used, rows = usage.get(name, (0, 0))
+            snap[f"tier_{name}_bytes"] = float(used)
+            snap[f"tier_{name}_rows"] = float(rows)
+            snap[f"tier_{name}_quota_bytes"] = float(tier.quota_bytes)
+        snap["rows"] = float(len(self._index))
+        snap["reservations"] = float(self._index.pending_reservations())
+        return snap
+
+    # ------------------------------------------------------------------ removing
+
+    def _retire(self, rows: Sequence[StoredRow], *, count: bool = False) -> EvictResult:
+        """Delete the bytes of rows the index already forgot."""
+        freed = 0
+        for row in rows:
+            freed += row.info.size
+            try:
+                self._tiers[row.info.tier].delete(row)
+            except CacheError as exc:
+                log.warning("%s: deleting %s failed: %s", row.info.tier, row.info.key.hex(), exc)
+        if count and rows:
+            self._counters.incr("evictions", len(rows))
+            self._counters.incr("evicted_bytes", freed)
+        return EvictResult(len(rows), freed)
+
+    def _enforce_quota(self, tier: Tier) -> None:
+        self._retire(self._index.enforce_quota(tier.name, tier.quota_bytes), count=True)
+
+    def evict_bytes(self, n_bytes: int, tiers: Sequence[TierName] | None = None) -> EvictResult:
+        return self._retire(self._index.evict_lru(n_bytes, tiers), count=True)
+
+    def gc(self) -> EvictResult:
+        _, orphans = self._index.reap_reservations()
+        for orphan in orphans:
+            self._adopt_orphan(orphan)
+        return self._retire(self._index.expire(), count=True)
+
+    def _adopt_orphan(self, orphan: Orphan) -> None:
+        """Stage-2 reap: the writer linked its file and vanished. Keep the bytes if they parse."""
+        tier = self._tiers.get(orphan.tier)
+        if tier is None:
+            return
+        row = tier.probe(orphan.key)
+        if row is not None and self._adopt(tier, row):
+            log.info("%s: adopted orphaned row %s", tier.name, orphan.key.hex())
+        elif row is None and orphan.key not in self._index:
+            try:
+                os.unlink(orphan.location)  # unparseable and unannounced: nobody can use it
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("cannot remove orphan %s: %s", orphan.location, exc)
+
+    def delete(self, key: bytes) -> bool:
+        row = self._index.remove(key)
+        if row is not None:
+            self._retire([row])
+            return True
+        found = False
+        for tier in self._tiers.values():
+            if tier.name == "ram":
+                continue
+            stray = tier.probe(key)  # another process's row we never adopted
+            if stray is not None:
+                self._retire([stray])
+                found = True
+        return found
+
+    def rows(self, namespace: Namespace | None = None) -> list[RowInfo]:
+        return self._index.rows(namespace)
+
+    def verify(self) -> VerifyReport:
+        checked = 0
+        bad: list[tuple[str, str]] = []
+        for info in self._index.rows():
+            stored = self._index.checkout(info.key, touch=False)
+            if stored is None:
+                continue  # removed meanwhile
+            try:
+                checked += 1
+                data = self._tiers[info.tier].load(stored)
+                if data.tokens != stored.tokens:
+                    raise CacheFormatError("tokens differ from the index")
+            except (CacheFormatError, CacheKeyError) as exc:
+                bad.append((stored.location or info.key.hex(), str(exc)))
+                self._retire([r for r in (self._index.remove(info.key),) if r is not None])
+            finally:
+                self._index.checkin(info.key)
+        return VerifyReport(checked, tuple(bad))
+
+    # ------------------------------------------------------------------ background
+
+    def _scan(self, tier: Tier) -> None:
+        """Adopt every valid row a tier already holds; one bad file never stops the scan."""
+        adopted = 0
+        try:
+            for row in tier.scan():
+                try:
+                    adopted += self._index.adopt(row)
+                except ValueError as exc:
+                    log.warning("%s: skipping %s: %s", tier.name, row.info.key.hex(), exc)
+        except Exception:
+            log.exception("%s: scan stopped early", tier.name)
+        if adopted:
+            log.info("%s: adopted %d rows", tier.name, adopted)
+
+    def rescan(self) -> int:
+        """Adopt rows other processes published in shared file tiers since we last looked.
+        Cheap: lists directories and reads only files whose key the index does not know."""
+        adopted = 0
+        for tier in self._tiers.values():
+            root = getattr(tier, "root", None)
+            if tier.name == "ram" or root is None:
+                continue
+            try:
+                names = [e.name for e in os.scandir(root)]
+            except OSError as exc:
+                log.warning("%s: cannot list %s: %s", tier.name, root, exc)
+                continue
+            for name in names:
+                stem = name[: -len(_KVC_SUFFIX)]
+                if not name.endswith(_KVC_SUFFIX) or len(stem) != 64 or not _HEX.issuperset(stem):
+                    continue
+                key = bytes.fromhex(stem)
+                if key in self._index or self._index.in_flight(key):
+                    continue
+                row = tier.probe(key)
+                if row is not None and self._adopt(tier, row):
+                    adopted += 1
+        return adopted
+
+    def persist_hits(self) -> None:
+        """Write batched hit counts / last-used times to the tiers (LRU survives restarts)."""
+        for row in self._index.take_dirty_hits():
+            try:
+                self._tiers[row.info.tier].record_hit(row, row.info.hits, row.info.last_used)
+            except CacheError as exc:
+                log.info("%s: cannot record hit: %s", row.info.tier, exc)
+
+    def sweep(self) -> None:
+        """One sweeper pass: TTL + reservations, hit persistence, rescan of shared tiers."""
+        self.gc()
+        self.persist_hits()
+        self.rescan()
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(self.config.sweep_interval_s):
+            try:
+                self.sweep()
+            except Exception:
+                log.exception("cache sweep failed; retrying next interval")
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self.pressure is not None:
+            self.pressure.stop()
+        if self._sweeper is not None:
+            self._sweeper.join(timeout_s)
+        if not self._writer.close(timeout_s):
+            log.warning("cache closed with saves still running")
+        self._index.clear_all_in_flight()
+        try:
+            self.persist_hits()
+        finally:
+            for tier in self._tiers.values():
+                try:
+                    tier.close()
+                except Exception:
+                    log.exception("%s: close failed", tier.name)
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
