@@ -23,6 +23,7 @@ from pathlib import Path
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import (
     Adapter,
+    Backend,
     BackendContext,
     BackendModel,
     ContextParams,
@@ -75,7 +76,7 @@ class ModelConfig:
     """Per-model options. ``context.n_ctx`` is the window of *one* request (slot); the
     context is created with ``n_ctx * n_parallel`` cells shared by ``n_parallel`` slots."""
 
-    backend: str | None = None  # None: the engine's default
+    backend: str | Backend | None = None  # a name, an instance, or None: the engine's default
     context: ContextParams = field(default_factory=ContextParams)
     model_params: ModelParams = field(default_factory=ModelParams)
     n_parallel: int = 1
@@ -136,7 +137,8 @@ class Engine:
         cfg.validate()
         if self._closed:
             raise EngineClosedError("engine is closed")
-        backend_name = cfg.backend or self.config.backend
+        backend = cfg.backend or self.config.backend
+        backend_name = backend if isinstance(backend, str) else backend.name
         if path is None:
             resolved = default_model_path() if backend_name != "stub" else Path("stub.gguf")
         else:
@@ -161,7 +163,7 @@ class Engine:
                 self,
                 mid,
                 resolved,
-                backend_name,
+                backend,
                 cfg,
                 save_tier,
                 cfg.policy or self.config.policy,
@@ -233,7 +235,7 @@ class Model:
         engine: Engine,
         model_id: str,
         path: Path,
-        backend_name: str,
+        backend_spec: str | Backend,
         cfg: ModelConfig,
         save_tier: TierName,
         policy: PolicyConfig,
@@ -252,13 +254,13 @@ class Model:
         self._embed_ctx: BackendContext | None = None
         mode = parse_mode(cfg.fingerprint_mode)
         self.fingerprint_mode = mode
-        if backend_name == "stub" and not path.is_file():
+        self.backend = get_backend(backend_spec) if isinstance(backend_spec, str) else backend_spec
+        if self.backend.name == "stub" and not path.is_file():
             import hashlib
 
             self._fingerprint = hashlib.sha256(b"stub:" + str(path).encode()).digest()
         else:
             self._fingerprint = fingerprint(path, mode, cfg.fingerprint)
-        self.backend = get_backend(backend_name)
         params = cfg.model_params
         if progress is not None:
             params = replace(params, progress=progress)
@@ -352,9 +354,11 @@ class Model:
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
+        self._check_ready()
         return self._bmodel.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
+        self._check_ready()
         return self._bmodel.detokenize(tokens)
 
     def apply_chat_template(
@@ -378,6 +382,7 @@ class Model:
     def stream(
         self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: object
     ) -> CompletionStream:
+        self._check_ready()
         opts = _options(options, overrides)
         if isinstance(prompt, str):
             tokens = self._bmodel.tokenize(
@@ -407,6 +412,7 @@ class Model:
         options: GenerationOptions | None = None,
         **overrides: object,
     ) -> CompletionStream:
+        self._check_ready()
         opts = _options(options, overrides)
         prompt = self.apply_chat_template(messages, tools=tools)
         # The template already carries any BOS/special tokens as text.
@@ -417,6 +423,7 @@ class Model:
         self, prompt: Prompt, *, ttl_class: TtlClass = TtlClass.LONG, add_special: bool = True
     ) -> CompletionStats:
         """Prefill ``prompt`` and save it (with its final logits), generating nothing."""
+        self._check_ready()
         opts = GenerationOptions(max_tokens=0, temperature=0.0, add_special=add_special)
         if isinstance(prompt, str):
             tokens = self._bmodel.tokenize(prompt, add_special=add_special, parse_special=True)
@@ -425,6 +432,10 @@ class Model:
             tokens, text = self._check_tokens(prompt), ""
         stream = self._submit(tuple(tokens), opts, text, kind="prewarm", ttl=ttl_class)
         return stream.result().stats
+
+    def _check_ready(self) -> None:
+        if self._state != "ready":
+            raise EngineClosedError(f"model {self.id!r} is {self._state}")
 
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
         n_vocab = self.facts.n_vocab
@@ -489,6 +500,7 @@ class Model:
     # ---- embeddings ---------------------------------------------------------------------
 
     def embed(self, texts: str | Sequence[str], *, normalize: bool = True) -> list[list[float]]:
+        self._check_ready()
         items = [texts] if isinstance(texts, str) else list(texts)
         if not items:
             raise InvalidRequestError("no input to embed", param="input")

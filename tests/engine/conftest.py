@@ -1,0 +1,56 @@
+"""Fixtures for engine tests: an engine with a RAM (and optionally disk) tier and low save
+gates so short prompts are cached."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvwarm.backends.base import ContextParams
+from kvwarm.backends.stub import StubBackend
+from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
+from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
+
+LOW_GATES = PolicyConfig(
+    min_tokens=4,
+    cold_min_tokens=8,
+    cold_max_tokens=100_000,
+    continued_interval=64,
+    boundary_trim_tokens=0,
+    boundary_align_tokens=8,
+    session_resume_wait_ms=2000,
+    evict_save_timeout_ms=10_000,
+)
+
+
+def stub_config(
+    n_parallel: int = 1,
+    *,
+    backend: StubBackend | None = None,
+    deterministic: bool = False,
+    n_batch: int = 16,
+    strategy: str = "decode_first",
+) -> ModelConfig:
+    return ModelConfig(
+        backend=backend or "stub",
+        context=ContextParams(n_ctx=512, n_batch=n_batch, n_ubatch=n_batch),
+        n_parallel=n_parallel,
+        deterministic=deterministic,
+        batch_strategy=strategy,  # type: ignore[arg-type]
+    )
+
+
+def make_engine(tmp: Path | None = None, *, policy: PolicyConfig = LOW_GATES) -> Engine:
+    tiers = [TierConfig("ram", 64 << 20)]
+    if tmp is not None:
+        tiers.append(TierConfig("disk", 256 << 20, tmp / "disk"))
+    return Engine(EngineConfig(cache=CacheConfig(tiers=tuple(tiers)), policy=policy))
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    eng = make_engine()
+    yield eng
+    eng.close()
