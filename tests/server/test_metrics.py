@@ -21,7 +21,7 @@ def test_cache_models_and_http_render_and_parse() -> None:
     metrics.add_cache(
         out,
         {"hits_exact": 3, "misses": 1, "tier_disk_bytes": 2048, "tier_ram_rows": 2,
-         "latency_pack_s": 0.25, "saves_dropped": 0},
+         "latency_pack_seconds": 0.25, "evicted_bytes": 10, "rows": 4},
     )  # fmt: skip
     status = ModelStatus(
         id='m"1', state="ready", queued=2, active=1, n_parallel=2, requests=5,
@@ -34,6 +34,10 @@ def test_cache_models_and_http_render_and_parse() -> None:
     fams = _families(text)
     assert fams["kvwarm_cache_hits_exact_total"][()] == 3
     assert fams["kvwarm_cache_tier_bytes"][(("tier", "disk"),)] == 2048
+    assert fams["kvwarm_cache_evicted_bytes_total"][()] == 10
+    assert fams["kvwarm_cache_latency_pack_seconds_total"][()] == 0.25
+    assert fams["kvwarm_cache_rows"][()] == 4
+    assert "# TYPE kvwarm_cache_rows gauge" in text
     assert fams["kvwarm_cache_tier_rows"][(("tier", "ram"),)] == 2
     assert fams["kvwarm_model_queue_depth"][(("model", 'm"1'),)] == 2
     assert fams["kvwarm_model_ready"][(("model", "m2"),)] == 0

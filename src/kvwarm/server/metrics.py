@@ -18,8 +18,8 @@ from kvwarm.engine.types import ModelStatus
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _BAD_NAME = re.compile(r"[^a-zA-Z0-9_]")
 _TIER_KEY = re.compile(r"^tier_(" + "|".join(TIER_NAMES) + r")_(.+)$")
-# Cache counters that are levels, not running totals.
-_GAUGE_HINTS = ("bytes", "rows", "quota", "inflight", "in_flight", "queued", "reservations")
+# Cache counters that are levels, not running totals (tier_* levels are matched separately).
+_GAUGES = frozenset({"rows", "reservations", "inflight", "in_flight", "queued", "writer_queued"})
 
 
 def _name(text: str) -> str:
@@ -81,7 +81,7 @@ def add_cache(out: Exposition, counters: Mapping[str, float]) -> None:
                 value,
                 tier=tier.group(1),
             )
-        elif any(hint in key for hint in _GAUGE_HINTS):
+        elif key in _GAUGES:
             out.add(f"kvwarm_cache_{key}", "gauge", f"cache {key.replace('_', ' ')}", value)
         else:
             out.add(f"kvwarm_cache_{key}_total", "counter", f"cache {key.replace('_', ' ')}", value)

@@ -1,0 +1,113 @@
+"""Fixtures: a stub-backed app under Starlette's TestClient, and a live uvicorn server."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from kvwarm.cache.types import PolicyConfig
+from kvwarm.server import create_app
+from kvwarm.settings import ModelSpec, Settings
+
+# Low gates so that short test prompts are cached.
+LOW_POLICY = PolicyConfig(
+    min_tokens=16,
+    cold_min_tokens=16,
+    boundary_align_tokens=16,
+    boundary_trim_tokens=0,
+    continued_interval=64,
+)
+
+
+def stub_settings(**overrides: object) -> Settings:
+    base = Settings(
+        backend="stub",
+        models=(ModelSpec(path="stub-a", id="a"), ModelSpec(path="stub-b", id="b", n_ctx=256)),
+        cache_dir=None,
+        n_ctx=1024,
+        n_batch=64,
+        policy=LOW_POLICY,
+        keepalive_interval_s=0,
+        max_body_bytes=64 << 10,
+        default_max_tokens=32,
+    )
+    return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def wait_ready(get: object, deadline_s: float = 120.0) -> None:
+    """Poll /health until 200 (bounded): readiness waiting, not synchronisation by sleep."""
+    assert callable(get)
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        response = get("/health")
+        if response.status_code == 200:
+            return
+        body = response.json()
+        if body.get("status") == "error":
+            raise AssertionError(f"model failed to load: {body}")
+        time.sleep(0.05)
+    raise AssertionError("server did not become ready in time")
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    with TestClient(create_app(stub_settings())) as test_client:
+        wait_ready(test_client.get)
+        yield test_client
+
+
+def sse_events(text: str) -> list[object]:
+    """Parse an SSE body into JSON events; asserts the [DONE] terminator comes last."""
+    lines = [line for line in text.split("\n") if line]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert all(line.startswith("data: ") for line in lines)
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+class LiveServer:
+    """uvicorn on 127.0.0.1 and a free port, in a thread; ``stop()`` shuts it down cleanly."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            create_app(settings), log_config=None, access_log=False, lifespan="on"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    def start(self, deadline_s: float = 180.0) -> LiveServer:
+        self.thread.start()
+        with httpx.Client(base_url=self.base_url, timeout=10) as http:
+            end = time.monotonic() + deadline_s
+            while not self.server.started:  # bounded wait for the socket to serve
+                assert time.monotonic() < end and self.thread.is_alive(), "uvicorn did not start"
+                time.sleep(0.02)
+            wait_ready(http.get, deadline_s)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "server thread did not stop"
+        self.sock.close()
+
+
+@pytest.fixture
+def tmp_cache(tmp_path: Path) -> Path:
+    return tmp_path / "cache"

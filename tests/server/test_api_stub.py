@@ -1,0 +1,313 @@
+"""Shapes and errors of every endpoint, against the deterministic stub backend (fast)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvwarm.server import create_app
+from kvwarm.settings import ModelSpec
+
+from .conftest import sse_events, stub_settings, wait_ready
+
+PROMPT = "The quick brown fox jumps over the lazy dog, again and again"
+
+
+def assert_error(response: object, status: int, code: str | None, param: str | None = None) -> None:
+    assert hasattr(response, "status_code") and hasattr(response, "json")
+    assert response.status_code == status, response.json()
+    body = response.json()
+    assert set(body) >= {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["code"] == code
+    if param is not None:
+        assert err["param"] == param
+
+
+# --- generation ------------------------------------------------------------------------------
+
+
+def test_completion_shape_usage_and_cache_hit_on_repeat(client: TestClient) -> None:
+    body = {"model": "a", "prompt": PROMPT + " one", "max_tokens": 8, "temperature": 0}
+    first = client.post("/v1/completions", json=body)
+    assert first.status_code == 200, first.json()
+    data = first.json()
+    assert data["object"] == "text_completion" and data["model"] == "a"
+    (choice,) = data["choices"]
+    assert choice["index"] == 0 and isinstance(choice["text"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = data["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["completion_tokens"] <= 8
+    second = client.post("/v1/completions", json={**body, "prompt": PROMPT + " two"}).json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_completion_stream_with_usage(client: TestClient) -> None:
+    body = {
+        "model": "a", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response.read().decode())
+    *chunks, final = events
+    assert isinstance(final, dict) and final["choices"] == []
+    texts = [c["choices"][0]["text"] for c in chunks if isinstance(c, dict)]
+    assert 0 < final["usage"]["completion_tokens"] <= 6
+    assert sum(1 for t in texts if t) <= final["usage"]["completion_tokens"]
+    whole = client.post("/v1/completions", json={**body, "stream": False}).json()
+    assert "".join(texts) == whole["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")  # type: ignore[index]
+    assert all(c["usage"] is None for c in chunks if isinstance(c, dict))
+
+
+def test_chat_stream_and_non_stream_agree(client: TestClient) -> None:
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi!"}]
+    body = {"model": "a", "messages": messages, "max_tokens": 10, "temperature": 0}
+    plain = client.post("/v1/chat/completions", json=body)
+    assert plain.status_code == 200, plain.json()
+    data = plain.json()
+    assert data["object"] == "chat.completion"
+    message = data["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str)
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        events = sse_events(response.read().decode())
+    assert all(isinstance(e, dict) and e["object"] == "chat.completion.chunk" for e in events)
+    deltas = [e["choices"][0]["delta"] for e in events if isinstance(e, dict)]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]
+    last = events[-1]
+    assert (
+        isinstance(last, dict)
+        and last["choices"][0]["finish_reason"] == (data["choices"][0]["finish_reason"])
+    )
+
+
+def test_stop_sequence_ends_the_text_before_it(client: TestClient) -> None:
+    body = {"model": "a", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert len(text) >= 8, text
+    stop = text[5:7]
+    cut = client.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert cut["text"] == text[: text.index(stop)]
+    assert cut["finish_reason"] == "stop"
+
+
+def test_seed_makes_sampling_repeatable(client: TestClient) -> None:
+    body = {"model": "a", "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    a = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    b = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert a == b
+
+
+def test_token_prompts_and_multiple_prompts(client: TestClient) -> None:
+    tokens = client.post("/tokenize", json={"model": "a", "content": PROMPT}).json()["tokens"]
+    one = client.post("/v1/completions", json={"model": "a", "prompt": tokens, "max_tokens": 3})
+    assert one.status_code == 200 and one.json()["usage"]["prompt_tokens"] == len(tokens)
+    two = client.post("/v1/completions", json={"model": "a", "prompt": ["x y z", "a b c"]})
+    assert [c["index"] for c in two.json()["choices"]] == [0, 1]
+
+
+def test_forced_output_becomes_a_tool_call(client: TestClient) -> None:
+    # The stub enforces literal grammars; that stands in for a model that answers with a call.
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    grammar = "root ::= " + '"' + call.replace('"', '\\"') + '"'
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    body = {
+        "model": "a", "messages": [{"role": "user", "content": "weather?"}], "tools": [tool],
+        "grammar": grammar, "max_tokens": 200,
+    }  # fmt: skip
+    data = client.post("/v1/chat/completions", json=body).json()
+    choice = data["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", data
+    (tc,) = choice["message"]["tool_calls"]
+    assert tc["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        events = sse_events(response.read().decode())
+    deltas = [e["choices"][0]["delta"] for e in events if isinstance(e, dict)]
+    assert not "".join(d.get("content") or "" for d in deltas)  # the call is not shown as text
+    streamed = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert streamed[0][0]["function"]["name"] == "get_weather"
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"  # type: ignore[index]
+
+
+# --- other endpoints -------------------------------------------------------------------------
+
+
+def test_models_health_tokenize_detokenize(client: TestClient) -> None:
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["a", "b"]
+    assert all(m["object"] == "model" and m["status"] == "ready" for m in models["data"])
+    assert client.get("/health").json()["status"] == "ok"
+    tokens = client.post("/tokenize", json={"model": "b", "content": "hey"}).json()["tokens"]
+    assert client.post("/detokenize", json={"model": "b", "tokens": tokens}).json()["content"] == (
+        "hey"
+    )
+    pieces = client.post("/tokenize", json={"content": "hey", "with_pieces": True}).json()
+    assert [p["piece"] for p in pieces["tokens"]][-3:] == ["h", "e", "y"]
+
+
+def test_embeddings_float_and_base64(client: TestClient) -> None:
+    body = {"model": "a", "input": ["first", "second"]}
+    data = client.post("/v1/embeddings", json=body).json()
+    assert [d["index"] for d in data["data"]] == [0, 1]
+    vector = data["data"][0]["embedding"]
+    assert len(vector) == 16 and all(isinstance(x, float) for x in vector)
+    assert data["usage"]["prompt_tokens"] > 0
+    b64 = client.post("/v1/embeddings", json={**body, "encoding_format": "base64"}).json()
+    raw = base64.b64decode(b64["data"][0]["embedding"])
+    assert struct.unpack(f"<{len(raw) // 4}f", raw) == pytest.approx(vector, rel=1e-6)
+
+
+def test_metrics_parse_and_count(client: TestClient) -> None:
+    client.post("/v1/completions", json={"model": "a", "prompt": PROMPT, "max_tokens": 2})
+    response = client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    names = {s.name for f in text_string_to_metric_families(response.text) for s in f.samples}
+    for expected in (
+        "kvwarm_model_queue_depth", "kvwarm_requests_total", "kvwarm_prompt_tokens_total",
+        "kvwarm_cached_tokens_total", "kvwarm_completion_tokens_total",
+        "kvwarm_prefill_seconds_total", "kvwarm_decode_seconds_total",
+        "kvwarm_http_requests_total", "kvwarm_cache_tier_bytes", "kvwarm_cache_tier_rows",
+    ):  # fmt: skip
+        assert expected in names, expected
+
+
+def test_cache_admin(client: TestClient) -> None:
+    system = "You are a careful assistant who answers in one short sentence."
+    warm = client.post(
+        "/cache/prewarm",
+        json={"model": "a", "messages": [{"role": "system", "content": system}]},
+    )
+    assert warm.status_code == 200, warm.json()
+    assert warm.json()["prompt_tokens"] > 16 and warm.json()["keep_alive"] is True
+    body = {"model": "a", "messages": [{"role": "system", "content": system},
+                                       {"role": "user", "content": "Hello"}], "max_tokens": 2}  # fmt: skip
+    usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= warm.json()["prompt_tokens"] - 16
+    stats = client.get("/cache/stats").json()
+    assert stats["rows"] > 0 and stats["keep_alive"][0]["model"] == "a"
+    rows = client.get("/cache/rows?limit=2").json()["data"]
+    assert 0 < len(rows) <= 2 and {"key", "tier", "n_tokens", "bytes"} <= set(rows[0])
+    assert client.post("/cache/verify").json()["bad"] == []
+    assert set(client.post("/cache/gc").json()) == {"rows", "bytes"}
+    evicted = client.post("/cache/evict", json={"bytes": 1 << 40}).json()
+    assert evicted["rows"] >= 1
+    assert client.get("/cache/stats").json()["rows"] == 0
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def test_unknown_model_is_404(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
+    assert_error(response, 404, "model_not_found", "model")
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ({"model": "a", "prompt": "x", "max_tokens": "many"}, "invalid_type", "max_tokens"),
+        ({"model": "a", "prompt": 12.5}, "invalid_type", "prompt"),
+        ({"model": "a"}, "invalid_type", "prompt"),
+        ({"model": "a", "prompt": "x", "temperature": -1}, "invalid_value", "temperature"),
+        ({"model": "a", "prompt": "x", "n": 3}, "unsupported_value", "n"),
+        ({"model": "a", "prompt": "x", "grammar": "no root here"}, "invalid_grammar", None),
+        ({"model": "a", "prompt": []}, None, "prompt"),
+    ],
+)
+def test_bad_completion_requests_are_400(
+    client: TestClient, body: dict[str, object], code: str | None, param: str | None
+) -> None:
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.json()
+    if code is not None:
+        assert_error(response, 400, code, param)
+
+
+def test_bad_chat_requests_are_400(client: TestClient) -> None:
+    assert_error(client.post("/v1/chat/completions", json={"model": "a", "messages": []}),
+                 400, "invalid_type", "messages")  # fmt: skip
+    bad_role = {"model": "a", "messages": [{"role": "wizard", "content": "x"}]}
+    assert_error(client.post("/v1/chat/completions", json=bad_role), 400, "invalid_type")
+    image = {"model": "a", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    assert_error(client.post("/v1/chat/completions", json=image), 400, "unsupported_content")
+
+
+def test_malformed_json_and_non_objects(client: TestClient) -> None:
+    headers = {"content-type": "application/json"}
+    assert_error(client.post("/v1/completions", content=b"{nope", headers=headers),
+                 400, "invalid_json")  # fmt: skip
+    assert_error(client.post("/v1/completions", content=b"", headers=headers), 400, "invalid_json")
+    assert_error(client.post("/v1/completions", json=[1, 2]), 400, "invalid_json")
+    assert_error(client.post("/v1/completions", content=b"\xff\xfe", headers=headers),
+                 400, "invalid_json")  # fmt: skip
+
+
+def test_unknown_fields_are_ignored(client: TestClient) -> None:
+    body = {"model": "a", "prompt": "x", "max_tokens": 1, "frobnicate": {"deep": [1]},
+            "logit_bias": {"1": 2}, "user": "u"}  # fmt: skip
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
+def test_over_long_prompt_is_context_length_exceeded(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"model": "b", "prompt": "x" * 400})
+    assert_error(response, 400, "context_length_exceeded", "prompt")
+    chat = {"model": "b", "messages": [{"role": "user", "content": "y" * 400}], "stream": True}
+    assert_error(client.post("/v1/chat/completions", json=chat), 400, "context_length_exceeded")
+
+
+def test_oversized_bodies_are_413(client: TestClient) -> None:
+    big = {"model": "a", "prompt": "x" * (70 << 10)}
+    assert_error(client.post("/v1/completions", json=big), 413, "request_too_large")
+
+    def chunks() -> Iterator[bytes]:  # no content-length: the limit applies while reading
+        yield b'{"model": "a", "prompt": "'
+        for _ in range(100):
+            yield b"x" * 1024
+        yield b'"}'
+
+    response = client.post("/v1/completions", content=chunks())
+    assert_error(response, 413, "request_too_large")
+
+
+def test_unknown_routes_and_methods_have_the_error_shape(client: TestClient) -> None:
+    assert_error(client.get("/v1/nothing"), 404, "not_found")
+    assert_error(client.get("/v1/completions"), 405, "method_not_allowed")
+
+
+def test_health_is_503_while_loading_and_when_a_load_failed() -> None:
+    # Without entering the client the lifespan never runs: every model is still "loading".
+    loading = TestClient(create_app(stub_settings()))
+    response = loading.get("/health")
+    assert_error(response, 503, "model_loading")
+    assert response.json()["status"] == "loading"
+    assert_error(loading.post("/v1/completions", json={"model": "a", "prompt": "x"}),
+                 503, "model_loading")  # fmt: skip
+    settings = stub_settings(
+        backend="llama_cpp", models=(ModelSpec(path="/nonexistent/model.gguf", id="gone"),)
+    )
+    with TestClient(create_app(settings)) as broken:
+        with pytest.raises(AssertionError, match="failed to load"):
+            wait_ready(broken.get)
+        assert_error(broken.get("/health"), 503, "model_load_failed")
+        assert_error(broken.post("/v1/completions", json={"model": "gone", "prompt": "x"}),
+                     503, "model_load_failed")  # fmt: skip
+
+
+def test_api_key_is_required_when_configured() -> None:
+    with TestClient(create_app(stub_settings(api_key="sesame"))) as secured:
+        wait_ready(secured.get)  # /health stays open for probes
+        assert_error(secured.get("/v1/models"), 401, "invalid_api_key")
+        ok = secured.get("/v1/models", headers={"Authorization": "Bearer sesame"})
+        assert ok.status_code == 200
