@@ -191,8 +191,8 @@ def test_cache_admin(client: TestClient) -> None:
     )
     assert warm.status_code == 200, warm.json()
     assert warm.json()["prompt_tokens"] > 16 and warm.json()["keep_alive"] is True
-    body = {"model": "a", "messages": [{"role": "system", "content": system},
-                                       {"role": "user", "content": "Hello"}], "max_tokens": 2}  # fmt: skip
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello"}]
+    body = {"model": "a", "messages": messages, "max_tokens": 2}
     usage = client.post("/v1/chat/completions", json=body).json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= warm.json()["prompt_tokens"] - 16
     stats = client.get("/cache/stats").json()
