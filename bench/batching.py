@@ -27,9 +27,15 @@ N_CTX = 512
 PROMPT = "Write a long story about a lighthouse keeper and the sea, with many details."
 
 
+@L.ggml_log_callback  # type: ignore[misc]
+def _quiet(level: int, text: bytes, data: ctypes.c_void_p) -> None:
+    """Drop llama.cpp's log lines; module-level so C never holds a dangling callback."""
+
+
 def bare_loop(n_seq: int, steps: int) -> float:
     """Tokens/s of a bare decode loop: n_seq sequences, one token each per llama_decode."""
     L.llama_backend_init()
+    L.llama_log_set(_quiet, None)
     mp = L.llama_model_default_params()
     model = L.llama_model_load_from_file(str(default_model_path()).encode(), mp)
     cp = L.llama_context_default_params()

@@ -46,9 +46,9 @@ def default_model_path() -> Path:
         if not path.is_file():
             raise ModelNotFoundError(f"{MODEL_ENV}={override!r} is not a file; {INSTALL_HINT}")
         return path
-    path = embedded_model_path()
-    if path is None:
+    embedded = embedded_model_path()
+    if embedded is None:
         raise ModelNotFoundError(
             f"no model given and the embedded model is missing: {INSTALL_HINT}"
         )
-    return path
+    return embedded
