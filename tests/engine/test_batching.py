@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+from kvwarm.engine.batching import Balanced, Chunk, DecodeFirst, PrefillFirst, PrefillWant, strategy
+
+
+def test_decode_first_fills_the_budget_with_aligned_chunks() -> None:
+    plan = DecodeFirst().plan([0, 1], [PrefillWant(2, 10, 100, False)], n_batch=16, n_ubatch=16)
+    assert plan.decode_slots == (0, 1)
+    # 14 tokens of budget left, but the chunk stops at the absolute boundary 16.
+    assert plan.shared_chunks == (Chunk(2, 10, 16),)
+
+
+def test_deterministic_chunk_is_never_cut_by_the_budget() -> None:
+    plan = DecodeFirst().plan([0], [PrefillWant(1, 0, 40, True)], n_batch=16, n_ubatch=16)
+    assert plan.shared_chunks == ()
+    assert plan.isolated_chunks == (Chunk(1, 0, 16),)
+
+
+def test_prefill_first_holds_decoding_while_prompts_wait() -> None:
+    plan = PrefillFirst().plan([0], [PrefillWant(1, 0, 8, False)], n_batch=16, n_ubatch=16)
+    assert plan.decode_slots == ()
+    assert plan.shared_chunks == (Chunk(1, 0, 8),)
+
+
+def test_balanced_takes_one_chunk_per_tick() -> None:
+    wants = [PrefillWant(1, 0, 4, False), PrefillWant(2, 0, 4, False)]
+    plan = Balanced().plan([0], wants, n_batch=16, n_ubatch=16)
+    assert plan.shared_chunks == (Chunk(1, 0, 4),)
+
+
+def test_unknown_strategy_is_a_config_error() -> None:
+    import pytest
+
+    from kvwarm.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        strategy("fastest")  # type: ignore[arg-type]

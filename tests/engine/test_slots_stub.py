@@ -1,0 +1,100 @@
+"""Continuous batching on the stub: slots, seq_cp sharing, cancellation isolation, queueing."""
+
+from __future__ import annotations
+
+from tests.engine.conftest import make_engine, stub_config
+
+from kvwarm.backends.stub import StubBackend
+from kvwarm.engine.api import Engine
+from kvwarm.engine.types import GenerationOptions
+
+OPTS = GenerationOptions(max_tokens=10, temperature=0.0)
+SYSTEM = "Shared system prompt for every agent in this test. " * 2
+
+
+def solo(prompts: list[str]) -> list[str]:
+    eng = make_engine()
+    try:
+        model = eng.load_model(config=stub_config())
+        out = []
+        for p in prompts:
+            model.evict()
+            out.append(model.complete(p, OPTS).text)
+        return out
+    finally:
+        eng.close()
+
+
+def test_batched_outputs_equal_solo_outputs(engine: Engine) -> None:
+    prompts = [SYSTEM + f"Agent {i}." for i in range(4)]
+    model = engine.load_model(config=stub_config(n_parallel=4, deterministic=True))
+    together = [s.result().text for s in [model.stream(p, OPTS) for p in prompts]]
+    assert together == solo(prompts)
+
+
+def test_a_shared_cached_prefix_is_loaded_once_and_copied(engine: Engine) -> None:
+    model = engine.load_model(config=stub_config(n_parallel=4))
+    model.prewarm(SYSTEM)
+    engine.cache.flush()
+    model.evict()
+    loads_before = engine.cache.counters()["latency_load_count"]
+    streams = [model.stream(SYSTEM + f"Agent {i}.", OPTS) for i in range(4)]
+    results = [s.result() for s in streams]
+    n_system = len(model.tokenize(SYSTEM))
+    assert all(r.stats.cached_tokens >= n_system - 1 for r in results)
+    assert engine.cache.counters()["latency_load_count"] - loads_before == 1
+
+
+def test_cancelling_one_slot_leaves_the_others_unchanged() -> None:
+    prompts = [f"Stream number {i} tells a tale" for i in range(3)]
+    expected = solo(prompts)
+    eng = make_engine()
+    try:
+        backend = StubBackend(decode_delay_s=0.001)
+        model = eng.load_model(config=stub_config(n_parallel=3, backend=backend))
+        streams = [model.stream(p, OPTS) for p in prompts]
+        victim = iter(streams[1])
+        next(victim)
+        streams[1].cancel()
+        for _ in victim:
+            pass
+        others = [streams[0].result().text, streams[2].result().text]
+        assert others == [expected[0], expected[2]]
+        assert streams[1].completion is not None
+    finally:
+        eng.close()
+
+
+def test_more_requests_than_slots_queue_and_complete(engine: Engine) -> None:
+    model = engine.load_model(config=stub_config(n_parallel=2))
+    streams = [model.stream(f"queued request {i}", OPTS) for i in range(9)]
+    results = [s.result() for s in streams]
+    assert len(results) == 9
+    assert all(r.stats.completion_tokens > 0 for r in results)
+    assert model.status().queued == 0 and model.status().active == 0
+
+
+def test_each_request_reports_its_own_cache_use(engine: Engine) -> None:
+    model = engine.load_model(config=stub_config(n_parallel=2))
+    first = model.complete(SYSTEM + "one", OPTS)
+    engine.cache.flush()
+    model.evict()
+    second = model.complete(SYSTEM + "two", OPTS)
+    assert first.stats.cached_tokens == 0 and first.stats.cache_hit == "cold"
+    assert second.stats.cache_hit == "partial"
+    assert second.stats.cached_tokens >= len(model.tokenize(SYSTEM)) - 1
+    counters = engine.cache.counters()
+    assert counters["saves_finish"] >= 1 and counters["misses"] >= 1
+
+
+def test_strategies_all_produce_the_same_greedy_text() -> None:
+    prompts = [SYSTEM + f"Q{i}" for i in range(3)]
+    texts = []
+    for name in ("decode_first", "prefill_first", "balanced"):
+        eng = make_engine()
+        try:
+            model = eng.load_model(config=stub_config(n_parallel=3, strategy=name))
+            texts.append([s.result().text for s in [model.stream(p, OPTS) for p in prompts]])
+        finally:
+            eng.close()
+    assert texts[0] == texts[1] == texts[2]

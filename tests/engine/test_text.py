@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvwarm.engine.text import TextAssembler
+
+
+def run(pieces: list[bytes], stop: tuple[str, ...] = ()) -> tuple[str, str]:
+    asm = TextAssembler(stop)
+    out = "".join(asm.feed(p) for p in pieces) + asm.finish()
+    return out, asm.text
+
+
+def test_multibyte_character_split_across_tokens_is_emitted_whole() -> None:
+    euro = "€".encode()  # 3 bytes
+    asm = TextAssembler(())
+    assert asm.feed(euro[:1]) == ""
+    assert asm.feed(euro[1:2]) == ""
+    assert asm.feed(euro[2:]) == "€"
+
+
+def test_stop_sequence_straddling_tokens_is_never_emitted() -> None:
+    out, text = run([b"Hello wo", b"rld", b"END", b"ignored"], stop=("ldEN",))
+    assert text == "Hello wor"
+    assert out == text
+
+
+def test_held_back_text_is_released_at_finish() -> None:
+    out, text = run([b"abc", b"E"], stop=("EN",))
+    assert out == text == "abcE"
+
+
+@given(
+    st.text(max_size=40), st.lists(st.integers(1, 5), max_size=20), st.text(min_size=1, max_size=4)
+)
+def test_fragments_concatenate_to_the_final_text(text: str, cuts: list[int], stop: str) -> None:
+    data = text.encode()
+    pieces, i = [], 0
+    for c in cuts:
+        pieces.append(data[i : i + c])
+        i += c
+    pieces.append(data[i:])
+    out, final = run(pieces, stop=(stop,))
+    assert out == final
+    assert stop not in final
+    expected = text.split(stop, maxsplit=1)[0] if stop in text else text
+    assert final == expected
