@@ -81,8 +81,14 @@ class ContextParams:
         them, and rows must be shareable between a 1-slot and an N-slot context.
         """
         fields = asdict(self)
-        for excluded in ("n_threads", "n_threads_batch", "n_seq_max", "seed", "embeddings",
-                         "pooling"):
+        for excluded in (
+            "n_threads",
+            "n_threads_batch",
+            "n_seq_max",
+            "seed",
+            "embeddings",
+            "pooling",
+        ):
             fields.pop(excluded)
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(b"kvwarm-ctx-v1\0" + blob).digest()
