@@ -306,3 +306,14 @@ def test_builder_rejects_unencodable_fields() -> None:
     ):
         with pytest.raises(ValueError):
             kvc.build_prefix(bad, PAYLOAD)
+
+
+def test_known_tokens_skip_decoding_only_when_the_key_replays() -> None:
+    buf = _file()
+    mine = tuple(TOKENS)
+    f = kvc.parse(buf, expected_key=KEY, known_tokens=mine)
+    assert f.meta.fields.tokens is mine
+    wrong = (9, 9, 9, 9)
+    with pytest.raises(CacheFormatError, match="another key"):
+        kvc.parse(buf, expected_key=cache_key(NS, wrong), known_tokens=wrong)
+    assert kvc.parse(buf, known_tokens=wrong).meta.fields.tokens == TOKENS  # no key: decoded

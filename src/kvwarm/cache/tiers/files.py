@@ -223,7 +223,7 @@ class FileTier:
             raise CacheIOError(
                 f"{self._name}: reading {path} failed: {exc}", errno=exc.errno
             ) from exc
-        f = kvc.parse(buf, expected_key=row.info.key)
+        f = kvc.parse(buf, expected_key=row.info.key, known_tokens=row.tokens)
         return RowBytes(f.meta.fields.tokens, f.payload, f.meta.fields.logits)
 
     def delete(self, row: StoredRow) -> None:
