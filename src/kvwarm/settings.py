@@ -374,9 +374,13 @@ def add_settings_arguments(parser: argparse.ArgumentParser, names: Sequence[str]
         env = ENV_PREFIX + name.upper()
         if name == "deterministic":
             group.add_argument(
-                _flag(name), dest=name, action="store_const", const="true",
-                default=argparse.SUPPRESS, help=f"{help_text} (${env})",
-            )  # fmt: skip
+                _flag(name),
+                dest=name,
+                action="store_const",
+                const="true",
+                default=argparse.SUPPRESS,
+                help=f"{help_text} (${env})",
+            )
             continue
         group.add_argument(
             _flag(name),

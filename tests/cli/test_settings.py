@@ -44,8 +44,12 @@ def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
         'port = 1111\nn_ctx = 1024\nhost = "0.0.0.0"\n'
         "[policy]\nmin_tokens = 100\ncold_min_tokens = 200\n"
     )
-    env = {"KVWARM_CONFIG": str(config), "KVWARM_PORT": "2222", "KVWARM_N_CTX": "2048",
-           "KVWARM_POLICY_COLD_MIN_TOKENS": "300"}  # fmt: skip
+    env = {
+        "KVWARM_CONFIG": str(config),
+        "KVWARM_PORT": "2222",
+        "KVWARM_N_CTX": "2048",
+        "KVWARM_POLICY_COLD_MIN_TOKENS": "300",
+    }
     s = load_settings(_flags("--port", "3333", "--policy", "boundary_trim_tokens=0"), env)
     assert s.port == 3333  # flag
     assert s.n_ctx == 2048  # env over file
@@ -91,9 +95,7 @@ def test_sizes_accept_suffixes() -> None:
         ({"KVWARM_CACHE_DIR": "none", "KVWARM_SAVE_TIER": "disk"}, "disk"),
     ],
 )
-def test_bad_values_are_config_errors_naming_the_setting(
-    env: dict[str, str], needle: str
-) -> None:
+def test_bad_values_are_config_errors_naming_the_setting(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         load_settings({}, env)
 

@@ -52,9 +52,13 @@ def test_completion_shape_usage_and_cache_hit_on_repeat(client: TestClient) -> N
 
 def test_completion_stream_with_usage(client: TestClient) -> None:
     body = {
-        "model": "a", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True,
+        "model": "a",
+        "prompt": PROMPT,
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
         "stream_options": {"include_usage": True},
-    }  # fmt: skip
+    }
     with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -123,9 +127,12 @@ def test_forced_output_becomes_a_tool_call(client: TestClient) -> None:
     grammar = "root ::= " + '"' + call.replace('"', '\\"') + '"'
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
     body = {
-        "model": "a", "messages": [{"role": "user", "content": "weather?"}], "tools": [tool],
-        "grammar": grammar, "max_tokens": 200,
-    }  # fmt: skip
+        "model": "a",
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [tool],
+        "grammar": grammar,
+        "max_tokens": 200,
+    }
     data = client.post("/v1/chat/completions", json=body).json()
     choice = data["choices"][0]
     assert choice["finish_reason"] == "tool_calls", data
@@ -175,11 +182,17 @@ def test_metrics_parse_and_count(client: TestClient) -> None:
     assert response.headers["content-type"].startswith("text/plain")
     names = {s.name for f in text_string_to_metric_families(response.text) for s in f.samples}
     for expected in (
-        "kvwarm_model_queue_depth", "kvwarm_requests_total", "kvwarm_prompt_tokens_total",
-        "kvwarm_cached_tokens_total", "kvwarm_completion_tokens_total",
-        "kvwarm_prefill_seconds_total", "kvwarm_decode_seconds_total",
-        "kvwarm_http_requests_total", "kvwarm_cache_tier_bytes", "kvwarm_cache_tier_rows",
-    ):  # fmt: skip
+        "kvwarm_model_queue_depth",
+        "kvwarm_requests_total",
+        "kvwarm_prompt_tokens_total",
+        "kvwarm_cached_tokens_total",
+        "kvwarm_completion_tokens_total",
+        "kvwarm_prefill_seconds_total",
+        "kvwarm_decode_seconds_total",
+        "kvwarm_http_requests_total",
+        "kvwarm_cache_tier_bytes",
+        "kvwarm_cache_tier_rows",
+    ):
         assert expected in names, expected
 
 
@@ -236,8 +249,12 @@ def test_bad_completion_requests_are_400(
 
 
 def test_bad_chat_requests_are_400(client: TestClient) -> None:
-    assert_error(client.post("/v1/chat/completions", json={"model": "a", "messages": []}),
-                 400, "invalid_type", "messages")  # fmt: skip
+    assert_error(
+        client.post("/v1/chat/completions", json={"model": "a", "messages": []}),
+        400,
+        "invalid_type",
+        "messages",
+    )
     bad_role = {"model": "a", "messages": [{"role": "wizard", "content": "x"}]}
     assert_error(client.post("/v1/chat/completions", json=bad_role), 400, "invalid_type")
     image = {"model": "a", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
@@ -246,17 +263,25 @@ def test_bad_chat_requests_are_400(client: TestClient) -> None:
 
 def test_malformed_json_and_non_objects(client: TestClient) -> None:
     headers = {"content-type": "application/json"}
-    assert_error(client.post("/v1/completions", content=b"{nope", headers=headers),
-                 400, "invalid_json")  # fmt: skip
+    assert_error(
+        client.post("/v1/completions", content=b"{nope", headers=headers), 400, "invalid_json"
+    )
     assert_error(client.post("/v1/completions", content=b"", headers=headers), 400, "invalid_json")
     assert_error(client.post("/v1/completions", json=[1, 2]), 400, "invalid_json")
-    assert_error(client.post("/v1/completions", content=b"\xff\xfe", headers=headers),
-                 400, "invalid_json")  # fmt: skip
+    assert_error(
+        client.post("/v1/completions", content=b"\xff\xfe", headers=headers), 400, "invalid_json"
+    )
 
 
 def test_unknown_fields_are_ignored(client: TestClient) -> None:
-    body = {"model": "a", "prompt": "x", "max_tokens": 1, "frobnicate": {"deep": [1]},
-            "logit_bias": {"1": 2}, "user": "u"}  # fmt: skip
+    body = {
+        "model": "a",
+        "prompt": "x",
+        "max_tokens": 1,
+        "frobnicate": {"deep": [1]},
+        "logit_bias": {"1": 2},
+        "user": "u",
+    }
     assert client.post("/v1/completions", json=body).status_code == 200
 
 
@@ -292,8 +317,9 @@ def test_health_is_503_while_loading_and_when_a_load_failed() -> None:
     response = loading.get("/health")
     assert_error(response, 503, "model_loading")
     assert response.json()["status"] == "loading"
-    assert_error(loading.post("/v1/completions", json={"model": "a", "prompt": "x"}),
-                 503, "model_loading")  # fmt: skip
+    assert_error(
+        loading.post("/v1/completions", json={"model": "a", "prompt": "x"}), 503, "model_loading"
+    )
     settings = stub_settings(
         backend="llama_cpp", models=(ModelSpec(path="/nonexistent/model.gguf", id="gone"),)
     )
@@ -301,8 +327,11 @@ def test_health_is_503_while_loading_and_when_a_load_failed() -> None:
         with pytest.raises(AssertionError, match="failed to load"):
             wait_ready(broken.get)
         assert_error(broken.get("/health"), 503, "model_load_failed")
-        assert_error(broken.post("/v1/completions", json={"model": "gone", "prompt": "x"}),
-                     503, "model_load_failed")  # fmt: skip
+        assert_error(
+            broken.post("/v1/completions", json={"model": "gone", "prompt": "x"}),
+            503,
+            "model_load_failed",
+        )
 
 
 def test_api_key_is_required_when_configured() -> None:

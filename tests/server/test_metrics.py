@@ -20,14 +20,29 @@ def test_cache_models_and_http_render_and_parse() -> None:
     out = metrics.Exposition()
     metrics.add_cache(
         out,
-        {"hits_exact": 3, "misses": 1, "tier_disk_bytes": 2048, "tier_ram_rows": 2,
-         "latency_pack_seconds": 0.25, "evicted_bytes": 10, "rows": 4},
-    )  # fmt: skip
+        {
+            "hits_exact": 3,
+            "misses": 1,
+            "tier_disk_bytes": 2048,
+            "tier_ram_rows": 2,
+            "latency_pack_seconds": 0.25,
+            "evicted_bytes": 10,
+            "rows": 4,
+        },
+    )
     status = ModelStatus(
-        id='m"1', state="ready", queued=2, active=1, n_parallel=2, requests=5,
-        prompt_tokens=100, cached_tokens=60, completion_tokens=40, prefill_ms=1500.0,
+        id='m"1',
+        state="ready",
+        queued=2,
+        active=1,
+        n_parallel=2,
+        requests=5,
+        prompt_tokens=100,
+        cached_tokens=60,
+        completion_tokens=40,
+        prefill_ms=1500.0,
         generation_ms=500.0,
-    )  # fmt: skip
+    )
     metrics.add_models(out, {'m"1': "ready", "m2": "loading"}, [status])
     metrics.add_http(out, {("/v1/completions", 200): 4, ("/v1/completions", 400): 1})
     text = out.render()

@@ -109,8 +109,15 @@ def test_history_with_calls_round_trips_through_non_native_templates() -> None:
 
 def test_tool_stream_shows_text_but_holds_back_a_call() -> None:
     stream = ToolStream(NAMES, forced=False)
-    shown = "".join(stream.feed(f) for f in ["Sure", ". <tool", "_call>{\"name\": \"get_weather\"",
-                                             ', "arguments": {}}</tool_call>'])  # fmt: skip
+    shown = "".join(
+        stream.feed(f)
+        for f in [
+            "Sure",
+            ". <tool",
+            '_call>{"name": "get_weather"',
+            ', "arguments": {}}</tool_call>',
+        ]
+    )
     rest, calls = stream.finish()
     assert shown + rest == "Sure. "
     assert [c.name for c in calls] == ["get_weather"]

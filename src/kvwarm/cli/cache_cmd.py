@@ -110,8 +110,10 @@ def run_ls(args: argparse.Namespace) -> int:
         ]
         print(json.dumps(items, indent=2))
         return 0
-    print(f"{'KEY':<16}  {'TIER':<8} {'TOKENS':>7} {'SIZE':>10} {'HITS':>5}  "
-          f"{'LAST USED':<19}  {'REASON':<9} TTL")  # fmt: skip
+    print(
+        f"{'KEY':<16}  {'TIER':<8} {'TOKENS':>7} {'SIZE':>10} {'HITS':>5}  "
+        f"{'LAST USED':<19}  {'REASON':<9} TTL"
+    )
     for r in rows:
         used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.last_used))
         print(

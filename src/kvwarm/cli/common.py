@@ -25,13 +25,30 @@ if TYPE_CHECKING:
     from kvwarm.engine.api import Engine, Model
 
 MODEL_SETTINGS: tuple[str, ...] = (
-    "models", "backend", "n_ctx", "n_batch", "n_threads", "deterministic", "fingerprint_mode",
-    "cache_dir", "disk_quota_bytes", "ram_quota_bytes", "shm_dir", "shm_quota_bytes",
-    "save_tier", "policy", "log_level",
-)  # fmt: skip
+    "models",
+    "backend",
+    "n_ctx",
+    "n_batch",
+    "n_threads",
+    "deterministic",
+    "fingerprint_mode",
+    "cache_dir",
+    "disk_quota_bytes",
+    "ram_quota_bytes",
+    "shm_dir",
+    "shm_quota_bytes",
+    "save_tier",
+    "policy",
+    "log_level",
+)
 CACHE_SETTINGS: tuple[str, ...] = (
-    "cache_dir", "disk_quota_bytes", "ram_quota_bytes", "shm_dir", "shm_quota_bytes", "log_level",
-)  # fmt: skip
+    "cache_dir",
+    "disk_quota_bytes",
+    "ram_quota_bytes",
+    "shm_dir",
+    "shm_quota_bytes",
+    "log_level",
+)
 
 
 def add_settings(parser: argparse.ArgumentParser, names: Sequence[str] = ()) -> None:
@@ -64,9 +81,13 @@ def loaded_model(settings: Settings) -> Iterator[Model]:
     engine = open_engine(settings)
     try:
         with tqdm(
-            total=100, desc=f"loading {spec.model_id}", unit="%", file=sys.stderr, disable=None,
+            total=100,
+            desc=f"loading {spec.model_id}",
+            unit="%",
+            file=sys.stderr,
+            disable=None,
             leave=False,
-        ) as bar:  # fmt: skip
+        ) as bar:
 
             def progress(fraction: float) -> bool:
                 bar.update(max(0, round(fraction * 100) - bar.n))

@@ -19,11 +19,17 @@ from kvwarm.engine.types import Completion, GenerationOptions
 
 def _add_sampling(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N")
-    parser.add_argument("--temperature", type=float, default=0.8, metavar="T",
-                        help="0 for greedy (default: %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        metavar="T",
+        help="0 for greedy (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=None, metavar="N")
-    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                        help="stop sequence (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop sequence (repeatable)"
+    )
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

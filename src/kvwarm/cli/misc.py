@@ -33,8 +33,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="List the embedded default model, $KVWARM_MODEL, the configured models "
         "and any .gguf files in --scan directories. Loads nothing.",
     )
-    models.add_argument("--scan", action="append", type=Path, default=[], metavar="DIR",
-                        help="also list .gguf files under DIR (repeatable)")  # fmt: skip
+    models.add_argument(
+        "--scan",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="DIR",
+        help="also list .gguf files under DIR (repeatable)",
+    )
     models.add_argument("--json", action="store_true", help="machine-readable output")
     add_settings(models, ("models", "log_level"))
     models.set_defaults(run=run_models)

@@ -70,9 +70,14 @@ def options(
         "logprobs": logprobs,
     }
     for name in (
-        "temperature", "top_p", "top_k", "min_p", "repeat_penalty",
-        "frequency_penalty", "presence_penalty",
-    ):  # fmt: skip
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repeat_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    ):
         value = getattr(req, name)
         if value is not None:
             overrides[name] = value

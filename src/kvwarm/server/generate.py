@@ -30,6 +30,7 @@ from kvwarm.server.errors import error_body, kind_of
 
 if TYPE_CHECKING:
     from kvwarm.engine.stream import CompletionStream
+    from kvwarm.server.state import ServerState
 
 request_log = logging.getLogger("kvwarm.server.requests")
 
@@ -39,10 +40,18 @@ _DONE = object()
 class Generation:
     """An engine stream bound to the request that asked for it (``async with``)."""
 
-    def __init__(self, request: Request, stream: CompletionStream, endpoint: str, model_id: str):
+    def __init__(
+        self,
+        request: Request,
+        stream: CompletionStream,
+        endpoint: str,
+        model_id: str,
+        state: ServerState,
+    ) -> None:
         self.stream = stream
         self.endpoint = endpoint
         self.model_id = model_id
+        self._state = state
         self.started = time.perf_counter()
         self.disconnected = False
         self._request = request
@@ -68,7 +77,23 @@ class Generation:
             self._watcher.cancel()
             self._watcher = None
         if not self._finished:
+            self._finished = True
             self.stream.cancel()
+            # Nobody awaits the result any more; collect it so the request is still counted
+            # and logged (finish=cancelled) once the worker has let go of the slot.
+            task = asyncio.ensure_future(self._collect())
+            self._state.background.add(task)
+            task.add_done_callback(self._state.background.discard)
+
+    async def _collect(self) -> None:
+        try:
+            done = await self.stream.aresult()
+        except Exception as exc:  # the request failed after its client left: just log it
+            request_log.info(
+                "%s model=%s failed after disconnect: %s", self.endpoint, self.model_id, exc
+            )
+            return
+        self._record(done)
 
     async def _watch(self) -> None:
         receive = self._request.receive
@@ -100,8 +125,14 @@ class Generation:
         client went away) and log its line."""
         done = await self.stream.aresult()
         self._finished = True
-        log_request(self.endpoint, self.model_id, done, self.started, self.disconnected)
+        self._record(done)
         return done
+
+    def _record(self, done: Completion) -> None:
+        self._state.counters.record_finish(
+            self.model_id, done.stats.finish_reason, self.disconnected
+        )
+        log_request(self.endpoint, self.model_id, done, self.started, self.disconnected)
 
 
 def log_request(

@@ -89,8 +89,13 @@ def add_cache(out: Exposition, counters: Mapping[str, float]) -> None:
 
 def add_models(out: Exposition, states: Mapping[str, str], statuses: Iterable[ModelStatus]) -> None:
     for model_id, state in states.items():
-        out.add("kvwarm_model_ready", "gauge", "1 if the model is ready", state == "ready",
-                model=model_id)  # fmt: skip
+        out.add(
+            "kvwarm_model_ready",
+            "gauge",
+            "1 if the model is ready",
+            state == "ready",
+            model=model_id,
+        )
     for s in statuses:
         m = s.id
         out.add(
@@ -100,17 +105,63 @@ def add_models(out: Exposition, states: Mapping[str, str], statuses: Iterable[Mo
         out.add("kvwarm_model_slots", "gauge", "slots (n_parallel)", s.n_parallel, model=m)
         out.add("kvwarm_requests_total", "counter", "generations finished", s.requests, model=m)
         out.add("kvwarm_prompt_tokens_total", "counter", "prompt tokens", s.prompt_tokens, model=m)
-        out.add("kvwarm_cached_tokens_total", "counter", "prompt tokens restored from cache",
-                s.cached_tokens, model=m)  # fmt: skip
-        out.add("kvwarm_completion_tokens_total", "counter", "generated tokens",
-                s.completion_tokens, model=m)  # fmt: skip
-        out.add("kvwarm_prefill_seconds_total", "counter", "time spent in prefill",
-                s.prefill_ms / 1000, model=m)  # fmt: skip
-        out.add("kvwarm_decode_seconds_total", "counter", "time spent generating",
-                s.generation_ms / 1000, model=m)  # fmt: skip
+        out.add(
+            "kvwarm_cached_tokens_total",
+            "counter",
+            "prompt tokens restored from cache",
+            s.cached_tokens,
+            model=m,
+        )
+        out.add(
+            "kvwarm_completion_tokens_total",
+            "counter",
+            "generated tokens",
+            s.completion_tokens,
+            model=m,
+        )
+        out.add(
+            "kvwarm_prefill_seconds_total",
+            "counter",
+            "time spent in prefill",
+            s.prefill_ms / 1000,
+            model=m,
+        )
+        out.add(
+            "kvwarm_decode_seconds_total",
+            "counter",
+            "time spent generating",
+            s.generation_ms / 1000,
+            model=m,
+        )
+
+
+def add_finished(
+    out: Exposition, finished: Mapping[tuple[str, str], int], disconnects: int
+) -> None:
+    for (model_id, reason), count in sorted(finished.items()):
+        out.add(
+            "kvwarm_generations_total",
+            "counter",
+            "HTTP generations by finish reason",
+            count,
+            model=model_id,
+            reason=reason,
+        )
+    out.add(
+        "kvwarm_client_disconnects_total",
+        "counter",
+        "generations cancelled because the client went away",
+        disconnects,
+    )
 
 
 def add_http(out: Exposition, by_route: Mapping[tuple[str, int], int]) -> None:
     for (route, status), count in sorted(by_route.items()):
-        out.add("kvwarm_http_requests_total", "counter", "HTTP requests by route and status",
-                count, route=route, status=str(status))  # fmt: skip
+        out.add(
+            "kvwarm_http_requests_total",
+            "counter",
+            "HTTP requests by route and status",
+            count,
+            route=route,
+            status=str(status),
+        )

@@ -57,6 +57,7 @@ async def prometheus(request: Request) -> Response:
     statuses = [e.model.status() for e in state.entries.values() if e.model is not None]
     metrics.add_models(out, {e.id: e.state for e in state.entries.values()}, statuses)
     metrics.add_http(out, state.counters.snapshot())
+    metrics.add_finished(out, *state.counters.finished_snapshot())
     out.add(
         "kvwarm_keepalive_prefixes", "gauge", "prefixes kept warm", len(state.keepalive.entries())
     )

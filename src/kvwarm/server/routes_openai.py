@@ -72,9 +72,10 @@ async def chat_completions(request: Request) -> Response:
     plan = plan_chat(req.messages, req.tools, req.tool_choice, renders_tools=native)
     if plan.json_schema is not None and schema is not None:
         raise HTTPError(
-            400, "tool_choice required/named cannot be combined with response_format",
+            400,
+            "tool_choice required/named cannot be combined with response_format",
             param="response_format",
-        )  # fmt: skip
+        )
     opts = convert.options(
         req,
         default_max_tokens=state.settings.default_max_tokens,
@@ -86,7 +87,7 @@ async def chat_completions(request: Request) -> Response:
         lambda: model.stream_chat(plan.messages, tools=plan.tools, options=opts)
     )
     ids = convert.ResponseIds("chatcmpl", model.id)
-    gen = Generation(request, stream, "chat", model.id)
+    gen = Generation(request, stream, "chat", model.id, state)
     if not req.stream:
         async with gen:
             done = await gen.result()
@@ -173,7 +174,7 @@ async def completions(request: Request) -> Response:
         results: list[Completion] = []
         for index, prompt in enumerate(prompts):
             stream = await run_in_threadpool(model.stream, prompt, opts)
-            async with Generation(request, stream, "completion", model.id) as gen:
+            async with Generation(request, stream, "completion", model.id, state) as gen:
                 done = await gen.result()
             if gen.disconnected:
                 break
@@ -193,7 +194,7 @@ async def completions(request: Request) -> Response:
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     stream = await run_in_threadpool(model.stream, prompts[0], opts)
-    gen = Generation(request, stream, "completion", model.id)
+    gen = Generation(request, stream, "completion", model.id, state)
     await gen.__aenter__()
     try:
         await gen.prime()

@@ -8,6 +8,7 @@ model that is still loading (or failed to load) is a 503, an unknown one a 404.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -44,15 +45,25 @@ class RequestCounters:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     by_route: Counter[tuple[str, int]] = field(default_factory=Counter)
-    errors_by_code: Counter[str] = field(default_factory=Counter)
+    finished: Counter[tuple[str, str]] = field(default_factory=Counter)  # (model, reason)
+    disconnects: int = 0
 
     def record(self, route: str, status: int) -> None:
         with self.lock:
             self.by_route[(route, status)] += 1
 
+    def record_finish(self, model_id: str, reason: str, disconnected: bool) -> None:
+        with self.lock:
+            self.finished[(model_id, reason)] += 1
+            self.disconnects += int(disconnected)
+
     def snapshot(self) -> dict[tuple[str, int], int]:
         with self.lock:
             return dict(self.by_route)
+
+    def finished_snapshot(self) -> tuple[dict[tuple[str, str], int], int]:
+        with self.lock:
+            return dict(self.finished), self.disconnects
 
 
 class ServerState:
@@ -66,6 +77,8 @@ class ServerState:
         }
         self.default_id = settings.models[0].model_id
         self.counters = RequestCounters()
+        # Strong references to fire-and-forget tasks (the loop keeps only weak ones).
+        self.background: set[asyncio.Task[None]] = set()
         ttl = settings.cache_config().ttl_seconds
         self.keepalive = KeepAlive(ttl, settings.keepalive_stale_fraction)
         self._closing = threading.Event()
