@@ -10,6 +10,7 @@ import pytest
 from tests.cache.fakebook import FakeBook
 from tests.cache.tierkit import NS, TIERS, TierFactory, factory, request, shm_dir
 
+from kvwarm.cache.index import Index
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.protocols import Tier
 from kvwarm.cache.types import SaveReason, TtlClass
@@ -154,3 +155,17 @@ def test_empty_payload_and_tokens(make: TierFactory) -> None:
     assert row is not None
     got = tier.load(row)
     assert bytes(got.payload) == b"" and got.tokens == () and got.logits is None
+
+
+def test_with_the_real_index_as_book(make: TierFactory) -> None:
+    index, tier = Index(), make()
+    key, req = request((61, 62, 63), logits=b"\0" * 8)
+    row = tier.store(key, req, index)
+    assert row is not None and index.get(key) == row.info
+    assert index.pending_reservations() == 0
+    assert tier.store(key, req, index) is None  # published: a second save is refused
+    assert bytes(tier.load(row).payload) == req.payload
+    restarted, fresh = make(), Index()
+    for found in restarted.scan():
+        assert fresh.adopt(found)
+    assert (fresh.get(key) is not None) == (tier.name != "ram")
