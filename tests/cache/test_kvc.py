@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import struct
+import subprocess
+import sys
 import tracemalloc
 from dataclasses import replace
 
@@ -317,3 +320,14 @@ def test_known_tokens_skip_decoding_only_when_the_key_replays() -> None:
     with pytest.raises(CacheFormatError, match="another key"):
         kvc.parse(buf, expected_key=cache_key(NS, wrong), known_tokens=wrong)
     assert kvc.parse(buf, known_tokens=wrong).meta.fields.tokens == TOKENS  # no key: decoded
+
+
+@pytest.mark.parametrize(("mode", "warns"), [("force", True), ("auto", False)])
+def test_software_crc_fallback_is_announced(mode: str, warns: bool) -> None:
+    """The crc32c package silently falls back to a ~10x slower table; we log it at import."""
+    code = "import logging; logging.basicConfig(); import kvwarm.cache.kvc"
+    env = {**os.environ, "CRC32C_SW_MODE": mode}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert ("hardware acceleration unavailable" in proc.stderr) == warns
