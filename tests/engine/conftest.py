@@ -3,6 +3,7 @@ gates so short prompts are cached."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,3 +55,44 @@ def engine() -> Iterator[Engine]:
     eng = make_engine()
     yield eng
     eng.close()
+
+
+class _GatedContext:
+    """Delegates to a stub context, but each ``decode`` first waits for the gate to open."""
+
+    def __init__(self, inner: object, gate: threading.Event) -> None:
+        self._inner = inner
+        self._gate = gate
+
+    def decode(self, batch: object) -> None:
+        self._gate.wait()
+        self._inner.decode(batch)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+class _GatedModel:
+    def __init__(self, inner: object, gate: threading.Event) -> None:
+        self._inner = inner
+        self._gate = gate
+
+    def new_context(self, params: object) -> _GatedContext:
+        return _GatedContext(self._inner.new_context(params), self._gate)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+class GatedBackend:
+    """A stub backend whose forward passes run only while ``gate`` is set: tests decide
+    exactly when the worker can make progress, with no timing assumptions."""
+
+    name = "stub"
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self._stub = StubBackend()
+
+    def load_model(self, path: str, params: object = None) -> _GatedModel:
+        return _GatedModel(self._stub.load_model(path, params), self.gate)  # type: ignore[arg-type]

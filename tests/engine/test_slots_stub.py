@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.engine.conftest import make_engine, stub_config
+from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
 from kvwarm.backends.stub import StubBackend
 from kvwarm.engine.api import Engine
@@ -98,3 +98,34 @@ def test_strategies_all_produce_the_same_greedy_text() -> None:
         finally:
             eng.close()
     assert texts[0] == texts[1] == texts[2]
+
+
+def test_cancelling_a_queued_request_answers_it_without_waiting_for_a_slot() -> None:
+    eng = make_engine()
+    try:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(backend=backend))  # type: ignore[arg-type]
+        busy = model.stream("occupies the only slot", OPTS)
+        while model.status().queued:  # bounded: the worker admits it without decoding
+            pass
+        queued = model.stream("me next", OPTS)
+        queued.cancel()
+        # The gate is closed: the busy request cannot have produced a single token, yet the
+        # cancelled one is answered.
+        done = queued.result()
+        assert done.stats.finish_reason == "cancelled"
+        assert done.stats.completion_tokens == 0
+        assert model.status().active == 1
+        backend.gate.set()
+        assert busy.result().stats.completion_tokens > 0
+    finally:
+        eng.close()
+
+
+def test_more_slots_than_batch_is_a_config_error(engine: Engine) -> None:
+    import pytest
+
+    from kvwarm.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        engine.load_model(config=stub_config(n_parallel=8, n_batch=4))

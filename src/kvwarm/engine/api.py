@@ -92,6 +92,11 @@ class ModelConfig:
         self.context.validate()
         if not 1 <= self.n_parallel <= 64:
             raise ConfigError(f"n_parallel must be in [1, 64], got {self.n_parallel}")
+        if self.n_parallel > self.context.n_batch:
+            # Every generating slot puts one token in each tick's batch.
+            raise ConfigError(
+                f"n_parallel ({self.n_parallel}) must be <= n_batch ({self.context.n_batch})"
+            )
         if self.max_queue < 1:
             raise ConfigError("max_queue must be >= 1")
         parse_mode(self.fingerprint_mode)
@@ -495,7 +500,7 @@ class Model:
             # Compile once here so a bad grammar is the caller's error, not the worker's.
             self._bmodel.new_sampler(opts.sampling(grammar)).close()
         self._worker.submit(req)
-        return CompletionStream(req, self._worker.wake)
+        return CompletionStream(req, self._worker.cancel)
 
     # ---- embeddings ---------------------------------------------------------------------
 

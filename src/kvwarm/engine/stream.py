@@ -6,16 +6,18 @@ Invariant: every stream ends, exactly once, with either a ``Completion`` (also a
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from kvwarm.engine.request import Done, Failed, Request
 from kvwarm.engine.types import Completion
 
 
 class CompletionStream:
-    def __init__(self, request: Request, wake: object = None) -> None:
+    def __init__(
+        self, request: Request, on_cancel: Callable[[Request], None] | None = None
+    ) -> None:
         self._req = request
-        self._wake = wake
+        self._on_cancel = on_cancel
         self._completion: Completion | None = None
         self._error: BaseException | None = None
 
@@ -34,10 +36,10 @@ class CompletionStream:
 
     def cancel(self) -> None:
         """Ask the worker to stop this request between tokens. Idempotent."""
-        self._req.cancelled.set()
-        wake = self._wake
-        if callable(wake):
-            wake()
+        if self._on_cancel is not None:
+            self._on_cancel(self._req)
+        else:
+            self._req.cancelled.set()
 
     def __iter__(self) -> Iterator[str]:
         while not self.done:

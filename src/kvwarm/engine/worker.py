@@ -139,9 +139,20 @@ class Worker:
             self._cond.notify_all()
         return fut
 
-    def wake(self) -> None:
+    def cancel(self, req: Request) -> None:
+        """Cancel ``req``: answered here at once if still queued (even while the worker is
+        inside a forward pass), else observed by the worker between tokens."""
+        req.cancelled.set()
         with self._cond:
+            try:
+                self._queue.remove(req)
+            except ValueError:
+                queued = False
+            else:
+                queued = True
             self._cond.notify_all()
+        if queued:
+            self._reply_cancelled_unstarted(req)
 
     @property
     def queued(self) -> int:
