@@ -7,6 +7,10 @@ thread), so ``/health`` answers 503 while loading instead of refusing connection
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 
 from kvwarm.cli.common import add_settings, settings_from
 
@@ -25,14 +29,32 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: the server extra (uvicorn, fastapi) is not needed by the other commands.
     import uvicorn
 
     from kvwarm.server import create_app
 
+    class _Server(uvicorn.Server):
+        """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, so the process dies of the
+        signal; for a CLI a requested, clean shutdown is success (exit 0)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            signals = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
     settings = settings_from(args)
     app = create_app(settings)
     # log_config=None keeps our logging setup; the per-request line comes from kvwarm itself.
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -40,4 +62,7 @@ def run(args: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=10,
     )
-    return 0
+    server = _Server(config)
+    server.run()
+    # uvicorn reports a failed startup (e.g. the port is taken) only through its log.
+    return 0 if server.started else 1

@@ -1,0 +1,238 @@
+"""The ``kvwarm`` command line, end to end in subprocesses (the real embedded model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvwarm.cli.misc import bench_script
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+# Longer than the policy's 16-token minimum, so the prompt is saved.
+LONG_PROMPT = "Here is a list of the largest cities in Europe, ordered by population, with notes:"
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("KVWARM_") and k != "PYTHONPATH"}
+    out.update(
+        PYTHONPATH=str(SRC),
+        XDG_CACHE_HOME=str(tmp_path / "xdg-cache"),
+        XDG_CONFIG_HOME=str(tmp_path / "xdg-config"),
+        KVWARM_N_CTX="1024",
+        KVWARM_N_BATCH="64",
+        KVWARM_POLICY_MIN_TOKENS="16",
+        KVWARM_POLICY_COLD_MIN_TOKENS="16",
+        KVWARM_POLICY_BOUNDARY_ALIGN_TOKENS="16",
+        KVWARM_POLICY_BOUNDARY_TRIM_TOKENS="0",
+    )
+    return out
+
+
+def kvwarm(
+    env: dict[str, str], *args: str, stdin: str = "", timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvwarm", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def no_traceback(result: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+# --- usage -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [],
+        ["serve"],
+        ["complete"],
+        ["chat"],
+        ["cache"],
+        ["cache", "stats"],
+        ["cache", "ls"],
+        ["cache", "gc"],
+        ["cache", "verify"],
+        ["bench"],
+        ["models"],
+    ],
+)
+def test_help_on_every_command(env: dict[str, str], command: list[str]) -> None:
+    result = kvwarm(env, *command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: kvwarm")
+
+
+def test_usage_errors_exit_2(env: dict[str, str]) -> None:
+    assert kvwarm(env).returncode == 2
+    assert kvwarm(env, "frobnicate").returncode == 2
+    bad_flag = kvwarm(env, "complete", "--no-such-flag", "x")
+    assert bad_flag.returncode == 2
+    bad_value = kvwarm(env, "complete", "--n-ctx", "lots", "x")
+    assert bad_value.returncode == 2
+    assert bad_value.stderr.strip() == "kvwarm: error: flag setting --n-ctx: " + (
+        "invalid literal for int() with base 10: 'lots'"
+    )
+    bad_env = kvwarm({**env, "KVWARM_PORT": "eighty"}, "cache", "stats")
+    assert bad_env.returncode == 2 and "port" in bad_env.stderr
+    no_traceback(bad_env)
+
+
+def test_runtime_errors_exit_1_without_traceback(env: dict[str, str], tmp_path: Path) -> None:
+    missing = tmp_path / "missing.gguf"
+    result = kvwarm(env, "complete", "--model", str(missing), "hello")
+    assert result.returncode == 1
+    assert result.stderr.strip().endswith(f"model file not found: {missing}")
+    no_traceback(result)
+
+
+# --- generation ------------------------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_complete_prints_text_and_timings_and_reuses_the_disk_cache(env: dict[str, str]) -> None:
+    args = ("complete", LONG_PROMPT, "--max-tokens", "4", "--temperature", "0")
+    first = kvwarm(env, *args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip()
+    timing = re.search(r"prompt (\d+) tokens \((\d+) from cache", first.stderr)
+    assert timing is not None, first.stderr
+    assert "tok/s" in first.stderr and "finish " in first.stderr
+    second = kvwarm(env, *args)  # a new process: only the disk tier can make this warm
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout  # greedy
+    warm = re.search(r"prompt (\d+) tokens \((\d+) from cache", second.stderr)
+    assert warm is not None and int(warm.group(2)) > 0, second.stderr
+
+
+@pytest.mark.model
+def test_chat_repl_streams_and_reports_cache_use_per_turn(env: dict[str, str]) -> None:
+    result = kvwarm(
+        env,
+        "chat", "--system", "You are terse.", "--max-tokens", "5", "--temperature", "0",
+        stdin="Hello!\n\nWhat is two plus two?\n/exit\nnever read\n",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    turns = re.findall(r"\[turn (\d): cached (\d+)/(\d+) prompt tokens", result.stderr)
+    assert [t[0] for t in turns] == ["1", "2"], result.stderr
+    cached_2, prompt_2 = int(turns[1][1]), int(turns[1][2])
+    prompt_1 = int(turns[0][2])
+    # The second turn re-sends the first: its prompt comes (mostly) from the cache.
+    assert cached_2 >= prompt_1 - 16 and cached_2 < prompt_2
+    assert len([line for line in result.stdout.splitlines() if line.strip()]) >= 1
+
+
+# --- cache maintenance (no model) ------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_cache_commands_and_verify_finds_corruption(env: dict[str, str]) -> None:
+    filled = kvwarm(env, "complete", LONG_PROMPT, "--max-tokens", "4")
+    assert filled.returncode == 0, filled.stderr
+    # From here on no model is involved: the cache is pure Python.
+    env_no_model = {**env, "KVWARM_MODELS": "/nonexistent/model.gguf"}
+    stats = kvwarm(env_no_model, "cache", "stats", "--json")
+    assert stats.returncode == 0, stats.stderr
+    summary = json.loads(stats.stdout)
+    assert summary["rows"] >= 1 and summary["cache_dir"].endswith("kvwarm")
+    ls = kvwarm(env_no_model, "cache", "ls")
+    assert ls.returncode == 0 and len(ls.stdout.splitlines()) == summary["rows"] + 1
+    rows = json.loads(kvwarm(env_no_model, "cache", "ls", "--json").stdout)
+    assert {r["tier"] for r in rows} == {"disk"}
+    ok = kvwarm(env_no_model, "cache", "verify")
+    assert ok.returncode == 0 and f"checked {summary['rows']} rows: 0 bad" in ok.stdout
+    victim = sorted(Path(env["XDG_CACHE_HOME"]).rglob("*.kvc"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the payload: only the CRC can tell
+    victim.write_bytes(bytes(data))
+    bad = kvwarm(env_no_model, "cache", "verify")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "1 bad" in bad.stdout and "bad:" in bad.stderr
+    no_traceback(bad)
+    gc = kvwarm(env_no_model, "cache", "gc", "--json")
+    assert gc.returncode == 0 and set(json.loads(gc.stdout)) == {"rows", "bytes"}
+
+
+# --- models, bench, serve --------------------------------------------------------------------
+
+
+def test_models_lists_the_embedded_default(env: dict[str, str], tmp_path: Path) -> None:
+    (tmp_path / "extra.gguf").write_bytes(b"GGUF")
+    result = kvwarm(env, "models", "--json", "--scan", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    found = {m["id"]: m for m in json.loads(result.stdout)}
+    assert found["smollm2-135m-instruct"]["source"] == "embedded"
+    assert found["smollm2-135m-instruct"]["available"] is True
+    assert found["extra"]["available"] is True
+    text = kvwarm(env, "models")
+    assert text.returncode == 0 and "smollm2-135m-instruct" in text.stdout
+
+
+def test_bench_runs_the_script_and_passes_its_exit_code(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    script = tmp_path / "fake_bench.py"
+    script.write_text("import sys\nprint('args', sys.argv[1:])\nsys.exit(3)\n")
+    result = kvwarm(env, "bench", "--script", str(script), "--", "--runs", "2")
+    assert result.returncode == 3
+    assert "args ['--runs', '2']" in result.stdout
+    missing = kvwarm(env, "bench", "--script", str(tmp_path / "nope.py"))
+    assert missing.returncode == 1 and "not found" in missing.stderr
+    assert bench_script() == SRC.parent / "bench" / "cold_warm.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.model
+def test_serve_answers_then_stops_on_sigterm(env: dict[str, str]) -> None:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvwarm", "serve", "--port", str(port)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        status = None
+        while time.monotonic() < deadline and proc.poll() is None:  # bounded readiness wait
+            try:
+                status = httpx.get(base + "/health", timeout=5).status_code
+            except httpx.TransportError:
+                status = None
+            if status == 200:
+                break
+            time.sleep(0.1)
+        assert status == 200, "server did not become ready"
+        body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        response = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == "smollm2-135m-instruct"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert "completion model=smollm2-135m-instruct prompt_tokens=" in stderr
+    assert "Traceback" not in stderr
