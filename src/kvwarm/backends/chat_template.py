@@ -39,7 +39,8 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    global _ENV  # noqa: PLW0603 - one shared immutable environment; built lazily, under a lock
+    # One shared immutable environment, built lazily on first use.
+    global _ENV
     if _ENV is None:
         env = ImmutableSandboxedEnvironment(
             loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True

@@ -207,6 +207,7 @@ class StubModel:
 
     def is_eog(self, token: int) -> bool:
         with self._life.using():
+            _checks.check_tokens([token], N_VOCAB)
             return token == EOS
 
     def apply_chat_template(

@@ -43,6 +43,7 @@ class LiteralGrammar:
         head = re.compile(rf"^\s*{re.escape(root)}\s*::=")
         if not any(head.match(line) for line in rules):
             raise GrammarError(f"grammar has no {root!r} rule", param="grammar")
+        _check_references(grammar)
         if len(rules) != 1:
             return None
         body = head.sub("", rules[0]).strip()
@@ -67,6 +68,20 @@ class LiteralGrammar:
 
     def reset(self) -> None:
         self.prefix = b""
+
+
+_RULE_HEAD = re.compile(r"^\s*([A-Za-z0-9-]+)\s*::=", re.MULTILINE)
+_NOISE = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*')
+_IDENT = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
+
+
+def _check_references(grammar: str) -> None:
+    """Every rule a body names is defined (as llama.cpp's parser demands)."""
+    defined = set(_RULE_HEAD.findall(grammar))
+    bodies = _RULE_HEAD.sub(" ", _NOISE.sub(" ", grammar))
+    missing = sorted(set(_IDENT.findall(bodies)) - defined)
+    if missing:
+        raise GrammarError(f"grammar uses undefined rules: {', '.join(missing)}", param="grammar")
 
 
 class StubSampler:

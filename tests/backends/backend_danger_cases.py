@@ -1,0 +1,231 @@
+"""Misuse scenarios every backend must survive with a typed error.
+
+Each ``case_*`` function takes a backend name, provokes one misuse and asserts the exact
+``KvwarmError`` subclass. The stub runs them in-process; the llama.cpp backend runs each in a
+child process (``python -m tests.backends.backend_danger_cases <backend> <case>``) so that an
+abort fails one test instead of killing pytest. A case prints ``CASE-OK`` last; the parent
+checks for it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+from kvwarm.backends import get_backend
+from kvwarm.backends.base import BackendModel, BatchToken, ContextParams, SamplingParams
+from kvwarm.errors import (
+    AdapterError,
+    ContextOverflowError,
+    GrammarError,
+    HandleClosedError,
+    InvalidRequestError,
+    KvwarmError,
+    NoLogitsError,
+    StateRestoreError,
+)
+
+P = ContextParams(n_ctx=256, n_batch=32, n_ubatch=32, n_seq_max=2, n_threads=2)
+PROMPT = "The cat sat on the mat and looked at the door."
+
+
+def load(backend: str) -> BackendModel:
+    if backend == "stub":
+        path = "stub-model"
+    else:
+        from kvwarm.embedded import default_model_path
+
+        path = str(default_model_path())
+    return get_backend(backend).load_model(path)
+
+
+def expect(kind: type[KvwarmError], fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except kind:
+        return
+    except KvwarmError as exc:
+        raise AssertionError(f"expected {kind.__name__}, got {type(exc).__name__}: {exc}") from exc
+    raise AssertionError(f"expected {kind.__name__}, nothing was raised")
+
+
+def _prefilled(backend: str) -> tuple[BackendModel, object, bytes]:
+    model = load(backend)
+    ctx = model.new_context(P)
+    ctx.prefill(0, model.tokenize(PROMPT), 0)
+    return model, ctx, ctx.kv_pack(0)
+
+
+def case_garbage_blob(backend: str) -> None:
+    _model, ctx, blob = _prefilled(backend)
+    expect(StateRestoreError, lambda: ctx.kv_unpack(1, os.urandom(len(blob))))
+    expect(StateRestoreError, lambda: ctx.kv_unpack(1, bytes(len(blob))))
+    expect(StateRestoreError, lambda: ctx.kv_unpack(1, b"\x01" * 7))
+    assert ctx.seq_pos_max(1) == -1  # a failed restore leaves the sequence empty
+
+
+def case_truncated_blob(backend: str) -> None:
+    _model, ctx, blob = _prefilled(backend)
+    for cut in (len(blob) // 2, len(blob) - 1, 20):
+        expect(StateRestoreError, lambda cut=cut: ctx.kv_unpack(1, blob[:cut]))
+    expect(StateRestoreError, lambda: ctx.kv_unpack(1, blob + b"\0\0"))
+    assert ctx.kv_unpack(1, blob) == ctx.seq_pos_max(0) + 1  # the context is still usable
+
+
+def case_blob_other_type_k(backend: str) -> None:
+    model, _ctx, blob = _prefilled(backend)
+    other = model.new_context(
+        ContextParams(n_ctx=256, n_batch=32, n_ubatch=32, type_k="q8_0", n_threads=2)
+    )
+    expect(StateRestoreError, lambda: other.kv_unpack(0, blob))
+
+
+def case_blob_longer_than_context(backend: str) -> None:
+    model = load(backend)
+    big = model.new_context(ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2))
+    tokens = model.tokenize(PROMPT * 40)[:300]
+    big.prefill(0, tokens, 0)
+    blob = big.kv_pack(0)
+    small = model.new_context(P)
+    expect(StateRestoreError, lambda: small.kv_unpack(0, blob))
+
+
+def case_over_long_prompt(backend: str) -> None:
+    model = load(backend)
+    ctx = model.new_context(P)
+    tokens = model.tokenize(PROMPT * 40)
+    assert len(tokens) > P.n_ctx
+    expect(ContextOverflowError, lambda: ctx.prefill(0, tokens, 0))
+    assert ctx.seq_pos_max(0) == -1
+    ctx.prefill(0, tokens[:10], 0)
+    expect(ContextOverflowError, lambda: ctx.prefill(0, tokens[: P.n_ctx], 10))
+    expect(ContextOverflowError, lambda: ctx.decode([BatchToken(tokens[0], P.n_ctx, 1, True)]))
+
+
+def case_no_logits(backend: str) -> None:
+    model = load(backend)
+    ctx = model.new_context(P)
+    sampler = model.new_sampler(SamplingParams(temperature=0))
+    expect(NoLogitsError, ctx.logits)
+    expect(NoLogitsError, lambda: sampler.sample(ctx, -1))
+    tokens = model.tokenize(PROMPT)
+    ctx.decode([BatchToken(t, i, 0, logits=False) for i, t in enumerate(tokens[:4])])
+    expect(NoLogitsError, lambda: ctx.logits(-1))
+    expect(NoLogitsError, lambda: sampler.sample(ctx, 0))
+    ctx.decode([BatchToken(tokens[4], 4, 0, logits=True)])
+    expect(NoLogitsError, lambda: ctx.logits(1))
+    assert len(ctx.logits(0)) == model.facts.n_vocab
+
+
+def case_use_after_close(backend: str) -> None:
+    model = load(backend)
+    ctx = model.new_context(P)
+    sampler = model.new_sampler(SamplingParams(temperature=0))
+    ctx.prefill(0, model.tokenize(PROMPT), 0)
+    blob = ctx.kv_pack(0)
+    sampler.close()
+    sampler.close()
+    expect(HandleClosedError, lambda: sampler.sample(ctx, -1))
+    expect(HandleClosedError, lambda: sampler.accept(1))
+    ctx.close()
+    ctx.close()
+    expect(HandleClosedError, ctx.logits)
+    expect(HandleClosedError, lambda: ctx.prefill(0, [1, 2], 0))
+    expect(HandleClosedError, lambda: ctx.kv_unpack(0, blob))
+    expect(HandleClosedError, lambda: ctx.kv_pack(0))
+    expect(HandleClosedError, lambda: ctx.seq_pos_max(0))
+    model.close()
+    model.close()
+    expect(HandleClosedError, lambda: model.tokenize("x"))
+    expect(HandleClosedError, lambda: model.new_context(P))
+    expect(HandleClosedError, lambda: model.new_sampler(SamplingParams()))
+    expect(HandleClosedError, lambda: model.facts)
+
+
+def case_close_model_with_open_context(backend: str) -> None:
+    model = load(backend)
+    ctx = model.new_context(P)
+    sampler = model.new_sampler(SamplingParams(temperature=0))
+    tokens = model.tokenize(PROMPT)
+    model.close()  # deferred: the context and sampler still hold the model
+    expect(HandleClosedError, lambda: model.tokenize("x"))
+    ctx.prefill(0, tokens, 0)
+    token = sampler.sample(ctx, -1)
+    ctx.decode([BatchToken(token, len(tokens), 0, True)])
+    sampler.close()
+    ctx.close()  # the last dependent: the model is freed here, once
+    expect(HandleClosedError, ctx.logits)
+
+
+def case_out_of_range_ids(backend: str) -> None:
+    model = load(backend)
+    ctx = model.new_context(P)
+    n_vocab = model.facts.n_vocab
+    for bad in (-1, n_vocab, 2**31 - 1):
+        expect(InvalidRequestError, lambda bad=bad: ctx.prefill(0, [1, bad], 0))
+        expect(InvalidRequestError, lambda bad=bad: ctx.decode([BatchToken(bad, 0, 0, True)]))
+        expect(InvalidRequestError, lambda bad=bad: model.detokenize([bad]))
+        expect(InvalidRequestError, lambda bad=bad: model.token_to_piece(bad))
+        expect(InvalidRequestError, lambda bad=bad: model.is_eog(bad))
+    for seq in (-1, P.n_seq_max, 1000):
+        expect(InvalidRequestError, lambda seq=seq: ctx.prefill(seq, [1, 2], 0))
+        expect(InvalidRequestError, lambda seq=seq: ctx.decode([BatchToken(1, 0, seq, True)]))
+        expect(InvalidRequestError, lambda seq=seq: ctx.kv_pack(seq))
+        expect(InvalidRequestError, lambda seq=seq: ctx.kv_unpack(seq, b"x" * 64))
+        expect(InvalidRequestError, lambda seq=seq: ctx.seq_rm(seq))
+        expect(InvalidRequestError, lambda seq=seq: ctx.seq_cp(0, seq))
+        expect(InvalidRequestError, lambda seq=seq: ctx.seq_pos_max(seq))
+    tokens = model.tokenize(PROMPT)
+    ctx.prefill(0, tokens[:5], 0)
+    expect(InvalidRequestError, lambda: ctx.prefill(0, tokens[5:], 7))  # leaves a gap
+    expect(InvalidRequestError, lambda: ctx.decode([BatchToken(tokens[5], 3, 0, True)]))
+    expect(InvalidRequestError, lambda: ctx.decode([]))
+    expect(
+        InvalidRequestError,
+        lambda: ctx.decode([BatchToken(1, 5 + i, 0) for i in range(P.n_batch + 1)]),
+    )
+    sampler = model.new_sampler(SamplingParams(temperature=0))
+    expect(InvalidRequestError, lambda: sampler.accept(n_vocab))
+    expect(InvalidRequestError, lambda: sampler.sample_logits(b"\0" * 12))
+
+
+def case_bad_grammar(backend: str) -> None:
+    model = load(backend)
+    for grammar in ("", "this is not gbnf", 'start ::= "x"', "root ::= undefined-rule"):
+        expect(GrammarError, lambda g=grammar: model.new_sampler(SamplingParams(grammar=g)))
+
+
+def case_grammar_then_accept(backend: str) -> None:
+    # accept() feeds penalty history only: a token the grammar forbids must not reach it.
+    model = load(backend)
+    sampler = model.new_sampler(SamplingParams(temperature=0, grammar='root ::= "yes"'))
+    n_vocab = model.facts.n_vocab
+    logits = bytearray(n_vocab * 4)  # all zeros: the grammar picks among its allowed tokens
+    first = sampler.sample_logits(bytes(logits))
+    assert not model.is_eog(first)
+    sampler.accept(first)
+    sampler.accept(model.facts.eos or 0)  # an EOS mid-grammar would abort inside llama.cpp
+    assert not model.is_eog(sampler.sample_logits(bytes(logits)))
+
+
+def case_bad_adapter(backend: str) -> None:
+    model = load(backend)
+    expect(AdapterError, lambda: model.load_adapter("/nonexistent/adapter.gguf"))
+    path = f"/tmp/kvwarm-bad-adapter-{os.getpid()}.gguf"
+    with open(path, "wb") as fh:
+        fh.write(b"GGUF" + os.urandom(256))
+    try:
+        if backend == "stub":
+            model.load_adapter(path).close()  # the stub accepts any readable file
+        else:
+            expect(AdapterError, lambda: model.load_adapter(path))
+    finally:
+        os.unlink(path)
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+if __name__ == "__main__":
+    CASES[sys.argv[2]](sys.argv[1])
+    print("CASE-OK")

@@ -1,0 +1,280 @@
+"""The Backend protocol, checked identically against the stub and the llama.cpp backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvwarm.backends import get_backend
+from kvwarm.backends.base import (
+    Backend,
+    BackendContext,
+    BackendModel,
+    BatchToken,
+    Sampler,
+    SamplingParams,
+)
+from kvwarm.errors import ConfigError, HandleClosedError, StateRestoreError
+
+TEXT = "Hello, world! Caches make the second read cheap. Ünïcödé too."
+
+
+def _greedy(model: BackendModel, ctx: BackendContext, seq: int, pos: int, n: int) -> list[int]:
+    sampler = model.new_sampler(SamplingParams(temperature=0))
+    out: list[int] = []
+    try:
+        for _ in range(n):
+            token = sampler.sample(ctx, -1)
+            out.append(token)
+            if model.is_eog(token):
+                break
+            ctx.decode([BatchToken(token, pos, seq, logits=True)])
+            pos += 1
+    finally:
+        sampler.close()
+    return out
+
+
+def test_get_backend_names() -> None:
+    assert get_backend("stub").name == "stub"
+    with pytest.raises(ConfigError):
+        get_backend("nope")
+
+
+def test_handles_satisfy_protocols(
+    backend_name: str, model: BackendModel, ctx: BackendContext
+) -> None:
+    assert isinstance(get_backend(backend_name), Backend)
+    assert isinstance(model, BackendModel)
+    assert isinstance(ctx, BackendContext)
+    sampler = model.new_sampler(SamplingParams())
+    assert isinstance(sampler, Sampler)
+    sampler.close()
+
+
+def test_facts(model: BackendModel) -> None:
+    facts = model.facts
+    assert facts.n_vocab > 256
+    assert facts.quant_bits > 0
+    assert facts.eos is not None and model.is_eog(facts.eos)
+    assert facts.chat_template
+
+
+def test_tokenize_round_trip(model: BackendModel) -> None:
+    tokens = model.tokenize(TEXT, add_special=False)
+    assert tokens
+    assert model.detokenize(tokens) == TEXT
+    pieces = b"".join(model.token_to_piece(t) for t in tokens)
+    assert pieces.decode() == TEXT
+    with_bos = model.tokenize(TEXT, add_special=True)
+    if model.facts.add_bos:
+        assert with_bos[0] == model.facts.bos and with_bos[1:] == tokens
+    else:
+        assert with_bos == tokens
+
+
+def test_special_tokens_parse_only_on_request(model: BackendModel) -> None:
+    eos = model.facts.eos
+    assert eos is not None
+    text = model.token_to_piece(eos, special=True).decode()
+    assert text
+    assert model.tokenize(text, add_special=False, parse_special=True) == [eos]
+    assert eos not in model.tokenize(text, add_special=False, parse_special=False)
+    assert model.detokenize([eos], unparse_special=True) == text
+
+
+def test_prefill_then_logits(model: BackendModel, ctx: BackendContext) -> None:
+    tokens = model.tokenize(TEXT)
+    ctx.prefill(0, tokens, 0)
+    assert ctx.seq_pos_max(0) == len(tokens) - 1
+    view = ctx.logits()
+    assert len(view) == model.facts.n_vocab
+    logits = np.frombuffer(view, dtype=np.float32)
+    assert np.isfinite(logits).all()
+    assert np.array_equal(np.frombuffer(ctx.logits(-1), dtype=np.float32), logits)
+
+
+def test_logits_view_released_by_next_decode(model: BackendModel, ctx: BackendContext) -> None:
+    tokens = model.tokenize(TEXT)
+    ctx.prefill(0, tokens, 0)
+    view = ctx.logits()
+    ctx.decode([BatchToken(tokens[0], len(tokens), 0, logits=True)])
+    with pytest.raises(ValueError):
+        _ = view[0]  # a released view must fail, not read stale memory
+
+
+def test_mixed_batch_two_sequences(model: BackendModel, ctx: BackendContext) -> None:
+    a = model.tokenize("one two three")
+    b = model.tokenize("four five six")
+    ctx.prefill(0, a, 0)
+    ctx.prefill(1, b, 0)
+    ctx.decode([BatchToken(a[0], len(a), 0, logits=True), BatchToken(b[0], len(b), 1, logits=True)])
+    assert not np.array_equal(
+        np.frombuffer(ctx.logits(0), np.float32), np.frombuffer(ctx.logits(1), np.float32)
+    )
+
+
+def test_greedy_depends_on_prompt(model: BackendModel, ctx: BackendContext) -> None:
+    a = model.tokenize("The capital of France is")
+    ctx.prefill(0, a, 0)
+    first = _greedy(model, ctx, 0, len(a), 6)
+    b = model.tokenize("Twelve plus seven equals")
+    ctx.prefill(1, b, 0)
+    second = _greedy(model, ctx, 1, len(b), 6)
+    assert first != second
+
+
+def test_pack_unpack_round_trip(model: BackendModel, ctx: BackendContext) -> None:
+    tokens = model.tokenize(TEXT)
+    ctx.prefill(0, tokens, 0)
+    blob = ctx.kv_pack(0)
+    assert isinstance(blob, bytes)
+    for data in (blob, bytearray(blob), memoryview(blob)):
+        assert ctx.kv_unpack(1, data) == len(tokens)
+        assert ctx.seq_pos_max(1) == len(tokens) - 1
+    # Same KV, same next token: both sequences give identical logits for it.
+    nxt = tokens[1]
+    ctx.decode(
+        [
+            BatchToken(nxt, len(tokens), 0, logits=True),
+            BatchToken(nxt, len(tokens), 1, logits=True),
+        ]
+    )
+    assert bytes(ctx.logits(0)) == bytes(ctx.logits(1))
+
+
+def test_unpack_into_other_context_with_more_slots(
+    model: BackendModel, ctx: BackendContext
+) -> None:
+    tokens = model.tokenize(TEXT)
+    ctx.prefill(0, tokens, 0)
+    blob = ctx.kv_pack(0)
+    from dataclasses import replace
+
+    other = model.new_context(replace(ctx.params, n_seq_max=3))
+    try:
+        assert other.kv_unpack(2, blob) == len(tokens)
+    finally:
+        other.close()
+
+
+def test_seq_rm_and_cp(model: BackendModel, ctx: BackendContext) -> None:
+    tokens = model.tokenize(TEXT)
+    ctx.prefill(0, tokens, 0)
+    ctx.seq_cp(0, 1)
+    assert ctx.seq_pos_max(1) == len(tokens) - 1
+    ctx.seq_cp(0, 1, 0, 5)
+    assert ctx.seq_pos_max(1) == 4
+    ctx.seq_rm(0, 5)
+    assert ctx.seq_pos_max(0) == 4
+    ctx.seq_rm(0)
+    assert ctx.seq_pos_max(0) == -1
+    assert ctx.seq_pos_max(1) == 4
+    ctx.clear()
+    assert ctx.seq_pos_max(1) == -1
+
+
+def test_trimmed_then_prefilled_equals_packed(model: BackendModel, ctx: BackendContext) -> None:
+    tokens = model.tokenize(TEXT)
+    ctx.prefill(0, tokens, 0)
+    ctx.seq_rm(0, 10)
+    ctx.prefill(0, tokens[10:], 10)
+    assert ctx.seq_pos_max(0) == len(tokens) - 1
+    assert ctx.kv_unpack(1, ctx.kv_pack(0)) == len(tokens)
+
+
+def test_failed_restore_leaves_sequence_empty(model: BackendModel, ctx: BackendContext) -> None:
+    tokens = model.tokenize(TEXT)
+    ctx.prefill(1, tokens, 0)
+    with pytest.raises(StateRestoreError):
+        ctx.kv_unpack(1, b"\0" * 4096)
+    assert ctx.seq_pos_max(1) == -1
+
+
+def test_sampler_reset_and_seed(model: BackendModel, ctx: BackendContext) -> None:
+    ctx.prefill(0, model.tokenize(TEXT), 0)
+    logits = bytes(ctx.logits())
+    params = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=1234)
+    a = model.new_sampler(params)
+    b = model.new_sampler(params)
+    try:
+        first = [a.sample_logits(logits) for _ in range(20)]
+        assert [b.sample_logits(logits) for _ in range(20)] == first
+        a.reset()
+        assert [a.sample_logits(logits) for _ in range(20)] == first
+        assert len(set(first)) > 1  # temperature 1.5 over a full vocabulary does vary
+    finally:
+        a.close()
+        b.close()
+
+
+def test_greedy_sample_logits_is_argmax(model: BackendModel, ctx: BackendContext) -> None:
+    ctx.prefill(0, model.tokenize(TEXT), 0)
+    logits = bytes(ctx.logits())
+    sampler = model.new_sampler(SamplingParams(temperature=0))
+    try:
+        assert sampler.sample_logits(logits) == int(np.argmax(np.frombuffer(logits, np.float32)))
+        assert sampler.sample(ctx, -1) == int(np.argmax(np.frombuffer(logits, np.float32)))
+    finally:
+        sampler.close()
+
+
+def test_grammar_yes_no(model: BackendModel, ctx: BackendContext) -> None:
+    prompt = model.tokenize("Question: is water wet? Answer:")
+    ctx.prefill(0, prompt, 0)
+    sampler = model.new_sampler(
+        SamplingParams(temperature=0.9, seed=7, grammar='root ::= ("yes" | "no")')
+    )
+    out: list[int] = []
+    pos = len(prompt)
+    try:
+        for _ in range(10):
+            token = sampler.sample(ctx, -1)
+            if model.is_eog(token):
+                break
+            out.append(token)
+            ctx.decode([BatchToken(token, pos, 0, logits=True)])
+            pos += 1
+    finally:
+        sampler.close()
+    assert model.detokenize(out) in ("yes", "no")
+
+
+def test_chat_template_renders(model: BackendModel) -> None:
+    text = model.apply_chat_template([{"role": "user", "content": "ping"}])
+    assert "ping" in text
+    assert text != model.apply_chat_template(
+        [{"role": "user", "content": "ping"}], add_generation_prompt=False
+    )
+
+
+def test_embeddings_context(model: BackendModel) -> None:
+    from kvwarm.backends.base import ContextParams
+
+    emb = model.new_context(
+        ContextParams(n_ctx=128, n_batch=64, n_ubatch=64, embeddings=True, n_threads=2)
+    )
+    try:
+        a = emb.embed(model.tokenize("a cat on a mat"))
+        b = emb.embed(model.tokenize("quarterly tax filing"))
+        assert len(a) == model.facts.n_embd
+        assert abs(float(np.linalg.norm(a)) - 1.0) < 1e-4
+        assert a != b
+        assert emb.embed(model.tokenize("a cat on a mat")) == a  # seq cleared between calls
+        raw = emb.embed(model.tokenize("a cat on a mat"), normalize=False)
+        assert abs(float(np.linalg.norm(raw)) - 1.0) > 1e-3
+    finally:
+        emb.close()
+
+
+def test_closed_context_refuses(model: BackendModel) -> None:
+    from kvwarm.backends.base import ContextParams
+
+    context = model.new_context(ContextParams(n_ctx=64, n_batch=16, n_ubatch=16, n_threads=2))
+    context.close()
+    with pytest.raises(HandleClosedError):
+        context.prefill(0, [1], 0)
+    with pytest.raises(HandleClosedError):
+        context.logits()
+    with pytest.raises(HandleClosedError):
+        context.kv_pack(0)
