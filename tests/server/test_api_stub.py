@@ -147,6 +147,49 @@ def test_forced_output_becomes_a_tool_call(client: TestClient) -> None:
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"  # type: ignore[index]
 
 
+def test_logprobs_in_chat_and_completions(client: TestClient) -> None:
+    chat = {
+        "model": "a",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    choice = client.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) >= 1 and all(c["logprob"] <= 0 for c in content)
+    assert all(len(c["top_logprobs"]) == 2 for c in content)
+    assert "".join(c["token"] for c in content) == choice["message"]["content"]
+    body = {"model": "a", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1}
+    lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) >= 1
+    assert lp["text_offset"][0] == 0
+
+
+def test_response_formats_compile(client: TestClient) -> None:
+    # The stub does not enforce JSON grammars; this checks the schema -> grammar plumbing.
+    base = {"model": "a", "messages": [{"role": "user", "content": "JSON!"}], "max_tokens": 4}
+    obj = client.post(
+        "/v1/chat/completions", json={**base, "response_format": {"type": "json_object"}}
+    )
+    assert obj.status_code == 200, obj.json()
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    assert (
+        client.post("/v1/chat/completions", json={**base, "response_format": fmt}).status_code
+        == 200
+    )
+    missing = {"type": "json_schema", "json_schema": {"name": "x"}}
+    response = client.post("/v1/chat/completions", json={**base, "response_format": missing})
+    assert_error(response, 400, None, "response_format.json_schema")
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "http://x/y"}}}
+    assert_error(
+        client.post("/v1/chat/completions", json={**base, "response_format": bad}),
+        400,
+        "invalid_grammar",
+    )
+
+
 # --- other endpoints -------------------------------------------------------------------------
 
 

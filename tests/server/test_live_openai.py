@@ -138,6 +138,37 @@ def test_json_schema_output_parses(client: OpenAI) -> None:
     )
 
 
+def test_named_tool_choice_returns_a_tool_call(client: OpenAI) -> None:
+    # SmolLM2's template ignores tools: they reach the model as a system prompt, and the named
+    # tool_choice constrains decoding to a call of that tool.
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    done = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=32,
+        temperature=0,
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+
+
 def test_embeddings(client: OpenAI) -> None:
     # The client asks for base64 by default and decodes it; floats must arrive either way.
     result = client.embeddings.create(model=MODEL, input=["hello", "goodbye"])
