@@ -265,6 +265,11 @@ def test_cache_admin(client: TestClient) -> None:
 # --- errors ----------------------------------------------------------------------------------
 
 
+def test_a_request_without_model_uses_the_first_configured_one(client: TestClient) -> None:
+    response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert response.status_code == 200 and response.json()["model"] == "a"
+
+
 def test_unknown_model_is_404(client: TestClient) -> None:
     response = client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
     assert_error(response, 404, "model_not_found", "model")

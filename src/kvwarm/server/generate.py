@@ -76,7 +76,7 @@ class Generation:
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
-        if not self._finished:
+        if not self._finished and not self.stream.done:
             self._finished = True
             self.stream.cancel()
             # Nobody awaits the result any more; collect it so the request is still counted
@@ -88,9 +88,9 @@ class Generation:
     async def _collect(self) -> None:
         try:
             done = await self.stream.aresult()
-        except Exception as exc:  # the request failed after its client left: just log it
+        except Exception as exc:  # nobody is left to tell: just log it
             request_log.info(
-                "%s model=%s failed after disconnect: %s", self.endpoint, self.model_id, exc
+                "%s model=%s failed after its client left: %s", self.endpoint, self.model_id, exc
             )
             return
         self._record(done)

@@ -1,0 +1,52 @@
+"""Exception types (never messages) choose the HTTP status, type and code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvwarm import errors as e
+from kvwarm.server.errors import HTTPError, error_response, kind_of
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "code"),
+    [
+        (e.ContextOverflowError("too long", n_tokens=10, n_ctx=5), 400, "context_length_exceeded"),
+        (e.GrammarError("bad"), 400, "invalid_grammar"),
+        (e.InvalidRequestError("bad", param="top_p"), 400, "invalid_value"),
+        (e.UnknownModelError("nope"), 404, "model_not_found"),
+        (e.ModelNotFoundError("nope"), 404, "model_not_found"),
+        (e.ModelExistsError("twice"), 409, "model_exists"),
+        (e.QueueFullError("busy"), 429, "queue_full"),
+        (e.EngineClosedError("closed"), 503, "engine_closed"),
+        (e.StateRestoreError("blob"), 500, "backend_error"),
+        (e.CacheIOError("disk full"), 507, "cache_io_error"),
+        (e.CacheKeyError("k"), 404, "cache_key_not_found"),
+        (e.KvwarmError("other"), 500, "internal_error"),
+        (RuntimeError("a bug"), 500, "internal_error"),
+    ],
+)
+def test_status_follows_the_type(exc: BaseException, status: int, code: str) -> None:
+    assert (kind_of(exc).status, kind_of(exc).code) == (status, code)
+    response = error_response(exc)
+    assert response.status_code == status
+    body = json.loads(bytes(response.body))
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == code
+
+
+def test_messages_do_not_change_the_mapping() -> None:
+    # A message that *mentions* another error must not be mistaken for it.
+    assert kind_of(e.BackendError("context length exceeded; model not found")).status == 500
+
+
+def test_param_queue_retry_and_internal_details() -> None:
+    body = json.loads(bytes(error_response(e.InvalidRequestError("x", param="stop")).body))
+    assert body["error"]["param"] == "stop"
+    assert error_response(e.QueueFullError("busy")).headers["retry-after"] == "1"
+    hidden = json.loads(bytes(error_response(RuntimeError("secret path /x")).body))
+    assert "secret" not in hidden["error"]["message"]
+    custom = error_response(HTTPError(413, "too big", code="request_too_large"))
+    assert custom.status_code == 413
