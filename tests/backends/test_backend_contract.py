@@ -278,3 +278,19 @@ def test_closed_context_refuses(model: BackendModel) -> None:
         context.logits()
     with pytest.raises(HandleClosedError):
         context.kv_pack(0)
+
+
+def test_stub_never_loads_llama_cpp() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from kvwarm.backends import get_backend\n"
+        "from kvwarm.backends.base import json_schema_to_grammar\n"
+        "m = get_backend('stub').load_model('x')\n"
+        "json_schema_to_grammar({'type': 'integer'})\n"
+        "assert 'llama_cpp' not in sys.modules, 'llama_cpp was imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr

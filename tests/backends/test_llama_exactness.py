@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from kvwarm.backends.base import (
 )
 from kvwarm.backends.llama import LlamaBackend, LlamaModel
 from kvwarm.embedded import default_model_path
-from kvwarm.errors import ModelLoadError, StateRestoreError
+from kvwarm.errors import ModelLoadError, ModelNotFoundError, StateRestoreError
 
 pytestmark = pytest.mark.model
 
@@ -250,3 +251,12 @@ def test_logits_are_zero_copy(llama: LlamaModel, lctx: BackendContext) -> None:
     a = np.frombuffer(lctx.logits(), dtype=np.float32)
     b = np.frombuffer(lctx.logits(), dtype=np.float32)
     assert a.ctypes.data == b.ctypes.data  # both views point into llama.cpp's buffer
+
+
+def test_missing_model_file_is_model_not_found(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError):
+        LlamaBackend().load_model(str(tmp_path / "absent.gguf"))
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + bytes(1024))
+    with pytest.raises(ModelLoadError):
+        LlamaBackend().load_model(str(garbage))
