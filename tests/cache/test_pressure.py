@@ -1,0 +1,123 @@
+"""Pressure sources and the scheduler (tick without the thread; the thread stops)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from kvwarm.cache.pressure import (
+    CallableSource,
+    NoopSource,
+    PressureScheduler,
+    SystemMemorySource,
+    make_source,
+)
+from kvwarm.cache.types import EvictResult, PressureConfig, TierName
+from kvwarm.errors import ConfigError
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, tuple[TierName, ...]]] = []
+        self.called = threading.Event()
+
+    def __call__(self, n: int, tiers: Sequence[TierName]) -> EvictResult:
+        self.calls.append((n, tuple(tiers)))
+        self.called.set()
+        return EvictResult(1, n)
+
+
+CFG = PressureConfig(enabled=True, high_watermark=0.8, low_watermark=0.6, min_evict_bytes=100)
+
+
+def test_tick_below_high_does_nothing() -> None:
+    rec = Recorder()
+    s = PressureScheduler(CFG, CallableSource(lambda: (79, 100)), rec)
+    r = s.tick()
+    assert r.requested == 0 and r.evicted is None and not rec.calls
+
+
+def test_tick_above_high_evicts_to_low_with_minimum() -> None:
+    rec = Recorder()
+    s = PressureScheduler(CFG, CallableSource(lambda: (9_000, 10_000)), rec)
+    r = s.tick()
+    assert r.requested == 3_000  # 9000 - 0.6 * 10000
+    assert rec.calls == [(3_000, ("ram", "ram_file"))]
+    rec2 = Recorder()
+    s2 = PressureScheduler(CFG, CallableSource(lambda: (80, 100)), rec2)
+    assert s2.tick().requested == 100  # 20 bytes over low, but at least min_evict_bytes
+    assert s2.last is not None and s2.last.evicted == EvictResult(1, 100)
+
+
+def test_zero_total_never_evicts() -> None:
+    rec = Recorder()
+    assert PressureScheduler(CFG, CallableSource(lambda: (5, 0)), rec).tick().evicted is None
+
+
+def test_thread_runs_and_stops() -> None:
+    rec = Recorder()
+    cfg = PressureConfig(enabled=True, interval_ms=1, high_watermark=0.5, low_watermark=0.1)
+    s = PressureScheduler(cfg, CallableSource(lambda: (10, 10)), rec)
+    s.start()
+    try:
+        assert rec.called.wait(5)
+    finally:
+        s.stop()
+    n = len(rec.calls)
+    assert s._thread is None and n >= 1
+
+
+def test_failing_source_does_not_kill_thread() -> None:
+    calls = [0]
+    ok = threading.Event()
+
+    def flaky() -> tuple[int, int]:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise OSError("sensor glitch")
+        ok.set()
+        return 0, 1
+
+    cfg = PressureConfig(enabled=True, interval_ms=1)
+    s = PressureScheduler(cfg, CallableSource(flaky), Recorder())
+    s.start()
+    try:
+        assert ok.wait(5)
+    finally:
+        s.stop()
+
+
+def test_make_source() -> None:
+    assert isinstance(make_source("noop"), NoopSource)
+    assert make_source("noop").sample() == (0, 1)
+    assert isinstance(make_source("system"), SystemMemorySource)
+    assert make_source(lambda: (1, 2)).sample() == (1, 2)
+    src = NoopSource()
+    assert make_source(src) is src
+    with pytest.raises(ConfigError):
+        make_source("bogus")
+
+
+def test_nvidia_without_pynvml_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes "import pynvml" fail
+    with pytest.raises(ConfigError, match="nvidia"):
+        make_source("nvidia")
+
+
+def test_system_source_prefers_tighter_cgroup_limit(tmp_path: Path) -> None:
+    (tmp_path / "memory.max").write_text("1000\n")
+    (tmp_path / "memory.current").write_text("900\n")
+    used, total = SystemMemorySource(cgroup_dir=tmp_path).sample()
+    assert (used, total) == (900, 1000)  # 90 % in the container beats the host's ratio
+    (tmp_path / "memory.max").write_text("max\n")  # unlimited: the host's numbers
+    used, total = SystemMemorySource(cgroup_dir=tmp_path).sample()
+    assert total > 1000 and 0 <= used <= total
+
+
+def test_system_source_without_cgroup_files(tmp_path: Path) -> None:
+    used, total = SystemMemorySource(cgroup_dir=tmp_path / "missing").sample()
+    assert total > 0 and 0 <= used <= total
