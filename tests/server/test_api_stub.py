@@ -382,6 +382,19 @@ def test_health_is_503_while_loading_and_when_a_load_failed() -> None:
         )
 
 
+def test_system_prompts_are_prewarmed_at_startup_and_kept_alive() -> None:
+    system = "You are the startup assistant; keep every answer short and friendly."
+    with TestClient(create_app(stub_settings(prewarm_system=(system,)))) as warm:
+        wait_ready(warm.get)
+        stats = warm.get("/cache/stats").json()
+        assert sorted(e["model"] for e in stats["keep_alive"]) == ["a", "b"]
+        assert stats["rows"] >= 2
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+        body = {"model": "a", "messages": messages, "max_tokens": 1}
+        usage = warm.post("/v1/chat/completions", json=body).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 32
+
+
 def test_api_key_is_required_when_configured() -> None:
     with TestClient(create_app(stub_settings(api_key="sesame"))) as secured:
         wait_ready(secured.get)  # /health stays open for probes

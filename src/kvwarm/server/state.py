@@ -117,6 +117,11 @@ class ServerState:
                 engine.close()
                 return
             self.engine = engine
+        tiers = ", ".join(
+            f"{t.name} {t.quota_bytes / 2**30:.1f} GiB" + (f" at {t.root}" if t.root else "")
+            for t in self.settings.cache_config().tiers
+        )
+        log.info("cache tiers: %s; new rows go to %s", tiers, self.settings.effective_save_tier())
         for entry in self.entries.values():
             if self._closing.is_set():
                 return
