@@ -77,6 +77,12 @@ class Cache:
             clock=clock,
             monotonic=monotonic,
         )
+        # Everything that can refuse the configuration runs before any thread starts.
+        source: PressureSource | None = None
+        if self.config.pressure.enabled:
+            source = make_source(
+                pressure_source if pressure_source is not None else self.config.pressure.source
+            )
         self._tiers: dict[TierName, Tier] = {}
         for tier in tiers if tiers is not None else self._build_tiers():
             self._tiers[tier.name] = tier
@@ -90,10 +96,7 @@ class Cache:
             self._enforce_quota(tier)
         self._writer = WriterPool(self.config.writer_threads, self.config.writer_queue)
         self.pressure: PressureScheduler | None = None
-        if self.config.pressure.enabled:
-            source = make_source(
-                pressure_source if pressure_source is not None else self.config.pressure.source
-            )
+        if source is not None:
             self.pressure = PressureScheduler(self.config.pressure, source, self.evict_bytes)
         self._sweeper: threading.Thread | None = None
         if background:
@@ -141,9 +144,9 @@ class Cache:
     def longest_prefix(
         self, namespace: Namespace, tokens: Sequence[int], *, min_shared: int = 1
     ) -> PrefixMatch | None:
-        t0 = time.perf_counter()
+        # Latency is not recorded here: the engine times its whole lookup step as "lookup"
+        # (record_latency), and counting it twice would double the reported total.
         match = self._index.longest(namespace, tokens, min_shared)
-        self._counters.record_latency("lookup", time.perf_counter() - t0)
         if match is not None:
             self._counters.incr("hits_longest_prefix")
         return match

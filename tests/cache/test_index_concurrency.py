@@ -1,0 +1,91 @@
+"""Lock-free prefix lookups stay token-exact while a writer inserts, splits, merges and removes.
+
+No sleeps: a writer thread mutates for a fixed number of steps while readers query in a loop
+until the writer is done; every answer a reader gets must be sound for the row it names.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+
+from tests.cache.facadekit import NS
+
+from kvwarm.cache.index import Index
+from kvwarm.cache.key import cache_key
+from kvwarm.cache.protocols import StoredRow
+from kvwarm.cache.types import RowInfo, SaveReason, TtlClass
+
+
+def _row(tokens: tuple[int, ...]) -> StoredRow:
+    key = cache_key(NS, tokens)
+    info = RowInfo(
+        key,
+        "ram",
+        1 + len(tokens) % 7,
+        len(tokens),
+        0,
+        0.0,
+        0.0,
+        SaveReason.COLD,
+        TtlClass.SHORT,
+        False,
+        NS,
+    )
+    return StoredRow(info, tokens, None)
+
+
+def test_readers_never_see_a_torn_tree() -> None:
+    rng = random.Random(1)
+    universe = [tuple(rng.randrange(3) for _ in range(rng.randrange(1, 12))) for _ in range(300)]
+    by_key = {cache_key(NS, t): t for t in universe}
+    idx = Index()
+    done = threading.Event()
+    errors: list[str] = []
+    answered = [0]
+
+    def writer() -> None:
+        wr = random.Random(2)
+        live: list[tuple[int, ...]] = []
+        try:
+            for _ in range(20_000):
+                if live and wr.random() < 0.45:
+                    toks = live.pop(wr.randrange(len(live)))
+                    idx.remove(cache_key(NS, toks))
+                else:
+                    toks = wr.choice(universe)
+                    if idx.adopt(_row(toks)):
+                        live.append(toks)
+        finally:
+            done.set()
+
+    def reader(seed: int) -> None:
+        rr = random.Random(seed)
+        while not done.is_set():
+            q = tuple(rr.randrange(3) for _ in range(rr.randrange(0, 14)))
+            m = idx.longest(NS, q, 0)
+            if m is None:
+                continue
+            toks = by_key[m.row.key]
+            n = m.n_shared
+            ok = toks[:n] == q[:n] and (n == len(toks) or n == len(q) or toks[n] != q[n])
+            if not ok:
+                errors.append(f"query {q} got {toks} sharing {n}")
+            answered[0] += 1
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in (10, 11)]
+    w = threading.Thread(target=writer)
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, to land readers inside mutations
+    try:
+        for t in threads:
+            t.start()
+        w.start()
+        w.join(120)
+        for t in threads:
+            t.join(10)
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert not errors, errors[:3]
+    assert answered[0] > 100
