@@ -17,6 +17,7 @@ import time
 
 import llama_cpp as L  # noqa: N812  (the C API reads best with its own prefix)
 
+from kvwarm.backends._native import lib as native
 from kvwarm.backends.base import ContextParams
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
 from kvwarm.embedded import default_model_path
@@ -27,15 +28,9 @@ N_CTX = 512
 PROMPT = "Write a long story about a lighthouse keeper and the sea, with many details."
 
 
-@L.ggml_log_callback  # type: ignore[misc]
-def _quiet(level: int, text: bytes, data: ctypes.c_void_p) -> None:
-    """Drop llama.cpp's log lines; module-level so C never holds a dangling callback."""
-
-
 def bare_loop(n_seq: int, steps: int) -> float:
     """Tokens/s of a bare decode loop: n_seq sequences, one token each per llama_decode."""
-    L.llama_backend_init()
-    L.llama_log_set(_quiet, None)
+    native()  # kvwarm's one-time init: backend up, llama.cpp logs routed to `logging`
     mp = L.llama_model_default_params()
     model = L.llama_model_load_from_file(str(default_model_path()).encode(), mp)
     cp = L.llama_context_default_params()
@@ -91,10 +86,11 @@ def kvwarm_run(n_streams: int, n_parallel: int, tokens: int) -> tuple[float, flo
             n_parallel=n_parallel,
         )
         model = eng.load_model(config=cfg)
-        # ignore_eos-like behaviour: a grammar-free greedy run capped by max_tokens; the
-        # stream length is what we measure, so stop strings are disabled.
-        opts = GenerationOptions(max_tokens=tokens, temperature=0.0)
-        model.complete(PROMPT, GenerationOptions(max_tokens=2, temperature=0.0))  # warm-up
+        # Every stream generates exactly `tokens` tokens, like the bare loop's fixed steps.
+        opts = GenerationOptions(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        model.complete(
+            PROMPT, GenerationOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
+        )  # warm-up
         t0 = time.perf_counter()
         streams = [model.stream(PROMPT + f" Story {i}.", opts) for i in range(n_streams)]
         results = [s.result() for s in streams]

@@ -295,3 +295,27 @@ def test_concurrent_callers_from_threads_all_complete(engine: Engine) -> None:
     for t in threads:
         t.join()
     assert len(results) == 8
+
+
+def test_ignore_eos_generates_exactly_max_tokens(engine: Engine) -> None:
+    model = engine.load_model(config=stub_config())
+    natural = model.complete(PROMPT, GenerationOptions(max_tokens=200, temperature=0.0))
+    assert natural.stats.finish_reason == "stop"  # the stub ends after a '!'
+    forced = model.complete(
+        PROMPT, GenerationOptions(max_tokens=40, temperature=0.0, ignore_eos=True)
+    )
+    assert forced.stats.completion_tokens == 40
+    assert forced.stats.finish_reason == "length"
+
+
+def test_logit_bias_steers_and_bad_bias_is_rejected(engine: Engine) -> None:
+    model = engine.load_model(config=stub_config())
+    (z,) = model.tokenize("z", add_special=False)
+    out = model.complete(
+        PROMPT, GenerationOptions(max_tokens=5, temperature=0.0, logit_bias={z: 100.0})
+    )
+    assert out.text == "zzzzz"
+    with pytest.raises(InvalidRequestError):
+        model.complete(PROMPT, GenerationOptions(logit_bias={10**7: 1.0}))
+    with pytest.raises(InvalidRequestError):
+        model.complete(PROMPT, GenerationOptions(logit_bias={z: 1000.0}))

@@ -109,6 +109,8 @@ class SamplingParams:
     seed: int | None = None
     grammar: str | None = None
     grammar_root: str = "root"
+    # (token, bias) added to the raw logits before any other step; -inf bans a token.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:

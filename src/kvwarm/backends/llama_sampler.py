@@ -90,6 +90,8 @@ class LlamaSampler:
                     params.presence_penalty,
                 )
             )  # fmt: skip
+        if params.logit_bias:
+            self._add(self._logit_bias(params.logit_bias))
         if params.greedy:
             self._add(lib.llama_sampler_init_greedy())
             return chain
@@ -102,6 +104,19 @@ class LlamaSampler:
         self._add(lib.llama_sampler_init_temp(params.temperature))
         self._add(lib.llama_sampler_init_dist(self._seed))
         return chain
+
+    def _logit_bias(self, biases: tuple[tuple[int, float], ...]) -> object:
+        lib = self._lib
+        arr = (lib.llama_logit_bias * len(biases))()
+        for i, (token, bias) in enumerate(biases):
+            if not 0 <= token < self._n_vocab:
+                raise InvalidRequestError(
+                    f"logit_bias token {token} outside [0, {self._n_vocab})", param="logit_bias"
+                )
+            arr[i].token = token
+            arr[i].bias = bias
+        # llama.cpp copies the array into the sampler, so ``arr`` may die after this call.
+        return lib.llama_sampler_init_logit_bias(self._n_vocab, len(biases), arr)
 
     def _model_ctx_train(self) -> int:
         return int(self._lib.llama_model_n_ctx_train(self._model.native))

@@ -108,6 +108,11 @@ class StubSampler:
         self._seed = params.seed if params.seed is not None else secrets.randbits(32)
         self._rng = np.random.default_rng(self._seed)
         self._history: deque[int] = deque(maxlen=max(params.repeat_last_n, 0) or None)
+        for token, _ in params.logit_bias:
+            if not 0 <= token < n_vocab:
+                raise InvalidRequestError(
+                    f"logit_bias token {token} outside [0, {n_vocab})", param="logit_bias"
+                )
         self._life = Lifetime("sampler", on_free)
 
     def sample(self, ctx: BackendContext, index: int) -> int:
@@ -147,6 +152,8 @@ class StubSampler:
 
     def _choose(self, raw: npt.NDArray[np.float32]) -> int:
         logits = raw.astype(np.float64, copy=True)
+        for token, bias in self._params.logit_bias:
+            logits[token] += bias
         self._apply_penalties(logits)
         if self._grammar is not None:
             grammar = self._grammar

@@ -496,8 +496,8 @@ class Model:
             prompt_text=text,
             parent_row=parent_row,
         )
-        if grammar is not None:
-            # Compile once here so a bad grammar is the caller's error, not the worker's.
+        if grammar is not None or opts.logit_bias:
+            # Build once here so a bad grammar or bias is the caller's error, not the worker's.
             self._bmodel.new_sampler(opts.sampling(grammar)).close()
         self._worker.submit(req)
         return CompletionStream(req, self._worker.cancel)

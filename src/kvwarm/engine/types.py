@@ -33,6 +33,8 @@ class GenerationOptions:
     add_special: bool = True  # prepend BOS etc. when tokenizing a text prompt
     parse_special: bool = True  # special-token text in the prompt becomes special tokens
     logprobs: int | None = None  # top-N alternatives per generated token (0: chosen only)
+    logit_bias: Mapping[int, float] | None = None  # token id -> bias added to its logit
+    ignore_eos: bool = False  # never sample end-of-generation tokens (benchmarks, fixed lengths)
 
     def validate(self) -> None:
         from kvwarm.errors import InvalidRequestError
@@ -60,9 +62,21 @@ class GenerationOptions:
             raise InvalidRequestError("parent_key must be 32 bytes", param="parent_key")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs must be in [0, 20]", param="logprobs")
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError(
+                    "logit_bias values must be in [-100, 100]", param="logit_bias"
+                )
 
-    def sampling(self, grammar: str | None) -> SamplingParams:
+    def sampling(self, grammar: str | None, banned: tuple[int, ...] = ()) -> SamplingParams:
+        """The sampler chain for these options; ``banned`` tokens get a bias of -inf."""
+        bias = dict(self.logit_bias or {})
+        for token in banned:
+            bias[token] = float("-inf")
         return SamplingParams(
+            logit_bias=tuple(sorted(bias.items())),
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,

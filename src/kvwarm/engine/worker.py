@@ -107,6 +107,7 @@ class Worker:
         self._namespace = namespace
         self.slots = [Slot(seq=i) for i in range(config.n_parallel)]
         self.stats = WorkerStats()
+        self._eog: tuple[int, ...] | None = None
         self._queue: deque[Request] = deque()
         self._jobs: deque[_Job] = deque()
         self._cond = threading.Condition()
@@ -323,7 +324,8 @@ class Worker:
         slot, plan, ns = self._plan(req, free)
         tokens = req.prompt_tokens
         n = len(tokens)
-        sampler = self.model.new_sampler(req.options.sampling(req.grammar))
+        banned = self.eog_tokens() if req.options.ignore_eos else ()
+        sampler = self.model.new_sampler(req.options.sampling(req.grammar, banned))
         logits_from_row: bytes | None = None
         keep = plan.keep
         try:
@@ -415,6 +417,13 @@ class Worker:
         if boundary <= keep or boundary >= n or boundary < self.cfg.policy.min_tokens:
             return None
         return boundary
+
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation token id (computed once: one native call per vocab entry)."""
+        if self._eog is None:
+            n_vocab = self.model.facts.n_vocab
+            self._eog = tuple(t for t in range(n_vocab) if self.model.is_eog(t))
+        return self._eog
 
     def _reset_seq(self, slot: Slot) -> None:
         if slot.kv_tokens:
