@@ -113,6 +113,18 @@ def test_seed_makes_sampling_repeatable(client: TestClient) -> None:
     assert a == b
 
 
+def test_logit_bias_and_ignore_eos(client: TestClient) -> None:
+    body = {"model": "a", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    z = str(ord("z") + 3)  # the stub's token for the byte "z"
+    biased = client.post("/v1/completions", json={**body, "logit_bias": {z: 100}}).json()
+    assert biased["choices"][0]["text"] == "zzzz"
+    forced = client.post(
+        "/v1/completions", json={**body, "max_tokens": 64, "ignore_eos": True}
+    ).json()
+    assert forced["usage"]["completion_tokens"] == 64
+    assert forced["choices"][0]["finish_reason"] == "length"
+
+
 def test_token_prompts_and_multiple_prompts(client: TestClient) -> None:
     tokens = client.post("/tokenize", json={"model": "a", "content": PROMPT}).json()["tokens"]
     one = client.post("/v1/completions", json={"model": "a", "prompt": tokens, "max_tokens": 3})
@@ -285,6 +297,9 @@ def test_unknown_model_is_404(client: TestClient) -> None:
         ({"model": "a", "prompt": "x", "n": 3}, "unsupported_value", "n"),
         ({"model": "a", "prompt": "x", "grammar": "no root here"}, "invalid_grammar", None),
         ({"model": "a", "prompt": []}, None, "prompt"),
+        ({"model": "a", "prompt": "x", "logit_bias": {"abc": 1}}, None, "logit_bias"),
+        ({"model": "a", "prompt": "x", "logit_bias": {"5": 500}}, None, "logit_bias"),
+        ({"model": "a", "prompt": "x", "logit_bias": {"99999999": 1}}, None, "logit_bias"),
     ],
 )
 def test_bad_completion_requests_are_400(

@@ -60,6 +60,12 @@ def options(
         stop = tuple(s for s in req.stop if s)
     if json_schema is not None and req.grammar is not None:
         raise HTTPError(400, "give grammar or response_format, not both", param="grammar")
+    bias: dict[int, float] | None = None
+    if req.logit_bias:
+        try:
+            bias = {int(token): float(value) for token, value in req.logit_bias.items()}
+        except ValueError:
+            raise HTTPError(400, "logit_bias keys must be token ids", param="logit_bias") from None
     chosen = max_tokens if max_tokens is not None else req.max_tokens
     overrides: dict[str, object] = {
         "max_tokens": default_max_tokens if chosen is None else chosen,
@@ -68,6 +74,8 @@ def options(
         "grammar": req.grammar,
         "json_schema": json_schema,
         "logprobs": logprobs,
+        "logit_bias": bias,
+        "ignore_eos": req.ignore_eos,
     }
     for name in (
         "temperature",

@@ -42,6 +42,8 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     n: int = 1
     grammar: str | None = None  # llama.cpp extension: a GBNF grammar
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    ignore_eos: bool = False  # llama.cpp extension: never stop on an end-of-generation token
 
 
 class JsonSchemaFormat(_Body):
