@@ -11,8 +11,8 @@ import pytest
 from tests.engine.conftest import make_engine, stub_config
 
 from kvwarm.backends.stub import StubBackend
-from kvwarm.engine.api import Engine
-from kvwarm.engine.types import GenerationOptions
+from kvwarm.engine.api import Engine, EngineConfig
+from kvwarm.engine.types import Completion, GenerationOptions
 from kvwarm.errors import (
     ContextOverflowError,
     EngineClosedError,
@@ -319,3 +319,56 @@ def test_logit_bias_steers_and_bad_bias_is_rejected(engine: Engine) -> None:
         model.complete(PROMPT, GenerationOptions(logit_bias={10**7: 1.0}))
     with pytest.raises(InvalidRequestError):
         model.complete(PROMPT, GenerationOptions(logit_bias={z: 1000.0}))
+
+
+def test_parent_key_waits_for_the_in_flight_finish_save() -> None:
+    from tests.cache.facadekit import GatedTier
+    from tests.engine.conftest import LOW_GATES
+
+    from kvwarm.cache import Cache
+    from kvwarm.cache.protocols import ReservationBook, StoredRow
+    from kvwarm.cache.types import CacheConfig, SaveReason, SaveRequest
+
+    class FinishGate(GatedTier):
+        """Parks only finish saves, so cold and evict saves go straight through."""
+
+        def store(
+            self, key: bytes, request: SaveRequest, book: ReservationBook
+        ) -> StoredRow | None:
+            if request.reason is SaveReason.FINISH:
+                return super().store(key, request, book)
+            return self._inner.store(key, request, book)
+
+    tier = FinishGate()
+    cache = Cache(CacheConfig(), tiers=[tier])
+    eng = Engine(EngineConfig(policy=LOW_GATES), cache=cache)
+    try:
+        model = eng.load_model(config=stub_config())
+        tier.gate.clear()  # the next save parks inside the tier: in flight, not published
+        first = model.complete(PROMPT, GREEDY)
+        assert first.stats.key is not None
+        assert tier.entered.wait(10)
+        assert eng.cache.lookup_exact(first.stats.key) is None  # not yet published
+        model.evict()  # its evict save is the in-flight key (skipped); live KV is released
+        follow = list(first.tokens) + model.tokenize(" ok?", add_special=False)
+        result: list[object] = []
+        started = threading.Event()
+
+        def second_turn() -> None:
+            started.set()
+            opts = GenerationOptions(max_tokens=4, temperature=0.0, parent_key=first.stats.key)
+            result.append(model.complete(follow, opts))
+
+        t = threading.Thread(target=second_turn)
+        t.start()
+        assert started.wait(10)
+        tier.gate.set()
+        t.join(30)
+        (second,) = result
+        assert isinstance(second, Completion)
+        assert eng.cache.counters()["hits_resume"] == 1
+        assert second.stats.cached_tokens >= len(first.tokens) - 1
+    finally:
+        tier.gate.set()
+        eng.close()
+        cache.close()

@@ -41,6 +41,8 @@ class VerifyReport:
 
 
 class CacheApi(Protocol):
+    def tier_names(self) -> tuple[TierName, ...]: ...
+
     def key_for(self, namespace: Namespace, tokens: Sequence[int]) -> bytes: ...
 
     def lookup_exact(self, key: bytes) -> RowInfo | None:

@@ -122,6 +122,10 @@ class Cache:
 
     # ------------------------------------------------------------------ lookups
 
+    def tier_names(self) -> tuple[TierName, ...]:
+        """The configured tiers, in configuration order (the first is the default save tier)."""
+        return tuple(self._tiers)
+
     def key_for(self, namespace: Namespace, tokens: Sequence[int]) -> bytes:
         return cache_key(namespace, tokens)
 

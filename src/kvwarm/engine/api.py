@@ -121,10 +121,13 @@ def _validate_policy(p: PolicyConfig) -> None:
 class Engine:
     """Owns one cache (tiers configured once) and any number of loaded models."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, cache: Cache | None = None) -> None:
+        """``cache``: use this (already built) cache instead of one from ``config.cache``;
+        the caller keeps ownership and closes it."""
         self.config = config or EngineConfig()
         _validate_policy(self.config.policy)
-        self.cache = Cache(self.config.cache)
+        self._owns_cache = cache is None
+        self.cache = cache if cache is not None else Cache(self.config.cache)
         self._models: dict[str, Model] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -153,8 +156,8 @@ class Engine:
         mid = model_id or _auto_id(resolved)
         if not mid or ("/" in mid and len(mid) > 200):
             raise ConfigError(f"invalid model id {mid!r}")
-        tiers = {t.name for t in self.config.cache.tiers}
-        save_tier = cfg.save_tier or self.config.cache.tiers[0].name
+        tiers = set(self.cache.tier_names())
+        save_tier = cfg.save_tier or self.cache.tier_names()[0]
         if save_tier not in tiers:
             raise ConfigError(
                 f"save_tier {save_tier!r} is not a configured cache tier ({sorted(tiers)})"
@@ -215,7 +218,8 @@ class Engine:
                 model.unload(timeout_s=timeout_s)
             except Exception:
                 log.exception("error unloading %s", model.id)
-        self.cache.close(timeout_s)
+        if self._owns_cache:
+            self.cache.close(timeout_s)
 
     def __enter__(self) -> Engine:
         return self
