@@ -111,6 +111,16 @@ class Generation:
         except StopAsyncIteration:
             self._first = _DONE
 
+    async def open_streaming(self) -> None:
+        """Start watching for a disconnect and prime; on failure release everything, so the
+        caller can turn the error into a plain 4xx/5xx response."""
+        await self.__aenter__()
+        try:
+            await self.prime()
+        except BaseException:
+            self.close()
+            raise
+
     async def fragments(self) -> AsyncIterator[str]:
         first, self._first = self._first, None
         if first is _DONE:

@@ -95,12 +95,7 @@ async def chat_completions(request: Request) -> Response:
         body = convert.chat_response(ids, done, content if content or not calls else None, calls)
         return JSONResponse(body)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    await gen.__aenter__()
-    try:
-        await gen.prime()
-    except BaseException:
-        gen.close()
-        raise
+    await gen.open_streaming()
 
     async def events() -> AsyncIterator[dict[str, object]]:
         role: dict[str, object] = {"role": "assistant", "content": ""}
@@ -195,12 +190,7 @@ async def completions(request: Request) -> Response:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     stream = await run_in_threadpool(model.stream, prompts[0], opts)
     gen = Generation(request, stream, "completion", model.id, state)
-    await gen.__aenter__()
-    try:
-        await gen.prime()
-    except BaseException:
-        gen.close()
-        raise
+    await gen.open_streaming()
 
     async def events() -> AsyncIterator[dict[str, object]]:
         echo = await echo_text(prompts[0])
