@@ -67,12 +67,12 @@ class GatedTier:
             raise CacheIOError("injected failure")
         return self._inner.store(key, request, book)
 
-    def load(self, row: StoredRow) -> RowBytes:
+    def load(self, row: StoredRow, buffer: bytearray | None = None) -> RowBytes:
         if row.info.key in self.corrupt:
             from kvwarm.errors import CacheFormatError
 
             raise CacheFormatError("injected corruption")
-        return self._inner.load(row)
+        return self._inner.load(row, buffer)
 
     def delete(self, row: StoredRow) -> None:
         self.deleted.append(row.info.key)

@@ -31,7 +31,7 @@ from kvwarm.cache.index import Index, Orphan
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.policy import validate_cache_config
 from kvwarm.cache.pressure import PressureScheduler, PressureSource, make_source
-from kvwarm.cache.protocols import StoredRow, Tier
+from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
 from kvwarm.cache.types import (
     CacheConfig,
     EvictResult,
@@ -50,6 +50,36 @@ log = logging.getLogger(__name__)
 
 _KVC_SUFFIX = ".kvc"
 _HEX = frozenset("0123456789abcdef")
+
+
+class _ScratchBuffers:
+    """Per-thread read buffers for file tiers: faulting in a fresh 50 MB buffer costs more
+    than reading into one that is already mapped. A buffer is leased to one ``open_row`` at a
+    time, so a nested open on the same thread reads into a fresh buffer."""
+
+    MAX_BYTES = 1 << 30
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def take(self) -> bytearray | None:
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        self._local.buf = None
+        return buf
+
+    def reclaim(self, leased: bytearray | None, data: RowBytes | None) -> None:
+        """End of a lease. The payload view is released so that a caller who kept it past
+        ``open_row`` gets ``ValueError`` instead of reading bytes a later load overwrote."""
+        keep = leased
+        if data is not None:
+            try:
+                data.payload.release()
+            except BufferError:  # still exported by the caller (e.g. numpy): never reuse it
+                keep = leased if leased is not data.buffer else None
+            else:
+                keep = data.buffer if data.buffer is not None else leased
+        if keep is not None and len(keep) <= self.MAX_BYTES:
+            self._local.buf = keep
 
 
 class Cache:
@@ -87,6 +117,7 @@ class Cache:
         for tier in tiers if tiers is not None else self._build_tiers():
             self._tiers[tier.name] = tier
         self._closed = False
+        self._scratch = _ScratchBuffers()
         self._close_lock = threading.Lock()
         self._stop = threading.Event()
         for tier in self._tiers.values():
@@ -188,11 +219,13 @@ class Cache:
             stored = self._index.checkout(key)
         if stored is None:
             raise CacheKeyError(f"no cache row {key.hex()}")
+        scratch = self._scratch.take()
+        data: RowBytes | None = None
         try:
             tier = self._tiers[stored.info.tier]
             t0 = time.perf_counter()
             try:
-                data = tier.load(stored)
+                data = tier.load(stored, scratch)
                 if data.tokens != stored.tokens:
                     raise CacheFormatError(f"row {key.hex()} holds other tokens than indexed")
             except (CacheFormatError, CacheKeyError) as exc:
@@ -204,6 +237,7 @@ class Cache:
             yield LoadedRow(stored.info, data.tokens, data.payload, data.logits)
         finally:
             self._index.checkin(key)
+            self._scratch.reclaim(scratch, data)
 
     # ------------------------------------------------------------------ saving
 

@@ -30,6 +30,7 @@ class RowBytes:
     tokens: tuple[int, ...]
     payload: memoryview
     logits: bytes | None
+    buffer: bytearray | None = None  # the scratch buffer ``payload`` views, if reusable
 
 
 class ReservationBook(Protocol):
@@ -78,8 +79,12 @@ class Tier(Protocol):
         announced, the reservation is abandoned, no partial file remains visible)."""
         ...
 
-    def load(self, row: StoredRow) -> RowBytes:
-        """Read and fully verify (CRC32C, key replay). ``CacheFormatError`` if bad."""
+    def load(self, row: StoredRow, buffer: bytearray | None = None) -> RowBytes:
+        """Read and fully verify (CRC32C, key replay). ``CacheFormatError`` if bad.
+
+        ``buffer``: scratch space the tier may read into when it is large enough, instead of
+        allocating; the returned ``RowBytes.buffer`` names whichever buffer ``payload`` views.
+        """
         ...
 
     def delete(self, row: StoredRow) -> None:

