@@ -566,9 +566,18 @@ class Model:
         with self._adapter_lock:
             if handle not in self._adapters:
                 raise AdapterError(f"no adapter with handle {handle}")
-            adapter, _ = self._adapters[handle]
+            adapter, old = self._adapters[handle]
             self._adapters[handle] = (adapter, float(scale))
-        self._apply_adapters()
+        try:
+            self._apply_adapters()
+        except BaseException:
+            # A rejected scale (e.g. NaN) must not stay recorded: it would be reported by
+            # list_adapters and make every later load_adapter fail to apply the set.
+            with self._adapter_lock:
+                current = self._adapters.get(handle)
+                if current is not None and current[0] is adapter:
+                    self._adapters[handle] = (adapter, old)
+            raise
         return self._adapter_info(handle)
 
     def detach_adapter(self, handle: int) -> None:

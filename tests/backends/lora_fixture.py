@@ -1,0 +1,95 @@
+"""A real, tiny LoRA adapter GGUF for a base model, made at test time (no hub download).
+
+The layout follows llama.cpp's loader (``src/llama-adapter.cpp``, ``llama_adapter_lora_init``):
+
+- metadata: ``general.type = "adapter"``, ``adapter.type = "lora"``, ``adapter.lora.alpha``
+  (f32) and ``general.architecture`` equal to the base model's;
+- for each adapted base tensor ``NAME`` (e.g. ``blk.0.attn_q.weight``) a pair
+  ``NAME.lora_a`` / ``NAME.lora_b``; in ggml order (ne0 first) a base weight is
+  ``[n_in, n_out]``, ``lora_a`` is ``[n_in, rank]`` and ``lora_b`` is ``[rank, n_out]``, so in
+  numpy (row-major, reversed) ``a`` has shape ``(rank, n_in)`` and ``b`` ``(n_out, rank)``;
+- llama.cpp adds ``scale * alpha / rank * (B @ A) @ x`` to the base matmul's output.
+
+The shapes are read from the base file with ``gguf.GGUFReader``, so the adapter always fits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+#: Projections adapted in each chosen layer.
+TARGETS = ("attn_q", "attn_v", "attn_output", "ffn_down")
+
+
+@functools.lru_cache(maxsize=4)
+def _read_base(base_model_path: str) -> tuple[str, dict[str, tuple[int, int]]]:
+    # GGUFReader parses every metadata array (the tokenizer's too): seconds per call.
+    reader = gguf.GGUFReader(base_model_path)
+    field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
+    if field is None:
+        raise ValueError(f"{base_model_path}: no general.architecture")
+    arch = str(field.contents())
+    shapes: dict[str, tuple[int, int]] = {}
+    for t in reader.tensors:
+        ne = [int(x) for x in t.shape]
+        if len(ne) == 2:
+            shapes[t.name] = (ne[0], ne[1])  # ggml order: (n_in, n_out)
+    return arch, shapes
+
+
+def make_lora(
+    base_model_path: str | Path,
+    out_path: str | Path,
+    *,
+    rank: int = 4,
+    seed: int = 0,
+    scale_hint: float = 3.0,
+    layers: Sequence[int] = (0, 1, 2, 3),
+    alpha: float | None = None,
+    f16: bool = False,
+) -> Path:
+    """Write a LoRA adapter GGUF for ``base_model_path`` to ``out_path`` and return it.
+
+    ``scale_hint`` sets the strength: each adapted weight gets a delta of RMS about
+    ``scale_hint`` times a typical weight's (for a unit ``scale`` at attach time). ``alpha``
+    defaults to ``rank`` (effective multiplier 1). Deterministic for a given ``seed``.
+    """
+    arch, shapes = _read_base(str(base_model_path))
+    if arch != "llama":
+        raise ValueError(f"unsupported base architecture {arch!r}")
+    alpha = float(rank) if alpha is None else float(alpha)
+    rng = np.random.default_rng(seed)
+    dtype = np.float16 if f16 else np.float32
+    out = Path(out_path)
+    writer = gguf.GGUFWriter(str(out), arch=arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    n = 0
+    for layer in layers:
+        for target in TARGETS:
+            name = f"blk.{layer}.{target}.weight"
+            if name not in shapes:
+                raise ValueError(f"base model has no tensor {name!r}")
+            n_in, n_out = shapes[name]
+            # Entries of B @ A have variance rank * var(a) * var(b) = (scale_hint / sqrt(n_in))^2:
+            # the size of a typical weight that keeps activations at unit scale.
+            std = math.sqrt(scale_hint / math.sqrt(n_in) / math.sqrt(rank))
+            a = rng.normal(0.0, std, size=(rank, n_in)).astype(dtype)
+            b = rng.normal(0.0, std, size=(n_out, rank)).astype(dtype)
+            writer.add_tensor(f"{name}.lora_a", a)
+            writer.add_tensor(f"{name}.lora_b", b)
+            n += 1
+    if n == 0:
+        raise ValueError("no layers to adapt")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -1,0 +1,218 @@
+"""LoRA on the real embedded model, with a tiny adapter made at test time (``lora_fixture``).
+
+Backend level: attaching changes the logits, scale 0 and detaching give the base logits bit
+for bit, the adapter's digest is the file's, and any close order is safe. Engine level: the
+adapter set is part of the cache namespace, so rows never cross adapter sets, and detaching
+brings the base rows back. Prompts are short (prefill ~200 tok/s on CI).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tests.backends.lora_fixture import make_lora
+from tests.engine.conftest import make_engine
+
+from kvwarm.backends import get_backend
+from kvwarm.backends.base import BackendContext, BackendModel, ContextParams
+from kvwarm.cache.types import PolicyConfig
+from kvwarm.embedded import default_model_path
+from kvwarm.engine.api import ModelConfig
+from kvwarm.engine.types import GenerationOptions
+from kvwarm.errors import HandleClosedError, InvalidRequestError
+
+pytestmark = pytest.mark.model
+
+CTX = ContextParams(n_ctx=128, n_batch=16, n_ubatch=16, n_seq_max=1, n_threads=2)
+PROMPT = "The capital of France is"
+GREEDY = GenerationOptions(max_tokens=4, temperature=0.0, deterministic=True)
+
+
+@pytest.fixture(scope="module")
+def lora_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("lora") / "tiny-lora.gguf"
+    return make_lora(default_model_path(), out, rank=4, seed=0)
+
+
+@pytest.fixture(scope="module")
+def bmodel() -> Iterator[BackendModel]:
+    m = get_backend("llama_cpp").load_model(str(default_model_path()))
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def bctx(bmodel: BackendModel) -> Iterator[BackendContext]:
+    c = bmodel.new_context(CTX)
+    yield c
+    c.close()
+
+
+def last_logits(model: BackendModel, ctx: BackendContext, prompt: str = PROMPT) -> bytes:
+    ctx.clear()
+    ctx.prefill(0, model.tokenize(prompt), 0)
+    return bytes(ctx.logits())
+
+
+# ---- backend ------------------------------------------------------------------------------
+
+
+def test_adapter_changes_logits_and_scale_zero_restores_them(
+    bmodel: BackendModel, bctx: BackendContext, lora_path: Path
+) -> None:
+    base = last_logits(bmodel, bctx)
+    adapter = bmodel.load_adapter(str(lora_path))
+    try:
+        bctx.set_adapters([(adapter, 1.0)])
+        with_lora = last_logits(bmodel, bctx)
+        assert with_lora != base
+        diff = np.abs(np.frombuffer(with_lora, np.float32) - np.frombuffer(base, np.float32))
+        assert float(diff.max()) > 1.0  # a visible change, not rounding noise
+
+        bctx.set_adapters([(adapter, 0.0)])
+        assert last_logits(bmodel, bctx) == base
+
+        bctx.set_adapters([(adapter, 1.0)])
+        assert last_logits(bmodel, bctx) == with_lora  # deterministic under the adapter
+
+        bctx.set_adapters([])
+        assert last_logits(bmodel, bctx) == base
+    finally:
+        bctx.set_adapters([])
+        adapter.close()
+
+
+def test_adapter_sha256_is_the_files(bmodel: BackendModel, lora_path: Path) -> None:
+    adapter = bmodel.load_adapter(str(lora_path))
+    try:
+        assert adapter.sha256 == hashlib.sha256(lora_path.read_bytes()).digest()
+        assert adapter.path == str(lora_path)
+    finally:
+        adapter.close()
+
+
+def test_f16_adapter_loads_and_acts(
+    bmodel: BackendModel, bctx: BackendContext, lora_path: Path
+) -> None:
+    path16 = make_lora(default_model_path(), lora_path.with_name("f16.gguf"), f16=True)
+    base = last_logits(bmodel, bctx)
+    adapter = bmodel.load_adapter(str(path16))
+    try:
+        bctx.set_adapters([(adapter, 1.0)])
+        assert last_logits(bmodel, bctx) != base
+    finally:
+        bctx.set_adapters([])
+        adapter.close()
+
+
+def test_close_order_adapter_last(lora_path: Path) -> None:
+    """Model and context closed while the adapter is attached and open: nothing is freed
+    under a dependent, and the adapter's own close frees everything without a crash."""
+    model = get_backend("llama_cpp").load_model(str(default_model_path()))
+    ctx = model.new_context(CTX)
+    adapter = model.load_adapter(str(lora_path))
+    ctx.set_adapters([(adapter, 1.0)])
+    base_logits = last_logits(model, ctx)
+    assert len(base_logits) == 4 * model.facts.n_vocab
+    model.close()  # deferred: the context and the adapter still hold it
+    ctx.close()  # frees the context, releases the adapter
+    with pytest.raises(HandleClosedError):
+        ctx.set_adapters([])
+    with pytest.raises(HandleClosedError):
+        model.load_adapter(str(lora_path))
+    adapter.close()  # last dependent: frees the adapter, then the model
+    adapter.close()  # idempotent
+    model.close()
+    ctx.close()
+
+
+def test_close_order_adapter_first(lora_path: Path) -> None:
+    """Adapter closed while attached: it stays alive until the context lets go of it."""
+    model = get_backend("llama_cpp").load_model(str(default_model_path()))
+    ctx = model.new_context(CTX)
+    adapter = model.load_adapter(str(lora_path))
+    ctx.set_adapters([(adapter, 1.0)])
+    with_lora = last_logits(model, ctx)
+    adapter.close()  # deferred: still attached
+    assert last_logits(model, ctx) == with_lora  # still applied, memory still valid
+    with pytest.raises(HandleClosedError):
+        ctx.set_adapters([(adapter, 1.0)])  # a closed adapter cannot be attached again
+    ctx.set_adapters([])  # releases and frees it
+    ctx.close()
+    model.close()
+
+
+# ---- engine -------------------------------------------------------------------------------
+
+
+def test_engine_adapter_namespaces(lora_path: Path) -> None:
+    policy = PolicyConfig(
+        min_tokens=4,
+        cold_min_tokens=8,
+        boundary_trim_tokens=0,
+        boundary_align_tokens=8,
+        continued_interval=10_000,
+        session_resume_wait_ms=2000,
+    )
+    eng = make_engine(policy=policy)
+    try:
+        model = eng.load_model(
+            config=ModelConfig(
+                context=ContextParams(
+                    n_ctx=256, n_batch=8, n_ubatch=8, n_threads=2, n_threads_batch=2
+                ),
+                deterministic=True,
+            )
+        )
+        base_fp = model.info().fingerprint
+        # >= 8 tokens (cold_min_tokens), a multiple of 8 not needed: a finished request
+        # saves its row, then an identical prompt is an exact hit.
+        prompt = "Here is a list of the planets of the solar system: Mercury"
+
+        base = model.complete(prompt, GREEDY)
+        assert base.stats.cache_hit == "cold"
+        eng.cache.flush()
+        model.evict()
+        again = model.complete(prompt, GREEDY)
+        assert again.stats.cache_hit == "exact"
+        assert again.completion_tokens == base.completion_tokens
+
+        info = model.load_adapter(lora_path, 1.0)
+        assert info.sha256 == hashlib.sha256(lora_path.read_bytes()).hexdigest()
+        assert [a.handle for a in model.list_adapters()] == [info.handle]
+        lora_fp = model.info().fingerprint
+        assert lora_fp != base_fp
+
+        with_lora = model.complete(prompt, GREEDY)
+        assert with_lora.stats.cache_hit == "cold"  # base rows never serve the adapter
+        assert with_lora.completion_tokens != base.completion_tokens
+        eng.cache.flush()
+        model.evict()
+        lora_again = model.complete(prompt, GREEDY)
+        assert lora_again.stats.cache_hit == "exact"  # its own rows do
+        assert lora_again.completion_tokens == with_lora.completion_tokens
+
+        # A rejected scale changes nothing: not the recorded scale, not the namespace, and
+        # later adapter changes still apply.
+        with pytest.raises(InvalidRequestError):
+            model.set_adapter_scale(info.handle, float("nan"))
+        assert model.list_adapters()[0].scale == 1.0
+        assert model.info().fingerprint == lora_fp
+
+        model.set_adapter_scale(info.handle, 0.5)
+        half_fp = model.info().fingerprint
+        assert half_fp not in (base_fp, lora_fp)
+        assert model.complete(prompt, GREEDY).stats.cache_hit == "cold"
+
+        model.detach_adapter(info.handle)
+        assert model.list_adapters() == []
+        assert model.info().fingerprint == base_fp
+        back = model.complete(prompt, GREEDY)
+        assert back.stats.cache_hit == "exact"  # the base row from before the adapter
+        assert back.completion_tokens == base.completion_tokens
+    finally:
+        eng.close()
