@@ -584,8 +584,14 @@ class Model:
         with self._adapter_lock:
             if handle not in self._adapters:
                 raise AdapterError(f"no adapter with handle {handle}")
-            adapter, _ = self._adapters.pop(handle)
-        self._apply_adapters()
+            adapter, scale = self._adapters.pop(handle)
+        try:
+            self._apply_adapters()
+        except BaseException:
+            # Still attached natively: keep listing it, or it could never be detached.
+            with self._adapter_lock:
+                self._adapters[handle] = (adapter, scale)
+            raise
         adapter.close()
 
     def list_adapters(self) -> list[AdapterInfo]:
