@@ -96,7 +96,7 @@ def kvwarm_run(n_streams: int, n_parallel: int, tokens: int) -> tuple[float, flo
             PROMPT, GenerationOptions(max_tokens=2, temperature=0.0, ignore_eos=True)
         )  # warm-up
         t0 = time.perf_counter()
-        streams = [model.stream(PROMPT + f" Story {i}.", opts) for i in range(n_streams)]
+        streams = [model.submit(PROMPT + f" Story {i}.", opts) for i in range(n_streams)]
         results = [s.result() for s in streams]
         dt = time.perf_counter() - t0
         generated = sum(r.stats.completion_tokens for r in results)

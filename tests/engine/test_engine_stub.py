@@ -372,3 +372,13 @@ def test_parent_key_waits_for_the_in_flight_finish_save() -> None:
         tier.gate.set()
         eng.close()
         cache.close()
+
+
+def test_submit_sends_no_fragments_but_the_same_completion(engine: Engine) -> None:
+    model = engine.load_model(config=stub_config())
+    streamed = model.stream(PROMPT, GREEDY)
+    pieces = list(streamed)
+    quiet = model.submit(PROMPT, GREEDY)
+    assert list(quiet) == []  # no per-token events at all
+    assert quiet.completion is not None
+    assert quiet.completion.text == "".join(pieces) == streamed.result().text

@@ -43,6 +43,10 @@ class VerifyReport:
 class CacheApi(Protocol):
     def tier_names(self) -> tuple[TierName, ...]: ...
 
+    def has(self, key: bytes) -> bool:
+        """Published or in flight. Counts nothing; never waits."""
+        ...
+
     def key_for(self, namespace: Namespace, tokens: Sequence[int]) -> bytes: ...
 
     def lookup_exact(self, key: bytes) -> RowInfo | None:

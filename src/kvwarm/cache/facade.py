@@ -153,6 +153,10 @@ class Cache:
 
     # ------------------------------------------------------------------ lookups
 
+    def has(self, key: bytes) -> bool:
+        """Published or being saved right now. Counts nothing; never waits."""
+        return key in self._index or self._index.in_flight(key)
+
     def tier_names(self) -> tuple[TierName, ...]:
         """The configured tiers, in configuration order (the first is the default save tier)."""
         return tuple(self._tiers)

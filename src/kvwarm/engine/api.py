@@ -182,7 +182,12 @@ class Engine:
                 self._models.pop(mid, None)
             raise
         with self._lock:
-            self._models[mid] = model
+            closed = self._closed
+            if not closed:
+                self._models[mid] = model
+        if closed:  # the engine closed while this model loaded: do not leak it
+            model.unload()
+            raise EngineClosedError("engine was closed while the model loaded")
         return model
 
     def get_model(self, model_id: str) -> Model:
@@ -386,22 +391,25 @@ class Model:
     def complete(
         self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: object
     ) -> Completion:
-        return self.stream(prompt, options, **overrides).result()
+        return self.submit(prompt, options, **overrides).result()
 
     def stream(
         self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: object
     ) -> CompletionStream:
-        self._check_ready()
+        """Start a request whose stream yields text fragments as they are generated."""
         opts = _options(options, overrides)
-        if isinstance(prompt, str):
-            tokens = self._bmodel.tokenize(
-                prompt, add_special=opts.add_special, parse_special=opts.parse_special
-            )
-            text = prompt
-        else:
-            tokens = self._check_tokens(prompt)
-            text = ""
-        return self._submit(tuple(tokens), opts, text)
+        tokens, text = self._prompt_tokens(prompt, opts)
+        return self._submit(tokens, opts, text)
+
+    def submit(
+        self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: object
+    ) -> CompletionStream:
+        """Start a request that sends no per-token events: its stream yields nothing and ends
+        with the completion. For callers that only want the result; it spares the waiting
+        thread one wake-up per token."""
+        opts = _options(options, overrides)
+        tokens, text = self._prompt_tokens(prompt, opts)
+        return self._submit(tokens, opts, text, fragments=False)
 
     def chat(
         self,
@@ -411,7 +419,9 @@ class Model:
         options: GenerationOptions | None = None,
         **overrides: object,
     ) -> Completion:
-        return self.stream_chat(messages, tools=tools, options=options, **overrides).result()
+        opts = _options(options, overrides)
+        tokens, text = self._chat_tokens(messages, tools)
+        return self._submit(tokens, opts, text, fragments=False).result()
 
     def stream_chat(
         self,
@@ -421,12 +431,28 @@ class Model:
         options: GenerationOptions | None = None,
         **overrides: object,
     ) -> CompletionStream:
-        self._check_ready()
         opts = _options(options, overrides)
+        tokens, text = self._chat_tokens(messages, tools)
+        return self._submit(tokens, opts, text)
+
+    def _prompt_tokens(
+        self, prompt: Prompt, opts: GenerationOptions
+    ) -> tuple[tuple[int, ...], str]:
+        self._check_ready()
+        if isinstance(prompt, str):
+            tokens = self._bmodel.tokenize(
+                prompt, add_special=opts.add_special, parse_special=opts.parse_special
+            )
+            return tuple(tokens), prompt
+        return tuple(self._check_tokens(prompt)), ""
+
+    def _chat_tokens(
+        self, messages: Sequence[Message], tools: Sequence[Mapping[str, object]] | None
+    ) -> tuple[tuple[int, ...], str]:
+        self._check_ready()
         prompt = self.apply_chat_template(messages, tools=tools)
         # The template already carries any BOS/special tokens as text.
-        tokens = self._bmodel.tokenize(prompt, add_special=False, parse_special=True)
-        return self._submit(tuple(tokens), opts, prompt)
+        return tuple(self._bmodel.tokenize(prompt, add_special=False, parse_special=True)), prompt
 
     def prewarm(
         self, prompt: Prompt, *, ttl_class: TtlClass = TtlClass.LONG, add_special: bool = True
@@ -439,7 +465,9 @@ class Model:
             text = prompt
         else:
             tokens, text = self._check_tokens(prompt), ""
-        stream = self._submit(tuple(tokens), opts, text, kind="prewarm", ttl=ttl_class)
+        stream = self._submit(
+            tuple(tokens), opts, text, kind="prewarm", ttl=ttl_class, fragments=False
+        )
         return stream.result().stats
 
     def _check_ready(self) -> None:
@@ -465,6 +493,8 @@ class Model:
         text: str,
         kind: RequestKind = "generate",
         ttl: TtlClass = TtlClass.SHORT,
+        *,
+        fragments: bool = True,
     ) -> CompletionStream:
         if self._state != "ready":
             raise EngineClosedError(f"model {self.id!r} is {self._state}")
@@ -484,10 +514,10 @@ class Model:
         deterministic = (
             opts.deterministic if opts.deterministic is not None else self.config.deterministic
         )
-        parent_row = None
         if opts.parent_key is not None:
-            # Waiting happens here, on the caller's thread, so it never stalls other slots.
-            parent_row = self._engine.cache.lookup_exact_or_wait(
+            # Wait here, on the caller's thread, for an in-flight save of the previous turn;
+            # once published, the worker's prefix lookup finds it. Never stalls other slots.
+            self._engine.cache.lookup_exact_or_wait(
                 opts.parent_key, self.policy.session_resume_wait_ms / 1e3
             )
         req = Request(
@@ -498,7 +528,7 @@ class Model:
             kind=kind,
             ttl_class=ttl,
             prompt_text=text,
-            parent_row=parent_row,
+            fragments=fragments,
         )
         if grammar is not None or opts.logit_bias:
             # Build once here so a bad grammar or bias is the caller's error, not the worker's.
@@ -595,7 +625,9 @@ class Model:
         adapter.close()
 
     def list_adapters(self) -> list[AdapterInfo]:
-        return [self._adapter_info(h) for h in sorted(self._adapters)]
+        with self._adapter_lock:
+            items = sorted(self._adapters.items())
+        return [AdapterInfo(h, a.path, scale, a.sha256.hex()) for h, (a, scale) in items]
 
     def _adapter_info(self, handle: int) -> AdapterInfo:
         adapter, scale = self._adapters[handle]

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvwarm.cache.types import RowInfo, TtlClass
+from kvwarm.cache.types import TtlClass
 from kvwarm.engine.channel import Channel
 from kvwarm.engine.types import Completion, GenerationOptions
 
@@ -38,7 +38,9 @@ class Request:
     kind: RequestKind = "generate"
     ttl_class: TtlClass = TtlClass.SHORT
     prompt_text: str = ""
-    parent_row: RowInfo | None = None  # found (after waiting) on the caller's thread
+    # False for complete()/chat(): only the final event is sent, so the caller's thread is
+    # not woken once per token (on few cores that wake-up steals time from the decode).
+    fragments: bool = True
     id: int = field(default_factory=lambda: next(_ids))
     channel: Channel[Event] = field(default_factory=Channel)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -49,7 +49,7 @@ from kvwarm.engine.types import (
     FinishReason,
     TokenLogprob,
 )
-from kvwarm.errors import EngineClosedError, KvwarmError, QueueFullError
+from kvwarm.errors import BackendError, EngineClosedError, KvwarmError, QueueFullError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -197,6 +197,12 @@ class Worker:
                 except Exception as exc:  # never let the loop die: fail what is in flight
                     log.exception("worker %s: unexpected error; failing active requests", self.name)
                     self._fail_all_active(exc)
+        except BaseException:
+            log.exception("worker %s: thread is dying; refusing further requests", self.name)
+            with self._cond:
+                self._closing = True
+            self._drain_on_close()
+            raise
         finally:
             self._closed.set()
 
@@ -260,8 +266,23 @@ class Worker:
                 continue
             try:
                 self._start(req, free)
-            except KvwarmError as exc:
-                req.channel.put(Failed(exc))
+            except Exception as exc:
+                self._admission_failed(req, exc)
+
+    def _admission_failed(self, req: Request, exc: Exception) -> None:
+        """Whatever went wrong, the caller gets an answer and no slot stays taken."""
+        err: KvwarmError
+        if isinstance(exc, KvwarmError):
+            err = exc
+        else:
+            log.exception("worker %s: admission failed", self.name)
+            err = BackendError(f"admission failed: {exc!r}")
+            err.__cause__ = exc
+        for slot in self.slots:
+            if slot.active is not None and slot.active.req is req:
+                self._fail(slot, err)
+                return
+        req.channel.put(Failed(err))
 
     def _plan(self, req: Request, free: Sequence[Slot]) -> tuple[Slot, Plan, Namespace]:
         tokens = req.prompt_tokens
@@ -295,18 +316,14 @@ class Worker:
             cand = Plan("copy", keep, src_seq=other.seq, shared=shared)
             if keep > 0:
                 best = better(best, cand)
-        # The cache: a parent row found by the caller, else the longest shared prefix.
-        rows = []
-        if req.parent_row is not None and req.parent_row.namespace == ns:
-            rows.append(req.parent_row)
+        # The cache. A parent_key row was waited for on the caller's thread, so it is
+        # published by now and this lookup scores it by what it really shares.
         t0 = time.perf_counter()
         match = self.cache.longest_prefix(ns, tokens)
         self.cache.record_latency("lookup", time.perf_counter() - t0)
         if match is not None:
-            rows.append(match.row)
-        for row in rows:
-            shared = match.n_shared if match is not None and row is match.row else row.n_tokens
-            shared = min(shared, n)
+            row = match.row
+            shared = min(match.n_shared, n)
             keep, use_logits = usable_length(
                 shared,
                 n,
@@ -332,7 +349,7 @@ class Worker:
             source_canonical: int | None = None
             if plan.kind == "row":
                 try:
-                    keep, source_canonical, logits_from_row = self._restore_row(slot, plan, tokens)
+                    keep, source_canonical, logits_from_row = self._restore_row(slot, plan, req)
                 except KvwarmError as exc:
                     log.warning(
                         "worker %s: cache restore failed, prefilling cold: %s", self.name, exc
@@ -386,17 +403,32 @@ class Worker:
             # Exact hit with stored final logits: no decode at all before the first token.
             active.prefill_done = time.perf_counter()
             slot.phase = "generate"
-            self._on_logits(slot, None, logits_from_row)
+            try:
+                self._on_logits(slot, None, logits_from_row)
+            except KvwarmError as exc:
+                self._fail(slot, exc)
 
     def _restore_row(
-        self, slot: Slot, plan: Plan, tokens: tuple[int, ...]
+        self, slot: Slot, plan: Plan, req: Request
     ) -> tuple[int, int | None, bytes | None]:
         assert plan.row_key is not None
+        tokens = req.prompt_tokens
         keep = plan.keep
+        nb = self.cfg.n_batch
         with self.cache.open_row(plan.row_key) as row:
             shared = common_prefix(row.tokens, tokens)
-            if shared < keep:  # token-exact, always: never trust a stale plan
-                return 0, None, None
+            if shared < keep:
+                # Token-exact, always: the plan is stale (the row changed). Use what really
+                # matches, trimmed the same way.
+                keep, _ = usable_length(
+                    shared,
+                    len(tokens),
+                    canonical=row.info.canonical_tokens,
+                    n_batch=nb,
+                    deterministic=req.deterministic,
+                )
+                if keep == 0:
+                    return 0, None, None
             self._reset_seq(slot)
             t0 = time.perf_counter()
             n_restored = self.ctx.kv_unpack(slot.seq, row.payload)
@@ -405,6 +437,10 @@ class Worker:
             use_logits = plan.use_logits and row.logits is not None and keep == len(tokens)
             if not use_logits and keep >= len(tokens):
                 keep = len(tokens) - 1
+            if keep > n_restored:  # a blob holding fewer cells than its tokens claim
+                keep, use_logits = n_restored, False
+            if req.deterministic and not use_logits:
+                keep -= keep % nb
             if n_restored > keep:
                 self.ctx.seq_rm(slot.seq, keep, -1)
                 del slot.kv_tokens[keep:]
@@ -511,6 +547,11 @@ class Worker:
         toks = act.req.prompt_tokens
         slot.kv_tokens.extend(toks[chunk.start : chunk.end])
         act.prefill_pos = chunk.end
+        nb = self.cfg.n_batch
+        if chunk.end % nb and chunk.end != len(toks):
+            # Cut short by the tick budget: from this chunk's aligned start on, the KV is not
+            # what an aligned-chunk prefill computes.
+            slot.canonical = min(slot.canonical, chunk.start - chunk.start % nb)
         if act.pause_at is not None and chunk.end == act.pause_at:
             act.pause_at = None
             self._save(slot, SaveReason.COLD, None, act.namespace, sync=False)
@@ -564,7 +605,7 @@ class Worker:
             return
         act.generated.append(token)
         fragment = act.assembler.feed(self.model.token_to_piece(token))
-        if fragment:
+        if fragment and act.req.fragments:
             act.req.channel.put(fragment)
         if act.assembler.stopped:
             self._finish(slot, "stop", self._logits_bytes(row, stored))
@@ -605,7 +646,7 @@ class Worker:
         assert act is not None
         now = time.perf_counter()
         tail = act.assembler.finish()
-        if tail:
+        if tail and act.req.fragments:
             act.req.channel.put(tail)
         key: bytes | None = None
         # A cancelled prefill leaves a partial, unaligned prompt: not worth a row.
@@ -696,7 +737,11 @@ class Worker:
         for slot in self.slots:
             if slot.active is not None or not slot.kv_tokens:
                 continue
-            if self._save(slot, reason, None, ns, sync=True) is not None:
+            if self.cache.has(self.cache.key_for(ns, slot.kv_tokens)):
+                # A row (maybe still in flight, like its finish save) holds exactly this KV:
+                # packing it again would only lose the reservation race.
+                saved += 1
+            elif self._save(slot, reason, None, ns, sync=True) is not None:
                 saved += 1
             if release:
                 self._reset_seq(slot)

@@ -1,0 +1,124 @@
+"""Worker failure paths found in review: each test once demonstrated a defect (stub backend)."""
+
+from __future__ import annotations
+
+import pytest
+from tests.engine.conftest import GatedBackend, make_engine, stub_config
+
+from kvwarm.cache import Cache
+from kvwarm.cache.types import CacheConfig, TierConfig
+from kvwarm.engine.api import Engine, EngineConfig
+from kvwarm.engine.request import Done, Failed
+from kvwarm.engine.types import GenerationOptions
+from kvwarm.errors import GrammarError
+
+PROMPT = "A prompt long enough to be cached by the low test gates, twice over."
+
+
+def test_exact_hit_with_stored_logits_that_fails_to_sample_frees_its_slot() -> None:
+    """worker._start: a KvwarmError from _on_logits on the stored-logits path reaches _admit,
+    which replies Failed but leaves slot.active set: the slot is never freed (and the loop
+    spins, since _has_work sees an active slot that is neither prefilling nor decoding)."""
+    eng = make_engine()
+    try:
+        model = eng.load_model(config=stub_config())
+        model.prewarm(PROMPT)  # saves the prompt with its final logits
+        assert eng.cache.flush(10)
+        # Only EOS satisfies this grammar, and ignore_eos bans EOS: sampling raises GrammarError.
+        stream = model.stream(
+            PROMPT, max_tokens=4, temperature=0.0, grammar='root ::= ""', ignore_eos=True
+        )
+        with pytest.raises(GrammarError):
+            stream.result()
+        assert stream.completion is None
+        # The request is over: its slot must be free again.
+        assert model.status().active == 0
+    finally:
+        eng.close()
+
+
+def test_budget_cut_prefill_chunks_are_not_recorded_as_canonical() -> None:
+    """A non-deterministic prompt whose chunk is cut by the tick budget (n_batch=16; B's chunks
+    are [0,12) [12,16) [16,31) [31,32) [32,40) because A's prompt, then A's decode token,
+    share each call) is not aligned-chunk prefill,
+    yet slot.canonical (canonical_after) claims the whole prompt, so the row is saved with
+    canonical_tokens=None and deterministic restores trust it as bit-identical to cold."""
+    backend = GatedBackend()
+    eng = make_engine()
+    try:
+        model = eng.load_model(config=stub_config(n_parallel=2, backend=backend))  # type: ignore[arg-type]
+        gen = GenerationOptions(max_tokens=60, temperature=0.0, ignore_eos=True)
+        # A: short prompt, keeps decoding. B: 40 tokens, admitted while A decodes.
+        a = model.stream("Hi.", gen)
+        b_prompt = "x" * 39
+        b = model.stream(b_prompt, GenerationOptions(max_tokens=1, temperature=0.0))
+        backend.gate.set()
+        b_done = b.result()
+        a.cancel()
+        a.result()
+        assert eng.cache.flush(10)
+        b_tokens = b_done.prompt_tokens
+        assert len(b_tokens) == 40
+        assert b_done.stats.key is not None
+        (row,) = [r for r in eng.cache.rows() if r.key == b_done.stats.key]
+        # Positions 0..15 were prefilled as [0, 12) + [12, 16): not canonical.
+        assert row.canonical_tokens is not None and row.canonical_tokens <= 15
+    finally:
+        backend.gate.set()
+        eng.close()
+
+
+def test_parent_key_row_that_diverges_from_the_prompt_does_not_force_a_cold_prefill() -> None:
+    """worker._plan scores the parent row as if all of its n_tokens were shared with the
+    prompt (unless it is the very object longest_prefix returned). When the prompt diverges
+    inside the parent row (a re-rendered chat turn), that inflated plan ties with / beats the
+    real best row; _restore_row then sees shared < keep and drops to a full cold prefill
+    instead of using the 68 (or 69) tokens that are really cached."""
+    eng = make_engine()
+    try:
+        model = eng.load_model(config=stub_config())
+        first = model.tokenize(PROMPT)
+        stats = model.prewarm(first)  # the parent row: 69 tokens
+        assert stats.key is not None
+        # Same tokens except the last one, plus a new turn.
+        second = [*first[:-1], first[-1] + 1, *model.tokenize(" next turn", add_special=False)]
+        model.prewarm(second[: len(first)])  # another row sharing all 69 with the prompt
+        assert eng.cache.flush(10)
+        model.evict()  # no live KV: only the cache can serve the next request
+        done = model.complete(
+            second, GenerationOptions(max_tokens=2, temperature=0.0, parent_key=stats.key)
+        )
+        assert done.stats.cache_hit == "partial"
+        assert done.stats.cached_tokens >= len(first) - 1
+    finally:
+        eng.close()
+
+
+class _LookupFailsOnce(Cache):
+    """A cache whose first prefix lookup raises a non-kvwarm exception (an internal bug)."""
+
+    failed = False
+
+    def longest_prefix(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("internal error during planning")
+        return super().longest_prefix(*args, **kwargs)
+
+
+def test_a_non_kvwarm_error_during_admission_still_ends_the_request() -> None:
+    """worker._admit catches only KvwarmError around _start. Anything else escapes to _run,
+    whose _fail_all_active only sees requests already in a slot: the popped request never
+    gets Done/Failed and its caller waits forever."""
+    cache = _LookupFailsOnce(CacheConfig(tiers=(TierConfig("ram", 64 << 20),)))
+    eng = Engine(EngineConfig(), cache=cache)
+    try:
+        model = eng.load_model(config=stub_config())
+        first = model.stream(PROMPT, max_tokens=2, temperature=0.0)
+        # FIFO: once the second request is done, the worker is past the first one.
+        model.complete(PROMPT + " again", max_tokens=2, temperature=0.0)
+        event = first._req.channel.get(timeout=0)  # raises TimeoutError: nothing was sent
+        assert isinstance(event, Done | Failed)
+    finally:
+        eng.close()
+        cache.close()
