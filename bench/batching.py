@@ -9,7 +9,6 @@ a bare ``llama_decode`` loop with the same batch shapes in the same run (the cei
 from __future__ import annotations
 
 import argparse
-import ctypes
 import shlex
 import statistics
 import sys
@@ -29,7 +28,8 @@ PROMPT = "Write a long story about a lighthouse keeper and the sea, with many de
 
 
 def bare_loop(n_seq: int, steps: int) -> float:
-    """Tokens/s of a bare decode loop: n_seq sequences, one token each per llama_decode."""
+    """Tokens/s of a bare loop: n_seq sequences, one token each per llama_decode, each
+    followed by a greedy llama_sampler_sample (no Python bookkeeping at all)."""
     native()  # kvwarm's one-time init: backend up, llama.cpp logs routed to `logging`
     mp = L.llama_model_default_params()
     model = L.llama_model_load_from_file(str(default_model_path()).encode(), mp)
@@ -41,6 +41,10 @@ def bare_loop(n_seq: int, steps: int) -> float:
     cp.n_threads = cp.n_threads_batch = 2
     ctx = L.llama_init_from_model(model, cp)
     batch = L.llama_batch_init(512, 0, 1)
+    # A real loop must choose each next token: greedy, as llama.cpp samples it.
+    sparams = L.llama_sampler_chain_default_params()
+    greedy = L.llama_sampler_chain_init(sparams)
+    L.llama_sampler_chain_add(greedy, L.llama_sampler_init_greedy())
     try:
 
         def decode(items: list[tuple[int, int, int]]) -> None:
@@ -65,11 +69,11 @@ def bare_loop(n_seq: int, steps: int) -> float:
         for _ in range(steps):
             decode([(100 + s, pos, s) for s in range(n_seq)])
             for s in range(n_seq):
-                ptr = L.llama_get_logits_ith(ctx, s)
-                _ = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float))[0]
+                L.llama_sampler_sample(greedy, ctx, s)
             pos += 1
         return n_seq * steps / (time.perf_counter() - t0)
     finally:
+        L.llama_sampler_free(greedy)
         L.llama_batch_free(batch)
         L.llama_free(ctx)
         L.llama_model_free(model)
