@@ -83,18 +83,17 @@ class Index:
         self, namespace: Namespace, tokens: Sequence[int], min_shared: int = 1
     ) -> PrefixMatch | None:
         """The row sharing the longest prefix with ``tokens`` (ties: fewest bytes)."""
+        before = self._prefix.version
         hit = self._prefix.longest(namespace, tokens, min_shared)
-        if hit is not None:
-            entry = self._rows.get(hit[0])
-            if entry is not None:
-                return PrefixMatch(entry.info, hit[1])
-            # Raced with a removal: ask again with the tree quiescent.
-            with self._lock:
-                hit = self._prefix.longest(namespace, tokens, min_shared)
-                entry = None if hit is None else self._rows.get(hit[0])
-                if hit is not None and entry is not None:
-                    return PrefixMatch(entry.info, hit[1])
-        return None
+        entry = None if hit is None else self._rows.get(hit[0])
+        if before % 2 == 0 and self._prefix.version == before and (hit is None or entry):
+            return None if hit is None or entry is None else PrefixMatch(entry.info, hit[1])
+        # A writer overlapped the walk (or removed the row it found): ask again with the tree
+        # quiescent. Readers only ever wait when a write really raced them.
+        with self._lock:
+            hit = self._prefix.longest(namespace, tokens, min_shared)
+            entry = None if hit is None else self._rows.get(hit[0])
+            return None if hit is None or entry is None else PrefixMatch(entry.info, hit[1])
 
     # ----------------------------------------------------------------- locked reads
 

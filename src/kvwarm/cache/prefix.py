@@ -105,12 +105,15 @@ class PrefixIndex:
     """Radix trees keyed by namespace. Not thread-safe for writers: the caller serialises
     ``insert``/``remove``; ``longest``/``tokens``/``__contains__`` may run concurrently."""
 
-    __slots__ = ("_node_of", "_ns_of_root", "_roots")
+    __slots__ = ("_node_of", "_ns_of_root", "_roots", "version")
 
     def __init__(self) -> None:
         self._roots: dict[Hashable, _Node] = {}
         self._ns_of_root: dict[int, Hashable] = {}  # id(root) -> namespace, to drop empty trees
         self._node_of: dict[bytes, _Node] = {}
+        # Seqlock: odd while a mutation is under way. A lock-free reader that sees it odd, or
+        # changed across its walk, may have walked a node a split or merge just replaced.
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._node_of)
@@ -120,6 +123,13 @@ class PrefixIndex:
 
     def insert(self, namespace: Hashable, key: bytes, tokens: Sequence[int], size: int) -> None:
         """Add a row. Re-inserting a key replaces it (and may move it)."""
+        self.version += 1
+        try:
+            self._insert(namespace, key, tokens, size)
+        finally:
+            self.version += 1
+
+    def _insert(self, namespace: Hashable, key: bytes, tokens: Sequence[int], size: int) -> None:
         if key in self._node_of:
             self.remove(key)
         arr = encode_native(tokens)
@@ -179,6 +189,13 @@ class PrefixIndex:
 
     def remove(self, key: bytes) -> bool:
         """Drop a row; False if unknown. Keeps the tree compressed (no row-less unary nodes)."""
+        self.version += 1
+        try:
+            return self._remove(key)
+        finally:
+            self.version += 1
+
+    def _remove(self, key: bytes) -> bool:
         node = self._node_of.pop(key, None)
         if node is None:
             return False
