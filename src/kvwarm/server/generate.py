@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from kvwarm.engine.types import Completion
@@ -35,6 +36,23 @@ if TYPE_CHECKING:
 request_log = logging.getLogger("kvwarm.server.requests")
 
 _DONE = object()
+
+
+async def start_stream(submit: Callable[[], CompletionStream]) -> CompletionStream:
+    """Run ``submit`` (tokenizing, maybe waiting on the cache) off the event loop. If this
+    handler is cancelled meanwhile (the client went away), the request may still have been
+    queued: cancel it as soon as it exists, so it never runs unobserved to max_tokens."""
+    fut = asyncio.ensure_future(run_in_threadpool(submit))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        fut.add_done_callback(_cancel_orphan)
+        raise
+
+
+def _cancel_orphan(fut: asyncio.Future[CompletionStream]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        fut.result().cancel()
 
 
 class Generation:

@@ -8,6 +8,7 @@ engine's async stream. Each generation runs inside a ``Generation`` so a disconn
 from __future__ import annotations
 
 import base64
+import functools
 import struct
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from kvwarm.engine.types import Completion
 from kvwarm.server import convert
 from kvwarm.server.errors import HTTPError
-from kvwarm.server.generate import Generation, request_log, sse
+from kvwarm.server.generate import Generation, request_log, sse, start_stream
 from kvwarm.server.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -83,7 +84,7 @@ async def chat_completions(request: Request) -> Response:
         json_schema=plan.json_schema or schema,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
-    stream = await run_in_threadpool(
+    stream = await start_stream(
         lambda: model.stream_chat(plan.messages, tools=plan.tools, options=opts)
     )
     ids = convert.ResponseIds("chatcmpl", model.id)
@@ -168,7 +169,8 @@ async def completions(request: Request) -> Response:
         choices: list[dict[str, object]] = []
         results: list[Completion] = []
         for index, prompt in enumerate(prompts):
-            stream = await run_in_threadpool(model.stream, prompt, opts)
+            # Not streamed: no per-token events needed (spares the event loop a wake-up each).
+            stream = await start_stream(functools.partial(model.submit, prompt, opts))
             async with Generation(request, stream, "completion", model.id, state) as gen:
                 done = await gen.result()
             if gen.disconnected:
@@ -188,7 +190,7 @@ async def completions(request: Request) -> Response:
         return JSONResponse(body)
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    stream = await run_in_threadpool(model.stream, prompts[0], opts)
+    stream = await start_stream(lambda: model.stream(prompts[0], opts))
     gen = Generation(request, stream, "completion", model.id, state)
     await gen.open_streaming()
 
