@@ -260,3 +260,25 @@ def test_missing_model_file_is_model_not_found(tmp_path: Path) -> None:
     garbage.write_bytes(b"GGUF" + bytes(1024))
     with pytest.raises(ModelLoadError):
         LlamaBackend().load_model(str(garbage))
+
+
+def test_greedy_fast_path_picks_what_the_native_chain_picks(
+    llama: LlamaModel, lctx: BackendContext, tokens: list[int]
+) -> None:
+    from kvwarm.backends.llama_context import LlamaContext
+    from kvwarm.backends.llama_sampler import LlamaSampler
+
+    assert isinstance(lctx, LlamaContext)
+    eog = tuple(t for t in range(llama.facts.n_vocab) if llama.is_eog(t))
+    # Penalising the prompt's own tokens hits the branch where the maximum is itself biased.
+    penalised = tuple((t, -5.0) for t in sorted(set(tokens[1:24])))
+    for bias in ((), tuple((t, float("-inf")) for t in eog), ((tokens[3], 30.0),), penalised):
+        params = SamplingParams(temperature=0.0, logit_bias=bias)
+        fast = llama.new_sampler(params)
+        assert isinstance(fast, LlamaSampler) and fast._argmax_only
+        lctx.clear()
+        for pos, tok in enumerate(tokens[:24]):
+            lctx.decode([BatchToken(tok, pos, 0, True)])
+            # The native chain (same biases, greedy) on the same logits row.
+            assert fast.sample(lctx, 0) == lctx.sample_with(fast._chain, 0)
+        fast.close()

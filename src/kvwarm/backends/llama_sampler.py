@@ -58,6 +58,20 @@ class LlamaSampler:
             model.lifetime.release()
             raise
         self._life = Lifetime("sampler", self._free)
+        # Plain greedy (no grammar, no penalties) is an argmax: numpy over the zero-copy logits
+        # row is ~8x cheaper than llama_sampler_sample building a 49k-entry candidate array.
+        # Both pick the first maximum; biases are added first, as in the chain.
+        self._argmax_only = (
+            params.greedy
+            and params.grammar is None
+            and params.repeat_penalty == 1.0
+            and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0
+        )
+        self._bias_idx = np.array([t for t, _ in params.logit_bias], dtype=np.int64)
+        self._bias_val = np.array([b for _, b in params.logit_bias], dtype=np.float32)
+        self._bias_set = frozenset(t for t, _ in params.logit_bias)
+        self._bias_nonpositive = all(b <= 0 for _, b in params.logit_bias)
 
     def _build_grammar(self, params: SamplingParams) -> object:
         if params.grammar is None:
@@ -135,6 +149,17 @@ class LlamaSampler:
         with self._life.using():
             if not isinstance(ctx, LlamaContext) or ctx.model is not self._model:
                 raise InvalidRequestError("the context belongs to another model")
+            if self._argmax_only:
+                row = np.frombuffer(ctx.logits(index), dtype=np.float32)
+                best = int(row.argmax())
+                if not self._bias_idx.size or (
+                    self._bias_nonpositive and best not in self._bias_set
+                ):
+                    # Lowering other tokens cannot displace an unbiased maximum.
+                    return best
+                biased = row.copy()
+                biased[self._bias_idx] += self._bias_val
+                return int(biased.argmax())
             if self._grammar is None:
                 token = ctx.sample_with(self._chain, index)
                 if not 0 <= token < self._n_vocab:
