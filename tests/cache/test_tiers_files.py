@@ -13,21 +13,10 @@ from tests.cache.fakebook import FakeBook
 from tests.cache.tierkit import NS, request
 
 from kvwarm.cache.key import cache_key
-from kvwarm.cache.tiers.files import FileTier
+from kvwarm.cache.tiers.files import PUBLISH_STEPS, FileTier
 from kvwarm.errors import CacheFormatError, ConfigError
 
-STEPS = [
-    "reserved",
-    "tmp_opened",
-    "tmp_written",
-    "tmp_synced",
-    "checked",
-    "linked",
-    "tmp_unlinked",
-    "dir_synced",
-    "marked_linked",
-    "published",
-]
+STEPS = list(PUBLISH_STEPS)
 
 
 def _dead_pid() -> int:

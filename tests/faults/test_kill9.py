@@ -20,22 +20,11 @@ from tests.cache.tierkit import request, shm_dir
 from tests.faults.writer_child import row
 
 import kvwarm
-from kvwarm.cache.tiers.files import FileTier
+from kvwarm.cache.tiers.files import PUBLISH_STEPS, FileTier
 
 CHILD = Path(__file__).with_name("writer_child.py")
 SRC = str(Path(kvwarm.__file__).resolve().parents[1])
-STEPS = [
-    "reserved",
-    "tmp_opened",
-    "tmp_written",
-    "tmp_synced",
-    "checked",
-    "linked",
-    "tmp_unlinked",
-    "dir_synced",
-    "marked_linked",
-    "published",
-]
+STEPS = list(PUBLISH_STEPS)
 VISIBLE_FROM = STEPS.index("linked")
 N_ACKED = 3
 

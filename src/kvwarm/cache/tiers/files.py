@@ -31,13 +31,27 @@ from kvwarm.cache.tiers.common import check_request, row_info
 from kvwarm.cache.types import SaveRequest, TierName
 from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError, ConfigError
 
-__all__ = ["FileTier", "StepHook"]
+__all__ = ["PUBLISH_STEPS", "FileTier", "StepHook"]
 
 log = logging.getLogger(__name__)
 
-# Called after each publish step with its name ("reserved", "tmp_opened", "tmp_written",
-# "tmp_synced", "checked", "linked" | "adopted", "tmp_unlinked", "dir_synced", "marked_linked",
-# "published"). Exists for fault-injection tests (kill -9 at every step); None in production.
+# The steps of a fresh publish, in order; an EEXIST adoption reports "adopted" in place of
+# "linked". Fault-injection tests kill a writer after each one.
+PUBLISH_STEPS: tuple[str, ...] = (
+    "reserved",
+    "tmp_opened",
+    "tmp_written",
+    "tmp_synced",
+    "checked",
+    "linked",
+    "tmp_unlinked",
+    "dir_synced",
+    "marked_linked",
+    "published",
+)
+
+# Called after each publish step with its name. Exists for fault-injection tests (kill -9 at
+# every step); None in production.
 StepHook = Callable[[str], None]
 
 _SUFFIX = ".kvc"
