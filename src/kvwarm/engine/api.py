@@ -300,7 +300,6 @@ class Model:
                     n_ubatch=cfg.context.n_ubatch,
                     policy=policy,
                     save_tier=save_tier,
-                    quant=facts.file_type & 0xFF,
                     quant_bits=facts.quant_bits,
                     fingerprint_mode=mode,
                     max_queue=cfg.max_queue,

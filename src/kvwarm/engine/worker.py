@@ -63,7 +63,6 @@ class WorkerConfig:
     n_ubatch: int
     policy: PolicyConfig
     save_tier: TierName
-    quant: int
     quant_bits: int
     fingerprint_mode: FingerprintMode
     max_queue: int
@@ -581,10 +580,8 @@ class Worker:
         act = slot.active
         assert act is not None
         opts = act.req.options
-        if opts.max_tokens == 0 or len(act.generated) >= opts.max_tokens:
-            self._finish(slot, "length", self._logits_bytes(row, stored))
-            return
-        if len(slot.kv_tokens) >= self.cfg.n_ctx_slot:
+        if len(act.generated) >= opts.max_tokens or len(slot.kv_tokens) >= self.cfg.n_ctx_slot:
+            # max_tokens (0 for a prewarm-style request) or the slot's window is used up.
             self._finish(slot, "length", self._logits_bytes(row, stored))
             return
         lp_source = None
