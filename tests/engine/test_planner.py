@@ -3,7 +3,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvwarm.engine.planner import Plan, better, canonical_after, common_prefix, usable_length
+from kvwarm.alignment import canonical_after
+from kvwarm.engine.planner import Plan, better, common_prefix, usable_length
 
 
 @given(st.lists(st.integers(0, 3), max_size=600), st.lists(st.integers(0, 3), max_size=600))

@@ -16,7 +16,7 @@ PROMPT = "A prompt long enough to be cached by the low test gates, twice over."
 
 
 def test_exact_hit_with_stored_logits_that_fails_to_sample_frees_its_slot() -> None:
-    """worker._start: a KvwarmError from _on_logits on the stored-logits path reaches _admit,
+    """Admission: a KvwarmError from on_logits on the stored-logits path reached the admit loop,
     which replies Failed but leaves slot.active set: the slot is never freed (and the loop
     spins, since _has_work sees an active slot that is neither prefilling nor decoding)."""
     eng = make_engine()
@@ -69,7 +69,7 @@ def test_budget_cut_prefill_chunks_are_not_recorded_as_canonical() -> None:
 
 
 def test_parent_key_row_that_diverges_from_the_prompt_does_not_force_a_cold_prefill() -> None:
-    """worker._plan scores the parent row as if all of its n_tokens were shared with the
+    """Planning scored the parent row as if all of its n_tokens were shared with the
     prompt (unless it is the very object longest_prefix returned). When the prompt diverges
     inside the parent row (a re-rendered chat turn), that inflated plan ties with / beats the
     real best row; _restore_row then sees shared < keep and drops to a full cold prefill
@@ -107,7 +107,7 @@ class _LookupFailsOnce(Cache):
 
 
 def test_a_non_kvwarm_error_during_admission_still_ends_the_request() -> None:
-    """worker._admit catches only KvwarmError around _start. Anything else escapes to _run,
+    """The admit loop caught only KvwarmError around _start. Anything else escapes to _run,
     whose _fail_all_active only sees requests already in a slot: the popped request never
     gets Done/Failed and its caller waits forever."""
     cache = _LookupFailsOnce(CacheConfig(tiers=(TierConfig("ram", 64 << 20),)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
+from kvwarm.alignment import chunk_end
 from kvwarm.backends.base import BatchToken
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
 
@@ -115,11 +116,11 @@ def check_prefill(
 
 def aligned_chunks(start_pos: int, n_tokens: int, n_batch: int) -> Iterator[tuple[int, int]]:
     """``(offset, length)`` chunks of a prefill whose boundaries fall at absolute positions that
-    are multiples of ``n_batch`` — what makes an aligned restore bit-identical to cold."""
+    are multiples of ``n_batch`` (the rule in ``kvwarm.alignment``)."""
     offset = 0
     while offset < n_tokens:
         pos = start_pos + offset
-        length = min(n_batch - pos % n_batch, n_tokens - offset)
+        length = chunk_end(pos, start_pos + n_tokens, n_batch) - pos
         yield offset, length
         offset += length
 

@@ -8,7 +8,7 @@ Invariants every implementation keeps:
 - Sequence ids are arguments, never state: a KV blob from ``kv_pack(seq=a)`` restores into any
   ``seq=b`` of any context created from the same model with the same ``ContextParams``.
 - ``prefill`` splits its work at absolute positions that are multiples of ``n_batch``; this is
-  what makes an aligned restore + prefill bit-identical to a cold prefill (DESIGN.md).
+  what makes an aligned restore + prefill bit-identical to a cold prefill (``kvwarm.alignment``).
 - Handles are closed once; every use after ``close()`` raises ``HandleClosedError``. Closing a
   model while a context created from it is open defers the native free until the last context
   closes.

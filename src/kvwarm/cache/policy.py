@@ -7,13 +7,14 @@ Boundaries. A cold save persists a *trimmed, aligned* prefix of the prompt, not 
 prompt: dropping the last ``boundary_trim_tokens`` keeps the row valid for the next request
 whose text extends this one (BPE may re-tokenise the tail differently), and aligning down to a
 multiple of ``boundary_align_tokens`` makes the saved state one that a chunked prefill at
-absolute n_batch multiples reproduces bit-for-bit (see DESIGN.md, "Facts measured").
+absolute n_batch multiples reproduces bit-for-bit (the rule and its reason: ``kvwarm.alignment``).
 """
 
 from __future__ import annotations
 
 import math
 
+from kvwarm.alignment import align_down
 from kvwarm.cache.types import (
     TIER_NAMES,
     CacheConfig,
@@ -45,7 +46,7 @@ def aligned_boundary(n_tokens: int, trim: int, align: int) -> int:
     usable = n_tokens - trim
     if usable <= 0:
         return 0
-    return usable - usable % align
+    return align_down(usable, align)
 
 
 def cold_save_length(n_tokens: int, policy: PolicyConfig) -> int:

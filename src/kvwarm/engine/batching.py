@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from kvwarm.alignment import chunk_end
+
 StrategyName = Literal["decode_first", "prefill_first", "balanced"]
 
 
@@ -36,10 +38,6 @@ class TickPlan:
     isolated_chunks: tuple[Chunk, ...]  # deterministic chunks that each get their own call
 
 
-def aligned_chunk_end(start: int, stop: int, n_batch: int) -> int:
-    return min((start // n_batch + 1) * n_batch, stop)
-
-
 class BatchStrategy(Protocol):
     def plan(
         self,
@@ -63,7 +61,7 @@ def _fill(
     for want in prefilling:
         if max_chunks is not None and len(shared) + len(isolated) >= max_chunks:
             break
-        end = aligned_chunk_end(want.start, want.stop, n_batch)
+        end = chunk_end(want.start, want.stop, n_batch)
         size = end - want.start
         if want.deterministic:
             # Mixing keeps numerics only if llama.cpp will not split the call differently

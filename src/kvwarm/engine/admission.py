@@ -1,0 +1,213 @@
+"""Admission: a queued request gets a free slot and its prompt KV (own, copied, restored from a
+row, or none), then waits for the tick to prefill the rest.
+
+Invariants: the plan comes from ``planner.choose`` (pure); this module only carries it out and
+never decides how much KV to reuse itself. A request's namespace is fixed here, when it is
+admitted. Whatever goes wrong, no slot stays taken: a failed restore falls back to a cold
+prefill, any other failure answers the request (``docs/architecture.md``, "Engine").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from kvwarm.alignment import canonical_after
+from kvwarm.backends.base import Sampler
+from kvwarm.cache.types import Namespace
+from kvwarm.engine.outcomes import Outcomes
+from kvwarm.engine.planner import (
+    Plan,
+    RowCandidate,
+    choose,
+    common_prefix,
+    recheck_row,
+    trim_restored,
+)
+from kvwarm.engine.request import Failed, Request
+from kvwarm.engine.runtime import Runtime
+from kvwarm.engine.sampling import Sampling
+from kvwarm.engine.saves import Saves
+from kvwarm.engine.slots import Active, Slot
+from kvwarm.engine.text import TextAssembler
+from kvwarm.engine.types import CacheHitKind
+from kvwarm.errors import BackendError, KvwarmError
+
+log = logging.getLogger(__name__)
+
+
+class Admission:
+    def __init__(self, rt: Runtime, sampling: Sampling, outcomes: Outcomes, saves: Saves) -> None:
+        self.rt = rt
+        self.sampling = sampling
+        self.outcomes = outcomes
+        self.saves = saves
+
+    def admit(self, req: Request, free: Sequence[Slot]) -> None:
+        """Seat ``req`` in one of the ``free`` slots; on any failure, answer it instead."""
+        try:
+            self._start(req, free)
+        except Exception as exc:
+            self._failed(req, exc)
+
+    def _failed(self, req: Request, exc: Exception) -> None:
+        """Whatever went wrong, the caller gets an answer and no slot stays taken."""
+        err: KvwarmError
+        if isinstance(exc, KvwarmError):
+            err = exc
+        else:
+            log.exception("worker %s: admission failed", self.rt.name)
+            err = BackendError(f"admission failed: {exc!r}")
+            err.__cause__ = exc
+        for slot in self.rt.slots:
+            if slot.active is not None and slot.active.req is req:
+                self.outcomes.fail(slot, err)
+                return
+        req.channel.put(Failed(err))
+
+    def _plan(self, req: Request, free: Sequence[Slot]) -> tuple[Slot, Plan, Namespace]:
+        rt = self.rt
+        ns = rt.namespace()
+        # A parent_key row was waited for on the caller's thread, so it is published by now
+        # and this lookup scores it by what it really shares.
+        t0 = time.perf_counter()
+        match = rt.cache.longest_prefix(ns, req.prompt_tokens)
+        rt.cache.record_latency("lookup", time.perf_counter() - t0)
+        row = None
+        if match is not None:
+            info = match.row
+            row = RowCandidate(
+                info.key, match.n_shared, info.n_tokens, info.canonical_tokens, info.has_logits
+            )
+        slot, plan = choose(
+            req.prompt_tokens,
+            free=free,
+            slots=rt.slots,
+            row=row,
+            n_batch=rt.cfg.n_batch,
+            deterministic=req.deterministic,
+        )
+        return slot, plan, ns
+
+    def _start(self, req: Request, free: Sequence[Slot]) -> None:
+        slot, plan, ns = self._plan(req, free)
+        n = len(req.prompt_tokens)
+        banned = self.rt.eog_tokens() if req.options.ignore_eos else ()
+        sampler = self.rt.model.new_sampler(req.options.sampling(req.grammar, banned))
+        try:
+            keep, logits_from_row = self._apply(slot, plan, req)
+        except Exception:
+            sampler.close()
+            self.rt.reset_seq(slot)
+            raise
+        hit: CacheHitKind
+        if keep == 0:
+            hit = "cold"
+            if plan.kind in ("none", "row"):
+                self.rt.cache.record_miss()
+        elif plan.shared >= n:
+            hit = "exact"
+        else:
+            hit = "partial"
+        self._seat(slot, req, ns, sampler, keep, hit, logits_from_row)
+
+    def _seat(
+        self,
+        slot: Slot,
+        req: Request,
+        ns: Namespace,
+        sampler: Sampler,
+        keep: int,
+        hit: CacheHitKind,
+        logits_from_row: bytes | None,
+    ) -> None:
+        n = len(req.prompt_tokens)
+        active = Active(
+            req=req,
+            namespace=ns,
+            sampler=sampler,
+            assembler=TextAssembler(req.options.stop),
+            prefill_pos=keep,
+            pause_at=self.saves.cold_pause(keep, n),
+            cached_tokens=keep,
+            hit_kind=hit,
+            admitted=time.perf_counter(),
+            last_continued=n,  # continued saves count generated tokens from the prompt's end
+        )
+        slot.active = active
+        slot.phase = "prefill"
+        if logits_from_row is not None:
+            # Exact hit with stored final logits: no decode at all before the first token.
+            active.prefill_done = time.perf_counter()
+            slot.phase = "generate"
+            try:
+                self.sampling.on_logits(slot, None, logits_from_row)
+            except KvwarmError as exc:
+                self.outcomes.fail(slot, exc)
+
+    def _apply(self, slot: Slot, plan: Plan, req: Request) -> tuple[int, bytes | None]:
+        """Put the plan's KV into ``slot``; (tokens kept, stored logits to sample from)."""
+        rt = self.rt
+        tokens = req.prompt_tokens
+        keep = plan.keep
+        logits_from_row: bytes | None = None
+        source_canonical: int | None = None
+        if plan.kind == "row":
+            try:
+                keep, source_canonical, logits_from_row = self._restore_row(slot, plan, req)
+            except KvwarmError as exc:
+                log.warning("worker %s: cache restore failed, prefilling cold: %s", rt.name, exc)
+                keep, source_canonical, logits_from_row = 0, None, None
+        elif plan.kind == "copy":
+            src = rt.slots[plan.src_seq]
+            rt.reset_seq(slot)
+            rt.ctx.seq_cp(src.seq, slot.seq, 0, keep)
+            source_canonical = src.canonical
+            slot.kv_tokens[:] = tokens[:keep]
+        elif plan.kind == "self":
+            source_canonical = slot.canonical
+            if len(slot.kv_tokens) > keep:
+                rt.ctx.seq_rm(slot.seq, keep, -1)
+                del slot.kv_tokens[keep:]
+        else:
+            rt.reset_seq(slot)
+        if keep == 0:
+            rt.reset_seq(slot)
+            source_canonical = None
+        slot.canonical = canonical_after(keep, source_canonical, len(tokens), rt.cfg.n_batch)
+        return keep, logits_from_row
+
+    def _restore_row(
+        self, slot: Slot, plan: Plan, req: Request
+    ) -> tuple[int, int | None, bytes | None]:
+        assert plan.row_key is not None
+        rt = self.rt
+        tokens = req.prompt_tokens
+        nb = rt.cfg.n_batch
+        det = req.deterministic
+        with rt.cache.open_row(plan.row_key) as row:
+            canonical = row.info.canonical_tokens
+            shared = common_prefix(row.tokens, tokens)
+            keep = recheck_row(
+                plan.keep, shared, len(tokens), canonical=canonical, n_batch=nb, det=det
+            )
+            if keep == 0:
+                return 0, None, None
+            rt.reset_seq(slot)
+            t0 = time.perf_counter()
+            n_restored = rt.ctx.kv_unpack(slot.seq, row.payload)
+            rt.cache.record_latency("unpack", time.perf_counter() - t0)
+            slot.kv_tokens[:] = row.tokens[:n_restored]
+            keep, use_logits = trim_restored(
+                keep,
+                n_restored,
+                len(tokens),
+                use_logits=plan.use_logits and row.logits is not None,
+                n_batch=nb,
+                det=det,
+            )
+            if n_restored > keep:
+                rt.ctx.seq_rm(slot.seq, keep, -1)
+                del slot.kv_tokens[keep:]
+            return keep, canonical, row.logits if use_logits else None

@@ -1,0 +1,87 @@
+"""Sampling: from one position's logits to the next token, and where that token goes.
+
+Invariants: a slot's generated tokens are sampled in order from the logits of the position
+before them (a decode row, or a row's stored final logits on an exact hit); an end-of-generation
+token, a stop string, ``max_tokens`` or a full window ends the request through ``Outcomes``; the
+token that reaches ``max_tokens`` is reported but never decoded (``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kvwarm.engine.outcomes import Outcomes
+from kvwarm.engine.runtime import Runtime
+from kvwarm.engine.slots import Slot
+from kvwarm.engine.types import TokenLogprob
+from kvwarm.errors import KvwarmError
+
+
+class Sampling:
+    def __init__(self, rt: Runtime, outcomes: Outcomes) -> None:
+        self.rt = rt
+        self.outcomes = outcomes
+
+    def on_logits(self, slot: Slot, row: int | None, stored: bytes | None) -> None:
+        """Sample the next token from batch row ``row`` (or stored logits) and route it."""
+        act = slot.active
+        assert act is not None
+        rt = self.rt
+        opts = act.req.options
+        if len(act.generated) >= opts.max_tokens or len(slot.kv_tokens) >= rt.cfg.n_ctx_slot:
+            # max_tokens (0 for a prewarm-style request) or the slot's window is used up.
+            self.outcomes.finish(slot, "length", self._logits_bytes(row, stored))
+            return
+        lp_source = None
+        if opts.logprobs is not None:
+            lp_source = np.frombuffer(
+                stored if stored is not None else rt.ctx.logits(-1 if row is None else row),
+                dtype=np.float32,
+            ).copy()
+        if stored is not None:
+            token = act.sampler.sample_logits(stored)
+        else:
+            assert row is not None
+            token = act.sampler.sample(rt.ctx, row)
+        if lp_source is not None:
+            act.logprobs.append(self._logprob(token, lp_source, opts.logprobs or 0))
+        if rt.model.is_eog(token):
+            self.outcomes.finish(slot, "stop", self._logits_bytes(row, stored))
+            return
+        act.generated.append(token)
+        fragment = act.assembler.feed(rt.model.token_to_piece(token))
+        if fragment and act.req.fragments:
+            act.req.channel.put(fragment)
+        if act.assembler.stopped:
+            self.outcomes.finish(slot, "stop", self._logits_bytes(row, stored))
+            return
+        act.pending = token
+        if len(act.generated) >= opts.max_tokens:
+            # The limit is reached: the last token is reported but never decoded.
+            act.pending = None
+            self.outcomes.finish(slot, "length", self._logits_bytes(row, stored))
+
+    def _logits_bytes(self, row: int | None, stored: bytes | None) -> bytes | None:
+        if stored is not None:
+            return stored
+        if row is None:
+            return None
+        try:
+            return bytes(self.rt.ctx.logits(row))
+        except KvwarmError:
+            return None
+
+    def _logprob(self, token: int, logits: np.ndarray, top_n: int) -> TokenLogprob:
+        m = float(logits.max())
+        lse = m + math.log(float(np.exp(logits - m).sum()))
+        top: tuple[tuple[int, str, float], ...] = ()
+        if top_n > 0:
+            idx = np.argpartition(-logits, top_n)[:top_n]
+            idx = idx[np.argsort(-logits[idx])]
+            top = tuple((int(i), self._piece_text(int(i)), float(logits[i]) - lse) for i in idx)
+        return TokenLogprob(token, self._piece_text(token), float(logits[token]) - lse, top)
+
+    def _piece_text(self, token: int) -> str:
+        return self.rt.model.token_to_piece(token).decode("utf-8", errors="replace")
