@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -238,6 +240,102 @@ def test_grammar_yes_no(model: BackendModel, ctx: BackendContext) -> None:
     finally:
         sampler.close()
     assert model.detokenize(out) in ("yes", "no")
+
+
+#: One non-default setting per ``SamplingParams`` field (plus what makes it take effect). Every
+#: option the API accepts reaches the native sampler through one of these fields, so running
+#: each on BOTH backends is what keeps the stub from hiding a native signature mismatch.
+OPTION_CASES: dict[str, dict[str, object]] = {
+    "temperature": {"temperature": 1.3},
+    "top_k": {"top_k": 5},
+    "top_p": {"top_p": 0.5},
+    "min_p": {"min_p": 0.2},
+    "repeat_penalty": {"repeat_penalty": 1.3},
+    "repeat_last_n": {"repeat_last_n": -1, "repeat_penalty": 1.1},
+    "frequency_penalty": {"frequency_penalty": 0.5},
+    "presence_penalty": {"presence_penalty": 0.6},
+    "seed": {"seed": 42},
+    "grammar": {"grammar": 'root ::= ("yes" | "no")'},
+    "grammar_root": {"grammar": 'answer ::= "ok"', "grammar_root": "answer"},
+    "logit_bias": {"logit_bias": ((1, -5.0), (2, 3.0))},
+}
+
+
+def test_every_sampling_option_has_a_case() -> None:
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(OPTION_CASES) == names, "add a case for each new SamplingParams field"
+    default = SamplingParams()
+    for name, case in OPTION_CASES.items():
+        assert case[name] != getattr(default, name), f"the {name} case sets its default"
+
+
+def _run_sampler(
+    model: BackendModel, ctx: BackendContext, params: SamplingParams, n: int
+) -> list[int]:
+    """Prompt history in, ``n`` tokens out through both sampling entry points."""
+    prompt = model.tokenize("Question: is water wet? Answer:")
+    ctx.prefill(0, prompt, 0)
+    sampler = model.new_sampler(params)
+    out: list[int] = []
+    try:
+        for token in prompt:
+            sampler.accept(token)
+        pos = len(prompt)
+        for _ in range(n):
+            token = sampler.sample(ctx, -1)
+            out.append(token)
+            if model.is_eog(token):
+                break
+            ctx.decode([BatchToken(token, pos, 0, logits=True)])
+            pos += 1
+        if not model.is_eog(out[-1]) and params.grammar is None:
+            out.append(sampler.sample_logits(bytes(ctx.logits())))
+        sampler.reset()
+    finally:
+        sampler.close()
+    return out
+
+
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
+@pytest.mark.parametrize("option", sorted(OPTION_CASES))
+def test_each_sampling_option_runs(
+    model: BackendModel, ctx: BackendContext, option: str, greedy: bool
+) -> None:
+    base: dict[str, object] = {"temperature": 0.0 if greedy else 0.7, "seed": 3}
+    if option == "temperature" and greedy:
+        base = {"seed": 3}  # the case's own temperature; greedy is covered by every other id
+    params = dataclasses.replace(SamplingParams(**base), **OPTION_CASES[option])  # type: ignore[arg-type]
+    first = _run_sampler(model, ctx, params, 4)
+    assert first and all(0 <= t < model.facts.n_vocab for t in first)
+    ctx.clear()
+    assert _run_sampler(model, ctx, params, 4) == first  # seeded: reproducible
+
+
+def test_all_sampling_options_at_once(model: BackendModel, ctx: BackendContext) -> None:
+    merged: dict[str, object] = {}
+    for name in sorted(OPTION_CASES):
+        if name != "grammar_root":
+            merged.update(OPTION_CASES[name])
+    tokens = _run_sampler(model, ctx, SamplingParams(**merged), 6)  # type: ignore[arg-type]
+    text = model.detokenize([t for t in tokens if not model.is_eog(t)])
+    assert text in ("yes", "no")
+
+
+def test_penalties_change_the_choice(model: BackendModel, ctx: BackendContext) -> None:
+    ctx.prefill(0, model.tokenize(TEXT), 0)
+    logits = bytes(ctx.logits())
+    best = int(np.argmax(np.frombuffer(logits, np.float32)))
+    for penalty in (
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0, "repeat_penalty": 50.0},
+    ):
+        sampler = model.new_sampler(SamplingParams(temperature=0, **penalty))  # type: ignore[arg-type]
+        try:
+            for _ in range(10):
+                sampler.accept(best)
+            assert sampler.sample_logits(logits) != best, penalty
+        finally:
+            sampler.close()
 
 
 def test_chat_template_renders(model: BackendModel) -> None:

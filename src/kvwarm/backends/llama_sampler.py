@@ -98,9 +98,11 @@ class LlamaSampler:
             or params.frequency_penalty != 0.0
             or params.presence_penalty != 0.0
         ):
+            # The pinned binding (0.3.36) and its llama.h take n_vocab first; the stub cannot
+            # catch a mismatch here, the contract suite's per-option cases on llama_cpp do.
             self._add(
                 lib.llama_sampler_init_penalties(
-                    last_n, params.repeat_penalty, params.frequency_penalty,
+                    self._n_vocab, last_n, params.repeat_penalty, params.frequency_penalty,
                     params.presence_penalty,
                 )
             )  # fmt: skip

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from kvwarm.backends.base import SamplingParams
@@ -39,6 +40,12 @@ class GenerationOptions:
     def validate(self) -> None:
         from kvwarm.errors import InvalidRequestError
 
+        for f in fields(self):
+            value = getattr(self, f.name)
+            # NaN slips through every range comparison below, and JSON parsers accept NaN and
+            # 1e999; no sampling option has a meaning for a non-finite number.
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidRequestError(f"{f.name} must be a finite number", param=f.name)
         if self.max_tokens < 0:
             raise InvalidRequestError("max_tokens must be >= 0", param="max_tokens")
         if not 0.0 <= self.temperature <= 100.0:
@@ -49,8 +56,8 @@ class GenerationOptions:
             raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
-        if self.repeat_penalty <= 0.0:
-            raise InvalidRequestError("repeat_penalty must be > 0", param="repeat_penalty")
+        if not 0.0 < self.repeat_penalty <= 10.0:
+            raise InvalidRequestError("repeat_penalty must be in (0, 10]", param="repeat_penalty")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2]", param=name)

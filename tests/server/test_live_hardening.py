@@ -1,0 +1,117 @@
+"""Hardening regressions through HTTP on the real model: every sampling option the API accepts
+runs natively, bad text and numbers are 400s (never 500s), chat content cannot forge special
+tokens, ``max_tokens`` is capped, and a cut never ends in a replacement character.
+
+Raw JSON bodies (not the ``openai`` client) so NaN and lone surrogates reach the server as sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvwarm.server.schemas import ChatRequest, CompletionRequest, SamplingFields
+from kvwarm.settings import ModelSpec, Settings
+
+from .conftest import LOW_POLICY, LiveServer
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    settings = Settings(
+        models=(ModelSpec(),),
+        cache_dir=None,
+        n_ctx=1024,
+        n_batch=64,
+        policy=LOW_POLICY,
+        keepalive_interval_s=0,
+        default_max_tokens=8,
+    )
+    live = LiveServer(settings).start()
+    try:
+        yield live
+    finally:
+        live.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=300) as client:
+        yield client
+
+
+def post_raw(http: httpx.Client, path: str, raw: str) -> httpx.Response:
+    """POST a hand-written JSON body (NaN, lone-surrogate escapes and all)."""
+    return http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+
+
+# --- 1. every sampling option the API accepts runs on the native sampler ----------------------
+
+#: A non-default value for every request field that shapes sampling; the test below fails when
+#: a field is added to the schema without a case here.
+API_SAMPLING_CASES: dict[str, object] = {
+    "temperature": 1.2,
+    "top_p": 0.5,
+    "top_k": 5,
+    "min_p": 0.2,
+    "repeat_penalty": 1.3,
+    "frequency_penalty": 0.5,
+    "presence_penalty": 0.6,
+    "seed": 7,
+    "grammar": 'root ::= ("yes" | "no")',
+    "logit_bias": {"1": -5},
+    "stop": ["\n"],
+    "ignore_eos": True,
+}
+#: Request fields that do not reach the sampler (routing, framing, length).
+NOT_SAMPLING = {"model", "max_tokens", "stream", "stream_options", "n"}
+
+
+def test_every_api_sampling_option_has_a_case() -> None:
+    assert set(SamplingFields.model_fields) == set(API_SAMPLING_CASES) | NOT_SAMPLING
+    # Endpoint-specific fields are sampling options too when they are not framing.
+    assert set(CompletionRequest.model_fields) - set(SamplingFields.model_fields) == {
+        "prompt",
+        "logprobs",
+        "echo",
+        "response_format",
+    }
+    assert set(ChatRequest.model_fields) - set(SamplingFields.model_fields) == {
+        "messages",
+        "max_completion_tokens",
+        "tools",
+        "tool_choice",
+        "response_format",
+        "logprobs",
+        "top_logprobs",
+    }
+
+
+@pytest.mark.parametrize("option", sorted(API_SAMPLING_CASES))
+def test_each_sampling_option_is_served(http: httpx.Client, option: str) -> None:
+    value = API_SAMPLING_CASES[option]
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0.7, "seed": 1, option: value}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, option: value}
+    response = http.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 200, response.text
+
+
+def test_reported_penalty_reproducer(http: httpx.Client) -> None:
+    body = {"prompt": "Hello", "max_tokens": 4, "presence_penalty": 0.6}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] > 0
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_finite_repeat_penalty_is_400(http: httpx.Client, value: str) -> None:
+    raw = f'{{"prompt":"Hello","max_tokens":2,"repeat_penalty":{value}}}'
+    response = post_raw(http, "/v1/completions", raw)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "repeat_penalty"
