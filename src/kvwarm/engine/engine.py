@@ -1,0 +1,157 @@
+"""``Engine``: owns one cache (tiers configured once) and any number of loaded ``Model``s.
+
+Invariants: a model id is loaded at most once per engine (the id is reserved while it loads);
+unloading a model never touches the cache's rows (a reload finds them again); closing the
+engine unloads every model with bounded shutdown saves before closing a cache it owns
+(``docs/architecture.md``, "Engine").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from kvwarm.cache import Cache
+from kvwarm.cache.policy import validate_policy
+from kvwarm.embedded import EMBEDDED_MODEL_ID, default_model_path, embedded_model_path
+from kvwarm.engine.config import EngineConfig, ModelConfig
+from kvwarm.engine.model import Model
+from kvwarm.engine.types import ModelInfo
+from kvwarm.errors import (
+    ConfigError,
+    EngineClosedError,
+    ModelExistsError,
+    ModelNotFoundError,
+    UnknownModelError,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Owns one cache (tiers configured once) and any number of loaded models."""
+
+    def __init__(self, config: EngineConfig | None = None, *, cache: Cache | None = None) -> None:
+        """``cache``: use this (already built) cache instead of one from ``config.cache``;
+        the caller keeps ownership and closes it."""
+        self.config = config or EngineConfig()
+        validate_policy(self.config.policy)
+        self._owns_cache = cache is None
+        self.cache = cache if cache is not None else Cache(self.config.cache)
+        self._models: dict[str, Model] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def load_model(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        model_id: str | None = None,
+        config: ModelConfig | None = None,
+        progress: Callable[[float], bool] | None = None,
+    ) -> Model:
+        """Load a GGUF (default: ``$KVWARM_MODEL`` or the embedded model) under ``model_id``."""
+        cfg = config or ModelConfig()
+        cfg.validate()
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        backend = cfg.backend or self.config.backend
+        backend_name = backend if isinstance(backend, str) else backend.name
+        if path is None:
+            resolved = default_model_path() if backend_name != "stub" else Path("stub.gguf")
+        else:
+            resolved = Path(path).expanduser()
+        if backend_name != "stub" and not resolved.is_file():
+            raise ModelNotFoundError(f"model file not found: {resolved}")
+        mid = model_id or _auto_id(resolved)
+        if not mid or ("/" in mid and len(mid) > 200):
+            raise ConfigError(f"invalid model id {mid!r}")
+        tiers = set(self.cache.tier_names())
+        save_tier = cfg.save_tier or self.cache.tier_names()[0]
+        if save_tier not in tiers:
+            raise ConfigError(
+                f"save_tier {save_tier!r} is not a configured cache tier ({sorted(tiers)})"
+            )
+        with self._lock:
+            if mid in self._models:
+                raise ModelExistsError(f"a model with id {mid!r} is already loaded")
+            self._models[mid] = _LOADING  # reserve the id while loading outside the lock
+        try:
+            model = Model(
+                self,
+                mid,
+                resolved,
+                backend,
+                cfg,
+                save_tier,
+                cfg.policy or self.config.policy,
+                progress,
+            )
+        except BaseException:
+            with self._lock:
+                self._models.pop(mid, None)
+            raise
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._models[mid] = model
+        if closed:  # the engine closed while this model loaded: do not leak it
+            model.unload()
+            raise EngineClosedError("engine was closed while the model loaded")
+        return model
+
+    def get_model(self, model_id: str) -> Model:
+        model = self._models.get(model_id)
+        if model is None or model is _LOADING:
+            raise UnknownModelError(f"no loaded model with id {model_id!r}")
+        return model
+
+    def list_models(self) -> list[ModelInfo]:
+        return [m.info() for m in list(self._models.values()) if m is not _LOADING]
+
+    def unload_model(self, model_id: str) -> None:
+        model = self.get_model(model_id)
+        model.unload()
+
+    def _forget(self, model_id: str) -> None:
+        with self._lock:
+            self._models.pop(model_id, None)
+
+    def status(self) -> dict[str, object]:
+        return {
+            "models": [m.status() for m in list(self._models.values()) if m is not _LOADING],
+            "cache": dict(self.cache.counters()),
+        }
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Unload every model (bounded shutdown saves), then drain and close the cache."""
+        if self._closed:
+            return
+        self._closed = True
+        for model in [m for m in list(self._models.values()) if m is not _LOADING]:
+            try:
+                model.unload(timeout_s=timeout_s)
+            except Exception:
+                log.exception("error unloading %s", model.id)
+        if self._owns_cache:
+            self.cache.close(timeout_s)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _auto_id(path: Path) -> str:
+    embedded = embedded_model_path()
+    if embedded is not None and path.resolve() == embedded.resolve():
+        return EMBEDDED_MODEL_ID
+    name = path.name
+    return name[:-5] if name.lower().endswith(".gguf") else name
+
+
+_LOADING: Model = object.__new__(Model)  # placeholder reserving an id during a load

@@ -1,0 +1,404 @@
+"""``Model``: one loaded model — its worker thread, its slots, its adapters. A thin front: it
+validates on the caller's thread and hands work to the worker (``worker``), the adapter set
+(``adapters``) and the embedding context (``embeddings``).
+
+Invariants: every public call either returns or raises a ``KvwarmError`` subclass; a request
+is validated (prompt length, grammar, bias) before it is queued, so the worker only ever sees
+requests it can run; a parent_key wait happens on the caller's thread and never stalls other
+slots (``docs/architecture.md``, "Engine").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvwarm.backends import get_backend
+from kvwarm.backends.base import Backend, BackendModel, json_schema_to_grammar
+from kvwarm.cache.key import effective_fingerprint
+from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
+from kvwarm.engine.adapters import Adapters
+from kvwarm.engine.batching import strategy
+from kvwarm.engine.config import ModelConfig
+from kvwarm.engine.embeddings import Embedder
+from kvwarm.engine.fingerprint import fingerprint, parse_mode
+from kvwarm.engine.options import merge_options
+from kvwarm.engine.request import Request, RequestKind
+from kvwarm.engine.stream import CompletionStream
+from kvwarm.engine.types import (
+    AdapterInfo,
+    Completion,
+    CompletionStats,
+    GenerationOptions,
+    ModelInfo,
+    ModelStatus,
+)
+from kvwarm.engine.worker import Worker, WorkerConfig
+from kvwarm.errors import ContextOverflowError, EngineClosedError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvwarm.engine.engine import Engine
+
+Prompt = str | Sequence[int]
+Message = Mapping[str, object]
+
+
+class Model:
+    """A loaded model: its worker thread, its slots, its adapters."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        model_id: str,
+        path: Path,
+        backend_spec: str | Backend,
+        cfg: ModelConfig,
+        save_tier: TierName,
+        policy: PolicyConfig,
+        progress: Callable[[float], bool] | None,
+    ) -> None:
+        self._engine = engine
+        self.id = model_id
+        self.path = path
+        self.config = cfg
+        self.policy = policy
+        self.save_tier: TierName = save_tier
+        self._state = "loading"
+        mode = parse_mode(cfg.fingerprint_mode)
+        self.fingerprint_mode = mode
+        self.backend = get_backend(backend_spec) if isinstance(backend_spec, str) else backend_spec
+        if self.backend.name == "stub" and not path.is_file():
+            self._fingerprint = hashlib.sha256(b"stub:" + str(path).encode()).digest()
+        else:
+            self._fingerprint = fingerprint(path, mode, cfg.fingerprint)
+        params = cfg.model_params
+        if progress is not None:
+            params = replace(params, progress=progress)
+        self._bmodel: BackendModel = self.backend.load_model(str(path), params)
+        try:
+            self._start_worker()
+        except BaseException:
+            self._bmodel.close()
+            raise
+        self._adapters = Adapters(self._bmodel, self._ctx, self._worker, self._refresh_namespace)
+        self._embedder = Embedder(self._bmodel, cfg.context, self._worker)
+        self._state = "ready"
+
+    def _start_worker(self) -> None:
+        cfg = self.config
+        self.facts = facts = self._bmodel.facts
+        total = replace(
+            cfg.context, n_ctx=cfg.context.n_ctx * cfg.n_parallel, n_seq_max=cfg.n_parallel
+        )
+        self._ctx = self._bmodel.new_context(total)
+        self._ctx_hash = cfg.context.kv_hash()
+        self._namespace = Namespace(self._fingerprint, facts.file_type & 0xFF, self._ctx_hash)
+        self._worker = Worker(
+            self.id,
+            self._bmodel,
+            self._ctx,
+            self._engine.cache,
+            WorkerConfig(
+                n_parallel=cfg.n_parallel,
+                n_ctx_slot=cfg.context.n_ctx,
+                n_batch=cfg.context.n_batch,
+                n_ubatch=cfg.context.n_ubatch,
+                policy=self.policy,
+                save_tier=self.save_tier,
+                quant_bits=facts.quant_bits,
+                fingerprint_mode=self.fingerprint_mode,
+                max_queue=cfg.max_queue,
+                strategy=strategy(cfg.batch_strategy),
+            ),
+            self.namespace,
+        )
+
+    # ---- identity -----------------------------------------------------------------------
+
+    def namespace(self) -> Namespace:
+        """The current cache namespace: model fingerprint folded with attached adapters."""
+        return self._namespace
+
+    def _refresh_namespace(self, adapters: Sequence[tuple[bytes, float]]) -> None:
+        fp = effective_fingerprint(self._fingerprint, list(adapters))
+        self._namespace = Namespace(fp, self._namespace.quant, self._ctx_hash)
+
+    def info(self) -> ModelInfo:
+        f = self.facts
+        return ModelInfo(
+            id=self.id,
+            path=str(self.path),
+            backend=self.backend.name,
+            n_ctx=self.config.context.n_ctx,
+            n_batch=self.config.context.n_batch,
+            n_parallel=self.config.n_parallel,
+            n_vocab=f.n_vocab,
+            n_ctx_train=f.n_ctx_train,
+            n_embd=f.n_embd,
+            size_bytes=f.size_bytes,
+            description=f.description,
+            fingerprint=self._namespace.fingerprint.hex(),
+            fingerprint_mode=self.fingerprint_mode.name.lower(),
+            save_tier=self.save_tier,
+            chat_template=f.chat_template is not None,
+            adapters=tuple(self.list_adapters()),
+            metadata=dict(f.metadata),
+        )
+
+    def status(self) -> ModelStatus:
+        s = self._worker.stats
+        return ModelStatus(
+            id=self.id,
+            state=self._state,  # type: ignore[arg-type]
+            queued=self._worker.queued,
+            active=self._worker.active,
+            n_parallel=self.config.n_parallel,
+            requests=s.requests,
+            prompt_tokens=s.prompt_tokens,
+            cached_tokens=s.cached_tokens,
+            completion_tokens=s.completion_tokens,
+            prefill_ms=s.prefill_ms,
+            generation_ms=s.generation_ms,
+        )
+
+    # ---- text ---------------------------------------------------------------------------
+
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
+        self._check_ready()
+        return self._bmodel.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        self._check_ready()
+        return self._bmodel.detokenize(tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        return self._bmodel.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt
+        )
+
+    # ---- generation ---------------------------------------------------------------------
+
+    def complete(
+        self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: object
+    ) -> Completion:
+        return self.submit(prompt, options, **overrides).result()
+
+    def stream(
+        self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: object
+    ) -> CompletionStream:
+        """Start a request whose stream yields text fragments as they are generated."""
+        opts = merge_options(options, overrides)
+        tokens, text = self._prompt_tokens(prompt, opts)
+        return self._submit(tokens, opts, text)
+
+    def submit(
+        self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: object
+    ) -> CompletionStream:
+        """Start a request that sends no per-token events: its stream yields nothing and ends
+        with the completion. For callers that only want the result; it spares the waiting
+        thread one wake-up per token."""
+        opts = merge_options(options, overrides)
+        tokens, text = self._prompt_tokens(prompt, opts)
+        return self._submit(tokens, opts, text, fragments=False)
+
+    def chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        options: GenerationOptions | None = None,
+        **overrides: object,
+    ) -> Completion:
+        opts = merge_options(options, overrides)
+        tokens, text = self._chat_tokens(messages, tools)
+        return self._submit(tokens, opts, text, fragments=False).result()
+
+    def stream_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        options: GenerationOptions | None = None,
+        **overrides: object,
+    ) -> CompletionStream:
+        opts = merge_options(options, overrides)
+        tokens, text = self._chat_tokens(messages, tools)
+        return self._submit(tokens, opts, text)
+
+    def prewarm(
+        self, prompt: Prompt, *, ttl_class: TtlClass = TtlClass.LONG, add_special: bool = True
+    ) -> CompletionStats:
+        """Prefill ``prompt`` and save it (with its final logits), generating nothing."""
+        self._check_ready()
+        opts = GenerationOptions(max_tokens=0, temperature=0.0, add_special=add_special)
+        if isinstance(prompt, str):
+            tokens = self._bmodel.tokenize(prompt, add_special=add_special, parse_special=True)
+            text = prompt
+        else:
+            tokens, text = self._check_tokens(prompt), ""
+        stream = self._submit(
+            tuple(tokens), opts, text, kind="prewarm", ttl=ttl_class, fragments=False
+        )
+        return stream.result().stats
+
+    def _prompt_tokens(
+        self, prompt: Prompt, opts: GenerationOptions
+    ) -> tuple[tuple[int, ...], str]:
+        self._check_ready()
+        if isinstance(prompt, str):
+            tokens = self._bmodel.tokenize(
+                prompt, add_special=opts.add_special, parse_special=opts.parse_special
+            )
+            return tuple(tokens), prompt
+        return tuple(self._check_tokens(prompt)), ""
+
+    def _chat_tokens(
+        self, messages: Sequence[Message], tools: Sequence[Mapping[str, object]] | None
+    ) -> tuple[tuple[int, ...], str]:
+        self._check_ready()
+        prompt = self.apply_chat_template(messages, tools=tools)
+        # The template already carries any BOS/special tokens as text.
+        return tuple(self._bmodel.tokenize(prompt, add_special=False, parse_special=True)), prompt
+
+    def _check_ready(self) -> None:
+        if self._state != "ready":
+            raise EngineClosedError(f"model {self.id!r} is {self._state}")
+
+    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
+        n_vocab = self.facts.n_vocab
+        out = []
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n_vocab:
+                raise InvalidRequestError(
+                    f"token {t!r} is not a valid id for this vocabulary (0..{n_vocab - 1})",
+                    param="prompt",
+                )
+            out.append(t)
+        return out
+
+    def _check_length(self, tokens: Sequence[int]) -> None:
+        n_ctx = self.config.context.n_ctx
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(tokens) >= n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {len(tokens)} tokens; this model's context holds {n_ctx} "
+                "(the prompt must leave room for at least one generated token)",
+                n_tokens=len(tokens),
+                n_ctx=n_ctx,
+            )
+
+    def _submit(
+        self,
+        tokens: tuple[int, ...],
+        opts: GenerationOptions,
+        text: str,
+        kind: RequestKind = "generate",
+        ttl: TtlClass = TtlClass.SHORT,
+        *,
+        fragments: bool = True,
+    ) -> CompletionStream:
+        self._check_ready()
+        self._check_length(tokens)
+        grammar = opts.grammar
+        if opts.json_schema is not None:
+            grammar = json_schema_to_grammar(opts.json_schema)
+        deterministic = (
+            opts.deterministic if opts.deterministic is not None else self.config.deterministic
+        )
+        if opts.parent_key is not None:
+            # Wait here, on the caller's thread, for an in-flight save of the previous turn;
+            # once published, the worker's prefix lookup finds it. Never stalls other slots.
+            self._engine.cache.lookup_exact_or_wait(
+                opts.parent_key, self.policy.session_resume_wait_ms / 1e3
+            )
+        req = Request(
+            prompt_tokens=tokens,
+            options=opts,
+            grammar=grammar,
+            deterministic=deterministic,
+            kind=kind,
+            ttl_class=ttl,
+            prompt_text=text,
+            fragments=fragments,
+        )
+        if grammar is not None or opts.logit_bias:
+            # Build once here so a bad grammar or bias is the caller's error, not the worker's.
+            self._bmodel.new_sampler(opts.sampling(grammar)).close()
+        self._worker.submit(req)
+        return CompletionStream(req, self._worker.cancel)
+
+    # ---- embeddings ---------------------------------------------------------------------
+
+    def embed(self, texts: str | Sequence[str], *, normalize: bool = True) -> list[list[float]]:
+        self._check_ready()
+        items = [texts] if isinstance(texts, str) else list(texts)
+        if not items:
+            raise InvalidRequestError("no input to embed", param="input")
+        token_lists = []
+        limit = self.config.context.n_ctx
+        for t in items:
+            toks = self._bmodel.tokenize(t, add_special=True, parse_special=False)
+            if not toks:
+                raise InvalidRequestError("cannot embed an empty string", param="input")
+            if len(toks) > limit:
+                raise ContextOverflowError(
+                    f"input has {len(toks)} tokens; the embedding context holds {limit}",
+                    n_tokens=len(toks),
+                    n_ctx=limit,
+                )
+            token_lists.append(toks)
+        return self._embedder.embed(token_lists, normalize=normalize)
+
+    # ---- adapters -----------------------------------------------------------------------
+
+    def load_adapter(self, path: str | os.PathLike[str], scale: float = 1.0) -> AdapterInfo:
+        return self._adapters.load(path, scale)
+
+    def set_adapter_scale(self, handle: int, scale: float) -> AdapterInfo:
+        return self._adapters.set_scale(handle, scale)
+
+    def detach_adapter(self, handle: int) -> None:
+        self._adapters.detach(handle)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self._adapters.list()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def evict(self) -> int:
+        """Synchronously save every idle slot's live KV (reason ``evict``), then release it.
+        Returns the number of rows saved."""
+        return self._worker.call(
+            lambda: self._worker.save_idle_slots(SaveReason.EVICT, release=True)
+        ).result()
+
+    def unload(self, timeout_s: float | None = None) -> None:
+        """Cancel queued and running requests, save live KV (bounded), free native state."""
+        if self._state in ("unloading", "closed"):
+            return
+        self._state = "unloading"
+        limit = timeout_s if timeout_s is not None else self.policy.evict_save_timeout_ms / 1e3
+        self._worker.stop(
+            lambda: self._worker.save_idle_slots(SaveReason.SHUTDOWN, release=True), limit
+        )
+        try:
+            self._embedder.close()
+            self._ctx.close()
+            self._adapters.close()
+            self._bmodel.close()
+        finally:
+            self._state = "closed"
+            self._engine._forget(self.id)
