@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvwarm.engine.text import TextAssembler
+from kvwarm.engine.text import TextAssembler, piece_bytes, piece_text
 
 
 def run(pieces: list[bytes], stop: tuple[str, ...] = ()) -> tuple[str, str]:
@@ -46,3 +46,23 @@ def test_fragments_concatenate_to_the_final_text(text: str, cuts: list[int], sto
     assert stop not in final
     expected = text.split(stop, maxsplit=1)[0] if stop in text else text
     assert final == expected
+
+
+def test_a_character_cut_at_the_end_is_dropped_not_replaced() -> None:
+    smile = "😊".encode()
+    out, text = run([b"Hi ", smile[:2]])
+    assert out == text == "Hi "
+    out, text = run([b"Hi ", smile[:2], smile[2:]])
+    assert out == text == "Hi 😊"
+
+
+def test_invalid_bytes_inside_the_text_stay_visible() -> None:
+    out, text = run([b"a\xffb"])
+    assert out == text == "a\ufffdb"
+
+
+@given(st.binary(max_size=8))
+def test_piece_text_round_trips_and_never_invents_replacements(piece: bytes) -> None:
+    text = piece_text(piece)
+    assert piece_bytes(text) == piece
+    assert "\ufffd" not in text or "\ufffd".encode() in piece

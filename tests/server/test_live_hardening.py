@@ -7,6 +7,7 @@ Raw JSON bodies (not the ``openai`` client) so NaN and lone surrogates reach the
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -15,7 +16,7 @@ import pytest
 from kvwarm.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 from kvwarm.settings import ModelSpec, Settings
 
-from .conftest import LOW_POLICY, LiveServer
+from .conftest import LOW_POLICY, LiveServer, sse_events
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -115,3 +116,34 @@ def test_non_finite_repeat_penalty_is_400(http: httpx.Client, value: str) -> Non
     response = post_raw(http, "/v1/completions", raw)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "repeat_penalty"
+
+
+# --- 5. a cut in the middle of a character never ends in U+FFFD --------------------------------
+
+#: SmolLM2's byte-level token for b"\xf0\x9f", the first half of most emoji (😊 = 10813 242 228).
+HALF_EMOJI = 10813
+FORCE_HALF_EMOJI = {"max_tokens": 1, "temperature": 0, "logit_bias": {str(HALF_EMOJI): 100}}
+
+
+def test_cut_mid_character_completion_holds_the_bytes_back(http: httpx.Client) -> None:
+    body = {"prompt": "Hello", "logprobs": 1, **FORCE_HALF_EMOJI}
+    done = http.post("/v1/completions", json=body).json()
+    assert done["usage"]["completion_tokens"] == 1
+    assert done["choices"][0]["text"] == ""
+    logprobs = done["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["bytes:\\xf0\\x9f"]
+    assert "\ufffd" not in json.dumps(logprobs, ensure_ascii=False)
+    streamed = http.post("/v1/completions", json={**body, "stream": True})
+    texts = [e["choices"][0]["text"] for e in sse_events(streamed.text) if e["choices"]]
+    assert "".join(texts) == ""
+
+
+def test_cut_mid_character_chat_holds_the_bytes_back(http: httpx.Client) -> None:
+    body = {"messages": [{"role": "user", "content": "Hello!"}], "logprobs": True}
+    done = http.post("/v1/chat/completions", json={**body, **FORCE_HALF_EMOJI}).json()
+    assert done["choices"][0]["message"]["content"] == ""
+    [entry] = done["choices"][0]["logprobs"]["content"]
+    assert entry["bytes"] == [0xF0, 0x9F]
+    streamed = http.post("/v1/chat/completions", json={**body, **FORCE_HALF_EMOJI, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in sse_events(streamed.text) if e["choices"]]
+    assert "\ufffd" not in "".join(d.get("content") or "" for d in deltas)

@@ -15,6 +15,7 @@ import numpy as np
 from kvwarm.engine.outcomes import Outcomes
 from kvwarm.engine.runtime import Runtime
 from kvwarm.engine.slots import Slot
+from kvwarm.engine.text import piece_text
 from kvwarm.engine.types import TokenLogprob
 from kvwarm.errors import KvwarmError
 
@@ -84,4 +85,5 @@ class Sampling:
         return TokenLogprob(token, self._piece_text(token), float(logits[token]) - lse, top)
 
     def _piece_text(self, token: int) -> str:
-        return self.rt.model.token_to_piece(token).decode("utf-8", errors="replace")
+        # Byte-level tokens of a longer character are not text on their own: name their bytes.
+        return piece_text(self.rt.model.token_to_piece(token))

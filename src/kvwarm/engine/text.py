@@ -1,8 +1,11 @@
 """Turning generated tokens into text: UTF-8 safe across token boundaries, stop sequences held
 back until they can no longer match.
 
-Invariant: the concatenation of every fragment ``TextAssembler`` emits equals the final text,
-and no emitted fragment contains (part of) a stop sequence that ends the completion.
+Invariants: the concatenation of every fragment ``TextAssembler`` emits equals the final text;
+no emitted fragment contains (part of) a stop sequence that ends the completion; the bytes of a
+character left incomplete when generation ends (a ``max_tokens`` cut mid-emoji) are dropped,
+never emitted as U+FFFD. A logprob token whose bytes are not whole UTF-8 is named with
+``piece_text``'s ``bytes:\\xNN`` form, which ``piece_bytes`` inverts exactly.
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ class TextAssembler:
         return self._flush_to(len(self._text))
 
     def finish(self) -> str:
-        """End of generation: release held-back text (and any dangling partial UTF-8)."""
-        if not self.stopped:
-            self._text += self._decoder.decode(b"", final=True)
+        """End of generation: release held-back text. Bytes of an unfinished character are
+        dropped: the character was cut, and U+FFFD in its place would be invented text."""
+        self._decoder.reset()
         return self._flush_to(len(self._text))
 
     @property
@@ -57,3 +60,26 @@ class TextAssembler:
         out = self._text[self._emitted : end]
         self._emitted = end
         return out
+
+
+_BYTES_PREFIX = "bytes:"
+
+
+def piece_text(piece: bytes) -> str:
+    """One token's text for logprobs: the piece itself if it is whole UTF-8, else OpenAI's
+    ``bytes:\\xf0\\x9f`` spelling of its raw bytes (a byte-level token of a longer character)."""
+    try:
+        text = piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return _BYTES_PREFIX + "".join(f"\\x{b:02x}" for b in piece)
+    return text
+
+
+def piece_bytes(text: str) -> bytes:
+    """The raw bytes of a ``piece_text`` result."""
+    if text.startswith(_BYTES_PREFIX + "\\x"):
+        try:
+            return bytes.fromhex(text[len(_BYTES_PREFIX) :].replace("\\x", ""))
+        except ValueError:
+            pass
+    return text.encode()

@@ -7,11 +7,13 @@ engine's own options type validates values, so the server never re-implements ra
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import secrets
 import time
 from collections.abc import Mapping, Sequence
 
+from kvwarm.engine.text import piece_bytes
 from kvwarm.engine.types import (
     Completion,
     CompletionStats,
@@ -128,9 +130,9 @@ def chat_logprobs(items: Sequence[TokenLogprob] | None) -> Json | None:
             {
                 "token": t.text,
                 "logprob": t.logprob,
-                "bytes": list(t.text.encode()),
+                "bytes": list(piece_bytes(t.text)),
                 "top_logprobs": [
-                    {"token": text, "logprob": lp, "bytes": list(text.encode())}
+                    {"token": text, "logprob": lp, "bytes": list(piece_bytes(text))}
                     for _, text, lp in t.top
                 ],
             }
@@ -142,10 +144,13 @@ def chat_logprobs(items: Sequence[TokenLogprob] | None) -> Json | None:
 def completion_logprobs(items: Sequence[TokenLogprob] | None, offset: int) -> Json | None:
     if items is None:
         return None
+    # Offsets count characters of the decoded text: a token holding part of a character moves
+    # the offset only once the character is whole.
     offsets: list[int] = []
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for t in items:
         offsets.append(offset)
-        offset += len(t.text)
+        offset += len(decoder.decode(piece_bytes(t.text)))
     return {
         "tokens": [t.text for t in items],
         "token_logprobs": [t.logprob for t in items],
