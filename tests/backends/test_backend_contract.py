@@ -16,7 +16,12 @@ from kvwarm.backends.base import (
     Sampler,
     SamplingParams,
 )
-from kvwarm.errors import ConfigError, HandleClosedError, StateRestoreError
+from kvwarm.errors import (
+    ConfigError,
+    HandleClosedError,
+    InvalidRequestError,
+    StateRestoreError,
+)
 
 TEXT = "Hello, world! Caches make the second read cheap. Ünïcödé too."
 
@@ -336,6 +341,16 @@ def test_penalties_change_the_choice(model: BackendModel, ctx: BackendContext) -
             assert sampler.sample_logits(logits) != best, penalty
         finally:
             sampler.close()
+
+
+def test_lone_surrogates_are_invalid_requests(model: BackendModel) -> None:
+    for parse_special in (False, True):
+        with pytest.raises(InvalidRequestError) as info:
+            model.tokenize("a\ud800b", parse_special=parse_special)
+        assert info.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as info:
+        model.new_sampler(SamplingParams(grammar='root ::= "\udc00"'))
+    assert info.value.param == "grammar"
 
 
 def test_chat_template_renders(model: BackendModel) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.errors import InvalidRequestError
+from kvwarm.unicode import find_lone_surrogate
 
 FLOAT_OPTIONS = sorted(
     f.name
@@ -38,3 +39,32 @@ def test_repeat_penalty_range(value: float) -> None:
 def test_non_finite_logit_bias_is_rejected() -> None:
     with pytest.raises(InvalidRequestError):
         GenerationOptions(logit_bias={5: float("nan")}).validate()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "param"),
+    [
+        ({"stop": ("ok", "\ud800")}, "stop"),
+        ({"grammar": 'root ::= "\udfff"'}, "grammar"),
+        ({"json_schema": {"enum": ["\ud800"]}}, "json_schema"),
+        ({"json_schema": {"\ud800": 1}}, "json_schema"),
+    ],
+)
+def test_lone_surrogates_in_text_options_are_rejected(
+    overrides: dict[str, object], param: str
+) -> None:
+    options = dataclasses.replace(GenerationOptions(), **overrides)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError) as info:
+        options.validate()
+    assert info.value.param == param
+
+
+def test_find_lone_surrogate_names_the_path() -> None:
+    body = {"a": [1, "ok", {"b": "x\udc00"}], "c": "fine"}
+    assert find_lone_surrogate(body) == "a.2.b"
+    assert find_lone_surrogate({"k": {"\ud800": 1}}) == "k"
+    assert find_lone_surrogate({"k": ["\U0001f60a", "é"]}) is None
+    deep: object = "\ud800"
+    for _ in range(100_000):
+        deep = [deep]
+    assert find_lone_surrogate(deep) is not None  # iterative: no RecursionError

@@ -147,3 +147,48 @@ def test_cut_mid_character_chat_holds_the_bytes_back(http: httpx.Client) -> None
     streamed = http.post("/v1/chat/completions", json={**body, **FORCE_HALF_EMOJI, "stream": True})
     deltas = [e["choices"][0]["delta"] for e in sse_events(streamed.text) if e["choices"]]
     assert "\ufffd" not in "".join(d.get("content") or "" for d in deltas)
+
+
+# --- 2. lone surrogates are a 400 wherever text enters ------------------------------------------
+
+SURROGATE_BODIES = [
+    ("/v1/completions", '{"prompt":"Hello \\ud800","max_tokens":2}', "prompt"),
+    ("/v1/completions", '{"prompt":"Hello \\ud800","max_tokens":2,"echo":true}', "prompt"),
+    ("/v1/completions", '{"prompt":["ok","\\udfff"],"max_tokens":2}', "prompt.1"),
+    (
+        "/v1/completions",
+        '{"prompt":"Hi","max_tokens":2,"stream":true,"stop":["\\udc00"]}',
+        "stop.0",
+    ),
+    (
+        "/v1/completions",
+        '{"prompt":"Hi","max_tokens":2,"grammar":"root ::= \\"\\ud800\\""}',
+        "grammar",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"messages":[{"role":"user","content":"Hi \\ud800"}],"max_tokens":2}',
+        "messages.0.content",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"messages":[{"role":"user","content":[{"type":"text","text":"\\ud800"}]}]}',
+        "messages.0.content.0.text",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"messages":[{"role":"user","content":"Hi"}],"response_format":{"type":"json_schema",'
+        '"json_schema":{"schema":{"const":"\\ud800"}}}}',
+        "response_format.json_schema.schema.const",
+    ),
+    ("/tokenize", '{"content":"\\ud800"}', "content"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), SURROGATE_BODIES)
+def test_lone_surrogates_are_400(http: httpx.Client, path: str, raw: str, param: str) -> None:
+    response = post_raw(http, path, raw)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert "surrogate" in error["message"]

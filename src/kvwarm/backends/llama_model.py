@@ -33,6 +33,7 @@ from kvwarm.errors import (
     ModelLoadError,
     ModelNotFoundError,
 )
+from kvwarm.unicode import encode_utf8
 
 if TYPE_CHECKING:
     from kvwarm.backends.llama_context import LlamaContext
@@ -177,7 +178,7 @@ class LlamaModel:
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
-        data = text.encode("utf-8", errors="surrogatepass")
+        data = encode_utf8(text, param="prompt")
         if len(data) > _MAX_TEXT // 2:
             raise InvalidRequestError("text too long to tokenize", param="prompt")
         lib = self._lib

@@ -23,6 +23,7 @@ import numpy as np
 from kvwarm.backends._lifetime import Lifetime
 from kvwarm.backends.base import BackendContext, SamplingParams
 from kvwarm.errors import GrammarError, InvalidRequestError, NoLogitsError
+from kvwarm.unicode import encode_utf8
 
 if TYPE_CHECKING:
     from kvwarm.backends.llama_model import LlamaModel
@@ -78,7 +79,9 @@ class LlamaSampler:
             return None
         lib = self._lib
         grammar = lib.llama_sampler_init_grammar(
-            self._model.vocab, params.grammar.encode(), params.grammar_root.encode()
+            self._model.vocab,
+            encode_utf8(params.grammar, param="grammar"),
+            encode_utf8(params.grammar_root, param="grammar"),
         )
         if not grammar:
             raise GrammarError("the grammar does not compile (see the log)", param="grammar")

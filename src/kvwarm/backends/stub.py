@@ -47,6 +47,7 @@ from kvwarm.errors import (
     NoLogitsError,
     StateRestoreError,
 )
+from kvwarm.unicode import encode_utf8
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,7 @@ class StubModel:
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
+        encode_utf8(text, param="prompt")  # the same typed error as llama.cpp's backend
         with self._life.using():
             out = [BOS] if add_special else []
             if not parse_special:

@@ -23,6 +23,7 @@ import numpy.typing as npt
 from kvwarm.backends._lifetime import Lifetime
 from kvwarm.backends.base import BackendContext, SamplingParams
 from kvwarm.errors import GrammarError, InvalidRequestError, NoLogitsError
+from kvwarm.unicode import encode_utf8
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class LiteralGrammar:
     def compile(cls, grammar: str, root: str) -> LiteralGrammar | None:
         rules = [line for line in grammar.splitlines() if line.strip()]
         head = re.compile(rf"^\s*{re.escape(root)}\s*::=")
+        encode_utf8(grammar, param="grammar")  # as llama.cpp's backend does before compiling
         if not any(head.match(line) for line in rules):
             raise GrammarError(f"grammar has no {root!r} rule", param="grammar")
         _check_references(grammar)

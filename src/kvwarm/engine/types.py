@@ -65,6 +65,7 @@ class GenerationOptions:
             raise InvalidRequestError("stop must be at most 16 non-empty strings", param="stop")
         if self.grammar is not None and self.json_schema is not None:
             raise InvalidRequestError("give grammar or json_schema, not both", param="grammar")
+        self._check_text()
         if self.parent_key is not None and len(self.parent_key) != 32:
             raise InvalidRequestError("parent_key must be 32 bytes", param="parent_key")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
@@ -76,6 +77,20 @@ class GenerationOptions:
                 raise InvalidRequestError(
                     "logit_bias values must be in [-100, 100]", param="logit_bias"
                 )
+
+    def _check_text(self) -> None:
+        """Stop strings, grammar and schema reach ``str.encode``: no lone surrogates."""
+        from kvwarm.errors import InvalidRequestError
+        from kvwarm.unicode import encode_utf8, find_lone_surrogate
+
+        for s in self.stop:
+            encode_utf8(s, param="stop")
+        if self.grammar is not None:
+            encode_utf8(self.grammar, param="grammar")
+        if self.json_schema is not None and find_lone_surrogate(self.json_schema) is not None:
+            raise InvalidRequestError(
+                "json_schema contains a lone UTF-16 surrogate", param="json_schema"
+            )
 
     def sampling(self, grammar: str | None, banned: tuple[int, ...] = ()) -> SamplingParams:
         """The sampler chain for these options; ``banned`` tokens get a bias of -inf."""

@@ -2,7 +2,8 @@
 
 Invariant: unknown fields are ignored (clients send vendor extensions), but a known field of the
 wrong type is a 400 naming the field. Bodies are parsed from bytes we read ourselves
-(``read_json``), so oversized and malformed bodies get OpenAI-shaped errors too.
+(``read_json``), so oversized and malformed bodies get OpenAI-shaped errors too, and a lone
+UTF-16 surrogate anywhere in a body is a 400 naming its path (``kvwarm.unicode``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from kvwarm.server.errors import HTTPError
+from kvwarm.unicode import find_lone_surrogate
 
 
 class _Body(BaseModel):
@@ -172,11 +174,21 @@ async def read_json(request: Request, max_bytes: int) -> object:
             400, "the request body is empty; expected a JSON object", code="invalid_json"
         )
     try:
-        return json.loads(raw)
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise HTTPError(
             400, f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from exc
+    # JSON escapes can spell lone surrogates ("\ud800"), which no text field can carry on.
+    where = find_lone_surrogate(data)
+    if where is not None:
+        raise HTTPError(
+            400,
+            f"{where}: contains a lone UTF-16 surrogate; text must be valid Unicode",
+            code="invalid_value",
+            param=where,
+        )
+    return data
 
 
 def _too_large(max_bytes: int) -> HTTPError:
