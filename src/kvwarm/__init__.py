@@ -6,36 +6,65 @@ The five-line example::
     model = kvwarm.load_model()            # the embedded SmolLM2-135M-Instruct
     print(model.complete("Once upon a time", max_tokens=32).text)
 
-Engine-level names are imported lazily so that ``kvwarm.cache`` works without llama.cpp.
+Everything a program needs is importable from here::
+
+    from kvwarm import Engine, EngineConfig, CacheConfig, TierConfig, ModelConfig
+    engine = Engine(EngineConfig(cache=CacheConfig(tiers=(TierConfig("ram", 1 << 30),))))
+    model = engine.load_model("model.gguf", n_ctx=4096, n_gpu_layers=99, n_parallel=4)
+
+Invariant: importing ``kvwarm`` imports neither llama.cpp nor the engine; engine-level names
+are resolved on first use, so ``kvwarm.cache`` works without llama.cpp
+(``docs/architecture.md``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvwarm import errors
 from kvwarm._version import __version__
 from kvwarm.errors import *  # noqa: F403
 from kvwarm.errors import KvwarmError
 
 if TYPE_CHECKING:
+    from kvwarm.backends.base import ContextParams, ModelParams
+    from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig, TtlClass
     from kvwarm.engine.api import (
         Engine,
         EngineConfig,
         Model,
+        ModelConfig,
+        ModelOptions,
         default_engine,
         list_models,
         load_model,
         unload_model,
     )
+    from kvwarm.engine.options import GenerationOverrides
+    from kvwarm.engine.stream import CompletionStream
+    from kvwarm.engine.types import Completion, CompletionStats, GenerationOptions
 
 _LAZY = {
     "Engine": "kvwarm.engine.api",
     "EngineConfig": "kvwarm.engine.api",
     "Model": "kvwarm.engine.api",
+    "ModelConfig": "kvwarm.engine.api",
+    "ModelOptions": "kvwarm.engine.api",
     "default_engine": "kvwarm.engine.api",
     "load_model": "kvwarm.engine.api",
     "unload_model": "kvwarm.engine.api",
     "list_models": "kvwarm.engine.api",
+    "GenerationOptions": "kvwarm.engine.types",
+    "GenerationOverrides": "kvwarm.engine.options",
+    "Completion": "kvwarm.engine.types",
+    "CompletionStats": "kvwarm.engine.types",
+    "CompletionStream": "kvwarm.engine.stream",
+    "ContextParams": "kvwarm.backends.base",
+    "ModelParams": "kvwarm.backends.base",
+    "CacheConfig": "kvwarm.cache.types",
+    "TierConfig": "kvwarm.cache.types",
+    "PolicyConfig": "kvwarm.cache.types",
+    "TtlClass": "kvwarm.cache.types",
 }
 
 
@@ -49,12 +78,26 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CacheConfig",
+    "Completion",
+    "CompletionStats",
+    "CompletionStream",
+    "ContextParams",
     "Engine",
     "EngineConfig",
+    "GenerationOptions",
+    "GenerationOverrides",
     "KvwarmError",
     "Model",
+    "ModelConfig",
+    "ModelOptions",
+    "ModelParams",
+    "PolicyConfig",
+    "TierConfig",
+    "TtlClass",
     "__version__",
     "default_engine",
+    "errors",
     "list_models",
     "load_model",
     "unload_model",

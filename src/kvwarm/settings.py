@@ -27,6 +27,7 @@ from kvwarm.cache.types import (
     TierName,
 )
 from kvwarm.embedded import EMBEDDED_MODEL_ID
+from kvwarm.engine.fingerprint import MODE_NAMES
 from kvwarm.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -156,8 +157,8 @@ class Settings:
             raise ConfigError("keepalive_interval_s must be >= 0")
         if not 0.0 < self.keepalive_stale_fraction <= 1.0:
             raise ConfigError("keepalive_stale_fraction must be in (0, 1]")
-        if self.fingerprint_mode not in ("safe", "gguf_chunked", "fast_unsafe"):
-            raise ConfigError("fingerprint_mode must be safe, gguf_chunked or fast_unsafe")
+        if self.fingerprint_mode not in MODE_NAMES:
+            raise ConfigError(f"fingerprint_mode must be one of {', '.join(MODE_NAMES)}")
         tier = self.effective_save_tier()
         if tier == "disk" and self.cache_dir is None:
             raise ConfigError("save_tier is disk but the disk tier is off (cache_dir none)")
@@ -350,7 +351,7 @@ _FIELDS: dict[str, tuple[_Parser, str]] = {
     "n_parallel": (_as_int, "concurrent sequences (slots) per model"),
     "n_threads": (_as_opt_int, "CPU threads (default: llama.cpp's choice)"),
     "deterministic": (_as_bool, "restores bit-identical to a cold prefill (slower)"),
-    "fingerprint_mode": (_as_str, "model fingerprint: safe, gguf_chunked or fast_unsafe"),
+    "fingerprint_mode": (_as_str, f"model fingerprint: {', '.join(MODE_NAMES)}"),
     "max_queue": (_as_int, "queued requests per model before 429"),
     "cache_dir": (_as_opt_path, "disk tier directory ('none' disables the disk tier)"),
     "disk_quota_bytes": (_as_size, "disk tier quota, e.g. 20G"),

@@ -94,5 +94,8 @@ class GatedBackend:
         self.gate = threading.Event()
         self._stub = StubBackend()
 
+    def locate(self, path: str | None) -> Path:
+        return self._stub.locate(path)
+
     def load_model(self, path: str, params: object = None) -> _GatedModel:
         return _GatedModel(self._stub.load_model(path, params), self.gate)  # type: ignore[arg-type]

@@ -4,7 +4,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvwarm.alignment import canonical_after
-from kvwarm.engine.planner import Plan, better, common_prefix, usable_length
+from kvwarm.engine.planner import (
+    Plan,
+    RowCandidate,
+    better,
+    choose,
+    common_prefix,
+    recheck_row,
+    trim_restored,
+    usable_length,
+)
+from kvwarm.engine.slots import Slot
 
 
 @given(st.lists(st.integers(0, 3), max_size=600), st.lists(st.integers(0, 3), max_size=600))
@@ -54,3 +64,50 @@ def test_canonical_after_restores() -> None:
     assert canonical_after(32, None, 100, 16) == 100
     assert canonical_after(33, None, 100, 16) == 33
     assert canonical_after(32, 20, 100, 16) == 20
+
+
+def _slot(seq: int, kv: list[int], canonical: int, last_used: float = 0.0) -> Slot:
+    return Slot(seq=seq, kv_tokens=kv, canonical=canonical, last_used=last_used)
+
+
+def test_choose_prefers_the_slot_holding_the_prompt_then_the_cheaper_source() -> None:
+    prompt = list(range(40))
+    warm = _slot(1, prompt[:30], 30, last_used=5.0)
+    empty = _slot(0, [], 0)
+    row = RowCandidate(b"k" * 32, n_shared=30, n_tokens=30, canonical=None, has_logits=False)
+    slot, plan = choose(
+        prompt, free=[empty, warm], slots=[empty, warm], row=row, n_batch=16, deterministic=False
+    )
+    assert slot is warm and plan == Plan("self", 30, shared=30)
+
+
+def test_choose_copies_from_a_busy_slot_into_an_empty_one() -> None:
+    prompt = list(range(40))
+    busy = _slot(1, prompt[:20], 20)
+    empty = _slot(0, [], 0)
+    slot, plan = choose(
+        prompt, free=[empty], slots=[empty, busy], row=None, n_batch=16, deterministic=True
+    )
+    assert slot is empty and plan.kind == "copy" and plan.src_seq == 1 and plan.keep == 16
+
+
+def test_choose_takes_a_longer_row_with_its_logits() -> None:
+    prompt = list(range(40))
+    row = RowCandidate(b"k" * 32, n_shared=40, n_tokens=40, canonical=None, has_logits=True)
+    empty = _slot(0, [], 0)
+    _, plan = choose(prompt, free=[empty], slots=[empty], row=row, n_batch=16, deterministic=False)
+    assert (plan.kind, plan.keep, plan.use_logits, plan.row_key) == ("row", 40, True, row.key)
+
+
+def test_a_row_that_changed_is_rescored_by_the_same_rules() -> None:
+    assert recheck_row(32, 40, 50, canonical=None, n_batch=16, det=True) == 32
+    assert recheck_row(32, 20, 50, canonical=None, n_batch=16, det=True) == 16
+    assert recheck_row(32, 20, 50, canonical=None, n_batch=16, det=False) == 20
+
+
+def test_an_unpacked_row_is_trimmed_to_what_it_holds() -> None:
+    # Stored logits serve an exact prompt only.
+    assert trim_restored(50, 50, 50, use_logits=True, n_batch=16, det=True) == (50, True)
+    assert trim_restored(50, 50, 50, use_logits=False, n_batch=16, det=False) == (49, False)
+    # A blob with fewer cells than its tokens claim: keep what it holds, aligned, no logits.
+    assert trim_restored(50, 40, 50, use_logits=True, n_batch=16, det=True) == (32, False)

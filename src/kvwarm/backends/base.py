@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 KvType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
@@ -305,6 +307,11 @@ class Backend(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    def locate(self, path: str | os.PathLike[str] | None) -> Path:
+        """The weights ``path`` names (None: this backend's default model).
+        ``ModelNotFoundError`` if this backend needs a file and there is none."""
+        ...
 
     def load_model(self, path: str, params: ModelParams | None = None) -> BackendModel: ...
 

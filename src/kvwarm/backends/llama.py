@@ -9,8 +9,9 @@ The implementation is split by handle: ``llama_model`` (weights, vocabulary, ada
 from __future__ import annotations
 
 from kvwarm.backends._native import set_native_log_level
+from kvwarm.backends.llama_adapter import LlamaAdapter
 from kvwarm.backends.llama_context import LlamaContext
-from kvwarm.backends.llama_model import LlamaAdapter, LlamaBackend, LlamaModel
+from kvwarm.backends.llama_model import LlamaBackend, LlamaModel
 from kvwarm.backends.llama_sampler import LlamaSampler
 
 __all__ = [

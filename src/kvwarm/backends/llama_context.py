@@ -29,7 +29,7 @@ import numpy as np
 from kvwarm.backends import _checks, _native
 from kvwarm.backends._lifetime import Lifetime
 from kvwarm.backends.base import Adapter, BatchToken, ContextParams
-from kvwarm.backends.llama_model import LlamaAdapter
+from kvwarm.backends.llama_adapter import LlamaAdapter
 from kvwarm.errors import (
     AdapterError,
     BackendError,

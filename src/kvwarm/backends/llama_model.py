@@ -1,4 +1,7 @@
-"""llama.cpp models and LoRA adapters over the low-level ``llama_cpp`` bindings.
+"""llama.cpp models over the low-level ``llama_cpp`` bindings.
+
+Imports run one way: ``llama_model`` imports ``llama_context``, ``llama_sampler`` and
+``llama_adapter``; none of them imports it back except for type checking.
 
 Invariants:
 
@@ -17,27 +20,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvwarm.backends import _checks, _native
 from kvwarm.backends._lifetime import Lifetime
 from kvwarm.backends.base import ContextParams, ModelFacts, ModelParams, SamplingParams
 from kvwarm.backends.chat_template import render_chat
+from kvwarm.backends.llama_adapter import LlamaAdapter
+from kvwarm.backends.llama_context import LlamaContext
+from kvwarm.backends.llama_sampler import LlamaSampler
+from kvwarm.embedded import default_model_path
 from kvwarm.errors import (
-    AdapterError,
     InvalidRequestError,
     ModelLoadError,
     ModelNotFoundError,
 )
 from kvwarm.unicode import encode_utf8
-
-if TYPE_CHECKING:
-    from kvwarm.backends.llama_context import LlamaContext
-    from kvwarm.backends.llama_sampler import LlamaSampler
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,13 @@ class LlamaBackend:
     @property
     def name(self) -> str:
         return "llama_cpp"
+
+    def locate(self, path: str | os.PathLike[str] | None) -> Path:
+        """``path``, or ``$KVWARM_MODEL`` / the embedded model; it must be a file."""
+        resolved = default_model_path() if path is None else Path(path).expanduser()
+        if not resolved.is_file():
+            raise ModelNotFoundError(f"model file not found: {resolved}")
+        return resolved
 
     def load_model(self, path: str, params: ModelParams | None = None) -> LlamaModel:
         return LlamaModel(str(path), params or ModelParams())
@@ -267,16 +275,12 @@ class LlamaModel:
     # -- children -----------------------------------------------------------------------------
 
     def new_context(self, params: ContextParams) -> LlamaContext:
-        from kvwarm.backends.llama_context import LlamaContext
-
         params.validate()
         if self._params.vocab_only:
             raise ModelLoadError("a vocab_only model cannot create contexts")
         return LlamaContext(self, params)
 
     def new_sampler(self, params: SamplingParams) -> LlamaSampler:
-        from kvwarm.backends.llama_sampler import LlamaSampler
-
         return LlamaSampler(self, params)
 
     def load_adapter(self, path: str) -> LlamaAdapter:
@@ -290,59 +294,3 @@ class LlamaModel:
         self._ptr = None
         self._vocab = None
         log.debug("freed model %s", self._facts.path)
-
-
-class LlamaAdapter:
-    """A LoRA adapter; freed before its model (it is one of the model's dependents)."""
-
-    def __init__(self, model: LlamaModel, path: str) -> None:
-        if "\0" in path or not Path(path).is_file():
-            raise AdapterError(f"no adapter file at {path!r}")
-        try:
-            digest = hashlib.sha256()
-            with open(path, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    digest.update(chunk)
-        except OSError as exc:
-            raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
-        self._path = path
-        self._sha256 = digest.digest()
-        self.model = model
-        lib = model._lib
-        model.lifetime.acquire()
-        try:
-            with model.lifetime.using():
-                ptr = lib.llama_adapter_lora_init(model.native, path.encode())
-        except BaseException:
-            model.lifetime.release()
-            raise
-        if not ptr:
-            model.lifetime.release()
-            raise AdapterError(f"llama.cpp could not load adapter {path!r} for this model")
-        self._ptr: object = ptr
-        self._lib = lib
-        self._life = Lifetime("adapter", self._free)
-
-    @property
-    def path(self) -> str:
-        return self._path
-
-    @property
-    def sha256(self) -> bytes:
-        return self._sha256
-
-    @property
-    def native(self) -> object:
-        return self._ptr
-
-    @property
-    def lifetime(self) -> Lifetime:
-        return self._life
-
-    def close(self) -> None:
-        self._life.close()
-
-    def _free(self) -> None:
-        self._lib.llama_adapter_lora_free(self._ptr)
-        self._ptr = None
-        self.model.lifetime.release()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import struct
 import time
 from collections.abc import Mapping, Sequence
@@ -112,6 +113,10 @@ class StubBackend:
     @property
     def name(self) -> str:
         return "stub"
+
+    def locate(self, path: str | os.PathLike[str] | None) -> Path:
+        """Any name will do: a stub model needs no file (one that exists is fingerprinted)."""
+        return Path("stub.gguf") if path is None else Path(path).expanduser()
 
     def load_model(self, path: str, params: ModelParams | None = None) -> StubModel:
         params = params or ModelParams()

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Unpack
 
-from kvwarm.engine.config import EngineConfig, ModelConfig
+from kvwarm.engine.config import EngineConfig, ModelConfig, ModelOptions
 from kvwarm.engine.engine import Engine
 from kvwarm.engine.model import Message, Model, Prompt
 from kvwarm.engine.types import ModelInfo
@@ -26,6 +27,7 @@ __all__ = [
     "Message",
     "Model",
     "ModelConfig",
+    "ModelOptions",
     "Prompt",
     "default_engine",
     "list_models",
@@ -51,8 +53,11 @@ def load_model(
     *,
     model_id: str | None = None,
     config: ModelConfig | None = None,
+    **options: Unpack[ModelOptions],
 ) -> Model:
-    return default_engine().load_model(path, model_id=model_id, config=config)
+    """Load a model into the default engine: ``kvwarm.load_model("m.gguf", n_ctx=4096,
+    n_gpu_layers=99, n_parallel=4)``. Flat ``options`` override ``config`` (``ModelOptions``)."""
+    return default_engine().load_model(path, model_id=model_id, config=config, **options)
 
 
 def unload_model(model_id: str) -> None:

@@ -6,9 +6,10 @@ configuration never reaches llama.cpp (``docs/architecture.md``, "Engine").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import TypedDict
 
-from kvwarm.backends.base import Backend, ContextParams, ModelParams
+from kvwarm.backends.base import Backend, ContextParams, KvType, ModelParams
 from kvwarm.cache.policy import validate_policy
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierName
 from kvwarm.engine.batching import StrategyName, strategy
@@ -55,3 +56,62 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     backend: str = "llama_cpp"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+
+class ModelOptions(TypedDict, total=False):
+    """Flat keywords for ``load_model``, the way ``llama_cpp.Llama`` and vLLM's ``LLM`` take
+    them. Each replaces the field of the same name in ``ModelConfig``, its ``context``
+    (``ContextParams``) or its ``model_params`` (``ModelParams``)."""
+
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    n_threads: int | None
+    n_threads_batch: int | None
+    type_k: KvType
+    type_v: KvType
+    n_gpu_layers: int
+    use_mmap: bool
+    use_mlock: bool
+    n_parallel: int
+    deterministic: bool
+    backend: str | Backend | None
+    policy: PolicyConfig | None
+    save_tier: TierName | None
+    fingerprint_mode: str
+    max_queue: int
+    batch_strategy: StrategyName
+
+
+def with_options(cfg: ModelConfig, options: ModelOptions) -> ModelConfig:
+    """``cfg`` with the flat ``options`` applied (``ConfigError`` for an unknown name).
+
+    ``n_batch`` given without ``n_ubatch`` also caps ``n_ubatch`` (llama.cpp's own rule), so
+    ``n_batch=64`` alone is a valid configuration.
+    """
+    if not options:
+        return cfg
+    groups: dict[str, dict[str, object]] = {"context": {}, "model_params": {}, "": {}}
+    for name, value in options.items():
+        if name in _CONTEXT_FIELDS:
+            groups["context"][name] = value
+        elif name in _MODEL_FIELDS:
+            groups["model_params"][name] = value
+        elif name in _CONFIG_FIELDS:
+            groups[""][name] = value
+        else:
+            raise ConfigError(f"unknown model option {name!r}")
+    ctx = groups["context"]
+    if "n_batch" in ctx and "n_ubatch" not in ctx:
+        ctx["n_ubatch"] = min(cfg.context.n_ubatch, int(ctx["n_batch"]))  # type: ignore[call-overload]
+    return replace(
+        cfg,
+        context=replace(cfg.context, **ctx),  # type: ignore[arg-type]
+        model_params=replace(cfg.model_params, **groups["model_params"]),  # type: ignore[arg-type]
+        **groups[""],  # type: ignore[arg-type]
+    )
+
+
+_CONTEXT_FIELDS = frozenset(f.name for f in fields(ContextParams))
+_MODEL_FIELDS = frozenset(f.name for f in fields(ModelParams)) - {"progress"}
+_CONFIG_FIELDS = frozenset(f.name for f in fields(ModelConfig)) - {"context", "model_params"}

@@ -13,18 +13,20 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Unpack
 
+from kvwarm.backends import get_backend
 from kvwarm.cache import Cache
 from kvwarm.cache.policy import validate_policy
-from kvwarm.embedded import EMBEDDED_MODEL_ID, default_model_path, embedded_model_path
-from kvwarm.engine.config import EngineConfig, ModelConfig
+from kvwarm.cache.types import TierName
+from kvwarm.embedded import EMBEDDED_MODEL_ID, embedded_model_path
+from kvwarm.engine.config import EngineConfig, ModelConfig, ModelOptions, with_options
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import ModelInfo
 from kvwarm.errors import (
     ConfigError,
     EngineClosedError,
     ModelExistsError,
-    ModelNotFoundError,
     UnknownModelError,
 )
 
@@ -52,44 +54,28 @@ class Engine:
         model_id: str | None = None,
         config: ModelConfig | None = None,
         progress: Callable[[float], bool] | None = None,
+        **options: Unpack[ModelOptions],
     ) -> Model:
-        """Load a GGUF (default: ``$KVWARM_MODEL`` or the embedded model) under ``model_id``."""
-        cfg = config or ModelConfig()
+        """Load a GGUF (default: ``$KVWARM_MODEL`` or the embedded model) under ``model_id``.
+
+        ``options`` are flat keywords (``n_ctx=``, ``n_gpu_layers=``, ``n_parallel=`` …) that
+        replace the matching fields of ``config``; see ``ModelOptions``.
+        """
+        cfg = with_options(config or ModelConfig(), options)
         cfg.validate()
         if self._closed:
             raise EngineClosedError("engine is closed")
-        backend = cfg.backend or self.config.backend
-        backend_name = backend if isinstance(backend, str) else backend.name
-        if path is None:
-            resolved = default_model_path() if backend_name != "stub" else Path("stub.gguf")
-        else:
-            resolved = Path(path).expanduser()
-        if backend_name != "stub" and not resolved.is_file():
-            raise ModelNotFoundError(f"model file not found: {resolved}")
+        spec = cfg.backend or self.config.backend
+        backend = get_backend(spec) if isinstance(spec, str) else spec
+        resolved = backend.locate(path)
         mid = model_id or _auto_id(resolved)
         if not mid or ("/" in mid and len(mid) > 200):
             raise ConfigError(f"invalid model id {mid!r}")
-        tiers = set(self.cache.tier_names())
-        save_tier = cfg.save_tier or self.cache.tier_names()[0]
-        if save_tier not in tiers:
-            raise ConfigError(
-                f"save_tier {save_tier!r} is not a configured cache tier ({sorted(tiers)})"
-            )
-        with self._lock:
-            if mid in self._models:
-                raise ModelExistsError(f"a model with id {mid!r} is already loaded")
-            self._models[mid] = _LOADING  # reserve the id while loading outside the lock
+        save_tier = self._save_tier(cfg)
+        self._reserve(mid)
         try:
-            model = Model(
-                self,
-                mid,
-                resolved,
-                backend,
-                cfg,
-                save_tier,
-                cfg.policy or self.config.policy,
-                progress,
-            )
+            policy = cfg.policy or self.config.policy
+            model = Model(self, mid, resolved, backend, cfg, save_tier, policy, progress)
         except BaseException:
             with self._lock:
                 self._models.pop(mid, None)
@@ -102,6 +88,22 @@ class Engine:
             model.unload()
             raise EngineClosedError("engine was closed while the model loaded")
         return model
+
+    def _save_tier(self, cfg: ModelConfig) -> TierName:
+        tiers = self.cache.tier_names()
+        save_tier = cfg.save_tier or tiers[0]
+        if save_tier not in tiers:
+            raise ConfigError(
+                f"save_tier {save_tier!r} is not a configured cache tier ({sorted(tiers)})"
+            )
+        return save_tier
+
+    def _reserve(self, model_id: str) -> None:
+        """Hold ``model_id`` while its model loads outside the lock."""
+        with self._lock:
+            if model_id in self._models:
+                raise ModelExistsError(f"a model with id {model_id!r} is already loaded")
+            self._models[model_id] = _LOADING
 
     def get_model(self, model_id: str) -> Model:
         model = self._models.get(model_id)

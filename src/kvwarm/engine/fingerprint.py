@@ -28,6 +28,9 @@ _STRING, _ARRAY = 8, 9
 
 Progress = Callable[[int, int], None]
 
+#: The ``fingerprint_mode`` names a configuration may use (``FingerprintMode``, lower case).
+MODE_NAMES: tuple[str, ...] = tuple(m.name.lower() for m in FingerprintMode)
+
 
 def parse_mode(mode: str | FingerprintMode) -> FingerprintMode:
     if isinstance(mode, FingerprintMode):
@@ -35,7 +38,7 @@ def parse_mode(mode: str | FingerprintMode) -> FingerprintMode:
     try:
         return FingerprintMode[mode.upper()]
     except KeyError:
-        names = ", ".join(m.name.lower() for m in FingerprintMode)
+        names = ", ".join(MODE_NAMES)
         raise ConfigError(f"fingerprint_mode must be one of {names}; got {mode!r}") from None
 
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Unpack
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import Backend, BackendModel, json_schema_to_grammar
@@ -26,7 +26,7 @@ from kvwarm.engine.batching import strategy
 from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.embeddings import Embedder
 from kvwarm.engine.fingerprint import fingerprint, parse_mode
-from kvwarm.engine.options import merge_options
+from kvwarm.engine.options import GenerationOverrides, merge_options
 from kvwarm.engine.request import Request, RequestKind
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.types import (
@@ -71,7 +71,9 @@ class Model:
         mode = parse_mode(cfg.fingerprint_mode)
         self.fingerprint_mode = mode
         self.backend = get_backend(backend_spec) if isinstance(backend_spec, str) else backend_spec
-        if self.backend.name == "stub" and not path.is_file():
+        if not path.is_file():
+            # A backend that needs no weights file (the stub: ``Backend.locate`` checked the
+            # others) is identified by its path; the prefix keeps existing rows' keys.
             self._fingerprint = hashlib.sha256(b"stub:" + str(path).encode()).digest()
         else:
             self._fingerprint = fingerprint(path, mode, cfg.fingerprint)
@@ -191,12 +193,18 @@ class Model:
     # ---- generation ---------------------------------------------------------------------
 
     def complete(
-        self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: object
+        self,
+        prompt: Prompt,
+        options: GenerationOptions | None = None,
+        **overrides: Unpack[GenerationOverrides],
     ) -> Completion:
         return self.submit(prompt, options, **overrides).result()
 
     def stream(
-        self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: object
+        self,
+        prompt: Prompt,
+        options: GenerationOptions | None = None,
+        **overrides: Unpack[GenerationOverrides],
     ) -> CompletionStream:
         """Start a request whose stream yields text fragments as they are generated."""
         opts = merge_options(options, overrides)
@@ -204,7 +212,10 @@ class Model:
         return self._submit(tokens, opts, text)
 
     def submit(
-        self, prompt: Prompt, options: GenerationOptions | None = None, **overrides: object
+        self,
+        prompt: Prompt,
+        options: GenerationOptions | None = None,
+        **overrides: Unpack[GenerationOverrides],
     ) -> CompletionStream:
         """Start a request that sends no per-token events: its stream yields nothing and ends
         with the completion. For callers that only want the result; it spares the waiting
@@ -219,7 +230,7 @@ class Model:
         *,
         tools: Sequence[Mapping[str, object]] | None = None,
         options: GenerationOptions | None = None,
-        **overrides: object,
+        **overrides: Unpack[GenerationOverrides],
     ) -> Completion:
         opts = merge_options(options, overrides)
         tokens, text = self._chat_tokens(messages, tools)
@@ -231,7 +242,7 @@ class Model:
         *,
         tools: Sequence[Mapping[str, object]] | None = None,
         options: GenerationOptions | None = None,
-        **overrides: object,
+        **overrides: Unpack[GenerationOverrides],
     ) -> CompletionStream:
         opts = merge_options(options, overrides)
         tokens, text = self._chat_tokens(messages, tools)
@@ -276,14 +287,14 @@ class Model:
         if self._state != "ready":
             raise EngineClosedError(f"model {self.id!r} is {self._state}")
 
-    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
+    def _check_tokens(self, tokens: Sequence[int], *, param: str = "prompt") -> list[int]:
         n_vocab = self.facts.n_vocab
         out = []
         for t in tokens:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n_vocab:
                 raise InvalidRequestError(
                     f"token {t!r} is not a valid id for this vocabulary (0..{n_vocab - 1})",
-                    param="prompt",
+                    param=param,
                 )
             out.append(t)
         return out
@@ -342,17 +353,24 @@ class Model:
 
     # ---- embeddings ---------------------------------------------------------------------
 
-    def embed(self, texts: str | Sequence[str], *, normalize: bool = True) -> list[list[float]]:
+    def embed(
+        self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool = True
+    ) -> list[list[float]]:
+        """One pooled vector per input. An input is text (tokenized with BOS) or token ids,
+        used exactly as given: ids are never detokenized and tokenized again."""
         self._check_ready()
-        items = [texts] if isinstance(texts, str) else list(texts)
+        items = [inputs] if isinstance(inputs, str) else list(inputs)
         if not items:
             raise InvalidRequestError("no input to embed", param="input")
-        token_lists = []
         limit = self.config.context.n_ctx
-        for t in items:
-            toks = self._bmodel.tokenize(t, add_special=True, parse_special=False)
+        token_lists = []
+        for item in items:
+            if isinstance(item, str):
+                toks = self._bmodel.tokenize(item, add_special=True, parse_special=False)
+            else:
+                toks = self._check_tokens(item, param="input")
             if not toks:
-                raise InvalidRequestError("cannot embed an empty string", param="input")
+                raise InvalidRequestError("cannot embed an empty input", param="input")
             if len(toks) > limit:
                 raise ContextOverflowError(
                     f"input has {len(toks)} tokens; the embedding context holds {limit}",

@@ -6,11 +6,37 @@ the caller's thread before anything is queued (``docs/architecture.md``, "Engine
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import TypedDict
 
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.errors import InvalidRequestError
+
+
+class GenerationOverrides(TypedDict, total=False):
+    """Keyword overrides of ``GenerationOptions`` for ``Model.complete`` and friends: the same
+    names and types, except that ``stop`` may also be one string or a list."""
+
+    max_tokens: int
+    stop: str | Sequence[str]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    seed: int | None
+    grammar: str | None
+    json_schema: Mapping[str, object] | None
+    parent_key: bytes | None
+    deterministic: bool | None
+    add_special: bool
+    parse_special: bool
+    logprobs: int | None
+    logit_bias: Mapping[int, float] | None
+    ignore_eos: bool
 
 
 def merge_options(
@@ -25,6 +51,7 @@ def merge_options(
                 f"unknown option(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0]
             )
         if "stop" in overrides and isinstance(overrides["stop"], list | str):
+            # One string is one stop sequence, not a sequence of one-character stops.
             stop = overrides["stop"]
             overrides = {**overrides, "stop": (stop,) if isinstance(stop, str) else tuple(stop)}
         try:

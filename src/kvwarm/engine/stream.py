@@ -22,10 +22,6 @@ class CompletionStream:
         self._error: BaseException | None = None
 
     @property
-    def request_id(self) -> int:
-        return self._req.id
-
-    @property
     def completion(self) -> Completion | None:
         """The final result once the stream has ended, else None."""
         return self._completion

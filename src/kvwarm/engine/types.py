@@ -1,4 +1,8 @@
-"""Public value types of the engine: request options, results, statistics, model info."""
+"""Public value types of the engine: request options, results, statistics, model info.
+
+Invariant: a request's sampling defaults are the sampler's (``SamplingParams``): they are
+written once, there, and ``GenerationOptions`` reads them.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,20 @@ from kvwarm.backends.base import SamplingParams
 CacheHitKind = Literal["exact", "partial", "cold"]
 FinishReason = Literal["stop", "length", "cancelled"]
 
+_SAMPLER = SamplingParams()
+
+#: ``GenerationOptions`` fields that are sampler knobs, passed to ``SamplingParams`` unchanged
+#: (the server maps its optional request fields of the same names onto these).
+SAMPLING_OPTIONS: tuple[str, ...] = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+
 
 @dataclass(frozen=True, slots=True)
 class GenerationOptions:
@@ -19,14 +37,14 @@ class GenerationOptions:
 
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
+    temperature: float = _SAMPLER.temperature
+    top_k: int = _SAMPLER.top_k
+    top_p: float = _SAMPLER.top_p
+    min_p: float = _SAMPLER.min_p
+    repeat_penalty: float = _SAMPLER.repeat_penalty
+    frequency_penalty: float = _SAMPLER.frequency_penalty
+    presence_penalty: float = _SAMPLER.presence_penalty
+    seed: int | None = _SAMPLER.seed
     grammar: str | None = None
     json_schema: Mapping[str, object] | None = None
     parent_key: bytes | None = None
@@ -97,17 +115,9 @@ class GenerationOptions:
         bias = dict(self.logit_bias or {})
         for token in banned:
             bias[token] = float("-inf")
+        knobs = {name: getattr(self, name) for name in SAMPLING_OPTIONS}
         return SamplingParams(
-            logit_bias=tuple(sorted(bias.items())),
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repeat_penalty=self.repeat_penalty,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            seed=self.seed,
-            grammar=grammar,
+            logit_bias=tuple(sorted(bias.items())), seed=self.seed, grammar=grammar, **knobs
         )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from kvwarm.engine.text import piece_bytes
 from kvwarm.engine.types import (
+    SAMPLING_OPTIONS,
     Completion,
     CompletionStats,
     GenerationOptions,
@@ -79,15 +80,7 @@ def options(
         "logit_bias": bias,
         "ignore_eos": req.ignore_eos,
     }
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repeat_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-    ):
+    for name in SAMPLING_OPTIONS:
         value = getattr(req, name)
         if value is not None:
             overrides[name] = value

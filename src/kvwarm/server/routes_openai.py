@@ -220,24 +220,20 @@ async def embeddings(request: Request) -> Response:
     req = parse_body(await read_json(request, state.settings.max_body_bytes), EmbeddingRequest)
     model = state.model(req.model)
     raw = req.input
-    texts: list[str]
+    # Token ids go to the model as they are: no detokenize / re-tokenize round trip.
+    items: list[str | list[int]]
     if isinstance(raw, str):
-        texts = [raw]
+        items = [raw]
     elif raw and all(isinstance(x, int) for x in raw):
-        texts = [await run_in_threadpool(model.detokenize, [x for x in raw if isinstance(x, int)])]
+        items = [[x for x in raw if isinstance(x, int)]]
     else:
-        texts = []
-        for item in raw:
-            if isinstance(item, str):
-                texts.append(item)
-            elif isinstance(item, list):
-                texts.append(await run_in_threadpool(model.detokenize, item))
-    if not texts:
+        items = [x for x in raw if isinstance(x, str | list)]
+    if not items:
         raise HTTPError(400, "input must not be empty", param="input")
 
     def work() -> tuple[list[list[float]], int]:
-        vectors = model.embed(texts)
-        n_tokens = sum(len(model.tokenize(t)) for t in texts)
+        vectors = model.embed(items)
+        n_tokens = sum(len(model.tokenize(x)) if isinstance(x, str) else len(x) for x in items)
         return vectors, n_tokens
 
     vectors, n_tokens = await run_in_threadpool(work)
@@ -250,7 +246,7 @@ async def embeddings(request: Request) -> Response:
             encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
         data.append({"object": "embedding", "index": index, "embedding": encoded})
     request_log.info(
-        "embeddings model=%s inputs=%d prompt_tokens=%d", model.id, len(texts), n_tokens
+        "embeddings model=%s inputs=%d prompt_tokens=%d", model.id, len(items), n_tokens
     )
     return JSONResponse(
         {
