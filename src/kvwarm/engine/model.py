@@ -23,6 +23,7 @@ from kvwarm.cache.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
 from kvwarm.engine.adapters import Adapters
 from kvwarm.engine.batching import strategy
+from kvwarm.engine.chat import chat_tokens
 from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.embeddings import Embedder
 from kvwarm.engine.fingerprint import fingerprint, parse_mode
@@ -275,13 +276,25 @@ class Model:
             return tuple(tokens), prompt
         return tuple(self._check_tokens(prompt)), ""
 
+    def chat_tokens(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> tuple[tuple[int, ...], str]:
+        """The prompt tokens of a chat and its rendered text. Message content is plain text:
+        special-token text in it stays text (``kvwarm.engine.chat``). Prewarm a chat prefix
+        with these tokens so that it matches what ``stream_chat`` sends."""
+        self._check_ready()
+        return chat_tokens(
+            self._bmodel, messages, tools=tools, add_generation_prompt=add_generation_prompt
+        )
+
     def _chat_tokens(
         self, messages: Sequence[Message], tools: Sequence[Mapping[str, object]] | None
     ) -> tuple[tuple[int, ...], str]:
-        self._check_ready()
-        prompt = self.apply_chat_template(messages, tools=tools)
-        # The template already carries any BOS/special tokens as text.
-        return tuple(self._bmodel.tokenize(prompt, add_special=False, parse_special=True)), prompt
+        return self.chat_tokens(messages, tools=tools)
 
     def _check_ready(self) -> None:
         if self._state != "ready":

@@ -156,10 +156,12 @@ async def cache_prewarm(request: Request) -> Response:
         raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")
     ttl = TtlClass[req.ttl_class.upper()]
 
-    def work() -> tuple[str, CompletionStats]:
+    def work() -> tuple[str | tuple[int, ...], CompletionStats]:
+        prompt: str | tuple[int, ...]
         if req.messages is not None:
             tools = openai_tools(req.tools) if req.tools else None
-            prompt = model.apply_chat_template(
+            # The tokens Model.stream_chat builds for a chat that starts with these messages.
+            prompt, _ = model.chat_tokens(
                 template_messages(req.messages, native=tools is not None),
                 tools=tools,
                 add_generation_prompt=False,
@@ -169,7 +171,6 @@ async def cache_prewarm(request: Request) -> Response:
             prompt = req.prompt
         return prompt, model.prewarm(prompt, ttl_class=ttl, add_special=add_special)
 
-    # Rendered chat text carries its own special tokens, exactly as Model.stream_chat sees it.
     add_special = req.messages is None
     prompt, stats = await run_in_threadpool(work)
     if req.keep_alive:

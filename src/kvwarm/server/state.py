@@ -153,12 +153,12 @@ class ServerState:
 
     def _prewarm_system(self, model: Model, model_id: str, prompt: str) -> None:
         try:
-            text = model.apply_chat_template(
+            # The same tokens Model.stream_chat builds for a chat that starts this way.
+            tokens, _ = model.chat_tokens(
                 [{"role": "system", "content": prompt}], add_generation_prompt=False
             )
-            # Chat text carries its own special tokens, as in Model.stream_chat.
-            model.prewarm(text, ttl_class=TtlClass.LONG, add_special=False)
-            self.keepalive.register(model_id, text, TtlClass.LONG, add_special=False)
+            model.prewarm(tokens, ttl_class=TtlClass.LONG, add_special=False)
+            self.keepalive.register(model_id, tokens, TtlClass.LONG, add_special=False)
         except KvwarmError as exc:  # best effort: the first request just prefills cold
             log.warning("prewarm of a system prompt for %s failed: %s", model_id, exc)
 
