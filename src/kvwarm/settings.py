@@ -120,6 +120,8 @@ class Settings:
     policy: PolicyConfig = field(default_factory=lambda: SERVER_POLICY)
     max_body_bytes: int = 8 << 20
     default_max_tokens: int = 512
+    # A request asking for more is a 400: one request must not hold a slot for a whole window.
+    max_tokens_limit: int = 4096
     keepalive_interval_s: float = 60.0  # 0 disables the keep-alive re-warm
     keepalive_stale_fraction: float = 0.8
     prewarm_system: tuple[str, ...] = ()
@@ -153,6 +155,8 @@ class Settings:
                 raise ConfigError(f"{name} must be >= 1")
         if self.default_max_tokens < 0:
             raise ConfigError("default_max_tokens must be >= 0")
+        if self.max_tokens_limit < max(1, self.default_max_tokens):
+            raise ConfigError("max_tokens_limit must be >= 1 and >= default_max_tokens")
         if self.keepalive_interval_s < 0:
             raise ConfigError("keepalive_interval_s must be >= 0")
         if not 0.0 < self.keepalive_stale_fraction <= 1.0:
@@ -362,6 +366,7 @@ _FIELDS: dict[str, tuple[_Parser, str]] = {
     "policy": (_policy_items, "cache policy override KEY=VALUE (repeatable), e.g. min_tokens=64"),
     "max_body_bytes": (_as_size, "largest accepted request body"),
     "default_max_tokens": (_as_int, "max_tokens when a request gives none"),
+    "max_tokens_limit": (_as_int, "largest max_tokens a request may ask for (more: 400)"),
     "keepalive_interval_s": (_as_float, "seconds between keep-alive re-warms (0: off)"),
     "keepalive_stale_fraction": (_as_float, "re-warm a prewarmed prefix at this share of TTL"),
     "prewarm_system": (_as_str_tuple, "system prompt to prewarm at startup (repeatable)"),

@@ -123,3 +123,17 @@ def test_base_settings_are_the_defaults_layer() -> None:
     base = Settings(port=9, cache_dir=None)
     s = load_settings({}, {"KVWARM_N_CTX": "512"}, base=base)
     assert (s.port, s.n_ctx, s.cache_dir) == (9, 512, None)
+
+
+def test_max_tokens_limit_from_every_source(tmp_path: Path) -> None:
+    assert Settings().max_tokens_limit == 4096
+    config = tmp_path / "limit.toml"
+    config.write_text("max_tokens_limit = 1000\n")
+    assert load_settings({"config": str(config)}, {}).max_tokens_limit == 1000
+    env = {"KVWARM_CONFIG": str(config), "KVWARM_MAX_TOKENS_LIMIT": "2000"}
+    assert load_settings({}, env).max_tokens_limit == 2000
+    assert load_settings(_flags("--max-tokens-limit", "3000"), env).max_tokens_limit == 3000
+    with pytest.raises(ConfigError, match="max_tokens_limit"):
+        load_settings({}, {"KVWARM_MAX_TOKENS_LIMIT": "0"})
+    with pytest.raises(ConfigError, match="max_tokens_limit"):
+        load_settings({}, {"KVWARM_MAX_TOKENS_LIMIT": "100", "KVWARM_DEFAULT_MAX_TOKENS": "200"})

@@ -223,3 +223,17 @@ def test_special_text_in_a_message_name_is_400(http: httpx.Client) -> None:
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "messages.0.name"
+
+
+# --- 4. max_tokens has a server-side cap -------------------------------------------------------
+
+
+def test_a_billion_max_tokens_is_400(http: httpx.Client) -> None:
+    body = {"prompt": "Hello", "max_tokens": 1_000_000_000, "temperature": 0}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "max_tokens"
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 10**9}
+    response = http.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "max_completion_tokens"

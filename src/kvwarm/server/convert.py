@@ -50,6 +50,7 @@ def options(
     req: SamplingFields,
     *,
     default_max_tokens: int,
+    max_tokens_limit: int,
     max_tokens: int | None = None,
     json_schema: Mapping[str, object] | None = None,
     logprobs: int | None = None,
@@ -69,6 +70,7 @@ def options(
             bias = {int(token): float(value) for token, value in req.logit_bias.items()}
         except ValueError:
             raise HTTPError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+    _check_max_tokens(req, max_tokens_limit)
     chosen = max_tokens if max_tokens is not None else req.max_tokens
     overrides: dict[str, object] = {
         "max_tokens": default_max_tokens if chosen is None else chosen,
@@ -87,6 +89,21 @@ def options(
     opts = dataclasses.replace(GenerationOptions(), **overrides)  # type: ignore[arg-type]
     opts.validate()
     return opts
+
+
+def _check_max_tokens(req: SamplingFields, limit: int) -> None:
+    """Every length field the client sent (``max_tokens``, chat's ``max_completion_tokens``)
+    is within the server's ``max_tokens_limit``; over it is a 400, not a silent clamp."""
+    for param in ("max_tokens", "max_completion_tokens"):
+        value = getattr(req, param, None)
+        if isinstance(value, int) and value > limit:
+            raise HTTPError(
+                400,
+                f"{param} is {value}, above this server's limit of {limit} "
+                "(setting max_tokens_limit)",
+                param=param,
+                code="invalid_value",
+            )
 
 
 def usage(stats: CompletionStats) -> Json:

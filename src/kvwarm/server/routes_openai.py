@@ -80,6 +80,7 @@ async def chat_completions(request: Request) -> Response:
     opts = convert.options(
         req,
         default_max_tokens=state.settings.default_max_tokens,
+        max_tokens_limit=state.settings.max_tokens_limit,
         max_tokens=req.max_tokens if req.max_tokens is not None else req.max_completion_tokens,
         json_schema=plan.json_schema or schema,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -153,6 +154,7 @@ async def completions(request: Request) -> Response:
     opts = convert.options(
         req,
         default_max_tokens=state.settings.default_max_tokens,
+        max_tokens_limit=state.settings.max_tokens_limit,
         json_schema=convert.response_schema(req.response_format),
         logprobs=req.logprobs,
     )
