@@ -10,9 +10,8 @@ Invariants:
 - ``logits()`` returns a zero-copy view of llama.cpp's buffer. The views handed out are released
   at the next decode and at close, so a stale view raises ``ValueError`` instead of reading
   freed memory (unless the caller re-exported it, e.g. into numpy).
-- ``kv_pack`` copies the state once (llama.cpp writes straight into the ``bytes`` returned);
-  ``kv_unpack`` reads the caller's buffer in place. A blob that does not restore leaves the
-  sequence empty and raises ``StateRestoreError``.
+- ``kv_pack`` / ``kv_unpack`` keep the invariants of ``_kv_state`` (one copy out, none in; a
+  blob that does not restore leaves the sequence empty).
 - The context holds its model (``acquire``) until ``_free`` has run ``llama_free``.
 """
 
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from kvwarm.backends import _checks, _native
+from kvwarm.backends import _checks, _kv_state, _native
 from kvwarm.backends._lifetime import Lifetime
 from kvwarm.backends.base import Adapter, BatchToken, ContextParams
 from kvwarm.backends.llama_adapter import LlamaAdapter
@@ -38,7 +37,6 @@ from kvwarm.errors import (
     InvalidRequestError,
     ModelLoadError,
     NoLogitsError,
-    StateRestoreError,
 )
 
 if TYPE_CHECKING:
@@ -47,18 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _POOLING_UNSPECIFIED = -1
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-_new_bytes.restype = ctypes.py_object
-_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
-
-
-def _uninitialised_bytes(n: int) -> bytes:
-    """A fresh, unshared ``bytes`` of ``n`` bytes whose content the caller must fill.
-
-    CPython's ``PyBytes_FromStringAndSize(NULL, n)``: the documented way for native code to
-    build a bytes object in place, skipping the zero-fill and the copy of ``bytes(bytearray)``.
-    """
-    return cast(bytes, _new_bytes(None, n))
 
 
 class LlamaContext:
@@ -261,47 +247,12 @@ class LlamaContext:
     def kv_pack(self, seq: int) -> bytes:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
-            lib = self._lib
-            size = int(lib.llama_state_seq_get_size(self._ptr, seq))
-            if size <= 0:
-                raise BackendError(f"llama_state_seq_get_size returned {size}")
-            out = _uninitialised_bytes(size)
-            dst = ctypes.cast(ctypes.c_char_p(out), ctypes.POINTER(ctypes.c_uint8))
-            written = int(lib.llama_state_seq_get_data(self._ptr, dst, size, seq))
-            if written != size:
-                raise BackendError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
-            return out
+            return _kv_state.pack(self._lib, self._ptr, seq)
 
     def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
-            try:
-                # Zero-copy for bytes, bytearray and (contiguous) memoryviews, writable or not.
-                buf = np.frombuffer(data, dtype=np.uint8)
-            except (ValueError, TypeError) as exc:
-                raise StateRestoreError(f"KV blob is not a contiguous buffer: {exc}") from exc
-            size = buf.size
-            lib = self._lib
-            try:
-                _validate_blob(buf, n_ctx=self._n_ctx)
-                src = ctypes.cast(ctypes.c_void_p(buf.ctypes.data), ctypes.POINTER(ctypes.c_uint8))
-                read = int(lib.llama_state_seq_set_data(self._ptr, src, size, seq))
-                if read == 0:
-                    raise StateRestoreError(
-                        "llama.cpp refused the KV blob (other model, KV type or context size?)"
-                    )
-                if read != size:
-                    raise StateRestoreError(f"KV blob has {size - read} trailing bytes")
-                pos_min = int(lib.llama_memory_seq_pos_min(self._mem, seq))
-                pos_max = self._pos_max(seq)
-                if pos_max >= self._n_ctx or (pos_max >= 0 and pos_min != 0):
-                    raise StateRestoreError(
-                        f"restored positions [{pos_min}, {pos_max}] do not fit [0, {self._n_ctx})"
-                    )
-            except BaseException:
-                lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
-                raise
-            return pos_max + 1
+            return _kv_state.unpack(self._lib, self._ptr, self._mem, seq, data, self._n_ctx)
 
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
         with self._life.using():
@@ -432,9 +383,3 @@ class LlamaContext:
             adapter.lifetime.release()
         self._adapters = []
         self._model.lifetime.release()
-
-
-def _validate_blob(buf: np.ndarray[tuple[int], np.dtype[np.uint8]], *, n_ctx: int) -> None:
-    """Cheap structural checks llama.cpp does not make before trusting a blob's counts."""
-    if buf.size < 16:
-        raise StateRestoreError(f"KV blob of {buf.size} bytes is too short")

@@ -10,7 +10,6 @@ slots (``docs/architecture.md``, "Engine").
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -26,9 +25,9 @@ from kvwarm.engine.batching import strategy
 from kvwarm.engine.chat import chat_tokens
 from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.embeddings import Embedder
-from kvwarm.engine.fingerprint import fingerprint, parse_mode
+from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
 from kvwarm.engine.options import GenerationOverrides, merge_options
-from kvwarm.engine.request import Request, RequestKind
+from kvwarm.engine.request import Request, RequestKind, check_length, check_tokens
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.types import (
     AdapterInfo,
@@ -72,12 +71,7 @@ class Model:
         mode = parse_mode(cfg.fingerprint_mode)
         self.fingerprint_mode = mode
         self.backend = get_backend(backend_spec) if isinstance(backend_spec, str) else backend_spec
-        if not path.is_file():
-            # A backend that needs no weights file (the stub: ``Backend.locate`` checked the
-            # others) is identified by its path; the prefix keeps existing rows' keys.
-            self._fingerprint = hashlib.sha256(b"stub:" + str(path).encode()).digest()
-        else:
-            self._fingerprint = fingerprint(path, mode, cfg.fingerprint)
+        self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint)
         params = cfg.model_params
         if progress is not None:
             params = replace(params, progress=progress)
@@ -259,7 +253,7 @@ class Model:
             tokens = self._bmodel.tokenize(prompt, add_special=add_special, parse_special=True)
             text = prompt
         else:
-            tokens, text = self._check_tokens(prompt), ""
+            tokens, text = check_tokens(prompt, self.facts.n_vocab), ""
         stream = self._submit(
             tuple(tokens), opts, text, kind="prewarm", ttl=ttl_class, fragments=False
         )
@@ -274,7 +268,7 @@ class Model:
                 prompt, add_special=opts.add_special, parse_special=opts.parse_special
             )
             return tuple(tokens), prompt
-        return tuple(self._check_tokens(prompt)), ""
+        return tuple(check_tokens(prompt, self.facts.n_vocab)), ""
 
     def chat_tokens(
         self,
@@ -300,30 +294,6 @@ class Model:
         if self._state != "ready":
             raise EngineClosedError(f"model {self.id!r} is {self._state}")
 
-    def _check_tokens(self, tokens: Sequence[int], *, param: str = "prompt") -> list[int]:
-        n_vocab = self.facts.n_vocab
-        out = []
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n_vocab:
-                raise InvalidRequestError(
-                    f"token {t!r} is not a valid id for this vocabulary (0..{n_vocab - 1})",
-                    param=param,
-                )
-            out.append(t)
-        return out
-
-    def _check_length(self, tokens: Sequence[int]) -> None:
-        n_ctx = self.config.context.n_ctx
-        if not tokens:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if len(tokens) >= n_ctx:
-            raise ContextOverflowError(
-                f"the prompt has {len(tokens)} tokens; this model's context holds {n_ctx} "
-                "(the prompt must leave room for at least one generated token)",
-                n_tokens=len(tokens),
-                n_ctx=n_ctx,
-            )
-
     def _submit(
         self,
         tokens: tuple[int, ...],
@@ -335,7 +305,7 @@ class Model:
         fragments: bool = True,
     ) -> CompletionStream:
         self._check_ready()
-        self._check_length(tokens)
+        check_length(tokens, self.config.context.n_ctx)
         grammar = opts.grammar
         if opts.json_schema is not None:
             grammar = json_schema_to_grammar(opts.json_schema)
@@ -381,7 +351,7 @@ class Model:
             if isinstance(item, str):
                 toks = self._bmodel.tokenize(item, add_special=True, parse_special=False)
             else:
-                toks = self._check_tokens(item, param="input")
+                toks = check_tokens(item, self.facts.n_vocab, param="input")
             if not toks:
                 raise InvalidRequestError("cannot embed an empty input", param="input")
             if len(toks) > limit:

@@ -1,0 +1,79 @@
+"""A sequence's KV state in and out of a ``llama_context`` (``llama_state_seq_*``).
+
+Invariants: ``pack`` copies the state once (llama.cpp writes straight into the ``bytes``
+returned); ``unpack`` reads the caller's buffer in place, checks the blob's structure before
+llama.cpp trusts its counts, and leaves the sequence empty (``StateRestoreError``) when a blob
+does not restore to positions ``[0, n)`` inside the context.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, cast
+
+import numpy as np
+
+from kvwarm.errors import BackendError, StateRestoreError
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+
+
+def _uninitialised_bytes(n: int) -> bytes:
+    """A fresh, unshared ``bytes`` of ``n`` bytes whose content the caller must fill.
+
+    CPython's ``PyBytes_FromStringAndSize(NULL, n)``: the documented way for native code to
+    build a bytes object in place, skipping the zero-fill and the copy of ``bytes(bytearray)``.
+    """
+    return cast(bytes, _new_bytes(None, n))
+
+
+def pack(lib: Any, ctx: object, seq: int) -> bytes:
+    size = int(lib.llama_state_seq_get_size(ctx, seq))
+    if size <= 0:
+        raise BackendError(f"llama_state_seq_get_size returned {size}")
+    out = _uninitialised_bytes(size)
+    dst = ctypes.cast(ctypes.c_char_p(out), ctypes.POINTER(ctypes.c_uint8))
+    written = int(lib.llama_state_seq_get_data(ctx, dst, size, seq))
+    if written != size:
+        raise BackendError(f"llama_state_seq_get_data wrote {written} of {size} bytes")
+    return out
+
+
+def unpack(
+    lib: Any, ctx: object, mem: object, seq: int, data: bytes | bytearray | memoryview, n_ctx: int
+) -> int:
+    """Restore ``data`` into ``seq``; the number of positions it now holds."""
+    try:
+        # Zero-copy for bytes, bytearray and (contiguous) memoryviews, writable or not.
+        buf = np.frombuffer(data, dtype=np.uint8)
+    except (ValueError, TypeError) as exc:
+        raise StateRestoreError(f"KV blob is not a contiguous buffer: {exc}") from exc
+    size = buf.size
+    try:
+        _validate_blob(buf, n_ctx=n_ctx)
+        src = ctypes.cast(ctypes.c_void_p(buf.ctypes.data), ctypes.POINTER(ctypes.c_uint8))
+        read = int(lib.llama_state_seq_set_data(ctx, src, size, seq))
+        if read == 0:
+            raise StateRestoreError(
+                "llama.cpp refused the KV blob (other model, KV type or context size?)"
+            )
+        if read != size:
+            raise StateRestoreError(f"KV blob has {size - read} trailing bytes")
+        pos_min = int(lib.llama_memory_seq_pos_min(mem, seq))
+        pos_max = int(lib.llama_memory_seq_pos_max(mem, seq))
+        if pos_max >= n_ctx or (pos_max >= 0 and pos_min != 0):
+            raise StateRestoreError(
+                f"restored positions [{pos_min}, {pos_max}] do not fit [0, {n_ctx})"
+            )
+    except BaseException:
+        lib.llama_memory_seq_rm(mem, seq, -1, -1)
+        raise
+    return pos_max + 1
+
+
+def _validate_blob(buf: np.ndarray[tuple[int], np.dtype[np.uint8]], *, n_ctx: int) -> None:
+    """Cheap structural checks llama.cpp does not make before trusting a blob's counts."""
+    if buf.size < 16:
+        raise StateRestoreError(f"KV blob of {buf.size} bytes is too short")
