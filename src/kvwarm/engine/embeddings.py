@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from kvwarm.backends.base import BackendContext, BackendModel, ContextParams
+from kvwarm.engine.request import check_tokens
 from kvwarm.engine.worker import Worker
+from kvwarm.errors import ContextOverflowError, InvalidRequestError
 
 
 class Embedder:
@@ -21,9 +23,11 @@ class Embedder:
         self._worker = worker
         self._ctx: BackendContext | None = None
 
-    def embed(self, token_lists: Sequence[Sequence[int]], *, normalize: bool) -> list[list[float]]:
-        """One vector per token list (each at most ``params.n_ctx`` tokens, checked by the
-        caller)."""
+    def embed(
+        self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool
+    ) -> list[list[float]]:
+        """One vector per input: text (tokenized with BOS) or token ids, used as given."""
+        token_lists = self._tokens(inputs)
         limit = self._params.n_ctx
 
         def run() -> list[list[float]]:
@@ -41,6 +45,29 @@ class Embedder:
             return [ctx.embed(toks, normalize=normalize) for toks in token_lists]
 
         return self._worker.call(run).result()
+
+    def _tokens(self, inputs: str | Sequence[str | Sequence[int]]) -> list[list[int]]:
+        """Each input's tokens, validated on the caller's thread."""
+        items = [inputs] if isinstance(inputs, str) else list(inputs)
+        if not items:
+            raise InvalidRequestError("no input to embed", param="input")
+        limit = self._params.n_ctx
+        token_lists = []
+        for item in items:
+            if isinstance(item, str):
+                toks = self._bmodel.tokenize(item, add_special=True, parse_special=False)
+            else:
+                toks = check_tokens(item, self._bmodel.facts.n_vocab, param="input")
+            if not toks:
+                raise InvalidRequestError("cannot embed an empty input", param="input")
+            if len(toks) > limit:
+                raise ContextOverflowError(
+                    f"input has {len(toks)} tokens; the embedding context holds {limit}",
+                    n_tokens=len(toks),
+                    n_ctx=limit,
+                )
+            token_lists.append(toks)
+        return token_lists
 
     def close(self) -> None:
         if self._ctx is not None:

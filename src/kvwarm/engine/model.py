@@ -38,7 +38,7 @@ from kvwarm.engine.types import (
     ModelStatus,
 )
 from kvwarm.engine.worker import Worker, WorkerConfig
-from kvwarm.errors import ContextOverflowError, EngineClosedError, InvalidRequestError
+from kvwarm.errors import EngineClosedError
 
 if TYPE_CHECKING:
     from kvwarm.engine.engine import Engine
@@ -228,7 +228,7 @@ class Model:
         **overrides: Unpack[GenerationOverrides],
     ) -> Completion:
         opts = merge_options(options, overrides)
-        tokens, text = self._chat_tokens(messages, tools)
+        tokens, text = self.chat_tokens(messages, tools=tools)
         return self._submit(tokens, opts, text, fragments=False).result()
 
     def stream_chat(
@@ -240,7 +240,7 @@ class Model:
         **overrides: Unpack[GenerationOverrides],
     ) -> CompletionStream:
         opts = merge_options(options, overrides)
-        tokens, text = self._chat_tokens(messages, tools)
+        tokens, text = self.chat_tokens(messages, tools=tools)
         return self._submit(tokens, opts, text)
 
     def prewarm(
@@ -284,11 +284,6 @@ class Model:
         return chat_tokens(
             self._bmodel, messages, tools=tools, add_generation_prompt=add_generation_prompt
         )
-
-    def _chat_tokens(
-        self, messages: Sequence[Message], tools: Sequence[Mapping[str, object]] | None
-    ) -> tuple[tuple[int, ...], str]:
-        return self.chat_tokens(messages, tools=tools)
 
     def _check_ready(self) -> None:
         if self._state != "ready":
@@ -342,26 +337,7 @@ class Model:
         """One pooled vector per input. An input is text (tokenized with BOS) or token ids,
         used exactly as given: ids are never detokenized and tokenized again."""
         self._check_ready()
-        items = [inputs] if isinstance(inputs, str) else list(inputs)
-        if not items:
-            raise InvalidRequestError("no input to embed", param="input")
-        limit = self.config.context.n_ctx
-        token_lists = []
-        for item in items:
-            if isinstance(item, str):
-                toks = self._bmodel.tokenize(item, add_special=True, parse_special=False)
-            else:
-                toks = check_tokens(item, self.facts.n_vocab, param="input")
-            if not toks:
-                raise InvalidRequestError("cannot embed an empty input", param="input")
-            if len(toks) > limit:
-                raise ContextOverflowError(
-                    f"input has {len(toks)} tokens; the embedding context holds {limit}",
-                    n_tokens=len(toks),
-                    n_ctx=limit,
-                )
-            token_lists.append(toks)
-        return self._embedder.embed(token_lists, normalize=normalize)
+        return self._embedder.embed(inputs, normalize=normalize)
 
     # ---- adapters -----------------------------------------------------------------------
 
