@@ -115,3 +115,9 @@ def test_a_content_rewriting_template_falls_back_safely(model: BackendModel) -> 
     with pytest.raises(InvalidRequestError) as info:
         chat_tokens(wrapped, [{"role": "user", "content": f" {special} "}])  # type: ignore[arg-type]
     assert info.value.param == "messages.0.content"
+
+
+def test_lone_surrogates_name_the_message(model: BackendModel) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        chat_tokens(model, [SYSTEM, {"role": "user", "content": "hi \ud800"}])
+    assert info.value.param == "messages.1.content"

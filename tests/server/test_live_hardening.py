@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvwarm.engine.types import SAMPLING_OPTIONS
 from kvwarm.server.schemas import ChatRequest, CompletionRequest, SamplingFields
 from kvwarm.settings import ModelSpec, Settings
 
@@ -74,6 +75,7 @@ NOT_SAMPLING = {"model", "max_tokens", "stream", "stream_options", "n"}
 
 def test_every_api_sampling_option_has_a_case() -> None:
     assert set(SamplingFields.model_fields) == set(API_SAMPLING_CASES) | NOT_SAMPLING
+    assert set(SAMPLING_OPTIONS) <= set(API_SAMPLING_CASES)
     # Endpoint-specific fields are sampling options too when they are not framing.
     assert set(CompletionRequest.model_fields) - set(SamplingFields.model_fields) == {
         "prompt",

@@ -21,12 +21,16 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 from collections.abc import Mapping, Sequence
 
 from kvwarm.backends.base import BackendModel
 from kvwarm.errors import InvalidRequestError
+from kvwarm.unicode import find_lone_surrogate
+
+log = logging.getLogger(__name__)
 
 Message = Mapping[str, object]
 
@@ -39,6 +43,13 @@ def chat_tokens(
     add_generation_prompt: bool = True,
 ) -> tuple[tuple[int, ...], str]:
     """The prompt tokens of ``messages`` and the rendered text they stand for."""
+    for name, given in (("messages", list(messages)), ("tools", list(tools or ()))):
+        where = find_lone_surrogate(given)
+        if where is not None:
+            raise InvalidRequestError(
+                f"{name}.{where} contains a lone UTF-16 surrogate; text must be valid Unicode",
+                param=f"{name}.{where}",
+            )
     text = model.apply_chat_template(
         messages, tools=tools, add_generation_prompt=add_generation_prompt
     )
@@ -53,6 +64,7 @@ def chat_tokens(
     # re.split alternates markup and captured content indices: m0, i0, m1, i1, ..., mN.
     spliced = "".join(p if k % 2 == 0 else contents[int(p)] for k, p in enumerate(pieces))
     if spliced != text:
+        log.debug("the chat template rewrites content; tokenizing its whole render")
         for index, content in enumerate(contents):
             _refuse_special(model, content, f"messages.{index}.content")
         # The template already carries any BOS/special tokens as text.
