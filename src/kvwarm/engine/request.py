@@ -7,7 +7,6 @@ holds only valid token ids, so the worker never has to refuse one (``docs/archit
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -20,7 +19,6 @@ from kvwarm.engine.types import Completion, GenerationOptions
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
 
 RequestKind = Literal["generate", "prewarm"]
-_ids = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +46,6 @@ class Request:
     # False for complete()/chat(): only the final event is sent, so the caller's thread is
     # not woken once per token (on few cores that wake-up steals time from the decode).
     fragments: bool = True
-    id: int = field(default_factory=lambda: next(_ids))
     channel: Channel[Event] = field(default_factory=Channel)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)

@@ -148,9 +148,6 @@ class Worker:
 
     # ---- worker-thread helpers for jobs ---------------------------------------------------
 
-    def eog_tokens(self) -> tuple[int, ...]:
-        return self.rt.eog_tokens()
-
     def save_idle_slots(self, reason: SaveReason, *, release: bool) -> int:
         """Sync-save every idle slot's live KV (evict / shutdown). Worker thread only."""
         return self.saves.save_idle_slots(reason, release=release)
