@@ -1,7 +1,7 @@
 """Real-model guarantees of the llama.cpp backend (embedded SmolLM2-135M, short prompts).
 
-The central one (DESIGN.md): a restore truncated to an n_batch-aligned boundary, followed by a
-prefill of the rest, reproduces a cold prefill's logits bit for bit.
+The central one (``kvwarm.alignment``): a restore truncated to an n_batch-aligned boundary,
+followed by a prefill of the rest, reproduces a cold prefill's logits bit for bit.
 """
 
 from __future__ import annotations

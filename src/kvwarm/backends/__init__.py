@@ -1,7 +1,8 @@
 """Model runtimes: the llama.cpp backend and a deterministic stub (see ``base``).
 
 Invariant: importing this package never imports ``llama_cpp``; ``get_backend('llama_cpp')``
-does, so cache-only and stub-only processes never load the native library.
+does, so cache-only and stub-only processes never load the native library
+(``docs/architecture.md``, "Layers").
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Per-slot state. A slot owns one sequence id of the model's context for its whole life.
 
 Invariant: ``kv_tokens`` lists exactly the tokens whose KV the slot's sequence holds, at
-positions ``0..len-1``; ``canonical`` of them (a prefix) came from aligned-chunk prefill.
+positions ``0..len-1``; ``canonical`` of them (a prefix) came from aligned-chunk prefill
+(``kvwarm.alignment``; ``docs/architecture.md``, "Exactness").
 """
 
 from __future__ import annotations
