@@ -38,6 +38,20 @@ def embedded_model_path() -> Path | None:
     return None
 
 
+def model_id_for(path: str | Path | None) -> str:
+    """The id a model is served under when none is given: the embedded model's id for the
+    default (None) or the embedded file itself, else the file name without ``.gguf``. The one
+    rule for the settings' model list and ``Engine.load_model``, so both name a model alike."""
+    if path is None:
+        return EMBEDDED_MODEL_ID
+    resolved = Path(path).expanduser()
+    embedded = embedded_model_path()
+    if embedded is not None and resolved.is_file() and resolved.resolve() == embedded.resolve():
+        return EMBEDDED_MODEL_ID
+    name = resolved.name
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
 def default_model_path() -> Path:
     """``$KVWARM_MODEL`` if set, else the embedded model; raises with an install hint otherwise."""
     override = os.environ.get(MODEL_ENV)

@@ -1,4 +1,4 @@
-"""Settings: one dataclass, one loader, precedence flags > env > file > defaults."""
+"""Settings: one declaration per setting, one loader, precedence flags > env > file > defaults."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from kvwarm.embedded import EMBEDDED_MODEL_ID, embedded_model_path, model_id_for
 from kvwarm.errors import ConfigError
 from kvwarm.settings import (
     ModelSpec,
     Settings,
     add_settings_arguments,
+    env_var,
     load_settings,
     settings_flags,
     user_cache_dir,
@@ -137,3 +139,43 @@ def test_max_tokens_limit_from_every_source(tmp_path: Path) -> None:
         load_settings({}, {"KVWARM_MAX_TOKENS_LIMIT": "0"})
     with pytest.raises(ConfigError, match="max_tokens_limit"):
         load_settings({}, {"KVWARM_MAX_TOKENS_LIMIT": "100", "KVWARM_DEFAULT_MAX_TOKENS": "200"})
+
+
+def test_every_setting_has_a_flag_an_env_var_a_toml_key_and_help(tmp_path: Path) -> None:
+    """One declaration per setting: the field alone yields all four ways to set it."""
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    help_text = " ".join(parser.format_help().split())
+    for name, field in Settings.model_fields.items():
+        assert field.description, name
+        assert f"${env_var(name)}" in help_text, name
+    # A setting added to the class is settable from TOML and env without any other table.
+    config = tmp_path / "c.toml"
+    config.write_text("n_threads = 3\nmax_queue = 7\n")
+    s = load_settings({"config": str(config)}, {"KVWARM_MAX_QUEUE": "9"})
+    assert (s.n_threads, s.max_queue) == (3, 9)
+    assert load_settings(_flags("--max-queue", "11"), {"KVWARM_MAX_QUEUE": "9"}).max_queue == 11
+
+
+def test_replace_validates_and_keeps_the_rest() -> None:
+    base = Settings(port=9, cache_dir=None)
+    changed = base.replace(n_ctx=512, api_key="k")
+    assert (changed.port, changed.n_ctx, changed.api_key, base.api_key) == (9, 512, "k", None)
+    with pytest.raises(ValueError, match="invalid literal"):
+        base.replace(n_ctx="lots")
+
+
+def test_model_ids_follow_one_rule_in_settings_and_engine() -> None:
+    """``ModelSpec.model_id`` and ``Engine.load_model`` name a model the same way."""
+    from kvwarm.cache.types import CacheConfig, TierConfig
+    from kvwarm.engine.api import Engine, EngineConfig
+
+    assert ModelSpec().model_id == model_id_for(None) == EMBEDDED_MODEL_ID
+    assert ModelSpec(path="/m/Foo.GGUF").model_id == model_id_for("/m/Foo.GGUF") == "Foo"
+    assert ModelSpec(path="/m/bar").model_id == "bar"
+    embedded = embedded_model_path()
+    if embedded is not None:  # the embedded file keeps its short id however it is named
+        assert ModelSpec(path=str(embedded)).model_id == EMBEDDED_MODEL_ID
+    cache = CacheConfig(tiers=(TierConfig("ram", 1 << 20),))
+    with Engine(EngineConfig(cache=cache, backend="stub")) as engine:
+        assert engine.load_model("/m/stub-x.gguf").id == ModelSpec(path="/m/stub-x.gguf").model_id

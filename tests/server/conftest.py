@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import socket
 import threading
@@ -41,7 +40,7 @@ def stub_settings(**overrides: object) -> Settings:
         max_body_bytes=64 << 10,
         default_max_tokens=32,
     )
-    return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
+    return base.replace(**overrides)
 
 
 def wait_ready(get: object, deadline_s: float = 120.0) -> None:

@@ -6,7 +6,6 @@ these short prompts are cached.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,7 +224,7 @@ def test_disconnect_mid_stream_frees_the_model(server: LiveServer, client: OpenA
 
 def test_conversation_survives_a_restart(tmp_path: Path) -> None:
     """Stateless multi-turn chat, a restart on the same disk tier, then the next turn is warm."""
-    settings = dataclasses.replace(real_settings(tmp_path / "cache"))
+    settings = real_settings(tmp_path / "cache")
     messages: list[dict[str, str]] = [SYSTEM, {"role": "user", "content": "Say hello."}]
     live = LiveServer(settings).start()
     try:

@@ -13,7 +13,13 @@ import sys
 from pathlib import Path
 
 from kvwarm.cli.common import add_settings, settings_from
-from kvwarm.embedded import EMBEDDED_MODEL_ID, INSTALL_HINT, MODEL_ENV, embedded_model_path
+from kvwarm.embedded import (
+    EMBEDDED_MODEL_ID,
+    INSTALL_HINT,
+    MODEL_ENV,
+    embedded_model_path,
+    model_id_for,
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -83,13 +89,13 @@ def run_models(args: argparse.Namespace) -> int:
     add(EMBEDDED_MODEL_ID, embedded_model_path(), "embedded")
     override = os.environ.get(MODEL_ENV)
     if override:
-        add(Path(override).stem, Path(override).expanduser(), f"${MODEL_ENV}")
+        add(model_id_for(override), Path(override).expanduser(), f"${MODEL_ENV}")
     for spec in settings.models:
         if spec.path is not None:
             add(spec.model_id, Path(spec.path).expanduser(), "settings")
     for directory in args.scan:
         for path in sorted(directory.expanduser().glob("**/*.gguf")):
-            add(path.stem, path, f"scan {directory}")
+            add(model_id_for(path), path, f"scan {directory}")
     if args.json:
         print(json.dumps(found, indent=2))
         return 0

@@ -19,7 +19,7 @@ from kvwarm.backends import get_backend
 from kvwarm.cache import Cache
 from kvwarm.cache.policy import validate_policy
 from kvwarm.cache.types import TierName
-from kvwarm.embedded import EMBEDDED_MODEL_ID, embedded_model_path
+from kvwarm.embedded import model_id_for
 from kvwarm.engine.config import EngineConfig, ModelConfig, ModelOptions, with_options
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import ModelInfo
@@ -68,7 +68,7 @@ class Engine:
         spec = cfg.backend or self.config.backend
         backend = get_backend(spec) if isinstance(spec, str) else spec
         resolved = backend.locate(path)
-        mid = model_id or _auto_id(resolved)
+        mid = model_id or model_id_for(resolved)
         if not mid or ("/" in mid and len(mid) > 200):
             raise ConfigError(f"invalid model id {mid!r}")
         save_tier = self._save_tier(cfg)
@@ -146,14 +146,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _auto_id(path: Path) -> str:
-    embedded = embedded_model_path()
-    if embedded is not None and path.resolve() == embedded.resolve():
-        return EMBEDDED_MODEL_ID
-    name = path.name
-    return name[:-5] if name.lower().endswith(".gguf") else name
 
 
 _LOADING: Model = object.__new__(Model)  # placeholder reserving an id during a load

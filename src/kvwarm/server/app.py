@@ -88,7 +88,7 @@ async def _send_json(send: Send, status: int, body: object) -> None:
 
 def create_app(settings: Settings) -> FastAPI:
     """A new app serving ``settings.models``; loading starts when the app starts (lifespan)."""
-    settings.validate()
+    settings.check()
     state = ServerState(settings)
 
     @asynccontextmanager
