@@ -157,7 +157,7 @@ class Settings(BaseSettings):
     policy: Policy = Field(
         default=SERVER_POLICY,
         description="cache policy override KEY=VALUE (repeatable), e.g. min_tokens=64",
-        json_schema_extra=_REPEAT,
+        json_schema_extra={"env": ENV_PREFIX + "POLICY_<KEY>", **_REPEAT},
     )
     max_body_bytes: Size = Field(default=8 << 20, description="largest accepted request body")
     default_max_tokens: Int = Field(default=512, description="max_tokens when a request gives none")
@@ -278,7 +278,7 @@ def _flag(name: str) -> str:
 
 
 def env_var(name: str) -> str:
-    return ENV_PREFIX + name.upper()
+    return str(_extra(name).get("env", ENV_PREFIX + name.upper()))
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser, names: Sequence[str] = ()) -> None:
