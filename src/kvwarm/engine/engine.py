@@ -12,7 +12,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Unpack
 
 from kvwarm.backends import get_backend
