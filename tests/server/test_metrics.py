@@ -1,6 +1,12 @@
-"""The Prometheus exposition parses with the reference parser and keeps families together."""
+"""/metrics through prometheus_client: the reference parser reads it, families stay together,
+each app has its own registry, and replicas sharing PROMETHEUS_MULTIPROC_DIR sum their counts."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,7 +23,7 @@ def _families(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
 
 
 def test_cache_models_and_http_render_and_parse() -> None:
-    out = metrics.Exposition()
+    out = metrics.Families()
     metrics.add_cache(
         out,
         {
@@ -44,8 +50,12 @@ def test_cache_models_and_http_render_and_parse() -> None:
         generation_ms=500.0,
     )
     metrics.add_models(out, {'m"1': "ready", "m2": "loading"}, [status])
-    metrics.add_http(out, {("/v1/completions", 200): 4, ("/v1/completions", 400): 1})
-    text = out.render()
+    server = metrics.ServerMetrics(metrics.Snapshot)
+    for status in (200, 200, 200, 200, 400):
+        server.record("/v1/completions", status)
+    body, content_type = server.exposition(None)
+    assert content_type.startswith("text/plain")
+    text = out.render() + body.decode()
     fams = _families(text)
     assert fams["kvwarm_cache_hits_exact_total"][()] == 3
     assert fams["kvwarm_cache_tier_bytes"][(("tier", "disk"),)] == 2048
@@ -63,3 +73,68 @@ def test_cache_models_and_http_render_and_parse() -> None:
     # Each family's samples are contiguous (a second TYPE line for a name would be invalid).
     type_lines = [line for line in text.splitlines() if line.startswith("# TYPE")]
     assert len(type_lines) == len({line.split()[2] for line in type_lines})
+
+
+def _counts(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return _families(text).get(name, {})
+
+
+def test_each_app_has_its_own_registry_and_snapshots_are_read_per_scrape() -> None:
+    level = {"rows": 1.0}
+    first = metrics.ServerMetrics(lambda: metrics.Snapshot(cache=dict(level)))
+    second = metrics.ServerMetrics(metrics.Snapshot)
+    first.record("/health", 200)
+    first.record_finish("m", "stop", disconnected=True)
+    text = first.exposition(None)[0].decode()
+    assert _counts(text, "kvwarm_http_requests_total") == {
+        (("route", "/health"), ("status", "200")): 1
+    }
+    assert _counts(text, "kvwarm_generations_total")[(("model", "m"), ("reason", "stop"))] == 1
+    assert _counts(text, "kvwarm_client_disconnects_total")[()] == 1
+    assert _counts(text, "kvwarm_cache_rows")[()] == 1
+    other = second.exposition(None)[0].decode()
+    assert _counts(other, "kvwarm_http_requests_total") == {}
+    assert _counts(other, "kvwarm_client_disconnects_total")[()] == 0
+    level["rows"] = 7.0  # read at scrape time, not at registration
+    assert _counts(first.exposition(None)[0].decode(), "kvwarm_cache_rows")[()] == 7
+
+
+def test_openmetrics_when_the_scraper_asks() -> None:
+    server = metrics.ServerMetrics(metrics.Snapshot)
+    body, content_type = server.exposition("application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    assert body.decode().rstrip().endswith("# EOF")
+
+
+_REPLICA = """
+import sys
+from kvwarm.server import metrics
+server = metrics.ServerMetrics(metrics.Snapshot)
+for _ in range(int(sys.argv[1])):
+    server.record("/v1/completions", 200)
+server.record_finish("m", "length", disconnected=False)
+sys.stdout.write(server.exposition(None)[0].decode())
+"""
+
+
+def _replica(env: dict[str, str], requests: int) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", _REPLICA, str(requests)],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return result.stdout
+
+
+def test_replicas_sharing_a_multiproc_dir_report_the_sum(tmp_path: Path) -> None:
+    """Two server processes on one host with PROMETHEUS_MULTIPROC_DIR: a scrape of either
+    counts both (the first has exited: its counts still count, as a counter's must)."""
+    src = str(Path(metrics.__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": src, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    _replica(env, 3)
+    text = _replica(env, 2)
+    key = (("route", "/v1/completions"), ("status", "200"))
+    assert _counts(text, "kvwarm_http_requests_total")[key] == 5
+    assert _counts(text, "kvwarm_generations_total")[(("model", "m"), ("reason", "length"))] == 2
+    assert _counts(text, "kvwarm_model_ready") == {}  # the snapshot part is still served
+    alone = {k: v for k, v in env.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    assert _counts(_replica(alone, 2), "kvwarm_http_requests_total")[key] == 2

@@ -1,21 +1,36 @@
-"""Prometheus text exposition (format 0.0.4) of the cache, the models and the HTTP server.
+"""``/metrics``: the cache, the models and the HTTP server, through ``prometheus_client``.
 
-Invariant: rendering reads snapshots only (``Cache.counters()``, ``Model.status()``, the
-request counters) and never takes a lock a worker holds while decoding, so scraping cannot
-slow generation. Metric and label names are sanitised; label values are escaped.
+Invariants:
+- No module-level metric state: every app owns one ``ServerMetrics``, with its own
+  ``CollectorRegistry``; two apps in one process (tests) never see each other's counts.
+- Event counters (HTTP requests, finished generations, client disconnects) are
+  ``prometheus_client.Counter`` objects, counted when the event happens. With
+  ``PROMETHEUS_MULTIPROC_DIR`` set (as prometheus_client requires: before the process imports
+  it, to an empty directory shared by the replicas on one host) they live in that directory's
+  files, and every replica's ``/metrics`` reports the sum over all replicas, the dead included.
+- Engine and cache values (queue depth, tokens, cache tiers ...) are read from snapshots
+  (``Cache.counters()``, ``Model.status()``) at scrape time by ``SnapshotCollector`` and never
+  take a lock a worker holds while decoding, so scraping cannot slow generation. They describe
+  the replica that answered (each replica owns its engine): scrape replicas one by one for them.
 """
 
 from __future__ import annotations
 
-import math
+import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from kvwarm.cache.types import TIER_NAMES
 from kvwarm.engine.types import ModelStatus
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _BAD_NAME = re.compile(r"[^a-zA-Z0-9_]")
 _TIER_KEY = re.compile(r"^tier_(" + "|".join(TIER_NAMES) + r")_(.+)$")
 # Cache counters that are levels, not running totals (tier_* levels are matched separately).
@@ -27,49 +42,53 @@ def _name(text: str) -> str:
     return name if not name[:1].isdigit() else "_" + name
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if value in (float("inf"), float("-inf")):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
-
-
 @dataclass(slots=True)
 class _Family:
-    type: str
+    kind: str
     help: str
     samples: list[tuple[dict[str, str], float]] = field(default_factory=list)
 
 
-class Exposition:
-    """Families keep their samples together, as the text format requires."""
+class Families:
+    """Samples grouped into prometheus_client metric families (one family per name, as the
+    exposition formats require), built from snapshot values."""
 
     def __init__(self) -> None:
         self._families: dict[str, _Family] = {}
 
     def add(self, name: str, kind: str, help_text: str, value: float, **labels: str) -> None:
-        name = _name(name)
-        family = self._families.setdefault(name, _Family(kind, help_text))
-        family.samples.append((labels, value))
+        family = self._families.setdefault(_name(name), _Family(kind, help_text))
+        family.samples.append(({_name(k): v for k, v in labels.items()}, float(value)))
+
+    def metrics(self) -> Iterator[Metric]:
+        for name, family in self._families.items():
+            label_names = sorted({k for labels, _ in family.samples for k in labels})
+            metric: GaugeMetricFamily | CounterMetricFamily
+            if family.kind == "counter":
+                metric = CounterMetricFamily(name, family.help, labels=label_names)
+            else:
+                metric = GaugeMetricFamily(name, family.help, labels=label_names)
+            for labels, value in family.samples:
+                metric.add_metric([labels.get(k, "") for k in label_names], value)
+            yield metric
 
     def render(self) -> str:
-        lines: list[str] = []
-        for name, family in self._families.items():
-            lines.append(f"# HELP {name} {family.help}")
-            lines.append(f"# TYPE {name} {family.type}")
-            for labels, value in family.samples:
-                label_text = ",".join(f'{_name(k)}="{_escape(v)}"' for k, v in labels.items())
-                braces = "{" + label_text + "}" if label_text else ""
-                lines.append(f"{name}{braces} {_number(value)}")
-        return "\n".join(lines) + "\n"
+        """The text exposition of these families alone."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Static(list(self.metrics())))
+        encoder, _ = choose_encoder("")
+        return encoder(registry).decode()
 
 
-def add_cache(out: Exposition, counters: Mapping[str, float]) -> None:
+class _Static(Collector):
+    def __init__(self, metrics: list[Metric]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        return self._metrics
+
+
+def add_cache(out: Families, counters: Mapping[str, float]) -> None:
     for key in sorted(counters):
         value = float(counters[key])
         tier = _TIER_KEY.match(key)
@@ -87,81 +106,111 @@ def add_cache(out: Exposition, counters: Mapping[str, float]) -> None:
             out.add(f"kvwarm_cache_{key}_total", "counter", f"cache {key.replace('_', ' ')}", value)
 
 
-def add_models(out: Exposition, states: Mapping[str, str], statuses: Iterable[ModelStatus]) -> None:
-    for model_id, state in states.items():
-        out.add(
-            "kvwarm_model_ready",
-            "gauge",
-            "1 if the model is ready",
-            state == "ready",
-            model=model_id,
-        )
-    for s in statuses:
-        m = s.id
-        out.add(
-            "kvwarm_model_queue_depth", "gauge", "requests waiting for a slot", s.queued, model=m
-        )
-        out.add("kvwarm_model_active", "gauge", "requests holding a slot", s.active, model=m)
-        out.add("kvwarm_model_slots", "gauge", "slots (n_parallel)", s.n_parallel, model=m)
-        out.add("kvwarm_requests_total", "counter", "generations finished", s.requests, model=m)
-        out.add("kvwarm_prompt_tokens_total", "counter", "prompt tokens", s.prompt_tokens, model=m)
-        out.add(
-            "kvwarm_cached_tokens_total",
-            "counter",
-            "prompt tokens restored from cache",
-            s.cached_tokens,
-            model=m,
-        )
-        out.add(
-            "kvwarm_completion_tokens_total",
-            "counter",
-            "generated tokens",
-            s.completion_tokens,
-            model=m,
-        )
-        out.add(
-            "kvwarm_prefill_seconds_total",
-            "counter",
-            "time spent in prefill",
-            s.prefill_ms / 1000,
-            model=m,
-        )
-        out.add(
-            "kvwarm_decode_seconds_total",
-            "counter",
-            "time spent generating",
-            s.generation_ms / 1000,
-            model=m,
-        )
-
-
-def add_finished(
-    out: Exposition, finished: Mapping[tuple[str, str], int], disconnects: int
-) -> None:
-    for (model_id, reason), count in sorted(finished.items()):
-        out.add(
-            "kvwarm_generations_total",
-            "counter",
-            "HTTP generations by finish reason",
-            count,
-            model=model_id,
-            reason=reason,
-        )
-    out.add(
-        "kvwarm_client_disconnects_total",
+# (metric, kind, help, ModelStatus attribute, scale)
+_MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
+    ("kvwarm_model_queue_depth", "gauge", "requests waiting for a slot", "queued", 1),
+    ("kvwarm_model_active", "gauge", "requests holding a slot", "active", 1),
+    ("kvwarm_model_slots", "gauge", "slots (n_parallel)", "n_parallel", 1),
+    ("kvwarm_requests_total", "counter", "generations finished", "requests", 1),
+    ("kvwarm_prompt_tokens_total", "counter", "prompt tokens", "prompt_tokens", 1),
+    (
+        "kvwarm_cached_tokens_total",
         "counter",
-        "generations cancelled because the client went away",
-        disconnects,
-    )
+        "prompt tokens restored from cache",
+        "cached_tokens",
+        1,
+    ),
+    ("kvwarm_completion_tokens_total", "counter", "generated tokens", "completion_tokens", 1),
+    ("kvwarm_prefill_seconds_total", "counter", "time spent in prefill", "prefill_ms", 1e-3),
+    ("kvwarm_decode_seconds_total", "counter", "time spent generating", "generation_ms", 1e-3),
+)
 
 
-def add_http(out: Exposition, by_route: Mapping[tuple[str, int], int]) -> None:
-    for (route, status), count in sorted(by_route.items()):
-        out.add(
-            "kvwarm_http_requests_total",
-            "counter",
+def add_models(out: Families, states: Mapping[str, str], statuses: Iterable[ModelStatus]) -> None:
+    for model_id, state in states.items():
+        out.add("kvwarm_model_ready", "gauge", "1 if the model is ready", state == "ready",
+                model=model_id)  # fmt: skip
+    for s in statuses:
+        for name, kind, help_text, attr, scale in _MODEL_SERIES:
+            out.add(name, kind, help_text, float(getattr(s, attr)) * scale, model=s.id)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What one scrape reads from the engine and the server state."""
+
+    cache: Mapping[str, float] = field(default_factory=dict)
+    states: Mapping[str, str] = field(default_factory=dict)
+    statuses: Sequence[ModelStatus] = ()
+    keepalive_prefixes: int = 0
+
+
+class SnapshotCollector(Collector):
+    """A custom collector: engine and cache values, read when scraped."""
+
+    def __init__(self, read: Callable[[], Snapshot]) -> None:
+        self._read = read
+
+    def describe(self) -> Iterable[Metric]:
+        return ()  # names depend on the cache's counters; nothing to check at registration
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self._read()
+        out = Families()
+        add_cache(out, snap.cache)
+        add_models(out, snap.states, snap.statuses)
+        out.add("kvwarm_keepalive_prefixes", "gauge", "prefixes kept warm",
+                snap.keepalive_prefixes)  # fmt: skip
+        return list(out.metrics())
+
+
+class ServerMetrics:
+    """One app's metrics: a private registry, the event counters and the snapshot collector."""
+
+    def __init__(self, read: Callable[[], Snapshot]) -> None:
+        # prometheus_client picks its value store (memory or the directory's files) from this
+        # variable when it is first imported; reading it here too keeps the two in step.
+        self.multiproc_dir = os.environ.get(MULTIPROC_ENV) or None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.snapshot = SnapshotCollector(read)
+        self.registry.register(self.snapshot)
+        self.http_requests = Counter(
+            "kvwarm_http_requests",
             "HTTP requests by route and status",
-            count,
-            route=route,
-            status=str(status),
+            ["route", "status"],
+            registry=self.registry,
         )
+        self.generations = Counter(
+            "kvwarm_generations",
+            "HTTP generations by finish reason",
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self.client_disconnects = Counter(
+            "kvwarm_client_disconnects",
+            "generations cancelled because the client went away",
+            registry=self.registry,
+        )
+
+    def record(self, route: str, status: int) -> None:
+        self.http_requests.labels(route=route, status=str(status)).inc()
+
+    def record_finish(self, model_id: str, reason: str, disconnected: bool) -> None:
+        self.generations.labels(model=model_id, reason=reason).inc()
+        if disconnected:
+            self.client_disconnects.inc()
+
+    def scrape_registry(self) -> CollectorRegistry:
+        """The registry a scrape renders: this app's, or, in multiprocess mode, the counters
+        summed over every replica's files plus this replica's snapshot."""
+        if self.multiproc_dir is None:
+            return self.registry
+        registry = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(registry, path=self.multiproc_dir)  # type: ignore[no-untyped-call]
+        registry.register(self.snapshot)
+        return registry
+
+    def exposition(self, accept: str | None) -> tuple[bytes, str]:
+        """The body and content type for a scrape; OpenMetrics if the scraper asks for it."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.scrape_registry()), content_type

@@ -10,11 +10,10 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 
 from kvwarm.cache.types import RowInfo, TtlClass
 from kvwarm.engine.types import CompletionStats
-from kvwarm.server import metrics
 from kvwarm.server.errors import HTTPError, error_body
 from kvwarm.server.routes_openai import server_state
 from kvwarm.server.schemas import (
@@ -49,19 +48,8 @@ async def health(request: Request) -> Response:
 
 @router.get("/metrics")
 async def prometheus(request: Request) -> Response:
-    state = server_state(request)
-    out = metrics.Exposition()
-    engine = state.engine
-    if engine is not None:
-        metrics.add_cache(out, engine.cache.counters())
-    statuses = [e.model.status() for e in state.entries.values() if e.model is not None]
-    metrics.add_models(out, {e.id: e.state for e in state.entries.values()}, statuses)
-    metrics.add_http(out, state.counters.snapshot())
-    metrics.add_finished(out, *state.counters.finished_snapshot())
-    out.add(
-        "kvwarm_keepalive_prefixes", "gauge", "prefixes kept warm", len(state.keepalive.entries())
-    )
-    return PlainTextResponse(out.render(), media_type=metrics.CONTENT_TYPE)
+    body, content_type = server_state(request).counters.exposition(request.headers.get("accept"))
+    return Response(body, media_type=content_type)
 
 
 @router.post("/tokenize")

@@ -1,4 +1,4 @@
-"""Everything one server instance owns: the engine, its models' load states, counters.
+"""Everything one server instance owns: the engine, its models' load states, its metrics.
 
 Invariants: there is no module-level state; one ``ServerState`` lives on ``app.state`` and is
 built by ``create_app``. Models load on a background thread after the server is listening, so
@@ -12,14 +12,14 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from kvwarm.cache.types import TtlClass
 from kvwarm.errors import KvwarmError, ModelLoadError
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.keepalive import KeepAlive
+from kvwarm.server.metrics import ServerMetrics, Snapshot
 from kvwarm.settings import ModelSpec, Settings, model_config
 
 if TYPE_CHECKING:
@@ -39,33 +39,6 @@ class ModelEntry:
     error: str | None = None
 
 
-@dataclass(slots=True)
-class RequestCounters:
-    """HTTP request counts by (route, status); guarded by ``lock``."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    by_route: Counter[tuple[str, int]] = field(default_factory=Counter)
-    finished: Counter[tuple[str, str]] = field(default_factory=Counter)  # (model, reason)
-    disconnects: int = 0
-
-    def record(self, route: str, status: int) -> None:
-        with self.lock:
-            self.by_route[(route, status)] += 1
-
-    def record_finish(self, model_id: str, reason: str, disconnected: bool) -> None:
-        with self.lock:
-            self.finished[(model_id, reason)] += 1
-            self.disconnects += int(disconnected)
-
-    def snapshot(self) -> dict[tuple[str, int], int]:
-        with self.lock:
-            return dict(self.by_route)
-
-    def finished_snapshot(self) -> tuple[dict[tuple[str, str], int], int]:
-        with self.lock:
-            return dict(self.finished), self.disconnects
-
-
 class ServerState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -76,7 +49,8 @@ class ServerState:
             spec.model_id: ModelEntry(spec, spec.model_id) for spec in settings.models
         }
         self.default_id = settings.models[0].model_id
-        self.counters = RequestCounters()
+        # Counts requests and finished generations; reads the engine at scrape time.
+        self.counters = ServerMetrics(self.metrics_snapshot)
         # Strong references to fire-and-forget tasks (the loop keeps only weak ones).
         self.background: set[asyncio.Task[None]] = set()
         ttl = settings.cache_config().ttl_seconds
@@ -183,6 +157,16 @@ class ServerState:
     @property
     def ready(self) -> bool:
         return all(entry.state == "ready" for entry in self.entries.values())
+
+    def metrics_snapshot(self) -> Snapshot:
+        """What ``/metrics`` reports of the engine; snapshots only, no worker lock."""
+        engine = self.engine
+        return Snapshot(
+            cache=engine.cache.counters() if engine is not None else {},
+            states={e.id: e.state for e in self.entries.values()},
+            statuses=[e.model.status() for e in self.entries.values() if e.model is not None],
+            keepalive_prefixes=len(self.keepalive.entries()),
+        )
 
     def ready_model(self, model_id: str) -> Model | None:
         entry = self.entries.get(model_id)
