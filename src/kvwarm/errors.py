@@ -6,6 +6,7 @@ the server maps exception *types* to HTTP statuses, never message text.
 
     KvwarmError
     ├── ConfigError            (also ValueError)  bad settings, caught at construction
+    │   └── UnsafeCacheDirError                   a cache directory other users can write
     ├── InvalidRequestError    (also ValueError)  bad per-request options or inputs
     │   ├── ContextOverflowError                  prompt (+ generation) exceeds n_ctx
     │   └── GrammarError                          GBNF / JSON schema that does not compile
@@ -35,6 +36,11 @@ class KvwarmError(Exception):
 
 class ConfigError(KvwarmError, ValueError):
     """A setting is invalid; raised at construction, never at first use."""
+
+
+class UnsafeCacheDirError(ConfigError):
+    """A cache directory is writable by other users and not ours to fix (we refuse it: anyone
+    who can write it can swap rows, or plant links that make us write elsewhere)."""
 
 
 class InvalidRequestError(KvwarmError, ValueError):

@@ -88,5 +88,8 @@ class GatedTier:
     def probe(self, key: bytes) -> StoredRow | None:
         return self._inner.probe(key)
 
+    def problems(self) -> tuple[tuple[str, str], ...]:
+        return self._inner.problems()
+
     def close(self) -> None:
         self._inner.close()

@@ -141,3 +141,23 @@ def test_background_sweeper_starts_and_stops(root: Path) -> None:
     assert c._sweeper is not None and c._sweeper.is_alive()
     c.close()
     assert not c._sweeper.is_alive()
+
+
+def test_read_only_open_reports_every_bad_file_and_changes_nothing(root: Path) -> None:
+    with disk_cache(root) as c:
+        assert c.save(req((1,) * 8, 400, tier="disk"), sync=True)
+        assert c.save(req((2,) * 8, 400, tier="disk"), sync=True)
+    _, truncated = sorted(root.glob("*.kvc"))
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    garbage = root / ("ab" * 32 + ".kvc")
+    garbage.write_bytes(b"not a kvc file at all")
+    tmp = root / f"{'cd' * 32}.kvc.{os.getpid()}.1.1.tmp"
+    tmp.write_bytes(b"interrupted")
+    listing = sorted(p.name for p in root.iterdir())
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1, root),))  # over quota: still evicts nothing
+    with Cache(cfg, background=False, repair=False) as ro:
+        report = ro.verify()
+        found = sorted(where for where, _ in report.bad)
+        assert found == sorted(map(str, (truncated, garbage, tmp)))
+        assert report.checked == 4 and len(ro.rows()) == 1
+    assert sorted(p.name for p in root.iterdir()) == listing

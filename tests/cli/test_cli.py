@@ -172,6 +172,46 @@ def test_cache_commands_and_verify_finds_corruption(env: dict[str, str]) -> None
     assert gc.returncode == 0 and set(json.loads(gc.stdout)) == {"rows", "bytes"}
 
 
+def test_cache_verify_reports_every_bad_file_and_repairs_only_when_asked(
+    env: dict[str, str],
+) -> None:
+    from kvwarm.cache import Cache, CacheConfig, TierConfig
+    from kvwarm.cache.types import Namespace, SaveReason, SaveRequest
+
+    root = Path(env["XDG_CACHE_HOME"]) / "kvwarm" / "rows"
+    ns = Namespace(b"\x01" * 32, 0, b"\x02" * 32)
+    with Cache(CacheConfig(tiers=(TierConfig("disk", 1 << 20, root),)), background=False) as c:
+        for t in (1, 2, 3):
+            request = SaveRequest(ns, (t,) * 8, b"kv" * 50, SaveReason.COLD, "disk")
+            assert c.save(request, sync=True)
+    _, truncated, flipped = sorted(root.glob("*.kvc"))
+    truncated.write_bytes(truncated.read_bytes()[:40])
+    data = bytearray(flipped.read_bytes())
+    data[-20] ^= 0xFF  # inside the payload: only the CRC can tell
+    flipped.write_bytes(bytes(data))
+    garbage = root / ("ab" * 32 + ".kvc")
+    garbage.write_bytes(b"garbage")
+    env_no_model = {**env, "KVWARM_MODELS": "/nonexistent/model.gguf"}
+    listing = sorted(p.name for p in root.iterdir())
+    for _ in range(2):  # reporting is repeatable: the first run repaired nothing
+        result = kvwarm(env_no_model, "cache", "verify", "--json")
+        assert result.returncode == 1, result.stdout + result.stderr
+        report = json.loads(result.stdout)
+        assert sorted(b["row"] for b in report["bad"]) == sorted(
+            map(str, (truncated, flipped, garbage))
+        )
+        assert report["checked"] == 4
+        assert sorted(p.name for p in root.iterdir()) == listing
+    repaired = kvwarm(env_no_model, "cache", "verify", "--repair")
+    assert repaired.returncode == 1 and "3 bad" in repaired.stdout
+    no_traceback(repaired)
+    assert sorted(p.name for p in (root / "quarantine").iterdir()) == sorted(
+        p.name for p in (truncated, garbage)
+    )
+    after = kvwarm(env_no_model, "cache", "verify")
+    assert after.returncode == 0 and "checked 1 rows: 0 bad" in after.stdout
+
+
 # --- models, bench, serve --------------------------------------------------------------------
 
 

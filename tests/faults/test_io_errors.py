@@ -56,7 +56,7 @@ class _Failing:
         self.code = code
         self.calls = 0
 
-    def __call__(self, *args: object) -> int:
+    def __call__(self, *args: object, **kwargs: object) -> int:
         self.calls += 1
         raise OSError(self.code, os.strerror(self.code))
 

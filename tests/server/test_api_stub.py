@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import struct
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -416,3 +417,19 @@ def test_api_key_is_required_when_configured() -> None:
         assert_error(secured.get("/v1/models"), 401, "invalid_api_key")
         ok = secured.get("/v1/models", headers={"Authorization": "Bearer sesame"})
         assert ok.status_code == 200
+
+
+def test_evict_with_a_repeated_tier_forgets_no_file(tmp_path: Path) -> None:
+    settings = stub_settings(cache_dir=tmp_path, save_tier="disk")
+    with TestClient(create_app(settings)) as c:
+        wait_ready(c.get)
+        body = {"model": "a", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+        assert c.post("/v1/completions", json=body).status_code == 200
+        c.app.state.kvwarm.require_engine().cache.flush()
+        rows = c.get("/cache/stats").json()["rows"]
+        assert rows >= 1 and len(list(tmp_path.rglob("*.kvc"))) == rows
+        evicted = c.post("/cache/evict", json={"bytes": 1 << 40, "tiers": ["disk", "disk"]})
+        assert evicted.status_code == 200, evicted.json()
+        assert evicted.json()["rows"] == rows
+        assert c.get("/cache/stats").json()["rows"] == 0
+        assert not list(tmp_path.rglob("*.kvc"))

@@ -105,8 +105,9 @@ class CacheApi(Protocol):
         per-tier bytes/rows/quota (``tier_<name>_bytes`` …), latency totals."""
         ...
 
-    def verify(self) -> VerifyReport:
-        """Check every row's CRC; report (and drop) bad ones."""
+    def verify(self, *, repair: bool = False) -> VerifyReport:
+        """Check every row's CRC and report every bad file, including those the startup scan
+        found invalid. Bad rows are dropped (bytes deleted) only with ``repair``."""
         ...
 
     def close(self, timeout_s: float = 30.0) -> None:

@@ -13,6 +13,9 @@ Invariants:
 - A key is marked in flight before ``save`` returns and unmarked when its job ends (published,
   failed or dropped), so ``lookup_exact_or_wait`` never waits for a save that cannot come.
 - No tier I/O happens under the index lock.
+- With ``repair=False`` (``kvwarm cache verify`` without ``--repair``) opening the cache and
+  verifying it move and delete nothing: no quarantine, no temp-file reaping, no quota
+  enforcement, no sweeper; every bad file is reported instead.
 """
 
 from __future__ import annotations
@@ -94,12 +97,17 @@ class Cache:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         background: bool = True,
+        repair: bool = True,
     ) -> None:
         """``tiers`` replaces the tiers built from ``config.tiers`` (tests, custom storage);
         ``clock``/``monotonic`` drive TTLs and reservation deadlines; ``background=False``
-        starts no sweeper or pressure thread (call ``gc()``/``pressure.tick()`` yourself)."""
+        starts no sweeper or pressure thread (call ``gc()``/``pressure.tick()`` yourself);
+        ``repair=False`` opens the cache read-only for inspection (see the module invariants).
+        """
         self.config = config if config is not None else CacheConfig()
         validate_cache_config(self.config)
+        self._repair = repair
+        self._scan_problems: list[tuple[str, str]] = []
         self._counters = Counters()
         self._index = Index(
             reservation_ttl_s=self.config.reservation_ttl_s,
@@ -124,13 +132,14 @@ class Cache:
             self._scan(tier)
         self._index.resort_lru()
         for tier in self._tiers.values():
-            self._enforce_quota(tier)
+            if repair:
+                self._enforce_quota(tier)
         self._writer = WriterPool(self.config.writer_threads, self.config.writer_queue)
         self.pressure: PressureScheduler | None = None
         if source is not None:
             self.pressure = PressureScheduler(self.config.pressure, source, self.evict_bytes)
         self._sweeper: threading.Thread | None = None
-        if background:
+        if background and repair:
             self._sweeper = threading.Thread(
                 target=self._sweep_loop, name="kvwarm-sweep", daemon=True
             )
@@ -148,7 +157,7 @@ class Cache:
                 out.append(RamTier(tc.quota_bytes))
             else:
                 assert tc.root is not None  # validated
-                out.append(FileTier(tc.name, tc.root, tc.quota_bytes))
+                out.append(FileTier(tc.name, tc.root, tc.quota_bytes, repair=self._repair))
         return out
 
     # ------------------------------------------------------------------ lookups
@@ -382,9 +391,9 @@ class Cache:
     def rows(self, namespace: Namespace | None = None) -> list[RowInfo]:
         return self._index.rows(namespace)
 
-    def verify(self) -> VerifyReport:
-        checked = 0
-        bad: list[tuple[str, str]] = []
+    def verify(self, *, repair: bool = False) -> VerifyReport:
+        checked = len(self._scan_problems)
+        bad = list(self._scan_problems)
         for info in self._index.rows():
             stored = self._index.checkout(info.key, touch=False)
             if stored is None:
@@ -396,7 +405,8 @@ class Cache:
                     raise CacheFormatError("tokens differ from the index")
             except (CacheFormatError, CacheKeyError) as exc:
                 bad.append((stored.location or info.key.hex(), str(exc)))
-                self._retire([r for r in (self._index.remove(info.key),) if r is not None])
+                if repair:
+                    self._retire([r for r in (self._index.remove(info.key),) if r is not None])
             finally:
                 self._index.checkin(info.key)
         return VerifyReport(checked, tuple(bad))
@@ -412,8 +422,10 @@ class Cache:
                     adopted += self._index.adopt(row)
                 except ValueError as exc:
                     log.warning("%s: skipping %s: %s", tier.name, row.info.key.hex(), exc)
+                    self._scan_problems.append((row.location or row.info.key.hex(), str(exc)))
         except Exception:
             log.exception("%s: scan stopped early", tier.name)
+        self._scan_problems.extend(tier.problems())
         if adopted:
             log.info("%s: adopted %d rows", tier.name, adopted)
 

@@ -9,6 +9,11 @@ Invariants:
   describe the same set of published rows: they are changed together in ``_insert``/``_drop``.
 - A checked-out row (refcount > 0) is never chosen for eviction or TTL expiry; ``remove``
   (corruption, explicit delete) is the only way such a row leaves.
+- TTLs count only time a row sat unused while this process ran: a row's idle time starts at
+  its last use or at this index's creation, whichever is later, so downtime between a shutdown
+  and a restart never expires rows (a disk tier is meant to outlive restarts of any length).
+- Eviction never yields a key twice, whatever the caller's tier list: every row it drops is
+  returned, so its bytes are deleted and no file outlives its index entry.
 - Nothing here does I/O. Methods that retire rows return the ``StoredRow``s so the caller
   (the facade) deletes their bytes outside the lock.
 
@@ -58,6 +63,7 @@ class Index:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # publish/abandon/in-flight changes
         self._clock = clock
+        self._started = clock()  # TTL idle time is counted from here at the earliest
         self._ttl = ttl_seconds
         self._rows: dict[bytes, _Entry] = {}
         self._lru: dict[TierName, OrderedDict[bytes, None]] = {}
@@ -266,7 +272,8 @@ class Index:
         if n_bytes <= 0:
             return []
         with self._lock:
-            names = list(self._lru) if tiers is None else [t for t in tiers if t in self._lru]
+            wanted = self._lru if tiers is None else dict.fromkeys(tiers)  # dedupe, keep order
+            names = [t for t in wanted if t in self._lru]
             victims: list[bytes] = []
             freed = 0
             for key in self._oldest_first(names):
@@ -289,7 +296,8 @@ class Index:
             victims = [
                 k
                 for k, e in self._rows.items()
-                if e.refcount == 0 and now - e.info.last_used > self._ttl[e.info.ttl_class]
+                if e.refcount == 0
+                and now - max(e.info.last_used, self._started) > self._ttl[e.info.ttl_class]
             ]
             return self._drop_all(victims)
 

@@ -1,8 +1,9 @@
 """``kvwarm cache stats | ls | gc | verify``: the cache with no model loaded.
 
 Invariant: these commands open the cache alone (pure Python, no llama.cpp), over the same tier
-directories the server uses, so they work on a machine without a model. ``verify`` checks every
-row's CRC and exits 1 if any is bad.
+directories the server uses, so they work on a machine without a model. ``verify`` reports
+every bad file (CRC, truncation, garbage, interrupted temp files) and exits 1 if there is one;
+it moves and deletes nothing unless given ``--repair``.
 """
 
 from __future__ import annotations
@@ -33,21 +34,28 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         ("stats", "counters, rows and bytes per tier", run_stats),
         ("ls", "list rows, most recently used first", run_ls),
         ("gc", "remove expired rows and stale reservations now", run_gc),
-        ("verify", "check every row's CRC; exit 1 if any is bad", run_verify),
+        ("verify", "check every row; exit 1 if any file is bad", run_verify),
     ):
         parser = actions.add_parser(name, help=help_text, description=help_text)
         parser.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "ls":
             parser.add_argument("--limit", type=int, default=0, metavar="N", help="at most N rows")
+        if name == "verify":
+            parser.add_argument(
+                "--repair",
+                action="store_true",
+                help="also quarantine or delete the bad files (default: only report them)",
+            )
         add_settings(parser, CACHE_SETTINGS)
         parser.set_defaults(run=run)
 
 
 @contextmanager
-def open_cache(settings: Settings) -> Iterator[CacheApi]:
+def open_cache(settings: Settings, *, repair: bool = True) -> Iterator[CacheApi]:
     from kvwarm.cache import Cache
 
-    cache = Cache(settings.cache_config())
+    # A read-only open (repair=False) runs no sweeper: nothing may change under inspection.
+    cache = Cache(settings.cache_config(), repair=repair, background=repair)
     try:
         yield cache
     finally:
@@ -136,8 +144,13 @@ def run_gc(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    with open_cache(settings) as cache:
+    with open_cache(settings, repair=False) as cache:
         report = cache.verify()
+    if report.bad and args.repair:
+        # A repairing open quarantines what the scan rejects; its verify drops CRC failures.
+        # The report stays the read-only one: it is the only one that saw every bad file.
+        with open_cache(settings) as cache:
+            cache.verify(repair=True)
     if args.json:
         bad = [{"row": where, "reason": why} for where, why in report.bad]
         print(json.dumps({"checked": report.checked, "bad": bad}))

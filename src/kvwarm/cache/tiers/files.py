@@ -10,8 +10,13 @@ Invariants:
 - A failed fsync is never retried and a row whose sync failed is never announced: any OSError
   removes our temp file (and our link), abandons the reservation and raises ``CacheIOError``;
   files that existed before are left untouched.
-- Loads use plain ``readinto`` into a fresh buffer, not mmap: a mapping would turn an external
-  truncation into SIGBUS, and the page cache makes the one copy cheap. Everything is verified.
+- Every name is resolved against the root's directory fd, without following links, and the
+  root is private (``fsutil``): a row swapped for a symlink is reported bad, never written
+  through. Loads read into a buffer (no mmap) and verify everything.
+- With ``repair=False`` nothing in the directory is moved or deleted by a scan: invalid files
+  and interrupted temp files are only reported (``problems``), for ``kvwarm cache verify``.
+
+See docs/architecture.md (the cache) for how the tiers and the index fit together.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import struct
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +33,14 @@ from pathlib import Path
 from kvwarm.cache import kvc
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow
 from kvwarm.cache.tiers.common import check_request, row_info
+from kvwarm.cache.tiers.fsutil import (
+    open_private_dir,
+    open_private_subdir,
+    open_regular,
+    read_file,
+    read_meta,
+    unlink_quiet,
+)
 from kvwarm.cache.types import SaveRequest, TierName
 from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError, ConfigError
 
@@ -72,6 +85,7 @@ class FileTier:
         quota_bytes: int,
         *,
         quarantine: bool = True,
+        repair: bool = True,
         stale_tmp_s: float = 3600.0,
         on_step: StepHook | None = None,
     ) -> None:
@@ -83,16 +97,18 @@ class FileTier:
         self._root = Path(root)
         self._quota = quota_bytes
         self._quarantine = quarantine
+        self._repair = repair
+        self._problems: list[tuple[str, str]] = []
         self._stale_tmp_s = stale_tmp_s
         self._on_step = on_step
         self._lock = threading.Lock()
         self._inflight: set[str] = set()  # our temp files being written; scan keeps them
         try:
-            self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._dir = open_private_dir(self._root)
+        except NotADirectoryError:
+            raise ConfigError(f"cache root {self._root} is not a directory") from None
         except OSError as exc:
             raise ConfigError(f"cannot create cache root {self._root}: {exc}") from exc
-        if not self._root.is_dir():
-            raise ConfigError(f"cache root {self._root} is not a directory")
 
     @property
     def name(self) -> TierName:
@@ -107,7 +123,11 @@ class FileTier:
         return self._root
 
     def path_for(self, key: bytes) -> Path:
-        return self._root / (key.hex() + _SUFFIX)
+        return self._root / _name_for(key)
+
+    def problems(self) -> tuple[tuple[str, str], ...]:
+        """(path, reason) of every bad file the last scan left in place (``repair=False``)."""
+        return tuple(self._problems)
 
     def _step(self, name: str) -> None:
         if self._on_step is not None:
@@ -121,9 +141,8 @@ class FileTier:
         if token is None:
             return None
         self._step("reserved")
-        final = self.path_for(key)
-        serial = next(_tmp_serial)
-        tmp = final.with_name(f"{final.name}.{os.getpid()}.{token}.{serial}{_TMP_SUFFIX}")
+        final = _name_for(key)
+        tmp = f"{final}.{os.getpid()}.{token}.{next(_tmp_serial)}{_TMP_SUFFIX}"
         linked_ours = False
         try:
             fields = kvc.fields_from_request(request, now=time.time())
@@ -131,7 +150,7 @@ class FileTier:
             self._write_tmp(tmp, (prefix, request.payload))
             if not book.check(key, token):
                 log.debug("reservation for %s lost before link; abandoning", key.hex())
-                _unlink_quiet(tmp)
+                unlink_quiet(self._dir, tmp)
                 book.abandon(key, token)
                 return None
             self._step("checked")
@@ -140,17 +159,18 @@ class FileTier:
             self._step("linked" if linked_ours else "adopted")
             # The data is reachable through the final name now; dropping the temp name before
             # the directory fsync lets one fsync make both name changes durable.
-            _unlink_quiet(tmp)
+            unlink_quiet(self._dir, tmp)
             self._step("tmp_unlinked")
-            _fsync_dir(self._root)
+            os.fsync(self._dir)
             self._step("dir_synced")
+            location = str(self._root / final)
             if adopted is None:
                 info = row_info(key, self._name, fields, memoryview(request.payload).nbytes)
-                row = StoredRow(info, request.tokens, str(final))
+                row = StoredRow(info, request.tokens, location)
             else:
                 info = row_info(key, self._name, adopted.fields, adopted.payload_length)
-                row = StoredRow(info, adopted.fields.tokens, str(final))
-            book.mark_linked(key, token, str(final))
+                row = StoredRow(info, adopted.fields.tokens, location)
+            book.mark_linked(key, token, location)
             self._step("marked_linked")
         except OSError as exc:
             self._fail(tmp, final if linked_ours else None, key, token, book)
@@ -162,7 +182,7 @@ class FileTier:
             raise
         finally:
             with self._lock:
-                self._inflight.discard(tmp.name)
+                self._inflight.discard(tmp)
         if not book.publish(key, token, row):
             # The reservation was reaped (and may have adopted our file) or the key deleted;
             # the file stays for the index/scan to decide, but we must not announce it.
@@ -172,18 +192,19 @@ class FileTier:
         return row
 
     def _fail(
-        self, tmp: Path, our_final: Path | None, key: bytes, token: int, book: ReservationBook
+        self, tmp: str, our_final: str | None, key: bytes, token: int, book: ReservationBook
     ) -> None:
-        _unlink_quiet(tmp)
+        unlink_quiet(self._dir, tmp)
         if our_final is not None:
-            _unlink_quiet(our_final)  # linked but not durably: never leave it visible
+            unlink_quiet(self._dir, our_final)  # linked but not durably: never leave it visible
         book.abandon(key, token)
 
-    def _write_tmp(self, tmp: Path, parts: Sequence[kvc.Buffer]) -> None:
+    def _write_tmp(self, tmp: str, parts: Sequence[kvc.Buffer]) -> None:
         with self._lock:
-            self._inflight.add(tmp.name)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o600)
+            self._inflight.add(tmp)
+        # O_EXCL never follows a link: a name planted in the way fails the save instead.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600, dir_fd=self._dir)
         try:
             self._step("tmp_opened")
             _write_all(fd, parts)
@@ -194,154 +215,169 @@ class FileTier:
         finally:
             os.close(fd)
 
-    def _link(self, tmp: Path, final: Path, key: bytes) -> kvc.KvcMeta | None:
+    def _link(self, tmp: str, final: str, key: bytes) -> kvc.KvcMeta | None:
         """Link ``tmp`` to ``final``. None if we created it; the existing file's metadata if
         one valid for ``key`` was there (adopt). Junk in the way is replaced."""
         for _ in range(_LINK_ATTEMPTS):
             try:
-                os.link(tmp, final)
+                os.link(
+                    tmp, final, src_dir_fd=self._dir, dst_dir_fd=self._dir, follow_symlinks=False
+                )
                 return None
             except FileExistsError:
                 pass
             existing = self._read_valid(final, key)
             if existing is not None:
                 return existing
-            log.warning("%s: replacing invalid file %s", self._name, final.name)
-            _unlink_quiet(final)
-        raise FileExistsError(17, "link target keeps reappearing invalid", str(final))
+            log.warning("%s: replacing invalid file %s", self._name, final)
+            unlink_quiet(self._dir, final)
+        raise FileExistsError(17, "link target keeps reappearing invalid", final)
 
-    def _read_valid(self, path: Path, key: bytes) -> kvc.KvcMeta | None:
+    def _read_valid(self, name: str, key: bytes) -> kvc.KvcMeta | None:
         try:
             # Metadata first (bounded read): junk in the way is not read in full.
-            if _read_meta(path).key != key:
+            if read_meta(self._dir, name).key != key:
                 raise CacheFormatError("holds another key")
-            return kvc.parse(_read_file(path, None)[0], expected_key=key).meta
+            return kvc.parse(read_file(self._dir, name, None)[0], expected_key=key).meta
         except FileNotFoundError:
             return None
         except CacheFormatError as exc:
-            log.info("%s: %s is invalid: %s", self._name, path.name, exc)
+            log.info("%s: %s is invalid: %s", self._name, name, exc)
             return None
 
     # ---- read side -----------------------------------------------------------------------
 
-    def _location(self, row: StoredRow) -> Path:
-        return Path(row.location) if row.location else self.path_for(row.info.key)
-
     def load(self, row: StoredRow, buffer: bytearray | None = None) -> RowBytes:
-        path = self._location(row)
+        name = _name_for(row.info.key)  # a row's file name is a function of its key alone
         try:
-            buf, backing = _read_file(path, buffer)
+            buf, backing = read_file(self._dir, name, buffer)
         except FileNotFoundError:
             raise CacheKeyError(f"{self._name} holds no row {row.info.key.hex()}") from None
         except OSError as exc:
             raise CacheIOError(
-                f"{self._name}: reading {path} failed: {exc}", errno=exc.errno
+                f"{self._name}: reading {name} failed: {exc}", errno=exc.errno
             ) from exc
         f = kvc.parse(buf, expected_key=row.info.key, known_tokens=row.tokens)
         return RowBytes(f.meta.fields.tokens, f.payload, f.meta.fields.logits, backing)
 
     def delete(self, row: StoredRow) -> None:
-        path = self._location(row)
+        name = _name_for(row.info.key)
         try:
-            os.unlink(path)
+            os.unlink(name, dir_fd=self._dir)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            raise CacheIOError(f"{self._name}: deleting {path} failed", errno=exc.errno) from exc
+            raise CacheIOError(f"{self._name}: deleting {name} failed", errno=exc.errno) from exc
 
     def record_hit(self, row: StoredRow, hits: int, last_used: float) -> None:
         """Best effort, no fsync: these header fields are an LRU hint outside every CRC."""
         hits_b, last_b = kvc.pack_hit_fields(hits, last_used)
-        path = self._location(row)
+        name = _name_for(row.info.key)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            fd = open_regular(self._dir, name, os.O_WRONLY)
         except FileNotFoundError:
             return
-        except OSError as exc:
-            log.warning("%s: cannot record hit on %s: %s", self._name, path.name, exc)
+        except (OSError, CacheFormatError) as exc:
+            log.warning("%s: cannot record hit on %s: %s", self._name, name, exc)
             return
         try:
             if os.fstat(fd).st_size >= kvc.PREFIX_FIXED_SIZE:  # never extend a stranger
                 os.pwrite(fd, hits_b, kvc.HIT_COUNT_OFFSET)
                 os.pwrite(fd, last_b, kvc.LAST_USED_OFFSET)
         except OSError as exc:
-            log.warning("%s: cannot record hit on %s: %s", self._name, path.name, exc)
+            log.warning("%s: cannot record hit on %s: %s", self._name, name, exc)
         finally:
             os.close(fd)
 
     def probe(self, key: bytes) -> StoredRow | None:
-        path = self.path_for(key)
+        name = _name_for(key)
         try:
-            return self._row_from_file(path, key)
+            return self._row_from_file(name, key)
         except FileNotFoundError:
             return None
         except (OSError, CacheFormatError) as exc:
-            log.info("%s: probe of %s found an unusable file: %s", self._name, path.name, exc)
+            log.info("%s: probe of %s found an unusable file: %s", self._name, name, exc)
             return None
 
-    def _row_from_file(self, path: Path, key: bytes) -> StoredRow:
-        meta = _read_meta(path)
+    def _row_from_file(self, name: str, key: bytes) -> StoredRow:
+        meta = read_meta(self._dir, name)
         if meta.key != key:
-            raise CacheFormatError(f"{path.name} holds another key")
+            raise CacheFormatError(f"{name} holds another key")
         info = row_info(key, self._name, meta.fields, meta.payload_length)
-        return StoredRow(info, meta.fields.tokens, str(path))
+        return StoredRow(info, meta.fields.tokens, str(self._root / name))
 
     def scan(self) -> Iterator[StoredRow]:
         """Startup: reap temp files, yield valid rows (payload CRC deferred to ``load``),
-        quarantine (or delete) invalid ones. One bad file never stops the scan."""
+        quarantine (or delete) invalid ones -- or, with ``repair=False``, only report both in
+        ``problems()``. One bad file never stops the scan."""
+        self._problems = []
         try:
-            names = sorted(e.name for e in os.scandir(self._root))
+            names = sorted(e.name for e in os.scandir(self._dir))
         except OSError as exc:
             log.error("%s: cannot list %s: %s", self._name, self._root, exc)
             return
         for name in names:
-            path = self._root / name
             try:
                 if name.endswith(_TMP_SUFFIX):
-                    self._reap_tmp(path)
+                    self._reap_tmp(name)
                     continue
                 if not name.endswith(_SUFFIX):
                     continue  # the quarantine dir, or files that are not ours
                 stem = name[: -len(_SUFFIX)]
                 if len(stem) != 64 or not _HEX.issuperset(stem):
                     raise CacheFormatError("not a <hex key>.kvc name")
-                yield self._row_from_file(path, bytes.fromhex(stem))
+                yield self._row_from_file(name, bytes.fromhex(stem))
             except FileNotFoundError:
                 continue  # removed by someone else meanwhile
             except (OSError, CacheFormatError) as exc:
-                self._discard(path, exc)
+                self._discard(name, exc)
 
-    def _reap_tmp(self, path: Path) -> None:
+    def _reap_tmp(self, name: str) -> None:
         with self._lock:
-            if path.name in self._inflight:
+            if name in self._inflight:
                 return
-        parts = path.name.split(".")
+        parts = name.split(".")
         pid = int(parts[2]) if len(parts) == 6 and parts[2].isdigit() else None
         # Another live process may be mid-save in a shared root: only reap its file if stale.
         if (
             pid is not None
             and pid != os.getpid()
             and _pid_alive(pid)
-            and time.time() - path.stat().st_mtime < self._stale_tmp_s
+            and time.time() - os.stat(name, dir_fd=self._dir, follow_symlinks=False).st_mtime
+            < self._stale_tmp_s
         ):
             return
-        log.info("%s: removing interrupted temp file %s", self._name, path.name)
-        _unlink_quiet(path)
+        if not self._repair:
+            self._problems.append((str(self._root / name), "interrupted temp file"))
+            return
+        log.info("%s: removing interrupted temp file %s", self._name, name)
+        unlink_quiet(self._dir, name)
 
-    def _discard(self, path: Path, why: Exception) -> None:
-        log.warning("%s: invalid cache file %s: %s", self._name, path.name, why)
+    def _discard(self, name: str, why: Exception) -> None:
+        if not self._repair:
+            self._problems.append((str(self._root / name), str(why)))
+            return
+        log.warning("%s: invalid cache file %s: %s", self._name, name, why)
         try:
-            if self._quarantine and path.is_file():
-                qdir = self._root / _QUARANTINE
-                qdir.mkdir(mode=0o700, exist_ok=True)
-                os.replace(path, qdir / path.name)
-            elif path.is_file():
-                os.unlink(path)
+            if stat.S_ISDIR(os.stat(name, dir_fd=self._dir, follow_symlinks=False).st_mode):
+                return  # e.g. a directory named like a row: not ours to remove
+            if self._quarantine:
+                qdir = open_private_subdir(self._dir, _QUARANTINE)
+                try:
+                    os.replace(name, name, src_dir_fd=self._dir, dst_dir_fd=qdir)
+                finally:
+                    os.close(qdir)
+            else:
+                os.unlink(name, dir_fd=self._dir)
         except OSError as exc:
-            log.error("%s: cannot remove invalid file %s: %s", self._name, path.name, exc)
+            log.error("%s: cannot remove invalid file %s: %s", self._name, name, exc)
 
     def close(self) -> None:
-        """Nothing to release: no descriptor outlives a call."""
+        """Release the directory descriptor. Idempotent."""
+        with self._lock:
+            fd, self._dir = self._dir, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def _write_all(fd: int, parts: Sequence[kvc.Buffer]) -> None:
@@ -357,54 +393,8 @@ def _write_all(fd: int, parts: Sequence[kvc.Buffer]) -> None:
             views[0] = views[0][n:]
 
 
-def _read_file(path: Path, scratch: bytearray | None) -> tuple[memoryview, bytearray]:
-    """The whole file, read once from the page cache into ``scratch`` if it is large enough
-    (reused memory is already faulted in: ~2.5x faster for 50 MB on /dev/shm) or else into a
-    fresh buffer. Returns (a view of exactly the file's bytes, the buffer behind it)."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        buf = scratch if scratch is not None and len(scratch) >= size else bytearray(size)
-        view = memoryview(buf)[:size]
-        got = 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    if got != size:
-        raise CacheFormatError(f"{path.name} shrank while being read")
-    return view, buf
-
-
-def _read_meta(path: Path) -> kvc.KvcMeta:
-    """Header, trailer and metadata only: reads the prefix, never the payload."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(kvc.PREFIX_FIXED_SIZE)
-        if len(head) < kvc.PREFIX_FIXED_SIZE:
-            raise CacheFormatError(f"{path.name}: {size} bytes is too short")
-        (offset,) = struct.unpack_from("<Q", head, kvc.HEADER_SIZE)
-        if not kvc.PREFIX_FIXED_SIZE <= offset <= min(size, kvc.MAX_META_BYTES):
-            raise CacheFormatError(f"{path.name}: payload offset {offset} out of range")
-        rest = f.read(offset - kvc.PREFIX_FIXED_SIZE)
-    return kvc.parse_meta(head + rest, file_size=size)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quiet(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("cannot remove %s: %s", path, exc)
+def _name_for(key: bytes) -> str:
+    return key.hex() + _SUFFIX
 
 
 def _pid_alive(pid: int) -> bool:

@@ -127,6 +127,9 @@ class RamTier:
             entry = self._rows.get(key)
         return None if entry is None else entry.row
 
+    def problems(self) -> tuple[tuple[str, str], ...]:
+        return ()  # process memory holds nothing a scan could find bad
+
     def close(self) -> None:
         with self._lock:
             self._rows.clear()

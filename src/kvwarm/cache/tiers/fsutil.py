@@ -1,0 +1,158 @@
+"""File-system primitives for the file tiers: private directories and no-follow opens.
+
+The cache directory is not trusted to be what we left there. Invariants:
+
+- Every directory we create (the tier root, its missing parents, ``quarantine``) is made mode
+  0700 explicitly, whatever the umask.
+- A tier root owned by another user is refused (``UnsafeCacheDirError``): its owner can always
+  write it, so could swap a row for a link. A root that is ours but open to the group or the
+  world is tightened to 0700 (and logged), since whoever made it so meant it to be ours.
+- Every file below a root is opened relative to the root's directory fd with ``O_NOFOLLOW``
+  and ``O_NONBLOCK``, and must be a regular file: a symlink is never followed and a FIFO
+  planted in place of a row cannot hang a reader (both surface as ``CacheFormatError``).
+- Reads use ``readinto`` into a buffer, never mmap: a mapping would turn an external truncation
+  into SIGBUS.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import struct
+from pathlib import Path
+
+from kvwarm.cache import kvc
+from kvwarm.errors import CacheFormatError, UnsafeCacheDirError
+
+__all__ = [
+    "PRIVATE_DIR_MODE",
+    "open_private_dir",
+    "open_private_subdir",
+    "open_regular",
+    "read_file",
+    "read_meta",
+    "unlink_quiet",
+]
+
+log = logging.getLogger(__name__)
+
+PRIVATE_DIR_MODE = 0o700
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def open_private_dir(path: Path) -> int:
+    """Create ``path`` and its missing parents 0700, open it and make sure it is private.
+    Returns a directory fd the caller owns."""
+    missing: list[Path] = []
+    p = path
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, PRIVATE_DIR_MODE)
+        except FileExistsError:
+            continue  # another process made it meanwhile; the root is checked below
+        os.chmod(d, PRIVATE_DIR_MODE, follow_symlinks=False)  # the umask may have cut bits
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        _make_private(fd, str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_private_subdir(dir_fd: int, name: str) -> int:
+    """``name`` below ``dir_fd``, created 0700 if missing, never through a symlink."""
+    try:
+        os.mkdir(name, PRIVATE_DIR_MODE, dir_fd=dir_fd)
+        os.chmod(name, PRIVATE_DIR_MODE, dir_fd=dir_fd, follow_symlinks=False)
+    except FileExistsError:
+        pass
+    fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        _make_private(fd, name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _make_private(fd: int, where: str) -> None:
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        raise UnsafeCacheDirError(
+            f"cache directory {where} belongs to uid {st.st_uid}, not to us "
+            f"(uid {os.geteuid()}); its owner could replace rows. Use a directory we own."
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        log.warning(
+            "cache directory %s was mode %o; tightening it to %o",
+            where,
+            stat.S_IMODE(st.st_mode),
+            PRIVATE_DIR_MODE,
+        )
+        os.fchmod(fd, PRIVATE_DIR_MODE)
+
+
+def open_regular(dir_fd: int, name: str, flags: int) -> int:
+    """Open the regular file ``name`` below ``dir_fd`` without following a link.
+    ``CacheFormatError`` if it is a symlink or not a regular file; other ``OSError``s
+    (``FileNotFoundError`` included) pass through."""
+    try:
+        fd = os.open(name, flags | _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CacheFormatError(f"{name} is a symbolic link; not following it") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CacheFormatError(f"{name} is not a regular file")
+    return fd
+
+
+def read_file(dir_fd: int, name: str, scratch: bytearray | None) -> tuple[memoryview, bytearray]:
+    """The whole file, read once from the page cache into ``scratch`` if it is large enough
+    (reused memory is already faulted in: ~2.5x faster for 50 MB on /dev/shm) or else into a
+    fresh buffer. Returns (a view of exactly the file's bytes, the buffer behind it)."""
+    with open(open_regular(dir_fd, name, os.O_RDONLY), "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = scratch if scratch is not None and len(scratch) >= size else bytearray(size)
+        view = memoryview(buf)[:size]
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    if got != size:
+        raise CacheFormatError(f"{name} shrank while being read")
+    return view, buf
+
+
+def read_meta(dir_fd: int, name: str) -> kvc.KvcMeta:
+    """Header, trailer and metadata only: reads the prefix, never the payload."""
+    with open(open_regular(dir_fd, name, os.O_RDONLY), "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(kvc.PREFIX_FIXED_SIZE)
+        if len(head) < kvc.PREFIX_FIXED_SIZE:
+            raise CacheFormatError(f"{name}: {size} bytes is too short")
+        (offset,) = struct.unpack_from("<Q", head, kvc.HEADER_SIZE)
+        if not kvc.PREFIX_FIXED_SIZE <= offset <= min(size, kvc.MAX_META_BYTES):
+            raise CacheFormatError(f"{name}: payload offset {offset} out of range")
+        rest = f.read(offset - kvc.PREFIX_FIXED_SIZE)
+    return kvc.parse_meta(head + rest, file_size=size)
+
+
+def unlink_quiet(dir_fd: int, name: str) -> None:
+    """Remove ``name`` (a link is removed itself, never its target); missing is fine."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot remove %s: %s", name, exc)

@@ -1,0 +1,122 @@
+"""The cache directory is not trusted: links are never followed, directories are private."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tests.cache.facadekit import NS, FakeClock, req
+from tests.cache.fakebook import FakeBook
+from tests.cache.tierkit import request
+
+from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache.tiers import fsutil
+from kvwarm.cache.tiers.files import FileTier
+from kvwarm.errors import CacheFormatError, UnsafeCacheDirError
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(os.lstat(p).st_mode)
+
+
+@pytest.fixture
+def umask_000() -> Iterator[None]:
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _swap_for_link(tier: FileTier, key: bytes, target: Path) -> None:
+    path = tier.path_for(key)
+    os.unlink(path)
+    os.symlink(target, path)
+
+
+def test_a_row_swapped_for_a_symlink_is_never_followed(tmp_path: Path) -> None:
+    root, target = tmp_path / "rows", tmp_path / "precious"
+    target.write_bytes(b"x" * 4096)
+    tier = FileTier("disk", root, 1 << 20)
+    key, r = request((1, 2, 3))
+    row = tier.store(key, r, FakeBook())
+    assert row is not None
+    _swap_for_link(tier, key, target)
+    tier.record_hit(row, 7, 1234.0)  # used to write 12 bytes into the link's target
+    with pytest.raises(CacheFormatError, match="symbolic link"):
+        tier.load(row)
+    assert tier.probe(key) is None
+    assert list(tier.scan()) == []  # the link is quarantined, not its target
+    tier.delete(row)
+    assert target.read_bytes() == b"x" * 4096
+    assert os.path.islink(root / "quarantine" / tier.path_for(key).name)
+
+
+def test_facade_drops_a_linked_row_and_leaves_the_target(tmp_path: Path) -> None:
+    root, target = tmp_path / "rows", tmp_path / "precious"
+    target.write_bytes(b"y" * 100)
+    with Cache(CacheConfig(tiers=(TierConfig("disk", 1 << 20, root),)), background=False) as c:
+        assert c.save(req((4,) * 8, tier="disk"), sync=True)
+        key = c.key_for(NS, (4,) * 8)
+        info = c.lookup_exact(key)
+        assert info is not None and info.tier == "disk"
+        with c.open_row(key):
+            pass  # a hit to persist
+        _swap_for_link(FileTier("disk", root, 1 << 20), key, target)
+        c.persist_hits()
+        with pytest.raises(CacheFormatError), c.open_row(key):
+            pass
+        assert c.lookup_exact(key) is None and not os.path.lexists(root / f"{key.hex()}.kvc")
+    assert target.read_bytes() == b"y" * 100
+
+
+def test_a_fifo_in_place_of_a_row_cannot_hang_a_reader(tmp_path: Path) -> None:
+    tier = FileTier("disk", tmp_path / "rows", 1 << 20)
+    key, _ = request((5, 6))
+    os.mkfifo(tier.path_for(key))
+    assert tier.probe(key) is None  # O_NONBLOCK: returns instead of waiting for a writer
+
+
+def test_created_directories_are_0700_under_umask_000(tmp_path: Path, umask_000: None) -> None:
+    root = tmp_path / "a" / "b" / "rows"
+    tier = FileTier("disk", root, 1 << 20, quarantine=True)
+    assert [_mode(p) for p in (tmp_path / "a", tmp_path / "a" / "b", root)] == [0o700] * 3
+    (root / ("cd" * 32 + ".kvc")).write_bytes(b"garbage")
+    assert list(tier.scan()) == []
+    assert _mode(root / "quarantine") == 0o700
+
+
+def test_our_own_0777_directory_is_tightened_to_0700(tmp_path: Path) -> None:
+    root = tmp_path / "open"
+    root.mkdir()
+    root.chmod(0o777)
+    FileTier("disk", root, 1 << 20)
+    assert _mode(root) == 0o700
+
+
+def test_a_directory_of_another_user_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "theirs"
+    root.mkdir()
+    root.chmod(0o777)
+    monkeypatch.setattr(fsutil.os, "geteuid", lambda: os.stat(root).st_uid + 1)
+    with pytest.raises(UnsafeCacheDirError, match="belongs to uid"):
+        FileTier("disk", root, 1 << 20)
+    assert _mode(root) == 0o777  # refused, not changed
+
+
+def test_rows_survive_a_long_downtime_and_expire_after_unused_uptime(tmp_path: Path) -> None:
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 20, tmp_path),), ttl_seconds=(300, 600, 900))
+    with Cache(cfg, background=False) as c:
+        assert c.save(req((1,) * 8, tier="disk"), sync=True)  # a SHORT row
+    clock = FakeClock(float(os.stat(next(tmp_path.glob("*.kvc"))).st_mtime) + 10_000)
+    with Cache(cfg, background=False, clock=clock) as c2:
+        assert c2.gc().rows == 0 and len(c2.rows()) == 1  # 10000 s down: not "unused"
+        clock.advance(299)
+        assert c2.gc().rows == 0
+        clock.advance(2)
+        assert c2.gc().rows == 1 and not list(tmp_path.glob("*.kvc"))
