@@ -109,6 +109,7 @@ def test_runtime_errors_exit_1_without_traceback(env: dict[str, str], tmp_path: 
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_complete_prints_text_and_timings_and_reuses_the_disk_cache(env: dict[str, str]) -> None:
     args = ("complete", LONG_PROMPT, "--max-tokens", "4", "--temperature", "0")
     first = kvwarm(env, *args)
@@ -125,6 +126,7 @@ def test_complete_prints_text_and_timings_and_reuses_the_disk_cache(env: dict[st
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_chat_repl_streams_and_reports_cache_use_per_turn(env: dict[str, str]) -> None:
     result = kvwarm(
         env,
@@ -141,10 +143,11 @@ def test_chat_repl_streams_and_reports_cache_use_per_turn(env: dict[str, str]) -
     assert len([line for line in result.stdout.splitlines() if line.strip()]) >= 1
 
 
-# --- cache maintenance (no model) ------------------------------------------------------------
+# --- cache maintenance (the model fills the cache; the commands run without it) -----------
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_cache_commands_and_verify_finds_corruption(env: dict[str, str]) -> None:
     filled = kvwarm(env, "complete", LONG_PROMPT, "--max-tokens", "4")
     assert filled.returncode == 0, filled.stderr
@@ -215,6 +218,7 @@ def test_cache_verify_reports_every_bad_file_and_repairs_only_when_asked(
 # --- models, bench, serve --------------------------------------------------------------------
 
 
+@pytest.mark.model  # asserts the embedded model is installed
 def test_models_lists_the_embedded_default(env: dict[str, str], tmp_path: Path) -> None:
     (tmp_path / "extra.gguf").write_bytes(b"GGUF")
     result = kvwarm(env, "models", "--json", "--scan", str(tmp_path))
@@ -247,6 +251,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.model
+@pytest.mark.slow
 def test_serve_answers_then_stops_on_sigterm(env: dict[str, str]) -> None:
     port = _free_port()
     proc = subprocess.Popen(

@@ -57,10 +57,64 @@ def engine() -> Iterator[Engine]:
     eng.close()
 
 
+class StepGate:
+    """Opened for good (``set``) or for one forward pass at a time (``step``): a test decides
+    exactly how far the worker may get, with no timing assumptions.
+
+    Invariant: ``step`` returns only once the worker has run the pass and come back to the gate,
+    so everything that pass produced (tokens, finished requests) has been delivered.
+    """
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self._cond = threading.Condition()
+        self._open = False
+        self._permits = 0
+        self._arrivals = 0  # passes the worker has asked for
+        self._passes = 0  # passes it was let through
+        self._timeout_s = timeout_s
+
+    def set(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        with self._cond:
+            self._open = False
+
+    def is_set(self) -> bool:
+        return self._open
+
+    def wait(self) -> None:
+        """The worker's side: called before every forward pass."""
+        with self._cond:
+            self._arrivals += 1
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._open or self._permits > 0)
+            if not self._open:
+                self._permits -= 1
+            self._passes += 1
+
+    def step(self, n: int = 1) -> None:
+        """Let ``n`` forward passes run, one by one, each waited for as the invariant says."""
+        for _ in range(n):
+            self._step_once()
+
+    def _step_once(self) -> None:
+        with self._cond:
+            parked = self._cond.wait_for(lambda: self._arrivals > self._passes, self._timeout_s)
+            assert parked, "the worker never reached the gate"
+            arrivals = self._arrivals
+            self._permits += 1
+            self._cond.notify_all()
+            back = self._cond.wait_for(lambda: self._arrivals > arrivals, self._timeout_s)
+            assert back, "the worker did not come back to the gate after one pass"
+
+
 class _GatedContext:
     """Delegates to a stub context, but each ``decode`` first waits for the gate to open."""
 
-    def __init__(self, inner: object, gate: threading.Event) -> None:
+    def __init__(self, inner: object, gate: StepGate) -> None:
         self._inner = inner
         self._gate = gate
 
@@ -73,7 +127,7 @@ class _GatedContext:
 
 
 class _GatedModel:
-    def __init__(self, inner: object, gate: threading.Event) -> None:
+    def __init__(self, inner: object, gate: StepGate) -> None:
         self._inner = inner
         self._gate = gate
 
@@ -85,13 +139,13 @@ class _GatedModel:
 
 
 class GatedBackend:
-    """A stub backend whose forward passes run only while ``gate`` is set: tests decide
-    exactly when the worker can make progress, with no timing assumptions."""
+    """A stub backend whose forward passes run only while ``gate`` is set, or one per
+    ``gate.step()``: tests decide exactly when the worker can make progress."""
 
     name = "stub"
 
     def __init__(self) -> None:
-        self.gate = threading.Event()
+        self.gate = StepGate()
         self._stub = StubBackend()
 
     def locate(self, path: str | None) -> Path:

@@ -8,9 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests.engine.conftest import make_engine, stub_config
+from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
-from kvwarm.backends.stub import StubBackend
 from kvwarm.engine.api import Engine, EngineConfig
 from kvwarm.engine.types import Completion, GenerationOptions
 from kvwarm.errors import (
@@ -138,56 +137,67 @@ def test_disk_tier_serves_hits_after_restart(tmp_path: Path) -> None:
 
 
 def test_cancel_mid_stream_ends_with_stats() -> None:
+    """The worker is held between tokens: cancel must end the request there, as "cancelled",
+    long before max_tokens (a cancel that does nothing runs it to its end and fails this)."""
     eng = make_engine()
     try:
-        model = eng.load_model(config=stub_config(backend=StubBackend(decode_delay_s=0.002)))
-        stream = model.stream(
-            "Tell me a long story", GenerationOptions(max_tokens=5000, temperature=0.0, stop=())
-        )
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(backend=backend))  # type: ignore[arg-type]
+        opts = GenerationOptions(max_tokens=200, temperature=0.0, stop=(), ignore_eos=True)
+        stream = model.stream("Tell me a long story", opts)
+        backend.gate.step(3)  # the prefill and two tokens; the worker waits before the next
         it = iter(stream)
         first = next(it)
         assert first
         stream.cancel()
         stream.cancel()  # idempotent
+        backend.gate.set()
         rest = "".join(it)
         done = stream.completion
         assert done is not None
-        assert done.stats.finish_reason in ("cancelled", "stop")
+        assert done.stats.finish_reason == "cancelled"
+        assert 1 <= done.stats.completion_tokens <= 4
         assert done.text == first + rest
         # The model is free for the next request.
-        assert (
-            model.complete("hi", GenerationOptions(max_tokens=2, temperature=0.0)).text is not None
-        )
+        assert model.complete("hi", GenerationOptions(max_tokens=2, temperature=0.0)).text
     finally:
         eng.close()
 
 
-def test_requests_queue_fifo(engine: Engine) -> None:
-    model = engine.load_model(config=stub_config(backend=StubBackend(decode_delay_s=0.001)))
-    streams = [
-        model.stream(f"request {i}", GenerationOptions(max_tokens=6, temperature=0.0))
-        for i in range(6)
-    ]
-    done = [s.result() for s in streams]
-    admitted = [
-        s._req.submitted + d.stats.queue_ms / 1e3 for s, d in zip(streams, done, strict=True)
-    ]
-    assert admitted == sorted(admitted)
+def test_requests_queue_fifo() -> None:
+    """Six requests for one slot, all submitted while the worker is held: they are admitted in
+    submission order."""
+    eng = make_engine()
+    try:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(backend=backend))  # type: ignore[arg-type]
+        opts = GenerationOptions(max_tokens=6, temperature=0.0)
+        streams = [model.stream(f"request {i}", opts) for i in range(6)]
+        assert model.status().queued >= 5  # the gate holds the first: the rest must wait
+        backend.gate.set()
+        done = [s.result() for s in streams]
+        admitted = [
+            s._req.submitted + d.stats.queue_ms / 1e3 for s, d in zip(streams, done, strict=True)
+        ]
+        assert admitted == sorted(admitted)
+    finally:
+        eng.close()
 
 
 def test_async_stream_matches_sync(engine: Engine) -> None:
+    """The same prompt, greedy: the async stream yields exactly the sync completion's text."""
     model = engine.load_model(config=stub_config())
     sync = model.complete(PROMPT, GREEDY)
 
     async def run() -> tuple[str, str]:
-        stream = model.stream(PROMPT + " ", GREEDY)
+        stream = model.stream(PROMPT, GREEDY)
         parts = [p async for p in stream]
         done = await stream.aresult()
         return "".join(parts), done.text
 
     joined, text = asyncio.run(run())
-    assert joined == text
     assert sync.text
+    assert joined == text == sync.text
 
 
 def test_bad_options_are_clear_errors(engine: Engine) -> None:

@@ -18,6 +18,7 @@ def test_safe_is_the_sha256_of_the_file(tmp_path: Path) -> None:
     assert fingerprint(f, FingerprintMode.SAFE) == hashlib.sha256(f.read_bytes()).digest()
 
 
+@pytest.mark.model
 def test_fingerprint_follows_content_not_path(tmp_path: Path) -> None:
     src = default_model_path()
     copy = tmp_path / "renamed.gguf"

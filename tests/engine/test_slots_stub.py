@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
-from kvwarm.backends.stub import StubBackend
 from kvwarm.engine.api import Engine
 from kvwarm.engine.types import GenerationOptions
 
@@ -50,17 +49,22 @@ def test_cancelling_one_slot_leaves_the_others_unchanged() -> None:
     expected = solo(prompts)
     eng = make_engine()
     try:
-        backend = StubBackend(decode_delay_s=0.001)
-        model = eng.load_model(config=stub_config(n_parallel=3, backend=backend))
-        streams = [model.stream(p, OPTS) for p in prompts]
+        backend = GatedBackend()
+        cfg = stub_config(n_parallel=3, backend=backend)  # type: ignore[arg-type]
+        model = eng.load_model(config=cfg)
+        long = GenerationOptions(max_tokens=100, temperature=0.0, stop=(), ignore_eos=True)
+        streams = [model.stream(p, OPTS if i != 1 else long) for i, p in enumerate(prompts)]
+        backend.gate.step(4)  # every prefill and a first token each; the worker is held
         victim = iter(streams[1])
-        next(victim)
-        streams[1].cancel()
+        assert next(victim)
+        streams[1].cancel()  # cancelled mid-stream, while the others are mid-stream too
+        backend.gate.set()
         for _ in victim:
             pass
         others = [streams[0].result().text, streams[2].result().text]
         assert others == [expected[0], expected[2]]
         assert streams[1].completion is not None
+        assert streams[1].completion.stats.finish_reason == "cancelled"
     finally:
         eng.close()
 

@@ -1,0 +1,75 @@
+"""Suite-wide rule: a test that touches the real model carries the ``model`` marker.
+
+Invariant: ``pytest -m "not model"`` runs exactly the tests that need no model (and no
+llama.cpp decoding), so the marker must not be forgotten. In this process, resolving the default
+model file (``kvwarm.embedded.default_model_path``) or loading a GGUF through llama.cpp
+(``LlamaBackend.load_model``) from a test without the marker fails that test. Tests that run the
+model in a child process (the CLI tests) are marked by hand.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Generator
+from typing import Any
+
+import pytest
+
+import kvwarm.embedded
+
+_running: list[pytest.Item] = []
+_offenders: dict[str, str] = {}
+_restore: list[Callable[[], None]] = []
+
+
+def _check(what: str) -> None:
+    item = _running[-1] if _running else None
+    if item is None or item.get_closest_marker("model") is not None:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        _offenders[item.nodeid] = what
+    pytest.fail(f"{item.nodeid} uses {what} but is not marked @pytest.mark.model", pytrace=False)
+
+
+def _guard(owner: Any, name: str, what: str) -> None:
+    original = getattr(owner, name)
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        _check(what)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, guarded)
+    _restore.append(lambda: setattr(owner, name, original))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before any test module runs ``from kvwarm.embedded import default_model_path``, so that
+    # every such import binds the guarded function.
+    _guard(kvwarm.embedded, "default_model_path", "the real model file")
+    from kvwarm.backends.llama_model import LlamaBackend
+
+    _guard(LlamaBackend, "load_model", "llama.cpp")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _restore:
+        _restore.pop()()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None]:
+    # Module-scoped fixtures are set up inside their first test's protocol, so they count too.
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    # A use from a background thread (a server loading its models) cannot fail the test where
+    # it happens; it fails it here.
+    what = _offenders.pop(item.nodeid, None)
+    if what is not None:
+        pytest.fail(f"{item.nodeid} uses {what} but is not marked @pytest.mark.model")
