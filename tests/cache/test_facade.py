@@ -86,10 +86,11 @@ def test_async_save_dropped_when_writer_full() -> None:
     tier.gate.clear()
     c = Cache(CacheConfig(writer_threads=1, writer_queue=1), tiers=[tier], background=False)
     try:
-        assert c.save(req((1,) * 5))  # taken by the single thread, parks at the gate
+        # taken by the single thread, parks at the gate; an async save returns the key at once
+        assert c.save(req((1,) * 5)) == c.key_for(NS, (1,) * 5)
         assert tier.entered.wait(5)
         assert c.save(req((2,) * 5))  # fills the queue
-        assert not c.save(req((3,) * 5))  # dropped
+        assert c.save(req((3,) * 5)) is None  # dropped
         assert c.counters()["saves_dropped"] == 1
         assert not c._index.in_flight(c.key_for(NS, (3,) * 5))
         tier.gate.set()
@@ -243,7 +244,7 @@ def test_delete_record_miss_latency_and_close_idempotent() -> None:
 
 def test_evict_bytes_oldest_first(cache: Cache) -> None:
     for i in range(3):
-        assert cache.save(req((i,) * 5, 1000), sync=True)
+        assert cache.save(req((i,) * 5, 1000), sync=True) == cache.key_for(NS, (i,) * 5)
     res = cache.evict_bytes(1500)
     assert (res.rows, res.bytes) == (2, 2000)
     assert [r.n_tokens for r in cache.rows()] == [5]

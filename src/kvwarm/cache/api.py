@@ -71,11 +71,13 @@ class CacheApi(Protocol):
         ``CacheFormatError`` if corrupt (the bad row is dropped from index and tier)."""
         ...
 
-    def save(self, request: SaveRequest, *, sync: bool = False, timeout_s: float = 30.0) -> bool:
-        """Write a row. Async (default): queue it and return at once; False if the writer pool
-        was full (counted as ``saves_dropped``). The key is marked in flight before returning,
-        so ``lookup_exact_or_wait`` sees it. Sync: wait up to ``timeout_s``; True if published.
-        """
+    def save(
+        self, request: SaveRequest, *, sync: bool = False, timeout_s: float = 30.0
+    ) -> bytes | None:
+        """Write a row; returns its key, or None if it was not saved. Async (default): queue
+        it and return at once; None if the writer pool was full (counted as ``saves_dropped``).
+        The key is marked in flight before returning, so ``lookup_exact_or_wait`` sees it.
+        Sync: wait up to ``timeout_s``; the key only if the row was published."""
         ...
 
     def flush(self, timeout_s: float = 30.0) -> bool:

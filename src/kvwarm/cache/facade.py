@@ -254,7 +254,9 @@ class Cache:
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, request: SaveRequest, *, sync: bool = False, timeout_s: float = 30.0) -> bool:
+    def save(
+        self, request: SaveRequest, *, sync: bool = False, timeout_s: float = 30.0
+    ) -> bytes | None:
         tier = self._tiers.get(request.tier)
         if tier is None:
             raise InvalidRequestError(
@@ -262,10 +264,10 @@ class Cache:
             )
         key = cache_key(request.namespace, request.tokens)
         if key in self._index:
-            return True  # already published: the bytes would be identical
+            return key  # already published: the bytes would be identical
         if self._closed:  # tiers are closed: nothing could be stored
             self._counters.incr("saves_dropped")
-            return False
+            return None
         self._index.mark_in_flight(key)
 
         def job() -> bool:
@@ -273,17 +275,17 @@ class Cache:
 
         if sync:
             try:
-                return bool(self._writer.submit_sync(job, timeout_s))
+                return key if self._writer.submit_sync(job, timeout_s) else None
             except TimeoutError:
                 log.warning(
                     "sync %s save still running after %.1fs", request.reason.name, timeout_s
                 )
-                return False
+                return None
         if not self._writer.submit(job):
             self._index.clear_in_flight(key)
             self._counters.incr("saves_dropped")
-            return False
-        return True
+            return None
+        return key
 
     def _run_save(self, key: bytes, request: SaveRequest, tier: Tier) -> bool:
         t0 = time.perf_counter()

@@ -129,11 +129,6 @@ class Index:
             infos = [i for i in infos if i.namespace == namespace]
         return infos
 
-    def stored(self, key: bytes) -> StoredRow | None:
-        with self._lock:
-            entry = self._rows.get(key)
-            return None if entry is None else self._stored(key, entry)
-
     def tokens(self, key: bytes) -> tuple[int, ...] | None:
         with self._lock:
             return self._prefix.tokens(key)

@@ -289,14 +289,3 @@ class PrefixIndex:
         out = array(_CODE)
         out.frombytes(b"".join(parts))
         return tuple(out)
-
-    def node_count(self) -> int:
-        """Nodes in all trees (for tests and the memory estimate); O(nodes)."""
-        count = 0
-        stack = list(self._roots.values())
-        while stack:
-            n = stack.pop()
-            count += 1
-            if n.children:
-                stack.extend(n.children.values())
-        return count

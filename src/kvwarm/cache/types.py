@@ -25,10 +25,6 @@ class SaveReason(enum.IntEnum):
     SHUTDOWN = 4  # unload / process stop (sync, bounded)
     PREWARM = 5  # an explicit prewarm of a prefix, e.g. a system prompt (async)
 
-    @property
-    def is_sync(self) -> bool:
-        return self in (SaveReason.EVICT, SaveReason.SHUTDOWN)
-
 
 class TtlClass(enum.IntEnum):
     """How long a row may live unused before the TTL sweep removes it."""

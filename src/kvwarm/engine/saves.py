@@ -51,8 +51,7 @@ class Saves:
             canonical_tokens=canonical,
         )
         timeout = cfg.policy.evict_save_timeout_ms / 1e3
-        ok = rt.cache.save(request, sync=sync, timeout_s=timeout)
-        return rt.cache.key_for(ns, tokens) if ok else None
+        return rt.cache.save(request, sync=sync, timeout_s=timeout)
 
     def save_idle_slots(self, reason: SaveReason, *, release: bool) -> int:
         """Sync-save every idle slot's live KV (evict / shutdown). Worker thread only."""

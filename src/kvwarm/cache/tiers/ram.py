@@ -48,11 +48,6 @@ class RamTier:
     def quota_bytes(self) -> int:
         return self._quota
 
-    @property
-    def used_bytes(self) -> int:
-        with self._lock:
-            return sum(e.row.info.size for e in self._rows.values())
-
     def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
         check_request(key, request)
         token = book.reserve(key, "ram")
