@@ -26,23 +26,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
-from pydantic_settings import (
-    BaseSettings,
-    EnvSettingsSource,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvwarm.backends.base import ContextParams
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig, TierName
 from kvwarm.errors import ConfigError
+from kvwarm.settings_sources import read_env, read_toml, user_cache_dir, user_config_file
 from kvwarm.settings_types import (
     Bool,
     Float,
@@ -81,20 +76,6 @@ __all__ = [
 ENV_PREFIX = "KVWARM_"
 CONFIG_ENV = "KVWARM_CONFIG"
 _GIB = 1 << 30
-
-
-def user_cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """``$XDG_CACHE_HOME/kvwarm``, else ``~/.cache/kvwarm``."""
-    env = os.environ if env is None else env
-    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "kvwarm"
-
-
-def user_config_file(env: Mapping[str, str] | None = None) -> Path:
-    """``$XDG_CONFIG_HOME/kvwarm/config.toml``, else ``~/.config/kvwarm/config.toml``."""
-    env = os.environ if env is None else env
-    base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base).expanduser() / "kvwarm" / "config.toml"
 
 
 # erllama's gates (min_tokens 512, align 2048) suit big models on GPUs. A local CPU server
@@ -315,46 +296,6 @@ def settings_flags(namespace: argparse.Namespace) -> dict[str, object]:
     return {k: v for k, v in vars(namespace).items() if k in Settings.model_fields or k == "config"}
 
 
-def _read_file(path: Path) -> dict[str, object]:
-    try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
-    # A [kvwarm] table is accepted so the settings can live in a shared file.
-    section = data.get("kvwarm", data)
-    if not isinstance(section, dict):
-        raise ConfigError(f"config file {path}: [kvwarm] must be a table")
-    unknown = set(section) - set(Settings.model_fields) - {"kvwarm"}
-    if unknown:
-        raise ConfigError(f"config file {path}: unknown settings {', '.join(sorted(unknown))}")
-    return {k: v for k, v in section.items() if k in Settings.model_fields}
-
-
-class _MappingEnvSource(EnvSettingsSource):
-    """pydantic-settings' environment source (``KVWARM_`` prefix, case-insensitive names) over
-    a given mapping instead of ``os.environ``, so callers and tests can pass the environment."""
-
-    def __init__(self, env: Mapping[str, str]) -> None:
-        self._env = env
-        super().__init__(Settings)
-
-    def _load_env_vars(self) -> Mapping[str, str | None]:
-        return {k.lower(): v for k, v in self._env.items()}
-
-
-def _read_env(env: Mapping[str, str]) -> dict[str, object]:
-    out: dict[str, object] = dict(_MappingEnvSource(env)())
-    # KVWARM_POLICY_<KEY> sets one policy value.
-    prefix = ENV_PREFIX + "POLICY_"
-    policy = {k[len(prefix) :].lower(): v for k, v in env.items() if k.startswith(prefix)}
-    if policy:
-        out["policy"] = policy
-    return out
-
-
 @cache
 def _adapter(name: str) -> TypeAdapter[Any]:
     field = Settings.model_fields[name]
@@ -392,13 +333,17 @@ def load_settings(
     explicit = flags.pop("config", None) or env.get(CONFIG_ENV)
     file_values: dict[str, object] = {}
     if explicit:
-        file_values = _read_file(Path(str(explicit)).expanduser())
+        file_values = read_toml(Path(str(explicit)).expanduser(), set(Settings.model_fields))
     elif (default_file := user_config_file(env)).is_file():
-        file_values = _read_file(default_file)
+        file_values = read_toml(default_file, set(Settings.model_fields))
     defaults = base or Settings(cache_dir=user_cache_dir(env))
     values: dict[str, object] = {}
     policy: dict[str, int] = {}
-    sources = (("config file", file_values), ("environment", _read_env(env)), ("flag", flags))
+    sources = (
+        ("config file", file_values),
+        ("environment", read_env(env, Settings, ENV_PREFIX)),
+        ("flag", flags),
+    )
     for source, raw in sources:
         for name, value in raw.items():
             parsed = _parse(name, value, source)
