@@ -21,6 +21,7 @@ the server maps exception *types* to HTTP statuses, never message text.
     │   └── AdapterError                          LoRA adapter load / attach failure
     ├── EngineClosedError                         request to an engine or model that shut down
     ├── QueueFullError                            admission refused: too many queued requests
+    ├── KeepAliveFullError                        keep-alive holds as many prefixes as allowed
     └── CacheError
         ├── CacheFormatError                      a malformed or foreign KVC file / blob
         ├── CacheIOError                          the file system refused a save (ENOSPC, EIO…)
@@ -109,6 +110,10 @@ class EngineClosedError(KvwarmError):
 
 class QueueFullError(KvwarmError):
     """The model's request queue is full; try again later."""
+
+
+class KeepAliveFullError(KvwarmError):
+    """Keeping one more prefix warm would pass the keep-alive's entry or token limit."""
 
 
 class CacheError(KvwarmError):

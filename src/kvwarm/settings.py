@@ -152,6 +152,17 @@ class Settings(BaseSettings):
     keepalive_stale_fraction: Float = Field(
         default=0.8, description="re-warm a prewarmed prefix at this share of TTL"
     )
+    # Each kept prefix costs a background prefill per TTL period, so what is kept is bounded.
+    keepalive_max_entries: Int = Field(
+        default=16, description="most prefixes kept warm at once (more: 409)"
+    )
+    keepalive_max_tokens: Int = Field(
+        default=16384, description="most tokens kept warm in all (more: 409)"
+    )
+    keepalive_max_age_s: Float = Field(
+        default=86400.0,
+        description="drop a kept prefix this many seconds after its last prewarm (0: never)",
+    )
     prewarm_system: StrTuple = Field(
         default=(),
         description="system prompt to prewarm at startup (repeatable)",
@@ -212,6 +223,10 @@ class Settings(BaseSettings):
             raise ConfigError("keepalive_interval_s must be >= 0")
         if not 0.0 < self.keepalive_stale_fraction <= 1.0:
             raise ConfigError("keepalive_stale_fraction must be in (0, 1]")
+        if self.keepalive_max_entries < 0 or self.keepalive_max_tokens < 0:
+            raise ConfigError("keepalive_max_entries and keepalive_max_tokens must be >= 0")
+        if self.keepalive_max_age_s < 0:
+            raise ConfigError("keepalive_max_age_s must be >= 0")
         if self.fingerprint_mode not in ("safe", "gguf_chunked", "fast_unsafe"):
             raise ConfigError("fingerprint_mode must be safe, gguf_chunked or fast_unsafe")
         tier = self.effective_save_tier()

@@ -1,12 +1,19 @@
-"""Keep-alive re-warms prewarmed prefixes at a fraction of their TTL (driven by a fake clock)."""
+"""Keep-alive re-warms prewarmed prefixes at a fraction of their TTL, within bounds (entries,
+tokens, age), listed and removable through the app (all driven by a fake clock)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+import pytest
+from fastapi.testclient import TestClient
 
 from kvwarm.cache.types import TtlClass
-from kvwarm.errors import BackendError
-from kvwarm.server.keepalive import KeepAlive
+from kvwarm.errors import BackendError, KeepAliveFullError
+from kvwarm.server import create_app
+from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits
+
+from .conftest import stub_settings, wait_ready
 
 
 class FakeModel:
@@ -64,3 +71,80 @@ def test_failures_and_unready_models_are_skipped_and_retried() -> None:
     assert len(keep.due()) == 2  # still due: retried on the next tick
     keep.forget("broken")
     assert [e.model_id for e in keep.entries()] == ["loading"]
+
+
+def test_limits_refuse_past_the_entry_and_token_caps_but_not_pinned() -> None:
+    keep = KeepAlive((10.0,) * 3, 0.5, Clock(), KeepAliveLimits(2, 100, 0))
+    keep.register("m", "a", TtlClass.SHORT, n_tokens=40)
+    keep.register("m", "b", TtlClass.SHORT, n_tokens=40)
+    with pytest.raises(KeepAliveFullError, match="maximum of 2"):
+        keep.register("m", "c", TtlClass.SHORT, n_tokens=1)
+    keep.register("m", "b", TtlClass.SHORT, n_tokens=60)  # re-registering is not growth
+    keep.remove(keep.entries()[0].id)
+    with pytest.raises(KeepAliveFullError, match="over its limit of 100"):
+        keep.register("m", "c", TtlClass.SHORT, n_tokens=41)
+    keep.register("m", "sys", TtlClass.LONG, n_tokens=500, pinned=True)
+    assert len(keep.entries()) == 2 and keep.remove() == 2 and keep.entries() == []
+
+
+def test_entries_expire_after_max_age_unless_pinned_or_registered_again() -> None:
+    clock = Clock()
+    keep = KeepAlive((100.0,) * 3, 0.8, clock, KeepAliveLimits(10, 1000, 300.0))
+    model = FakeModel()
+    keep.register("m", "old", TtlClass.SHORT)
+    keep.register("m", "refreshed", TtlClass.SHORT)
+    keep.register("m", "sys", TtlClass.SHORT, pinned=True)
+    clock.now += 200
+    keep.register("m", "refreshed", TtlClass.SHORT)  # a new prewarm restarts its age
+    assert keep.tick({"m": model}.get) == 2  # type: ignore[arg-type]  # not "refreshed"
+    clock.now += 100  # "old" is 300 s old now: dropped, and never re-warmed again
+    assert sorted(str(e.prompt) for e in keep.entries()) == ["refreshed", "sys"]
+    clock.now += 250  # refreshed at 200 s, so 350 s old now
+    assert keep.tick({"m": model}.get) == 1  # type: ignore[arg-type]
+    assert [e.prompt for e in keep.entries()] == ["sys"]
+
+
+# --- through the app ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def app_clock() -> Iterator[tuple[TestClient, Clock]]:
+    settings = stub_settings(
+        keepalive_max_entries=2, keepalive_max_tokens=10_000, keepalive_max_age_s=600
+    )
+    with TestClient(create_app(settings)) as test_client:
+        wait_ready(test_client.get)
+        state = test_client.app.state.kvwarm  # type: ignore[attr-defined]
+        clock = Clock()
+        limits = state.keepalive.limits
+        state.keepalive = KeepAlive((100.0,) * 3, 0.8, clock, limits)
+        yield test_client, clock
+
+
+def test_prewarm_keepalive_is_bounded_listed_removable_and_expires(
+    app_clock: tuple[TestClient, Clock],
+) -> None:
+    client, clock = app_clock
+    for i in range(2):
+        body = {"model": "a", "prompt": f"system prompt number {i} " * 4}
+        assert client.post("/cache/prewarm", json=body).status_code == 200
+    third = client.post("/cache/prewarm", json={"model": "a", "prompt": "one too many"})
+    assert third.status_code == 409, third.json()
+    assert third.json()["error"]["code"] == "keepalive_full"
+    ok = client.post("/cache/prewarm", json={"prompt": "not kept", "keep_alive": False})
+    assert ok.status_code == 200
+    listing = client.get("/cache/keepalive").json()
+    assert listing["limits"] == {"max_entries": 2, "max_tokens": 10_000, "max_age_s": 600}
+    first, second = listing["data"]
+    assert first["model"] == "a" and first["n_tokens"] > 0 and first["expires_in_s"] == 600
+    assert client.delete(f"/cache/keepalive/{first['id']}").json() == {"deleted": 1}
+    assert client.delete(f"/cache/keepalive/{first['id']}").status_code == 404
+    assert [e["id"] for e in client.get("/cache/keepalive").json()["data"]] == [second["id"]]
+    assert client.post("/cache/prewarm", json={"prompt": "room again"}).status_code == 200
+    clock.now += 599
+    assert len(client.get("/cache/keepalive").json()["data"]) == 2
+    clock.now += 1  # 600 s after their prewarm: dropped
+    assert client.get("/cache/keepalive").json()["data"] == []
+    assert client.post("/cache/prewarm", json={"prompt": "x y z"}).status_code == 200
+    assert client.delete("/cache/keepalive").json() == {"deleted": 1}
+    assert client.get("/cache/stats").json()["keep_alive"] == []

@@ -60,6 +60,7 @@ _KINDS: dict[type[BaseException], ErrorKind] = {
     e.ModelExistsError: ErrorKind(409, _INVALID, "model_exists"),
     e.CacheKeyError: ErrorKind(404, _INVALID, "cache_key_not_found"),
     e.QueueFullError: ErrorKind(429, "rate_limit_error", "queue_full"),
+    e.KeepAliveFullError: ErrorKind(409, _INVALID, "keepalive_full"),
     e.EngineClosedError: ErrorKind(503, "service_unavailable", "engine_closed"),
     e.ModelLoadError: ErrorKind(500, _SERVER, "model_load_failed"),
     e.AdapterError: ErrorKind(400, _INVALID, "adapter_error"),

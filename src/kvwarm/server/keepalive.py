@@ -1,13 +1,18 @@
-"""Keep-alive: re-warm prewarmed prefixes before their cache TTL lapses.
+"""Keep-alive: re-warm prewarmed prefixes before their cache TTL lapses, within bounds.
 
-Invariant: an entry is re-warmed once ``stale_fraction`` of its TTL class's lifetime has passed
-since it was last warmed, so a prefix someone asked to keep warm never expires while the server
-runs. Re-warming is best effort (a failure is logged and retried next tick) and never retries in
-a loop. The clock is injectable so tests drive ``tick`` without waiting.
+Invariants: an entry is re-warmed once ``stale_fraction`` of its TTL class's lifetime has passed
+since it was last warmed, so a prefix someone asked to keep warm does not expire while it is
+kept. What is kept is bounded, because every entry costs a background prefill per TTL period:
+at most ``max_entries`` entries and ``max_tokens`` tokens in all (``register`` refuses more with
+``KeepAliveFullError``), and an entry not registered again for ``max_age_s`` seconds is dropped
+(0: never). Pinned entries (the operator's ``prewarm_system`` prompts) never age out and are
+not refused. Re-warming is best effort (a failure is logged and retried next tick) and never
+retries in a loop. The clock is injectable so tests drive ``tick`` without waiting.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvwarm.cache.types import TtlClass
-from kvwarm.errors import KvwarmError
+from kvwarm.errors import KeepAliveFullError, KvwarmError
 
 if TYPE_CHECKING:
     from kvwarm.engine.api import Model
@@ -24,6 +29,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvwarm.server.keepalive")
 
 Prompt = str | tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAliveLimits:
+    max_entries: int = 16
+    max_tokens: int = 16384
+    max_age_s: float = 86400.0  # 0: entries never age out
 
 
 @dataclass(slots=True)
@@ -35,6 +47,19 @@ class Prewarmed:
     add_special: bool = True  # False for rendered chat text (the template carries BOS)
     warms: int = 1
     failures: int = 0
+    n_tokens: int = 0
+    registered: float = 0.0  # when last (re-)registered: the age that max_age_s bounds
+    pinned: bool = False
+
+    @property
+    def id(self) -> str:
+        """A stable id for the listing and ``DELETE``: a hash of what identifies the entry."""
+        return entry_id(self.model_id, self.prompt)
+
+
+def entry_id(model_id: str, prompt: Prompt) -> str:
+    raw = repr((model_id, prompt)).encode("utf-8", "surrogatepass")
+    return hashlib.sha256(raw).hexdigest()[:16]
 
 
 class KeepAlive:
@@ -43,12 +68,22 @@ class KeepAlive:
         ttl_seconds: Sequence[float],
         stale_fraction: float,
         clock: Callable[[], float] = time.monotonic,
+        limits: KeepAliveLimits | None = None,
     ) -> None:
         self._ttl = tuple(ttl_seconds)
         self._fraction = stale_fraction
         self._clock = clock
+        self.limits = limits or KeepAliveLimits()
         self._lock = threading.Lock()
         self._entries: dict[tuple[str, Prompt], Prewarmed] = {}
+
+    def check_room(self, model_id: str, prompt: str | Sequence[int], n_tokens: int = 0) -> None:
+        """Raise ``KeepAliveFullError`` if registering this prompt would pass a limit (so a
+        caller can refuse before doing the prefill)."""
+        key = (model_id, _key_prompt(prompt))
+        with self._lock:
+            self._expire_locked(self._clock())
+            self._check_locked(key, n_tokens)
 
     def register(
         self,
@@ -57,25 +92,73 @@ class KeepAlive:
         ttl_class: TtlClass,
         *,
         add_special: bool = True,
-    ) -> None:
-        key_prompt: Prompt = prompt if isinstance(prompt, str) else tuple(prompt)
+        n_tokens: int = 0,
+        pinned: bool = False,
+    ) -> Prewarmed:
+        """Keep ``prompt`` warm (registering it again refreshes its age); raises
+        ``KeepAliveFullError`` past a limit, unless ``pinned``."""
+        key = (model_id, _key_prompt(prompt))
+        now = self._clock()
         with self._lock:
-            self._entries[(model_id, key_prompt)] = Prewarmed(
-                model_id, key_prompt, ttl_class, self._clock(), add_special
+            self._expire_locked(now)
+            if not pinned:
+                self._check_locked(key, n_tokens)
+            old = self._entries.get(key)
+            entry = Prewarmed(model_id, key[1], ttl_class, now, add_special, n_tokens=n_tokens)
+            entry.registered, entry.pinned = now, pinned or (old is not None and old.pinned)
+            self._entries[key] = entry
+            return entry
+
+    def _check_locked(self, key: tuple[str, Prompt], n_tokens: int) -> None:
+        others = [e for k, e in self._entries.items() if k != key]
+        if len(others) + 1 > self.limits.max_entries:
+            raise KeepAliveFullError(
+                f"keep-alive holds its maximum of {self.limits.max_entries} prefixes; "
+                "remove some (DELETE /cache/keepalive/{id}) or prewarm with keep_alive false"
             )
+        total = sum(e.n_tokens for e in others) + n_tokens
+        if total > self.limits.max_tokens:
+            raise KeepAliveFullError(
+                f"keep-alive would hold {total} tokens, over its limit of "
+                f"{self.limits.max_tokens}; remove some prefixes or prewarm with keep_alive false"
+            )
+
+    def _expire_locked(self, now: float) -> None:
+        max_age = self.limits.max_age_s
+        if max_age <= 0:
+            return
+        old = [
+            k for k, e in self._entries.items() if not e.pinned and now - e.registered >= max_age
+        ]
+        for key in old:
+            log.info("keep-alive entry %s expired after %.0f s", self._entries[key].id, max_age)
+            del self._entries[key]
 
     def forget(self, model_id: str) -> None:
         with self._lock:
             for key in [k for k in self._entries if k[0] == model_id]:
                 del self._entries[key]
 
+    def remove(self, ident: str | None = None) -> int:
+        """Drop the entry with id ``ident`` (every entry if None); the number dropped."""
+        with self._lock:
+            keys = [k for k, e in self._entries.items() if ident is None or e.id == ident]
+            for key in keys:
+                del self._entries[key]
+            return len(keys)
+
     def entries(self) -> list[Prewarmed]:
         with self._lock:
+            self._expire_locked(self._clock())
             return list(self._entries.values())
+
+    def now(self) -> float:
+        return self._clock()
 
     def due(self) -> list[Prewarmed]:
         now = self._clock()
         with self._lock:
+            self._expire_locked(now)
             return [
                 e
                 for e in self._entries.values()
@@ -103,3 +186,7 @@ class KeepAlive:
         if done:
             log.info("keep-alive re-warmed %d prefix(es)", done)
         return done
+
+
+def _key_prompt(prompt: str | Sequence[int]) -> Prompt:
+    return prompt if isinstance(prompt, str) else tuple(prompt)

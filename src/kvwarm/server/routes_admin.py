@@ -143,6 +143,9 @@ async def cache_prewarm(request: Request) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")
     ttl = TtlClass[req.ttl_class.upper()]
+    if req.keep_alive:  # refuse before the prefill, not after it
+        known = len(req.prompt) if isinstance(req.prompt, list) else 0
+        state.keepalive.check_room(model.id, req.prompt or "", known)
 
     def work() -> tuple[str | tuple[int, ...], CompletionStats]:
         prompt: str | tuple[int, ...]
@@ -162,7 +165,9 @@ async def cache_prewarm(request: Request) -> Response:
     add_special = req.messages is None
     prompt, stats = await run_in_threadpool(work)
     if req.keep_alive:
-        state.keepalive.register(model.id, prompt, ttl, add_special=add_special)
+        state.keepalive.register(
+            model.id, prompt, ttl, add_special=add_special, n_tokens=stats.prompt_tokens
+        )
     return JSONResponse(
         {
             "model": model.id,
@@ -174,6 +179,54 @@ async def cache_prewarm(request: Request) -> Response:
             "keep_alive": req.keep_alive,
         }
     )
+
+
+@router.get("/cache/keepalive")
+async def keepalive_list(request: Request) -> Response:
+    """The prefixes kept warm, with the limits that bound them."""
+    keep = server_state(request).keepalive
+    now, limits = keep.now(), keep.limits
+    data = [
+        {
+            "id": e.id,
+            "model": e.model_id,
+            "ttl_class": e.ttl_class.name.lower(),
+            "n_tokens": e.n_tokens,
+            "warms": e.warms,
+            "failures": e.failures,
+            "pinned": e.pinned,
+            "age_s": round(now - e.registered, 3),
+            "expires_in_s": None
+            if e.pinned or limits.max_age_s <= 0
+            else round(max(0.0, e.registered + limits.max_age_s - now), 3),
+        }
+        for e in keep.entries()
+    ]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "limits": {
+                "max_entries": limits.max_entries,
+                "max_tokens": limits.max_tokens,
+                "max_age_s": limits.max_age_s,
+            },
+        }
+    )
+
+
+@router.delete("/cache/keepalive")
+async def keepalive_clear(request: Request) -> Response:
+    return JSONResponse({"deleted": server_state(request).keepalive.remove()})
+
+
+@router.delete("/cache/keepalive/{entry_id}")
+async def keepalive_delete(request: Request, entry_id: str) -> Response:
+    if not server_state(request).keepalive.remove(entry_id):
+        raise HTTPError(
+            404, f"no keep-alive entry {entry_id!r}", code="not_found", param="entry_id"
+        )
+    return JSONResponse({"deleted": 1})
 
 
 @router.post("/cache/evict")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 from kvwarm.cache.types import TtlClass
 from kvwarm.errors import KvwarmError, ModelLoadError
 from kvwarm.server.errors import HTTPError
-from kvwarm.server.keepalive import KeepAlive
+from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits
 from kvwarm.server.metrics import ServerMetrics, Snapshot
 from kvwarm.settings import ModelSpec, Settings, model_config
 
@@ -54,7 +54,12 @@ class ServerState:
         # Strong references to fire-and-forget tasks (the loop keeps only weak ones).
         self.background: set[asyncio.Task[None]] = set()
         ttl = settings.cache_config().ttl_seconds
-        self.keepalive = KeepAlive(ttl, settings.keepalive_stale_fraction)
+        limits = KeepAliveLimits(
+            settings.keepalive_max_entries,
+            settings.keepalive_max_tokens,
+            settings.keepalive_max_age_s,
+        )
+        self.keepalive = KeepAlive(ttl, settings.keepalive_stale_fraction, limits=limits)
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -132,7 +137,15 @@ class ServerState:
                 [{"role": "system", "content": prompt}], add_generation_prompt=False
             )
             model.prewarm(tokens, ttl_class=TtlClass.LONG, add_special=False)
-            self.keepalive.register(model_id, tokens, TtlClass.LONG, add_special=False)
+            # Pinned: the operator asked for it, so no limit refuses it and it never ages out.
+            self.keepalive.register(
+                model_id,
+                tokens,
+                TtlClass.LONG,
+                add_special=False,
+                n_tokens=len(tokens),
+                pinned=True,
+            )
         except KvwarmError as exc:  # best effort: the first request just prefills cold
             log.warning("prewarm of a system prompt for %s failed: %s", model_id, exc)
 
