@@ -2,7 +2,8 @@
 
 Invariants:
 - No module-level metric state: every app owns one ``ServerMetrics``, with its own
-  ``CollectorRegistry``; two apps in one process (tests) never see each other's counts.
+  ``CollectorRegistry``; two apps in one process (tests) never see each other's counts (except
+  in multiprocess mode, where prometheus_client keeps counts per process, not per registry).
 - Event counters (HTTP requests, finished generations, client disconnects) are
   ``prometheus_client.Counter`` objects, counted when the event happens. With
   ``PROMETHEUS_MULTIPROC_DIR`` set (as prometheus_client requires: before the process imports
