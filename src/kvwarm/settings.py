@@ -171,6 +171,26 @@ class Settings(BaseSettings):
     api_key: OptStr = Field(
         default=None, description="require this bearer token on every API request"
     )
+    admin_key: OptStr = Field(
+        default=None,
+        description="bearer token required on admin endpoints (/cache/*); default: none needed",
+    )
+    # Browser defence (server/guard.py): a page elsewhere must not drive a local server.
+    allowed_origins: StrTuple = Field(
+        default=(),
+        description="extra browser origin allowed to call the API, e.g. http://app:3000 "
+        "(repeatable; '*' any)",
+        json_schema_extra={"flag": "--allowed-origin", **_REPEAT},
+    )
+    allowed_hosts: StrTuple = Field(
+        default=(),
+        description="extra Host header name accepted besides loopback and the bound address "
+        "(repeatable; '*' any)",
+        json_schema_extra={"flag": "--allowed-host", **_REPEAT},
+    )
+    max_json_depth: Int = Field(
+        default=64, description="deepest nesting of arrays/objects accepted in a request body"
+    )
     log_level: Str = Field(default="info", description="logging level: debug, info, warning, error")
 
     @classmethod
@@ -227,6 +247,8 @@ class Settings(BaseSettings):
             raise ConfigError("keepalive_max_entries and keepalive_max_tokens must be >= 0")
         if self.keepalive_max_age_s < 0:
             raise ConfigError("keepalive_max_age_s must be >= 0")
+        if self.max_json_depth < 2:
+            raise ConfigError("max_json_depth must be >= 2")
         if self.fingerprint_mode not in ("safe", "gguf_chunked", "fast_unsafe"):
             raise ConfigError("fingerprint_mode must be safe, gguf_chunked or fast_unsafe")
         tier = self.effective_save_tier()

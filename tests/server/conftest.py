@@ -39,6 +39,7 @@ def stub_settings(**overrides: object) -> Settings:
         keepalive_interval_s=0,
         max_body_bytes=64 << 10,
         default_max_tokens=32,
+        allowed_hosts=("testserver",),  # the Host header of Starlette's TestClient
     )
     return base.replace(**overrides)
 

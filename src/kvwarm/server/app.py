@@ -9,8 +9,6 @@ Every error, including unknown routes and bad methods, has the OpenAI error shap
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -27,33 +26,31 @@ from kvwarm._version import __version__
 from kvwarm.errors import KvwarmError
 from kvwarm.server import routes_admin, routes_openai
 from kvwarm.server.errors import HTTPError, error_body, error_response
+from kvwarm.server.guard import Guard, send_json
 from kvwarm.server.state import ServerState
 from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.server")
 
-_OPEN_PATHS = frozenset({"/health"})
-
 
 class _Observe:
     """Pure ASGI (streaming- and disconnect-transparent): counts requests by route template and
-    status, and checks the API key when one is configured."""
+    status, and refuses what the ``Guard`` refuses (Host, Origin, content type, keys)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
         self.state = state
+        self.guard = Guard(state.settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        key = self.state.settings.api_key
-        if key and scope["path"] not in _OPEN_PATHS and not self._authorised(scope, key):
-            body = error_body(
-                "invalid or missing API key", "invalid_request_error", "invalid_api_key"
-            )
-            await _send_json(send, 401, body)
-            self.state.counters.record("unauthorised", 401)
+        refused = self.guard.refusal(scope)
+        if refused is not None:
+            status, message, code = refused
+            await send_json(send, status, error_body(message, "invalid_request_error", code))
+            self.state.counters.record("refused", status)
             return
         status = 500
 
@@ -68,22 +65,6 @@ class _Observe:
         finally:
             route = scope.get("route")
             self.state.counters.record(getattr(route, "path", "unmatched"), status)
-
-    @staticmethod
-    def _authorised(scope: Scope, key: str) -> bool:
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                given = value.decode("latin-1")
-                token = given[7:] if given.lower().startswith("bearer ") else given
-                return hmac.compare_digest(token.encode(), key.encode())
-        return False
-
-
-async def _send_json(send: Send, status: int, body: object) -> None:
-    raw = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": raw})
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -127,5 +108,13 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(Exception, on_error)
+    if settings.allowed_origins:
+        # CORS headers and preflights for the configured origins; others never get this far.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["authorization", "content-type", "x-cache-salt"],
+        )
     app.add_middleware(_Observe, state=state)
     return app

@@ -1,0 +1,149 @@
+"""Who may drive the server: Host and Origin checks (browser defence) and API/admin keys.
+
+Invariants, checked in this order before any route runs:
+
+1. ``Host`` must name this server: a loopback name (``localhost``, ``*.localhost``,
+   ``127.0.0.1``, ``::1``), the bound address, or a name in ``allowed_hosts`` (``*``: any). A
+   DNS-rebinding page reaches us under *its* name, so its requests fail here. Bound to a
+   wildcard address (``0.0.0.0``/``::``), any IP-literal Host is accepted as well (rebinding
+   needs a DNS name; a LAN client typing the IP is legitimate), while DNS names still need
+   ``allowed_hosts``. The port is not compared: the name is what a rebinding attacker controls.
+2. A request with an ``Origin`` header (every cross-origin browser request except simple GETs,
+   and every browser POST) must come from the server's own origin (``http://<Host>``) or one of
+   ``allowed_origins`` (``*``: any). ``Origin: null`` (sandboxed frames, files) is refused.
+3. A request body must be JSON (``application/json``, ``*+json``), or carry no content type, or
+   ``application/x-www-form-urlencoded`` (what ``curl -d`` sends; parsed as JSON all the same).
+   ``text/plain`` and ``multipart/form-data``, which a page may send cross-site without a CORS
+   preflight, are a 415.
+4. With ``admin_key`` set, admin paths (``ADMIN_PREFIXES``) need it as the bearer token; with
+   ``api_key`` set, every other path but ``/health`` needs the API key (or the admin key).
+
+Refusals are OpenAI-shaped errors, answered by the app's outer middleware before any route.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+from starlette.types import Scope, Send
+
+from kvwarm.settings import Settings
+
+ADMIN_PREFIXES: tuple[str, ...] = ("/cache/",)
+OPEN_PATHS = frozenset({"/health"})
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_FORM = "application/x-www-form-urlencoded"
+
+
+def host_name(value: str) -> str:
+    """The name part of a Host header value, lower-cased, without port or IPv6 brackets."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rpartition(":")[0] if value.count(":") == 1 else value
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def is_admin_path(path: str) -> bool:
+    return path.startswith(ADMIN_PREFIXES)
+
+
+class Guard:
+    """The rules of the module docstring, derived once from ``Settings``."""
+
+    def __init__(self, settings: Settings) -> None:
+        bound = host_name(settings.host)
+        self.any_host = "*" in settings.allowed_hosts
+        self.wildcard_bind = bound in ("0.0.0.0", "::", "")
+        self.hosts = LOOPBACK_NAMES | {bound} | {host_name(h) for h in settings.allowed_hosts}
+        self.any_origin = "*" in settings.allowed_origins
+        self.origins = frozenset(o.rstrip("/").lower() for o in settings.allowed_origins)
+        self.api_key = settings.api_key or None
+        self.admin_key = settings.admin_key or None
+
+    def host_ok(self, host: str) -> bool:
+        name = host_name(host)
+        if self.any_host or name in self.hosts or name.endswith(".localhost"):
+            return True
+        return self.wildcard_bind and _is_ip(name)
+
+    def origin_ok(self, origin: str, host: str) -> bool:
+        origin = origin.strip().rstrip("/").lower()
+        if origin == "null":
+            return False
+        if self.any_origin or origin in self.origins:
+            return True
+        parts = urlsplit(origin)
+        # Our own origin (a web UI served from /): same host[:port] as the request names.
+        return parts.scheme in ("http", "https") and parts.netloc == host.strip().lower()
+
+    def refusal(self, scope: Scope) -> tuple[int, str, str] | None:
+        """(status, message, code) of the first rule ``scope`` breaks, or None."""
+        headers = _headers(scope["headers"])
+        host = headers.get("host", "")
+        if not self.host_ok(host):
+            return 421, f"Host {host!r} is not served here (see allowed_hosts)", "host_not_allowed"
+        origin = headers.get("origin")
+        if origin is not None and not self.origin_ok(origin, host):
+            return 403, f"Origin {origin!r} may not call this server", "origin_not_allowed"
+        if scope["method"] in _BODY_METHODS and not _content_type_ok(headers.get("content-type")):
+            return 415, "the request body must be application/json", "unsupported_media_type"
+        if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+            return None  # a CORS preflight from an allowed origin never carries credentials
+        return self._auth(scope["path"], headers.get("authorization"))
+
+    def _auth(self, path: str, authorization: str | None) -> tuple[int, str, str] | None:
+        token = bearer(authorization)
+        if is_admin_path(path) and self.admin_key:
+            if not _same(token, self.admin_key):
+                return 401, "this endpoint needs the admin key", "invalid_admin_key"
+            return None
+        keyed = _same(token, self.api_key) or _same(token, self.admin_key)
+        if self.api_key and path not in OPEN_PATHS and not keyed:
+            return 401, "invalid or missing API key", "invalid_api_key"
+        return None
+
+
+def bearer(authorization: str | None) -> str | None:
+    if authorization is None:
+        return None
+    return authorization[7:] if authorization.lower().startswith("bearer ") else authorization
+
+
+def _same(token: str | None, key: str | None) -> bool:
+    if token is None or key is None:
+        return False
+    return hmac.compare_digest(token.encode(), key.encode())
+
+
+def _headers(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in raw:
+        out.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+    return out
+
+
+def _content_type_ok(value: str | None) -> bool:
+    if value is None:
+        return True
+    media = value.split(";", 1)[0].strip().lower()
+    return media in ("", "application/json", _FORM) or media.endswith("+json")
+
+
+async def send_json(send: Send, status: int, body: object) -> None:
+    raw = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": raw})

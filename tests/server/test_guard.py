@@ -1,0 +1,146 @@
+"""Browser defence and keys (server/guard.py), through the ASGI app and a live server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from kvwarm.server import create_app
+
+from .conftest import LiveServer, stub_settings, wait_ready
+
+EVICT = {"bytes": 10**12}
+
+
+def _client(**overrides: object) -> TestClient:
+    return TestClient(create_app(stub_settings(**overrides)))
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    with _client(allowed_origins=("http://app.example:3000",)) as test_client:
+        wait_ready(test_client.get)
+        yield test_client
+
+
+def _code(response: httpx.Response) -> str | None:
+    code = response.json()["error"]["code"]
+    assert code is None or isinstance(code, str)
+    return code
+
+
+def test_cross_site_text_plain_evict_is_refused(client: TestClient) -> None:
+    # The tester's reproducer: a page elsewhere posting a "simple" (no preflight) request.
+    response = client.post(
+        "/cache/evict",
+        content=b'{"bytes":1e12}',
+        headers={
+            "Host": "attacker.example",
+            "Content-Type": "text/plain",
+            "Origin": "http://attacker.example",
+        },
+    )
+    assert response.status_code == 421
+    assert _code(response) == "host_not_allowed"
+
+
+def test_foreign_origin_refused_even_with_a_good_host(client: TestClient) -> None:
+    response = client.post("/cache/gc", headers={"Origin": "http://evil.example"})
+    assert response.status_code == 403
+    assert _code(response) == "origin_not_allowed"
+    null = client.post("/cache/gc", headers={"Origin": "null"})
+    assert null.status_code == 403
+
+
+def test_text_plain_body_refused_without_origin(client: TestClient) -> None:
+    response = client.post(
+        "/cache/evict", content=b'{"bytes":0}', headers={"Content-Type": "text/plain"}
+    )
+    assert response.status_code == 415
+    assert _code(response) == "unsupported_media_type"
+
+
+def test_curl_style_form_content_type_and_no_content_type_still_work(client: TestClient) -> None:
+    form = client.post(
+        "/cache/evict",
+        content=b'{"bytes":0}',
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
+    assert form.status_code == 200, form.json()
+    bare = client.post("/cache/evict", content=b'{"bytes":0}')
+    assert bare.status_code == 200, bare.json()
+
+
+def test_own_origin_and_configured_origin_allowed(client: TestClient) -> None:
+    own = client.post("/cache/gc", headers={"Origin": "http://testserver"})
+    assert own.status_code == 200
+    other = client.post("/cache/gc", headers={"Origin": "http://app.example:3000"})
+    assert other.status_code == 200
+    assert other.headers["access-control-allow-origin"] == "http://app.example:3000"
+    preflight = client.options(
+        "/v1/completions",
+        headers={
+            "Origin": "http://app.example:3000",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type",
+        },
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "http://app.example:3000"
+
+
+def test_host_rules() -> None:
+    from kvwarm.server.guard import Guard
+
+    loopback = Guard(stub_settings(allowed_hosts=("kv.lan",)))
+    for host in ("localhost:8000", "127.0.0.1", "[::1]:80", "app.localhost", "KV.LAN:1"):
+        assert loopback.host_ok(host), host
+    for host in ("attacker.example", "192.168.1.5", "", "localhost.attacker.example"):
+        assert not loopback.host_ok(host), host
+    wildcard = Guard(stub_settings(host="0.0.0.0"))
+    assert wildcard.host_ok("192.168.1.5:8000") and wildcard.host_ok("[fe80::1]:8000")
+    assert not wildcard.host_ok("attacker.example:8000")
+    assert Guard(stub_settings(allowed_hosts=("*",))).host_ok("anything.example")
+
+
+def test_admin_key_guards_admin_paths_only() -> None:
+    with _client(admin_key="root", api_key="user") as secured:
+        wait_ready(secured.get)
+        user = {"Authorization": "Bearer user"}
+        admin = {"Authorization": "Bearer root"}
+        assert secured.post("/cache/gc", headers=user).status_code == 401
+        assert _code(secured.post("/cache/gc", headers=user)) == "invalid_admin_key"
+        assert secured.post("/cache/gc").status_code == 401
+        assert secured.post("/cache/gc", headers=admin).status_code == 200
+        assert secured.get("/v1/models", headers=user).status_code == 200
+        assert secured.get("/v1/models", headers=admin).status_code == 200
+        assert secured.get("/v1/models").status_code == 401
+    with _client(admin_key="root") as admin_only:
+        wait_ready(admin_only.get)
+        assert admin_only.get("/v1/models").status_code == 200
+        assert admin_only.get("/cache/stats").status_code == 401
+
+
+def test_live_server_refuses_rebinding_host_and_cross_site_post() -> None:
+    live = LiveServer(stub_settings(allowed_hosts=())).start()
+    try:
+        with httpx.Client(base_url=live.base_url, timeout=30) as http:
+            rebound = http.post(
+                "/cache/evict",
+                content=b'{"bytes":1e12}',
+                headers={"Host": "attacker.example", "Content-Type": "text/plain"},
+            )
+            assert rebound.status_code == 421
+            cross = http.post(
+                "/cache/evict", json=EVICT, headers={"Origin": "https://attacker.example"}
+            )
+            assert cross.status_code == 403
+            plain = http.post("/cache/evict", json={"bytes": 0})
+            assert plain.status_code == 200, plain.json()
+            own = http.post("/cache/gc", headers={"Origin": live.base_url})
+            assert own.status_code == 200
+    finally:
+        live.stop()
