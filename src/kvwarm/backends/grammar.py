@@ -46,6 +46,8 @@ def schema_to_gbnf(schema: Mapping[str, object] | str) -> str:
     """GBNF whose language is the JSON documents valid under ``schema``."""
     try:
         text = schema if isinstance(schema, str) else json.dumps(dict(schema))
+    except RecursionError as exc:
+        raise GrammarError("JSON schema nests too deeply", param="json_schema") from exc
     except (TypeError, ValueError) as exc:
         raise GrammarError(f"JSON schema is not serialisable: {exc}", param="json_schema") from exc
     convert = cast(Callable[[str], object], _converter_module().json_schema_to_gbnf)

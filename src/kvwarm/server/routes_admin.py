@@ -55,7 +55,7 @@ async def prometheus(request: Request) -> Response:
 @router.post("/tokenize")
 async def tokenize(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings.max_body_bytes), TokenizeRequest)
+    req = parse_body(await read_json(request, state.settings), TokenizeRequest)
     model = state.model(req.model)
     tokens = await run_in_threadpool(
         lambda: model.tokenize(
@@ -73,7 +73,7 @@ async def tokenize(request: Request) -> Response:
 @router.post("/detokenize")
 async def detokenize(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings.max_body_bytes), DetokenizeRequest)
+    req = parse_body(await read_json(request, state.settings), DetokenizeRequest)
     model = state.model(req.model)
     return JSONResponse({"content": await run_in_threadpool(model.detokenize, req.tokens)})
 
@@ -138,7 +138,7 @@ async def cache_rows(request: Request) -> Response:
 async def cache_prewarm(request: Request) -> Response:
     """Prefill a prefix (e.g. a system prompt) and save it, generating nothing."""
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings.max_body_bytes), PrewarmRequest)
+    req = parse_body(await read_json(request, state.settings), PrewarmRequest)
     model = state.model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")
@@ -232,7 +232,7 @@ async def keepalive_delete(request: Request, entry_id: str) -> Response:
 @router.post("/cache/evict")
 async def cache_evict(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings.max_body_bytes), EvictRequest)
+    req = parse_body(await read_json(request, state.settings), EvictRequest)
     cache = state.require_engine().cache
     result = await run_in_threadpool(lambda: cache.evict_bytes(req.bytes, req.tiers))
     return JSONResponse({"rows": result.rows, "bytes": result.bytes})

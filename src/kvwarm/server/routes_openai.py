@@ -64,7 +64,7 @@ def renders_tools(model: Model, tools: Sequence[Tool]) -> bool:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings.max_body_bytes), ChatRequest)
+    req = parse_body(await read_json(request, state.settings), ChatRequest)
     model = state.model(req.model)
     schema = convert.response_schema(req.response_format)
     native = False
@@ -146,7 +146,7 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings.max_body_bytes), CompletionRequest)
+    req = parse_body(await read_json(request, state.settings), CompletionRequest)
     model = state.model(req.model)
     prompts = _prompts(req.prompt)
     if req.stream and len(prompts) > 1:
@@ -219,7 +219,7 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/embeddings")
 async def embeddings(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings.max_body_bytes), EmbeddingRequest)
+    req = parse_body(await read_json(request, state.settings), EmbeddingRequest)
     model = state.model(req.model)
     raw = req.input
     # Token ids go to the model as they are: no detokenize / re-tokenize round trip.

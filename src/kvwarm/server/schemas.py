@@ -9,12 +9,14 @@ UTF-16 surrogate anywhere in a body is a 400 naming its path (``kvwarm.unicode``
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from kvwarm.server.errors import HTTPError
+from kvwarm.settings import Settings
 from kvwarm.unicode import find_lone_surrogate
 
 
@@ -155,9 +157,12 @@ class EvictRequest(_Body):
     tiers: list[Literal["ram", "ram_file", "disk"]] | None = None
 
 
-async def read_json(request: Request, max_bytes: int) -> object:
-    """The request body as JSON. 413 past ``max_bytes`` (checked on the declared length first,
-    then while reading, so a lying or chunked client cannot make us buffer more)."""
+async def read_json(request: Request, settings: Settings) -> object:
+    """The request body as JSON. 413 past ``settings.max_body_bytes`` (checked on the declared
+    length first, then while reading, so a lying or chunked client cannot make us buffer more);
+    400 ``json_too_deep`` past ``settings.max_json_depth`` nested arrays/objects, so nothing
+    downstream (validation, schema conversion, templates) ever recurses on an unbounded input."""
+    max_bytes = settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
@@ -179,6 +184,10 @@ async def read_json(request: Request, max_bytes: int) -> object:
         raise HTTPError(
             400, f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from exc
+    except RecursionError as exc:  # deeper than the C decoder's recursion limit
+        raise _too_deep(settings.max_json_depth) from exc
+    if json_depth(data) > settings.max_json_depth:
+        raise _too_deep(settings.max_json_depth)
     # JSON escapes can spell lone surrogates ("\ud800"), which no text field can carry on.
     where = find_lone_surrogate(data)
     if where is not None:
@@ -189,6 +198,32 @@ async def read_json(request: Request, max_bytes: int) -> object:
             param=where,
         )
     return data
+
+
+def json_depth(value: object) -> int:
+    """How deeply arrays/objects nest in ``value`` (a scalar is 0); iterative, so any depth
+    is measured without recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children: Iterable[object]
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        depth += 1
+        deepest = max(deepest, depth)
+        stack.extend((child, depth) for child in children)
+    return deepest
+
+
+def _too_deep(limit: int) -> HTTPError:
+    return HTTPError(
+        400, f"the request body nests arrays/objects deeper than {limit}", code="json_too_deep"
+    )
 
 
 def _too_large(max_bytes: int) -> HTTPError:

@@ -21,7 +21,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvwarm.server.errors import HTTPError
-from kvwarm.server.schemas import ChatMessage, NamedToolChoice, Tool
+from kvwarm.server.schemas import ChatMessage, NamedToolChoice, Tool, json_depth
+
+MAX_ARGUMENT_DEPTH = 64
 
 Message = dict[str, object]
 
@@ -82,9 +84,11 @@ def _arguments_object(arguments: str | Mapping[str, object]) -> object:
     if not isinstance(arguments, str):
         return dict(arguments)
     try:
-        return json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
+        parsed: object = json.loads(arguments) if arguments.strip() else {}
+    except (json.JSONDecodeError, RecursionError):  # kept as text, as any non-JSON arguments
         return arguments
+    # Templates recurse over the arguments; a pathologically deep value stays opaque text.
+    return arguments if json_depth(parsed) > MAX_ARGUMENT_DEPTH else parsed
 
 
 def _call_text(name: str, arguments: object) -> str:
@@ -211,7 +215,7 @@ def _as_call(obj: object, names: frozenset[str]) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
     return ToolCall(_new_id(), name, json.dumps(args))
 
@@ -225,7 +229,7 @@ def _json_values(text: str) -> list[object]:
     while pos < len(text):
         try:
             value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # model output may nest without bound
             break
         values.extend(value if isinstance(value, list) else [value])
         pos = end
