@@ -433,3 +433,33 @@ def test_evict_with_a_repeated_tier_forgets_no_file(tmp_path: Path) -> None:
         assert evicted.json()["rows"] == rows
         assert c.get("/cache/stats").json()["rows"] == 0
         assert not list(tmp_path.rglob("*.kvc"))
+
+
+@pytest.mark.parametrize("limit", ["\u00b2", "9" * 5000, "-1", "abc"])
+def test_cache_rows_bad_limit_is_a_400_naming_it(client: TestClient, limit: str) -> None:
+    assert_error(client.get("/cache/rows", params={"limit": limit}), 400, "invalid_type", "limit")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ('{"prompt": "hi", "max_tokens": 2, "seed": ' + "9" * 5000 + "}", None),
+        ('{"prompt": "hi", "max_tokens": 2, "top_k": ' + str(10**30) + "}", "top_k"),
+        ('{"prompt": "hi", "max_tokens": 2, "seed": ' + str(10**30) + "}", "seed"),
+        (
+            '{"prompt": "hi", "max_tokens": 2, "logit_bias": {"' + str(10**30) + '": 1}}',
+            "logit_bias",
+        ),
+    ],
+)
+def test_huge_integers_in_bodies_are_400s(client: TestClient, body: str, param: str | None) -> None:
+    response = client.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_negative_seed_is_accepted(client: TestClient) -> None:
+    body = {"prompt": "hi", "max_tokens": 2, "seed": -1}
+    assert client.post("/v1/completions", json=body).status_code == 200

@@ -89,7 +89,8 @@ class GenerationOptions:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs must be in [0, 20]", param="logprobs")
         for token, bias in (self.logit_bias or {}).items():
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            # A C int32 in llama.cpp: a larger id would overflow (the vocab check comes later).
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 1 << 31:
                 raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias")
             if not -100.0 <= bias <= 100.0:
                 raise InvalidRequestError(

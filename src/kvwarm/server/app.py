@@ -86,7 +86,7 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",  # no docs UI; the schema helps clients and tests
     )
     app.state.kvwarm = state
     app.include_router(routes_openai.router)
@@ -101,7 +101,13 @@ def create_app(settings: Settings) -> FastAPI:
         return error_response(HTTPError(exc.status_code, str(exc.detail), code=code))
 
     async def on_validation(request: Request, exc: Exception) -> Response:
-        return error_response(HTTPError(400, str(exc), code="invalid_type"))
+        # Query and path parameters (bodies are parsed by parse_body): name the parameter.
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("query", "path", "body")]
+        param = ".".join(loc) or None
+        message = f"{param or 'request'}: {first.get('msg', 'invalid value')}"
+        return error_response(HTTPError(400, message, code="invalid_type", param=param))
 
     app.add_exception_handler(HTTPError, on_error)
     app.add_exception_handler(KvwarmError, on_error)

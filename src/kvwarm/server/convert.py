@@ -75,7 +75,8 @@ def options(
     overrides: dict[str, object] = {
         "max_tokens": default_max_tokens if chosen is None else chosen,
         "stop": stop,
-        "seed": req.seed,
+        # llama.cpp seeds are 32-bit (and -1 wraps to its "random" seed, as in its server).
+        "seed": None if req.seed is None else req.seed & 0xFFFFFFFF,
         "grammar": req.grammar,
         "json_schema": json_schema,
         "logprobs": logprobs,

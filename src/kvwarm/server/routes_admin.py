@@ -7,7 +7,9 @@ Invariant: ``/health`` is 200 only when every configured model is ready; while a
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -21,6 +23,7 @@ from kvwarm.server.schemas import (
     EvictRequest,
     PrewarmRequest,
     TokenizeRequest,
+    json_body,
     parse_body,
     read_json,
 )
@@ -52,7 +55,7 @@ async def prometheus(request: Request) -> Response:
     return Response(body, media_type=content_type)
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
 async def tokenize(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), TokenizeRequest)
@@ -70,7 +73,7 @@ async def tokenize(request: Request) -> Response:
     )
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
 async def detokenize(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), DetokenizeRequest)
@@ -123,18 +126,22 @@ async def cache_stats(request: Request) -> Response:
 
 
 @router.get("/cache/rows")
-async def cache_rows(request: Request) -> Response:
+async def cache_rows(
+    request: Request,
+    # Validated by pydantic (ASCII digits, bounded): str.isdigit() accepts "²", which int()
+    # then refuses, and a 5,000-digit number passes int()'s limit. Either is a 400, not a 500.
+    limit: Annotated[int | None, Query(ge=0, le=1 << 31, description="most rows to list")] = None,
+) -> Response:
     state = server_state(request)
     cache = state.require_engine().cache
     rows = await run_in_threadpool(cache.rows)
     rows.sort(key=lambda r: r.last_used, reverse=True)
-    limit = request.query_params.get("limit", "")
-    if limit.isdigit():
-        rows = rows[: int(limit)]
+    if limit is not None:
+        rows = rows[:limit]
     return JSONResponse({"object": "list", "data": [_row(r) for r in rows]})
 
 
-@router.post("/cache/prewarm")
+@router.post("/cache/prewarm", openapi_extra=json_body(PrewarmRequest))
 async def cache_prewarm(request: Request) -> Response:
     """Prefill a prefix (e.g. a system prompt) and save it, generating nothing."""
     state = server_state(request)
@@ -229,7 +236,7 @@ async def keepalive_delete(request: Request, entry_id: str) -> Response:
     return JSONResponse({"deleted": 1})
 
 
-@router.post("/cache/evict")
+@router.post("/cache/evict", openapi_extra=json_body(EvictRequest))
 async def cache_evict(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), EvictRequest)

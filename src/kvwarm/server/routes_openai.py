@@ -27,6 +27,7 @@ from kvwarm.server.schemas import (
     CompletionRequest,
     EmbeddingRequest,
     Tool,
+    json_body,
     parse_body,
     read_json,
 )
@@ -61,7 +62,7 @@ def renders_tools(model: Model, tools: Sequence[Tool]) -> bool:
 # --- /v1/chat/completions --------------------------------------------------------------------
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=json_body(ChatRequest))
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), ChatRequest)
@@ -143,7 +144,7 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     return out
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
 async def completions(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), CompletionRequest)
@@ -216,7 +217,7 @@ async def completions(request: Request) -> Response:
 # --- /v1/embeddings, /v1/models --------------------------------------------------------------
 
 
-@router.post("/v1/embeddings")
+@router.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest))
 async def embeddings(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), EmbeddingRequest)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -18,6 +18,8 @@ from starlette.requests import Request
 from kvwarm.server.errors import HTTPError
 from kvwarm.settings import Settings
 from kvwarm.unicode import find_lone_surrogate
+
+_INT32_MAX = (1 << 31) - 1
 
 
 class _Body(BaseModel):
@@ -35,12 +37,13 @@ class SamplingFields(_Body):
     max_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, le=_INT32_MAX)  # a C int in llama.cpp
     min_p: float | None = None
     repeat_penalty: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    seed: int | None = None
+    # Any 64-bit seed is accepted; the samplers take it modulo 2**32 (convert.options).
+    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -157,6 +160,28 @@ class EvictRequest(_Body):
     tiers: list[Literal["ram", "ram_file", "disk"]] | None = None
 
 
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` declaring ``model`` as a route's JSON request body. The routes read
+    their bodies themselves (``read_json``), so FastAPI cannot see them; this puts them in
+    ``/openapi.json`` for clients and for the schema-driven tests. Definitions are inlined so
+    the fragment stands alone."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    content = {"application/json": {"schema": inline(schema)}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
 async def read_json(request: Request, settings: Settings) -> object:
     """The request body as JSON. 413 past ``settings.max_body_bytes`` (checked on the declared
     length first, then while reading, so a lying or chunked client cannot make us buffer more);
@@ -180,7 +205,8 @@ async def read_json(request: Request, settings: Settings) -> object:
         )
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    # ValueError too: an integer literal of more than 4,300 digits is refused by int() itself.
+    except (ValueError, UnicodeDecodeError) as exc:
         raise HTTPError(
             400, f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from exc
