@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow
+from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
 from kvwarm.cache.tiers.ram import RamTier
 from kvwarm.cache.types import Namespace, SaveReason, SaveRequest, TierName, TtlClass
 
@@ -74,9 +74,9 @@ class GatedTier:
             raise CacheFormatError("injected corruption")
         return self._inner.load(row, buffer)
 
-    def delete(self, row: StoredRow) -> None:
-        self.deleted.append(row.info.key)
-        self._inner.delete(row)
+    def delete(self, key: bytes) -> None:
+        self.deleted.append(key)
+        self._inner.delete(key)
 
     def record_hit(self, row: StoredRow, hits: int, last_used: float) -> None:
         self.hits[row.info.key] = hits
@@ -87,6 +87,13 @@ class GatedTier:
 
     def probe(self, key: bytes) -> StoredRow | None:
         return self._inner.probe(key)
+
+    def stored_keys(self) -> Iterator[bytes]:
+        return self._inner.stored_keys()
+
+    @property
+    def capabilities(self) -> TierCapabilities:
+        return self._inner.capabilities
 
     def problems(self) -> tuple[tuple[str, str], ...]:
         return self._inner.problems()

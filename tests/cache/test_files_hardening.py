@@ -50,7 +50,7 @@ def test_a_row_swapped_for_a_symlink_is_never_followed(tmp_path: Path) -> None:
         tier.load(row)
     assert tier.probe(key) is None
     assert list(tier.scan()) == []  # the link is quarantined, not its target
-    tier.delete(row)
+    tier.delete(key)
     assert target.read_bytes() == b"x" * 4096
     assert os.path.islink(root / "quarantine" / tier.path_for(key).name)
 

@@ -151,7 +151,7 @@ def test_record_hit_on_missing_or_tiny_file_is_harmless(tmp_path: Path) -> None:
     key, req = request((3, 3))
     row = tier.store(key, req, FakeBook())
     assert row is not None
-    tier.delete(row)
+    tier.delete(key)
     tier.record_hit(row, 1, 2.0)
     assert not tier.path_for(key).exists()
     tier.path_for(key).write_bytes(b"tiny")

@@ -1,40 +1,45 @@
 """``Cache``: the one object callers use (implements ``api.CacheApi``).
 
 It wires the decision half (``Index``, policy validation, counters, pressure) to the storage
-half (tiers, writer pool) and is the only place that turns index decisions into tier I/O.
+half (tiers built by name from ``tiers.registry``, writer pool) and is the only place that turns
+index decisions into tier calls. Its parts: ``core`` (shared state and primitives), ``upkeep``
+(scan, sweeps, verify) and this module (lookups, reads, saves, lifetime).
 
 Invariants:
 
 - The index decides, the tiers store: every row enters the index through the publish protocol
-  or an adopt of a file that parsed, and leaves it *before* its bytes are deleted, so no lookup
-  can return a row whose bytes are already gone on purpose. (Bytes removed behind our back,
-  e.g. by another process, surface as ``CacheKeyError``/``CacheFormatError`` on open and the
-  row is dropped then.)
+  or an adopt of bytes a tier vouched for, and leaves it *before* its bytes are deleted, so no
+  lookup can return a row whose bytes are already gone on purpose. (Bytes removed behind our
+  back, e.g. by another process, surface as ``CacheKeyError``/``CacheFormatError`` on open and
+  the row is dropped then.)
+- Tiers are used only through the ``Tier`` protocol and their capabilities.
 - A key is marked in flight before ``save`` returns and unmarked when its job ends (published,
   failed or dropped), so ``lookup_exact_or_wait`` never waits for a save that cannot come.
 - No tier I/O happens under the index lock.
 - With ``repair=False`` (``kvwarm cache verify`` without ``--repair``) opening the cache and
   verifying it move and delete nothing: no quarantine, no temp-file reaping, no quota
   enforcement, no sweeper; every bad file is reported instead.
+See docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 
-from kvwarm.cache.api import LoadedRow, VerifyReport
+from kvwarm.cache.api import LoadedRow
+from kvwarm.cache.core import ScratchBuffers
 from kvwarm.cache.counters import Counters
-from kvwarm.cache.index import Index, Orphan
+from kvwarm.cache.index import Index
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.policy import validate_cache_config
 from kvwarm.cache.pressure import PressureScheduler, PressureSource, make_source
-from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
+from kvwarm.cache.protocols import RowBytes, Tier
+from kvwarm.cache.tiers.registry import TierOptions, build_tier
 from kvwarm.cache.types import (
     CacheConfig,
     EvictResult,
@@ -44,6 +49,7 @@ from kvwarm.cache.types import (
     SaveRequest,
     TierName,
 )
+from kvwarm.cache.upkeep import CacheUpkeep
 from kvwarm.cache.writer import WriterPool
 from kvwarm.errors import CacheError, CacheFormatError, CacheKeyError, InvalidRequestError
 
@@ -51,41 +57,8 @@ __all__ = ["Cache"]
 
 log = logging.getLogger(__name__)
 
-_KVC_SUFFIX = ".kvc"
-_HEX = frozenset("0123456789abcdef")
 
-
-class _ScratchBuffers:
-    """Per-thread read buffers for file tiers: faulting in a fresh 50 MB buffer costs more
-    than reading into one that is already mapped. A buffer is leased to one ``open_row`` at a
-    time, so a nested open on the same thread reads into a fresh buffer."""
-
-    MAX_BYTES = 1 << 30
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def take(self) -> bytearray | None:
-        buf: bytearray | None = getattr(self._local, "buf", None)
-        self._local.buf = None
-        return buf
-
-    def reclaim(self, leased: bytearray | None, data: RowBytes | None) -> None:
-        """End of a lease. The payload view is released so that a caller who kept it past
-        ``open_row`` gets ``ValueError`` instead of reading bytes a later load overwrote."""
-        keep = leased
-        if data is not None:
-            try:
-                data.payload.release()
-            except BufferError:  # still exported by the caller (e.g. numpy): never reuse it
-                keep = leased if leased is not data.buffer else None
-            else:
-                keep = data.buffer if data.buffer is not None else leased
-        if keep is not None and len(keep) <= self.MAX_BYTES:
-            self._local.buf = keep
-
-
-class Cache:
+class Cache(CacheUpkeep):
     """A multi-tier, token-exact KV cache. Thread-safe; close it (or use ``with``)."""
 
     def __init__(
@@ -106,7 +79,7 @@ class Cache:
         """
         self.config = config if config is not None else CacheConfig()
         validate_cache_config(self.config)
-        self._repair = repair
+        self._sweep_interval_s = self.config.sweep_interval_s
         self._scan_problems: list[tuple[str, str]] = []
         self._counters = Counters()
         self._index = Index(
@@ -121,11 +94,12 @@ class Cache:
             source = make_source(
                 pressure_source if pressure_source is not None else self.config.pressure.source
             )
-        self._tiers: dict[TierName, Tier] = {}
-        for tier in tiers if tiers is not None else self._build_tiers():
-            self._tiers[tier.name] = tier
+        if tiers is None:
+            options = TierOptions(repair=repair)
+            tiers = [build_tier(tc, options) for tc in self.config.tiers]
+        self._tiers: dict[TierName, Tier] = {tier.name: tier for tier in tiers}
         self._closed = False
-        self._scratch = _ScratchBuffers()
+        self._scratch = ScratchBuffers()
         self._close_lock = threading.Lock()
         self._stop = threading.Event()
         for tier in self._tiers.values():
@@ -146,19 +120,6 @@ class Cache:
             self._sweeper.start()
             if self.pressure is not None:
                 self.pressure.start()
-
-    def _build_tiers(self) -> list[Tier]:
-        from kvwarm.cache.tiers.files import FileTier
-        from kvwarm.cache.tiers.ram import RamTier
-
-        out: list[Tier] = []
-        for tc in self.config.tiers:
-            if tc.name == "ram":
-                out.append(RamTier(tc.quota_bytes))
-            else:
-                assert tc.root is not None  # validated
-                out.append(FileTier(tc.name, tc.root, tc.quota_bytes, repair=self._repair))
-        return out
 
     # ------------------------------------------------------------------ lookups
 
@@ -198,30 +159,6 @@ class Cache:
         if match is not None:
             self._counters.incr("hits_longest_prefix")
         return match
-
-    def _probe(self, key: bytes) -> RowInfo | None:
-        """A row another process published in a shared file tier, adopted on sight."""
-        for tier in self._tiers.values():
-            if tier.name == "ram":
-                continue
-            try:
-                row = tier.probe(key)
-            except CacheError as exc:
-                log.info("%s: probe failed: %s", tier.name, exc)
-                continue
-            if row is not None and self._adopt(tier, row):
-                return self._index.get(key)
-        return self._index.get(key)
-
-    def _adopt(self, tier: Tier, row: StoredRow) -> bool:
-        try:
-            adopted = self._index.adopt(row)
-        except ValueError as exc:  # tokens out of range in a file that otherwise parsed
-            log.warning("%s: not adopting %s: %s", tier.name, row.info.key.hex(), exc)
-            return False
-        if adopted:
-            self._enforce_quota(tier)
-        return adopted
 
     # ------------------------------------------------------------------ reading a row
 
@@ -333,47 +270,8 @@ class Cache:
 
     # ------------------------------------------------------------------ removing
 
-    def _retire(self, rows: Sequence[StoredRow], *, count: bool = False) -> EvictResult:
-        """Delete the bytes of rows the index already forgot."""
-        freed = 0
-        for row in rows:
-            freed += row.info.size
-            try:
-                self._tiers[row.info.tier].delete(row)
-            except CacheError as exc:
-                log.warning("%s: deleting %s failed: %s", row.info.tier, row.info.key.hex(), exc)
-        if count and rows:
-            self._counters.incr("evictions", len(rows))
-            self._counters.incr("evicted_bytes", freed)
-        return EvictResult(len(rows), freed)
-
-    def _enforce_quota(self, tier: Tier) -> None:
-        self._retire(self._index.enforce_quota(tier.name, tier.quota_bytes), count=True)
-
     def evict_bytes(self, n_bytes: int, tiers: Sequence[TierName] | None = None) -> EvictResult:
         return self._retire(self._index.evict_lru(n_bytes, tiers), count=True)
-
-    def gc(self) -> EvictResult:
-        _, orphans = self._index.reap_reservations()
-        for orphan in orphans:
-            self._adopt_orphan(orphan)
-        return self._retire(self._index.expire(), count=True)
-
-    def _adopt_orphan(self, orphan: Orphan) -> None:
-        """Stage-2 reap: the writer linked its file and vanished. Keep the bytes if they parse."""
-        tier = self._tiers.get(orphan.tier)
-        if tier is None:
-            return
-        row = tier.probe(orphan.key)
-        if row is not None and self._adopt(tier, row):
-            log.info("%s: adopted orphaned row %s", tier.name, orphan.key.hex())
-        elif row is None and orphan.key not in self._index:
-            try:
-                os.unlink(orphan.location)  # unparseable and unannounced: nobody can use it
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.warning("cannot remove orphan %s: %s", orphan.location, exc)
 
     def delete(self, key: bytes) -> bool:
         row = self._index.remove(key)
@@ -381,9 +279,7 @@ class Cache:
             self._retire([row])
             return True
         found = False
-        for tier in self._tiers.values():
-            if tier.name == "ram":
-                continue
+        for tier in self._shared_tiers():
             stray = tier.probe(key)  # another process's row we never adopted
             if stray is not None:
                 self._retire([stray])
@@ -392,90 +288,6 @@ class Cache:
 
     def rows(self, namespace: Namespace | None = None) -> list[RowInfo]:
         return self._index.rows(namespace)
-
-    def verify(self, *, repair: bool = False) -> VerifyReport:
-        checked = len(self._scan_problems)
-        bad = list(self._scan_problems)
-        for info in self._index.rows():
-            stored = self._index.checkout(info.key, touch=False)
-            if stored is None:
-                continue  # removed meanwhile
-            try:
-                checked += 1
-                data = self._tiers[info.tier].load(stored)
-                if data.tokens != stored.tokens:
-                    raise CacheFormatError("tokens differ from the index")
-            except (CacheFormatError, CacheKeyError) as exc:
-                bad.append((stored.location or info.key.hex(), str(exc)))
-                if repair:
-                    self._retire([r for r in (self._index.remove(info.key),) if r is not None])
-            finally:
-                self._index.checkin(info.key)
-        return VerifyReport(checked, tuple(bad))
-
-    # ------------------------------------------------------------------ background
-
-    def _scan(self, tier: Tier) -> None:
-        """Adopt every valid row a tier already holds; one bad file never stops the scan."""
-        adopted = 0
-        try:
-            for row in tier.scan():
-                try:
-                    adopted += self._index.adopt(row)
-                except ValueError as exc:
-                    log.warning("%s: skipping %s: %s", tier.name, row.info.key.hex(), exc)
-                    self._scan_problems.append((row.location or row.info.key.hex(), str(exc)))
-        except Exception:
-            log.exception("%s: scan stopped early", tier.name)
-        self._scan_problems.extend(tier.problems())
-        if adopted:
-            log.info("%s: adopted %d rows", tier.name, adopted)
-
-    def rescan(self) -> int:
-        """Adopt rows other processes published in shared file tiers since we last looked.
-        Cheap: lists directories and reads only files whose key the index does not know."""
-        adopted = 0
-        for tier in self._tiers.values():
-            root = getattr(tier, "root", None)
-            if tier.name == "ram" or root is None:
-                continue
-            try:
-                names = [e.name for e in os.scandir(root)]
-            except OSError as exc:
-                log.warning("%s: cannot list %s: %s", tier.name, root, exc)
-                continue
-            for name in names:
-                stem = name[: -len(_KVC_SUFFIX)]
-                if not name.endswith(_KVC_SUFFIX) or len(stem) != 64 or not _HEX.issuperset(stem):
-                    continue
-                key = bytes.fromhex(stem)
-                if key in self._index or self._index.in_flight(key):
-                    continue
-                row = tier.probe(key)
-                if row is not None and self._adopt(tier, row):
-                    adopted += 1
-        return adopted
-
-    def persist_hits(self) -> None:
-        """Write batched hit counts / last-used times to the tiers (LRU survives restarts)."""
-        for row in self._index.take_dirty_hits():
-            try:
-                self._tiers[row.info.tier].record_hit(row, row.info.hits, row.info.last_used)
-            except CacheError as exc:
-                log.info("%s: cannot record hit: %s", row.info.tier, exc)
-
-    def sweep(self) -> None:
-        """One sweeper pass: TTL + reservations, hit persistence, rescan of shared tiers."""
-        self.gc()
-        self.persist_hits()
-        self.rescan()
-
-    def _sweep_loop(self) -> None:
-        while not self._stop.wait(self.config.sweep_interval_s):
-            try:
-                self.sweep()
-            except Exception:
-                log.exception("cache sweep failed; retrying next interval")
 
     # ------------------------------------------------------------------ lifetime
 

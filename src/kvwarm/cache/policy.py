@@ -15,13 +15,8 @@ from __future__ import annotations
 import math
 
 from kvwarm.alignment import align_down
-from kvwarm.cache.types import (
-    TIER_NAMES,
-    CacheConfig,
-    PolicyConfig,
-    PressureConfig,
-    TierConfig,
-)
+from kvwarm.cache.tiers.registry import registered_tiers, tier_spec
+from kvwarm.cache.types import CacheConfig, PolicyConfig, PressureConfig, TierConfig
 from kvwarm.errors import ConfigError
 
 __all__ = [
@@ -116,12 +111,13 @@ def validate_policy(policy: PolicyConfig) -> None:
 
 
 def validate_tier_config(tier: TierConfig) -> None:
-    if tier.name not in TIER_NAMES:
-        raise ConfigError(f"unknown tier {tier.name!r}; expected one of {', '.join(TIER_NAMES)}")
+    spec = tier_spec(tier.name)  # ConfigError for a name no tier registered
     _need_int(f"tier {tier.name}", "quota_bytes", tier.quota_bytes, minimum=0)
-    if tier.name == "ram":
+    if not spec.needs_root:
         if tier.root is not None:
-            raise ConfigError("tier ram holds bytes in process and takes no root directory")
+            raise ConfigError(
+                f"tier {tier.name} holds bytes in process and takes no root directory"
+            )
     elif tier.root is None:
         raise ConfigError(f"tier {tier.name} is a file tier and needs a root directory")
 
@@ -144,7 +140,7 @@ def validate_pressure_config(cfg: PressureConfig) -> None:
     if not cfg.evict_tiers:
         raise ConfigError("pressure.evict_tiers is empty: the scheduler could evict nothing")
     for name in cfg.evict_tiers:
-        if name not in TIER_NAMES:
+        if name not in registered_tiers():
             raise ConfigError(f"pressure.evict_tiers names unknown tier {name!r}")
 
 

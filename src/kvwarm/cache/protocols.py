@@ -1,8 +1,12 @@
 """The seam between the index (sole writer of rows and reservations) and the tiers (bytes).
 
 A tier never decides *whether* a row exists; it asks the ``ReservationBook`` (the index) at each
-step of the publish protocol and reports the outcome. The index never touches files; it asks a
-``Tier`` to delete or load. Both sides are thread-safe.
+step of the publish protocol and reports the outcome. The index never touches storage; the
+facade asks a ``Tier`` to store, load, probe, list or delete. Both sides are thread-safe.
+
+Invariant: the facade knows a tier only through ``Tier`` and its ``TierCapabilities`` -- never
+its class, its name or its storage layout -- so a new tier (e.g. s3) is a class implementing
+``Tier`` plus one ``tiers.registry.register_tier`` call. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -12,6 +16,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvwarm.cache.types import RowInfo, SaveRequest, TierName
+
+
+@dataclass(frozen=True, slots=True)
+class TierCapabilities:
+    """What the facade may expect of a tier (instead of asking for its name)."""
+
+    persistent: bool  # rows outlive this process: the startup scan finds them again
+    shared: bool  # other processes publish into it: probe on a miss, rescan, adopt orphans
+    local: bool  # bytes live on this machine (ram, /dev/shm, local disk); s3 would not
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +78,17 @@ class ReservationBook(Protocol):
 
 
 class Tier(Protocol):
-    """One storage tier. ``ram`` holds bytes in process; file tiers hold ``<hex key>.kvc``."""
+    """One storage tier, e.g. ``ram`` (bytes in process) or a file tier (one file per row).
+    Built by name through ``tiers.registry``."""
 
     @property
     def name(self) -> TierName: ...
 
     @property
     def quota_bytes(self) -> int: ...
+
+    @property
+    def capabilities(self) -> TierCapabilities: ...
 
     def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
         """Run the publish protocol for one row. Returns the published row, or None if the
@@ -87,8 +104,8 @@ class Tier(Protocol):
         """
         ...
 
-    def delete(self, row: StoredRow) -> None:
-        """Remove the row's bytes. Missing already is fine."""
+    def delete(self, key: bytes) -> None:
+        """Remove whatever bytes are stored under ``key``, valid or not. Missing is fine."""
         ...
 
     def record_hit(self, row: StoredRow, hits: int, last_used: float) -> None:
@@ -101,7 +118,13 @@ class Tier(Protocol):
         ...
 
     def probe(self, key: bytes) -> StoredRow | None:
-        """Look for ``key`` on storage directly (a row another process published)."""
+        """Does ``key`` exist on storage? Its row (metadata checked, payload not read) if a
+        valid one does -- e.g. a row another process published -- else None."""
+        ...
+
+    def stored_keys(self) -> Iterator[bytes]:
+        """Keys stored right now, listed cheaply (no row is read): the rescan of a shared
+        tier probes only the keys the index does not know."""
         ...
 
     def problems(self) -> tuple[tuple[str, str], ...]:

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-TierName = Literal["ram", "ram_file", "disk"]
+# A tier is named by the string it was registered under (``tiers.registry``); the set is open.
+TierName = str
+# The built-in tiers (what the settings and the server know how to configure).
 TIER_NAMES: tuple[TierName, ...] = ("ram", "ram_file", "disk")
 
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kvwarm.cache import kvc
-from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow
+from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
 from kvwarm.cache.tiers.common import check_request, row_info
 from kvwarm.cache.tiers.fsutil import (
     open_private_dir,
@@ -41,6 +41,7 @@ from kvwarm.cache.tiers.fsutil import (
     read_meta,
     unlink_quiet,
 )
+from kvwarm.cache.tiers.registry import tier_spec
 from kvwarm.cache.types import SaveRequest, TierName
 from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError, ConfigError
 
@@ -72,6 +73,8 @@ _TMP_SUFFIX = ".tmp"
 _QUARANTINE = "quarantine"
 _HEX = frozenset("0123456789abcdef")
 _LINK_ATTEMPTS = 3
+# Files outlive the process and other processes may share the directory.
+FILE_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=True)
 _tmp_serial = itertools.count(1)  # next() on a count is atomic under the GIL
 
 
@@ -88,12 +91,14 @@ class FileTier:
         repair: bool = True,
         stale_tmp_s: float = 3600.0,
         on_step: StepHook | None = None,
+        capabilities: TierCapabilities = FILE_CAPABILITIES,
     ) -> None:
-        if name not in ("ram_file", "disk"):
-            raise ConfigError(f"a file tier is 'ram_file' or 'disk', not {name!r}")
+        if not tier_spec(name).needs_root:
+            raise ConfigError(f"tier {name!r} is not a file tier (it takes no root directory)")
         if quota_bytes < 0:
             raise ConfigError("file tier quota must be >= 0")
         self._name: TierName = name
+        self._capabilities = capabilities
         self._root = Path(root)
         self._quota = quota_bytes
         self._quarantine = quarantine
@@ -117,6 +122,10 @@ class FileTier:
     @property
     def quota_bytes(self) -> int:
         return self._quota
+
+    @property
+    def capabilities(self) -> TierCapabilities:
+        return self._capabilities
 
     @property
     def root(self) -> Path:
@@ -260,8 +269,8 @@ class FileTier:
         f = kvc.parse(buf, expected_key=row.info.key, known_tokens=row.tokens)
         return RowBytes(f.meta.fields.tokens, f.payload, f.meta.fields.logits, backing)
 
-    def delete(self, row: StoredRow) -> None:
-        name = _name_for(row.info.key)
+    def delete(self, key: bytes) -> None:
+        name = _name_for(key)
         try:
             os.unlink(name, dir_fd=self._dir)
         except FileNotFoundError:
@@ -306,6 +315,17 @@ class FileTier:
         info = row_info(key, self._name, meta.fields, meta.payload_length)
         return StoredRow(info, meta.fields.tokens, str(self._root / name))
 
+    def stored_keys(self) -> Iterator[bytes]:
+        try:
+            names = [e.name for e in os.scandir(self._dir)]
+        except OSError as exc:
+            log.warning("%s: cannot list %s: %s", self._name, self._root, exc)
+            return
+        for name in names:
+            key = _key_of(name)
+            if key is not None:
+                yield key
+
     def scan(self) -> Iterator[StoredRow]:
         """Startup: reap temp files, yield valid rows (payload CRC deferred to ``load``),
         quarantine (or delete) invalid ones -- or, with ``repair=False``, only report both in
@@ -323,10 +343,10 @@ class FileTier:
                     continue
                 if not name.endswith(_SUFFIX):
                     continue  # the quarantine dir, or files that are not ours
-                stem = name[: -len(_SUFFIX)]
-                if len(stem) != 64 or not _HEX.issuperset(stem):
+                key = _key_of(name)
+                if key is None:
                     raise CacheFormatError("not a <hex key>.kvc name")
-                yield self._row_from_file(name, bytes.fromhex(stem))
+                yield self._row_from_file(name, key)
             except FileNotFoundError:
                 continue  # removed by someone else meanwhile
             except (OSError, CacheFormatError) as exc:
@@ -395,6 +415,14 @@ def _write_all(fd: int, parts: Sequence[kvc.Buffer]) -> None:
 
 def _name_for(key: bytes) -> str:
     return key.hex() + _SUFFIX
+
+
+def _key_of(name: str) -> bytes | None:
+    """The key a row file name stands for; None if ``name`` is not a row file name."""
+    stem = name[: -len(_SUFFIX)]
+    if not name.endswith(_SUFFIX) or len(stem) != 64 or not _HEX.issuperset(stem):
+        return None
+    return bytes.fromhex(stem)
 
 
 def _pid_alive(pid: int) -> bool:

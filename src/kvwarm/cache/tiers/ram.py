@@ -15,12 +15,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from kvwarm.cache.kvc import KvcFields
-from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow
+from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
 from kvwarm.cache.tiers.common import check_request, row_info
 from kvwarm.cache.types import SaveRequest, TierName
 from kvwarm.errors import CacheKeyError, ConfigError
 
 __all__ = ["RamTier"]
+
+# Private to this process and gone with it.
+_CAPABILITIES = TierCapabilities(persistent=False, shared=False, local=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,24 +36,29 @@ class _Entry:
 class RamTier:
     """In-process tier; thread-safe. ``quota_bytes`` is enforced by the index, not here."""
 
-    def __init__(self, quota_bytes: int) -> None:
+    def __init__(self, quota_bytes: int, *, name: TierName = "ram") -> None:
         if quota_bytes < 0:
             raise ConfigError("ram tier quota must be >= 0")
         self._quota = quota_bytes
+        self._name = name
         self._lock = threading.Lock()
         self._rows: dict[bytes, _Entry] = {}
 
     @property
     def name(self) -> TierName:
-        return "ram"
+        return self._name
 
     @property
     def quota_bytes(self) -> int:
         return self._quota
 
+    @property
+    def capabilities(self) -> TierCapabilities:
+        return _CAPABILITIES
+
     def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
         check_request(key, request)
-        token = book.reserve(key, "ram")
+        token = book.reserve(key, self._name)
         if token is None:
             return None
         entry: _Entry | None = None
@@ -70,7 +78,7 @@ class RamTier:
                 canonical_tokens=request.canonical_tokens,
             )
             size = memoryview(request.payload).nbytes
-            info = row_info(key, "ram", fields, size, created=now, last_used=now)
+            info = row_info(key, self._name, fields, size, created=now, last_used=now)
             entry = _Entry(StoredRow(info, request.tokens, None), request.payload, request.logits)
             with self._lock:
                 self._rows[key] = entry
@@ -100,9 +108,9 @@ class RamTier:
         entry = self._get(row.info.key)  # the bytes are already in memory: no buffer needed
         return RowBytes(entry.row.tokens, memoryview(entry.payload), entry.logits)
 
-    def delete(self, row: StoredRow) -> None:
+    def delete(self, key: bytes) -> None:
         with self._lock:
-            self._rows.pop(row.info.key, None)
+            self._rows.pop(key, None)
 
     def record_hit(self, row: StoredRow, hits: int, last_used: float) -> None:
         with self._lock:
@@ -121,6 +129,10 @@ class RamTier:
         with self._lock:
             entry = self._rows.get(key)
         return None if entry is None else entry.row
+
+    def stored_keys(self) -> Iterator[bytes]:
+        with self._lock:
+            return iter(list(self._rows))
 
     def problems(self) -> tuple[tuple[str, str], ...]:
         return ()  # process memory holds nothing a scan could find bad

@@ -1,0 +1,110 @@
+"""What every part of the ``Cache`` facade shares: the index, the tiers, the counters, and the
+few primitives that turn index decisions into tier calls.
+
+Invariants (the facade's, see ``facade.py`` and docs/architecture.md):
+
+- The index decides, the tiers store: a row enters the index through the publish protocol or
+  an adopt of bytes a tier vouched for, and leaves it *before* its bytes are deleted
+  (``_retire`` only deletes rows the index already forgot), so no lookup can return a row
+  whose bytes are gone on purpose.
+- Tiers are reached only through the ``Tier`` protocol; what a tier can do is read from its
+  ``TierCapabilities``, never from its name.
+- No tier I/O happens under the index lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from kvwarm.cache.counters import Counters
+from kvwarm.cache.index import Index
+from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
+from kvwarm.cache.types import EvictResult, RowInfo, TierName
+from kvwarm.errors import CacheError
+
+__all__ = ["CacheCore", "ScratchBuffers"]
+
+log = logging.getLogger(__name__)
+
+
+class ScratchBuffers:
+    """Per-thread read buffers for file tiers: faulting in a fresh 50 MB buffer costs more
+    than reading into one that is already mapped. A buffer is leased to one ``open_row`` at a
+    time, so a nested open on the same thread reads into a fresh buffer."""
+
+    MAX_BYTES = 1 << 30
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def take(self) -> bytearray | None:
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        self._local.buf = None
+        return buf
+
+    def reclaim(self, leased: bytearray | None, data: RowBytes | None) -> None:
+        """End of a lease. The payload view is released so that a caller who kept it past
+        ``open_row`` gets ``ValueError`` instead of reading bytes a later load overwrote."""
+        keep = leased
+        if data is not None:
+            try:
+                data.payload.release()
+            except BufferError:  # still exported by the caller (e.g. numpy): never reuse it
+                keep = leased if leased is not data.buffer else None
+            else:
+                keep = data.buffer if data.buffer is not None else leased
+        if keep is not None and len(keep) <= self.MAX_BYTES:
+            self._local.buf = keep
+
+
+class CacheCore:
+    """State and primitives; ``Cache`` (facade.py) adds the public operations."""
+
+    _index: Index
+    _tiers: dict[TierName, Tier]
+    _counters: Counters
+
+    def _shared_tiers(self) -> list[Tier]:
+        """Tiers other processes may publish into: worth probing on a miss."""
+        return [t for t in self._tiers.values() if t.capabilities.shared]
+
+    def _probe(self, key: bytes) -> RowInfo | None:
+        """A row another process published in a shared tier, adopted on sight."""
+        for tier in self._shared_tiers():
+            try:
+                row = tier.probe(key)
+            except CacheError as exc:
+                log.info("%s: probe failed: %s", tier.name, exc)
+                continue
+            if row is not None and self._adopt(tier, row):
+                return self._index.get(key)
+        return self._index.get(key)
+
+    def _adopt(self, tier: Tier, row: StoredRow) -> bool:
+        try:
+            adopted = self._index.adopt(row)
+        except ValueError as exc:  # tokens out of range in a file that otherwise parsed
+            log.warning("%s: not adopting %s: %s", tier.name, row.info.key.hex(), exc)
+            return False
+        if adopted:
+            self._enforce_quota(tier)
+        return adopted
+
+    def _retire(self, rows: Sequence[StoredRow], *, count: bool = False) -> EvictResult:
+        """Delete the bytes of rows the index already forgot."""
+        freed = 0
+        for row in rows:
+            freed += row.info.size
+            try:
+                self._tiers[row.info.tier].delete(row.info.key)
+            except CacheError as exc:
+                log.warning("%s: deleting %s failed: %s", row.info.tier, row.info.key.hex(), exc)
+        if count and rows:
+            self._counters.incr("evictions", len(rows))
+            self._counters.incr("evicted_bytes", freed)
+        return EvictResult(len(rows), freed)
+
+    def _enforce_quota(self, tier: Tier) -> None:
+        self._retire(self._index.enforce_quota(tier.name, tier.quota_bytes), count=True)

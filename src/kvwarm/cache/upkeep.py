@@ -1,0 +1,124 @@
+"""The cache's upkeep: startup scan, TTL/reservation sweeps, rescans of shared tiers, hit
+persistence and verification. Mixed into ``Cache`` (facade.py).
+
+Invariants:
+
+- One bad row never stops a scan, a sweep or a verify.
+- ``verify`` reports every bad file, the ones the startup scan rejected included, and deletes
+  nothing unless asked to ``repair``.
+- An orphan (a writer linked its file and vanished) is adopted if its tier vouches for the
+  bytes, and deleted only if they are unusable and no row of its key is indexed.
+See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from kvwarm.cache.api import VerifyReport
+from kvwarm.cache.core import CacheCore
+from kvwarm.cache.index import Orphan
+from kvwarm.cache.protocols import Tier
+from kvwarm.cache.types import EvictResult
+from kvwarm.errors import CacheError, CacheFormatError, CacheKeyError
+
+__all__ = ["CacheUpkeep"]
+
+log = logging.getLogger(__name__)
+
+
+class CacheUpkeep(CacheCore):
+    _scan_problems: list[tuple[str, str]]
+    _stop: threading.Event
+    _sweep_interval_s: float
+
+    def _scan(self, tier: Tier) -> None:
+        """Adopt every valid row a tier already holds; one bad file never stops the scan."""
+        adopted = 0
+        try:
+            for row in tier.scan():
+                try:
+                    adopted += self._index.adopt(row)
+                except ValueError as exc:
+                    log.warning("%s: skipping %s: %s", tier.name, row.info.key.hex(), exc)
+                    self._scan_problems.append((row.location or row.info.key.hex(), str(exc)))
+        except Exception:
+            log.exception("%s: scan stopped early", tier.name)
+        self._scan_problems.extend(tier.problems())
+        if adopted:
+            log.info("%s: adopted %d rows", tier.name, adopted)
+
+    def gc(self) -> EvictResult:
+        _, orphans = self._index.reap_reservations()
+        for orphan in orphans:
+            self._adopt_orphan(orphan)
+        return self._retire(self._index.expire(), count=True)
+
+    def _adopt_orphan(self, orphan: Orphan) -> None:
+        """Stage-2 reap: the writer linked its file and vanished. Keep the bytes if they parse."""
+        tier = self._tiers.get(orphan.tier)
+        if tier is None:
+            return
+        row = tier.probe(orphan.key)
+        if row is not None and self._adopt(tier, row):
+            log.info("%s: adopted orphaned row %s", tier.name, orphan.key.hex())
+        elif row is None and orphan.key not in self._index:
+            try:
+                tier.delete(orphan.key)  # unparseable and unannounced: nobody can use it
+            except CacheError as exc:
+                log.warning("%s: cannot remove orphan %s: %s", tier.name, orphan.location, exc)
+
+    def verify(self, *, repair: bool = False) -> VerifyReport:
+        checked = len(self._scan_problems)
+        bad = list(self._scan_problems)
+        for info in self._index.rows():
+            stored = self._index.checkout(info.key, touch=False)
+            if stored is None:
+                continue  # removed meanwhile
+            try:
+                checked += 1
+                data = self._tiers[info.tier].load(stored)
+                if data.tokens != stored.tokens:
+                    raise CacheFormatError("tokens differ from the index")
+            except (CacheFormatError, CacheKeyError) as exc:
+                bad.append((stored.location or info.key.hex(), str(exc)))
+                if repair:
+                    self._retire([r for r in (self._index.remove(info.key),) if r is not None])
+            finally:
+                self._index.checkin(info.key)
+        return VerifyReport(checked, tuple(bad))
+
+    def rescan(self) -> int:
+        """Adopt rows other processes published in shared tiers since we last looked.
+        Cheap: lists keys and reads only rows whose key the index does not know."""
+        adopted = 0
+        for tier in self._shared_tiers():
+            for key in tier.stored_keys():
+                if key in self._index or self._index.in_flight(key):
+                    continue
+                row = tier.probe(key)
+                if row is not None and self._adopt(tier, row):
+                    adopted += 1
+        return adopted
+
+    def persist_hits(self) -> None:
+        """Write batched hit counts / last-used times to the tiers (LRU survives restarts)."""
+        for row in self._index.take_dirty_hits():
+            try:
+                self._tiers[row.info.tier].record_hit(row, row.info.hits, row.info.last_used)
+            except CacheError as exc:
+                log.info("%s: cannot record hit: %s", row.info.tier, exc)
+
+    def sweep(self) -> None:
+        """One sweeper pass: TTL + reservations, hit persistence, rescan of shared tiers."""
+        self.gc()
+        self.persist_hits()
+        self.rescan()
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(self._sweep_interval_s):
+            try:
+                self.sweep()
+            except Exception:
+                log.exception("cache sweep failed; retrying next interval")
