@@ -105,7 +105,7 @@ def bench_tier(
                 t0 = time.perf_counter()
                 plain_read(stored.location)
                 reads.append(time.perf_counter() - t0)
-        tier.delete(stored)
+        tier.delete(stored.info.key)
     out = {
         "save": statistics.median(saves),
         "load": statistics.median(loads),
