@@ -169,7 +169,8 @@ class Settings(BaseSettings):
         json_schema_extra=_REPEAT,
     )
     api_key: OptStr = Field(
-        default=None, description="require this bearer token on every API request"
+        default=None,
+        description="require this key on every API request (Authorization: Bearer, or x-api-key)",
     )
     admin_key: OptStr = Field(
         default=None,

@@ -9,12 +9,15 @@ Every error, including unknown routes and bad methods, has the OpenAI error shap
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -84,10 +87,11 @@ def create_app(settings: Settings) -> FastAPI:
         title="kvwarm",
         version=__version__,
         lifespan=lifespan,
-        docs_url=None,
+        docs_url="/docs",  # Swagger UI; its script and style come from a CDN
         redoc_url=None,
-        openapi_url="/openapi.json",  # no docs UI; the schema helps clients and tests
+        openapi_url="/openapi.json",
     )
+    app.openapi = functools.partial(_openapi_with_keys, app)  # type: ignore[method-assign]
     app.state.kvwarm = state
     app.include_router(routes_openai.router)
     app.include_router(routes_admin.router)
@@ -114,13 +118,32 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(Exception, on_error)
+    app.add_middleware(_Observe, state=state)
     if settings.allowed_origins:
-        # CORS headers and preflights for the configured origins; others never get this far.
+        # Outermost, so the guard's own refusals (401, 403) carry CORS headers too and a page
+        # of an allowed origin can read why it was refused. Preflights of other origins get
+        # no CORS headers, and their real requests are refused by the guard.
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(settings.allowed_origins),
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=["authorization", "content-type", "x-cache-salt"],
+            allow_headers=["authorization", "content-type", "x-api-key", "x-cache-salt"],
         )
-    app.add_middleware(_Observe, state=state)
     return app
+
+
+def _openapi_with_keys(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the two ways to send a key (``guard``), so Swagger UI's
+    "Authorize" button works on a server that has ``api_key`` set."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, routes=app.routes, description=app.description
+        )
+        components = schema.setdefault("components", {})
+        components["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        }
+        schema["security"] = [{"bearer": []}, {"x-api-key": []}, {}]
+        app.openapi_schema = schema
+    return app.openapi_schema

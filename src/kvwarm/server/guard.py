@@ -15,8 +15,12 @@ Invariants, checked in this order before any route runs:
    ``application/x-www-form-urlencoded`` (what ``curl -d`` sends; parsed as JSON all the same).
    ``text/plain`` and ``multipart/form-data``, which a page may send cross-site without a CORS
    preflight, are a 415.
-4. With ``admin_key`` set, admin paths (``ADMIN_PREFIXES``) need it as the bearer token; with
-   ``api_key`` set, every other path but ``/health`` needs the API key (or the admin key).
+4. With ``admin_key`` set, admin paths (``ADMIN_PREFIXES``) need it; with ``api_key`` set,
+   every other path but the ``OPEN_PATHS`` needs the API key (or the admin key). A key is read
+   from ``Authorization: Bearer <key>`` or, as Anthropic-style clients send it, ``x-api-key``.
+   The open paths are ``/health`` and the read-only API description (``/docs``,
+   ``/openapi.json``): they hold no data, and a browser opening ``/docs`` cannot send a header;
+   the Swagger page's "Authorize" button then sends the key with every call it makes.
 
 Refusals are OpenAI-shaped errors, answered by the app's outer middleware before any route.
 """
@@ -34,7 +38,7 @@ from starlette.types import Scope, Send
 from kvwarm.settings import Settings
 
 ADMIN_PREFIXES: tuple[str, ...] = ("/cache/",)
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _FORM = "application/x-www-form-urlencoded"
@@ -102,16 +106,17 @@ class Guard:
             return 415, "the request body must be application/json", "unsupported_media_type"
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
             return None  # a CORS preflight from an allowed origin never carries credentials
-        return self._auth(scope["path"], headers.get("authorization"))
+        token = bearer(headers.get("authorization")) or headers.get("x-api-key")
+        return self._auth(scope["method"], scope["path"], token)
 
-    def _auth(self, path: str, authorization: str | None) -> tuple[int, str, str] | None:
-        token = bearer(authorization)
+    def _auth(self, method: str, path: str, token: str | None) -> tuple[int, str, str] | None:
         if is_admin_path(path) and self.admin_key:
             if not _same(token, self.admin_key):
                 return 401, "this endpoint needs the admin key", "invalid_admin_key"
             return None
         keyed = _same(token, self.api_key) or _same(token, self.admin_key)
-        if self.api_key and path not in OPEN_PATHS and not keyed:
+        open_path = path in OPEN_PATHS and method in ("GET", "HEAD")
+        if self.api_key and not open_path and not keyed:
             return 401, "invalid or missing API key", "invalid_api_key"
         return None
 

@@ -82,7 +82,10 @@ async def chat_completions(request: Request) -> Response:
         req,
         default_max_tokens=state.settings.default_max_tokens,
         max_tokens_limit=state.settings.max_tokens_limit,
-        max_tokens=req.max_tokens if req.max_tokens is not None else req.max_completion_tokens,
+        # OpenAI's (and vLLM's) rule: max_completion_tokens wins over the legacy max_tokens.
+        max_tokens=(
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        ),
         json_schema=plan.json_schema or schema,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
@@ -261,34 +264,48 @@ async def embeddings(request: Request) -> Response:
     )
 
 
+def _model_item(state: ServerState, entry_id: str) -> dict[str, object]:
+    entry = state.entries[entry_id]
+    item: dict[str, object] = {
+        "id": entry.id,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "kvwarm",
+        "status": entry.state,
+    }
+    if entry.model is not None:
+        info = entry.model.info()
+        item["meta"] = {
+            "path": info.path,
+            "backend": info.backend,
+            "n_ctx": info.n_ctx,
+            "n_ctx_train": info.n_ctx_train,
+            "n_vocab": info.n_vocab,
+            "n_embd": info.n_embd,
+            "n_parallel": info.n_parallel,
+            "size": info.size_bytes,
+            "description": info.description,
+            "fingerprint": info.fingerprint,
+            "chat_template": info.chat_template,
+        }
+    elif entry.error:
+        item["error"] = entry.error
+    return item
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     state = server_state(request)
-    data: list[dict[str, object]] = []
-    for entry in state.entries.values():
-        item: dict[str, object] = {
-            "id": entry.id,
-            "object": "model",
-            "created": int(state.started),
-            "owned_by": "kvwarm",
-            "status": entry.state,
-        }
-        if entry.model is not None:
-            info = entry.model.info()
-            item["meta"] = {
-                "path": info.path,
-                "backend": info.backend,
-                "n_ctx": info.n_ctx,
-                "n_ctx_train": info.n_ctx_train,
-                "n_vocab": info.n_vocab,
-                "n_embd": info.n_embd,
-                "n_parallel": info.n_parallel,
-                "size": info.size_bytes,
-                "description": info.description,
-                "fingerprint": info.fingerprint,
-                "chat_template": info.chat_template,
-            }
-        elif entry.error:
-            item["error"] = entry.error
-        data.append(item)
+    data = [_model_item(state, entry_id) for entry_id in state.entries]
     return JSONResponse({"object": "list", "data": data})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> Response:
+    """One model, as OpenAI's ``models.retrieve`` returns it; 404 ``model_not_found``."""
+    state = server_state(request)
+    if model_id not in state.entries:
+        raise HTTPError(
+            404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
+        )
+    return JSONResponse(_model_item(state, model_id))
