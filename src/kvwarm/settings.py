@@ -135,6 +135,10 @@ class Settings(BaseSettings):
     save_tier: OptTier = Field(
         default=None, description="tier new rows are written to (default: disk if enabled)"
     )
+    # Off: row files hold tokens and KV, not the prompt's words (a user's text at rest).
+    store_prompt_text: Bool = Field(
+        default=False, description="also write each row's prompt text into its file"
+    )
     policy: Policy = Field(
         default=SERVER_POLICY,
         description="cache policy override KEY=VALUE (repeatable), e.g. min_tokens=64",
@@ -175,6 +179,11 @@ class Settings(BaseSettings):
     admin_key: OptStr = Field(
         default=None,
         description="bearer token required on admin endpoints (/cache/*); default: none needed",
+    )
+    # Tenants (server/tenancy.py): each key presented gets its own cache namespace.
+    cache_salt_from_auth: Bool = Field(
+        default=False,
+        description="derive a cache salt from the bearer token, so each API key is a tenant",
     )
     # Browser defence (server/guard.py): a page elsewhere must not drive a local server.
     allowed_origins: StrTuple = Field(
@@ -221,7 +230,7 @@ class Settings(BaseSettings):
             tiers.append(TierConfig("ram_file", self.shm_quota_bytes, self.shm_dir))
         if self.cache_dir is not None:
             tiers.append(TierConfig("disk", self.disk_quota_bytes, self.cache_dir / "rows"))
-        return CacheConfig(tiers=tuple(tiers))
+        return CacheConfig(tiers=tuple(tiers), store_prompt_text=self.store_prompt_text)
 
     def check(self) -> None:
         """Range and cross-setting rules; raises ``ConfigError``."""

@@ -143,3 +143,19 @@ def test_effective_fingerprint_rejects_bad_adapters(adapters: list[tuple[bytes, 
         effective_fingerprint(NS.fingerprint, adapters)
     with pytest.raises(ValueError):
         effective_fingerprint(b"short", [])
+
+
+def test_salt_folds_into_ctx_hash_and_no_salt_changes_nothing() -> None:
+    from kvwarm.cache.key import salted_namespace
+
+    assert salted_namespace(NS, None) is NS
+    a, b = salted_namespace(NS, b"alice"), salted_namespace(NS, b"bob")
+    assert len({NS.ctx_hash, a.ctx_hash, b.ctx_hash}) == 3
+    assert a.fingerprint == NS.fingerprint and a.quant == NS.quant  # the model is still named
+    assert salted_namespace(NS, b"alice") == a  # stable across calls (and processes)
+    expected = hashlib.sha256(b"kvwarm-salt-v1\x00" + NS.ctx_hash + b"alice").digest()
+    assert a.ctx_hash == expected
+    assert salted_namespace(NS, b"") != NS  # an empty salt is still a salt
+    assert cache_key(a, [1, 2, 3]) != cache_key(NS, [1, 2, 3]) != cache_key(b, [1, 2, 3])
+    with pytest.raises(ValueError):
+        salted_namespace(NS, "alice")  # type: ignore[arg-type]

@@ -179,3 +179,19 @@ def test_model_ids_follow_one_rule_in_settings_and_engine() -> None:
     cache = CacheConfig(tiers=(TierConfig("ram", 1 << 20),))
     with Engine(EngineConfig(cache=cache, backend="stub")) as engine:
         assert engine.load_model("/m/stub-x.gguf").id == ModelSpec(path="/m/stub-x.gguf").model_id
+
+
+def test_tenant_settings_default_off_and_reach_the_cache(tmp_path: Path) -> None:
+    base = load_settings({}, {})
+    assert (base.store_prompt_text, base.cache_salt_from_auth) == (False, False)
+    assert base.cache_config().store_prompt_text is False
+    config = tmp_path / "c.toml"
+    config.write_text("store_prompt_text = true\n")
+    env = {"KVWARM_CONFIG": str(config), "KVWARM_CACHE_SALT_FROM_AUTH": "1"}
+    s = load_settings({}, env)
+    assert (s.store_prompt_text, s.cache_salt_from_auth) == (True, True)
+    assert s.cache_config().store_prompt_text is True
+    off = load_settings(_flags("--store-prompt-text", "false"), env)
+    assert off.cache_config().store_prompt_text is False
+    with pytest.raises(ConfigError, match="cache_salt_from_auth"):
+        load_settings({}, {"KVWARM_CACHE_SALT_FROM_AUTH": "maybe"})

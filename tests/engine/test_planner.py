@@ -111,3 +111,49 @@ def test_an_unpacked_row_is_trimmed_to_what_it_holds() -> None:
     assert trim_restored(50, 50, 50, use_logits=False, n_batch=16, det=False) == (49, False)
     # A blob with fewer cells than its tokens claim: keep what it holds, aligned, no logits.
     assert trim_restored(50, 40, 50, use_logits=True, n_batch=16, det=True) == (32, False)
+
+
+def test_choose_never_reuses_live_kv_of_another_namespace() -> None:
+    from kvwarm.cache.types import Namespace
+
+    alice = Namespace(b"\x01" * 32, 2, b"\x0a" * 32)
+    bob = Namespace(b"\x01" * 32, 2, b"\x0b" * 32)
+    prompt = list(range(40))
+    idle = _slot(1, prompt[:30], 30, last_used=5.0)
+    busy = _slot(2, prompt[:30], 30)
+    empty = _slot(0, [], 0)
+    idle.kv_namespace = busy.kv_namespace = alice
+    for ns, kinds in ((bob, {"none"}), (None, {"none"}), (alice, {"self"})):
+        slot, plan = choose(
+            prompt,
+            free=[empty, idle],
+            slots=[empty, idle, busy],
+            row=None,
+            n_batch=16,
+            deterministic=False,
+            namespace=ns,
+        )
+        assert plan.kind in kinds, ns
+        if plan.kind == "none":
+            assert slot is empty and plan.keep == 0  # a cold prompt spares the warm slot
+    # Only the busy slot holds the prefix: copied for its own namespace, never for another.
+    _, plan = choose(
+        prompt,
+        free=[empty],
+        slots=[empty, busy],
+        row=None,
+        n_batch=16,
+        deterministic=False,
+        namespace=alice,
+    )
+    assert (plan.kind, plan.src_seq) == ("copy", 2)
+    _, plan = choose(
+        prompt,
+        free=[empty],
+        slots=[empty, busy],
+        row=None,
+        n_batch=16,
+        deterministic=False,
+        namespace=bob,
+    )
+    assert plan.kind == "none"

@@ -19,6 +19,8 @@ Invariants:
 - With ``repair=False`` (``kvwarm cache verify`` without ``--repair``) opening the cache and
   verifying it move and delete nothing: no quarantine, no temp-file reaping, no quota
   enforcement, no sweeper; every bad file is reported instead.
+- A row's prompt text reaches a tier only with ``CacheConfig.store_prompt_text``; otherwise
+  ``save`` blanks it, whoever built the request.
 See docs/architecture.md.
 """
 
@@ -29,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from types import TracebackType
 
 from kvwarm.cache.api import LoadedRow
@@ -199,6 +202,8 @@ class Cache(CacheUpkeep):
             raise InvalidRequestError(
                 f"cache tier {request.tier!r} is not configured", param="tier"
             )
+        if request.prompt_text and not self.config.store_prompt_text:
+            request = replace(request, prompt_text="")
         key = cache_key(request.namespace, request.tokens)
         if key in self._index:
             return key  # already published: the bytes would be identical

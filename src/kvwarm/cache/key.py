@@ -26,6 +26,7 @@ __all__ = [
     "effective_fingerprint",
     "encode_tokens",
     "namespace_prefix",
+    "salted_namespace",
     "validate_namespace",
 ]
 
@@ -33,6 +34,7 @@ KEY_BYTES = 32
 _DIGEST_BYTES = 32
 _MAX_TOKEN = 0xFFFF_FFFF
 _LORA_DOMAIN = b"kvwarm-lora-v1\x00"
+_SALT_DOMAIN = b"kvwarm-salt-v1\x00"
 
 # array('I') is the fastest pure-stdlib u32 encoder, but its item size is platform-defined.
 _ARRAY_CODE = next((c for c in ("I", "L") if array(c).itemsize == 4), None)
@@ -156,3 +158,24 @@ def effective_fingerprint(model_fp: bytes, adapters: Sequence[tuple[bytes, float
     for p in parts:
         h.update(p)
     return h.digest()
+
+
+def salted_namespace(ns: Namespace, salt: bytes | None) -> Namespace:
+    """``ns`` with a cache salt (a tenant's secret, UTF-8) folded into its ``ctx_hash``.
+
+    No salt: ``ns`` unchanged, so unsalted rows keep their keys. A salt gives a namespace no
+    other salt (and no unsalted request) shares, so its rows and prefix lookups stay apart
+    (``docs/architecture.md``, "Tenants"). Folded into ``ctx_hash`` rather than a new field:
+    the key formula and the KVC format stay as they are, a salted row survives a restart and
+    is found again by the same salt, and the file records only a one-way digest, never the
+    salt. The fingerprint is left alone: it names the model, and listings show it.
+    """
+    if salt is None:
+        return ns
+    if not isinstance(salt, bytes):
+        raise ValueError("cache salt must be bytes")
+    validate_namespace(ns)
+    h = hashlib.sha256(_SALT_DOMAIN)
+    h.update(ns.ctx_hash)
+    h.update(salt)
+    return Namespace(ns.fingerprint, ns.quant, h.digest())

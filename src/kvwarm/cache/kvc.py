@@ -7,7 +7,8 @@ Layout, little-endian throughout::
                        u64 created (unix s), u64 last used* (unix s), u64 payload bytes
     [48..71]  trailer  u64 payload offset, u64 payload length, u32 payload CRC32C,
                        u32 meta CRC32C (erllama leaves this word reserved)
-    [72..]    prompt   u32 length + UTF-8 (observability only; untrusted, decoded leniently)
+    [72..]    prompt   u32 length + UTF-8 (observability only; untrusted, decoded leniently;
+                       empty unless the cache is configured to store prompt text)
     [..]      TLV      u32 length, then (u8 tag, u32 length, value) records
     [..end]   payload  opaque KV bytes
 

@@ -100,6 +100,9 @@ class CacheConfig:
     ttl_seconds: tuple[float, float, float] = (300.0, 3600.0, 86_400.0)  # by TtlClass
     sweep_interval_s: float = 30.0
     pressure: PressureConfig = field(default_factory=PressureConfig)
+    # A row's prompt text is for people reading the files, and it is a user's words at rest:
+    # written only when asked for. Lookups never use it (rows are found by tokens).
+    store_prompt_text: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +144,7 @@ class SaveRequest:
     reason: SaveReason
     tier: TierName
     logits: bytes | None = None  # float32 logits after the last token (finish/cold saves)
-    prompt_text: str = ""  # observability only; untrusted on load
+    prompt_text: str = ""  # observability only; untrusted on load; kept only if configured
     ttl_class: TtlClass = TtlClass.SHORT
     context_size: int = 0
     quant_bits: int = 0

@@ -38,6 +38,7 @@ MODEL_SETTINGS: tuple[str, ...] = (
     "shm_dir",
     "shm_quota_bytes",
     "save_tier",
+    "store_prompt_text",
     "policy",
     "log_level",
 )

@@ -2,9 +2,10 @@
 row, or none), then waits for the tick to prefill the rest.
 
 Invariants: the plan comes from ``planner.choose`` (pure); this module only carries it out and
-never decides how much KV to reuse itself. A request's namespace is fixed here, when it is
-admitted. Whatever goes wrong, no slot stays taken: a failed restore falls back to a cold
-prefill, any other failure answers the request (``docs/architecture.md``, "Engine").
+never decides how much KV to reuse itself. A request's namespace (the model's, with the
+request's cache salt folded in) is fixed here, when it is admitted, and recorded on its slot.
+Whatever goes wrong, no slot stays taken: a failed restore falls back to a cold prefill, any
+other failure answers the request (``docs/architecture.md``, "Engine").
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 from kvwarm.alignment import canonical_after
 from kvwarm.backends.base import Sampler
+from kvwarm.cache.key import salted_namespace
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.outcomes import Outcomes
 from kvwarm.engine.planner import (
@@ -68,9 +70,10 @@ class Admission:
 
     def _plan(self, req: Request, free: Sequence[Slot]) -> tuple[Slot, Plan, Namespace]:
         rt = self.rt
-        ns = rt.namespace()
+        ns = salted_namespace(rt.namespace(), req.options.salt_bytes())
         # A parent_key row was waited for on the caller's thread, so it is published by now
-        # and this lookup scores it by what it really shares.
+        # and this lookup scores it by what it really shares. The lookup is confined to ns:
+        # a parent_key of another salt's row waits, but never restores.
         t0 = time.perf_counter()
         match = rt.cache.longest_prefix(ns, req.prompt_tokens)
         rt.cache.record_latency("lookup", time.perf_counter() - t0)
@@ -87,6 +90,7 @@ class Admission:
             row=row,
             n_batch=rt.cfg.n_batch,
             deterministic=req.deterministic,
+            namespace=ns,
         )
         return slot, plan, ns
 
@@ -136,6 +140,7 @@ class Admission:
             last_continued=n,  # continued saves count generated tokens from the prompt's end
         )
         slot.active = active
+        slot.kv_namespace = ns  # whatever KV the slot holds from now on was computed under ns
         slot.phase = "prefill"
         if logits_from_row is not None:
             # Exact hit with stored final logits: no decode at all before the first token.

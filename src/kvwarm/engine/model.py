@@ -244,11 +244,20 @@ class Model:
         return self._submit(tokens, opts, text)
 
     def prewarm(
-        self, prompt: Prompt, *, ttl_class: TtlClass = TtlClass.LONG, add_special: bool = True
+        self,
+        prompt: Prompt,
+        *,
+        ttl_class: TtlClass = TtlClass.LONG,
+        add_special: bool = True,
+        cache_salt: str | None = None,
     ) -> CompletionStats:
-        """Prefill ``prompt`` and save it (with its final logits), generating nothing."""
+        """Prefill ``prompt`` and save it (with its final logits), generating nothing. With a
+        ``cache_salt`` the row serves only requests with the same salt."""
         self._check_ready()
-        opts = GenerationOptions(max_tokens=0, temperature=0.0, add_special=add_special)
+        opts = GenerationOptions(
+            max_tokens=0, temperature=0.0, add_special=add_special, cache_salt=cache_salt
+        )
+        opts.validate()
         if isinstance(prompt, str):
             tokens = self._bmodel.tokenize(prompt, add_special=add_special, parse_special=True)
             text = prompt
@@ -310,6 +319,8 @@ class Model:
         if opts.parent_key is not None:
             # Wait here, on the caller's thread, for an in-flight save of the previous turn;
             # once published, the worker's prefix lookup finds it. Never stalls other slots.
+            # That lookup is confined to the request's (salted) namespace, so another salt's
+            # key is waited for at most and never restored.
             self._engine.cache.lookup_exact_or_wait(
                 opts.parent_key, self.policy.session_resume_wait_ms / 1e3
             )

@@ -37,6 +37,7 @@ class GenerationOverrides(TypedDict, total=False):
     logprobs: int | None
     logit_bias: Mapping[int, float] | None
     ignore_eos: bool
+    cache_salt: str | None
 
 
 def merge_options(

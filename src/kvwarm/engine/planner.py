@@ -7,6 +7,9 @@ row that turns out different once opened is re-scored by the same rules (``reche
 ``trim_restored``): this module is the only place that decides how much KV is reused.
 Deterministic mode only uses a canonical prefix trimmed to a multiple of ``n_batch``, so the
 result is bit-identical to a cold prefill (``kvwarm.alignment``; ``docs/architecture.md``).
+A slot's live KV is a candidate only for a request of the same namespace (``kv_namespace``):
+like rows, live KV never crosses models, adapter sets or cache salts, or ``cached_tokens``
+would tell one tenant what another's prompt begins with.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvwarm.alignment import align_down
+from kvwarm.cache.types import Namespace
 from kvwarm.engine.slots import Slot
 
 SourceKind = Literal["none", "self", "copy", "row"]
@@ -105,11 +109,13 @@ def choose(
     row: RowCandidate | None,
     n_batch: int,
     deterministic: bool,
+    namespace: Namespace | None = None,
 ) -> tuple[Slot, Plan]:
     """The free slot to serve ``tokens`` in, and the plan for its prompt KV.
 
-    ``free``: the idle slots; ``slots``: all of them (any slot's live KV can be shared);
-    ``row``: the cache's longest-prefix row, if any.
+    ``free``: the idle slots; ``slots``: all of them (any slot's live KV of the request's
+    ``namespace`` can be shared); ``row``: the cache's longest-prefix row in that namespace, if
+    any.
     """
     n = len(tokens)
 
@@ -123,6 +129,8 @@ def choose(
     best_slot = min(free, key=lambda s: s.last_used)
     best = Plan("none", 0)
     for slot in free:
+        if slot.kv_namespace != namespace:
+            continue
         shared = common_prefix(slot.kv_tokens, tokens)
         cand = Plan("self", keep_of(shared, slot.canonical), shared=shared)
         if better(best, cand) is cand and cand.keep > 0:
@@ -132,7 +140,7 @@ def choose(
         empty = [s for s in free if not s.kv_tokens]
         best_slot = empty[0] if empty else best_slot
     for other in slots:
-        if other is best_slot or not other.kv_tokens:
+        if other is best_slot or not other.kv_tokens or other.kv_namespace != namespace:
             continue
         shared = common_prefix(other.kv_tokens, tokens)
         cand = Plan("copy", keep_of(shared, other.canonical), src_seq=other.seq, shared=shared)

@@ -57,9 +57,11 @@ class Saves:
         """Sync-save every idle slot's live KV (evict / shutdown). Worker thread only."""
         rt = self.rt
         saved = 0
-        ns = rt.namespace()
         for slot in rt.slots:
-            if slot.active is not None or not slot.kv_tokens:
+            # The slot's own namespace, not the model's: a salted request's KV must land in
+            # its salt's namespace, or evict would publish it to every other tenant.
+            ns = slot.kv_namespace
+            if slot.active is not None or not slot.kv_tokens or ns is None:
                 continue
             if rt.cache.has(rt.cache.key_for(ns, slot.kv_tokens)):
                 # A row (maybe still in flight, like its finish save) holds exactly this KV:

@@ -2,7 +2,9 @@
 
 Invariant: ``kv_tokens`` lists exactly the tokens whose KV the slot's sequence holds, at
 positions ``0..len-1``; ``canonical`` of them (a prefix) came from aligned-chunk prefill
-(``kvwarm.alignment``; ``docs/architecture.md``, "Exactness").
+(``kvwarm.alignment``; ``docs/architecture.md``, "Exactness"); ``kv_namespace`` is the cache
+namespace (model, adapters, salt) of the request that computed them, so live KV is shared only
+within it, as rows are (``docs/architecture.md``, "Tenants").
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Slot:
     seq: int
     kv_tokens: list[int] = field(default_factory=list)
     canonical: int = 0
+    kv_namespace: Namespace | None = None  # None while the slot holds no KV
     phase: Phase = "idle"
     active: Active | None = None
     last_used: float = field(default_factory=time.monotonic)
@@ -56,3 +59,4 @@ class Slot:
     def reset_kv(self) -> None:
         self.kv_tokens.clear()
         self.canonical = 0
+        self.kv_namespace = None

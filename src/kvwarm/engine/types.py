@@ -18,6 +18,10 @@ FinishReason = Literal["stop", "length", "cancelled"]
 
 _SAMPLER = SamplingParams()
 
+#: Longest ``cache_salt`` accepted, in characters: room for a tenant id and a caller's salt,
+#: small enough that hashing it is free.
+MAX_CACHE_SALT_CHARS = 1024
+
 #: ``GenerationOptions`` fields that are sampler knobs, passed to ``SamplingParams`` unchanged
 #: (the server maps its optional request fields of the same names onto these).
 SAMPLING_OPTIONS: tuple[str, ...] = (
@@ -54,6 +58,9 @@ class GenerationOptions:
     logprobs: int | None = None  # top-N alternatives per generated token (0: chosen only)
     logit_bias: Mapping[int, float] | None = None  # token id -> bias added to its logit
     ignore_eos: bool = False  # never sample end-of-generation tokens (benchmarks, fixed lengths)
+    # Requests share cached rows and live KV only when they share a salt (None: the unsalted,
+    # shared namespace). A tenant's secret: never logged, never written to a row file.
+    cache_salt: str | None = None
 
     def validate(self) -> None:
         from kvwarm.errors import InvalidRequestError
@@ -84,6 +91,7 @@ class GenerationOptions:
         if self.grammar is not None and self.json_schema is not None:
             raise InvalidRequestError("give grammar or json_schema, not both", param="grammar")
         self._check_text()
+        self._check_salt()
         if self.parent_key is not None and len(self.parent_key) != 32:
             raise InvalidRequestError("parent_key must be 32 bytes", param="parent_key")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
@@ -110,6 +118,24 @@ class GenerationOptions:
             raise InvalidRequestError(
                 "json_schema contains a lone UTF-16 surrogate", param="json_schema"
             )
+
+    def _check_salt(self) -> None:
+        from kvwarm.errors import InvalidRequestError
+        from kvwarm.unicode import encode_utf8
+
+        salt = self.cache_salt
+        if salt is None:
+            return
+        if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+            raise InvalidRequestError(
+                f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters",
+                param="cache_salt",
+            )
+        encode_utf8(salt, param="cache_salt")
+
+    def salt_bytes(self) -> bytes | None:
+        """The salt as the cache folds it into a namespace (``cache.key.salted_namespace``)."""
+        return None if self.cache_salt is None else self.cache_salt.encode("utf-8")
 
     def sampling(self, grammar: str | None, banned: tuple[int, ...] = ()) -> SamplingParams:
         """The sampler chain for these options; ``banned`` tokens get a bias of -inf."""
