@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from kvwarm.cache.types import TtlClass
 from kvwarm.errors import BackendError, KeepAliveFullError
 from kvwarm.server import create_app
-from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits
+from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits, entry_id
 
 from .conftest import stub_settings, wait_ready
 
@@ -19,14 +19,21 @@ from .conftest import stub_settings, wait_ready
 class FakeModel:
     def __init__(self, fail: bool = False) -> None:
         self.calls: list[tuple[str | Sequence[int], TtlClass, bool]] = []
+        self.salts: list[str | None] = []
         self.fail = fail
 
     def prewarm(
-        self, prompt: str | Sequence[int], *, ttl_class: TtlClass, add_special: bool
+        self,
+        prompt: str | Sequence[int],
+        *,
+        ttl_class: TtlClass,
+        add_special: bool,
+        cache_salt: str | None = None,
     ) -> None:
         if self.fail:
             raise BackendError("boom")
         self.calls.append((prompt, ttl_class, add_special))
+        self.salts.append(cache_salt)
 
 
 class Clock:
@@ -148,3 +155,20 @@ def test_prewarm_keepalive_is_bounded_listed_removable_and_expires(
     assert client.post("/cache/prewarm", json={"prompt": "x y z"}).status_code == 200
     assert client.delete("/cache/keepalive").json() == {"deleted": 1}
     assert client.get("/cache/stats").json()["keep_alive"] == []
+
+
+def test_entries_rewarm_under_their_own_salt_and_one_prompt_per_salt_is_kept() -> None:
+    clock = Clock()
+    keep = KeepAlive((100.0, 1000.0, 10_000.0), 0.8, clock)
+    model = FakeModel()
+    plain = keep.register("m", "system prompt", TtlClass.SHORT)
+    alice = keep.register("m", "system prompt", TtlClass.SHORT, cache_salt="alice")
+    keep.register("m", "system prompt", TtlClass.SHORT, cache_salt="alice")  # refresh, not add
+    assert len(keep.entries()) == 2 and plain.id != alice.id
+    # Unsalted ids are what they always were.
+    assert plain.id == entry_id("m", "system prompt")
+    clock.now += 80
+    assert keep.tick({"m": model}.get) == 2  # type: ignore[arg-type]
+    assert len(model.salts) == 2 and set(model.salts) == {"alice", None}
+    assert keep.remove(alice.id) == 1
+    assert [e.cache_salt for e in keep.entries()] == [None]

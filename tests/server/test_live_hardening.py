@@ -69,8 +69,8 @@ API_SAMPLING_CASES: dict[str, object] = {
     "stop": ["\n"],
     "ignore_eos": True,
 }
-#: Request fields that do not reach the sampler (routing, framing, length).
-NOT_SAMPLING = {"model", "max_tokens", "stream", "stream_options", "n"}
+#: Request fields that do not reach the sampler (routing, framing, length, cache namespace).
+NOT_SAMPLING = {"model", "max_tokens", "stream", "stream_options", "n", "cache_salt"}
 
 
 def test_every_api_sampling_option_has_a_case() -> None:

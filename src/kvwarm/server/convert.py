@@ -54,7 +54,10 @@ def options(
     max_tokens: int | None = None,
     json_schema: Mapping[str, object] | None = None,
     logprobs: int | None = None,
+    cache_salt: str | None = None,
 ) -> GenerationOptions:
+    """``req``'s engine options; ``cache_salt`` is the one ``server.tenancy`` resolved (the
+    body's field is only one of its inputs)."""
     if req.n != 1:
         raise HTTPError(400, "only n=1 is supported", param="n", code="unsupported_value")
     stop: tuple[str, ...] = ()
@@ -82,6 +85,7 @@ def options(
         "logprobs": logprobs,
         "logit_bias": bias,
         "ignore_eos": req.ignore_eos,
+        "cache_salt": cache_salt,
     }
     for name in SAMPLING_OPTIONS:
         value = getattr(req, name)

@@ -7,7 +7,9 @@ at most ``max_entries`` entries and ``max_tokens`` tokens in all (``register`` r
 ``KeepAliveFullError``), and an entry not registered again for ``max_age_s`` seconds is dropped
 (0: never). Pinned entries (the operator's ``prewarm_system`` prompts) never age out and are
 not refused. Re-warming is best effort (a failure is logged and retried next tick) and never
-retries in a loop. The clock is injectable so tests drive ``tick`` without waiting.
+retries in a loop. An entry re-warms under the cache salt it was prewarmed with, and the same
+prompt under two salts is two entries (``server.tenancy``). The clock is injectable so tests
+drive ``tick`` without waiting.
 """
 
 from __future__ import annotations
@@ -50,16 +52,22 @@ class Prewarmed:
     n_tokens: int = 0
     registered: float = 0.0  # when last (re-)registered: the age that max_age_s bounds
     pinned: bool = False
+    cache_salt: str | None = None  # a tenant's secret: never listed or logged
 
     @property
     def id(self) -> str:
         """A stable id for the listing and ``DELETE``: a hash of what identifies the entry."""
-        return entry_id(self.model_id, self.prompt)
+        return entry_id(self.model_id, self.prompt, self.cache_salt)
 
 
-def entry_id(model_id: str, prompt: Prompt) -> str:
-    raw = repr((model_id, prompt)).encode("utf-8", "surrogatepass")
+def entry_id(model_id: str, prompt: Prompt, cache_salt: str | None = None) -> str:
+    # Unsalted entries keep the ids they always had.
+    ident = (model_id, prompt) if cache_salt is None else (model_id, prompt, cache_salt)
+    raw = repr(ident).encode("utf-8", "surrogatepass")
     return hashlib.sha256(raw).hexdigest()[:16]
+
+
+EntryKey = tuple[str, str | None, Prompt]  # (model id, cache salt, prompt)
 
 
 class KeepAlive:
@@ -75,12 +83,19 @@ class KeepAlive:
         self._clock = clock
         self.limits = limits or KeepAliveLimits()
         self._lock = threading.Lock()
-        self._entries: dict[tuple[str, Prompt], Prewarmed] = {}
+        self._entries: dict[EntryKey, Prewarmed] = {}
 
-    def check_room(self, model_id: str, prompt: str | Sequence[int], n_tokens: int = 0) -> None:
+    def check_room(
+        self,
+        model_id: str,
+        prompt: str | Sequence[int],
+        n_tokens: int = 0,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
         """Raise ``KeepAliveFullError`` if registering this prompt would pass a limit (so a
         caller can refuse before doing the prefill)."""
-        key = (model_id, _key_prompt(prompt))
+        key = (model_id, cache_salt, _key_prompt(prompt))
         with self._lock:
             self._expire_locked(self._clock())
             self._check_locked(key, n_tokens)
@@ -94,22 +109,31 @@ class KeepAlive:
         add_special: bool = True,
         n_tokens: int = 0,
         pinned: bool = False,
+        cache_salt: str | None = None,
     ) -> Prewarmed:
-        """Keep ``prompt`` warm (registering it again refreshes its age); raises
-        ``KeepAliveFullError`` past a limit, unless ``pinned``."""
-        key = (model_id, _key_prompt(prompt))
+        """Keep ``prompt`` warm under ``cache_salt`` (registering it again refreshes its age);
+        raises ``KeepAliveFullError`` past a limit, unless ``pinned``."""
+        key = (model_id, cache_salt, _key_prompt(prompt))
         now = self._clock()
         with self._lock:
             self._expire_locked(now)
             if not pinned:
                 self._check_locked(key, n_tokens)
             old = self._entries.get(key)
-            entry = Prewarmed(model_id, key[1], ttl_class, now, add_special, n_tokens=n_tokens)
+            entry = Prewarmed(
+                model_id,
+                key[2],
+                ttl_class,
+                now,
+                add_special,
+                n_tokens=n_tokens,
+                cache_salt=cache_salt,
+            )
             entry.registered, entry.pinned = now, pinned or (old is not None and old.pinned)
             self._entries[key] = entry
             return entry
 
-    def _check_locked(self, key: tuple[str, Prompt], n_tokens: int) -> None:
+    def _check_locked(self, key: EntryKey, n_tokens: int) -> None:
         others = [e for k, e in self._entries.items() if k != key]
         if len(others) + 1 > self.limits.max_entries:
             raise KeepAliveFullError(
@@ -174,7 +198,12 @@ class KeepAlive:
                 continue
             prompt = entry.prompt if isinstance(entry.prompt, str) else list(entry.prompt)
             try:
-                model.prewarm(prompt, ttl_class=entry.ttl_class, add_special=entry.add_special)
+                model.prewarm(
+                    prompt,
+                    ttl_class=entry.ttl_class,
+                    add_special=entry.add_special,
+                    cache_salt=entry.cache_salt,
+                )
             except KvwarmError as exc:
                 entry.failures += 1
                 log.warning("keep-alive re-warm for %s failed: %s", entry.model_id, exc)

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvwarm.cache.types import RowInfo, TtlClass
 from kvwarm.engine.types import CompletionStats
+from kvwarm.server import tenancy
 from kvwarm.server.errors import HTTPError, error_body
 from kvwarm.server.routes_openai import server_state
 from kvwarm.server.schemas import (
@@ -143,16 +144,18 @@ async def cache_rows(
 
 @router.post("/cache/prewarm", openapi_extra=json_body(PrewarmRequest))
 async def cache_prewarm(request: Request) -> Response:
-    """Prefill a prefix (e.g. a system prompt) and save it, generating nothing."""
+    """Prefill a prefix (e.g. a system prompt) and save it, generating nothing. The row (and
+    its keep-alive) belongs to the request's cache salt (``server.tenancy``)."""
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), PrewarmRequest)
     model = state.model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")
     ttl = TtlClass[req.ttl_class.upper()]
+    salt = tenancy.cache_salt(request, req.cache_salt, state.settings)
     if req.keep_alive:  # refuse before the prefill, not after it
         known = len(req.prompt) if isinstance(req.prompt, list) else 0
-        state.keepalive.check_room(model.id, req.prompt or "", known)
+        state.keepalive.check_room(model.id, req.prompt or "", known, cache_salt=salt)
 
     def work() -> tuple[str | tuple[int, ...], CompletionStats]:
         prompt: str | tuple[int, ...]
@@ -167,13 +170,19 @@ async def cache_prewarm(request: Request) -> Response:
         else:
             assert req.prompt is not None
             prompt = req.prompt
-        return prompt, model.prewarm(prompt, ttl_class=ttl, add_special=add_special)
+        stats = model.prewarm(prompt, ttl_class=ttl, add_special=add_special, cache_salt=salt)
+        return prompt, stats
 
     add_special = req.messages is None
     prompt, stats = await run_in_threadpool(work)
     if req.keep_alive:
         state.keepalive.register(
-            model.id, prompt, ttl, add_special=add_special, n_tokens=stats.prompt_tokens
+            model.id,
+            prompt,
+            ttl,
+            add_special=add_special,
+            n_tokens=stats.prompt_tokens,
+            cache_salt=salt,
         )
     return JSONResponse(
         {
@@ -202,6 +211,7 @@ async def keepalive_list(request: Request) -> Response:
             "warms": e.warms,
             "failures": e.failures,
             "pinned": e.pinned,
+            "salted": e.cache_salt is not None,  # the salt itself is a tenant's secret
             "age_s": round(now - e.registered, 3),
             "expires_in_s": None
             if e.pinned or limits.max_age_s <= 0

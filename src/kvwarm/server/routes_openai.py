@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvwarm.engine.types import Completion
-from kvwarm.server import convert
+from kvwarm.server import convert, tenancy
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import Generation, request_log, sse, start_stream
 from kvwarm.server.schemas import (
@@ -88,6 +88,7 @@ async def chat_completions(request: Request) -> Response:
         ),
         json_schema=plan.json_schema or schema,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
     )
     stream = await start_stream(
         lambda: model.stream_chat(plan.messages, tools=plan.tools, options=opts)
@@ -161,6 +162,7 @@ async def completions(request: Request) -> Response:
         max_tokens_limit=state.settings.max_tokens_limit,
         json_schema=convert.response_schema(req.response_format),
         logprobs=req.logprobs,
+        cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
     )
     ids = convert.ResponseIds("cmpl", model.id)
 

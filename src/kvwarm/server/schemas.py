@@ -16,10 +16,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from kvwarm.server.errors import HTTPError
+from kvwarm.server.tenancy import MAX_SALT_CHARS
 from kvwarm.settings import Settings
 from kvwarm.unicode import find_lone_surrogate
 
 _INT32_MAX = (1 << 31) - 1
+
+
+def _salt_field() -> Any:
+    return Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_SALT_CHARS,
+        description="cache namespace: requests share cached prompts only with the same salt",
+    )
 
 
 class _Body(BaseModel):
@@ -51,6 +61,7 @@ class SamplingFields(_Body):
     grammar: str | None = None  # llama.cpp extension: a GBNF grammar
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     ignore_eos: bool = False  # llama.cpp extension: never stop on an end-of-generation token
+    cache_salt: str | None = _salt_field()  # vLLM's field (server/tenancy.py)
 
 
 class JsonSchemaFormat(_Body):
@@ -153,6 +164,7 @@ class PrewarmRequest(_Body):
     tools: list[Tool] | None = None
     ttl_class: Literal["short", "long", "extended"] = "long"
     keep_alive: bool = True
+    cache_salt: str | None = _salt_field()
 
 
 class EvictRequest(_Body):

@@ -1,0 +1,73 @@
+"""Which cache salt a request runs under: who may share cached prompts with whom.
+
+``cached_tokens`` tells a client how much of its prompt was already cached, so a client that
+shared a namespace with another could probe that other's prompts token by token. Requests share
+rows and live KV only when they share a salt (``kvwarm.cache.key.salted_namespace``).
+
+Rules, in order (``docs/architecture.md``, "Tenants"):
+
+1. The explicit salt is the body's ``cache_salt`` if present, else the ``X-Cache-Salt`` header
+   (an empty header counts as absent). Both are 1 to ``MAX_SALT_CHARS`` characters.
+2. Without ``cache_salt_from_auth`` the explicit salt is used as given (vLLM's ``cache_salt``):
+   clients that know one salt share one namespace; no salt is the shared, unsalted namespace.
+3. With ``cache_salt_from_auth`` the bearer token presented names the tenant: a one-way digest
+   of it (the key itself is never stored or logged) scopes the request, and an explicit salt
+   only partitions that tenant further. A client can therefore never join another key's
+   namespace, whatever salt it sends. A request without a token uses its explicit salt in a
+   scope of its own, or, with none, the unsalted namespace.
+
+Invariant: the salt returned is a pure function of (body salt, header, token, setting), and
+distinct (tenant, explicit salt) pairs give distinct salts (the digest has a fixed length and
+each scope its own prefix).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from starlette.requests import Request
+
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.guard import bearer
+from kvwarm.settings import Settings
+
+HEADER = "x-cache-salt"
+#: Longest explicit salt a client may send; the engine's own bound is larger, leaving room for
+#: the tenant scope prepended here.
+MAX_SALT_CHARS = 256
+_TENANT_DOMAIN = b"kvwarm-tenant-v1\x00"
+
+
+def tenant_id(token: str) -> str:
+    """A stable, one-way id of an API key (hex sha256, domain-separated)."""
+    return hashlib.sha256(_TENANT_DOMAIN + token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def explicit_salt(request: Request, body_salt: str | None) -> str | None:
+    """The salt the client asked for: the body's, else the header's."""
+    if body_salt is not None:
+        return body_salt
+    value = request.headers.get(HEADER)
+    if value is None or not value.strip():
+        return None
+    value = value.strip()
+    if len(value) > MAX_SALT_CHARS:
+        raise HTTPError(
+            400,
+            f"the X-Cache-Salt header is longer than {MAX_SALT_CHARS} characters",
+            code="invalid_value",
+            param="X-Cache-Salt",
+        )
+    return value
+
+
+def cache_salt(request: Request, body_salt: str | None, settings: Settings) -> str | None:
+    """The salt ``request`` runs under (None: unsalted), by the rules of the module docstring."""
+    salt = explicit_salt(request, body_salt)
+    if not settings.cache_salt_from_auth:
+        return salt
+    token = bearer(request.headers.get("authorization"))
+    if token:
+        scope = "key:" + tenant_id(token)
+        return scope if salt is None else f"{scope}:{salt}"
+    return None if salt is None else f"anon:{salt}"
