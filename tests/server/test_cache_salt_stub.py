@@ -124,6 +124,18 @@ def test_an_explicit_salt_partitions_a_tenant_and_never_joins_another(keyed: Tes
     assert cached(keyed, p, forged, key="key-two") == 0
 
 
+def test_x_api_key_names_the_same_tenant_as_the_bearer_token(keyed: TestClient) -> None:
+    p = prompt_for("x-api-key")
+    assert cached(keyed, p, key="key-one") == 0
+    response = keyed.post(
+        "/v1/completions",
+        json={"prompt": p, "max_tokens": 2, "temperature": 0},
+        headers={"x-api-key": "key-one"},
+    )
+    assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert cached(keyed, p, key="key-two") == 0
+
+
 def test_without_the_setting_the_key_does_not_salt(plain: TestClient) -> None:
     p = prompt_for("unkeyed")
     assert cached(plain, p, key="key-one") == 0

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
 from starlette.types import Scope, Send
@@ -106,8 +106,7 @@ class Guard:
             return 415, "the request body must be application/json", "unsupported_media_type"
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
             return None  # a CORS preflight from an allowed origin never carries credentials
-        token = bearer(headers.get("authorization")) or headers.get("x-api-key")
-        return self._auth(scope["method"], scope["path"], token)
+        return self._auth(scope["method"], scope["path"], presented_key(headers))
 
     def _auth(self, method: str, path: str, token: str | None) -> tuple[int, str, str] | None:
         if is_admin_path(path) and self.admin_key:
@@ -119,6 +118,12 @@ class Guard:
         if self.api_key and not open_path and not keyed:
             return 401, "invalid or missing API key", "invalid_api_key"
         return None
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key a request presents (``headers`` by lower-case name): ``Authorization: Bearer``,
+    else ``x-api-key``. One rule for the guard and for the tenant it names (``tenancy``)."""
+    return bearer(headers.get("authorization")) or headers.get("x-api-key")
 
 
 def bearer(authorization: str | None) -> str | None:

@@ -10,9 +10,10 @@ Rules, in order (``docs/architecture.md``, "Tenants"):
    (an empty header counts as absent). Both are 1 to ``MAX_SALT_CHARS`` characters.
 2. Without ``cache_salt_from_auth`` the explicit salt is used as given (vLLM's ``cache_salt``):
    clients that know one salt share one namespace; no salt is the shared, unsalted namespace.
-3. With ``cache_salt_from_auth`` the bearer token presented names the tenant: a one-way digest
-   of it (the key itself is never stored or logged) scopes the request, and an explicit salt
-   only partitions that tenant further. A client can therefore never join another key's
+3. With ``cache_salt_from_auth`` the key presented (``Authorization: Bearer`` or
+   ``x-api-key``, as the guard reads it) names the tenant: a one-way digest of it (the key
+   itself is never stored or logged) scopes the request, and an explicit salt only
+   partitions that tenant further. A client can therefore never join another key's
    namespace, whatever salt it sends. A request without a token uses its explicit salt in a
    scope of its own, or, with none, the unsalted namespace.
 
@@ -28,7 +29,7 @@ import hashlib
 from starlette.requests import Request
 
 from kvwarm.server.errors import HTTPError
-from kvwarm.server.guard import bearer
+from kvwarm.server.guard import presented_key
 from kvwarm.settings import Settings
 
 HEADER = "x-cache-salt"
@@ -66,7 +67,7 @@ def cache_salt(request: Request, body_salt: str | None, settings: Settings) -> s
     salt = explicit_salt(request, body_salt)
     if not settings.cache_salt_from_auth:
         return salt
-    token = bearer(request.headers.get("authorization"))
+    token = presented_key(request.headers)
     if token:
         scope = "key:" + tenant_id(token)
         return scope if salt is None else f"{scope}:{salt}"
