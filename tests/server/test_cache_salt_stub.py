@@ -210,3 +210,14 @@ def test_cache_rows_list_rows_saved_without_prompt_text(plain: TestClient) -> No
     rows = response.json()["data"]
     assert rows and all(r["n_tokens"] > 0 for r in rows)
     assert "Tenant isolation" not in response.text
+
+
+def test_openapi_declares_the_salt_field_and_header(plain: TestClient) -> None:
+    paths = plain.get("/openapi.json").json()["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/cache/prewarm"):
+        post = paths[path]["post"]
+        body = post["requestBody"]["content"]["application/json"]["schema"]
+        assert "cache_salt" in body["properties"], path
+        headers = [p["name"] for p in post.get("parameters", []) if p["in"] == "header"]
+        assert headers == ["X-Cache-Salt"], path
+    assert "cache_salt" not in str(paths["/v1/embeddings"])

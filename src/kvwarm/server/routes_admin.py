@@ -142,7 +142,7 @@ async def cache_rows(
     return JSONResponse({"object": "list", "data": [_row(r) for r in rows]})
 
 
-@router.post("/cache/prewarm", openapi_extra=json_body(PrewarmRequest))
+@router.post("/cache/prewarm", openapi_extra=json_body(PrewarmRequest) | tenancy.openapi_header())
 async def cache_prewarm(request: Request) -> Response:
     """Prefill a prefix (e.g. a system prompt) and save it, generating nothing. The row (and
     its keep-alive) belongs to the request's cache salt (``server.tenancy``)."""

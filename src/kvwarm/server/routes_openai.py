@@ -62,7 +62,9 @@ def renders_tools(model: Model, tools: Sequence[Tool]) -> bool:
 # --- /v1/chat/completions --------------------------------------------------------------------
 
 
-@router.post("/v1/chat/completions", openapi_extra=json_body(ChatRequest))
+@router.post(
+    "/v1/chat/completions", openapi_extra=json_body(ChatRequest) | tenancy.openapi_header()
+)
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), ChatRequest)
@@ -148,7 +150,9 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     return out
 
 
-@router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
+@router.post(
+    "/v1/completions", openapi_extra=json_body(CompletionRequest) | tenancy.openapi_header()
+)
 async def completions(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), CompletionRequest)

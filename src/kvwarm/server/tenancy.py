@@ -39,6 +39,19 @@ MAX_SALT_CHARS = 256
 _TENANT_DOMAIN = b"kvwarm-tenant-v1\x00"
 
 
+def openapi_header() -> dict[str, object]:
+    """``openapi_extra`` declaring the ``X-Cache-Salt`` header of a route (its body is declared
+    by ``schemas.json_body``; FastAPI merges the two)."""
+    header = {
+        "name": "X-Cache-Salt",
+        "in": "header",
+        "required": False,
+        "description": "cache salt, used when the body has no cache_salt (empty: none)",
+        "schema": {"type": "string", "maxLength": MAX_SALT_CHARS},
+    }
+    return {"parameters": [header]}
+
+
 def tenant_id(token: str) -> str:
     """A stable, one-way id of an API key (hex sha256, domain-separated)."""
     return hashlib.sha256(_TENANT_DOMAIN + token.encode("utf-8", "surrogatepass")).hexdigest()
