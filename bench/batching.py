@@ -17,6 +17,7 @@ import time
 
 import llama_cpp as L  # noqa: N812  (the C API reads best with its own prefix)
 
+from kvwarm.backends._native import amx_in_use as native_amx_in_use
 from kvwarm.backends._native import lib as native
 from kvwarm.backends.base import ContextParams
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
@@ -33,6 +34,8 @@ def bare_loop(n_seq: int, steps: int) -> float:
     followed by a greedy llama_sampler_sample (no Python bookkeeping at all)."""
     native()  # kvwarm's one-time init: backend up, llama.cpp logs routed to `logging`
     mp = L.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    mp.use_extra_bufts = not native_amx_in_use()  # as kvwarm loads it (AMX matmul segfaults)
     model = L.llama_model_load_from_file(str(default_model_path()).encode(), mp)
     cp = L.llama_context_default_params()
     cp.n_ctx = N_CTX * n_seq

@@ -57,6 +57,18 @@ def _prefilled(backend: str) -> tuple[BackendModel, object, bytes]:
     return model, ctx, ctx.kv_pack(0)
 
 
+def case_wide_prefill(backend: str) -> None:
+    """A full 512-token batch with the default load options: on CPUs with AMX the pinned
+    llama.cpp's AMX matmul segfaults here unless weights stay out of its buffer type."""
+    model = load(backend)
+    ctx = model.new_context(ContextParams(n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=2))
+    tokens = (model.tokenize(PROMPT) * 64)[:512]
+    ctx.prefill(0, tokens, 0)
+    logits = memoryview(ctx.logits(-1)).cast("B").cast("f")
+    assert len(logits) == model.facts.n_vocab
+    assert all(x == x and abs(x) < 1e6 for x in logits)  # finite: no NaN, no blow-up
+
+
 def case_garbage_blob(backend: str) -> None:
     _model, ctx, blob = _prefilled(backend)
     expect(StateRestoreError, lambda: ctx.kv_unpack(1, os.urandom(len(blob))))

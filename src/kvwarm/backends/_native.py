@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import cast
 
@@ -111,6 +112,42 @@ def lib() -> ModuleType:
             llama_cpp.llama_backend_init()
             _LIB = llama_cpp
     return _LIB
+
+
+def amx_in_use() -> bool:
+    """Whether llama.cpp's CPU backend would put weights in its AMX buffer type: built with AMX
+    (``ggml_cpu_has_amx_int8``) and running on a CPU whose kernel reports ``amx_int8``."""
+    global _AMX
+    if _AMX is None:
+        _AMX = _cpu_flag("amx_int8") and _built_with_amx()
+    return _AMX
+
+
+_AMX: bool | None = None
+
+
+def _cpu_flag(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:  # not Linux: no AMX build of ggml ships there
+        return False
+
+
+def _built_with_amx() -> bool:
+    import llama_cpp
+
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    for candidate in sorted(lib_dir.glob("libggml-cpu.*")):
+        try:
+            cpu = ctypes.CDLL(str(candidate))  # already loaded by llama_cpp: same handle
+            probe = cpu.ggml_cpu_has_amx_int8
+        except (OSError, AttributeError):
+            continue
+        probe.restype = ctypes.c_int
+        probe.argtypes = []
+        return bool(probe())
+    return False
 
 
 def read_string(

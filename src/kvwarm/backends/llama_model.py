@@ -80,6 +80,8 @@ class LlamaModel:
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = params.n_gpu_layers
         mparams.vocab_only = params.vocab_only
+        extra = params.use_extra_bufts
+        mparams.use_extra_bufts = (not _native.amx_in_use()) if extra is None else extra
         if params.use_mmap:
             mparams.load_mode = _LOAD_MMAP_MLOCK if params.use_mlock else _LOAD_MMAP
         else:
