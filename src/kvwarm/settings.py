@@ -35,6 +35,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvwarm.backends.base import ContextParams
+from kvwarm.cache.eviction.base import registered_policies
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig, TierName
 from kvwarm.errors import ConfigError
 from kvwarm.settings_sources import read_env, read_toml, user_cache_dir, user_config_file
@@ -139,6 +140,9 @@ class Settings(BaseSettings):
     store_prompt_text: Bool = Field(
         default=False, description="also write each row's prompt text into its file"
     )
+    cache_eviction: Str = Field(
+        default="lru", description="which cache rows go first when a tier is full: lru or lfu"
+    )
     policy: Policy = Field(
         default=SERVER_POLICY,
         description="cache policy override KEY=VALUE (repeatable), e.g. min_tokens=64",
@@ -230,7 +234,11 @@ class Settings(BaseSettings):
             tiers.append(TierConfig("ram_file", self.shm_quota_bytes, self.shm_dir))
         if self.cache_dir is not None:
             tiers.append(TierConfig("disk", self.disk_quota_bytes, self.cache_dir / "rows"))
-        return CacheConfig(tiers=tuple(tiers), store_prompt_text=self.store_prompt_text)
+        return CacheConfig(
+            tiers=tuple(tiers),
+            store_prompt_text=self.store_prompt_text,
+            eviction=self.cache_eviction,
+        )
 
     def check(self) -> None:
         """Range and cross-setting rules; raises ``ConfigError``."""
@@ -261,6 +269,9 @@ class Settings(BaseSettings):
             raise ConfigError("max_json_depth must be >= 2")
         if self.fingerprint_mode not in ("safe", "gguf_chunked", "fast_unsafe"):
             raise ConfigError("fingerprint_mode must be safe, gguf_chunked or fast_unsafe")
+        if self.cache_eviction not in registered_policies():
+            known = ", ".join(registered_policies())
+            raise ConfigError(f"cache_eviction must be one of {known}, got {self.cache_eviction!r}")
         tier = self.effective_save_tier()
         if tier == "disk" and self.cache_dir is None:
             raise ConfigError("save_tier is disk but the disk tier is off (cache_dir none)")

@@ -108,15 +108,15 @@ def test_checkout_pins_touches_and_counts() -> None:
     rows = [row((i,), 10, last_used=float(i)) for i in range(3)]
     for r in rows:
         idx.adopt(r)
-    assert idx.lru_keys("ram") == [r.info.key for r in rows]
+    assert idx.eviction_order("ram") == [r.info.key for r in rows]
     s = idx.checkout(rows[0].info.key)
     assert s is not None and s.tokens == (0,) and idx.refcount(rows[0].info.key) == 1
-    assert idx.lru_keys("ram")[-1] == rows[0].info.key
+    assert idx.eviction_order("ram")[-1] == rows[0].info.key
     info = idx.get(rows[0].info.key)
     assert info is not None and info.hits == 1 and info.last_used == 100.0
-    victims = idx.evict_lru(1000)
+    victims = idx.evict(1000)
     assert [v.info.key for v in victims] == [rows[1].info.key, rows[2].info.key]
-    assert len(idx) == 1 and idx.evict_lru(1) == []  # the pinned one stays
+    assert len(idx) == 1 and idx.evict(1) == []  # the pinned one stays
     idx.checkin(rows[0].info.key)
     idx.checkin(rows[0].info.key)  # never negative
     assert idx.refcount(rows[0].info.key) == 0
@@ -129,12 +129,12 @@ def test_eviction_merges_tiers_oldest_first_and_respects_scope() -> None:
     idx.adopt(row((1,), 10, tier="ram", last_used=5))
     idx.adopt(row((2,), 10, tier="disk", last_used=1))
     idx.adopt(row((3,), 10, tier="ram_file", last_used=3))
-    idx.resort_lru()
-    order = [v.info.tier for v in idx.evict_lru(25, ("ram", "ram_file", "disk"))]
+    idx.resort()
+    order = [v.info.tier for v in idx.evict(25, ("ram", "ram_file", "disk"))]
     assert order == ["disk", "ram_file", "ram"]
     idx.adopt(row((4,), 10, tier="disk", last_used=0))
     idx.adopt(row((5,), 10, tier="ram", last_used=9))
-    assert [v.info.tier for v in idx.evict_lru(100, ("ram",))] == ["ram"]
+    assert [v.info.tier for v in idx.evict(100, ("ram",))] == ["ram"]
     assert idx.usage()["disk"] == (10, 1)
 
 

@@ -204,7 +204,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = self._open()
         for key in list(self.order["ram"]):
             self._forget(key)
-        lru = self.cache._index.lru_keys("disk")
+        lru = self.cache._index.eviction_order("disk")
         assert set(lru) == set(self.order["disk"])
         stamps = [self.cache._index.get(k).last_used for k in lru]  # type: ignore[union-attr]
         assert stamps == sorted(stamps)  # restart orders the LRU by recorded last use
@@ -220,7 +220,7 @@ class CacheMachine(RuleBasedStateMachine):
         snap = self.cache.counters()
         for tier in ("ram", "disk"):
             keys = list(self.order[tier])
-            assert idx.lru_keys(tier) == keys
+            assert idx.eviction_order(tier) == keys
             assert snap[f"tier_{tier}_bytes"] == sum(self.rows[k][2] for k in keys)
             assert snap[f"tier_{tier}_rows"] == len(keys)
         for key, _ in self.pins:

@@ -79,6 +79,13 @@ def test_cache_dir_none_disables_the_disk_tier() -> None:
     assert s.effective_save_tier() == "ram"
 
 
+def test_cache_eviction_reaches_the_cache_config() -> None:
+    assert load_settings({}, {}).cache_config().eviction == "lru"
+    assert load_settings({}, {"KVWARM_CACHE_EVICTION": "lfu"}).cache_config().eviction == "lfu"
+    s = load_settings(_flags("--cache-eviction", "lfu"), {"KVWARM_CACHE_EVICTION": "lru"})
+    assert s.cache_config().eviction == "lfu"
+
+
 def test_sizes_accept_suffixes() -> None:
     s = load_settings({}, {"KVWARM_DISK_QUOTA_BYTES": "2G", "KVWARM_MAX_BODY_BYTES": "512k"})
     assert s.disk_quota_bytes == 2 << 30
@@ -95,6 +102,7 @@ def test_sizes_accept_suffixes() -> None:
         ({"KVWARM_SAVE_TIER": "tape"}, "save_tier"),
         ({"KVWARM_MODELS": "a=/x,a=/y"}, "duplicate"),
         ({"KVWARM_CACHE_DIR": "none", "KVWARM_SAVE_TIER": "disk"}, "disk"),
+        ({"KVWARM_CACHE_EVICTION": "mru"}, "cache_eviction"),
     ],
 )
 def test_bad_values_are_config_errors_naming_the_setting(env: dict[str, str], needle: str) -> None:

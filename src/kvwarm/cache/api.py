@@ -91,7 +91,8 @@ class CacheApi(Protocol):
         ...
 
     def evict_bytes(self, n_bytes: int, tiers: Sequence[TierName] | None = None) -> EvictResult:
-        """Remove least-recently-used, not-checked-out rows until ``n_bytes`` are freed."""
+        """Remove not-checked-out rows, first victim first by the eviction policy (LRU unless
+        ``CacheConfig.eviction`` says otherwise), until ``n_bytes`` are freed."""
         ...
 
     def gc(self) -> EvictResult:

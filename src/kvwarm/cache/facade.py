@@ -37,6 +37,7 @@ from types import TracebackType
 from kvwarm.cache.api import LoadedRow
 from kvwarm.cache.core import ScratchBuffers
 from kvwarm.cache.counters import Counters
+from kvwarm.cache.eviction import build_policy
 from kvwarm.cache.index import Index
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.policy import validate_cache_config
@@ -90,6 +91,7 @@ class Cache(CacheUpkeep):
             ttl_seconds=self.config.ttl_seconds,
             clock=clock,
             monotonic=monotonic,
+            eviction=build_policy(self.config.eviction),
         )
         # Everything that can refuse the configuration runs before any thread starts.
         source: PressureSource | None = None
@@ -107,7 +109,7 @@ class Cache(CacheUpkeep):
         self._stop = threading.Event()
         for tier in self._tiers.values():
             self._scan(tier)
-        self._index.resort_lru()
+        self._index.resort()
         for tier in self._tiers.values():
             if repair:
                 self._enforce_quota(tier)
@@ -276,7 +278,7 @@ class Cache(CacheUpkeep):
     # ------------------------------------------------------------------ removing
 
     def evict_bytes(self, n_bytes: int, tiers: Sequence[TierName] | None = None) -> EvictResult:
-        return self._retire(self._index.evict_lru(n_bytes, tiers), count=True)
+        return self._retire(self._index.evict(n_bytes, tiers), count=True)
 
     def delete(self, key: bytes) -> bool:
         row = self._index.remove(key)

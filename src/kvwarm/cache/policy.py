@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from kvwarm.alignment import align_down
+from kvwarm.cache.eviction.base import registered_policies
 from kvwarm.cache.tiers.registry import registered_tiers, tier_spec
 from kvwarm.cache.types import CacheConfig, PolicyConfig, PressureConfig, TierConfig
 from kvwarm.errors import ConfigError
@@ -169,4 +170,7 @@ def validate_cache_config(cfg: CacheConfig) -> None:
         raise ConfigError("cache.ttl_seconds needs three values: short, long, extended")
     for i, ttl in enumerate(cfg.ttl_seconds):
         _need_number("cache", f"ttl_seconds[{i}]", ttl, minimum=0.001)
+    if cfg.eviction not in registered_policies():
+        known = ", ".join(registered_policies())
+        raise ConfigError(f"cache.eviction {cfg.eviction!r} is unknown; expected one of {known}")
     validate_pressure_config(cfg.pressure)

@@ -109,7 +109,8 @@ class Tier(Protocol):
         ...
 
     def record_hit(self, row: StoredRow, hits: int, last_used: float) -> None:
-        """Persist the hit counter and last-used time (file header) so LRU survives restarts."""
+        """Persist the hit counter and last-used time (file header) so the eviction
+        order survives restarts."""
         ...
 
     def scan(self) -> Iterator[StoredRow]:

@@ -103,6 +103,9 @@ class CacheConfig:
     # A row's prompt text is for people reading the files, and it is a user's words at rest:
     # written only when asked for. Lookups never use it (rows are found by tokens).
     store_prompt_text: bool = False
+    # Which rows leave first when a tier is over quota or under pressure: a name registered
+    # in ``cache.eviction`` (built in: "lru", "lfu").
+    eviction: str = "lru"
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,7 +103,8 @@ class CacheUpkeep(CacheCore):
         return adopted
 
     def persist_hits(self) -> None:
-        """Write batched hit counts / last-used times to the tiers (LRU survives restarts)."""
+        """Write batched hit counts / last-used times to the tiers (the eviction order survives
+        restarts)."""
         for row in self._index.take_dirty_hits():
             try:
                 self._tiers[row.info.tier].record_hit(row, row.info.hits, row.info.last_used)

@@ -39,6 +39,7 @@ MODEL_SETTINGS: tuple[str, ...] = (
     "shm_quota_bytes",
     "save_tier",
     "store_prompt_text",
+    "cache_eviction",
     "policy",
     "log_level",
 )
@@ -48,6 +49,7 @@ CACHE_SETTINGS: tuple[str, ...] = (
     "ram_quota_bytes",
     "shm_dir",
     "shm_quota_bytes",
+    "cache_eviction",
     "log_level",
 )
 

@@ -279,7 +279,7 @@ class FileTier:
             raise CacheIOError(f"{self._name}: deleting {name} failed", errno=exc.errno) from exc
 
     def record_hit(self, row: StoredRow, hits: int, last_used: float) -> None:
-        """Best effort, no fsync: these header fields are an LRU hint outside every CRC."""
+        """Best effort, no fsync: these header fields are an eviction hint outside every CRC."""
         hits_b, last_b = kvc.pack_hit_fields(hits, last_used)
         name = _name_for(row.info.key)
         try:

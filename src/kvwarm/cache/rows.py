@@ -1,0 +1,190 @@
+"""The published rows of one cache: entries, per-tier byte and row totals, the prefix tree and
+the eviction policy's order, kept as one set.
+
+Invariants:
+
+- ``insert`` and ``remove`` are the only mutators of membership, and each changes the entry,
+  the tier totals, the prefix tree and the policy together, so all four always describe the
+  same set of published rows.
+- A pinned row (refcount > 0, checked out for a read) is never offered as a victim or as an
+  expired row; ``remove`` is the only way it leaves.
+- ``select_victims`` returns each key at most once and only keys present, whatever the policy
+  yields.
+- Not locked: ``Index`` calls every method under its lock, except the lock-free reads marked
+  as such (single dict lookups, atomic under the GIL, and ``try_longest``, which validates
+  its tree walk with the seqlock in ``prefix.py``). Entries are mutated in place only under
+  that lock; a lock-free reader reads ``info``, one reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from kvwarm.cache.eviction.base import EvictionPolicy
+from kvwarm.cache.prefix import PrefixIndex
+from kvwarm.cache.protocols import StoredRow
+from kvwarm.cache.types import Namespace, PrefixMatch, RowInfo, TierName
+
+__all__ = ["RowTable"]
+
+
+@dataclass(slots=True)
+class _Entry:
+    info: RowInfo
+    location: str | None
+    refcount: int = 0
+
+
+class RowTable:
+    __slots__ = ("_bytes", "_count", "_dirty_hits", "_entries", "_policy", "_prefix")
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self._entries: dict[bytes, _Entry] = {}
+        self._bytes: dict[TierName, int] = {}
+        self._count: dict[TierName, int] = {}
+        self._prefix = PrefixIndex()
+        self._policy = policy
+        self._dirty_hits: set[bytes] = set()  # hit counts not yet written to the tiers
+
+    # ----------------------------------------------------------------- lock-free reads
+
+    def get(self, key: bytes) -> RowInfo | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry.info
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def refcount(self, key: bytes) -> int:
+        entry = self._entries.get(key)
+        return 0 if entry is None else entry.refcount
+
+    def try_longest(
+        self, namespace: Namespace, tokens: Sequence[int], min_shared: int
+    ) -> tuple[bool, PrefixMatch | None]:
+        """(True, answer) if no writer overlapped the walk; (False, None) to ask again under
+        the lock (a split or merge raced us, or the row found was removed meanwhile)."""
+        before = self._prefix.version
+        hit = self._prefix.longest(namespace, tokens, min_shared)
+        entry = None if hit is None else self._entries.get(hit[0])
+        if before % 2 == 0 and self._prefix.version == before and (hit is None or entry):
+            return True, None if hit is None or entry is None else PrefixMatch(entry.info, hit[1])
+        return False, None
+
+    # ----------------------------------------------------------------- reads (under the lock)
+
+    def longest(
+        self, namespace: Namespace, tokens: Sequence[int], min_shared: int
+    ) -> PrefixMatch | None:
+        hit = self._prefix.longest(namespace, tokens, min_shared)
+        entry = None if hit is None else self._entries.get(hit[0])
+        return None if hit is None or entry is None else PrefixMatch(entry.info, hit[1])
+
+    def infos(self) -> list[RowInfo]:
+        return [e.info for e in self._entries.values()]
+
+    def unpinned(self) -> Iterator[RowInfo]:
+        return (e.info for e in self._entries.values() if e.refcount == 0)
+
+    def tokens(self, key: bytes) -> tuple[int, ...] | None:
+        return self._prefix.tokens(key)
+
+    def usage(self) -> dict[TierName, tuple[int, int]]:
+        """Per tier ever used: (bytes, rows)."""
+        return {t: (self._bytes[t], n) for t, n in self._count.items()}
+
+    def tier_bytes(self, tier: TierName) -> int:
+        return self._bytes.get(tier, 0)
+
+    def order(self, tier: TierName) -> list[bytes]:
+        return self._policy.order(tier)
+
+    def stored(self, key: bytes) -> StoredRow:
+        entry = self._entries[key]
+        tokens = self._prefix.tokens(key)
+        assert tokens is not None, "row present without tokens"
+        return StoredRow(entry.info, tokens, entry.location)
+
+    # ----------------------------------------------------------------- membership
+
+    def insert(self, row: StoredRow) -> None:
+        """Publish ``row``. A row already present under its key is replaced, keeping its pins
+        (e.g. a rescan adopted our own file before our publish landed)."""
+        info = row.info
+        key = info.key
+        refcount = 0
+        old = self._entries.get(key)
+        if old is not None:
+            refcount = old.refcount
+            self.remove(key)
+        self._prefix.insert(info.namespace, key, row.tokens, info.size)
+        self._entries[key] = _Entry(info, row.location, refcount)
+        self._bytes[info.tier] = self._bytes.get(info.tier, 0) + info.size
+        self._count[info.tier] = self._count.get(info.tier, 0) + 1
+        self._policy.insert(key, info)
+
+    def remove(self, key: bytes) -> StoredRow | None:
+        """Forget a row, pinned or not; the row as it was, for the caller to delete its bytes."""
+        if key not in self._entries:
+            return None
+        row = self.stored(key)
+        tier = row.info.tier
+        del self._entries[key]
+        self._bytes[tier] -= row.info.size
+        self._count[tier] -= 1
+        self._prefix.remove(key)
+        self._policy.remove(key)
+        self._dirty_hits.discard(key)
+        return row
+
+    def remove_all(self, keys: Iterable[bytes]) -> list[StoredRow]:
+        return [row for row in map(self.remove, keys) if row is not None]
+
+    def resort(self) -> None:
+        self._policy.resort()
+
+    # ----------------------------------------------------------------- use
+
+    def pin(self, key: bytes, now: float | None) -> StoredRow | None:
+        """Count a reader; with ``now``, also a hit at that time (the policy is told)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        entry.refcount += 1
+        if now is not None:
+            info = entry.info
+            entry.info = replace(info, hits=info.hits + 1, last_used=now)
+            self._policy.touch(key, entry.info)
+            self._dirty_hits.add(key)
+        return self.stored(key)
+
+    def unpin(self, key: bytes) -> None:
+        entry = self._entries.get(key)
+        if entry is not None and entry.refcount > 0:
+            entry.refcount -= 1
+
+    def take_dirty_hits(self) -> list[StoredRow]:
+        keys, self._dirty_hits = self._dirty_hits, set()
+        return [self.stored(k) for k in keys if k in self._entries]
+
+    def select_victims(self, n_bytes: int, tiers: Sequence[TierName]) -> list[bytes]:
+        """Unpinned keys of ``tiers`` in policy order until they add up to ``n_bytes``."""
+        chosen: dict[bytes, None] = {}
+        freed = 0
+        for key in self._policy.victims(tiers, self._evictable):
+            if freed >= n_bytes:
+                break
+            entry = self._entries.get(key)
+            if entry is None or key in chosen or entry.refcount or entry.info.tier not in tiers:
+                continue  # a policy's mistake must not evict twice or evict a pinned row
+            chosen[key] = None
+            freed += entry.info.size
+        return list(chosen)
+
+    def _evictable(self, key: bytes) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.refcount == 0
