@@ -1,0 +1,223 @@
+"""The crash-safe publish protocol of the file tiers (erllama's five stages), step by step.
+
+Invariants:
+
+- A ``.kvc`` name only ever appears through ``link(2)`` of a temp file whose bytes were already
+  fdatasync'ed, so a visible row file is complete whatever kills the writer.
+- The index is asked at each step (``ReservationBook``): a reservation lost before the link is
+  abandoned there; one lost at publish leaves the file for the index or the scan to decide, and
+  the row is not announced.
+- A failed fsync is never retried and a row whose sync failed is never announced: any OSError
+  removes our temp file (and our link), abandons the reservation and raises ``CacheIOError``;
+  files that existed before are left untouched.
+- ``O_EXCL`` creates and no-follow links: a name planted in the way fails the save instead of
+  being written through.
+
+``PUBLISH_STEPS`` names the steps in order; fault-injection tests (tests/faults/) kill a writer
+after each one. See docs/architecture.md ("Crash-safe publish").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvwarm.cache import kvc
+from kvwarm.cache.protocols import ReservationBook, StoredRow
+from kvwarm.cache.tiers.common import check_request, row_info
+from kvwarm.cache.tiers.fsutil import read_file, read_meta, unlink_quiet
+from kvwarm.cache.tiers.layout import name_for, tmp_name
+from kvwarm.cache.types import SaveRequest, TierName
+from kvwarm.errors import CacheFormatError, CacheIOError
+
+__all__ = ["PUBLISH_STEPS", "Publisher", "StepHook"]
+
+log = logging.getLogger(__name__)
+
+# The steps of a fresh publish, in order; an EEXIST adoption reports "adopted" in place of
+# "linked". Fault-injection tests kill a writer after each one.
+PUBLISH_STEPS: tuple[str, ...] = (
+    "reserved",
+    "tmp_opened",
+    "tmp_written",
+    "tmp_synced",
+    "checked",
+    "linked",
+    "tmp_unlinked",
+    "dir_synced",
+    "marked_linked",
+    "published",
+)
+
+# Called after each publish step with its name. Exists for fault-injection tests (kill -9 at
+# every step); None in production.
+StepHook = Callable[[str], None]
+
+_LINK_ATTEMPTS = 3
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One store's names, and whether the final name is ours to remove if a later step fails."""
+
+    key: bytes
+    token: int
+    final: str
+    tmp: str
+    linked_ours: bool = False
+
+
+class Publisher:
+    """Runs the protocol for one tier directory. Thread-safe: each store has its own temp file;
+    ``writing`` tells the scan which temp files are ours and still being written."""
+
+    def __init__(self, tier: TierName, root: Path, on_step: StepHook | None) -> None:
+        self._tier = tier
+        self._root = root
+        self._on_step = on_step
+        self._lock = threading.Lock()
+        self._writing: set[str] = set()
+
+    def writing(self, name: str) -> bool:
+        with self._lock:
+            return name in self._writing
+
+    def _step(self, name: str) -> None:
+        if self._on_step is not None:
+            self._on_step(name)
+
+    def store(
+        self, dir_fd: int, key: bytes, request: SaveRequest, book: ReservationBook
+    ) -> StoredRow | None:
+        """The whole protocol; see ``Tier.store`` for the contract."""
+        check_request(key, request)
+        token = book.reserve(key, self._tier)
+        if token is None:
+            return None
+        self._step("reserved")
+        final = name_for(key)
+        att = _Attempt(key, token, final, tmp_name(final, token))
+        try:
+            row = self._write_and_link(dir_fd, att, request, book)
+        except OSError as exc:
+            self._fail(dir_fd, att, book)
+            raise CacheIOError(
+                f"{self._tier}: saving {key.hex()} failed: {exc}", errno=exc.errno
+            ) from exc
+        except BaseException:
+            self._fail(dir_fd, att, book)
+            raise
+        finally:
+            with self._lock:
+                self._writing.discard(att.tmp)
+        if row is None:
+            return None
+        if not book.publish(key, token, row):
+            # The reservation was reaped (and may have adopted our file) or the key deleted;
+            # the file stays for the index/scan to decide, but we must not announce it.
+            log.debug("reservation for %s lost at publish", key.hex())
+            return None
+        self._step("published")
+        return row
+
+    def _write_and_link(
+        self, dir_fd: int, att: _Attempt, request: SaveRequest, book: ReservationBook
+    ) -> StoredRow | None:
+        """Steps 2 to 4: the durable temp file, the check, the link. None if the reservation
+        was lost before the link (abandoned here, nothing left behind)."""
+        fields = kvc.fields_from_request(request, now=time.time())
+        prefix = kvc.build_prefix(fields, request.payload)
+        self._write_tmp(dir_fd, att.tmp, (prefix, request.payload))
+        if not book.check(att.key, att.token):
+            log.debug("reservation for %s lost before link; abandoning", att.key.hex())
+            unlink_quiet(dir_fd, att.tmp)
+            book.abandon(att.key, att.token)
+            return None
+        self._step("checked")
+        adopted = self._link(dir_fd, att.tmp, att.final, att.key)
+        att.linked_ours = adopted is None
+        self._step("linked" if att.linked_ours else "adopted")
+        # The data is reachable through the final name now; dropping the temp name before
+        # the directory fsync lets one fsync make both name changes durable.
+        unlink_quiet(dir_fd, att.tmp)
+        self._step("tmp_unlinked")
+        os.fsync(dir_fd)
+        self._step("dir_synced")
+        location = str(self._root / att.final)
+        if adopted is None:
+            info = row_info(att.key, self._tier, fields, memoryview(request.payload).nbytes)
+            row = StoredRow(info, request.tokens, location)
+        else:
+            info = row_info(att.key, self._tier, adopted.fields, adopted.payload_length)
+            row = StoredRow(info, adopted.fields.tokens, location)
+        book.mark_linked(att.key, att.token, location)
+        self._step("marked_linked")
+        return row
+
+    def _fail(self, dir_fd: int, att: _Attempt, book: ReservationBook) -> None:
+        unlink_quiet(dir_fd, att.tmp)
+        if att.linked_ours:
+            unlink_quiet(dir_fd, att.final)  # linked but not durably: never leave it visible
+        book.abandon(att.key, att.token)
+
+    def _write_tmp(self, dir_fd: int, tmp: str, parts: Sequence[kvc.Buffer]) -> None:
+        with self._lock:
+            self._writing.add(tmp)
+        # O_EXCL never follows a link: a name planted in the way fails the save instead.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+        try:
+            self._step("tmp_opened")
+            _write_all(fd, parts)
+            self._step("tmp_written")
+            # Stage 2 ends durable: linking unsynced bytes could publish a zero-length row.
+            os.fdatasync(fd)
+            self._step("tmp_synced")
+        finally:
+            os.close(fd)
+
+    def _link(self, dir_fd: int, tmp: str, final: str, key: bytes) -> kvc.KvcMeta | None:
+        """Link ``tmp`` to ``final``. None if we created it; the existing file's metadata if
+        one valid for ``key`` was there (adopt). Junk in the way is replaced."""
+        for _ in range(_LINK_ATTEMPTS):
+            try:
+                os.link(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+                return None
+            except FileExistsError:
+                pass
+            existing = self._read_valid(dir_fd, final, key)
+            if existing is not None:
+                return existing
+            log.warning("%s: replacing invalid file %s", self._tier, final)
+            unlink_quiet(dir_fd, final)
+        raise FileExistsError(17, "link target keeps reappearing invalid", final)
+
+    def _read_valid(self, dir_fd: int, name: str, key: bytes) -> kvc.KvcMeta | None:
+        try:
+            # Metadata first (bounded read): junk in the way is not read in full.
+            if read_meta(dir_fd, name).key != key:
+                raise CacheFormatError("holds another key")
+            return kvc.parse(read_file(dir_fd, name, None)[0], expected_key=key).meta
+        except FileNotFoundError:
+            return None
+        except CacheFormatError as exc:
+            log.info("%s: %s is invalid: %s", self._tier, name, exc)
+            return None
+
+
+def _write_all(fd: int, parts: Sequence[kvc.Buffer]) -> None:
+    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+    while views:
+        n = os.writev(fd, views)
+        if n <= 0:
+            raise OSError(5, "write made no progress")  # EIO; never loop forever
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
