@@ -25,6 +25,7 @@ the server maps exception *types* to HTTP statuses, never message text.
     └── CacheError
         ├── CacheFormatError                      a malformed or foreign KVC file / blob
         ├── CacheIOError                          the file system refused a save (ENOSPC, EIO…)
+        │   └── CacheNetworkError                 a remote store (s3) did not answer in time
         └── CacheKeyError          (also KeyError) a key the cache does not hold
 """
 
@@ -131,6 +132,12 @@ class CacheIOError(CacheError):
     def __init__(self, message: str, *, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
+
+
+class CacheNetworkError(CacheIOError):
+    """A remote tier (s3) could not be reached, timed out or answered 5xx after its bounded
+    retries. The cache degrades it to a miss (lookups) or a dropped save; never a failed
+    request."""
 
 
 class CacheKeyError(CacheError, KeyError):

@@ -36,7 +36,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from kvwarm.backends.base import ContextParams
 from kvwarm.cache.eviction.base import registered_policies
-from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig, TierName
+from kvwarm.cache.types import CacheConfig, PolicyConfig, S3Config, TierConfig, TierName
 from kvwarm.errors import ConfigError
 from kvwarm.settings_sources import read_env, read_toml, user_cache_dir, user_config_file
 from kvwarm.settings_types import (
@@ -133,8 +133,30 @@ class Settings(BaseSettings):
         default=None, description="ram_file tier directory, e.g. /dev/shm/kvwarm (default off)"
     )
     shm_quota_bytes: Size = Field(default=2 * _GIB, description="ram_file tier quota")
+    # A directory several hosts mount (NFS, CephFS): rows others publish are found at once,
+    # hits are copied to a local tier, temp files are reaped by age only.
+    cache_dir_shared: Bool = Field(
+        default=False, description="cache_dir is shared by several hosts (NFS, CephFS)"
+    )
+    # The s3 tier (extra kvwarm[s3]); credentials come from boto3's chain (AWS_* env, profile).
+    s3_bucket: OptStr = Field(
+        default=None, description="bucket of the shared s3 tier (default off)"
+    )
+    s3_prefix: Str = Field(default="kvwarm/", description="object name prefix in the s3 bucket")
+    s3_endpoint_url: OptStr = Field(
+        default=None, description="S3-compatible endpoint, e.g. http://minio:9000 (default AWS)"
+    )
+    s3_region: OptStr = Field(default=None, description="s3 region (default: boto3's choice)")
+    s3_quota_bytes: Size = Field(default=100 * _GIB, description="s3 tier quota, e.g. 100G")
+    s3_connect_timeout_s: Float = Field(default=2.0, description="s3 connect timeout, seconds")
+    s3_read_timeout_s: Float = Field(default=10.0, description="s3 read timeout, seconds")
+    s3_max_attempts: Int = Field(
+        default=2, description="s3 attempts per request, the first included"
+    )
     save_tier: OptTier = Field(
-        default=None, description="tier new rows are written to (default: disk if enabled)"
+        default=None,
+        description="tier new rows are written to (default: s3 if a bucket is set, else disk "
+        "if enabled)",
     )
     # Off: row files hold tokens and KV, not the prompt's words (a user's text at rest).
     store_prompt_text: Bool = Field(
@@ -226,14 +248,37 @@ class Settings(BaseSettings):
     def effective_save_tier(self) -> TierName:
         if self.save_tier is not None:
             return self.save_tier
+        if self.s3_bucket is not None:
+            return "s3"  # a bucket is configured to share rows: others must see ours
         return "disk" if self.cache_dir is not None else "ram"
 
+    def s3_config(self) -> S3Config | None:
+        if self.s3_bucket is None:
+            return None
+        return S3Config(
+            bucket=self.s3_bucket,
+            prefix=self.s3_prefix,
+            endpoint_url=self.s3_endpoint_url,
+            region=self.s3_region,
+            connect_timeout_s=self.s3_connect_timeout_s,
+            read_timeout_s=self.s3_read_timeout_s,
+            max_attempts=self.s3_max_attempts,
+        )
+
     def cache_config(self) -> CacheConfig:
+        """Tiers fastest first: ram, ram_file, disk, then the shared s3 tier (lookups ask the
+        local ones first; an s3 hit is copied to ram)."""
         tiers = [TierConfig("ram", self.ram_quota_bytes)]
         if self.shm_dir is not None:
             tiers.append(TierConfig("ram_file", self.shm_quota_bytes, self.shm_dir))
         if self.cache_dir is not None:
-            tiers.append(TierConfig("disk", self.disk_quota_bytes, self.cache_dir / "rows"))
+            root = self.cache_dir / "rows"
+            tiers.append(
+                TierConfig("disk", self.disk_quota_bytes, root, shared=self.cache_dir_shared)
+            )
+        s3 = self.s3_config()
+        if s3 is not None:
+            tiers.append(TierConfig("s3", self.s3_quota_bytes, s3=s3))
         return CacheConfig(
             tiers=tuple(tiers),
             store_prompt_text=self.store_prompt_text,
@@ -277,6 +322,21 @@ class Settings(BaseSettings):
             raise ConfigError("save_tier is disk but the disk tier is off (cache_dir none)")
         if tier == "ram_file" and self.shm_dir is None:
             raise ConfigError("save_tier is ram_file but no shm_dir is set")
+        if tier == "s3" and self.s3_bucket is None:
+            raise ConfigError("save_tier is s3 but no s3_bucket is set")
+        self._check_s3()
+
+    def _check_s3(self) -> None:
+        if self.s3_bucket is None:
+            return
+        if not self.s3_bucket.strip():
+            raise ConfigError("s3_bucket must not be empty")
+        if self.s3_prefix and not self.s3_prefix.endswith("/"):
+            raise ConfigError(f"s3_prefix must end with '/', got {self.s3_prefix!r}")
+        if self.s3_connect_timeout_s <= 0 or self.s3_read_timeout_s <= 0:
+            raise ConfigError("s3_connect_timeout_s and s3_read_timeout_s must be > 0")
+        if self.s3_max_attempts < 1:
+            raise ConfigError("s3_max_attempts must be >= 1")
 
 
 def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:

@@ -59,11 +59,20 @@ class CacheApi(Protocol):
         ...
 
     def longest_prefix(
-        self, namespace: Namespace, tokens: Sequence[int], *, min_shared: int = 1
+        self,
+        namespace: Namespace,
+        tokens: Sequence[int],
+        *,
+        min_shared: int = 1,
+        probe_lengths: Sequence[int] = (),
     ) -> PrefixMatch | None:
         """The row of ``namespace`` sharing the longest prefix with ``tokens`` (ties: fewest
         bytes). Cost grows with ``len(tokens)``, not with the number of rows. Counts
-        ``hits_longest_prefix`` on a hit."""
+        ``hits_longest_prefix`` on a hit.
+
+        ``probe_lengths``: prefix lengths whose keys shared tiers are asked for when the index
+        offers nothing that long (``policy.probe_lengths``): rows another process published
+        are found at once, at a bounded number of round trips (``CacheConfig.probe_max``)."""
         ...
 
     def open_row(self, key: bytes) -> AbstractContextManager[LoadedRow]:

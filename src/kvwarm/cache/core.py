@@ -76,6 +76,8 @@ class CacheCore:
             try:
                 row = tier.probe(key)
             except CacheError as exc:
+                # A dead store is a miss; the tier warns once per outage, this counts each.
+                self._counters.incr("store_errors")
                 log.info("%s: probe failed: %s", tier.name, exc)
                 continue
             if row is not None and self._adopt(tier, row):

@@ -3,7 +3,8 @@
 It wires the decision half (``Index``, policy validation, counters, pressure) to the storage
 half (tiers built by name from ``tiers.registry``, writer pool) and is the only place that turns
 index decisions into tier calls. Its parts: ``core`` (shared state and primitives), ``upkeep``
-(scan, sweeps, verify) and this module (lookups, reads, saves, lifetime).
+(scan, sweeps, verify), ``shared`` (prefix discovery in shared tiers, promotion of their hits)
+and this module (lookups, reads, saves, lifetime).
 
 Invariants:
 
@@ -21,6 +22,8 @@ Invariants:
   enforcement, no sweeper; every bad file is reported instead.
 - A row's prompt text reaches a tier only with ``CacheConfig.store_prompt_text``; otherwise
   ``save`` blanks it, whoever built the request.
+- A tier that cannot be reached (``CacheIOError``, e.g. a dead s3 store) costs a miss or a
+  dropped save, counted in ``store_errors``; the row stays indexed (the store may come back).
 See docs/architecture.md.
 """
 
@@ -30,7 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from types import TracebackType
 
@@ -42,7 +45,8 @@ from kvwarm.cache.index import Index
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.policy import validate_cache_config
 from kvwarm.cache.pressure import PressureScheduler, PressureSource, make_source
-from kvwarm.cache.protocols import RowBytes, Tier
+from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
+from kvwarm.cache.shared import SharedTiers
 from kvwarm.cache.tiers.registry import TierOptions, build_tier
 from kvwarm.cache.types import (
     CacheConfig,
@@ -55,14 +59,21 @@ from kvwarm.cache.types import (
 )
 from kvwarm.cache.upkeep import CacheUpkeep
 from kvwarm.cache.writer import WriterPool
-from kvwarm.errors import CacheError, CacheFormatError, CacheKeyError, InvalidRequestError
+from kvwarm.errors import (
+    CacheError,
+    CacheFormatError,
+    CacheIOError,
+    CacheKeyError,
+    CacheNetworkError,
+    InvalidRequestError,
+)
 
 __all__ = ["Cache"]
 
 log = logging.getLogger(__name__)
 
 
-class Cache(CacheUpkeep):
+class Cache(CacheUpkeep, SharedTiers):
     """A multi-tier, token-exact KV cache. Thread-safe; close it (or use ``with``)."""
 
     def __init__(
@@ -114,6 +125,7 @@ class Cache(CacheUpkeep):
             if repair:
                 self._enforce_quota(tier)
         self._writer = WriterPool(self.config.writer_threads, self.config.writer_queue)
+        self._start_probe_pool()
         self.pressure: PressureScheduler | None = None
         if source is not None:
             self.pressure = PressureScheduler(self.config.pressure, source, self.evict_bytes)
@@ -156,11 +168,19 @@ class Cache(CacheUpkeep):
         return info
 
     def longest_prefix(
-        self, namespace: Namespace, tokens: Sequence[int], *, min_shared: int = 1
+        self,
+        namespace: Namespace,
+        tokens: Sequence[int],
+        *,
+        min_shared: int = 1,
+        probe_lengths: Sequence[int] = (),
     ) -> PrefixMatch | None:
         # Latency is not recorded here: the engine times its whole lookup step as "lookup"
         # (record_latency), and counting it twice would double the reported total.
         match = self._index.longest(namespace, tokens, min_shared)
+        floor = max(min_shared - 1, 0 if match is None else match.n_shared)
+        if probe_lengths and self._discover(namespace, tokens, probe_lengths, floor):
+            match = self._index.longest(namespace, tokens, min_shared)
         if match is not None:
             self._counters.incr("hits_longest_prefix")
         return match
@@ -174,25 +194,39 @@ class Cache(CacheUpkeep):
             stored = self._index.checkout(key)
         if stored is None:
             raise CacheKeyError(f"no cache row {key.hex()}")
-        scratch = self._scratch.take()
+        tier = self._tiers[stored.info.tier]
+        local = tier.capabilities.local
+        # A remote row's buffer may outlive this lease (promotion): never the thread's scratch.
+        scratch = self._scratch.take() if local else None
         data: RowBytes | None = None
         try:
-            tier = self._tiers[stored.info.tier]
-            t0 = time.perf_counter()
-            try:
-                data = tier.load(stored, scratch)
-                if data.tokens != stored.tokens:
-                    raise CacheFormatError(f"row {key.hex()} holds other tokens than indexed")
-            except (CacheFormatError, CacheKeyError) as exc:
-                # Corrupt, or removed behind our back (another process): forget it for good.
-                log.warning("%s: dropping row %s: %s", tier.name, key.hex(), exc)
-                self._retire([r for r in (self._index.remove(key),) if r is not None])
-                raise
-            self._counters.record_latency("load", time.perf_counter() - t0)
+            data = self._load(tier, stored, scratch)
             yield LoadedRow(stored.info, data.tokens, data.payload, data.logits)
         finally:
             self._index.checkin(key)
-            self._scratch.reclaim(scratch, data)
+            if local:
+                self._scratch.reclaim(scratch, data)
+            elif data is not None:
+                self._promote(tier, stored, data)
+                _release(data)
+
+    def _load(self, tier: Tier, stored: StoredRow, scratch: bytearray | None = None) -> RowBytes:
+        key = stored.info.key
+        t0 = time.perf_counter()
+        try:
+            data = tier.load(stored, scratch)
+            if data.tokens != stored.tokens:
+                raise CacheFormatError(f"row {key.hex()} holds other tokens than indexed")
+        except (CacheFormatError, CacheKeyError) as exc:
+            # Corrupt, or removed behind our back (another process): forget it for good.
+            log.warning("%s: dropping row %s: %s", tier.name, key.hex(), exc)
+            self._retire([r for r in (self._index.remove(key),) if r is not None])
+            raise
+        except CacheIOError:
+            self._counters.incr("store_errors")  # unreachable, not wrong: the row stays
+            raise
+        self._counters.record_latency("load", time.perf_counter() - t0)
+        return data
 
     # ------------------------------------------------------------------ saving
 
@@ -235,6 +269,12 @@ class Cache(CacheUpkeep):
         t0 = time.perf_counter()
         try:
             row = tier.store(key, request, self._index)
+        except CacheNetworkError as exc:
+            # The tier warned when the store went down; one line per dropped save is noise.
+            self._counters.incr("save_failures")
+            self._counters.incr("store_errors")
+            log.info("%s: %s save dropped: %s", tier.name, request.reason.name, exc)
+            return False
         except CacheError as exc:
             self._counters.incr("save_failures")
             log.warning("%s: %s save failed: %s", tier.name, request.reason.name, exc)
@@ -308,6 +348,7 @@ class Cache(CacheUpkeep):
             self.pressure.stop()
         if self._sweeper is not None:
             self._sweeper.join(timeout_s)
+        self._stop_probe_pool()
         if not self._writer.close(timeout_s):
             log.warning("cache closed with saves still running")
         self._index.clear_all_in_flight()
@@ -330,3 +371,10 @@ class Cache(CacheUpkeep):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _release(data: RowBytes) -> None:
+    """End a remote row's lease: the caller's view goes (a promotion holds its own)."""
+    # Still exported by the caller: harmless, the bytes are immutable and never reused.
+    with suppress(BufferError):
+        data.payload.release()

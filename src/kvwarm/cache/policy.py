@@ -8,6 +8,11 @@ prompt: dropping the last ``boundary_trim_tokens`` keeps the row valid for the n
 whose text extends this one (BPE may re-tokenise the tail differently), and aligning down to a
 multiple of ``boundary_align_tokens`` makes the saved state one that a chunked prefill at
 absolute n_batch multiples reproduces bit-for-bit (the rule and its reason: ``kvwarm.alignment``).
+
+Probes. A shared tier answers only "does this key exist", so a prefix lookup there asks for
+the keys of the prefixes a save could have produced (``probe_lengths``): the cold-save
+boundaries (the only save lengths a lookup can predict without knowing the other prompt) and
+the prompt's own length (a finish, evict or prewarm row of exactly this prompt).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from kvwarm.errors import ConfigError
 __all__ = [
     "aligned_boundary",
     "cold_save_length",
+    "cold_save_lengths",
+    "probe_lengths",
     "should_continued_save",
     "should_finish_save",
     "validate_cache_config",
@@ -60,6 +67,35 @@ def cold_save_length(n_tokens: int, policy: PolicyConfig) -> int:
     if boundary <= 0 or boundary < policy.min_tokens:
         return 0
     return boundary
+
+
+def cold_save_lengths(limit: int, policy: PolicyConfig, n_batch: int) -> tuple[int, ...]:
+    """Every length up to ``limit`` that a cold save can write, longest first: the engine
+    saves ``align_down(cold_save_length(m), n_batch)`` tokens of an m-token prompt
+    (``engine/saves.py``), which for some m is each multiple of ``boundary_align_tokens``
+    from ``min_tokens`` up to the aligned ``cold_max_tokens``, aligned down to ``n_batch``."""
+    if n_batch < 1:
+        raise ValueError(f"n_batch must be >= 1, got {n_batch}")
+    align = policy.boundary_align_tokens
+    cap = min(limit, policy.cold_max_tokens - policy.cold_max_tokens % align)
+    out: list[int] = []
+    for boundary in range(cap - cap % align, 0, -align):
+        length = align_down(boundary, n_batch)
+        if length < max(1, policy.min_tokens):
+            break
+        if not out or out[-1] != length:
+            out.append(length)
+    return tuple(out)
+
+
+def probe_lengths(n_tokens: int, policy: PolicyConfig, n_batch: int) -> tuple[int, ...]:
+    """Prefix lengths of an ``n_tokens`` prompt worth probing in a shared tier, longest first:
+    the prompt itself (a row of exactly these tokens), then every cold-save length below it.
+    Nothing shorter than ``min_tokens``: no save writes such a row."""
+    if n_tokens < max(1, policy.min_tokens):
+        return ()
+    colds = cold_save_lengths(n_tokens, policy, n_batch)
+    return (n_tokens, *(n for n in colds if n != n_tokens))
 
 
 def should_continued_save(live_tokens: int, last_saved_at: int, policy: PolicyConfig) -> bool:
@@ -116,11 +152,11 @@ def validate_tier_config(tier: TierConfig) -> None:
     _need_int(f"tier {tier.name}", "quota_bytes", tier.quota_bytes, minimum=0)
     if not spec.needs_root:
         if tier.root is not None:
-            raise ConfigError(
-                f"tier {tier.name} holds bytes in process and takes no root directory"
-            )
+            raise ConfigError(f"tier {tier.name} takes no root directory (it is not a file tier)")
     elif tier.root is None:
         raise ConfigError(f"tier {tier.name} is a file tier and needs a root directory")
+    if tier.shared and not spec.needs_root:
+        raise ConfigError(f"tier {tier.name}: only a file tier's directory can be marked shared")
 
 
 def validate_pressure_config(cfg: PressureConfig) -> None:
@@ -166,6 +202,10 @@ def validate_cache_config(cfg: CacheConfig) -> None:
     _need_int("cache", "writer_queue", cfg.writer_queue, minimum=1)
     _need_number("cache", "reservation_ttl_s", cfg.reservation_ttl_s, minimum=0.001)
     _need_number("cache", "sweep_interval_s", cfg.sweep_interval_s, minimum=0.001)
+    _need_int("cache", "probe_max", cfg.probe_max, minimum=0)
+    _need_int("cache", "probe_parallel", cfg.probe_parallel, minimum=1)
+    if cfg.promote_tier is not None and cfg.promote_tier not in seen:
+        raise ConfigError(f"cache.promote_tier names a tier not configured: {cfg.promote_tier}")
     if len(cfg.ttl_seconds) != 3:
         raise ConfigError("cache.ttl_seconds needs three values: short, long, extended")
     for i, ttl in enumerate(cfg.ttl_seconds):

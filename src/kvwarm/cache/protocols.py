@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvwarm.cache.kvc import KvcFields
 from kvwarm.cache.types import RowInfo, SaveRequest, TierName
 
 
@@ -24,12 +25,14 @@ class TierCapabilities:
 
     persistent: bool  # rows outlive this process: the startup scan finds them again
     shared: bool  # other processes publish into it: probe on a miss, rescan, adopt orphans
-    local: bool  # bytes live on this machine (ram, /dev/shm, local disk); s3 would not
+    local: bool  # bytes live on this machine (ram, /dev/shm, local disk); s3 does not, and a
+    # hit in a tier that is not local is promoted (copied) to a local one
 
 
 @dataclass(frozen=True, slots=True)
 class StoredRow:
-    """A row as a tier holds it. ``location`` is the file path for file tiers, None for RAM."""
+    """A row as a tier holds it. ``location`` is the file path for file tiers, the object's
+    ``s3://`` URL for s3, None for RAM."""
 
     info: RowInfo
     tokens: tuple[int, ...]
@@ -44,6 +47,7 @@ class RowBytes:
     payload: memoryview
     logits: bytes | None
     buffer: bytearray | None = None  # the scratch buffer ``payload`` views, if reusable
+    fields: KvcFields | None = None  # everything the row records (for promotion), if known
 
 
 class ReservationBook(Protocol):

@@ -14,7 +14,7 @@ from typing import Literal
 # A tier is named by the string it was registered under (``tiers.registry``); the set is open.
 TierName = str
 # The built-in tiers (what the settings and the server know how to configure).
-TIER_NAMES: tuple[TierName, ...] = ("ram", "ram_file", "disk")
+TIER_NAMES: tuple[TierName, ...] = ("ram", "ram_file", "disk", "s3")
 
 
 class SaveReason(enum.IntEnum):
@@ -70,12 +70,34 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class S3Config:
+    """Where and how the ``s3`` tier talks to an S3-compatible store (AWS, MinIO, Ceph).
+    Credentials are not here: boto3's normal chain (env, profile, instance role) finds them."""
+
+    bucket: str
+    prefix: str = "kvwarm/"  # object names are <prefix><hex key>.kvc
+    endpoint_url: str | None = None  # None: AWS itself
+    region: str | None = None
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 10.0
+    max_attempts: int = 2  # botocore "standard" retries, first attempt included
+    # After a network fault the tier answers "miss" without calling the store for this long,
+    # so a dead store costs one timeout per interval, not one per lookup.
+    down_for_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
 class TierConfig:
-    """One tier. ``root`` is required for file tiers and must be None for ``ram``."""
+    """One tier. ``root`` is required for file tiers and must be None for the others; ``s3``
+    for the ``s3`` tier. ``shared``: a file tier's directory is shared by several hosts (NFS,
+    CephFS): its bytes are not local (hits are promoted to a local tier) and its temp files
+    are reaped by age only (a writer's pid means nothing on another host)."""
 
     name: TierName
     quota_bytes: int
     root: Path | None = None
+    shared: bool = False
+    s3: S3Config | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +128,12 @@ class CacheConfig:
     # Which rows leave first when a tier is over quota or under pressure: a name registered
     # in ``cache.eviction`` (built in: "lru", "lfu").
     eviction: str = "lru"
+    # Shared tiers (s3, a shared directory): a hit there is copied to this local tier (None:
+    # the first local tier configured); a prefix lookup probes at most ``probe_max`` keys,
+    # ``probe_parallel`` at a time (docs/architecture.md, "Shared tiers").
+    promote_tier: TierName | None = None
+    probe_max: int = 16
+    probe_parallel: int = 8
 
 
 @dataclass(frozen=True, slots=True)

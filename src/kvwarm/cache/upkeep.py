@@ -94,12 +94,16 @@ class CacheUpkeep(CacheCore):
         Cheap: lists keys and reads only rows whose key the index does not know."""
         adopted = 0
         for tier in self._shared_tiers():
-            for key in tier.stored_keys():
-                if key in self._index or self._index.in_flight(key):
-                    continue
-                row = tier.probe(key)
-                if row is not None and self._adopt(tier, row):
-                    adopted += 1
+            try:
+                for key in tier.stored_keys():
+                    if key in self._index or self._index.in_flight(key):
+                        continue
+                    row = tier.probe(key)
+                    if row is not None and self._adopt(tier, row):
+                        adopted += 1
+            except CacheError as exc:  # e.g. the s3 store is down: try again next sweep
+                self._counters.incr("store_errors")
+                log.info("%s: rescan stopped: %s", tier.name, exc)
         return adopted
 
     def persist_hits(self) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from kvwarm.alignment import canonical_after
 from kvwarm.backends.base import Sampler
 from kvwarm.cache.key import salted_namespace
+from kvwarm.cache.policy import probe_lengths
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.outcomes import Outcomes
 from kvwarm.engine.planner import (
@@ -74,8 +75,11 @@ class Admission:
         # A parent_key row was waited for on the caller's thread, so it is published by now
         # and this lookup scores it by what it really shares. The lookup is confined to ns:
         # a parent_key of another salt's row waits, but never restores.
+        # Shared tiers (s3, a shared directory) are probed for the prefixes a save of another
+        # process could have written, bounded by the cache (docs/architecture.md).
         t0 = time.perf_counter()
-        match = rt.cache.longest_prefix(ns, req.prompt_tokens)
+        probes = probe_lengths(len(req.prompt_tokens), rt.cfg.policy, rt.cfg.n_batch)
+        match = rt.cache.longest_prefix(ns, req.prompt_tokens, probe_lengths=probes)
         rt.cache.record_latency("lookup", time.perf_counter() - t0)
         row = None
         if match is not None:

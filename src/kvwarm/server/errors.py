@@ -66,6 +66,7 @@ _KINDS: dict[type[BaseException], ErrorKind] = {
     e.AdapterError: ErrorKind(400, _INVALID, "adapter_error"),
     e.BackendError: ErrorKind(500, _SERVER, "backend_error"),
     e.CacheFormatError: ErrorKind(500, _SERVER, "cache_corrupt"),
+    e.CacheNetworkError: ErrorKind(503, _SERVER, "cache_store_unavailable"),
     e.CacheIOError: ErrorKind(507, _SERVER, "cache_io_error"),
     e.CacheError: ErrorKind(500, _SERVER, "cache_error"),
     e.KvwarmError: ErrorKind(500, _SERVER, "internal_error"),

@@ -12,6 +12,9 @@ Invariants:
   root is private (``fsutil``): a row swapped for a symlink is reported bad, never written
   through. Loads read into a buffer (no mmap) and verify everything.
 - With ``repair=False`` nothing in the directory is moved or deleted by a scan (``filescan``).
+- A directory shared by several hosts (``shared_dir``: NFS, CephFS) is not local (hits are
+  promoted to a local tier) and another writer's temp file is reaped only once it is stale:
+  its pid names a process on some other host.
 
 See docs/architecture.md (the cache) for how the tiers and the index fit together.
 """
@@ -34,12 +37,20 @@ from kvwarm.cache.tiers.registry import tier_spec
 from kvwarm.cache.types import SaveRequest, TierName
 from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError, ConfigError
 
-__all__ = ["FILE_CAPABILITIES", "PUBLISH_STEPS", "FileTier", "StepHook"]
+__all__ = [
+    "FILE_CAPABILITIES",
+    "PUBLISH_STEPS",
+    "SHARED_DIR_CAPABILITIES",
+    "FileTier",
+    "StepHook",
+]
 
 log = logging.getLogger(__name__)
 
 # Files outlive the process and other processes may share the directory.
 FILE_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=True)
+# The same directory mounted on several hosts: its bytes cross a network.
+SHARED_DIR_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=False)
 
 
 class FileTier:
@@ -55,14 +66,14 @@ class FileTier:
         repair: bool = True,
         stale_tmp_s: float = 3600.0,
         on_step: StepHook | None = None,
-        capabilities: TierCapabilities = FILE_CAPABILITIES,
+        shared_dir: bool = False,
     ) -> None:
         if not tier_spec(name).needs_root:
             raise ConfigError(f"tier {name!r} is not a file tier (it takes no root directory)")
         if quota_bytes < 0:
             raise ConfigError("file tier quota must be >= 0")
         self._name: TierName = name
-        self._capabilities = capabilities
+        self._capabilities = SHARED_DIR_CAPABILITIES if shared_dir else FILE_CAPABILITIES
         self._root = Path(root)
         self._quota = quota_bytes
         self._lock = threading.Lock()  # guards closing the directory fd
@@ -73,6 +84,7 @@ class FileTier:
             repair=repair,
             quarantine=quarantine,
             stale_tmp_s=stale_tmp_s,
+            multi_host=shared_dir,
             writing=self._publisher.writing,  # our temp files being written: the scan keeps them
         )
         try:
@@ -121,7 +133,8 @@ class FileTier:
                 f"{self._name}: reading {name} failed: {exc}", errno=exc.errno
             ) from exc
         f = kvc.parse(buf, expected_key=row.info.key, known_tokens=row.tokens)
-        return RowBytes(f.meta.fields.tokens, f.payload, f.meta.fields.logits, backing)
+        fields = f.meta.fields
+        return RowBytes(fields.tokens, f.payload, fields.logits, backing, fields)
 
     def delete(self, key: bytes) -> None:
         name = name_for(key)

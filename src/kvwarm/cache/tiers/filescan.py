@@ -52,6 +52,7 @@ class DirScan:
         quarantine: bool,
         stale_tmp_s: float,
         writing: Callable[[str], bool],
+        multi_host: bool = False,
     ) -> None:
         self._tier = tier
         self._root = root
@@ -59,6 +60,7 @@ class DirScan:
         self._quarantine = quarantine
         self._stale_tmp_s = stale_tmp_s
         self._writing = writing
+        self._multi_host = multi_host
         self.problems: list[tuple[str, str]] = []  # (path, why) left in place by the last scan
 
     def scan(self, dir_fd: int) -> Iterator[StoredRow]:
@@ -89,10 +91,10 @@ class DirScan:
             return
         pid = tmp_owner_pid(name)
         # Another live process may be mid-save in a shared root: only reap its file if stale.
+        # On a directory several hosts mount a pid says nothing about liveness: age decides.
         if (
             pid is not None
-            and pid != os.getpid()
-            and _pid_alive(pid)
+            and (self._multi_host or (pid != os.getpid() and _pid_alive(pid)))
             and time.time() - os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime
             < self._stale_tmp_s
         ):

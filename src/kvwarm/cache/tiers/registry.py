@@ -1,9 +1,10 @@
 """Tiers by name: how a ``TierConfig`` becomes a ``Tier``.
 
 Invariant: the facade and the config validation learn what tiers exist only from this
-registry, so adding a tier (e.g. ``s3``) is a ``Tier`` implementation plus one
-``register_tier`` call, with no edit to the facade, the index or the validation. The built-in
-tiers ``ram``, ``ram_file`` and ``disk`` register themselves below. See docs/architecture.md.
+registry, so adding a tier is a ``Tier`` implementation plus one ``register_tier`` call, with
+no edit to the facade, the index or the validation. The built-in tiers ``ram``, ``ram_file``,
+``disk`` and ``s3`` register themselves below (``s3`` imports boto3 only when built). See
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -90,9 +91,24 @@ def _file(config: TierConfig, options: TierOptions) -> Tier:
     from kvwarm.cache.tiers.files import FileTier
 
     assert config.root is not None  # validated: the spec needs a root
-    return FileTier(config.name, config.root, config.quota_bytes, repair=options.repair)
+    return FileTier(
+        config.name,
+        config.root,
+        config.quota_bytes,
+        repair=options.repair,
+        shared_dir=config.shared,
+    )
+
+
+def _s3(config: TierConfig, options: TierOptions) -> Tier:
+    from kvwarm.cache.tiers.s3 import S3Tier
+
+    if config.s3 is None:
+        raise ConfigError(f"tier {config.name} needs an s3 configuration (bucket, endpoint...)")
+    return S3Tier(config.s3, config.quota_bytes, name=config.name, repair=options.repair)
 
 
 register_tier("ram", _ram, needs_root=False)
 register_tier("ram_file", _file, needs_root=True)
 register_tier("disk", _file, needs_root=True)
+register_tier("s3", _s3, needs_root=False)

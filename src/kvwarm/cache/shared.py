@@ -1,0 +1,154 @@
+"""Shared tiers as the facade uses them: bounded prefix discovery and promotion of hits.
+
+A shared tier (capability ``shared``: s3, a directory other processes write) holds rows this
+process's index has not seen. Mixed into ``Cache`` (facade.py).
+
+Invariants:
+- Discovery is bounded: a prefix lookup probes at most ``CacheConfig.probe_max`` keys, only
+  the keys of prefix lengths some save can produce (``policy.probe_lengths``), only lengths
+  longer than what the index already offers, longest first, ``probe_parallel`` at a time;
+  the first wave that finds a row ends it (later waves hold only shorter prefixes). So a
+  lookup costs at most ``ceil(probe_max / probe_parallel)`` rounds of concurrent requests.
+- A probe failure (dead store) is a miss, counted in ``store_errors``; never an exception.
+- Promotion copies a row read from a tier that is not local into ``promote_tier`` through
+  that tier's publish protocol, on the writer pool (never on the caller's thread, never
+  blocking it). The index then names the local copy; the shared copy stays for the others.
+  If the local publish fails, the shared row is put back in the index.
+See docs/architecture.md ("Shared tiers").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from kvwarm.cache.core import CacheCore
+from kvwarm.cache.key import PrefixKeyer
+from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
+from kvwarm.cache.types import CacheConfig, Namespace, SaveRequest
+from kvwarm.cache.writer import WriterPool
+from kvwarm.errors import CacheError
+
+__all__ = ["SharedTiers"]
+
+log = logging.getLogger(__name__)
+
+
+class SharedTiers(CacheCore):
+    config: CacheConfig
+    _writer: WriterPool
+    _probe_pool: ThreadPoolExecutor | None
+
+    def _start_probe_pool(self) -> None:
+        """Probes of a remote tier run concurrently; local directories are probed inline
+        (a failed open costs microseconds, a thread hand-off more)."""
+        remote = any(not t.capabilities.local for t in self._shared_tiers())
+        self._probe_pool = None
+        if remote and self.config.probe_max > 0:
+            self._probe_pool = ThreadPoolExecutor(
+                max_workers=self.config.probe_parallel, thread_name_prefix="kvwarm-probe"
+            )
+
+    def _stop_probe_pool(self) -> None:
+        if self._probe_pool is not None:
+            self._probe_pool.shutdown(wait=True, cancel_futures=True)
+
+    def _discover(
+        self, namespace: Namespace, tokens: Sequence[int], lengths: Sequence[int], floor: int
+    ) -> bool:
+        """Probe shared tiers for rows of ``lengths`` longer than ``floor``; adopt what is
+        found. True if a row was adopted."""
+        if not lengths or self.config.probe_max <= 0 or not self._shared_tiers():
+            return False
+        wanted = sorted({n for n in lengths if floor < n <= len(tokens)}, reverse=True)
+        wanted = wanted[: self.config.probe_max]
+        if not wanted:
+            return False
+        keyer = PrefixKeyer(namespace, tokens)
+        keys = {n: keyer.key(n) for n in reversed(wanted)}  # ascending: one running hash
+        todo = [
+            keys[n]
+            for n in wanted
+            if keys[n] not in self._index and not self._index.in_flight(keys[n])
+        ]
+        step = self.config.probe_parallel
+        for start in range(0, len(todo), step):
+            wave = todo[start : start + step]
+            self._counters.incr("probe_rounds")
+            self._counters.incr("probes", len(wave))
+            pool = self._probe_pool
+            found = list(pool.map(self._probe, wave)) if pool else [self._probe(k) for k in wave]
+            if any(info is not None for info in found):
+                self._counters.incr("hits_shared")
+                return True
+        return False
+
+    def _promote_target(self) -> Tier | None:
+        name = self.config.promote_tier
+        if name is not None:
+            return self._tiers.get(name)
+        for tier in self._tiers.values():
+            if tier.capabilities.local:
+                return tier
+        return None
+
+    def _promote(self, source: Tier, stored: StoredRow, data: RowBytes) -> None:
+        """Queue a copy of a row just read from ``source`` (not local) into the local tier.
+        Takes its own view of the payload: the caller's is released when its lease ends."""
+        target = self._promote_target()
+        key = stored.info.key
+        fields = data.fields
+        if target is None or fields is None or self._index.in_flight(key):
+            return
+        view = data.payload[:]
+        # The payload is copied on the writer thread: copying MBs here would stall a tick.
+        request = SaveRequest(
+            namespace=fields.namespace,
+            tokens=stored.tokens,
+            payload=b"",
+            reason=fields.reason,
+            tier=target.name,
+            logits=fields.logits,
+            prompt_text=fields.prompt_text if self.config.store_prompt_text else "",
+            ttl_class=fields.ttl_class,
+            context_size=fields.context_size,
+            quant_bits=fields.quant_bits,
+            fingerprint_mode=fields.fingerprint_mode,
+            canonical_tokens=fields.canonical_tokens,
+        )
+        self._index.mark_in_flight(key)
+
+        def job() -> bool:
+            try:
+                full = replace(request, payload=bytes(view))
+                view.release()
+                return self._copy_to(target, source, stored, full)
+            finally:
+                self._index.clear_in_flight(key)
+
+        if not self._writer.submit(job):
+            view.release()
+            self._index.clear_in_flight(key)
+            self._counters.incr("promotions_dropped")
+
+    def _copy_to(self, target: Tier, source: Tier, stored: StoredRow, request: SaveRequest) -> bool:
+        key = stored.info.key
+        current = self._index.get(key)
+        if current is None or current.tier != source.name:
+            return False  # evicted meanwhile, or already copied
+        removed = self._index.remove(key)  # the shared copy stays in its store for the others
+        row: StoredRow | None = None
+        try:
+            row = target.store(key, request, self._index)
+        except CacheError as exc:
+            log.warning("%s: promoting %s failed: %s", target.name, key.hex(), exc)
+        finally:
+            if row is None and removed is not None and key not in self._index:
+                self._index.adopt(removed)
+        if row is None:
+            return False
+        self._counters.incr("promotions")
+        self._enforce_quota(target)
+        return True
