@@ -14,6 +14,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
+from tests.s3kit import MotoServer, aws_env
 
 import kvwarm.embedded
 
@@ -73,3 +74,25 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     what = _offenders.pop(item.nodeid, None)
     if what is not None:
         pytest.fail(f"{item.nodeid} uses {what} but is not marked @pytest.mark.model")
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Generator[MotoServer]:
+    """A live S3-compatible server on a free port of 127.0.0.1, for the whole session."""
+    with aws_env():
+        server = MotoServer()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def own_moto_server() -> Generator[MotoServer]:
+    """A server of this test's own, which the test may stop (a store that dies)."""
+    with aws_env():
+        server = MotoServer()
+        try:
+            yield server
+        finally:
+            server.stop()

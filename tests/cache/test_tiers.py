@@ -1,4 +1,5 @@
-"""One contract suite for every tier: ram, ram_file (/dev/shm) and disk (tmp_path)."""
+"""One contract suite for every tier: ram, ram_file (/dev/shm), disk (tmp_path) and s3 (a live
+moto server on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from pathlib import Path
 import pytest
 from tests.cache.fakebook import FakeBook
 from tests.cache.tierkit import NS, TIERS, TierFactory, factory, request, shm_dir
+from tests.s3kit import MotoServer, object_names
 
 from kvwarm.cache.index import Index
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.protocols import Tier
+from kvwarm.cache.tiers.s3 import S3Tier
 from kvwarm.cache.types import SaveReason, TtlClass
 from kvwarm.errors import CacheKeyError
 
@@ -20,7 +23,11 @@ from kvwarm.errors import CacheKeyError
 @pytest.fixture(params=TIERS)
 def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierFactory]:
     name = request.param
-    if name == "ram_file":
+    if name == "s3":
+        server: MotoServer = request.getfixturevalue("moto_server")
+        config = server.config(server.new_bucket())
+        yield lambda: S3Tier(config, 1 << 30)
+    elif name == "ram_file":
         with shm_dir() as d:
             yield factory(name, d)
     else:
@@ -28,6 +35,8 @@ def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierFactory
 
 
 def _files(tier: Tier) -> list[str]:
+    if isinstance(tier, S3Tier):
+        return object_names(tier)
     root = getattr(tier, "root", None)
     return sorted(os.listdir(root)) if root is not None else []
 

@@ -94,6 +94,10 @@ class S3Tier:
         return S3_CAPABILITIES
 
     @property
+    def config(self) -> S3Config:
+        return self._cfg
+
+    @property
     def wire(self) -> S3Wire:
         return self._wire
 

@@ -1,0 +1,228 @@
+"""The s3 tier against a live moto server: publish-once races, corrupt objects, a store that
+dies mid-get or altogether. (The contract every tier passes is in test_tiers.py.)"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+import pytest
+from botocore.exceptions import ResponseStreamingError
+from tests.cache.fakebook import FakeBook
+from tests.cache.tierkit import NS, request
+from tests.s3kit import MotoServer, object_names
+
+from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache.kvc import parse
+from kvwarm.cache.tiers.s3 import S3Tier
+from kvwarm.cache.tiers.s3client import S3Client
+from kvwarm.errors import CacheFormatError, CacheNetworkError
+
+
+class FaultyClient:
+    """A real client with faults injected: a hook before each put, a body cut mid-get."""
+
+    def __init__(self, inner: S3Client) -> None:
+        self.inner = inner
+        self.before_put: Callable[[], None] | None = None
+        self.cut_get_after: int | None = None  # bytes of a full get delivered, then a reset
+        self.puts = 0
+        self.races_lost = 0
+
+    def put_object(self, **kw: object) -> Mapping[str, object]:
+        if self.before_put is not None:
+            self.before_put()
+        self.puts += 1
+        try:
+            return self.inner.put_object(**kw)
+        except Exception as exc:
+            if "PreconditionFailed" in str(exc):
+                self.races_lost += 1
+            raise
+
+    def get_object(self, **kw: object) -> Mapping[str, object]:
+        resp = dict(self.inner.get_object(**kw))
+        if self.cut_get_after is not None and "Range" not in kw:
+            resp["Body"] = _CutBody(resp["Body"], self.cut_get_after)
+        return resp
+
+    def delete_object(self, **kw: object) -> Mapping[str, object]:
+        return self.inner.delete_object(**kw)
+
+    def copy_object(self, **kw: object) -> Mapping[str, object]:
+        return self.inner.copy_object(**kw)
+
+    def list_objects_v2(self, **kw: object) -> Mapping[str, object]:
+        return self.inner.list_objects_v2(**kw)
+
+
+class _CutBody:
+    def __init__(self, inner: object, n: int) -> None:
+        self._inner = inner
+        self._n = n
+
+    def read(self, amt: int | None = None) -> bytes:
+        self._inner.read(self._n)  # type: ignore[attr-defined]
+        raise ResponseStreamingError(error="connection reset by peer")
+
+    def close(self) -> None:
+        self._inner.close()  # type: ignore[attr-defined]
+
+
+def _tier(server: MotoServer, bucket: str, client: S3Client | None = None) -> S3Tier:
+    return S3Tier(server.config(bucket), 1 << 30, client=client)
+
+
+def test_publish_once_race_two_writers_one_publishes(moto_server: MotoServer) -> None:
+    bucket = moto_server.new_bucket()
+    a = FaultyClient(moto_server.client())
+    b = FaultyClient(moto_server.client())
+    tier_a, tier_b = _tier(moto_server, bucket, a), _tier(moto_server, bucket, b)
+    both_ready = threading.Barrier(2, timeout=30)
+    a.before_put = b.before_put = both_ready.wait  # both PUTs leave together
+    key, req = request(tuple(range(40)))
+    other_payload = b"another process's KV of the same tokens"
+    _, req_b = request(tuple(range(40)), other_payload)
+    book_a, book_b = FakeBook(), FakeBook()  # two processes: two indexes
+    rows: dict[str, object] = {}
+    threads = [
+        threading.Thread(target=lambda: rows.update(a=tier_a.store(key, req, book_a))),
+        threading.Thread(target=lambda: rows.update(b=tier_b.store(key, req_b, book_b))),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert rows["a"] is not None and rows["b"] is not None  # both learn the row exists
+    assert a.races_lost + b.races_lost == 1  # exactly one PUT created the object
+    assert key in book_a.published and key in book_b.published
+    assert object_names(tier_a) == [tier_a.object_name(key)]
+    winner = req if b.races_lost else req_b
+    for tier in (tier_a, tier_b):  # the loser adopted the winner's bytes, never overwrote them
+        stored = tier.probe(key)
+        assert stored is not None
+        assert bytes(tier.load(stored).payload) == winner.payload
+
+
+def test_junk_in_the_way_is_replaced(moto_server: MotoServer) -> None:
+    tier = _tier(moto_server, moto_server.new_bucket())
+    key, req = request((7, 7, 7))
+    tier.wire.client.put_object(Bucket=tier.config.bucket, Key=tier.object_name(key), Body=b"junk")
+    assert tier.probe(key) is None  # junk is not a row
+    row = tier.store(key, req, FakeBook())
+    assert row is not None
+    assert bytes(tier.load(row).payload) == req.payload
+
+
+def _corrupt(tier: S3Tier, key: bytes) -> None:
+    name = tier.object_name(key)
+    body = bytearray(
+        tier.wire.client.get_object(Bucket=tier.config.bucket, Key=name)["Body"].read()
+    )  # type: ignore[attr-defined]
+    body[-1] ^= 0x40  # one payload bit: only the payload CRC can see it
+    tier.wire.client.put_object(Bucket=tier.config.bucket, Key=name, Body=bytes(body))
+
+
+def test_corrupt_object_is_refused_by_crc(moto_server: MotoServer) -> None:
+    tier = _tier(moto_server, moto_server.new_bucket())
+    key, req = request(tuple(range(64)))
+    row = tier.store(key, req, FakeBook())
+    assert row is not None
+    _corrupt(tier, key)
+    assert tier.probe(key) is not None  # the metadata is intact: a probe cannot tell
+    with pytest.raises(CacheFormatError, match="CRC32C"):
+        tier.load(row)
+
+
+def _s3_cache(server: MotoServer, bucket: str, **kw: float) -> Cache:
+    tiers = (
+        TierConfig("ram", 1 << 20),
+        TierConfig("s3", 1 << 30, s3=server.config(bucket, **kw)),
+    )
+    return Cache(CacheConfig(tiers=tiers), background=False)
+
+
+def test_corrupt_object_row_is_dropped_and_deleted(moto_server: MotoServer) -> None:
+    bucket = moto_server.new_bucket()
+    with _s3_cache(moto_server, bucket) as cache:
+        key, req = request(tuple(range(64)), tier="s3")
+        assert cache.save(req, sync=True) == key
+        s3 = S3Tier(moto_server.config(bucket), 1 << 30)
+        _corrupt(s3, key)
+        with pytest.raises(CacheFormatError), cache.open_row(key):
+            pass
+        assert cache.lookup_exact(key) is None  # dropped from the index...
+        assert object_names(s3) == []  # ...and from the store
+
+
+def test_store_dying_mid_get_is_a_network_error_and_keeps_the_row(
+    moto_server: MotoServer,
+) -> None:
+    bucket = moto_server.new_bucket()
+    with _s3_cache(moto_server, bucket) as cache:
+        key, req = request(tuple(range(64)), tier="s3")
+        assert cache.save(req, sync=True) == key
+    faulty = FaultyClient(moto_server.client())
+    tier = _tier(moto_server, bucket, faulty)
+    row = tier.probe(key)
+    assert row is not None
+    faulty.cut_get_after = 100
+    with pytest.raises(CacheNetworkError):
+        tier.load(row)
+    assert tier.wire.is_down()  # the next calls fail fast instead of timing out again
+    with pytest.raises(CacheNetworkError):
+        tier.probe(key)
+    with Cache(
+        CacheConfig(tiers=(TierConfig("ram", 1 << 20),)), tiers=[tier], background=False
+    ) as c:
+        assert c.lookup_exact(key) is None  # a store that cannot answer is a miss
+
+
+def test_dead_store_degrades_to_misses_and_dropped_saves(own_moto_server: MotoServer) -> None:
+    server = own_moto_server
+    bucket = server.new_bucket()
+    cache = _s3_cache(server, bucket)
+    try:
+        key, req = request(tuple(range(64)), tier="s3")
+        assert cache.save(req, sync=True) == key
+        server.stop()  # the store dies with a row we index
+        with pytest.raises(CacheNetworkError), cache.open_row(key):
+            pass  # the engine answers this by prefilling cold
+        assert cache.lookup_exact(key) is not None  # unreachable is not corrupt: row kept
+        tokens = tuple(range(64)) + (9,) * 64
+        probes = (128, 96, 64)
+        other = request(tokens)[1]
+        assert cache.longest_prefix(NS, tokens, probe_lengths=probes) is not None
+        assert cache.save(replace(other, tier="s3"), sync=True) is None  # dropped, not raised
+        counters = cache.counters()
+        assert counters["save_failures"] == 1
+        assert counters["store_errors"] >= 2
+    finally:
+        cache.close()
+
+
+def test_scan_reports_or_removes_junk(moto_server: MotoServer) -> None:
+    bucket = moto_server.new_bucket()
+    tier = _tier(moto_server, bucket)
+    key, req = request((1, 2, 3))
+    assert tier.store(key, req, FakeBook()) is not None
+    junk_key, _ = request((4, 5))
+    tier.wire.client.put_object(Bucket=bucket, Key=tier.object_name(junk_key), Body=b"x" * 10)
+    viewer = S3Tier(moto_server.config(bucket), 1 << 30, repair=False)
+    assert [r.info.key for r in viewer.scan()] == [key]
+    assert [where for where, _ in viewer.problems()] == [viewer.location(junk_key)]
+    assert [r.info.key for r in tier.scan()] == [key]
+    assert object_names(tier) == [tier.object_name(key)]
+
+
+def test_object_is_a_kvc_file(moto_server: MotoServer) -> None:
+    """The object is byte-for-byte what a file tier writes: any KVC tool reads it."""
+    tier = _tier(moto_server, moto_server.new_bucket())
+    key, req = request(tuple(range(10)), logits=b"\0\0\x80\x3f" * 3)
+    assert tier.store(key, req, FakeBook()) is not None
+    name = tier.object_name(key)
+    body = tier.wire.client.get_object(Bucket=tier.config.bucket, Key=name)["Body"].read()  # type: ignore[attr-defined]
+    parsed = parse(body, expected_key=key)
+    assert bytes(parsed.payload) == req.payload
+    assert parsed.meta.fields.logits == req.logits
