@@ -8,7 +8,9 @@ Names in the snapshot:
 
 - plain counters: ``hits_exact``, ``hits_resume``, ``hits_longest_prefix``, ``misses``,
   ``saves_<reason>`` (one per ``SaveReason``), ``saves_dropped``, ``save_failures``,
-  ``evictions``, ``evicted_bytes``, plus anything else ``incr`` was asked to count;
+  ``evictions``, ``evicted_bytes``, ``hits_shared``, ``probes``, ``probe_rounds``,
+  ``promotions``, ``promotions_dropped``, ``store_errors``, plus anything else ``incr`` was
+  asked to count;
 - latencies: ``latency_<name>_count`` and ``latency_<name>_seconds`` for ``pack``, ``unpack``,
   ``load``, ``lookup``, ``save`` and any other name recorded.
 """
@@ -31,6 +33,14 @@ BASE_COUNTERS: tuple[str, ...] = (
     "save_failures",
     "evictions",
     "evicted_bytes",
+    # shared tiers (cache/shared.py): rows found by probing, keys probed, rounds of probes,
+    # remote hits copied to a local tier (or not: writer queue full), unreachable stores
+    "hits_shared",
+    "probes",
+    "probe_rounds",
+    "promotions",
+    "promotions_dropped",
+    "store_errors",
 )
 LATENCY_NAMES: tuple[str, ...] = ("pack", "unpack", "load", "lookup", "save")
 

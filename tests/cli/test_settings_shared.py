@@ -1,0 +1,69 @@
+"""Settings of the shared tiers: the s3 tier and a disk directory shared by several hosts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvwarm.cache.types import S3Config
+from kvwarm.errors import ConfigError
+from kvwarm.settings import load_settings
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {"XDG_CACHE_HOME": str(tmp_path / "c"), "XDG_CONFIG_HOME": str(tmp_path / "n"), **extra}
+
+
+def test_s3_tier_from_env_is_last_and_takes_the_saves(tmp_path: Path) -> None:
+    env = _env(
+        tmp_path,
+        KVWARM_S3_BUCKET="rows",
+        KVWARM_S3_ENDPOINT_URL="http://127.0.0.1:9000",
+        KVWARM_S3_QUOTA_BYTES="5G",
+        KVWARM_S3_READ_TIMEOUT_S="3",
+    )
+    s = load_settings({"s3_prefix": "team/"}, env)
+    tiers = s.cache_config().tiers
+    assert [t.name for t in tiers] == ["ram", "disk", "s3"]  # local tiers are asked first
+    assert tiers[-1].quota_bytes == 5 << 30
+    assert tiers[-1].s3 == S3Config(
+        bucket="rows",
+        prefix="team/",
+        endpoint_url="http://127.0.0.1:9000",
+        region=None,
+        connect_timeout_s=2.0,
+        read_timeout_s=3.0,
+        max_attempts=2,
+    )
+    assert s.effective_save_tier() == "s3"  # a bucket is set to share rows
+    assert load_settings({"save_tier": "disk"}, env).effective_save_tier() == "disk"
+
+
+def test_no_bucket_no_s3_tier(tmp_path: Path) -> None:
+    s = load_settings({}, _env(tmp_path))
+    assert all(t.s3 is None for t in s.cache_config().tiers)
+    with pytest.raises(ConfigError, match="s3_bucket"):
+        load_settings({"save_tier": "s3"}, _env(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ({"s3_prefix": "no-slash"}, "s3_prefix"),
+        ({"s3_read_timeout_s": 0.0}, "timeout"),
+        ({"s3_max_attempts": 0}, "s3_max_attempts"),
+    ],
+)
+def test_bad_s3_settings_are_config_errors(
+    tmp_path: Path, flags: dict[str, object], needle: str
+) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_settings({"s3_bucket": "rows", **flags}, _env(tmp_path))
+
+
+def test_cache_dir_shared_marks_the_disk_tier(tmp_path: Path) -> None:
+    s = load_settings({"cache_dir_shared": True}, _env(tmp_path))
+    disk = next(t for t in s.cache_config().tiers if t.name == "disk")
+    assert disk.shared
+    assert not next(t for t in load_settings({}, _env(tmp_path)).cache_config().tiers).shared
