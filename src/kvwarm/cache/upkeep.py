@@ -60,7 +60,12 @@ class CacheUpkeep(CacheCore):
         tier = self._tiers.get(orphan.tier)
         if tier is None:
             return
-        row = tier.probe(orphan.key)
+        try:
+            row = tier.probe(orphan.key)
+        except CacheError as exc:  # an unreachable store: its orphan waits for the next sweep
+            self._counters.incr("store_errors")
+            log.info("%s: cannot look at orphan %s: %s", tier.name, orphan.location, exc)
+            return
         if row is not None and self._adopt(tier, row):
             log.info("%s: adopted orphaned row %s", tier.name, orphan.key.hex())
         elif row is None and orphan.key not in self._index:

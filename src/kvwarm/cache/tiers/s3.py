@@ -21,6 +21,7 @@ import logging
 import struct
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from kvwarm.cache import kvc
@@ -49,6 +50,7 @@ _HEX = frozenset("0123456789abcdef")
 # one round trip; rows whose metadata is longer (stored logits) take a second ranged read.
 _HEAD_BYTES = 64 << 10
 _PUT_ATTEMPTS = 3
+_SCAN_PARALLEL = 16
 _META_HITS = "kvwarm-hits"
 _META_LAST_USED = "kvwarm-last-used"
 
@@ -262,12 +264,15 @@ class S3Tier:
                 yield key
 
     def scan(self) -> Iterator[StoredRow]:
-        """Every valid row under the prefix (one ranged GET each). Invalid objects are
-        deleted, or with ``repair=False`` only reported; an in-progress PUT is never
-        visible, so there are no temp objects to reap."""
+        """Every valid row under the prefix: one ranged GET each, ``_SCAN_PARALLEL`` at a time
+        (a shared bucket may hold thousands). Invalid objects are deleted, or with
+        ``repair=False`` only reported; an in-progress PUT is never visible, so there are no
+        temp objects to reap."""
         self._problems = []
-        for key in self.stored_keys():
-            row = self.probe(key)
+        keys = list(self.stored_keys())
+        with ThreadPoolExecutor(_SCAN_PARALLEL, thread_name_prefix="kvwarm-s3-scan") as pool:
+            rows = list(pool.map(self.probe, keys))
+        for key, row in zip(keys, rows, strict=True):
             if row is not None:
                 yield row
             elif not self._repair:
