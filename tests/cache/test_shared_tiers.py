@@ -6,19 +6,26 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from tests.cache.tierkit import NS
-from tests.s3kit import CREDENTIALS, MotoServer, object_names
+from tests.cache.fakebook import FakeBook
+from tests.cache.tierkit import NS, request
+from tests.s3kit import CREDENTIALS, MotoServer, aws_env, object_names
 
 from kvwarm.alignment import align_down
 from kvwarm.cache import Cache, CacheConfig, PolicyConfig, TierConfig
 from kvwarm.cache.policy import cold_save_length, probe_lengths
+from kvwarm.cache.tiers.files import FileTier
 from kvwarm.cache.tiers.s3 import S3Tier
+from kvwarm.cache.types import S3Config
+from kvwarm.errors import CacheIOError, CacheNetworkError
 
 CHILD = Path(__file__).with_name("publisher_child.py")
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -150,3 +157,63 @@ def test_probed_lengths_include_every_cold_save_length(
     lookup = saved + later
     assert saved in probe_lengths(lookup, policy, n_batch)
     assert lookup in probe_lengths(lookup, policy, n_batch)  # an exact row of the prompt
+
+
+def test_shared_dir_reaps_temp_files_by_age_not_by_pid(tmp_path: Path) -> None:
+    """On a multi-host directory a pid names a process on some host: a temp file whose pid is
+    dead *here* may belong to a live writer elsewhere, so only age lets the scan reap it."""
+    child = subprocess.Popen(["true"])  # a pid that no longer runs on this host
+    child.wait()
+    key, _ = request((1, 2, 3))
+    tmp = f"{key.hex()}.kvc.{child.pid}.1.1.tmp"
+    for shared in (True, False):
+        root = tmp_path / f"shared-{shared}"
+        FileTier("disk", root, 1 << 20, shared_dir=shared).close()
+        (root / tmp).write_bytes(b"a writer on another host is still writing this")
+        tier = FileTier("disk", root, 1 << 20, shared_dir=shared)
+        assert list(tier.scan()) == []
+        assert (root / tmp).exists() == shared
+        assert tier.capabilities.local != shared  # a shared directory's bytes are remote
+        tier.close()
+    stale = FileTier("disk", tmp_path / "shared-True", 1 << 20, shared_dir=True, stale_tmp_s=0.0)
+    assert list(stale.scan()) == [] and not (tmp_path / "shared-True" / tmp).exists()
+    stale.close()
+
+
+def test_wrong_bucket_is_an_io_error_not_an_outage(moto_server: MotoServer) -> None:
+    tier = S3Tier(moto_server.config("no-such-bucket-here"), 1 << 30)
+    key, req = request((4, 5, 6), tier="s3")
+    with pytest.raises(CacheIOError) as info:
+        tier.store(key, req, FakeBook())
+    assert not isinstance(info.value, CacheNetworkError)
+    assert not tier.wire.is_down()  # a refusal is an answer: the store is up
+
+
+def test_a_store_that_never_answers_costs_one_bounded_timeout() -> None:
+    """A black hole (connections accepted, nothing sent back): the read timeout bounds the
+    first probe, and the store is then skipped at once until ``down_for_s`` passes."""
+    with socket.create_server(("127.0.0.1", 0)) as hole:
+        port = hole.getsockname()[1]
+        config = S3Config(
+            bucket="b-hole",
+            endpoint_url=f"http://127.0.0.1:{port}",
+            region="us-east-1",
+            connect_timeout_s=0.5,
+            read_timeout_s=0.5,
+            max_attempts=1,
+            down_for_s=60.0,
+        )
+        with aws_env():
+            tier = S3Tier(config, 1 << 30)
+            key, _ = request((1,))
+            t0 = time.monotonic()
+            with pytest.raises(CacheNetworkError):
+                tier.probe(key)
+            first = time.monotonic() - t0
+            t1 = time.monotonic()
+            with pytest.raises(CacheNetworkError):
+                tier.probe(key)
+            second = time.monotonic() - t1
+        assert first < 10.0  # one read timeout (0.5 s), not an unbounded wait
+        assert second < 0.1  # down: no network at all
+        tier.close()

@@ -169,7 +169,7 @@ class PrewarmRequest(_Body):
 
 class EvictRequest(_Body):
     bytes: int = Field(ge=0)
-    tiers: list[Literal["ram", "ram_file", "disk"]] | None = None
+    tiers: list[Literal["ram", "ram_file", "disk", "s3"]] | None = None
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:

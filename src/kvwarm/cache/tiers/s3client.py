@@ -137,6 +137,8 @@ class S3Wire:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             if code == "PreconditionFailed" or status == 412:
                 return PublishRaceLost(where)
+            if code == "NoSuchBucket":  # a configuration error, not a missing row
+                return CacheIOError(f"{where}: no such bucket")
             if code in _MISSING_CODES or status == 404:
                 return CacheKeyError(f"{where}: no such object")
             if status >= 500 or code in _RETRYABLE_CODES:
