@@ -4,11 +4,13 @@ dies mid-get or altogether. (The contract every tier passes is in test_tiers.py.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import pytest
 from botocore.exceptions import ResponseStreamingError
+from tests.cache.facadekit import FakeClock
 from tests.cache.fakebook import FakeBook
 from tests.cache.tierkit import NS, request
 from tests.s3kit import MotoServer, object_names
@@ -226,3 +228,22 @@ def test_object_is_a_kvc_file(moto_server: MotoServer) -> None:
     parsed = parse(body, expected_key=key)
     assert bytes(parsed.payload) == req.payload
     assert parsed.meta.fields.logits == req.logits
+
+
+def test_ttl_forgets_shared_rows_but_leaves_them_for_the_others(moto_server: MotoServer) -> None:
+    """One replica's idle timer must not delete what the other replicas use."""
+    clock = FakeClock(time.time())  # tiers stamp rows with the wall clock
+    bucket = moto_server.new_bucket()
+    tiers = (TierConfig("ram", 1 << 20), TierConfig("s3", 1 << 30, s3=moto_server.config(bucket)))
+    cfg = CacheConfig(tiers=tiers, ttl_seconds=(10.0, 10.0, 10.0))
+    with Cache(cfg, clock=clock, background=False) as cache:
+        key, req = request(tuple(range(32)), tier="s3")
+        local_key, local_req = request(tuple(range(100, 132)), tier="ram")
+        assert cache.save(req, sync=True) == key
+        assert cache.save(local_req, sync=True) == local_key
+        clock.advance(11)
+        assert cache.gc().rows == 1  # the ram row's bytes go; the s3 row is only forgotten
+        assert cache.rows() == []
+        s3 = S3Tier(moto_server.config(bucket), 1 << 30)
+        assert object_names(s3) == [s3.object_name(key)]
+        assert cache.lookup_exact(key) is not None  # and found again by the next probe

@@ -8,6 +8,8 @@ Invariants:
   nothing unless asked to ``repair``.
 - An orphan (a writer linked its file and vanished) is adopted if its tier vouches for the
   bytes, and deleted only if they are unusable and no row of its key is indexed.
+- TTL expiry deletes bytes only in local tiers; an expired row of a remote shared tier is
+  forgotten, its bytes left for the other processes (see ``gc``).
 See docs/architecture.md.
 """
 
@@ -53,7 +55,12 @@ class CacheUpkeep(CacheCore):
         _, orphans = self._index.reap_reservations()
         for orphan in orphans:
             self._adopt_orphan(orphan)
-        return self._retire(self._index.expire(), count=True)
+        expired = self._index.expire()
+        # A remote shared tier (s3, a multi-host directory) serves other processes too: our
+        # idle timer only makes us forget its rows (discovery finds them again); deleting
+        # them is left to the quota's eviction and to the store's own lifecycle rules.
+        mine = [r for r in expired if self._tiers[r.info.tier].capabilities.local]
+        return self._retire(mine, count=True)
 
     def _adopt_orphan(self, orphan: Orphan) -> None:
         """Stage-2 reap: the writer linked its file and vanished. Keep the bytes if they parse."""
