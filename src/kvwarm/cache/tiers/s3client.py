@@ -84,6 +84,10 @@ def make_client(cfg: S3Config, max_connections: int) -> S3Client:
         read_timeout=cfg.read_timeout_s,
         retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
         max_pool_connections=max_connections,
+        # Rows carry their own CRC32C, checked on every get. botocore's default checksums
+        # (since 1.36) add headers that several S3-compatible stores reject.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
     )
     session = boto3.session.Session()
     client: S3Client = session.client(
