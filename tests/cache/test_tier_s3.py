@@ -247,3 +247,13 @@ def test_ttl_forgets_shared_rows_but_leaves_them_for_the_others(moto_server: Mot
         s3 = S3Tier(moto_server.config(bucket), 1 << 30)
         assert object_names(s3) == [s3.object_name(key)]
         assert cache.lookup_exact(key) is not None  # and found again by the next probe
+
+
+def test_cache_starts_while_its_store_is_down(own_moto_server: MotoServer) -> None:
+    bucket = own_moto_server.new_bucket()
+    own_moto_server.stop()
+    with _s3_cache(own_moto_server, bucket) as cache:  # starting is not refused...
+        assert cache.counters()["store_errors"] == 1  # ...the failed scan is counted
+        tokens = tuple(range(64))
+        assert cache.longest_prefix(NS, tokens, probe_lengths=(64, 32)) is None
+        assert cache.save(request(tokens, tier="s3")[1], sync=True) is None

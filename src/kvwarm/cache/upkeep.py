@@ -45,6 +45,9 @@ class CacheUpkeep(CacheCore):
                 except ValueError as exc:
                     log.warning("%s: skipping %s: %s", tier.name, row.info.key.hex(), exc)
                     self._scan_problems.append((row.location or row.info.key.hex(), str(exc)))
+        except CacheError as exc:  # e.g. an s3 store down at start: its rows come by probing
+            self._counters.incr("store_errors")
+            log.warning("%s: scan stopped early: %s", tier.name, exc)
         except Exception:
             log.exception("%s: scan stopped early", tier.name)
         self._scan_problems.extend(tier.problems())
