@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, TypeAdapter, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from kvwarm import settings_cache
 from kvwarm.backends.base import ContextParams
 from kvwarm.cache.eviction.base import registered_policies
-from kvwarm.cache.types import CacheConfig, PolicyConfig, S3Config, TierConfig, TierName
+from kvwarm.cache.types import CacheConfig, PolicyConfig, S3Config, TierName
 from kvwarm.errors import ConfigError
 from kvwarm.settings_sources import read_env, read_toml, user_cache_dir, user_config_file
 from kvwarm.settings_types import (
@@ -246,44 +247,13 @@ class Settings(BaseSettings):
         return type(self)(**{**dict(self), **changes})
 
     def effective_save_tier(self) -> TierName:
-        if self.save_tier is not None:
-            return self.save_tier
-        if self.s3_bucket is not None:
-            return "s3"  # a bucket is configured to share rows: others must see ours
-        return "disk" if self.cache_dir is not None else "ram"
+        return settings_cache.save_tier(self)
 
     def s3_config(self) -> S3Config | None:
-        if self.s3_bucket is None:
-            return None
-        return S3Config(
-            bucket=self.s3_bucket,
-            prefix=self.s3_prefix,
-            endpoint_url=self.s3_endpoint_url,
-            region=self.s3_region,
-            connect_timeout_s=self.s3_connect_timeout_s,
-            read_timeout_s=self.s3_read_timeout_s,
-            max_attempts=self.s3_max_attempts,
-        )
+        return settings_cache.s3_config(self)
 
     def cache_config(self) -> CacheConfig:
-        """Tiers fastest first: ram, ram_file, disk, then the shared s3 tier (lookups ask the
-        local ones first; an s3 hit is copied to ram)."""
-        tiers = [TierConfig("ram", self.ram_quota_bytes)]
-        if self.shm_dir is not None:
-            tiers.append(TierConfig("ram_file", self.shm_quota_bytes, self.shm_dir))
-        if self.cache_dir is not None:
-            root = self.cache_dir / "rows"
-            tiers.append(
-                TierConfig("disk", self.disk_quota_bytes, root, shared=self.cache_dir_shared)
-            )
-        s3 = self.s3_config()
-        if s3 is not None:
-            tiers.append(TierConfig("s3", self.s3_quota_bytes, s3=s3))
-        return CacheConfig(
-            tiers=tuple(tiers),
-            store_prompt_text=self.store_prompt_text,
-            eviction=self.cache_eviction,
-        )
+        return settings_cache.cache_config(self)
 
     def check(self) -> None:
         """Range and cross-setting rules; raises ``ConfigError``."""
@@ -317,26 +287,7 @@ class Settings(BaseSettings):
         if self.cache_eviction not in registered_policies():
             known = ", ".join(registered_policies())
             raise ConfigError(f"cache_eviction must be one of {known}, got {self.cache_eviction!r}")
-        tier = self.effective_save_tier()
-        if tier == "disk" and self.cache_dir is None:
-            raise ConfigError("save_tier is disk but the disk tier is off (cache_dir none)")
-        if tier == "ram_file" and self.shm_dir is None:
-            raise ConfigError("save_tier is ram_file but no shm_dir is set")
-        if tier == "s3" and self.s3_bucket is None:
-            raise ConfigError("save_tier is s3 but no s3_bucket is set")
-        self._check_s3()
-
-    def _check_s3(self) -> None:
-        if self.s3_bucket is None:
-            return
-        if not self.s3_bucket.strip():
-            raise ConfigError("s3_bucket must not be empty")
-        if self.s3_prefix and not self.s3_prefix.endswith("/"):
-            raise ConfigError(f"s3_prefix must end with '/', got {self.s3_prefix!r}")
-        if self.s3_connect_timeout_s <= 0 or self.s3_read_timeout_s <= 0:
-            raise ConfigError("s3_connect_timeout_s and s3_read_timeout_s must be > 0")
-        if self.s3_max_attempts < 1:
-            raise ConfigError("s3_max_attempts must be >= 1")
+        settings_cache.check(self)
 
 
 def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
