@@ -217,3 +217,11 @@ def test_a_store_that_never_answers_costs_one_bounded_timeout() -> None:
         assert first < 10.0  # one read timeout (0.5 s), not an unbounded wait
         assert second < 0.1  # down: no network at all
         tier.close()
+
+
+def test_probe_lengths_include_where_earlier_turns_ended() -> None:
+    lengths = probe_lengths(1500, POLICY, N_BATCH, turn_ends=(40, 700, 1300))
+    # the prompt, each turn's end (EOS stop) and the token before it (max_tokens stop), the
+    # cold-save lengths; nothing under min_tokens (64), longest first
+    assert lengths == (1500, 1300, 1299, 1024, 700, 699, 512)
+    assert probe_lengths(63, POLICY, N_BATCH, turn_ends=(10,)) == ()

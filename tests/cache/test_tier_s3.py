@@ -30,6 +30,7 @@ class FaultyClient:
         self.before_put: Callable[[], None] | None = None
         self.cut_get_after: int | None = None  # bytes of a full get delivered, then a reset
         self.puts = 0
+        self.gets = 0
         self.races_lost = 0
 
     def put_object(self, **kw: object) -> Mapping[str, object]:
@@ -44,6 +45,7 @@ class FaultyClient:
             raise
 
     def get_object(self, **kw: object) -> Mapping[str, object]:
+        self.gets += 1
         resp = dict(self.inner.get_object(**kw))
         if self.cut_get_after is not None and "Range" not in kw:
             resp["Body"] = _CutBody(resp["Body"], self.cut_get_after)
@@ -257,3 +259,17 @@ def test_cache_starts_while_its_store_is_down(own_moto_server: MotoServer) -> No
         tokens = tuple(range(64))
         assert cache.longest_prefix(NS, tokens, probe_lengths=(64, 32)) is None
         assert cache.save(request(tokens, tier="s3")[1], sync=True) is None
+
+
+def test_probe_reads_long_metadata_in_a_second_range(moto_server: MotoServer) -> None:
+    """Stored logits of a large vocabulary push the payload past the first ranged read."""
+    faulty = FaultyClient(moto_server.client())
+    tier = _tier(moto_server, moto_server.new_bucket(), faulty)
+    logits = b"\0\0\x80\x3f" * 100_000  # 400 KB: a 100k vocabulary
+    key, req = request(tuple(range(16)), logits=logits)
+    assert tier.store(key, req, FakeBook()) is not None
+    before = faulty.gets
+    row = tier.probe(key)
+    assert faulty.gets - before == 2  # the first 256 KiB, then the rest of the metadata
+    assert row is not None and row.info.has_logits and row.tokens == tuple(range(16))
+    assert tier.load(row).logits == logits

@@ -12,12 +12,14 @@ absolute n_batch multiples reproduces bit-for-bit (the rule and its reason: ``kv
 Probes. A shared tier answers only "does this key exist", so a prefix lookup there asks for
 the keys of the prefixes a save could have produced (``probe_lengths``): the cold-save
 boundaries (the only save lengths a lookup can predict without knowing the other prompt) and
-the prompt's own length (a finish, evict or prewarm row of exactly this prompt).
+the prompt's own length (a finish, evict or prewarm row of exactly this prompt) and, in a chat,
+where each earlier turn ended (that turn's finish save).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from kvwarm.alignment import align_down
 from kvwarm.cache.eviction.base import registered_policies
@@ -88,14 +90,27 @@ def cold_save_lengths(limit: int, policy: PolicyConfig, n_batch: int) -> tuple[i
     return tuple(out)
 
 
-def probe_lengths(n_tokens: int, policy: PolicyConfig, n_batch: int) -> tuple[int, ...]:
-    """Prefix lengths of an ``n_tokens`` prompt worth probing in a shared tier, longest first:
-    the prompt itself (a row of exactly these tokens), then every cold-save length below it.
+def probe_lengths(
+    n_tokens: int, policy: PolicyConfig, n_batch: int, *, turn_ends: Sequence[int] = ()
+) -> tuple[int, ...]:
+    """Prefix lengths of an ``n_tokens`` prompt worth probing in a shared tier, longest first.
+
+    - the prompt itself: a row of exactly these tokens (finish, evict, prewarm);
+    - each ``turn_ends`` position ``i`` (where an end-of-turn token sits in the prompt) and
+      ``i - 1``: a chat follow-up repeats the previous reply before its end-of-turn token, and
+      that turn's finish save holds the prompt and the reply up to there (a reply stopped by
+      an end-of-generation token: ``i``; cut by ``max_tokens``, whose last token is never
+      decoded: ``i - 1``);
+    - every cold-save length below the prompt's (``cold_save_lengths``).
+
     Nothing shorter than ``min_tokens``: no save writes such a row."""
-    if n_tokens < max(1, policy.min_tokens):
+    floor = max(1, policy.min_tokens)
+    if n_tokens < floor:
         return ()
-    colds = cold_save_lengths(n_tokens, policy, n_batch)
-    return (n_tokens, *(n for n in colds if n != n_tokens))
+    found = {n_tokens, *cold_save_lengths(n_tokens, policy, n_batch)}
+    for end in turn_ends:
+        found.update(n for n in (end, end - 1) if floor <= n <= n_tokens)
+    return tuple(sorted(found, reverse=True))
 
 
 def should_continued_save(live_tokens: int, last_saved_at: int, policy: PolicyConfig) -> bool:

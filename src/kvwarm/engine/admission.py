@@ -78,7 +78,10 @@ class Admission:
         # Shared tiers (s3, a shared directory) are probed for the prefixes a save of another
         # process could have written, bounded by the cache (docs/architecture.md).
         t0 = time.perf_counter()
-        probes = probe_lengths(len(req.prompt_tokens), rt.cfg.policy, rt.cfg.n_batch)
+        prompt = req.prompt_tokens
+        eog = frozenset(rt.eog_tokens())
+        ends = [i for i, t in enumerate(prompt) if t in eog]  # where earlier chat turns ended
+        probes = probe_lengths(len(prompt), rt.cfg.policy, rt.cfg.n_batch, turn_ends=ends)
         match = rt.cache.longest_prefix(ns, req.prompt_tokens, probe_lengths=probes)
         rt.cache.record_latency("lookup", time.perf_counter() - t0)
         row = None

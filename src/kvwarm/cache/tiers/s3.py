@@ -46,9 +46,10 @@ log = logging.getLogger(__name__)
 S3_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=False)
 _SUFFIX = ".kvc"
 _HEX = frozenset("0123456789abcdef")
-# A probe reads this much first: header, TLV and the token list of rows up to ~14k tokens in
-# one round trip; rows whose metadata is longer (stored logits) take a second ranged read.
-_HEAD_BYTES = 64 << 10
+# A probe reads this much first: a miss costs nothing more (404), and a hit's header, TLV,
+# tokens and stored logits (4 B x vocab: 196 KiB for a 49k vocab) come in one round trip for
+# most models; longer metadata (a 128k vocab's logits) takes a second ranged read.
+_HEAD_BYTES = 256 << 10
 _PUT_ATTEMPTS = 3
 _SCAN_PARALLEL = 16
 _META_HITS = "kvwarm-hits"
