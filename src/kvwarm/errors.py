@@ -20,6 +20,7 @@ the server maps exception *types* to HTTP statuses, never message text.
     │   ├── HandleClosedError                     use of a freed model, context or sampler
     │   └── AdapterError                          LoRA adapter load / attach failure
     ├── EngineClosedError                         request to an engine or model that shut down
+    ├── ReplicaUnavailableError                   a cluster replica died or was unreachable
     ├── QueueFullError                            admission refused: too many queued requests
     ├── KeepAliveFullError                        keep-alive holds as many prefixes as allowed
     └── CacheError
@@ -107,6 +108,10 @@ class AdapterError(BackendError):
 
 class EngineClosedError(KvwarmError):
     """The engine or model was shut down; the request was not run."""
+
+
+class ReplicaUnavailableError(KvwarmError):
+    """A cluster replica died or could not be reached while serving the request."""
 
 
 class QueueFullError(KvwarmError):

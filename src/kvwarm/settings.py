@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from kvwarm.engine.api import ModelConfig
 
 __all__ = [
+    "CLUSTER_ONLY",
     "CONFIG_ENV",
     "ENV_PREFIX",
     "SERVER_POLICY",
@@ -92,6 +93,8 @@ SERVER_POLICY = PolicyConfig(
 )
 
 _REPEAT: dict[str, Any] = {"repeatable": True}
+# Settings only ``kvwarm cluster`` takes as flags (the environment and TOML accept them always).
+CLUSTER_ONLY = ("replicas", "ray_address", "cluster_busy_requests")
 
 
 class Settings(BaseSettings):
@@ -229,6 +232,18 @@ class Settings(BaseSettings):
         default=64, description="deepest nesting of arrays/objects accepted in a request body"
     )
     log_level: Str = Field(default="info", description="logging level: debug, info, warning, error")
+    # `kvwarm cluster` only (kvwarm.cluster; not flags of the other commands: CLUSTER_ONLY).
+    replicas: Int = Field(default=2, description="cluster: engine replicas to run")
+    ray_address: OptStr = Field(
+        default=None,
+        description="cluster: Ray cluster to join, e.g. ray://head:10001 (default: "
+        "start a local one)",
+    )
+    cluster_busy_requests: Int = Field(
+        default=0,
+        description="cluster: requests in flight at which a replica counts as busy and a "
+        "conversation moves on (0: 2 x n_parallel)",
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -280,6 +295,8 @@ class Settings(BaseSettings):
             raise ConfigError("keepalive_max_entries and keepalive_max_tokens must be >= 0")
         if self.keepalive_max_age_s < 0:
             raise ConfigError("keepalive_max_age_s must be >= 0")
+        if self.replicas < 1 or self.cluster_busy_requests < 0:
+            raise ConfigError("replicas must be >= 1 and cluster_busy_requests >= 0")
         if self.max_json_depth < 2:
             raise ConfigError("max_json_depth must be >= 2")
         if self.fingerprint_mode not in ("safe", "gguf_chunked", "fast_unsafe"):
@@ -338,7 +355,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, names: Sequence[str]
     group.add_argument(
         "--config", default=argparse.SUPPRESS, metavar="PATH", help=f"TOML file (${CONFIG_ENV})"
     )
-    for name in names or Settings.model_fields:
+    for name in names or [n for n in Settings.model_fields if n not in CLUSTER_ONLY]:
         help_text = f"{Settings.model_fields[name].description} (${env_var(name)})"
         if name == "deterministic":  # a switch: presence means true
             group.add_argument(

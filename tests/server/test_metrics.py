@@ -48,6 +48,8 @@ def test_cache_models_and_http_render_and_parse() -> None:
         completion_tokens=40,
         prefill_ms=1500.0,
         generation_ms=500.0,
+        kv_cells_used=300,
+        kv_cells=4096,
     )
     metrics.add_models(out, {'m"1': "ready", "m2": "loading"}, [status])
     server = metrics.ServerMetrics(metrics.Snapshot)
@@ -65,6 +67,10 @@ def test_cache_models_and_http_render_and_parse() -> None:
     assert "# TYPE kvwarm_cache_rows gauge" in text
     assert fams["kvwarm_cache_tier_rows"][(("tier", "ram"),)] == 2
     assert fams["kvwarm_model_queue_depth"][(("model", 'm"1'),)] == 2
+    # What an external router balances on: free slots and KV cells in use.
+    assert fams["kvwarm_model_free_slots"][(("model", 'm"1'),)] == 1
+    assert fams["kvwarm_model_kv_cells_used"][(("model", 'm"1'),)] == 300
+    assert fams["kvwarm_model_kv_cells"][(("model", 'm"1'),)] == 4096
     assert fams["kvwarm_model_ready"][(("model", "m2"),)] == 0
     assert fams["kvwarm_prefill_seconds_total"][(("model", 'm"1'),)] == 1.5
     assert fams["kvwarm_cached_tokens_total"][(("model", 'm"1'),)] == 60

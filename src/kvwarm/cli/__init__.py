@@ -1,4 +1,4 @@
-"""The ``kvwarm`` command line: serve, complete, chat, cache, bench, models.
+"""The ``kvwarm`` command line: serve, cluster, complete, chat, cache, bench, models.
 
 Invariants: exit status 0 on success, 1 on a runtime error, 2 on a usage or settings error;
 error messages go to stderr as one line, never as a traceback for an expected ``KvwarmError``.
@@ -20,7 +20,7 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvwarm.cli import cache_cmd, generate, misc, serve
+    from kvwarm.cli import cache_cmd, cluster, generate, misc, serve
 
     parser = argparse.ArgumentParser(
         prog="kvwarm",
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvwarm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     serve.register(sub)
+    cluster.register(sub)
     generate.register(sub)
     cache_cmd.register(sub)
     misc.register(sub)

@@ -160,6 +160,8 @@ class Model:
             completion_tokens=s.completion_tokens,
             prefill_ms=s.prefill_ms,
             generation_ms=s.generation_ms,
+            kv_cells_used=self._worker.kv_cells_used,
+            kv_cells=self.config.context.n_ctx,
         )
 
     # ---- text ---------------------------------------------------------------------------

@@ -229,3 +229,9 @@ class ModelStatus:
     completion_tokens: int
     prefill_ms: float
     generation_ms: float
+    kv_cells_used: int = 0  # context cells the slots hold (an external router's load signal)
+    kv_cells: int = 0  # the context's cells (n_ctx)
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.n_parallel - self.active)

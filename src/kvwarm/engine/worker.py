@@ -131,6 +131,11 @@ class Worker:
     def active(self) -> int:
         return sum(1 for s in self.slots if s.active is not None)
 
+    @property
+    def kv_cells_used(self) -> int:
+        """Context cells the slots' sequences hold (a snapshot read: no lock, may lag a tick)."""
+        return sum(len(s.kv_tokens) for s in self.slots)
+
     def stop(self, shutdown_save: Callable[[], object] | None, timeout_s: float) -> None:
         """Cancel everything, run ``shutdown_save`` on the worker, and end the thread."""
         with self._cond:

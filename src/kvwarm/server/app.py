@@ -70,10 +70,12 @@ class _Observe:
             self.state.counters.record(getattr(route, "path", "unmatched"), status)
 
 
-def create_app(settings: Settings) -> FastAPI:
-    """A new app serving ``settings.models``; loading starts when the app starts (lifespan)."""
+def create_app(settings: Settings, state: ServerState | None = None) -> FastAPI:
+    """A new app serving ``settings.models``; loading starts when the app starts (lifespan).
+    ``state`` replaces the in-process one (the cluster ingress passes one whose models are
+    proxies for engine replicas)."""
     settings.check()
-    state = ServerState(settings)
+    state = state if state is not None else ServerState(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

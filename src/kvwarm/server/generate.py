@@ -30,7 +30,7 @@ from kvwarm.errors import KvwarmError
 from kvwarm.server.errors import error_body, kind_of
 
 if TYPE_CHECKING:
-    from kvwarm.engine.stream import CompletionStream
+    from kvwarm.server.served import ServedStream
     from kvwarm.server.state import ServerState
 
 request_log = logging.getLogger("kvwarm.server.requests")
@@ -38,7 +38,7 @@ request_log = logging.getLogger("kvwarm.server.requests")
 _DONE = object()
 
 
-async def start_stream(submit: Callable[[], CompletionStream]) -> CompletionStream:
+async def start_stream(submit: Callable[[], ServedStream]) -> ServedStream:
     """Run ``submit`` (tokenizing, maybe waiting on the cache) off the event loop. If this
     handler is cancelled meanwhile (the client went away), the request may still have been
     queued: cancel it as soon as it exists, so it never runs unobserved to max_tokens."""
@@ -50,7 +50,7 @@ async def start_stream(submit: Callable[[], CompletionStream]) -> CompletionStre
         raise
 
 
-def _cancel_orphan(fut: asyncio.Future[CompletionStream]) -> None:
+def _cancel_orphan(fut: asyncio.Future[ServedStream]) -> None:
     if not fut.cancelled() and fut.exception() is None:
         fut.result().cancel()
 
@@ -61,7 +61,7 @@ class Generation:
     def __init__(
         self,
         request: Request,
-        stream: CompletionStream,
+        stream: ServedStream,
         endpoint: str,
         model_id: str,
         state: ServerState,

@@ -26,7 +26,7 @@ from kvwarm.cache.types import TtlClass
 from kvwarm.errors import KeepAliveFullError, KvwarmError
 
 if TYPE_CHECKING:
-    from kvwarm.engine.api import Model
+    from kvwarm.server.served import ServedModel
 
 log = logging.getLogger("kvwarm.server.keepalive")
 
@@ -189,7 +189,7 @@ class KeepAlive:
                 if now - e.last_warm >= self._fraction * self._ttl[int(e.ttl_class)]
             ]
 
-    def tick(self, resolve: Callable[[str], Model | None]) -> int:
+    def tick(self, resolve: Callable[[str], ServedModel | None]) -> int:
         """Re-warm every due entry whose model is ready; the number re-warmed."""
         done = 0
         for entry in self.due():

@@ -35,7 +35,7 @@ from kvwarm.server.state import ServerState
 from kvwarm.server.tools import ToolStream, openai_tools, parse_tool_calls, plan_chat
 
 if TYPE_CHECKING:
-    from kvwarm.engine.api import Model
+    from kvwarm.server.served import ServedModel
 
 router = APIRouter()
 
@@ -48,7 +48,7 @@ def server_state(request: Request) -> ServerState:
     return state
 
 
-def renders_tools(model: Model, tools: Sequence[Tool]) -> bool:
+def renders_tools(model: ServedModel, tools: Sequence[Tool]) -> bool:
     """Whether the model's template shows the tools it is given (native tool support)."""
     probe: list[dict[str, object]] = [{"role": "user", "content": "hi"}]
     try:

@@ -23,7 +23,8 @@ from kvwarm.server.metrics import ServerMetrics, Snapshot
 from kvwarm.settings import ModelSpec, Settings, model_config
 
 if TYPE_CHECKING:
-    from kvwarm.engine.api import Engine, Model
+    from kvwarm.engine.api import Engine
+    from kvwarm.server.served import ServedModel
 
 log = logging.getLogger("kvwarm.server")
 
@@ -35,7 +36,7 @@ class ModelEntry:
     spec: ModelSpec
     id: str
     state: LoadState = "loading"
-    model: Model | None = None
+    model: ServedModel | None = None
     error: str | None = None
 
 
@@ -130,7 +131,7 @@ class ServerState:
         entry.state = "ready"
         log.info("model %s ready in %.0f ms", entry.id, (time.perf_counter() - started) * 1000)
 
-    def _prewarm_system(self, model: Model, model_id: str, prompt: str) -> None:
+    def _prewarm_system(self, model: ServedModel, model_id: str, prompt: str) -> None:
         try:
             # The same tokens Model.stream_chat builds for a chat that starts this way.
             tokens, _ = model.chat_tokens(
@@ -181,11 +182,11 @@ class ServerState:
             keepalive_prefixes=len(self.keepalive.entries()),
         )
 
-    def ready_model(self, model_id: str) -> Model | None:
+    def ready_model(self, model_id: str) -> ServedModel | None:
         entry = self.entries.get(model_id)
         return entry.model if entry is not None and entry.state == "ready" else None
 
-    def model(self, name: str | None) -> Model:
+    def model(self, name: str | None) -> ServedModel:
         """The ready model a request names (the first configured one if it names none)."""
         model_id = name or self.default_id
         entry = self.entries.get(model_id)

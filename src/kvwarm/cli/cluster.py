@@ -1,0 +1,51 @@
+"""``kvwarm cluster``: the OpenAI-compatible server over several engine replicas on Ray Serve.
+
+Invariant: the same settings as ``serve`` (flags, ``KVWARM_*`` env, TOML), plus ``--replicas``,
+``--ray-address`` and ``--cluster-busy-requests``; it runs until SIGINT/SIGTERM, then removes
+the application (and stops Ray if it started it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+
+from kvwarm.cli.common import add_settings, settings_from
+from kvwarm.errors import ConfigError
+from kvwarm.settings import Settings
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "cluster",
+        help="serve the OpenAI API from N engine replicas on Ray Serve (kvwarm[cluster])",
+        description="Start (or join, --ray-address) Ray, deploy --replicas engine replicas of "
+        "the configured models and an ingress with the same routes as `kvwarm serve`; requests "
+        "go to the replica holding their conversation's longest prefix warm. Give replicas a "
+        "shared cache tier so any of them restores what another saved.",
+    )
+    add_settings(parser, tuple(Settings.model_fields))
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    try:
+        from kvwarm.cluster import deploy
+    except ImportError as exc:
+        raise ConfigError(
+            f"kvwarm cluster needs the cluster extra (kvwarm[cluster]): {exc}"
+        ) from exc
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    deploy.start_ray(settings.ray_address)
+    try:
+        deploy.run(settings)
+        print(f"kvwarm cluster: http://{settings.host}:{settings.port} (Ctrl-C stops)", flush=True)
+        stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        deploy.shutdown(owned=not settings.ray_address)
+    return 0

@@ -1,0 +1,67 @@
+"""What the ingress sends an engine replica, and what comes back: plain picklable values.
+
+Invariants: every call names its model; a ``Generate`` carries the request's ``chain``
+(``chains``) so the router can place it without the body; a replica answers a ``Generate`` with
+a ``Served`` marker first (which replica, so the ingress can say), then text fragments, then
+exactly one ``Finished`` or ``Failed``. Errors travel as ``Failed(exc)`` rather than as Ray's
+wrapped exceptions, so the ingress re-raises the engine's own typed error and maps it by type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvwarm.engine.types import Completion, GenerationOptions
+
+GenerateKind = Literal["chat", "text", "text_quiet"]  # text_quiet: Model.submit (no fragments)
+OpName = Literal[
+    "info",
+    "tokenize",
+    "detokenize",
+    "apply_chat_template",
+    "chat_tokens",
+    "embed",
+    "prewarm",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    model_id: str
+    kind: GenerateKind
+    options: GenerationOptions
+    chain: tuple[str, ...] = ()
+    messages: Sequence[Mapping[str, object]] = ()
+    tools: Sequence[Mapping[str, object]] | None = None
+    prompt: str | tuple[int, ...] = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOp:
+    """A call that is not a generation (tokenize, template, embed, prewarm, info)."""
+
+    model_id: str
+    op: OpName
+    args: tuple[object, ...] = ()
+    kwargs: Mapping[str, object] = field(default_factory=dict)
+    chain: tuple[str, ...] = ()  # prewarm: where the prefix should live
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    replica_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    completion: Completion
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    error: BaseException
+
+
+StreamItem = Served | str | Finished | Failed

@@ -1,0 +1,121 @@
+"""The cluster's HTTP ingress: ``kvwarm serve``'s app (``server.create_app``) whose models are
+proxies for the engine deployment (``remote.RemoteModel``).
+
+Invariants: the routes, guard, errors, metrics and keep-alive are the server's own; only the
+state differs: ``IngressState`` loads no model, it asks a replica for each model's info and
+then serves it through the handle. Cache administration (``/cache/*`` except keep-alive) is
+per replica and answers 501 here. Every generation's response names the replica that served
+it in ``x-kvwarm-replica``.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Protocol
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvwarm.cluster.calls import Failed, Generate, ModelOp
+from kvwarm.cluster.remote import OpCall, RemoteModel, ResponseStream, StreamCall
+from kvwarm.engine.types import ModelInfo
+from kvwarm.server.app import create_app
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.metrics import Snapshot
+from kvwarm.server.state import ServerState
+from kvwarm.settings import Settings
+
+if TYPE_CHECKING:
+    from kvwarm.engine.api import Engine
+
+log = logging.getLogger("kvwarm.cluster.ingress")
+
+REPLICA_HEADER = b"x-kvwarm-replica"
+# The replicas that served the current HTTP request (set per request by ``_ServedBy``).
+_served_by: ContextVar[list[str] | None] = ContextVar("kvwarm_served_by", default=None)
+
+
+def _note_served(replica_id: str) -> None:
+    holder = _served_by.get()
+    if holder is not None:
+        holder.append(replica_id)
+
+
+class Calls(Protocol):
+    """The two ways the ingress reaches the engine deployment (``deploy.handle_calls``)."""
+
+    def stream(self, call: Generate) -> ResponseStream: ...
+
+    def op(self, op: ModelOp) -> object: ...
+
+
+class IngressState(ServerState):
+    def __init__(self, settings: Settings, calls: Calls) -> None:
+        super().__init__(settings)
+        self.calls = calls
+
+    def _load_all(self) -> None:
+        stream_call: StreamCall = self.calls.stream
+        op_call: OpCall = self.calls.op
+        for entry in self.entries.values():
+            if self._closing.is_set():
+                return
+            try:
+                info = op_call(ModelOp(entry.id, "info"))
+                if isinstance(info, Failed):
+                    raise info.error
+                assert isinstance(info, ModelInfo)
+            except Exception as exc:  # a replica that cannot start: /health says why
+                entry.state, entry.error = "failed", f"{type(exc).__name__}: {exc}"
+                log.error("model %s is not served by the replicas: %s", entry.id, exc)
+                continue
+            model = RemoteModel(info, stream_call, op_call, _note_served)
+            for prompt in self.settings.prewarm_system:
+                self._prewarm_system(model, entry.id, prompt)
+            entry.model, entry.state = model, "ready"
+            log.info("model %s served by the engine replicas", entry.id)
+
+    def require_engine(self) -> Engine:
+        raise HTTPError(
+            501,
+            "cache administration is per replica in a cluster: ask a replica's own server",
+            code="not_supported_in_cluster",
+        )
+
+    def metrics_snapshot(self) -> Snapshot:
+        return Snapshot(
+            states={e.id: e.state for e in self.entries.values()},
+            keepalive_prefixes=len(self.keepalive.entries()),
+        )
+
+
+class _ServedBy:
+    """Pure ASGI: adds ``x-kvwarm-replica`` to a response a replica generated."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        holder: list[str] = []
+        token = _served_by.set(holder)
+
+        async def tagged(message: Message) -> None:
+            if message["type"] == "http.response.start" and holder:
+                headers = [*message.get("headers", []), (REPLICA_HEADER, holder[-1].encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tagged)
+        finally:
+            _served_by.reset(token)
+
+
+def create_ingress_app(settings: Settings, calls: Calls) -> FastAPI:
+    app = create_app(settings, IngressState(settings, calls))
+    app.add_middleware(_ServedBy)
+    return app

@@ -1,0 +1,297 @@
+"""The ingress side of a replica call: a model and a stream that forward to the engine
+deployment through a Ray Serve handle, shaped as ``server.served`` wants them.
+
+Invariants: each generation is one handle call carrying a ``calls.Generate`` with the
+request's chain, so the router places it by prefix; the replica's ``Failed`` is re-raised as
+the engine's own error, and a replica lost mid-call becomes ``ReplicaUnavailableError``.
+Blocking calls (``.result()``) run only on the thread pool, as the routes already call model
+methods there; ``info`` is fetched once at start-up and kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from kvwarm.cache.types import TtlClass
+from kvwarm.cluster import chains
+from kvwarm.cluster.calls import (
+    Failed,
+    Finished,
+    Generate,
+    GenerateKind,
+    ModelOp,
+    OpName,
+    Served,
+)
+from kvwarm.engine.types import (
+    Completion,
+    CompletionStats,
+    GenerationOptions,
+    ModelInfo,
+    ModelStatus,
+)
+from kvwarm.errors import KvwarmError, ReplicaUnavailableError
+
+if TYPE_CHECKING:
+    from kvwarm.server.served import Message
+
+
+class ResponseStream(Protocol):
+    """What a streaming handle call returns (Ray's ``DeploymentResponseGenerator``)."""
+
+    def __anext__(self) -> Awaitable[object]: ...
+
+    def cancel(self) -> None: ...
+
+
+class StreamCall(Protocol):
+    """``handle.options(stream=True).generate.remote`` (typed at this seam only)."""
+
+    def __call__(self, call: Generate) -> ResponseStream: ...
+
+
+class OpCall(Protocol):
+    """``handle.call.remote(op).result()``."""
+
+    def __call__(self, op: ModelOp) -> object: ...
+
+
+def _cancelled(prompt_tokens: int = 0) -> Completion:
+    stats = CompletionStats(
+        prompt_tokens=prompt_tokens,
+        cached_tokens=0,
+        completion_tokens=0,
+        prefill_ms=0.0,
+        generation_ms=0.0,
+        queue_ms=0.0,
+        cache_hit="cold",
+        finish_reason="cancelled",
+        key=None,
+    )
+    return Completion("", (), (), stats)
+
+
+class RemoteStream:
+    """One replica generation, consumed once (async), ending in a ``Completion``."""
+
+    def __init__(self, response: ResponseStream, on_served: Callable[[str], None]) -> None:
+        self._response = response
+        self._on_served = on_served
+        self._completion: Completion | None = None
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self.replica_id: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._completion is not None or self._error is not None
+
+    def cancel(self) -> None:
+        if not self.done and not self._cancelled:
+            self._cancelled = True
+            self._response.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        while not self.done:
+            try:
+                item = await self._response.__anext__()
+            except StopAsyncIteration:
+                self._error = ReplicaUnavailableError("the replica ended the call without a result")
+            except KvwarmError as exc:
+                self._error = exc
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # this task is being cancelled, not just the replica call
+                self._completion = _cancelled()
+            except Exception as exc:  # Ray's errors: a dead replica, a cancelled call
+                if self._cancelled:
+                    self._completion = _cancelled()
+                else:
+                    self._error = ReplicaUnavailableError(f"{type(exc).__name__}: {exc}")
+            else:
+                text = self._route(item)
+                if text:
+                    yield text
+        if self._error is not None:
+            raise self._error
+
+    def _route(self, item: object) -> str | None:
+        if isinstance(item, str):
+            return item
+        if isinstance(item, Served):
+            self.replica_id = item.replica_id
+            self._on_served(item.replica_id)
+        elif isinstance(item, Finished):
+            self._completion = item.completion
+        elif isinstance(item, Failed):
+            self._error = item.error
+        return None
+
+    async def aresult(self) -> Completion:
+        async for _ in self:
+            pass
+        assert self._completion is not None
+        return self._completion
+
+
+class RemoteModel:
+    """A model served by the engine deployment; ``server.served.ServedModel`` for the routes.
+
+    ``on_served`` is told which replica served each generation (the ingress puts it in a
+    response header). Chains are computed here, in the ingress, from the request's messages
+    or prompt, its cache salt and its tools."""
+
+    def __init__(
+        self,
+        info: ModelInfo,
+        stream_call: StreamCall,
+        op_call: OpCall,
+        on_served: Callable[[str], None] = lambda _replica: None,
+    ) -> None:
+        self._info = info
+        self._stream_call = stream_call
+        self._op_call = op_call
+        self._on_served = on_served
+
+    @property
+    def id(self) -> str:
+        return self._info.id
+
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def status(self) -> ModelStatus:
+        """Replicas report their own status (their ``/metrics``, routing stats); the ingress
+        holds no slots."""
+        return ModelStatus(self.id, "ready", 0, 0, self._info.n_parallel, 0, 0, 0, 0, 0.0, 0.0)
+
+    # --- generation ------------------------------------------------------------------------
+
+    def _generate(
+        self, kind: GenerateKind, options: GenerationOptions | None, **fields: object
+    ) -> RemoteStream:
+        opts = options or GenerationOptions()
+        opts.validate()  # a bad option is a 400 here, before any replica is bothered
+        call = Generate(model_id=self.id, kind=kind, options=opts, **fields)  # type: ignore[arg-type]
+        return RemoteStream(self._stream_call(call), self._on_served)
+
+    def stream_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        options: GenerationOptions | None = None,
+    ) -> RemoteStream:
+        salt = options.cache_salt if options else None
+        chain = chains.chat_chain(self.id, messages, cache_salt=salt, tools=tools)
+        return self._generate("chat", options, messages=list(messages), tools=tools, chain=chain)
+
+    def _text(
+        self, kind: GenerateKind, prompt: str | Sequence[int], options: GenerationOptions | None
+    ) -> RemoteStream:
+        salt = options.cache_salt if options else None
+        chain = chains.text_chain(self.id, prompt, cache_salt=salt)
+        value = prompt if isinstance(prompt, str) else tuple(prompt)
+        return self._generate(kind, options, prompt=value, chain=chain)
+
+    def stream(
+        self, prompt: str | Sequence[int], options: GenerationOptions | None = None
+    ) -> RemoteStream:
+        return self._text("text", prompt, options)
+
+    def submit(
+        self, prompt: str | Sequence[int], options: GenerationOptions | None = None
+    ) -> RemoteStream:
+        return self._text("text_quiet", prompt, options)
+
+    # --- everything else: one blocking call each (the routes call these on the thread pool) -
+
+    def _op(
+        self, op: OpName, *args: object, chain: tuple[str, ...] = (), **kwargs: object
+    ) -> object:
+        try:
+            result = self._op_call(ModelOp(self.id, op, args, kwargs, chain))
+        except KvwarmError:
+            raise
+        except Exception as exc:
+            raise ReplicaUnavailableError(f"{type(exc).__name__}: {exc}") from exc
+        if isinstance(result, Failed):
+            raise result.error
+        return result
+
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
+        out = self._op("tokenize", text, add_special=add_special, parse_special=parse_special)
+        assert isinstance(out, list)
+        return out
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return str(self._op("detokenize", list(tokens)))
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        out = self._op(
+            "apply_chat_template",
+            list(messages),
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+        )
+        return str(out)
+
+    def chat_tokens(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> tuple[tuple[int, ...], str]:
+        out = self._op(
+            "chat_tokens", list(messages), tools=tools, add_generation_prompt=add_generation_prompt
+        )
+        assert isinstance(out, tuple)
+        return out
+
+    def prewarm(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        ttl_class: TtlClass = TtlClass.LONG,
+        add_special: bool = True,
+        cache_salt: str | None = None,
+    ) -> CompletionStats:
+        value = prompt if isinstance(prompt, str) else list(prompt)
+        out = self._op(
+            "prewarm",
+            value,
+            ttl_class=ttl_class,
+            add_special=add_special,
+            cache_salt=cache_salt,
+            chain=chains.text_chain(self.id, prompt, cache_salt=cache_salt),
+        )
+        assert isinstance(out, CompletionStats)
+        return out
+
+    def embed(
+        self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool = True
+    ) -> list[list[float]]:
+        items = (
+            inputs
+            if isinstance(inputs, str)
+            else [x if isinstance(x, str) else list(x) for x in inputs]
+        )
+        out = self._op("embed", items, normalize=normalize)
+        assert isinstance(out, list)
+        return out
+
+
+def _plain(item: str | Sequence[int]) -> str | list[int]:
+    return item if isinstance(item, str) else list(item)

@@ -1,0 +1,147 @@
+"""The engine deployment's body: one kvwarm ``Engine`` serving the configured models.
+
+Invariants: a replica is a plain ``Engine`` (the same settings, the same cache tiers as
+``kvwarm serve``); Ray only constructs it and calls its methods. Every ``generate`` answers
+``Served`` first, then fragments, then exactly one ``Finished`` or ``Failed`` (``calls``); a
+cancelled call (the client left) cancels the engine stream. A replica reports, through
+``record_routing_stats``, the chain hashes of the requests it finished (bounded, most recent
+first), its load and its recent time to first token: what ``routing`` decides by.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from kvwarm.cluster.calls import Failed, Finished, Generate, ModelOp, Served, StreamItem
+from kvwarm.cluster.routing import WarmSet
+from kvwarm.errors import KvwarmError, UnknownModelError
+from kvwarm.settings import Settings, model_config
+
+if TYPE_CHECKING:
+    from kvwarm.engine.api import Model
+    from kvwarm.engine.stream import CompletionStream
+
+log = logging.getLogger("kvwarm.cluster.replica")
+
+# How many chain hashes a replica reports (most recent first): a few hundred conversations
+# of a dozen turns. The stats travel to every router each period, so they stay small.
+REPORTED_HASHES = 4096
+_TTFT_WEIGHT = 0.2  # exponential moving average: about the last five requests
+
+
+def replica_name() -> str:
+    """This replica's id, as the router and ``ray.get_actor(..., namespace="serve")`` know it."""
+    from ray import serve
+
+    return str(serve.get_replica_context().replica_id.to_full_id_str())
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """An error the ingress can unpickle and map by type (``server/errors.py``)."""
+    return exc if isinstance(exc, KvwarmError) else KvwarmError(f"{type(exc).__name__}: {exc}")
+
+
+class EngineReplica:
+    def __init__(self, settings: Settings, replica_id: str | None = None) -> None:
+        from kvwarm.engine.api import Engine, EngineConfig
+
+        self.settings = settings
+        self.replica_id = replica_id or replica_name()
+        self.engine = Engine(EngineConfig(cache=settings.cache_config(), backend=settings.backend))
+        self.models: dict[str, Model] = {}
+        try:
+            for spec in settings.models:
+                self.models[spec.model_id] = self.engine.load_model(
+                    spec.path, model_id=spec.model_id, config=model_config(settings, spec)
+                )
+        except BaseException:
+            self.engine.close()
+            raise
+        self.warm = WarmSet(REPORTED_HASHES)
+        self.ttft_ms: float | None = None
+        self.in_flight = 0
+        log.info("replica %s ready: %s", self.replica_id, ", ".join(self.models))
+
+    def _model(self, model_id: str) -> Model:
+        model = self.models.get(model_id)
+        if model is None:
+            raise UnknownModelError(f"the model {model_id!r} does not exist")
+        return model
+
+    def _start(self, call: Generate) -> CompletionStream:
+        model = self._model(call.model_id)
+        if call.kind == "chat":
+            return model.stream_chat(call.messages, tools=call.tools, options=call.options)
+        if call.kind == "text":
+            return model.stream(call.prompt, call.options)
+        return model.submit(call.prompt, call.options)
+
+    async def generate(self, call: Generate) -> AsyncIterator[StreamItem]:
+        yield Served(self.replica_id)
+        self.in_flight += 1
+        try:
+            try:
+                # Tokenizing and templating run off the replica's event loop.
+                stream = await asyncio.to_thread(self._start, call)
+            except Exception as exc:
+                yield Failed(_portable(exc))
+                return
+            try:
+                async for fragment in stream:
+                    yield fragment
+                done = await stream.aresult()
+            except Exception as exc:
+                yield Failed(_portable(exc))
+                return
+            finally:
+                if not stream.done:  # cancelled by Ray (the client left), or a failed yield
+                    stream.cancel()
+            if done.stats.finish_reason != "cancelled":
+                self.warm.add(call.chain)
+                ttft = done.stats.ttft_ms
+                prev = self.ttft_ms
+                self.ttft_ms = ttft if prev is None else prev + _TTFT_WEIGHT * (ttft - prev)
+            yield Finished(done)
+        finally:
+            self.in_flight -= 1
+
+    async def call(self, op: ModelOp) -> object:
+        """Anything but a generation; runs off the event loop. Errors come back as
+        ``Failed`` (the ingress re-raises them)."""
+        try:
+            return await asyncio.to_thread(self._call, op)
+        except Exception as exc:
+            return Failed(_portable(exc))
+
+    def _call(self, op: ModelOp) -> object:
+        model = self._model(op.model_id)
+        if op.op == "info":
+            return model.info()
+        result = getattr(model, op.op)(*op.args, **op.kwargs)
+        if op.op == "prewarm":
+            self.warm.add(op.chain)
+        return result
+
+    def record_routing_stats(self) -> dict[str, object]:
+        statuses = [m.status() for m in self.models.values()]
+        return {
+            "warm": self.warm.recent(),
+            "in_flight": self.in_flight,
+            "queued": sum(s.queued for s in statuses),
+            "free_slots": sum(s.free_slots for s in statuses),
+            "ttft_ms": self.ttft_ms,
+        }
+
+    def check_health(self) -> None:
+        for model in self.models.values():
+            if model.status().state != "ready":
+                raise KvwarmError(f"model {model.id} is {model.status().state}")
+
+    def __del__(self) -> None:
+        # Ray Serve calls this on a graceful shutdown: flush the cache (pending saves).
+        if getattr(self, "engine", None) is not None and not getattr(self, "_closed", False):
+            self._closed = True
+            self.engine.close()

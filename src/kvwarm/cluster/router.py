@@ -1,0 +1,109 @@
+"""``AffinityRouter``: Ray Serve's ``RequestRouter`` that places requests by prefix affinity.
+
+Invariants: the decision is ``routing.rank`` (pure); this class only gathers its inputs from
+Ray (the live candidates, their queue lengths, the routing stats replicas report) and the
+router's own ``AffinityTable`` (where it sent each chain, so a follow-up that arrives before
+the next stats report still finds its replica). It routes each request to the replica chosen
+for *that* request (no FIFO reassignment, which would move a conversation off its replica).
+Dead replicas leave the candidates through Ray (health checks, ``ActorDiedError`` on a probe)
+and leave the table here. A request without a chain (not a generation) is balanced by load.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from kvwarm.cluster.calls import Generate, ModelOp
+from kvwarm.cluster.routing import AffinityTable, ReplicaView, RoutingPolicy, rank
+
+log = logging.getLogger("kvwarm.cluster.router")
+
+
+def request_chain(pending: PendingRequest | None) -> tuple[str, ...]:
+    """The chain a ``Generate`` or ``ModelOp`` carries as its first argument (else none)."""
+    if pending is None or not pending.args:
+        return ()
+    call = pending.args[0]
+    if isinstance(call, Generate | ModelOp):
+        return call.chain
+    return ()
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) else None
+
+
+class AffinityRouter(RequestRouter):
+    """Configured by ``RequestRouterConfig(request_router_kwargs=...)`` with the fields of
+    ``RoutingPolicy`` (``deploy.py`` passes the settings' values)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._policy = RoutingPolicy(**kwargs)
+        self._table = AffinityTable()
+        # Reported hash lists, as sets, rebuilt only when a replica's report changes.
+        self._warm: dict[str, tuple[int, frozenset[str]]] = {}
+
+    def _ensure_state(self) -> None:
+        if not hasattr(self, "_table"):
+            self.initialize_state()
+
+    def _view(self, replica: RunningReplica) -> tuple[str, ReplicaView]:
+        rid = replica.replica_id.to_full_id_str()
+        stats = replica.routing_stats or {}
+        reported = stats.get("warm") or []
+        cached = self._warm.get(rid)
+        if cached is None or cached[0] != id(reported):
+            cached = (id(reported), frozenset(str(h) for h in reported))
+            self._warm[rid] = cached
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id)
+        in_flight = queue_len if queue_len is not None else _number(stats.get("in_flight")) or 0
+        view = ReplicaView(
+            id=rid, in_flight=int(in_flight), warm=cached[1], ttft_ms=_number(stats.get("ttft_ms"))
+        )
+        return rid, view
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        self._ensure_state()
+        chain = request_chain(pending_request)
+        routed = self._table.warm_of(chain)
+        by_id: dict[str, RunningReplica] = {}
+        views: list[ReplicaView] = []
+        for replica in candidate_replicas:
+            rid, view = self._view(replica)
+            by_id[rid] = replica
+            held = routed.get(rid)
+            views.append(view if held is None else _with_routed(view, held))
+        decision = rank(chain, views, self._policy)
+        return [[by_id[i] for i in group] for group in decision.groups]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: object
+    ) -> None:
+        self._ensure_state()
+        chain = request_chain(pending_request)
+        if chain:
+            self._table.record(chain, replica_id.to_full_id_str())
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._ensure_state()
+        live = [r.replica_id.to_full_id_str() for r in replicas]
+        self._table.forget(live)
+        self._warm = {k: v for k, v in self._warm.items() if k in set(live)}
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._ensure_state()
+        self._table.forget(r.to_full_id_str() for r in self.curr_replicas)
+        log.info("replica %s died: its conversations move", replica_id.to_full_id_str())
+
+
+def _with_routed(view: ReplicaView, held: set[str]) -> ReplicaView:
+    return ReplicaView(view.id, view.in_flight, view.warm, frozenset(held), view.ttft_ms)

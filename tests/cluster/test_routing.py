@@ -1,0 +1,150 @@
+"""The prefix-affinity decision (``kvwarm.cluster.routing``) and conversation chains, without
+Ray: candidates and stats in, ranked replica groups out."""
+
+from __future__ import annotations
+
+from kvwarm.cluster.chains import chat_chain, text_chain
+from kvwarm.cluster.routing import (
+    AffinityTable,
+    ReplicaView,
+    RoutingPolicy,
+    WarmSet,
+    match_length,
+    rank,
+)
+
+POLICY = RoutingPolicy(busy_requests=2, slow_factor=3.0, slow_floor_ms=1000.0)
+MSGS = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hello"},
+    {"role": "assistant", "content": "hi"},
+    {"role": "user", "content": "how are you?"},
+]
+
+
+def test_chat_chain_is_chained_at_message_boundaries() -> None:
+    full = chat_chain("m", MSGS)
+    assert len(full) == 4
+    # A follow-up's chain starts with the earlier turn's chain, whatever comes after.
+    assert chat_chain("m", MSGS[:2]) == full[:2]
+    assert chat_chain("m", [*MSGS, {"role": "assistant", "content": "fine"}])[:4] == full
+    # One changed message changes its hash and every later one, never an earlier one.
+    edited = [MSGS[0], {"role": "user", "content": "HELLO"}, *MSGS[2:]]
+    other = chat_chain("m", edited)
+    assert other[0] == full[0]
+    assert all(a != b for a, b in zip(other[1:], full[1:], strict=True))
+
+
+def test_chains_are_scoped_by_model_salt_and_tools() -> None:
+    base = chat_chain("m", MSGS)
+    assert chat_chain("m2", MSGS)[0] != base[0]
+    assert chat_chain("m", MSGS, cache_salt="tenant")[0] != base[0]
+    tool = {"type": "function", "function": {"name": "f"}}
+    assert chat_chain("m", MSGS, tools=[tool])[0] != base[0]
+
+
+def test_text_chain_hashes_whole_blocks_only() -> None:
+    prompt = "x" * 600
+    chain = text_chain("m", prompt, block=256)
+    assert len(chain) == 2  # 600 chars: two whole blocks; the partial tail is left out
+    assert text_chain("m", prompt + "more text", block=256)[:2] == chain
+    assert text_chain("m", list(range(130)), block=256) == text_chain("m", list(range(128)))
+
+
+def test_match_length_is_the_longest_held_prefix() -> None:
+    chain = ("a", "b", "c", "d")
+    assert match_length(chain, {"a", "b"}) == 2
+    assert match_length(chain, {"c"}) == 3  # a chained hash implies its prefix
+    assert match_length(chain, set(), {"d"}) == 4
+    assert match_length(chain, {"x"}) == 0
+    assert match_length((), {"a"}) == 0
+
+
+def test_longest_warm_prefix_wins_over_load() -> None:
+    chain = ("h1", "h2", "h3")
+    views = [
+        ReplicaView("r1", in_flight=0, warm=frozenset({"h1"})),
+        ReplicaView("r2", in_flight=1, warm=frozenset({"h1", "h2"})),
+        ReplicaView("r3", in_flight=0),
+    ]
+    decision = rank(chain, views, POLICY)
+    assert decision.groups[0] == ["r2"]
+    assert decision.matched == 2
+    assert decision.groups[1] == ["r1", "r3"]  # the others follow, least loaded first
+
+
+def test_routed_hashes_count_like_reported_ones() -> None:
+    views = [ReplicaView("r1"), ReplicaView("r2", routed=frozenset({"h1"}))]
+    assert rank(("h1", "h2"), views, POLICY).groups[0] == ["r2"]
+
+
+def test_new_conversation_goes_to_the_least_loaded() -> None:
+    views = [
+        ReplicaView("r1", in_flight=1),
+        ReplicaView("r2", in_flight=0),
+        ReplicaView("r3", in_flight=0),
+    ]
+    decision = rank(("new",), views, POLICY)
+    assert decision.matched == 0
+    assert decision.groups == [["r2", "r3"], ["r1"]]
+
+
+def test_busy_warm_replica_is_passed_over_but_kept_last() -> None:
+    chain = ("h1", "h2")
+    views = [
+        ReplicaView("warm", in_flight=2, warm=frozenset(chain)),  # at busy_requests
+        ReplicaView("cold", in_flight=0),
+    ]
+    decision = rank(chain, views, POLICY)
+    assert decision.groups == [["cold"], ["warm"]]
+    assert decision.matched == 0
+
+
+def test_slow_warm_replica_is_passed_over() -> None:
+    chain = ("h1",)
+    views = [
+        ReplicaView("slow", warm=frozenset(chain), ttft_ms=9000.0),
+        ReplicaView("a", ttft_ms=200.0),
+        ReplicaView("b", ttft_ms=250.0),
+    ]
+    assert rank(chain, views, POLICY).groups == [["a", "b"], ["slow"]]
+    # Slow needs both: over slow_factor x the median and over the floor.
+    quick = [
+        ReplicaView("x", warm=frozenset(chain), ttft_ms=900.0),
+        ReplicaView("a", ttft_ms=10.0),
+        ReplicaView("b", ttft_ms=10.0),
+    ]
+    assert rank(chain, quick, POLICY).groups[0] == ["x"]
+
+
+def test_all_busy_still_routes_warmest_first() -> None:
+    chain = ("h1", "h2")
+    views = [
+        ReplicaView("r1", in_flight=5, warm=frozenset({"h1"})),
+        ReplicaView("r2", in_flight=9, warm=frozenset({"h1", "h2"})),
+    ]
+    assert rank(chain, views, POLICY).groups == [["r2"], ["r1"]]
+    assert rank(chain, [], POLICY).groups == []
+
+
+def test_warm_set_is_bounded_and_recent_first() -> None:
+    warm = WarmSet(capacity=3)
+    warm.add(["a", "b"])
+    warm.add(["c", "d"])
+    assert warm.recent() == ["d", "c", "b"]
+    warm.add(["b"])  # used again: most recent
+    assert warm.recent(2) == ["b", "d"]
+    assert len(warm) == 3
+
+
+def test_affinity_table_records_moves_and_forgets_dead_replicas() -> None:
+    table = AffinityTable(capacity=4)
+    table.record(("h1", "h2"), "r1")
+    table.record(("h3",), "r2")
+    assert table.warm_of(("h1", "h2", "h9")) == {"r1": {"h1", "h2"}}
+    table.record(("h1",), "r2")  # the conversation moved
+    assert table.warm_of(("h1",)) == {"r2": {"h1"}}
+    table.forget(["r2"])  # r1 died
+    assert table.warm_of(("h1", "h2", "h3")) == {"r2": {"h1", "h3"}}
+    table.record(("a", "b", "c", "d"), "r2")
+    assert len(table) == 4  # bounded: the oldest went
