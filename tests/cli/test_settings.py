@@ -152,7 +152,7 @@ def test_max_tokens_limit_from_every_source(tmp_path: Path) -> None:
 def test_every_setting_has_a_flag_an_env_var_a_toml_key_and_help(tmp_path: Path) -> None:
     """One declaration per setting: the field alone yields all four ways to set it."""
     parser = argparse.ArgumentParser()
-    add_settings_arguments(parser)
+    add_settings_arguments(parser, tuple(Settings.model_fields))
     help_text = " ".join(parser.format_help().split())
     for name, field in Settings.model_fields.items():
         assert field.description, name
@@ -203,3 +203,17 @@ def test_tenant_settings_default_off_and_reach_the_cache(tmp_path: Path) -> None
     assert off.cache_config().store_prompt_text is False
     with pytest.raises(ConfigError, match="cache_salt_from_auth"):
         load_settings({}, {"KVWARM_CACHE_SALT_FROM_AUTH": "maybe"})
+
+
+def test_cluster_settings_are_flags_of_kvwarm_cluster_only() -> None:
+    from kvwarm.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["cluster", "--replicas", "3", "--ray-address", "ray://h:10001"])
+    s = load_settings(settings_flags(args), {})
+    assert (s.replicas, s.ray_address, s.cluster_busy_requests) == (3, "ray://h:10001", 0)
+    assert load_settings({}, {"KVWARM_REPLICAS": "5"}).replicas == 5  # env works for both
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--replicas", "3"])  # not a serve flag
+    with pytest.raises(ConfigError, match="replicas"):
+        load_settings({}, {"KVWARM_REPLICAS": "0"})

@@ -24,15 +24,27 @@ MSGS = [
 
 def test_chat_chain_is_chained_at_message_boundaries() -> None:
     full = chat_chain("m", MSGS)
-    assert len(full) == 4
+    assert len(full) == 3  # the system message is the seed, not a unit
     # A follow-up's chain starts with the earlier turn's chain, whatever comes after.
-    assert chat_chain("m", MSGS[:2]) == full[:2]
-    assert chat_chain("m", [*MSGS, {"role": "assistant", "content": "fine"}])[:4] == full
+    assert chat_chain("m", MSGS[:2]) == full[:1]
+    assert chat_chain("m", [*MSGS, {"role": "assistant", "content": "fine"}])[:3] == full
     # One changed message changes its hash and every later one, never an earlier one.
-    edited = [MSGS[0], {"role": "user", "content": "HELLO"}, *MSGS[2:]]
+    edited = [*MSGS[:2], {"role": "assistant", "content": "HI"}, MSGS[3]]
     other = chat_chain("m", edited)
     assert other[0] == full[0]
     assert all(a != b for a, b in zip(other[1:], full[1:], strict=True))
+    # Null fields (an echoed assistant message) do not change the hash.
+    echoed = [*MSGS[:2], {"role": "assistant", "content": "hi", "tool_calls": None}, MSGS[3]]
+    assert chat_chain("m", echoed) == full
+
+
+def test_conversations_sharing_a_system_prompt_share_no_unit() -> None:
+    one = chat_chain("m", [MSGS[0], {"role": "user", "content": "a"}])
+    two = chat_chain("m", [MSGS[0], {"role": "user", "content": "b"}])
+    assert not set(one) & set(two)
+    assert chat_chain("m", [MSGS[0]]) == ()
+    other_head = chat_chain("m", [{"role": "system", "content": "x"}, MSGS[1]])
+    assert other_head != chat_chain("m", MSGS[:2])
 
 
 def test_chains_are_scoped_by_model_salt_and_tools() -> None:
@@ -68,9 +80,9 @@ def test_longest_warm_prefix_wins_over_load() -> None:
         ReplicaView("r3", in_flight=0),
     ]
     decision = rank(chain, views, POLICY)
-    assert decision.groups[0] == ["r2"]
     assert decision.matched == 2
-    assert decision.groups[1] == ["r1", "r3"]  # the others follow, least loaded first
+    # The others follow: a partial match before none.
+    assert decision.groups == [["r2"], ["r1"], ["r3"]]
 
 
 def test_routed_hashes_count_like_reported_ones() -> None:
@@ -86,7 +98,10 @@ def test_new_conversation_goes_to_the_least_loaded() -> None:
     ]
     decision = rank(("new",), views, POLICY)
     assert decision.matched == 0
-    assert decision.groups == [["r2", "r3"], ["r1"]]
+    assert decision.groups == [["r2"], ["r3"], ["r1"]]
+    # Equal load: the replica holding fewer conversations first (sequential new ones spread).
+    spread = [ReplicaView("r1", held=8), ReplicaView("r2", held=3)]
+    assert rank(("new",), spread, POLICY).groups == [["r2"], ["r1"]]
 
 
 def test_busy_warm_replica_is_passed_over_but_kept_last() -> None:
@@ -107,7 +122,7 @@ def test_slow_warm_replica_is_passed_over() -> None:
         ReplicaView("a", ttft_ms=200.0),
         ReplicaView("b", ttft_ms=250.0),
     ]
-    assert rank(chain, views, POLICY).groups == [["a", "b"], ["slow"]]
+    assert rank(chain, views, POLICY).groups == [["a"], ["b"], ["slow"]]
     # Slow needs both: over slow_factor x the median and over the floor.
     quick = [
         ReplicaView("x", warm=frozenset(chain), ttft_ms=900.0),
@@ -146,5 +161,7 @@ def test_affinity_table_records_moves_and_forgets_dead_replicas() -> None:
     assert table.warm_of(("h1",)) == {"r2": {"h1"}}
     table.forget(["r2"])  # r1 died
     assert table.warm_of(("h1", "h2", "h3")) == {"r2": {"h1", "h3"}}
+    assert table.count("r2") == 2 and table.count("r1") == 0
     table.record(("a", "b", "c", "d"), "r2")
     assert len(table) == 4  # bounded: the oldest went
+    assert table.count("r2") == 4

@@ -248,8 +248,20 @@ def test_metrics_parse_and_count(client: TestClient) -> None:
         "kvwarm_http_requests_total",
         "kvwarm_cache_tier_bytes",
         "kvwarm_cache_tier_rows",
+        "kvwarm_model_free_slots",
+        "kvwarm_model_kv_cells",
+        "kvwarm_model_kv_cache_usage_ratio",
     ):
         assert expected in names, expected
+    # The finished request's slot keeps its KV (for the next turn): cells in use, a slot free.
+    values = {
+        (s.name, s.labels.get("model")): s.value
+        for f in text_string_to_metric_families(response.text)
+        for s in f.samples
+    }
+    assert values[("kvwarm_model_kv_cells_used", "a")] > 0
+    assert values[("kvwarm_model_kv_cells", "a")] == 1024
+    assert values[("kvwarm_model_free_slots", "a")] == values[("kvwarm_model_slots", "a")]
 
 
 def test_cache_admin(client: TestClient) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwarm.engine.types import ModelStatus
@@ -71,6 +72,8 @@ def test_cache_models_and_http_render_and_parse() -> None:
     assert fams["kvwarm_model_free_slots"][(("model", 'm"1'),)] == 1
     assert fams["kvwarm_model_kv_cells_used"][(("model", 'm"1'),)] == 300
     assert fams["kvwarm_model_kv_cells"][(("model", 'm"1'),)] == 4096
+    ratio = fams["kvwarm_model_kv_cache_usage_ratio"][(("model", 'm"1'),)]
+    assert ratio == pytest.approx(300 / 4096)
     assert fams["kvwarm_model_ready"][(("model", "m2"),)] == 0
     assert fams["kvwarm_prefill_seconds_total"][(("model", 'm"1'),)] == 1.5
     assert fams["kvwarm_cached_tokens_total"][(("model", 'm"1'),)] == 60

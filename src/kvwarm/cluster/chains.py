@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 # A text prompt has no message boundaries: it is cut into blocks of this many characters
 # (chat turns are usually longer, so a block is about one turn's granularity).
 TEXT_BLOCK_CHARS = 256
+_HEAD_ROLES = frozenset({"system", "developer"})
 _DIGEST_BYTES = 12  # 96 bits: collisions among a replica's few thousand hashes are negligible
 
 
@@ -49,10 +50,25 @@ def chat_chain(
     cache_salt: str | None = None,
     tools: Sequence[Mapping[str, object]] | None = None,
 ) -> tuple[str, ...]:
-    """One hash per message: ``h1 = H(seed, m1)``, ``h2 = H(h1, m2)`` ... Tools render into the
-    prompt's head, so they are part of the seed."""
-    units = [json.dumps(m, sort_keys=True, default=str).encode() for m in messages]
-    return _chain(_seed(model_id, cache_salt, list(tools or ())), units)
+    """One hash per message after the head: ``h1 = H(seed, m1)``, ``h2 = H(h1, m2)`` ...
+
+    The head (leading system or developer messages) and the tools are the seed, not units:
+    many conversations share a system prompt, and a match on it alone must not pull every new
+    conversation to the replica that served it first. So ``h1`` names a conversation (its
+    head and first user message) and a follow-up matches its earlier turns."""
+    n_head = 0
+    while n_head < len(messages) and messages[n_head].get("role") in _HEAD_ROLES:
+        n_head += 1
+    head = [_canonical(m) for m in messages[:n_head]]
+    units = [_canonical(m).encode() for m in messages[n_head:]]
+    return _chain(_seed(model_id, cache_salt, [head, list(tools or ())]), units)
+
+
+def _canonical(message: Mapping[str, object]) -> str:
+    """A message as text, fields that are absent or null left out (clients echo an assistant
+    message back with or without ``"tool_calls": null``)."""
+    present = {k: v for k, v in message.items() if v is not None}
+    return json.dumps(present, sort_keys=True, default=str)
 
 
 def text_chain(

@@ -11,6 +11,7 @@ and leave the table here. A request without a chain (not a generation) is balanc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -61,7 +62,12 @@ class AffinityRouter(RequestRouter):
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
         in_flight = queue_len if queue_len is not None else _number(stats.get("in_flight")) or 0
         view = ReplicaView(
-            id=rid, in_flight=int(in_flight), warm=cached[1], ttft_ms=_number(stats.get("ttft_ms"))
+            id=rid,
+            in_flight=int(in_flight),
+            warm=cached[1],
+            ttft_ms=_number(stats.get("ttft_ms")),
+            # The report and the table overlap; the larger is the better count.
+            held=max(len(cached[1]), self._table.count(rid)),
         )
         return rid, view
 
@@ -105,5 +111,5 @@ class AffinityRouter(RequestRouter):
         log.info("replica %s died: its conversations move", replica_id.to_full_id_str())
 
 
-def _with_routed(view: ReplicaView, held: set[str]) -> ReplicaView:
-    return ReplicaView(view.id, view.in_flight, view.warm, frozenset(held), view.ttft_ms)
+def _with_routed(view: ReplicaView, routed: set[str]) -> ReplicaView:
+    return dataclasses.replace(view, routed=frozenset(routed))

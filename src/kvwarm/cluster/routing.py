@@ -7,8 +7,8 @@ Invariants:
   *slow* (its recent time to first token is over ``slow_factor`` times the median and over
   ``slow_floor_ms``). Busy and slow replicas are never dropped, only ranked last: when every
   replica is busy the request still has somewhere to go.
-- A request no replica holds warm goes to the least loaded replicas (fewest in flight); the
-  caller (Ray) picks among a group by its own fresher queue lengths.
+- A request no replica holds warm goes to the least loaded replica (fewest in flight), then
+  the one holding the fewest chain hashes: new conversations spread out.
 - Dead replicas are not candidates: Ray removes them (its own health checks and probes).
 - Nothing here reads a clock or does I/O, so every rule is a unit test
   (``tests/cluster/test_routing.py``).
@@ -39,6 +39,7 @@ class ReplicaView:
     warm: AbstractSet[str] = field(default_factory=frozenset)  # reported by the replica
     routed: AbstractSet[str] = field(default_factory=frozenset)  # sent there by this router
     ttft_ms: float | None = None  # recent time to first token, None if not reported yet
+    held: int = 0  # chain hashes it holds (reported and routed): how many conversations
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,32 +71,24 @@ def _slow(views: Sequence[ReplicaView], policy: RoutingPolicy) -> set[str]:
 
 
 def rank(chain: Sequence[str], views: Sequence[ReplicaView], policy: RoutingPolicy) -> Decision:
-    """Ranked replica groups for a request with ``chain``."""
+    """Replicas for a request with ``chain``, best first, one to a group (Ray tries each group
+    in turn and moves on when a replica refuses or does not answer)."""
     if not views:
         return Decision([], 0)
     slow = _slow(views, policy)
+    matches = {v.id: _match(chain, v) for v in views}
     ok = [v for v in views if v.in_flight < policy.busy_requests and v.id not in slow]
     ok_ids = {v.id for v in ok}
-    rest = [v for v in views if v.id not in ok_ids]
-    groups: list[list[str]] = []
-    matches = {v.id: _match(chain, v) for v in ok}
-    best = max(matches.values(), default=0)
-    if best > 0:
-        first = sorted((v for v in ok if matches[v.id] == best), key=lambda v: (v.in_flight, v.id))
-        groups.append([v.id for v in first])
-        others = sorted((v for v in ok if matches[v.id] < best), key=lambda v: v.in_flight)
-        if others:
-            groups.append([v.id for v in others])
-    elif ok:
-        least = min(v.in_flight for v in ok)
-        groups.append(sorted(v.id for v in ok if v.in_flight == least))
-        more = sorted((v for v in ok if v.in_flight > least), key=lambda v: (v.in_flight, v.id))
-        if more:
-            groups.append([v.id for v in more])
-    # Busy or slow replicas hold the prefix too: after the others, warmest first.
-    rest.sort(key=lambda v: (-_match(chain, v), v.id in slow, v.in_flight, v.id))
-    groups.extend([v.id] for v in rest)
-    return Decision(groups, best)
+    # Warmest first; among equals (a new conversation: all 0) the least loaded, then the one
+    # holding the fewest conversations, so sequential new conversations spread out.
+    ok.sort(key=lambda v: (-matches[v.id], v.in_flight, v.held, v.id))
+    # Busy or slow replicas may hold the prefix too: after the others, warmest first.
+    rest = sorted(
+        (v for v in views if v.id not in ok_ids),
+        key=lambda v: (v.id in slow, -matches[v.id], v.in_flight, v.id),
+    )
+    groups = [[v.id] for v in (*ok, *rest)]
+    return Decision(groups, matches[ok[0].id] if ok else 0)
 
 
 class WarmSet:
@@ -130,18 +123,29 @@ class AffinityTable:
     def __init__(self, capacity: int = 65536) -> None:
         self.capacity = capacity
         self._owner: OrderedDict[str, str] = OrderedDict()
+        self._counts: dict[str, int] = {}
+
+    def _drop(self, h: str) -> None:
+        owner = self._owner.pop(h)
+        self._counts[owner] -= 1
 
     def record(self, chain: Iterable[str], replica_id: str) -> None:
         for h in chain:
+            if h in self._owner:
+                self._drop(h)
             self._owner[h] = replica_id
-            self._owner.move_to_end(h)
+            self._counts[replica_id] = self._counts.get(replica_id, 0) + 1
         while len(self._owner) > self.capacity:
-            self._owner.popitem(last=False)
+            self._drop(next(iter(self._owner)))
 
     def forget(self, live: Iterable[str]) -> None:
         keep = set(live)
         for h in [h for h, r in self._owner.items() if r not in keep]:
-            del self._owner[h]
+            self._drop(h)
+        self._counts = {r: n for r, n in self._counts.items() if r in keep}
+
+    def count(self, replica_id: str) -> int:
+        return self._counts.get(replica_id, 0)
 
     def warm_of(self, chain: Sequence[str]) -> Mapping[str, set[str]]:
         """For each replica, the hashes of ``chain`` this table places there."""

@@ -235,3 +235,8 @@ class ModelStatus:
     @property
     def free_slots(self) -> int:
         return max(0, self.n_parallel - self.active)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of the context's cells in use, 0..1 (what vLLM calls kv_cache_usage_perc)."""
+        return self.kv_cells_used / self.kv_cells if self.kv_cells else 0.0

@@ -115,6 +115,13 @@ _MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
     ("kvwarm_model_free_slots", "gauge", "slots free for the next request", "free_slots", 1),
     ("kvwarm_model_kv_cells_used", "gauge", "context (KV) cells in use", "kv_cells_used", 1),
     ("kvwarm_model_kv_cells", "gauge", "context (KV) cells in all (n_ctx)", "kv_cells", 1),
+    (
+        "kvwarm_model_kv_cache_usage_ratio",
+        "gauge",
+        "share of the context's cells in use, 0..1",
+        "kv_cache_usage",
+        1,
+    ),
     ("kvwarm_requests_total", "counter", "generations finished", "requests", 1),
     ("kvwarm_prompt_tokens_total", "counter", "prompt tokens", "prompt_tokens", 1),
     (

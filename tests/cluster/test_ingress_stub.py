@@ -1,0 +1,159 @@
+"""The cluster's ingress (the server's routes over ``RemoteModel``) and the engine replica's
+body, in one process on the stub backend: no Ray, the handle replaced by direct calls. What
+crosses the handle here is what crosses it under Ray (``calls``: typed, picklable values)."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from collections.abc import AsyncIterator, Awaitable, Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from tests.server.conftest import sse_events, stub_settings, wait_ready
+
+from kvwarm.cluster.calls import Generate, ModelOp
+from kvwarm.cluster.chains import chat_chain
+from kvwarm.cluster.ingress import create_ingress_app
+from kvwarm.cluster.replica import EngineReplica
+
+SYSTEM = {"role": "system", "content": "You answer in one short sentence, always politely."}
+
+
+class DirectStream:
+    """A replica's ``generate`` as the ingress sees a streaming handle call; every item goes
+    through pickle, as it would between processes."""
+
+    def __init__(self, items: AsyncIterator[object]) -> None:
+        self._items = items
+        self.cancelled = False
+        self._closing: set[asyncio.Future[None]] = set()
+
+    def __anext__(self) -> Awaitable[object]:
+        async def step() -> object:
+            return pickle.loads(pickle.dumps(await self._items.__anext__()))
+
+        return step()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        task = asyncio.ensure_future(self._items.aclose())  # type: ignore[attr-defined]
+        self._closing.add(task)
+
+
+class DirectCalls:
+    def __init__(self, replica: EngineReplica, *, broken: bool = False) -> None:
+        self.replica = replica
+        self.broken = broken
+        self.calls: list[Generate] = []
+
+    def stream(self, call: Generate) -> DirectStream:
+        call = pickle.loads(pickle.dumps(call))
+        self.calls.append(call)
+        if self.broken:
+            return DirectStream(_dies())
+        return DirectStream(self.replica.generate(call))
+
+    def op(self, op: ModelOp) -> object:
+        return pickle.loads(pickle.dumps(asyncio.run(self.replica.call(op))))
+
+
+async def _dies() -> AsyncIterator[object]:
+    raise RuntimeError("ActorDiedError: the replica's process died")
+    yield  # an async generator
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[EngineReplica]:
+    body = EngineReplica(stub_settings(), replica_id="replica-1")
+    yield body
+    body.engine.close()
+
+
+@pytest.fixture(scope="module")
+def calls(replica: EngineReplica) -> DirectCalls:
+    return DirectCalls(replica)
+
+
+@pytest.fixture(scope="module")
+def client(calls: DirectCalls) -> Iterator[TestClient]:
+    with TestClient(create_ingress_app(stub_settings(), calls)) as test_client:
+        wait_ready(test_client.get)
+        yield test_client
+
+
+def test_chat_carries_its_chain_names_the_replica_and_warms_it(
+    client: TestClient, calls: DirectCalls, replica: EngineReplica
+) -> None:
+    turn1 = [SYSTEM, {"role": "user", "content": "Name a colour of the sky."}]
+    body = {"model": "a", "messages": turn1, "max_tokens": 6, "temperature": 0}
+    first = client.post("/v1/chat/completions", json=body)
+    assert first.status_code == 200, first.json()
+    assert first.headers["x-kvwarm-replica"] == "replica-1"
+    assert calls.calls[-1].chain == chat_chain("a", turn1)
+    assert set(chat_chain("a", turn1)) <= set(replica.warm.recent())
+    reply = first.json()["choices"][0]["message"]["content"]
+    turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+    second = client.post("/v1/chat/completions", json={**body, "messages": turn2}).json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    stats = replica.record_routing_stats()
+    assert stats["warm"][:1] == [chat_chain("a", turn2)[-1]]  # most recent first
+    assert stats["in_flight"] == 0 and stats["ttft_ms"] is not None
+
+
+def test_streamed_chat_and_completion(client: TestClient) -> None:
+    body = {
+        "model": "a",
+        "messages": [SYSTEM, {"role": "user", "content": "Count to three."}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    assert response.headers["x-kvwarm-replica"] == "replica-1"
+    events = sse_events(response.text)
+    assert events[-1]["usage"]["completion_tokens"] >= 1  # type: ignore[index]
+    text = client.post(
+        "/v1/completions", json={"model": "a", "prompt": "Once upon a time", "max_tokens": 4}
+    )
+    assert text.status_code == 200 and text.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_non_generation_calls_go_through_the_replica(client: TestClient) -> None:
+    tokens = client.post("/tokenize", json={"model": "a", "content": "hello world"}).json()
+    assert tokens["tokens"]
+    text = client.post("/detokenize", json={"model": "a", "tokens": tokens["tokens"]}).json()
+    assert "hello" in text["content"]
+    emb = client.post("/v1/embeddings", json={"model": "a", "input": ["a b", "c"]}).json()
+    assert len(emb["data"]) == 2 and emb["usage"]["prompt_tokens"] > 0
+    models = client.get("/v1/models").json()["data"]
+    assert {m["id"] for m in models} == {"a", "b"}
+    assert all(m["status"] == "ready" and m["meta"]["n_ctx"] > 0 for m in models)
+
+
+def test_replica_errors_keep_their_type(client: TestClient) -> None:
+    # Model b has n_ctx 256: the replica's ContextOverflowError comes back as the same 400.
+    long = {"model": "b", "prompt": "word " * 400, "max_tokens": 4}
+    response = client.post("/v1/completions", json=long)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert client.post("/v1/completions", json={"model": "zz", "prompt": "x"}).status_code == 404
+    bad = client.post("/v1/completions", json={"model": "a", "prompt": "x", "temperature": -1})
+    assert bad.status_code == 400
+
+
+def test_cache_administration_is_per_replica(client: TestClient) -> None:
+    response = client.get("/cache/stats")
+    assert response.status_code == 501
+    assert response.json()["error"]["code"] == "not_supported_in_cluster"
+
+
+def test_a_dead_replica_is_a_503(replica: EngineReplica) -> None:
+    with TestClient(create_ingress_app(stub_settings(), DirectCalls(replica, broken=True))) as c:
+        wait_ready(c.get)
+        body = {"model": "a", "messages": [SYSTEM], "max_tokens": 3}
+        response = c.post("/v1/chat/completions", json=body)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "replica_unavailable"
