@@ -94,8 +94,13 @@ def test_chat_carries_its_chain_names_the_replica_and_warms_it(
     assert set(chat_chain("a", turn1)) <= set(replica.warm.recent())
     reply = first.json()["choices"][0]["message"]["content"]
     turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+    assert calls.calls[-1].options.parent_key is None  # a new conversation has no parent
     second = client.post("/v1/chat/completions", json={**body, "messages": turn2}).json()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # The follow-up named the first turn's finish row, which any replica can look up by key.
+    parent = calls.calls[-1].options.parent_key
+    assert parent is not None
+    assert replica.engine.cache.lookup_exact_or_wait(parent, 5.0) is not None
     stats = replica.record_routing_stats()
     assert stats["warm"][:1] == [chat_chain("a", turn2)[-1]]  # most recent first
     assert stats["in_flight"] == 0 and stats["ttft_ms"] is not None

@@ -3,7 +3,7 @@ Ray: candidates and stats in, ranked replica groups out."""
 
 from __future__ import annotations
 
-from kvwarm.cluster.chains import chat_chain, text_chain
+from kvwarm.cluster.chains import LastRows, chat_chain, text_chain
 from kvwarm.cluster.routing import (
     AffinityTable,
     ReplicaView,
@@ -165,3 +165,16 @@ def test_affinity_table_records_moves_and_forgets_dead_replicas() -> None:
     table.record(("a", "b", "c", "d"), "r2")
     assert len(table) == 4  # bounded: the oldest went
     assert table.count("r2") == 4
+
+
+def test_last_rows_give_a_follow_up_its_previous_turn() -> None:
+    rows = LastRows(capacity=2)
+    turn1 = chat_chain("m", MSGS[:2])
+    rows.remember(turn1, b"k1" * 16)
+    rows.remember((), b"ignored" * 4)
+    rows.remember(("x",), None)
+    assert rows.parent_of(chat_chain("m", MSGS)) == b"k1" * 16
+    assert rows.parent_of(chat_chain("m", [MSGS[0], {"role": "user", "content": "no"}])) is None
+    rows.remember(("a",), b"a" * 32)
+    rows.remember(("b",), b"b" * 32)
+    assert rows.parent_of(turn1) is None and len(rows) == 2  # bounded: the oldest went

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 # A text prompt has no message boundaries: it is cut into blocks of this many characters
@@ -86,3 +88,38 @@ def text_chain(
         data, size, kind = b"".join(t.to_bytes(4, "little") for t in prompt), block, "tokens"
     units = [data[i : i + size] for i in range(0, len(data) - size + 1, size)]
     return _chain(_seed(model_id, cache_salt, kind), units)
+
+
+class LastRows:
+    """The finish-save key of the last request seen with each chain end (bounded, least
+    recent out; thread-safe).
+
+    A follow-up's chain contains its previous turn's whole chain, so ``parent_of`` finds that
+    turn's row key, which the ingress passes as ``parent_key``: a replica that never served
+    the conversation then restores the whole previous turn from a shared tier by an exact
+    lookup, instead of only what prefix probing can find."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, chain: Sequence[str], key: bytes | None) -> None:
+        if not chain or key is None:
+            return
+        with self._lock:
+            self._keys[chain[-1]] = key
+            self._keys.move_to_end(chain[-1])
+            while len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
+
+    def parent_of(self, chain: Sequence[str]) -> bytes | None:
+        with self._lock:
+            for h in reversed(chain):
+                key = self._keys.get(h)
+                if key is not None:
+                    return key
+        return None
+
+    def __len__(self) -> int:
+        return len(self._keys)

@@ -5,12 +5,15 @@ Invariants: each generation is one handle call carrying a ``calls.Generate`` wit
 request's chain, so the router places it by prefix; the replica's ``Failed`` is re-raised as
 the engine's own error, and a replica lost mid-call becomes ``ReplicaUnavailableError``.
 Blocking calls (``.result()``) run only on the thread pool, as the routes already call model
-methods there; ``info`` is fetched once at start-up and kept.
+methods there; ``info`` is fetched once at start-up and kept. A follow-up carries its previous
+turn's row key as ``parent_key`` (``chains.LastRows``), so whichever replica serves it can
+restore that row from a shared tier by exact key.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -76,9 +79,15 @@ def _cancelled(prompt_tokens: int = 0) -> Completion:
 class RemoteStream:
     """One replica generation, consumed once (async), ending in a ``Completion``."""
 
-    def __init__(self, response: ResponseStream, on_served: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        response: ResponseStream,
+        on_served: Callable[[str], None],
+        on_finished: Callable[[Completion], None] = lambda _done: None,
+    ) -> None:
         self._response = response
         self._on_served = on_served
+        self._on_finished = on_finished
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self._cancelled = False
@@ -126,6 +135,7 @@ class RemoteStream:
             self._on_served(item.replica_id)
         elif isinstance(item, Finished):
             self._completion = item.completion
+            self._on_finished(item.completion)
         elif isinstance(item, Failed):
             self._error = item.error
         return None
@@ -155,6 +165,7 @@ class RemoteModel:
         self._stream_call = stream_call
         self._op_call = op_call
         self._on_served = on_served
+        self._last_rows = chains.LastRows()
 
     @property
     def id(self) -> str:
@@ -175,8 +186,18 @@ class RemoteModel:
     ) -> RemoteStream:
         opts = options or GenerationOptions()
         opts.validate()  # a bad option is a 400 here, before any replica is bothered
+        chain = fields["chain"]
+        assert isinstance(chain, tuple)
+        parent = self._last_rows.parent_of(chain)
+        if opts.parent_key is None and parent is not None:
+            # The previous turn's row: found by exact key on any replica sharing its tier.
+            opts = dataclasses.replace(opts, parent_key=parent)
         call = Generate(model_id=self.id, kind=kind, options=opts, **fields)  # type: ignore[arg-type]
-        return RemoteStream(self._stream_call(call), self._on_served)
+
+        def finished(done: Completion) -> None:
+            self._last_rows.remember(chain, done.stats.key)
+
+        return RemoteStream(self._stream_call(call), self._on_served, finished)
 
     def stream_chat(
         self,
