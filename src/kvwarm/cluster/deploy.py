@@ -104,7 +104,13 @@ def build_app(
         request_router_config=RequestRouterConfig(**router_fields),
     )
     ingress_class = cast(type[Ingress], serve.ingress()(Ingress))
-    ingress = _deployment(ingress_class, name=INGRESS, ray_actor_options={"num_cpus": 0})
+    ingress = _deployment(
+        ingress_class,
+        name=INGRESS,
+        ray_actor_options={"num_cpus": 0},
+        # The ingress only parses and waits on replicas: let it hold every request they can.
+        max_ongoing_requests=settings.replicas * (settings.n_parallel + settings.max_queue),
+    )
     app: Application = ingress.bind(settings, engine.bind(settings))
     return app
 
