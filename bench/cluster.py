@@ -59,8 +59,7 @@ def chat_turn(
     http: httpx.Client, messages: list[dict[str, str]], max_tokens: int
 ) -> tuple[str, Turn]:
     body = {
-        "model": "default",
-        "messages": messages,
+        "messages": messages,  # no model: the first (only) one
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -179,6 +178,7 @@ def run_config(
         replicas=args.replicas,
         keepalive_interval_s=0,
         cache_dir=shared,
+        cache_dir_shared=shared is not None,
         ram_quota_bytes=256 << 20,
     )
     deploy.run(settings, router=router)  # type: ignore[arg-type]

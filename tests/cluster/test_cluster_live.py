@@ -162,12 +162,14 @@ def test_real_model_conversations_and_failover_through_the_shared_tier(
         replicas=2,
         keepalive_interval_s=0,
         cache_dir=tmp_path / "shared",
+        cache_dir_shared=True,  # as on NFS: hits are copied to each replica's RAM tier
         ram_quota_bytes=64 << 20,
     )
     deployed = Deployed(settings, ray_port)
     try:
         deployed.wait_ready()
-        convs = Conversations(deployed.http, "default", max_tokens=8)
+        (model,) = [m["id"] for m in deployed.http.get("/v1/models").json()["data"]]
+        convs = Conversations(deployed.http, model, max_tokens=8)
         run_turns(convs, range(4))
         assert convs.switches() == 0, convs.served
         assert len({s[0] for s in convs.served}) == 2, convs.served

@@ -41,6 +41,11 @@ class AffinityRouter(RequestRouter):
     """Configured by ``RequestRouterConfig(request_router_kwargs=...)`` with the fields of
     ``RoutingPolicy`` (``deploy.py`` passes the settings' values)."""
 
+    # Ray skips a replica that does not say its queue length within this deadline (its
+    # default, 0.1 s, is often missed by a replica whose cores are busy decoding, which would
+    # move a conversation off its warm replica for no reason).
+    queue_len_response_deadline_s = 0.5
+
     def initialize_state(self, **kwargs: Any) -> None:
         self._policy = RoutingPolicy(**kwargs)
         self._table = AffinityTable()
