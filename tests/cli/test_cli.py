@@ -74,6 +74,7 @@ def no_traceback(result: subprocess.CompletedProcess[str]) -> None:
         ["cache", "verify"],
         ["bench"],
         ["models"],
+        ["cluster"],
     ],
 )
 def test_help_on_every_command(env: dict[str, str], command: list[str]) -> None:
@@ -280,4 +281,47 @@ def test_serve_answers_then_stops_on_sigterm(env: dict[str, str]) -> None:
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert "completion model=smollm2-135m-instruct prompt_tokens=" in stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_cluster_serves_through_ray_then_stops_on_sigterm(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """The stub backend on one replica: the command a user runs, start to clean exit."""
+    import shutil
+    import tempfile
+
+    port = _free_port()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="kvray-", dir="/tmp"))  # short: Ray's socket paths
+    env = {**env, "RAY_TMPDIR": str(ray_tmp), "KVWARM_BACKEND": "stub"}
+    args = ["cluster", "--port", str(port), "--replicas", "1", "--model", "a=stub-a"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvwarm", *args, "--cache-dir", "none"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        status = None
+        while time.monotonic() < deadline and proc.poll() is None:  # bounded readiness wait
+            try:
+                status = httpx.get(base + "/health", timeout=5).status_code
+            except httpx.TransportError:
+                status = None
+            if status == 200:
+                break
+            time.sleep(0.2)
+        assert status == 200, "the cluster did not become ready"
+        body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+        response = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == "a"
+        assert response.headers["x-kvwarm-replica"].startswith("SERVE_REPLICA::kvwarm#engine#")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, stderr
+    assert f"kvwarm cluster: http://127.0.0.1:{port}" in stdout
     assert "Traceback" not in stderr

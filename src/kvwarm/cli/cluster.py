@@ -37,9 +37,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"kvwarm cluster needs the cluster extra (kvwarm[cluster]): {exc}"
         ) from exc
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     deploy.start_ray(settings.ray_address)
+    stop = threading.Event()
+    # After ray.init: Ray installs its own SIGTERM handler in the driver (a stack dump and an
+    # abort); a requested shutdown must remove the application and exit 0 instead.
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         deploy.run(settings)
         print(f"kvwarm cluster: http://{settings.host}:{settings.port} (Ctrl-C stops)", flush=True)
