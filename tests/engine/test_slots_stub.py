@@ -133,3 +133,36 @@ def test_more_slots_than_batch_is_a_config_error(engine: Engine) -> None:
 
     with pytest.raises(ConfigError):
         engine.load_model(config=stub_config(n_parallel=8, n_batch=4))
+
+
+def test_slot_statuses_are_published_without_reaching_the_worker() -> None:
+    eng = make_engine()
+    try:
+        backend = GatedBackend()
+        cfg = stub_config(n_parallel=2, backend=backend)  # type: ignore[arg-type]
+        model = eng.load_model(config=cfg)
+        assert [(s.seq, s.phase, s.n_tokens) for s in model.status().slots] == [
+            (0, "idle", 0),
+            (1, "idle", 0),
+        ]
+        prompt = "a slot reports what it holds"
+        n_prompt = len(model.tokenize(prompt))
+        long = GenerationOptions(max_tokens=100, temperature=0.0, stop=(), ignore_eos=True)
+        stream = model.stream(prompt, long)
+        # Three passes: the admitting round has ended and been published, and the worker is
+        # now parked inside a forward pass: status() must answer without it.
+        backend.gate.step(3)
+        busy = [s for s in model.status().slots if s.phase != "idle"]
+        assert len(busy) == 1
+        assert busy[0].prompt_tokens == n_prompt and busy[0].cache_hit == "cold"
+        assert busy[0].cached_tokens == 0 and busy[0].n_tokens >= n_prompt
+        backend.gate.set()
+        done = stream.result()
+        # Published before the answer: whoever holds the result sees its slot free.
+        after = model.status().slots
+        assert all(s.phase == "idle" and s.cache_hit is None for s in after)
+        held = max(s.n_tokens for s in after)
+        assert held >= n_prompt + done.stats.completion_tokens - 1
+        assert all(s.prompt_tokens == 0 and s.generated == 0 for s in after)
+    finally:
+        eng.close()

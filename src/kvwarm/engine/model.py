@@ -162,6 +162,7 @@ class Model:
             generation_ms=s.generation_ms,
             kv_cells_used=self._worker.kv_cells_used,
             kv_cells=self.config.context.n_ctx,
+            slots=self._worker.slot_statuses(),
         )
 
     # ---- text ---------------------------------------------------------------------------

@@ -61,6 +61,7 @@ class Outcomes:
         slot.active = None
         slot.phase = "idle"
         slot.last_used = time.monotonic()
+        self.rt.publish()
         act.req.channel.put(Done(completion))
 
     def fail(self, slot: Slot, exc: BaseException) -> None:
@@ -74,6 +75,7 @@ class Outcomes:
             self.rt.reset_seq(slot)
         except KvwarmError:
             slot.reset_kv()
+        self.rt.publish()
         act.req.channel.put(Failed(exc))
 
     def fail_all_active(self, exc: BaseException) -> None:

@@ -3,7 +3,8 @@
 Invariant: a ``Runtime`` is touched only on its worker thread. Admission, the tick, sampling,
 saves and outcomes each hold the same ``Runtime`` and never a copy of any of its parts, so
 ``slot.kv_tokens`` always lists exactly what the context's sequence holds (see
-``docs/architecture.md``, "Engine").
+``docs/architecture.md``, "Engine"). The one exception is ``view``: frozen slot statuses that
+``publish`` replaces whole, which other threads read.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from kvwarm.cache.api import CacheApi
 from kvwarm.cache.types import FingerprintMode, Namespace, PolicyConfig, TierName
 from kvwarm.engine.batching import BatchStrategy
 from kvwarm.engine.slots import Slot
-from kvwarm.engine.types import CompletionStats
+from kvwarm.engine.types import CompletionStats, SlotStatus
 
 
 @dataclass(slots=True)
@@ -64,7 +65,13 @@ class Runtime:
     namespace: Callable[[], Namespace]
     slots: list[Slot]
     stats: WorkerStats = field(default_factory=WorkerStats)
+    view: tuple[SlotStatus, ...] = ()
     _eog: tuple[int, ...] | None = None
+
+    def publish(self) -> None:
+        """Refresh ``view`` from the live slots: after each round, and before a request's
+        answer goes out (so a caller who got it sees its slot free)."""
+        self.view = tuple(slot.status() for slot in self.slots)
 
     def reset_seq(self, slot: Slot) -> None:
         """Drop the slot's KV from the context and forget its tokens."""

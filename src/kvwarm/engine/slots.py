@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
 from kvwarm.backends.base import Sampler
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Request
 from kvwarm.engine.text import TextAssembler
-from kvwarm.engine.types import CacheHitKind, TokenLogprob
+from kvwarm.engine.types import CacheHitKind, SlotPhase, SlotStatus, TokenLogprob
 
-Phase = Literal["idle", "prefill", "generate"]
+Phase = SlotPhase
 
 
 @dataclass(slots=True, eq=False)
@@ -60,3 +59,22 @@ class Slot:
         self.kv_tokens.clear()
         self.canonical = 0
         self.kv_namespace = None
+
+    def status(self) -> SlotStatus:
+        """A frozen copy for other threads (worker thread only: it reads live fields)."""
+        # last_used is monotonic (the planner compares it); readers want wall-clock time.
+        last_used = time.time() - (time.monotonic() - self.last_used)
+        act = self.active
+        if act is None:
+            return SlotStatus(self.seq, self.phase, len(self.kv_tokens), self.canonical, last_used)
+        return SlotStatus(
+            self.seq,
+            self.phase,
+            len(self.kv_tokens),
+            self.canonical,
+            last_used,
+            prompt_tokens=len(act.req.prompt_tokens),
+            cached_tokens=act.cached_tokens,
+            generated=len(act.generated),
+            cache_hit=act.hit_kind,
+        )

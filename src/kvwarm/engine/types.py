@@ -216,6 +216,29 @@ class ModelInfo:
     metadata: Mapping[str, str] = field(default_factory=dict)
 
 
+SlotPhase = Literal["idle", "prefill", "generate"]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStatus:
+    """One slot as its worker last published it (between ticks; see ``Worker.slot_statuses``).
+
+    ``n_tokens`` is the length of the sequence the slot holds in the context (kept after a
+    request ends, so the next one sharing its prefix can reuse it); ``canonical`` of them came
+    from aligned prefill. The request fields are zero (and ``cache_hit`` None) while idle.
+    """
+
+    seq: int
+    phase: SlotPhase
+    n_tokens: int
+    canonical: int
+    last_used: float  # unix seconds: when its last request ended (or the slot was made)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated: int = 0
+    cache_hit: CacheHitKind | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class ModelStatus:
     id: str
@@ -231,6 +254,7 @@ class ModelStatus:
     generation_ms: float
     kv_cells_used: int = 0  # context cells the slots hold (an external router's load signal)
     kv_cells: int = 0  # the context's cells (n_ctx)
+    slots: tuple[SlotStatus, ...] = ()
 
     @property
     def free_slots(self) -> int:

@@ -14,6 +14,9 @@ Invariants:
   changes are jobs that wait until no slot is active, so they never affect a running request.
 - Any failure is confined to the requests it touches; the loop itself never dies while the
   model is loaded (an unexpected error fails the in-flight requests and clears their KV).
+- Other threads see the slots through ``slot_statuses()``: frozen copies this thread
+  publishes (``Runtime.publish``) after each round and before any answer. Only the ``active``
+  count reads live slots (one attribute each, never the context).
 
 See ``docs/architecture.md``, "Engine".
 """
@@ -39,6 +42,7 @@ from kvwarm.engine.sampling import Sampling
 from kvwarm.engine.saves import Saves
 from kvwarm.engine.slots import Slot
 from kvwarm.engine.tick import Tick
+from kvwarm.engine.types import SlotStatus
 from kvwarm.errors import EngineClosedError, QueueFullError
 
 __all__ = ["Worker", "WorkerConfig", "WorkerStats"]
@@ -81,6 +85,7 @@ class Worker:
         self._closing = False
         self._shutdown_save: Callable[[], object] | None = None
         self._closed = threading.Event()
+        self.rt.publish()
         self._thread = threading.Thread(target=self._run, name=f"kvwarm-{name}", daemon=True)
         self._thread.start()
 
@@ -133,8 +138,12 @@ class Worker:
 
     @property
     def kv_cells_used(self) -> int:
-        """Context cells the slots' sequences hold (a snapshot read: no lock, may lag a tick)."""
-        return sum(len(s.kv_tokens) for s in self.slots)
+        """Context cells the slots' sequences hold (from the published view: may lag a tick)."""
+        return sum(s.n_tokens for s in self.rt.view)
+
+    def slot_statuses(self) -> tuple[SlotStatus, ...]:
+        """The slots as of the end of the worker's last round (any thread; no lock)."""
+        return self.rt.view
 
     def stop(self, shutdown_save: Callable[[], object] | None, timeout_s: float) -> None:
         """Cancel everything, run ``shutdown_save`` on the worker, and end the thread."""
@@ -182,6 +191,7 @@ class Worker:
                 except Exception as exc:  # never let the loop die: fail what is in flight
                     log.exception("worker %s: unexpected error; failing active requests", self.name)
                     self.outcomes.fail_all_active(exc)
+                self.rt.publish()
         except BaseException:
             log.exception("worker %s: thread is dying; refusing further requests", self.name)
             with self._cond:
@@ -189,6 +199,7 @@ class Worker:
             self._drain_on_close()
             raise
         finally:
+            self.rt.publish()
             self._closed.set()
 
     def _has_work(self) -> bool:

@@ -7,6 +7,8 @@ Invariant: ``/health`` is 200 only when every configured model is ready; while a
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -15,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvwarm.cache.types import RowInfo, TtlClass
-from kvwarm.engine.types import CompletionStats
+from kvwarm.engine.types import CompletionStats, ModelStatus
 from kvwarm.server import tenancy
 from kvwarm.server.errors import HTTPError, error_body
 from kvwarm.server.routes_openai import server_state
@@ -101,6 +103,24 @@ def _row(row: RowInfo) -> dict[str, object]:
     }
 
 
+def _tier_totals(rows: list[RowInfo]) -> dict[str, dict[str, object]]:
+    """Per tier holding rows: their count, bytes, tokens, hits and count per TTL class (the
+    quotas and levels of every tier are in the counters, ``tier_<name>_*``)."""
+    totals: dict[str, list[int]] = {}
+    ttl: dict[str, Counter[str]] = {}
+    for row in rows:
+        t = totals.setdefault(row.tier, [0, 0, 0, 0])
+        t[0] += 1
+        t[1] += row.size
+        t[2] += row.n_tokens
+        t[3] += row.hits
+        ttl.setdefault(row.tier, Counter())[row.ttl_class.name.lower()] += 1
+    return {
+        tier: {"rows": n, "bytes": size, "tokens": tokens, "hits": hits, "ttl_classes": ttl[tier]}
+        for tier, (n, size, tokens, hits) in totals.items()
+    }
+
+
 @router.get("/cache/stats")
 async def cache_stats(request: Request) -> Response:
     state = server_state(request)
@@ -113,6 +133,7 @@ async def cache_stats(request: Request) -> Response:
             "rows": len(rows),
             "bytes": sum(r.size for r in rows),
             "tokens": sum(r.n_tokens for r in rows),
+            "tiers": _tier_totals(rows),
             "keep_alive": [
                 {
                     "model": e.model_id,
@@ -124,6 +145,23 @@ async def cache_stats(request: Request) -> Response:
             ],
         }
     )
+
+
+@router.get("/cache/slots")
+async def cache_slots(request: Request) -> Response:
+    """Each ready model's counters and its slots: what each holds, as its worker last
+    published it (``Model.status``; no call reaches the worker thread)."""
+    statuses = server_state(request).metrics_snapshot().statuses
+    return JSONResponse({"object": "list", "data": [_model_status(s) for s in statuses]})
+
+
+def _model_status(status: ModelStatus) -> dict[str, object]:
+    body = asdict(status)
+    body["prefill_ms"] = round(status.prefill_ms, 3)
+    body["generation_ms"] = round(status.generation_ms, 3)
+    for slot in body["slots"]:
+        slot["last_used"] = round(slot["last_used"], 3)
+    return body
 
 
 @router.get("/cache/rows")
