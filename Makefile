@@ -7,8 +7,9 @@ STAMP  := $(VENV)/.kvwarm-installed
 MODEL_STAMP := $(VENV)/.kvwarm-model
 HOST ?= 127.0.0.1
 PORT ?= 8000
+CHROMIUM ?= chromium
 
-.PHONY: serve test lint typecheck unit install model bench clean
+.PHONY: serve test lint typecheck unit install model browser bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,19 @@ $(MODEL_STAMP): | $(PY)
 install: $(STAMP) $(MODEL_STAMP)
 model: $(MODEL_STAMP)
 
+# The web page's browser test (tests/server/test_webui_browser.py) drives Debian's Chromium
+# through Playwright (whose own browser download may be unreachable). Installed with apt-get
+# when missing and we are root; otherwise the test skips and says why.
+browser:
+	@if command -v $(CHROMIUM) >/dev/null 2>&1; then \
+		: ; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else \
+		echo "chromium is missing and cannot be installed here (needs root and apt-get):" \
+			"the browser test will skip"; \
+	fi
+
 serve: install
 	$(VENV)/bin/kvwarm serve --host $(HOST) --port $(PORT)
 
@@ -37,7 +51,7 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-unit: install
+unit: install browser
 	$(PY) -m pytest -q
 
 test: lint typecheck unit

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm._version import __version__
 from kvwarm.errors import KvwarmError
-from kvwarm.server import routes_admin, routes_openai
+from kvwarm.server import routes_admin, routes_openai, webui
 from kvwarm.server.errors import HTTPError, error_body, error_response
 from kvwarm.server.guard import Guard, send_json
 from kvwarm.server.state import ServerState
@@ -97,6 +97,7 @@ def create_app(settings: Settings, state: ServerState | None = None) -> FastAPI:
     app.state.kvwarm = state
     app.include_router(routes_openai.router)
     app.include_router(routes_admin.router)
+    app.include_router(webui.router())
 
     async def on_error(request: Request, exc: Exception) -> Response:
         return error_response(exc)

@@ -16,11 +16,12 @@ Invariants, checked in this order before any route runs:
    ``text/plain`` and ``multipart/form-data``, which a page may send cross-site without a CORS
    preflight, are a 415.
 4. With ``admin_key`` set, admin paths (``ADMIN_PREFIXES``) need it; with ``api_key`` set,
-   every other path but the ``OPEN_PATHS`` needs the API key (or the admin key). A key is read
+   every other path but the open ones needs the API key (or the admin key). A key is read
    from ``Authorization: Bearer <key>`` or, as Anthropic-style clients send it, ``x-api-key``.
-   The open paths are ``/health`` and the read-only API description (``/docs``,
-   ``/openapi.json``): they hold no data, and a browser opening ``/docs`` cannot send a header;
-   the Swagger page's "Authorize" button then sends the key with every call it makes.
+   The open paths (GET and HEAD only) are ``/health``, the read-only API description
+   (``/docs``, ``/openapi.json``) and the web page (``/``, ``/ui/*``, ``webui.py``): they hold
+   no data, and a browser opening a page cannot send a header; the Swagger page's "Authorize"
+   button and the web page's key dialog then send the key with every call they make.
 
 Refusals are OpenAI-shaped errors, answered by the app's outer middleware before any route.
 """
@@ -38,7 +39,8 @@ from starlette.types import Scope, Send
 from kvwarm.settings import Settings
 
 ADMIN_PREFIXES: tuple[str, ...] = ("/cache/",)
-OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/"})
+OPEN_PREFIXES: tuple[str, ...] = ("/ui/",)  # the web page's static files (webui.py)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _FORM = "application/x-www-form-urlencoded"
@@ -62,6 +64,10 @@ def _is_ip(name: str) -> bool:
 
 def is_admin_path(path: str) -> bool:
     return path.startswith(ADMIN_PREFIXES)
+
+
+def is_open_path(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
 class Guard:
@@ -114,7 +120,7 @@ class Guard:
                 return 401, "this endpoint needs the admin key", "invalid_admin_key"
             return None
         keyed = _same(token, self.api_key) or _same(token, self.admin_key)
-        open_path = path in OPEN_PATHS and method in ("GET", "HEAD")
+        open_path = is_open_path(path) and method in ("GET", "HEAD")
         if self.api_key and not open_path and not keyed:
             return 401, "invalid or missing API key", "invalid_api_key"
         return None

@@ -1,0 +1,223 @@
+// The chat view: streams /v1/chat/completions and shows, per turn, how much of the prompt the
+// cache restored (cached) and how much was computed (prefilled), and the time to first token
+// as this page measured it.
+
+import { apiFetch, errorOf, getJSON, sseData } from "./api.js";
+import { el, fmtInt, fmtMs } from "./format.js";
+
+export class Chat {
+  constructor(root) {
+    this.root = root;
+    this.model = root.querySelector("#model");
+    this.maxTokens = root.querySelector("#max-tokens");
+    this.temperature = root.querySelector("#temperature");
+    this.system = root.querySelector("#system");
+    this.transcript = root.querySelector("#transcript");
+    this.prompt = root.querySelector("#prompt");
+    this.send = root.querySelector("#send");
+    this.stop = root.querySelector("#stop");
+    this.status = root.querySelector("#chat-status");
+    this.messages = [];
+    this.turns = 0;
+    this.abort = null;
+
+    root.querySelector("#composer").addEventListener("submit", (event) => {
+      event.preventDefault();
+      this.submit();
+    });
+    this.prompt.addEventListener("keydown", (event) => {
+      if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+        event.preventDefault();
+        this.submit();
+      }
+    });
+    this.stop.addEventListener("click", () => this.abort?.abort());
+    root.querySelector("#new-chat").addEventListener("click", () => this.reset());
+    root.querySelector("#chat-settings").addEventListener("submit", (event) => event.preventDefault());
+  }
+
+  setStatus(text, isError = false) {
+    this.status.textContent = text;
+    this.status.classList.toggle("error", isError);
+  }
+
+  async loadModels() {
+    try {
+      const body = await getJSON("/v1/models");
+      const current = this.model.value;
+      this.model.replaceChildren(
+        ...body.data.map((m) => el("option", { value: m.id, text: m.status && m.status !== "ready" ? `${m.id} (${m.status})` : m.id })),
+      );
+      if (body.data.some((m) => m.id === current)) this.model.value = current;
+      const loading = body.data.filter((m) => m.status === "loading").map((m) => m.id);
+      if (loading.length) {
+        this.setStatus(`Loading ${loading.join(", ")}…`);
+        clearTimeout(this.modelTimer);
+        this.modelTimer = setTimeout(() => this.loadModels(), 2000);
+      } else {
+        this.setStatus(body.data.length ? "" : "This server has no models.", !body.data.length);
+      }
+    } catch (error) {
+      this.setStatus(`Could not list models: ${error.message}`, true);
+    }
+  }
+
+  reset() {
+    this.abort?.abort();
+    this.messages = [];
+    this.turns = 0;
+    this.transcript.replaceChildren();
+    this.setStatus("New chat.");
+    this.prompt.focus();
+  }
+
+  requestBody() {
+    const system = this.system.value.trim();
+    const messages = system ? [{ role: "system", content: system }, ...this.messages] : [...this.messages];
+    const body = {
+      model: this.model.value || undefined,
+      messages,
+      stream: true,
+      stream_options: { include_usage: true },
+    };
+    const maxTokens = Number.parseInt(this.maxTokens.value, 10);
+    if (Number.isFinite(maxTokens) && maxTokens > 0) body.max_tokens = maxTokens;
+    const temperature = Number.parseFloat(this.temperature.value);
+    if (Number.isFinite(temperature) && temperature >= 0) body.temperature = temperature;
+    return body;
+  }
+
+  async submit() {
+    const text = this.prompt.value.trim();
+    if (!text || this.abort) return;
+    this.prompt.value = "";
+    this.messages.push({ role: "user", content: text });
+    this.turns += 1;
+    this.transcript.append(el("li", { class: "msg user" }, el("p", { class: "who", text: "You" }), el("p", { class: "text", text })));
+    const turn = new Turn(this.turns);
+    this.transcript.append(turn.node);
+    turn.node.scrollIntoView({ block: "nearest" });
+
+    this.abort = new AbortController();
+    this.send.disabled = true;
+    this.stop.disabled = false;
+    this.setStatus(`Turn ${this.turns}: waiting for the first token…`);
+    try {
+      const reply = await this.stream(turn, this.abort.signal);
+      this.messages.push({ role: "assistant", content: reply });
+      this.setStatus(turn.summary());
+    } catch (error) {
+      const stopped = error.name === "AbortError";
+      turn.fail(stopped ? "stopped" : error.message);
+      this.messages.pop(); // a failed turn is not part of the conversation
+      this.setStatus(stopped ? "Stopped." : `Turn failed: ${error.message}`, !stopped);
+    } finally {
+      this.abort = null;
+      this.send.disabled = false;
+      this.stop.disabled = true;
+      this.prompt.focus();
+    }
+  }
+
+  async stream(turn, signal) {
+    const started = performance.now();
+    const response = await apiFetch("/v1/chat/completions", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(this.requestBody()),
+      signal,
+    });
+    if (!response.ok) throw await errorOf(response);
+    for await (const data of sseData(response)) {
+      if (data === "[DONE]") break;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      const delta = chunk.choices?.[0]?.delta?.content;
+      if (delta) turn.addText(delta, performance.now() - started);
+      if (chunk.usage) turn.setUsage(chunk.usage, chunk.timings);
+    }
+    turn.finish(performance.now() - started);
+    return turn.text;
+  }
+}
+
+/** One assistant turn in the transcript, with its cache bar. */
+class Turn {
+  constructor(index) {
+    this.index = index;
+    this.text = "";
+    this.ttftMs = null;
+    this.totalMs = null;
+    this.usage = null;
+    this.timings = null;
+    this.textNode = el("p", { class: "text", text: "…" });
+    this.meta = el("div", { class: "turn-meta" });
+    this.node = el(
+      "li",
+      { class: "msg assistant turn", data: { turn: String(index) } },
+      el("p", { class: "who", text: `Assistant · turn ${index}` }),
+      this.textNode,
+      this.meta,
+    );
+  }
+
+  addText(delta, elapsedMs) {
+    if (this.ttftMs === null) this.ttftMs = elapsedMs;
+    this.text += delta;
+    this.textNode.textContent = this.text;
+  }
+
+  setUsage(usage, timings) {
+    this.usage = usage;
+    this.timings = timings || null;
+  }
+
+  fail(message) {
+    this.node.classList.add("error");
+    this.textNode.textContent = this.text ? `${this.text}\n[${message}]` : `[${message}]`;
+  }
+
+  summary() {
+    const u = this.usage;
+    if (!u) return `Turn ${this.index}: done (the server sent no usage).`;
+    const cached = u.prompt_tokens_details?.cached_tokens ?? 0;
+    return `Turn ${this.index}: ${fmtInt(cached)} of ${fmtInt(u.prompt_tokens)} prompt tokens from the cache, first token after ${fmtMs(this.ttftMs ?? this.totalMs)}.`;
+  }
+
+  finish(totalMs) {
+    this.totalMs = totalMs;
+    if (!this.text) this.textNode.textContent = "(no text)";
+    const u = this.usage;
+    if (!u) {
+      this.meta.replaceChildren(el("p", { text: `total ${fmtMs(totalMs)}` }));
+      return;
+    }
+    const prompt = u.prompt_tokens;
+    const cached = u.prompt_tokens_details?.cached_tokens ?? 0;
+    const prefilled = Math.max(0, prompt - cached);
+    Object.assign(this.node.dataset, {
+      promptTokens: String(prompt),
+      cachedTokens: String(cached),
+      prefilledTokens: String(prefilled),
+      ttftMs: String(Math.round(this.ttftMs ?? totalMs)),
+    });
+    const bar = el("div", { class: "bar", role: "img", "aria-label": `${cached} cached and ${prefilled} prefilled prompt tokens` });
+    const cachedPart = el("span", { class: "cached" });
+    const prefilledPart = el("span", { class: "prefilled" });
+    // CSSOM, not a style attribute: the Content-Security-Policy forbids inline styles.
+    cachedPart.style.width = `${prompt ? (100 * cached) / prompt : 0}%`;
+    prefilledPart.style.width = `${prompt ? (100 * prefilled) / prompt : 0}%`;
+    bar.append(cachedPart, prefilledPart);
+    const t = this.timings;
+    const legend = el(
+      "ul",
+      { class: "legend" },
+      el("li", {}, el("span", { class: "swatch cached" }), el("span", { class: "n-cached", text: `${fmtInt(cached)} cached` })),
+      el("li", {}, el("span", { class: "swatch prefilled" }), el("span", { class: "n-prefilled", text: `${fmtInt(prefilled)} prefilled` })),
+      el("li", { text: `time to first token ${fmtMs(this.ttftMs ?? totalMs)}` }),
+      t ? el("li", { text: `prefill ${fmtMs(t.prefill_ms)} (${t.cache_hit})` }) : null,
+      el("li", { text: `${fmtInt(u.completion_tokens)} tokens in ${fmtMs(totalMs)}` }),
+    );
+    this.meta.replaceChildren(bar, legend);
+  }
+}

@@ -1,0 +1,223 @@
+// The cache dashboard: polls /cache/stats, /cache/slots and /cache/rows and redraws. Counts
+// come straight from the server; the two rates and the time saved are derived here.
+
+import { ApiError, getJSON, missingKey } from "./api.js";
+import { LineChart } from "./chart.js";
+import { el, fmtAgo, fmtBytes, fmtInt, fmtMs, fmtPercent, table } from "./format.js";
+
+const POLL_MS = 2000;
+const ROW_LIMIT = 200;
+const TIER_KEY = /^tier_(.+?)_(quota_bytes|bytes|rows)$/;
+
+/** Lookup hit rate from the cache's counters: hits / (hits + misses). */
+export function lookupHitRate(counters) {
+  const hits = (counters.hits_exact || 0) + (counters.hits_resume || 0) + (counters.hits_longest_prefix || 0);
+  const total = hits + (counters.misses || 0);
+  return total > 0 ? hits / total : Number.NaN;
+}
+
+/**
+ * Prompt tokens served from the cache, and prefill time they saved: each model's cached tokens
+ * times the time its prefilled tokens took on average (an estimate: prefill_ms also holds the
+ * restores, so it leans high on a very warm server).
+ */
+export function savings(models) {
+  let prompt = 0;
+  let cached = 0;
+  let savedMs = 0;
+  for (const m of models) {
+    prompt += m.prompt_tokens;
+    cached += m.cached_tokens;
+    const prefilled = m.prompt_tokens - m.cached_tokens;
+    if (prefilled > 0) savedMs += (m.cached_tokens * m.prefill_ms) / prefilled;
+  }
+  return { tokenRate: prompt > 0 ? cached / prompt : Number.NaN, savedMs };
+}
+
+/** Per-tier levels from the counters (rows, bytes, quota), in the server's tier order. */
+export function tierLevels(counters) {
+  const tiers = new Map();
+  for (const [key, value] of Object.entries(counters)) {
+    const match = TIER_KEY.exec(key);
+    if (!match) continue;
+    const tier = tiers.get(match[1]) || {};
+    tier[match[2]] = value;
+    tiers.set(match[1], tier);
+  }
+  return tiers;
+}
+
+export class Dashboard {
+  constructor(root) {
+    this.root = root;
+    this.status = root.querySelector("#dash-status");
+    this.tiersBody = root.querySelector("#tiers tbody");
+    this.slots = root.querySelector("#slots");
+    this.rows = root.querySelector("#rows");
+    this.rowsNote = root.querySelector("#rows-note");
+    const hits = root.querySelector("#chart-hits");
+    const saved = root.querySelector("#chart-saved");
+    hits.dataset.title = "Hit rate over time";
+    saved.dataset.title = "Prefill time saved over time";
+    this.hitChart = new LineChart(hits, [
+      { name: "lookups", colorVar: "--accent" },
+      { name: "prompt tokens", colorVar: "--cached" },
+    ], { fixedMax: 100, unit: " %" });
+    this.savedChart = new LineChart(saved, [{ name: "saved", colorVar: "--cached" }], {
+      unit: " s",
+      format: (s) => (s === 0 ? "0" : s >= 1 ? `${Number(s.toPrecision(3))} s` : `${Number((s * 1000).toPrecision(2))} ms`),
+    });
+    this.visible = false;
+    this.timer = null;
+    this.busy = false;
+    window.addEventListener("resize", () => this.redrawCharts());
+  }
+
+  show(visible) {
+    this.visible = visible;
+    if (visible) {
+      this.redrawCharts();
+      this.poll();
+    }
+  }
+
+  start() {
+    this.poll();
+  }
+
+  schedule() {
+    clearTimeout(this.timer);
+    this.timer = setTimeout(() => this.poll(), POLL_MS);
+  }
+
+  async poll() {
+    if (this.busy) return;
+    this.busy = true;
+    try {
+      // In the background, never prompt: only poll when a key is at hand (or none is needed).
+      if (!this.visible && missingKey("/cache/stats")) return;
+      const options = { interactive: this.visible };
+      const [stats, slots, rows] = await Promise.all([
+        getJSON("/cache/stats", options),
+        getJSON("/cache/slots", options),
+        this.visible ? getJSON(`/cache/rows?limit=${ROW_LIMIT}`, options) : Promise.resolve(null),
+      ]);
+      this.render(stats, slots.data, rows ? rows.data : null);
+      this.setStatus(`Updated ${new Date().toLocaleTimeString()}; every ${POLL_MS / 1000} s.`);
+    } catch (error) {
+      const message = error instanceof ApiError && error.status === 401 ? `${error.message} (use the Keys button)` : error.message;
+      this.setStatus(`Cannot read the cache: ${message}`, true);
+    } finally {
+      this.busy = false;
+      this.schedule();
+    }
+  }
+
+  setStatus(text, isError = false) {
+    this.status.textContent = text;
+    this.status.classList.toggle("error", isError);
+  }
+
+  render(stats, models, rows) {
+    const c = stats.counters;
+    const { tokenRate, savedMs } = savings(models);
+    const hitRate = lookupHitRate(c);
+    setStat("stat-rows", stats.rows, fmtInt);
+    setStat("stat-tokens", stats.tokens, fmtInt);
+    setStat("stat-bytes", stats.bytes, fmtBytes);
+    setStat("stat-hit-rate", hitRate, fmtPercent);
+    setStat("stat-token-rate", tokenRate, fmtPercent);
+    setStat("stat-saved", savedMs, fmtMs);
+    setStat("stat-dropped", c.saves_dropped || 0, fmtInt);
+    setStat("stat-failures", c.save_failures || 0, fmtInt);
+    setStat("stat-evictions", c.evictions || 0, (n) => `${fmtInt(n)} (${fmtBytes(c.evicted_bytes || 0)})`);
+
+    const now = Date.now();
+    this.hitChart.push(now, [hitRate * 100, tokenRate * 100]);
+    this.savedChart.push(now, [savedMs / 1000]);
+    this.redrawCharts();
+    this.renderTiers(c, stats.tiers || {});
+    this.renderSlots(models);
+    if (rows) this.renderRows(rows, stats.rows);
+  }
+
+  redrawCharts() {
+    if (!this.visible) return;
+    this.hitChart.draw();
+    this.savedChart.draw();
+  }
+
+  renderTiers(counters, tierStats) {
+    const rows = [];
+    for (const [name, level] of tierLevels(counters)) {
+      const quota = level.quota_bytes || 0;
+      const used = level.bytes || 0;
+      const extra = tierStats[name] || {};
+      const meter = el("meter", { min: "0", max: String(quota || 1), value: String(used), "aria-label": `${name} quota use` });
+      const ttl = Object.entries(extra.ttl_classes || {}).map(([k, n]) => `${k} ${n}`).join(", ");
+      rows.push(
+        el(
+          "tr",
+          { data: { tier: name } },
+          el("th", { scope: "row", text: name }),
+          el("td", { class: "num", text: fmtInt(level.rows || 0) }),
+          el("td", { class: "num", text: fmtInt(extra.tokens || 0) }),
+          el("td", { class: "num", text: fmtInt(extra.hits || 0) }),
+          el("td", { class: "num", text: fmtBytes(used) }),
+          el("td", { text: ttl || "–" }),
+          el("td", { class: "num", text: fmtBytes(quota) }),
+          el("td", {}, meter, ` ${quota ? fmtPercent(used / quota) : "–"}`),
+        ),
+      );
+    }
+    this.tiersBody.replaceChildren(...rows);
+  }
+
+  renderSlots(models) {
+    const parts = [];
+    for (const m of models) {
+      const cells = m.slots.map((s) => [
+        [String(s.seq)],
+        [s.phase],
+        [`${fmtInt(s.n_tokens)}${s.canonical !== s.n_tokens ? ` (${fmtInt(s.canonical)} aligned)` : ""}`, "num"],
+        [s.phase === "idle" ? "–" : `${fmtInt(s.prompt_tokens)} prompt · ${fmtInt(s.cached_tokens)} cached · ${fmtInt(s.generated)} generated · ${s.cache_hit}`],
+        [s.phase !== "idle" ? "now" : s.n_tokens ? fmtAgo(s.last_used) : "–"],
+      ]);
+      const caption = `${m.id}: ${m.state}, ${m.active}/${m.n_parallel} busy, ${m.queued} queued, ${fmtInt(m.requests)} requests`;
+      parts.push(table(caption, [["Slot"], ["Phase"], ["Holds (tokens)", "num"], ["Request"], ["Last used"]], cells, "no slots"));
+    }
+    this.slots.replaceChildren(...(parts.length ? parts : [el("p", { class: "hint", text: "No model is ready yet." })]));
+  }
+
+  renderRows(rows, total) {
+    this.rowsNote.textContent = rows.length < total ? `(the ${rows.length} most recently used of ${fmtInt(total)})` : "";
+    const byTier = new Map();
+    for (const r of rows) {
+      if (!byTier.has(r.tier)) byTier.set(r.tier, []);
+      byTier.get(r.tier).push(r);
+    }
+    const now = Date.now();
+    const parts = [...byTier].map(([tier, list]) =>
+      table(
+        `${tier} (${list.length})`,
+        [["Key"], ["Tokens", "num"], ["Hits", "num"], ["Bytes", "num"], ["TTL class"], ["Saved as"], ["Last used"]],
+        list.map((r) => [
+          [r.key.slice(0, 12)],
+          [fmtInt(r.n_tokens), "num"],
+          [fmtInt(r.hits), "num"],
+          [fmtBytes(r.bytes), "num"],
+          [r.ttl_class],
+          [r.reason],
+          [fmtAgo(r.last_used, now)],
+        ]),
+      ),
+    );
+    this.rows.replaceChildren(...(parts.length ? parts : [el("p", { class: "hint", text: "No rows yet: chat a little." })]));
+  }
+}
+
+function setStat(id, value, format) {
+  const node = document.getElementById(id);
+  node.textContent = format(value);
+  node.dataset.value = Number.isFinite(value) ? String(value) : "";
+}

@@ -1,0 +1,108 @@
+// Entry point: reads which keys the server wants, wires the key dialog, switches the two views.
+
+import { loadServerConfig, server, setKeyPrompt, storeKey, storedKey } from "./api.js";
+import { Chat } from "./chat.js";
+import { Dashboard } from "./dashboard.js";
+
+const LABELS = { api: "API key", admin: "Admin key" };
+
+/** The key dialog; concurrent askers share one prompt. */
+class KeyDialog {
+  constructor() {
+    this.dialog = document.getElementById("key-dialog");
+    this.form = document.getElementById("key-form");
+    this.input = document.getElementById("key-input");
+    this.label = document.getElementById("key-label");
+    this.reason = document.getElementById("key-reason");
+    this.pending = null;
+    this.resolve = null;
+    this.form.addEventListener("submit", (event) => {
+      event.preventDefault();
+      this.close(this.input.value.trim() || null);
+    });
+    document.getElementById("key-cancel").addEventListener("click", () => this.close(null));
+    document.getElementById("key-forget").addEventListener("click", () => {
+      storeKey("api", null);
+      storeKey("admin", null);
+      this.close(null);
+    });
+    this.dialog.addEventListener("cancel", () => this.close(null)); // Escape
+  }
+
+  ask(kind, reason) {
+    if (this.pending) return this.pending;
+    this.kind = kind;
+    this.label.textContent = LABELS[kind];
+    this.reason.textContent = reason;
+    this.input.value = "";
+    this.pending = new Promise((resolve) => {
+      this.resolve = resolve;
+    });
+    this.opener = document.activeElement;
+    this.dialog.showModal();
+    this.input.focus();
+    return this.pending;
+  }
+
+  close(value) {
+    if (this.dialog.open) this.dialog.close();
+    const resolve = this.resolve;
+    this.pending = null;
+    this.resolve = null;
+    if (this.opener && typeof this.opener.focus === "function") this.opener.focus();
+    if (resolve) resolve(value);
+  }
+}
+
+function setupViews(dashboard) {
+  const tabs = [
+    [document.getElementById("tab-chat"), document.getElementById("view-chat")],
+    [document.getElementById("tab-cache"), document.getElementById("view-cache")],
+  ];
+  const select = (name) => {
+    for (const [tab, view] of tabs) {
+      const on = view.id === `view-${name}`;
+      tab.setAttribute("aria-pressed", String(on));
+      view.hidden = !on;
+    }
+    dashboard.show(name === "cache");
+    if (location.hash !== `#${name}`) history.replaceState(null, "", `#${name}`);
+  };
+  tabs[0][0].addEventListener("click", () => select("chat"));
+  tabs[1][0].addEventListener("click", () => select("cache"));
+  window.addEventListener("hashchange", () => select(location.hash === "#cache" ? "cache" : "chat"));
+  select(location.hash === "#cache" ? "cache" : "chat");
+}
+
+async function main() {
+  const keys = new KeyDialog();
+  setKeyPrompt((kind, reason) => keys.ask(kind, reason));
+  document.getElementById("key-button").addEventListener("click", async () => {
+    const kind = server.adminKey && !server.apiKey ? "admin" : "api";
+    const entered = await keys.ask(kind, "Set the key this page sends (the admin key also works for chat).");
+    if (entered) storeKey(kind, entered);
+  });
+
+  const chat = new Chat(document.getElementById("view-chat"));
+  const dashboard = new Dashboard(document.getElementById("view-cache"));
+  try {
+    await loadServerConfig();
+  } catch (error) {
+    chat.setStatus(`Cannot reach the server: ${error.message}`, true);
+    return;
+  }
+  setupViews(dashboard);
+  if (server.apiKey && !storedKey("api") && !storedKey("admin")) {
+    const entered = await keys.ask("api", "This server needs an API key.");
+    if (entered) storeKey("api", entered);
+  }
+  await chat.loadModels();
+  dashboard.start();
+  document.body.dataset.ready = "true";
+}
+
+main().catch((error) => {
+  const status = document.getElementById("chat-status");
+  status.textContent = `The page failed to start: ${error.message}`;
+  status.classList.add("error");
+});

@@ -1,0 +1,247 @@
+"""The web page in a real headless Chromium (Playwright), against a live server on the
+embedded model: chat turns show their cached tokens, the dashboard follows the cache, keys are
+asked once, the page works from the keyboard and at phone width, with no console errors.
+
+Playwright drives the system's Chromium (``make browser`` installs Debian's when it can;
+Playwright's own browser download may be unreachable). Only a missing browser skips these
+tests. A failing test leaves a full-page screenshot in its ``tmp_path`` (the path is in the
+failure message).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, ConsoleMessage, Page, sync_playwright
+
+from kvwarm.settings import ModelSpec, Settings
+
+from .conftest import LOW_POLICY, LiveServer
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+TURN_TIMEOUT_MS = 180_000  # a turn prefills and decodes on 2 shared cores
+PHONE = {"width": 375, "height": 740}
+
+
+def chromium_path() -> str | None:
+    """``$KVWARM_CHROMIUM``, else ``chromium`` on the PATH, else Debian's path."""
+    for candidate in (
+        os.environ.get("KVWARM_CHROMIUM"),
+        shutil.which("chromium"),
+        "/usr/bin/chromium",
+    ):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def live_settings(cache_dir: Path, **overrides: object) -> Settings:
+    base = Settings(
+        models=(ModelSpec(),),
+        cache_dir=cache_dir,
+        n_ctx=1024,
+        n_batch=64,
+        policy=LOW_POLICY,
+        keepalive_interval_s=0,
+        default_max_tokens=8,
+    )
+    return base.replace(**overrides)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    path = chromium_path()
+    if path is None:
+        pytest.skip(
+            "no Chromium found ($KVWARM_CHROMIUM, chromium on PATH, /usr/bin/chromium); "
+            "`make browser` installs Debian's as root"
+        )
+    with sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=path, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    live = LiveServer(live_settings(tmp_path_factory.mktemp("webui") / "cache")).start()
+    try:
+        yield live
+    finally:
+        live.stop()
+
+
+class Console:
+    """Every console error and uncaught exception of a page."""
+
+    def __init__(self, page: Page) -> None:
+        self.errors: list[str] = []
+        page.on("console", self._on_console)
+        page.on("pageerror", lambda exc: self.errors.append(f"uncaught: {exc}"))
+
+    def _on_console(self, message: ConsoleMessage) -> None:
+        if message.type in ("error", "assert"):
+            self.errors.append(message.text)
+
+
+@contextmanager
+def screenshot_on_failure(page: Page, path: Path) -> Iterator[None]:
+    try:
+        yield
+    except BaseException as exc:
+        page.screenshot(path=str(path), full_page=True)
+        exc.add_note(f"screenshot of the page: {path}")
+        raise
+
+
+def open_page(browser: Browser, url: str, **context: object) -> tuple[Page, Console]:
+    page = browser.new_context(**context).new_page()  # type: ignore[arg-type]
+    console = Console(page)
+    page.goto(url)
+    return page, console
+
+
+def tab_to(page: Page, element_id: str, limit: int = 40) -> None:
+    """Press Tab until ``element_id`` has the focus: it must be reachable by keyboard."""
+    for _ in range(limit):
+        if page.evaluate("document.activeElement && document.activeElement.id") == element_id:
+            return
+        page.keyboard.press("Tab")
+    raise AssertionError(f"#{element_id} is not reachable with Tab")
+
+
+def stat(page: Page, element_id: str) -> float:
+    value = page.get_attribute(f"#{element_id}", "data-value")
+    return float(value) if value else float("nan")
+
+
+def wait_for(page: Page, predicate_js: str, arg: object = None, timeout: int = 30_000) -> None:
+    page.wait_for_function(predicate_js, arg=arg, timeout=timeout)
+
+
+def wait_rows_above(page: Page, n: float) -> None:
+    """Until the dashboard's row count (it polls every 2 s) exceeds ``n``."""
+    wait_for(page, "n => Number(document.getElementById('stat-rows').dataset.value) > n", n)
+
+
+def send_turn(page: Page, text: str, turn: int) -> dict[str, int]:
+    """Type a message and press Enter, keyboard only; the finished turn's numbers."""
+    tab_to(page, "tab-chat")
+    page.keyboard.press("Enter")
+    tab_to(page, "prompt")
+    page.keyboard.type(text)
+    page.keyboard.press("Enter")
+    selector = f"li.turn[data-turn='{turn}'][data-cached-tokens]"
+    page.wait_for_selector(selector, timeout=TURN_TIMEOUT_MS)
+    data = page.eval_on_selector(selector, "node => ({...node.dataset})")
+    return {k: int(v) for k, v in data.items() if k.endswith(("Tokens", "Ms"))}
+
+
+def show_dashboard(page: Page) -> None:
+    tab_to(page, "tab-cache")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#view-cache:not([hidden])")
+
+
+def test_two_turns_show_the_cache_at_work(
+    browser: Browser, server: LiveServer, tmp_path: Path
+) -> None:
+    page, console = open_page(browser, server.base_url + "/")
+    with screenshot_on_failure(page, tmp_path / "two-turns.png"):
+        page.wait_for_selector("body[data-ready='true']")
+        assert page.eval_on_selector_all("#model option", "o => o.length") == 1
+        page.fill("#max-tokens", "8")
+        page.fill("#temperature", "0")
+
+        show_dashboard(page)
+        wait_for(page, "() => document.getElementById('stat-rows').dataset.value !== undefined")
+        rows_at_start = stat(page, "stat-rows")
+        assert rows_at_start == 0  # a fresh cache directory
+
+        first = send_turn(page, "Name one colour of the sky.", 1)
+        assert first["promptTokens"] > 0 and first["ttftMs"] > 0
+        assert first["cachedTokens"] + first["prefilledTokens"] == first["promptTokens"]
+
+        show_dashboard(page)
+        wait_rows_above(page, rows_at_start)
+        rows_after_first = stat(page, "stat-rows")
+
+        second = send_turn(page, "And one colour of grass?", 2)
+        # The second turn's prompt starts with the whole first turn: the cache serves it.
+        assert second["cachedTokens"] > 0, second
+        assert second["promptTokens"] > first["promptTokens"]
+        bar = page.locator("li.turn[data-turn='2'] .bar .cached").bounding_box()
+        assert bar is not None and bar["width"] > 0  # the cached part of the bar is drawn
+        legend = page.inner_text("li.turn[data-turn='2'] .n-cached")
+        assert legend.startswith(f"{second['cachedTokens']:,} cached")
+
+        show_dashboard(page)
+        wait_rows_above(page, rows_after_first)
+        wait_for(page, "() => Number(document.getElementById('stat-token-rate').dataset.value) > 0")
+        # Every tier of the server is listed, and the slot that served us holds tokens.
+        assert page.locator("#tiers tbody tr[data-tier='disk']").count() == 1
+        assert page.locator("#slots table").count() == 1
+        assert page.locator("#rows table tbody tr").count() >= 1
+        chart_drawn = page.evaluate(
+            """() => { const c = document.getElementById('chart-hits');
+                       const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                       return d.some((v, i) => i % 4 === 3 && v > 0); }"""
+        )
+        assert chart_drawn
+        assert console.errors == []
+
+
+def test_phone_width_and_keyboard_focus(
+    browser: Browser, server: LiveServer, tmp_path: Path
+) -> None:
+    page, console = open_page(browser, server.base_url + "/", viewport=PHONE)
+    with screenshot_on_failure(page, tmp_path / "phone.png"):
+        page.wait_for_selector("body[data-ready='true']")
+        overflow = "() => document.documentElement.scrollWidth - window.innerWidth"
+        assert page.evaluate(overflow) <= 0
+        tab_to(page, "model")
+        outline = page.evaluate("getComputedStyle(document.activeElement).outlineStyle")
+        assert outline not in ("", "none")  # the focus is visible
+        show_dashboard(page)
+        wait_for(page, "() => document.getElementById('stat-rows').dataset.value !== undefined")
+        assert page.evaluate(overflow) <= 0
+        assert console.errors == []
+
+
+def test_the_api_key_is_asked_once_per_session(browser: Browser, tmp_path: Path) -> None:
+    live = LiveServer(live_settings(tmp_path / "cache", api_key="sesame")).start()
+    try:
+        page, console = open_page(browser, live.base_url + "/")
+        with screenshot_on_failure(page, tmp_path / "key.png"):
+            page.wait_for_selector("#key-dialog[open]")
+            assert page.evaluate("document.activeElement.id") == "key-input"
+            page.keyboard.type("sesame")
+            page.keyboard.press("Enter")
+            page.wait_for_selector("body[data-ready='true']")
+            assert page.eval_on_selector_all("#model option", "o => o.length") == 1
+            stored = page.evaluate("sessionStorage.getItem('kvwarm.apiKey')")
+            assert stored == "sesame"
+            page.reload()
+            page.wait_for_selector("body[data-ready='true']")
+            assert not page.is_visible("#key-dialog")  # kept for the session: not asked again
+            assert page.eval_on_selector_all("#model option", "o => o.length") == 1
+            assert console.errors == []
+    finally:
+        live.stop()
