@@ -20,9 +20,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "serve",
         help="run the OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, "
-        "/health, /metrics, /tokenize, /detokenize and /cache/* (stats, rows, prewarm, evict, "
-        "gc, verify). Defaults: the embedded model, a disk cache tier under the user cache "
-        "directory.",
+        "/health, /metrics, /tokenize, /detokenize, /cache/* (stats, rows, slots, prewarm, "
+        "evict, gc, verify) and a web page at / (a chat and a live cache dashboard). Defaults: "
+        "the embedded model, a disk cache tier under the user cache directory.",
     )
     add_settings(parser)
     parser.set_defaults(run=run)
