@@ -94,6 +94,7 @@ export class Dashboard {
     if (this.busy) return;
     this.busy = true;
     try {
+      if (document.hidden) return; // a background tab costs the server nothing
       // In the background, never prompt: only poll when a key is at hand (or none is needed).
       if (!this.visible && missingKey("/cache/stats")) return;
       const options = { interactive: this.visible };
