@@ -225,22 +225,34 @@ def test_phone_width_and_keyboard_focus(
         assert console.errors == []
 
 
-def test_the_api_key_is_asked_once_per_session(browser: Browser, tmp_path: Path) -> None:
-    live = LiveServer(live_settings(tmp_path / "cache", api_key="sesame")).start()
+def test_keys_are_asked_once_per_session(browser: Browser, tmp_path: Path) -> None:
+    settings = live_settings(tmp_path / "cache", api_key="sesame", admin_key="root")
+    live = LiveServer(settings).start()
     try:
-        page, console = open_page(browser, live.base_url + "/")
-        with screenshot_on_failure(page, tmp_path / "key.png"):
+        page, console = open_page(browser, live.base_url + "/#cache")
+        with screenshot_on_failure(page, tmp_path / "keys.png"):
+            # Asked before the first call (no 401 is ever provoked): the API key first ...
             page.wait_for_selector("#key-dialog[open]")
+            assert page.inner_text("#key-label") == "API key"
             assert page.evaluate("document.activeElement.id") == "key-input"
             page.keyboard.type("sesame")
             page.keyboard.press("Enter")
+            # ... then the admin key, which the dashboard's /cache/* calls need.
+            wait_for(page, "() => document.getElementById('key-label').textContent === 'Admin key'")
+            page.wait_for_selector("#key-dialog[open]")
+            page.keyboard.type("root")
+            page.keyboard.press("Enter")
             page.wait_for_selector("body[data-ready='true']")
+            wait_for(page, "() => document.getElementById('stat-rows').dataset.value === '0'")
             assert page.eval_on_selector_all("#model option", "o => o.length") == 1
-            stored = page.evaluate("sessionStorage.getItem('kvwarm.apiKey')")
-            assert stored == "sesame"
+            stored = page.evaluate(
+                "['kvwarm.apiKey', 'kvwarm.adminKey'].map(k => sessionStorage.getItem(k))"
+            )
+            assert stored == ["sesame", "root"]
             page.reload()
             page.wait_for_selector("body[data-ready='true']")
             assert not page.is_visible("#key-dialog")  # kept for the session: not asked again
+            wait_for(page, "() => document.getElementById('stat-rows').dataset.value === '0'")
             assert page.eval_on_selector_all("#model option", "o => o.length") == 1
             assert console.errors == []
     finally:

@@ -6,7 +6,7 @@ import { Dashboard } from "./dashboard.js";
 
 const LABELS = { api: "API key", admin: "Admin key" };
 
-/** The key dialog; concurrent askers share one prompt. */
+/** The key dialog: askers for the same kind share one prompt; other kinds wait their turn. */
 class KeyDialog {
   constructor() {
     this.dialog = document.getElementById("key-dialog");
@@ -14,7 +14,8 @@ class KeyDialog {
     this.input = document.getElementById("key-input");
     this.label = document.getElementById("key-label");
     this.reason = document.getElementById("key-reason");
-    this.pending = null;
+    this.waiting = new Map(); // kind -> Promise of the entered key (or null)
+    this.queue = Promise.resolve();
     this.resolve = null;
     this.form.addEventListener("submit", (event) => {
       event.preventDefault();
@@ -30,24 +31,30 @@ class KeyDialog {
   }
 
   ask(kind, reason) {
-    if (this.pending) return this.pending;
-    this.kind = kind;
+    const known = this.waiting.get(kind);
+    if (known) return known;
+    const answer = this.queue.then(() => this.show(kind, reason));
+    this.queue = answer;
+    this.waiting.set(kind, answer);
+    answer.then(() => this.waiting.delete(kind));
+    return answer;
+  }
+
+  show(kind, reason) {
     this.label.textContent = LABELS[kind];
     this.reason.textContent = reason;
     this.input.value = "";
-    this.pending = new Promise((resolve) => {
-      this.resolve = resolve;
-    });
     this.opener = document.activeElement;
     this.dialog.showModal();
     this.input.focus();
-    return this.pending;
+    return new Promise((resolve) => {
+      this.resolve = resolve;
+    });
   }
 
   close(value) {
     if (this.dialog.open) this.dialog.close();
     const resolve = this.resolve;
-    this.pending = null;
     this.resolve = null;
     if (this.opener && typeof this.opener.focus === "function") this.opener.focus();
     if (resolve) resolve(value);
@@ -91,11 +98,11 @@ async function main() {
     chat.setStatus(`Cannot reach the server: ${error.message}`, true);
     return;
   }
-  setupViews(dashboard);
   if (server.apiKey && !storedKey("api") && !storedKey("admin")) {
     const entered = await keys.ask("api", "This server needs an API key.");
     if (entered) storeKey("api", entered);
   }
+  setupViews(dashboard);
   await chat.loadModels();
   dashboard.start();
   document.body.dataset.ready = "true";
