@@ -5,7 +5,8 @@ Invariants: a replica is a plain ``Engine`` (the same settings, the same cache t
 ``Served`` first, then fragments, then exactly one ``Finished`` or ``Failed`` (``calls``); a
 cancelled call (the client left) cancels the engine stream. A replica reports, through
 ``record_routing_stats``, the chain hashes of the requests it finished (bounded, most recent
-first), its load and its recent time to first token: what ``routing`` decides by.
+first), its load and its recent time to first token: what ``routing`` decides by; the same
+call refreshes its load gauges in Ray's metrics (``gauges``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from kvwarm.cluster.calls import Failed, Finished, Generate, ModelOp, Served, StreamItem
+from kvwarm.cluster.gauges import ReplicaGauges
 from kvwarm.cluster.routing import WarmSet
 from kvwarm.errors import KvwarmError, UnknownModelError
 from kvwarm.settings import Settings, model_config
@@ -61,6 +63,7 @@ class EngineReplica:
             self.engine.close()
             raise
         self.warm = WarmSet(REPORTED_HASHES)
+        self.gauges = ReplicaGauges()
         self.ttft_ms: float | None = None
         self.in_flight = 0
         log.info("replica %s ready: %s", self.replica_id, ", ".join(self.models))
@@ -127,6 +130,7 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, object]:
         statuses = [m.status() for m in self.models.values()]
+        self.gauges.update(statuses)  # Ray asks every period: the gauges' refresh too
         return {
             "warm": self.warm.recent(),
             "in_flight": self.in_flight,
