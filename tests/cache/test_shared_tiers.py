@@ -198,8 +198,8 @@ def test_a_store_that_never_answers_costs_one_bounded_timeout() -> None:
             bucket="b-hole",
             endpoint_url=f"http://127.0.0.1:{port}",
             region="us-east-1",
-            connect_timeout_s=0.5,
-            read_timeout_s=0.5,
+            connect_timeout_s=2.0,
+            read_timeout_s=2.0,
             max_attempts=1,
             down_for_s=60.0,
         )
@@ -214,8 +214,8 @@ def test_a_store_that_never_answers_costs_one_bounded_timeout() -> None:
             with pytest.raises(CacheNetworkError):
                 tier.probe(key)
             second = time.monotonic() - t1
-        assert first < 10.0  # one read timeout (0.5 s), not an unbounded wait
-        assert second < 0.1  # down: no network at all
+        assert first < 20.0  # one read timeout (2 s), not an unbounded wait
+        assert second < 1.0  # down: answered at once, no timeout waited out
         tier.close()
 
 
