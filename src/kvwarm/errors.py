@@ -9,7 +9,8 @@ the server maps exception *types* to HTTP statuses, never message text.
     │   └── UnsafeCacheDirError                   a cache directory other users can write
     ├── InvalidRequestError    (also ValueError)  bad per-request options or inputs
     │   ├── ContextOverflowError                  prompt (+ generation) exceeds n_ctx
-    │   └── GrammarError                          GBNF / JSON schema that does not compile
+    │   ├── GrammarError                          GBNF / JSON schema that does not compile
+    │   └── FimNotSupportedError                  fill-in-the-middle on a model without FIM tokens
     ├── ModelNotFoundError                        no such model file / embedded model missing
     ├── UnknownModelError      (also KeyError)    no loaded model with that id
     ├── ModelExistsError                          a model id loaded twice
@@ -65,6 +66,10 @@ class ContextOverflowError(InvalidRequestError):
 
 class GrammarError(InvalidRequestError):
     """A GBNF grammar or JSON schema could not be compiled."""
+
+
+class FimNotSupportedError(InvalidRequestError):
+    """Fill-in-the-middle was asked of a model whose vocabulary has no FIM tokens."""
 
 
 class ModelNotFoundError(KvwarmError):

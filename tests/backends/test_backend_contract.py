@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from tests.backends.conftest import SMALL
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import (
@@ -407,3 +408,38 @@ def test_stub_never_loads_llama_cpp() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_logits_at_every_position(model: BackendModel, ctx: BackendContext) -> None:
+    """Prompt logprobs (echo) ask for every position's logits in one pass."""
+    tokens = model.tokenize("The quick brown fox jumps")[: SMALL.n_batch]
+    ctx.decode([BatchToken(t, i, 0, logits=True) for i, t in enumerate(tokens)])
+    rows = [np.frombuffer(ctx.logits(i), np.float32).copy() for i in range(len(tokens))]
+    assert all(len(r) == model.facts.n_vocab and np.isfinite(r).all() for r in rows)
+    assert not np.array_equal(rows[0], rows[-1])
+    assert np.array_equal(np.frombuffer(ctx.logits(-1), np.float32), rows[-1])
+    ctx.seq_rm(0)
+    ctx.prefill(0, tokens, 0)  # the same single-chunk pass, logits of the last row only
+    last = np.frombuffer(ctx.logits(), np.float32)
+    assert int(np.argmax(last)) == int(np.argmax(rows[-1]))
+    assert np.allclose(last, rows[-1], atol=1e-2)
+
+
+def test_fim_tokens(backend_name: str, model: BackendModel) -> None:
+    fim = model.facts.fim
+    if backend_name == "stub":
+        assert fim is None  # only a stub model whose path names "fim" has them
+        fim = get_backend("stub").load_model("stub-fim").facts.fim
+        assert fim is not None
+    else:
+        # The embedded SmolLM2-135M GGUF declares no FIM tokens (nor does llama.cpp find them
+        # by their text), so suffix / infill on it are refused (fim_not_supported).
+        assert fim is None
+        return
+    ids = [fim.pre, fim.suf, fim.mid]
+    assert len(set(ids)) == 3 and all(0 <= t < model.facts.n_vocab for t in ids)
+    for token in ids:
+        piece = model.token_to_piece(token, special=True)
+        assert piece and model.token_to_piece(token) == b""  # special: no text unless asked
+        assert token in model.tokenize(piece.decode(), add_special=False, parse_special=True)
+        assert token not in model.tokenize(piece.decode(), add_special=False)

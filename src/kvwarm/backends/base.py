@@ -134,6 +134,20 @@ class BatchToken:
 
 
 @dataclass(frozen=True, slots=True)
+class FimTokens:
+    """A vocabulary's fill-in-the-middle tokens (llama.cpp's ``llama_vocab_fim_*``): a model
+    with ``pre``, ``suf`` and ``mid`` can infill; ``rep``/``sep`` (repository and file
+    separators, for extra context files) and ``pad`` may be absent."""
+
+    pre: int
+    suf: int
+    mid: int
+    pad: int | None = None
+    rep: int | None = None
+    sep: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ModelFacts:
     """Static facts about loaded weights."""
 
@@ -152,6 +166,7 @@ class ModelFacts:
     add_bos: bool
     chat_template: str | None
     metadata: Mapping[str, str]
+    fim: FimTokens | None = None  # None: the model cannot fill in the middle
 
 
 @runtime_checkable

@@ -22,12 +22,12 @@ import ctypes
 import functools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from kvwarm.backends import _checks, _native
 from kvwarm.backends._lifetime import Lifetime
-from kvwarm.backends.base import ContextParams, ModelFacts, ModelParams, SamplingParams
+from kvwarm.backends.base import ContextParams, FimTokens, ModelFacts, ModelParams, SamplingParams
 from kvwarm.backends.chat_template import render_chat
 from kvwarm.backends.llama_adapter import LlamaAdapter
 from kvwarm.backends.llama_context import LlamaContext
@@ -155,6 +155,29 @@ class LlamaModel:
             add_bos=bool(lib.llama_vocab_get_add_bos(self._vocab)),
             chat_template=raw_template.decode("utf-8", errors="replace") if raw_template else None,
             metadata=metadata,
+            fim=self._fim_tokens(),
+        )
+
+    def _fim_tokens(self) -> FimTokens | None:
+        """llama.cpp's FIM tokens (from the GGUF, or recognised by their text at load)."""
+        lib, vocab = self._lib, self._vocab
+
+        def token(fn: Callable[[object], int]) -> int | None:
+            t = int(fn(vocab))
+            return t if 0 <= t < self._n_vocab else None  # LLAMA_TOKEN_NULL is -1
+
+        pre = token(lib.llama_vocab_fim_pre)
+        suf = token(lib.llama_vocab_fim_suf)
+        mid = token(lib.llama_vocab_fim_mid)
+        if pre is None or suf is None or mid is None:
+            return None
+        return FimTokens(
+            pre,
+            suf,
+            mid,
+            pad=token(lib.llama_vocab_fim_pad),
+            rep=token(lib.llama_vocab_fim_rep),
+            sep=token(lib.llama_vocab_fim_sep),
         )
 
     @property

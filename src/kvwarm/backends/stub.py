@@ -1,11 +1,13 @@
 """A deterministic, pure-Python backend with the same protocol and errors as llama.cpp.
 
 Model: byte-level. Token ``b + 3`` is the byte ``b``; 0 is ``<unk>``, 1 is BOS ``<s>``, 2 is
-EOS ``</s>``. Each KV cell of a sequence holds ``(pos, token, h)`` where ``h`` chains the
-previous cell's ``h`` with ``(token, pos)`` — so a cell depends on the whole prefix, exactly as
-real KV does, and a restore + prefill is "bit-identical" to cold iff the prefix matches. Logits
-are a pure function of the last cell's ``h`` (and the attached adapters), so greedy output
-depends on the prompt; after a ``!`` the EOS token wins, so generations end.
+EOS ``</s>``; fill-in-the-middle tokens follow the bytes, and a model whose path names ``fim``
+reports them (``ModelFacts.fim``), like a GGUF of a code model. Each KV cell of a sequence
+holds ``(pos, token, h)`` where ``h`` chains the previous cell's ``h`` with ``(token, pos)`` —
+so a cell depends on the whole prefix, exactly as real KV does, and a restore + prefill is
+"bit-identical" to cold iff the prefix matches. Logits are a pure function of the last cell's
+``h`` (and the attached adapters), so greedy output depends on the prompt; after a ``!`` the
+EOS token wins, so generations end.
 
 Invariants: no native code, no randomness outside seeded samplers; every check the llama.cpp
 backend makes (``_checks``) is made here too, with the same exception types; lifetimes follow
@@ -25,6 +27,7 @@ from kvwarm.backends import _checks
 from kvwarm.backends._lifetime import Lifetime
 from kvwarm.backends.base import (
     ContextParams,
+    FimTokens,
     ModelFacts,
     ModelParams,
     Sampler,
@@ -34,7 +37,22 @@ from kvwarm.backends.chat_template import render_chat
 from kvwarm.backends.stub_adapter import StubAdapter
 from kvwarm.backends.stub_context import CELL, StubContext
 from kvwarm.backends.stub_sampler import StubSampler
-from kvwarm.backends.stub_vocab import BOS, EOS, N_EMBD, N_VOCAB, OFFSET, UNK
+from kvwarm.backends.stub_vocab import (
+    BOS,
+    EOS,
+    FIM_MID,
+    FIM_PAD,
+    FIM_PRE,
+    FIM_REP,
+    FIM_SEP,
+    FIM_SUF,
+    FIM_TEXT,
+    N_BYTE_TOKENS,
+    N_EMBD,
+    N_VOCAB,
+    OFFSET,
+    UNK,
+)
 from kvwarm.errors import (
     AdapterError,
     ModelLoadError,
@@ -43,7 +61,7 @@ from kvwarm.unicode import encode_utf8
 
 log = logging.getLogger(__name__)
 
-_SPECIAL_TEXT = {BOS: "<s>", EOS: "</s>"}
+_SPECIAL_TEXT = {BOS: "<s>", EOS: "</s>", **FIM_TEXT}
 
 STUB_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -112,6 +130,11 @@ class StubModel:
             add_bos=True,
             chat_template=STUB_CHAT_TEMPLATE,
             metadata={"general.architecture": "stub", "general.name": "kvwarm-stub"},
+            fim=(
+                FimTokens(FIM_PRE, FIM_SUF, FIM_MID, FIM_PAD, FIM_REP, FIM_SEP)
+                if "fim" in Path(path).name
+                else None
+            ),
         )
         self._life = Lifetime("model", lambda: None)
 
@@ -171,7 +194,7 @@ class StubModel:
 
     @staticmethod
     def _piece(token: int, special: bool) -> bytes:
-        if token >= OFFSET:
+        if OFFSET <= token < N_BYTE_TOKENS:
             return bytes([token - OFFSET])
         return _SPECIAL_TEXT.get(token, "").encode() if special else b""
 

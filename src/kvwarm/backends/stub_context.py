@@ -29,7 +29,7 @@ from kvwarm.backends.base import (
     ContextParams,
 )
 from kvwarm.backends.stub_adapter import StubAdapter
-from kvwarm.backends.stub_vocab import EOS, N_EMBD, N_VOCAB, OFFSET
+from kvwarm.backends.stub_vocab import EOS, N_BYTE_TOKENS, N_EMBD, N_VOCAB, OFFSET
 from kvwarm.errors import (
     AdapterError,
     InvalidRequestError,
@@ -303,7 +303,8 @@ class StubContext:
 
     def _fake_logits(self, token: int, h: int) -> npt.NDArray[np.float32]:
         rng = np.random.default_rng(h ^ self._salt)
-        logits = rng.standard_normal(N_VOCAB).astype(np.float32)
+        logits = np.full(N_VOCAB, -30.0, dtype=np.float32)  # FIM tokens: never sampled
+        logits[:N_BYTE_TOKENS] = rng.standard_normal(N_BYTE_TOKENS)
         logits[OFFSET + 32 : OFFSET + 127] += 3.0  # printable ASCII wins, so output is readable
         if token == OFFSET + ord("!"):
             logits[EOS] = 20.0
