@@ -5,7 +5,9 @@ Invariants: the plan comes from ``planner.choose`` (pure); this module only carr
 never decides how much KV to reuse itself. A request's namespace (the model's, with the
 request's cache salt folded in) is fixed here, when it is admitted, and recorded on its slot.
 Whatever goes wrong, no slot stays taken: a failed restore falls back to a cold prefill, any
-other failure answers the request (``docs/architecture.md``, "Engine").
+other failure answers the request and its forks (``docs/architecture.md``, "Engine"). A request
+asking for prompt logprobs reuses no KV: every prompt position needs its logits, and restored KV
+has none.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvwarm.backends.base import Sampler
 from kvwarm.cache.key import salted_namespace
 from kvwarm.cache.policy import probe_lengths
 from kvwarm.cache.types import Namespace
+from kvwarm.engine.forks import Forks
 from kvwarm.engine.outcomes import Outcomes
 from kvwarm.engine.planner import (
     Plan,
@@ -30,7 +33,6 @@ from kvwarm.engine.planner import (
 )
 from kvwarm.engine.request import Failed, Request
 from kvwarm.engine.runtime import Runtime
-from kvwarm.engine.sampling import Sampling
 from kvwarm.engine.saves import Saves
 from kvwarm.engine.slots import Active, Slot
 from kvwarm.engine.text import TextAssembler
@@ -41,9 +43,9 @@ log = logging.getLogger(__name__)
 
 
 class Admission:
-    def __init__(self, rt: Runtime, sampling: Sampling, outcomes: Outcomes, saves: Saves) -> None:
+    def __init__(self, rt: Runtime, forks: Forks, outcomes: Outcomes, saves: Saves) -> None:
         self.rt = rt
-        self.sampling = sampling
+        self.forks = forks
         self.outcomes = outcomes
         self.saves = saves
 
@@ -63,11 +65,11 @@ class Admission:
             log.exception("worker %s: admission failed", self.rt.name)
             err = BackendError(f"admission failed: {exc!r}")
             err.__cause__ = exc
-        for slot in self.rt.slots:
-            if slot.active is not None and slot.active.req is req:
-                self.outcomes.fail(slot, err)
-                return
-        req.channel.put(Failed(err))
+        for one in req.group:
+            for slot in self.rt.slots:
+                if slot.active is not None and slot.active.req is one:
+                    self.outcomes.fail(slot, err)
+            one.answer(Failed(err))  # a no-op for one answered just now
 
     def _plan(self, req: Request, free: Sequence[Slot]) -> tuple[Slot, Plan, Namespace]:
         rt = self.rt
@@ -85,6 +87,8 @@ class Admission:
         match = rt.cache.longest_prefix(ns, req.prompt_tokens, probe_lengths=probes)
         rt.cache.record_latency("lookup", time.perf_counter() - t0)
         row = None
+        if req.options.prompt_logprobs is not None:
+            match = None  # every position's logits are needed: prefill from the start
         if match is not None:
             info = match.row
             row = RowCandidate(
@@ -99,19 +103,28 @@ class Admission:
             deterministic=req.deterministic,
             namespace=ns,
         )
+        if req.options.prompt_logprobs is not None:
+            plan = Plan("none", 0)
         return slot, plan, ns
 
     def _start(self, req: Request, free: Sequence[Slot]) -> None:
         slot, plan, ns = self._plan(req, free)
         n = len(req.prompt_tokens)
-        banned = self.rt.eog_tokens() if req.options.ignore_eos else ()
-        sampler = self.rt.model.new_sampler(req.options.sampling(req.grammar, banned))
+        samplers: list[Sampler] = []
         try:
+            for one in req.group:
+                banned = self.rt.eog_tokens() if one.options.ignore_eos else ()
+                params = one.options.sampling(one.grammar, banned)
+                samplers.append(self.rt.model.new_sampler(params))
             keep, logits_from_row = self._apply(slot, plan, req)
         except Exception:
-            sampler.close()
+            for made in samplers:
+                made.close()
             self.rt.reset_seq(slot)
             raise
+        sampler, fork_samplers = samplers[0], samplers[1:]
+        fork_slots = self.forks.pick(slot, free, len(req.forks))
+        self.forks.seat(fork_slots, list(zip(req.forks, fork_samplers, strict=True)), ns)
         hit: CacheHitKind
         if keep == 0:
             hit = "cold"
@@ -121,7 +134,7 @@ class Admission:
             hit = "exact"
         else:
             hit = "partial"
-        self._seat(slot, req, ns, sampler, keep, hit, logits_from_row)
+        self._seat(slot, req, ns, sampler, keep, hit, logits_from_row, fork_slots)
 
     def _seat(
         self,
@@ -132,6 +145,7 @@ class Admission:
         keep: int,
         hit: CacheHitKind,
         logits_from_row: bytes | None,
+        forks: list[Slot],
     ) -> None:
         n = len(req.prompt_tokens)
         active = Active(
@@ -145,6 +159,7 @@ class Admission:
             hit_kind=hit,
             admitted=time.perf_counter(),
             last_continued=n,  # continued saves count generated tokens from the prompt's end
+            forks=forks,
         )
         slot.active = active
         slot.kv_namespace = ns  # whatever KV the slot holds from now on was computed under ns
@@ -154,7 +169,7 @@ class Admission:
             active.prefill_done = time.perf_counter()
             slot.phase = "generate"
             try:
-                self.sampling.on_logits(slot, None, logits_from_row)
+                self.forks.prefilled(slot, None, logits_from_row)
             except KvwarmError as exc:
                 self.outcomes.fail(slot, exc)
 

@@ -26,6 +26,7 @@ from kvwarm.engine.chat import chat_tokens
 from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.embeddings import Embedder
 from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
+from kvwarm.engine.infill import ExtraFile, fim_tokens
 from kvwarm.engine.options import GenerationOverrides, merge_options
 from kvwarm.engine.request import Request, RequestKind, check_length, check_tokens
 from kvwarm.engine.stream import CompletionStream
@@ -38,7 +39,7 @@ from kvwarm.engine.types import (
     ModelStatus,
 )
 from kvwarm.engine.worker import Worker, WorkerConfig
-from kvwarm.errors import EngineClosedError
+from kvwarm.errors import EngineClosedError, InvalidRequestError
 
 if TYPE_CHECKING:
     from kvwarm.engine.engine import Engine
@@ -163,6 +164,7 @@ class Model:
             kv_cells_used=self._worker.kv_cells_used,
             kv_cells=self.config.context.n_ctx,
             slots=self._worker.slot_statuses(),
+            prefilled_tokens=s.prefilled_tokens,
         )
 
     # ---- text ---------------------------------------------------------------------------
@@ -221,6 +223,38 @@ class Model:
         opts = merge_options(options, overrides)
         tokens, text = self._prompt_tokens(prompt, opts)
         return self._submit(tokens, opts, text, fragments=False)
+
+    def streams(
+        self,
+        prompt: Prompt,
+        options: GenerationOptions | None = None,
+        *,
+        n: int,
+        fragments: bool = True,
+        **overrides: Unpack[GenerationOverrides],
+    ) -> list[CompletionStream]:
+        """``n`` choices for one prompt, prefilled once (``engine/forks.py``): one stream
+        each. Choice ``i`` samples with ``seed + i`` when a seed is given (else each draws
+        its own). ``fragments=False``: the streams yield nothing and end with the result.
+        ``n`` may not exceed ``n_parallel`` (``InvalidRequestError``)."""
+        opts = merge_options(options, overrides)
+        tokens, text = self._prompt_tokens(prompt, opts)
+        return self._submit_n(tokens, opts, text, n, fragments)
+
+    def chat_streams(
+        self,
+        messages: Sequence[Message],
+        *,
+        n: int,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        options: GenerationOptions | None = None,
+        fragments: bool = True,
+        **overrides: Unpack[GenerationOverrides],
+    ) -> list[CompletionStream]:
+        """``streams`` for a chat."""
+        opts = merge_options(options, overrides)
+        tokens, text = self.chat_tokens(messages, tools=tools)
+        return self._submit_n(tokens, opts, text, n, fragments)
 
     def chat(
         self,
@@ -297,6 +331,33 @@ class Model:
             self._bmodel, messages, tools=tools, add_generation_prompt=add_generation_prompt
         )
 
+    def _submit_n(
+        self, tokens: tuple[int, ...], opts: GenerationOptions, text: str, n: int, fragments: bool
+    ) -> list[CompletionStream]:
+        limit = self.config.n_parallel
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
+            raise InvalidRequestError(
+                f"n must be between 1 and {limit} (this model's n_parallel slots); got {n!r}",
+                param="n",
+            )
+        choice_opts = [
+            opts if opts.seed is None else replace(opts, seed=(opts.seed + i) & 0xFFFFFFFF)
+            for i in range(n)
+        ]
+        first = self._submit(tokens, opts, text, fragments=fragments, n_options=choice_opts)
+        forks = first.request.forks
+        return [first] + [CompletionStream(fork, self._worker.cancel) for fork in forks]
+
+    def infill_tokens(
+        self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
+    ) -> list[int]:
+        """The fill-in-the-middle prompt for the text between ``prefix`` (then ``prompt``)
+        and ``suffix``, with ``extra`` files as context (``engine/infill.py``); generate from
+        it with ``complete``/``stream``. ``FimNotSupportedError`` if the model has no FIM
+        tokens."""
+        self._check_ready()
+        return fim_tokens(self._bmodel, prefix, suffix, prompt=prompt, extra=extra)
+
     def _check_ready(self) -> None:
         if self._state != "ready":
             raise EngineClosedError(f"model {self.id!r} is {self._state}")
@@ -310,7 +371,9 @@ class Model:
         ttl: TtlClass = TtlClass.SHORT,
         *,
         fragments: bool = True,
+        n_options: Sequence[GenerationOptions] = (),
     ) -> CompletionStream:
+        """Queue one request; with ``n_options`` (n > 1) its forks take ``n_options[1:]``."""
         self._check_ready()
         check_length(tokens, self.config.context.n_ctx)
         grammar = opts.grammar
@@ -336,6 +399,17 @@ class Model:
             ttl_class=ttl,
             prompt_text=text,
             fragments=fragments,
+            forks=tuple(
+                Request(
+                    prompt_tokens=tokens,
+                    options=fork_opts,
+                    grammar=grammar,
+                    deterministic=deterministic,
+                    prompt_text=text,
+                    fragments=fragments,
+                )
+                for fork_opts in n_options[1:]
+            ),
         )
         if grammar is not None or opts.logit_bias:
             # Build once here so a bad grammar or bias is the caller's error, not the worker's.

@@ -35,6 +35,7 @@ class GenerationOverrides(TypedDict, total=False):
     add_special: bool
     parse_special: bool
     logprobs: int | None
+    prompt_logprobs: int | None
     logit_bias: Mapping[int, float] | None
     ignore_eos: bool
     cache_salt: str | None

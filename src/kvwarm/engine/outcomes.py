@@ -2,7 +2,9 @@
 cancelled before it started.
 
 Invariant: every request gets exactly one final event on its channel (``Done`` or
-``Failed``), and the slot it held is free afterwards (``docs/architecture.md``, "Engine").
+``Failed``), and the slot it held is free afterwards (``docs/architecture.md``, "Engine"). A
+request that leaves before its prompt KV was forked takes its waiting forks (``n > 1``) with it:
+they are cancelled or failed alike, never left waiting.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import time
 
 from kvwarm.cache.policy import should_finish_save
 from kvwarm.cache.types import SaveReason
-from kvwarm.engine.request import Done, Failed, Request
+from kvwarm.engine.request import Done, Failed, Fragment, Request
 from kvwarm.engine.runtime import Runtime
 from kvwarm.engine.saves import Saves
 from kvwarm.engine.slots import Slot
@@ -27,10 +29,13 @@ class Outcomes:
     def finish(self, slot: Slot, reason: FinishReason, logits: bytes | None) -> None:
         act = slot.active
         assert act is not None
+        for waiting in self._take_forks(slot):
+            self.finish(waiting, "cancelled", None)
         now = time.perf_counter()
         tail = act.assembler.finish()
-        if tail and act.req.fragments:
-            act.req.channel.put(tail)
+        rest = act.unsent_logprobs()
+        if (tail or rest) and act.req.fragments:
+            act.req.channel.put(Fragment(tail, rest))
         key: bytes | None = None
         # A cancelled prefill leaves a partial, unaligned prompt: not worth a row.
         if slot.phase == "generate" and should_finish_save(len(slot.kv_tokens), self.rt.cfg.policy):
@@ -57,17 +62,30 @@ class Outcomes:
             completion_tokens=tuple(act.generated),
             stats=stats,
             logprobs=tuple(act.logprobs) if act.req.options.logprobs is not None else None,
+            prompt_logprobs=(
+                tuple(act.prompt_logprobs) if act.req.options.prompt_logprobs is not None else None
+            ),
         )
         slot.active = None
         slot.phase = "idle"
         slot.last_used = time.monotonic()
         self.rt.publish()
-        act.req.channel.put(Done(completion))
+        act.req.answer(Done(completion))
+
+    def _take_forks(self, slot: Slot) -> list[Slot]:
+        """The slots still waiting for ``slot``'s prompt KV; they are no longer its forks."""
+        act = slot.active
+        assert act is not None
+        forks = [s for s in act.forks if s.active is not None and s.active.req in act.req.forks]
+        act.forks = []
+        return forks
 
     def fail(self, slot: Slot, exc: BaseException) -> None:
         act = slot.active
         if act is None:
             return
+        for waiting in self._take_forks(slot):
+            self.fail(waiting, exc)
         act.sampler.close()
         slot.active = None
         slot.phase = "idle"
@@ -76,14 +94,14 @@ class Outcomes:
         except KvwarmError:
             slot.reset_kv()
         self.rt.publish()
-        act.req.channel.put(Failed(exc))
+        act.req.answer(Failed(exc))
 
     def fail_all_active(self, exc: BaseException) -> None:
         for slot in self.rt.slots:
             self.fail(slot, exc)
 
     def cancelled_unstarted(self, req: Request) -> None:
-        """A request cancelled while still queued: a cold, empty ``Done``."""
+        """A request (and its forks) cancelled while still queued: a cold, empty ``Done``."""
         now = time.perf_counter()
         stats = CompletionStats(
             prompt_tokens=len(req.prompt_tokens),
@@ -96,4 +114,5 @@ class Outcomes:
             finish_reason="cancelled",
             key=None,
         )
-        req.channel.put(Done(Completion("", req.prompt_tokens, (), stats)))
+        for one in req.group:
+            one.answer(Done(Completion("", req.prompt_tokens, (), stats)))

@@ -1,8 +1,11 @@
 """A request as the worker sees it, the checks it passes before it is queued, and the events
 it sends back to its caller.
 
-Invariant: a queued request's prompt is non-empty, leaves room for one generated token, and
+Invariants: a queued request's prompt is non-empty, leaves room for one generated token, and
 holds only valid token ids, so the worker never has to refuse one (``docs/architecture.md``).
+A request is answered once: ``answer`` puts the first final event (``Done`` or ``Failed``) and
+ignores any later one. A request with ``forks`` (``n > 1``) is queued alone; its forks share
+its prompt and are seated and answered by the worker with it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Literal
 
 from kvwarm.cache.types import TtlClass
 from kvwarm.engine.channel import Channel
-from kvwarm.engine.types import Completion, GenerationOptions
+from kvwarm.engine.types import Completion, GenerationOptions, TokenLogprob
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
 
 RequestKind = Literal["generate", "prewarm"]
@@ -31,7 +34,24 @@ class Failed:
     error: BaseException
 
 
-Event = str | Done | Failed
+@dataclass(frozen=True, slots=True)
+class Fragment:
+    """Text that is now safe to show, with the logprobs of the tokens generated since the
+    last fragment (empty unless logprobs were asked for). The text may be empty when a token's
+    text is still held back (a partial character or stop string) but its logprob is not."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """Sent once the prompt is prefilled, when prompt logprobs were asked for."""
+
+    prompt_logprobs: tuple[TokenLogprob, ...]
+
+
+Event = Fragment | Prefilled | Done | Failed
 
 
 @dataclass(slots=True, eq=False)
@@ -46,9 +66,25 @@ class Request:
     # False for complete()/chat(): only the final event is sent, so the caller's thread is
     # not woken once per token (on few cores that wake-up steals time from the decode).
     fragments: bool = True
+    # n > 1: the other choices. They share this prompt; the worker seats them with this
+    # request and copies its prompt KV to them once it is prefilled (``engine/forks.py``).
+    forks: tuple[Request, ...] = ()
     channel: Channel[Event] = field(default_factory=Channel)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    answered: bool = False
+
+    def answer(self, event: Done | Failed) -> None:
+        """Send the final event, once; a later one is dropped."""
+        if self.answered:
+            return
+        self.answered = True
+        self.channel.put(event)
+
+    @property
+    def group(self) -> tuple[Request, ...]:
+        """This request and its forks, in choice order."""
+        return (self, *self.forks)
 
 
 def check_tokens(tokens: Sequence[int], n_vocab: int, *, param: str = "prompt") -> list[int]:

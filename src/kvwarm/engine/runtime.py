@@ -43,6 +43,7 @@ class WorkerStats:
     prefill_ms: float = 0.0
     generation_ms: float = 0.0
     ticks: int = 0
+    prefilled_tokens: int = 0  # prompt tokens run through the model (not restored or forked)
     hits: dict[str, int] = field(default_factory=lambda: {"exact": 0, "partial": 0, "cold": 0})
 
     def account(self, st: CompletionStats) -> None:

@@ -8,15 +8,13 @@ token that reaches ``max_tokens`` is reported but never decoded (``docs/architec
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
+from kvwarm.engine.logprobs import token_logprob
 from kvwarm.engine.outcomes import Outcomes
+from kvwarm.engine.request import Fragment
 from kvwarm.engine.runtime import Runtime
 from kvwarm.engine.slots import Slot
-from kvwarm.engine.text import piece_text
-from kvwarm.engine.types import TokenLogprob
 from kvwarm.errors import KvwarmError
 
 
@@ -47,14 +45,15 @@ class Sampling:
             assert row is not None
             token = act.sampler.sample(rt.ctx, row)
         if lp_source is not None:
-            act.logprobs.append(self._logprob(token, lp_source, opts.logprobs or 0))
+            act.logprobs.append(token_logprob(rt.model, lp_source, token, opts.logprobs or 0))
         if rt.model.is_eog(token):
             self.outcomes.finish(slot, "stop", self._logits_bytes(row, stored))
             return
         act.generated.append(token)
         fragment = act.assembler.feed(rt.model.token_to_piece(token))
         if fragment and act.req.fragments:
-            act.req.channel.put(fragment)
+            # A token whose text is held back keeps its logprob until text goes out with it.
+            act.req.channel.put(Fragment(fragment, act.unsent_logprobs()))
         if act.assembler.stopped:
             self.outcomes.finish(slot, "stop", self._logits_bytes(row, stored))
             return
@@ -73,17 +72,3 @@ class Sampling:
             return bytes(self.rt.ctx.logits(row))
         except KvwarmError:
             return None
-
-    def _logprob(self, token: int, logits: np.ndarray, top_n: int) -> TokenLogprob:
-        m = float(logits.max())
-        lse = m + math.log(float(np.exp(logits - m).sum()))
-        top: tuple[tuple[int, str, float], ...] = ()
-        if top_n > 0:
-            idx = np.argpartition(-logits, top_n)[:top_n]
-            idx = idx[np.argsort(-logits[idx])]
-            top = tuple((int(i), self._piece_text(int(i)), float(logits[i]) - lse) for i in idx)
-        return TokenLogprob(token, self._piece_text(token), float(logits[token]) - lse, top)
-
-    def _piece_text(self, token: int) -> str:
-        # Byte-level tokens of a longer character are not text on their own: name their bytes.
-        return piece_text(self.rt.model.token_to_piece(token))

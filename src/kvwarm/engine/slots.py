@@ -38,7 +38,16 @@ class Active:
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # sampled, not yet decoded
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs_sent: int = 0  # how many of ``logprobs`` went out with a fragment
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     last_continued: int = 0  # live KV length at the last continued save
+    forks: list[Slot] = field(default_factory=list)  # slots waiting for this prompt's KV
+
+    def unsent_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The logprobs not yet sent with a fragment; marks them sent."""
+        out = tuple(self.logprobs[self.logprobs_sent :])
+        self.logprobs_sent = len(self.logprobs)
+        return out
 
     @property
     def deterministic(self) -> bool:

@@ -1,15 +1,16 @@
 """``CompletionStream``: text fragments of one request, consumed sync or async, ending in stats.
 
 Invariant: every stream ends, exactly once, with either a ``Completion`` (also after
-``cancel()``, with ``finish_reason == "cancelled"``) or the exception that failed it.
+``cancel()``, with ``finish_reason == "cancelled"``) or the exception that failed it. The
+fragments' logprobs, concatenated, are the completion's logprobs.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from kvwarm.engine.request import Done, Failed, Request
-from kvwarm.engine.types import Completion
+from kvwarm.engine.request import Done, Event, Failed, Fragment, Prefilled, Request
+from kvwarm.engine.types import Completion, TokenLogprob
 
 
 class CompletionStream:
@@ -20,6 +21,13 @@ class CompletionStream:
         self._on_cancel = on_cancel
         self._completion: Completion | None = None
         self._error: BaseException | None = None
+        self.prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+        """Set once the prompt is prefilled, when prompt logprobs were asked for."""
+
+    @property
+    def request(self) -> Request:
+        """The engine request behind this stream (its forks, for ``n > 1``)."""
+        return self._req
 
     @property
     def completion(self) -> Completion | None:
@@ -39,18 +47,22 @@ class CompletionStream:
 
     def __iter__(self) -> Iterator[str]:
         while not self.done:
-            item = self._req.channel.get()
-            text = self._route(item)
-            if text:
-                yield text
+            item = self._route(self._req.channel.get())
+            if item is not None and item.text:
+                yield item.text
         self._raise_if_failed()
 
     async def __aiter__(self) -> AsyncIterator[str]:
+        async for item in self.afragments():
+            if item.text:
+                yield item.text
+
+    async def afragments(self) -> AsyncIterator[Fragment]:
+        """Every fragment with its logprobs, including those whose text is still empty."""
         while not self.done:
-            item = await self._req.channel.aget()
-            text = self._route(item)
-            if text:
-                yield text
+            item = self._route(await self._req.channel.aget())
+            if item is not None:
+                yield item
         self._raise_if_failed()
 
     def result(self) -> Completion:
@@ -61,17 +73,20 @@ class CompletionStream:
         return self._completion
 
     async def aresult(self) -> Completion:
-        async for _ in self:
+        async for _ in self.afragments():
             pass
         assert self._completion is not None
         return self._completion
 
-    def _route(self, item: str | Done | Failed) -> str | None:
+    def _route(self, item: Event) -> Fragment | None:
         if isinstance(item, Done):
             self._completion = item.completion
             return None
         if isinstance(item, Failed):
             self._error = item.error
+            return None
+        if isinstance(item, Prefilled):
+            self.prompt_logprobs = item.prompt_logprobs
             return None
         return item
 

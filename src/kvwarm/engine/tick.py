@@ -12,23 +12,27 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvwarm.alignment import canonical_after_chunk
 from kvwarm.backends.base import BatchToken
 from kvwarm.cache.policy import should_continued_save
 from kvwarm.cache.types import SaveReason
 from kvwarm.engine.batching import Chunk, PrefillWant
+from kvwarm.engine.forks import Forks
+from kvwarm.engine.logprobs import token_logprob
 from kvwarm.engine.outcomes import Outcomes
 from kvwarm.engine.runtime import Runtime
-from kvwarm.engine.sampling import Sampling
 from kvwarm.engine.saves import Saves
 from kvwarm.engine.slots import Slot
 from kvwarm.errors import KvwarmError
 
 
 class Tick:
-    def __init__(self, rt: Runtime, sampling: Sampling, outcomes: Outcomes, saves: Saves) -> None:
+    def __init__(self, rt: Runtime, forks: Forks, outcomes: Outcomes, saves: Saves) -> None:
         self.rt = rt
-        self.sampling = sampling
+        self.forks = forks
+        self.sampling = forks.sampling
         self.outcomes = outcomes
         self.saves = saves
 
@@ -79,8 +83,11 @@ class Tick:
                 continue
             toks = act.req.prompt_tokens
             last = chunk.end == len(toks)
+            # Prompt logprobs need every position's logits; otherwise only the prompt's last.
+            every = act.req.options.prompt_logprobs is not None
             for pos in range(chunk.start, chunk.end):
-                batch.append(BatchToken(toks[pos], pos, slot.seq, last and pos == chunk.end - 1))
+                wanted = every or (last and pos == chunk.end - 1)
+                batch.append(BatchToken(toks[pos], pos, slot.seq, wanted))
             rows.append((slot, len(batch) - 1, chunk))
         return batch, rows
 
@@ -118,7 +125,10 @@ class Tick:
         act = slot.active
         assert act is not None
         toks = act.req.prompt_tokens
+        if act.req.options.prompt_logprobs is not None:
+            self._prompt_logprobs(slot, row, chunk)
         slot.kv_tokens.extend(toks[chunk.start : chunk.end])
+        self.rt.stats.prefilled_tokens += chunk.end - chunk.start
         act.prefill_pos = chunk.end
         slot.canonical = canonical_after_chunk(
             slot.canonical, chunk.start, chunk.end, len(toks), self.rt.cfg.n_batch
@@ -134,7 +144,19 @@ class Tick:
             logits = bytes(self.rt.ctx.logits(row))
             self.outcomes.finish(slot, "length", logits)
             return
-        self.sampling.on_logits(slot, row, None)
+        self.forks.prefilled(slot, row, None)
+
+    def _prompt_logprobs(self, slot: Slot, last_row: int, chunk: Chunk) -> None:
+        """Each prompt token after the first, scored by the logits of the position before it
+        (the chunk's rows are contiguous and end at ``last_row``)."""
+        act = slot.active
+        assert act is not None
+        toks = act.req.prompt_tokens
+        top_n = act.req.options.prompt_logprobs or 0
+        first_row = last_row - (chunk.end - chunk.start - 1)
+        for pos in range(chunk.start, min(chunk.end, len(toks) - 1)):
+            logits = np.frombuffer(self.rt.ctx.logits(first_row + pos - chunk.start), np.float32)
+            act.prompt_logprobs.append(token_logprob(self.rt.model, logits, toks[pos + 1], top_n))
 
     def _after_decode(self, slot: Slot, row: int) -> None:
         act = slot.active

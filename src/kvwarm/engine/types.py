@@ -56,6 +56,9 @@ class GenerationOptions:
     add_special: bool = True  # prepend BOS etc. when tokenizing a text prompt
     parse_special: bool = True  # special-token text in the prompt becomes special tokens
     logprobs: int | None = None  # top-N alternatives per generated token (0: chosen only)
+    # top-N alternatives per prompt token (0: the token's own only). The prompt is then
+    # prefilled from its first token with logits at every position: no KV is reused for it.
+    prompt_logprobs: int | None = None
     logit_bias: Mapping[int, float] | None = None  # token id -> bias added to its logit
     ignore_eos: bool = False  # never sample end-of-generation tokens (benchmarks, fixed lengths)
     # Requests share cached rows and live KV only when they share a salt (None: the unsalted,
@@ -94,8 +97,10 @@ class GenerationOptions:
         self._check_salt()
         if self.parent_key is not None and len(self.parent_key) != 32:
             raise InvalidRequestError("parent_key must be 32 bytes", param="parent_key")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError("logprobs must be in [0, 20]", param="logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise InvalidRequestError(f"{name} must be in [0, 20]", param=name)
         for token, bias in (self.logit_bias or {}).items():
             # A C int32 in llama.cpp: a larger id would overflow (the vocab check comes later).
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 1 << 31:
@@ -180,6 +185,9 @@ class Completion:
     completion_tokens: tuple[int, ...]
     stats: CompletionStats
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # With ``prompt_logprobs``: one entry per prompt token after the first (the first has no
+    # context to be predicted from).
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -216,7 +224,9 @@ class ModelInfo:
     metadata: Mapping[str, str] = field(default_factory=dict)
 
 
-SlotPhase = Literal["idle", "prefill", "generate"]
+# "fork": holds one of an n > 1 request's other choices, waiting for the first choice's
+# prompt to be prefilled (``engine/forks.py``).
+SlotPhase = Literal["idle", "prefill", "generate", "fork"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +265,7 @@ class ModelStatus:
     kv_cells_used: int = 0  # context cells the slots hold (an external router's load signal)
     kv_cells: int = 0  # the context's cells (n_ctx)
     slots: tuple[SlotStatus, ...] = ()
+    prefilled_tokens: int = 0  # prompt tokens run through the model (not restored or forked)
 
     @property
     def free_slots(self) -> int:

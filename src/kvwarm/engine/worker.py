@@ -35,6 +35,7 @@ from kvwarm.backends.base import BackendContext, BackendModel
 from kvwarm.cache.api import CacheApi
 from kvwarm.cache.types import Namespace, SaveReason
 from kvwarm.engine.admission import Admission
+from kvwarm.engine.forks import Forks
 from kvwarm.engine.outcomes import Outcomes
 from kvwarm.engine.request import Failed, Request
 from kvwarm.engine.runtime import Runtime, WorkerConfig, WorkerStats
@@ -76,9 +77,9 @@ class Worker:
         self.stats = self.rt.stats
         self.saves = Saves(self.rt)
         self.outcomes = Outcomes(self.rt, self.saves)
-        sampling = Sampling(self.rt, self.outcomes)
-        self.admission = Admission(self.rt, sampling, self.outcomes, self.saves)
-        self.tick = Tick(self.rt, sampling, self.outcomes, self.saves)
+        forks = Forks(self.rt, Sampling(self.rt, self.outcomes), self.outcomes)
+        self.admission = Admission(self.rt, forks, self.outcomes, self.saves)
+        self.tick = Tick(self.rt, forks, self.outcomes, self.saves)
         self._queue: deque[Request] = deque()
         self._jobs: deque[_Job] = deque()
         self._cond = threading.Condition()
@@ -235,7 +236,9 @@ class Worker:
             if not free:
                 return
             with self._cond:
-                if not self._queue:
+                # n > 1 waits at the head of the queue (FIFO) until all its slots are free;
+                # Model refuses an n above n_parallel, so it never waits for ever.
+                if not self._queue or len(self._queue[0].group) > len(free):
                     return
                 req = self._queue.popleft()
             if req.cancelled.is_set():
@@ -249,7 +252,8 @@ class Worker:
                 self.outcomes.finish(slot, "cancelled", None)
         while self._queue:
             req = self._queue.popleft()
-            req.channel.put(Failed(EngineClosedError(f"model {self.name!r} was unloaded")))
+            for one in req.group:
+                one.answer(Failed(EngineClosedError(f"model {self.name!r} was unloaded")))
         while self._jobs:
             job = self._jobs.popleft()
             if job.future.set_running_or_notify_cancel():
