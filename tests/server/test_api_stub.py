@@ -307,7 +307,8 @@ def test_unknown_model_is_404(client: TestClient) -> None:
         ({"model": "a", "prompt": 12.5}, "invalid_type", "prompt"),
         ({"model": "a"}, "invalid_type", "prompt"),
         ({"model": "a", "prompt": "x", "temperature": -1}, "invalid_value", "temperature"),
-        ({"model": "a", "prompt": "x", "n": 3}, "unsupported_value", "n"),
+        ({"model": "a", "prompt": "x", "n": 9}, "invalid_value", "n"),  # > n_parallel
+        ({"model": "a", "prompt": "x", "n": 0}, "invalid_type", "n"),
         ({"model": "a", "prompt": "x", "grammar": "no root here"}, "invalid_grammar", None),
         ({"model": "a", "prompt": []}, None, "prompt"),
         ({"model": "a", "prompt": "x", "logit_bias": {"abc": 1}}, None, "logit_bias"),

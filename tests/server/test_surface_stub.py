@@ -4,12 +4,15 @@ model's versions are in ``test_live_openai_surface.py``)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 from openai import OpenAI
+
+from kvwarm.settings import ModelSpec
 
 from .conftest import LiveServer, stub_settings
 
@@ -19,7 +22,9 @@ KEY = "sk-test-key"
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveServer]:
-    server = LiveServer(stub_settings(allowed_origins=(ORIGIN,), api_key=KEY)).start()
+    models = (ModelSpec(path="stub-a", id="a"), ModelSpec(path="stub-fim", id="coder"))
+    settings = stub_settings(allowed_origins=(ORIGIN,), api_key=KEY, models=models)
+    server = LiveServer(settings).start()
     try:
         yield server
     finally:
@@ -35,6 +40,22 @@ def client(live: LiveServer) -> OpenAI:
 def http(live: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=live.base_url, timeout=60) as c:
         yield c
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog"
+MESSAGES = [{"role": "user", "content": "Tell me about caches"}]
+SAMPLED = {"temperature": 1.0, "top_p": 1.0, "seed": 11}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 
 
 # --- max_completion_tokens, models -----------------------------------------------------------
@@ -64,8 +85,8 @@ def test_max_completion_tokens_wins_over_max_tokens(client: OpenAI) -> None:
 
 
 def test_retrieve_model_and_unknown_is_openai_404(client: OpenAI) -> None:
-    model = client.models.retrieve("b")
-    assert model.id == "b" and model.object == "model" and model.owned_by == "kvwarm"
+    model = client.models.retrieve("coder")
+    assert model.id == "coder" and model.object == "model" and model.owned_by == "kvwarm"
     with pytest.raises(openai.NotFoundError) as caught:
         client.models.retrieve("no-such-model")
     body = caught.value.body
@@ -145,3 +166,209 @@ def test_docs_and_openapi_served_without_a_key(http: httpx.Client) -> None:
     # Open for reading only: the guard's other rules still hold there.
     assert http.post("/openapi.json").status_code == 401
     assert http.get("/docs", headers={"Host": "evil.example"}).status_code == 421
+
+
+# --- n > 1 -----------------------------------------------------------------------------------
+
+
+def test_n_completions_and_chat(client: OpenAI) -> None:
+    done = client.completions.create(model="a", prompt=PROMPT, max_tokens=6, n=3, **SAMPLED)
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert len({c.text for c in done.choices}) > 1
+    assert done.usage is not None
+    assert done.usage.prompt_tokens == len(PROMPT) + 1  # once (byte-level stub + BOS)
+    assert done.usage.completion_tokens > 6  # every choice's tokens
+    chat = client.chat.completions.create(
+        model="a",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=5,
+        n=2,
+        **SAMPLED,
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert all(c.message.role == "assistant" for c in chat.choices)
+
+
+def test_n_streamed_interleaves_choices_by_index(client: OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model="a",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=6,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            **SAMPLED,
+        )
+    )
+    texts = {0: "", 1: "", 2: ""}
+    finished = set()
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finished.add(choice.index)
+    assert finished == {0, 1, 2} and all(texts.values())
+    usage = chunks[-1].usage
+    assert usage is not None and chunks[-1].choices == []
+    plain = client.chat.completions.create(
+        model="a",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=6,
+        n=3,
+        **SAMPLED,
+    )
+    # seed + i per choice: the same texts, streamed or not.
+    assert [texts[i] for i in range(3)] == [c.message.content for c in plain.choices]
+    assert plain.usage is not None and plain.usage.prompt_tokens == usage.prompt_tokens
+
+
+def test_n_above_n_parallel_is_a_clear_400(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="a", prompt=PROMPT, max_tokens=2, n=5)
+    body = caught.value.body
+    assert isinstance(body, dict) and body["param"] == "n" and "n_parallel" in body["message"]
+
+
+# --- logprobs --------------------------------------------------------------------------------
+
+
+def test_chat_logprobs_streamed_equal_the_plain_ones(client: OpenAI) -> None:
+    common = {"model": "a", "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    plain = client.chat.completions.create(**common, logprobs=True, top_logprobs=2)  # type: ignore[call-overload]
+    expected = plain.choices[0].logprobs.content
+    assert expected and all(len(t.top_logprobs) == 2 for t in expected)
+    chunks = list(
+        client.chat.completions.create(**common, logprobs=True, top_logprobs=2, stream=True)  # type: ignore[call-overload]
+    )
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or []
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in expected]
+    with_text = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert all(c.choices[0].logprobs is not None for c in with_text)
+
+
+def test_completion_logprobs_streamed(client: OpenAI) -> None:
+    common = {"model": "a", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    plain = client.completions.create(**common)  # type: ignore[call-overload]
+    lp = plain.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.text_offset is not None
+    chunks = list(client.completions.create(**common, stream=True))  # type: ignore[call-overload]
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens or []
+            offsets += chunk.choices[0].logprobs.text_offset or []
+    assert tokens == lp.tokens and offsets == lp.text_offset
+
+
+def test_echo_with_prompt_logprobs(client: OpenAI) -> None:
+    common = {"model": "a", "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    done = client.completions.create(**common, echo=True, logprobs=1)  # type: ignore[call-overload]
+    choice = done.choices[0]
+    assert choice.text.startswith(PROMPT)
+    lp = choice.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
+    n_prompt = len(PROMPT) + 1  # BOS + one token per byte
+    assert len(lp.tokens) == n_prompt + done.usage.completion_tokens  # type: ignore[union-attr]
+    assert (
+        lp.token_logprobs[0] is None and lp.top_logprobs is not None and lp.top_logprobs[0] is None
+    )
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == choice.text
+    assert (
+        lp.text_offset is not None
+        and lp.text_offset[1] == 0
+        and lp.text_offset[-1] < len(choice.text)
+    )
+    assert done.usage is not None and done.usage.prompt_tokens_details is not None
+    assert done.usage.prompt_tokens_details.cached_tokens == 0  # prefilled: no restored logits
+    chunks = list(client.completions.create(**common, echo=True, logprobs=1, stream=True))  # type: ignore[call-overload]
+    streamed: list[str] = []
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.tokens or []
+    assert streamed == lp.tokens
+    assert chunks[0].choices[0].text == PROMPT
+
+
+# --- tool calls streamed ---------------------------------------------------------------------
+
+
+def test_tool_call_streams_argument_fragments(client: OpenAI) -> None:
+    # The stub enforces literal grammars: that stands in for a model that answers with a call.
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    grammar = "root ::= " + '"' + call.replace('"', '\\"') + '"'
+    chunks = list(
+        client.chat.completions.create(
+            model="a",
+            messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            tools=[WEATHER],  # type: ignore[list-item]
+            max_tokens=100,
+            temperature=0,
+            stream=True,
+            extra_body={"grammar": grammar},
+        )
+    )
+    deltas = [
+        call
+        for c in chunks
+        if c.choices and c.choices[0].delta.tool_calls
+        for call in c.choices[0].delta.tool_calls
+    ]
+    first, *rest = deltas
+    assert first.id and first.type == "function" and first.function is not None
+    assert first.function.name == "get_weather" and first.function.arguments == ""
+    assert len(rest) > 1 and all(d.id is None and d.index == 0 for d in rest)
+    arguments = "".join(d.function.arguments or "" for d in rest if d.function)
+    assert json.loads(arguments) == {"city": "Oslo"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+# --- suffix and /infill ----------------------------------------------------------------------
+
+
+def test_suffix_fills_in_the_middle_on_a_model_with_fim_tokens(client: OpenAI) -> None:
+    prefix = "def add(a, b):\n    return "
+    done = client.completions.create(
+        model="coder",
+        prompt=prefix,
+        suffix="\n",
+        max_tokens=4,
+        temperature=0,
+    )
+    assert done.usage is not None
+    # BOS, FIM_PRE, the prefix's bytes, FIM_SUF, the suffix's bytes, FIM_MID.
+    assert done.usage.prompt_tokens == 1 + 1 + len(prefix) + 1 + 1 + 1
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="a", prompt="x", suffix="y", max_tokens=2)
+    body = caught.value.body
+    assert isinstance(body, dict) and body["code"] == "fim_not_supported"
+
+
+def test_infill_endpoint(http: httpx.Client) -> None:
+    headers = {"x-api-key": KEY}
+    body = {
+        "model": "coder",
+        "input_prefix": "def add(a, b):\n    return ",
+        "input_suffix": "\n",
+        "input_extra": [{"filename": "util.py", "text": "import os\n"}],
+        "n_predict": 4,
+        "temperature": 0,
+    }
+    response = http.post("/infill", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert isinstance(data["content"], str) and data["stop"] is True
+    assert data["tokens_predicted"] <= 4 and data["tokens_evaluated"] > len(body["input_prefix"])
+    streamed = http.post("/infill", json={**body, "stream": True}, headers=headers)
+    lines = [json.loads(x[6:]) for x in streamed.text.split("\n") if x.startswith("data: ")]
+    assert lines[-1]["stop"] is True
+    assert "".join(x["content"] for x in lines) == data["content"]
+    refused = http.post("/infill", json={**body, "model": "a"}, headers=headers)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "fim_not_supported"

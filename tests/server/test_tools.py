@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvwarm.server.schemas import ChatMessage, NamedToolChoice, Tool
-from kvwarm.server.tools import ToolStream, parse_tool_calls, plan_chat, template_messages
+from kvwarm.server.tools import parse_tool_calls, plan_chat, template_messages
 
 NAMES = frozenset({"get_weather"})
 WEATHER = Tool.model_validate(
@@ -105,32 +105,3 @@ def test_history_with_calls_round_trips_through_non_native_templates() -> None:
     calls = native[0]["tool_calls"]
     assert isinstance(calls, list) and calls[0]["function"]["arguments"] == {"city": "Oslo"}
     assert native[1]["tool_call_id"] == "c1"
-
-
-def test_tool_stream_shows_text_but_holds_back_a_call() -> None:
-    stream = ToolStream(NAMES, forced=False)
-    shown = "".join(
-        stream.feed(f)
-        for f in [
-            "Sure",
-            ". <tool",
-            '_call>{"name": "get_weather"',
-            ', "arguments": {}}</tool_call>',
-        ]
-    )
-    rest, calls = stream.finish()
-    assert shown + rest == "Sure. "
-    assert [c.name for c in calls] == ["get_weather"]
-
-
-def test_tool_stream_releases_a_false_alarm_at_the_end() -> None:
-    stream = ToolStream(NAMES, forced=False)
-    shown = stream.feed("a < b and <tool") + stream.feed("s> are fine")
-    rest, calls = stream.finish()
-    assert calls == [] and shown + rest == "a < b and <tools> are fine"
-
-
-def test_tool_stream_without_tools_passes_everything_through() -> None:
-    stream = ToolStream(frozenset(), forced=False)
-    assert stream.feed("<tool_call>") == "<tool_call>"
-    assert stream.finish() == ("", [])

@@ -22,6 +22,7 @@ OpName = Literal[
     "detokenize",
     "apply_chat_template",
     "chat_tokens",
+    "infill_tokens",
     "embed",
     "prewarm",
 ]

@@ -28,12 +28,16 @@ from kvwarm.cluster.calls import (
     OpName,
     Served,
 )
+from kvwarm.engine.infill import ExtraFile
+from kvwarm.engine.request import Fragment
+from kvwarm.engine.submit import choice_options
 from kvwarm.engine.types import (
     Completion,
     CompletionStats,
     GenerationOptions,
     ModelInfo,
     ModelStatus,
+    TokenLogprob,
 )
 from kvwarm.errors import KvwarmError, ReplicaUnavailableError
 
@@ -140,6 +144,20 @@ class RemoteStream:
             self._error = item.error
         return None
 
+    async def afragments(self) -> AsyncIterator[Fragment]:
+        """The text as fragments: a replica streams text only, so per-token logprobs come
+        with the final ``Completion``, not with each fragment."""
+        async for text in self:
+            yield Fragment(text)
+
+    @property
+    def prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        return self._completion.prompt_logprobs if self._completion is not None else None
+
+    @property
+    def prompt_tokens(self) -> tuple[int, ...]:
+        return self._completion.prompt_tokens if self._completion is not None else ()
+
     async def aresult(self) -> Completion:
         async for _ in self:
             pass
@@ -227,6 +245,40 @@ class RemoteModel:
         self, prompt: str | Sequence[int], options: GenerationOptions | None = None
     ) -> RemoteStream:
         return self._text("text_quiet", prompt, options)
+
+    # n > 1 through the ingress: one generation per choice (seed + i), each placed by the
+    # router; prefix affinity usually puts them on one replica, whose live KV they then share.
+
+    def streams(
+        self,
+        prompt: str | Sequence[int],
+        options: GenerationOptions | None = None,
+        *,
+        n: int,
+        fragments: bool = True,
+    ) -> list[RemoteStream]:
+        choices = choice_options(options or GenerationOptions(), n, self._info.n_parallel)
+        kind: GenerateKind = "text" if fragments else "text_quiet"
+        return [self._text(kind, prompt, opts) for opts in choices]
+
+    def chat_streams(
+        self,
+        messages: Sequence[Message],
+        *,
+        n: int,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        options: GenerationOptions | None = None,
+        fragments: bool = True,
+    ) -> list[RemoteStream]:
+        choices = choice_options(options or GenerationOptions(), n, self._info.n_parallel)
+        return [self.stream_chat(messages, tools=tools, options=opts) for opts in choices]
+
+    def infill_tokens(
+        self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
+    ) -> list[int]:
+        out = self._op("infill_tokens", prefix, suffix, prompt=prompt, extra=list(extra))
+        assert isinstance(out, list)
+        return out
 
     # --- everything else: one blocking call each (the routes call these on the thread pool) -
 

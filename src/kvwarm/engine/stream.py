@@ -21,13 +21,21 @@ class CompletionStream:
         self._on_cancel = on_cancel
         self._completion: Completion | None = None
         self._error: BaseException | None = None
-        self.prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+        self._prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+
+    @property
+    def prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
         """Set once the prompt is prefilled, when prompt logprobs were asked for."""
+        return self._prompt_logprobs
 
     @property
     def request(self) -> Request:
         """The engine request behind this stream (its forks, for ``n > 1``)."""
         return self._req
+
+    @property
+    def prompt_tokens(self) -> tuple[int, ...]:
+        return self._req.prompt_tokens
 
     @property
     def completion(self) -> Completion | None:
@@ -86,7 +94,7 @@ class CompletionStream:
             self._error = item.error
             return None
         if isinstance(item, Prefilled):
-            self.prompt_logprobs = item.prompt_logprobs
+            self._prompt_logprobs = item.prompt_logprobs
             return None
         return item
 

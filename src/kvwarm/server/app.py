@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm._version import __version__
 from kvwarm.errors import KvwarmError
-from kvwarm.server import routes_admin, routes_openai, webui
+from kvwarm.server import routes_admin, routes_chat, routes_completions, routes_openai, webui
 from kvwarm.server.errors import HTTPError, error_body, error_response
 from kvwarm.server.guard import Guard, send_json
 from kvwarm.server.state import ServerState
@@ -95,6 +95,8 @@ def create_app(settings: Settings, state: ServerState | None = None) -> FastAPI:
     )
     app.openapi = functools.partial(_openapi_with_keys, app)  # type: ignore[method-assign]
     app.state.kvwarm = state
+    app.include_router(routes_chat.router)
+    app.include_router(routes_completions.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_admin.router)
     app.include_router(webui.router())

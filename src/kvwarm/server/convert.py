@@ -54,12 +54,11 @@ def options(
     max_tokens: int | None = None,
     json_schema: Mapping[str, object] | None = None,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     cache_salt: str | None = None,
 ) -> GenerationOptions:
     """``req``'s engine options; ``cache_salt`` is the one ``server.tenancy`` resolved (the
     body's field is only one of its inputs)."""
-    if req.n != 1:
-        raise HTTPError(400, "only n=1 is supported", param="n", code="unsupported_value")
     stop: tuple[str, ...] = ()
     if isinstance(req.stop, str):
         stop = (req.stop,) if req.stop else ()
@@ -83,6 +82,7 @@ def options(
         "grammar": req.grammar,
         "json_schema": json_schema,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "logit_bias": bias,
         "ignore_eos": req.ignore_eos,
         "cache_salt": cache_salt,
@@ -156,22 +156,53 @@ def chat_logprobs(items: Sequence[TokenLogprob] | None) -> Json | None:
     }
 
 
-def completion_logprobs(items: Sequence[TokenLogprob] | None, offset: int) -> Json | None:
-    if items is None:
+class TextOffsets:
+    """Character offsets of successive tokens in the decoded text. A token holding part of a
+    character moves the offset only once the character is whole."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.offset = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, text: str) -> int:
+        """The offset of a token with this (``piece_text``) text; advances past it."""
+        at = self.offset
+        self.offset += len(self._decoder.decode(piece_bytes(text)))
+        return at
+
+
+def completion_logprobs(
+    items: Sequence[TokenLogprob] | None,
+    offsets: TextOffsets,
+    prompt: PromptLogprobs | None = None,
+) -> Json | None:
+    """OpenAI's completions ``logprobs``; with ``prompt`` (echo), the prompt's tokens first,
+    the very first of them with a null logprob, as OpenAI reports it."""
+    if items is None and prompt is None:
         return None
-    # Offsets count characters of the decoded text: a token holding part of a character moves
-    # the offset only once the character is whole.
-    offsets: list[int] = []
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for t in items:
-        offsets.append(offset)
-        offset += len(decoder.decode(piece_bytes(t.text)))
-    return {
-        "tokens": [t.text for t in items],
-        "token_logprobs": [t.logprob for t in items],
-        "top_logprobs": [{text: lp for _, text, lp in t.top} for t in items],
-        "text_offset": offsets,
-    }
+    tokens: list[str] = []
+    logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    at: list[int] = []
+    if prompt is not None:
+        tokens.append(prompt.first)
+        logprobs.append(None)
+        tops.append(None)
+        at.append(offsets.take(prompt.first))
+    for t in [*(prompt.rest if prompt is not None else ()), *(items or ())]:
+        tokens.append(t.text)
+        logprobs.append(t.logprob)
+        tops.append({text: lp for _, text, lp in t.top})
+        at.append(offsets.take(t.text))
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": at}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """An echoed prompt's logprobs: its first token (text only) and the rest."""
+
+    first: str
+    rest: Sequence[TokenLogprob]
 
 
 class ResponseIds:
@@ -192,33 +223,40 @@ class ResponseIds:
         }
 
 
-def chat_response(
-    ids: ResponseIds, done: Completion, content: str | None, calls: Sequence[ToolCall]
+def chat_choice(
+    index: int, done: Completion, content: str | None, calls: Sequence[ToolCall]
 ) -> Json:
     message: Json = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [c.to_openai() for c in calls]
-    choice: Json = {
-        "index": 0,
+    return {
+        "index": index,
         "message": message,
         "logprobs": chat_logprobs(done.logprobs),
         "finish_reason": finish_reason(done.stats, calls),
     }
+
+
+def chat_response(ids: ResponseIds, choices: Sequence[Json], stats: CompletionStats) -> Json:
     return {
         **ids.head("chat.completion"),
-        "choices": [choice],
-        "usage": usage(done.stats),
-        "timings": timings(done.stats),
+        "choices": list(choices),
+        "usage": usage(stats),
+        "timings": timings(stats),
     }
 
 
 def chat_chunk(
-    ids: ResponseIds, delta: Json, finish: str | None = None, *, with_usage: bool = False
+    ids: ResponseIds,
+    delta: Json,
+    finish: str | None = None,
+    *,
+    index: int = 0,
+    logprobs: Json | None = None,
+    with_usage: bool = False,
 ) -> Json:
-    chunk: Json = {
-        **ids.head("chat.completion.chunk"),
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    chunk: Json = {**ids.head("chat.completion.chunk"), "choices": [choice]}
     if with_usage:
         chunk["usage"] = None
     return chunk
@@ -228,20 +266,26 @@ def usage_chunk(ids: ResponseIds, obj: str, stats: CompletionStats) -> Json:
     return {**ids.head(obj), "choices": [], "usage": usage(stats), "timings": timings(stats)}
 
 
-def text_choice(index: int, text: str, done: Completion | None, echo_offset: int = 0) -> Json:
+def text_choice(index: int, text: str, done: Completion, logprobs: Json | None) -> Json:
     return {
         "index": index,
         "text": text,
-        "logprobs": completion_logprobs(done.logprobs, echo_offset) if done else None,
-        "finish_reason": finish_reason(done.stats) if done else None,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(done.stats),
     }
 
 
-def text_chunk(ids: ResponseIds, text: str, finish: str | None, *, with_usage: bool) -> Json:
-    chunk: Json = {
-        **ids.head("text_completion"),
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-    }
+def text_chunk(
+    ids: ResponseIds,
+    text: str,
+    finish: str | None,
+    *,
+    index: int = 0,
+    logprobs: Json | None = None,
+    with_usage: bool,
+) -> Json:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    chunk: Json = {**ids.head("text_completion"), "choices": [choice]}
     if with_usage:
         chunk["usage"] = None
     return chunk

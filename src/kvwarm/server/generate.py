@@ -10,6 +10,9 @@ Invariants:
   first fragment (context overflow, a bad grammar) become proper 4xx responses, not a 200 stream
   carrying an error.
 - Every finished generation logs exactly one line on ``kvwarm.server.requests``.
+
+The ``n`` choices of one request are ``Generation``s gathered by ``choices.Choices``, which
+watches for the disconnect once for all of them.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from kvwarm.engine.request import Fragment
 from kvwarm.engine.types import Completion
 from kvwarm.errors import KvwarmError
 from kvwarm.server.errors import error_body, kind_of
@@ -38,7 +42,10 @@ request_log = logging.getLogger("kvwarm.server.requests")
 _DONE = object()
 
 
-async def start_stream(submit: Callable[[], ServedStream]) -> ServedStream:
+_S = TypeVar("_S", "ServedStream", "Sequence[ServedStream]")
+
+
+async def start_stream(submit: Callable[[], _S]) -> _S:
     """Run ``submit`` (tokenizing, maybe waiting on the cache) off the event loop. If this
     handler is cancelled meanwhile (the client went away), the request may still have been
     queued: cancel it as soon as it exists, so it never runs unobserved to max_tokens."""
@@ -50,9 +57,13 @@ async def start_stream(submit: Callable[[], ServedStream]) -> ServedStream:
         raise
 
 
-def _cancel_orphan(fut: asyncio.Future[ServedStream]) -> None:
+def _cancel_orphan(
+    fut: asyncio.Future[_S],
+) -> None:
     if not fut.cancelled() and fut.exception() is None:
-        fut.result().cancel()
+        result = fut.result()
+        for stream in result if isinstance(result, Sequence) else [result]:
+            stream.cancel()
 
 
 class Generation:
@@ -65,21 +76,27 @@ class Generation:
         endpoint: str,
         model_id: str,
         state: ServerState,
+        *,
+        watch: bool = True,
     ) -> None:
+        """``watch=False``: the caller watches for the disconnect (one watcher per request)."""
         self.stream = stream
+        self._watch_disconnect = watch
         self.endpoint = endpoint
         self.model_id = model_id
         self._state = state
         self.started = time.perf_counter()
         self.disconnected = False
         self._request = request
-        self._iter = stream.__aiter__()
+        self._iter = stream.afragments().__aiter__()
         self._watcher: asyncio.Task[None] | None = None
         self._finished = False
-        self._first: str | object | None = None
+        self._first: Fragment | object | None = None
+        self._done: Completion | None = None
 
     async def __aenter__(self) -> Generation:
-        self._watcher = asyncio.create_task(self._watch())
+        if self._watch_disconnect:
+            self._watcher = asyncio.create_task(self._watch())
         return self
 
     async def __aexit__(
@@ -114,13 +131,9 @@ class Generation:
         self._record(done)
 
     async def _watch(self) -> None:
-        receive = self._request.receive
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                self.disconnected = True
-                self.stream.cancel()
-                return
+        await wait_disconnect(self._request)
+        self.disconnected = True
+        self.stream.cancel()
 
     async def prime(self) -> None:
         """Wait for the first fragment (or the end), so early errors raise here."""
@@ -139,20 +152,23 @@ class Generation:
             self.close()
             raise
 
-    async def fragments(self) -> AsyncIterator[str]:
+    async def fragments(self) -> AsyncIterator[Fragment]:
         first, self._first = self._first, None
         if first is _DONE:
             return
-        if isinstance(first, str):
+        if isinstance(first, Fragment):
             yield first
         async for fragment in self._iter:
             yield fragment
 
     async def result(self) -> Completion:
         """Wait for the completion (``Completion.stats.finish_reason`` 'cancelled' if the
-        client went away) and log its line."""
+        client went away); the first call logs its line."""
+        if self._done is not None:
+            return self._done
         done = await self.stream.aresult()
         self._finished = True
+        self._done = done
         self._record(done)
         return done
 
@@ -161,6 +177,14 @@ class Generation:
             self.model_id, done.stats.finish_reason, self.disconnected
         )
         log_request(self.endpoint, self.model_id, done, self.started, self.disconnected)
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Return when the client has gone away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def log_request(
@@ -188,10 +212,14 @@ def sse_line(event: dict[str, object]) -> bytes:
 
 
 async def sse(
-    events: AsyncIterator[dict[str, object]], on_close: Callable[[], None]
+    events: AsyncIterator[dict[str, object]],
+    on_close: Callable[[], None],
+    *,
+    done_line: bool = True,
 ) -> AsyncIterator[bytes]:
-    """``data: {chunk}`` lines, then ``data: [DONE]``. A ``KvwarmError`` after the headers were
-    sent becomes one OpenAI-shaped error event before ``[DONE]``."""
+    """``data: {chunk}`` lines, then ``data: [DONE]`` (OpenAI's end; llama-server's own
+    endpoints send none: ``done_line=False``). A ``KvwarmError`` after the headers were sent
+    becomes one OpenAI-shaped error event at the end."""
     try:
         try:
             async for event in events:
@@ -199,6 +227,7 @@ async def sse(
         except KvwarmError as exc:
             kind = kind_of(exc)
             yield sse_line(dict(error_body(str(exc), kind.type, kind.code)))
-        yield b"data: [DONE]\n\n"
+        if done_line:
+            yield b"data: [DONE]\n\n"
     finally:
         on_close()

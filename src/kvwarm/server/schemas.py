@@ -57,7 +57,8 @@ class SamplingFields(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    # Choices per prompt, prefilled once; the model's n_parallel caps it (a 400 above).
+    n: int = Field(default=1, ge=1, le=64)
     grammar: str | None = None  # llama.cpp extension: a GBNF grammar
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     ignore_eos: bool = False  # llama.cpp extension: never stop on an end-of-generation token
@@ -78,9 +79,26 @@ class ResponseFormat(_Body):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    suffix: str | None = None  # fill-in-the-middle: the text after the completion
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     response_format: ResponseFormat | None = None
+
+
+class ExtraChunk(_Body):
+    text: str = ""
+    filename: str = "tmp"
+
+
+class InfillRequest(SamplingFields):
+    """llama-server's ``/infill``: the code before and after the gap, optional context files,
+    and ``prompt``, the start of the middle already written."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = Field(default_factory=list)
+    prompt: str = ""
+    n_predict: int | None = Field(default=None, ge=-1)  # llama-server's max_tokens; -1: default
 
 
 class ContentPart(_Body):

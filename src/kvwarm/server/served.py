@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING, Protocol
 from kvwarm.cache.types import TtlClass
 
 if TYPE_CHECKING:
+    from kvwarm.engine.infill import ExtraFile
+    from kvwarm.engine.request import Fragment
     from kvwarm.engine.types import (
         Completion,
         CompletionStats,
         GenerationOptions,
         ModelInfo,
         ModelStatus,
+        TokenLogprob,
     )
 
 Message = Mapping[str, object]
@@ -35,6 +38,20 @@ class ServedStream(Protocol):
     def cancel(self) -> None: ...
 
     def __aiter__(self) -> AsyncIterator[str]: ...
+
+    def afragments(self) -> AsyncIterator[Fragment]:
+        """The fragments with the logprobs of their tokens (a remote stream: text only)."""
+        ...
+
+    @property
+    def prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """Set once the prompt is prefilled, when prompt logprobs were asked for."""
+        ...
+
+    @property
+    def prompt_tokens(self) -> tuple[int, ...]:
+        """The prompt's tokens (a remote stream: empty)."""
+        ...
 
     async def aresult(self) -> Completion: ...
 
@@ -84,6 +101,31 @@ class ServedModel(Protocol):
         tools: Sequence[Mapping[str, object]] | None = None,
         options: GenerationOptions | None = None,
     ) -> ServedStream: ...
+
+    def streams(
+        self,
+        prompt: str | Sequence[int],
+        options: GenerationOptions | None = None,
+        *,
+        n: int,
+        fragments: bool = True,
+    ) -> Sequence[ServedStream]:
+        """``n`` choices of one prompt (``fragments=False``: no per-token events)."""
+        ...
+
+    def chat_streams(
+        self,
+        messages: Sequence[Message],
+        *,
+        n: int,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        options: GenerationOptions | None = None,
+        fragments: bool = True,
+    ) -> Sequence[ServedStream]: ...
+
+    def infill_tokens(
+        self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
+    ) -> list[int]: ...
 
     def prewarm(
         self,

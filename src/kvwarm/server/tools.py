@@ -27,7 +27,6 @@ MAX_ARGUMENT_DEPTH = 64
 
 Message = dict[str, object]
 
-_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<function=")
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _FUNCTION_TAG = re.compile(r"<function=([\w.\-]+)>\s*(.*?)\s*(?:</function>|$)", re.DOTALL)
 
@@ -272,53 +271,3 @@ def parse_tool_calls(text: str, names: frozenset[str]) -> tuple[str, list[ToolCa
     if not calls:
         return text, []
     return text[:start].strip(), calls
-
-
-class ToolStream:
-    """Streams content while holding back anything that may be the start of a tool call.
-
-    ``feed`` returns the text that is safe to show now; ``finish`` parses the whole reply.
-    """
-
-    def __init__(self, names: frozenset[str], *, forced: bool) -> None:
-        self._names = names
-        self._held = bool(names) and forced  # a forced reply is all call: show nothing
-        self._text = ""
-        self._shown = 0
-
-    def feed(self, fragment: str) -> str:
-        self._text += fragment
-        if not self._names or self._held:
-            if not self._names:
-                out = self._text[self._shown :]
-                self._shown = len(self._text)
-                return out
-            return ""
-        pending = self._text[self._shown :]
-        if not self._text[: self._shown].strip() and pending.lstrip().startswith(("{", "[")):
-            self._held = True  # may be a bare JSON call: decide at the end
-            return ""
-        cut = len(pending)
-        for marker in _MARKERS:
-            at = pending.find(marker)
-            if at >= 0:
-                cut = min(cut, at)
-                self._held = True
-            else:  # keep back a tail that could grow into the marker
-                for k in range(min(len(marker) - 1, len(pending)), 0, -1):
-                    if pending.endswith(marker[:k]):
-                        cut = min(cut, len(pending) - k)
-                        break
-        out = pending[:cut]
-        self._shown += cut
-        return out
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not yet shown, calls)."""
-        content, calls = parse_tool_calls(self._text, self._names)
-        if calls:
-            rest = content[self._shown :] if content.startswith(self._text[: self._shown]) else ""
-            return rest, calls
-        rest = self._text[self._shown :]
-        self._shown = len(self._text)
-        return rest, []

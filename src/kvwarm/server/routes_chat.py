@@ -1,0 +1,127 @@
+"""``/v1/chat/completions``: tools planned, ``n`` choices prefilled once, streamed or not.
+
+Invariants: as ``routes_openai`` (the event loop never blocks on the engine). Streamed choices
+interleave as their tokens arrive, each chunk naming its choice ``index``; each choice's
+deltas follow ``chat_stream`` (content, logprobs with it, tool calls as OpenAI streams them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvwarm.server import convert, tenancy
+from kvwarm.server.chat_stream import ChatChoiceStream
+from kvwarm.server.choices import Choices, group_stats
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.generate import sse
+from kvwarm.server.routes_openai import SSE_HEADERS, server_state
+from kvwarm.server.schemas import ChatRequest, Tool, json_body, parse_body, read_json
+from kvwarm.server.tools import ChatPlan, openai_tools, parse_tool_calls, plan_chat
+
+if TYPE_CHECKING:
+    from kvwarm.server.served import ServedModel
+
+router = APIRouter()
+
+
+def renders_tools(model: ServedModel, tools: Sequence[Tool]) -> bool:
+    """Whether the model's template shows the tools it is given (native tool support)."""
+    probe: list[dict[str, object]] = [{"role": "user", "content": "hi"}]
+    try:
+        with_tools = model.apply_chat_template(probe, tools=openai_tools(tools))
+    except Exception:  # a template that chokes on tools does not support them
+        return False
+    without = model.apply_chat_template(probe)
+    return any(t.function.name in with_tools and t.function.name not in without for t in tools)
+
+
+@router.post(
+    "/v1/chat/completions", openapi_extra=json_body(ChatRequest) | tenancy.openapi_header()
+)
+async def chat_completions(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), ChatRequest)
+    model = state.model(req.model)
+    schema = convert.response_schema(req.response_format)
+    native = False
+    if req.tools and req.tool_choice != "none":
+        native = await run_in_threadpool(renders_tools, model, req.tools)
+    plan = plan_chat(req.messages, req.tools, req.tool_choice, renders_tools=native)
+    if plan.json_schema is not None and schema is not None:
+        raise HTTPError(
+            400,
+            "tool_choice required/named cannot be combined with response_format",
+            param="response_format",
+        )
+    opts = convert.options(
+        req,
+        default_max_tokens=state.settings.default_max_tokens,
+        max_tokens_limit=state.settings.max_tokens_limit,
+        # OpenAI's (and vLLM's) rule: max_completion_tokens wins over the legacy max_tokens.
+        max_tokens=(
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        ),
+        json_schema=plan.json_schema or schema,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+    )
+    choices = await Choices.start(
+        request,
+        lambda: model.chat_streams(
+            plan.messages, n=req.n, tools=plan.tools, options=opts, fragments=req.stream
+        ),
+        "chat",
+        model.id,
+        state,
+    )
+    ids = convert.ResponseIds("chatcmpl", model.id)
+    if not req.stream:
+        async with choices:
+            results = await choices.results()
+        body: list[dict[str, object]] = []
+        for index, done in enumerate(results):
+            content, calls = parse_tool_calls(done.text, plan.names)
+            shown = content if content or not calls else None
+            body.append(convert.chat_choice(index, done, shown, calls))
+        stats = group_stats([r.stats for r in results])
+        return JSONResponse(convert.chat_response(ids, body, stats))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    await choices.open_streaming()
+    events = _events(choices, ids, plan, bool(req.logprobs), include_usage)
+    return StreamingResponse(
+        sse(events, choices.close), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+async def _events(
+    choices: Choices,
+    ids: convert.ResponseIds,
+    plan: ChatPlan,
+    logprobs: bool,
+    include_usage: bool,
+) -> AsyncIterator[dict[str, object]]:
+    n = len(choices.gens)
+    streams = [
+        ChatChoiceStream(plan.names, forced=plan.forced, logprobs=logprobs) for _ in range(n)
+    ]
+    for index in range(n):
+        role: dict[str, object] = {"role": "assistant", "content": ""}
+        yield convert.chat_chunk(ids, role, index=index, with_usage=include_usage)
+    async for index, fragment in choices.merged():
+        if fragment is None:
+            deltas = streams[index].finish(await choices.gens[index].result())
+        else:
+            deltas = streams[index].feed(fragment)
+        for d in deltas:
+            yield convert.chat_chunk(
+                ids, d.delta, d.finish, index=index, logprobs=d.logprobs, with_usage=include_usage
+            )
+    if include_usage:
+        stats = group_stats([r.stats for r in await choices.results()])
+        yield convert.usage_chunk(ids, "chat.completion.chunk", stats)

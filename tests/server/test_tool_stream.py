@@ -1,0 +1,131 @@
+"""Tool calls streamed as OpenAI streams them (server/tool_stream.py): pure, no server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvwarm.server.tool_stream import ToolStream, scan_calls
+
+NAMES = frozenset({"get_weather", "get_time"})
+
+
+def _run(fragments: list[str], *, forced: bool = False) -> tuple[str, list[dict[str, object]]]:
+    """(all content shown, every call delta in order) for a reply fed in ``fragments``."""
+    stream = ToolStream(NAMES, forced=forced)
+    shown, deltas = "", []
+    for fragment in fragments:
+        text, calls = stream.feed(fragment)
+        shown += text
+        deltas += calls
+    rest, calls, _ = stream.finish()
+    return shown + rest, deltas + calls
+
+
+def _assemble(deltas: list[dict[str, object]]) -> list[tuple[str, str, object]]:
+    """What an OpenAI client builds from the deltas: (id, name, parsed arguments) per call."""
+    calls: dict[int, dict[str, str]] = {}
+    for delta in deltas:
+        index = delta["index"]
+        assert isinstance(index, int)
+        fn = delta["function"]
+        assert isinstance(fn, dict)
+        if "id" in delta:
+            assert index not in calls and delta["type"] == "function"
+            calls[index] = {"id": str(delta["id"]), "name": fn["name"], "args": ""}
+        calls[index]["args"] += fn["arguments"]
+    return [(c["id"], c["name"], json.loads(c["args"])) for _, c in sorted(calls.items())]
+
+
+def _chars(text: str) -> list[str]:
+    return list(text)
+
+
+def test_hermes_call_streams_header_then_argument_fragments() -> None:
+    reply = (
+        "Sure. <tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'
+    )
+    content, deltas = _run(_chars(reply))
+    assert content == "Sure. "
+    header = deltas[0]
+    assert header["function"] == {"name": "get_weather", "arguments": ""} and "id" in header
+    fragments = [d for d in deltas[1:] if "id" not in d]
+    assert len(fragments) > 5  # one per arriving piece of the arguments, not one at the end
+    assert "".join(str(d["function"]["arguments"]) for d in fragments) == (  # type: ignore[index]
+        '{"city": "Oslo", "days": 3}'
+    )
+    ((_, name, args),) = _assemble(deltas)
+    assert name == "get_weather" and args == {"city": "Oslo", "days": 3}
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}',  # forced / bare JSON
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+        '<function=get_weather>{"city": "Oslo"}</function>',
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    ],
+)
+def test_formats_stream_incrementally(reply: str) -> None:
+    content, deltas = _run(_chars(reply), forced=reply.startswith("{"))
+    assert content == ""
+    assert len(deltas) > 2
+    ((_, name, args),) = _assemble(deltas)
+    assert name == "get_weather" and args == {"city": "Oslo"}
+
+
+def test_two_calls_keep_their_indexes() -> None:
+    reply = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>'
+    )
+    _, deltas = _run(_chars(reply))
+    assert [(n, a) for _, n, a in _assemble(deltas)] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {"tz": "CET"}),
+    ]
+    assert {d["index"] for d in deltas} == {0, 1}
+
+
+def test_string_arguments_are_sent_whole_at_the_end() -> None:
+    reply = (
+        '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
+    )
+    _, deltas = _run(_chars(reply))
+    ((_, name, args),) = _assemble(deltas)
+    assert name == "get_weather" and args == {"city": "Oslo"}
+
+
+def test_undeclared_tool_is_content_and_never_streamed() -> None:
+    reply = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    content, deltas = _run(_chars(reply))
+    assert deltas == [] and content == reply
+
+
+def test_scan_sees_a_partial_call() -> None:
+    (call,) = scan_calls('<tool_call>{"name": "get_weather", "arguments": {"city": "Os')
+    assert call.name == "get_weather" and call.args_start > 0 and call.args_end == -1
+
+
+def test_shows_text_but_holds_back_a_call() -> None:
+    content, deltas = _run(
+        ["Sure", ". <tool", '_call>{"name": "get_weather"', ', "arguments": {}}</tool_call>']
+    )
+    assert content == "Sure. "
+    assert [n for _, n, _ in _assemble(deltas)] == ["get_weather"]
+
+
+def test_releases_a_false_alarm_at_the_end() -> None:
+    stream = ToolStream(NAMES, forced=False)
+    shown = stream.feed("a < b and <tool")[0] + stream.feed("s> are fine")[0]
+    rest, calls, any_call = stream.finish()
+    assert calls == [] and not any_call and shown + rest == "a < b and <tools> are fine"
+
+
+def test_without_tools_passes_everything_through() -> None:
+    stream = ToolStream(frozenset(), forced=False)
+    assert stream.feed("<tool_call>") == ("<tool_call>", [])
+    assert stream.finish() == ("", [], False)
