@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Unpack
 
 from kvwarm.backends import get_backend
-from kvwarm.backends.base import Backend, BackendModel, json_schema_to_grammar
+from kvwarm.backends.base import Backend, BackendModel
 from kvwarm.cache.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
 from kvwarm.engine.adapters import Adapters
@@ -28,8 +28,9 @@ from kvwarm.engine.embeddings import Embedder
 from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
 from kvwarm.engine.infill import ExtraFile, fim_tokens
 from kvwarm.engine.options import GenerationOverrides, merge_options
-from kvwarm.engine.request import Request, RequestKind, check_length, check_tokens
+from kvwarm.engine.request import RequestKind, check_tokens
 from kvwarm.engine.stream import CompletionStream
+from kvwarm.engine.submit import Submitter
 from kvwarm.engine.types import (
     AdapterInfo,
     Completion,
@@ -39,7 +40,7 @@ from kvwarm.engine.types import (
     ModelStatus,
 )
 from kvwarm.engine.worker import Worker, WorkerConfig
-from kvwarm.errors import EngineClosedError, InvalidRequestError
+from kvwarm.errors import EngineClosedError
 
 if TYPE_CHECKING:
     from kvwarm.engine.engine import Engine
@@ -83,6 +84,9 @@ class Model:
             self._bmodel.close()
             raise
         self._adapters = Adapters(self._bmodel, self._ctx, self._worker, self._refresh_namespace)
+        self._submitter = Submitter(
+            self._bmodel, self._worker, self._engine.cache, self.config, self.policy
+        )
         self._embedder = Embedder(self._bmodel, cfg.context, self._worker)
         self._state = "ready"
 
@@ -334,19 +338,8 @@ class Model:
     def _submit_n(
         self, tokens: tuple[int, ...], opts: GenerationOptions, text: str, n: int, fragments: bool
     ) -> list[CompletionStream]:
-        limit = self.config.n_parallel
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
-            raise InvalidRequestError(
-                f"n must be between 1 and {limit} (this model's n_parallel slots); got {n!r}",
-                param="n",
-            )
-        choice_opts = [
-            opts if opts.seed is None else replace(opts, seed=(opts.seed + i) & 0xFFFFFFFF)
-            for i in range(n)
-        ]
-        first = self._submit(tokens, opts, text, fragments=fragments, n_options=choice_opts)
-        forks = first.request.forks
-        return [first] + [CompletionStream(fork, self._worker.cancel) for fork in forks]
+        self._check_ready()
+        return self._submitter.group(tokens, opts, text, n, fragments)
 
     def infill_tokens(
         self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
@@ -371,51 +364,9 @@ class Model:
         ttl: TtlClass = TtlClass.SHORT,
         *,
         fragments: bool = True,
-        n_options: Sequence[GenerationOptions] = (),
     ) -> CompletionStream:
-        """Queue one request; with ``n_options`` (n > 1) its forks take ``n_options[1:]``."""
         self._check_ready()
-        check_length(tokens, self.config.context.n_ctx)
-        grammar = opts.grammar
-        if opts.json_schema is not None:
-            grammar = json_schema_to_grammar(opts.json_schema)
-        deterministic = (
-            opts.deterministic if opts.deterministic is not None else self.config.deterministic
-        )
-        if opts.parent_key is not None:
-            # Wait here, on the caller's thread, for an in-flight save of the previous turn;
-            # once published, the worker's prefix lookup finds it. Never stalls other slots.
-            # That lookup is confined to the request's (salted) namespace, so another salt's
-            # key is waited for at most and never restored.
-            self._engine.cache.lookup_exact_or_wait(
-                opts.parent_key, self.policy.session_resume_wait_ms / 1e3
-            )
-        req = Request(
-            prompt_tokens=tokens,
-            options=opts,
-            grammar=grammar,
-            deterministic=deterministic,
-            kind=kind,
-            ttl_class=ttl,
-            prompt_text=text,
-            fragments=fragments,
-            forks=tuple(
-                Request(
-                    prompt_tokens=tokens,
-                    options=fork_opts,
-                    grammar=grammar,
-                    deterministic=deterministic,
-                    prompt_text=text,
-                    fragments=fragments,
-                )
-                for fork_opts in n_options[1:]
-            ),
-        )
-        if grammar is not None or opts.logit_bias:
-            # Build once here so a bad grammar or bias is the caller's error, not the worker's.
-            self._bmodel.new_sampler(opts.sampling(grammar)).close()
-        self._worker.submit(req)
-        return CompletionStream(req, self._worker.cancel)
+        return self._submitter.one(tokens, opts, text, kind, ttl, fragments=fragments)
 
     # ---- embeddings ---------------------------------------------------------------------
 

@@ -131,6 +131,13 @@ _MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
         "cached_tokens",
         1,
     ),
+    (
+        "kvwarm_prefilled_tokens_total",
+        "counter",
+        "prompt tokens run through the model (not restored, not shared by n > 1 choices)",
+        "prefilled_tokens",
+        1,
+    ),
     ("kvwarm_completion_tokens_total", "counter", "generated tokens", "completion_tokens", 1),
     ("kvwarm_prefill_seconds_total", "counter", "time spent in prefill", "prefill_ms", 1e-3),
     ("kvwarm_decode_seconds_total", "counter", "time spent generating", "generation_ms", 1e-3),

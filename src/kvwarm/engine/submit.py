@@ -1,0 +1,99 @@
+"""Submitting: a request is built, checked and queued on the caller's thread.
+
+Invariants (``docs/architecture.md``, "Engine"): a queued request's prompt fits the context and
+its grammar and bias compile, so the worker only sees requests it can run; a ``parent_key``
+wait happens here and never stalls other slots; ``n`` choices are one queued request carrying
+``n - 1`` forks, ``n`` at most ``n_parallel``, choice ``i`` seeded with ``seed + i``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from kvwarm.backends.base import BackendModel, json_schema_to_grammar
+from kvwarm.cache.api import CacheApi
+from kvwarm.cache.types import PolicyConfig, TtlClass
+from kvwarm.engine.config import ModelConfig
+from kvwarm.engine.request import Request, RequestKind, check_length
+from kvwarm.engine.stream import CompletionStream
+from kvwarm.engine.types import GenerationOptions
+from kvwarm.engine.worker import Worker
+from kvwarm.errors import InvalidRequestError
+
+
+def choice_options(opts: GenerationOptions, n: int, limit: int) -> list[GenerationOptions]:
+    """The options of each of ``n`` choices: choice ``i`` samples with ``seed + i``."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
+        raise InvalidRequestError(
+            f"n must be between 1 and {limit} (this model's n_parallel slots); got {n!r}",
+            param="n",
+        )
+    if opts.seed is None:
+        return [opts] * n
+    return [replace(opts, seed=(opts.seed + i) & 0xFFFFFFFF) for i in range(n)]
+
+
+@dataclass(frozen=True, slots=True)
+class Submitter:
+    bmodel: BackendModel
+    worker: Worker
+    cache: CacheApi
+    config: ModelConfig
+    policy: PolicyConfig
+
+    def group(
+        self, tokens: tuple[int, ...], opts: GenerationOptions, text: str, n: int, fragments: bool
+    ) -> list[CompletionStream]:
+        """``n`` choices of one prompt, prefilled once."""
+        choices = choice_options(opts, n, self.config.n_parallel)
+        first = self.one(tokens, choices[0], text, fragments=fragments, forks=choices[1:])
+        return [first] + [CompletionStream(f, self.worker.cancel) for f in first.request.forks]
+
+    def one(
+        self,
+        tokens: tuple[int, ...],
+        opts: GenerationOptions,
+        text: str,
+        kind: RequestKind = "generate",
+        ttl: TtlClass = TtlClass.SHORT,
+        *,
+        fragments: bool = True,
+        forks: Sequence[GenerationOptions] = (),
+    ) -> CompletionStream:
+        """Queue one request (with ``forks``: the options of its other choices)."""
+        check_length(tokens, self.config.context.n_ctx)
+        grammar = opts.grammar
+        if opts.json_schema is not None:
+            grammar = json_schema_to_grammar(opts.json_schema)
+        deterministic = (
+            opts.deterministic if opts.deterministic is not None else self.config.deterministic
+        )
+        if opts.parent_key is not None:
+            # Wait here, on the caller's thread, for an in-flight save of the previous turn;
+            # once published, the worker's prefix lookup finds it. Never stalls other slots.
+            # That lookup is confined to the request's (salted) namespace, so another salt's
+            # key is waited for at most and never restored.
+            self.cache.lookup_exact_or_wait(
+                opts.parent_key, self.policy.session_resume_wait_ms / 1e3
+            )
+
+        def request(options: GenerationOptions, others: tuple[Request, ...] = ()) -> Request:
+            return Request(
+                prompt_tokens=tokens,
+                options=options,
+                grammar=grammar,
+                deterministic=deterministic,
+                kind=kind,
+                ttl_class=ttl,
+                prompt_text=text,
+                fragments=fragments,
+                forks=others,
+            )
+
+        req = request(opts, tuple(request(f) for f in forks))
+        if grammar is not None or opts.logit_bias:
+            # Build once here so a bad grammar or bias is the caller's error, not the worker's.
+            self.bmodel.new_sampler(opts.sampling(grammar)).close()
+        self.worker.submit(req)
+        return CompletionStream(req, self.worker.cancel)
