@@ -152,23 +152,26 @@ def test_echo_scores_the_prompt_without_restoring_it(client: OpenAI) -> None:
         assert done.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_required_tool_call_streams_incrementally(client: OpenAI) -> None:
-    weather = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "maxLength": 12}},
-                "required": ["city"],
-            },
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
         },
-    }
+    },
+}
+
+
+def test_required_tool_call_streams_incrementally(client: OpenAI) -> None:
     chunks = list(
         client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-            tools=[weather],  # type: ignore[list-item]
+            tools=[WEATHER],  # type: ignore[list-item]
             tool_choice="required",
             max_tokens=40,
             temperature=0,
@@ -188,6 +191,27 @@ def test_required_tool_call_streams_incrementally(client: OpenAI) -> None:
     arguments = json.loads("".join(d.function.arguments or "" for d in rest if d.function))
     assert isinstance(arguments.get("city"), str)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_langchain_streams_tool_call_chunks(server: LiveServer) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=server.base_url + "/v1",
+        api_key="unused",  # type: ignore[arg-type]
+        model=MODEL,
+        temperature=0,
+        max_completion_tokens=40,
+    )
+    bound = llm.bind_tools([WEATHER], tool_choice="required")
+    chunks = list(bound.stream("What is the weather in Paris?"))
+    pieces = [c for c in chunks if getattr(c, "tool_call_chunks", None)]
+    assert len(pieces) > 2  # LangChain saw the call arrive in pieces
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total = total + chunk  # type: ignore[operator]
+    (call,) = total.tool_calls  # type: ignore[attr-defined]
+    assert call["name"] == "get_weather" and isinstance(call["args"].get("city"), str)
 
 
 def test_max_completion_tokens_wins(client: OpenAI) -> None:
