@@ -162,3 +162,28 @@ def test_a_dead_replica_is_a_503(replica: EngineReplica) -> None:
         response = c.post("/v1/chat/completions", json=body)
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "replica_unavailable"
+
+
+def test_n_choices_logprobs_and_infill_through_the_ingress(client: TestClient) -> None:
+    body = {"model": "a", "prompt": "Once upon a time", "max_tokens": 4, "n": 2, "seed": 3}
+    done = client.post("/v1/completions", json={**body, "temperature": 1.0}).json()
+    assert [c["index"] for c in done["choices"]] == [0, 1]
+    assert done["usage"]["prompt_tokens"] == len("Once upon a time") + 1  # once, BOS included
+    chat = {
+        "model": "a",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "n": 2,
+        "stream": True,
+        "logprobs": True,
+    }
+    response = client.post("/v1/chat/completions", json=chat)
+    events = sse_events(response.text)
+    finished = {
+        e["choices"][0]["index"]  # type: ignore[index]
+        for e in events
+        if isinstance(e, dict) and e["choices"] and e["choices"][0]["finish_reason"]
+    }
+    assert finished == {0, 1}
+    refused = client.post("/infill", json={"model": "a", "input_prefix": "a", "input_suffix": "b"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "fim_not_supported"
