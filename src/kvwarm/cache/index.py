@@ -19,8 +19,9 @@ Invariants:
   for readers with a seqlock to detect a racing writer (see ``prefix.py``).
 - Rows, per-tier bytes, the prefix tree and the eviction order always describe the same set
   of published rows (``RowTable`` changes them together).
-- A checked-out row (refcount > 0) is never chosen for eviction or TTL expiry; ``remove``
-  (corruption, explicit delete) is the only way such a row leaves.
+- A checked-out row (refcount > 0) is never chosen for eviction, TTL expiry or promotion
+  (``remove_unpinned``); ``remove`` (corruption, explicit delete) is the only way such a row
+  leaves.
 - TTLs count only time a row sat unused while this process ran: a row's idle time starts at
   its last use or at this index's creation, whichever is later, so downtime between a shutdown
   and a restart never expires rows (a disk tier is meant to outlive restarts of any length).
@@ -223,6 +224,15 @@ class Index:
     def remove(self, key: bytes) -> StoredRow | None:
         """Drop a row even if checked out (corrupt, or deleted on purpose)."""
         with self._lock:
+            return self._rows.remove(key)
+
+    def remove_unpinned(self, key: bytes, tier: TierName) -> StoredRow | None:
+        """Drop the row of ``key`` only if it lives in ``tier`` and nobody has it checked out
+        (a promotion moving it to another tier); None, changing nothing, otherwise."""
+        with self._lock:
+            info = self._rows.get(key)
+            if info is None or info.tier != tier or self._rows.refcount(key):
+                return None
             return self._rows.remove(key)
 
     def evict(self, n_bytes: int, tiers: Iterable[TierName] | None = None) -> list[StoredRow]:

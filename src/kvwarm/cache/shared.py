@@ -13,7 +13,8 @@ Invariants:
 - Promotion copies a row read from a tier that is not local into ``promote_tier`` through
   that tier's publish protocol, on the writer pool (never on the caller's thread, never
   blocking it). The index then names the local copy; the shared copy stays for the others.
-  If the local publish fails, the shared row is put back in the index.
+  If the local publish fails, the shared row is put back in the index. A row someone has
+  checked out is not promoted (its reader's pin must stay on the row it read); a later hit is.
 See docs/architecture.md ("Shared tiers").
 """
 
@@ -135,17 +136,18 @@ class SharedTiers(CacheCore):
 
     def _copy_to(self, target: Tier, source: Tier, stored: StoredRow, request: SaveRequest) -> bool:
         key = stored.info.key
-        current = self._index.get(key)
-        if current is None or current.tier != source.name:
-            return False  # evicted meanwhile, or already copied
-        removed = self._index.remove(key)  # the shared copy stays in its store for the others
+        # The shared copy stays in its store for the others; the index forgets it only if no
+        # reader holds it (a reader's check-in must find the row it checked out).
+        removed = self._index.remove_unpinned(key, source.name)
+        if removed is None:
+            return False  # evicted or copied meanwhile, or being read: a later hit promotes
         row: StoredRow | None = None
         try:
             row = target.store(key, request, self._index)
         except CacheError as exc:
             log.warning("%s: promoting %s failed: %s", target.name, key.hex(), exc)
         finally:
-            if row is None and removed is not None and key not in self._index:
+            if row is None and key not in self._index:
                 self._index.adopt(removed)
         if row is None:
             return False
