@@ -43,7 +43,7 @@ class ModelParams:
     vocab_only: bool = False
     #: Repack weights into llama.cpp's extra CPU buffer types (AMX, CPU_REPACK). None: on,
     #: unless the CPU build uses AMX, whose matmul in the pinned llama.cpp segfaults on the
-    #: first multi-token batch (ggml-org/llama.cpp#20824; reproduced on Sapphire Rapids).
+    #: first multi-token batch (docs/architecture.md, "Layers": the AMX fault).
     use_extra_bufts: bool | None = None
     progress: ProgressCallback | None = field(default=None, compare=False, hash=False)
 
