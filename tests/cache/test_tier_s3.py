@@ -273,3 +273,25 @@ def test_probe_reads_long_metadata_in_a_second_range(moto_server: MotoServer) ->
     assert faulty.gets - before == 2  # the first 256 KiB, then the rest of the metadata
     assert row is not None and row.info.has_logits and row.tokens == tuple(range(16))
     assert tier.load(row).logits == logits
+
+
+def test_sweeps_do_not_read_rows_the_ttl_forgot_again(moto_server: MotoServer) -> None:
+    """A row our TTL forgot stays forgotten by the sweeps (each would read its metadata again,
+    and the next gc forget it again); a lookup still finds it."""
+    clock = FakeClock(time.time())
+    bucket = moto_server.new_bucket()
+    faulty = FaultyClient(moto_server.client())
+    s3 = _tier(moto_server, bucket, faulty)
+    cfg = CacheConfig(tiers=(TierConfig("s3", 1 << 30),), ttl_seconds=(10.0, 10.0, 10.0))
+    with Cache(cfg, tiers=[s3], clock=clock, background=False) as cache:
+        key, req = request(tuple(range(32)), tier="s3")
+        assert cache.save(req, sync=True) == key
+        clock.advance(1000)
+        cache.sweep()  # forgets the row
+        gets = faulty.gets
+        for _ in range(3):
+            cache.sweep()
+            assert cache.rows() == []
+        assert faulty.gets == gets  # listing only: no object read again
+        assert cache.lookup_exact(key) is not None  # discovery still finds it
+        assert [r.key for r in cache.rows()] == [key]

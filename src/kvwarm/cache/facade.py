@@ -94,8 +94,7 @@ class Cache(CacheUpkeep, SharedTiers):
         """
         self.config = config if config is not None else CacheConfig()
         validate_cache_config(self.config)
-        self._sweep_interval_s = self.config.sweep_interval_s
-        self._scan_problems: list[tuple[str, str]] = []
+        self._init_upkeep(self.config.sweep_interval_s)
         self._counters = Counters()
         self._index = Index(
             reservation_ttl_s=self.config.reservation_ttl_s,

@@ -9,7 +9,9 @@ Invariants:
 - An orphan (a writer linked its file and vanished) is adopted if its tier vouches for the
   bytes, and deleted only if they are unusable and no row of its key is indexed.
 - TTL expiry deletes bytes only in local tiers; an expired row of a remote shared tier is
-  forgotten, its bytes left for the other processes (see ``gc``).
+  forgotten, its bytes left for the other processes (see ``gc``), and stays forgotten by the
+  rescans: only a lookup that needs it (discovery) adopts it again, so no sweep reads it
+  just for the next gc to forget it.
 See docs/architecture.md.
 """
 
@@ -21,7 +23,7 @@ import threading
 from kvwarm.cache.api import VerifyReport
 from kvwarm.cache.core import CacheCore
 from kvwarm.cache.index import Orphan
-from kvwarm.cache.protocols import Tier
+from kvwarm.cache.protocols import StoredRow, Tier
 from kvwarm.cache.types import EvictResult
 from kvwarm.errors import CacheError, CacheFormatError, CacheKeyError
 
@@ -34,6 +36,12 @@ class CacheUpkeep(CacheCore):
     _scan_problems: list[tuple[str, str]]
     _stop: threading.Event
     _sweep_interval_s: float
+    _forgotten: set[bytes]  # remote shared rows our TTL forgot: left to discovery
+
+    def _init_upkeep(self, sweep_interval_s: float) -> None:
+        self._sweep_interval_s = sweep_interval_s
+        self._scan_problems = []
+        self._forgotten = set()
 
     def _scan(self, tier: Tier) -> None:
         """Adopt every valid row a tier already holds; one bad file never stops the scan."""
@@ -62,7 +70,12 @@ class CacheUpkeep(CacheCore):
         # A remote shared tier (s3, a multi-host directory) serves other processes too: our
         # idle timer only makes us forget its rows (discovery finds them again); deleting
         # them is left to the quota's eviction and to the store's own lifecycle rules.
-        mine = [r for r in expired if self._tiers[r.info.tier].capabilities.local]
+        mine: list[StoredRow] = []
+        for row in expired:
+            if self._tiers[row.info.tier].capabilities.local:
+                mine.append(row)
+            else:
+                self._forgotten.add(row.info.key)
         return self._retire(mine, count=True)
 
     def _adopt_orphan(self, orphan: Orphan) -> None:
@@ -108,10 +121,13 @@ class CacheUpkeep(CacheCore):
         """Adopt rows other processes published in shared tiers since we last looked.
         Cheap: lists keys and reads only rows whose key the index does not know."""
         adopted = 0
+        listed: set[bytes] | None = set()
         for tier in self._shared_tiers():
             try:
                 for key in tier.stored_keys():
-                    if key in self._index or self._index.in_flight(key):
+                    if listed is not None:
+                        listed.add(key)
+                    if key in self._index or self._index.in_flight(key) or key in self._forgotten:
                         continue
                     row = tier.probe(key)
                     if row is not None and self._adopt(tier, row):
@@ -119,6 +135,9 @@ class CacheUpkeep(CacheCore):
             except CacheError as exc:  # e.g. the s3 store is down: try again next sweep
                 self._counters.incr("store_errors")
                 log.info("%s: rescan stopped: %s", tier.name, exc)
+                listed = None  # a partial listing: keep every forgotten key
+        if listed is not None:
+            self._forgotten.intersection_update(listed)  # deleted meanwhile: no need to keep
         return adopted
 
     def persist_hits(self) -> None:
