@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvwarm._version import __version__
 from kvwarm.errors import KvwarmError
 from kvwarm.server import routes_admin, routes_chat, routes_completions, routes_openai, webui
-from kvwarm.server.errors import HTTPError, error_body, error_response
+from kvwarm.server.errors import ERROR_RESPONSES, HTTPError, error_body, error_response
 from kvwarm.server.guard import Guard, send_json
 from kvwarm.server.state import ServerState
 from kvwarm.settings import Settings
@@ -92,6 +92,7 @@ def create_app(settings: Settings, state: ServerState | None = None) -> FastAPI:
         docs_url="/docs",  # Swagger UI; its script and style come from a CDN
         redoc_url=None,
         openapi_url="/openapi.json",
+        responses=ERROR_RESPONSES,
     )
     app.openapi = functools.partial(_openapi_with_keys, app)  # type: ignore[method-assign]
     app.state.kvwarm = state

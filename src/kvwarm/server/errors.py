@@ -2,15 +2,19 @@
 
 Invariant: the HTTP status, ``type`` and ``code`` of an error come from the exception's class
 (walking its MRO to the nearest mapped class), never from its message text. Every error body is
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``, declared once (``ErrorResponse``) for every
+operation's 4XX and 5XX in ``/openapi.json`` (``ERROR_RESPONSES``), where the schema-driven tests
+check each error against it.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from kvwarm import errors as e
 
@@ -22,6 +26,28 @@ class ErrorKind:
     status: int
     type: str
     code: str | None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    # Optional in the schema: other wire formats' errors (Anthropic's) carry only the two above.
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (``error_body``)."""
+
+    error: ErrorDetail
+
+
+#: ``responses`` for every operation: ``create_app`` hands it to FastAPI, so routes added later
+#: declare their errors too (and FastAPI's own 422, which this server never sends, is dropped).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorResponse, "description": "the request was refused"},
+    "5XX": {"model": ErrorResponse, "description": "the server or a model failed"},
+}
 
 
 class HTTPError(Exception):

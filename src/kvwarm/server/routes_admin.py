@@ -52,7 +52,18 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
 
-@router.get("/metrics")
+# The Prometheus text format, or OpenMetrics when the scraper asks for it; never JSON.
+_METRICS_CONTENT = {
+    "text/plain": {"schema": {"type": "string"}},
+    "application/openmetrics-text": {"schema": {"type": "string"}},
+}
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": _METRICS_CONTENT, "description": "the metrics"}},
+)
 async def prometheus(request: Request) -> Response:
     body, content_type = server_state(request).counters.exposition(request.headers.get("accept"))
     return Response(body, media_type=content_type)

@@ -42,7 +42,8 @@ def renders_tools(model: ServedModel, tools: Sequence[Tool]) -> bool:
 
 
 @router.post(
-    "/v1/chat/completions", openapi_extra=json_body(ChatRequest) | tenancy.openapi_header()
+    "/v1/chat/completions",
+    openapi_extra=json_body(ChatRequest, streams=True) | tenancy.openapi_header(),
 )
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)

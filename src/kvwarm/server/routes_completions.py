@@ -84,7 +84,8 @@ async def _prompt_part(
 
 
 @router.post(
-    "/v1/completions", openapi_extra=json_body(CompletionRequest) | tenancy.openapi_header()
+    "/v1/completions",
+    openapi_extra=json_body(CompletionRequest, streams=True) | tenancy.openapi_header(),
 )
 async def completions(request: Request) -> Response:
     state = server_state(request)
@@ -191,7 +192,9 @@ async def _streamed(
 # --- /infill (llama-server) ------------------------------------------------------------------
 
 
-@router.post("/infill", openapi_extra=json_body(InfillRequest) | tenancy.openapi_header())
+@router.post(
+    "/infill", openapi_extra=json_body(InfillRequest, streams=True) | tenancy.openapi_header()
+)
 async def infill(request: Request) -> Response:
     """llama-server's infill: the middle between ``input_prefix`` (+ ``prompt``) and
     ``input_suffix``, with ``input_extra`` files as context; its response shape, not OpenAI's."""

@@ -190,11 +190,11 @@ class EvictRequest(_Body):
     tiers: list[Literal["ram", "ram_file", "disk", "s3"]] | None = None
 
 
-def json_body(model: type[BaseModel]) -> dict[str, Any]:
+def json_body(model: type[BaseModel], *, streams: bool = False) -> dict[str, Any]:
     """``openapi_extra`` declaring ``model`` as a route's JSON request body. The routes read
     their bodies themselves (``read_json``), so FastAPI cannot see them; this puts them in
     ``/openapi.json`` for clients and for the schema-driven tests. Definitions are inlined so
-    the fragment stands alone."""
+    the fragment stands alone. ``streams``: the 200 may also be an SSE stream (``stream``)."""
     schema = model.model_json_schema()
     defs = schema.pop("$defs", {})
 
@@ -209,7 +209,10 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
         return node
 
     content = {"application/json": {"schema": inline(schema)}}
-    return {"requestBody": {"required": True, "content": content}}
+    extra: dict[str, Any] = {"requestBody": {"required": True, "content": content}}
+    if streams:
+        extra["responses"] = {"200": {"content": {"text/event-stream": {"schema": {}}}}}
+    return extra
 
 
 async def read_json(request: Request, settings: Settings) -> object:
