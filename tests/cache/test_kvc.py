@@ -72,7 +72,7 @@ def test_round_trip_and_zero_copy_payload() -> None:
 
 def test_header_layout_offsets() -> None:
     buf = _file()
-    assert buf[:3] == b"KVC" and buf[3] == 1 and buf[4] == 4 and buf[5] == SaveReason.FINISH
+    assert buf[:3] == b"KVC" and buf[3] == 2 and buf[4] == 4 and buf[5] == SaveReason.FINISH
     assert struct.unpack_from("<I", buf, 8)[0] == len(TOKENS)
     assert struct.unpack_from("<I", buf, kvc.HIT_COUNT_OFFSET)[0] == 3
     assert struct.unpack_from("<Q", buf, kvc.LAST_USED_OFFSET)[0] == FIELDS.last_used

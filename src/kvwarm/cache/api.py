@@ -25,13 +25,16 @@ from kvwarm.cache.types import (
 @dataclass(frozen=True, slots=True)
 class LoadedRow:
     """A row's bytes, valid while its ``open_row`` context is open (the row is checked out,
-    so eviction cannot remove it). ``payload`` is a zero-copy view: ``kv_unpack`` reads it
-    directly."""
+    so eviction cannot remove it, nor any chunk it names). ``payload`` is a zero-copy view:
+    ``kv_unpack`` reads it directly -- unless ``chunks`` is set: the row is then a manifest,
+    and ``chunks`` are its KV's pieces in token order (every full chunk, then the tail if
+    any), for the backend's ``kv_join``; ``payload`` is only the tail."""
 
     info: RowInfo
     tokens: tuple[int, ...]
     payload: memoryview
     logits: bytes | None
+    chunks: tuple[memoryview, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,7 +95,9 @@ class CacheCore:
         return adopted
 
     def _retire(self, rows: Sequence[StoredRow], *, count: bool = False) -> EvictResult:
-        """Delete the bytes of rows the index already forgot."""
+        """Delete the bytes of rows the index already forgot, then of the chunks no row
+        names any more (manifests first: a crash in between leaves orphans, never a
+        manifest without its chunks)."""
         freed = 0
         for row in rows:
             freed += row.info.size
@@ -103,6 +105,14 @@ class CacheCore:
                 self._tiers[row.info.tier].delete(row.info.key)
             except CacheError as exc:
                 log.warning("%s: deleting %s failed: %s", row.info.tier, row.info.key.hex(), exc)
+        for chunk in self._index.take_freed_chunks():
+            freed += chunk.size
+            try:
+                self._tiers[chunk.tier].delete_chunk(chunk.key)
+            except CacheError as exc:
+                log.warning("%s: deleting chunk %s failed: %s", chunk.tier, chunk.key.hex(), exc)
+            finally:
+                self._index.chunk_deleted(chunk)
         if count and rows:
             self._counters.incr("evictions", len(rows))
             self._counters.incr("evicted_bytes", freed)

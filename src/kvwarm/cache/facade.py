@@ -38,6 +38,7 @@ from dataclasses import replace
 from types import TracebackType
 
 from kvwarm.cache.api import LoadedRow
+from kvwarm.cache.chunking import load_chunks, store_row
 from kvwarm.cache.core import ScratchBuffers
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.eviction import build_policy
@@ -198,16 +199,38 @@ class Cache(CacheUpkeep, SharedTiers):
         # A remote row's buffer may outlive this lease (promotion): never the thread's scratch.
         scratch = self._scratch.take() if local else None
         data: RowBytes | None = None
+        parts: tuple[memoryview, ...] = ()
         try:
             data = self._load(tier, stored, scratch)
-            yield LoadedRow(stored.info, data.tokens, data.payload, data.logits)
+            parts = self._load_parts(tier, stored, data)
+            yield LoadedRow(stored.info, data.tokens, data.payload, data.logits, parts)
         finally:
             self._index.checkin(key)
             if local:
                 self._scratch.reclaim(scratch, data)
             elif data is not None:
-                self._promote(tier, stored, data)
+                self._promote(tier, stored, data, parts)
                 _release(data)
+
+    def _load_parts(self, tier: Tier, stored: StoredRow, data: RowBytes) -> tuple[memoryview, ...]:
+        """A manifest's chunks (then its tail), verified; () for a whole-blob row."""
+        if not stored.chunks:
+            return ()
+        key = stored.info.key
+        try:
+            chunks = load_chunks(tier, stored.chunks)
+        except (CacheFormatError, CacheKeyError) as exc:
+            # A chunk is corrupt or gone: the row cannot be restored. Forget the row (its
+            # chunks go with their last reference) and the bad chunk's bytes.
+            log.warning("%s: dropping row %s: %s", tier.name, key.hex(), exc)
+            self._retire([r for r in (self._index.remove(key),) if r is not None])
+            raise
+        except CacheIOError:
+            self._counters.incr("store_errors")
+            raise
+        if data.payload.nbytes:
+            chunks.append(data.payload)
+        return tuple(chunks)
 
     def _load(self, tier: Tier, stored: StoredRow, scratch: bytearray | None = None) -> RowBytes:
         key = stored.info.key
@@ -267,7 +290,7 @@ class Cache(CacheUpkeep, SharedTiers):
     def _run_save(self, key: bytes, request: SaveRequest, tier: Tier) -> bool:
         t0 = time.perf_counter()
         try:
-            row = tier.store(key, request, self._index)
+            row = store_row(key, request, tier, self._index, self.config.chunk_tokens)
         except CacheNetworkError as exc:
             # The tier warned when the store went down; one line per dropped save is noise.
             self._counters.incr("save_failures")

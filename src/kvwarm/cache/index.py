@@ -27,6 +27,9 @@ Invariants:
   and a restart never expires rows (a disk tier is meant to outlive restarts of any length).
 - Eviction never yields a key twice, whatever the caller's tier list or the policy: every row
   it drops is returned, so its bytes are deleted and no file outlives its index entry.
+- Chunks (``chunkrefs.py``) are referenced by the rows naming them and pinned by the saves
+  writing or reusing them; a chunk is freed only when neither holds it, and a save that needs
+  a chunk being deleted waits for the delete before writing it again.
 - Nothing here does I/O. Methods that retire rows return the ``StoredRow``s so the caller
   (the facade) deletes their bytes outside the lock.
 
@@ -40,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from kvwarm.cache.chunkrefs import FreedChunk
 from kvwarm.cache.eviction.base import EvictionPolicy
 from kvwarm.cache.eviction.lru import LruPolicy
 from kvwarm.cache.inflight import InFlight
@@ -73,6 +77,7 @@ class Index:
         self._rows = RowTable(eviction if eviction is not None else LruPolicy())
         self._res = Reservations(reservation_ttl_s, monotonic)
         self._inflight = InFlight(self._lock)
+        self._chunk_gone = threading.Condition(self._lock)
 
     # ----------------------------------------------------------------- lock-free reads
 
@@ -276,4 +281,47 @@ class Index:
 
     def _evict(self, n_bytes: int, tiers: Iterable[TierName] | None) -> list[StoredRow]:
         names = list(self._rows.usage() if tiers is None else dict.fromkeys(tiers))
-        return self._rows.remove_all(self._rows.select_victims(n_bytes, names))
+        return self._rows.evict(n_bytes, names)
+
+    # ----------------------------------------------------------------- chunks
+
+    def pin_chunks(
+        self, tier: TierName, keys: Sequence[bytes], timeout_s: float
+    ) -> list[bytes] | None:
+        """Pin a save's chunks (none can be freed until ``unpin_chunks``); the keys it must
+        write. Waits for chunks being deleted right now to be gone; None (nothing pinned) if
+        that takes longer than ``timeout_s``."""
+        with self._lock:
+            write, dying = self._rows.chunks.pin(tier, keys)
+            if dying:
+                ok = self._chunk_gone.wait_for(
+                    lambda: not any(self._rows.chunks.is_dying(tier, k) for k in dying),
+                    timeout_s,
+                )
+                if not ok:
+                    self._rows.chunks.unpin(tier, keys)
+                    return None
+            return write
+
+    def chunk_stored(self, tier: TierName, key: bytes, size: int) -> None:
+        with self._lock:
+            self._rows.chunks.stored(tier, key, size)
+
+    def unpin_chunks(self, tier: TierName, keys: Sequence[bytes]) -> None:
+        """End of a save. A chunk no published row names is left as an orphan (evictable)."""
+        with self._lock:
+            self._rows.chunks.unpin(tier, keys)
+
+    def take_freed_chunks(self) -> list[FreedChunk]:
+        """Chunks no row names any more, for the caller to delete (then ``chunk_deleted``)."""
+        with self._lock:
+            return self._rows.chunks.take_freed()
+
+    def chunk_deleted(self, chunk: FreedChunk) -> None:
+        with self._lock:
+            self._rows.chunks.deleted(chunk.tier, chunk.key)
+            self._chunk_gone.notify_all()
+
+    def chunk_refs(self, tier: TierName, key: bytes) -> int:
+        with self._lock:
+            return self._rows.chunks.refs(tier, key)

@@ -2,7 +2,7 @@
 
 Layout, little-endian throughout::
 
-    [0..47]   header   magic "KVC", u8 version=1, u8 quant_bits, u8 save_reason, u8[2] zero,
+    [0..47]   header   magic "KVC", u8 version=2, u8 quant_bits, u8 save_reason, u8[2] zero,
                        u32 token count, u32 hit count*, u32 context size, u8[4] zero,
                        u64 created (unix s), u64 last used* (unix s), u64 payload bytes
     [48..71]  trailer  u64 payload offset, u64 payload length, u32 payload CRC32C,
@@ -11,6 +11,12 @@ Layout, little-endian throughout::
                        empty unless the cache is configured to store prompt text)
     [..]      TLV      u32 length, then (u8 tag, u32 length, value) records
     [..end]   payload  opaque KV bytes
+
+A version-2 file is a *manifest* when its TLV names a chunk size and chunk keys: the row's KV
+is those content-addressed chunks (``cache/chunkfmt.py``) followed by the payload, the KV of
+the last ``tokens % chunk size`` tokens (the tail). Without them the payload is the whole KV
+blob. A version-1 file (an older kvwarm) holds no chunk tags and is read as such a whole-blob
+row; an older kvwarm refuses version 2, so it never mistakes a tail for a whole blob.
 
 Invariants:
 - The payload CRC covers the payload; the meta CRC covers every byte before the payload except
@@ -51,6 +57,7 @@ __all__ = [
     "KvcFile",
     "KvcMeta",
     "build_prefix",
+    "check_chunks",
     "crc32c",
     "fields_from_request",
     "pack_hit_fields",
@@ -73,7 +80,8 @@ def crc32c(data: Buffer, value: int = 0) -> int:
 
 
 MAGIC = b"KVC"
-VERSION = 1
+VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _HEADER = struct.Struct("<3sBBB2sIII4sQQQ")
 _TRAILER = struct.Struct("<QQII")
 _U32 = struct.Struct("<I")
@@ -102,6 +110,8 @@ TAG_TOKENS = 0x09
 TAG_LOGITS = 0x0A  # kvwarm: float32 LE logits after the last token
 TAG_TTL_CLASS = 0x0B  # kvwarm: TtlClass byte
 TAG_CANONICAL = 0x0C  # kvwarm: u32, leading tokens whose KV came from aligned prefill
+TAG_CHUNK_TOKENS = 0x0D  # kvwarm v2: u32 tokens per chunk (the row is a manifest)
+TAG_CHUNKS = 0x0E  # kvwarm v2: the chunk keys, 32 bytes each, in token order
 _REQUIRED = (
     TAG_FINGERPRINT,
     TAG_FINGERPRINT_MODE,
@@ -111,7 +121,7 @@ _REQUIRED = (
     TAG_TOKENS,
 )
 _KNOWN = frozenset((*_REQUIRED, TAG_HOSTNAME, TAG_VERSION, TAG_REASON_DETAIL, TAG_LOGITS,
-                    TAG_TTL_CLASS, TAG_CANONICAL))  # fmt: skip
+                    TAG_TTL_CLASS, TAG_CANONICAL, TAG_CHUNK_TOKENS, TAG_CHUNKS))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +144,9 @@ class KvcFields:
     hostname: str = ""
     version: str = __version__
     canonical_tokens: int | None = None  # see RowInfo.canonical_tokens; None: all tokens
+    # A manifest's chunk size and chunk keys (None, (): the payload is the whole blob).
+    chunk_tokens: int | None = None
+    chunks: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +182,21 @@ def fields_from_request(req: SaveRequest, *, now: float) -> KvcFields:
         prompt_text=req.prompt_text,
         hostname=socket.gethostname(),
         canonical_tokens=req.canonical_tokens,
+        chunk_tokens=req.chunk_tokens,
+        chunks=req.chunk_keys,
     )
+
+
+def check_chunks(n_tokens: int, chunk_tokens: int | None, chunks: tuple[bytes, ...]) -> None:
+    """``ValueError`` unless ``chunks`` are the full chunks of ``n_tokens`` tokens."""
+    if chunk_tokens is None:
+        if chunks:
+            raise ValueError("chunk keys without a chunk size")
+        return
+    if chunk_tokens <= 0 or chunk_tokens > _U32_MAX:
+        raise ValueError("chunk size out of range")
+    if len(chunks) != n_tokens // chunk_tokens or any(len(k) != 32 for k in chunks):
+        raise ValueError("chunk keys do not cover the row's full chunks")
 
 
 def _tlv(tag: int, value: Buffer) -> bytes:
@@ -206,6 +233,10 @@ def build_prefix(fields: KvcFields, payload: Buffer) -> bytes:
         records.append(_tlv(TAG_LOGITS, fields.logits))
     if canonical is not None:
         records.append(_tlv(TAG_CANONICAL, _U32.pack(canonical)))
+    check_chunks(len(fields.tokens), fields.chunk_tokens, fields.chunks)
+    if fields.chunk_tokens is not None:
+        records.append(_tlv(TAG_CHUNK_TOKENS, _U32.pack(fields.chunk_tokens)))
+        records.append(_tlv(TAG_CHUNKS, b"".join(fields.chunks)))
     tlv = b"".join(records)
     prompt = fields.prompt_text.encode("utf-8", "replace")
     body = _U32.pack(len(prompt)) + prompt + _U32.pack(len(tlv)) + tlv
@@ -288,8 +319,8 @@ def _parse_meta(
      payload_bytes) = _HEADER.unpack_from(mv, 0)  # fmt: skip
     if magic != MAGIC:
         raise _bad("bad magic")
-    if version != VERSION:
-        raise _bad(f"unsupported version {version}")
+    if version not in _READABLE_VERSIONS:
+        raise _bad(f"unsupported version {version} (this kvwarm reads 1 and 2)")
     if res1 != b"\0\0" or res2 != b"\0\0\0\0":
         raise _bad("reserved header bytes are not zero")
     if reason not in SaveReason._value2member_map_:
@@ -357,6 +388,7 @@ def _parse_meta(
         if canonical > count:
             raise _bad("canonical token count exceeds token count")
 
+    chunk_tokens, chunks = _chunk_tags(tags, version, count)
     ns = Namespace(fingerprint=bytes(fp), quant=quant_v[0], ctx_hash=bytes(ctx))
     key_hash = hashlib.sha256(namespace_prefix(ns))
     key_hash.update(tok_v)
@@ -384,8 +416,30 @@ def _parse_meta(
         hostname=_text(tags, TAG_HOSTNAME),
         version=_text(tags, TAG_VERSION),
         canonical_tokens=canonical,
+        chunk_tokens=chunk_tokens,
+        chunks=chunks,
     )
     return KvcMeta(key, fields, offset, length, payload_crc)
+
+
+def _chunk_tags(
+    tags: dict[int, memoryview], version: int, count: int
+) -> tuple[int | None, tuple[bytes, ...]]:
+    size_v, keys_v = tags.get(TAG_CHUNK_TOKENS), tags.get(TAG_CHUNKS)
+    if size_v is None and keys_v is None:
+        return None, ()
+    if version < 2 or size_v is None or keys_v is None:
+        raise _bad("chunk size and chunk keys must come together, in a version-2 file")
+    if size_v.nbytes != 4 or keys_v.nbytes % 32:
+        raise _bad("chunk size or chunk key list has the wrong size")
+    (chunk_tokens,) = _U32.unpack_from(size_v, 0)
+    raw = bytes(keys_v)
+    chunks = tuple(raw[i : i + 32] for i in range(0, len(raw), 32))
+    try:
+        check_chunks(count, chunk_tokens, chunks)
+    except ValueError as exc:
+        raise _bad(str(exc)) from None
+    return chunk_tokens, chunks
 
 
 def _parse_tlv(mv: memoryview) -> dict[int, memoryview]:

@@ -37,6 +37,8 @@ class StoredRow:
     info: RowInfo
     tokens: tuple[int, ...]
     location: str | None
+    # A manifest's chunk keys, in token order, stored in the same tier (() if unchunked).
+    chunks: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +136,28 @@ class Tier(Protocol):
 
     def problems(self) -> tuple[tuple[str, str], ...]:
         """(where, why) of each bad item the last ``scan`` found and left in place."""
+        ...
+
+    # ---- chunks (content-addressed, immutable, shared by manifests; ``cache/chunkfmt.py``)
+
+    def store_chunk(self, key: bytes, head: bytes, payload: bytes) -> int:
+        """Make chunk ``key`` (object ``head ‖ payload``) durable, crash-safely (a visible
+        chunk is complete); idempotent: a valid chunk already there is kept. Returns the bytes
+        it occupies. ``CacheIOError`` if storage failed."""
+        ...
+
+    def load_chunk(self, key: bytes) -> memoryview:
+        """The verified payload of chunk ``key``. ``CacheKeyError`` if absent,
+        ``CacheFormatError`` if corrupt (the caller deletes it)."""
+        ...
+
+    def delete_chunk(self, key: bytes) -> None:
+        """Remove chunk ``key``; missing is fine."""
+        ...
+
+    def scan_chunks(self) -> Iterator[tuple[bytes, int]]:
+        """Startup: (key, bytes) of every chunk whose head is valid (payload CRC checked on
+        load); invalid ones are removed (or reported with ``repair=False``)."""
         ...
 
     def close(self) -> None: ...

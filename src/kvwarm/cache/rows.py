@@ -4,11 +4,12 @@ the eviction policy's order, kept as one set.
 Invariants:
 
 - ``insert`` and ``remove`` are the only mutators of membership, and each changes the entry,
-  the tier totals, the prefix tree and the policy together, so all four always describe the
-  same set of published rows.
+  the tier totals, the prefix tree, the policy and the chunk references (``chunkrefs.py``)
+  together, so all five always describe the same set of published rows. A tier's bytes are
+  its rows' own bytes plus each stored chunk once.
 - A pinned row (refcount > 0, checked out for a read) is never offered as a victim or as an
   expired row; ``remove`` is the only way it leaves.
-- ``select_victims`` returns each key at most once and only keys present, whatever the policy
+- ``evict`` returns each key at most once and only keys present, whatever the policy
   yields.
 - Not locked: ``Index`` calls every method under its lock, except the lock-free reads marked
   as such (single dict lookups, atomic under the GIL, and ``try_longest``, which validates
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
+from kvwarm.cache.chunkrefs import ChunkRefs
 from kvwarm.cache.eviction.base import EvictionPolicy
 from kvwarm.cache.prefix import PrefixIndex
 from kvwarm.cache.protocols import StoredRow
@@ -34,10 +36,11 @@ class _Entry:
     info: RowInfo
     location: str | None
     refcount: int = 0
+    chunks: tuple[bytes, ...] = ()
 
 
 class RowTable:
-    __slots__ = ("_bytes", "_count", "_dirty_hits", "_entries", "_policy", "_prefix")
+    __slots__ = ("_bytes", "_count", "_dirty_hits", "_entries", "_policy", "_prefix", "chunks")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self._entries: dict[bytes, _Entry] = {}
@@ -46,6 +49,7 @@ class RowTable:
         self._prefix = PrefixIndex()
         self._policy = policy
         self._dirty_hits: set[bytes] = set()  # hit counts not yet written to the tiers
+        self.chunks = ChunkRefs()
 
     # ----------------------------------------------------------------- lock-free reads
 
@@ -94,11 +98,12 @@ class RowTable:
         return self._prefix.tokens(key)
 
     def usage(self) -> dict[TierName, tuple[int, int]]:
-        """Per tier ever used: (bytes, rows)."""
-        return {t: (self._bytes[t], n) for t, n in self._count.items()}
+        """Per tier ever used: (bytes, rows); bytes include the tier's chunks, each once."""
+        tiers = dict.fromkeys([*self._count, *self.chunks.tiers()])
+        return {t: (self.tier_bytes(t), self._count.get(t, 0)) for t in tiers}
 
     def tier_bytes(self, tier: TierName) -> int:
-        return self._bytes.get(tier, 0)
+        return self._bytes.get(tier, 0) + self.chunks.tier_bytes(tier)
 
     def order(self, tier: TierName) -> list[bytes]:
         return self._policy.order(tier)
@@ -107,7 +112,7 @@ class RowTable:
         entry = self._entries[key]
         tokens = self._prefix.tokens(key)
         assert tokens is not None, "row present without tokens"
-        return StoredRow(entry.info, tokens, entry.location)
+        return StoredRow(entry.info, tokens, entry.location, entry.chunks)
 
     # ----------------------------------------------------------------- membership
 
@@ -122,18 +127,21 @@ class RowTable:
             refcount = old.refcount
             self.remove(key)
         self._prefix.insert(info.namespace, key, row.tokens, info.size)
-        self._entries[key] = _Entry(info, row.location, refcount)
+        self._entries[key] = _Entry(info, row.location, refcount, row.chunks)
+        self.chunks.ref(info.tier, row.chunks)
         self._bytes[info.tier] = self._bytes.get(info.tier, 0) + info.size
         self._count[info.tier] = self._count.get(info.tier, 0) + 1
         self._policy.insert(key, info)
 
     def remove(self, key: bytes) -> StoredRow | None:
-        """Forget a row, pinned or not; the row as it was, for the caller to delete its bytes."""
+        """Forget a row, pinned or not; the row as it was, for the caller to delete its bytes
+        (and the chunks no other row names: ``chunks.take_freed``)."""
         if key not in self._entries:
             return None
         row = self.stored(key)
         tier = row.info.tier
         del self._entries[key]
+        self.chunks.unref(tier, row.chunks)
         self._bytes[tier] -= row.info.size
         self._count[tier] -= 1
         self._prefix.remove(key)
@@ -171,19 +179,30 @@ class RowTable:
         keys, self._dirty_hits = self._dirty_hits, set()
         return [self.stored(k) for k in keys if k in self._entries]
 
-    def select_victims(self, n_bytes: int, tiers: Sequence[TierName]) -> list[bytes]:
-        """Unpinned keys of ``tiers`` in policy order until they add up to ``n_bytes``."""
-        chosen: dict[bytes, None] = {}
+    def evict(self, n_bytes: int, tiers: Sequence[TierName]) -> list[StoredRow]:
+        """Free at least ``n_bytes`` of ``tiers`` if possible: orphan chunks first, then
+        unpinned rows in policy order. A row frees its own bytes and the chunks no other row
+        names, so a long row goes from the leaves and a prefix other rows share stays."""
         freed = 0
-        for key in self._policy.victims(tiers, self._evictable):
+        for tier, key in self.chunks.orphans(tiers):
+            if freed >= n_bytes:
+                return []
+            freed += self.chunks.free_orphan(tier, key)
+        victims: list[StoredRow] = []
+        # The policy's order is taken first: removing rows while it yields would change it.
+        order = [] if freed >= n_bytes else list(self._policy.victims(tiers, self._evictable))
+        for key in order:
             if freed >= n_bytes:
                 break
             entry = self._entries.get(key)
-            if entry is None or key in chosen or entry.refcount or entry.info.tier not in tiers:
+            if entry is None or entry.refcount or entry.info.tier not in tiers:
                 continue  # a policy's mistake must not evict twice or evict a pinned row
-            chosen[key] = None
-            freed += entry.info.size
-        return list(chosen)
+            size_before = self.chunks.tier_bytes(entry.info.tier)
+            row = self.remove(key)
+            assert row is not None
+            victims.append(row)
+            freed += row.info.size + size_before - self.chunks.tier_bytes(entry.info.tier)
+        return victims
 
     def _evictable(self, key: bytes) -> bool:
         entry = self._entries.get(key)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+from kvwarm.cache.chunking import store_row
 from kvwarm.cache.core import CacheCore
 from kvwarm.cache.key import PrefixKeyer
 from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
@@ -95,15 +96,28 @@ class SharedTiers(CacheCore):
                 return tier
         return None
 
-    def _promote(self, source: Tier, stored: StoredRow, data: RowBytes) -> None:
+    def _promote(
+        self, source: Tier, stored: StoredRow, data: RowBytes, parts: tuple[memoryview, ...]
+    ) -> None:
         """Queue a copy of a row just read from ``source`` (not local) into the local tier.
-        Takes its own view of the payload: the caller's is released when its lease ends."""
+        Takes its own view of the payload: the caller's is released when its lease ends. A
+        manifest is copied with its chunks (``parts``): those the local tier lacks are
+        written, then the manifest (``chunking.store_row``)."""
         target = self._promote_target()
         key = stored.info.key
         fields = data.fields
         if target is None or fields is None or self._index.in_flight(key):
             return
         view = data.payload[:]
+        split = None
+        if parts and fields.chunk_tokens:
+            size = fields.chunk_tokens
+            held = tuple(p[:] for p in parts)  # s3 bodies are immutable bytes: views suffice
+
+            def pick(_blob: object, bounds: Sequence[int]) -> list[bytes]:
+                return [bytes(held[b // size]) for b in bounds[:-1]]
+
+            split = pick
         # The payload is copied on the writer thread: copying MBs here would stall a tick.
         request = SaveRequest(
             namespace=fields.namespace,
@@ -118,6 +132,8 @@ class SharedTiers(CacheCore):
             quant_bits=fields.quant_bits,
             fingerprint_mode=fields.fingerprint_mode,
             canonical_tokens=fields.canonical_tokens,
+            split=split,
+            chunk_tokens=fields.chunk_tokens if split is not None else None,
         )
         self._index.mark_in_flight(key)
 
@@ -143,7 +159,7 @@ class SharedTiers(CacheCore):
             return False  # evicted or copied meanwhile, or being read: a later hit promotes
         row: StoredRow | None = None
         try:
-            row = target.store(key, request, self._index)
+            row = store_row(key, request, target, self._index, 0)
         except CacheError as exc:
             log.warning("%s: promoting %s failed: %s", target.name, key.hex(), exc)
         finally:

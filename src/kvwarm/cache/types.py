@@ -7,12 +7,16 @@ depends on. A row is addressed by its key alone; ``Namespace`` + tokens derive t
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 # A tier is named by the string it was registered under (``tiers.registry``); the set is open.
 TierName = str
+# Cuts a KV blob into one payload per token range ``[bounds[i], bounds[i+1])`` (a backend's
+# ``kv_split``): how the cache turns a saved blob into chunks without knowing its layout.
+Splitter = Callable[[bytes | bytearray | memoryview, Sequence[int]], list[bytes]]
 # The built-in tiers (what the settings and the server know how to configure).
 TIER_NAMES: tuple[TierName, ...] = ("ram", "ram_file", "disk", "s3")
 
@@ -134,6 +138,9 @@ class CacheConfig:
     promote_tier: TierName | None = None
     probe_max: int = 16
     probe_parallel: int = 8
+    # Rows are manifests over content-addressed chunks of this many tokens (0: every row is
+    # one whole blob). Only saves that come with a ``SaveRequest.split`` are chunked.
+    chunk_tokens: int = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +149,7 @@ class RowInfo:
 
     key: bytes
     tier: TierName
-    size: int  # payload bytes
+    size: int  # the row's own bytes (a manifest's tail; the whole blob of an unchunked row)
     n_tokens: int
     hits: int
     last_used: float  # unix seconds
@@ -181,6 +188,14 @@ class SaveRequest:
     quant_bits: int = 0
     fingerprint_mode: FingerprintMode = FingerprintMode.SAFE
     canonical_tokens: int | None = None  # see RowInfo.canonical_tokens
+    # The backend's codec (``kv_split``): with it, the cache stores ``payload`` as chunks of
+    # ``CacheConfig.chunk_tokens`` tokens, writing only those the tier lacks. Run on a writer
+    # thread, so it must be pure (the backends' codecs are).
+    split: Splitter | None = None
+    # Set by the cache, not by callers: the manifest a tier writes (``payload`` is then the
+    # tail's chunk, the KV of the last ``len(tokens) % chunk_tokens`` tokens).
+    chunk_tokens: int | None = None
+    chunk_keys: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,10 @@ class CacheUpkeep(CacheCore):
         """Adopt every valid row a tier already holds; one bad file never stops the scan."""
         adopted = 0
         try:
+            # Chunks first, so the rows naming them find them stored; those no row names are
+            # orphans of an interrupted save, adopted unreferenced (evicted first).
+            for chunk_key, size in tier.scan_chunks():
+                self._index.chunk_stored(tier.name, chunk_key, size)
             for row in tier.scan():
                 try:
                     adopted += self._index.adopt(row)

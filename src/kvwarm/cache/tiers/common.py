@@ -7,7 +7,7 @@ tokens, so a row can never sit under a key its contents do not produce.
 from __future__ import annotations
 
 from kvwarm.cache.key import KEY_BYTES, cache_key
-from kvwarm.cache.kvc import KvcFields
+from kvwarm.cache.kvc import KvcFields, check_chunks
 from kvwarm.cache.types import RowInfo, SaveRequest, TierName
 
 __all__ = ["check_request", "row_info"]
@@ -21,6 +21,7 @@ def check_request(key: bytes, request: SaveRequest) -> None:
         raise ValueError("key does not match the request's namespace and tokens")
     if request.logits is not None and len(request.logits) % 4:
         raise ValueError("logits must be float32 (length a multiple of 4)")
+    check_chunks(len(request.tokens), request.chunk_tokens, request.chunk_keys)
 
 
 def row_info(

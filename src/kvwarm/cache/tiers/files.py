@@ -29,6 +29,7 @@ from pathlib import Path
 
 from kvwarm.cache import kvc
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
+from kvwarm.cache.tiers.chunkfiles import ChunkFiles
 from kvwarm.cache.tiers.filescan import DirScan
 from kvwarm.cache.tiers.fsutil import open_private_dir, open_regular, read_file
 from kvwarm.cache.tiers.layout import key_of, name_for, row_from_file
@@ -78,6 +79,14 @@ class FileTier:
         self._quota = quota_bytes
         self._lock = threading.Lock()  # guards closing the directory fd
         self._publisher = Publisher(name, self._root, on_step)
+        self._chunks = ChunkFiles(
+            name,
+            self._root,
+            repair=repair,
+            on_step=on_step,
+            writing=self._publisher.begin_writing,
+            done=self._publisher.end_writing,
+        )
         self._scanner = DirScan(
             name,
             self._root,
@@ -115,7 +124,7 @@ class FileTier:
 
     def problems(self) -> tuple[tuple[str, str], ...]:
         """(path, reason) of every bad file the last scan left in place (``repair=False``)."""
-        return tuple(self._scanner.problems)
+        return tuple(self._scanner.problems) + tuple(self._chunks.problems)
 
     def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
         return self._publisher.store(self._dir, key, request, book)
@@ -191,6 +200,20 @@ class FileTier:
         quarantine (or delete) invalid ones -- or, with ``repair=False``, only report both in
         ``problems()``. One bad file never stops the scan."""
         return self._scanner.scan(self._dir)
+
+    # ---- chunks (``chunkfiles.py``) --------------------------------------------------------
+
+    def store_chunk(self, key: bytes, head: bytes, payload: bytes) -> int:
+        return self._chunks.store(self._dir, key, head, payload)
+
+    def load_chunk(self, key: bytes) -> memoryview:
+        return self._chunks.load(self._dir, key)
+
+    def delete_chunk(self, key: bytes) -> None:
+        self._chunks.delete(self._dir, key)
+
+    def scan_chunks(self) -> Iterator[tuple[bytes, int]]:
+        return self._chunks.scan(self._dir)
 
     def close(self) -> None:
         """Release the directory descriptor. Idempotent."""

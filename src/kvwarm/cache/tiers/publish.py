@@ -87,6 +87,15 @@ class Publisher:
         with self._lock:
             return name in self._writing
 
+    def begin_writing(self, name: str) -> None:
+        """A temp file of ours (e.g. a chunk's) that the scan must leave alone."""
+        with self._lock:
+            self._writing.add(name)
+
+    def end_writing(self, name: str) -> None:
+        with self._lock:
+            self._writing.discard(name)
+
     def _step(self, name: str) -> None:
         if self._on_step is not None:
             self._on_step(name)
@@ -151,10 +160,10 @@ class Publisher:
         location = str(self._root / att.final)
         if adopted is None:
             info = row_info(att.key, self._tier, fields, memoryview(request.payload).nbytes)
-            row = StoredRow(info, request.tokens, location)
+            row = StoredRow(info, request.tokens, location, request.chunk_keys)
         else:
             info = row_info(att.key, self._tier, adopted.fields, adopted.payload_length)
-            row = StoredRow(info, adopted.fields.tokens, location)
+            row = StoredRow(info, adopted.fields.tokens, location, adopted.fields.chunks)
         book.mark_linked(att.key, att.token, location)
         self._step("marked_linked")
         return row

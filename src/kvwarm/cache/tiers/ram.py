@@ -43,6 +43,7 @@ class RamTier:
         self._name = name
         self._lock = threading.Lock()
         self._rows: dict[bytes, _Entry] = {}
+        self._chunks: dict[bytes, bytes] = {}  # chunk key -> payload
 
     @property
     def name(self) -> TierName:
@@ -76,10 +77,13 @@ class RamTier:
                 ttl_class=request.ttl_class,
                 logits=request.logits,
                 canonical_tokens=request.canonical_tokens,
+                chunk_tokens=request.chunk_tokens,
+                chunks=request.chunk_keys,
             )
             size = memoryview(request.payload).nbytes
             info = row_info(key, self._name, fields, size, created=now, last_used=now)
-            entry = _Entry(StoredRow(info, request.tokens, None), request.payload, request.logits)
+            stored = StoredRow(info, request.tokens, None, request.chunk_keys)
+            entry = _Entry(stored, request.payload, request.logits)
             with self._lock:
                 self._rows[key] = entry
             if book.publish(key, token, entry.row):
@@ -137,6 +141,27 @@ class RamTier:
     def problems(self) -> tuple[tuple[str, str], ...]:
         return ()  # process memory holds nothing a scan could find bad
 
+    def store_chunk(self, key: bytes, head: bytes, payload: bytes) -> int:
+        with self._lock:
+            self._chunks.setdefault(key, payload)
+        return len(payload)
+
+    def load_chunk(self, key: bytes) -> memoryview:
+        with self._lock:
+            payload = self._chunks.get(key)
+        if payload is None:
+            raise CacheKeyError(f"ram tier holds no chunk {key.hex()}")
+        return memoryview(payload)
+
+    def delete_chunk(self, key: bytes) -> None:
+        with self._lock:
+            self._chunks.pop(key, None)
+
+    def scan_chunks(self) -> Iterator[tuple[bytes, int]]:
+        with self._lock:
+            return iter([(k, len(v)) for k, v in self._chunks.items()])
+
     def close(self) -> None:
         with self._lock:
             self._rows.clear()
+            self._chunks.clear()

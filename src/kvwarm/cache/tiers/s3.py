@@ -22,9 +22,10 @@ import struct
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import replace
 
-from kvwarm.cache import kvc
+from kvwarm.cache import chunkfmt, kvc
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
 from kvwarm.cache.tiers.common import check_request, row_info
 from kvwarm.cache.tiers.s3client import (
@@ -32,6 +33,7 @@ from kvwarm.cache.tiers.s3client import (
     S3Client,
     S3Wire,
     list_names,
+    list_sized,
     make_client,
     read_body,
 )
@@ -45,6 +47,8 @@ log = logging.getLogger(__name__)
 # Outlives us, other processes and hosts publish into it, and every byte crosses a network.
 S3_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=False)
 _SUFFIX = ".kvc"
+_CHUNK_DIR = "chunks/"
+_CHUNK_SUFFIX = ".kvk"
 _HEX = frozenset("0123456789abcdef")
 # A probe reads this much first: a miss costs nothing more (404), and a hit's header, TLV,
 # tokens and stored logits (4 B x vocab: 196 KiB for a 49k vocab) come in one round trip for
@@ -129,7 +133,7 @@ class S3Tier:
             adopted = self._put_once(key, b"".join((prefix, request.payload)))
             if adopted is None:
                 info = row_info(key, self._name, fields, memoryview(request.payload).nbytes)
-                row = StoredRow(info, request.tokens, self.location(key))
+                row = StoredRow(info, request.tokens, self.location(key), request.chunk_keys)
             else:
                 row = adopted
             book.mark_linked(key, token, self.location(key))
@@ -223,7 +227,7 @@ class S3Tier:
         hits, last_used = _int_meta(user_meta, _META_HITS), _int_meta(user_meta, _META_LAST_USED)
         if hits is not None and last_used is not None:
             info = replace(info, hits=hits, last_used=float(last_used))
-        return StoredRow(info, meta.fields.tokens, self.location(key))
+        return StoredRow(info, meta.fields.tokens, self.location(key), meta.fields.chunks)
 
     def delete(self, key: bytes) -> None:
         name = self.object_name(key)
@@ -286,6 +290,53 @@ class S3Tier:
             self.delete(key)
         except CacheIOError as exc:
             log.warning("%s: cannot remove invalid object %s: %s", self._name, key.hex(), exc)
+
+    # ---- chunks: <prefix>chunks/<hex>.kvk, published once like rows ------------------------
+
+    def _chunk_object(self, key: bytes) -> str:
+        return f"{self._cfg.prefix}{_CHUNK_DIR}{key.hex()}{_CHUNK_SUFFIX}"
+
+    def store_chunk(self, key: bytes, head: bytes, payload: bytes) -> int:
+        """One PUT of the whole object (visible whole or not at all); a 412 means the same
+        content-addressed chunk is there already (a corrupt one is caught on load)."""
+        name = self._chunk_object(key)
+        body = head + payload
+        with suppress(PublishRaceLost):
+            self._wire.call(
+                f"put {name}",
+                lambda: self._wire.client.put_object(
+                    Bucket=self._cfg.bucket, Key=name, Body=body, IfNoneMatch="*"
+                ),
+            )
+        return len(body)
+
+    def load_chunk(self, key: bytes) -> memoryview:
+        name = self._chunk_object(key)
+
+        def get() -> bytes:
+            resp = self._wire.client.get_object(Bucket=self._cfg.bucket, Key=name)
+            return read_body(resp, f"{self._name}: get {name}")
+
+        return chunkfmt.parse(self._wire.call(f"get {name}", get), key)
+
+    def delete_chunk(self, key: bytes) -> None:
+        name = self._chunk_object(key)
+        self._wire.call(
+            f"delete {name}",
+            lambda: self._wire.client.delete_object(Bucket=self._cfg.bucket, Key=name),
+        )
+
+    def scan_chunks(self) -> Iterator[tuple[bytes, int]]:
+        """Listed, not read: a chunk's CRC is checked when a restore loads it."""
+        prefix = f"{self._cfg.prefix}{_CHUNK_DIR}"
+        items = self._wire.call(
+            "list chunks", lambda: list(list_sized(self._wire.client, self._cfg.bucket, prefix))
+        )
+        for name, size in items:
+            stem = name[len(prefix) :]
+            hexpart = stem[: -len(_CHUNK_SUFFIX)]
+            if stem.endswith(_CHUNK_SUFFIX) and len(hexpart) == 64 and _HEX.issuperset(hexpart):
+                yield bytes.fromhex(hexpart), size
 
     def close(self) -> None:
         close = getattr(self._wire.client, "close", None)

@@ -30,6 +30,7 @@ __all__ = [
     "S3Client",
     "S3Wire",
     "list_names",
+    "list_sized",
     "make_client",
     "read_body",
 ]
@@ -174,6 +175,12 @@ def read_body(response: Mapping[str, object], label: str) -> bytes:
 
 def list_names(client: S3Client, bucket: str, prefix: str) -> Iterator[str]:
     """Every object name under ``prefix`` (paginated; the caller translates errors)."""
+    for name, _ in list_sized(client, bucket, prefix):
+        yield name
+
+
+def list_sized(client: S3Client, bucket: str, prefix: str) -> Iterator[tuple[str, int]]:
+    """(name, size) of every object under ``prefix`` (paginated)."""
     token: str | None = None
     while True:
         kwargs: dict[str, object] = {"Bucket": bucket, "Prefix": prefix}
@@ -183,7 +190,7 @@ def list_names(client: S3Client, bucket: str, prefix: str) -> Iterator[str]:
         contents = page.get("Contents", [])
         assert isinstance(contents, list)
         for item in contents:
-            yield str(item["Key"])
+            yield str(item["Key"]), int(item.get("Size", 0))
         if not page.get("IsTruncated"):
             return
         token = str(page["NextContinuationToken"])

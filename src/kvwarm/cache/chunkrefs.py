@@ -1,0 +1,157 @@
+"""The index's room for chunks: per tier, each chunk's size, references and pins.
+
+A chunk is referenced by every published manifest (row) of its tier that names it and pinned
+by every save that is writing or reusing it. Its bytes count towards its tier's usage once,
+however many rows share it.
+
+Invariants:
+
+- ``refs`` counts the published rows naming the chunk (``RowTable`` calls ``ref``/``unref``
+  with every insert/remove), so a chunk a live row names is never freed; a checked-out row
+  therefore keeps all its chunks.
+- A chunk with no references and no pins is an *orphan* (left by a crash between chunk and
+  manifest publish, or by a save that lost its race): evictable before any row.
+- A chunk leaves in two steps: freed (``dying``: the caller deletes its bytes outside the
+  lock) and then ``deleted``. A save that wants a dying chunk waits for the delete and writes
+  it again, so a delete can never remove bytes a manifest published after it names.
+- Not locked: ``Index`` calls it under its lock. No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from kvwarm.cache.types import TierName
+
+__all__ = ["ChunkRefs", "FreedChunk"]
+
+
+@dataclass(slots=True)
+class _Chunk:
+    size: int | None  # None: not (yet) known to be stored
+    refs: int = 0
+    pins: int = 0
+    dying: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FreedChunk:
+    tier: TierName
+    key: bytes
+    size: int
+
+
+class ChunkRefs:
+    __slots__ = ("_bytes", "_chunks", "_freed")
+
+    def __init__(self) -> None:
+        self._chunks: dict[tuple[TierName, bytes], _Chunk] = {}
+        self._bytes: dict[TierName, int] = {}
+        self._freed: list[FreedChunk] = []
+
+    def tier_bytes(self, tier: TierName) -> int:
+        return self._bytes.get(tier, 0)
+
+    def tiers(self) -> Iterable[TierName]:
+        return self._bytes.keys()
+
+    def count(self, tier: TierName) -> int:
+        return sum(1 for (t, _), c in self._chunks.items() if t == tier and c.size is not None)
+
+    def refs(self, tier: TierName, key: bytes) -> int:
+        c = self._chunks.get((tier, key))
+        return 0 if c is None else c.refs
+
+    def known(self, tier: TierName, key: bytes) -> bool:
+        c = self._chunks.get((tier, key))
+        return c is not None and c.size is not None and not c.dying
+
+    # ---- rows
+
+    def ref(self, tier: TierName, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            c = self._chunks.setdefault((tier, key), _Chunk(None))
+            c.refs += 1
+
+    def unref(self, tier: TierName, keys: Iterable[bytes]) -> int:
+        """Drop one reference from each; returns the bytes of chunks freed by it."""
+        freed = 0
+        for key in keys:
+            c = self._chunks.get((tier, key))
+            if c is None or c.refs == 0:
+                continue
+            c.refs -= 1
+            freed += self._maybe_free(tier, key, c)
+        return freed
+
+    def _maybe_free(self, tier: TierName, key: bytes, c: _Chunk) -> int:
+        if c.refs or c.pins or c.dying:
+            return 0
+        if c.size is None:
+            del self._chunks[(tier, key)]
+            return 0
+        c.dying = True
+        self._bytes[tier] -= c.size
+        self._freed.append(FreedChunk(tier, key, c.size))
+        return c.size
+
+    # ---- saves
+
+    def pin(self, tier: TierName, keys: Iterable[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """Pin each chunk for a save; (keys to write, of which those still being deleted)."""
+        write: list[bytes] = []
+        dying: list[bytes] = []
+        for key in keys:
+            c = self._chunks.setdefault((tier, key), _Chunk(None))
+            c.pins += 1
+            if c.size is None or c.dying:
+                write.append(key)
+            if c.dying:
+                dying.append(key)
+        return write, dying
+
+    def is_dying(self, tier: TierName, key: bytes) -> bool:
+        c = self._chunks.get((tier, key))
+        return c is not None and c.dying
+
+    def stored(self, tier: TierName, key: bytes, size: int) -> None:
+        """A chunk's bytes are durable in ``tier`` (written, or found by a scan)."""
+        c = self._chunks.setdefault((tier, key), _Chunk(None))
+        if c.size is None and not c.dying:
+            c.size = size
+            self._bytes[tier] = self._bytes.get(tier, 0) + size
+
+    def unpin(self, tier: TierName, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            c = self._chunks.get((tier, key))
+            if c is not None and c.pins:
+                c.pins -= 1
+                if c.refs == 0 and c.pins == 0 and c.size is None and not c.dying:
+                    del self._chunks[(tier, key)]
+
+    def deleted(self, tier: TierName, key: bytes) -> None:
+        """A freed chunk's bytes are gone; a save waiting to write it may now do so."""
+        c = self._chunks.get((tier, key))
+        if c is None or not c.dying:
+            return
+        if c.pins or c.refs:
+            c.dying, c.size = False, None
+        else:
+            del self._chunks[(tier, key)]
+
+    # ---- eviction
+
+    def orphans(self, tiers: Iterable[TierName]) -> Iterator[tuple[TierName, bytes]]:
+        wanted = set(tiers)
+        for (tier, key), c in list(self._chunks.items()):
+            if tier in wanted and not (c.refs or c.pins or c.dying) and c.size is not None:
+                yield tier, key
+
+    def free_orphan(self, tier: TierName, key: bytes) -> int:
+        c = self._chunks.get((tier, key))
+        return 0 if c is None else self._maybe_free(tier, key, c)
+
+    def take_freed(self) -> list[FreedChunk]:
+        freed, self._freed = self._freed, []
+        return freed

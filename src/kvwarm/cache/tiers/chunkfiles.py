@@ -1,0 +1,181 @@
+"""Chunk objects in a file tier's directory: ``<hex chunk key>.kvk`` beside the ``.kvc`` rows.
+
+Invariants:
+
+- A ``.kvk`` name appears only through ``link(2)`` of a temp file whose bytes were already
+  fdatasync'ed, and the directory is fsync'ed before ``store`` returns, so a chunk a manifest
+  names was durable before the manifest's own publish began (``publish.py``): a crash leaves
+  at worst chunks no manifest names (orphans), which the startup scan adopts with no
+  references, evictable first.
+- Chunks are content-addressed and immutable: ``EEXIST`` on link keeps the existing chunk if
+  its head is valid for the key (identical bytes by construction), else replaces it.
+- Temp names follow ``layout.tmp_name`` (token 0), so the directory scan reaps interrupted
+  ones exactly like a row's.
+- ``load`` verifies the head, the key replay and the payload CRC32C (``chunkfmt.parse``).
+
+Steps (``CHUNK_STEPS``) are reported to the tier's step hook, for the kill -9 tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from kvwarm.cache import chunkfmt
+from kvwarm.cache.tiers.fsutil import open_regular, read_file, unlink_quiet
+from kvwarm.cache.tiers.layout import tmp_name
+from kvwarm.cache.types import TierName
+from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError
+
+__all__ = ["CHUNK_STEPS", "CHUNK_SUFFIX", "ChunkFiles", "chunk_key_of", "chunk_name"]
+
+log = logging.getLogger(__name__)
+
+CHUNK_SUFFIX = ".kvk"
+CHUNK_STEPS: tuple[str, ...] = ("chunk_tmp_synced", "chunk_linked", "chunk_dir_synced")
+_HEX = frozenset("0123456789abcdef")
+_HEAD_READ = 1 << 16  # a chunk head is ~140 B + 4 B a token: 16k tokens fit
+
+
+def chunk_name(key: bytes) -> str:
+    return key.hex() + CHUNK_SUFFIX
+
+
+def chunk_key_of(name: str) -> bytes | None:
+    stem = name[: -len(CHUNK_SUFFIX)]
+    if not name.endswith(CHUNK_SUFFIX) or len(stem) != 64 or not _HEX.issuperset(stem):
+        return None
+    return bytes.fromhex(stem)
+
+
+class ChunkFiles:
+    """The chunk half of one ``FileTier``; thread-safe."""
+
+    def __init__(
+        self,
+        tier: TierName,
+        root: Path,
+        *,
+        repair: bool,
+        on_step: Callable[[str], None] | None,
+        writing: Callable[[str], None],
+        done: Callable[[str], None],
+    ) -> None:
+        self._tier = tier
+        self._root = root
+        self._repair = repair
+        self._on_step = on_step
+        self._writing = writing  # tell the scan a temp file is ours and live
+        self._done = done
+        self._lock = threading.Lock()
+        self.problems: list[tuple[str, str]] = []
+
+    def _step(self, name: str) -> None:
+        if self._on_step is not None:
+            self._on_step(name)
+
+    def store(self, dir_fd: int, key: bytes, head: bytes, payload: bytes) -> int:
+        final = chunk_name(key)
+        tmp = tmp_name(final, 0)
+        size = len(head) + len(payload)
+        self._writing(tmp)
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+            try:
+                _write_all(fd, head, payload)
+                os.fdatasync(fd)  # never link bytes that are not on disk yet
+            finally:
+                os.close(fd)
+            self._step("chunk_tmp_synced")
+            self._link(dir_fd, tmp, final, key)
+            self._step("chunk_linked")
+            unlink_quiet(dir_fd, tmp)
+            os.fsync(dir_fd)
+            self._step("chunk_dir_synced")
+        except OSError as exc:
+            unlink_quiet(dir_fd, tmp)
+            raise CacheIOError(
+                f"{self._tier}: saving chunk {key.hex()} failed: {exc}", errno=exc.errno
+            ) from exc
+        finally:
+            self._done(tmp)
+        return size
+
+    def _link(self, dir_fd: int, tmp: str, final: str, key: bytes) -> None:
+        for _ in range(3):
+            try:
+                os.link(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+                return
+            except FileExistsError:
+                pass
+            if self._head(dir_fd, final) is not None:
+                return  # the same content, already there
+            log.warning("%s: replacing invalid chunk %s", self._tier, final)
+            unlink_quiet(dir_fd, final)
+        raise FileExistsError(17, "chunk link target keeps reappearing invalid", final)
+
+    def _head(self, dir_fd: int, name: str) -> chunkfmt.ChunkHead | None:
+        """The valid head of chunk file ``name`` (payload not read), else None."""
+        key = chunk_key_of(name)
+        try:
+            with open(open_regular(dir_fd, name, os.O_RDONLY), "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                head = chunkfmt.parse_head(f.read(_HEAD_READ), size=size)
+        except (OSError, CacheFormatError) as exc:
+            log.info("%s: chunk %s is unusable: %s", self._tier, name, exc)
+            return None
+        return head if head.key == key else None
+
+    def load(self, dir_fd: int, key: bytes) -> memoryview:
+        name = chunk_name(key)
+        try:
+            buf, _ = read_file(dir_fd, name, None)
+        except FileNotFoundError:
+            raise CacheKeyError(f"{self._tier} holds no chunk {key.hex()}") from None
+        except OSError as exc:
+            raise CacheIOError(f"{self._tier}: reading {name} failed", errno=exc.errno) from exc
+        return chunkfmt.parse(buf, key)
+
+    def delete(self, dir_fd: int, key: bytes) -> None:
+        try:
+            os.unlink(chunk_name(key), dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise CacheIOError(f"{self._tier}: deleting chunk failed", errno=exc.errno) from exc
+
+    def scan(self, dir_fd: int) -> Iterator[tuple[bytes, int]]:
+        self.problems = []
+        try:
+            names = sorted(e.name for e in os.scandir(dir_fd) if e.name.endswith(CHUNK_SUFFIX))
+        except OSError as exc:
+            log.error("%s: cannot list %s: %s", self._tier, self._root, exc)
+            return
+        for name in names:
+            key = chunk_key_of(name)
+            head = None if key is None else self._head(dir_fd, name)
+            if key is not None and head is not None:
+                yield key, head.payload_offset + head.payload_length
+            elif not self._repair:
+                self.problems.append((str(self._root / name), "invalid chunk"))
+            else:
+                log.warning("%s: removing invalid chunk %s", self._tier, name)
+                unlink_quiet(dir_fd, name)
+
+
+def _write_all(fd: int, head: bytes, payload: bytes) -> None:
+    views = [memoryview(head), memoryview(payload).cast("B")]
+    views = [v for v in views if v.nbytes]
+    while views:
+        n = os.writev(fd, views)
+        if n <= 0:
+            raise OSError(5, "write made no progress")
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
