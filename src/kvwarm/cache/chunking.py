@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from kvwarm.cache.chunkfmt import ROOT_PARENT, build_head, chunk_keys
+from kvwarm.cache.counters import Counters
 from kvwarm.cache.index import Index
 from kvwarm.cache.protocols import StoredRow, Tier
 from kvwarm.cache.types import SaveRequest
@@ -37,6 +38,7 @@ def store_row(
     index: Index,
     chunk_tokens: int,
     *,
+    counters: Counters | None = None,
     wait_s: float = 30.0,
 ) -> StoredRow | None:
     """Store ``request`` in ``tier`` as a manifest over chunks when it comes with a splitter
@@ -65,7 +67,13 @@ def store_row(
                 continue
             parent = keys[i - 1] if i else ROOT_PARENT
             _, head = build_head(ns, parent, tokens[i * size : (i + 1) * size], part)
-            index.chunk_stored(tier.name, keys[i], tier.store_chunk(keys[i], head, part))
+            stored = tier.store_chunk(keys[i], head, part)
+            index.chunk_stored(tier.name, keys[i], stored)
+            if counters is not None:
+                counters.incr("chunks_written")
+                counters.incr("chunk_bytes_written", stored)
+        if counters is not None:
+            counters.incr("chunks_reused", len(keys) - len(need))
         manifest = replace(
             request,
             payload=parts[-1] if has_tail else b"",

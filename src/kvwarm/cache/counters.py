@@ -9,7 +9,8 @@ Names in the snapshot:
 - plain counters: ``hits_exact``, ``hits_resume``, ``hits_longest_prefix``, ``misses``,
   ``saves_<reason>`` (one per ``SaveReason``), ``saves_dropped``, ``save_failures``,
   ``evictions``, ``evicted_bytes``, ``hits_shared``, ``probes``, ``probe_rounds``,
-  ``promotions``, ``promotions_dropped``, ``store_errors``, plus anything else ``incr`` was
+  ``promotions``, ``promotions_dropped``, ``store_errors``, ``chunks_written``,
+  ``chunk_bytes_written``, ``chunks_reused``, plus anything else ``incr`` was
   asked to count;
 - latencies: ``latency_<name>_count`` and ``latency_<name>_seconds`` for ``pack``, ``unpack``,
   ``load``, ``lookup``, ``save`` and any other name recorded.
@@ -41,6 +42,11 @@ BASE_COUNTERS: tuple[str, ...] = (
     "promotions",
     "promotions_dropped",
     "store_errors",
+    # chunked rows (cache/chunking.py): chunks written (and their bytes), chunks a save
+    # found already stored and did not write again
+    "chunks_written",
+    "chunk_bytes_written",
+    "chunks_reused",
 )
 LATENCY_NAMES: tuple[str, ...] = ("pack", "unpack", "load", "lookup", "save")
 

@@ -290,7 +290,9 @@ class Cache(CacheUpkeep, SharedTiers):
     def _run_save(self, key: bytes, request: SaveRequest, tier: Tier) -> bool:
         t0 = time.perf_counter()
         try:
-            row = store_row(key, request, tier, self._index, self.config.chunk_tokens)
+            row = store_row(
+                key, request, tier, self._index, self.config.chunk_tokens, counters=self._counters
+            )
         except CacheNetworkError as exc:
             # The tier warned when the store went down; one line per dropped save is noise.
             self._counters.incr("save_failures")

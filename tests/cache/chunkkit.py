@@ -1,0 +1,41 @@
+"""A fake KV codec for chunk tests: ``PER_TOKEN`` bytes a token, each position's bytes
+depending on every token before it (like real KV), split by slicing and joined by concat."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from kvwarm.cache.types import Namespace, SaveReason, SaveRequest, TierName
+
+PER_TOKEN = 64
+
+
+def blob(tokens: Sequence[int]) -> bytes:
+    out = bytearray()
+    h = hashlib.sha256()
+    for t in tokens:
+        h.update(t.to_bytes(4, "little"))
+        out += (h.digest() * 2)[:PER_TOKEN]
+    return bytes(out)
+
+
+def split(data: bytes | bytearray | memoryview, bounds: Sequence[int]) -> list[bytes]:
+    mv = memoryview(data)
+    assert list(bounds) == sorted(set(bounds)) and len(bounds) >= 2
+    assert bounds[-1] * PER_TOKEN <= mv.nbytes
+    return [bytes(mv[a * PER_TOKEN : b * PER_TOKEN]) for a, b in zip(bounds, bounds[1:])]
+
+
+def join(parts: Sequence[memoryview | bytes]) -> bytes:
+    return b"".join(bytes(p) for p in parts)
+
+
+def chunked_request(
+    ns: Namespace,
+    tokens: Sequence[int],
+    *,
+    tier: TierName = "ram",
+    reason: SaveReason = SaveReason.CONTINUED,
+) -> SaveRequest:
+    return SaveRequest(ns, tuple(tokens), blob(tokens), reason, tier, split=split)

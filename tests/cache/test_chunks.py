@@ -1,0 +1,202 @@
+"""Rows as manifests over content-addressed chunks, through the ``Cache`` facade and every
+tier: restores join to the saved blob, saves write only what a tier lacks, shared prefixes are
+stored once, eviction frees a row's unshared chunks from the leaves, restarts adopt chunks and
+orphans, and a damaged or missing chunk drops the row (never a wrong restore)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from tests.cache.chunkkit import PER_TOKEN, blob, chunked_request, join
+from tests.cache.tierkit import NS, shm_dir
+from tests.s3kit import MotoServer
+
+from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache.chunkfmt import head_size
+from kvwarm.cache.key import cache_key
+from kvwarm.cache.protocols import Tier
+from kvwarm.cache.tiers.files import FileTier
+from kvwarm.cache.tiers.s3 import S3Tier
+from kvwarm.errors import CacheFormatError, CacheKeyError
+
+C = 256
+CacheFactory = Callable[..., Cache]
+
+
+@pytest.fixture(params=["ram", "ram_file", "disk", "s3"])
+def make_cache(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CacheFactory]:
+    name = request.param
+    made: list[Cache] = []
+
+    def build(quota: int = 1 << 30, chunk_tokens: int = C) -> Cache:
+        cfg = CacheConfig(tiers=(TierConfig(name, quota, root=root),), chunk_tokens=chunk_tokens)
+        tiers: list[Tier] | None = None
+        if name == "s3":
+            tiers = [S3Tier(s3_config, quota)]
+            cfg = CacheConfig(tiers=(TierConfig("ram", quota),), chunk_tokens=chunk_tokens)
+        cache = Cache(cfg, tiers=tiers, background=False)
+        made.append(cache)
+        return cache
+
+    root: Path | None = None
+    if name == "s3":
+        server: MotoServer = request.getfixturevalue("moto_server")
+        s3_config = server.config(server.new_bucket())
+    if name == "ram_file":
+        with shm_dir() as d:
+            root = d
+            yield build
+            for c in made:
+                c.close()
+        return
+    if name == "disk":
+        root = tmp_path / "kvc"
+    yield build
+    for c in made:
+        c.close()
+
+
+def _save(cache: Cache, tokens: list[int]) -> bytes:
+    tier = cache.tier_names()[0]
+    key = cache.save(chunked_request(NS, tokens, tier=tier), sync=True)
+    assert key == cache_key(NS, tokens)
+    return key
+
+
+def _restored(cache: Cache, key: bytes) -> bytes:
+    with cache.open_row(key) as row:
+        return join(row.chunks) if row.chunks else bytes(row.payload)
+
+
+def _chunk_bytes(n_chunks: int, cache: Cache | None = None) -> int:
+    """Bytes ``n_chunks`` chunks occupy: the ram tier keeps payloads only, the others whole
+    chunk objects (head and payload)."""
+    in_ram = cache is not None and cache.tier_names()[0] == "ram"
+    return n_chunks * ((0 if in_ram else head_size(C)) + C * PER_TOKEN)
+
+
+@pytest.mark.parametrize("n", [1000, 512, 257, 255])
+def test_restore_joins_to_the_saved_blob(make_cache: CacheFactory, n: int) -> None:
+    cache = make_cache()
+    tokens = list(range(7, 7 + n))
+    key = _save(cache, tokens)
+    with cache.open_row(key) as row:
+        assert len(row.chunks) == (n // C + (n % C > 0) if n >= C else 0)
+        got = join(row.chunks) if row.chunks else bytes(row.payload)
+        assert row.payload.nbytes == (n % C) * PER_TOKEN if n >= C else n * PER_TOKEN
+    assert got == blob(tokens)
+
+
+def test_continued_saves_write_only_new_chunks(make_cache: CacheFactory) -> None:
+    cache = make_cache()
+    tokens = list(range(3000))
+    _save(cache, tokens[:1024])
+    assert cache.counters()["chunks_written"] == 4
+    written = cache.counters()["chunk_bytes_written"]
+    key = _save(cache, tokens[:2100])  # continued: 4 new full chunks and a tail
+    snap = cache.counters()
+    assert snap["chunks_written"] == 8 and snap["chunks_reused"] == 4
+    assert snap["chunk_bytes_written"] - written == _chunk_bytes(4, cache)
+    tier = cache.tier_names()[0]
+    tail = (2100 - 8 * C) * PER_TOKEN
+    assert snap[f"tier_{tier}_bytes"] == _chunk_bytes(8, cache) + tail  # each chunk once
+    assert _restored(cache, key) == blob(tokens[:2100])
+
+
+def test_conversations_over_a_shared_prompt_store_it_once(make_cache: CacheFactory) -> None:
+    cache = make_cache()
+    system = list(range(1024))
+    for conv in range(20):
+        own = [5000 + conv * 1000 + i for i in range(256)]
+        _save(cache, system + own)
+    snap = cache.counters()
+    distinct_kv = (1024 + 20 * 256) * PER_TOKEN
+    tier = cache.tier_names()[0]
+    assert snap["chunks_written"] == 4 + 20 and snap["chunks_reused"] == 19 * 4
+    assert snap[f"tier_{tier}_bytes"] <= 1.1 * distinct_kv
+
+
+def test_evicting_a_long_row_keeps_the_shared_prefix(make_cache: CacheFactory) -> None:
+    cache = make_cache()
+    tokens = list(range(2048))
+    long_key = _save(cache, tokens)
+    short_key = _save(cache, tokens[:1024])  # reuses the long row's first 4 chunks
+    tier = cache.tier_names()[0]
+    assert cache.counters()[f"tier_{tier}_bytes"] == _chunk_bytes(8, cache)
+    result = cache.evict_bytes(1)  # LRU: the long row is the oldest
+    assert result.rows == 1 and result.bytes == _chunk_bytes(4, cache)
+    assert cache.lookup_exact(long_key) is None
+    assert cache.counters()[f"tier_{tier}_bytes"] == _chunk_bytes(4, cache)
+    assert _restored(cache, short_key) == blob(tokens[:1024])
+    assert cache.evict_bytes(1).bytes == _chunk_bytes(4, cache)  # the last row frees the rest
+    assert cache.counters()[f"tier_{tier}_bytes"] == 0
+
+
+def test_quota_counts_unique_chunks(make_cache: CacheFactory) -> None:
+    # Room for 6 chunks: two rows sharing 4 chunks (8 unique... no: 4 + 4) do not fit, but
+    # two rows sharing all but one chunk do.
+    cache = make_cache(quota=_chunk_bytes(6))
+    tokens = list(range(2048))
+    a = _save(cache, tokens[:1280])
+    b = _save(cache, tokens[:1536])
+    assert cache.lookup_exact(a) is not None and cache.lookup_exact(b) is not None
+    c = _save(cache, tokens)  # 8 unique chunks > 6: rows go, oldest first
+    tier = cache.tier_names()[0]
+    assert cache.counters()[f"tier_{tier}_bytes"] <= _chunk_bytes(6, cache)
+    assert cache.lookup_exact(a) is None
+    assert cache.lookup_exact(c) is None or _restored(cache, c) == blob(tokens)
+
+
+def test_restart_adopts_rows_chunks_and_orphans(tmp_path: Path) -> None:
+    root = tmp_path / "kvc"
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=C)
+    tokens = list(range(1100))
+    with Cache(cfg, background=False) as cache:
+        key = _save(cache, tokens)
+    orphan_tier = FileTier("disk", root, 1 << 30)
+    from kvwarm.cache.chunkfmt import ROOT_PARENT, build_head
+
+    other = list(range(900, 900 + C))
+    okey, head = build_head(NS, ROOT_PARENT, other, blob(other))
+    orphan_tier.store_chunk(okey, head, blob(other))  # a save killed before its manifest
+    orphan_tier.close()
+    with Cache(cfg, background=False) as cache:
+        assert cache.counters()["tier_disk_bytes"] == _chunk_bytes(5, cache) + 76 * PER_TOKEN
+        assert _restored(cache, key) == blob(tokens)
+        freed = cache.evict_bytes(1)
+        assert (freed.rows, freed.bytes) == (0, _chunk_bytes(1, cache))  # the orphan goes first
+        assert not (root / f"{okey.hex()}.kvk").exists()
+        assert _restored(cache, key) == blob(tokens)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
+def test_a_damaged_chunk_drops_the_row(tmp_path: Path, damage: str) -> None:
+    root = tmp_path / "kvc"
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=C)
+    with Cache(cfg, background=False) as cache:
+        key = _save(cache, list(range(600)))
+        victim = sorted(p for p in root.iterdir() if p.suffix == ".kvk")[0]
+        data = bytearray(victim.read_bytes())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0x10
+            victim.write_bytes(data)
+        elif damage == "truncate":
+            victim.write_bytes(data[:-1])
+        else:
+            os.unlink(victim)
+        with pytest.raises((CacheFormatError, CacheKeyError)), cache.open_row(key):
+            pass
+        assert cache.lookup_exact(key) is None
+        assert not [p for p in root.iterdir() if p.suffix == ".kvc"]
+
+
+def test_unchunked_config_stores_whole_blobs(make_cache: CacheFactory) -> None:
+    cache = make_cache(chunk_tokens=0)
+    tokens = list(range(1000))
+    key = _save(cache, tokens)
+    with cache.open_row(key) as row:
+        assert row.chunks == () and bytes(row.payload) == blob(tokens)
+    assert cache.counters()["chunks_written"] == 0
