@@ -4,6 +4,7 @@ depending on every token before it (like real KV), split by slicing and joined b
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 
 from kvwarm.cache.types import Namespace, SaveReason, SaveRequest, TierName
@@ -24,7 +25,7 @@ def split(data: bytes | bytearray | memoryview, bounds: Sequence[int]) -> list[b
     mv = memoryview(data)
     assert list(bounds) == sorted(set(bounds)) and len(bounds) >= 2
     assert bounds[-1] * PER_TOKEN <= mv.nbytes
-    return [bytes(mv[a * PER_TOKEN : b * PER_TOKEN]) for a, b in zip(bounds, bounds[1:])]
+    return [bytes(mv[a * PER_TOKEN : b * PER_TOKEN]) for a, b in itertools.pairwise(bounds)]
 
 
 def join(parts: Sequence[memoryview | bytes]) -> bytes:

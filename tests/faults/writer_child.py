@@ -4,6 +4,8 @@ writer_child.py kill  ROOT TIER STEP N      store N rows (ACK each), then SIGKIL
                                       while storing the victim row
 writer_child.py race  ROOT TIER ID          store the race row; pause at "checked" for "GO"
 writer_child.py enospc ROOT                 on a tiny tmpfs: a fitting row, then one too big
+writer_child.py chunked ROOT TIER STEP N    through a Cache: save N chunked rows (ACK each),
+                                      then SIGKILL self at STEP of the victim's save
 """
 
 from __future__ import annotations
@@ -94,12 +96,48 @@ def enospc_mode(root: str) -> None:
     }))  # fmt: skip
 
 
+def chunked_rows(n: int) -> list[list[int]]:
+    """Rows 0..n of the chunked kill test: each extends a shared 512-token prefix with chunks
+    of its own, so the victim (row n) reuses chunks and writes new ones."""
+    return [[*range(512), *range(10_000 * (i + 1), 10_000 * (i + 1) + 600)] for i in range(n + 1)]
+
+
+def chunked_mode(root: str, tier: str, step: str, n: int) -> None:
+    from tests.cache.chunkkit import chunked_request
+    from tests.cache.tierkit import NS
+
+    from kvwarm.cache import Cache, CacheConfig, TierConfig
+
+    armed = False
+
+    def hook(s: str) -> None:
+        if armed and s == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    name = cast(TierName, tier)
+    files = FileTier(name, root, 1 << 30, on_step=hook)
+    cfg = CacheConfig(tiers=(TierConfig(name, 1 << 30, root=Path(root)),), chunk_tokens=256)
+    rows = chunked_rows(n)
+    with Cache(cfg, tiers=[files], background=False) as cache:
+        for tokens in rows[:n]:
+            key = cache.save(chunked_request(NS, tokens, tier=name), sync=True)
+            assert key is not None
+            say(f"ACK {key.hex()}")
+        armed = True
+        victim = chunked_request(NS, rows[n], tier=name)
+        say(f"VICTIM {cache.key_for(NS, victim.tokens).hex()}")
+        cache.save(victim, sync=True)
+        say("SURVIVED")
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode == "kill":
         kill_mode(args[0], args[1], args[2], int(args[3]))
     elif mode == "race":
         race_mode(args[0], args[1], int(args[2]))
+    elif mode == "chunked":
+        chunked_mode(args[0], args[1], args[2], int(args[3]))
     elif mode == "enospc":
         enospc_mode(args[0])
     else:

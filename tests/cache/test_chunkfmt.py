@@ -1,0 +1,169 @@
+"""Chunk objects and manifests (KVC v2): round trips, chained keys, and every bit flip,
+truncation or extension of a chunk or a manifest is a ``CacheFormatError`` (nothing else);
+old (v1) rows are read as whole blobs, never as manifests."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tests.cache.test_kvc import FIELDS, KEY, PAYLOAD, UNCOVERED, _file, _reseal
+
+from kvwarm.cache import chunkfmt, kvc
+from kvwarm.cache.types import Namespace
+from kvwarm.errors import CacheFormatError
+
+NS = FIELDS.namespace
+CHUNK_TOKENS = (9, 8, 7, 0xFFFF_FFFF)
+CHUNK_PAYLOAD = bytes(range(48))
+MANIFEST = replace(FIELDS, chunk_tokens=2, chunks=(b"\x01" * 32, b"\x02" * 32))
+
+
+def _chunk(parent: bytes = chunkfmt.ROOT_PARENT) -> tuple[bytes, bytes]:
+    key, head = chunkfmt.build_head(NS, parent, CHUNK_TOKENS, CHUNK_PAYLOAD)
+    return key, head + CHUNK_PAYLOAD
+
+
+def test_chunk_round_trip_is_a_view() -> None:
+    key, obj = _chunk()
+    payload = chunkfmt.parse(obj, key)
+    assert isinstance(payload, memoryview) and bytes(payload) == CHUNK_PAYLOAD
+    head = chunkfmt.parse_head(obj)
+    assert (head.key, head.tokens, head.namespace) == (key, CHUNK_TOKENS, NS)
+    assert head.payload_offset == chunkfmt.head_size(len(CHUNK_TOKENS))
+
+
+def test_chunk_keys_chain_and_stay_in_their_namespace() -> None:
+    tokens = list(range(10))
+    keys = chunkfmt.chunk_keys(NS, tokens, 3)
+    assert len(keys) == 3  # the last token is a tail, not a chunk
+    assert keys[0] == chunkfmt.chunk_key(NS, chunkfmt.ROOT_PARENT, tokens[:3])
+    assert keys[2] == chunkfmt.chunk_key(NS, keys[1], tokens[6:9])
+    assert chunkfmt.chunk_keys(NS, tokens[:9], 3) == keys  # equal prefixes, equal chunks
+    other = chunkfmt.chunk_keys(NS, [99, *tokens[1:]], 3)
+    assert all(a != b for a, b in zip(keys, other, strict=True))  # a changed parent changes all
+    salted = Namespace(NS.fingerprint, NS.quant, b"\x77" * 32)
+    assert not set(chunkfmt.chunk_keys(salted, tokens, 3)) & set(keys)
+    assert chunkfmt.chunk_keys(NS, tokens, 0) == ()
+
+
+def test_every_single_bit_flip_of_a_chunk_is_rejected() -> None:
+    key, good = _chunk()
+    for i in range(len(good)):
+        for bit in range(8):
+            buf = bytearray(good)
+            buf[i] ^= 1 << bit
+            with pytest.raises(CacheFormatError):
+                chunkfmt.parse(buf, key)
+
+
+def test_every_truncation_and_extension_of_a_chunk_is_rejected() -> None:
+    key, good = _chunk()
+    for n in range(len(good)):
+        with pytest.raises(CacheFormatError):
+            chunkfmt.parse(good[:n], key)
+    with pytest.raises(CacheFormatError):
+        chunkfmt.parse(good + b"\0", key)
+
+
+def test_a_chunk_under_another_key_is_rejected() -> None:
+    _, obj = _chunk()
+    other, _ = _chunk(parent=b"\x09" * 32)
+    with pytest.raises(CacheFormatError, match="another key"):
+        chunkfmt.parse(obj, other)
+
+
+@given(st.binary(max_size=400))
+def test_random_bytes_only_raise_format_error(data: bytes) -> None:
+    with pytest.raises(CacheFormatError):
+        chunkfmt.parse(b"KVK\x01" + data, b"\0" * 32)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), min_size=1, max_size=8))
+def test_mutated_chunks_only_raise_format_error(edits: list[tuple[int, int]]) -> None:
+    key, good = _chunk()
+    buf = bytearray(good)
+    for pos, val in edits:
+        if pos < len(buf):
+            buf[pos] = val
+    if bytes(buf) == good:
+        return
+    with pytest.raises(CacheFormatError):
+        chunkfmt.parse(buf, key)
+
+
+# ---- manifests (KVC version 2 with chunk tags)
+
+
+def test_manifest_round_trip() -> None:
+    f = kvc.parse(_file(MANIFEST), expected_key=KEY)
+    assert f.meta.fields == MANIFEST and bytes(f.payload) == PAYLOAD
+
+
+def test_every_single_bit_flip_of_a_manifest_is_rejected() -> None:
+    good = _file(MANIFEST)
+    accepted = set()
+    for i in range(len(good)):
+        for bit in range(8):
+            buf = bytearray(good)
+            buf[i] ^= 1 << bit
+            try:
+                kvc.parse(buf, expected_key=KEY)
+            except CacheFormatError:
+                continue
+            accepted.add(i)
+    assert accepted == UNCOVERED  # only the hit fields, rewritten in place on purpose
+
+
+def test_every_truncation_of_a_manifest_is_rejected() -> None:
+    good = _file(MANIFEST)
+    for n in range(len(good)):
+        with pytest.raises(CacheFormatError):
+            kvc.parse(good[:n])
+
+
+@pytest.mark.parametrize(
+    ("chunk_tokens", "chunks"),
+    [(2, (b"\x01" * 32,)), (2, (b"\x01" * 32,) * 3), (0, ()), (3, (b"\x01" * 31,))],
+)
+def test_manifests_whose_chunks_do_not_cover_the_tokens_are_refused(
+    chunk_tokens: int, chunks: tuple[bytes, ...]
+) -> None:
+    with pytest.raises(ValueError):
+        kvc.build_prefix(replace(FIELDS, chunk_tokens=chunk_tokens, chunks=chunks), PAYLOAD)
+
+
+def _as_version(buf: bytes, version: int) -> bytes:
+    out = bytearray(buf)
+    out[3] = version
+    return bytes(_reseal(out))
+
+
+def test_a_version_1_row_reads_as_a_whole_blob() -> None:
+    f = kvc.parse(_as_version(_file(), 1), expected_key=KEY)
+    assert f.meta.fields.chunk_tokens is None and f.meta.fields.chunks == ()
+    assert bytes(f.payload) == PAYLOAD
+
+
+def test_chunk_tags_in_a_version_1_file_are_refused() -> None:
+    with pytest.raises(CacheFormatError, match="version-2"):
+        kvc.parse(_as_version(_file(MANIFEST), 1), expected_key=KEY)
+
+
+def test_an_unknown_version_is_refused_with_a_clear_message() -> None:
+    with pytest.raises(CacheFormatError, match="unsupported version 3"):
+        kvc.parse(_as_version(_file(), 3))
+
+
+def test_a_lone_chunk_tag_is_refused() -> None:
+    good = bytearray(_file(MANIFEST))
+    # Rename the chunk-keys record to an unknown tag: the size tag is left alone.
+    at = bytes(good).find(struct.pack("<BI", kvc.TAG_CHUNKS, 64))
+    assert at > 0
+    good[at] = 0x7F
+    with pytest.raises(CacheFormatError, match="together"):
+        kvc.parse(_reseal(good), expected_key=KEY)

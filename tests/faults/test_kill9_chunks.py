@@ -1,0 +1,99 @@
+"""kill -9 a chunked save after every step of its chunks' and its manifest's publish, restart.
+
+After a restart (scan): every acknowledged row restores byte-exactly; the interrupted row is
+absent or complete (complete exactly when the kill came after its manifest was linked); no
+manifest names a missing chunk; no temp file remains; chunks no manifest names (orphans) are
+adopted unreferenced and evicted before any row.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.cache.chunkkit import blob, join
+from tests.cache.tierkit import NS
+from tests.faults.test_kill9 import CHILD, child_env
+from tests.faults.writer_child import chunked_rows
+
+from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache.key import cache_key
+from kvwarm.cache.tiers.chunkfiles import CHUNK_STEPS
+from kvwarm.cache.tiers.files import PUBLISH_STEPS
+
+STEPS = [*CHUNK_STEPS, *PUBLISH_STEPS]
+N_ACKED = 2
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_kill9_at_every_chunk_and_manifest_step(tmp_path: Path, step: str) -> None:
+    root = tmp_path / "kvc"
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), "chunked", str(root), "disk", step, str(N_ACKED)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    lines = proc.stdout.split("\n")
+    assert "SURVIVED" not in lines
+    rows = chunked_rows(N_ACKED)
+    acked = [bytes.fromhex(ln.split()[1]) for ln in lines if ln.startswith("ACK ")]
+    assert acked == [cache_key(NS, t) for t in rows[:N_ACKED]]
+    victim = cache_key(NS, rows[N_ACKED])
+    assert f"VICTIM {victim.hex()}" in lines
+
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=256)
+    with Cache(cfg, background=False) as cache:  # the restart
+        assert not [n for n in os.listdir(root) if n.endswith(".tmp")]
+        for key, tokens in zip(acked, rows, strict=False):
+            with cache.open_row(key) as row:
+                assert join(row.chunks) == blob(tokens)
+        manifest_linked = step in PUBLISH_STEPS and PUBLISH_STEPS.index(step) >= (
+            PUBLISH_STEPS.index("linked")
+        )
+        assert (cache.lookup_exact(victim) is not None) == manifest_linked
+        if manifest_linked:
+            with cache.open_row(victim) as row:
+                assert join(row.chunks) == blob(rows[N_ACKED])
+            return
+        # The victim's new chunks that reached their names are orphans: evicted first, and
+        # the acknowledged rows stay whole.
+        before = cache.counters()["tier_disk_bytes"]
+        freed = cache.evict_bytes(1 << 40, ["disk"])
+        assert freed.bytes <= before
+        assert not [n for n in os.listdir(root) if n.endswith((".kvk", ".kvc"))]
+
+
+@pytest.mark.parametrize("step", CHUNK_STEPS)
+def test_orphans_go_before_rows(tmp_path: Path, step: str) -> None:
+    root = tmp_path / "kvc"
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), "chunked", str(root), "disk", step, str(N_ACKED)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    rows = chunked_rows(N_ACKED)
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=256)
+    with Cache(cfg, background=False) as cache:
+        orphans = [
+            n for n in os.listdir(root) if n.endswith(".kvk")
+        ]  # 2 shared + 2 per acked row, + the victim's linked ones
+        n_orphans = len(orphans) - (2 + 2 * N_ACKED)
+        assert n_orphans == (0 if step == "chunk_tmp_synced" else 1)
+        freed = cache.evict_bytes(1)
+        assert freed.rows == (1 if n_orphans == 0 else 0)
+        if n_orphans:
+            for tokens in rows[:N_ACKED]:
+                with cache.open_row(cache_key(NS, tokens)) as row:
+                    assert join(row.chunks) == blob(tokens)
