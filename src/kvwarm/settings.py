@@ -169,6 +169,11 @@ class Settings(BaseSettings):
     cache_eviction: Str = Field(
         default="lru", description="which cache rows go first when a tier is full: lru or lfu"
     )
+    cache_chunk_tokens: Int = Field(
+        default=256,
+        description="rows are stored as shared chunks of this many tokens (a divisor or a "
+        "multiple of n_batch; 0: one whole blob a row)",
+    )
     policy: Policy = Field(
         default=SERVER_POLICY,
         description="cache policy override KEY=VALUE (repeatable), e.g. min_tokens=64",

@@ -53,12 +53,22 @@ def cache_config(s: Settings) -> CacheConfig:
     if s3 is not None:
         tiers.append(TierConfig("s3", s.s3_quota_bytes, s3=s3))
     return CacheConfig(
-        tiers=tuple(tiers), store_prompt_text=s.store_prompt_text, eviction=s.cache_eviction
+        tiers=tuple(tiers),
+        store_prompt_text=s.store_prompt_text,
+        eviction=s.cache_eviction,
+        chunk_tokens=s.cache_chunk_tokens,
     )
 
 
 def check(s: Settings) -> None:
-    """``ConfigError`` for a save tier that is not configured or bad s3 settings."""
+    """``ConfigError`` for a save tier that is not configured, a chunk size that does not
+    line up with n_batch, or bad s3 settings."""
+    c, b = s.cache_chunk_tokens, s.n_batch
+    # Aligned restore boundaries (multiples of n_batch) then always fall on chunk boundaries.
+    if c < 0 or (c and b % c and c % b):
+        raise ConfigError(
+            f"cache_chunk_tokens must be 0, a divisor or a multiple of n_batch ({b}), got {c}"
+        )
     tier = save_tier(s)
     if tier == "disk" and s.cache_dir is None:
         raise ConfigError("save_tier is disk but the disk tier is off (cache_dir none)")
