@@ -158,7 +158,7 @@ def test_huge_declared_lengths_rejected_without_allocation(damage: str) -> None:
     elif damage == "bad_magic":
         buf[0:3] = b"KVD"
     elif damage == "bad_version":
-        buf[3] = 2
+        buf[3] = 3
     elif damage == "reserved":
         buf[6] = 1
     _reseal(buf)
