@@ -14,7 +14,7 @@ from tests.cache.chunkkit import PER_TOKEN, blob, chunked_request, join
 from tests.cache.tierkit import NS, shm_dir
 from tests.s3kit import MotoServer
 
-from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache import Cache, CacheConfig, TierConfig, chunkfmt
 from kvwarm.cache.chunkfmt import head_size
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.protocols import Tier
@@ -200,3 +200,22 @@ def test_unchunked_config_stores_whole_blobs(make_cache: CacheFactory) -> None:
     with cache.open_row(key) as row:
         assert row.chunks == () and bytes(row.payload) == blob(tokens)
     assert cache.counters()["chunks_written"] == 0
+
+
+def test_verify_reads_every_chunk_and_repair_drops_rows_naming_a_bad_one(tmp_path: Path) -> None:
+    root = tmp_path / "kvc"
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=C)
+    with Cache(cfg, background=False) as cache:
+        tokens = list(range(1024))
+        short, long = _save(cache, tokens[:600]), _save(cache, tokens)
+        assert cache.verify().bad == ()
+        first = chunkfmt.chunk_keys(NS, tokens, C)[0]  # named by both rows
+        path = root / f"{first.hex()}.kvk"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(data)
+        report = cache.verify()
+        assert len(report.bad) == 2 and cache.lookup_exact(short) is not None  # only reported
+        assert len(cache.verify(repair=True).bad) == 2
+        assert cache.lookup_exact(short) is None and cache.lookup_exact(long) is None
+        assert not path.exists()  # its last reference went with the rows

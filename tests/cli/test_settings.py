@@ -86,6 +86,13 @@ def test_cache_eviction_reaches_the_cache_config() -> None:
     assert s.cache_config().eviction == "lfu"
 
 
+def test_cache_chunk_tokens_reaches_the_cache_config() -> None:
+    assert load_settings({}, {}).cache_config().chunk_tokens == 256
+    env = {"KVWARM_CACHE_CHUNK_TOKENS": "1024"}
+    assert load_settings({}, env).cache_config().chunk_tokens == 1024
+    assert load_settings({}, {"KVWARM_CACHE_CHUNK_TOKENS": "0"}).cache_config().chunk_tokens == 0
+
+
 def test_sizes_accept_suffixes() -> None:
     s = load_settings({}, {"KVWARM_DISK_QUOTA_BYTES": "2G", "KVWARM_MAX_BODY_BYTES": "512k"})
     assert s.disk_quota_bytes == 2 << 30
@@ -103,6 +110,8 @@ def test_sizes_accept_suffixes() -> None:
         ({"KVWARM_MODELS": "a=/x,a=/y"}, "duplicate"),
         ({"KVWARM_CACHE_DIR": "none", "KVWARM_SAVE_TIER": "disk"}, "disk"),
         ({"KVWARM_CACHE_EVICTION": "mru"}, "cache_eviction"),
+        ({"KVWARM_CACHE_CHUNK_TOKENS": "384"}, "cache_chunk_tokens"),
+        ({"KVWARM_CACHE_CHUNK_TOKENS": "-256"}, "cache_chunk_tokens"),
     ],
 )
 def test_bad_values_are_config_errors_naming_the_setting(env: dict[str, str], needle: str) -> None:

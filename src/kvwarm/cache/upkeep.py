@@ -104,15 +104,21 @@ class CacheUpkeep(CacheCore):
     def verify(self, *, repair: bool = False) -> VerifyReport:
         checked = len(self._scan_problems)
         bad = list(self._scan_problems)
+        good_chunks: set[tuple[str, bytes]] = set()  # a chunk many rows share is read once
         for info in self._index.rows():
             stored = self._index.checkout(info.key, touch=False)
             if stored is None:
                 continue  # removed meanwhile
             try:
                 checked += 1
-                data = self._tiers[info.tier].load(stored)
+                tier = self._tiers[info.tier]
+                data = tier.load(stored)
                 if data.tokens != stored.tokens:
                     raise CacheFormatError("tokens differ from the index")
+                for chunk in stored.chunks:
+                    if (tier.name, chunk) not in good_chunks:
+                        tier.load_chunk(chunk)  # head, key replay and payload CRC32C
+                        good_chunks.add((tier.name, chunk))
             except (CacheFormatError, CacheKeyError) as exc:
                 bad.append((stored.location or info.key.hex(), str(exc)))
                 if repair:
