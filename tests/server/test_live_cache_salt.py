@@ -9,24 +9,16 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvwarm.settings import ModelSpec, Settings
-
-from .conftest import LOW_POLICY, LiveServer
+from .conftest import LiveServer
+from .test_live_openai import real_settings
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def http() -> Iterator[httpx.Client]:
-    settings = Settings(
-        models=(ModelSpec(),),
-        cache_dir=None,
-        n_ctx=512,
-        n_batch=64,
-        policy=LOW_POLICY,
-        keepalive_interval_s=0,
-        default_max_tokens=2,
-        cache_salt_from_auth=True,
+    settings = real_settings(None).replace(
+        n_ctx=512, default_max_tokens=2, cache_salt_from_auth=True
     )
     live = LiveServer(settings).start()
     try:

@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, sync_playwright
 
-from kvwarm.settings import ModelSpec, Settings
-
-from .conftest import LOW_POLICY, LiveServer
+from .conftest import LiveServer
+from .test_live_openai import real_settings
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -50,19 +49,6 @@ def chromium_path() -> str | None:
     return None
 
 
-def live_settings(cache_dir: Path, **overrides: object) -> Settings:
-    base = Settings(
-        models=(ModelSpec(),),
-        cache_dir=cache_dir,
-        n_ctx=1024,
-        n_batch=64,
-        policy=LOW_POLICY,
-        keepalive_interval_s=0,
-        default_max_tokens=8,
-    )
-    return base.replace(**overrides)
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     path = chromium_path()
@@ -81,7 +67,7 @@ def browser() -> Iterator[Browser]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    live = LiveServer(live_settings(tmp_path_factory.mktemp("webui") / "cache")).start()
+    live = LiveServer(real_settings(tmp_path_factory.mktemp("webui") / "cache")).start()
     try:
         yield live
     finally:
@@ -226,7 +212,7 @@ def test_phone_width_and_keyboard_focus(
 
 
 def test_keys_are_asked_once_per_session(browser: Browser, tmp_path: Path) -> None:
-    settings = live_settings(tmp_path / "cache", api_key="sesame", admin_key="root")
+    settings = real_settings(tmp_path / "cache").replace(api_key="sesame", admin_key="root")
     live = LiveServer(settings).start()
     try:
         page, console = open_page(browser, live.base_url + "/#cache")
