@@ -185,5 +185,12 @@ def test_n_choices_logprobs_and_infill_through_the_ingress(client: TestClient) -
         if isinstance(e, dict) and e["choices"] and e["choices"][0]["finish_reason"]
     }
     assert finished == {0, 1}
+    logprobs = [
+        t
+        for e in events
+        if isinstance(e, dict) and e["choices"] and e["choices"][0]["logprobs"]
+        for t in e["choices"][0]["logprobs"]["content"]
+    ]
+    assert len(logprobs) >= 2  # a replica streams text only: they come with the last chunks
     refused = client.post("/infill", json={"model": "a", "input_prefix": "a", "input_suffix": "b"})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "fim_not_supported"

@@ -33,9 +33,11 @@ class ChatChoiceStream:
         self._tools = ToolStream(names, forced=forced)
         self._want_logprobs = logprobs
         self._pending: list[TokenLogprob] = []
+        self._fed_logprobs = False
 
     def feed(self, fragment: Fragment) -> list[Delta]:
         self._pending.extend(fragment.logprobs)
+        self._fed_logprobs = self._fed_logprobs or bool(fragment.logprobs)
         out: list[Delta] = []
         text, calls = self._tools.feed(fragment.text)
         if text:
@@ -50,6 +52,10 @@ class ChatChoiceStream:
             out.append(Delta({"content": rest}, self._take_logprobs()))
         out.extend(Delta({"tool_calls": [call]}) for call in calls)
         reason = "tool_calls" if any_call else convert.finish_reason(done.stats)
+        if not self._fed_logprobs and done.logprobs:
+            # A stream whose fragments carry no logprobs (a cluster replica streams text only):
+            # the completion's logprobs go out with the last chunk.
+            self._pending = list(done.logprobs)
         out.append(Delta({}, self._take_logprobs() if self._pending else None, reason))
         return out
 

@@ -169,13 +169,22 @@ async def _streamed(
                 yield convert.text_chunk(
                     ids, text, None, index=j, logprobs=lp, with_usage=include_usage
                 )
+        fed = [False for _ in group.gens]  # whether choice j's fragments carried logprobs
         async for j, fragment in group.merged():
             if fragment is None:
-                reason = convert.finish_reason((await group.gens[j].result()).stats)
-                yield convert.text_chunk(ids, "", reason, index=j, with_usage=include_usage)
+                done = await group.gens[j].result()
+                last = None
+                if req.logprobs is not None and not fed[j] and done.logprobs:
+                    # Fragments without logprobs (a cluster replica): they come with the end.
+                    last = convert.completion_logprobs(done.logprobs, offsets[j])
+                reason = convert.finish_reason(done.stats)
+                yield convert.text_chunk(
+                    ids, "", reason, index=j, logprobs=last, with_usage=include_usage
+                )
                 continue
             lp = None
             if req.logprobs is not None:
+                fed[j] = fed[j] or bool(fragment.logprobs)
                 lp = convert.completion_logprobs(fragment.logprobs, offsets[j])
             yield convert.text_chunk(
                 ids, fragment.text, None, index=j, logprobs=lp, with_usage=include_usage
