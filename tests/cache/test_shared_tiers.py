@@ -225,3 +225,25 @@ def test_probe_lengths_include_where_earlier_turns_ended() -> None:
     # cold-save lengths; nothing under min_tokens (64), longest first
     assert lengths == (1500, 1300, 1299, 1024, 700, 699, 512)
     assert probe_lengths(63, POLICY, N_BATCH, turn_ends=(10,)) == ()
+
+
+def test_a_shared_dir_keeps_rows_it_cannot_read(tmp_path: Path) -> None:
+    """A row file another host's kvwarm wrote in a format this one does not read (a newer
+    KVC version) is reported, not quarantined: the other hosts still read it. A private
+    directory still quarantines it."""
+    for shared in (True, False):
+        root = tmp_path / f"shared-{shared}"
+        tiers = (TierConfig("ram", 1 << 20), TierConfig("disk", 1 << 20, root, shared=shared))
+        key, req = request(tuple(range(64)), tier="disk")
+        with Cache(CacheConfig(tiers=tiers), background=False) as writer:
+            assert writer.save(req, sync=True) == key
+        row = root / f"{key.hex()}.kvc"
+        data = bytearray(row.read_bytes())
+        data[3] = 0xFF  # the header's version byte: a KVC version from the future
+        row.write_bytes(bytes(data))
+        with Cache(CacheConfig(tiers=tiers), background=False) as reader:
+            assert reader.lookup_exact(key) is None
+            reported = [path for path, _ in reader.verify().bad]
+            assert reported == ([str(row)] if shared else [])
+        assert row.is_file() == shared
+        assert (root / "quarantine" / row.name).is_file() != shared

@@ -8,6 +8,8 @@ Invariants:
   and not another live process's younger than ``stale_tmp_s`` (a shared root).
 - With ``repair=False`` nothing in the directory is moved or deleted: invalid files and
   interrupted temp files are only reported (``problems``), for ``kvwarm cache verify``.
+- On a directory several hosts share (``multi_host``) a file this process cannot read is only
+  reported, never quarantined: it may be a row another host's (newer) kvwarm reads.
 - A directory named like a row is never removed.
 - Rows are yielded from their metadata; the payload CRC is checked when the row is loaded.
 """
@@ -106,8 +108,12 @@ class DirScan:
         unlink_quiet(dir_fd, name)
 
     def _discard(self, dir_fd: int, name: str, why: Exception) -> None:
-        if not self._repair:
+        if not self._repair or self._multi_host:
+            # Other hosts share the directory: a file this kvwarm cannot read may be one a
+            # newer kvwarm wrote and still reads. Reported (``kvwarm cache verify``), kept.
             self.problems.append((str(self._root / name), str(why)))
+            if self._repair:
+                log.warning("%s: cannot read %s, leaving it: %s", self._tier, name, why)
             return
         log.warning("%s: invalid cache file %s: %s", self._tier, name, why)
         try:
