@@ -27,26 +27,25 @@ import argparse
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvwarm import settings_cache
-from kvwarm.backends.base import ContextParams
 from kvwarm.cache.eviction.base import registered_policies
 from kvwarm.cache.types import CacheConfig, PolicyConfig, S3Config, TierName
 from kvwarm.errors import ConfigError
+from kvwarm.settings_model import ModelSettings, check_models, model_config, parse_field
 from kvwarm.settings_sources import read_env, read_toml, user_cache_dir, user_config_file
 from kvwarm.settings_types import (
+    Aliases,
     Bool,
     Float,
     Int,
     Models,
     ModelSpec,
-    OptInt,
     OptPath,
     OptStr,
     OptTier,
@@ -56,9 +55,6 @@ from kvwarm.settings_types import (
     StrTuple,
     policy_items,
 )
-
-if TYPE_CHECKING:
-    from kvwarm.engine.api import ModelConfig
 
 __all__ = [
     "CLUSTER_ONLY",
@@ -97,10 +93,11 @@ _REPEAT: dict[str, Any] = {"repeatable": True}
 CLUSTER_ONLY = ("replicas", "ray_address", "cluster_busy_requests")
 
 
-class Settings(BaseSettings):
+class Settings(ModelSettings):
     """Everything ``kvwarm serve`` and the CLI can be told. Constructing one directly uses only
     the given values and the defaults (no hidden environment reads); ``load_settings`` layers
-    flags, environment and config file on top."""
+    flags, environment and config file on top. The per-model settings (GPU, threads, KV types,
+    RoPE) are declared in ``ModelSettings`` (``kvwarm.settings_model``)."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, frozen=True, extra="forbid", validate_default=False
@@ -113,12 +110,32 @@ class Settings(BaseSettings):
         description="a model to serve, [ID=]PATH (repeatable; PATH 'default' = embedded)",
         json_schema_extra={"flag": "--model", **_REPEAT},
     )
+    models_dir: OptPath = Field(
+        default=None,
+        description="also serve every *.gguf file in DIR, each loaded on its first request",
+    )
+    # Tools that hard-code a model name (gpt-4o-mini ...) then work unchanged.
+    aliases: Aliases = Field(
+        default=(),
+        description="another name for a model, ALIAS=MODEL (repeatable), "
+        "e.g. gpt-4o-mini=smollm2-135m-instruct",
+        json_schema_extra={"flag": "--alias", **_REPEAT},
+    )
+    model_idle_unload_s: Float = Field(
+        default=0.0,
+        description="unload a model unused this many seconds; its next request reloads it "
+        "(0: never)",
+    )
+    max_loaded_models: Int = Field(
+        default=0,
+        description="most models loaded at once; one more unloads the least recently used idle "
+        "one (0: no limit)",
+    )
     backend: Str = Field(default="llama_cpp", description="default backend: llama_cpp or stub")
     n_ctx: Int = Field(default=4096, description="context window per model")
     n_batch: Int = Field(default=512, description="prefill batch size (cache rows align to it)")
     # Concurrent requests share one context (continuous batching), as llama.cpp's server does.
     n_parallel: Int = Field(default=4, description="concurrent sequences (slots) per model")
-    n_threads: OptInt = Field(default=None, description="CPU threads (default: llama.cpp's choice)")
     deterministic: Bool = Field(
         default=False, description="restores bit-identical to a cold prefill (slower)"
     )
@@ -279,12 +296,17 @@ class Settings(BaseSettings):
         """Range and cross-setting rules; raises ``ConfigError``."""
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        if not self.models:
-            raise ConfigError("at least one model is required")
+        if not self.models and self.models_dir is None:
+            raise ConfigError("at least one model (or a models_dir) is required")
         ids = [m.model_id for m in self.models]
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise ConfigError(f"duplicate model ids: {', '.join(dupes)} (give each an id)")
+        shadowing = sorted(alias for alias, _ in self.aliases if alias in ids)
+        if shadowing:
+            raise ConfigError(f"aliases {', '.join(shadowing)} are already model ids")
+        if self.model_idle_unload_s < 0 or self.max_loaded_models < 0:
+            raise ConfigError("model_idle_unload_s and max_loaded_models must be >= 0")
         for name in ("n_ctx", "n_batch", "n_parallel", "max_queue", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
@@ -310,31 +332,7 @@ class Settings(BaseSettings):
             known = ", ".join(registered_policies())
             raise ConfigError(f"cache_eviction must be one of {known}, got {self.cache_eviction!r}")
         settings_cache.check(self)
-
-
-def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
-    """The engine's per-model config for ``spec`` under these settings."""
-    from kvwarm.engine.api import ModelConfig
-
-    n_parallel = spec.n_parallel or settings.n_parallel
-    context = ContextParams(
-        n_ctx=spec.n_ctx or settings.n_ctx,
-        n_batch=settings.n_batch,
-        n_ubatch=min(settings.n_batch, 512),
-        n_threads=settings.n_threads,
-        n_threads_batch=settings.n_threads,
-        n_seq_max=n_parallel,
-    )
-    return ModelConfig(
-        backend=spec.backend,
-        context=context,
-        n_parallel=n_parallel,
-        policy=settings.policy,
-        save_tier=settings.effective_save_tier(),
-        fingerprint_mode=settings.fingerprint_mode,
-        deterministic=settings.deterministic,
-        max_queue=settings.max_queue,
-    )
+        check_models(self)
 
 
 # --- derived from the fields: flags, env, TOML keys ---------------------------------------------
@@ -355,16 +353,22 @@ def env_var(name: str) -> str:
 
 def add_settings_arguments(parser: argparse.ArgumentParser, names: Sequence[str] = ()) -> None:
     """Add the flags of ``names`` (all settings if empty). Unset flags stay absent from the
-    namespace (``SUPPRESS``) so they never override the environment or the file."""
+    namespace (``SUPPRESS``) so they never override the environment or the file. The model
+    settings (``ModelSettings``) get a group of their own in ``--help``."""
     group = parser.add_argument_group("settings (flags > KVWARM_* env > config file)")
     group.add_argument(
         "--config", default=argparse.SUPPRESS, metavar="PATH", help=f"TOML file (${CONFIG_ENV})"
     )
+    per_model = parser.add_argument_group(
+        "model settings (also per model, as keys of a [[models]] table in the config file)"
+    )
     for name in names or [n for n in Settings.model_fields if n not in CLUSTER_ONLY]:
         help_text = f"{Settings.model_fields[name].description} (${env_var(name)})"
+        target = per_model if name in ModelSettings.model_fields else group
+        flags = (_flag(name), *_extra(name).get("aliases", ()))
         if name == "deterministic":  # a switch: presence means true
-            group.add_argument(
-                _flag(name),
+            target.add_argument(
+                *flags,
                 dest=name,
                 action="store_const",
                 const="true",
@@ -372,8 +376,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, names: Sequence[str]
                 help=help_text,
             )
             continue
-        group.add_argument(
-            _flag(name),
+        target.add_argument(
+            *flags,
             dest=name,
             action="append" if _extra(name).get("repeatable") else "store",
             default=argparse.SUPPRESS,
@@ -387,25 +391,14 @@ def settings_flags(namespace: argparse.Namespace) -> dict[str, object]:
     return {k: v for k, v in vars(namespace).items() if k in Settings.model_fields or k == "config"}
 
 
-@cache
-def _adapter(name: str) -> TypeAdapter[Any]:
-    field = Settings.model_fields[name]
-    return TypeAdapter(field.rebuild_annotation())
-
-
 def _parse(name: str, value: object, source: str) -> object:
-    label = _flag(name) if source == "flag" else name
-    try:
-        if name == "policy":
+    label = f"{source} setting {_flag(name) if source == 'flag' else name}"
+    if name == "policy":
+        try:
             return policy_items(value)
-        return _adapter(name).validate_python(value)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        error = first.get("ctx", {}).get("error")
-        message = str(error) if isinstance(error, Exception) else first["msg"]
-        raise ConfigError(f"{source} setting {label}: {message}") from exc
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{source} setting {label}: {exc}") from exc
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{label}: {exc}") from exc
+    return parse_field(Settings, name, value, label)
 
 
 def load_settings(
@@ -445,6 +438,9 @@ def load_settings(
                 values[name] = parsed
     if policy:
         values["policy"] = dataclasses.replace(defaults.policy, **policy)
+    if values.get("models_dir") is not None and "models" not in values:
+        # A models directory given alone serves that directory, not also the default model.
+        values["models"] = ()
     settings = defaults.replace(**values)
     settings.check()
     return settings

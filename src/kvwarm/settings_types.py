@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -19,6 +19,17 @@ from typing import Annotated
 from pydantic import BeforeValidator
 from pydantic_settings import NoDecode
 
+from kvwarm.backends.base import (
+    FLASH_ATTN_MODES,
+    KV_TYPES,
+    ROPE_SCALINGS,
+    SPLIT_MODES,
+    FlashAttn,
+    KvType,
+    RopeScaling,
+    SplitMode,
+    check_tensor_split,
+)
 from kvwarm.cache.types import TIER_NAMES, PolicyConfig, TierName
 from kvwarm.embedded import model_id_for
 
@@ -36,6 +47,9 @@ class ModelSpec:
     backend: str | None = None
     n_ctx: int | None = None
     n_parallel: int | None = None
+    # Per-model values of the model settings (``settings_model.ModelSettings``), parsed,
+    # sorted by name: ``n_gpu_layers = 99`` in a ``[[models]]`` table.
+    options: tuple[tuple[str, object], ...] = ()
 
     @property
     def model_id(self) -> str:
@@ -140,12 +154,12 @@ def as_str_tuple(value: object) -> tuple[str, ...]:
     raise ValueError("expected a string or a list of strings")
 
 
-_MODEL_KEYS = {f.name for f in dataclasses.fields(ModelSpec)}
+_MODEL_KEYS = {f.name for f in dataclasses.fields(ModelSpec)} - {"options"}
 
 
 def as_models(value: object) -> tuple[ModelSpec, ...]:
     """A comma-separated string of ``[ID=]PATH`` (env), a list of those (flags), or a list of
-    tables with path/id/backend/n_ctx/n_parallel (TOML)."""
+    tables with path/id/backend/n_ctx/n_parallel and any model setting (TOML)."""
     if isinstance(value, str):
         return tuple(ModelSpec.parse(part) for part in value.split(",") if part.strip())
     if not isinstance(value, list | tuple):
@@ -155,16 +169,19 @@ def as_models(value: object) -> tuple[ModelSpec, ...]:
         if isinstance(item, str):
             specs.append(ModelSpec.parse(item))
         elif isinstance(item, Mapping):
-            unknown = set(item) - _MODEL_KEYS
-            if unknown:
-                raise ValueError(f"unknown model keys: {', '.join(sorted(unknown))}")
+            # Imported here: settings_model builds on this module's types.
+            from kvwarm.settings_model import model_options
+
+            model_id = as_opt_str(item.get("id"))
+            extra = {str(k): v for k, v in item.items() if k not in _MODEL_KEYS}
             specs.append(
                 ModelSpec(
                     path=as_opt_str(item.get("path")),
-                    id=as_opt_str(item.get("id")),
+                    id=model_id,
                     backend=as_opt_str(item.get("backend")),
                     n_ctx=as_opt_int(item.get("n_ctx")),
                     n_parallel=as_opt_int(item.get("n_parallel")),
+                    options=model_options(extra, model_id or str(item.get("path"))),
                 )
             )
         elif isinstance(item, ModelSpec):
@@ -172,6 +189,92 @@ def as_models(value: object) -> tuple[ModelSpec, ...]:
         else:
             raise ValueError("each model is a string or a table")
     return tuple(specs)
+
+
+def as_gpu_layers(value: object) -> int:
+    """Layers to offload: an integer >= 0, or ``all`` (also -1, llama-cpp-python's spelling)."""
+    if isinstance(value, str) and value.strip().lower() in ("all", "max"):
+        return -1
+    try:
+        layers = as_int(value)
+    except ValueError:
+        layers = -2
+    if layers < -1:
+        raise ValueError(f"expected a number of layers >= 0 or 'all', got {value!r}")
+    return layers
+
+
+def choice(
+    allowed: tuple[str, ...], synonyms: Mapping[str, str] | None = None
+) -> Callable[[object], str]:
+    """A parser accepting one of ``allowed`` (case-insensitive), or a synonym of one."""
+
+    def parse(value: object) -> str:
+        if isinstance(value, bool) and synonyms is not None:
+            value = "true" if value else "false"
+        text = as_str(value).strip().lower()
+        text = (synonyms or {}).get(text, text)
+        if text not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}, got {value!r}")
+        return text
+
+    return parse
+
+
+def opt_choice(allowed: tuple[str, ...]) -> Callable[[object], str | None]:
+    """Like ``choice``; ``model`` (or empty, none given) means None: the model's own value."""
+    strict = choice(allowed)
+
+    def parse(value: object) -> str | None:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "model")):
+            return None
+        return strict(value)
+
+    return parse
+
+
+def as_float_tuple(value: object) -> tuple[float, ...]:
+    """Numbers: ``3,1`` (flags, env) or a TOML list."""
+    if isinstance(value, str):
+        parts: list[object] = [p for p in value.replace("/", ",").split(",") if p.strip()]
+    elif isinstance(value, list | tuple):
+        parts = list(value)
+    else:
+        raise ValueError("expected numbers separated by commas, e.g. 3,1")
+    return tuple(as_float(p) for p in parts)
+
+
+def as_tensor_split(value: object) -> tuple[float, ...]:
+    shares = as_float_tuple(value)
+    check_tensor_split(shares)  # a ConfigError is a ValueError: the loader names the source
+    return shares
+
+
+def as_aliases(value: object) -> tuple[tuple[str, str], ...]:
+    """``ALIAS=MODEL`` pairs: a comma-separated string (env), a list of those (flags), or a
+    TOML table ``{ALIAS = "MODEL"}``."""
+    pairs: list[tuple[object, object]]
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    else:
+        items = as_str_tuple(value)
+        if len(items) == 1:
+            items = tuple(i for i in items[0].split(",") if i.strip())
+        pairs = []
+        for item in items:
+            alias, sep, target = item.partition("=")
+            if not sep:
+                raise ValueError(f"expected ALIAS=MODEL, got {item!r}")
+            pairs.append((alias, target))
+    out: dict[str, str] = {}
+    for raw_alias, raw_target in pairs:
+        alias, target = as_str(raw_alias).strip(), as_str(raw_target).strip()
+        if not alias or not target:
+            raise ValueError(f"expected ALIAS=MODEL, got {raw_alias!r}={raw_target!r}")
+        if out.get(alias, target) != target:
+            raise ValueError(f"alias {alias!r} names two models")
+        out[alias] = target
+    return tuple(out.items())
 
 
 POLICY_KEYS = frozenset(f.name for f in dataclasses.fields(PolicyConfig))
@@ -219,4 +322,20 @@ OptPath = Annotated[Path | None, BeforeValidator(as_opt_path)]
 OptTier = Annotated[TierName | None, BeforeValidator(as_tier)]
 StrTuple = Annotated[tuple[str, ...], BeforeValidator(as_str_tuple), NoDecode]
 Models = Annotated[tuple[ModelSpec, ...], BeforeValidator(as_models), NoDecode]
+GpuLayers = Annotated[int, BeforeValidator(as_gpu_layers)]
+KvTypeName = Annotated[KvType, BeforeValidator(choice(KV_TYPES))]
+SplitModeName = Annotated[SplitMode, BeforeValidator(choice(SPLIT_MODES))]
+# Booleans too: "flash_attn = true" in TOML, "-fa 1" on the command line.
+FlashAttnMode = Annotated[
+    FlashAttn,
+    BeforeValidator(
+        choice(
+            FLASH_ATTN_MODES,
+            {"true": "on", "1": "on", "yes": "on", "false": "off", "0": "off", "no": "off"},
+        )
+    ),
+]
+OptRopeScaling = Annotated[RopeScaling | None, BeforeValidator(opt_choice(ROPE_SCALINGS))]
+TensorSplit = Annotated[tuple[float, ...], BeforeValidator(as_tensor_split), NoDecode]
+Aliases = Annotated[tuple[tuple[str, str], ...], BeforeValidator(as_aliases), NoDecode]
 Policy = Annotated[PolicyConfig, BeforeValidator(as_policy), NoDecode]

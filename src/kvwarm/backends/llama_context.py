@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from kvwarm.backends import _checks, _kv_state, _native
+from kvwarm.backends import _checks, _kv_state, llama_params
 from kvwarm.backends._lifetime import Lifetime
 from kvwarm.backends.base import Adapter, BatchToken, ContextParams
 from kvwarm.backends.llama_adapter import LlamaAdapter
@@ -44,8 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_POOLING_UNSPECIFIED = -1
-
 
 class LlamaContext:
     """``BackendContext`` over ``llama_init_from_model``; one thread drives it."""
@@ -57,27 +55,7 @@ class LlamaContext:
         self._params = params
         if params.n_seq_max > int(lib.llama_max_parallel_sequences()):
             raise ConfigError(f"n_seq_max={params.n_seq_max} exceeds llama.cpp's limit")
-        cp = lib.llama_context_default_params()
-        cp.n_ctx = params.n_ctx
-        cp.n_batch = params.n_batch
-        cp.n_ubatch = params.n_ubatch
-        cp.n_seq_max = params.n_seq_max
-        threads = params.n_threads or _native.default_threads()
-        cp.n_threads = threads
-        cp.n_threads_batch = params.n_threads_batch or threads
-        cp.type_k = _native.GGML_TYPES[params.type_k]
-        cp.type_v = _native.GGML_TYPES[params.type_v]
-        cp.embeddings = params.embeddings
-        cp.pooling_type = (
-            _native.POOLING[params.pooling] if params.embeddings else (_POOLING_UNSPECIFIED)
-        )
-        # One KV buffer shared by all sequences. With per-sequence streams (kv_unified=False)
-        # llama.cpp writes the stream count into every blob, so a row saved by a 1-slot context
-        # would not restore into an N-slot one; ContextParams.kv_hash promises it does. Unified
-        # also makes seq_cp share cells instead of copying tensors. n_ctx is then both each
-        # sequence's position limit and the total cell budget of all sequences together.
-        cp.kv_unified = True
-        cp.no_perf = True
+        cp = llama_params.context_params(lib, params)
         model.lifetime.acquire()
         try:
             with model.lifetime.using():

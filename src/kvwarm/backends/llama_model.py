@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from kvwarm.backends import _checks, _native
+from kvwarm.backends import _checks, _native, llama_params
 from kvwarm.backends._lifetime import Lifetime
 from kvwarm.backends.base import ContextParams, FimTokens, ModelFacts, ModelParams, SamplingParams
 from kvwarm.backends.chat_template import render_chat
@@ -44,8 +44,6 @@ log = logging.getLogger(__name__)
 
 _INT32_MIN = -(2**31)
 _MAX_TEXT = 2**31 - 1
-# llama_model_params.load_mode values (LLAMA_LOAD_MODE_*).
-_LOAD_NONE, _LOAD_MMAP, _LOAD_MLOCK, _LOAD_MMAP_MLOCK = 0, 1, 2, 3
 
 
 class LlamaBackend:
@@ -66,6 +64,22 @@ class LlamaBackend:
         return LlamaModel(str(path), params or ModelParams())
 
 
+def _bridge(
+    user_progress: Callable[[float], bool], failure: list[BaseException]
+) -> Callable[[float, object], bool]:
+    """llama.cpp's progress callback over the user's; an exception in it aborts the load and is
+    kept in ``failure`` (it must not unwind through C)."""
+
+    def on_progress(fraction: float, _user: object) -> bool:
+        try:
+            return bool(user_progress(min(max(float(fraction), 0.0), 1.0)))
+        except BaseException as exc:
+            failure.append(exc)
+            return False
+
+    return on_progress
+
+
 class LlamaModel:
     """Loaded weights + vocabulary. Vocabulary calls are safe from any thread."""
 
@@ -77,32 +91,13 @@ class LlamaModel:
         lib = _native.lib()
         self._lib = lib
         self._params = params
-        mparams = lib.llama_model_default_params()
-        mparams.n_gpu_layers = params.n_gpu_layers
-        mparams.vocab_only = params.vocab_only
-        extra = params.use_extra_bufts
-        mparams.use_extra_bufts = (not _native.amx_in_use()) if extra is None else extra
-        if params.use_mmap:
-            mparams.load_mode = _LOAD_MMAP_MLOCK if params.use_mlock else _LOAD_MMAP
-        else:
-            mparams.load_mode = _LOAD_MLOCK if params.use_mlock else _LOAD_NONE
         failure: list[BaseException] = []
-        progress_cb: object | None = None
-        if params.progress is not None:
-            user_progress = params.progress
-
-            def on_progress(fraction: float, _user: object) -> bool:
-                try:
-                    return bool(user_progress(min(max(float(fraction), 0.0), 1.0)))
-                except BaseException as exc:
-                    failure.append(exc)
-                    return False
-
-            progress_cb = lib.llama_progress_callback(on_progress)
-            mparams.progress_callback = progress_cb
-        # Kept on the instance too, in case llama.cpp ever calls back after load returns.
-        self._progress_cb = progress_cb
-        ptr = lib.llama_model_load_from_file(path.encode(), mparams)
+        on_progress = None if params.progress is None else _bridge(params.progress, failure)
+        native = llama_params.model_params(lib, params, on_progress)
+        # Kept on the instance too (the callback, the tensor-split array), in case llama.cpp
+        # ever reads them after load returns.
+        self._native_params = native
+        ptr = lib.llama_model_load_from_file(path.encode(), native.struct)
         if not ptr:
             if failure:
                 raise ModelLoadError(f"loading {path!r} failed in the progress callback") from (

@@ -101,18 +101,20 @@ class StubBackend:
 
     def load_model(self, path: str, params: ModelParams | None = None) -> StubModel:
         params = params or ModelParams()
+        params.validate()  # the same checks, and errors, as the llama.cpp backend
         if params.progress is not None:
             for fraction in (0.0, 1.0):
                 if params.progress(fraction) is False:
                     raise ModelLoadError(f"loading {path!r} was cancelled by the progress callback")
-        return StubModel(self, str(path))
+        return StubModel(self, str(path), params)
 
 
 class StubModel:
     """A byte-level fake model. Any ``path`` loads; it only seeds the model's identity."""
 
-    def __init__(self, backend: StubBackend, path: str) -> None:
+    def __init__(self, backend: StubBackend, path: str, params: ModelParams | None = None) -> None:
         self._backend = backend
+        self.params = params or ModelParams()  # what a llama.cpp load would have been given
         self._id = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "little")
         self._facts = ModelFacts(
             path=path,

@@ -20,6 +20,7 @@ from kvwarm.settings import (
     model_config,
     settings_flags,
 )
+from kvwarm.settings_model import MODEL_SETTING_NAMES
 
 if TYPE_CHECKING:
     from kvwarm.engine.api import Engine, Model
@@ -29,7 +30,7 @@ MODEL_SETTINGS: tuple[str, ...] = (
     "backend",
     "n_ctx",
     "n_batch",
-    "n_threads",
+    *MODEL_SETTING_NAMES,
     "deterministic",
     "fingerprint_mode",
     "cache_dir",

@@ -9,7 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import TypedDict
 
-from kvwarm.backends.base import Backend, ContextParams, KvType, ModelParams
+from kvwarm.backends.base import (
+    Backend,
+    ContextParams,
+    FlashAttn,
+    KvType,
+    ModelParams,
+    RopeScaling,
+    SplitMode,
+)
 from kvwarm.cache.policy import validate_policy
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierName
 from kvwarm.engine.batching import StrategyName, strategy
@@ -36,6 +44,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         self.context.validate()
+        self.model_params.validate()
         if not 1 <= self.n_parallel <= 64:
             raise ConfigError(f"n_parallel must be in [1, 64], got {self.n_parallel}")
         if self.n_parallel > self.context.n_batch:
@@ -70,7 +79,19 @@ class ModelOptions(TypedDict, total=False):
     n_threads_batch: int | None
     type_k: KvType
     type_v: KvType
+    flash_attn: FlashAttn
+    rope_scaling: RopeScaling | None
+    rope_freq_base: float
+    rope_freq_scale: float
+    yarn_ext_factor: float
+    yarn_attn_factor: float
+    yarn_beta_fast: float
+    yarn_beta_slow: float
+    yarn_orig_ctx: int
     n_gpu_layers: int
+    split_mode: SplitMode
+    main_gpu: int
+    tensor_split: tuple[float, ...]
     use_mmap: bool
     use_mlock: bool
     n_parallel: int

@@ -1,0 +1,199 @@
+"""Model settings (GPU offload, flash attention, KV types, threads, mmap/mlock, RoPE/YaRN): from
+flags, env and the TOML models table to the engine's ``ModelConfig`` and on to the params a
+backend is given; bad values are ``ConfigError``s before anything loads."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from kvwarm.backends.base import ContextParams, ModelParams
+from kvwarm.errors import ConfigError
+from kvwarm.settings import (
+    ModelSpec,
+    Settings,
+    add_settings_arguments,
+    load_settings,
+    model_config,
+    settings_flags,
+)
+
+ENV = {"XDG_CONFIG_HOME": "/nonexistent-kvwarm-test"}
+
+
+def _flags(*argv: str) -> dict[str, object]:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    return settings_flags(parser.parse_args(list(argv)))
+
+
+def _config(settings: Settings, index: int = 0) -> tuple[ContextParams, ModelParams]:
+    cfg = model_config(settings, settings.models[index])
+    return cfg.context, cfg.model_params
+
+
+def test_llama_server_flags_reach_the_model_config() -> None:
+    s = load_settings(
+        _flags(
+            "-ngl", "all", "-sm", "row", "-mg", "1", "-ts", "3,1", "-fa", "on",
+            "-ctk", "q8_0", "--cache-type-v", "q4_0", "-t", "2", "-tb", "4",
+            "--use-mmap", "false", "--use-mlock", "true", "--rope-scaling", "yarn",
+            "--rope-freq-base", "500000", "--rope-freq-scale", "0.25", "--yarn-orig-ctx", "8192",
+            "--yarn-ext-factor", "1.0", "--yarn-attn-factor", "1.5", "--yarn-beta-fast", "32",
+            "--yarn-beta-slow", "1",
+        ),
+        ENV,
+    )  # fmt: skip
+    context, params = _config(s)
+    assert (params.n_gpu_layers, params.split_mode, params.main_gpu) == (-1, "row", 1)
+    assert params.tensor_split == (3.0, 1.0)
+    assert (params.use_mmap, params.use_mlock) == (False, True)
+    assert (context.flash_attn, context.type_k, context.type_v) == ("on", "q8_0", "q4_0")
+    assert (context.n_threads, context.n_threads_batch) == (2, 4)
+    assert (context.rope_scaling, context.rope_freq_base, context.rope_freq_scale) == (
+        "yarn",
+        500000.0,
+        0.25,
+    )
+    assert (context.yarn_orig_ctx, context.yarn_ext_factor, context.yarn_attn_factor) == (
+        8192,
+        1.0,
+        1.5,
+    )
+    assert (context.yarn_beta_fast, context.yarn_beta_slow) == (32.0, 1.0)
+
+
+def test_long_flags_and_env_vars() -> None:
+    s = load_settings(
+        _flags("--n-gpu-layers", "12", "--flash-attn", "off"),
+        {**ENV, "KVWARM_TENSOR_SPLIT": "1,1", "KVWARM_TYPE_K": "Q8_0", "KVWARM_FLASH_ATTN": "on"},
+    )
+    context, params = _config(s)
+    assert params.n_gpu_layers == 12 and params.tensor_split == (1.0, 1.0)
+    assert context.flash_attn == "off"  # the flag beats the environment
+    assert context.type_k == "q8_0"
+    # Defaults: CPU only, llama.cpp's own choices for the rest.
+    context, params = _config(load_settings({}, ENV))
+    assert (params.n_gpu_layers, params.split_mode, params.tensor_split) == (0, "layer", ())
+    assert (context.flash_attn, context.type_k, context.type_v) == ("auto", "f16", "f16")
+    assert context.n_threads is None and context.rope_scaling is None
+
+
+def test_per_model_values_in_the_toml_models_table_win_over_global_ones(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(
+        'n_gpu_layers = 5\ntype_k = "q4_0"\n'
+        '[[models]]\nid = "big"\npath = "/m/big.gguf"\nn_gpu_layers = "all"\n'
+        'flash_attn = true\ntype_v = "q8_0"\ntensor_split = [3, 1]\nn_threads = 3\n'
+        '[[models]]\nid = "small"\npath = "/m/small.gguf"\n'
+    )
+    s = load_settings({"config": str(config)}, ENV)
+    big_ctx, big = _config(s, 0)
+    small_ctx, small = _config(s, 1)
+    assert (big.n_gpu_layers, big.tensor_split, big_ctx.n_threads) == (-1, (3.0, 1.0), 3)
+    assert (big_ctx.flash_attn, big_ctx.type_k, big_ctx.type_v) == ("on", "q4_0", "q8_0")
+    assert (small.n_gpu_layers, small_ctx.flash_attn, small_ctx.type_v) == (5, "auto", "f16")
+    assert small_ctx.type_k == "q4_0"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        (["--n-gpu-layers=-2"], {}, "--n-gpu-layers: expected a number of layers >= 0 or 'all'"),
+        (
+            ["-ngl", "lots"],
+            {},
+            "--n-gpu-layers: expected a number of layers >= 0 or 'all', got 'lots'",
+        ),
+        (["--cache-type-k", "q3"], {}, "expected one of f32, f16"),
+        ([], {"KVWARM_TYPE_V": "int8"}, "environment setting type_v: expected one of"),
+        (["-ts", "0,0"], {}, "at least one GPU a share > 0"),
+        (["-ts", "1,-1"], {}, "finite and >= 0"),
+        (["-ts", "1,nan"], {}, "finite and >= 0"),
+        (["-sm", "diagonal"], {}, "expected one of none, layer, row"),
+        (["-fa", "maybe"], {}, "expected one of auto, on, off"),
+        (["--main-gpu=-1"], {}, "main_gpu must be >= 0"),
+        (["--type-v", "q8_0", "-fa", "off"], {}, "a quantised V cache (type_v=q8_0) needs flash"),
+        (["--rope-freq-scale=-0.5"], {}, "rope_freq_scale must be >= 0"),
+        (["--rope-freq-base", "inf"], {}, "rope_freq_base must be finite"),
+        (["--rope-scaling", "cubic"], {}, "expected one of none, linear, yarn, longrope"),
+        (["--yarn-orig-ctx=-1"], {}, "yarn_orig_ctx must be >= 0"),
+        (["-t", "0"], {}, "n_threads must be >= 1"),
+        (["-tb", "0"], {}, "n_threads_batch must be >= 1"),
+    ],
+)
+def test_bad_values_are_config_errors(argv: list[str], env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(_flags(*argv), {**ENV, **env})
+    assert needle in str(info.value)
+
+
+def test_bad_per_model_values_name_the_model(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[[models]]\nid = "x"\npath = "/m/x.gguf"\nn_gpu_layers = -3\n')
+    with pytest.raises(ConfigError, match=r"model x: n_gpu_layers: expected a number"):
+        load_settings({"config": str(config)}, ENV)
+    config.write_text('[[models]]\nid = "x"\npath = "/m/x.gguf"\ngpu = 1\n')
+    with pytest.raises(ConfigError, match=r"model x: unknown keys gpu"):
+        load_settings({"config": str(config)}, ENV)
+    # A combination is checked per model, with that model's own values.
+    config.write_text(
+        'flash_attn = "off"\n[[models]]\nid = "y"\npath = "/m/y.gguf"\ntype_v = "q4_0"\n'
+    )
+    with pytest.raises(ConfigError, match=r"model y: a quantised V cache"):
+        load_settings({"config": str(config)}, ENV)
+
+
+def test_library_params_are_validated_too() -> None:
+    with pytest.raises(ConfigError, match="n_gpu_layers"):
+        ModelParams(n_gpu_layers=-5).validate()
+    with pytest.raises(ConfigError, match="type_k must be one of"):
+        ContextParams(type_k="q3").validate()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="tensor_split"):
+        ModelParams(tensor_split=(0.0,)).validate()
+    ModelParams(n_gpu_layers=-1, tensor_split=(0.0, 2.0)).validate()  # -1: all layers
+
+
+def test_kv_types_flash_attention_and_rope_are_folded_into_the_cache_namespace() -> None:
+    base = ContextParams()
+    # Rows written before these fields existed keep their keys: the defaults hash as v1 did.
+    v1 = {"n_batch": 512, "n_ctx": 4096, "n_ubatch": 512, "type_k": "f16", "type_v": "f16"}
+    blob = json.dumps(v1, sort_keys=True, separators=(",", ":")).encode()
+    assert base.kv_hash() == hashlib.sha256(b"kvwarm-ctx-v1\0" + blob).digest()
+    changed = [
+        ContextParams(type_k="q8_0"),
+        ContextParams(type_v="q8_0"),
+        ContextParams(type_k="q4_0", type_v="q4_0"),
+        ContextParams(flash_attn="on"),
+        ContextParams(flash_attn="off"),
+        ContextParams(rope_freq_base=10000.0),
+        ContextParams(rope_freq_scale=0.5),
+        ContextParams(rope_scaling="yarn"),
+        ContextParams(yarn_orig_ctx=2048),
+        ContextParams(yarn_ext_factor=1.0),
+    ]
+    hashes = {c.kv_hash() for c in changed}
+    assert len(hashes) == len(changed) and base.kv_hash() not in hashes
+    # Where a layer runs and how many threads run it do not change a row's bytes.
+    assert ContextParams(n_threads=3, n_threads_batch=5).kv_hash() == base.kv_hash()
+
+
+def test_help_lists_the_model_settings_in_their_own_group() -> None:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    text = parser.format_help()
+    group = text[text.index("model settings (also per model") :]
+    for flag in ("-ngl", "--n-gpu-layers", "-fa", "--cache-type-k", "-ctk", "--rope-freq-scale"):
+        assert flag in group, flag
+
+
+def test_spec_options_are_parsed_values() -> None:
+    s = Settings(
+        cache_dir=None,
+        models=(ModelSpec(path="/m/a.gguf", id="a", options=(("n_gpu_layers", 4),)),),
+    )
+    assert _config(s)[1].n_gpu_layers == 4
