@@ -10,6 +10,7 @@ Invariants:
   memory on the next log line.
 - llama.cpp's log lines go to the ``kvwarm.llama_cpp`` logger; by default only WARNING and above
   are formatted at all (the callback returns before building a string for filtered levels).
+  Warnings that do not hold for kvwarm's contexts (``_DEMOTED``) are logged at DEBUG.
 """
 
 from __future__ import annotations
@@ -78,9 +79,18 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+# Warnings that are false for kvwarm's contexts, logged at DEBUG instead. llama.cpp compares
+# the *total* cells of a unified KV buffer (n_ctx_slot * n_parallel) with n_ctx_train, but a
+# slot's positions never pass n_ctx_slot; the engine warns itself when n_ctx_slot does
+# (``engine.model``).
+_DEMOTED = (b"-- possible training context overflow",)
+
+
 def _on_log(level: int, text: bytes | None, _user: object) -> None:
     global _LAST_LEVEL
     py_level = _LAST_LEVEL if level == _CONT else _LEVELS.get(level, logging.INFO)
+    if text and py_level > logging.DEBUG and any(d in text for d in _DEMOTED):
+        py_level = logging.DEBUG
     _LAST_LEVEL = py_level
     if py_level < _MIN_LEVEL or not text or not log.isEnabledFor(py_level):
         return

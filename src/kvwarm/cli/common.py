@@ -13,12 +13,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from kvwarm.errors import ConfigError
 from kvwarm.settings import (
     Settings,
     add_settings_arguments,
     load_settings,
     model_config,
     settings_flags,
+    user_cache_dir,
 )
 from kvwarm.settings_model import MODEL_SETTING_NAMES
 
@@ -75,14 +77,27 @@ CACHE_SETTINGS: tuple[str, ...] = (
 
 def add_settings(parser: argparse.ArgumentParser, names: Sequence[str] = ()) -> None:
     add_settings_arguments(parser, names)
+    if names:  # a one-shot command: quiet unless asked (serve, which takes all, logs INFO)
+        parser.add_argument(
+            "-v",
+            "--verbose",
+            action="count",
+            default=0,
+            help="log INFO lines (-vv: DEBUG); default: warnings and errors only",
+        )
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    settings = load_settings(settings_flags(args))
+    """The settings of a command. Commands with ``--verbose`` log warnings only by default
+    (their output is the result, not the log); ``log_level`` from any source still applies."""
+    verbose = int(getattr(args, "verbose", -1))
+    base = None if verbose < 0 else Settings(cache_dir=user_cache_dir(), log_level="warning")
+    settings = load_settings(settings_flags(args), base=base)
+    level = settings.log_level.upper()
+    if verbose > 0:
+        level = "INFO" if verbose == 1 else "DEBUG"
     logging.basicConfig(
-        level=settings.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return settings
 
@@ -98,18 +113,26 @@ def loaded_model(settings: Settings) -> Iterator[Model]:
     """The first configured model, loaded with a progress bar; the engine is closed (and the
     cache flushed, so the next run finds this run's rows) on the way out."""
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
+    if not settings.models:
+        raise ConfigError("no model to load: give --model (a models_dir is only for serve)")
     spec = settings.models[0]
     engine = open_engine(settings)
     try:
-        with tqdm(
-            total=100,
-            desc=f"loading {spec.model_id}",
-            unit="%",
-            file=sys.stderr,
-            disable=None,
-            leave=False,
-        ) as bar:
+        # Log lines (llama.cpp's warnings included) print above the bar, never inside it.
+        # disable=None: no bar at all when stderr is not a terminal.
+        with (
+            logging_redirect_tqdm(),
+            tqdm(
+                total=100,
+                desc=f"loading {spec.model_id}",
+                unit="%",
+                file=sys.stderr,
+                disable=None,
+                leave=False,
+            ) as bar,
+        ):
 
             def progress(fraction: float) -> bool:
                 bar.update(max(0, round(fraction * 100) - bar.n))

@@ -42,13 +42,15 @@ def parse_mode(mode: str | FingerprintMode) -> FingerprintMode:
         raise ConfigError(f"fingerprint_mode must be one of {names}; got {mode!r}") from None
 
 
-def model_fingerprint(path: Path, mode: FingerprintMode, supplied: bytes | None) -> bytes:
+def model_fingerprint(
+    path: Path, mode: FingerprintMode, supplied: bytes | None, progress: Progress | None = None
+) -> bytes:
     """The fingerprint of the model at ``path``. A model without a weights file (a backend that
     needs none, like the stub; ``Backend.locate`` refuses a missing file for the others) is
     identified by its path; the prefix keeps existing rows' keys."""
     if not path.is_file():
         return hashlib.sha256(b"stub:" + str(path).encode()).digest()
-    return fingerprint(path, mode, supplied)
+    return fingerprint(path, mode, supplied, progress)
 
 
 def fingerprint(

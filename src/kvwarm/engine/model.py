@@ -27,6 +27,7 @@ from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.embeddings import Embedder
 from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
 from kvwarm.engine.infill import ExtraFile, fim_tokens
+from kvwarm.engine.loading import LoadProgress, warn_if_past_training
 from kvwarm.engine.options import GenerationOverrides, merge_options
 from kvwarm.engine.request import RequestKind, check_tokens
 from kvwarm.engine.stream import CompletionStream
@@ -73,10 +74,9 @@ class Model:
         mode = parse_mode(cfg.fingerprint_mode)
         self.fingerprint_mode = mode
         self.backend = get_backend(backend_spec) if isinstance(backend_spec, str) else backend_spec
-        self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint)
-        params = cfg.model_params
-        if progress is not None:
-            params = replace(params, progress=progress)
+        phases = LoadProgress(progress, mode, path.is_file())
+        self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint, phases.hashing())
+        params = replace(cfg.model_params, progress=phases.weights())
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
         try:
             self._start_worker()
@@ -93,6 +93,7 @@ class Model:
     def _start_worker(self) -> None:
         cfg = self.config
         self.facts = facts = self._bmodel.facts
+        warn_if_past_training(self.id, cfg.context.n_ctx, facts.n_ctx_train)
         total = replace(
             cfg.context, n_ctx=cfg.context.n_ctx * cfg.n_parallel, n_seq_max=cfg.n_parallel
         )
