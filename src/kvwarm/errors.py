@@ -14,6 +14,8 @@ the server maps exception *types* to HTTP statuses, never message text.
     ├── ModelNotFoundError                        no such model file / embedded model missing
     ├── UnknownModelError      (also KeyError)    no loaded model with that id
     ├── ModelExistsError                          a model id loaded twice
+    ├── ModelBusyError                            unloading a model that has requests in flight
+    ├── ModelCapacityError                        max_loaded_models reached, every model busy
     ├── ModelLoadError                            llama.cpp refused the file
     ├── BackendError                              any other native failure
     │   ├── NoLogitsError                         decode/sample with no logits available
@@ -85,6 +87,14 @@ class UnknownModelError(KvwarmError, KeyError):
 
 class ModelExistsError(KvwarmError):
     """A model with this id is already loaded."""
+
+
+class ModelBusyError(KvwarmError):
+    """The model has requests in flight, so it cannot be unloaded now."""
+
+
+class ModelCapacityError(KvwarmError):
+    """Loading one more model would pass ``max_loaded_models`` and every loaded model is busy."""
 
 
 class ModelLoadError(KvwarmError):

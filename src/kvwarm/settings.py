@@ -230,7 +230,7 @@ class Settings(ModelSettings):
     )
     admin_key: OptStr = Field(
         default=None,
-        description="bearer token required on admin endpoints (/cache/*); default: none needed",
+        description="bearer token required on admin endpoints (/cache/*, /admin/*); default: none",
     )
     # Tenants (server/tenancy.py): each key presented gets its own cache namespace.
     cache_salt_from_auth: Bool = Field(

@@ -93,18 +93,19 @@ class _Recording(StubBackend):
 
 def test_the_engine_hands_the_settings_to_the_backend(tmp_path: Path) -> None:
     backend = _Recording()
+    context = ContextParams(n_ctx=256, n_batch=32, n_ubatch=32)
     cache = CacheConfig(tiers=(TierConfig("ram", 1 << 20),))
     with Engine(EngineConfig(cache=cache)) as engine:
         model = engine.load_model(
             "stub-hw",
-            config=ModelConfig(backend=backend, context=ContextParams(n_ctx=256, n_batch=32, n_ubatch=32)),
+            config=ModelConfig(backend=backend, context=context),
             n_gpu_layers=99, main_gpu=0, split_mode="none", tensor_split=(1.0,),
             flash_attn="on", type_k="q8_0", type_v="q8_0", n_threads=2, rope_freq_scale=0.5,
         )  # fmt: skip
         params = backend.loads[-1]
         assert (params.n_gpu_layers, params.split_mode, params.tensor_split) == (99, "none", (1.0,))
-        context = model.config.context
-        assert (context.flash_attn, context.type_k, context.type_v) == ("on", "q8_0", "q8_0")
+        got = model.config.context
+        assert (got.flash_attn, got.type_k, got.type_v) == ("on", "q8_0", "q8_0")
         assert model.complete("hello", max_tokens=2).stats.completion_tokens >= 1
         with pytest.raises(ConfigError, match="quantised V cache"):
             engine.load_model("stub-bad", backend="stub", type_v="q4_0", flash_attn="off")

@@ -19,6 +19,8 @@ from kvwarm.server.errors import HTTPError, error_response, kind_of
         (e.UnknownModelError("nope"), 404, "model_not_found"),
         (e.ModelNotFoundError("nope"), 404, "model_not_found"),
         (e.ModelExistsError("twice"), 409, "model_exists"),
+        (e.ModelBusyError("in use"), 409, "model_busy"),
+        (e.ModelCapacityError("full"), 503, "model_capacity"),
         (e.QueueFullError("busy"), 429, "queue_full"),
         (e.EngineClosedError("closed"), 503, "engine_closed"),
         (e.StateRestoreError("blob"), 500, "backend_error"),

@@ -1,7 +1,9 @@
 """``kvwarm serve``: the OpenAI-compatible server under uvicorn.
 
 Invariant: the socket is bound before any model loads (loading happens in the app's background
-thread), so ``/health`` answers 503 while loading instead of refusing connections.
+thread), so ``/health`` answers 503 while loading instead of refusing connections. A server
+none of whose models loaded stops and exits 1 with the reason; one with some models left keeps
+serving them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 from collections.abc import Iterator
 
 from kvwarm.cli.common import add_settings, settings_from
+from kvwarm.errors import ModelLoadError
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -21,8 +24,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="run the OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, "
         "/health, /metrics, /tokenize, /detokenize, /cache/* (stats, rows, slots, prewarm, "
-        "evict, gc, verify) and a web page at / (a chat and a live cache dashboard). Defaults: "
-        "the embedded model, a disk cache tier under the user cache directory.",
+        "evict, gc, verify), /admin/models/load|unload and a web page at / (a chat and a live "
+        "cache dashboard). Defaults: the embedded model, a disk cache tier under the user cache "
+        "directory.",
     )
     add_settings(parser)
     parser.set_defaults(run=run)
@@ -52,7 +56,13 @@ def run(args: argparse.Namespace) -> int:
                     signal.signal(sig, handler)
 
     settings = settings_from(args)
-    app = create_app(settings)
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:  # from the loader thread: nothing can be served
+        fatal.append(reason)
+        server.should_exit = True
+
+    app = create_app(settings, on_fatal=on_fatal)
     # log_config=None keeps our logging setup; the per-request line comes from kvwarm itself.
     config = uvicorn.Config(
         app,
@@ -64,5 +74,7 @@ def run(args: argparse.Namespace) -> int:
     )
     server = _Server(config)
     server.run()
+    if fatal:
+        raise ModelLoadError(f"no model could be loaded: {fatal[0]}")
     # uvicorn reports a failed startup (e.g. the port is taken) only through its log.
     return 0 if server.started else 1

@@ -150,6 +150,10 @@ class Model:
             chat_template=f.chat_template is not None,
             adapters=tuple(self.list_adapters()),
             metadata=dict(f.metadata),
+            n_gpu_layers=self.config.model_params.n_gpu_layers,
+            flash_attn=self.config.context.flash_attn,
+            type_k=self.config.context.type_k,
+            type_v=self.config.context.type_v,
         )
 
     def status(self) -> ModelStatus:

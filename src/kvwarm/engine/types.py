@@ -222,6 +222,11 @@ class ModelInfo:
     chat_template: bool
     adapters: tuple[AdapterInfo, ...] = ()
     metadata: Mapping[str, str] = field(default_factory=dict)
+    # How it runs (ModelParams / ContextParams), as /v1/models reports it.
+    n_gpu_layers: int = 0
+    flash_attn: str = "auto"
+    type_k: str = "f16"
+    type_v: str = "f16"
 
 
 # "fork": holds one of an n > 1 request's other choices, waiting for the first choice's

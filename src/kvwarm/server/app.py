@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -27,9 +27,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm._version import __version__
 from kvwarm.errors import KvwarmError
-from kvwarm.server import routes_admin, routes_chat, routes_completions, routes_openai, webui
+from kvwarm.server import (
+    routes_admin,
+    routes_chat,
+    routes_completions,
+    routes_models,
+    routes_openai,
+    webui,
+)
 from kvwarm.server.errors import ERROR_RESPONSES, HTTPError, error_body, error_response
 from kvwarm.server.guard import Guard, send_json
+from kvwarm.server.registry import request_leases
 from kvwarm.server.state import ServerState
 from kvwarm.settings import Settings
 
@@ -64,18 +72,26 @@ class _Observe:
             await send(message)
 
         try:
-            await self.app(scope, receive, observed_send)
+            # Leases on models taken by the route are held until the response is fully sent.
+            with request_leases():
+                await self.app(scope, receive, observed_send)
         finally:
             route = scope.get("route")
             self.state.counters.record(getattr(route, "path", "unmatched"), status)
 
 
-def create_app(settings: Settings, state: ServerState | None = None) -> FastAPI:
-    """A new app serving ``settings.models``; loading starts when the app starts (lifespan).
-    ``state`` replaces the in-process one (the cluster ingress passes one whose models are
-    proxies for engine replicas)."""
+def create_app(
+    settings: Settings,
+    state: ServerState | None = None,
+    *,
+    on_fatal: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """A new app serving ``settings.models`` (and ``settings.models_dir``); loading starts when
+    the app starts (lifespan). ``state`` replaces the in-process one (the cluster ingress passes
+    one whose models are proxies for engine replicas). ``on_fatal(reason)`` is called (from the
+    loader thread) if no model can be served at all."""
     settings.check()
-    state = state if state is not None else ServerState(settings)
+    state = state if state is not None else ServerState(settings, on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -99,6 +115,7 @@ def create_app(settings: Settings, state: ServerState | None = None) -> FastAPI:
     app.include_router(routes_chat.router)
     app.include_router(routes_completions.router)
     app.include_router(routes_openai.router)
+    app.include_router(routes_models.router)
     app.include_router(routes_admin.router)
     app.include_router(webui.router())
 

@@ -85,6 +85,8 @@ _KINDS: dict[type[BaseException], ErrorKind] = {
     e.UnknownModelError: ErrorKind(404, _INVALID, "model_not_found"),
     e.ModelNotFoundError: ErrorKind(404, _INVALID, "model_not_found"),
     e.ModelExistsError: ErrorKind(409, _INVALID, "model_exists"),
+    e.ModelBusyError: ErrorKind(409, _INVALID, "model_busy"),
+    e.ModelCapacityError: ErrorKind(503, "service_unavailable", "model_capacity"),
     e.CacheKeyError: ErrorKind(404, _INVALID, "cache_key_not_found"),
     e.QueueFullError: ErrorKind(429, "rate_limit_error", "queue_full"),
     e.KeepAliveFullError: ErrorKind(409, _INVALID, "keepalive_full"),
@@ -129,7 +131,8 @@ def error_response(exc: BaseException) -> JSONResponse:
         param = exc.param if isinstance(exc, e.InvalidRequestError) else None
         if kind.status >= 500:
             log.error("request failed: %s: %s", type(exc).__name__, exc)
-        headers = {"Retry-After": "1"} if isinstance(exc, e.QueueFullError) else None
+        retry = isinstance(exc, e.QueueFullError | e.ModelCapacityError)
+        headers = {"Retry-After": "1"} if retry else None
         body = error_body(str(exc) or type(exc).__name__, kind.type, kind.code, param)
         return JSONResponse(body, status_code=kind.status, headers=headers)
     log.exception("unexpected error", exc_info=exc)

@@ -1,8 +1,9 @@
 """Operational endpoints: health, metrics, tokenize/detokenize and cache administration.
 
-Invariant: ``/health`` is 200 only when every configured model is ready; while any loads it is a
-503 with an OpenAI-shaped error (``code`` model_loading), after a failed load a 503 with
-``model_load_failed``. Cache administration acts on the one shared ``Cache`` of the engine.
+Invariant: ``/health`` is 200 once the configured models have been loaded and at least one model
+can be served (``status`` "degraded" while some failed); while they load it is a 503 with an
+OpenAI-shaped error (``code`` model_loading), and a 503 with ``model_load_failed`` when nothing
+can be served. Cache administration acts on the one shared ``Cache`` of the engine.
 """
 
 from __future__ import annotations
@@ -37,14 +38,19 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> Response:
+    """200 once startup loading is over and some model can be served ("degraded" if some
+    failed: requests naming those get a 503 with the reason); 503 before, or if none can."""
     state = server_state(request)
     models = {e.id: e.state for e in state.entries.values()}
-    if state.ready:
-        return JSONResponse({"status": "ok", "models": models})
-    failed = [e for e in state.entries.values() if e.state == "failed"]
-    if failed:
-        message = "; ".join(f"{e.id}: {e.error}" for e in failed)
-        code, status = "model_load_failed", "error"
+    errors = {e.id: e.error for e in state.entries.values() if e.state == "failed"}
+    failure = state.registry.startup_failure() if state.startup_done else None
+    if state.startup_done and failure is None:
+        body: dict[str, object] = {"status": "degraded" if errors else "ok", "models": models}
+        if errors:
+            body["errors"] = errors
+        return JSONResponse(body)
+    if failure is not None:
+        message, code, status = failure, "model_load_failed", "error"
     else:
         message = "loading: " + ", ".join(i for i, s in models.items() if s == "loading")
         code, status = "model_loading", "loading"
@@ -73,7 +79,7 @@ async def prometheus(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), TokenizeRequest)
-    model = state.model(req.model)
+    model = await state.acquire(req.model)
     tokens = await run_in_threadpool(
         lambda: model.tokenize(
             req.content, add_special=req.add_special, parse_special=req.parse_special
@@ -91,7 +97,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), DetokenizeRequest)
-    model = state.model(req.model)
+    model = await state.acquire(req.model)
     return JSONResponse({"content": await run_in_threadpool(model.detokenize, req.tokens)})
 
 
@@ -197,7 +203,7 @@ async def cache_prewarm(request: Request) -> Response:
     its keep-alive) belongs to the request's cache salt (``server.tenancy``)."""
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), PrewarmRequest)
-    model = state.model(req.model)
+    model = await state.acquire(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")
     ttl = TtlClass[req.ttl_class.upper()]

@@ -48,7 +48,7 @@ def renders_tools(model: ServedModel, tools: Sequence[Tool]) -> bool:
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), ChatRequest)
-    model = state.model(req.model)
+    model = await state.acquire(req.model)
     schema = convert.response_schema(req.response_format)
     native = False
     if req.tools and req.tool_choice != "none":

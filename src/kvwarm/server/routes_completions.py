@@ -90,7 +90,7 @@ async def _prompt_part(
 async def completions(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), CompletionRequest)
-    model = state.model(req.model)
+    model = await state.acquire(req.model)
     prompts = _prompts(req.prompt)
     if req.stream and len(prompts) > 1:
         raise HTTPError(400, "streaming supports one prompt per request", param="prompt")
@@ -209,7 +209,7 @@ async def infill(request: Request) -> Response:
     ``input_suffix``, with ``input_extra`` files as context; its response shape, not OpenAI's."""
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), InfillRequest)
-    model = state.model(req.model)
+    model = await state.acquire(req.model)
     if req.n != 1:
         raise HTTPError(400, "/infill makes one completion (n=1)", param="n")
     limit = state.settings.max_tokens_limit

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible endpoints: embeddings and models here; chat completions in
-``routes_chat``, completions and ``/infill`` in ``routes_completions``.
+"""The OpenAI-compatible endpoints: embeddings here; chat completions in ``routes_chat``,
+completions and ``/infill`` in ``routes_completions``, models in ``routes_models``.
 
 Invariant: handlers never block the event loop on the engine: blocking calls (template
 rendering, tokenizing, embedding) run in the thread pool and generation is awaited through the
@@ -32,14 +32,14 @@ def server_state(request: Request) -> ServerState:
     return state
 
 
-# --- /v1/embeddings, /v1/models --------------------------------------------------------------
+# --- /v1/embeddings --------------------------------------------------------------------------
 
 
 @router.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest))
 async def embeddings(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), EmbeddingRequest)
-    model = state.model(req.model)
+    model = await state.acquire(req.model)
     raw = req.input
     # Token ids go to the model as they are: no detokenize / re-tokenize round trip.
     items: list[str | list[int]]
@@ -77,50 +77,3 @@ async def embeddings(request: Request) -> Response:
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
         }
     )
-
-
-def _model_item(state: ServerState, entry_id: str) -> dict[str, object]:
-    entry = state.entries[entry_id]
-    item: dict[str, object] = {
-        "id": entry.id,
-        "object": "model",
-        "created": int(state.started),
-        "owned_by": "kvwarm",
-        "status": entry.state,
-    }
-    if entry.model is not None:
-        info = entry.model.info()
-        item["meta"] = {
-            "path": info.path,
-            "backend": info.backend,
-            "n_ctx": info.n_ctx,
-            "n_ctx_train": info.n_ctx_train,
-            "n_vocab": info.n_vocab,
-            "n_embd": info.n_embd,
-            "n_parallel": info.n_parallel,
-            "size": info.size_bytes,
-            "description": info.description,
-            "fingerprint": info.fingerprint,
-            "chat_template": info.chat_template,
-        }
-    elif entry.error:
-        item["error"] = entry.error
-    return item
-
-
-@router.get("/v1/models")
-async def list_models(request: Request) -> Response:
-    state = server_state(request)
-    data = [_model_item(state, entry_id) for entry_id in state.entries]
-    return JSONResponse({"object": "list", "data": data})
-
-
-@router.get("/v1/models/{model_id:path}")
-async def retrieve_model(request: Request, model_id: str) -> Response:
-    """One model, as OpenAI's ``models.retrieve`` returns it; 404 ``model_not_found``."""
-    state = server_state(request)
-    if model_id not in state.entries:
-        raise HTTPError(
-            404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
-        )
-    return JSONResponse(_model_item(state, model_id))

@@ -1,9 +1,11 @@
-"""Everything one server instance owns: the engine, its models' load states, its metrics.
+"""Everything one server instance owns: the engine, its model registry, its metrics.
 
 Invariants: there is no module-level state; one ``ServerState`` lives on ``app.state`` and is
-built by ``create_app``. Models load on a background thread after the server is listening, so
-``/health`` answers 503 until every configured model is ready. A request names its model; a
-model that is still loading (or failed to load) is a 503, an unknown one a 404.
+built by ``create_app``. Configured models load on a background thread after the server is
+listening, so ``/health`` answers 503 until that is done; a request names its model (an id or
+an alias) and the registry (``server/registry.py``) finds, loads or refuses it. If every
+configured model failed and nothing else can be served, ``on_fatal`` is told why (``kvwarm
+serve`` then exits non-zero with that reason).
 """
 
 from __future__ import annotations
@@ -12,15 +14,18 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvwarm.cache.types import TtlClass
 from kvwarm.errors import KvwarmError, ModelLoadError
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits
 from kvwarm.server.metrics import ServerMetrics, Snapshot
-from kvwarm.settings import ModelSpec, Settings, model_config
+from kvwarm.server.models_dir import checked_path
+from kvwarm.server.registry import ModelEntry, ModelRegistry
+from kvwarm.settings import Settings, model_config
 
 if TYPE_CHECKING:
     from kvwarm.engine.api import Engine
@@ -28,28 +33,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvwarm.server")
 
-LoadState = Literal["loading", "ready", "failed"]
-
-
-@dataclass(slots=True)
-class ModelEntry:
-    spec: ModelSpec
-    id: str
-    state: LoadState = "loading"
-    model: ServedModel | None = None
-    error: str | None = None
-
 
 class ServerState:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, on_fatal: Callable[[str], None] | None = None) -> None:
         self.settings = settings
         self.started = time.time()
         self.engine: Engine | None = None
         self.engine_error: str | None = None
-        self.entries: dict[str, ModelEntry] = {
-            spec.model_id: ModelEntry(spec, spec.model_id) for spec in settings.models
-        }
-        self.default_id = settings.models[0].model_id
+        self.on_fatal = on_fatal
+        self.registry = ModelRegistry(settings, self._load_one, self._unload_one)
+        # The registry's dict: read-only views for routes and metrics.
+        self.entries: dict[str, ModelEntry] = self.registry.entries
+        self.default_id = self.registry.default_id
+        self.startup_done = False
         # Counts requests and finished generations; reads the engine at scrape time.
         self.counters = ServerMetrics(self.metrics_snapshot)
         # Strong references to fire-and-forget tasks (the loop keeps only weak ones).
@@ -78,6 +74,10 @@ class ServerState:
             )
             self._threads.append(keeper)
             keeper.start()
+        if self.settings.model_idle_unload_s > 0:
+            reaper = threading.Thread(target=self._idle_loop, name="kvwarm-idle", daemon=True)
+            self._threads.append(reaper)
+            reaper.start()
 
     def _load_all(self) -> None:
         from kvwarm.engine.api import Engine, EngineConfig
@@ -91,6 +91,7 @@ class ServerState:
             self.engine_error = str(exc)
             for entry in self.entries.values():
                 entry.state, entry.error = "failed", f"engine failed to start: {exc}"
+            self._startup_finished(f"the engine failed to start: {exc}")
             return
         with self._lock:
             if self._closing.is_set():
@@ -102,34 +103,42 @@ class ServerState:
             for t in self.settings.cache_config().tiers
         )
         log.info("cache tiers: %s; new rows go to %s", tiers, self.settings.effective_save_tier())
-        for entry in self.entries.values():
+        for entry in [e for e in self.entries.values() if e.source == "configured"]:
             if self._closing.is_set():
                 return
-            self._load_one(engine, entry)
+            self.registry.load_now(entry)
+        self._startup_finished(self.registry.startup_failure())
 
-    def _load_one(self, engine: Engine, entry: ModelEntry) -> None:
+    def _startup_finished(self, failure: str | None) -> None:
+        self.startup_done = True
+        if failure is not None and not self._closing.is_set():
+            log.error("no model could be loaded: %s", failure)
+            if self.on_fatal is not None:
+                self.on_fatal(failure)
+
+    def _load_one(self, entry: ModelEntry) -> ServedModel:
+        """The registry's loader: load ``entry`` into the engine (raises on failure)."""
+        engine = self.require_engine()
         started = time.perf_counter()
         log.info("loading model %s (%s)", entry.id, entry.spec.path or "default")
-        try:
-            model = engine.load_model(
-                entry.spec.path,
-                model_id=entry.id,
-                config=model_config(self.settings, entry.spec),
-                progress=lambda _fraction: not self._closing.is_set(),
-            )
-        except KvwarmError as exc:
-            entry.state, entry.error = "failed", f"{type(exc).__name__}: {exc}"
-            log.error("model %s failed to load: %s", entry.id, exc)
-            return
-        except Exception as exc:  # a bug in a backend must not kill the loader silently
-            entry.state, entry.error = "failed", f"{type(exc).__name__}: {exc}"
-            log.exception("model %s failed to load", entry.id)
-            return
+        path = entry.spec.path
+        if entry.source == "models_dir" and self.settings.models_dir is not None and path:
+            path = str(checked_path(self.settings.models_dir, Path(path)))
+        model = engine.load_model(
+            path,
+            model_id=entry.id,
+            config=model_config(self.settings, entry.spec),
+            progress=lambda _fraction: not self._closing.is_set(),
+        )
         for prompt in self.settings.prewarm_system:
             self._prewarm_system(model, entry.id, prompt)
-        entry.model = model
-        entry.state = "ready"
         log.info("model %s ready in %.0f ms", entry.id, (time.perf_counter() - started) * 1000)
+        return model
+
+    def _unload_one(self, entry: ModelEntry) -> None:
+        engine = self.engine
+        if engine is not None and entry.model is not None:
+            engine.unload_model(entry.id)
 
     def _prewarm_system(self, model: ServedModel, model_id: str, prompt: str) -> None:
         try:
@@ -155,12 +164,19 @@ class ServerState:
         while not self._closing.wait(self.settings.keepalive_interval_s):
             self.keepalive.tick(self.ready_model)
 
+    def _idle_loop(self) -> None:
+        # Checked a few times per timeout, so a model goes at most ~25% past its idle time.
+        interval = min(max(self.settings.model_idle_unload_s / 4, 0.05), 10.0)
+        while not self._closing.wait(interval):
+            self.registry.reap_idle()
+
     def close(self) -> None:
         self._closing.set()
         for thread in self._threads:
             # The loader aborts at its next progress callback; a native load in flight may
             # still take a moment, which is bounded by the model's size.
             thread.join(timeout=60)
+        self.registry.join(timeout_s=60)
         with self._lock:
             engine, self.engine = self.engine, None
         if engine is not None:
@@ -170,7 +186,8 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return all(entry.state == "ready" for entry in self.entries.values())
+        """Startup loading is over and some model can be served."""
+        return self.startup_done and self.registry.startup_failure() is None
 
     def metrics_snapshot(self) -> Snapshot:
         """What ``/metrics`` reports of the engine; snapshots only, no worker lock."""
@@ -183,36 +200,12 @@ class ServerState:
         )
 
     def ready_model(self, model_id: str) -> ServedModel | None:
-        entry = self.entries.get(model_id)
-        return entry.model if entry is not None and entry.state == "ready" else None
+        return self.registry.ready_model(model_id)
 
-    def model(self, name: str | None) -> ServedModel:
-        """The ready model a request names (the first configured one if it names none)."""
-        model_id = name or self.default_id
-        entry = self.entries.get(model_id)
-        if entry is None:
-            raise HTTPError(
-                404,
-                f"the model {model_id!r} does not exist; available: {', '.join(self.entries)}",
-                code="model_not_found",
-                param="model",
-            )
-        if entry.state == "loading":
-            raise HTTPError(
-                503,
-                f"the model {model_id!r} is still loading",
-                type="service_unavailable",
-                code="model_loading",
-                headers={"Retry-After": "1"},
-            )
-        if entry.state == "failed" or entry.model is None:
-            raise HTTPError(
-                503,
-                f"the model {model_id!r} failed to load: {entry.error}",
-                type="service_unavailable",
-                code="model_load_failed",
-            )
-        return entry.model
+    async def acquire(self, name: str | None) -> ServedModel:
+        """The ready model a request names (an id or an alias; the first configured model if
+        it names none), loaded on first use; leased until the request ends."""
+        return await self.registry.acquire(name)
 
     def require_engine(self) -> Engine:
         engine = self.engine

@@ -1,0 +1,62 @@
+"""The GGUF files of a models directory (``--models-dir``): which files are models, under which
+names, and the check a name-based load passes before llama.cpp opens anything.
+
+Invariant: a listed model is a regular file (never a symlink) directly inside the directory,
+named ``*.gguf``; a model split into parts (``x-00001-of-00003.gguf``) is listed once, as its
+first part, under the name without the part suffix. ``checked_path`` refuses, at load time, a
+file that has since become a symlink or moved out of the directory, so a name can only ever
+open a file the directory holds. (Loads by path are an admin's, and are not restricted here.)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+from pathlib import Path
+
+from kvwarm.errors import ModelLoadError
+
+log = logging.getLogger("kvwarm.server")
+
+_PART = re.compile(r"^(?P<stem>.+)-(?P<n>\d{5})-of-\d{5}$")
+
+
+def scan(directory: Path) -> dict[str, Path]:
+    """``{model id: path}`` of the directory's models, sorted by file name."""
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except OSError as exc:
+        log.warning("cannot list models_dir %s: %s", directory, exc.strerror or exc)
+        return {}
+    found: dict[str, Path] = {}
+    for entry in entries:
+        if not entry.name.lower().endswith(".gguf"):
+            continue
+        if not entry.is_file(follow_symlinks=False):
+            log.debug("models_dir: skipping %s (not a regular file)", entry.name)
+            continue
+        stem = entry.name[: -len(".gguf")]
+        part = _PART.match(stem)
+        if part is not None:
+            if int(part["n"]) != 1:
+                continue  # llama.cpp finds the other parts from the first
+            stem = part["stem"]
+        found.setdefault(stem, directory / entry.name)
+    return found
+
+
+def checked_path(directory: Path, path: Path) -> Path:
+    """``path`` if it is still a regular file directly inside ``directory``."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise ModelLoadError(f"{path.name} is no longer in models_dir: {exc.strerror}") from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise ModelLoadError(
+            f"{path.name} in models_dir is not a regular file (symlinks are refused)"
+        )
+    if path.resolve().parent != directory.resolve():
+        raise ModelLoadError(f"{path} is outside models_dir {directory}")
+    return path

@@ -1,0 +1,360 @@
+"""The models a server knows and which of them are loaded: configured models (loaded at start),
+the files of a models directory (loaded on first use), models an admin loads by path; aliases;
+the cap on loaded models and the idle unload.
+
+Invariants:
+
+- Every state change of an entry happens under the registry lock. Loads and unloads run on
+  threads of their own, never on the event loop, and wake every request waiting on them.
+- A request holds a *lease* on its model from the lookup until its response is fully sent
+  (``request_leases``, opened by the app's outer middleware). A model with a lease, or with
+  queued or running requests, is never unloaded, by the cap or by the idle timer; an admin
+  unload of one is a ``ModelBusyError``.
+- A request for a model that is loading because a request asked for it waits for the load; a
+  model loading at startup answers 503 with Retry-After, as before (``docs/architecture.md``).
+- A failed load stays failed (503 with its reason) until an admin loads it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from kvwarm.embedded import model_id_for
+from kvwarm.errors import (
+    ConfigError,
+    KvwarmError,
+    ModelBusyError,
+    ModelCapacityError,
+    ModelExistsError,
+)
+from kvwarm.server import models_dir
+from kvwarm.server.errors import HTTPError
+from kvwarm.settings import ModelSpec, Settings
+
+if TYPE_CHECKING:
+    from kvwarm.server.served import ServedModel
+
+log = logging.getLogger("kvwarm.server")
+
+EntryState = Literal["available", "loading", "ready", "failed", "unloading"]
+Source = Literal["configured", "models_dir", "admin"]
+Loader = Callable[["ModelEntry"], "ServedModel"]
+Unloader = Callable[["ModelEntry"], None]
+
+_HELD: ContextVar[list[Callable[[], None]] | None] = ContextVar("kvwarm_leases", default=None)
+
+
+@contextlib.contextmanager
+def request_leases() -> Iterator[None]:
+    """Scope of one HTTP request: leases taken inside are released when it ends."""
+    held: list[Callable[[], None]] = []
+    token = _HELD.set(held)
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
+        for release in held:
+            release()
+
+
+@dataclass(slots=True, eq=False)
+class ModelEntry:
+    spec: ModelSpec
+    id: str
+    source: Source = "configured"
+    state: EntryState = "loading"
+    model: ServedModel | None = None
+    error: str | None = None
+    on_demand: bool = False  # a request asked for this load: requests wait for it
+    leases: int = 0
+    last_used: float = 0.0  # time.monotonic()
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
+
+
+class ModelRegistry:
+    def __init__(self, settings: Settings, loader: Loader, unloader: Unloader) -> None:
+        self._settings = settings
+        self._loader = loader
+        self._unloader = unloader
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self.entries: dict[str, ModelEntry] = {
+            spec.model_id: ModelEntry(spec, spec.model_id) for spec in settings.models
+        }
+        self.models_dir = settings.models_dir
+        self._rescan()
+        self.aliases: dict[str, str] = dict(settings.aliases)
+        for alias, target in self.aliases.items():
+            if alias in self.entries:
+                raise ConfigError(f"alias {alias!r} is also the id of a model")
+            if target not in self.entries:
+                raise ConfigError(
+                    f"alias {alias}={target}: no model {target!r} "
+                    f"(models: {', '.join(self.entries) or 'none'})"
+                )
+        first = settings.models[0].model_id if settings.models else None
+        self.default_id = first
+
+    # --- lookups -----------------------------------------------------------------------------
+
+    def _rescan(self) -> None:
+        """Add new files of models_dir; forget vanished ones that are not loaded."""
+        if self.models_dir is None:
+            return
+        found = models_dir.scan(self.models_dir)
+        for model_id, path in found.items():
+            entry = self.entries.get(model_id)
+            if entry is None:
+                spec = ModelSpec(path=str(path), id=model_id)
+                self.entries[model_id] = ModelEntry(spec, model_id, "models_dir", "available")
+            elif entry.source != "models_dir" and entry.spec.path != str(path):
+                log.debug("models_dir file %s is shadowed by model %s", path.name, model_id)
+        for model_id, entry in list(self.entries.items()):
+            gone = entry.source == "models_dir" and model_id not in found
+            if gone and entry.state in ("available", "failed"):
+                del self.entries[model_id]
+
+    def rescan(self) -> None:
+        with self._lock:
+            self._rescan()
+
+    def _resolve(self, name: str | None) -> ModelEntry:
+        if name is None:
+            if self.default_id is None:
+                raise HTTPError(400, "this server has no default model: name one", param="model")
+            name = self.default_id
+        target = name if name in self.entries else self.aliases.get(name, name)
+        entry = self.entries.get(target)
+        if entry is None and self.models_dir is not None:
+            self._rescan()
+            entry = self.entries.get(target)
+        if entry is None:
+            known = ", ".join([*self.entries, *self.aliases])
+            raise HTTPError(
+                404,
+                f"the model {name!r} does not exist; available: {known}",
+                code="model_not_found",
+                param="model",
+            )
+        return entry
+
+    def ready_model(self, model_id: str) -> ServedModel | None:
+        entry = self.entries.get(model_id)
+        return entry.model if entry is not None and entry.state == "ready" else None
+
+    # --- acquiring -----------------------------------------------------------------------------
+
+    async def acquire(self, name: str | None, *, lease: bool = True) -> ServedModel:
+        """The ready model ``name`` (an id or an alias) names, loading it first if need be.
+
+        Inside ``request_leases`` the model is leased until the request ends."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                entry = self._resolve(name)
+                if entry.state == "ready" and entry.model is not None:
+                    if lease:
+                        self._lease(entry)
+                    entry.last_used = time.monotonic()
+                    return entry.model
+                self._refuse_unready(entry)
+                if entry.state == "available":
+                    self._start_load(entry, on_demand=True)
+                waiter: asyncio.Future[None] = loop.create_future()
+                entry.waiters.append(waiter)
+            await waiter
+
+    def _refuse_unready(self, entry: ModelEntry) -> None:
+        if entry.state == "failed":
+            raise HTTPError(
+                503,
+                f"the model {entry.id!r} failed to load: {entry.error}",
+                type="service_unavailable",
+                code="model_load_failed",
+            )
+        if entry.state == "loading" and not entry.on_demand:
+            raise HTTPError(
+                503,
+                f"the model {entry.id!r} is still loading",
+                type="service_unavailable",
+                code="model_loading",
+                headers={"Retry-After": "1"},
+            )
+
+    def _lease(self, entry: ModelEntry) -> None:
+        held = _HELD.get()
+        if held is None:
+            return
+        entry.leases += 1
+
+        def release() -> None:
+            with self._lock:
+                entry.leases -= 1
+                entry.last_used = time.monotonic()
+
+        held.append(release)
+
+    # --- loading and unloading -------------------------------------------------------------
+
+    def _start_load(self, entry: ModelEntry, *, on_demand: bool) -> None:
+        """Under the lock: mark ``entry`` loading (making room first) and start its thread."""
+        victim = self._make_room(entry)
+        entry.state, entry.on_demand, entry.error = "loading", on_demand, None
+        thread = threading.Thread(
+            target=self._load, args=(entry, victim), name=f"kvwarm-load-{entry.id}", daemon=True
+        )
+        self._threads.append(thread)
+        thread.start()
+
+    def _make_room(self, incoming: ModelEntry) -> ModelEntry | None:
+        """Under the lock: the idle model to unload so that ``incoming`` fits the cap."""
+        cap = self._settings.max_loaded_models
+        loaded = [e for e in self.entries.values() if e.state in ("ready", "loading")]
+        if cap <= 0 or len([e for e in loaded if e is not incoming]) < cap:
+            return None
+        idle = [e for e in loaded if e.state == "ready" and self._idle(e)]
+        if not idle:
+            raise ModelCapacityError(
+                f"{cap} models are loaded (max_loaded_models) and all are busy; "
+                f"cannot load {incoming.id!r} now"
+            )
+        victim = min(idle, key=lambda e: e.last_used)
+        victim.state = "unloading"
+        log.info("unloading model %s to make room for %s", victim.id, incoming.id)
+        return victim
+
+    @staticmethod
+    def _idle(entry: ModelEntry) -> bool:
+        if entry.leases > 0 or entry.model is None:
+            return False
+        status = entry.model.status()
+        return status.queued == 0 and status.active == 0
+
+    def load_now(self, entry: ModelEntry) -> None:
+        """Load ``entry`` on this thread (startup): 503 to requests until it is ready."""
+        with self._lock:
+            victim = self._make_room(entry)
+            entry.state, entry.on_demand = "loading", False
+        self._load(entry, victim)
+
+    def _load(self, entry: ModelEntry, victim: ModelEntry | None) -> None:
+        if victim is not None:
+            self._unload_now(victim)
+        try:
+            model = self._loader(entry)
+        except Exception as exc:  # a bug in a backend must not kill the loader silently
+            with self._lock:
+                entry.state, entry.error = "failed", f"{type(exc).__name__}: {exc}"
+                self._wake(entry)
+            if isinstance(exc, KvwarmError):
+                log.error("model %s failed to load: %s", entry.id, exc)
+            else:
+                log.exception("model %s failed to load", entry.id)
+            return
+        with self._lock:
+            entry.model, entry.state, entry.last_used = model, "ready", time.monotonic()
+            self._wake(entry)
+
+    def _unload_now(self, entry: ModelEntry) -> None:
+        """Unload an entry already marked ``unloading``; it becomes ``available`` again."""
+        try:
+            self._unloader(entry)
+        except Exception:
+            log.exception("error unloading model %s", entry.id)
+        with self._lock:
+            entry.model, entry.state = None, "available"
+            self._wake(entry)
+        log.info("model %s unloaded", entry.id)
+
+    @staticmethod
+    def _wake(entry: ModelEntry) -> None:
+        waiters, entry.waiters = entry.waiters, []
+        for waiter in waiters:
+            with contextlib.suppress(RuntimeError):  # the loop already closed: nobody waits
+                waiter.get_loop().call_soon_threadsafe(_resolve_waiter, waiter)
+
+    def reap_idle(self, now: float | None = None) -> list[str]:
+        """Unload every model unused for ``model_idle_unload_s``; returns their ids."""
+        limit = self._settings.model_idle_unload_s
+        if limit <= 0:
+            return []
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale = [
+                e
+                for e in self.entries.values()
+                if e.state == "ready" and now - e.last_used >= limit and self._idle(e)
+            ]
+            for entry in stale:
+                entry.state = "unloading"
+        for entry in stale:
+            log.info("model %s idle for %.0f s: unloading", entry.id, now - entry.last_used)
+            self._unload_now(entry)
+        return [e.id for e in stale]
+
+    # --- admin -------------------------------------------------------------------------------
+
+    async def admin_load(self, name: str | None, path: Path | None, model_id: str | None) -> str:
+        """Load a known model by name (a failed one is retried), or a file by path."""
+        with self._lock:
+            entry = self._admin_entry(path, model_id) if path is not None else self._resolve(name)
+            if entry.state == "failed":
+                entry.state, entry.error = "available", None
+        await self.acquire(entry.id, lease=False)
+        return entry.id
+
+    def _admin_entry(self, path: Path, model_id: str | None) -> ModelEntry:
+        mid = model_id or model_id_for(path)
+        entry = self.entries.get(mid)
+        if entry is None:
+            spec = ModelSpec(path=str(path), id=mid)
+            entry = self.entries[mid] = ModelEntry(spec, mid, "admin", "available")
+        elif Path(entry.spec.path or "") != path:
+            raise ModelExistsError(f"a model with id {mid!r} is already known (another file)")
+        return entry
+
+    def begin_unload(self, name: str) -> ModelEntry | None:
+        """Mark a model unloading (``ModelBusyError`` if in use); None if nothing is loaded."""
+        with self._lock:
+            entry = self._resolve(name)
+            if entry.state == "failed":
+                entry.state, entry.error = "available", None
+                return None
+            if entry.state in ("available", "unloading"):
+                return None
+            if entry.state == "loading" or not self._idle(entry):
+                raise ModelBusyError(
+                    f"the model {entry.id!r} has requests in flight (or is loading)"
+                )
+            entry.state = "unloading"
+            return entry
+
+    def finish_unload(self, entry: ModelEntry) -> None:
+        self._unload_now(entry)
+
+    # --- whole-server views ------------------------------------------------------------------
+
+    def startup_failure(self) -> str | None:
+        """Why nothing can ever be served, once every configured model has been tried."""
+        entries = list(self.entries.values())
+        if any(e.state != "failed" for e in entries) or not self._settings.models:
+            return None
+        return "; ".join(f"{e.id}: {e.error}" for e in entries) or "no model"
+
+    def join(self, timeout_s: float) -> None:
+        for thread in list(self._threads):
+            thread.join(timeout=timeout_s)
+
+
+def _resolve_waiter(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
