@@ -256,6 +256,10 @@ def as_aliases(value: object) -> tuple[tuple[str, str], ...]:
     pairs: list[tuple[object, object]]
     if isinstance(value, Mapping):
         pairs = list(value.items())
+    elif isinstance(value, list | tuple) and all(isinstance(v, list | tuple) for v in value):
+        pairs = [tuple(v) for v in value if len(v) == 2]  # already parsed (Settings.replace)
+        if len(pairs) != len(value):
+            raise ValueError("expected ALIAS=MODEL pairs")
     else:
         items = as_str_tuple(value)
         if len(items) == 1:

@@ -75,6 +75,7 @@ class ModelEntry:
     model: ServedModel | None = None
     error: str | None = None
     on_demand: bool = False  # a request asked for this load: requests wait for it
+    in_progress: bool = False  # a load thread runs (a configured model waits as "loading")
     leases: int = 0
     last_used: float = 0.0  # time.monotonic()
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
@@ -209,6 +210,7 @@ class ModelRegistry:
         """Under the lock: mark ``entry`` loading (making room first) and start its thread."""
         victim = self._make_room(entry)
         entry.state, entry.on_demand, entry.error = "loading", on_demand, None
+        entry.in_progress = True
         thread = threading.Thread(
             target=self._load, args=(entry, victim), name=f"kvwarm-load-{entry.id}", daemon=True
         )
@@ -218,7 +220,7 @@ class ModelRegistry:
     def _make_room(self, incoming: ModelEntry) -> ModelEntry | None:
         """Under the lock: the idle model to unload so that ``incoming`` fits the cap."""
         cap = self._settings.max_loaded_models
-        loaded = [e for e in self.entries.values() if e.state in ("ready", "loading")]
+        loaded = [e for e in self.entries.values() if e.state == "ready" or e.in_progress]
         if cap <= 0 or len([e for e in loaded if e is not incoming]) < cap:
             return None
         idle = [e for e in loaded if e.state == "ready" and self._idle(e)]
@@ -242,8 +244,13 @@ class ModelRegistry:
     def load_now(self, entry: ModelEntry) -> None:
         """Load ``entry`` on this thread (startup): 503 to requests until it is ready."""
         with self._lock:
-            victim = self._make_room(entry)
-            entry.state, entry.on_demand = "loading", False
+            try:
+                victim = self._make_room(entry)
+            except ModelCapacityError as exc:
+                entry.state, entry.error = "failed", f"{type(exc).__name__}: {exc}"
+                log.error("model %s not loaded: %s", entry.id, exc)
+                return
+            entry.state, entry.on_demand, entry.in_progress = "loading", False, True
         self._load(entry, victim)
 
     def _load(self, entry: ModelEntry, victim: ModelEntry | None) -> None:
@@ -254,6 +261,7 @@ class ModelRegistry:
         except Exception as exc:  # a bug in a backend must not kill the loader silently
             with self._lock:
                 entry.state, entry.error = "failed", f"{type(exc).__name__}: {exc}"
+                entry.in_progress = False
                 self._wake(entry)
             if isinstance(exc, KvwarmError):
                 log.error("model %s failed to load: %s", entry.id, exc)
@@ -262,6 +270,7 @@ class ModelRegistry:
             return
         with self._lock:
             entry.model, entry.state, entry.last_used = model, "ready", time.monotonic()
+            entry.in_progress = False
             self._wake(entry)
 
     def _unload_now(self, entry: ModelEntry) -> None:

@@ -1,0 +1,137 @@
+"""What a user of the command line sees about models: a server with no loadable model exits 1
+with the reason, bad model settings exit 2, one-shot commands are quiet unless asked, the load
+bar and llama.cpp's log lines (the real model where it matters)."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .test_cli import SRC, _free_port, kvwarm, no_traceback
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """A clean environment (no KVWARM_*; caches and config under tmp_path) and small settings."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith("KVWARM_") and k != "PYTHONPATH"}
+    out.update(
+        PYTHONPATH=str(SRC),
+        XDG_CACHE_HOME=str(tmp_path / "xdg-cache"),
+        XDG_CONFIG_HOME=str(tmp_path / "xdg-config"),
+        KVWARM_N_CTX="1024",
+        KVWARM_N_BATCH="64",
+    )
+    return out
+
+
+def test_serve_exits_1_with_the_reason_when_no_model_loads(env: dict[str, str]) -> None:
+    result = kvwarm(
+        env, "serve", "--port", str(_free_port()), "--model", "m=/nonexistent/m.gguf", timeout=120
+    )
+    assert result.returncode == 1, result.stderr
+    assert (
+        "kvwarm: error: no model could be loaded: m: ModelNotFoundError: "
+        "model file not found: /nonexistent/m.gguf"
+    ) in result.stderr
+    no_traceback(result)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--n-gpu-layers=-3"], "--n-gpu-layers: expected a number of layers >= 0 or 'all'"),
+        (["-ctv", "q4_0", "-fa", "off"], "a quantised V cache (type_v=q4_0) needs flash"),
+        (["-ts", "0,0"], "tensor_split must give at least one GPU a share > 0"),
+        (["--alias", "gpt-4o=nope"], "alias gpt-4o=nope: no model 'nope'"),
+    ],
+)
+def test_bad_model_settings_exit_2_before_anything_loads(
+    env: dict[str, str], args: list[str], needle: str
+) -> None:
+    result = kvwarm(env, "serve", "--port", str(_free_port()), *args, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr
+    no_traceback(result)
+
+
+def _interrupted_temp_file(env: dict[str, str]) -> None:
+    """A leftover temp file: opening the cache removes it and logs that at INFO."""
+    assert kvwarm(env, "cache", "stats").returncode == 0  # creates the directories
+    rows = Path(env["XDG_CACHE_HOME"]) / "kvwarm" / "rows"
+    # pid 999999999 is above any pid_max: a writer that is gone, so its file is reaped.
+    (rows / f"{'ab' * 32}.kvc.999999999.2.3.tmp").write_bytes(b"partial")
+
+
+def test_cache_commands_are_quiet_unless_verbose(env: dict[str, str]) -> None:
+    _interrupted_temp_file(env)
+    quiet = kvwarm(env, "cache", "stats")
+    assert quiet.returncode == 0 and "rows: 0" in quiet.stdout
+    assert quiet.stderr == ""
+    _interrupted_temp_file(env)
+    loud = kvwarm(env, "cache", "stats", "-v")
+    assert loud.returncode == 0
+    assert re.search(r" INFO kvwarm\.cache.*removing interrupted temp file", loud.stderr)
+    # An explicit log level from any source still applies.
+    _interrupted_temp_file(env)
+    configured = kvwarm({**env, "KVWARM_LOG_LEVEL": "info"}, "cache", "ls")
+    assert " INFO " in configured.stderr
+
+
+@pytest.mark.model
+def test_complete_without_a_terminal_shows_no_bar_and_no_n_ctx_train_warning(
+    env: dict[str, str],
+) -> None:
+    # The defaults (n_ctx 4096 x 4 slots = 16384 cells > n_ctx_train 8192) used to warn.
+    env = {k: v for k, v in env.items() if k not in ("KVWARM_N_CTX", "KVWARM_N_BATCH")}
+    result = kvwarm(env, "complete", "Hi", "--max-tokens", "1", "--n-parallel", "4")
+    assert result.returncode == 0, result.stderr
+    assert "n_ctx_train" not in result.stderr and "training context" not in result.stderr
+    assert "loading" not in result.stderr and "\r" not in result.stderr  # stderr is a pipe
+    assert result.stderr.startswith("prompt ")  # only the timing line
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_load_bar_reaches_100_percent_with_log_lines_above_it(env: dict[str, str]) -> None:
+    """On a terminal the bar advances to 100% and a log line (here our own n_ctx warning)
+    prints on a line of its own, not inside the bar."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvwarm", "complete", "Hi", "--max-tokens", "1", "-v",
+         "--n-ctx", "9000", "--n-parallel", "1"],
+        env={**env, "TERM": "xterm", "COLUMNS": "100"},
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave,
+    )  # fmt: skip
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # read the terminal until the child closes it
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if not ready:
+            if proc.poll() is not None:
+                break
+            continue
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(timeout=60) == 0
+    screen = b"".join(chunks).decode("utf-8", errors="replace")
+    frames = re.split(r"[\r\n]", screen)
+    percents = [int(m.group(1)) for f in frames if (m := re.search(r"loading \S+:\s+(\d+)%", f))]
+    assert percents and percents[-1] == 100 and len(set(percents)) > 2, percents
+    assert percents == sorted(percents)
+    warning = [f for f in frames if "is more than the 8192 tokens it was trained on" in f]
+    assert warning and all("%|" not in f for f in warning), warning

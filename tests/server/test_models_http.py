@@ -1,0 +1,197 @@
+"""Models over HTTP on the stub backend: partly failed servers, a models directory loaded on first
+use, aliases, the idle unload and the admin load/unload endpoints behind their keys."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from kvwarm.errors import ConfigError
+from kvwarm.server import create_app
+from kvwarm.settings import ModelSpec
+
+from .conftest import stub_settings, wait_ready
+
+BODY = {"prompt": "Hello there", "max_tokens": 2, "temperature": 0}
+
+
+def _code(response: httpx.Response) -> tuple[int, str | None]:
+    return response.status_code, response.json().get("error", {}).get("code")
+
+
+def _states(client: TestClient) -> dict[str, str]:
+    return {m["id"]: m["status"] for m in client.get("/v1/models").json()["data"]}
+
+
+def test_a_failed_model_is_503_with_its_reason_and_the_others_are_served() -> None:
+    settings = stub_settings(
+        models=(
+            ModelSpec(path="stub-a", id="a"),
+            ModelSpec(path="/nonexistent/gone.gguf", id="gone", backend="llama_cpp"),
+        )
+    )
+    fatal: list[str] = []
+    with TestClient(create_app(settings, on_fatal=fatal.append)) as client:
+        wait_ready(client.get)
+        health = client.get("/health").json()
+        assert health["status"] == "degraded" and health["models"]["a"] == "ready"
+        assert "model file not found" in health["errors"]["gone"]
+        failed = client.post("/v1/completions", json={**BODY, "model": "gone"})
+        assert _code(failed) == (503, "model_load_failed")
+        assert "/nonexistent/gone.gguf" in failed.json()["error"]["message"]
+        assert client.post("/v1/completions", json={**BODY, "model": "a"}).status_code == 200
+    assert fatal == []
+
+
+def test_a_server_whose_every_model_failed_reports_why() -> None:
+    settings = stub_settings(
+        models=(ModelSpec(path="/nonexistent/gone.gguf", id="gone", backend="llama_cpp"),)
+    )
+    fatal: list[str] = []
+    with TestClient(create_app(settings, on_fatal=fatal.append)) as client:
+        with pytest.raises(AssertionError, match="failed to load"):
+            wait_ready(client.get)
+        assert _code(client.get("/health")) == (503, "model_load_failed")
+    assert len(fatal) == 1 and "gone: ModelNotFoundError: model file not found" in fatal[0]
+
+
+@pytest.fixture
+def models(tmp_path: Path) -> Path:
+    d = tmp_path / "models"
+    d.mkdir()
+    for name in ("alpha.gguf", "beta.gguf"):
+        (d / name).write_bytes(b"GGUF stub weights " + name.encode())
+    outside = tmp_path / "secret.gguf"
+    outside.write_bytes(b"GGUF not in the directory")
+    os.symlink(outside, d / "linked.gguf")
+    return d
+
+
+@pytest.fixture
+def dir_client(models: Path) -> Iterator[TestClient]:
+    settings = stub_settings(
+        models=(), models_dir=models, aliases=(("gpt-4o-mini", "alpha"),), admin_key="adm"
+    )
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        yield client
+
+
+ADMIN = {"Authorization": "Bearer adm"}
+
+
+def test_models_dir_is_listed_and_loaded_on_first_use(dir_client: TestClient) -> None:
+    assert _states(dir_client) == {
+        "alpha": "available",
+        "beta": "available",
+        "gpt-4o-mini": "available",
+    }
+    listing = {m["id"]: m for m in dir_client.get("/v1/models").json()["data"]}
+    assert listing["gpt-4o-mini"]["alias_of"] == "alpha"
+    answer = dir_client.post("/v1/completions", json={**BODY, "model": "beta"})
+    assert answer.status_code == 200 and answer.json()["model"] == "beta"
+    assert _states(dir_client)["beta"] == "ready"
+    via_alias = dir_client.post("/v1/chat/completions", json={
+        "model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+    })  # fmt: skip
+    assert via_alias.status_code == 200 and via_alias.json()["model"] == "alpha"
+    assert _states(dir_client)["alpha"] == "ready"
+    # A symlink (to a file outside the directory) is neither listed nor loadable by name.
+    assert _code(dir_client.post("/v1/completions", json={**BODY, "model": "linked"}))[0] == 404
+    refused = dir_client.post("/admin/models/load", json={"name": "linked"}, headers=ADMIN)
+    assert _code(refused)[0] == 404
+    assert "linked" not in _states(dir_client)
+
+
+def test_new_files_appear_without_a_restart(dir_client: TestClient, models: Path) -> None:
+    (models / "gamma.gguf").write_bytes(b"GGUF new")
+    assert _states(dir_client)["gamma"] == "available"
+    assert dir_client.post("/v1/completions", json={**BODY, "model": "gamma"}).status_code == 200
+
+
+def test_admin_load_and_unload(dir_client: TestClient, models: Path, tmp_path: Path) -> None:
+    assert _code(dir_client.post("/admin/models/load", json={"name": "alpha"})) == (
+        401,
+        "invalid_admin_key",
+    )
+    loaded = dir_client.post("/admin/models/load", json={"name": "alpha"}, headers=ADMIN)
+    assert loaded.status_code == 200 and loaded.json()["status"] == "ready"
+    unloaded = dir_client.post("/admin/models/unload", json={"model": "alpha"}, headers=ADMIN)
+    assert unloaded.status_code == 200 and unloaded.json()["status"] == "available"
+    assert dir_client.post("/v1/completions", json={**BODY, "model": "alpha"}).status_code == 200
+    # A path anywhere (an admin's choice), under an id of its own.
+    other = tmp_path / "elsewhere.gguf"
+    other.write_bytes(b"GGUF")
+    by_path = dir_client.post(
+        "/admin/models/load", json={"path": str(other), "id": "else"}, headers=ADMIN
+    )
+    assert by_path.status_code == 200 and by_path.json()["id"] == "else"
+    clash = dir_client.post(
+        "/admin/models/load", json={"path": str(models / "beta.gguf"), "id": "else"}, headers=ADMIN
+    )
+    assert _code(clash) == (409, "model_exists")
+    assert (
+        _code(dir_client.post("/admin/models/unload", json={"model": "nope"}, headers=ADMIN))[0]
+        == 404
+    )
+    both = dir_client.post("/admin/models/load", json={"name": "a", "path": "/x"}, headers=ADMIN)
+    assert _code(both)[0] == 400
+    # State-changing: a foreign page may not drive it, key or not.
+    foreign = {**ADMIN, "Origin": "http://evil.example"}
+    assert _code(
+        dir_client.post("/admin/models/unload", json={"model": "beta"}, headers=foreign)
+    ) == (
+        403,
+        "origin_not_allowed",
+    )
+
+
+def test_loading_by_path_needs_a_configured_key(models: Path) -> None:
+    with TestClient(create_app(stub_settings(models=(), models_dir=models))) as client:
+        wait_ready(client.get)
+        refused = client.post("/admin/models/load", json={"path": str(models / "alpha.gguf")})
+        assert _code(refused) == (403, "key_required")
+        by_name = client.post("/admin/models/load", json={"name": "alpha"})
+        assert by_name.status_code == 200  # like /cache/*: open when no key is configured
+    with TestClient(create_app(stub_settings(models=(), models_dir=models, api_key="k"))) as client:
+        wait_ready(client.get)
+        headers = {"Authorization": "Bearer k"}
+        ok = client.post(
+            "/admin/models/load", json={"path": str(models / "beta.gguf")}, headers=headers
+        )
+        assert ok.status_code == 200 and ok.json()["id"] == "beta"
+
+
+def test_idle_models_are_unloaded_and_reload_on_use(models: Path) -> None:
+    settings = stub_settings(models=(), models_dir=models, model_idle_unload_s=0.2)
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        assert client.post("/v1/completions", json={**BODY, "model": "alpha"}).status_code == 200
+        deadline = time.monotonic() + 30
+        while _states(client)["alpha"] != "available":  # bounded wait for the idle timer
+            assert time.monotonic() < deadline, "the idle model was never unloaded"
+            time.sleep(0.05)
+        assert client.post("/v1/completions", json={**BODY, "model": "alpha"}).status_code == 200
+
+
+def test_cap_on_loaded_models(models: Path) -> None:
+    settings = stub_settings(models=(), models_dir=models, max_loaded_models=1)
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        assert client.post("/v1/completions", json={**BODY, "model": "alpha"}).status_code == 200
+        assert client.post("/v1/completions", json={**BODY, "model": "beta"}).status_code == 200
+        states = _states(client)
+        assert (states["alpha"], states["beta"]) == ("available", "ready")
+
+
+def test_an_alias_to_an_unknown_model_stops_the_start() -> None:
+    with pytest.raises(ConfigError, match="alias gpt-4o=nope: no model 'nope'"):
+        create_app(stub_settings(aliases=(("gpt-4o", "nope"),)))
+    with pytest.raises(ConfigError, match="already model ids"):
+        create_app(stub_settings(aliases=(("a", "b"),)))

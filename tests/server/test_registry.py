@@ -1,0 +1,213 @@
+"""The model registry alone, with fake models: leases, the cap, the idle unload, single-flight
+lazy loads, sticky failures, aliases and the models directory's rules."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import pytest
+
+from kvwarm.engine.api import Model
+from kvwarm.errors import ConfigError, ModelBusyError, ModelCapacityError, ModelLoadError
+from kvwarm.server import models_dir
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.registry import ModelEntry, ModelRegistry, request_leases
+from kvwarm.settings import ModelSpec, Settings
+
+
+@dataclass
+class _Status:
+    queued: int = 0
+    active: int = 0
+
+
+class FakeModel:
+    def __init__(self, model_id: str) -> None:
+        self.id = model_id
+        self.busy = _Status()
+
+    def status(self) -> _Status:
+        return self.busy
+
+
+class Loads:
+    """Loader and unloader for the registry; a gate can hold a load until the test opens it."""
+
+    def __init__(self, fail: frozenset[str] = frozenset()) -> None:
+        self.fail = set(fail)
+        self.loaded: list[str] = []
+        self.unloaded: list[str] = []
+        self.gate: threading.Event | None = None
+        self.started = threading.Event()
+
+    def load(self, entry: ModelEntry) -> Model:
+        self.started.set()
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        if entry.id in self.fail:
+            raise ModelLoadError(f"{entry.id} is broken")
+        self.loaded.append(entry.id)
+        return cast(Model, FakeModel(entry.id))
+
+    def unload(self, entry: ModelEntry) -> None:
+        self.unloaded.append(entry.id)
+
+
+def registry(loads: Loads, **overrides: object) -> ModelRegistry:
+    base = Settings(
+        cache_dir=None,
+        backend="stub",
+        models=(ModelSpec(path="stub-a", id="a"), ModelSpec(path="stub-b", id="b")),
+    )
+    return ModelRegistry(base.replace(**overrides), loads.load, loads.unload)
+
+
+def _fake(model: Model) -> FakeModel:
+    assert isinstance(model, FakeModel)
+    return model
+
+
+async def test_lazy_loads_are_single_flight_and_wake_every_waiter(tmp_path: Path) -> None:
+    for name in ("x.gguf", "y.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    loads = Loads()
+    reg = registry(loads, models=(), models_dir=tmp_path)
+    assert {i: e.state for i, e in reg.entries.items()} == {"x": "available", "y": "available"}
+    loads.gate = threading.Event()
+    first = asyncio.create_task(reg.acquire("x"))
+    second = asyncio.create_task(reg.acquire("x"))
+    assert await asyncio.to_thread(loads.started.wait, 10)
+    assert reg.entries["x"].state == "loading" and not first.done()
+    loads.gate.set()
+    a, b = await asyncio.gather(first, second)
+    assert a is b and loads.loaded == ["x"]
+    assert reg.entries["x"].state == "ready"
+
+
+async def test_startup_loads_answer_503_and_failures_stay_failed() -> None:
+    loads = Loads(fail=frozenset({"b"}))
+    reg = registry(loads)
+    with pytest.raises(HTTPError) as info:
+        await reg.acquire("a")  # configured, not yet loaded at startup: 503 + Retry-After
+    assert (info.value.status, info.value.code) == (503, "model_loading")
+    for entry in list(reg.entries.values()):
+        reg.load_now(entry)
+    assert reg.startup_failure() is None  # a is ready: serve it
+    with pytest.raises(HTTPError) as info:
+        await reg.acquire("b")
+    assert (info.value.status, info.value.code) == (503, "model_load_failed")
+    assert "b is broken" in info.value.message
+    loads.fail.clear()
+    assert await reg.admin_load("b", None, None) == "b"  # an admin load retries it
+    assert reg.entries["b"].state == "ready"
+
+
+def test_every_model_failed_is_a_startup_failure_with_the_reasons() -> None:
+    loads = Loads(fail=frozenset({"a", "b"}))
+    reg = registry(loads)
+    for entry in list(reg.entries.values()):
+        reg.load_now(entry)
+    failure = reg.startup_failure()
+    assert failure is not None and "a: ModelLoadError: a is broken" in failure
+    assert "b: ModelLoadError: b is broken" in failure
+
+
+async def test_cap_unloads_the_least_recently_used_idle_model_never_a_leased_one() -> None:
+    loads = Loads()
+    reg = registry(
+        loads,
+        models=tuple(ModelSpec(path=f"stub-{i}", id=i) for i in "abc"),
+        max_loaded_models=2,
+    )
+    for entry in list(reg.entries.values())[:2]:
+        reg.load_now(entry)
+    await reg.acquire("b")
+    await reg.acquire("a")  # b is now the least recently used
+    reg.entries["c"].state = "available"
+    await reg.acquire("c")
+    assert loads.unloaded == ["b"] and reg.entries["b"].state == "available"
+    with request_leases():
+        await reg.acquire("a")
+        await reg.acquire("c")  # both loaded models leased by this request
+        with pytest.raises(ModelCapacityError, match="all are busy"):
+            await reg.acquire("b")
+    # Requests queued or running inside the engine count as use too.
+    _fake(await reg.acquire("a")).busy.active = 1
+    _fake(await reg.acquire("c")).busy.queued = 1
+    with pytest.raises(ModelCapacityError):
+        await reg.acquire("b")
+    _fake(await reg.acquire("c")).busy.queued = 0
+    assert await reg.acquire("b") is not None and loads.unloaded == ["b", "c"]
+
+
+async def test_idle_unload_skips_leased_and_busy_models_and_the_next_request_reloads() -> None:
+    loads = Loads()
+    reg = registry(loads, model_idle_unload_s=10.0)
+    for entry in list(reg.entries.values()):
+        reg.load_now(entry)
+    now = reg.entries["a"].last_used + 11
+    with request_leases():
+        await reg.acquire("a")
+        reg.entries["a"].last_used -= 100  # idle for long, but leased
+        assert reg.reap_idle(now) == ["b"]
+    _fake(await reg.acquire("a")).busy.active = 1
+    assert reg.reap_idle(now + 1000) == []
+    _fake(await reg.acquire("a")).busy.active = 0
+    assert reg.reap_idle(reg.entries["a"].last_used + 10) == ["a"]
+    assert loads.unloaded == ["b", "a"]
+    assert reg.entries["a"].state == "available"
+    await reg.acquire("a")  # loaded again on use
+    assert loads.loaded.count("a") == 2
+
+
+async def test_admin_unload_refuses_a_model_in_use() -> None:
+    loads = Loads()
+    reg = registry(loads)
+    reg.load_now(reg.entries["a"])
+    with request_leases():
+        await reg.acquire("a")
+        with pytest.raises(ModelBusyError, match="in flight"):
+            reg.begin_unload("a")
+    entry = reg.begin_unload("a")
+    assert entry is not None
+    reg.finish_unload(entry)
+    assert reg.entries["a"].state == "available" and reg.begin_unload("a") is None
+
+
+async def test_aliases_resolve_and_bad_ones_are_config_errors() -> None:
+    loads = Loads()
+    reg = registry(loads, aliases=(("gpt-4o-mini", "a"),))
+    reg.load_now(reg.entries["a"])
+    assert _fake(await reg.acquire("gpt-4o-mini")).id == "a"
+    with pytest.raises(ConfigError, match="no model 'nope'"):
+        registry(loads, aliases=(("x", "nope"),))
+    with pytest.raises(HTTPError) as info:
+        await reg.acquire("unknown")
+    assert info.value.status == 404 and "gpt-4o-mini" in info.value.message
+
+
+def test_models_dir_lists_regular_gguf_files_only(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.gguf"
+    outside.write_bytes(b"GGUF")
+    d = tmp_path / "models"
+    d.mkdir()
+    for name in ("one.gguf", "Two.GGUF", "notes.txt", "big-00001-of-00002.gguf"):
+        (d / name).write_bytes(b"GGUF")
+    (d / "big-00002-of-00002.gguf").write_bytes(b"GGUF")
+    os.symlink(outside, d / "link.gguf")
+    (d / "sub.gguf").mkdir()
+    found = models_dir.scan(d)
+    assert sorted(found) == ["Two", "big", "one"]
+    assert found["big"].name == "big-00001-of-00002.gguf"
+    assert models_dir.checked_path(d, found["one"]) == found["one"]
+    with pytest.raises(ModelLoadError, match="symlinks are refused"):
+        models_dir.checked_path(d, d / "link.gguf")
+    with pytest.raises(ModelLoadError, match="outside models_dir"):
+        models_dir.checked_path(d, outside)
+    with pytest.raises(ModelLoadError, match="no longer in models_dir"):
+        models_dir.checked_path(d, d / "gone.gguf")
