@@ -1,11 +1,13 @@
 """Server and CLI settings: one pydantic-settings class, one loader.
 
-Invariant: every setting is declared exactly once, as a field of ``Settings``: its type, default
-and help text. Everything else is derived from that field: the environment variable
-``KVWARM_<NAME>``, the TOML key ``<name>`` (top level or under ``[kvwarm]``), the flag
-``--<name-with-dashes>`` and its help. ``load_settings`` merges the sources with the precedence
-flags > environment > config file > defaults, parsing each value alone so that a bad one is a
-``ConfigError`` naming its source and setting before anything loads.
+Invariant: every setting is declared exactly once, as a field of ``Settings`` (or of the
+``ModelSettings`` it extends, ``kvwarm.settings_model``: the ones a ``[[models]]`` table may
+also set per model): its type, default and help text. Everything else is derived from that
+field: the environment variable ``KVWARM_<NAME>``, the TOML key ``<name>`` (top level or under
+``[kvwarm]``), the flag ``--<name-with-dashes>`` and its help. ``load_settings`` merges the
+sources with the precedence flags > environment > config file > defaults, parsing each value
+alone so that a bad one is a ``ConfigError`` naming its source and setting before anything
+loads.
 
 Adding a setting
 ----------------
@@ -14,7 +16,8 @@ Adding a setting
    (``Int``, ``Size``, ``Bool``, ``OptPath`` ...) so that the string forms (flags, env) parse
    like the others' (``Int`` reads "8", ``Size`` "2G"); add a type there if none fits.
 2. Optional, through ``json_schema_extra``: ``{"flag": "--other-name"}`` for a flag name that
-   differs from the field's, ``{"repeatable": True}`` for a flag given several times.
+   differs from the field's, ``{"aliases": ["-x"]}`` for more spellings of the flag,
+   ``{"repeatable": True}`` for a flag given several times.
 3. Cross-setting rules and range checks go in ``Settings.check`` (raise ``ConfigError``).
 4. A CLI subcommand that needs it lists its name in ``kvwarm.cli.common`` (``serve`` gets all).
 Nothing else: flag, env var, TOML key and help follow. ``tests/cli/test_settings.py`` shows how

@@ -12,9 +12,9 @@ from typing import cast
 
 import pytest
 
+from kvwarm import models_dir
 from kvwarm.engine.api import Model
 from kvwarm.errors import ConfigError, ModelBusyError, ModelCapacityError, ModelLoadError
-from kvwarm.server import models_dir
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.registry import ModelEntry, ModelRegistry, request_leases
 from kvwarm.settings import ModelSpec, Settings

@@ -20,6 +20,7 @@ from kvwarm.embedded import (
     embedded_model_path,
     model_id_for,
 )
+from kvwarm.models_dir import scan
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,8 +37,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     models = sub.add_parser(
         "models",
         help="list loadable models (the embedded default included)",
-        description="List the embedded default model, $KVWARM_MODEL, the configured models "
-        "and any .gguf files in --scan directories. Loads nothing.",
+        description="List the embedded default model, $KVWARM_MODEL, the configured models, "
+        "the models of --models-dir and any .gguf files in --scan directories. Loads nothing.",
     )
     models.add_argument(
         "--scan",
@@ -48,7 +49,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="also list .gguf files under DIR (repeatable)",
     )
     models.add_argument("--json", action="store_true", help="machine-readable output")
-    add_settings(models, ("models", "log_level"))
+    add_settings(models, ("models", "models_dir", "log_level"))
     models.set_defaults(run=run_models)
 
 
@@ -93,6 +94,9 @@ def run_models(args: argparse.Namespace) -> int:
     for spec in settings.models:
         if spec.path is not None:
             add(spec.model_id, Path(spec.path).expanduser(), "settings")
+    if settings.models_dir is not None:
+        for model_id, path in scan(settings.models_dir).items():
+            add(model_id, path, "models_dir")
     for directory in args.scan:
         for path in sorted(directory.expanduser().glob("**/*.gguf")):
             add(model_id_for(path), path, f"scan {directory}")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from kvwarm import models_dir
 from kvwarm.embedded import model_id_for
 from kvwarm.errors import (
     ConfigError,
@@ -36,7 +37,6 @@ from kvwarm.errors import (
     ModelCapacityError,
     ModelExistsError,
 )
-from kvwarm.server import models_dir
 from kvwarm.server.errors import HTTPError
 from kvwarm.settings import ModelSpec, Settings
 

@@ -41,8 +41,9 @@ async def health(request: Request) -> Response:
     """200 once startup loading is over and some model can be served ("degraded" if some
     failed: requests naming those get a 503 with the reason); 503 before, or if none can."""
     state = server_state(request)
-    models = {e.id: e.state for e in state.entries.values()}
-    errors = {e.id: e.error for e in state.entries.values() if e.state == "failed"}
+    entries = list(state.entries.values())  # a snapshot: a rescan may add entries meanwhile
+    models = {e.id: e.state for e in entries}
+    errors = {e.id: e.error for e in entries if e.state == "failed"}
     failure = state.registry.startup_failure() if state.startup_done else None
     if state.startup_done and failure is None:
         body: dict[str, object] = {"status": "degraded" if errors else "ok", "models": models}

@@ -4,7 +4,7 @@ the admin endpoints that load and unload them.
 Invariants: ``/admin/*`` sits behind the admin key (or the API key) exactly as ``/cache/*`` does
 (``server/guard.py``), and, being POSTs, behind the Origin and Host checks. Loading a file by
 *path* reads any file the server can read, so it is refused unless a key is configured at all;
-loading by *name* only opens a regular file inside ``models_dir`` (``server/models_dir.py``).
+loading by *name* only opens a regular file inside ``models_dir`` (``kvwarm.models_dir``).
 Unloading a model with requests in flight is a 409 (``ModelBusyError``), never a cut-off answer.
 """
 
@@ -78,7 +78,7 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     state = server_state(request)
-    await run_in_threadpool(state.registry.rescan)  # new files in models_dir appear
+    state.registry.rescan()  # new files in models_dir appear (one listdir, under the lock)
     data = [model_item(state, entry) for entry in list(state.entries.values())]
     for alias, target in state.registry.aliases.items():
         entry = state.entries.get(target)

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 from kvwarm.cache.types import TtlClass
 from kvwarm.errors import KvwarmError, ModelLoadError
+from kvwarm.models_dir import checked_path
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits
 from kvwarm.server.metrics import ServerMetrics, Snapshot
-from kvwarm.server.models_dir import checked_path
 from kvwarm.server.registry import ModelEntry, ModelRegistry
 from kvwarm.settings import Settings, model_config
 
@@ -192,10 +192,11 @@ class ServerState:
     def metrics_snapshot(self) -> Snapshot:
         """What ``/metrics`` reports of the engine; snapshots only, no worker lock."""
         engine = self.engine
+        entries = list(self.entries.values())  # a snapshot: a rescan may add entries meanwhile
         return Snapshot(
             cache=engine.cache.counters() if engine is not None else {},
-            states={e.id: e.state for e in self.entries.values()},
-            statuses=[e.model.status() for e in self.entries.values() if e.model is not None],
+            states={e.id: e.state for e in entries},
+            statuses=[e.model.status() for e in entries if e.model is not None],
             keepalive_prefixes=len(self.keepalive.entries()),
         )
 
