@@ -197,3 +197,28 @@ def test_spec_options_are_parsed_values() -> None:
         models=(ModelSpec(path="/m/a.gguf", id="a", options=(("n_gpu_layers", 4),)),),
     )
     assert _config(s)[1].n_gpu_layers == 4
+
+
+def test_models_dir_alone_replaces_the_default_model(tmp_path: Path) -> None:
+    alone = load_settings(_flags("--models-dir", str(tmp_path)), ENV)
+    assert alone.models == () and alone.models_dir == tmp_path
+    both = load_settings(_flags("--models-dir", str(tmp_path), "--model", "m=/x.gguf"), ENV)
+    assert [m.model_id for m in both.models] == ["m"]
+    with pytest.raises(ConfigError, match="at least one model"):
+        Settings(cache_dir=None, models=()).check()
+
+
+def test_aliases_from_flags_env_and_toml(tmp_path: Path) -> None:
+    flags = load_settings(_flags("--alias", "gpt-4o-mini=m", "--alias", "gpt-4=m"), ENV)
+    assert flags.aliases == (("gpt-4o-mini", "m"), ("gpt-4", "m"))
+    env = load_settings({}, {**ENV, "KVWARM_ALIASES": "a=m, b=m"})
+    assert env.aliases == (("a", "m"), ("b", "m"))
+    config = tmp_path / "c.toml"
+    config.write_text('[aliases]\n"gpt-4o-mini" = "m"\n')
+    assert load_settings({"config": str(config)}, ENV).aliases == (("gpt-4o-mini", "m"),)
+    with pytest.raises(ConfigError, match="expected ALIAS=MODEL"):
+        load_settings(_flags("--alias", "nomodel"), ENV)
+    with pytest.raises(ConfigError, match="names two models"):
+        load_settings(_flags("--alias", "a=m", "--alias", "a=n"), ENV)
+    with pytest.raises(ConfigError, match="already model ids"):
+        load_settings(_flags("--model", "m=/x.gguf", "--alias", "m=n"), ENV)

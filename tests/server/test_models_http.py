@@ -94,6 +94,9 @@ def test_models_dir_is_listed_and_loaded_on_first_use(dir_client: TestClient) ->
     }
     listing = {m["id"]: m for m in dir_client.get("/v1/models").json()["data"]}
     assert listing["gpt-4o-mini"]["alias_of"] == "alpha"
+    one = dir_client.get("/v1/models/gpt-4o-mini").json()
+    assert (one["id"], one["alias_of"], one["status"]) == ("gpt-4o-mini", "alpha", "available")
+    assert dir_client.get("/v1/models/beta").json()["source"] == "models_dir"
     answer = dir_client.post("/v1/completions", json={**BODY, "model": "beta"})
     assert answer.status_code == 200 and answer.json()["model"] == "beta"
     assert _states(dir_client)["beta"] == "ready"
