@@ -122,8 +122,8 @@ def test_per_model_values_in_the_toml_models_table_win_over_global_ones(tmp_path
         (["--rope-freq-base", "inf"], {}, "rope_freq_base must be finite"),
         (["--rope-scaling", "cubic"], {}, "expected one of none, linear, yarn, longrope"),
         (["--yarn-orig-ctx=-1"], {}, "yarn_orig_ctx must be >= 0"),
-        (["-t", "0"], {}, "n_threads must be >= 1"),
-        (["-tb", "0"], {}, "n_threads_batch must be >= 1"),
+        (["-t", "0"], {}, "n_threads must be in [1, 512]"),
+        (["-tb", "513"], {}, "n_threads_batch must be in [1, 512]"),
     ],
 )
 def test_bad_values_are_config_errors(argv: list[str], env: dict[str, str], needle: str) -> None:
@@ -155,6 +155,8 @@ def test_library_params_are_validated_too() -> None:
         ContextParams(type_k="q3").validate()  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="tensor_split"):
         ModelParams(tensor_split=(0.0,)).validate()
+    with pytest.raises(ConfigError, match="n_gpu_layers"):
+        ModelParams(n_gpu_layers=2**40).validate()  # would wrap in the int32 field
     ModelParams(n_gpu_layers=-1, tensor_split=(0.0, 2.0)).validate()  # -1: all layers
 
 

@@ -44,6 +44,9 @@ FLASH_ATTN_MODES: tuple[str, ...] = get_args(FlashAttn)
 ROPE_SCALINGS: tuple[str, ...] = get_args(RopeScaling)
 POOLING_TYPES: tuple[str, ...] = get_args(PoolingType)
 
+_MAX_THREADS = 512
+_INT32_MAX = 2**31 - 1
+
 #: A load-progress callback: receives a fraction in [0, 1]; returning False aborts the load.
 ProgressCallback = Callable[[float], bool]
 
@@ -78,7 +81,8 @@ class ModelParams:
 
         if isinstance(self.n_gpu_layers, bool) or not isinstance(self.n_gpu_layers, int):
             raise ConfigError(f"n_gpu_layers must be an integer, got {self.n_gpu_layers!r}")
-        if self.n_gpu_layers < -1:
+        # int32 in llama.cpp's struct: ctypes would wrap a larger value silently.
+        if not -1 <= self.n_gpu_layers <= _INT32_MAX:
             raise ConfigError(
                 f"n_gpu_layers must be >= 0 (or -1 for all layers), got {self.n_gpu_layers}"
             )
@@ -88,7 +92,7 @@ class ModelParams:
             )
         if isinstance(self.main_gpu, bool) or not isinstance(self.main_gpu, int):
             raise ConfigError(f"main_gpu must be an integer, got {self.main_gpu!r}")
-        if self.main_gpu < 0:
+        if not 0 <= self.main_gpu <= _INT32_MAX:
             raise ConfigError(f"main_gpu must be >= 0, got {self.main_gpu}")
         check_tensor_split(self.tensor_split)
 
@@ -150,8 +154,9 @@ class ContextParams:
             raise ConfigError(f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
         for name in ("n_threads", "n_threads_batch"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
+            # ggml sizes its thread tables by GGML_MAX_N_THREADS (512) and asserts on more.
+            if value is not None and not 1 <= value <= _MAX_THREADS:
+                raise ConfigError(f"{name} must be in [1, {_MAX_THREADS}], got {value}")
         _one_of("pooling", self.pooling, POOLING_TYPES)
         self._validate_kv()
         self._validate_rope()
@@ -192,7 +197,7 @@ class ContextParams:
                 raise ConfigError(
                     f"{name} must be >= 0 (0: the model's own), got {getattr(self, name)}"
                 )
-        if not 0 <= self.yarn_orig_ctx <= 2**31 - 1:
+        if not 0 <= self.yarn_orig_ctx <= _INT32_MAX:
             raise ConfigError(
                 f"yarn_orig_ctx must be >= 0 (0: the model's own), got {self.yarn_orig_ctx}"
             )
