@@ -40,10 +40,15 @@ from kvwarm import settings_cache
 from kvwarm.cache.eviction.base import registered_policies
 from kvwarm.cache.types import CacheConfig, PolicyConfig, S3Config, TierName
 from kvwarm.errors import ConfigError
-from kvwarm.settings_model import ModelSettings, check_models, model_config, parse_field
+from kvwarm.settings_model import (
+    ModelSettings,
+    ServingSettings,
+    check_models,
+    model_config,
+    parse_field,
+)
 from kvwarm.settings_sources import read_env, read_toml, user_cache_dir, user_config_file
 from kvwarm.settings_types import (
-    Aliases,
     Bool,
     Float,
     Int,
@@ -96,7 +101,7 @@ _REPEAT: dict[str, Any] = {"repeatable": True}
 CLUSTER_ONLY = ("replicas", "ray_address", "cluster_busy_requests")
 
 
-class Settings(ModelSettings):
+class Settings(ModelSettings, ServingSettings):
     """Everything ``kvwarm serve`` and the CLI can be told. Constructing one directly uses only
     the given values and the defaults (no hidden environment reads); ``load_settings`` layers
     flags, environment and config file on top. The per-model settings (GPU, threads, KV types,
@@ -112,27 +117,6 @@ class Settings(ModelSettings):
         default=(ModelSpec(),),
         description="a model to serve, [ID=]PATH (repeatable; PATH 'default' = embedded)",
         json_schema_extra={"flag": "--model", **_REPEAT},
-    )
-    models_dir: OptPath = Field(
-        default=None,
-        description="also serve every *.gguf file in DIR, each loaded on its first request",
-    )
-    # Tools that hard-code a model name (gpt-4o-mini ...) then work unchanged.
-    aliases: Aliases = Field(
-        default=(),
-        description="another name for a model, ALIAS=MODEL (repeatable), "
-        "e.g. gpt-4o-mini=smollm2-135m-instruct",
-        json_schema_extra={"flag": "--alias", **_REPEAT},
-    )
-    model_idle_unload_s: Float = Field(
-        default=0.0,
-        description="unload a model unused this many seconds; its next request reloads it "
-        "(0: never)",
-    )
-    max_loaded_models: Int = Field(
-        default=0,
-        description="most models loaded at once; one more unloads the least recently used idle "
-        "one (0: no limit)",
     )
     backend: Str = Field(default="llama_cpp", description="default backend: llama_cpp or stub")
     n_ctx: Int = Field(default=4096, description="context window per model")

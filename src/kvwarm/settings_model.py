@@ -1,6 +1,7 @@
 """Model settings: how each model is placed and run (GPU offload, flash attention, KV cell
-types, threads, mmap/mlock, RoPE/YaRN), and the mapping of settings to the engine's
-``ModelConfig``.
+types, threads, mmap/mlock, RoPE/YaRN), which models a server offers besides the configured ones
+(a models directory, aliases) and how many stay loaded, and the mapping of settings to the
+engine's ``ModelConfig``.
 
 Invariant: each of these settings is declared once, as a field of ``ModelSettings`` (which
 ``kvwarm.settings.Settings`` extends, so it gets a flag, an env var and a TOML key like every
@@ -23,6 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from kvwarm.backends.base import ContextParams, ModelParams
 from kvwarm.errors import ConfigError
 from kvwarm.settings_types import (
+    Aliases,
     Bool,
     FlashAttnMode,
     Float,
@@ -30,6 +32,7 @@ from kvwarm.settings_types import (
     Int,
     KvTypeName,
     OptInt,
+    OptPath,
     OptRopeScaling,
     SplitModeName,
     TensorSplit,
@@ -45,6 +48,9 @@ ENV_PREFIX = "KVWARM_"
 
 def _flags(*names: str) -> dict[str, Any]:
     return {"aliases": list(names)}
+
+
+_REPEAT: dict[str, Any] = {"repeatable": True}
 
 
 class ModelSettings(BaseSettings):
@@ -129,6 +135,37 @@ class ModelSettings(BaseSettings):
     )
     yarn_orig_ctx: Int = Field(
         default=0, description="YaRN original training context size (0: the model's)"
+    )
+
+
+class ServingSettings(BaseSettings):
+    """Which models a server offers besides the configured ones, and how many stay loaded;
+    ``Settings`` extends this class too."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, frozen=True, extra="forbid", validate_default=False
+    )
+
+    models_dir: OptPath = Field(
+        default=None,
+        description="also serve every *.gguf file in DIR, each loaded on its first request",
+    )
+    # Tools that hard-code a model name (gpt-4o-mini ...) then work unchanged.
+    aliases: Aliases = Field(
+        default=(),
+        description="another name for a model, ALIAS=MODEL (repeatable), "
+        "e.g. gpt-4o-mini=smollm2-135m-instruct",
+        json_schema_extra={"flag": "--alias", **_REPEAT},
+    )
+    model_idle_unload_s: Float = Field(
+        default=0.0,
+        description="unload a model unused this many seconds; its next request reloads it "
+        "(0: never)",
+    )
+    max_loaded_models: Int = Field(
+        default=0,
+        description="most models loaded at once; one more unloads the least recently used idle "
+        "one (0: no limit)",
     )
 
 
