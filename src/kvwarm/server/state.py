@@ -206,6 +206,7 @@ class ServerState:
     async def acquire(self, name: str | None) -> ServedModel:
         """The ready model a request names (an id or an alias; the first configured model if
         it names none), loaded on first use; leased until the request ends."""
+        self.require_engine()  # 503 while the engine starts: no load may begin before it
         return await self.registry.acquire(name)
 
     def require_engine(self) -> Engine:
@@ -214,6 +215,10 @@ class ServerState:
             if self.engine_error is not None:
                 raise ModelLoadError(self.engine_error)
             raise HTTPError(
-                503, "the engine is starting", type="service_unavailable", code="model_loading"
+                503,
+                "the engine is starting",
+                type="service_unavailable",
+                code="model_loading",
+                headers={"Retry-After": "1"},
             )
         return engine
