@@ -283,17 +283,6 @@ class Settings(ModelSettings, ServingSettings):
         """Range and cross-setting rules; raises ``ConfigError``."""
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
-        if not self.models and self.models_dir is None:
-            raise ConfigError("at least one model (or a models_dir) is required")
-        ids = [m.model_id for m in self.models]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        if dupes:
-            raise ConfigError(f"duplicate model ids: {', '.join(dupes)} (give each an id)")
-        shadowing = sorted(alias for alias, _ in self.aliases if alias in ids)
-        if shadowing:
-            raise ConfigError(f"aliases {', '.join(shadowing)} are already model ids")
-        if self.model_idle_unload_s < 0 or self.max_loaded_models < 0:
-            raise ConfigError("model_idle_unload_s and max_loaded_models must be >= 0")
         for name in ("n_ctx", "n_batch", "n_parallel", "max_queue", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
@@ -319,7 +308,7 @@ class Settings(ModelSettings, ServingSettings):
             known = ", ".join(registered_policies())
             raise ConfigError(f"cache_eviction must be one of {known}, got {self.cache_eviction!r}")
         settings_cache.check(self)
-        check_models(self)
+        check_models(self)  # the model list, aliases and every model's parameters
 
 
 # --- derived from the fields: flags, env, TOML keys ---------------------------------------------

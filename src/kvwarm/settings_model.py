@@ -232,7 +232,19 @@ def hardware_params(settings: Settings, spec: ModelSpec) -> tuple[ContextParams,
 
 
 def check_models(settings: Settings) -> None:
-    """Every configured model's parameters, validated as the backends will (``ConfigError``)."""
+    """The model list (ids, aliases, the cap) and every configured model's parameters,
+    validated as the backends will (``ConfigError``)."""
+    if not settings.models and settings.models_dir is None:
+        raise ConfigError("at least one model (or a models_dir) is required")
+    ids = [m.model_id for m in settings.models]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise ConfigError(f"duplicate model ids: {', '.join(dupes)} (give each an id)")
+    shadowing = sorted(alias for alias, _ in settings.aliases if alias in ids)
+    if shadowing:
+        raise ConfigError(f"aliases {', '.join(shadowing)} are already model ids")
+    if settings.model_idle_unload_s < 0 or settings.max_loaded_models < 0:
+        raise ConfigError("model_idle_unload_s and max_loaded_models must be >= 0")
     for spec in settings.models:
         context, params = hardware_params(settings, spec)
         try:
