@@ -125,7 +125,6 @@ async def load_model(request: Request) -> Response:
                 param="path",
             )
         path = Path(req.path).expanduser()
-    state.require_engine()
     model_id = await state.registry.admin_load(req.name, path, req.id)
     return JSONResponse(model_item(state, state.entries[model_id]))
 

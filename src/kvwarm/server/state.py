@@ -45,7 +45,8 @@ class ServerState:
         # The registry's dict: read-only views for routes and metrics.
         self.entries: dict[str, ModelEntry] = self.registry.entries
         self.default_id = self.registry.default_id
-        self.startup_done = False
+        # Set once the engine exists (or failed to): on-demand loads wait for it.
+        self._engine_known = threading.Event()
         # Counts requests and finished generations; reads the engine at scrape time.
         self.counters = ServerMetrics(self.metrics_snapshot)
         # Strong references to fire-and-forget tasks (the loop keeps only weak ones).
@@ -91,6 +92,7 @@ class ServerState:
             self.engine_error = str(exc)
             for entry in self.entries.values():
                 entry.state, entry.error = "failed", f"engine failed to start: {exc}"
+            self._engine_known.set()
             self._startup_finished(f"the engine failed to start: {exc}")
             return
         with self._lock:
@@ -98,6 +100,7 @@ class ServerState:
                 engine.close()
                 return
             self.engine = engine
+        self._engine_known.set()
         tiers = ", ".join(
             f"{t.name} {t.quota_bytes / 2**30:.1f} GiB" + (f" at {t.root}" if t.root else "")
             for t in self.settings.cache_config().tiers
@@ -109,8 +112,14 @@ class ServerState:
             self.registry.load_now(entry)
         self._startup_finished(self.registry.startup_failure())
 
+    @property
+    def startup_done(self) -> bool:
+        """Every configured model has been tried: each is ready or failed (or was since
+        unloaded, or is loading again because a request asked for it)."""
+        entries = [e for e in list(self.entries.values()) if e.source == "configured"]
+        return all(e.state != "loading" or e.on_demand for e in entries)
+
     def _startup_finished(self, failure: str | None) -> None:
-        self.startup_done = True
         if failure is not None and not self._closing.is_set():
             log.error("no model could be loaded: %s", failure)
             if self.on_fatal is not None:
@@ -118,6 +127,7 @@ class ServerState:
 
     def _load_one(self, entry: ModelEntry) -> ServedModel:
         """The registry's loader: load ``entry`` into the engine (raises on failure)."""
+        self._engine_known.wait(timeout=600)  # a request may ask before the engine exists
         engine = self.require_engine()
         started = time.perf_counter()
         log.info("loading model %s (%s)", entry.id, entry.spec.path or "default")
@@ -172,6 +182,7 @@ class ServerState:
 
     def close(self) -> None:
         self._closing.set()
+        self._engine_known.set()  # a load waiting for the engine gives up (require_engine)
         for thread in self._threads:
             # The loader aborts at its next progress callback; a native load in flight may
             # still take a moment, which is bounded by the model's size.
@@ -206,7 +217,6 @@ class ServerState:
     async def acquire(self, name: str | None) -> ServedModel:
         """The ready model a request names (an id or an alias; the first configured model if
         it names none), loaded on first use; leased until the request ends."""
-        self.require_engine()  # 503 while the engine starts: no load may begin before it
         return await self.registry.acquire(name)
 
     def require_engine(self) -> Engine:
