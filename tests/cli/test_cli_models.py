@@ -91,7 +91,7 @@ def test_complete_without_a_terminal_shows_no_bar_and_no_n_ctx_train_warning(
 ) -> None:
     # The defaults (n_ctx 4096 x 4 slots = 16384 cells > n_ctx_train 8192) used to warn.
     env = {k: v for k, v in env.items() if k not in ("KVWARM_N_CTX", "KVWARM_N_BATCH")}
-    result = kvwarm(env, "complete", "Hi", "--max-tokens", "1", "--n-parallel", "4")
+    result = kvwarm(env, "complete", "Hi", "--max-tokens", "1")
     assert result.returncode == 0, result.stderr
     assert "n_ctx_train" not in result.stderr and "training context" not in result.stderr
     assert "loading" not in result.stderr and "\r" not in result.stderr  # stderr is a pipe
@@ -106,8 +106,8 @@ def test_the_load_bar_reaches_100_percent_with_log_lines_above_it(env: dict[str,
     master, slave = pty.openpty()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvwarm", "complete", "Hi", "--max-tokens", "1", "-v",
-         "--n-ctx", "9000", "--n-parallel", "1"],
-        env={**env, "TERM": "xterm", "COLUMNS": "100"},
+         "--n-ctx", "9000"],
+        env={**env, "TERM": "xterm", "COLUMNS": "100", "KVWARM_N_PARALLEL": "1"},
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave,
     )  # fmt: skip
     os.close(slave)
