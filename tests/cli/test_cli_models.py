@@ -4,12 +4,15 @@ bar and llama.cpp's log lines (the real model where it matters)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import re
 import select
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -104,10 +107,12 @@ def test_the_load_bar_reaches_100_percent_with_log_lines_above_it(env: dict[str,
     """On a terminal the bar advances to 100% and a log line (here our own n_ctx warning)
     prints on a line of its own, not inside the bar."""
     master, slave = pty.openpty()
+    # A terminal 100 columns wide (a fresh pty has 0, and tqdm then draws nothing).
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvwarm", "complete", "Hi", "--max-tokens", "1", "-v",
          "--n-ctx", "9000"],
-        env={**env, "TERM": "xterm", "COLUMNS": "100", "KVWARM_N_PARALLEL": "1"},
+        env={**env, "TERM": "xterm", "KVWARM_N_PARALLEL": "1"},
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave,
     )  # fmt: skip
     os.close(slave)
