@@ -4,6 +4,7 @@ Invariants:
 - An object holds exactly the bytes a file tier's ``.kvc`` file would (``cache/kvc.py``), so
   every ``load`` verifies the payload CRC32C and that the row replays to its key; a row that
   fails is ``CacheFormatError`` (the facade drops it and deletes the object).
+- The startup scan deletes nothing: an object it cannot read may be another host's row.
 - Publish once: the object is written with ``put_object(IfNoneMatch="*")`` after
   ``book.check``; S3 makes a PUT visible whole or not at all, so no temp object exists. A
   412 means another writer published the key first: its object is *adopted* if its metadata
@@ -270,9 +271,10 @@ class S3Tier:
 
     def scan(self) -> Iterator[StoredRow]:
         """Every valid row under the prefix: one ranged GET each, ``_SCAN_PARALLEL`` at a time
-        (a shared bucket may hold thousands). Invalid objects are deleted, or with
-        ``repair=False`` only reported; an in-progress PUT is never visible, so there are no
-        temp objects to reap."""
+        (a shared bucket may hold thousands). An object this process cannot read is reported
+        (``problems``), never deleted: other hosts share the bucket, and it may be a row a
+        newer kvwarm wrote and reads (or one deleted since the listing). An in-progress PUT is
+        never visible, so there are no temp objects to reap."""
         self._problems = []
         keys = list(self.stored_keys())
         with ThreadPoolExecutor(_SCAN_PARALLEL, thread_name_prefix="kvwarm-s3-scan") as pool:
@@ -280,16 +282,10 @@ class S3Tier:
         for key, row in zip(keys, rows, strict=True):
             if row is not None:
                 yield row
-            elif not self._repair:
-                self._problems.append((self.location(key), "invalid or vanished object"))
-            else:
-                self._discard(key)
-
-    def _discard(self, key: bytes) -> None:
-        try:
-            self.delete(key)
-        except CacheIOError as exc:
-            log.warning("%s: cannot remove invalid object %s: %s", self._name, key.hex(), exc)
+                continue
+            self._problems.append((self.location(key), "unreadable or vanished object"))
+            if self._repair:
+                log.warning("%s: cannot read %s, leaving it", self._name, self.location(key))
 
     # ---- chunks: <prefix>chunks/<hex>.kvk, published once like rows ------------------------
 
