@@ -19,7 +19,7 @@ from kvwarm.errors import CacheFormatError
 NS = FIELDS.namespace
 CHUNK_TOKENS = (9, 8, 7, 0xFFFF_FFFF)
 CHUNK_PAYLOAD = bytes(range(48))
-MANIFEST = replace(FIELDS, chunk_tokens=2, chunks=(b"\x01" * 32, b"\x02" * 32))
+MANIFEST = replace(FIELDS, chunk_lens=(3, 1), chunks=(b"\x01" * 32, b"\x02" * 32))
 
 
 def _chunk(parent: bytes = chunkfmt.ROOT_PARENT) -> tuple[bytes, bytes]:
@@ -38,16 +38,20 @@ def test_chunk_round_trip_is_a_view() -> None:
 
 def test_chunk_keys_chain_and_stay_in_their_namespace() -> None:
     tokens = list(range(10))
-    keys = chunkfmt.chunk_keys(NS, tokens, 3)
-    assert len(keys) == 3  # the last token is a tail, not a chunk
+    keys = chunkfmt.chunk_keys(NS, tokens, (3, 3, 3))
+    assert len(keys) == 3  # a prefix of the tokens may be cut
     assert keys[0] == chunkfmt.chunk_key(NS, chunkfmt.ROOT_PARENT, tokens[:3])
     assert keys[2] == chunkfmt.chunk_key(NS, keys[1], tokens[6:9])
-    assert chunkfmt.chunk_keys(NS, tokens[:9], 3) == keys  # equal prefixes, equal chunks
-    other = chunkfmt.chunk_keys(NS, [99, *tokens[1:]], 3)
+    assert chunkfmt.chunk_keys(NS, tokens[:9], (3, 3, 3)) == keys  # equal prefixes, equal chunks
+    other = chunkfmt.chunk_keys(NS, [99, *tokens[1:]], (3, 3, 3))
     assert all(a != b for a, b in zip(keys, other, strict=True))  # a changed parent changes all
     salted = Namespace(NS.fingerprint, NS.quant, b"\x77" * 32)
-    assert not set(chunkfmt.chunk_keys(salted, tokens, 3)) & set(keys)
-    assert chunkfmt.chunk_keys(NS, tokens, 0) == ()
+    assert not set(chunkfmt.chunk_keys(salted, tokens, (3, 3, 3))) & set(keys)
+    assert chunkfmt.chunk_keys(NS, tokens, (3, 7))[1] != keys[1]  # lengths are part of it
+    with pytest.raises(ValueError):
+        chunkfmt.chunk_keys(NS, tokens, (3, 0))
+    with pytest.raises(ValueError):
+        chunkfmt.chunk_keys(NS, tokens, (11,))
 
 
 def test_every_single_bit_flip_of_a_chunk_is_rejected() -> None:
@@ -100,12 +104,12 @@ def test_mutated_chunks_only_raise_format_error(edits: list[tuple[int, int]]) ->
 
 
 def test_manifest_round_trip() -> None:
-    f = kvc.parse(_file(MANIFEST), expected_key=KEY)
-    assert f.meta.fields == MANIFEST and bytes(f.payload) == PAYLOAD
+    f = kvc.parse(_file(MANIFEST, b""), expected_key=KEY)
+    assert f.meta.fields == MANIFEST and f.payload.nbytes == 0
 
 
 def test_every_single_bit_flip_of_a_manifest_is_rejected() -> None:
-    good = _file(MANIFEST)
+    good = _file(MANIFEST, b"")
     accepted = set()
     for i in range(len(good)):
         for bit in range(8):
@@ -120,21 +124,32 @@ def test_every_single_bit_flip_of_a_manifest_is_rejected() -> None:
 
 
 def test_every_truncation_of_a_manifest_is_rejected() -> None:
-    good = _file(MANIFEST)
+    good = _file(MANIFEST, b"")
     for n in range(len(good)):
         with pytest.raises(CacheFormatError):
             kvc.parse(good[:n])
 
 
+K = b"\x01" * 32
+
+
 @pytest.mark.parametrize(
-    ("chunk_tokens", "chunks"),
-    [(2, (b"\x01" * 32,)), (2, (b"\x01" * 32,) * 3), (0, ()), (3, (b"\x01" * 31,))],
+    ("lens", "chunks", "payload"),
+    [
+        ((2,), (K,), b""),  # 2 of 4 tokens
+        ((1, 1, 1, 2), (K,) * 4, b""),  # 5 of 4
+        ((4, 0), (K, K), b""),  # an empty chunk
+        ((4,), (K[:31],), b""),  # a short key
+        ((2, 2), (K,), b""),  # unpaired
+        ((4,), (), b""),
+        ((2, 2), (K, K), b"kv"),  # a manifest holds no payload
+    ],
 )
 def test_manifests_whose_chunks_do_not_cover_the_tokens_are_refused(
-    chunk_tokens: int, chunks: tuple[bytes, ...]
+    lens: tuple[int, ...], chunks: tuple[bytes, ...], payload: bytes
 ) -> None:
     with pytest.raises(ValueError):
-        kvc.build_prefix(replace(FIELDS, chunk_tokens=chunk_tokens, chunks=chunks), PAYLOAD)
+        kvc.build_prefix(replace(FIELDS, chunk_lens=lens, chunks=chunks), payload)
 
 
 def _as_version(buf: bytes, version: int) -> bytes:
@@ -145,13 +160,13 @@ def _as_version(buf: bytes, version: int) -> bytes:
 
 def test_a_version_1_row_reads_as_a_whole_blob() -> None:
     f = kvc.parse(_as_version(_file(), 1), expected_key=KEY)
-    assert f.meta.fields.chunk_tokens is None and f.meta.fields.chunks == ()
+    assert f.meta.fields.chunk_lens == () and f.meta.fields.chunks == ()
     assert bytes(f.payload) == PAYLOAD
 
 
 def test_chunk_tags_in_a_version_1_file_are_refused() -> None:
     with pytest.raises(CacheFormatError, match="version-2"):
-        kvc.parse(_as_version(_file(MANIFEST), 1), expected_key=KEY)
+        kvc.parse(_as_version(_file(MANIFEST, b""), 1), expected_key=KEY)
 
 
 def test_an_unknown_version_is_refused_with_a_clear_message() -> None:
@@ -160,8 +175,8 @@ def test_an_unknown_version_is_refused_with_a_clear_message() -> None:
 
 
 def test_a_lone_chunk_tag_is_refused() -> None:
-    good = bytearray(_file(MANIFEST))
-    # Rename the chunk-keys record to an unknown tag: the size tag is left alone.
+    good = bytearray(_file(MANIFEST, b""))
+    # Rename the chunk-keys record to an unknown tag: the lengths tag is left alone.
     at = bytes(good).find(struct.pack("<BI", kvc.TAG_CHUNKS, 64))
     assert at > 0
     good[at] = 0x7F

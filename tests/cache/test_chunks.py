@@ -71,11 +71,16 @@ def _restored(cache: Cache, key: bytes) -> bytes:
         return join(row.chunks) if row.chunks else bytes(row.payload)
 
 
-def _chunk_bytes(n_chunks: int, cache: Cache | None = None) -> int:
-    """Bytes ``n_chunks`` chunks occupy: the ram tier keeps payloads only, the others whole
-    chunk objects (head and payload)."""
+def _chunk_bytes(n_chunks: int, cache: Cache | None = None, tokens: int = C) -> int:
+    """Bytes ``n_chunks`` chunks of ``tokens`` occupy: the ram tier keeps payloads only, the
+    others whole chunk objects (head and payload)."""
     in_ram = cache is not None and cache.tier_names()[0] == "ram"
-    return n_chunks * ((0 if in_ram else head_size(C)) + C * PER_TOKEN)
+    return n_chunks * ((0 if in_ram else head_size(tokens)) + tokens * PER_TOKEN)
+
+
+def _manifest(n_tokens: int, n_chunks: int) -> int:
+    """A manifest's own bytes as the index counts them (tokens and chunk list)."""
+    return 4 * n_tokens + 36 * n_chunks
 
 
 @pytest.mark.parametrize("n", [1000, 512, 257, 255])
@@ -84,9 +89,9 @@ def test_restore_joins_to_the_saved_blob(make_cache: CacheFactory, n: int) -> No
     tokens = list(range(7, 7 + n))
     key = _save(cache, tokens)
     with cache.open_row(key) as row:
-        assert len(row.chunks) == (n // C + (n % C > 0) if n >= C else 0)
+        assert len(row.chunks) == (-(-n // C) if n >= C else 0)  # the last one shorter
         got = join(row.chunks) if row.chunks else bytes(row.payload)
-        assert row.payload.nbytes == (n % C) * PER_TOKEN if n >= C else n * PER_TOKEN
+        assert row.payload.nbytes == (0 if n >= C else n * PER_TOKEN)
     assert got == blob(tokens)
 
 
@@ -96,26 +101,31 @@ def test_continued_saves_write_only_new_chunks(make_cache: CacheFactory) -> None
     _save(cache, tokens[:1024])
     assert cache.counters()["chunks_written"] == 4
     written = cache.counters()["chunk_bytes_written"]
-    key = _save(cache, tokens[:2100])  # continued: 4 new full chunks and a tail
+    key = _save(cache, tokens[:2100])  # continued: 4 new full chunks and a short one
     snap = cache.counters()
-    assert snap["chunks_written"] == 8 and snap["chunks_reused"] == 4
-    assert snap["chunk_bytes_written"] - written == _chunk_bytes(4, cache)
+    assert snap["chunks_written"] == 9 and snap["chunks_reused"] == 4
+    new = _chunk_bytes(4, cache) + _chunk_bytes(1, cache, 52)
+    assert snap["chunk_bytes_written"] - written == new
+    key3 = _save(cache, tokens[:2200])  # the next turn reuses every chunk, the short one too
+    assert cache.counters()["chunks_written"] == 10
     tier = cache.tier_names()[0]
-    tail = (2100 - 8 * C) * PER_TOKEN
-    assert snap[f"tier_{tier}_bytes"] == _chunk_bytes(8, cache) + tail  # each chunk once
+    manifests = _manifest(1024, 4) + _manifest(2100, 9) + _manifest(2200, 10)
+    stored = _chunk_bytes(8, cache) + _chunk_bytes(1, cache, 52) + _chunk_bytes(1, cache, 100)
+    assert cache.counters()[f"tier_{tier}_bytes"] == stored + manifests  # each chunk once
     assert _restored(cache, key) == blob(tokens[:2100])
+    assert _restored(cache, key3) == blob(tokens[:2200])
 
 
 def test_conversations_over_a_shared_prompt_store_it_once(make_cache: CacheFactory) -> None:
     cache = make_cache()
-    system = list(range(1024))
+    system = list(range(1000))  # not a multiple of C: the second conversation cuts there
     for conv in range(20):
         own = [5000 + conv * 1000 + i for i in range(256)]
         _save(cache, system + own)
     snap = cache.counters()
-    distinct_kv = (1024 + 20 * 256) * PER_TOKEN
+    assert snap["chunks_written"] == 5 + 2 + 18  # then one chunk a conversation
+    distinct_kv = (1000 + 20 * 256) * PER_TOKEN
     tier = cache.tier_names()[0]
-    assert snap["chunks_written"] == 4 + 20 and snap["chunks_reused"] == 19 * 4
     assert snap[f"tier_{tier}_bytes"] <= 1.1 * distinct_kv
 
 
@@ -125,28 +135,30 @@ def test_evicting_a_long_row_keeps_the_shared_prefix(make_cache: CacheFactory) -
     long_key = _save(cache, tokens)
     short_key = _save(cache, tokens[:1024])  # reuses the long row's first 4 chunks
     tier = cache.tier_names()[0]
-    assert cache.counters()[f"tier_{tier}_bytes"] == _chunk_bytes(8, cache)
+    manifests = _manifest(2048, 8) + _manifest(1024, 4)
+    assert cache.counters()[f"tier_{tier}_bytes"] == _chunk_bytes(8, cache) + manifests
     result = cache.evict_bytes(1)  # LRU: the long row is the oldest
-    assert result.rows == 1 and result.bytes == _chunk_bytes(4, cache)
+    assert result.rows == 1 and result.bytes == _chunk_bytes(4, cache) + _manifest(2048, 8)
     assert cache.lookup_exact(long_key) is None
-    assert cache.counters()[f"tier_{tier}_bytes"] == _chunk_bytes(4, cache)
+    assert cache.counters()[f"tier_{tier}_bytes"] == _chunk_bytes(4, cache) + _manifest(1024, 4)
     assert _restored(cache, short_key) == blob(tokens[:1024])
-    assert cache.evict_bytes(1).bytes == _chunk_bytes(4, cache)  # the last row frees the rest
+    assert cache.evict_bytes(1).bytes == _chunk_bytes(4, cache) + _manifest(1024, 4)
     assert cache.counters()[f"tier_{tier}_bytes"] == 0
 
 
 def test_quota_counts_unique_chunks(make_cache: CacheFactory) -> None:
-    # Room for 6 chunks: two rows sharing 4 chunks (8 unique... no: 4 + 4) do not fit, but
-    # two rows sharing all but one chunk do.
-    cache = make_cache(quota=_chunk_bytes(6))
+    # Room for 6 chunks and the manifests: two rows sharing 5 of their chunks fit (6 unique),
+    # a third needing 8 does not, and the oldest rows go until it does.
+    room = _chunk_bytes(6) + _manifest(1280, 5) + _manifest(1536, 6)
+    cache = make_cache(quota=room)
     tokens = list(range(2048))
     a = _save(cache, tokens[:1280])
     b = _save(cache, tokens[:1536])
     assert cache.lookup_exact(a) is not None and cache.lookup_exact(b) is not None
-    c = _save(cache, tokens)  # 8 unique chunks > 6: rows go, oldest first
+    c = _save(cache, tokens)
     tier = cache.tier_names()[0]
-    assert cache.counters()[f"tier_{tier}_bytes"] <= _chunk_bytes(6, cache)
-    assert cache.lookup_exact(a) is None
+    assert cache.counters()[f"tier_{tier}_bytes"] <= room
+    assert cache.lookup_exact(a) is None and cache.lookup_exact(b) is None
     assert cache.lookup_exact(c) is None or _restored(cache, c) == blob(tokens)
 
 
@@ -157,14 +169,14 @@ def test_restart_adopts_rows_chunks_and_orphans(tmp_path: Path) -> None:
     with Cache(cfg, background=False) as cache:
         key = _save(cache, tokens)
     orphan_tier = FileTier("disk", root, 1 << 30)
-    from kvwarm.cache.chunkfmt import ROOT_PARENT, build_head
 
     other = list(range(900, 900 + C))
-    okey, head = build_head(NS, ROOT_PARENT, other, blob(other))
+    okey, head = chunkfmt.build_head(NS, chunkfmt.ROOT_PARENT, other, blob(other))
     orphan_tier.store_chunk(okey, head, blob(other))  # a save killed before its manifest
     orphan_tier.close()
     with Cache(cfg, background=False) as cache:
-        assert cache.counters()["tier_disk_bytes"] == _chunk_bytes(5, cache) + 76 * PER_TOKEN
+        used = _chunk_bytes(5) + _chunk_bytes(1, tokens=76) + _manifest(1100, 5)
+        assert cache.counters()["tier_disk_bytes"] == used
         assert _restored(cache, key) == blob(tokens)
         freed = cache.evict_bytes(1)
         assert (freed.rows, freed.bytes) == (0, _chunk_bytes(1, cache))  # the orphan goes first
@@ -209,7 +221,7 @@ def test_verify_reads_every_chunk_and_repair_drops_rows_naming_a_bad_one(tmp_pat
         tokens = list(range(1024))
         short, long = _save(cache, tokens[:600]), _save(cache, tokens)
         assert cache.verify().bad == ()
-        first = chunkfmt.chunk_keys(NS, tokens, C)[0]  # named by both rows
+        first = chunkfmt.chunk_keys(NS, tokens, (C,))[0]  # named by both rows
         path = root / f"{first.hex()}.kvk"
         data = bytearray(path.read_bytes())
         data[-1] ^= 1

@@ -88,8 +88,8 @@ def test_orphans_go_before_rows(tmp_path: Path, step: str) -> None:
     with Cache(cfg, background=False) as cache:
         orphans = [
             n for n in os.listdir(root) if n.endswith(".kvk")
-        ]  # 2 shared + 2 per acked row, + the victim's linked ones
-        n_orphans = len(orphans) - (2 + 2 * N_ACKED)
+        ]  # 2 shared + 3 per acked row, + the victim's linked ones
+        n_orphans = len(orphans) - (2 + 3 * N_ACKED)
         assert n_orphans == (0 if step == "chunk_tmp_synced" else 1)
         freed = cache.evict_bytes(1)
         assert freed.rows == (1 if n_orphans == 0 else 0)

@@ -27,8 +27,8 @@ class LoadedRow:
     """A row's bytes, valid while its ``open_row`` context is open (the row is checked out,
     so eviction cannot remove it, nor any chunk it names). ``payload`` is a zero-copy view:
     ``kv_unpack`` reads it directly -- unless ``chunks`` is set: the row is then a manifest,
-    and ``chunks`` are its KV's pieces in token order (every full chunk, then the tail if
-    any), for the backend's ``kv_join``; ``payload`` is only the tail."""
+    ``chunks`` are its KV's pieces in token order, for the backend's ``kv_join``, and
+    ``payload`` is empty."""
 
     info: RowInfo
     tokens: tuple[int, ...]

@@ -79,20 +79,22 @@ def chunk_key(ns: Namespace, parent: bytes, tokens: Sequence[int] | bytes) -> by
     return h.digest()
 
 
-def chunk_keys(ns: Namespace, tokens: Sequence[int], chunk_tokens: int) -> tuple[bytes, ...]:
-    """Keys of the full chunks of ``tokens`` (the last partial chunk is a row's tail)."""
-    if chunk_tokens <= 0:
-        return ()
+def chunk_keys(ns: Namespace, tokens: Sequence[int], lens: Sequence[int]) -> tuple[bytes, ...]:
+    """Keys of the chunks cutting ``tokens`` into consecutive runs of ``lens`` tokens (which
+    may cover only a prefix of them)."""
     encoded = memoryview(encode_tokens(tokens))
+    if any(n <= 0 for n in lens) or 4 * sum(lens) > encoded.nbytes:
+        raise ValueError("chunk lengths must be positive and fit the tokens")
     prefix = namespace_prefix(ns)
     keys: list[bytes] = []
     parent = ROOT_PARENT
-    step = 4 * chunk_tokens
-    for start in range(0, (len(tokens) // chunk_tokens) * step, step):
+    start = 0
+    for n in lens:
         h = hashlib.sha256(_DOMAIN)
         h.update(prefix)
         h.update(parent)
-        h.update(encoded[start : start + step])
+        h.update(encoded[start : start + 4 * n])
+        start += 4 * n
         parent = h.digest()
         keys.append(parent)
     return tuple(keys)

@@ -1,18 +1,24 @@
 """Saving and reading rows as manifests over content-addressed chunks (tier I/O; no lock).
 
-A save of ``n`` tokens with chunk size ``C`` names the ``n // C`` full chunks by their chained
-keys (``chunkfmt.chunk_keys``), pins them in the index, asks the backend's codec
-(``SaveRequest.split``) for only the chunks the tier lacks and the tail (the last ``n % C``
-tokens), writes those chunks, then publishes the manifest through the tier's row protocol.
+A save of ``n`` tokens is cut into chunks of at most ``C`` tokens (``plan_lens``) that line
+up with the row sharing its longest prefix: that row's chunks are reused as far as the shared
+prefix reaches, one chunk ends exactly where the two diverge, and fixed ``C``-token chunks
+follow, the last one shorter. Every chunk's key chains its parent's (``chunkfmt``), so a
+conversation's next turn reuses all of the previous turn's chunks and the second
+conversation over a system prompt cuts a chunk at the prompt's end that every later one
+reuses. The cache pins the chunks in the index, asks the backend's codec
+(``SaveRequest.split``) for only those the tier lacks, writes them, then publishes the
+manifest through the tier's row protocol.
 
 Invariants:
 
 - No manifest is published before every chunk it names is durable in its tier: chunks are
   stored (each through the tier's crash-safe ``store_chunk``) before ``tier.store`` of the
   manifest begins, and stay pinned until it ends, so no eviction frees them in between.
-- A chunk the index knows is stored in the tier is never written again: the 100th row over
-  a shared prefix writes only its own chunks, its tail and a small manifest.
-- A row with no full chunk is stored whole (no split, no copy).
+- A chunk the index knows is stored in the tier is never written again.
+- Cut points only decide how much is shared, never what a row holds: keys are content
+  addresses, so any plan restores the same bytes.
+- A row shorter than one chunk is stored whole (no split, no copy).
 See docs/architecture.md ("Chunks").
 """
 
@@ -28,7 +34,30 @@ from kvwarm.cache.protocols import StoredRow, Tier
 from kvwarm.cache.types import SaveRequest
 from kvwarm.errors import CacheIOError
 
-__all__ = ["load_chunks", "store_row"]
+__all__ = ["load_chunks", "plan_lens", "store_row"]
+
+
+def plan_lens(n: int, size: int, base: Sequence[int], shared: int) -> tuple[int, ...]:
+    """Chunk lengths for ``n`` tokens: ``base``'s chunks (the chunk lengths of a row sharing
+    ``shared`` tokens; () for fixed cuts) while they end within the shared prefix, one chunk
+    up to the shared length, then chunks of ``size`` tokens."""
+    shared = min(shared, n)
+    if not base:
+        base = (size,) * (shared // size)
+    lens: list[int] = []
+    end = 0
+    for length in base:
+        if end + length > shared:
+            break
+        lens.append(length)
+        end += length
+    if end < shared:
+        lens.append(shared - end)
+        end = shared
+    while end < n:
+        lens.append(min(size, n - end))
+        end += lens[-1]
+    return tuple(lens)
 
 
 def store_row(
@@ -43,30 +72,30 @@ def store_row(
 ) -> StoredRow | None:
     """Store ``request`` in ``tier`` as a manifest over chunks when it comes with a splitter
     and holds at least one full chunk, else whole. Returns the published row, or None."""
-    size = request.chunk_tokens or chunk_tokens
-    split = request.split
-    if split is None or size <= 0 or len(request.tokens) < size:
-        return tier.store(key, replace(request, split=None, chunk_tokens=None), index)
-    ns, tokens = request.namespace, request.tokens
-    keys = chunk_keys(ns, tokens, size)
+    split, ns, tokens = request.split, request.namespace, request.tokens
+    lens = request.chunk_lens
+    if split is None or (not lens and (chunk_tokens <= 0 or len(tokens) < chunk_tokens)):
+        return tier.store(key, replace(request, split=None, chunk_lens=(), chunk_keys=()), index)
+    if not lens:
+        lens = plan_lens(len(tokens), chunk_tokens, *index.chunk_base(ns, tokens))
+    keys = chunk_keys(ns, tokens, lens)
     write = index.pin_chunks(tier.name, keys, wait_s)
     if write is None:
         raise CacheIOError(f"{tier.name}: chunks of {key.hex()} are still being deleted")
     try:
         need = set(write)
+        bounds = [0]
+        for length in lens:
+            bounds.append(bounds[-1] + length)
         first = next((i for i, k in enumerate(keys) if k in need), len(keys))
-        bounds = [i * size for i in range(first, len(keys) + 1)]
-        has_tail = len(tokens) > len(keys) * size
-        if has_tail:
-            bounds.append(len(tokens))
-        parts = split(request.payload, bounds) if len(bounds) > 1 else []
-        if len(parts) != len(bounds) - 1:
-            raise ValueError(f"splitter returned {len(parts)} parts for {len(bounds) - 1}")
-        for i, part in enumerate(parts[: len(keys) - first], start=first):
+        parts = split(request.payload, bounds[first:]) if first < len(keys) else []
+        if len(parts) != len(keys) - first:
+            raise ValueError(f"splitter returned {len(parts)} parts for {len(keys) - first}")
+        for i, part in enumerate(parts, start=first):
             if keys[i] not in need:
                 continue
             parent = keys[i - 1] if i else ROOT_PARENT
-            _, head = build_head(ns, parent, tokens[i * size : (i + 1) * size], part)
+            _, head = build_head(ns, parent, tokens[bounds[i] : bounds[i + 1]], part)
             stored = tier.store_chunk(keys[i], head, part)
             index.chunk_stored(tier.name, keys[i], stored)
             if counters is not None:
@@ -74,13 +103,7 @@ def store_row(
                 counters.incr("chunk_bytes_written", stored)
         if counters is not None:
             counters.incr("chunks_reused", len(keys) - len(need))
-        manifest = replace(
-            request,
-            payload=parts[-1] if has_tail else b"",
-            split=None,
-            chunk_tokens=size,
-            chunk_keys=keys,
-        )
+        manifest = replace(request, payload=b"", split=None, chunk_lens=lens, chunk_keys=keys)
         return tier.store(key, manifest, index)
     finally:
         index.unpin_chunks(tier.name, keys)

@@ -213,7 +213,7 @@ class Cache(CacheUpkeep, SharedTiers):
                 _release(data)
 
     def _load_parts(self, tier: Tier, stored: StoredRow, data: RowBytes) -> tuple[memoryview, ...]:
-        """A manifest's chunks (then its tail), verified; () for a whole-blob row."""
+        """A manifest's chunks, verified, in order; () for a whole-blob row."""
         if not stored.chunks:
             return ()
         key = stored.info.key
@@ -228,8 +228,6 @@ class Cache(CacheUpkeep, SharedTiers):
         except CacheIOError:
             self._counters.incr("store_errors")
             raise
-        if data.payload.nbytes:
-            chunks.append(data.payload)
         return tuple(chunks)
 
     def _load(self, tier: Tier, stored: StoredRow, scratch: bytearray | None = None) -> RowBytes:

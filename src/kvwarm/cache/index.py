@@ -322,6 +322,16 @@ class Index:
             self._rows.chunks.deleted(chunk.tier, chunk.key)
             self._chunk_gone.notify_all()
 
+    def chunk_base(
+        self, namespace: Namespace, tokens: Sequence[int]
+    ) -> tuple[tuple[int, ...], int]:
+        """(chunk lengths, shared tokens) of the published row sharing the longest prefix
+        with ``tokens`` (((), 0) if none): where a new row's chunks can line up with it."""
+        match = self.longest(namespace, tokens)
+        if match is None:
+            return (), 0
+        return self._rows.chunk_lens(match.row.key), match.n_shared
+
     def chunk_refs(self, tier: TierName, key: bytes) -> int:
         with self._lock:
             return self._rows.chunks.refs(tier, key)

@@ -12,11 +12,11 @@ Layout, little-endian throughout::
     [..]      TLV      u32 length, then (u8 tag, u32 length, value) records
     [..end]   payload  opaque KV bytes
 
-A version-2 file is a *manifest* when its TLV names a chunk size and chunk keys: the row's KV
-is those content-addressed chunks (``cache/chunkfmt.py``) followed by the payload, the KV of
-the last ``tokens % chunk size`` tokens (the tail). Without them the payload is the whole KV
-blob. A version-1 file (an older kvwarm) holds no chunk tags and is read as such a whole-blob
-row; an older kvwarm refuses version 2, so it never mistakes a tail for a whole blob.
+A version-2 file is a *manifest* when its TLV lists chunk lengths and chunk keys: the row's KV
+is those content-addressed chunks (``cache/chunkfmt.py``) in order, their lengths summing to
+the token count, and its payload is empty. Without them the payload is the whole KV blob. A
+version-1 file (an older kvwarm) holds no chunk tags and is read as such a whole-blob row; an
+older kvwarm refuses version 2, so it never mistakes a manifest for a row with no KV.
 
 Invariants:
 - The payload CRC covers the payload; the meta CRC covers every byte before the payload except
@@ -110,7 +110,7 @@ TAG_TOKENS = 0x09
 TAG_LOGITS = 0x0A  # kvwarm: float32 LE logits after the last token
 TAG_TTL_CLASS = 0x0B  # kvwarm: TtlClass byte
 TAG_CANONICAL = 0x0C  # kvwarm: u32, leading tokens whose KV came from aligned prefill
-TAG_CHUNK_TOKENS = 0x0D  # kvwarm v2: u32 tokens per chunk (the row is a manifest)
+TAG_CHUNK_LENS = 0x0D  # kvwarm v2: u32 token count of each chunk (the row is a manifest)
 TAG_CHUNKS = 0x0E  # kvwarm v2: the chunk keys, 32 bytes each, in token order
 _REQUIRED = (
     TAG_FINGERPRINT,
@@ -121,7 +121,7 @@ _REQUIRED = (
     TAG_TOKENS,
 )
 _KNOWN = frozenset((*_REQUIRED, TAG_HOSTNAME, TAG_VERSION, TAG_REASON_DETAIL, TAG_LOGITS,
-                    TAG_TTL_CLASS, TAG_CANONICAL, TAG_CHUNK_TOKENS, TAG_CHUNKS))  # fmt: skip
+                    TAG_TTL_CLASS, TAG_CANONICAL, TAG_CHUNK_LENS, TAG_CHUNKS))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +144,9 @@ class KvcFields:
     hostname: str = ""
     version: str = __version__
     canonical_tokens: int | None = None  # see RowInfo.canonical_tokens; None: all tokens
-    # A manifest's chunk size and chunk keys (None, (): the payload is the whole blob).
-    chunk_tokens: int | None = None
+    # A manifest's chunk lengths (tokens) and keys, in order (both (): the payload is the
+    # whole blob).
+    chunk_lens: tuple[int, ...] = ()
     chunks: tuple[bytes, ...] = ()
 
 
@@ -182,21 +183,24 @@ def fields_from_request(req: SaveRequest, *, now: float) -> KvcFields:
         prompt_text=req.prompt_text,
         hostname=socket.gethostname(),
         canonical_tokens=req.canonical_tokens,
-        chunk_tokens=req.chunk_tokens,
+        chunk_lens=req.chunk_lens,
         chunks=req.chunk_keys,
     )
 
 
-def check_chunks(n_tokens: int, chunk_tokens: int | None, chunks: tuple[bytes, ...]) -> None:
-    """``ValueError`` unless ``chunks`` are the full chunks of ``n_tokens`` tokens."""
-    if chunk_tokens is None:
-        if chunks:
-            raise ValueError("chunk keys without a chunk size")
+def check_chunks(
+    n_tokens: int, lens: tuple[int, ...], chunks: tuple[bytes, ...], payload_len: int
+) -> None:
+    """``ValueError`` unless ``chunks`` (of ``lens`` tokens) cover the row's ``n_tokens``
+    exactly and a manifest's payload is empty (or there are no chunks at all)."""
+    if len(lens) != len(chunks) or any(len(k) != 32 for k in chunks):
+        raise ValueError("chunk lengths and 32-byte chunk keys must pair up")
+    if not chunks:
         return
-    if chunk_tokens <= 0 or chunk_tokens > _U32_MAX:
-        raise ValueError("chunk size out of range")
-    if len(chunks) != n_tokens // chunk_tokens or any(len(k) != 32 for k in chunks):
-        raise ValueError("chunk keys do not cover the row's full chunks")
+    if any(not 0 < n <= _U32_MAX for n in lens) or sum(lens) != n_tokens:
+        raise ValueError("chunk lengths do not cover the row's tokens")
+    if payload_len:
+        raise ValueError("a manifest holds its KV in its chunks: its payload must be empty")
 
 
 def _tlv(tag: int, value: Buffer) -> bytes:
@@ -233,9 +237,10 @@ def build_prefix(fields: KvcFields, payload: Buffer) -> bytes:
         records.append(_tlv(TAG_LOGITS, fields.logits))
     if canonical is not None:
         records.append(_tlv(TAG_CANONICAL, _U32.pack(canonical)))
-    check_chunks(len(fields.tokens), fields.chunk_tokens, fields.chunks)
-    if fields.chunk_tokens is not None:
-        records.append(_tlv(TAG_CHUNK_TOKENS, _U32.pack(fields.chunk_tokens)))
+    check_chunks(len(fields.tokens), fields.chunk_lens, fields.chunks, memoryview(payload).nbytes)
+    if fields.chunks:
+        lens = struct.pack(f"<{len(fields.chunk_lens)}I", *fields.chunk_lens)
+        records.append(_tlv(TAG_CHUNK_LENS, lens))
         records.append(_tlv(TAG_CHUNKS, b"".join(fields.chunks)))
     tlv = b"".join(records)
     prompt = fields.prompt_text.encode("utf-8", "replace")
@@ -388,7 +393,7 @@ def _parse_meta(
         if canonical > count:
             raise _bad("canonical token count exceeds token count")
 
-    chunk_tokens, chunks = _chunk_tags(tags, version, count)
+    chunk_lens, chunks = _chunk_tags(tags, version, count, length)
     ns = Namespace(fingerprint=bytes(fp), quant=quant_v[0], ctx_hash=bytes(ctx))
     key_hash = hashlib.sha256(namespace_prefix(ns))
     key_hash.update(tok_v)
@@ -416,30 +421,32 @@ def _parse_meta(
         hostname=_text(tags, TAG_HOSTNAME),
         version=_text(tags, TAG_VERSION),
         canonical_tokens=canonical,
-        chunk_tokens=chunk_tokens,
+        chunk_lens=chunk_lens,
         chunks=chunks,
     )
     return KvcMeta(key, fields, offset, length, payload_crc)
 
 
 def _chunk_tags(
-    tags: dict[int, memoryview], version: int, count: int
-) -> tuple[int | None, tuple[bytes, ...]]:
-    size_v, keys_v = tags.get(TAG_CHUNK_TOKENS), tags.get(TAG_CHUNKS)
-    if size_v is None and keys_v is None:
-        return None, ()
-    if version < 2 or size_v is None or keys_v is None:
-        raise _bad("chunk size and chunk keys must come together, in a version-2 file")
-    if size_v.nbytes != 4 or keys_v.nbytes % 32:
-        raise _bad("chunk size or chunk key list has the wrong size")
-    (chunk_tokens,) = _U32.unpack_from(size_v, 0)
+    tags: dict[int, memoryview], version: int, count: int, payload_len: int
+) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
+    lens_v, keys_v = tags.get(TAG_CHUNK_LENS), tags.get(TAG_CHUNKS)
+    if lens_v is None and keys_v is None:
+        return (), ()
+    if version < 2 or lens_v is None or keys_v is None:
+        raise _bad("chunk lengths and chunk keys must come together, in a version-2 file")
+    if lens_v.nbytes % 4 or keys_v.nbytes % 32 or lens_v.nbytes // 4 != keys_v.nbytes // 32:
+        raise _bad("chunk length or chunk key list has the wrong size")
+    if not lens_v.nbytes:
+        raise _bad("a manifest names no chunk")
+    lens = struct.unpack(f"<{lens_v.nbytes // 4}I", lens_v)
     raw = bytes(keys_v)
     chunks = tuple(raw[i : i + 32] for i in range(0, len(raw), 32))
     try:
-        check_chunks(count, chunk_tokens, chunks)
+        check_chunks(count, lens, chunks, payload_len)
     except ValueError as exc:
         raise _bad(str(exc)) from None
-    return chunk_tokens, chunks
+    return lens, chunks
 
 
 def _parse_tlv(mv: memoryview) -> dict[int, memoryview]:

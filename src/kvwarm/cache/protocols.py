@@ -37,8 +37,10 @@ class StoredRow:
     info: RowInfo
     tokens: tuple[int, ...]
     location: str | None
-    # A manifest's chunk keys, in token order, stored in the same tier (() if unchunked).
+    # A manifest's chunk keys, in token order, stored in the same tier (() if unchunked),
+    # and how many tokens each covers.
     chunks: tuple[bytes, ...] = ()
+    chunk_lens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

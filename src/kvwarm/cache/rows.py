@@ -37,6 +37,7 @@ class _Entry:
     location: str | None
     refcount: int = 0
     chunks: tuple[bytes, ...] = ()
+    chunk_lens: tuple[int, ...] = ()
 
 
 class RowTable:
@@ -88,6 +89,10 @@ class RowTable:
         entry = None if hit is None else self._entries.get(hit[0])
         return None if hit is None or entry is None else PrefixMatch(entry.info, hit[1])
 
+    def chunk_lens(self, key: bytes) -> tuple[int, ...]:
+        entry = self._entries.get(key)
+        return () if entry is None else entry.chunk_lens
+
     def infos(self) -> list[RowInfo]:
         return [e.info for e in self._entries.values()]
 
@@ -112,7 +117,7 @@ class RowTable:
         entry = self._entries[key]
         tokens = self._prefix.tokens(key)
         assert tokens is not None, "row present without tokens"
-        return StoredRow(entry.info, tokens, entry.location, entry.chunks)
+        return StoredRow(entry.info, tokens, entry.location, entry.chunks, entry.chunk_lens)
 
     # ----------------------------------------------------------------- membership
 
@@ -127,7 +132,7 @@ class RowTable:
             refcount = old.refcount
             self.remove(key)
         self._prefix.insert(info.namespace, key, row.tokens, info.size)
-        self._entries[key] = _Entry(info, row.location, refcount, row.chunks)
+        self._entries[key] = _Entry(info, row.location, refcount, row.chunks, row.chunk_lens)
         self.chunks.ref(info.tier, row.chunks)
         self._bytes[info.tier] = self._bytes.get(info.tier, 0) + info.size
         self._count[info.tier] = self._count.get(info.tier, 0) + 1

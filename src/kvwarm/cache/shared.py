@@ -110,12 +110,16 @@ class SharedTiers(CacheCore):
             return
         view = data.payload[:]
         split = None
-        if parts and fields.chunk_tokens:
-            size = fields.chunk_tokens
+        if parts and fields.chunks:
             held = tuple(p[:] for p in parts)  # s3 bodies are immutable bytes: views suffice
+            starts: dict[int, int] = {}
+            at = 0
+            for i, length in enumerate(fields.chunk_lens):
+                starts[at] = i
+                at += length
 
             def pick(_blob: object, bounds: Sequence[int]) -> list[bytes]:
-                return [bytes(held[b // size]) for b in bounds[:-1]]
+                return [bytes(held[starts[b]]) for b in bounds[:-1]]
 
             split = pick
         # The payload is copied on the writer thread: copying MBs here would stall a tick.
@@ -133,7 +137,7 @@ class SharedTiers(CacheCore):
             fingerprint_mode=fields.fingerprint_mode,
             canonical_tokens=fields.canonical_tokens,
             split=split,
-            chunk_tokens=fields.chunk_tokens if split is not None else None,
+            chunk_lens=fields.chunk_lens if split is not None else (),
         )
         self._index.mark_in_flight(key)
 

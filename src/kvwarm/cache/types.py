@@ -138,8 +138,8 @@ class CacheConfig:
     promote_tier: TierName | None = None
     probe_max: int = 16
     probe_parallel: int = 8
-    # Rows are manifests over content-addressed chunks of this many tokens (0: every row is
-    # one whole blob). Only saves that come with a ``SaveRequest.split`` are chunked.
+    # Rows are manifests over content-addressed chunks of up to this many tokens (0: every
+    # row is one whole blob). Only saves that come with a ``SaveRequest.split`` are chunked.
     chunk_tokens: int = 256
 
 
@@ -188,13 +188,13 @@ class SaveRequest:
     quant_bits: int = 0
     fingerprint_mode: FingerprintMode = FingerprintMode.SAFE
     canonical_tokens: int | None = None  # see RowInfo.canonical_tokens
-    # The backend's codec (``kv_split``): with it, the cache stores ``payload`` as chunks of
-    # ``CacheConfig.chunk_tokens`` tokens, writing only those the tier lacks. Run on a writer
-    # thread, so it must be pure (the backends' codecs are).
+    # The backend's codec (``kv_split``): with it, the cache stores ``payload`` as chunks
+    # (``cache/chunking.py``), writing only those the tier lacks. Run on a writer thread, so
+    # it must be pure (the backends' codecs are).
     split: Splitter | None = None
-    # Set by the cache, not by callers: the manifest a tier writes (``payload`` is then the
-    # tail's chunk, the KV of the last ``len(tokens) % chunk_tokens`` tokens).
-    chunk_tokens: int | None = None
+    # The chunk lengths to cut ``payload`` at (() : the cache plans them). With
+    # ``chunk_keys`` set too, the manifest a tier writes (``payload`` is then empty).
+    chunk_lens: tuple[int, ...] = ()
     chunk_keys: tuple[bytes, ...] = ()
 
 

@@ -21,7 +21,8 @@ def check_request(key: bytes, request: SaveRequest) -> None:
         raise ValueError("key does not match the request's namespace and tokens")
     if request.logits is not None and len(request.logits) % 4:
         raise ValueError("logits must be float32 (length a multiple of 4)")
-    check_chunks(len(request.tokens), request.chunk_tokens, request.chunk_keys)
+    size = memoryview(request.payload).nbytes
+    check_chunks(len(request.tokens), request.chunk_lens, request.chunk_keys, size)
 
 
 def row_info(
@@ -33,7 +34,11 @@ def row_info(
     created: float | None = None,
     last_used: float | None = None,
 ) -> RowInfo:
-    """``RowInfo`` for a row with these recorded fields (file times are whole seconds)."""
+    """``RowInfo`` for a row with these recorded fields (file times are whole seconds). A
+    manifest's size is its own metadata (tokens, chunk list, logits); its chunks count once
+    per tier in the index."""
+    if fields.chunks:
+        payload_len += 4 * len(fields.tokens) + 36 * len(fields.chunks) + len(fields.logits or b"")
     return RowInfo(
         key=key,
         tier=tier,

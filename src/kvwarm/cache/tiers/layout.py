@@ -71,4 +71,6 @@ def row_from_file(dir_fd: int, root: Path, tier: TierName, name: str, key: bytes
     if meta.key != key:
         raise CacheFormatError(f"{name} holds another key")
     info = row_info(key, tier, meta.fields, meta.payload_length)
-    return StoredRow(info, meta.fields.tokens, str(root / name), meta.fields.chunks)
+    return StoredRow(
+        info, meta.fields.tokens, str(root / name), meta.fields.chunks, meta.fields.chunk_lens
+    )

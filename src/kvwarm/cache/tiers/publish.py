@@ -160,10 +160,16 @@ class Publisher:
         location = str(self._root / att.final)
         if adopted is None:
             info = row_info(att.key, self._tier, fields, memoryview(request.payload).nbytes)
-            row = StoredRow(info, request.tokens, location, request.chunk_keys)
+            row = StoredRow(info, request.tokens, location, request.chunk_keys, request.chunk_lens)
         else:
             info = row_info(att.key, self._tier, adopted.fields, adopted.payload_length)
-            row = StoredRow(info, adopted.fields.tokens, location, adopted.fields.chunks)
+            row = StoredRow(
+                info,
+                adopted.fields.tokens,
+                location,
+                adopted.fields.chunks,
+                adopted.fields.chunk_lens,
+            )
         book.mark_linked(att.key, att.token, location)
         self._step("marked_linked")
         return row

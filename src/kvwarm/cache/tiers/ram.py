@@ -77,12 +77,12 @@ class RamTier:
                 ttl_class=request.ttl_class,
                 logits=request.logits,
                 canonical_tokens=request.canonical_tokens,
-                chunk_tokens=request.chunk_tokens,
+                chunk_lens=request.chunk_lens,
                 chunks=request.chunk_keys,
             )
             size = memoryview(request.payload).nbytes
             info = row_info(key, self._name, fields, size, created=now, last_used=now)
-            stored = StoredRow(info, request.tokens, None, request.chunk_keys)
+            stored = StoredRow(info, request.tokens, None, request.chunk_keys, request.chunk_lens)
             entry = _Entry(stored, request.payload, request.logits)
             with self._lock:
                 self._rows[key] = entry

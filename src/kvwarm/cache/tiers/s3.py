@@ -134,7 +134,9 @@ class S3Tier:
             adopted = self._put_once(key, b"".join((prefix, request.payload)))
             if adopted is None:
                 info = row_info(key, self._name, fields, memoryview(request.payload).nbytes)
-                row = StoredRow(info, request.tokens, self.location(key), request.chunk_keys)
+                row = StoredRow(
+                    info, request.tokens, self.location(key), request.chunk_keys, request.chunk_lens
+                )
             else:
                 row = adopted
             book.mark_linked(key, token, self.location(key))
@@ -228,7 +230,9 @@ class S3Tier:
         hits, last_used = _int_meta(user_meta, _META_HITS), _int_meta(user_meta, _META_LAST_USED)
         if hits is not None and last_used is not None:
             info = replace(info, hits=hits, last_used=float(last_used))
-        return StoredRow(info, meta.fields.tokens, self.location(key), meta.fields.chunks)
+        return StoredRow(
+            info, meta.fields.tokens, self.location(key), meta.fields.chunks, meta.fields.chunk_lens
+        )
 
     def delete(self, key: bytes) -> None:
         name = self.object_name(key)
