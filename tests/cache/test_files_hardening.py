@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -107,6 +107,56 @@ def test_a_directory_of_another_user_is_refused(
     with pytest.raises(UnsafeCacheDirError, match="belongs to uid"):
         FileTier("disk", root, 1 << 20)
     assert _mode(root) == 0o777  # refused, not changed
+
+
+def test_a_0777_cache_dir_around_the_root_loses_its_write_bits(tmp_path: Path) -> None:
+    # The disk tier's root is <cache_dir>/rows: a world-writable cache_dir lets anyone rename
+    # the root away and plant their own (issue 13: "a pre-existing 0777 directory").
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    cache_dir.chmod(0o777)
+    FileTier("disk", cache_dir / "rows", 1 << 20)
+    assert (_mode(cache_dir), _mode(cache_dir / "rows")) == (0o755, 0o700)
+
+
+def test_a_sticky_parent_is_left_alone(tmp_path: Path) -> None:
+    shared = tmp_path / "shm"
+    shared.mkdir()
+    shared.chmod(0o1777)  # /tmp, /dev/shm: others cannot rename what is ours
+    FileTier("ram_file", shared / "kvwarm", 1 << 20)
+    assert _mode(shared) == 0o1777
+
+
+def test_a_writable_parent_of_another_user_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parent = tmp_path / "theirs"
+    (parent / "rows").mkdir(parents=True)
+    parent.chmod(0o777)
+    owner = os.stat(parent).st_uid
+    # The root (rows) is ours; the parent belongs to someone else who lets anyone write it.
+    monkeypatch.setattr(fsutil.os, "fstat", _owned_by(owner + 1, parent, fsutil.os.fstat))
+    monkeypatch.setattr(fsutil.os, "geteuid", lambda: owner + 1)
+    with pytest.raises(UnsafeCacheDirError, match="lets other users replace"):
+        FileTier("disk", parent / "rows", 1 << 20)
+    assert _mode(parent) == 0o777
+
+
+def _owned_by(
+    uid: int, parent: Path, fstat: Callable[[int], os.stat_result]
+) -> Callable[..., object]:
+    """``os.fstat`` that reports every directory but ``parent`` as owned by ``uid``."""
+    parent_ino = os.stat(parent).st_ino
+
+    def fake(fd: int) -> os.stat_result:
+        st = fstat(fd)
+        if st.st_ino == parent_ino:
+            return st
+        fields = list(st)
+        fields[stat.ST_UID] = uid
+        return os.stat_result(fields)
+
+    return fake
 
 
 def test_rows_survive_a_long_downtime_and_expire_after_unused_uptime(tmp_path: Path) -> None:

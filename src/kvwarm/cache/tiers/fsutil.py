@@ -7,6 +7,10 @@ The cache directory is not trusted to be what we left there. Invariants:
 - A tier root owned by another user is refused (``UnsafeCacheDirError``): its owner can always
   write it, so could swap a row for a link. A root that is ours but open to the group or the
   world is tightened to 0700 (and logged), since whoever made it so meant it to be ours.
+- The root's parent (for the disk tier, the configured ``cache_dir`` itself) must not let
+  others rename the root away and plant their own in its place: writable by the group or the
+  world without the sticky bit, it loses those write bits if it is ours (logged) and is
+  refused if it is not. A sticky parent (``/tmp``, ``/dev/shm``) is fine as it is.
 - Every file below a root is opened relative to the root's directory fd with ``O_NOFOLLOW``
   and ``O_NONBLOCK``, and must be a regular file: a symlink is never followed and a FIFO
   planted in place of a row cannot hang a reader (both surface as ``CacheFormatError``).
@@ -60,10 +64,34 @@ def open_private_dir(path: Path) -> int:
     fd = os.open(path, _DIR_FLAGS)
     try:
         _make_private(fd, str(path))
+        _guard_parent(path.parent)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _guard_parent(parent: Path) -> None:
+    fd = os.open(parent, _DIR_FLAGS)
+    try:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        if not mode & 0o022 or mode & stat.S_ISVTX:
+            return
+        if st.st_uid != os.geteuid():
+            raise UnsafeCacheDirError(
+                f"{parent} (mode {mode:o}, uid {st.st_uid}) lets other users replace the cache "
+                "directory in it. Use a directory only we can write."
+            )
+        log.warning(
+            "%s was mode %o: others could replace the cache directory in it; now %o",
+            parent,
+            mode,
+            mode & ~0o022,
+        )
+        os.fchmod(fd, mode & ~0o022)
+    finally:
+        os.close(fd)
 
 
 def open_private_subdir(dir_fd: int, name: str) -> int:
