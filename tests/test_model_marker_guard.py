@@ -41,7 +41,9 @@ def test_no_model() -> None:
 def test_an_unmarked_test_that_resolves_the_model_fails(tmp_path: Path) -> None:
     shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_cases.py").write_text(CASES)
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+    # The copied conftest imports the suite's own helpers (``tests.*``): the repo root too.
+    path = os.pathsep.join([str(HERE.parent / "src"), str(HERE.parent)])
+    env = {**os.environ, "PYTHONPATH": path}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", str(tmp_path),
          "-o", "markers=model", "--rootdir", str(tmp_path)],
