@@ -24,6 +24,7 @@ See docs/architecture.md ("Chunks").
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -31,10 +32,10 @@ from kvwarm.cache.chunkfmt import ROOT_PARENT, build_head, chunk_keys
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.index import Index
 from kvwarm.cache.protocols import StoredRow, Tier
-from kvwarm.cache.types import SaveRequest
+from kvwarm.cache.types import Namespace, SaveRequest
 from kvwarm.errors import CacheIOError
 
-__all__ = ["load_chunks", "plan_lens", "store_row"]
+__all__ = ["PlanBook", "load_chunks", "plan_lens", "store_row"]
 
 
 def plan_lens(n: int, size: int, base: Sequence[int], shared: int) -> tuple[int, ...]:
@@ -58,6 +59,49 @@ def plan_lens(n: int, size: int, base: Sequence[int], shared: int) -> tuple[int,
         lens.append(min(size, n - end))
         end += lens[-1]
     return tuple(lens)
+
+
+class PlanBook:
+    """The cuts of saves accepted but not yet published, so a save planned meanwhile lines
+    up with them too (a finish save queued behind its own cold save shares its chunks even
+    when both run at once). Thread-safe; a handful of entries (the writer queue's)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._plans: dict[bytes, tuple[Namespace, tuple[int, ...], tuple[int, ...]]] = {}
+
+    def plan(
+        self, key: bytes, request: SaveRequest, index: Index, size: int
+    ) -> tuple[int, ...] | None:
+        """Chunk lengths for ``request`` (None: store it whole), registered until ``done``."""
+        ns, tokens = request.namespace, request.tokens
+        if request.split is None or size <= 0 or len(tokens) < size:
+            return None
+        base, shared = index.chunk_base(ns, tokens)
+        with self._lock:
+            pending = [(t, lens) for n, t, lens in self._plans.values() if n == ns]
+        for other, lens in pending:
+            common = _common_prefix(other, tokens, shared)
+            if common > shared:
+                base, shared = lens, common
+        lens = plan_lens(len(tokens), size, base, shared)
+        with self._lock:
+            self._plans[key] = (ns, tokens, lens)
+        return lens
+
+    def done(self, key: bytes) -> None:
+        with self._lock:
+            self._plans.pop(key, None)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], floor: int) -> int:
+    """Length of the common prefix of ``a`` and ``b`` if longer than ``floor``, else 0."""
+    n = min(len(a), len(b))
+    if n <= floor or a[floor] != b[floor]:
+        return 0
+    if a[:n] == b[:n]:  # usually one extends the other: one C-level comparison
+        return n
+    return next(i for i in range(floor, n) if a[i] != b[i])
 
 
 def store_row(

@@ -38,7 +38,7 @@ from dataclasses import replace
 from types import TracebackType
 
 from kvwarm.cache.api import LoadedRow
-from kvwarm.cache.chunking import load_chunks, store_row
+from kvwarm.cache.chunking import PlanBook, load_chunks, store_row
 from kvwarm.cache.core import ScratchBuffers
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.eviction import build_policy
@@ -116,6 +116,7 @@ class Cache(CacheUpkeep, SharedTiers):
         self._tiers: dict[TierName, Tier] = {tier.name: tier for tier in tiers}
         self._closed = False
         self._scratch = ScratchBuffers()
+        self._plans = PlanBook()
         self._close_lock = threading.Lock()
         self._stop = threading.Event()
         for tier in self._tiers.values():
@@ -267,9 +268,17 @@ class Cache(CacheUpkeep, SharedTiers):
             self._counters.incr("saves_dropped")
             return None
         self._index.mark_in_flight(key)
+        # Cuts are planned now, in submission order, so saves queued together line up.
+        lens = self._plans.plan(key, request, self._index, self.config.chunk_tokens)
+        if lens is not None:
+            request = replace(request, chunk_lens=lens)
+        planned = request
 
         def job() -> bool:
-            return self._run_save(key, request, tier)
+            try:
+                return self._run_save(key, planned, tier)
+            finally:
+                self._plans.done(key)
 
         if sync:
             try:
@@ -280,6 +289,7 @@ class Cache(CacheUpkeep, SharedTiers):
                 )
                 return None
         if not self._writer.submit(job):
+            self._plans.done(key)
             self._index.clear_in_flight(key)
             self._counters.incr("saves_dropped")
             return None
