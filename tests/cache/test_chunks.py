@@ -231,3 +231,18 @@ def test_verify_reads_every_chunk_and_repair_drops_rows_naming_a_bad_one(tmp_pat
         assert len(cache.verify(repair=True).bad) == 2
         assert cache.lookup_exact(short) is None and cache.lookup_exact(long) is None
         assert not path.exists()  # its last reference went with the rows
+
+
+def test_saves_queued_together_line_up(make_cache: CacheFactory) -> None:
+    """A finish save accepted while its cold save is still queued shares its chunks (both
+    may run at once on the writer pool: cuts are planned when a save is accepted)."""
+    cache = make_cache()
+    tier = cache.tier_names()[0]
+    tokens = list(range(1100))
+    for n in (1000, 1100):
+        assert cache.save(chunked_request(NS, tokens[:n], tier=tier)) is not None
+    assert cache.flush()
+    stored = _chunk_bytes(3, cache) + _chunk_bytes(1, cache, 232) + _chunk_bytes(1, cache, 100)
+    manifests = _manifest(1000, 4) + _manifest(1100, 5)
+    assert cache.counters()[f"tier_{tier}_bytes"] == stored + manifests
+    assert _restored(cache, cache_key(NS, tokens)) == blob(tokens)
