@@ -9,31 +9,19 @@ does not restore to positions ``[0, n)`` inside the context.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
+from kvwarm.backends._buffers import uninitialised_bytes
 from kvwarm.errors import BackendError, StateRestoreError
-
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-_new_bytes.restype = ctypes.py_object
-_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
-
-
-def _uninitialised_bytes(n: int) -> bytes:
-    """A fresh, unshared ``bytes`` of ``n`` bytes whose content the caller must fill.
-
-    CPython's ``PyBytes_FromStringAndSize(NULL, n)``: the documented way for native code to
-    build a bytes object in place, skipping the zero-fill and the copy of ``bytes(bytearray)``.
-    """
-    return cast(bytes, _new_bytes(None, n))
 
 
 def pack(lib: Any, ctx: object, seq: int) -> bytes:
     size = int(lib.llama_state_seq_get_size(ctx, seq))
     if size <= 0:
         raise BackendError(f"llama_state_seq_get_size returned {size}")
-    out = _uninitialised_bytes(size)
+    out = uninitialised_bytes(size)
     dst = ctypes.cast(ctypes.c_char_p(out), ctypes.POINTER(ctypes.c_uint8))
     written = int(lib.llama_state_seq_get_data(ctx, dst, size, seq))
     if written != size:

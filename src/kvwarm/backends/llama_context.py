@@ -11,7 +11,8 @@ Invariants:
   at the next decode and at close, so a stale view raises ``ValueError`` instead of reading
   freed memory (unless the caller re-exported it, e.g. into numpy).
 - ``kv_pack`` / ``kv_unpack`` keep the invariants of ``_kv_state`` (one copy out, none in; a
-  blob that does not restore leaves the sequence empty).
+  blob that does not restore leaves the sequence empty). ``kv_split`` / ``kv_join`` are the
+  pure ``LlamaKvCodec``: they take no lock and touch no native state.
 - The context holds its model (``acquire``) until ``_free`` has run ``llama_free``.
 """
 
@@ -25,10 +26,11 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from kvwarm.backends import _checks, _kv_state, llama_params
+from kvwarm.backends import _checks, _kv_state, _native, llama_params
 from kvwarm.backends._lifetime import Lifetime
-from kvwarm.backends.base import Adapter, BatchToken, ContextParams
+from kvwarm.backends.base import Adapter, BatchToken, Buffer, ContextParams
 from kvwarm.backends.llama_adapter import LlamaAdapter
+from kvwarm.backends.llama_kv_codec import LlamaKvCodec
 from kvwarm.errors import (
     AdapterError,
     BackendError,
@@ -82,6 +84,11 @@ class LlamaContext:
         self._rows: list[int] = []
         self._views: list[memoryview[float]] = []
         self._adapters: list[tuple[LlamaAdapter, float]] = []
+        self._codec = LlamaKvCodec(
+            type_k=_native.GGML_TYPES[params.type_k],
+            type_v=_native.GGML_TYPES[params.type_v],
+            n_layer=model.facts.n_layer,
+        )
         self._life = Lifetime("context", self._free)
 
     # -- properties ---------------------------------------------------------------------------
@@ -231,6 +238,19 @@ class LlamaContext:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
             return _kv_state.unpack(self._lib, self._ptr, self._mem, seq, data, self._n_ctx)
+
+    @property
+    def kv_codec(self) -> LlamaKvCodec:
+        return self._codec
+
+    def kv_split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
+        # No lock: the codec is pure, so a writer thread never waits for a decode.
+        self._life.check()
+        return self._codec.split(blob, bounds)
+
+    def kv_join(self, chunks: Sequence[Buffer]) -> bytearray:
+        self._life.check()
+        return self._codec.join(chunks)
 
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
         with self._life.using():

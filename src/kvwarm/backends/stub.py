@@ -35,7 +35,8 @@ from kvwarm.backends.base import (
 )
 from kvwarm.backends.chat_template import render_chat
 from kvwarm.backends.stub_adapter import StubAdapter
-from kvwarm.backends.stub_context import CELL, StubContext
+from kvwarm.backends.stub_context import StubContext
+from kvwarm.backends.stub_kv_codec import CELL
 from kvwarm.backends.stub_sampler import StubSampler
 from kvwarm.backends.stub_vocab import (
     BOS,

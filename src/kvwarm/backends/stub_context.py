@@ -26,9 +26,11 @@ from kvwarm.backends._lifetime import Lifetime
 from kvwarm.backends.base import (
     Adapter,
     BatchToken,
+    Buffer,
     ContextParams,
 )
 from kvwarm.backends.stub_adapter import StubAdapter
+from kvwarm.backends.stub_kv_codec import CELL, HEADER, MAGIC, StubKvCodec
 from kvwarm.backends.stub_vocab import EOS, N_BYTE_TOKENS, N_EMBD, N_VOCAB, OFFSET
 from kvwarm.errors import (
     AdapterError,
@@ -43,10 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MASK = (1 << 64) - 1
-_MAGIC = b"KVSTUB01"
-# magic, model id, type_k code, type_v code, cell size, cell count
-_HEADER = struct.Struct("<8sQBBHI")
-CELL = struct.Struct("<iiQ")
 _KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 
@@ -80,6 +78,12 @@ class StubContext:
         self._salt = 0
         self._views: list[memoryview[float]] = []
         self._kv_types = (_KV_TYPES.index(params.type_k), _KV_TYPES.index(params.type_v))
+        self._codec = StubKvCodec(
+            model_id=model.model_id,
+            type_k=self._kv_types[0],
+            type_v=self._kv_types[1],
+            cell_bytes=model.backend.cell_bytes,
+        )
         self._life = Lifetime("context", self._free)
 
     @property
@@ -160,9 +164,7 @@ class StubContext:
             cells = self._seqs[seq]
             size = self._model.backend.cell_bytes
             pad = size - CELL.size
-            out = bytearray(
-                _HEADER.pack(_MAGIC, self._model.model_id, *self._kv_types, size, len(cells))
-            )
+            out = bytearray(self._codec.header(len(cells)))
             for pos in sorted(cells):
                 cell = cells[pos]
                 out += CELL.pack(pos, cell.token, cell.h)
@@ -179,23 +181,23 @@ class StubContext:
             return self._pos_max(seq) + 1
 
     def _parse(self, blob: memoryview) -> dict[int, _Cell]:
-        if len(blob) < _HEADER.size:
+        if len(blob) < HEADER.size:
             raise StateRestoreError(f"KV blob of {len(blob)} bytes is shorter than its header")
-        magic, model_id, type_k, type_v, size, count = _HEADER.unpack_from(blob, 0)
-        if magic != _MAGIC:
+        magic, model_id, type_k, type_v, size, count = HEADER.unpack_from(blob, 0)
+        if magic != MAGIC:
             raise StateRestoreError("not a stub KV blob")
         if model_id != self._model.model_id:
             raise StateRestoreError("KV blob belongs to another model")
         if (type_k, type_v) != self._kv_types:
             raise StateRestoreError("KV blob was made with different KV cache types")
-        if size != self._model.backend.cell_bytes or len(blob) != _HEADER.size + count * size:
+        if size != self._model.backend.cell_bytes or len(blob) != HEADER.size + count * size:
             raise StateRestoreError(f"KV blob has the wrong size ({len(blob)} bytes)")
         if count > self._params.n_ctx:
             raise StateRestoreError(f"KV blob holds {count} cells; n_ctx={self._params.n_ctx}")
         cells: dict[int, _Cell] = {}
         prev_pos, prev_h = -1, _H0
         for i in range(count):
-            at = _HEADER.size + i * size
+            at = HEADER.size + i * size
             pos, token, h = CELL.unpack_from(blob, at)
             if not (prev_pos < pos < self._params.n_ctx and 0 <= token < N_VOCAB):
                 raise StateRestoreError(f"KV blob cell {i} is corrupt")
@@ -205,6 +207,18 @@ class StubContext:
             cells[pos] = _Cell(token, h)
             prev_pos, prev_h = pos, h
         return cells
+
+    @property
+    def kv_codec(self) -> StubKvCodec:
+        return self._codec
+
+    def kv_split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
+        self._life.check()
+        return self._codec.split(blob, bounds)
+
+    def kv_join(self, chunks: Sequence[Buffer]) -> bytearray:
+        self._life.check()
+        return self._codec.join(chunks)
 
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
         with self._life.using():

@@ -1,0 +1,186 @@
+"""Chunks of llama.cpp sequence-state blobs: ``split`` a blob by token ranges, ``join`` it back.
+
+A chunk body is the range's cells in canonical form, sections in blob order::
+
+    n x (i32 pos, u32 1, i32 0)                 metadata: positions start.., sequence id 0
+    for each K layer:  n x row                  the range's rows
+    for each V layer:  n x row, or (transposed) n_embd x (n x elem)
+
+behind the envelope of ``kv_chunk`` whose descriptor is the blob's structure
+(``llama_kv_layout``). Cells come out in position order whatever their order in the blob, and
+the sequence id is dropped, so a chunk depends only on the KV it holds.
+
+Invariants: ``split`` copies each byte it emits once (a slice copy, or a gather when the cells
+were out of order); ``join`` writes each byte once into one uninitialised ``bytearray``; both
+check the layout against the context's cell types and layer count, and ``join`` checks every
+chunk's envelope, place in the sequence and metadata before a byte is copied, so nothing
+malformed reaches ``llama_state_seq_set_data``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvwarm.backends import kv_chunk
+from kvwarm.backends._buffers import U8, fresh_bytes, u8, uninitialised_bytearray
+from kvwarm.backends._native import GGML_TYPES
+from kvwarm.backends.base import Buffer
+from kvwarm.backends.llama_kv_layout import (
+    CELL,
+    HEAD,
+    IO_MAGIC,
+    BlobLayout,
+    Structure,
+    parse_blob,
+    parse_descriptor,
+)
+from kvwarm.errors import StateRestoreError
+
+_TYPE_NAMES = {code: name for name, code in GGML_TYPES.items()}
+_SECTION_HEAD = 12
+
+
+def _type_name(code: int) -> str:
+    return _TYPE_NAMES.get(code, f"ggml type {code}")
+
+
+class LlamaKvCodec:
+    """``KvCodec`` for one context's blobs: its cell types and the model's layer count."""
+
+    __slots__ = ("_n_layer", "_type_k", "_type_v")
+
+    def __init__(self, *, type_k: int, type_v: int, n_layer: int) -> None:
+        self._type_k = type_k
+        self._type_v = type_v
+        self._n_layer = n_layer
+
+    def split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
+        data = u8(blob)
+        layout = parse_blob(data)
+        cuts = kv_chunk.check_bounds(bounds, layout.n_cells)
+        if layout.n_cells == 0:
+            return []
+        self._check(layout.structure, "KV blob")
+        sources = _sections(data, layout.structure, layout.n_cells)
+        return [self._cut(layout, sources, a, b) for a, b in itertools.pairwise(cuts)]
+
+    def join(self, chunks: Sequence[Buffer]) -> bytearray:
+        views = [kv_chunk.parse(u8(c, "KV chunk"), kv_chunk.CODEC_LLAMA) for c in chunks]
+        if not views:
+            return bytearray(HEAD.pack(IO_MAGIC, 0, 1, 0))
+        n_cells = kv_chunk.check_sequence(views)
+        structure = parse_descriptor(views[0].descriptor)
+        self._check(structure, "KV chunk")
+        for i, view in enumerate(views):
+            _check_body(view, structure, i)
+        out = uninitialised_bytearray(structure.blob_size(n_cells))
+        dst = np.frombuffer(out, dtype=np.uint8)
+        _write_skeleton(dst, views[0].descriptor, structure, n_cells)
+        targets = _sections(dst, structure, n_cells)
+        meta = dst[HEAD.size : HEAD.size + n_cells * CELL]
+        for view in views:
+            a, b = view.start, view.end
+            at = (b - a) * CELL
+            meta[a * CELL : b * CELL] = view.body[:at]
+            for section, target in zip(structure.sections, targets, strict=True):
+                size = (b - a) * section.cell_bytes
+                piece = view.body[at : at + size].reshape(section.groups, b - a, section.unit)
+                target[:, a:b, :] = piece
+                at += size
+        return out
+
+    def chunk_range(self, chunk: Buffer) -> tuple[int, int]:
+        view = kv_chunk.parse(u8(chunk, "KV chunk"), kv_chunk.CODEC_LLAMA)
+        structure = parse_descriptor(view.descriptor)
+        self._check(structure, "KV chunk")
+        _check_body(view, structure, 0)
+        return view.start, view.n_cells
+
+    def _check(self, structure: Structure, what: str) -> None:
+        """Refuse a layout this context cannot restore (another cell type or model shape)."""
+        if structure.n_layer != self._n_layer:
+            raise StateRestoreError(
+                f"{what} has {structure.n_layer} layers; this model has {self._n_layer}"
+            )
+        n = structure.n_layer
+        for i, section in enumerate(structure.sections):
+            want = self._type_k if i < n else self._type_v
+            if section.ggml_type != want:
+                kind = "K" if i < n else "V"
+                raise StateRestoreError(
+                    f"{what} holds {_type_name(section.ggml_type)} {kind} cells; this context "
+                    f"uses {_type_name(want)}"
+                )
+
+    @staticmethod
+    def _cut(layout: BlobLayout, sources: list[U8], a: int, b: int) -> bytes:
+        n = b - a
+        structure = layout.structure
+        body_len = n * structure.cell_bytes
+        out, view = fresh_bytes(kv_chunk.header_size(layout.descriptor) + body_len)
+        at = kv_chunk.write_header(
+            view,
+            codec=kv_chunk.CODEC_LLAMA,
+            start=a,
+            n_cells=n,
+            descriptor=layout.descriptor,
+            body_len=body_len,
+        )
+        meta = view[at : at + n * CELL].view("<i4").reshape(n, 3)
+        meta[:, 0] = np.arange(a, b, dtype=np.int32)
+        meta[:, 1] = 1
+        meta[:, 2] = 0
+        at += n * CELL
+        cells = None if layout.order is None else layout.order[a:b]
+        for section, source in zip(structure.sections, sources, strict=True):
+            size = n * section.cell_bytes
+            dst = view[at : at + size].reshape(section.groups, n, section.unit)
+            if cells is None:
+                dst[...] = source[:, a:b, :]
+            else:
+                # mode="clip" writes straight into ``out`` (numpy buffers mode="raise");
+                # ``cells`` is a permutation of valid indices, checked by parse_blob.
+                np.take(source, cells, axis=1, out=dst, mode="clip")
+            at += size
+        return out
+
+
+def _sections(data: U8, structure: Structure, n_cells: int) -> list[U8]:
+    """Each section of a blob of ``n_cells`` cells as a ``(groups, n_cells, unit)`` view."""
+    views = []
+    for section, at in zip(structure.sections, structure.offsets(n_cells), strict=True):
+        size = n_cells * section.cell_bytes
+        views.append(data[at : at + size].reshape(section.groups, n_cells, section.unit))
+    return views
+
+
+def _check_body(view: kv_chunk.ChunkView, structure: Structure, i: int) -> None:
+    """The body is as long as its cells need, with canonical metadata for its positions."""
+    n = view.n_cells
+    if view.body.size != n * structure.cell_bytes:
+        raise StateRestoreError(
+            f"KV chunk {i} body is {view.body.size} bytes; {n} cells need "
+            f"{n * structure.cell_bytes}"
+        )
+    meta = view.body[: n * CELL].view("<i4").reshape(n, 3)
+    if not (
+        np.array_equal(meta[:, 0], np.arange(view.start, view.end, dtype=np.int32))
+        and np.all(meta[:, 1] == 1)
+        and np.all(meta[:, 2] == 0)
+    ):
+        raise StateRestoreError(f"KV chunk {i} has corrupt cell metadata")
+
+
+def _write_skeleton(dst: U8, descriptor: bytes, structure: Structure, n_cells: int) -> None:
+    """The blob's header and every section header, from the descriptor."""
+    HEAD.pack_into(dst.data, 0, IO_MAGIC, 0, 1, n_cells)
+    at = HEAD.size + n_cells * CELL
+    dst[at : at + 8] = np.frombuffer(descriptor, dtype=np.uint8, count=8)
+    for i, offset in enumerate(structure.offsets(n_cells)):
+        head = 8 + i * _SECTION_HEAD
+        dst[offset - _SECTION_HEAD : offset] = np.frombuffer(
+            descriptor, dtype=np.uint8, count=_SECTION_HEAD, offset=head
+        )

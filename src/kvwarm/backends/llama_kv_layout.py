@@ -1,0 +1,183 @@
+"""The layout of a llama.cpp sequence-state blob (``llama_state_seq_get_data``), parsed.
+
+The pinned llama.cpp writes, for one sequence of a unified (one-stream) KV cache, all
+little-endian (``docs/architecture.md``, "KV state layout")::
+
+    u32 io magic 0xAF143CD8, i32 seq id, u32 n_stream (1), u32 n_cells
+    n_cells x (i32 pos, u32 n_seq_id (1), i32 seq id)          12 bytes of metadata per cell
+    u32 v_trans, u32 n_layer
+    n_layer x (i32 type, u64 row bytes, rows: n_cells x row)    K, one row per cell
+    v_trans == 0: n_layer x (i32 type, u64 row bytes, rows)     V, one row per cell
+    v_trans == 1: n_layer x (i32 type, u32 elem bytes, u32 n_embd,
+                             n_embd x (n_cells x elem))         V transposed: one run per element
+
+Cells are written in the order they sit in the KV buffer, which is position order unless
+several sequences interleaved their cells; ``order`` then says which cell holds each position.
+
+Every section is a 3-D view ``(groups, n_cells, unit)``: ``(1, n, row)`` for K and plain V,
+``(n_embd, n, elem)`` for transposed V, so a token range is ``[:, a:b, :]`` in both cases.
+The *descriptor* is the blob's structure without its cells (v_trans, n_layer and every
+section's 12-byte header): it rebuilds the offsets of a blob of any length.
+
+Invariant: ``parse_blob`` checks every count and length against the blob's real size before
+any offset is computed from it, and refuses a blob it does not fully account for (several
+streams, a second cache after the first, unknown cell metadata) with ``StateRestoreError``.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwarm.backends._buffers import U8
+from kvwarm.errors import StateRestoreError
+
+IO_MAGIC = 0xAF143CD8
+HEAD = struct.Struct("<IiII")  # magic, seq id, n_stream, n_cells
+CELL = 12  # i32 pos, u32 n_seq_id, i32 seq id
+_PAIR = struct.Struct("<II")  # v_trans, n_layer
+_ROWS = struct.Struct("<iQ")  # type, row bytes
+_TRANS = struct.Struct("<iII")  # type, element bytes, n_embd
+_SECTION_HEAD = 12
+MAX_LAYERS = 4096
+MAX_ROW = 1 << 24
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """One layer's K or V: its ggml type and its cells as ``(groups, n, unit)`` bytes."""
+
+    ggml_type: int
+    groups: int
+    unit: int
+
+    @property
+    def cell_bytes(self) -> int:
+        return self.groups * self.unit
+
+
+@dataclass(frozen=True, slots=True)
+class Structure:
+    """What a descriptor says: the sections, in blob order (K layers, then V layers)."""
+
+    v_trans: bool
+    n_layer: int
+    sections: tuple[Section, ...]
+
+    @property
+    def cell_bytes(self) -> int:
+        """Bytes per cell: metadata plus every section's share."""
+        return CELL + sum(s.cell_bytes for s in self.sections)
+
+    def offsets(self, n_cells: int) -> list[int]:
+        """Where each section's cells start in a blob of ``n_cells`` cells."""
+        at = HEAD.size + n_cells * CELL + _PAIR.size
+        out = []
+        for section in self.sections:
+            at += _SECTION_HEAD
+            out.append(at)
+            at += n_cells * section.cell_bytes
+        return out
+
+    def blob_size(self, n_cells: int) -> int:
+        return (
+            HEAD.size + _PAIR.size + len(self.sections) * _SECTION_HEAD + n_cells * self.cell_bytes
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BlobLayout:
+    """A parsed blob: its structure, descriptor, cell count and position order."""
+
+    structure: Structure
+    descriptor: bytes
+    n_cells: int
+    #: ``order[p]`` is the cell holding position ``p``; None when cell ``p`` holds position ``p``.
+    order: npt.NDArray[np.intp] | None
+
+
+def parse_descriptor(descriptor: bytes) -> Structure:
+    """The structure a descriptor describes; ``StateRestoreError`` if it is malformed."""
+    if len(descriptor) < _PAIR.size:
+        raise StateRestoreError("KV layout descriptor is too short")
+    v_trans, n_layer = _PAIR.unpack_from(descriptor, 0)
+    if v_trans not in (0, 1) or not 1 <= n_layer <= MAX_LAYERS:
+        raise StateRestoreError(f"KV layout has v_trans={v_trans}, n_layer={n_layer}")
+    if len(descriptor) != _PAIR.size + 2 * n_layer * _SECTION_HEAD:
+        raise StateRestoreError(f"KV layout descriptor of {len(descriptor)} bytes is malformed")
+    sections = tuple(
+        _section(
+            descriptor, _PAIR.size + i * _SECTION_HEAD, i, transposed=v_trans == 1 and i >= n_layer
+        )
+        for i in range(2 * n_layer)
+    )
+    return Structure(bool(v_trans), n_layer, sections)
+
+
+def _section(data: bytes | memoryview, at: int, i: int, *, transposed: bool) -> Section:
+    """Section ``i``'s 12-byte header at ``data[at:]``, its sizes checked."""
+    if transposed:
+        ggml_type, unit, groups = _TRANS.unpack_from(data, at)
+    else:
+        (ggml_type, unit), groups = _ROWS.unpack_from(data, at), 1
+    if not (0 < unit <= MAX_ROW and 0 < groups <= MAX_ROW and groups * unit <= MAX_ROW):
+        raise StateRestoreError(f"KV layout section {i} has {groups} x {unit} bytes per cell")
+    return Section(ggml_type, groups, unit)
+
+
+def parse_blob(blob: U8) -> BlobLayout:
+    """Parse a sequence-state blob; ``StateRestoreError`` unless it is exactly as above."""
+    size = blob.size
+    if size < HEAD.size:
+        raise StateRestoreError(f"KV blob of {size} bytes is shorter than its header")
+    raw = blob.data  # a memoryview: what ``struct`` reads
+    magic, _seq, n_stream, n_cells = HEAD.unpack_from(raw, 0)
+    if magic != IO_MAGIC:
+        raise StateRestoreError(f"KV blob magic {magic:#x} is not llama.cpp's {IO_MAGIC:#x}")
+    if n_stream != 1:
+        raise StateRestoreError(f"KV blob has {n_stream} streams; chunks need a unified cache")
+    if n_cells == 0:
+        if size != HEAD.size:
+            raise StateRestoreError(f"empty KV blob has {size - HEAD.size} trailing bytes")
+        return BlobLayout(Structure(False, 0, ()), b"", 0, None)
+    at = HEAD.size + n_cells * CELL
+    if at + _PAIR.size > size:
+        raise StateRestoreError(f"KV blob of {size} bytes cannot hold {n_cells} cells")
+    order = _cell_order(blob[HEAD.size : at], n_cells)
+    v_trans, n_layer = _PAIR.unpack_from(raw, at)
+    if v_trans not in (0, 1) or not 1 <= n_layer <= MAX_LAYERS:
+        raise StateRestoreError(f"KV blob has v_trans={v_trans}, n_layer={n_layer}")
+    heads = [blob[at : at + _PAIR.size].tobytes()]
+    at += _PAIR.size
+    for i in range(2 * n_layer):
+        if at + _SECTION_HEAD > size:
+            raise StateRestoreError(f"KV blob ends inside the header of section {i}")
+        section = _section(raw, at, i, transposed=v_trans == 1 and i >= n_layer)
+        heads.append(blob[at : at + _SECTION_HEAD].tobytes())
+        at += _SECTION_HEAD + n_cells * section.cell_bytes
+        if at > size:
+            raise StateRestoreError(f"KV blob ends inside section {i}")
+    if at != size:
+        raise StateRestoreError(f"KV blob has {size - at} bytes after its last section")
+    descriptor = b"".join(heads)
+    return BlobLayout(parse_descriptor(descriptor), descriptor, n_cells, order)
+
+
+def _cell_order(meta: U8, n_cells: int) -> npt.NDArray[np.intp] | None:
+    """Which cell holds each position; None for position order. Refuses anything but one
+    sequence holding exactly positions ``0..n_cells-1``."""
+    cells = meta.view("<i4").reshape(n_cells, 3)
+    if not np.all(cells[:, 1] == 1):
+        raise StateRestoreError("KV blob cells belong to several sequences")
+    if not np.all(cells[:, 2] == cells[0, 2]):
+        raise StateRestoreError("KV blob cells name different sequence ids")
+    pos = cells[:, 0]
+    if np.array_equal(pos, np.arange(n_cells, dtype=pos.dtype)):
+        return None
+    order = np.argsort(pos, kind="stable")
+    if not np.array_equal(pos[order], np.arange(n_cells, dtype=pos.dtype)):
+        raise StateRestoreError(f"KV blob cells are not exactly positions 0..{n_cells - 1}")
+    return order
