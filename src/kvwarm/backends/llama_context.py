@@ -88,6 +88,7 @@ class LlamaContext:
             type_k=_native.GGML_TYPES[params.type_k],
             type_v=_native.GGML_TYPES[params.type_v],
             n_layer=model.facts.n_layer,
+            v_trans={"auto": None, "on": False, "off": True}[params.flash_attn],
         )
         self._life = Lifetime("context", self._free)
 

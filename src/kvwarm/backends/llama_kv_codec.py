@@ -48,14 +48,21 @@ def _type_name(code: int) -> str:
 
 
 class LlamaKvCodec:
-    """``KvCodec`` for one context's blobs: its cell types and the model's layer count."""
+    """``KvCodec`` for one context's blobs: its cell types, the model's layer count and, when
+    flash attention was set explicitly, whether V is transposed.
 
-    __slots__ = ("_n_layer", "_type_k", "_type_v")
+    With ``flash_attn="auto"`` llama.cpp decides per device and does not say what it chose,
+    so ``v_trans`` is None and a chunk of the other orientation is refused by llama.cpp's own
+    check at ``kv_unpack`` (a ``StateRestoreError`` too). Row sizes are checked there as well.
+    """
 
-    def __init__(self, *, type_k: int, type_v: int, n_layer: int) -> None:
+    __slots__ = ("_n_layer", "_type_k", "_type_v", "_v_trans")
+
+    def __init__(self, *, type_k: int, type_v: int, n_layer: int, v_trans: bool | None) -> None:
         self._type_k = type_k
         self._type_v = type_v
         self._n_layer = n_layer
+        self._v_trans = v_trans
 
     def split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
         data = u8(blob)
@@ -104,6 +111,11 @@ class LlamaKvCodec:
         if structure.n_layer != self._n_layer:
             raise StateRestoreError(
                 f"{what} has {structure.n_layer} layers; this model has {self._n_layer}"
+            )
+        if self._v_trans is not None and structure.v_trans != self._v_trans:
+            raise StateRestoreError(
+                f"{what} stores V {'transposed' if structure.v_trans else 'by cell'}; this "
+                f"context's flash attention setting stores it the other way"
             )
         n = structure.n_layer
         for i, section in enumerate(structure.sections):

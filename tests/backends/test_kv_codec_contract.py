@@ -1,0 +1,211 @@
+"""The KV chunk codec (``kv_split`` / ``kv_join``), checked identically on both backends.
+
+Runs on the stub and, with the ``model`` marker, on llama.cpp (the fixtures of
+``tests/backends/conftest.py``): what the engine may rely on whichever backend it drives.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+from tests.backends.conftest import SMALL
+
+from kvwarm.backends.base import BackendContext, BackendModel, BatchToken, KvCodec
+from kvwarm.errors import HandleClosedError, InvalidRequestError, StateRestoreError
+
+TEXT = (
+    "Chunks of KV: every token's keys and values, cut by position and glued back. The fishermen "
+    "mended their nets, sang old songs and argued about the weather."
+)
+
+
+@pytest.fixture(scope="module")
+def packed(model: BackendModel) -> tuple[list[int], bytes]:
+    """TEXT's tokens and their blob, prefilled once per backend (prefill is the slow part)."""
+    ctx = model.new_context(SMALL)
+    try:
+        tokens = model.tokenize(TEXT)
+        ctx.prefill(0, tokens, 0)
+        return tokens, ctx.kv_pack(0)
+    finally:
+        ctx.close()
+
+
+def _prefilled(
+    packed: tuple[list[int], bytes], ctx: BackendContext, seq: int = 0
+) -> tuple[list[int], bytes]:
+    """``packed`` restored into ``seq``, and that sequence's own blob."""
+    tokens, blob = packed
+    assert ctx.kv_unpack(seq, blob) == len(tokens)
+    return tokens, ctx.kv_pack(seq)
+
+
+def _bounds(n: int) -> list[list[int]]:
+    """Aligned (n_batch 32) and unaligned cuts, one-token chunks, a single chunk."""
+    return [
+        [0, n],
+        [0, 32, n],
+        [0, 7, 30, 31, n],
+        list(range(n + 1)),
+        [0, 1, n - 1, n],
+    ]
+
+
+def test_codec_satisfies_protocol(ctx: BackendContext) -> None:
+    assert isinstance(ctx.kv_codec, KvCodec)
+
+
+@pytest.mark.parametrize("cut", range(5))
+def test_split_join_round_trip_is_byte_identical(
+    packed: tuple[list[int], bytes], ctx: BackendContext, cut: int
+) -> None:
+    tokens, blob = _prefilled(packed, ctx)
+    n = len(tokens)
+    assert n > 33
+    bounds = _bounds(n)[cut]
+    chunks = ctx.kv_split(blob, bounds)
+    assert len(chunks) == len(bounds) - 1
+    assert all(isinstance(c, bytes) for c in chunks)
+    for chunk, (a, b) in zip(chunks, itertools.pairwise(bounds), strict=True):
+        assert ctx.kv_codec.chunk_range(chunk) == (a, b - a)
+    joined = ctx.kv_join(chunks)
+    assert isinstance(joined, bytearray)
+    assert joined == blob
+    # Any buffer type is accepted on the way in.
+    assert ctx.kv_join([memoryview(c) for c in chunks]) == blob
+    assert ctx.kv_split(memoryview(blob), bounds) == chunks
+
+
+def test_chunk_bytes_depend_only_on_content(
+    packed: tuple[list[int], bytes], ctx: BackendContext
+) -> None:
+    # The same tokens in another sequence give the same chunks; a chunk is cut the same
+    # whether the split asked for every range or only the later ones.
+    tokens, blob0 = _prefilled(packed, ctx, seq=0)
+    _, blob1 = _prefilled(packed, ctx, seq=1)
+    n = len(tokens)
+    full = ctx.kv_split(blob0, [0, 10, 20, n])
+    assert ctx.kv_split(blob1, [0, 10, 20, n]) == full
+    assert ctx.kv_split(blob0, [10, 20, n]) == full[1:]
+    assert ctx.kv_split(blob0, [0, 10]) == full[:1]
+    assert ctx.kv_join(ctx.kv_split(blob1, [0, n])) == blob0
+
+
+@pytest.mark.parametrize("j", [1, 2, 3])
+def test_join_of_a_prefix_equals_pack_of_that_prefix(
+    packed: tuple[list[int], bytes], ctx: BackendContext, j: int
+) -> None:
+    tokens, blob = _prefilled(packed, ctx)
+    bounds = [0, 5, 32, len(tokens)]
+    chunks = ctx.kv_split(blob, bounds)
+    prefix = ctx.kv_join(chunks[:j])
+    ctx.seq_rm(0, bounds[j])
+    assert prefix == ctx.kv_pack(0)
+
+
+def test_joined_blob_restores_like_the_packed_one(
+    packed: tuple[list[int], bytes], ctx: BackendContext
+) -> None:
+    tokens, blob = _prefilled(packed, ctx)
+    n = len(tokens)
+    joined = ctx.kv_join(ctx.kv_split(blob, [0, 3, 17, 32, n]))
+    ctx.clear()
+    assert ctx.kv_unpack(0, blob) == n
+    assert ctx.kv_unpack(1, joined) == n
+    nxt = tokens[2]
+    ctx.decode([BatchToken(nxt, n, 0, logits=True), BatchToken(nxt, n, 1, logits=True)])
+    assert bytes(ctx.logits(0)) == bytes(ctx.logits(1))
+
+
+def test_empty_sequence(ctx: BackendContext) -> None:
+    empty = ctx.kv_pack(0)
+    assert ctx.kv_split(empty, [0]) == []
+    joined = ctx.kv_join([])
+    assert ctx.kv_unpack(1, joined) == 0
+    assert ctx.seq_pos_max(1) == -1
+
+
+def test_bad_bounds_are_invalid_requests(
+    packed: tuple[list[int], bytes], ctx: BackendContext
+) -> None:
+    tokens, blob = _prefilled(packed, ctx)
+    n = len(tokens)
+    for bounds in ([0], [0, n + 1], [-1, n], [0, 5, 5, n], [0, 9, 4, n], []):
+        with pytest.raises(InvalidRequestError):
+            ctx.kv_split(blob, bounds)
+
+
+def test_chunks_out_of_order_missing_or_repeated_are_refused(
+    packed: tuple[list[int], bytes], ctx: BackendContext
+) -> None:
+    tokens, blob = _prefilled(packed, ctx)
+    a, b, c = ctx.kv_split(blob, [0, 10, 20, len(tokens)])
+    for chunks in ([b, a, c], [a, c], [b, c], [a, a, b, c], [a, b, b, c]):
+        with pytest.raises(StateRestoreError):
+            ctx.kv_join(chunks)
+
+
+def test_truncated_or_extended_chunks_are_refused(
+    packed: tuple[list[int], bytes], ctx: BackendContext
+) -> None:
+    _, blob = _prefilled(packed, ctx)
+    (chunk,) = ctx.kv_split(blob, [0, 4])
+    for bad in (chunk[:-1], chunk + b"\0", chunk[: len(chunk) // 2], chunk[:8], b""):
+        with pytest.raises(StateRestoreError):
+            ctx.kv_join([bad])
+        with pytest.raises(StateRestoreError):
+            ctx.kv_codec.chunk_range(bad)
+
+
+def test_corrupt_cell_metadata_is_refused(
+    packed: tuple[list[int], bytes], ctx: BackendContext
+) -> None:
+    # The body's first bytes are cell 0's position: the envelope's CRC does not cover them,
+    # the codec's own check does.
+    _, blob = _prefilled(packed, ctx)
+    (chunk,) = ctx.kv_split(blob, [0, 4])
+    (eight,) = ctx.kv_split(blob, [0, 8])
+    body_at = len(chunk) - (len(eight) - len(chunk))  # bodies grow with cells, envelopes not
+    bad = bytearray(chunk)
+    bad[body_at] ^= 1
+    with pytest.raises(StateRestoreError):
+        ctx.kv_join([bad])
+
+
+def test_chunks_of_other_cell_types_are_refused(
+    packed: tuple[list[int], bytes], model: BackendModel, ctx: BackendContext
+) -> None:
+    tokens, blob = _prefilled(packed, ctx)
+    other = model.new_context(replace(ctx.params, type_k="q8_0"))
+    try:
+        other.prefill(0, tokens[:6], 0)
+        foreign = other.kv_split(other.kv_pack(0), [0, 6])
+        with pytest.raises(StateRestoreError):
+            ctx.kv_join(foreign)
+        with pytest.raises(StateRestoreError):
+            ctx.kv_split(other.kv_pack(0), [0, 6])
+        mine = ctx.kv_split(blob, [0, 10, len(tokens)])
+        with pytest.raises(StateRestoreError):
+            other.kv_join(mine)
+    finally:
+        other.close()
+
+
+def test_blobs_that_are_not_blobs_are_refused(ctx: BackendContext) -> None:
+    for bad in (b"", b"\0" * 15, b"\0" * 4096, b"\xff" * 64):
+        with pytest.raises(StateRestoreError):
+            ctx.kv_split(bad, [0, 1])
+
+
+def test_codec_outlives_its_context(packed: tuple[list[int], bytes], model: BackendModel) -> None:
+    ctx = model.new_context(SMALL)
+    tokens, blob = _prefilled(packed, ctx)
+    codec = ctx.kv_codec
+    ctx.close()
+    with pytest.raises(HandleClosedError):
+        ctx.kv_split(blob, [0, len(tokens)])
+    with pytest.raises(HandleClosedError):
+        ctx.kv_join([])
+    assert codec.join(codec.split(blob, [0, 9, len(tokens)])) == blob

@@ -1,0 +1,237 @@
+"""The KV chunk codec on the real model: the layout it assumes, every cell type, exactness.
+
+What ``docs/architecture.md`` ("KV state layout") says about llama.cpp's sequence blobs is
+asserted here, on the embedded SmolLM2-135M (30 layers, 3 KV heads of 64), for f16, q8_0 and
+q4_0 cells, with V stored by cell (flash attention) and transposed (``flash_attn="off"``).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from tests.backends.test_llama_exactness import N_BATCH, PARAMS, PROMPT
+
+from kvwarm.backends._buffers import u8
+from kvwarm.backends.base import BackendContext, BatchToken, ContextParams, FlashAttn, KvType
+from kvwarm.backends.kv_chunk import header_size
+from kvwarm.backends.llama import LlamaBackend, LlamaModel
+from kvwarm.backends.llama_kv_layout import parse_blob
+from kvwarm.embedded import default_model_path
+from kvwarm.errors import ConfigError, StateRestoreError
+
+pytestmark = pytest.mark.model
+
+SHORT = (
+    "In a small village by the sea, the fishermen woke before dawn. They mended nets, sang "
+    "old songs and argued about the weather."
+)
+# (flash_attn, type_k, type_v): expected v_trans, K row bytes, V bytes per cell.
+CONFIGS: list[tuple[FlashAttn, KvType, KvType, int, int, int]] = [
+    ("auto", "f16", "f16", 0, 384, 384),
+    ("off", "f16", "f16", 1, 384, 384),
+    ("on", "q8_0", "q8_0", 0, 204, 204),
+    ("on", "q4_0", "q4_0", 0, 108, 108),
+    ("auto", "q8_0", "f16", 0, 204, 384),
+    ("off", "q4_0", "f16", 1, 108, 384),
+]
+
+
+@pytest.fixture(scope="module")
+def llama() -> Iterator[LlamaModel]:
+    model = LlamaBackend().load_model(str(default_model_path()))
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def short(llama: LlamaModel) -> list[int]:
+    return llama.tokenize(SHORT)
+
+
+def _params(flash: FlashAttn, type_k: KvType, type_v: KvType) -> ContextParams:
+    return ContextParams(
+        n_ctx=256,
+        n_batch=N_BATCH,
+        n_ubatch=N_BATCH,
+        n_threads=2,
+        n_seq_max=2,
+        type_k=type_k,
+        type_v=type_v,
+        flash_attn=flash,
+    )
+
+
+def _next_logits(ctx: BackendContext, token: int, pos: int) -> tuple[bytes, bytes]:
+    """Decode ``token`` at ``pos`` in seqs 0 and 1 together; both rows' logits."""
+    ctx.decode([BatchToken(token, pos, 0, logits=True), BatchToken(token, pos, 1, logits=True)])
+    return bytes(ctx.logits(0)), bytes(ctx.logits(1))
+
+
+@pytest.mark.parametrize(("flash", "type_k", "type_v", "v_trans", "k_row", "v_cell"), CONFIGS)
+def test_layout_round_trip_prefix_and_restore(
+    llama: LlamaModel,
+    short: list[int],
+    flash: FlashAttn,
+    type_k: KvType,
+    type_v: KvType,
+    v_trans: int,
+    k_row: int,
+    v_cell: int,
+) -> None:
+    ctx = llama.new_context(_params(flash, type_k, type_v))
+    try:
+        n = len(short)
+        ctx.prefill(0, short, 0)
+        blob = ctx.kv_pack(0)
+        # The layout the codec assumes, field by field.
+        assert struct.unpack_from("<IiII", blob) == (0xAF143CD8, 0, 1, n)
+        assert struct.unpack_from("<iIi", blob, 16 + 12 * 5) == (5, 1, 0)
+        layout = parse_blob(u8(blob))
+        assert layout.order is None and layout.structure.v_trans == bool(v_trans)
+        assert layout.structure.n_layer == llama.facts.n_layer == 30
+        k, v = layout.structure.sections[0], layout.structure.sections[30]
+        assert (k.groups, k.unit) == (1, k_row)
+        assert (v.groups, v.unit) == ((192, 2) if v_trans else (1, v_cell))
+        assert len(blob) == 16 + 8 + 60 * 12 + n * (12 + 30 * (k_row + v_cell))
+        # Round trip, unaligned and one-token chunks included.
+        bounds = [0, 1, 2, 13, 20, n]
+        chunks = ctx.kv_split(blob, bounds)
+        assert ctx.kv_join(chunks) == blob
+        assert len(chunks[1]) == header_size(layout.descriptor) + 12 + 30 * (k_row + v_cell)
+        # A prefix of chunks is the blob of that prefix (V slices strided when transposed).
+        prefix = ctx.kv_join(chunks[:3])
+        ctx.seq_rm(0, 13)
+        assert prefix == ctx.kv_pack(0)
+        # Restoring the joined blob decodes exactly like restoring the packed one.
+        ctx.clear()
+        assert ctx.kv_unpack(0, blob) == n
+        assert ctx.kv_unpack(1, ctx.kv_join(chunks)) == n
+        a, b = _next_logits(ctx, short[1], n)
+        assert a == b
+    finally:
+        ctx.close()
+
+
+def test_quantised_v_needs_flash_attention() -> None:
+    with pytest.raises(ConfigError):
+        _params("off", "f16", "q8_0").validate()
+    assert _params("off", "f16", "f16").kv_hash() != _params("on", "f16", "f16").kv_hash()
+    assert _params("auto", "f16", "f16").kv_hash() != _params("on", "f16", "f16").kv_hash()
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs"),
+    [
+        (("auto", "f16", "f16"), ("on", "q4_0", "q4_0")),
+        (("auto", "f16", "f16"), ("on", "f16", "q8_0")),
+        (("on", "f16", "f16"), ("off", "f16", "f16")),
+        (("off", "f16", "f16"), ("on", "f16", "f16")),
+    ],
+)
+def test_chunks_of_another_layout_are_refused_before_llama_cpp(
+    llama: LlamaModel,
+    short: list[int],
+    mine: tuple[FlashAttn, KvType, KvType],
+    theirs: tuple[FlashAttn, KvType, KvType],
+) -> None:
+    ours, other = llama.new_context(_params(*mine)), llama.new_context(_params(*theirs))
+    try:
+        other.prefill(0, short[:5], 0)
+        blob = other.kv_pack(0)
+        with pytest.raises(StateRestoreError):
+            ours.kv_join(other.kv_split(blob, [0, 2, 5]))
+        with pytest.raises(StateRestoreError):
+            ours.kv_split(blob, [0, 5])
+    finally:
+        ours.close()
+        other.close()
+
+
+def test_every_bit_flip_of_a_llama_envelope_is_refused(llama: LlamaModel, short: list[int]) -> None:
+    ctx = llama.new_context(_params("auto", "f16", "f16"))
+    try:
+        ctx.prefill(0, short[:3], 0)
+        blob = ctx.kv_pack(0)
+        first, second = ctx.kv_split(blob, [0, 1, 3])
+        envelope = header_size(parse_blob(u8(blob)).descriptor)
+        assert envelope == 28 + 8 + 60 * 12 + 4
+        for bit in range(envelope * 8):
+            bad = bytearray(second)
+            bad[bit // 8] ^= 1 << (bit % 8)
+            with pytest.raises(StateRestoreError):
+                ctx.kv_join([first, bad])
+        for cut in range(0, len(second), 97):
+            with pytest.raises(StateRestoreError):
+                ctx.kv_join([first, second[:cut]])
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("bounds", [[0, N_BATCH, 2 * N_BATCH], [0, 50, N_BATCH, 100, 2 * N_BATCH]])
+def test_restore_from_chunks_is_bit_identical_to_cold(llama: LlamaModel, bounds: list[int]) -> None:
+    # The exactness rule (kvwarm.alignment) through chunks: the blob of a cold run, cut at
+    # boundaries that are and are not multiples of n_batch, joined up to an aligned one and
+    # restored, then the rest prefilled, gives the cold run's logits bit for bit.
+    tokens = llama.tokenize(PROMPT)
+    ctx = llama.new_context(PARAMS)
+    try:
+        ctx.prefill(0, tokens, 0)
+        cold = bytes(ctx.logits())
+        chunks = ctx.kv_split(ctx.kv_pack(0), bounds)
+        ctx.clear()
+        boundary = bounds[-1]
+        assert ctx.kv_unpack(0, ctx.kv_join(chunks)) == boundary
+        ctx.prefill(0, tokens[boundary:], boundary)
+        assert bytes(ctx.logits()) == cold
+    finally:
+        ctx.close()
+
+
+def test_cells_out_of_position_order_are_chunked_by_position(
+    llama: LlamaModel, short: list[int]
+) -> None:
+    # Two slots in one unified cache: trimming seq 0 frees cells that seq 1's next tokens
+    # take, so seq 1's blob lists positions 20..23 before 0..19.
+    ctx = llama.new_context(_params("auto", "f16", "f16"))
+    fresh = llama.new_context(_params("auto", "f16", "f16"))
+    try:
+        ctx.prefill(0, short[:20], 0)
+        ctx.prefill(1, short[:20], 0)
+        ctx.seq_rm(0, 10)
+        ctx.prefill(1, short[20:24], 20)
+        blob = ctx.kv_pack(1)
+        layout = parse_blob(u8(blob))
+        assert layout.order is not None
+        assert layout.order.tolist() == [*range(4, 24), *range(4)]
+        chunks = ctx.kv_split(blob, [0, 10, 21, 24])
+        joined = ctx.kv_join(chunks)
+        # The joined blob is the same cells in position order: llama.cpp takes it, and
+        # packing it again gives it back.
+        assert joined != blob and len(joined) == len(blob)
+        assert fresh.kv_unpack(0, joined) == 24
+        assert fresh.kv_pack(0) == joined
+        assert ctx.kv_split(joined, [0, 10, 21, 24]) == chunks
+        # Positions 0..19 were computed in order, so their chunk is a cold run's.
+        fresh.clear()
+        fresh.prefill(0, short[:20], 0)
+        assert ctx.kv_split(blob, [0, 20]) == fresh.kv_split(fresh.kv_pack(0), [0, 20])
+    finally:
+        ctx.close()
+        fresh.close()
+
+
+def test_cell_metadata_is_canonical_in_chunks(llama: LlamaModel, short: list[int]) -> None:
+    ctx = llama.new_context(_params("auto", "f16", "f16"))
+    try:
+        ctx.prefill(1, short[:6], 0)
+        blob = ctx.kv_pack(1)
+        assert struct.unpack_from("<IiII", blob)[1] == 1  # the source seq id
+        (chunk,) = ctx.kv_split(blob, [2, 6])
+        body = len(chunk) - 4 * (12 + 60 * 384)
+        meta = np.frombuffer(chunk, dtype="<i4", count=12, offset=body).reshape(4, 3)
+        assert meta.tolist() == [[2, 1, 0], [3, 1, 0], [4, 1, 0], [5, 1, 0]]
+    finally:
+        ctx.close()
