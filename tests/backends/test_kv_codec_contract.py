@@ -209,3 +209,17 @@ def test_codec_outlives_its_context(packed: tuple[list[int], bytes], model: Back
     with pytest.raises(HandleClosedError):
         ctx.kv_join([])
     assert codec.join(codec.split(blob, [0, 9, len(tokens)])) == blob
+
+
+def test_strided_buffers_are_refused_not_crashed(
+    packed: tuple[list[int], bytes], ctx: BackendContext
+) -> None:
+    _, blob = _prefilled(packed, ctx)
+    strided = memoryview(blob)[::2]
+    with pytest.raises(StateRestoreError):
+        ctx.kv_unpack(1, strided)
+    with pytest.raises(StateRestoreError):
+        ctx.kv_split(strided, [0, 1])
+    (chunk,) = ctx.kv_split(blob, [0, 1])
+    with pytest.raises(StateRestoreError):
+        ctx.kv_join([memoryview(chunk)[::2]])

@@ -3,12 +3,16 @@
 Invariants: ``u8`` never copies (a non-contiguous or non-buffer argument is a
 ``StateRestoreError``); ``fresh_bytes`` returns an unshared ``bytes`` with a writable view
 onto it that is valid only until the ``bytes`` is handed out, so the content is written once
-and never copied again (``bytes(bytearray)`` would copy it a second time).
+and never copied again (``bytes(bytearray)`` would copy it a second time). Fresh buffers of
+megabytes ask the kernel for huge pages first (``advise_huge``): filling 45 MiB of new 4 KiB
+pages cost ~55 ms here, three times the copy itself (``bench/kv_chunks.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
+import sys
 from typing import cast
 
 import numpy as np
@@ -18,9 +22,39 @@ from kvwarm.errors import StateRestoreError
 
 U8 = npt.NDArray[np.uint8]
 
+_HUGE = 1 << 21  # a transparent huge page on x86-64 and arm64
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_madvise = None
+if sys.platform == "linux" and _MADV_HUGEPAGE is not None:
+    try:
+        _madvise = ctypes.CDLL(None, use_errno=True).madvise
+        _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        _madvise.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        _madvise = None
+
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype = ctypes.py_object
 _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+
+
+def advise_huge(address: int, size: int) -> None:
+    """Ask for transparent huge pages on the 2 MiB-aligned inside of ``[address, +size)``,
+    before it is first written (the kernel then maps it with a few hundred faults instead of
+    thousands). Only whole pages inside the caller's own buffer are advised, so nothing else
+    is affected; the hint is best effort and silently absent off Linux."""
+    if _madvise is None or size < 2 * _HUGE:
+        return
+    lo = (address + _HUGE - 1) & ~(_HUGE - 1)
+    hi = (address + size) & ~(_HUGE - 1)
+    if hi > lo:
+        _madvise(lo, hi - lo, _MADV_HUGEPAGE)
+
+
+def _address(buf: bytes | bytearray) -> int:
+    if isinstance(buf, bytearray):
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    return cast(int, ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value)
 
 
 def uninitialised_bytes(n: int) -> bytes:
@@ -29,7 +63,9 @@ def uninitialised_bytes(n: int) -> bytes:
     CPython's ``PyBytes_FromStringAndSize(NULL, n)``: the documented way for native code to
     build a bytes object in place, skipping the zero-fill and the copy of ``bytes(bytearray)``.
     """
-    return cast(bytes, _new_bytes(None, n))
+    out = cast(bytes, _new_bytes(None, n))
+    advise_huge(_address(out), n)
+    return out
 
 
 _new_bytearray = ctypes.pythonapi.PyByteArray_FromStringAndSize
@@ -40,7 +76,10 @@ _new_bytearray.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
 def uninitialised_bytearray(n: int) -> bytearray:
     """A new ``bytearray`` of ``n`` bytes, not zero-filled (``bytearray(n)`` writes every byte
     once before the caller writes it again); the caller must fill all of it."""
-    return cast(bytearray, _new_bytearray(None, n))
+    out = cast(bytearray, _new_bytearray(None, n))
+    if n:
+        advise_huge(_address(out), n)
+    return out
 
 
 def fresh_bytes(n: int) -> tuple[bytes, U8]:
@@ -52,8 +91,7 @@ def fresh_bytes(n: int) -> tuple[bytes, U8]:
     out = uninitialised_bytes(n)
     if n == 0:
         return out, np.zeros(0, dtype=np.uint8)
-    addr = ctypes.cast(ctypes.c_char_p(out), ctypes.c_void_p).value
-    view: U8 = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(cast(int, addr)))
+    view: U8 = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(_address(out)))
     return out, view
 
 
@@ -64,5 +102,5 @@ def u8(data: bytes | bytearray | memoryview, what: str = "KV blob") -> U8:
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         return np.frombuffer(view, dtype=np.uint8)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, BufferError) as exc:
         raise StateRestoreError(f"{what} is not a contiguous buffer: {exc}") from exc

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvwarm.backends._buffers import uninitialised_bytes
+from kvwarm.backends._buffers import u8, uninitialised_bytes
 from kvwarm.errors import BackendError, StateRestoreError
 
 
@@ -33,11 +33,9 @@ def unpack(
     lib: Any, ctx: object, mem: object, seq: int, data: bytes | bytearray | memoryview, n_ctx: int
 ) -> int:
     """Restore ``data`` into ``seq``; the number of positions it now holds."""
-    try:
-        # Zero-copy for bytes, bytearray and (contiguous) memoryviews, writable or not.
-        buf = np.frombuffer(data, dtype=np.uint8)
-    except (ValueError, TypeError) as exc:
-        raise StateRestoreError(f"KV blob is not a contiguous buffer: {exc}") from exc
+    # Zero-copy for bytes, bytearray and contiguous memoryviews, writable or not; anything
+    # else (a strided view) is a StateRestoreError, not numpy's BufferError.
+    buf = u8(data)
     size = buf.size
     try:
         _validate_blob(buf, n_ctx=n_ctx)

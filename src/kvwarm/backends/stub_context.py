@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwarm.backends import _checks
+from kvwarm.backends._buffers import u8
 from kvwarm.backends._lifetime import Lifetime
 from kvwarm.backends.base import (
     Adapter,
@@ -176,7 +177,7 @@ class StubContext:
             _checks.check_seq(seq, self._params.n_seq_max)
             # Like llama.cpp, the sequence is cleared first and stays empty if the blob is bad.
             self._seqs[seq] = {}
-            cells = self._parse(memoryview(data).cast("B"))
+            cells = self._parse(u8(data).data)
             self._seqs[seq] = cells
             return self._pos_max(seq) + 1
 
