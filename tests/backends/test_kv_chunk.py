@@ -121,6 +121,10 @@ def test_chunks_of_another_model_or_cell_size_are_refused() -> None:
     _refused(wide.kv_split(wide.kv_pack(0), [0, len(TOKENS)]))
     with pytest.raises(StateRestoreError):
         CTX.kv_split(wide.kv_pack(0), [0, len(TOKENS)])
+    # One foreign chunk among ours, in its right place, is refused too.
+    theirs = other.kv_split(other.kv_pack(0), [0, 5, 12, len(TOKENS)])
+    _refused([CHUNKS[0], theirs[1], CHUNKS[2]])
+    _refused([theirs[0], CHUNKS[1], CHUNKS[2]])
 
 
 def test_check_bounds() -> None:
