@@ -223,7 +223,10 @@ class Admission:
                 return 0, None, None
             rt.reset_seq(slot)
             t0 = time.perf_counter()
-            n_restored = rt.ctx.kv_unpack(slot.seq, row.payload)
+            # A manifest's chunks are joined into one buffer (each byte copied once) that
+            # kv_unpack reads in place; a whole-blob row is unpacked from its view directly.
+            blob = rt.ctx.kv_join(row.chunks) if row.chunks else row.payload
+            n_restored = rt.ctx.kv_unpack(slot.seq, blob)
             rt.cache.record_latency("unpack", time.perf_counter() - t0)
             slot.kv_tokens[:] = row.tokens[:n_restored]
             keep, use_logits = trim_restored(

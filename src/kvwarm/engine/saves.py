@@ -1,9 +1,10 @@
 """Saves: packing a slot's live KV and handing it to the cache.
 
 Invariants: bytes are packed on the worker thread, between decode calls, and handed to the
-cache's writer pool; an async save never blocks a tick. A row's ``canonical_tokens`` is the
-slot's canonical prefix, so a deterministic restore trusts only KV an aligned prefill produced
-(``kvwarm.alignment``; ``docs/architecture.md``, "Engine").
+cache's writer pool with the backend's chunk codec, which cuts them into the chunks the tier
+lacks on a writer thread (``cache/chunking.py``); an async save never blocks a tick. A row's
+``canonical_tokens`` is the slot's canonical prefix, so a deterministic restore trusts only
+KV an aligned prefill produced (``kvwarm.alignment``; ``docs/architecture.md``, "Engine").
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class Saves:
             quant_bits=cfg.quant_bits,
             fingerprint_mode=cfg.fingerprint_mode,
             canonical_tokens=canonical,
+            # Packed once here; the cache cuts only the chunks its tier lacks, on a writer
+            # thread (the codec is pure), so the tick pays for one pack, as before.
+            split=rt.ctx.kv_codec.split,
         )
         timeout = cfg.policy.evict_save_timeout_ms / 1e3
         return rt.cache.save(request, sync=sync, timeout_s=timeout)
