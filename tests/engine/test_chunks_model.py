@@ -1,0 +1,80 @@
+"""Restores from chunked rows on the real model: bit-identical to cold runs in deterministic
+mode, with chunk boundaries that are (8) and are not (12) multiples of n_batch (8)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+from tests.engine.conftest import LOW_GATES, make_engine
+from tests.engine.test_engine_model import (
+    DET,
+    N_BATCH,
+    assert_same,
+    cold_run,
+    model_config,
+    prompt_of,
+)
+
+from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
+from kvwarm.engine.api import Engine, EngineConfig, Model
+
+pytestmark = pytest.mark.model
+
+POLICY = PolicyConfig(
+    min_tokens=4,
+    cold_min_tokens=N_BATCH,
+    boundary_trim_tokens=0,
+    boundary_align_tokens=N_BATCH,
+    continued_interval=10_000,
+    session_resume_wait_ms=2000,
+)
+
+
+@pytest.fixture(scope="module")
+def cold_model() -> Iterator[Model]:
+    """Saves nothing: every request is a cold prefill (the reference)."""
+    never = replace(LOW_GATES, min_tokens=10**9, cold_min_tokens=10**9, cold_max_tokens=10**9)
+    eng = make_engine(policy=never)
+    yield eng.load_model(config=model_config())
+    eng.close()
+
+
+@pytest.fixture(scope="module", params=[8, 12])
+def chunked(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Engine, Model]]:
+    root = tmp_path_factory.mktemp("chunks")
+    tiers = (TierConfig("disk", 1 << 30, root),)  # every restore reads chunk files
+    cfg = CacheConfig(tiers=tiers, chunk_tokens=request.param)
+    eng = Engine(EngineConfig(cache=cfg, policy=POLICY))
+    yield eng, eng.load_model(config=model_config())
+    eng.close()
+
+
+@pytest.mark.parametrize("n_words", [13, 29, 41])
+def test_restores_from_chunks_equal_cold(
+    n_words: int, chunked: tuple[Engine, Model], cold_model: Model
+) -> None:
+    engine, model = chunked
+    prompt = prompt_of(n_words)
+    cold = cold_run(cold_model, prompt)
+    model.complete(prompt, DET)
+    engine.cache.flush()
+    written = engine.cache.counters()["chunks_written"]
+    assert written >= 2  # the row is a manifest over chunks
+    model.evict()
+    exact = model.complete(prompt, DET)
+    assert exact.stats.cache_hit == "exact"
+    assert_same(exact, cold)
+
+    # A longer prompt restores the row's chunks (trimmed where deterministic mode says).
+    longer = prompt + " " + prompt_of(5)
+    cold_longer = cold_run(cold_model, longer)
+    engine.cache.flush()
+    model.evict()
+    warm = model.complete(longer, DET)
+    assert warm.stats.cache_hit in ("partial", "exact")
+    assert_same(warm, cold_longer)
+    assert engine.cache.counters()["chunks_reused"] >= 1  # its save reused the shared chunks
