@@ -78,3 +78,32 @@ def test_restores_from_chunks_equal_cold(
     assert warm.stats.cache_hit in ("partial", "exact")
     assert_same(warm, cold_longer)
     assert engine.cache.counters()["chunks_reused"] >= 1  # its save reused the shared chunks
+
+
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_quantised_cells_restore_from_chunks_equal_cold(
+    kv_type: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Quantised K and V cells (flash attention on, as ``auto`` picks on CPU) split into
+    chunks and join back into a restore bit-identical to a cold run of the same cell type."""
+    base = model_config()
+    context = replace(base.context, type_k=kv_type, type_v=kv_type)  # type: ignore[arg-type]
+    config = replace(base, context=context)
+    never = replace(LOW_GATES, min_tokens=10**9, cold_min_tokens=10**9, cold_max_tokens=10**9)
+    root = tmp_path_factory.mktemp(f"chunks-{kv_type}")
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root),), chunk_tokens=8)
+    with (
+        make_engine(policy=never) as cold_eng,
+        Engine(EngineConfig(cache=cfg, policy=POLICY)) as eng,
+    ):
+        cold_model = cold_eng.load_model(config=config)
+        model = eng.load_model(config=config)
+        prompt = prompt_of(29)
+        cold = cold_run(cold_model, prompt)
+        model.complete(prompt, DET)
+        eng.cache.flush()
+        assert eng.cache.counters()["chunks_written"] >= 2
+        model.evict()
+        exact = model.complete(prompt, DET)
+        assert exact.stats.cache_hit == "exact"
+        assert_same(exact, cold)

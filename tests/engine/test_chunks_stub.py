@@ -98,3 +98,18 @@ def test_a_hundred_conversations_store_their_system_prompt_once(root: Path) -> N
     assert len(rows) >= 100
     assert distinct < 1000 + 100 * 60
     assert stored <= 1.1 * distinct * CELL_BYTES, (stored, distinct * CELL_BYTES, snap)
+
+
+def test_kv_cell_types_are_part_of_every_chunk_key() -> None:
+    """Chunks of one cell type never serve another: the types are in the context hash, and
+    so in the namespace every chunk key hashes."""
+    from kvwarm.cache.chunkfmt import chunk_keys
+    from kvwarm.cache.types import Namespace
+
+    tokens = list(range(600))
+    keys = set()
+    for kv_type in ("f16", "q8_0", "q4_0"):
+        ctx = ContextParams(type_k=kv_type, type_v=kv_type)  # type: ignore[arg-type]
+        ns = Namespace(b"\x01" * 32, 0, ctx.kv_hash())
+        keys.add(chunk_keys(ns, tokens, (256, 256, 88)))
+    assert len(keys) == 3

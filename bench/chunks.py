@@ -1,0 +1,287 @@
+"""Chunked rows vs single blobs: bytes written and stored, restore time, save-path CPU.
+
+Runs each scenario twice, with whole-blob rows (``chunk_tokens=0``, what kvwarm stored before
+issue 9) and with chunked rows (``chunk_tokens=256``):
+
+1. **One 4,000-token generation with continued saves** (real model, real KV): the embedded
+   model prefills 4,000 tokens 512 at a time and, like continued saves every 512 tokens, packs
+   and saves its sequence after each step (sync, disk tier). Reports bytes written, bytes
+   stored, the distinct KV (the last blob) and save-path CPU per token (``kv_pack`` plus the
+   cache's ``save``, process CPU time).
+2. **20 conversations x 4 turns over a shared 1,000-token system prompt**, through the engine
+   with the server's save policy, on the stub backend with the real model's KV bytes per token
+   (so the byte counts are real bytes of the same size, without 80 real decodes). Reports
+   bytes stored on disk and the distinct tokens' KV.
+3. **Restore of a 2,048-token prefix**, per tier (ram, ram_file on /dev/shm, disk, s3 on a
+   local moto server when moto is installed): ``open_row`` (+ ``kv_join`` for chunks) +
+   ``kv_unpack`` into the real context, median of ``--reps``.
+4. **KV cell types** f16, q8_0, q4_0: KV bytes a token, and split + join byte-identical.
+
+Usage::
+
+    PYTHONPATH=src .venv/bin/python bench/chunks.py [--reps 7] [--root /tmp/kvwarm-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+from kvwarm.backends.base import ContextParams
+from kvwarm.backends.llama import LlamaBackend, LlamaContext
+from kvwarm.backends.stub import StubBackend
+from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache.protocols import Tier
+from kvwarm.cache.types import Namespace, SaveReason, SaveRequest
+from kvwarm.embedded import default_model_path
+from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
+from kvwarm.engine.types import GenerationOptions
+from kvwarm.settings import SERVER_POLICY
+
+TEXT = (
+    "The history of the lighthouse begins with fires lit on hills to guide ships home. "
+    "Keepers trimmed wicks, polished lenses and logged every passing vessel in ledgers. "
+)
+NS = Namespace(fingerprint=b"\x42" * 32, quant=3, ctx_hash=b"\x24" * 32)
+MODES = {"blob": 0, "chunks": 256}
+
+
+def dir_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def request(tokens: Sequence[int], blob: bytes, ctx: LlamaContext, tier: str) -> SaveRequest:
+    return SaveRequest(
+        NS, tuple(tokens), blob, SaveReason.CONTINUED, tier, split=ctx.kv_codec.split
+    )
+
+
+def generation(ctx: LlamaContext, tokens: list[int], root: Path) -> dict[str, dict[str, float]]:
+    """Scenario 1. Returns per mode: written, stored, distinct, cpu_per_token_us."""
+    blobs: list[tuple[int, bytes, float]] = []
+    ctx.seq_rm(0)
+    for start in range(0, len(tokens), 512):
+        end = min(start + 512, len(tokens))
+        ctx.prefill(0, tokens[start:end], start)
+        c0 = time.process_time()
+        blob = ctx.kv_pack(0)
+        blobs.append((end, blob, time.process_time() - c0))
+    out: dict[str, dict[str, float]] = {}
+    for mode, chunk in MODES.items():
+        where = root / f"gen-{mode}"
+        cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 34, where),), chunk_tokens=chunk)
+        written = 0
+        cpu = 0.0
+        with Cache(cfg, background=False) as cache:
+            for end, blob, pack_cpu in blobs:
+                before = dir_bytes(where)
+                c0 = time.process_time()
+                assert cache.save(request(tokens[:end], blob, ctx, "disk"), sync=True)
+                cpu += time.process_time() - c0 + pack_cpu
+                written += dir_bytes(where) - before
+        out[mode] = {
+            "written": written,
+            "stored": dir_bytes(where),
+            "distinct": len(blobs[-1][1]),
+            "cpu_per_token_us": cpu / len(tokens) * 1e6,
+        }
+    return out
+
+
+def _distinct(rows: Sequence[Sequence[int]]) -> int:
+    trie: dict[int, dict[int, object]] = {}
+    count = 0
+    for tokens in rows:
+        node = trie
+        for t in tokens:
+            if t not in node:
+                node[t] = {}
+                count += 1
+            node = node[t]  # type: ignore[assignment]
+    return count
+
+
+def conversations(cell_bytes: int, root: Path) -> dict[str, dict[str, float]]:
+    """Scenario 2 (stub backend with the real model's KV bytes per token)."""
+    system = "".join(f"Rule {i}: answer briefly and cite the manual. " for i in range(25))[:999]
+    opts = GenerationOptions(max_tokens=48, temperature=0.0)
+    out: dict[str, dict[str, float]] = {}
+    for mode, chunk in MODES.items():
+        where = root / f"conv-{mode}"
+        cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 34, where),), chunk_tokens=chunk)
+        seen: list[tuple[int, ...]] = []
+        with Engine(EngineConfig(cache=cfg, policy=SERVER_POLICY)) as engine:
+            backend = StubBackend(cell_bytes=min(cell_bytes, 0xFFFF))
+            context = ContextParams(n_ctx=2048, n_batch=512, n_ubatch=512)
+            model = engine.load_model(config=ModelConfig(backend=backend, context=context))
+            for conv in range(20):
+                messages: list[dict[str, object]] = [{"role": "system", "content": system}]
+                for turn in range(4):
+                    ask = f"Conversation {conv}, question {turn}: what does rule {turn} say?"
+                    messages.append({"role": "user", "content": ask})
+                    reply = model.chat(messages, options=opts)
+                    seen.append(tuple(reply.tokens))
+                    messages.append({"role": "assistant", "content": reply.text})
+                    engine.cache.flush()
+                model.evict()
+            engine.cache.flush()
+            snap = engine.cache.counters()
+        per_token = min(cell_bytes, 0xFFFF)
+        out[mode] = {
+            "stored": dir_bytes(where),
+            "distinct": _distinct(seen) * per_token,
+            "rows": snap["tier_disk_rows"],
+        }
+    return out
+
+
+TierMaker = Callable[[], Tier]
+
+
+@contextmanager
+def tier_configs(root: Path) -> Iterator[list[tuple[str, TierConfig | None, TierMaker | None]]]:
+    """(name, config, or a maker of a fresh tier: s3 gets a bucket per mode)."""
+    shm = Path(tempfile.mkdtemp(prefix="kvwarm-bench-", dir="/dev/shm"))
+    made: list[tuple[str, TierConfig | None, TierMaker | None]] = [
+        ("ram", TierConfig("ram", 1 << 34), None),
+        ("ram_file", TierConfig("ram_file", 1 << 34, shm / "rows"), None),
+        ("disk", TierConfig("disk", 1 << 34, root / "restore"), None),
+    ]
+    server = None
+    try:
+        from tests.s3kit import MotoServer, aws_env
+
+        from kvwarm.cache.tiers.s3 import S3Tier
+
+        with aws_env():
+            server = MotoServer()
+            moto = server
+
+            def s3_tier() -> Tier:
+                return S3Tier(moto.config(moto.new_bucket()), 1 << 34)
+
+            made.append(("s3", None, s3_tier))
+            yield made
+    except ImportError:
+        yield made
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def restores(
+    ctx: LlamaContext, tokens: list[int], blob: bytes, reps: int, root: Path
+) -> dict[str, dict[str, float]]:
+    """Scenario 3: median ms to restore the 2,048-token row, per tier and mode."""
+    out: dict[str, dict[str, float]] = {}
+    with tier_configs(root) as tiers:
+        for name, tier_cfg, tier in tiers:
+            caches: dict[str, tuple[Cache, bytes]] = {}
+            for mode, chunk in MODES.items():
+                base = tier_cfg if tier_cfg is not None else TierConfig("ram", 1)
+                if base.root is not None:
+                    base = replace(base, root=base.root.with_name(f"{base.root.name}-{mode}"))
+                cfg = CacheConfig(tiers=(base,), chunk_tokens=chunk)
+                cache = Cache(cfg, tiers=None if tier is None else [tier()], background=False)
+                key = cache.save(request(tokens, blob, ctx, cache.tier_names()[0]), sync=True)
+                assert key is not None
+                caches[mode] = (cache, key)
+            times: dict[str, list[float]] = {m: [] for m in MODES}
+            for _ in range(reps):  # interleaved, so machine noise hits both alike
+                for mode, (cache, key) in caches.items():
+                    ctx.seq_rm(0)
+                    t0 = time.perf_counter()
+                    with cache.open_row(key) as row:
+                        data = ctx.kv_join(row.chunks) if row.chunks else row.payload
+                        assert ctx.kv_unpack(0, data) == len(tokens)
+                    times[mode].append(time.perf_counter() - t0)
+            for cache, _ in caches.values():
+                cache.close()
+            out[name] = {m: statistics.median(v) * 1e3 for m, v in times.items()}
+    return out
+
+
+def cell_types(tokens: list[int], threads: int | None) -> dict[str, tuple[float, bool]]:
+    """Section 4: KV bytes a token and whether split + join gives the blob back, per type."""
+    model = LlamaBackend().load_model(str(default_model_path()))
+    out: dict[str, tuple[float, bool]] = {}
+    for kv_type in ("f16", "q8_0", "q4_0"):
+        params = ContextParams(
+            n_ctx=1024,
+            n_batch=512,
+            n_ubatch=512,
+            n_threads=threads,
+            type_k=kv_type,  # type: ignore[arg-type]
+            type_v=kv_type,  # type: ignore[arg-type]
+        )
+        ctx = model.new_context(params)
+        ctx.prefill(0, tokens[:768], 0)
+        blob = ctx.kv_pack(0)
+        joined = ctx.kv_join(ctx.kv_split(blob, [0, 256, 512, 700, 768]))
+        out[kv_type] = (len(blob) / 768, bytes(joined) == blob)
+        ctx.close()
+    model.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--root", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    root = args.root or Path(tempfile.mkdtemp(prefix="kvwarm-bench-chunks-"))
+    model = LlamaBackend().load_model(str(default_model_path()))
+    params = ContextParams(n_ctx=4608, n_batch=512, n_ubatch=512, n_threads=args.threads)
+    ctx = model.new_context(params)
+    tokens = model.tokenize(TEXT * 160)[:4000]
+    assert len(tokens) == 4000
+
+    gen = generation(ctx, tokens, root)
+    print("1. one 4,000-token generation, continued saves every 512 tokens (real KV, disk)")
+    for mode, r in gen.items():
+        print(
+            f"   {mode:6s}  written {r['written'] / 2**20:8.1f} MiB  stored "
+            f"{r['stored'] / 2**20:8.1f} MiB  = {r['stored'] / r['distinct']:.2f}x distinct "
+            f"({r['distinct'] / 2**20:.1f} MiB)  save CPU {r['cpu_per_token_us']:.1f} us/token"
+        )
+    cell_bytes = round(gen["blob"]["distinct"] / len(tokens))
+
+    ctx.seq_rm(0)
+    ctx.prefill(0, tokens[:2048], 0)
+    blob = ctx.kv_pack(0)
+    res = restores(ctx, tokens[:2048], blob, args.reps, root)
+
+    conv = conversations(cell_bytes, root)
+    print(f"2. 20 conversations x 4 turns, 1,000-token system prompt ({cell_bytes} B/token)")
+    for mode, r in conv.items():
+        print(
+            f"   {mode:6s}  stored {r['stored'] / 2**20:8.1f} MiB  = "
+            f"{r['stored'] / r['distinct']:.2f}x distinct ({r['distinct'] / 2**20:.1f} MiB), "
+            f"{r['rows']:.0f} rows"
+        )
+    print(f"3. restore of a 2,048-token prefix ({len(blob) / 2**20:.1f} MiB), median ms")
+    for name, r in res.items():
+        print(
+            f"   {name:8s}  blob {r['blob']:7.2f}  chunks {r['chunks']:7.2f}  "
+            f"({r['chunks'] / r['blob']:.2f}x)"
+        )
+    print("4. KV cell types (768 tokens): bytes a token, split + join == blob")
+    for kv_type, (per_token, same) in cell_types(tokens, args.threads).items():
+        print(
+            f"   {kv_type:5s}  {per_token:9.0f} B/token  "
+            f"round trip {'exact' if same else 'DIFFERS'}"
+        )
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
