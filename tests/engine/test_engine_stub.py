@@ -245,6 +245,8 @@ def test_stop_sequences_cut_the_text(engine: Engine) -> None:
     assert cut.stats.finish_reason == "stop"
     assert stop not in cut.text
     assert free.text.startswith(cut.text)
+    # Which stop string ended it is reported (Anthropic's stop_sequence needs it).
+    assert cut.stats.stop_sequence == stop and free.stats.stop_sequence is None
 
 
 def test_embeddings_are_normalised(engine: Engine) -> None:

@@ -26,6 +26,15 @@ def test_stop_sequence_straddling_tokens_is_never_emitted() -> None:
     assert out == text
 
 
+def test_the_stop_that_matched_first_is_reported() -> None:
+    asm = TextAssembler(("zz", "lo w", "o"))
+    asm.feed(b"Hello world")
+    assert asm.stopped and asm.text == "Hel" and asm.matched == "lo w"  # the earliest
+    plain = TextAssembler(("zz",))
+    plain.feed(b"Hello")
+    assert plain.finish() and plain.matched is None
+
+
 def test_held_back_text_is_released_at_finish() -> None:
     out, text = run([b"abc", b"E"], stop=("EN",))
     assert out == text == "abcE"

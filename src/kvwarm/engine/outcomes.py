@@ -54,6 +54,7 @@ class Outcomes:
             cache_hit=act.hit_kind,
             finish_reason=reason,
             key=key,
+            stop_sequence=act.assembler.matched,
         )
         self.rt.stats.account(stats)
         completion = Completion(

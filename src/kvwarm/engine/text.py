@@ -21,6 +21,7 @@ class TextAssembler:
         self._text = ""  # everything decoded so far (before any stop cut)
         self._emitted = 0  # chars of _text already handed out
         self.stopped = False
+        self.matched: str | None = None  # the stop sequence that ended the text, if any
 
     def feed(self, piece: bytes) -> str:
         """Add one token's bytes; return the text that is now safe to emit."""
@@ -35,7 +36,7 @@ class TextAssembler:
             for s in self._stop:
                 i = self._text.find(s, start)
                 if i != -1 and (cut == -1 or i < cut):
-                    cut = i
+                    cut, self.matched = i, s
             if cut != -1:
                 self._text = self._text[:cut]
                 self.stopped = True

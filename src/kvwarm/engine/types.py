@@ -164,6 +164,7 @@ class CompletionStats:
     cache_hit: CacheHitKind
     finish_reason: FinishReason
     key: bytes | None  # key of the finish save (prompt + reply): pass as the next parent_key
+    stop_sequence: str | None = None  # the ``stop`` string that ended the reply, if one did
 
     @property
     def ttft_ms(self) -> float:
