@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 request_log = logging.getLogger("kvwarm.server.requests")
 
+Event = tuple[str, dict[str, object]]  # (SSE event name, its JSON data)
+
 _DONE = object()
 
 
@@ -229,5 +231,28 @@ async def sse(
             yield sse_line(dict(error_body(str(exc), kind.type, kind.code)))
         if done_line:
             yield b"data: [DONE]\n\n"
+    finally:
+        on_close()
+
+
+def named_line(name: str, data: dict[str, object]) -> bytes:
+    payload = json.dumps(data, separators=(",", ":")).encode()
+    return b"event: " + name.encode() + b"\ndata: " + payload + b"\n\n"
+
+
+async def named_sse(
+    events: AsyncIterator[Event],
+    on_close: Callable[[], None],
+    on_error: Callable[[KvwarmError], Event],
+) -> AsyncIterator[bytes]:
+    """``event: name`` / ``data: {json}`` pairs with no terminator line (Anthropic's and the
+    Responses API's streams). A ``KvwarmError`` after the headers were sent becomes the one
+    event ``on_error`` makes of it, in the stream's own dialect."""
+    try:
+        try:
+            async for name, data in events:
+                yield named_line(name, data)
+        except KvwarmError as exc:
+            yield named_line(*on_error(exc))
     finally:
         on_close()

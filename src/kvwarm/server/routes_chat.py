@@ -7,38 +7,22 @@ deltas follow ``chat_stream`` (content, logprobs with it, tool calls as OpenAI s
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from kvwarm.server import convert, tenancy
+from kvwarm.server import chat, convert, tenancy
 from kvwarm.server.chat_stream import ChatChoiceStream
 from kvwarm.server.choices import Choices, group_stats
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import sse
 from kvwarm.server.routes_openai import SSE_HEADERS, server_state
-from kvwarm.server.schemas import ChatRequest, Tool, json_body, parse_body, read_json
-from kvwarm.server.tools import ChatPlan, openai_tools, parse_tool_calls, plan_chat
-
-if TYPE_CHECKING:
-    from kvwarm.server.served import ServedModel
+from kvwarm.server.schemas import ChatRequest, json_body, parse_body, read_json
+from kvwarm.server.tools import ChatPlan, parse_tool_calls
 
 router = APIRouter()
-
-
-def renders_tools(model: ServedModel, tools: Sequence[Tool]) -> bool:
-    """Whether the model's template shows the tools it is given (native tool support)."""
-    probe: list[dict[str, object]] = [{"role": "user", "content": "hi"}]
-    try:
-        with_tools = model.apply_chat_template(probe, tools=openai_tools(tools))
-    except Exception:  # a template that chokes on tools does not support them
-        return False
-    without = model.apply_chat_template(probe)
-    return any(t.function.name in with_tools and t.function.name not in without for t in tools)
 
 
 @router.post(
@@ -50,10 +34,7 @@ async def chat_completions(request: Request) -> Response:
     req = parse_body(await read_json(request, state.settings), ChatRequest)
     model = await state.acquire(req.model)
     schema = convert.response_schema(req.response_format)
-    native = False
-    if req.tools and req.tool_choice != "none":
-        native = await run_in_threadpool(renders_tools, model, req.tools)
-    plan = plan_chat(req.messages, req.tools, req.tool_choice, renders_tools=native)
+    plan = await chat.plan(model, req.messages, req.tools, req.tool_choice)
     if plan.json_schema is not None and schema is not None:
         raise HTTPError(
             400,

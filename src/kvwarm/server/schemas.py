@@ -303,6 +303,12 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+def _within(path: str | None, field: str | None) -> bool:
+    if path is None or field is None:
+        return path == field
+    return path == field or path.startswith(field + ".")
+
+
 def parse_body(data: object, model: type[_M]) -> _M:
     """Validate ``data``; the first problem becomes a 400 naming the offending field."""
     if not isinstance(data, dict):
@@ -310,7 +316,12 @@ def parse_body(data: object, model: type[_M]) -> _M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        param = _param(tuple(errors[0]["loc"]))
+        # A union field fails once per branch ("not a string", then the list's real problem):
+        # report the deepest failure within the first failing field, the one that says why.
+        same = [e for e in errors if _within(_param(tuple(e["loc"])), param)]
+        first = max(same, key=lambda e: len(_param(tuple(e["loc"])) or ""))
         param = _param(tuple(first["loc"]))
         count = exc.error_count()
         more = f" (and {count - 1} more)" if count > 1 else ""

@@ -1,0 +1,126 @@
+"""The chat path every chat-shaped API shares: OpenAI chat completions, Anthropic messages and
+OpenAI responses all become ``ChatMessage``/``Tool`` lists, then run through here.
+
+Invariants: tools are planned one way (``plan``: native or described, forced calls constrained
+by a schema) and replies are split into content and tool calls one way (``tools``' parser, the
+``tool_stream`` holdback), whichever wire format asked. Anthropic and Responses requests
+translate into these types and render ``ChatReply`` in their own shapes; OpenAI chat, with its
+``n`` choices and incremental call deltas, uses ``plan`` and its own stream
+(``routes_chat``; docs/architecture.md, "Server and CLI").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from starlette.concurrency import run_in_threadpool
+
+from kvwarm.engine.types import Completion, GenerationOptions
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.generate import Generation
+from kvwarm.server.schemas import ChatMessage, NamedToolChoice, SamplingFields, Tool, parse_body
+from kvwarm.server.tool_stream import ToolStream
+from kvwarm.server.tools import ChatPlan, ToolCall, openai_tools, parse_tool_calls, plan_chat
+
+if TYPE_CHECKING:
+    from kvwarm.server.served import ServedModel, ServedStream
+
+ToolChoice = str | NamedToolChoice | None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatReply:
+    """A finished reply: its visible ``content`` (for a stream, what was not yet sent) and the
+    tool calls it made."""
+
+    done: Completion
+    content: str
+    calls: list[ToolCall]
+
+
+def renders_tools(model: ServedModel, tools: Sequence[Tool]) -> bool:
+    """Whether the model's template shows the tools it is given (native tool support)."""
+    probe: list[dict[str, object]] = [{"role": "user", "content": "hi"}]
+    try:
+        with_tools = model.apply_chat_template(probe, tools=openai_tools(tools))
+    except Exception:  # a template that chokes on tools does not support them
+        return False
+    without = model.apply_chat_template(probe)
+    return any(t.function.name in with_tools and t.function.name not in without for t in tools)
+
+
+async def plan(
+    model: ServedModel,
+    messages: Sequence[ChatMessage],
+    tools: Sequence[Tool] | None,
+    tool_choice: ToolChoice,
+) -> ChatPlan:
+    """How ``messages`` and ``tools`` reach ``model`` (the template probe runs off the loop)."""
+    native = False
+    if tools and tool_choice != "none":
+        native = await run_in_threadpool(renders_tools, model, tools)
+    return plan_chat(messages, tools, tool_choice, renders_tools=native)
+
+
+def sampling_fields(
+    *, max_tokens: int | None, param: str, limit: int, **knobs: object
+) -> SamplingFields:
+    """The OpenAI sampling fields standing for another API's request. ``max_tokens`` is checked
+    against the server's limit here, so the error names the field the client sent (``param``)."""
+    if max_tokens is not None and max_tokens > limit:
+        raise HTTPError(
+            400,
+            f"{param} is {max_tokens}, above this server's limit of {limit} "
+            "(setting max_tokens_limit)",
+            param=param,
+            code="invalid_value",
+        )
+    return parse_body({"max_tokens": max_tokens, **knobs}, SamplingFields)
+
+
+def submit(
+    model: ServedModel, chat: ChatPlan, opts: GenerationOptions, prefill: str = ""
+) -> Callable[[], ServedStream]:
+    """The blocking call that starts the generation (run it through ``start_stream``).
+    ``prefill``: text the reply must continue (Anthropic's trailing assistant message); it is
+    appended to the prompt as plain text after the template's generation prompt."""
+    if not prefill:
+        return lambda: model.stream_chat(chat.messages, tools=chat.tools, options=opts)
+
+    def start() -> ServedStream:
+        tokens, _ = model.chat_tokens(chat.messages, tools=chat.tools)
+        tail = model.tokenize(prefill, add_special=False, parse_special=False)
+        return model.stream([*tokens, *tail], opts)
+
+    return start
+
+
+def with_parent(opts: GenerationOptions, key: bytes | None) -> GenerationOptions:
+    """``opts`` resuming from the cache row ``key`` (a previous reply's finish save)."""
+    return opts if key is None else dataclasses.replace(opts, parent_key=key)
+
+
+async def whole_reply(gen: Generation, chat: ChatPlan) -> ChatReply:
+    """Wait for the reply and split it into content and calls (non-streamed requests)."""
+    async with gen:
+        done = await gen.result()
+    content, calls = parse_tool_calls(done.text, chat.names)
+    return ChatReply(done, content, calls)
+
+
+async def streamed_reply(gen: Generation, chat: ChatPlan) -> AsyncIterator[str | ChatReply]:
+    """Text that is safe to show as it comes (a possible tool call is held back), then one
+    ``ChatReply`` whose ``content`` is the text not yet yielded. ``gen`` must be opened
+    (``Generation.open_streaming``)."""
+    held = ToolStream(chat.names, forced=chat.forced)
+    async for fragment in gen.fragments():
+        text, _ = held.feed(fragment.text)  # calls are reported whole, at the end
+        if text:
+            yield text
+    done = await gen.result()
+    rest, _, _ = held.finish()
+    _, calls = parse_tool_calls(done.text, chat.names)
+    yield ChatReply(done, rest, calls)
