@@ -4,7 +4,8 @@ Invariants: everything the app owns hangs off ``app.state.kvwarm`` (no module gl
 apps in one process are independent. The lifespan starts model loading in the background and
 returns at once, so the server listens (and ``/health`` says 503) while models load; shutdown
 stops the loader and the keep-alive, then closes the engine, which flushes the cache.
-Every error, including unknown routes and bad methods, has the OpenAI error shape.
+Every error, including unknown routes and bad methods, has the OpenAI error shape (Anthropic's
+under its paths, ``errors.ANTHROPIC_PATHS``).
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from kvwarm._version import __version__
 from kvwarm.errors import KvwarmError
 from kvwarm.server import (
     routes_admin,
+    routes_anthropic,
     routes_chat,
     routes_completions,
     routes_models,
     routes_openai,
     webui,
 )
-from kvwarm.server.errors import ERROR_RESPONSES, HTTPError, error_body, error_response
+from kvwarm.server.errors import ERROR_RESPONSES, HTTPError, error_response, shaped_body
 from kvwarm.server.guard import Guard, send_json
 from kvwarm.server.registry import request_leases
 from kvwarm.server.state import ServerState
@@ -60,7 +62,8 @@ class _Observe:
         refused = self.guard.refusal(scope)
         if refused is not None:
             status, message, code = refused
-            await send_json(send, status, error_body(message, "invalid_request_error", code))
+            body = shaped_body(scope["path"], status, message, "invalid_request_error", code)
+            await send_json(send, status, body)
             self.state.counters.record("refused", status)
             return
         status = 500
@@ -116,16 +119,18 @@ def create_app(
     app.include_router(routes_completions.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_models.router)
+    app.include_router(routes_anthropic.router)
     app.include_router(routes_admin.router)
     app.include_router(webui.router())
 
     async def on_error(request: Request, exc: Exception) -> Response:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     async def on_http(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(HTTPError(exc.status_code, str(exc.detail), code=code))
+        error = HTTPError(exc.status_code, str(exc.detail), code=code)
+        return error_response(error, request.url.path)
 
     async def on_validation(request: Request, exc: Exception) -> Response:
         # Query and path parameters (bodies are parsed by parse_body): name the parameter.
@@ -134,7 +139,8 @@ def create_app(
         loc = [str(p) for p in first.get("loc", ()) if p not in ("query", "path", "body")]
         param = ".".join(loc) or None
         message = f"{param or 'request'}: {first.get('msg', 'invalid value')}"
-        return error_response(HTTPError(400, message, code="invalid_type", param=param))
+        error = HTTPError(400, message, code="invalid_type", param=param)
+        return error_response(error, request.url.path)
 
     app.add_exception_handler(HTTPError, on_error)
     app.add_exception_handler(KvwarmError, on_error)
@@ -150,7 +156,13 @@ def create_app(
             CORSMiddleware,
             allow_origins=list(settings.allowed_origins),
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=["authorization", "content-type", "x-api-key", "x-cache-salt"],
+            allow_headers=[
+                "authorization",
+                "content-type",
+                "x-api-key",
+                "x-cache-salt",
+                "anthropic-version",  # sent by Anthropic's clients with every request
+            ],
         )
     return app
 

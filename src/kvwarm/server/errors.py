@@ -4,7 +4,9 @@ Invariant: the HTTP status, ``type`` and ``code`` of an error come from the exce
 (walking its MRO to the nearest mapped class), never from its message text. Every error body is
 ``{"error": {"message", "type", "param", "code"}}``, declared once (``ErrorResponse``) for every
 operation's 4XX and 5XX in ``/openapi.json`` (``ERROR_RESPONSES``), where the schema-driven tests
-check each error against it.
+check each error against it. Under ``ANTHROPIC_PATHS`` the body is Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` instead (same status), which the same schema
+admits.
 """
 
 from __future__ import annotations
@@ -120,11 +122,40 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(exc: BaseException) -> JSONResponse:
-    """The response for any exception; unexpected ones are logged with their traceback and
-    answered without internals."""
+# Paths answered in Anthropic's error shape (its clients parse only that one).
+ANTHROPIC_PATHS: tuple[str, ...] = ("/v1/messages",)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_body(status: int, message: str) -> dict[str, object]:
+    """Anthropic's ``{"type": "error", "error": {"type", "message"}}``; its type follows the
+    status, as Anthropic's own error types do."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def shaped_body(
+    path: str, status: int, message: str, type: str, code: str | None, param: str | None = None
+) -> dict[str, object]:
+    """The error body in the dialect of the API that ``path`` belongs to."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_body(status, message)
+    return dict(error_body(message, type, code, param))
+
+
+def error_response(exc: BaseException, path: str = "") -> JSONResponse:
+    """The response for any exception, shaped for the API of ``path``; unexpected ones are
+    logged with their traceback and answered without internals."""
     if isinstance(exc, HTTPError):
-        body = error_body(exc.message, exc.type, exc.code, exc.param)
+        body = shaped_body(path, exc.status, exc.message, exc.type, exc.code, exc.param)
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
     kind = kind_of(exc)
     if isinstance(exc, e.KvwarmError):
@@ -133,8 +164,9 @@ def error_response(exc: BaseException) -> JSONResponse:
             log.error("request failed: %s: %s", type(exc).__name__, exc)
         retry = isinstance(exc, e.QueueFullError | e.ModelCapacityError)
         headers = {"Retry-After": "1"} if retry else None
-        body = error_body(str(exc) or type(exc).__name__, kind.type, kind.code, param)
+        message = str(exc) or type(exc).__name__
+        body = shaped_body(path, kind.status, message, kind.type, kind.code, param)
         return JSONResponse(body, status_code=kind.status, headers=headers)
     log.exception("unexpected error", exc_info=exc)
-    body = error_body("internal server error", _SERVER, "internal_error")
+    body = shaped_body(path, 500, "internal server error", _SERVER, "internal_error")
     return JSONResponse(body, status_code=500)

@@ -1,0 +1,106 @@
+"""Request bodies of the Anthropic Messages API (``/v1/messages``, ``/v1/messages/count_tokens``).
+
+Invariant: as for the OpenAI bodies (``schemas.py``), unknown fields are ignored and a known field
+of the wrong type is a 400 naming it. Content blocks are told apart by their ``type``; blocks
+kvwarm cannot use (images, documents) parse, so that the conversion can refuse them with a
+clear message, and thinking blocks of earlier turns parse and are dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvwarm.server.tenancy import MAX_SALT_CHARS
+
+_INT32_MAX = (1 << 31) - 1
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextBlock(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class MediaBlock(_Body):
+    """An image or document: parsed only to be refused by name (kvwarm serves text models)."""
+
+    type: Literal["image", "document"]
+
+
+class ThinkingBlock(_Body):
+    """A previous turn's reasoning, which a client sends back; not part of the prompt."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+class ToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str = Field(min_length=1)
+    input: dict[str, object] = Field(default_factory=dict)
+
+
+class ToolResultBlock(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]] = ""
+    is_error: bool = False
+
+
+ContentBlock = Annotated[
+    TextBlock | MediaBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock,
+    Field(discriminator="type"),
+]
+
+
+class Message(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+def _any_object() -> dict[str, object]:
+    return {"type": "object"}
+
+
+class ToolDef(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, object] = Field(default_factory=_any_object)
+    # Absent or "custom" for a client tool; Anthropic's server tools ("bash_20250124", ...)
+    # carry their own type and are refused.
+    type: str | None = None
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Metadata(_Body):
+    user_id: str | None = None
+
+
+class CountTokensRequest(_Body):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)  # required, as in Anthropic's API
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, ge=0, le=_INT32_MAX)  # a C int in llama.cpp
+    metadata: Metadata | None = None
+    stream: bool = False
+    # kvwarm's extension, as on the OpenAI bodies (server/tenancy.py); X-Cache-Salt works too.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)

@@ -1,0 +1,307 @@
+"""``/v1/messages`` against the stub backend: shapes, usage, event order, conversion, errors."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi.testclient import TestClient
+
+from kvwarm.engine.types import Completion, CompletionStats
+from kvwarm.server import anthropic, create_app
+from kvwarm.server.anthropic_schemas import MessagesRequest
+from kvwarm.server.chat import ChatReply
+from kvwarm.server.tools import ToolCall
+
+from .conftest import stub_settings, wait_ready
+
+USER = {"role": "user", "content": "Tell me about the quick brown fox, please."}
+BASE: dict[str, object] = {"model": "a", "max_tokens": 12, "temperature": 0, "messages": [USER]}
+
+
+def named_events(text: str) -> list[tuple[str, dict[str, object]]]:
+    """``event:``/``data:`` pairs of an SSE body (no ``[DONE]`` line in these APIs)."""
+    out: list[tuple[str, dict[str, object]]] = []
+    for block in text.strip().split("\n\n"):
+        lines = block.split("\n")
+        assert len(lines) == 2 and lines[0].startswith("event: "), block
+        assert lines[1].startswith("data: "), block
+        out.append((lines[0][7:], json.loads(lines[1][6:])))
+    return out
+
+
+def assert_anthropic_error(response: object, status: int, kind: str) -> str:
+    assert hasattr(response, "status_code") and hasattr(response, "json")
+    assert response.status_code == status, response.json()
+    body = response.json()
+    assert body["type"] == "error" and set(body) == {"type", "error"}
+    assert body["error"]["type"] == kind and set(body["error"]) == {"type", "message"}
+    message = body["error"]["message"]
+    assert isinstance(message, str) and message
+    return message
+
+
+def test_message_shape_and_usage_adds_up_to_the_prompt(client: TestClient) -> None:
+    body = {**BASE, "system": "Be terse."}
+    response = client.post("/v1/messages", json=body)
+    assert response.status_code == 200, response.json()
+    data = response.json()
+    assert data["id"].startswith("msg_") and data["type"] == "message"
+    assert data["role"] == "assistant" and data["model"] == "a"
+    assert data["stop_reason"] in ("end_turn", "max_tokens") and data["stop_sequence"] is None
+    (block,) = data["content"]
+    assert block["type"] == "text" and isinstance(block["text"], str)
+    usage = data["usage"]
+    counted = client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+    parts = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert sum(usage[p] for p in parts) == counted > 0
+    assert 0 < usage["output_tokens"] <= 12
+    again = client.post("/v1/messages", json=body).json()
+    assert again["content"] == data["content"]  # greedy: the same reply
+    assert again["usage"]["cache_read_input_tokens"] > 0  # the prompt came from the cache
+
+
+def test_system_blocks_and_string_render_the_same_prompt(client: TestClient) -> None:
+    as_text = {**BASE, "system": "Be terse.Be kind."}
+    as_blocks = {
+        **BASE,
+        "system": [{"type": "text", "text": "Be terse."}, {"type": "text", "text": "Be kind."}],
+    }
+    one = client.post("/v1/messages/count_tokens", json=as_text).json()["input_tokens"]
+    two = client.post("/v1/messages/count_tokens", json=as_blocks).json()["input_tokens"]
+    assert two == one + 1  # the blocks are joined by one newline
+
+
+def test_stream_has_anthropic_event_order_and_matches_the_whole_reply(client: TestClient) -> None:
+    whole = client.post("/v1/messages", json=BASE).json()
+    with client.stream("POST", "/v1/messages", json={**BASE, "stream": True}) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = named_events(response.read().decode())
+    names = [name for name, _ in events]
+    assert all(name == data["type"] for name, data in events)
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    start = events[0][1]["message"]
+    assert isinstance(start, dict) and start["content"] == [] and start["stop_reason"] is None
+    counted = client.post("/v1/messages/count_tokens", json=BASE).json()["input_tokens"]
+    assert start["usage"]["input_tokens"] == counted  # the prompt's size, before any output
+    deltas = [d["delta"] for n, d in events if n == "content_block_delta"]
+    assert all(isinstance(d, dict) and d["type"] == "text_delta" for d in deltas)
+    text = "".join(str(d["text"]) for d in deltas if isinstance(d, dict))
+    assert text == whole["content"][0]["text"]
+    final = events[-2][1]
+    assert final["delta"] == {"stop_reason": whole["stop_reason"], "stop_sequence": None}
+    usage = final["usage"]
+    assert isinstance(usage, dict) and usage["output_tokens"] == whole["usage"]["output_tokens"]
+    # The whole usage comes with message_delta (cumulative), adding up to the prompt.
+    parts = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert sum(int(usage[p]) for p in parts) == counted  # type: ignore[call-overload]
+
+
+def test_stop_sequences_report_which_one_stopped(client: TestClient) -> None:
+    body = {**BASE, "max_tokens": 24}
+    text = client.post("/v1/messages", json=body).json()["content"][0]["text"]
+    assert len(text) >= 8, text
+    stop = text[5:7]
+    data = client.post("/v1/messages", json={**body, "stop_sequences": ["\x00never", stop]}).json()
+    assert data["stop_reason"] == "stop_sequence" and data["stop_sequence"] == stop
+    assert data["content"][0]["text"] == text[: text.index(stop)]
+    with client.stream(
+        "POST", "/v1/messages", json={**body, "stop_sequences": [stop], "stream": True}
+    ) as response:
+        events = named_events(response.read().decode())
+    assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
+
+
+def test_prefill_is_continued_not_repeated(client: TestClient) -> None:
+    prefill = {"role": "assistant", "content": "The fox"}
+    body = {**BASE, "messages": [USER, prefill]}
+    plain = client.post("/v1/messages/count_tokens", json=BASE).json()["input_tokens"]
+    counted = client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+    assert counted == plain + len("The fox")  # the stub's tokens are bytes
+    data = client.post("/v1/messages", json=body).json()
+    usage = data["usage"]
+    assert (
+        usage["input_tokens"]
+        + usage["cache_read_input_tokens"]
+        + usage["cache_creation_input_tokens"]
+        == counted
+    )
+    assert not data["content"] or not data["content"][0]["text"].startswith("The fox")
+
+
+def test_tool_use_history_becomes_chat_turns() -> None:
+    req = MessagesRequest.model_validate(
+        {
+            "max_tokens": 5,
+            "system": [{"type": "text", "text": "sys"}],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hm", "signature": "x"},
+                        {"type": "text", "text": "Checking."},
+                        {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"c": 1}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_2",
+                            "is_error": True,
+                            "content": [{"type": "text", "text": "boom"}],
+                        },
+                        {"type": "text", "text": "thanks"},
+                    ],
+                },
+            ],
+        }
+    )
+    turns, prefill = anthropic.to_chat(req)
+    assert prefill == ""
+    assert [(t.role, t.content) for t in turns] == [
+        ("system", "sys"),
+        ("user", "weather?"),
+        ("assistant", "Checking."),
+        ("tool", "sunny"),
+        ("tool", "Error: boom"),
+        ("user", "thanks"),
+    ]
+    calls = turns[2].tool_calls
+    assert calls is not None and calls[0].id == "toolu_1"
+    assert calls[0].function.name == "w" and calls[0].function.arguments == {"c": 1}
+    assert [t.tool_call_id for t in turns[3:5]] == ["toolu_1", "toolu_2"]
+
+
+def _reply(text: str, calls: list[ToolCall], finish: str = "stop") -> ChatReply:
+    stats = CompletionStats(
+        prompt_tokens=10,
+        cached_tokens=4,
+        completion_tokens=3,
+        prefill_ms=1.0,
+        generation_ms=1.0,
+        queue_ms=0.0,
+        cache_hit="partial",
+        finish_reason=finish,  # type: ignore[arg-type]
+        key=b"k" * 32,
+    )
+    return ChatReply(Completion(text, (1,) * 10, (2,) * 3, stats), text, calls)
+
+
+def test_tool_use_reply_blocks_and_stream_events() -> None:
+    call = ToolCall("call_abc", "get_weather", '{"city": "Oslo"}')
+    reply = _reply("Let me look.", [call])
+    body = anthropic.message("msg_1", "a", reply)
+    assert body["stop_reason"] == "tool_use"
+    assert body["content"] == [
+        {"type": "text", "text": "Let me look."},
+        {"type": "tool_use", "id": "toolu_abc", "name": "get_weather", "input": {"city": "Oslo"}},
+    ]
+    # Usage: 4 restored, the other 6 written to the cache with the finish row.
+    assert body["usage"] == {
+        "input_tokens": 0,
+        "output_tokens": 3,
+        "cache_read_input_tokens": 4,
+        "cache_creation_input_tokens": 6,
+    }
+    events = anthropic.MessageEvents("msg_1", "a")
+    seq = [events.start(), *events.text("Let me"), *events.finish(_reply(" look.", [call]))]
+    names = [n for n, _ in seq]
+    assert names == [
+        "message_start",
+        "content_block_start",
+        "ping",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    tool_start = seq[6][1]
+    assert tool_start["index"] == 1
+    assert tool_start["content_block"] == {
+        "type": "tool_use",
+        "id": "toolu_abc",
+        "name": "get_weather",
+        "input": {},
+    }
+    delta = seq[7][1]["delta"]
+    assert isinstance(delta, dict) and delta["type"] == "input_json_delta"
+    assert json.loads(str(delta["partial_json"])) == {"city": "Oslo"}
+    assert seq[9][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+
+
+def test_forced_call_stream_has_no_text_block_and_max_tokens_maps() -> None:
+    events = anthropic.MessageEvents("m", "a")
+    call = ToolCall("call_x", "f", "{}")
+    names = [n for n, _ in events.finish(_reply("", [call]))]
+    assert names[:3] == ["content_block_start", "ping", "content_block_delta"]
+    cut = anthropic.message("m", "a", _reply("abc", [], finish="length"))
+    assert cut["stop_reason"] == "max_tokens"
+
+
+def test_errors_are_anthropic_shaped(client: TestClient) -> None:
+    no_max = {k: v for k, v in BASE.items() if k != "max_tokens"}
+    message = assert_anthropic_error(
+        client.post("/v1/messages", json=no_max), 400, "invalid_request_error"
+    )
+    assert "max_tokens" in message
+    assert_anthropic_error(
+        client.post("/v1/messages", content=b"{nope", headers={"content-type": "application/json"}),
+        400,
+        "invalid_request_error",
+    )
+    assert_anthropic_error(
+        client.post("/v1/messages", json={**BASE, "model": "nope"}), 404, "not_found_error"
+    )
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+    bad = {**BASE, "messages": [{"role": "user", "content": [image]}]}
+    assert "image" in assert_anthropic_error(
+        client.post("/v1/messages", json=bad), 400, "invalid_request_error"
+    )
+    server_tool = {**BASE, "tools": [{"type": "bash_20250124", "name": "bash"}]}
+    assert_anthropic_error(
+        client.post("/v1/messages", json=server_tool), 400, "invalid_request_error"
+    )
+    forced = {**BASE, "tool_choice": {"type": "any"}}
+    assert_anthropic_error(client.post("/v1/messages", json=forced), 400, "invalid_request_error")
+    too_many = {**BASE, "max_tokens": 10**9}
+    assert "max_tokens" in assert_anthropic_error(
+        client.post("/v1/messages", json=too_many), 400, "invalid_request_error"
+    )
+    assert_anthropic_error(client.get("/v1/messages"), 405, "invalid_request_error")
+    huge = {**BASE, "system": "x" * (100 << 10)}  # past the stub app's 64 KiB body limit
+    assert_anthropic_error(client.post("/v1/messages", json=huge), 413, "request_too_large")
+    # Other paths keep the OpenAI shape.
+    other = client.post("/v1/chat/completions", json={"model": "nope", "messages": [USER]})
+    assert other.status_code == 404 and "type" not in other.json()
+
+
+def test_x_api_key_authenticates() -> None:
+    with TestClient(create_app(stub_settings(api_key="sesame"))) as secured:
+        wait_ready(secured.get)
+        assert_anthropic_error(secured.post("/v1/messages", json=BASE), 401, "authentication_error")
+        wrong = secured.post("/v1/messages", json=BASE, headers={"x-api-key": "nope"})
+        assert_anthropic_error(wrong, 401, "authentication_error")
+        ok = secured.post("/v1/messages", json=BASE, headers={"x-api-key": "sesame"})
+        assert ok.status_code == 200, ok.json()
+        bearer = secured.get("/v1/models", headers={"authorization": "Bearer sesame"})
+        assert bearer.status_code == 200
+
+
+def test_cache_salt_separates_namespaces(client: TestClient) -> None:
+    body = {**BASE, "system": "Salted and terse, please."}
+    salted = client.post("/v1/messages", json=body, headers={"x-cache-salt": "tenant-a"}).json()
+    again = client.post("/v1/messages", json={**body, "cache_salt": "tenant-a"}).json()
+    assert again["usage"]["cache_read_input_tokens"] > 0  # header and body name one namespace
+    other = client.post("/v1/messages", json={**body, "cache_salt": "tenant-b"}).json()
+    assert other["usage"]["cache_read_input_tokens"] == 0
+    assert salted["usage"]["cache_read_input_tokens"] == 0
