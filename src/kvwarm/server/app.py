@@ -35,6 +35,7 @@ from kvwarm.server import (
     routes_completions,
     routes_models,
     routes_openai,
+    routes_responses,
     webui,
 )
 from kvwarm.server.errors import ERROR_RESPONSES, HTTPError, error_response, shaped_body
@@ -120,6 +121,7 @@ def create_app(
     app.include_router(routes_openai.router)
     app.include_router(routes_models.router)
     app.include_router(routes_anthropic.router)
+    app.include_router(routes_responses.router)
     app.include_router(routes_admin.router)
     app.include_router(webui.router())
 

@@ -25,6 +25,7 @@ from kvwarm.server.errors import HTTPError
 from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits
 from kvwarm.server.metrics import ServerMetrics, Snapshot
 from kvwarm.server.registry import ModelEntry, ModelRegistry
+from kvwarm.server.responses_store import ResponseStore
 from kvwarm.settings import Settings, model_config
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ class ServerState:
             settings.keepalive_max_age_s,
         )
         self.keepalive = KeepAlive(ttl, settings.keepalive_stale_fraction, limits=limits)
+        # Responses API objects kept for previous_response_id (bounded, in memory).
+        self.responses = ResponseStore()
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []

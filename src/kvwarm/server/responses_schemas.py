@@ -1,0 +1,133 @@
+"""Request body of the OpenAI Responses API (``POST /v1/responses``).
+
+Invariant: as for the chat bodies (``schemas.py``), unknown fields are ignored and a known field
+of the wrong type is a 400 naming it. Input items are told apart by ``type`` (a message may omit
+it, as OpenAI's "easy" input messages do); content and items kvwarm cannot use (images, files,
+hosted tools, item references) parse, so that the conversion refuses them by name.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from kvwarm.server.tenancy import MAX_SALT_CHARS
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Body):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class RefusalPart(_Body):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class MediaPart(_Body):
+    """Images, files, audio: parsed only to be refused by name (kvwarm serves text models)."""
+
+    type: Literal["input_image", "input_file", "input_audio"]
+
+
+ContentPart = Annotated[TextPart | RefusalPart | MediaPart, Field(discriminator="type")]
+
+
+class MessageItem(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentPart]
+
+
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: str
+    name: str = Field(min_length=1)
+    arguments: str = ""
+    id: str | None = None
+
+
+class FunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ContentPart]
+
+
+class ReasoningItem(_Body):
+    """A previous turn's reasoning, which a client sends back; not part of the prompt."""
+
+    type: Literal["reasoning"]
+
+
+class ItemReference(_Body):
+    """A stored item named by id: refused (use ``previous_response_id``)."""
+
+    type: Literal["item_reference"]
+    id: str
+
+
+def _item_type(value: object) -> str:
+    if isinstance(value, dict):
+        kind = value.get("type", "message")
+        return kind if isinstance(kind, str) else ""
+    return str(getattr(value, "type", ""))
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[ItemReference, Tag("item_reference")],
+    Discriminator(_item_type),
+]
+
+
+class FunctionTool(_Body):
+    # Hosted tools (web_search, file_search, ...) carry other types and are refused by name.
+    type: str = "function"
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, object] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(_Body):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, object] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    user: str | None = None
+    # kvwarm's extension, as on the OpenAI bodies (server/tenancy.py); X-Cache-Salt works too.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)

@@ -1,0 +1,292 @@
+"""``/v1/responses`` on the stub backend: shapes, event order, the store, conversion, errors."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvwarm.engine.types import Completion, CompletionStats
+from kvwarm.server import create_app, responses
+from kvwarm.server.chat import ChatReply
+from kvwarm.server.responses_schemas import ResponsesRequest
+from kvwarm.server.responses_store import ResponseStore, StoredResponse
+from kvwarm.server.schemas import ChatMessage
+from kvwarm.server.tools import ToolCall
+
+from .conftest import stub_settings, wait_ready
+from .test_anthropic_stub import named_events
+from .test_api_stub import assert_error
+
+BASE: dict[str, object] = {
+    "model": "a",
+    "input": "Tell me about the quick brown fox, please.",
+    "instructions": "Be terse.",
+    "max_output_tokens": 12,
+    "temperature": 0,
+}
+
+
+def test_response_shape_and_usage(client: TestClient) -> None:
+    response = client.post("/v1/responses", json=BASE)
+    assert response.status_code == 200, response.json()
+    data = response.json()
+    assert data["id"].startswith("resp_") and data["object"] == "response"
+    assert data["status"] in ("completed", "incomplete") and data["model"] == "a"
+    assert data["instructions"] == "Be terse." and data["max_output_tokens"] == 12
+    if data["status"] == "incomplete":
+        assert data["incomplete_details"] == {"reason": "max_output_tokens"}
+    (item,) = data["output"]
+    assert item["type"] == "message" and item["role"] == "assistant"
+    assert item["id"].startswith("msg_") and item["status"] in ("completed", "incomplete")
+    (part,) = item["content"]
+    assert part["type"] == "output_text" and isinstance(part["text"], str)
+    usage = data["usage"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert 0 < usage["output_tokens"] <= 12
+    assert set(usage["input_tokens_details"]) == {"cached_tokens"}
+    again = client.post("/v1/responses", json=BASE).json()
+    assert again["output"][0]["content"] == item["content"]  # greedy: the same reply
+    assert again["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
+def test_stream_events_in_order_end_with_the_stored_response(client: TestClient) -> None:
+    whole = client.post("/v1/responses", json=BASE).json()
+    with client.stream("POST", "/v1/responses", json={**BASE, "stream": True}) as response:
+        assert response.status_code == 200
+        events = named_events(response.read().decode())
+    names = [n for n, _ in events]
+    assert all(n == d["type"] for n, d in events)
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    terminal = "response.incomplete" if whole["status"] == "incomplete" else "response.completed"
+    assert names[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert names[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        terminal,
+    ]
+    assert set(names[4:-4]) == {"response.output_text.delta"}
+    text = "".join(str(d["delta"]) for n, d in events if n == "response.output_text.delta")
+    assert text == whole["output"][0]["content"][0]["text"]
+    assert events[-4][1]["text"] == text
+    final = events[-1][1]["response"]
+    assert isinstance(final, dict) and final["status"] == whole["status"]
+    assert final["output"][0]["content"][0]["text"] == text
+    assert final["output"][0]["id"] == events[2][1]["item"]["id"]  # type: ignore[index]
+    stored = client.get(f"/v1/responses/{final['id']}")
+    assert stored.status_code == 200 and stored.json() == final
+
+
+def test_previous_response_id_restores_the_conversation(client: TestClient) -> None:
+    first = client.post("/v1/responses", json={**BASE, "input": "Name a colour, fox."}).json()
+    follow = {**BASE, "input": "And another one?", "previous_response_id": first["id"]}
+    before = client.get("/cache/stats").json()["counters"].get("hits_resume", 0)
+    second = client.post("/v1/responses", json=follow).json()
+    assert second["previous_response_id"] == first["id"]
+    cached = second["usage"]["input_tokens_details"]["cached_tokens"]
+    # The whole first prompt (and its reply) came from the cache, not a prefill.
+    assert cached >= first["usage"]["input_tokens"]
+    assert second["usage"]["input_tokens"] > cached
+    after = client.get("/cache/stats").json()["counters"].get("hits_resume", 0)
+    assert after == before + 1  # the previous reply's finish row was asked for by key
+    # A chain: the third turn builds on the second, which holds the first.
+    third = client.post(
+        "/v1/responses", json={**follow, "input": "Thanks.", "previous_response_id": second["id"]}
+    ).json()
+    assert (
+        third["usage"]["input_tokens_details"]["cached_tokens"] >= second["usage"]["input_tokens"]
+    )
+
+
+def test_store_get_delete_and_unknown_ids(client: TestClient) -> None:
+    kept = client.post("/v1/responses", json=BASE).json()
+    assert client.get(f"/v1/responses/{kept['id']}").json()["id"] == kept["id"]
+    deleted = client.delete(f"/v1/responses/{kept['id']}")
+    assert deleted.json() == {"id": kept["id"], "object": "response", "deleted": True}
+    assert_error(client.get(f"/v1/responses/{kept['id']}"), 404, "response_not_found")
+    assert_error(client.delete(f"/v1/responses/{kept['id']}"), 404, "response_not_found")
+    unstored = client.post("/v1/responses", json={**BASE, "store": False}).json()
+    assert unstored["store"] is False
+    assert_error(client.get(f"/v1/responses/{unstored['id']}"), 404, "response_not_found")
+    follow = {**BASE, "previous_response_id": unstored["id"]}
+    assert_error(
+        client.post("/v1/responses", json=follow),
+        404,
+        "previous_response_not_found",
+        "previous_response_id",
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": []}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content.0"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0"),
+        ({"input": [{"type": "computer_call"}]}, "input.0"),
+        ({"tools": [{"type": "web_search_preview"}]}, "tools.0.type"),
+        ({"tools": [{"type": "function"}]}, "tools.0.name"),
+        ({"max_output_tokens": 10**9}, "max_output_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ],
+)
+def test_bad_requests_are_400s_naming_the_field(
+    client: TestClient, body: dict[str, object], param: str
+) -> None:
+    response = client.post("/v1/responses", json={**BASE, **body})
+    assert response.status_code == 400, response.json()
+    assert response.json()["error"]["param"] == param
+
+
+def test_items_become_chat_turns() -> None:
+    req = ResponsesRequest.model_validate(
+        {
+            "input": [
+                {"role": "developer", "content": "dev"},
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "weather "},
+                        {"type": "input_text", "text": "in Oslo?"},
+                    ],
+                },
+                {"type": "reasoning", "summary": []},
+                {"type": "function_call", "call_id": "call_1", "name": "w", "arguments": "{}"},
+                {"type": "function_call", "call_id": "call_2", "name": "w", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            ]
+        }
+    )
+    turns = responses.with_instructions("sys", responses.to_history(req.input))
+    assert [(t.role, t.content) for t in turns] == [
+        ("system", "sys"),
+        ("developer", "dev"),
+        ("user", "weather in Oslo?"),
+        ("assistant", ""),
+        ("tool", "sunny"),
+    ]
+    calls = turns[3].tool_calls
+    assert calls is not None and [c.id for c in calls] == ["call_1", "call_2"]
+    assert turns[4].tool_call_id == "call_1"
+
+
+def _reply(text: str, calls: list[ToolCall], finish: str = "stop") -> ChatReply:
+    stats = CompletionStats(10, 4, 3, 1.0, 1.0, 0.0, "partial", finish, None)  # type: ignore[arg-type]
+    return ChatReply(Completion(text, (1,) * 10, (2,) * 3, stats), text, calls)
+
+
+def test_function_call_output_and_events() -> None:
+    req = ResponsesRequest.model_validate({"input": "hi"})
+    shape = responses.ResponseShape(req, "a")
+    call = ToolCall("call_abc", "get_weather", '{"city": "Oslo"}')
+    body = shape.final(_reply("", [call]), "")
+    assert body["status"] == "completed"
+    assert body["output"] == [
+        {
+            "type": "function_call",
+            "id": "fc_abc",
+            "call_id": "call_abc",
+            "name": "get_weather",
+            "arguments": '{"city": "Oslo"}',
+            "status": "completed",
+        }
+    ]
+    assert body["usage"] == {
+        "input_tokens": 10,
+        "input_tokens_details": {"cached_tokens": 4},
+        "output_tokens": 3,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 13,
+    }
+    events = responses.ResponseEvents(shape)
+    seq = [*events.start(), *events.finish(_reply("", [call]))]
+    assert [n for n, _ in seq] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added = seq[2][1]["item"]
+    assert isinstance(added, dict) and added["arguments"] == "" and added["id"] == "fc_abc"
+    assert seq[4][1]["arguments"] == '{"city": "Oslo"}' and seq[4][1]["output_index"] == 0
+    assert seq[-1][1]["response"] == body | {"created_at": body["created_at"]}
+
+
+def test_text_then_call_events_number_items_in_output_order() -> None:
+    shape = responses.ResponseShape(ResponsesRequest.model_validate({"input": "hi"}), "a")
+    events = responses.ResponseEvents(shape)
+    call = ToolCall("call_x", "f", "{}")
+    seq = [*events.start(), *events.delta("Let me "), *events.finish(_reply("look.", [call]))]
+    added = [d for n, d in seq if n == "response.output_item.added"]
+    assert [(d["output_index"], d["item"]["type"]) for d in added] == [  # type: ignore[index]
+        (0, "message"),
+        (1, "function_call"),
+    ]
+    final = seq[-1][1]["response"]
+    assert isinstance(final, dict)
+    assert final["output"][0]["content"][0]["text"] == "Let me look."  # type: ignore[index]
+    cut = shape.final(_reply("abc", [], finish="length"), "abc")
+    assert cut["status"] == "incomplete"
+    assert cut["output"][0]["status"] == "incomplete"  # type: ignore[index]
+
+
+def test_store_is_bounded_and_keeps_the_newest() -> None:
+    store = ResponseStore(max_items=2, max_chars=10**6)
+
+    def item(i: int, text: str = "x") -> StoredResponse:
+        turns = (ChatMessage(role="user", content=text),)
+        return StoredResponse(f"r{i}", "a", turns, None, {"id": f"r{i}"})
+
+    for i in range(3):
+        store.put(item(i))
+    assert len(store) == 2 and store.get("r0") is None and store.get("r2") is not None
+    assert store.get("r1") is not None  # now the most recently used
+    store.put(item(3))
+    assert store.get("r2") is None and store.get("r1") is not None
+    small = ResponseStore(max_items=10, max_chars=200)
+    small.put(item(0, "y" * 50))
+    small.put(item(1, "y" * 150))  # over budget together: the older one goes
+    assert small.get("r0") is None and small.get("r1") is not None
+    small.put(item(2, "y" * 1000))  # alone over budget: still kept, so a follow-up works
+    assert len(small) == 1 and small.get("r2") is not None
+
+
+def test_follow_ups_stay_in_their_namespace_and_tenant() -> None:
+    settings = stub_settings(api_key="user", admin_key="root", cache_salt_from_auth=True)
+    user = {"authorization": "Bearer user"}
+    with TestClient(create_app(settings)) as secured:
+        wait_ready(secured.get)
+        first = secured.post("/v1/responses", json={**BASE, "cache_salt": "s1"}, headers=user)
+        assert first.status_code == 200, first.json()
+        rid = first.json()["id"]
+        follow = {**BASE, "input": "More, fox?", "previous_response_id": rid}
+        # No salt named: the conversation's own namespace, so its rows are found.
+        same = secured.post("/v1/responses", json=follow, headers=user).json()
+        assert same["usage"]["input_tokens_details"]["cached_tokens"] > 0
+        # Another salt is another namespace: nothing of this conversation is visible there.
+        other = secured.post(
+            "/v1/responses", json={**follow, "cache_salt": "s2"}, headers=user
+        ).json()
+        assert other["usage"]["input_tokens_details"]["cached_tokens"] == 0
+        # Another tenant (the admin key names a different one) cannot see the response at all.
+        admin = {"x-api-key": "root"}
+        assert_error(secured.get(f"/v1/responses/{rid}", headers=admin), 404, "response_not_found")
+        assert_error(
+            secured.post("/v1/responses", json=follow, headers=admin),
+            404,
+            "previous_response_not_found",
+        )
+        assert_error(
+            secured.delete(f"/v1/responses/{rid}", headers=admin), 404, "response_not_found"
+        )
+        assert secured.get(f"/v1/responses/{rid}", headers=user).status_code == 200
