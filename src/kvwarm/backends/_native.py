@@ -147,16 +147,29 @@ def _cpu_flag(flag: str) -> bool:
 def _built_with_amx() -> bool:
     import llama_cpp
 
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    for candidate in sorted(lib_dir.glob("libggml-cpu.*")):
+    return _any_cpu_lib_has_amx(Path(llama_cpp.__file__).parent / "lib")
+
+
+def _any_cpu_lib_has_amx(lib_dir: Path) -> bool:
+    """Whether any CPU library in ``lib_dir`` was built with AMX.
+
+    A plain build has one ``libggml-cpu.so``; a ``GGML_BACKEND_DL``/``GGML_CPU_ALL_VARIANTS``
+    build has one per CPU variant (``libggml-cpu-sapphirerapids.so``, ``-icelake``, ...) and
+    ggml loads the best-scoring one for the CPU, which on a CPU reporting ``amx_int8`` is an AMX
+    variant whenever one is present. So any library reporting AMX counts, not the first found:
+    the caller has already seen ``amx_int8`` in /proc/cpuinfo, so loading a variant built for
+    this CPU to ask it is safe (its probe returns a compile-time constant).
+    """
+    for candidate in sorted(lib_dir.glob("libggml-cpu*")):
         try:
-            cpu = ctypes.CDLL(str(candidate))  # already loaded by llama_cpp: same handle
+            cpu = ctypes.CDLL(str(candidate))  # the loaded one: same handle; others: harmless
             probe = cpu.ggml_cpu_has_amx_int8
         except (OSError, AttributeError):
             continue
         probe.restype = ctypes.c_int
         probe.argtypes = []
-        return bool(probe())
+        if probe():
+            return True
     return False
 
 
