@@ -8,9 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
+from starlette.requests import Request
 
 from kvwarm.server import create_app
-from kvwarm.server.tenancy import MAX_SALT_CHARS, tenant_id
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.tenancy import HEADER, MAX_SALT_CHARS, explicit_salt, tenant_id
 
 from .conftest import stub_settings, wait_ready
 
@@ -221,3 +223,27 @@ def test_openapi_declares_the_salt_field_and_header(plain: TestClient) -> None:
         headers = [p["name"] for p in post.get("parameters", []) if p["in"] == "header"]
         assert headers == ["X-Cache-Salt"], path
     assert "cache_salt" not in str(paths["/v1/embeddings"])
+
+
+def test_a_non_ascii_header_salt_is_the_same_salt_as_the_body_field(plain: TestClient) -> None:
+    # HTTP header bytes are read as UTF-8, so "café" in a header is "café" in the body.
+    p = prompt_for("utf8")
+    assert cached(plain, p, "café") == 0
+    body = {"prompt": p, "max_tokens": 2, "temperature": 0}
+    response = plain.post("/v1/completions", json=body, headers={"X-Cache-Salt": "café".encode()})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_header_salt_that_is_not_utf8_is_a_400() -> None:
+    # Built as the ASGI server hands it over: TestClient would re-encode the bytes as UTF-8.
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/",
+        "headers": [(HEADER.encode(), b"caf\xe9")],
+    }
+    with pytest.raises(HTTPError) as refused:
+        explicit_salt(Request(scope), None)
+    assert refused.value.status == 400
+    assert refused.value.param == "X-Cache-Salt"

@@ -201,14 +201,17 @@ async def cache_rows(
 @router.post("/cache/prewarm", openapi_extra=json_body(PrewarmRequest) | tenancy.openapi_header())
 async def cache_prewarm(request: Request) -> Response:
     """Prefill a prefix (e.g. a system prompt) and save it, generating nothing. The row (and
-    its keep-alive) belongs to the request's cache salt (``server.tenancy``)."""
+    its keep-alive) belongs to the request's cache salt, or to the tenant the body names
+    (``tenant_key``, ``shared``: ``server.tenancy``)."""
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), PrewarmRequest)
     model = await state.acquire(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")
     ttl = TtlClass[req.ttl_class.upper()]
-    salt = tenancy.cache_salt(request, req.cache_salt, state.settings)
+    salt = tenancy.prewarm_salt(
+        request, req.cache_salt, state.settings, tenant_key=req.tenant_key, shared=req.shared
+    )
     if req.keep_alive:  # refuse before the prefill, not after it
         known = len(req.prompt) if isinstance(req.prompt, list) else 0
         state.keepalive.check_room(model.id, req.prompt or "", known, cache_salt=salt)

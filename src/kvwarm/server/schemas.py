@@ -183,6 +183,17 @@ class PrewarmRequest(_Body):
     ttl_class: Literal["short", "long", "extended"] = "long"
     keep_alive: bool = True
     cache_salt: str | None = _salt_field()
+    # With cache_salt_from_auth: whose scope to fill instead of the caller's (server/tenancy.py).
+    tenant_key: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="prewarm as a request presenting this API key (cache_salt_from_auth)",
+    )
+    shared: bool = Field(
+        default=False,
+        description="prewarm as a request presenting no key (cache_salt_from_auth)",
+    )
 
 
 class EvictRequest(_Body):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from kvwarm.cache.types import TtlClass
 from kvwarm.errors import KvwarmError, ModelLoadError
 from kvwarm.models_dir import checked_path
+from kvwarm.server import tenancy
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits
 from kvwarm.server.metrics import ServerMetrics, Snapshot
@@ -144,7 +145,8 @@ class ServerState:
             progress=lambda _fraction: not self._closing.is_set(),
         )
         for prompt in self.settings.prewarm_system:
-            self._prewarm_system(model, entry.id, prompt)
+            for salt in tenancy.system_salts(self.settings):
+                self._prewarm_system(model, entry.id, prompt, salt)
         log.info("model %s ready in %.0f ms", entry.id, (time.perf_counter() - started) * 1000)
         return model
 
@@ -153,13 +155,15 @@ class ServerState:
         if engine is not None and entry.model is not None:
             engine.unload_model(entry.id)
 
-    def _prewarm_system(self, model: ServedModel, model_id: str, prompt: str) -> None:
+    def _prewarm_system(
+        self, model: ServedModel, model_id: str, prompt: str, salt: str | None = None
+    ) -> None:
         try:
             # The same tokens Model.stream_chat builds for a chat that starts this way.
             tokens, _ = model.chat_tokens(
                 [{"role": "system", "content": prompt}], add_generation_prompt=False
             )
-            model.prewarm(tokens, ttl_class=TtlClass.LONG, add_special=False)
+            model.prewarm(tokens, ttl_class=TtlClass.LONG, add_special=False, cache_salt=salt)
             # Pinned: the operator asked for it, so no limit refuses it and it never ages out.
             self.keepalive.register(
                 model_id,
@@ -168,6 +172,7 @@ class ServerState:
                 add_special=False,
                 n_tokens=len(tokens),
                 pinned=True,
+                cache_salt=salt,
             )
         except KvwarmError as exc:  # best effort: the first request just prefills cold
             log.warning("prewarm of a system prompt for %s failed: %s", model_id, exc)
