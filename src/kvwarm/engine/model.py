@@ -24,6 +24,7 @@ from kvwarm.engine.adapters import Adapters
 from kvwarm.engine.batching import strategy
 from kvwarm.engine.chat import chat_tokens
 from kvwarm.engine.config import ModelConfig
+from kvwarm.engine.describe import ModelState, model_info, model_status
 from kvwarm.engine.embeddings import Embedder
 from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
 from kvwarm.engine.infill import ExtraFile, fim_tokens
@@ -70,7 +71,7 @@ class Model:
         self.config = cfg
         self.policy = policy
         self.save_tier: TierName = save_tier
-        self._state = "loading"
+        self._state: ModelState = "loading"
         mode = parse_mode(cfg.fingerprint_mode)
         self.fingerprint_mode = mode
         self.backend = get_backend(backend_spec) if isinstance(backend_spec, str) else backend_spec
@@ -131,50 +132,20 @@ class Model:
         self._namespace = Namespace(fp, self._namespace.quant, self._ctx_hash)
 
     def info(self) -> ModelInfo:
-        f = self.facts
-        return ModelInfo(
-            id=self.id,
-            path=str(self.path),
-            backend=self.backend.name,
-            n_ctx=self.config.context.n_ctx,
-            n_batch=self.config.context.n_batch,
-            n_parallel=self.config.n_parallel,
-            n_vocab=f.n_vocab,
-            n_ctx_train=f.n_ctx_train,
-            n_embd=f.n_embd,
-            size_bytes=f.size_bytes,
-            description=f.description,
-            fingerprint=self._namespace.fingerprint.hex(),
-            fingerprint_mode=self.fingerprint_mode.name.lower(),
+        return model_info(
+            self.id,
+            self.path,
+            self.backend.name,
+            self.config,
+            self.facts,
+            fingerprint=self._namespace.fingerprint,
+            mode=self.fingerprint_mode,
             save_tier=self.save_tier,
-            chat_template=f.chat_template is not None,
-            adapters=tuple(self.list_adapters()),
-            metadata=dict(f.metadata),
-            n_gpu_layers=self.config.model_params.n_gpu_layers,
-            flash_attn=self.config.context.flash_attn,
-            type_k=self.config.context.type_k,
-            type_v=self.config.context.type_v,
+            adapters=self.list_adapters(),
         )
 
     def status(self) -> ModelStatus:
-        s = self._worker.stats
-        return ModelStatus(
-            id=self.id,
-            state=self._state,  # type: ignore[arg-type]
-            queued=self._worker.queued,
-            active=self._worker.active,
-            n_parallel=self.config.n_parallel,
-            requests=s.requests,
-            prompt_tokens=s.prompt_tokens,
-            cached_tokens=s.cached_tokens,
-            completion_tokens=s.completion_tokens,
-            prefill_ms=s.prefill_ms,
-            generation_ms=s.generation_ms,
-            kv_cells_used=self._worker.kv_cells_used,
-            kv_cells=self.config.context.n_ctx,
-            slots=self._worker.slot_statuses(),
-            prefilled_tokens=s.prefilled_tokens,
-        )
+        return model_status(self.id, self._state, self.config, self._worker)
 
     # ---- text ---------------------------------------------------------------------------
 
