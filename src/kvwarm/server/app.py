@@ -84,6 +84,18 @@ class _Observe:
             self.state.counters.record(getattr(route, "path", "unmatched"), status)
 
 
+#: The API's routers, in the order their routes are matched (the web page's comes last).
+ROUTERS = (
+    routes_chat.router,
+    routes_completions.router,
+    routes_openai.router,
+    routes_models.router,
+    routes_anthropic.router,
+    routes_responses.router,
+    routes_admin.router,
+)
+
+
 def create_app(
     settings: Settings,
     state: ServerState | None = None,
@@ -116,39 +128,46 @@ def create_app(
     )
     app.openapi = functools.partial(_openapi_with_keys, app)  # type: ignore[method-assign]
     app.state.kvwarm = state
-    app.include_router(routes_chat.router)
-    app.include_router(routes_completions.router)
-    app.include_router(routes_openai.router)
-    app.include_router(routes_models.router)
-    app.include_router(routes_anthropic.router)
-    app.include_router(routes_responses.router)
-    app.include_router(routes_admin.router)
+    for router in ROUTERS:
+        app.include_router(router)
     app.include_router(webui.router())
+    _add_error_handlers(app)
+    _add_middleware(app, state, settings)
+    return app
 
-    async def on_error(request: Request, exc: Exception) -> Response:
-        return error_response(exc, request.url.path)
 
-    async def on_http(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        error = HTTPError(exc.status_code, str(exc.detail), code=code)
-        return error_response(error, request.url.path)
+async def _on_error(request: Request, exc: Exception) -> Response:
+    return error_response(exc, request.url.path)
 
-    async def on_validation(request: Request, exc: Exception) -> Response:
-        # Query and path parameters (bodies are parsed by parse_body): name the parameter.
-        assert isinstance(exc, RequestValidationError)
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("query", "path", "body")]
-        param = ".".join(loc) or None
-        message = f"{param or 'request'}: {first.get('msg', 'invalid value')}"
-        error = HTTPError(400, message, code="invalid_type", param=param)
-        return error_response(error, request.url.path)
 
-    app.add_exception_handler(HTTPError, on_error)
-    app.add_exception_handler(KvwarmError, on_error)
-    app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(Exception, on_error)
+async def _on_http(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    error = HTTPError(exc.status_code, str(exc.detail), code=code)
+    return error_response(error, request.url.path)
+
+
+async def _on_validation(request: Request, exc: Exception) -> Response:
+    # Query and path parameters (bodies are parsed by parse_body): name the parameter.
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("query", "path", "body")]
+    param = ".".join(loc) or None
+    message = f"{param or 'request'}: {first.get('msg', 'invalid value')}"
+    error = HTTPError(400, message, code="invalid_type", param=param)
+    return error_response(error, request.url.path)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in the OpenAI shape (Anthropic's under its paths)."""
+    app.add_exception_handler(HTTPError, _on_error)
+    app.add_exception_handler(KvwarmError, _on_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(Exception, _on_error)
+
+
+def _add_middleware(app: FastAPI, state: ServerState, settings: Settings) -> None:
     app.add_middleware(_Observe, state=state)
     if settings.allowed_origins:
         # Outermost, so the guard's own refusals (401, 403) carry CORS headers too and a page
@@ -166,7 +185,6 @@ def create_app(
                 "anthropic-version",  # sent by Anthropic's clients with every request
             ],
         )
-    return app
 
 
 def _openapi_with_keys(app: FastAPI) -> dict[str, Any]:
