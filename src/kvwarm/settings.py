@@ -17,7 +17,8 @@ Adding a setting
    like the others' (``Int`` reads "8", ``Size`` "2G"); add a type there if none fits.
 2. Optional, through ``json_schema_extra``: ``{"flag": "--other-name"}`` for a flag name that
    differs from the field's, ``{"aliases": ["-x"]}`` for more spellings of the flag,
-   ``{"repeatable": True}`` for a flag given several times.
+   ``{"repeatable": True}`` for a flag given several times, ``{"switch": True}`` for one
+   without a value (``kvwarm.settings_flags``).
 3. Cross-setting rules and range checks go in ``Settings.check`` (raise ``ConfigError``).
 4. A CLI subcommand that needs it lists its name in ``kvwarm.cli.common`` (``serve`` gets all).
 Nothing else: flag, env var, TOML key and help follow. ``tests/cli/test_settings.py`` shows how
@@ -40,6 +41,7 @@ from kvwarm import settings_cache
 from kvwarm.cache.eviction.base import registered_policies
 from kvwarm.cache.types import CacheConfig, PolicyConfig, S3Config, TierName
 from kvwarm.errors import ConfigError
+from kvwarm.settings_flags import add_arguments, env_name, flag_name
 from kvwarm.settings_model import (
     ModelSettings,
     ServingSettings,
@@ -124,7 +126,9 @@ class Settings(ModelSettings, ServingSettings):
     # Concurrent requests share one context (continuous batching), as llama.cpp's server does.
     n_parallel: Int = Field(default=4, description="concurrent sequences (slots) per model")
     deterministic: Bool = Field(
-        default=False, description="restores bit-identical to a cold prefill (slower)"
+        default=False,
+        description="restores bit-identical to a cold prefill (slower)",
+        json_schema_extra={"switch": True},
     )
     fingerprint_mode: Str = Field(
         default="safe", description="model fingerprint: safe, gguf_chunked or fast_unsafe"
@@ -314,52 +318,26 @@ class Settings(ModelSettings, ServingSettings):
 # --- derived from the fields: flags, env, TOML keys ---------------------------------------------
 
 
-def _extra(name: str) -> dict[str, Any]:
-    extra = Settings.model_fields[name].json_schema_extra
-    return extra if isinstance(extra, dict) else {}
-
-
 def _flag(name: str) -> str:
-    return str(_extra(name).get("flag", "--" + name.replace("_", "-")))
+    return flag_name(Settings, name)
 
 
 def env_var(name: str) -> str:
-    return str(_extra(name).get("env", ENV_PREFIX + name.upper()))
+    return env_name(Settings, name, ENV_PREFIX)
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser, names: Sequence[str] = ()) -> None:
-    """Add the flags of ``names`` (all settings if empty). Unset flags stay absent from the
-    namespace (``SUPPRESS``) so they never override the environment or the file. The model
-    settings (``ModelSettings``) get a group of their own in ``--help``."""
-    group = parser.add_argument_group("settings (flags > KVWARM_* env > config file)")
-    group.add_argument(
-        "--config", default=argparse.SUPPRESS, metavar="PATH", help=f"TOML file (${CONFIG_ENV})"
+    """Add the flags of ``names`` (all settings but ``CLUSTER_ONLY`` if empty), those of
+    ``ModelSettings`` in a ``--help`` group of their own (``kvwarm.settings_flags``)."""
+    names = names or [n for n in Settings.model_fields if n not in CLUSTER_ONLY]
+    add_arguments(
+        parser,
+        Settings,
+        names,
+        per_model=ModelSettings,
+        env_prefix=ENV_PREFIX,
+        config_env=CONFIG_ENV,
     )
-    per_model = parser.add_argument_group(
-        "model settings (also per model, as keys of a [[models]] table in the config file)"
-    )
-    for name in names or [n for n in Settings.model_fields if n not in CLUSTER_ONLY]:
-        help_text = f"{Settings.model_fields[name].description} (${env_var(name)})"
-        target = per_model if name in ModelSettings.model_fields else group
-        flags = (_flag(name), *_extra(name).get("aliases", ()))
-        if name == "deterministic":  # a switch: presence means true
-            target.add_argument(
-                *flags,
-                dest=name,
-                action="store_const",
-                const="true",
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-            continue
-        target.add_argument(
-            *flags,
-            dest=name,
-            action="append" if _extra(name).get("repeatable") else "store",
-            default=argparse.SUPPRESS,
-            metavar="VALUE",
-            help=help_text,
-        )
 
 
 def settings_flags(namespace: argparse.Namespace) -> dict[str, object]:
