@@ -72,3 +72,32 @@ def test_chat_is_isolated_the_same_way(http: httpx.Client) -> None:
     assert chat("sk-one") == 0
     assert chat("sk-two") == 0
     assert chat("sk-one") > 0
+
+
+def test_a_utf8_header_salt_over_real_http(http: httpx.Client) -> None:
+    # uvicorn hands the header's raw bytes over: UTF-8 "café" is the body's "café"; other
+    # bytes are a 400.
+    prompt = "Tenant utf8 asks: list the open action items from the Friday review."
+    assert cached(http, prompt, {"cache_salt": "café"}, {"Authorization": "Bearer sk-utf8"}) == 0
+
+    def post(salt: bytes, text: str) -> httpx.Response:
+        headers = {b"authorization": b"Bearer sk-utf8", b"x-cache-salt": salt}
+        body = {"prompt": text, "max_tokens": 2, "temperature": 0}
+        return http.post("/v1/completions", json=body, headers=headers)
+
+    warm = post("café".encode(), prompt)
+    assert warm.status_code == 200, warm.text
+    assert warm.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    bad = post(b"caf\xe9", "hi")
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "X-Cache-Salt"
+
+
+def test_prewarm_for_a_tenant_key_on_the_real_model(http: httpx.Client) -> None:
+    prompt = "Tenant prewarm asks: draft a reply to the supplier about the late delivery."
+    body = {"prompt": prompt, "tenant_key": "sk-target", "keep_alive": False}
+    response = http.post("/cache/prewarm", json=body, headers={"Authorization": "Bearer sk-op"})
+    assert response.status_code == 200, response.text
+    assert response.json()["cached_tokens"] == 0
+    assert cached(http, prompt, {}, {"Authorization": "Bearer sk-op"}) == 0
+    assert cached(http, prompt, {}, {"Authorization": "Bearer sk-target"}) > 0
