@@ -246,3 +246,19 @@ def test_saves_queued_together_line_up(make_cache: CacheFactory) -> None:
     manifests = _manifest(1000, 4) + _manifest(1100, 5)
     assert cache.counters()[f"tier_{tier}_bytes"] == stored + manifests
     assert _restored(cache, cache_key(NS, tokens)) == blob(tokens)
+
+
+def test_chunk_reads_reuse_one_arena_and_views_end_with_the_lease(tmp_path: Path) -> None:
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=tmp_path / "kvc"),), chunk_tokens=C)
+    with Cache(cfg, background=False) as cache:
+        a, b = list(range(700)), list(range(5000, 5900))
+        key_a, key_b = _save(cache, a), _save(cache, b)
+        with cache.open_row(key_a) as row:
+            kept = row.chunks[0]
+            first = join(row.chunks)
+        with pytest.raises(ValueError):
+            bytes(kept)  # released: a later read may reuse its bytes
+        assert first == blob(a)
+        for _ in range(2):  # the second read of each lands in the same, reused arena
+            assert _restored(cache, key_b) == blob(b)
+            assert _restored(cache, key_a) == blob(a)

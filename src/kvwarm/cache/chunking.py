@@ -153,7 +153,23 @@ def store_row(
         index.unpin_chunks(tier.name, keys)
 
 
-def load_chunks(tier: Tier, keys: Sequence[bytes]) -> list[memoryview]:
+def load_chunks(
+    tier: Tier,
+    keys: Sequence[bytes],
+    arena: bytearray | None = None,
+    sizes: Sequence[int | None] = (),
+) -> list[memoryview]:
     """The verified payloads of ``keys``, in order (``CacheKeyError``/``CacheFormatError``
-    from the first that is missing or bad)."""
-    return [tier.load_chunk(k) for k in keys]
+    from the first that is missing or bad). With ``arena`` and every chunk's stored size,
+    chunk ``i`` is read into its own slice of the arena (the tier may decline)."""
+    if arena is None or len(sizes) != len(keys) or None in sizes:
+        return [tier.load_chunk(k) for k in keys]
+    out: list[memoryview] = []
+    whole = memoryview(arena)
+    at = 0
+    for key, size in zip(keys, sizes, strict=True):
+        assert size is not None
+        out.append(tier.load_chunk(key, whole[at : at + size]))
+        at += size
+    whole.release()
+    return out

@@ -63,6 +63,10 @@ class ChunkRefs:
         c = self._chunks.get((tier, key))
         return 0 if c is None else c.refs
 
+    def size(self, tier: TierName, key: bytes) -> int | None:
+        c = self._chunks.get((tier, key))
+        return None if c is None or c.dying else c.size
+
     def known(self, tier: TierName, key: bytes) -> bool:
         c = self._chunks.get((tier, key))
         return c is not None and c.size is not None and not c.dying

@@ -58,6 +58,28 @@ class ScratchBuffers:
         if keep is not None and len(keep) <= self.MAX_BYTES:
             self._local.buf = keep
 
+    def take_arena(self, size: int) -> bytearray | None:
+        """This thread's buffer for a manifest's chunks (already faulted in after the first
+        restore), grown to ``size``; None if a nested read holds it or it would be too big."""
+        if size > self.MAX_BYTES:
+            return None
+        arena: bytearray | None = getattr(self._local, "arena", None)
+        self._local.arena = None
+        if arena is None or len(arena) < size:
+            arena = bytearray(size)
+        return arena
+
+    def reclaim_arena(self, arena: bytearray | None, views: tuple[memoryview, ...]) -> None:
+        """End of a lease: release the chunk views first; an arena still exported by the
+        caller is dropped, never reused under it."""
+        try:
+            for view in views:
+                view.release()
+        except BufferError:
+            return
+        if arena is not None:
+            self._local.arena = arena
+
 
 class CacheCore:
     """State and primitives; ``Cache`` (facade.py) adds the public operations."""

@@ -38,7 +38,8 @@ from dataclasses import replace
 from types import TracebackType
 
 from kvwarm.cache.api import LoadedRow
-from kvwarm.cache.chunking import PlanBook, load_chunks, store_row
+from kvwarm.cache.chunking import PlanBook, store_row
+from kvwarm.cache.chunkreads import ChunkReads
 from kvwarm.cache.core import ScratchBuffers
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.eviction import build_policy
@@ -74,7 +75,7 @@ __all__ = ["Cache"]
 log = logging.getLogger(__name__)
 
 
-class Cache(CacheUpkeep, SharedTiers):
+class Cache(CacheUpkeep, SharedTiers, ChunkReads):
     """A multi-tier, token-exact KV cache. Thread-safe; close it (or use ``with``)."""
 
     def __init__(
@@ -201,35 +202,20 @@ class Cache(CacheUpkeep, SharedTiers):
         scratch = self._scratch.take() if local else None
         data: RowBytes | None = None
         parts: tuple[memoryview, ...] = ()
+        # Chunks read from local storage land in the thread's arena; ram holds them already.
+        arena = self._chunk_arena(stored) if local and tier.capabilities.persistent else None
         try:
             data = self._load(tier, stored, scratch)
-            parts = self._load_parts(tier, stored, data)
+            parts = self._load_parts(tier, stored, arena)
             yield LoadedRow(stored.info, data.tokens, data.payload, data.logits, parts)
         finally:
             self._index.checkin(key)
             if local:
                 self._scratch.reclaim(scratch, data)
+                self._scratch.reclaim_arena(arena, parts)
             elif data is not None:
                 self._promote(tier, stored, data, parts)
                 _release(data)
-
-    def _load_parts(self, tier: Tier, stored: StoredRow, data: RowBytes) -> tuple[memoryview, ...]:
-        """A manifest's chunks, verified, in order; () for a whole-blob row."""
-        if not stored.chunks:
-            return ()
-        key = stored.info.key
-        try:
-            chunks = load_chunks(tier, stored.chunks)
-        except (CacheFormatError, CacheKeyError) as exc:
-            # A chunk is corrupt or gone: the row cannot be restored. Forget the row (its
-            # chunks go with their last reference) and the bad chunk's bytes.
-            log.warning("%s: dropping row %s: %s", tier.name, key.hex(), exc)
-            self._retire([r for r in (self._index.remove(key),) if r is not None])
-            raise
-        except CacheIOError:
-            self._counters.incr("store_errors")
-            raise
-        return tuple(chunks)
 
     def _load(self, tier: Tier, stored: StoredRow, scratch: bytearray | None = None) -> RowBytes:
         key = stored.info.key

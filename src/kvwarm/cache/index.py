@@ -332,6 +332,11 @@ class Index:
             return (), 0
         return self._rows.chunk_lens(match.row.key), match.n_shared
 
+    def chunk_sizes(self, tier: TierName, keys: Sequence[bytes]) -> list[int | None]:
+        """The stored size of each chunk (None: not known to be stored)."""
+        with self._lock:
+            return [self._rows.chunks.size(tier, k) for k in keys]
+
     def chunk_refs(self, tier: TierName, key: bytes) -> int:
         with self._lock:
             return self._rows.chunks.refs(tier, key)

@@ -148,9 +148,11 @@ class Tier(Protocol):
         it occupies. ``CacheIOError`` if storage failed."""
         ...
 
-    def load_chunk(self, key: bytes) -> memoryview:
+    def load_chunk(self, key: bytes, buffer: memoryview | None = None) -> memoryview:
         """The verified payload of chunk ``key``. ``CacheKeyError`` if absent,
-        ``CacheFormatError`` if corrupt (the caller deletes it)."""
+        ``CacheFormatError`` if corrupt (the caller deletes it). ``buffer``: space exactly
+        the chunk's stored size that the tier may read the object into (the payload then
+        views it) instead of allocating."""
         ...
 
     def delete_chunk(self, key: bytes) -> None:

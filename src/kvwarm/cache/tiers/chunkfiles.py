@@ -130,10 +130,13 @@ class ChunkFiles:
             return None
         return head if head.key == key else None
 
-    def load(self, dir_fd: int, key: bytes) -> memoryview:
+    def load(self, dir_fd: int, key: bytes, into: memoryview | None = None) -> memoryview:
+        """The verified payload; read into ``into`` when the file is exactly that long."""
         name = chunk_name(key)
         try:
-            buf, _ = read_file(dir_fd, name, None)
+            buf = _read_exact(dir_fd, name, into) if into is not None else None
+            if buf is None:
+                buf, _ = read_file(dir_fd, name, None)
         except FileNotFoundError:
             raise CacheKeyError(f"{self._tier} holds no chunk {key.hex()}") from None
         except OSError as exc:
@@ -165,6 +168,20 @@ class ChunkFiles:
             else:
                 log.warning("%s: removing invalid chunk %s", self._tier, name)
                 unlink_quiet(dir_fd, name)
+
+
+def _read_exact(dir_fd: int, name: str, into: memoryview) -> memoryview | None:
+    """The whole file read into ``into`` if it is exactly ``len(into)`` bytes, else None."""
+    with open(open_regular(dir_fd, name, os.O_RDONLY), "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size != into.nbytes:
+            return None
+        got = 0
+        while got < into.nbytes:
+            n = f.readinto(into[got:])
+            if not n:
+                raise CacheFormatError(f"{name} shrank while being read")
+            got += n
+    return into
 
 
 def _write_all(fd: int, head: bytes, payload: bytes) -> None:

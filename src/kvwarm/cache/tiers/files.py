@@ -206,8 +206,8 @@ class FileTier:
     def store_chunk(self, key: bytes, head: bytes, payload: bytes) -> int:
         return self._chunks.store(self._dir, key, head, payload)
 
-    def load_chunk(self, key: bytes) -> memoryview:
-        return self._chunks.load(self._dir, key)
+    def load_chunk(self, key: bytes, buffer: memoryview | None = None) -> memoryview:
+        return self._chunks.load(self._dir, key, buffer)
 
     def delete_chunk(self, key: bytes) -> None:
         self._chunks.delete(self._dir, key)

@@ -146,7 +146,7 @@ class RamTier:
             self._chunks.setdefault(key, payload)
         return len(payload)
 
-    def load_chunk(self, key: bytes) -> memoryview:
+    def load_chunk(self, key: bytes, buffer: memoryview | None = None) -> memoryview:
         with self._lock:
             payload = self._chunks.get(key)
         if payload is None:

@@ -310,7 +310,7 @@ class S3Tier:
             )
         return len(body)
 
-    def load_chunk(self, key: bytes) -> memoryview:
+    def load_chunk(self, key: bytes, buffer: memoryview | None = None) -> memoryview:
         name = self._chunk_object(key)
 
         def get() -> bytes:
