@@ -194,3 +194,23 @@ def test_n_choices_logprobs_and_infill_through_the_ingress(client: TestClient) -
     assert len(logprobs) >= 2  # a replica streams text only: they come with the last chunks
     refused = client.post("/infill", json={"model": "a", "input_prefix": "a", "input_suffix": "b"})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "fim_not_supported"
+
+
+def test_startup_prompts_reach_the_api_key_tenant_through_the_replicas() -> None:
+    """``--prewarm-system`` with ``cache_salt_from_auth``: the ingress warms the key's
+    namespace on the replicas too, not only the unsalted one (as ``serve`` does)."""
+    system = "You are the startup assistant of every tenant; keep answers short and friendly."
+    body = EngineReplica(stub_settings(), replica_id="replica-warm")
+    try:
+        settings = stub_settings(prewarm_system=(system,), cache_salt_from_auth=True, api_key="k1")
+        with TestClient(create_ingress_app(settings, DirectCalls(body))) as warm:
+            wait_ready(warm.get)
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+            request = {"model": "a", "messages": messages, "max_tokens": 1}
+            response = warm.post(
+                "/v1/chat/completions", json=request, headers={"Authorization": "Bearer k1"}
+            )
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    finally:
+        body.engine.close()

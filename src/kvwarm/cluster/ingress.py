@@ -71,8 +71,7 @@ class IngressState(ServerState):
                 log.error("model %s is not served by the replicas: %s", entry.id, exc)
                 continue
             model = RemoteModel(info, stream_call, op_call, _note_served)
-            for prompt in self.settings.prewarm_system:
-                self._prewarm_system(model, entry.id, prompt)
+            self._prewarm_systems(model, entry.id)
             entry.model, entry.state = model, "ready"
             log.info("model %s served by the engine replicas", entry.id)
 

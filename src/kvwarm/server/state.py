@@ -144,9 +144,7 @@ class ServerState:
             config=model_config(self.settings, entry.spec),
             progress=lambda _fraction: not self._closing.is_set(),
         )
-        for prompt in self.settings.prewarm_system:
-            for salt in tenancy.system_salts(self.settings):
-                self._prewarm_system(model, entry.id, prompt, salt)
+        self._prewarm_systems(model, entry.id)
         log.info("model %s ready in %.0f ms", entry.id, (time.perf_counter() - started) * 1000)
         return model
 
@@ -154,6 +152,14 @@ class ServerState:
         engine = self.engine
         if engine is not None and entry.model is not None:
             engine.unload_model(entry.id)
+
+    def _prewarm_systems(self, model: ServedModel, model_id: str) -> None:
+        """``--prewarm-system``: every prompt, in every namespace a tenant may ask from
+        (``tenancy.system_salts``). Shared with the cluster's ingress, which warms through
+        the replicas."""
+        for prompt in self.settings.prewarm_system:
+            for salt in tenancy.system_salts(self.settings):
+                self._prewarm_system(model, model_id, prompt, salt)
 
     def _prewarm_system(
         self, model: ServedModel, model_id: str, prompt: str, salt: str | None = None
