@@ -6,6 +6,7 @@ orphans, and a damaged or missing chunk drops the row (never a wrong restore).""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -262,3 +263,34 @@ def test_chunk_reads_reuse_one_arena_and_views_end_with_the_lease(tmp_path: Path
         for _ in range(2):  # the second read of each lands in the same, reused arena
             assert _restored(cache, key_b) == blob(b)
             assert _restored(cache, key_a) == blob(a)
+
+
+def test_a_shared_tier_keeps_chunks_its_rows_were_forgotten_or_promoted_from(
+    moto_server: MotoServer,
+) -> None:
+    """TTL only makes this process forget an s3 row, and a promotion only moves its own copy:
+    the chunks stay in the bucket for the other replicas, and the row restores again."""
+    from tests.cache.facadekit import FakeClock
+    from tests.s3kit import object_names
+
+    clock = FakeClock(time.time())
+    s3 = TierConfig("s3", 1 << 30, s3=moto_server.config(moto_server.new_bucket()))
+    cfg = CacheConfig(
+        tiers=(TierConfig("ram", 1 << 30), s3), ttl_seconds=(10.0, 10.0, 10.0), chunk_tokens=C
+    )
+    tokens = list(range(700))
+    with Cache(cfg, clock=clock, background=False) as cache:
+        key = cache.save(chunked_request(NS, tokens, tier="s3"), sync=True)
+        assert key is not None
+        listing = object_names(S3Tier(s3.s3, 1 << 30))  # type: ignore[arg-type]
+        assert sum(name.endswith(".kvk") for name in listing) == 3
+        clock.advance(1000)
+        cache.gc()
+        assert cache.rows() == []
+        assert object_names(S3Tier(s3.s3, 1 << 30)) == listing  # type: ignore[arg-type]
+        assert cache.lookup_exact(key) is not None  # found again by probing
+        assert _restored(cache, key) == blob(tokens)  # and promoted to ram
+        assert cache.flush()
+        assert cache.rows()[0].tier == "ram"
+        assert object_names(S3Tier(s3.s3, 1 << 30)) == listing  # type: ignore[arg-type]
+        assert _restored(cache, key) == blob(tokens)

@@ -40,6 +40,9 @@ class FreedChunk:
     tier: TierName
     key: bytes
     size: int
+    # Only forget it: its bytes stay for other processes (a remote shared row forgotten on
+    # TTL, or left behind by a promotion), like the row that named it.
+    keep: bool = False
 
 
 class ChunkRefs:
@@ -78,18 +81,19 @@ class ChunkRefs:
             c = self._chunks.setdefault((tier, key), _Chunk(None))
             c.refs += 1
 
-    def unref(self, tier: TierName, keys: Iterable[bytes]) -> int:
-        """Drop one reference from each; returns the bytes of chunks freed by it."""
+    def unref(self, tier: TierName, keys: Iterable[bytes], *, keep: bool = False) -> int:
+        """Drop one reference from each; returns the bytes of chunks freed by it (``keep``:
+        to be forgotten, their bytes left in place)."""
         freed = 0
         for key in keys:
             c = self._chunks.get((tier, key))
             if c is None or c.refs == 0:
                 continue
             c.refs -= 1
-            freed += self._maybe_free(tier, key, c)
+            freed += self._maybe_free(tier, key, c, keep)
         return freed
 
-    def _maybe_free(self, tier: TierName, key: bytes, c: _Chunk) -> int:
+    def _maybe_free(self, tier: TierName, key: bytes, c: _Chunk, keep: bool = False) -> int:
         if c.refs or c.pins or c.dying:
             return 0
         if c.size is None:
@@ -97,7 +101,7 @@ class ChunkRefs:
             return 0
         c.dying = True
         self._bytes[tier] -= c.size
-        self._freed.append(FreedChunk(tier, key, c.size))
+        self._freed.append(FreedChunk(tier, key, c.size, keep))
         return c.size
 
     # ---- saves

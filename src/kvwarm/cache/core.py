@@ -128,9 +128,10 @@ class CacheCore:
             except CacheError as exc:
                 log.warning("%s: deleting %s failed: %s", row.info.tier, row.info.key.hex(), exc)
         for chunk in self._index.take_freed_chunks():
-            freed += chunk.size
             try:
-                self._tiers[chunk.tier].delete_chunk(chunk.key)
+                if not chunk.keep:  # a forgotten remote row's chunks stay for the others
+                    freed += chunk.size
+                    self._tiers[chunk.tier].delete_chunk(chunk.key)
             except CacheError as exc:
                 log.warning("%s: deleting chunk %s failed: %s", chunk.tier, chunk.key.hex(), exc)
             finally:

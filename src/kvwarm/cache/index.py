@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from kvwarm.cache.chunkrefs import FreedChunk
 from kvwarm.cache.eviction.base import EvictionPolicy
@@ -238,7 +238,8 @@ class Index:
             info = self._rows.get(key)
             if info is None or info.tier != tier or self._rows.refcount(key):
                 return None
-            return self._rows.remove(key)
+            # The copy stays in its store, and so do its chunks: they are only forgotten.
+            return self._rows.remove(key, keep_chunk_bytes=True)
 
     def evict(self, n_bytes: int, tiers: Iterable[TierName] | None = None) -> list[StoredRow]:
         """Retire not-checked-out rows of ``tiers`` (all if None) in the eviction policy's
@@ -254,16 +255,21 @@ class Index:
             excess = self._rows.tier_bytes(tier) - quota_bytes
             return self._evict(excess, (tier,)) if excess > 0 else []
 
-    def expire(self) -> list[StoredRow]:
-        """Retire every not-checked-out row unused for longer than its TTL class allows."""
+    def expire(self, forget_only: Collection[TierName] = ()) -> list[StoredRow]:
+        """Retire every not-checked-out row unused for longer than its TTL class allows.
+        Rows of ``forget_only`` tiers are only forgotten: their chunks' bytes are not freed
+        (``FreedChunk.keep``), other processes may still use them."""
         now = self._clock()
         with self._lock:
             victims = [
-                i.key
+                i
                 for i in self._rows.unpinned()
                 if now - max(i.last_used, self._started) > self._ttl[i.ttl_class]
             ]
-            return self._rows.remove_all(victims)
+            removed = [
+                self._rows.remove(i.key, keep_chunk_bytes=i.tier in forget_only) for i in victims
+            ]
+            return [r for r in removed if r is not None]
 
     def reap_reservations(self) -> tuple[int, list[Orphan]]:
         """Two-stage reaping; linked orphans are returned for the caller to adopt or delete."""

@@ -138,15 +138,16 @@ class RowTable:
         self._count[info.tier] = self._count.get(info.tier, 0) + 1
         self._policy.insert(key, info)
 
-    def remove(self, key: bytes) -> StoredRow | None:
+    def remove(self, key: bytes, *, keep_chunk_bytes: bool = False) -> StoredRow | None:
         """Forget a row, pinned or not; the row as it was, for the caller to delete its bytes
-        (and the chunks no other row names: ``chunks.take_freed``)."""
+        (and the chunks no other row names: ``chunks.take_freed``, marked to be only
+        forgotten with ``keep_chunk_bytes``)."""
         if key not in self._entries:
             return None
         row = self.stored(key)
         tier = row.info.tier
         del self._entries[key]
-        self.chunks.unref(tier, row.chunks)
+        self.chunks.unref(tier, row.chunks, keep=keep_chunk_bytes)
         self._bytes[tier] -= row.info.size
         self._count[tier] -= 1
         self._prefix.remove(key)

@@ -70,7 +70,8 @@ class CacheUpkeep(CacheCore):
         _, orphans = self._index.reap_reservations()
         for orphan in orphans:
             self._adopt_orphan(orphan)
-        expired = self._index.expire()
+        remote = [n for n, t in self._tiers.items() if not t.capabilities.local]
+        expired = self._index.expire(forget_only=remote)
         # A remote shared tier (s3, a multi-host directory) serves other processes too: our
         # idle timer only makes us forget its rows (discovery finds them again); deleting
         # them is left to the quota's eviction and to the store's own lifecycle rules.
