@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import httpx
@@ -18,6 +18,7 @@ import pytest
 from tests.cluster.conftest import Deployed
 from tests.server.conftest import LOW_POLICY
 
+from kvwarm.cache.tiers.layout import name_for
 from kvwarm.settings import ModelSpec, Settings
 
 pytestmark = pytest.mark.slow
@@ -62,6 +63,7 @@ class Conversations:
         self.served: list[list[str]] = [[] for _ in QUESTIONS]
         self.cached: list[list[int]] = [[] for _ in QUESTIONS]
         self.prompt: list[list[int]] = [[] for _ in QUESTIONS]
+        self.keys: list[list[str | None]] = [[] for _ in QUESTIONS]  # finish saves' row keys
 
     def turn(self, conv: int, turn: int) -> None:
         messages = [*self.history[conv], {"role": "user", "content": QUESTIONS[conv][turn]}]
@@ -82,6 +84,7 @@ class Conversations:
         usage = response.json()["usage"]
         self.cached[conv].append(usage["prompt_tokens_details"]["cached_tokens"])
         self.prompt[conv].append(usage["prompt_tokens"])
+        self.keys[conv].append(response.json()["timings"]["cache_key"])
 
     def switches(self) -> int:
         return sum(a != b for s in self.served for a, b in itertools.pairwise(s))
@@ -93,19 +96,18 @@ def run_turns(convs: Conversations, turns: range) -> None:
             convs.turn(conv, turn)
 
 
-def wait_for_saves(rows: Path, deadline_s: float = 60.0) -> None:
+def wait_for_saves(rows: Path, keys: Iterable[str | None], deadline_s: float = 60.0) -> None:
     """Finish saves are written after the reply is sent; a crash loses one still in flight.
-    Wait (bounded) until the shared directory is quiet: no temp file, and the same rows on
-    two looks in a row."""
+    Wait (bounded) until the row of every key (``timings.cache_key``) is published in the
+    shared directory: a row file exists only once its save is complete (publish protocol)."""
+    wanted = {rows / name_for(bytes.fromhex(k)) for k in keys if k is not None}
     end = time.monotonic() + deadline_s
-    before: set[str] | None = None
     while time.monotonic() < end:
-        names = {p.name for p in rows.iterdir()} if rows.is_dir() else set()
-        if not any(n.endswith(".tmp") for n in names) and names == before:
+        if all(path.exists() for path in wanted):
             return
-        before = names
-        time.sleep(0.5)
-    raise AssertionError("the shared tier did not settle")
+        time.sleep(0.05)  # polling interval only; the condition above decides
+    missing = sorted(p.name for p in wanted if not p.exists())
+    raise AssertionError(f"finish saves not published in time: {missing}")
 
 
 def fail_over(
@@ -118,7 +120,7 @@ def fail_over(
     dead = convs.served[0][-1]
     moved = [c for c in range(len(QUESTIONS)) if convs.served[c][-1] == dead]
     if rows is not None:
-        wait_for_saves(rows)
+        wait_for_saves(rows, (keys[-1] for keys in convs.keys))
     ray.kill(ray.get_actor(dead, namespace="serve"), no_restart=True)
     for conv in range(len(QUESTIONS)):
         messages = [*convs.history[conv], {"role": "user", "content": "And then?"}]

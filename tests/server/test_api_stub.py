@@ -51,6 +51,19 @@ def test_completion_shape_usage_and_cache_hit_on_repeat(client: TestClient) -> N
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_timings_name_the_finish_saves_row(client: TestClient) -> None:
+    """``timings.cache_key``: the row the reply was saved under (what a caller waits for)."""
+    keys = []
+    for suffix in (" red", " blue"):
+        messages = [{"role": "user", "content": PROMPT + suffix}]
+        body = {"model": "a", "messages": messages, "max_tokens": 4, "temperature": 0}
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        keys.append(response.json()["timings"]["cache_key"])
+    assert all(isinstance(k, str) and len(bytes.fromhex(k)) == 32 for k in keys), keys
+    assert keys[0] != keys[1]
+
+
 def test_completion_stream_with_usage(client: TestClient) -> None:
     body = {
         "model": "a",

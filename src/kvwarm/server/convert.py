@@ -128,6 +128,8 @@ def timings(stats: CompletionStats) -> Json:
         "generation_ms": round(stats.generation_ms, 3),
         "cache_hit": stats.cache_hit,
         "cached_tokens": stats.cached_tokens,
+        # The finish save's row key (None: not saved): its file is ``<key>.kvc`` in a disk tier.
+        "cache_key": stats.key.hex() if stats.key else None,
     }
 
 
