@@ -18,8 +18,19 @@ from kvwarm.server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from kvwarm.server.generate import Generation, named_sse, start_stream
 from kvwarm.server.routes_openai import SSE_HEADERS, server_state
 from kvwarm.server.schemas import json_body, parse_body, read_json
+from kvwarm.server.served import ServedModel
+from kvwarm.server.tools import ChatPlan
 
 router = APIRouter()
+
+
+async def _plan(model: ServedModel, req: CountTokensRequest) -> tuple[ChatPlan, str]:
+    """The chat plan and assistant prefill of a request: one translation for both routes, so
+    ``count_tokens`` counts what ``messages`` would render."""
+    history, prefill = anthropic.to_chat(req)
+    tools = anthropic.tools(req.tools)
+    plan = await chat.plan(model, history, tools, anthropic.tool_choice(req.tool_choice, tools))
+    return plan, prefill
 
 
 @router.post(
@@ -30,9 +41,7 @@ async def messages(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), MessagesRequest)
     model = await state.acquire(req.model)
-    history, prefill = anthropic.to_chat(req)
-    tools = anthropic.tools(req.tools)
-    plan = await chat.plan(model, history, tools, anthropic.tool_choice(req.tool_choice, tools))
+    plan, prefill = await _plan(model, req)
     fields = chat.sampling_fields(
         max_tokens=req.max_tokens,
         param="max_tokens",
@@ -71,9 +80,7 @@ async def count_tokens(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), CountTokensRequest)
     model = await state.acquire(req.model)
-    history, prefill = anthropic.to_chat(req)
-    tools = anthropic.tools(req.tools)
-    plan = await chat.plan(model, history, tools, anthropic.tool_choice(req.tool_choice, tools))
+    plan, prefill = await _plan(model, req)
 
     def count() -> int:
         tokens, _ = model.chat_tokens(plan.messages, tools=plan.tools)
