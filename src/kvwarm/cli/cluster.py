@@ -8,10 +8,9 @@ the application (and stops Ray if it started it).
 from __future__ import annotations
 
 import argparse
-import signal
 import threading
 
-from kvwarm.cli.common import add_settings, settings_from
+from kvwarm.cli.common import add_settings, settings_from, stop_signals
 from kvwarm.errors import ConfigError
 from kvwarm.settings import Settings
 
@@ -41,13 +40,13 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     # After ray.init: Ray installs its own SIGTERM handler in the driver (a stack dump and an
     # abort); a requested shutdown must remove the application and exit 0 instead.
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        deploy.run(settings)
-        print(f"kvwarm cluster: http://{settings.host}:{settings.port} (Ctrl-C stops)", flush=True)
-        stop.wait()
+        with stop_signals(lambda *_: stop.set()):
+            deploy.run(settings)
+            print(
+                f"kvwarm cluster: http://{settings.host}:{settings.port} (Ctrl-C stops)", flush=True
+            )
+            stop.wait()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         deploy.shutdown(owned=not settings.ray_address)
     return 0

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from types import FrameType
 from typing import TYPE_CHECKING
 
 from kvwarm.errors import ConfigError
@@ -27,6 +29,23 @@ from kvwarm.settings_model import MODEL_SETTING_NAMES
 if TYPE_CHECKING:
     from kvwarm.engine.api import Engine, Model
 
+# Where the cache lives: what every command that opens the cache takes.
+_TIER_SETTINGS: tuple[str, ...] = (
+    "cache_dir",
+    "disk_quota_bytes",
+    "ram_quota_bytes",
+    "shm_dir",
+    "shm_quota_bytes",
+    "cache_dir_shared",
+    "s3_bucket",
+    "s3_prefix",
+    "s3_endpoint_url",
+    "s3_region",
+    "s3_quota_bytes",
+    "s3_connect_timeout_s",
+    "s3_read_timeout_s",
+    "s3_max_attempts",
+)
 MODEL_SETTINGS: tuple[str, ...] = (
     "models",
     "backend",
@@ -35,44 +54,14 @@ MODEL_SETTINGS: tuple[str, ...] = (
     *MODEL_SETTING_NAMES,
     "deterministic",
     "fingerprint_mode",
-    "cache_dir",
-    "disk_quota_bytes",
-    "ram_quota_bytes",
-    "shm_dir",
-    "shm_quota_bytes",
-    "cache_dir_shared",
-    "s3_bucket",
-    "s3_prefix",
-    "s3_endpoint_url",
-    "s3_region",
-    "s3_quota_bytes",
-    "s3_connect_timeout_s",
-    "s3_read_timeout_s",
-    "s3_max_attempts",
+    *_TIER_SETTINGS,
     "save_tier",
     "store_prompt_text",
     "cache_eviction",
     "policy",
     "log_level",
 )
-CACHE_SETTINGS: tuple[str, ...] = (
-    "cache_dir",
-    "disk_quota_bytes",
-    "ram_quota_bytes",
-    "shm_dir",
-    "shm_quota_bytes",
-    "cache_eviction",
-    "cache_dir_shared",
-    "s3_bucket",
-    "s3_prefix",
-    "s3_endpoint_url",
-    "s3_region",
-    "s3_quota_bytes",
-    "s3_connect_timeout_s",
-    "s3_read_timeout_s",
-    "s3_max_attempts",
-    "log_level",
-)
+CACHE_SETTINGS: tuple[str, ...] = (*_TIER_SETTINGS, "cache_eviction", "log_level")
 
 
 def add_settings(parser: argparse.ArgumentParser, names: Sequence[str] = ()) -> None:
@@ -100,6 +89,18 @@ def settings_from(args: argparse.Namespace) -> Settings:
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return settings
+
+
+@contextmanager
+def stop_signals(handler: Callable[[int, FrameType | None], object]) -> Iterator[None]:
+    """SIGINT and SIGTERM call ``handler`` inside the block (a requested shutdown, not a death
+    by signal); the previous handlers are back after it. Main thread only (``signal``'s rule)."""
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def open_engine(settings: Settings) -> Engine:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import signal
 import threading
 from collections.abc import Iterator
 
-from kvwarm.cli.common import add_settings, settings_from
+from kvwarm.cli.common import add_settings, settings_from, stop_signals
 from kvwarm.errors import ModelLoadError
 
 
@@ -47,13 +46,8 @@ def run(args: argparse.Namespace) -> int:
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return
-            signals = (signal.SIGINT, signal.SIGTERM)
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
-            try:
+            with stop_signals(self.handle_exit):
                 yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
 
     settings = settings_from(args)
     fatal: list[str] = []
