@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -294,3 +295,20 @@ def test_a_shared_tier_keeps_chunks_its_rows_were_forgotten_or_promoted_from(
         assert cache.rows()[0].tier == "ram"
         assert object_names(S3Tier(s3.s3, 1 << 30)) == listing  # type: ignore[arg-type]
         assert _restored(cache, key) == blob(tokens)
+
+
+def test_a_blob_the_codec_cannot_cut_is_stored_whole(make_cache: CacheFactory) -> None:
+    from kvwarm.errors import StateRestoreError
+
+    def refuse(data: object, bounds: object) -> list[bytes]:
+        raise StateRestoreError("several KV streams")
+
+    cache = make_cache()
+    tier = cache.tier_names()[0]
+    tokens = list(range(1000))
+    request = replace(chunked_request(NS, tokens, tier=tier), split=refuse)
+    key = cache.save(request, sync=True)
+    assert key == cache_key(NS, tokens)
+    with cache.open_row(key) as row:
+        assert row.chunks == () and bytes(row.payload) == blob(tokens)
+    assert cache.counters()["save_failures"] == 0

@@ -18,12 +18,14 @@ Invariants:
 - A chunk the index knows is stored in the tier is never written again.
 - Cut points only decide how much is shared, never what a row holds: keys are content
   addresses, so any plan restores the same bytes.
-- A row shorter than one chunk is stored whole (no split, no copy).
+- A row shorter than one chunk is stored whole (no split, no copy), and so is a blob the
+  codec refuses to cut (``KvwarmError`` from ``split``: e.g. a model with several KV streams).
 See docs/architecture.md ("Chunks").
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
@@ -33,9 +35,11 @@ from kvwarm.cache.counters import Counters
 from kvwarm.cache.index import Index
 from kvwarm.cache.protocols import StoredRow, Tier
 from kvwarm.cache.types import Namespace, SaveRequest
-from kvwarm.errors import CacheIOError
+from kvwarm.errors import CacheIOError, KvwarmError
 
 __all__ = ["PlanBook", "load_chunks", "plan_lens", "store_row"]
+
+log = logging.getLogger(__name__)
 
 
 def plan_lens(n: int, size: int, base: Sequence[int], shared: int) -> tuple[int, ...]:
@@ -119,7 +123,7 @@ def store_row(
     split, ns, tokens = request.split, request.namespace, request.tokens
     lens = request.chunk_lens
     if split is None or (not lens and (chunk_tokens <= 0 or len(tokens) < chunk_tokens)):
-        return tier.store(key, replace(request, split=None, chunk_lens=(), chunk_keys=()), index)
+        return tier.store(key, _whole(request), index)
     if not lens:
         lens = plan_lens(len(tokens), chunk_tokens, *index.chunk_base(ns, tokens))
     keys = chunk_keys(ns, tokens, lens)
@@ -132,7 +136,13 @@ def store_row(
         for length in lens:
             bounds.append(bounds[-1] + length)
         first = next((i for i, k in enumerate(keys) if k in need), len(keys))
-        parts = split(request.payload, bounds[first:]) if first < len(keys) else []
+        try:
+            parts = split(request.payload, bounds[first:]) if first < len(keys) else []
+        except KvwarmError as exc:
+            # A blob the codec cannot cut (several KV streams, a sliding-window cache): the
+            # row is stored whole, as before chunks existed.
+            log.info("%s: storing %s whole: %s", tier.name, key.hex(), exc)
+            return tier.store(key, _whole(request), index)
         if len(parts) != len(keys) - first:
             raise ValueError(f"splitter returned {len(parts)} parts for {len(keys) - first}")
         for i, part in enumerate(parts, start=first):
@@ -151,6 +161,10 @@ def store_row(
         return tier.store(key, manifest, index)
     finally:
         index.unpin_chunks(tier.name, keys)
+
+
+def _whole(request: SaveRequest) -> SaveRequest:
+    return replace(request, split=None, chunk_lens=(), chunk_keys=())
 
 
 def load_chunks(
