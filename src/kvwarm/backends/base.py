@@ -18,238 +18,61 @@ Invariants every implementation keeps:
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, get_args, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-KvType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
-PoolingType = Literal["mean", "cls", "last", "none"]
-#: llama.cpp's ``llama_split_mode``: one GPU, layers spread over GPUs, or rows (tensor parallel).
-SplitMode = Literal["none", "layer", "row"]
-#: ``auto`` lets llama.cpp enable flash attention where the device supports it.
-FlashAttn = Literal["auto", "on", "off"]
-#: ``None`` (in ``ContextParams.rope_scaling``): the model's own RoPE scaling.
-RopeScaling = Literal["none", "linear", "yarn", "longrope"]
+# Parameters are the protocol's vocabulary; they live in params.py and are re-exported here.
+from kvwarm.backends.params import (
+    FLASH_ATTN_MODES,
+    KV_TYPES,
+    POOLING_TYPES,
+    QUANTIZED_KV_TYPES,
+    ROPE_SCALINGS,
+    SPLIT_MODES,
+    Buffer,
+    ContextParams,
+    FlashAttn,
+    KvType,
+    ModelParams,
+    PoolingType,
+    ProgressCallback,
+    RopeScaling,
+    SplitMode,
+    check_tensor_split,
+)
 
-KV_TYPES: tuple[str, ...] = get_args(KvType)
-#: KV cell types that are block-quantised: llama.cpp stores V of these only with flash attention.
-QUANTIZED_KV_TYPES = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
-SPLIT_MODES: tuple[str, ...] = get_args(SplitMode)
-FLASH_ATTN_MODES: tuple[str, ...] = get_args(FlashAttn)
-ROPE_SCALINGS: tuple[str, ...] = get_args(RopeScaling)
-POOLING_TYPES: tuple[str, ...] = get_args(PoolingType)
-
-_MAX_THREADS = 512
-_INT32_MAX = 2**31 - 1
-#: Any contiguous buffer a blob or chunk may arrive in.
-Buffer = bytes | bytearray | memoryview
-
-#: A load-progress callback: receives a fraction in [0, 1]; returning False aborts the load.
-ProgressCallback = Callable[[float], bool]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelParams:
-    """Options for loading model weights. Validated by ``validate()``.
-
-    ``n_gpu_layers``: layers offloaded to the GPU (0: none, -1: all, as llama-cpp-python's
-    ``Llama`` takes it); a CPU-only build accepts any value and runs on the CPU.
-    ``tensor_split``: each GPU's share of the model, in device order; llama.cpp normalises the
-    shares, so ``(3, 1)`` and ``(0.75, 0.25)`` are the same split. Empty: llama.cpp's choice
-    (proportional to free memory). None of these fields changes a row's bytes or key: where a
-    layer runs does not change the KV state's format (see ``ContextParams.kv_hash``).
-    """
-
-    n_gpu_layers: int = 0
-    split_mode: SplitMode = "layer"
-    main_gpu: int = 0
-    tensor_split: tuple[float, ...] = ()
-    use_mmap: bool = True
-    use_mlock: bool = False
-    vocab_only: bool = False
-    #: Repack weights into llama.cpp's extra CPU buffer types (AMX, CPU_REPACK). None: on,
-    #: unless the CPU build uses AMX, whose matmul in the pinned llama.cpp segfaults on the
-    #: first multi-token batch (docs/architecture.md, "Layers": the AMX fault).
-    use_extra_bufts: bool | None = None
-    progress: ProgressCallback | None = field(default=None, compare=False, hash=False)
-
-    def validate(self) -> None:
-        from kvwarm.errors import ConfigError
-
-        if isinstance(self.n_gpu_layers, bool) or not isinstance(self.n_gpu_layers, int):
-            raise ConfigError(f"n_gpu_layers must be an integer, got {self.n_gpu_layers!r}")
-        # int32 in llama.cpp's struct: ctypes would wrap a larger value silently.
-        if not -1 <= self.n_gpu_layers <= _INT32_MAX:
-            raise ConfigError(
-                f"n_gpu_layers must be >= 0 (or -1 for all layers), got {self.n_gpu_layers}"
-            )
-        if self.split_mode not in SPLIT_MODES:
-            raise ConfigError(
-                f"split_mode must be one of {', '.join(SPLIT_MODES)}, got {self.split_mode!r}"
-            )
-        if isinstance(self.main_gpu, bool) or not isinstance(self.main_gpu, int):
-            raise ConfigError(f"main_gpu must be an integer, got {self.main_gpu!r}")
-        if not 0 <= self.main_gpu <= _INT32_MAX:
-            raise ConfigError(f"main_gpu must be >= 0, got {self.main_gpu}")
-        check_tensor_split(self.tensor_split)
-
-
-def check_tensor_split(shares: Sequence[float]) -> None:
-    """Each share finite and >= 0, and at least one > 0 (llama.cpp divides by their sum)."""
-    from kvwarm.errors import ConfigError
-
-    for share in shares:
-        if isinstance(share, bool) or not isinstance(share, int | float):
-            raise ConfigError(f"tensor_split shares must be numbers, got {share!r}")
-        if not math.isfinite(share) or share < 0:
-            raise ConfigError(f"tensor_split shares must be finite and >= 0, got {share!r}")
-    if shares and sum(shares) <= 0:
-        raise ConfigError("tensor_split must give at least one GPU a share > 0")
-
-
-@dataclass(frozen=True, slots=True)
-class ContextParams:
-    """Options for one ``llama_context``. Validated by ``validate()``.
-
-    RoPE/YaRN fields take llama.cpp's conventions: ``rope_scaling`` None, ``rope_freq_base`` and
-    ``rope_freq_scale`` 0, ``yarn_*`` factors negative and ``yarn_orig_ctx`` 0 all mean "the
-    model's own value". ``flash_attn`` ``auto`` lets llama.cpp decide per device; a quantised V
-    cache needs flash attention, so ``type_v`` q8_0/q4_0... with ``flash_attn='off'`` is refused.
-    """
-
-    n_ctx: int = 4096
-    n_batch: int = 512
-    n_ubatch: int = 512
-    n_threads: int | None = None
-    n_threads_batch: int | None = None
-    n_seq_max: int = 1
-    type_k: KvType = "f16"
-    type_v: KvType = "f16"
-    embeddings: bool = False
-    pooling: PoolingType = "mean"
-    seed: int = 0
-    flash_attn: FlashAttn = "auto"
-    rope_scaling: RopeScaling | None = None
-    rope_freq_base: float = 0.0
-    rope_freq_scale: float = 0.0
-    yarn_ext_factor: float = -1.0
-    yarn_attn_factor: float = -1.0
-    yarn_beta_fast: float = -1.0
-    yarn_beta_slow: float = -1.0
-    yarn_orig_ctx: int = 0
-
-    def validate(self) -> None:
-        from kvwarm.errors import ConfigError
-
-        if self.n_ctx < 16:
-            raise ConfigError(f"n_ctx must be >= 16, got {self.n_ctx}")
-        if self.n_batch < 1 or self.n_ubatch < 1:
-            raise ConfigError("n_batch and n_ubatch must be >= 1")
-        if self.n_ubatch > self.n_batch:
-            raise ConfigError(f"n_ubatch ({self.n_ubatch}) must be <= n_batch ({self.n_batch})")
-        if not 1 <= self.n_seq_max <= 256:
-            raise ConfigError(f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
-        for name in ("n_threads", "n_threads_batch"):
-            value = getattr(self, name)
-            # ggml sizes its thread tables by GGML_MAX_N_THREADS (512) and asserts on more.
-            if value is not None and not 1 <= value <= _MAX_THREADS:
-                raise ConfigError(f"{name} must be in [1, {_MAX_THREADS}], got {value}")
-        _one_of("pooling", self.pooling, POOLING_TYPES)
-        self._validate_kv()
-        self._validate_rope()
-
-    def _validate_kv(self) -> None:
-        from kvwarm.errors import ConfigError
-
-        _one_of("type_k", self.type_k, KV_TYPES)
-        _one_of("type_v", self.type_v, KV_TYPES)
-        _one_of("flash_attn", self.flash_attn, FLASH_ATTN_MODES)
-        # llama.cpp refuses this combination at context creation; say why before trying.
-        if self.type_v in QUANTIZED_KV_TYPES and self.flash_attn == "off":
-            raise ConfigError(
-                f"a quantised V cache (type_v={self.type_v}) needs flash attention; "
-                "set flash_attn to 'on' or 'auto', or type_v to f16"
-            )
-
-    def _validate_rope(self) -> None:
-        from kvwarm.errors import ConfigError
-
-        if self.rope_scaling is not None:
-            _one_of("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
-        for name in (
-            "rope_freq_base",
-            "rope_freq_scale",
-            "yarn_ext_factor",
-            "yarn_attn_factor",
-            "yarn_beta_fast",
-            "yarn_beta_slow",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError(f"{name} must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise ConfigError(f"{name} must be finite, got {value!r}")
-        for name in ("rope_freq_base", "rope_freq_scale"):
-            if getattr(self, name) < 0:
-                raise ConfigError(
-                    f"{name} must be >= 0 (0: the model's own), got {getattr(self, name)}"
-                )
-        if not 0 <= self.yarn_orig_ctx <= _INT32_MAX:
-            raise ConfigError(
-                f"yarn_orig_ctx must be >= 0 (0: the model's own), got {self.yarn_orig_ctx}"
-            )
-
-    def kv_hash(self) -> bytes:
-        """32 bytes identifying every parameter that shapes the KV state or its numerics.
-
-        ``n_seq_max`` and thread counts are excluded: a sequence's KV bytes do not depend on
-        them, and rows must be shareable between a 1-slot and an N-slot context. The KV cell
-        types, flash attention (it changes the numerics and whether V is stored transposed) and
-        every RoPE/YaRN knob (K is stored rotated) are included. Fields added after the first
-        version are hashed only when they differ from their defaults: a context created before
-        they existed ran with exactly those defaults, so its rows keep their keys.
-        """
-        fields = asdict(self)
-        for excluded in (
-            "n_threads",
-            "n_threads_batch",
-            "n_seq_max",
-            "seed",
-            "embeddings",
-            "pooling",
-        ):
-            fields.pop(excluded)
-        for name, default in _HASHED_IF_CHANGED.items():
-            if fields[name] == default:
-                fields.pop(name)
-        blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(b"kvwarm-ctx-v1\0" + blob).digest()
-
-
-def _one_of(name: str, value: object, allowed: Sequence[str]) -> None:
-    from kvwarm.errors import ConfigError
-
-    if value not in allowed:
-        raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-
-
-# Defaults of the ContextParams fields added after kv_hash v1 (see ContextParams.kv_hash).
-_HASHED_IF_CHANGED: dict[str, object] = {
-    "flash_attn": "auto",
-    "rope_scaling": None,
-    "rope_freq_base": 0.0,
-    "rope_freq_scale": 0.0,
-    "yarn_ext_factor": -1.0,
-    "yarn_attn_factor": -1.0,
-    "yarn_beta_fast": -1.0,
-    "yarn_beta_slow": -1.0,
-    "yarn_orig_ctx": 0,
-}
+__all__ = [
+    "KvType",
+    "PoolingType",
+    "SplitMode",
+    "FlashAttn",
+    "RopeScaling",
+    "KV_TYPES",
+    "QUANTIZED_KV_TYPES",
+    "SPLIT_MODES",
+    "FLASH_ATTN_MODES",
+    "ROPE_SCALINGS",
+    "POOLING_TYPES",
+    "Buffer",
+    "ProgressCallback",
+    "ModelParams",
+    "check_tensor_split",
+    "ContextParams",
+    "SamplingParams",
+    "BatchToken",
+    "FimTokens",
+    "ModelFacts",
+    "Sampler",
+    "Adapter",
+    "KvCodec",
+    "BackendContext",
+    "BackendModel",
+    "Backend",
+    "json_schema_to_grammar",
+]
 
 
 @dataclass(frozen=True, slots=True)
