@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvwarm.cache.types import (
+    DEFAULT_GRACE_S,
     EvictResult,
     Namespace,
     PrefixMatch,
     RowInfo,
     SaveRequest,
+    SweepResult,
     TierName,
 )
 
@@ -109,6 +111,11 @@ class CacheApi(Protocol):
 
     def gc(self) -> EvictResult:
         """Remove expired (TTL) rows and reap stale reservations now."""
+        ...
+
+    def gc_shared(self, grace_s: float = DEFAULT_GRACE_S) -> list[SweepResult]:
+        """Mark-and-sweep the chunks of shared, non-local tiers (s3, a shared directory):
+        delete those no manifest in the store names and older than ``grace_s``."""
         ...
 
     def delete(self, key: bytes) -> bool: ...

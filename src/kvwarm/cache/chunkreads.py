@@ -2,7 +2,8 @@
 ``shared.py``).
 
 Invariants: every chunk is verified (head, key replay, payload CRC32C) before a caller sees
-it; a missing or corrupt chunk drops the row that names it (a miss, never a wrong restore);
+it; a missing or corrupt chunk drops the row that names it (in a shared tier only forgets
+it: a miss, never a wrong restore);
 chunks read from local storage land in the thread's reusable arena (``ScratchBuffers``), whose
 views end with the ``open_row`` lease; a remote tier's chunks are fetched concurrently.
 See docs/architecture.md ("Chunks").
@@ -53,10 +54,9 @@ class ChunkReads(CacheCore):
                 sizes = self._index.chunk_sizes(tier.name, stored.chunks) if arena else []
                 chunks = load_chunks(tier, stored.chunks, arena, sizes)
         except (CacheFormatError, CacheKeyError) as exc:
-            # A chunk is corrupt or gone: the row cannot be restored. Forget the row; its
-            # chunks (the bad one too) are deleted with their last reference.
-            log.warning("%s: dropping row %s: %s", tier.name, key.hex(), exc)
-            self._retire([r for r in (self._index.remove(key),) if r is not None])
+            # A chunk is corrupt or gone: the row cannot be restored. Drop the row (in a
+            # shared tier only forget it: core.py ``_drop_unreadable``).
+            self._drop_unreadable(tier, key, exc)
             raise
         except CacheIOError:
             self._counters.incr("store_errors")

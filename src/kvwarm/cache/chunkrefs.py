@@ -148,6 +148,19 @@ class ChunkRefs:
         else:
             del self._chunks[(tier, key)]
 
+    def in_use(self, tier: TierName, key: bytes) -> bool:
+        c = self._chunks.get((tier, key))
+        return c is not None and bool(c.refs or c.pins or c.dying)
+
+    def forget_unused(self, tier: TierName, key: bytes) -> None:
+        """Its bytes are gone (swept by ``gc_shared``); only an unused chunk is forgotten."""
+        c = self._chunks.get((tier, key))
+        if c is None or c.refs or c.pins or c.dying:
+            return
+        if c.size is not None:
+            self._bytes[tier] -= c.size
+        del self._chunks[(tier, key)]
+
     # ---- eviction
 
     def orphans(self, tiers: Iterable[TierName]) -> Iterator[tuple[TierName, bytes]]:

@@ -10,6 +10,10 @@ Invariants (the facade's, see ``facade.py`` and docs/architecture.md):
 - Tiers are reached only through the ``Tier`` protocol; what a tier can do is read from its
   ``TierCapabilities``, never from its name.
 - No tier I/O happens under the index lock.
+- A tier that is not ``local`` (s3, a multi-host directory) is shared with processes whose
+  rows this one does not know: its chunks are never deleted here, only forgotten (an explicit
+  ``gc_shared`` mark-and-sweep reclaims them), and a row that fails to read there is only
+  forgotten, never deleted (``_drop_unreadable``). See docs/architecture.md ("Shared tiers").
 """
 
 from __future__ import annotations
@@ -87,6 +91,8 @@ class CacheCore:
     _index: Index
     _tiers: dict[TierName, Tier]
     _counters: Counters
+    _forgotten: set[bytes]  # remote shared rows forgotten on purpose: the rescans skip them
+    _warned_unreadable: set[TierName]
 
     def _shared_tiers(self) -> list[Tier]:
         """Tiers other processes may publish into: worth probing on a miss."""
@@ -119,7 +125,8 @@ class CacheCore:
     def _retire(self, rows: Sequence[StoredRow], *, count: bool = False) -> EvictResult:
         """Delete the bytes of rows the index already forgot, then of the chunks no row
         names any more (manifests first: a crash in between leaves orphans, never a
-        manifest without its chunks)."""
+        manifest without its chunks). A chunk of a tier that is not local is only
+        forgotten: rows of other processes we never indexed may name it."""
         freed = 0
         for row in rows:
             freed += row.info.size
@@ -129,7 +136,8 @@ class CacheCore:
                 log.warning("%s: deleting %s failed: %s", row.info.tier, row.info.key.hex(), exc)
         for chunk in self._index.take_freed_chunks():
             try:
-                if not chunk.keep:  # a forgotten remote row's chunks stay for the others
+                # Another process's row may name it: only ``gc_shared`` may delete it.
+                if not chunk.keep and self._tiers[chunk.tier].capabilities.local:
                     freed += chunk.size
                     self._tiers[chunk.tier].delete_chunk(chunk.key)
             except CacheError as exc:
@@ -140,6 +148,34 @@ class CacheCore:
             self._counters.incr("evictions", len(rows))
             self._counters.incr("evicted_bytes", freed)
         return EvictResult(len(rows), freed)
+
+    def _drop_unreadable(self, tier: Tier, key: bytes, exc: CacheError) -> None:
+        """A row could not be read (corrupt, a chunk missing, gone): never restore it again.
+        In a local tier its bytes (and the chunks only it names) are deleted. In a tier other
+        processes share, it is only forgotten: a missing chunk or a vanished file may be
+        another process's doing or a transient view, and a row that fails its CRC32C here
+        may be read fine by a newer kvwarm elsewhere; deleting would spread one process's
+        failure to all. A truly dead object is left to ``gc_shared`` and lifecycle rules."""
+        if tier.capabilities.local:
+            log.warning("%s: dropping row %s: %s", tier.name, key.hex(), exc)
+            self._retire([r for r in (self._index.remove(key),) if r is not None])
+            return
+        self._counters.incr("shared_rows_forgotten")
+        if tier.name not in self._warned_unreadable:  # one line per tier; the count says more
+            self._warned_unreadable.add(tier.name)
+            log.warning(
+                "%s: forgetting unreadable shared row %s (left in the store; further ones are "
+                "counted in shared_rows_forgotten): %s",
+                tier.name,
+                key.hex(),
+                exc,
+            )
+        else:
+            log.info("%s: forgetting unreadable shared row %s: %s", tier.name, key.hex(), exc)
+        row = self._index.forget(key, tier.name)
+        if row is not None:
+            self._forgotten.add(key)  # the rescans skip it; only discovery adopts it again
+            self._retire([])  # its chunks: forgotten, never deleted (see ``_retire``)
 
     def _enforce_quota(self, tier: Tier) -> None:
         self._retire(self._index.enforce_quota(tier.name, tier.quota_bytes), count=True)

@@ -10,7 +10,8 @@ Names in the snapshot:
   ``saves_<reason>`` (one per ``SaveReason``), ``saves_dropped``, ``save_failures``,
   ``evictions``, ``evicted_bytes``, ``hits_shared``, ``probes``, ``probe_rounds``,
   ``promotions``, ``promotions_dropped``, ``store_errors``, ``chunks_written``,
-  ``chunk_bytes_written``, ``chunks_reused``, plus anything else ``incr`` was
+  ``chunk_bytes_written``, ``chunks_reused``, ``shared_rows_forgotten``, ``shared_chunks_swept``,
+  plus anything else ``incr`` was
   asked to count;
 - latencies: ``latency_<name>_count`` and ``latency_<name>_seconds`` for ``pack``, ``unpack``,
   ``load``, ``lookup``, ``save`` and any other name recorded.
@@ -47,6 +48,9 @@ BASE_COUNTERS: tuple[str, ...] = (
     "chunks_written",
     "chunk_bytes_written",
     "chunks_reused",
+    # shared tiers: rows forgotten (not deleted) after a failed read, chunks gc_shared deleted
+    "shared_rows_forgotten",
+    "shared_chunks_swept",
 )
 LATENCY_NAMES: tuple[str, ...] = ("pack", "unpack", "load", "lookup", "save")
 

@@ -3,7 +3,8 @@
 It wires the decision half (``Index``, policy validation, counters, pressure) to the storage
 half (tiers built by name from ``tiers.registry``, writer pool) and is the only place that turns
 index decisions into tier calls. Its parts: ``core`` (shared state and primitives), ``upkeep``
-(scan, sweeps, verify), ``shared`` (prefix discovery in shared tiers, promotion of their hits)
+(scan, sweeps, verify), ``shared`` (prefix discovery in shared tiers, promotion of their hits),
+``sharedgc`` (the mark-and-sweep of shared tiers' chunks)
 and this module (lookups, reads, saves, lifetime).
 
 Invariants:
@@ -49,6 +50,7 @@ from kvwarm.cache.policy import validate_cache_config
 from kvwarm.cache.pressure import PressureScheduler, PressureSource, make_source
 from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
 from kvwarm.cache.shared import SharedTiers
+from kvwarm.cache.sharedgc import SharedSweep
 from kvwarm.cache.tiers.registry import TierOptions, build_tier
 from kvwarm.cache.types import (
     CacheConfig,
@@ -75,7 +77,7 @@ __all__ = ["Cache"]
 log = logging.getLogger(__name__)
 
 
-class Cache(CacheUpkeep, SharedTiers, ChunkReads):
+class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
     """A multi-tier, token-exact KV cache. Thread-safe; close it (or use ``with``)."""
 
     def __init__(
@@ -225,9 +227,9 @@ class Cache(CacheUpkeep, SharedTiers, ChunkReads):
             if data.tokens != stored.tokens:
                 raise CacheFormatError(f"row {key.hex()} holds other tokens than indexed")
         except (CacheFormatError, CacheKeyError) as exc:
-            # Corrupt, or removed behind our back (another process): forget it for good.
-            log.warning("%s: dropping row %s: %s", tier.name, key.hex(), exc)
-            self._retire([r for r in (self._index.remove(key),) if r is not None])
+            # Corrupt, or removed behind our back (another process): never restore it again;
+            # in a shared tier only forgotten, its bytes left to the others (core.py).
+            self._drop_unreadable(tier, key, exc)
             raise
         except CacheIOError:
             self._counters.incr("store_errors")  # unreachable, not wrong: the row stays

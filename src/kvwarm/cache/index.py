@@ -231,6 +231,15 @@ class Index:
         with self._lock:
             return self._rows.remove(key)
 
+    def forget(self, key: bytes, tier: TierName) -> StoredRow | None:
+        """Drop the row of ``key`` if it lives in ``tier``, even if checked out, leaving its
+        bytes and its chunks' bytes in place (a shared tier's row that failed to read)."""
+        with self._lock:
+            info = self._rows.get(key)
+            if info is None or info.tier != tier:
+                return None
+            return self._rows.remove(key, keep_chunk_bytes=True)
+
     def remove_unpinned(self, key: bytes, tier: TierName) -> StoredRow | None:
         """Drop the row of ``key`` only if it lives in ``tier`` and nobody has it checked out
         (a promotion moving it to another tier); None, changing nothing, otherwise."""
@@ -317,6 +326,22 @@ class Index:
         """End of a save. A chunk no published row names is left as an orphan (evictable)."""
         with self._lock:
             self._rows.chunks.unpin(tier, keys)
+
+    def chunk_in_use(self, tier: TierName, key: bytes) -> bool:
+        """Does a row this process indexes name the chunk, or a save pin it?"""
+        with self._lock:
+            return self._rows.chunks.in_use(tier, key)
+
+    def chunk_swept(self, tier: TierName, key: bytes) -> None:
+        """The shared-tier sweep deleted an unreferenced chunk: stop counting it stored."""
+        with self._lock:
+            self._rows.chunks.forget_unused(tier, key)
+
+    def stored_in(self, key: bytes, tier: TierName) -> StoredRow | None:
+        """The indexed row of ``key`` if it lives in ``tier``."""
+        with self._lock:
+            info = self._rows.get(key)
+            return self._rows.stored(key) if info is not None and info.tier == tier else None
 
     def take_freed_chunks(self) -> list[FreedChunk]:
         """Chunks no row names any more, for the caller to delete (then ``chunk_deleted``)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvwarm.cache.kvc import KvcFields
 from kvwarm.cache.types import RowInfo, SaveRequest, TierName
@@ -165,3 +165,14 @@ class Tier(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ChunkAges(Protocol):
+    """A tier whose chunks can be listed with their ages, for the shared-tier chunk sweep
+    (``cache/sharedgc.py``): file tiers and s3."""
+
+    def chunk_ages(self) -> Iterator[tuple[bytes, int, float]]:
+        """(key, stored bytes, last-modified time in seconds since the epoch) of every chunk
+        stored right now, listed cheaply (no chunk is read)."""
+        ...

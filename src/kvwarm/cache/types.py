@@ -202,3 +202,23 @@ class SaveRequest:
 class EvictResult:
     rows: int
     bytes: int
+
+
+# A save writes its chunks and then its manifest within seconds; an hour covers a stalled
+# writer and clock skew between hosts and the store (s3 stamps LastModified itself).
+DEFAULT_GRACE_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    """One tier's sweep: chunks listed, manifests read, chunks deleted (and their bytes),
+    unreferenced chunks kept because they were younger than the grace period, and why the
+    tier was left alone ("" if it was not)."""
+
+    tier: TierName
+    chunks: int = 0
+    manifests: int = 0
+    deleted: int = 0
+    deleted_bytes: int = 0
+    young: int = 0
+    refused: str = ""

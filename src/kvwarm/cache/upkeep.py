@@ -42,6 +42,7 @@ class CacheUpkeep(CacheCore):
         self._sweep_interval_s = sweep_interval_s
         self._scan_problems = []
         self._forgotten = set()
+        self._warned_unreadable = set()
 
     def _scan(self, tier: Tier) -> None:
         """Adopt every valid row a tier already holds; one bad file never stops the scan."""

@@ -9,6 +9,7 @@ it moves and deletes nothing unless given ``--repair``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from kvwarm.cache.types import DEFAULT_GRACE_S
 from kvwarm.cli.common import CACHE_SETTINGS, add_settings, settings_from
 from kvwarm.settings import Settings
 
@@ -40,6 +42,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         parser.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "ls":
             parser.add_argument("--limit", type=int, default=0, metavar="N", help="at most N rows")
+        if name == "gc":
+            parser.add_argument(
+                "--shared",
+                action="store_true",
+                help="also mark-and-sweep the chunks of shared tiers (s3, cache_dir_shared): "
+                "delete those no row in the store names, older than --grace-s",
+            )
+            parser.add_argument(
+                "--grace-s",
+                type=float,
+                default=DEFAULT_GRACE_S,
+                metavar="S",
+                help="with --shared: keep unreferenced chunks younger than S seconds (a save "
+                "writes its chunks before its row; default %(default)s)",
+            )
         if name == "verify":
             parser.add_argument(
                 "--repair",
@@ -135,11 +152,21 @@ def run_gc(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     with open_cache(settings) as cache:
         result = cache.gc()
+        swept = cache.gc_shared(args.grace_s) if args.shared else []
     if args.json:
-        print(json.dumps({"rows": result.rows, "bytes": result.bytes}))
+        out: dict[str, object] = {"rows": result.rows, "bytes": result.bytes}
+        if args.shared:
+            out["shared"] = [dataclasses.asdict(s) for s in swept]
+        print(json.dumps(out))
     else:
         print(f"removed {result.rows} rows ({_size(result.bytes)})")
-    return 0
+        for s in swept:
+            print(
+                f"{s.tier}: {s.deleted} of {s.chunks} chunks swept ({_size(s.deleted_bytes)}), "
+                f"{s.young} unreferenced but younger than the grace period, {s.manifests} rows"
+                + (f"; left alone: {s.refused}" if s.refused else "")
+            )
+    return 1 if any(s.refused for s in swept) else 0
 
 
 def run_verify(args: argparse.Namespace) -> int:

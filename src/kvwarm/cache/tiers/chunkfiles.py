@@ -151,6 +151,24 @@ class ChunkFiles:
         except OSError as exc:
             raise CacheIOError(f"{self._tier}: deleting chunk failed", errno=exc.errno) from exc
 
+    def ages(self, dir_fd: int) -> Iterator[tuple[bytes, int, float]]:
+        """(key, size, mtime) of every chunk file, stat'ed only (the shared-tier sweep)."""
+        try:
+            entries = [e for e in os.scandir(dir_fd) if e.name.endswith(CHUNK_SUFFIX)]
+        except OSError as exc:
+            raise CacheIOError(f"{self._tier}: cannot list {self._root}: {exc}") from exc
+        for entry in entries:
+            key = chunk_key_of(entry.name)
+            if key is None:
+                continue
+            try:
+                st = os.stat(entry.name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # deleted since the listing
+            except OSError as exc:
+                raise CacheIOError(f"{self._tier}: cannot stat {entry.name}: {exc}") from exc
+            yield key, st.st_size, st.st_mtime
+
     def scan(self, dir_fd: int) -> Iterator[tuple[bytes, int]]:
         self.problems = []
         try:

@@ -215,6 +215,9 @@ class FileTier:
     def scan_chunks(self) -> Iterator[tuple[bytes, int]]:
         return self._chunks.scan(self._dir)
 
+    def chunk_ages(self) -> Iterator[tuple[bytes, int, float]]:
+        return self._chunks.ages(self._dir)
+
     def close(self) -> None:
         """Release the directory descriptor. Idempotent."""
         with self._lock:

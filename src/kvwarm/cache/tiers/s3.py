@@ -33,8 +33,8 @@ from kvwarm.cache.tiers.s3client import (
     PublishRaceLost,
     S3Client,
     S3Wire,
+    list_aged,
     list_names,
-    list_sized,
     make_client,
     read_body,
 )
@@ -328,15 +328,19 @@ class S3Tier:
 
     def scan_chunks(self) -> Iterator[tuple[bytes, int]]:
         """Listed, not read: a chunk's CRC is checked when a restore loads it."""
+        for key, size, _ in self.chunk_ages():
+            yield key, size
+
+    def chunk_ages(self) -> Iterator[tuple[bytes, int, float]]:
         prefix = f"{self._cfg.prefix}{_CHUNK_DIR}"
         items = self._wire.call(
-            "list chunks", lambda: list(list_sized(self._wire.client, self._cfg.bucket, prefix))
+            "list chunks", lambda: list(list_aged(self._wire.client, self._cfg.bucket, prefix))
         )
-        for name, size in items:
+        for name, size, mtime in items:
             stem = name[len(prefix) :]
             hexpart = stem[: -len(_CHUNK_SUFFIX)]
             if stem.endswith(_CHUNK_SUFFIX) and len(hexpart) == 64 and _HEX.issuperset(hexpart):
-                yield bytes.fromhex(hexpart), size
+                yield bytes.fromhex(hexpart), size, mtime
 
     def close(self) -> None:
         close = getattr(self._wire.client, "close", None)

@@ -181,6 +181,12 @@ def list_names(client: S3Client, bucket: str, prefix: str) -> Iterator[str]:
 
 def list_sized(client: S3Client, bucket: str, prefix: str) -> Iterator[tuple[str, int]]:
     """(name, size) of every object under ``prefix`` (paginated)."""
+    for name, size, _ in list_aged(client, bucket, prefix):
+        yield name, size
+
+
+def list_aged(client: S3Client, bucket: str, prefix: str) -> Iterator[tuple[str, int, float]]:
+    """(name, size, LastModified as epoch seconds) of every object under ``prefix``."""
     token: str | None = None
     while True:
         kwargs: dict[str, object] = {"Bucket": bucket, "Prefix": prefix}
@@ -190,7 +196,10 @@ def list_sized(client: S3Client, bucket: str, prefix: str) -> Iterator[tuple[str
         contents = page.get("Contents", [])
         assert isinstance(contents, list)
         for item in contents:
-            yield str(item["Key"]), int(item.get("Size", 0))
+            stamp = item.get("LastModified")
+            # No stamp (a store that omits it): as young as can be, so it is never swept.
+            mtime = stamp.timestamp() if hasattr(stamp, "timestamp") else float("inf")
+            yield str(item["Key"]), int(item.get("Size", 0)), mtime
         if not page.get("IsTruncated"):
             return
         token = str(page["NextContinuationToken"])

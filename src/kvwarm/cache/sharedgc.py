@@ -1,0 +1,131 @@
+"""Mark-and-sweep of the chunks in shared tiers (``Cache.gc_shared``, ``kvwarm cache gc
+--shared``). Mixed into ``Cache`` (facade.py), like ``upkeep.py``.
+
+Several processes or hosts publish into a tier that is not local (s3, a directory marked
+shared); each knows only the rows it indexed, so none may delete a chunk because *its* rows
+stopped naming it (``core.py _retire`` only forgets them). Unreferenced chunks are reclaimed
+here instead, from what the store itself holds.
+
+Invariants:
+
+- Order: list the chunks (with their ages) first, then mark every chunk any manifest in the
+  store names, then list the manifests again and mark the ones published meanwhile, and
+  only then delete. The publish protocol writes a manifest's chunks before the manifest, so
+  a chunk written for a manifest not yet published is young: a chunk is deleted only if no
+  manifest names it AND it is older than ``grace_s``. A manifest published during the sweep
+  that reuses an old chunk is caught by the second listing.
+- A listed manifest that cannot be read (corrupt, a newer format) may name chunks: the sweep
+  of that tier then deletes nothing and says so (``SweepResult.refused``).
+- A chunk this process has pinned or referenced (a save in progress, a row it indexes) is
+  never deleted, whatever the listings say.
+- Nothing runs under the index lock; no sleep: ``on_step`` (tests) sees each step.
+
+Residual window: a manifest published after the second listing that reuses an old chunk the
+sweep is deleting loses it; the row then reads as a miss (forgotten, never a wrong restore).
+See docs/architecture.md ("Shared tiers", "Chunk garbage collection").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from kvwarm.cache.core import CacheCore
+from kvwarm.cache.protocols import ChunkAges, Tier
+from kvwarm.cache.types import DEFAULT_GRACE_S, SweepResult, TierName
+from kvwarm.errors import CacheError
+
+__all__ = ["DEFAULT_GRACE_S", "SharedSweep", "SweepResult", "SweepStep"]
+
+log = logging.getLogger(__name__)
+
+SweepStep = Callable[[str, TierName], None]
+
+
+class SharedSweep(CacheCore):
+    def gc_shared(
+        self,
+        grace_s: float = DEFAULT_GRACE_S,
+        *,
+        now: float | None = None,
+        on_step: SweepStep | None = None,
+    ) -> list[SweepResult]:
+        """Delete the chunks of every shared, non-local tier that no manifest in the store
+        names and that are older than ``grace_s`` seconds (``now``: the time to age them
+        against, default the wall clock)."""
+        if grace_s < 0:
+            raise ValueError("grace_s must be >= 0")
+        results = []
+        for tier in self._tiers.values():
+            if tier.capabilities.local or not tier.capabilities.shared:
+                continue  # a local tier's chunks are freed with their last row (``_retire``)
+            if not isinstance(tier, ChunkAges):
+                results.append(SweepResult(tier.name, refused="tier cannot list chunk ages"))
+                continue
+            try:
+                results.append(self._sweep_tier(tier, tier, grace_s, now, on_step))
+            except CacheError as exc:
+                self._counters.incr("store_errors")
+                log.warning("%s: chunk sweep stopped: %s", tier.name, exc)
+                results.append(SweepResult(tier.name, refused=str(exc)))
+        return results
+
+    def _sweep_tier(
+        self,
+        tier: Tier,
+        ages: ChunkAges,
+        grace_s: float,
+        now: float | None,
+        on_step: SweepStep | None,
+    ) -> SweepResult:
+        step: SweepStep = on_step if on_step is not None else (lambda _s, _t: None)
+        listed = list(ages.chunk_ages())  # first: any chunk written after this is not swept
+        t_list = time.time() if now is None else now
+        step("chunks_listed", tier.name)
+        marked: set[bytes] = set()
+        seen: set[bytes] = set()
+        bad = self._mark(tier, tier.stored_keys(), seen, marked)
+        step("manifests_marked", tier.name)
+        # Manifests published since the first listing may reuse old chunks: mark them too.
+        bad |= self._mark(tier, (k for k in tier.stored_keys() if k not in seen), seen, marked)
+        bad &= set(tier.stored_keys())  # gone meanwhile: it names nothing any more
+        if bad:
+            log.warning(
+                "%s: %d manifests cannot be read (e.g. %s): no chunk swept",
+                tier.name,
+                len(bad),
+                next(iter(bad)).hex(),
+            )
+            return SweepResult(tier.name, len(listed), len(seen), refused="unreadable manifests")
+        step("remarked", tier.name)
+        deleted = freed = young = 0
+        for key, size, mtime in listed:
+            if key in marked or self._index.chunk_in_use(tier.name, key):
+                continue
+            if t_list - mtime < grace_s:
+                young += 1
+                continue
+            tier.delete_chunk(key)
+            self._index.chunk_swept(tier.name, key)
+            deleted += 1
+            freed += size
+        self._counters.incr("shared_chunks_swept", deleted)
+        log.info("%s: swept %d unreferenced chunks (%d bytes)", tier.name, deleted, freed)
+        return SweepResult(tier.name, len(listed), len(seen), deleted, freed, young)
+
+    def _mark(
+        self, tier: Tier, keys: Iterable[bytes], seen: set[bytes], marked: set[bytes]
+    ) -> set[bytes]:
+        """Mark the chunks of each manifest; the keys whose manifest could not be read."""
+        bad: set[bytes] = set()
+        for key in keys:
+            seen.add(key)
+            stored = self._index.stored_in(key, tier.name)  # manifests are immutable
+            if stored is None:
+                stored = tier.probe(key)
+            if stored is None:
+                bad.add(key)
+                continue
+            marked.update(stored.chunks)
+        return bad

@@ -1,0 +1,156 @@
+"""Chunks in tiers several processes share (a directory marked shared, s3): no process
+deletes a chunk because its own rows stopped naming it, a failed read only forgets the row,
+and ``gc_shared`` sweeps only chunks no manifest in the store names and older than the grace
+period -- never one a manifest published during the sweep names. Two ``Cache`` instances on
+one store stand for two processes (each knows only the rows it indexed)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tests.cache.chunkkit import blob, chunked_request, join
+from tests.cache.tierkit import NS
+from tests.s3kit import MotoServer
+
+from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache.key import cache_key
+from kvwarm.cache.protocols import ChunkAges, Tier
+from kvwarm.cache.tiers.registry import TierOptions, build_tier
+from kvwarm.errors import CacheKeyError
+
+C = 16
+R1 = tuple(range(64))
+R2 = tuple(range(48)) + (999,) * 16  # shares R1's first three chunks
+LATER = 7200.0  # seconds after now: every chunk written by the test is past the grace period
+
+
+@pytest.fixture(params=["shared_dir", "s3"])
+def shared(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierConfig]:
+    if request.param == "s3":
+        server: MotoServer = request.getfixturevalue("moto_server")
+        yield TierConfig("s3", 1 << 30, s3=server.config(server.new_bucket()))
+    else:
+        yield TierConfig("disk", 1 << 30, tmp_path / "nfs", shared=True)
+
+
+def _config(shared: TierConfig) -> CacheConfig:
+    return CacheConfig(tiers=(TierConfig("ram", 1 << 30), shared), chunk_tokens=C)
+
+
+def _store(shared: TierConfig) -> Tier:
+    """The store as a third party sees it."""
+    return build_tier(shared, TierOptions())
+
+
+def _chunks(store: Tier) -> set[bytes]:
+    assert isinstance(store, ChunkAges)
+    return {key for key, _, _ in store.chunk_ages()}
+
+
+def _restores(cache: Cache, tokens: tuple[int, ...]) -> bool:
+    with cache.open_row(cache_key(NS, tokens)) as row:
+        return join(row.chunks) == blob(tokens)
+
+
+def test_evicting_a_row_leaves_chunks_another_process_row_names(shared: TierConfig) -> None:
+    cfg = _config(shared)
+    with Cache(cfg, background=False) as b:
+        assert b.save(chunked_request(NS, R1, tier=shared.name), sync=True)
+        with Cache(cfg, background=False) as a:  # adopts R1 (and its chunks) on start
+            assert b.save(chunked_request(NS, R2, tier=shared.name), sync=True)
+            assert a.evict_bytes(1 << 40, [shared.name]).rows == 1
+            assert a.rows() == []
+        assert _restores(b, R2)  # B's row names chunks A's evicted row named
+
+
+def test_a_failed_read_only_forgets_the_row(shared: TierConfig) -> None:
+    cfg = _config(shared)
+    store = _store(shared)
+    with Cache(cfg, background=False) as a:
+        key = a.save(chunked_request(NS, R1, tier=shared.name), sync=True)
+        assert key is not None
+        with Cache(cfg, background=False) as b:
+            before = _chunks(store)
+            last = a.rows()[0]
+            stored = a._index.stored_in(last.key, shared.name)
+            assert stored is not None
+            store.delete_chunk(stored.chunks[-1])  # gone behind B's back (a transient view)
+            with pytest.raises(CacheKeyError), b.open_row(key):
+                pass
+            assert b.rows() == []  # forgotten by B...
+            assert b.counters()["shared_rows_forgotten"] == 1
+            assert key in set(store.stored_keys())  # ...not deleted from the store
+            assert _chunks(store) == before - {stored.chunks[-1]}
+            assert b.rescan() == 0  # and the rescans do not adopt it again
+        store.close()
+
+
+def _orphan_r1(shared: TierConfig) -> tuple[bytes, ...]:
+    """R1's chunks in the store with no manifest naming them (its manifest deleted); R2
+    published, naming three of them. Returns R1's chunk keys."""
+    with Cache(_config(shared), background=False) as w:
+        assert w.save(chunked_request(NS, R1, tier=shared.name), sync=True)
+        assert w.save(chunked_request(NS, R2, tier=shared.name), sync=True)
+        stored = w._index.stored_in(cache_key(NS, R1), shared.name)
+        assert stored is not None
+    store = _store(shared)
+    store.delete(cache_key(NS, R1))
+    store.close()
+    return stored.chunks
+
+
+def test_gc_shared_sweeps_only_unreferenced_old_chunks(shared: TierConfig) -> None:
+    r1_chunks = _orphan_r1(shared)
+    store = _store(shared)
+    with Cache(_config(shared), background=False) as a:
+        before = _chunks(store)
+        young = a.gc_shared(grace_s=3600.0)  # everything was written just now
+        assert [(r.deleted, r.young, r.refused) for r in young] == [(0, 1, "")]
+        assert _chunks(store) == before
+        [swept] = a.gc_shared(grace_s=3600.0, now=time.time() + LATER)
+        assert (swept.deleted, swept.manifests, swept.refused) == (1, 1, "")
+        assert _chunks(store) == before - {r1_chunks[-1]}  # only R1's own last chunk
+        assert a.counters()["shared_chunks_swept"] == 1
+        assert _restores(a, R2)
+    store.close()
+
+
+def test_gc_shared_keeps_chunks_of_a_manifest_published_during_the_sweep(
+    shared: TierConfig,
+) -> None:
+    """The sweep has marked the store's manifests when another process publishes R1 again,
+    reusing its old orphaned chunks (it writes only the manifest): they must stay."""
+    r1_chunks = _orphan_r1(shared)
+    cfg = _config(shared)
+    store = _store(shared)
+    with Cache(cfg, background=False) as sweeper, Cache(cfg, background=False) as writer:
+        published: list[bytes | None] = []
+
+        def race(step: str, tier: str) -> None:
+            if step == "manifests_marked":
+                written = writer.counters()["chunks_written"]
+                published.append(writer.save(chunked_request(NS, R1, tier=tier), sync=True))
+                assert writer.counters()["chunks_written"] == written  # only the manifest
+
+        [swept] = sweeper.gc_shared(grace_s=3600.0, now=time.time() + LATER, on_step=race)
+        assert published == [cache_key(NS, R1)]
+        assert (swept.deleted, swept.manifests) == (0, 2)
+        assert set(r1_chunks) <= _chunks(store)
+        assert _restores(sweeper, R1)
+    store.close()
+
+
+def test_gc_shared_refuses_when_a_manifest_cannot_be_read(tmp_path: Path) -> None:
+    shared = TierConfig("disk", 1 << 30, tmp_path / "nfs", shared=True)
+    r1_chunks = _orphan_r1(shared)
+    junk = tmp_path / "nfs" / (cache_key(NS, (7,)).hex() + ".kvc")
+    junk.write_bytes(b"a newer format, perhaps")
+    with Cache(_config(shared), background=False) as a:
+        [swept] = a.gc_shared(grace_s=0.0, now=time.time() + LATER)
+        assert swept.refused == "unreadable manifests" and swept.deleted == 0
+    store = _store(shared)
+    assert set(r1_chunks) <= _chunks(store)
+    store.close()
