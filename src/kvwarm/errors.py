@@ -113,6 +113,14 @@ class StateRestoreError(BackendError):
     """A KV state blob could not be restored (wrong size, other model, corrupt)."""
 
 
+class JoinBufferTooSmallError(BackendError):
+    """``kv_join`` was handed an output buffer shorter than the joined blob (``needed`` bytes)."""
+
+    def __init__(self, message: str, *, needed: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+
+
 class HandleClosedError(BackendError):
     """A model, context, sampler or adapter was used after it was freed."""
 

@@ -13,7 +13,12 @@ import pytest
 from tests.backends.conftest import SMALL
 
 from kvwarm.backends.base import BackendContext, BackendModel, BatchToken, KvCodec
-from kvwarm.errors import HandleClosedError, InvalidRequestError, StateRestoreError
+from kvwarm.errors import (
+    HandleClosedError,
+    InvalidRequestError,
+    JoinBufferTooSmallError,
+    StateRestoreError,
+)
 
 TEXT = (
     "Chunks of KV: every token's keys and values, cut by position and glued back. The fishermen "
@@ -223,3 +228,60 @@ def test_strided_buffers_are_refused_not_crashed(
     (chunk,) = ctx.kv_split(blob, [0, 1])
     with pytest.raises(StateRestoreError):
         ctx.kv_join([memoryview(chunk)[::2]])
+
+
+# ---- join into a caller's buffer (out=): the engine's reused restore buffer ---------------
+
+
+@pytest.mark.parametrize("cut", range(5))
+def test_join_into_a_supplied_buffer_equals_a_fresh_join(
+    packed: tuple[list[int], bytes], ctx: BackendContext, cut: int
+) -> None:
+    tokens, blob = _prefilled(packed, ctx)
+    chunks = ctx.kv_split(blob, _bounds(len(tokens))[cut])
+    assert ctx.kv_codec.joined_size(chunks) == len(blob)
+    out = bytearray(b"\xaa" * (len(blob) + 100))
+    joined = ctx.kv_join(chunks, out=out)
+    assert isinstance(joined, memoryview)
+    assert joined.nbytes == len(blob)
+    assert joined.tobytes() == ctx.kv_join(chunks) == blob
+    assert out[len(blob) :] == b"\xaa" * 100  # nothing written past the joined blob
+    # A writable memoryview is as good as a bytearray, and the view restores in place.
+    again = ctx.kv_join(chunks, out=memoryview(bytearray(len(blob))))
+    assert again.tobytes() == blob
+    assert ctx.kv_unpack(1, joined) == len(tokens)
+    assert ctx.kv_pack(1) == ctx.kv_pack(0)
+
+
+def test_too_small_or_read_only_buffers_are_refused_untouched(
+    packed: tuple[list[int], bytes], ctx: BackendContext
+) -> None:
+    tokens, blob = _prefilled(packed, ctx)
+    chunks = ctx.kv_split(blob, [0, 10, len(tokens)])
+    short = bytearray(b"\x55" * (len(blob) - 1))
+    with pytest.raises(JoinBufferTooSmallError) as info:
+        ctx.kv_join(chunks, out=short)
+    assert info.value.needed == len(blob)
+    assert short == b"\x55" * (len(blob) - 1)
+    with pytest.raises(JoinBufferTooSmallError):
+        ctx.kv_join([], out=bytearray(0))
+    with pytest.raises(InvalidRequestError):
+        ctx.kv_join(chunks, out=memoryview(bytes(len(blob))))
+    # A bad chunk is refused before the buffer is looked at, as without out=.
+    with pytest.raises(StateRestoreError):
+        ctx.kv_join([chunks[1], chunks[0]], out=bytearray(len(blob)))
+
+
+def test_one_buffer_reused_across_joins_of_different_sizes(
+    packed: tuple[list[int], bytes], ctx: BackendContext
+) -> None:
+    tokens, blob = _prefilled(packed, ctx)
+    bounds = [0, 7, 30, 31, len(tokens)]
+    chunks = ctx.kv_split(blob, bounds)
+    out = bytearray(len(blob))
+    for j in (len(chunks), 1, 3, 0, len(chunks), 2):
+        joined = ctx.kv_join(chunks[:j], out=out)
+        assert joined.tobytes() == ctx.kv_join(chunks[:j])
+        assert joined.nbytes == ctx.kv_codec.joined_size(chunks[:j])
+        assert ctx.kv_unpack(1, joined) == (bounds[j] if j else 0)
+        del joined

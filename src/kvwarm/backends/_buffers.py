@@ -5,7 +5,8 @@ Invariants: ``u8`` never copies (a non-contiguous or non-buffer argument is a
 onto it that is valid only until the ``bytes`` is handed out, so the content is written once
 and never copied again (``bytes(bytearray)`` would copy it a second time). Fresh buffers of
 megabytes ask the kernel for huge pages first (``advise_huge``): filling 45 MiB of new 4 KiB
-pages cost ~55 ms here, three times the copy itself (``bench/kv_chunks.py``).
+pages cost ~55 ms here, three times the copy itself (``bench/kv_chunks.py``). ``join_target``
+lets a caller avoid that cost entirely by passing a buffer it keeps (already faulted in).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import cast
 import numpy as np
 import numpy.typing as npt
 
-from kvwarm.errors import StateRestoreError
+from kvwarm.errors import InvalidRequestError, JoinBufferTooSmallError, StateRestoreError
 
 U8 = npt.NDArray[np.uint8]
 
@@ -104,3 +105,24 @@ def u8(data: bytes | bytearray | memoryview, what: str = "KV blob") -> U8:
         return np.frombuffer(view, dtype=np.uint8)
     except (ValueError, TypeError, BufferError) as exc:
         raise StateRestoreError(f"{what} is not a contiguous buffer: {exc}") from exc
+
+
+def join_target(size: int, out: bytearray | memoryview | None) -> tuple[U8, bytearray | memoryview]:
+    """``(dst, result)`` for a join of ``size`` bytes: a writable uint8 view to fill, and what
+    ``join`` returns. Without ``out``, a fresh ``bytearray``; with it, ``out``'s first ``size``
+    bytes (a ``memoryview`` onto the caller's buffer, which is refused if read-only or short:
+    nothing is written then)."""
+    if out is None:
+        fresh = uninitialised_bytearray(size)
+        return np.frombuffer(fresh, dtype=np.uint8), fresh
+    view = memoryview(out)
+    if view.readonly or not view.contiguous:
+        raise InvalidRequestError("kv_join out= must be a writable contiguous buffer", param="out")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    if view.nbytes < size:
+        raise JoinBufferTooSmallError(
+            f"kv_join out= holds {view.nbytes} bytes; the joined blob needs {size}", needed=size
+        )
+    head = view[:size]
+    return np.frombuffer(head, dtype=np.uint8), head

@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, overload, runtime_checkable
 
 # Parameters are the protocol's vocabulary; they live in params.py and are re-exported here.
 from kvwarm.backends.params import (
@@ -41,6 +41,7 @@ from kvwarm.backends.params import (
     ProgressCallback,
     RopeScaling,
     SplitMode,
+    WritableBuffer,
     check_tensor_split,
 )
 
@@ -57,6 +58,7 @@ __all__ = [
     "ROPE_SCALINGS",
     "POOLING_TYPES",
     "Buffer",
+    "WritableBuffer",
     "ProgressCallback",
     "ModelParams",
     "check_tensor_split",
@@ -209,7 +211,10 @@ class KvCodec(Protocol):
       split and join while the worker decodes, and it stays usable after its context closed.
     - Chunk payloads are fresh, contiguous ``bytes`` (each byte copied once from the blob);
       ``join`` writes each byte once into one preallocated ``bytearray`` that ``kv_unpack``
-      reads in place. K/V values themselves are opaque here: the cache's CRC guards them.
+      reads in place, or into the caller's ``out`` buffer (a view of its first
+      ``joined_size`` bytes comes back; a shorter buffer is ``JoinBufferTooSmallError``,
+      raised before a byte is written). K/V values themselves are opaque here: the cache's
+      CRC guards them.
     """
 
     def split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
@@ -223,9 +228,20 @@ class KvCodec(Protocol):
         """
         ...
 
-    def join(self, chunks: Sequence[Buffer]) -> bytearray:
+    @overload
+    def join(self, chunks: Sequence[Buffer], out: None = None) -> bytearray: ...
+    @overload
+    def join(self, chunks: Sequence[Buffer], out: WritableBuffer) -> memoryview: ...
+    def join(
+        self, chunks: Sequence[Buffer], out: WritableBuffer | None = None
+    ) -> bytearray | memoryview:
         """A blob ``kv_unpack`` accepts, from chunks covering ``[0, n)`` in order
-        (``[]``: an empty sequence)."""
+        (``[]``: an empty sequence): a fresh ``bytearray``, or with ``out`` a ``memoryview``
+        of ``out``'s first ``joined_size(chunks)`` bytes, written in place."""
+        ...
+
+    def joined_size(self, chunks: Sequence[Buffer]) -> int:
+        """How many bytes ``join(chunks)`` writes, after the same checks as ``join``."""
         ...
 
     def chunk_range(self, chunk: Buffer) -> tuple[int, int]:
@@ -282,7 +298,13 @@ class BackendContext(Protocol):
         """``kv_codec.split``; ``HandleClosedError`` after close."""
         ...
 
-    def kv_join(self, chunks: Sequence[Buffer]) -> bytearray:
+    @overload
+    def kv_join(self, chunks: Sequence[Buffer], out: None = None) -> bytearray: ...
+    @overload
+    def kv_join(self, chunks: Sequence[Buffer], out: WritableBuffer) -> memoryview: ...
+    def kv_join(
+        self, chunks: Sequence[Buffer], out: WritableBuffer | None = None
+    ) -> bytearray | memoryview:
         """``kv_codec.join``; ``HandleClosedError`` after close."""
         ...
 

@@ -22,13 +22,13 @@ import ctypes
 import logging
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, cast, overload
 
 import numpy as np
 
 from kvwarm.backends import _checks, _kv_state, _native, llama_params
 from kvwarm.backends._lifetime import Lifetime
-from kvwarm.backends.base import Adapter, BatchToken, Buffer, ContextParams
+from kvwarm.backends.base import Adapter, BatchToken, Buffer, ContextParams, WritableBuffer
 from kvwarm.backends.llama_adapter import LlamaAdapter
 from kvwarm.backends.llama_kv_codec import LlamaKvCodec
 from kvwarm.errors import (
@@ -249,9 +249,15 @@ class LlamaContext:
         self._life.check()
         return self._codec.split(blob, bounds)
 
-    def kv_join(self, chunks: Sequence[Buffer]) -> bytearray:
+    @overload
+    def kv_join(self, chunks: Sequence[Buffer], out: None = None) -> bytearray: ...
+    @overload
+    def kv_join(self, chunks: Sequence[Buffer], out: WritableBuffer) -> memoryview: ...
+    def kv_join(
+        self, chunks: Sequence[Buffer], out: WritableBuffer | None = None
+    ) -> bytearray | memoryview:
         self._life.check()
-        return self._codec.join(chunks)
+        return self._codec.join(chunks) if out is None else self._codec.join(chunks, out)
 
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
         with self._life.using():

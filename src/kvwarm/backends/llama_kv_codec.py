@@ -11,7 +11,8 @@ behind the envelope of ``kv_chunk`` whose descriptor is the blob's structure
 the sequence id is dropped, so a chunk depends only on the KV it holds.
 
 Invariants: ``split`` copies each byte it emits once (a slice copy, or a gather when the cells
-were out of order); ``join`` writes each byte once into one uninitialised ``bytearray``; both
+were out of order); ``join`` writes each byte once into one uninitialised ``bytearray``, or into the
+caller's ``out`` buffer (the engine's reused, already-faulted one); both
 check the layout against the context's cell types and layer count, and ``join`` checks every
 chunk's envelope, place in the sequence and metadata before a byte is copied, so nothing
 malformed reaches ``llama_state_seq_set_data``.
@@ -21,13 +22,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import overload
 
 import numpy as np
 
 from kvwarm.backends import kv_chunk
-from kvwarm.backends._buffers import U8, fresh_bytes, u8, uninitialised_bytearray
+from kvwarm.backends._buffers import U8, fresh_bytes, join_target, u8
 from kvwarm.backends._native import GGML_TYPES
-from kvwarm.backends.base import Buffer
+from kvwarm.backends.base import Buffer, WritableBuffer
 from kvwarm.backends.llama_kv_layout import (
     CELL,
     HEAD,
@@ -74,17 +76,20 @@ class LlamaKvCodec:
         sources = _sections(data, layout.structure, layout.n_cells)
         return [self._cut(layout, sources, a, b) for a, b in itertools.pairwise(cuts)]
 
-    def join(self, chunks: Sequence[Buffer]) -> bytearray:
-        views = [kv_chunk.parse(u8(c, "KV chunk"), kv_chunk.CODEC_LLAMA) for c in chunks]
-        if not views:
-            return bytearray(HEAD.pack(IO_MAGIC, 0, 1, 0))
-        n_cells = kv_chunk.check_sequence(views)
-        structure = parse_descriptor(views[0].descriptor)
-        self._check(structure, "KV chunk")
-        for i, view in enumerate(views):
-            _check_body(view, structure, i)
-        out = uninitialised_bytearray(structure.blob_size(n_cells))
-        dst = np.frombuffer(out, dtype=np.uint8)
+    @overload
+    def join(self, chunks: Sequence[Buffer], out: None = None) -> bytearray: ...
+    @overload
+    def join(self, chunks: Sequence[Buffer], out: WritableBuffer) -> memoryview: ...
+    def join(
+        self, chunks: Sequence[Buffer], out: WritableBuffer | None = None
+    ) -> bytearray | memoryview:
+        checked = self._checked(chunks)
+        if checked is None:
+            dst, result = join_target(HEAD.size, out)
+            HEAD.pack_into(dst.data, 0, IO_MAGIC, 0, 1, 0)
+            return result
+        views, structure, n_cells = checked
+        dst, result = join_target(structure.blob_size(n_cells), out)
         _write_skeleton(dst, views[0].descriptor, structure, n_cells)
         targets = _sections(dst, structure, n_cells)
         meta = dst[HEAD.size : HEAD.size + n_cells * CELL]
@@ -97,7 +102,25 @@ class LlamaKvCodec:
                 piece = view.body[at : at + size].reshape(section.groups, b - a, section.unit)
                 target[:, a:b, :] = piece
                 at += size
-        return out
+        return result
+
+    def joined_size(self, chunks: Sequence[Buffer]) -> int:
+        checked = self._checked(chunks)
+        return HEAD.size if checked is None else checked[1].blob_size(checked[2])
+
+    def _checked(
+        self, chunks: Sequence[Buffer]
+    ) -> tuple[list[kv_chunk.ChunkView], Structure, int] | None:
+        """The chunks' views, layout and cell count, every one checked; None for no chunks."""
+        views = [kv_chunk.parse(u8(c, "KV chunk"), kv_chunk.CODEC_LLAMA) for c in chunks]
+        if not views:
+            return None
+        n_cells = kv_chunk.check_sequence(views)
+        structure = parse_descriptor(views[0].descriptor)
+        self._check(structure, "KV chunk")
+        for i, view in enumerate(views):
+            _check_body(view, structure, i)
+        return views, structure, n_cells
 
     def chunk_range(self, chunk: Buffer) -> tuple[int, int]:
         view = kv_chunk.parse(u8(chunk, "KV chunk"), kv_chunk.CODEC_LLAMA)

@@ -35,6 +35,8 @@ _MAX_THREADS = 512
 _INT32_MAX = 2**31 - 1
 #: Any contiguous buffer a blob or chunk may arrive in.
 Buffer = bytes | bytearray | memoryview
+#: A buffer ``kv_join`` may write into (a writable ``memoryview`` or a ``bytearray``).
+WritableBuffer = bytearray | memoryview
 
 #: A load-progress callback: receives a fraction in [0, 1]; returning False aborts the load.
 ProgressCallback = Callable[[float], bool]

@@ -16,7 +16,7 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, cast, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +29,7 @@ from kvwarm.backends.base import (
     BatchToken,
     Buffer,
     ContextParams,
+    WritableBuffer,
 )
 from kvwarm.backends.stub_adapter import StubAdapter
 from kvwarm.backends.stub_kv_codec import CELL, HEADER, MAGIC, StubKvCodec
@@ -217,9 +218,15 @@ class StubContext:
         self._life.check()
         return self._codec.split(blob, bounds)
 
-    def kv_join(self, chunks: Sequence[Buffer]) -> bytearray:
+    @overload
+    def kv_join(self, chunks: Sequence[Buffer], out: None = None) -> bytearray: ...
+    @overload
+    def kv_join(self, chunks: Sequence[Buffer], out: WritableBuffer) -> memoryview: ...
+    def kv_join(
+        self, chunks: Sequence[Buffer], out: WritableBuffer | None = None
+    ) -> bytearray | memoryview:
         self._life.check()
-        return self._codec.join(chunks)
+        return self._codec.join(chunks) if out is None else self._codec.join(chunks, out)
 
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
         with self._life.using():

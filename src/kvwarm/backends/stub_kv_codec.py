@@ -7,9 +7,10 @@ its cell count (model id, type codes, cell size), so a chunk of another model or
 refused exactly as llama.cpp's codec refuses another layout.
 
 Invariants: as ``llama_kv_codec``: every length is checked before it is used; ``split``
-copies each emitted byte once; ``join`` writes each byte once into one ``bytearray`` and
-refuses chunks that are corrupt, out of order or of another layout; the cells' hash chains
-are checked again by ``kv_unpack``, as llama.cpp checks its own blobs.
+copies each emitted byte once; ``join`` writes each byte once into one ``bytearray`` (or
+the caller's ``out``) and refuses chunks that are corrupt, out of order or of another
+layout; the cells' hash chains are checked again by ``kv_unpack``, as llama.cpp checks its
+own blobs.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from __future__ import annotations
 import itertools
 import struct
 from collections.abc import Sequence
+from typing import overload
 
 import numpy as np
 
 from kvwarm.backends import kv_chunk
-from kvwarm.backends._buffers import U8, fresh_bytes, u8, uninitialised_bytearray
-from kvwarm.backends.base import Buffer
+from kvwarm.backends._buffers import U8, fresh_bytes, join_target, u8
+from kvwarm.backends.base import Buffer, WritableBuffer
 from kvwarm.errors import StateRestoreError
 
 MAGIC = b"KVSTUB01"
@@ -53,19 +55,33 @@ class StubKvCodec:
         cells = data[HEADER.size :]
         return [self._cut(cells, a, b) for a, b in itertools.pairwise(cuts)]
 
-    def join(self, chunks: Sequence[Buffer]) -> bytearray:
-        views = [kv_chunk.parse(u8(c, "KV chunk"), kv_chunk.CODEC_STUB) for c in chunks]
-        n_cells = kv_chunk.check_sequence(views)
-        for i, view in enumerate(views):
-            self._check_chunk(view, i)
-        out = uninitialised_bytearray(HEADER.size + n_cells * self._cell)
-        dst = np.frombuffer(out, dtype=np.uint8)
+    @overload
+    def join(self, chunks: Sequence[Buffer], out: None = None) -> bytearray: ...
+    @overload
+    def join(self, chunks: Sequence[Buffer], out: WritableBuffer) -> memoryview: ...
+    def join(
+        self, chunks: Sequence[Buffer], out: WritableBuffer | None = None
+    ) -> bytearray | memoryview:
+        views = self._checked(chunks)
+        n_cells = views[-1].end if views else 0
+        dst, result = join_target(HEADER.size + n_cells * self._cell, out)
         dst[: HEADER.size] = np.frombuffer(self.header(n_cells), dtype=np.uint8)
         for view in views:
             dst[HEADER.size + view.start * self._cell : HEADER.size + view.end * self._cell] = (
                 view.body
             )
-        return out
+        return result
+
+    def joined_size(self, chunks: Sequence[Buffer]) -> int:
+        views = self._checked(chunks)
+        return HEADER.size + (views[-1].end if views else 0) * self._cell
+
+    def _checked(self, chunks: Sequence[Buffer]) -> list[kv_chunk.ChunkView]:
+        views = [kv_chunk.parse(u8(c, "KV chunk"), kv_chunk.CODEC_STUB) for c in chunks]
+        kv_chunk.check_sequence(views)
+        for i, view in enumerate(views):
+            self._check_chunk(view, i)
+        return views
 
     def chunk_range(self, chunk: Buffer) -> tuple[int, int]:
         view = kv_chunk.parse(u8(chunk, "KV chunk"), kv_chunk.CODEC_STUB)

@@ -223,10 +223,13 @@ class Admission:
                 return 0, None, None
             rt.reset_seq(slot)
             t0 = time.perf_counter()
-            # A manifest's chunks are joined into one buffer (each byte copied once) that
-            # kv_unpack reads in place; a whole-blob row is unpacked from its view directly.
-            blob = rt.ctx.kv_join(row.chunks) if row.chunks else row.payload
-            n_restored = rt.ctx.kv_unpack(slot.seq, blob)
+            # A manifest's chunks are joined (each byte copied once) into the worker's reused
+            # buffer, which kv_unpack reads in place; a whole-blob row is unpacked from its
+            # view directly. The join view is not kept past kv_unpack.
+            if row.chunks:
+                n_restored = rt.ctx.kv_unpack(slot.seq, rt.join_buf.join(rt.ctx, row.chunks))
+            else:
+                n_restored = rt.ctx.kv_unpack(slot.seq, row.payload)
             rt.cache.record_latency("unpack", time.perf_counter() - t0)
             slot.kv_tokens[:] = row.tokens[:n_restored]
             keep, use_logits = trim_restored(

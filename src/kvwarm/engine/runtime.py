@@ -16,6 +16,7 @@ from kvwarm.backends.base import BackendContext, BackendModel
 from kvwarm.cache.api import CacheApi
 from kvwarm.cache.types import FingerprintMode, Namespace, PolicyConfig, TierName
 from kvwarm.engine.batching import BatchStrategy
+from kvwarm.engine.joinbuf import JoinBuffer
 from kvwarm.engine.slots import Slot
 from kvwarm.engine.types import CompletionStats, SlotStatus
 
@@ -67,6 +68,7 @@ class Runtime:
     slots: list[Slot]
     stats: WorkerStats = field(default_factory=WorkerStats)
     view: tuple[SlotStatus, ...] = ()
+    join_buf: JoinBuffer = field(default_factory=JoinBuffer)  # chunked restores join here
     _eog: tuple[int, ...] | None = None
 
     def publish(self) -> None:

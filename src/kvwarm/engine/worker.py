@@ -200,6 +200,7 @@ class Worker:
             self._drain_on_close()
             raise
         finally:
+            self.rt.join_buf.release()  # the restore buffer (tens of MiB) goes with the worker
             self.rt.publish()
             self._closed.set()
 

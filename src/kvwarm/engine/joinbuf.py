@@ -1,0 +1,50 @@
+"""The worker's reusable buffer that a chunked row's KV is joined into before ``kv_unpack``.
+
+Joining a 2,048-token prefix of the embedded model into a fresh 45 MiB buffer spent most of
+its time faulting in new pages; a buffer kept across restores is already faulted, so a
+restore copies each KV byte once and touches no new memory (docs/architecture.md, "Chunks").
+
+Invariants: a ``JoinBuffer`` belongs to one worker's ``Runtime`` and is used only on that
+worker's thread (never shared across threads). It grows to the largest joined blob seen and
+is dropped by ``release`` when the worker stops. The view ``join`` returns is valid until the
+next ``join`` or ``release``; the caller hands it to ``kv_unpack`` (which copies it into the
+context) and keeps no reference after that returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvwarm.backends._buffers import uninitialised_bytearray
+from kvwarm.backends.base import BackendContext, Buffer
+
+#: Growth headroom, so prompts creeping up by a few tokens do not reallocate every time.
+_GROW = 1.25
+
+
+class JoinBuffer:
+    """One worker's join target: grown when a row needs more, released on unload."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf: bytearray | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buf is None else len(self._buf)
+
+    def join(self, ctx: BackendContext, chunks: Sequence[Buffer]) -> memoryview:
+        """``ctx.kv_join(chunks)`` written into this buffer; a view of the joined blob."""
+        need = ctx.kv_codec.joined_size(chunks)
+        old = self.capacity
+        if old < need:
+            # Drop the old one first: holding both would briefly double the footprint.
+            self._buf = None
+            self._buf = uninitialised_bytearray(max(need, int(old * _GROW)))
+        assert self._buf is not None
+        return ctx.kv_join(chunks, out=self._buf)
+
+    def release(self) -> None:
+        """Give the memory back (the worker is unloading)."""
+        self._buf = None
