@@ -39,6 +39,9 @@ def unpack(
     size = buf.size
     try:
         _validate_blob(buf, n_ctx=n_ctx)
+        # llama.cpp clears the sequence only when the blob holds cells: an empty blob would
+        # otherwise leave the old KV in place, against kv_unpack's "cleared first".
+        lib.llama_memory_seq_rm(mem, seq, -1, -1)
         src = ctypes.cast(ctypes.c_void_p(buf.ctypes.data), ctypes.POINTER(ctypes.c_uint8))
         read = int(lib.llama_state_seq_set_data(ctx, src, size, seq))
         if read == 0:
