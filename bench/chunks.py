@@ -14,12 +14,14 @@ issue 9) and with chunked rows (``chunk_tokens=256``):
    bytes stored on disk and the distinct tokens' KV.
 3. **Restore of a 2,048-token prefix**, per tier (ram, ram_file on /dev/shm, disk, s3 on a
    local moto server when moto is installed): ``open_row`` (+ ``kv_join`` for chunks) +
-   ``kv_unpack`` into the real context, median of ``--reps``.
+   ``kv_unpack`` into the real context, median of ``--reps``; chunks joined both into a fresh
+   buffer each time (before) and into the reused ``JoinBuffer`` the engine keeps (now).
 4. **KV cell types** f16, q8_0, q4_0: KV bytes a token, and split + join byte-identical.
 
 Usage::
 
     PYTHONPATH=src .venv/bin/python bench/chunks.py [--reps 7] [--root /tmp/kvwarm-bench]
+        [--only restore]
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from kvwarm.cache.protocols import Tier
 from kvwarm.cache.types import Namespace, SaveReason, SaveRequest
 from kvwarm.embedded import default_model_path
 from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
+from kvwarm.engine.joinbuf import JoinBuffer
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.settings import SERVER_POLICY
 
@@ -194,19 +197,36 @@ def restores(
                 key = cache.save(request(tokens, blob, ctx, cache.tier_names()[0]), sync=True)
                 assert key is not None
                 caches[mode] = (cache, key)
-            times: dict[str, list[float]] = {m: [] for m in MODES}
-            for _ in range(reps):  # interleaved, so machine noise hits both alike
-                for mode, (cache, key) in caches.items():
-                    ctx.seq_rm(0)
-                    t0 = time.perf_counter()
-                    with cache.open_row(key) as row:
-                        data = ctx.kv_join(row.chunks) if row.chunks else row.payload
-                        assert ctx.kv_unpack(0, data) == len(tokens)
-                    times[mode].append(time.perf_counter() - t0)
+            out[name] = _time_restores(ctx, caches, len(tokens), reps)
             for cache, _ in caches.values():
                 cache.close()
-            out[name] = {m: statistics.median(v) * 1e3 for m, v in times.items()}
     return out
+
+
+def _time_restores(
+    ctx: LlamaContext, caches: dict[str, tuple[Cache, bytes]], n: int, reps: int
+) -> dict[str, float]:
+    """Median ms per variant: the blob row; the chunked row joined into a fresh buffer (as
+    before the engine kept one); joined into the worker's reused ``JoinBuffer`` (as now)."""
+    join_buf = JoinBuffer()
+    variants = {"blob": "blob", "fresh": "chunks", "chunks": "chunks"}
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(reps):  # interleaved, so machine noise hits all alike
+        for variant, mode in variants.items():
+            cache, key = caches[mode]
+            ctx.seq_rm(0)
+            t0 = time.perf_counter()
+            with cache.open_row(key) as row:
+                if not row.chunks:
+                    got = ctx.kv_unpack(0, row.payload)
+                elif variant == "fresh":
+                    got = ctx.kv_unpack(0, ctx.kv_join(row.chunks))
+                else:
+                    got = ctx.kv_unpack(0, join_buf.join(ctx, row.chunks))
+                assert got == n
+            times[variant].append(time.perf_counter() - t0)
+    join_buf.release()
+    return {v: statistics.median(t) * 1e3 for v, t in times.items()}
 
 
 def cell_types(tokens: list[int], threads: int | None) -> dict[str, tuple[float, bool]]:
@@ -237,6 +257,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--root", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--only", choices=("restore",), default=None, help="run scenario 3 alone")
     args = parser.parse_args()
     root = args.root or Path(tempfile.mkdtemp(prefix="kvwarm-bench-chunks-"))
     model = LlamaBackend().load_model(str(default_model_path()))
@@ -244,7 +265,32 @@ def main() -> None:
     ctx = model.new_context(params)
     tokens = model.tokenize(TEXT * 160)[:4000]
     assert len(tokens) == 4000
+    if args.only is None:
+        _report_bytes(ctx, tokens, root)
+    ctx.seq_rm(0)
+    ctx.prefill(0, tokens[:2048], 0)
+    blob = ctx.kv_pack(0)
+    res = restores(ctx, tokens[:2048], blob, args.reps, root)
+    print(f"3. restore of a 2,048-token prefix ({len(blob) / 2**20:.1f} MiB), median ms")
+    print("   (fresh: chunks joined into a new buffer each time; chunks: the reused JoinBuffer)")
+    for name, r in res.items():
+        print(
+            f"   {name:8s}  blob {r['blob']:7.2f}  fresh {r['fresh']:7.2f} "
+            f"({r['fresh'] / r['blob']:.2f}x)  chunks {r['chunks']:7.2f} "
+            f"({r['chunks'] / r['blob']:.2f}x)"
+        )
+    if args.only is None:
+        print("4. KV cell types (768 tokens): bytes a token, split + join == blob")
+        for kv_type, (per_token, same) in cell_types(tokens, args.threads).items():
+            print(
+                f"   {kv_type:5s}  {per_token:9.0f} B/token  "
+                f"round trip {'exact' if same else 'DIFFERS'}"
+            )
+    shutil.rmtree(root, ignore_errors=True)
 
+
+def _report_bytes(ctx: LlamaContext, tokens: list[int], root: Path) -> None:
+    """Scenarios 1 and 2."""
     gen = generation(ctx, tokens, root)
     print("1. one 4,000-token generation, continued saves every 512 tokens (real KV, disk)")
     for mode, r in gen.items():
@@ -254,12 +300,6 @@ def main() -> None:
             f"({r['distinct'] / 2**20:.1f} MiB)  save CPU {r['cpu_per_token_us']:.1f} us/token"
         )
     cell_bytes = round(gen["blob"]["distinct"] / len(tokens))
-
-    ctx.seq_rm(0)
-    ctx.prefill(0, tokens[:2048], 0)
-    blob = ctx.kv_pack(0)
-    res = restores(ctx, tokens[:2048], blob, args.reps, root)
-
     conv = conversations(cell_bytes, root)
     print(f"2. 20 conversations x 4 turns, 1,000-token system prompt ({cell_bytes} B/token)")
     for mode, r in conv.items():
@@ -268,19 +308,6 @@ def main() -> None:
             f"{r['stored'] / r['distinct']:.2f}x distinct ({r['distinct'] / 2**20:.1f} MiB), "
             f"{r['rows']:.0f} rows"
         )
-    print(f"3. restore of a 2,048-token prefix ({len(blob) / 2**20:.1f} MiB), median ms")
-    for name, r in res.items():
-        print(
-            f"   {name:8s}  blob {r['blob']:7.2f}  chunks {r['chunks']:7.2f}  "
-            f"({r['chunks'] / r['blob']:.2f}x)"
-        )
-    print("4. KV cell types (768 tokens): bytes a token, split + join == blob")
-    for kv_type, (per_token, same) in cell_types(tokens, args.threads).items():
-        print(
-            f"   {kv_type:5s}  {per_token:9.0f} B/token  "
-            f"round trip {'exact' if same else 'DIFFERS'}"
-        )
-    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
