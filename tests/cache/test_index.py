@@ -102,6 +102,26 @@ def test_publish_after_concurrent_adopt_does_not_double_count() -> None:
     assert idx.usage() == {"disk": (50, 1)}
 
 
+def test_a_check_in_of_a_removed_copy_leaves_the_next_copy_pinned() -> None:
+    """Pins count per stored copy: the old reader's check-in must not release the pin of a
+    reader of the copy published again under the same key."""
+    idx = Index()
+    r = row((1, 2), 10)
+    key = r.info.key
+    assert idx.adopt(r)
+    old = idx.lease(key)
+    assert old is not None
+    assert idx.remove(key) is not None  # e.g. a failed read elsewhere, or ``delete``
+    assert idx.adopt(r)  # published again
+    new = idx.lease(key)
+    assert new is not None and new[1] != old[1]
+    idx.checkin(key, old[1])  # the first reader ends
+    assert idx.refcount(key) == 1
+    assert idx.evict(1 << 30) == []  # the second reader's copy is still pinned
+    idx.checkin(key, new[1])
+    assert idx.refcount(key) == 0 and len(idx.evict(1 << 30)) == 1
+
+
 def test_checkout_pins_touches_and_counts() -> None:
     clock = FakeClock(100.0)
     idx = Index(clock=clock)

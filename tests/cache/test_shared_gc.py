@@ -6,6 +6,7 @@ one store stand for two processes (each knows only the rows it indexed)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,3 +155,36 @@ def test_gc_shared_refuses_when_a_manifest_cannot_be_read(tmp_path: Path) -> Non
     store = _store(shared)
     assert set(r1_chunks) <= _chunks(store)
     store.close()
+
+
+def test_quota_after_an_adopt_is_enforced_off_the_lookup_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup that adopts another process's row over the quota must not delete on the
+    caller's thread (the engine's tick): the eviction runs on the writer pool."""
+    from tests.cache.tierkit import request
+
+    root = tmp_path / "nfs"
+    one, req_one = request(tuple(range(40)))
+    two, req_two = request(tuple(range(100, 140)))
+    probe_cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, tmp_path / "probe"),))
+    with Cache(probe_cfg, background=False) as sizer:
+        assert sizer.save(req_one, sync=True)
+        size = int(sizer.counters()["tier_disk_bytes"])
+    cfg = CacheConfig(tiers=(TierConfig("disk", size + size // 2, root, shared=True),))
+    with Cache(cfg, background=False) as mine, Cache(cfg, background=False) as other:
+        assert mine.save(req_one, sync=True) == one
+        assert other.save(req_two, sync=True) == two
+        deleted_on: list[str] = []
+        tier = mine._tiers["disk"]
+        real_delete = tier.delete
+
+        def delete(key: bytes) -> None:
+            deleted_on.append(threading.current_thread().name)
+            real_delete(key)
+
+        monkeypatch.setattr(tier, "delete", delete)
+        assert mine.lookup_exact(two) is not None  # adopted: now over the quota
+        assert mine.flush()
+        assert deleted_on and threading.current_thread().name not in deleted_on
+        assert [r.key for r in mine.rows()] == [two]  # the least recently used went

@@ -325,3 +325,43 @@ def test_cluster_serves_through_ray_then_stops_on_sigterm(
     assert proc.returncode == 0, stderr
     assert f"kvwarm cluster: http://127.0.0.1:{port}" in stdout
     assert "Traceback" not in stderr
+
+
+def test_cache_gc_shared_sweeps_unreferenced_chunks_of_a_shared_dir(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """``kvwarm cache gc --shared``: chunks no row names and past the grace period go; the
+    chunks a row names stay (no model: stub-shaped rows written through the library)."""
+    from tests.cache.chunkkit import chunked_request
+    from tests.cache.tierkit import NS
+
+    from kvwarm.cache import Cache, CacheConfig, TierConfig
+    from kvwarm.cache.key import cache_key
+
+    cache_dir = tmp_path / "nfs"
+    tiers = (
+        TierConfig("ram", 1 << 30),
+        TierConfig("disk", 1 << 30, cache_dir / "rows", shared=True),
+    )
+    with Cache(CacheConfig(tiers=tiers, chunk_tokens=16), background=False) as c:
+        assert c.save(chunked_request(NS, tuple(range(64)), tier="disk"), sync=True)
+        assert c.save(chunked_request(NS, tuple(range(48)) + (9,) * 16, tier="disk"), sync=True)
+    (cache_dir / "rows" / (cache_key(NS, tuple(range(64))).hex() + ".kvc")).unlink()
+    chunks = sorted((cache_dir / "rows").glob("*.kvk"))
+    assert len(chunks) == 5
+    for path in chunks:
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+    env_shared = {
+        **env,
+        "KVWARM_MODELS": "/nonexistent/model.gguf",
+        "KVWARM_CACHE_DIR": str(cache_dir),
+        "KVWARM_CACHE_DIR_SHARED": "true",
+    }
+    young = kvwarm(env_shared, "cache", "gc", "--shared", "--json")  # default grace: 1 h
+    no_traceback(young)
+    assert young.returncode == 0, young.stderr
+    [disk] = [s for s in json.loads(young.stdout)["shared"] if s["tier"] == "disk"]
+    assert (disk["chunks"], disk["deleted"]) == (5, 1)  # the orphan, 2 h old
+    assert len(list((cache_dir / "rows").glob("*.kvk"))) == 4
+    again = kvwarm(env_shared, "cache", "gc", "--shared", "--grace-s", "0")
+    assert again.returncode == 0 and "disk: 0 of 4 chunks swept" in again.stdout, again.stdout

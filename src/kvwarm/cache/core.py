@@ -26,6 +26,7 @@ from kvwarm.cache.counters import Counters
 from kvwarm.cache.index import Index
 from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
 from kvwarm.cache.types import EvictResult, RowInfo, TierName
+from kvwarm.cache.writer import WriterPool
 from kvwarm.errors import CacheError
 
 __all__ = ["CacheCore", "ScratchBuffers"]
@@ -91,6 +92,7 @@ class CacheCore:
     _index: Index
     _tiers: dict[TierName, Tier]
     _counters: Counters
+    _writer: WriterPool
     _forgotten: set[bytes]  # remote shared rows forgotten on purpose: the rescans skip them
     _warned_unreadable: set[TierName]
 
@@ -119,8 +121,20 @@ class CacheCore:
             log.warning("%s: not adopting %s: %s", tier.name, row.info.key.hex(), exc)
             return False
         if adopted:
-            self._enforce_quota(tier)
+            self._enforce_quota_later(tier)
         return adopted
+
+    def _enforce_quota_later(self, tier: Tier) -> None:
+        """Quota enforcement after an adopt, on the writer pool: an adopt happens during a
+        lookup (discovery, on the engine's tick path) and eviction may delete objects from a
+        remote store. A full queue leaves it to the next save or adopt in that tier."""
+
+        def job() -> bool:
+            self._enforce_quota(tier)
+            return True
+
+        if not self._writer.submit(job):
+            log.debug("%s: quota check deferred (writer queue full)", tier.name)
 
     def _retire(self, rows: Sequence[StoredRow], *, count: bool = False) -> EvictResult:
         """Delete the bytes of rows the index already forgot, then of the chunks no row

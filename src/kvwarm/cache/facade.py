@@ -193,11 +193,12 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
 
     @contextmanager
     def open_row(self, key: bytes) -> Iterator[LoadedRow]:
-        stored = self._index.checkout(key)
-        if stored is None and self._probe(key) is not None:
-            stored = self._index.checkout(key)
-        if stored is None:
+        leased = self._index.lease(key)
+        if leased is None and self._probe(key) is not None:
+            leased = self._index.lease(key)
+        if leased is None:
             raise CacheKeyError(f"no cache row {key.hex()}")
+        stored, gen = leased
         tier = self._tiers[stored.info.tier]
         local = tier.capabilities.local
         # A remote row's buffer may outlive this lease (promotion): never the thread's scratch.
@@ -211,7 +212,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
             parts = self._load_parts(tier, stored, arena)
             yield LoadedRow(stored.info, data.tokens, data.payload, data.logits, parts)
         finally:
-            self._index.checkin(key)
+            self._index.checkin(key, gen)
             if local:
                 self._scratch.reclaim(scratch, data)
                 self._scratch.reclaim_arena(arena, parts)

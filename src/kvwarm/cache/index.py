@@ -212,12 +212,18 @@ class Index:
     def checkout(self, key: bytes, *, touch: bool = True) -> StoredRow | None:
         """Pin a row against eviction; with ``touch``, also count a hit and tell the eviction
         policy (``verify`` reads rows without pretending they were used)."""
+        leased = self.lease(key, touch=touch)
+        return None if leased is None else leased[0]
+
+    def lease(self, key: bytes, *, touch: bool = True) -> tuple[StoredRow, int] | None:
+        """``checkout``, plus the generation of the copy pinned: give it back to ``checkin``
+        so that a copy published after this one was removed keeps its own pins."""
         with self._lock:
             return self._rows.pin(key, self._clock() if touch else None)
 
-    def checkin(self, key: bytes) -> None:
+    def checkin(self, key: bytes, gen: int | None = None) -> None:
         with self._lock:
-            self._rows.unpin(key)
+            self._rows.unpin(key, gen)
 
     def take_dirty_hits(self) -> list[StoredRow]:
         """Rows whose hit count changed since the last call (to persist in a batch)."""

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -38,10 +39,22 @@ class _Entry:
     refcount: int = 0
     chunks: tuple[bytes, ...] = ()
     chunk_lens: tuple[int, ...] = ()
+    # Which stored copy the pins count: a reader's check-in of a copy since removed must not
+    # release the pin of a copy published later under the same key.
+    gen: int = 0
 
 
 class RowTable:
-    __slots__ = ("_bytes", "_count", "_dirty_hits", "_entries", "_policy", "_prefix", "chunks")
+    __slots__ = (
+        "_bytes",
+        "_count",
+        "_dirty_hits",
+        "_entries",
+        "_gens",
+        "_policy",
+        "_prefix",
+        "chunks",
+    )
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self._entries: dict[bytes, _Entry] = {}
@@ -51,6 +64,7 @@ class RowTable:
         self._policy = policy
         self._dirty_hits: set[bytes] = set()  # hit counts not yet written to the tiers
         self.chunks = ChunkRefs()
+        self._gens = itertools.count(1)
 
     # ----------------------------------------------------------------- lock-free reads
 
@@ -126,13 +140,13 @@ class RowTable:
         (e.g. a rescan adopted our own file before our publish landed)."""
         info = row.info
         key = info.key
-        refcount = 0
+        refcount, gen = 0, next(self._gens)
         old = self._entries.get(key)
         if old is not None:
-            refcount = old.refcount
+            refcount, gen = old.refcount, old.gen  # the pins move to the new copy
             self.remove(key)
         self._prefix.insert(info.namespace, key, row.tokens, info.size)
-        self._entries[key] = _Entry(info, row.location, refcount, row.chunks, row.chunk_lens)
+        self._entries[key] = _Entry(info, row.location, refcount, row.chunks, row.chunk_lens, gen)
         self.chunks.ref(info.tier, row.chunks)
         self._bytes[info.tier] = self._bytes.get(info.tier, 0) + info.size
         self._count[info.tier] = self._count.get(info.tier, 0) + 1
@@ -163,8 +177,9 @@ class RowTable:
 
     # ----------------------------------------------------------------- use
 
-    def pin(self, key: bytes, now: float | None) -> StoredRow | None:
-        """Count a reader; with ``now``, also a hit at that time (the policy is told)."""
+    def pin(self, key: bytes, now: float | None) -> tuple[StoredRow, int] | None:
+        """Count a reader; with ``now``, also a hit at that time (the policy is told). The
+        row and the generation of the copy pinned (for ``unpin``)."""
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -174,11 +189,13 @@ class RowTable:
             entry.info = replace(info, hits=info.hits + 1, last_used=now)
             self._policy.touch(key, entry.info)
             self._dirty_hits.add(key)
-        return self.stored(key)
+        return self.stored(key), entry.gen
 
-    def unpin(self, key: bytes) -> None:
+    def unpin(self, key: bytes, gen: int | None = None) -> None:
+        """A reader is done; with ``gen``, only if the copy it pinned is still the one stored
+        (a copy removed meanwhile took its pins with it)."""
         entry = self._entries.get(key)
-        if entry is not None and entry.refcount > 0:
+        if entry is not None and entry.refcount > 0 and (gen is None or gen == entry.gen):
             entry.refcount -= 1
 
     def take_dirty_hits(self) -> list[StoredRow]:

@@ -108,9 +108,10 @@ class CacheUpkeep(CacheCore):
         bad = list(self._scan_problems)
         good_chunks: set[tuple[str, bytes]] = set()  # a chunk many rows share is read once
         for info in self._index.rows():
-            stored = self._index.checkout(info.key, touch=False)
-            if stored is None:
+            leased = self._index.lease(info.key, touch=False)
+            if leased is None:
                 continue  # removed meanwhile
+            stored, gen = leased
             try:
                 checked += 1
                 tier = self._tiers[info.tier]
@@ -126,7 +127,7 @@ class CacheUpkeep(CacheCore):
                 if repair:
                     self._retire([r for r in (self._index.remove(info.key),) if r is not None])
             finally:
-                self._index.checkin(info.key)
+                self._index.checkin(info.key, gen)
         return VerifyReport(checked, tuple(bad))
 
     def rescan(self) -> int:
