@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from kvwarm.backends._buffers import uninitialised_bytearray
 from kvwarm.backends.base import BackendContext, Buffer
+from kvwarm.errors import JoinBufferTooSmallError
 
 #: Growth headroom, so prompts creeping up by a few tokens do not reallocate every time.
 _GROW = 1.25
@@ -36,13 +37,17 @@ class JoinBuffer:
 
     def join(self, ctx: BackendContext, chunks: Sequence[Buffer]) -> memoryview:
         """``ctx.kv_join(chunks)`` written into this buffer; a view of the joined blob."""
-        need = ctx.kv_codec.joined_size(chunks)
+        if self._buf is not None:
+            try:
+                return ctx.kv_join(chunks, out=self._buf)
+            except JoinBufferTooSmallError as exc:  # refused before writing: grow, retry
+                need = exc.needed
+        else:
+            need = ctx.kv_codec.joined_size(chunks)
         old = self.capacity
-        if old < need:
-            # Drop the old one first: holding both would briefly double the footprint.
-            self._buf = None
-            self._buf = uninitialised_bytearray(max(need, int(old * _GROW)))
-        assert self._buf is not None
+        # Drop the old one first: holding both would briefly double the footprint.
+        self._buf = None
+        self._buf = uninitialised_bytearray(max(need, int(old * _GROW)))
         return ctx.kv_join(chunks, out=self._buf)
 
     def release(self) -> None:
