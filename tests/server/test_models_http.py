@@ -155,6 +155,25 @@ def test_admin_load_and_unload(dir_client: TestClient, models: Path, tmp_path: P
     )
 
 
+def test_a_path_that_fails_to_load_is_forgotten(tmp_path: Path) -> None:
+    # A failed load by path kept its entry: /health stayed degraded and the id stayed taken,
+    # so loading the right file under it was a 409 until a restart.
+    settings = stub_settings(
+        backend="llama_cpp",  # what a path loads with; it fails before any weights are read
+        models=(ModelSpec(path="stub-a", id="a", backend="stub"),),
+        admin_key="adm",
+    )
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        for typo in ("/nonexistent/x.gguf", str(tmp_path / "also-missing.gguf")):
+            failed = client.post(
+                "/admin/models/load", json={"path": typo, "id": "x"}, headers=ADMIN
+            )
+            assert _code(failed) == (503, "model_load_failed")  # not 409 the second time
+            assert "x" not in _states(client)
+            assert client.get("/health").json()["status"] == "ok"
+
+
 def test_loading_by_path_needs_a_configured_key(models: Path) -> None:
     with TestClient(create_app(stub_settings(models=(), models_dir=models))) as client:
         wait_ready(client.get)

@@ -12,7 +12,8 @@ Invariants:
   unload of one is a ``ModelBusyError``.
 - A request for a model that is loading because a request asked for it waits for the load; a
   model loading at startup answers 503 with Retry-After, as before (``docs/architecture.md``).
-- A failed load stays failed (503 with its reason) until an admin loads it again.
+- A failed load stays failed (503 with its reason) until an admin loads it again; a file an
+  admin loads by path and that fails is forgotten instead (the admin got the error).
 """
 
 from __future__ import annotations
@@ -313,13 +314,28 @@ class ModelRegistry:
     # --- admin -------------------------------------------------------------------------------
 
     async def admin_load(self, name: str | None, path: Path | None, model_id: str | None) -> str:
-        """Load a known model by name (a failed one is retried), or a file by path."""
+        """Load a known model by name (a failed one is retried), or a file by path. A path
+        that fails to load is forgotten again: the admin got the error, and a failed entry
+        kept would hold its id (the right file under it: 409) and degrade /health for good."""
         with self._lock:
+            known = set(self.entries)
             entry = self._admin_entry(path, model_id) if path is not None else self._resolve(name)
             if entry.state == "failed":
                 entry.state, entry.error = "available", None
-        await self.acquire(entry.id, lease=False)
+        try:
+            await self.acquire(entry.id, lease=False)
+        except BaseException:
+            if entry.id not in known:
+                self._forget_unloaded(entry)
+            raise
         return entry.id
+
+    def _forget_unloaded(self, entry: ModelEntry) -> None:
+        """Drop an admin entry whose load failed (one still loading, e.g. after the caller
+        went away, is kept)."""
+        with self._lock:
+            if self.entries.get(entry.id) is entry and entry.state in ("failed", "available"):
+                del self.entries[entry.id]
 
     def _admin_entry(self, path: Path, model_id: str | None) -> ModelEntry:
         mid = model_id or model_id_for(path)
