@@ -4,12 +4,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvwarm.alignment import canonical_after
+from kvwarm.cache.prefix import common_prefix
 from kvwarm.engine.planner import (
     Plan,
     RowCandidate,
     better,
     choose,
-    common_prefix,
     recheck_row,
     trim_restored,
     usable_length,

@@ -33,6 +33,7 @@ from dataclasses import replace
 from kvwarm.cache.chunkfmt import ROOT_PARENT, build_head, chunk_keys
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.index import Index
+from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.protocols import StoredRow, Tier
 from kvwarm.cache.types import Namespace, SaveRequest
 from kvwarm.errors import CacheIOError, KvwarmError
@@ -85,7 +86,7 @@ class PlanBook:
         with self._lock:
             pending = [(t, lens) for n, t, lens in self._plans.values() if n == ns]
         for other, lens in pending:
-            common = _common_prefix(other, tokens, shared)
+            common = common_prefix(other, tokens)
             if common > shared:
                 base, shared = lens, common
         lens = plan_lens(len(tokens), size, base, shared)
@@ -96,16 +97,6 @@ class PlanBook:
     def done(self, key: bytes) -> None:
         with self._lock:
             self._plans.pop(key, None)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], floor: int) -> int:
-    """Length of the common prefix of ``a`` and ``b`` if longer than ``floor``, else 0."""
-    n = min(len(a), len(b))
-    if n <= floor or a[floor] != b[floor]:
-        return 0
-    if a[:n] == b[:n]:  # usually one extends the other: one C-level comparison
-        return n
-    return next(i for i in range(floor, n) if a[i] != b[i])
 
 
 def store_row(

@@ -20,6 +20,7 @@ from kvwarm.alignment import canonical_after
 from kvwarm.backends.base import Sampler
 from kvwarm.cache.key import salted_namespace
 from kvwarm.cache.policy import probe_lengths
+from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.forks import Forks
 from kvwarm.engine.outcomes import Outcomes
@@ -27,7 +28,6 @@ from kvwarm.engine.planner import (
     Plan,
     RowCandidate,
     choose,
-    common_prefix,
     recheck_row,
     trim_restored,
 )

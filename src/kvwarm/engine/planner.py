@@ -19,22 +19,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvwarm.alignment import align_down
+from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.slots import Slot
 
 SourceKind = Literal["none", "self", "copy", "row"]
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    # Compare in blocks first: slices compare in C, far faster than a Python loop.
-    block = 256
-    while i + block <= n and a[i : i + block] == b[i : i + block]:
-        i += block
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def usable_length(
