@@ -252,6 +252,20 @@ def _free_port() -> int:
 
 
 @pytest.mark.model
+def _wait_healthy(proc: subprocess.Popen[str], base: str, deadline_s: float) -> bool:
+    """Poll ``/health`` until 200 while ``proc`` lives (bounded readiness wait, not a
+    sleep-as-sync); True once it answered 200."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
 @pytest.mark.slow
 def test_serve_answers_then_stops_on_sigterm(env: dict[str, str]) -> None:
     port = _free_port()
@@ -261,17 +275,7 @@ def test_serve_answers_then_stops_on_sigterm(env: dict[str, str]) -> None:
     )  # fmt: skip
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        status = None
-        while time.monotonic() < deadline and proc.poll() is None:  # bounded readiness wait
-            try:
-                status = httpx.get(base + "/health", timeout=5).status_code
-            except httpx.TransportError:
-                status = None
-            if status == 200:
-                break
-            time.sleep(0.1)
-        assert status == 200, "server did not become ready"
+        assert _wait_healthy(proc, base, 120), "server did not become ready"
         body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
         response = httpx.post(base + "/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
@@ -302,17 +306,7 @@ def test_cluster_serves_through_ray_then_stops_on_sigterm(
     )  # fmt: skip
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        status = None
-        while time.monotonic() < deadline and proc.poll() is None:  # bounded readiness wait
-            try:
-                status = httpx.get(base + "/health", timeout=5).status_code
-            except httpx.TransportError:
-                status = None
-            if status == 200:
-                break
-            time.sleep(0.2)
-        assert status == 200, "the cluster did not become ready"
+        assert _wait_healthy(proc, base, 240), "the cluster did not become ready"
         body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
         response = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
