@@ -12,7 +12,10 @@ from dataclasses import replace
 import pytest
 from tests.backends.conftest import SMALL
 
-from kvwarm.backends.base import BackendContext, BackendModel, BatchToken, KvCodec
+from kvwarm.backends import kv_chunk
+from kvwarm.backends._buffers import u8
+from kvwarm.backends.base import BackendContext, BackendModel, BatchToken, Buffer, KvCodec
+from kvwarm.backends.llama_kv_layout import HEAD
 from kvwarm.errors import (
     HandleClosedError,
     InvalidRequestError,
@@ -45,6 +48,23 @@ def _prefilled(
     tokens, blob = packed
     assert ctx.kv_unpack(seq, blob) == len(tokens)
     return tokens, ctx.kv_pack(seq)
+
+
+def _meta_at(chunk: bytes) -> int:
+    """Where a chunk's cell metadata starts: its body, past the body's own blob head when
+    the body is a whole blob (``FLAG_BLOB``)."""
+    view = kv_chunk.parse(u8(chunk), chunk[5])  # byte 5 names the codec
+    return len(chunk) - view.body.size + (HEAD.size if view.flags & kv_chunk.FLAG_BLOB else 0)
+
+
+def _refused(ctx: BackendContext, chunks: list[Buffer]) -> None:
+    """Both ways of restoring ``chunks`` refuse them before touching the sequence."""
+    with pytest.raises(StateRestoreError):
+        ctx.kv_join(chunks)
+    before = ctx.kv_pack(1)
+    with pytest.raises(StateRestoreError):
+        ctx.kv_unpack_chunks(1, chunks)
+    assert ctx.kv_pack(1) == before
 
 
 def _bounds(n: int) -> list[list[int]]:
@@ -124,6 +144,29 @@ def test_joined_blob_restores_like_the_packed_one(
     assert bytes(ctx.logits(0)) == bytes(ctx.logits(1))
 
 
+@pytest.mark.parametrize("cut", range(5))
+def test_chunks_restore_in_place_like_the_joined_blob(
+    packed: tuple[list[int], bytes], ctx: BackendContext, cut: int
+) -> None:
+    tokens, blob = _prefilled(packed, ctx)
+    n = len(tokens)
+    chunks = ctx.kv_split(blob, _bounds(n)[cut])
+    ctx.clear()
+    assert ctx.kv_unpack(0, blob) == n
+    ctx.prefill(1, tokens[:3], 0)  # stale KV the restore must clear first
+    assert ctx.kv_unpack_chunks(1, [memoryview(c) for c in chunks]) == n
+    assert ctx.seq_pos_max(1) == n - 1
+    # The same cells (split + join gives seq 1's blob with the seq id as 0), decoding alike.
+    assert ctx.kv_join(ctx.kv_split(ctx.kv_pack(1), [0, n])) == blob
+    nxt = tokens[2]
+    ctx.decode([BatchToken(nxt, n, 0, logits=True), BatchToken(nxt, n, 1, logits=True)])
+    assert bytes(ctx.logits(0)) == bytes(ctx.logits(1))
+    # A prefix of the chunks restores that prefix.
+    assert ctx.kv_unpack_chunks(1, chunks[:1]) == _bounds(n)[cut][1]
+    assert ctx.kv_unpack_chunks(1, []) == 0
+    assert ctx.seq_pos_max(1) == -1
+
+
 def test_empty_sequence(ctx: BackendContext) -> None:
     empty = ctx.kv_pack(0)
     assert ctx.kv_split(empty, [0]) == []
@@ -147,9 +190,9 @@ def test_chunks_out_of_order_missing_or_repeated_are_refused(
 ) -> None:
     tokens, blob = _prefilled(packed, ctx)
     a, b, c = ctx.kv_split(blob, [0, 10, 20, len(tokens)])
+    ctx.prefill(1, tokens[:5], 0)
     for chunks in ([b, a, c], [a, c], [b, c], [a, a, b, c], [a, b, b, c]):
-        with pytest.raises(StateRestoreError):
-            ctx.kv_join(chunks)
+        _refused(ctx, list(chunks))
 
 
 def test_truncated_or_extended_chunks_are_refused(
@@ -158,8 +201,7 @@ def test_truncated_or_extended_chunks_are_refused(
     _, blob = _prefilled(packed, ctx)
     (chunk,) = ctx.kv_split(blob, [0, 4])
     for bad in (chunk[:-1], chunk + b"\0", chunk[: len(chunk) // 2], chunk[:8], b""):
-        with pytest.raises(StateRestoreError):
-            ctx.kv_join([bad])
+        _refused(ctx, [bad])
         with pytest.raises(StateRestoreError):
             ctx.kv_codec.chunk_range(bad)
 
@@ -171,12 +213,9 @@ def test_corrupt_cell_metadata_is_refused(
     # the codec's own check does.
     _, blob = _prefilled(packed, ctx)
     (chunk,) = ctx.kv_split(blob, [0, 4])
-    (eight,) = ctx.kv_split(blob, [0, 8])
-    body_at = len(chunk) - (len(eight) - len(chunk))  # bodies grow with cells, envelopes not
     bad = bytearray(chunk)
-    bad[body_at] ^= 1
-    with pytest.raises(StateRestoreError):
-        ctx.kv_join([bad])
+    bad[_meta_at(chunk)] ^= 1
+    _refused(ctx, [bad])
 
 
 def test_chunks_of_other_cell_types_are_refused(
@@ -187,13 +226,11 @@ def test_chunks_of_other_cell_types_are_refused(
     try:
         other.prefill(0, tokens[:6], 0)
         foreign = other.kv_split(other.kv_pack(0), [0, 6])
-        with pytest.raises(StateRestoreError):
-            ctx.kv_join(foreign)
+        _refused(ctx, list(foreign))
         with pytest.raises(StateRestoreError):
             ctx.kv_split(other.kv_pack(0), [0, 6])
         mine = ctx.kv_split(blob, [0, 10, len(tokens)])
-        with pytest.raises(StateRestoreError):
-            other.kv_join(mine)
+        _refused(other, list(mine))
     finally:
         other.close()
 
@@ -213,6 +250,8 @@ def test_codec_outlives_its_context(packed: tuple[list[int], bytes], model: Back
         ctx.kv_split(blob, [0, len(tokens)])
     with pytest.raises(HandleClosedError):
         ctx.kv_join([])
+    with pytest.raises(HandleClosedError):
+        ctx.kv_unpack_chunks(0, [])
     assert codec.join(codec.split(blob, [0, 9, len(tokens)])) == blob
 
 
@@ -226,8 +265,7 @@ def test_strided_buffers_are_refused_not_crashed(
     with pytest.raises(StateRestoreError):
         ctx.kv_split(strided, [0, 1])
     (chunk,) = ctx.kv_split(blob, [0, 1])
-    with pytest.raises(StateRestoreError):
-        ctx.kv_join([memoryview(chunk)[::2]])
+    _refused(ctx, [memoryview(chunk)[::2]])
 
 
 # ---- join into a caller's buffer (out=): the engine's reused restore buffer ---------------

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from tests.backends.test_llama_exactness import N_BATCH, PARAMS, PROMPT
 
+from kvwarm.backends import kv_chunk
 from kvwarm.backends._buffers import u8
 from kvwarm.backends.base import BackendContext, BatchToken, ContextParams, FlashAttn, KvType
 from kvwarm.backends.kv_chunk import header_size
 from kvwarm.backends.llama import LlamaBackend, LlamaModel
-from kvwarm.backends.llama_kv_layout import parse_blob
+from kvwarm.backends.llama_kv_layout import CELL, HEAD, parse_blob, parse_descriptor
 from kvwarm.embedded import default_model_path
-from kvwarm.errors import ConfigError, StateRestoreError
+from kvwarm.errors import ConfigError, InvalidRequestError, StateRestoreError
 
 pytestmark = pytest.mark.model
 
@@ -100,17 +102,29 @@ def test_layout_round_trip_prefix_and_restore(
         bounds = [0, 1, 2, 13, 20, n]
         chunks = ctx.kv_split(blob, bounds)
         assert ctx.kv_join(chunks) == blob
-        assert len(chunks[1]) == header_size(layout.descriptor) + 12 + 30 * (k_row + v_cell)
-        # A prefix of chunks is the blob of that prefix (V slices strided when transposed).
+        skeleton = 16 + 8 + 60 * 12  # every chunk body is a whole blob of its own cells
+        want = header_size(layout.descriptor) + skeleton + 12 + 30 * (k_row + v_cell)
+        assert len(chunks[1]) == want
+        # A prefix of chunks is the blob of that prefix (V slices strided when transposed),
+        # and the first chunk's body is the blob of its one token.
         prefix = ctx.kv_join(chunks[:3])
         ctx.seq_rm(0, 13)
         assert prefix == ctx.kv_pack(0)
-        # Restoring the joined blob decodes exactly like restoring the packed one.
-        ctx.clear()
-        assert ctx.kv_unpack(0, blob) == n
-        assert ctx.kv_unpack(1, ctx.kv_join(chunks)) == n
-        a, b = _next_logits(ctx, short[1], n)
-        assert a == b
+        ctx.seq_rm(0, 1)
+        assert chunks[0][-(skeleton + 12 + 30 * (k_row + v_cell)) :] == ctx.kv_pack(0)
+        # Restoring the joined blob, or the chunks in place, decodes exactly like restoring
+        # the packed one.
+        for restore in ("joined", "in place"):
+            ctx.clear()
+            assert ctx.kv_unpack(0, blob) == n
+            if restore == "joined":
+                assert ctx.kv_unpack(1, ctx.kv_join(chunks)) == n
+            else:
+                assert ctx.kv_unpack_chunks(1, chunks) == n
+                # the same cells, in position order (split + join canonicalises the seq id)
+                assert ctx.kv_join(ctx.kv_split(ctx.kv_pack(1), [0, n])) == blob
+            a, b = _next_logits(ctx, short[1], n)
+            assert a == b
     finally:
         ctx.close()
 
@@ -144,6 +158,8 @@ def test_chunks_of_another_layout_are_refused_before_llama_cpp(
         with pytest.raises(StateRestoreError):
             ours.kv_join(other.kv_split(blob, [0, 2, 5]))
         with pytest.raises(StateRestoreError):
+            ours.kv_unpack_chunks(0, other.kv_split(blob, [0, 2, 5]))
+        with pytest.raises(StateRestoreError):
             ours.kv_split(blob, [0, 5])
     finally:
         ours.close()
@@ -163,15 +179,23 @@ def test_every_bit_flip_of_a_llama_envelope_is_refused(llama: LlamaModel, short:
             bad[bit // 8] ^= 1 << (bit % 8)
             with pytest.raises(StateRestoreError):
                 ctx.kv_join([first, bad])
+            with pytest.raises(StateRestoreError):
+                ctx.kv_unpack_chunks(1, [first, bad])
         for cut in range(0, len(second), 97):
             with pytest.raises(StateRestoreError):
                 ctx.kv_join([first, second[:cut]])
+            with pytest.raises(StateRestoreError):
+                ctx.kv_unpack_chunks(1, [first, second[:cut]])
+        assert ctx.seq_pos_max(1) == -1
     finally:
         ctx.close()
 
 
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("bounds", [[0, N_BATCH, 2 * N_BATCH], [0, 50, N_BATCH, 100, 2 * N_BATCH]])
-def test_restore_from_chunks_is_bit_identical_to_cold(llama: LlamaModel, bounds: list[int]) -> None:
+def test_restore_from_chunks_is_bit_identical_to_cold(
+    llama: LlamaModel, bounds: list[int], in_place: bool
+) -> None:
     # The exactness rule (kvwarm.alignment) through chunks: the blob of a cold run, cut at
     # boundaries that are and are not multiples of n_batch, joined up to an aligned one and
     # restored, then the rest prefilled, gives the cold run's logits bit for bit.
@@ -183,7 +207,10 @@ def test_restore_from_chunks_is_bit_identical_to_cold(llama: LlamaModel, bounds:
         chunks = ctx.kv_split(ctx.kv_pack(0), bounds)
         ctx.clear()
         boundary = bounds[-1]
-        assert ctx.kv_unpack(0, ctx.kv_join(chunks)) == boundary
+        if in_place:
+            assert ctx.kv_unpack_chunks(0, chunks) == boundary
+        else:
+            assert ctx.kv_unpack(0, ctx.kv_join(chunks)) == boundary
         ctx.prefill(0, tokens[boundary:], boundary)
         assert bytes(ctx.logits()) == cold
     finally:
@@ -230,8 +257,154 @@ def test_cell_metadata_is_canonical_in_chunks(llama: LlamaModel, short: list[int
         blob = ctx.kv_pack(1)
         assert struct.unpack_from("<IiII", blob)[1] == 1  # the source seq id
         (chunk,) = ctx.kv_split(blob, [2, 6])
-        body = len(chunk) - 4 * (12 + 60 * 384)
-        meta = np.frombuffer(chunk, dtype="<i4", count=12, offset=body).reshape(4, 3)
+        body = len(chunk) - (16 + 8 + 60 * 12) - 4 * (12 + 60 * 384)  # the body is a blob
+        head = struct.unpack_from("<IiII", chunk, body)
+        assert head == (0xAF143CD8, 0, 1, 4)  # its own head: sequence 0, one stream, 4 cells
+        meta = np.frombuffer(chunk, dtype="<i4", count=12, offset=body + 16).reshape(4, 3)
         assert meta.tolist() == [[2, 1, 0], [3, 1, 0], [4, 1, 0], [5, 1, 0]]
+    finally:
+        ctx.close()
+
+
+def _first_format(chunk: bytes) -> bytes:
+    """``chunk`` as the first chunk format wrote it: no flag, a body of the metadata and the
+    sections' cells without any header."""
+    view = kv_chunk.parse(u8(chunk), kv_chunk.CODEC_LLAMA)
+    structure = parse_descriptor(view.descriptor)
+    n = view.n_cells
+    parts = [view.body[HEAD.size : HEAD.size + n * CELL].tobytes()]
+    for section, at in zip(structure.sections, structure.offsets(n), strict=True):
+        parts.append(view.body[at : at + n * section.cell_bytes].tobytes())
+    body = b"".join(parts)
+    out = np.zeros(header_size(view.descriptor) + len(body), dtype=np.uint8)
+    at = kv_chunk.write_header(
+        out,
+        codec=kv_chunk.CODEC_LLAMA,
+        start=view.start,
+        n_cells=n,
+        descriptor=view.descriptor,
+        body_len=len(body),
+    )
+    out[at:] = np.frombuffer(body, dtype=np.uint8)
+    return out.tobytes()
+
+
+def test_chunks_of_the_first_format_are_joined_not_restored_in_place(
+    llama: LlamaModel, short: list[int]
+) -> None:
+    ctx = llama.new_context(_params("auto", "f16", "f16"))
+    try:
+        n = len(short)
+        ctx.prefill(0, short, 0)
+        blob = ctx.kv_pack(0)
+        chunks = ctx.kv_split(blob, [0, 7, 20, n])
+        old = [_first_format(c) for c in chunks]
+        assert len(old[0]) == len(chunks[0]) - (16 + 8 + 60 * 12)
+        assert ctx.kv_join(old) == blob  # still read, never misread
+        assert ctx.kv_codec.chunk_range(old[1]) == (7, 13)
+        mixed = [old[0], *chunks[1:]]  # an old prefix chunk shared by a newer row
+        assert ctx.kv_join(mixed) == blob
+        ctx.prefill(1, short[:4], 0)
+        for row in (old, mixed):
+            assert ctx.kv_unpack_chunks(1, row) is None  # the caller joins instead
+            assert ctx.seq_pos_max(1) == 3  # untouched
+        assert ctx.kv_unpack(1, ctx.kv_join(mixed)) == n
+    finally:
+        ctx.close()
+
+
+def test_a_corrupt_blob_head_inside_a_chunk_is_refused_before_llama_cpp(
+    llama: LlamaModel, short: list[int]
+) -> None:
+    # The body's own blob head and section headers are what llama.cpp reads; the envelope's
+    # CRC does not cover them, the codec compares them with the descriptor.
+    ctx = llama.new_context(_params("auto", "f16", "f16"))
+    try:
+        ctx.prefill(0, short[:6], 0)
+        (chunk,) = ctx.kv_split(ctx.kv_pack(0), [0, 6])
+        body = len(chunk) - (16 + 8 + 60 * 12) - 6 * (12 + 60 * 384)
+        heads = [body + i for i in range(16)]  # magic, seq id, n_stream, n_cells
+        pair = body + 16 + 6 * 12
+        heads += [pair + i for i in range(8 + 12)]  # v_trans, n_layer, section 0's header
+        last_v = body + 16 + 6 * 12 + 8 + 59 * (12 + 6 * 384)
+        heads += [last_v + i for i in range(12)]  # the last section's header
+        for at in heads:
+            bad = bytearray(chunk)
+            bad[at] ^= 0x10
+            with pytest.raises(StateRestoreError):
+                ctx.kv_unpack_chunks(1, [bad])
+            with pytest.raises(StateRestoreError):
+                ctx.kv_join([bad])
+        assert ctx.seq_pos_max(1) == -1
+        assert ctx.kv_unpack_chunks(1, [chunk]) == 6
+    finally:
+        ctx.close()
+
+
+def test_in_place_restore_uses_a_scratch_sequence_nobody_can_name(
+    llama: LlamaModel, short: list[int]
+) -> None:
+    params = _params("auto", "f16", "f16")
+    ctx = llama.new_context(params)
+    try:
+        ctx.prefill(0, short, 0)
+        chunks = ctx.kv_split(ctx.kv_pack(0), [0, 9, 17, len(short)])
+        assert ctx.kv_unpack_chunks(1, chunks) == len(short)
+        scratch = params.n_seq_max
+        with pytest.raises(InvalidRequestError):
+            ctx.seq_rm(scratch)
+        with pytest.raises(InvalidRequestError):
+            ctx.kv_unpack_chunks(scratch, chunks)
+        # Empty again: what the restore put there was shared into seq 1, then dropped.
+        assert ctx._lib.llama_memory_seq_pos_max(ctx._mem, scratch) == -1
+    finally:
+        ctx.close()
+
+
+def test_a_context_with_no_room_for_a_scratch_sequence_joins(
+    llama: LlamaModel, short: list[int]
+) -> None:
+    params = replace(_params("auto", "f16", "f16"), n_seq_max=256)  # llama.cpp's limit
+    ctx = llama.new_context(params)
+    try:
+        ctx.prefill(0, short[:10], 0)
+        chunks = ctx.kv_split(ctx.kv_pack(0), [0, 4, 10])
+        assert ctx.kv_unpack_chunks(1, chunks) is None
+        assert ctx.kv_unpack(1, ctx.kv_join(chunks)) == 10
+    finally:
+        ctx.close()
+
+
+def test_chunks_llama_cpp_cannot_place_leave_both_sequences_empty(
+    llama: LlamaModel, short: list[int]
+) -> None:
+    # 256 cells: seq 0 takes 200, so seq 1's 60-token row fits only in part. The first chunk
+    # restores, a later one finds no cells: a StateRestoreError, nothing half-restored.
+    ctx = llama.new_context(_params("auto", "f16", "f16"))
+    try:
+        tokens = (short * 10)[:200]
+        ctx.prefill(0, tokens, 0)
+        chunks = ctx.kv_split(ctx.kv_pack(0), [0, 30, 60])
+        with pytest.raises(StateRestoreError):
+            ctx.kv_unpack_chunks(1, chunks)
+        assert ctx.seq_pos_max(1) == -1
+        assert ctx._lib.llama_memory_seq_pos_max(ctx._mem, 2) == -1  # the scratch sequence
+        assert ctx.seq_pos_max(0) == 199  # the other slot is untouched
+        assert ctx.kv_unpack_chunks(1, chunks[:1]) == 30
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("n_seq_max", [N_BATCH, N_BATCH + 1, 3 * N_BATCH])
+def test_more_sequences_than_n_batch_do_not_abort(
+    llama: LlamaModel, short: list[int], n_seq_max: int
+) -> None:
+    # llama.cpp reserves one token per sequence and asserted (aborting the process) when that
+    # exceeded n_batch outputs: n_parallel > n_batch, or == n_batch with the scratch sequence.
+    ctx = llama.new_context(replace(_params("auto", "f16", "f16"), n_seq_max=n_seq_max))
+    try:
+        ctx.prefill(n_seq_max - 1, short[:10], 0)
+        ctx.decode([BatchToken(short[10], 10, n_seq_max - 1, logits=True)])
+        assert len(ctx.logits()) == llama.n_vocab
     finally:
         ctx.close()

@@ -68,6 +68,8 @@ def test_restores_from_chunks_equal_cold(
     exact = model.complete(prompt, DET)
     assert exact.stats.cache_hit == "exact"
     assert_same(exact, cold)
+    # Restored in place from the chunks' buffers: the worker never needed a join buffer.
+    assert model._worker.rt.join_buf.capacity == 0
 
     # A longer prompt restores the row's chunks (trimmed where deterministic mode says).
     longer = prompt + " " + prompt_of(5)

@@ -3,17 +3,22 @@
 Invariants: ``pack`` copies the state once (llama.cpp writes straight into the ``bytes``
 returned); ``unpack`` reads the caller's buffer in place, checks the blob's structure before
 llama.cpp trusts its counts, and leaves the sequence empty (``StateRestoreError``) when a blob
-does not restore to positions ``[0, n)`` inside the context.
+does not restore to positions ``[0, n)`` inside the context. ``unpack_chunks`` does the same
+for a row's chunks, each read in place from its own buffer: the first into the sequence, every
+later one into the context's scratch sequence and then shared into the sequence (``seq_cp``
+shares cells in the unified KV buffer; it copies nothing), because ``llama_state_seq_set_data``
+clears its destination first. The scratch sequence is empty before and after.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from kvwarm.backends._buffers import u8, uninitialised_bytes
+from kvwarm.backends._buffers import U8, u8, uninitialised_bytes
 from kvwarm.errors import BackendError, StateRestoreError
 
 
@@ -58,6 +63,39 @@ def unpack(
             )
     except BaseException:
         lib.llama_memory_seq_rm(mem, seq, -1, -1)
+        raise
+    return pos_max + 1
+
+
+def unpack_chunks(
+    lib: Any, ctx: object, mem: object, seq: int, scratch: int, parts: Sequence[U8], n_ctx: int
+) -> int:
+    """Restore ``parts`` (checked blobs holding consecutive positions from 0, as
+    ``LlamaKvCodec.blobs`` returns them) into ``seq``; the number of positions it now holds."""
+    lib.llama_memory_seq_rm(mem, seq, -1, -1)
+    lib.llama_memory_seq_rm(mem, scratch, -1, -1)
+    try:
+        for i, part in enumerate(parts):
+            size = part.size
+            src = ctypes.cast(ctypes.c_void_p(part.ctypes.data), ctypes.POINTER(ctypes.c_uint8))
+            read = int(lib.llama_state_seq_set_data(ctx, src, size, scratch if i else seq))
+            if read != size:
+                raise StateRestoreError(
+                    f"llama.cpp refused KV chunk {i} (read {read} of {size} bytes; is the "
+                    "context full?)"
+                )
+            if i:  # the next set_data clears the scratch sequence itself
+                lib.llama_memory_seq_cp(mem, scratch, seq, -1, -1)
+        lib.llama_memory_seq_rm(mem, scratch, -1, -1)
+        pos_min = int(lib.llama_memory_seq_pos_min(mem, seq))
+        pos_max = int(lib.llama_memory_seq_pos_max(mem, seq))
+        if pos_max >= n_ctx or (pos_max >= 0 and pos_min != 0):
+            raise StateRestoreError(
+                f"restored positions [{pos_min}, {pos_max}] do not fit [0, {n_ctx})"
+            )
+    except BaseException:
+        lib.llama_memory_seq_rm(mem, seq, -1, -1)
+        lib.llama_memory_seq_rm(mem, scratch, -1, -1)
         raise
     return pos_max + 1
 

@@ -289,6 +289,14 @@ class BackendContext(Protocol):
         of token positions now in the sequence. ``StateRestoreError`` on a bad blob."""
         ...
 
+    def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer]) -> int | None:
+        """Restore a row's chunks (covering ``[0, n)`` in order) into ``seq`` (cleared first),
+        each read in place from its own buffer, with no join copy; the number of positions
+        now in the sequence. None, with ``seq`` untouched, when this context cannot (chunks
+        of an older format, no room for a scratch sequence): ``kv_join`` them into a buffer
+        and ``kv_unpack`` that. ``StateRestoreError`` on bad chunks (``seq`` left empty)."""
+        ...
+
     @property
     def kv_codec(self) -> KvCodec:
         """This context's chunk codec (pure, any thread, outlives the context)."""

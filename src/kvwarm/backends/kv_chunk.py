@@ -5,13 +5,17 @@ A chunk is ``head ‖ descriptor ‖ crc ‖ body`` (little-endian)::
     magic      4s   b"KVCK"
     version    u8   1
     codec      u8   which blob format the body slices (CODEC_LLAMA, CODEC_STUB)
-    flags      u16  0 (anything else is refused)
+    flags      u16  0, or FLAG_BLOB (anything else is refused)
     start      u32  first token position the chunk holds
     n_cells    u32  how many positions (>= 1)
     desc_len   u32  length of the descriptor
     body_len   u64  length of the body; the chunk is exactly this long after the crc
     descriptor      the codec's layout description (cell types, layers, row sizes...)
     crc        u32  zlib CRC32 of every byte before it
+
+``FLAG_BLOB`` says the body is itself a complete blob of the codec's format holding just the
+chunk's cells (positions ``start..``), which the backend can restore straight from the chunk's
+buffer; without it the body is the cells alone (the first chunk format, still read).
 
 Invariants: ``parse`` checks every field and the CRC before returning anything, so a flipped
 bit anywhere in the envelope, a truncated or extended chunk, or a chunk of another codec is a
@@ -35,6 +39,8 @@ MAGIC = b"KVCK"
 VERSION = 1
 CODEC_LLAMA = 1  # llama.cpp ``llama_state_seq_get_data``, one unified KV stream
 CODEC_STUB = 2  # the stub backend's blob format
+#: The body is a whole blob of the codec's format for the chunk's cells alone.
+FLAG_BLOB = 1
 _HEAD = struct.Struct("<4sBBHIIIQ")
 _CRC = struct.Struct("<I")
 #: Descriptors describe layers, not cells: a megabyte would be a quarter-million layers.
@@ -50,6 +56,7 @@ class ChunkView:
     n_cells: int
     descriptor: bytes
     body: U8
+    flags: int = 0
 
     @property
     def end(self) -> int:
@@ -61,10 +68,17 @@ def header_size(descriptor: bytes) -> int:
 
 
 def write_header(
-    dst: U8, *, codec: int, start: int, n_cells: int, descriptor: bytes, body_len: int
+    dst: U8,
+    *,
+    codec: int,
+    start: int,
+    n_cells: int,
+    descriptor: bytes,
+    body_len: int,
+    flags: int = 0,
 ) -> int:
     """Write the envelope at the start of ``dst`` (a chunk's whole buffer); its size."""
-    head = _HEAD.pack(MAGIC, VERSION, codec, 0, start, n_cells, len(descriptor), body_len)
+    head = _HEAD.pack(MAGIC, VERSION, codec, flags, start, n_cells, len(descriptor), body_len)
     sealed = head + descriptor
     sealed += _CRC.pack(zlib.crc32(sealed))
     dst[: len(sealed)] = memoryview(sealed)
@@ -91,7 +105,7 @@ def parse(chunk: U8, codec: int) -> ChunkView:
     # Past the CRC, a mismatch below is a well-formed chunk that does not belong here.
     if kind != codec:
         raise StateRestoreError(f"KV chunk was made by codec {kind}, this context uses {codec}")
-    if flags:
+    if flags & ~FLAG_BLOB:
         raise StateRestoreError(f"KV chunk has unknown flags {flags:#x}")
     if n_cells < 1 or start + n_cells > MAX_CELLS:
         raise StateRestoreError(f"KV chunk claims cells [{start}, {start + n_cells})")
@@ -101,7 +115,7 @@ def parse(chunk: U8, codec: int) -> ChunkView:
             f"KV chunk body is {size - body_at} bytes, its envelope says {body_len}"
         )
     descriptor = chunk[_HEAD.size : crc_at].tobytes()
-    return ChunkView(start, n_cells, descriptor, chunk[body_at:])
+    return ChunkView(start, n_cells, descriptor, chunk[body_at:], flags)
 
 
 def check_bounds(bounds: Sequence[int], n_cells: int) -> list[int]:

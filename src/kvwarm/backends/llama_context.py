@@ -10,9 +10,12 @@ Invariants:
 - ``logits()`` returns a zero-copy view of llama.cpp's buffer. The views handed out are released
   at the next decode and at close, so a stale view raises ``ValueError`` instead of reading
   freed memory (unless the caller re-exported it, e.g. into numpy).
-- ``kv_pack`` / ``kv_unpack`` keep the invariants of ``_kv_state`` (one copy out, none in; a
-  blob that does not restore leaves the sequence empty). ``kv_split`` / ``kv_join`` are the
-  pure ``LlamaKvCodec``: they take no lock and touch no native state.
+- ``kv_pack`` / ``kv_unpack`` / ``kv_unpack_chunks`` keep the invariants of ``_kv_state`` (one
+  copy out, none in; a blob that does not restore leaves the sequence empty). ``kv_split`` /
+  ``kv_join`` are the pure ``LlamaKvCodec``: they take no lock and touch no native state.
+- The native context has one sequence more than ``params.n_seq_max`` when llama.cpp allows it:
+  the scratch sequence ``kv_unpack_chunks`` restores chunks through. No caller can name it
+  (every seq id is checked against ``params.n_seq_max``) and it is empty between calls.
 - The context holds its model (``acquire``) until ``_free`` has run ``llama_free``.
 """
 
@@ -31,6 +34,7 @@ from kvwarm.backends._lifetime import Lifetime
 from kvwarm.backends.base import Adapter, BatchToken, Buffer, ContextParams, WritableBuffer
 from kvwarm.backends.llama_adapter import LlamaAdapter
 from kvwarm.backends.llama_kv_codec import LlamaKvCodec
+from kvwarm.backends.llama_kv_layout import HEAD
 from kvwarm.errors import (
     AdapterError,
     BackendError,
@@ -39,6 +43,7 @@ from kvwarm.errors import (
     InvalidRequestError,
     ModelLoadError,
     NoLogitsError,
+    StateRestoreError,
 )
 
 if TYPE_CHECKING:
@@ -55,9 +60,14 @@ class LlamaContext:
         self._lib = lib
         self._model = model
         self._params = params
-        if params.n_seq_max > int(lib.llama_max_parallel_sequences()):
+        max_seq = int(lib.llama_max_parallel_sequences())
+        if params.n_seq_max > max_seq:
             raise ConfigError(f"n_seq_max={params.n_seq_max} exceeds llama.cpp's limit")
-        cp = llama_params.context_params(lib, params)
+        #: The scratch sequence chunked restores go through (None: no room for one).
+        self._scratch = params.n_seq_max if params.n_seq_max < max_seq else None
+        cp = llama_params.context_params(
+            lib, params, scratch_seqs=0 if self._scratch is None else 1
+        )
         model.lifetime.acquire()
         try:
             with model.lifetime.using():
@@ -239,6 +249,19 @@ class LlamaContext:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
             return _kv_state.unpack(self._lib, self._ptr, self._mem, seq, data, self._n_ctx)
+
+    def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer]) -> int | None:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            parts = self._codec.blobs(chunks)
+            if parts is None or self._scratch is None:
+                return None
+            n = sum(int(HEAD.unpack_from(part.data, 0)[3]) for part in parts)
+            if n > self._n_ctx:
+                raise StateRestoreError(f"KV chunks hold {n} positions; n_ctx={self._n_ctx}")
+            return _kv_state.unpack_chunks(
+                self._lib, self._ptr, self._mem, seq, self._scratch, parts, self._n_ctx
+            )
 
     @property
     def kv_codec(self) -> LlamaKvCodec:

@@ -1,30 +1,39 @@
 """Chunks of llama.cpp sequence-state blobs: ``split`` a blob by token ranges, ``join`` it back.
 
-A chunk body is the range's cells in canonical form, sections in blob order::
+A chunk body (``kv_chunk.FLAG_BLOB``, what ``split`` writes) is itself a complete
+``llama_state_seq_get_data`` blob of the range's cells alone, in canonical form::
 
+    u32 magic, i32 0, u32 1, u32 n              the blob head: sequence id 0, one stream
     n x (i32 pos, u32 1, i32 0)                 metadata: positions start.., sequence id 0
+    u32 v_trans, u32 n_layer, then each section's 12-byte header before its cells:
     for each K layer:  n x row                  the range's rows
     for each V layer:  n x row, or (transposed) n_embd x (n x elem)
 
 behind the envelope of ``kv_chunk`` whose descriptor is the blob's structure
-(``llama_kv_layout``). Cells come out in position order whatever their order in the blob, and
-the sequence id is dropped, so a chunk depends only on the KV it holds.
+(``llama_kv_layout``), so the context restores a chunk straight from the buffer it was read
+into (``blobs``; ``_kv_state.unpack_chunks``), with no join copy. Chunks of the first format
+(no flag: the metadata and sections' cells without any header) are still read, by ``join``.
+Cells come out in position order whatever their order in the blob, and the sequence id is
+dropped, so a chunk depends only on the KV it holds.
 
 Invariants: ``split`` copies each byte it emits once (a slice copy, or a gather when the cells
 were out of order); ``join`` writes each byte once into one uninitialised ``bytearray``, or into the
 caller's ``out`` buffer (the engine's reused, already-faulted one); both
-check the layout against the context's cell types and layer count, and ``join`` checks every
-chunk's envelope, place in the sequence and metadata before a byte is copied, so nothing
-malformed reaches ``llama_state_seq_set_data``.
+check the layout against the context's cell types and layer count, and ``join`` and ``blobs``
+check every chunk's envelope, place in the sequence, metadata and (in-place chunks) every
+header llama.cpp will read before a byte is copied, so nothing malformed reaches
+``llama_state_seq_set_data``.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import overload
 
 import numpy as np
+import numpy.typing as npt
 
 from kvwarm.backends import kv_chunk
 from kvwarm.backends._buffers import U8, fresh_bytes, join_target, u8
@@ -95,14 +104,24 @@ class LlamaKvCodec:
         meta = dst[HEAD.size : HEAD.size + n_cells * CELL]
         for view in views:
             a, b = view.start, view.end
-            at = (b - a) * CELL
-            meta[a * CELL : b * CELL] = view.body[:at]
-            for section, target in zip(structure.sections, targets, strict=True):
+            meta_at, offsets = _body_offsets(view, structure)
+            meta[a * CELL : b * CELL] = view.body[meta_at : meta_at + (b - a) * CELL]
+            for section, target, at in zip(structure.sections, targets, offsets, strict=True):
                 size = (b - a) * section.cell_bytes
                 piece = view.body[at : at + size].reshape(section.groups, b - a, section.unit)
                 target[:, a:b, :] = piece
-                at += size
         return result
+
+    def blobs(self, chunks: Sequence[Buffer]) -> list[U8] | None:
+        """Each chunk's body, a blob ``llama_state_seq_set_data`` restores as it is, after the
+        checks of ``join``; None when a chunk is of the first format (join those instead)."""
+        checked = self._checked(chunks)
+        if checked is None:
+            return []
+        views = checked[0]
+        if any(not view.flags & kv_chunk.FLAG_BLOB for view in views):
+            return None
+        return [view.body for view in views]
 
     def joined_size(self, chunks: Sequence[Buffer]) -> int:
         checked = self._checked(chunks)
@@ -154,7 +173,7 @@ class LlamaKvCodec:
     def _cut(layout: BlobLayout, sources: list[U8], a: int, b: int) -> bytes:
         n = b - a
         structure = layout.structure
-        body_len = n * structure.cell_bytes
+        body_len = structure.blob_size(n)
         out, view = fresh_bytes(kv_chunk.header_size(layout.descriptor) + body_len)
         at = kv_chunk.write_header(
             view,
@@ -163,23 +182,23 @@ class LlamaKvCodec:
             n_cells=n,
             descriptor=layout.descriptor,
             body_len=body_len,
+            flags=kv_chunk.FLAG_BLOB,
         )
-        meta = view[at : at + n * CELL].view("<i4").reshape(n, 3)
+        body = view[at:]
+        _write_skeleton(body, layout.descriptor, structure, n)
+        meta = body[HEAD.size : HEAD.size + n * CELL].view("<i4").reshape(n, 3)
         meta[:, 0] = np.arange(a, b, dtype=np.int32)
         meta[:, 1] = 1
         meta[:, 2] = 0
-        at += n * CELL
         cells = None if layout.order is None else layout.order[a:b]
-        for section, source in zip(structure.sections, sources, strict=True):
-            size = n * section.cell_bytes
-            dst = view[at : at + size].reshape(section.groups, n, section.unit)
+        targets = _sections(body, structure, n)
+        for source, dst in zip(sources, targets, strict=True):
             if cells is None:
                 dst[...] = source[:, a:b, :]
             else:
                 # mode="clip" writes straight into ``out`` (numpy buffers mode="raise");
                 # ``cells`` is a permutation of valid indices, checked by parse_blob.
                 np.take(source, cells, axis=1, out=dst, mode="clip")
-            at += size
         return out
 
 
@@ -192,30 +211,68 @@ def _sections(data: U8, structure: Structure, n_cells: int) -> list[U8]:
     return views
 
 
-def _check_body(view: kv_chunk.ChunkView, structure: Structure, i: int) -> None:
-    """The body is as long as its cells need, with canonical metadata for its positions."""
+def _body_offsets(view: kv_chunk.ChunkView, structure: Structure) -> tuple[int, list[int]]:
+    """Where a checked chunk body's metadata and each section's cells start."""
     n = view.n_cells
-    if view.body.size != n * structure.cell_bytes:
+    if view.flags & kv_chunk.FLAG_BLOB:
+        return HEAD.size, structure.offsets(n)
+    offsets, at = [], n * CELL
+    for section in structure.sections:
+        offsets.append(at)
+        at += n * section.cell_bytes
+    return 0, offsets
+
+
+def _check_body(view: kv_chunk.ChunkView, structure: Structure, i: int) -> None:
+    """The body is as long as its cells need, with canonical metadata for its positions; an
+    in-place chunk's blob head and section headers are exactly what its descriptor says."""
+    n = view.n_cells
+    blob = bool(view.flags & kv_chunk.FLAG_BLOB)
+    need = structure.blob_size(n) if blob else n * structure.cell_bytes
+    if view.body.size != need:
         raise StateRestoreError(
-            f"KV chunk {i} body is {view.body.size} bytes; {n} cells need "
-            f"{n * structure.cell_bytes}"
+            f"KV chunk {i} body is {view.body.size} bytes; {n} cells need {need}"
         )
-    meta = view.body[: n * CELL].view("<i4").reshape(n, 3)
-    if not (
-        np.array_equal(meta[:, 0], np.arange(view.start, view.end, dtype=np.int32))
-        and np.all(meta[:, 1] == 1)
-        and np.all(meta[:, 2] == 0)
-    ):
+    meta_at = HEAD.size if blob else 0
+    if view.body[meta_at : meta_at + n * CELL].tobytes() != _canonical_meta(view.start, n):
         raise StateRestoreError(f"KV chunk {i} has corrupt cell metadata")
+    if blob:
+        where, expected = _skeleton_bytes(view.descriptor, n)
+        if not np.array_equal(view.body[where], expected):
+            raise StateRestoreError(f"KV chunk {i} has a corrupt blob header")
+
+
+@functools.lru_cache(maxsize=256)
+def _canonical_meta(start: int, n: int) -> bytes:
+    """The metadata of cells holding positions ``start..start+n-1`` of sequence 0."""
+    meta = np.zeros((n, 3), dtype="<i4")
+    meta[:, 0] = np.arange(start, start + n, dtype=np.int32)
+    meta[:, 1] = 1
+    return meta.tobytes()
+
+
+def _skeleton(descriptor: bytes, structure: Structure, n_cells: int) -> list[tuple[int, bytes]]:
+    """A blob of ``n_cells`` cells' head and section headers, as (offset, bytes) pieces."""
+    pieces = [(0, HEAD.pack(IO_MAGIC, 0, 1, n_cells)), (HEAD.size + n_cells * CELL, descriptor[:8])]
+    for i, offset in enumerate(structure.offsets(n_cells)):
+        head = 8 + i * _SECTION_HEAD
+        pieces.append((offset - _SECTION_HEAD, descriptor[head : head + _SECTION_HEAD]))
+    return pieces
+
+
+@functools.lru_cache(maxsize=64)
+def _skeleton_bytes(descriptor: bytes, n_cells: int) -> tuple[npt.NDArray[np.intp], U8]:
+    """Where a blob of ``n_cells`` cells' head and section headers lie, and their bytes (both
+    read-only: shared by every chunk of that length)."""
+    pieces = _skeleton(descriptor, parse_descriptor(descriptor), n_cells)
+    where = np.concatenate([np.arange(at, at + len(piece)) for at, piece in pieces])
+    expected = np.frombuffer(b"".join(piece for _, piece in pieces), dtype=np.uint8)
+    where.flags.writeable = False
+    return where, expected
 
 
 def _write_skeleton(dst: U8, descriptor: bytes, structure: Structure, n_cells: int) -> None:
     """The blob's header and every section header, from the descriptor."""
-    HEAD.pack_into(dst.data, 0, IO_MAGIC, 0, 1, n_cells)
-    at = HEAD.size + n_cells * CELL
-    dst[at : at + 8] = np.frombuffer(descriptor, dtype=np.uint8, count=8)
-    for i, offset in enumerate(structure.offsets(n_cells)):
-        head = 8 + i * _SECTION_HEAD
-        dst[offset - _SECTION_HEAD : offset] = np.frombuffer(
-            descriptor, dtype=np.uint8, count=_SECTION_HEAD, offset=head
-        )
+    raw = dst.data
+    for at, piece in _skeleton(descriptor, structure, n_cells):
+        raw[at : at + len(piece)] = piece

@@ -26,8 +26,9 @@ streams, a second cache after the first, unknown cell metadata) with ``StateRest
 
 from __future__ import annotations
 
+import functools
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -66,11 +67,11 @@ class Structure:
     v_trans: bool
     n_layer: int
     sections: tuple[Section, ...]
+    #: Bytes per cell: metadata plus every section's share (derived from ``sections``).
+    cell_bytes: int = field(init=False, compare=False)
 
-    @property
-    def cell_bytes(self) -> int:
-        """Bytes per cell: metadata plus every section's share."""
-        return CELL + sum(s.cell_bytes for s in self.sections)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cell_bytes", CELL + sum(s.cell_bytes for s in self.sections))
 
     def offsets(self, n_cells: int) -> list[int]:
         """Where each section's cells start in a blob of ``n_cells`` cells."""
@@ -99,8 +100,10 @@ class BlobLayout:
     order: npt.NDArray[np.intp] | None
 
 
+@functools.lru_cache(maxsize=32)
 def parse_descriptor(descriptor: bytes) -> Structure:
-    """The structure a descriptor describes; ``StateRestoreError`` if it is malformed."""
+    """The structure a descriptor describes; ``StateRestoreError`` if it is malformed
+    (remembered per descriptor: every chunk of a context carries the same one)."""
     if len(descriptor) < _PAIR.size:
         raise StateRestoreError("KV layout descriptor is too short")
     v_trans, n_layer = _PAIR.unpack_from(descriptor, 0)

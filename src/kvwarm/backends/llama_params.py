@@ -76,14 +76,18 @@ def model_params(
     return NativeModelParams(mp, keep)
 
 
-def context_params(lib: ModuleType, params: ContextParams) -> object:
-    """The ``llama_context_params`` for ``params`` (validated first)."""
+def context_params(lib: ModuleType, params: ContextParams, *, scratch_seqs: int = 0) -> object:
+    """The ``llama_context_params`` for ``params`` (validated first), with ``scratch_seqs``
+    sequences more than ``params.n_seq_max`` for the context's own use."""
     params.validate()
     cp = lib.llama_context_default_params()
     cp.n_ctx = params.n_ctx
     cp.n_batch = params.n_batch
     cp.n_ubatch = params.n_ubatch
-    cp.n_seq_max = params.n_seq_max
+    cp.n_seq_max = params.n_seq_max + scratch_seqs
+    # llama.cpp reserves a graph of one token per sequence and asserts that its outputs fit
+    # n_outputs_max (n_batch when left 0): more sequences than n_batch would GGML_ASSERT.
+    cp.n_outputs_max = max(params.n_batch, cp.n_seq_max)
     threads = params.n_threads or _native.default_threads()
     cp.n_threads = threads
     cp.n_threads_batch = params.n_threads_batch or threads

@@ -210,6 +210,10 @@ class StubContext:
             prev_pos, prev_h = pos, h
         return cells
 
+    def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer]) -> int | None:
+        # The stub has no native buffer to restore into in place: join, then unpack.
+        return self.kv_unpack(seq, self._codec.join(chunks))
+
     @property
     def kv_codec(self) -> StubKvCodec:
         return self._codec

@@ -101,6 +101,8 @@ class StubKvCodec:
         return n_cells
 
     def _check_chunk(self, view: kv_chunk.ChunkView, i: int) -> None:
+        if view.flags:
+            raise StateRestoreError(f"KV chunk {i} has unknown flags {view.flags:#x}")
         if view.descriptor != self._descriptor:
             raise StateRestoreError(f"KV chunk {i} is another model's, or has other cell types")
         if view.body.size != view.n_cells * self._cell:

@@ -223,11 +223,14 @@ class Admission:
                 return 0, None, None
             rt.reset_seq(slot)
             t0 = time.perf_counter()
-            # A manifest's chunks are joined (each byte copied once) into the worker's reused
-            # buffer, which kv_unpack reads in place; a whole-blob row is unpacked from its
-            # view directly. The join view is not kept past kv_unpack.
+            # A manifest's chunks are restored each from the buffer it was read into; chunks
+            # the context cannot restore in place (an older chunk format) are joined (each
+            # byte copied once) into the worker's reused buffer, which kv_unpack reads in
+            # place. A whole-blob row is unpacked from its view directly. No view is kept.
             if row.chunks:
-                n_restored = rt.ctx.kv_unpack(slot.seq, rt.join_buf.join(rt.ctx, row.chunks))
+                n_restored = rt.ctx.kv_unpack_chunks(slot.seq, row.chunks)
+                if n_restored is None:
+                    n_restored = rt.ctx.kv_unpack(slot.seq, rt.join_buf.join(rt.ctx, row.chunks))
             else:
                 n_restored = rt.ctx.kv_unpack(slot.seq, row.payload)
             rt.cache.record_latency("unpack", time.perf_counter() - t0)

@@ -1,8 +1,12 @@
-"""The worker's reusable buffer that a chunked row's KV is joined into before ``kv_unpack``.
+"""The worker's reusable buffer that a chunked row's KV is joined into before ``kv_unpack``,
+when the context cannot restore the chunks in place (``kv_unpack_chunks`` returned None:
+chunks of the first format, or no room for a scratch sequence).
 
 Joining a 2,048-token prefix of the embedded model into a fresh 45 MiB buffer spent most of
 its time faulting in new pages; a buffer kept across restores is already faulted, so a
 restore copies each KV byte once and touches no new memory (docs/architecture.md, "Chunks").
+It is allocated on the first join only, so a worker whose chunks all restore in place never
+holds one.
 
 Invariants: a ``JoinBuffer`` belongs to one worker's ``Runtime`` and is used only on that
 worker's thread (never shared across threads). It grows to the largest joined blob seen and
