@@ -13,15 +13,17 @@ issue 9) and with chunked rows (``chunk_tokens=256``):
    (so the byte counts are real bytes of the same size, without 80 real decodes). Reports
    bytes stored on disk and the distinct tokens' KV.
 3. **Restore of a 2,048-token prefix**, per tier (ram, ram_file on /dev/shm, disk, s3 on a
-   local moto server when moto is installed): ``open_row`` (+ ``kv_join`` for chunks) +
-   ``kv_unpack`` into the real context, median of ``--reps``; chunks joined both into a fresh
-   buffer each time (before) and into the reused ``JoinBuffer`` the engine keeps (now).
+   local moto server when moto is installed; run with ``PYTHONPATH=src:.``): ``open_row`` +
+   the restore into the real context, median of ``--reps``, variants interleaved: the whole
+   blob (``kv_unpack``), chunks restored in place (``kv_unpack_chunks``, what the engine does)
+   and, with ``--variants``, chunks joined into the reused ``JoinBuffer`` or a fresh buffer
+   first (the paths before in-place restores).
 4. **KV cell types** f16, q8_0, q4_0: KV bytes a token, and split + join byte-identical.
 
 Usage::
 
-    PYTHONPATH=src .venv/bin/python bench/chunks.py [--reps 7] [--root /tmp/kvwarm-bench]
-        [--only restore]
+    PYTHONPATH=src:. .venv/bin/python bench/chunks.py [--reps 7] [--root /tmp/kvwarm-bench]
+        [--only restore] [--variants chunks,joined,fresh]
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ TEXT = (
 )
 NS = Namespace(fingerprint=b"\x42" * 32, quant=3, ctx_hash=b"\x24" * 32)
 MODES = {"blob": 0, "chunks": 256}
-#: Restore variants, timed interleaved (the first is the baseline the others are compared to).
+#: Restore variants, timed interleaved against "blob" (the baseline): "chunks" is what the
+#: engine does; "fresh" and "joined" (``--variants``) are the join paths it no longer takes.
 VARIANTS = ("blob", "fresh", "joined", "chunks")
 
 
@@ -183,7 +186,12 @@ def tier_configs(root: Path) -> Iterator[list[tuple[str, TierConfig | None, Tier
 
 
 def restores(
-    ctx: LlamaContext, tokens: list[int], blob: bytes, reps: int, root: Path
+    ctx: LlamaContext,
+    tokens: list[int],
+    blob: bytes,
+    reps: int,
+    root: Path,
+    variants: Sequence[str] = ("blob", "chunks"),
 ) -> dict[str, dict[str, float]]:
     """Scenario 3: median ms to restore the 2,048-token row, per tier and mode."""
     out: dict[str, dict[str, float]] = {}
@@ -199,19 +207,23 @@ def restores(
                 key = cache.save(request(tokens, blob, ctx, cache.tier_names()[0]), sync=True)
                 assert key is not None
                 caches[mode] = (cache, key)
-            out[name] = _time_restores(ctx, caches, len(tokens), reps)
+            out[name] = _time_restores(ctx, caches, len(tokens), reps, variants)
             for cache, _ in caches.values():
                 cache.close()
     return out
 
 
 def _time_restores(
-    ctx: LlamaContext, caches: dict[str, tuple[Cache, bytes]], n: int, reps: int
+    ctx: LlamaContext,
+    caches: dict[str, tuple[Cache, bytes]],
+    n: int,
+    reps: int,
+    names: Sequence[str],
 ) -> dict[str, float]:
     """Median ms per variant: the blob row; the chunked row joined into a fresh buffer (as
     before the engine kept one); joined into the worker's reused ``JoinBuffer`` (as now)."""
     join_buf = JoinBuffer()
-    variants = {v: "blob" if v == "blob" else "chunks" for v in VARIANTS}
+    variants = {v: "blob" if v == "blob" else "chunks" for v in names}
     times: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(reps):  # interleaved, so machine noise hits all alike
         for variant, mode in variants.items():
@@ -264,6 +276,12 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--only", choices=("restore",), default=None, help="run scenario 3 alone")
+    parser.add_argument(
+        "--variants",
+        default="chunks",
+        help="restore variants to time against the blob, comma-separated: chunks (the "
+        "engine's in-place restore), joined (into the reused JoinBuffer), fresh",
+    )
     args = parser.parse_args()
     root = args.root or Path(tempfile.mkdtemp(prefix="kvwarm-bench-chunks-"))
     model = LlamaBackend().load_model(str(default_model_path()))
@@ -276,7 +294,8 @@ def main() -> None:
     ctx.seq_rm(0)
     ctx.prefill(0, tokens[:2048], 0)
     blob = ctx.kv_pack(0)
-    res = restores(ctx, tokens[:2048], blob, args.reps, root)
+    variants = ["blob", *(v for v in VARIANTS[1:] if v in args.variants.split(","))]
+    res = restores(ctx, tokens[:2048], blob, args.reps, root, variants)
     print(f"3. restore of a 2,048-token prefix ({len(blob) / 2**20:.1f} MiB), median ms")
     print(
         "   (fresh: chunks joined into a new buffer each time; joined: into the reused "
@@ -285,7 +304,7 @@ def main() -> None:
     for name, r in res.items():
         print(
             f"   {name:8s}  blob {r['blob']:6.2f}  "
-            + "  ".join(f"{v} {r[v]:6.2f} ({r[v] / r['blob']:.2f}x)" for v in VARIANTS[1:])
+            + "  ".join(f"{v} {r[v]:6.2f} ({r[v] / r['blob']:.2f}x)" for v in variants[1:])
         )
     if args.only is None:
         print("4. KV cell types (768 tokens): bytes a token, split + join == blob")

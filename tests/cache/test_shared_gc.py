@@ -1,5 +1,6 @@
-"""Chunks in tiers several processes share (a directory marked shared, s3): no process
-deletes a chunk because its own rows stopped naming it, a failed read only forgets the row,
+"""Chunks in tiers several processes share (a directory marked shared, s3, or one host's
+directory two processes opened): no process deletes a chunk because its own rows stopped
+naming it, a failed read of a remote tier only forgets the row,
 and ``gc_shared`` sweeps only chunks no manifest in the store names and older than the grace
 period -- never one a manifest published during the sweep names. Two ``Cache`` instances on
 one store stand for two processes (each knows only the rows it indexed)."""
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,13 +28,25 @@ R2 = tuple(range(48)) + (999,) * 16  # shares R1's first three chunks
 LATER = 7200.0  # seconds after now: every chunk written by the test is past the grace period
 
 
-@pytest.fixture(params=["shared_dir", "s3"])
-def shared(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierConfig]:
-    if request.param == "s3":
+def _tier(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> TierConfig:
+    if kind == "s3":
         server: MotoServer = request.getfixturevalue("moto_server")
-        yield TierConfig("s3", 1 << 30, s3=server.config(server.new_bucket()))
-    else:
-        yield TierConfig("disk", 1 << 30, tmp_path / "nfs", shared=True)
+        return TierConfig("s3", 1 << 30, s3=server.config(server.new_bucket()))
+    if kind == "local_dir":  # one host's disk directory, not marked shared: two processes
+        return TierConfig("disk", 1 << 30, tmp_path / "local")
+    return TierConfig("disk", 1 << 30, tmp_path / "nfs", shared=True)
+
+
+@pytest.fixture(params=["shared_dir", "s3", "local_dir"])
+def shared(request: pytest.FixtureRequest, tmp_path: Path) -> TierConfig:
+    """A tier two processes use at once."""
+    return _tier(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=["shared_dir", "s3"])
+def remote(request: pytest.FixtureRequest, tmp_path: Path) -> TierConfig:
+    """A tier that is not local: other hosts share it."""
+    return _tier(request.param, request, tmp_path)
 
 
 def _config(shared: TierConfig) -> CacheConfig:
@@ -67,7 +79,8 @@ def test_evicting_a_row_leaves_chunks_another_process_row_names(shared: TierConf
         assert _restores(b, R2)  # B's row names chunks A's evicted row named
 
 
-def test_a_failed_read_only_forgets_the_row(shared: TierConfig) -> None:
+def test_a_failed_read_only_forgets_the_row(remote: TierConfig) -> None:
+    shared = remote
     cfg = _config(shared)
     store = _store(shared)
     with Cache(cfg, background=False) as a:
@@ -188,3 +201,26 @@ def test_quota_after_an_adopt_is_enforced_off_the_lookup_thread(
         assert mine.flush()
         assert deleted_on and threading.current_thread().name not in deleted_on
         assert [r.key for r in mine.rows()] == [two]  # the least recently used went
+
+
+def test_a_sole_user_deletes_chunks_until_another_process_opens_the_directory(
+    tmp_path: Path,
+) -> None:
+    local = TierConfig("disk", 1 << 30, tmp_path / "local")
+    store = None
+    with Cache(_config(local), background=False) as a:
+        assert a.save(chunked_request(NS, R1, tier="disk"), sync=True)
+        assert a.evict_bytes(1 << 40, ["disk"]).rows == 1
+        observer = _store(local)  # opens (registers) only after the eviction above
+        assert _chunks(observer) == set()  # alone: freed with the row
+        assert a.save(chunked_request(NS, R1, tier="disk"), sync=True)
+        observer.close()  # gone again, but it was here: A's refcounts no longer cover all
+        assert a.evict_bytes(1 << 40, ["disk"]).rows == 1
+        store = _store(local)
+        left = _chunks(store)
+        assert len(left) == len(R1) // C  # forgotten, not deleted
+        a.sweep()  # the sweeper's pass: the local sweep runs, within the grace period
+        assert _chunks(store) == left
+        a.sweep_local(grace_s=0.0, force=True)
+        assert _chunks(store) == set()  # no manifest names them: swept
+    store.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from tests.cache.fakebook import FakeBook
-from tests.cache.tierkit import NS, request
+from tests.cache.tierkit import NS, data_names, request
 
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.tiers.files import PUBLISH_STEPS, FileTier
@@ -36,7 +36,7 @@ def test_path_is_deterministic_and_visible_to_another_instance(tmp_path: Path) -
     key, req = request((1, 2, 3))
     row = tier.store(key, req, FakeBook())
     assert row is not None and row.location == str(root / f"{key.hex()}.kvc")
-    assert os.listdir(root) == [f"{key.hex()}.kvc"]
+    assert data_names(root) == [f"{key.hex()}.kvc"]
     other = FileTier("disk", root, 1 << 20)  # e.g. another process sharing the directory
     seen = other.probe(key)
     assert seen is not None and seen.info == row.info
@@ -94,7 +94,7 @@ def test_scan_reaps_temp_files_but_not_live_ones(tmp_path: Path) -> None:
         p.write_bytes(b"partial")
     os.utime(stale_other, (1, 1))
     assert list(tier.scan()) == []
-    assert sorted(os.listdir(tmp_path)) == [live_other.name]
+    assert sorted(data_names(tmp_path)) == [live_other.name]
 
     # A scan running while this tier is mid-save must leave that save's temp file alone.
     seen_during: list[list[str]] = []
@@ -102,13 +102,13 @@ def test_scan_reaps_temp_files_but_not_live_ones(tmp_path: Path) -> None:
     def hook(step: str) -> None:
         if step == "tmp_written":
             list(tier.scan())
-            seen_during.append(os.listdir(tmp_path))
+            seen_during.append(data_names(tmp_path))
 
     tier = FileTier("disk", tmp_path, 1 << 20, on_step=hook)
     key, req = request((9,))
     assert tier.store(key, req, FakeBook()) is not None
     assert any(n.startswith(key.hex()) and n.endswith(".tmp") for n in seen_during[0])
-    assert sorted(os.listdir(tmp_path)) == sorted([live_other.name, f"{key.hex()}.kvc"])
+    assert sorted(data_names(tmp_path)) == sorted([live_other.name, f"{key.hex()}.kvc"])
 
 
 @pytest.mark.parametrize("quarantine", [True, False])
@@ -129,7 +129,7 @@ def test_scan_quarantines_invalid_files_and_keeps_going(tmp_path: Path, quaranti
     rows = list(FileTier("disk", tmp_path, 1 << 20, quarantine=quarantine).scan())
     assert sorted(r.info.key for r in rows) == sorted(good)
     bad = sorted([f"{k_junk.hex()}.kvc", f"{k_wrong.hex()}.kvc", "notakey.kvc"])
-    left = set(os.listdir(tmp_path))
+    left = set(data_names(tmp_path))
     assert not left & set(bad)
     if quarantine:
         assert sorted(os.listdir(tmp_path / "quarantine")) == bad

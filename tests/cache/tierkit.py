@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.protocols import Tier
+from kvwarm.cache.tiers.cotenants import PROCS
 from kvwarm.cache.tiers.files import FileTier, StepHook
 from kvwarm.cache.tiers.ram import RamTier
 from kvwarm.cache.types import Namespace, SaveReason, SaveRequest, TierName, TtlClass
@@ -61,3 +63,9 @@ def factory(name: TierName, root: Path, on_step: StepHook | None = None) -> Tier
     if name == "ram":
         return lambda: RamTier(1 << 30)
     return lambda: FileTier(name, root, 1 << 30, on_step=on_step)
+
+
+def data_names(root: str | os.PathLike[str]) -> list[str]:
+    """``os.listdir(root)`` without the registry of processes using it (``cotenants.py``),
+    which holds no cache data."""
+    return [n for n in os.listdir(root) if n != PROCS]

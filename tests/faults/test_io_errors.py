@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from tests.cache.fakebook import FakeBook
-from tests.cache.tierkit import request
+from tests.cache.tierkit import data_names, request
 from tests.faults.test_kill9 import CHILD, child_env
 
 from kvwarm.cache.tiers import files as files_mod
@@ -24,7 +24,7 @@ from kvwarm.errors import CacheIOError
 
 
 def _digest(root: Path) -> dict[str, str]:
-    return {n: hashlib.sha256((root / n).read_bytes()).hexdigest() for n in os.listdir(root)}
+    return {n: hashlib.sha256((root / n).read_bytes()).hexdigest() for n in data_names(root)}
 
 
 def _setup(tmp_path: Path) -> tuple[FileTier, FakeBook, dict[str, str]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from tests.cache.fakebook import FakeBook
-from tests.cache.tierkit import request, shm_dir
+from tests.cache.tierkit import data_names, request, shm_dir
 from tests.faults.writer_child import row
 
 import kvwarm
@@ -83,7 +83,7 @@ def test_kill9_at_every_publish_step(tier_root: tuple[str, Path], step: str) -> 
     assert set(rows) == set(acked) | ({victim_key} if victim_visible else set())
     for r in rows.values():  # nothing half-written is visible
         tier.load(r)
-    listing = os.listdir(root)
+    listing = data_names(root)
     assert not [n for n in listing if n.endswith(".tmp")], listing
     assert sorted(listing) == sorted(f"{k.hex()}.kvc" for k in rows)  # nothing quarantined
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.cache.fakebook import FakeBook
-from tests.cache.tierkit import NS, request
+from tests.cache.tierkit import NS, data_names, request
 from tests.faults.test_kill9 import CHILD, child_env
 
 from kvwarm.cache import kvc
@@ -41,7 +41,7 @@ def test_threads_sharing_an_index_one_publishes(tmp_path: Path) -> None:
     assert len(winners) == 1
     key = winners[0].info.key
     assert book.published == {key: winners[0]}
-    assert os.listdir(tmp_path) == [f"{key.hex()}.kvc"]
+    assert data_names(tmp_path) == [f"{key.hex()}.kvc"]
     payload = bytes(tier.load(winners[0]).payload)
     assert payload == payload[:1] * 50_000
 
@@ -126,7 +126,7 @@ def test_eexist_adopts_a_valid_file(tmp_path: Path) -> None:
     assert row.info.size == len(old.payload)  # the adopted file's row, not ours
     assert path.read_bytes() == before and path.stat().st_ino == inode
     assert bytes(second.load(row).payload) == old.payload
-    assert os.listdir(tmp_path) == [path.name]
+    assert data_names(tmp_path) == [path.name]
 
 
 def _replaced(tmp_path: Path, junk: bytes) -> None:
@@ -138,7 +138,7 @@ def _replaced(tmp_path: Path, junk: bytes) -> None:
     row = tier.store(key, req, FakeBook())
     assert "linked" in steps and "adopted" not in steps
     assert row is not None and bytes(tier.load(row).payload) == req.payload
-    assert os.listdir(tmp_path) == [tier.path_for(key).name]
+    assert data_names(tmp_path) == [tier.path_for(key).name]
 
 
 def test_eexist_replaces_junk(tmp_path: Path) -> None:

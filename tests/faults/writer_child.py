@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 from tests.cache.fakebook import FakeBook
 from tests.cache.tierkit import request
 
+from kvwarm.cache.tiers.cotenants import PROCS
 from kvwarm.cache.tiers.files import FileTier
 from kvwarm.cache.types import SaveRequest, TierName
 from kvwarm.errors import CacheIOError
@@ -91,7 +92,8 @@ def enospc_mode(root: str) -> None:
     intact = bytes(t.load(small_row).payload) == small.payload
     say(json.dumps({
         "errno": err, "before": before, "after": after, "intact": intact,
-        "listing": sorted(os.listdir(root)), "reservations": len(book.reservations),
+        "listing": sorted(n for n in os.listdir(root) if n != PROCS),
+        "reservations": len(book.reservations),
         "small": small_key.hex(),
     }))  # fmt: skip
 

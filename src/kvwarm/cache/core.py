@@ -14,6 +14,8 @@ Invariants (the facade's, see ``facade.py`` and docs/architecture.md):
   rows this one does not know: its chunks are never deleted here, only forgotten (an explicit
   ``gc_shared`` mark-and-sweep reclaims them), and a row that fails to read there is only
   forgotten, never deleted (``_drop_unreadable``). See docs/architecture.md ("Shared tiers").
+  The same holds for chunks of a local directory once another process has used it
+  (``Cotenanted``): they are swept, not deleted with this process's last row naming them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.index import Index
-from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
+from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, Tier
 from kvwarm.cache.types import EvictResult, RowInfo, TierName
 from kvwarm.cache.writer import WriterPool
 from kvwarm.errors import CacheError
@@ -148,10 +150,13 @@ class CacheCore:
                 self._tiers[row.info.tier].delete(row.info.key)
             except CacheError as exc:
                 log.warning("%s: deleting %s failed: %s", row.info.tier, row.info.key.hex(), exc)
+        sole: dict[TierName, bool] = {}
         for chunk in self._index.take_freed_chunks():
             try:
+                if chunk.tier not in sole:
+                    sole[chunk.tier] = self._sole_user(self._tiers[chunk.tier])
                 # Another process's row may name it: only ``gc_shared`` may delete it.
-                if not chunk.keep and self._tiers[chunk.tier].capabilities.local:
+                if not chunk.keep and sole[chunk.tier]:
                     freed += chunk.size
                     self._tiers[chunk.tier].delete_chunk(chunk.key)
             except CacheError as exc:
@@ -162,6 +167,15 @@ class CacheCore:
             self._counters.incr("evictions", len(rows))
             self._counters.incr("evicted_bytes", freed)
         return EvictResult(len(rows), freed)
+
+    @staticmethod
+    def _sole_user(tier: Tier) -> bool:
+        """Whether this process's chunk refcounts cover every row in ``tier``: a local tier
+        no other process has used since we opened it. Otherwise chunks are swept instead
+        (``sharedgc.py``)."""
+        if not tier.capabilities.local:
+            return False
+        return not (isinstance(tier, Cotenanted) and tier.cotenanted())
 
     def _drop_unreadable(self, tier: Tier, key: bytes, exc: CacheError) -> None:
         """A row could not be read (corrupt, a chunk missing, gone): never restore it again.

@@ -168,6 +168,14 @@ class Tier(Protocol):
 
 
 @runtime_checkable
+class Cotenanted(Protocol):
+    """A local tier other processes may share (file tiers): whether one has, since we opened
+    it. While none has, this process's chunk refcounts cover every row in the tier."""
+
+    def cotenanted(self) -> bool: ...
+
+
+@runtime_checkable
 class ChunkAges(Protocol):
     """A tier whose chunks can be listed with their ages, for the shared-tier chunk sweep
     (``cache/sharedgc.py``): file tiers and s3."""

@@ -1,10 +1,12 @@
 """Mark-and-sweep of the chunks in shared tiers (``Cache.gc_shared``, ``kvwarm cache gc
---shared``). Mixed into ``Cache`` (facade.py), like ``upkeep.py``.
+--shared``, and every ``CHUNK_SWEEP_INTERVAL_S`` from the sweeper). Mixed into ``Cache``
+(facade.py), like ``upkeep.py``.
 
 Several processes or hosts publish into a tier that is not local (s3, a directory marked
-shared); each knows only the rows it indexed, so none may delete a chunk because *its* rows
-stopped naming it (``core.py _retire`` only forgets them). Unreferenced chunks are reclaimed
-here instead, from what the store itself holds.
+shared), or into a local directory another process has used since we opened it
+(``Cotenanted``); each knows only the rows it indexed, so none may delete a chunk because
+*its* rows stopped naming it (``core.py _retire`` only forgets them). Unreferenced chunks are
+reclaimed here instead, from what the store itself holds.
 
 Invariants:
 
@@ -36,14 +38,40 @@ from kvwarm.cache.protocols import ChunkAges, Tier
 from kvwarm.cache.types import DEFAULT_GRACE_S, SweepResult, TierName
 from kvwarm.errors import CacheError
 
-__all__ = ["DEFAULT_GRACE_S", "SharedSweep", "SweepResult", "SweepStep"]
+__all__ = ["CHUNK_SWEEP_INTERVAL_S", "DEFAULT_GRACE_S", "SharedSweep", "SweepResult", "SweepStep"]
 
 log = logging.getLogger(__name__)
 
 SweepStep = Callable[[str, TierName], None]
 
 
+#: How often the sweeper sweeps local directories other processes share (``sweep_local``).
+CHUNK_SWEEP_INTERVAL_S = 600.0
+
+
 class SharedSweep(CacheCore):
+    _last_local_sweep: float | None = None
+
+    def sweep_local(self, grace_s: float = DEFAULT_GRACE_S, *, force: bool = False) -> None:
+        """Sweep the local tiers another process has used since we opened them, at most every
+        ``CHUNK_SWEEP_INTERVAL_S`` (the sweeper calls this; ``force`` skips the wait). Remote
+        shared tiers are swept only on request (``gc_shared``): listing them costs requests."""
+        now = time.monotonic()
+        last = self._last_local_sweep
+        if not force and last is not None and now - last < CHUNK_SWEEP_INTERVAL_S:
+            return
+        self._last_local_sweep = now
+        for tier in self._tiers.values():
+            if not tier.capabilities.local or self._sole_user(tier):
+                continue
+            if not isinstance(tier, ChunkAges):
+                continue
+            try:
+                self._sweep_tier(tier, tier, grace_s, None, None)
+            except CacheError as exc:
+                self._counters.incr("store_errors")
+                log.warning("%s: chunk sweep stopped: %s", tier.name, exc)
+
     def gc_shared(
         self,
         grace_s: float = DEFAULT_GRACE_S,
@@ -51,15 +79,16 @@ class SharedSweep(CacheCore):
         now: float | None = None,
         on_step: SweepStep | None = None,
     ) -> list[SweepResult]:
-        """Delete the chunks of every shared, non-local tier that no manifest in the store
+        """Delete the chunks of every shared tier this process is not the sole user of (not
+        local, or a local directory another process has used) that no manifest in the store
         names and that are older than ``grace_s`` seconds (``now``: the time to age them
         against, default the wall clock)."""
         if grace_s < 0:
             raise ValueError("grace_s must be >= 0")
         results = []
         for tier in self._tiers.values():
-            if tier.capabilities.local or not tier.capabilities.shared:
-                continue  # a local tier's chunks are freed with their last row (``_retire``)
+            if not tier.capabilities.shared or self._sole_user(tier):
+                continue  # its chunks are freed with their last row (``_retire``)
             if not isinstance(tier, ChunkAges):
                 results.append(SweepResult(tier.name, refused="tier cannot list chunk ages"))
                 continue

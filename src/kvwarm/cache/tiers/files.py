@@ -12,6 +12,8 @@ Invariants:
   root is private (``fsutil``): a row swapped for a symlink is reported bad, never written
   through. Loads read into a buffer (no mmap) and verify everything.
 - With ``repair=False`` nothing in the directory is moved or deleted by a scan (``filescan``).
+- Every process that opens a local directory for writing registers in it (``cotenants.py``):
+  once another one has, ``cotenanted()`` says our chunk refcounts no longer cover every row.
 - A directory shared by several hosts (``shared_dir``: NFS, CephFS) is not local (hits are
   promoted to a local tier) and another writer's temp file is reaped only once it is stale:
   its pid names a process on some other host.
@@ -30,6 +32,7 @@ from pathlib import Path
 from kvwarm.cache import kvc
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
 from kvwarm.cache.tiers.chunkfiles import ChunkFiles
+from kvwarm.cache.tiers.cotenants import PROCS, Cotenants
 from kvwarm.cache.tiers.filescan import DirScan
 from kvwarm.cache.tiers.fsutil import open_private_dir, open_regular, read_file
 from kvwarm.cache.tiers.layout import key_of, name_for, row_from_file
@@ -102,6 +105,15 @@ class FileTier:
             raise ConfigError(f"cache root {self._root} is not a directory") from None
         except OSError as exc:
             raise ConfigError(f"cannot create cache root {self._root}: {exc}") from exc
+        # Registered before the startup scan, so a process already running sees us before we
+        # adopt its rows. A read-only open (repair=False) deletes nothing and stays unseen.
+        self._cotenants: Cotenants | None = None
+        if repair and not shared_dir:
+            try:
+                self._cotenants = Cotenants(self._dir, f"{name} {self._root}")
+            except OSError as exc:
+                os.close(self._dir)
+                raise ConfigError(f"cannot register in {self._root}/{PROCS}: {exc}") from exc
 
     @property
     def name(self) -> TierName:
@@ -118,6 +130,14 @@ class FileTier:
     @property
     def root(self) -> Path:
         return self._root
+
+    def cotenanted(self) -> bool:
+        """Whether another process has used this directory since we opened it (or we cannot
+        tell): our chunk refcounts then do not cover every row, so chunks are swept, never
+        deleted with their last row of ours (``cotenants.py``)."""
+        with self._lock:
+            cotenants, dir_fd = self._cotenants, self._dir
+        return cotenants is None or dir_fd < 0 or cotenants.seen(dir_fd)
 
     def path_for(self, key: bytes) -> Path:
         return self._root / name_for(key)
@@ -222,5 +242,8 @@ class FileTier:
         """Release the directory descriptor. Idempotent."""
         with self._lock:
             fd, self._dir = self._dir, -1
+            cotenants, self._cotenants = self._cotenants, None
+        if cotenants is not None:
+            cotenants.close()
         if fd >= 0:
             os.close(fd)
