@@ -27,9 +27,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast, overload
 
-import numpy as np
-
-from kvwarm.backends import _checks, _kv_state, _native, llama_params
+from kvwarm.backends import _checks, _embeddings, _kv_state, _native, llama_params
 from kvwarm.backends._lifetime import Lifetime
 from kvwarm.backends.base import Adapter, BatchToken, Buffer, ContextParams, WritableBuffer
 from kvwarm.backends.llama_adapter import LlamaAdapter
@@ -340,27 +338,12 @@ class LlamaContext:
                 b.logits[i] = 1
             try:
                 self._run(n, {0: 0})
-                if self._params.pooling == "none":
-                    rows = []
-                    for i in range(n):
-                        ptr = lib.llama_get_embeddings_ith(self._ptr, i)
-                        if not ptr:
-                            raise BackendError("llama.cpp returned no token embeddings")
-                        rows.append(np.ctypeslib.as_array(ptr, shape=(self._n_embd,)).copy())
-                    vec = np.mean(np.stack(rows), axis=0, dtype=np.float64)
-                else:
-                    ptr = lib.llama_get_embeddings_seq(self._ptr, 0)
-                    if not ptr:
-                        raise BackendError("llama.cpp returned no pooled embedding")
-                    vec = np.ctypeslib.as_array(ptr, shape=(self._n_embd,)).astype(np.float64)
+                pooled = self._params.pooling != "none"
+                vec = _embeddings.read(lib, self._ptr, n, self._n_embd, pooled=pooled)
             finally:
                 lib.llama_memory_seq_rm(mem, 0, -1, -1)
                 self._rows = []
-            if normalize:
-                norm = math.sqrt(float(np.dot(vec, vec)))
-                if norm > 0:
-                    vec = vec / norm
-            return [float(x) for x in np.asarray(vec, dtype=np.float64).ravel()]
+            return _embeddings.as_list(vec, normalize=normalize)
 
     def set_adapters(self, adapters: Sequence[tuple[Adapter, float]]) -> None:
         with self._life.using():

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.index import Index
 from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, Tier
-from kvwarm.cache.types import EvictResult, RowInfo, TierName
+from kvwarm.cache.types import DEFAULT_GRACE_S, EvictResult, RowInfo, TierName
 from kvwarm.cache.writer import WriterPool
 from kvwarm.errors import CacheError
 
@@ -167,6 +167,9 @@ class CacheCore:
             self._counters.incr("evictions", len(rows))
             self._counters.incr("evicted_bytes", freed)
         return EvictResult(len(rows), freed)
+
+    def sweep_local(self, grace_s: float = DEFAULT_GRACE_S, *, force: bool = False) -> None:
+        """The chunk sweep of local directories other processes use (``sharedgc.py``)."""
 
     @staticmethod
     def _sole_user(tier: Tier) -> bool:

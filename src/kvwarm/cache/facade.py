@@ -142,11 +142,6 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
             if self.pressure is not None:
                 self.pressure.start()
 
-    def sweep(self) -> None:
-        """One sweeper pass (``CacheUpkeep.sweep``), then the local chunk sweep when due."""
-        super().sweep()
-        self.sweep_local()
-
     # ------------------------------------------------------------------ lookups
 
     def has(self, key: bytes) -> bool:

@@ -163,10 +163,12 @@ class CacheUpkeep(CacheCore):
                 log.info("%s: cannot record hit: %s", row.info.tier, exc)
 
     def sweep(self) -> None:
-        """One sweeper pass: TTL + reservations, hit persistence, rescan of shared tiers."""
+        """One sweeper pass: TTL + reservations, hit persistence, rescan of shared tiers, and
+        (when due) the chunk sweep of local directories other processes use."""
         self.gc()
         self.persist_hits()
         self.rescan()
+        self.sweep_local()
 
     def _sweep_loop(self) -> None:
         while not self._stop.wait(self._sweep_interval_s):
