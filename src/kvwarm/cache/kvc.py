@@ -9,7 +9,7 @@ Layout, little-endian throughout::
                        u32 meta CRC32C (erllama leaves this word reserved)
     [72..]    prompt   u32 length + UTF-8 (observability only; untrusted, decoded leniently;
                        empty unless the cache is configured to store prompt text)
-    [..]      TLV      u32 length, then (u8 tag, u32 length, value) records
+    [..]      TLV      u32 length, then (u8 tag, u32 length, value) records (``kvc_tlv.py``)
     [..end]   payload  opaque KV bytes
 
 A version-2 file is a *manifest* when its TLV lists chunk lengths and chunk keys: the row's KV
@@ -39,7 +39,9 @@ from dataclasses import dataclass
 import crc32c as _crc32c
 
 from kvwarm._version import __version__
+from kvwarm.cache import kvc_tlv as tlv
 from kvwarm.cache.key import encode_tokens, namespace_prefix
+from kvwarm.cache.kvc_tlv import U32_MAX, check_chunks
 from kvwarm.cache.types import FingerprintMode, Namespace, SaveReason, SaveRequest, TtlClass
 from kvwarm.errors import CacheFormatError
 
@@ -85,7 +87,6 @@ _READABLE_VERSIONS = (1, 2)
 _HEADER = struct.Struct("<3sBBB2sIII4sQQQ")
 _TRAILER = struct.Struct("<QQII")
 _U32 = struct.Struct("<I")
-_TLV_HEAD = struct.Struct("<BI")
 HEADER_SIZE = _HEADER.size  # 48
 TRAILER_SIZE = _TRAILER.size  # 24
 PREFIX_FIXED_SIZE = HEADER_SIZE + TRAILER_SIZE  # 72
@@ -95,33 +96,7 @@ _META_CRC_OFFSET = 68
 # Metadata is tokens (4 B each), logits (4 B x vocab) and short strings; anything declaring
 # more than this is junk, refused before any allocation proportional to it.
 MAX_META_BYTES = 256 << 20
-_U32_MAX = 0xFFFF_FFFF
 _U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
-
-TAG_FINGERPRINT = 0x01
-TAG_FINGERPRINT_MODE = 0x02
-TAG_QUANT = 0x03
-TAG_CTX_HASH = 0x04
-TAG_HOSTNAME = 0x05
-TAG_VERSION = 0x06
-TAG_REASON_DETAIL = 0x07
-TAG_TOKEN_COUNT = 0x08
-TAG_TOKENS = 0x09
-TAG_LOGITS = 0x0A  # kvwarm: float32 LE logits after the last token
-TAG_TTL_CLASS = 0x0B  # kvwarm: TtlClass byte
-TAG_CANONICAL = 0x0C  # kvwarm: u32, leading tokens whose KV came from aligned prefill
-TAG_CHUNK_LENS = 0x0D  # kvwarm v2: u32 token count of each chunk (the row is a manifest)
-TAG_CHUNKS = 0x0E  # kvwarm v2: the chunk keys, 32 bytes each, in token order
-_REQUIRED = (
-    TAG_FINGERPRINT,
-    TAG_FINGERPRINT_MODE,
-    TAG_QUANT,
-    TAG_CTX_HASH,
-    TAG_TOKEN_COUNT,
-    TAG_TOKENS,
-)
-_KNOWN = frozenset((*_REQUIRED, TAG_HOSTNAME, TAG_VERSION, TAG_REASON_DETAIL, TAG_LOGITS,
-                    TAG_TTL_CLASS, TAG_CANONICAL, TAG_CHUNK_LENS, TAG_CHUNKS))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,33 +163,14 @@ def fields_from_request(req: SaveRequest, *, now: float) -> KvcFields:
     )
 
 
-def check_chunks(
-    n_tokens: int, lens: tuple[int, ...], chunks: tuple[bytes, ...], payload_len: int
-) -> None:
-    """``ValueError`` unless ``chunks`` (of ``lens`` tokens) cover the row's ``n_tokens``
-    exactly and a manifest's payload is empty (or there are no chunks at all)."""
-    if len(lens) != len(chunks) or any(len(k) != 32 for k in chunks):
-        raise ValueError("chunk lengths and 32-byte chunk keys must pair up")
-    if not chunks:
-        return
-    if any(not 0 < n <= _U32_MAX for n in lens) or sum(lens) != n_tokens:
-        raise ValueError("chunk lengths do not cover the row's tokens")
-    if payload_len:
-        raise ValueError("a manifest holds its KV in its chunks: its payload must be empty")
-
-
-def _tlv(tag: int, value: Buffer) -> bytes:
-    return _TLV_HEAD.pack(tag, memoryview(value).nbytes) + bytes(value)
-
-
 def build_prefix(fields: KvcFields, payload: Buffer) -> bytes:
     """The bytes preceding ``payload`` in its file. ``ValueError`` for unencodable fields."""
     ns = fields.namespace
     ns_bytes = namespace_prefix(ns)  # validates the namespace
     token_bytes = encode_tokens(fields.tokens)
-    if not 0 <= fields.quant_bits <= 255 or not 0 <= fields.context_size <= _U32_MAX:
+    if not 0 <= fields.quant_bits <= 255 or not 0 <= fields.context_size <= U32_MAX:
         raise ValueError("quant_bits or context_size out of range")
-    if len(fields.tokens) > _U32_MAX or fields.hits < 0:
+    if len(fields.tokens) > U32_MAX or fields.hits < 0:
         raise ValueError("token count or hits out of range")
     canonical = fields.canonical_tokens
     if canonical is not None and not 0 <= canonical <= len(fields.tokens):
@@ -222,29 +178,26 @@ def build_prefix(fields: KvcFields, payload: Buffer) -> bytes:
     if fields.logits is not None and len(fields.logits) % 4:
         raise ValueError("logits must be float32 (length a multiple of 4)")
     records = [
-        _tlv(TAG_FINGERPRINT, ns.fingerprint),
-        _tlv(TAG_FINGERPRINT_MODE, bytes((int(fields.fingerprint_mode),))),
-        _tlv(TAG_QUANT, ns_bytes[32:33]),
-        _tlv(TAG_CTX_HASH, ns.ctx_hash),
-        _tlv(TAG_HOSTNAME, fields.hostname.encode()),
-        _tlv(TAG_VERSION, fields.version.encode()),
-        _tlv(TAG_REASON_DETAIL, fields.reason_detail.encode()),
-        _tlv(TAG_TTL_CLASS, bytes((int(fields.ttl_class),))),
-        _tlv(TAG_TOKEN_COUNT, _U32.pack(len(fields.tokens))),
-        _tlv(TAG_TOKENS, token_bytes),
+        tlv.record(tlv.TAG_FINGERPRINT, ns.fingerprint),
+        tlv.record(tlv.TAG_FINGERPRINT_MODE, bytes((int(fields.fingerprint_mode),))),
+        tlv.record(tlv.TAG_QUANT, ns_bytes[32:33]),
+        tlv.record(tlv.TAG_CTX_HASH, ns.ctx_hash),
+        tlv.record(tlv.TAG_HOSTNAME, fields.hostname.encode()),
+        tlv.record(tlv.TAG_VERSION, fields.version.encode()),
+        tlv.record(tlv.TAG_REASON_DETAIL, fields.reason_detail.encode()),
+        tlv.record(tlv.TAG_TTL_CLASS, bytes((int(fields.ttl_class),))),
+        tlv.record(tlv.TAG_TOKEN_COUNT, _U32.pack(len(fields.tokens))),
+        tlv.record(tlv.TAG_TOKENS, token_bytes),
     ]
     if fields.logits is not None:
-        records.append(_tlv(TAG_LOGITS, fields.logits))
+        records.append(tlv.record(tlv.TAG_LOGITS, fields.logits))
     if canonical is not None:
-        records.append(_tlv(TAG_CANONICAL, _U32.pack(canonical)))
+        records.append(tlv.record(tlv.TAG_CANONICAL, _U32.pack(canonical)))
     check_chunks(len(fields.tokens), fields.chunk_lens, fields.chunks, memoryview(payload).nbytes)
-    if fields.chunks:
-        lens = struct.pack(f"<{len(fields.chunk_lens)}I", *fields.chunk_lens)
-        records.append(_tlv(TAG_CHUNK_LENS, lens))
-        records.append(_tlv(TAG_CHUNKS, b"".join(fields.chunks)))
-    tlv = b"".join(records)
+    records += tlv.chunk_records(fields.chunk_lens, fields.chunks)
+    section = b"".join(records)
     prompt = fields.prompt_text.encode("utf-8", "replace")
-    body = _U32.pack(len(prompt)) + prompt + _U32.pack(len(tlv)) + tlv
+    body = _U32.pack(len(prompt)) + prompt + _U32.pack(len(section)) + section
     payload_len = memoryview(payload).nbytes
     offset = PREFIX_FIXED_SIZE + len(body)
     if offset > MAX_META_BYTES:
@@ -256,7 +209,7 @@ def build_prefix(fields: KvcFields, payload: Buffer) -> bytes:
         int(fields.reason),
         b"\0\0",
         len(fields.tokens),
-        min(fields.hits, _U32_MAX),
+        min(fields.hits, U32_MAX),
         fields.context_size,
         b"\0" * 4,
         max(0, min(fields.created, _U64_MAX)),
@@ -280,19 +233,15 @@ def _meta_crc(header: Buffer, trailer_head: Buffer, body: Buffer) -> int:
 def pack_hit_fields(hits: int, last_used: float) -> tuple[bytes, bytes]:
     """Encoded (hit count, last used) for in-place rewrite at their offsets."""
     return (
-        _U32.pack(max(0, min(int(hits), _U32_MAX))),
+        _U32.pack(max(0, min(int(hits), U32_MAX))),
         struct.pack("<Q", max(0, min(int(last_used), _U64_MAX))),
     )
-
-
-def _bad(msg: str) -> CacheFormatError:
-    return CacheFormatError(f"malformed KVC: {msg}")
 
 
 def _as_bytes_view(buf: Buffer) -> memoryview:
     mv = memoryview(buf)
     if mv.ndim != 1 or mv.itemsize != 1 or not mv.contiguous:
-        raise _bad("buffer must be contiguous bytes")
+        raise tlv.bad("buffer must be contiguous bytes")
     return mv if mv.format == "B" else mv.cast("B")
 
 
@@ -310,7 +259,7 @@ def parse_meta(buf: Buffer, *, file_size: int | None = None) -> KvcMeta:
             MemoryError, TypeError) as exc:  # fmt: skip
         # Belt and braces: every length is checked explicitly below, but the contract is that
         # nothing but CacheFormatError escapes a parse, whatever the bytes.
-        raise _bad(f"{type(exc).__name__}: {exc}") from None
+        raise tlv.bad(f"{type(exc).__name__}: {exc}") from None
 
 
 def _parse_meta(
@@ -319,81 +268,66 @@ def _parse_meta(
     n = mv.nbytes
     total = n if file_size is None else file_size
     if n < PREFIX_FIXED_SIZE:
-        raise _bad(f"{n} bytes is shorter than header + trailer")
+        raise tlv.bad(f"{n} bytes is shorter than header + trailer")
     (magic, version, quant_bits, reason, res1, n_tok, hits, ctx_size, res2, created, last_used,
      payload_bytes) = _HEADER.unpack_from(mv, 0)  # fmt: skip
     if magic != MAGIC:
-        raise _bad("bad magic")
+        raise tlv.bad("bad magic")
     if version not in _READABLE_VERSIONS:
-        raise _bad(f"unsupported version {version} (this kvwarm reads 1 and 2)")
+        raise tlv.bad(f"unsupported version {version} (this kvwarm reads 1 and 2)")
     if res1 != b"\0\0" or res2 != b"\0\0\0\0":
-        raise _bad("reserved header bytes are not zero")
+        raise tlv.bad("reserved header bytes are not zero")
     if reason not in SaveReason._value2member_map_:
-        raise _bad(f"unknown save reason {reason}")
+        raise tlv.bad(f"unknown save reason {reason}")
     offset, length, payload_crc, meta_crc = _TRAILER.unpack_from(mv, HEADER_SIZE)
     if length != payload_bytes:
-        raise _bad("header and trailer disagree on payload length")
+        raise tlv.bad("header and trailer disagree on payload length")
     if not PREFIX_FIXED_SIZE + 8 <= offset <= MAX_META_BYTES:
-        raise _bad(f"payload offset {offset} out of range")
+        raise tlv.bad(f"payload offset {offset} out of range")
     if offset > n:
-        raise _bad(f"prefix of {offset} bytes but only {n} present")
+        raise tlv.bad(f"prefix of {offset} bytes but only {n} present")
     if offset + length != total:
-        raise _bad(f"payload {offset}+{length} does not end at file size {total}")
+        raise tlv.bad(f"payload {offset}+{length} does not end at file size {total}")
     if _meta_crc(mv[:HEADER_SIZE], mv[HEADER_SIZE:_META_CRC_OFFSET],
                  mv[PREFIX_FIXED_SIZE:offset]) != meta_crc:  # fmt: skip
-        raise _bad("metadata CRC32C mismatch")
+        raise tlv.bad("metadata CRC32C mismatch")
 
     pos = PREFIX_FIXED_SIZE
     (plen,) = _U32.unpack_from(mv, pos)
     pos += 4
     if plen > offset - pos - 4:
-        raise _bad("prompt section overruns the prefix")
+        raise tlv.bad("prompt section overruns the prefix")
     prompt = bytes(mv[pos : pos + plen]).decode("utf-8", "replace")
     pos += plen
     (tlv_len,) = _U32.unpack_from(mv, pos)
     pos += 4
     if pos + tlv_len != offset:
-        raise _bad("TLV section does not end at the payload offset")
-    tags = _parse_tlv(mv[pos:offset])
+        raise tlv.bad("TLV section does not end at the payload offset")
+    tags = tlv.parse_records(mv[pos:offset])
 
-    for tag in _REQUIRED:
+    for tag in tlv.REQUIRED:
         if tag not in tags:
-            raise _bad(f"missing required TLV tag 0x{tag:02x}")
-    fp, ctx = tags[TAG_FINGERPRINT], tags[TAG_CTX_HASH]
+            raise tlv.bad(f"missing required TLV tag 0x{tag:02x}")
+    fp, ctx = tags[tlv.TAG_FINGERPRINT], tags[tlv.TAG_CTX_HASH]
     if fp.nbytes != 32 or ctx.nbytes != 32:
-        raise _bad("fingerprint / ctx hash must be 32 bytes")
-    mode_v, quant_v, count_v = tags[TAG_FINGERPRINT_MODE], tags[TAG_QUANT], tags[TAG_TOKEN_COUNT]
+        raise tlv.bad("fingerprint / ctx hash must be 32 bytes")
+    mode_v, quant_v, count_v = (
+        tags[tlv.TAG_FINGERPRINT_MODE],
+        tags[tlv.TAG_QUANT],
+        tags[tlv.TAG_TOKEN_COUNT],
+    )
     if mode_v.nbytes != 1 or quant_v.nbytes != 1 or count_v.nbytes != 4:
-        raise _bad("fingerprint mode / quant / token count has the wrong size")
+        raise tlv.bad("fingerprint mode / quant / token count has the wrong size")
     if mode_v[0] not in FingerprintMode._value2member_map_:
-        raise _bad(f"unknown fingerprint mode {mode_v[0]}")
+        raise tlv.bad(f"unknown fingerprint mode {mode_v[0]}")
     (count,) = _U32.unpack_from(count_v, 0)
     if count != n_tok:
-        raise _bad("header and TLV disagree on token count")
-    tok_v = tags[TAG_TOKENS]
+        raise tlv.bad("header and TLV disagree on token count")
+    tok_v = tags[tlv.TAG_TOKENS]
     if tok_v.nbytes != 4 * count:
-        raise _bad("token list length does not match token count")
-    ttl = TtlClass.SHORT
-    if TAG_TTL_CLASS in tags:
-        ttl_v = tags[TAG_TTL_CLASS]
-        if ttl_v.nbytes != 1 or ttl_v[0] not in TtlClass._value2member_map_:
-            raise _bad("bad TTL class")
-        ttl = TtlClass(ttl_v[0])
-    logits: bytes | None = None
-    if TAG_LOGITS in tags:
-        if tags[TAG_LOGITS].nbytes % 4:
-            raise _bad("logits length is not a multiple of 4")
-        logits = bytes(tags[TAG_LOGITS])
-    canonical: int | None = None
-    if TAG_CANONICAL in tags:
-        can_v = tags[TAG_CANONICAL]
-        if can_v.nbytes != 4:
-            raise _bad("canonical token count has the wrong size")
-        (canonical,) = _U32.unpack_from(can_v, 0)
-        if canonical > count:
-            raise _bad("canonical token count exceeds token count")
-
-    chunk_lens, chunks = _chunk_tags(tags, version, count, length)
+        raise tlv.bad("token list length does not match token count")
+    ttl, logits, canonical = tlv.optional_fields(tags, count)
+    chunk_lens, chunks = tlv.chunk_tags(tags, version, count, length)
     ns = Namespace(fingerprint=bytes(fp), quant=quant_v[0], ctx_hash=bytes(ctx))
     key_hash = hashlib.sha256(namespace_prefix(ns))
     key_hash.update(tok_v)
@@ -403,7 +337,7 @@ def _parse_meta(
         # decode, which dominates metadata parsing for long prompts (~15 us per 1k tokens).
         tokens = known[1]
     else:
-        tokens = _decode_tokens(tok_v)
+        tokens = tlv.decode_tokens(tok_v)
     fields = KvcFields(
         namespace=ns,
         tokens=tokens,
@@ -417,70 +351,14 @@ def _parse_meta(
         ttl_class=ttl,
         logits=logits,
         prompt_text=prompt,
-        reason_detail=_text(tags, TAG_REASON_DETAIL),
-        hostname=_text(tags, TAG_HOSTNAME),
-        version=_text(tags, TAG_VERSION),
+        reason_detail=tlv.text(tags, tlv.TAG_REASON_DETAIL),
+        hostname=tlv.text(tags, tlv.TAG_HOSTNAME),
+        version=tlv.text(tags, tlv.TAG_VERSION),
         canonical_tokens=canonical,
         chunk_lens=chunk_lens,
         chunks=chunks,
     )
     return KvcMeta(key, fields, offset, length, payload_crc)
-
-
-def _chunk_tags(
-    tags: dict[int, memoryview], version: int, count: int, payload_len: int
-) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
-    lens_v, keys_v = tags.get(TAG_CHUNK_LENS), tags.get(TAG_CHUNKS)
-    if lens_v is None and keys_v is None:
-        return (), ()
-    if version < 2 or lens_v is None or keys_v is None:
-        raise _bad("chunk lengths and chunk keys must come together, in a version-2 file")
-    if lens_v.nbytes % 4 or keys_v.nbytes % 32 or lens_v.nbytes // 4 != keys_v.nbytes // 32:
-        raise _bad("chunk length or chunk key list has the wrong size")
-    if not lens_v.nbytes:
-        raise _bad("a manifest names no chunk")
-    lens = struct.unpack(f"<{lens_v.nbytes // 4}I", lens_v)
-    raw = bytes(keys_v)
-    chunks = tuple(raw[i : i + 32] for i in range(0, len(raw), 32))
-    try:
-        check_chunks(count, lens, chunks, payload_len)
-    except ValueError as exc:
-        raise _bad(str(exc)) from None
-    return lens, chunks
-
-
-def _parse_tlv(mv: memoryview) -> dict[int, memoryview]:
-    tags: dict[int, memoryview] = {}
-    pos, end = 0, mv.nbytes
-    while pos < end:
-        if end - pos < _TLV_HEAD.size:
-            raise _bad("truncated TLV record header")
-        tag, vlen = _TLV_HEAD.unpack_from(mv, pos)
-        pos += _TLV_HEAD.size
-        if vlen > end - pos:
-            raise _bad(f"TLV 0x{tag:02x} declares {vlen} bytes, {end - pos} left")
-        if tag in _KNOWN:  # unknown tags: skipped, a newer writer's business
-            if tag in tags:
-                raise _bad(f"duplicate TLV tag 0x{tag:02x}")
-            tags[tag] = mv[pos : pos + vlen]
-        pos += vlen
-    return tags
-
-
-def _text(tags: dict[int, memoryview], tag: int) -> str:
-    v = tags.get(tag)
-    if v is None:
-        return ""
-    try:
-        return bytes(v).decode("utf-8")
-    except UnicodeDecodeError:
-        raise _bad(f"TLV 0x{tag:02x} is not UTF-8") from None
-
-
-def _decode_tokens(v: memoryview) -> tuple[int, ...]:
-    if not v.nbytes:
-        return ()
-    return struct.unpack(f"<{v.nbytes // 4}I", v)
 
 
 def parse(
@@ -505,10 +383,10 @@ def parse(
         raise
     except (struct.error, IndexError, ValueError, UnicodeDecodeError, OverflowError,
             MemoryError, TypeError) as exc:  # fmt: skip
-        raise _bad(f"{type(exc).__name__}: {exc}") from None
+        raise tlv.bad(f"{type(exc).__name__}: {exc}") from None
     payload = mv[meta.payload_offset : meta.payload_offset + meta.payload_length]
     if crc32c(payload) != meta.payload_crc:
-        raise _bad("payload CRC32C mismatch")
+        raise tlv.bad("payload CRC32C mismatch")
     if expected_key is not None and meta.key != expected_key:
-        raise _bad("file is for another key")
+        raise tlv.bad("file is for another key")
     return KvcFile(meta, payload)
