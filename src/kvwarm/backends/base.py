@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, overload, runtime_checkable
 
+# The codec protocol lives beside its implementations' helpers; re-exported here.
+from kvwarm.backends.kv_codec import KvCodec
+
 # Parameters are the protocol's vocabulary; they live in params.py and are re-exported here.
 from kvwarm.backends.params import (
     FLASH_ATTN_MODES,
@@ -183,70 +186,6 @@ class Adapter(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-@runtime_checkable
-class KvCodec(Protocol):
-    """Cuts one context's KV blobs (``kv_pack``) into per-token-range chunks and back.
-
-    A *chunk* covers the token positions ``[start, start + n_cells)`` of one sequence: every
-    layer's K and V for those positions and their per-cell metadata, behind a small envelope
-    that names the codec, the cell layout (cell types, layers, row sizes, V transposed or not),
-    ``start`` and ``n_cells``, sealed by a CRC32 of the envelope (``backends/kv_chunk.py``).
-    Chunk bytes depend only on the cells' content, not on the sequence id or on where the cells
-    sat in the context (so equal prefixes give equal chunks in every process). Layouts:
-    ``docs/architecture.md``, "KV state layout".
-
-    Guarantees:
-
-    - ``join(split(blob, [0, b1, ..., n]))`` is byte-identical to ``blob`` when ``blob`` came
-      from ``kv_pack(0)`` of a sequence whose cells are in position order (always the case for
-      a sequence prefilled alone or restored from a blob); from another seq id, the result is
-      that blob with the id set to 0. ``join`` of the first ``j`` chunks equals ``kv_pack(0)``
-      of the same sequence trimmed (``seq_rm``) to the end of chunk ``j``.
-    - Every length and count is checked before it is used; anything malformed, truncated,
-      reordered or made with another layout (cell type, model shape, backend) raises
-      ``StateRestoreError`` and nothing reaches the native library.
-    - Pure and thread-safe: a codec reads no native state, so the cache's writer threads may
-      split and join while the worker decodes, and it stays usable after its context closed.
-    - Chunk payloads are fresh, contiguous ``bytes`` (each byte copied once from the blob);
-      ``join`` writes each byte once into one preallocated ``bytearray`` that ``kv_unpack``
-      reads in place, or into the caller's ``out`` buffer (a view of its first
-      ``joined_size`` bytes comes back; a shorter buffer is ``JoinBufferTooSmallError``,
-      raised before a byte is written). K/V values themselves are opaque here: the cache's
-      CRC guards them.
-    """
-
-    def split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
-        """One chunk per range ``[bounds[i], bounds[i+1])`` of token positions.
-
-        ``bounds`` is strictly increasing with ``0 <= bounds[0]`` and ``bounds[-1] <= n``, the
-        blob's cell count; ``[0, ..., n]`` covers the whole blob, a later first bound emits
-        only the chunks a store lacks. ``StateRestoreError`` for a blob whose structure this
-        codec does not know (e.g. several KV streams, a sliding-window model) or whose cells
-        are not exactly positions ``0..n-1``; ``InvalidRequestError`` for bad ``bounds``.
-        """
-        ...
-
-    @overload
-    def join(self, chunks: Sequence[Buffer], out: None = None) -> bytearray: ...
-    @overload
-    def join(self, chunks: Sequence[Buffer], out: WritableBuffer) -> memoryview: ...
-    def join(
-        self, chunks: Sequence[Buffer], out: WritableBuffer | None = None
-    ) -> bytearray | memoryview:
-        """A blob ``kv_unpack`` accepts, from chunks covering ``[0, n)`` in order
-        (``[]``: an empty sequence): a fresh ``bytearray``, or with ``out`` a ``memoryview``
-        of ``out``'s first ``joined_size(chunks)`` bytes, written in place."""
-        ...
-
-    def joined_size(self, chunks: Sequence[Buffer]) -> int:
-        """How many bytes ``join(chunks)`` writes, after the same checks as ``join``."""
-        ...
-
-    def chunk_range(self, chunk: Buffer) -> tuple[int, int]:
-        """``(start, n_cells)`` of one chunk, after checking its envelope and layout."""
-        ...
 
 
 @runtime_checkable
