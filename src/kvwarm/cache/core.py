@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.index import Index
@@ -137,6 +137,26 @@ class CacheCore:
 
         if not self._writer.submit(job):
             log.debug("%s: quota check deferred (writer queue full)", tier.name)
+
+    # ------------------------------------------------------------------ counting
+
+    def record_miss(self) -> None:
+        self._counters.incr("misses")
+
+    def record_latency(self, name: str, seconds: float) -> None:
+        self._counters.record_latency(name, seconds)
+
+    def counters(self) -> Mapping[str, float]:
+        snap = self._counters.snapshot()
+        usage = self._index.usage()
+        for name, tier in self._tiers.items():
+            used, rows = usage.get(name, (0, 0))
+            snap[f"tier_{name}_bytes"] = float(used)
+            snap[f"tier_{name}_rows"] = float(rows)
+            snap[f"tier_{name}_quota_bytes"] = float(tier.quota_bytes)
+        snap["rows"] = float(len(self._index))
+        snap["reservations"] = float(self._index.pending_reservations())
+        return snap
 
     def _retire(self, rows: Sequence[StoredRow], *, count: bool = False) -> EvictResult:
         """Delete the bytes of rows the index already forgot, then of the chunks no row

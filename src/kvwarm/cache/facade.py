@@ -4,8 +4,8 @@ It wires the decision half (``Index``, policy validation, counters, pressure) to
 half (tiers built by name from ``tiers.registry``, writer pool) and is the only place that turns
 index decisions into tier calls. Its parts: ``core`` (shared state and primitives), ``upkeep``
 (scan, sweeps, verify), ``shared`` (prefix discovery in shared tiers, promotion of their hits),
-``sharedgc`` (the mark-and-sweep of shared tiers' chunks)
-and this module (lookups, reads, saves, lifetime).
+``sharedgc`` (the mark-and-sweep of chunks in directories and stores other processes use),
+``chunkreads`` (a manifest's chunk reads) and this module (lookups, reads, saves, lifetime).
 
 Invariants:
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import replace
 from types import TracebackType
@@ -315,26 +315,6 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         return self._writer.drain(timeout_s)
-
-    # ------------------------------------------------------------------ counting
-
-    def record_miss(self) -> None:
-        self._counters.incr("misses")
-
-    def record_latency(self, name: str, seconds: float) -> None:
-        self._counters.record_latency(name, seconds)
-
-    def counters(self) -> Mapping[str, float]:
-        snap = self._counters.snapshot()
-        usage = self._index.usage()
-        for name, tier in self._tiers.items():
-            used, rows = usage.get(name, (0, 0))
-            snap[f"tier_{name}_bytes"] = float(used)
-            snap[f"tier_{name}_rows"] = float(rows)
-            snap[f"tier_{name}_quota_bytes"] = float(tier.quota_bytes)
-        snap["rows"] = float(len(self._index))
-        snap["reservations"] = float(self._index.pending_reservations())
-        return snap
 
     # ------------------------------------------------------------------ removing
 
