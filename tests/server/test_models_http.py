@@ -145,6 +145,9 @@ def test_admin_load_and_unload(dir_client: TestClient, models: Path, tmp_path: P
     )
     both = dir_client.post("/admin/models/load", json={"name": "a", "path": "/x"}, headers=ADMIN)
     assert _code(both)[0] == 400
+    # An id is for a path: a name load keeps its own id rather than silently ignore it.
+    renamed = dir_client.post("/admin/models/load", json={"name": "beta", "id": "b"}, headers=ADMIN)
+    assert _code(renamed)[0] == 400 and "b" not in _states(dir_client)
     # State-changing: a foreign page may not drive it, key or not.
     foreign = {**ADMIN, "Origin": "http://evil.example"}
     assert _code(
@@ -155,6 +158,7 @@ def test_admin_load_and_unload(dir_client: TestClient, models: Path, tmp_path: P
     )
 
 
+@pytest.mark.model  # llama.cpp reads the broken file's header
 def test_a_path_that_fails_to_load_is_forgotten(tmp_path: Path) -> None:
     # A failed load by path kept its entry: /health stayed degraded and the id stayed taken,
     # so loading the right file under it was a 409 until a restart.
@@ -166,8 +170,16 @@ def test_a_path_that_fails_to_load_is_forgotten(tmp_path: Path) -> None:
     with TestClient(create_app(settings)) as client:
         wait_ready(client.get)
         for typo in ("/nonexistent/x.gguf", str(tmp_path / "also-missing.gguf")):
-            failed = client.post(
+            missing = client.post(
                 "/admin/models/load", json={"path": typo, "id": "x"}, headers=ADMIN
+            )
+            assert _code(missing) == (404, "model_not_found")  # a typo: nothing to retry
+            assert "x" not in _states(client)
+        broken = tmp_path / "broken.gguf"
+        broken.write_bytes(b"not a GGUF file")
+        for _ in range(2):
+            failed = client.post(
+                "/admin/models/load", json={"path": str(broken), "id": "x"}, headers=ADMIN
             )
             assert _code(failed) == (503, "model_load_failed")  # not 409 the second time
             assert "x" not in _states(client)

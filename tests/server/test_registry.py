@@ -40,6 +40,7 @@ class Loads:
 
     def __init__(self, fail: frozenset[str] = frozenset()) -> None:
         self.fail = set(fail)
+        self.die: set[str] = set()  # raise a BaseException, not an Exception
         self.loaded: list[str] = []
         self.unloaded: list[str] = []
         self.gate: threading.Event | None = None
@@ -51,6 +52,8 @@ class Loads:
             assert self.gate.wait(10)
         if entry.id in self.fail:
             raise ModelLoadError(f"{entry.id} is broken")
+        if entry.id in self.die:
+            raise SystemExit(f"{entry.id} ended its thread")
         self.loaded.append(entry.id)
         return cast(Model, FakeModel(entry.id))
 
@@ -105,6 +108,21 @@ async def test_startup_loads_answer_503_and_failures_stay_failed() -> None:
     loads.fail.clear()
     assert await reg.admin_load("b", None, None) == "b"  # an admin load retries it
     assert reg.entries["b"].state == "ready"
+
+
+async def test_a_load_thread_ended_by_a_base_exception_fails_the_load_and_wakes_waiters(
+    tmp_path: Path,
+) -> None:
+    # A load that raised a BaseException left the entry "loading" and its waiters waiting on
+    # a thread that was gone: every request for the model hung.
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    loads = Loads()
+    loads.die.add("x")
+    reg = registry(loads, models=(), models_dir=tmp_path)
+    with pytest.raises(HTTPError) as info:
+        await asyncio.wait_for(reg.acquire("x"), 30)
+    assert (info.value.status, info.value.code) == (503, "model_load_failed")
+    assert "ended its thread" in info.value.message and reg.entries["x"].state == "failed"
 
 
 def test_every_model_failed_is_a_startup_failure_with_the_reasons() -> None:

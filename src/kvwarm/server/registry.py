@@ -259,7 +259,9 @@ class ModelRegistry:
             self._unload_now(victim)
         try:
             model = self._loader(entry)
-        except Exception as exc:  # a bug in a backend must not kill the loader silently
+        # Whatever ends the load (a backend's bug, even a BaseException such as SystemExit),
+        # the entry fails and its waiters wake: a request must never wait on a dead thread.
+        except BaseException as exc:
             with self._lock:
                 entry.state, entry.error = "failed", f"{type(exc).__name__}: {exc}"
                 entry.in_progress = False

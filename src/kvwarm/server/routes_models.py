@@ -114,6 +114,8 @@ async def load_model(request: Request) -> Response:
     req = parse_body(await read_json(request, state.settings), LoadRequest)
     if (req.name is None) == (req.path is None):
         raise HTTPError(400, "give exactly one of name or path", param="name")
+    if req.id is not None and req.path is None:
+        raise HTTPError(400, "id names a model loaded by path; a name keeps its own id", param="id")
     path = None
     if req.path is not None:
         if not (state.settings.admin_key or state.settings.api_key):
@@ -125,6 +127,10 @@ async def load_model(request: Request) -> Response:
                 param="path",
             )
         path = Path(req.path).expanduser()
+        if not path.is_file():  # a typo is the caller's to fix, not a load to retry (503)
+            raise HTTPError(
+                404, f"no model file at {req.path!r}", param="path", code="model_not_found"
+            )
     model_id = await state.registry.admin_load(req.name, path, req.id)
     return JSONResponse(model_item(state, state.entries[model_id]))
 
