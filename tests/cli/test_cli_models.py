@@ -65,27 +65,41 @@ def test_bad_model_settings_exit_2_before_anything_loads(
     no_traceback(result)
 
 
-def _interrupted_temp_file(env: dict[str, str]) -> None:
-    """A leftover temp file: opening the cache removes it and logs that at INFO."""
+def _interrupted_temp_file(env: dict[str, str]) -> Path:
+    """A leftover temp file: a repairing open (``cache gc``) removes it and logs that at INFO."""
     assert kvwarm(env, "cache", "stats").returncode == 0  # creates the directories
     rows = Path(env["XDG_CACHE_HOME"]) / "kvwarm" / "rows"
     # pid 999999999 is above any pid_max: a writer that is gone, so its file is reaped.
-    (rows / f"{'ab' * 32}.kvc.999999999.2.3.tmp").write_bytes(b"partial")
+    tmp = rows / f"{'ab' * 32}.kvc.999999999.2.3.tmp"
+    tmp.write_bytes(b"partial")
+    return tmp
 
 
 def test_cache_commands_are_quiet_unless_verbose(env: dict[str, str]) -> None:
-    _interrupted_temp_file(env)
-    quiet = kvwarm(env, "cache", "stats")
-    assert quiet.returncode == 0 and "rows: 0" in quiet.stdout
-    assert quiet.stderr == ""
-    _interrupted_temp_file(env)
-    loud = kvwarm(env, "cache", "stats", "-v")
+    tmp = _interrupted_temp_file(env)
+    quiet = kvwarm(env, "cache", "gc")
+    assert quiet.returncode == 0 and "removed 0 rows" in quiet.stdout
+    assert quiet.stderr == "" and not tmp.exists()
+    tmp = _interrupted_temp_file(env)
+    loud = kvwarm(env, "cache", "gc", "-v")
     assert loud.returncode == 0
     assert re.search(r" INFO kvwarm\.cache.*removing interrupted temp file", loud.stderr)
     # An explicit log level from any source still applies.
     _interrupted_temp_file(env)
-    configured = kvwarm({**env, "KVWARM_LOG_LEVEL": "info"}, "cache", "ls")
+    configured = kvwarm({**env, "KVWARM_LOG_LEVEL": "info"}, "cache", "gc")
     assert " INFO " in configured.stderr
+
+
+def test_stats_and_ls_inspect_without_changing_anything(env: dict[str, str]) -> None:
+    # They opened the cache repairing: a look at a running server's directory reaped files
+    # and registered as a second user of it (which sends the server's chunks to the sweep).
+    tmp = _interrupted_temp_file(env)
+    for command in ("stats", "ls"):
+        result = kvwarm(env, "cache", command, "-v")
+        assert result.returncode == 0, result.stderr
+        # A read-only open: no reaping, and (FileTier registers only when repairing) no
+        # registration as a user of the directory.
+        assert tmp.exists() and "removing" not in result.stderr
 
 
 @pytest.mark.model

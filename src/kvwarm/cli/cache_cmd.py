@@ -89,7 +89,8 @@ def _size(n: float) -> str:
 
 def run_stats(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    with open_cache(settings) as cache:
+    # An inspection: moves, deletes and registers nothing (a running server's directory).
+    with open_cache(settings, repair=False) as cache:
         counters = dict(cache.counters())
         rows = cache.rows()
     n_bytes = sum(r.size for r in rows)
@@ -113,7 +114,8 @@ def run_stats(args: argparse.Namespace) -> int:
 
 def run_ls(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    with open_cache(settings) as cache:
+    # An inspection: moves, deletes and registers nothing (a running server's directory).
+    with open_cache(settings, repair=False) as cache:
         rows = sorted(cache.rows(), key=lambda r: r.last_used, reverse=True)
     if args.limit > 0:
         rows = rows[: args.limit]
