@@ -41,7 +41,7 @@ import crc32c as _crc32c
 from kvwarm._version import __version__
 from kvwarm.cache import kvc_tlv as tlv
 from kvwarm.cache.key import encode_tokens, namespace_prefix
-from kvwarm.cache.kvc_tlv import U32_MAX, check_chunks
+from kvwarm.cache.kvc_tlv import U32_MAX, bad, check_chunks
 from kvwarm.cache.types import FingerprintMode, Namespace, SaveReason, SaveRequest, TtlClass
 from kvwarm.errors import CacheFormatError
 
@@ -241,7 +241,7 @@ def pack_hit_fields(hits: int, last_used: float) -> tuple[bytes, bytes]:
 def _as_bytes_view(buf: Buffer) -> memoryview:
     mv = memoryview(buf)
     if mv.ndim != 1 or mv.itemsize != 1 or not mv.contiguous:
-        raise tlv.bad("buffer must be contiguous bytes")
+        raise bad("buffer must be contiguous bytes")
     return mv if mv.format == "B" else mv.cast("B")
 
 
@@ -259,7 +259,7 @@ def parse_meta(buf: Buffer, *, file_size: int | None = None) -> KvcMeta:
             MemoryError, TypeError) as exc:  # fmt: skip
         # Belt and braces: every length is checked explicitly below, but the contract is that
         # nothing but CacheFormatError escapes a parse, whatever the bytes.
-        raise tlv.bad(f"{type(exc).__name__}: {exc}") from None
+        raise bad(f"{type(exc).__name__}: {exc}") from None
 
 
 def _parse_meta(
@@ -268,64 +268,64 @@ def _parse_meta(
     n = mv.nbytes
     total = n if file_size is None else file_size
     if n < PREFIX_FIXED_SIZE:
-        raise tlv.bad(f"{n} bytes is shorter than header + trailer")
+        raise bad(f"{n} bytes is shorter than header + trailer")
     (magic, version, quant_bits, reason, res1, n_tok, hits, ctx_size, res2, created, last_used,
      payload_bytes) = _HEADER.unpack_from(mv, 0)  # fmt: skip
     if magic != MAGIC:
-        raise tlv.bad("bad magic")
+        raise bad("bad magic")
     if version not in _READABLE_VERSIONS:
-        raise tlv.bad(f"unsupported version {version} (this kvwarm reads 1 and 2)")
+        raise bad(f"unsupported version {version} (this kvwarm reads 1 and 2)")
     if res1 != b"\0\0" or res2 != b"\0\0\0\0":
-        raise tlv.bad("reserved header bytes are not zero")
+        raise bad("reserved header bytes are not zero")
     if reason not in SaveReason._value2member_map_:
-        raise tlv.bad(f"unknown save reason {reason}")
+        raise bad(f"unknown save reason {reason}")
     offset, length, payload_crc, meta_crc = _TRAILER.unpack_from(mv, HEADER_SIZE)
     if length != payload_bytes:
-        raise tlv.bad("header and trailer disagree on payload length")
+        raise bad("header and trailer disagree on payload length")
     if not PREFIX_FIXED_SIZE + 8 <= offset <= MAX_META_BYTES:
-        raise tlv.bad(f"payload offset {offset} out of range")
+        raise bad(f"payload offset {offset} out of range")
     if offset > n:
-        raise tlv.bad(f"prefix of {offset} bytes but only {n} present")
+        raise bad(f"prefix of {offset} bytes but only {n} present")
     if offset + length != total:
-        raise tlv.bad(f"payload {offset}+{length} does not end at file size {total}")
+        raise bad(f"payload {offset}+{length} does not end at file size {total}")
     if _meta_crc(mv[:HEADER_SIZE], mv[HEADER_SIZE:_META_CRC_OFFSET],
                  mv[PREFIX_FIXED_SIZE:offset]) != meta_crc:  # fmt: skip
-        raise tlv.bad("metadata CRC32C mismatch")
+        raise bad("metadata CRC32C mismatch")
 
     pos = PREFIX_FIXED_SIZE
     (plen,) = _U32.unpack_from(mv, pos)
     pos += 4
     if plen > offset - pos - 4:
-        raise tlv.bad("prompt section overruns the prefix")
+        raise bad("prompt section overruns the prefix")
     prompt = bytes(mv[pos : pos + plen]).decode("utf-8", "replace")
     pos += plen
     (tlv_len,) = _U32.unpack_from(mv, pos)
     pos += 4
     if pos + tlv_len != offset:
-        raise tlv.bad("TLV section does not end at the payload offset")
+        raise bad("TLV section does not end at the payload offset")
     tags = tlv.parse_records(mv[pos:offset])
 
     for tag in tlv.REQUIRED:
         if tag not in tags:
-            raise tlv.bad(f"missing required TLV tag 0x{tag:02x}")
+            raise bad(f"missing required TLV tag 0x{tag:02x}")
     fp, ctx = tags[tlv.TAG_FINGERPRINT], tags[tlv.TAG_CTX_HASH]
     if fp.nbytes != 32 or ctx.nbytes != 32:
-        raise tlv.bad("fingerprint / ctx hash must be 32 bytes")
+        raise bad("fingerprint / ctx hash must be 32 bytes")
     mode_v, quant_v, count_v = (
         tags[tlv.TAG_FINGERPRINT_MODE],
         tags[tlv.TAG_QUANT],
         tags[tlv.TAG_TOKEN_COUNT],
     )
     if mode_v.nbytes != 1 or quant_v.nbytes != 1 or count_v.nbytes != 4:
-        raise tlv.bad("fingerprint mode / quant / token count has the wrong size")
+        raise bad("fingerprint mode / quant / token count has the wrong size")
     if mode_v[0] not in FingerprintMode._value2member_map_:
-        raise tlv.bad(f"unknown fingerprint mode {mode_v[0]}")
+        raise bad(f"unknown fingerprint mode {mode_v[0]}")
     (count,) = _U32.unpack_from(count_v, 0)
     if count != n_tok:
-        raise tlv.bad("header and TLV disagree on token count")
+        raise bad("header and TLV disagree on token count")
     tok_v = tags[tlv.TAG_TOKENS]
     if tok_v.nbytes != 4 * count:
-        raise tlv.bad("token list length does not match token count")
+        raise bad("token list length does not match token count")
     ttl, logits, canonical = tlv.optional_fields(tags, count)
     chunk_lens, chunks = tlv.chunk_tags(tags, version, count, length)
     ns = Namespace(fingerprint=bytes(fp), quant=quant_v[0], ctx_hash=bytes(ctx))
@@ -383,10 +383,10 @@ def parse(
         raise
     except (struct.error, IndexError, ValueError, UnicodeDecodeError, OverflowError,
             MemoryError, TypeError) as exc:  # fmt: skip
-        raise tlv.bad(f"{type(exc).__name__}: {exc}") from None
+        raise bad(f"{type(exc).__name__}: {exc}") from None
     payload = mv[meta.payload_offset : meta.payload_offset + meta.payload_length]
     if crc32c(payload) != meta.payload_crc:
-        raise tlv.bad("payload CRC32C mismatch")
+        raise bad("payload CRC32C mismatch")
     if expected_key is not None and meta.key != expected_key:
-        raise tlv.bad("file is for another key")
+        raise bad("file is for another key")
     return KvcFile(meta, payload)
