@@ -17,9 +17,9 @@ import time
 
 import llama_cpp as L  # noqa: N812  (the C API reads best with its own prefix)
 
-from kvwarm.backends._native import amx_in_use as native_amx_in_use
-from kvwarm.backends._native import lib as native
 from kvwarm.backends.base import ContextParams
+from kvwarm.backends.llama.native import amx_in_use as native_amx_in_use
+from kvwarm.backends.llama.native import lib as native
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
 from kvwarm.embedded import default_model_path
 from kvwarm.engine.api import Engine, EngineConfig, ModelConfig

@@ -46,8 +46,8 @@ from kvwarm.cache.protocols import Tier
 from kvwarm.cache.types import Namespace, SaveReason, SaveRequest
 from kvwarm.embedded import default_model_path
 from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
-from kvwarm.engine.joinbuf import JoinBuffer
 from kvwarm.engine.types import GenerationOptions
+from kvwarm.engine.worker.joinbuf import JoinBuffer
 from kvwarm.settings import SERVER_POLICY
 
 TEXT = (

@@ -47,7 +47,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # Before any test module runs ``from kvwarm.embedded import default_model_path``, so that
     # every such import binds the guarded function.
     _guard(kvwarm.embedded, "default_model_path", "the real model file")
-    from kvwarm.backends.llama_model import LlamaBackend
+    from kvwarm.backends.llama.model import LlamaBackend
 
     _guard(LlamaBackend, "load_model", "llama.cpp")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwarm.backends import _native
+from kvwarm.backends.llama import native as _native
 
 
 class _Probe:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvwarm.backends import _native, llama_params
 from kvwarm.backends.base import ContextParams, ModelParams
+from kvwarm.backends.llama import native as _native
+from kvwarm.backends.llama import params as llama_params
 from kvwarm.backends.stub import StubBackend, StubModel
 from kvwarm.cache.types import CacheConfig, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig, ModelConfig

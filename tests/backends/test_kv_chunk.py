@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvwarm.backends import kv_chunk
 from kvwarm.backends.base import ContextParams
 from kvwarm.backends.stub import OFFSET, StubBackend, StubContext
-from kvwarm.backends.stub_kv_codec import HEADER
+from kvwarm.backends.stub.kv_codec import HEADER
 from kvwarm.errors import InvalidRequestError, StateRestoreError
 
 P = ContextParams(n_ctx=128, n_batch=16, n_ubatch=16, n_seq_max=2)

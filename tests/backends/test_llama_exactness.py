@@ -265,8 +265,8 @@ def test_missing_model_file_is_model_not_found(tmp_path: Path) -> None:
 def test_greedy_fast_path_picks_what_the_native_chain_picks(
     llama: LlamaModel, lctx: BackendContext, tokens: list[int]
 ) -> None:
-    from kvwarm.backends.llama_context import LlamaContext
-    from kvwarm.backends.llama_sampler import LlamaSampler
+    from kvwarm.backends.llama.context import LlamaContext
+    from kvwarm.backends.llama.sampler import LlamaSampler
 
     assert isinstance(lctx, LlamaContext)
     eog = tuple(t for t in range(llama.facts.n_vocab) if llama.is_eog(t))

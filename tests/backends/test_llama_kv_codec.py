@@ -20,7 +20,7 @@ from kvwarm.backends._buffers import u8
 from kvwarm.backends.base import BackendContext, BatchToken, ContextParams, FlashAttn, KvType
 from kvwarm.backends.kv_chunk import header_size
 from kvwarm.backends.llama import LlamaBackend, LlamaModel
-from kvwarm.backends.llama_kv_layout import CELL, HEAD, parse_blob, parse_descriptor
+from kvwarm.backends.llama.kv_layout import CELL, HEAD, parse_blob, parse_descriptor
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import ConfigError, InvalidRequestError, StateRestoreError
 

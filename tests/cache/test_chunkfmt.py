@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.cache.test_kvc import FIELDS, KEY, PAYLOAD, UNCOVERED, _file, _reseal
 
-from kvwarm.cache import chunkfmt, kvc, kvc_tlv
+from kvwarm.cache import chunkfmt, kvc
 from kvwarm.cache.types import Namespace
 from kvwarm.errors import CacheFormatError
 
@@ -177,7 +177,7 @@ def test_an_unknown_version_is_refused_with_a_clear_message() -> None:
 def test_a_lone_chunk_tag_is_refused() -> None:
     good = bytearray(_file(MANIFEST, b""))
     # Rename the chunk-keys record to an unknown tag: the lengths tag is left alone.
-    at = bytes(good).find(struct.pack("<BI", kvc_tlv.TAG_CHUNKS, 64))
+    at = bytes(good).find(struct.pack("<BI", kvc.TAG_CHUNKS, 64))
     assert at > 0
     good[at] = 0x7F
     with pytest.raises(CacheFormatError, match="together"):

@@ -84,7 +84,7 @@ def test_load_model_takes_flat_keywords() -> None:
 
 
 def test_the_llama_backend_needs_a_file(tmp_path: object) -> None:
-    from kvwarm.backends.llama_model import LlamaBackend
+    from kvwarm.backends.llama.model import LlamaBackend
 
     with pytest.raises(kvwarm.ModelNotFoundError):
         LlamaBackend().locate("/nonexistent/model.gguf")

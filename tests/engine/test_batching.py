@@ -1,6 +1,13 @@
 from __future__ import annotations
 
-from kvwarm.engine.batching import Balanced, Chunk, DecodeFirst, PrefillFirst, PrefillWant, strategy
+from kvwarm.engine.worker.batching import (
+    Balanced,
+    Chunk,
+    DecodeFirst,
+    PrefillFirst,
+    PrefillWant,
+    strategy,
+)
 
 
 def test_decode_first_fills_the_budget_with_aligned_chunks() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import BackendModel, ModelParams
-from kvwarm.engine.chat import chat_tokens
+from kvwarm.engine.prompts import chat_tokens
 from kvwarm.errors import InvalidRequestError
 
 BACKENDS = ["stub", pytest.param("llama_cpp", marks=pytest.mark.model)]

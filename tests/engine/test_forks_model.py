@@ -1,4 +1,4 @@
-"""n choices and prompt logprobs on the real embedded model (engine/forks.py): the forks'
+"""n choices and prompt logprobs on the real embedded model (engine/worker/forks.py): the forks'
 shared KV (seq_cp in llama.cpp's unified cache) and every-position logits, checked where a
 stub cannot check them. Short prompts: prefill is ~200 tokens/s on 2 cores."""
 

@@ -1,4 +1,4 @@
-"""n > 1 (engine/forks.py), streamed logprobs, prompt logprobs and infill prompts, on the stub."""
+"""n > 1 (engine/worker/forks.py), streamed and prompt logprobs, infill prompts, on the stub."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
 from kvwarm.engine.api import Engine
-from kvwarm.engine.infill import ExtraFile
+from kvwarm.engine.prompts import ExtraFile
 from kvwarm.engine.request import Fragment
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.errors import FimNotSupportedError, InvalidRequestError

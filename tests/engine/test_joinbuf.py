@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import ContextParams
-from kvwarm.engine.joinbuf import JoinBuffer
+from kvwarm.engine.worker.joinbuf import JoinBuffer
 
 PARAMS = ContextParams(n_ctx=256, n_batch=32, n_ubatch=32, n_seq_max=2)
 

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from kvwarm.alignment import canonical_after
 from kvwarm.cache.prefix import common_prefix
-from kvwarm.engine.planner import (
+from kvwarm.engine.worker.planner import (
     Plan,
     RowCandidate,
     better,
@@ -14,7 +14,7 @@ from kvwarm.engine.planner import (
     trim_restored,
     usable_length,
 )
-from kvwarm.engine.slots import Slot
+from kvwarm.engine.worker.slots import Slot
 
 
 @given(st.lists(st.integers(0, 3), max_size=600), st.lists(st.integers(0, 3), max_size=600))

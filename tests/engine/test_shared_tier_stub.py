@@ -8,7 +8,7 @@ from dataclasses import replace
 from tests.engine.conftest import LOW_GATES, stub_config
 from tests.s3kit import MotoServer
 
-from kvwarm.backends.stub_vocab import EOS
+from kvwarm.backends.stub.vocab import EOS
 from kvwarm.cache.types import CacheConfig, S3Config, SaveReason, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig
 from kvwarm.engine.types import GenerationOptions

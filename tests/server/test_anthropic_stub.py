@@ -7,8 +7,9 @@ import json
 from fastapi.testclient import TestClient
 
 from kvwarm.engine.types import Completion, CompletionStats
-from kvwarm.server import anthropic, create_app
-from kvwarm.server.anthropic_schemas import MessagesRequest
+from kvwarm.server import create_app
+from kvwarm.server.anthropic import translate as anthropic
+from kvwarm.server.anthropic.schemas import MessagesRequest
 from kvwarm.server.chat import ChatReply
 from kvwarm.server.tools import ToolCall
 

@@ -6,10 +6,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvwarm.engine.types import Completion, CompletionStats
-from kvwarm.server import create_app, responses
+from kvwarm.server import create_app
 from kvwarm.server.chat import ChatReply
-from kvwarm.server.responses_schemas import ResponsesRequest
-from kvwarm.server.responses_store import ResponseStore, StoredResponse
+from kvwarm.server.responses import translate as responses
+from kvwarm.server.responses.schemas import ResponsesRequest
+from kvwarm.server.responses.store import ResponseStore, StoredResponse
 from kvwarm.server.schemas import ChatMessage
 from kvwarm.server.tools import ToolCall
 

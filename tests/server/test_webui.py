@@ -1,4 +1,4 @@
-"""The web page's serving (server/webui.py) and the data it reads, without a browser.
+"""The web page's serving (server/webui/__init__.py) and the data it reads, without a browser.
 
 The page itself runs in Chromium in ``test_webui_browser.py``; here: the files, their headers,
 that nothing but them can be fetched, that keys and the guard treat the page as intended, and
@@ -20,7 +20,7 @@ from kvwarm.server.webui import CSP, load_static
 
 from .conftest import stub_settings, wait_ready
 
-STATIC = Path(__file__).parents[2] / "src" / "kvwarm" / "server" / "static"
+STATIC = Path(__file__).parents[2] / "src" / "kvwarm" / "server" / "webui" / "static"
 
 
 @pytest.fixture(scope="module")

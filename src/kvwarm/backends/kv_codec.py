@@ -1,7 +1,7 @@
 """The KV codec protocol: cutting a context's KV blobs into per-token-range chunks and back.
 
-Implementations: ``backends/llama_kv_codec.py`` (llama.cpp's sequence-state layout) and
-``backends/stub_kv_codec.py``; the chunk envelope both write is ``backends/kv_chunk.py``.
+Implementations: ``backends/llama/kv_codec.py`` (llama.cpp's sequence-state layout) and
+``backends/stub/kv_codec.py``; the chunk envelope both write is ``backends/kv_chunk.py``.
 ``backends/base.py`` re-exports ``KvCodec`` with the rest of the backend protocol.
 """
 

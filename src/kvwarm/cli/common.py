@@ -24,7 +24,7 @@ from kvwarm.settings import (
     settings_flags,
     user_cache_dir,
 )
-from kvwarm.settings_model import MODEL_SETTING_NAMES
+from kvwarm.settings.model import MODEL_SETTING_NAMES
 
 if TYPE_CHECKING:
     from kvwarm.engine.api import Engine, Model

@@ -28,7 +28,7 @@ from kvwarm.cluster.calls import (
     OpName,
     Served,
 )
-from kvwarm.engine.infill import ExtraFile
+from kvwarm.engine.prompts import ExtraFile
 from kvwarm.engine.request import Fragment
 from kvwarm.engine.submit import choice_options
 from kvwarm.engine.types import (

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvwarm.backends.base import Adapter, BackendContext, BackendModel
 from kvwarm.engine.types import AdapterInfo
-from kvwarm.engine.worker import Worker
+from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import AdapterError
 
 

@@ -20,8 +20,8 @@ from kvwarm.backends.base import (
 )
 from kvwarm.cache.policy import validate_policy
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierName
-from kvwarm.engine.batching import StrategyName, strategy
 from kvwarm.engine.fingerprint import parse_mode
+from kvwarm.engine.worker.batching import StrategyName, strategy
 from kvwarm.errors import ConfigError
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from kvwarm.backends.base import BackendContext, BackendModel, ContextParams
 from kvwarm.engine.request import check_tokens
-from kvwarm.engine.worker import Worker
+from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
 
 

@@ -21,15 +21,18 @@ from kvwarm.backends.base import Backend, BackendModel
 from kvwarm.cache.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
 from kvwarm.engine.adapters import Adapters
-from kvwarm.engine.batching import strategy
-from kvwarm.engine.chat import chat_tokens
 from kvwarm.engine.config import ModelConfig
-from kvwarm.engine.describe import ModelState, model_info, model_status
+from kvwarm.engine.describe import (
+    LoadProgress,
+    ModelState,
+    model_info,
+    model_status,
+    warn_if_past_training,
+)
 from kvwarm.engine.embeddings import Embedder
 from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
-from kvwarm.engine.infill import ExtraFile, fim_tokens
-from kvwarm.engine.loading import LoadProgress, warn_if_past_training
 from kvwarm.engine.options import GenerationOverrides, merge_options
+from kvwarm.engine.prompts import ExtraFile, chat_tokens, fim_tokens
 from kvwarm.engine.request import RequestKind, check_tokens
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.submit import Submitter
@@ -41,7 +44,8 @@ from kvwarm.engine.types import (
     ModelInfo,
     ModelStatus,
 )
-from kvwarm.engine.worker import Worker, WorkerConfig
+from kvwarm.engine.worker.batching import strategy
+from kvwarm.engine.worker.loop import Worker, WorkerConfig
 from kvwarm.errors import EngineClosedError
 
 if TYPE_CHECKING:
@@ -213,7 +217,7 @@ class Model:
         fragments: bool = True,
         **overrides: Unpack[GenerationOverrides],
     ) -> list[CompletionStream]:
-        """``n`` choices for one prompt, prefilled once (``engine/forks.py``): one stream
+        """``n`` choices for one prompt, prefilled once (``engine/worker/forks.py``): one stream
         each. Choice ``i`` samples with ``seed + i`` when a seed is given (else each draws
         its own). ``fragments=False``: the streams yield nothing and end with the result.
         ``n`` may not exceed ``n_parallel`` (``InvalidRequestError``)."""
@@ -304,7 +308,7 @@ class Model:
         add_generation_prompt: bool = True,
     ) -> tuple[tuple[int, ...], str]:
         """The prompt tokens of a chat and its rendered text. Message content is plain text:
-        special-token text in it stays text (``kvwarm.engine.chat``). Prewarm a chat prefix
+        special-token text in it stays text (``kvwarm.engine.prompts``). Prewarm a chat prefix
         with these tokens so that it matches what ``stream_chat`` sends."""
         self._check_ready()
         return chat_tokens(
@@ -321,7 +325,7 @@ class Model:
         self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
     ) -> list[int]:
         """The fill-in-the-middle prompt for the text between ``prefix`` (then ``prompt``)
-        and ``suffix``, with ``extra`` files as context (``engine/infill.py``); generate from
+        and ``suffix``, with ``extra`` files as context (``engine/prompts.py``); generate from
         it with ``complete``/``stream``. ``FimNotSupportedError`` if the model has no FIM
         tokens."""
         self._check_ready()

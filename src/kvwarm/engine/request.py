@@ -67,7 +67,7 @@ class Request:
     # not woken once per token (on few cores that wake-up steals time from the decode).
     fragments: bool = True
     # n > 1: the other choices. They share this prompt; the worker seats them with this
-    # request and copies its prompt KV to them once it is prefilled (``engine/forks.py``).
+    # request and copies its prompt KV to them once it is prefilled (``engine/worker/forks.py``).
     forks: tuple[Request, ...] = ()
     channel: Channel[Event] = field(default_factory=Channel)
     cancelled: threading.Event = field(default_factory=threading.Event)

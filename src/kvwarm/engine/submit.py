@@ -18,7 +18,7 @@ from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.request import Request, RequestKind, check_length
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.engine.worker import Worker
+from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import InvalidRequestError
 
 

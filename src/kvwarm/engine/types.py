@@ -231,7 +231,7 @@ class ModelInfo:
 
 
 # "fork": holds one of an n > 1 request's other choices, waiting for the first choice's
-# prompt to be prefilled (``engine/forks.py``).
+# prompt to be prefilled (``engine/worker/forks.py``).
 SlotPhase = Literal["idle", "prefill", "generate", "fork"]
 
 

@@ -28,19 +28,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm._version import __version__
 from kvwarm.errors import KvwarmError
-from kvwarm.server import (
-    routes_admin,
-    routes_anthropic,
-    routes_chat,
-    routes_completions,
-    routes_models,
-    routes_openai,
-    routes_responses,
-    webui,
-)
+from kvwarm.server import webui
+from kvwarm.server.admin import models as admin_models
+from kvwarm.server.admin import routes as admin_routes
+from kvwarm.server.anthropic import routes as anthropic_routes
 from kvwarm.server.errors import ERROR_RESPONSES, HTTPError, error_response, shaped_body
 from kvwarm.server.guard import Guard, send_json
+from kvwarm.server.openai import chat as openai_chat
+from kvwarm.server.openai import completions as openai_completions
+from kvwarm.server.openai import embeddings as openai_embeddings
 from kvwarm.server.registry import request_leases
+from kvwarm.server.responses import routes as responses_routes
 from kvwarm.server.state import ServerState
 from kvwarm.settings import Settings
 
@@ -86,13 +84,13 @@ class _Observe:
 
 #: The API's routers, in the order their routes are matched (the web page's comes last).
 ROUTERS = (
-    routes_chat.router,
-    routes_completions.router,
-    routes_openai.router,
-    routes_models.router,
-    routes_anthropic.router,
-    routes_responses.router,
-    routes_admin.router,
+    openai_chat.router,
+    openai_completions.router,
+    openai_embeddings.router,
+    admin_models.router,
+    anthropic_routes.router,
+    responses_routes.router,
+    admin_routes.router,
 )
 
 

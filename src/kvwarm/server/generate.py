@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from kvwarm.server.served import ServedStream
     from kvwarm.server.state import ServerState
 
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 request_log = logging.getLogger("kvwarm.server.requests")
 
 Event = tuple[str, dict[str, object]]  # (SSE event name, its JSON data)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvwarm.cache.types import TtlClass
 
 if TYPE_CHECKING:
-    from kvwarm.engine.infill import ExtraFile
+    from kvwarm.engine.prompts import ExtraFile
     from kvwarm.engine.request import Fragment
     from kvwarm.engine.types import (
         Completion,

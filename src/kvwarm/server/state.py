@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from starlette.requests import Request
+
 from kvwarm.cache.types import TtlClass
 from kvwarm.errors import KvwarmError, ModelLoadError
 from kvwarm.models_dir import checked_path
@@ -26,7 +28,7 @@ from kvwarm.server.errors import HTTPError
 from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits
 from kvwarm.server.metrics import ServerMetrics, Snapshot
 from kvwarm.server.registry import ModelEntry, ModelRegistry
-from kvwarm.server.responses_store import ResponseStore
+from kvwarm.server.responses.store import ResponseStore
 from kvwarm.settings import Settings, model_config
 
 if TYPE_CHECKING:
@@ -246,3 +248,10 @@ class ServerState:
                 headers={"Retry-After": "1"},
             )
         return engine
+
+
+def server_state(request: Request) -> ServerState:
+    """The ``ServerState`` an application built by ``create_app`` carries."""
+    state = request.app.state.kvwarm
+    assert isinstance(state, ServerState)
+    return state

@@ -1,0 +1,440 @@
+"""One ``llama_context``: decode, aligned prefill, logits, KV pack/unpack, sequence ops.
+
+Invariants:
+
+- Every argument is checked (``_checks``) before llama.cpp sees it; the checks are what stand
+  between a caller and a ``GGML_ASSERT``: token / seq ids, positions that continue each
+  sequence, batch sizes, positions < ``n_ctx``, logits rows that were requested.
+- One ``llama_batch`` is allocated per context (``llama_batch_init``) and freed exactly once, in
+  ``_free``; decode and prefill refill it in place.
+- ``logits()`` returns a zero-copy view of llama.cpp's buffer. The views handed out are released
+  at the next decode and at close, so a stale view raises ``ValueError`` instead of reading
+  freed memory (unless the caller re-exported it, e.g. into numpy).
+- ``kv_pack`` / ``kv_unpack`` / ``kv_unpack_chunks`` keep the invariants of ``_kv_state`` (one
+  copy out, none in; a blob that does not restore leaves the sequence empty). ``kv_split`` /
+  ``kv_join`` are the pure ``LlamaKvCodec``: they take no lock and touch no native state.
+- The native context has one sequence more than ``params.n_seq_max`` when llama.cpp allows it:
+  the scratch sequence ``kv_unpack_chunks`` restores chunks through. No caller can name it
+  (every seq id is checked against ``params.n_seq_max``) and it is empty between calls.
+- The context holds its model (``acquire``) until ``_free`` has run ``llama_free``.
+
+Reading a context's embeddings after a decode with ``embeddings=True`` (``LlamaContext.embed``).
+
+Invariants: every pointer llama.cpp returns is checked before numpy reads it, and the values
+are copied out before the next decode can overwrite them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast, overload
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwarm.backends import _checks
+from kvwarm.backends.base import Adapter, BatchToken, Buffer, ContextParams, WritableBuffer
+from kvwarm.backends.llama import kv_state as _kv_state
+from kvwarm.backends.llama import native as _native
+from kvwarm.backends.llama import params as llama_params
+from kvwarm.backends.llama.adapter import LlamaAdapter
+from kvwarm.backends.llama.kv_codec import LlamaKvCodec
+from kvwarm.backends.llama.kv_layout import HEAD
+from kvwarm.backends.llama.lifetime import Lifetime
+from kvwarm.errors import (
+    AdapterError,
+    BackendError,
+    ConfigError,
+    ContextOverflowError,
+    InvalidRequestError,
+    ModelLoadError,
+    NoLogitsError,
+    StateRestoreError,
+)
+
+if TYPE_CHECKING:
+    from kvwarm.backends.llama.model import LlamaModel
+
+log = logging.getLogger(__name__)
+
+
+class LlamaContext:
+    """``BackendContext`` over ``llama_init_from_model``; one thread drives it."""
+
+    def __init__(self, model: LlamaModel, params: ContextParams) -> None:
+        lib = model._lib
+        self._lib = lib
+        self._model = model
+        self._params = params
+        max_seq = int(lib.llama_max_parallel_sequences())
+        if params.n_seq_max > max_seq:
+            raise ConfigError(f"n_seq_max={params.n_seq_max} exceeds llama.cpp's limit")
+        #: The scratch sequence chunked restores go through (None: no room for one).
+        self._scratch = params.n_seq_max if params.n_seq_max < max_seq else None
+        cp = llama_params.context_params(
+            lib, params, scratch_seqs=0 if self._scratch is None else 1
+        )
+        model.lifetime.acquire()
+        try:
+            with model.lifetime.using():
+                ptr = lib.llama_init_from_model(model.native, cp)
+            if not ptr:
+                raise ModelLoadError(
+                    f"llama.cpp could not create a context with {params!r} "
+                    "(quantised V caches need flash attention; check the log)"
+                )
+            mem = lib.llama_get_memory(ptr)
+            if not mem:
+                lib.llama_free(ptr)
+                raise ModelLoadError("the context has no memory module")
+        except BaseException:
+            model.lifetime.release()
+            raise
+        self._ptr: object = ptr
+        self._mem: object = mem
+        self._n_vocab = model.n_vocab
+        self._n_embd = int(lib.llama_model_n_embd(model.native))
+        # llama.cpp rounds n_ctx up (to 256); positions are bounded by what was asked for.
+        self._n_ctx = min(params.n_ctx, int(lib.llama_n_ctx_seq(ptr)), int(lib.llama_n_ctx(ptr)))
+        self._batch = lib.llama_batch_init(params.n_batch, 0, params.n_seq_max)
+        self._rows: list[int] = []
+        self._views: list[memoryview[float]] = []
+        self._adapters: list[tuple[LlamaAdapter, float]] = []
+        self._codec = LlamaKvCodec(
+            type_k=_native.GGML_TYPES[params.type_k],
+            type_v=_native.GGML_TYPES[params.type_v],
+            n_layer=model.facts.n_layer,
+            v_trans={"auto": None, "on": False, "off": True}[params.flash_attn],
+        )
+        self._life = Lifetime("context", self._free)
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def params(self) -> ContextParams:
+        return self._params
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def n_batch(self) -> int:
+        return self._params.n_batch
+
+    @property
+    def model(self) -> LlamaModel:
+        return self._model
+
+    @property
+    def lifetime(self) -> Lifetime:
+        return self._life
+
+    # -- decoding -----------------------------------------------------------------------------
+
+    def _pos_max(self, seq: int) -> int:
+        return int(self._lib.llama_memory_seq_pos_max(self._mem, seq))
+
+    def decode(self, batch: Sequence[BatchToken]) -> None:
+        with self._life.using():
+            _checks.check_batch(
+                batch,
+                n_batch=self._params.n_batch,
+                n_ctx=self._n_ctx,
+                n_vocab=self._n_vocab,
+                n_seq_max=self._params.n_seq_max,
+                pos_max=self._pos_max,
+            )
+            b = self._batch
+            for i, item in enumerate(batch):
+                b.token[i] = item.token
+                b.pos[i] = item.pos
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = item.seq
+                b.logits[i] = 1 if item.logits else 0
+            starts: dict[int, int] = {}
+            for item in batch:
+                starts.setdefault(item.seq, item.pos)
+            self._run(len(batch), starts)
+            self._rows = [i for i, item in enumerate(batch) if item.logits]
+
+    def prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
+        with self._life.using():
+            _checks.check_prefill(
+                seq,
+                tokens,
+                start_pos,
+                n_ctx=self._n_ctx,
+                n_vocab=self._n_vocab,
+                n_seq_max=self._params.n_seq_max,
+                pos_max=self._pos_max,
+            )
+            toks = list(tokens)
+            total = len(toks)
+            b = self._batch
+            for offset, length in _checks.aligned_chunks(start_pos, total, self._params.n_batch):
+                pos0 = start_pos + offset
+                ctypes.memmove(b.token, (ctypes.c_int32 * length)(*toks[offset : offset + length]),
+                               4 * length)  # fmt: skip
+                ctypes.memmove(b.pos, (ctypes.c_int32 * length)(*range(pos0, pos0 + length)),
+                               4 * length)  # fmt: skip
+                ctypes.memset(b.logits, 0, length)
+                for i in range(length):
+                    b.n_seq_id[i] = 1
+                    b.seq_id[i][0] = seq
+                last = offset + length == total
+                if last:
+                    b.logits[length - 1] = 1
+                try:
+                    self._run(length, {seq: pos0})
+                except BaseException:
+                    # Earlier chunks succeeded: undo them so the sequence is as before the call.
+                    self._lib.llama_memory_seq_rm(self._mem, seq, start_pos, -1)
+                    raise
+                self._rows = [length - 1] if last else []
+
+    def _run(self, n_tokens: int, starts: dict[int, int]) -> None:
+        """``llama_decode`` the first ``n_tokens`` rows of the batch; typed errors on failure."""
+        self._release_views()
+        self._rows = []
+        self._batch.n_tokens = n_tokens
+        rc = int(self._lib.llama_decode(self._ptr, self._batch))
+        if rc == 0:
+            return
+        # Fatal errors leave processed ubatches in memory; drop them so state is consistent.
+        for seq, pos in starts.items():
+            self._lib.llama_memory_seq_rm(self._mem, seq, pos, -1)
+        if rc == 1:
+            raise ContextOverflowError(
+                "no KV cache slot for this batch (the context is full)",
+                n_tokens=n_tokens,
+                n_ctx=self._n_ctx,
+            )
+        if rc == 2:
+            raise BackendError("llama_decode was aborted")
+        raise BackendError(f"llama_decode failed with code {rc}")
+
+    def _row(self, index: int) -> int:
+        row = _checks.resolve_row(index, self._rows)
+        if row < 0:
+            raise NoLogitsError(f"no logits for batch row {index} (decode with logits first)")
+        return row
+
+    def logits(self, index: int = -1) -> memoryview:
+        with self._life.using():
+            ptr = self._lib.llama_get_logits_ith(self._ptr, self._row(index))
+            if not ptr:
+                raise NoLogitsError(f"llama.cpp has no logits for row {index}")
+            array = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float * self._n_vocab)).contents
+            view = memoryview(array).cast("B").cast("f")
+            self._views.append(view)
+            # The protocol's plain ``memoryview``; its format is "f" (len == n_vocab).
+            return cast(memoryview, view)
+
+    def sample_with(self, chain: object, index: int) -> int:
+        """``llama_sampler_sample`` on row ``index`` (for ``LlamaSampler``), under our lock."""
+        with self._life.using():
+            return int(self._lib.llama_sampler_sample(chain, self._ptr, self._row(index)))
+
+    def _release_views(self) -> None:
+        for view in self._views:
+            try:
+                view.release()
+            except BufferError:
+                log.debug("a logits view is still exported; it now reads stale logits")
+        self._views.clear()
+
+    # -- KV state -----------------------------------------------------------------------------
+
+    def kv_pack(self, seq: int) -> bytes:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            return _kv_state.pack(self._lib, self._ptr, seq)
+
+    def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            return _kv_state.unpack(self._lib, self._ptr, self._mem, seq, data, self._n_ctx)
+
+    def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer]) -> int | None:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            parts = self._codec.blobs(chunks)
+            if parts is None or self._scratch is None:
+                return None
+            n = sum(int(HEAD.unpack_from(part.data, 0)[3]) for part in parts)
+            if n > self._n_ctx:
+                raise StateRestoreError(f"KV chunks hold {n} positions; n_ctx={self._n_ctx}")
+            return _kv_state.unpack_chunks(
+                self._lib, self._ptr, self._mem, seq, self._scratch, parts, self._n_ctx
+            )
+
+    @property
+    def kv_codec(self) -> LlamaKvCodec:
+        return self._codec
+
+    def kv_split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
+        # No lock: the codec is pure, so a writer thread never waits for a decode.
+        self._life.check()
+        return self._codec.split(blob, bounds)
+
+    @overload
+    def kv_join(self, chunks: Sequence[Buffer], out: None = None) -> bytearray: ...
+    @overload
+    def kv_join(self, chunks: Sequence[Buffer], out: WritableBuffer) -> memoryview: ...
+    def kv_join(
+        self, chunks: Sequence[Buffer], out: WritableBuffer | None = None
+    ) -> bytearray | memoryview:
+        self._life.check()
+        return self._codec.join(chunks) if out is None else self._codec.join(chunks, out)
+
+    def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            _checks.check_range(p0, p1)
+            if not self._lib.llama_memory_seq_rm(self._mem, seq, p0, p1):
+                raise BackendError(f"this model's memory cannot remove [{p0}, {p1}) of seq {seq}")
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        with self._life.using():
+            _checks.check_seq(src, self._params.n_seq_max, param="src")
+            _checks.check_seq(dst, self._params.n_seq_max, param="dst")
+            _checks.check_range(p0, p1)
+            if src == dst:
+                return
+            lib, mem = self._lib, self._mem
+            # dst := src[p0:p1). Clearing dst first keeps it free of duplicate positions, which
+            # would make its next decode inconsistent. (Cells are shared, not copied: the
+            # context has one unified KV stream. Across streams llama.cpp would GGML_ASSERT on a
+            # partial range.)
+            lib.llama_memory_seq_rm(mem, dst, -1, -1)
+            lib.llama_memory_seq_cp(mem, src, dst, p0, p1)
+
+    def seq_pos_max(self, seq: int) -> int:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            return self._pos_max(seq)
+
+    def clear(self) -> None:
+        with self._life.using():
+            self._lib.llama_memory_clear(self._mem, True)
+
+    # -- embeddings and adapters --------------------------------------------------------------
+
+    def embed(self, tokens: Sequence[int], *, normalize: bool = True) -> list[float]:
+        with self._life.using():
+            if not self._params.embeddings:
+                raise InvalidRequestError(
+                    "this context was not created with embeddings=True", param="input"
+                )
+            n = len(tokens)
+            if n == 0:
+                raise InvalidRequestError("cannot embed zero tokens", param="input")
+            # Pooling needs the whole sequence in one ubatch.
+            if n > min(self._params.n_ubatch, self._n_ctx):
+                raise InvalidRequestError(
+                    f"{n} tokens exceed n_ubatch={self._params.n_ubatch}", param="input"
+                )
+            _checks.check_tokens(tokens, self._n_vocab)
+            lib, mem, b = self._lib, self._mem, self._batch
+            lib.llama_memory_seq_rm(mem, 0, -1, -1)
+            for i, token in enumerate(tokens):
+                b.token[i] = token
+                b.pos[i] = i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = 1
+            try:
+                self._run(n, {0: 0})
+                pooled = self._params.pooling != "none"
+                vec = _read_embeddings(lib, self._ptr, n, self._n_embd, pooled=pooled)
+            finally:
+                lib.llama_memory_seq_rm(mem, 0, -1, -1)
+                self._rows = []
+            return _embedding_list(vec, normalize=normalize)
+
+    def set_adapters(self, adapters: Sequence[tuple[Adapter, float]]) -> None:
+        with self._life.using():
+            chosen: list[tuple[LlamaAdapter, float]] = []
+            for adapter, scale in adapters:
+                if not isinstance(adapter, LlamaAdapter) or adapter.model is not self._model:
+                    raise AdapterError("adapter was not loaded by this context's model")
+                if not math.isfinite(scale):
+                    raise InvalidRequestError(f"adapter scale {scale} is not finite")
+                chosen.append((adapter, float(scale)))
+            acquired: list[LlamaAdapter] = []
+            try:
+                for adapter, _ in chosen:
+                    adapter.lifetime.acquire()
+                    acquired.append(adapter)
+                n = len(chosen)
+                lib = self._lib
+                if n:
+                    ptrs = (lib.llama_adapter_lora_p_ctypes * n)(*(a.native for a, _ in chosen))
+                    scales = (ctypes.c_float * n)(*(s for _, s in chosen))
+                    rc = int(lib.llama_set_adapters_lora(self._ptr, ptrs, n, scales))
+                else:
+                    rc = int(lib.llama_set_adapters_lora(self._ptr, None, 0, None))
+                if rc != 0:
+                    raise AdapterError(f"llama_set_adapters_lora failed with code {rc}")
+            except BaseException:
+                for adapter in acquired:
+                    adapter.lifetime.release()
+                raise
+            for adapter, _ in self._adapters:
+                adapter.lifetime.release()
+            self._adapters = chosen
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._life.close()
+
+    def _free(self) -> None:
+        self._release_views()
+        self._rows = []
+        lib = self._lib
+        lib.llama_batch_free(self._batch)
+        lib.llama_free(self._ptr)
+        self._ptr = None
+        self._mem = None
+        for adapter, _ in self._adapters:
+            adapter.lifetime.release()
+        self._adapters = []
+        self._model.lifetime.release()
+
+
+# --- Reading embeddings after a decode with ``embeddings=True`` (``LlamaContext.embed``):
+# every pointer llama.cpp returns is checked before numpy reads it, and the values are copied
+# out before the next decode can overwrite them.
+
+
+def _read_embeddings(
+    lib: Any, ctx: object, n: int, n_embd: int, *, pooled: bool
+) -> npt.NDArray[np.float64]:
+    """Sequence 0's pooled embedding, or (no pooling) the mean of its ``n`` token rows."""
+    if pooled:
+        ptr = lib.llama_get_embeddings_seq(ctx, 0)
+        if not ptr:
+            raise BackendError("llama.cpp returned no pooled embedding")
+        return np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(np.float64)
+    rows = []
+    for i in range(n):
+        ptr = lib.llama_get_embeddings_ith(ctx, i)
+        if not ptr:
+            raise BackendError("llama.cpp returned no token embeddings")
+        rows.append(np.ctypeslib.as_array(ptr, shape=(n_embd,)).copy())
+    mean: npt.NDArray[np.float64] = np.mean(np.stack(rows), axis=0, dtype=np.float64)
+    return mean
+
+
+def _embedding_list(vec: npt.NDArray[np.float64], *, normalize: bool) -> list[float]:
+    """``vec`` as floats, scaled to unit length when ``normalize`` (a zero vector stays)."""
+    if normalize:
+        norm = math.sqrt(float(np.dot(vec, vec)))
+        if norm > 0:
+            vec = vec / norm
+    return [float(x) for x in np.asarray(vec, dtype=np.float64).ravel()]

@@ -1,0 +1,278 @@
+"""Chunks of llama.cpp sequence-state blobs: ``split`` a blob by token ranges, ``join`` it back.
+
+A chunk body (``kv_chunk.FLAG_BLOB``, what ``split`` writes) is itself a complete
+``llama_state_seq_get_data`` blob of the range's cells alone, in canonical form::
+
+    u32 magic, i32 0, u32 1, u32 n              the blob head: sequence id 0, one stream
+    n x (i32 pos, u32 1, i32 0)                 metadata: positions start.., sequence id 0
+    u32 v_trans, u32 n_layer, then each section's 12-byte header before its cells:
+    for each K layer:  n x row                  the range's rows
+    for each V layer:  n x row, or (transposed) n_embd x (n x elem)
+
+behind the envelope of ``kv_chunk`` whose descriptor is the blob's structure
+(``llama_kv_layout``), so the context restores a chunk straight from the buffer it was read
+into (``blobs``; ``_kv_state.unpack_chunks``), with no join copy. Chunks of the first format
+(no flag: the metadata and sections' cells without any header) are still read, by ``join``.
+Cells come out in position order whatever their order in the blob, and the sequence id is
+dropped, so a chunk depends only on the KV it holds.
+
+Invariants: ``split`` copies each byte it emits once (a slice copy, or a gather when the cells
+were out of order); ``join`` writes each byte once into one uninitialised ``bytearray``, or into the
+caller's ``out`` buffer (the engine's reused, already-faulted one); both
+check the layout against the context's cell types and layer count, and ``join`` and ``blobs``
+check every chunk's envelope, place in the sequence, metadata and (in-place chunks) every
+header llama.cpp will read before a byte is copied, so nothing malformed reaches
+``llama_state_seq_set_data``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from typing import overload
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwarm.backends import kv_chunk
+from kvwarm.backends._buffers import U8, fresh_bytes, join_target, u8
+from kvwarm.backends.base import Buffer, WritableBuffer
+from kvwarm.backends.llama.kv_layout import (
+    CELL,
+    HEAD,
+    IO_MAGIC,
+    BlobLayout,
+    Structure,
+    parse_blob,
+    parse_descriptor,
+)
+from kvwarm.backends.llama.native import GGML_TYPES
+from kvwarm.errors import StateRestoreError
+
+_TYPE_NAMES = {code: name for name, code in GGML_TYPES.items()}
+_SECTION_HEAD = 12
+
+
+def _type_name(code: int) -> str:
+    return _TYPE_NAMES.get(code, f"ggml type {code}")
+
+
+class LlamaKvCodec:
+    """``KvCodec`` for one context's blobs: its cell types, the model's layer count and, when
+    flash attention was set explicitly, whether V is transposed.
+
+    With ``flash_attn="auto"`` llama.cpp decides per device and does not say what it chose,
+    so ``v_trans`` is None and a chunk of the other orientation is refused by llama.cpp's own
+    check at ``kv_unpack`` (a ``StateRestoreError`` too). Row sizes are checked there as well.
+    """
+
+    __slots__ = ("_n_layer", "_type_k", "_type_v", "_v_trans")
+
+    def __init__(self, *, type_k: int, type_v: int, n_layer: int, v_trans: bool | None) -> None:
+        self._type_k = type_k
+        self._type_v = type_v
+        self._n_layer = n_layer
+        self._v_trans = v_trans
+
+    def split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
+        data = u8(blob)
+        layout = parse_blob(data)
+        cuts = kv_chunk.check_bounds(bounds, layout.n_cells)
+        if layout.n_cells == 0:
+            return []
+        self._check(layout.structure, "KV blob")
+        sources = _sections(data, layout.structure, layout.n_cells)
+        return [self._cut(layout, sources, a, b) for a, b in itertools.pairwise(cuts)]
+
+    @overload
+    def join(self, chunks: Sequence[Buffer], out: None = None) -> bytearray: ...
+    @overload
+    def join(self, chunks: Sequence[Buffer], out: WritableBuffer) -> memoryview: ...
+    def join(
+        self, chunks: Sequence[Buffer], out: WritableBuffer | None = None
+    ) -> bytearray | memoryview:
+        checked = self._checked(chunks)
+        if checked is None:
+            dst, result = join_target(HEAD.size, out)
+            HEAD.pack_into(dst.data, 0, IO_MAGIC, 0, 1, 0)
+            return result
+        views, structure, n_cells = checked
+        dst, result = join_target(structure.blob_size(n_cells), out)
+        _write_skeleton(dst, views[0].descriptor, structure, n_cells)
+        targets = _sections(dst, structure, n_cells)
+        meta = dst[HEAD.size : HEAD.size + n_cells * CELL]
+        for view in views:
+            a, b = view.start, view.end
+            meta_at, offsets = _body_offsets(view, structure)
+            meta[a * CELL : b * CELL] = view.body[meta_at : meta_at + (b - a) * CELL]
+            for section, target, at in zip(structure.sections, targets, offsets, strict=True):
+                size = (b - a) * section.cell_bytes
+                piece = view.body[at : at + size].reshape(section.groups, b - a, section.unit)
+                target[:, a:b, :] = piece
+        return result
+
+    def blobs(self, chunks: Sequence[Buffer]) -> list[U8] | None:
+        """Each chunk's body, a blob ``llama_state_seq_set_data`` restores as it is, after the
+        checks of ``join``; None when a chunk is of the first format (join those instead)."""
+        checked = self._checked(chunks)
+        if checked is None:
+            return []
+        views = checked[0]
+        if any(not view.flags & kv_chunk.FLAG_BLOB for view in views):
+            return None
+        return [view.body for view in views]
+
+    def joined_size(self, chunks: Sequence[Buffer]) -> int:
+        checked = self._checked(chunks)
+        return HEAD.size if checked is None else checked[1].blob_size(checked[2])
+
+    def _checked(
+        self, chunks: Sequence[Buffer]
+    ) -> tuple[list[kv_chunk.ChunkView], Structure, int] | None:
+        """The chunks' views, layout and cell count, every one checked; None for no chunks."""
+        views = [kv_chunk.parse(u8(c, "KV chunk"), kv_chunk.CODEC_LLAMA) for c in chunks]
+        if not views:
+            return None
+        n_cells = kv_chunk.check_sequence(views)
+        structure = parse_descriptor(views[0].descriptor)
+        self._check(structure, "KV chunk")
+        for i, view in enumerate(views):
+            _check_body(view, structure, i)
+        return views, structure, n_cells
+
+    def chunk_range(self, chunk: Buffer) -> tuple[int, int]:
+        view = kv_chunk.parse(u8(chunk, "KV chunk"), kv_chunk.CODEC_LLAMA)
+        structure = parse_descriptor(view.descriptor)
+        self._check(structure, "KV chunk")
+        _check_body(view, structure, 0)
+        return view.start, view.n_cells
+
+    def _check(self, structure: Structure, what: str) -> None:
+        """Refuse a layout this context cannot restore (another cell type or model shape)."""
+        if structure.n_layer != self._n_layer:
+            raise StateRestoreError(
+                f"{what} has {structure.n_layer} layers; this model has {self._n_layer}"
+            )
+        if self._v_trans is not None and structure.v_trans != self._v_trans:
+            raise StateRestoreError(
+                f"{what} stores V {'transposed' if structure.v_trans else 'by cell'}; this "
+                f"context's flash attention setting stores it the other way"
+            )
+        n = structure.n_layer
+        for i, section in enumerate(structure.sections):
+            want = self._type_k if i < n else self._type_v
+            if section.ggml_type != want:
+                kind = "K" if i < n else "V"
+                raise StateRestoreError(
+                    f"{what} holds {_type_name(section.ggml_type)} {kind} cells; this context "
+                    f"uses {_type_name(want)}"
+                )
+
+    @staticmethod
+    def _cut(layout: BlobLayout, sources: list[U8], a: int, b: int) -> bytes:
+        n = b - a
+        structure = layout.structure
+        body_len = structure.blob_size(n)
+        out, view = fresh_bytes(kv_chunk.header_size(layout.descriptor) + body_len)
+        at = kv_chunk.write_header(
+            view,
+            codec=kv_chunk.CODEC_LLAMA,
+            start=a,
+            n_cells=n,
+            descriptor=layout.descriptor,
+            body_len=body_len,
+            flags=kv_chunk.FLAG_BLOB,
+        )
+        body = view[at:]
+        _write_skeleton(body, layout.descriptor, structure, n)
+        meta = body[HEAD.size : HEAD.size + n * CELL].view("<i4").reshape(n, 3)
+        meta[:, 0] = np.arange(a, b, dtype=np.int32)
+        meta[:, 1] = 1
+        meta[:, 2] = 0
+        cells = None if layout.order is None else layout.order[a:b]
+        targets = _sections(body, structure, n)
+        for source, dst in zip(sources, targets, strict=True):
+            if cells is None:
+                dst[...] = source[:, a:b, :]
+            else:
+                # mode="clip" writes straight into ``out`` (numpy buffers mode="raise");
+                # ``cells`` is a permutation of valid indices, checked by parse_blob.
+                np.take(source, cells, axis=1, out=dst, mode="clip")
+        return out
+
+
+def _sections(data: U8, structure: Structure, n_cells: int) -> list[U8]:
+    """Each section of a blob of ``n_cells`` cells as a ``(groups, n_cells, unit)`` view."""
+    views = []
+    for section, at in zip(structure.sections, structure.offsets(n_cells), strict=True):
+        size = n_cells * section.cell_bytes
+        views.append(data[at : at + size].reshape(section.groups, n_cells, section.unit))
+    return views
+
+
+def _body_offsets(view: kv_chunk.ChunkView, structure: Structure) -> tuple[int, list[int]]:
+    """Where a checked chunk body's metadata and each section's cells start."""
+    n = view.n_cells
+    if view.flags & kv_chunk.FLAG_BLOB:
+        return HEAD.size, structure.offsets(n)
+    offsets, at = [], n * CELL
+    for section in structure.sections:
+        offsets.append(at)
+        at += n * section.cell_bytes
+    return 0, offsets
+
+
+def _check_body(view: kv_chunk.ChunkView, structure: Structure, i: int) -> None:
+    """The body is as long as its cells need, with canonical metadata for its positions; an
+    in-place chunk's blob head and section headers are exactly what its descriptor says."""
+    n = view.n_cells
+    blob = bool(view.flags & kv_chunk.FLAG_BLOB)
+    need = structure.blob_size(n) if blob else n * structure.cell_bytes
+    if view.body.size != need:
+        raise StateRestoreError(
+            f"KV chunk {i} body is {view.body.size} bytes; {n} cells need {need}"
+        )
+    meta_at = HEAD.size if blob else 0
+    if view.body[meta_at : meta_at + n * CELL].tobytes() != _canonical_meta(view.start, n):
+        raise StateRestoreError(f"KV chunk {i} has corrupt cell metadata")
+    if blob:
+        where, expected = _skeleton_bytes(view.descriptor, n)
+        if not np.array_equal(view.body[where], expected):
+            raise StateRestoreError(f"KV chunk {i} has a corrupt blob header")
+
+
+@functools.lru_cache(maxsize=256)
+def _canonical_meta(start: int, n: int) -> bytes:
+    """The metadata of cells holding positions ``start..start+n-1`` of sequence 0."""
+    meta = np.zeros((n, 3), dtype="<i4")
+    meta[:, 0] = np.arange(start, start + n, dtype=np.int32)
+    meta[:, 1] = 1
+    return meta.tobytes()
+
+
+def _skeleton(descriptor: bytes, structure: Structure, n_cells: int) -> list[tuple[int, bytes]]:
+    """A blob of ``n_cells`` cells' head and section headers, as (offset, bytes) pieces."""
+    pieces = [(0, HEAD.pack(IO_MAGIC, 0, 1, n_cells)), (HEAD.size + n_cells * CELL, descriptor[:8])]
+    for i, offset in enumerate(structure.offsets(n_cells)):
+        head = 8 + i * _SECTION_HEAD
+        pieces.append((offset - _SECTION_HEAD, descriptor[head : head + _SECTION_HEAD]))
+    return pieces
+
+
+@functools.lru_cache(maxsize=64)
+def _skeleton_bytes(descriptor: bytes, n_cells: int) -> tuple[npt.NDArray[np.intp], U8]:
+    """Where a blob of ``n_cells`` cells' head and section headers lie, and their bytes (both
+    read-only: shared by every chunk of that length)."""
+    pieces = _skeleton(descriptor, parse_descriptor(descriptor), n_cells)
+    where = np.concatenate([np.arange(at, at + len(piece)) for at, piece in pieces])
+    expected = np.frombuffer(b"".join(piece for _, piece in pieces), dtype=np.uint8)
+    where.flags.writeable = False
+    return where, expected
+
+
+def _write_skeleton(dst: U8, descriptor: bytes, structure: Structure, n_cells: int) -> None:
+    """The blob's header and every section header, from the descriptor."""
+    raw = dst.data
+    for at, piece in _skeleton(descriptor, structure, n_cells):
+        raw[at : at + len(piece)] = piece

@@ -1,0 +1,318 @@
+"""llama.cpp models over the low-level ``llama_cpp`` bindings.
+
+Imports run one way: ``llama_model`` imports ``llama_context``, ``llama_sampler`` and
+``llama_adapter``; none of them imports it back except for type checking.
+
+Invariants:
+
+- ``llama_model_free`` runs exactly once, after ``close()`` *and* after every context, sampler
+  and adapter created from the model has closed (``_lifetime``): contexts read the model while
+  they are freed, samplers hold its vocabulary, adapters are owned by it.
+- Every vocabulary call checks token ids against ``n_vocab`` first; llama.cpp indexes its tables
+  with them unchecked.
+- The "buffer too small" protocol (negative return = needed size) is followed for tokenize,
+  detokenize and token_to_piece; nothing is truncated silently.
+- The load-progress ctypes callback is referenced from the stack frame (and the model) for as
+  long as C may call it, i.e. the whole ``llama_model_load_from_file`` call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from kvwarm.backends import _checks
+from kvwarm.backends.base import ContextParams, FimTokens, ModelFacts, ModelParams, SamplingParams
+from kvwarm.backends.chat_template import render_chat
+from kvwarm.backends.llama import native as _native
+from kvwarm.backends.llama import params as llama_params
+from kvwarm.backends.llama.adapter import LlamaAdapter
+from kvwarm.backends.llama.context import LlamaContext
+from kvwarm.backends.llama.lifetime import Lifetime
+from kvwarm.backends.llama.sampler import LlamaSampler
+from kvwarm.embedded import default_model_path
+from kvwarm.errors import (
+    InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+)
+from kvwarm.unicode import encode_utf8
+
+log = logging.getLogger(__name__)
+
+_INT32_MIN = -(2**31)
+_MAX_TEXT = 2**31 - 1
+
+
+class LlamaBackend:
+    """Factory of llama.cpp models (``name == 'llama_cpp'``)."""
+
+    @property
+    def name(self) -> str:
+        return "llama_cpp"
+
+    def locate(self, path: str | os.PathLike[str] | None) -> Path:
+        """``path``, or ``$KVWARM_MODEL`` / the embedded model; it must be a file."""
+        resolved = default_model_path() if path is None else Path(path).expanduser()
+        if not resolved.is_file():
+            raise ModelNotFoundError(f"model file not found: {resolved}")
+        return resolved
+
+    def load_model(self, path: str, params: ModelParams | None = None) -> LlamaModel:
+        return LlamaModel(str(path), params or ModelParams())
+
+
+def _bridge(
+    user_progress: Callable[[float], bool], failure: list[BaseException]
+) -> Callable[[float, object], bool]:
+    """llama.cpp's progress callback over the user's; an exception in it aborts the load and is
+    kept in ``failure`` (it must not unwind through C)."""
+
+    def on_progress(fraction: float, _user: object) -> bool:
+        try:
+            return bool(user_progress(min(max(float(fraction), 0.0), 1.0)))
+        except BaseException as exc:
+            failure.append(exc)
+            return False
+
+    return on_progress
+
+
+class LlamaModel:
+    """Loaded weights + vocabulary. Vocabulary calls are safe from any thread."""
+
+    def __init__(self, path: str, params: ModelParams) -> None:
+        if "\0" in path:
+            raise ModelNotFoundError("model path contains a NUL byte")
+        if not Path(path).is_file():
+            raise ModelNotFoundError(f"no model file at {path!r}")
+        lib = _native.lib()
+        self._lib = lib
+        self._params = params
+        failure: list[BaseException] = []
+        on_progress = None if params.progress is None else _bridge(params.progress, failure)
+        native = llama_params.model_params(lib, params, on_progress)
+        # Kept on the instance too (the callback, the tensor-split array), in case llama.cpp
+        # ever reads them after load returns.
+        self._native_params = native
+        ptr = lib.llama_model_load_from_file(path.encode(), native.struct)
+        if not ptr:
+            if failure:
+                raise ModelLoadError(f"loading {path!r} failed in the progress callback") from (
+                    failure[0]
+                )
+            if params.progress is not None:
+                raise ModelLoadError(f"loading {path!r} failed or was cancelled")
+            raise ModelLoadError(f"llama.cpp could not load {path!r}")
+        self._ptr: object = ptr
+        self._vocab: object = lib.llama_model_get_vocab(ptr)
+        if not self._vocab:
+            lib.llama_model_free(ptr)
+            raise ModelLoadError(f"{path!r} has no vocabulary")
+        self._n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
+        self._facts = self._read_facts(path)
+        self._life = Lifetime("model", self._free)
+
+    # -- facts --------------------------------------------------------------------------------
+
+    def _read_facts(self, path: str) -> ModelFacts:
+        lib, ptr = self._lib, self._ptr
+        metadata: dict[str, str] = {}
+        for i in range(int(lib.llama_model_meta_count(ptr))):
+            key = _native.read_string(functools.partial(lib.llama_model_meta_key_by_index, ptr, i))
+            value = _native.read_string(
+                functools.partial(lib.llama_model_meta_val_str_by_index, ptr, i)
+            )
+            if key:
+                metadata[key] = value
+        try:
+            file_type = int(metadata["general.file_type"])
+        except (KeyError, ValueError):
+            file_type = int(lib.llama_model_ftype(ptr))
+        raw_template = lib.llama_model_chat_template(ptr, None)
+        bos = int(lib.llama_vocab_bos(self._vocab))
+        eos = int(lib.llama_vocab_eos(self._vocab))
+        return ModelFacts(
+            path=path,
+            n_vocab=self._n_vocab,
+            n_ctx_train=int(lib.llama_model_n_ctx_train(ptr)),
+            n_embd=int(lib.llama_model_n_embd(ptr)),
+            n_layer=int(lib.llama_model_n_layer(ptr)),
+            size_bytes=int(lib.llama_model_size(ptr)),
+            n_params=int(lib.llama_model_n_params(ptr)),
+            description=_native.read_string(lambda b, s: lib.llama_model_desc(ptr, b, s)),
+            file_type=file_type,
+            quant_bits=_native.quant_bits(file_type),
+            bos=bos if 0 <= bos < self._n_vocab else None,
+            eos=eos if 0 <= eos < self._n_vocab else None,
+            add_bos=bool(lib.llama_vocab_get_add_bos(self._vocab)),
+            chat_template=raw_template.decode("utf-8", errors="replace") if raw_template else None,
+            metadata=metadata,
+            fim=self._fim_tokens(),
+        )
+
+    def _fim_tokens(self) -> FimTokens | None:
+        """llama.cpp's FIM tokens (from the GGUF, or recognised by their text at load)."""
+        lib, vocab = self._lib, self._vocab
+
+        def token(fn: Callable[[object], int]) -> int | None:
+            t = int(fn(vocab))
+            return t if 0 <= t < self._n_vocab else None  # LLAMA_TOKEN_NULL is -1
+
+        pre = token(lib.llama_vocab_fim_pre)
+        suf = token(lib.llama_vocab_fim_suf)
+        mid = token(lib.llama_vocab_fim_mid)
+        if pre is None or suf is None or mid is None:
+            return None
+        return FimTokens(
+            pre,
+            suf,
+            mid,
+            pad=token(lib.llama_vocab_fim_pad),
+            rep=token(lib.llama_vocab_fim_rep),
+            sep=token(lib.llama_vocab_fim_sep),
+        )
+
+    @property
+    def facts(self) -> ModelFacts:
+        self._life.check()
+        return self._facts
+
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    @property
+    def lifetime(self) -> Lifetime:
+        return self._life
+
+    @property
+    def native(self) -> object:
+        """The ``llama_model *``; valid while a dependent holds ``lifetime``."""
+        return self._ptr
+
+    @property
+    def vocab(self) -> object:
+        return self._vocab
+
+    @property
+    def vocab_only(self) -> bool:
+        return self._params.vocab_only
+
+    # -- vocabulary ---------------------------------------------------------------------------
+
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
+        data = encode_utf8(text, param="prompt")
+        if len(data) > _MAX_TEXT // 2:
+            raise InvalidRequestError("text too long to tokenize", param="prompt")
+        lib = self._lib
+        capacity = len(data) + 8
+        with self._life.using():
+            for _ in range(3):
+                buf = (ctypes.c_int32 * capacity)()
+                n = int(
+                    lib.llama_tokenize(
+                        self._vocab, data, len(data), buf, capacity, add_special, parse_special
+                    )
+                )
+                if n == _INT32_MIN:
+                    raise InvalidRequestError("tokenization overflowed int32", param="prompt")
+                if n >= 0:
+                    return list(buf[:n])
+                capacity = -n
+        raise InvalidRequestError("tokenizer kept asking for a larger buffer", param="prompt")
+
+    def detokenize(
+        self, tokens: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False
+    ) -> str:
+        _checks.check_tokens(tokens, self._n_vocab)
+        if not tokens:
+            return ""
+        arr = (ctypes.c_int32 * len(tokens))(*tokens)
+        capacity = len(tokens) * 8 + 16
+        with self._life.using():
+            for _ in range(3):
+                buf = ctypes.create_string_buffer(capacity)
+                n = int(
+                    self._lib.llama_detokenize(
+                        self._vocab, arr, len(tokens), buf, capacity, remove_special,
+                        unparse_special,
+                    )
+                )  # fmt: skip
+                if n >= 0:
+                    return buf.raw[:n].decode("utf-8", errors="replace")
+                if n == _INT32_MIN:
+                    break
+                capacity = -n
+        raise InvalidRequestError("detokenized text too long", param="tokens")
+
+    def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
+        _checks.check_tokens([token], self._n_vocab)
+        capacity = 32
+        with self._life.using():
+            for _ in range(3):
+                buf = ctypes.create_string_buffer(capacity)
+                n = int(
+                    self._lib.llama_token_to_piece(self._vocab, token, buf, capacity, 0, special)
+                )
+                if n >= 0:
+                    return buf.raw[:n]
+                capacity = -n
+        raise InvalidRequestError(f"token {token} has an oversized piece", param="tokens")
+
+    def is_eog(self, token: int) -> bool:
+        _checks.check_tokens([token], self._n_vocab)
+        with self._life.using():
+            return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+    ) -> str:
+        facts = self.facts
+        source = template or facts.chat_template
+        if not source:
+            raise InvalidRequestError("the model has no chat template", param="messages")
+        bos = self.token_to_piece(facts.bos, special=True) if facts.bos is not None else b""
+        eos = self.token_to_piece(facts.eos, special=True) if facts.eos is not None else b""
+        return render_chat(
+            source,
+            messages,
+            bos_token=bos.decode("utf-8", errors="replace"),
+            eos_token=eos.decode("utf-8", errors="replace"),
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+        )
+
+    # -- children -----------------------------------------------------------------------------
+
+    def new_context(self, params: ContextParams) -> LlamaContext:
+        params.validate()
+        if self._params.vocab_only:
+            raise ModelLoadError("a vocab_only model cannot create contexts")
+        return LlamaContext(self, params)
+
+    def new_sampler(self, params: SamplingParams) -> LlamaSampler:
+        return LlamaSampler(self, params)
+
+    def load_adapter(self, path: str) -> LlamaAdapter:
+        return LlamaAdapter(self, str(path))
+
+    def close(self) -> None:
+        self._life.close()
+
+    def _free(self) -> None:
+        self._lib.llama_model_free(self._ptr)
+        self._ptr = None
+        self._vocab = None
+        log.debug("freed model %s", self._facts.path)

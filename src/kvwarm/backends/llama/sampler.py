@@ -1,0 +1,257 @@
+"""llama.cpp sampler chains, with the grammar kept outside the chain where it can be checked.
+
+Invariants:
+
+- The chain (penalties → top-k → top-p → min-p → temperature → seeded dist, or greedy) and the
+  optional grammar sampler are each freed exactly once, when the sampler closes; the sampler
+  holds its model (``acquire``) because both reference the model's vocabulary.
+- The grammar never sees a token it rejected: with a grammar, candidates are built in Python,
+  the grammar masks them, ``GrammarError`` is raised if nothing is left, and only the chosen
+  (hence allowed) token is accepted. llama.cpp aborts on accepting a disallowed token or an
+  end-of-generation token mid-grammar, so ``accept()`` feeds the chain (penalty history) only.
+- Without a grammar, ``sample`` is ``llama_sampler_sample`` on a row the context has verified.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import secrets
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvwarm.backends.base import BackendContext, SamplingParams
+from kvwarm.backends.llama.lifetime import Lifetime
+from kvwarm.errors import GrammarError, InvalidRequestError, NoLogitsError
+from kvwarm.unicode import encode_utf8
+
+if TYPE_CHECKING:
+    from kvwarm.backends.llama.model import LlamaModel
+
+# Mirrors llama_token_data {int32 id; float logit; float p;} (12 bytes, no padding).
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+
+
+class LlamaSampler:
+    """``Sampler`` over a native ``llama_sampler`` chain (+ grammar)."""
+
+    def __init__(self, model: LlamaModel, params: SamplingParams) -> None:
+        if params.grammar is not None and not params.grammar.strip():
+            raise GrammarError("empty grammar", param="grammar")
+        if params.repeat_last_n < -1:
+            raise InvalidRequestError("repeat_last_n must be >= -1", param="repeat_last_n")
+        lib = model._lib
+        self._lib = lib
+        self._model = model
+        self._params = params
+        self._n_vocab = model.n_vocab
+        self._seed = params.seed if params.seed is not None else secrets.randbits(32)
+        self._candidates: np.ndarray[tuple[int], np.dtype[np.void]] | None = None
+        model.lifetime.acquire()
+        self._chain: object = None
+        self._grammar: object = None
+        try:
+            with model.lifetime.using():
+                self._grammar = self._build_grammar(params)
+                self._chain = self._build_chain(params)
+        except BaseException:
+            self._free_native()
+            model.lifetime.release()
+            raise
+        self._life = Lifetime("sampler", self._free)
+        # Plain greedy (no grammar, no penalties) is an argmax: numpy over the zero-copy logits
+        # row is ~8x cheaper than llama_sampler_sample building a 49k-entry candidate array.
+        # Both pick the first maximum; biases are added first, as in the chain.
+        self._argmax_only = (
+            params.greedy
+            and params.grammar is None
+            and params.repeat_penalty == 1.0
+            and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0
+        )
+        self._bias_idx = np.array([t for t, _ in params.logit_bias], dtype=np.int64)
+        self._bias_val = np.array([b for _, b in params.logit_bias], dtype=np.float32)
+        self._bias_set = frozenset(t for t, _ in params.logit_bias)
+        self._bias_nonpositive = all(b <= 0 for _, b in params.logit_bias)
+
+    def _build_grammar(self, params: SamplingParams) -> object:
+        if params.grammar is None:
+            return None
+        lib = self._lib
+        grammar = lib.llama_sampler_init_grammar(
+            self._model.vocab,
+            encode_utf8(params.grammar, param="grammar"),
+            encode_utf8(params.grammar_root, param="grammar"),
+        )
+        if not grammar:
+            raise GrammarError("the grammar does not compile (see the log)", param="grammar")
+        return grammar
+
+    def _build_chain(self, params: SamplingParams) -> object:
+        lib = self._lib
+        cparams = lib.llama_sampler_chain_default_params()
+        cparams.no_perf = True
+        chain = lib.llama_sampler_chain_init(cparams)
+        if not chain:
+            raise NoLogitsError("llama.cpp could not allocate a sampler chain")
+        self._chain = chain  # owned from here on, so _free_native frees it on a later failure
+        last_n = params.repeat_last_n if params.repeat_last_n >= 0 else self._model_ctx_train()
+        if last_n and (
+            params.repeat_penalty != 1.0
+            or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0
+        ):
+            # The pinned binding (0.3.36) and its llama.h take n_vocab first; the stub cannot
+            # catch a mismatch here, the contract suite's per-option cases on llama_cpp do.
+            self._add(
+                lib.llama_sampler_init_penalties(
+                    self._n_vocab, last_n, params.repeat_penalty, params.frequency_penalty,
+                    params.presence_penalty,
+                )
+            )  # fmt: skip
+        if params.logit_bias:
+            self._add(self._logit_bias(params.logit_bias))
+        if params.greedy:
+            self._add(lib.llama_sampler_init_greedy())
+            return chain
+        if params.top_k > 0:
+            self._add(lib.llama_sampler_init_top_k(params.top_k))
+        if params.top_p < 1.0:
+            self._add(lib.llama_sampler_init_top_p(params.top_p, 1))
+        if params.min_p > 0.0:
+            self._add(lib.llama_sampler_init_min_p(params.min_p, 1))
+        self._add(lib.llama_sampler_init_temp(params.temperature))
+        self._add(lib.llama_sampler_init_dist(self._seed))
+        return chain
+
+    def _logit_bias(self, biases: tuple[tuple[int, float], ...]) -> object:
+        lib = self._lib
+        arr = (lib.llama_logit_bias * len(biases))()
+        for i, (token, bias) in enumerate(biases):
+            if not 0 <= token < self._n_vocab:
+                raise InvalidRequestError(
+                    f"logit_bias token {token} outside [0, {self._n_vocab})", param="logit_bias"
+                )
+            arr[i].token = token
+            arr[i].bias = bias
+        # llama.cpp copies the array into the sampler, so ``arr`` may die after this call.
+        return lib.llama_sampler_init_logit_bias(self._n_vocab, len(biases), arr)
+
+    def _model_ctx_train(self) -> int:
+        return int(self._lib.llama_model_n_ctx_train(self._model.native))
+
+    def _add(self, sampler: object) -> None:
+        if not sampler:
+            raise InvalidRequestError("llama.cpp rejected a sampler parameter")
+        # The chain takes ownership: freeing the chain frees the sampler.
+        self._lib.llama_sampler_chain_add(self._chain, sampler)
+
+    # -- Sampler protocol ---------------------------------------------------------------------
+
+    def sample(self, ctx: BackendContext, index: int) -> int:
+        from kvwarm.backends.llama.context import LlamaContext
+
+        with self._life.using():
+            if not isinstance(ctx, LlamaContext) or ctx.model is not self._model:
+                raise InvalidRequestError("the context belongs to another model")
+            if self._argmax_only:
+                row = np.frombuffer(ctx.logits(index), dtype=np.float32)
+                best = int(row.argmax())
+                if not self._bias_idx.size or (
+                    self._bias_nonpositive and best not in self._bias_set
+                ):
+                    # Lowering other tokens cannot displace an unbiased maximum.
+                    return best
+                biased = row.copy()
+                biased[self._bias_idx] += self._bias_val
+                return int(biased.argmax())
+            if self._grammar is None:
+                token = ctx.sample_with(self._chain, index)
+                if not 0 <= token < self._n_vocab:
+                    raise NoLogitsError(f"llama_sampler_sample returned token {token}")
+                return token
+            view = ctx.logits(index)
+            return self._choose(np.frombuffer(view, dtype=np.float32))
+
+    def sample_logits(self, logits: bytes | memoryview) -> int:
+        with self._life.using():
+            raw = np.frombuffer(logits, dtype=np.uint8)
+            if raw.nbytes != self._n_vocab * 4:
+                raise InvalidRequestError(
+                    f"expected {self._n_vocab * 4} bytes of float32 logits, got {raw.nbytes}",
+                    param="logits",
+                )
+            return self._choose(raw.view(np.float32))
+
+    def accept(self, token: int) -> None:
+        with self._life.using():
+            if not 0 <= token < self._n_vocab:
+                raise InvalidRequestError(
+                    f"token id {token} outside [0, {self._n_vocab})", param="tokens"
+                )
+            self._lib.llama_sampler_accept(self._chain, token)
+
+    def reset(self) -> None:
+        with self._life.using():
+            self._lib.llama_sampler_reset(self._chain)
+            if self._grammar is not None:
+                self._lib.llama_sampler_reset(self._grammar)
+
+    def close(self) -> None:
+        self._life.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _choose(self, logits: np.ndarray[tuple[int], np.dtype[np.float32]]) -> int:
+        """Grammar → chain over an explicit candidate array; accept the chosen token."""
+        lib = self._lib
+        if self._candidates is None:
+            self._candidates = np.zeros(self._n_vocab, dtype=_TOKEN_DATA)
+        cand = self._candidates
+        cand["id"] = np.arange(self._n_vocab, dtype=np.int32)
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        arr = lib.llama_token_data_array(
+            data=ctypes.cast(ctypes.c_void_p(cand.ctypes.data), lib.llama_token_data_p),
+            size=self._n_vocab,
+            selected=-1,
+            sorted=False,
+        )
+        ref = ctypes.byref(arr)
+        if self._grammar is not None:
+            lib.llama_sampler_apply(self._grammar, ref)
+            if not np.isfinite(self._view(arr)["logit"]).any():
+                raise GrammarError("the grammar admits no further token", param="grammar")
+        lib.llama_sampler_apply(self._chain, ref)
+        selected = int(arr.selected)
+        view = self._view(arr)
+        if not 0 <= selected < view.size:
+            raise NoLogitsError("the sampler chain selected no token")
+        token = int(view["id"][selected])
+        if not 0 <= token < self._n_vocab or not np.isfinite(view["logit"][selected]):
+            raise GrammarError("the sampler chose a token the grammar forbids", param="grammar")
+        if self._grammar is not None:
+            lib.llama_sampler_accept(self._grammar, token)
+        lib.llama_sampler_accept(self._chain, token)
+        return token
+
+    def _view(self, arr: object) -> np.ndarray[tuple[int], np.dtype[np.void]]:
+        """The candidates as they are now: samplers may move ``data`` and shrink ``size``."""
+        size = int(arr.size)  # type: ignore[attr-defined]
+        address = ctypes.cast(arr.data, ctypes.c_void_p).value  # type: ignore[attr-defined]
+        if not size or not address:
+            return np.zeros(0, dtype=_TOKEN_DATA)
+        buffer = (ctypes.c_uint8 * (size * _TOKEN_DATA.itemsize)).from_address(address)
+        return np.frombuffer(memoryview(buffer).cast("B"), dtype=_TOKEN_DATA)
+
+    def _free_native(self) -> None:
+        if self._chain:
+            self._lib.llama_sampler_free(self._chain)
+            self._chain = None
+        if self._grammar:
+            self._lib.llama_sampler_free(self._grammar)
+            self._grammar = None
+
+    def _free(self) -> None:
+        self._free_native()
+        self._model.lifetime.release()

@@ -1,0 +1,352 @@
+"""The stub backend's context: fake KV cells chained by hash, and blobs in a checked format.
+
+Each KV cell of a sequence holds ``(pos, token, h)`` where ``h`` chains the previous cell's
+``h`` with ``(token, pos)``, so a cell depends on the whole prefix, exactly as real KV does.
+
+Invariants: every check the llama.cpp context makes (``_checks``) is made here too, with the
+same exception types; a context holds its model open until it is closed (``_lifetime``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast, overload
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwarm.backends import _checks
+from kvwarm.backends._buffers import u8
+from kvwarm.backends.base import (
+    Adapter,
+    BatchToken,
+    Buffer,
+    ContextParams,
+    WritableBuffer,
+)
+from kvwarm.backends.llama.lifetime import Lifetime
+from kvwarm.backends.stub.adapter import StubAdapter
+from kvwarm.backends.stub.kv_codec import CELL, HEADER, MAGIC, StubKvCodec
+from kvwarm.backends.stub.vocab import EOS, N_BYTE_TOKENS, N_EMBD, N_VOCAB, OFFSET
+from kvwarm.errors import (
+    AdapterError,
+    InvalidRequestError,
+    NoLogitsError,
+    StateRestoreError,
+)
+
+if TYPE_CHECKING:
+    from kvwarm.backends.stub import StubModel
+
+log = logging.getLogger(__name__)
+
+_MASK = (1 << 64) - 1
+_KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def _mix(h: int, token: int, pos: int) -> int:
+    """splitmix64 of the previous cell's hash folded with this cell's (token, pos)."""
+    z = (h ^ (token * 0x9E3779B97F4A7C15) ^ ((pos + 1) * 0xBF58476D1CE4E5B9)) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+_H0 = 0x6B767761726D2121  # the hash "before" position 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Cell:
+    token: int
+    h: int
+
+
+class StubContext:
+    """Per-sequence dicts of cells; logits computed at decode for rows that ask for them."""
+
+    def __init__(self, model: StubModel, params: ContextParams) -> None:
+        self._model = model
+        self._params = params
+        self._seqs: list[dict[int, _Cell]] = [{} for _ in range(params.n_seq_max)]
+        self._rows: list[int] = []
+        self._logits: dict[int, npt.NDArray[np.float32]] = {}
+        self._adapters: list[tuple[StubAdapter, float]] = []
+        self._salt = 0
+        self._views: list[memoryview[float]] = []
+        self._kv_types = (_KV_TYPES.index(params.type_k), _KV_TYPES.index(params.type_v))
+        self._codec = StubKvCodec(
+            model_id=model.model_id,
+            type_k=self._kv_types[0],
+            type_v=self._kv_types[1],
+            cell_bytes=model.backend.cell_bytes,
+        )
+        self._life = Lifetime("context", self._free)
+
+    @property
+    def params(self) -> ContextParams:
+        return self._params
+
+    @property
+    def n_ctx(self) -> int:
+        return self._params.n_ctx
+
+    @property
+    def n_batch(self) -> int:
+        return self._params.n_batch
+
+    def _pos_max(self, seq: int) -> int:
+        cells = self._seqs[seq]
+        return max(cells) if cells else -1
+
+    def decode(self, batch: Sequence[BatchToken]) -> None:
+        with self._life.using():
+            _checks.check_batch(
+                batch,
+                n_batch=self._params.n_batch,
+                n_ctx=self._params.n_ctx,
+                n_vocab=N_VOCAB,
+                n_seq_max=self._params.n_seq_max,
+                pos_max=self._pos_max,
+            )
+            self._invalidate_logits()
+            for row, item in enumerate(batch):
+                cells = self._seqs[item.seq]
+                prev = cells.get(item.pos - 1)
+                h = _mix(prev.h if prev is not None else _H0, item.token, item.pos)
+                cells[item.pos] = _Cell(item.token, h)
+                if item.logits:
+                    self._rows.append(row)
+                    self._logits[row] = self._fake_logits(item.token, h)
+            if self._model.backend.decode_delay_s:
+                time.sleep(self._model.backend.decode_delay_s)
+
+    def prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
+        with self._life.using():
+            _checks.check_prefill(
+                seq,
+                tokens,
+                start_pos,
+                n_ctx=self._params.n_ctx,
+                n_vocab=N_VOCAB,
+                n_seq_max=self._params.n_seq_max,
+                pos_max=self._pos_max,
+            )
+            toks = list(tokens)
+            n = len(toks)
+            for offset, length in _checks.aligned_chunks(start_pos, n, self._params.n_batch):
+                last = offset + length == n
+                self.decode(
+                    [
+                        BatchToken(toks[i], start_pos + i, seq, logits=last and i == n - 1)
+                        for i in range(offset, offset + length)
+                    ]
+                )
+            if self._model.backend.prefill_delay_s:
+                time.sleep(self._model.backend.prefill_delay_s * n)
+
+    def logits(self, index: int = -1) -> memoryview:
+        with self._life.using():
+            row = _checks.resolve_row(index, self._rows)
+            if row < 0:
+                raise NoLogitsError(f"no logits for batch row {index} (decode with logits first)")
+            view = self._logits[row].data.cast("B").cast("f")
+            self._views.append(view)
+            # The protocol's plain ``memoryview``; its format is "f" (len == n_vocab).
+            return cast(memoryview, view)
+
+    def kv_pack(self, seq: int) -> bytes:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            cells = self._seqs[seq]
+            size = self._model.backend.cell_bytes
+            pad = size - CELL.size
+            out = bytearray(self._codec.header(len(cells)))
+            for pos in sorted(cells):
+                cell = cells[pos]
+                out += CELL.pack(pos, cell.token, cell.h)
+                out += _pad(cell.h, pad)
+            return bytes(out)
+
+    def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            # Like llama.cpp, the sequence is cleared first and stays empty if the blob is bad.
+            self._seqs[seq] = {}
+            cells = self._parse(u8(data).data)
+            self._seqs[seq] = cells
+            return self._pos_max(seq) + 1
+
+    def _parse(self, blob: memoryview) -> dict[int, _Cell]:
+        if len(blob) < HEADER.size:
+            raise StateRestoreError(f"KV blob of {len(blob)} bytes is shorter than its header")
+        magic, model_id, type_k, type_v, size, count = HEADER.unpack_from(blob, 0)
+        if magic != MAGIC:
+            raise StateRestoreError("not a stub KV blob")
+        if model_id != self._model.model_id:
+            raise StateRestoreError("KV blob belongs to another model")
+        if (type_k, type_v) != self._kv_types:
+            raise StateRestoreError("KV blob was made with different KV cache types")
+        if size != self._model.backend.cell_bytes or len(blob) != HEADER.size + count * size:
+            raise StateRestoreError(f"KV blob has the wrong size ({len(blob)} bytes)")
+        if count > self._params.n_ctx:
+            raise StateRestoreError(f"KV blob holds {count} cells; n_ctx={self._params.n_ctx}")
+        cells: dict[int, _Cell] = {}
+        prev_pos, prev_h = -1, _H0
+        for i in range(count):
+            at = HEADER.size + i * size
+            pos, token, h = CELL.unpack_from(blob, at)
+            if not (prev_pos < pos < self._params.n_ctx and 0 <= token < N_VOCAB):
+                raise StateRestoreError(f"KV blob cell {i} is corrupt")
+            chained = _mix(prev_h, token, pos) == h if pos == prev_pos + 1 else True
+            if not chained or blob[at + CELL.size : at + size] != _pad(h, size - CELL.size):
+                raise StateRestoreError(f"KV blob cell {i} is corrupt")
+            cells[pos] = _Cell(token, h)
+            prev_pos, prev_h = pos, h
+        return cells
+
+    def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer]) -> int | None:
+        # The stub has no native buffer to restore into in place: join, then unpack.
+        return self.kv_unpack(seq, self._codec.join(chunks))
+
+    @property
+    def kv_codec(self) -> StubKvCodec:
+        return self._codec
+
+    def kv_split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
+        self._life.check()
+        return self._codec.split(blob, bounds)
+
+    @overload
+    def kv_join(self, chunks: Sequence[Buffer], out: None = None) -> bytearray: ...
+    @overload
+    def kv_join(self, chunks: Sequence[Buffer], out: WritableBuffer) -> memoryview: ...
+    def kv_join(
+        self, chunks: Sequence[Buffer], out: WritableBuffer | None = None
+    ) -> bytearray | memoryview:
+        self._life.check()
+        return self._codec.join(chunks) if out is None else self._codec.join(chunks, out)
+
+    def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            _checks.check_range(p0, p1)
+            cells = self._seqs[seq]
+            for pos in [p for p in cells if p >= p0 and (p1 < 0 or p < p1)]:
+                del cells[pos]
+
+    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
+        with self._life.using():
+            _checks.check_seq(src, self._params.n_seq_max, param="src")
+            _checks.check_seq(dst, self._params.n_seq_max, param="dst")
+            _checks.check_range(p0, p1)
+            if src == dst:
+                return
+            source = self._seqs[src]
+            # dst := src[p0:p1), as in the llama.cpp backend.
+            target = self._seqs[dst] = {}
+            for pos, cell in source.items():
+                if pos >= p0 and (p1 < 0 or pos < p1):
+                    target[pos] = cell
+
+    def seq_pos_max(self, seq: int) -> int:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            return self._pos_max(seq)
+
+    def clear(self) -> None:
+        with self._life.using():
+            for cells in self._seqs:
+                cells.clear()
+
+    def embed(self, tokens: Sequence[int], *, normalize: bool = True) -> list[float]:
+        with self._life.using():
+            if not self._params.embeddings:
+                raise InvalidRequestError(
+                    "this context was not created with embeddings=True", param="input"
+                )
+            if not tokens:
+                raise InvalidRequestError("cannot embed zero tokens", param="input")
+            if len(tokens) > min(self._params.n_ubatch, self._params.n_ctx):
+                raise InvalidRequestError(
+                    f"{len(tokens)} tokens exceed n_ubatch={self._params.n_ubatch}",
+                    param="input",
+                )
+            _checks.check_tokens(tokens, N_VOCAB)
+            vecs = np.stack(
+                [np.random.default_rng(t * 7919 + 17).standard_normal(N_EMBD) for t in tokens]
+            )
+            vec = vecs.mean(axis=0)
+            if normalize:
+                norm = math.sqrt(float(np.dot(vec, vec)))
+                vec = vec / norm if norm > 0 else vec
+            return [float(x) for x in vec]
+
+    def set_adapters(self, adapters: Sequence[tuple[Adapter, float]]) -> None:
+        with self._life.using():
+            chosen: list[tuple[StubAdapter, float]] = []
+            for adapter, scale in adapters:
+                if not isinstance(adapter, StubAdapter) or adapter.model is not self._model:
+                    raise AdapterError("adapter was not loaded by this context's model")
+                if not math.isfinite(scale):
+                    raise InvalidRequestError(f"adapter scale {scale} is not finite")
+                chosen.append((adapter, scale))
+            acquired: list[StubAdapter] = []
+            try:
+                for adapter, _ in chosen:
+                    adapter.lifetime.acquire()
+                    acquired.append(adapter)
+            except BaseException:
+                for adapter in acquired:
+                    adapter.lifetime.release()
+                raise
+            for adapter, _ in self._adapters:
+                adapter.lifetime.release()
+            self._adapters = chosen
+            salt = 0
+            for adapter, scale in chosen:
+                digest = hashlib.sha256(adapter.sha256 + struct.pack("<d", scale)).digest()
+                salt ^= int.from_bytes(digest[:8], "little")
+            self._salt = salt
+
+    def close(self) -> None:
+        self._life.close()
+
+    def _invalidate_logits(self) -> None:
+        for view in self._views:
+            try:
+                view.release()
+            except BufferError:
+                log.debug("a logits view is still exported; leaving it to the caller")
+        self._views.clear()
+        self._rows.clear()
+        self._logits.clear()
+
+    def _fake_logits(self, token: int, h: int) -> npt.NDArray[np.float32]:
+        rng = np.random.default_rng(h ^ self._salt)
+        logits = np.full(N_VOCAB, -30.0, dtype=np.float32)  # FIM tokens: never sampled
+        logits[:N_BYTE_TOKENS] = rng.standard_normal(N_BYTE_TOKENS)
+        logits[OFFSET + 32 : OFFSET + 127] += 3.0  # printable ASCII wins, so output is readable
+        if token == OFFSET + ord("!"):
+            logits[EOS] = 20.0
+        return logits
+
+    def _free(self) -> None:
+        self._invalidate_logits()
+        for adapter, _ in self._adapters:
+            adapter.lifetime.release()
+        self._adapters = []
+        self._seqs = []
+        self._model._release()
+
+
+def _pad(h: int, n: int) -> bytes:
+    if n <= 0:
+        return b""
+    unit = h.to_bytes(8, "little")
+    return (unit * (n // 8 + 1))[:n]

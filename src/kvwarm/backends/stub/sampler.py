@@ -1,0 +1,216 @@
+"""The stub backend's sampler: the llama.cpp chain re-done in numpy over the stub's logits.
+
+Invariants: deterministic for a given seed (``seed=None`` draws one from the OS); the chain
+order matches llama.cpp's (penalties → top-k → top-p → min-p → temperature → draw); a grammar
+is checked for a ``root`` rule (``GrammarError`` otherwise) and *enforced* only when it is one
+rule of string-literal alternatives (``root ::= "yes" | "no"``) — any other grammar is accepted
+unconstrained, which is enough for engine plumbing tests and is stated here so nobody relies on
+the stub for grammar semantics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwarm.backends.base import BackendContext, SamplingParams
+from kvwarm.backends.llama.lifetime import Lifetime
+from kvwarm.errors import GrammarError, InvalidRequestError, NoLogitsError
+from kvwarm.unicode import encode_utf8
+
+log = logging.getLogger(__name__)
+
+_LITERAL_ALTS = re.compile(r'^\(?\s*("(?:[^"\\]|\\.)*"(?:\s*\|\s*"(?:[^"\\]|\\.)*")*)\s*\)?$')
+_LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+class LiteralGrammar:
+    """Output must be exactly one of ``alternatives``, then end of generation."""
+
+    def __init__(self, alternatives: list[bytes]) -> None:
+        self.alternatives = alternatives
+        self.prefix = b""
+
+    @classmethod
+    def compile(cls, grammar: str, root: str) -> LiteralGrammar | None:
+        rules = [line for line in grammar.splitlines() if line.strip()]
+        head = re.compile(rf"^\s*{re.escape(root)}\s*::=")
+        encode_utf8(grammar, param="grammar")  # as llama.cpp's backend does before compiling
+        if not any(head.match(line) for line in rules):
+            raise GrammarError(f"grammar has no {root!r} rule", param="grammar")
+        _check_references(grammar)
+        if len(rules) != 1:
+            return None
+        body = head.sub("", rules[0]).strip()
+        match = _LITERAL_ALTS.match(body)
+        if match is None:
+            return None
+        try:
+            alts = [json.loads(lit).encode() for lit in _LITERAL.findall(match.group(1))]
+        except ValueError as exc:
+            raise GrammarError(f"bad string literal in grammar: {exc}", param="grammar") from exc
+        return cls(alts)
+
+    def allows(self, piece: bytes, is_eog: bool) -> bool:
+        if is_eog:
+            return self.prefix in self.alternatives
+        candidate = self.prefix + piece
+        return bool(piece) and any(alt.startswith(candidate) for alt in self.alternatives)
+
+    def accept(self, piece: bytes, is_eog: bool) -> None:
+        if not is_eog:
+            self.prefix += piece
+
+    def reset(self) -> None:
+        self.prefix = b""
+
+
+_RULE_HEAD = re.compile(r"^\s*([A-Za-z0-9-]+)\s*::=", re.MULTILINE)
+_NOISE = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*')
+_IDENT = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
+
+
+def _check_references(grammar: str) -> None:
+    """Every rule a body names is defined (as llama.cpp's parser demands)."""
+    defined = set(_RULE_HEAD.findall(grammar))
+    bodies = _RULE_HEAD.sub(" ", _NOISE.sub(" ", grammar))
+    missing = sorted(set(_IDENT.findall(bodies)) - defined)
+    if missing:
+        raise GrammarError(f"grammar uses undefined rules: {', '.join(missing)}", param="grammar")
+
+
+class StubSampler:
+    """``Sampler`` over float32 logits; ``piece``/``is_eog`` come from the owning model."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        *,
+        n_vocab: int,
+        piece: Callable[[int], bytes],
+        is_eog: Callable[[int], bool],
+        on_free: Callable[[], None],
+    ) -> None:
+        self._params = params
+        self._n_vocab = n_vocab
+        self._piece = piece
+        self._is_eog = is_eog
+        self._grammar = (
+            LiteralGrammar.compile(params.grammar, params.grammar_root)
+            if params.grammar is not None
+            else None
+        )
+        self._seed = params.seed if params.seed is not None else secrets.randbits(32)
+        self._rng = np.random.default_rng(self._seed)
+        self._history: deque[int] = deque(maxlen=max(params.repeat_last_n, 0) or None)
+        for token, _ in params.logit_bias:
+            if not 0 <= token < n_vocab:
+                raise InvalidRequestError(
+                    f"logit_bias token {token} outside [0, {n_vocab})", param="logit_bias"
+                )
+        self._life = Lifetime("sampler", on_free)
+
+    def sample(self, ctx: BackendContext, index: int) -> int:
+        with self._life.using():
+            return self._choose(np.frombuffer(ctx.logits(index), dtype=np.float32))
+
+    def sample_logits(self, logits: bytes | memoryview) -> int:
+        with self._life.using():
+            arr = np.frombuffer(logits, dtype=np.uint8)
+            if arr.nbytes != self._n_vocab * 4:
+                raise InvalidRequestError(
+                    f"expected {self._n_vocab * 4} bytes of float32 logits, got {arr.nbytes}",
+                    param="logits",
+                )
+            return self._choose(arr.view(np.float32))
+
+    def accept(self, token: int) -> None:
+        with self._life.using():
+            if not 0 <= token < self._n_vocab:
+                raise InvalidRequestError(f"token id {token} outside [0, {self._n_vocab})")
+            # History only: the grammar follows sampled output, never fed-in prompt tokens.
+            self._remember(token)
+
+    def reset(self) -> None:
+        with self._life.using():
+            self._rng = np.random.default_rng(self._seed)
+            self._history.clear()
+            if self._grammar is not None:
+                self._grammar.reset()
+
+    def close(self) -> None:
+        self._life.close()
+
+    def _remember(self, token: int) -> None:
+        if self._params.repeat_last_n != 0:
+            self._history.append(token)
+
+    def _choose(self, raw: npt.NDArray[np.float32]) -> int:
+        logits = raw.astype(np.float64, copy=True)
+        for token, bias in self._params.logit_bias:
+            logits[token] += bias
+        self._apply_penalties(logits)
+        if self._grammar is not None:
+            grammar = self._grammar
+            for tok in range(self._n_vocab):
+                if not grammar.allows(self._piece(tok), self._is_eog(tok)):
+                    logits[tok] = -np.inf
+            if not np.isfinite(logits).any():
+                raise GrammarError("the grammar admits no further token", param="grammar")
+        token = self._draw(logits)
+        if self._grammar is not None:
+            self._grammar.accept(self._piece(token), self._is_eog(token))
+        self._remember(token)
+        return token
+
+    def _apply_penalties(self, logits: npt.NDArray[np.float64]) -> None:
+        p = self._params
+        if not self._history or (
+            p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+        ):
+            return
+        counts = np.bincount(np.fromiter(self._history, dtype=np.int64), minlength=self._n_vocab)
+        seen = counts > 0
+        if p.repeat_penalty != 1.0:
+            pos = seen & (logits > 0)
+            logits[pos] /= p.repeat_penalty
+            logits[seen & ~pos] *= p.repeat_penalty
+        logits -= counts * p.frequency_penalty + seen * p.presence_penalty
+
+    def _draw(self, logits: npt.NDArray[np.float64]) -> int:
+        p = self._params
+        if p.greedy:
+            return int(np.argmax(logits))
+        order = np.argsort(-logits, kind="stable")
+        if p.top_k > 0:
+            order = order[: p.top_k]
+        kept = logits[order]
+        probs = _softmax(kept)
+        if p.top_p < 1.0:
+            cut = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
+            order, kept = order[:cut], kept[:cut]
+            probs = _softmax(kept)
+        if p.min_p > 0.0:
+            keep = probs >= p.min_p * probs[0]
+            order, kept = order[keep], kept[keep]
+        probs = _softmax(kept / p.temperature)
+        if not np.isfinite(probs).all():
+            raise NoLogitsError("no finite logits to sample from")
+        return int(order[self._rng.choice(len(order), p=probs)])
+
+
+def _softmax(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    finite = np.isfinite(x)
+    out = np.zeros_like(x)
+    if not finite.any():
+        return out + np.nan
+    shifted = np.exp(x[finite] - x[finite].max())
+    out[finite] = shifted / shifted.sum()
+    return out

@@ -1,0 +1,2 @@
+"""The worker's rooms: one thread per model owns its context and slots; admission, planning,
+ticks, sampling, saves and outcomes run on it. Callers use ``Engine`` and ``Model`` instead."""

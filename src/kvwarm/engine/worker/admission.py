@@ -1,0 +1,249 @@
+"""Admission: a queued request gets a free slot and its prompt KV (own, copied, restored from a
+row, or none), then waits for the tick to prefill the rest.
+
+Invariants: the plan comes from ``planner.choose`` (pure); this module only carries it out and
+never decides how much KV to reuse itself. A request's namespace (the model's, with the
+request's cache salt folded in) is fixed here, when it is admitted, and recorded on its slot.
+Whatever goes wrong, no slot stays taken: a failed restore falls back to a cold prefill, any
+other failure answers the request and its forks (``docs/architecture.md``, "Engine"). A request
+asking for prompt logprobs reuses no KV: every prompt position needs its logits, and restored KV
+has none.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from kvwarm.alignment import canonical_after
+from kvwarm.backends.base import Sampler
+from kvwarm.cache.key import salted_namespace
+from kvwarm.cache.policy import probe_lengths
+from kvwarm.cache.prefix import common_prefix
+from kvwarm.cache.types import Namespace
+from kvwarm.engine.request import Failed, Request
+from kvwarm.engine.text import TextAssembler
+from kvwarm.engine.types import CacheHitKind
+from kvwarm.engine.worker.forks import Forks
+from kvwarm.engine.worker.outcomes import Outcomes
+from kvwarm.engine.worker.planner import (
+    Plan,
+    RowCandidate,
+    choose,
+    recheck_row,
+    trim_restored,
+)
+from kvwarm.engine.worker.runtime import Runtime
+from kvwarm.engine.worker.saves import Saves
+from kvwarm.engine.worker.slots import Active, Slot
+from kvwarm.errors import BackendError, KvwarmError
+
+log = logging.getLogger(__name__)
+
+
+class Admission:
+    def __init__(self, rt: Runtime, forks: Forks, outcomes: Outcomes, saves: Saves) -> None:
+        self.rt = rt
+        self.forks = forks
+        self.outcomes = outcomes
+        self.saves = saves
+
+    def admit(self, req: Request, free: Sequence[Slot]) -> None:
+        """Seat ``req`` in one of the ``free`` slots; on any failure, answer it instead."""
+        try:
+            self._start(req, free)
+        except Exception as exc:
+            self._failed(req, exc)
+
+    def _failed(self, req: Request, exc: Exception) -> None:
+        """Whatever went wrong, the caller gets an answer and no slot stays taken."""
+        err: KvwarmError
+        if isinstance(exc, KvwarmError):
+            err = exc
+        else:
+            log.exception("worker %s: admission failed", self.rt.name)
+            err = BackendError(f"admission failed: {exc!r}")
+            err.__cause__ = exc
+        for one in req.group:
+            for slot in self.rt.slots:
+                if slot.active is not None and slot.active.req is one:
+                    self.outcomes.fail(slot, err)
+            one.answer(Failed(err))  # a no-op for one answered just now
+
+    def _plan(self, req: Request, free: Sequence[Slot]) -> tuple[Slot, Plan, Namespace]:
+        rt = self.rt
+        ns = salted_namespace(rt.namespace(), req.options.salt_bytes())
+        # A parent_key row was waited for on the caller's thread, so it is published by now
+        # and this lookup scores it by what it really shares. The lookup is confined to ns:
+        # a parent_key of another salt's row waits, but never restores.
+        # Shared tiers (s3, a shared directory) are probed for the prefixes a save of another
+        # process could have written, bounded by the cache (docs/architecture.md).
+        t0 = time.perf_counter()
+        prompt = req.prompt_tokens
+        eog = frozenset(rt.eog_tokens())
+        ends = [i for i, t in enumerate(prompt) if t in eog]  # where earlier chat turns ended
+        probes = probe_lengths(len(prompt), rt.cfg.policy, rt.cfg.n_batch, turn_ends=ends)
+        match = rt.cache.longest_prefix(ns, req.prompt_tokens, probe_lengths=probes)
+        rt.cache.record_latency("lookup", time.perf_counter() - t0)
+        row = None
+        if req.options.prompt_logprobs is not None:
+            match = None  # every position's logits are needed: prefill from the start
+        if match is not None:
+            info = match.row
+            row = RowCandidate(
+                info.key, match.n_shared, info.n_tokens, info.canonical_tokens, info.has_logits
+            )
+        slot, plan = choose(
+            req.prompt_tokens,
+            free=free,
+            slots=rt.slots,
+            row=row,
+            n_batch=rt.cfg.n_batch,
+            deterministic=req.deterministic,
+            namespace=ns,
+        )
+        if req.options.prompt_logprobs is not None:
+            plan = Plan("none", 0)
+        return slot, plan, ns
+
+    def _start(self, req: Request, free: Sequence[Slot]) -> None:
+        slot, plan, ns = self._plan(req, free)
+        n = len(req.prompt_tokens)
+        samplers: list[Sampler] = []
+        try:
+            for one in req.group:
+                banned = self.rt.eog_tokens() if one.options.ignore_eos else ()
+                params = one.options.sampling(one.grammar, banned)
+                samplers.append(self.rt.model.new_sampler(params))
+            keep, logits_from_row = self._apply(slot, plan, req)
+        except Exception:
+            for made in samplers:
+                made.close()
+            self.rt.reset_seq(slot)
+            raise
+        sampler, fork_samplers = samplers[0], samplers[1:]
+        fork_slots = self.forks.pick(slot, free, len(req.forks))
+        self.forks.seat(fork_slots, list(zip(req.forks, fork_samplers, strict=True)), ns)
+        hit: CacheHitKind
+        if keep == 0:
+            hit = "cold"
+            if plan.kind in ("none", "row"):
+                self.rt.cache.record_miss()
+        elif plan.shared >= n:
+            hit = "exact"
+        else:
+            hit = "partial"
+        self._seat(slot, req, ns, sampler, keep, hit, logits_from_row, fork_slots)
+
+    def _seat(
+        self,
+        slot: Slot,
+        req: Request,
+        ns: Namespace,
+        sampler: Sampler,
+        keep: int,
+        hit: CacheHitKind,
+        logits_from_row: bytes | None,
+        forks: list[Slot],
+    ) -> None:
+        n = len(req.prompt_tokens)
+        active = Active(
+            req=req,
+            namespace=ns,
+            sampler=sampler,
+            assembler=TextAssembler(req.options.stop),
+            prefill_pos=keep,
+            pause_at=self.saves.cold_pause(keep, n),
+            cached_tokens=keep,
+            hit_kind=hit,
+            admitted=time.perf_counter(),
+            last_continued=n,  # continued saves count generated tokens from the prompt's end
+            forks=forks,
+        )
+        slot.active = active
+        slot.kv_namespace = ns  # whatever KV the slot holds from now on was computed under ns
+        slot.phase = "prefill"
+        if logits_from_row is not None:
+            # Exact hit with stored final logits: no decode at all before the first token.
+            active.prefill_done = time.perf_counter()
+            slot.phase = "generate"
+            try:
+                self.forks.prefilled(slot, None, logits_from_row)
+            except KvwarmError as exc:
+                self.outcomes.fail(slot, exc)
+
+    def _apply(self, slot: Slot, plan: Plan, req: Request) -> tuple[int, bytes | None]:
+        """Put the plan's KV into ``slot``; (tokens kept, stored logits to sample from)."""
+        rt = self.rt
+        tokens = req.prompt_tokens
+        keep = plan.keep
+        logits_from_row: bytes | None = None
+        source_canonical: int | None = None
+        if plan.kind == "row":
+            try:
+                keep, source_canonical, logits_from_row = self._restore_row(slot, plan, req)
+            except KvwarmError as exc:
+                log.warning("worker %s: cache restore failed, prefilling cold: %s", rt.name, exc)
+                keep, source_canonical, logits_from_row = 0, None, None
+        elif plan.kind == "copy":
+            src = rt.slots[plan.src_seq]
+            rt.reset_seq(slot)
+            rt.ctx.seq_cp(src.seq, slot.seq, 0, keep)
+            source_canonical = src.canonical
+            slot.kv_tokens[:] = tokens[:keep]
+        elif plan.kind == "self":
+            source_canonical = slot.canonical
+            if len(slot.kv_tokens) > keep:
+                rt.ctx.seq_rm(slot.seq, keep, -1)
+                del slot.kv_tokens[keep:]
+        else:
+            rt.reset_seq(slot)
+        if keep == 0:
+            rt.reset_seq(slot)
+            source_canonical = None
+        slot.canonical = canonical_after(keep, source_canonical, len(tokens), rt.cfg.n_batch)
+        return keep, logits_from_row
+
+    def _restore_row(
+        self, slot: Slot, plan: Plan, req: Request
+    ) -> tuple[int, int | None, bytes | None]:
+        assert plan.row_key is not None
+        rt = self.rt
+        tokens = req.prompt_tokens
+        nb = rt.cfg.n_batch
+        det = req.deterministic
+        with rt.cache.open_row(plan.row_key) as row:
+            canonical = row.info.canonical_tokens
+            shared = common_prefix(row.tokens, tokens)
+            keep = recheck_row(
+                plan.keep, shared, len(tokens), canonical=canonical, n_batch=nb, det=det
+            )
+            if keep == 0:
+                return 0, None, None
+            rt.reset_seq(slot)
+            t0 = time.perf_counter()
+            # A manifest's chunks are restored each from the buffer it was read into; chunks
+            # the context cannot restore in place (an older chunk format) are joined (each
+            # byte copied once) into the worker's reused buffer, which kv_unpack reads in
+            # place. A whole-blob row is unpacked from its view directly. No view is kept.
+            if row.chunks:
+                n_restored = rt.ctx.kv_unpack_chunks(slot.seq, row.chunks)
+                if n_restored is None:
+                    n_restored = rt.ctx.kv_unpack(slot.seq, rt.join_buf.join(rt.ctx, row.chunks))
+            else:
+                n_restored = rt.ctx.kv_unpack(slot.seq, row.payload)
+            rt.cache.record_latency("unpack", time.perf_counter() - t0)
+            slot.kv_tokens[:] = row.tokens[:n_restored]
+            keep, use_logits = trim_restored(
+                keep,
+                n_restored,
+                len(tokens),
+                use_logits=plan.use_logits and row.logits is not None,
+                n_batch=nb,
+                det=det,
+            )
+            if n_restored > keep:
+                rt.ctx.seq_rm(slot.seq, keep, -1)
+                del slot.kv_tokens[keep:]
+            return keep, canonical, row.logits if use_logits else None

@@ -1,0 +1,110 @@
+"""Forks: the other choices of an ``n > 1`` request share its prompt KV instead of prefilling it.
+
+The first choice is planned and prefilled as any request. Its forks are seated with it, each in
+a slot of its own (phase ``fork``), and wait. The moment the first choice's prompt KV is
+complete (its last prefill chunk, or a row restored with its final logits), ``fork`` shares
+that KV with every waiting slot (``seq_cp``: cells are shared, not copied) and each choice
+samples its first token from the same logits with its own sampler. From then on they are
+independent requests.
+
+Invariants: the prompt is prefilled once for the whole group; a fork's KV equals the first
+choice's prompt KV token for token (so its canonical prefix is the same); a fork cancelled
+while it waits is simply skipped (``docs/architecture.md``, "Engine").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from kvwarm.backends.base import Sampler
+from kvwarm.cache.types import Namespace
+from kvwarm.engine.request import Prefilled, Request
+from kvwarm.engine.text import TextAssembler
+from kvwarm.engine.worker.outcomes import Outcomes
+from kvwarm.engine.worker.runtime import Runtime
+from kvwarm.engine.worker.sampling import Sampling
+from kvwarm.engine.worker.slots import Active, Slot
+from kvwarm.errors import KvwarmError
+
+
+class Forks:
+    def __init__(self, rt: Runtime, sampling: Sampling, outcomes: Outcomes) -> None:
+        self.rt = rt
+        self.sampling = sampling
+        self.outcomes = outcomes
+
+    def pick(self, first: Slot, free: Sequence[Slot], n: int) -> list[Slot]:
+        """``n`` free slots other than ``first``: empty ones, then the least recently used
+        (their live KV is what the group overwrites)."""
+        others = [s for s in free if s is not first]
+        others.sort(key=lambda s: (bool(s.kv_tokens), s.last_used))
+        return others[:n]
+
+    def seat(
+        self,
+        slots: Sequence[Slot],
+        forks: Sequence[tuple[Request, Sampler]],
+        ns: Namespace,
+    ) -> None:
+        """Seat each fork in its slot, waiting for the first choice's prompt KV."""
+        now = time.perf_counter()
+        for slot, (req, sampler) in zip(slots, forks, strict=True):
+            n = len(req.prompt_tokens)
+            slot.active = Active(
+                req=req,
+                namespace=ns,
+                sampler=sampler,
+                assembler=TextAssembler(req.options.stop),
+                prefill_pos=n,
+                pause_at=None,
+                # The whole prompt's KV comes from the first choice: none is prefilled here.
+                cached_tokens=n,
+                hit_kind="exact",
+                admitted=now,
+                last_continued=n,
+            )
+            slot.phase = "fork"
+
+    def prefilled(self, slot: Slot, row: int | None, stored: bytes | None) -> None:
+        """``slot``'s prompt KV is complete: announce its prompt logprobs, share the KV with
+        its waiting forks, and let every choice of the group sample its first token."""
+        act = slot.active
+        assert act is not None
+        forked = self._share(slot)
+        group = [slot, *forked]
+        if act.req.options.prompt_logprobs is not None:
+            event = Prefilled(tuple(act.prompt_logprobs))
+            for member in group:
+                assert member.active is not None
+                member.active.prompt_logprobs = list(act.prompt_logprobs)
+                if member.active.req.fragments:
+                    member.active.req.channel.put(event)
+        # Forks first: the first choice may finish at once and would then save its slot.
+        for member in [*forked, slot]:
+            if member.active is None:
+                continue
+            try:
+                self.sampling.on_logits(member, row, stored)
+            except KvwarmError as exc:  # one choice's failure is its own
+                self.outcomes.fail(member, exc)
+
+    def _share(self, slot: Slot) -> list[Slot]:
+        act = slot.active
+        assert act is not None
+        n = len(act.req.prompt_tokens)
+        ready: list[Slot] = []
+        now = time.perf_counter()
+        for fork in act.forks:
+            fa = fork.active
+            if fa is None or fa.req not in act.req.forks:
+                continue  # cancelled while it waited
+            self.rt.ctx.seq_cp(slot.seq, fork.seq, 0, n)
+            fork.kv_tokens[:] = slot.kv_tokens[:n]
+            fork.canonical = min(slot.canonical, n)
+            fork.kv_namespace = slot.kv_namespace  # the same request's prompt, the same salt
+            fa.prefill_done = now
+            fork.phase = "generate"
+            ready.append(fork)
+        act.forks = []
+        return ready

@@ -1,0 +1,266 @@
+"""One worker thread per model: owns the ``llama_context`` and every slot's sequence.
+
+The thread's rooms: ``admission`` (a queued request gets a slot and its prompt KV, planned by
+the pure ``planner``), ``tick`` (one round of forward passes), ``sampling`` (logits to the next
+token), ``saves`` (packing KV for the cache) and ``outcomes`` (how a request leaves its slot).
+This module is the loop around them: the queue, jobs, and shutdown.
+
+Invariants:
+- Only this thread touches the context (decode, pack, unpack, seq ops). Other threads talk to
+  it through ``submit`` (requests, FIFO) and ``call`` (jobs run between ticks).
+- A save's bytes are packed here, between decode calls, and handed to the cache's writer pool;
+  async saves never block a tick.
+- A request's namespace (effective fingerprint) is fixed when it is admitted to a slot; adapter
+  changes are jobs that wait until no slot is active, so they never affect a running request.
+- Any failure is confined to the requests it touches; the loop itself never dies while the
+  model is loaded (an unexpected error fails the in-flight requests and clears their KV).
+- Other threads see the slots through ``slot_statuses()``: frozen copies this thread
+  publishes (``Runtime.publish``) after each round and before any answer. Only the ``active``
+  count reads live slots (one attribute each, never the context).
+
+See ``docs/architecture.md``, "Engine".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvwarm.backends.base import BackendContext, BackendModel
+from kvwarm.cache.api import CacheApi
+from kvwarm.cache.types import Namespace, SaveReason
+from kvwarm.engine.request import Failed, Request
+from kvwarm.engine.types import SlotStatus
+from kvwarm.engine.worker.admission import Admission
+from kvwarm.engine.worker.forks import Forks
+from kvwarm.engine.worker.outcomes import Outcomes
+from kvwarm.engine.worker.runtime import Runtime, WorkerConfig, WorkerStats
+from kvwarm.engine.worker.sampling import Sampling
+from kvwarm.engine.worker.saves import Saves
+from kvwarm.engine.worker.slots import Slot
+from kvwarm.engine.worker.tick import Tick
+from kvwarm.errors import EngineClosedError, QueueFullError
+
+__all__ = ["Worker", "WorkerConfig", "WorkerStats"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    fn: Callable[[], object]
+    future: Future[object]
+    needs_idle: bool
+
+
+class Worker:
+    def __init__(
+        self,
+        name: str,
+        model: BackendModel,
+        ctx: BackendContext,
+        cache: CacheApi,
+        config: WorkerConfig,
+        namespace: Callable[[], Namespace],
+    ) -> None:
+        self.name = name
+        self.cfg = config
+        slots = [Slot(seq=i) for i in range(config.n_parallel)]
+        self.rt = Runtime(name, model, ctx, cache, config, namespace, slots)
+        self.slots = slots
+        self.stats = self.rt.stats
+        self.saves = Saves(self.rt)
+        self.outcomes = Outcomes(self.rt, self.saves)
+        forks = Forks(self.rt, Sampling(self.rt, self.outcomes), self.outcomes)
+        self.admission = Admission(self.rt, forks, self.outcomes, self.saves)
+        self.tick = Tick(self.rt, forks, self.outcomes, self.saves)
+        self._queue: deque[Request] = deque()
+        self._jobs: deque[_Job] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._shutdown_save: Callable[[], object] | None = None
+        self._closed = threading.Event()
+        self.rt.publish()
+        self._thread = threading.Thread(target=self._run, name=f"kvwarm-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- called from other threads -------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        with self._cond:
+            if self._closing:
+                raise EngineClosedError(f"model {self.name!r} is shut down")
+            if len(self._queue) >= self.cfg.max_queue:
+                raise QueueFullError(
+                    f"model {self.name!r} has {len(self._queue)} queued requests (max_queue)"
+                )
+            self._queue.append(req)
+            self._cond.notify_all()
+
+    def call(self, fn: Callable[[], T], *, needs_idle: bool = False) -> Future[T]:
+        """Run ``fn`` on the worker thread between ticks (after active slots drain if
+        ``needs_idle``)."""
+        fut: Future[T] = Future()
+        with self._cond:
+            if self._closing:
+                raise EngineClosedError(f"model {self.name!r} is shut down")
+            self._jobs.append(_Job(fn, fut, needs_idle))  # type: ignore[arg-type]
+            self._cond.notify_all()
+        return fut
+
+    def cancel(self, req: Request) -> None:
+        """Cancel ``req``: answered here at once if still queued (even while the worker is
+        inside a forward pass), else observed by the worker between tokens."""
+        req.cancelled.set()
+        with self._cond:
+            try:
+                self._queue.remove(req)
+            except ValueError:
+                queued = False
+            else:
+                queued = True
+            self._cond.notify_all()
+        if queued:
+            self.outcomes.cancelled_unstarted(req)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active(self) -> int:
+        return sum(1 for s in self.slots if s.active is not None)
+
+    @property
+    def kv_cells_used(self) -> int:
+        """Context cells the slots' sequences hold (from the published view: may lag a tick)."""
+        return sum(s.n_tokens for s in self.rt.view)
+
+    def slot_statuses(self) -> tuple[SlotStatus, ...]:
+        """The slots as of the end of the worker's last round (any thread; no lock)."""
+        return self.rt.view
+
+    def stop(self, shutdown_save: Callable[[], object] | None, timeout_s: float) -> None:
+        """Cancel everything, run ``shutdown_save`` on the worker, and end the thread."""
+        with self._cond:
+            if self._closing:
+                pending_stop = True
+            else:
+                pending_stop = False
+                self._closing = True
+                self._shutdown_save = shutdown_save
+                self._cond.notify_all()
+        if not pending_stop:
+            for req in list(self._queue):
+                req.cancelled.set()
+        self._closed.wait(timeout_s)
+
+    # ---- worker-thread helpers for jobs ---------------------------------------------------
+
+    def save_idle_slots(self, reason: SaveReason, *, release: bool) -> int:
+        """Sync-save every idle slot's live KV (evict / shutdown). Worker thread only."""
+        return self.saves.save_idle_slots(reason, release=release)
+
+    def invalidate_live_kv(self) -> None:
+        """Forget every idle slot's live KV (after the adapter set changed)."""
+        for slot in self.slots:
+            if slot.active is None:
+                self.rt.reset_seq(slot)
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._has_work() and not self._closing:
+                        self._cond.wait()
+                    closing = self._closing
+                if closing:
+                    self._drain_on_close()
+                    return
+                try:
+                    self._run_jobs()
+                    self._admit()
+                    self.tick.run()
+                except Exception as exc:  # never let the loop die: fail what is in flight
+                    log.exception("worker %s: unexpected error; failing active requests", self.name)
+                    self.outcomes.fail_all_active(exc)
+                self.rt.publish()
+        except BaseException:
+            log.exception("worker %s: thread is dying; refusing further requests", self.name)
+            with self._cond:
+                self._closing = True
+            self._drain_on_close()
+            raise
+        finally:
+            self.rt.join_buf.release()  # the restore buffer (tens of MiB) goes with the worker
+            self.rt.publish()
+            self._closed.set()
+
+    def _has_work(self) -> bool:
+        if any(s.active is not None for s in self.slots):
+            return True
+        if self._jobs:
+            return True
+        return bool(self._queue) and not self._blocked_by_idle_job()
+
+    def _blocked_by_idle_job(self) -> bool:
+        return any(j.needs_idle for j in self._jobs)
+
+    def _run_jobs(self) -> None:
+        idle = all(s.active is None for s in self.slots)
+        while True:
+            with self._cond:
+                if not self._jobs or (self._jobs[0].needs_idle and not idle):
+                    return
+                job = self._jobs.popleft()
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            try:
+                job.future.set_result(job.fn())
+            except BaseException as exc:
+                job.future.set_exception(exc)
+
+    def _admit(self) -> None:
+        """Seat queued requests, FIFO, while a slot is free (not while a job needs idle)."""
+        if self._blocked_by_idle_job():
+            return
+        while True:
+            free = [s for s in self.slots if s.active is None]
+            if not free:
+                return
+            with self._cond:
+                # n > 1 waits at the head of the queue (FIFO) until all its slots are free;
+                # Model refuses an n above n_parallel, so it never waits for ever.
+                if not self._queue or len(self._queue[0].group) > len(free):
+                    return
+                req = self._queue.popleft()
+            if req.cancelled.is_set():
+                self.outcomes.cancelled_unstarted(req)
+                continue
+            self.admission.admit(req, free)
+
+    def _drain_on_close(self) -> None:
+        for slot in self.slots:
+            if slot.active is not None:
+                self.outcomes.finish(slot, "cancelled", None)
+        while self._queue:
+            req = self._queue.popleft()
+            for one in req.group:
+                one.answer(Failed(EngineClosedError(f"model {self.name!r} was unloaded")))
+        while self._jobs:
+            job = self._jobs.popleft()
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(EngineClosedError(f"model {self.name!r} was unloaded"))
+        if self._shutdown_save is not None:
+            try:
+                self._shutdown_save()
+            except Exception:
+                log.exception("worker %s: shutdown save failed", self.name)

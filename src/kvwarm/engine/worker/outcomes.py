@@ -1,0 +1,119 @@
+"""Outcomes: how a request leaves its slot — finished (with its finish save), failed, or
+cancelled before it started.
+
+Invariant: every request gets exactly one final event on its channel (``Done`` or
+``Failed``), and the slot it held is free afterwards (``docs/architecture.md``, "Engine"). A
+request that leaves before its prompt KV was forked takes its waiting forks (``n > 1``) with it:
+they are cancelled or failed alike, never left waiting.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvwarm.cache.policy import should_finish_save
+from kvwarm.cache.types import SaveReason
+from kvwarm.engine.request import Done, Failed, Fragment, Request
+from kvwarm.engine.types import Completion, CompletionStats, FinishReason
+from kvwarm.engine.worker.runtime import Runtime
+from kvwarm.engine.worker.saves import Saves
+from kvwarm.engine.worker.slots import Slot
+from kvwarm.errors import KvwarmError
+
+
+class Outcomes:
+    def __init__(self, rt: Runtime, saves: Saves) -> None:
+        self.rt = rt
+        self.saves = saves
+
+    def finish(self, slot: Slot, reason: FinishReason, logits: bytes | None) -> None:
+        act = slot.active
+        assert act is not None
+        for waiting in self._take_forks(slot):
+            self.finish(waiting, "cancelled", None)
+        now = time.perf_counter()
+        tail = act.assembler.finish()
+        rest = act.unsent_logprobs()
+        if (tail or rest) and act.req.fragments:
+            act.req.channel.put(Fragment(tail, rest))
+        key: bytes | None = None
+        # A cancelled prefill leaves a partial, unaligned prompt: not worth a row.
+        if slot.phase == "generate" and should_finish_save(len(slot.kv_tokens), self.rt.cfg.policy):
+            save_reason = SaveReason.PREWARM if act.req.kind == "prewarm" else SaveReason.FINISH
+            key = self.saves.save(slot, save_reason, logits, act.namespace, sync=False)
+        act.sampler.close()
+        if not act.prefill_done:
+            act.prefill_done = now
+        stats = CompletionStats(
+            prompt_tokens=len(act.req.prompt_tokens),
+            cached_tokens=act.cached_tokens,
+            completion_tokens=len(act.generated),
+            prefill_ms=(act.prefill_done - act.admitted) * 1e3,
+            generation_ms=(now - act.prefill_done) * 1e3,
+            queue_ms=(act.admitted - act.req.submitted) * 1e3,
+            cache_hit=act.hit_kind,
+            finish_reason=reason,
+            key=key,
+            stop_sequence=act.assembler.matched,
+        )
+        self.rt.stats.account(stats)
+        completion = Completion(
+            text=act.assembler.text,
+            prompt_tokens=act.req.prompt_tokens,
+            completion_tokens=tuple(act.generated),
+            stats=stats,
+            logprobs=tuple(act.logprobs) if act.req.options.logprobs is not None else None,
+            prompt_logprobs=(
+                tuple(act.prompt_logprobs) if act.req.options.prompt_logprobs is not None else None
+            ),
+        )
+        slot.active = None
+        slot.phase = "idle"
+        slot.last_used = time.monotonic()
+        self.rt.publish()
+        act.req.answer(Done(completion))
+
+    def _take_forks(self, slot: Slot) -> list[Slot]:
+        """The slots still waiting for ``slot``'s prompt KV; they are no longer its forks."""
+        act = slot.active
+        assert act is not None
+        forks = [s for s in act.forks if s.active is not None and s.active.req in act.req.forks]
+        act.forks = []
+        return forks
+
+    def fail(self, slot: Slot, exc: BaseException) -> None:
+        act = slot.active
+        if act is None:
+            return
+        for waiting in self._take_forks(slot):
+            self.fail(waiting, exc)
+        act.sampler.close()
+        slot.active = None
+        slot.phase = "idle"
+        try:
+            self.rt.reset_seq(slot)
+        except KvwarmError:
+            slot.reset_kv()
+        self.rt.publish()
+        act.req.answer(Failed(exc))
+
+    def fail_all_active(self, exc: BaseException) -> None:
+        for slot in self.rt.slots:
+            self.fail(slot, exc)
+
+    def cancelled_unstarted(self, req: Request) -> None:
+        """A request (and its forks) cancelled while still queued: a cold, empty ``Done``."""
+        now = time.perf_counter()
+        stats = CompletionStats(
+            prompt_tokens=len(req.prompt_tokens),
+            cached_tokens=0,
+            completion_tokens=0,
+            prefill_ms=0.0,
+            generation_ms=0.0,
+            queue_ms=(now - req.submitted) * 1e3,
+            cache_hit="cold",
+            finish_reason="cancelled",
+            key=None,
+        )
+        for one in req.group:
+            one.answer(Done(Completion("", req.prompt_tokens, (), stats)))

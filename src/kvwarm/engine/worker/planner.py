@@ -1,0 +1,182 @@
+"""Where a request's prompt KV comes from. Pure decisions: candidates in, a plan out; no native,
+cache or file calls.
+
+Sources, best first at equal length: the slot's own live KV (no work), another slot's live KV
+(``seq_cp``), a cache row (load + unpack). Every source is scored by ``usable_length``, and a
+row that turns out different once opened is re-scored by the same rules (``recheck_row``,
+``trim_restored``): this module is the only place that decides how much KV is reused.
+Deterministic mode only uses a canonical prefix trimmed to a multiple of ``n_batch``, so the
+result is bit-identical to a cold prefill (``kvwarm.alignment``; ``docs/architecture.md``).
+A slot's live KV is a candidate only for a request of the same namespace (``kv_namespace``):
+like rows, live KV never crosses models, adapter sets or cache salts, or ``cached_tokens``
+would tell one tenant what another's prompt begins with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from kvwarm.alignment import align_down
+from kvwarm.cache.prefix import common_prefix
+from kvwarm.cache.types import Namespace
+from kvwarm.engine.worker.slots import Slot
+
+SourceKind = Literal["none", "self", "copy", "row"]
+
+
+def usable_length(
+    shared: int,
+    n_prompt: int,
+    *,
+    canonical: int | None,
+    n_batch: int,
+    deterministic: bool,
+    row_tokens: int | None = None,
+    row_has_logits: bool = False,
+) -> tuple[int, bool]:
+    """(tokens to keep from the source, whether its stored logits replace any decode).
+
+    At least one prompt token is left to prefill unless the source is a row holding exactly the
+    prompt with its final logits, because sampling needs logits after the last prompt token.
+    """
+    u = min(shared, n_prompt)
+    if deterministic:
+        u = align_down(min(u, canonical if canonical is not None else u), n_batch)
+    exact_logits = (
+        row_has_logits
+        and row_tokens == n_prompt
+        and shared >= n_prompt
+        and (not deterministic or canonical is None or canonical >= n_prompt)
+    )
+    if exact_logits:
+        return n_prompt, True
+    if u >= n_prompt:
+        u = n_prompt - 1
+        if deterministic:
+            u = align_down(u, n_batch)
+    return max(u, 0), False
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    kind: SourceKind
+    keep: int  # prompt tokens whose KV is reused
+    use_logits: bool = False
+    src_seq: int = -1  # for "copy"
+    row_key: bytes | None = None  # for "row"
+    shared: int = 0  # tokens the source shares with the prompt before trimming
+
+
+@dataclass(frozen=True, slots=True)
+class RowCandidate:
+    """The cache's best row for a prompt, as the cache's prefix lookup described it."""
+
+    key: bytes
+    n_shared: int
+    n_tokens: int
+    canonical: int | None
+    has_logits: bool
+
+
+def better(a: Plan, b: Plan) -> Plan:
+    """The plan that reuses more; ties prefer the cheaper source (self < copy < row)."""
+    order = {"self": 0, "copy": 1, "row": 2, "none": 3}
+    if (b.keep, b.use_logits) > (a.keep, a.use_logits):
+        return b
+    if (b.keep, b.use_logits) == (a.keep, a.use_logits) and order[b.kind] < order[a.kind]:
+        return b
+    return a
+
+
+def choose(
+    tokens: Sequence[int],
+    *,
+    free: Sequence[Slot],
+    slots: Sequence[Slot],
+    row: RowCandidate | None,
+    n_batch: int,
+    deterministic: bool,
+    namespace: Namespace | None = None,
+) -> tuple[Slot, Plan]:
+    """The free slot to serve ``tokens`` in, and the plan for its prompt KV.
+
+    ``free``: the idle slots; ``slots``: all of them (any slot's live KV of the request's
+    ``namespace`` can be shared); ``row``: the cache's longest-prefix row in that namespace, if
+    any.
+    """
+    n = len(tokens)
+
+    def keep_of(shared: int, canonical: int | None) -> int:
+        keep, _ = usable_length(
+            shared, n, canonical=canonical, n_batch=n_batch, deterministic=deterministic
+        )
+        return keep
+
+    # Prefix affinity: the free slot whose own live KV shares the most with the prompt.
+    best_slot = min(free, key=lambda s: s.last_used)
+    best = Plan("none", 0)
+    for slot in free:
+        if slot.kv_namespace != namespace:
+            continue
+        shared = common_prefix(slot.kv_tokens, tokens)
+        cand = Plan("self", keep_of(shared, slot.canonical), shared=shared)
+        if better(best, cand) is cand and cand.keep > 0:
+            best, best_slot = cand, slot
+    if best.kind == "none":
+        # Prefer an empty slot over overwriting a warm one.
+        empty = [s for s in free if not s.kv_tokens]
+        best_slot = empty[0] if empty else best_slot
+    for other in slots:
+        if other is best_slot or not other.kv_tokens or other.kv_namespace != namespace:
+            continue
+        shared = common_prefix(other.kv_tokens, tokens)
+        cand = Plan("copy", keep_of(shared, other.canonical), src_seq=other.seq, shared=shared)
+        if cand.keep > 0:
+            best = better(best, cand)
+    if row is not None:
+        shared = min(row.n_shared, n)
+        keep, use_logits = usable_length(
+            shared,
+            n,
+            canonical=row.canonical,
+            n_batch=n_batch,
+            deterministic=deterministic,
+            row_tokens=row.n_tokens,
+            row_has_logits=row.has_logits,
+        )
+        if keep > 0:
+            best = better(best, Plan("row", keep, use_logits, row_key=row.key, shared=shared))
+    return best_slot, best
+
+
+def recheck_row(
+    keep: int, shared: int, n_prompt: int, *, canonical: int | None, n_batch: int, det: bool
+) -> int:
+    """The planned ``keep`` of a row, re-scored if the opened row shares only ``shared`` tokens
+    with the prompt (the row changed since the lookup). Token-exact, always."""
+    if shared >= keep:
+        return keep
+    keep, _ = usable_length(
+        shared, n_prompt, canonical=canonical, n_batch=n_batch, deterministic=det
+    )
+    return keep
+
+
+def trim_restored(
+    keep: int, n_restored: int, n_prompt: int, *, use_logits: bool, n_batch: int, det: bool
+) -> tuple[int, bool]:
+    """(tokens of an unpacked row to keep, whether its stored logits are used).
+
+    ``use_logits``: the plan wanted the row's logits and the row has them. A blob holding fewer
+    cells than its tokens claim keeps only what it holds, and then no logits.
+    """
+    use_logits = use_logits and keep == n_prompt
+    if not use_logits and keep >= n_prompt:
+        keep = n_prompt - 1
+    if keep > n_restored:
+        keep, use_logits = n_restored, False
+    if det and not use_logits:
+        keep = align_down(keep, n_batch)
+    return keep, use_logits

@@ -1,0 +1,90 @@
+"""What the worker thread's rooms share: the model, its context, the cache and the slots.
+
+Invariant: a ``Runtime`` is touched only on its worker thread. Admission, the tick, sampling,
+saves and outcomes each hold the same ``Runtime`` and never a copy of any of its parts, so
+``slot.kv_tokens`` always lists exactly what the context's sequence holds (see
+``docs/architecture.md``, "Engine"). The one exception is ``view``: frozen slot statuses that
+``publish`` replaces whole, which other threads read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvwarm.backends.base import BackendContext, BackendModel
+from kvwarm.cache.api import CacheApi
+from kvwarm.cache.types import FingerprintMode, Namespace, PolicyConfig, TierName
+from kvwarm.engine.types import CompletionStats, SlotStatus
+from kvwarm.engine.worker.batching import BatchStrategy
+from kvwarm.engine.worker.joinbuf import JoinBuffer
+from kvwarm.engine.worker.slots import Slot
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    n_parallel: int
+    n_ctx_slot: int
+    n_batch: int
+    n_ubatch: int
+    policy: PolicyConfig
+    save_tier: TierName
+    quant_bits: int
+    fingerprint_mode: FingerprintMode
+    max_queue: int
+    strategy: BatchStrategy
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_ms: float = 0.0
+    generation_ms: float = 0.0
+    ticks: int = 0
+    prefilled_tokens: int = 0  # prompt tokens run through the model (not restored or forked)
+    hits: dict[str, int] = field(default_factory=lambda: {"exact": 0, "partial": 0, "cold": 0})
+
+    def account(self, st: CompletionStats) -> None:
+        self.requests += 1
+        self.prompt_tokens += st.prompt_tokens
+        self.cached_tokens += st.cached_tokens
+        self.completion_tokens += st.completion_tokens
+        self.prefill_ms += st.prefill_ms
+        self.generation_ms += st.generation_ms
+        self.hits[st.cache_hit] += 1
+
+
+@dataclass(slots=True, eq=False)
+class Runtime:
+    name: str
+    model: BackendModel
+    ctx: BackendContext
+    cache: CacheApi
+    cfg: WorkerConfig
+    namespace: Callable[[], Namespace]
+    slots: list[Slot]
+    stats: WorkerStats = field(default_factory=WorkerStats)
+    view: tuple[SlotStatus, ...] = ()
+    join_buf: JoinBuffer = field(default_factory=JoinBuffer)  # chunked restores join here
+    _eog: tuple[int, ...] | None = None
+
+    def publish(self) -> None:
+        """Refresh ``view`` from the live slots: after each round, and before a request's
+        answer goes out (so a caller who got it sees its slot free)."""
+        self.view = tuple(slot.status() for slot in self.slots)
+
+    def reset_seq(self, slot: Slot) -> None:
+        """Drop the slot's KV from the context and forget its tokens."""
+        if slot.kv_tokens:
+            self.ctx.seq_rm(slot.seq, 0, -1)
+        slot.reset_kv()
+
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation token id (computed once: one native call per vocab entry)."""
+        if self._eog is None:
+            n_vocab = self.model.facts.n_vocab
+            self._eog = tuple(t for t in range(n_vocab) if self.model.is_eog(t))
+        return self._eog

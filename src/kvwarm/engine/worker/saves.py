@@ -1,0 +1,88 @@
+"""Saves: packing a slot's live KV and handing it to the cache.
+
+Invariants: bytes are packed on the worker thread, between decode calls, and handed to the
+cache's writer pool with the backend's chunk codec, which cuts them into the chunks the tier
+lacks on a writer thread (``cache/chunking.py``); an async save never blocks a tick. A row's
+``canonical_tokens`` is the slot's canonical prefix, so a deterministic restore trusts only
+KV an aligned prefill produced (``kvwarm.alignment``; ``docs/architecture.md``, "Engine").
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvwarm.alignment import align_down
+from kvwarm.cache.policy import cold_save_length
+from kvwarm.cache.types import Namespace, SaveReason, SaveRequest, TtlClass
+from kvwarm.engine.worker.runtime import Runtime
+from kvwarm.engine.worker.slots import Slot
+
+
+class Saves:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def save(
+        self, slot: Slot, reason: SaveReason, logits: bytes | None, ns: Namespace, *, sync: bool
+    ) -> bytes | None:
+        """Pack the slot's sequence and hand it to the cache. Returns the row key if the save
+        was accepted (async) or published (sync)."""
+        rt = self.rt
+        cfg = rt.cfg
+        tokens = tuple(slot.kv_tokens)
+        if len(tokens) < cfg.policy.min_tokens or not tokens:
+            return None
+        t0 = time.perf_counter()
+        payload = rt.ctx.kv_pack(slot.seq)
+        rt.cache.record_latency("pack", time.perf_counter() - t0)
+        act = slot.active
+        canonical = slot.canonical if slot.canonical < len(tokens) else None
+        request = SaveRequest(
+            namespace=ns,
+            tokens=tokens,
+            payload=payload,
+            reason=reason,
+            tier=cfg.save_tier,
+            logits=logits,
+            prompt_text=act.req.prompt_text[:4096] if act is not None else "",
+            ttl_class=act.req.ttl_class if act is not None else TtlClass.SHORT,
+            context_size=cfg.n_ctx_slot,
+            quant_bits=cfg.quant_bits,
+            fingerprint_mode=cfg.fingerprint_mode,
+            canonical_tokens=canonical,
+            # Packed once here; the cache cuts only the chunks its tier lacks, on a writer
+            # thread (the codec is pure), so the tick pays for one pack, as before.
+            split=rt.ctx.kv_codec.split,
+        )
+        timeout = cfg.policy.evict_save_timeout_ms / 1e3
+        return rt.cache.save(request, sync=sync, timeout_s=timeout)
+
+    def save_idle_slots(self, reason: SaveReason, *, release: bool) -> int:
+        """Sync-save every idle slot's live KV (evict / shutdown). Worker thread only."""
+        rt = self.rt
+        saved = 0
+        for slot in rt.slots:
+            # The slot's own namespace, not the model's: a salted request's KV must land in
+            # its salt's namespace, or evict would publish it to every other tenant.
+            ns = slot.kv_namespace
+            if slot.active is not None or not slot.kv_tokens or ns is None:
+                continue
+            if rt.cache.has(rt.cache.key_for(ns, slot.kv_tokens)):
+                # A row (maybe still in flight, like its finish save) holds exactly this KV:
+                # packing it again would only lose the reservation race.
+                saved += 1
+            elif self.save(slot, reason, None, ns, sync=True) is not None:
+                saved += 1
+            if release:
+                rt.reset_seq(slot)
+        return saved
+
+    def cold_pause(self, keep: int, n: int) -> int | None:
+        """Where a cold prefill of ``n`` prompt tokens pauses for its cold save, if anywhere."""
+        policy = self.rt.cfg.policy
+        boundary = cold_save_length(n, policy)
+        # Pausing between aligned chunks keeps the cold row canonical.
+        boundary = align_down(boundary, self.rt.cfg.n_batch)
+        if boundary <= keep or boundary >= n or boundary < policy.min_tokens:
+            return None
+        return boundary

@@ -1,0 +1,1 @@
+"""Operations: health, metrics, tokenize, cache administration and models at run time."""

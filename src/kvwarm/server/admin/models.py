@@ -1,0 +1,147 @@
+"""Models at run time: ``GET /v1/models`` (configured models, the models directory, aliases) and
+the admin endpoints that load and unload them.
+
+Invariants: ``/admin/*`` sits behind the admin key (or the API key) exactly as ``/cache/*`` does
+(``server/guard.py``), and, being POSTs, behind the Origin and Host checks. Loading a file by
+*path* reads any file the server can read, so it is refused unless a key is configured at all;
+loading by *name* only opens a regular file inside ``models_dir`` (``kvwarm.models_dir``).
+Unloading a model with requests in flight is a 409 (``ModelBusyError``), never a cut-off answer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.registry import ModelEntry
+from kvwarm.server.schemas import json_body, parse_body, read_json
+from kvwarm.server.state import ServerState, server_state
+
+router = APIRouter()
+
+
+class LoadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(default=None, description="a model id, alias or models_dir name")
+    path: str | None = Field(default=None, description="a GGUF file (needs a configured key)")
+    id: str | None = Field(default=None, description="the id to serve a path under")
+
+
+class UnloadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="the model id (or alias) to unload")
+
+
+def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
+    """One ``/v1/models`` item: OpenAI's fields, the load state, and facts once loaded."""
+    item: dict[str, object] = {
+        "id": entry.id,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "kvwarm",
+        "status": entry.state,
+        "source": entry.source,
+    }
+    if entry.model is not None:
+        info = entry.model.info()
+        item["meta"] = {
+            "path": info.path,
+            "backend": info.backend,
+            "n_ctx": info.n_ctx,
+            "n_ctx_train": info.n_ctx_train,
+            "n_vocab": info.n_vocab,
+            "n_embd": info.n_embd,
+            "n_parallel": info.n_parallel,
+            "size": info.size_bytes,
+            "description": info.description,
+            "fingerprint": info.fingerprint,
+            "chat_template": info.chat_template,
+            "n_gpu_layers": info.n_gpu_layers,
+            "flash_attn": info.flash_attn,
+            "type_k": info.type_k,
+            "type_v": info.type_v,
+        }
+    elif entry.error:
+        item["error"] = entry.error
+    return item
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    state = server_state(request)
+    state.registry.rescan()  # new files in models_dir appear (one listdir, under the lock)
+    data = [model_item(state, entry) for entry in list(state.entries.values())]
+    for alias, target in state.registry.aliases.items():
+        entry = state.entries.get(target)
+        if entry is not None:
+            data.append({**model_item(state, entry), "id": alias, "alias_of": target})
+    return JSONResponse({"object": "list", "data": data})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> Response:
+    """One model (an id or an alias), as OpenAI's ``models.retrieve`` returns it; 404
+    ``model_not_found``."""
+    state = server_state(request)
+    registry = state.registry
+    target = registry.aliases.get(model_id, model_id)
+    if target not in state.entries:
+        registry.rescan()
+    entry = state.entries.get(target)
+    if entry is None:
+        raise HTTPError(
+            404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
+        )
+    item = model_item(state, entry)
+    return JSONResponse(
+        item if target == model_id else {**item, "id": model_id, "alias_of": target}
+    )
+
+
+@router.post("/admin/models/load", openapi_extra=json_body(LoadRequest))
+async def load_model(request: Request) -> Response:
+    """Load a model and answer once it is ready (a failed one is retried)."""
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), LoadRequest)
+    if (req.name is None) == (req.path is None):
+        raise HTTPError(400, "give exactly one of name or path", param="name")
+    if req.id is not None and req.path is None:
+        raise HTTPError(400, "id names a model loaded by path; a name keeps its own id", param="id")
+    path = None
+    if req.path is not None:
+        if not (state.settings.admin_key or state.settings.api_key):
+            raise HTTPError(
+                403,
+                "loading a model by path needs an admin key or an API key on this server "
+                "(--admin-key); load by name from --models-dir instead",
+                code="key_required",
+                param="path",
+            )
+        path = Path(req.path).expanduser()
+        if not path.is_file():  # a typo is the caller's to fix, not a load to retry (503)
+            raise HTTPError(
+                404, f"no model file at {req.path!r}", param="path", code="model_not_found"
+            )
+    model_id = await state.registry.admin_load(req.name, path, req.id)
+    return JSONResponse(model_item(state, state.entries[model_id]))
+
+
+@router.post("/admin/models/unload", openapi_extra=json_body(UnloadRequest))
+async def unload_model(request: Request) -> Response:
+    """Unload a model (bounded shutdown saves); its next request loads it again."""
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), UnloadRequest)
+    entry = state.registry.begin_unload(req.model)
+    if entry is not None:
+        await run_in_threadpool(state.registry.finish_unload, entry)
+    target = state.registry.aliases.get(req.model, req.model)
+    entry = state.entries.get(target)
+    return JSONResponse(model_item(state, entry) if entry else {"id": req.model})

@@ -1,0 +1,329 @@
+"""Operational endpoints: health, metrics, tokenize/detokenize and cache administration.
+
+Invariant: ``/health`` is 200 once the configured models have been loaded and at least one model
+can be served (``status`` "degraded" while some failed); while they load it is a 503 with an
+OpenAI-shaped error (``code`` model_loading), and a 503 with ``model_load_failed`` when nothing
+can be served. Cache administration acts on the one shared ``Cache`` of the engine.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvwarm.cache.types import RowInfo, TtlClass
+from kvwarm.engine.types import CompletionStats, ModelStatus
+from kvwarm.server import tenancy
+from kvwarm.server.errors import HTTPError, error_body
+from kvwarm.server.schemas import (
+    DetokenizeRequest,
+    EvictRequest,
+    PrewarmRequest,
+    TokenizeRequest,
+    json_body,
+    parse_body,
+    read_json,
+)
+from kvwarm.server.state import server_state
+from kvwarm.server.tools import openai_tools, template_messages
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 once startup loading is over and some model can be served ("degraded" if some
+    failed: requests naming those get a 503 with the reason); 503 before, or if none can."""
+    state = server_state(request)
+    entries = list(state.entries.values())  # a snapshot: a rescan may add entries meanwhile
+    models = {e.id: e.state for e in entries}
+    errors = {e.id: e.error for e in entries if e.state == "failed"}
+    failure = state.registry.startup_failure() if state.startup_done else None
+    if state.startup_done and failure is None:
+        body: dict[str, object] = {"status": "degraded" if errors else "ok", "models": models}
+        if errors:
+            body["errors"] = errors
+        return JSONResponse(body)
+    if failure is not None:
+        message, code, status = failure, "model_load_failed", "error"
+    else:
+        message = "loading: " + ", ".join(i for i, s in models.items() if s == "loading")
+        code, status = "model_loading", "loading"
+    body = {**error_body(message, "service_unavailable", code), "status": status, "models": models}
+    return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+
+
+# The Prometheus text format, or OpenMetrics when the scraper asks for it; never JSON.
+_METRICS_CONTENT = {
+    "text/plain": {"schema": {"type": "string"}},
+    "application/openmetrics-text": {"schema": {"type": "string"}},
+}
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": _METRICS_CONTENT, "description": "the metrics"}},
+)
+async def prometheus(request: Request) -> Response:
+    body, content_type = server_state(request).counters.exposition(request.headers.get("accept"))
+    return Response(body, media_type=content_type)
+
+
+@router.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
+async def tokenize(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), TokenizeRequest)
+    model = await state.acquire(req.model)
+    tokens = await run_in_threadpool(
+        lambda: model.tokenize(
+            req.content, add_special=req.add_special, parse_special=req.parse_special
+        )
+    )
+    if not req.with_pieces:
+        return JSONResponse({"tokens": tokens})
+    pieces = await run_in_threadpool(lambda: [model.detokenize([t]) for t in tokens])
+    return JSONResponse(
+        {"tokens": [{"id": t, "piece": p} for t, p in zip(tokens, pieces, strict=True)]}
+    )
+
+
+@router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
+async def detokenize(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), DetokenizeRequest)
+    model = await state.acquire(req.model)
+    return JSONResponse({"content": await run_in_threadpool(model.detokenize, req.tokens)})
+
+
+# --- cache administration --------------------------------------------------------------------
+
+
+def _row(row: RowInfo) -> dict[str, object]:
+    return {
+        "key": row.key.hex(),
+        "tier": row.tier,
+        "bytes": row.size,
+        "n_tokens": row.n_tokens,
+        "hits": row.hits,
+        "last_used": row.last_used,
+        "created": row.created,
+        "reason": row.reason.name.lower(),
+        "ttl_class": row.ttl_class.name.lower(),
+        "has_logits": row.has_logits,
+        "fingerprint": row.namespace.fingerprint.hex(),
+    }
+
+
+def _tier_totals(rows: list[RowInfo]) -> dict[str, dict[str, object]]:
+    """Per tier holding rows: their count, bytes, tokens, hits and count per TTL class (the
+    quotas and levels of every tier are in the counters, ``tier_<name>_*``)."""
+    totals: dict[str, list[int]] = {}
+    ttl: dict[str, Counter[str]] = {}
+    for row in rows:
+        t = totals.setdefault(row.tier, [0, 0, 0, 0])
+        t[0] += 1
+        t[1] += row.size
+        t[2] += row.n_tokens
+        t[3] += row.hits
+        ttl.setdefault(row.tier, Counter())[row.ttl_class.name.lower()] += 1
+    return {
+        tier: {"rows": n, "bytes": size, "tokens": tokens, "hits": hits, "ttl_classes": ttl[tier]}
+        for tier, (n, size, tokens, hits) in totals.items()
+    }
+
+
+@router.get("/cache/stats")
+async def cache_stats(request: Request) -> Response:
+    state = server_state(request)
+    cache = state.require_engine().cache
+    counters = await run_in_threadpool(cache.counters)
+    rows = await run_in_threadpool(cache.rows)
+    return JSONResponse(
+        {
+            "counters": dict(counters),
+            "rows": len(rows),
+            "bytes": sum(r.size for r in rows),
+            "tokens": sum(r.n_tokens for r in rows),
+            "tiers": _tier_totals(rows),
+            "keep_alive": [
+                {
+                    "model": e.model_id,
+                    "ttl_class": e.ttl_class.name.lower(),
+                    "warms": e.warms,
+                    "failures": e.failures,
+                }
+                for e in state.keepalive.entries()
+            ],
+        }
+    )
+
+
+@router.get("/cache/slots")
+async def cache_slots(request: Request) -> Response:
+    """Each ready model's counters and its slots: what each holds, as its worker last
+    published it (``Model.status``; no call reaches the worker thread)."""
+    statuses = server_state(request).metrics_snapshot().statuses
+    return JSONResponse({"object": "list", "data": [_model_status(s) for s in statuses]})
+
+
+def _model_status(status: ModelStatus) -> dict[str, object]:
+    body = asdict(status)
+    body["prefill_ms"] = round(status.prefill_ms, 3)
+    body["generation_ms"] = round(status.generation_ms, 3)
+    for slot in body["slots"]:
+        slot["last_used"] = round(slot["last_used"], 3)
+    return body
+
+
+@router.get("/cache/rows")
+async def cache_rows(
+    request: Request,
+    # Validated by pydantic (ASCII digits, bounded): str.isdigit() accepts "²", which int()
+    # then refuses, and a 5,000-digit number passes int()'s limit. Either is a 400, not a 500.
+    limit: Annotated[int | None, Query(ge=0, le=1 << 31, description="most rows to list")] = None,
+) -> Response:
+    state = server_state(request)
+    cache = state.require_engine().cache
+    rows = await run_in_threadpool(cache.rows)
+    rows.sort(key=lambda r: r.last_used, reverse=True)
+    if limit is not None:
+        rows = rows[:limit]
+    return JSONResponse({"object": "list", "data": [_row(r) for r in rows]})
+
+
+@router.post("/cache/prewarm", openapi_extra=json_body(PrewarmRequest) | tenancy.openapi_header())
+async def cache_prewarm(request: Request) -> Response:
+    """Prefill a prefix (e.g. a system prompt) and save it, generating nothing. The row (and
+    its keep-alive) belongs to the request's cache salt, or to the tenant the body names
+    (``tenant_key``, ``shared``: ``server.tenancy``)."""
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), PrewarmRequest)
+    model = await state.acquire(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")
+    ttl = TtlClass[req.ttl_class.upper()]
+    salt = tenancy.prewarm_salt(
+        request, req.cache_salt, state.settings, tenant_key=req.tenant_key, shared=req.shared
+    )
+    if req.keep_alive:  # refuse before the prefill, not after it
+        known = len(req.prompt) if isinstance(req.prompt, list) else 0
+        state.keepalive.check_room(model.id, req.prompt or "", known, cache_salt=salt)
+
+    def work() -> tuple[str | tuple[int, ...], CompletionStats]:
+        prompt: str | tuple[int, ...]
+        if req.messages is not None:
+            tools = openai_tools(req.tools) if req.tools else None
+            # The tokens Model.stream_chat builds for a chat that starts with these messages.
+            prompt, _ = model.chat_tokens(
+                template_messages(req.messages, native=tools is not None),
+                tools=tools,
+                add_generation_prompt=False,
+            )
+        else:
+            assert req.prompt is not None
+            prompt = req.prompt
+        stats = model.prewarm(prompt, ttl_class=ttl, add_special=add_special, cache_salt=salt)
+        return prompt, stats
+
+    add_special = req.messages is None
+    prompt, stats = await run_in_threadpool(work)
+    if req.keep_alive:
+        state.keepalive.register(
+            model.id,
+            prompt,
+            ttl,
+            add_special=add_special,
+            n_tokens=stats.prompt_tokens,
+            cache_salt=salt,
+        )
+    return JSONResponse(
+        {
+            "model": model.id,
+            "prompt_tokens": stats.prompt_tokens,
+            "cached_tokens": stats.cached_tokens,
+            "prefill_ms": round(stats.prefill_ms, 3),
+            "key": stats.key.hex() if stats.key else None,
+            "ttl_class": req.ttl_class,
+            "keep_alive": req.keep_alive,
+        }
+    )
+
+
+@router.get("/cache/keepalive")
+async def keepalive_list(request: Request) -> Response:
+    """The prefixes kept warm, with the limits that bound them."""
+    keep = server_state(request).keepalive
+    now, limits = keep.now(), keep.limits
+    data = [
+        {
+            "id": e.id,
+            "model": e.model_id,
+            "ttl_class": e.ttl_class.name.lower(),
+            "n_tokens": e.n_tokens,
+            "warms": e.warms,
+            "failures": e.failures,
+            "pinned": e.pinned,
+            "salted": e.cache_salt is not None,  # the salt itself is a tenant's secret
+            "age_s": round(now - e.registered, 3),
+            "expires_in_s": None
+            if e.pinned or limits.max_age_s <= 0
+            else round(max(0.0, e.registered + limits.max_age_s - now), 3),
+        }
+        for e in keep.entries()
+    ]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "limits": {
+                "max_entries": limits.max_entries,
+                "max_tokens": limits.max_tokens,
+                "max_age_s": limits.max_age_s,
+            },
+        }
+    )
+
+
+@router.delete("/cache/keepalive")
+async def keepalive_clear(request: Request) -> Response:
+    return JSONResponse({"deleted": server_state(request).keepalive.remove()})
+
+
+@router.delete("/cache/keepalive/{entry_id}")
+async def keepalive_delete(request: Request, entry_id: str) -> Response:
+    if not server_state(request).keepalive.remove(entry_id):
+        raise HTTPError(
+            404, f"no keep-alive entry {entry_id!r}", code="not_found", param="entry_id"
+        )
+    return JSONResponse({"deleted": 1})
+
+
+@router.post("/cache/evict", openapi_extra=json_body(EvictRequest))
+async def cache_evict(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), EvictRequest)
+    cache = state.require_engine().cache
+    result = await run_in_threadpool(lambda: cache.evict_bytes(req.bytes, req.tiers))
+    return JSONResponse({"rows": result.rows, "bytes": result.bytes})
+
+
+@router.post("/cache/gc")
+async def cache_gc(request: Request) -> Response:
+    cache = server_state(request).require_engine().cache
+    result = await run_in_threadpool(cache.gc)
+    return JSONResponse({"rows": result.rows, "bytes": result.bytes})
+
+
+@router.post("/cache/verify")
+async def cache_verify(request: Request) -> Response:
+    cache = server_state(request).require_engine().cache
+    report = await run_in_threadpool(cache.verify)
+    bad = [{"row": where, "reason": why} for where, why in report.bad]
+    return JSONResponse({"checked": report.checked, "bad": bad})

@@ -1,0 +1,2 @@
+"""The Anthropic Messages API: its request bodies, routes and translation to the shared chat
+path."""

@@ -1,0 +1,91 @@
+"""The Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+Invariant: a request is translated (``translate.py``) and then runs the chat path every
+chat-shaped API shares (``server/chat.py``): the same templates, tool planning, cache and
+disconnect handling as ``/v1/chat/completions``. Errors on these paths are Anthropic-shaped
+(``errors.ANTHROPIC_PATHS``).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvwarm.server import chat, convert, tenancy
+from kvwarm.server.anthropic import translate as anthropic
+from kvwarm.server.anthropic.schemas import CountTokensRequest, MessagesRequest
+from kvwarm.server.generate import SSE_HEADERS, Generation, named_sse, start_stream
+from kvwarm.server.schemas import json_body, parse_body, read_json
+from kvwarm.server.served import ServedModel
+from kvwarm.server.state import server_state
+from kvwarm.server.tools import ChatPlan
+
+router = APIRouter()
+
+
+async def _plan(model: ServedModel, req: CountTokensRequest) -> tuple[ChatPlan, str]:
+    """The chat plan and assistant prefill of a request: one translation for both routes, so
+    ``count_tokens`` counts what ``messages`` would render."""
+    history, prefill = anthropic.to_chat(req)
+    tools = anthropic.tools(req.tools)
+    plan = await chat.plan(model, history, tools, anthropic.tool_choice(req.tool_choice, tools))
+    return plan, prefill
+
+
+@router.post(
+    "/v1/messages",
+    openapi_extra=json_body(MessagesRequest, streams=True) | tenancy.openapi_header(),
+)
+async def messages(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), MessagesRequest)
+    model = await state.acquire(req.model)
+    plan, prefill = await _plan(model, req)
+    fields = chat.sampling_fields(
+        max_tokens=req.max_tokens,
+        param="max_tokens",
+        limit=state.settings.max_tokens_limit,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        stop=req.stop_sequences,
+    )
+    opts = convert.options(
+        fields,
+        default_max_tokens=state.settings.default_max_tokens,
+        max_tokens_limit=state.settings.max_tokens_limit,
+        json_schema=plan.json_schema,
+        cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+    )
+    stream = await start_stream(chat.submit(model, plan, opts, prefill))
+    gen = Generation(request, stream, "messages", model.id, state)
+    msg_id = anthropic.new_id("msg")
+    if not req.stream:
+        reply = await chat.whole_reply(gen, plan)
+        return JSONResponse(anthropic.message(msg_id, model.id, reply))
+    await gen.open_streaming()
+    events = anthropic.MessageEvents(msg_id, model.id, len(stream.prompt_tokens))
+    body = anthropic.stream_events(events, chat.streamed_reply(gen, plan))
+    return StreamingResponse(
+        named_sse(body, gen.close, anthropic.stream_error),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+
+
+@router.post("/v1/messages/count_tokens", openapi_extra=json_body(CountTokensRequest))
+async def count_tokens(request: Request) -> Response:
+    """The prompt's token count as ``/v1/messages`` would render it (nothing is generated)."""
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), CountTokensRequest)
+    model = await state.acquire(req.model)
+    plan, prefill = await _plan(model, req)
+
+    def count() -> int:
+        tokens, _ = model.chat_tokens(plan.messages, tools=plan.tools)
+        tail = model.tokenize(prefill, add_special=False) if prefill else []
+        return len(tokens) + len(tail)
+
+    return JSONResponse({"input_tokens": await run_in_threadpool(count)})

@@ -1,0 +1,330 @@
+"""Anthropic Messages shapes <-> the shared chat path (``server/chat.py``).
+
+Invariants:
+
+- A request becomes the same ``ChatMessage``/``Tool`` lists an OpenAI chat request would: the
+  system prompt leads, ``tool_use`` blocks become an assistant's tool calls and ``tool_result``
+  blocks tool messages, in their order. A trailing assistant message is a *prefill*: the reply
+  continues it and does not repeat it.
+- Usage splits the prompt the way Anthropic's clients add it up (input + cache read + cache
+  creation = the whole prompt): ``cache_read_input_tokens`` are the tokens restored from the
+  kvwarm cache; ``cache_creation_input_tokens`` the rest of the prompt when this request asked
+  the cache to keep its reply row (``CompletionStats.key``), else those are ``input_tokens``.
+- A stream is Anthropic's exact event sequence: ``message_start``, per block
+  ``content_block_start`` / ``content_block_delta`` (``text_delta`` or ``input_json_delta``) /
+  ``content_block_stop``, one ``ping`` after the first block opens, ``message_delta`` (stop
+  reason and the whole usage; ``message_start`` knows only the prompt's size), ``message_stop``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator, Sequence
+
+from kvwarm.engine.types import CompletionStats
+from kvwarm.errors import KvwarmError
+from kvwarm.server.anthropic.schemas import (
+    CountTokensRequest,
+    MediaBlock,
+    Message,
+    TextBlock,
+    ToolChoice,
+    ToolDef,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from kvwarm.server.chat import ChatReply
+from kvwarm.server.chat import ToolChoice as ChatToolChoice
+from kvwarm.server.errors import HTTPError, anthropic_body, kind_of
+from kvwarm.server.generate import Event
+from kvwarm.server.schemas import (
+    ChatMessage,
+    FunctionCall,
+    FunctionDef,
+    NamedToolChoice,
+    NamedToolChoiceFunction,
+    Tool,
+    ToolCallIn,
+)
+from kvwarm.server.tools import ToolCall
+
+Json = dict[str, object]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def _unsupported(block: MediaBlock, where: str) -> HTTPError:
+    return HTTPError(
+        400,
+        f"{where}: content blocks of type {block.type!r} are not supported (text models only)",
+        code="unsupported_content",
+        param=where,
+    )
+
+
+def _texts(blocks: Sequence[TextBlock | MediaBlock], where: str, sep: str) -> str:
+    parts: list[str] = []
+    for block in blocks:
+        if isinstance(block, MediaBlock):
+            raise _unsupported(block, where)
+        parts.append(block.text)
+    return sep.join(parts)
+
+
+def _user(message: Message, where: str) -> list[ChatMessage]:
+    """A user turn: its tool results become tool messages, its text a user message, in order."""
+    if isinstance(message.content, str):
+        return [ChatMessage(role="user", content=message.content)]
+    out: list[ChatMessage] = []
+    text: list[str] = []
+    for i, block in enumerate(message.content):
+        at = f"{where}.content.{i}"
+        if isinstance(block, TextBlock):
+            text.append(block.text)
+        elif isinstance(block, ToolResultBlock):
+            if text:
+                out.append(ChatMessage(role="user", content="".join(text)))
+                text = []
+            result = block.content
+            body = result if isinstance(result, str) else _texts(result, at, "\n")
+            body = f"Error: {body}" if block.is_error else body
+            out.append(ChatMessage(role="tool", content=body, tool_call_id=block.tool_use_id))
+        elif isinstance(block, MediaBlock):
+            raise _unsupported(block, at)
+        elif isinstance(block, ToolUseBlock):
+            raise HTTPError(400, f"{at}: tool_use blocks belong to assistant turns", param=at)
+    if text or not out:
+        out.append(ChatMessage(role="user", content="".join(text)))
+    return out
+
+
+def _assistant(message: Message, where: str) -> ChatMessage:
+    if isinstance(message.content, str):
+        return ChatMessage(role="assistant", content=message.content)
+    text: list[str] = []
+    calls: list[ToolCallIn] = []
+    for i, block in enumerate(message.content):
+        at = f"{where}.content.{i}"
+        if isinstance(block, TextBlock):
+            text.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            call = FunctionCall(name=block.name, arguments=dict(block.input))
+            calls.append(ToolCallIn(id=block.id, function=call))
+        elif isinstance(block, MediaBlock):
+            raise _unsupported(block, at)
+        elif isinstance(block, ToolResultBlock):
+            raise HTTPError(400, f"{at}: tool_result blocks belong to user turns", param=at)
+        # ThinkingBlock: an earlier turn's reasoning is not part of the prompt.
+    return ChatMessage(role="assistant", content="".join(text), tool_calls=calls or None)
+
+
+def to_chat(req: CountTokensRequest) -> tuple[list[ChatMessage], str]:
+    """The chat messages of ``req`` and its prefill (the text of a trailing assistant turn)."""
+    out: list[ChatMessage] = []
+    if req.system:
+        system = req.system
+        text = system if isinstance(system, str) else _texts(system, "system", "\n")
+        out.append(ChatMessage(role="system", content=text))
+    prefill = ""
+    last = len(req.messages) - 1
+    for index, message in enumerate(req.messages):
+        where = f"messages.{index}"
+        if message.role == "user":
+            out += _user(message, where)
+            continue
+        turn = _assistant(message, where)
+        if index == last and index > 0:
+            if turn.tool_calls:
+                raise HTTPError(
+                    400, f"{where}: the last message cannot be an assistant tool call", param=where
+                )
+            prefill = turn.content if isinstance(turn.content, str) else ""
+            continue
+        out.append(turn)
+    return out, prefill
+
+
+def tools(defs: Sequence[ToolDef] | None) -> list[Tool] | None:
+    if not defs:
+        return None
+    out: list[Tool] = []
+    for i, tool in enumerate(defs):
+        if tool.type not in (None, "custom"):
+            raise HTTPError(
+                400,
+                f"tools.{i}: server tools ({tool.type!r}) are not supported; give name, "
+                "description and input_schema",
+                code="unsupported_tool",
+                param=f"tools.{i}.type",
+            )
+        fn = FunctionDef(name=tool.name, description=tool.description, parameters=tool.input_schema)
+        out.append(Tool(function=fn))
+    return out
+
+
+def tool_choice(choice: ToolChoice | None, declared: Sequence[Tool] | None) -> ChatToolChoice:
+    if choice is None or choice.type == "auto":
+        return "auto"
+    if choice.type == "none":
+        return "none"
+    if not declared:
+        raise HTTPError(400, f"tool_choice {choice.type!r} needs tools", param="tool_choice")
+    if choice.type == "any":
+        return "required"
+    if not choice.name:
+        raise HTTPError(400, "tool_choice of type 'tool' needs a name", param="tool_choice.name")
+    return NamedToolChoice(function=NamedToolChoiceFunction(name=choice.name))
+
+
+# --- replies ---------------------------------------------------------------------------------
+
+
+def usage(stats: CompletionStats) -> Json:
+    cached = stats.cached_tokens
+    created = stats.prompt_tokens - cached if stats.key is not None else 0
+    return {
+        "input_tokens": stats.prompt_tokens - cached - created,
+        "output_tokens": stats.completion_tokens,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": created,
+    }
+
+
+def stop_reason(reply: ChatReply) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished reply."""
+    stats = reply.done.stats
+    if reply.calls:
+        return "tool_use", None
+    if stats.finish_reason == "length":
+        return "max_tokens", None
+    if stats.stop_sequence is not None:
+        return "stop_sequence", stats.stop_sequence
+    return "end_turn", None
+
+
+def tool_use(call: ToolCall, *, with_input: bool = True) -> Json:
+    """A ``tool_use`` block. Anthropic's ``input`` is an object: other JSON is wrapped."""
+    arguments: object = json.loads(call.arguments) if with_input else {}
+    if not isinstance(arguments, dict):
+        arguments = {"arguments": arguments}
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call.id.removeprefix("call_"),
+        "name": call.name,
+        "input": arguments,
+    }
+
+
+def _input_json(call: ToolCall) -> str:
+    return json.dumps(tool_use(call)["input"])
+
+
+def message(msg_id: str, model_id: str, reply: ChatReply) -> Json:
+    content: list[Json] = []
+    if reply.content:
+        content.append({"type": "text", "text": reply.content})
+    content += [tool_use(c) for c in reply.calls]
+    reason, sequence = stop_reason(reply)
+    return {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model_id,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage(reply.done.stats),
+    }
+
+
+class MessageEvents:
+    """Anthropic's stream events for one reply; blocks are numbered as they open."""
+
+    def __init__(self, msg_id: str, model_id: str, prompt_tokens: int = 0) -> None:
+        self.msg_id = msg_id
+        self.model_id = model_id
+        self.prompt_tokens = prompt_tokens  # 0 where the stream cannot tell yet (a replica's)
+        self._index = -1
+        self._text_open = False
+        self._pinged = False
+
+    def start(self) -> Event:
+        # How much of the prompt the cache restored is known only at the end: message_delta
+        # carries the whole usage, cumulative, as Anthropic's own message_delta does, and its
+        # clients take it from there.
+        head: Json = {
+            "id": self.msg_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model_id,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": self.prompt_tokens,
+                "output_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0,
+            },
+        }
+        return "message_start", {"type": "message_start", "message": head}
+
+    def _open(self, block: Json) -> list[Event]:
+        self._index += 1
+        opened: Json = {"type": "content_block_start", "index": self._index, "content_block": block}
+        events: list[Event] = [("content_block_start", opened)]
+        if not self._pinged:
+            self._pinged = True
+            events.append(("ping", {"type": "ping"}))
+        return events
+
+    def _delta(self, delta: Json) -> Event:
+        body: Json = {"type": "content_block_delta", "index": self._index, "delta": delta}
+        return "content_block_delta", body
+
+    def _stop(self) -> Event:
+        return "content_block_stop", {"type": "content_block_stop", "index": self._index}
+
+    def text(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        if not self._text_open:
+            self._text_open = True
+            events += self._open({"type": "text", "text": ""})
+        events.append(self._delta({"type": "text_delta", "text": text}))
+        return events
+
+    def finish(self, reply: ChatReply) -> list[Event]:
+        events = self.text(reply.content) if reply.content else []
+        if self._text_open:
+            events.append(self._stop())
+        for call in reply.calls:
+            events += self._open(tool_use(call, with_input=False))
+            events.append(
+                self._delta({"type": "input_json_delta", "partial_json": _input_json(call)})
+            )
+            events.append(self._stop())
+        if not self._pinged:
+            self._pinged = True
+            events.append(("ping", {"type": "ping"}))
+        reason, sequence = stop_reason(reply)
+        delta: Json = {"stop_reason": reason, "stop_sequence": sequence}
+        final: Json = {"type": "message_delta", "delta": delta, "usage": usage(reply.done.stats)}
+        events += [("message_delta", final), ("message_stop", {"type": "message_stop"})]
+        return events
+
+
+async def stream_events(
+    events: MessageEvents, replies: AsyncIterator[str | ChatReply]
+) -> AsyncIterator[Event]:
+    yield events.start()
+    async for item in replies:
+        for event in events.text(item) if isinstance(item, str) else events.finish(item):
+            yield event
+
+
+def stream_error(exc: KvwarmError) -> Event:
+    """A failure after the stream began, as Anthropic's ``error`` event."""
+    return "error", anthropic_body(kind_of(exc).status, str(exc) or type(exc).__name__)

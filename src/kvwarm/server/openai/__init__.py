@@ -1,0 +1,1 @@
+"""The OpenAI API family: chat completions, completions and infill, embeddings."""

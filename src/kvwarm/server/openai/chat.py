@@ -1,0 +1,172 @@
+"""``/v1/chat/completions``: tools planned, ``n`` choices prefilled once, streamed or not.
+
+Invariants: as ``routes_openai`` (the event loop never blocks on the engine). Streamed choices
+interleave as their tokens arrive, each chunk naming its choice ``index``; each choice's
+deltas follow ``chat_stream`` (content, logprobs with it, tool calls as OpenAI streams them).
+
+One streamed chat choice: engine fragments in, the ``delta`` chunks OpenAI streams out.
+
+Invariants: the content deltas, concatenated, are the content a non-streamed response gives;
+the logprobs of every generated token go out exactly once, with the content they belong to (a
+token whose text is held back, by the engine or by the tool-call filter, sends its logprob
+with the text that follows it, or with the last chunk); tool calls go out as the tool-call
+filter (``tool_stream``) reports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvwarm.engine.request import Fragment
+from kvwarm.engine.types import Completion, TokenLogprob
+from kvwarm.server import chat, convert, tenancy
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.generate import SSE_HEADERS, sse
+from kvwarm.server.openai.choices import Choices, group_stats
+from kvwarm.server.schemas import ChatRequest, json_body, parse_body, read_json
+from kvwarm.server.state import server_state
+from kvwarm.server.tool_stream import ToolStream
+from kvwarm.server.tools import ChatPlan, parse_tool_calls
+
+router = APIRouter()
+
+
+@router.post(
+    "/v1/chat/completions",
+    openapi_extra=json_body(ChatRequest, streams=True) | tenancy.openapi_header(),
+)
+async def chat_completions(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), ChatRequest)
+    model = await state.acquire(req.model)
+    schema = convert.response_schema(req.response_format)
+    plan = await chat.plan(model, req.messages, req.tools, req.tool_choice)
+    if plan.json_schema is not None and schema is not None:
+        raise HTTPError(
+            400,
+            "tool_choice required/named cannot be combined with response_format",
+            param="response_format",
+        )
+    opts = convert.options(
+        req,
+        default_max_tokens=state.settings.default_max_tokens,
+        max_tokens_limit=state.settings.max_tokens_limit,
+        # OpenAI's (and vLLM's) rule: max_completion_tokens wins over the legacy max_tokens.
+        max_tokens=(
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        ),
+        json_schema=plan.json_schema or schema,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+    )
+    choices = await Choices.start(
+        request,
+        lambda: model.chat_streams(
+            plan.messages, n=req.n, tools=plan.tools, options=opts, fragments=req.stream
+        ),
+        "chat",
+        model.id,
+        state,
+    )
+    ids = convert.ResponseIds("chatcmpl", model.id)
+    if not req.stream:
+        async with choices:
+            results = await choices.results()
+        body: list[dict[str, object]] = []
+        for index, done in enumerate(results):
+            content, calls = parse_tool_calls(done.text, plan.names)
+            shown = content if content or not calls else None
+            body.append(convert.chat_choice(index, done, shown, calls))
+        stats = group_stats([r.stats for r in results])
+        return JSONResponse(convert.chat_response(ids, body, stats))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    await choices.open_streaming()
+    events = _events(choices, ids, plan, bool(req.logprobs), include_usage)
+    return StreamingResponse(
+        sse(events, choices.close), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+async def _events(
+    choices: Choices,
+    ids: convert.ResponseIds,
+    plan: ChatPlan,
+    logprobs: bool,
+    include_usage: bool,
+) -> AsyncIterator[dict[str, object]]:
+    n = len(choices.gens)
+    streams = [
+        ChatChoiceStream(plan.names, forced=plan.forced, logprobs=logprobs) for _ in range(n)
+    ]
+    for index in range(n):
+        role: dict[str, object] = {"role": "assistant", "content": ""}
+        yield convert.chat_chunk(ids, role, index=index, with_usage=include_usage)
+    async for index, fragment in choices.merged():
+        if fragment is None:
+            deltas = streams[index].finish(await choices.gens[index].result())
+        else:
+            deltas = streams[index].feed(fragment)
+        for d in deltas:
+            yield convert.chat_chunk(
+                ids, d.delta, d.finish, index=index, logprobs=d.logprobs, with_usage=include_usage
+            )
+    if include_usage:
+        stats = group_stats([r.stats for r in await choices.results()])
+        yield convert.usage_chunk(ids, "chat.completion.chunk", stats)
+
+
+# --- One streamed chat choice: engine fragments in, the ``delta`` chunks OpenAI streams out.
+
+Json = dict[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """One chunk's choice: its delta, its logprobs (or None), its finish reason (or None)."""
+
+    delta: Json
+    logprobs: Json | None = None
+    finish: str | None = None
+
+
+class ChatChoiceStream:
+    def __init__(self, names: frozenset[str], *, forced: bool, logprobs: bool) -> None:
+        self._tools = ToolStream(names, forced=forced)
+        self._want_logprobs = logprobs
+        self._pending: list[TokenLogprob] = []
+        self._fed_logprobs = False
+
+    def feed(self, fragment: Fragment) -> list[Delta]:
+        self._pending.extend(fragment.logprobs)
+        self._fed_logprobs = self._fed_logprobs or bool(fragment.logprobs)
+        out: list[Delta] = []
+        text, calls = self._tools.feed(fragment.text)
+        if text:
+            out.append(Delta({"content": text}, self._take_logprobs()))
+        out.extend(Delta({"tool_calls": [call]}) for call in calls)
+        return out
+
+    def finish(self, done: Completion) -> list[Delta]:
+        out: list[Delta] = []
+        rest, calls, any_call = self._tools.finish()
+        if rest:
+            out.append(Delta({"content": rest}, self._take_logprobs()))
+        out.extend(Delta({"tool_calls": [call]}) for call in calls)
+        reason = "tool_calls" if any_call else convert.finish_reason(done.stats)
+        if not self._fed_logprobs and done.logprobs:
+            # A stream whose fragments carry no logprobs (a cluster replica streams text only):
+            # the completion's logprobs go out with the last chunk.
+            self._pending = list(done.logprobs)
+        out.append(Delta({}, self._take_logprobs() if self._pending else None, reason))
+        return out
+
+    def _take_logprobs(self) -> Json | None:
+        if not self._want_logprobs:
+            return None
+        items, self._pending = self._pending, []
+        return convert.chat_logprobs(items)

@@ -1,0 +1,267 @@
+"""``/v1/completions`` (``n`` choices, ``echo`` with prompt logprobs, ``suffix``) and
+llama-server's ``/infill``.
+
+Invariants: as ``routes_openai`` (the event loop never blocks on the engine). Choice ``j`` of
+prompt ``i`` has index ``i * n + j``. ``echo`` with ``logprobs`` prefills the prompt with
+logits at every position (no KV reuse) and reports the first prompt token with a null
+logprob, as OpenAI does. A ``suffix`` or an ``/infill`` on a model without FIM tokens is a 400
+``fim_not_supported`` (``engine/prompts.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvwarm.engine.prompts import ExtraFile
+from kvwarm.engine.types import Completion, GenerationOptions, TokenLogprob
+from kvwarm.server import convert, tenancy
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.generate import SSE_HEADERS, sse
+from kvwarm.server.openai.choices import Choices, group_stats
+from kvwarm.server.schemas import (
+    CompletionRequest,
+    InfillRequest,
+    json_body,
+    parse_body,
+    read_json,
+)
+from kvwarm.server.state import server_state
+
+if TYPE_CHECKING:
+    from kvwarm.server.served import ServedModel
+
+router = APIRouter()
+
+Prompt = str | list[int]
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise HTTPError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [[p for p in prompt if isinstance(p, int)]]
+    out: list[Prompt] = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, list):
+            out.append(list(p))
+    return out
+
+
+async def _fim_prompts(model: ServedModel, prompts: list[Prompt], suffix: str) -> list[Prompt]:
+    """Each prompt as the prefix of a fill-in-the-middle prompt ending at ``suffix``."""
+    out: list[Prompt] = []
+    for prompt in prompts:
+        prefix = prompt if isinstance(prompt, str) else model.detokenize(prompt)
+        out.append(await run_in_threadpool(model.infill_tokens, prefix, suffix))
+    return out
+
+
+async def _echo_text(model: ServedModel, req: CompletionRequest, prompt: Prompt) -> str:
+    if not req.echo:
+        return ""
+    if isinstance(prompt, str):
+        return prompt
+    return await run_in_threadpool(model.detokenize, prompt)
+
+
+async def _prompt_part(
+    model: ServedModel, tokens: Sequence[int], rest: Sequence[TokenLogprob] | None
+) -> convert.PromptLogprobs:
+    """An echoed prompt's logprobs: the first token (text only), then the engine's."""
+    first = await run_in_threadpool(model.detokenize, list(tokens[:1]))
+    return convert.PromptLogprobs(first, tuple(rest or ()))
+
+
+@router.post(
+    "/v1/completions",
+    openapi_extra=json_body(CompletionRequest, streams=True) | tenancy.openapi_header(),
+)
+async def completions(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), CompletionRequest)
+    model = await state.acquire(req.model)
+    prompts = _prompts(req.prompt)
+    if req.stream and len(prompts) > 1:
+        raise HTTPError(400, "streaming supports one prompt per request", param="prompt")
+    if req.suffix is not None:
+        if req.echo:
+            raise HTTPError(400, "echo cannot be combined with suffix", param="echo")
+        prompts = await _fim_prompts(model, prompts, req.suffix)
+    echo_lp = req.echo and req.logprobs is not None
+    opts = convert.options(
+        req,
+        default_max_tokens=state.settings.default_max_tokens,
+        max_tokens_limit=state.settings.max_tokens_limit,
+        json_schema=convert.response_schema(req.response_format),
+        logprobs=req.logprobs,
+        prompt_logprobs=req.logprobs if echo_lp else None,
+        cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+    )
+    ids = convert.ResponseIds("cmpl", model.id)
+    if req.stream:
+        return await _streamed(request, model, req, prompts[0], opts, ids)
+    choices: list[dict[str, object]] = []
+    all_stats = []
+    for p_index, prompt in enumerate(prompts):
+        submit = functools.partial(model.streams, prompt, opts, n=req.n, fragments=False)
+        group = await Choices.start(request, submit, "completion", model.id, state)
+        async with group:
+            results = await group.results()
+        if group.disconnected:
+            break
+        text = await _echo_text(model, req, prompt)
+        for j, done in enumerate(results):
+            lp = None
+            if req.logprobs is not None:
+                part = None
+                if echo_lp:
+                    part = await _prompt_part(model, done.prompt_tokens, done.prompt_logprobs)
+                lp = convert.completion_logprobs(done.logprobs, convert.TextOffsets(), part)
+            choices.append(convert.text_choice(p_index * req.n + j, text + done.text, done, lp))
+        all_stats.append(group_stats([r.stats for r in results]))
+    if not all_stats:
+        return Response(status_code=499)
+    stats = convert.sum_stats(all_stats)
+    body = {
+        **ids.head("text_completion"),
+        "choices": choices,
+        "usage": convert.usage(stats),
+        "timings": convert.timings(stats),
+    }
+    return JSONResponse(body)
+
+
+async def _streamed(
+    request: Request,
+    model: ServedModel,
+    req: CompletionRequest,
+    prompt: Prompt,
+    opts: GenerationOptions,
+    ids: convert.ResponseIds,
+) -> Response:
+    state = server_state(request)
+    submit = functools.partial(model.streams, prompt, opts, n=req.n)
+    group = await Choices.start(request, submit, "completion", model.id, state)
+    await group.open_streaming()
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    async def events() -> AsyncIterator[dict[str, object]]:
+        text = await _echo_text(model, req, prompt)
+        offsets = [convert.TextOffsets() for _ in group.gens]
+        for j, gen in enumerate(group.gens):
+            if text:
+                lp = None
+                if req.logprobs is not None:
+                    stream = gen.stream
+                    part = await _prompt_part(model, stream.prompt_tokens, stream.prompt_logprobs)
+                    lp = convert.completion_logprobs((), offsets[j], part)
+                yield convert.text_chunk(
+                    ids, text, None, index=j, logprobs=lp, with_usage=include_usage
+                )
+        fed = [False for _ in group.gens]  # whether choice j's fragments carried logprobs
+        async for j, fragment in group.merged():
+            if fragment is None:
+                done = await group.gens[j].result()
+                last = None
+                if req.logprobs is not None and not fed[j] and done.logprobs:
+                    # Fragments without logprobs (a cluster replica): they come with the end.
+                    last = convert.completion_logprobs(done.logprobs, offsets[j])
+                reason = convert.finish_reason(done.stats)
+                yield convert.text_chunk(
+                    ids, "", reason, index=j, logprobs=last, with_usage=include_usage
+                )
+                continue
+            lp = None
+            if req.logprobs is not None:
+                fed[j] = fed[j] or bool(fragment.logprobs)
+                lp = convert.completion_logprobs(fragment.logprobs, offsets[j])
+            yield convert.text_chunk(
+                ids, fragment.text, None, index=j, logprobs=lp, with_usage=include_usage
+            )
+        if include_usage:
+            stats = group_stats([r.stats for r in await group.results()])
+            yield convert.usage_chunk(ids, "text_completion", stats)
+
+    return StreamingResponse(
+        sse(events(), group.close), media_type="text/event-stream", headers=SSE_HEADERS
+    )
+
+
+# --- /infill (llama-server) ------------------------------------------------------------------
+
+
+@router.post(
+    "/infill", openapi_extra=json_body(InfillRequest, streams=True) | tenancy.openapi_header()
+)
+async def infill(request: Request) -> Response:
+    """llama-server's infill: the middle between ``input_prefix`` (+ ``prompt``) and
+    ``input_suffix``, with ``input_extra`` files as context; its response shape, not OpenAI's."""
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), InfillRequest)
+    model = await state.acquire(req.model)
+    if req.n != 1:
+        raise HTTPError(400, "/infill makes one completion (n=1)", param="n")
+    limit = state.settings.max_tokens_limit
+    if req.n_predict is not None and req.n_predict > limit:
+        raise HTTPError(
+            400, f"n_predict is {req.n_predict}, above this server's limit of {limit}",
+            param="n_predict",
+        )  # fmt: skip
+    extra = [ExtraFile(c.text, c.filename) for c in req.input_extra]
+    tokens = await run_in_threadpool(
+        functools.partial(
+            model.infill_tokens, req.input_prefix, req.input_suffix, prompt=req.prompt, extra=extra
+        )
+    )
+    opts = convert.options(
+        req,
+        default_max_tokens=state.settings.default_max_tokens,
+        max_tokens_limit=limit,
+        max_tokens=req.n_predict if req.n_predict is not None and req.n_predict >= 0 else None,
+        cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+    )
+    submit = functools.partial(model.streams, tokens, opts, n=1, fragments=req.stream)
+    group = await Choices.start(request, submit, "infill", model.id, state)
+    if not req.stream:
+        async with group:
+            (done,) = await group.results()
+        return JSONResponse(_infill_body(model.id, done))
+    await group.open_streaming()
+
+    async def events() -> AsyncIterator[dict[str, object]]:
+        async for _, fragment in group.merged():
+            if fragment is not None and fragment.text:
+                yield {"content": fragment.text, "stop": False}
+        (done,) = await group.results()
+        yield {**_infill_body(model.id, done), "content": ""}
+
+    return StreamingResponse(
+        sse(events(), group.close, done_line=False),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+
+
+def _infill_body(model_id: str, done: Completion) -> dict[str, object]:
+    s = done.stats
+    return {
+        "content": done.text,
+        "model": model_id,
+        "stop": True,
+        "stop_type": "limit" if s.finish_reason == "length" else "eos",
+        "tokens_predicted": s.completion_tokens,
+        "tokens_evaluated": s.prompt_tokens,
+        "tokens_cached": s.cached_tokens,
+        "timings": convert.timings(s),
+    }

@@ -1,0 +1,69 @@
+"""``/v1/embeddings``: pooled vectors, as floats or base64.
+
+Invariant: handlers never block the event loop on the engine: blocking calls (template
+rendering, tokenizing, embedding) run in the thread pool and generation is awaited through the
+engine's async stream. Each generation runs inside ``Choices`` so a disconnect cancels it.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.generate import request_log
+from kvwarm.server.schemas import EmbeddingRequest, json_body, parse_body, read_json
+from kvwarm.server.state import server_state
+
+router = APIRouter()
+
+# --- /v1/embeddings --------------------------------------------------------------------------
+
+
+@router.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest))
+async def embeddings(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), EmbeddingRequest)
+    model = await state.acquire(req.model)
+    raw = req.input
+    # Token ids go to the model as they are: no detokenize / re-tokenize round trip.
+    items: list[str | list[int]]
+    if isinstance(raw, str):
+        items = [raw]
+    elif raw and all(isinstance(x, int) for x in raw):
+        items = [[x for x in raw if isinstance(x, int)]]
+    else:
+        items = [x for x in raw if isinstance(x, str | list)]
+    if not items:
+        raise HTTPError(400, "input must not be empty", param="input")
+
+    def work() -> tuple[list[list[float]], int]:
+        vectors = model.embed(items)
+        n_tokens = sum(len(model.tokenize(x)) if isinstance(x, str) else len(x) for x in items)
+        return vectors, n_tokens
+
+    vectors, n_tokens = await run_in_threadpool(work)
+    data: list[dict[str, object]] = []
+    for index, full in enumerate(vectors):
+        cut = req.dimensions if req.dimensions and 0 < req.dimensions < len(full) else len(full)
+        vector = full[:cut]
+        encoded: list[float] | str = vector
+        if req.encoding_format == "base64":
+            encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+        data.append({"object": "embedding", "index": index, "embedding": encoded})
+    request_log.info(
+        "embeddings model=%s inputs=%d prompt_tokens=%d", model.id, len(items), n_tokens
+    )
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "model": model.id,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        }
+    )

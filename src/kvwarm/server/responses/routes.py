@@ -1,0 +1,150 @@
+"""The OpenAI Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
+
+Invariants: a request is translated (``server/responses/translate.py``) and runs the chat path every
+chat-shaped API shares (``server/chat.py``). A follow-up naming ``previous_response_id``
+re-renders the stored conversation plus its new input and passes the previous reply's finish row
+as ``parent_key``, so the engine waits for that row if its save is still in flight and restores
+the conversation instead of prefilling it. Only finished (not cancelled) replies are stored, and
+only with ``store`` true.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvwarm.server import chat, convert, tenancy
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.generate import SSE_HEADERS, Event, Generation, named_sse, start_stream
+from kvwarm.server.guard import presented_key
+from kvwarm.server.responses import translate as responses
+from kvwarm.server.responses.schemas import ResponsesRequest
+from kvwarm.server.responses.store import StoredResponse
+from kvwarm.server.schemas import ChatMessage, json_body, parse_body, read_json
+from kvwarm.server.state import ServerState, server_state
+from kvwarm.settings import Settings
+
+router = APIRouter()
+
+
+def _not_found(response_id: str, param: str | None = None) -> HTTPError:
+    code = "previous_response_not_found" if param else "response_not_found"
+    return HTTPError(404, f"Response with id {response_id!r} not found.", code=code, param=param)
+
+
+def _owner(request: Request, settings: Settings) -> str | None:
+    """The tenant a request speaks for, when keys name tenants (``cache_salt_from_auth``)."""
+    token = presented_key(request.headers)
+    return tenancy.tenant_id(token) if settings.cache_salt_from_auth and token else None
+
+
+def _lookup(request: Request, response_id: str, param: str | None = None) -> StoredResponse:
+    """A stored response of the requesting tenant (another tenant's is "not found")."""
+    state = server_state(request)
+    found = state.responses.get(response_id)
+    if found is None or found.owner != _owner(request, state.settings):
+        raise _not_found(response_id, param)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """What a finished reply is stored with."""
+
+    history: list[ChatMessage]
+    cache_salt: str | None
+    owner: str | None
+
+    def keep(
+        self, state: ServerState, shape: responses.ResponseShape, reply: chat.ChatReply, text: str
+    ) -> dict[str, object]:
+        body = shape.final(reply, text)
+        if reply.done.stats.finish_reason != "cancelled":
+            turns = (*self.history, responses.reply_turn(reply, text))
+            key = reply.done.stats.key
+            stored = StoredResponse(
+                shape.id, shape.model_id, turns, key, body, self.cache_salt, self.owner
+            )
+            state.responses.put(stored)
+        return body
+
+
+@router.post(
+    "/v1/responses",
+    openapi_extra=json_body(ResponsesRequest, streams=True) | tenancy.openapi_header(),
+)
+async def create_response(request: Request) -> Response:
+    state = server_state(request)
+    req = parse_body(await read_json(request, state.settings), ResponsesRequest)
+    previous = None
+    if req.previous_response_id is not None:
+        previous = _lookup(request, req.previous_response_id, "previous_response_id")
+    # A follow-up continues in its conversation's namespace unless it names a salt itself.
+    salt = tenancy.cache_salt(request, req.cache_salt, state.settings)
+    if previous is not None and tenancy.explicit_salt(request, req.cache_salt) is None:
+        salt = previous.cache_salt
+    model = await state.acquire(req.model or (previous.model_id if previous else None))
+    history = [*(previous.conversation if previous else ()), *responses.to_history(req.input)]
+    tools = responses.tools(req.tools)
+    messages = responses.with_instructions(req.instructions, history)
+    plan = await chat.plan(model, messages, tools, responses.tool_choice(req.tool_choice))
+    schema = responses.text_schema(req.text)
+    if plan.json_schema is not None and schema is not None:
+        raise HTTPError(
+            400, "tool_choice required/named cannot be combined with text.format", param="text"
+        )
+    fields = chat.sampling_fields(
+        max_tokens=req.max_output_tokens,
+        param="max_output_tokens",
+        limit=state.settings.max_tokens_limit,
+        temperature=req.temperature,
+        top_p=req.top_p,
+    )
+    opts = convert.options(
+        fields,
+        default_max_tokens=state.settings.default_max_tokens,
+        max_tokens_limit=state.settings.max_tokens_limit,
+        json_schema=plan.json_schema or schema,
+        cache_salt=salt,
+    )
+    opts = chat.with_parent(opts, previous.key if previous else None)
+    stream = await start_stream(chat.submit(model, plan, opts))
+    gen = Generation(request, stream, "responses", model.id, state)
+    shape = responses.ResponseShape(req, model.id)
+    turn = _Turn(history, salt, _owner(request, state.settings))
+    if not req.stream:
+        reply = await chat.whole_reply(gen, plan)
+        if req.store:
+            return JSONResponse(turn.keep(state, shape, reply, reply.content))
+        return JSONResponse(shape.final(reply, reply.content))
+    await gen.open_streaming()
+    events = responses.ResponseEvents(shape)
+
+    async def body_events() -> AsyncIterator[Event]:
+        async for name, data in responses.stream_events(events, chat.streamed_reply(gen, plan)):
+            if name in ("response.completed", "response.incomplete") and req.store:
+                assert events.reply is not None
+                turn.keep(state, shape, events.reply, events.text)
+            yield name, data
+
+    return StreamingResponse(
+        named_sse(body_events(), gen.close, events.error),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(request: Request, response_id: str) -> Response:
+    return JSONResponse(_lookup(request, response_id).body)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> Response:
+    _lookup(request, response_id)
+    server_state(request).responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})

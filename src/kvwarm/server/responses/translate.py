@@ -1,0 +1,361 @@
+"""OpenAI Responses shapes <-> the shared chat path (``server/chat.py``).
+
+Invariants:
+
+- Input (a string, or message / function_call / function_call_output items) becomes the same
+  ``ChatMessage`` list an OpenAI chat request would; ``instructions`` lead it as the system
+  message and, as in OpenAI's API, are not carried into a follow-up.
+- A reply's output is one ``message`` item (when it has text, or when it has nothing else),
+  then one ``function_call`` item per call; a stream emits exactly these items, with the same
+  ids, before ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut
+  the reply) carries the same object a non-streamed request returns.
+- ``usage.input_tokens_details.cached_tokens`` counts the prompt tokens the cache restored.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from kvwarm.engine.types import CompletionStats
+from kvwarm.errors import KvwarmError
+from kvwarm.server.chat import ChatReply
+from kvwarm.server.chat import ToolChoice as ChatToolChoice
+from kvwarm.server.errors import HTTPError, kind_of
+from kvwarm.server.generate import Event
+from kvwarm.server.responses.schemas import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    FunctionTool,
+    InputItem,
+    ItemReference,
+    MediaPart,
+    MessageItem,
+    RefusalPart,
+    ResponsesRequest,
+    TextConfig,
+)
+from kvwarm.server.schemas import (
+    ChatMessage,
+    FunctionCall,
+    FunctionDef,
+    NamedToolChoice,
+    NamedToolChoiceFunction,
+    Tool,
+    ToolCallIn,
+)
+from kvwarm.server.tools import ToolCall
+
+Json = dict[str, object]
+
+
+def _text(content: str | Sequence[object], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts: list[str] = []
+    for i, part in enumerate(content):
+        if isinstance(part, MediaPart):
+            raise HTTPError(
+                400,
+                f"{where}.{i}: content of type {part.type!r} is not supported (text only)",
+                code="unsupported_content",
+                param=f"{where}.{i}",
+            )
+        parts.append(part.refusal if isinstance(part, RefusalPart) else getattr(part, "text", ""))
+    return "".join(parts)
+
+
+def to_history(given: str | Sequence[InputItem]) -> list[ChatMessage]:
+    """The chat turns of ``input``; consecutive function calls join the assistant turn."""
+    if isinstance(given, str):
+        return [ChatMessage(role="user", content=given)]
+    out: list[ChatMessage] = []
+    for index, item in enumerate(given):
+        where = f"input.{index}"
+        if isinstance(item, MessageItem):
+            out.append(ChatMessage(role=item.role, content=_text(item.content, f"{where}.content")))
+        elif isinstance(item, FunctionCallItem):
+            call = ToolCallIn(
+                id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
+            )
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant":
+                out[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), call]})
+            else:
+                out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+        elif isinstance(item, FunctionCallOutputItem):
+            text = _text(item.output, f"{where}.output")
+            out.append(ChatMessage(role="tool", content=text, tool_call_id=item.call_id))
+        elif isinstance(item, ItemReference):
+            raise HTTPError(
+                400,
+                f"{where}: item references are not supported; use previous_response_id",
+                code="unsupported_item",
+                param=where,
+            )
+        # ReasoningItem: an earlier turn's reasoning is not part of the prompt.
+    if not out:
+        raise HTTPError(400, "input has no message or function call item", param="input")
+    return out
+
+
+def with_instructions(
+    instructions: str | None, history: Sequence[ChatMessage]
+) -> list[ChatMessage]:
+    system = [ChatMessage(role="system", content=instructions)] if instructions else []
+    return [*system, *history]
+
+
+def reply_turn(reply: ChatReply, text: str) -> ChatMessage:
+    """The assistant turn a reply adds to the conversation (kept for a follow-up)."""
+    calls = [
+        ToolCallIn(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in reply.calls
+    ]
+    return ChatMessage(role="assistant", content=text, tool_calls=calls or None)
+
+
+def tools(defs: Sequence[FunctionTool] | None) -> list[Tool] | None:
+    if not defs:
+        return None
+    out: list[Tool] = []
+    for i, tool in enumerate(defs):
+        if tool.type != "function":
+            raise HTTPError(
+                400,
+                f"tools.{i}: hosted tools ({tool.type!r}) are not supported; only function tools",
+                code="unsupported_tool",
+                param=f"tools.{i}.type",
+            )
+        if not tool.name:
+            raise HTTPError(400, f"tools.{i}.name is required", param=f"tools.{i}.name")
+        fn = FunctionDef(name=tool.name, description=tool.description, parameters=tool.parameters)
+        out.append(Tool(function=fn))
+    return out
+
+
+def tool_choice(choice: str | FunctionChoice | None) -> ChatToolChoice:
+    if isinstance(choice, FunctionChoice):
+        return NamedToolChoice(function=NamedToolChoiceFunction(name=choice.name))
+    return choice
+
+
+def text_schema(config: TextConfig | None) -> dict[str, object] | None:
+    """The JSON schema ``text.format`` asks for (None: free text)."""
+    fmt = config.format if config is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.schema_ is None:
+        raise HTTPError(400, "text.format json_schema needs a schema", param="text.format.schema")
+    return fmt.schema_
+
+
+def usage(stats: CompletionStats) -> Json:
+    return {
+        "input_tokens": stats.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": stats.cached_tokens},
+        "output_tokens": stats.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+    }
+
+
+def _call_item(call: ToolCall, *, done: bool) -> Json:
+    return {
+        "type": "function_call",
+        "id": "fc_" + call.id.removeprefix("call_"),
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if done else "",
+        "status": "completed" if done else "in_progress",
+    }
+
+
+class ResponseShape:
+    """One response's id, echo of its request, and its output as wire objects."""
+
+    def __init__(self, req: ResponsesRequest, model_id: str) -> None:
+        self.id = "resp_" + secrets.token_hex(16)
+        self.message_id = "msg_" + secrets.token_hex(16)
+        self.created_at = int(time.time())
+        self.model_id = model_id
+        self._req = req
+
+    def message_item(self, text: str, status: str) -> Json:
+        content: list[Json] = []
+        if status != "in_progress":
+            content = [{"type": "output_text", "text": text, "annotations": []}]
+        return {
+            "type": "message",
+            "id": self.message_id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+
+    def output(self, reply: ChatReply, text: str) -> list[Json]:
+        items: list[Json] = []
+        if text or not reply.calls:
+            items.append(self.message_item(text, _item_status(reply)))
+        return items + [_call_item(c, done=True) for c in reply.calls]
+
+    def body(self, status: str, output: list[Json], stats: CompletionStats | None = None) -> Json:
+        req = self._req
+        fmt = req.text.format if req.text is not None and req.text.format is not None else None
+        choice = req.tool_choice
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.model_id,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "store": req.store,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "text": {
+                "format": fmt.model_dump(by_alias=True, exclude_none=True)
+                if fmt
+                else {"type": "text"}
+            },
+            "tool_choice": choice.model_dump()
+            if isinstance(choice, FunctionChoice)
+            else (choice or "auto"),
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+            "truncation": "disabled",
+            "usage": usage(stats) if stats is not None else None,
+            "metadata": req.metadata or {},
+            "user": req.user,
+        }
+
+    def final(self, reply: ChatReply, text: str) -> Json:
+        return self.body(_status(reply), self.output(reply, text), reply.done.stats)
+
+
+def _status(reply: ChatReply) -> str:
+    if reply.done.stats.finish_reason == "length" and not reply.calls:
+        return "incomplete"
+    return "completed"
+
+
+def _item_status(reply: ChatReply) -> str:
+    return "incomplete" if _status(reply) == "incomplete" else "completed"
+
+
+class ResponseEvents:
+    """The Responses stream for one reply: numbered events, items opened as output appears."""
+
+    def __init__(self, shape: ResponseShape) -> None:
+        self.shape = shape
+        self.text = ""  # every text delta sent so far
+        self.reply: ChatReply | None = None  # set once the reply has finished
+        self._seq = -1
+        self._message_open = False
+        self._index = -1  # output_index of the item last opened
+
+    def _event(self, kind: str, **fields: object) -> Event:
+        self._seq += 1
+        return kind, {"type": kind, "sequence_number": self._seq, **fields}
+
+    def start(self) -> list[Event]:
+        head = self.shape.body("in_progress", [])
+        return [
+            self._event("response.created", response=head),
+            self._event("response.in_progress", response=head),
+        ]
+
+    def _part(self) -> Json:
+        return {"item_id": self.shape.message_id, "output_index": self._index, "content_index": 0}
+
+    def delta(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        if not self._message_open:
+            self._message_open = True
+            self._index += 1
+            item = self.shape.message_item("", "in_progress")
+            events.append(
+                self._event("response.output_item.added", output_index=self._index, item=item)
+            )
+            empty = {"type": "output_text", "text": "", "annotations": []}
+            events.append(self._event("response.content_part.added", **self._part(), part=empty))
+        if text:
+            self.text += text
+            events.append(
+                self._event("response.output_text.delta", **self._part(), delta=text, logprobs=[])
+            )
+        return events
+
+    def finish(self, reply: ChatReply) -> list[Event]:
+        self.reply = reply
+        events: list[Event] = []
+        if reply.content or not reply.calls:
+            events += self.delta(reply.content)
+        if self._message_open:
+            part = {"type": "output_text", "text": self.text, "annotations": []}
+            item = self.shape.message_item(self.text, _item_status(reply))
+            events += [
+                self._event(
+                    "response.output_text.done", **self._part(), text=self.text, logprobs=[]
+                ),
+                self._event("response.content_part.done", **self._part(), part=part),
+                self._event("response.output_item.done", output_index=self._index, item=item),
+            ]
+        for call in reply.calls:
+            events += self._call(call)
+        final = self.shape.final(reply, self.text)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        events.append(self._event(kind, response=final))
+        return events
+
+    def _call(self, call: ToolCall) -> list[Event]:
+        self._index += 1
+        item_id = _call_item(call, done=False)["id"]
+        where: Json = {"item_id": item_id, "output_index": self._index}
+        return [
+            self._event(
+                "response.output_item.added",
+                output_index=self._index,
+                item=_call_item(call, done=False),
+            ),
+            self._event("response.function_call_arguments.delta", **where, delta=call.arguments),
+            self._event(
+                "response.function_call_arguments.done",
+                **where,
+                arguments=call.arguments,
+                name=call.name,
+            ),
+            self._event(
+                "response.output_item.done",
+                output_index=self._index,
+                item=_call_item(call, done=True),
+            ),
+        ]
+
+    def error(self, exc: KvwarmError) -> Event:
+        """A failure after the stream began, as the Responses API's ``error`` event."""
+        kind = kind_of(exc)
+        message = str(exc) or type(exc).__name__
+        param = getattr(exc, "param", None)
+        return self._event("error", code=kind.code, message=message, param=param)
+
+
+async def stream_events(
+    events: ResponseEvents, replies: AsyncIterator[str | ChatReply]
+) -> AsyncIterator[Event]:
+    for event in events.start():
+        yield event
+    async for item in replies:
+        for event in events.delta(item) if isinstance(item, str) else events.finish(item):
+            yield event

@@ -1,0 +1,400 @@
+"""Server and CLI settings: one pydantic-settings class, one loader.
+
+Invariant: every setting is declared exactly once, as a field of ``Settings`` (or of the
+``ModelSettings`` it extends, ``kvwarm.settings.model``: the ones a ``[[models]]`` table may
+also set per model): its type, default and help text. Everything else is derived from that
+field: the environment variable ``KVWARM_<NAME>``, the TOML key ``<name>`` (top level or under
+``[kvwarm]``), the flag ``--<name-with-dashes>`` and its help. ``load_settings`` merges the
+sources with the precedence flags > environment > config file > defaults, parsing each value
+alone so that a bad one is a ``ConfigError`` naming its source and setting before anything
+loads.
+
+Adding a setting
+----------------
+1. Add a field to ``Settings``: ``name: Int = Field(default=8, description="help text")``
+   (``default=`` by keyword, so mypy sees it). Use a parsing type of ``kvwarm.settings.types``
+   (``Int``, ``Size``, ``Bool``, ``OptPath`` ...) so that the string forms (flags, env) parse
+   like the others' (``Int`` reads "8", ``Size`` "2G"); add a type there if none fits.
+2. Optional, through ``json_schema_extra``: ``{"flag": "--other-name"}`` for a flag name that
+   differs from the field's, ``{"aliases": ["-x"]}`` for more spellings of the flag,
+   ``{"repeatable": True}`` for a flag given several times, ``{"switch": True}`` for one
+   without a value (``kvwarm.settings.flags``).
+3. Cross-setting rules and range checks go in ``Settings.check`` (raise ``ConfigError``).
+4. A CLI subcommand that needs it lists its name in ``kvwarm.cli.common`` (``serve`` gets all).
+Nothing else: flag, env var, TOML key and help follow. ``tests/cli/test_settings.py`` shows how
+to test one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from kvwarm.cache.eviction.base import registered_policies
+from kvwarm.cache.types import CacheConfig, PolicyConfig, S3Config, TierName
+from kvwarm.errors import ConfigError
+from kvwarm.settings import cache as settings_cache
+from kvwarm.settings.flags import add_arguments, env_name, flag_name
+from kvwarm.settings.model import (
+    ModelSettings,
+    ServingSettings,
+    check_models,
+    model_config,
+    parse_field,
+)
+from kvwarm.settings.sources import read_env, read_toml, user_cache_dir, user_config_file
+from kvwarm.settings.types import (
+    Bool,
+    Float,
+    Int,
+    Models,
+    ModelSpec,
+    OptPath,
+    OptStr,
+    OptTier,
+    Policy,
+    Size,
+    Str,
+    StrTuple,
+    policy_items,
+)
+
+__all__ = [
+    "CLUSTER_ONLY",
+    "CONFIG_ENV",
+    "ENV_PREFIX",
+    "SERVER_POLICY",
+    "ModelSpec",
+    "Settings",
+    "add_settings_arguments",
+    "env_var",
+    "load_settings",
+    "model_config",
+    "settings_flags",
+    "user_cache_dir",
+    "user_config_file",
+]
+
+ENV_PREFIX = "KVWARM_"
+CONFIG_ENV = "KVWARM_CONFIG"
+_GIB = 1 << 30
+
+
+# erllama's gates (min_tokens 512, align 2048) suit big models on GPUs. A local CPU server
+# pays ~0.3 s to prefill 64 tokens and ~1 ms to restore them, so every chat turn over 64
+# tokens is worth a row; cold saves align to the default n_batch so their rows stay canonical.
+SERVER_POLICY = PolicyConfig(
+    min_tokens=64,
+    cold_min_tokens=512,
+    continued_interval=512,
+    boundary_trim_tokens=32,
+    boundary_align_tokens=512,
+)
+
+_REPEAT: dict[str, Any] = {"repeatable": True}
+# Settings only ``kvwarm cluster`` takes as flags (the environment and TOML accept them always).
+CLUSTER_ONLY = ("replicas", "ray_address", "cluster_busy_requests")
+
+
+class Settings(ModelSettings, ServingSettings):
+    """Everything ``kvwarm serve`` and the CLI can be told. Constructing one directly uses only
+    the given values and the defaults (no hidden environment reads); ``load_settings`` layers
+    flags, environment and config file on top. The per-model settings (GPU, threads, KV types,
+    RoPE) are declared in ``ModelSettings`` (``kvwarm.settings.model``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, frozen=True, extra="forbid", validate_default=False
+    )
+
+    host: Str = Field(default="127.0.0.1", description="address to listen on")
+    port: Int = Field(default=8000, description="port to listen on (0: any free port)")
+    models: Models = Field(
+        default=(ModelSpec(),),
+        description="a model to serve, [ID=]PATH (repeatable; PATH 'default' = embedded)",
+        json_schema_extra={"flag": "--model", **_REPEAT},
+    )
+    backend: Str = Field(default="llama_cpp", description="default backend: llama_cpp or stub")
+    n_ctx: Int = Field(default=4096, description="context window per model")
+    n_batch: Int = Field(default=512, description="prefill batch size (cache rows align to it)")
+    # Concurrent requests share one context (continuous batching), as llama.cpp's server does.
+    n_parallel: Int = Field(default=4, description="concurrent sequences (slots) per model")
+    deterministic: Bool = Field(
+        default=False,
+        description="restores bit-identical to a cold prefill (slower)",
+        json_schema_extra={"switch": True},
+    )
+    fingerprint_mode: Str = Field(
+        default="safe", description="model fingerprint: safe, gguf_chunked or fast_unsafe"
+    )
+    max_queue: Int = Field(default=256, description="queued requests per model before 429")
+    # None disables the disk tier (RAM only; nothing survives a restart).
+    cache_dir: OptPath = Field(
+        default_factory=user_cache_dir,
+        description="disk tier directory ('none' disables the disk tier)",
+    )
+    disk_quota_bytes: Size = Field(default=20 * _GIB, description="disk tier quota, e.g. 20G")
+    ram_quota_bytes: Size = Field(default=1 * _GIB, description="RAM tier quota, e.g. 1G")
+    shm_dir: OptPath = Field(
+        default=None, description="ram_file tier directory, e.g. /dev/shm/kvwarm (default off)"
+    )
+    shm_quota_bytes: Size = Field(default=2 * _GIB, description="ram_file tier quota")
+    # A directory several hosts mount (NFS, CephFS): rows others publish are found at once,
+    # hits are copied to a local tier, temp files are reaped by age only.
+    cache_dir_shared: Bool = Field(
+        default=False, description="cache_dir is shared by several hosts (NFS, CephFS)"
+    )
+    # The s3 tier (extra kvwarm[s3]); credentials come from boto3's chain (AWS_* env, profile).
+    s3_bucket: OptStr = Field(
+        default=None, description="bucket of the shared s3 tier (default off)"
+    )
+    s3_prefix: Str = Field(default="kvwarm/", description="object name prefix in the s3 bucket")
+    s3_endpoint_url: OptStr = Field(
+        default=None, description="S3-compatible endpoint, e.g. http://minio:9000 (default AWS)"
+    )
+    s3_region: OptStr = Field(default=None, description="s3 region (default: boto3's choice)")
+    s3_quota_bytes: Size = Field(default=100 * _GIB, description="s3 tier quota, e.g. 100G")
+    s3_connect_timeout_s: Float = Field(default=2.0, description="s3 connect timeout, seconds")
+    s3_read_timeout_s: Float = Field(default=10.0, description="s3 read timeout, seconds")
+    s3_max_attempts: Int = Field(
+        default=2, description="s3 attempts per request, the first included"
+    )
+    save_tier: OptTier = Field(
+        default=None,
+        description="tier new rows are written to (default: s3 if a bucket is set, else disk "
+        "if enabled)",
+    )
+    # Off: row files hold tokens and KV, not the prompt's words (a user's text at rest).
+    store_prompt_text: Bool = Field(
+        default=False, description="also write each row's prompt text into its file"
+    )
+    cache_eviction: Str = Field(
+        default="lru", description="which cache rows go first when a tier is full: lru or lfu"
+    )
+    cache_chunk_tokens: Int = Field(
+        default=256,
+        description="rows are stored as shared chunks of this many tokens (a divisor or a "
+        "multiple of n_batch; 0: one whole blob a row)",
+    )
+    policy: Policy = Field(
+        default=SERVER_POLICY,
+        description="cache policy override KEY=VALUE (repeatable), e.g. min_tokens=64",
+        json_schema_extra={"env": ENV_PREFIX + "POLICY_<KEY>", **_REPEAT},
+    )
+    max_body_bytes: Size = Field(default=8 << 20, description="largest accepted request body")
+    default_max_tokens: Int = Field(default=512, description="max_tokens when a request gives none")
+    # A request asking for more is a 400: one request must not hold a slot for a whole window.
+    max_tokens_limit: Int = Field(
+        default=4096, description="largest max_tokens a request may ask for (more: 400)"
+    )
+    keepalive_interval_s: Float = Field(
+        default=60.0, description="seconds between keep-alive re-warms (0: off)"
+    )
+    keepalive_stale_fraction: Float = Field(
+        default=0.8, description="re-warm a prewarmed prefix at this share of TTL"
+    )
+    # Each kept prefix costs a background prefill per TTL period, so what is kept is bounded.
+    keepalive_max_entries: Int = Field(
+        default=16, description="most prefixes kept warm at once (more: 409)"
+    )
+    keepalive_max_tokens: Int = Field(
+        default=16384, description="most tokens kept warm in all (more: 409)"
+    )
+    keepalive_max_age_s: Float = Field(
+        default=86400.0,
+        description="drop a kept prefix this many seconds after its last prewarm (0: never)",
+    )
+    prewarm_system: StrTuple = Field(
+        default=(),
+        description="system prompt to prewarm at startup (repeatable)",
+        json_schema_extra=_REPEAT,
+    )
+    api_key: OptStr = Field(
+        default=None,
+        description="require this key on every API request (Authorization: Bearer, or x-api-key)",
+    )
+    admin_key: OptStr = Field(
+        default=None,
+        description="bearer token required on admin endpoints (/cache/*, /admin/*); default: none",
+    )
+    # Tenants (server/tenancy.py): each key presented gets its own cache namespace.
+    cache_salt_from_auth: Bool = Field(
+        default=False,
+        description="derive a cache salt from the bearer token, so each API key is a tenant",
+    )
+    # Browser defence (server/guard.py): a page elsewhere must not drive a local server.
+    allowed_origins: StrTuple = Field(
+        default=(),
+        description="extra browser origin allowed to call the API, e.g. http://app:3000 "
+        "(repeatable; '*' any)",
+        json_schema_extra={"flag": "--allowed-origin", **_REPEAT},
+    )
+    allowed_hosts: StrTuple = Field(
+        default=(),
+        description="extra Host header name accepted besides loopback and the bound address "
+        "(repeatable; '*' any)",
+        json_schema_extra={"flag": "--allowed-host", **_REPEAT},
+    )
+    max_json_depth: Int = Field(
+        default=64, description="deepest nesting of arrays/objects accepted in a request body"
+    )
+    log_level: Str = Field(default="info", description="logging level: debug, info, warning, error")
+    # `kvwarm cluster` only (kvwarm.cluster; not flags of the other commands: CLUSTER_ONLY).
+    replicas: Int = Field(default=2, description="cluster: engine replicas to run")
+    ray_address: OptStr = Field(
+        default=None,
+        description="cluster: Ray cluster to join, e.g. ray://head:10001 (default: "
+        "start a local one)",
+    )
+    cluster_busy_requests: Int = Field(
+        default=0,
+        description="cluster: requests in flight at which a replica counts as busy and a "
+        "conversation moves on (0: 2 x n_parallel)",
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Only the constructor's values: the layering (and its error messages) is load_settings's.
+        return (init_settings,)
+
+    def replace(self, **changes: object) -> Settings:
+        """A copy with ``changes`` applied and validated (``Settings`` is frozen)."""
+        return type(self)(**{**dict(self), **changes})
+
+    def effective_save_tier(self) -> TierName:
+        return settings_cache.save_tier(self)
+
+    def s3_config(self) -> S3Config | None:
+        return settings_cache.s3_config(self)
+
+    def cache_config(self) -> CacheConfig:
+        return settings_cache.cache_config(self)
+
+    def check(self) -> None:
+        """Range and cross-setting rules; raises ``ConfigError``."""
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("n_ctx", "n_batch", "n_parallel", "max_queue", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if self.default_max_tokens < 0:
+            raise ConfigError("default_max_tokens must be >= 0")
+        if self.max_tokens_limit < max(1, self.default_max_tokens):
+            raise ConfigError("max_tokens_limit must be >= 1 and >= default_max_tokens")
+        if self.keepalive_interval_s < 0:
+            raise ConfigError("keepalive_interval_s must be >= 0")
+        if not 0.0 < self.keepalive_stale_fraction <= 1.0:
+            raise ConfigError("keepalive_stale_fraction must be in (0, 1]")
+        if self.keepalive_max_entries < 0 or self.keepalive_max_tokens < 0:
+            raise ConfigError("keepalive_max_entries and keepalive_max_tokens must be >= 0")
+        if self.keepalive_max_age_s < 0:
+            raise ConfigError("keepalive_max_age_s must be >= 0")
+        if self.replicas < 1 or self.cluster_busy_requests < 0:
+            raise ConfigError("replicas must be >= 1 and cluster_busy_requests >= 0")
+        if self.max_json_depth < 2:
+            raise ConfigError("max_json_depth must be >= 2")
+        if self.fingerprint_mode not in ("safe", "gguf_chunked", "fast_unsafe"):
+            raise ConfigError("fingerprint_mode must be safe, gguf_chunked or fast_unsafe")
+        if self.cache_eviction not in registered_policies():
+            known = ", ".join(registered_policies())
+            raise ConfigError(f"cache_eviction must be one of {known}, got {self.cache_eviction!r}")
+        settings_cache.check(self)
+        check_models(self)  # the model list, aliases and every model's parameters
+
+
+# --- derived from the fields: flags, env, TOML keys ---------------------------------------------
+
+
+def _flag(name: str) -> str:
+    return flag_name(Settings, name)
+
+
+def env_var(name: str) -> str:
+    return env_name(Settings, name, ENV_PREFIX)
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, names: Sequence[str] = ()) -> None:
+    """Add the flags of ``names`` (all settings but ``CLUSTER_ONLY`` if empty), those of
+    ``ModelSettings`` in a ``--help`` group of their own (``kvwarm.settings.flags``)."""
+    names = names or [n for n in Settings.model_fields if n not in CLUSTER_ONLY]
+    add_arguments(
+        parser,
+        Settings,
+        names,
+        per_model=ModelSettings,
+        env_prefix=ENV_PREFIX,
+        config_env=CONFIG_ENV,
+    )
+
+
+def settings_flags(namespace: argparse.Namespace) -> dict[str, object]:
+    """The settings given on the command line, as raw values for ``load_settings``."""
+    return {k: v for k, v in vars(namespace).items() if k in Settings.model_fields or k == "config"}
+
+
+def _parse(name: str, value: object, source: str) -> object:
+    label = f"{source} setting {_flag(name) if source == 'flag' else name}"
+    if name == "policy":
+        try:
+            return policy_items(value)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{label}: {exc}") from exc
+    return parse_field(Settings, name, value, label)
+
+
+def load_settings(
+    flags: Mapping[str, object] | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    base: Settings | None = None,
+) -> Settings:
+    """Merge flags > environment > config file > ``base`` (default: ``Settings()``).
+
+    The config file is ``flags['config']``, else ``$KVWARM_CONFIG``, else the user config file
+    if it exists. Policy values merge key by key across sources.
+    """
+    flags = dict(flags or {})
+    env = os.environ if env is None else env
+    explicit = flags.pop("config", None) or env.get(CONFIG_ENV)
+    file_values: dict[str, object] = {}
+    if explicit:
+        file_values = read_toml(Path(str(explicit)).expanduser(), set(Settings.model_fields))
+    elif (default_file := user_config_file(env)).is_file():
+        file_values = read_toml(default_file, set(Settings.model_fields))
+    defaults = base or Settings(cache_dir=user_cache_dir(env))
+    values: dict[str, object] = {}
+    policy: dict[str, int] = {}
+    sources = (
+        ("config file", file_values),
+        ("environment", read_env(env, Settings, ENV_PREFIX)),
+        ("flag", flags),
+    )
+    for source, raw in sources:
+        for name, value in raw.items():
+            parsed = _parse(name, value, source)
+            if name == "policy":
+                assert isinstance(parsed, dict)
+                policy.update(parsed)
+            else:
+                values[name] = parsed
+    if policy:
+        values["policy"] = dataclasses.replace(defaults.policy, **policy)
+    if values.get("models_dir") is not None and "models" not in values:
+        # A models directory given alone serves that directory, not also the default model.
+        values["models"] = ()
+    settings = defaults.replace(**values)
+    settings.check()
+    return settings

@@ -1,0 +1,88 @@
+"""How the cache settings become the cache's configuration: tiers, the save tier, checks.
+
+Invariant: ``Settings`` declares the cache settings (``settings/__init__.py``); only this
+module turns them into ``TierConfig``s, so the tier order (fastest first: ram, ram_file,
+disk, then the shared s3 tier, asked last) and the rules binding them live in one place. See
+docs/architecture.md ("The cache", "Shared tiers").
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvwarm.cache.types import CacheConfig, S3Config, TierConfig, TierName
+from kvwarm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvwarm.settings import Settings
+
+__all__ = ["cache_config", "check", "s3_config", "save_tier"]
+
+
+def save_tier(s: Settings) -> TierName:
+    if s.save_tier is not None:
+        return s.save_tier
+    if s.s3_bucket is not None:
+        return "s3"  # a bucket is configured to share rows: the other replicas must see ours
+    return "disk" if s.cache_dir is not None else "ram"
+
+
+def s3_config(s: Settings) -> S3Config | None:
+    if s.s3_bucket is None:
+        return None
+    return S3Config(
+        bucket=s.s3_bucket,
+        prefix=s.s3_prefix,
+        endpoint_url=s.s3_endpoint_url,
+        region=s.s3_region,
+        connect_timeout_s=s.s3_connect_timeout_s,
+        read_timeout_s=s.s3_read_timeout_s,
+        max_attempts=s.s3_max_attempts,
+    )
+
+
+def cache_config(s: Settings) -> CacheConfig:
+    """Tiers fastest first; lookups ask the local ones first and an s3 hit is copied to ram."""
+    tiers = [TierConfig("ram", s.ram_quota_bytes)]
+    if s.shm_dir is not None:
+        tiers.append(TierConfig("ram_file", s.shm_quota_bytes, s.shm_dir))
+    if s.cache_dir is not None:
+        root = s.cache_dir / "rows"
+        tiers.append(TierConfig("disk", s.disk_quota_bytes, root, shared=s.cache_dir_shared))
+    s3 = s3_config(s)
+    if s3 is not None:
+        tiers.append(TierConfig("s3", s.s3_quota_bytes, s3=s3))
+    return CacheConfig(
+        tiers=tuple(tiers),
+        store_prompt_text=s.store_prompt_text,
+        eviction=s.cache_eviction,
+        chunk_tokens=s.cache_chunk_tokens,
+    )
+
+
+def check(s: Settings) -> None:
+    """``ConfigError`` for a save tier that is not configured, a chunk size that does not
+    line up with n_batch, or bad s3 settings."""
+    c, b = s.cache_chunk_tokens, s.n_batch
+    # Aligned restore boundaries (multiples of n_batch) then always fall on chunk boundaries.
+    if c < 0 or (c and b % c and c % b):
+        raise ConfigError(
+            f"cache_chunk_tokens must be 0, a divisor or a multiple of n_batch ({b}), got {c}"
+        )
+    tier = save_tier(s)
+    if tier == "disk" and s.cache_dir is None:
+        raise ConfigError("save_tier is disk but the disk tier is off (cache_dir none)")
+    if tier == "ram_file" and s.shm_dir is None:
+        raise ConfigError("save_tier is ram_file but no shm_dir is set")
+    if tier == "s3" and s.s3_bucket is None:
+        raise ConfigError("save_tier is s3 but no s3_bucket is set")
+    if s.s3_bucket is None:
+        return
+    if not s.s3_bucket.strip():
+        raise ConfigError("s3_bucket must not be empty")
+    if s.s3_prefix and not s.s3_prefix.endswith("/"):
+        raise ConfigError(f"s3_prefix must end with '/', got {s.s3_prefix!r}")
+    if s.s3_connect_timeout_s <= 0 or s.s3_read_timeout_s <= 0:
+        raise ConfigError("s3_connect_timeout_s and s3_read_timeout_s must be > 0")
+    if s.s3_max_attempts < 1:
+        raise ConfigError("s3_max_attempts must be >= 1")

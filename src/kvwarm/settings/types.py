@@ -1,0 +1,345 @@
+"""Value types for ``kvwarm.settings``: how one raw value from a flag, an environment variable or
+a TOML file becomes a typed setting.
+
+Invariant: every parser accepts the string form (flags and environment variables are strings)
+and the native TOML form, and raises ``ValueError`` with a message fit for a user; the loader
+prefixes it with the source and the setting's name. Each public alias is an ``Annotated`` type:
+the ``BeforeValidator`` does the lenient parsing, pydantic then checks the result's type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BeforeValidator
+from pydantic_settings import NoDecode
+
+from kvwarm.backends.base import (
+    FLASH_ATTN_MODES,
+    KV_TYPES,
+    ROPE_SCALINGS,
+    SPLIT_MODES,
+    FlashAttn,
+    KvType,
+    RopeScaling,
+    SplitMode,
+    check_tensor_split,
+)
+from kvwarm.cache.types import TIER_NAMES, PolicyConfig, TierName
+from kvwarm.embedded import model_id_for
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+_SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """One model to serve. ``path`` None means the default model (``$KVWARM_MODEL`` or the
+    embedded SmolLM2); per-model fields left None take the global setting."""
+
+    path: str | None = None
+    id: str | None = None
+    backend: str | None = None
+    n_ctx: int | None = None
+    n_parallel: int | None = None
+    # Per-model values of the model settings (``settings_model.ModelSettings``), parsed,
+    # sorted by name: ``n_gpu_layers = 99`` in a ``[[models]]`` table.
+    options: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def model_id(self) -> str:
+        return self.id or model_id_for(self.path)
+
+    @staticmethod
+    def parse(text: str) -> ModelSpec:
+        """``[ID=]PATH``; PATH ``default`` (or empty) is the default model."""
+        model_id, sep, path = text.partition("=")
+        if not sep:
+            model_id, path = "", text
+        path = path.strip()
+        return ModelSpec(
+            path=None if path in ("", "default") else path, id=model_id.strip() or None
+        )
+
+
+def as_str(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def as_int(value: object) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected an integer, got a boolean")
+    if isinstance(value, int):
+        return value
+    return int(as_str(value).strip())
+
+
+def as_float(value: object) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean")
+    if isinstance(value, int | float):
+        return float(value)
+    return float(as_str(value).strip())
+
+
+def as_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = as_str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean, got {value!r}")
+
+
+def as_size(value: object) -> int:
+    """Bytes; strings may carry a K/M/G/T suffix (binary multiples)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return value
+    match = _SIZE.match(as_str(value))
+    if match is None:
+        raise ValueError(f"expected a size like 512M or 20G, got {value!r}")
+    return int(float(match.group(1)) * _SCALE[match.group(2).lower()])
+
+
+def as_opt_int(value: object) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    return as_int(value)
+
+
+def as_opt_str(value: object) -> str | None:
+    if value is None:
+        return None
+    text = as_str(value)
+    return text or None
+
+
+def as_opt_path(value: object) -> Path | None:
+    if value is None:
+        return None
+    if isinstance(value, Path):
+        return value
+    text = as_str(value).strip()
+    if text.lower() in ("", "none", "off"):
+        return None
+    return Path(text).expanduser()
+
+
+def as_tier(value: object) -> TierName | None:
+    text = as_opt_str(value)
+    if text is None:
+        return None
+    for tier in TIER_NAMES:
+        if text == tier:
+            return tier
+    raise ValueError(f"expected one of {', '.join(TIER_NAMES)}, got {text!r}")
+
+
+def as_str_tuple(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,) if value else ()
+    if isinstance(value, list | tuple):
+        return tuple(as_str(v) for v in value)
+    raise ValueError("expected a string or a list of strings")
+
+
+_MODEL_KEYS = {f.name for f in dataclasses.fields(ModelSpec)} - {"options"}
+
+
+def as_models(value: object) -> tuple[ModelSpec, ...]:
+    """A comma-separated string of ``[ID=]PATH`` (env), a list of those (flags), or a list of
+    tables with path/id/backend/n_ctx/n_parallel and any model setting (TOML)."""
+    if isinstance(value, str):
+        return tuple(ModelSpec.parse(part) for part in value.split(",") if part.strip())
+    if not isinstance(value, list | tuple):
+        raise ValueError("expected a list of models")
+    specs: list[ModelSpec] = []
+    for item in value:
+        if isinstance(item, str):
+            specs.append(ModelSpec.parse(item))
+        elif isinstance(item, Mapping):
+            # Imported here: settings_model builds on this module's types.
+            from kvwarm.settings.model import model_options
+
+            model_id = as_opt_str(item.get("id"))
+            extra = {str(k): v for k, v in item.items() if k not in _MODEL_KEYS}
+            specs.append(
+                ModelSpec(
+                    path=as_opt_str(item.get("path")),
+                    id=model_id,
+                    backend=as_opt_str(item.get("backend")),
+                    n_ctx=as_opt_int(item.get("n_ctx")),
+                    n_parallel=as_opt_int(item.get("n_parallel")),
+                    options=model_options(extra, model_id or str(item.get("path"))),
+                )
+            )
+        elif isinstance(item, ModelSpec):
+            specs.append(item)
+        else:
+            raise ValueError("each model is a string or a table")
+    return tuple(specs)
+
+
+def as_gpu_layers(value: object) -> int:
+    """Layers to offload: an integer >= 0, or ``all`` (also -1, llama-cpp-python's spelling)."""
+    if isinstance(value, str) and value.strip().lower() in ("all", "max"):
+        return -1
+    try:
+        layers = as_int(value)
+    except ValueError:
+        layers = -2
+    if layers < -1:
+        raise ValueError(f"expected a number of layers >= 0 or 'all', got {value!r}")
+    return layers
+
+
+def choice(
+    allowed: tuple[str, ...], synonyms: Mapping[str, str] | None = None
+) -> Callable[[object], str]:
+    """A parser accepting one of ``allowed`` (case-insensitive), or a synonym of one."""
+
+    def parse(value: object) -> str:
+        if isinstance(value, bool) and synonyms is not None:
+            value = "true" if value else "false"
+        text = as_str(value).strip().lower()
+        text = (synonyms or {}).get(text, text)
+        if text not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}, got {value!r}")
+        return text
+
+    return parse
+
+
+def opt_choice(allowed: tuple[str, ...]) -> Callable[[object], str | None]:
+    """Like ``choice``; ``model`` (or empty, none given) means None: the model's own value."""
+    strict = choice(allowed)
+
+    def parse(value: object) -> str | None:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "model")):
+            return None
+        return strict(value)
+
+    return parse
+
+
+def as_float_tuple(value: object) -> tuple[float, ...]:
+    """Numbers: ``3,1`` (flags, env) or a TOML list."""
+    if isinstance(value, str):
+        parts: list[object] = [p for p in value.replace("/", ",").split(",") if p.strip()]
+    elif isinstance(value, list | tuple):
+        parts = list(value)
+    else:
+        raise ValueError("expected numbers separated by commas, e.g. 3,1")
+    return tuple(as_float(p) for p in parts)
+
+
+def as_tensor_split(value: object) -> tuple[float, ...]:
+    shares = as_float_tuple(value)
+    check_tensor_split(shares)  # a ConfigError is a ValueError: the loader names the source
+    return shares
+
+
+def as_aliases(value: object) -> tuple[tuple[str, str], ...]:
+    """``ALIAS=MODEL`` pairs: a comma-separated string (env), a list of those (flags), or a
+    TOML table ``{ALIAS = "MODEL"}``."""
+    pairs: list[tuple[object, object]]
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, list | tuple) and all(isinstance(v, list | tuple) for v in value):
+        pairs = [tuple(v) for v in value if len(v) == 2]  # already parsed (Settings.replace)
+        if len(pairs) != len(value):
+            raise ValueError("expected ALIAS=MODEL pairs")
+    else:
+        items = as_str_tuple(value)
+        if len(items) == 1:
+            items = tuple(i for i in items[0].split(",") if i.strip())
+        pairs = []
+        for item in items:
+            alias, sep, target = item.partition("=")
+            if not sep:
+                raise ValueError(f"expected ALIAS=MODEL, got {item!r}")
+            pairs.append((alias, target))
+    out: dict[str, str] = {}
+    for raw_alias, raw_target in pairs:
+        alias, target = as_str(raw_alias).strip(), as_str(raw_target).strip()
+        if not alias or not target:
+            raise ValueError(f"expected ALIAS=MODEL, got {raw_alias!r}={raw_target!r}")
+        if out.get(alias, target) != target:
+            raise ValueError(f"alias {alias!r} names two models")
+        out[alias] = target
+    return tuple(out.items())
+
+
+POLICY_KEYS = frozenset(f.name for f in dataclasses.fields(PolicyConfig))
+
+
+def policy_items(value: object) -> dict[str, int]:
+    """Policy overrides: a TOML table, or ``KEY=VALUE`` strings (flags). Sources merge these
+    key by key, so a flag can change one gate without restating the others."""
+    pairs: dict[str, object]
+    if isinstance(value, Mapping):
+        pairs = {str(k): v for k, v in value.items()}
+    elif isinstance(value, list | tuple):
+        pairs = {}
+        for item in value:
+            name, sep, text = as_str(item).partition("=")
+            if not sep:
+                raise ValueError(f"expected KEY=VALUE, got {item!r}")
+            pairs[name.strip()] = text.strip()
+    else:
+        raise ValueError("expected a table of policy values")
+    out: dict[str, int] = {}
+    for key, raw in pairs.items():
+        if key not in POLICY_KEYS:
+            raise ValueError(f"unknown policy key {key!r} ({', '.join(sorted(POLICY_KEYS))})")
+        out[key] = as_int(raw)
+    return out
+
+
+def as_policy(value: object) -> PolicyConfig:
+    if isinstance(value, PolicyConfig):
+        return value
+    return PolicyConfig(**policy_items(value))
+
+
+# NoDecode: pydantic-settings would JSON-decode complex values from the environment; these
+# have their own string syntax instead.
+Str = Annotated[str, BeforeValidator(as_str)]
+Int = Annotated[int, BeforeValidator(as_int)]
+Float = Annotated[float, BeforeValidator(as_float)]
+Bool = Annotated[bool, BeforeValidator(as_bool)]
+Size = Annotated[int, BeforeValidator(as_size)]
+OptInt = Annotated[int | None, BeforeValidator(as_opt_int)]
+OptStr = Annotated[str | None, BeforeValidator(as_opt_str)]
+OptPath = Annotated[Path | None, BeforeValidator(as_opt_path)]
+OptTier = Annotated[TierName | None, BeforeValidator(as_tier)]
+StrTuple = Annotated[tuple[str, ...], BeforeValidator(as_str_tuple), NoDecode]
+Models = Annotated[tuple[ModelSpec, ...], BeforeValidator(as_models), NoDecode]
+GpuLayers = Annotated[int, BeforeValidator(as_gpu_layers)]
+KvTypeName = Annotated[KvType, BeforeValidator(choice(KV_TYPES))]
+SplitModeName = Annotated[SplitMode, BeforeValidator(choice(SPLIT_MODES))]
+# Booleans too: "flash_attn = true" in TOML, "-fa 1" on the command line.
+FlashAttnMode = Annotated[
+    FlashAttn,
+    BeforeValidator(
+        choice(
+            FLASH_ATTN_MODES,
+            {"true": "on", "1": "on", "yes": "on", "false": "off", "0": "off", "no": "off"},
+        )
+    ),
+]
+OptRopeScaling = Annotated[RopeScaling | None, BeforeValidator(opt_choice(ROPE_SCALINGS))]
+TensorSplit = Annotated[tuple[float, ...], BeforeValidator(as_tensor_split), NoDecode]
+Aliases = Annotated[tuple[tuple[str, str], ...], BeforeValidator(as_aliases), NoDecode]
+Policy = Annotated[PolicyConfig, BeforeValidator(as_policy), NoDecode]
