@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, overload, runtime_checkable
 
-# The codec protocol lives beside its implementations' helpers; re-exported here.
 from kvwarm.backends.kv_codec import KvCodec
 
 # Parameters are the protocol's vocabulary; they live in params.py and are re-exported here.
@@ -47,6 +46,9 @@ from kvwarm.backends.params import (
     WritableBuffer,
     check_tensor_split,
 )
+
+# The codec protocol lives beside its implementations' helpers; re-exported here.
+from kvwarm.memory import MemoryKind, MemoryKindName
 
 __all__ = [
     "KvType",
@@ -147,6 +149,10 @@ class ModelFacts:
     chat_template: str | None
     metadata: Mapping[str, str]
     fim: FimTokens | None = None  # None: the model cannot fill in the middle
+    #: The model's memory kind (``kvwarm.memory``): what its per-sequence state can resume from.
+    memory_kind: MemoryKindName = "full"
+    #: The sliding window of its SWA layers (``memory_kind`` "swa"), else 0.
+    n_swa: int = 0
 
 
 @runtime_checkable
@@ -256,7 +262,12 @@ class BackendContext(Protocol):
         ...
 
     def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
-        """Remove positions ``[p0, p1)`` (``p1 < 0``: to the end) from ``seq``."""
+        """Remove positions ``[p0, p1)`` (``p1 < 0``: to the end) from ``seq``.
+
+        ``StateRestoreError`` when the model's memory refuses (a recurrent state cannot lose
+        its last positions); the sequence is then as it was. Removing positions a sliding
+        window still needs succeeds and leaves a state that is not a prefix's: callers ask
+        ``kvwarm.memory`` first."""
         ...
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
@@ -265,6 +276,16 @@ class BackendContext(Protocol):
 
     def seq_pos_max(self, seq: int) -> int:
         """Largest position held by ``seq``, -1 if empty."""
+        ...
+
+    def seq_pos_min(self, seq: int) -> int:
+        """Smallest position ``seq`` still holds, -1 if empty. Above 0 when a sliding window
+        dropped older positions or a recurrent state holds only its last one."""
+        ...
+
+    @property
+    def memory(self) -> MemoryKind:
+        """What this context's per-sequence state can resume from (``kvwarm.memory``)."""
         ...
 
     def clear(self) -> None:

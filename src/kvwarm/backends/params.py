@@ -123,6 +123,10 @@ class ContextParams:
     pooling: PoolingType = "mean"
     seed: int = 0
     flash_attn: FlashAttn = "auto"
+    #: llama.cpp's full-size SWA cache: sliding-window layers keep every position, so their
+    #: state trims like full attention (``kvwarm.memory``), at the cost of a full-size KV
+    #: buffer for those layers too. Changes what a saved state holds, so it is hashed.
+    swa_full: bool = False
     rope_scaling: RopeScaling | None = None
     rope_freq_base: float = 0.0
     rope_freq_scale: float = 0.0
@@ -230,6 +234,7 @@ def _one_of(name: str, value: object, allowed: Sequence[str]) -> None:
 # Defaults of the ContextParams fields added after kv_hash v1 (see ContextParams.kv_hash).
 _HASHED_IF_CHANGED: dict[str, object] = {
     "flash_attn": "auto",
+    "swa_full": False,
     "rope_scaling": None,
     "rope_freq_base": 0.0,
     "rope_freq_scale": 0.0,

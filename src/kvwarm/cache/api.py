@@ -80,6 +80,14 @@ class CacheApi(Protocol):
         are found at once, at a bounded number of round trips (``CacheConfig.probe_max``)."""
         ...
 
+    def deepest_whole_prefix(
+        self, namespace: Namespace, tokens: Sequence[int]
+    ) -> PrefixMatch | None:
+        """The longest row of ``namespace`` whose tokens are all a prefix of ``tokens``
+        (``n_shared == row.n_tokens``): the candidate for a model whose state cannot be
+        trimmed (``kvwarm.memory``), where a longer row sharing more is of no use."""
+        ...
+
     def open_row(self, key: bytes) -> AbstractContextManager[LoadedRow]:
         """Check out, read and verify (CRC) a row. ``CacheKeyError`` if absent,
         ``CacheFormatError`` if corrupt (the bad row is dropped from index and tier)."""

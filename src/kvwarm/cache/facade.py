@@ -189,6 +189,13 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
             self._counters.incr("hits_longest_prefix")
         return match
 
+    def deepest_whole_prefix(
+        self, namespace: Namespace, tokens: Sequence[int]
+    ) -> PrefixMatch | None:
+        # Local rows only: shared tiers are probed at the lengths longest_prefix asks for,
+        # which are the lengths whole-prefix rows are saved at (cold saves, turn ends).
+        return self._index.deepest_whole(namespace, tokens)
+
     # ------------------------------------------------------------------ reading a row
 
     @contextmanager

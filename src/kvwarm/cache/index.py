@@ -102,6 +102,15 @@ class Index:
         with self._lock:
             return self._rows.longest(namespace, tokens, min_shared)
 
+    def deepest_whole(self, namespace: Namespace, tokens: Sequence[int]) -> PrefixMatch | None:
+        """The longest row whose tokens are all a prefix of ``tokens`` (a state that cannot be
+        trimmed is usable only whole)."""
+        settled, match = self._rows.try_deepest_whole(namespace, tokens)
+        if settled:
+            return match
+        with self._lock:
+            return self._rows.deepest_whole(namespace, tokens)
+
     def refcount(self, key: bytes) -> int:
         return self._rows.refcount(key)
 

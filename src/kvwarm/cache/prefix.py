@@ -288,6 +288,32 @@ class PrefixIndex:
             return None
         return best[1], pos
 
+    def deepest_whole(self, namespace: Hashable, tokens: Sequence[int]) -> tuple[bytes, int] | None:
+        """(key, n_tokens) of the longest row whose tokens are all a prefix of ``tokens``, or
+        None. A state that cannot be trimmed (``kvwarm.memory``) is usable only whole."""
+        root = self._roots.get(namespace)
+        if root is None:
+            return None
+        arr = encode_native(tokens)
+        enc = arr.tobytes()
+        n = len(arr)
+        node = root
+        pos = 0
+        best: tuple[bytes, int] | None = None
+        while pos < n:
+            children = node.children
+            child = children.get(arr[pos]) if children else None
+            if child is None:
+                break
+            k = _common_tokens(child.edge, enc, 4 * pos)
+            if 4 * k < len(child.edge):
+                break
+            node = child
+            pos += k
+            if node.row is not None:
+                best = (node.row[1], pos)
+        return best
+
     def tokens(self, key: bytes) -> tuple[int, ...] | None:
         """The row's tokens, rebuilt from its root path; None if unknown."""
         node = self._node_of.get(key)

@@ -103,6 +103,22 @@ class RowTable:
         entry = None if hit is None else self._entries.get(hit[0])
         return None if hit is None or entry is None else PrefixMatch(entry.info, hit[1])
 
+    def try_deepest_whole(
+        self, namespace: Namespace, tokens: Sequence[int]
+    ) -> tuple[bool, PrefixMatch | None]:
+        """``try_longest`` for the longest row that is a whole prefix of ``tokens``."""
+        before = self._prefix.version
+        hit = self._prefix.deepest_whole(namespace, tokens)
+        entry = None if hit is None else self._entries.get(hit[0])
+        if before % 2 == 0 and self._prefix.version == before and (hit is None or entry):
+            return True, None if hit is None or entry is None else PrefixMatch(entry.info, hit[1])
+        return False, None
+
+    def deepest_whole(self, namespace: Namespace, tokens: Sequence[int]) -> PrefixMatch | None:
+        hit = self._prefix.deepest_whole(namespace, tokens)
+        entry = None if hit is None else self._entries.get(hit[0])
+        return None if hit is None or entry is None else PrefixMatch(entry.info, hit[1])
+
     def chunk_lens(self, key: bytes) -> tuple[int, ...]:
         entry = self._entries.get(key)
         return () if entry is None else entry.chunk_lens

@@ -10,7 +10,7 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvwarm.backends.llama.lifetime import Lifetime
+from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import AdapterError
 
 if TYPE_CHECKING:

@@ -37,13 +37,13 @@ import numpy.typing as npt
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import Adapter, BatchToken, Buffer, ContextParams, WritableBuffer
+from kvwarm.backends.lifetime import Lifetime
 from kvwarm.backends.llama import kv_state as _kv_state
 from kvwarm.backends.llama import native as _native
 from kvwarm.backends.llama import params as llama_params
 from kvwarm.backends.llama.adapter import LlamaAdapter
 from kvwarm.backends.llama.kv_codec import LlamaKvCodec
 from kvwarm.backends.llama.kv_layout import HEAD
-from kvwarm.backends.llama.lifetime import Lifetime
 from kvwarm.errors import (
     AdapterError,
     BackendError,
@@ -54,6 +54,7 @@ from kvwarm.errors import (
     NoLogitsError,
     StateRestoreError,
 )
+from kvwarm.memory import MemoryKind
 
 if TYPE_CHECKING:
     from kvwarm.backends.llama.model import LlamaModel
@@ -96,6 +97,8 @@ class LlamaContext:
         self._ptr: object = ptr
         self._mem: object = mem
         self._n_vocab = model.n_vocab
+        facts = model.facts
+        self._memory = MemoryKind(facts.memory_kind, facts.n_swa, params.swa_full)
         self._n_embd = int(lib.llama_model_n_embd(model.native))
         # llama.cpp rounds n_ctx up (to 256); positions are bounded by what was asked for.
         self._n_ctx = min(params.n_ctx, int(lib.llama_n_ctx_seq(ptr)), int(lib.llama_n_ctx(ptr)))
@@ -257,13 +260,21 @@ class LlamaContext:
     def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
-            return _kv_state.unpack(self._lib, self._ptr, self._mem, seq, data, self._n_ctx)
+            return _kv_state.unpack(
+                self._lib,
+                self._ptr,
+                self._mem,
+                seq,
+                data,
+                self._n_ctx,
+                from_zero=self._memory.chunkable,
+            )
 
     def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer]) -> int | None:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
             parts = self._codec.blobs(chunks)
-            if parts is None or self._scratch is None:
+            if parts is None or self._scratch is None or not self._memory.chunkable:
                 return None
             n = sum(int(HEAD.unpack_from(part.data, 0)[3]) for part in parts)
             if n > self._n_ctx:
@@ -296,7 +307,10 @@ class LlamaContext:
             _checks.check_seq(seq, self._params.n_seq_max)
             _checks.check_range(p0, p1)
             if not self._lib.llama_memory_seq_rm(self._mem, seq, p0, p1):
-                raise BackendError(f"this model's memory cannot remove [{p0}, {p1}) of seq {seq}")
+                raise StateRestoreError(
+                    f"this model's memory ({self._memory.describe()}) cannot remove "
+                    f"[{p0}, {p1}) of seq {seq}"
+                )
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         with self._life.using():
@@ -317,6 +331,15 @@ class LlamaContext:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
             return self._pos_max(seq)
+
+    def seq_pos_min(self, seq: int) -> int:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
+
+    @property
+    def memory(self) -> MemoryKind:
+        return self._memory
 
     def clear(self) -> None:
         with self._life.using():

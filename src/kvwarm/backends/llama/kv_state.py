@@ -35,9 +35,20 @@ def pack(lib: Any, ctx: object, seq: int) -> bytes:
 
 
 def unpack(
-    lib: Any, ctx: object, mem: object, seq: int, data: bytes | bytearray | memoryview, n_ctx: int
+    lib: Any,
+    ctx: object,
+    mem: object,
+    seq: int,
+    data: bytes | bytearray | memoryview,
+    n_ctx: int,
+    *,
+    from_zero: bool = True,
 ) -> int:
-    """Restore ``data`` into ``seq``; the number of positions it now holds."""
+    """Restore ``data`` into ``seq``; the number of positions it now holds.
+
+    ``from_zero``: the state must hold every position from 0 (full attention). A windowed or
+    recurrent state holds only its last positions (``kvwarm.memory``); it is then checked to
+    end inside the context, and what it can resume from is the planner's business."""
     # Zero-copy for bytes, bytearray and contiguous memoryviews, writable or not; anything
     # else (a strided view) is a StateRestoreError, not numpy's BufferError.
     buf = u8(data)
@@ -57,7 +68,7 @@ def unpack(
             raise StateRestoreError(f"KV blob has {size - read} trailing bytes")
         pos_min = int(lib.llama_memory_seq_pos_min(mem, seq))
         pos_max = int(lib.llama_memory_seq_pos_max(mem, seq))
-        if pos_max >= n_ctx or (pos_max >= 0 and pos_min != 0):
+        if pos_max >= n_ctx or pos_min < 0 or (pos_max >= 0 and from_zero and pos_min != 0):
             raise StateRestoreError(
                 f"restored positions [{pos_min}, {pos_max}] do not fit [0, {n_ctx})"
             )

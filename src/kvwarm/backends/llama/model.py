@@ -28,11 +28,11 @@ from pathlib import Path
 from kvwarm.backends import _checks
 from kvwarm.backends.base import ContextParams, FimTokens, ModelFacts, ModelParams, SamplingParams
 from kvwarm.backends.chat_template import render_chat
+from kvwarm.backends.lifetime import Lifetime
 from kvwarm.backends.llama import native as _native
 from kvwarm.backends.llama import params as llama_params
 from kvwarm.backends.llama.adapter import LlamaAdapter
 from kvwarm.backends.llama.context import LlamaContext
-from kvwarm.backends.llama.lifetime import Lifetime
 from kvwarm.backends.llama.sampler import LlamaSampler
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import (
@@ -40,6 +40,7 @@ from kvwarm.errors import (
     ModelLoadError,
     ModelNotFoundError,
 )
+from kvwarm.memory import MemoryKindName
 from kvwarm.unicode import encode_utf8
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,18 @@ class LlamaModel:
         except (KeyError, ValueError):
             file_type = int(lib.llama_model_ftype(ptr))
         raw_template = lib.llama_model_chat_template(ptr, None)
+        # The memory kind decides what a saved state can resume from (kvwarm.memory). Hybrid
+        # first: a hybrid model is also reported recurrent by some builds.
+        memory_kind: MemoryKindName
+        n_swa = int(lib.llama_model_n_swa(ptr))
+        if bool(lib.llama_model_is_hybrid(ptr)):
+            memory_kind = "hybrid"
+        elif bool(lib.llama_model_is_recurrent(ptr)):
+            memory_kind = "recurrent"
+        elif n_swa > 0:
+            memory_kind = "swa"
+        else:
+            memory_kind = "full"
         bos = int(lib.llama_vocab_bos(self._vocab))
         eos = int(lib.llama_vocab_eos(self._vocab))
         return ModelFacts(
@@ -153,6 +166,8 @@ class LlamaModel:
             chat_template=raw_template.decode("utf-8", errors="replace") if raw_template else None,
             metadata=metadata,
             fim=self._fim_tokens(),
+            memory_kind=memory_kind,
+            n_swa=n_swa if memory_kind == "swa" else 0,
         )
 
     def _fim_tokens(self) -> FimTokens | None:

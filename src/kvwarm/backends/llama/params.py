@@ -94,6 +94,7 @@ def context_params(lib: ModuleType, params: ContextParams, *, scratch_seqs: int 
     cp.type_k = _native.GGML_TYPES[params.type_k]
     cp.type_v = _native.GGML_TYPES[params.type_v]
     cp.flash_attn_type = FLASH_ATTN[params.flash_attn]
+    cp.swa_full = params.swa_full
     cp.rope_scaling_type = ROPE_SCALING[params.rope_scaling]
     cp.rope_freq_base = params.rope_freq_base
     cp.rope_freq_scale = params.rope_freq_scale

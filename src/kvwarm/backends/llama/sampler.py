@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvwarm.backends.base import BackendContext, SamplingParams
-from kvwarm.backends.llama.lifetime import Lifetime
+from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import GrammarError, InvalidRequestError, NoLogitsError
 from kvwarm.unicode import encode_utf8
 

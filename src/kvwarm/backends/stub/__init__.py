@@ -33,7 +33,7 @@ from kvwarm.backends.base import (
     SamplingParams,
 )
 from kvwarm.backends.chat_template import render_chat
-from kvwarm.backends.llama.lifetime import Lifetime
+from kvwarm.backends.lifetime import Lifetime
 from kvwarm.backends.stub.adapter import StubAdapter
 from kvwarm.backends.stub.context import StubContext
 from kvwarm.backends.stub.kv_codec import CELL
@@ -58,6 +58,7 @@ from kvwarm.errors import (
     AdapterError,
     ModelLoadError,
 )
+from kvwarm.memory import MEMORY_KINDS, MemoryKindName
 from kvwarm.unicode import encode_utf8
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,10 @@ class StubBackend:
 
     ``prefill_delay_s`` / ``decode_delay_s`` add simulated latency (per prefilled token / per
     ``decode`` call) for engine tests; ``cell_bytes`` (>= 16) sets the KV blob size per token.
+    ``memory_kind`` / ``n_swa`` model llama.cpp's memory kinds (``kvwarm.memory``): a sliding
+    window keeps only its last ``n_swa`` cells, a recurrent (or hybrid) state only its last
+    one and refuses to be trimmed; a token decoded without the cells it needs gets a poisoned
+    hash, so a wrong restore shows in the output as it would on a real model.
     """
 
     def __init__(
@@ -84,9 +89,15 @@ class StubBackend:
         decode_delay_s: float = 0.0,
         cell_bytes: int = 32,
         n_ctx_train: int = 8192,
+        memory_kind: MemoryKindName = "full",
+        n_swa: int = 0,
     ) -> None:
         if cell_bytes < CELL.size or cell_bytes > 0xFFFF:
             raise ValueError(f"cell_bytes must be in [{CELL.size}, 65535]")
+        if memory_kind not in MEMORY_KINDS or (memory_kind == "swa") != (n_swa > 0):
+            raise ValueError(f"memory_kind {memory_kind!r} with n_swa={n_swa}")
+        self.memory_kind: MemoryKindName = memory_kind
+        self.n_swa = n_swa
         self.prefill_delay_s = prefill_delay_s
         self.decode_delay_s = decode_delay_s
         self.cell_bytes = cell_bytes
@@ -133,6 +144,8 @@ class StubModel:
             add_bos=True,
             chat_template=STUB_CHAT_TEMPLATE,
             metadata={"general.architecture": "stub", "general.name": "kvwarm-stub"},
+            memory_kind=backend.memory_kind,
+            n_swa=backend.n_swa,
             fim=(
                 FimTokens(FIM_PRE, FIM_SUF, FIM_MID, FIM_PAD, FIM_REP, FIM_SEP)
                 if "fim" in Path(path).name

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvwarm.backends.llama.lifetime import Lifetime
+from kvwarm.backends.lifetime import Lifetime
 
 if TYPE_CHECKING:
     from kvwarm.backends.stub import StubModel

@@ -30,7 +30,7 @@ from kvwarm.backends.base import (
     ContextParams,
     WritableBuffer,
 )
-from kvwarm.backends.llama.lifetime import Lifetime
+from kvwarm.backends.lifetime import Lifetime
 from kvwarm.backends.stub.adapter import StubAdapter
 from kvwarm.backends.stub.kv_codec import CELL, HEADER, MAGIC, StubKvCodec
 from kvwarm.backends.stub.vocab import EOS, N_BYTE_TOKENS, N_EMBD, N_VOCAB, OFFSET
@@ -40,6 +40,7 @@ from kvwarm.errors import (
     NoLogitsError,
     StateRestoreError,
 )
+from kvwarm.memory import MemoryKind
 
 if TYPE_CHECKING:
     from kvwarm.backends.stub import StubModel
@@ -59,6 +60,7 @@ def _mix(h: int, token: int, pos: int) -> int:
 
 
 _H0 = 0x6B767761726D2121  # the hash "before" position 0
+_POISON = 0x5752_4F4E_475F_4B56  # folded into a cell decoded without what it attends to
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +88,13 @@ class StubContext:
             type_v=self._kv_types[1],
             cell_bytes=model.backend.cell_bytes,
         )
+        backend = model.backend
+        self._memory = MemoryKind(backend.memory_kind, backend.n_swa, params.swa_full)
         self._life = Lifetime("context", self._free)
+
+    @property
+    def memory(self) -> MemoryKind:
+        return self._memory
 
     @property
     def params(self) -> ContextParams:
@@ -119,12 +127,37 @@ class StubContext:
                 cells = self._seqs[item.seq]
                 prev = cells.get(item.pos - 1)
                 h = _mix(prev.h if prev is not None else _H0, item.token, item.pos)
+                if not self._sees_what_it_needs(cells, item.pos):
+                    h = _mix(h, _POISON, item.pos)  # computed without cells it attends to
                 cells[item.pos] = _Cell(item.token, h)
                 if item.logits:
                     self._rows.append(row)
                     self._logits[row] = self._fake_logits(item.token, h)
+            for seq in {item.seq for item in batch}:
+                self._forget(self._seqs[seq])
             if self._model.backend.decode_delay_s:
                 time.sleep(self._model.backend.decode_delay_s)
+
+    def _sees_what_it_needs(self, cells: dict[int, _Cell], pos: int) -> bool:
+        """Whether every position a token at ``pos`` attends to is held (kvwarm.memory)."""
+        mem = self._memory
+        if pos == 0:
+            return True
+        if mem.kind in ("recurrent", "hybrid"):
+            return pos - 1 in cells
+        lo = max(0, pos - mem.n_swa + 1) if not mem.trimmable else 0
+        return all(p in cells for p in range(lo, pos))
+
+    def _forget(self, cells: dict[int, _Cell]) -> None:
+        """Drop what this memory kind does not keep: cells outside a sliding window, every
+        cell of a recurrent state but its last."""
+        mem = self._memory
+        if mem.trimmable or not cells:
+            return
+        top = max(cells)
+        keep_from = top if mem.kind in ("recurrent", "hybrid") else top - mem.n_swa + 1
+        for pos in [p for p in cells if p < keep_from]:
+            del cells[pos]
 
     def prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
         with self._life.using():
@@ -179,6 +212,9 @@ class StubContext:
             # Like llama.cpp, the sequence is cleared first and stays empty if the blob is bad.
             self._seqs[seq] = {}
             cells = self._parse(u8(data).data)
+            if cells and self._memory.chunkable and min(cells) != 0:
+                # llama.cpp's check (kv_state.unpack): full attention restores from 0.
+                raise StateRestoreError(f"restored positions start at {min(cells)}, not 0")
             self._seqs[seq] = cells
             return self._pos_max(seq) + 1
 
@@ -237,7 +273,15 @@ class StubContext:
             _checks.check_seq(seq, self._params.n_seq_max)
             _checks.check_range(p0, p1)
             cells = self._seqs[seq]
-            for pos in [p for p in cells if p >= p0 and (p1 < 0 or p < p1)]:
+            doomed = [p for p in cells if p >= p0 and (p1 < 0 or p < p1)]
+            whole = p0 <= 0 and (p1 < 0 or p1 > self._pos_max(seq))
+            if self._memory.kind in ("recurrent", "hybrid") and doomed and not whole:
+                # llama.cpp's recurrent memory cannot roll its state back (returns false).
+                raise StateRestoreError(
+                    f"this model's memory ({self._memory.describe()}) cannot remove "
+                    f"[{p0}, {p1}) of seq {seq}"
+                )
+            for pos in doomed:
                 del cells[pos]
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
@@ -258,6 +302,12 @@ class StubContext:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
             return self._pos_max(seq)
+
+    def seq_pos_min(self, seq: int) -> int:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            cells = self._seqs[seq]
+            return min(cells) if cells else -1
 
     def clear(self) -> None:
         with self._life.using():

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from kvwarm.alignment import canonical_after
+from kvwarm.alignment import align_down, canonical_after
 from kvwarm.backends.base import Sampler
 from kvwarm.cache.key import salted_namespace
 from kvwarm.cache.policy import probe_lengths
@@ -37,7 +37,7 @@ from kvwarm.engine.worker.planner import (
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.saves import Saves
 from kvwarm.engine.worker.slots import Active, Slot
-from kvwarm.errors import BackendError, KvwarmError
+from kvwarm.errors import BackendError, KvwarmError, StateRestoreError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class Admission:
         self.forks = forks
         self.outcomes = outcomes
         self.saves = saves
+        self._resume_points: list[int] = []  # of the request being admitted (see _plan)
 
     def admit(self, req: Request, free: Sequence[Slot]) -> None:
         """Seat ``req`` in one of the ``free`` slots; on any failure, answer it instead."""
@@ -85,26 +86,43 @@ class Admission:
         ends = [i for i, t in enumerate(prompt) if t in eog]  # where earlier chat turns ended
         probes = probe_lengths(len(prompt), rt.cfg.policy, rt.cfg.n_batch, turn_ends=ends)
         match = rt.cache.longest_prefix(ns, req.prompt_tokens, probe_lengths=probes)
+        mem = rt.memory
+        # A state that cannot be trimmed is of use only whole: the longest row that is all a
+        # prefix of the prompt is a candidate beside the one sharing the most (kvwarm.memory).
+        whole = None if mem.trimmable else rt.cache.deepest_whole_prefix(ns, prompt)
         rt.cache.record_latency("lookup", time.perf_counter() - t0)
-        row = None
         if req.options.prompt_logprobs is not None:
-            match = None  # every position's logits are needed: prefill from the start
-        if match is not None:
-            info = match.row
-            row = RowCandidate(
-                info.key, match.n_shared, info.n_tokens, info.canonical_tokens, info.has_logits
+            match = whole = None  # every position's logits are needed: prefill from the start
+        rows = [
+            RowCandidate(
+                m.row.key,
+                m.n_shared,
+                m.row.n_tokens,
+                m.row.canonical_tokens,
+                m.row.has_logits,
+                floor=mem.saved_floor(m.row.n_tokens),
             )
+            for m in (match, whole)
+            if m is not None
+        ]
+        rt.refresh_floors()
         slot, plan = choose(
             req.prompt_tokens,
             free=free,
             slots=rt.slots,
-            row=row,
+            row=None,
+            rows=rows,
             n_batch=rt.cfg.n_batch,
             deterministic=req.deterministic,
             namespace=ns,
         )
         if req.options.prompt_logprobs is not None:
             plan = Plan("none", 0)
+        # Where another row diverges from this prompt, a later prompt sharing as much could
+        # resume, but only from a checkpoint there when the state cannot be trimmed.
+        self._resume_points = [] if match is None else [match.n_shared]
+        if req.deterministic:
+            self._resume_points = [align_down(p, rt.cfg.n_batch) for p in self._resume_points]
         return slot, plan, ns
 
     def _start(self, req: Request, free: Sequence[Slot]) -> None:
@@ -154,7 +172,7 @@ class Admission:
             sampler=sampler,
             assembler=TextAssembler(req.options.stop),
             prefill_pos=keep,
-            pause_at=self.saves.cold_pause(keep, n),
+            pauses=self.saves.pauses(keep, n, resume_points=self._resume_points),
             cached_tokens=keep,
             hit_kind=hit,
             admitted=time.perf_counter(),
@@ -195,8 +213,14 @@ class Admission:
         elif plan.kind == "self":
             source_canonical = slot.canonical
             if len(slot.kv_tokens) > keep:
-                rt.ctx.seq_rm(slot.seq, keep, -1)
-                del slot.kv_tokens[keep:]
+                try:
+                    rt.ctx.seq_rm(slot.seq, keep, -1)
+                    del slot.kv_tokens[keep:]
+                except StateRestoreError as exc:  # the memory refused: a miss, never a guess
+                    log.warning(
+                        "worker %s: live KV not trimmable, prefilling cold: %s", rt.name, exc
+                    )
+                    keep = 0
         else:
             rt.reset_seq(slot)
         if keep == 0:
@@ -216,8 +240,15 @@ class Admission:
         with rt.cache.open_row(plan.row_key) as row:
             canonical = row.info.canonical_tokens
             shared = common_prefix(row.tokens, tokens)
+            floor = rt.memory.saved_floor(row.info.n_tokens)
             keep = recheck_row(
-                plan.keep, shared, len(tokens), canonical=canonical, n_batch=nb, det=det
+                plan.keep,
+                shared,
+                len(tokens),
+                canonical=canonical,
+                n_batch=nb,
+                det=det,
+                floor=floor,
             )
             if keep == 0:
                 return 0, None, None
@@ -242,7 +273,10 @@ class Admission:
                 use_logits=plan.use_logits and row.logits is not None,
                 n_batch=nb,
                 det=det,
+                floor=rt.memory.live_floor(n_restored, rt.ctx.seq_pos_min(slot.seq)),
             )
+            if keep == 0:
+                return 0, None, None
             if n_restored > keep:
                 rt.ctx.seq_rm(slot.seq, keep, -1)
                 del slot.kv_tokens[keep:]

@@ -57,7 +57,7 @@ class Forks:
                 sampler=sampler,
                 assembler=TextAssembler(req.options.stop),
                 prefill_pos=n,
-                pause_at=None,
+                pauses=[],
                 # The whole prompt's KV comes from the first choice: none is prefilled here.
                 cached_tokens=n,
                 hit_kind="exact",

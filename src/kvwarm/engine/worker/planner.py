@@ -10,6 +10,11 @@ result is bit-identical to a cold prefill (``kvwarm.alignment``; ``docs/architec
 A slot's live KV is a candidate only for a request of the same namespace (``kv_namespace``):
 like rows, live KV never crosses models, adapter sets or cache salts, or ``cached_tokens``
 would tell one tenant what another's prompt begins with.
+
+Every source also has a *floor* (``kvwarm.memory``): the shortest prefix its state resumes at.
+A sliding-window state longer than its window, or any recurrent state, is exactly the state of
+its own length and of no shorter prefix; keeping fewer tokens than the floor would be a wrong
+answer, so such a source is not used at all (a miss, never a trim below the floor).
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ def usable_length(
     deterministic: bool,
     row_tokens: int | None = None,
     row_has_logits: bool = False,
+    floor: int = 0,
 ) -> tuple[int, bool]:
     """(tokens to keep from the source, whether its stored logits replace any decode).
 
     At least one prompt token is left to prefill unless the source is a row holding exactly the
     prompt with its final logits, because sampling needs logits after the last prompt token.
+    ``floor``: the shortest prefix the source's state resumes at; below it, nothing is kept.
     """
     u = min(shared, n_prompt)
     if deterministic:
@@ -56,6 +63,8 @@ def usable_length(
         u = n_prompt - 1
         if deterministic:
             u = align_down(u, n_batch)
+    if u < floor:
+        return 0, False
     return max(u, 0), False
 
 
@@ -78,6 +87,7 @@ class RowCandidate:
     n_tokens: int
     canonical: int | None
     has_logits: bool
+    floor: int = 0  # the shortest prefix the row's saved state resumes at (kvwarm.memory)
 
 
 def better(a: Plan, b: Plan) -> Plan:
@@ -99,18 +109,25 @@ def choose(
     n_batch: int,
     deterministic: bool,
     namespace: Namespace | None = None,
+    rows: Sequence[RowCandidate] = (),
 ) -> tuple[Slot, Plan]:
     """The free slot to serve ``tokens`` in, and the plan for its prompt KV.
 
     ``free``: the idle slots; ``slots``: all of them (any slot's live KV of the request's
     ``namespace`` can be shared); ``row``: the cache's longest-prefix row in that namespace, if
-    any.
+    any; ``rows``: further row candidates (the longest row that is a whole prefix, for a
+    model whose state cannot be trimmed). Each source counts only down to its floor.
     """
     n = len(tokens)
 
-    def keep_of(shared: int, canonical: int | None) -> int:
+    def keep_of(shared: int, canonical: int | None, floor: int) -> int:
         keep, _ = usable_length(
-            shared, n, canonical=canonical, n_batch=n_batch, deterministic=deterministic
+            shared,
+            n,
+            canonical=canonical,
+            n_batch=n_batch,
+            deterministic=deterministic,
+            floor=floor,
         )
         return keep
 
@@ -121,7 +138,7 @@ def choose(
         if slot.kv_namespace != namespace:
             continue
         shared = common_prefix(slot.kv_tokens, tokens)
-        cand = Plan("self", keep_of(shared, slot.canonical), shared=shared)
+        cand = Plan("self", keep_of(shared, slot.canonical, slot.floor), shared=shared)
         if better(best, cand) is cand and cand.keep > 0:
             best, best_slot = cand, slot
     if best.kind == "none":
@@ -132,45 +149,65 @@ def choose(
         if other is best_slot or not other.kv_tokens or other.kv_namespace != namespace:
             continue
         shared = common_prefix(other.kv_tokens, tokens)
-        cand = Plan("copy", keep_of(shared, other.canonical), src_seq=other.seq, shared=shared)
+        keep = keep_of(shared, other.canonical, other.floor)
+        cand = Plan("copy", keep, src_seq=other.seq, shared=shared)
         if cand.keep > 0:
             best = better(best, cand)
-    if row is not None:
-        shared = min(row.n_shared, n)
+    for cand_row in (row, *rows):
+        if cand_row is None:
+            continue
+        shared = min(cand_row.n_shared, n)
         keep, use_logits = usable_length(
             shared,
             n,
-            canonical=row.canonical,
+            canonical=cand_row.canonical,
             n_batch=n_batch,
             deterministic=deterministic,
-            row_tokens=row.n_tokens,
-            row_has_logits=row.has_logits,
+            row_tokens=cand_row.n_tokens,
+            row_has_logits=cand_row.has_logits,
+            floor=cand_row.floor,
         )
         if keep > 0:
-            best = better(best, Plan("row", keep, use_logits, row_key=row.key, shared=shared))
+            plan = Plan("row", keep, use_logits, row_key=cand_row.key, shared=shared)
+            best = better(best, plan)
     return best_slot, best
 
 
 def recheck_row(
-    keep: int, shared: int, n_prompt: int, *, canonical: int | None, n_batch: int, det: bool
+    keep: int,
+    shared: int,
+    n_prompt: int,
+    *,
+    canonical: int | None,
+    n_batch: int,
+    det: bool,
+    floor: int = 0,
 ) -> int:
     """The planned ``keep`` of a row, re-scored if the opened row shares only ``shared`` tokens
     with the prompt (the row changed since the lookup). Token-exact, always."""
     if shared >= keep:
         return keep
     keep, _ = usable_length(
-        shared, n_prompt, canonical=canonical, n_batch=n_batch, deterministic=det
+        shared, n_prompt, canonical=canonical, n_batch=n_batch, deterministic=det, floor=floor
     )
     return keep
 
 
 def trim_restored(
-    keep: int, n_restored: int, n_prompt: int, *, use_logits: bool, n_batch: int, det: bool
+    keep: int,
+    n_restored: int,
+    n_prompt: int,
+    *,
+    use_logits: bool,
+    n_batch: int,
+    det: bool,
+    floor: int = 0,
 ) -> tuple[int, bool]:
     """(tokens of an unpacked row to keep, whether its stored logits are used).
 
     ``use_logits``: the plan wanted the row's logits and the row has them. A blob holding fewer
-    cells than its tokens claim keeps only what it holds, and then no logits.
+    cells than its tokens claim keeps only what it holds, and then no logits. ``floor``: the
+    restored state's; a keep below it is 0 (the state is discarded, never trimmed past it).
     """
     use_logits = use_logits and keep == n_prompt
     if not use_logits and keep >= n_prompt:
@@ -179,4 +216,6 @@ def trim_restored(
         keep, use_logits = n_restored, False
     if det and not use_logits:
         keep = align_down(keep, n_batch)
+    if keep < floor:
+        return 0, False
     return keep, use_logits

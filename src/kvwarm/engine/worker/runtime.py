@@ -19,6 +19,7 @@ from kvwarm.engine.types import CompletionStats, SlotStatus
 from kvwarm.engine.worker.batching import BatchStrategy
 from kvwarm.engine.worker.joinbuf import JoinBuffer
 from kvwarm.engine.worker.slots import Slot
+from kvwarm.memory import MemoryKind
 
 
 @dataclass(slots=True)
@@ -70,6 +71,21 @@ class Runtime:
     view: tuple[SlotStatus, ...] = ()
     join_buf: JoinBuffer = field(default_factory=JoinBuffer)  # chunked restores join here
     _eog: tuple[int, ...] | None = None
+
+    @property
+    def memory(self) -> MemoryKind:
+        """What the context's per-sequence state can resume from (``kvwarm.memory``)."""
+        return self.ctx.memory
+
+    def refresh_floors(self) -> None:
+        """Each slot's live floor, from where its state now begins (planning needs it only
+        for a memory that cannot be trimmed; full attention keeps 0)."""
+        mem = self.ctx.memory
+        if mem.trimmable:
+            return
+        for slot in self.slots:
+            n = len(slot.kv_tokens)
+            slot.floor = mem.live_floor(n, self.ctx.seq_pos_min(slot.seq)) if n else 0
 
     def publish(self) -> None:
         """Refresh ``view`` from the live slots: after each round, and before a request's

@@ -10,6 +10,7 @@ KV an aligned prefill produced (``kvwarm.alignment``; ``docs/architecture.md``, 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from kvwarm.alignment import align_down
 from kvwarm.cache.policy import cold_save_length
@@ -51,8 +52,10 @@ class Saves:
             fingerprint_mode=cfg.fingerprint_mode,
             canonical_tokens=canonical,
             # Packed once here; the cache cuts only the chunks its tier lacks, on a writer
-            # thread (the codec is pure), so the tick pays for one pack, as before.
-            split=rt.ctx.kv_codec.split,
+            # thread (the codec is pure), so the tick pays for one pack, as before. A state
+            # that is not one stream of full-attention cells (kvwarm.memory) is stored whole:
+            # each such row is a checkpoint, restorable only where its floor allows.
+            split=rt.ctx.kv_codec.split if rt.memory.chunkable else None,
         )
         timeout = cfg.policy.evict_save_timeout_ms / 1e3
         return rt.cache.save(request, sync=sync, timeout_s=timeout)
@@ -77,12 +80,20 @@ class Saves:
                 rt.reset_seq(slot)
         return saved
 
-    def cold_pause(self, keep: int, n: int) -> int | None:
-        """Where a cold prefill of ``n`` prompt tokens pauses for its cold save, if anywhere."""
+    def pauses(self, keep: int, n: int, *, resume_points: Sequence[int] = ()) -> list[int]:
+        """Where a prefill of prompt tokens ``[keep, n)`` pauses to save, ascending.
+
+        The cold save's boundary (trimmed, aligned: the row stays canonical), and for a model
+        whose state cannot be trimmed (``kvwarm.memory``) each of ``resume_points`` (where
+        another row's tokens diverge from this prompt: the next prompt that shares that much
+        resumes there, which a longer row's untrimmable state cannot offer)."""
         policy = self.rt.cfg.policy
+        points: set[int] = set()
         boundary = cold_save_length(n, policy)
         # Pausing between aligned chunks keeps the cold row canonical.
         boundary = align_down(boundary, self.rt.cfg.n_batch)
-        if boundary <= keep or boundary >= n or boundary < policy.min_tokens:
-            return None
-        return boundary
+        if keep < boundary < n and boundary >= policy.min_tokens:
+            points.add(boundary)
+        if not self.rt.memory.trimmable:
+            points.update(p for p in resume_points if keep < p < n and p >= policy.min_tokens)
+        return sorted(points)

@@ -30,7 +30,9 @@ class Active:
     sampler: Sampler
     assembler: TextAssembler
     prefill_pos: int
-    pause_at: int | None  # cold-save point inside the prompt, if any
+    #: Save points inside the prompt, ascending: the cold save's and, for a model whose state
+    #: cannot be trimmed, checkpoints where later prompts will resume (``Saves.pauses``).
+    pauses: list[int]
     cached_tokens: int
     hit_kind: CacheHitKind
     admitted: float
@@ -59,6 +61,9 @@ class Slot:
     seq: int
     kv_tokens: list[int] = field(default_factory=list)
     canonical: int = 0
+    #: The shortest prefix of ``kv_tokens`` the live state resumes at (``kvwarm.memory``):
+    #: 0 for full attention; set by admission before planning for other memory kinds.
+    floor: int = 0
     kv_namespace: Namespace | None = None  # None while the slot holds no KV
     phase: Phase = "idle"
     active: Active | None = None
@@ -67,6 +72,7 @@ class Slot:
     def reset_kv(self) -> None:
         self.kv_tokens.clear()
         self.canonical = 0
+        self.floor = 0
         self.kv_namespace = None
 
     def status(self) -> SlotStatus:

@@ -51,7 +51,7 @@ class Tick:
             if slot.phase == "generate" and act.pending is not None:
                 decoding.append(i)
             elif slot.phase == "prefill":
-                stop = act.pause_at if act.pause_at is not None else len(act.req.prompt_tokens)
+                stop = act.pauses[0] if act.pauses else len(act.req.prompt_tokens)
                 prefilling.append(PrefillWant(i, act.prefill_pos, stop, act.deterministic))
         if not decoding and not prefilling:
             return
@@ -133,8 +133,8 @@ class Tick:
         slot.canonical = canonical_after_chunk(
             slot.canonical, chunk.start, chunk.end, len(toks), self.rt.cfg.n_batch
         )
-        if act.pause_at is not None and chunk.end == act.pause_at:
-            act.pause_at = None
+        if act.pauses and chunk.end == act.pauses[0]:
+            del act.pauses[0]
             self.saves.save(slot, SaveReason.COLD, None, act.namespace, sync=False)
         if chunk.end < len(toks):
             return
@@ -144,6 +144,12 @@ class Tick:
             logits = bytes(self.rt.ctx.logits(row))
             self.outcomes.finish(slot, "length", logits)
             return
+        if not self.rt.memory.trimmable and act.cached_tokens < len(toks):
+            # A state that cannot be trimmed is reusable only at the lengths it was saved at:
+            # checkpoint the whole prompt, with its logits, before the reply moves the state
+            # on (a regenerated or edited-reply turn resumes here; kvwarm.memory).
+            logits = bytes(self.rt.ctx.logits(row))
+            self.saves.save(slot, SaveReason.COLD, logits, act.namespace, sync=False)
         self.forks.prefilled(slot, row, None)
 
     def _prompt_logprobs(self, slot: Slot, last_row: int, chunk: Chunk) -> None:

@@ -1,0 +1,87 @@
+"""A model's memory kind, and the one rule for which prefix lengths a saved or live state can
+resume from. Pure: no imports beyond the standard library, no native calls.
+
+llama.cpp keeps four kinds of per-sequence memory:
+
+- ``full``: every layer attends to every earlier position. The KV of ``[0, n)`` can be trimmed
+  to any ``k <= n`` (``llama_memory_seq_rm``) and stays exactly the KV of ``[0, k)``.
+- ``swa``: sliding-window (or chunked) attention layers beside full ones (Gemma 2/3, gpt-oss,
+  Llama 4). Each SWA layer needs only the last ``n_swa`` positions, and llama.cpp drops (or
+  overwrites) older ones: a state saved at ``n > n_swa`` holds the SWA cells of
+  ``[n - n_swa, n)`` only (``state_write`` skips masked cells). Trimming such a state to ``k``
+  leaves the positions before ``k`` that a token at ``k`` attends to missing: a wrong answer,
+  not a miss. A state resumes at ``k`` only if it still holds every position
+  ``[k - n_swa, k)``: its lowest position ``pos_min <= max(0, k - n_swa)`` (llama-server's
+  rule). With ``swa_full`` (llama.cpp's full-size SWA cache) nothing is dropped and the
+  state trims like ``full``.
+- ``recurrent`` (Mamba, RWKV) and ``hybrid`` (attention plus a recurrent state: Jamba,
+  Granite 4, LFM2, Qwen3-Next): the recurrent state is one value per sequence, updated in place.
+  It cannot be rolled back: a state of ``n`` tokens resumes at ``n`` and nowhere else.
+
+Every component that reuses KV (the planner for live slots and rows, the saves that decide
+where checkpoints go) asks this module, never the model's name.
+
+Invariant: ``resume_floor`` is a lower bound on the lengths a state resumes at; together with
+its own length ``n`` it gives the only lengths ``k`` (``floor <= k <= n``) at which that state
+is exactly the state a cold run of the first ``k`` tokens would hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+MemoryKindName = Literal["full", "swa", "recurrent", "hybrid"]
+MEMORY_KINDS: tuple[str, ...] = get_args(MemoryKindName)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryKind:
+    """What a context's per-sequence memory is: the model's kind, its window, and whether the
+    context keeps a full-size SWA cache."""
+
+    kind: MemoryKindName = "full"
+    n_swa: int = 0
+    swa_full: bool = False
+
+    @property
+    def trimmable(self) -> bool:
+        """Whether a state of ``n`` tokens is also the state of every shorter prefix."""
+        return self.kind == "full" or (self.kind == "swa" and (self.swa_full or self.n_swa <= 0))
+
+    @property
+    def chunkable(self) -> bool:
+        """Whether a saved state can be cut into per-token-range chunks (one KV stream of
+        cells, nothing else): only plain full attention."""
+        return self.kind == "full"
+
+    def saved_floor(self, n_tokens: int) -> int:
+        """The shortest prefix a *saved* state of ``n_tokens`` tokens resumes at.
+
+        A saved SWA state longer than its window holds only the window's cells, so its
+        lowest position is ``n - n_swa`` and it resumes at ``n`` alone.
+        """
+        if self.trimmable:
+            return 0
+        if self.kind == "swa":
+            return 0 if n_tokens <= self.n_swa else n_tokens
+        return n_tokens
+
+    def live_floor(self, n_tokens: int, pos_min: int) -> int:
+        """The shortest prefix a *live* sequence of ``n_tokens`` tokens whose lowest held
+        position is ``pos_min`` resumes at (llama.cpp keeps masked SWA cells until it needs
+        their room, so a live state may reach further back than a saved one)."""
+        if self.trimmable or n_tokens == 0:
+            return 0
+        if self.kind == "swa":
+            return 0 if pos_min <= 0 else min(n_tokens, pos_min + self.n_swa)
+        return n_tokens
+
+    def describe(self) -> str:
+        """A short label: ``full``, ``swa(512)``, ``swa(512, full cache)``, ``recurrent``..."""
+        if self.kind != "swa":
+            return self.kind
+        return f"swa({self.n_swa}, full cache)" if self.swa_full else f"swa({self.n_swa})"
+
+
+FULL = MemoryKind()

@@ -1,0 +1,207 @@
+"""Memory kinds on the stub (``kvwarm.memory``): a sliding-window or recurrent state is reused
+only where it is exactly the prefix it claims, and checkpoints make such states reusable at
+the lengths later prompts resume from.
+
+The stub models each kind the way llama.cpp keeps it: a window keeps its last ``n_swa``
+cells, a recurrent (or hybrid) state its last cell and refuses trims; a token decoded without
+the cells it attends to gets a poisoned hash, so a wrong reuse changes the output exactly as it
+would on a real model. Every answer here is compared with a cold run's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from tests.engine.conftest import make_engine, stub_config
+
+from kvwarm.backends.base import BatchToken, ContextParams
+from kvwarm.backends.stub import StubBackend
+from kvwarm.engine.api import Engine
+from kvwarm.engine.model import Model
+from kvwarm.engine.types import Completion, GenerationOptions
+from kvwarm.errors import StateRestoreError
+from kvwarm.memory import MemoryKind
+
+GREEDY = GenerationOptions(max_tokens=6, temperature=0.0)
+KINDS = [("swa", 24), ("recurrent", 0), ("hybrid", 0)]
+SYSTEM = "You are a terse assistant. Answer with care, cite nothing, and keep it short. " * 2
+N_BATCH = 16
+
+
+def backend(kind: str, n_swa: int) -> StubBackend:
+    return StubBackend(memory_kind=kind, n_swa=n_swa)  # type: ignore[arg-type]
+
+
+def load(engine: Engine, kind: str, n_swa: int, *, det: bool = False, n_parallel: int = 1) -> Model:
+    cfg = stub_config(n_parallel, backend=backend(kind, n_swa), deterministic=det, n_batch=N_BATCH)
+    if "disk" in engine.cache.tier_names():
+        cfg = replace(cfg, save_tier="disk")
+    return engine.load_model(config=cfg)
+
+
+def cold(kind: str, n_swa: int, prompt: str, *, det: bool = False) -> Completion:
+    """The answer with nothing to reuse: a fresh engine, one request."""
+    eng = make_engine()
+    try:
+        out = load(eng, kind, n_swa, det=det).complete(prompt, GREEDY)
+        assert out.stats.cached_tokens == 0
+        return out
+    finally:
+        eng.close()
+
+
+def run(engine: Engine, model: Model, prompt: str) -> Completion:
+    out = model.complete(prompt, GREEDY)
+    engine.cache.flush()
+    return out
+
+
+def row_lengths(engine: Engine) -> set[int]:
+    return {row.n_tokens for row in engine.cache.rows()}
+
+
+@pytest.mark.parametrize(("kind", "n_swa"), KINDS)
+def test_the_same_prompt_after_a_restart_restores_its_checkpoint_exactly(
+    tmp_path: Path, kind: str, n_swa: int
+) -> None:
+    prompt = SYSTEM + "Q: what is a cache?"
+    ref = cold(kind, n_swa, prompt)
+    first = make_engine(tmp_path)
+    run(first, load(first, kind, n_swa), prompt)
+    first.close()
+    second = make_engine(tmp_path)
+    try:
+        again = run(second, load(second, kind, n_swa), prompt)
+        # The prompt-end checkpoint holds the whole prompt and its logits: nothing prefilled.
+        assert again.stats.cached_tokens == len(again.prompt_tokens)
+        assert again.text == ref.text
+    finally:
+        second.close()
+
+
+@pytest.mark.parametrize(("kind", "n_swa"), KINDS)
+def test_a_follow_up_turn_resumes_from_the_previous_turn(
+    tmp_path: Path, kind: str, n_swa: int
+) -> None:
+    eng = make_engine(tmp_path)
+    try:
+        model = load(eng, kind, n_swa)
+        turn1 = run(eng, model, SYSTEM + "Q: one?")
+        model.evict()  # only rows can serve the next turn
+        follow = SYSTEM + "Q: one?" + turn1.text + " Q: two?"
+        turn2 = run(eng, model, follow)
+        assert turn2.stats.cached_tokens >= len(turn1.prompt_tokens)
+        assert turn2.stats.cached_tokens in row_lengths(eng)
+        assert turn2.text == cold(kind, n_swa, follow).text
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize(("kind", "n_swa"), KINDS)
+def test_a_longer_row_is_never_trimmed_and_siblings_meet_at_a_checkpoint(
+    kind: str, n_swa: int
+) -> None:
+    """Rows longer than the shared prefix cannot serve it (their state is not the prefix's);
+    the second sibling checkpoints where it diverges, and the third resumes there."""
+    eng = make_engine()
+    try:
+        model = load(eng, kind, n_swa)
+        answers = []
+        for tail in ("Q: alpha?", "Q: beta?", "Q: gamma?"):
+            model.evict()
+            eng.cache.flush()
+            out = run(eng, model, SYSTEM + tail)
+            assert out.text == cold(kind, n_swa, SYSTEM + tail).text, tail
+            if out.stats.cached_tokens:
+                assert out.stats.cached_tokens in row_lengths(eng), tail
+            answers.append(out)
+        shared = len(SYSTEM) + len("Q: ")  # byte-level stub: one token per byte, plus BOS
+        assert answers[2].stats.cached_tokens >= shared
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize(("kind", "n_swa"), KINDS)
+def test_live_slots_are_reused_only_where_their_state_is_exact(kind: str, n_swa: int) -> None:
+    """Two slots, no saves that could help: only live KV (``self``, ``copy``) is a source."""
+    eng = make_engine()
+    try:
+        model = load(eng, kind, n_swa, n_parallel=2)
+        for tail in ("Q: alpha?", "Q: beta?", "Q: alpha? And more."):
+            for row in eng.cache.rows():
+                eng.cache.delete(row.key)
+            out = model.complete(SYSTEM + tail, GREEDY)
+            eng.cache.flush()
+            assert out.text == cold(kind, n_swa, SYSTEM + tail).text, tail
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize(("kind", "n_swa"), KINDS)
+def test_deterministic_reuse_is_aligned_and_equals_cold(
+    tmp_path: Path, kind: str, n_swa: int
+) -> None:
+    eng = make_engine(tmp_path)
+    try:
+        model = load(eng, kind, n_swa, det=True)
+        outs = []
+        for tail in ("Q: alpha?", "Q: beta?", "Q: gamma?", "Q: alpha?"):
+            model.evict()
+            eng.cache.flush()
+            out = run(eng, model, SYSTEM + tail)
+            assert out.text == cold(kind, n_swa, SYSTEM + tail, det=True).text
+            assert out.stats.cached_tokens % N_BATCH == 0 or out.stats.cached_tokens == len(
+                out.prompt_tokens
+            )
+            outs.append(out)
+        assert max(o.stats.cached_tokens for o in outs[1:]) > 0
+    finally:
+        eng.close()
+
+
+# -- the stub itself: what makes the tests above able to fail ----------------------------------
+
+
+def _greedy_after(ctx_tokens: list[int], trim_to: int | None, kind: str, n_swa: int) -> bytes:
+    be = backend(kind, n_swa)
+    model = be.load_model("stub.gguf")
+    ctx = model.new_context(ContextParams(n_ctx=256, n_batch=N_BATCH, n_ubatch=N_BATCH))
+    ctx.prefill(0, ctx_tokens, 0)
+    if trim_to is not None:
+        ctx.seq_rm(0, trim_to, -1)
+    pos = ctx.seq_pos_max(0) + 1
+    ctx.decode([BatchToken(ctx_tokens[0], pos, 0, logits=True)])
+    return bytes(ctx.logits())
+
+
+def test_the_stub_gets_a_window_trimmed_past_its_floor_wrong() -> None:
+    tokens = list(range(100, 200))
+    right = _greedy_after(tokens[:50], None, "swa", 24)
+    assert _greedy_after(tokens, 50, "swa", 24) != right  # cells 26..49 were dropped
+    assert _greedy_after(tokens, 99, "full", 0) == _greedy_after(tokens[:99], None, "full", 0)
+
+
+def test_the_stub_refuses_to_roll_a_recurrent_state_back() -> None:
+    model = backend("recurrent", 0).load_model("stub.gguf")
+    ctx = model.new_context(ContextParams(n_ctx=256, n_batch=N_BATCH, n_ubatch=N_BATCH))
+    ctx.prefill(0, list(range(100, 140)), 0)
+    assert ctx.seq_pos_min(0) == ctx.seq_pos_max(0) == 39
+    with pytest.raises(StateRestoreError):
+        ctx.seq_rm(0, 20, -1)
+    assert ctx.seq_pos_max(0) == 39  # refused: unchanged
+    ctx.seq_rm(0, 0, -1)
+    assert ctx.seq_pos_max(0) == -1
+
+
+def test_floors() -> None:
+    swa = MemoryKind("swa", 512)
+    assert swa.saved_floor(400) == 0 and swa.saved_floor(863) == 863
+    assert swa.live_floor(863, 0) == 0 and swa.live_floor(1500, 476) == 988
+    assert swa.live_floor(900, 600) == 900
+    assert MemoryKind("swa", 512, swa_full=True).saved_floor(863) == 0
+    assert MemoryKind("recurrent").saved_floor(10) == 10
+    assert MemoryKind("hybrid").live_floor(10, 9) == 10
+    assert MemoryKind().saved_floor(10) == 0 and MemoryKind().chunkable
+    assert not MemoryKind("swa", 512, swa_full=True).chunkable
