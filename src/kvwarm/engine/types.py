@@ -228,6 +228,12 @@ class ModelInfo:
     flash_attn: str = "auto"
     type_k: str = "f16"
     type_v: str = "f16"
+    #: What a saved or live state can resume from (``kvwarm.memory``): "full", "swa",
+    #: "recurrent" or "hybrid"; ``n_swa`` the sliding window (0 unless "swa"); ``swa_full``
+    #: whether the context keeps full-size SWA layers (then their state trims like "full").
+    memory: str = "full"
+    n_swa: int = 0
+    swa_full: bool = False
 
 
 # "fork": holds one of an n > 1 request's other choices, waiting for the first choice's

@@ -96,6 +96,11 @@ class ModelSettings(BaseSettings):
         description="KV cache cell type of V: f16, q8_0, q4_0 ... (quantised: needs flash_attn)",
         json_schema_extra={"flag": "--cache-type-v", **_flags("-ctv", "--type-v")},
     )
+    swa_full: Bool = Field(
+        default=False,
+        description="keep sliding-window layers' KV at full size (llama.cpp --swa-full): their "
+        "cached states then restore at any prefix, at the memory cost of full attention",
+    )
     n_threads: OptInt = Field(
         default=None,
         description="CPU threads for generation (default: every CPU this process may use)",
@@ -172,7 +177,7 @@ class ServingSettings(BaseSettings):
 #: The settings a ``[[models]]`` table may override.
 MODEL_SETTING_NAMES: tuple[str, ...] = tuple(ModelSettings.model_fields)
 _CONTEXT_SETTINGS = (
-    "type_k", "type_v", "flash_attn", "n_threads", "n_threads_batch", "rope_scaling",
+    "type_k", "type_v", "flash_attn", "swa_full", "n_threads", "n_threads_batch", "rope_scaling",
     "rope_freq_base", "rope_freq_scale", "yarn_ext_factor", "yarn_attn_factor",
     "yarn_beta_fast", "yarn_beta_slow", "yarn_orig_ctx",
 )  # fmt: skip

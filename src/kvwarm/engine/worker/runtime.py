@@ -87,6 +87,19 @@ class Runtime:
             n = len(slot.kv_tokens)
             slot.floor = mem.live_floor(n, self.ctx.seq_pos_min(slot.seq)) if n else 0
 
+    def settle_layout(self, slot: Slot) -> None:
+        """Give ``slot``'s sequence the cell layout a restore of its state would give it.
+
+        A saved sliding-window state leaves out the cells the window no longer sees, which a
+        live sequence keeps until their room is needed; the number and places of cells
+        change how llama.cpp splits attention across threads, hence the last bits of every
+        later logit. Round-tripping the state after each prefill chunk (deterministic mode,
+        a memory that cannot be trimmed) makes a cold run and a run restored at any chunk
+        boundary hold the same cells in the same places: bit-identical from there on. Costs
+        one pack and unpack of the state per chunk (milliseconds beside the chunk's decode).
+        Measured on Gemma 3 270M: without it a restore past the window gave max |dlogit| 0.65."""
+        self.ctx.kv_unpack(slot.seq, self.ctx.kv_pack(slot.seq))
+
     def publish(self) -> None:
         """Refresh ``view`` from the live slots: after each round, and before a request's
         answer goes out (so a caller who got it sees its slot free)."""

@@ -133,6 +133,8 @@ class Tick:
         slot.canonical = canonical_after_chunk(
             slot.canonical, chunk.start, chunk.end, len(toks), self.rt.cfg.n_batch
         )
+        if act.deterministic and not self.rt.memory.trimmable:
+            self.rt.settle_layout(slot)
         if act.pauses and chunk.end == act.pauses[0]:
             del act.pauses[0]
             self.saves.save(slot, SaveReason.COLD, None, act.namespace, sync=False)

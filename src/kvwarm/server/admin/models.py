@@ -68,6 +68,9 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             "flash_attn": info.flash_attn,
             "type_k": info.type_k,
             "type_v": info.type_v,
+            # What its cached states can resume from (kvwarm.memory): an orchestrator or a
+            # user can tell why a sliding-window or recurrent model reuses only checkpoints.
+            "memory": {"kind": info.memory, "n_swa": info.n_swa, "swa_full": info.swa_full},
         }
     elif entry.error:
         item["error"] = entry.error
