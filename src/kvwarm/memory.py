@@ -12,8 +12,10 @@ llama.cpp keeps four kinds of per-sequence memory:
   leaves the positions before ``k`` that a token at ``k`` attends to missing: a wrong answer,
   not a miss. A state resumes at ``k`` only if it still holds every position
   ``[k - n_swa, k)``: its lowest position ``pos_min <= max(0, k - n_swa)`` (llama-server's
-  rule). With ``swa_full`` (llama.cpp's full-size SWA cache) nothing is dropped and the
-  state trims like ``full``.
+  rule). With ``swa_full`` (llama.cpp's full-size SWA cache) a live sequence keeps its cells
+  and trims like ``full`` (its ``pos_min`` stays 0), but a *saved* state still leaves the
+  masked cells out (measured: ``state_write`` filters them whatever the cache size), so saved
+  rows resume at their own length alone either way.
 - ``recurrent`` (Mamba, RWKV) and ``hybrid`` (attention plus a recurrent state: Jamba,
   Granite 4, LFM2, Qwen3-Next): the recurrent state is one value per sequence, updated in place.
   It cannot be rolled back: a state of ``n`` tokens resumes at ``n`` and nowhere else.
@@ -46,20 +48,22 @@ class MemoryKind:
 
     @property
     def trimmable(self) -> bool:
-        """Whether a state of ``n`` tokens is also the state of every shorter prefix."""
-        return self.kind == "full" or (self.kind == "swa" and (self.swa_full or self.n_swa <= 0))
+        """Whether every state of ``n`` tokens, live or saved, is also the state of every
+        shorter prefix: plain full attention only."""
+        return self.kind == "full" or (self.kind == "swa" and self.n_swa <= 0)
 
     @property
     def chunkable(self) -> bool:
         """Whether a saved state can be cut into per-token-range chunks (one KV stream of
         cells, nothing else): only plain full attention."""
-        return self.kind == "full"
+        return self.trimmable
 
     def saved_floor(self, n_tokens: int) -> int:
         """The shortest prefix a *saved* state of ``n_tokens`` tokens resumes at.
 
         A saved SWA state longer than its window holds only the window's cells, so its
-        lowest position is ``n - n_swa`` and it resumes at ``n`` alone.
+        lowest position is ``n - n_swa`` and it resumes at ``n`` alone (with ``swa_full``
+        too: the masked cells are not saved).
         """
         if self.trimmable:
             return 0
@@ -70,7 +74,8 @@ class MemoryKind:
     def live_floor(self, n_tokens: int, pos_min: int) -> int:
         """The shortest prefix a *live* sequence of ``n_tokens`` tokens whose lowest held
         position is ``pos_min`` resumes at (llama.cpp keeps masked SWA cells until it needs
-        their room, so a live state may reach further back than a saved one)."""
+        their room, and with ``swa_full`` never needs it, so a live state may reach further
+        back than a saved one)."""
         if self.trimmable or n_tokens == 0:
             return 0
         if self.kind == "swa":

@@ -200,7 +200,8 @@ def test_floors() -> None:
     assert swa.saved_floor(400) == 0 and swa.saved_floor(863) == 863
     assert swa.live_floor(863, 0) == 0 and swa.live_floor(1500, 476) == 988
     assert swa.live_floor(900, 600) == 900
-    assert MemoryKind("swa", 512, swa_full=True).saved_floor(863) == 0
+    assert MemoryKind("swa", 512, swa_full=True).saved_floor(863) == 863  # masked cells unsaved
+    assert MemoryKind("swa", 512, swa_full=True).live_floor(863, 0) == 0
     assert MemoryKind("recurrent").saved_floor(10) == 10
     assert MemoryKind("hybrid").live_floor(10, 9) == 10
     assert MemoryKind().saved_floor(10) == 0 and MemoryKind().chunkable

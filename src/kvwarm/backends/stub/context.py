@@ -152,8 +152,8 @@ class StubContext:
         """Drop what this memory kind does not keep: cells outside a sliding window, every
         cell of a recurrent state but its last."""
         mem = self._memory
-        if mem.trimmable or not cells:
-            return
+        if mem.trimmable or mem.swa_full or not cells:
+            return  # a full-size SWA cache keeps its cells (kv_pack still leaves masked out)
         top = max(cells)
         keep_from = top if mem.kind in ("recurrent", "hybrid") else top - mem.n_swa + 1
         for pos in [p for p in cells if p < keep_from]:
@@ -197,6 +197,10 @@ class StubContext:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
             cells = self._seqs[seq]
+            mem = self._memory
+            if mem.kind == "swa" and cells:  # llama.cpp saves only the cells the window sees
+                top = max(cells)
+                cells = {p: c for p, c in cells.items() if top - p < mem.n_swa}
             size = self._model.backend.cell_bytes
             pad = size - CELL.size
             out = bytearray(self._codec.header(len(cells)))
