@@ -1,0 +1,222 @@
+"""Multi-turn chat, kvwarm vs llama-server (the peer built from the same pinned llama.cpp by
+``bench/peer.py``), side by side in one run, same model, same threads, servers alternated.
+
+    python bench/multiturn.py --model PATH.gguf [--rounds 2] [--system-tokens 1000]
+
+The load (issue 22): 3 conversations x 4 turns over one ~1,000-token system prompt, 16-token
+replies; then each server restarts and every conversation takes one more turn. Both servers
+get the same rendered prompt text through their completions endpoints (Gemma's turn format),
+so the chat template is not what is measured. kvwarm runs with a disk tier (it survives the
+restart); llama-server with its defaults (RAM prompt cache, context checkpoints).
+
+Prints, per server and round: total time of the run phase and of the after-restart phase,
+each request's cached / prompt tokens and latency, and kvwarm's checkpoint bytes on disk per
+token and per conversation. Run it alone: two processes decoding at once on 2 cores halve
+each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peer import llama_server
+
+CONVERSATIONS = 3
+TURNS = 4
+REPLY_TOKENS = 16
+QUESTIONS = [
+    "Who kept the lighthouse first?",
+    "What happened to the harbour in the great storm?",
+    "Which family ran the ferry?",
+    "When was the school built?",
+    "Why did the fishing fleet shrink?",
+]
+LORE = (
+    "You are the archivist of a small coastal town. You answer questions about its history, "
+    "its harbour, its lighthouse and the families who kept them, briefly and in plain words. "
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def post(url: str, body: dict[str, object], timeout: float = 600) -> dict[str, object]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        out: dict[str, object] = json.loads(resp.read())
+        return out
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], limit_s: float = 300) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)  # polling a child's readiness, not synchronising a test
+    raise SystemExit(f"{url} not ready in {limit_s} s")
+
+
+@dataclass
+class Server:
+    name: str
+    model: Path
+    threads: int
+    work: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        if self.name == "kvwarm":
+            return [
+                sys.executable, "-m", "kvwarm", "serve", "--host", "127.0.0.1",
+                "--port", str(self.port), "--model", f"m={self.model}", "--n-ctx", "4096",
+                "--n-threads", str(self.threads), "--n-threads-batch", str(self.threads),
+                "--cache-dir", str(self.work / "kvwarm-cache"), "--n-parallel", "1",
+            ]  # fmt: skip
+        return [
+            str(llama_server()), "--host", "127.0.0.1", "--port", str(self.port),
+            "-m", str(self.model), "-c", "4096", "-t", str(self.threads),
+            "-tb", str(self.threads), "-np", "1", "--no-webui",
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_ready(f"http://127.0.0.1:{self.port}/health", self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def complete(self, prompt: str) -> tuple[int, int, float]:
+        """(cached tokens, prompt tokens, seconds) of one completion."""
+        t0 = time.perf_counter()
+        if self.name == "kvwarm":
+            out = post(
+                f"http://127.0.0.1:{self.port}/v1/completions",
+                {"model": "m", "prompt": prompt, "max_tokens": REPLY_TOKENS, "temperature": 0},
+            )
+            usage = out["usage"]
+            assert isinstance(usage, dict)
+            details = usage.get("prompt_tokens_details") or {}
+            cached = int(details.get("cached_tokens", 0))
+            n_prompt = int(usage["prompt_tokens"])
+            text = out["choices"][0]["text"]  # type: ignore[index]
+        else:
+            out = post(
+                f"http://127.0.0.1:{self.port}/completion",
+                {"prompt": prompt, "n_predict": REPLY_TOKENS, "temperature": 0,
+                 "cache_prompt": True},
+            )  # fmt: skip
+            timings = out["timings"]
+            assert isinstance(timings, dict)
+            cached = int(timings.get("cache_n", 0))
+            n_prompt = cached + int(timings["prompt_n"])
+            text = out["content"]
+        self.last_text = str(text)
+        return cached, n_prompt, time.perf_counter() - t0
+
+
+def turn_text(history: str, question: str) -> str:
+    return f"{history}<start_of_turn>user\n{question}<end_of_turn>\n<start_of_turn>model\n"
+
+
+def run_phase(server: Server, histories: list[str], turns: int) -> tuple[float, list[str]]:
+    rows: list[str] = []
+    t0 = time.perf_counter()
+    for t in range(turns):
+        for c in range(len(histories)):
+            prompt = turn_text(histories[c], QUESTIONS[(c + t) % len(QUESTIONS)])
+            cached, n_prompt, secs = server.complete(prompt)
+            histories[c] = prompt + server.last_text + "<end_of_turn>\n"
+            rows.append(
+                f"conv {c} turn {t}: cached {cached:5d} / {n_prompt:5d}  {secs * 1e3:7.0f} ms"
+            )
+    return time.perf_counter() - t0, rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--system-tokens", type=int, default=1000)
+    ap.add_argument("--servers", default="kvwarm,llama-server")
+    args = ap.parse_args(argv)
+    system = LORE * max(1, args.system_tokens // 34)
+    print("command:", shlex.join([sys.executable, *sys.argv]))
+    names = args.servers.split(",")
+    results: dict[str, list[tuple[float, float, list[str], int]]] = {n: [] for n in names}
+    for rnd in range(args.rounds):
+        for name in names if rnd % 2 == 0 else list(reversed(names)):
+            work = Path(tempfile.mkdtemp(prefix=f"kvwarm-mt-{name}-"))
+            try:
+                server = Server(name, args.model, args.threads, work)
+                histories = [f"<start_of_turn>user\n{system}\n\n" for _ in range(CONVERSATIONS)]
+                server.start()
+                try:
+                    run_s, rows = run_phase(server, histories, TURNS)
+                finally:
+                    server.stop()
+                server.start()  # restart: only what the server persisted survives
+                try:
+                    after_s, after_rows = run_phase(server, histories, 1)
+                finally:
+                    server.stop()
+                disk = sum(
+                    f.stat().st_size for f in (work / "kvwarm-cache").rglob("*") if f.is_file()
+                ) if (work / "kvwarm-cache").exists() else 0  # fmt: skip
+                results[name].append((run_s, after_s, [*rows, "-- restart --", *after_rows], disk))
+                print(f"[round {rnd}] {name}: run {run_s:.2f} s, after restart {after_s:.2f} s")
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    for name, rs in results.items():
+        print(f"\n== {name}")
+        for i, (run_s, after_s, rows, disk) in enumerate(rs):
+            print(f"round {i}: run {run_s:.2f} s, after restart {after_s:.2f} s")
+            for r in rows:
+                print("   ", r)
+            if disk:
+                print(f"    cache on disk: {disk / 2**20:.1f} MiB, "
+                      f"{disk / CONVERSATIONS / 2**20:.1f} MiB per conversation")  # fmt: skip
+    if len(names) == 2 and all(results.values()):
+        a, b = (results[n] for n in names)
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            print(f"round {i}: {names[0]}/{names[1]} run {x[0] / y[0]:.2f}x, "
+                  f"after restart {x[1] / y[1]:.2f}x")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
