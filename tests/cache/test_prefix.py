@@ -165,3 +165,25 @@ def test_two_keys_for_same_tokens_is_refused() -> None:
     idx.insert("ns", b"a", (1, 2), 1)
     with pytest.raises(ValueError):
         idx.insert("ns", b"b", (1, 2), 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), max_size=12),
+    query=st.lists(st.integers(0, 3), max_size=10),
+    limit=st.integers(1, 5),
+)
+def test_whole_lists_the_rows_that_are_whole_prefixes_longest_first(
+    rows: list[list[int]], query: list[int], limit: int
+) -> None:
+    index = PrefixIndex()
+    for toks in rows:
+        index.insert(0, _key(0, tuple(toks)), toks, len(toks))
+    expected = sorted(
+        {(len(t), _key(0, tuple(t))) for t in rows if tuple(query[: len(t)]) == tuple(t)},
+        reverse=True,
+    )
+    got = index.whole(0, query, limit)
+    assert [n for _, n in got] == [n for n, _ in expected][:limit]
+    assert {k for k, _ in got} <= {k for _, k in expected}
+    assert index.whole(1, query, limit) == []

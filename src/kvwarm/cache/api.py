@@ -80,12 +80,12 @@ class CacheApi(Protocol):
         are found at once, at a bounded number of round trips (``CacheConfig.probe_max``)."""
         ...
 
-    def deepest_whole_prefix(
-        self, namespace: Namespace, tokens: Sequence[int]
-    ) -> PrefixMatch | None:
-        """The longest row of ``namespace`` whose tokens are all a prefix of ``tokens``
-        (``n_shared == row.n_tokens``): the candidate for a model whose state cannot be
-        trimmed (``kvwarm.memory``), where a longer row sharing more is of no use."""
+    def whole_prefixes(
+        self, namespace: Namespace, tokens: Sequence[int], limit: int = 4
+    ) -> list[PrefixMatch]:
+        """Up to ``limit`` rows of ``namespace`` whose tokens are all a prefix of ``tokens``
+        (``n_shared == row.n_tokens``), longest first: the candidates for a model whose state
+        cannot be trimmed (``kvwarm.memory``), where a longer row sharing more is of no use."""
         ...
 
     def open_row(self, key: bytes) -> AbstractContextManager[LoadedRow]:

@@ -189,12 +189,12 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
             self._counters.incr("hits_longest_prefix")
         return match
 
-    def deepest_whole_prefix(
-        self, namespace: Namespace, tokens: Sequence[int]
-    ) -> PrefixMatch | None:
-        # Local rows only: shared tiers are probed at the lengths longest_prefix asks for,
-        # which are the lengths whole-prefix rows are saved at (cold saves, turn ends).
-        return self._index.deepest_whole(namespace, tokens)
+    def whole_prefixes(
+        self, namespace: Namespace, tokens: Sequence[int], limit: int = 4
+    ) -> list[PrefixMatch]:
+        # Rows the index knows: shared tiers are probed at the lengths longest_prefix asks
+        # for (cold saves, turn ends), and a row found there is in the index from then on.
+        return self._index.whole_prefixes(namespace, tokens, limit)
 
     # ------------------------------------------------------------------ reading a row
 

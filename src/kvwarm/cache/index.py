@@ -102,14 +102,16 @@ class Index:
         with self._lock:
             return self._rows.longest(namespace, tokens, min_shared)
 
-    def deepest_whole(self, namespace: Namespace, tokens: Sequence[int]) -> PrefixMatch | None:
-        """The longest row whose tokens are all a prefix of ``tokens`` (a state that cannot be
-        trimmed is usable only whole)."""
-        settled, match = self._rows.try_deepest_whole(namespace, tokens)
+    def whole_prefixes(
+        self, namespace: Namespace, tokens: Sequence[int], limit: int
+    ) -> list[PrefixMatch]:
+        """Up to ``limit`` rows whose tokens are all a prefix of ``tokens``, longest first (a
+        state that cannot be trimmed is usable only whole)."""
+        settled, matches = self._rows.try_whole(namespace, tokens, limit)
         if settled:
-            return match
+            return matches
         with self._lock:
-            return self._rows.deepest_whole(namespace, tokens)
+            return self._rows.whole(namespace, tokens, limit)
 
     def refcount(self, key: bytes) -> int:
         return self._rows.refcount(key)

@@ -288,18 +288,22 @@ class PrefixIndex:
             return None
         return best[1], pos
 
-    def deepest_whole(self, namespace: Hashable, tokens: Sequence[int]) -> tuple[bytes, int] | None:
-        """(key, n_tokens) of the longest row whose tokens are all a prefix of ``tokens``, or
-        None. A state that cannot be trimmed (``kvwarm.memory``) is usable only whole."""
+    def whole(
+        self, namespace: Hashable, tokens: Sequence[int], limit: int
+    ) -> list[tuple[bytes, int]]:
+        """(key, n_tokens) of up to ``limit`` rows whose tokens are all a prefix of
+        ``tokens``, longest first. A state that cannot be trimmed (``kvwarm.memory``) is
+        usable only whole, and the longest such row may still be of no use (deterministic
+        mode reuses only its aligned canonical part), so the caller weighs several."""
         root = self._roots.get(namespace)
         if root is None:
-            return None
+            return []
         arr = encode_native(tokens)
         enc = arr.tobytes()
         n = len(arr)
         node = root
         pos = 0
-        best: tuple[bytes, int] | None = None
+        found: list[tuple[bytes, int]] = []
         while pos < n:
             children = node.children
             child = children.get(arr[pos]) if children else None
@@ -311,8 +315,8 @@ class PrefixIndex:
             node = child
             pos += k
             if node.row is not None:
-                best = (node.row[1], pos)
-        return best
+                found.append((node.row[1], pos))
+        return found[::-1][:limit]
 
     def tokens(self, key: bytes) -> tuple[int, ...] | None:
         """The row's tokens, rebuilt from its root path; None if unknown."""

@@ -103,21 +103,22 @@ class RowTable:
         entry = None if hit is None else self._entries.get(hit[0])
         return None if hit is None or entry is None else PrefixMatch(entry.info, hit[1])
 
-    def try_deepest_whole(
-        self, namespace: Namespace, tokens: Sequence[int]
-    ) -> tuple[bool, PrefixMatch | None]:
-        """``try_longest`` for the longest row that is a whole prefix of ``tokens``."""
+    def try_whole(
+        self, namespace: Namespace, tokens: Sequence[int], limit: int
+    ) -> tuple[bool, list[PrefixMatch]]:
+        """``try_longest`` for the rows that are whole prefixes of ``tokens``."""
         before = self._prefix.version
-        hit = self._prefix.deepest_whole(namespace, tokens)
-        entry = None if hit is None else self._entries.get(hit[0])
-        if before % 2 == 0 and self._prefix.version == before and (hit is None or entry):
-            return True, None if hit is None or entry is None else PrefixMatch(entry.info, hit[1])
-        return False, None
+        hits = self._prefix.whole(namespace, tokens, limit)
+        entries = [self._entries.get(key) for key, _ in hits]
+        if before % 2 == 0 and self._prefix.version == before and all(entries):
+            pairs = zip(entries, hits, strict=True)
+            return True, [PrefixMatch(e.info, n) for e, (_, n) in pairs if e]
+        return False, []
 
-    def deepest_whole(self, namespace: Namespace, tokens: Sequence[int]) -> PrefixMatch | None:
-        hit = self._prefix.deepest_whole(namespace, tokens)
-        entry = None if hit is None else self._entries.get(hit[0])
-        return None if hit is None or entry is None else PrefixMatch(entry.info, hit[1])
+    def whole(self, namespace: Namespace, tokens: Sequence[int], limit: int) -> list[PrefixMatch]:
+        hits = self._prefix.whole(namespace, tokens, limit)
+        entries = [(self._entries.get(key), n) for key, n in hits]
+        return [PrefixMatch(e.info, n) for e, n in entries if e is not None]
 
     def chunk_lens(self, key: bytes) -> tuple[int, ...]:
         entry = self._entries.get(key)

@@ -89,10 +89,10 @@ class Admission:
         mem = rt.memory
         # A state that cannot be trimmed is of use only whole: the longest row that is all a
         # prefix of the prompt is a candidate beside the one sharing the most (kvwarm.memory).
-        whole = None if mem.trimmable else rt.cache.deepest_whole_prefix(ns, prompt)
+        whole = [] if mem.trimmable else rt.cache.whole_prefixes(ns, prompt)
         rt.cache.record_latency("lookup", time.perf_counter() - t0)
         if req.options.prompt_logprobs is not None:
-            match = whole = None  # every position's logits are needed: prefill from the start
+            match, whole = None, []  # every position's logits are needed: prefill from start
         rows = [
             RowCandidate(
                 m.row.key,
@@ -102,7 +102,7 @@ class Admission:
                 m.row.has_logits,
                 floor=mem.saved_floor(m.row.n_tokens),
             )
-            for m in (match, whole)
+            for m in (match, *whole)
             if m is not None
         ]
         rt.refresh_floors()

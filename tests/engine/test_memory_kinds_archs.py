@@ -1,0 +1,170 @@
+"""Recurrent (Mamba) and hybrid (LFM2: attention plus a short-convolution state) models on the
+real backend, as tiny random-weight GGUFs (``tests/tinymodels.py``): their state can never be
+rolled back, so every reuse must be a whole checkpoint, and in deterministic mode every answer
+(tokens and logprobs) equals a cold run's, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from tests.tinymodels import write_tiny_model
+
+from kvwarm.backends.base import ContextParams
+from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
+from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
+from kvwarm.engine.model import Model
+from kvwarm.engine.types import Completion, GenerationOptions
+
+pytestmark = pytest.mark.model
+
+N_BATCH = 32
+OPTS = GenerationOptions(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+POLICY = PolicyConfig(
+    min_tokens=8,
+    cold_min_tokens=16,
+    cold_max_tokens=100_000,
+    continued_interval=10_000,
+    boundary_trim_tokens=0,
+    boundary_align_tokens=N_BATCH,
+    session_resume_wait_ms=5000,
+    evict_save_timeout_ms=30_000,
+)
+ARCHS = {"mamba": "recurrent", "lfm2": "hybrid"}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    arch = str(request.param)
+    yield str(write_tiny_model(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", arch))
+
+
+def engine(tmp: Path | None) -> Engine:
+    tiers = [TierConfig("ram", 64 << 20)]
+    if tmp is not None:
+        tiers.append(TierConfig("disk", 256 << 20, tmp / "disk"))
+    return Engine(EngineConfig(cache=CacheConfig(tiers=tuple(tiers)), policy=POLICY))
+
+
+def load(eng: Engine, path: str, *, det: bool = True, n_parallel: int = 1) -> Model:
+    cfg = ModelConfig(
+        context=ContextParams(n_ctx=256, n_batch=N_BATCH, n_ubatch=N_BATCH),
+        n_parallel=n_parallel,
+        deterministic=det,
+    )
+    if "disk" in eng.cache.tier_names():
+        cfg = replace(cfg, save_tier="disk")
+    return eng.load_model(path, config=cfg)
+
+
+def cold(path: str, tokens: Sequence[int], *, det: bool = True) -> Completion:
+    eng = engine(None)
+    try:
+        out = load(eng, path, det=det).complete(list(tokens), OPTS)
+        assert out.stats.cached_tokens == 0
+        return out
+    finally:
+        eng.close()
+
+
+def same(a: Completion, b: Completion) -> None:
+    assert a.completion_tokens == b.completion_tokens
+    assert a.logprobs is not None and b.logprobs is not None
+    assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [1 + (seed * 31 + i * 17) % 120 for i in range(n)]
+
+
+SYSTEM = tokens(1, 90)
+
+
+def test_the_kind_is_read_from_the_model(tiny: str) -> None:
+    eng = engine(None)
+    try:
+        info = load(eng, tiny).info()
+        assert info.memory == ARCHS[Path(tiny).stem]
+    finally:
+        eng.close()
+
+
+def test_every_reuse_is_a_whole_checkpoint_and_bit_identical(tiny: str, tmp_path: Path) -> None:
+    a = [*SYSTEM, *tokens(2, 15)]
+    b = [*SYSTEM, *tokens(3, 12)]
+    c = [*SYSTEM, *tokens(4, 12)]
+    shorter = a[:100]
+    eng = engine(tmp_path)
+
+    def rows() -> set[int]:
+        eng.cache.flush()
+        return {r.n_tokens for r in eng.cache.rows()}
+
+    try:
+        model = load(eng, tiny)
+        first = model.complete(a, OPTS)
+        same(first, cold(tiny, a))
+        assert {96, len(a)} <= rows()  # the aligned cold save, the prompt-end checkpoint
+
+        model.evict()  # from here on only rows can serve, until the live-KV case below
+        again = model.complete(a, OPTS)
+        assert again.stats.cached_tokens == len(a)  # with the stored logits: no decode
+        same(again, first)
+
+        model.evict()
+        sibling = model.complete(b, OPTS)  # shares 90 tokens with rows of 96+: none usable
+        assert sibling.stats.cached_tokens == 0
+        same(sibling, cold(tiny, b))
+        assert 64 in rows()  # it checkpointed where it diverged (aligned: deterministic)
+
+        for prompt, hit in ((c, 64), (shorter, 96)):
+            model.evict()
+            out = model.complete(prompt, OPTS)
+            assert out.stats.cached_tokens == hit  # whole checkpoints only, never a rollback
+            same(out, cold(tiny, prompt))
+
+        # Live KV: the slot holds `shorter` and its reply; a prompt extending all of it
+        # resumes there (deterministic: down to the aligned, canonical part, a checkpoint).
+        follow = [*out.tokens[:-1], 5, 6]
+        ext = model.complete(follow, OPTS)
+        assert ext.stats.cached_tokens in rows()
+        same(ext, cold(tiny, follow))
+        rows()
+    finally:
+        eng.close()
+
+    restarted = engine(tmp_path)
+    try:
+        model = load(restarted, tiny, n_parallel=2)
+        after = model.complete(a, OPTS)
+        assert after.stats.cached_tokens == len(a)
+        same(after, first)
+    finally:
+        restarted.close()
+
+
+def test_default_mode_reuses_only_whole_states(tiny: str) -> None:
+    """Without deterministic mode the planner still never trims: siblings meet at the
+    checkpoint where they diverge, and each answer is the cold one's tokens."""
+    eng = engine(None)
+    try:
+        model = load(eng, tiny, det=False)
+        outs = []
+        for tail in (2, 3, 4):
+            model.evict()
+            eng.cache.flush()
+            prompt = [*SYSTEM, *tokens(tail, 10)]
+            out = model.complete(prompt, OPTS)
+            assert out.completion_tokens == cold(tiny, prompt, det=False).completion_tokens
+            if out.stats.cached_tokens:
+                assert out.stats.cached_tokens in {r.n_tokens for r in eng.cache.rows()}
+            outs.append(out)
+        shared = len(SYSTEM) + next(
+            i for i, (x, y) in enumerate(zip(tokens(2, 10), tokens(3, 10), strict=True)) if x != y
+        )
+        assert outs[2].stats.cached_tokens >= shared
+    finally:
+        eng.close()

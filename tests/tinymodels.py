@@ -1,0 +1,125 @@
+"""Tiny random-weight GGUFs of architectures no small model on PyPI has (recurrent Mamba, hybrid
+LFM2), written the way llama.cpp's ``tests/test-llama-archs.cpp`` makes its models.
+
+The metadata is written with the ``gguf`` package (architecture, sizes, a dummy ``test``
+tokenizer); llama.cpp itself then creates every tensor its loader expects for that
+architecture (``llama_model_init_from_user``), our callback fills each with seeded normal
+values (Mamba's ``A`` negative, as a state decay must be), and ``llama_model_save_to_file``
+writes the complete GGUF. So the tensor list can never disagree with the pinned llama.cpp.
+A few hundred KB each; built once per session by a fixture.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+N_VOCAB = 128
+N_EMBD = 64
+N_LAYER = 2
+N_HEAD = 2
+N_CTX = 512
+
+
+def _metadata(path: Path, arch: str) -> None:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    k = f"{arch}."
+    w.add_uint32(k + "vocab_size", N_VOCAB)
+    w.add_uint32(k + "context_length", N_CTX)
+    w.add_uint32(k + "embedding_length", N_EMBD)
+    w.add_uint32(k + "block_count", N_LAYER)
+    w.add_uint32(k + "feed_forward_length", 4 * N_EMBD)
+    if arch == "lfm2":
+        # Layer 1 is attention, layer 0 a short convolution (its recurrent state).
+        w.add_array(k + "attention.head_count", [N_HEAD] * N_LAYER)
+        w.add_array(
+            k + "attention.head_count_kv", [0 if il == 0 else N_HEAD for il in range(N_LAYER)]
+        )
+        w.add_uint32(k + "shortconv.l_cache", 3)
+        w.add_float32(k + "rope.freq_base", 10000.0)
+    else:
+        w.add_uint32(k + "attention.head_count", N_HEAD)
+        w.add_uint32(k + "attention.head_count_kv", N_HEAD)
+    w.add_float32(k + "attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_float32(k + "attention.layer_norm_epsilon", 1e-5)
+    w.add_uint32(k + "ssm.conv_kernel", 4)
+    w.add_uint32(k + "ssm.inner_size", 2 * N_EMBD)
+    w.add_uint32(k + "ssm.state_size", 16)
+    w.add_uint32(k + "ssm.time_step_rank", 8)
+    w.add_string("tokenizer.ggml.model", "test")
+    w.add_array("tokenizer.ggml.tokens", [f"tok_{i}" for i in range(N_VOCAB)])
+    w.add_array("tokenizer.ggml.scores", [0.0] * N_VOCAB)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+class _GgufInitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+def write_tiny_model(path: Path, arch: str, *, seed: int = 7, stdev: float = 0.1) -> Path:
+    """A complete random-weight GGUF of ``arch`` ("mamba" or "lfm2") at ``path``."""
+    import llama_cpp
+
+    from kvwarm.backends.llama import native
+
+    native.lib()  # backend initialised, llama.cpp's log routed
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    ggml_base = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
+    ggml_base.gguf_init_from_file.restype = ctypes.c_void_p
+    ggml_base.gguf_init_from_file.argtypes = [ctypes.c_char_p, _GgufInitParams]
+    ggml_base.gguf_free.argtypes = [ctypes.c_void_p]
+    ggml_base.ggml_nelements.restype = ctypes.c_int64
+    ggml_base.ggml_nelements.argtypes = [ctypes.c_void_p]
+    ggml_base.ggml_nbytes.restype = ctypes.c_size_t
+    ggml_base.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    ggml_base.ggml_get_name.restype = ctypes.c_char_p
+    ggml_base.ggml_get_name.argtypes = [ctypes.c_void_p]
+    ggml_base.ggml_backend_tensor_set.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+    ]  # fmt: skip
+
+    meta = path.with_suffix(".meta.gguf")
+    _metadata(meta, arch)
+
+    def fill(tensor: Any, _ud: Any) -> None:
+        name = ggml_base.ggml_get_name(tensor).decode()
+        n = int(ggml_base.ggml_nelements(tensor))
+        nbytes = int(ggml_base.ggml_nbytes(tensor))
+        rng = np.random.default_rng(
+            seed ^ int.from_bytes(hashlib.sha256(name.encode()).digest()[:4])
+        )
+        values = rng.normal(0.0, stdev, n)
+        if "ssm_a" in name:
+            values = -np.abs(values)
+        # init_from_user creates tensors as F32 unless the metadata names another type.
+        data = values.astype(np.float32 if nbytes == 4 * n else np.float16)
+        assert data.nbytes == nbytes, (name, nbytes, n)
+        ggml_base.ggml_backend_tensor_set(tensor, data.ctypes.data, 0, nbytes)
+
+    # Referenced until init_from_user returns: C calls it from inside that call only.
+    callback = llama_cpp.llama_model_set_tensor_data_t(fill)
+    gctx = ggml_base.gguf_init_from_file(str(meta).encode(), _GgufInitParams(True, None))
+    if not gctx:
+        raise RuntimeError(f"gguf could not read {meta}")
+    try:
+        params = llama_cpp.llama_model_default_params()
+        model = llama_cpp.llama_model_init_from_user(ctypes.c_void_p(gctx), callback, None, params)
+        if not model:
+            raise RuntimeError(f"llama.cpp could not build a {arch} model from {meta}")
+        try:
+            llama_cpp.llama_model_save_to_file(model, str(path).encode())
+        finally:
+            llama_cpp.llama_model_free(model)
+    finally:
+        ggml_base.gguf_free(gctx)
+        meta.unlink(missing_ok=True)
+    return path
