@@ -92,3 +92,81 @@ def render_chat(
         raise InvalidRequestError(
             f"chat template failed on these messages: {exc!r}", param="messages"
         ) from exc
+
+
+# --- Built-in templates: for a GGUF that carries none, or a user who names one -----------------
+#
+# llama-server falls back to chatml and takes ``--chat-template NAME|FILE``; so does kvwarm.
+# Each renders every string content verbatim (no trim, no split), so the engine's sentinel
+# tokenization (engine/prompts.py) keeps turn N's tokens a prefix of turn N+1's.
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Gemma's turn format; the system prompt opens the first user turn, as Gemma's own template.
+GEMMA = (
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set first = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set first = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first if loop.first else '') + message['content']"
+    " + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+LLAMA3 = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content']"
+    " + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+MISTRAL = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] in ('user', 'system') %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+BUILTIN_TEMPLATES: dict[str, str] = {
+    "chatml": CHATML,
+    "gemma": GEMMA,
+    "llama3": LLAMA3,
+    "mistral": MISTRAL,
+}
+FALLBACK_TEMPLATE = "chatml"
+
+
+def resolve_template(value: str) -> tuple[str, str]:
+    """(name, Jinja source) of ``--chat-template``: a built-in name, or a Jinja file's path
+    (named ``file:<first 12 hex of its sha256>``). ``ConfigError`` otherwise."""
+    import hashlib
+    from pathlib import Path
+
+    from kvwarm.errors import ConfigError
+
+    if value in BUILTIN_TEMPLATES:
+        return value, BUILTIN_TEMPLATES[value]
+    path = Path(value).expanduser()
+    if not path.is_file():
+        names = ", ".join(sorted(BUILTIN_TEMPLATES))
+        raise ConfigError(
+            f"chat_template {value!r} is neither a built-in template ({names}) nor a file"
+        )
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"chat_template {value!r} cannot be read: {exc}") from exc
+    try:
+        _compile(source)
+    except jinja2.TemplateError as exc:
+        raise ConfigError(f"chat_template {value!r} is not a valid Jinja template: {exc}") from exc
+    return f"file:{hashlib.sha256(source.encode()).hexdigest()[:12]}", source

@@ -39,6 +39,9 @@ class ModelConfig:
     fingerprint_mode: str = "safe"
     fingerprint: bytes | None = None
     deterministic: bool = False
+    #: ``--chat-template``: a built-in template's name (``backends.chat_template``) or a Jinja
+    #: file's path. None: the GGUF's own, else chatml (with a warning, as llama-server).
+    chat_template: str | None = None
     max_queue: int = 256
     batch_strategy: StrategyName = "decode_first"
 

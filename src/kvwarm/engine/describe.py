@@ -40,6 +40,7 @@ def model_info(
     mode: FingerprintMode,
     save_tier: TierName,
     adapters: Sequence[AdapterInfo],
+    chat_template_name: str = "gguf",
 ) -> ModelInfo:
     """The model's description; ``fingerprint`` is the effective one (adapters folded in)."""
     return ModelInfo(
@@ -57,7 +58,8 @@ def model_info(
         fingerprint=fingerprint.hex(),
         fingerprint_mode=mode.name.lower(),
         save_tier=save_tier,
-        chat_template=facts.chat_template is not None,
+        chat_template=True,  # every model chats: its own template, a chosen one, or chatml
+        chat_template_name=chat_template_name,
         adapters=tuple(adapters),
         metadata=dict(facts.metadata),
         n_gpu_layers=cfg.model_params.n_gpu_layers,

@@ -10,6 +10,7 @@ slots (``docs/architecture.md``, "Engine").
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Unpack
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import Backend, BackendModel
+from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, resolve_template
 from kvwarm.cache.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
 from kvwarm.engine.adapters import Adapters
@@ -55,6 +57,9 @@ Prompt = str | Sequence[int]
 Message = Mapping[str, object]
 
 
+log = logging.getLogger(__name__)
+
+
 class Model:
     """A loaded model: its worker thread, its slots, its adapters."""
 
@@ -83,6 +88,7 @@ class Model:
         self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint, phases.hashing())
         params = replace(cfg.model_params, progress=phases.weights())
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
+        self.chat_template_name, self._template = self._chat_template(cfg.chat_template)
         try:
             self._start_worker()
         except BaseException:
@@ -146,6 +152,7 @@ class Model:
             mode=self.fingerprint_mode,
             save_tier=self.save_tier,
             adapters=self.list_adapters(),
+            chat_template_name=self.chat_template_name,
         )
 
     def status(self) -> ModelStatus:
@@ -171,8 +178,24 @@ class Model:
         add_generation_prompt: bool = True,
     ) -> str:
         return self._bmodel.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            template=self._template,
         )
+
+    def _chat_template(self, chosen: str | None) -> tuple[str, str | None]:
+        """(name, source) of the template chats render with; source None: the GGUF's own."""
+        if chosen is not None:
+            return resolve_template(chosen)
+        if self._bmodel.facts.chat_template:
+            return "gguf", None
+        log.warning(
+            "model %s carries no chat template: chats use %s (set chat_template to choose)",
+            self.id,
+            FALLBACK_TEMPLATE,
+        )
+        return f"{FALLBACK_TEMPLATE} (fallback)", BUILTIN_TEMPLATES[FALLBACK_TEMPLATE]
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -312,7 +335,11 @@ class Model:
         with these tokens so that it matches what ``stream_chat`` sends."""
         self._check_ready()
         return chat_tokens(
-            self._bmodel, messages, tools=tools, add_generation_prompt=add_generation_prompt
+            self._bmodel,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            template=self._template,
         )
 
     def _submit_n(

@@ -52,8 +52,10 @@ def chat_tokens(
     *,
     tools: Sequence[Mapping[str, object]] | None = None,
     add_generation_prompt: bool = True,
+    template: str | None = None,
 ) -> tuple[tuple[int, ...], str]:
-    """The prompt tokens of ``messages`` and the rendered text they stand for."""
+    """The prompt tokens of ``messages`` and the rendered text they stand for, rendered with
+    ``template`` (Jinja source; None: the model's own)."""
     for name, given in (("messages", list(messages)), ("tools", list(tools or ()))):
         where = find_lone_surrogate(given)
         if where is not None:
@@ -62,14 +64,14 @@ def chat_tokens(
                 param=f"{name}.{where}",
             )
     text = model.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, template=template
     )
     for where, value in _markup_strings(messages, tools):
         _refuse_special(model, value, where)
     tag = secrets.token_hex(8)
     marked, contents = _with_sentinels(messages, tag)
     rendered = model.apply_chat_template(
-        marked, tools=tools, add_generation_prompt=add_generation_prompt
+        marked, tools=tools, add_generation_prompt=add_generation_prompt, template=template
     )
     pieces = re.split(f"\ue000{tag}:([0-9]+)\ue001", rendered)
     # re.split alternates markup and captured content indices: m0, i0, m1, i1, ..., mN.

@@ -221,6 +221,9 @@ class ModelInfo:
     fingerprint_mode: str
     save_tier: str
     chat_template: bool
+    #: The template chats render with: "gguf" (the file's own), a built-in name ("chatml",
+    #: "gemma", ...; "chatml (fallback)" for a GGUF with none), or "file:<sha256 prefix>".
+    chat_template_name: str = "gguf"
     adapters: tuple[AdapterInfo, ...] = ()
     metadata: Mapping[str, str] = field(default_factory=dict)
     # How it runs (ModelParams / ContextParams), as /v1/models reports it.

@@ -22,6 +22,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvwarm.backends.base import ContextParams, ModelParams
+from kvwarm.backends.chat_template import resolve_template
 from kvwarm.errors import ConfigError
 from kvwarm.settings.types import (
     Aliases,
@@ -34,6 +35,7 @@ from kvwarm.settings.types import (
     OptInt,
     OptPath,
     OptRopeScaling,
+    OptStr,
     SplitModeName,
     TensorSplit,
 )
@@ -95,6 +97,11 @@ class ModelSettings(BaseSettings):
         default="f16",
         description="KV cache cell type of V: f16, q8_0, q4_0 ... (quantised: needs flash_attn)",
         json_schema_extra={"flag": "--cache-type-v", **_flags("-ctv", "--type-v")},
+    )
+    chat_template: OptStr = Field(
+        default=None,
+        description="chat template: a built-in name (chatml, gemma, llama3, mistral) or a Jinja "
+        "file; default the GGUF's own, else chatml (with a warning)",
     )
     swa_full: Bool = Field(
         default=False,
@@ -255,6 +262,9 @@ def check_models(settings: Settings) -> None:
         try:
             params.validate()
             context.validate()
+            template = _value(settings, spec, "chat_template")
+            if template is not None:
+                resolve_template(template)
         except ConfigError as exc:
             raise ConfigError(f"model {spec.model_id}: {exc}") from exc
 
@@ -274,4 +284,5 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
         fingerprint_mode=settings.fingerprint_mode,
         deterministic=settings.deterministic,
         max_queue=settings.max_queue,
+        chat_template=_value(settings, spec, "chat_template"),
     )

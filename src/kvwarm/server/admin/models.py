@@ -64,6 +64,7 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             "description": info.description,
             "fingerprint": info.fingerprint,
             "chat_template": info.chat_template,
+            "chat_template_name": info.chat_template_name,
             "n_gpu_layers": info.n_gpu_layers,
             "flash_attn": info.flash_attn,
             "type_k": info.type_k,

@@ -1,0 +1,63 @@
+"""Built-in chat templates and ``--chat-template``: names, files, errors, and the prefix
+stability multi-turn caching relies on (turn N's tokens are a prefix of turn N+1's)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from tests.engine.conftest import make_engine, stub_config
+
+from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, render_chat, resolve_template
+from kvwarm.errors import ConfigError
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi <start_of_turn> there"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "Again?"},
+]
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_TEMPLATES))
+def test_each_builtin_renders_every_content_verbatim(name: str) -> None:
+    text = render_chat(BUILTIN_TEMPLATES[name], CHAT, bos_token="<s>", eos_token="</s>")
+    for message in CHAT:
+        assert message["content"] in text
+    assert resolve_template(name) == (name, BUILTIN_TEMPLATES[name])
+
+
+def test_gemma_opens_the_first_user_turn_with_the_system_prompt() -> None:
+    text = render_chat(BUILTIN_TEMPLATES["gemma"], CHAT, bos_token="<bos>", eos_token="<eos>")
+    assert text.startswith("<bos><start_of_turn>user\nBe brief.\n\nHi <start_of_turn> there")
+    assert "<start_of_turn>model\nHello.<end_of_turn>\n" in text
+    assert text.endswith("<start_of_turn>model\n")
+
+
+def test_a_file_is_named_by_its_digest_and_bad_values_are_config_errors(tmp_path: Path) -> None:
+    good = tmp_path / "t.jinja"
+    good.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    name, source = resolve_template(str(good))
+    assert name.startswith("file:") and len(name) == 17 and source == good.read_text()
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    with pytest.raises(ConfigError, match="not a valid Jinja"):
+        resolve_template(str(bad))
+    with pytest.raises(ConfigError, match="neither a built-in"):
+        resolve_template("no-such-template")
+
+
+@pytest.mark.parametrize("name", ["chatml", "gemma"])
+def test_a_chosen_template_keeps_each_turn_a_prefix_of_the_next(name: str) -> None:
+    eng = make_engine()
+    try:
+        model = eng.load_model(config=replace(stub_config(), chat_template=name))
+        assert model.info().chat_template_name == name
+        previous: tuple[int, ...] = ()
+        for k in range(2, len(CHAT) + 1):
+            tokens, _ = model.chat_tokens(CHAT[:k], add_generation_prompt=False)
+            assert tokens[: len(previous)] == previous
+            previous = tokens
+    finally:
+        eng.close()
