@@ -79,7 +79,11 @@ class MemoryKind:
         if self.trimmable or n_tokens == 0:
             return 0
         if self.kind == "swa":
-            return 0 if pos_min <= 0 else min(n_tokens, pos_min + self.n_swa)
+            if pos_min < 0:
+                # The SWA cells are gone while full-attention ones remain (a trim below the
+                # window empties the SWA cache; llama.cpp reports only its positions).
+                return n_tokens
+            return 0 if pos_min == 0 else min(n_tokens, pos_min + self.n_swa)
         return n_tokens
 
     def describe(self) -> str:

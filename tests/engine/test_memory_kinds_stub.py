@@ -200,6 +200,7 @@ def test_floors() -> None:
     assert swa.saved_floor(400) == 0 and swa.saved_floor(863) == 863
     assert swa.live_floor(863, 0) == 0 and swa.live_floor(1500, 476) == 988
     assert swa.live_floor(900, 600) == 900
+    assert swa.live_floor(100, -1) == 100  # llama.cpp reports only the (emptied) SWA cache
     assert MemoryKind("swa", 512, swa_full=True).saved_floor(863) == 863  # masked cells unsaved
     assert MemoryKind("swa", 512, swa_full=True).live_floor(863, 0) == 0
     assert MemoryKind("recurrent").saved_floor(10) == 10

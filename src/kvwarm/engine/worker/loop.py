@@ -73,6 +73,9 @@ class Worker:
         self.cfg = config
         slots = [Slot(seq=i) for i in range(config.n_parallel)]
         self.rt = Runtime(name, model, ctx, cache, config, namespace, slots)
+        # One native call per vocabulary entry (1.6 s for Gemma's 262,144): paid while the
+        # model loads, not by its first request (which, after a restart, is a cache hit).
+        self.rt.eog_tokens()
         self.slots = slots
         self.stats = self.rt.stats
         self.saves = Saves(self.rt)
