@@ -194,10 +194,13 @@ def main(argv: list[str] | None = None) -> int:
                     after_s, after_rows = run_phase(server, histories, 1)
                 finally:
                     server.stop()
-                disk = sum(
-                    f.stat().st_size for f in (work / "kvwarm-cache").rglob("*") if f.is_file()
-                ) if (work / "kvwarm-cache").exists() else 0  # fmt: skip
-                results[name].append((run_s, after_s, [*rows, "-- restart --", *after_rows], disk))
+                files = [f for f in (work / "kvwarm-cache").rglob("*") if f.is_file()]
+                disk = sum(f.stat().st_size for f in files)
+                n_rows = sum(1 for f in files if f.suffix == ".kvc")
+                tail = [f"cache rows: {n_rows}, {disk / max(n_rows, 1) / 2**20:.1f} MiB each"]
+                results[name].append(
+                    (run_s, after_s, [*rows, "-- restart --", *after_rows, *tail], disk)
+                )
                 print(f"[round {rnd}] {name}: run {run_s:.2f} s, after restart {after_s:.2f} s")
             finally:
                 shutil.rmtree(work, ignore_errors=True)
