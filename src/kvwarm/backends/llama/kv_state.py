@@ -68,7 +68,7 @@ def unpack(
             raise StateRestoreError(f"KV blob has {size - read} trailing bytes")
         pos_min = int(lib.llama_memory_seq_pos_min(mem, seq))
         pos_max = int(lib.llama_memory_seq_pos_max(mem, seq))
-        if pos_max >= n_ctx or pos_min < 0 or (pos_max >= 0 and from_zero and pos_min != 0):
+        if pos_max >= n_ctx or (pos_max >= 0 and (pos_min < 0 or (from_zero and pos_min != 0))):
             raise StateRestoreError(
                 f"restored positions [{pos_min}, {pos_max}] do not fit [0, {n_ctx})"
             )
