@@ -7,15 +7,15 @@ rolled back, so every reuse must be a whole checkpoint, and in deterministic mod
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tests.engine import memkit
+from tests.engine.memkit import same
 from tests.tinymodels import write_tiny_model
 
-from kvwarm.backends.base import ContextParams
-from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
-from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
+from kvwarm.cache.types import PolicyConfig
+from kvwarm.engine.api import Engine
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import Completion, GenerationOptions
 
@@ -36,28 +36,18 @@ POLICY = PolicyConfig(
 ARCHS = {"mamba": "recurrent", "lfm2": "hybrid"}
 
 
+def engine(tmp: Path | None) -> Engine:
+    return memkit.engine(tmp, POLICY, ram=64 << 20)
+
+
+def load(eng: Engine, path: str, *, det: bool = True, n_parallel: int = 1) -> Model:
+    return memkit.load(eng, path, n_ctx=256, n_batch=N_BATCH, det=det, n_parallel=n_parallel)
+
+
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     arch = str(request.param)
     yield str(write_tiny_model(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", arch))
-
-
-def engine(tmp: Path | None) -> Engine:
-    tiers = [TierConfig("ram", 64 << 20)]
-    if tmp is not None:
-        tiers.append(TierConfig("disk", 256 << 20, tmp / "disk"))
-    return Engine(EngineConfig(cache=CacheConfig(tiers=tuple(tiers)), policy=POLICY))
-
-
-def load(eng: Engine, path: str, *, det: bool = True, n_parallel: int = 1) -> Model:
-    cfg = ModelConfig(
-        context=ContextParams(n_ctx=256, n_batch=N_BATCH, n_ubatch=N_BATCH),
-        n_parallel=n_parallel,
-        deterministic=det,
-    )
-    if "disk" in eng.cache.tier_names():
-        cfg = replace(cfg, save_tier="disk")
-    return eng.load_model(path, config=cfg)
 
 
 def cold(path: str, tokens: Sequence[int], *, det: bool = True) -> Completion:
@@ -68,12 +58,6 @@ def cold(path: str, tokens: Sequence[int], *, det: bool = True) -> Completion:
         return out
     finally:
         eng.close()
-
-
-def same(a: Completion, b: Completion) -> None:
-    assert a.completion_tokens == b.completion_tokens
-    assert a.logprobs is not None and b.logprobs is not None
-    assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
 
 
 def tokens(seed: int, n: int) -> list[int]:

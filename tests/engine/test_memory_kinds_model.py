@@ -10,14 +10,14 @@ saved at the lengths later prompts resume from), never from a trimmed window.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tests.engine import memkit
+from tests.engine.memkit import same
 
-from kvwarm.backends.base import ContextParams
-from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
-from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
+from kvwarm.cache.types import PolicyConfig
+from kvwarm.engine.api import Engine
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import Completion, GenerationOptions
 
@@ -41,34 +41,18 @@ SYSTEM = (
 )
 
 
+def engine(tmp: Path | None) -> Engine:
+    return memkit.engine(tmp, POLICY, ram=512 << 20)
+
+
+def load(eng: Engine, path: str, *, det: bool = True, n_parallel: int = 1) -> Model:
+    return memkit.load(eng, path, n_ctx=1536, n_batch=N_BATCH, det=det, n_parallel=n_parallel)
+
+
 def prompt_tokens(model: Model, tail: str, n_system: int) -> list[int]:
     """``n_system`` tokens of a long system text, then ``tail``: all longer than the window."""
     body = model.tokenize(SYSTEM * 40, add_special=True)[:n_system]
     return [*body, *model.tokenize(tail, add_special=False)]
-
-
-def engine(tmp: Path | None) -> Engine:
-    tiers = [TierConfig("ram", 512 << 20)]
-    if tmp is not None:
-        tiers.append(TierConfig("disk", 1 << 30, tmp / "disk"))
-    return Engine(EngineConfig(cache=CacheConfig(tiers=tuple(tiers)), policy=POLICY))
-
-
-def load(eng: Engine, path: str, *, n_parallel: int = 1) -> Model:
-    cfg = ModelConfig(
-        context=ContextParams(n_ctx=1536, n_batch=N_BATCH, n_ubatch=N_BATCH),
-        n_parallel=n_parallel,
-        deterministic=True,
-    )
-    if "disk" in eng.cache.tier_names():
-        cfg = replace(cfg, save_tier="disk")
-    return eng.load_model(path, config=cfg)
-
-
-def same(a: Completion, b: Completion) -> None:
-    assert a.completion_tokens == b.completion_tokens
-    assert a.logprobs is not None and b.logprobs is not None
-    assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
 
 
 @pytest.fixture(scope="module")
