@@ -48,7 +48,6 @@ class Admission:
         self.forks = forks
         self.outcomes = outcomes
         self.saves = saves
-        self._resume_points: list[int] = []  # of the request being admitted (see _plan)
 
     def admit(self, req: Request, free: Sequence[Slot]) -> None:
         """Seat ``req`` in one of the ``free`` slots; on any failure, answer it instead."""
@@ -72,7 +71,9 @@ class Admission:
                     self.outcomes.fail(slot, err)
             one.answer(Failed(err))  # a no-op for one answered just now
 
-    def _plan(self, req: Request, free: Sequence[Slot]) -> tuple[Slot, Plan, Namespace]:
+    def _plan(self, req: Request, free: Sequence[Slot]) -> tuple[Slot, Plan, Namespace, list[int]]:
+        """(the slot, its plan, the request's namespace, where its prefill should checkpoint
+        besides the cold save: see ``Saves.pauses``)."""
         rt = self.rt
         ns = salted_namespace(rt.namespace(), req.options.salt_bytes())
         # A parent_key row was waited for on the caller's thread, so it is published by now
@@ -120,13 +121,13 @@ class Admission:
             plan = Plan("none", 0)
         # Where another row diverges from this prompt, a later prompt sharing as much could
         # resume, but only from a checkpoint there when the state cannot be trimmed.
-        self._resume_points = [] if match is None else [match.n_shared]
+        resume = [] if match is None else [match.n_shared]
         if req.deterministic:
-            self._resume_points = [align_down(p, rt.cfg.n_batch) for p in self._resume_points]
-        return slot, plan, ns
+            resume = [align_down(p, rt.cfg.n_batch) for p in resume]
+        return slot, plan, ns, resume
 
     def _start(self, req: Request, free: Sequence[Slot]) -> None:
-        slot, plan, ns = self._plan(req, free)
+        slot, plan, ns, resume = self._plan(req, free)
         n = len(req.prompt_tokens)
         samplers: list[Sampler] = []
         try:
@@ -152,7 +153,8 @@ class Admission:
             hit = "exact"
         else:
             hit = "partial"
-        self._seat(slot, req, ns, sampler, keep, hit, logits_from_row, fork_slots)
+        pauses = self.saves.pauses(keep, n, resume_points=resume)
+        self._seat(slot, req, ns, sampler, keep, hit, logits_from_row, fork_slots, pauses)
 
     def _seat(
         self,
@@ -164,6 +166,7 @@ class Admission:
         hit: CacheHitKind,
         logits_from_row: bytes | None,
         forks: list[Slot],
+        pauses: list[int],
     ) -> None:
         n = len(req.prompt_tokens)
         active = Active(
@@ -172,7 +175,7 @@ class Admission:
             sampler=sampler,
             assembler=TextAssembler(req.options.stop),
             prefill_pos=keep,
-            pauses=self.saves.pauses(keep, n, resume_points=self._resume_points),
+            pauses=pauses,
             cached_tokens=keep,
             hit_kind=hit,
             admitted=time.perf_counter(),

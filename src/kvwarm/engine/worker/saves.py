@@ -24,18 +24,29 @@ class Saves:
         self.rt = rt
 
     def save(
-        self, slot: Slot, reason: SaveReason, logits: bytes | None, ns: Namespace, *, sync: bool
+        self,
+        slot: Slot,
+        reason: SaveReason,
+        logits: bytes | None,
+        ns: Namespace,
+        *,
+        sync: bool,
+        packed: bytes | None = None,
     ) -> bytes | None:
-        """Pack the slot's sequence and hand it to the cache. Returns the row key if the save
-        was accepted (async) or published (sync)."""
+        """Pack the slot's sequence (or take ``packed``, its state packed since its last
+        change) and hand it to the cache. Returns the row key if the save was accepted (async)
+        or published (sync)."""
         rt = self.rt
         cfg = rt.cfg
         tokens = tuple(slot.kv_tokens)
         if len(tokens) < cfg.policy.min_tokens or not tokens:
             return None
-        t0 = time.perf_counter()
-        payload = rt.ctx.kv_pack(slot.seq)
-        rt.cache.record_latency("pack", time.perf_counter() - t0)
+        if packed is None:
+            t0 = time.perf_counter()
+            payload = rt.ctx.kv_pack(slot.seq)
+            rt.cache.record_latency("pack", time.perf_counter() - t0)
+        else:
+            payload = packed
         act = slot.active
         canonical = slot.canonical if slot.canonical < len(tokens) else None
         request = SaveRequest(

@@ -133,11 +133,12 @@ class Tick:
         slot.canonical = canonical_after_chunk(
             slot.canonical, chunk.start, chunk.end, len(toks), self.rt.cfg.n_batch
         )
+        packed = None  # the state as packed since this chunk, if it was
         if act.deterministic and not self.rt.memory.trimmable:
-            self.rt.settle_layout(slot)
+            packed = self.rt.settle_layout(slot)
         if act.pauses and chunk.end == act.pauses[0]:
             del act.pauses[0]
-            self.saves.save(slot, SaveReason.COLD, None, act.namespace, sync=False)
+            self.saves.save(slot, SaveReason.COLD, None, act.namespace, sync=False, packed=packed)
         if chunk.end < len(toks):
             return
         act.prefill_done = time.perf_counter()
@@ -151,7 +152,7 @@ class Tick:
             # checkpoint the whole prompt, with its logits, before the reply moves the state
             # on (a regenerated or edited-reply turn resumes here; kvwarm.memory).
             logits = bytes(self.rt.ctx.logits(row))
-            self.saves.save(slot, SaveReason.COLD, logits, act.namespace, sync=False)
+            self.saves.save(slot, SaveReason.COLD, logits, act.namespace, sync=False, packed=packed)
         self.forks.prefilled(slot, row, None)
 
     def _prompt_logprobs(self, slot: Slot, last_row: int, chunk: Chunk) -> None:
