@@ -207,3 +207,32 @@ def test_floors() -> None:
     assert MemoryKind("hybrid").live_floor(10, 9) == 10
     assert MemoryKind().saved_floor(10) == 0 and MemoryKind().chunkable
     assert not MemoryKind("swa", 512, swa_full=True).chunkable
+
+
+@pytest.mark.parametrize(("kind", "n_swa"), KINDS)
+def test_a_new_conversation_resumes_after_the_system_turn_of_an_earlier_one(
+    kind: str, n_swa: int
+) -> None:
+    """The first prefill of a chat checkpoints after its first end-of-turn token, so the
+    second conversation over the same system message resumes there (not only the third)."""
+    from kvwarm.backends.stub.vocab import EOS, OFFSET
+
+    system = [OFFSET + b for b in SYSTEM.encode()] + [EOS]
+    eng = make_engine()
+    try:
+        model = load(eng, kind, n_swa)
+        for question in (b"alpha?", b"beta?"):
+            prompt = [*system, *(OFFSET + b for b in question)]
+            model.evict()
+            eng.cache.flush()
+            out = model.complete(prompt, GREEDY)
+            if question.endswith(b"beta?"):
+                assert out.stats.cached_tokens == len(system)  # through the system's EOS
+            ref_eng = make_engine()
+            try:
+                ref = load(ref_eng, kind, n_swa).complete(prompt, GREEDY)
+            finally:
+                ref_eng.close()
+            assert out.text == ref.text
+    finally:
+        eng.close()

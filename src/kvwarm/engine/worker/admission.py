@@ -119,9 +119,14 @@ class Admission:
         )
         if req.options.prompt_logprobs is not None:
             plan = Plan("none", 0)
-        # Where another row diverges from this prompt, a later prompt sharing as much could
-        # resume, but only from a checkpoint there when the state cannot be trimmed.
+        # A state that cannot be trimmed resumes only where it was saved, so its prefill also
+        # checkpoints where later prompts will resume: where the row sharing the most diverges
+        # from this prompt (the next prompt sharing as much), after the first turn's end (the
+        # system message every conversation repeats) and after the last one (a regenerated
+        # or edited newest message). Saves.pauses drops them for full attention.
         resume = [] if match is None else [match.n_shared]
+        if ends:
+            resume += [ends[0] + 1, ends[-1] + 1]
         if req.deterministic:
             resume = [align_down(p, rt.cfg.n_batch) for p in resume]
         return slot, plan, ns, resume
