@@ -70,6 +70,10 @@ class GrammarError(InvalidRequestError):
     """A GBNF grammar or JSON schema could not be compiled."""
 
 
+class NotAModelError(InvalidRequestError):
+    """A file given as a model is not a GGUF file (no ``GGUF`` magic): the caller's to fix."""
+
+
 class FimNotSupportedError(InvalidRequestError):
     """Fill-in-the-middle was asked of a model whose vocabulary has no FIM tokens."""
 
