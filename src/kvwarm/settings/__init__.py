@@ -219,6 +219,11 @@ class Settings(ModelSettings, ServingSettings):
         default=None,
         description="require this key on every API request (Authorization: Bearer, or x-api-key)",
     )
+    worker_stall_s: Float = Field(
+        default=30.0,
+        description="/health is degraded, naming the model, when its worker has not ticked "
+        "for this many seconds (0: never)",
+    )
     admin_key: OptStr = Field(
         default=None,
         description="bearer token required on admin endpoints (/cache/*, /admin/*); default: none",

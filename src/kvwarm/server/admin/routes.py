@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
@@ -46,9 +46,13 @@ async def health(request: Request) -> Response:
     errors = {e.id: e.error for e in entries if e.state == "failed"}
     failure = state.registry.startup_failure() if state.startup_done else None
     if state.startup_done and failure is None:
-        body: dict[str, object] = {"status": "degraded" if errors else "ok", "models": models}
+        stalled = _stalled(entries, state.settings.worker_stall_s)
+        degraded = bool(errors or stalled)
+        body: dict[str, object] = {"status": "degraded" if degraded else "ok", "models": models}
         if errors:
             body["errors"] = errors
+        if stalled:
+            body["stalled"] = stalled
         return JSONResponse(body)
     if failure is not None:
         message, code, status = failure, "model_load_failed", "error"
@@ -57,6 +61,20 @@ async def health(request: Request) -> Response:
         code, status = "model_loading", "loading"
     body = {**error_body(message, "service_unavailable", code), "status": status, "models": models}
     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+
+
+def _stalled(entries: list[Any], limit_s: float) -> dict[str, float]:
+    """Models whose worker has not ticked for more than ``limit_s`` seconds (issue 23)."""
+    if limit_s <= 0:
+        return {}
+    out: dict[str, float] = {}
+    for entry in entries:
+        model = entry.model
+        if entry.state == "ready" and model is not None:
+            age = float(model.stalled_for())
+            if age > limit_s:
+                out[entry.id] = round(age, 1)
+    return out
 
 
 # The Prometheus text format, or OpenMetrics when the scraper asks for it; never JSON.

@@ -1,0 +1,39 @@
+"""Issue 23: /health names a model whose worker has not ticked for longer than
+``worker_stall_s`` (it said ok while a grammar pinned the worker for minutes)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from fastapi.testclient import TestClient
+
+from kvwarm.server import create_app
+
+from .conftest import stub_settings, wait_ready
+
+
+def test_health_is_degraded_naming_a_stalled_worker() -> None:
+    with TestClient(create_app(stub_settings(worker_stall_s=0.05))) as client:
+        wait_ready(client.get)
+        assert client.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 200
+        model = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
+        release, entered = threading.Event(), threading.Event()
+
+        def stuck() -> None:  # stands in for native code that does not return
+            entered.set()
+            release.wait(30)
+
+        done = model._worker.call(stuck)
+        try:
+            assert entered.wait(10)
+            end = time.monotonic() + 10
+            while model.stalled_for() <= 0.05 and time.monotonic() < end:
+                entered.wait(0.01)  # bounded poll of a clock, not synchronisation
+            body = client.get("/health").json()
+            assert body["status"] == "degraded", body
+            assert "a" in body["stalled"] and "b" not in body.get("stalled", {})
+        finally:
+            release.set()
+            done.result(10)
+        assert client.get("/health").json()["status"] == "ok"
