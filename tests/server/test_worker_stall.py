@@ -33,6 +33,13 @@ def test_health_is_degraded_naming_a_stalled_worker() -> None:
             body = client.get("/health").json()
             assert body["status"] == "degraded", body
             assert "a" in body["stalled"] and "b" not in body.get("stalled", {})
+            metrics = client.get("/metrics").text
+            line = next(
+                x
+                for x in metrics.splitlines()
+                if x.startswith('kvwarm_worker_stalled_seconds{model="a"}')
+            )
+            assert float(line.split()[-1]) > 0.05
         finally:
             release.set()
             done.result(10)

@@ -30,6 +30,7 @@ from kvwarm.server.schemas import (
     parse_body,
     read_json,
 )
+from kvwarm.server.served import stalled_for
 from kvwarm.server.state import server_state
 from kvwarm.server.tools import openai_tools, template_messages
 
@@ -71,7 +72,7 @@ def _stalled(entries: list[Any], limit_s: float) -> dict[str, float]:
     for entry in entries:
         model = entry.model
         if entry.state == "ready" and model is not None:
-            age = float(model.stalled_for())
+            age = stalled_for(model)
             if age > limit_s:
                 out[entry.id] = round(age, 1)
     return out
