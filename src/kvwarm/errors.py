@@ -141,6 +141,10 @@ class ReplicaUnavailableError(KvwarmError):
     """A cluster replica died or could not be reached while serving the request."""
 
 
+class RequestTimeoutError(KvwarmError):
+    """A request ran past the server's deadline (``request_timeout_s``) and was ended."""
+
+
 class QueueFullError(KvwarmError):
     """The model's request queue is full; try again later."""
 

@@ -44,3 +44,31 @@ def test_health_is_degraded_naming_a_stalled_worker() -> None:
             release.set()
             done.result(10)
         assert client.get("/health").json()["status"] == "ok"
+
+
+def test_a_request_past_the_server_deadline_ends_with_a_typed_error() -> None:
+    settings = stub_settings(request_timeout_s=0.3)
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        model = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
+        assert client.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 200
+        model = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
+        release, entered = threading.Event(), threading.Event()
+
+        def stuck() -> None:
+            entered.set()
+            release.wait(30)
+
+        done = model._worker.call(stuck)
+        try:
+            assert entered.wait(10)
+            start = time.monotonic()
+            body = {"model": "a", "prompt": "x", "max_tokens": 4}
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 503, response.json()
+            assert response.json()["error"]["code"] == "request_timeout"
+            assert time.monotonic() - start < 10
+        finally:
+            release.set()
+            done.result(10)
+        assert client.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 200
