@@ -72,3 +72,16 @@ def test_a_request_past_the_server_deadline_ends_with_a_typed_error() -> None:
             release.set()
             done.result(10)
         assert client.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 200
+
+
+def test_a_cache_key_can_be_waited_for_and_read() -> None:
+    with TestClient(create_app(stub_settings())) as client:
+        wait_ready(client.get)
+        done = client.post("/v1/completions", json={"model": "a", "prompt": "wait for me"})
+        key = done.json()["timings"]["cache_key"]
+        assert key
+        row = client.get(f"/cache/rows/{key}", params={"wait_ms": 5000})
+        assert row.status_code == 200, row.json()
+        assert row.json()["key"] == key
+        assert client.get("/cache/rows/00ff", params={"wait_ms": 10}).status_code == 404
+        assert client.get("/cache/rows/zz").status_code == 400

@@ -217,6 +217,30 @@ async def cache_rows(
     return JSONResponse({"object": "list", "data": [_row(r) for r in rows]})
 
 
+@router.get("/cache/rows/{key}")
+async def cache_row(
+    request: Request,
+    key: str,
+    wait_ms: Annotated[
+        int, Query(ge=0, le=60_000, description="wait this long for an in-flight save")
+    ] = 0,
+) -> Response:
+    """One row by its hex key (a response's ``timings.cache_key``). A ``cache_key`` may name a
+    save still being written; ``wait_ms`` waits for it to publish. 404 if it is not there."""
+    state = server_state(request)
+    cache = state.require_engine().cache
+    try:
+        raw = bytes.fromhex(key)
+    except ValueError:
+        raise HTTPError(400, "key must be hex", param="key") from None
+    if not raw or len(raw) > 64:
+        raise HTTPError(400, "key must be 1 to 64 bytes of hex", param="key")
+    row = await run_in_threadpool(cache.lookup_exact_or_wait, raw, wait_ms / 1e3)
+    if row is None:
+        raise HTTPError(404, f"no published row {key}", param="key", code="row_not_found")
+    return JSONResponse(_row(row))
+
+
 @router.post("/cache/prewarm", openapi_extra=json_body(PrewarmRequest) | tenancy.openapi_header())
 async def cache_prewarm(request: Request) -> Response:
     """Prefill a prefix (e.g. a system prompt) and save it, generating nothing. The row (and
