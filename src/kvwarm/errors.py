@@ -70,6 +70,10 @@ class GrammarError(InvalidRequestError):
     """A GBNF grammar or JSON schema could not be compiled."""
 
 
+class NotAModelError(InvalidRequestError):
+    """A file given as a model is not a GGUF file (no ``GGUF`` magic): the caller's to fix."""
+
+
 class FimNotSupportedError(InvalidRequestError):
     """Fill-in-the-middle was asked of a model whose vocabulary has no FIM tokens."""
 
@@ -135,6 +139,10 @@ class EngineClosedError(KvwarmError):
 
 class ReplicaUnavailableError(KvwarmError):
     """A cluster replica died or could not be reached while serving the request."""
+
+
+class RequestTimeoutError(KvwarmError):
+    """A request ran past the server's deadline (``request_timeout_s``) and was ended."""
 
 
 class QueueFullError(KvwarmError):

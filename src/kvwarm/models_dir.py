@@ -16,7 +16,7 @@ import re
 import stat
 from pathlib import Path
 
-from kvwarm.errors import ModelLoadError
+from kvwarm.errors import ModelLoadError, NotAModelError
 
 log = logging.getLogger("kvwarm.server")
 
@@ -60,3 +60,21 @@ def checked_path(directory: Path, path: Path) -> Path:
     if path.resolve().parent != directory.resolve():
         raise ModelLoadError(f"{path} is outside models_dir {directory}")
     return path
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_magic(path: str | Path) -> None:
+    """``NotAModelError`` (a 400) unless ``path`` starts with the 4-byte GGUF magic; checked
+    before llama.cpp sees the file (``/etc/passwd`` or a garbage ``.gguf`` was a 503 that
+    degraded health). A file that cannot be opened is left to the loader's own error."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return
+    if head != GGUF_MAGIC:
+        raise NotAModelError(
+            f"{Path(path).name!r} is not a GGUF model file (no GGUF magic)", param="path"
+        )

@@ -175,8 +175,15 @@ def test_a_path_that_fails_to_load_is_forgotten(tmp_path: Path) -> None:
             )
             assert _code(missing) == (404, "model_not_found")  # a typo: nothing to retry
             assert "x" not in _states(client)
-        broken = tmp_path / "broken.gguf"
-        broken.write_bytes(b"not a GGUF file")
+        not_a_model = tmp_path / "notes.gguf"
+        not_a_model.write_bytes(b"not a GGUF file")
+        refused = client.post(
+            "/admin/models/load", json={"path": str(not_a_model), "id": "x"}, headers=ADMIN
+        )
+        assert _code(refused) == (400, "not_a_model")  # refused before llama.cpp reads it
+        assert client.get("/health").json()["status"] == "ok"
+        broken = tmp_path / "broken.gguf"  # a GGUF's magic over a truncated header
+        broken.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 8)
         for _ in range(2):
             failed = client.post(
                 "/admin/models/load", json={"path": str(broken), "id": "x"}, headers=ADMIN

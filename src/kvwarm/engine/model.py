@@ -155,6 +155,11 @@ class Model:
             chat_template_name=self.chat_template_name,
         )
 
+    def stalled_for(self) -> float:
+        """Seconds the worker's current iteration has run without ticking (0.0 when idle)."""
+        worker = getattr(self, "_worker", None)
+        return 0.0 if worker is None else float(worker.stalled_for())
+
     def status(self) -> ModelStatus:
         return model_status(self.id, self._state, self.config, self._worker)
 

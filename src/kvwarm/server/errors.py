@@ -81,6 +81,8 @@ _SERVER = "server_error"
 _KINDS: dict[type[BaseException], ErrorKind] = {
     e.ContextOverflowError: ErrorKind(400, _INVALID, "context_length_exceeded"),
     e.GrammarError: ErrorKind(400, _INVALID, "invalid_grammar"),
+    e.NotAModelError: ErrorKind(400, _INVALID, "not_a_model"),
+    e.RequestTimeoutError: ErrorKind(503, "service_unavailable", "request_timeout"),
     e.FimNotSupportedError: ErrorKind(400, _INVALID, "fim_not_supported"),
     e.InvalidRequestError: ErrorKind(400, _INVALID, "invalid_value"),
     e.ConfigError: ErrorKind(400, _INVALID, "invalid_config"),

@@ -30,7 +30,7 @@ from starlette.requests import Request
 
 from kvwarm.engine.request import Fragment
 from kvwarm.engine.types import Completion
-from kvwarm.errors import KvwarmError
+from kvwarm.errors import KvwarmError, RequestTimeoutError
 from kvwarm.server.errors import error_body, kind_of
 
 if TYPE_CHECKING:
@@ -96,11 +96,29 @@ class Generation:
         self._finished = False
         self._first: Fragment | object | None = None
         self._done: Completion | None = None
+        self.timed_out = False
+        self._deadline: asyncio.TimerHandle | None = None
+        limit = float(state.settings.request_timeout_s)
+        if limit > 0:  # from submission: the deadline covers queueing too
+            self._deadline = asyncio.get_running_loop().call_later(limit, self._expire)
 
     async def __aenter__(self) -> Generation:
         if self._watch_disconnect:
             self._watcher = asyncio.create_task(self._watch())
         return self
+
+    def _expire(self) -> None:
+        """The server-side deadline: end the stream; result()/fragments() raise."""
+        if not self.stream.done:
+            self.timed_out = True
+            self.stream.cancel()
+
+    def _check_deadline(self) -> None:
+        if self.timed_out:
+            raise RequestTimeoutError(
+                f"the request ran past the server's deadline of "
+                f"{self._state.settings.request_timeout_s:g} s (request_timeout_s)"
+            )
 
     async def __aexit__(
         self,
@@ -111,6 +129,9 @@ class Generation:
         self.close()
 
     def close(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
@@ -163,6 +184,7 @@ class Generation:
             yield first
         async for fragment in self._iter:
             yield fragment
+        self._check_deadline()
 
     async def result(self) -> Completion:
         """Wait for the completion (``Completion.stats.finish_reason`` 'cancelled' if the
@@ -173,6 +195,10 @@ class Generation:
         self._finished = True
         self._done = done
         self._record(done)
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._check_deadline()
         return done
 
     def _record(self, done: Completion) -> None:

@@ -161,6 +161,7 @@ class Snapshot:
     states: Mapping[str, str] = field(default_factory=dict)
     statuses: Sequence[ModelStatus] = ()
     keepalive_prefixes: int = 0
+    stalled_s: Mapping[str, float] = field(default_factory=dict)
 
 
 class SnapshotCollector(Collector):
@@ -177,6 +178,10 @@ class SnapshotCollector(Collector):
         out = Families()
         add_cache(out, snap.cache)
         add_models(out, snap.states, snap.statuses)
+        for model_id, age in snap.stalled_s.items():
+            out.add("kvwarm_worker_stalled_seconds", "gauge",
+                    "seconds the worker's current iteration has run without ticking (0 idle)",
+                    age, model=model_id)  # fmt: skip
         out.add("kvwarm_keepalive_prefixes", "gauge", "prefixes kept warm",
                 snap.keepalive_prefixes)  # fmt: skip
         return list(out.metrics())

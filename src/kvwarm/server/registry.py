@@ -170,10 +170,19 @@ class ModelRegistry:
                     return entry.model
                 self._refuse_unready(entry)
                 if entry.state == "available":
+                    self._check_model_file(entry)
                     self._start_load(entry, on_demand=True)
                 waiter: asyncio.Future[None] = loop.create_future()
                 entry.waiters.append(waiter)
             await waiter
+
+    def _check_model_file(self, entry: ModelEntry) -> None:
+        """A file that is not a GGUF model is the caller's 400, never a load (a 503 that
+        left the entry failed and /health degraded)."""
+        if self._settings.backend == "stub" or not entry.spec.path:
+            return
+        if Path(entry.spec.path).expanduser().is_file():
+            models_dir.check_gguf_magic(Path(entry.spec.path).expanduser())
 
     def _refuse_unready(self, entry: ModelEntry) -> None:
         if entry.state == "failed":

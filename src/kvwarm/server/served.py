@@ -139,3 +139,10 @@ class ServedModel(Protocol):
     def embed(
         self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool = True
     ) -> list[list[float]]: ...
+
+
+def stalled_for(model: object) -> float:
+    """Seconds ``model``'s worker has gone without ticking; 0.0 for a served model that has
+    no local worker to watch (a remote replica)."""
+    probe = getattr(model, "stalled_for", None)
+    return float(probe()) if callable(probe) else 0.0

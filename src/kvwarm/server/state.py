@@ -29,6 +29,7 @@ from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits
 from kvwarm.server.metrics import ServerMetrics, Snapshot
 from kvwarm.server.registry import ModelEntry, ModelRegistry
 from kvwarm.server.responses.store import ResponseStore
+from kvwarm.server.served import stalled_for
 from kvwarm.settings import Settings, model_config
 
 if TYPE_CHECKING:
@@ -225,6 +226,7 @@ class ServerState:
             states={e.id: e.state for e in entries},
             statuses=[e.model.status() for e in entries if e.model is not None],
             keepalive_prefixes=len(self.keepalive.entries()),
+            stalled_s={e.id: stalled_for(e.model) for e in entries if e.model is not None},
         )
 
     def ready_model(self, model_id: str) -> ServedModel | None:

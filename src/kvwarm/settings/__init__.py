@@ -219,6 +219,16 @@ class Settings(ModelSettings, ServingSettings):
         default=None,
         description="require this key on every API request (Authorization: Bearer, or x-api-key)",
     )
+    request_timeout_s: Float = Field(
+        default=600.0,
+        description="end any generation still running after this many seconds with a "
+        "request_timeout error (0: no deadline)",
+    )
+    worker_stall_s: Float = Field(
+        default=30.0,
+        description="/health is degraded, naming the model, when its worker has not ticked "
+        "for this many seconds (0: never)",
+    )
     admin_key: OptStr = Field(
         default=None,
         description="bearer token required on admin endpoints (/cache/*, /admin/*); default: none",

@@ -41,6 +41,7 @@ from kvwarm.errors import (
     ModelNotFoundError,
 )
 from kvwarm.memory import MemoryKindName
+from kvwarm.models_dir import check_gguf_magic
 from kvwarm.unicode import encode_utf8
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class LlamaModel:
             raise ModelNotFoundError("model path contains a NUL byte")
         if not Path(path).is_file():
             raise ModelNotFoundError(f"no model file at {path!r}")
+        check_gguf_magic(path)  # before llama.cpp parses it (issue 23)
         lib = _native.lib()
         self._lib = lib
         self._params = params

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -71,6 +72,9 @@ class Worker:
     ) -> None:
         self.name = name
         self.cfg = config
+        # When the iteration now running began (None while waiting for work): one that runs
+        # long (a grammar or decode stuck in native code) is reported by stalled_for().
+        self._iteration_since: float | None = None
         slots = [Slot(seq=i) for i in range(config.n_parallel)]
         self.rt = Runtime(name, model, ctx, cache, config, namespace, slots)
         # One native call per vocabulary entry (1.6 s for Gemma's 262,144): paid while the
@@ -188,6 +192,7 @@ class Worker:
                 if closing:
                     self._drain_on_close()
                     return
+                self._iteration_since = time.monotonic()
                 try:
                     self._run_jobs()
                     self._admit()
@@ -195,6 +200,8 @@ class Worker:
                 except Exception as exc:  # never let the loop die: fail what is in flight
                     log.exception("worker %s: unexpected error; failing active requests", self.name)
                     self.outcomes.fail_all_active(exc)
+                finally:
+                    self._iteration_since = None
                 self.rt.publish()
         except BaseException:
             log.exception("worker %s: thread is dying; refusing further requests", self.name)
@@ -206,6 +213,12 @@ class Worker:
             self.rt.join_buf.release()  # the restore buffer (tens of MiB) goes with the worker
             self.rt.publish()
             self._closed.set()
+
+    def stalled_for(self) -> float:
+        """Seconds the current loop iteration has run (0.0 while idle): a healthy worker ticks
+        many times a second, so a large value means it is stuck."""
+        since = self._iteration_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     def _has_work(self) -> bool:
         if any(s.active is not None for s in self.slots):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
@@ -30,6 +30,7 @@ from kvwarm.server.schemas import (
     parse_body,
     read_json,
 )
+from kvwarm.server.served import stalled_for
 from kvwarm.server.state import server_state
 from kvwarm.server.tools import openai_tools, template_messages
 
@@ -46,9 +47,13 @@ async def health(request: Request) -> Response:
     errors = {e.id: e.error for e in entries if e.state == "failed"}
     failure = state.registry.startup_failure() if state.startup_done else None
     if state.startup_done and failure is None:
-        body: dict[str, object] = {"status": "degraded" if errors else "ok", "models": models}
+        stalled = _stalled(entries, state.settings.worker_stall_s)
+        degraded = bool(errors or stalled)
+        body: dict[str, object] = {"status": "degraded" if degraded else "ok", "models": models}
         if errors:
             body["errors"] = errors
+        if stalled:
+            body["stalled"] = stalled
         return JSONResponse(body)
     if failure is not None:
         message, code, status = failure, "model_load_failed", "error"
@@ -57,6 +62,20 @@ async def health(request: Request) -> Response:
         code, status = "model_loading", "loading"
     body = {**error_body(message, "service_unavailable", code), "status": status, "models": models}
     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+
+
+def _stalled(entries: list[Any], limit_s: float) -> dict[str, float]:
+    """Models whose worker has not ticked for more than ``limit_s`` seconds (issue 23)."""
+    if limit_s <= 0:
+        return {}
+    out: dict[str, float] = {}
+    for entry in entries:
+        model = entry.model
+        if entry.state == "ready" and model is not None:
+            age = stalled_for(model)
+            if age > limit_s:
+                out[entry.id] = round(age, 1)
+    return out
 
 
 # The Prometheus text format, or OpenMetrics when the scraper asks for it; never JSON.
@@ -196,6 +215,30 @@ async def cache_rows(
     if limit is not None:
         rows = rows[:limit]
     return JSONResponse({"object": "list", "data": [_row(r) for r in rows]})
+
+
+@router.get("/cache/rows/{key}")
+async def cache_row(
+    request: Request,
+    key: str,
+    wait_ms: Annotated[
+        int, Query(ge=0, le=60_000, description="wait this long for an in-flight save")
+    ] = 0,
+) -> Response:
+    """One row by its hex key (a response's ``timings.cache_key``). A ``cache_key`` may name a
+    save still being written; ``wait_ms`` waits for it to publish. 404 if it is not there."""
+    state = server_state(request)
+    cache = state.require_engine().cache
+    try:
+        raw = bytes.fromhex(key)
+    except ValueError:
+        raise HTTPError(400, "key must be hex", param="key") from None
+    if not raw or len(raw) > 64:
+        raise HTTPError(400, "key must be 1 to 64 bytes of hex", param="key")
+    row = await run_in_threadpool(cache.lookup_exact_or_wait, raw, wait_ms / 1e3)
+    if row is None:
+        raise HTTPError(404, f"no published row {key}", param="key", code="row_not_found")
+    return JSONResponse(_row(row))
 
 
 @router.post("/cache/prewarm", openapi_extra=json_body(PrewarmRequest) | tenancy.openapi_header())

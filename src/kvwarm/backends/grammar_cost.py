@@ -1,0 +1,222 @@
+"""A static bound on what a GBNF grammar may cost, checked before llama.cpp sees it.
+
+llama.cpp's grammar engine keeps one parse stack per way the text so far can be derived; an
+ambiguous grammar such as ``r{i} ::= r{i+1} r{i+1} | "a"`` (41 rules) multiplies those stacks
+doubly exponentially and pins the worker for minutes inside native code that cannot be
+interrupted. This module estimates each rule's *ambiguity* and refuses a grammar whose estimate
+passes a limit, naming the first rule (deepest first) that does.
+
+The estimate (``ways``), per rule: alternatives led by a rule or group add, those led by a
+terminal count as their largest one (a mismatched first byte ends them at once), a sequence
+multiplies, a terminal (string or
+character class) is 1, a postfix operator (``? * + {m,n}``) keeps its element's ways (it adds
+length, not ambiguity), and a reference into a recursive cycle counts 1 (recursion consumes input,
+so it is bounded per token). Values saturate at the limit. Ordinary grammars (JSON, enums of
+hundreds of strings, schemas with many optional fields) stay far below it.
+
+Invariants: never raises anything but ``GrammarError``; a grammar this module cannot parse is not
+rejected here (llama.cpp's own parser reports it).
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvwarm.errors import GrammarError
+
+__all__ = ["DEFAULT_MAX_GRAMMAR_WAYS", "check_grammar_cost", "grammar_ways"]
+
+DEFAULT_MAX_GRAMMAR_WAYS = 1_000_000
+
+_NAME = re.compile(r"[A-Za-z0-9_-]+")
+_RULE_START = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*::=", re.MULTILINE)
+
+# An expression: list of alternatives; an alternative: list of items; an item: ("ref", name),
+# ("term",), or ("group", expr). Postfix operators are dropped (they keep ways).
+_Item = tuple[str, object]
+_Alt = list[_Item]
+_Expr = list[_Alt]
+
+
+class _UnparsableError(Exception):
+    pass
+
+
+def _skip(text: str, i: int) -> int:
+    n = len(text)
+    while i < n:
+        c = text[i]
+        if c in " \t\r\n":
+            i += 1
+        elif c == "#":
+            while i < n and text[i] != "\n":
+                i += 1
+        else:
+            break
+    return i
+
+
+def _quoted(text: str, i: int, close: str) -> int:
+    """Index after the closing ``close`` of a literal or class starting at ``i``."""
+    i += 1
+    n = len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == close:
+            return i + 1
+        i += 1
+    raise _UnparsableError
+
+
+def _parse_expr(text: str, i: int, depth: int) -> tuple[_Expr, int]:
+    if depth > 200:
+        raise _UnparsableError
+    alts: _Expr = [[]]
+    n = len(text)
+    while True:
+        i = _skip(text, i)
+        if i >= n:
+            return alts, i
+        c = text[i]
+        if c == "|":
+            alts.append([])
+            i += 1
+        elif c == ")":
+            return alts, i
+        elif c == '"':
+            i = _quoted(text, i, '"')
+            alts[-1].append(("term", None))
+        elif c == "[":
+            i = _quoted(text, i, "]")
+            alts[-1].append(("term", None))
+        elif c == ".":
+            i += 1
+            alts[-1].append(("term", None))
+        elif c == "(":
+            inner, i = _parse_expr(text, i + 1, depth + 1)
+            if i >= n or text[i] != ")":
+                raise _UnparsableError
+            i += 1
+            alts[-1].append(("group", inner))
+        elif c in "*+?":
+            i += 1
+        elif c == "{":
+            j = text.find("}", i)
+            if j < 0:
+                raise _UnparsableError
+            i = j + 1
+        else:
+            m = _NAME.match(text, i)
+            if m is None:
+                raise _UnparsableError
+            rest = _skip(text, m.end())
+            if text.startswith("::=", rest):
+                return alts, m.start()  # the next rule begins
+            alts[-1].append(("ref", m.group(0)))
+            i = m.end()
+
+
+def _parse(text: str) -> dict[str, _Expr]:
+    rules: dict[str, _Expr] = {}
+    i = _skip(text, 0)
+    while i < len(text):
+        m = _NAME.match(text, i)
+        if m is None:
+            raise _UnparsableError
+        j = _skip(text, m.end())
+        if not text.startswith("::=", j):
+            raise _UnparsableError
+        expr, i = _parse_expr(text, j + 3, 0)
+        if i < len(text) and text[i] == ")":
+            raise _UnparsableError
+        name = m.group(0)
+        if name in rules:
+            rules[name] = rules[name] + expr
+        else:
+            rules[name] = expr
+        i = _skip(text, i)
+    return rules
+
+
+def _refs(expr: _Expr, out: set[str]) -> None:
+    for alt in expr:
+        for kind, val in alt:
+            if kind == "ref":
+                out.add(str(val))
+            elif kind == "group":
+                _refs(val, out)  # type: ignore[arg-type]
+
+
+def grammar_ways(
+    text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS
+) -> tuple[dict[str, int], list[str]]:
+    """Each rule's saturated ways and the order they were computed in (deepest first).
+
+    ``_UnparsableError`` escapes only to ``check_grammar_cost``.
+    """
+    rules = _parse(text)
+    deps = {name: set[str]() for name in rules}
+    for name, expr in rules.items():
+        _refs(expr, deps[name])
+    ways: dict[str, int] = {}
+    order: list[str] = []
+    # Iterative DFS; a reference to a rule still on the stack is a cycle and counts 1.
+    state: dict[str, int] = {}  # 1 = on stack, 2 = done
+
+    def value(expr: _Expr) -> int:
+        total = 0
+        lexical = 0  # alternatives led by a terminal: their stacks die on a mismatched byte
+        for alt in expr:
+            prod = 1
+            for kind, val in alt:
+                if kind == "ref":
+                    name = str(val)
+                    w = ways.get(name, 1) if state.get(name) == 2 else 1
+                elif kind == "group":
+                    w = value(val)  # type: ignore[arg-type]
+                else:
+                    w = 1
+                prod = min(prod * w, limit + 1)
+            if not alt or alt[0][0] == "term":
+                lexical = max(lexical, prod)
+            else:
+                total = min(total + prod, limit + 1)
+        return min(total + lexical, limit + 1)
+
+    for root in rules:
+        if state.get(root):
+            continue
+        stack: list[tuple[str, list[str]]] = [(root, sorted(deps[root]))]
+        state[root] = 1
+        while stack:
+            name, todo = stack[-1]
+            while todo and (todo[-1] not in rules or state.get(todo[-1])):
+                todo.pop()
+            if todo:
+                child = todo.pop()
+                state[child] = 1
+                stack.append((child, sorted(deps[child])))
+                continue
+            stack.pop()
+            ways[name] = value(rules[name])
+            state[name] = 2
+            order.append(name)
+    return ways, order
+
+
+def check_grammar_cost(text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS) -> None:
+    """``GrammarError`` (a 400) naming the first rule whose ambiguity passes ``limit``."""
+    try:
+        ways, order = grammar_ways(text, limit)
+    except (_UnparsableError, RecursionError):
+        return
+    for name in order:
+        if ways[name] > limit:
+            raise GrammarError(
+                f"grammar rule {name!r} is too ambiguous: it can be derived in more than "
+                f"{limit} ways, which would stall the model; simplify the rule",
+                param="grammar",
+            )

@@ -1,0 +1,103 @@
+"""Issue 23: an explosively ambiguous GBNF grammar is a 400 naming the rule, before any backend
+compiles it; ordinary grammars pass."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from tests.server.conftest import LOW_POLICY, stub_settings, wait_ready
+
+from kvwarm.backends.grammar import schema_to_gbnf
+from kvwarm.backends.grammar_cost import check_grammar_cost, grammar_ways
+from kvwarm.errors import GrammarError
+from kvwarm.server import create_app
+from kvwarm.settings import ModelSpec, Settings
+
+
+def doubling(depth: int) -> str:
+    """The issue's reproducer: ``r{i} ::= r{i+1} r{i+1} | "a"``, ``depth + 1`` rules."""
+    lines = ["root ::= r0"]
+    lines += [f'r{i} ::= r{i + 1} r{i + 1} | "a"' for i in range(depth)]
+    lines.append(f'r{depth} ::= "a"')
+    return "\n".join(lines)
+
+
+def test_the_41_rule_doubling_grammar_is_rejected_naming_a_rule() -> None:
+    with pytest.raises(GrammarError) as info:
+        check_grammar_cost(doubling(40))
+    assert info.value.param == "grammar"
+    assert "'r" in str(info.value)  # names the (deepest) rule that explodes
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'root ::= "yes" | "no"',
+        'root ::= [a-z]+ (" " [a-z]+)*',
+        # Recursive JSON-like value: recursion counts once, not forever.
+        'root ::= value\nvalue ::= "[" (value ("," value)*)? "]" | [0-9]+ # comment\n',
+        "root ::= " + " | ".join(f'"w{i}"' for i in range(2000)),
+        doubling(3),
+    ],
+)
+def test_ordinary_grammars_pass(grammar: str) -> None:
+    check_grammar_cost(grammar)
+
+
+def test_a_schema_with_many_optional_fields_passes() -> None:
+    props = {f"f{i}": {"type": "string"} for i in range(25)}
+    check_grammar_cost(schema_to_gbnf({"type": "object", "properties": props}))
+
+
+def test_ways_grow_as_expected() -> None:
+    ways, order = grammar_ways(doubling(4))
+    assert ways["r4"] == 1 and ways["r3"] == 2 and ways["r2"] == 5 and ways["r0"] == 677
+    assert order.index("r4") < order.index("r0")
+
+
+def test_an_unparsable_grammar_is_left_to_the_backend() -> None:
+    check_grammar_cost("no root here ((")
+
+
+def test_stub_server_answers_400_naming_the_rule() -> None:
+    with TestClient(create_app(stub_settings())) as client:
+        wait_ready(client.get)
+        body = {"model": "a", "prompt": "x", "max_tokens": 2, "grammar": doubling(40)}
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 400, response.json()
+        error = response.json()["error"]
+        assert error["code"] == "invalid_grammar" and "rule 'r" in error["message"]
+        assert client.get("/health").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def real_client() -> Iterator[TestClient]:
+    settings = Settings(
+        models=(ModelSpec(),),
+        cache_dir=None,
+        n_ctx=512,
+        n_batch=64,
+        policy=LOW_POLICY,
+        keepalive_interval_s=0,
+        default_max_tokens=4,
+        allowed_hosts=("testserver",),
+    )
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        yield client
+
+
+@pytest.mark.model
+def test_real_model_rejects_the_41_rule_grammar_quickly(real_client: TestClient) -> None:
+    body = {"prompt": "x", "max_tokens": 2, "grammar": doubling(40)}
+    start = time.monotonic()
+    response = real_client.post("/v1/completions", json=body)
+    elapsed = time.monotonic() - start
+    assert response.status_code == 400, response.json()
+    assert response.json()["error"]["code"] == "invalid_grammar"
+    assert elapsed < 2.0, elapsed
+    ok = real_client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert ok.status_code == 200

@@ -1,0 +1,87 @@
+"""Issue 23: /health names a model whose worker has not ticked for longer than
+``worker_stall_s`` (it said ok while a grammar pinned the worker for minutes)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from fastapi.testclient import TestClient
+
+from kvwarm.server import create_app
+
+from .conftest import stub_settings, wait_ready
+
+
+def test_health_is_degraded_naming_a_stalled_worker() -> None:
+    with TestClient(create_app(stub_settings(worker_stall_s=0.05))) as client:
+        wait_ready(client.get)
+        assert client.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 200
+        model = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
+        release, entered = threading.Event(), threading.Event()
+
+        def stuck() -> None:  # stands in for native code that does not return
+            entered.set()
+            release.wait(30)
+
+        done = model._worker.call(stuck)
+        try:
+            assert entered.wait(10)
+            end = time.monotonic() + 10
+            while model.stalled_for() <= 0.05 and time.monotonic() < end:
+                entered.wait(0.01)  # bounded poll of a clock, not synchronisation
+            body = client.get("/health").json()
+            assert body["status"] == "degraded", body
+            assert "a" in body["stalled"] and "b" not in body.get("stalled", {})
+            metrics = client.get("/metrics").text
+            line = next(
+                x
+                for x in metrics.splitlines()
+                if x.startswith('kvwarm_worker_stalled_seconds{model="a"}')
+            )
+            assert float(line.split()[-1]) > 0.05
+        finally:
+            release.set()
+            done.result(10)
+        assert client.get("/health").json()["status"] == "ok"
+
+
+def test_a_request_past_the_server_deadline_ends_with_a_typed_error() -> None:
+    settings = stub_settings(request_timeout_s=0.3)
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        model = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
+        assert client.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 200
+        model = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
+        release, entered = threading.Event(), threading.Event()
+
+        def stuck() -> None:
+            entered.set()
+            release.wait(30)
+
+        done = model._worker.call(stuck)
+        try:
+            assert entered.wait(10)
+            start = time.monotonic()
+            body = {"model": "a", "prompt": "x", "max_tokens": 4}
+            response = client.post("/v1/completions", json=body)
+            assert response.status_code == 503, response.json()
+            assert response.json()["error"]["code"] == "request_timeout"
+            assert time.monotonic() - start < 10
+        finally:
+            release.set()
+            done.result(10)
+        assert client.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 200
+
+
+def test_a_cache_key_can_be_waited_for_and_read() -> None:
+    with TestClient(create_app(stub_settings())) as client:
+        wait_ready(client.get)
+        done = client.post("/v1/completions", json={"model": "a", "prompt": "wait for me"})
+        key = done.json()["timings"]["cache_key"]
+        assert key
+        row = client.get(f"/cache/rows/{key}", params={"wait_ms": 5000})
+        assert row.status_code == 200, row.json()
+        assert row.json()["key"] == key
+        assert client.get("/cache/rows/00ff", params={"wait_ms": 10}).status_code == 404
+        assert client.get("/cache/rows/zz").status_code == 400
