@@ -53,6 +53,14 @@ class MemoryKind:
         return self.kind == "full" or (self.kind == "swa" and self.n_swa <= 0)
 
     @property
+    def kv_caches(self) -> int:
+        """How many KV caches a sequence's state blob holds before anything else: an iSWA
+        cache is two (full-attention layers, then the window's), a recurrent state none."""
+        if self.kind == "recurrent":
+            return 0
+        return 2 if self.n_swa > 0 else 1
+
+    @property
     def chunkable(self) -> bool:
         """Whether a saved state can be cut into per-token-range chunks (one KV stream of
         cells, nothing else): only plain full attention."""

@@ -3,6 +3,8 @@ tier, a deterministic model saving to disk when it has one, and the bit-for-bit 
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +12,7 @@ from kvwarm.backends.base import ContextParams
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
 from kvwarm.engine.model import Model
-from kvwarm.engine.types import Completion
+from kvwarm.engine.types import Completion, GenerationOptions
 
 
 def engine(tmp: Path | None, policy: PolicyConfig, *, ram: int = 256 << 20) -> Engine:
@@ -38,3 +40,22 @@ def same(a: Completion, b: Completion) -> None:
     assert a.completion_tokens == b.completion_tokens
     assert a.logprobs is not None and b.logprobs is not None
     assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]
+
+
+def together(
+    model: Model, prompts: Sequence[list[int]], opts: GenerationOptions
+) -> list[Completion]:
+    """Every prompt at once, one thread each: the model's slots run them side by side."""
+    out: list[Completion | None] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        out[i] = model.complete(prompts[i], opts)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done = [c for c in out if c is not None]
+    assert len(done) == len(prompts), "a request failed (see its thread's traceback)"
+    return done

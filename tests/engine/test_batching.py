@@ -6,6 +6,8 @@ from kvwarm.engine.worker.batching import (
     DecodeFirst,
     PrefillFirst,
     PrefillWant,
+    TickPlan,
+    isolate,
     strategy,
 )
 
@@ -42,3 +44,16 @@ def test_unknown_strategy_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError):
         strategy("fastest")  # type: ignore[arg-type]
+
+
+def test_isolate_gives_each_deterministic_slot_a_call_of_its_own() -> None:
+    # Per-sequence KV streams: a pass over several streams attends with another kernel than
+    # a pass over one, so deterministic work never shares a call (issue 23).
+    plan = TickPlan((0, 1, 2), (Chunk(3, 0, 8), Chunk(4, 8, 16)), (Chunk(5, 0, 8),))
+    out, alone = isolate(plan, {1, 4})
+    assert out.decode_slots == (0, 2)
+    assert out.shared_chunks == (Chunk(3, 0, 8),)
+    assert out.isolated_chunks == (Chunk(4, 8, 16), Chunk(5, 0, 8))
+    assert alone == (1,)
+    single = TickPlan((1,), (), ())
+    assert isolate(single, {1}) == (single, ())  # alone already: nothing to split

@@ -125,13 +125,13 @@ def test_every_reuse_of_a_window_longer_than_it_is_bit_identical_to_cold(
         after = model.complete(a, OPTS)
         assert after.stats.cached_tokens == len(a)
         same(after, first)
-        # A four-slot context, its slots emptied before each request: every restore lands in
-        # a context sized for four. (Not beside other slots' cells: in the unified KV buffer
-        # those change how many cells an attention pass spans and so its thread split, for
-        # full attention as much as here; that is issue 23's multi-slot determinism bug,
-        # still open, and why these requests neither run together nor keep their slots.)
-        for tokens in (b, shorter, a):
-            model.evict()
-            same(model.complete(tokens, OPTS), cold_run(gemma_path, cold, tokens))
+        # Four slots at once, each with its own KV stream (deterministic mode), after other
+        # requests left cells of other lengths in them: every answer is a cold run's.
+        model.complete(prompt_tokens(model, " What is the town called?", 300), OPTS)
+        model.evict()
+        answers = memkit.together(model, [b, shorter, a, a], OPTS)
+        for tokens, out in zip((b, shorter, a, a), answers, strict=True):
+            assert out.stats.cached_tokens > 0
+            same(out, cold_run(gemma_path, cold, tokens))
     finally:
         restarted.close()

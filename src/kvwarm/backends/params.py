@@ -127,6 +127,12 @@ class ContextParams:
     #: state trims like full attention (``kvwarm.memory``), at the cost of a full-size KV
     #: buffer for those layers too. Changes what a saved state holds, so it is hashed.
     swa_full: bool = False
+    #: One KV buffer for every sequence (llama.cpp's ``kv_unified``), or a stream of
+    #: ``n_ctx / n_seq_max`` cells per sequence. With streams a sequence's cells sit where a
+    #: one-sequence context would put them whatever the others hold, and each forward pass
+    #: over one sequence spans only its own cells: deterministic mode's layout. Saved states
+    #: are stored in the one-stream form either way, so it is not hashed.
+    kv_unified: bool = True
     rope_scaling: RopeScaling | None = None
     rope_freq_base: float = 0.0
     rope_freq_scale: float = 0.0
@@ -200,10 +206,11 @@ class ContextParams:
     def kv_hash(self) -> bytes:
         """32 bytes identifying every parameter that shapes the KV state or its numerics.
 
-        ``n_seq_max`` and thread counts are excluded: a sequence's KV bytes do not depend on
-        them, and rows must be shareable between a 1-slot and an N-slot context. The KV cell
-        types, flash attention (it changes the numerics and whether V is stored transposed) and
-        every RoPE/YaRN knob (K is stored rotated) are included. Fields added after the first
+        ``n_seq_max``, ``kv_unified`` and thread counts are excluded: a sequence's KV bytes
+        (in the one-stream form rows are stored in) do not depend on them, and rows must be
+        shareable between a 1-slot and an N-slot context. The KV cell types, flash attention
+        (it changes the numerics and whether V is stored transposed) and every RoPE/YaRN knob
+        (K is stored rotated) are included. Fields added after the first
         version are hashed only when they differ from their defaults: a context created before
         they existed ran with exactly those defaults, so its rows keep their keys.
         """
@@ -212,6 +219,7 @@ class ContextParams:
             "n_threads",
             "n_threads_batch",
             "n_seq_max",
+            "kv_unified",
             "seed",
             "embeddings",
             "pooling",

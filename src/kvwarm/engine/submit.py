@@ -70,6 +70,16 @@ class Submitter:
         deterministic = (
             opts.deterministic if opts.deterministic is not None else self.config.deterministic
         )
+        if deterministic and not self.config.deterministic and self.config.n_parallel > 1:
+            # Its slot's cells would share one KV buffer with the other slots', and where they
+            # sit changes how attention sums: bit-identical results need the per-slot KV
+            # streams a deterministic model is loaded with.
+            raise InvalidRequestError(
+                f"this model's {self.config.n_parallel} slots share one KV buffer, so a "
+                "deterministic request cannot be bit-identical here; load the model with "
+                "deterministic=true (--deterministic) or n_parallel=1",
+                param="deterministic",
+            )
         if opts.parent_key is not None:
             # Wait here, on the caller's thread, for an in-flight save of the previous turn;
             # once published, the worker's prefix lookup finds it. Never stalls other slots.

@@ -36,8 +36,10 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwarm.backends import _checks
+from kvwarm.backends._buffers import u8
 from kvwarm.backends.base import Adapter, BatchToken, Buffer, ContextParams, WritableBuffer
 from kvwarm.backends.lifetime import Lifetime
+from kvwarm.backends.llama import kv_layout
 from kvwarm.backends.llama import kv_state as _kv_state
 from kvwarm.backends.llama import native as _native
 from kvwarm.backends.llama import params as llama_params
@@ -73,8 +75,13 @@ class LlamaContext:
         max_seq = int(lib.llama_max_parallel_sequences())
         if params.n_seq_max > max_seq:
             raise ConfigError(f"n_seq_max={params.n_seq_max} exceeds llama.cpp's limit")
-        #: The scratch sequence chunked restores go through (None: no room for one).
-        self._scratch = params.n_seq_max if params.n_seq_max < max_seq else None
+        #: Streams, one per sequence (0: one unified KV buffer); see ``kv_layout.one_stream``.
+        self._streams = 0 if params.kv_unified else params.n_seq_max
+        #: The scratch sequence chunked restores go through (None: no room for one, or it
+        #: would be a stream of its own, which seq_cp could only copy whole).
+        self._scratch = (
+            params.n_seq_max if params.n_seq_max < max_seq and not self._streams else None
+        )
         cp = llama_params.context_params(
             lib, params, scratch_seqs=0 if self._scratch is None else 1
         )
@@ -255,11 +262,16 @@ class LlamaContext:
     def kv_pack(self, seq: int) -> bytes:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
-            return _kv_state.pack(self._lib, self._ptr, seq)
+            blob = _kv_state.pack(self._lib, self._ptr, seq)
+            if self._streams:
+                return kv_layout.one_stream(u8(blob), self._memory.kv_caches)
+            return blob
 
     def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
+            if self._streams:
+                data = kv_layout.widen(u8(data), self._memory.kv_caches, self._streams)
             return _kv_state.unpack(
                 self._lib,
                 self._ptr,
@@ -319,6 +331,9 @@ class LlamaContext:
             _checks.check_range(p0, p1)
             if src == dst:
                 return
+            if self._streams:
+                self._copy_stream(src, dst, p0, p1)
+                return
             lib, mem = self._lib, self._mem
             # dst := src[p0:p1). Clearing dst first keeps it free of duplicate positions, which
             # would make its next decode inconsistent. (Cells are shared, not copied: the
@@ -326,6 +341,31 @@ class LlamaContext:
             # partial range.)
             lib.llama_memory_seq_rm(mem, dst, -1, -1)
             lib.llama_memory_seq_cp(mem, src, dst, p0, p1)
+
+    def _copy_stream(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """dst := src[p0:p1) across streams. llama.cpp's own cross-stream seq_cp copies whole
+        streams only (a partial range is a GGML_ASSERT) and applies the copy at the next
+        decode; a pack and an unpack through host memory is exact and done on return, and
+        puts dst's cells where src's were (both streams hold one sequence each)."""
+        blob = _kv_state.pack(self._lib, self._ptr, src)
+        _kv_state.unpack(
+            self._lib,
+            self._ptr,
+            self._mem,
+            dst,
+            blob,
+            self._n_ctx,
+            from_zero=self._memory.chunkable,
+        )
+        lib, mem = self._lib, self._mem
+        trims = ([(p1, -1)] if p1 >= 0 else []) + ([(0, p0)] if p0 > 0 else [])
+        for a, b in trims:
+            if not lib.llama_memory_seq_rm(mem, dst, a, b):
+                lib.llama_memory_seq_rm(mem, dst, -1, -1)
+                raise StateRestoreError(
+                    f"this model's memory ({self._memory.describe()}) cannot keep only "
+                    f"[{p0}, {p1}) of a copy of seq {src}"
+                )
 
     def seq_pos_max(self, seq: int) -> int:
         with self._life.using():

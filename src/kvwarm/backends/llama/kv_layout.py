@@ -184,3 +184,86 @@ def _cell_order(meta: U8, n_cells: int) -> npt.NDArray[np.intp] | None:
     if not np.array_equal(pos[order], np.arange(n_cells, dtype=pos.dtype)):
         raise StateRestoreError(f"KV blob cells are not exactly positions 0..{n_cells - 1}")
     return order
+
+
+# --- Streams --------------------------------------------------------------------------------
+#
+# A context with per-sequence KV streams (``kv_unified=False``: deterministic mode) writes, for
+# each of its KV caches, ``u32 n_stream`` and then one ``u32 n_cells`` per stream, followed by
+# that stream's cells when it has any. One sequence lives in one stream, so at most one of them
+# is non-empty; llama.cpp restores those cells into the stream of the sequence it is asked to
+# fill, whatever their place in the blob. Rows are stored in the one-stream form a unified
+# context writes (``one_stream``), so they restore into any context (``ContextParams.kv_hash``
+# leaves the stream count out), and are widened to the reading context's count on the way in
+# (``widen``). Memory after the KV caches (a hybrid model's recurrent state) has no streams
+# and is copied as it is.
+
+_U32 = struct.Struct("<I")
+
+
+def one_stream(blob: U8, caches: int) -> bytes:
+    """``blob`` (from a context of several streams) with each of its first ``caches`` KV caches
+    rewritten as one stream; ``StateRestoreError`` unless it is exactly as described above."""
+    return _restream(blob, caches, 1, from_streams=None)
+
+
+def widen(blob: U8, caches: int, n_stream: int) -> bytes:
+    """A one-stream ``blob`` rewritten for a context of ``n_stream`` streams: its cells in the
+    first stream, the others empty."""
+    return _restream(blob, caches, n_stream, from_streams=1)
+
+
+def _restream(blob: U8, caches: int, n_stream: int, *, from_streams: int | None) -> bytes:
+    raw = blob.data
+    size = blob.size
+    if size < 8 or _U32.unpack_from(raw, 0)[0] != IO_MAGIC:
+        raise StateRestoreError("KV blob has no llama.cpp state header")
+    parts: list[bytes | memoryview] = [raw[:8]]
+    at = 8
+    for cache in range(caches):
+        if at + 4 > size:
+            raise StateRestoreError(f"KV blob ends before KV cache {cache}")
+        (have,) = _U32.unpack_from(raw, at)
+        if have < 1 or (from_streams is not None and have != from_streams):
+            raise StateRestoreError(f"KV cache {cache} of the blob has {have} streams")
+        at += 4
+        cells: memoryview | None = None
+        for stream in range(have):
+            if at + 4 > size:
+                raise StateRestoreError(f"KV blob ends before stream {stream} of cache {cache}")
+            (n_cells,) = _U32.unpack_from(raw, at)
+            end = at + 4 + (_stream_bytes(blob, at + 4, n_cells) if n_cells else 0)
+            if n_cells:
+                if cells is not None:
+                    raise StateRestoreError(f"KV cache {cache} holds cells in two streams")
+                cells = raw[at:end]
+            at = end
+        parts.append(_U32.pack(n_stream))
+        parts.append(cells if cells is not None else _U32.pack(0))
+        parts.append(bytes(4 * (n_stream - 1)))
+    parts.append(raw[at:])
+    return b"".join(parts)
+
+
+def _stream_bytes(blob: U8, at: int, n_cells: int) -> int:
+    """The length of one stream's cells (metadata, then every K and V section) from ``at``."""
+    raw = blob.data
+    size = blob.size
+    end = at + n_cells * CELL
+    if end + _PAIR.size > size:
+        raise StateRestoreError(f"KV blob of {size} bytes cannot hold {n_cells} cells")
+    meta = blob[at:end].view("<i4").reshape(n_cells, 3)
+    if not np.all(meta[:, 1] == 1) or not np.all(meta[:, 2] == meta[0, 2]):
+        raise StateRestoreError("KV blob cells are not one sequence's (or carry extra data)")
+    v_trans, n_layer = _PAIR.unpack_from(raw, end)
+    if v_trans not in (0, 1) or not 1 <= n_layer <= MAX_LAYERS:
+        raise StateRestoreError(f"KV blob has v_trans={v_trans}, n_layer={n_layer}")
+    end += _PAIR.size
+    for i in range(2 * n_layer):
+        if end + _SECTION_HEAD > size:
+            raise StateRestoreError(f"KV blob ends inside the header of section {i}")
+        section = _section(raw, end, i, transposed=v_trans == 1 and i >= n_layer)
+        end += _SECTION_HEAD + n_cells * section.cell_bytes
+        if end > size:
+            raise StateRestoreError(f"KV blob ends inside section {i}")
+    return end - at

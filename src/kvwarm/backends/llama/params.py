@@ -105,11 +105,11 @@ def context_params(lib: ModuleType, params: ContextParams, *, scratch_seqs: int 
     cp.yarn_orig_ctx = params.yarn_orig_ctx
     cp.embeddings = params.embeddings
     cp.pooling_type = _native.POOLING[params.pooling] if params.embeddings else _POOLING_UNSPECIFIED
-    # One KV buffer shared by all sequences. With per-sequence streams (kv_unified=False)
-    # llama.cpp writes the stream count into every blob, so a row saved by a 1-slot context
-    # would not restore into an N-slot one; ContextParams.kv_hash promises it does. Unified
-    # also makes seq_cp share cells instead of copying tensors. n_ctx is then both each
-    # sequence's position limit and the total cell budget of all sequences together.
-    cp.kv_unified = True
+    # One KV buffer shared by all sequences, unless the caller asks for a stream per sequence
+    # (ContextParams.kv_unified). Unified makes seq_cp share cells instead of copying tensors;
+    # n_ctx is then both each sequence's position limit and the total cell budget of all
+    # sequences together. With streams llama.cpp gives each sequence n_ctx / n_seq_max cells
+    # and writes the stream count into every blob (LlamaContext stores the one-stream form).
+    cp.kv_unified = params.kv_unified
     cp.no_perf = True
     return cp

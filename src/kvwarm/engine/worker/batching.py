@@ -127,6 +127,22 @@ class Balanced:
         return TickPlan(tuple(decoding), tuple(shared), tuple(isolated))
 
 
+def isolate(plan: TickPlan, deterministic: set[int]) -> tuple[TickPlan, tuple[int, ...]]:
+    """``plan`` with each ``deterministic`` slot's work in a call of its own, for a context
+    of per-sequence KV streams: a pass over several streams attends with another kernel (a
+    batch of streams, never the split-KV decode path) than a pass over one, so a
+    deterministic slot's tokens must not share their pass with another slot's. Returns the
+    plan (its shared call keeps the other slots' work; the deterministic chunks join the
+    isolated ones) and the deterministic decode slots, each to run alone."""
+    if len(plan.decode_slots) + len(plan.shared_chunks) <= 1:
+        return plan, ()
+    shared = tuple(c for c in plan.shared_chunks if c.slot not in deterministic)
+    moved = tuple(c for c in plan.shared_chunks if c.slot in deterministic)
+    decode = tuple(i for i in plan.decode_slots if i not in deterministic)
+    alone = tuple(i for i in plan.decode_slots if i in deterministic)
+    return TickPlan(decode, shared, (*moved, *plan.isolated_chunks)), alone
+
+
 def strategy(name: StrategyName) -> BatchStrategy:
     from kvwarm.errors import ConfigError
 

@@ -18,7 +18,7 @@ from kvwarm.alignment import canonical_after_chunk
 from kvwarm.backends.base import BatchToken
 from kvwarm.cache.policy import should_continued_save
 from kvwarm.cache.types import SaveReason
-from kvwarm.engine.worker.batching import Chunk, PrefillWant
+from kvwarm.engine.worker.batching import Chunk, PrefillWant, isolate
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
 from kvwarm.engine.worker.runtime import Runtime
@@ -57,9 +57,19 @@ class Tick:
             return
         cfg = self.rt.cfg
         plan = cfg.strategy.plan(decoding, prefilling, cfg.n_batch, cfg.n_ubatch)
+        alone: tuple[int, ...] = ()
+        if not self.rt.ctx.params.kv_unified:
+            det = {
+                i
+                for i, slot in enumerate(self.rt.slots)
+                if slot.active is not None and slot.active.deterministic
+            }
+            plan, alone = isolate(plan, det)
         self.rt.stats.ticks += 1
         if plan.decode_slots or plan.shared_chunks:
             self._run_call(plan.decode_slots, plan.shared_chunks)
+        for i in alone:
+            self._run_call((i,), ())
         for chunk in plan.isolated_chunks:
             self._run_call((), (chunk,))
 

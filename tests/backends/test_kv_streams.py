@@ -1,0 +1,162 @@
+"""Per-sequence KV streams (``ContextParams.kv_unified=False``, deterministic mode's layout) on
+the real backend, for every memory kind: a sequence's saved state is stored in the one-stream
+form, byte for byte what a one-slot unified context saves for the same tokens, so rows move
+between the two; it restores into any stream; a copy between streams keeps exactly the range
+asked for. A blob that is not one sequence's state in one stream is refused, never guessed at.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from tests.tinymodels import write_tiny_model
+
+from kvwarm.backends.base import BackendContext, ContextParams
+from kvwarm.backends.llama import LlamaBackend
+from kvwarm.backends.llama.kv_layout import one_stream, widen
+from kvwarm.backends.llama.model import LlamaModel
+from kvwarm.embedded import default_model_path
+from kvwarm.errors import StateRestoreError
+
+pytestmark = pytest.mark.model
+
+N_BATCH = 32
+STREAMS = 3
+
+
+@pytest.fixture(scope="module", params=["full", "swa", "recurrent", "hybrid"])
+def model(
+    request: pytest.FixtureRequest, gemma_path: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LlamaModel]:
+    kind = str(request.param)
+    if kind == "full":
+        path = str(default_model_path())
+    elif kind == "swa":
+        path = gemma_path
+    else:
+        arch = {"recurrent": "mamba", "hybrid": "lfm2"}[kind]
+        path = str(write_tiny_model(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", arch))
+    loaded = LlamaBackend().load_model(path)
+    assert loaded.facts.memory_kind == kind
+    yield loaded
+    loaded.close()
+
+
+def _ctx(model: LlamaModel, *, unified: bool) -> BackendContext:
+    n_seq = 1 if unified else STREAMS
+    return model.new_context(
+        ContextParams(
+            n_ctx=256 * n_seq,
+            n_batch=N_BATCH,
+            n_ubatch=N_BATCH,
+            n_threads=2,
+            n_seq_max=n_seq,
+            kv_unified=unified,
+        )
+    )
+
+
+def _tokens(model: LlamaModel, n: int) -> list[int]:
+    return [1 + (i * 37) % min(model.n_vocab - 1, 2000) for i in range(n)]
+
+
+def test_a_stream_saves_what_a_unified_context_saves(model: LlamaModel) -> None:
+    tokens = _tokens(model, 70)
+    unified = _ctx(model, unified=True)
+    streams = _ctx(model, unified=False)
+    try:
+        unified.prefill(0, tokens, 0)
+        expected = unified.kv_pack(0)
+        streams.prefill(2, tokens[:20], 0)  # another stream holds cells of its own
+        streams.prefill(0, tokens, 0)
+        saved = streams.kv_pack(0)
+        # Byte for byte after the header's magic (cells name their sequence: 0 in both).
+        assert saved[4:] == expected[4:]
+        if model.facts.memory_kind != "recurrent":
+            assert struct.unpack_from("<I", saved, 8)[0] == 1  # one stream
+        # Restored into another stream and back, it saves the same bytes again.
+        assert streams.kv_unpack(1, saved) == len(tokens)
+        streams.seq_rm(0)
+        assert streams.kv_unpack(0, streams.kv_pack(1)) == len(tokens)
+        assert streams.kv_pack(0)[4:] == expected[4:]
+        # And the unified context restores the stream's row.
+        unified.seq_rm(0)
+        assert unified.kv_unpack(0, saved) == len(tokens)
+        assert unified.kv_pack(0)[4:] == expected[4:]
+    finally:
+        streams.close()
+        unified.close()
+
+
+def test_a_copy_between_streams_keeps_the_range_asked_for(model: LlamaModel) -> None:
+    tokens = _tokens(model, 70)  # inside Gemma's window: its state trims like full attention
+    streams = _ctx(model, unified=False)
+    unified = _ctx(model, unified=True)
+    try:
+        streams.prefill(0, tokens, 0)
+        streams.seq_cp(0, 1)
+        assert streams.seq_pos_max(1) == len(tokens) - 1
+        assert streams.seq_pos_max(0) == len(tokens) - 1  # the source is untouched
+        if model.facts.memory_kind in ("recurrent", "hybrid"):
+            with pytest.raises(StateRestoreError):
+                streams.seq_cp(0, 2, 0, 40)  # a rolled-back window or state: refused
+            assert streams.seq_pos_max(2) == -1  # and nothing half-copied is left
+            return
+        streams.seq_cp(0, 2, 0, 40)
+        assert (streams.seq_pos_min(2), streams.seq_pos_max(2)) == (0, 39)
+        streams.seq_cp(2, 0)
+        unified.prefill(0, tokens[:40], 0)
+        assert streams.kv_pack(0)[4:] == unified.kv_pack(0)[4:]
+    finally:
+        unified.close()
+        streams.close()
+
+
+def _blob(model: LlamaModel) -> bytes:
+    ctx = _ctx(model, unified=True)
+    try:
+        ctx.prefill(0, _tokens(model, 12), 0)
+        return ctx.kv_pack(0)
+    finally:
+        ctx.close()
+
+
+def test_widen_and_narrow_are_inverse_and_refuse_what_they_do_not_account_for(
+    model: LlamaModel,
+) -> None:
+    caches = model.facts.memory_kind != "recurrent" and (2 if model.facts.n_swa > 0 else 1)
+    caches = int(caches)
+    blob = _blob(model)
+    arr = np.frombuffer(blob, dtype=np.uint8)
+    wide = widen(arr, caches, 4)
+    assert len(wide) == len(blob) + 12 * caches  # three empty streams per cache
+    assert one_stream(np.frombuffer(wide, dtype=np.uint8), caches) == blob
+    if not caches:
+        return
+    with pytest.raises(StateRestoreError):
+        one_stream(arr[:40], caches)  # cut short
+    with pytest.raises(StateRestoreError):
+        widen(np.frombuffer(wide, dtype=np.uint8), caches, 4)  # already four streams
+    doubled = bytearray(blob[:8]) + struct.pack("<I", 2) + blob[12:] + blob[12:]
+    with pytest.raises(StateRestoreError):
+        one_stream(np.frombuffer(bytes(doubled), dtype=np.uint8), 1)  # cells in two streams
+
+
+def test_a_deterministic_engine_context_uses_streams() -> None:
+    from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
+
+    eng = Engine(EngineConfig())
+    try:
+        ctx = ContextParams(n_ctx=256, n_batch=N_BATCH, n_ubatch=N_BATCH, n_threads=2)
+        det = eng.load_model(
+            config=ModelConfig(context=ctx, n_parallel=2, deterministic=True), model_id="det"
+        )
+        plain = eng.load_model(config=ModelConfig(context=ctx, n_parallel=2), model_id="plain")
+        assert det._ctx.params.kv_unified is False
+        assert plain._ctx.params.kv_unified is True
+        assert det.namespace() == plain.namespace()  # the same rows serve both
+    finally:
+        eng.close()
