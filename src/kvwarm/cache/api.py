@@ -54,6 +54,13 @@ class CacheApi(Protocol):
 
     def key_for(self, namespace: Namespace, tokens: Sequence[int]) -> bytes: ...
 
+    def hold(self, key: bytes) -> None:
+        """Mark ``key`` in flight before its save starts: waiters (``lookup_exact_or_wait``)
+        wait for it. Every ``hold`` needs one ``release``, after the save was handed over."""
+        ...
+
+    def release(self, key: bytes) -> None: ...
+
     def lookup_exact(self, key: bytes) -> RowInfo | None:
         """Counts ``hits_exact`` on a hit."""
         ...

@@ -155,6 +155,12 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
     def key_for(self, namespace: Namespace, tokens: Sequence[int]) -> bytes:
         return cache_key(namespace, tokens)
 
+    def hold(self, key: bytes) -> None:
+        self._index.mark_in_flight(key)
+
+    def release(self, key: bytes) -> None:
+        self._index.clear_in_flight(key)
+
     def lookup_exact(self, key: bytes) -> RowInfo | None:
         info = self._index.get(key)
         if info is None:

@@ -38,9 +38,12 @@ class Outcomes:
             act.req.channel.put(Fragment(tail, rest))
         key: bytes | None = None
         # A cancelled prefill leaves a partial, unaligned prompt: not worth a row.
-        if slot.phase == "generate" and should_finish_save(len(slot.kv_tokens), self.rt.cfg.policy):
-            save_reason = SaveReason.PREWARM if act.req.kind == "prewarm" else SaveReason.FINISH
-            key = self.saves.save(slot, save_reason, logits, act.namespace, sync=False)
+        saving = slot.phase == "generate" and should_finish_save(
+            len(slot.kv_tokens), self.rt.cfg.policy
+        )
+        held = False
+        if saving:
+            key, held = self.saves.hold(slot, act.namespace)
         act.sampler.close()
         if not act.prefill_done:
             act.prefill_done = now
@@ -67,11 +70,17 @@ class Outcomes:
                 tuple(act.prompt_logprobs) if act.req.options.prompt_logprobs is not None else None
             ),
         )
+        # The caller has its answer before the finish save packs the sequence (a copy of
+        # every cell, the largest cost of a cached request): the pack runs while the reply
+        # goes out, and the row it names may still be in flight (``stats.key``).
+        act.req.answer(Done(completion))
+        if held:
+            save_reason = SaveReason.PREWARM if act.req.kind == "prewarm" else SaveReason.FINISH
+            self.saves.save(slot, save_reason, logits, act.namespace, sync=False, held=True)
         slot.active = None
         slot.phase = "idle"
         slot.last_used = time.monotonic()
         self.rt.publish()
-        act.req.answer(Done(completion))
 
     def _take_forks(self, slot: Slot) -> list[Slot]:
         """The slots still waiting for ``slot``'s prompt KV; they are no longer its forks."""

@@ -32,15 +32,40 @@ class Saves:
         *,
         sync: bool,
         packed: bytes | None = None,
+        held: bool = False,
     ) -> bytes | None:
         """Pack the slot's sequence (or take ``packed``, its state packed since its last
         change) and hand it to the cache. Returns the row key if the save was accepted (async)
-        or published (sync)."""
+        or published (sync). ``held``: the caller holds the key (``hold``); it is released
+        here, whatever happens."""
+        if held:
+            key = self.rt.cache.key_for(ns, slot.kv_tokens)
+            try:
+                return self._save(slot, reason, logits, ns, sync=sync, packed=packed, fresh=True)
+            finally:
+                self.rt.cache.release(key)
+        return self._save(slot, reason, logits, ns, sync=sync, packed=packed, fresh=False)
+
+    def _save(
+        self,
+        slot: Slot,
+        reason: SaveReason,
+        logits: bytes | None,
+        ns: Namespace,
+        *,
+        sync: bool,
+        packed: bytes | None,
+        fresh: bool,
+    ) -> bytes | None:
         rt = self.rt
         cfg = rt.cfg
         tokens = tuple(slot.kv_tokens)
         if len(tokens) < cfg.policy.min_tokens or not tokens:
             return None
+        if not fresh:
+            key = rt.cache.key_for(ns, tokens)
+            if rt.cache.has(key):
+                return key  # published or in flight: never pack the same tokens twice
         if packed is None:
             t0 = time.perf_counter()
             payload = rt.ctx.kv_pack(slot.seq)
@@ -70,6 +95,19 @@ class Saves:
         )
         timeout = cfg.policy.evict_save_timeout_ms / 1e3
         return rt.cache.save(request, sync=sync, timeout_s=timeout)
+
+    def hold(self, slot: Slot, ns: Namespace) -> tuple[bytes | None, bool]:
+        """The key ``save`` would give the slot's sequence now (None: too short to save),
+        and whether a save is still to be made: then the key is held in flight, so a client
+        told it may wait for it (``save(held=True)`` releases it)."""
+        tokens = slot.kv_tokens
+        if len(tokens) < self.rt.cfg.policy.min_tokens or not tokens:
+            return None, False
+        key = self.rt.cache.key_for(ns, tokens)
+        if self.rt.cache.has(key):
+            return key, False  # published or in flight already: nothing to pack
+        self.rt.cache.hold(key)
+        return key, True
 
     def save_idle_slots(self, reason: SaveReason, *, release: bool) -> int:
         """Sync-save every idle slot's live KV (evict / shutdown). Worker thread only."""
