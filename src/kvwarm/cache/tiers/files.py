@@ -131,6 +131,12 @@ class FileTier:
     def root(self) -> Path:
         return self._root
 
+    def filesystem_free_bytes(self) -> int:
+        """Bytes an unprivileged writer may still put on the root's filesystem
+        (``quota.FilesystemSpace``: the quota is capped by what the tier holds plus this)."""
+        st = os.statvfs(self._root)
+        return st.f_bavail * st.f_frsize
+
     def cotenanted(self) -> bool:
         """Whether another process has used this directory since we opened it (or we cannot
         tell): our chunk refcounts then do not cover every row, so chunks are swept, never
