@@ -125,10 +125,13 @@ class DirScan:
 
     def drop(self, dir_fd: int, name: str, why: Exception) -> bool:
         """Reject a row file the cache found unusable after the scan yielded it (a manifest
-        naming chunks that are gone), as the scan rejects an invalid one. False if it is
-        only reported (a read-only open, a multi-host directory)."""
+        naming chunks that are gone), as the scan rejects an invalid one. False, changing and
+        reporting nothing, on a read-only open or a multi-host directory: the row is adopted
+        and its first read (or ``verify``) finds the chunk missing."""
+        if not self._repair or self._multi_host:
+            return False
         self._discard(dir_fd, name, why)
-        return self._repair and not self._multi_host
+        return True
 
 
 def set_aside(dir_fd: int, name: str, *, quarantine: bool, tier: TierName) -> None:
