@@ -216,6 +216,31 @@ def test_cache_verify_reports_every_bad_file_and_repairs_only_when_asked(
     assert after.returncode == 0 and "checked 1 rows: 0 bad" in after.stdout
 
 
+def test_cache_verify_counts_what_the_startup_scan_fixed_and_exits_0(
+    env: dict[str, str],
+) -> None:
+    """A server restarted over damaged files (a truncated chunk, a flipped trailer byte, a
+    manifest with 70 bytes appended) set them aside at startup, with the manifests whose
+    chunks they were; verify then finds what remains sound and says what was fixed."""
+    from tests.cache.test_startup_damage import config, damage
+
+    from kvwarm.cache import Cache
+
+    root = Path(env["XDG_CACHE_HOME"]) / "kvwarm" / "rows"
+    damage(root)
+    Cache(config(root), background=False).close()  # the restart's startup scan
+    env_no_model = {**env, "KVWARM_MODELS": "/nonexistent/model.gguf"}
+    result = kvwarm(env_no_model, "cache", "verify", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report == {"checked": 1, "bad": [], "quarantined": {"rows": 4, "chunks": 2}}
+    text = kvwarm(env_no_model, "cache", "verify")
+    assert text.returncode == 0, text.stdout + text.stderr
+    assert "checked 1 rows: 0 bad" in text.stdout
+    assert "4 row files, 2 chunk files" in text.stdout
+    no_traceback(text)
+
+
 # --- models, bench, serve --------------------------------------------------------------------
 
 

@@ -221,8 +221,13 @@ def test_cluster_settings_are_flags_of_kvwarm_cluster_only() -> None:
     args = parser.parse_args(["cluster", "--replicas", "3", "--ray-address", "ray://h:10001"])
     s = load_settings(settings_flags(args), {})
     assert (s.replicas, s.ray_address, s.cluster_busy_requests) == (3, "ray://h:10001", 0)
+    assert s.node_ip is None  # a local Ray stays on loopback unless asked
+    opened = parser.parse_args(["cluster", "--node-ip", "10.0.0.5"])
+    assert load_settings(settings_flags(opened), {}).node_ip == "10.0.0.5"
     assert load_settings({}, {"KVWARM_REPLICAS": "5"}).replicas == 5  # env works for both
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--replicas", "3"])  # not a serve flag
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--node-ip", "10.0.0.5"])
     with pytest.raises(ConfigError, match="replicas"):
         load_settings({}, {"KVWARM_REPLICAS": "0"})

@@ -43,6 +43,10 @@ class LoadedRow:
 class VerifyReport:
     checked: int
     bad: tuple[tuple[str, str], ...]  # (path or key hex, reason)
+    # What startup scans already set aside (``quarantine/`` of each file tier): row files
+    # (invalid, or manifests whose chunks were gone) and chunk files. Fixed, not bad.
+    quarantined_rows: int = 0
+    quarantined_chunks: int = 0
 
 
 class CacheApi(Protocol):

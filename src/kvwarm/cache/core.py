@@ -16,20 +16,27 @@ Invariants (the facade's, see ``facade.py`` and docs/architecture.md):
   forgotten, never deleted (``_drop_unreadable``). See docs/architecture.md ("Shared tiers").
   The same holds for chunks of a local directory once another process has used it
   (``Cotenanted``): they are swept, not deleted with this process's last row naming them.
+- A tier's quota is enforced as its effective quota (``quota.py``: capped by the room on its
+  filesystem), and a save its filesystem refuses for want of space (ENOSPC) evicts from that
+  tier, in its policy's order, and is retried once (``_store_row``): a full disk does not
+  stay full until someone calls ``/cache/evict``.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from collections.abc import Mapping, Sequence
 
+from kvwarm.cache.chunking import store_row
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.index import Index
 from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, Tier
-from kvwarm.cache.types import DEFAULT_GRACE_S, EvictResult, RowInfo, TierName
+from kvwarm.cache.quota import QuotaCaps
+from kvwarm.cache.types import DEFAULT_GRACE_S, EvictResult, RowInfo, SaveRequest, TierName
 from kvwarm.cache.writer import WriterPool
-from kvwarm.errors import CacheError
+from kvwarm.errors import CacheError, CacheIOError
 
 __all__ = ["CacheCore", "ScratchBuffers"]
 
@@ -97,6 +104,7 @@ class CacheCore:
     _writer: WriterPool
     _forgotten: set[bytes]  # remote shared rows forgotten on purpose: the rescans skip them
     _warned_unreadable: set[TierName]
+    _quota_caps: QuotaCaps
 
     def _shared_tiers(self) -> list[Tier]:
         """Tiers other processes may publish into: worth probing on a miss."""
@@ -154,6 +162,9 @@ class CacheCore:
             snap[f"tier_{name}_bytes"] = float(used)
             snap[f"tier_{name}_rows"] = float(rows)
             snap[f"tier_{name}_quota_bytes"] = float(tier.quota_bytes)
+            effective, capped = self._quota_caps.effective(tier, used)
+            snap[f"tier_{name}_effective_quota_bytes"] = float(effective)
+            snap[f"tier_{name}_quota_capped_by_filesystem"] = float(capped)
         snap["rows"] = float(len(self._index))
         snap["reservations"] = float(self._index.pending_reservations())
         return snap
@@ -229,4 +240,45 @@ class CacheCore:
             self._retire([])  # its chunks: forgotten, never deleted (see ``_retire``)
 
     def _enforce_quota(self, tier: Tier) -> None:
-        self._retire(self._index.enforce_quota(tier.name, tier.quota_bytes), count=True)
+        used, _ = self._index.usage().get(tier.name, (0, 0))
+        quota, _ = self._quota_caps.effective(tier, used)
+        self._retire(self._index.enforce_quota(tier.name, quota), count=True)
+
+    # Evicted beyond a refused save's payload and tokens: its header, a filesystem block.
+    ENOSPC_SLACK_BYTES = 4096
+
+    def _store_row(
+        self,
+        key: bytes,
+        request: SaveRequest,
+        tier: Tier,
+        chunk_tokens: int,
+        *,
+        count_chunks: bool = True,
+    ) -> StoredRow | None:
+        """``chunking.store_row``; on ENOSPC, evict from ``tier`` (its policy picks) about
+        the save's size and retry once. Without a row to evict the error stands."""
+        counters = self._counters if count_chunks else None
+        try:
+            return store_row(key, request, tier, self._index, chunk_tokens, counters=counters)
+        except CacheIOError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            need = (
+                memoryview(request.payload).nbytes
+                + 4 * len(request.tokens)
+                + len(request.logits or b"")
+                + self.ENOSPC_SLACK_BYTES
+            )
+            freed = self._retire(self._index.evict(need, (tier.name,)), count=True)
+            if not freed.rows:
+                raise
+            log.warning(
+                "%s: filesystem full; evicted %d row(s) (%d bytes) and retrying the save of %s",
+                tier.name,
+                freed.rows,
+                freed.bytes,
+                key.hex(),
+            )
+        self._counters.incr("saves_retried_after_enospc")
+        return store_row(key, request, tier, self._index, chunk_tokens, counters=counters)

@@ -35,6 +35,8 @@ BASE_COUNTERS: tuple[str, ...] = (
     "save_failures",
     "evictions",
     "evicted_bytes",
+    # saves a full filesystem (ENOSPC) refused, retried once after evicting from their tier
+    "saves_retried_after_enospc",
     # shared tiers (cache/shared.py): rows found by probing, keys probed, rounds of probes,
     # remote hits copied to a local tier (or not: writer queue full), unreachable stores
     "hits_shared",

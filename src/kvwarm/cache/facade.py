@@ -39,7 +39,7 @@ from dataclasses import replace
 from types import TracebackType
 
 from kvwarm.cache.api import LoadedRow
-from kvwarm.cache.chunking import PlanBook, store_row
+from kvwarm.cache.chunking import PlanBook
 from kvwarm.cache.chunkreads import ChunkReads
 from kvwarm.cache.core import ScratchBuffers
 from kvwarm.cache.counters import Counters
@@ -49,6 +49,7 @@ from kvwarm.cache.key import cache_key
 from kvwarm.cache.policy import validate_cache_config
 from kvwarm.cache.pressure import PressureScheduler, PressureSource, make_source
 from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
+from kvwarm.cache.quota import QuotaCaps
 from kvwarm.cache.shared import SharedTiers
 from kvwarm.cache.sharedgc import SharedSweep
 from kvwarm.cache.tiers.registry import TierOptions, build_tier
@@ -100,6 +101,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
         validate_cache_config(self.config)
         self._init_upkeep(self.config.sweep_interval_s)
         self._counters = Counters()
+        self._quota_caps = QuotaCaps()
         self._index = Index(
             reservation_ttl_s=self.config.reservation_ttl_s,
             ttl_seconds=self.config.ttl_seconds,
@@ -300,9 +302,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
     def _run_save(self, key: bytes, request: SaveRequest, tier: Tier) -> bool:
         t0 = time.perf_counter()
         try:
-            row = store_row(
-                key, request, tier, self._index, self.config.chunk_tokens, counters=self._counters
-            )
+            row = self._store_row(key, request, tier, self.config.chunk_tokens)
         except CacheNetworkError as exc:
             # The tier warned when the store went down; one line per dropped save is noise.
             self._counters.incr("save_failures")

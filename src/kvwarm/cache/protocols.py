@@ -176,6 +176,24 @@ class Cotenanted(Protocol):
 
 
 @runtime_checkable
+class SetsAside(Protocol):
+    """A tier whose startup scan quarantines what it rejects (file tiers): the cache asks it
+    to set aside a manifest whose chunks are gone, and ``verify`` counts what was set aside."""
+
+    def chunk_size(self, key: bytes) -> int | None:
+        """The stored size of chunk ``key`` if it is there and its head is valid."""
+        ...
+
+    def set_aside_row(self, key: bytes, why: str) -> bool:
+        """Quarantine row ``key``'s file; False if it is only reported (read-only open)."""
+        ...
+
+    def quarantined(self) -> tuple[int, int]:
+        """(row files, chunk files) set aside so far."""
+        ...
+
+
+@runtime_checkable
 class ChunkAges(Protocol):
     """A tier whose chunks can be listed with their ages, for the shared-tier chunk sweep
     (``cache/sharedgc.py``): file tiers and s3."""

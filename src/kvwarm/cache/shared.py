@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from kvwarm.cache.chunking import store_row
 from kvwarm.cache.core import CacheCore
 from kvwarm.cache.key import PrefixKeyer
 from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
@@ -163,7 +162,7 @@ class SharedTiers(CacheCore):
             return False  # evicted or copied meanwhile, or being read: a later hit promotes
         row: StoredRow | None = None
         try:
-            row = store_row(key, request, target, self._index, 0)
+            row = self._store_row(key, request, target, 0, count_chunks=False)
         except CacheError as exc:
             log.warning("%s: promoting %s failed: %s", target.name, key.hex(), exc)
         finally:

@@ -4,8 +4,13 @@ persistence and verification. Mixed into ``Cache`` (facade.py).
 Invariants:
 
 - One bad row never stops a scan, a sweep or a verify.
-- ``verify`` reports every bad file, the ones the startup scan rejected included, and deletes
-  nothing unless asked to ``repair``.
+- ``verify`` reports every bad file, the ones a read-only startup scan rejected included, and
+  deletes nothing unless asked to ``repair``; what repairing scans already set aside
+  (``quarantine/``) it counts apart, as fixed.
+- A repairing startup scan adopts no manifest whose chunks are gone: chunks are scanned first
+  (a damaged one is set aside), and a manifest naming one that is neither indexed nor on disk
+  with a valid head is quarantined, so a damaged chunk costs its rows at startup, not at
+  their next read (``_adopt_scanned``).
 - An orphan (a writer linked its file and vanished) is adopted if its tier vouches for the
   bytes, and deleted only if they are unusable and no row of its key is indexed.
 - TTL expiry deletes bytes only in local tiers; an expired row of a remote shared tier is
@@ -23,7 +28,7 @@ import threading
 from kvwarm.cache.api import VerifyReport
 from kvwarm.cache.core import CacheCore
 from kvwarm.cache.index import Orphan
-from kvwarm.cache.protocols import StoredRow, Tier
+from kvwarm.cache.protocols import SetsAside, StoredRow, Tier
 from kvwarm.cache.types import EvictResult
 from kvwarm.errors import CacheError, CacheFormatError, CacheKeyError
 
@@ -54,7 +59,7 @@ class CacheUpkeep(CacheCore):
                 self._index.chunk_stored(tier.name, chunk_key, size)
             for row in tier.scan():
                 try:
-                    adopted += self._index.adopt(row)
+                    adopted += self._adopt_scanned(tier, row)
                 except ValueError as exc:
                     log.warning("%s: skipping %s: %s", tier.name, row.info.key.hex(), exc)
                     self._scan_problems.append((row.location or row.info.key.hex(), str(exc)))
@@ -66,6 +71,27 @@ class CacheUpkeep(CacheCore):
         self._scan_problems.extend(tier.problems())
         if adopted:
             log.info("%s: adopted %d rows", tier.name, adopted)
+
+    def _adopt_scanned(self, tier: Tier, row: StoredRow) -> bool:
+        """Adopt a row the scan found, unless it is a manifest naming a chunk that is gone
+        (set aside instead, in a tier that sets aside). A chunk not seen by the chunk scan
+        but on disk now (another process's save since) is counted stored, not missing."""
+        if row.chunks and isinstance(tier, SetsAside) and tier.capabilities.local:
+            sizes = self._index.chunk_sizes(tier.name, row.chunks)
+            gone = []
+            for chunk, size in zip(row.chunks, sizes, strict=True):
+                if size is not None:
+                    continue
+                found = tier.chunk_size(chunk)
+                if found is None:
+                    gone.append(chunk)
+                else:
+                    self._index.chunk_stored(tier.name, chunk, found)
+            if gone:
+                why = f"names {len(gone)} chunk(s) missing or damaged, first {gone[0].hex()}"
+                if tier.set_aside_row(row.info.key, why):
+                    return False
+        return self._index.adopt(row)
 
     def gc(self) -> EvictResult:
         _, orphans = self._index.reap_reservations()
@@ -128,7 +154,12 @@ class CacheUpkeep(CacheCore):
                     self._retire([r for r in (self._index.remove(info.key),) if r is not None])
             finally:
                 self._index.checkin(info.key, gen)
-        return VerifyReport(checked, tuple(bad))
+        rows = chunks = 0
+        for tier in self._tiers.values():
+            if isinstance(tier, SetsAside):
+                tier_rows, tier_chunks = tier.quarantined()
+                rows, chunks = rows + tier_rows, chunks + tier_chunks
+        return VerifyReport(checked, tuple(bad), rows, chunks)
 
     def rescan(self) -> int:
         """Adopt rows other processes published in shared tiers since we last looked.

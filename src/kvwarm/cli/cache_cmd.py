@@ -3,7 +3,9 @@
 Invariant: these commands open the cache alone (pure Python, no llama.cpp), over the same tier
 directories the server uses, so they work on a machine without a model. ``verify`` reports
 every bad file (CRC, truncation, garbage, interrupted temp files) and exits 1 if there is one;
-it moves and deletes nothing unless given ``--repair``.
+it moves and deletes nothing unless given ``--repair``. What a server's startup scan already
+set aside (``quarantine/``: damaged rows and chunks, manifests whose chunks were gone) is
+reported as fixed, and alone does not make it exit 1.
 """
 
 from __future__ import annotations
@@ -180,11 +182,17 @@ def run_verify(args: argparse.Namespace) -> int:
         # The report stays the read-only one: it is the only one that saw every bad file.
         with open_cache(settings) as cache:
             cache.verify(repair=True)
+    fixed = {"rows": report.quarantined_rows, "chunks": report.quarantined_chunks}
     if args.json:
         bad = [{"row": where, "reason": why} for where, why in report.bad]
-        print(json.dumps({"checked": report.checked, "bad": bad}))
+        print(json.dumps({"checked": report.checked, "bad": bad, "quarantined": fixed}))
     else:
         print(f"checked {report.checked} rows: {len(report.bad)} bad")
+        if report.quarantined_rows or report.quarantined_chunks:
+            print(
+                f"already fixed by startup scans (set aside in quarantine/): "
+                f"{report.quarantined_rows} row files, {report.quarantined_chunks} chunk files"
+            )
         for where, why in report.bad:
             print(f"bad: {where}: {why}", file=sys.stderr)
     return 1 if report.bad else 0

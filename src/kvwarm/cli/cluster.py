@@ -1,7 +1,8 @@
 """``kvwarm cluster``: the OpenAI-compatible server over several engine replicas on Ray Serve.
 
 Invariant: the same settings as ``serve`` (flags, ``KVWARM_*`` env, TOML), plus ``--replicas``,
-``--ray-address`` and ``--cluster-busy-requests``; it runs until SIGINT/SIGTERM, then removes
+``--ray-address``, ``--node-ip`` and ``--cluster-busy-requests``; a local Ray listens on
+127.0.0.1 only unless ``--node-ip`` opens it; it runs until SIGINT/SIGTERM, then removes
 the application (and stops Ray if it started it).
 """
 
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"kvwarm cluster needs the cluster extra (kvwarm[cluster]): {exc}"
         ) from exc
-    deploy.start_ray(settings.ray_address)
+    deploy.start_ray(settings.ray_address, node_ip=settings.node_ip)
     stop = threading.Event()
     # After ray.init: Ray installs its own SIGTERM handler in the driver (a stack dump and an
     # abort); a requested shutdown must remove the application and exit 0 instead.

@@ -5,6 +5,12 @@ Invariants: the same settings that configure ``kvwarm serve`` configure every re
 context, cache tiers); ``replicas``, ``ray_address`` and ``cluster_busy_requests`` add the
 cluster's own. Replicas ask Ray for no CPU reservation (``num_cpus=0``): llama.cpp's threads
 are set by ``n_threads``, not by Ray. The HTTP proxy listens on ``host:port``, as ``serve``.
+
+A local Ray (no ``ray_address``) listens on 127.0.0.1 only, every service of it: GCS, raylet,
+agents, workers, the Serve controller (Ray's GCS takes a token but runs any driver that has
+it). Ray would otherwise turn a loopback ``_node_ip_address`` into the host's address and bind
+its gRPC servers to every interface; ``node_ip`` opens it to that address deliberately. No
+dashboard. (``kvwarm.cluster.loopback``.)
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from starlette.types import ASGIApp
 
 from kvwarm.cluster.calls import Generate, ModelOp
 from kvwarm.cluster.ingress import create_ingress_app
+from kvwarm.cluster.loopback import LOOPBACK, keep_ray_on_loopback, keep_replica_grpc_on_loopback
 from kvwarm.cluster.remote import ResponseStream
 from kvwarm.cluster.replica import EngineReplica
 from kvwarm.cluster.routing import RoutingPolicy
@@ -56,6 +63,7 @@ class Ingress:
     """The ingress deployment's body: builds the app in the replica (``serve.ingress()``)."""
 
     def __init__(self, settings: Settings, engine: DeploymentHandle[EngineReplica]) -> None:
+        keep_replica_grpc_on_loopback()
         self._settings = settings
         self._engine = engine
 
@@ -116,19 +124,28 @@ def build_app(
 
 
 def start_ray(
-    address: str | None, *, temp_dir: Path | None = None, num_cpus: int | None = None
+    address: str | None,
+    *,
+    node_ip: str | None = None,
+    temp_dir: Path | None = None,
+    num_cpus: int | None = None,
 ) -> None:
-    """Join the Ray cluster at ``address``, or start a local one (no dashboard)."""
+    """Join the Ray cluster at ``address``, or start a local one (no dashboard) listening on
+    127.0.0.1 only, or on ``node_ip`` when given (other nodes can then join it)."""
     if ray.is_initialized():
         return
     if address:
         ray.init(address=address, log_to_driver=True)
         return
+    if node_ip is None or node_ip == LOOPBACK:
+        keep_ray_on_loopback()
+    else:
+        log.warning("kvwarm cluster: Ray listens on %s, reachable from that network", node_ip)
     ray.init(
         address="local",
         include_dashboard=False,
         num_cpus=num_cpus,
-        _node_ip_address="127.0.0.1",
+        _node_ip_address=node_ip or LOOPBACK,
         _temp_dir=str(temp_dir) if temp_dir is not None else None,
     )
 

@@ -48,8 +48,10 @@ def _portable(exc: BaseException) -> BaseException:
 
 class EngineReplica:
     def __init__(self, settings: Settings, replica_id: str | None = None) -> None:
+        from kvwarm.cluster.loopback import keep_replica_grpc_on_loopback
         from kvwarm.engine.api import Engine, EngineConfig
 
+        keep_replica_grpc_on_loopback()
         self.settings = settings
         self.replica_id = replica_id or replica_name()
         self.engine = Engine(EngineConfig(cache=settings.cache_config(), backend=settings.backend))

@@ -100,7 +100,7 @@ SERVER_POLICY = PolicyConfig(
 
 _REPEAT: dict[str, Any] = {"repeatable": True}
 # Settings only ``kvwarm cluster`` takes as flags (the environment and TOML accept them always).
-CLUSTER_ONLY = ("replicas", "ray_address", "cluster_busy_requests")
+CLUSTER_ONLY = ("replicas", "ray_address", "node_ip", "cluster_busy_requests")
 
 
 class Settings(ModelSettings, ServingSettings):
@@ -261,6 +261,11 @@ class Settings(ModelSettings, ServingSettings):
         default=None,
         description="cluster: Ray cluster to join, e.g. ray://head:10001 (default: "
         "start a local one)",
+    )
+    node_ip: OptStr = Field(
+        default=None,
+        description="cluster: the address a local Ray listens on and other nodes reach it at; "
+        "opens its services (GCS, raylet, agents) to that network (default: 127.0.0.1 only)",
     )
     cluster_busy_requests: Int = Field(
         default=0,

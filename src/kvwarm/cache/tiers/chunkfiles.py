@@ -11,7 +11,10 @@ Invariants:
   its head is valid for the key (identical bytes by construction), else replaces it.
 - Temp names follow ``layout.tmp_name`` (token 0), so the directory scan reaps interrupted
   ones exactly like a row's.
-- ``load`` verifies the head, the key replay and the payload CRC32C (``chunkfmt.parse``).
+- ``load`` verifies the head, the key replay and the payload CRC32C (``chunkfmt.parse``); the
+  startup scan checks each file's head (its CRC32C, the key) and its length (head plus
+  payload must end exactly at the file's size), not the payload's CRC, and a repairing scan
+  moves a chunk that fails to ``quarantine/`` (``filescan.set_aside``).
 
 Steps (``CHUNK_STEPS``) are reported to the tier's step hook, for the kill -9 tests.
 """
@@ -25,6 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvwarm.cache import chunkfmt
+from kvwarm.cache.tiers.filescan import set_aside
 from kvwarm.cache.tiers.fsutil import open_regular, read_file, unlink_quiet
 from kvwarm.cache.tiers.layout import tmp_name
 from kvwarm.cache.types import TierName
@@ -60,6 +64,7 @@ class ChunkFiles:
         root: Path,
         *,
         repair: bool,
+        quarantine: bool = True,
         on_step: Callable[[str], None] | None,
         writing: Callable[[str], None],
         done: Callable[[str], None],
@@ -67,6 +72,7 @@ class ChunkFiles:
         self._tier = tier
         self._root = root
         self._repair = repair
+        self._quarantine = quarantine
         self._on_step = on_step
         self._writing = writing  # tell the scan a temp file is ours and live
         self._done = done
@@ -184,8 +190,13 @@ class ChunkFiles:
             elif not self._repair:
                 self.problems.append((str(self._root / name), "invalid chunk"))
             else:
-                log.warning("%s: removing invalid chunk %s", self._tier, name)
-                unlink_quiet(dir_fd, name)
+                log.warning("%s: setting aside invalid chunk %s", self._tier, name)
+                set_aside(dir_fd, name, quarantine=self._quarantine, tier=self._tier)
+
+    def size(self, dir_fd: int, key: bytes) -> int | None:
+        """The size of chunk ``key``'s file if its head is valid (payload not read)."""
+        head = self._head(dir_fd, chunk_name(key))
+        return None if head is None else head.payload_offset + head.payload_length
 
 
 def _read_exact(dir_fd: int, name: str, into: memoryview) -> memoryview | None:

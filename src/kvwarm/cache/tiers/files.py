@@ -31,11 +31,11 @@ from pathlib import Path
 
 from kvwarm.cache import kvc
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
-from kvwarm.cache.tiers.chunkfiles import ChunkFiles
+from kvwarm.cache.tiers.chunkfiles import CHUNK_SUFFIX, ChunkFiles
 from kvwarm.cache.tiers.cotenants import PROCS, Cotenants
 from kvwarm.cache.tiers.filescan import DirScan
 from kvwarm.cache.tiers.fsutil import open_private_dir, open_regular, read_file
-from kvwarm.cache.tiers.layout import key_of, name_for, row_from_file
+from kvwarm.cache.tiers.layout import QUARANTINE, ROW_SUFFIX, key_of, name_for, row_from_file
 from kvwarm.cache.tiers.publish import PUBLISH_STEPS, Publisher, StepHook
 from kvwarm.cache.tiers.registry import tier_spec
 from kvwarm.cache.types import SaveRequest, TierName
@@ -86,6 +86,7 @@ class FileTier:
             name,
             self._root,
             repair=repair,
+            quarantine=quarantine,
             on_step=on_step,
             writing=self._publisher.begin_writing,
             done=self._publisher.end_writing,
@@ -130,6 +131,12 @@ class FileTier:
     @property
     def root(self) -> Path:
         return self._root
+
+    def filesystem_free_bytes(self) -> int:
+        """Bytes an unprivileged writer may still put on the root's filesystem
+        (``quota.FilesystemSpace``: the quota is capped by what the tier holds plus this)."""
+        st = os.statvfs(self._root)
+        return st.f_bavail * st.f_frsize
 
     def cotenanted(self) -> bool:
         """Whether another process has used this directory since we opened it (or we cannot
@@ -234,6 +241,35 @@ class FileTier:
 
     def scan_chunks(self) -> Iterator[tuple[bytes, int]]:
         return self._chunks.scan(self._dir)
+
+    # ---- what the scans set aside (``protocols.SetsAside``) --------------------------------
+
+    def chunk_size(self, key: bytes) -> int | None:
+        """The size of chunk ``key`` if its file is there with a valid head, else None."""
+        return self._chunks.size(self._dir, key)
+
+    def set_aside_row(self, key: bytes, why: str) -> bool:
+        """Quarantine row ``key``'s file as the startup scan does an invalid one (a manifest
+        whose chunks are gone). False if it is only reported (read-only, multi-host)."""
+        return self._scanner.drop(self._dir, name_for(key), CacheFormatError(why))
+
+    def quarantined(self) -> tuple[int, int]:
+        """(row files, chunk files) in ``quarantine/``: what scans have set aside so far."""
+        try:
+            qdir = os.open(
+                QUARANTINE, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._dir
+            )
+        except FileNotFoundError:
+            return 0, 0
+        except OSError as exc:
+            log.warning("%s: cannot list %s/%s: %s", self._name, self._root, QUARANTINE, exc)
+            return 0, 0
+        try:
+            names = os.listdir(qdir)
+        finally:
+            os.close(qdir)
+        rows = sum(1 for n in names if n.endswith(ROW_SUFFIX))
+        return rows, sum(1 for n in names if n.endswith(CHUNK_SUFFIX))
 
     def chunk_ages(self) -> Iterator[tuple[bytes, int, float]]:
         return self._chunks.ages(self._dir)

@@ -11,7 +11,12 @@ Invariants:
 - On a directory several hosts share (``multi_host``) a file this process cannot read is only
   reported, never quarantined: it may be a row another host's (newer) kvwarm reads.
 - A directory named like a row is never removed.
-- Rows are yielded from their metadata; the payload CRC is checked when the row is loaded.
+- Rows are yielded from their metadata, checked by length (header, trailer and payload must
+  end exactly at the file's size: a truncated or extended file fails) and by the metadata
+  CRC32C over header, trailer and TLV (a flipped trailer byte fails); the payload CRC is
+  checked when the row is loaded (a full read of every file would make startup slow).
+- What a repairing scan rejects is moved to ``quarantine/`` (``set_aside``), chunks included
+  (``chunkfiles.py``), so ``kvwarm cache verify`` later counts what the scans fixed.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from kvwarm.cache.tiers.layout import (
 from kvwarm.cache.types import TierName
 from kvwarm.errors import CacheFormatError
 
-__all__ = ["DirScan"]
+__all__ = ["DirScan", "set_aside"]
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +121,37 @@ class DirScan:
                 log.warning("%s: cannot read %s, leaving it: %s", self._tier, name, why)
             return
         log.warning("%s: invalid cache file %s: %s", self._tier, name, why)
-        try:
-            if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-                return  # e.g. a directory named like a row: not ours to remove
-            if self._quarantine:
-                qdir = open_private_subdir(dir_fd, QUARANTINE)
-                try:
-                    os.replace(name, name, src_dir_fd=dir_fd, dst_dir_fd=qdir)
-                finally:
-                    os.close(qdir)
-            else:
-                os.unlink(name, dir_fd=dir_fd)
-        except OSError as exc:
-            log.error("%s: cannot remove invalid file %s: %s", self._tier, name, exc)
+        set_aside(dir_fd, name, quarantine=self._quarantine, tier=self._tier)
+
+    def drop(self, dir_fd: int, name: str, why: Exception) -> bool:
+        """Reject a row file the cache found unusable after the scan yielded it (a manifest
+        naming chunks that are gone), as the scan rejects an invalid one. False, changing and
+        reporting nothing, on a read-only open or a multi-host directory: the row is adopted
+        and its first read (or ``verify``) finds the chunk missing."""
+        if not self._repair or self._multi_host:
+            return False
+        self._discard(dir_fd, name, why)
+        return True
+
+
+def set_aside(dir_fd: int, name: str, *, quarantine: bool, tier: TierName) -> None:
+    """Move the invalid file ``name`` into ``quarantine/`` (or delete it); a directory named
+    like a cache file is left alone. Errors are logged, never raised."""
+    try:
+        if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            return  # e.g. a directory named like a row: not ours to remove
+        if quarantine:
+            qdir = open_private_subdir(dir_fd, QUARANTINE)
+            try:
+                os.replace(name, name, src_dir_fd=dir_fd, dst_dir_fd=qdir)
+            finally:
+                os.close(qdir)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass  # removed by someone else meanwhile
+    except OSError as exc:
+        log.error("%s: cannot remove invalid file %s: %s", tier, name, exc)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -9,6 +9,7 @@ can be served. Cache administration acts on the one shared ``Cache`` of the engi
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Annotated, Any
 
@@ -158,6 +159,26 @@ def _tier_totals(rows: list[RowInfo]) -> dict[str, dict[str, object]]:
     }
 
 
+_EFFECTIVE = "_effective_quota_bytes"
+
+
+def _tier_quotas(counters: Mapping[str, float]) -> dict[str, dict[str, object]]:
+    """Per configured tier: its quota, its effective quota (capped by the room on its
+    filesystem, ``cache/quota.py``) and whether that cap applies now."""
+    quotas: dict[str, dict[str, object]] = {}
+    for name, effective in counters.items():
+        if name.startswith("tier_") and name.endswith(_EFFECTIVE):
+            tier = name[len("tier_") : -len(_EFFECTIVE)]
+            quotas[tier] = {
+                "quota_bytes": int(counters.get(f"tier_{tier}_quota_bytes", effective)),
+                "effective_quota_bytes": int(effective),
+                "quota_capped_by_filesystem": bool(
+                    counters.get(f"tier_{tier}_quota_capped_by_filesystem", 0.0)
+                ),
+            }
+    return quotas
+
+
 @router.get("/cache/stats")
 async def cache_stats(request: Request) -> Response:
     state = server_state(request)
@@ -171,6 +192,7 @@ async def cache_stats(request: Request) -> Response:
             "bytes": sum(r.size for r in rows),
             "tokens": sum(r.n_tokens for r in rows),
             "tiers": _tier_totals(rows),
+            "quotas": _tier_quotas(counters),
             "keep_alive": [
                 {
                     "model": e.model_id,

@@ -1,0 +1,92 @@
+"""Damage is found at startup, not at the next read: the startup scan checks each row and
+chunk file's length and its header/trailer CRC (not the payload's CRC), sets aside what fails
+in ``quarantine/``, drops manifests whose chunks are gone, and ``verify`` then counts what was
+set aside as fixed instead of reporting the manifests as bad."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.cache.chunkkit import blob, chunked_request, join
+from tests.cache.tierkit import NS
+
+from kvwarm.cache import Cache, CacheConfig, TierConfig, chunkfmt
+from kvwarm.cache.key import cache_key
+
+C = 256
+N = 600  # three chunks: 256 + 256 + 88 tokens
+
+
+def run(start: int) -> list[int]:
+    return list(range(start, start + N))
+
+
+def config(root: Path) -> CacheConfig:
+    return CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=C)
+
+
+def chunk_path(root: Path, tokens: list[int], index: int) -> Path:
+    keys = chunkfmt.chunk_keys(NS, tokens, (C, C, N - 2 * C))
+    return root / f"{keys[index].hex()}.kvk"
+
+
+def row_path(root: Path, tokens: list[int]) -> Path:
+    return root / f"{cache_key(NS, tokens).hex()}.kvc"
+
+
+def damage(root: Path) -> dict[str, list[int]]:
+    """Five rows saved as manifests over chunks, four of them then damaged on disk."""
+    rows = {name: run(10_000 * i) for i, name in enumerate(
+        ("truncated_chunk", "chunk_trailer", "manifest_trailer", "appended", "sound"))}  # fmt: skip
+    with Cache(config(root), background=False) as cache:
+        for tokens in rows.values():
+            assert cache.save(chunked_request(NS, tokens, tier="disk"), sync=True)
+    victim = chunk_path(root, rows["truncated_chunk"], 1)
+    victim.write_bytes(victim.read_bytes()[:-100])
+    victim = chunk_path(root, rows["chunk_trailer"], 0)  # the head CRC after the token list
+    data = bytearray(victim.read_bytes())
+    data[chunkfmt.head_size(C) - 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    victim = row_path(root, rows["manifest_trailer"])  # the trailer's payload CRC field
+    data = bytearray(victim.read_bytes())
+    data[64] ^= 0x01
+    victim.write_bytes(bytes(data))
+    victim = row_path(root, rows["appended"])
+    victim.write_bytes(victim.read_bytes() + b"\x00" * 70)
+    return rows
+
+
+def test_a_restart_sets_aside_damaged_files_and_the_manifests_they_break(tmp_path: Path) -> None:
+    root = tmp_path / "kvc"
+    rows = damage(root)
+    with Cache(config(root), background=False) as cache:  # the restart
+        for name, tokens in rows.items():
+            found = cache.lookup_exact(cache_key(NS, tokens)) is not None
+            assert found == (name == "sound"), name
+        with cache.open_row(cache_key(NS, rows["sound"])) as row:
+            assert join(row.chunks) == blob(rows["sound"])
+    quarantined = {p.name for p in (root / "quarantine").iterdir()}
+    assert quarantined == {
+        chunk_path(root, rows["truncated_chunk"], 1).name,
+        chunk_path(root, rows["chunk_trailer"], 0).name,
+        *(row_path(root, rows[n]).name for n in rows if n != "sound"),
+    }
+    # A read-only open (what `kvwarm cache verify` does) finds nothing bad left, and counts
+    # what the startup scan fixed.
+    with Cache(config(root), background=False, repair=False) as cache:
+        report = cache.verify()
+    assert report.bad == ()
+    assert (report.checked, report.quarantined_rows, report.quarantined_chunks) == (1, 4, 2)
+
+
+def test_a_read_only_open_reports_the_damage_and_moves_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "kvc"
+    rows = damage(root)
+    listing = sorted(p.name for p in root.iterdir())
+    with Cache(config(root), background=False, repair=False) as cache:
+        report = cache.verify()
+    assert sorted(p.name for p in root.iterdir()) == listing
+    assert (report.quarantined_rows, report.quarantined_chunks) == (0, 0)
+    bad = {Path(where).name for where, _ in report.bad}
+    assert {row_path(root, rows[n]).name for n in ("manifest_trailer", "appended")} <= bad
+    assert {chunk_path(root, rows["truncated_chunk"], 1).name} <= bad
