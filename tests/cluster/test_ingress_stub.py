@@ -12,10 +12,11 @@ import pytest
 from fastapi.testclient import TestClient
 from tests.server.conftest import sse_events, stub_settings, wait_ready
 
-from kvwarm.cluster.calls import Generate, ModelOp
+from kvwarm.cluster.calls import Failed, Generate, ModelOp
 from kvwarm.cluster.chains import chat_chain
 from kvwarm.cluster.ingress import create_ingress_app
 from kvwarm.cluster.replica import EngineReplica
+from kvwarm.errors import InvalidRequestError
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence, always politely."}
 
@@ -136,6 +137,16 @@ def test_non_generation_calls_go_through_the_replica(client: TestClient) -> None
     models = client.get("/v1/models").json()["data"]
     assert {m["id"] for m in models} == {"a", "b"}
     assert all(m["status"] == "ready" and m["meta"]["n_ctx"] > 0 for m in models)
+
+
+def test_a_replica_runs_only_declared_operations(replica: EngineReplica) -> None:
+    # The replica dispatches by name (engine.ops.CALLS): a name that is not a declared
+    # operation, such as the model's own unload, is refused and the model stays loaded.
+    refused = asyncio.run(replica.call(ModelOp("a", "unload")))
+    assert isinstance(refused, Failed) and isinstance(refused.error, InvalidRequestError)
+    assert replica.models["a"].status().state == "ready"
+    info = asyncio.run(replica.call(ModelOp("a", "info")))
+    assert getattr(info, "id", None) == "a"
 
 
 def test_replica_errors_keep_their_type(client: TestClient) -> None:

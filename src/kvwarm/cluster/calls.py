@@ -13,19 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvwarm.engine.ops import OpName
 from kvwarm.engine.types import Completion, GenerationOptions
 
 GenerateKind = Literal["chat", "text", "text_quiet"]  # text_quiet: Model.submit (no fragments)
-OpName = Literal[
-    "info",
-    "tokenize",
-    "detokenize",
-    "apply_chat_template",
-    "chat_tokens",
-    "infill_tokens",
-    "embed",
-    "prewarm",
-]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +32,8 @@ class Generate:
 
 @dataclass(frozen=True, slots=True)
 class ModelOp:
-    """A call that is not a generation (tokenize, template, embed, prewarm, info)."""
+    """A call that is not a generation: ``op`` names one of ``engine.ops.CALLS`` (tokenize,
+    template, embed, prewarm, info, ...); the replica refuses any other name."""
 
     model_id: str
     op: OpName

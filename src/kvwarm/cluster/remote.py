@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 from kvwarm.cache.types import TtlClass
 from kvwarm.cluster import chains
@@ -25,10 +25,9 @@ from kvwarm.cluster.calls import (
     Generate,
     GenerateKind,
     ModelOp,
-    OpName,
     Served,
 )
-from kvwarm.engine.prompts import ExtraFile
+from kvwarm.engine.ops import ModelCalls, ModelOps, OpName
 from kvwarm.engine.request import Fragment
 from kvwarm.engine.submit import choice_options
 from kvwarm.engine.types import (
@@ -42,7 +41,11 @@ from kvwarm.engine.types import (
 from kvwarm.errors import KvwarmError, ReplicaUnavailableError
 
 if TYPE_CHECKING:
-    from kvwarm.server.served import Message
+    from kvwarm.engine.ops import Message
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_V = TypeVar("_V")
 
 
 class ResponseStream(Protocol):
@@ -165,8 +168,23 @@ class RemoteStream:
         return self._completion
 
 
-class RemoteModel:
-    """A model served by the engine deployment; ``server.served.ServedModel`` for the routes.
+def _forward(
+    declared: Callable[Concatenate[ModelCalls, _P], _R],
+) -> Callable[Concatenate[RemoteModel, _P], _R]:
+    """A ``RemoteModel`` method with ``declared``'s signature that sends its arguments to a
+    replica as one ``ModelOp`` named after it, and answers what the replica's model did."""
+    name = declared.__name__
+
+    def forward(self: RemoteModel, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return cast(_R, self._op(name, args, kwargs))
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = declared.__doc__
+    return forward
+
+
+class RemoteModel(ModelOps):
+    """A model served by the engine deployment; ``engine.ops.ModelOps`` for the routes.
 
     ``on_served`` is told which replica served each generation (the ingress puts it in a
     response header). Chains are computed here, in the ingress, from the request's messages
@@ -273,20 +291,18 @@ class RemoteModel:
         choices = choice_options(options or GenerationOptions(), n, self._info.n_parallel)
         return [self.stream_chat(messages, tools=tools, options=opts) for opts in choices]
 
-    def infill_tokens(
-        self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
-    ) -> list[int]:
-        out = self._op("infill_tokens", prefix, suffix, prompt=prompt, extra=list(extra))
-        assert isinstance(out, list)
-        return out
-
     # --- everything else: one blocking call each (the routes call these on the thread pool) -
 
     def _op(
-        self, op: OpName, *args: object, chain: tuple[str, ...] = (), **kwargs: object
+        self,
+        op: OpName,
+        args: tuple[object, ...],
+        kwargs: Mapping[str, object],
+        chain: tuple[str, ...] = (),
     ) -> object:
+        call = ModelOp(self.id, op, tuple(_plain(a) for a in args), _plain(dict(kwargs)), chain)
         try:
-            result = self._op_call(ModelOp(self.id, op, args, kwargs, chain))
+            result = self._op_call(call)
         except KvwarmError:
             raise
         except Exception as exc:
@@ -295,43 +311,15 @@ class RemoteModel:
             raise result.error
         return result
 
-    def tokenize(
-        self, text: str, *, add_special: bool = True, parse_special: bool = False
-    ) -> list[int]:
-        out = self._op("tokenize", text, add_special=add_special, parse_special=parse_special)
-        assert isinstance(out, list)
-        return out
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return str(self._op("detokenize", list(tokens)))
-
-    def apply_chat_template(
-        self,
-        messages: Sequence[Message],
-        *,
-        tools: Sequence[Mapping[str, object]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> str:
-        out = self._op(
-            "apply_chat_template",
-            list(messages),
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-        )
-        return str(out)
-
-    def chat_tokens(
-        self,
-        messages: Sequence[Message],
-        *,
-        tools: Sequence[Mapping[str, object]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> tuple[tuple[int, ...], str]:
-        out = self._op(
-            "chat_tokens", list(messages), tools=tools, add_generation_prompt=add_generation_prompt
-        )
-        assert isinstance(out, tuple)
-        return out
+    # The non-streaming operations of ``engine.ops.ModelCalls``, forwarded by name; the
+    # replica dispatches by name too. ``info`` (kept from start-up) and ``prewarm`` (which
+    # carries its chain, so the router places the prefix) are the explicit ones above/below.
+    tokenize = _forward(ModelCalls.tokenize)
+    detokenize = _forward(ModelCalls.detokenize)
+    apply_chat_template = _forward(ModelCalls.apply_chat_template)
+    chat_tokens = _forward(ModelCalls.chat_tokens)
+    infill_tokens = _forward(ModelCalls.infill_tokens)
+    embed = _forward(ModelCalls.embed)
 
     def prewarm(
         self,
@@ -341,30 +329,23 @@ class RemoteModel:
         add_special: bool = True,
         cache_salt: str | None = None,
     ) -> CompletionStats:
-        value = prompt if isinstance(prompt, str) else list(prompt)
         out = self._op(
             "prewarm",
-            value,
-            ttl_class=ttl_class,
-            add_special=add_special,
-            cache_salt=cache_salt,
-            chain=chains.text_chain(self.id, prompt, cache_salt=cache_salt),
+            (prompt,),
+            {"ttl_class": ttl_class, "add_special": add_special, "cache_salt": cache_salt},
+            chains.text_chain(self.id, prompt, cache_salt=cache_salt),
         )
         assert isinstance(out, CompletionStats)
         return out
 
-    def embed(
-        self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool = True
-    ) -> list[list[float]]:
-        items = (
-            inputs
-            if isinstance(inputs, str)
-            else [x if isinstance(x, str) else list(x) for x in inputs]
-        )
-        out = self._op("embed", items, normalize=normalize)
-        assert isinstance(out, list)
-        return out
 
-
-def _plain(item: str | Sequence[int]) -> str | list[int]:
-    return item if isinstance(item, str) else list(item)
+def _plain(value: _V) -> _V:
+    """``value`` with every sequence but a string (or a dataclass) made a list, recursively,
+    mappings' values included: what crosses the handle is plain and picklable."""
+    if isinstance(value, str | bytes) or dataclasses.is_dataclass(value):
+        return value
+    if isinstance(value, Mapping):
+        return cast(_V, {k: _plain(v) for k, v in value.items()})
+    if isinstance(value, Sequence):
+        return cast(_V, [_plain(v) for v in value])
+    return value

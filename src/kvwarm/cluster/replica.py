@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from kvwarm.cluster.calls import Failed, Finished, Generate, ModelOp, Served, StreamItem
 from kvwarm.cluster.gauges import ReplicaGauges
 from kvwarm.cluster.routing import WarmSet
-from kvwarm.errors import KvwarmError, UnknownModelError
+from kvwarm.engine.ops import CALLS
+from kvwarm.errors import InvalidRequestError, KvwarmError, UnknownModelError
 from kvwarm.settings import Settings, model_config
 
 if TYPE_CHECKING:
@@ -122,9 +123,11 @@ class EngineReplica:
             return Failed(_portable(exc))
 
     def _call(self, op: ModelOp) -> object:
+        """Any of the model's non-streaming operations, by name (``engine.ops.CALLS``): a
+        new operation declared there needs nothing here."""
+        if op.op not in CALLS:
+            raise InvalidRequestError(f"a replica has no operation {op.op!r}")
         model = self._model(op.model_id)
-        if op.op == "info":
-            return model.info()
         result = getattr(model, op.op)(*op.args, **op.kwargs)
         if op.op == "prewarm":
             self.warm.add(op.chain)

@@ -18,7 +18,8 @@ from typing import Unpack
 
 from kvwarm.engine.config import EngineConfig, ModelConfig, ModelOptions
 from kvwarm.engine.engine import Engine
-from kvwarm.engine.model import Message, Model, Prompt
+from kvwarm.engine.model import Model, Prompt
+from kvwarm.engine.ops import Message
 from kvwarm.engine.types import ModelInfo
 
 __all__ = [

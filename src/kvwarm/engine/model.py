@@ -33,6 +33,7 @@ from kvwarm.engine.describe import (
 )
 from kvwarm.engine.embeddings import Embedder
 from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
+from kvwarm.engine.ops import Message
 from kvwarm.engine.options import GenerationOverrides, merge_options
 from kvwarm.engine.prompts import ExtraFile, chat_tokens, fim_tokens
 from kvwarm.engine.request import RequestKind, check_tokens
@@ -52,9 +53,9 @@ from kvwarm.errors import EngineClosedError
 
 if TYPE_CHECKING:
     from kvwarm.engine.engine import Engine
+    from kvwarm.engine.ops import ModelOps
 
 Prompt = str | Sequence[int]
-Message = Mapping[str, object]
 
 
 log = logging.getLogger(__name__)
@@ -435,3 +436,7 @@ class Model:
         finally:
             self._state = "closed"
             self._engine._forget(self.id)
+
+
+if TYPE_CHECKING:
+    _IMPLEMENTS: type[ModelOps] = Model  # every operation of ``engine.ops``, in-process
