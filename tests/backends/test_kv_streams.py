@@ -155,7 +155,7 @@ def test_a_deterministic_engine_context_uses_streams() -> None:
             config=ModelConfig(context=ctx, n_parallel=2, deterministic=True), model_id="det"
         )
         plain = eng.load_model(config=ModelConfig(context=ctx, n_parallel=2), model_id="plain")
-        assert det._ctx.params.kv_unified is False
+        assert det._ctx.params.kv_unified is False  # two slots
         assert plain._ctx.params.kv_unified is True
         assert det.namespace() == plain.namespace()  # the same rows serve both
     finally:

@@ -114,7 +114,8 @@ class CacheApi(Protocol):
         ...
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every queued save has finished; True if the queue drained in time."""
+        """Wait until every held key (``hold``) was handed over and every queued save has
+        finished; True if that happened in time."""
         ...
 
     def record_miss(self) -> None: ...

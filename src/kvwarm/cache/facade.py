@@ -45,6 +45,7 @@ from kvwarm.cache.core import ScratchBuffers
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.eviction import build_policy
 from kvwarm.cache.index import Index
+from kvwarm.cache.inflight import Holds
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.policy import validate_cache_config
 from kvwarm.cache.pressure import PressureScheduler, PressureSource, make_source
@@ -122,6 +123,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
         self._closed = False
         self._scratch = ScratchBuffers()
         self._plans = PlanBook()
+        self._holds = Holds()
         self._close_lock = threading.Lock()
         self._stop = threading.Event()
         for tier in self._tiers.values():
@@ -158,10 +160,12 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
         return cache_key(namespace, tokens)
 
     def hold(self, key: bytes) -> None:
+        self._holds.take()
         self._index.mark_in_flight(key)
 
     def release(self, key: bytes) -> None:
         self._index.clear_in_flight(key)
+        self._holds.give()
 
     def lookup_exact(self, key: bytes) -> RowInfo | None:
         info = self._index.get(key)
@@ -327,7 +331,10 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
         return True
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        return self._writer.drain(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        if not self._holds.wait_none(timeout_s):
+            return False
+        return self._writer.drain(max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ removing
 

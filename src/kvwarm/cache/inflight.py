@@ -70,3 +70,30 @@ class InFlight:
             if remaining <= 0:
                 return None
             self._changed.wait(remaining)
+
+
+class Holds:
+    """Keys held in flight by a caller that has not handed their save over yet (``Cache.hold``):
+    ``Cache.flush`` waits for them before draining the writer, so a save announced to a client
+    before it was packed is still one that ``flush`` waits for."""
+
+    __slots__ = ("_changed", "_n")
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._n = 0
+
+    def take(self) -> None:
+        with self._changed:
+            self._n += 1
+
+    def give(self) -> None:
+        with self._changed:
+            self._n -= 1
+            if self._n <= 0:
+                self._changed.notify_all()
+
+    def wait_none(self, timeout_s: float) -> bool:
+        """True once no key is held (False if ``timeout_s`` passed first)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._n <= 0, timeout_s)

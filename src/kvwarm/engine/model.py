@@ -106,13 +106,15 @@ class Model:
         cfg = self.config
         self.facts = facts = self._bmodel.facts
         warn_if_past_training(self.id, cfg.context.n_ctx, facts.n_ctx_train)
-        # Deterministic models give each slot a KV stream of its own: a slot's cells then sit
-        # where a one-slot context would put them, whatever the other slots hold (issue 23).
+        # Deterministic models of several slots give each slot a KV stream of its own: a
+        # slot's cells then sit where a one-slot context would put them, whatever the other
+        # slots hold (issue 23). One slot keeps the unified buffer and its scratch sequence
+        # (chunked rows restore in place through it; a stream of its own could not share).
         total = replace(
             cfg.context,
             n_ctx=cfg.context.n_ctx * cfg.n_parallel,
             n_seq_max=cfg.n_parallel,
-            kv_unified=not cfg.deterministic,
+            kv_unified=not (cfg.deterministic and cfg.n_parallel > 1),
         )
         self._ctx = self._bmodel.new_context(total)
         self._ctx_hash = cfg.context.kv_hash()
