@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.index import Index
 from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, Tier
-from kvwarm.cache.types import DEFAULT_GRACE_S, EvictResult, RowInfo, TierName
+from kvwarm.cache.types import DEFAULT_GRACE_S, EvictResult, RowInfo, TierName, TierSizes
 from kvwarm.cache.writer import WriterPool
 from kvwarm.errors import CacheError
 
@@ -148,11 +148,14 @@ class CacheCore:
 
     def counters(self) -> Mapping[str, float]:
         snap = self._counters.snapshot()
-        usage = self._index.usage()
+        sizes = self._index.sizes()
         for name, tier in self._tiers.items():
-            used, rows = usage.get(name, (0, 0))
-            snap[f"tier_{name}_bytes"] = float(used)
-            snap[f"tier_{name}_rows"] = float(rows)
+            size = sizes.get(name, TierSizes())
+            snap[f"tier_{name}_bytes"] = float(size.physical_bytes)  # stored: each chunk once
+            snap[f"tier_{name}_logical_bytes"] = float(size.logical_bytes)  # what rows restore
+            snap[f"tier_{name}_dedup_ratio"] = size.dedup_ratio
+            snap[f"tier_{name}_rows"] = float(size.rows)
+            snap[f"tier_{name}_chunks"] = float(size.chunks)
             snap[f"tier_{name}_quota_bytes"] = float(tier.quota_bytes)
         snap["rows"] = float(len(self._index))
         snap["reservations"] = float(self._index.pending_reservations())
