@@ -29,7 +29,7 @@ from kvwarm.cache.index import Index
 from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, Tier
 from kvwarm.cache.types import DEFAULT_GRACE_S, EvictResult, RowInfo, TierName, TierSizes
 from kvwarm.cache.writer import WriterPool
-from kvwarm.errors import CacheError
+from kvwarm.errors import CacheError, ConfigError
 
 __all__ = ["CacheCore", "ScratchBuffers"]
 
@@ -230,6 +230,16 @@ class CacheCore:
         if row is not None:
             self._forgotten.add(key)  # the rescans skip it; only discovery adopts it again
             self._retire([])  # its chunks: forgotten, never deleted (see ``_retire``)
+
+    def resize_tier(self, name: TierName, quota_bytes: int) -> None:
+        """Give the ram tier ``name`` a new quota and evict down to it now (the server's
+        memory budget). ``ConfigError`` for a tier whose quota is fixed at construction."""
+        tier = self._tiers.get(name)
+        set_quota = getattr(tier, "set_quota", None)
+        if tier is None or set_quota is None:
+            raise ConfigError(f"tier {name!r} cannot be resized")
+        set_quota(quota_bytes)
+        self._enforce_quota(tier)
 
     def _enforce_quota(self, tier: Tier) -> None:
         self._retire(self._index.enforce_quota(tier.name, tier.quota_bytes), count=True)

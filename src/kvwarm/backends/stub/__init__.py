@@ -71,6 +71,11 @@ STUB_CHAT_TEMPLATE = (
 )
 
 
+# What a stub model reports as its weights (``ModelFacts.size_bytes``): a notional figure, so
+# the memory budget's arithmetic (``server/budget.py``) has something to add up.
+STUB_WEIGHTS_BYTES = 64 << 20
+
+
 class StubBackend:
     """Factory of stub models.
 
@@ -91,6 +96,7 @@ class StubBackend:
         n_ctx_train: int = 8192,
         memory_kind: MemoryKindName = "full",
         n_swa: int = 0,
+        weights_bytes: int = STUB_WEIGHTS_BYTES,
     ) -> None:
         if cell_bytes < CELL.size or cell_bytes > 0xFFFF:
             raise ValueError(f"cell_bytes must be in [{CELL.size}, 65535]")
@@ -102,6 +108,7 @@ class StubBackend:
         self.decode_delay_s = decode_delay_s
         self.cell_bytes = cell_bytes
         self.n_ctx_train = n_ctx_train
+        self.weights_bytes = weights_bytes  # notional: what its models report as weights
 
     @property
     def name(self) -> str:
@@ -134,7 +141,7 @@ class StubModel:
             n_ctx_train=backend.n_ctx_train,
             n_embd=N_EMBD,
             n_layer=1,
-            size_bytes=0,
+            size_bytes=backend.weights_bytes,
             n_params=0,
             description="kvwarm stub (byte-level)",
             file_type=1,  # LLAMA_FTYPE_MOSTLY_F16

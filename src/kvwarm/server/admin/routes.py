@@ -153,6 +153,9 @@ async def cache_stats(request: Request) -> Response:
         {
             "counters": dict(counters),
             **summary(counters, rows, cache.tier_names()),
+            "memory": state.memory.report(
+                {t: int(counters.get(f"tier_{t}_bytes", 0)) for t in cache.tier_names()}
+            ),
             "keep_alive": [
                 {
                     "model": e.model_id,
