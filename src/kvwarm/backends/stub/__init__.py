@@ -85,6 +85,8 @@ class StubBackend:
     window keeps only its last ``n_swa`` cells, a recurrent (or hybrid) state only its last
     one and refuses to be trimmed; a token decoded without the cells it needs gets a poisoned
     hash, so a wrong restore shows in the output as it would on a real model.
+    ``weights_bytes`` is what its models report as weights (notional; a context reports
+    ``cell_bytes`` per cell as KV), for the memory budget's arithmetic.
     """
 
     def __init__(
