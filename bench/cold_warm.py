@@ -112,7 +112,7 @@ def matrix(lengths: list[int], tiers: list[TierName]) -> None:
                     )
                 warm_ms, restore_s = statistics.median(ttfts), statistics.median(restores)
                 rows = [r for r in eng.cache.rows() if r.n_tokens >= n]
-                size = min((r.size for r in rows), default=0)
+                size = min((r.logical_bytes for r in rows), default=0)  # the KV it restores
                 mc = memcpy_ms(size) if size else float("nan")
                 print(
                     f"{n:>7} {tier:>9} {cold_ms[n]:>9.1f} {warm_ms:>9.1f} "

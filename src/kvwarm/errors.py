@@ -101,6 +101,11 @@ class ModelCapacityError(KvwarmError):
     """Loading one more model would pass ``max_loaded_models`` and every loaded model is busy."""
 
 
+class MemoryBudgetError(ConfigError):
+    """The models' weights and contexts and the in-memory cache tiers do not fit the memory
+    budget (``memory_budget``); the message shows the arithmetic."""
+
+
 class ModelLoadError(KvwarmError):
     """llama.cpp could not load the model or create its context."""
 

@@ -81,8 +81,25 @@ def _chunk_bytes(n_chunks: int, cache: Cache | None = None, tokens: int = C) -> 
 
 
 def _manifest(n_tokens: int, n_chunks: int) -> int:
-    """A manifest's own bytes as the index counts them (tokens and chunk list)."""
+    """A ram-tier manifest's own bytes as the index counts them (tokens and chunk list)."""
     return 4 * n_tokens + 36 * n_chunks
+
+
+def _manifests(cache: Cache, *shapes: tuple[int, int]) -> int:
+    """The rows' own bytes: the ram tier's estimate, else what the files or objects hold
+    (each manifest's stored size, which ``rows()`` reports)."""
+    if cache.tier_names()[0] == "ram":
+        return sum(_manifest(n, k) for n, k in shapes)
+    return sum(r.size for r in cache.rows())
+
+
+def _own(cache: Cache, key: bytes, n_tokens: int, n_chunks: int) -> int:
+    """One row's own bytes (``_manifests`` for one row)."""
+    if cache.tier_names()[0] == "ram":
+        return _manifest(n_tokens, n_chunks)
+    info = cache.lookup_exact(key)
+    assert info is not None
+    return info.size
 
 
 @pytest.mark.parametrize("n", [1000, 512, 257, 255])
@@ -111,7 +128,7 @@ def test_continued_saves_write_only_new_chunks(make_cache: CacheFactory) -> None
     key3 = _save(cache, tokens[:2200])  # the next turn reuses every chunk, the short one too
     assert cache.counters()["chunks_written"] == 10
     tier = cache.tier_names()[0]
-    manifests = _manifest(1024, 4) + _manifest(2100, 9) + _manifest(2200, 10)
+    manifests = _manifests(cache, (1024, 4), (2100, 9), (2200, 10))
     stored = _chunk_bytes(8, cache) + _chunk_bytes(1, cache, 52) + _chunk_bytes(1, cache, 100)
     assert cache.counters()[f"tier_{tier}_bytes"] == stored + manifests  # each chunk once
     assert _restored(cache, key) == blob(tokens[:2100])
@@ -137,24 +154,25 @@ def test_evicting_a_long_row_keeps_the_shared_prefix(make_cache: CacheFactory) -
     long_key = _save(cache, tokens)
     short_key = _save(cache, tokens[:1024])  # reuses the long row's first 4 chunks
     tier = cache.tier_names()[0]
-    manifests = _manifest(2048, 8) + _manifest(1024, 4)
-    assert cache.counters()[f"tier_{tier}_bytes"] == _chunk_bytes(8, cache) + manifests
+    long_own, short_own = _own(cache, long_key, 2048, 8), _own(cache, short_key, 1024, 4)
+    assert cache.counters()[f"tier_{tier}_bytes"] == _chunk_bytes(8, cache) + long_own + short_own
     # A shared store's chunks are only forgotten (other processes' rows may name them; the
     # mark-and-sweep reclaims them): they leave the usage but are not deleted bytes.
     deleted = 0 if tier == "s3" else _chunk_bytes(4, cache)
     result = cache.evict_bytes(1)  # LRU: the long row is the oldest
-    assert result.rows == 1 and result.bytes == deleted + _manifest(2048, 8)
+    assert result.rows == 1 and result.bytes == deleted + long_own
     assert cache.lookup_exact(long_key) is None
-    assert cache.counters()[f"tier_{tier}_bytes"] == _chunk_bytes(4, cache) + _manifest(1024, 4)
+    assert cache.counters()[f"tier_{tier}_bytes"] == _chunk_bytes(4, cache) + short_own
     assert _restored(cache, short_key) == blob(tokens[:1024])
-    assert cache.evict_bytes(1).bytes == deleted + _manifest(1024, 4)
+    assert cache.evict_bytes(1).bytes == deleted + short_own
     assert cache.counters()[f"tier_{tier}_bytes"] == 0
 
 
 def test_quota_counts_unique_chunks(make_cache: CacheFactory) -> None:
     # Room for 6 chunks and the manifests: two rows sharing 5 of their chunks fit (6 unique),
     # a third needing 8 does not, and the oldest rows go until it does.
-    room = _chunk_bytes(6) + _manifest(1280, 5) + _manifest(1536, 6)
+    # The files' heads (chunk heads, manifests' headers) get 12 KiB: far less than a chunk.
+    room = _chunk_bytes(6) + _manifest(1280, 5) + _manifest(1536, 6) + (12 << 10)
     cache = make_cache(quota=room)
     tokens = list(range(2048))
     a = _save(cache, tokens[:1280])
@@ -180,7 +198,8 @@ def test_restart_adopts_rows_chunks_and_orphans(tmp_path: Path) -> None:
     orphan_tier.store_chunk(okey, head, blob(other))  # a save killed before its manifest
     orphan_tier.close()
     with Cache(cfg, background=False) as cache:
-        used = _chunk_bytes(5) + _chunk_bytes(1, tokens=76) + _manifest(1100, 5)
+        manifest = (root / f"{key.hex()}.kvc").stat().st_size  # a row's size is its file's
+        used = _chunk_bytes(5) + _chunk_bytes(1, tokens=76) + manifest
         assert cache.counters()["tier_disk_bytes"] == used
         assert _restored(cache, key) == blob(tokens)
         freed = cache.evict_bytes(1)
@@ -248,7 +267,7 @@ def test_saves_queued_together_line_up(make_cache: CacheFactory) -> None:
         assert cache.save(chunked_request(NS, tokens[:n], tier=tier)) is not None
     assert cache.flush()
     stored = _chunk_bytes(3, cache) + _chunk_bytes(1, cache, 232) + _chunk_bytes(1, cache, 100)
-    manifests = _manifest(1000, 4) + _manifest(1100, 5)
+    manifests = _manifests(cache, (1000, 4), (1100, 5))
     assert cache.counters()[f"tier_{tier}_bytes"] == stored + manifests
     assert _restored(cache, cache_key(NS, tokens)) == blob(tokens)
 
@@ -315,3 +334,29 @@ def test_a_blob_the_codec_cannot_cut_is_stored_whole(make_cache: CacheFactory) -
     with cache.open_row(key) as row:
         assert row.chunks == () and bytes(row.payload) == blob(tokens)
     assert cache.counters()["save_failures"] == 0
+
+
+def test_rows_report_logical_and_exclusive_bytes(make_cache: CacheFactory) -> None:
+    cache = make_cache()
+    tokens = list(range(2048))
+    long_key = _save(cache, tokens)  # 8 chunks
+    short_key = _save(cache, tokens[:1024])  # names the long row's first 4
+    rows = {r.key: r for r in cache.rows()}
+    long, short = rows[long_key], rows[short_key]
+    assert long.logical_bytes == long.size + _chunk_bytes(8, cache)
+    assert long.exclusive_bytes == long.size + _chunk_bytes(4, cache)  # its last 4 alone
+    assert short.logical_bytes == short.size + _chunk_bytes(4, cache)
+    assert short.exclusive_bytes == short.size  # every chunk it names, the long row does too
+    tier = cache.tier_names()[0]
+    snap = cache.counters()
+    assert snap[f"tier_{tier}_chunks"] == 8
+    physical = long.size + short.size + _chunk_bytes(8, cache)
+    assert snap[f"tier_{tier}_bytes"] == physical
+    assert snap[f"tier_{tier}_logical_bytes"] == long.logical_bytes + short.logical_bytes
+    assert snap[f"tier_{tier}_dedup_ratio"] == pytest.approx(
+        (long.logical_bytes + short.logical_bytes) / physical
+    )
+    cache.evict_bytes(1)  # the long row: the short one now holds its 4 chunks alone
+    (short,) = cache.rows()
+    assert short.exclusive_bytes == short.logical_bytes
+    assert cache.counters()[f"tier_{tier}_chunks"] == 4

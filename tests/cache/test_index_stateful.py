@@ -26,7 +26,7 @@ from hypothesis.stateful import (
 )
 from tests.cache.facadekit import NS, NS2
 
-from kvwarm.cache import Cache, CacheConfig, SaveReason, SaveRequest, TierConfig
+from kvwarm.cache import Cache, CacheConfig, SaveReason, SaveRequest, TierConfig, kvc
 from kvwarm.cache.api import LoadedRow
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.types import Namespace, TierName
@@ -60,6 +60,7 @@ class CacheMachine(RuleBasedStateMachine):
             "disk": OrderedDict(),
         }
         self.pins: list[tuple[bytes, AbstractContextManager[LoadedRow]]] = []
+        self.payload: dict[bytes, int] = {}  # key -> payload bytes
 
     def _open(self) -> Cache:
         cfg = CacheConfig(
@@ -103,6 +104,9 @@ class CacheMachine(RuleBasedStateMachine):
         key = cache_key(ns, tokens)
         if key in self.rows:
             return  # already published (in whichever tier): nothing changes
+        self.payload[key] = size
+        if tier == "disk":  # a file's size: its prefix (fixed-width times) and the payload
+            size += len(kvc.build_prefix(kvc.fields_from_request(req, now=0), req.payload))
         self.rows[key] = (ns, tokens, size, tier)
         self.order[tier][key] = None
         self._enforce(tier)
@@ -139,7 +143,7 @@ class CacheMachine(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(sorted(self.rows)))
         cm = self.cache.open_row(key)
         row = cm.__enter__()
-        assert row.tokens == self.rows[key][1] and len(row.payload) == self.rows[key][2]
+        assert row.tokens == self.rows[key][1] and len(row.payload) == self.payload[key]
         self.pins.append((key, cm))
         self.order[self.rows[key][3]].move_to_end(key)
 

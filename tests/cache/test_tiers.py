@@ -12,6 +12,7 @@ from tests.cache.fakebook import FakeBook
 from tests.cache.tierkit import NS, TIERS, TierFactory, factory, request, shm_dir
 from tests.s3kit import MotoServer, object_names
 
+from kvwarm.cache import kvc
 from kvwarm.cache.index import Index
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.protocols import Tier
@@ -53,7 +54,10 @@ def test_store_then_load_round_trip(make: TierFactory) -> None:
     assert not book.reservations
     assert book.calls[0] == "reserve" and book.calls[-1] == "publish" and "check" in book.calls
     info = row.info
-    assert (info.key, info.tier, info.size, info.n_tokens) == (key, tier.name, len(req.payload), 4)
+    size = len(req.payload)  # the ram tier's own bytes; a file's or object's: all of it
+    if tier.name != "ram":
+        size += len(kvc.build_prefix(kvc.fields_from_request(req, now=0), req.payload))
+    assert (info.key, info.tier, info.size, info.n_tokens) == (key, tier.name, size, 4)
     assert (info.reason, info.ttl_class, info.has_logits) == (
         SaveReason.FINISH,
         TtlClass.LONG,

@@ -51,6 +51,7 @@ from kvwarm.backends.params import (
 from kvwarm.memory import MemoryKind, MemoryKindName
 
 __all__ = [
+    "ContextMemory",
     "KvType",
     "PoolingType",
     "SplitMode",
@@ -194,9 +195,27 @@ class Adapter(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class ContextMemory:
+    """What a context holds in memory, as its backend allocated it: ``kv_bytes`` the KV (and
+    recurrent-state) buffers, ``other_bytes`` the rest (output logits, compute scratch)."""
+
+    kv_bytes: int = 0
+    other_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.other_bytes
+
+
 @runtime_checkable
 class BackendContext(Protocol):
     """One inference context with ``n_seq_max`` sequences, driven by a single thread."""
+
+    @property
+    def memory_bytes(self) -> ContextMemory:
+        """The buffers this context allocated (``ContextMemory``)."""
+        ...
 
     @property
     def params(self) -> ContextParams: ...

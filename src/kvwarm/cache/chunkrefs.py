@@ -46,11 +46,15 @@ class FreedChunk:
 
 
 class ChunkRefs:
-    __slots__ = ("_bytes", "_chunks", "_freed")
+    __slots__ = ("_bytes", "_chunks", "_count", "_freed", "_logical")
 
     def __init__(self) -> None:
         self._chunks: dict[tuple[TierName, bytes], _Chunk] = {}
         self._bytes: dict[TierName, int] = {}
+        # Per tier: stored chunks (each once), and the sum over stored chunks of size times the
+        # rows naming it (what the rows restore from chunks, before deduplication).
+        self._count: dict[TierName, int] = {}
+        self._logical: dict[TierName, int] = {}
         self._freed: list[FreedChunk] = []
 
     def tier_bytes(self, tier: TierName) -> int:
@@ -60,7 +64,30 @@ class ChunkRefs:
         return self._bytes.keys()
 
     def count(self, tier: TierName) -> int:
-        return sum(1 for (t, _), c in self._chunks.items() if t == tier and c.size is not None)
+        """Chunks stored in ``tier`` (the ones ``tier_bytes`` counts)."""
+        return self._count.get(tier, 0)
+
+    def logical_bytes(self, tier: TierName) -> int:
+        """Bytes the rows of ``tier`` name through chunks, a chunk counted once per row."""
+        return self._logical.get(tier, 0)
+
+    def row_sizes(self, tier: TierName, keys: Iterable[bytes]) -> tuple[int, int]:
+        """(logical, exclusive) chunk bytes of a row naming ``keys``: all its stored chunks,
+        and those no other row names."""
+        logical = exclusive = 0
+        for key in keys:
+            c = self._chunks.get((tier, key))
+            if c is None or c.size is None or c.dying:
+                continue
+            logical += c.size
+            if c.refs <= 1:
+                exclusive += c.size
+        return logical, exclusive
+
+    def _add(self, tier: TierName, size: int, n: int, logical: int) -> None:
+        self._bytes[tier] = self._bytes.get(tier, 0) + size
+        self._count[tier] = self._count.get(tier, 0) + n
+        self._logical[tier] = self._logical.get(tier, 0) + logical
 
     def refs(self, tier: TierName, key: bytes) -> int:
         c = self._chunks.get((tier, key))
@@ -80,6 +107,8 @@ class ChunkRefs:
         for key in keys:
             c = self._chunks.setdefault((tier, key), _Chunk(None))
             c.refs += 1
+            if c.size is not None and not c.dying:
+                self._logical[tier] = self._logical.get(tier, 0) + c.size
 
     def unref(self, tier: TierName, keys: Iterable[bytes], *, keep: bool = False) -> int:
         """Drop one reference from each; returns the bytes of chunks freed by it (``keep``:
@@ -90,6 +119,8 @@ class ChunkRefs:
             if c is None or c.refs == 0:
                 continue
             c.refs -= 1
+            if c.size is not None and not c.dying:
+                self._logical[tier] -= c.size
             freed += self._maybe_free(tier, key, c, keep)
         return freed
 
@@ -100,7 +131,7 @@ class ChunkRefs:
             del self._chunks[(tier, key)]
             return 0
         c.dying = True
-        self._bytes[tier] -= c.size
+        self._add(tier, -c.size, -1, 0)
         self._freed.append(FreedChunk(tier, key, c.size, keep))
         return c.size
 
@@ -128,7 +159,7 @@ class ChunkRefs:
         c = self._chunks.setdefault((tier, key), _Chunk(None))
         if c.size is None and not c.dying:
             c.size = size
-            self._bytes[tier] = self._bytes.get(tier, 0) + size
+            self._add(tier, size, 1, size * c.refs)
 
     def unpin(self, tier: TierName, keys: Iterable[bytes]) -> None:
         for key in keys:
@@ -158,7 +189,7 @@ class ChunkRefs:
         if c is None or c.refs or c.pins or c.dying:
             return
         if c.size is not None:
-            self._bytes[tier] -= c.size
+            self._add(tier, -c.size, -1, 0)
         del self._chunks[(tier, key)]
 
     # ---- eviction

@@ -34,9 +34,16 @@ from kvwarm.cache.counters import Counters
 from kvwarm.cache.index import Index
 from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, Tier
 from kvwarm.cache.quota import QuotaCaps
-from kvwarm.cache.types import DEFAULT_GRACE_S, EvictResult, RowInfo, SaveRequest, TierName
+from kvwarm.cache.types import (
+    DEFAULT_GRACE_S,
+    EvictResult,
+    RowInfo,
+    SaveRequest,
+    TierName,
+    TierSizes,
+)
 from kvwarm.cache.writer import WriterPool
-from kvwarm.errors import CacheError, CacheIOError
+from kvwarm.errors import CacheError, CacheIOError, ConfigError
 
 __all__ = ["CacheCore", "ScratchBuffers"]
 
@@ -156,13 +163,16 @@ class CacheCore:
 
     def counters(self) -> Mapping[str, float]:
         snap = self._counters.snapshot()
-        usage = self._index.usage()
+        sizes = self._index.sizes()
         for name, tier in self._tiers.items():
-            used, rows = usage.get(name, (0, 0))
-            snap[f"tier_{name}_bytes"] = float(used)
-            snap[f"tier_{name}_rows"] = float(rows)
+            size = sizes.get(name, TierSizes())
+            snap[f"tier_{name}_bytes"] = float(size.physical_bytes)  # stored: each chunk once
+            snap[f"tier_{name}_logical_bytes"] = float(size.logical_bytes)  # what rows restore
+            snap[f"tier_{name}_dedup_ratio"] = size.dedup_ratio
+            snap[f"tier_{name}_rows"] = float(size.rows)
+            snap[f"tier_{name}_chunks"] = float(size.chunks)
             snap[f"tier_{name}_quota_bytes"] = float(tier.quota_bytes)
-            effective, capped = self._quota_caps.effective(tier, used)
+            effective, capped = self._quota_caps.effective(tier, int(size.physical_bytes))
             snap[f"tier_{name}_effective_quota_bytes"] = float(effective)
             snap[f"tier_{name}_quota_capped_by_filesystem"] = float(capped)
         snap["rows"] = float(len(self._index))
@@ -238,6 +248,16 @@ class CacheCore:
         if row is not None:
             self._forgotten.add(key)  # the rescans skip it; only discovery adopts it again
             self._retire([])  # its chunks: forgotten, never deleted (see ``_retire``)
+
+    def resize_tier(self, name: TierName, quota_bytes: int) -> None:
+        """Give the ram tier ``name`` a new quota and evict down to it now (the server's
+        memory budget). ``ConfigError`` for a tier whose quota is fixed at construction."""
+        tier = self._tiers.get(name)
+        set_quota = getattr(tier, "set_quota", None)
+        if tier is None or set_quota is None:
+            raise ConfigError(f"tier {name!r} cannot be resized")
+        set_quota(quota_bytes)
+        self._enforce_quota(tier)
 
     def _enforce_quota(self, tier: Tier) -> None:
         used, _ = self._index.usage().get(tier.name, (0, 0))

@@ -50,7 +50,7 @@ from kvwarm.cache.inflight import InFlight
 from kvwarm.cache.protocols import StoredRow
 from kvwarm.cache.reservations import Orphan, Reservations
 from kvwarm.cache.rows import RowTable
-from kvwarm.cache.types import Namespace, PrefixMatch, RowInfo, TierName
+from kvwarm.cache.types import Namespace, PrefixMatch, RowInfo, TierName, TierSizes
 
 __all__ = ["Index", "Orphan"]
 
@@ -152,6 +152,11 @@ class Index:
         """Per tier: (bytes, rows)."""
         with self._lock:
             return self._rows.usage()
+
+    def sizes(self) -> dict[TierName, TierSizes]:
+        """Per tier: physical and logical bytes, rows, chunks (``RowTable.sizes``)."""
+        with self._lock:
+            return self._rows.sizes()
 
     def eviction_order(self, tier: TierName) -> list[bytes]:
         """Every key of ``tier``, first victim first (checked-out rows included)."""

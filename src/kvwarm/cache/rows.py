@@ -27,7 +27,7 @@ from kvwarm.cache.chunkrefs import ChunkRefs
 from kvwarm.cache.eviction.base import EvictionPolicy
 from kvwarm.cache.prefix import PrefixIndex
 from kvwarm.cache.protocols import StoredRow
-from kvwarm.cache.types import Namespace, PrefixMatch, RowInfo, TierName
+from kvwarm.cache.types import Namespace, PrefixMatch, RowInfo, TierName, TierSizes
 
 __all__ = ["RowTable"]
 
@@ -125,7 +125,19 @@ class RowTable:
         return () if entry is None else entry.chunk_lens
 
     def infos(self) -> list[RowInfo]:
-        return [e.info for e in self._entries.values()]
+        """Every row, with its ``logical_bytes`` and ``exclusive_bytes`` as of now."""
+        out = []
+        for e in self._entries.values():
+            info = e.info
+            logical, exclusive = self.chunks.row_sizes(info.tier, e.chunks)
+            out.append(
+                replace(
+                    info,
+                    logical_bytes=info.size + logical,
+                    exclusive_bytes=info.size + exclusive,
+                )
+            )
+        return out
 
     def unpinned(self) -> Iterator[RowInfo]:
         return (e.info for e in self._entries.values() if e.refcount == 0)
@@ -137,6 +149,19 @@ class RowTable:
         """Per tier ever used: (bytes, rows); bytes include the tier's chunks, each once."""
         tiers = dict.fromkeys([*self._count, *self.chunks.tiers()])
         return {t: (self.tier_bytes(t), self._count.get(t, 0)) for t in tiers}
+
+    def sizes(self) -> dict[TierName, TierSizes]:
+        """Per tier ever used: what it stores (physical), what its rows restore (logical)."""
+        tiers = dict.fromkeys([*self._count, *self.chunks.tiers()])
+        return {
+            t: TierSizes(
+                physical_bytes=self.tier_bytes(t),
+                logical_bytes=self._bytes.get(t, 0) + self.chunks.logical_bytes(t),
+                rows=self._count.get(t, 0),
+                chunks=self.chunks.count(t),
+            )
+            for t in tiers
+        }
 
     def tier_bytes(self, tier: TierName) -> int:
         return self._bytes.get(tier, 0) + self.chunks.tier_bytes(tier)

@@ -149,7 +149,9 @@ class RowInfo:
 
     key: bytes
     tier: TierName
-    size: int  # the row's own bytes (a manifest's tail; the whole blob of an unchunked row)
+    # The row's own stored bytes: its file or object (a manifest; the whole blob of an
+    # unchunked row), or in the ram tier its payload and metadata. Its chunks are not in it.
+    size: int
     n_tokens: int
     hits: int
     last_used: float  # unix seconds
@@ -161,6 +163,28 @@ class RowInfo:
     # Leading tokens whose KV came from aligned-chunk prefill (None: all of them). Generated
     # tokens are decoded one at a time, so deterministic restores never trim past this.
     canonical_tokens: int | None = None
+    # Filled by ``rows()`` (0 elsewhere), as of that call: the bytes the row restores from
+    # (``size`` plus every chunk it names), and those only it holds (``size`` plus the chunks
+    # no other row of its tier names: what deleting it alone would free).
+    logical_bytes: int = 0
+    exclusive_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TierSizes:
+    """One tier's bytes. ``physical_bytes``: stored, each chunk once (manifests or whole rows
+    plus unique chunks, orphans included: the files' apparent sizes for a file tier);
+    ``logical_bytes``: the sum of its rows' ``logical_bytes``. ``dedup_ratio`` = logical /
+    physical (1.0 when nothing is shared; 0 when empty)."""
+
+    physical_bytes: int = 0
+    logical_bytes: int = 0
+    rows: int = 0
+    chunks: int = 0
+
+    @property
+    def dedup_ratio(self) -> float:
+        return self.logical_bytes / self.physical_bytes if self.physical_bytes else 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from kvwarm.cache.sizes import row_sizes, summary
 from kvwarm.cache.types import DEFAULT_GRACE_S
 from kvwarm.cli.common import CACHE_SETTINGS, add_settings, settings_from
 from kvwarm.settings import Settings
@@ -95,23 +96,37 @@ def run_stats(args: argparse.Namespace) -> int:
     with open_cache(settings, repair=False) as cache:
         counters = dict(cache.counters())
         rows = cache.rows()
-    n_bytes = sum(r.size for r in rows)
-    n_tokens = sum(r.n_tokens for r in rows)
-    tiers = [t.name for t in settings.cache_config().tiers]
+        tiers = cache.tier_names()
+    # The same summary /cache/stats answers (kvwarm.cache.sizes): physical bytes (each chunk
+    # once; a file tier's files' apparent sizes), logical bytes (what the rows restore).
+    total = summary(counters, rows, tiers)
     cache_dir = str(settings.cache_dir) if settings.cache_dir else None
     if args.json:
-        summary = {"rows": len(rows), "bytes": n_bytes, "tokens": n_tokens, "tiers": tiers}
-        print(json.dumps({**summary, "cache_dir": cache_dir, "counters": counters}, indent=2))
+        print(json.dumps({**total, "cache_dir": cache_dir, "counters": counters}, indent=2))
         return 0
+    per = total["tiers"]
+    assert isinstance(per, dict)
     print(f"cache dir: {cache_dir or '(none: RAM only)'}")
-    print(f"rows: {len(rows)}  bytes: {_size(n_bytes)}  tokens: {n_tokens}")
-    for tier in tiers:
-        n = sum(1 for r in rows if r.tier == tier)
-        size = sum(r.size for r in rows if r.tier == tier)
-        print(f"  {tier:<9} {n:>6} rows  {_size(size):>10}")
+    print(
+        f"rows: {total['rows']}  stored: {_size(_num(total['bytes']))}  "
+        f"logical: {_size(_num(total['logical_bytes']))}  "
+        f"dedup: {_num(total['dedup_ratio']):.2f}x  chunks: {total['chunks']}  "
+        f"tokens: {total['tokens']}"
+    )
+    for tier, level in per.items():
+        print(
+            f"  {tier:<9} {level['rows']:>6} rows {level['chunks']:>7} chunks  "
+            f"{_size(level['bytes']):>10} stored  {_size(level['logical_bytes']):>10} logical  "
+            f"{level['dedup_ratio']:.2f}x  quota {_size(level['quota_bytes'])}"
+        )
     for key in sorted(counters):
         print(f"{key} {counters[key]:g}")
     return 0
+
+
+def _num(value: object) -> float:
+    assert isinstance(value, int | float)
+    return float(value)
 
 
 def run_ls(args: argparse.Namespace) -> int:
@@ -126,7 +141,7 @@ def run_ls(args: argparse.Namespace) -> int:
             {
                 "key": r.key.hex(),
                 "tier": r.tier,
-                "bytes": r.size,
+                **row_sizes(r),
                 "n_tokens": r.n_tokens,
                 "hits": r.hits,
                 "last_used": r.last_used,
@@ -140,13 +155,14 @@ def run_ls(args: argparse.Namespace) -> int:
         print(json.dumps(items, indent=2))
         return 0
     print(
-        f"{'KEY':<16}  {'TIER':<8} {'TOKENS':>7} {'SIZE':>10} {'HITS':>5}  "
+        f"{'KEY':<16}  {'TIER':<8} {'TOKENS':>7} {'SIZE':>10} {'ALONE':>10} {'HITS':>5}  "
         f"{'LAST USED':<19}  {'REASON':<9} TTL"
     )
     for r in rows:
         used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.last_used))
         print(
-            f"{r.key.hex()[:16]}  {r.tier:<8} {r.n_tokens:>7} {_size(r.size):>10} {r.hits:>5}  "
+            f"{r.key.hex()[:16]}  {r.tier:<8} {r.n_tokens:>7} {_size(r.logical_bytes):>10} "
+            f"{_size(r.exclusive_bytes):>10} {r.hits:>5}  "
             f"{used:<19}  {r.reason.name.lower():<9} {r.ttl_class.name.lower()}"
         )
     return 0

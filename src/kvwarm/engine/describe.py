@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from kvwarm.backends.base import ModelFacts
+from kvwarm.backends.base import ContextMemory, ModelFacts
 from kvwarm.cache.types import FingerprintMode, TierName
 from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.types import AdapterInfo, ModelInfo, ModelStatus
@@ -41,6 +41,7 @@ def model_info(
     save_tier: TierName,
     adapters: Sequence[AdapterInfo],
     chat_template_name: str = "gguf",
+    context_memory: ContextMemory | None = None,
 ) -> ModelInfo:
     """The model's description; ``fingerprint`` is the effective one (adapters folded in)."""
     return ModelInfo(
@@ -69,6 +70,8 @@ def model_info(
         memory=facts.memory_kind,
         n_swa=facts.n_swa,
         swa_full=cfg.context.swa_full,
+        kv_bytes=context_memory.kv_bytes if context_memory else 0,
+        context_bytes=context_memory.total_bytes if context_memory else 0,
     )
 
 

@@ -161,6 +161,7 @@ class Model:
             save_tier=self.save_tier,
             adapters=self.list_adapters(),
             chat_template_name=self.chat_template_name,
+            context_memory=self._ctx.memory_bytes,
         )
 
     def stalled_for(self) -> float:

@@ -237,6 +237,11 @@ class ModelInfo:
     memory: str = "full"
     n_swa: int = 0
     swa_full: bool = False
+    #: What it holds in memory: its weights (``size_bytes``: llama_model_size), its context's
+    #: KV (and recurrent-state) buffers, and all its context's buffers (KV, output, compute).
+    #: An embeddings context, made on first use, is not counted.
+    kv_bytes: int = 0
+    context_bytes: int = 0
 
 
 # "fork": holds one of an n > 1 request's other choices, waiting for the first choice's

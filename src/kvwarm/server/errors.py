@@ -91,6 +91,7 @@ _KINDS: dict[type[BaseException], ErrorKind] = {
     e.ModelExistsError: ErrorKind(409, _INVALID, "model_exists"),
     e.ModelBusyError: ErrorKind(409, _INVALID, "model_busy"),
     e.ModelCapacityError: ErrorKind(503, "service_unavailable", "model_capacity"),
+    e.MemoryBudgetError: ErrorKind(507, "service_unavailable", "memory_budget"),
     e.CacheKeyError: ErrorKind(404, _INVALID, "cache_key_not_found"),
     e.QueueFullError: ErrorKind(429, "rate_limit_error", "queue_full"),
     e.KeepAliveFullError: ErrorKind(409, _INVALID, "keepalive_full"),

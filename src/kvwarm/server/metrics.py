@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from kvwarm.cache.types import TIER_NAMES
 from kvwarm.engine.types import ModelStatus
+from kvwarm.server.budget import MemoryPlan
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _BAD_NAME = re.compile(r"[^a-zA-Z0-9_]")
@@ -153,6 +154,24 @@ def add_models(out: Families, states: Mapping[str, str], statuses: Iterable[Mode
             out.add(name, kind, help_text, float(getattr(s, attr)) * scale, model=s.id)
 
 
+def add_memory(out: Families, plan: MemoryPlan) -> None:
+    """Each model's weights, KV and context bytes, the budget and the planned total (the
+    tiers' quotas and use are ``kvwarm_cache_tier_quota_bytes`` / ``_bytes``)."""
+    for m in plan.models:
+        out.add("kvwarm_model_weights_bytes", "gauge", "model weights in memory",
+                m.weights_bytes, model=m.model)  # fmt: skip
+        out.add("kvwarm_model_kv_bytes", "gauge", "the model's context KV buffers",
+                m.kv_bytes, model=m.model)  # fmt: skip
+        out.add("kvwarm_model_context_bytes", "gauge",
+                "all the model's context buffers (KV, output, compute)",
+                m.context_bytes, model=m.model)  # fmt: skip
+    out.add("kvwarm_memory_budget_bytes", "gauge", "the memory budget (0: none)",
+            plan.budget_bytes)  # fmt: skip
+    out.add("kvwarm_memory_planned_bytes", "gauge",
+            "weights + contexts + in-memory tier quotas (the RAM tier's included)",
+            plan.total_bytes)  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """What one scrape reads from the engine and the server state."""
@@ -162,6 +181,7 @@ class Snapshot:
     statuses: Sequence[ModelStatus] = ()
     keepalive_prefixes: int = 0
     stalled_s: Mapping[str, float] = field(default_factory=dict)
+    memory: MemoryPlan | None = None  # the memory budget's plan (server/budget.py)
 
 
 class SnapshotCollector(Collector):
@@ -184,6 +204,8 @@ class SnapshotCollector(Collector):
                     age, model=model_id)  # fmt: skip
         out.add("kvwarm_keepalive_prefixes", "gauge", "prefixes kept warm",
                 snap.keepalive_prefixes)  # fmt: skip
+        if snap.memory is not None:
+            add_memory(out, snap.memory)
         return list(out.metrics())
 
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,8 @@ from starlette.requests import Request
 from kvwarm.cache.types import TtlClass
 from kvwarm.errors import KvwarmError, ModelLoadError
 from kvwarm.models_dir import checked_path
-from kvwarm.server import tenancy
+from kvwarm.server import budget, tenancy
+from kvwarm.server.budget import ModelMemory
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits
 from kvwarm.server.metrics import ServerMetrics, Snapshot
@@ -68,6 +69,11 @@ class ServerState:
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        # The memory budget (server/budget.py): the models admitted under it and the plan
+        # the RAM tier is sized by, changed together under their own lock.
+        self._budget_lock = threading.Lock()
+        self._admitted: dict[str, ModelMemory] = {}
+        self.memory = budget.plan(0, [], settings.cache_config().tiers)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -91,9 +97,12 @@ class ServerState:
         from kvwarm.engine.api import Engine, EngineConfig
 
         try:
+            # A budget the in-memory tiers alone pass is refused before anything is built.
+            first = budget.plan(self.settings.memory_budget, [], self.settings.cache_config().tiers)
             engine = Engine(
                 EngineConfig(cache=self.settings.cache_config(), backend=self.settings.backend)
             )
+            self._apply_plan(engine, first)
         except KvwarmError as exc:
             log.error("cannot start the engine: %s", exc)
             self.engine_error = str(exc)
@@ -147,6 +156,11 @@ class ServerState:
             config=model_config(self.settings, entry.spec),
             progress=lambda _fraction: not self._closing.is_set(),
         )
+        try:
+            self._admit(engine, entry.id, model)
+        except KvwarmError:
+            engine.unload_model(entry.id)  # loaded only to learn its sizes: it does not fit
+            raise
         self._prewarm_systems(model, entry.id)
         log.info("model %s ready in %.0f ms", entry.id, (time.perf_counter() - started) * 1000)
         return model
@@ -155,6 +169,36 @@ class ServerState:
         engine = self.engine
         if engine is not None and entry.model is not None:
             engine.unload_model(entry.id)
+            with self._budget_lock:
+                self._admitted.pop(entry.id, None)
+                self._apply_plan(engine, self._plan(self._admitted.values()))
+
+    # --- the memory budget ---------------------------------------------------------------------
+
+    def _plan(self, models: Iterable[ModelMemory]) -> budget.MemoryPlan:
+        tiers = self.settings.cache_config().tiers
+        return budget.plan(self.settings.memory_budget, list(models), tiers)
+
+    def _admit(self, engine: Engine, model_id: str, model: ServedModel) -> None:
+        """Count a loaded model against the budget and shrink the RAM tier to what is left;
+        ``MemoryBudgetError`` (nothing changed) if it does not fit."""
+        info = model.info()
+        memory = ModelMemory(model_id, info.size_bytes, info.kv_bytes, info.context_bytes)
+        with self._budget_lock:
+            admitted = {**self._admitted, model_id: memory}
+            self._apply_plan(engine, self._plan(admitted.values()))
+            self._admitted = admitted
+
+    def _apply_plan(self, engine: Engine, plan: budget.MemoryPlan) -> None:
+        """Make ``plan`` the server's: with a budget, the RAM tier gets its remainder."""
+        if plan.budget_bytes > 0 and "ram" in engine.cache.tier_names():
+            engine.cache.resize_tier("ram", plan.ram_quota_bytes)
+            log.info(
+                "memory budget %s: RAM tier %s",
+                budget.fmt_bytes(plan.budget_bytes),
+                budget.fmt_bytes(plan.ram_quota_bytes),
+            )
+        self.memory = plan
 
     def _prewarm_systems(self, model: ServedModel, model_id: str) -> None:
         """``--prewarm-system``: every prompt, in every namespace a tenant may ask from
@@ -222,6 +266,7 @@ class ServerState:
         engine = self.engine
         entries = list(self.entries.values())  # a snapshot: a rescan may add entries meanwhile
         return Snapshot(
+            memory=self.memory,
             cache=engine.cache.counters() if engine is not None else {},
             states={e.id: e.state for e in entries},
             statuses=[e.model.status() for e in entries if e.model is not None],

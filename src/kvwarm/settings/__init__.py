@@ -145,6 +145,14 @@ class Settings(ModelSettings, ServingSettings):
         default=None, description="ram_file tier directory, e.g. /dev/shm/kvwarm (default off)"
     )
     shm_quota_bytes: Size = Field(default=2 * _GIB, description="ram_file tier quota")
+    # One memory budget (issue 25): the RAM tier gets what the models' weights and contexts
+    # and the other in-memory tiers (ram_file: /dev/shm is memory) leave of it; a model that
+    # does not fit is refused with the arithmetic (server/budget.py).
+    memory_budget: Size = Field(
+        default=0,
+        description="bytes this server may use for weights, contexts and in-memory cache "
+        "tiers, e.g. 8G; sizes the RAM tier to what is left (0: off, ram_quota_bytes applies)",
+    )
     # A directory several hosts mount (NFS, CephFS): rows others publish are found at once,
     # hits are copied to a local tier, temp files are reaped by age only.
     cache_dir_shared: Bool = Field(

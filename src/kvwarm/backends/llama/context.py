@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast, overload
 
@@ -37,7 +38,14 @@ import numpy.typing as npt
 
 from kvwarm.backends import _checks
 from kvwarm.backends._buffers import u8
-from kvwarm.backends.base import Adapter, BatchToken, Buffer, ContextParams, WritableBuffer
+from kvwarm.backends.base import (
+    Adapter,
+    BatchToken,
+    Buffer,
+    ContextMemory,
+    ContextParams,
+    WritableBuffer,
+)
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.backends.llama import kv_layout
 from kvwarm.backends.llama import kv_state as _kv_state
@@ -87,7 +95,7 @@ class LlamaContext:
         )
         model.lifetime.acquire()
         try:
-            with model.lifetime.using():
+            with model.lifetime.using(), _native.captured_log() as lines:
                 ptr = lib.llama_init_from_model(model.native, cp)
             if not ptr:
                 raise ModelLoadError(
@@ -120,8 +128,13 @@ class LlamaContext:
             v_trans={"auto": None, "on": False, "off": True}[params.flash_attn],
         )
         self._life = Lifetime("context", self._free)
+        self._memory_bytes = buffer_sizes(lines)
 
     # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def memory_bytes(self) -> ContextMemory:
+        return self._memory_bytes
 
     @property
     def params(self) -> ContextParams:
@@ -501,3 +514,22 @@ def _embedding_list(vec: npt.NDArray[np.float64], *, normalize: bool) -> list[fl
         if norm > 0:
             vec = vec / norm
     return [float(x) for x in np.asarray(vec, dtype=np.float64).ravel()]
+
+
+# "llama_kv_cache:        CPU KV buffer size =    22.50 MiB", "... RS buffer size ...",
+# "llama_context:        CPU  output buffer size = ...", "sched_reserve: CPU compute buffer ..."
+_BUFFER_LINE = re.compile(r"\b(KV|RS|output|compute) buffer size =\s*([0-9.]+) MiB")
+
+
+def buffer_sizes(lines: Sequence[str]) -> ContextMemory:
+    """The buffers llama.cpp logged while creating a context (it has no API that returns
+    them): KV and recurrent-state buffers, and the rest. MiB to 2 decimals: +-5 KiB each."""
+    kv = other = 0
+    for line in lines:
+        for kind, mib in _BUFFER_LINE.findall(line):
+            n = round(float(mib) * (1 << 20))
+            if kind in ("KV", "RS"):
+                kv += n
+            else:
+                other += n
+    return ContextMemory(kv, other)

@@ -19,7 +19,8 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import cast
@@ -86,8 +87,27 @@ def default_threads() -> int:
 _DEMOTED = (b"-- possible training context overflow",)
 
 
+# Lines llama.cpp logs on a thread inside ``captured_log()`` (whatever their level): how a
+# context learns the sizes of the buffers llama.cpp allocated for it, which no API returns.
+_CAPTURE = threading.local()
+
+
+@contextmanager
+def captured_log() -> Iterator[list[str]]:
+    """Collect, as text, every line llama.cpp logs on this thread inside the block."""
+    lines: list[str] = []
+    _CAPTURE.lines = lines
+    try:
+        yield lines
+    finally:
+        _CAPTURE.lines = None
+
+
 def _on_log(level: int, text: bytes | None, _user: object) -> None:
     global _LAST_LEVEL
+    capture = getattr(_CAPTURE, "lines", None)
+    if capture is not None and text:
+        capture.append(text.decode("utf-8", errors="replace"))
     py_level = _LAST_LEVEL if level == _CONT else _LEVELS.get(level, logging.INFO)
     if text and py_level > logging.DEBUG and any(d in text for d in _DEMOTED):
         py_level = logging.DEBUG

@@ -71,6 +71,11 @@ STUB_CHAT_TEMPLATE = (
 )
 
 
+# What a stub model reports as its weights (``ModelFacts.size_bytes``): a notional figure, so
+# the memory budget's arithmetic (``server/budget.py``) has something to add up.
+STUB_WEIGHTS_BYTES = 64 << 20
+
+
 class StubBackend:
     """Factory of stub models.
 
@@ -80,6 +85,8 @@ class StubBackend:
     window keeps only its last ``n_swa`` cells, a recurrent (or hybrid) state only its last
     one and refuses to be trimmed; a token decoded without the cells it needs gets a poisoned
     hash, so a wrong restore shows in the output as it would on a real model.
+    ``weights_bytes`` is what its models report as weights (notional; a context reports
+    ``cell_bytes`` per cell as KV), for the memory budget's arithmetic.
     """
 
     def __init__(
@@ -91,6 +98,7 @@ class StubBackend:
         n_ctx_train: int = 8192,
         memory_kind: MemoryKindName = "full",
         n_swa: int = 0,
+        weights_bytes: int = STUB_WEIGHTS_BYTES,
     ) -> None:
         if cell_bytes < CELL.size or cell_bytes > 0xFFFF:
             raise ValueError(f"cell_bytes must be in [{CELL.size}, 65535]")
@@ -102,6 +110,7 @@ class StubBackend:
         self.decode_delay_s = decode_delay_s
         self.cell_bytes = cell_bytes
         self.n_ctx_train = n_ctx_train
+        self.weights_bytes = weights_bytes  # notional: what its models report as weights
 
     @property
     def name(self) -> str:
@@ -134,7 +143,7 @@ class StubModel:
             n_ctx_train=backend.n_ctx_train,
             n_embd=N_EMBD,
             n_layer=1,
-            size_bytes=0,
+            size_bytes=backend.weights_bytes,
             n_params=0,
             description="kvwarm stub (byte-level)",
             file_type=1,  # LLAMA_FTYPE_MOSTLY_F16

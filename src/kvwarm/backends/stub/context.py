@@ -27,6 +27,7 @@ from kvwarm.backends.base import (
     Adapter,
     BatchToken,
     Buffer,
+    ContextMemory,
     ContextParams,
     WritableBuffer,
 )
@@ -95,6 +96,14 @@ class StubContext:
     @property
     def memory(self) -> MemoryKind:
         return self._memory
+
+    @property
+    def memory_bytes(self) -> ContextMemory:
+        """Notional: ``cell_bytes`` for each of its ``n_ctx`` cells, one float32 row of
+        logits per batch position besides."""
+        params = self._params
+        kv = self._model.backend.cell_bytes * params.n_ctx
+        return ContextMemory(kv, 4 * N_VOCAB * params.n_batch)
 
     @property
     def params(self) -> ContextParams:

@@ -31,13 +31,17 @@ def row_info(
     fields: KvcFields,
     payload_len: int,
     *,
+    stored_bytes: int | None = None,
     created: float | None = None,
     last_used: float | None = None,
 ) -> RowInfo:
-    """``RowInfo`` for a row with these recorded fields (file times are whole seconds). A
-    manifest's size is its own metadata (tokens, chunk list, logits); its chunks count once
-    per tier in the index."""
-    if fields.chunks:
+    """``RowInfo`` for a row with these recorded fields (file times are whole seconds). Its
+    size is ``stored_bytes``, the whole file or object (prefix and payload) where there is
+    one; else (the ram tier) its payload plus its metadata (tokens, chunk list, logits). A
+    manifest's chunks are not in it: they count once per tier in the index."""
+    if stored_bytes is not None:
+        payload_len = stored_bytes
+    elif fields.chunks:
         payload_len += 4 * len(fields.tokens) + 36 * len(fields.chunks) + len(fields.logits or b"")
     return RowInfo(
         key=key,

@@ -70,7 +70,8 @@ def row_from_file(dir_fd: int, root: Path, tier: TierName, name: str, key: bytes
     meta = read_meta(dir_fd, name)
     if meta.key != key:
         raise CacheFormatError(f"{name} holds another key")
-    info = row_info(key, tier, meta.fields, meta.payload_length)
+    size = meta.payload_offset + meta.payload_length  # the file's size (parse_meta checks it)
+    info = row_info(key, tier, meta.fields, meta.payload_length, stored_bytes=size)
     return StoredRow(
         info, meta.fields.tokens, str(root / name), meta.fields.chunks, meta.fields.chunk_lens
     )

@@ -159,10 +159,17 @@ class Publisher:
         self._step("dir_synced")
         location = str(self._root / att.final)
         if adopted is None:
-            info = row_info(att.key, self._tier, fields, memoryview(request.payload).nbytes)
+            n = memoryview(request.payload).nbytes
+            info = row_info(att.key, self._tier, fields, n, stored_bytes=len(prefix) + n)
             row = StoredRow(info, request.tokens, location, request.chunk_keys, request.chunk_lens)
         else:
-            info = row_info(att.key, self._tier, adopted.fields, adopted.payload_length)
+            info = row_info(
+                att.key,
+                self._tier,
+                adopted.fields,
+                adopted.payload_length,
+                stored_bytes=adopted.payload_offset + adopted.payload_length,
+            )
             row = StoredRow(
                 info,
                 adopted.fields.tokens,

@@ -53,6 +53,12 @@ class RamTier:
     def quota_bytes(self) -> int:
         return self._quota
 
+    def set_quota(self, quota_bytes: int) -> None:
+        """A new quota (the memory budget's remainder); the caller enforces it."""
+        if quota_bytes < 0:
+            raise ConfigError("ram tier quota must be >= 0")
+        self._quota = quota_bytes
+
     @property
     def capabilities(self) -> TierCapabilities:
         return _CAPABILITIES

@@ -133,7 +133,8 @@ class S3Tier:
                 return None
             adopted = self._put_once(key, b"".join((prefix, request.payload)))
             if adopted is None:
-                info = row_info(key, self._name, fields, memoryview(request.payload).nbytes)
+                n = memoryview(request.payload).nbytes
+                info = row_info(key, self._name, fields, n, stored_bytes=len(prefix) + n)
                 row = StoredRow(
                     info, request.tokens, self.location(key), request.chunk_keys, request.chunk_lens
                 )
@@ -226,7 +227,8 @@ class S3Tier:
         return kvc.parse_meta(head[:offset], file_size=size), user_meta
 
     def _row(self, key: bytes, meta: kvc.KvcMeta, user_meta: Mapping[str, str]) -> StoredRow:
-        info = row_info(key, self._name, meta.fields, meta.payload_length)
+        size = meta.payload_offset + meta.payload_length  # the object's size
+        info = row_info(key, self._name, meta.fields, meta.payload_length, stored_bytes=size)
         hits, last_used = _int_meta(user_meta, _META_HITS), _int_meta(user_meta, _META_LAST_USED)
         if hits is not None and last_used is not None:
             info = replace(info, hits=hits, last_used=float(last_used))

@@ -61,6 +61,10 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             "n_embd": info.n_embd,
             "n_parallel": info.n_parallel,
             "size": info.size_bytes,
+            # What it holds in memory (the memory budget's terms, server/budget.py).
+            "weights_bytes": info.size_bytes,
+            "kv_bytes": info.kv_bytes,
+            "context_bytes": info.context_bytes,
             "description": info.description,
             "fingerprint": info.fingerprint,
             "chat_template": info.chat_template,

@@ -8,7 +8,6 @@ can be served. Cache administration acts on the one shared ``Cache`` of the engi
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Annotated, Any
@@ -18,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvwarm.cache.sizes import row_sizes, summary
 from kvwarm.cache.types import RowInfo, TtlClass
 from kvwarm.engine.types import CompletionStats, ModelStatus
 from kvwarm.server import tenancy
@@ -129,7 +129,7 @@ def _row(row: RowInfo) -> dict[str, object]:
     return {
         "key": row.key.hex(),
         "tier": row.tier,
-        "bytes": row.size,
+        **row_sizes(row),
         "n_tokens": row.n_tokens,
         "hits": row.hits,
         "last_used": row.last_used,
@@ -138,24 +138,6 @@ def _row(row: RowInfo) -> dict[str, object]:
         "ttl_class": row.ttl_class.name.lower(),
         "has_logits": row.has_logits,
         "fingerprint": row.namespace.fingerprint.hex(),
-    }
-
-
-def _tier_totals(rows: list[RowInfo]) -> dict[str, dict[str, object]]:
-    """Per tier holding rows: their count, bytes, tokens, hits and count per TTL class (the
-    quotas and levels of every tier are in the counters, ``tier_<name>_*``)."""
-    totals: dict[str, list[int]] = {}
-    ttl: dict[str, Counter[str]] = {}
-    for row in rows:
-        t = totals.setdefault(row.tier, [0, 0, 0, 0])
-        t[0] += 1
-        t[1] += row.size
-        t[2] += row.n_tokens
-        t[3] += row.hits
-        ttl.setdefault(row.tier, Counter())[row.ttl_class.name.lower()] += 1
-    return {
-        tier: {"rows": n, "bytes": size, "tokens": tokens, "hits": hits, "ttl_classes": ttl[tier]}
-        for tier, (n, size, tokens, hits) in totals.items()
     }
 
 
@@ -181,6 +163,9 @@ def _tier_quotas(counters: Mapping[str, float]) -> dict[str, dict[str, object]]:
 
 @router.get("/cache/stats")
 async def cache_stats(request: Request) -> Response:
+    """Rows and bytes per tier (``cache.sizes.summary``: physical ``bytes``, each chunk once,
+    ``logical_bytes``, ``dedup_ratio``), the counters they come from, the keep-alive entries
+    and what the models and tiers take of memory (``memory``)."""
     state = server_state(request)
     cache = state.require_engine().cache
     counters = await run_in_threadpool(cache.counters)
@@ -188,10 +173,10 @@ async def cache_stats(request: Request) -> Response:
     return JSONResponse(
         {
             "counters": dict(counters),
-            "rows": len(rows),
-            "bytes": sum(r.size for r in rows),
-            "tokens": sum(r.n_tokens for r in rows),
-            "tiers": _tier_totals(rows),
+            **summary(counters, rows, cache.tier_names()),
+            "memory": state.memory.report(
+                {t: int(counters.get(f"tier_{t}_bytes", 0)) for t in cache.tier_names()}
+            ),
             "quotas": _tier_quotas(counters),
             "keep_alive": [
                 {
@@ -260,7 +245,9 @@ async def cache_row(
     row = await run_in_threadpool(cache.lookup_exact_or_wait, raw, wait_ms / 1e3)
     if row is None:
         raise HTTPError(404, f"no published row {key}", param="key", code="row_not_found")
-    return JSONResponse(_row(row))
+    # The row with its sizes as of now (rows() computes them; a lookup does not).
+    sized = [r for r in await run_in_threadpool(cache.rows, row.namespace) if r.key == raw]
+    return JSONResponse(_row(sized[0] if sized else row))
 
 
 @router.post("/cache/prewarm", openapi_extra=json_body(PrewarmRequest) | tenancy.openapi_header())

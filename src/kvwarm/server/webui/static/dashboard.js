@@ -7,7 +7,6 @@ import { el, fmtAgo, fmtBytes, fmtInt, fmtMs, fmtPercent, table } from "./format
 
 const POLL_MS = 2000;
 const ROW_LIMIT = 200;
-const TIER_KEY = /^tier_(.+?)_(quota_bytes|bytes|rows)$/;
 
 /** Lookup hit rate from the cache's counters: hits / (hits + misses). */
 export function lookupHitRate(counters) {
@@ -34,17 +33,12 @@ export function savings(models) {
   return { tokenRate: prompt > 0 ? cached / prompt : Number.NaN, savedMs };
 }
 
-/** Per-tier levels from the counters (rows, bytes, quota), in the server's tier order. */
-export function tierLevels(counters) {
-  const tiers = new Map();
-  for (const [key, value] of Object.entries(counters)) {
-    const match = TIER_KEY.exec(key);
-    if (!match) continue;
-    const tier = tiers.get(match[1]) || {};
-    tier[match[2]] = value;
-    tiers.set(match[1], tier);
-  }
-  return tiers;
+/**
+ * Per-tier sizes, in the server's tier order: /cache/stats's `tiers` (every configured tier:
+ * rows, chunks, bytes stored, logical bytes, dedup ratio, quota, tokens, hits, TTL classes).
+ */
+export function tierLevels(tierStats) {
+  return new Map(Object.entries(tierStats || {}));
 }
 
 export class Dashboard {
@@ -126,6 +120,7 @@ export class Dashboard {
     setStat("stat-rows", stats.rows, fmtInt);
     setStat("stat-tokens", stats.tokens, fmtInt);
     setStat("stat-bytes", stats.bytes, fmtBytes);
+    setStat("stat-logical", stats.logical_bytes, (n) => `${fmtBytes(n)} (${(stats.dedup_ratio || 0).toFixed(2)}x dedup)`);
     setStat("stat-hit-rate", hitRate, fmtPercent);
     setStat("stat-token-rate", tokenRate, fmtPercent);
     setStat("stat-saved", savedMs, fmtMs);
@@ -137,7 +132,7 @@ export class Dashboard {
     this.hitChart.push(now, [hitRate * 100, tokenRate * 100]);
     this.savedChart.push(now, [savedMs / 1000]);
     this.redrawCharts();
-    this.renderTiers(c, stats.tiers || {});
+    this.renderTiers(stats.tiers || {});
     this.renderSlots(models);
     if (rows) this.renderRows(rows, stats.rows);
   }
@@ -148,23 +143,25 @@ export class Dashboard {
     this.savedChart.draw();
   }
 
-  renderTiers(counters, tierStats) {
+  renderTiers(tierStats) {
     const rows = [];
-    for (const [name, level] of tierLevels(counters)) {
+    for (const [name, level] of tierLevels(tierStats)) {
       const quota = level.quota_bytes || 0;
       const used = level.bytes || 0;
-      const extra = tierStats[name] || {};
       const meter = el("meter", { min: "0", max: String(quota || 1), value: String(used), "aria-label": `${name} quota use` });
-      const ttl = Object.entries(extra.ttl_classes || {}).map(([k, n]) => `${k} ${n}`).join(", ");
+      const ttl = Object.entries(level.ttl_classes || {}).map(([k, n]) => `${k} ${n}`).join(", ");
       rows.push(
         el(
           "tr",
           { data: { tier: name } },
           el("th", { scope: "row", text: name }),
           el("td", { class: "num", text: fmtInt(level.rows || 0) }),
-          el("td", { class: "num", text: fmtInt(extra.tokens || 0) }),
-          el("td", { class: "num", text: fmtInt(extra.hits || 0) }),
+          el("td", { class: "num", text: fmtInt(level.tokens || 0) }),
+          el("td", { class: "num", text: fmtInt(level.hits || 0) }),
+          el("td", { class: "num", text: fmtInt(level.chunks || 0) }),
           el("td", { class: "num", text: fmtBytes(used) }),
+          el("td", { class: "num", text: fmtBytes(level.logical_bytes || 0) }),
+          el("td", { class: "num", text: used ? `${(level.dedup_ratio || 0).toFixed(2)}x` : "–" }),
           el("td", { text: ttl || "–" }),
           el("td", { class: "num", text: fmtBytes(quota) }),
           el("td", {}, meter, ` ${quota ? fmtPercent(used / quota) : "–"}`),
@@ -201,12 +198,13 @@ export class Dashboard {
     const parts = [...byTier].map(([tier, list]) =>
       table(
         `${tier} (${list.length})`,
-        [["Key"], ["Tokens", "num"], ["Hits", "num"], ["Bytes", "num"], ["TTL class"], ["Saved as"], ["Last used"]],
+        [["Key"], ["Tokens", "num"], ["Hits", "num"], ["KV bytes", "num"], ["Only its own", "num"], ["TTL class"], ["Saved as"], ["Last used"]],
         list.map((r) => [
           [r.key.slice(0, 12)],
           [fmtInt(r.n_tokens), "num"],
           [fmtInt(r.hits), "num"],
           [fmtBytes(r.bytes), "num"],
+          [fmtBytes(r.exclusive_bytes), "num"],
           [r.ttl_class],
           [r.reason],
           [fmtAgo(r.last_used, now)],

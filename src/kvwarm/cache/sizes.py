@@ -1,0 +1,78 @@
+"""What a cache holds, in bytes: the one summary ``/cache/stats``, the dashboard and
+``kvwarm cache stats`` print, so they cannot disagree. Pure; no I/O.
+
+Two measures (docs/architecture.md, "Chunks"):
+
+- *physical* (``bytes``): what a tier stores, each chunk once: its rows' own files or objects
+  (manifests, whole-blob rows) plus its chunks, orphans included. For a file tier, the sum of
+  the apparent sizes of its ``.kvc`` and ``.kvk`` files (``du --apparent-size``, less temp
+  files and the quarantine). From the counters ``tier_<name>_bytes``, as ``/metrics`` reports
+  them (``kvwarm_cache_tier_bytes{tier}``).
+- *logical* (``logical_bytes``): what the rows restore, each row counting every chunk it names.
+  ``dedup_ratio`` = logical / physical.
+
+A row reports its logical bytes and its *exclusive* bytes: its own file plus the chunks no
+other row of its tier names (what deleting it alone would free).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+from kvwarm.cache.types import RowInfo, TierName
+
+__all__ = ["row_sizes", "summary"]
+
+
+def row_sizes(row: RowInfo) -> dict[str, int]:
+    """A row's sizes as the server and the CLI list them (``rows()`` fills the last two)."""
+    return {
+        "bytes": row.logical_bytes,
+        "exclusive_bytes": row.exclusive_bytes,
+        "own_bytes": row.size,
+    }
+
+
+def _ratio(logical: float, physical: float) -> float:
+    return round(logical / physical, 4) if physical else 0.0
+
+
+def summary(
+    counters: Mapping[str, float], rows: Sequence[RowInfo], tiers: Iterable[TierName]
+) -> dict[str, object]:
+    """Totals and per-tier sizes of a cache: ``rows``, ``bytes`` (physical), ``logical_bytes``,
+    ``chunks``, ``dedup_ratio``, ``tokens`` and ``tiers`` (every configured tier, in order:
+    rows, chunks, bytes, logical bytes, ratio, quota, tokens, hits, rows per TTL class). Row
+    counts and bytes come from ``counters`` (one snapshot); tokens and hits from ``rows``."""
+    per: dict[str, dict[str, object]] = {}
+    tokens: Counter[str] = Counter()
+    hits: Counter[str] = Counter()
+    ttl: dict[str, Counter[str]] = {}
+    for row in rows:
+        tokens[row.tier] += row.n_tokens
+        hits[row.tier] += row.hits
+        ttl.setdefault(row.tier, Counter())[row.ttl_class.name.lower()] += 1
+    total = Counter[str]()
+    for name in tiers:
+        level = {
+            k: int(counters.get(f"tier_{name}_{k}", 0))
+            for k in ("rows", "chunks", "bytes", "logical_bytes", "quota_bytes")
+        }
+        total.update({k: v for k, v in level.items() if k != "quota_bytes"})
+        per[name] = {
+            **level,
+            "dedup_ratio": _ratio(level["logical_bytes"], level["bytes"]),
+            "tokens": tokens[name],
+            "hits": hits[name],
+            "ttl_classes": dict(ttl.get(name, {})),
+        }
+    return {
+        "rows": len(rows),
+        "bytes": total["bytes"],
+        "logical_bytes": total["logical_bytes"],
+        "chunks": total["chunks"],
+        "dedup_ratio": _ratio(total["logical_bytes"], total["bytes"]),
+        "tokens": sum(r.n_tokens for r in rows),
+        "tiers": per,
+    }

@@ -1,0 +1,124 @@
+"""One memory budget (issue 25): what a server takes of memory, and the RAM tier sized to fit.
+
+A server holds, in memory: each loaded model's weights (``ModelInfo.size_bytes``, llama.cpp's
+``llama_model_size``) and context (``ModelInfo.context_bytes``: its KV buffers and the rest
+llama.cpp allocated for it), the RAM tier and the ``ram_file`` tier (files on /dev/shm are
+memory). With ``memory_budget`` set, the RAM tier's quota is what the others leave:
+
+    ram = budget - sum(weights) - sum(contexts) - ram_file quota
+
+and a configuration that leaves less than nothing is refused with ``MemoryBudgetError``,
+whose message shows that sum. Pure arithmetic; the server applies it at startup and after
+every load and unload (``ServerState``). Quotas of tiers on disk or in s3 are not memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvwarm.cache.types import TierConfig, TierName
+from kvwarm.errors import MemoryBudgetError
+
+__all__ = ["MEMORY_TIERS", "MemoryPlan", "ModelMemory", "fmt_bytes", "plan"]
+
+# Tiers whose bytes are memory besides the RAM tier itself (the one the budget sizes).
+MEMORY_TIERS: tuple[TierName, ...] = ("ram_file",)
+_LABELS = {"ram_file": "shm"}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMemory:
+    """One loaded model: its weights, its context's KV buffers, all its context's buffers."""
+
+    model: str
+    weights_bytes: int
+    kv_bytes: int
+    context_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """What the server takes of memory: ``budget_bytes`` (0: none set), the models, the
+    in-memory tiers' quotas, and the RAM tier's quota (the budget's remainder when set)."""
+
+    budget_bytes: int
+    models: tuple[ModelMemory, ...]
+    tiers: Mapping[TierName, int]  # in-memory tiers other than ram: quota
+    ram_quota_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Weights + contexts + every in-memory tier's quota (the RAM tier's included)."""
+        return _fixed(self.models, self.tiers) + self.ram_quota_bytes
+
+    def report(self, used: Mapping[TierName, int] | None = None) -> dict[str, object]:
+        """The JSON ``/cache/stats`` answers as ``memory``; ``used``: tier bytes stored now."""
+        tiers = {"ram": self.ram_quota_bytes, **self.tiers}
+        return {
+            "budget_bytes": self.budget_bytes,
+            "total_bytes": self.total_bytes,
+            "weights_bytes": sum(m.weights_bytes for m in self.models),
+            "kv_bytes": sum(m.kv_bytes for m in self.models),
+            "context_bytes": sum(m.context_bytes for m in self.models),
+            "models": {
+                m.model: {
+                    "weights_bytes": m.weights_bytes,
+                    "kv_bytes": m.kv_bytes,
+                    "context_bytes": m.context_bytes,
+                }
+                for m in self.models
+            },
+            "tiers": {
+                name: {"quota_bytes": quota, "bytes": int((used or {}).get(name, 0))}
+                for name, quota in tiers.items()
+            },
+        }
+
+
+def _fixed(models: Iterable[ModelMemory], tiers: Mapping[TierName, int]) -> int:
+    return sum(m.weights_bytes + m.context_bytes for m in models) + sum(tiers.values())
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def plan(
+    budget_bytes: int, models: Sequence[ModelMemory], tiers: Sequence[TierConfig]
+) -> MemoryPlan:
+    """The memory plan for these models and tiers. With a budget (> 0) the RAM tier gets
+    what is left, and ``MemoryBudgetError`` says why nothing is; without one, the RAM tier
+    keeps its configured quota."""
+    quotas = {t.name: t.quota_bytes for t in tiers}
+    others = {name: quotas[name] for name in MEMORY_TIERS if name in quotas}
+    ram = quotas.get("ram", 0)
+    if budget_bytes > 0:
+        fixed = _fixed(models, others)
+        if fixed > budget_bytes:
+            raise MemoryBudgetError(_arithmetic(budget_bytes, models, others, fixed))
+        ram = budget_bytes - fixed if "ram" in quotas else 0
+    return MemoryPlan(budget_bytes, tuple(models), others, ram)
+
+
+def _arithmetic(
+    budget: int, models: Sequence[ModelMemory], tiers: Mapping[TierName, int], fixed: int
+) -> str:
+    parts = [
+        f"weights {fmt_bytes(sum(m.weights_bytes for m in models))}",
+        f"KV {fmt_bytes(sum(m.kv_bytes for m in models))}",
+    ]
+    other = sum(m.context_bytes - m.kv_bytes for m in models)
+    if other:
+        parts.append(f"context buffers {fmt_bytes(other)}")
+    parts += [f"{_LABELS.get(n, n)} tier {fmt_bytes(q)}" for n, q in tiers.items()]
+    names = ", ".join(m.model for m in models) or "no model"
+    return (
+        f"memory budget {fmt_bytes(budget)} < {' + '.join(parts)} = {fmt_bytes(fixed)} "
+        f"({names}); raise memory_budget, lower shm_quota_bytes, or load fewer or smaller "
+        "models (a smaller n_ctx or n_parallel, a quantised KV cache)"
+    )

@@ -1,0 +1,134 @@
+"""One memory budget (issue 25): the arithmetic, the RAM tier sized to what is left, a model
+that does not fit refused with the sum in the error, and every surface reporting the terms."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from tests.server.conftest import stub_settings, wait_ready
+
+from kvwarm.backends.stub import STUB_WEIGHTS_BYTES
+from kvwarm.cache.types import TierConfig
+from kvwarm.errors import ConfigError, MemoryBudgetError
+from kvwarm.server import create_app
+from kvwarm.server.budget import ModelMemory, plan
+from kvwarm.server.errors import kind_of
+from kvwarm.settings import add_settings_arguments, load_settings, settings_flags
+
+MIB, GIB = 1 << 20, 1 << 30
+TIERS = (
+    TierConfig("ram", GIB),
+    TierConfig("ram_file", 2 * GIB, Path("/dev/shm/x")),
+    TierConfig("disk", 20 * GIB, Path("/x")),  # disk is not memory
+)
+
+
+def test_the_ram_tier_gets_what_weights_contexts_and_shm_leave() -> None:
+    models = [ModelMemory("a", 270 * MIB, 96 * MIB, 100 * MIB), ModelMemory("b", 30 * MIB, 0, 4)]
+    p = plan(3 * GIB, models, TIERS)
+    assert p.ram_quota_bytes == 3 * GIB - 270 * MIB - 100 * MIB - 30 * MIB - 4 - 2 * GIB
+    assert p.total_bytes == 3 * GIB
+    report = p.report({"ram": 5, "ram_file": 7})
+    assert report["weights_bytes"] == 300 * MIB and report["kv_bytes"] == 96 * MIB
+    assert report["tiers"] == {
+        "ram": {"quota_bytes": p.ram_quota_bytes, "bytes": 5},
+        "ram_file": {"quota_bytes": 2 * GIB, "bytes": 7},
+    }
+    # No budget: the RAM tier keeps its quota, the terms are still reported.
+    assert plan(0, models, TIERS).ram_quota_bytes == GIB
+
+
+def test_a_budget_that_cannot_fit_is_refused_with_the_arithmetic() -> None:
+    with pytest.raises(MemoryBudgetError) as caught:
+        plan(2 * GIB, [ModelMemory("gemma", 270 * MIB, 96 * MIB, 96 * MIB)], TIERS)
+    message = str(caught.value)
+    assert message.startswith(
+        "memory budget 2.0 GiB < weights 270.0 MiB + KV 96.0 MiB + shm tier 2.0 GiB = 2.4 GiB"
+    )
+    assert "gemma" in message
+    assert isinstance(caught.value, ConfigError)
+    assert (kind_of(caught.value).status, kind_of(caught.value).code) == (507, "memory_budget")
+    # Exactly full is not refused: the RAM tier gets nothing.
+    assert plan(2 * GIB, [], TIERS[1:]).ram_quota_bytes == 0
+
+
+def test_memory_budget_is_a_flag_an_env_var_and_a_toml_key(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    flags = settings_flags(parser.parse_args(["--memory-budget", "2G"]))
+    assert load_settings(flags, {}).memory_budget == 2 * GIB
+    assert load_settings({}, {"KVWARM_MEMORY_BUDGET": "512M"}).memory_budget == 512 * MIB
+    config = tmp_path / "c.toml"
+    config.write_text('memory_budget = "3G"\n')
+    assert load_settings({}, {"KVWARM_CONFIG": str(config)}).memory_budget == 3 * GIB
+    assert load_settings({}, {}).memory_budget == 0  # off by default
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = rf"^{name}{{{inner}}} (\S+)$" if labels else rf"^{name} (\S+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    assert match is not None, name
+    return float(match.group(1))
+
+
+def test_the_server_sizes_its_ram_tier_and_reports_every_term(tmp_path: Path) -> None:
+    budget = 1 * GIB
+    settings = stub_settings(
+        memory_budget=budget, shm_dir=tmp_path / "shm", shm_quota_bytes=GIB // 4
+    )
+    with TestClient(create_app(settings)) as c:
+        wait_ready(c.get)
+        meta = {m["id"]: m["meta"] for m in c.get("/v1/models").json()["data"]}
+        stats = c.get("/cache/stats").json()
+        metrics = c.get("/metrics").text
+    for model_id in ("a", "b"):
+        m = meta[model_id]
+        assert m["weights_bytes"] == STUB_WEIGHTS_BYTES
+        assert 0 < m["kv_bytes"] < m["context_bytes"]
+        assert _metric(metrics, "kvwarm_model_weights_bytes", model=model_id) == STUB_WEIGHTS_BYTES
+        assert _metric(metrics, "kvwarm_model_kv_bytes", model=model_id) == m["kv_bytes"]
+        assert _metric(metrics, "kvwarm_model_context_bytes", model=model_id) == m["context_bytes"]
+    assert meta["a"]["kv_bytes"] > meta["b"]["kv_bytes"]  # n_ctx 1024 against 256
+    taken = sum(m["weights_bytes"] + m["context_bytes"] for m in meta.values())
+    ram = budget - taken - GIB // 4
+    memory = stats["memory"]
+    assert memory["budget_bytes"] == budget and memory["total_bytes"] == budget
+    assert memory["tiers"]["ram"]["quota_bytes"] == ram
+    assert memory["tiers"]["ram_file"]["quota_bytes"] == GIB // 4
+    assert memory["models"]["a"]["kv_bytes"] == meta["a"]["kv_bytes"]
+    assert stats["tiers"]["ram"]["quota_bytes"] == ram == stats["counters"]["tier_ram_quota_bytes"]
+    assert _metric(metrics, "kvwarm_cache_tier_quota_bytes", tier="ram") == ram
+    assert _metric(metrics, "kvwarm_memory_budget_bytes") == budget
+    assert _metric(metrics, "kvwarm_memory_planned_bytes") == budget
+
+
+def test_a_model_that_does_not_fit_is_refused_and_the_other_serves() -> None:
+    # Room for one stub model's weights (64 MiB) and context, not two.
+    settings = stub_settings(memory_budget=100 * MIB)
+    with TestClient(create_app(settings)) as c:
+        wait_ready(c.get)
+        health = c.get("/health").json()
+        models = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        stats = c.get("/cache/stats").json()
+        ok = c.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2})
+    assert health["status"] == "degraded" and health["models"] == {"a": "ready", "b": "failed"}
+    error = models["b"]["error"]
+    assert error.startswith("MemoryBudgetError: memory budget 100.0 MiB < weights 128.0 MiB")
+    assert list(stats["memory"]["models"]) == ["a"]  # the refused model was unloaded
+    assert ok.status_code == 200
+
+
+def test_in_memory_tiers_past_the_budget_refuse_to_start(tmp_path: Path) -> None:
+    settings = stub_settings(memory_budget=GIB, shm_dir=tmp_path / "shm", shm_quota_bytes=2 * GIB)
+    with TestClient(create_app(settings)) as c:
+        # wait_ready fails with the body once startup is over and nothing can be served.
+        with pytest.raises(AssertionError, match="model failed to load") as caught:
+            wait_ready(c.get)
+        health = c.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "error"
+    assert "memory budget 1.0 GiB < weights 0 B + KV 0 B + shm tier 2.0 GiB" in str(caught.value)
