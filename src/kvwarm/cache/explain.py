@@ -43,6 +43,7 @@ __all__ = [
     "MissReason",
     "ReuseReport",
     "describe",
+    "reuse_json",
 ]
 
 
@@ -105,6 +106,23 @@ class ReuseReport:
     age_s: float | None = None
     tier: TierName = ""
     detail: str = ""
+
+
+def reuse_json(report: ReuseReport) -> dict[str, object]:
+    """The report as the server's ``timings.cache_reason`` and ``kvwarm cache explain --json``
+    give it: the enum's value and the numbers; text is the reader's (the page has its own)."""
+    out: dict[str, object] = {
+        "reason": report.reason.value,
+        "found_tokens": report.found_tokens,
+        "reused_tokens": report.reused_tokens,
+    }
+    if report.age_s is not None:
+        out["age_s"] = round(report.age_s, 3)
+    if report.tier:
+        out["tier"] = report.tier
+    if report.detail:
+        out["detail"] = report.detail
+    return out
 
 
 def describe(report: ReuseReport) -> str:

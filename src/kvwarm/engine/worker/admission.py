@@ -26,7 +26,7 @@ from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Failed, Request
 from kvwarm.engine.text import TextAssembler
 from kvwarm.engine.types import CacheHitKind
-from kvwarm.engine.worker.explain import Found, best_found, explain
+from kvwarm.engine.worker.explain import Found, best_found, explain, same_tenant
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
 from kvwarm.engine.worker.planner import (
@@ -201,8 +201,7 @@ class Admission:
             found,
             keep,
             namespace=ns,
-            base=self.rt.namespace(),
-            salt=req.options.salt_bytes(),
+            others=same_tenant(self.rt.cache, self.rt.namespace(), req.options.salt_bytes()),
             n_batch=self.rt.cfg.n_batch,
             deterministic=req.deterministic,
         )

@@ -21,6 +21,7 @@ from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.worker.planner import RowCandidate, trim_reason, usable_length
 from kvwarm.engine.worker.slots import Slot
+from kvwarm.memory import MemoryKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,17 +77,16 @@ def explain(
     reused: int,
     *,
     namespace: Namespace,
-    base: Namespace,
-    salt: bytes | None,
+    others: Sequence[Namespace],
     n_batch: int,
     deterministic: bool,
 ) -> ReuseReport:
-    """The report for a request that kept ``reused`` prompt tokens."""
+    """The report for a request that kept ``reused`` prompt tokens; ``others``: the
+    namespaces besides its own the request may learn about (``same_tenant``)."""
     n = len(tokens)
     if reused >= n:
         return ReuseReport(MissReason.NONE, found.shared, reused)
     if found.shared < n:
-        others = [salted_namespace(b, salt) for b in cache.noted_namespaces() if b != base]
         gone = cache.explain_miss(namespace, tokens, found.shared, others)
         if gone is not None:
             return ReuseReport(gone.reason, gone.found_tokens, reused, gone.age_s, gone.tier,
@@ -101,3 +101,70 @@ def explain(
         floor=found.floor,
     )
     return ReuseReport(reason, found.shared, reused)
+
+
+def same_tenant(cache: CacheApi, base: Namespace, salt: bytes | None) -> list[Namespace]:
+    """The other models' and adapter sets' namespaces of ``cache`` (those its models noted),
+    under the request's own salt: what a request may be told holds its prompt. Never another
+    salt's: that would tell one tenant what another's prompt begins with."""
+    return [salted_namespace(b, salt) for b in cache.noted_namespaces() if b != base]
+
+
+def explain_prompt(
+    cache: CacheApi,
+    tokens: Sequence[int],
+    *,
+    namespace: Namespace,
+    others: Sequence[Namespace],
+    n_batch: int,
+    deterministic: bool,
+    memory: MemoryKind,
+) -> ReuseReport:
+    """The planner's reasoning for ``tokens`` against ``cache`` alone (no slots, no model):
+    what ``kvwarm cache explain`` prints. Counts nothing; reads no row's bytes."""
+    match = cache.longest_prefix(namespace, tokens)
+    whole = [] if memory.trimmable else cache.whole_prefixes(namespace, tokens)
+    rows = [
+        RowCandidate(
+            m.row.key,
+            m.n_shared,
+            m.row.n_tokens,
+            m.row.canonical_tokens,
+            m.row.has_logits,
+            floor=memory.saved_floor(m.row.n_tokens),
+        )
+        for m in (match, *whole)
+        if m is not None
+    ]
+    n = len(tokens)
+    reused = 0
+    for row in rows:
+        keep, _ = usable_length(
+            min(row.n_shared, n),
+            n,
+            canonical=row.canonical,
+            n_batch=n_batch,
+            deterministic=deterministic,
+            row_tokens=row.n_tokens,
+            row_has_logits=row.has_logits,
+            floor=row.floor,
+        )
+        reused = max(reused, keep)
+    found = best_found(
+        tokens,
+        slots=(),
+        rows=rows,
+        namespace=namespace,
+        n_batch=n_batch,
+        deterministic=deterministic,
+    )
+    return explain(
+        cache,
+        tokens,
+        found,
+        reused,
+        namespace=namespace,
+        others=others,
+        n_batch=n_batch,
+        deterministic=deterministic,
+    )
