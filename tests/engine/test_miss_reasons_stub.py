@@ -252,3 +252,25 @@ def test_a_dropped_save_is_named(blocked: tuple[Engine, threading.Event]) -> Non
     r = reuse(model.complete(P + " More.", GREEDY))
     assert (r.reason, r.detail) == (MissReason.SAVE_DROPPED, "queue_full")
     assert r.found_tokens >= first.stats.prompt_tokens
+
+
+def test_a_row_evicted_between_lookup_and_read_is_named_evicted(engine: Engine) -> None:
+    model = engine.load_model(config=stub_config())
+    run(engine, model, P)
+    model.evict()
+    engine.cache.flush()
+    cache = engine.cache
+    original = cache.open_row
+
+    def evicted_first(key: bytes) -> object:
+        cache.evict_bytes(1 << 40)  # the row leaves after the lookup found it
+        return original(key)
+
+    cache.open_row = evicted_first  # type: ignore[method-assign,assignment]
+    try:
+        out = run(engine, model, P + " More.")
+    finally:
+        cache.open_row = original  # type: ignore[method-assign]
+    r = reuse(out)
+    assert (r.reason, r.detail) == (MissReason.EVICTED, "lru")
+    assert out.stats.cached_tokens == 0

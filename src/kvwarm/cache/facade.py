@@ -114,6 +114,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
         # Unsalted namespaces of the models using this cache (``note_namespace``): where
         # ``explain_miss`` may look besides the request's own. Bounded, oldest first out.
         self._bases: dict[Namespace, None] = {}
+        self._bases_lock = threading.Lock()
         # Everything that can refuse the configuration runs before any thread starts.
         source: PressureSource | None = None
         if self.config.pressure.enabled:
@@ -208,14 +209,16 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
     def note_namespace(self, namespace: Namespace) -> None:
         """A model serves under this (unsalted) namespace: ``explain_miss`` may name its rows
         to requests of the same salt under another model, adapter set or context."""
-        if namespace in self._bases:
+        if namespace in self._bases:  # every request asks: the common case takes no lock
             return
-        self._bases[namespace] = None
-        while len(self._bases) > 64:
-            del self._bases[next(iter(self._bases))]
+        with self._bases_lock:
+            self._bases[namespace] = None
+            while len(self._bases) > 64:
+                del self._bases[next(iter(self._bases))]
 
     def noted_namespaces(self) -> tuple[Namespace, ...]:
-        return tuple(self._bases)
+        with self._bases_lock:
+            return tuple(self._bases)
 
     def explain_miss(
         self,

@@ -194,6 +194,12 @@ class Admission:
             return ReuseReport(MissReason.PROMPT_LOGPROBS, found.shared, keep)
         if self._restore_failed is not None and keep == 0:
             reason, detail = self._restore_failed
+            if detail == "missing":
+                # The row may simply have left between the lookup and the read (evicted,
+                # expired): then the cache remembers why, and that is the better answer.
+                gone = self.rt.cache.explain_miss(ns, req.prompt_tokens, 0)
+                if gone is not None and gone.found_tokens >= found.shared:
+                    reason, detail = gone.reason, gone.detail
             return ReuseReport(reason, found.shared, keep, detail=detail)
         return explain(
             self.rt.cache,
