@@ -12,7 +12,7 @@ another salt's (``docs/architecture.md``, "Tenants").
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvwarm.cache.api import CacheApi
 from kvwarm.cache.explain import MissReason, ReuseReport
@@ -89,8 +89,7 @@ def explain(
     if found.shared < n:
         gone = cache.explain_miss(namespace, tokens, found.shared, others)
         if gone is not None:
-            return ReuseReport(gone.reason, gone.found_tokens, reused, gone.age_s, gone.tier,
-                               gone.detail)  # fmt: skip
+            return replace(gone, reused_tokens=reused)
     reason = trim_reason(
         found.shared,
         n,
@@ -121,7 +120,7 @@ def explain_prompt(
     memory: MemoryKind,
 ) -> ReuseReport:
     """The planner's reasoning for ``tokens`` against ``cache`` alone (no slots, no model):
-    what ``kvwarm cache explain`` prints. Counts nothing; reads no row's bytes."""
+    what ``kvwarm cache explain`` prints. Reads no row's bytes and probes no shared tier."""
     match = cache.longest_prefix(namespace, tokens)
     whole = [] if memory.trimmable else cache.whole_prefixes(namespace, tokens)
     rows = [
