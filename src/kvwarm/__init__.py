@@ -28,6 +28,7 @@ from kvwarm.errors import KvwarmError
 
 if TYPE_CHECKING:
     from kvwarm.backends.base import ContextParams, ModelParams
+    from kvwarm.cache.explain import MissReason, ReuseReport
     from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig, TtlClass
     from kvwarm.engine.api import (
         Engine,
@@ -65,6 +66,8 @@ _LAZY = {
     "TierConfig": "kvwarm.cache.types",
     "PolicyConfig": "kvwarm.cache.types",
     "TtlClass": "kvwarm.cache.types",
+    "MissReason": "kvwarm.cache.explain",
+    "ReuseReport": "kvwarm.cache.explain",
 }
 
 
@@ -88,11 +91,13 @@ __all__ = [
     "GenerationOptions",
     "GenerationOverrides",
     "KvwarmError",
+    "MissReason",
     "Model",
     "ModelConfig",
     "ModelOptions",
     "ModelParams",
     "PolicyConfig",
+    "ReuseReport",
     "TierConfig",
     "TtlClass",
     "__version__",

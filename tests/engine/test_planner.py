@@ -157,3 +157,21 @@ def test_choose_never_reuses_live_kv_of_another_namespace() -> None:
         namespace=bob,
     )
     assert plan.kind == "none"
+
+
+def test_trim_reason_reads_the_planner_rules_back() -> None:
+    from kvwarm.cache.explain import MissReason
+    from kvwarm.engine.worker.planner import trim_reason
+
+    def why(shared: int, n: int, keep: int, **kw: object) -> MissReason:
+        args: dict[str, object] = {"canonical": None, "n_batch": 16, "deterministic": False}
+        return trim_reason(shared, n, keep, **{**args, **kw})  # type: ignore[arg-type]
+
+    assert why(100, 100, 100) is MissReason.NONE
+    assert why(100, 100, 99) is MissReason.LAST_TOKEN
+    assert why(60, 100, 60) is MissReason.NEW_TOKENS
+    assert why(0, 100, 0) is MissReason.NO_PREFIX
+    assert why(60, 100, 48, deterministic=True) is MissReason.ALIGNED_TRIM
+    assert why(60, 100, 32, deterministic=True, canonical=40) is MissReason.ALIGNED_TRIM
+    assert why(60, 100, 0, floor=80) is MissReason.MEMORY_FLOOR  # a whole state of 80
+    assert why(60, 100, 0, deterministic=True, floor=60) is MissReason.MEMORY_FLOOR

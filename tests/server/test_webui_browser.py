@@ -177,6 +177,12 @@ def test_two_turns_show_the_cache_at_work(
         assert bar is not None and bar["width"] > 0  # the cached part of the bar is drawn
         legend = page.inner_text("li.turn[data-turn='2'] .n-cached")
         assert legend.startswith(f"{second['cachedTokens']:,} cached")
+        # Under each bar, why the rest was prefilled (timings.cache_reason, issue 25).
+        reason = "li.turn[data-turn='{}']"
+        assert page.get_attribute(reason.format(1), "data-cache-reason") == "no_prefix"
+        assert page.get_attribute(reason.format(2), "data-cache-reason") == "new_tokens"
+        why = page.inner_text(reason.format(2) + " .reason")
+        assert why.startswith("Prefilled because: the rest of the prompt was never cached")
 
         show_dashboard(page)
         wait_rows_above(page, rows_after_first)

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvwarm.cache.explain import ReuseReport
 from kvwarm.cache.types import (
     DEFAULT_GRACE_S,
     EvictResult,
@@ -97,6 +98,24 @@ class CacheApi(Protocol):
         """Up to ``limit`` rows of ``namespace`` whose tokens are all a prefix of ``tokens``
         (``n_shared == row.n_tokens``), longest first: the candidates for a model whose state
         cannot be trimmed (``kvwarm.memory``), where a longer row sharing more is of no use."""
+        ...
+
+    def note_namespace(self, namespace: Namespace) -> None:
+        """A model serves under this unsalted namespace (``explain_miss`` may look there)."""
+        ...
+
+    def noted_namespaces(self) -> tuple[Namespace, ...]: ...
+
+    def explain_miss(
+        self,
+        namespace: Namespace,
+        tokens: Sequence[int],
+        beyond: int,
+        others: Sequence[Namespace] = (),
+    ) -> ReuseReport | None:
+        """What would have served more than ``beyond`` tokens and did not: a gone row of
+        ``namespace`` (evicted, expired, unreadable), a dropped or in-flight save, or a row in
+        one of ``others`` (``cache/explain.py``). Cheap: one tree walk per namespace."""
         ...
 
     def open_row(self, key: bytes) -> AbstractContextManager[LoadedRow]:

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 
 from kvwarm.cache.chunking import store_row
 from kvwarm.cache.counters import Counters
+from kvwarm.cache.explain import MissReason
 from kvwarm.cache.index import Index
 from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, Tier
 from kvwarm.cache.quota import QuotaCaps
@@ -43,7 +44,7 @@ from kvwarm.cache.types import (
     TierSizes,
 )
 from kvwarm.cache.writer import WriterPool
-from kvwarm.errors import CacheError, CacheIOError, ConfigError
+from kvwarm.errors import CacheError, CacheIOError, CacheKeyError, ConfigError
 
 __all__ = ["CacheCore", "ScratchBuffers"]
 
@@ -228,9 +229,13 @@ class CacheCore:
         another process's doing or a transient view, and a row that fails its CRC32C here
         may be read fine by a newer kvwarm elsewhere; deleting would spread one process's
         failure to all. A truly dead object is left to ``gc_shared`` and lifecycle rules."""
+        detail = "missing" if isinstance(exc, CacheKeyError) else "corrupt"
         if tier.capabilities.local:
             log.warning("%s: dropping row %s: %s", tier.name, key.hex(), exc)
-            self._retire([r for r in (self._index.remove(key),) if r is not None])
+            removed = self._index.remove(key)
+            if removed is not None:
+                self._remember_unreadable(removed, detail)
+            self._retire([r for r in (removed,) if r is not None])
             return
         self._counters.incr("shared_rows_forgotten")
         if tier.name not in self._warned_unreadable:  # one line per tier; the count says more
@@ -246,6 +251,7 @@ class CacheCore:
             log.info("%s: forgetting unreadable shared row %s: %s", tier.name, key.hex(), exc)
         row = self._index.forget(key, tier.name)
         if row is not None:
+            self._remember_unreadable(row, detail)
             self._forgotten.add(key)  # the rescans skip it; only discovery adopts it again
             self._retire([])  # its chunks: forgotten, never deleted (see ``_retire``)
 
@@ -258,6 +264,12 @@ class CacheCore:
             raise ConfigError(f"tier {name!r} cannot be resized")
         set_quota(quota_bytes)
         self._enforce_quota(tier)
+
+    def _remember_unreadable(self, row: StoredRow, detail: str) -> None:
+        info = row.info
+        self._index.history.gone(
+            info.namespace, info.key, row.tokens, MissReason.UNREADABLE, info.tier, detail
+        )
 
     def _enforce_quota(self, tier: Tier) -> None:
         used, _ = self._index.usage().get(tier.name, (0, 0))

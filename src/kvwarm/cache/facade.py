@@ -44,6 +44,7 @@ from kvwarm.cache.chunkreads import ChunkReads
 from kvwarm.cache.core import ScratchBuffers
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.eviction import build_policy
+from kvwarm.cache.explain import MissHistory, MissReason, ReuseReport
 from kvwarm.cache.index import Index
 from kvwarm.cache.inflight import Holds
 from kvwarm.cache.key import cache_key
@@ -109,7 +110,14 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
             clock=clock,
             monotonic=monotonic,
             eviction=build_policy(self.config.eviction),
+            eviction_name=self.config.eviction,
+            history=MissHistory(clock=clock),
         )
+        self._history = self._index.history
+        # Unsalted namespaces of the models using this cache (``note_namespace``): where
+        # ``explain_miss`` may look besides the request's own. Bounded, oldest first out.
+        self._bases: dict[Namespace, None] = {}
+        self._bases_lock = threading.Lock()
         # Everything that can refuse the configuration runs before any thread starts.
         source: PressureSource | None = None
         if self.config.pressure.enabled:
@@ -208,6 +216,48 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
         # for (cold saves, turn ends), and a row found there is in the index from then on.
         return self._index.whole_prefixes(namespace, tokens, limit)
 
+    # ------------------------------------------------------------------ explaining misses
+
+    def note_namespace(self, namespace: Namespace) -> None:
+        """A model serves under this (unsalted) namespace: ``explain_miss`` may name its rows
+        to requests of the same salt under another model, adapter set or context."""
+        if namespace in self._bases:  # every request asks: the common case takes no lock
+            return
+        with self._bases_lock:
+            self._bases[namespace] = None
+            while len(self._bases) > 64:
+                del self._bases[next(iter(self._bases))]
+
+    def noted_namespaces(self) -> tuple[Namespace, ...]:
+        with self._bases_lock:
+            return tuple(self._bases)
+
+    def explain_miss(
+        self,
+        namespace: Namespace,
+        tokens: Sequence[int],
+        beyond: int,
+        others: Sequence[Namespace] = (),
+    ) -> ReuseReport | None:
+        """What would have served more than ``beyond`` tokens of ``tokens`` and did not: a
+        row of ``namespace`` that is gone (evicted, expired, unreadable), a save of it dropped
+        or still in flight, or a live row in one of ``others`` (another adapter set, model or
+        context the caller may learn about). None: nothing did. Counts nothing."""
+        best = self._history.lookup(namespace, tokens, beyond)
+        for other in others:
+            if other == namespace:
+                continue
+            match = self._index.longest(other, tokens)
+            floor = beyond if best is None else best.found_tokens
+            if match is not None and match.n_shared > floor:
+                differs = "fingerprint" if other.fingerprint != namespace.fingerprint else "context"
+                if other.quant != namespace.quant:
+                    differs = "quant"
+                best = ReuseReport(
+                    MissReason.OTHER_NAMESPACE, match.n_shared, 0, None, match.row.tier, differs
+                )
+        return best
+
     # ------------------------------------------------------------------ reading a row
 
     @contextmanager
@@ -276,6 +326,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
             self._counters.incr("saves_dropped")
             return None
         self._index.mark_in_flight(key)
+        self._history.saving(key, request.namespace, request.tokens, request.tier)
         # Cuts are planned now, in submission order, so saves queued together line up.
         lens = self._plans.plan(key, request, self._index, self.config.chunk_tokens)
         if lens is not None:
@@ -287,6 +338,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
                 return self._run_save(key, planned, tier)
             finally:
                 self._plans.done(key)
+                self._history.saved(key)
 
         if sync:
             try:
@@ -298,6 +350,15 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
                 return None
         if not self._writer.submit(job):
             self._plans.done(key)
+            self._history.saved(key)
+            self._history.gone(
+                request.namespace,
+                key,
+                request.tokens,
+                MissReason.SAVE_DROPPED,
+                request.tier,
+                "queue_full",
+            )
             self._index.clear_in_flight(key)
             self._counters.incr("saves_dropped")
             return None
@@ -305,8 +366,10 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
 
     def _run_save(self, key: bytes, request: SaveRequest, tier: Tier) -> bool:
         t0 = time.perf_counter()
+        published = False
         try:
             row = self._store_row(key, request, tier, self.config.chunk_tokens)
+            published = True
         except CacheNetworkError as exc:
             # The tier warned when the store went down; one line per dropped save is noise.
             self._counters.incr("save_failures")
@@ -322,6 +385,15 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
             log.exception("%s: %s save failed", tier.name, request.reason.name)
             return False
         finally:
+            if not published:
+                self._history.gone(
+                    request.namespace,
+                    key,
+                    request.tokens,
+                    MissReason.SAVE_DROPPED,
+                    request.tier,
+                    "failed",
+                )
             self._index.clear_in_flight(key)
         self._counters.record_latency("save", time.perf_counter() - t0)
         if row is None:  # another writer had it reserved or published: fine if it is there now
@@ -344,6 +416,10 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
     def delete(self, key: bytes) -> bool:
         row = self._index.remove(key)
         if row is not None:
+            info = row.info
+            self._history.gone(
+                info.namespace, key, row.tokens, MissReason.EVICTED, info.tier, "deleted"
+            )
             self._retire([row])
             return True
         found = False

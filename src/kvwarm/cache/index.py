@@ -46,6 +46,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from kvwarm.cache.chunkrefs import FreedChunk
 from kvwarm.cache.eviction.base import EvictionPolicy
 from kvwarm.cache.eviction.lru import LruPolicy
+from kvwarm.cache.explain import TTL_NAMES, MissHistory, MissReason
 from kvwarm.cache.inflight import InFlight
 from kvwarm.cache.protocols import StoredRow
 from kvwarm.cache.reservations import Orphan, Reservations
@@ -68,8 +69,12 @@ class Index:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         eviction: EvictionPolicy | None = None,
+        eviction_name: str = "lru",
+        history: MissHistory | None = None,
     ) -> None:
-        """``eviction``: a fresh policy for this index alone (default LRU)."""
+        """``eviction``: a fresh policy for this index alone (default LRU), named
+        ``eviction_name``; ``history``: where rows that leave are remembered, so a later lookup
+        can say why it missed (``explain.py``)."""
         self._lock = threading.Lock()
         self._clock = clock
         self._started = clock()  # TTL idle time is counted from here at the earliest
@@ -78,6 +83,8 @@ class Index:
         self._res = Reservations(reservation_ttl_s, monotonic)
         self._inflight = InFlight(self._lock)
         self._chunk_gone = threading.Condition(self._lock)
+        self._eviction_name = eviction_name
+        self.history = history if history is not None else MissHistory(clock=clock)
 
     # ----------------------------------------------------------------- lock-free reads
 
@@ -188,6 +195,7 @@ class Index:
                 return False
             self._rows.insert(row)
             self._inflight.wake()
+            self.history.republished(key)
             return True
 
     def abandon(self, key: bytes, token: int) -> None:
@@ -206,6 +214,7 @@ class Index:
                 return False
             self._rows.insert(row)
             self._inflight.wake()
+            self.history.republished(row.info.key)
             return True
 
     # ----------------------------------------------------------------- in-flight saves
@@ -300,7 +309,10 @@ class Index:
             removed = [
                 self._rows.remove(i.key, keep_chunk_bytes=i.tier in forget_only) for i in victims
             ]
-            return [r for r in removed if r is not None]
+            gone = [r for r in removed if r is not None]
+            for r in gone:
+                self._remember(r, MissReason.EXPIRED, TTL_NAMES[r.info.ttl_class])
+            return gone
 
     def reap_reservations(self) -> tuple[int, list[Orphan]]:
         """Two-stage reaping; linked orphans are returned for the caller to adopt or delete."""
@@ -318,7 +330,14 @@ class Index:
 
     def _evict(self, n_bytes: int, tiers: Iterable[TierName] | None) -> list[StoredRow]:
         names = list(self._rows.usage() if tiers is None else dict.fromkeys(tiers))
-        return self._rows.evict(n_bytes, names)
+        evicted = self._rows.evict(n_bytes, names)
+        for r in evicted:
+            self._remember(r, MissReason.EVICTED, self._eviction_name)
+        return evicted
+
+    def _remember(self, row: StoredRow, reason: MissReason, detail: str) -> None:
+        info = row.info
+        self.history.gone(info.namespace, info.key, row.tokens, reason, info.tier, detail)
 
     # ----------------------------------------------------------------- chunks
 

@@ -68,6 +68,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             )
         add_settings(parser, CACHE_SETTINGS)
         parser.set_defaults(run=run)
+    from kvwarm.cli import explain_cmd
+
+    explain_cmd.register(actions)
 
 
 @contextmanager

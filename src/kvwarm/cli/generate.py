@@ -66,11 +66,18 @@ def _options(args: argparse.Namespace) -> GenerationOptions:
     return opts
 
 
+def _why(done: Completion) -> str:
+    """Why no more of the prompt came from the cache (``kvwarm.cache.explain``), if known."""
+    r = done.stats.reuse
+    return "" if r is None else f"; {r.reason.value}, found {r.found_tokens}"
+
+
 def timing_line(done: Completion) -> str:
     s = done.stats
     rate = s.completion_tokens / (s.generation_ms / 1000) if s.generation_ms > 0 else 0.0
     return (
-        f"prompt {s.prompt_tokens} tokens ({s.cached_tokens} from cache, {s.cache_hit}), "
+        f"prompt {s.prompt_tokens} tokens ({s.cached_tokens} from cache, {s.cache_hit}"
+        f"{_why(done)}), "
         f"prefill {s.prefill_ms:.1f} ms; {s.completion_tokens} tokens in "
         f"{s.generation_ms:.1f} ms ({rate:.1f} tok/s); queue {s.queue_ms:.1f} ms; "
         f"finish {s.finish_reason}"
@@ -145,7 +152,8 @@ def run_chat(args: argparse.Namespace) -> int:
             s = done.stats
             print(
                 f"[turn {turn}: cached {s.cached_tokens}/{s.prompt_tokens} prompt tokens "
-                f"({s.cache_hit}), prefill {s.prefill_ms:.1f} ms, {s.completion_tokens} tokens "
+                f"({s.cache_hit}{_why(done)}), prefill {s.prefill_ms:.1f} ms, "
+                f"{s.completion_tokens} tokens "
                 f"in {s.generation_ms:.1f} ms]",
                 file=sys.stderr,
                 flush=True,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from kvwarm.backends.base import SamplingParams
+from kvwarm.cache.explain import ReuseReport
 
 CacheHitKind = Literal["exact", "partial", "cold"]
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -165,6 +166,9 @@ class CompletionStats:
     finish_reason: FinishReason
     key: bytes | None  # key of the finish save (prompt + reply): pass as the next parent_key
     stop_sequence: str | None = None  # the ``stop`` string that ended the reply, if one did
+    #: What the planner found and why it reused no more (``kvwarm.cache.explain``); None for
+    #: a request that never reached a slot (cancelled while queued) or a fork (``n > 1``).
+    reuse: ReuseReport | None = None
 
     @property
     def ttft_ms(self) -> float:

@@ -13,6 +13,7 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 
+from kvwarm.cache.explain import reuse_json
 from kvwarm.engine.text import piece_bytes
 from kvwarm.engine.types import (
     SAMPLING_OPTIONS,
@@ -130,6 +131,7 @@ def timings(stats: CompletionStats) -> Json:
         "cached_tokens": stats.cached_tokens,
         # The finish save's row key (None: not saved): its file is ``<key>.kvc`` in a disk tier.
         "cache_key": stats.key.hex() if stats.key else None,
+        "cache_reason": None if stats.reuse is None else reuse_json(stats.reuse),
     }
 
 

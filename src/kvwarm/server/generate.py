@@ -205,6 +205,8 @@ class Generation:
         self._state.counters.record_finish(
             self.model_id, done.stats.finish_reason, self.disconnected
         )
+        if done.stats.reuse is not None:
+            self._state.counters.record_cache_reason(self.model_id, done.stats.reuse.reason.value)
         log_request(self.endpoint, self.model_id, done, self.started, self.disconnected)
 
 
@@ -222,7 +224,7 @@ def log_request(
     s = done.stats
     request_log.info(
         "%s model=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d finish=%s "
-        "cache=%s prefill_ms=%.1f ms=%.1f%s",
+        "cache=%s reason=%s found=%d prefill_ms=%.1f ms=%.1f%s",
         endpoint,
         model_id,
         s.prompt_tokens,
@@ -230,6 +232,8 @@ def log_request(
         s.completion_tokens,
         s.finish_reason,
         s.cache_hit,
+        "-" if s.reuse is None else s.reuse.reason.value,
+        0 if s.reuse is None else s.reuse.found_tokens,
         s.prefill_ms,
         (time.perf_counter() - started) * 1000,
         " client_disconnected" if disconnected else "",

@@ -231,6 +231,13 @@ class ServerMetrics:
             ["model", "reason"],
             registry=self.registry,
         )
+        self.cache_reasons = Counter(
+            "kvwarm_cache_reasons",
+            "HTTP generations by why no more of the prompt came from the cache "
+            "(kvwarm.cache.explain.MissReason: none, new_tokens, evicted, ...)",
+            ["model", "reason"],
+            registry=self.registry,
+        )
         self.client_disconnects = Counter(
             "kvwarm_client_disconnects",
             "generations cancelled because the client went away",
@@ -244,6 +251,9 @@ class ServerMetrics:
         self.generations.labels(model=model_id, reason=reason).inc()
         if disconnected:
             self.client_disconnects.inc()
+
+    def record_cache_reason(self, model_id: str, reason: str) -> None:
+        self.cache_reasons.labels(model=model_id, reason=reason).inc()
 
     def scrape_registry(self) -> CollectorRegistry:
         """The registry a scrape renders: this app's, or, in multiprocess mode, the counters

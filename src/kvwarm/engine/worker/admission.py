@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from kvwarm.alignment import align_down, canonical_after
 from kvwarm.backends.base import Sampler
+from kvwarm.cache.explain import MissReason, ReuseReport
 from kvwarm.cache.key import salted_namespace
 from kvwarm.cache.policy import probe_lengths
 from kvwarm.cache.prefix import common_prefix
@@ -25,6 +26,7 @@ from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Failed, Request
 from kvwarm.engine.text import TextAssembler
 from kvwarm.engine.types import CacheHitKind
+from kvwarm.engine.worker.explain import Found, best_found, explain, same_tenant
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
 from kvwarm.engine.worker.planner import (
@@ -37,7 +39,13 @@ from kvwarm.engine.worker.planner import (
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.saves import Saves
 from kvwarm.engine.worker.slots import Active, Slot
-from kvwarm.errors import BackendError, KvwarmError, StateRestoreError
+from kvwarm.errors import (
+    BackendError,
+    CacheFormatError,
+    CacheKeyError,
+    KvwarmError,
+    StateRestoreError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +56,9 @@ class Admission:
         self.forks = forks
         self.outcomes = outcomes
         self.saves = saves
+        # What the last restore attempt came to (a failed one makes the request cold).
+        self._restore_failed: tuple[MissReason, str] | None = None
+        self._found = Found()
 
     def admit(self, req: Request, free: Sequence[Slot]) -> None:
         """Seat ``req`` in one of the ``free`` slots; on any failure, answer it instead."""
@@ -107,6 +118,15 @@ class Admission:
             if m is not None
         ]
         rt.refresh_floors()
+        rt.cache.note_namespace(rt.namespace())
+        self._found = best_found(
+            prompt,
+            slots=rt.slots,
+            rows=rows,
+            namespace=ns,
+            n_batch=rt.cfg.n_batch,
+            deterministic=req.deterministic,
+        )
         slot, plan = choose(
             req.prompt_tokens,
             free=free,
@@ -140,6 +160,7 @@ class Admission:
                 banned = self.rt.eog_tokens() if one.options.ignore_eos else ()
                 params = one.options.sampling(one.grammar, banned)
                 samplers.append(self.rt.model.new_sampler(params))
+            self._restore_failed = None
             keep, logits_from_row = self._apply(slot, plan, req)
         except Exception:
             for made in samplers:
@@ -160,6 +181,36 @@ class Admission:
             hit = "partial"
         pauses = self.saves.pauses(keep, n, resume_points=resume)
         self._seat(slot, req, ns, sampler, keep, hit, logits_from_row, fork_slots, pauses)
+        if slot.active is not None and slot.active.req is req:
+            try:
+                slot.active.reuse = self._explain(req, ns, keep)
+            except Exception:  # an explanation never costs a request its answer
+                log.exception("worker %s: explaining the cache use failed", self.rt.name)
+
+    def _explain(self, req: Request, ns: Namespace, keep: int) -> ReuseReport:
+        """Why ``req`` kept ``keep`` prompt tokens and no more (``worker/explain.py``)."""
+        found = self._found
+        if req.options.prompt_logprobs is not None:
+            return ReuseReport(MissReason.PROMPT_LOGPROBS, found.shared, keep)
+        if self._restore_failed is not None and keep == 0:
+            reason, detail = self._restore_failed
+            if detail == "missing":
+                # The row may simply have left between the lookup and the read (evicted,
+                # expired): then the cache remembers why, and that is the better answer.
+                gone = self.rt.cache.explain_miss(ns, req.prompt_tokens, 0)
+                if gone is not None and gone.found_tokens >= found.shared:
+                    reason, detail = gone.reason, gone.detail
+            return ReuseReport(reason, found.shared, keep, detail=detail)
+        return explain(
+            self.rt.cache,
+            req.prompt_tokens,
+            found,
+            keep,
+            namespace=ns,
+            others=same_tenant(self.rt.cache, self.rt.namespace(), req.options.salt_bytes()),
+            n_batch=self.rt.cfg.n_batch,
+            deterministic=req.deterministic,
+        )
 
     def _seat(
         self,
@@ -212,6 +263,12 @@ class Admission:
             except KvwarmError as exc:
                 log.warning("worker %s: cache restore failed, prefilling cold: %s", rt.name, exc)
                 keep, source_canonical, logits_from_row = 0, None, None
+                if isinstance(exc, CacheKeyError):
+                    self._restore_failed = (MissReason.UNREADABLE, "missing")
+                elif isinstance(exc, CacheFormatError):
+                    self._restore_failed = (MissReason.UNREADABLE, "corrupt")
+                else:
+                    self._restore_failed = (MissReason.RESTORE_FAILED, "")
         elif plan.kind == "copy":
             src = rt.slots[plan.src_seq]
             rt.reset_seq(slot)

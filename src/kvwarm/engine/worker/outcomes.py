@@ -58,6 +58,7 @@ class Outcomes:
             finish_reason=reason,
             key=key,
             stop_sequence=act.assembler.matched,
+            reuse=act.reuse,
         )
         self.rt.stats.account(stats)
         completion = Completion(

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvwarm.alignment import align_down
+from kvwarm.cache.explain import MissReason
 from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.worker.slots import Slot
@@ -219,3 +220,37 @@ def trim_restored(
     if keep < floor:
         return 0, False
     return keep, use_logits
+
+
+def trim_reason(
+    shared: int,
+    n_prompt: int,
+    keep: int,
+    *,
+    canonical: int | None,
+    n_batch: int,
+    deterministic: bool,
+    floor: int = 0,
+) -> MissReason:
+    """Why ``usable_length`` kept ``keep`` of the ``shared`` tokens a source shares with a
+    prompt of ``n_prompt`` (the same rules, read back; nothing here decides anything)."""
+    if keep >= n_prompt:
+        return MissReason.NONE
+    if shared <= 0:
+        return MissReason.NO_PREFIX
+    u = min(shared, n_prompt)
+    if u >= n_prompt:
+        u = n_prompt - 1
+    if keep == 0 and floor > 0:
+        aligned = (
+            align_down(min(u, canonical if canonical is not None else u), n_batch)
+            if deterministic
+            else u
+        )
+        if aligned < floor:
+            return MissReason.MEMORY_FLOOR
+    if deterministic and keep < u:
+        return MissReason.ALIGNED_TRIM
+    if keep < u:
+        return MissReason.MEMORY_FLOOR
+    return MissReason.LAST_TOKEN if shared >= n_prompt else MissReason.NEW_TOKENS

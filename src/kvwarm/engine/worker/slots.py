@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvwarm.backends.base import Sampler
+from kvwarm.cache.explain import ReuseReport
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Request
 from kvwarm.engine.text import TextAssembler
@@ -44,6 +45,7 @@ class Active:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     last_continued: int = 0  # live KV length at the last continued save
     forks: list[Slot] = field(default_factory=list)  # slots waiting for this prompt's KV
+    reuse: ReuseReport | None = None  # why no more of the prompt was reused (worker/explain.py)
 
     def unsent_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The logprobs not yet sent with a fragment; marks them sent."""

@@ -141,6 +141,37 @@ export class Chat {
   }
 }
 
+/** Why the rest of the prompt was prefilled: the server's ``timings.cache_reason.reason``
+ * (kvwarm.cache.explain.MissReason) in words. */
+const REASON_TEXT = {
+  none: "the whole prompt came from the cache",
+  last_token: "the last prompt token was decoded for its logits",
+  new_tokens: "the rest of the prompt was never cached",
+  no_prefix: "no cached row or slot shares a prefix with the prompt",
+  aligned_trim: "deterministic mode reuses only a prefix aligned to n_batch",
+  memory_floor: "the model's memory cannot resume there (no checkpoint at or below)",
+  evicted: "the row that shared more was evicted",
+  expired: "the row that shared more expired",
+  unreadable: "the row that shared more failed to read and was dropped",
+  other_namespace: "a row shares more under another adapter set or context",
+  save_dropped: "the save that would have served it was dropped",
+  save_in_flight: "the save that would have served it is still being written",
+  restore_failed: "the row could not be restored",
+  prompt_logprobs: "prompt logprobs need every position's logits",
+};
+
+/** One line under the cache bar: why the rest was prefilled, with its numbers. */
+export function reasonText(r) {
+  if (!r) return null;
+  const words = REASON_TEXT[r.reason] ?? r.reason;
+  const bits = [];
+  if (r.found_tokens) bits.push(`${fmtInt(r.found_tokens)} tokens found`);
+  if (r.tier) bits.push(`tier ${r.tier}`);
+  if (r.detail) bits.push(r.detail);
+  if (r.age_s !== undefined && r.age_s !== null) bits.push(`${fmtMs(r.age_s * 1000)} ago`);
+  return bits.length ? `${words} (${bits.join(", ")})` : words;
+}
+
 /** One assistant turn in the transcript, with its cache bar. */
 class Turn {
   constructor(index) {
@@ -218,6 +249,9 @@ class Turn {
       t ? el("li", { text: `prefill ${fmtMs(t.prefill_ms)} (${t.cache_hit})` }) : null,
       el("li", { text: `${fmtInt(u.completion_tokens)} tokens in ${fmtMs(totalMs)}` }),
     );
-    this.meta.replaceChildren(bar, legend);
+    const why = reasonText(t?.cache_reason);
+    if (why) this.node.dataset.cacheReason = t.cache_reason.reason;
+    const reason = why ? el("p", { class: "reason", text: `Prefilled because: ${why}` }) : null;
+    this.meta.replaceChildren(...[bar, reason, legend].filter(Boolean));
   }
 }

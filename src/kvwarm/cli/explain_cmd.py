@@ -1,0 +1,153 @@
+"""``kvwarm cache explain``: why a prompt would (not) come from the cache, without a server.
+
+It tokenizes the prompt (text, or a request body's ``messages`` rendered with the model's chat
+template) with the model's vocabulary alone (``ModelParams.vocab_only``: no weights, no
+context), derives the cache namespace the server would use (the model's fingerprint, its
+quantisation, the context parameters the settings give, the salt), and runs the planner's own
+reasoning (``engine/worker/explain.explain_prompt``) against the cache directory, opened
+read-only. It prints the same ``MissReason`` the server's ``timings.cache_reason`` carries.
+
+Differences from a live server, by nature: no slot holds live KV here, and this process
+remembers no eviction (``MissHistory`` is per process), so a row evicted by the server reads
+as ``no_prefix`` or ``new_tokens``. As the operator's tool it looks in *every* namespace of the
+cache (other models, adapter sets, contexts and salts), which the server never tells a client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvwarm.cli.common import MODEL_SETTINGS, add_settings, settings_from
+from kvwarm.errors import ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvwarm.backends.base import BackendModel
+
+
+def register(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    help_text = "why a prompt would or would not be served from the cache (no model loaded)"
+    parser = actions.add_parser(
+        "explain",
+        help=help_text,
+        description=help_text + ": tokenizes with the model's vocabulary only and runs the "
+        "planner's reasoning against the cache directory.",
+    )
+    parser.add_argument("prompt", nargs="?", help="the prompt text (or give --body)")
+    parser.add_argument(
+        "--body",
+        type=Path,
+        metavar="FILE",
+        help="a request body (JSON): its 'messages' (rendered with the chat template) or "
+        "'prompt'; its 'cache_salt' unless --salt is given",
+    )
+    parser.add_argument("--salt", default=None, help="the request's cache salt")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_settings(parser, MODEL_SETTINGS)
+    parser.set_defaults(run=run_explain)
+
+
+def _read_body(path: Path) -> Mapping[str, object]:
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"--body {path}: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError(f"--body {path}: a JSON object is expected")
+    return body
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    from kvwarm.backends import get_backend
+    from kvwarm.cache.explain import describe, reuse_json
+    from kvwarm.cache.key import salted_namespace
+    from kvwarm.cache.types import Namespace
+    from kvwarm.cli.cache_cmd import open_cache
+    from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
+    from kvwarm.engine.worker.explain import explain_prompt
+    from kvwarm.memory import MemoryKind
+    from kvwarm.settings.model import model_config
+
+    settings = settings_from(args)
+    body = _read_body(args.body) if args.body is not None else {}
+    if (args.prompt is None) == (not body):
+        raise InvalidRequestError("give a prompt or --body FILE (one of them)")
+    if not settings.models:
+        raise ConfigError("no model to explain against: give --model")
+    spec = settings.models[0]
+    cfg = model_config(settings, spec)
+    chosen = cfg.backend or settings.backend
+    backend = get_backend(chosen) if isinstance(chosen, str) else chosen
+    path = backend.locate(spec.path)
+    salt = args.salt if args.salt is not None else body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
+    bmodel = backend.load_model(str(path), dataclasses.replace(cfg.model_params, vocab_only=True))
+    try:
+        facts = bmodel.facts
+        tokens = _tokens(bmodel, args.prompt, body, cfg.chat_template)
+    finally:
+        bmodel.close()
+    fingerprint = model_fingerprint(path, parse_mode(cfg.fingerprint_mode), cfg.fingerprint)
+    base = Namespace(fingerprint, facts.file_type & 0xFF, cfg.context.kv_hash())
+    namespace = salted_namespace(base, None if salt is None else salt.encode("utf-8"))
+    memory = MemoryKind(facts.memory_kind, facts.n_swa, cfg.context.swa_full)
+    with open_cache(settings, repair=False) as cache:
+        spaces = list(dict.fromkeys(r.namespace for r in cache.rows()))
+        report = explain_prompt(
+            cache,
+            tokens,
+            namespace=namespace,
+            others=[ns for ns in spaces if ns != namespace],
+            n_batch=cfg.context.n_batch,
+            deterministic=cfg.deterministic,
+            memory=memory,
+        )
+        n_rows = len(cache.rows(namespace))
+    if report.detail == "context":  # here, unlike in the server, a salt may be what differs
+        report = dataclasses.replace(report, detail="context or salt")
+    if args.json:
+        out = {
+            "prompt_tokens": len(tokens),
+            "rows_in_namespace": n_rows,
+            "namespaces": len(spaces),
+            **reuse_json(report),
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"prompt: {len(tokens)} tokens; {n_rows} rows in its namespace ({len(spaces)} in all)")
+    print(describe(report))
+    return 0
+
+
+def _tokens(
+    bmodel: BackendModel, prompt: str | None, body: Mapping[str, object], chosen: str | None
+) -> Sequence[int]:
+    """The prompt's tokens as the server would make them."""
+    from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, resolve_template
+    from kvwarm.engine.prompts import chat_tokens
+
+    if prompt is not None:
+        return bmodel.tokenize(prompt, add_special=True, parse_special=True)
+    messages = body.get("messages")
+    if messages is not None:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise InvalidRequestError("messages must be a list of objects", param="messages")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise InvalidRequestError("tools must be a list", param="tools")
+        template: str | None = None
+        if chosen is not None:
+            template = resolve_template(chosen)[1]
+        elif not bmodel.facts.chat_template:
+            template = BUILTIN_TEMPLATES[FALLBACK_TEMPLATE]
+        tokens, _ = chat_tokens(bmodel, messages, tools=tools, template=template)
+        return tokens
+    text = body.get("prompt")
+    if not isinstance(text, str):
+        raise InvalidRequestError("the body needs 'messages' or a string 'prompt'", param="body")
+    return bmodel.tokenize(text, add_special=True, parse_special=True)

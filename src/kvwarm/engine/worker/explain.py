@@ -1,0 +1,169 @@
+"""Why a request reused no more KV than it did (``ReuseReport``), read back from what admission
+saw: the planner's candidates, the keep it ended with, and the cache's memory of rows that are
+gone or not written yet (``cache/explain.py``).
+
+Invariants: this module decides nothing (the planner and admission do); it only explains, with
+an enum and numbers, no text. It asks the cache only when some prompt tokens were left that a
+source could have covered, and only about namespaces the request may learn of: its own, and
+the other models'/adapter sets' namespaces of this cache under the request's own salt, never
+another salt's (``docs/architecture.md``, "Tenants").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from kvwarm.cache.api import CacheApi
+from kvwarm.cache.explain import MissReason, ReuseReport
+from kvwarm.cache.key import salted_namespace
+from kvwarm.cache.prefix import common_prefix
+from kvwarm.cache.types import Namespace
+from kvwarm.engine.worker.planner import RowCandidate, trim_reason, usable_length
+from kvwarm.engine.worker.slots import Slot
+from kvwarm.memory import MemoryKind
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """The source sharing the most with the prompt, as the planner's rules score it."""
+
+    shared: int = 0
+    canonical: int | None = None
+    floor: int = 0
+
+
+def best_found(
+    tokens: Sequence[int],
+    *,
+    slots: Sequence[Slot],
+    rows: Sequence[RowCandidate],
+    namespace: Namespace,
+    n_batch: int,
+    deterministic: bool,
+) -> Found:
+    """The candidate (a slot's live KV of ``namespace``, or a row) sharing the most tokens;
+    among equals the one the planner keeps the most of."""
+    n = len(tokens)
+    best = Found()
+    best_keep = -1
+    cands: list[tuple[int, int | None, int, int | None, bool]] = []
+    for slot in slots:
+        if slot.kv_tokens and slot.kv_namespace == namespace:
+            shared = common_prefix(slot.kv_tokens, tokens)
+            cands.append((shared, slot.canonical, slot.floor, None, False))
+    for row in rows:
+        cands.append((min(row.n_shared, n), row.canonical, row.floor, row.n_tokens, row.has_logits))
+    for shared, canonical, floor, row_tokens, has_logits in cands:
+        keep, _ = usable_length(
+            shared,
+            n,
+            canonical=canonical,
+            n_batch=n_batch,
+            deterministic=deterministic,
+            row_tokens=row_tokens,
+            row_has_logits=has_logits,
+            floor=floor,
+        )
+        if (shared, keep) > (best.shared, best_keep):
+            best, best_keep = Found(shared, canonical, floor), keep
+    return best
+
+
+def explain(
+    cache: CacheApi,
+    tokens: Sequence[int],
+    found: Found,
+    reused: int,
+    *,
+    namespace: Namespace,
+    others: Sequence[Namespace],
+    n_batch: int,
+    deterministic: bool,
+) -> ReuseReport:
+    """The report for a request that kept ``reused`` prompt tokens; ``others``: the
+    namespaces besides its own the request may learn about (``same_tenant``)."""
+    n = len(tokens)
+    if reused >= n:
+        return ReuseReport(MissReason.NONE, found.shared, reused)
+    if found.shared < n:
+        gone = cache.explain_miss(namespace, tokens, found.shared, others)
+        if gone is not None:
+            return replace(gone, reused_tokens=reused)
+    reason = trim_reason(
+        found.shared,
+        n,
+        reused,
+        canonical=found.canonical,
+        n_batch=n_batch,
+        deterministic=deterministic,
+        floor=found.floor,
+    )
+    return ReuseReport(reason, found.shared, reused)
+
+
+def same_tenant(cache: CacheApi, base: Namespace, salt: bytes | None) -> list[Namespace]:
+    """The other models' and adapter sets' namespaces of ``cache`` (those its models noted),
+    under the request's own salt: what a request may be told holds its prompt. Never another
+    salt's: that would tell one tenant what another's prompt begins with."""
+    return [salted_namespace(b, salt) for b in cache.noted_namespaces() if b != base]
+
+
+def explain_prompt(
+    cache: CacheApi,
+    tokens: Sequence[int],
+    *,
+    namespace: Namespace,
+    others: Sequence[Namespace],
+    n_batch: int,
+    deterministic: bool,
+    memory: MemoryKind,
+) -> ReuseReport:
+    """The planner's reasoning for ``tokens`` against ``cache`` alone (no slots, no model):
+    what ``kvwarm cache explain`` prints. Reads no row's bytes and probes no shared tier."""
+    match = cache.longest_prefix(namespace, tokens)
+    whole = [] if memory.trimmable else cache.whole_prefixes(namespace, tokens)
+    rows = [
+        RowCandidate(
+            m.row.key,
+            m.n_shared,
+            m.row.n_tokens,
+            m.row.canonical_tokens,
+            m.row.has_logits,
+            floor=memory.saved_floor(m.row.n_tokens),
+        )
+        for m in (match, *whole)
+        if m is not None
+    ]
+    n = len(tokens)
+    reused = 0
+    for row in rows:
+        keep, _ = usable_length(
+            min(row.n_shared, n),
+            n,
+            canonical=row.canonical,
+            n_batch=n_batch,
+            deterministic=deterministic,
+            row_tokens=row.n_tokens,
+            row_has_logits=row.has_logits,
+            floor=row.floor,
+        )
+        reused = max(reused, keep)
+    found = best_found(
+        tokens,
+        slots=(),
+        rows=rows,
+        namespace=namespace,
+        n_batch=n_batch,
+        deterministic=deterministic,
+    )
+    return explain(
+        cache,
+        tokens,
+        found,
+        reused,
+        namespace=namespace,
+        others=others,
+        n_batch=n_batch,
+        deterministic=deterministic,
+    )

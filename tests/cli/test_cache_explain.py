@@ -1,0 +1,79 @@
+"""``kvwarm cache explain`` on the stub (issue 25): the planner's reasoning for a prompt against
+a cache directory, with the model's vocabulary only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvwarm.cli import main
+
+# The default save gates (512 tokens): the stub makes one token per byte.
+PROMPT = "word " * 120
+
+
+def explain(capsys: pytest.CaptureFixture[str], cache: Path, *args: str) -> dict[str, object]:
+    argv = ["cache", "explain", "--backend", "stub", "--model", "stub-a"]
+    rc = main([*argv, "--cache-dir", str(cache), "--json", *args])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    result: dict[str, object] = json.loads(out)
+    return result
+
+
+@pytest.fixture
+def cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """A cache directory a stub run has written one prompt's rows into."""
+    argv = ["complete", "--backend", "stub", "--model", "stub-a", "--max-tokens", "2"]
+    assert main([*argv, "--cache-dir", str(tmp_path / "c"), PROMPT]) == 0
+    capsys.readouterr()
+    return tmp_path / "c"
+
+
+def test_explain_names_what_a_prompt_would_reuse(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    n = len(PROMPT.encode()) + 1  # one token per byte, and BOS
+    out = explain(capsys, cache, PROMPT + "and more")
+    assert out["reason"] == "new_tokens"
+    assert out["found_tokens"] == out["reused_tokens"] == n
+    assert out["prompt_tokens"] == n + len(b"and more")
+    out = explain(capsys, cache, "nothing alike")
+    assert out["reason"] in ("no_prefix", "new_tokens") and out["found_tokens"] <= 1
+
+
+def test_explain_looks_in_every_namespace_for_the_operator(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = explain(capsys, cache, "--salt", "alice", PROMPT + "and more")
+    assert out["reason"] == "other_namespace"
+    assert out["detail"] == "context or salt" and out["rows_in_namespace"] == 0
+    assert out["reused_tokens"] == 0 and out["found_tokens"] == len(PROMPT.encode()) + 1
+
+
+def test_explain_reads_a_request_body(
+    cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    body = tmp_path / "body.json"
+    body.write_text(json.dumps({"prompt": PROMPT + "and more"}))
+    assert explain(capsys, cache, "--body", str(body))["reason"] == "new_tokens"
+    body.write_text(json.dumps({"messages": [{"role": "user", "content": PROMPT}]}))
+    out = explain(capsys, cache, "--body", str(body))
+    assert isinstance(out["prompt_tokens"], int) and out["prompt_tokens"] > len(PROMPT)
+    body.write_text("[1, 2]")
+    rc = main(["cache", "explain", "--backend", "stub", "--cache-dir", str(cache), "--body",
+               str(body)])  # fmt: skip
+    assert rc == 1
+    assert "JSON object" in capsys.readouterr().err
+
+
+def test_explain_prints_one_line_for_people(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["cache", "explain", "--backend", "stub", "--model", "stub-a"]
+    assert main([*argv, "--cache-dir", str(cache), PROMPT + "x"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("prompt: ")
+    assert lines[1].startswith("new_tokens: the rest of the prompt was never cached (found ")
