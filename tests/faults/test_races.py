@@ -123,7 +123,7 @@ def test_eexist_adopts_a_valid_file(tmp_path: Path) -> None:
     row = second.store(key, new, book)
     assert "adopted" in steps and "linked" not in steps
     assert row is not None and book.published[key] == row
-    assert row.info.size == len(old.payload)  # the adopted file's row, not ours
+    assert row.info.size == len(before)  # the adopted file's row (its size on disk), not ours
     assert path.read_bytes() == before and path.stat().st_ino == inode
     assert bytes(second.load(row).payload) == old.payload
     assert data_names(tmp_path) == [path.name]
