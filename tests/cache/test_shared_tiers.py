@@ -143,7 +143,7 @@ def test_probes_skip_lengths_the_index_already_beats(tmp_path: Path) -> None:
 def test_probed_lengths_include_every_cold_save_length(
     prompt: int, later: int, align: int, n_batch: int, min_tokens: int, trim: int
 ) -> None:
-    """Any cold save (``engine/worker/saves.py``) is found by a later prompt it prefixes."""
+    """Any cold save (``engine/worker/cacheport.py``) is found by a later prompt it prefixes."""
     policy = PolicyConfig(
         min_tokens=min_tokens,
         cold_min_tokens=min_tokens,

@@ -74,7 +74,7 @@ def cold_save_length(n_tokens: int, policy: PolicyConfig) -> int:
 def cold_save_lengths(limit: int, policy: PolicyConfig, n_batch: int) -> tuple[int, ...]:
     """Every length up to ``limit`` that a cold save can write, longest first: the engine
     saves ``align_down(cold_save_length(m), n_batch)`` tokens of an m-token prompt
-    (``engine/worker/saves.py``), which for some m is each multiple of ``boundary_align_tokens``
+    (``engine/worker/cacheport.py``), which for some m is each multiple of ``boundary_align_tokens``
     from ``min_tokens`` up to the aligned ``cold_max_tokens``, aligned down to ``n_batch``."""
     if n_batch < 1:
         raise ValueError(f"n_batch must be >= 1, got {n_batch}")

@@ -1,2 +1,3 @@
 """The worker's rooms: one thread per model owns its context and slots; admission, planning,
-ticks, sampling, saves and outcomes run on it. Callers use ``Engine`` and ``Model`` instead."""
+ticks, sampling, the cache port and outcomes run on it. Callers use ``Engine`` and ``Model``
+instead."""

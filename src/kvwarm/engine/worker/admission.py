@@ -19,13 +19,12 @@ from collections.abc import Sequence
 from kvwarm.alignment import align_down, canonical_after
 from kvwarm.backends.base import Sampler
 from kvwarm.cache.explain import MissReason, ReuseReport
-from kvwarm.cache.key import salted_namespace
-from kvwarm.cache.policy import probe_lengths
 from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Failed, Request
 from kvwarm.engine.text import TextAssembler
 from kvwarm.engine.types import CacheHitKind
+from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.explain import Found, best_found, explain, same_tenant
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
@@ -37,7 +36,6 @@ from kvwarm.engine.worker.planner import (
     trim_restored,
 )
 from kvwarm.engine.worker.runtime import Runtime
-from kvwarm.engine.worker.saves import Saves
 from kvwarm.engine.worker.slots import Active, Slot
 from kvwarm.errors import (
     BackendError,
@@ -51,11 +49,11 @@ log = logging.getLogger(__name__)
 
 
 class Admission:
-    def __init__(self, rt: Runtime, forks: Forks, outcomes: Outcomes, saves: Saves) -> None:
+    def __init__(self, rt: Runtime, forks: Forks, outcomes: Outcomes, port: CachePort) -> None:
         self.rt = rt
         self.forks = forks
         self.outcomes = outcomes
-        self.saves = saves
+        self.port = port
         # What the last restore attempt came to (a failed one makes the request cold).
         self._restore_failed: tuple[MissReason, str] | None = None
         self._found = Found()
@@ -84,25 +82,21 @@ class Admission:
 
     def _plan(self, req: Request, free: Sequence[Slot]) -> tuple[Slot, Plan, Namespace, list[int]]:
         """(the slot, its plan, the request's namespace, where its prefill should checkpoint
-        besides the cold save: see ``Saves.pauses``)."""
+        besides the cold save: see ``CachePort.pauses``)."""
         rt = self.rt
-        ns = salted_namespace(rt.namespace(), req.options.salt_bytes())
+        ns = self.port.namespace(req.options.salt_bytes())
         # A parent_key row was waited for on the caller's thread, so it is published by now
         # and this lookup scores it by what it really shares. The lookup is confined to ns:
         # a parent_key of another salt's row waits, but never restores.
         # Shared tiers (s3, a shared directory) are probed for the prefixes a save of another
         # process could have written, bounded by the cache (docs/architecture.md).
-        t0 = time.perf_counter()
         prompt = req.prompt_tokens
         eog = frozenset(rt.eog_tokens())
         ends = [i for i, t in enumerate(prompt) if t in eog]  # where earlier chat turns ended
-        probes = probe_lengths(len(prompt), rt.cfg.policy, rt.cfg.n_batch, turn_ends=ends)
-        match = rt.cache.longest_prefix(ns, req.prompt_tokens, probe_lengths=probes)
-        mem = rt.memory
         # A state that cannot be trimmed is of use only whole: the longest row that is all a
         # prefix of the prompt is a candidate beside the one sharing the most (kvwarm.memory).
-        whole = [] if mem.trimmable else rt.cache.whole_prefixes(ns, prompt)
-        rt.cache.record_latency("lookup", time.perf_counter() - t0)
+        match, whole = self.port.lookup(ns, prompt, ends)
+        mem = rt.memory
         if req.options.prompt_logprobs is not None:
             match, whole = None, []  # every position's logits are needed: prefill from start
         rows = [
@@ -143,7 +137,7 @@ class Admission:
         # checkpoints where later prompts will resume: where the row sharing the most diverges
         # from this prompt (the next prompt sharing as much), after the first turn's end (the
         # system message every conversation repeats) and after the last one (a regenerated
-        # or edited newest message). Saves.pauses drops them for full attention.
+        # or edited newest message). CachePort.pauses drops them for full attention.
         resume = [] if match is None else [match.n_shared]
         if ends:
             resume += [ends[0] + 1, ends[-1] + 1]
@@ -179,7 +173,7 @@ class Admission:
             hit = "exact"
         else:
             hit = "partial"
-        pauses = self.saves.pauses(keep, n, resume_points=resume)
+        pauses = self.port.pauses(keep, n, resume_points=resume)
         self._seat(slot, req, ns, sampler, keep, hit, logits_from_row, fork_slots, pauses)
         if slot.active is not None and slot.active.req is req:
             try:

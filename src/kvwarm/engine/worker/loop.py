@@ -2,7 +2,8 @@
 
 The thread's rooms: ``admission`` (a queued request gets a slot and its prompt KV, planned by
 the pure ``planner``), ``tick`` (one round of forward passes), ``sampling`` (logits to the next
-token), ``saves`` (packing KV for the cache) and ``outcomes`` (how a request leaves its slot).
+token), ``cacheport`` (the one port to the cache: what a request reuses, what is saved
+when) and ``outcomes`` (how a request leaves its slot).
 This module is the loop around them: the queue, jobs, and shutdown.
 
 Invariants:
@@ -38,11 +39,11 @@ from kvwarm.cache.types import Namespace, SaveReason
 from kvwarm.engine.request import Failed, Request
 from kvwarm.engine.types import SlotStatus
 from kvwarm.engine.worker.admission import Admission
+from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
 from kvwarm.engine.worker.runtime import Runtime, WorkerConfig, WorkerStats
 from kvwarm.engine.worker.sampling import Sampling
-from kvwarm.engine.worker.saves import Saves
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.engine.worker.tick import Tick
 from kvwarm.errors import EngineClosedError, QueueFullError
@@ -82,11 +83,11 @@ class Worker:
         self.rt.eog_tokens()
         self.slots = slots
         self.stats = self.rt.stats
-        self.saves = Saves(self.rt)
-        self.outcomes = Outcomes(self.rt, self.saves)
+        self.port = CachePort(self.rt)
+        self.outcomes = Outcomes(self.rt, self.port)
         forks = Forks(self.rt, Sampling(self.rt, self.outcomes), self.outcomes)
-        self.admission = Admission(self.rt, forks, self.outcomes, self.saves)
-        self.tick = Tick(self.rt, forks, self.outcomes, self.saves)
+        self.admission = Admission(self.rt, forks, self.outcomes, self.port)
+        self.tick = Tick(self.rt, forks, self.outcomes, self.port)
         self._queue: deque[Request] = deque()
         self._jobs: deque[_Job] = deque()
         self._cond = threading.Condition()
@@ -172,7 +173,7 @@ class Worker:
 
     def save_idle_slots(self, reason: SaveReason, *, release: bool) -> int:
         """Sync-save every idle slot's live KV (evict / shutdown). Worker thread only."""
-        return self.saves.save_idle_slots(reason, release=release)
+        return self.port.evicting(reason, release=release)
 
     def invalidate_live_kv(self) -> None:
         """Forget every idle slot's live KV (after the adapter set changed)."""

@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import time
 
-from kvwarm.cache.policy import should_finish_save
-from kvwarm.cache.types import SaveReason
 from kvwarm.engine.request import Done, Failed, Fragment, Request
 from kvwarm.engine.types import Completion, CompletionStats, FinishReason
+from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.runtime import Runtime
-from kvwarm.engine.worker.saves import Saves
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.errors import KvwarmError
 
 
 class Outcomes:
-    def __init__(self, rt: Runtime, saves: Saves) -> None:
+    def __init__(self, rt: Runtime, port: CachePort) -> None:
         self.rt = rt
-        self.saves = saves
+        self.port = port
 
     def finish(self, slot: Slot, reason: FinishReason, logits: bytes | None) -> None:
         act = slot.active
@@ -36,14 +34,7 @@ class Outcomes:
         rest = act.unsent_logprobs()
         if (tail or rest) and act.req.fragments:
             act.req.channel.put(Fragment(tail, rest))
-        key: bytes | None = None
-        # A cancelled prefill leaves a partial, unaligned prompt: not worth a row.
-        saving = slot.phase == "generate" and should_finish_save(
-            len(slot.kv_tokens), self.rt.cfg.policy
-        )
-        held = False
-        if saving:
-            key, held = self.saves.hold(slot, act.namespace)
+        key, held = self.port.finishing(slot)
         act.sampler.close()
         if not act.prefill_done:
             act.prefill_done = now
@@ -75,9 +66,7 @@ class Outcomes:
         # every cell, the largest cost of a cached request): the pack runs while the reply
         # goes out, and the row it names may still be in flight (``stats.key``).
         act.req.answer(Done(completion))
-        if held:
-            save_reason = SaveReason.PREWARM if act.req.kind == "prewarm" else SaveReason.FINISH
-            self.saves.save(slot, save_reason, logits, act.namespace, sync=False, held=True)
+        self.port.finished(slot, held, logits)
         slot.active = None
         slot.phase = "idle"
         slot.last_used = time.monotonic()

@@ -1,7 +1,7 @@
 """What the worker thread's rooms share: the model, its context, the cache and the slots.
 
 Invariant: a ``Runtime`` is touched only on its worker thread. Admission, the tick, sampling,
-saves and outcomes each hold the same ``Runtime`` and never a copy of any of its parts, so
+the cache port and outcomes each hold the same ``Runtime`` and never a copy of any of its parts, so
 ``slot.kv_tokens`` always lists exactly what the context's sequence holds (see
 ``docs/architecture.md``, "Engine"). The one exception is ``view``: frozen slot statuses that
 ``publish`` replaces whole, which other threads read.

@@ -32,7 +32,7 @@ class Active:
     assembler: TextAssembler
     prefill_pos: int
     #: Save points inside the prompt, ascending: the cold save's and, for a model whose state
-    #: cannot be trimmed, checkpoints where later prompts will resume (``Saves.pauses``).
+    #: cannot be trimmed, checkpoints where later prompts will resume (``CachePort.pauses``).
     pauses: list[int]
     cached_tokens: int
     hit_kind: CacheHitKind

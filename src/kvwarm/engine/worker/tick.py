@@ -16,25 +16,23 @@ import numpy as np
 
 from kvwarm.alignment import canonical_after_chunk
 from kvwarm.backends.base import BatchToken
-from kvwarm.cache.policy import should_continued_save
-from kvwarm.cache.types import SaveReason
 from kvwarm.engine.worker.batching import Chunk, PrefillWant, isolate
+from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.sampling import token_logprob
-from kvwarm.engine.worker.saves import Saves
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.errors import KvwarmError
 
 
 class Tick:
-    def __init__(self, rt: Runtime, forks: Forks, outcomes: Outcomes, saves: Saves) -> None:
+    def __init__(self, rt: Runtime, forks: Forks, outcomes: Outcomes, port: CachePort) -> None:
         self.rt = rt
         self.forks = forks
         self.sampling = forks.sampling
         self.outcomes = outcomes
-        self.saves = saves
+        self.port = port
 
     def run(self) -> None:
         """Cancel what was cancelled, then decode every generating slot's pending token and
@@ -146,23 +144,23 @@ class Tick:
         packed = None  # the state as packed since this chunk, if it was
         if act.deterministic and not self.rt.memory.trimmable:
             packed = self.rt.settle_layout(slot)
-        if act.pauses and chunk.end == act.pauses[0]:
+        paused = bool(act.pauses) and chunk.end == act.pauses[0]
+        if paused:
             del act.pauses[0]
-            self.saves.save(slot, SaveReason.COLD, None, act.namespace, sync=False, packed=packed)
+        self.port.prefilled(
+            slot,
+            chunk.end,
+            paused=paused,
+            logits=lambda: bytes(self.rt.ctx.logits(row)),
+            packed=packed,
+        )
         if chunk.end < len(toks):
             return
         act.prefill_done = time.perf_counter()
         slot.phase = "generate"
         if act.req.kind == "prewarm":
-            logits = bytes(self.rt.ctx.logits(row))
-            self.outcomes.finish(slot, "length", logits)
+            self.outcomes.finish(slot, "length", bytes(self.rt.ctx.logits(row)))
             return
-        if not self.rt.memory.trimmable and act.cached_tokens < len(toks):
-            # A state that cannot be trimmed is reusable only at the lengths it was saved at:
-            # checkpoint the whole prompt, with its logits, before the reply moves the state
-            # on (a regenerated or edited-reply turn resumes here; kvwarm.memory).
-            logits = bytes(self.rt.ctx.logits(row))
-            self.saves.save(slot, SaveReason.COLD, logits, act.namespace, sync=False, packed=packed)
         self.forks.prefilled(slot, row, None)
 
     def _prompt_logprobs(self, slot: Slot, last_row: int, chunk: Chunk) -> None:
@@ -182,8 +180,5 @@ class Tick:
         assert act is not None and act.pending is not None
         slot.kv_tokens.append(act.pending)
         act.pending = None
-        live = len(slot.kv_tokens)
-        if should_continued_save(live, act.last_continued, self.rt.cfg.policy):
-            act.last_continued = live
-            self.saves.save(slot, SaveReason.CONTINUED, None, act.namespace, sync=False)
+        self.port.decoded(slot)
         self.sampling.on_logits(slot, row, None)

@@ -1,4 +1,13 @@
-"""Saves: packing a slot's live KV and handing it to the cache.
+"""The worker's one port to the cache: what a request can reuse, and when to save.
+
+The worker asks the port what a prompt can reuse (``lookup``) and tells it where each slot's
+life has got to: ``prefilled`` (a prompt chunk is in), ``decoded`` (a token is in),
+``finishing`` / ``finished`` (the reply is about to go out / has gone), ``evicting`` (live KV
+is about to be dropped). The port alone decides what those events save: the cold-save and
+checkpoint pauses a prefill makes (``pauses``), the checkpoint at a prompt's end, continued
+saves, the finish save and the sync saves of eviction; the policy (``cache.policy``) is read
+here and nowhere else in the worker. (vLLM's ``get_computed_blocks``/``allocate``/``free`` and
+sglang's ``match_prefix``/``cache_unfinished_req``/``cache_finished_req`` draw the same line.)
 
 Invariants: bytes are packed on the worker thread, between decode calls, and handed to the
 cache's writer pool with the backend's chunk codec, which cuts them into the chunks the tier
@@ -10,18 +19,106 @@ KV an aligned prefill produced (``kvwarm.alignment``; ``docs/architecture.md``, 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvwarm.alignment import align_down
-from kvwarm.cache.policy import cold_save_length
-from kvwarm.cache.types import Namespace, SaveReason, SaveRequest, TtlClass
+from kvwarm.cache.key import salted_namespace
+from kvwarm.cache.policy import (
+    cold_save_length,
+    probe_lengths,
+    should_continued_save,
+    should_finish_save,
+)
+from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, TtlClass
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.slots import Slot
 
 
-class Saves:
+class CachePort:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
+
+    # -- what a request can reuse ----------------------------------------------------------
+
+    def namespace(self, salt: bytes | None) -> Namespace:
+        """The namespace a request's KV lives in: the model's, salted by its cache salt."""
+        return salted_namespace(self.rt.namespace(), salt)
+
+    def lookup(
+        self, ns: Namespace, prompt: Sequence[int], turn_ends: Sequence[int]
+    ) -> tuple[PrefixMatch | None, list[PrefixMatch]]:
+        """The row sharing the most with ``prompt`` and, for a memory that cannot be trimmed
+        (of use only whole), the rows that are all a prefix of it. Shared tiers (s3, a shared
+        directory) are probed for the prefixes another process could have saved: the cold
+        save's and the turn ends' (``cache.policy.probe_lengths``), bounded by the cache."""
+        rt = self.rt
+        t0 = time.perf_counter()
+        probes = probe_lengths(len(prompt), rt.cfg.policy, rt.cfg.n_batch, turn_ends=turn_ends)
+        match = rt.cache.longest_prefix(ns, prompt, probe_lengths=probes)
+        whole = [] if rt.memory.trimmable else rt.cache.whole_prefixes(ns, prompt)
+        rt.cache.record_latency("lookup", time.perf_counter() - t0)
+        return match, whole
+
+    # -- the slot's lifecycle ----------------------------------------------------------------
+
+    def prefilled(
+        self,
+        slot: Slot,
+        end: int,
+        *,
+        paused: bool,
+        logits: Callable[[], bytes],
+        packed: bytes | None,
+    ) -> None:
+        """The slot's prompt is in up to ``end``: save where its prefill ``paused`` (the cold
+        save, a checkpoint), and at the prompt's end a checkpoint with its logits for a state
+        that cannot be trimmed, before the reply moves the state on (``kvwarm.memory``).
+        ``packed``: the state as packed since this chunk, if it was."""
+        act = slot.active
+        assert act is not None
+        if paused:
+            self.save(slot, SaveReason.COLD, None, act.namespace, sync=False, packed=packed)
+        n = len(act.req.prompt_tokens)
+        if end < n or act.req.kind == "prewarm":
+            return
+        if not self.rt.memory.trimmable and act.cached_tokens < n:
+            # Reusable only at the lengths it was saved at: a regenerated or edited-reply
+            # turn resumes here.
+            self.save(slot, SaveReason.COLD, logits(), act.namespace, sync=False, packed=packed)
+
+    def decoded(self, slot: Slot) -> None:
+        """A generated token is in the slot's KV: a continued save when the policy says."""
+        act = slot.active
+        assert act is not None
+        live = len(slot.kv_tokens)
+        if should_continued_save(live, act.last_continued, self.rt.cfg.policy):
+            act.last_continued = live
+            self.save(slot, SaveReason.CONTINUED, None, act.namespace, sync=False)
+
+    def finishing(self, slot: Slot) -> tuple[bytes | None, bool]:
+        """The reply is about to go out: the key its finish save will have (None: no save)
+        and whether that save is still to be made (then the key is held in flight until
+        ``finished``, so a client told it may wait for it). A cancelled prefill leaves a
+        partial, unaligned prompt: not worth a row."""
+        act = slot.active
+        assert act is not None
+        if slot.phase != "generate" or not should_finish_save(
+            len(slot.kv_tokens), self.rt.cfg.policy
+        ):
+            return None, False
+        return self.hold(slot, act.namespace)
+
+    def finished(self, slot: Slot, held: bool, logits: bytes | None) -> None:
+        """The reply has gone out: pack and hand over the finish save ``finishing`` held."""
+        act = slot.active
+        assert act is not None
+        if held:
+            reason = SaveReason.PREWARM if act.req.kind == "prewarm" else SaveReason.FINISH
+            self.save(slot, reason, logits, act.namespace, sync=False, held=True)
+
+    def evicting(self, reason: SaveReason, *, release: bool) -> int:
+        """Live KV is about to go (evict, shutdown): sync-save every idle slot's."""
+        return self.save_idle_slots(reason, release=release)
 
     def save(
         self,

@@ -1,0 +1,69 @@
+"""The worker's one port to the cache (``engine/worker/cacheport.py``, issue 21): it alone
+reads the save policy and looks rows up, and a slot's lifecycle reaches the cache through its
+verbs. The stub engine drives a whole request and the port sees each event in order."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from tests.engine.conftest import make_engine, stub_config
+
+from kvwarm.cache.types import PolicyConfig
+from kvwarm.engine.types import GenerationOptions
+from kvwarm.engine.worker.cacheport import CachePort
+
+WORKER = Path(__file__).parents[2] / "src" / "kvwarm" / "engine" / "worker"
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module is not None
+    }
+
+
+def test_only_the_port_reads_the_save_policy_or_looks_rows_up() -> None:
+    for module in sorted(WORKER.glob("*.py")):
+        if module.name == "cacheport.py":
+            continue
+        imported = _imports(module)
+        assert "kvwarm.cache.policy" not in imported, module.name
+        source = module.read_text()
+        if module.name == "explain.py":
+            continue  # its explain_prompt serves `kvwarm cache explain`, with no worker at all
+        for call in ("longest_prefix(", "whole_prefixes(", ".save(SaveRequest"):
+            assert call not in source, f"{module.name} calls the cache's {call} itself"
+
+
+def test_a_request_reaches_the_cache_through_the_lifecycle_verbs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[str] = []
+    for verb in ("lookup", "prefilled", "decoded", "finishing", "finished"):
+        original = getattr(CachePort, verb)
+
+        def spy(
+            self: CachePort, *args: object, _o: object = original, _v: str = verb, **kw: object
+        ) -> object:
+            seen.append(_v)
+            return _o(self, *args, **kw)  # type: ignore[operator]
+
+        monkeypatch.setattr(CachePort, verb, spy)
+    policy = PolicyConfig(
+        min_tokens=4, cold_min_tokens=10**6, cold_max_tokens=10**6, continued_interval=2
+    )
+    engine = make_engine(policy=policy)
+    try:
+        model = engine.load_model(config=stub_config())
+        out = model.complete(list(range(1, 40)), GenerationOptions(max_tokens=5))
+        engine.cache.flush()
+        assert out.stats.key is not None and engine.cache.has(out.stats.key)
+    finally:
+        engine.close()
+    assert seen[0] == "lookup" and "prefilled" in seen
+    assert seen.count("decoded") >= 4  # every generated token but the last goes through it
+    assert seen[-2:] == ["finishing", "finished"]
