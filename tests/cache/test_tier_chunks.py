@@ -1,4 +1,4 @@
-"""The chunk half of the tier contract, for every tier (ram, ram_file, disk, s3 on moto):
+"""The chunk half of the tier contract, for every tier (ram, ram_file, disk, s3 on moto, redis):
 store is idempotent, load verifies, delete and scan see exactly what is stored."""
 
 from __future__ import annotations
@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 from tests.cache.tierkit import NS, TIERS, TierFactory, factory, shm_dir
+from tests.rediskit import RedisServer
 from tests.s3kit import MotoServer
 
 from kvwarm.cache import chunkfmt
+from kvwarm.cache.tiers.objects import ObjectTier
+from kvwarm.cache.tiers.redis import RedisStore
 from kvwarm.cache.tiers.s3 import S3Tier
 from kvwarm.errors import CacheFormatError, CacheKeyError
 
@@ -24,6 +27,10 @@ def _factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierFac
         server: MotoServer = request.getfixturevalue("moto_server")
         config = server.config(server.new_bucket())
         yield lambda: S3Tier(config, 1 << 30)
+    elif name == "redis":
+        redis: RedisServer = request.getfixturevalue("redis_server")
+        url = redis.url()
+        yield lambda: ObjectTier(RedisStore(url), 1 << 30, name="redis")
     elif name == "ram_file":
         with shm_dir() as d:
             yield factory(name, d)

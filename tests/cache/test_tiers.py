@@ -1,5 +1,5 @@
-"""One contract suite for every tier: ram, ram_file (/dev/shm), disk (tmp_path) and s3 (a live
-moto server on 127.0.0.1)."""
+"""One contract suite for every tier: ram, ram_file (/dev/shm), disk (tmp_path), s3 (a live
+moto server on 127.0.0.1) and redis (a live redis-server on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ from pathlib import Path
 import pytest
 from tests.cache.fakebook import FakeBook
 from tests.cache.tierkit import NS, TIERS, TierFactory, factory, request, shm_dir
+from tests.rediskit import RedisServer
 from tests.s3kit import MotoServer, object_names
 
 from kvwarm.cache.index import Index
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.protocols import Tier
 from kvwarm.cache.tiers.cotenants import PROCS
+from kvwarm.cache.tiers.objects import ObjectTier
+from kvwarm.cache.tiers.redis import RedisStore
 from kvwarm.cache.tiers.s3 import S3Tier
 from kvwarm.cache.types import SaveReason, TtlClass
 from kvwarm.errors import CacheKeyError
@@ -28,6 +31,10 @@ def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierFactory
         server: MotoServer = request.getfixturevalue("moto_server")
         config = server.config(server.new_bucket())
         yield lambda: S3Tier(config, 1 << 30)
+    elif name == "redis":
+        redis: RedisServer = request.getfixturevalue("redis_server")
+        url = redis.url()
+        yield lambda: ObjectTier(RedisStore(url), 1 << 30, name="redis")
     elif name == "ram_file":
         with shm_dir() as d:
             yield factory(name, d)
@@ -38,6 +45,8 @@ def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierFactory
 def _files(tier: Tier) -> list[str]:
     if isinstance(tier, S3Tier):
         return object_names(tier)
+    if isinstance(tier, ObjectTier):
+        return sorted(name for name, _, _ in tier.objects.list(""))
     root = getattr(tier, "root", None)
     # The registry of processes using the directory (``cotenants.py``) holds no data.
     return sorted(n for n in os.listdir(root) if n != PROCS) if root is not None else []

@@ -92,16 +92,23 @@ class S3Config:
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
-    """One tier. ``root`` is required for file tiers and must be None for the others; ``s3``
-    for the ``s3`` tier. ``shared``: a file tier's directory is shared by several hosts (NFS,
-    CephFS): its bytes are not local (hits are promoted to a local tier) and its temp files
-    are reaped by age only (a writer's pid means nothing on another host)."""
+    """One tier: a name, a quota, and where its store is -- a ``url``, or for the built-in
+    names the options below. ``root`` is required for file tiers and must be None for the
+    others; ``s3`` for the ``s3`` tier. ``shared``: a file tier's directory is shared by
+    several hosts (NFS, CephFS): its bytes are not local (hits are promoted to a local tier)
+    and its temp files are reaped by age only (a writer's pid means nothing on another
+    host)."""
 
     name: TierName
     quota_bytes: int
     root: Path | None = None
     shared: bool = False
     s3: S3Config | None = None
+    # Where the tier's store is, by URL (``file:///path?shared=1``, ``s3://bucket/prefix/?
+    # endpoint=...``, ``ram://``, ``redis://host:port/db``): its scheme picks the store
+    # (``tiers.registry.register_scheme``), so a new store needs no field here. None: the
+    # store is picked by ``name`` and the fields above (the built-in spellings).
+    url: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

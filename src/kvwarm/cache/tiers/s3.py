@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 from kvwarm.cache.tiers.objects import REMOTE_CAPABILITIES, Got, ObjectTier
 from kvwarm.cache.tiers.s3client import (
@@ -172,3 +173,30 @@ def _total_size(resp: Mapping[str, object], got: int) -> int:
         if total.isdigit():
             return int(total)
     return got  # the store ignored the range and sent the whole object
+
+
+def s3_config_from_url(url: str) -> S3Config:
+    """``s3://bucket/prefix/?endpoint=http://minio:9000&region=...&connect_timeout_s=...
+    &read_timeout_s=...&max_attempts=...&down_for_s=...`` as an ``S3Config``."""
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc:
+        raise ConfigError(f"an s3 tier URL is s3://bucket/prefix/, got {url!r}")
+    query = dict(parse_qsl(parts.query))
+    known = {"endpoint", "region", "connect_timeout_s", "read_timeout_s", "max_attempts"}
+    unknown = set(query) - known - {"down_for_s"}
+    if unknown:
+        raise ConfigError(f"s3 tier URL {url!r}: unknown options {', '.join(sorted(unknown))}")
+    prefix = parts.path.lstrip("/")
+    try:
+        return S3Config(
+            bucket=parts.netloc,
+            prefix=prefix if not prefix or prefix.endswith("/") else prefix + "/",
+            endpoint_url=query.get("endpoint"),
+            region=query.get("region"),
+            connect_timeout_s=float(query.get("connect_timeout_s", 2.0)),
+            read_timeout_s=float(query.get("read_timeout_s", 10.0)),
+            max_attempts=int(query.get("max_attempts", 2)),
+            down_for_s=float(query.get("down_for_s", 5.0)),
+        )
+    except ValueError as exc:
+        raise ConfigError(f"s3 tier URL {url!r}: {exc}") from None
