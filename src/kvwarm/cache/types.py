@@ -17,8 +17,17 @@ TierName = str
 # Cuts a KV blob into one payload per token range ``[bounds[i], bounds[i+1])`` (a backend's
 # ``kv_split``): how the cache turns a saved blob into chunks without knowing its layout.
 Splitter = Callable[[bytes | bytearray | memoryview, Sequence[int]], list[bytes]]
-# The built-in tiers (what the settings and the server know how to configure).
+# The built-in tier names (configurable without a URL). Not the set of tiers: any name may be
+# configured with a URL, so the server and the settings read the configured tiers instead.
 TIER_NAMES: tuple[TierName, ...] = ("ram", "ram_file", "disk", "s3")
+# The per-tier counters the cache reports, as ``tier_<name>_<series>`` (``Cache.counters``).
+TIER_SERIES: tuple[str, ...] = (
+    "bytes",
+    "rows",
+    "quota_bytes",
+    "effective_quota_bytes",
+    "quota_capped_by_filesystem",
+)
 
 
 class SaveReason(enum.IntEnum):
