@@ -1,16 +1,101 @@
-"""Helpers shared by every tier: request validation and row metadata.
+"""What every tier shares: the publish protocol, request validation and row metadata.
 
-Invariant: a tier only ever stores a request whose key replays from its own namespace and
-tokens, so a row can never sit under a key its contents do not produce.
+Invariants:
+- A tier only ever stores a request whose key replays from its own namespace and tokens, so
+  a row can never sit under a key its contents do not produce.
+- ``publish_row`` is the one publish protocol (erllama's five stages) for every tier: reserve
+  in the index, *stage* the bytes where no reader sees them, ``book.check`` the reservation,
+  *commit* (make them visible, or adopt a valid row already there), ``book.mark_linked``,
+  ``book.publish``. A tier supplies only the staging (``Staged``): a temp file and link(2)
+  for files (``publish.py``), a put-if-absent for object stores (``objects.py``), a dict
+  entry for ram. Any failure undoes what was staged or committed and abandons the
+  reservation; a reservation lost at publish is never announced.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
 from kvwarm.cache.key import KEY_BYTES, cache_key
 from kvwarm.cache.kvc import KvcFields, check_chunks
+from kvwarm.cache.protocols import ReservationBook, StoredRow
 from kvwarm.cache.types import RowInfo, SaveRequest, TierName
 
-__all__ = ["check_request", "row_info"]
+__all__ = ["Staged", "StepHook", "check_request", "publish_row", "row_info"]
+
+log = logging.getLogger(__name__)
+
+# Called after each publish step with its name (``publish.PUBLISH_STEPS`` for files). Exists
+# for fault-injection tests (kill -9 at every step); None in production.
+StepHook = Callable[[str], None]
+
+
+class Staged(Protocol):
+    """One row's bytes staged by a tier: durable where the store needs it, invisible."""
+
+    def commit(self) -> StoredRow:
+        """Make the row visible under its key -- or, if a valid row for the key is already
+        there (another writer), adopt it. Returns the row now stored."""
+        ...
+
+    def undo(self) -> None:
+        """Remove what was staged, and what ``commit`` made visible, if the publish fails
+        before ``book.publish``. Idempotent."""
+        ...
+
+    def lost(self) -> None:
+        """``book.publish`` refused (the reservation was reaped or the key deleted): a tier
+        whose rows die with the process drops its row; a persistent one leaves it for the
+        index or the scan to decide."""
+        ...
+
+
+def publish_row(
+    tier: TierName,
+    key: bytes,
+    request: SaveRequest,
+    book: ReservationBook,
+    stage: Callable[[int], Staged],
+    on_step: StepHook | None = None,
+) -> StoredRow | None:
+    """The publish protocol (see ``protocols.Tier.store`` for the contract). ``stage(token)``
+    stages the row; it cleans up after itself if it raises."""
+    check_request(key, request)
+    token = book.reserve(key, tier)
+    if token is None:
+        return None
+    step = on_step if on_step is not None else _no_step
+    step("reserved")
+    staged: Staged | None = None
+    try:
+        staged = stage(token)
+        if not book.check(key, token):
+            log.debug("reservation for %s lost before commit; abandoning", key.hex())
+            staged.undo()
+            book.abandon(key, token)
+            return None
+        step("checked")
+        row = staged.commit()
+        if row.location is not None:  # a row that outlives us: the reaper may adopt it now
+            book.mark_linked(key, token, row.location)
+            step("marked_linked")
+    except BaseException:
+        if staged is not None:
+            staged.undo()
+        book.abandon(key, token)
+        raise
+    if not book.publish(key, token, row):
+        log.debug("reservation for %s lost at publish", key.hex())
+        staged.lost()
+        return None
+    step("published")
+    return row
+
+
+def _no_step(name: str) -> None:
+    pass
 
 
 def check_request(key: bytes, request: SaveRequest) -> None:

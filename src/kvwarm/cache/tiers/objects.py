@@ -11,7 +11,8 @@ Invariants:
   every ``load`` verifies the payload CRC32C and that the row replays to its key; a row that
   fails is ``CacheFormatError`` (the facade drops it and deletes the object).
 - The startup scan deletes nothing: an object it cannot read may be another host's row.
-- Publish once: the object is written with ``put_if_absent`` after ``book.check``; a store
+- Publish once (``common.publish_row``): the object is written with ``put_if_absent`` after
+  ``book.check``; a store
   makes a put visible whole or not at all, so no temp object exists. "Already there" means
   another writer published the key first: its object is *adopted* if its metadata parses as
   this key, replaced (delete, put again) if it is junk.
@@ -35,7 +36,7 @@ from typing import Protocol
 
 from kvwarm.cache import chunkfmt, kvc
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
-from kvwarm.cache.tiers.common import check_request, row_info
+from kvwarm.cache.tiers.common import publish_row, row_info
 from kvwarm.cache.types import SaveRequest, TierName
 from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError, ConfigError
 
@@ -112,6 +113,34 @@ class ObjectStore(Protocol):
     def close(self) -> None: ...
 
 
+class _Staged:
+    """An object put once at commit: a store makes a put visible whole or not at all, so
+    there is nothing to stage before it and nothing to undo after it but the object."""
+
+    def __init__(self, tier: ObjectTier, key: bytes, request: SaveRequest) -> None:
+        self._tier = tier
+        self._key = key
+        self._request = request
+        self._fields = kvc.fields_from_request(request, now=time.time())
+        self._prefix = kvc.build_prefix(self._fields, request.payload)
+
+    def commit(self) -> StoredRow:
+        tier, key, request = self._tier, self._key, self._request
+        adopted = tier._put_once(key, b"".join((self._prefix, request.payload)))
+        if adopted is not None:
+            return adopted
+        info = row_info(key, tier.name, self._fields, memoryview(request.payload).nbytes)
+        location = tier.location(key)
+        return StoredRow(info, request.tokens, location, request.chunk_keys, request.chunk_lens)
+
+    def undo(self) -> None:
+        """Nothing was visible before the put; after it, the row is complete and the index
+        (mark_linked) or a scan decides, as for a reservation lost at publish."""
+
+    def lost(self) -> None:
+        pass
+
+
 class ObjectTier:
     """A ``Tier`` over an ``ObjectStore``. Thread-safe when the store is."""
 
@@ -159,32 +188,7 @@ class ObjectTier:
     # ---- publish -------------------------------------------------------------------------
 
     def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
-        check_request(key, request)
-        token = book.reserve(key, self._name)
-        if token is None:
-            return None
-        try:
-            fields = kvc.fields_from_request(request, now=time.time())
-            prefix = kvc.build_prefix(fields, request.payload)
-            if not book.check(key, token):
-                book.abandon(key, token)
-                return None
-            adopted = self._put_once(key, b"".join((prefix, request.payload)))
-            if adopted is None:
-                info = row_info(key, self._name, fields, memoryview(request.payload).nbytes)
-                row = StoredRow(
-                    info, request.tokens, self.location(key), request.chunk_keys, request.chunk_lens
-                )
-            else:
-                row = adopted
-            book.mark_linked(key, token, self.location(key))
-        except BaseException:
-            book.abandon(key, token)
-            raise
-        if not book.publish(key, token, row):
-            log.debug("reservation for %s lost at publish", key.hex())
-            return None
-        return row
+        return publish_row(self._name, key, request, book, lambda _: _Staged(self, key, request))
 
     def _put_once(self, key: bytes, body: bytes) -> StoredRow | None:
         """Create the object. None if we did; the existing row if another writer published a
