@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -38,9 +39,15 @@ from kvwarm.cache import chunkfmt, kvc
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
 from kvwarm.cache.tiers.common import publish_row, row_info
 from kvwarm.cache.types import SaveRequest, TierName
-from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError, ConfigError
+from kvwarm.errors import (
+    CacheFormatError,
+    CacheIOError,
+    CacheKeyError,
+    CacheNetworkError,
+    ConfigError,
+)
 
-__all__ = ["Got", "ObjectStore", "ObjectTier", "REMOTE_CAPABILITIES"]
+__all__ = ["REMOTE_CAPABILITIES", "Breaker", "Got", "ObjectStore", "ObjectTier"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +65,36 @@ _PUT_ATTEMPTS = 3
 _SCAN_PARALLEL = 16
 META_HITS = "kvwarm-hits"
 META_LAST_USED = "kvwarm-last-used"
+
+
+class Breaker:
+    """The rule every remote store follows after a network fault: it is *down* for
+    ``down_for_s`` and calls fail at once with ``CacheNetworkError`` instead of waiting out
+    another timeout, so a dead store costs each lookup nothing and the process one timeout
+    per interval. Thread-safe."""
+
+    def __init__(self, label: str, down_for_s: float) -> None:
+        self._label = label
+        self._down_for_s = down_for_s
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+
+    def is_down(self) -> bool:
+        with self._lock:
+            return time.monotonic() < self._down_until
+
+    def check(self) -> None:
+        """``CacheNetworkError`` while the store is down."""
+        if self.is_down():
+            raise CacheNetworkError(f"{self._label}: store marked down after a network fault")
+
+    def trip(self, err: CacheNetworkError) -> None:
+        """A network fault: down from now for ``down_for_s`` (warned once per outage)."""
+        with self._lock:
+            first = time.monotonic() >= self._down_until
+            self._down_until = time.monotonic() + self._down_for_s
+        if first:
+            log.warning("%s; skipping the store for %.1fs", err, self._down_for_s)
 
 
 @dataclass(frozen=True, slots=True)

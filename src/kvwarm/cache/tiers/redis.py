@@ -9,21 +9,20 @@ Invariants:
   fields) the hash ``<prefix>m:<name>``. ``SET NX`` makes a put visible whole or not at all;
   the creation time is set in the same transaction (``HSETNX``, never overwritten).
 - Every call is bounded by the socket timeouts; a connection fault or timeout is
-  ``CacheNetworkError`` and marks the store down for ``down_for_s`` (calls then fail at once,
-  so a dead server costs one timeout per interval); any other refusal is ``CacheIOError``.
+  ``CacheNetworkError`` and trips the remote stores' ``objects.Breaker`` (down for
+  ``down_for_s``); any other refusal is ``CacheIOError``.
 - The ``redis`` package is imported only when a tier is built (the ``kvwarm[redis]`` extra).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from kvwarm.cache.tiers.objects import Got
+from kvwarm.cache.tiers.objects import Breaker, Got
 from kvwarm.errors import CacheIOError, CacheKeyError, CacheNetworkError, ConfigError
 
 if TYPE_CHECKING:
@@ -73,8 +72,7 @@ class RedisStore:
         )
         self._errors = redis_client.exceptions
         self._set_meta = self._client.register_script(_SET_META)
-        self._lock = threading.Lock()
-        self._down_until = 0.0
+        self._breaker = Breaker(self.label, self._down_for_s)
 
     @property
     def label(self) -> str:
@@ -96,19 +94,12 @@ class RedisStore:
     # ---- calls, translated once ----------------------------------------------------------
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        with self._lock:
-            down = time.monotonic() < self._down_until
-        if down:
-            raise CacheNetworkError(f"{self.label}: store marked down after a network fault")
+        self._breaker.check()
         try:
             return fn()
         except (self._errors.ConnectionError, self._errors.TimeoutError, OSError) as exc:
             err = CacheNetworkError(f"{self.label}: {what}: {type(exc).__name__}: {exc}")
-            with self._lock:
-                first = time.monotonic() >= self._down_until
-                self._down_until = time.monotonic() + self._down_for_s
-            if first:
-                log.warning("%s; skipping the store for %.1fs", err, self._down_for_s)
+            self._breaker.trip(err)
             raise err from exc
         except self._errors.RedisError as exc:
             raise CacheIOError(f"{self.label}: {what}: {type(exc).__name__}: {exc}") from exc
