@@ -30,7 +30,7 @@ from pathlib import Path
 from kvwarm.cache import chunkfmt
 from kvwarm.cache.tiers.filescan import set_aside
 from kvwarm.cache.tiers.fsutil import open_regular, read_file, unlink_quiet
-from kvwarm.cache.tiers.layout import tmp_name
+from kvwarm.cache.tiers.layout import CHUNK_SUFFIX, chunk_key_of, chunk_name, tmp_name
 from kvwarm.cache.types import TierName
 from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError
 
@@ -38,21 +38,8 @@ __all__ = ["CHUNK_STEPS", "CHUNK_SUFFIX", "ChunkFiles", "chunk_key_of", "chunk_n
 
 log = logging.getLogger(__name__)
 
-CHUNK_SUFFIX = ".kvk"
 CHUNK_STEPS: tuple[str, ...] = ("chunk_tmp_synced", "chunk_linked", "chunk_dir_synced")
-_HEX = frozenset("0123456789abcdef")
 _HEAD_READ = 1 << 16  # a chunk head is ~140 B + 4 B a token: 16k tokens fit
-
-
-def chunk_name(key: bytes) -> str:
-    return key.hex() + CHUNK_SUFFIX
-
-
-def chunk_key_of(name: str) -> bytes | None:
-    stem = name[: -len(CHUNK_SUFFIX)]
-    if not name.endswith(CHUNK_SUFFIX) or len(stem) != 64 or not _HEX.issuperset(stem):
-        return None
-    return bytes.fromhex(stem)
 
 
 class ChunkFiles:

@@ -37,7 +37,9 @@ from typing import Protocol
 
 from kvwarm.cache import chunkfmt, kvc
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
+from kvwarm.cache.tiers import layout
 from kvwarm.cache.tiers.common import publish_row, row_info
+from kvwarm.cache.tiers.layout import key_of, name_for
 from kvwarm.cache.types import SaveRequest, TierName
 from kvwarm.errors import (
     CacheFormatError,
@@ -53,10 +55,7 @@ log = logging.getLogger(__name__)
 
 # Outlives us, other processes and hosts publish into it, and every byte crosses a network.
 REMOTE_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=False)
-ROW_SUFFIX = ".kvc"
-CHUNK_DIR = "chunks/"
-CHUNK_SUFFIX = ".kvk"
-_HEX = frozenset("0123456789abcdef")
+CHUNK_DIR = "chunks/"  # chunk objects: chunks/<hex key>.kvk beside the <hex key>.kvc rows
 # A probe reads this much first: a miss costs nothing more, and a hit's header, TLV, tokens
 # and stored logits (4 B x vocab: 196 KiB for a 49k vocab) come in one round trip for most
 # models; longer metadata (a 128k vocab's logits) takes a second ranged read.
@@ -305,7 +304,7 @@ class ObjectTier:
 
     def stored_keys(self) -> Iterator[bytes]:
         for name, _, _ in self._store.list(""):
-            key = _key_of(name)
+            key = key_of(name)
             if key is not None:
                 yield key
 
@@ -349,30 +348,22 @@ class ObjectTier:
 
     def chunk_ages(self) -> Iterator[tuple[bytes, int, float]]:
         for name, size, mtime in self._store.list(CHUNK_DIR):
-            stem = name[len(CHUNK_DIR) :]
-            hexpart = stem[: -len(CHUNK_SUFFIX)]
-            if stem.endswith(CHUNK_SUFFIX) and len(hexpart) == 64 and _HEX.issuperset(hexpart):
-                yield bytes.fromhex(hexpart), size, mtime
+            key = layout.chunk_key_of(name[len(CHUNK_DIR) :])
+            if key is not None:
+                yield key, size, mtime
 
     def close(self) -> None:
         self._store.close()
 
 
 def row_name(key: bytes) -> str:
-    return f"{key.hex()}{ROW_SUFFIX}"
+    return name_for(key)
 
 
 def chunk_name(key: bytes) -> str:
-    return f"{CHUNK_DIR}{key.hex()}{CHUNK_SUFFIX}"
+    return CHUNK_DIR + layout.chunk_name(key)
 
 
 def _int_meta(meta: Mapping[str, str], name: str) -> int | None:
     value = meta.get(name)
     return int(value) if value is not None and value.isdigit() else None
-
-
-def _key_of(name: str) -> bytes | None:
-    hexpart = name[: -len(ROW_SUFFIX)]
-    if not name.endswith(ROW_SUFFIX) or len(hexpart) != 64 or not _HEX.issuperset(hexpart):
-        return None
-    return bytes.fromhex(hexpart)
