@@ -17,7 +17,8 @@ from kvwarm.cache.index import Index
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.protocols import Tier
 from kvwarm.cache.tiers.cotenants import PROCS
-from kvwarm.cache.tiers.objects import ObjectTier
+from kvwarm.cache.tiers.layout import name_for
+from kvwarm.cache.tiers.objects import ObjectTier, row_name
 from kvwarm.cache.tiers.redis import RedisStore
 from kvwarm.cache.tiers.s3 import S3Tier
 from kvwarm.cache.types import SaveReason, TtlClass
@@ -189,3 +190,30 @@ def test_with_the_real_index_as_book(make: TierFactory) -> None:
     for found in restarted.scan():
         assert fresh.adopt(found)
     assert (fresh.get(key) is not None) == (tier.name != "ram")
+
+
+def _plant(tier: Tier, key: bytes, body: bytes) -> None:
+    """Put ``body`` under ``key``'s row name behind the tier's back (junk, or a row)."""
+    if isinstance(tier, ObjectTier):
+        tier.objects.delete(row_name(key))
+        assert tier.objects.put_if_absent(row_name(key), body)
+    else:
+        root = getattr(tier, "root")  # noqa: B009 - file tiers only
+        (root / name_for(key)).write_bytes(body)
+
+
+PERSISTENT = [t for t in TIERS if t != "ram"]
+
+
+@pytest.mark.parametrize("make", PERSISTENT, indirect=True)
+def test_junk_under_the_name_is_replaced_and_a_valid_row_adopted(make: TierFactory) -> None:
+    tier, book = make(), FakeBook()
+    key, req = request((31, 32, 33))
+    _plant(tier, key, b"not a row at all")
+    row = tier.store(key, req, book)  # the junk is cleared and the link tried again
+    assert row is not None and bytes(tier.load(row).payload) == req.payload
+    other, other_book = make(), FakeBook()  # another writer of the same key, same storage
+    adopted = other.store(key, req, other_book)
+    assert adopted is not None and adopted.info.key == key
+    assert other_book.published[key] == adopted and "mark_linked" in other_book.calls
+    assert bytes(other.load(adopted).payload) == req.payload

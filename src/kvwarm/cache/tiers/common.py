@@ -5,7 +5,8 @@ Invariants:
   a row can never sit under a key its contents do not produce.
 - ``publish_row`` is the one publish protocol (erllama's five stages) for every tier: reserve
   in the index, *stage* the bytes where no reader sees them, ``book.check`` the reservation,
-  *commit* (make them visible, or adopt a valid row already there), ``book.mark_linked``,
+  *commit* (link them under the key; if the name is taken, adopt the valid row there or
+  clear the junk and link again, ``COMMIT_ATTEMPTS`` in all), ``book.mark_linked``,
   ``book.publish``. A tier supplies only the staging (``Staged``): a temp file and link(2)
   for files (``publish.py``), a put-if-absent for object stores (``objects.py``), a dict
   entry for ram. Any failure undoes what was staged or committed and abandons the
@@ -14,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -22,6 +24,7 @@ from kvwarm.cache.key import KEY_BYTES, cache_key
 from kvwarm.cache.kvc import KvcFields, check_chunks
 from kvwarm.cache.protocols import ReservationBook, StoredRow
 from kvwarm.cache.types import RowInfo, SaveRequest, TierName
+from kvwarm.errors import CacheIOError
 
 __all__ = ["Staged", "StepHook", "check_request", "publish_row", "row_info"]
 
@@ -32,16 +35,33 @@ log = logging.getLogger(__name__)
 StepHook = Callable[[str], None]
 
 
+# A name found taken by junk is cleared and the commit tried again this many times in all.
+COMMIT_ATTEMPTS = 3
+
+
 class Staged(Protocol):
     """One row's bytes staged by a tier: durable where the store needs it, invisible."""
 
-    def commit(self) -> StoredRow:
-        """Make the row visible under its key -- or, if a valid row for the key is already
-        there (another writer), adopt it. Returns the row now stored."""
+    def link(self) -> bool:
+        """Make the row visible under its key, atomically; False if the name is taken."""
+        ...
+
+    def existing(self) -> StoredRow | None:
+        """The name is taken: the valid row of this key there (another writer's, adopted),
+        or None if what is there is junk or already gone."""
+        ...
+
+    def clear(self) -> None:
+        """Remove the junk in the way (``existing`` said None); missing is fine."""
+        ...
+
+    def settle(self, adopted: StoredRow | None) -> StoredRow:
+        """After the link (``adopted`` None) or the adoption: what the store still needs
+        done (files: drop the temp name, fsync the directory); the row now stored."""
         ...
 
     def undo(self) -> None:
-        """Remove what was staged, and what ``commit`` made visible, if the publish fails
+        """Remove what was staged, and what ``link`` made visible, if the publish fails
         before ``book.publish``. Idempotent."""
         ...
 
@@ -77,7 +97,7 @@ def publish_row(
             book.abandon(key, token)
             return None
         step("checked")
-        row = staged.commit()
+        row = _commit(tier, key, staged)
         if row.location is not None:  # a row that outlives us: the reaper may adopt it now
             book.mark_linked(key, token, row.location)
             step("marked_linked")
@@ -92,6 +112,21 @@ def publish_row(
         return None
     step("published")
     return row
+
+
+def _commit(tier: TierName, key: bytes, staged: Staged) -> StoredRow:
+    """Link, or adopt a valid row already under the name, or clear junk and try again."""
+    for _ in range(COMMIT_ATTEMPTS):
+        if staged.link():
+            return staged.settle(None)
+        existing = staged.existing()
+        if existing is not None:
+            return staged.settle(existing)
+        log.warning("%s: replacing an invalid row in the way of %s", tier, key.hex())
+        staged.clear()
+    raise CacheIOError(
+        f"{tier}: the name of {key.hex()} keeps reappearing invalid", errno=errno.EEXIST
+    )
 
 
 def _no_step(name: str) -> None:

@@ -12,10 +12,9 @@ Invariants:
   fails is ``CacheFormatError`` (the facade drops it and deletes the object).
 - The startup scan deletes nothing: an object it cannot read may be another host's row.
 - Publish once (``common.publish_row``): the object is written with ``put_if_absent`` after
-  ``book.check``; a store
-  makes a put visible whole or not at all, so no temp object exists. "Already there" means
-  another writer published the key first: its object is *adopted* if its metadata parses as
-  this key, replaced (delete, put again) if it is junk.
+  ``book.check``; a store makes a put visible whole or not at all, so no temp object exists.
+  "Already there" means another writer published the key first: its object is *adopted* if
+  its metadata parses as this key, replaced (delete, put again) if it is junk.
 - Hit counts and last-used times live in the object's user metadata, outside the KVC bytes
   and their CRCs, like the file header's hit fields.
 - Chunks are ``chunks/<hex>.kvk`` objects, content-addressed and put once; a corrupt one is
@@ -60,7 +59,6 @@ CHUNK_DIR = "chunks/"  # chunk objects: chunks/<hex key>.kvk beside the <hex key
 # and stored logits (4 B x vocab: 196 KiB for a 49k vocab) come in one round trip for most
 # models; longer metadata (a 128k vocab's logits) takes a second ranged read.
 HEAD_BYTES = 256 << 10
-_PUT_ATTEMPTS = 3
 _SCAN_PARALLEL = 16
 META_HITS = "kvwarm-hits"
 META_LAST_USED = "kvwarm-last-used"
@@ -160,11 +158,20 @@ class _Staged:
         self._fields = kvc.fields_from_request(request, now=time.time())
         self._prefix = kvc.build_prefix(self._fields, request.payload)
 
-    def commit(self) -> StoredRow:
-        tier, key, request = self._tier, self._key, self._request
-        adopted = tier._put_once(key, b"".join((self._prefix, request.payload)))
+    def link(self) -> bool:
+        body = b"".join((self._prefix, self._request.payload))
+        return self._tier.objects.put_if_absent(row_name(self._key), body)
+
+    def existing(self) -> StoredRow | None:
+        return self._tier.probe(self._key)
+
+    def clear(self) -> None:
+        self._tier.delete(self._key)
+
+    def settle(self, adopted: StoredRow | None) -> StoredRow:
         if adopted is not None:
             return adopted
+        tier, key, request = self._tier, self._key, self._request
         info = row_info(key, tier.name, self._fields, memoryview(request.payload).nbytes)
         location = tier.location(key)
         return StoredRow(info, request.tokens, location, request.chunk_keys, request.chunk_lens)
@@ -225,20 +232,6 @@ class ObjectTier:
 
     def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
         return publish_row(self._name, key, request, book, lambda _: _Staged(self, key, request))
-
-    def _put_once(self, key: bytes, body: bytes) -> StoredRow | None:
-        """Create the object. None if we did; the existing row if another writer published a
-        valid object for ``key`` first. Junk in the way is replaced."""
-        name = row_name(key)
-        for _ in range(_PUT_ATTEMPTS):
-            if self._store.put_if_absent(name, body):
-                return None
-            existing = self.probe(key)
-            if existing is not None:
-                return existing
-            log.warning("%s: replacing invalid object %s", self._name, name)
-            self.delete(key)
-        raise CacheIOError(f"{self._name}: {name} keeps reappearing invalid")
 
     # ---- read side -----------------------------------------------------------------------
 

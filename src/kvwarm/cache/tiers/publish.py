@@ -55,8 +55,6 @@ PUBLISH_STEPS: tuple[str, ...] = (
     "published",
 )
 
-_LINK_ATTEMPTS = 3
-
 
 @dataclass(slots=True)
 class _Attempt:
@@ -71,8 +69,10 @@ class _Attempt:
 
 
 class _FileStaged:
-    """Stage: the durable temp file (steps 2-3). Commit: link, drop the temp name, fsync the
-    directory (step 4). Undo: remove our temp file and, if the link was ours, the final name."""
+    """Stage: the durable temp file (steps 2-3). Link: link(2) with no-follow; a name taken
+    by a valid file of the key is adopted (read in full, CRC checked), junk is unlinked
+    (``common.publish_row`` decides). Settle: drop the temp name, fsync the directory (step
+    4). Undo: remove our temp file and, if the link was ours, the final name."""
 
     def __init__(
         self, publisher: Publisher, dir_fd: int, att: _Attempt, request: SaveRequest
@@ -92,8 +92,30 @@ class _FileStaged:
             unlink_quiet(self._dir, att.tmp)
             raise
 
-    def commit(self) -> StoredRow:
-        return self._p._link_and_sync(self._dir, self.att, self._request)
+    def link(self) -> bool:
+        att = self.att
+        try:
+            d = self._dir
+            os.link(att.tmp, att.final, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        att.linked_ours = True
+        return True
+
+    def existing(self) -> StoredRow | None:
+        meta = self._p._read_valid(self._dir, self.att.final, self.att.key)
+        if meta is None:
+            return None
+        info = row_info(self.att.key, self._p._tier, meta.fields, meta.payload_length)
+        location = str(self._p._root / self.att.final)
+        fields = meta.fields
+        return StoredRow(info, fields.tokens, location, fields.chunks, fields.chunk_lens)
+
+    def clear(self) -> None:
+        unlink_quiet(self._dir, self.att.final)
+
+    def settle(self, adopted: StoredRow | None) -> StoredRow:
+        return self._p._settle(self._dir, self.att, self._request, adopted)
 
     def undo(self) -> None:
         self._p._undo(self._dir, self.att)
@@ -154,31 +176,24 @@ class Publisher:
             for one in staged:
                 self.end_writing(one.att.tmp)
 
-    def _link_and_sync(self, dir_fd: int, att: _Attempt, request: SaveRequest) -> StoredRow:
-        """Commit: the link (or the adoption of a valid file already there), then the temp
-        name dropped and the directory made durable."""
-        adopted = self._link(dir_fd, att.tmp, att.final, att.key)
-        att.linked_ours = adopted is None
-        self._step("linked" if att.linked_ours else "adopted")
+    def _settle(
+        self, dir_fd: int, att: _Attempt, request: SaveRequest, adopted: StoredRow | None
+    ) -> StoredRow:
+        """After the link (or the adoption of a valid file already there): the temp name
+        dropped and the directory made durable."""
+        self._step("linked" if adopted is None else "adopted")
         # The data is reachable through the final name now; dropping the temp name before
         # the directory fsync lets one fsync make both name changes durable.
         unlink_quiet(dir_fd, att.tmp)
         self._step("tmp_unlinked")
         os.fsync(dir_fd)
         self._step("dir_synced")
+        if adopted is not None:
+            return adopted
+        assert att.fields is not None
         location = str(self._root / att.final)
-        if adopted is None:
-            assert att.fields is not None
-            info = row_info(att.key, self._tier, att.fields, memoryview(request.payload).nbytes)
-            return StoredRow(info, request.tokens, location, request.chunk_keys, request.chunk_lens)
-        info = row_info(att.key, self._tier, adopted.fields, adopted.payload_length)
-        return StoredRow(
-            info,
-            adopted.fields.tokens,
-            location,
-            adopted.fields.chunks,
-            adopted.fields.chunk_lens,
-        )
+        info = row_info(att.key, self._tier, att.fields, memoryview(request.payload).nbytes)
+        return StoredRow(info, request.tokens, location, request.chunk_keys, request.chunk_lens)
 
     def _undo(self, dir_fd: int, att: _Attempt) -> None:
         unlink_quiet(dir_fd, att.tmp)
@@ -201,22 +216,6 @@ class Publisher:
             self._step("tmp_synced")
         finally:
             os.close(fd)
-
-    def _link(self, dir_fd: int, tmp: str, final: str, key: bytes) -> kvc.KvcMeta | None:
-        """Link ``tmp`` to ``final``. None if we created it; the existing file's metadata if
-        one valid for ``key`` was there (adopt). Junk in the way is replaced."""
-        for _ in range(_LINK_ATTEMPTS):
-            try:
-                os.link(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-                return None
-            except FileExistsError:
-                pass
-            existing = self._read_valid(dir_fd, final, key)
-            if existing is not None:
-                return existing
-            log.warning("%s: replacing invalid file %s", self._tier, final)
-            unlink_quiet(dir_fd, final)
-        raise FileExistsError(17, "link target keeps reappearing invalid", final)
 
     def _read_valid(self, dir_fd: int, name: str, key: bytes) -> kvc.KvcMeta | None:
         try:

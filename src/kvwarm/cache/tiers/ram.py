@@ -42,8 +42,17 @@ class _Staged:
     key: bytes
     entry: _Entry
 
-    def commit(self) -> StoredRow:
-        self.tier._put(self.key, self.entry)
+    def link(self) -> bool:
+        self.tier._put(self.key, self.entry)  # the reservation makes the key ours
+        return True
+
+    def existing(self) -> StoredRow | None:
+        return None  # never asked: ``link`` never finds the name taken
+
+    def clear(self) -> None:
+        pass
+
+    def settle(self, adopted: StoredRow | None) -> StoredRow:
         return self.entry.row
 
     def undo(self) -> None:
