@@ -12,6 +12,7 @@ from tests.rediskit import RedisServer
 from tests.s3kit import MotoServer
 
 from kvwarm.cache import chunkfmt
+from kvwarm.cache.tiers import layout, objects
 from kvwarm.cache.tiers.objects import ObjectTier
 from kvwarm.cache.tiers.redis import RedisStore
 from kvwarm.cache.tiers.s3 import S3Tier
@@ -87,3 +88,15 @@ def test_a_chunk_stored_under_another_key_is_refused_on_load(
     tier.store_chunk(other, head, PAYLOAD)  # the object replays to another key
     with pytest.raises(CacheFormatError):
         tier.load_chunk(other)
+
+
+def test_junk_under_a_chunk_name_is_replaced(make_persistent: TierFactory) -> None:
+    tier = make_persistent()
+    key, head = _chunk()
+    if isinstance(tier, ObjectTier):
+        assert tier.objects.put_if_absent(objects.chunk_name(key), b"junk")
+    else:
+        (getattr(tier, "root") / layout.chunk_name(key)).write_bytes(b"junk")  # noqa: B009
+    size = tier.store_chunk(key, head, PAYLOAD)  # the junk is cleared, the chunk linked
+    assert bytes(tier.load_chunk(key)) == PAYLOAD
+    assert dict(tier.scan_chunks()) == {key: size}

@@ -11,6 +11,8 @@ Invariants:
   for files (``publish.py``), a put-if-absent for object stores (``objects.py``), a dict
   entry for ram. Any failure undoes what was staged or committed and abandons the
   reservation; a reservation lost at publish is never announced.
+- ``commit_chunk`` is the one chunk rule: a valid chunk already under the name is kept (same
+  content, by construction), junk is replaced.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ from kvwarm.cache.protocols import ReservationBook, StoredRow
 from kvwarm.cache.types import RowInfo, SaveRequest, TierName
 from kvwarm.errors import CacheIOError
 
-__all__ = ["Staged", "StepHook", "check_request", "publish_row", "row_info"]
+__all__ = [
+    "COMMIT_ATTEMPTS",
+    "Staged",
+    "StepHook",
+    "check_request",
+    "commit_chunk",
+    "publish_row",
+    "row_info",
+]
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +136,27 @@ def _commit(tier: TierName, key: bytes, staged: Staged) -> StoredRow:
         staged.clear()
     raise CacheIOError(
         f"{tier}: the name of {key.hex()} keeps reappearing invalid", errno=errno.EEXIST
+    )
+
+
+def commit_chunk(
+    tier: TierName,
+    key: bytes,
+    link: Callable[[], bool],
+    valid: Callable[[], bool],
+    clear: Callable[[], None],
+) -> None:
+    """The chunk rule of every tier: chunks are content-addressed and immutable, so a name
+    already taken by a chunk whose head is valid for ``key`` holds the same bytes and is
+    kept; junk under it is cleared and the link tried again (``COMMIT_ATTEMPTS`` in all).
+    ``link``: make the staged chunk visible, False if the name is taken."""
+    for _ in range(COMMIT_ATTEMPTS):
+        if link() or valid():
+            return
+        log.warning("%s: replacing an invalid chunk %s", tier, key.hex())
+        clear()
+    raise CacheIOError(
+        f"{tier}: the name of chunk {key.hex()} keeps reappearing invalid", errno=errno.EEXIST
     )
 
 

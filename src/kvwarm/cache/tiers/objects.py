@@ -17,8 +17,9 @@ Invariants:
   its metadata parses as this key, replaced (delete, put again) if it is junk.
 - Hit counts and last-used times live in the object's user metadata, outside the KVC bytes
   and their CRCs, like the file header's hit fields.
-- Chunks are ``chunks/<hex>.kvk`` objects, content-addressed and put once; a corrupt one is
-  caught on load (``chunkfmt.parse``).
+- Chunks are ``chunks/<hex>.kvk`` objects, content-addressed and put once; one already there
+  is kept if its head is valid, replaced if not (``common.commit_chunk``); the payload CRC
+  is checked on load (``chunkfmt.parse``).
 - Network faults surface as ``CacheNetworkError`` from the store; nothing here retries.
 See docs/architecture.md ("Shared tiers").
 """
@@ -37,7 +38,7 @@ from typing import Protocol
 from kvwarm.cache import chunkfmt, kvc
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
 from kvwarm.cache.tiers import layout
-from kvwarm.cache.tiers.common import publish_row, row_info
+from kvwarm.cache.tiers.common import commit_chunk, publish_row, row_info
 from kvwarm.cache.tiers.layout import key_of, name_for
 from kvwarm.cache.types import SaveRequest, TierName
 from kvwarm.errors import (
@@ -59,6 +60,7 @@ CHUNK_DIR = "chunks/"  # chunk objects: chunks/<hex key>.kvk beside the <hex key
 # and stored logits (4 B x vocab: 196 KiB for a 49k vocab) come in one round trip for most
 # models; longer metadata (a 128k vocab's logits) takes a second ranged read.
 HEAD_BYTES = 256 << 10
+CHUNK_HEAD_BYTES = 1 << 16  # a chunk head is ~140 B + 4 B a token: 16k tokens fit
 _SCAN_PARALLEL = 16
 META_HITS = "kvwarm-hits"
 META_LAST_USED = "kvwarm-last-used"
@@ -322,11 +324,28 @@ class ObjectTier:
     # ---- chunks: chunks/<hex>.kvk, published once like rows -------------------------------
 
     def store_chunk(self, key: bytes, head: bytes, payload: bytes) -> int:
-        """One put of the whole object (visible whole or not at all); "already there" means
-        the same content-addressed chunk is (a corrupt one is caught on load)."""
+        """One put of the whole object (visible whole or not at all); a chunk already there
+        is kept if its head is valid for ``key``, replaced if not (``commit_chunk``)."""
         body = head + payload
-        self._store.put_if_absent(chunk_name(key), body)
+        name = chunk_name(key)
+        commit_chunk(
+            self._name,
+            key,
+            lambda: self._store.put_if_absent(name, body),
+            lambda: self._chunk_head_valid(key),
+            lambda: self._store.delete(name),
+        )
         return len(body)
+
+    def _chunk_head_valid(self, key: bytes) -> bool:
+        try:
+            got = self._store.get(chunk_name(key), CHUNK_HEAD_BYTES)
+            return chunkfmt.parse_head(got.data, size=got.size).key == key
+        except CacheKeyError:
+            return False  # gone meanwhile: link again
+        except CacheFormatError as exc:
+            log.info("%s: chunk %s is unusable: %s", self._name, key.hex(), exc)
+            return False
 
     def load_chunk(self, key: bytes, buffer: memoryview | None = None) -> memoryview:
         return chunkfmt.parse(self._store.get(chunk_name(key)).data, key)
