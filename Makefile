@@ -14,7 +14,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 CHROMIUM ?= chromium
 
-.PHONY: serve test lint typecheck unit install model gemma browser bench clean
+.PHONY: serve test lint typecheck unit install model gemma browser redis bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,18 @@ browser:
 			"the browser test will skip"; \
 	fi
 
+# The redis tier's tests (tests/rediskit.py) start Debian's redis-server on 127.0.0.1.
+# Installed with apt-get when missing and we are root; otherwise those tests fail and say how.
+redis:
+	@if command -v redis-server >/dev/null 2>&1; then \
+		: ; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; \
+	else \
+		echo "redis-server is missing and cannot be installed here (needs root and apt-get):" \
+			"the redis tier tests will fail until it is installed"; \
+	fi
+
 serve: install
 	$(VENV)/bin/kvwarm serve --host $(HOST) --port $(PORT)
 
@@ -62,7 +74,7 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-unit: install gemma browser
+unit: install gemma browser redis
 	KVWARM_GEMMA=$(GEMMA) $(PY) -m pytest -q
 
 test: lint typecheck unit

@@ -14,6 +14,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import pytest
+from tests.rediskit import RedisServer
 from tests.s3kit import MotoServer, aws_env
 
 import kvwarm.embedded
@@ -85,6 +86,20 @@ def moto_server() -> Generator[MotoServer]:
             yield server
         finally:
             server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Generator[RedisServer]:
+    """Debian's redis-server on a free port of 127.0.0.1 (temp dir, no persistence), for the
+    whole session. Missing redis-server fails the test that needs it, saying how to install."""
+    try:
+        server = RedisServer()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The chunk half of the tier contract, for every tier (ram, ram_file, disk, s3 on moto):
+"""The chunk half of the tier contract, for every tier (ram, ram_file, disk, s3 on moto, redis):
 store is idempotent, load verifies, delete and scan see exactly what is stored."""
 
 from __future__ import annotations
@@ -8,9 +8,13 @@ from pathlib import Path
 
 import pytest
 from tests.cache.tierkit import NS, TIERS, TierFactory, factory, shm_dir
+from tests.rediskit import RedisServer
 from tests.s3kit import MotoServer
 
 from kvwarm.cache import chunkfmt
+from kvwarm.cache.tiers import layout, objects
+from kvwarm.cache.tiers.objects import ObjectTier
+from kvwarm.cache.tiers.redis import RedisStore
 from kvwarm.cache.tiers.s3 import S3Tier
 from kvwarm.errors import CacheFormatError, CacheKeyError
 
@@ -24,6 +28,10 @@ def _factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierFac
         server: MotoServer = request.getfixturevalue("moto_server")
         config = server.config(server.new_bucket())
         yield lambda: S3Tier(config, 1 << 30)
+    elif name == "redis":
+        redis: RedisServer = request.getfixturevalue("redis_server")
+        url = redis.url()
+        yield lambda: ObjectTier(RedisStore(url), 1 << 30, name="redis")
     elif name == "ram_file":
         with shm_dir() as d:
             yield factory(name, d)
@@ -80,3 +88,15 @@ def test_a_chunk_stored_under_another_key_is_refused_on_load(
     tier.store_chunk(other, head, PAYLOAD)  # the object replays to another key
     with pytest.raises(CacheFormatError):
         tier.load_chunk(other)
+
+
+def test_junk_under_a_chunk_name_is_replaced(make_persistent: TierFactory) -> None:
+    tier = make_persistent()
+    key, head = _chunk()
+    if isinstance(tier, ObjectTier):
+        assert tier.objects.put_if_absent(objects.chunk_name(key), b"junk")
+    else:
+        (getattr(tier, "root") / layout.chunk_name(key)).write_bytes(b"junk")  # noqa: B009
+    size = tier.store_chunk(key, head, PAYLOAD)  # the junk is cleared, the chunk linked
+    assert bytes(tier.load_chunk(key)) == PAYLOAD
+    assert dict(tier.scan_chunks()) == {key: size}

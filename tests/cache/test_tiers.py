@@ -1,5 +1,5 @@
-"""One contract suite for every tier: ram, ram_file (/dev/shm), disk (tmp_path) and s3 (a live
-moto server on 127.0.0.1)."""
+"""One contract suite for every tier: ram, ram_file (/dev/shm), disk (tmp_path), s3 (a live
+moto server on 127.0.0.1) and redis (a live redis-server on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from tests.cache.fakebook import FakeBook
 from tests.cache.tierkit import NS, TIERS, TierFactory, factory, request, shm_dir
+from tests.rediskit import RedisServer
 from tests.s3kit import MotoServer, object_names
 
 from kvwarm.cache import kvc
@@ -17,6 +18,9 @@ from kvwarm.cache.index import Index
 from kvwarm.cache.key import cache_key
 from kvwarm.cache.protocols import Tier
 from kvwarm.cache.tiers.cotenants import PROCS
+from kvwarm.cache.tiers.layout import name_for
+from kvwarm.cache.tiers.objects import ObjectTier, row_name
+from kvwarm.cache.tiers.redis import RedisStore
 from kvwarm.cache.tiers.s3 import S3Tier
 from kvwarm.cache.types import SaveReason, TtlClass
 from kvwarm.errors import CacheKeyError
@@ -29,6 +33,10 @@ def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierFactory
         server: MotoServer = request.getfixturevalue("moto_server")
         config = server.config(server.new_bucket())
         yield lambda: S3Tier(config, 1 << 30)
+    elif name == "redis":
+        redis: RedisServer = request.getfixturevalue("redis_server")
+        url = redis.url()
+        yield lambda: ObjectTier(RedisStore(url), 1 << 30, name="redis")
     elif name == "ram_file":
         with shm_dir() as d:
             yield factory(name, d)
@@ -39,6 +47,8 @@ def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TierFactory
 def _files(tier: Tier) -> list[str]:
     if isinstance(tier, S3Tier):
         return object_names(tier)
+    if isinstance(tier, ObjectTier):
+        return sorted(name for name, _, _ in tier.objects.list(""))
     root = getattr(tier, "root", None)
     # The registry of processes using the directory (``cotenants.py``) holds no data.
     return sorted(n for n in os.listdir(root) if n != PROCS) if root is not None else []
@@ -184,3 +194,30 @@ def test_with_the_real_index_as_book(make: TierFactory) -> None:
     for found in restarted.scan():
         assert fresh.adopt(found)
     assert (fresh.get(key) is not None) == (tier.name != "ram")
+
+
+def _plant(tier: Tier, key: bytes, body: bytes) -> None:
+    """Put ``body`` under ``key``'s row name behind the tier's back (junk, or a row)."""
+    if isinstance(tier, ObjectTier):
+        tier.objects.delete(row_name(key))
+        assert tier.objects.put_if_absent(row_name(key), body)
+    else:
+        root = getattr(tier, "root")  # noqa: B009 - file tiers only
+        (root / name_for(key)).write_bytes(body)
+
+
+PERSISTENT = [t for t in TIERS if t != "ram"]
+
+
+@pytest.mark.parametrize("make", PERSISTENT, indirect=True)
+def test_junk_under_the_name_is_replaced_and_a_valid_row_adopted(make: TierFactory) -> None:
+    tier, book = make(), FakeBook()
+    key, req = request((31, 32, 33))
+    _plant(tier, key, b"not a row at all")
+    row = tier.store(key, req, book)  # the junk is cleared and the link tried again
+    assert row is not None and bytes(tier.load(row).payload) == req.payload
+    other, other_book = make(), FakeBook()  # another writer of the same key, same storage
+    adopted = other.store(key, req, other_book)
+    assert adopted is not None and adopted.info.key == key
+    assert other_book.published[key] == adopted and "mark_linked" in other_book.calls
+    assert bytes(other.load(adopted).payload) == req.payload

@@ -17,7 +17,7 @@ from kvwarm.cache.tiers.ram import RamTier
 from kvwarm.cache.types import Namespace, SaveReason, SaveRequest, TierName, TtlClass
 
 NS = Namespace(fingerprint=b"\x5a" * 32, quant=1, ctx_hash=b"\xa5" * 32)
-TIERS: tuple[TierName, ...] = ("ram", "ram_file", "disk", "s3")
+TIERS: tuple[TierName, ...] = ("ram", "ram_file", "disk", "s3", "redis")
 
 
 def request(

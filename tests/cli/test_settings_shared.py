@@ -67,3 +67,27 @@ def test_cache_dir_shared_marks_the_disk_tier(tmp_path: Path) -> None:
     disk = next(t for t in s.cache_config().tiers if t.name == "disk")
     assert disk.shared
     assert not next(t for t in load_settings({}, _env(tmp_path)).cache_config().tiers).shared
+
+
+def test_tiers_by_url_follow_the_built_in_ones_and_may_take_the_saves(tmp_path: Path) -> None:
+    url = "redis://127.0.0.1:6379/0?quota=8G&prefix=team/"
+    env = _env(tmp_path, KVWARM_TIERS=f"shared={url}", KVWARM_SAVE_TIER="shared")
+    s = load_settings({}, env)
+    tiers = s.cache_config().tiers
+    assert [t.name for t in tiers] == ["ram", "disk", "shared"]
+    assert tiers[-1].quota_bytes == 8 << 30 and tiers[-1].root is None
+    assert tiers[-1].url == "redis://127.0.0.1:6379/0?prefix=team%2F"
+    assert s.effective_save_tier() == "shared"
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"KVWARM_TIERS": "redis://h:1/0"}, "NAME=URL"),
+        ({"KVWARM_TIERS": "x=redis://h:1/0?quota=lots"}, "quota"),
+        ({"KVWARM_SAVE_TIER": "elsewhere"}, "not a configured tier"),
+    ],
+)
+def test_bad_url_tiers_are_config_errors(tmp_path: Path, extra: dict[str, str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_settings({}, _env(tmp_path, **extra))

@@ -23,6 +23,20 @@ def _families(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     return out
 
 
+def test_tiers_are_labelled_by_their_configured_names() -> None:
+    out = metrics.Families()
+    counters = {
+        "tier_shared_bytes": 7,  # a tier configured by URL under a name of its own
+        "tier_ram_file_effective_quota_bytes": 9,
+        "tier_disk_quota_bytes": 11,
+    }
+    metrics.add_cache(out, counters)
+    fams = _families(out.render())
+    assert fams["kvwarm_cache_tier_bytes"] == {(("tier", "shared"),): 7}
+    assert fams["kvwarm_cache_tier_effective_quota_bytes"] == {(("tier", "ram_file"),): 9}
+    assert fams["kvwarm_cache_tier_quota_bytes"] == {(("tier", "disk"),): 11}
+
+
 def test_cache_models_and_http_render_and_parse() -> None:
     out = metrics.Families()
     metrics.add_cache(

@@ -1,5 +1,5 @@
-"""Reading a manifest's chunks for ``Cache.open_row`` (a part of the facade, like
-``shared.py``).
+"""Reading a manifest's chunks for ``Cache.open_row`` (a collaborator of the facade, handed
+the ``CacheCore``, the scratch buffers and the remote I/O pool).
 
 Invariants: every chunk is verified (head, key replay, payload CRC32C) before a caller sees
 it; a missing or corrupt chunk drops the row that names it (in a shared tier only forgets
@@ -24,21 +24,28 @@ __all__ = ["ChunkReads"]
 log = logging.getLogger(__name__)
 
 
-class ChunkReads(CacheCore):
-    _scratch: ScratchBuffers
-    _probe_pool: ThreadPoolExecutor | None
+class ChunkReads:
+    """Chunk reads of one cache: the thread's arena (``scratch``) for local tiers, and the
+    cache's remote I/O pool (``pool``, None without remote tiers) for concurrent GETs."""
 
-    def _chunk_arena(self, stored: StoredRow) -> bytearray | None:
+    def __init__(
+        self, core: CacheCore, scratch: ScratchBuffers, pool: ThreadPoolExecutor | None
+    ) -> None:
+        self._core = core
+        self._scratch = scratch
+        self._pool = pool
+
+    def chunk_arena(self, stored: StoredRow) -> bytearray | None:
         """The thread's chunk buffer, large enough for every chunk of ``stored`` whose
         stored size the index knows (a fresh 45 MB buffer costs more to fault in than to
         fill), or None."""
         if not stored.chunks:
             return None
-        sizes = self._index.chunk_sizes(stored.info.tier, stored.chunks)
+        sizes = self._core.index.chunk_sizes(stored.info.tier, stored.chunks)
         known = [n for n in sizes if n is not None]
         return self._scratch.take_arena(sum(known)) if len(known) == len(sizes) else None
 
-    def _load_parts(
+    def load_parts(
         self, tier: Tier, stored: StoredRow, arena: bytearray | None
     ) -> tuple[memoryview, ...]:
         """A manifest's chunks, verified, in order; () for a whole-blob row."""
@@ -46,19 +53,19 @@ class ChunkReads(CacheCore):
             return ()
         key = stored.info.key
         try:
-            pool = self._probe_pool
+            pool = self._pool
             if not tier.capabilities.local and pool is not None and len(stored.chunks) > 1:
                 # A remote store answers several GETs at once: one round trip, not one each.
                 chunks = list(pool.map(tier.load_chunk, stored.chunks))
             else:
-                sizes = self._index.chunk_sizes(tier.name, stored.chunks) if arena else []
+                sizes = self._core.index.chunk_sizes(tier.name, stored.chunks) if arena else []
                 chunks = load_chunks(tier, stored.chunks, arena, sizes)
         except (CacheFormatError, CacheKeyError) as exc:
             # A chunk is corrupt or gone: the row cannot be restored. Drop the row (in a
-            # shared tier only forget it: core.py ``_drop_unreadable``).
-            self._drop_unreadable(tier, key, exc)
+            # shared tier only forget it: ``CacheCore.drop_unreadable``).
+            self._core.drop_unreadable(tier, key, exc)
             raise
         except CacheIOError:
-            self._counters.incr("store_errors")
+            self._core.counters.incr("store_errors")
             raise
         return tuple(chunks)

@@ -5,7 +5,7 @@ Invariants (the facade's, see ``facade.py`` and docs/architecture.md):
 
 - The index decides, the tiers store: a row enters the index through the publish protocol or
   an adopt of bytes a tier vouched for, and leaves it *before* its bytes are deleted
-  (``_retire`` only deletes rows the index already forgot), so no lookup can return a row
+  (``retire`` only deletes rows the index already forgot), so no lookup can return a row
   whose bytes are gone on purpose.
 - Tiers are reached only through the ``Tier`` protocol; what a tier can do is read from its
   ``TierCapabilities``, never from its name.
@@ -13,12 +13,12 @@ Invariants (the facade's, see ``facade.py`` and docs/architecture.md):
 - A tier that is not ``local`` (s3, a multi-host directory) is shared with processes whose
   rows this one does not know: its chunks are never deleted here, only forgotten (an explicit
   ``gc_shared`` mark-and-sweep reclaims them), and a row that fails to read there is only
-  forgotten, never deleted (``_drop_unreadable``). See docs/architecture.md ("Shared tiers").
+  forgotten, never deleted (``drop_unreadable``). See docs/architecture.md ("Shared tiers").
   The same holds for chunks of a local directory once another process has used it
   (``Cotenanted``): they are swept, not deleted with this process's last row naming them.
 - A tier's quota is enforced as its effective quota (``quota.py``: capped by the room on its
   filesystem), and a save its filesystem refuses for want of space (ENOSPC) evicts from that
-  tier, in its policy's order, and is retried once (``_store_row``): a full disk does not
+  tier, in its policy's order, and is retried once (``store_row``): a full disk does not
   stay full until someone calls ``/cache/evict``.
 """
 
@@ -36,7 +36,6 @@ from kvwarm.cache.index import Index
 from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, Tier
 from kvwarm.cache.quota import QuotaCaps
 from kvwarm.cache.types import (
-    DEFAULT_GRACE_S,
     EvictResult,
     RowInfo,
     SaveRequest,
@@ -104,68 +103,80 @@ class ScratchBuffers:
 
 
 class CacheCore:
-    """State and primitives; ``Cache`` (facade.py) adds the public operations."""
+    """The index and the tiers, and the primitives that turn index decisions into tier calls
+    (probe, adopt, retire, quota, store). One object; the facade's other collaborators
+    (``upkeep``, ``shared``, ``sharedgc``, ``chunkreads``) are handed it."""
 
-    _index: Index
-    _tiers: dict[TierName, Tier]
-    _counters: Counters
-    _writer: WriterPool
-    _forgotten: set[bytes]  # remote shared rows forgotten on purpose: the rescans skip them
-    _warned_unreadable: set[TierName]
-    _quota_caps: QuotaCaps
+    def __init__(
+        self,
+        index: Index,
+        tiers: Mapping[TierName, Tier],
+        counters: Counters,
+        writer: WriterPool,
+        quota_caps: QuotaCaps | None = None,
+    ) -> None:
+        self.index = index
+        self.tiers: dict[TierName, Tier] = dict(tiers)
+        self.counters = counters
+        self.writer = writer
+        self.quota_caps = quota_caps if quota_caps is not None else QuotaCaps()
+        self.forgotten: set[bytes] = set()  # remote shared rows forgotten on purpose: the
+        # rescans skip them, only discovery adopts them again
+        self._warned_unreadable: set[TierName] = set()
 
-    def _shared_tiers(self) -> list[Tier]:
+    def shared_tiers(self) -> list[Tier]:
         """Tiers other processes may publish into: worth probing on a miss."""
-        return [t for t in self._tiers.values() if t.capabilities.shared]
+        return [t for t in self.tiers.values() if t.capabilities.shared]
 
-    def _probe(self, key: bytes) -> RowInfo | None:
+    def probe(self, key: bytes) -> RowInfo | None:
         """A row another process published in a shared tier, adopted on sight."""
-        for tier in self._shared_tiers():
+        for tier in self.shared_tiers():
             try:
                 row = tier.probe(key)
             except CacheError as exc:
                 # A dead store is a miss; the tier warns once per outage, this counts each.
-                self._counters.incr("store_errors")
+                self.counters.incr("store_errors")
                 log.info("%s: probe failed: %s", tier.name, exc)
                 continue
-            if row is not None and self._adopt(tier, row):
-                return self._index.get(key)
-        return self._index.get(key)
+            if row is not None and self.adopt(tier, row):
+                return self.index.get(key)
+        return self.index.get(key)
 
-    def _adopt(self, tier: Tier, row: StoredRow) -> bool:
+    def adopt(self, tier: Tier, row: StoredRow) -> bool:
         try:
-            adopted = self._index.adopt(row)
+            adopted = self.index.adopt(row)
         except ValueError as exc:  # tokens out of range in a file that otherwise parsed
             log.warning("%s: not adopting %s: %s", tier.name, row.info.key.hex(), exc)
             return False
         if adopted:
-            self._enforce_quota_later(tier)
+            self.enforce_quota_later(tier)
         return adopted
 
-    def _enforce_quota_later(self, tier: Tier) -> None:
+    def enforce_quota_later(self, tier: Tier) -> None:
         """Quota enforcement after an adopt, on the writer pool: an adopt happens during a
         lookup (discovery, on the engine's tick path) and eviction may delete objects from a
         remote store. A full queue leaves it to the next save or adopt in that tier."""
 
         def job() -> bool:
-            self._enforce_quota(tier)
+            self.enforce_quota(tier)
             return True
 
-        if not self._writer.submit(job):
+        if not self.writer.submit(job):
             log.debug("%s: quota check deferred (writer queue full)", tier.name)
 
     # ------------------------------------------------------------------ counting
 
     def record_miss(self) -> None:
-        self._counters.incr("misses")
+        self.counters.incr("misses")
 
     def record_latency(self, name: str, seconds: float) -> None:
-        self._counters.record_latency(name, seconds)
+        self.counters.record_latency(name, seconds)
 
-    def counters(self) -> Mapping[str, float]:
-        snap = self._counters.snapshot()
-        sizes = self._index.sizes()
-        for name, tier in self._tiers.items():
+    def snapshot(self) -> dict[str, float]:
+        """``Cache.counters``: the counters plus each tier's sizes and quota."""
+        snap = self.counters.snapshot()
+        sizes = self.index.sizes()
+        for name, tier in self.tiers.items():
             size = sizes.get(name, TierSizes())
             snap[f"tier_{name}_bytes"] = float(size.physical_bytes)  # stored: each chunk once
             snap[f"tier_{name}_logical_bytes"] = float(size.logical_bytes)  # what rows restore
@@ -173,14 +184,14 @@ class CacheCore:
             snap[f"tier_{name}_rows"] = float(size.rows)
             snap[f"tier_{name}_chunks"] = float(size.chunks)
             snap[f"tier_{name}_quota_bytes"] = float(tier.quota_bytes)
-            effective, capped = self._quota_caps.effective(tier, int(size.physical_bytes))
+            effective, capped = self.quota_caps.effective(tier, int(size.physical_bytes))
             snap[f"tier_{name}_effective_quota_bytes"] = float(effective)
             snap[f"tier_{name}_quota_capped_by_filesystem"] = float(capped)
-        snap["rows"] = float(len(self._index))
-        snap["reservations"] = float(self._index.pending_reservations())
+        snap["rows"] = float(len(self.index))
+        snap["reservations"] = float(self.index.pending_reservations())
         return snap
 
-    def _retire(self, rows: Sequence[StoredRow], *, count: bool = False) -> EvictResult:
+    def retire(self, rows: Sequence[StoredRow], *, count: bool = False) -> EvictResult:
         """Delete the bytes of rows the index already forgot, then of the chunks no row
         names any more (manifests first: a crash in between leaves orphans, never a
         manifest without its chunks). A chunk of a tier that is not local is only
@@ -189,32 +200,29 @@ class CacheCore:
         for row in rows:
             freed += row.info.size
             try:
-                self._tiers[row.info.tier].delete(row.info.key)
+                self.tiers[row.info.tier].delete(row.info.key)
             except CacheError as exc:
                 log.warning("%s: deleting %s failed: %s", row.info.tier, row.info.key.hex(), exc)
         sole: dict[TierName, bool] = {}
-        for chunk in self._index.take_freed_chunks():
+        for chunk in self.index.take_freed_chunks():
             try:
                 if chunk.tier not in sole:
-                    sole[chunk.tier] = self._sole_user(self._tiers[chunk.tier])
+                    sole[chunk.tier] = self.sole_user(self.tiers[chunk.tier])
                 # Another process's row may name it: only ``gc_shared`` may delete it.
                 if not chunk.keep and sole[chunk.tier]:
                     freed += chunk.size
-                    self._tiers[chunk.tier].delete_chunk(chunk.key)
+                    self.tiers[chunk.tier].delete_chunk(chunk.key)
             except CacheError as exc:
                 log.warning("%s: deleting chunk %s failed: %s", chunk.tier, chunk.key.hex(), exc)
             finally:
-                self._index.chunk_deleted(chunk)
+                self.index.chunk_deleted(chunk)
         if count and rows:
-            self._counters.incr("evictions", len(rows))
-            self._counters.incr("evicted_bytes", freed)
+            self.counters.incr("evictions", len(rows))
+            self.counters.incr("evicted_bytes", freed)
         return EvictResult(len(rows), freed)
 
-    def sweep_local(self, grace_s: float = DEFAULT_GRACE_S, *, force: bool = False) -> None:
-        """The chunk sweep of local directories other processes use (``sharedgc.py``)."""
-
     @staticmethod
-    def _sole_user(tier: Tier) -> bool:
+    def sole_user(tier: Tier) -> bool:
         """Whether this process's chunk refcounts cover every row in ``tier``: a local tier
         no other process has used since we opened it. Otherwise chunks are swept instead
         (``sharedgc.py``)."""
@@ -222,7 +230,7 @@ class CacheCore:
             return False
         return not (isinstance(tier, Cotenanted) and tier.cotenanted())
 
-    def _drop_unreadable(self, tier: Tier, key: bytes, exc: CacheError) -> None:
+    def drop_unreadable(self, tier: Tier, key: bytes, exc: CacheError) -> None:
         """A row could not be read (corrupt, a chunk missing, gone): never restore it again.
         In a local tier its bytes (and the chunks only it names) are deleted. In a tier other
         processes share, it is only forgotten: a missing chunk or a vanished file may be
@@ -232,12 +240,12 @@ class CacheCore:
         detail = "missing" if isinstance(exc, CacheKeyError) else "corrupt"
         if tier.capabilities.local:
             log.warning("%s: dropping row %s: %s", tier.name, key.hex(), exc)
-            removed = self._index.remove(key)
+            removed = self.index.remove(key)
             if removed is not None:
-                self._remember_unreadable(removed, detail)
-            self._retire([r for r in (removed,) if r is not None])
+                self.remember_unreadable(removed, detail)
+            self.retire([r for r in (removed,) if r is not None])
             return
-        self._counters.incr("shared_rows_forgotten")
+        self.counters.incr("shared_rows_forgotten")
         if tier.name not in self._warned_unreadable:  # one line per tier; the count says more
             self._warned_unreadable.add(tier.name)
             log.warning(
@@ -249,37 +257,37 @@ class CacheCore:
             )
         else:
             log.info("%s: forgetting unreadable shared row %s: %s", tier.name, key.hex(), exc)
-        row = self._index.forget(key, tier.name)
+        row = self.index.forget(key, tier.name)
         if row is not None:
-            self._remember_unreadable(row, detail)
-            self._forgotten.add(key)  # the rescans skip it; only discovery adopts it again
-            self._retire([])  # its chunks: forgotten, never deleted (see ``_retire``)
+            self.remember_unreadable(row, detail)
+            self.forgotten.add(key)  # the rescans skip it; only discovery adopts it again
+            self.retire([])  # its chunks: forgotten, never deleted (see ``retire``)
 
     def resize_tier(self, name: TierName, quota_bytes: int) -> None:
         """Give the ram tier ``name`` a new quota and evict down to it now (the server's
         memory budget). ``ConfigError`` for a tier whose quota is fixed at construction."""
-        tier = self._tiers.get(name)
+        tier = self.tiers.get(name)
         set_quota = getattr(tier, "set_quota", None)
         if tier is None or set_quota is None:
             raise ConfigError(f"tier {name!r} cannot be resized")
         set_quota(quota_bytes)
-        self._enforce_quota(tier)
+        self.enforce_quota(tier)
 
-    def _remember_unreadable(self, row: StoredRow, detail: str) -> None:
+    def remember_unreadable(self, row: StoredRow, detail: str) -> None:
         info = row.info
-        self._index.history.gone(
+        self.index.history.gone(
             info.namespace, info.key, row.tokens, MissReason.UNREADABLE, info.tier, detail
         )
 
-    def _enforce_quota(self, tier: Tier) -> None:
-        used, _ = self._index.usage().get(tier.name, (0, 0))
-        quota, _ = self._quota_caps.effective(tier, used)
-        self._retire(self._index.enforce_quota(tier.name, quota), count=True)
+    def enforce_quota(self, tier: Tier) -> None:
+        used, _ = self.index.usage().get(tier.name, (0, 0))
+        quota, _ = self.quota_caps.effective(tier, used)
+        self.retire(self.index.enforce_quota(tier.name, quota), count=True)
 
     # Evicted beyond a refused save's payload and tokens: its header, a filesystem block.
     ENOSPC_SLACK_BYTES = 4096
 
-    def _store_row(
+    def store_row(
         self,
         key: bytes,
         request: SaveRequest,
@@ -290,9 +298,9 @@ class CacheCore:
     ) -> StoredRow | None:
         """``chunking.store_row``; on ENOSPC, evict from ``tier`` (its policy picks) about
         the save's size and retry once. Without a row to evict the error stands."""
-        counters = self._counters if count_chunks else None
+        counters = self.counters if count_chunks else None
         try:
-            return store_row(key, request, tier, self._index, chunk_tokens, counters=counters)
+            return store_row(key, request, tier, self.index, chunk_tokens, counters=counters)
         except CacheIOError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
@@ -302,7 +310,7 @@ class CacheCore:
                 + len(request.logits or b"")
                 + self.ENOSPC_SLACK_BYTES
             )
-            freed = self._retire(self._index.evict(need, (tier.name,)), count=True)
+            freed = self.retire(self.index.evict(need, (tier.name,)), count=True)
             if not freed.rows:
                 raise
             log.warning(
@@ -312,5 +320,5 @@ class CacheCore:
                 freed.bytes,
                 key.hex(),
             )
-        self._counters.incr("saves_retried_after_enospc")
-        return store_row(key, request, tier, self._index, chunk_tokens, counters=counters)
+        self.counters.incr("saves_retried_after_enospc")
+        return store_row(key, request, tier, self.index, chunk_tokens, counters=counters)

@@ -1,11 +1,13 @@
 """``Cache``: the one object callers use (implements ``api.CacheApi``).
 
 It wires the decision half (``Index``, policy validation, counters, pressure) to the storage
-half (tiers built by name from ``tiers.registry``, writer pool) and is the only place that turns
-index decisions into tier calls. Its parts: ``core`` (shared state and primitives), ``upkeep``
-(scan, sweeps, verify), ``shared`` (prefix discovery in shared tiers, promotion of their hits),
-``sharedgc`` (the mark-and-sweep of chunks in directories and stores other processes use),
-``chunkreads`` (a manifest's chunk reads) and this module (lookups, reads, saves, lifetime).
+half (tiers built by name or URL from ``tiers.registry``, writer pool). Its collaborators,
+each an object with its own state, built here and handed what they use: ``core.CacheCore``
+(the index and the tiers, and the primitives that turn index decisions into tier calls),
+``upkeep.CacheUpkeep`` (scan, sweeps, verify), ``shared.SharedTiers`` (prefix discovery in
+shared tiers, promotion of their hits), ``sharedgc.SharedSweep`` (the mark-and-sweep of chunks
+in directories and stores other processes use), ``chunkreads.ChunkReads`` (a manifest's chunk
+reads); this module holds lookups, reads, saves and lifetime.
 
 Invariants:
 
@@ -33,15 +35,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import replace
 from types import TracebackType
 
-from kvwarm.cache.api import LoadedRow
+from kvwarm.cache.api import LoadedRow, VerifyReport
 from kvwarm.cache.chunking import PlanBook
 from kvwarm.cache.chunkreads import ChunkReads
-from kvwarm.cache.core import ScratchBuffers
+from kvwarm.cache.core import CacheCore, ScratchBuffers
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.eviction import build_policy
 from kvwarm.cache.explain import MissHistory, MissReason, ReuseReport
@@ -51,17 +54,18 @@ from kvwarm.cache.key import cache_key
 from kvwarm.cache.policy import validate_cache_config
 from kvwarm.cache.pressure import PressureScheduler, PressureSource, make_source
 from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
-from kvwarm.cache.quota import QuotaCaps
 from kvwarm.cache.shared import SharedTiers
-from kvwarm.cache.sharedgc import SharedSweep
+from kvwarm.cache.sharedgc import SharedSweep, SweepStep
 from kvwarm.cache.tiers.registry import TierOptions, build_tier
 from kvwarm.cache.types import (
+    DEFAULT_GRACE_S,
     CacheConfig,
     EvictResult,
     Namespace,
     PrefixMatch,
     RowInfo,
     SaveRequest,
+    SweepResult,
     TierName,
 )
 from kvwarm.cache.upkeep import CacheUpkeep
@@ -80,8 +84,15 @@ __all__ = ["Cache"]
 log = logging.getLogger(__name__)
 
 
-class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
-    """A multi-tier, token-exact KV cache. Thread-safe; close it (or use ``with``)."""
+class Cache:
+    """A multi-tier, token-exact KV cache. Thread-safe; close it (or use ``with``).
+
+    Composed of explicit collaborators, each with its own state: the ``Index`` (rows,
+    reservations, eviction order), the ``CacheCore`` (the tiers and the primitives that turn
+    index decisions into tier calls), ``CacheUpkeep`` (scans, sweeps, verify), ``SharedTiers``
+    (discovery in shared tiers, promotion), ``SharedSweep`` (chunk mark-and-sweep) and
+    ``ChunkReads`` (a manifest's chunks). This class holds them and implements
+    ``api.CacheApi`` by calling them; none inherits from another."""
 
     def __init__(
         self,
@@ -101,9 +112,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
         """
         self.config = config if config is not None else CacheConfig()
         validate_cache_config(self.config)
-        self._init_upkeep(self.config.sweep_interval_s)
         self._counters = Counters()
-        self._quota_caps = QuotaCaps()
         self._index = Index(
             reservation_ttl_s=self.config.reservation_ttl_s,
             ttl_seconds=self.config.ttl_seconds,
@@ -134,21 +143,36 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
         self._holds = Holds()
         self._close_lock = threading.Lock()
         self._stop = threading.Event()
+        self._writer = WriterPool(self.config.writer_threads, self.config.writer_queue)
+        self._core = CacheCore(self._index, self._tiers, self._counters, self._writer)
+        self._tiers = self._core.tiers  # one dict: the collaborators see the same tiers
+        # Probes and chunk reads of a remote tier run concurrently; local directories are
+        # read inline (a failed open costs microseconds, a thread hand-off more).
+        self._remote_pool: ThreadPoolExecutor | None = None
+        remote = any(not t.capabilities.local for t in self._core.shared_tiers())
+        if remote and self.config.probe_max > 0:
+            self._remote_pool = ThreadPoolExecutor(
+                max_workers=self.config.probe_parallel, thread_name_prefix="kvwarm-probe"
+            )
+        self._shared = SharedTiers(self._core, self.config, self._remote_pool)
+        self._reads = ChunkReads(self._core, self._scratch, self._remote_pool)
+        self._sweep = SharedSweep(self._core)
+        self._upkeep = CacheUpkeep(
+            self._core, self._sweep, sweep_interval_s=self.config.sweep_interval_s, stop=self._stop
+        )
         for tier in self._tiers.values():
-            self._scan(tier)
+            self._upkeep.scan(tier)
         self._index.resort()
         for tier in self._tiers.values():
             if repair:
-                self._enforce_quota(tier)
-        self._writer = WriterPool(self.config.writer_threads, self.config.writer_queue)
-        self._start_probe_pool()
+                self._core.enforce_quota(tier)
         self.pressure: PressureScheduler | None = None
         if source is not None:
             self.pressure = PressureScheduler(self.config.pressure, source, self.evict_bytes)
         self._sweeper: threading.Thread | None = None
         if background and repair:
             self._sweeper = threading.Thread(
-                target=self._sweep_loop, name="kvwarm-sweep", daemon=True
+                target=self._upkeep.sweep_loop, name="kvwarm-sweep", daemon=True
             )
             self._sweeper.start()
             if self.pressure is not None:
@@ -178,7 +202,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
     def lookup_exact(self, key: bytes) -> RowInfo | None:
         info = self._index.get(key)
         if info is None:
-            info = self._probe(key)
+            info = self._core.probe(key)
         if info is not None:
             self._counters.incr("hits_exact")
         return info
@@ -186,7 +210,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
     def lookup_exact_or_wait(self, key: bytes, timeout_s: float) -> RowInfo | None:
         info = self._index.wait_for(key, timeout_s)
         if info is None:
-            info = self._probe(key)
+            info = self._core.probe(key)
         if info is not None:
             self._counters.incr("hits_resume")
         return info
@@ -203,7 +227,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
         # (record_latency), and counting it twice would double the reported total.
         match = self._index.longest(namespace, tokens, min_shared)
         floor = max(min_shared - 1, 0 if match is None else match.n_shared)
-        if probe_lengths and self._discover(namespace, tokens, probe_lengths, floor):
+        if probe_lengths and self._shared.discover(namespace, tokens, probe_lengths, floor):
             match = self._index.longest(namespace, tokens, min_shared)
         if match is not None:
             self._counters.incr("hits_longest_prefix")
@@ -263,7 +287,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
     @contextmanager
     def open_row(self, key: bytes) -> Iterator[LoadedRow]:
         leased = self._index.lease(key)
-        if leased is None and self._probe(key) is not None:
+        if leased is None and self._core.probe(key) is not None:
             leased = self._index.lease(key)
         if leased is None:
             raise CacheKeyError(f"no cache row {key.hex()}")
@@ -275,10 +299,10 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
         data: RowBytes | None = None
         parts: tuple[memoryview, ...] = ()
         # Chunks read from local storage land in the thread's arena; ram holds them already.
-        arena = self._chunk_arena(stored) if local and tier.capabilities.persistent else None
+        arena = self._reads.chunk_arena(stored) if local and tier.capabilities.persistent else None
         try:
             data = self._load(tier, stored, scratch)
-            parts = self._load_parts(tier, stored, arena)
+            parts = self._reads.load_parts(tier, stored, arena)
             yield LoadedRow(stored.info, data.tokens, data.payload, data.logits, parts)
         finally:
             self._index.checkin(key, gen)
@@ -286,7 +310,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
                 self._scratch.reclaim(scratch, data)
                 self._scratch.reclaim_arena(arena, parts)
             elif data is not None:
-                self._promote(tier, stored, data, parts)
+                self._shared.promote(tier, stored, data, parts)
                 _release(data)
 
     def _load(self, tier: Tier, stored: StoredRow, scratch: bytearray | None = None) -> RowBytes:
@@ -299,7 +323,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
         except (CacheFormatError, CacheKeyError) as exc:
             # Corrupt, or removed behind our back (another process): never restore it again;
             # in a shared tier only forgotten, its bytes left to the others (core.py).
-            self._drop_unreadable(tier, key, exc)
+            self._core.drop_unreadable(tier, key, exc)
             raise
         except CacheIOError:
             self._counters.incr("store_errors")  # unreachable, not wrong: the row stays
@@ -368,7 +392,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
         t0 = time.perf_counter()
         published = False
         try:
-            row = self._store_row(key, request, tier, self.config.chunk_tokens)
+            row = self._core.store_row(key, request, tier, self.config.chunk_tokens)
             published = True
         except CacheNetworkError as exc:
             # The tier warned when the store went down; one line per dropped save is noise.
@@ -399,7 +423,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
         if row is None:  # another writer had it reserved or published: fine if it is there now
             return key in self._index
         self._counters.record_save(request.reason)
-        self._enforce_quota(tier)
+        self._core.enforce_quota(tier)
         return True
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -411,7 +435,7 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
     # ------------------------------------------------------------------ removing
 
     def evict_bytes(self, n_bytes: int, tiers: Sequence[TierName] | None = None) -> EvictResult:
-        return self._retire(self._index.evict(n_bytes, tiers), count=True)
+        return self._core.retire(self._index.evict(n_bytes, tiers), count=True)
 
     def delete(self, key: bytes) -> bool:
         row = self._index.remove(key)
@@ -420,18 +444,69 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
             self._history.gone(
                 info.namespace, key, row.tokens, MissReason.EVICTED, info.tier, "deleted"
             )
-            self._retire([row])
+            self._core.retire([row])
             return True
         found = False
-        for tier in self._shared_tiers():
+        for tier in self._core.shared_tiers():
             stray = tier.probe(key)  # another process's row we never adopted
             if stray is not None:
-                self._retire([stray])
+                self._core.retire([stray])
                 found = True
         return found
 
+    def resize_tier(self, name: TierName, quota_bytes: int) -> None:
+        """Give the ram tier ``name`` a new quota and evict down to it now (the memory
+        budget)."""
+        self._core.resize_tier(name, quota_bytes)
+
     def rows(self, namespace: Namespace | None = None) -> list[RowInfo]:
         return self._index.rows(namespace)
+
+    # ------------------------------------------------------------------ counting
+
+    def record_miss(self) -> None:
+        self._core.record_miss()
+
+    def record_latency(self, name: str, seconds: float) -> None:
+        self._core.record_latency(name, seconds)
+
+    def counters(self) -> Mapping[str, float]:
+        return self._core.snapshot()
+
+    # ------------------------------------------------------------------ upkeep (upkeep.py,
+    # sharedgc.py)
+
+    def gc(self) -> EvictResult:
+        """Remove expired (TTL) rows and reap stale reservations now."""
+        return self._upkeep.gc()
+
+    def verify(self, *, repair: bool = False) -> VerifyReport:
+        return self._upkeep.verify(repair=repair)
+
+    def rescan(self) -> int:
+        """Adopt rows other processes published in shared tiers since we last looked."""
+        return self._upkeep.rescan()
+
+    def persist_hits(self) -> None:
+        """Write batched hit counts and last-used times to the tiers."""
+        self._upkeep.persist_hits()
+
+    def sweep(self) -> None:
+        """One sweeper pass (TTL, reservations, hits, rescans, the local chunk sweep)."""
+        self._upkeep.sweep()
+
+    def sweep_local(self, grace_s: float = DEFAULT_GRACE_S, *, force: bool = False) -> None:
+        """The chunk sweep of local directories other processes use (``sharedgc.py``)."""
+        self._sweep.sweep_local(grace_s, force=force)
+
+    def gc_shared(
+        self,
+        grace_s: float = DEFAULT_GRACE_S,
+        *,
+        now: float | None = None,
+        on_step: SweepStep | None = None,
+    ) -> list[SweepResult]:
+        return self._sweep.gc_shared(grace_s, now=now, on_step=on_step)
 
     # ------------------------------------------------------------------ lifetime
 
@@ -445,18 +520,22 @@ class Cache(CacheUpkeep, SharedTiers, SharedSweep, ChunkReads):
             self.pressure.stop()
         if self._sweeper is not None:
             self._sweeper.join(timeout_s)
-        self._stop_probe_pool()
+        self._shutdown_remote_pool()
         if not self._writer.close(timeout_s):
             log.warning("cache closed with saves still running")
         self._index.clear_all_in_flight()
         try:
-            self.persist_hits()
+            self._upkeep.persist_hits()
         finally:
             for tier in self._tiers.values():
                 try:
                     tier.close()
                 except Exception:
                     log.exception("%s: close failed", tier.name)
+
+    def _shutdown_remote_pool(self) -> None:
+        if self._remote_pool is not None:
+            self._remote_pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> Cache:
         return self

@@ -19,11 +19,11 @@ where each earlier turn ended (that turn's finish save).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kvwarm.alignment import align_down
 from kvwarm.cache.eviction.base import registered_policies
-from kvwarm.cache.tiers.registry import registered_tiers, tier_spec
+from kvwarm.cache.tiers.registry import check_name, registered_tiers, tier_spec, url_scheme
 from kvwarm.cache.types import CacheConfig, PolicyConfig, PressureConfig, TierConfig
 from kvwarm.errors import ConfigError
 
@@ -163,6 +163,13 @@ def validate_policy(policy: PolicyConfig) -> None:
 
 
 def validate_tier_config(tier: TierConfig) -> None:
+    if tier.url is not None:
+        check_name(tier.name)
+        url_scheme(tier.url)  # ConfigError for a scheme no store registered
+        _need_int(f"tier {tier.name}", "quota_bytes", tier.quota_bytes, minimum=0)
+        if tier.root is not None or tier.s3 is not None or tier.shared:
+            raise ConfigError(f"tier {tier.name}: a URL names the store; root/shared/s3 go")
+        return
     spec = tier_spec(tier.name)  # ConfigError for a name no tier registered
     _need_int(f"tier {tier.name}", "quota_bytes", tier.quota_bytes, minimum=0)
     if not spec.needs_root:
@@ -174,7 +181,7 @@ def validate_tier_config(tier: TierConfig) -> None:
         raise ConfigError(f"tier {tier.name}: only a file tier's directory can be marked shared")
 
 
-def validate_pressure_config(cfg: PressureConfig) -> None:
+def validate_pressure_config(cfg: PressureConfig, configured: Collection[str] = ()) -> None:
     obj = "pressure"
     if cfg.source not in ("noop", "system", "nvidia"):
         raise ConfigError(f"pressure.source must be noop, system or nvidia, got {cfg.source!r}")
@@ -192,7 +199,7 @@ def validate_pressure_config(cfg: PressureConfig) -> None:
     if not cfg.evict_tiers:
         raise ConfigError("pressure.evict_tiers is empty: the scheduler could evict nothing")
     for name in cfg.evict_tiers:
-        if name not in registered_tiers():
+        if name not in registered_tiers() and name not in configured:
             raise ConfigError(f"pressure.evict_tiers names unknown tier {name!r}")
 
 
@@ -229,4 +236,4 @@ def validate_cache_config(cfg: CacheConfig) -> None:
     if cfg.eviction not in registered_policies():
         known = ", ".join(registered_policies())
         raise ConfigError(f"cache.eviction {cfg.eviction!r} is unknown; expected one of {known}")
-    validate_pressure_config(cfg.pressure)
+    validate_pressure_config(cfg.pressure, seen)

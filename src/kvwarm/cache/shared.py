@@ -1,7 +1,8 @@
 """Shared tiers as the facade uses them: bounded prefix discovery and promotion of hits.
 
 A shared tier (capability ``shared``: s3, a directory other processes write) holds rows this
-process's index has not seen. Mixed into ``Cache`` (facade.py).
+process's index has not seen. A collaborator of ``Cache`` (facade.py), handed the
+``CacheCore``.
 
 Invariants:
 - Discovery is bounded: a prefix lookup probes at most ``CacheConfig.probe_max`` keys, only
@@ -29,7 +30,6 @@ from kvwarm.cache.core import CacheCore
 from kvwarm.cache.key import PrefixKeyer
 from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
 from kvwarm.cache.types import CacheConfig, Namespace, SaveRequest
-from kvwarm.cache.writer import WriterPool
 from kvwarm.errors import CacheError
 
 __all__ = ["SharedTiers"]
@@ -37,31 +37,23 @@ __all__ = ["SharedTiers"]
 log = logging.getLogger(__name__)
 
 
-class SharedTiers(CacheCore):
-    config: CacheConfig
-    _writer: WriterPool
-    _probe_pool: ThreadPoolExecutor | None
+class SharedTiers:
+    """Discovery in, and promotion from, the shared tiers of one cache. ``pool``: the cache's
+    remote I/O pool (None when no tier is remote), which runs a wave of probes at once."""
 
-    def _start_probe_pool(self) -> None:
-        """Probes of a remote tier run concurrently; local directories are probed inline
-        (a failed open costs microseconds, a thread hand-off more)."""
-        remote = any(not t.capabilities.local for t in self._shared_tiers())
-        self._probe_pool = None
-        if remote and self.config.probe_max > 0:
-            self._probe_pool = ThreadPoolExecutor(
-                max_workers=self.config.probe_parallel, thread_name_prefix="kvwarm-probe"
-            )
+    def __init__(
+        self, core: CacheCore, config: CacheConfig, pool: ThreadPoolExecutor | None
+    ) -> None:
+        self._core = core
+        self.config = config
+        self._probe_pool = pool
 
-    def _stop_probe_pool(self) -> None:
-        if self._probe_pool is not None:
-            self._probe_pool.shutdown(wait=True, cancel_futures=True)
-
-    def _discover(
+    def discover(
         self, namespace: Namespace, tokens: Sequence[int], lengths: Sequence[int], floor: int
     ) -> bool:
         """Probe shared tiers for rows of ``lengths`` longer than ``floor``; adopt what is
         found. True if a row was adopted."""
-        if not lengths or self.config.probe_max <= 0 or not self._shared_tiers():
+        if not lengths or self.config.probe_max <= 0 or not self._core.shared_tiers():
             return False
         wanted = sorted({n for n in lengths if floor < n <= len(tokens)}, reverse=True)
         wanted = wanted[: self.config.probe_max]
@@ -72,30 +64,31 @@ class SharedTiers(CacheCore):
         todo = [
             keys[n]
             for n in wanted
-            if keys[n] not in self._index and not self._index.in_flight(keys[n])
+            if keys[n] not in self._core.index and not self._core.index.in_flight(keys[n])
         ]
         step = self.config.probe_parallel
         for start in range(0, len(todo), step):
             wave = todo[start : start + step]
-            self._counters.incr("probe_rounds")
-            self._counters.incr("probes", len(wave))
+            self._core.counters.incr("probe_rounds")
+            self._core.counters.incr("probes", len(wave))
             pool = self._probe_pool
-            found = list(pool.map(self._probe, wave)) if pool else [self._probe(k) for k in wave]
+            probe = self._core.probe
+            found = list(pool.map(probe, wave)) if pool else [probe(k) for k in wave]
             if any(info is not None for info in found):
-                self._counters.incr("hits_shared")
+                self._core.counters.incr("hits_shared")
                 return True
         return False
 
     def _promote_target(self) -> Tier | None:
         name = self.config.promote_tier
         if name is not None:
-            return self._tiers.get(name)
-        for tier in self._tiers.values():
+            return self._core.tiers.get(name)
+        for tier in self._core.tiers.values():
             if tier.capabilities.local:
                 return tier
         return None
 
-    def _promote(
+    def promote(
         self, source: Tier, stored: StoredRow, data: RowBytes, parts: tuple[memoryview, ...]
     ) -> None:
         """Queue a copy of a row just read from ``source`` (not local) into the local tier.
@@ -105,7 +98,7 @@ class SharedTiers(CacheCore):
         target = self._promote_target()
         key = stored.info.key
         fields = data.fields
-        if target is None or fields is None or self._index.in_flight(key):
+        if target is None or fields is None or self._core.index.in_flight(key):
             return
         view = data.payload[:]
         split = None
@@ -138,7 +131,7 @@ class SharedTiers(CacheCore):
             split=split,
             chunk_lens=fields.chunk_lens if split is not None else (),
         )
-        self._index.mark_in_flight(key)
+        self._core.index.mark_in_flight(key)
 
         def job() -> bool:
             try:
@@ -146,30 +139,30 @@ class SharedTiers(CacheCore):
                 view.release()
                 return self._copy_to(target, source, stored, full)
             finally:
-                self._index.clear_in_flight(key)
+                self._core.index.clear_in_flight(key)
 
-        if not self._writer.submit(job):
+        if not self._core.writer.submit(job):
             view.release()
-            self._index.clear_in_flight(key)
-            self._counters.incr("promotions_dropped")
+            self._core.index.clear_in_flight(key)
+            self._core.counters.incr("promotions_dropped")
 
     def _copy_to(self, target: Tier, source: Tier, stored: StoredRow, request: SaveRequest) -> bool:
         key = stored.info.key
         # The shared copy stays in its store for the others; the index forgets it only if no
         # reader holds it (a reader's check-in must find the row it checked out).
-        removed = self._index.remove_unpinned(key, source.name)
+        removed = self._core.index.remove_unpinned(key, source.name)
         if removed is None:
             return False  # evicted or copied meanwhile, or being read: a later hit promotes
         row: StoredRow | None = None
         try:
-            row = self._store_row(key, request, target, 0, count_chunks=False)
+            row = self._core.store_row(key, request, target, 0, count_chunks=False)
         except CacheError as exc:
             log.warning("%s: promoting %s failed: %s", target.name, key.hex(), exc)
         finally:
-            if row is None and key not in self._index:
-                self._index.adopt(removed)
+            if row is None and key not in self._core.index:
+                self._core.index.adopt(removed)
         if row is None:
             return False
-        self._counters.incr("promotions")
-        self._enforce_quota(target)
+        self._core.counters.incr("promotions")
+        self._core.enforce_quota(target)
         return True

@@ -1,11 +1,11 @@
 """Mark-and-sweep of the chunks in shared tiers (``Cache.gc_shared``, ``kvwarm cache gc
---shared``, and every ``CHUNK_SWEEP_INTERVAL_S`` from the sweeper). Mixed into ``Cache``
-(facade.py), like ``upkeep.py``.
+--shared``, and every ``CHUNK_SWEEP_INTERVAL_S`` from the sweeper). A collaborator of
+``Cache`` (facade.py), handed the ``CacheCore``.
 
 Several processes or hosts publish into a tier that is not local (s3, a directory marked
 shared), or into a local directory another process has used since we opened it
 (``Cotenanted``); each knows only the rows it indexed, so none may delete a chunk because
-*its* rows stopped naming it (``core.py _retire`` only forgets them). Unreferenced chunks are
+*its* rows stopped naming it (``CacheCore.retire`` only forgets them). Unreferenced chunks are
 reclaimed here instead, from what the store itself holds.
 
 Invariants:
@@ -49,8 +49,12 @@ SweepStep = Callable[[str, TierName], None]
 CHUNK_SWEEP_INTERVAL_S = 600.0
 
 
-class SharedSweep(CacheCore):
-    _last_local_sweep: float | None = None
+class SharedSweep:
+    """The chunk sweeps of one cache: its own clock of the last local sweep."""
+
+    def __init__(self, core: CacheCore) -> None:
+        self._core = core
+        self._last_local_sweep: float | None = None
 
     def sweep_local(self, grace_s: float = DEFAULT_GRACE_S, *, force: bool = False) -> None:
         """Sweep the local tiers another process has used since we opened them, at most every
@@ -61,15 +65,15 @@ class SharedSweep(CacheCore):
         if not force and last is not None and now - last < CHUNK_SWEEP_INTERVAL_S:
             return
         self._last_local_sweep = now
-        for tier in self._tiers.values():
-            if not tier.capabilities.local or self._sole_user(tier):
+        for tier in self._core.tiers.values():
+            if not tier.capabilities.local or self._core.sole_user(tier):
                 continue
             if not isinstance(tier, ChunkAges):
                 continue
             try:
                 self._sweep_tier(tier, tier, grace_s, None, None)
             except CacheError as exc:
-                self._counters.incr("store_errors")
+                self._core.counters.incr("store_errors")
                 log.warning("%s: chunk sweep stopped: %s", tier.name, exc)
 
     def gc_shared(
@@ -86,16 +90,16 @@ class SharedSweep(CacheCore):
         if grace_s < 0:
             raise ValueError("grace_s must be >= 0")
         results = []
-        for tier in self._tiers.values():
-            if not tier.capabilities.shared or self._sole_user(tier):
-                continue  # its chunks are freed with their last row (``_retire``)
+        for tier in self._core.tiers.values():
+            if not tier.capabilities.shared or self._core.sole_user(tier):
+                continue  # its chunks are freed with their last row (``retire``)
             if not isinstance(tier, ChunkAges):
                 results.append(SweepResult(tier.name, refused="tier cannot list chunk ages"))
                 continue
             try:
                 results.append(self._sweep_tier(tier, tier, grace_s, now, on_step))
             except CacheError as exc:
-                self._counters.incr("store_errors")
+                self._core.counters.incr("store_errors")
                 log.warning("%s: chunk sweep stopped: %s", tier.name, exc)
                 results.append(SweepResult(tier.name, refused=str(exc)))
         return results
@@ -130,16 +134,16 @@ class SharedSweep(CacheCore):
         step("remarked", tier.name)
         deleted = freed = young = 0
         for key, size, mtime in listed:
-            if key in marked or self._index.chunk_in_use(tier.name, key):
+            if key in marked or self._core.index.chunk_in_use(tier.name, key):
                 continue
             if t_list - mtime < grace_s:
                 young += 1
                 continue
             tier.delete_chunk(key)
-            self._index.chunk_swept(tier.name, key)
+            self._core.index.chunk_swept(tier.name, key)
             deleted += 1
             freed += size
-        self._counters.incr("shared_chunks_swept", deleted)
+        self._core.counters.incr("shared_chunks_swept", deleted)
         log.info("%s: swept %d unreferenced chunks (%d bytes)", tier.name, deleted, freed)
         return SweepResult(tier.name, len(listed), len(seen), deleted, freed, young)
 
@@ -150,7 +154,7 @@ class SharedSweep(CacheCore):
         bad: set[bytes] = set()
         for key in keys:
             seen.add(key)
-            stored = self._index.stored_in(key, tier.name)  # manifests are immutable
+            stored = self._core.index.stored_in(key, tier.name)  # manifests are immutable
             if stored is None:
                 stored = tier.probe(key)
             if stored is None:

@@ -17,8 +17,20 @@ TierName = str
 # Cuts a KV blob into one payload per token range ``[bounds[i], bounds[i+1])`` (a backend's
 # ``kv_split``): how the cache turns a saved blob into chunks without knowing its layout.
 Splitter = Callable[[bytes | bytearray | memoryview, Sequence[int]], list[bytes]]
-# The built-in tiers (what the settings and the server know how to configure).
+# The built-in tier names (configurable without a URL). Not the set of tiers: any name may be
+# configured with a URL, so the server and the settings read the configured tiers instead.
 TIER_NAMES: tuple[TierName, ...] = ("ram", "ram_file", "disk", "s3")
+# The per-tier counters the cache reports, as ``tier_<name>_<series>`` (``Cache.counters``).
+TIER_SERIES: tuple[str, ...] = (
+    "bytes",
+    "logical_bytes",
+    "dedup_ratio",
+    "chunks",
+    "rows",
+    "quota_bytes",
+    "effective_quota_bytes",
+    "quota_capped_by_filesystem",
+)
 
 
 class SaveReason(enum.IntEnum):
@@ -92,16 +104,23 @@ class S3Config:
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
-    """One tier. ``root`` is required for file tiers and must be None for the others; ``s3``
-    for the ``s3`` tier. ``shared``: a file tier's directory is shared by several hosts (NFS,
-    CephFS): its bytes are not local (hits are promoted to a local tier) and its temp files
-    are reaped by age only (a writer's pid means nothing on another host)."""
+    """One tier: a name, a quota, and where its store is -- a ``url``, or for the built-in
+    names the options below. ``root`` is required for file tiers and must be None for the
+    others; ``s3`` for the ``s3`` tier. ``shared``: a file tier's directory is shared by
+    several hosts (NFS, CephFS): its bytes are not local (hits are promoted to a local tier)
+    and its temp files are reaped by age only (a writer's pid means nothing on another
+    host)."""
 
     name: TierName
     quota_bytes: int
     root: Path | None = None
     shared: bool = False
     s3: S3Config | None = None
+    # Where the tier's store is, by URL (``file:///path?shared=1``, ``s3://bucket/prefix/?
+    # endpoint=...``, ``ram://``, ``redis://host:port/db``): its scheme picks the store
+    # (``tiers.registry.register_scheme``), so a new store needs no field here. None: the
+    # store is picked by ``name`` and the fields above (the built-in spellings).
+    url: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

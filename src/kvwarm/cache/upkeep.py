@@ -1,5 +1,6 @@
 """The cache's upkeep: startup scan, TTL/reservation sweeps, rescans of shared tiers, hit
-persistence and verification. Mixed into ``Cache`` (facade.py).
+persistence and verification. A collaborator of ``Cache`` (facade.py), handed the
+``CacheCore`` and the chunk sweeps it runs on each pass.
 
 Invariants:
 
@@ -29,6 +30,7 @@ from kvwarm.cache.api import VerifyReport
 from kvwarm.cache.core import CacheCore
 from kvwarm.cache.index import Orphan
 from kvwarm.cache.protocols import SetsAside, StoredRow, Tier
+from kvwarm.cache.sharedgc import SharedSweep
 from kvwarm.cache.types import EvictResult
 from kvwarm.errors import CacheError, CacheFormatError, CacheKeyError
 
@@ -37,26 +39,32 @@ __all__ = ["CacheUpkeep"]
 log = logging.getLogger(__name__)
 
 
-class CacheUpkeep(CacheCore):
-    _scan_problems: list[tuple[str, str]]
-    _stop: threading.Event
-    _sweep_interval_s: float
-    _forgotten: set[bytes]  # remote shared rows our TTL forgot: left to discovery
+class CacheUpkeep:
+    """Scans, sweeps, verification and hit persistence of one cache. ``sweep``: the chunk
+    sweeps it runs on each pass (``sharedgc.SharedSweep``); ``stop`` ends ``sweep_loop``."""
 
-    def _init_upkeep(self, sweep_interval_s: float) -> None:
+    def __init__(
+        self,
+        core: CacheCore,
+        sweep: SharedSweep,
+        *,
+        sweep_interval_s: float,
+        stop: threading.Event,
+    ) -> None:
+        self._core = core
+        self._sweeper = sweep
         self._sweep_interval_s = sweep_interval_s
-        self._scan_problems = []
-        self._forgotten = set()
-        self._warned_unreadable = set()
+        self._stop = stop
+        self._scan_problems: list[tuple[str, str]] = []
 
-    def _scan(self, tier: Tier) -> None:
+    def scan(self, tier: Tier) -> None:
         """Adopt every valid row a tier already holds; one bad file never stops the scan."""
         adopted = 0
         try:
             # Chunks first, so the rows naming them find them stored; those no row names are
             # orphans of an interrupted save, adopted unreferenced (evicted first).
             for chunk_key, size in tier.scan_chunks():
-                self._index.chunk_stored(tier.name, chunk_key, size)
+                self._core.index.chunk_stored(tier.name, chunk_key, size)
             for row in tier.scan():
                 try:
                     adopted += self._adopt_scanned(tier, row)
@@ -64,7 +72,7 @@ class CacheUpkeep(CacheCore):
                     log.warning("%s: skipping %s: %s", tier.name, row.info.key.hex(), exc)
                     self._scan_problems.append((row.location or row.info.key.hex(), str(exc)))
         except CacheError as exc:  # e.g. an s3 store down at start: its rows come by probing
-            self._counters.incr("store_errors")
+            self._core.counters.incr("store_errors")
             log.warning("%s: scan stopped early: %s", tier.name, exc)
         except Exception:
             log.exception("%s: scan stopped early", tier.name)
@@ -77,7 +85,7 @@ class CacheUpkeep(CacheCore):
         (set aside instead, in a tier that sets aside). A chunk not seen by the chunk scan
         but on disk now (another process's save since) is counted stored, not missing."""
         if row.chunks and isinstance(tier, SetsAside) and tier.capabilities.local:
-            sizes = self._index.chunk_sizes(tier.name, row.chunks)
+            sizes = self._core.index.chunk_sizes(tier.name, row.chunks)
             gone = []
             for chunk, size in zip(row.chunks, sizes, strict=True):
                 if size is not None:
@@ -86,44 +94,44 @@ class CacheUpkeep(CacheCore):
                 if found is None:
                     gone.append(chunk)
                 else:
-                    self._index.chunk_stored(tier.name, chunk, found)
+                    self._core.index.chunk_stored(tier.name, chunk, found)
             if gone:
                 why = f"names {len(gone)} chunk(s) missing or damaged, first {gone[0].hex()}"
                 if tier.set_aside_row(row.info.key, why):
                     return False
-        return self._index.adopt(row)
+        return self._core.index.adopt(row)
 
     def gc(self) -> EvictResult:
-        _, orphans = self._index.reap_reservations()
+        _, orphans = self._core.index.reap_reservations()
         for orphan in orphans:
             self._adopt_orphan(orphan)
-        remote = [n for n, t in self._tiers.items() if not t.capabilities.local]
-        expired = self._index.expire(forget_only=remote)
+        remote = [n for n, t in self._core.tiers.items() if not t.capabilities.local]
+        expired = self._core.index.expire(forget_only=remote)
         # A remote shared tier (s3, a multi-host directory) serves other processes too: our
         # idle timer only makes us forget its rows (discovery finds them again); deleting
         # them is left to the quota's eviction and to the store's own lifecycle rules.
         mine: list[StoredRow] = []
         for row in expired:
-            if self._tiers[row.info.tier].capabilities.local:
+            if self._core.tiers[row.info.tier].capabilities.local:
                 mine.append(row)
             else:
-                self._forgotten.add(row.info.key)
-        return self._retire(mine, count=True)
+                self._core.forgotten.add(row.info.key)
+        return self._core.retire(mine, count=True)
 
     def _adopt_orphan(self, orphan: Orphan) -> None:
         """Stage-2 reap: the writer linked its file and vanished. Keep the bytes if they parse."""
-        tier = self._tiers.get(orphan.tier)
+        tier = self._core.tiers.get(orphan.tier)
         if tier is None:
             return
         try:
             row = tier.probe(orphan.key)
         except CacheError as exc:  # an unreachable store: its orphan waits for the next sweep
-            self._counters.incr("store_errors")
+            self._core.counters.incr("store_errors")
             log.info("%s: cannot look at orphan %s: %s", tier.name, orphan.location, exc)
             return
-        if row is not None and self._adopt(tier, row):
+        if row is not None and self._core.adopt(tier, row):
             log.info("%s: adopted orphaned row %s", tier.name, orphan.key.hex())
-        elif row is None and orphan.key not in self._index:
+        elif row is None and orphan.key not in self._core.index:
             try:
                 tier.delete(orphan.key)  # unparseable and unannounced: nobody can use it
             except CacheError as exc:
@@ -133,14 +141,14 @@ class CacheUpkeep(CacheCore):
         checked = len(self._scan_problems)
         bad = list(self._scan_problems)
         good_chunks: set[tuple[str, bytes]] = set()  # a chunk many rows share is read once
-        for info in self._index.rows():
-            leased = self._index.lease(info.key, touch=False)
+        for info in self._core.index.rows():
+            leased = self._core.index.lease(info.key, touch=False)
             if leased is None:
                 continue  # removed meanwhile
             stored, gen = leased
             try:
                 checked += 1
-                tier = self._tiers[info.tier]
+                tier = self._core.tiers[info.tier]
                 data = tier.load(stored)
                 if data.tokens != stored.tokens:
                     raise CacheFormatError("tokens differ from the index")
@@ -151,11 +159,12 @@ class CacheUpkeep(CacheCore):
             except (CacheFormatError, CacheKeyError) as exc:
                 bad.append((stored.location or info.key.hex(), str(exc)))
                 if repair:
-                    self._retire([r for r in (self._index.remove(info.key),) if r is not None])
+                    gone = self._core.index.remove(info.key)
+                    self._core.retire([gone] if gone is not None else [])
             finally:
-                self._index.checkin(info.key, gen)
+                self._core.index.checkin(info.key, gen)
         rows = chunks = 0
-        for tier in self._tiers.values():
+        for tier in self._core.tiers.values():
             if isinstance(tier, SetsAside):
                 tier_rows, tier_chunks = tier.quarantined()
                 rows, chunks = rows + tier_rows, chunks + tier_chunks
@@ -166,30 +175,31 @@ class CacheUpkeep(CacheCore):
         Cheap: lists keys and reads only rows whose key the index does not know."""
         adopted = 0
         listed: set[bytes] | None = set()
-        for tier in self._shared_tiers():
+        for tier in self._core.shared_tiers():
             try:
                 for key in tier.stored_keys():
                     if listed is not None:
                         listed.add(key)
-                    if key in self._index or self._index.in_flight(key) or key in self._forgotten:
+                    index = self._core.index
+                    if key in index or index.in_flight(key) or key in self._core.forgotten:
                         continue
                     row = tier.probe(key)
-                    if row is not None and self._adopt(tier, row):
+                    if row is not None and self._core.adopt(tier, row):
                         adopted += 1
             except CacheError as exc:  # e.g. the s3 store is down: try again next sweep
-                self._counters.incr("store_errors")
+                self._core.counters.incr("store_errors")
                 log.info("%s: rescan stopped: %s", tier.name, exc)
                 listed = None  # a partial listing: keep every forgotten key
         if listed is not None:
-            self._forgotten.intersection_update(listed)  # deleted meanwhile: no need to keep
+            self._core.forgotten.intersection_update(listed)  # deleted meanwhile: no need to keep
         return adopted
 
     def persist_hits(self) -> None:
         """Write batched hit counts / last-used times to the tiers (the eviction order survives
         restarts)."""
-        for row in self._index.take_dirty_hits():
+        for row in self._core.index.take_dirty_hits():
             try:
-                self._tiers[row.info.tier].record_hit(row, row.info.hits, row.info.last_used)
+                self._core.tiers[row.info.tier].record_hit(row, row.info.hits, row.info.last_used)
             except CacheError as exc:
                 log.info("%s: cannot record hit: %s", row.info.tier, exc)
 
@@ -199,9 +209,9 @@ class CacheUpkeep(CacheCore):
         self.gc()
         self.persist_hits()
         self.rescan()
-        self.sweep_local()
+        self._sweeper.sweep_local()
 
-    def _sweep_loop(self) -> None:
+    def sweep_loop(self) -> None:
         while not self._stop.wait(self._sweep_interval_s):
             try:
                 self.sweep()

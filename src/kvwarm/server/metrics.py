@@ -28,13 +28,19 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from kvwarm.cache.types import TIER_NAMES
+from kvwarm.cache.types import TIER_SERIES
 from kvwarm.engine.types import ModelStatus
 from kvwarm.server.budget import MemoryPlan
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _BAD_NAME = re.compile(r"[^a-zA-Z0-9_]")
-_TIER_KEY = re.compile(r"^tier_(" + "|".join(TIER_NAMES) + r")_(.+)$")
+# tier_<any tier name>_<series>: the name is whatever was configured (the shortest that leaves
+# a known series, so ram_file_bytes is tier ram_file, series bytes).
+_TIER_KEY = re.compile(
+    r"^tier_([A-Za-z0-9_]+?)_("
+    + "|".join(sorted(map(re.escape, TIER_SERIES), key=len, reverse=True))
+    + r")$"
+)
 # Cache counters that are levels, not running totals (tier_* levels are matched separately).
 _GAUGES = frozenset({"rows", "reservations", "inflight", "in_flight", "queued", "writer_queued"})
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -198,7 +198,8 @@ class PrewarmRequest(_Body):
 
 class EvictRequest(_Body):
     bytes: int = Field(ge=0)
-    tiers: list[Literal["ram", "ram_file", "disk", "s3"]] | None = None
+    # Tier names as configured (any store may be configured by URL under any name).
+    tiers: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_]{1,64}$")]] | None = None
 
 
 def json_body(model: type[BaseModel], *, streams: bool = False) -> dict[str, Any]:

@@ -173,6 +173,12 @@ class Settings(ModelSettings, ServingSettings):
     s3_max_attempts: Int = Field(
         default=2, description="s3 attempts per request, the first included"
     )
+    # Any store by URL, after the tiers above: NAME=URL, the quota as the URL's quota=SIZE.
+    tiers: StrTuple = Field(
+        default=(),
+        description="more tiers, each NAME=URL with ?quota=SIZE, e.g. "
+        "shared=redis://10.0.0.5:6379/0?quota=8G (file://, s3://, ram://, redis://)",
+    )
     save_tier: OptTier = Field(
         default=None,
         description="tier new rows are written to (default: s3 if a bucket is set, else disk "

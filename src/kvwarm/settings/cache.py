@@ -2,13 +2,16 @@
 
 Invariant: ``Settings`` declares the cache settings (``settings/__init__.py``); only this
 module turns them into ``TierConfig``s, so the tier order (fastest first: ram, ram_file,
-disk, then the shared s3 tier, asked last) and the rules binding them live in one place. See
-docs/architecture.md ("The cache", "Shared tiers").
+disk, then the shared s3 tier, then the ``tiers`` given by URL, in their order) and the rules
+binding them live in one place. A store configured by URL needs no setting of its own: its
+scheme picks it (``cache/tiers/registry.py``). See docs/architecture.md ("The cache",
+"Shared tiers").
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvwarm.cache.types import CacheConfig, S3Config, TierConfig, TierName
 from kvwarm.errors import ConfigError
@@ -16,7 +19,7 @@ from kvwarm.errors import ConfigError
 if TYPE_CHECKING:
     from kvwarm.settings import Settings
 
-__all__ = ["cache_config", "check", "s3_config", "save_tier"]
+__all__ = ["cache_config", "check", "s3_config", "save_tier", "url_tier"]
 
 
 def save_tier(s: Settings) -> TierName:
@@ -52,12 +55,33 @@ def cache_config(s: Settings) -> CacheConfig:
     s3 = s3_config(s)
     if s3 is not None:
         tiers.append(TierConfig("s3", s.s3_quota_bytes, s3=s3))
+    tiers.extend(url_tier(spec) for spec in s.tiers)
     return CacheConfig(
         tiers=tuple(tiers),
         store_prompt_text=s.store_prompt_text,
         eviction=s.cache_eviction,
         chunk_tokens=s.cache_chunk_tokens,
     )
+
+
+def url_tier(spec: str) -> TierConfig:
+    """``NAME=URL`` (the quota as the URL's ``quota=SIZE``, 1G if absent) as a
+    ``TierConfig``; ``ConfigError`` if it is not that shape."""
+    from kvwarm.settings.types import as_size
+
+    name, sep, url = spec.partition("=")
+    name, url = name.strip(), url.strip()
+    if not sep or not name or "://" not in url:
+        raise ConfigError(f"a tier is NAME=URL (e.g. shared=redis://host:6379/0), got {spec!r}")
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query)
+    quota = [v for k, v in query if k == "quota"]
+    try:
+        quota_bytes = as_size(quota[-1]) if quota else 1 << 30
+    except ValueError as exc:
+        raise ConfigError(f"tier {name}: quota: {exc}") from None
+    rest = urlencode([(k, v) for k, v in query if k != "quota"])
+    return TierConfig(name, quota_bytes, url=urlunsplit(parts._replace(query=rest)))
 
 
 def check(s: Settings) -> None:
@@ -76,6 +100,9 @@ def check(s: Settings) -> None:
         raise ConfigError("save_tier is ram_file but no shm_dir is set")
     if tier == "s3" and s.s3_bucket is None:
         raise ConfigError("save_tier is s3 but no s3_bucket is set")
+    names = [t.name for t in cache_config(s).tiers]
+    if tier not in names:
+        raise ConfigError(f"save_tier {tier} is not a configured tier ({', '.join(names)})")
     if s.s3_bucket is None:
         return
     if not s.s3_bucket.strip():

@@ -8,7 +8,8 @@ Invariants:
   at worst chunks no manifest names (orphans), which the startup scan adopts with no
   references, evictable first.
 - Chunks are content-addressed and immutable: ``EEXIST`` on link keeps the existing chunk if
-  its head is valid for the key (identical bytes by construction), else replaces it.
+  its head is valid for the key (identical bytes by construction), else replaces it (the
+  rule every tier follows, ``common.commit_chunk``).
 - Temp names follow ``layout.tmp_name`` (token 0), so the directory scan reaps interrupted
   ones exactly like a row's.
 - ``load`` verifies the head, the key replay and the payload CRC32C (``chunkfmt.parse``); the
@@ -28,9 +29,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvwarm.cache import chunkfmt
+from kvwarm.cache.tiers.common import commit_chunk
 from kvwarm.cache.tiers.filescan import set_aside
 from kvwarm.cache.tiers.fsutil import open_regular, read_file, unlink_quiet
-from kvwarm.cache.tiers.layout import tmp_name
+from kvwarm.cache.tiers.layout import CHUNK_SUFFIX, chunk_key_of, chunk_name, tmp_name
 from kvwarm.cache.types import TierName
 from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError
 
@@ -38,21 +40,8 @@ __all__ = ["CHUNK_STEPS", "CHUNK_SUFFIX", "ChunkFiles", "chunk_key_of", "chunk_n
 
 log = logging.getLogger(__name__)
 
-CHUNK_SUFFIX = ".kvk"
 CHUNK_STEPS: tuple[str, ...] = ("chunk_tmp_synced", "chunk_linked", "chunk_dir_synced")
-_HEX = frozenset("0123456789abcdef")
 _HEAD_READ = 1 << 16  # a chunk head is ~140 B + 4 B a token: 16k tokens fit
-
-
-def chunk_name(key: bytes) -> str:
-    return key.hex() + CHUNK_SUFFIX
-
-
-def chunk_key_of(name: str) -> bytes | None:
-    stem = name[: -len(CHUNK_SUFFIX)]
-    if not name.endswith(CHUNK_SUFFIX) or len(stem) != 64 or not _HEX.issuperset(stem):
-        return None
-    return bytes.fromhex(stem)
 
 
 class ChunkFiles:
@@ -97,7 +86,13 @@ class ChunkFiles:
             finally:
                 os.close(fd)
             self._step("chunk_tmp_synced")
-            self._link(dir_fd, tmp, final, key)
+            commit_chunk(
+                self._tier,
+                key,
+                lambda: _link(dir_fd, tmp, final),
+                lambda: self._head(dir_fd, final) is not None,
+                lambda: unlink_quiet(dir_fd, final),
+            )
             self._step("chunk_linked")
             unlink_quiet(dir_fd, tmp)
             os.fsync(dir_fd)
@@ -107,22 +102,12 @@ class ChunkFiles:
             raise CacheIOError(
                 f"{self._tier}: saving chunk {key.hex()} failed: {exc}", errno=exc.errno
             ) from exc
+        except BaseException:
+            unlink_quiet(dir_fd, tmp)
+            raise
         finally:
             self._done(tmp)
         return size
-
-    def _link(self, dir_fd: int, tmp: str, final: str, key: bytes) -> None:
-        for _ in range(3):
-            try:
-                os.link(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-                return
-            except FileExistsError:
-                pass
-            if self._head(dir_fd, final) is not None:
-                return  # the same content, already there
-            log.warning("%s: replacing invalid chunk %s", self._tier, final)
-            unlink_quiet(dir_fd, final)
-        raise FileExistsError(17, "chunk link target keeps reappearing invalid", final)
 
     def _head(self, dir_fd: int, name: str) -> chunkfmt.ChunkHead | None:
         """The valid head of chunk file ``name`` (payload not read), else None."""
@@ -197,6 +182,15 @@ class ChunkFiles:
         """The size of chunk ``key``'s file if its head is valid (payload not read)."""
         head = self._head(dir_fd, chunk_name(key))
         return None if head is None else head.payload_offset + head.payload_length
+
+
+def _link(dir_fd: int, tmp: str, final: str) -> bool:
+    """link(2) ``tmp`` to ``final``, no link followed; False if ``final`` exists."""
+    try:
+        os.link(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except FileExistsError:
+        return False
+    return True
 
 
 def _read_exact(dir_fd: int, name: str, into: memoryview) -> memoryview | None:

@@ -37,7 +37,7 @@ from kvwarm.cache.tiers.filescan import DirScan
 from kvwarm.cache.tiers.fsutil import open_private_dir, open_regular, read_file
 from kvwarm.cache.tiers.layout import QUARANTINE, ROW_SUFFIX, key_of, name_for, row_from_file
 from kvwarm.cache.tiers.publish import PUBLISH_STEPS, Publisher, StepHook
-from kvwarm.cache.tiers.registry import tier_spec
+from kvwarm.cache.tiers.registry import registered_tiers, tier_spec
 from kvwarm.cache.types import SaveRequest, TierName
 from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError, ConfigError
 
@@ -72,7 +72,7 @@ class FileTier:
         on_step: StepHook | None = None,
         shared_dir: bool = False,
     ) -> None:
-        if not tier_spec(name).needs_root:
+        if name in registered_tiers() and not tier_spec(name).needs_root:
             raise ConfigError(f"tier {name!r} is not a file tier (it takes no root directory)")
         if quota_bytes < 0:
             raise ConfigError("file tier quota must be >= 0")

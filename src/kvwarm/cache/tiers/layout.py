@@ -1,4 +1,6 @@
-"""Where a row lives in a file tier's directory, and how it is read back by name.
+"""Where a row lives in a file tier's directory, and how it is read back by name; the names
+of rows (``<hex key>.kvc``) and chunks (``<hex key>.kvk``) every tier uses, object stores
+included (``objects.py``).
 
 Invariants:
 
@@ -24,9 +26,12 @@ from kvwarm.cache.types import TierName
 from kvwarm.errors import CacheFormatError
 
 __all__ = [
+    "CHUNK_SUFFIX",
     "QUARANTINE",
     "ROW_SUFFIX",
     "TMP_SUFFIX",
+    "chunk_key_of",
+    "chunk_name",
     "key_of",
     "name_for",
     "row_from_file",
@@ -35,6 +40,7 @@ __all__ = [
 ]
 
 ROW_SUFFIX = ".kvc"
+CHUNK_SUFFIX = ".kvk"
 TMP_SUFFIX = ".tmp"
 QUARANTINE = "quarantine"  # subdirectory invalid files are moved to
 _HEX = frozenset("0123456789abcdef")
@@ -49,6 +55,18 @@ def key_of(name: str) -> bytes | None:
     """The key a row file name stands for; None if ``name`` is not a row file name."""
     stem = name[: -len(ROW_SUFFIX)]
     if not name.endswith(ROW_SUFFIX) or len(stem) != 64 or not _HEX.issuperset(stem):
+        return None
+    return bytes.fromhex(stem)
+
+
+def chunk_name(key: bytes) -> str:
+    return key.hex() + CHUNK_SUFFIX
+
+
+def chunk_key_of(name: str) -> bytes | None:
+    """The key a chunk object name stands for; None if ``name`` is not a chunk name."""
+    stem = name[: -len(CHUNK_SUFFIX)]
+    if not name.endswith(CHUNK_SUFFIX) or len(stem) != 64 or not _HEX.issuperset(stem):
         return None
     return bytes.fromhex(stem)
 

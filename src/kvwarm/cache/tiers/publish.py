@@ -1,4 +1,5 @@
-"""The crash-safe publish protocol of the file tiers (erllama's five stages), step by step.
+"""The file tiers' side of the crash-safe publish protocol (``common.publish_row`` runs the
+five stages for every tier; here is how a file tier stages and commits a row), step by step.
 
 Invariants:
 
@@ -23,13 +24,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvwarm.cache import kvc
 from kvwarm.cache.protocols import ReservationBook, StoredRow
-from kvwarm.cache.tiers.common import check_request, row_info
+from kvwarm.cache.tiers.common import StepHook, publish_row, row_info
 from kvwarm.cache.tiers.fsutil import read_file, read_meta, unlink_quiet
 from kvwarm.cache.tiers.layout import name_for, tmp_name
 from kvwarm.cache.types import SaveRequest, TierName
@@ -54,12 +55,6 @@ PUBLISH_STEPS: tuple[str, ...] = (
     "published",
 )
 
-# Called after each publish step with its name. Exists for fault-injection tests (kill -9 at
-# every step); None in production.
-StepHook = Callable[[str], None]
-
-_LINK_ATTEMPTS = 3
-
 
 @dataclass(slots=True)
 class _Attempt:
@@ -70,6 +65,71 @@ class _Attempt:
     final: str
     tmp: str
     linked_ours: bool = False
+    fields: kvc.KvcFields | None = None
+    prefix_len: int = 0  # the row file's metadata prefix, before its payload
+
+
+class _FileStaged:
+    """Stage: the durable temp file (steps 2-3). Link: link(2) with no-follow; a name taken
+    by a valid file of the key is adopted (read in full, CRC checked), junk is unlinked
+    (``common.publish_row`` decides). Settle: drop the temp name, fsync the directory (step
+    4). Undo: remove our temp file and, if the link was ours, the final name."""
+
+    def __init__(
+        self, publisher: Publisher, dir_fd: int, att: _Attempt, request: SaveRequest
+    ) -> None:
+        self._p = publisher
+        self._dir = dir_fd
+        self.att = att
+        self._request = request
+
+    def write(self) -> None:
+        att, request = self.att, self._request
+        att.fields = kvc.fields_from_request(request, now=time.time())
+        prefix = kvc.build_prefix(att.fields, request.payload)
+        att.prefix_len = len(prefix)
+        try:
+            self._p._write_tmp(self._dir, att.tmp, (prefix, request.payload))
+        except BaseException:
+            unlink_quiet(self._dir, att.tmp)
+            raise
+
+    def link(self) -> bool:
+        att = self.att
+        try:
+            d = self._dir
+            os.link(att.tmp, att.final, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        att.linked_ours = True
+        return True
+
+    def existing(self) -> StoredRow | None:
+        meta = self._p._read_valid(self._dir, self.att.final, self.att.key)
+        if meta is None:
+            return None
+        info = row_info(
+            self.att.key,
+            self._p._tier,
+            meta.fields,
+            meta.payload_length,
+            stored_bytes=meta.payload_offset + meta.payload_length,
+        )
+        location = str(self._p._root / self.att.final)
+        fields = meta.fields
+        return StoredRow(info, fields.tokens, location, fields.chunks, fields.chunk_lens)
+
+    def clear(self) -> None:
+        unlink_quiet(self._dir, self.att.final)
+
+    def settle(self, adopted: StoredRow | None) -> StoredRow:
+        return self._p._settle(self._dir, self.att, self._request, adopted)
+
+    def undo(self) -> None:
+        self._p._undo(self._dir, self.att)
+
+    def lost(self) -> None:
+        """The file stays for the index (which may have adopted it) or the scan to decide."""
 
 
 class Publisher:
@@ -103,89 +163,52 @@ class Publisher:
     def store(
         self, dir_fd: int, key: bytes, request: SaveRequest, book: ReservationBook
     ) -> StoredRow | None:
-        """The whole protocol; see ``Tier.store`` for the contract."""
-        check_request(key, request)
-        token = book.reserve(key, self._tier)
-        if token is None:
-            return None
-        self._step("reserved")
-        final = name_for(key)
-        att = _Attempt(key, token, final, tmp_name(final, token))
+        """The whole protocol (``common.publish_row``) over a temp file and link(2); see
+        ``Tier.store`` for the contract."""
+        staged: list[_FileStaged] = []
+
+        def stage(token: int) -> _FileStaged:
+            final = name_for(key)
+            att = _Attempt(key, token, final, tmp_name(final, token))
+            staged.append(_FileStaged(self, dir_fd, att, request))
+            staged[-1].write()
+            return staged[-1]
+
         try:
-            row = self._write_and_link(dir_fd, att, request, book)
+            return publish_row(self._tier, key, request, book, stage, self._on_step)
         except OSError as exc:
-            self._fail(dir_fd, att, book)
             raise CacheIOError(
                 f"{self._tier}: saving {key.hex()} failed: {exc}", errno=exc.errno
             ) from exc
-        except BaseException:
-            self._fail(dir_fd, att, book)
-            raise
         finally:
-            with self._lock:
-                self._writing.discard(att.tmp)
-        if row is None:
-            return None
-        if not book.publish(key, token, row):
-            # The reservation was reaped (and may have adopted our file) or the key deleted;
-            # the file stays for the index/scan to decide, but we must not announce it.
-            log.debug("reservation for %s lost at publish", key.hex())
-            return None
-        self._step("published")
-        return row
+            for one in staged:
+                self.end_writing(one.att.tmp)
 
-    def _write_and_link(
-        self, dir_fd: int, att: _Attempt, request: SaveRequest, book: ReservationBook
-    ) -> StoredRow | None:
-        """Steps 2 to 4: the durable temp file, the check, the link. None if the reservation
-        was lost before the link (abandoned here, nothing left behind)."""
-        fields = kvc.fields_from_request(request, now=time.time())
-        prefix = kvc.build_prefix(fields, request.payload)
-        self._write_tmp(dir_fd, att.tmp, (prefix, request.payload))
-        if not book.check(att.key, att.token):
-            log.debug("reservation for %s lost before link; abandoning", att.key.hex())
-            unlink_quiet(dir_fd, att.tmp)
-            book.abandon(att.key, att.token)
-            return None
-        self._step("checked")
-        adopted = self._link(dir_fd, att.tmp, att.final, att.key)
-        att.linked_ours = adopted is None
-        self._step("linked" if att.linked_ours else "adopted")
+    def _settle(
+        self, dir_fd: int, att: _Attempt, request: SaveRequest, adopted: StoredRow | None
+    ) -> StoredRow:
+        """After the link (or the adoption of a valid file already there): the temp name
+        dropped and the directory made durable."""
+        self._step("linked" if adopted is None else "adopted")
         # The data is reachable through the final name now; dropping the temp name before
         # the directory fsync lets one fsync make both name changes durable.
         unlink_quiet(dir_fd, att.tmp)
         self._step("tmp_unlinked")
         os.fsync(dir_fd)
         self._step("dir_synced")
+        if adopted is not None:
+            return adopted
+        assert att.fields is not None
         location = str(self._root / att.final)
-        if adopted is None:
-            n = memoryview(request.payload).nbytes
-            info = row_info(att.key, self._tier, fields, n, stored_bytes=len(prefix) + n)
-            row = StoredRow(info, request.tokens, location, request.chunk_keys, request.chunk_lens)
-        else:
-            info = row_info(
-                att.key,
-                self._tier,
-                adopted.fields,
-                adopted.payload_length,
-                stored_bytes=adopted.payload_offset + adopted.payload_length,
-            )
-            row = StoredRow(
-                info,
-                adopted.fields.tokens,
-                location,
-                adopted.fields.chunks,
-                adopted.fields.chunk_lens,
-            )
-        book.mark_linked(att.key, att.token, location)
-        self._step("marked_linked")
-        return row
+        n = memoryview(request.payload).nbytes
+        info = row_info(att.key, self._tier, att.fields, n, stored_bytes=att.prefix_len + n)
+        return StoredRow(info, request.tokens, location, request.chunk_keys, request.chunk_lens)
 
-    def _fail(self, dir_fd: int, att: _Attempt, book: ReservationBook) -> None:
+    def _undo(self, dir_fd: int, att: _Attempt) -> None:
         unlink_quiet(dir_fd, att.tmp)
         if att.linked_ours:
             unlink_quiet(dir_fd, att.final)  # linked but not durably: never leave it visible
-        book.abandon(att.key, att.token)
+            att.linked_ours = False
 
     def _write_tmp(self, dir_fd: int, tmp: str, parts: Sequence[kvc.Buffer]) -> None:
         with self._lock:
@@ -202,22 +225,6 @@ class Publisher:
             self._step("tmp_synced")
         finally:
             os.close(fd)
-
-    def _link(self, dir_fd: int, tmp: str, final: str, key: bytes) -> kvc.KvcMeta | None:
-        """Link ``tmp`` to ``final``. None if we created it; the existing file's metadata if
-        one valid for ``key`` was there (adopt). Junk in the way is replaced."""
-        for _ in range(_LINK_ATTEMPTS):
-            try:
-                os.link(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-                return None
-            except FileExistsError:
-                pass
-            existing = self._read_valid(dir_fd, final, key)
-            if existing is not None:
-                return existing
-            log.warning("%s: replacing invalid file %s", self._tier, final)
-            unlink_quiet(dir_fd, final)
-        raise FileExistsError(17, "link target keeps reappearing invalid", final)
 
     def _read_valid(self, dir_fd: int, name: str, key: bytes) -> kvc.KvcMeta | None:
         try:

@@ -1,8 +1,8 @@
 """The ``ram`` tier: rows held as in-process bytes.
 
 Invariant: a row is visible to ``load``/``probe`` only between a successful ``book.check`` and
-the end of ``store``, and stays only if ``book.publish`` accepted it -- the same reserve/check/
-publish steps as the file tiers, so the index sees uniform semantics. Payloads are kept as
+the end of ``store``, and stays only if ``book.publish`` accepted it -- the publish protocol
+every tier runs (``common.publish_row``), so the index sees uniform semantics. Payloads are kept as
 handed over (no copy) and loaded as zero-copy views. There is no CRC here: the bytes never
 leave process memory, so nothing outside the process can damage them.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from kvwarm.cache.kvc import KvcFields
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
-from kvwarm.cache.tiers.common import check_request, row_info
+from kvwarm.cache.tiers.common import publish_row, row_info
 from kvwarm.cache.types import SaveRequest, TierName
 from kvwarm.errors import CacheKeyError, ConfigError
 
@@ -31,6 +31,35 @@ class _Entry:
     row: StoredRow
     payload: bytes
     logits: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """A row held aside until commit: visible only between ``book.check`` and the end of the
+    publish, and kept only if ``book.publish`` accepted it."""
+
+    tier: RamTier
+    key: bytes
+    entry: _Entry
+
+    def link(self) -> bool:
+        self.tier._put(self.key, self.entry)  # the reservation makes the key ours
+        return True
+
+    def existing(self) -> StoredRow | None:
+        return None  # never asked: ``link`` never finds the name taken
+
+    def clear(self) -> None:
+        pass
+
+    def settle(self, adopted: StoredRow | None) -> StoredRow:
+        return self.entry.row
+
+    def undo(self) -> None:
+        self.tier._drop(self.key, self.entry)
+
+    def lost(self) -> None:
+        self.tier._drop(self.key, self.entry)
 
 
 class RamTier:
@@ -64,43 +93,30 @@ class RamTier:
         return _CAPABILITIES
 
     def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
-        check_request(key, request)
-        token = book.reserve(key, self._name)
-        if token is None:
-            return None
-        entry: _Entry | None = None
-        try:
-            if not book.check(key, token):
-                book.abandon(key, token)
-                return None
-            now = time.time()
-            fields = KvcFields(
-                namespace=request.namespace,
-                tokens=request.tokens,
-                reason=request.reason,
-                created=int(now),
-                last_used=int(now),
-                ttl_class=request.ttl_class,
-                logits=request.logits,
-                canonical_tokens=request.canonical_tokens,
-                chunk_lens=request.chunk_lens,
-                chunks=request.chunk_keys,
-            )
-            size = memoryview(request.payload).nbytes
-            info = row_info(key, self._name, fields, size, created=now, last_used=now)
-            stored = StoredRow(info, request.tokens, None, request.chunk_keys, request.chunk_lens)
-            entry = _Entry(stored, request.payload, request.logits)
-            with self._lock:
-                self._rows[key] = entry
-            if book.publish(key, token, entry.row):
-                return entry.row
-            self._drop(key, entry)
-            return None
-        except BaseException:
-            if entry is not None:
-                self._drop(key, entry)
-            book.abandon(key, token)
-            raise
+        return publish_row(self._name, key, request, book, lambda _: self._stage(key, request))
+
+    def _stage(self, key: bytes, request: SaveRequest) -> _Staged:
+        now = time.time()
+        fields = KvcFields(
+            namespace=request.namespace,
+            tokens=request.tokens,
+            reason=request.reason,
+            created=int(now),
+            last_used=int(now),
+            ttl_class=request.ttl_class,
+            logits=request.logits,
+            canonical_tokens=request.canonical_tokens,
+            chunk_lens=request.chunk_lens,
+            chunks=request.chunk_keys,
+        )
+        size = memoryview(request.payload).nbytes
+        info = row_info(key, self._name, fields, size, created=now, last_used=now)
+        stored = StoredRow(info, request.tokens, None, request.chunk_keys, request.chunk_lens)
+        return _Staged(self, key, _Entry(stored, request.payload, request.logits))
+
+    def _put(self, key: bytes, entry: _Entry) -> None:
+        with self._lock:
+            self._rows[key] = entry
 
     def _drop(self, key: bytes, entry: _Entry) -> None:
         with self._lock:

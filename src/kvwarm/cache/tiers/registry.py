@@ -1,10 +1,13 @@
-"""Tiers by name: how a ``TierConfig`` becomes a ``Tier``.
+"""Tiers by name or by URL scheme: how a ``TierConfig`` becomes a ``Tier``.
 
 Invariant: the facade and the config validation learn what tiers exist only from this
-registry, so adding a tier is a ``Tier`` implementation plus one ``register_tier`` call, with
-no edit to the facade, the index or the validation. The built-in tiers ``ram``, ``ram_file``,
-``disk`` and ``s3`` register themselves below (``s3`` imports boto3 only when built). See
-docs/architecture.md.
+registry. A tier configured with a ``url`` is built by the factory registered for the URL's
+scheme (``register_scheme``): ``file``, ``ram``, ``s3`` and ``redis`` below, so a new store is
+one module (usually an ``ObjectStore`` under ``tiers/objects.py``'s generic tier) plus one
+``register_scheme`` call, with no edit to the facade, the index, the validation or the
+settings. A tier configured without a url is built by its name (``register_tier``): the
+built-in spellings ``ram``, ``ram_file``, ``disk`` and ``s3``. Store clients (boto3, redis)
+are imported only when a tier is built. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kvwarm.cache.protocols import Tier
 from kvwarm.cache.types import TierConfig
@@ -21,8 +26,12 @@ __all__ = [
     "TierOptions",
     "TierSpec",
     "build_tier",
+    "check_name",
+    "register_scheme",
     "register_tier",
+    "registered_schemes",
     "registered_tiers",
+    "url_scheme",
     "tier_spec",
     "unregister_tier",
 ]
@@ -48,13 +57,13 @@ class TierSpec:
 
 _lock = threading.Lock()
 _specs: dict[str, TierSpec] = {}
+_schemes: dict[str, TierFactory] = {}
 
 
 def register_tier(name: str, factory: TierFactory, *, needs_root: bool) -> None:
     """Make ``name`` configurable. Registering a name twice replaces the earlier factory
     (tests, or a deployment overriding a built-in)."""
-    if not name or not name.replace("_", "").isalnum():
-        raise ConfigError(f"tier names are [A-Za-z0-9_]+ (they appear in metric names): {name!r}")
+    check_name(name)
     with _lock:
         _specs[name] = TierSpec(name, factory, needs_root)
 
@@ -77,8 +86,39 @@ def registered_tiers() -> tuple[str, ...]:
         return tuple(_specs)
 
 
+def register_scheme(scheme: str, factory: TierFactory) -> None:
+    """Make tiers configurable by URLs of ``scheme`` (``redis`` for ``redis://...``)."""
+    if not scheme or not scheme.replace("+", "").isalnum():
+        raise ConfigError(f"URL schemes are [A-Za-z0-9+]+: {scheme!r}")
+    with _lock:
+        _schemes[scheme.lower()] = factory
+
+
+def registered_schemes() -> tuple[str, ...]:
+    with _lock:
+        return tuple(_schemes)
+
+
+def url_scheme(url: str) -> str:
+    """The registered scheme of ``url``; ``ConfigError`` if none is."""
+    scheme = urlsplit(url).scheme.lower()
+    with _lock:
+        known = scheme in _schemes
+    if not known:
+        names = ", ".join(f"{s}://" for s in registered_schemes())
+        raise ConfigError(f"tier URL {url!r}: unknown scheme; expected one of {names}")
+    return scheme
+
+
 def build_tier(config: TierConfig, options: TierOptions) -> Tier:
+    if config.url is not None:
+        return _schemes[url_scheme(config.url)](config, options)
     return tier_spec(config.name).factory(config, options)
+
+
+def check_name(name: str) -> None:
+    if not name or not name.replace("_", "").isalnum():
+        raise ConfigError(f"tier names are [A-Za-z0-9_]+ (they appear in metric names): {name!r}")
 
 
 def _ram(config: TierConfig, options: TierOptions) -> Tier:
@@ -108,6 +148,51 @@ def _s3(config: TierConfig, options: TierOptions) -> Tier:
     return S3Tier(config.s3, config.quota_bytes, name=config.name, repair=options.repair)
 
 
+def _query(url: str) -> dict[str, str]:
+    return dict(parse_qsl(urlsplit(url).query))
+
+
+def _file_url(config: TierConfig, options: TierOptions) -> Tier:
+    """``file:///abs/path[?shared=1]``: a directory of crash-safe row files."""
+    from kvwarm.cache.tiers.files import FileTier
+
+    assert config.url is not None
+    parts = urlsplit(config.url)
+    if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+        raise ConfigError(f"tier {config.name}: a file URL names an absolute local path")
+    shared = _query(config.url).get("shared", "0").lower() in ("1", "true", "yes", "on")
+    root = Path(unquote(parts.path))
+    return FileTier(config.name, root, config.quota_bytes, repair=options.repair, shared_dir=shared)
+
+
+def _ram_url(config: TierConfig, options: TierOptions) -> Tier:
+    from kvwarm.cache.tiers.ram import RamTier
+
+    return RamTier(config.quota_bytes, name=config.name)
+
+
+def _s3_url(config: TierConfig, options: TierOptions) -> Tier:
+    from kvwarm.cache.tiers.s3 import S3Tier, s3_config_from_url
+
+    assert config.url is not None
+    cfg = s3_config_from_url(config.url)
+    return S3Tier(cfg, config.quota_bytes, name=config.name, repair=options.repair)
+
+
+def _redis_url(config: TierConfig, options: TierOptions) -> Tier:
+    from kvwarm.cache.tiers.objects import ObjectTier
+    from kvwarm.cache.tiers.redis import RedisStore
+
+    assert config.url is not None
+    store = RedisStore(config.url)
+    return ObjectTier(store, config.quota_bytes, name=config.name, repair=options.repair)
+
+
+register_scheme("file", _file_url)
+register_scheme("ram", _ram_url)
+register_scheme("s3", _s3_url)
+register_scheme("redis", _redis_url)
+register_scheme("rediss", _redis_url)
 register_tier("ram", _ram, needs_root=False)
 register_tier("ram_file", _file, needs_root=True)
 register_tier("disk", _file, needs_root=True)

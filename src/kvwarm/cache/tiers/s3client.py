@@ -16,11 +16,10 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol, TypeVar, runtime_checkable
 
+from kvwarm.cache.tiers.objects import Breaker
 from kvwarm.cache.types import S3Config
 from kvwarm.errors import CacheIOError, CacheKeyError, CacheNetworkError, ConfigError
 
@@ -103,18 +102,14 @@ class S3Wire:
     def __init__(self, client: S3Client, *, label: str, down_for_s: float) -> None:
         self.client = client
         self._label = label
-        self._down_for_s = down_for_s
-        self._lock = threading.Lock()
-        self._down_until = 0.0
+        self._breaker = Breaker(label, down_for_s)
 
     def is_down(self) -> bool:
-        with self._lock:
-            return time.monotonic() < self._down_until
+        return self._breaker.is_down()
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` (one or more client calls and body reads) with errors translated."""
-        if self.is_down():
-            raise CacheNetworkError(f"{self._label}: store marked down after a network fault")
+        self._breaker.check()
         try:
             return fn()
         except PublishRaceLost:
@@ -122,15 +117,8 @@ class S3Wire:
         except Exception as exc:
             err = self._translate(what, exc)
             if isinstance(err, CacheNetworkError):
-                self._mark_down(err)
+                self._breaker.trip(err)
             raise err from exc
-
-    def _mark_down(self, err: CacheNetworkError) -> None:
-        with self._lock:
-            first = time.monotonic() >= self._down_until
-            self._down_until = time.monotonic() + self._down_for_s
-        if first:
-            log.warning("%s; skipping the store for %.1fs", err, self._down_for_s)
 
     def _translate(self, what: str, exc: Exception) -> Exception:
         from botocore import exceptions as bexc

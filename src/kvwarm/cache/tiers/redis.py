@@ -1,0 +1,186 @@
+"""The ``redis`` store: rows and chunks as Redis strings, under the generic ``ObjectTier``
+(``tiers/objects.py``), which owns the publish protocol, probes, scans and chunk rules. A
+shared, in-memory tier across hosts (what LMCache users know as its Redis backend).
+
+Configured by URL: ``redis://[user:password@]host:port/db?prefix=kvwarm/&timeout_s=2&down_for_s=5``.
+
+Invariants:
+- Object ``name`` is the string ``<prefix>o:<name>``; its metadata (creation time ``t``, hit
+  fields) the hash ``<prefix>m:<name>``. ``SET NX`` makes a put visible whole or not at all;
+  the creation time is set in the same transaction (``HSETNX``, never overwritten).
+- Every call is bounded by the socket timeouts; a connection fault or timeout is
+  ``CacheNetworkError`` and trips the remote stores' ``objects.Breaker`` (down for
+  ``down_for_s``); any other refusal is ``CacheIOError``.
+- The ``redis`` package is imported only when a tier is built (the ``kvwarm[redis]`` extra).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from kvwarm.cache.tiers.objects import Breaker, Got
+from kvwarm.errors import CacheIOError, CacheKeyError, CacheNetworkError, ConfigError
+
+if TYPE_CHECKING:
+    import redis as redis_client
+
+__all__ = ["RedisStore"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_OURS = ("prefix", "timeout_s", "down_for_s")
+# Set the hit fields only while the object exists (a deleted row must not grow a hash back).
+_SET_META = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], unpack(ARGV))
+return 1
+"""
+
+
+class RedisStore:
+    """Objects in one Redis database under one key prefix. Thread-safe (the client pools
+    connections)."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            import redis as redis_client
+        except ImportError:
+            need = "the redis tier needs the redis client: pip install 'kvwarm[redis]'"
+            raise ConfigError(need) from None
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ConfigError(f"a redis tier URL starts with redis:// or rediss://, got {url!r}")
+        ours = {k: v for k, v in parse_qsl(parts.query) if k in _OURS}
+        rest = [(k, v) for k, v in parse_qsl(parts.query) if k not in _OURS]
+        self._prefix = ours.get("prefix", "kvwarm/")
+        try:
+            timeout = float(ours.get("timeout_s", "2"))
+            self._down_for_s = float(ours.get("down_for_s", "5"))
+        except ValueError as exc:
+            raise ConfigError(f"redis tier URL {url!r}: {exc}") from None
+        if timeout <= 0 or self._down_for_s < 0:
+            raise ConfigError(f"redis tier URL {url!r}: timeout_s must be > 0, down_for_s >= 0")
+        plain = urlunsplit(parts._replace(query=urlencode(rest)))
+        self._label = f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path}"
+        self._client: redis_client.Redis = redis_client.Redis.from_url(
+            plain, socket_timeout=timeout, socket_connect_timeout=timeout
+        )
+        self._errors = redis_client.exceptions
+        self._set_meta = self._client.register_script(_SET_META)
+        self._breaker = Breaker(self.label, self._down_for_s)
+
+    @property
+    def label(self) -> str:
+        return f"{self._label} ({self._prefix})"
+
+    @property
+    def client(self) -> redis_client.Redis:
+        return self._client
+
+    def _obj(self, name: str) -> str:
+        return f"{self._prefix}o:{name}"
+
+    def _meta(self, name: str) -> str:
+        return f"{self._prefix}m:{name}"
+
+    def location(self, name: str) -> str:
+        return f"{self._label}/{self._obj(name)}"
+
+    # ---- calls, translated once ----------------------------------------------------------
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        self._breaker.check()
+        try:
+            return fn()
+        except (self._errors.ConnectionError, self._errors.TimeoutError, OSError) as exc:
+            err = CacheNetworkError(f"{self.label}: {what}: {type(exc).__name__}: {exc}")
+            self._breaker.trip(err)
+            raise err from exc
+        except self._errors.RedisError as exc:
+            raise CacheIOError(f"{self.label}: {what}: {type(exc).__name__}: {exc}") from exc
+
+    # ---- ObjectStore ---------------------------------------------------------------------
+
+    def put_if_absent(self, name: str, body: bytes) -> bool:
+        def put() -> bool:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.set(self._obj(name), body, nx=True)
+            pipe.hsetnx(self._meta(name), "t", str(time.time()))
+            created, _ = pipe.execute()
+            return bool(created)
+
+        return self._call(f"put {name}", put)
+
+    def get(self, name: str, end: int | None = None) -> Got:
+        def get() -> Got:
+            pipe = self._client.pipeline(transaction=True)
+            obj = self._obj(name)
+            pipe.exists(obj)
+            if end is None:
+                pipe.get(obj)
+            else:
+                pipe.getrange(obj, 0, end - 1)
+            pipe.strlen(obj)
+            pipe.hgetall(self._meta(name))
+            exists, data, size, meta = pipe.execute()
+            if not exists:
+                raise CacheKeyError(f"{self.label}: no object {name}")
+            return Got(bytes(data or b""), int(size), _decoded(meta))
+
+        return self._call(f"get {name}", get)
+
+    def get_range(self, name: str, start: int, end: int) -> bytes:
+        obj = self._obj(name)
+        data: object = self._call(f"get {name}", lambda: self._client.getrange(obj, start, end - 1))
+        assert isinstance(data, bytes)  # the client does not decode responses
+        return data
+
+    def list(self, prefix: str) -> list[tuple[str, int, float]]:
+        base = self._obj("")
+        pattern = _glob_escape(base + prefix) + "*"
+
+        def scan() -> list[tuple[str, int, float]]:
+            keys = [bytes(k).decode() for k in self._client.scan_iter(match=pattern, count=1000)]
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                name = key[len(base) :]
+                pipe.strlen(key)
+                pipe.hget(self._meta(name), "t")
+            answers: list[Any] = pipe.execute() if keys else []
+            out = []
+            for i, key in enumerate(keys):
+                size, stamp = answers[2 * i], answers[2 * i + 1]
+                # No stamp (written by hand): as young as can be, so it is never swept.
+                age = float(stamp) if stamp is not None else float("inf")
+                out.append((key[len(base) :], int(size), age))
+            return out
+
+        return self._call("list", scan)
+
+    def delete(self, name: str) -> None:
+        self._call(f"delete {name}", lambda: self._client.delete(self._obj(name), self._meta(name)))
+
+    def set_meta(self, name: str, meta: Mapping[str, str]) -> None:
+        args = [x for kv in meta.items() for x in kv]
+        done = self._call(
+            f"set metadata {name}",
+            lambda: self._set_meta(keys=[self._obj(name), self._meta(name)], args=args),
+        )
+        if not done:
+            raise CacheKeyError(f"{self.label}: no object {name}")
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _decoded(meta: Mapping[bytes, bytes]) -> dict[str, str]:
+    return {bytes(k).decode(): bytes(v).decode() for k, v in meta.items() if k != b"t"}
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

@@ -1,0 +1,78 @@
+"""The redis tier through the cache, configured by URL (a name, a quota, ``redis://``), and the
+URL spellings of the built-in stores. The tier contract itself is ``test_tiers.py`` and
+``test_tier_chunks.py`` (parametrized over every tier, redis included)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tests.cache.facadekit import NS, req
+from tests.rediskit import RedisServer
+
+from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache.tiers.files import FileTier
+from kvwarm.cache.tiers.objects import REMOTE_CAPABILITIES, ObjectTier
+from kvwarm.cache.tiers.ram import RamTier
+from kvwarm.cache.tiers.registry import TierOptions, build_tier
+from kvwarm.cache.tiers.s3 import s3_config_from_url
+from kvwarm.errors import CacheNetworkError, ConfigError
+
+
+def _config(url: str) -> CacheConfig:
+    return CacheConfig(tiers=(TierConfig("ram", 1 << 20), TierConfig("shared", 1 << 20, url=url)))
+
+
+def test_a_row_saved_to_redis_is_found_by_another_cache(redis_server: RedisServer) -> None:
+    url = redis_server.url()
+    with Cache(_config(url), background=False) as writer:
+        assert writer.tier_names() == ("ram", "shared")
+        key = writer.save(req((5,) * 8, tier="shared"), sync=True)
+        assert key is not None and writer.counters()["tier_shared_rows"] == 1
+        with Cache(_config(url), background=False) as reader:  # another host, same server
+            info = reader.lookup_exact(key)
+            assert info is not None and info.tier in ("shared", "ram")
+            with reader.open_row(key) as row:
+                assert row.tokens == (5,) * 8
+            assert reader.lookup_exact(reader.key_for(NS, (6,) * 8)) is None
+
+
+def test_a_dead_redis_is_a_network_error_then_skipped(tmp_path: Path) -> None:
+    server = RedisServer()
+    tier = build_tier(TierConfig("shared", 1, url=server.url(down_for_s="60")), TierOptions())
+    assert isinstance(tier, ObjectTier) and tier.capabilities == REMOTE_CAPABILITIES
+    server.stop()
+    with pytest.raises(CacheNetworkError, match="ConnectionError"):
+        tier.probe(b"\x01" * 32)
+    with pytest.raises(CacheNetworkError, match="marked down"):
+        tier.probe(b"\x01" * 32)  # fails at once now, without another connection attempt
+    tier.close()
+
+
+def test_the_built_in_stores_by_url(tmp_path: Path) -> None:
+    nvme = build_tier(TierConfig("nvme", 5, url=f"file://{tmp_path}/rows"), TierOptions())
+    assert isinstance(nvme, FileTier) and nvme.name == "nvme" and nvme.quota_bytes == 5
+    assert nvme.root == tmp_path / "rows"
+    assert not nvme.capabilities.shared or nvme.capabilities.local
+    nvme.close()
+    fast = build_tier(TierConfig("fast", 7, url="ram://"), TierOptions())
+    assert isinstance(fast, RamTier) and fast.name == "fast"
+    cfg = s3_config_from_url("s3://bkt/some/prefix?endpoint=http://127.0.0.1:9&region=eu-1")
+    assert (cfg.bucket, cfg.prefix, cfg.endpoint_url, cfg.region) == (
+        "bkt",
+        "some/prefix/",
+        "http://127.0.0.1:9",
+        "eu-1",
+    )
+
+
+def test_bad_tier_urls_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown scheme"):
+        Cache(_config("gopher://x"), background=False)
+    with pytest.raises(ConfigError, match="tier names"):
+        Cache(CacheConfig(tiers=(TierConfig("a/b", 1, url="ram://"),)), background=False)
+    with pytest.raises(ConfigError, match="root"):
+        bad = TierConfig("x", 1, root=tmp_path, url="ram://")
+        Cache(CacheConfig(tiers=(bad,)), background=False)
+    with pytest.raises(ConfigError, match="unknown options"):
+        s3_config_from_url("s3://bkt/p/?endpiont=http://x")
