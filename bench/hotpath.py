@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -69,7 +70,8 @@ class Peer(Server):
     def profile(self, out: Path) -> subprocess.Popen[bytes]:
         """``py-spy record`` attached to the running server until sent SIGINT."""
         assert self.proc is not None
-        cmd = ["py-spy", "record", "-r", "250", "-f", "raw", "-o", str(out), "--threads"]
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        cmd = [spy, "record", "-r", "250", "-f", "raw", "-o", str(out), "--threads"]
         return subprocess.Popen(
             [*cmd, "--pid", str(self.proc.pid)],
             stdout=subprocess.DEVNULL,
