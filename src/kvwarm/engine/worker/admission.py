@@ -99,18 +99,7 @@ class Admission:
         mem = rt.memory
         if req.options.prompt_logprobs is not None:
             match, whole = None, []  # every position's logits are needed: prefill from start
-        rows = [
-            RowCandidate(
-                m.row.key,
-                m.n_shared,
-                m.row.n_tokens,
-                m.row.canonical_tokens,
-                m.row.has_logits,
-                floor=mem.saved_floor(m.row.n_tokens),
-            )
-            for m in (match, *whole)
-            if m is not None
-        ]
+        rows = [RowCandidate.of(m, mem) for m in (match, *whole) if m is not None]
         rt.refresh_floors()
         rt.cache.note_namespace(rt.namespace())
         self._found = best_found(

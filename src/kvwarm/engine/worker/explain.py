@@ -123,18 +123,7 @@ def explain_prompt(
     what ``kvwarm cache explain`` prints. Reads no row's bytes and probes no shared tier."""
     match = cache.longest_prefix(namespace, tokens)
     whole = [] if memory.trimmable else cache.whole_prefixes(namespace, tokens)
-    rows = [
-        RowCandidate(
-            m.row.key,
-            m.n_shared,
-            m.row.n_tokens,
-            m.row.canonical_tokens,
-            m.row.has_logits,
-            floor=memory.saved_floor(m.row.n_tokens),
-        )
-        for m in (match, *whole)
-        if m is not None
-    ]
+    rows = [RowCandidate.of(m, memory) for m in (match, *whole) if m is not None]
     n = len(tokens)
     reused = 0
     for row in rows:

@@ -26,8 +26,9 @@ from typing import Literal
 from kvwarm.alignment import align_down
 from kvwarm.cache.explain import MissReason
 from kvwarm.cache.prefix import common_prefix
-from kvwarm.cache.types import Namespace
+from kvwarm.cache.types import Namespace, PrefixMatch
 from kvwarm.engine.worker.slots import Slot
+from kvwarm.memory import MemoryKind
 
 SourceKind = Literal["none", "self", "copy", "row"]
 
@@ -89,6 +90,19 @@ class RowCandidate:
     canonical: int | None
     has_logits: bool
     floor: int = 0  # the shortest prefix the row's saved state resumes at (kvwarm.memory)
+
+    @classmethod
+    def of(cls, match: PrefixMatch, memory: MemoryKind) -> RowCandidate:
+        """The candidate a lookup's ``match`` makes, its floor from the model's memory kind."""
+        row = match.row
+        return cls(
+            row.key,
+            match.n_shared,
+            row.n_tokens,
+            row.canonical_tokens,
+            row.has_logits,
+            floor=memory.saved_floor(row.n_tokens),
+        )
 
 
 def better(a: Plan, b: Plan) -> Plan:
