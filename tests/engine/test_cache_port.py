@@ -67,3 +67,31 @@ def test_a_request_reaches_the_cache_through_the_lifecycle_verbs(
     assert seen[0] == "lookup" and "prefilled" in seen
     assert seen.count("decoded") >= 4  # every generated token but the last goes through it
     assert seen[-2:] == ["finishing", "finished"]
+
+
+def test_an_exact_repeat_in_a_warm_slot_reads_only_the_rows_logits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue 24: the prompt's row has its final logits and a free slot's live KV holds the
+    # prompt; copying the row's KV over that slot was ~12 ms of a ~28 ms exact hit.
+    engine = make_engine()
+    try:
+        model = engine.load_model(config=stub_config(n_parallel=2))
+        prompt = [1 + i % 250 for i in range(300)]
+        model.prewarm(prompt)
+        engine.cache.flush()
+        opts = GenerationOptions(max_tokens=3, temperature=0.0)
+        first = model.complete(prompt, opts)
+        assert first.stats.cached_tokens == len(prompt)
+        ctx = model._worker.rt.ctx
+
+        def no_restore(*_: object) -> None:
+            raise AssertionError("the row's KV was restored over a slot that held it")
+
+        monkeypatch.setattr(ctx, "kv_unpack", no_restore)
+        monkeypatch.setattr(ctx, "kv_unpack_chunks", no_restore)
+        again = model.complete(prompt, opts)
+        assert again.stats.cached_tokens == len(prompt) and again.stats.cache_hit == "exact"
+        assert again.completion_tokens == first.completion_tokens
+    finally:
+        engine.close()

@@ -118,9 +118,11 @@ class CacheApi(Protocol):
         one of ``others`` (``cache/explain.py``). Cheap: one tree walk per namespace."""
         ...
 
-    def open_row(self, key: bytes) -> AbstractContextManager[LoadedRow]:
+    def open_row(self, key: bytes, *, chunks: bool = True) -> AbstractContextManager[LoadedRow]:
         """Check out, read and verify (CRC) a row. ``CacheKeyError`` if absent,
-        ``CacheFormatError`` if corrupt (the bad row is dropped from index and tier)."""
+        ``CacheFormatError`` if corrupt (the bad row is dropped from index and tier).
+        ``chunks=False`` reads a manifest's own file alone (its tokens and logits), none of
+        the chunks it names (``LoadedRow.chunks`` is then empty)."""
         ...
 
     def save(

@@ -285,7 +285,7 @@ class Cache:
     # ------------------------------------------------------------------ reading a row
 
     @contextmanager
-    def open_row(self, key: bytes) -> Iterator[LoadedRow]:
+    def open_row(self, key: bytes, *, chunks: bool = True) -> Iterator[LoadedRow]:
         leased = self._index.lease(key)
         if leased is None and self._core.probe(key) is not None:
             leased = self._index.lease(key)
@@ -299,10 +299,12 @@ class Cache:
         data: RowBytes | None = None
         parts: tuple[memoryview, ...] = ()
         # Chunks read from local storage land in the thread's arena; ram holds them already.
-        arena = self._reads.chunk_arena(stored) if local and tier.capabilities.persistent else None
+        persistent = tier.capabilities.persistent
+        arena = self._reads.chunk_arena(stored) if chunks and local and persistent else None
         try:
             data = self._load(tier, stored, scratch)
-            parts = self._reads.load_parts(tier, stored, arena)
+            if chunks:
+                parts = self._reads.load_parts(tier, stored, arena)
             yield LoadedRow(stored.info, data.tokens, data.payload, data.logits, parts)
         finally:
             self._index.checkin(key, gen)

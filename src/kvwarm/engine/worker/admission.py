@@ -260,6 +260,10 @@ class Admission:
             slot.kv_tokens[:] = tokens[:keep]
         elif plan.kind == "self":
             source_canonical = slot.canonical
+            if plan.row_key is not None:  # the live KV holds the prompt; the row its logits
+                logits_from_row = self._row_logits(plan.row_key, tokens)
+                if logits_from_row is None:
+                    keep -= 1  # the row went: decode the last token for its logits
             if len(slot.kv_tokens) > keep:
                 try:
                     rt.ctx.seq_rm(slot.seq, keep, -1)
@@ -276,6 +280,18 @@ class Admission:
             source_canonical = None
         slot.canonical = canonical_after(keep, source_canonical, len(tokens), rt.cfg.n_batch)
         return keep, logits_from_row
+
+    def _row_logits(self, key: bytes, tokens: Sequence[int]) -> bytes | None:
+        """The final logits of row ``key`` if it holds exactly ``tokens`` (its chunks are not
+        read); None if it is gone, unreadable or not that prompt's row."""
+        try:
+            with self.rt.cache.open_row(key, chunks=False) as row:
+                if row.logits is None or tuple(row.tokens) != tuple(tokens):
+                    return None
+                return bytes(row.logits)
+        except KvwarmError as exc:
+            log.info("worker %s: row logits unavailable: %s", self.rt.name, exc)
+            return None
 
     def _restore_row(
         self, slot: Slot, plan: Plan, req: Request

@@ -185,6 +185,16 @@ def choose(
         if keep > 0:
             plan = Plan("row", keep, use_logits, row_key=cand_row.key, shared=shared)
             best = better(best, plan)
+    if best.kind == "row" and best.use_logits and best.keep == n and not deterministic:
+        # The whole prompt is a row with its final logits; a free slot whose live KV already
+        # holds the prompt needs only those logits, not the row's KV copied over its own.
+        for slot in free:
+            if (
+                slot.kv_namespace == namespace
+                and slot.floor < n
+                and common_prefix(slot.kv_tokens, tokens) == n
+            ):
+                return slot, Plan("self", n, True, row_key=best.row_key, shared=n)
     return best_slot, best
 
 
