@@ -104,7 +104,7 @@ class Peer(Server):
 
 
 def cached(servers: list[Peer], reps: int) -> dict[str, dict[str, list[float]]]:
-    prompt = LORE * 56  # ~1,000 tokens (SmolLM2's tokenizer)
+    prompt = LORE * 28  # ~1,000 tokens (SmolLM2)
     lat: dict[str, dict[str, list[float]]] = {s.name: {"exact": [], "partial": []} for s in servers}
     for s in servers:
         s.ask(prompt, 1)  # both now hold it
@@ -125,7 +125,7 @@ def cached(servers: list[Peer], reps: int) -> dict[str, dict[str, list[float]]]:
 
 
 def agents(server: Peer, n_agents: int, calls: int) -> tuple[float, float, list[float]]:
-    system = LORE * 112  # ~2,000 tokens
+    system = LORE * 56  # ~2,000 tokens (SmolLM2)
     server.ask(system, 1)  # the shared prefix is warm on both servers alike
     lat: list[float] = []
     lock = threading.Lock()
