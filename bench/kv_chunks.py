@@ -30,11 +30,11 @@ from collections.abc import Callable
 import numpy as np
 
 from kvwarm.backends import _buffers
-from kvwarm.backends._buffers import u8
 from kvwarm.backends.base import ContextParams, FlashAttn, KvType
 from kvwarm.backends.kv_chunk import header_size
 from kvwarm.backends.llama import LlamaBackend, LlamaModel
 from kvwarm.backends.llama.kv_layout import parse_blob
+from kvwarm.buffers import u8
 from kvwarm.embedded import default_model_path
 
 TEXT = (

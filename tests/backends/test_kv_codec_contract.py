@@ -13,9 +13,9 @@ import pytest
 from tests.backends.conftest import SMALL
 
 from kvwarm.backends import kv_chunk
-from kvwarm.backends._buffers import u8
 from kvwarm.backends.base import BackendContext, BackendModel, BatchToken, Buffer, KvCodec
 from kvwarm.backends.llama.kv_layout import HEAD
+from kvwarm.buffers import u8
 from kvwarm.errors import (
     HandleClosedError,
     InvalidRequestError,

@@ -16,11 +16,11 @@ import pytest
 from tests.backends.test_llama_exactness import N_BATCH, PARAMS, PROMPT
 
 from kvwarm.backends import kv_chunk
-from kvwarm.backends._buffers import u8
 from kvwarm.backends.base import BackendContext, BatchToken, ContextParams, FlashAttn, KvType
 from kvwarm.backends.kv_chunk import header_size
 from kvwarm.backends.llama import LlamaBackend, LlamaModel
 from kvwarm.backends.llama.kv_layout import CELL, HEAD, parse_blob, parse_descriptor
+from kvwarm.buffers import u8
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import ConfigError, InvalidRequestError, StateRestoreError
 

@@ -32,7 +32,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvwarm.backends._buffers import U8
+from kvwarm.buffers import U8
 from kvwarm.errors import InvalidRequestError, StateRestoreError
 
 MAGIC = b"KVCK"

@@ -29,6 +29,7 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 
+from kvwarm.buffers import grown
 from kvwarm.cache.chunking import store_row
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.explain import MissReason
@@ -87,7 +88,9 @@ class ScratchBuffers:
         arena: bytearray | None = getattr(self._local, "arena", None)
         self._local.arena = None
         if arena is None or len(arena) < size:
-            arena = bytearray(size)
+            old = 0 if arena is None else len(arena)
+            arena = None  # the old one goes first: holding both would double the footprint
+            arena = grown(size, old)
         return arena
 
     def reclaim_arena(self, arena: bytearray | None, views: tuple[memoryview, ...]) -> None:

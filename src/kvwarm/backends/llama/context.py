@@ -37,7 +37,6 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwarm.backends import _checks
-from kvwarm.backends._buffers import u8
 from kvwarm.backends.base import (
     Adapter,
     BatchToken,
@@ -54,6 +53,7 @@ from kvwarm.backends.llama import params as llama_params
 from kvwarm.backends.llama.adapter import LlamaAdapter
 from kvwarm.backends.llama.kv_codec import LlamaKvCodec
 from kvwarm.backends.llama.kv_layout import HEAD
+from kvwarm.buffers import u8
 from kvwarm.errors import (
     AdapterError,
     BackendError,

@@ -36,7 +36,6 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwarm.backends import kv_chunk
-from kvwarm.backends._buffers import U8, fresh_bytes, join_target, u8
 from kvwarm.backends.base import Buffer, WritableBuffer
 from kvwarm.backends.llama.kv_layout import (
     CELL,
@@ -48,6 +47,7 @@ from kvwarm.backends.llama.kv_layout import (
     parse_descriptor,
 )
 from kvwarm.backends.llama.native import GGML_TYPES
+from kvwarm.buffers import U8, fresh_bytes, join_target, u8
 from kvwarm.errors import StateRestoreError
 
 _TYPE_NAMES = {code: name for name, code in GGML_TYPES.items()}

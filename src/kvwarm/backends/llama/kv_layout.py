@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvwarm.backends._buffers import U8
+from kvwarm.buffers import U8
 from kvwarm.errors import StateRestoreError
 
 IO_MAGIC = 0xAF143CD8

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvwarm.backends._buffers import U8, u8, uninitialised_bytes
+from kvwarm.buffers import U8, u8, uninitialised_bytes
 from kvwarm.errors import BackendError, StateRestoreError
 
 

@@ -22,7 +22,6 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwarm.backends import _checks
-from kvwarm.backends._buffers import u8
 from kvwarm.backends.base import (
     Adapter,
     BatchToken,
@@ -35,6 +34,7 @@ from kvwarm.backends.lifetime import Lifetime
 from kvwarm.backends.stub.adapter import StubAdapter
 from kvwarm.backends.stub.kv_codec import CELL, HEADER, MAGIC, StubKvCodec
 from kvwarm.backends.stub.vocab import EOS, N_BYTE_TOKENS, N_EMBD, N_VOCAB, OFFSET
+from kvwarm.buffers import u8
 from kvwarm.errors import (
     AdapterError,
     InvalidRequestError,

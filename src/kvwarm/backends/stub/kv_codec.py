@@ -23,8 +23,8 @@ from typing import overload
 import numpy as np
 
 from kvwarm.backends import kv_chunk
-from kvwarm.backends._buffers import U8, fresh_bytes, join_target, u8
 from kvwarm.backends.base import Buffer, WritableBuffer
+from kvwarm.buffers import U8, fresh_bytes, join_target, u8
 from kvwarm.errors import StateRestoreError
 
 MAGIC = b"KVSTUB01"

@@ -27,6 +27,7 @@ import stat
 import struct
 from pathlib import Path
 
+from kvwarm.buffers import grown
 from kvwarm.cache import kvc
 from kvwarm.errors import CacheFormatError, UnsafeCacheDirError
 
@@ -149,7 +150,10 @@ def read_file(dir_fd: int, name: str, scratch: bytearray | None) -> tuple[memory
     fresh buffer. Returns (a view of exactly the file's bytes, the buffer behind it)."""
     with open(open_regular(dir_fd, name, os.O_RDONLY), "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        buf = scratch if scratch is not None and len(scratch) >= size else bytearray(size)
+        if scratch is not None and len(scratch) >= size:
+            buf = scratch
+        else:  # filled below, or refused as shrunk: never read back unwritten
+            buf = grown(size, 0 if scratch is None else len(scratch))
         view = memoryview(buf)[:size]
         got = 0
         while got < size:

@@ -19,12 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvwarm.backends._buffers import uninitialised_bytearray
 from kvwarm.backends.base import BackendContext, Buffer
+from kvwarm.buffers import grown
 from kvwarm.errors import JoinBufferTooSmallError
-
-#: Growth headroom, so prompts creeping up by a few tokens do not reallocate every time.
-_GROW = 1.25
 
 
 class JoinBuffer:
@@ -51,7 +48,7 @@ class JoinBuffer:
         old = self.capacity
         # Drop the old one first: holding both would briefly double the footprint.
         self._buf = None
-        self._buf = uninitialised_bytearray(max(need, int(old * _GROW)))
+        self._buf = grown(need, old)
         return ctx.kv_join(chunks, out=self._buf)
 
     def release(self) -> None:

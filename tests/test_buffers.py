@@ -1,11 +1,11 @@
-"""``backends/_buffers.py``: fresh buffers filled in place, zero-copy views, the huge-page hint."""
+"""``buffers.py``: fresh buffers filled in place, zero-copy views, the huge-page hint."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvwarm.backends import _buffers
+from kvwarm import buffers as _buffers
 from kvwarm.errors import StateRestoreError
 
 BIG = 9 << 20  # over the 4 MiB where the huge-page hint applies
@@ -43,3 +43,25 @@ def test_u8_views_without_copying() -> None:
     assert _buffers.u8(memoryview(np.arange(3, dtype=np.int32))).size == 12
     with pytest.raises(StateRestoreError):
         _buffers.u8(memoryview(b"abcdef")[::2])
+
+
+def test_grown_buffers_leave_headroom_for_the_next_turn() -> None:
+    first = _buffers.grown(1000, 0)
+    assert len(first) == 1000
+    # A row a few tokens longer than the last: one allocation with headroom, then reuse.
+    second = _buffers.grown(1010, len(first))
+    assert len(second) == int(1000 * _buffers.GROWTH) >= 1010
+    assert len(_buffers.grown(5000, len(second))) == 5000  # a big jump gets what it needs
+
+
+def test_cache_read_arena_is_reused_while_rows_grow_by_a_turn() -> None:
+    from kvwarm.cache.core import ScratchBuffers
+
+    scratch = ScratchBuffers()
+    arena = scratch.take_arena(1 << 20)
+    assert arena is not None and len(arena) == 1 << 20
+    scratch.reclaim_arena(arena, ())
+    bigger = scratch.take_arena((1 << 20) + 4096)  # the next turn's row
+    assert bigger is not None and len(bigger) == int((1 << 20) * _buffers.GROWTH)
+    scratch.reclaim_arena(bigger, ())
+    assert scratch.take_arena((1 << 20) + 8192) is bigger  # no allocation this turn

@@ -1,4 +1,5 @@
-"""Byte buffers shared by the KV codecs: zero-copy read views, and fresh ``bytes`` filled in place.
+"""Byte buffers shared by the KV codecs and the cache's readers: zero-copy read views, fresh
+``bytes`` filled in place, and reusable buffers that grow with headroom.
 
 Invariants: ``u8`` never copies (a non-contiguous or non-buffer argument is a
 ``StateRestoreError``); ``fresh_bytes`` returns an unshared ``bytes`` with a writable view
@@ -81,6 +82,19 @@ def uninitialised_bytearray(n: int) -> bytearray:
     if n:
         advise_huge(_address(out), n)
     return out
+
+
+#: Headroom a reused buffer grows by, so prompts creeping up by a few tokens (each turn of a
+#: chat) do not allocate again on every restore.
+GROWTH = 1.25
+
+
+def grown(need: int, old: int) -> bytearray:
+    """A new reusable buffer of at least ``need`` bytes, ``GROWTH`` times the ``old`` one's
+    size if that is more, not zero-filled: the caller fills what it reads back. Zero-filling
+    26 MiB of fresh pages took ~22 ms here; a chat whose row grew each turn paid it on every
+    restore."""
+    return uninitialised_bytearray(max(need, int(old * GROWTH)))
 
 
 def fresh_bytes(n: int) -> tuple[bytes, U8]:
