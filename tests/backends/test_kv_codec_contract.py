@@ -118,6 +118,41 @@ def test_chunk_bytes_depend_only_on_content(
     assert ctx.kv_join(ctx.kv_split(blob1, [0, n])) == blob0
 
 
+@pytest.mark.parametrize("start", [1, 10, 32])
+def test_a_packed_tail_cuts_into_the_whole_blobs_chunks(
+    packed: tuple[list[int], bytes], ctx: BackendContext, start: int
+) -> None:
+    # A save packs only the positions its tier lacks: the tail's chunks are byte for byte
+    # those of the whole sequence's blob, so rows sharing them stay deduplicated.
+    tokens, blob = _prefilled(packed, ctx)
+    n = len(tokens)
+    mid = (start + n) // 2
+    tail, first = ctx.kv_pack_tail(0, start)
+    assert first == start and len(tail) < len(blob)
+    whole = ctx.kv_split(blob, [start, mid, n])
+    assert ctx.kv_split(tail, [start, mid, n]) == whole
+    assert ctx.kv_split(tail, [mid, n]) == whole[1:]
+    assert ctx.kv_join(ctx.kv_split(blob, [0, start]) + whole) == blob
+    with pytest.raises(InvalidRequestError):
+        ctx.kv_split(tail, [start - 1, n])  # the tail does not hold start - 1
+    # Packing the tail left the sequence (and the scratch it went through) as they were.
+    assert ctx.kv_pack(0) == blob
+    assert ctx.kv_pack_tail(0, start) == (tail, start)
+
+
+def test_a_tail_is_never_restored_as_a_sequence(
+    packed: tuple[list[int], bytes], ctx: BackendContext
+) -> None:
+    _, blob = _prefilled(packed, ctx)
+    assert ctx.kv_pack_tail(0, 0) == (blob, 0)
+    tail, _ = ctx.kv_pack_tail(0, 10)
+    with pytest.raises(StateRestoreError):
+        ctx.kv_unpack(1, tail)  # positions 10.. without 0..9: never a prefix
+    assert ctx.seq_pos_max(1) == -1
+    with pytest.raises(InvalidRequestError):
+        ctx.kv_pack_tail(0, -1)
+
+
 @pytest.mark.parametrize("j", [1, 2, 3])
 def test_join_of_a_prefix_equals_pack_of_that_prefix(
     packed: tuple[list[int], bytes], ctx: BackendContext, j: int

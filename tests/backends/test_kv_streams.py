@@ -160,3 +160,24 @@ def test_a_deterministic_engine_context_uses_streams() -> None:
         assert det.namespace() == plain.namespace()  # the same rows serve both
     finally:
         eng.close()
+
+
+def test_a_tail_is_packed_only_where_cells_are_per_position(model: LlamaModel) -> None:
+    # kv_pack_tail copies out only the positions from `start` through the scratch sequence
+    # of a unified full-attention context; everywhere else (streams, a window, a recurrent
+    # state) it is the whole state, and says so with first == 0.
+    tokens = _tokens(model, 40)
+    for unified in (True, False):
+        ctx = _ctx(model, unified=unified)
+        try:
+            ctx.prefill(0, tokens, 0)
+            whole = ctx.kv_pack(0)
+            tail, first = ctx.kv_pack_tail(0, 20)
+            if unified and model.facts.memory_kind == "full":
+                assert first == 20 and len(tail) < len(whole)
+                assert ctx.kv_split(tail, [20, 40]) == ctx.kv_split(whole, [20, 40])
+            else:
+                assert (tail, first) == (whole, 0)
+            assert ctx.kv_pack(0) == whole  # the sequence is untouched either way
+        finally:
+            ctx.close()

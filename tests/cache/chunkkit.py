@@ -40,3 +40,28 @@ def chunked_request(
     reason: SaveReason = SaveReason.CONTINUED,
 ) -> SaveRequest:
     return SaveRequest(ns, tuple(tokens), blob(tokens), reason, tier, split=split)
+
+
+def tail_request(
+    ns: Namespace,
+    tokens: Sequence[int],
+    starts: list[int],
+    *,
+    tier: TierName = "ram",
+    reason: SaveReason = SaveReason.FINISH,
+) -> SaveRequest:
+    """A save the cache packs itself (``pack``), like the engine's: each start it asks for is
+    appended to ``starts``. The fake blob holds no positions, so its splitter reads where a
+    tail starts from its length (the real codecs read it from the blob's cells)."""
+    n = len(tokens)
+
+    def pack(start: int) -> tuple[bytes, int]:
+        starts.append(start)
+        return blob(tokens)[start * PER_TOKEN :], start
+
+    def split_tail(data: bytes | bytearray | memoryview, bounds: Sequence[int]) -> list[bytes]:
+        first = n - memoryview(data).nbytes // PER_TOKEN
+        assert bounds[0] >= first, "a tail cut below its first position"
+        return split(bytes(blob(tokens)[: first * PER_TOKEN]) + bytes(data), bounds)
+
+    return SaveRequest(ns, tuple(tokens), b"", reason, tier, split=split_tail, pack=pack)

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests.cache.chunkkit import PER_TOKEN, blob, chunked_request, join
+from tests.cache.chunkkit import PER_TOKEN, blob, chunked_request, join, tail_request
 from tests.cache.tierkit import NS, shm_dir
 from tests.s3kit import MotoServer
 
@@ -22,7 +22,7 @@ from kvwarm.cache.key import cache_key
 from kvwarm.cache.protocols import Tier
 from kvwarm.cache.tiers.files import FileTier
 from kvwarm.cache.tiers.s3 import S3Tier
-from kvwarm.errors import CacheFormatError, CacheKeyError
+from kvwarm.errors import CacheFormatError, CacheKeyError, StateRestoreError
 
 C = 256
 CacheFactory = Callable[..., Cache]
@@ -133,6 +133,58 @@ def test_continued_saves_write_only_new_chunks(make_cache: CacheFactory) -> None
     assert cache.counters()[f"tier_{tier}_bytes"] == stored + manifests  # each chunk once
     assert _restored(cache, key) == blob(tokens[:2100])
     assert _restored(cache, key3) == blob(tokens[:2200])
+
+
+def test_a_save_packs_only_what_its_tier_lacks(make_cache: CacheFactory) -> None:
+    # The engine hands the cache a packer: the tokens the tier holds as chunks of this row's
+    # plan never leave the context again, and the row restores to the whole blob.
+    cache = make_cache()
+    tier = cache.tier_names()[0]
+    tokens = list(range(3000))
+    starts: list[int] = []
+    first = cache.save(tail_request(NS, tokens[:1000], starts, tier=tier), sync=True)
+    assert starts == [0] and first is not None  # nothing stored yet: the whole sequence
+    key = cache.save(tail_request(NS, tokens[:1300], starts, tier=tier), sync=True)
+    assert starts == [0, 1000]  # the first row's chunks (its short last one too) are held
+    assert key is not None and _restored(cache, key) == blob(tokens[:1300])
+    # Every planned chunk held (the row's manifest gone, its chunks shared with the longer
+    # row): nothing is packed at all, and the row restores.
+    cache.delete(first)
+    again = cache.save(tail_request(NS, tokens[:1000], starts, tier=tier), sync=True)
+    assert starts == [0, 1000] and again == first
+    assert _restored(cache, first) == blob(tokens[:1000])
+
+
+def test_a_tail_whose_head_went_is_not_stored(make_cache: CacheFactory) -> None:
+    # The chunks a tail was packed without must still be there when it is stored; if one
+    # went (evicted between the plan and the write), the save fails and publishes nothing.
+    cache = make_cache()
+    tier = cache.tier_names()[0]
+    tokens = list(range(1300))
+    base = _save(cache, tokens[:512])
+    request = replace(
+        tail_request(NS, tokens, [], tier=tier), payload=blob(tokens)[512 * PER_TOKEN :]
+    )
+    request = replace(request, pack=None, payload_from=512)
+    cache.delete(base)  # its two chunks are freed with it
+    assert cache.save(request, sync=True) is None
+    assert cache.lookup_exact(cache_key(NS, tokens)) is None
+    assert cache.counters()["save_failures"] == 1
+
+
+def test_a_packer_that_fails_leaves_nothing_in_flight(make_cache: CacheFactory) -> None:
+    cache = make_cache()
+    tier = cache.tier_names()[0]
+    tokens = list(range(600))
+
+    def broken(start: int) -> tuple[bytes, int]:
+        raise StateRestoreError("the context went away")
+
+    request = replace(tail_request(NS, tokens, [], tier=tier), pack=broken)
+    with pytest.raises(StateRestoreError):
+        cache.save(request)
+    assert not cache.has(cache_key(NS, tokens))  # not in flight: a later save may try again
+    assert cache.save(chunked_request(NS, tokens, tier=tier), sync=True) is not None
 
 
 def test_conversations_over_a_shared_prompt_store_it_once(make_cache: CacheFactory) -> None:

@@ -95,3 +95,50 @@ def test_an_exact_repeat_in_a_warm_slot_reads_only_the_rows_logits(
         assert again.completion_tokens == first.completion_tokens
     finally:
         engine.close()
+
+
+def test_a_follow_up_turn_packs_only_the_tokens_its_tier_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue 24: a chat's next turn saved by packing the whole sequence (~27 MB for 1,200
+    # tokens of the embedded model) while the tier already held all but its last ~60.
+    opts = GenerationOptions(max_tokens=4, temperature=0.0)
+    system = [1 + i % 200 for i in range(300)]
+    engine = make_engine()
+    try:
+        model = engine.load_model(config=stub_config())
+        ctx = model._worker.rt.ctx
+        starts: list[int] = []
+        pack_tail = ctx.kv_pack_tail
+
+        def spy(seq: int, start: int) -> tuple[bytes, int]:
+            starts.append(start)
+            return pack_tail(seq, start)
+
+        monkeypatch.setattr(ctx, "kv_pack_tail", spy)
+        first = model.complete(system, opts)
+        engine.cache.flush()
+        assert all(s > 0 for s in starts)  # only a published cold row's chunks are held
+        starts.clear()
+        turn = [*system, *first.completion_tokens, *range(210, 240)]
+        second = model.complete(turn, opts)
+        engine.cache.flush()
+        held = len(system) + len(first.completion_tokens) - 1  # the first finish row
+        # The first turn's chunks are published (flushed): this turn's saves (its cold save,
+        # its finish save) copy out none of those tokens.
+        assert starts and min(starts) >= held
+        assert second.stats.key is not None and engine.cache.has(second.stats.key)
+        # The row made of held chunks and the packed tail restores like a cold prefill.
+        model.prewarm(list(range(100, 140)))  # the slot now holds something else
+        third = [*turn, *second.completion_tokens, 7, 8, 9]
+        warm = model.complete(third, opts)
+        assert warm.stats.cached_tokens >= len(turn)
+    finally:
+        engine.close()
+    cold_engine = make_engine()
+    try:
+        cold = cold_engine.load_model(config=stub_config()).complete(third, opts)
+        assert cold.stats.cached_tokens == 0
+        assert warm.completion_tokens == cold.completion_tokens
+    finally:
+        cold_engine.close()

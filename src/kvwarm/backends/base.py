@@ -248,6 +248,15 @@ class BackendContext(Protocol):
         """The sequence's KV state as one blob (``llama_state_seq_get_data``)."""
         ...
 
+    def kv_pack_tail(self, seq: int, start: int) -> tuple[bytes, int]:
+        """``(blob, first)``: the sequence's positions from ``start`` on, as a blob the codec
+        splits into the same chunks the whole sequence's blob gives for those positions, with
+        ``first == start``; where this context cannot pack a part of a sequence (no scratch
+        sequence, several KV streams, a memory whose state is not per-position cells) it is
+        ``(kv_pack(seq), 0)``. For a finish save whose leading chunks a tier already holds:
+        only the new positions are copied out of the context."""
+        ...
+
     def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         """Restore a blob into ``seq`` (cleared first) without copying it; returns the number
         of token positions now in the sequence. ``StateRestoreError`` on a bad blob."""

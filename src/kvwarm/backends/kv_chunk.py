@@ -118,14 +118,17 @@ def parse(chunk: U8, codec: int) -> ChunkView:
     return ChunkView(start, n_cells, descriptor, chunk[body_at:], flags)
 
 
-def check_bounds(bounds: Sequence[int], n_cells: int) -> list[int]:
-    """``bounds`` as a list, if strictly increasing inside ``[0, n_cells]``."""
+def check_bounds(bounds: Sequence[int], n_cells: int, first: int = 0) -> list[int]:
+    """``bounds`` as a list, if strictly increasing inside ``[first, first + n_cells]`` (the
+    positions a blob holds: from 0, or from a tail's first position)."""
     out = [int(b) for b in bounds]
     if len(out) < 2 and n_cells > 0:
         raise InvalidRequestError("bounds need at least a start and an end", param="bounds")
-    if out and (out[0] < 0 or out[-1] > n_cells):
+    if out and (out[0] < first or out[-1] > first + n_cells):
         raise InvalidRequestError(
-            f"bounds [{out[0]}, {out[-1]}] outside the blob's {n_cells} cells", param="bounds"
+            f"bounds [{out[0]}, {out[-1]}] outside the blob's positions "
+            f"[{first}, {first + n_cells}]",
+            param="bounds",
         )
     for a, b in itertools.pairwise(out):
         if b <= a:

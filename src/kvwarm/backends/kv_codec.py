@@ -50,11 +50,14 @@ class KvCodec(Protocol):
     def split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
         """One chunk per range ``[bounds[i], bounds[i+1])`` of token positions.
 
-        ``bounds`` is strictly increasing with ``0 <= bounds[0]`` and ``bounds[-1] <= n``, the
-        blob's cell count; ``[0, ..., n]`` covers the whole blob, a later first bound emits
-        only the chunks a store lacks. ``StateRestoreError`` for a blob whose structure this
-        codec does not know (e.g. several KV streams, a sliding-window model) or whose cells
-        are not exactly positions ``0..n-1``; ``InvalidRequestError`` for bad ``bounds``.
+        The blob holds positions ``[first, first + n)``: ``first`` is 0 for ``kv_pack``, the
+        tail's start for ``kv_pack_tail`` (its chunks are byte-identical to those the whole
+        sequence's blob gives for the same ranges). ``bounds`` is strictly increasing with
+        ``first <= bounds[0]`` and ``bounds[-1] <= first + n``; ``[0, ..., n]`` covers a whole
+        blob, a later first bound emits only the chunks a store lacks. ``StateRestoreError``
+        for a blob whose structure this codec does not know (e.g. several KV streams, a
+        sliding-window model) or whose cells are not exactly consecutive positions;
+        ``InvalidRequestError`` for bad ``bounds``.
         """
         ...
 

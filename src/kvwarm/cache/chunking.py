@@ -36,9 +36,9 @@ from kvwarm.cache.index import Index
 from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.protocols import StoredRow, Tier
 from kvwarm.cache.types import Namespace, SaveRequest
-from kvwarm.errors import CacheIOError, KvwarmError
+from kvwarm.errors import CacheError, CacheIOError, KvwarmError
 
-__all__ = ["PlanBook", "load_chunks", "plan_lens", "store_row"]
+__all__ = ["PlanBook", "load_chunks", "pack_request", "plan_lens", "store_row"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,27 @@ class PlanBook:
             self._plans.pop(key, None)
 
 
+def pack_request(
+    request: SaveRequest, tier: Tier, index: Index, lens: tuple[int, ...] | None
+) -> SaveRequest:
+    """``request`` with its payload packed (``request.pack``): from the end of the leading
+    planned chunks (``lens``) the tier already holds, so only what it lacks leaves the
+    context; from 0 when the row is stored whole (``lens`` None)."""
+    assert request.pack is not None
+    start = 0
+    if lens:
+        keys = chunk_keys(request.namespace, request.tokens, lens)
+        for length, size in zip(lens, index.chunk_sizes(tier.name, keys), strict=True):
+            if size is None:
+                break
+            start += length
+    if start >= len(request.tokens):  # every chunk is there: only the manifest is written
+        payload, first = b"", start
+    else:
+        payload, first = request.pack(start)
+    return replace(request, payload=payload, payload_from=first, pack=None)
+
+
 def store_row(
     key: bytes,
     request: SaveRequest,
@@ -113,7 +134,12 @@ def store_row(
     and holds at least one full chunk, else whole. Returns the published row, or None."""
     split, ns, tokens = request.split, request.namespace, request.tokens
     lens = request.chunk_lens
+    lead = request.payload_from  # the payload is a tail: chunks before it must be stored
+    if request.pack is not None:
+        raise ValueError("store_row needs the payload packed (chunking.pack_request)")
     if split is None or (not lens and (chunk_tokens <= 0 or len(tokens) < chunk_tokens)):
+        if lead:
+            raise CacheError(f"{tier.name}: {key.hex()} holds positions from {lead} only")
         return tier.store(key, _whole(request), index)
     if not lens:
         lens = plan_lens(len(tokens), chunk_tokens, *index.chunk_base(ns, tokens))
@@ -127,9 +153,18 @@ def store_row(
         for length in lens:
             bounds.append(bounds[-1] + length)
         first = next((i for i, k in enumerate(keys) if k in need), len(keys))
+        if first < len(keys) and bounds[first] < lead:
+            # A chunk the tail was packed without left the tier since (evicted, deleted):
+            # this row cannot be stored; a later save packs it whole.
+            raise CacheError(
+                f"{tier.name}: chunk {keys[first].hex()} of {key.hex()} went while its tail "
+                f"(positions from {lead}) was being saved"
+            )
         try:
             parts = split(request.payload, bounds[first:]) if first < len(keys) else []
         except KvwarmError as exc:
+            if lead:
+                raise CacheError(f"{tier.name}: tail of {key.hex()} not cut: {exc}") from exc
             # A blob the codec cannot cut (several KV streams, a sliding-window cache): the
             # row is stored whole, as before chunks existed.
             log.info("%s: storing %s whole: %s", tier.name, key.hex(), exc)

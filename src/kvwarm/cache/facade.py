@@ -42,7 +42,7 @@ from dataclasses import replace
 from types import TracebackType
 
 from kvwarm.cache.api import LoadedRow, VerifyReport
-from kvwarm.cache.chunking import PlanBook
+from kvwarm.cache.chunking import PlanBook, pack_request
 from kvwarm.cache.chunkreads import ChunkReads
 from kvwarm.cache.core import CacheCore, ScratchBuffers
 from kvwarm.cache.counters import Counters
@@ -357,6 +357,14 @@ class Cache:
         lens = self._plans.plan(key, request, self._index, self.config.chunk_tokens)
         if lens is not None:
             request = replace(request, chunk_lens=lens)
+        if request.pack is not None:
+            try:
+                request = pack_request(request, tier, self._index, lens)
+            except BaseException:
+                self._plans.done(key)
+                self._history.saved(key)
+                self._index.clear_in_flight(key)
+                raise
         planned = request
 
         def job() -> bool:

@@ -17,6 +17,9 @@ TierName = str
 # Cuts a KV blob into one payload per token range ``[bounds[i], bounds[i+1])`` (a backend's
 # ``kv_split``): how the cache turns a saved blob into chunks without knowing its layout.
 Splitter = Callable[[bytes | bytearray | memoryview, Sequence[int]], list[bytes]]
+# Packs a sequence's positions from ``start`` on (a backend's ``kv_pack_tail``): ``(blob,
+# first)``, ``first`` being ``start`` or 0 where the backend packed the whole sequence.
+Packer = Callable[[int], tuple[bytes, int]]
 # The built-in tier names (configurable without a URL). Not the set of tiers: any name may be
 # configured with a URL, so the server and the settings read the configured tiers instead.
 TIER_NAMES: tuple[TierName, ...] = ("ram", "ram_file", "disk", "s3")
@@ -239,6 +242,14 @@ class SaveRequest:
     # ``chunk_keys`` set too, the manifest a tier writes (``payload`` is then empty).
     chunk_lens: tuple[int, ...] = ()
     chunk_keys: tuple[bytes, ...] = ()
+    # Instead of ``payload`` (then empty): the cache calls ``pack(start)`` on the saving
+    # thread once it knows the first planned chunk its tier lacks, so the tokens a tier holds
+    # are never copied out of the context again. Needs ``split``.
+    pack: Packer | None = None
+    # The first position ``payload`` holds: 0, or where a ``pack``ed tail starts; the chunks
+    # before it must be in the tier when the row is stored (else the save fails: a row is
+    # never stored whole from a tail).
+    payload_from: int = 0
 
 
 @dataclass(frozen=True, slots=True)

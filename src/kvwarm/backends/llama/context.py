@@ -275,10 +275,22 @@ class LlamaContext:
     def kv_pack(self, seq: int) -> bytes:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
-            blob = _kv_state.pack(self._lib, self._ptr, seq)
-            if self._streams:
-                return kv_layout.one_stream(u8(blob), self._memory.kv_caches)
-            return blob
+            return self._pack(seq)
+
+    def _pack(self, seq: int) -> bytes:
+        blob = _kv_state.pack(self._lib, self._ptr, seq)
+        if self._streams:
+            return kv_layout.one_stream(u8(blob), self._memory.kv_caches)
+        return blob
+
+    def kv_pack_tail(self, seq: int, start: int) -> tuple[bytes, int]:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            _checks.check_range(start, -1)
+            if start == 0 or self._scratch is None or not self._memory.chunkable:
+                return self._pack(seq), 0
+            tail = _kv_state.pack_tail(self._lib, self._ptr, self._mem, seq, self._scratch, start)
+            return tail, start
 
     def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         with self._life.using():

@@ -77,8 +77,8 @@ class LlamaKvCodec:
 
     def split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
         data = u8(blob)
-        layout = parse_blob(data)
-        cuts = kv_chunk.check_bounds(bounds, layout.n_cells)
+        layout = parse_blob(data, tail=True)
+        cuts = kv_chunk.check_bounds(bounds, layout.n_cells, layout.first)
         if layout.n_cells == 0:
             return []
         self._check(layout.structure, "KV blob")
@@ -171,7 +171,9 @@ class LlamaKvCodec:
 
     @staticmethod
     def _cut(layout: BlobLayout, sources: list[U8], a: int, b: int) -> bytes:
+        """The chunk of positions ``[a, b)``; cells ``[a - first, b - first)`` of the blob."""
         n = b - a
+        lo, hi = a - layout.first, b - layout.first
         structure = layout.structure
         body_len = structure.blob_size(n)
         out, view = fresh_bytes(kv_chunk.header_size(layout.descriptor) + body_len)
@@ -190,11 +192,11 @@ class LlamaKvCodec:
         meta[:, 0] = np.arange(a, b, dtype=np.int32)
         meta[:, 1] = 1
         meta[:, 2] = 0
-        cells = None if layout.order is None else layout.order[a:b]
+        cells = None if layout.order is None else layout.order[lo:hi]
         targets = _sections(body, structure, n)
         for source, dst in zip(sources, targets, strict=True):
             if cells is None:
-                dst[...] = source[:, a:b, :]
+                dst[...] = source[:, lo:hi, :]
             else:
                 # mode="clip" writes straight into ``out`` (numpy buffers mode="raise");
                 # ``cells`` is a permutation of valid indices, checked by parse_blob.

@@ -96,8 +96,10 @@ class BlobLayout:
     structure: Structure
     descriptor: bytes
     n_cells: int
-    #: ``order[p]`` is the cell holding position ``p``; None when cell ``p`` holds position ``p``.
+    #: ``order[i]`` is the cell holding position ``first + i``; None when cell ``i`` does.
     order: npt.NDArray[np.intp] | None
+    #: The first position the blob holds: 0, or where a tail (``kv_pack_tail``) starts.
+    first: int = 0
 
 
 @functools.lru_cache(maxsize=32)
@@ -131,8 +133,9 @@ def _section(data: bytes | memoryview, at: int, i: int, *, transposed: bool) -> 
     return Section(ggml_type, groups, unit)
 
 
-def parse_blob(blob: U8) -> BlobLayout:
-    """Parse a sequence-state blob; ``StateRestoreError`` unless it is exactly as above."""
+def parse_blob(blob: U8, *, tail: bool = False) -> BlobLayout:
+    """Parse a sequence-state blob; ``StateRestoreError`` unless it is exactly as above: its
+    cells hold positions ``0..n-1``, or with ``tail`` any ``first..first+n-1``."""
     size = blob.size
     if size < HEAD.size:
         raise StateRestoreError(f"KV blob of {size} bytes is shorter than its header")
@@ -149,7 +152,9 @@ def parse_blob(blob: U8) -> BlobLayout:
     at = HEAD.size + n_cells * CELL
     if at + _PAIR.size > size:
         raise StateRestoreError(f"KV blob of {size} bytes cannot hold {n_cells} cells")
-    order = _cell_order(blob[HEAD.size : at], n_cells)
+    first, order = _cell_order(blob[HEAD.size : at], n_cells)
+    if first and not tail:
+        raise StateRestoreError(f"KV blob cells are not exactly positions 0..{n_cells - 1}")
     v_trans, n_layer = _PAIR.unpack_from(raw, at)
     if v_trans not in (0, 1) or not 1 <= n_layer <= MAX_LAYERS:
         raise StateRestoreError(f"KV blob has v_trans={v_trans}, n_layer={n_layer}")
@@ -166,24 +171,30 @@ def parse_blob(blob: U8) -> BlobLayout:
     if at != size:
         raise StateRestoreError(f"KV blob has {size - at} bytes after its last section")
     descriptor = b"".join(heads)
-    return BlobLayout(parse_descriptor(descriptor), descriptor, n_cells, order)
+    return BlobLayout(parse_descriptor(descriptor), descriptor, n_cells, order, first)
 
 
-def _cell_order(meta: U8, n_cells: int) -> npt.NDArray[np.intp] | None:
-    """Which cell holds each position; None for position order. Refuses anything but one
-    sequence holding exactly positions ``0..n_cells-1``."""
+def _cell_order(meta: U8, n_cells: int) -> tuple[int, npt.NDArray[np.intp] | None]:
+    """The first position, and which cell holds each position from it (None: position
+    order). Refuses anything but one sequence holding exactly ``first..first+n_cells-1``."""
     cells = meta.view("<i4").reshape(n_cells, 3)
     if not np.all(cells[:, 1] == 1):
         raise StateRestoreError("KV blob cells belong to several sequences")
     if not np.all(cells[:, 2] == cells[0, 2]):
         raise StateRestoreError("KV blob cells name different sequence ids")
     pos = cells[:, 0]
-    if np.array_equal(pos, np.arange(n_cells, dtype=pos.dtype)):
-        return None
+    first = int(pos.min())
+    want = np.arange(first, first + n_cells, dtype=pos.dtype)
+    if first < 0:
+        raise StateRestoreError(f"KV blob holds negative position {first}")
+    if np.array_equal(pos, want):
+        return first, None
     order = np.argsort(pos, kind="stable")
-    if not np.array_equal(pos[order], np.arange(n_cells, dtype=pos.dtype)):
-        raise StateRestoreError(f"KV blob cells are not exactly positions 0..{n_cells - 1}")
-    return order
+    if not np.array_equal(pos[order], want):
+        raise StateRestoreError(
+            f"KV blob cells are not exactly positions {first}..{first + n_cells - 1}"
+        )
+    return first, order
 
 
 # --- Streams --------------------------------------------------------------------------------

@@ -34,6 +34,18 @@ def pack(lib: Any, ctx: object, seq: int) -> bytes:
     return out
 
 
+def pack_tail(lib: Any, ctx: object, mem: object, seq: int, scratch: int, start: int) -> bytes:
+    """Positions ``start..`` of ``seq`` as a blob, packed through the scratch sequence (in a
+    unified KV stream ``seq_cp`` shares cells, it copies nothing); the scratch sequence is
+    empty again on return, whatever happens."""
+    lib.llama_memory_seq_rm(mem, scratch, -1, -1)
+    try:
+        lib.llama_memory_seq_cp(mem, seq, scratch, start, -1)
+        return pack(lib, ctx, scratch)
+    finally:
+        lib.llama_memory_seq_rm(mem, scratch, -1, -1)
+
+
 def unpack(
     lib: Any,
     ctx: object,

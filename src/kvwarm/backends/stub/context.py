@@ -210,14 +210,25 @@ class StubContext:
             if mem.kind == "swa" and cells:  # llama.cpp saves only the cells the window sees
                 top = max(cells)
                 cells = {p: c for p, c in cells.items() if top - p < mem.n_swa}
-            size = self._model.backend.cell_bytes
-            pad = size - CELL.size
-            out = bytearray(self._codec.header(len(cells)))
-            for pos in sorted(cells):
-                cell = cells[pos]
-                out += CELL.pack(pos, cell.token, cell.h)
-                out += _pad(cell.h, pad)
-            return bytes(out)
+            return self._blob(cells)
+
+    def kv_pack_tail(self, seq: int, start: int) -> tuple[bytes, int]:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            _checks.check_range(start, -1)
+            if start == 0 or not self._memory.chunkable:  # like llama.cpp's: no per-cell tail
+                return self.kv_pack(seq), 0
+            return self._blob({p: c for p, c in self._seqs[seq].items() if p >= start}), start
+
+    def _blob(self, cells: dict[int, _Cell]) -> bytes:
+        size = self._model.backend.cell_bytes
+        pad = size - CELL.size
+        out = bytearray(self._codec.header(len(cells)))
+        for pos in sorted(cells):
+            cell = cells[pos]
+            out += CELL.pack(pos, cell.token, cell.h)
+            out += _pad(cell.h, pad)
+        return bytes(out)
 
     def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         with self._life.using():

@@ -50,10 +50,10 @@ class StubKvCodec:
 
     def split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
         data = u8(blob)
-        n_cells = self._parse_blob(data)
-        cuts = kv_chunk.check_bounds(bounds, n_cells)
+        first, n_cells = self._parse_blob(data)
+        cuts = kv_chunk.check_bounds(bounds, n_cells, first)
         cells = data[HEADER.size :]
-        return [self._cut(cells, a, b) for a, b in itertools.pairwise(cuts)]
+        return [self._cut(cells, first, a, b) for a, b in itertools.pairwise(cuts)]
 
     @overload
     def join(self, chunks: Sequence[Buffer], out: None = None) -> bytearray: ...
@@ -88,8 +88,9 @@ class StubKvCodec:
         self._check_chunk(view, 0)
         return view.start, view.n_cells
 
-    def _parse_blob(self, data: U8) -> int:
-        """The blob's cell count, after checking its header, size and positions."""
+    def _parse_blob(self, data: U8) -> tuple[int, int]:
+        """The blob's first position (0, or a tail's start) and cell count, after checking its
+        header, size and positions."""
         if data.size < HEADER.size:
             raise StateRestoreError(f"KV blob of {data.size} bytes is shorter than its header")
         n_cells = int(struct.unpack_from("<I", data.data, HEADER.size - 4)[0])
@@ -97,8 +98,12 @@ class StubKvCodec:
             raise StateRestoreError("KV blob is not this model's, or has other cell types")
         if data.size != HEADER.size + n_cells * self._cell:
             raise StateRestoreError(f"KV blob of {data.size} bytes does not hold {n_cells} cells")
-        _check_positions(data[HEADER.size :], self._cell, 0, n_cells, "KV blob")
-        return n_cells
+        cells = data[HEADER.size :]
+        first = int(cells[:4].copy().view("<i4")[0]) if n_cells else 0
+        if first < 0:
+            raise StateRestoreError(f"KV blob holds negative position {first}")
+        _check_positions(cells, self._cell, first, n_cells, "KV blob")
+        return first, n_cells
 
     def _check_chunk(self, view: kv_chunk.ChunkView, i: int) -> None:
         if view.flags:
@@ -109,8 +114,8 @@ class StubKvCodec:
             raise StateRestoreError(f"KV chunk {i} body does not hold {view.n_cells} cells")
         _check_positions(view.body, self._cell, view.start, view.n_cells, f"KV chunk {i}")
 
-    def _cut(self, cells: U8, a: int, b: int) -> bytes:
-        body = cells[a * self._cell : b * self._cell]
+    def _cut(self, cells: U8, first: int, a: int, b: int) -> bytes:
+        body = cells[(a - first) * self._cell : (b - first) * self._cell]
         out, view = fresh_bytes(kv_chunk.header_size(self._descriptor) + body.size)
         at = kv_chunk.write_header(
             view,

@@ -163,18 +163,24 @@ class CachePort:
             key = rt.cache.key_for(ns, tokens)
             if rt.cache.has(key):
                 return key  # published or in flight: never pack the same tokens twice
-        if packed is None:
+        chunked = rt.memory.chunkable
+        seq = slot.seq
+
+        def pack(start: int) -> tuple[bytes, int]:
+            # Called by the cache on this thread, once it knows which leading chunks its tier
+            # holds: a conversation's next turn copies out only its new tokens' KV.
             t0 = time.perf_counter()
-            payload = rt.ctx.kv_pack(slot.seq)
+            out = rt.ctx.kv_pack_tail(seq, start) if start else (rt.ctx.kv_pack(seq), 0)
             rt.cache.record_latency("pack", time.perf_counter() - t0)
-        else:
-            payload = packed
+            return out
+
         act = slot.active
         canonical = slot.canonical if slot.canonical < len(tokens) else None
         request = SaveRequest(
             namespace=ns,
             tokens=tokens,
-            payload=payload,
+            payload=b"" if packed is None else packed,
+            pack=pack if packed is None else None,
             reason=reason,
             tier=cfg.save_tier,
             logits=logits,
@@ -184,11 +190,11 @@ class CachePort:
             quant_bits=cfg.quant_bits,
             fingerprint_mode=cfg.fingerprint_mode,
             canonical_tokens=canonical,
-            # Packed once here; the cache cuts only the chunks its tier lacks, on a writer
-            # thread (the codec is pure), so the tick pays for one pack, as before. A state
-            # that is not one stream of full-attention cells (kvwarm.memory) is stored whole:
-            # each such row is a checkpoint, restorable only where its floor allows.
-            split=rt.ctx.kv_codec.split if rt.memory.chunkable else None,
+            # Packed by the cache through ``pack`` (only what its tier lacks); it cuts the
+            # chunks on a writer thread (the codec is pure). A state that is not one stream
+            # of full-attention cells (kvwarm.memory) is stored whole: each such row is a
+            # checkpoint, restorable only where its floor allows.
+            split=rt.ctx.kv_codec.split if chunked else None,
         )
         timeout = cfg.policy.evict_save_timeout_ms / 1e3
         return rt.cache.save(request, sync=sync, timeout_s=timeout)
