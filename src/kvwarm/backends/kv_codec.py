@@ -25,7 +25,7 @@ class KvCodec(Protocol):
     ``start`` and ``n_cells``, sealed by a CRC32 of the envelope (``backends/kv_chunk.py``).
     Chunk bytes depend only on the cells' content, not on the sequence id or on where the cells
     sat in the context (so equal prefixes give equal chunks in every process). Layouts:
-    ``docs/architecture.md``, "KV state layout".
+    ``docs/formats.md``, "KV state layout".
 
     Guarantees:
 

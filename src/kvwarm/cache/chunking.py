@@ -20,7 +20,7 @@ Invariants:
   addresses, so any plan restores the same bytes.
 - A row shorter than one chunk is stored whole (no split, no copy), and so is a blob the
   codec refuses to cut (``KvwarmError`` from ``split``: e.g. a model with several KV streams).
-See docs/architecture.md ("Chunks").
+See docs/architecture.md ("Chunks") and docs/internals.md ("Chunks in detail").
 """
 
 from __future__ import annotations

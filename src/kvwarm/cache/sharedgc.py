@@ -24,7 +24,7 @@ Invariants:
 
 Residual window: a manifest published after the second listing that reuses an old chunk the
 sweep is deleting loses it; the row then reads as a miss (forgotten, never a wrong restore).
-See docs/architecture.md ("Shared tiers", "Chunk garbage collection").
+See docs/architecture.md ("Shared tiers") and docs/internals.md ("Chunk garbage collection").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a cache holds, in bytes: the one summary ``/cache/stats``, the dashboard and
 ``kvwarm cache stats`` print, so they cannot disagree. Pure; no I/O.
 
-Two measures (docs/architecture.md, "Chunks"):
+Two measures (docs/internals.md, "Refcounts and eviction"):
 
 - *physical* (``bytes``): what a tier stores, each chunk once: its rows' own files or objects
   (manifests, whole-blob rows) plus its chunks, orphans included. For a file tier, the sum of

@@ -6,7 +6,7 @@ by a schema) and replies are split into content and tool calls one way (``tools`
 ``tool_stream`` holdback), whichever wire format asked. Anthropic and Responses requests
 translate into these types and render ``ChatReply`` in their own shapes; OpenAI chat, with its
 ``n`` choices and incremental call deltas, uses ``plan`` and its own stream
-(``routes_chat``; docs/architecture.md, "Server and CLI").
+(``server/openai/chat.py``; docs/architecture.md, "Server and CLI").
 """
 
 from __future__ import annotations

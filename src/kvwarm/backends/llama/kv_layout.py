@@ -1,7 +1,7 @@
 """The layout of a llama.cpp sequence-state blob (``llama_state_seq_get_data``), parsed.
 
 The pinned llama.cpp writes, for one sequence of a unified (one-stream) KV cache, all
-little-endian (``docs/architecture.md``, "KV state layout")::
+little-endian (``docs/formats.md``, "KV state layout")::
 
     u32 io magic 0xAF143CD8, i32 seq id, u32 n_stream (1), u32 n_cells
     n_cells x (i32 pos, u32 n_seq_id (1), i32 seq id)          12 bytes of metadata per cell

@@ -1,7 +1,8 @@
 """Whether other processes have used a file tier's directory (a registry of locked files).
 
-Chunk refcounts are per process (docs/architecture.md, "Chunks"): a process knows the rows
-it wrote or adopted, not rows another process published into the same directory meanwhile.
+Chunk refcounts are per process (docs/internals.md, "Refcounts and eviction"): a process knows
+the rows it wrote or adopted, not rows another process published into the same directory
+meanwhile.
 So it may delete a chunk its own rows stopped naming only while nobody else has used the
 directory since it opened it; from then on the chunks are only forgotten and the directory's
 mark-and-sweep (``cache/sharedgc.py``, which reads every manifest there) reclaims them.

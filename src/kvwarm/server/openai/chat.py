@@ -1,8 +1,9 @@
 """``/v1/chat/completions``: tools planned, ``n`` choices prefilled once, streamed or not.
 
-Invariants: as ``routes_openai`` (the event loop never blocks on the engine). Streamed choices
-interleave as their tokens arrive, each chunk naming its choice ``index``; each choice's
-deltas follow ``chat_stream`` (content, logprobs with it, tool calls as OpenAI streams them).
+Invariants: as every route (``server/generate.py``: the event loop never blocks on the engine).
+Streamed choices interleave as their tokens arrive, each chunk naming its choice ``index``; each
+choice's deltas follow ``ChatChoiceStream`` below (content, logprobs with it, tool calls as
+OpenAI streams them).
 
 One streamed chat choice: engine fragments in, the ``delta`` chunks OpenAI streams out.
 

@@ -1,11 +1,11 @@
 """``/v1/completions`` (``n`` choices, ``echo`` with prompt logprobs, ``suffix``) and
 llama-server's ``/infill``.
 
-Invariants: as ``routes_openai`` (the event loop never blocks on the engine). Choice ``j`` of
-prompt ``i`` has index ``i * n + j``. ``echo`` with ``logprobs`` prefills the prompt with
-logits at every position (no KV reuse) and reports the first prompt token with a null
-logprob, as OpenAI does. A ``suffix`` or an ``/infill`` on a model without FIM tokens is a 400
-``fim_not_supported`` (``engine/prompts.py``).
+Invariants: as every route (``server/generate.py``: the event loop never blocks on the engine).
+Choice ``j`` of prompt ``i`` has index ``i * n + j``. ``echo`` with ``logprobs`` prefills the
+prompt with logits at every position (no KV reuse) and reports the first prompt token with a
+null logprob, as OpenAI does. A ``suffix`` or an ``/infill`` on a model without FIM tokens is a
+400 ``fim_not_supported`` (``engine/prompts.py``).
 """
 
 from __future__ import annotations
