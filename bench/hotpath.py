@@ -23,20 +23,17 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from multiturn import LORE, Server, post
 from peer import llama_server
+from profiling import py_spy, stop, top_frames
 
 SLOTS = 4
 
@@ -66,17 +63,6 @@ class Peer(Server):
             "-m", str(self.model), "-c", str(4096 * SLOTS), "-t", str(self.threads),
             "-tb", str(self.threads), "-np", str(SLOTS), "--no-webui",
         ]  # fmt: skip
-
-    def profile(self, out: Path) -> subprocess.Popen[bytes]:
-        """``py-spy record`` attached to the running server until sent SIGINT."""
-        assert self.proc is not None
-        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        cmd = [spy, "record", "-r", "250", "-f", "raw", "-o", str(out), "--threads"]
-        return subprocess.Popen(
-            [*cmd, "--pid", str(self.proc.pid)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
 
     def ask(self, prompt: str, n: int) -> tuple[int, float]:
         """(cached prompt tokens, seconds) of one completion of ``n`` tokens."""
@@ -147,26 +133,6 @@ def agents(server: Peer, n_agents: int, calls: int) -> tuple[float, float, list[
     return time.perf_counter() - t0, max(lat), lat
 
 
-def top_frames(raw: Path, limit: int = 15) -> list[str]:
-    """The functions that held the most samples (inclusive), from py-spy's raw output."""
-    total = 0
-    incl: Counter[str] = Counter()
-    for line in raw.read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
-        if not stack or not n.isdigit():
-            continue
-        total += int(n)
-        seen = set()
-        for frame in stack.split(";"):
-            name = frame.split(" (")[0]
-            where = frame.split("(")[-1].split(":")[0].rsplit("/", 1)[-1] if "(" in frame else ""
-            key = f"{name} [{where}]"
-            if key not in seen:
-                seen.add(key)
-                incl[key] += int(n)
-    return [f"{100 * v / max(total, 1):5.1f}%  {k}" for k, v in incl.most_common(limit)]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=None)
@@ -188,11 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             s.start()
         if "cached" not in skip:
-            spy = servers[0].profile(args.profile) if args.profile is not None else None
+            kv = servers[0].proc
+            spy = py_spy(kv.pid, args.profile) if args.profile is not None and kv else None
             lat = cached(servers, args.reps)
             if spy is not None:
-                spy.send_signal(signal.SIGINT)
-                spy.wait(60)
+                stop(spy)
             print("\n== 1. a 1-token reply to a cached ~1,000-token prompt (ms)")
             for kind in ("exact", "partial"):
                 meds = {n: statistics.median(v[kind]) for n, v in lat.items()}

@@ -2,6 +2,7 @@
 ``bench/peer.py``), side by side in one run, same model, same threads, servers alternated.
 
     python bench/multiturn.py --model PATH.gguf [--rounds 2] [--system-tokens 1000]
+                              [--profile kvwarm.raw]
 
 The load (issue 22): 3 conversations x 4 turns over one ~1,000-token system prompt, 16-token
 replies; then each server restarts and every conversation takes one more turn. Both servers
@@ -11,8 +12,10 @@ restart); llama-server with its defaults (RAM prompt cache, context checkpoints)
 
 Prints, per server and round: total time of the run phase and of the after-restart phase,
 each request's cached / prompt tokens and latency, and kvwarm's checkpoint bytes on disk per
-token and per conversation. Run it alone: two processes decoding at once on 2 cores halve
-each other.
+token and per conversation; the run ratio also without each server's first request (a cold
+prefill of the system prompt on both, the same work). ``--profile OUT`` records kvwarm's
+round-0 run phase after its first request with py-spy and prints its worker thread's top
+functions. Run it alone: two processes decoding at once on 2 cores halve each other.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peer import llama_server
+from profiling import py_spy, stop, top_frames
 
 CONVERSATIONS = 3
 TURNS = 4
@@ -152,18 +156,31 @@ def turn_text(history: str, question: str) -> str:
     return f"{history}<start_of_turn>user\n{question}<end_of_turn>\n<start_of_turn>model\n"
 
 
-def run_phase(server: Server, histories: list[str], turns: int) -> tuple[float, list[str]]:
+def run_phase(
+    server: Server, histories: list[str], turns: int, profile: Path | None = None
+) -> tuple[float, list[str], float]:
+    """(seconds, a line per request, seconds of every request but the first: the follow-ups
+    and later conversations, what a cache can change; the first is a cold prefill on both).
+    With ``profile``, py-spy records the server from the second request to the end."""
     rows: list[str] = []
+    spy = None
+    rest = 0.0
     t0 = time.perf_counter()
     for t in range(turns):
         for c in range(len(histories)):
+            if profile is not None and spy is None and rows and server.proc is not None:
+                spy = py_spy(server.proc.pid, profile)
             prompt = turn_text(histories[c], QUESTIONS[(c + t) % len(QUESTIONS)])
             cached, n_prompt, secs = server.complete(prompt)
+            if rows:
+                rest += secs
             histories[c] = prompt + server.last_text + "<end_of_turn>\n"
             rows.append(
                 f"conv {c} turn {t}: cached {cached:5d} / {n_prompt:5d}  {secs * 1e3:7.0f} ms"
             )
-    return time.perf_counter() - t0, rows
+    if spy is not None:
+        stop(spy)
+    return time.perf_counter() - t0, rows, rest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,11 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--servers", default="kvwarm,llama-server")
+    ap.add_argument(
+        "--profile", type=Path, default=None, help="py-spy kvwarm's round-0 run phase into this"
+    )
     args = ap.parse_args(argv)
     system = LORE * max(1, args.system_tokens // 34)
     print("command:", shlex.join([sys.executable, *sys.argv]))
     names = args.servers.split(",")
-    results: dict[str, list[tuple[float, float, list[str], int]]] = {n: [] for n in names}
+    results: dict[str, list[tuple[float, float, list[str], int, float]]] = {n: [] for n in names}
     for rnd in range(args.rounds):
         for name in names if rnd % 2 == 0 else list(reversed(names)):
             work = Path(tempfile.mkdtemp(prefix=f"kvwarm-mt-{name}-"))
@@ -186,12 +206,13 @@ def main(argv: list[str] | None = None) -> int:
                 histories = [f"<start_of_turn>user\n{system}\n\n" for _ in range(CONVERSATIONS)]
                 server.start()
                 try:
-                    run_s, rows = run_phase(server, histories, TURNS)
+                    spy = args.profile if rnd == 0 and name == "kvwarm" else None
+                    run_s, rows, rest_s = run_phase(server, histories, TURNS, spy)
                 finally:
                     server.stop()
                 server.start()  # restart: only what the server persisted survives
                 try:
-                    after_s, after_rows = run_phase(server, histories, 1)
+                    after_s, after_rows, _ = run_phase(server, histories, 1)
                 finally:
                     server.stop()
                 files = [f for f in (work / "kvwarm-cache").rglob("*") if f.is_file()]
@@ -199,14 +220,14 @@ def main(argv: list[str] | None = None) -> int:
                 n_rows = sum(1 for f in files if f.suffix == ".kvc")
                 tail = [f"cache rows: {n_rows}, {disk / max(n_rows, 1) / 2**20:.1f} MiB each"]
                 results[name].append(
-                    (run_s, after_s, [*rows, "-- restart --", *after_rows, *tail], disk)
+                    (run_s, after_s, [*rows, "-- restart --", *after_rows, *tail], disk, rest_s)
                 )
                 print(f"[round {rnd}] {name}: run {run_s:.2f} s, after restart {after_s:.2f} s")
             finally:
                 shutil.rmtree(work, ignore_errors=True)
     for name, rs in results.items():
         print(f"\n== {name}")
-        for i, (run_s, after_s, rows, disk) in enumerate(rs):
+        for i, (run_s, after_s, rows, disk, _) in enumerate(rs):
             print(f"round {i}: run {run_s:.2f} s, after restart {after_s:.2f} s")
             for r in rows:
                 print("   ", r)
@@ -216,8 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(names) == 2 and all(results.values()):
         a, b = (results[n] for n in names)
         for i, (x, y) in enumerate(zip(a, b, strict=False)):
-            print(f"round {i}: {names[0]}/{names[1]} run {x[0] / y[0]:.2f}x, "
+            print(f"round {i}: {names[0]}/{names[1]} run {x[0] / y[0]:.2f}x "
+                  f"(all but its cold first request {x[4] / y[4]:.2f}x), "
                   f"after restart {x[1] / y[1]:.2f}x")  # fmt: skip
+    if args.profile is not None and args.profile.exists():
+        print(f"\n== kvwarm's worker thread, round 0 run phase after its first request "
+              f"({args.profile}), samples at 250 Hz")  # fmt: skip
+        for line in top_frames(args.profile, 25, within="Worker._run"):
+            print("  ", line)
     return 0
 
 
