@@ -10,12 +10,13 @@ get the same rendered prompt text through their completions endpoints (Gemma's t
 so the chat template is not what is measured. kvwarm runs with a disk tier (it survives the
 restart); llama-server with its defaults (RAM prompt cache, context checkpoints).
 
-Prints, per server and round: total time of the run phase and of the after-restart phase,
-each request's cached / prompt tokens and latency, and kvwarm's checkpoint bytes on disk per
-token and per conversation; the run ratio also without each server's first request (a cold
-prefill of the system prompt on both, the same work). ``--profile OUT`` records kvwarm's
-round-0 run phase after its first request with py-spy and prints its worker thread's top
-functions. Run it alone: two processes decoding at once on 2 cores halve each other.
+Prints, per server and round: total time of the run phase and of the after-restart phase, each
+request's cached / prompt tokens and latency, and kvwarm's checkpoint bytes on disk per token
+and per conversation; the run ratio also without each server's first request (a cold prefill
+of the system prompt on both, the same work). ``--profile OUT`` records kvwarm's round-0 run
+phase after its first request with py-spy and prints its worker thread's top functions
+(sampling stops the process: the ratios of a profiled run are not comparable). Run it alone:
+two processes decoding at once on 2 cores halve each other.
 """
 
 from __future__ import annotations
