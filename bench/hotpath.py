@@ -31,8 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from multiturn import LORE, Server, post
-from peer import llama_server
+from multiturn import LORE, Server
 from profiling import py_spy, stop, top_frames
 
 SLOTS = 4
@@ -44,85 +43,39 @@ def _default_model() -> Path:
     return Path(default_model_path())
 
 
-class Peer(Server):
-    """A server of the comparison with 4 slots and a 1-token or n-token completion call."""
-
-    prompt_tokens = 0
-    last = ""
-
-    def command(self) -> list[str]:
-        if self.name == "kvwarm":
-            return [
-                sys.executable, "-m", "kvwarm", "serve", "--host", "127.0.0.1",
-                "--port", str(self.port), "--model", f"m={self.model}", "--n-ctx", "4096",
-                "--n-threads", str(self.threads), "--n-threads-batch", str(self.threads),
-                "--cache-dir", str(self.work / "kvwarm-cache"), "--n-parallel", str(SLOTS),
-            ]  # fmt: skip
-        return [
-            str(llama_server()), "--host", "127.0.0.1", "--port", str(self.port),
-            "-m", str(self.model), "-c", str(4096 * SLOTS), "-t", str(self.threads),
-            "-tb", str(self.threads), "-np", str(SLOTS), "--no-webui",
-        ]  # fmt: skip
-
-    def ask(self, prompt: str, n: int) -> tuple[int, float]:
-        """(cached prompt tokens, seconds) of one completion of ``n`` tokens."""
-        t0 = time.perf_counter()
-        if self.name == "kvwarm":
-            out = post(
-                f"http://127.0.0.1:{self.port}/v1/completions",
-                {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0},
-            )
-            usage = out["usage"]
-            assert isinstance(usage, dict)
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-            self.prompt_tokens = int(usage["prompt_tokens"])
-        else:
-            out = post(
-                f"http://127.0.0.1:{self.port}/completion",
-                {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True},
-            )
-            timings = out["timings"]
-            assert isinstance(timings, dict)
-            cached = int(timings.get("cache_n", 0))
-        choice = out["choices"][0]["text"] if self.name == "kvwarm" else out["content"]  # type: ignore[index]
-        self.last = str(choice)
-        return cached, time.perf_counter() - t0
-
-
-def cached(servers: list[Peer], reps: int) -> dict[str, dict[str, list[float]]]:
+def cached(servers: list[Server], reps: int) -> dict[str, dict[str, list[float]]]:
     prompt = LORE * 28  # ~1,000 tokens (SmolLM2)
     lat: dict[str, dict[str, list[float]]] = {s.name: {"exact": [], "partial": []} for s in servers}
-    for s in servers:
-        s.ask(prompt, 1)  # both now hold it
-    print(f"  prompt: {servers[0].prompt_tokens} tokens")
+    n_prompt = [s.complete(prompt, 1)[1] for s in servers]  # both now hold it
+    print(f"  prompt: {n_prompt[0]} tokens")
     for i in range(reps):
         tail = f" Question {i}: who kept the lighthouse in the year {1800 + 7 * i}, and why?"
         for kind, text in (("exact", prompt), ("partial", prompt + tail)):
             order = servers if i % 2 == 0 else list(reversed(servers))
             for s in order:
-                cached_n, secs = s.ask(text, 1)
+                cached_n, _, secs = s.complete(text, 1)
                 if kind == "exact" and cached_n == 0:
                     print(f"  warning: {s.name} reused nothing on an exact repeat")
                 lat[s.name][kind].append(secs * 1e3)
             if kind == "partial":
                 for s in order:
-                    s.ask(prompt, 1)  # back to the bare prompt, as the next agent call would
+                    s.complete(prompt, 1)  # back to the bare prompt, as the next agent call would
     return lat
 
 
-def agents(server: Peer, n_agents: int, calls: int) -> tuple[float, float, list[float]]:
+def agents(server: Server, n_agents: int, calls: int) -> tuple[float, float, list[float]]:
     system = LORE * 56  # ~2,000 tokens (SmolLM2)
-    server.ask(system, 1)  # the shared prefix is warm on both servers alike
+    server.complete(system, 1)  # the shared prefix is warm on both servers alike
     lat: list[float] = []
     lock = threading.Lock()
 
     def agent(a: int) -> None:
         history = f"{system}\nAgent {a} task: list the keepers of light number {a}.\n"
         for c in range(calls):
-            _, secs = server.ask(history, 16)
+            _, _, secs = server.complete(history, 16)
             with lock:
                 lat.append(secs * 1e3)
-            history += f"{server.last}\nTool result {c}: record {a * 100 + c} found.\n"
+            history += f"{server.last_text}\nTool result {c}: record {a * 100 + c} found.\n"
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=agent, args=(a,)) for a in range(n_agents)]
@@ -148,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     print("command:", shlex.join([sys.executable, *sys.argv]))
     print(f"model: {model}, threads {args.threads}, {SLOTS} slots each")
     work = Path(tempfile.mkdtemp(prefix="kvwarm-hot-"))
-    servers = [Peer(n, model, args.threads, work / n) for n in ("kvwarm", "llama-server")]
+    servers = [Server(n, model, args.threads, work / n, SLOTS) for n in ("kvwarm", "llama-server")]
     skip = set(args.skip.split(","))
     try:
         for s in servers:

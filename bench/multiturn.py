@@ -91,8 +91,10 @@ class Server:
     model: Path
     threads: int
     work: Path
+    slots: int = 1
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    last_text: str = ""
 
     def command(self) -> list[str]:
         if self.name == "kvwarm":
@@ -100,12 +102,13 @@ class Server:
                 sys.executable, "-m", "kvwarm", "serve", "--host", "127.0.0.1",
                 "--port", str(self.port), "--model", f"m={self.model}", "--n-ctx", "4096",
                 "--n-threads", str(self.threads), "--n-threads-batch", str(self.threads),
-                "--cache-dir", str(self.work / "kvwarm-cache"), "--n-parallel", "1",
+                "--cache-dir", str(self.work / "kvwarm-cache"), "--n-parallel", str(self.slots),
             ]  # fmt: skip
+        # llama-server divides its context among its slots: 4,096 tokens each, as kvwarm's.
         return [
             str(llama_server()), "--host", "127.0.0.1", "--port", str(self.port),
-            "-m", str(self.model), "-c", "4096", "-t", str(self.threads),
-            "-tb", str(self.threads), "-np", "1", "--no-webui",
+            "-m", str(self.model), "-c", str(4096 * self.slots), "-t", str(self.threads),
+            "-tb", str(self.threads), "-np", str(self.slots), "--no-webui",
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -124,13 +127,14 @@ class Server:
                 self.proc.wait()
             self.proc = None
 
-    def complete(self, prompt: str) -> tuple[int, int, float]:
-        """(cached tokens, prompt tokens, seconds) of one completion."""
+    def complete(self, prompt: str, n: int = REPLY_TOKENS) -> tuple[int, int, float]:
+        """(cached tokens, prompt tokens, seconds) of one completion of ``n`` tokens; its text
+        is ``last_text``."""
         t0 = time.perf_counter()
         if self.name == "kvwarm":
             out = post(
                 f"http://127.0.0.1:{self.port}/v1/completions",
-                {"model": "m", "prompt": prompt, "max_tokens": REPLY_TOKENS, "temperature": 0},
+                {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0},
             )
             usage = out["usage"]
             assert isinstance(usage, dict)
@@ -141,8 +145,7 @@ class Server:
         else:
             out = post(
                 f"http://127.0.0.1:{self.port}/completion",
-                {"prompt": prompt, "n_predict": REPLY_TOKENS, "temperature": 0,
-                 "cache_prompt": True},
+                {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True},
             )  # fmt: skip
             timings = out["timings"]
             assert isinstance(timings, dict)

@@ -351,9 +351,8 @@ class Cache:
         if self._closed:  # tiers are closed: nothing could be stored
             self._counters.incr("saves_dropped")
             return None
-        self._index.mark_in_flight(key)
-        self._history.saving(key, request.namespace, request.tokens, request.tier)
-        # Cuts are planned now, in submission order, so saves queued together line up.
+        # Cuts are planned now, in submission order, so saves queued together line up; then
+        # the payload is packed (only what the tier lacks), before the save is announced.
         lens = self._plans.plan(key, request, self._index, self.config.chunk_tokens)
         if lens is not None:
             request = replace(request, chunk_lens=lens)
@@ -362,10 +361,10 @@ class Cache:
                 request = pack_request(request, tier, self._index, lens)
             except BaseException:
                 self._plans.done(key)
-                self._history.saved(key)
-                self._index.clear_in_flight(key)
                 raise
         planned = request
+        self._index.mark_in_flight(key)
+        self._history.saving(key, request.namespace, request.tokens, request.tier)
 
         def job() -> bool:
             try:

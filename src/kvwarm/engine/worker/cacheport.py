@@ -131,73 +131,56 @@ class CachePort:
         packed: bytes | None = None,
         held: bool = False,
     ) -> bytes | None:
-        """Pack the slot's sequence (or take ``packed``, its state packed since its last
-        change) and hand it to the cache. Returns the row key if the save was accepted (async)
-        or published (sync). ``held``: the caller holds the key (``hold``); it is released
-        here, whatever happens."""
-        if held:
-            key = self.rt.cache.key_for(ns, slot.kv_tokens)
-            try:
-                return self._save(slot, reason, logits, ns, sync=sync, packed=packed, fresh=True)
-            finally:
-                self.rt.cache.release(key)
-        return self._save(slot, reason, logits, ns, sync=sync, packed=packed, fresh=False)
-
-    def _save(
-        self,
-        slot: Slot,
-        reason: SaveReason,
-        logits: bytes | None,
-        ns: Namespace,
-        *,
-        sync: bool,
-        packed: bytes | None,
-        fresh: bool,
-    ) -> bytes | None:
+        """Hand the slot's sequence to the cache, which packs what its tier lacks (or take
+        ``packed``, its state packed since its last change). Returns the row key if the save
+        was accepted (async) or published (sync). ``held``: the caller holds the key
+        (``hold``); it is released here, whatever happens."""
         rt = self.rt
         cfg = rt.cfg
         tokens = tuple(slot.kv_tokens)
-        if len(tokens) < cfg.policy.min_tokens or not tokens:
-            return None
-        if not fresh:
-            key = rt.cache.key_for(ns, tokens)
-            if rt.cache.has(key):
+        key = rt.cache.key_for(ns, tokens)
+        try:
+            if len(tokens) < cfg.policy.min_tokens or not tokens:
+                return None
+            if not held and rt.cache.has(key):
                 return key  # published or in flight: never pack the same tokens twice
-        chunked = rt.memory.chunkable
-        seq = slot.seq
+            seq = slot.seq
 
-        def pack(start: int) -> tuple[bytes, int]:
-            # Called by the cache on this thread, once it knows which leading chunks its tier
-            # holds: a conversation's next turn copies out only its new tokens' KV.
-            t0 = time.perf_counter()
-            out = rt.ctx.kv_pack_tail(seq, start) if start else (rt.ctx.kv_pack(seq), 0)
-            rt.cache.record_latency("pack", time.perf_counter() - t0)
-            return out
+            def pack(start: int) -> tuple[bytes, int]:
+                # Called by the cache on this thread, once it knows which leading chunks its
+                # tier holds: a conversation's next turn copies out only its new tokens' KV.
+                t0 = time.perf_counter()
+                out = rt.ctx.kv_pack_tail(seq, start) if start else (rt.ctx.kv_pack(seq), 0)
+                rt.cache.record_latency("pack", time.perf_counter() - t0)
+                return out
 
-        act = slot.active
-        canonical = slot.canonical if slot.canonical < len(tokens) else None
-        request = SaveRequest(
-            namespace=ns,
-            tokens=tokens,
-            payload=b"" if packed is None else packed,
-            pack=pack if packed is None else None,
-            reason=reason,
-            tier=cfg.save_tier,
-            logits=logits,
-            prompt_text=act.req.prompt_text[:4096] if act is not None else "",
-            ttl_class=act.req.ttl_class if act is not None else TtlClass.SHORT,
-            context_size=cfg.n_ctx_slot,
-            quant_bits=cfg.quant_bits,
-            fingerprint_mode=cfg.fingerprint_mode,
-            canonical_tokens=canonical,
-            # Packed by the cache through ``pack`` (only what its tier lacks); it cuts the
-            # chunks on a writer thread (the codec is pure). A state that is not one stream
-            # of full-attention cells (kvwarm.memory) is stored whole: each such row is a
-            # checkpoint, restorable only where its floor allows.
-            split=rt.ctx.kv_codec.split if chunked else None,
-        )
-        timeout = cfg.policy.evict_save_timeout_ms / 1e3
-        return rt.cache.save(request, sync=sync, timeout_s=timeout)
+            act = slot.active
+            canonical = slot.canonical if slot.canonical < len(tokens) else None
+            request = SaveRequest(
+                namespace=ns,
+                tokens=tokens,
+                payload=b"" if packed is None else packed,
+                pack=pack if packed is None else None,
+                reason=reason,
+                tier=cfg.save_tier,
+                logits=logits,
+                prompt_text=act.req.prompt_text[:4096] if act is not None else "",
+                ttl_class=act.req.ttl_class if act is not None else TtlClass.SHORT,
+                context_size=cfg.n_ctx_slot,
+                quant_bits=cfg.quant_bits,
+                fingerprint_mode=cfg.fingerprint_mode,
+                canonical_tokens=canonical,
+                # Packed by the cache through ``pack`` (only what its tier lacks); it cuts the
+                # chunks on a writer thread (the codec is pure). A state that is not one stream
+                # of full-attention cells (kvwarm.memory) is stored whole: each such row is a
+                # checkpoint, restorable only where its floor allows.
+                split=rt.ctx.kv_codec.split if rt.memory.chunkable else None,
+            )
+            timeout = cfg.policy.evict_save_timeout_ms / 1e3
+            return rt.cache.save(request, sync=sync, timeout_s=timeout)
+        finally:
+            if held:
+                rt.cache.release(key)
 
     def hold(self, slot: Slot, ns: Namespace) -> tuple[bytes | None, bool]:
         """The key ``save`` would give the slot's sequence now (None: too short to save),
