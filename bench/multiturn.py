@@ -11,8 +11,8 @@ so the chat template is not what is measured. kvwarm runs with a disk tier (it s
 restart); llama-server with its defaults (RAM prompt cache, context checkpoints).
 
 Prints, per server and round: total time of the run phase and of the after-restart phase, each
-request's cached / prompt tokens and latency, and kvwarm's checkpoint bytes on disk per token
-and per conversation; the run ratio also without each server's first request (a cold prefill
+request's cached / prompt tokens and latency, and kvwarm's checkpoint bytes on disk per
+conversation and, by save reason, per token a row holds (``kvwarm cache ls --json``); the run ratio also without each server's first request (a cold prefill
 of the system prompt on both, the same work). ``--profile OUT`` records kvwarm's round-0 run
 phase after its first request with py-spy and prints its worker thread's top functions
 (sampling stops the process: the ratios of a profiled run are not comparable). Run it alone:
@@ -156,6 +156,27 @@ class Server:
         return cached, n_prompt, time.perf_counter() - t0
 
 
+def checkpoint_bytes(cache_dir: Path) -> list[str]:
+    """The rows kvwarm kept, by save reason: how many, their tokens, their stored bytes per
+    token they hold (``kvwarm cache ls --json``: a checkpoint of a state that cannot be
+    trimmed is a whole row, so its bytes per token is what a resume point costs)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvwarm", "cache", "ls", "--json", "--cache-dir", str(cache_dir)],
+        capture_output=True, check=True, text=True,
+    )  # fmt: skip
+    by_reason: dict[str, list[tuple[int, int]]] = {}
+    for row in json.loads(out.stdout):
+        held = (int(row["n_tokens"]), int(row["bytes"]))
+        by_reason.setdefault(str(row["reason"]), []).append(held)
+    lines = []
+    for reason, rows in sorted(by_reason.items()):
+        tokens = sum(t for t, _ in rows)
+        stored = sum(b for _, b in rows)
+        lines.append(f"  {reason:8s} rows {len(rows):3d}: {stored / 2**20:7.1f} MiB, "
+                     f"{stored / max(tokens, 1) / 1024:5.1f} KiB per token held")  # fmt: skip
+    return lines
+
+
 def turn_text(history: str, question: str) -> str:
     return f"{history}<start_of_turn>user\n{question}<end_of_turn>\n<start_of_turn>model\n"
 
@@ -223,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                 disk = sum(f.stat().st_size for f in files)
                 n_rows = sum(1 for f in files if f.suffix == ".kvc")
                 tail = [f"cache rows: {n_rows}, {disk / max(n_rows, 1) / 2**20:.1f} MiB each"]
+                if name == "kvwarm":
+                    tail += checkpoint_bytes(work / "kvwarm-cache")
                 results[name].append(
                     (run_s, after_s, [*rows, "-- restart --", *after_rows, *tail], disk, rest_s)
                 )
