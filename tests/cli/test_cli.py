@@ -176,6 +176,23 @@ def test_cache_commands_and_verify_finds_corruption(env: dict[str, str]) -> None
     assert gc.returncode == 0 and set(json.loads(gc.stdout)) == {"rows", "bytes"}
 
 
+def test_a_tier_configured_by_url_is_seen_by_every_command_that_opens_the_cache(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    extra = f"extra=file://{tmp_path / 'extra'}?quota=1G"
+    filled = kvwarm(
+        env, "complete", LONG_PROMPT, "--max-tokens", "4", "--tiers", extra, "--save-tier", "extra"
+    )
+    assert filled.returncode == 0, filled.stderr
+    env_no_model = {**env, "KVWARM_MODELS": "/nonexistent/model.gguf"}
+    rows = json.loads(kvwarm(env_no_model, "cache", "ls", "--json", "--tiers", extra).stdout)
+    assert rows and {r["tier"] for r in rows} == {"extra"}
+    # Without the flag the command does not open that directory: none of its rows.
+    assert json.loads(kvwarm(env_no_model, "cache", "ls", "--json").stdout) == []
+    ok = kvwarm(env_no_model, "cache", "verify", "--tiers", extra)
+    assert ok.returncode == 0 and f"checked {len(rows)} rows: 0 bad" in ok.stdout, ok.stdout
+
+
 def test_cache_verify_reports_every_bad_file_and_repairs_only_when_asked(
     env: dict[str, str],
 ) -> None:

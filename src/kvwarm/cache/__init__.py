@@ -6,7 +6,6 @@
 from kvwarm.cache.api import CacheApi, LoadedRow, VerifyReport
 from kvwarm.cache.facade import Cache
 from kvwarm.cache.types import (
-    TIER_NAMES,
     CacheConfig,
     EvictResult,
     FingerprintMode,
@@ -24,7 +23,6 @@ from kvwarm.cache.types import (
 )
 
 __all__ = [
-    "TIER_NAMES",
     "Cache",
     "CacheApi",
     "CacheConfig",

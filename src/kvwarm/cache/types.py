@@ -20,9 +20,6 @@ Splitter = Callable[[bytes | bytearray | memoryview, Sequence[int]], list[bytes]
 # Packs a sequence's positions from ``start`` on (a backend's ``kv_pack_tail``): ``(blob,
 # first)``, ``first`` being ``start`` or 0 where the backend packed the whole sequence.
 Packer = Callable[[int], tuple[bytes, int]]
-# The built-in tier names (configurable without a URL). Not the set of tiers: any name may be
-# configured with a URL, so the server and the settings read the configured tiers instead.
-TIER_NAMES: tuple[TierName, ...] = ("ram", "ram_file", "disk", "s3")
 # The per-tier counters the cache reports, as ``tier_<name>_<series>`` (``Cache.counters``).
 TIER_SERIES: tuple[str, ...] = (
     "bytes",

@@ -1,1 +1,1 @@
-"""File tiers and the RAM tier."""
+"""Where rows and chunks are stored: the tiers, built from a name or a URL by ``registry``."""
