@@ -247,10 +247,10 @@ class _PutAtLink:
     def __init__(self, store: ObjectStore, name: str, parts: Sequence[kvc.Buffer]) -> None:
         self._store = store
         self._name = name
-        self._parts = parts
+        self._body = b"".join(parts)  # the one copy a store that takes one body needs
 
     def link(self) -> bool:
-        return self._store.put_if_absent(self._name, b"".join(self._parts))
+        return self._store.put_if_absent(self._name, self._body)
 
     def settle(self, adopted: bool) -> None:
         """A put is visible whole and durable when it returns."""
