@@ -253,9 +253,10 @@ class FileStore:
     def quarantined(self) -> tuple[int, int]:
         return filescan.quarantined(self._dir, str(self._root))
 
-    def reap_temps(self, remove: bool) -> builtins.list[tuple[str, str]]:
+    def reap_temps(self, names: Sequence[str], remove: bool) -> builtins.list[tuple[str, str]]:
         return filescan.reap_temps(
             self._dir,
+            names,
             self._root,
             self._tier,
             remove=remove,

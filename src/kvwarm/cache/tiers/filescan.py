@@ -20,7 +20,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvwarm.cache.tiers.fsutil import open_private_subdir, unlink_quiet
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 def reap_temps(
     dir_fd: int,
+    listed: Sequence[str],
     root: Path,
     tier: str,
     *,
@@ -47,15 +48,11 @@ def reap_temps(
     stale_tmp_s: float,
     multi_host: bool,
 ) -> list[tuple[str, str]]:
-    """Remove the interrupted temp files below ``dir_fd`` (``writing(name)``: ours, still
-    being written); (path, why) of those left in place because ``remove`` is False."""
+    """Remove the interrupted temp files among ``listed`` (names below ``dir_fd``;
+    ``writing(name)``: ours, still being written); (path, why) of those left in place
+    because ``remove`` is False."""
     problems: list[tuple[str, str]] = []
-    try:
-        names = sorted(e.name for e in os.scandir(dir_fd) if e.name.endswith(TMP_SUFFIX))
-    except OSError as exc:
-        log.error("%s: cannot list %s: %s", tier, root, exc)
-        return problems
-    for name in names:
+    for name in (n for n in listed if n.endswith(TMP_SUFFIX)):
         try:
             if writing(name) or _live(dir_fd, name, stale_tmp_s, multi_host):
                 continue

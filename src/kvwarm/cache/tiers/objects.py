@@ -235,9 +235,9 @@ class Quarantines(Protocol):
 class ReapsTemps(Protocol):
     """A store whose interrupted puts leave temp objects behind (files)."""
 
-    def reap_temps(self, remove: bool) -> list[tuple[str, str]]:
-        """Remove the temp objects nobody may still be writing (``remove=False``: keep
-        them); (location, why) of those left in place."""
+    def reap_temps(self, names: Sequence[str], remove: bool) -> list[tuple[str, str]]:
+        """Remove the temp objects among ``names`` (a listing) that nobody may still be
+        writing (``remove=False``: keep them); (location, why) of those left in place."""
         ...
 
 
@@ -457,10 +457,11 @@ class ObjectTier:
         be read is set aside or reported (``_reject``); one bad object never stops the scan."""
         problems: list[tuple[str, str]] = []
         self._problems = problems
+        listed = self._store.names("")
         if self._temps is not None:
-            problems.extend(self._temps.reap_temps(remove=self._repair))
+            problems.extend(self._temps.reap_temps(listed, remove=self._repair))
         named: list[tuple[str, bytes]] = []
-        for name in self._store.names(""):
+        for name in listed:
             if not name.endswith(ROW_SUFFIX):
                 continue  # chunks, temp objects, or not ours
             key = key_of(name)
