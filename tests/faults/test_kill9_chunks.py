@@ -22,8 +22,8 @@ from tests.faults.writer_child import chunked_rows
 
 from kvwarm.cache import Cache, CacheConfig, TierConfig
 from kvwarm.cache.key import cache_key
-from kvwarm.cache.tiers.chunkfiles import CHUNK_STEPS
 from kvwarm.cache.tiers.files import PUBLISH_STEPS
+from kvwarm.cache.tiers.publish import CHUNK_STEPS
 
 STEPS = [*CHUNK_STEPS, *PUBLISH_STEPS]
 N_ACKED = 2

@@ -217,6 +217,7 @@ __all__ = [
     "check_chunks",
     "crc32c",
     "fields_from_request",
+    "meta_end",
     "pack_hit_fields",
     "parse",
     "parse_meta",
@@ -397,6 +398,17 @@ def _as_bytes_view(buf: Buffer) -> memoryview:
     if mv.ndim != 1 or mv.itemsize != 1 or not mv.contiguous:
         raise bad("buffer must be contiguous bytes")
     return mv if mv.format == "B" else mv.cast("B")
+
+
+def meta_end(head: Buffer, size: int, name: str) -> int:
+    """Where the payload of row ``name`` (``size`` bytes in all) starts, read from the first
+    ``PREFIX_FIXED_SIZE`` bytes of ``head``: its metadata prefix is ``[0, meta_end)``."""
+    if len(head) < PREFIX_FIXED_SIZE:
+        raise bad(f"{name}: {size} bytes is too short")
+    (offset,) = struct.unpack_from("<Q", head, HEADER_SIZE)
+    if not PREFIX_FIXED_SIZE <= offset <= min(size, MAX_META_BYTES):
+        raise bad(f"{name}: payload offset {offset} out of range")
+    return int(offset)
 
 
 def parse_meta(buf: Buffer, *, file_size: int | None = None) -> KvcMeta:

@@ -7,10 +7,10 @@ Invariants:
   in the index, *stage* the bytes where no reader sees them, ``book.check`` the reservation,
   *commit* (link them under the key; if the name is taken, adopt the valid row there or
   clear the junk and link again, ``COMMIT_ATTEMPTS`` in all), ``book.mark_linked``,
-  ``book.publish``. A tier supplies only the staging (``Staged``): a temp file and link(2)
-  for files (``publish.py``), a put-if-absent for object stores (``objects.py``), a dict
-  entry for ram. Any failure undoes what was staged or committed and abandons the
-  reservation; a reservation lost at publish is never announced.
+  ``book.publish``. A tier supplies only the staging (``Staged``): ``objects.ObjectTier``'s
+  for every store (a file store's temp file and link(2), ``publish.py``; else one
+  put-if-absent), a dict entry for ram. Any failure undoes what was staged or committed
+  and abandons the reservation; a reservation lost at publish is never announced.
 - ``commit_chunk`` is the one chunk rule: a valid chunk already under the name is kept (same
   content, by construction), junk is replaced.
 """

@@ -1,50 +1,72 @@
-"""File tiers (``ram_file`` on /dev/shm, ``disk``): one ``<root>/<hex key>.kvc`` per row.
+"""File tiers (``ram_file`` on /dev/shm, ``disk``, any ``file://`` URL): one
+``<root>/<hex key>.kvc`` per row and ``<root>/<hex key>.kvk`` per chunk, a ``FileStore`` under
+the generic ``ObjectTier`` (``objects.py``), which owns the publish protocol, probes, scans,
+hit updates and chunk rules.
 
-``FileTier`` is the ``Tier`` a registry builds; its parts are the publish protocol
-(``publish.py``: how a row file comes to exist, crash-safely), the startup scan
-(``filescan.py``: adopt, reap, quarantine), the naming (``layout.py``) and, here, the reads,
-deletes and hit updates.
+``FileStore`` is the directory: names to files, reads, listings, deletes, the header's hit
+fields, and the store capabilities only files have -- staged puts (``publish.py``: temp file,
+fdatasync, link(2), directory fsync), local reads into the caller's buffer, quarantine and
+temp-file reaping (``filescan.py``), the registry of co-tenant processes (``cotenants.py``).
+``FileTier`` builds one and surfaces what the cache asks a file tier (``Cotenanted``,
+``SetsAside``, ``quota.FilesystemSpace``).
 
 Invariants:
-- A visible ``.kvc`` file is complete (``publish.py``), and its path is a pure function of its
-  key (``layout.py``), so another process sharing the directory finds a row it did not write.
+- A visible ``.kvc`` or ``.kvk`` file is complete (``publish.py``), and its path is a pure
+  function of its key (``layout.py``), so another process sharing the directory finds a row
+  it did not write. The bytes are a ``.kvc`` file's (``cache/kvc.py``); a chunk object
+  ``chunks/<hex>.kvk`` is the file ``<hex>.kvk`` beside the rows.
 - Every name is resolved against the root's directory fd, without following links, and the
   root is private (``fsutil``): a row swapped for a symlink is reported bad, never written
-  through. Loads read into a buffer (no mmap) and verify everything.
-- With ``repair=False`` nothing in the directory is moved or deleted by a scan (``filescan``).
+  through. Loads read into a buffer (no mmap). A file that cannot be opened or read is
+  ``CacheFormatError`` to a probe or a scan (unusable), ``CacheIOError`` to a load.
+- Hit counts and last-used times are the header's hit fields, rewritten in place without a
+  sync (``set_meta``): outside every CRC, an eviction hint.
+- With ``repair=False`` nothing in the directory is moved or deleted by a scan, and the tier
+  does not register as a co-tenant.
 - Every process that opens a local directory for writing registers in it (``cotenants.py``):
   once another one has, ``cotenanted()`` says our chunk refcounts no longer cover every row.
 - A directory shared by several hosts (``shared_dir``: NFS, CephFS) is not local (hits are
-  promoted to a local tier) and another writer's temp file is reaped only once it is stale:
-  its pid names a process on some other host.
+  promoted to a local tier), nothing there is set aside (a file this kvwarm cannot read may be
+  one a newer kvwarm on another host reads), and another writer's temp file is reaped only
+  once it is stale: its pid names a process on some other host.
 
 See docs/architecture.md (the cache) for how the tiers and the index fit together.
 """
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvwarm.cache import kvc
-from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
-from kvwarm.cache.tiers.chunkfiles import CHUNK_SUFFIX, ChunkFiles
+from kvwarm.cache.protocols import TierCapabilities
+from kvwarm.cache.tiers import filescan
 from kvwarm.cache.tiers.cotenants import PROCS, Cotenants
-from kvwarm.cache.tiers.filescan import DirScan
-from kvwarm.cache.tiers.fsutil import open_private_dir, open_regular, read_file
-from kvwarm.cache.tiers.layout import QUARANTINE, ROW_SUFFIX, key_of, name_for, row_from_file
-from kvwarm.cache.tiers.publish import PUBLISH_STEPS, Publisher, StepHook
+from kvwarm.cache.tiers.fsutil import (
+    open_private_dir,
+    open_regular,
+    read_exact,
+    read_file,
+    read_head,
+    read_prefix,
+)
+from kvwarm.cache.tiers.layout import CHUNK_SUFFIX, name_for
+from kvwarm.cache.tiers.objects import CHUNK_DIR, META_HITS, META_LAST_USED, Got, ObjectTier
+from kvwarm.cache.tiers.publish import PUBLISH_STEPS, FilePut, Publisher, StepHook
 from kvwarm.cache.tiers.registry import registered_tiers, tier_spec
-from kvwarm.cache.types import SaveRequest, TierName
+from kvwarm.cache.types import TierName
 from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError, ConfigError
 
 __all__ = [
     "FILE_CAPABILITIES",
     "PUBLISH_STEPS",
     "SHARED_DIR_CAPABILITIES",
+    "FileStore",
     "FileTier",
     "StepHook",
 ]
@@ -57,8 +79,215 @@ FILE_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=True)
 SHARED_DIR_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=False)
 
 
-class FileTier:
-    """A directory of KVC files. Thread-safe; several processes may share one root."""
+class FileStore:
+    """An ``ObjectStore`` over one private directory, with ``StagesPuts``, ``LocalReads``,
+    ``Quarantines`` and ``ReapsTemps``. Thread-safe; several processes may share one root."""
+
+    def __init__(
+        self,
+        tier: str,
+        root: Path,
+        *,
+        quarantine: bool = True,
+        stale_tmp_s: float = 3600.0,
+        multi_host: bool = False,
+        register: bool = True,
+        on_step: StepHook | None = None,
+    ) -> None:
+        self._tier = tier
+        self._root = root
+        self._quarantine = quarantine
+        self._stale_tmp_s = stale_tmp_s
+        self._multi_host = multi_host
+        self._publisher = Publisher(tier, on_step)
+        self._lock = threading.Lock()  # guards closing the directory fd
+        try:
+            self._dir = open_private_dir(root)
+        except NotADirectoryError:
+            raise ConfigError(f"cache root {root} is not a directory") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot create cache root {root}: {exc}") from exc
+        # Registered before the startup scan, so a process already running sees us before we
+        # adopt its rows. A read-only open deletes nothing and stays unseen.
+        self._cotenants: Cotenants | None = None
+        if register:
+            try:
+                self._cotenants = Cotenants(self._dir, f"{tier} {root}")
+            except OSError as exc:
+                os.close(self._dir)
+                raise ConfigError(f"cannot register in {root}/{PROCS}: {exc}") from exc
+
+    @property
+    def label(self) -> str:
+        return str(self._root)
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    def location(self, name: str) -> str:
+        return str(self._root / _file(name))
+
+    # ---- puts (``publish.py``) -------------------------------------------------------------
+
+    def stage(self, name: str, parts: Sequence[kvc.Buffer], token: int) -> FilePut:
+        return self._publisher.stage(self._dir, _file(name), parts, token)
+
+    def put_if_absent(self, name: str, body: bytes) -> bool:
+        put = self.stage(name, (body,), 0)
+        try:
+            linked = put.link()
+            if linked:
+                put.settle(False)
+            else:
+                put.undo()
+        except BaseException:
+            put.undo()
+            raise
+        return linked
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    def get(self, name: str, end: int | None = None) -> Got:
+        with self._inspecting(name):
+            data, size = read_head(self._dir, _file(name), end)
+        return Got(data, size, {})
+
+    def get_range(self, name: str, start: int, end: int) -> bytes:
+        with self._inspecting(name):
+            fd = open_regular(self._dir, _file(name), os.O_RDONLY)
+            try:
+                return os.pread(fd, end - start, start)
+            finally:
+                os.close(fd)
+
+    def read_prefix(self, name: str) -> tuple[bytes, int]:
+        with self._inspecting(name):
+            return read_prefix(self._dir, _file(name))
+
+    def read_into(self, name: str, buffer: bytearray | None) -> tuple[memoryview, bytearray]:
+        try:  # the restore path: no context manager, no copy (``fsutil.read_file``)
+            return read_file(self._dir, _file(name), buffer)
+        except OSError as exc:
+            raise self._load_error(name, exc) from exc
+
+    def read_exact_into(self, name: str, into: memoryview) -> memoryview | None:
+        try:
+            return read_exact(self._dir, _file(name), into)
+        except OSError as exc:
+            raise self._load_error(name, exc) from exc
+
+    @contextmanager
+    def _inspecting(self, name: str) -> Iterator[None]:
+        try:
+            yield
+        except FileNotFoundError:
+            raise CacheKeyError(f"{self._tier} holds no {name}") from None
+        except OSError as exc:
+            raise CacheFormatError(f"{name} is unreadable: {exc}") from exc
+
+    def _load_error(self, name: str, exc: OSError) -> CacheKeyError | CacheIOError:
+        if isinstance(exc, FileNotFoundError):
+            return CacheKeyError(f"{self._tier} holds no {name}")
+        return CacheIOError(f"{self._tier}: reading {name} failed: {exc}", errno=exc.errno)
+
+    # ---- listings, deletes, hit fields -------------------------------------------------------
+
+    def names(self, prefix: str) -> list[str]:
+        """Sorted; every entry but directories (``procs/``, ``quarantine/``: not objects), a
+        chunk file ``<hex>.kvk`` as ``chunks/<hex>.kvk``."""
+        try:
+            files = [e.name for e in os.scandir(self._dir) if not e.is_dir(follow_symlinks=False)]
+        except OSError as exc:
+            raise CacheIOError(f"{self._tier}: cannot list {self._root}: {exc}") from exc
+        named = (CHUNK_DIR + f if f.endswith(CHUNK_SUFFIX) else f for f in files)
+        return sorted(n for n in named if n.startswith(prefix))
+
+    def list(self, prefix: str) -> list[tuple[str, int, float]]:
+        out = []
+        for name in self.names(prefix):
+            try:
+                st = os.stat(_file(name), dir_fd=self._dir, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # deleted since the listing
+            except OSError as exc:
+                raise CacheIOError(f"{self._tier}: cannot stat {name}: {exc}") from exc
+            out.append((name, st.st_size, st.st_mtime))
+        return out
+
+    def delete(self, name: str) -> None:
+        try:
+            os.unlink(_file(name), dir_fd=self._dir)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise CacheIOError(f"{self._tier}: deleting {name} failed", errno=exc.errno) from exc
+
+    def set_meta(self, name: str, meta: Mapping[str, str]) -> None:
+        """The row's header hit fields, rewritten in place (no sync); a file too short to
+        hold them is left alone (never extend a stranger)."""
+        hits_b, last_b = kvc.pack_hit_fields(int(meta[META_HITS]), float(meta[META_LAST_USED]))
+        try:
+            fd = open_regular(self._dir, _file(name), os.O_WRONLY)
+        except FileNotFoundError:
+            raise CacheKeyError(f"{self._tier} holds no {name}") from None
+        except (OSError, CacheFormatError) as exc:
+            raise CacheIOError(f"{self._tier}: cannot open {name}: {exc}") from exc
+        try:
+            if os.fstat(fd).st_size >= kvc.PREFIX_FIXED_SIZE:
+                os.pwrite(fd, hits_b, kvc.HIT_COUNT_OFFSET)
+                os.pwrite(fd, last_b, kvc.LAST_USED_OFFSET)
+        except OSError as exc:
+            raise CacheIOError(f"{self._tier}: cannot write {name}: {exc}") from exc
+        finally:
+            os.close(fd)
+
+    # ---- what only a directory has ----------------------------------------------------------
+
+    def set_aside(self, name: str) -> bool:
+        if self._multi_host:
+            return False
+        filescan.set_aside(self._dir, _file(name), quarantine=self._quarantine, tier=self._tier)
+        return True
+
+    def quarantined(self) -> tuple[int, int]:
+        return filescan.quarantined(self._dir, str(self._root))
+
+    def reap_temps(self, names: Sequence[str], remove: bool) -> builtins.list[tuple[str, str]]:
+        return filescan.reap_temps(
+            self._dir,
+            names,
+            self._root,
+            self._tier,
+            remove=remove,
+            writing=self._publisher.writing,  # our temp files being written: kept
+            stale_tmp_s=self._stale_tmp_s,
+            multi_host=self._multi_host,
+        )
+
+    def cotenanted(self) -> bool:
+        with self._lock:
+            cotenants, dir_fd = self._cotenants, self._dir
+        return cotenants is None or dir_fd < 0 or cotenants.seen(dir_fd)
+
+    def filesystem_free_bytes(self) -> int:
+        st = os.statvfs(self._root)
+        return st.f_bavail * st.f_frsize
+
+    def close(self) -> None:
+        """Release the directory descriptor. Idempotent."""
+        with self._lock:
+            fd, self._dir = self._dir, -1
+            cotenants, self._cotenants = self._cotenants, None
+        if cotenants is not None:
+            cotenants.close()
+        if fd >= 0:
+            os.close(fd)
+
+
+class FileTier(ObjectTier):
+    """The generic tier over a ``FileStore`` on ``root``, plus what the cache asks only of a
+    file tier. Thread-safe; several processes may share one root."""
 
     def __init__(
         self,
@@ -76,210 +305,60 @@ class FileTier:
             raise ConfigError(f"tier {name!r} is not a file tier (it takes no root directory)")
         if quota_bytes < 0:
             raise ConfigError("file tier quota must be >= 0")
-        self._name: TierName = name
-        self._capabilities = SHARED_DIR_CAPABILITIES if shared_dir else FILE_CAPABILITIES
-        self._root = Path(root)
-        self._quota = quota_bytes
-        self._lock = threading.Lock()  # guards closing the directory fd
-        self._publisher = Publisher(name, self._root, on_step)
-        self._chunks = ChunkFiles(
+        self._files = FileStore(
             name,
-            self._root,
-            repair=repair,
-            quarantine=quarantine,
-            on_step=on_step,
-            writing=self._publisher.begin_writing,
-            done=self._publisher.end_writing,
-        )
-        self._scanner = DirScan(
-            name,
-            self._root,
-            repair=repair,
+            Path(root),
             quarantine=quarantine,
             stale_tmp_s=stale_tmp_s,
             multi_host=shared_dir,
-            writing=self._publisher.writing,  # our temp files being written: the scan keeps them
+            register=repair and not shared_dir,
+            on_step=on_step,
         )
-        try:
-            self._dir = open_private_dir(self._root)
-        except NotADirectoryError:
-            raise ConfigError(f"cache root {self._root} is not a directory") from None
-        except OSError as exc:
-            raise ConfigError(f"cannot create cache root {self._root}: {exc}") from exc
-        # Registered before the startup scan, so a process already running sees us before we
-        # adopt its rows. A read-only open (repair=False) deletes nothing and stays unseen.
-        self._cotenants: Cotenants | None = None
-        if repair and not shared_dir:
-            try:
-                self._cotenants = Cotenants(self._dir, f"{name} {self._root}")
-            except OSError as exc:
-                os.close(self._dir)
-                raise ConfigError(f"cannot register in {self._root}/{PROCS}: {exc}") from exc
-
-    @property
-    def name(self) -> TierName:
-        return self._name
-
-    @property
-    def quota_bytes(self) -> int:
-        return self._quota
-
-    @property
-    def capabilities(self) -> TierCapabilities:
-        return self._capabilities
+        capabilities = SHARED_DIR_CAPABILITIES if shared_dir else FILE_CAPABILITIES
+        super().__init__(
+            self._files,
+            quota_bytes,
+            name=name,
+            repair=repair,
+            capabilities=capabilities,
+            on_step=on_step,
+        )
 
     @property
     def root(self) -> Path:
-        return self._root
+        return self._files.root
+
+    def path_for(self, key: bytes) -> Path:
+        return self._files.root / name_for(key)
 
     def filesystem_free_bytes(self) -> int:
         """Bytes an unprivileged writer may still put on the root's filesystem
         (``quota.FilesystemSpace``: the quota is capped by what the tier holds plus this)."""
-        st = os.statvfs(self._root)
-        return st.f_bavail * st.f_frsize
+        return self._files.filesystem_free_bytes()
 
     def cotenanted(self) -> bool:
         """Whether another process has used this directory since we opened it (or we cannot
         tell): our chunk refcounts then do not cover every row, so chunks are swept, never
         deleted with their last row of ours (``cotenants.py``)."""
-        with self._lock:
-            cotenants, dir_fd = self._cotenants, self._dir
-        return cotenants is None or dir_fd < 0 or cotenants.seen(dir_fd)
-
-    def path_for(self, key: bytes) -> Path:
-        return self._root / name_for(key)
-
-    def problems(self) -> tuple[tuple[str, str], ...]:
-        """(path, reason) of every bad file the last scan left in place (``repair=False``)."""
-        return tuple(self._scanner.problems) + tuple(self._chunks.problems)
-
-    def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
-        return self._publisher.store(self._dir, key, request, book)
-
-    # ---- read side -----------------------------------------------------------------------
-
-    def load(self, row: StoredRow, buffer: bytearray | None = None) -> RowBytes:
-        name = name_for(row.info.key)  # a row's file name is a function of its key alone
-        try:
-            buf, backing = read_file(self._dir, name, buffer)
-        except FileNotFoundError:
-            raise CacheKeyError(f"{self._name} holds no row {row.info.key.hex()}") from None
-        except OSError as exc:
-            raise CacheIOError(
-                f"{self._name}: reading {name} failed: {exc}", errno=exc.errno
-            ) from exc
-        f = kvc.parse(buf, expected_key=row.info.key, known_tokens=row.tokens)
-        fields = f.meta.fields
-        return RowBytes(fields.tokens, f.payload, fields.logits, backing, fields)
-
-    def delete(self, key: bytes) -> None:
-        name = name_for(key)
-        try:
-            os.unlink(name, dir_fd=self._dir)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise CacheIOError(f"{self._name}: deleting {name} failed", errno=exc.errno) from exc
-
-    def record_hit(self, row: StoredRow, hits: int, last_used: float) -> None:
-        """Best effort, no fsync: these header fields are an eviction hint outside every CRC."""
-        hits_b, last_b = kvc.pack_hit_fields(hits, last_used)
-        name = name_for(row.info.key)
-        try:
-            fd = open_regular(self._dir, name, os.O_WRONLY)
-        except FileNotFoundError:
-            return
-        except (OSError, CacheFormatError) as exc:
-            log.warning("%s: cannot record hit on %s: %s", self._name, name, exc)
-            return
-        try:
-            if os.fstat(fd).st_size >= kvc.PREFIX_FIXED_SIZE:  # never extend a stranger
-                os.pwrite(fd, hits_b, kvc.HIT_COUNT_OFFSET)
-                os.pwrite(fd, last_b, kvc.LAST_USED_OFFSET)
-        except OSError as exc:
-            log.warning("%s: cannot record hit on %s: %s", self._name, name, exc)
-        finally:
-            os.close(fd)
-
-    def probe(self, key: bytes) -> StoredRow | None:
-        name = name_for(key)
-        try:
-            return row_from_file(self._dir, self._root, self._name, name, key)
-        except FileNotFoundError:
-            return None
-        except (OSError, CacheFormatError) as exc:
-            log.info("%s: probe of %s found an unusable file: %s", self._name, name, exc)
-            return None
-
-    def stored_keys(self) -> Iterator[bytes]:
-        try:
-            names = [e.name for e in os.scandir(self._dir)]
-        except OSError as exc:
-            log.warning("%s: cannot list %s: %s", self._name, self._root, exc)
-            return
-        for name in names:
-            key = key_of(name)
-            if key is not None:
-                yield key
-
-    def scan(self) -> Iterator[StoredRow]:
-        """Startup: reap temp files, yield valid rows (payload CRC deferred to ``load``),
-        quarantine (or delete) invalid ones -- or, with ``repair=False``, only report both in
-        ``problems()``. One bad file never stops the scan."""
-        return self._scanner.scan(self._dir)
-
-    # ---- chunks (``chunkfiles.py``) --------------------------------------------------------
-
-    def store_chunk(self, key: bytes, head: bytes, payload: bytes) -> int:
-        return self._chunks.store(self._dir, key, head, payload)
-
-    def load_chunk(self, key: bytes, buffer: memoryview | None = None) -> memoryview:
-        return self._chunks.load(self._dir, key, buffer)
-
-    def delete_chunk(self, key: bytes) -> None:
-        self._chunks.delete(self._dir, key)
-
-    def scan_chunks(self) -> Iterator[tuple[bytes, int]]:
-        return self._chunks.scan(self._dir)
+        return self._files.cotenanted()
 
     # ---- what the scans set aside (``protocols.SetsAside``) --------------------------------
 
     def chunk_size(self, key: bytes) -> int | None:
         """The size of chunk ``key`` if its file is there with a valid head, else None."""
-        return self._chunks.size(self._dir, key)
+        head = self._chunk_head(key)
+        return None if head is None else head.payload_offset + head.payload_length
 
     def set_aside_row(self, key: bytes, why: str) -> bool:
         """Quarantine row ``key``'s file as the startup scan does an invalid one (a manifest
         whose chunks are gone). False if it is only reported (read-only, multi-host)."""
-        return self._scanner.drop(self._dir, name_for(key), CacheFormatError(why))
+        return self._set_aside_row(key, why)
 
     def quarantined(self) -> tuple[int, int]:
         """(row files, chunk files) in ``quarantine/``: what scans have set aside so far."""
-        try:
-            qdir = os.open(
-                QUARANTINE, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._dir
-            )
-        except FileNotFoundError:
-            return 0, 0
-        except OSError as exc:
-            log.warning("%s: cannot list %s/%s: %s", self._name, self._root, QUARANTINE, exc)
-            return 0, 0
-        try:
-            names = os.listdir(qdir)
-        finally:
-            os.close(qdir)
-        rows = sum(1 for n in names if n.endswith(ROW_SUFFIX))
-        return rows, sum(1 for n in names if n.endswith(CHUNK_SUFFIX))
+        return self._files.quarantined()
 
-    def chunk_ages(self) -> Iterator[tuple[bytes, int, float]]:
-        return self._chunks.ages(self._dir)
 
-    def close(self) -> None:
-        """Release the directory descriptor. Idempotent."""
-        with self._lock:
-            fd, self._dir = self._dir, -1
-            cotenants, self._cotenants = self._cotenants, None
-        if cotenants is not None:
-            cotenants.close()
-        if fd >= 0:
-            os.close(fd)
+def _file(name: str) -> str:
+    """The file in the root that holds object ``name``: chunks sit beside the rows."""
+    return name[len(CHUNK_DIR) :] if name.startswith(CHUNK_DIR) else name

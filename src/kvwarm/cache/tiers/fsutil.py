@@ -1,4 +1,4 @@
-"""File-system primitives for the file tiers: private directories and no-follow opens.
+"""File-system primitives for the file store: private directories, no-follow opens, reads.
 
 The cache directory is not trusted to be what we left there. Invariants:
 
@@ -24,7 +24,6 @@ import errno
 import logging
 import os
 import stat
-import struct
 from pathlib import Path
 
 from kvwarm.buffers import grown
@@ -36,8 +35,10 @@ __all__ = [
     "open_private_dir",
     "open_private_subdir",
     "open_regular",
+    "read_exact",
     "read_file",
-    "read_meta",
+    "read_head",
+    "read_prefix",
     "unlink_quiet",
 ]
 
@@ -166,18 +167,36 @@ def read_file(dir_fd: int, name: str, scratch: bytearray | None) -> tuple[memory
     return view, buf
 
 
-def read_meta(dir_fd: int, name: str) -> kvc.KvcMeta:
-    """Header, trailer and metadata only: reads the prefix, never the payload."""
+def read_prefix(dir_fd: int, name: str) -> tuple[bytes, int]:
+    """Row ``name``'s metadata prefix (header, trailer, TLV; never the payload) and the
+    file's size, in one open."""
     with open(open_regular(dir_fd, name, os.O_RDONLY), "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(kvc.PREFIX_FIXED_SIZE)
-        if len(head) < kvc.PREFIX_FIXED_SIZE:
-            raise CacheFormatError(f"{name}: {size} bytes is too short")
-        (offset,) = struct.unpack_from("<Q", head, kvc.HEADER_SIZE)
-        if not kvc.PREFIX_FIXED_SIZE <= offset <= min(size, kvc.MAX_META_BYTES):
-            raise CacheFormatError(f"{name}: payload offset {offset} out of range")
+        offset = kvc.meta_end(head, size, name)
         rest = f.read(offset - kvc.PREFIX_FIXED_SIZE)
-    return kvc.parse_meta(head + rest, file_size=size)
+    return head + rest, size
+
+
+def read_head(dir_fd: int, name: str, end: int | None) -> tuple[bytes, int]:
+    """Bytes ``[0, end)`` of ``name`` (all of it if ``end`` is None) and the file's size."""
+    with open(open_regular(dir_fd, name, os.O_RDONLY), "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        return f.read(size if end is None else min(end, size)), size
+
+
+def read_exact(dir_fd: int, name: str, into: memoryview) -> memoryview | None:
+    """The whole file read into ``into`` if it is exactly ``len(into)`` bytes, else None."""
+    with open(open_regular(dir_fd, name, os.O_RDONLY), "rb", buffering=0) as f:
+        if os.fstat(f.fileno()).st_size != into.nbytes:
+            return None
+        got = 0
+        while got < into.nbytes:
+            n = f.readinto(into[got:])
+            if not n:
+                raise CacheFormatError(f"{name} shrank while being read")
+            got += n
+    return into
 
 
 def unlink_quiet(dir_fd: int, name: str) -> None:

@@ -1,6 +1,5 @@
-"""Where a row lives in a file tier's directory, and how it is read back by name; the names
-of rows (``<hex key>.kvc``) and chunks (``<hex key>.kvk``) every tier uses, object stores
-included (``objects.py``).
+"""The names every persistent tier uses: rows (``<hex key>.kvc``), chunks (``<hex key>.kvk``)
+and a file store's temp files and ``quarantine/``.
 
 Invariants:
 
@@ -10,20 +9,12 @@ Invariants:
 - Temp files live in the same directory (``link(2)`` cannot cross file systems), named
   ``<hex>.kvc.<pid>.<token>.<n>.tmp`` so a scan knows whose they are and never mistakes one
   for a row.
-- Every read goes through ``fsutil`` (relative to the root's fd, no link followed).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from pathlib import Path
-
-from kvwarm.cache.protocols import StoredRow
-from kvwarm.cache.tiers.common import row_info
-from kvwarm.cache.tiers.fsutil import read_meta
-from kvwarm.cache.types import TierName
-from kvwarm.errors import CacheFormatError
 
 __all__ = [
     "CHUNK_SUFFIX",
@@ -34,7 +25,6 @@ __all__ = [
     "chunk_name",
     "key_of",
     "name_for",
-    "row_from_file",
     "tmp_name",
     "tmp_owner_pid",
 ]
@@ -80,16 +70,3 @@ def tmp_owner_pid(name: str) -> int | None:
     """The pid that created temp file ``name``; None if the name does not say."""
     parts = name.split(".")
     return int(parts[2]) if len(parts) == 6 and parts[2].isdigit() else None
-
-
-def row_from_file(dir_fd: int, root: Path, tier: TierName, name: str, key: bytes) -> StoredRow:
-    """The row file ``name`` holds, from its metadata (the payload is checked on load).
-    ``CacheFormatError`` if it is not a valid row of ``key``; ``OSError`` if unreadable."""
-    meta = read_meta(dir_fd, name)
-    if meta.key != key:
-        raise CacheFormatError(f"{name} holds another key")
-    size = meta.payload_offset + meta.payload_length  # the file's size (parse_meta checks it)
-    info = row_info(key, tier, meta.fields, meta.payload_length, stored_bytes=size)
-    return StoredRow(
-        info, meta.fields.tokens, str(root / name), meta.fields.chunks, meta.fields.chunk_lens
-    )

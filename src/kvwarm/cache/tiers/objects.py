@@ -1,45 +1,51 @@
-"""The generic object tier: the publish protocol, probes, scans, hit fields and chunk rules of
-every tier whose storage is an object store (s3, redis), written once over ``ObjectStore``.
+"""The generic tier: the publish protocol, probes, scans, hit fields and chunk rules of every
+persistent tier -- a directory of files, s3, redis -- written once over ``ObjectStore``.
 
 Two layers: ``ObjectTier`` implements ``protocols.Tier`` and owns every rule; an
-``ObjectStore`` only moves named byte strings (put-if-absent, ranged get, list with sizes and
-ages, delete, user metadata). A new store is one module implementing ``ObjectStore`` plus one
-``tiers.registry.register_scheme`` call.
+``ObjectStore`` only moves named byte strings (put-if-absent, get, list, delete, user
+metadata). A new store is one module implementing ``ObjectStore`` plus one
+``tiers.registry.register_scheme`` call. A store may offer more, as small protocols checked
+once when the tier is built, and the tier then uses it: ``StagesPuts`` (the durable half of a
+put runs before the reservation check: files' temp file and fdatasync), ``LocalReads`` (reads
+are local copies: a load lands in the caller's reused buffer, a probe reads the metadata
+only), ``Quarantines`` (what a scan rejects is moved aside, not only reported) and
+``ReapsTemps`` (interrupted puts leave temp objects a scan removes).
 
 Invariants:
-- An object holds exactly the bytes a file tier's ``.kvc`` file would (``cache/kvc.py``), so
-  every ``load`` verifies the payload CRC32C and that the row replays to its key; a row that
-  fails is ``CacheFormatError`` (the facade drops it and deletes the object).
-- The startup scan deletes nothing: an object it cannot read may be another host's row.
-- Publish once (``common.publish_row``): the object is written with ``put_if_absent`` after
-  ``book.check``; a store makes a put visible whole or not at all, so no temp object exists.
-  "Already there" means another writer published the key first: its object is *adopted* if
-  its metadata parses as this key, replaced (delete, put again) if it is junk.
-- Hit counts and last-used times live in the object's user metadata, outside the KVC bytes
-  and their CRCs, like the file header's hit fields.
+- An object holds exactly the bytes of a ``.kvc`` file (``cache/kvc.py``), so every ``load``
+  verifies the payload CRC32C and that the row replays to its key; a row that fails is
+  ``CacheFormatError`` (the facade drops it and deletes the object).
+- Publish once (``common.publish_row``): the row is staged (``StagesPuts``; else nothing is
+  staged), ``book.check``'ed, then put with put-if-absent; a store makes a put visible whole
+  or not at all. "Already there" means another writer published the key first: its object
+  is *adopted* if its metadata parses as this key, replaced (delete, put again) if it is junk.
+- The startup scan only reports what it cannot read, unless the store ``Quarantines`` and the
+  tier repairs: an object it cannot read may be another host's row, and a store several hosts
+  share refuses to set it aside. Something that vanished since the listing is skipped.
+- Hit counts and last-used times are user metadata outside the KVC bytes' CRCs (a file keeps
+  them in its header's hit fields, an object store beside the object).
 - Chunks are ``chunks/<hex>.kvk`` objects, content-addressed and put once; one already there
   is kept if its head is valid, replaced if not (``common.commit_chunk``); the payload CRC
-  is checked on load (``chunkfmt.parse``).
+  is checked on load (``chunkfmt.parse``), the head at scan where the store can set aside.
 - Network faults surface as ``CacheNetworkError`` from the store; nothing here retries.
-See docs/architecture.md ("Shared tiers").
+See docs/architecture.md (the cache).
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvwarm.cache import chunkfmt, kvc
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
 from kvwarm.cache.tiers import layout
-from kvwarm.cache.tiers.common import commit_chunk, publish_row, row_info
-from kvwarm.cache.tiers.layout import key_of, name_for
+from kvwarm.cache.tiers.common import StepHook, commit_chunk, publish_row, row_info
+from kvwarm.cache.tiers.layout import ROW_SUFFIX, key_of, name_for
 from kvwarm.cache.types import SaveRequest, TierName
 from kvwarm.errors import (
     CacheFormatError,
@@ -49,7 +55,18 @@ from kvwarm.errors import (
     ConfigError,
 )
 
-__all__ = ["REMOTE_CAPABILITIES", "Breaker", "Got", "ObjectStore", "ObjectTier"]
+__all__ = [
+    "REMOTE_CAPABILITIES",
+    "Breaker",
+    "Got",
+    "LocalReads",
+    "ObjectStore",
+    "ObjectTier",
+    "Quarantines",
+    "ReapsTemps",
+    "StagedPut",
+    "StagesPuts",
+]
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +150,10 @@ class ObjectStore(Protocol):
         """Bytes ``[start, end)`` of ``name``."""
         ...
 
+    def names(self, prefix: str) -> list[str]:
+        """The name of every object whose name starts with ``prefix``, nothing else read."""
+        ...
+
     def list(self, prefix: str) -> list[tuple[str, int, float]]:
         """(name, size, age as last-modified epoch seconds; ``inf`` if unknown) of every
         object whose name starts with ``prefix``."""
@@ -149,20 +170,111 @@ class ObjectStore(Protocol):
     def close(self) -> None: ...
 
 
-class _Staged:
-    """An object put once at commit: a store makes a put visible whole or not at all, so
-    there is nothing to stage before it and nothing to undo after it but the object."""
+class StagedPut(Protocol):
+    """A put split in two: its bytes already durable where no reader sees them, to be made
+    visible under the name atomically."""
 
-    def __init__(self, tier: ObjectTier, key: bytes, request: SaveRequest) -> None:
+    def link(self) -> bool:
+        """Make the object visible under its name; False if the name is taken."""
+        ...
+
+    def settle(self, adopted: bool) -> None:
+        """After the link (or, ``adopted``, after keeping what was already there): make the
+        name durable and drop what was staged."""
+        ...
+
+    def undo(self) -> None:
+        """Remove what was staged, and what ``link`` made visible of a row. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class StagesPuts(Protocol):
+    """A store whose put has a slow durable half that runs before the reservation check
+    (files: temp file, fdatasync) and a fast atomic half after it (link(2))."""
+
+    def stage(self, name: str, parts: Sequence[kvc.Buffer], token: int) -> StagedPut:
+        """Write ``parts`` durably under a private name (``token``: the reservation, 0 for a
+        chunk); cleans up after itself if it raises."""
+        ...
+
+
+@runtime_checkable
+class LocalReads(Protocol):
+    """A store whose reads are local copies, not round trips (files)."""
+
+    def read_prefix(self, name: str) -> tuple[bytes, int]:
+        """Row ``name``'s metadata prefix (``[0, kvc.meta_end)``, no payload) and its size."""
+        ...
+
+    def read_into(self, name: str, buffer: bytearray | None) -> tuple[memoryview, bytearray]:
+        """All of ``name``, read into ``buffer`` if it is large enough, else a fresh one:
+        (a view of exactly its bytes, the buffer behind it)."""
+        ...
+
+    def read_exact_into(self, name: str, into: memoryview) -> memoryview | None:
+        """All of ``name`` read into ``into`` if it is exactly that long, else None."""
+        ...
+
+
+@runtime_checkable
+class Quarantines(Protocol):
+    """A store that can move what a scan rejects out of the way (files: ``quarantine/``)."""
+
+    def set_aside(self, name: str) -> bool:
+        """Move ``name`` aside (or delete it); False if it may only be reported (a store
+        several hosts share). Errors are logged, never raised."""
+        ...
+
+    def quarantined(self) -> tuple[int, int]:
+        """(rows, chunks) set aside so far."""
+        ...
+
+
+@runtime_checkable
+class ReapsTemps(Protocol):
+    """A store whose interrupted puts leave temp objects behind (files)."""
+
+    def reap_temps(self, names: Sequence[str], remove: bool) -> list[tuple[str, str]]:
+        """Remove the temp objects among ``names`` (a listing) that nobody may still be
+        writing (``remove=False``: keep them); (location, why) of those left in place."""
+        ...
+
+
+class _PutAtLink:
+    """A store with no staging: nothing before the check, one put at the link."""
+
+    def __init__(self, store: ObjectStore, name: str, parts: Sequence[kvc.Buffer]) -> None:
+        self._store = store
+        self._name = name
+        self._body = b"".join(parts)  # the one copy a store that takes one body needs
+
+    def link(self) -> bool:
+        return self._store.put_if_absent(self._name, self._body)
+
+    def settle(self, adopted: bool) -> None:
+        """A put is visible whole and durable when it returns."""
+
+    def undo(self) -> None:
+        """Nothing was visible before the put; after it, the row is complete and the index
+        (mark_linked) or a scan decides, as for a reservation lost at publish."""
+
+
+class _Staged:
+    """One row through ``common.publish_row``: staged by the store, linked, adopted or
+    cleared here."""
+
+    def __init__(self, tier: ObjectTier, key: bytes, request: SaveRequest, token: int) -> None:
         self._tier = tier
         self._key = key
         self._request = request
         self._fields = kvc.fields_from_request(request, now=time.time())
-        self._prefix = kvc.build_prefix(self._fields, request.payload)
+        prefix = kvc.build_prefix(self._fields, request.payload)
+        self._prefix_len = len(prefix)
+        self._put = tier._stage(row_name(key), (prefix, request.payload), token)
 
     def link(self) -> bool:
-        body = b"".join((self._prefix, self._request.payload))
-        return self._tier.objects.put_if_absent(row_name(self._key), body)
+        return self._put.link()
 
     def existing(self) -> StoredRow | None:
         return self._tier.probe(self._key)
@@ -171,20 +283,20 @@ class _Staged:
         self._tier.delete(self._key)
 
     def settle(self, adopted: StoredRow | None) -> StoredRow:
+        self._put.settle(adopted is not None)
         if adopted is not None:
             return adopted
         tier, key, request = self._tier, self._key, self._request
         n = memoryview(request.payload).nbytes
-        info = row_info(key, tier.name, self._fields, n, stored_bytes=len(self._prefix) + n)
+        info = row_info(key, tier.name, self._fields, n, stored_bytes=self._prefix_len + n)
         location = tier.location(key)
         return StoredRow(info, request.tokens, location, request.chunk_keys, request.chunk_lens)
 
     def undo(self) -> None:
-        """Nothing was visible before the put; after it, the row is complete and the index
-        (mark_linked) or a scan decides, as for a reservation lost at publish."""
+        self._put.undo()
 
     def lost(self) -> None:
-        pass
+        """The row stays for the index (which may have adopted it) or the scan to decide."""
 
 
 class ObjectTier:
@@ -198,6 +310,7 @@ class ObjectTier:
         name: TierName,
         repair: bool = True,
         capabilities: TierCapabilities = REMOTE_CAPABILITIES,
+        on_step: StepHook | None = None,
     ) -> None:
         if quota_bytes < 0:
             raise ConfigError(f"{name} tier quota must be >= 0")
@@ -206,7 +319,14 @@ class ObjectTier:
         self._name = name
         self._repair = repair
         self._capabilities = capabilities
+        self._on_step = on_step  # publish steps, for the fault-injection tests
         self._problems: list[tuple[str, str]] = []
+        self._chunk_problems: list[tuple[str, str]] = []
+        # What the store offers beyond the seam, asked once.
+        self._stages = store if isinstance(store, StagesPuts) else None
+        self._local = store if isinstance(store, LocalReads) else None
+        self._aside = store if isinstance(store, Quarantines) else None
+        self._temps = store if isinstance(store, ReapsTemps) else None
 
     @property
     def name(self) -> TierName:
@@ -229,48 +349,73 @@ class ObjectTier:
         return self._store.location(row_name(key))
 
     def problems(self) -> tuple[tuple[str, str], ...]:
-        return tuple(self._problems)
+        """(location, why) of everything the last scans could not use and left in place."""
+        return tuple(self._problems) + tuple(self._chunk_problems)
 
     # ---- publish -------------------------------------------------------------------------
 
     def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
-        return publish_row(self._name, key, request, book, lambda _: _Staged(self, key, request))
+        return publish_row(
+            self._name,
+            key,
+            request,
+            book,
+            lambda token: _Staged(self, key, request, token),
+            self._on_step,
+        )
+
+    def _stage(self, name: str, parts: Sequence[kvc.Buffer], token: int) -> StagedPut:
+        if self._stages is not None:
+            return self._stages.stage(name, parts, token)
+        return _PutAtLink(self._store, name, parts)
 
     # ---- read side -----------------------------------------------------------------------
 
     def load(self, row: StoredRow, buffer: bytearray | None = None) -> RowBytes:
-        """The whole object, fully verified. ``buffer`` is not used: the body arrives as one
-        immutable bytes object, which a promotion may keep past the caller's lease."""
+        """The whole row, fully verified. A store with ``LocalReads`` reads it into
+        ``buffer``; another's body arrives as one immutable bytes object (``buffer`` unused),
+        which a promotion may keep past the caller's lease."""
         key = row.info.key
-        data = self._store.get(row_name(key)).data
+        data: kvc.Buffer
+        backing: bytearray | None = None
+        if self._local is not None:
+            data, backing = self._local.read_into(row_name(key), buffer)
+        else:
+            data = self._store.get(row_name(key)).data
         f = kvc.parse(data, expected_key=key, known_tokens=row.tokens)
-        return RowBytes(f.meta.fields.tokens, f.payload, f.meta.fields.logits, None, f.meta.fields)
+        fields = f.meta.fields
+        return RowBytes(fields.tokens, f.payload, fields.logits, backing, fields)
 
     def probe(self, key: bytes) -> StoredRow | None:
         """The row under ``key`` if a valid one exists (metadata read, payload not): one
-        ranged read, two if the metadata is longer than ``HEAD_BYTES``. None if missing or
-        invalid; ``CacheNetworkError`` if the store cannot say."""
-        name = row_name(key)
+        ranged read, two if the metadata is longer than ``HEAD_BYTES`` (one local read of
+        exactly the metadata with ``LocalReads``). None if missing or invalid;
+        ``CacheNetworkError`` if the store cannot say."""
+        found = self._examine(row_name(key), key)
+        if isinstance(found, str):
+            log.info("%s: probe of %s found an unusable object: %s", self._name, key.hex(), found)
+            return None
+        return found
+
+    def _examine(self, name: str, key: bytes) -> StoredRow | str | None:
+        """The valid row ``name`` holds, why it is unusable, or None if it is gone."""
         try:
             meta, user_meta = self._read_meta(name)
         except CacheKeyError:
             return None
         except CacheFormatError as exc:
-            log.info("%s: probe of %s found an unusable object: %s", self._name, name, exc)
-            return None
+            return str(exc)
         if meta.key != key:
-            log.info("%s: %s holds another key", self._name, name)
-            return None
+            return f"{name} holds another key"
         return self._row(key, meta, user_meta)
 
     def _read_meta(self, name: str) -> tuple[kvc.KvcMeta, Mapping[str, str]]:
+        if self._local is not None:
+            prefix, size = self._local.read_prefix(name)
+            return kvc.parse_meta(prefix, file_size=size), {}
         got = self._store.get(name, HEAD_BYTES)
         head, size = got.data, got.size
-        if len(head) < kvc.PREFIX_FIXED_SIZE:
-            raise CacheFormatError(f"{name}: {size} bytes is too short")
-        (offset,) = struct.unpack_from("<Q", head, kvc.HEADER_SIZE)
-        if not kvc.PREFIX_FIXED_SIZE <= offset <= min(size, kvc.MAX_META_BYTES):
-            raise CacheFormatError(f"{name}: payload offset {offset} out of range")
+        offset = kvc.meta_end(head, size, name)
         if offset > len(head):
             head += self._store.get_range(name, len(head), offset)
         return kvc.parse_meta(head[:offset], file_size=size), got.meta
@@ -289,7 +434,7 @@ class ObjectTier:
         self._store.delete(row_name(key))
 
     def record_hit(self, row: StoredRow, hits: int, last_used: float) -> None:
-        """Best effort: the object's user metadata is replaced (its bytes are not touched)."""
+        """Best effort, no sync: the row's user metadata is replaced (its bytes are not)."""
         name = row_name(row.info.key)
         meta = {META_HITS: str(max(0, int(hits))), META_LAST_USED: str(max(0, int(last_used)))}
         try:
@@ -300,65 +445,123 @@ class ObjectTier:
             log.info("%s: cannot record hit on %s: %s", self._name, name, exc)
 
     def stored_keys(self) -> Iterator[bytes]:
-        for name, _, _ in self._store.list(""):
+        for name in self._store.names(""):
             key = key_of(name)
             if key is not None:
                 yield key
 
     def scan(self) -> Iterator[StoredRow]:
-        """Every valid row: one ranged read each, ``_SCAN_PARALLEL`` at a time (a shared store
-        may hold thousands). An object this process cannot read is reported (``problems``),
-        never deleted: other hosts share the store, and it may be a row a newer kvwarm wrote
-        and reads (or one deleted since the listing). An in-progress put is never visible, so
-        there are no temp objects to reap."""
-        self._problems = []
-        keys = list(self.stored_keys())
-        with ThreadPoolExecutor(_SCAN_PARALLEL, thread_name_prefix="kvwarm-obj-scan") as pool:
-            rows = list(pool.map(self.probe, keys))
-        for key, row in zip(keys, rows, strict=True):
-            if row is not None:
+        """Every valid row, its metadata read (payload CRC deferred to ``load``): in order
+        with ``LocalReads``, else ``_SCAN_PARALLEL`` probes at a time (a shared store may hold
+        thousands). Interrupted temp objects are reaped first (``ReapsTemps``). What cannot
+        be read is set aside or reported (``_reject``); one bad object never stops the scan."""
+        problems: list[tuple[str, str]] = []
+        self._problems = problems
+        listed = self._store.names("")
+        if self._temps is not None:
+            problems.extend(self._temps.reap_temps(listed, remove=self._repair))
+        named: list[tuple[str, bytes]] = []
+        for name in listed:
+            if not name.endswith(ROW_SUFFIX):
+                continue  # chunks, temp objects, or not ours
+            key = key_of(name)
+            if key is None:
+                self._reject(name, "not a <hex key>.kvc name", problems)
+            else:
+                named.append((name, key))
+        if self._local is not None:
+            found: Iterator[StoredRow | str | None] = (self._examine(n, k) for n, k in named)
+        else:
+            pool = ThreadPoolExecutor(_SCAN_PARALLEL, thread_name_prefix="kvwarm-obj-scan")
+            with pool:
+                found = iter(list(pool.map(lambda nk: self._examine(*nk), named)))
+        for (name, _), row in zip(named, found, strict=True):
+            if isinstance(row, str):
+                self._reject(name, row, problems)
+            elif row is not None:
                 yield row
-                continue
-            self._problems.append((self.location(key), "unreadable or vanished object"))
-            if self._repair:
-                log.warning("%s: cannot read %s, leaving it", self._name, self.location(key))
+
+    def _reject(self, name: str, why: str, problems: list[tuple[str, str]]) -> None:
+        """Set ``name`` aside if the tier repairs and the store can, else report it."""
+        if self._repair and self._aside is not None and self._aside.set_aside(name):
+            log.warning("%s: set aside invalid %s: %s", self._name, name, why)
+            return
+        problems.append((self._store.location(name), why))
+        if self._repair:
+            log.warning("%s: cannot read %s, leaving it: %s", self._name, name, why)
+
+    def _set_aside_row(self, key: bytes, why: str) -> bool:
+        """``SetsAside.set_aside_row`` for a tier whose store ``Quarantines``: False, changing
+        and reporting nothing, on a read-only open or where the store refuses."""
+        if not self._repair or self._aside is None or not self._aside.set_aside(row_name(key)):
+            return False
+        log.warning("%s: set aside %s: %s", self._name, row_name(key), why)
+        return True
 
     # ---- chunks: chunks/<hex>.kvk, published once like rows -------------------------------
 
     def store_chunk(self, key: bytes, head: bytes, payload: bytes) -> int:
-        """One put of the whole object (visible whole or not at all); a chunk already there
-        is kept if its head is valid for ``key``, replaced if not (``commit_chunk``)."""
-        body = head + payload
+        """Staged, then put once (visible whole or not at all); a chunk already there is
+        kept if its head is valid for ``key``, replaced if not (``commit_chunk``)."""
         name = chunk_name(key)
-        commit_chunk(
-            self._name,
-            key,
-            lambda: self._store.put_if_absent(name, body),
-            lambda: self._chunk_head_valid(key),
-            lambda: self._store.delete(name),
-        )
-        return len(body)
+        put = self._stage(name, (head, payload), 0)
+        try:
+            commit_chunk(
+                self._name,
+                key,
+                put.link,
+                lambda: self._chunk_head(key) is not None,
+                lambda: self._store.delete(name),
+            )
+            put.settle(False)
+        except BaseException:
+            put.undo()
+            raise
+        return len(head) + memoryview(payload).nbytes
 
-    def _chunk_head_valid(self, key: bytes) -> bool:
+    def _chunk_head(self, key: bytes) -> chunkfmt.ChunkHead | None:
+        """The valid head of chunk ``key`` (payload not read); None if it is gone or junk."""
         try:
             got = self._store.get(chunk_name(key), CHUNK_HEAD_BYTES)
-            return chunkfmt.parse_head(got.data, size=got.size).key == key
+            head = chunkfmt.parse_head(got.data, size=got.size)
         except CacheKeyError:
-            return False  # gone meanwhile: link again
+            return None
         except CacheFormatError as exc:
             log.info("%s: chunk %s is unusable: %s", self._name, key.hex(), exc)
-            return False
+            return None
+        return head if head.key == key else None
 
     def load_chunk(self, key: bytes, buffer: memoryview | None = None) -> memoryview:
-        return chunkfmt.parse(self._store.get(chunk_name(key)).data, key)
+        """The verified payload; with ``LocalReads``, read into ``buffer`` when the chunk is
+        exactly that long."""
+        name = chunk_name(key)
+        if self._local is None:
+            return chunkfmt.parse(self._store.get(name).data, key)
+        data = self._local.read_exact_into(name, buffer) if buffer is not None else None
+        if data is None:
+            data, _ = self._local.read_into(name, None)
+        return chunkfmt.parse(data, key)
 
     def delete_chunk(self, key: bytes) -> None:
         self._store.delete(chunk_name(key))
 
     def scan_chunks(self) -> Iterator[tuple[bytes, int]]:
-        """Listed, not read: a chunk's CRC is checked when a restore loads it."""
-        for key, size, _ in self.chunk_ages():
-            yield key, size
+        """Listed, not read, where nothing could be set aside (a chunk's CRC is checked when a
+        restore loads it); where the store ``Quarantines``, each head is checked and an
+        invalid chunk set aside (or, read-only, reported)."""
+        problems: list[tuple[str, str]] = []
+        self._chunk_problems = problems
+        if self._aside is None:
+            for key, size, _ in self.chunk_ages():
+                yield key, size
+            return
+        for name in self._store.names(CHUNK_DIR):
+            chunk = layout.chunk_key_of(name[len(CHUNK_DIR) :])
+            head = None if chunk is None else self._chunk_head(chunk)
+            if chunk is not None and head is not None:
+                yield chunk, head.payload_offset + head.payload_length
+            else:
+                self._reject(name, "invalid chunk", problems)
 
     def chunk_ages(self) -> Iterator[tuple[bytes, int, float]]:
         for name, size, mtime in self._store.list(CHUNK_DIR):

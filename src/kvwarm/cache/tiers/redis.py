@@ -140,12 +140,19 @@ class RedisStore:
         assert isinstance(data, bytes)  # the client does not decode responses
         return data
 
+    def names(self, prefix: str) -> list[str]:
+        base = self._obj("")
+        return [key[len(base) :] for key in self._call("list", lambda: self._keys(prefix))]
+
+    def _keys(self, prefix: str) -> list[str]:
+        pattern = _glob_escape(self._obj(prefix)) + "*"
+        return [bytes(k).decode() for k in self._client.scan_iter(match=pattern, count=1000)]
+
     def list(self, prefix: str) -> list[tuple[str, int, float]]:
         base = self._obj("")
-        pattern = _glob_escape(base + prefix) + "*"
 
         def scan() -> list[tuple[str, int, float]]:
-            keys = [bytes(k).decode() for k in self._client.scan_iter(match=pattern, count=1000)]
+            keys = self._keys(prefix)
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
                 name = key[len(base) :]

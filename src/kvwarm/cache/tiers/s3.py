@@ -92,6 +92,9 @@ class S3Store:
 
         return self.wire.call(f"get {key}", get)
 
+    def names(self, prefix: str) -> list[str]:
+        return [name for name, _, _ in self.list(prefix)]  # a listing names sizes anyway
+
     def list(self, prefix: str) -> list[tuple[str, int, float]]:
         full = self._key(prefix)
         items = self.wire.call(
