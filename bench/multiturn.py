@@ -12,8 +12,9 @@ restart); llama-server with its defaults (RAM prompt cache, context checkpoints)
 
 Prints, per server and round: total time of the run phase and of the after-restart phase, each
 request's cached / prompt tokens and latency, and kvwarm's checkpoint bytes on disk per
-conversation and, by save reason, per token a row holds (``kvwarm cache ls --json``); the run ratio also without each server's first request (a cold prefill
-of the system prompt on both, the same work). ``--profile OUT`` records kvwarm's round-0 run
+conversation and, by save reason, per token a row holds (``kvwarm cache ls --json``); the
+run ratio also without each server's first request (a cold prefill of the system prompt on
+both, the same work). ``--profile OUT`` records kvwarm's round-0 run
 phase after its first request with py-spy and prints its worker thread's top functions
 (sampling stops the process: the ratios of a profiled run are not comparable). Run it alone:
 two processes decoding at once on 2 cores halve each other.
