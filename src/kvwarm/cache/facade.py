@@ -384,18 +384,18 @@ class Cache:
         if not self._writer.submit(job):
             self._plans.done(key)
             self._history.saved(key)
-            self._history.gone(
-                request.namespace,
-                key,
-                request.tokens,
-                MissReason.SAVE_DROPPED,
-                request.tier,
-                "queue_full",
-            )
-            self._index.clear_in_flight(key)
+            self._dropped(key, request, "queue_full")
             self._counters.incr("saves_dropped")
             return None
         return key
+
+    def _dropped(self, key: bytes, request: SaveRequest, why: str) -> None:
+        """A save that will not publish: remembered as the row's miss reason, no longer in
+        flight."""
+        self._history.gone(
+            request.namespace, key, request.tokens, MissReason.SAVE_DROPPED, request.tier, why
+        )
+        self._index.clear_in_flight(key)
 
     def _run_save(self, key: bytes, request: SaveRequest, tier: Tier) -> bool:
         t0 = time.perf_counter()
@@ -418,16 +418,10 @@ class Cache:
             log.exception("%s: %s save failed", tier.name, request.reason.name)
             return False
         finally:
-            if not published:
-                self._history.gone(
-                    request.namespace,
-                    key,
-                    request.tokens,
-                    MissReason.SAVE_DROPPED,
-                    request.tier,
-                    "failed",
-                )
-            self._index.clear_in_flight(key)
+            if published:
+                self._index.clear_in_flight(key)
+            else:
+                self._dropped(key, request, "failed")
         self._counters.record_latency("save", time.perf_counter() - t0)
         if row is None:  # another writer had it reserved or published: fine if it is there now
             return key in self._index
