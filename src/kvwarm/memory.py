@@ -66,6 +66,16 @@ class MemoryKind:
         cells, nothing else): only plain full attention."""
         return self.trimmable
 
+    @property
+    def has_rest(self) -> bool:
+        """Whether a saved state is a KV cache of every position followed by a part that
+        must be kept whole (its *rest*): an iSWA model's full-attention cache, then its window;
+        a hybrid model's attention cache, then its recurrent state. Rows of such a memory are
+        that first cache as chunks (shared like full attention's) plus the rest, stored in the
+        row itself (the codec's ``rest``; it refuses a blob that is not of this shape, and
+        the row is then stored whole)."""
+        return self.kind == "hybrid" or (self.kind == "swa" and self.n_swa > 0)
+
     def saved_floor(self, n_tokens: int) -> int:
         """The shortest prefix a *saved* state of ``n_tokens`` tokens resumes at.
 

@@ -65,3 +65,36 @@ def tail_request(
         return split(bytes(blob(tokens)[: first * PER_TOKEN]) + bytes(data), bounds)
 
     return SaveRequest(ns, tuple(tokens), b"", reason, tier, split=split_tail, pack=pack)
+
+
+REST = 3000  # bytes of a two-part memory's rest (a window, a recurrent state), kept whole
+
+
+def rest_of(tokens: Sequence[int]) -> bytes:
+    """The state after the chunked cache: it depends on every token, as a window does."""
+    digest = hashlib.sha256(repr(tuple(tokens)).encode()).digest()
+    return (digest * (REST // 32 + 1))[:REST]
+
+
+def two_part_request(
+    ns: Namespace,
+    tokens: Sequence[int],
+    starts: list[int],
+    *,
+    tier: TierName = "ram",
+    reason: SaveReason = SaveReason.FINISH,
+) -> SaveRequest:
+    """A save of a two-part memory (``SaveRequest.rest``) that the cache packs itself: the
+    blob is the chunkable cache, then the rest; like llama.cpp's, such a memory has no tail
+    pack, so every pack is whole (each start asked for is appended to ``starts``)."""
+    whole = blob(tokens) + rest_of(tokens)
+    n = len(tokens)
+
+    def pack(start: int) -> tuple[bytes, int]:
+        starts.append(start)
+        return whole, 0
+
+    def rest(data: bytes | bytearray | memoryview) -> memoryview:
+        return memoryview(data)[n * PER_TOKEN :]
+
+    return SaveRequest(ns, tuple(tokens), b"", reason, tier, split=split, rest=rest, pack=pack)

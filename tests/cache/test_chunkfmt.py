@@ -142,7 +142,6 @@ K = b"\x01" * 32
         ((4,), (K[:31],), b""),  # a short key
         ((2, 2), (K,), b""),  # unpaired
         ((4,), (), b""),
-        ((2, 2), (K, K), b"kv"),  # a manifest holds no payload
     ],
 )
 def test_manifests_whose_chunks_do_not_cover_the_tokens_are_refused(
@@ -170,8 +169,50 @@ def test_chunk_tags_in_a_version_1_file_are_refused() -> None:
 
 
 def test_an_unknown_version_is_refused_with_a_clear_message() -> None:
-    with pytest.raises(CacheFormatError, match="unsupported version 3"):
-        kvc.parse(_as_version(_file(), 3))
+    with pytest.raises(CacheFormatError, match="unsupported version 4"):
+        kvc.parse(_as_version(_file(), 4))
+
+
+# ---- manifests with a rest (KVC version 3): an iSWA window, a hybrid's recurrent state
+
+
+def test_a_manifest_with_a_rest_is_version_3_and_round_trips() -> None:
+    rest = b"window state"
+    good = _file(MANIFEST, rest)
+    assert good[3] == 3
+    assert _file(MANIFEST, b"")[3] == 2 and _file()[3] == 2  # every other row stays 2
+    f = kvc.parse(good, expected_key=KEY)
+    assert f.meta.fields == MANIFEST and bytes(f.payload) == rest
+
+
+def test_every_single_bit_flip_of_a_manifest_with_a_rest_is_rejected() -> None:
+    good = _file(MANIFEST, b"rest")
+    accepted = set()
+    for i in range(len(good)):
+        for bit in range(8):
+            buf = bytearray(good)
+            buf[i] ^= 1 << bit
+            try:
+                kvc.parse(buf, expected_key=KEY)
+            except CacheFormatError:
+                continue
+            accepted.add(i)
+    assert accepted == UNCOVERED
+
+
+@pytest.mark.parametrize(
+    ("fields", "payload", "version"),
+    [
+        (MANIFEST, b"rest", 2),  # a version-2 manifest holds its KV in its chunks alone
+        (MANIFEST, b"", 3),  # a version-3 manifest without its rest
+        (FIELDS, PAYLOAD, 3),  # a whole-blob row is never version 3
+    ],
+)
+def test_a_rest_and_the_version_must_agree(
+    fields: kvc.KvcFields, payload: bytes, version: int
+) -> None:
+    with pytest.raises(CacheFormatError, match=r"version-[23]"):
+        kvc.parse(_as_version(_file(fields, payload), version), expected_key=KEY)
 
 
 def test_a_lone_chunk_tag_is_refused() -> None:

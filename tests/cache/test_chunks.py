@@ -12,7 +12,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests.cache.chunkkit import PER_TOKEN, blob, chunked_request, join, tail_request
+from tests.cache.chunkkit import (
+    PER_TOKEN,
+    blob,
+    chunked_request,
+    join,
+    rest_of,
+    tail_request,
+    two_part_request,
+)
 from tests.cache.tierkit import NS, shm_dir
 from tests.s3kit import MotoServer
 
@@ -412,3 +420,69 @@ def test_rows_report_logical_and_exclusive_bytes(make_cache: CacheFactory) -> No
     (short,) = cache.rows()
     assert short.exclusive_bytes == short.logical_bytes
     assert cache.counters()[f"tier_{tier}_chunks"] == 4
+
+
+def test_a_two_part_memory_keeps_its_rest_in_the_row_and_shares_its_chunks(
+    make_cache: CacheFactory,
+) -> None:
+    """An iSWA window or a hybrid's recurrent state cannot be cut: each row keeps its own as
+    its payload, while the full-attention cache before it is chunks shared like any other
+    (a checkpoint costs its rest plus its new chunks, not its whole blob)."""
+    cache = make_cache()
+    tier = cache.tier_names()[0]
+    tokens = list(range(1100))
+    keys, starts = {}, []
+    for n in (1000, 1100, 768):  # the 768 row's chunks all exist: it writes its rest alone
+        keys[n] = cache.save(two_part_request(NS, tokens[:n], starts, tier=tier), sync=True)
+    assert starts == [0, 1000, 768]  # the packer was asked even when every chunk was there
+    snap = cache.counters()
+    assert snap["chunks_written"] == 4 + 1 + 0  # [0, 256, 512, 768, 1000, 1100)
+    assert snap["chunks_reused"] == 0 + 4 + 3
+    for n, key in keys.items():
+        with cache.open_row(key) as row:
+            assert row.chunks and bytes(row.payload) == rest_of(tokens[:n])
+            assert join(row.chunks) + bytes(row.payload) == blob(tokens[:n]) + rest_of(tokens[:n])
+    rows = {r.n_tokens: r for r in cache.rows()}
+    assert rows[768].exclusive_bytes == rows[768].size  # its chunks are the others' too
+    assert rows[768].size >= len(rest_of(tokens))
+
+
+def test_a_rest_the_codec_refuses_stores_the_row_whole(make_cache: CacheFactory) -> None:
+    def refuse(data: object) -> memoryview:
+        raise StateRestoreError("the first cache does not hold positions from 0")
+
+    cache = make_cache()
+    tier = cache.tier_names()[0]
+    tokens = list(range(600))
+    request = replace(two_part_request(NS, tokens, [], tier=tier), rest=refuse)
+    key = cache.save(request, sync=True)
+    assert key is not None
+    with cache.open_row(key) as row:
+        assert row.chunks == ()
+        assert bytes(row.payload) == blob(tokens) + rest_of(tokens)
+    assert cache.counters()["chunks_written"] == 0
+
+
+def test_a_promoted_row_keeps_its_rest(moto_server: MotoServer) -> None:
+    """A hit on a shared tier copies a manifest to the local tier with its chunks and its
+    rest: the local copy restores to the same blob."""
+    from tests.cache.facadekit import FakeClock
+
+    clock = FakeClock(time.time())
+    s3 = TierConfig("s3", 1 << 30, s3=moto_server.config(moto_server.new_bucket()))
+    cfg = CacheConfig(
+        tiers=(TierConfig("ram", 1 << 30), s3), ttl_seconds=(10.0, 10.0, 10.0), chunk_tokens=C
+    )
+    tokens = list(range(700))
+    whole = blob(tokens) + rest_of(tokens)
+    with Cache(cfg, clock=clock, background=False) as cache:
+        key = cache.save(two_part_request(NS, tokens, [], tier="s3"), sync=True)
+        assert key is not None
+        clock.advance(1000)
+        cache.gc()  # forgotten here, still in the bucket
+        assert cache.lookup_exact(key) is not None
+        for tier in ("s3", "ram"):  # read from s3 (and promoted), then from ram
+            with cache.open_row(key) as row:
+                assert row.info.tier == tier
+                assert join(row.chunks) + bytes(row.payload) == whole
+            assert cache.flush()

@@ -15,11 +15,14 @@ from kvwarm.engine.model import Model
 from kvwarm.engine.types import Completion, GenerationOptions
 
 
-def engine(tmp: Path | None, policy: PolicyConfig, *, ram: int = 256 << 20) -> Engine:
+def engine(
+    tmp: Path | None, policy: PolicyConfig, *, ram: int = 256 << 20, chunk_tokens: int = 256
+) -> Engine:
     tiers = [TierConfig("ram", ram)]
     if tmp is not None:
         tiers.append(TierConfig("disk", 1 << 30, tmp / "disk"))
-    return Engine(EngineConfig(cache=CacheConfig(tiers=tuple(tiers)), policy=policy))
+    cache = CacheConfig(tiers=tuple(tiers), chunk_tokens=chunk_tokens)
+    return Engine(EngineConfig(cache=cache, policy=policy))
 
 
 def load(

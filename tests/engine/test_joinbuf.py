@@ -40,3 +40,31 @@ def test_join_buffer_grows_reuses_and_releases() -> None:
     finally:
         ctx.close()
         model.close()
+
+
+def test_a_rest_follows_the_joined_chunks_and_grows_the_buffer_when_it_does_not_fit() -> None:
+    """A two-part row (an iSWA window, a hybrid's recurrent state) restores from its joined
+    chunks followed by its rest, in one buffer."""
+    model = get_backend("stub").load_model("stub-model")
+    ctx = model.new_context(PARAMS)
+    try:
+        tokens = model.tokenize("a row of two parts: chunks, then the state kept whole " * 3)
+        ctx.prefill(0, tokens, 0)
+        chunks = ctx.kv_split(ctx.kv_pack(0), [0, 16, len(tokens)])
+        joined = bytes(ctx.kv_join(chunks))
+        buf = JoinBuffer()
+        view = buf.join(ctx, chunks)  # sized for the chunks alone
+        assert buf.capacity == len(joined)
+        del view
+        rest = bytes(range(200))
+        view = buf.join(ctx, chunks, rest)  # the chunks fit, the rest does not: grows
+        assert view.tobytes() == joined + rest
+        assert buf.capacity >= len(joined) + len(rest)
+        del view
+        for part in (chunks[:1], chunks):  # fits now: the same memory, the rest after the blob
+            view = buf.join(ctx, part, memoryview(rest)[:50])
+            assert view.tobytes() == bytes(ctx.kv_join(part)) + rest[:50]
+            del view
+    finally:
+        ctx.close()
+        model.close()

@@ -14,10 +14,13 @@ from tests.engine import memkit
 from tests.engine.memkit import same
 from tests.tinymodels import write_tiny_model
 
+from kvwarm.backends import get_backend
+from kvwarm.backends.base import ContextParams
 from kvwarm.cache.types import PolicyConfig
 from kvwarm.engine.api import Engine
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import Completion, GenerationOptions
+from kvwarm.errors import StateRestoreError
 
 pytestmark = pytest.mark.model
 
@@ -37,7 +40,8 @@ ARCHS = {"mamba": "recurrent", "lfm2": "hybrid"}
 
 
 def engine(tmp: Path | None) -> Engine:
-    return memkit.engine(tmp, POLICY, ram=64 << 20)
+    # Chunks of 32 tokens: these short rows are then manifests where the memory allows it.
+    return memkit.engine(tmp, POLICY, ram=64 << 20, chunk_tokens=N_BATCH)
 
 
 def load(eng: Engine, path: str, *, det: bool = True, n_parallel: int = 1) -> Model:
@@ -92,6 +96,10 @@ def test_every_reuse_is_a_whole_checkpoint_and_bit_identical(tiny: str, tmp_path
         first = model.complete(a, OPTS)
         same(first, cold(tiny, a))
         assert {96, len(a)} <= rows()  # the aligned cold save, the prompt-end checkpoint
+        # A hybrid's rows are its attention cache as chunks (shared) plus its recurrent state
+        # in the row; a recurrent state alone is stored whole.
+        chunked = [r.logical_bytes > r.size for r in eng.cache.rows()]
+        assert all(chunked) if ARCHS[Path(tiny).stem] == "hybrid" else not any(chunked)
 
         model.evict()  # from here on only rows can serve, until the live-KV case below
         again = model.complete(a, OPTS)
@@ -152,3 +160,30 @@ def test_default_mode_reuses_only_whole_states(tiny: str) -> None:
         assert outs[2].stats.cached_tokens >= shared
     finally:
         eng.close()
+
+
+def test_a_hybrid_blob_is_its_attention_chunks_then_its_rest(tiny: str) -> None:
+    """The codec cuts a hybrid model's blob in its attention cache alone; what follows (the
+    recurrent state) is its rest, and the chunks joined then the rest are the blob again,
+    which restores. A recurrent state alone has no cache to cut: no rest either."""
+    model = get_backend("llama_cpp").load_model(tiny)
+    ctx = model.new_context(ContextParams(n_ctx=256, n_batch=32, n_ubatch=32, n_seq_max=2))
+    try:
+        prompt = tokens(5, 40)
+        ctx.prefill(0, prompt, 0)
+        blob = ctx.kv_pack(0)
+        if ARCHS[Path(tiny).stem] != "hybrid":
+            with pytest.raises(StateRestoreError):
+                ctx.kv_codec.rest(blob)
+            return
+        rest = bytes(ctx.kv_codec.rest(blob))
+        chunks = ctx.kv_split(blob, [0, 16, 40])
+        assert 0 < len(rest) < len(blob)
+        assert bytes(ctx.kv_join(chunks)) + rest == blob
+        assert ctx.kv_unpack(1, bytes(ctx.kv_join(chunks)) + rest) == len(prompt)
+        with pytest.raises(StateRestoreError):  # the attention cache alone is not a state
+            ctx.kv_unpack(1, ctx.kv_join(chunks))
+        assert ctx.seq_pos_max(1) == -1  # a refused restore leaves the sequence empty
+    finally:
+        ctx.close()
+        model.close()

@@ -97,8 +97,13 @@ def test_every_reuse_of_a_window_longer_than_it_is_bit_identical_to_cold(
         first = model.complete(a, OPTS)
         same(first, cold_run(gemma_path, cold, a))
         eng.cache.flush()
-        saved = sorted(r.n_tokens for r in eng.cache.rows())
+        rows = eng.cache.rows()
+        saved = sorted(r.n_tokens for r in rows)
         assert N_BATCH * 2 in saved  # the aligned cold-save checkpoint (512 of 700+)
+        # Each checkpoint keeps its window in the row and its full-attention cache as chunks
+        # that the checkpoints share: a later one holds only its window and its new chunks.
+        assert all(r.logical_bytes > r.size for r in rows)
+        assert max(r.exclusive_bytes for r in rows) < min(r.logical_bytes for r in rows)
 
         model.evict()  # live KV must not serve what follows: rows only
         again = model.complete(a, OPTS)

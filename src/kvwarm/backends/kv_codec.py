@@ -77,6 +77,15 @@ class KvCodec(Protocol):
         """How many bytes ``join(chunks)`` writes, after the same checks as ``join``."""
         ...
 
+    def rest(self, blob: Buffer) -> memoryview:
+        """The bytes of ``blob`` after the KV cache ``split`` cuts, a view of ``blob``: the
+        part of a two-part memory (``MemoryKind.has_rest``: an iSWA window, a hybrid's
+        recurrent state) that a row keeps whole, so that ``join(split(blob, [0, ..., n]))``
+        followed by ``rest(blob)`` is ``blob``. ``StateRestoreError`` when this context's blobs
+        have no such part, or ``blob`` is not of that shape (its first cache does not hold
+        positions from 0, or nothing follows it): the row is then stored whole."""
+        ...
+
     def chunk_range(self, chunk: Buffer) -> tuple[int, int]:
         """``(start, n_cells)`` of one chunk, after checking its envelope and layout."""
         ...

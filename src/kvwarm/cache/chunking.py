@@ -19,7 +19,11 @@ Invariants:
 - Cut points only decide how much is shared, never what a row holds: keys are content
   addresses, so any plan restores the same bytes.
 - A row shorter than one chunk is stored whole (no split, no copy), and so is a blob the
-  codec refuses to cut (``KvwarmError`` from ``split``: e.g. a model with several KV streams).
+  codec refuses to cut (``KvwarmError`` from ``split`` or ``rest``: e.g. a model with several
+  KV streams).
+- A memory of two parts (``SaveRequest.rest``: an iSWA window, a hybrid's recurrent state)
+  is chunked in its first KV cache only; the manifest carries the rest as its payload, taken
+  before any chunk is written, so every manifest holds exactly the blob it was cut from.
 See docs/architecture.md ("Chunks") and docs/internals.md ("Chunks in detail").
 """
 
@@ -113,7 +117,8 @@ def pack_request(
             if size is None:
                 break
             start += length
-    if start >= len(request.tokens):  # every chunk is there: only the manifest is written
+    if start >= len(request.tokens) and request.rest is None:
+        # Every chunk is there: only the manifest is written.
         payload, first = b"", start
     else:
         payload, first = request.pack(start)
@@ -161,6 +166,8 @@ def store_row(
                 f"(positions from {lead}) was being saved"
             )
         try:
+            # A copy: a view would keep the whole blob alive in the ram tier.
+            rest = bytes(request.rest(request.payload)) if request.rest is not None else b""
             parts = split(request.payload, bounds[first:]) if first < len(keys) else []
         except KvwarmError as exc:
             if lead:
@@ -183,14 +190,16 @@ def store_row(
                 counters.incr("chunk_bytes_written", stored)
         if counters is not None:
             counters.incr("chunks_reused", len(keys) - len(need))
-        manifest = replace(request, payload=b"", split=None, chunk_lens=lens, chunk_keys=keys)
+        manifest = replace(
+            request, payload=rest, split=None, rest=None, chunk_lens=lens, chunk_keys=keys
+        )
         return tier.store(key, manifest, index)
     finally:
         index.unpin_chunks(tier.name, keys)
 
 
 def _whole(request: SaveRequest) -> SaveRequest:
-    return replace(request, split=None, chunk_lens=(), chunk_keys=())
+    return replace(request, split=None, rest=None, chunk_lens=(), chunk_keys=())
 
 
 def load_chunks(

@@ -15,8 +15,12 @@ Layout, little-endian throughout::
 A version-2 file is a *manifest* when its TLV lists chunk lengths and chunk keys: the row's KV
 is those content-addressed chunks (``cache/chunkfmt.py``) in order, their lengths summing to
 the token count, and its payload is empty. Without them the payload is the whole KV blob. A
+version-3 file is a manifest whose payload is the row's *rest*: the state after the chunked KV
+cache that cannot be cut (an iSWA model's window, a hybrid model's recurrent state; the blob
+is the joined chunks followed by it). Only such a manifest is written as version 3. A
 version-1 file (an older kvwarm) holds no chunk tags and is read as such a whole-blob row; an
-older kvwarm refuses version 2, so it never mistakes a manifest for a row with no KV.
+older kvwarm refuses versions it does not know, so it never mistakes a manifest for a row with
+no KV, nor restores chunks without their rest.
 
 Invariants:
 - The payload CRC covers the payload; the meta CRC covers every byte before the payload except
@@ -154,19 +158,20 @@ def optional_fields(
     return ttl, logits, canonical
 
 
-def check_chunks(
-    n_tokens: int, lens: tuple[int, ...], chunks: tuple[bytes, ...], payload_len: int
-) -> None:
+def check_chunks(n_tokens: int, lens: tuple[int, ...], chunks: tuple[bytes, ...]) -> None:
     """``ValueError`` unless ``chunks`` (of ``lens`` tokens) cover the row's ``n_tokens``
-    exactly and a manifest's payload is empty (or there are no chunks at all)."""
+    exactly (or there are no chunks at all)."""
     if len(lens) != len(chunks) or any(len(k) != 32 for k in chunks):
         raise ValueError("chunk lengths and 32-byte chunk keys must pair up")
     if not chunks:
         return
     if any(not 0 < n <= U32_MAX for n in lens) or sum(lens) != n_tokens:
         raise ValueError("chunk lengths do not cover the row's tokens")
-    if payload_len:
-        raise ValueError("a manifest holds its KV in its chunks: its payload must be empty")
+
+
+def file_version(chunks: tuple[bytes, ...], payload_len: int) -> int:
+    """The version a row is written as: 3 for a manifest with a rest, else 2."""
+    return 3 if chunks and payload_len else VERSION
 
 
 def chunk_records(lens: tuple[int, ...], chunks: tuple[bytes, ...]) -> list[bytes]:
@@ -183,9 +188,11 @@ def chunk_tags(
     """A manifest's chunk lengths and keys, checked against the row; ((), ()) for a blob row."""
     lens_v, keys_v = tags.get(TAG_CHUNK_LENS), tags.get(TAG_CHUNKS)
     if lens_v is None and keys_v is None:
+        if version == 3:
+            raise bad("a version-3 file names no chunks")
         return (), ()
     if version < 2 or lens_v is None or keys_v is None:
-        raise bad("chunk lengths and chunk keys must come together, in a version-2 file")
+        raise bad("chunk lengths and chunk keys must come together, in a version-2+ file")
     if lens_v.nbytes % 4 or keys_v.nbytes % 32 or lens_v.nbytes // 4 != keys_v.nbytes // 32:
         raise bad("chunk length or chunk key list has the wrong size")
     if not lens_v.nbytes:
@@ -194,9 +201,12 @@ def chunk_tags(
     raw = bytes(keys_v)
     chunks = tuple(raw[i : i + 32] for i in range(0, len(raw), 32))
     try:
-        check_chunks(count, lens, chunks, payload_len)
+        check_chunks(count, lens, chunks)
     except ValueError as exc:
         raise bad(str(exc)) from None
+    if file_version(chunks, payload_len) != version:
+        # A version-2 manifest holds its KV in its chunks alone; version 3 is one with a rest.
+        raise bad(f"a version-{version} manifest with a {payload_len}-byte payload")
     return lens, chunks
 
 
@@ -238,8 +248,8 @@ def crc32c(data: Buffer, value: int = 0) -> int:
 
 
 MAGIC = b"KVC"
-VERSION = 2
-_READABLE_VERSIONS = (1, 2)
+VERSION = 2  # every row but a manifest with a rest (``file_version``)
+_READABLE_VERSIONS = (1, 2, 3)
 _HEADER = struct.Struct("<3sBBB2sIII4sQQQ")
 _TRAILER = struct.Struct("<QQII")
 HEADER_SIZE = _HEADER.size  # 48
@@ -348,7 +358,7 @@ def build_prefix(fields: KvcFields, payload: Buffer) -> bytes:
         records.append(record(TAG_LOGITS, fields.logits))
     if canonical is not None:
         records.append(record(TAG_CANONICAL, _U32.pack(canonical)))
-    check_chunks(len(fields.tokens), fields.chunk_lens, fields.chunks, memoryview(payload).nbytes)
+    check_chunks(len(fields.tokens), fields.chunk_lens, fields.chunks)
     records += chunk_records(fields.chunk_lens, fields.chunks)
     section = b"".join(records)
     prompt = fields.prompt_text.encode("utf-8", "replace")
@@ -359,7 +369,7 @@ def build_prefix(fields: KvcFields, payload: Buffer) -> bytes:
         raise ValueError(f"metadata of {offset} bytes exceeds {MAX_META_BYTES}")
     header = _HEADER.pack(
         MAGIC,
-        VERSION,
+        file_version(fields.chunks, payload_len),
         fields.quant_bits,
         int(fields.reason),
         b"\0\0",
@@ -440,7 +450,7 @@ def _parse_meta(
     if magic != MAGIC:
         raise bad("bad magic")
     if version not in _READABLE_VERSIONS:
-        raise bad(f"unsupported version {version} (this kvwarm reads 1 and 2)")
+        raise bad(f"unsupported version {version} (this kvwarm reads 1 to 3)")
     if res1 != b"\0\0" or res2 != b"\0\0\0\0":
         raise bad("reserved header bytes are not zero")
     if reason not in SaveReason._value2member_map_:

@@ -129,6 +129,8 @@ class SharedTiers:
             fingerprint_mode=fields.fingerprint_mode,
             canonical_tokens=fields.canonical_tokens,
             split=split,
+            # A manifest's payload is its rest (``kvc``): copied as it is.
+            rest=_as_is if split is not None and view.nbytes else None,
             chunk_lens=fields.chunk_lens if split is not None else (),
         )
         self._core.index.mark_in_flight(key)
@@ -166,3 +168,8 @@ class SharedTiers:
         self._core.counters.incr("promotions")
         self._core.enforce_quota(target)
         return True
+
+
+def _as_is(payload: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
+    """A promoted manifest's rest: its payload already is."""
+    return payload

@@ -17,6 +17,9 @@ TierName = str
 # Cuts a KV blob into one payload per token range ``[bounds[i], bounds[i+1])`` (a backend's
 # ``kv_split``): how the cache turns a saved blob into chunks without knowing its layout.
 Splitter = Callable[[bytes | bytearray | memoryview, Sequence[int]], list[bytes]]
+# The part of a blob after the KV cache a ``Splitter`` cuts (a backend's ``kv_codec.rest``:
+# an iSWA model's window, a hybrid model's recurrent state): a manifest keeps it whole.
+Rester = Callable[[bytes | bytearray | memoryview], bytes | bytearray | memoryview]
 # Packs a sequence's positions from ``start`` on (a backend's ``kv_pack_tail``): ``(blob,
 # first)``, ``first`` being ``start`` or 0 where the backend packed the whole sequence.
 Packer = Callable[[int], tuple[bytes, int]]
@@ -235,8 +238,14 @@ class SaveRequest:
     # (``cache/chunking.py``), writing only those the tier lacks. Run on a writer thread, so
     # it must be pure (the backends' codecs are).
     split: Splitter | None = None
+    # With ``split``, for a memory of two parts (``kvwarm.memory.MemoryKind.has_rest``): the
+    # manifest's payload is ``rest(payload)``, the state that cannot be cut into chunks; the
+    # chunks hold only the first KV cache. A ``StateRestoreError`` from it stores the row
+    # whole.
+    rest: Rester | None = None
     # The chunk lengths to cut ``payload`` at (() : the cache plans them). With
-    # ``chunk_keys`` set too, the manifest a tier writes (``payload`` is then empty).
+    # ``chunk_keys`` set too, the manifest a tier writes (``payload`` is then empty, or the
+    # row's rest).
     chunk_lens: tuple[int, ...] = ()
     chunk_keys: tuple[bytes, ...] = ()
     # Instead of ``payload`` (then empty): the cache calls ``pack(start)`` on the saving

@@ -126,6 +126,7 @@ class LlamaContext:
             type_v=_native.GGML_TYPES[params.type_v],
             n_layer=model.facts.n_layer,
             v_trans={"auto": None, "on": False, "off": True}[params.flash_attn],
+            with_rest=self._memory.has_rest,
         )
         self._life = Lifetime("context", self._free)
         self._memory_bytes = buffer_sizes(lines)

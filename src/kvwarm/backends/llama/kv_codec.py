@@ -16,6 +16,13 @@ into (``blobs``; ``_kv_state.unpack_chunks``), with no join copy. Chunks of the 
 Cells come out in position order whatever their order in the blob, and the sequence id is
 dropped, so a chunk depends only on the KV it holds.
 
+A blob of a two-part memory (``with_rest``: an iSWA model's full-attention cache then its
+window, a hybrid's attention cache then its recurrent state) is cut in its first cache only;
+``rest`` returns what follows it, which a row keeps whole, and ``join(chunks) ‖ rest`` is the
+blob again. That first cache has fewer layers than the model (an iSWA model's full-attention
+layers only), a count llama.cpp does not publish: the codec then accepts any count up to the
+model's, and llama.cpp's own check refuses another at restore (``StateRestoreError``).
+
 Invariants: ``split`` copies each byte it emits once (a slice copy, or a gather when the cells
 were out of order); ``join`` writes each byte once into one uninitialised ``bytearray``, or into the
 caller's ``out`` buffer (the engine's reused, already-faulted one); both
@@ -67,23 +74,48 @@ class LlamaKvCodec:
     check at ``kv_unpack`` (a ``StateRestoreError`` too). Row sizes are checked there as well.
     """
 
-    __slots__ = ("_n_layer", "_type_k", "_type_v", "_v_trans")
+    __slots__ = ("_n_layer", "_type_k", "_type_v", "_v_trans", "_with_rest")
 
-    def __init__(self, *, type_k: int, type_v: int, n_layer: int, v_trans: bool | None) -> None:
+    def __init__(
+        self,
+        *,
+        type_k: int,
+        type_v: int,
+        n_layer: int,
+        v_trans: bool | None,
+        with_rest: bool = False,
+    ) -> None:
         self._type_k = type_k
         self._type_v = type_v
         self._n_layer = n_layer
         self._v_trans = v_trans
+        self._with_rest = with_rest
 
     def split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
         data = u8(blob)
-        layout = parse_blob(data, tail=True)
+        layout = self._first_cache(data)
         cuts = kv_chunk.check_bounds(bounds, layout.n_cells, layout.first)
         if layout.n_cells == 0:
             return []
         self._check(layout.structure, "KV blob")
         sources = _sections(data, layout.structure, layout.n_cells)
         return [self._cut(layout, sources, a, b) for a, b in itertools.pairwise(cuts)]
+
+    def rest(self, blob: Buffer) -> memoryview:
+        if not self._with_rest:
+            raise StateRestoreError("this context's KV blobs are one cache: they have no rest")
+        data = u8(blob)
+        return data[self._first_cache(data).end :].data
+
+    def _first_cache(self, data: U8) -> BlobLayout:
+        """The blob's layout (a two-part blob's first cache, which must hold positions from 0:
+        its rest is the state at the blob's end, nowhere else)."""
+        if not self._with_rest:
+            return parse_blob(data, tail=True)
+        layout = parse_blob(data, rest=True)
+        if layout.end >= data.size:
+            raise StateRestoreError("KV blob has no state after its first KV cache")
+        return layout
 
     @overload
     def join(self, chunks: Sequence[Buffer], out: None = None) -> bytearray: ...
@@ -150,7 +182,9 @@ class LlamaKvCodec:
 
     def _check(self, structure: Structure, what: str) -> None:
         """Refuse a layout this context cannot restore (another cell type or model shape)."""
-        if structure.n_layer != self._n_layer:
+        if structure.n_layer > self._n_layer or (
+            structure.n_layer != self._n_layer and not self._with_rest
+        ):
             raise StateRestoreError(
                 f"{what} has {structure.n_layer} layers; this model has {self._n_layer}"
             )

@@ -19,9 +19,15 @@ Every section is a 3-D view ``(groups, n_cells, unit)``: ``(1, n, row)`` for K a
 The *descriptor* is the blob's structure without its cells (v_trans, n_layer and every
 section's 12-byte header): it rebuilds the offsets of a blob of any length.
 
+A memory of two parts (``MemoryKind.has_rest``) writes a second part after the first KV
+cache: an iSWA model's window cache (``u32 n_stream`` and its cells, as above without the
+magic and sequence id), a hybrid model's recurrent state. ``parse_blob(rest=True)`` parses the
+first cache and says where it ends; what follows is the blob's *rest*, opaque here.
+
 Invariant: ``parse_blob`` checks every count and length against the blob's real size before
 any offset is computed from it, and refuses a blob it does not fully account for (several
-streams, a second cache after the first, unknown cell metadata) with ``StateRestoreError``.
+streams, a second cache after the first unless ``rest``, unknown cell metadata) with
+``StateRestoreError``.
 """
 
 from __future__ import annotations
@@ -100,6 +106,8 @@ class BlobLayout:
     order: npt.NDArray[np.intp] | None
     #: The first position the blob holds: 0, or where a tail (``kv_pack_tail``) starts.
     first: int = 0
+    #: Where the first KV cache ends: the blob's size, or where its rest starts.
+    end: int = 0
 
 
 @functools.lru_cache(maxsize=32)
@@ -133,9 +141,10 @@ def _section(data: bytes | memoryview, at: int, i: int, *, transposed: bool) -> 
     return Section(ggml_type, groups, unit)
 
 
-def parse_blob(blob: U8, *, tail: bool = False) -> BlobLayout:
+def parse_blob(blob: U8, *, tail: bool = False, rest: bool = False) -> BlobLayout:
     """Parse a sequence-state blob; ``StateRestoreError`` unless it is exactly as above: its
-    cells hold positions ``0..n-1``, or with ``tail`` any ``first..first+n-1``."""
+    cells hold positions ``0..n-1``, or with ``tail`` any ``first..first+n-1``; with ``rest``
+    only its first KV cache is parsed (``end``: where the rest starts)."""
     size = blob.size
     if size < HEAD.size:
         raise StateRestoreError(f"KV blob of {size} bytes is shorter than its header")
@@ -146,9 +155,9 @@ def parse_blob(blob: U8, *, tail: bool = False) -> BlobLayout:
     if n_stream != 1:
         raise StateRestoreError(f"KV blob has {n_stream} streams; chunks need a unified cache")
     if n_cells == 0:
-        if size != HEAD.size:
+        if size != HEAD.size and not rest:
             raise StateRestoreError(f"empty KV blob has {size - HEAD.size} trailing bytes")
-        return BlobLayout(Structure(False, 0, ()), b"", 0, None)
+        return BlobLayout(Structure(False, 0, ()), b"", 0, None, end=HEAD.size)
     at = HEAD.size + n_cells * CELL
     if at + _PAIR.size > size:
         raise StateRestoreError(f"KV blob of {size} bytes cannot hold {n_cells} cells")
@@ -168,10 +177,10 @@ def parse_blob(blob: U8, *, tail: bool = False) -> BlobLayout:
         at += _SECTION_HEAD + n_cells * section.cell_bytes
         if at > size:
             raise StateRestoreError(f"KV blob ends inside section {i}")
-    if at != size:
+    if at != size and not rest:
         raise StateRestoreError(f"KV blob has {size - at} bytes after its last section")
     descriptor = b"".join(heads)
-    return BlobLayout(parse_descriptor(descriptor), descriptor, n_cells, order, first)
+    return BlobLayout(parse_descriptor(descriptor), descriptor, n_cells, order, first, at)
 
 
 def _cell_order(meta: U8, n_cells: int) -> tuple[int, npt.NDArray[np.intp] | None]:

@@ -83,6 +83,11 @@ class StubKvCodec:
             self._check_chunk(view, i)
         return views
 
+    def rest(self, blob: Buffer) -> memoryview:
+        # The stub keeps a window's or a recurrent state's cells alone, not a full-attention
+        # cache beside them: its rows of those memories are stored whole.
+        raise StateRestoreError("stub KV blobs are one part: they have no rest")
+
     def chunk_range(self, chunk: Buffer) -> tuple[int, int]:
         view = kv_chunk.parse(u8(chunk, "KV chunk"), kv_chunk.CODEC_STUB)
         self._check_chunk(view, 0)

@@ -321,11 +321,15 @@ class Admission:
             # A manifest's chunks are restored each from the buffer it was read into; chunks
             # the context cannot restore in place (an older chunk format) are joined (each
             # byte copied once) into the worker's reused buffer, which kv_unpack reads in
-            # place. A whole-blob row is unpacked from its view directly. No view is kept.
+            # place, and so are those of a manifest with a rest (its payload: an iSWA window,
+            # a hybrid's recurrent state), followed by it. A whole-blob row is unpacked from
+            # its view directly. No view is kept.
             if row.chunks:
-                n_restored = rt.ctx.kv_unpack_chunks(slot.seq, row.chunks)
+                rest = row.payload
+                n_restored = None if rest.nbytes else rt.ctx.kv_unpack_chunks(slot.seq, row.chunks)
                 if n_restored is None:
-                    n_restored = rt.ctx.kv_unpack(slot.seq, rt.join_buf.join(rt.ctx, row.chunks))
+                    blob = rt.join_buf.join(rt.ctx, row.chunks, rest)
+                    n_restored = rt.ctx.kv_unpack(slot.seq, blob)
             else:
                 n_restored = rt.ctx.kv_unpack(slot.seq, row.payload)
             rt.cache.record_latency("unpack", time.perf_counter() - t0)

@@ -155,6 +155,7 @@ class CachePort:
                 return out
 
             act = slot.active
+            codec = rt.ctx.kv_codec
             canonical = slot.canonical if slot.canonical < len(tokens) else None
             request = SaveRequest(
                 namespace=ns,
@@ -171,10 +172,13 @@ class CachePort:
                 fingerprint_mode=cfg.fingerprint_mode,
                 canonical_tokens=canonical,
                 # Packed by the cache through ``pack`` (only what its tier lacks); it cuts the
-                # chunks on a writer thread (the codec is pure). A state that is not one stream
-                # of full-attention cells (kvwarm.memory) is stored whole: each such row is a
-                # checkpoint, restorable only where its floor allows.
-                split=rt.ctx.kv_codec.split if rt.memory.chunkable else None,
+                # chunks on a writer thread (the codec is pure). A memory of two parts
+                # (kvwarm.memory: an iSWA window, a hybrid's recurrent state) is chunked in its
+                # full-attention cache and keeps the rest in the row; a recurrent state is
+                # stored whole. Such rows are checkpoints, restorable only where their floor
+                # allows.
+                split=codec.split if rt.memory.chunkable or rt.memory.has_rest else None,
+                rest=codec.rest if rt.memory.has_rest else None,
             )
             timeout = cfg.policy.evict_save_timeout_ms / 1e3
             return rt.cache.save(request, sync=sync, timeout_s=timeout)

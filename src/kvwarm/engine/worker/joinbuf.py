@@ -36,20 +36,35 @@ class JoinBuffer:
     def capacity(self) -> int:
         return 0 if self._buf is None else len(self._buf)
 
-    def join(self, ctx: BackendContext, chunks: Sequence[Buffer]) -> memoryview:
-        """``ctx.kv_join(chunks)`` written into this buffer; a view of the joined blob."""
+    def join(self, ctx: BackendContext, chunks: Sequence[Buffer], rest: Buffer = b"") -> memoryview:
+        """``ctx.kv_join(chunks)`` followed by ``rest`` (a row's state after its chunked KV
+        cache: ``KvCodec.rest``) written into this buffer; a view of the blob."""
+        extra = memoryview(rest).nbytes
+        need = 0
         if self._buf is not None:
             try:
-                return ctx.kv_join(chunks, out=self._buf)
+                joined = ctx.kv_join(chunks, out=self._buf)
             except JoinBufferTooSmallError as exc:  # refused before writing: grow, retry
-                need = exc.needed
+                need = exc.needed + extra
+            else:
+                if joined.nbytes + extra <= len(self._buf):
+                    return self._append(joined.nbytes, rest, extra)
+                need = joined.nbytes + extra
+                joined.release()
         else:
-            need = ctx.kv_codec.joined_size(chunks)
+            need = ctx.kv_codec.joined_size(chunks) + extra
         old = self.capacity
         # Drop the old one first: holding both would briefly double the footprint.
         self._buf = None
         self._buf = grown(need, old)
-        return ctx.kv_join(chunks, out=self._buf)
+        return self._append(ctx.kv_join(chunks, out=self._buf).nbytes, rest, extra)
+
+    def _append(self, at: int, rest: Buffer, extra: int) -> memoryview:
+        """The buffer's first ``at`` bytes (a joined blob) followed by ``rest``, as a view."""
+        assert self._buf is not None
+        view = memoryview(self._buf)
+        view[at : at + extra] = memoryview(rest).cast("B")
+        return view[: at + extra]
 
     def release(self) -> None:
         """Give the memory back (the worker is unloading)."""
