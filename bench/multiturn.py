@@ -93,6 +93,7 @@ class Server:
     threads: int
     work: Path
     slots: int = 1
+    gpu_layers: int = 0
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     last_text: str = ""
@@ -104,12 +105,14 @@ class Server:
                 "--port", str(self.port), "--model", f"m={self.model}", "--n-ctx", "4096",
                 "--n-threads", str(self.threads), "--n-threads-batch", str(self.threads),
                 "--cache-dir", str(self.work / "kvwarm-cache"), "--n-parallel", str(self.slots),
+                "--n-gpu-layers", str(self.gpu_layers),
             ]  # fmt: skip
         # llama-server divides its context among its slots: 4,096 tokens each, as kvwarm's.
         return [
             str(llama_server()), "--host", "127.0.0.1", "--port", str(self.port),
             "-m", str(self.model), "-c", str(4096 * self.slots), "-t", str(self.threads),
             "-tb", str(self.threads), "-np", str(self.slots), "--no-webui",
+            "-ngl", str(self.gpu_layers),
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -158,23 +161,28 @@ class Server:
 
 
 def checkpoint_bytes(cache_dir: Path) -> list[str]:
-    """The rows kvwarm kept, by save reason: how many, their tokens, their stored bytes per
-    token they hold (``kvwarm cache ls --json``: a checkpoint of a state that cannot be
-    trimmed is a whole row, so its bytes per token is what a resume point costs)."""
+    """The rows kvwarm kept, by save reason: how many, their tokens, and per token they hold
+    their logical bytes (what a restore reads: chunks and the row) and their own bytes (the
+    row alone: a manifest's window or recurrent state, or a whole blob), from ``kvwarm cache
+    ls --json``. Chunks are shared, so own bytes are what each further resume point costs."""
     out = subprocess.run(
         [sys.executable, "-m", "kvwarm", "cache", "ls", "--json", "--cache-dir", str(cache_dir)],
         capture_output=True, check=True, text=True,
     )  # fmt: skip
-    by_reason: dict[str, list[tuple[int, int]]] = {}
+    by_reason: dict[str, list[tuple[int, int, int]]] = {}
     for row in json.loads(out.stdout):
-        held = (int(row["n_tokens"]), int(row["bytes"]))
+        held = (int(row["n_tokens"]), int(row["bytes"]), int(row["own_bytes"]))
         by_reason.setdefault(str(row["reason"]), []).append(held)
     lines = []
     for reason, rows in sorted(by_reason.items()):
-        tokens = sum(t for t, _ in rows)
-        stored = sum(b for _, b in rows)
-        lines.append(f"  {reason:8s} rows {len(rows):3d}: {stored / 2**20:7.1f} MiB, "
-                     f"{stored / max(tokens, 1) / 1024:5.1f} KiB per token held")  # fmt: skip
+        tokens = max(sum(t for t, _, _ in rows), 1)
+        logical = sum(b for _, b, _ in rows)
+        own = sum(o for _, _, o in rows)
+        lines.append(
+            f"  {reason:8s} rows {len(rows):3d}: logical {logical / 2**20:7.1f} MiB "
+            f"({logical / tokens / 1024:5.1f} KiB per token held), own "
+            f"{own / 2**20:7.1f} MiB ({own / tokens / 1024:5.1f} KiB per token)"
+        )
     return lines
 
 
@@ -216,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--servers", default="kvwarm,llama-server")
+    ap.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded, both servers")
     ap.add_argument(
         "--profile", type=Path, default=None, help="py-spy kvwarm's round-0 run phase into this"
     )
@@ -228,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names if rnd % 2 == 0 else list(reversed(names)):
             work = Path(tempfile.mkdtemp(prefix=f"kvwarm-mt-{name}-"))
             try:
-                server = Server(name, args.model, args.threads, work)
+                server = Server(name, args.model, args.threads, work, gpu_layers=args.gpu_layers)
                 histories = [f"<start_of_turn>user\n{system}\n\n" for _ in range(CONVERSATIONS)]
                 server.start()
                 try:

@@ -31,7 +31,11 @@ def pinned_version() -> str:
 
 
 def llama_server() -> Path:
-    """The llama-server binary for the pinned version, built on first use."""
+    """The llama-server binary for the pinned version, built on first use; ``KVWARM_LLAMA_SERVER``
+    names another build of it (a CUDA one beside a CUDA build of llama-cpp-python)."""
+    given = os.environ.get("KVWARM_LLAMA_SERVER")
+    if given:
+        return Path(given)
     version = pinned_version()
     binary = CACHE / f"llama-server-{version}" / "llama-server"
     if binary.is_file():
