@@ -51,6 +51,30 @@ def pytest_configure(config: pytest.Config) -> None:
     from kvwarm.backends.llama.model import LlamaBackend
 
     _guard(LlamaBackend, "load_model", "llama.cpp")
+    _offload(LlamaBackend)
+
+
+GPU_LAYERS_ENV = "KVWARM_TEST_GPU_LAYERS"
+
+
+def _offload(backend: Any) -> None:
+    """``KVWARM_TEST_GPU_LAYERS=N`` runs every real-model test with N layers offloaded (a GPU
+    machine with a CUDA build of llama.cpp; unset, as in CI: the CPU)."""
+    import os
+    from dataclasses import replace
+
+    from kvwarm.backends.params import ModelParams
+
+    layers = os.environ.get(GPU_LAYERS_ENV)
+    if not layers:
+        return
+    original = backend.load_model
+
+    def offloaded(self: Any, path: str, params: ModelParams | None = None) -> Any:
+        return original(self, path, replace(params or ModelParams(), n_gpu_layers=int(layers)))
+
+    backend.load_model = offloaded
+    _restore.append(lambda: setattr(backend, "load_model", original))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -108,7 +108,10 @@ def test_a_copy_between_streams_keeps_the_range_asked_for(model: LlamaModel) -> 
         streams.seq_cp(0, 2, 0, 40)
         assert (streams.seq_pos_min(2), streams.seq_pos_max(2)) == (0, 39)
         streams.seq_cp(2, 0)
-        unified.prefill(0, tokens[:40], 0)
+        # The same 70 tokens cut to 40 in a unified context, not 40 prefilled: a GPU's kernels
+        # round a position's KV differently in a batch of another size (seen on CUDA).
+        unified.prefill(0, tokens, 0)
+        unified.seq_rm(0, 40)
         assert streams.kv_pack(0)[4:] == unified.kv_pack(0)[4:]
     finally:
         unified.close()
