@@ -140,3 +140,34 @@ def test_every_reuse_of_a_window_longer_than_it_is_bit_identical_to_cold(
             same(out, cold_run(gemma_path, cold, tokens))
     finally:
         restarted.close()
+
+
+def test_a_sibling_resumed_from_a_live_window_leaves_a_checkpoint_where_they_meet(
+    gemma_path: str,
+) -> None:
+    """The second of three sibling prompts (600 shared tokens, past the 512-token window)
+    resumes from the first one's live slot, whose window still holds every position it
+    needs; its prefill starts where they meet, so no pause saves that point, yet the state
+    there is checkpointed before the prefill moves on. The third sibling, after the slot is
+    gone, restores it instead of resuming at the cold save's 512 (default mode: deterministic
+    requests checkpoint only where their prefill pauses)."""
+    eng = engine(None)
+    try:
+        model = load(eng, gemma_path, det=False)
+        shared = 600
+        tails = ("Who built the lighthouse?", "When did the harbour flood?", "Name a keeper.")
+        prompts = [prompt_tokens(model, tail, shared) for tail in tails]
+        assert all(p[:shared] == prompts[0][:shared] for p in prompts)
+        assert len({p[shared] for p in prompts}) == 3
+        model.complete(prompts[0], OPTS)
+        eng.cache.flush()
+        second = model.complete(prompts[1], OPTS)
+        eng.cache.flush()
+        assert second.stats.cached_tokens == shared  # the live window, trimmed to the fork
+        assert shared in {row.n_tokens for row in eng.cache.rows()}
+        model.evict()
+        eng.cache.flush()
+        third = model.complete(prompts[2], OPTS)
+        assert third.stats.cached_tokens == shared
+    finally:
+        eng.close()

@@ -236,3 +236,38 @@ def test_a_new_conversation_resumes_after_the_system_turn_of_an_earlier_one(
             assert out.text == ref.text
     finally:
         eng.close()
+
+
+def test_where_a_live_slot_resumes_a_sibling_a_checkpoint_is_saved_for_the_next() -> None:
+    """A window kept whole while live (``swa_full``) trims like full attention, but a saved
+    state still resumes only at its own length. The second sibling resumes from the first's
+    live slot where they diverge, so its prefill never passes that point; it is checkpointed
+    there all the same, and the third sibling, after the slot is gone, resumes there too
+    rather than at an earlier checkpoint or cold."""
+    kind, n_swa = "swa", 24
+
+    def swa_full(engine: Engine) -> Model:
+        cfg = stub_config(1, backend=backend(kind, n_swa), n_batch=N_BATCH)
+        return engine.load_model(config=replace(cfg, context=replace(cfg.context, swa_full=True)))
+
+    shared = 1 + len(SYSTEM) + len("Question: ")  # BOS, then one token per byte
+    assert shared % N_BATCH  # not where the cold save's aligned boundary puts a row anyway
+    eng = make_engine()
+    try:
+        model = swa_full(eng)
+        outs = [run(eng, model, SYSTEM + f"Question: {q}?") for q in ("alpha", "beta")]
+        assert outs[1].stats.cached_tokens == shared  # the live slot, trimmed
+        assert shared in row_lengths(eng)
+        model.evict()
+        eng.cache.flush()
+        outs.append(run(eng, model, SYSTEM + "Question: gamma?"))
+        assert outs[2].stats.cached_tokens == shared
+        for out in outs:
+            ref_eng = make_engine()
+            try:
+                ref = swa_full(ref_eng).complete(out.prompt_tokens, GREEDY)
+            finally:
+                ref_eng.close()
+            assert ref.stats.cached_tokens == 0 and out.text == ref.text
+    finally:
+        eng.close()

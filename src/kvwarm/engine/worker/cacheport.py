@@ -219,6 +219,31 @@ class CachePort:
                 rt.reset_seq(slot)
         return saved
 
+    def resumed(self, slot: Slot, keep: int, *, resume_points: Sequence[int]) -> None:
+        """The slot's prompt resumes at ``keep`` from KV the slot holds (its own, a copy of
+        another slot's, a row's). A state that cannot be trimmed serves a later prompt at
+        ``keep`` only from a row of exactly that length, and a live state can be trimmed a
+        little where a saved one cannot: when ``keep`` is one of ``resume_points`` (see
+        ``pauses``) and no row holds it, it is saved before the prefill moves the state on.
+        Without it, a sibling prompt that meets this one at ``keep`` after the slot moved on
+        resumes at the last checkpoint before it (a prompt ending in a space, resent with a
+        question appended, shares one token less than its own row). Deterministic requests
+        keep their checkpoints to the prefill's pauses (their rows stay canonical)."""
+        act = slot.active
+        assert act is not None
+        if (
+            self.rt.memory.trimmable
+            or act.deterministic
+            or keep not in resume_points
+            or keep < self.rt.cfg.policy.min_tokens
+            or keep >= len(act.req.prompt_tokens)
+            or len(slot.kv_tokens) != keep
+        ):
+            return
+        if self.rt.cache.has(self.rt.cache.key_for(act.namespace, slot.kv_tokens)):
+            return
+        self.save(slot, SaveReason.COLD, None, act.namespace, sync=False)
+
     def pauses(self, keep: int, n: int, *, resume_points: Sequence[int] = ()) -> list[int]:
         """Where a prefill of prompt tokens ``[keep, n)`` pauses to save, ascending.
 
