@@ -279,6 +279,9 @@ def test_greedy_fast_path_picks_what_the_native_chain_picks(
         lctx.clear()
         for pos, tok in enumerate(tokens[:24]):
             lctx.decode([BatchToken(tok, pos, 0, True)])
-            # The native chain (same biases, greedy) on the same logits row.
-            assert fast.sample(lctx, 0) == lctx.sample_with(fast._chain, 0)
+            # The native chain (same biases, greedy) on the same logits row, read live and as
+            # a row's stored logits (an exact hit samples those).
+            expected = lctx.sample_with(fast._chain, 0)
+            assert fast.sample(lctx, 0) == expected
+            assert fast.sample_logits(bytes(lctx.logits(0))) == expected
         fast.close()

@@ -155,16 +155,7 @@ class LlamaSampler:
             if not isinstance(ctx, LlamaContext) or ctx.model is not self._model:
                 raise InvalidRequestError("the context belongs to another model")
             if self._argmax_only:
-                row = np.frombuffer(ctx.logits(index), dtype=np.float32)
-                best = int(row.argmax())
-                if not self._bias_idx.size or (
-                    self._bias_nonpositive and best not in self._bias_set
-                ):
-                    # Lowering other tokens cannot displace an unbiased maximum.
-                    return best
-                biased = row.copy()
-                biased[self._bias_idx] += self._bias_val
-                return int(biased.argmax())
+                return self._argmax(np.frombuffer(ctx.logits(index), dtype=np.float32))
             if self._grammar is None:
                 token = ctx.sample_with(self._chain, index)
                 if not 0 <= token < self._n_vocab:
@@ -181,6 +172,9 @@ class LlamaSampler:
                     f"expected {self._n_vocab * 4} bytes of float32 logits, got {raw.nbytes}",
                     param="logits",
                 )
+            if self._argmax_only:
+                # A row's stored logits (an exact hit): no 262k-entry candidate array either.
+                return self._argmax(raw.view(np.float32))
             return self._choose(raw.view(np.float32))
 
     def accept(self, token: int) -> None:
@@ -201,6 +195,16 @@ class LlamaSampler:
         self._life.close()
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _argmax(self, row: np.ndarray[tuple[int], np.dtype[np.float32]]) -> int:
+        """Plain greedy: the first maximum, after the logit biases (as the chain applies them)."""
+        best = int(row.argmax())
+        if not self._bias_idx.size or (self._bias_nonpositive and best not in self._bias_set):
+            # Lowering other tokens cannot displace an unbiased maximum.
+            return best
+        biased = row.copy()
+        biased[self._bias_idx] += self._bias_val
+        return int(biased.argmax())
 
     def _choose(self, logits: np.ndarray[tuple[int], np.dtype[np.float32]]) -> int:
         """Grammar → chain over an explicit candidate array; accept the chosen token."""
