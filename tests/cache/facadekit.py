@@ -74,6 +74,13 @@ class GatedTier:
             raise CacheFormatError("injected corruption")
         return self._inner.load(row, buffer)
 
+    def load_meta(self, row: StoredRow) -> RowBytes:
+        if row.info.key in self.corrupt:
+            from kvwarm.errors import CacheFormatError
+
+            raise CacheFormatError("injected corruption")
+        return self._inner.load_meta(row)
+
     def delete(self, key: bytes) -> None:
         self.deleted.append(key)
         self._inner.delete(key)

@@ -486,3 +486,49 @@ def test_a_promoted_row_keeps_its_rest(moto_server: MotoServer) -> None:
                 assert row.info.tier == tier
                 assert join(row.chunks) + bytes(row.payload) == whole
             assert cache.flush()
+
+
+def test_a_rows_metadata_is_read_alone(make_cache: CacheFactory) -> None:
+    """An exact hit needs only a row's final logits: ``payload=False`` returns its tokens and
+    logits with nothing after the metadata (no payload, no chunks), in every tier."""
+    cache = make_cache()
+    tier = cache.tier_names()[0]
+    tokens = list(range(600))
+    logits = bytes(range(256)) * 4
+    request = replace(two_part_request(NS, tokens, [], tier=tier), logits=logits)
+    key = cache.save(request, sync=True)
+    assert key is not None
+    with cache.open_row(key, payload=False) as row:
+        assert tuple(row.tokens) == tuple(tokens) and row.logits == logits
+        assert row.payload.nbytes == 0 and row.chunks == ()
+    with cache.open_row(key) as row:  # the whole row is still there and whole
+        assert join(row.chunks) + bytes(row.payload) == blob(tokens) + rest_of(tokens)
+
+
+def test_metadata_read_alone_is_verified_and_ignores_the_payload(tmp_path: Path) -> None:
+    """The metadata's own CRC and key replay guard a metadata read: a flipped bit in the
+    logits is refused, while a damaged payload (not read) is caught by the next full read."""
+    from kvwarm.cache import kvc
+
+    root = tmp_path / "kvc"
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=C)
+    logits = bytes(range(256)) * 4
+    with Cache(cfg, background=False) as cache:
+        keys = []
+        for n in (600, 601):
+            request = replace(two_part_request(NS, list(range(n)), [], tier="disk"), logits=logits)
+            keys.append(cache.save(request, sync=True))
+        files = [next(root.rglob(f"{k.hex()}.kvc")) for k in keys if k is not None]
+        assert len(files) == 2
+        damaged_payload, damaged_meta = (bytearray(f.read_bytes()) for f in files)
+        offset = kvc.parse_meta(damaged_payload).payload_offset
+        damaged_payload[offset + 10] ^= 1
+        files[0].write_bytes(damaged_payload)
+        damaged_meta[damaged_meta.index(logits) + 5] ^= 1
+        files[1].write_bytes(damaged_meta)
+        with cache.open_row(keys[0], payload=False) as row:
+            assert row.logits == logits
+        with pytest.raises(CacheFormatError), cache.open_row(keys[0]):
+            pass
+        with pytest.raises(CacheFormatError), cache.open_row(keys[1], payload=False):
+            pass

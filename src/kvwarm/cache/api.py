@@ -118,11 +118,14 @@ class CacheApi(Protocol):
         one of ``others`` (``cache/explain.py``). Cheap: one tree walk per namespace."""
         ...
 
-    def open_row(self, key: bytes, *, chunks: bool = True) -> AbstractContextManager[LoadedRow]:
+    def open_row(
+        self, key: bytes, *, chunks: bool = True, payload: bool = True
+    ) -> AbstractContextManager[LoadedRow]:
         """Check out, read and verify (CRC) a row. ``CacheKeyError`` if absent,
         ``CacheFormatError`` if corrupt (the bad row is dropped from index and tier).
         ``chunks=False`` reads a manifest's own file alone (its tokens and logits), none of
-        the chunks it names (``LoadedRow.chunks`` is then empty)."""
+        the chunks it names (``LoadedRow.chunks`` is then empty). ``payload=False`` reads
+        only the metadata (tokens, logits; ``Tier.load_meta``): no payload, no chunks."""
         ...
 
     def save(

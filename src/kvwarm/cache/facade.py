@@ -285,7 +285,9 @@ class Cache:
     # ------------------------------------------------------------------ reading a row
 
     @contextmanager
-    def open_row(self, key: bytes, *, chunks: bool = True) -> Iterator[LoadedRow]:
+    def open_row(
+        self, key: bytes, *, chunks: bool = True, payload: bool = True
+    ) -> Iterator[LoadedRow]:
         leased = self._index.lease(key)
         if leased is None and self._core.probe(key) is not None:
             leased = self._index.lease(key)
@@ -302,8 +304,8 @@ class Cache:
         persistent = tier.capabilities.persistent
         arena = self._reads.chunk_arena(stored) if chunks and local and persistent else None
         try:
-            data = self._load(tier, stored, scratch)
-            if chunks:
+            data = self._load(tier, stored, scratch, payload=payload)
+            if chunks and payload:
                 parts = self._reads.load_parts(tier, stored, arena)
             yield LoadedRow(stored.info, data.tokens, data.payload, data.logits, parts)
         finally:
@@ -312,14 +314,22 @@ class Cache:
                 self._scratch.reclaim(scratch, data)
                 self._scratch.reclaim_arena(arena, parts)
             elif data is not None:
-                self._shared.promote(tier, stored, data, parts)
+                if payload:  # metadata alone is no row to promote
+                    self._shared.promote(tier, stored, data, parts)
                 _release(data)
 
-    def _load(self, tier: Tier, stored: StoredRow, scratch: bytearray | None = None) -> RowBytes:
+    def _load(
+        self,
+        tier: Tier,
+        stored: StoredRow,
+        scratch: bytearray | None = None,
+        *,
+        payload: bool = True,
+    ) -> RowBytes:
         key = stored.info.key
         t0 = time.perf_counter()
         try:
-            data = tier.load(stored, scratch)
+            data = tier.load(stored, scratch) if payload else tier.load_meta(stored)
             if data.tokens != stored.tokens:
                 raise CacheFormatError(f"row {key.hex()} holds other tokens than indexed")
         except (CacheFormatError, CacheKeyError) as exc:

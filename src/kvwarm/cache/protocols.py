@@ -112,6 +112,13 @@ class Tier(Protocol):
         """
         ...
 
+    def load_meta(self, row: StoredRow) -> RowBytes:
+        """The row's tokens and final logits alone: its metadata, verified (meta CRC32C, key
+        replay), with an empty payload; nothing after the metadata is read or checked (an
+        exact hit needs only the logits, and a window's row carries megabytes after them).
+        ``CacheFormatError`` if bad."""
+        ...
+
     def delete(self, key: bytes) -> None:
         """Remove whatever bytes are stored under ``key``, valid or not. Missing is fine."""
         ...

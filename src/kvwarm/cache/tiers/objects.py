@@ -386,6 +386,16 @@ class ObjectTier:
         fields = f.meta.fields
         return RowBytes(fields.tokens, f.payload, fields.logits, backing, fields)
 
+    def load_meta(self, row: StoredRow) -> RowBytes:
+        """The row's metadata alone (a prefix read, as ``probe``'s; its CRC and key checked,
+        the payload neither read nor checked)."""
+        key = row.info.key
+        meta, _ = self._read_meta(row_name(key))
+        if meta.key != key:
+            raise CacheFormatError(f"{row_name(key)} holds another key")
+        fields = meta.fields
+        return RowBytes(fields.tokens, memoryview(b""), fields.logits, None, fields)
+
     def probe(self, key: bytes) -> StoredRow | None:
         """The row under ``key`` if a valid one exists (metadata read, payload not): one
         ranged read, two if the metadata is longer than ``HEAD_BYTES`` (one local read of

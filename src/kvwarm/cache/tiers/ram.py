@@ -134,6 +134,10 @@ class RamTier:
         entry = self._get(row.info.key)  # the bytes are already in memory: no buffer needed
         return RowBytes(entry.row.tokens, memoryview(entry.payload), entry.logits)
 
+    def load_meta(self, row: StoredRow) -> RowBytes:
+        entry = self._get(row.info.key)
+        return RowBytes(entry.row.tokens, memoryview(b""), entry.logits)
+
     def delete(self, key: bytes) -> None:
         with self._lock:
             self._rows.pop(key, None)

@@ -284,10 +284,11 @@ class Admission:
         return keep, logits_from_row
 
     def _row_logits(self, key: bytes, tokens: Sequence[int]) -> bytes | None:
-        """The final logits of row ``key`` if it holds exactly ``tokens`` (its chunks are not
-        read); None if it is gone, unreadable or not that prompt's row."""
+        """The final logits of row ``key`` if it holds exactly ``tokens`` (its metadata alone
+        is read: no chunks, no payload); None if it is gone, unreadable or not that prompt's
+        row."""
         try:
-            with self.rt.cache.open_row(key, chunks=False) as row:
+            with self.rt.cache.open_row(key, chunks=False, payload=False) as row:
                 if row.logits is None or tuple(row.tokens) != tuple(tokens):
                     return None
                 return bytes(row.logits)
