@@ -77,7 +77,10 @@ def test_a_request_past_the_server_deadline_ends_with_a_typed_error() -> None:
 def test_a_cache_key_can_be_waited_for_and_read() -> None:
     with TestClient(create_app(stub_settings())) as client:
         wait_ready(client.get)
-        done = client.post("/v1/completions", json={"model": "a", "prompt": "wait for me"})
+        # The prompt alone clears min_tokens (16): a reply sampled short (EOS among its first
+        # tokens, ~2.5% of runs) left a shorter prompt without a finish save, hence no key.
+        prompt = "wait for me, then read my row"
+        done = client.post("/v1/completions", json={"model": "a", "prompt": prompt})
         key = done.json()["timings"]["cache_key"]
         assert key
         row = client.get(f"/cache/rows/{key}", params={"wait_ms": 5000})
