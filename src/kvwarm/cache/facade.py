@@ -288,6 +288,7 @@ class Cache:
     def open_row(
         self, key: bytes, *, chunks: bool = True, payload: bool = True
     ) -> Iterator[LoadedRow]:
+        chunks = chunks and payload  # the metadata alone names chunks but reads none
         leased = self._index.lease(key)
         if leased is None and self._core.probe(key) is not None:
             leased = self._index.lease(key)
@@ -305,7 +306,7 @@ class Cache:
         arena = self._reads.chunk_arena(stored) if chunks and local and persistent else None
         try:
             data = self._load(tier, stored, scratch, payload=payload)
-            if chunks and payload:
+            if chunks:
                 parts = self._reads.load_parts(tier, stored, arena)
             yield LoadedRow(stored.info, data.tokens, data.payload, data.logits, parts)
         finally:

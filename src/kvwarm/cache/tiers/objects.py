@@ -389,10 +389,7 @@ class ObjectTier:
     def load_meta(self, row: StoredRow) -> RowBytes:
         """The row's metadata alone (a prefix read, as ``probe``'s; its CRC and key checked,
         the payload neither read nor checked)."""
-        key = row.info.key
-        meta, _ = self._read_meta(row_name(key))
-        if meta.key != key:
-            raise CacheFormatError(f"{row_name(key)} holds another key")
+        meta, _ = self._checked_meta(row_name(row.info.key), row.info.key)
         fields = meta.fields
         return RowBytes(fields.tokens, memoryview(b""), fields.logits, None, fields)
 
@@ -410,14 +407,19 @@ class ObjectTier:
     def _examine(self, name: str, key: bytes) -> StoredRow | str | None:
         """The valid row ``name`` holds, why it is unusable, or None if it is gone."""
         try:
-            meta, user_meta = self._read_meta(name)
+            meta, user_meta = self._checked_meta(name, key)
         except CacheKeyError:
             return None
         except CacheFormatError as exc:
             return str(exc)
-        if meta.key != key:
-            return f"{name} holds another key"
         return self._row(key, meta, user_meta)
+
+    def _checked_meta(self, name: str, key: bytes) -> tuple[kvc.KvcMeta, Mapping[str, str]]:
+        """``name``'s metadata, verified and replaying to ``key`` (else ``CacheFormatError``)."""
+        meta, user_meta = self._read_meta(name)
+        if meta.key != key:
+            raise CacheFormatError(f"{name} holds another key")
+        return meta, user_meta
 
     def _read_meta(self, name: str) -> tuple[kvc.KvcMeta, Mapping[str, str]]:
         if self._local is not None:

@@ -164,9 +164,8 @@ class Admission:
             hit = "partial"
         pauses = self.port.pauses(keep, n, resume_points=resume)
         self._seat(slot, req, ns, sampler, keep, hit, logits_from_row, fork_slots, pauses)
-        if keep and slot.active is not None and slot.active.req is req:
-            self.port.resumed(slot, keep, resume_points=resume)
         if slot.active is not None and slot.active.req is req:
+            self.port.resumed(slot, keep, resume_points=resume)
             try:
                 slot.active.reuse = self._explain(req, ns, keep)
             except Exception:  # an explanation never costs a request its answer

@@ -236,8 +236,7 @@ class CachePort:
             or act.deterministic
             or keep not in resume_points
             or keep < self.rt.cfg.policy.min_tokens
-            or keep >= len(act.req.prompt_tokens)
-            or len(slot.kv_tokens) != keep
+            or not 0 < keep < len(act.req.prompt_tokens)
         ):
             return
         if self.rt.cache.has(self.rt.cache.key_for(act.namespace, slot.kv_tokens)):
