@@ -59,9 +59,11 @@ def test_a_request_reaches_the_cache_through_the_lifecycle_verbs(
     engine = make_engine(policy=policy)
     try:
         model = engine.load_model(config=stub_config())
-        out = model.complete(list(range(1, 40)), GenerationOptions(max_tokens=5))
+        # ignore_eos: a stub reply that samples EOS among its first tokens would decode fewer
+        out = model.complete(list(range(1, 40)), GenerationOptions(max_tokens=5, ignore_eos=True))
         engine.cache.flush()
         assert out.stats.key is not None and engine.cache.has(out.stats.key)
+        assert out.stats.completion_tokens == 5
     finally:
         engine.close()
     assert seen[0] == "lookup" and "prefilled" in seen
