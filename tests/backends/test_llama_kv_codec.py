@@ -408,3 +408,39 @@ def test_more_sequences_than_n_batch_do_not_abort(
         assert len(ctx.logits()) == llama.n_vocab
     finally:
         ctx.close()
+
+
+def test_a_tail_restored_onto_live_kv_is_the_whole_rows_state(
+    llama: LlamaModel, short: list[int]
+) -> None:
+    """A row's chunks from 13 on, restored onto a copy of live KV of its first 13 tokens,
+    give exactly the packed row and its next logits; a live prefix of another length and
+    chunks that do not start where it ends are refused, and the scratch sequence is left
+    empty."""
+    ctx = llama.new_context(_params("auto", "f16", "f16"))
+    try:
+        assert ctx.restores_tails
+        n = len(short)
+        ctx.prefill(0, short, 0)
+        blob = ctx.kv_pack(0)
+        chunks = ctx.kv_split(blob, [0, 13, 20, n])
+        ctx.seq_cp(0, 1, 0, 13)
+        assert ctx.kv_unpack_chunks(1, chunks[1:], base=13) == n
+        assert ctx.kv_join(ctx.kv_split(ctx.kv_pack(1), [0, n])) == blob
+        a, b = _next_logits(ctx, short[1], n)
+        assert a == b
+        for live, tail in ((14, chunks[1:]), (13, chunks[2:]), (0, chunks[1:])):
+            ctx.seq_rm(1)
+            if live:
+                ctx.seq_cp(0, 1, 0, live)
+            with pytest.raises(StateRestoreError):
+                ctx.kv_unpack_chunks(1, tail, base=13)
+            scratch = ctx.params.n_seq_max  # kvwarm's own sequence past the caller's
+            assert llama._lib.llama_memory_seq_pos_max(ctx._mem, scratch) == -1  # type: ignore[attr-defined]
+    finally:
+        ctx.close()
+    streams = llama.new_context(replace(_params("auto", "f16", "f16"), kv_unified=False))
+    try:
+        assert not streams.restores_tails  # a stream per sequence: seq_cp copies whole streams
+    finally:
+        streams.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from tests.cache.chunkkit import (
     PER_TOKEN,
+    REST,
     blob,
     chunked_request,
     join,
@@ -532,3 +533,26 @@ def test_metadata_read_alone_is_verified_and_ignores_the_payload(tmp_path: Path)
             pass
         with pytest.raises(CacheFormatError), cache.open_row(keys[1], payload=False):
             pass
+
+
+def test_a_tail_read_returns_the_chunks_from_a_boundary(make_cache: CacheFactory) -> None:
+    """``open_row(from_token=)`` reads the chunks from the last boundary at or before it
+    (the caller holds the KV before it live), never the last chunk's start past it; a
+    two-part row (a payload belongs to the whole row) and metadata reads stay whole."""
+    cache = make_cache()
+    tokens = list(range(900))  # chunks [0, 256), [256, 512), [512, 768), [768, 900)
+    key = _save(cache, tokens)
+    assert cache.chunk_lens(key) == (C, C, C, 900 - 3 * C)
+    for from_token, start in ((0, 0), (255, 0), (256, 256), (700, 512), (899, 768), (5000, 768)):
+        with cache.open_row(key, from_token=from_token) as row:
+            assert row.chunks_from == start
+            assert join(row.chunks) == blob(tokens)[start * PER_TOKEN :]
+            assert tuple(row.tokens) == tuple(tokens)
+    with cache.open_row(key) as row:  # the whole row is still there and whole
+        assert row.chunks_from == 0 and join(row.chunks) == blob(tokens)
+    tier = cache.tier_names()[0]
+    two = cache.save(two_part_request(NS, list(range(600)), [], tier=tier), sync=True)
+    assert two is not None
+    with cache.open_row(two, from_token=300) as row:
+        assert row.chunks_from == 0 and len(row.chunks) == 3 and row.payload.nbytes == REST
+    assert cache.chunk_lens(b"\0" * 32) == ()

@@ -3,7 +3,7 @@ mode, with chunk boundaries that are (8) and are not (12) multiples of n_batch (
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import pytest
@@ -11,14 +11,17 @@ from tests.engine.conftest import LOW_GATES, make_engine
 from tests.engine.test_engine_model import (
     DET,
     N_BATCH,
+    STEPS,
     assert_same,
     cold_run,
     model_config,
     prompt_of,
 )
 
+from kvwarm.backends.base import Buffer
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig, Model
+from kvwarm.engine.types import Completion, GenerationOptions
 
 pytestmark = pytest.mark.model
 
@@ -109,3 +112,51 @@ def test_quantised_cells_restore_from_chunks_equal_cold(
         exact = model.complete(prompt, DET)
         assert exact.stats.cache_hit == "exact"
         assert_same(exact, cold)
+
+
+def test_a_next_turn_restores_its_tail_onto_the_system_prompt_left_live(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24: conversation A, then B over the same system prompt in the one slot, then
+    A's next turn. A's row is restored only from the chunk boundary within the system prompt
+    that B left live, and its reply equals a whole-row restore's (tails refused)."""
+    from kvwarm.backends.llama.context import LlamaContext
+
+    config = replace(model_config(), deterministic=False)
+    opts = GenerationOptions(max_tokens=STEPS, temperature=0.0, logprobs=5)
+    system = prompt_of(41)
+
+    def turns(tails: bool) -> tuple[Completion, list[int], int]:
+        if not tails:
+            monkeypatch.setattr(LlamaContext, "restores_tails", property(lambda _: False))
+        root = tmp_path_factory.mktemp("tails")
+        cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root),), chunk_tokens=16)
+        with Engine(EngineConfig(cache=cfg, policy=POLICY)) as eng:
+            model = eng.load_model(config=config)
+            ctx = model._worker.rt.ctx
+            unpack = ctx.kv_unpack_chunks
+            bases: list[int] = []
+
+            def spy(seq: int, chunks: Sequence[Buffer], *, base: int = 0) -> int | None:
+                bases.append(base)
+                return unpack(seq, chunks, base=base)
+
+            monkeypatch.setattr(ctx, "kv_unpack_chunks", spy)
+            a = model.complete(system + " Who is alpha?", opts)
+            eng.cache.flush()
+            model.complete(system + " Who is bravo?", opts)
+            eng.cache.flush()
+            a_text = system + " Who is alpha?" + a.text
+            n_system = len(model.tokenize(system))
+            return model.complete(a_text + " And golf?", opts), bases, n_system
+
+    tail, tail_bases, n_system = turns(tails=True)
+    whole, whole_bases, _ = turns(tails=False)
+    # A chunk boundary inside the system prompt (the chunks line up with A's cold row's).
+    assert tail_bases and n_system - 16 < tail_bases[-1] <= n_system
+    assert whole_bases[-1] == 0
+    assert tail.stats.cached_tokens == whole.stats.cached_tokens > tail_bases[-1]
+    assert tail.completion_tokens == whole.completion_tokens
+    assert tail.logprobs is not None and whole.logprobs is not None
+    for t, w in zip(tail.logprobs, whole.logprobs, strict=True):
+        assert abs(t.logprob - w.logprob) < 1e-3

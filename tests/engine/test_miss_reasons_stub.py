@@ -262,9 +262,9 @@ def test_a_row_evicted_between_lookup_and_read_is_named_evicted(engine: Engine) 
     cache = engine.cache
     original = cache.open_row
 
-    def evicted_first(key: bytes) -> object:
+    def evicted_first(key: bytes, **kw: int) -> object:
         cache.evict_bytes(1 << 40)  # the row leaves after the lookup found it
-        return original(key)
+        return original(key, **kw)  # type: ignore[arg-type]
 
     cache.open_row = evicted_first  # type: ignore[method-assign,assignment]
     try:

@@ -175,3 +175,60 @@ def test_trim_reason_reads_the_planner_rules_back() -> None:
     assert why(60, 100, 32, deterministic=True, canonical=40) is MissReason.ALIGNED_TRIM
     assert why(60, 100, 0, floor=80) is MissReason.MEMORY_FLOOR  # a whole state of 80
     assert why(60, 100, 0, deterministic=True, floor=60) is MissReason.MEMORY_FLOOR
+
+
+def _chunked_row(n: int, lens: tuple[int, ...]) -> RowCandidate:
+    return RowCandidate(
+        b"r" * 32, n_shared=n, n_tokens=n, canonical=None, has_logits=False, chunk_lens=lens
+    )
+
+
+def test_a_row_restores_only_its_chunks_past_the_slots_own_live_kv() -> None:
+    # Another conversation over the same 24-token system prompt holds the slot: the row's
+    # chunks end at 16, 24 (the prompt's end) and 40; the restore starts at 24.
+    prompt = list(range(50))
+    other = _slot(0, [*prompt[:24], 900, 901], 26)
+    row = _chunked_row(40, (16, 8, 16))
+    slot, plan = choose(
+        prompt, free=[other], slots=[other], row=row, n_batch=16, deterministic=False, tails=True
+    )
+    assert slot is other
+    assert (plan.kind, plan.keep, plan.base, plan.src_seq) == ("row", 40, 24, 0)
+    # Without tails, in deterministic mode (aligned keep 32), or for a row stored whole:
+    # the whole row.
+    for tails, det, whole_row in ((False, False, row), (True, True, row),
+                                  (True, False, _chunked_row(40, ()))):  # fmt: skip
+        _, plain = choose(
+            prompt, free=[other], slots=[other], row=whole_row, n_batch=16, deterministic=det,
+            tails=tails,
+        )  # fmt: skip
+        assert plain.kind == "row" and plain.base == 0 and plain.keep == (32 if det else 40)
+
+
+def test_a_tail_restore_copies_its_base_from_the_slot_that_holds_the_most() -> None:
+    prompt = list(range(50))
+    empty = _slot(0, [], 0)
+    busy = _slot(1, prompt[:20], 20)  # generating for another request: a copy of its KV
+    row = _chunked_row(40, (16, 8, 16))
+    slot, plan = choose(
+        prompt, free=[empty], slots=[empty, busy], row=row, n_batch=16, deterministic=False,
+        tails=True,
+    )  # fmt: skip
+    assert slot is empty
+    assert (plan.kind, plan.keep, plan.base, plan.src_seq) == ("row", 40, 16, 1)
+
+
+def test_a_tail_restore_never_starts_past_the_rows_last_chunk_or_its_keep() -> None:
+    row = _chunked_row(40, (16, 8, 16))
+    assert [row.tail_start(n) for n in (0, 15, 16, 23, 24, 39, 40, 99)] == [
+        0, 0, 16, 16, 24, 24, 24, 24,
+    ]  # fmt: skip
+    # A live slot holding the whole row still leaves the row's last chunk to restore; one
+    # holding more than the prompt keeps is bounded by what the row keeps.
+    prompt = list(range(30))
+    warm = _slot(0, list(range(60)), 60)
+    _, plan = choose(
+        prompt, free=[warm], slots=[warm], row=_chunked_row(40, (16, 8, 16)), n_batch=16,
+        deterministic=False, tails=True,
+    )  # fmt: skip
+    assert plan.kind == "self"  # the live KV holds all 29 tokens a row would give

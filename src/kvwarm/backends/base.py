@@ -262,12 +262,24 @@ class BackendContext(Protocol):
         of token positions now in the sequence. ``StateRestoreError`` on a bad blob."""
         ...
 
-    def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer]) -> int | None:
+    def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer], *, base: int = 0) -> int | None:
         """Restore a row's chunks (covering ``[0, n)`` in order) into ``seq`` (cleared first),
         each read in place from its own buffer, with no join copy; the number of positions
         now in the sequence. None, with ``seq`` untouched, when this context cannot (chunks
         of an older format, no room for a scratch sequence): ``kv_join`` them into a buffer
-        and ``kv_unpack`` that. ``StateRestoreError`` on bad chunks (``seq`` left empty)."""
+        and ``kv_unpack`` that. ``StateRestoreError`` on bad chunks (``seq`` left empty).
+
+        ``base`` > 0 is a tail restore (only where ``restores_tails``): ``seq`` holds exactly
+        positions ``[0, base)`` -- live KV of the same tokens the row holds there -- and keeps
+        them; the chunks cover ``[base, n)``. ``StateRestoreError`` if ``seq`` holds anything
+        else; on any failure the caller must reset ``seq``."""
+        ...
+
+    @property
+    def restores_tails(self) -> bool:
+        """Whether ``kv_unpack_chunks`` can put a row's later chunks on live KV of its
+        earlier ones (``base`` > 0): a state that trims like full attention, and room for a
+        scratch sequence in one KV stream."""
         ...
 
     @property

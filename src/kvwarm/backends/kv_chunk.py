@@ -136,9 +136,10 @@ def check_bounds(bounds: Sequence[int], n_cells: int, first: int = 0) -> list[in
     return out
 
 
-def check_sequence(views: Sequence[ChunkView]) -> int:
-    """The cell count of chunks that tile ``[0, n)`` in order, all with one descriptor."""
-    end = 0
+def check_sequence(views: Sequence[ChunkView], start: int = 0) -> int:
+    """The end position of chunks that tile ``[start, n)`` in order, all with one descriptor
+    (``n``: the cell count of chunks from 0)."""
+    end = start
     for i, view in enumerate(views):
         if view.start != end:
             raise StateRestoreError(

@@ -38,6 +38,9 @@ class LoadedRow:
     payload: memoryview
     logits: bytes | None
     chunks: tuple[memoryview, ...] = ()
+    #: The first position ``chunks`` cover: 0, or the chunk boundary a tail read
+    #: (``open_row(from_token=...)``) started at; the KV before it was not read.
+    chunks_from: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,13 +122,21 @@ class CacheApi(Protocol):
         ...
 
     def open_row(
-        self, key: bytes, *, chunks: bool = True, payload: bool = True
+        self, key: bytes, *, chunks: bool = True, payload: bool = True, from_token: int = 0
     ) -> AbstractContextManager[LoadedRow]:
         """Check out, read and verify (CRC) a row. ``CacheKeyError`` if absent,
         ``CacheFormatError`` if corrupt (the bad row is dropped from index and tier).
         ``chunks=False`` reads a manifest's own file alone (its tokens and logits), none of
         the chunks it names (``LoadedRow.chunks`` is then empty). ``payload=False`` reads
-        only the metadata (tokens, logits; ``Tier.load_meta``): no payload, no chunks."""
+        only the metadata (tokens, logits; ``Tier.load_meta``): no payload, no chunks.
+        ``from_token``: read only the chunks from the last chunk boundary at or before it
+        (``LoadedRow.chunks_from``; 0 for a row that is not a manifest of chunks alone): a
+        caller that holds the KV before it live restores the tail alone."""
+        ...
+
+    def chunk_lens(self, key: bytes) -> tuple[int, ...]:
+        """How many tokens each chunk of row ``key`` covers, in order (() for a row stored
+        whole, or none)."""
         ...
 
     def save(

@@ -286,7 +286,7 @@ class Cache:
 
     @contextmanager
     def open_row(
-        self, key: bytes, *, chunks: bool = True, payload: bool = True
+        self, key: bytes, *, chunks: bool = True, payload: bool = True, from_token: int = 0
     ) -> Iterator[LoadedRow]:
         chunks = chunks and payload  # the metadata alone names chunks but reads none
         leased = self._index.lease(key)
@@ -295,6 +295,12 @@ class Cache:
         if leased is None:
             raise CacheKeyError(f"no cache row {key.hex()}")
         stored, gen = leased
+        whole = stored
+        skip, chunks_from = _leading_chunks(stored, from_token) if chunks else (0, 0)
+        if skip:
+            stored = replace(
+                stored, chunks=stored.chunks[skip:], chunk_lens=stored.chunk_lens[skip:]
+            )
         tier = self._tiers[stored.info.tier]
         local = tier.capabilities.local
         # A remote row's buffer may outlive this lease (promotion): never the thread's scratch.
@@ -303,21 +309,31 @@ class Cache:
         parts: tuple[memoryview, ...] = ()
         # Chunks read from local storage land in the thread's arena; ram holds them already.
         persistent = tier.capabilities.persistent
-        arena = self._reads.chunk_arena(stored) if chunks and local and persistent else None
+        arena = None
         try:
             data = self._load(tier, stored, scratch, payload=payload)
+            if skip and data.payload.nbytes:
+                # A manifest's payload (an iSWA window, a recurrent state) belongs to the
+                # whole row: it is read whole.
+                stored, chunks_from = whole, 0
+            if chunks and local and persistent:
+                arena = self._reads.chunk_arena(stored)
             if chunks:
                 parts = self._reads.load_parts(tier, stored, arena)
-            yield LoadedRow(stored.info, data.tokens, data.payload, data.logits, parts)
+            yield LoadedRow(stored.info, data.tokens, data.payload, data.logits, parts, chunks_from)
         finally:
             self._index.checkin(key, gen)
             if local:
                 self._scratch.reclaim(scratch, data)
                 self._scratch.reclaim_arena(arena, parts)
             elif data is not None:
-                if payload:  # metadata alone is no row to promote
+                # Neither metadata alone nor a tail of the chunks is a row to promote.
+                if payload and stored is whole:
                     self._shared.promote(tier, stored, data, parts)
                 _release(data)
+
+    def chunk_lens(self, key: bytes) -> tuple[int, ...]:
+        return self._index.chunk_lens(key)
 
     def _load(
         self,
@@ -568,3 +584,18 @@ def _release(data: RowBytes) -> None:
     # Still exported by the caller: harmless, the bytes are immutable and never reused.
     with suppress(BufferError):
         data.payload.release()
+
+
+def _leading_chunks(stored: StoredRow, from_token: int) -> tuple[int, int]:
+    """(how many leading chunks of ``stored`` end at or before ``from_token``, the position
+    the rest starts at). Only a manifest of chunks alone has a tail to read by itself: a
+    payload (an iSWA window, a recurrent state) belongs to the whole row."""
+    if from_token <= 0 or not stored.chunks:
+        return 0, 0
+    skip = end = 0
+    for length in stored.chunk_lens:
+        if end + length > from_token or skip + 1 >= len(stored.chunks):
+            break
+        end += length
+        skip += 1
+    return skip, end

@@ -404,6 +404,11 @@ class Index:
             return (), 0
         return self._rows.chunk_lens(match.row.key), match.n_shared
 
+    def chunk_lens(self, key: bytes) -> tuple[int, ...]:
+        """How many tokens each chunk of row ``key`` covers (() if none, or no row)."""
+        with self._lock:
+            return self._rows.chunk_lens(key)
+
     def chunk_sizes(self, tier: TierName, keys: Sequence[bytes]) -> list[int | None]:
         """The stored size of each chunk (None: not known to be stored)."""
         with self._lock:

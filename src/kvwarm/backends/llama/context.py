@@ -308,18 +308,31 @@ class LlamaContext:
                 from_zero=self._memory.chunkable,
             )
 
-    def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer]) -> int | None:
+    def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer], *, base: int = 0) -> int | None:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
-            parts = self._codec.blobs(chunks)
+            _checks.check_range(base, -1)
+            parts = self._codec.blobs(chunks, base)
             if parts is None or self._scratch is None or not self._memory.chunkable:
                 return None
-            n = sum(int(HEAD.unpack_from(part.data, 0)[3]) for part in parts)
+            n = base + sum(int(HEAD.unpack_from(part.data, 0)[3]) for part in parts)
             if n > self._n_ctx:
                 raise StateRestoreError(f"KV chunks hold {n} positions; n_ctx={self._n_ctx}")
             return _kv_state.unpack_chunks(
-                self._lib, self._ptr, self._mem, seq, self._scratch, parts, self._n_ctx
+                self._lib,
+                self._ptr,
+                self._mem,
+                seq,
+                self._scratch,
+                parts,
+                self._n_ctx,
+                base=base,
+                n_end=n,
             )
+
+    @property
+    def restores_tails(self) -> bool:
+        return self._scratch is not None and self._memory.chunkable
 
     @property
     def kv_codec(self) -> LlamaKvCodec:

@@ -144,10 +144,12 @@ class LlamaKvCodec:
                 target[:, a:b, :] = piece
         return result
 
-    def blobs(self, chunks: Sequence[Buffer]) -> list[U8] | None:
+    def blobs(self, chunks: Sequence[Buffer], start: int = 0) -> list[U8] | None:
         """Each chunk's body, a blob ``llama_state_seq_set_data`` restores as it is, after the
-        checks of ``join``; None when a chunk is of the first format (join those instead)."""
-        checked = self._checked(chunks)
+        checks of ``join`` (the chunks tile positions from ``start``: 0, or where a tail
+        restore's live prefix ends); None when a chunk is of the first format (join those
+        instead)."""
+        checked = self._checked(chunks, start)
         if checked is None:
             return []
         views = checked[0]
@@ -160,13 +162,14 @@ class LlamaKvCodec:
         return HEAD.size if checked is None else checked[1].blob_size(checked[2])
 
     def _checked(
-        self, chunks: Sequence[Buffer]
+        self, chunks: Sequence[Buffer], start: int = 0
     ) -> tuple[list[kv_chunk.ChunkView], Structure, int] | None:
-        """The chunks' views, layout and cell count, every one checked; None for no chunks."""
+        """The chunks' views, layout and end position, every one checked; None for no
+        chunks."""
         views = [kv_chunk.parse(u8(c, "KV chunk"), kv_chunk.CODEC_LLAMA) for c in chunks]
         if not views:
             return None
-        n_cells = kv_chunk.check_sequence(views)
+        n_cells = kv_chunk.check_sequence(views, start)
         structure = parse_descriptor(views[0].descriptor)
         self._check(structure, "KV chunk")
         for i, view in enumerate(views):

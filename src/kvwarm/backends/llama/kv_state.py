@@ -7,7 +7,9 @@ does not restore to positions ``[0, n)`` inside the context. ``unpack_chunks`` d
 for a row's chunks, each read in place from its own buffer: the first into the sequence, every
 later one into the context's scratch sequence and then shared into the sequence (``seq_cp``
 shares cells in the unified KV buffer; it copies nothing), because ``llama_state_seq_set_data``
-clears its destination first. The scratch sequence is empty before and after.
+clears its destination first. The scratch sequence is empty before and after. A tail restore
+(``base`` > 0) puts every chunk through the scratch sequence onto the live prefix ``[0, base)``
+the sequence already holds.
 """
 
 from __future__ import annotations
@@ -91,23 +93,47 @@ def unpack(
 
 
 def unpack_chunks(
-    lib: Any, ctx: object, mem: object, seq: int, scratch: int, parts: Sequence[U8], n_ctx: int
+    lib: Any,
+    ctx: object,
+    mem: object,
+    seq: int,
+    scratch: int,
+    parts: Sequence[U8],
+    n_ctx: int,
+    *,
+    base: int = 0,
+    n_end: int = 0,
 ) -> int:
-    """Restore ``parts`` (checked blobs holding consecutive positions from 0, as
-    ``LlamaKvCodec.blobs`` returns them) into ``seq``; the number of positions it now holds."""
-    lib.llama_memory_seq_rm(mem, seq, -1, -1)
+    """Restore ``parts`` (checked blobs holding consecutive positions from ``base``, as
+    ``LlamaKvCodec.blobs`` returns them) into ``seq``; the number of positions it now holds.
+    With ``base`` > 0 ``seq`` must hold exactly positions ``[0, base)`` (the caller's live
+    prefix, which it keeps) and then holds ``[0, n_end)``; every part goes through the
+    scratch sequence."""
     lib.llama_memory_seq_rm(mem, scratch, -1, -1)
+    if base:
+        held = (
+            int(lib.llama_memory_seq_pos_min(mem, seq)),
+            int(lib.llama_memory_seq_pos_max(mem, seq)),
+        )
+        if held != (0, base - 1):
+            raise StateRestoreError(
+                f"a tail restore from {base} needs the sequence to hold [0, {base - 1}], "
+                f"not {list(held)}"
+            )
+    else:
+        lib.llama_memory_seq_rm(mem, seq, -1, -1)
     try:
         for i, part in enumerate(parts):
             size = part.size
             src = ctypes.cast(ctypes.c_void_p(part.ctypes.data), ctypes.POINTER(ctypes.c_uint8))
-            read = int(lib.llama_state_seq_set_data(ctx, src, size, scratch if i else seq))
+            via = scratch if i or base else seq
+            read = int(lib.llama_state_seq_set_data(ctx, src, size, via))
             if read != size:
                 raise StateRestoreError(
                     f"llama.cpp refused KV chunk {i} (read {read} of {size} bytes; is the "
                     "context full?)"
                 )
-            if i:  # the next set_data clears the scratch sequence itself
+            if via == scratch:  # the next set_data clears the scratch sequence itself
                 lib.llama_memory_seq_cp(mem, scratch, seq, -1, -1)
         lib.llama_memory_seq_rm(mem, scratch, -1, -1)
         pos_min = int(lib.llama_memory_seq_pos_min(mem, seq))
@@ -115,6 +141,10 @@ def unpack_chunks(
         if pos_max >= n_ctx or (pos_max >= 0 and pos_min != 0):
             raise StateRestoreError(
                 f"restored positions [{pos_min}, {pos_max}] do not fit [0, {n_ctx})"
+            )
+        if base and pos_max + 1 != n_end:
+            raise StateRestoreError(
+                f"a tail restore from {base} ended at {pos_max + 1}, not {n_end}"
             )
     except BaseException:
         lib.llama_memory_seq_rm(mem, seq, -1, -1)

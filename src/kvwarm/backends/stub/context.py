@@ -270,9 +270,33 @@ class StubContext:
             prev_pos, prev_h = pos, h
         return cells
 
-    def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer]) -> int | None:
+    def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer], *, base: int = 0) -> int | None:
         # The stub has no native buffer to restore into in place: join, then unpack.
-        return self.kv_unpack(seq, self._codec.join(chunks))
+        if not base:
+            return self.kv_unpack(seq, self._codec.join(chunks))
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            _checks.check_range(base, -1)
+            if not self.restores_tails:
+                return None
+            live = self._seqs[seq]
+            if sorted(live) != list(range(base)):
+                raise StateRestoreError(
+                    f"a tail restore from {base} needs the sequence to hold [0, {base - 1}]"
+                )
+            tail = self._parse(memoryview(self._codec.join_tail(chunks, base)))
+            first = tail.get(base)
+            # The cells chain through the whole prefix (as real KV depends on it): a tail put
+            # on live KV of other tokens is refused here, where llama.cpp could not tell.
+            if first is None or first.h != _mix(live[base - 1].h, first.token, base):
+                raise StateRestoreError(f"the tail from {base} does not continue the live KV")
+            live.update(tail)
+            return self._pos_max(seq) + 1
+
+    @property
+    def restores_tails(self) -> bool:
+        # As llama.cpp's: full attention, one KV stream (the scratch sequence's condition).
+        return self._memory.chunkable and self._params.kv_unified
 
     @property
     def kv_codec(self) -> StubKvCodec:

@@ -72,13 +72,19 @@ class StubKvCodec:
             )
         return result
 
+    def join_tail(self, chunks: Sequence[Buffer], start: int) -> bytes:
+        """Chunks tiling positions from ``start`` as one blob of those cells (a tail)."""
+        views = self._checked(chunks, start)
+        n_cells = (views[-1].end if views else start) - start
+        return self.header(n_cells) + b"".join(bytes(view.body) for view in views)
+
     def joined_size(self, chunks: Sequence[Buffer]) -> int:
         views = self._checked(chunks)
         return HEADER.size + (views[-1].end if views else 0) * self._cell
 
-    def _checked(self, chunks: Sequence[Buffer]) -> list[kv_chunk.ChunkView]:
+    def _checked(self, chunks: Sequence[Buffer], start: int = 0) -> list[kv_chunk.ChunkView]:
         views = [kv_chunk.parse(u8(c, "KV chunk"), kv_chunk.CODEC_STUB) for c in chunks]
-        kv_chunk.check_sequence(views)
+        kv_chunk.check_sequence(views, start)
         for i, view in enumerate(views):
             self._check_chunk(view, i)
         return views

@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvwarm.alignment import align_down, canonical_after
-from kvwarm.backends.base import Sampler
+from kvwarm.backends.base import Buffer, Sampler
 from kvwarm.cache.explain import MissReason, ReuseReport
 from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.types import Namespace
@@ -99,7 +100,14 @@ class Admission:
         mem = rt.memory
         if req.options.prompt_logprobs is not None:
             match, whole = None, []  # every position's logits are needed: prefill from start
-        rows = [RowCandidate.of(m, mem) for m in (match, *whole) if m is not None]
+        # A row's chunk lengths say where a restore onto live KV of its leading tokens can
+        # start (only where the context restores tails: full attention, one KV stream).
+        tails = rt.ctx.restores_tails and not req.deterministic
+        rows = [
+            RowCandidate.of(m, mem, rt.cache.chunk_lens(m.row.key) if tails else ())
+            for m in (match, *whole)
+            if m is not None
+        ]
         rt.refresh_floors()
         rt.cache.note_namespace(rt.namespace())
         self._found = best_found(
@@ -119,6 +127,7 @@ class Admission:
             n_batch=rt.cfg.n_batch,
             deterministic=req.deterministic,
             namespace=ns,
+            tails=tails,
         )
         if req.options.prompt_logprobs is not None:
             plan = Plan("none", 0)
@@ -303,7 +312,7 @@ class Admission:
         tokens = req.prompt_tokens
         nb = rt.cfg.n_batch
         det = req.deterministic
-        with rt.cache.open_row(plan.row_key) as row:
+        with rt.cache.open_row(plan.row_key, from_token=plan.base) as row:
             canonical = row.info.canonical_tokens
             shared = common_prefix(row.tokens, tokens)
             floor = rt.memory.saved_floor(row.info.n_tokens)
@@ -318,36 +327,69 @@ class Admission:
             )
             if keep == 0:
                 return 0, None, None
-            rt.reset_seq(slot)
             t0 = time.perf_counter()
-            # A manifest's chunks are restored each from the buffer it was read into; chunks
-            # the context cannot restore in place (an older chunk format) are joined (each
-            # byte copied once) into the worker's reused buffer, which kv_unpack reads in
-            # place, and so are those of a manifest with a rest (its payload: an iSWA window,
-            # a hybrid's recurrent state), followed by it. A whole-blob row is unpacked from
-            # its view directly. No view is kept.
-            if row.chunks:
-                rest = row.payload
-                n_restored = None if rest.nbytes else rt.ctx.kv_unpack_chunks(slot.seq, row.chunks)
-                if n_restored is None:
-                    blob = rt.join_buf.join(rt.ctx, row.chunks, rest)
-                    n_restored = rt.ctx.kv_unpack(slot.seq, blob)
+            if row.chunks_from:
+                n_restored = self._restore_tail(slot, plan, row.chunks_from, row.chunks, keep)
             else:
-                n_restored = rt.ctx.kv_unpack(slot.seq, row.payload)
-            rt.cache.record_latency("unpack", time.perf_counter() - t0)
-            slot.kv_tokens[:] = row.tokens[:n_restored]
-            keep, use_logits = trim_restored(
-                keep,
-                n_restored,
-                len(tokens),
-                use_logits=plan.use_logits and row.logits is not None,
-                n_batch=nb,
-                det=det,
-                floor=rt.memory.live_floor(n_restored, rt.ctx.seq_pos_min(slot.seq)),
-            )
-            if keep == 0:
-                return 0, None, None
-            if n_restored > keep:
-                rt.ctx.seq_rm(slot.seq, keep, -1)
-                del slot.kv_tokens[keep:]
-            return keep, canonical, row.logits if use_logits else None
+                rt.reset_seq(slot)
+                n_restored = self._restore_whole(slot, row.chunks, row.payload)
+            if n_restored is None:
+                whole = True  # the tail alone would not restore: the whole row, read anew
+            else:
+                whole = False
+                rt.cache.record_latency("unpack", time.perf_counter() - t0)
+                slot.kv_tokens[:] = row.tokens[:n_restored]
+                keep, use_logits = trim_restored(
+                    keep,
+                    n_restored,
+                    len(tokens),
+                    use_logits=plan.use_logits and row.logits is not None,
+                    n_batch=nb,
+                    det=det,
+                    floor=rt.memory.live_floor(n_restored, rt.ctx.seq_pos_min(slot.seq)),
+                )
+                if keep == 0:
+                    return 0, None, None
+                if n_restored > keep:
+                    rt.ctx.seq_rm(slot.seq, keep, -1)
+                    del slot.kv_tokens[keep:]
+                return keep, canonical, row.logits if use_logits else None
+        assert whole
+        return self._restore_row(slot, replace(plan, base=0), req)
+
+    def _restore_whole(self, slot: Slot, chunks: Sequence[Buffer], payload: memoryview) -> int:
+        """Restore a whole row into ``slot`` (emptied): its chunks, or its payload."""
+        rt = self.rt
+        # A manifest's chunks are restored each from the buffer it was read into; chunks the
+        # context cannot restore in place (an older chunk format) are joined (each byte
+        # copied once) into the worker's reused buffer, which kv_unpack reads in place, and so
+        # are those of a manifest with a rest (its payload: an iSWA window, a hybrid's
+        # recurrent state), followed by it. A whole-blob row is unpacked from its view
+        # directly. No view is kept.
+        if not chunks:
+            return rt.ctx.kv_unpack(slot.seq, payload)
+        n_restored = None if payload.nbytes else rt.ctx.kv_unpack_chunks(slot.seq, chunks)
+        if n_restored is None:
+            n_restored = rt.ctx.kv_unpack(slot.seq, rt.join_buf.join(rt.ctx, chunks, payload))
+        return n_restored
+
+    def _restore_tail(
+        self, slot: Slot, plan: Plan, start: int, chunks: Sequence[Buffer], keep: int
+    ) -> int | None:
+        """Put the row's chunks from ``start`` (a boundary at or before the plan's ``base``)
+        on live KV of its leading tokens: ``slot``'s own, trimmed to ``start``, or a copy of
+        the plan's ``src_seq`` (the planner checked that either holds the prompt's tokens
+        there). None where the context cannot (chunks of an older format): the caller then
+        restores the whole row over whatever the slot holds."""
+        rt = self.rt
+        if not rt.ctx.restores_tails or start > keep:
+            return None
+        if plan.src_seq == slot.seq:
+            rt.ctx.seq_rm(slot.seq, start, -1)
+            del slot.kv_tokens[start:]
+        else:
+            src = rt.slots[plan.src_seq]
+            rt.reset_seq(slot)
+            rt.ctx.seq_cp(src.seq, slot.seq, 0, start)
+            slot.kv_tokens[:] = src.kv_tokens[:start]
+        return rt.ctx.kv_unpack_chunks(slot.seq, chunks, base=start)

@@ -75,9 +75,12 @@ class Plan:
     kind: SourceKind
     keep: int  # prompt tokens whose KV is reused
     use_logits: bool = False
-    src_seq: int = -1  # for "copy"
+    src_seq: int = -1  # for "copy"; for a "row" with a ``base``: the slot whose KV it is
     row_key: bytes | None = None  # for "row"
     shared: int = 0  # tokens the source shares with the prompt before trimming
+    #: For "row": leading tokens taken from live KV (``src_seq``'s, the slot's own or a
+    #: ``seq_cp``) instead of the row; the row's chunks from there on are all it restores.
+    base: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +93,13 @@ class RowCandidate:
     canonical: int | None
     has_logits: bool
     floor: int = 0  # the shortest prefix the row's saved state resumes at (kvwarm.memory)
+    #: How many tokens each of its chunks covers (() for a row stored whole).
+    chunk_lens: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, match: PrefixMatch, memory: MemoryKind) -> RowCandidate:
+    def of(
+        cls, match: PrefixMatch, memory: MemoryKind, chunk_lens: tuple[int, ...] = ()
+    ) -> RowCandidate:
         """The candidate a lookup's ``match`` makes, its floor from the model's memory kind."""
         row = match.row
         return cls(
@@ -102,7 +109,19 @@ class RowCandidate:
             row.canonical_tokens,
             row.has_logits,
             floor=memory.saved_floor(row.n_tokens),
+            chunk_lens=chunk_lens,
         )
+
+    def tail_start(self, live: int) -> int:
+        """The last chunk boundary at or before ``live`` (tokens some live KV shares with
+        the row), short of the row's last chunk: where a restore onto that live KV starts."""
+        end = start = 0
+        for length in self.chunk_lens[:-1]:
+            end += length
+            if end > live:
+                break
+            start = end
+        return start
 
 
 def better(a: Plan, b: Plan) -> Plan:
@@ -125,6 +144,7 @@ def choose(
     deterministic: bool,
     namespace: Namespace | None = None,
     rows: Sequence[RowCandidate] = (),
+    tails: bool = False,
 ) -> tuple[Slot, Plan]:
     """The free slot to serve ``tokens`` in, and the plan for its prompt KV.
 
@@ -132,6 +152,9 @@ def choose(
     ``namespace`` can be shared); ``row``: the cache's longest-prefix row in that namespace, if
     any; ``rows``: further row candidates (the longest row that is a whole prefix, for a
     model whose state cannot be trimmed). Each source counts only down to its floor.
+    ``tails``: a row may restore only its chunks past live KV that holds its leading ones
+    (``BackendContext.restores_tails``; never in deterministic mode, whose rows and live KV
+    each stay canonical on their own): the plan's ``base``.
     """
     n = len(tokens)
 
@@ -184,6 +207,8 @@ def choose(
         )
         if keep > 0:
             plan = Plan("row", keep, use_logits, row_key=cand_row.key, shared=shared)
+            if tails and not deterministic and cand_row.chunk_lens:
+                plan = _on_live(plan, cand_row, tokens, best_slot, slots, namespace)
             best = better(best, plan)
     if best.kind == "row" and best.use_logits and best.keep == n and not deterministic:
         # The whole prompt is a row with its final logits; a free slot whose live KV already
@@ -196,6 +221,39 @@ def choose(
             ):
                 return slot, Plan("self", n, True, row_key=best.row_key, shared=n)
     return best_slot, best
+
+
+def _on_live(
+    plan: Plan,
+    row: RowCandidate,
+    tokens: Sequence[int],
+    slot: Slot,
+    slots: Sequence[Slot],
+    namespace: Namespace | None,
+) -> Plan:
+    """``plan`` (a row restore into ``slot``) restoring only the row's chunks past the live
+    KV that holds the most of its leading ones: ``slot``'s own, else a copy of another's.
+    A conversation's next turn after another conversation over the same system prompt took
+    the slot reads and restores its own turns, not the system prompt's KV again."""
+    best_base, best_seq = 0, -1
+    for other in slots:
+        if other.kv_namespace != namespace or other.floor > 0 or not other.kv_tokens:
+            continue
+        live = min(common_prefix(other.kv_tokens, tokens), plan.keep)
+        base = row.tail_start(live)
+        if base > best_base or (base == best_base and base and other is slot):
+            best_base, best_seq = base, other.seq
+    if not best_base:
+        return plan
+    return Plan(
+        "row",
+        plan.keep,
+        plan.use_logits,
+        src_seq=best_seq,
+        row_key=plan.row_key,
+        shared=plan.shared,
+        base=best_base,
+    )
 
 
 def recheck_row(
