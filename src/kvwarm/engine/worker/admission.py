@@ -329,7 +329,11 @@ class Admission:
                 return 0, None, None
             t0 = time.perf_counter()
             if row.chunks_from:
-                n_restored = self._restore_tail(slot, plan, row.chunks_from, row.chunks, keep)
+                n_restored, base_canonical = self._restore_tail(
+                    slot, plan, row.chunks_from, row.chunks, keep
+                )
+                # The state is canonical no further than its live base was.
+                canonical = base_canonical if canonical is None else min(canonical, base_canonical)
             else:
                 rt.reset_seq(slot)
                 n_restored = self._restore_whole(slot, row.chunks, row.payload)
@@ -375,21 +379,23 @@ class Admission:
 
     def _restore_tail(
         self, slot: Slot, plan: Plan, start: int, chunks: Sequence[Buffer], keep: int
-    ) -> int | None:
+    ) -> tuple[int | None, int]:
         """Put the row's chunks from ``start`` (a boundary at or before the plan's ``base``)
         on live KV of its leading tokens: ``slot``'s own, trimmed to ``start``, or a copy of
         the plan's ``src_seq`` (the planner checked that either holds the prompt's tokens
         there). None where the context cannot (chunks of an older format): the caller then
-        restores the whole row over whatever the slot holds."""
+        restores the whole row over whatever the slot holds. Also the live base's canonical
+        prefix (``kvwarm.alignment``), read before the slot is changed."""
         rt = self.rt
+        src = rt.slots[plan.src_seq]
+        base_canonical = src.canonical
         if not rt.ctx.restores_tails or start > keep:
-            return None
-        if plan.src_seq == slot.seq:
+            return None, base_canonical
+        if src is slot:
             rt.ctx.seq_rm(slot.seq, start, -1)
             del slot.kv_tokens[start:]
         else:
-            src = rt.slots[plan.src_seq]
             rt.reset_seq(slot)
             rt.ctx.seq_cp(src.seq, slot.seq, 0, start)
             slot.kv_tokens[:] = src.kv_tokens[:start]
-        return rt.ctx.kv_unpack_chunks(slot.seq, chunks, base=start)
+        return rt.ctx.kv_unpack_chunks(slot.seq, chunks, base=start), base_canonical
