@@ -3,7 +3,7 @@ mode, with chunk boundaries that are (8) and are not (12) multiples of n_batch (
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -17,8 +17,8 @@ from tests.engine.test_engine_model import (
     model_config,
     prompt_of,
 )
+from tests.engine.test_tail_restore import spy_bases
 
-from kvwarm.backends.base import Buffer
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig, Model
 from kvwarm.engine.types import Completion, GenerationOptions
@@ -133,15 +133,7 @@ def test_a_next_turn_restores_its_tail_onto_the_system_prompt_left_live(
         cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root),), chunk_tokens=16)
         with Engine(EngineConfig(cache=cfg, policy=POLICY)) as eng:
             model = eng.load_model(config=config)
-            ctx = model._worker.rt.ctx
-            unpack = ctx.kv_unpack_chunks
-            bases: list[int] = []
-
-            def spy(seq: int, chunks: Sequence[Buffer], *, base: int = 0) -> int | None:
-                bases.append(base)
-                return unpack(seq, chunks, base=base)
-
-            monkeypatch.setattr(ctx, "kv_unpack_chunks", spy)
+            bases = spy_bases(model, monkeypatch)
             a = model.complete(system + " Who is alpha?", opts)
             eng.cache.flush()
             model.complete(system + " Who is bravo?", opts)

@@ -27,7 +27,7 @@ def _engine(chunk_tokens: int) -> Engine:
     return Engine(EngineConfig(cache=cache, policy=LOW_GATES))
 
 
-def _spy_bases(model: Model, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def spy_bases(model: Model, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The ``base`` of every chunked restore the model's worker makes."""
     ctx = model._worker.rt.ctx
     unpack = ctx.kv_unpack_chunks
@@ -68,7 +68,7 @@ def test_a_next_turn_restores_only_its_own_chunks_onto_the_slots_system_prompt(
     engine = _engine(16)
     try:
         model = engine.load_model(config=stub_config())
-        bases = _spy_bases(model, monkeypatch)
+        bases = spy_bases(model, monkeypatch)
         a, b, a2 = _conversations(model, system, engine)
     finally:
         engine.close()
@@ -94,7 +94,7 @@ def test_a_tail_restore_takes_its_base_from_another_slots_live_kv(
     try:
         backend.gate.set()
         model = engine.load_model(config=config)
-        bases = _spy_bases(model, monkeypatch)
+        bases = spy_bases(model, monkeypatch)
         a, _, _ = _conversations(model, system, engine)
         assert bases == [96]
         backend.gate.clear()

@@ -42,7 +42,7 @@ from dataclasses import replace
 from types import TracebackType
 
 from kvwarm.cache.api import LoadedRow, VerifyReport
-from kvwarm.cache.chunking import PlanBook, pack_request
+from kvwarm.cache.chunking import PlanBook, pack_request, tail_of
 from kvwarm.cache.chunkreads import ChunkReads
 from kvwarm.cache.core import CacheCore, ScratchBuffers
 from kvwarm.cache.counters import Counters
@@ -296,7 +296,7 @@ class Cache:
             raise CacheKeyError(f"no cache row {key.hex()}")
         stored, gen = leased
         whole = stored
-        skip, chunks_from = _leading_chunks(stored, from_token) if chunks else (0, 0)
+        skip, chunks_from = tail_of(stored.chunk_lens, from_token) if chunks else (0, 0)
         if skip:
             stored = replace(
                 stored, chunks=stored.chunks[skip:], chunk_lens=stored.chunk_lens[skip:]
@@ -584,18 +584,3 @@ def _release(data: RowBytes) -> None:
     # Still exported by the caller: harmless, the bytes are immutable and never reused.
     with suppress(BufferError):
         data.payload.release()
-
-
-def _leading_chunks(stored: StoredRow, from_token: int) -> tuple[int, int]:
-    """(how many leading chunks of ``stored`` end at or before ``from_token``, the position
-    the rest starts at). Only a manifest of chunks alone has a tail to read by itself: a
-    payload (an iSWA window, a recurrent state) belongs to the whole row."""
-    if from_token <= 0 or not stored.chunks:
-        return 0, 0
-    skip = end = 0
-    for length in stored.chunk_lens:
-        if end + length > from_token or skip + 1 >= len(stored.chunks):
-            break
-        end += length
-        skip += 1
-    return skip, end

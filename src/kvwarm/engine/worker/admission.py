@@ -337,10 +337,7 @@ class Admission:
             else:
                 rt.reset_seq(slot)
                 n_restored = self._restore_whole(slot, row.chunks, row.payload)
-            if n_restored is None:
-                whole = True  # the tail alone would not restore: the whole row, read anew
-            else:
-                whole = False
+            if n_restored is not None:
                 rt.cache.record_latency("unpack", time.perf_counter() - t0)
                 slot.kv_tokens[:] = row.tokens[:n_restored]
                 keep, use_logits = trim_restored(
@@ -358,7 +355,8 @@ class Admission:
                     rt.ctx.seq_rm(slot.seq, keep, -1)
                     del slot.kv_tokens[keep:]
                 return keep, canonical, row.logits if use_logits else None
-        assert whole
+        # The tail alone would not restore (chunks of the first format): the whole row,
+        # read anew outside that lease.
         return self._restore_row(slot, replace(plan, base=0), req)
 
     def _restore_whole(self, slot: Slot, chunks: Sequence[Buffer], payload: memoryview) -> int:

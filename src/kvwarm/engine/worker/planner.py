@@ -20,10 +20,11 @@ answer, so such a source is not used at all (a miss, never a trim below the floo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from kvwarm.alignment import align_down
+from kvwarm.cache.chunking import tail_of
 from kvwarm.cache.explain import MissReason
 from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.types import Namespace, PrefixMatch
@@ -115,13 +116,7 @@ class RowCandidate:
     def tail_start(self, live: int) -> int:
         """The last chunk boundary at or before ``live`` (tokens some live KV shares with
         the row), short of the row's last chunk: where a restore onto that live KV starts."""
-        end = start = 0
-        for length in self.chunk_lens[:-1]:
-            end += length
-            if end > live:
-                break
-            start = end
-        return start
+        return tail_of(self.chunk_lens, live)[1]
 
 
 def better(a: Plan, b: Plan) -> Plan:
@@ -243,17 +238,7 @@ def _on_live(
         base = row.tail_start(live)
         if base > best_base or (base == best_base and base and other is slot):
             best_base, best_seq = base, other.seq
-    if not best_base:
-        return plan
-    return Plan(
-        "row",
-        plan.keep,
-        plan.use_logits,
-        src_seq=best_seq,
-        row_key=plan.row_key,
-        shared=plan.shared,
-        base=best_base,
-    )
+    return replace(plan, src_seq=best_seq, base=best_base) if best_base else plan
 
 
 def recheck_row(
