@@ -34,6 +34,9 @@ POLICY = PolicyConfig(
     boundary_align_tokens=N_BATCH,
     session_resume_wait_ms=5000,
     evict_save_timeout_ms=30_000,
+    # Every checkpoint, however close to the state below it: these tests are about their
+    # exactness (the gap that skips some is tested on the stub).
+    checkpoint_gap_tokens=0,
 )
 SYSTEM = (
     "You are the archivist of a small coastal town. You answer questions about its history, "

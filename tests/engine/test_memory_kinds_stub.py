@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from tests.engine.conftest import make_engine, stub_config
+from tests.engine.conftest import LOW_GATES, make_engine, stub_config
 
 from kvwarm.backends.base import BatchToken, ContextParams
 from kvwarm.backends.stub import StubBackend
@@ -269,5 +269,38 @@ def test_where_a_live_slot_resumes_a_sibling_a_checkpoint_is_saved_for_the_next(
             finally:
                 ref_eng.close()
             assert ref.stats.cached_tokens == 0 and out.text == ref.text
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize(("kind", "n_swa"), KINDS)
+@pytest.mark.parametrize("gap", [0, 32])
+def test_a_checkpoint_is_made_only_a_gap_past_the_saved_state_below_it(
+    kind: str, n_swa: int, gap: int
+) -> None:
+    """A follow-up turn that restored its previous turn's row and adds fewer tokens than
+    ``checkpoint_gap_tokens`` saves only its reply: the prompt-end checkpoint would spare a
+    later prompt less prefill than it costs. One adding more checkpoints its prompt's end,
+    and so does every turn with a gap of 0."""
+    # No cold saves: their aligned boundary would be a saved state just below the end.
+    policy = replace(LOW_GATES, cold_min_tokens=10**6, cold_max_tokens=10**6)
+    eng = make_engine(policy=replace(policy, checkpoint_gap_tokens=gap))
+    try:
+        model = load(eng, kind, n_swa)
+        first = run(eng, model, SYSTEM + "Q: one?")
+        history = SYSTEM + "Q: one?" + first.text
+        for question, new in ((" Q: two?", "short"), (" Q: " + "and what else? " * 4, "long")):
+            model.evict()  # only rows can serve the next turn
+            before = row_lengths(eng)
+            out = run(eng, model, history + question)
+            n = len(out.prompt_tokens)
+            added = n - out.stats.cached_tokens
+            assert out.stats.cached_tokens in before, new  # restored a row
+            assert (added < 32) == (new == "short")
+            made = row_lengths(eng) - before
+            assert n + out.stats.completion_tokens - 1 in made, new  # the finish save
+            assert (n in made) == (added >= gap), new
+            assert out.text == cold(kind, n_swa, history + question).text, new
+            history += question + out.text
     finally:
         eng.close()

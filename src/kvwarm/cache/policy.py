@@ -148,7 +148,7 @@ def _need_number(obj: str, name: str, value: object, *, minimum: float) -> float
 def validate_policy(policy: PolicyConfig) -> None:
     """``ConfigError`` naming the first bad field of a ``PolicyConfig``."""
     obj = "policy"
-    for name in ("min_tokens", "cold_min_tokens", "boundary_trim_tokens"):
+    for name in ("min_tokens", "cold_min_tokens", "boundary_trim_tokens", "checkpoint_gap_tokens"):
         _need_int(obj, name, getattr(policy, name), minimum=0)
     for name in ("session_resume_wait_ms", "evict_save_timeout_ms"):
         _need_int(obj, name, getattr(policy, name), minimum=0)

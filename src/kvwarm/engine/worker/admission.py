@@ -171,7 +171,13 @@ class Admission:
             hit = "exact"
         else:
             hit = "partial"
-        pauses = self.port.pauses(keep, n, resume_points=resume)
+        saved = self.port.saved_below(
+            ns, req.prompt_tokens, keep, restored=plan.kind == "row", resume_points=resume,
+            deterministic=req.deterministic,
+        )  # fmt: skip
+        pauses = self.port.pauses(
+            keep, n, resume_points=resume, saved=saved, end=req.kind != "prewarm"
+        )
         self._seat(slot, req, ns, sampler, keep, hit, logits_from_row, fork_slots, pauses)
         if slot.active is not None and slot.active.req is req:
             self.port.resumed(slot, keep, resume_points=resume)

@@ -71,20 +71,16 @@ class CachePort:
         packed: bytes | None,
     ) -> None:
         """The slot's prompt is in up to ``end``: save where its prefill ``paused`` (the cold
-        save, a checkpoint), and at the prompt's end a checkpoint with its logits for a state
-        that cannot be trimmed, before the reply moves the state on (``kvwarm.memory``).
+        save, a checkpoint; at the prompt's end, a checkpoint with its logits for a state that
+        cannot be trimmed, before the reply moves the state on: ``kvwarm.memory``).
         ``packed``: the state as packed since this chunk, if it was."""
         act = slot.active
         assert act is not None
         if paused:
-            self.save(slot, SaveReason.COLD, None, act.namespace, sync=False, packed=packed)
-        n = len(act.req.prompt_tokens)
-        if end < n or act.req.kind == "prewarm":
-            return
-        if not self.rt.memory.trimmable and act.cached_tokens < n:
-            # Reusable only at the lengths it was saved at: a regenerated or edited-reply
-            # turn resumes here.
-            self.save(slot, SaveReason.COLD, logits(), act.namespace, sync=False, packed=packed)
+            # At the prompt's end: reusable only at the length it was saved at, so a
+            # regenerated or edited-reply turn resumes here, with no decode.
+            last = logits() if end == len(act.req.prompt_tokens) else None
+            self.save(slot, SaveReason.COLD, last, act.namespace, sync=False, packed=packed)
 
     def decoded(self, slot: Slot) -> None:
         """A generated token is in the slot's KV: a continued save when the policy says."""
@@ -243,20 +239,61 @@ class CachePort:
             return
         self.save(slot, SaveReason.COLD, None, act.namespace, sync=False)
 
-    def pauses(self, keep: int, n: int, *, resume_points: Sequence[int] = ()) -> list[int]:
-        """Where a prefill of prompt tokens ``[keep, n)`` pauses to save, ascending.
+    def saved_below(
+        self,
+        ns: Namespace,
+        prompt: Sequence[int],
+        keep: int,
+        *,
+        restored: bool,
+        resume_points: Sequence[int],
+        deterministic: bool,
+    ) -> int:
+        """The saved state a prompt resuming at ``keep`` starts from, for ``pauses``:
+        ``keep`` when a row holds its first ``keep`` tokens (the row ``restored``, a row
+        holding the live KV kept, or the checkpoint ``resumed`` is to make of it), else 0."""
+        if keep == 0 or restored:
+            return keep
+        if not deterministic and keep in resume_points and keep >= self.rt.cfg.policy.min_tokens:
+            return keep
+        return keep if self.rt.cache.has(self.rt.cache.key_for(ns, prompt[:keep])) else 0
+
+    def pauses(
+        self,
+        keep: int,
+        n: int,
+        *,
+        resume_points: Sequence[int] = (),
+        saved: int = 0,
+        end: bool = True,
+    ) -> list[int]:
+        """Where a prefill of prompt tokens ``[keep, n)`` pauses to save, ascending (``n``
+        itself: the checkpoint at the prompt's end).
 
         The cold save's boundary (trimmed, aligned: the row stays canonical), and for a model
         whose state cannot be trimmed (``kvwarm.memory``) each of ``resume_points`` (where
         another row's tokens diverge from this prompt: the next prompt that shares that much
-        resumes there, which a longer row's untrimmable state cannot offer)."""
+        resumes there, which a longer row's untrimmable state cannot offer) and, with
+        ``end``, the prompt's end. Such a checkpoint is made only ``checkpoint_gap_tokens``
+        or more past the saved state below it (``saved``: the longest prefix of the prompt a
+        row holds at or below ``keep``, 0 for none; or the checkpoint before it): a prompt
+        resuming from that state instead prefills fewer tokens than the checkpoint costs to
+        pack and write. A follow-up chat turn that restored its previous turn's row thus
+        saves only its reply."""
         policy = self.rt.cfg.policy
-        points: set[int] = set()
         boundary = cold_save_length(n, policy)
         # Pausing between aligned chunks keeps the cold row canonical.
         boundary = align_down(boundary, self.rt.cfg.n_batch)
-        if keep < boundary < n and boundary >= policy.min_tokens:
-            points.add(boundary)
-        if not self.rt.memory.trimmable:
-            points.update(p for p in resume_points if keep < p < n and p >= policy.min_tokens)
-        return sorted(points)
+        cold = boundary if keep < boundary < n and boundary >= policy.min_tokens else 0
+        if self.rt.memory.trimmable:
+            return [cold] if cold else []
+        wanted = {p for p in resume_points if keep < p < n and p >= policy.min_tokens}
+        if end and keep < n:
+            wanted.add(n)
+        points: list[int] = []
+        below = saved
+        for point in sorted(wanted | {cold} - {0}):
+            if point == cold or point - below >= policy.checkpoint_gap_tokens:
+                points.append(point)
+                below = point
+        return points
