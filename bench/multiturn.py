@@ -6,6 +6,9 @@
 
 The load (issue 22): 3 conversations x 4 turns over one ~1,000-token system prompt, 16-token
 replies; then each server restarts and every conversation takes one more turn. Both servers
+run side by side and take each request in turn (the order alternating request by request), so
+neither decodes while the other does and a drift in the machine's speed (30-50% within
+minutes on a shared 2-core host) falls on both alike. Both servers
 get the same rendered prompt text through their completions endpoints (Gemma's turn format),
 so the chat template is not what is measured. kvwarm runs with a disk tier (it survives the
 restart); llama-server with its defaults (RAM prompt cache, context checkpoints).
@@ -190,31 +193,104 @@ def turn_text(history: str, question: str) -> str:
     return f"{history}<start_of_turn>user\n{question}<end_of_turn>\n<start_of_turn>model\n"
 
 
+@dataclass
+class Tally:
+    """One server's phase: its requests' seconds (the first is a cold prefill on both), a line
+    per request, and each conversation's history as that server answered it."""
+
+    histories: list[str]
+    seconds: list[float] = field(default_factory=list)
+    rows: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds)
+
+    @property
+    def rest(self) -> float:
+        """Every request but the first: the follow-ups and later conversations, what a cache
+        can change."""
+        return sum(self.seconds[1:])
+
+
 def run_phase(
-    server: Server, histories: list[str], turns: int, profile: Path | None = None
-) -> tuple[float, list[str], float]:
-    """(seconds, a line per request, seconds of every request but the first: the follow-ups
-    and later conversations, what a cache can change; the first is a cold prefill on both).
-    With ``profile``, py-spy records the server from the second request to the end."""
-    rows: list[str] = []
+    servers: list[Server], tallies: list[Tally], turns: int, profile: Path | None = None
+) -> None:
+    """``turns`` turns of every conversation, the servers taking each request in turn (their
+    order alternating request by request), so a drift in this machine's speed falls on both
+    alike. With ``profile``, py-spy records kvwarm from the second request to the end."""
     spy = None
-    rest = 0.0
-    t0 = time.perf_counter()
+    i = 0
     for t in range(turns):
-        for c in range(len(histories)):
-            if profile is not None and spy is None and rows and server.proc is not None:
-                spy = py_spy(server.proc.pid, profile)
-            prompt = turn_text(histories[c], QUESTIONS[(c + t) % len(QUESTIONS)])
-            cached, n_prompt, secs = server.complete(prompt)
-            if rows:
-                rest += secs
-            histories[c] = prompt + server.last_text + "<end_of_turn>\n"
-            rows.append(
-                f"conv {c} turn {t}: cached {cached:5d} / {n_prompt:5d}  {secs * 1e3:7.0f} ms"
-            )
+        for c in range(CONVERSATIONS):
+            order = list(zip(servers, tallies, strict=True))
+            for server, tally in order if i % 2 == 0 else list(reversed(order)):
+                if (
+                    profile is not None and spy is None and tally.rows
+                    and server.name == "kvwarm" and server.proc is not None
+                ):  # fmt: skip
+                    spy = py_spy(server.proc.pid, profile)
+                prompt = turn_text(tally.histories[c], QUESTIONS[(c + t) % len(QUESTIONS)])
+                cached, n_prompt, secs = server.complete(prompt)
+                tally.histories[c] = prompt + server.last_text + "<end_of_turn>\n"
+                tally.seconds.append(secs)
+                tally.rows.append(
+                    f"conv {c} turn {t}: cached {cached:5d} / {n_prompt:5d}  {secs * 1e3:7.0f} ms"
+                )
+            i += 1
     if spy is not None:
         stop(spy)
-    return time.perf_counter() - t0, rows, rest
+
+
+@dataclass
+class Result:
+    run: Tally
+    after: Tally
+    lines: list[str]
+    disk: int
+
+
+def one_round(
+    names: list[str], args: argparse.Namespace, system: str, profile: Path | None
+) -> dict[str, Result]:
+    """Both servers up side by side from empty caches: the run phase, a restart of both,
+    then one more turn of every conversation."""
+    works = [Path(tempfile.mkdtemp(prefix=f"kvwarm-mt-{name}-")) for name in names]
+    servers = [
+        Server(name, args.model, args.threads, work, gpu_layers=args.gpu_layers)
+        for name, work in zip(names, works, strict=True)
+    ]
+    try:
+        runs = [Tally([f"<start_of_turn>user\n{system}\n\n"] * CONVERSATIONS) for _ in names]
+        for server in servers:
+            server.start()
+        try:
+            run_phase(servers, runs, TURNS, profile)
+        finally:
+            for server in servers:
+                server.stop()
+        afters = [Tally(list(run.histories)) for run in runs]
+        for server in servers:
+            server.start()  # restart: only what the server persisted survives
+        try:
+            run_phase(servers, afters, 1)
+        finally:
+            for server in servers:
+                server.stop()
+        out = {}
+        for name, work, run, after in zip(names, works, runs, afters, strict=True):
+            files = [f for f in (work / "kvwarm-cache").rglob("*") if f.is_file()]
+            disk = sum(f.stat().st_size for f in files)
+            n_rows = sum(1 for f in files if f.suffix == ".kvc")
+            tail = [f"cache rows: {n_rows}, {disk / max(n_rows, 1) / 2**20:.1f} MiB each"]
+            if name == "kvwarm":
+                tail += checkpoint_bytes(work / "kvwarm-cache")
+            lines = [*run.rows, "-- restart --", *after.rows, *tail]
+            out[name] = Result(run, after, lines, disk)
+        return out
+    finally:
+        for work in works:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,51 +308,30 @@ def main(argv: list[str] | None = None) -> int:
     system = LORE * max(1, args.system_tokens // 34)
     print("command:", shlex.join([sys.executable, *sys.argv]))
     names = args.servers.split(",")
-    results: dict[str, list[tuple[float, float, list[str], int, float]]] = {n: [] for n in names}
+    results: dict[str, list[Result]] = {n: [] for n in names}
     for rnd in range(args.rounds):
-        for name in names if rnd % 2 == 0 else list(reversed(names)):
-            work = Path(tempfile.mkdtemp(prefix=f"kvwarm-mt-{name}-"))
-            try:
-                server = Server(name, args.model, args.threads, work, gpu_layers=args.gpu_layers)
-                histories = [f"<start_of_turn>user\n{system}\n\n" for _ in range(CONVERSATIONS)]
-                server.start()
-                try:
-                    spy = args.profile if rnd == 0 and name == "kvwarm" else None
-                    run_s, rows, rest_s = run_phase(server, histories, TURNS, spy)
-                finally:
-                    server.stop()
-                server.start()  # restart: only what the server persisted survives
-                try:
-                    after_s, after_rows, _ = run_phase(server, histories, 1)
-                finally:
-                    server.stop()
-                files = [f for f in (work / "kvwarm-cache").rglob("*") if f.is_file()]
-                disk = sum(f.stat().st_size for f in files)
-                n_rows = sum(1 for f in files if f.suffix == ".kvc")
-                tail = [f"cache rows: {n_rows}, {disk / max(n_rows, 1) / 2**20:.1f} MiB each"]
-                if name == "kvwarm":
-                    tail += checkpoint_bytes(work / "kvwarm-cache")
-                results[name].append(
-                    (run_s, after_s, [*rows, "-- restart --", *after_rows, *tail], disk, rest_s)
-                )
-                print(f"[round {rnd}] {name}: run {run_s:.2f} s, after restart {after_s:.2f} s")
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
+        order = names if rnd % 2 == 0 else list(reversed(names))
+        got = one_round(order, args, system, args.profile if rnd == 0 else None)
+        for name in names:
+            r = got[name]
+            results[name].append(r)
+            totals = f"run {r.run.total:.2f} s, after restart {r.after.total:.2f} s"
+            print(f"[round {rnd}] {name}: {totals}")
     for name, rs in results.items():
         print(f"\n== {name}")
-        for i, (run_s, after_s, rows, disk, _) in enumerate(rs):
-            print(f"round {i}: run {run_s:.2f} s, after restart {after_s:.2f} s")
-            for r in rows:
-                print("   ", r)
-            if disk:
-                print(f"    cache on disk: {disk / 2**20:.1f} MiB, "
-                      f"{disk / CONVERSATIONS / 2**20:.1f} MiB per conversation")  # fmt: skip
+        for i, r in enumerate(rs):
+            print(f"round {i}: run {r.run.total:.2f} s, after restart {r.after.total:.2f} s")
+            for line in r.lines:
+                print("   ", line)
+            if r.disk:
+                print(f"    cache on disk: {r.disk / 2**20:.1f} MiB, "
+                      f"{r.disk / CONVERSATIONS / 2**20:.1f} MiB per conversation")  # fmt: skip
     if len(names) == 2 and all(results.values()):
         a, b = (results[n] for n in names)
         for i, (x, y) in enumerate(zip(a, b, strict=False)):
-            print(f"round {i}: {names[0]}/{names[1]} run {x[0] / y[0]:.2f}x "
-                  f"(all but its cold first request {x[4] / y[4]:.2f}x), "
-                  f"after restart {x[1] / y[1]:.2f}x")  # fmt: skip
+            print(f"round {i}: {names[0]}/{names[1]} run {x.run.total / y.run.total:.2f}x "
+                  f"(all but its cold first request {x.run.rest / y.run.rest:.2f}x), "
+                  f"after restart {x.after.total / y.after.total:.2f}x")  # fmt: skip
     if args.profile is not None and args.profile.exists():
         print(f"\n== kvwarm's worker thread, round 0 run phase after its first request "
               f"({args.profile}), samples at 250 Hz")  # fmt: skip
