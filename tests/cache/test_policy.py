@@ -110,6 +110,7 @@ def test_default_configs_are_valid() -> None:
         (PolicyConfig(min_tokens=-1), "min_tokens"),
         (PolicyConfig(cold_min_tokens=10, cold_max_tokens=5), "no cold save"),
         (PolicyConfig(session_resume_wait_ms=-5), "session_resume_wait_ms"),
+        (PolicyConfig(checkpoint_gap_tokens=-1), "checkpoint_gap_tokens"),
     ],
 )
 def test_bad_policies(policy: PolicyConfig, needle: str) -> None:
