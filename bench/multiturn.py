@@ -17,10 +17,13 @@ Prints, per server and round: total time of the run phase and of the after-resta
 request's cached / prompt tokens and latency, and kvwarm's checkpoint bytes on disk per
 conversation and, by save reason, per token a row holds (``kvwarm cache ls --json``); the
 run ratio also without each server's first request (a cold prefill of the system prompt on
-both, the same work). ``--profile OUT`` records kvwarm's round-0 run
-phase after its first request with py-spy and prints its worker thread's top functions
-(sampling stops the process: the ratios of a profiled run are not comparable). Run it alone:
-two processes decoding at once on 2 cores halve each other.
+both, the same work); and the first server's *floor*: its phase had every request after the
+first cost only its decode, by the server's own ``timings`` (no restore, no prefill), against
+the other's time: the best ratio any cache could reach on this load and machine, since both
+pay the same cold prefill and the same 16-token decodes. ``--profile OUT`` records kvwarm's
+round-0 run phase after its first request with py-spy and prints its worker thread's top
+functions (sampling stops the process: the ratios of a profiled run are not comparable). Run
+it alone: two processes decoding at once on 2 cores halve each other.
 """
 
 from __future__ import annotations
@@ -100,6 +103,9 @@ class Server:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     last_text: str = ""
+    #: The last request's decode time by the server's own ``timings`` (seconds; kvwarm's
+    #: ``generation_ms``, llama-server's ``predicted_ms``).
+    last_decode_s: float = 0.0
 
     def command(self) -> list[str]:
         if self.name == "kvwarm":
@@ -149,6 +155,7 @@ class Server:
             cached = int(details.get("cached_tokens", 0))
             n_prompt = int(usage["prompt_tokens"])
             text = out["choices"][0]["text"]  # type: ignore[index]
+            decode_ms = out["timings"]["generation_ms"]  # type: ignore[index]
         else:
             out = post(
                 f"http://127.0.0.1:{self.port}/completion",
@@ -159,7 +166,9 @@ class Server:
             cached = int(timings.get("cache_n", 0))
             n_prompt = cached + int(timings["prompt_n"])
             text = out["content"]
+            decode_ms = timings["predicted_ms"]
         self.last_text = str(text)
+        self.last_decode_s = float(decode_ms) / 1e3
         return cached, n_prompt, time.perf_counter() - t0
 
 
@@ -200,11 +209,18 @@ class Tally:
 
     histories: list[str]
     seconds: list[float] = field(default_factory=list)
+    decode: list[float] = field(default_factory=list)  # of each request's seconds, decoding
     rows: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> float:
         return sum(self.seconds)
+
+    @property
+    def floor(self) -> float:
+        """The phase's time had every request after the first cost its decode alone (no
+        restore, no prefill, nothing else): what no cache can go below."""
+        return sum(self.seconds[:1]) + sum(self.decode[1:])
 
     @property
     def rest(self) -> float:
@@ -234,6 +250,7 @@ def run_phase(
                 cached, n_prompt, secs = server.complete(prompt)
                 tally.histories[c] = prompt + server.last_text + "<end_of_turn>\n"
                 tally.seconds.append(secs)
+                tally.decode.append(server.last_decode_s)
                 tally.rows.append(
                     f"conv {c} turn {t}: cached {cached:5d} / {n_prompt:5d}  {secs * 1e3:7.0f} ms"
                 )
@@ -331,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         for i, (x, y) in enumerate(zip(a, b, strict=False)):
             print(f"round {i}: {names[0]}/{names[1]} run {x.run.total / y.run.total:.2f}x "
                   f"(all but its cold first request {x.run.rest / y.run.rest:.2f}x), "
-                  f"after restart {x.after.total / y.after.total:.2f}x")  # fmt: skip
+                  f"after restart {x.after.total / y.after.total:.2f}x; {names[0]}'s floor "
+                  f"(its first request, then decoding alone) {x.run.floor / y.run.total:.2f}x "
+                  f"and {x.after.floor / y.after.total:.2f}x")  # fmt: skip
     if args.profile is not None and args.profile.exists():
         print(f"\n== kvwarm's worker thread, round 0 run phase after its first request "
               f"({args.profile}), samples at 250 Hz")  # fmt: skip
