@@ -304,3 +304,32 @@ def test_a_checkpoint_is_made_only_a_gap_past_the_saved_state_below_it(
             history += question + out.text
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize(("kind", "n_swa"), KINDS)
+def test_the_prompt_end_is_checkpointed_whatever_checkpoint_lies_just_before_it(
+    kind: str, n_swa: int
+) -> None:
+    """A chat prompt's last end-of-turn token sits a few tokens before its end (the template's
+    generation prompt follows), so a checkpoint there and the prompt-end one are within the
+    gap of each other; the end keeps its checkpoint (with its logits, the same prompt again
+    needs no decode), measured from the saved state below the prompt alone."""
+    from kvwarm.backends.stub.vocab import EOS, OFFSET
+
+    def text(s: str) -> list[int]:
+        return [OFFSET + b for b in s.encode()]
+
+    prompt = [*text(SYSTEM), EOS, *text("Q: what?"), EOS, *text("A:")]
+    policy = replace(LOW_GATES, cold_min_tokens=10**6, cold_max_tokens=10**6)
+    eng = make_engine(policy=replace(policy, checkpoint_gap_tokens=32))
+    try:
+        model = load(eng, kind, n_swa)
+        first = model.complete(prompt, GREEDY)
+        eng.cache.flush()
+        assert len(prompt) in row_lengths(eng)
+        model.evict()
+        again = model.complete(prompt, GREEDY)
+        assert again.stats.cached_tokens == len(prompt)
+        assert again.text == first.text
+    finally:
+        eng.close()

@@ -279,7 +279,9 @@ class CachePort:
         row holds at or below ``keep``, 0 for none; or the checkpoint before it): a prompt
         resuming from that state instead prefills fewer tokens than the checkpoint costs to
         pack and write. A follow-up chat turn that restored its previous turn's row thus
-        saves only its reply."""
+        saves only its reply. The end is measured from ``saved`` and the cold save alone:
+        its logits serve the same prompt again with no decode at all, which a checkpoint a
+        few tokens before it (a chat template's generation prompt) cannot."""
         policy = self.rt.cfg.policy
         boundary = cold_save_length(n, policy)
         # Pausing between aligned chunks keeps the cold row canonical.
@@ -287,13 +289,14 @@ class CachePort:
         cold = boundary if keep < boundary < n and boundary >= policy.min_tokens else 0
         if self.rt.memory.trimmable:
             return [cold] if cold else []
+        gap = policy.checkpoint_gap_tokens
         wanted = {p for p in resume_points if keep < p < n and p >= policy.min_tokens}
-        if end and keep < n:
-            wanted.add(n)
         points: list[int] = []
         below = saved
         for point in sorted(wanted | {cold} - {0}):
-            if point == cold or point - below >= policy.checkpoint_gap_tokens:
+            if point == cold or point - below >= gap:
                 points.append(point)
                 below = point
+        if end and keep < n and n - max(saved, cold) >= gap:
+            points.append(n)
         return points
