@@ -5,12 +5,14 @@ verbs. The stub engine drives a whole request and the port sees each event in or
 from __future__ import annotations
 
 import ast
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from tests.engine.conftest import make_engine, stub_config
 
-from kvwarm.cache.types import PolicyConfig
+from kvwarm.cache.types import PolicyConfig, SaveReason, SaveRequest
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.engine.worker.cacheport import CachePort
 
@@ -144,3 +146,46 @@ def test_a_follow_up_turn_packs_only_the_tokens_its_tier_lacks(
         assert warm.completion_tokens == cold.completion_tokens
     finally:
         cold_engine.close()
+
+
+def test_evict_keeps_live_kv_until_its_in_flight_save_publishes_or_saves_it_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An idle slot whose finish save is still being written is evicted only once that save
+    ends; when it fails, the eviction's own sync save keeps the KV (no saved data is lost)."""
+    from kvwarm.cache.core import CacheCore
+    from kvwarm.cache.facade import Cache
+    from kvwarm.errors import CacheIOError
+
+    gate, parked = threading.Event(), threading.Event()
+    store_row, settled = CacheCore.store_row, Cache.settled
+    failed: list[SaveReason] = []
+
+    def failing_finish(self: CacheCore, key: bytes, request: SaveRequest, *a: object) -> object:
+        if request.reason is SaveReason.FINISH and not failed:
+            failed.append(request.reason)
+            gate.wait(30)
+            raise CacheIOError("the disk went away")
+        return store_row(self, key, request, *a)  # type: ignore[arg-type]
+
+    def spy(self: Cache, key: bytes, timeout_s: float) -> bool:
+        parked.set()
+        return settled(self, key, timeout_s)
+
+    monkeypatch.setattr(CacheCore, "store_row", failing_finish)
+    monkeypatch.setattr(Cache, "settled", spy)
+    engine = make_engine()
+    try:
+        model = engine.load_model(config=stub_config())
+        out = model.complete(list(range(1, 40)), GenerationOptions(max_tokens=5, ignore_eos=True))
+        assert out.stats.key is not None and engine.cache.has(out.stats.key)  # in flight
+        evicted = ThreadPoolExecutor(1).submit(model.evict)
+        assert parked.wait(30)  # the eviction waits on the save in flight...
+        gate.set()  # ...which fails
+        assert evicted.result(30) == 1
+        assert failed == [SaveReason.FINISH]
+        row = engine.cache.lookup_exact(out.stats.key)
+        assert row is not None and row.reason is SaveReason.EVICT
+    finally:
+        gate.set()
+        engine.close()

@@ -73,6 +73,11 @@ class CacheApi(Protocol):
         """Counts ``hits_exact`` on a hit."""
         ...
 
+    def settled(self, key: bytes, timeout_s: float) -> bool:
+        """Whether the row of ``key`` is published, after waiting up to ``timeout_s`` for a
+        save of it in flight to end. Counts nothing."""
+        ...
+
     def lookup_exact_or_wait(self, key: bytes, timeout_s: float) -> RowInfo | None:
         """Like ``lookup_exact`` but, if a save of ``key`` is in flight, waits up to
         ``timeout_s`` for it to publish. Counts ``hits_resume`` on a hit."""

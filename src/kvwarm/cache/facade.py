@@ -207,6 +207,11 @@ class Cache:
             self._counters.incr("hits_exact")
         return info
 
+    def settled(self, key: bytes, timeout_s: float) -> bool:
+        """Whether the row of ``key`` is published, after waiting up to ``timeout_s`` for a
+        save of it in flight to end. Counts nothing."""
+        return self._index.wait_for(key, timeout_s) is not None
+
     def lookup_exact_or_wait(self, key: bytes, timeout_s: float) -> RowInfo | None:
         info = self._index.wait_for(key, timeout_s)
         if info is None:

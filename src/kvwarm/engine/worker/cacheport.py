@@ -205,9 +205,11 @@ class CachePort:
             ns = slot.kv_namespace
             if slot.active is not None or not slot.kv_tokens or ns is None:
                 continue
-            if rt.cache.has(rt.cache.key_for(ns, slot.kv_tokens)):
-                # A row (maybe still in flight, like its finish save) holds exactly this KV:
-                # packing it again would only lose the reservation race.
+            key = rt.cache.key_for(ns, slot.kv_tokens)
+            timeout = rt.cfg.policy.evict_save_timeout_ms / 1e3
+            if rt.cache.has(key) and rt.cache.settled(key, timeout):
+                # A row holds exactly this KV (its finish save, maybe in flight until now:
+                # the KV goes only once the row is published, or the save below makes it).
                 saved += 1
             elif self.save(slot, reason, None, ns, sync=True) is not None:
                 saved += 1
