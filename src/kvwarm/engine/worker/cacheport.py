@@ -196,9 +196,12 @@ class CachePort:
         return key, True
 
     def save_idle_slots(self, reason: SaveReason, *, release: bool) -> int:
-        """Sync-save every idle slot's live KV (evict / shutdown). Worker thread only."""
+        """Sync-save every idle slot's live KV (evict / shutdown). Worker thread only. The
+        waits for saves already in flight share one ``evict_save_timeout_ms`` (the bound
+        ``Model.unload`` gives the whole shutdown save)."""
         rt = self.rt
         saved = 0
+        deadline = time.monotonic() + rt.cfg.policy.evict_save_timeout_ms / 1e3
         for slot in rt.slots:
             # The slot's own namespace, not the model's: a salted request's KV must land in
             # its salt's namespace, or evict would publish it to every other tenant.
@@ -206,8 +209,8 @@ class CachePort:
             if slot.active is not None or not slot.kv_tokens or ns is None:
                 continue
             key = rt.cache.key_for(ns, slot.kv_tokens)
-            timeout = rt.cfg.policy.evict_save_timeout_ms / 1e3
-            if rt.cache.has(key) and rt.cache.settled(key, timeout):
+            left = max(0.0, deadline - time.monotonic())
+            if rt.cache.has(key) and rt.cache.settled(key, left):
                 # A row holds exactly this KV (its finish save, maybe in flight until now:
                 # the KV goes only once the row is published, or the save below makes it).
                 saved += 1
