@@ -100,6 +100,7 @@ class Server:
     work: Path
     slots: int = 1
     gpu_layers: int = 0
+    flash_attn: str = "auto"
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     last_text: str = ""
@@ -114,14 +115,14 @@ class Server:
                 "--port", str(self.port), "--model", f"m={self.model}", "--n-ctx", "4096",
                 "--n-threads", str(self.threads), "--n-threads-batch", str(self.threads),
                 "--cache-dir", str(self.work / "kvwarm-cache"), "--n-parallel", str(self.slots),
-                "--n-gpu-layers", str(self.gpu_layers),
+                "--n-gpu-layers", str(self.gpu_layers), "--flash-attn", self.flash_attn,
             ]  # fmt: skip
         # llama-server divides its context among its slots: 4,096 tokens each, as kvwarm's.
         return [
             str(llama_server()), "--host", "127.0.0.1", "--port", str(self.port),
             "-m", str(self.model), "-c", str(4096 * self.slots), "-t", str(self.threads),
             "-tb", str(self.threads), "-np", str(self.slots), "--no-webui",
-            "-ngl", str(self.gpu_layers),
+            "-ngl", str(self.gpu_layers), "-fa", self.flash_attn,
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -274,7 +275,14 @@ def one_round(
     then one more turn of every conversation."""
     works = [Path(tempfile.mkdtemp(prefix=f"kvwarm-mt-{name}-")) for name in names]
     servers = [
-        Server(name, args.model, args.threads, work, gpu_layers=args.gpu_layers)
+        Server(
+            name,
+            args.model,
+            args.threads,
+            work,
+            gpu_layers=args.gpu_layers,
+            flash_attn=args.flash_attn,
+        )
         for name, work in zip(names, works, strict=True)
     ]
     try:
@@ -318,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--servers", default="kvwarm,llama-server")
     ap.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded, both servers")
+    ap.add_argument(
+        "--flash-attn", choices=("auto", "on", "off"), default="auto", help="both servers"
+    )
     ap.add_argument(
         "--profile", type=Path, default=None, help="py-spy kvwarm's round-0 run phase into this"
     )
