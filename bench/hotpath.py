@@ -97,14 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, default=None)
     ap.add_argument("--skip", default="", help="comma-separated scenarios to skip")
     ap.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded, both servers")
+    ap.add_argument(
+        "--flash-attn", choices=("auto", "on", "off"), default="auto", help="both servers"
+    )
     args = ap.parse_args(argv)
     model = args.model or _default_model()
     print("command:", shlex.join([sys.executable, *sys.argv]))
     print(f"model: {model}, threads {args.threads}, {SLOTS} slots each, "
-          f"{args.gpu_layers} layers on the GPU")  # fmt: skip
+          f"{args.gpu_layers} layers on the GPU, flash attention {args.flash_attn}")  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="kvwarm-hot-"))
     servers = [
-        Server(n, model, args.threads, work / n, SLOTS, args.gpu_layers)
+        Server(n, model, args.threads, work / n, SLOTS, args.gpu_layers, args.flash_attn)
         for n in ("kvwarm", "llama-server")
     ]
     skip = set(args.skip.split(","))
