@@ -210,7 +210,7 @@ class CachePort:
                 continue
             key = rt.cache.key_for(ns, slot.kv_tokens)
             left = max(0.0, deadline - time.monotonic())
-            if rt.cache.has(key) and rt.cache.settled(key, left):
+            if rt.cache.settled(key, left):
                 # A row holds exactly this KV (its finish save, maybe in flight until now:
                 # the KV goes only once the row is published, or the save below makes it).
                 saved += 1
@@ -232,17 +232,25 @@ class CachePort:
         keep their checkpoints to the prefill's pauses (their rows stay canonical)."""
         act = slot.active
         assert act is not None
-        if (
-            self.rt.memory.trimmable
-            or act.deterministic
-            or keep not in resume_points
-            or keep < self.rt.cfg.policy.min_tokens
-            or not 0 < keep < len(act.req.prompt_tokens)
-        ):
+        n = len(act.req.prompt_tokens)
+        if not self._checkpoints_resume(keep, n, resume_points, act.deterministic):
             return
         if self.rt.cache.has(self.rt.cache.key_for(act.namespace, slot.kv_tokens)):
             return
         self.save(slot, SaveReason.COLD, None, act.namespace, sync=False)
+
+    def _checkpoints_resume(
+        self, keep: int, n: int, resume_points: Sequence[int], deterministic: bool
+    ) -> bool:
+        """Whether ``resumed`` checkpoints a prompt of ``n`` tokens resuming at ``keep``
+        (unless a row holds that state already)."""
+        return (
+            not self.rt.memory.trimmable
+            and not deterministic
+            and keep in resume_points
+            and keep >= self.rt.cfg.policy.min_tokens
+            and 0 < keep < n
+        )
 
     def saved_below(
         self,
@@ -256,10 +264,13 @@ class CachePort:
     ) -> int:
         """The saved state a prompt resuming at ``keep`` starts from, for ``pauses``:
         ``keep`` when a row holds its first ``keep`` tokens (the row ``restored``, a row
-        holding the live KV kept, or the checkpoint ``resumed`` is to make of it), else 0."""
+        holding the live KV kept, or the checkpoint ``resumed`` is to make of it), else 0.
+        Full attention's pauses do not ask (0, with no key hashed)."""
         if keep == 0 or restored:
             return keep
-        if not deterministic and keep in resume_points and keep >= self.rt.cfg.policy.min_tokens:
+        if self.rt.memory.trimmable:
+            return 0
+        if self._checkpoints_resume(keep, len(prompt), resume_points, deterministic):
             return keep
         return keep if self.rt.cache.has(self.rt.cache.key_for(ns, prompt[:keep])) else 0
 
