@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,17 @@ class _GgufInitParams(ctypes.Structure):
     _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
 
 
-def write_tiny_model(path: Path, arch: str, *, seed: int = 7, stdev: float = 0.1) -> Path:
-    """A complete random-weight GGUF of ``arch`` ("mamba" or "lfm2") at ``path``."""
+def write_tiny_model(
+    path: Path,
+    arch: str,
+    *,
+    seed: int = 7,
+    stdev: float = 0.1,
+    metadata: Callable[[Path, str], None] | None = None,
+) -> Path:
+    """A complete random-weight GGUF of ``arch`` ("mamba" or "lfm2") at ``path``; with
+    ``metadata`` (a writer of the architecture's metadata-only GGUF, like ``_metadata``) any
+    architecture and shape llama.cpp can build (``bench/flash_attn.py``'s llama shapes)."""
     import llama_cpp
 
     from kvwarm.backends.llama import native
@@ -88,7 +98,7 @@ def write_tiny_model(path: Path, arch: str, *, seed: int = 7, stdev: float = 0.1
     ]  # fmt: skip
 
     meta = path.with_suffix(".meta.gguf")
-    _metadata(meta, arch)
+    (metadata or _metadata)(meta, arch)
 
     def fill(tensor: Any, _ud: Any) -> None:
         name = ggml_base.ggml_get_name(tensor).decode()
