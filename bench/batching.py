@@ -43,6 +43,7 @@ def bare_loop(n_seq: int, steps: int) -> float:
     cp.n_seq_max = n_seq
     cp.kv_unified = True
     cp.n_threads = cp.n_threads_batch = 2
+    cp.flash_attn_type = 0  # as kvwarm runs a CPU model: its flash_attn "auto" is off there
     ctx = L.llama_init_from_model(model, cp)
     batch = L.llama_batch_init(512, 0, 1)
     # A real loop must choose each next token: greedy, as llama.cpp samples it.

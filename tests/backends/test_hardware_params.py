@@ -5,9 +5,12 @@ engine, and the real CPU model running with them (``n_gpu_layers`` accepted by a
 from __future__ import annotations
 
 import ctypes
+import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from tests.conftest import GPU_LAYERS_ENV
 
 from kvwarm.backends.base import ContextParams, ModelParams
 from kvwarm.backends.llama import native as _native
@@ -15,7 +18,8 @@ from kvwarm.backends.llama import params as llama_params
 from kvwarm.backends.stub import StubBackend, StubModel
 from kvwarm.cache.types import CacheConfig, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
-from kvwarm.errors import ConfigError
+from kvwarm.engine.types import GenerationOptions
+from kvwarm.errors import ConfigError, InvalidRequestError
 
 
 def test_model_params_struct() -> None:
@@ -112,6 +116,8 @@ def test_the_engine_hands_the_settings_to_the_backend(tmp_path: Path) -> None:
             engine.load_model("stub-bad", backend="stub", type_v="q4_0", flash_attn="off")
         with pytest.raises(ConfigError, match="n_gpu_layers"):
             engine.load_model("stub-bad", backend="stub", n_gpu_layers=-4)
+        with pytest.raises(ConfigError, match="deterministic mode needs flash attention"):
+            engine.load_model("stub-bad", backend="stub", deterministic=True, flash_attn="off")
     assert len(backend.loads) == 1  # the bad configs never reached a backend
 
 
@@ -135,3 +141,53 @@ def test_real_cpu_model_runs_with_gpu_and_kv_settings() -> None:
         assert again.stats.cached_tokens > 0  # quantised rows pack and restore
         other = plain.complete(prompt, max_tokens=4, temperature=0)
         assert other.stats.cached_tokens == 0  # never a q8_0 row in an f16 context
+
+
+@pytest.mark.model
+def test_auto_flash_attention_is_off_where_attention_runs_on_the_cpu() -> None:
+    """kvwarm's ``auto`` turns flash attention off for a model whose layers all stay on the CPU
+    (its kernel decodes and prefills short batches more slowly there; bench/flash_attn.py),
+    keeps a quantised V's need for it, keeps explicit choices and, with layers offloaded to a
+    GPU, leaves the choice to llama.cpp. The loaded model runs, reports and hashes the result."""
+    from kvwarm.backends.llama.model import LlamaBackend
+    from kvwarm.embedded import default_model_path
+
+    gpu = bool(_native.lib().llama_supports_gpu_offload())
+    # On a GPU machine KVWARM_TEST_GPU_LAYERS offloads every model these tests load.
+    default = "auto" if gpu and os.environ.get(GPU_LAYERS_ENV, "0") != "0" else "off"
+    path = str(default_model_path())
+    auto = ContextParams()
+    cpu = LlamaBackend().load_model(path)
+    try:
+        assert cpu.context_params(auto, deterministic=False).flash_attn == default
+        q8 = replace(auto, type_v="q8_0")
+        assert cpu.context_params(q8, deterministic=False) == q8
+        # Deterministic mode keeps it: restores are bit-identical to cold runs only with it.
+        assert cpu.context_params(auto, deterministic=True) == auto
+        for explicit in ("on", "off"):
+            on_off = replace(auto, flash_attn=explicit)
+            assert cpu.context_params(on_off, deterministic=False).flash_attn == explicit
+    finally:
+        cpu.close()
+    offloaded = LlamaBackend().load_model(path, ModelParams(n_gpu_layers=99))
+    try:
+        got = offloaded.context_params(auto, deterministic=False)
+        assert got.flash_attn == ("auto" if gpu else "off")
+    finally:
+        offloaded.close()
+
+    cache = CacheConfig(tiers=(TierConfig("ram", 64 << 20),))
+    ctx = ContextParams(n_ctx=256, n_batch=32, n_ubatch=32, n_threads=2)
+    with Engine(EngineConfig(cache=cache)) as engine:
+        model = engine.load_model(model_id="m", config=ModelConfig(context=ctx))
+        assert model.config.context.flash_attn == model.info().flash_attn == default
+        assert model.namespace().ctx_hash == replace(ctx, flash_attn=default).kv_hash()
+        if default == "off":
+            assert model.namespace().ctx_hash != ctx.kv_hash()  # llama.cpp's auto: FA on
+        first = model.complete("The capital of France is", max_tokens=4, temperature=0)
+        again = model.complete("The capital of France is", max_tokens=4, temperature=0)
+        assert again.stats.cached_tokens > 0 and again.text == first.text
+        if default == "off":  # a deterministic request cannot be bit-identical without it
+            det = GenerationOptions(max_tokens=1, deterministic=True)
+            with pytest.raises(InvalidRequestError, match="without flash attention"):
+                model.complete("The capital of France is", det)

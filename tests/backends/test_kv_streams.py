@@ -153,7 +153,11 @@ def test_a_deterministic_engine_context_uses_streams() -> None:
 
     eng = Engine(EngineConfig())
     try:
-        ctx = ContextParams(n_ctx=256, n_batch=N_BATCH, n_ubatch=N_BATCH, n_threads=2)
+        # Flash attention set alike: kvwarm's "auto" keeps it for a deterministic model and
+        # turns it off on the CPU for a plain one, and rows never cross between those two.
+        ctx = ContextParams(
+            n_ctx=256, n_batch=N_BATCH, n_ubatch=N_BATCH, n_threads=2, flash_attn="on"
+        )
         det = eng.load_model(
             config=ModelConfig(context=ctx, n_parallel=2, deterministic=True), model_id="det"
         )

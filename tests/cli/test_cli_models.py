@@ -52,6 +52,7 @@ def test_serve_exits_1_with_the_reason_when_no_model_loads(env: dict[str, str]) 
     [
         (["--n-gpu-layers=-3"], "--n-gpu-layers: expected a number of layers >= 0 or 'all'"),
         (["-ctv", "q4_0", "-fa", "off"], "a quantised V cache (type_v=q4_0) needs flash"),
+        (["--deterministic", "-fa", "off"], "deterministic mode needs flash attention"),
         (["-ts", "0,0"], "tensor_split must give at least one GPU a share > 0"),
         (["--alias", "gpt-4o=nope"], "alias gpt-4o=nope: no model 'nope'"),
     ],

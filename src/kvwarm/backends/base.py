@@ -377,6 +377,13 @@ class BackendModel(Protocol):
         """Render messages with the GGUF's own (Jinja) chat template, or ``template``."""
         ...
 
+    def context_params(self, params: ContextParams, *, deterministic: bool) -> ContextParams:
+        """``params`` as this model's contexts run them, in a model that is or is not
+        ``deterministic`` (``flash_attn="auto"`` resolved where the backend chooses). The
+        engine creates its contexts and hashes its cache keys from these, so a key names what
+        ran."""
+        ...
+
     def new_context(self, params: ContextParams) -> BackendContext: ...
 
     def new_sampler(self, params: SamplingParams) -> Sampler:

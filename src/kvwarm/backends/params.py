@@ -107,8 +107,10 @@ class ContextParams:
 
     RoPE/YaRN fields take llama.cpp's conventions: ``rope_scaling`` None, ``rope_freq_base`` and
     ``rope_freq_scale`` 0, ``yarn_*`` factors negative and ``yarn_orig_ctx`` 0 all mean "the
-    model's own value". ``flash_attn`` ``auto`` lets llama.cpp decide per device; a quantised V
-    cache needs flash attention, so ``type_v`` q8_0/q4_0... with ``flash_attn='off'`` is refused.
+    model's own value". ``flash_attn`` ``auto`` lets llama.cpp decide per device, unless the
+    backend resolves it first (``BackendModel.context_params``: the engine's llama models run
+    ``off`` on the CPU alone); a quantised V cache needs flash attention, so ``type_v``
+    q8_0/q4_0... with ``flash_attn='off'`` is refused.
     """
 
     n_ctx: int = 4096

@@ -90,10 +90,12 @@ def run_explain(args: argparse.Namespace) -> int:
     try:
         facts = bmodel.facts
         tokens = _tokens(bmodel, args.prompt, body, cfg.chat_template)
+        # The namespace the server hashed: its context as it ran (flash attention resolved).
+        context = bmodel.context_params(cfg.context, deterministic=cfg.deterministic)
     finally:
         bmodel.close()
     fingerprint = model_fingerprint(path, parse_mode(cfg.fingerprint_mode), cfg.fingerprint)
-    base = Namespace(fingerprint, facts.file_type & 0xFF, cfg.context.kv_hash())
+    base = Namespace(fingerprint, facts.file_type & 0xFF, context.kv_hash())
     namespace = salted_namespace(base, None if salt is None else salt.encode("utf-8"))
     memory = MemoryKind(facts.memory_kind, facts.n_swa, cfg.context.swa_full)
     with open_cache(settings, repair=False) as cache:

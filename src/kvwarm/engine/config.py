@@ -57,6 +57,13 @@ class ModelConfig:
             )
         if self.max_queue < 1:
             raise ConfigError("max_queue must be >= 1")
+        if self.deterministic and self.context.flash_attn == "off":
+            # Measured (tests/engine/test_chunks_model.py): without flash attention, llama.cpp's
+            # attention is not invariant to where a sequence's cells sit in the KV buffer, and
+            # exact hits from restored rows differed from cold runs in the last bits.
+            raise ConfigError(
+                "deterministic mode needs flash attention: set flash_attn to 'auto' or 'on'"
+            )
         parse_mode(self.fingerprint_mode)
         strategy(self.batch_strategy)
         if self.policy is not None:

@@ -89,6 +89,8 @@ class Model:
         self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint, phases.hashing())
         params = replace(cfg.model_params, progress=phases.weights())
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
+        ran = self._bmodel.context_params(cfg.context, deterministic=cfg.deterministic)
+        self.config = cfg = replace(cfg, context=ran)
         self.chat_template_name, self._template = self._chat_template(cfg.chat_template)
         try:
             self._start_worker()

@@ -80,6 +80,15 @@ class Submitter:
                 "deterministic=true (--deterministic) or n_parallel=1",
                 param="deterministic",
             )
+        if deterministic and self.config.context.flash_attn == "off":
+            # Without flash attention llama.cpp's attention is not invariant to where a
+            # sequence's cells sit in the buffer: restored rows' hits differed from cold runs.
+            raise InvalidRequestError(
+                "this model runs without flash attention (flash_attn auto is off on the CPU), "
+                "so a deterministic request cannot be bit-identical here; load the model with "
+                "deterministic=true (--deterministic) or flash_attn=on",
+                param="deterministic",
+            )
         if opts.parent_key is not None:
             # Wait here, on the caller's thread, for an in-flight save of the previous turn;
             # once published, the worker's prefix lookup finds it. Never stalls other slots.

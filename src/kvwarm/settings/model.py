@@ -85,7 +85,10 @@ class ModelSettings(BaseSettings):
     )
     flash_attn: FlashAttnMode = Field(
         default="auto",
-        description="flash attention: auto, on or off (a quantised V cache needs it)",
+        description=(
+            "flash attention: auto (off on the CPU alone, llama.cpp's choice with GPU layers), "
+            "on or off (a quantised V cache needs it)"
+        ),
         json_schema_extra=_flags("-fa"),
     )
     type_k: KvTypeName = Field(
@@ -258,10 +261,8 @@ def check_models(settings: Settings) -> None:
     if settings.model_idle_unload_s < 0 or settings.max_loaded_models < 0:
         raise ConfigError("model_idle_unload_s and max_loaded_models must be >= 0")
     for spec in settings.models:
-        context, params = hardware_params(settings, spec)
         try:
-            params.validate()
-            context.validate()
+            model_config(settings, spec).validate()  # its context and model params included
             template = _value(settings, spec, "chat_template")
             if template is not None:
                 resolve_template(template)

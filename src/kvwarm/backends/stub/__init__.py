@@ -246,6 +246,9 @@ class StubModel:
                 tools=tools,
             )
 
+    def context_params(self, params: ContextParams, *, deterministic: bool) -> ContextParams:
+        return params  # no attention kernels to choose between
+
     def new_context(self, params: ContextParams) -> StubContext:
         params.validate()
         with self._life.using():
