@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for s in servers:
             s.start()
+        print("flash attention ran:", ", ".join(f"{s.name} {s.ran_flash_attn}" for s in servers))
         if "cached" not in skip:
             kv = servers[0].proc
             spy = py_spy(kv.pid, args.profile) if args.profile is not None and kv else None

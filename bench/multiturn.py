@@ -107,6 +107,10 @@ class Server:
     #: The last request's decode time by the server's own ``timings`` (seconds; kvwarm's
     #: ``generation_ms``, llama-server's ``predicted_ms``).
     last_decode_s: float = 0.0
+    #: What flash attention it ran: kvwarm's as its ``/v1/models`` reports it (its ``auto``
+    #: is ``off`` on the CPU alone), llama-server's as given (llama.cpp's ``auto``: on
+    #: wherever the device supports it, the CPU included).
+    ran_flash_attn: str = ""
 
     def command(self) -> list[str]:
         if self.name == "kvwarm":
@@ -130,6 +134,11 @@ class Server:
             self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         wait_ready(f"http://127.0.0.1:{self.port}/health", self.proc)
+        self.ran_flash_attn = f"-fa {self.flash_attn}"
+        if self.name == "kvwarm":
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models") as resp:
+                meta = json.loads(resp.read())["data"][0]["meta"]
+            self.ran_flash_attn = f"flash_attn {meta['flash_attn']}"
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -310,7 +319,8 @@ def one_round(
             tail = [f"cache rows: {n_rows}, {disk / max(n_rows, 1) / 2**20:.1f} MiB each"]
             if name == "kvwarm":
                 tail += checkpoint_bytes(work / "kvwarm-cache")
-            lines = [*run.rows, "-- restart --", *after.rows, *tail]
+            ran = next(s.ran_flash_attn for s in servers if s.name == name)
+            lines = [f"flash attention: {ran}", *run.rows, "-- restart --", *after.rows, *tail]
             out[name] = Result(run, after, lines, disk)
         return out
     finally:
