@@ -115,6 +115,7 @@ class Ctx:
         cp.n_batch = cp.n_ubatch = 512
         cp.n_threads = cp.n_threads_batch = threads
         cp.flash_attn_type = 1 if flash else 0
+        cp.swa_full = False  # as kvwarm (and llama-server) run a sliding-window model
         self.ptr = llama_cpp.llama_init_from_model(model, cp)
         if not self.ptr:
             raise RuntimeError("llama_init_from_model failed")
