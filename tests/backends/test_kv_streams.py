@@ -7,6 +7,7 @@ asked for. A blob that is not one sequence's state in one stream is refused, nev
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Iterator
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 from tests.tinymodels import write_tiny_model
 
-from kvwarm.backends.base import BackendContext, ContextParams
+from kvwarm.backends.base import BackendContext, ContextParams, FlashAttn
 from kvwarm.backends.llama import LlamaBackend
 from kvwarm.backends.llama.kv_layout import one_stream, widen
 from kvwarm.backends.llama.model import LlamaModel
@@ -45,7 +46,7 @@ def model(
     loaded.close()
 
 
-def _ctx(model: LlamaModel, *, unified: bool) -> BackendContext:
+def _ctx(model: LlamaModel, *, unified: bool, flash: FlashAttn = "auto") -> BackendContext:
     n_seq = 1 if unified else STREAMS
     return model.new_context(
         ContextParams(
@@ -55,6 +56,7 @@ def _ctx(model: LlamaModel, *, unified: bool) -> BackendContext:
             n_threads=2,
             n_seq_max=n_seq,
             kv_unified=unified,
+            flash_attn=flash,
         )
     )
 
@@ -173,9 +175,10 @@ def test_a_tail_is_packed_only_where_cells_are_per_position(model: LlamaModel) -
     # kv_pack_tail copies out only the positions from `start` through the scratch sequence
     # of a unified full-attention context; everywhere else (streams, a window, a recurrent
     # state) it is the whole state, and says so with first == 0.
+    # Both V layouts: by cell (flash attention) and transposed (off: kvwarm's CPU default).
     tokens = _tokens(model, 40)
-    for unified in (True, False):
-        ctx = _ctx(model, unified=unified)
+    for unified, flash in itertools.product((True, False), ("on", "off")):
+        ctx = _ctx(model, unified=unified, flash=flash)
         try:
             ctx.prefill(0, tokens, 0)
             whole = ctx.kv_pack(0)
