@@ -10,7 +10,7 @@ import itertools
 from dataclasses import replace
 
 import pytest
-from tests.backends.conftest import SMALL
+from tests.backends.conftest import running
 
 from kvwarm.backends import kv_chunk
 from kvwarm.backends.base import BackendContext, BackendModel, BatchToken, Buffer, KvCodec
@@ -32,7 +32,7 @@ TEXT = (
 @pytest.fixture(scope="module")
 def packed(model: BackendModel) -> tuple[list[int], bytes]:
     """TEXT's tokens and their blob, prefilled once per backend (prefill is the slow part)."""
-    ctx = model.new_context(SMALL)
+    ctx = model.new_context(running(model))
     try:
         tokens = model.tokenize(TEXT)
         ctx.prefill(0, tokens, 0)
@@ -277,7 +277,7 @@ def test_blobs_that_are_not_blobs_are_refused(ctx: BackendContext) -> None:
 
 
 def test_codec_outlives_its_context(packed: tuple[list[int], bytes], model: BackendModel) -> None:
-    ctx = model.new_context(SMALL)
+    ctx = model.new_context(running(model))
     tokens, blob = _prefilled(packed, ctx)
     codec = ctx.kv_codec
     ctx.close()
