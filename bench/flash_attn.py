@@ -28,12 +28,14 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+from tests.tinymodels import N_VOCAB, write_tiny_model
 
 CACHE = Path.home() / ".cache" / "kvwarm-bench" / "shapes"
 # name: (n_embd, n_head, n_head_kv, n_ff, head_dim)
@@ -45,20 +47,16 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "llama3-8b": (4096, 32, 8, 14336, 128),
     "gemma3-270m": (640, 4, 1, 2048, 256),
 }
-SHAPE_VOCAB = 128
 SHAPE_LAYERS = 4
 LLAMA_FTYPE_MOSTLY_Q4_0 = 2
 
 
-def shape_metadata(shape: tuple[int, int, int, int, int]) -> object:
+def shape_keys(shape: tuple[int, int, int, int, int]) -> Callable[[Any, str], None]:
     n_embd, n_head, n_head_kv, n_ff, head_dim = shape
 
-    def write(path: Path, arch: str) -> None:
-        import gguf
-
-        w = gguf.GGUFWriter(str(path), arch)
+    def keys(w: Any, arch: str) -> None:
         k = f"{arch}."
-        w.add_uint32(k + "vocab_size", SHAPE_VOCAB)
+        w.add_uint32(k + "vocab_size", N_VOCAB)
         w.add_uint32(k + "context_length", 4096)
         w.add_uint32(k + "embedding_length", n_embd)
         w.add_uint32(k + "block_count", SHAPE_LAYERS)
@@ -69,28 +67,20 @@ def shape_metadata(shape: tuple[int, int, int, int, int]) -> object:
         w.add_uint32(k + "attention.value_length", head_dim)
         w.add_uint32(k + "rope.dimension_count", head_dim)
         w.add_float32(k + "attention.layer_norm_rms_epsilon", 1e-5)
-        w.add_string("tokenizer.ggml.model", "test")
-        w.add_array("tokenizer.ggml.tokens", [f"tok_{i}" for i in range(SHAPE_VOCAB)])
-        w.add_array("tokenizer.ggml.scores", [0.0] * SHAPE_VOCAB)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
 
-    return write
+    return keys
 
 
 def shape_model(name: str) -> Path:
     """The Q4_0 random-weight model of shape ``name``, built once."""
     import llama_cpp
-    from tests.tinymodels import write_tiny_model
 
     out = CACHE / f"{name}.q4_0.gguf"
     if out.exists():
         return out
     CACHE.mkdir(parents=True, exist_ok=True)
     f32 = CACHE / f"{name}.f32.gguf"
-    write_tiny_model(f32, "llama", stdev=0.02, metadata=shape_metadata(SHAPES[name]))  # type: ignore[arg-type]
+    write_tiny_model(f32, "llama", stdev=0.02, keys=shape_keys(SHAPES[name]))
     qp = llama_cpp.llama_model_quantize_default_params()
     qp.ftype = LLAMA_FTYPE_MOSTLY_Q4_0
     qp.nthread = 2

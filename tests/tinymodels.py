@@ -26,10 +26,8 @@ N_HEAD = 2
 N_CTX = 512
 
 
-def _metadata(path: Path, arch: str) -> None:
-    import gguf
-
-    w = gguf.GGUFWriter(str(path), arch)
+def _arch_keys(w: Any, arch: str) -> None:
+    """The sizes of the Mamba and LFM2 models the tests use."""
     k = f"{arch}."
     w.add_uint32(k + "vocab_size", N_VOCAB)
     w.add_uint32(k + "context_length", N_CTX)
@@ -53,6 +51,15 @@ def _metadata(path: Path, arch: str) -> None:
     w.add_uint32(k + "ssm.inner_size", 2 * N_EMBD)
     w.add_uint32(k + "ssm.state_size", 16)
     w.add_uint32(k + "ssm.time_step_rank", 8)
+
+
+def _metadata(path: Path, arch: str, keys: Callable[[Any, str], None]) -> None:
+    """A metadata-only GGUF: ``keys`` adds the architecture's (``vocab_size`` N_VOCAB), then
+    a dummy ``test`` tokenizer of N_VOCAB tokens."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    keys(w, arch)
     w.add_string("tokenizer.ggml.model", "test")
     w.add_array("tokenizer.ggml.tokens", [f"tok_{i}" for i in range(N_VOCAB)])
     w.add_array("tokenizer.ggml.scores", [0.0] * N_VOCAB)
@@ -72,11 +79,12 @@ def write_tiny_model(
     *,
     seed: int = 7,
     stdev: float = 0.1,
-    metadata: Callable[[Path, str], None] | None = None,
+    keys: Callable[[Any, str], None] | None = None,
 ) -> Path:
     """A complete random-weight GGUF of ``arch`` ("mamba" or "lfm2") at ``path``; with
-    ``metadata`` (a writer of the architecture's metadata-only GGUF, like ``_metadata``) any
-    architecture and shape llama.cpp can build (``bench/flash_attn.py``'s llama shapes)."""
+    ``keys`` (adding the architecture's metadata to a ``gguf.GGUFWriter``, like
+    ``_arch_keys``) any architecture and shape llama.cpp can build with a vocabulary of
+    N_VOCAB (``bench/flash_attn.py``'s llama shapes)."""
     import llama_cpp
 
     from kvwarm.backends.llama import native
@@ -98,7 +106,7 @@ def write_tiny_model(
     ]  # fmt: skip
 
     meta = path.with_suffix(".meta.gguf")
-    (metadata or _metadata)(meta, arch)
+    _metadata(meta, arch, keys or _arch_keys)
 
     def fill(tensor: Any, _ud: Any) -> None:
         name = ggml_base.ggml_get_name(tensor).decode()
