@@ -189,3 +189,30 @@ def test_evict_keeps_live_kv_until_its_in_flight_save_publishes_or_saves_it_itse
     finally:
         gate.set()
         engine.close()
+
+
+def test_evict_keeps_live_kv_whose_own_save_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save failing (the tier is gone), the slot's live KV is the only copy of the
+    prompt: evict saves nothing and must keep it, so the same prompt still reuses it."""
+    from kvwarm.cache.core import CacheCore
+    from kvwarm.errors import CacheIOError
+
+    def failing(self: CacheCore, key: bytes, request: SaveRequest, *a: object) -> object:
+        raise CacheIOError("the disk went away")
+
+    monkeypatch.setattr(CacheCore, "store_row", failing)
+    opts = GenerationOptions(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine = make_engine()
+    try:
+        model = engine.load_model(config=stub_config())
+        prompt = list(range(1, 60))
+        first = model.complete(prompt, opts)
+        assert engine.cache.flush(10)
+        assert engine.cache.rows() == []  # every save failed
+        assert model.evict() == 0
+        again = model.complete(prompt, opts)
+        assert again.completion_tokens == first.completion_tokens
+        # All but the last token, whose logits the request needs.
+        assert again.stats.cached_tokens == len(prompt) - 1, "evict dropped the only copy"
+    finally:
+        engine.close()

@@ -274,3 +274,24 @@ def test_a_row_evicted_between_lookup_and_read_is_named_evicted(engine: Engine) 
     r = reuse(out)
     assert (r.reason, r.detail) == (MissReason.EVICTED, "lru")
     assert out.stats.cached_tokens == 0
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1, 3])
+def test_an_exact_hit_that_finishes_at_admission_still_says_why(max_tokens: int) -> None:
+    """A row's stored logits answer a 0- or 1-token request inside admission; its stats
+    explain the reuse like any other request's."""
+    engine = make_engine()
+    try:
+        model = engine.load_model(config=stub_config())
+        prompt = list(range(1, 60))
+        model.prewarm(prompt)  # a row of the whole prompt with its final logits
+        assert engine.cache.flush(10)
+        model.evict()  # only the row can serve it
+        out = model.complete(
+            prompt, GenerationOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        )
+        assert out.stats.cached_tokens == len(prompt) and out.stats.cache_hit == "exact"
+        assert out.stats.reuse is not None
+        assert out.stats.reuse.reused_tokens == len(prompt)
+    finally:
+        engine.close()

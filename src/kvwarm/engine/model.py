@@ -418,8 +418,9 @@ class Model:
     # ---- lifecycle ----------------------------------------------------------------------
 
     def evict(self) -> int:
-        """Synchronously save every idle slot's live KV (reason ``evict``), then release it.
-        Returns the number of rows saved."""
+        """Synchronously save every idle slot's live KV (reason ``evict``), then release what
+        a row now holds (KV whose save failed stays live: the only copy). Returns the number
+        of rows saved."""
         return self._worker.call(
             lambda: self._worker.save_idle_slots(SaveReason.EVICT, release=True)
         ).result()

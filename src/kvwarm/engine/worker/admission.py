@@ -178,13 +178,15 @@ class Admission:
         pauses = self.port.pauses(
             keep, n, resume_points=resume, saved=saved, end=req.kind != "prewarm"
         )
-        self._seat(slot, req, ns, sampler, keep, hit, logits_from_row, fork_slots, pauses)
+        # Explained before seating: an exact hit from a row's logits may finish right there.
+        try:
+            reuse: ReuseReport | None = self._explain(req, ns, keep)
+        except Exception:  # an explanation never costs a request its answer
+            log.exception("worker %s: explaining the cache use failed", self.rt.name)
+            reuse = None
+        self._seat(slot, req, ns, sampler, keep, hit, logits_from_row, fork_slots, pauses, reuse)
         if slot.active is not None and slot.active.req is req:
             self.port.resumed(slot, keep, resume_points=resume)
-            try:
-                slot.active.reuse = self._explain(req, ns, keep)
-            except Exception:  # an explanation never costs a request its answer
-                log.exception("worker %s: explaining the cache use failed", self.rt.name)
 
     def _explain(self, req: Request, ns: Namespace, keep: int) -> ReuseReport:
         """Why ``req`` kept ``keep`` prompt tokens and no more (``worker/explain.py``)."""
@@ -222,6 +224,7 @@ class Admission:
         logits_from_row: bytes | None,
         forks: list[Slot],
         pauses: list[int],
+        reuse: ReuseReport | None,
     ) -> None:
         n = len(req.prompt_tokens)
         active = Active(
@@ -236,6 +239,7 @@ class Admission:
             admitted=time.perf_counter(),
             last_continued=n,  # continued saves count generated tokens from the prompt's end
             forks=forks,
+            reuse=reuse,
         )
         slot.active = active
         slot.kv_namespace = ns  # whatever KV the slot holds from now on was computed under ns

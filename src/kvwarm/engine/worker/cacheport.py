@@ -18,6 +18,7 @@ KV an aligned prefill produced (``kvwarm.alignment``; ``docs/architecture.md``, 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -32,6 +33,8 @@ from kvwarm.cache.policy import (
 from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, TtlClass
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.slots import Slot
+
+log = logging.getLogger(__name__)
 
 
 class CachePort:
@@ -196,9 +199,10 @@ class CachePort:
         return key, True
 
     def save_idle_slots(self, reason: SaveReason, *, release: bool) -> int:
-        """Sync-save every idle slot's live KV (evict / shutdown). Worker thread only. The
-        waits for saves already in flight share one ``evict_save_timeout_ms`` (the bound
-        ``Model.unload`` gives the whole shutdown save)."""
+        """Sync-save every idle slot's live KV (evict / shutdown) and, with ``release``, drop
+        the KV that a row now holds; KV whose save failed stays live (its only copy). Worker
+        thread only. The waits for saves already in flight share one ``evict_save_timeout_ms``
+        (the bound ``Model.unload`` gives the whole shutdown save)."""
         rt = self.rt
         saved = 0
         deadline = time.monotonic() + rt.cfg.policy.evict_save_timeout_ms / 1e3
@@ -208,16 +212,26 @@ class CachePort:
             ns = slot.kv_namespace
             if slot.active is not None or not slot.kv_tokens or ns is None:
                 continue
+            if len(slot.kv_tokens) < rt.cfg.policy.min_tokens:
+                if release:
+                    rt.reset_seq(slot)  # too short for any row (the policy's min_tokens)
+                continue
             key = rt.cache.key_for(ns, slot.kv_tokens)
             left = max(0.0, deadline - time.monotonic())
-            if rt.cache.settled(key, left):
-                # A row holds exactly this KV (its finish save, maybe in flight until now:
-                # the KV goes only once the row is published, or the save below makes it).
+            # A row holds exactly this KV (its finish save, maybe in flight until now: the KV
+            # goes only once the row is published), or the save here makes one.
+            held = rt.cache.settled(key, left)
+            if held or self.save(slot, reason, None, ns, sync=True) is not None:
                 saved += 1
-            elif self.save(slot, reason, None, ns, sync=True) is not None:
-                saved += 1
-            if release:
-                rt.reset_seq(slot)
+                if release:
+                    rt.reset_seq(slot)
+            else:
+                # The live KV is the only copy: kept, so a prompt it serves still reuses it
+                # (an idle slot's cells are reused by the next request either way).
+                log.warning(
+                    "%s: slot %d's KV (%d tokens) could not be saved; kept live",
+                    reason.name.lower(), slot.seq, len(slot.kv_tokens),
+                )  # fmt: skip
         return saved
 
     def resumed(self, slot: Slot, keep: int, *, resume_points: Sequence[int]) -> None:
