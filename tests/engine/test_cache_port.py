@@ -216,3 +216,39 @@ def test_evict_keeps_live_kv_whose_own_save_failed(monkeypatch: pytest.MonkeyPat
         assert again.stats.cached_tokens == len(prompt) - 1, "evict dropped the only copy"
     finally:
         engine.close()
+
+
+def test_a_state_that_cannot_be_packed_is_a_dropped_save_not_a_failed_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """llama.cpp refusing to copy a state out (``BackendError``) or no memory for the blob,
+    at a cold-save pause mid-prefill, a finish save or evict: the requests are answered,
+    the worker goes on, and the cache counts dropped saves."""
+    from kvwarm.backends.stub.context import StubContext
+    from kvwarm.errors import BackendError
+
+    failures: list[type[BaseException]] = [BackendError, MemoryError]
+
+    def refuse(self: StubContext, *a: object) -> object:
+        exc = failures[0]
+        failures.reverse()  # alternate the two kinds
+        raise exc("no state for you")
+
+    monkeypatch.setattr(StubContext, "kv_pack", refuse)
+    monkeypatch.setattr(StubContext, "kv_pack_tail", refuse)
+    opts = GenerationOptions(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine = make_engine()  # LOW_GATES: cold saves from 16 tokens
+    try:
+        model = engine.load_model(config=stub_config(n_parallel=2))
+        prompts = [list(range(1, 90)), list(range(2, 70))]
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda p: model.complete(p, opts), prompts))
+        assert [o.stats.completion_tokens for o in outs] == [4, 4]
+        assert engine.cache.flush(10)
+        assert engine.cache.rows() == []
+        assert engine.cache.counters()["saves_dropped"] >= 2  # cold and finish saves
+        assert model.evict() == 0  # its own saves fail too: the KV stays live
+        again = model.complete(prompts[0], opts)
+        assert again.stats.completion_tokens == 4 and again.stats.cached_tokens > 0
+    finally:
+        engine.close()

@@ -98,7 +98,8 @@ class ReuseReport:
     (``CompletionStats.cached_tokens``). ``age_s``: seconds since the row left (or the save
     started); ``tier``: where it lived or was going; ``detail``: the eviction policy
     (``lru``, ``lfu``, ``deleted``), the TTL class, ``corrupt``/``missing``, ``queue_full``/
-    ``failed``, or what differs in the other namespace (``fingerprint``, ``context``)."""
+    ``failed``/``pack_failed``, or what differs in the other namespace (``fingerprint``,
+    ``context``)."""
 
     reason: MissReason
     found_tokens: int = 0

@@ -77,6 +77,7 @@ from kvwarm.errors import (
     CacheKeyError,
     CacheNetworkError,
     InvalidRequestError,
+    KvwarmError,
 )
 
 __all__ = ["Cache"]
@@ -391,6 +392,18 @@ class Cache:
         if request.pack is not None:
             try:
                 request = pack_request(request, tier, self._index, lens)
+            except (KvwarmError, MemoryError) as exc:
+                # The backend could not copy the state out (llama.cpp refused, no memory for
+                # the blob): a dropped save, never a failed request or a dead worker.
+                self._plans.done(key)
+                log.warning("%s save dropped: packing failed: %s", request.reason.name, exc)
+                self._history.gone(
+                    request.namespace, key, request.tokens, MissReason.SAVE_DROPPED,
+                    request.tier, "pack_failed",
+                )  # fmt: skip
+                self._counters.incr("save_failures")
+                self._counters.incr("saves_dropped")
+                return None
             except BaseException:
                 self._plans.done(key)
                 raise
