@@ -21,6 +21,32 @@ from typing import cast
 from kvwarm.errors import GrammarError
 
 _MODULE_NAME = "kvwarm.backends._llama_grammar"
+#: The converter writes one grammar item per required repeat and one nested group per optional
+#: one: ``{"type": "string", "minLength": 1000000}`` (100 bytes) became a 5 MB grammar after
+#: seconds of CPU. No reply of a few thousand tokens needs more; nesting is bounded further by
+#: ``grammar_cost.MAX_GRAMMAR_DEPTH``.
+MAX_SCHEMA_REPEATS = 10_000
+_REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
+
+
+def _check_repeats(schema: object) -> None:
+    """``GrammarError`` for a repeat bound past ``MAX_SCHEMA_REPEATS`` anywhere in
+    ``schema`` (walked without recursion)."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            for key in _REPEAT_KEYS:
+                bound = node.get(key)
+                if isinstance(bound, int | float) and bound > MAX_SCHEMA_REPEATS:
+                    raise GrammarError(
+                        f"JSON schema {key} {bound} is more than the {MAX_SCHEMA_REPEATS} "
+                        "repeats a grammar is built for",
+                        param="json_schema",
+                    )
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
 
 
 @functools.cache
@@ -50,6 +76,11 @@ def schema_to_gbnf(schema: Mapping[str, object] | str) -> str:
         raise GrammarError("JSON schema nests too deeply", param="json_schema") from exc
     except (TypeError, ValueError) as exc:
         raise GrammarError(f"JSON schema is not serialisable: {exc}", param="json_schema") from exc
+    try:
+        parsed: object = json.loads(text) if isinstance(schema, str) else schema
+    except (ValueError, RecursionError):
+        parsed = None  # the converter says what is wrong with it
+    _check_repeats(parsed)
     convert = cast(Callable[[str], object], _converter_module().json_schema_to_gbnf)
     try:
         grammar = convert(text)

@@ -15,7 +15,8 @@ so it is bounded per token). Values saturate at the limit. Ordinary grammars (JS
 hundreds of strings, schemas with many optional fields) stay far below it.
 
 Invariants: never raises anything but ``GrammarError``; a grammar this module cannot parse is not
-rejected here (llama.cpp's own parser reports it).
+rejected here (llama.cpp's own parser reports it), unless it nests deeper than llama.cpp's parser
+can descend (``MAX_GRAMMAR_DEPTH``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,20 @@ import re
 
 from kvwarm.errors import GrammarError
 
-__all__ = ["DEFAULT_MAX_GRAMMAR_WAYS", "check_grammar_cost", "grammar_ways"]
+__all__ = [
+    "DEFAULT_MAX_GRAMMAR_WAYS",
+    "MAX_GRAMMAR_DEPTH",
+    "check_grammar_cost",
+    "grammar_depth",
+    "grammar_ways",
+]
 
 DEFAULT_MAX_GRAMMAR_WAYS = 1_000_000
+#: llama.cpp's grammar parser descends once per nested group, on the calling thread's stack:
+#: 20,000 levels overflowed an 8 MB stack (a segfault that took the server down) and it
+#: refuses 2,000 itself; 1,000 compile. A JSON schema's ``maxLength``/``maxItems`` nest one
+#: group per optional repeat. Deeper grammars are refused before llama.cpp sees them.
+MAX_GRAMMAR_DEPTH = 1000
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 _RULE_START = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*::=", re.MULTILINE)
@@ -69,6 +81,31 @@ def _quoted(text: str, i: int, close: str) -> int:
             return i + 1
         i += 1
     raise _UnparsableError
+
+
+def grammar_depth(text: str) -> int:
+    """How deep ``text``'s parenthesised groups nest (literals, classes and comments
+    skipped); a linear scan that never recurses, whatever the input."""
+    depth = deepest = 0
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in '"[':
+            try:
+                i = _quoted(text, i, "]" if c == "[" else '"')
+            except _UnparsableError:
+                break  # unterminated: llama.cpp's parser reports it
+            continue
+        if c == "#":
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return deepest
 
 
 def _parse_expr(text: str, i: int, depth: int) -> tuple[_Expr, int]:
@@ -208,7 +245,15 @@ def grammar_ways(
 
 
 def check_grammar_cost(text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS) -> None:
-    """``GrammarError`` (a 400) naming the first rule whose ambiguity passes ``limit``."""
+    """``GrammarError`` (a 400) for a grammar nesting deeper than ``MAX_GRAMMAR_DEPTH``, or
+    naming the first rule whose ambiguity passes ``limit``."""
+    depth = grammar_depth(text)
+    if depth > MAX_GRAMMAR_DEPTH:
+        raise GrammarError(
+            f"grammar nests groups {depth} deep, more than the {MAX_GRAMMAR_DEPTH} llama.cpp "
+            "can parse (a JSON schema's maxLength or maxItems nests one per optional repeat)",
+            param="grammar",
+        )
     try:
         ways, order = grammar_ways(text, limit)
     except (_UnparsableError, RecursionError):

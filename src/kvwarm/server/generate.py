@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 request_log = logging.getLogger("kvwarm.server.requests")
+log = logging.getLogger(__name__)
 
 Event = tuple[str, dict[str, object]]  # (SSE event name, its JSON data)
 
@@ -240,6 +241,16 @@ def log_request(
     )
 
 
+def _as_kvwarm(exc: Exception) -> KvwarmError:
+    """A stream's error as the ``KvwarmError`` its error event reports: itself, or for any
+    other exception (a bug, logged with its traceback here) an internal error, so a client
+    gets an error event rather than a stream cut off mid-reply."""
+    if isinstance(exc, KvwarmError):
+        return exc
+    log.exception("stream failed", exc_info=exc)
+    return KvwarmError("internal server error")
+
+
 def sse_line(event: dict[str, object]) -> bytes:
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
@@ -251,15 +262,16 @@ async def sse(
     done_line: bool = True,
 ) -> AsyncIterator[bytes]:
     """``data: {chunk}`` lines, then ``data: [DONE]`` (OpenAI's end; llama-server's own
-    endpoints send none: ``done_line=False``). A ``KvwarmError`` after the headers were sent
-    becomes one OpenAI-shaped error event at the end."""
+    endpoints send none: ``done_line=False``). An error after the headers were sent becomes
+    one OpenAI-shaped error event at the end (any other exception, a bug: ``internal_error``)."""
     try:
         try:
             async for event in events:
                 yield sse_line(event)
-        except KvwarmError as exc:
-            kind = kind_of(exc)
-            yield sse_line(dict(error_body(str(exc), kind.type, kind.code)))
+        except Exception as exc:
+            err = _as_kvwarm(exc)
+            kind = kind_of(err)
+            yield sse_line(dict(error_body(str(err), kind.type, kind.code)))
         if done_line:
             yield b"data: [DONE]\n\n"
     finally:
@@ -278,12 +290,13 @@ async def named_sse(
 ) -> AsyncIterator[bytes]:
     """``event: name`` / ``data: {json}`` pairs with no terminator line (Anthropic's and the
     Responses API's streams). A ``KvwarmError`` after the headers were sent becomes the one
-    event ``on_error`` makes of it, in the stream's own dialect."""
+    event ``on_error`` makes of it, in the stream's own dialect (any other exception, a bug,
+    as an internal error)."""
     try:
         try:
             async for name, data in events:
                 yield named_line(name, data)
-        except KvwarmError as exc:
-            yield named_line(*on_error(exc))
+        except Exception as exc:
+            yield named_line(*on_error(_as_kvwarm(exc)))
     finally:
         on_close()

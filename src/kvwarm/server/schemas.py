@@ -227,6 +227,23 @@ def json_body(model: type[BaseModel], *, streams: bool = False) -> dict[str, Any
     return extra
 
 
+def _not_json(name: str) -> object:
+    """Python's decoder accepts ``NaN`` and ``Infinity``; JSON does not, and a value echoed
+    back (a tool's schema in a stored response, a tool call's arguments) could then never be
+    sent as JSON."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def strict_loads(text: str) -> object:
+    """``json.loads`` of JSON alone: ``ValueError`` for ``NaN``/``Infinity`` (and, as
+    ``json.loads``, for malformed text or an integer of more than 4,300 digits)."""
+    return json.loads(text, parse_constant=_not_json)
+
+
+#: ``json.JSONDecoder`` of JSON alone (``strict_loads``), for ``raw_decode`` scans.
+STRICT_DECODER = json.JSONDecoder(parse_constant=_not_json)
+
+
 async def read_json(request: Request, settings: Settings) -> object:
     """The request body as JSON. 413 past ``settings.max_body_bytes`` (checked on the declared
     length first, then while reading, so a lying or chunked client cannot make us buffer more);
@@ -249,7 +266,7 @@ async def read_json(request: Request, settings: Settings) -> object:
             400, "the request body is empty; expected a JSON object", code="invalid_json"
         )
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_not_json)  # bytes: strict_loads takes text
     # ValueError too: an integer literal of more than 4,300 digits is refused by int() itself.
     except (ValueError, UnicodeDecodeError) as exc:
         raise HTTPError(

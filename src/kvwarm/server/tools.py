@@ -21,7 +21,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvwarm.server.errors import HTTPError
-from kvwarm.server.schemas import ChatMessage, NamedToolChoice, Tool, json_depth
+from kvwarm.server.schemas import (
+    STRICT_DECODER,
+    ChatMessage,
+    NamedToolChoice,
+    Tool,
+    json_depth,
+    strict_loads,
+)
 
 MAX_ARGUMENT_DEPTH = 64
 
@@ -83,8 +90,9 @@ def _arguments_object(arguments: str | Mapping[str, object]) -> object:
     if not isinstance(arguments, str):
         return dict(arguments)
     try:
-        parsed: object = json.loads(arguments) if arguments.strip() else {}
-    except (json.JSONDecodeError, RecursionError):  # kept as text, as any non-JSON arguments
+        parsed: object = strict_loads(arguments) if arguments.strip() else {}
+    # Kept as text, as any non-JSON arguments (NaN, an integer of more than 4,300 digits too).
+    except (ValueError, RecursionError):
         return arguments
     # Templates recurse over the arguments; a pathologically deep value stays opaque text.
     return arguments if json_depth(parsed) > MAX_ARGUMENT_DEPTH else parsed
@@ -213,22 +221,23 @@ def _as_call(obj: object, names: frozenset[str]) -> ToolCall | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
-        except (json.JSONDecodeError, RecursionError):
+            args = strict_loads(args)
+        except (ValueError, RecursionError):  # not JSON, NaN, more than 4,300 digits
             return None
     return ToolCall(_new_id(), name, json.dumps(args))
 
 
 def _json_values(text: str) -> list[object]:
     """Every JSON value in ``text`` (one, a list, or several side by side)."""
-    decoder = json.JSONDecoder()
+    decoder = STRICT_DECODER
     values: list[object] = []
     pos = 0
     text = text.strip()
     while pos < len(text):
         try:
             value, end = decoder.raw_decode(text, pos)
-        except (json.JSONDecodeError, RecursionError):  # model output may nest without bound
+        # Model output may nest without bound, hold NaN or an integer of 4,300+ digits.
+        except (ValueError, RecursionError):
             break
         values.extend(value if isinstance(value, list) else [value])
         pos = end
