@@ -101,3 +101,20 @@ def test_real_model_rejects_the_41_rule_grammar_quickly(real_client: TestClient)
     assert elapsed < 2.0, elapsed
     ok = real_client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert ok.status_code == 200
+
+
+def test_nesting_is_bounded_before_llama_cpp_parses_it() -> None:
+    """llama.cpp's parser recurses once per group: 20,000 overflowed its thread's stack."""
+    from kvwarm.backends.grammar_cost import MAX_GRAMMAR_DEPTH, grammar_depth
+
+    def nested(depth: int) -> str:
+        return "root ::= " + "(" * depth + '"a"' + ")?" * depth
+
+    assert grammar_depth(nested(7)) == 7
+    # Parentheses in literals, classes (escaped quotes and brackets too) and comments are text.
+    assert grammar_depth('root ::= "((\\"((" [()\\]((] # (((\n x ::= ("b")') == 1
+    check_grammar_cost(nested(MAX_GRAMMAR_DEPTH))
+    with pytest.raises(GrammarError, match=f"nests groups {MAX_GRAMMAR_DEPTH + 1} deep"):
+        check_grammar_cost(nested(MAX_GRAMMAR_DEPTH + 1))
+    with pytest.raises(GrammarError, match="nests groups 50000 deep"):
+        check_grammar_cost(nested(50_000))
