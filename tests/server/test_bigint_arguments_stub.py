@@ -1,21 +1,13 @@
 """JSON integer literals of more than 4,300 digits in tool-call arguments.
 
 Python's ``json`` refuses them with a plain ``ValueError`` ("Exceeds the limit (4300 digits)
-for integer string conversion"), which is *not* a ``json.JSONDecodeError``. ``read_json``
-catches ``ValueError`` for the body itself, but the arguments *strings* inside it are parsed
-later by code that catches only ``(json.JSONDecodeError, RecursionError)``:
-
-- ``tools._arguments_object`` (tools.py:86): an assistant message's ``tool_calls[].function
-  .arguments`` string (chat completions, ``/cache/prewarm``) and a Responses ``function_call``
-  item's ``arguments`` -> an unexpected error, 500 ``internal_error`` with a traceback logged.
-- ``tools._as_call`` / ``tools._json_values`` (tools.py:216, 230) and ``ToolStream.finish``
-  parse the *model's* reply the same way: a reply holding such a number makes a non-streamed
-  response a 500 and, streamed, raises a ``ValueError`` out of the SSE generator, which
-  ``generate.sse`` does not turn into an error event (it catches ``KvwarmError`` only): the
-  connection drops after the call's deltas, with neither an error event nor ``[DONE]``.
-
-A bad argument string must be a 4xx or be kept as opaque text (as malformed JSON already is);
-a model reply must never crash the parser.
+for integer string conversion"), not a ``json.JSONDecodeError``. An argument string holding
+one is kept as opaque text, as malformed JSON is; a model reply holding one never crashes the
+parser. Before, the parsers caught ``JSONDecodeError`` alone: an assistant message's
+``tool_calls[].function.arguments`` (chat completions, ``/cache/prewarm``) or a Responses
+``function_call`` item's ``arguments`` gave a 500, and a streamed reply holding such a number
+raised out of the SSE generator, which ended the connection with neither an error event nor
+``[DONE]``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""With ``allowed_origins`` set, a CORS preflight from any other origin is
-answered by Starlette's ``CORSMiddleware`` itself — ``400 text/plain "Disallowed CORS origin"``
-— not by the guard, so it is neither the guard's 403 ``origin_not_allowed`` that the same
-preflight gets when ``allowed_origins`` is empty, nor an error in the API's shape (``app.py``:
-"Every error ... has the OpenAI error shape (Anthropic's under its paths)"). No CORS header is
-granted either way, so this is about the error contract, not about access.
+"""With ``allowed_origins`` set, a CORS preflight from any other origin is refused by the
+guard in the API's own error shape (403 ``origin_not_allowed``; Anthropic's under
+``/v1/messages``), as with no origins set. Starlette's ``CORSMiddleware`` used to answer it
+itself with a plain-text 400. No CORS header is granted either way.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""One small request kills the server process (SIGSEGV) on the real backend.
+"""One small request must not kill the server process on the real backend.
 
-A grammar nesting groups tens of thousands deep — sent directly as ``grammar`` (a 150 KB body)
-or produced by the JSON-schema converter from ``{"type":"string","maxLength":50000}`` (a 100
-byte body) — passes ``check_grammar_cost`` (its parser gives up past depth 200 and lets the
-grammar through, "llama.cpp's own parser reports it"), and llama.cpp's recursive-descent grammar
-parser then overflows the thread's stack inside ``llama_sampler_init_grammar``. Every
-connection and every model of the process dies with it.
+A grammar nesting groups tens of thousands deep (sent as ``grammar``, a 150 KB body, or made
+by the JSON-schema converter from ``{"type":"string","maxLength":50000}``, 100 bytes) overflowed
+the thread's stack in llama.cpp's recursive-descent grammar parser inside
+``llama_sampler_init_grammar``: a segfault that took every connection and model with it.
+``check_grammar_cost`` now refuses nesting past ``MAX_GRAMMAR_DEPTH`` first.
 
-Each case runs a server in a child process, so the crash is a test failure and not the end of
+Each case runs a server in a child process, so a crash is a test failure and not the end of
 the test run: the request must be a 400 and the process must still be alive to answer it.
 """
 

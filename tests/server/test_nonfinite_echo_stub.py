@@ -1,9 +1,8 @@
-"""Non-finite JSON numbers (``NaN``, ``Infinity``) that the request parser
-accepts inside schema objects are echoed back by the Responses API, which then either crashes
-(a 500 from ``JSONResponse``, which refuses non-finite floats) or streams events that are not
-JSON (``data: {..."minimum":NaN...}``), and keeps a stored response that can never be read back.
-
-A bad number in a body must be a 400 in the API's error shape, never a 500 or invalid JSON.
+"""Non-finite numbers (``NaN``, ``Infinity``), which Python's decoder accepts, are not JSON: a
+body holding one is a 400 in the API's error shape. Before, the Responses API echoed them back
+inside schema objects: a 500 from ``JSONResponse`` (it refuses non-finite floats), streamed
+events that were not JSON (``data: {..."minimum":NaN...}``), and a stored response that could
+never be read back.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""A ~100-byte JSON schema expands into a grammar of unbounded size.
+"""A ~100-byte JSON schema must not expand into a grammar of unbounded size.
 
-``{"type":"string","minLength":N}`` is converted (llama-cpp-python's converter, then
-``check_grammar_cost``, then the sampler) into a rule of N literal ``char`` references: 5 bytes
-of grammar per unit of N. ``N = 10**6`` costs ~4 s of CPU (holding the GIL, so the event loop
-stalls too) and ~140 MB on the stub, ~400 MB RSS and 5 s on the real backend, and is then
-*served* with a 200; ``N = 10**8`` from the same 100-byte body asks for ~500 MB of grammar text
-and minutes of CPU before any limit applies. ``check_grammar_cost`` bounds a grammar's
-ambiguity, never its size, and nothing bounds the schema's numbers. No output of at most
-``max_tokens_limit`` tokens can satisfy such a schema anyway.
-
-The request must be refused as a 4xx (the API's error shape), before the grammar is built.
+``{"type":"string","minLength":N}`` converts into a rule of N ``char`` references, 5 bytes of
+grammar per unit of N: ``N = 10**6`` cost ~4 s of CPU (holding the GIL, so the event loop
+stalled too) and ~400 MB on the real backend, then was served with a 200. Bounds past
+``grammar.MAX_SCHEMA_REPEATS`` are now a 4xx in the API's error shape, before any grammar is
+built; no reply of at most ``max_tokens_limit`` tokens could satisfy such a schema anyway.
 """
 
 from __future__ import annotations
