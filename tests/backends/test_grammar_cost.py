@@ -118,3 +118,17 @@ def test_nesting_is_bounded_before_llama_cpp_parses_it() -> None:
         check_grammar_cost(nested(MAX_GRAMMAR_DEPTH + 1))
     with pytest.raises(GrammarError, match="nests groups 50000 deep"):
         check_grammar_cost(nested(50_000))
+
+
+def test_an_explosive_rule_beside_a_deep_group_is_still_weighed() -> None:
+    """The ambiguity parser once gave up past 200 nested groups and let the whole grammar
+    through: one deep group anywhere hid an explosive rule from the bound."""
+    deep = "deep ::= " + "(" * 300 + '"a"' + ")?" * 300
+    with pytest.raises(GrammarError, match="too ambiguous") as info:
+        check_grammar_cost(doubling(40) + "\n" + deep)
+    assert "'(" not in str(info.value)  # names a rule of the grammar, not a group
+    # And groups weigh as before: a group inside an explosive rule, at depth 900.
+    hidden = "root ::= " + "(" * 900 + "r0" + ")" * 900 + "\n" + doubling(40).split("\n", 1)[1]
+    with pytest.raises(GrammarError, match="too ambiguous"):
+        check_grammar_cost(hidden)
+    check_grammar_cost(doubling(3) + "\n" + deep)

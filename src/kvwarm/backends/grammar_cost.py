@@ -43,8 +43,9 @@ MAX_GRAMMAR_DEPTH = 1000
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 _RULE_START = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*::=", re.MULTILINE)
 
-# An expression: list of alternatives; an alternative: list of items; an item: ("ref", name),
-# ("term",), or ("group", expr). Postfix operators are dropped (they keep ways).
+# An expression: list of alternatives; an alternative: list of items; an item: ("ref", name) or
+# ("term", None). A group is a rule of its own (``_parse_expr``). Postfix operators are dropped
+# (they keep ways).
 _Item = tuple[str, object]
 _Alt = list[_Item]
 _Expr = list[_Alt]
@@ -108,21 +109,33 @@ def grammar_depth(text: str) -> int:
     return deepest
 
 
-def _parse_expr(text: str, i: int, depth: int) -> tuple[_Expr, int]:
-    if depth > 200:
-        raise _UnparsableError
-    alts: _Expr = [[]]
+def _parse_expr(text: str, i: int, rules: dict[str, _Expr]) -> tuple[_Expr, int]:
+    """One rule's body from ``i``: its expression and the index where it ends (the next rule's
+    name, or the text's end). Each parenthesised group becomes a rule of its own in ``rules``
+    (named ``(N``, which no GBNF rule can be), referenced where it stood, as llama.cpp's
+    parser does: no recursion, so a group nesting ``MAX_GRAMMAR_DEPTH`` deep is weighed like
+    any other."""
+    stack: list[_Expr] = [[[]]]  # the rule's expression, then each group still open
     n = len(text)
     while True:
         i = _skip(text, i)
         if i >= n:
-            return alts, i
+            break
         c = text[i]
+        alts = stack[-1]
         if c == "|":
             alts.append([])
             i += 1
         elif c == ")":
-            return alts, i
+            if len(stack) == 1:
+                break  # unbalanced: the caller refuses to weigh it
+            name = f"({len(rules)}"
+            rules[name] = stack.pop()
+            stack[-1][-1].append(("ref", name))
+            i += 1
+        elif c == "(":
+            stack.append([[]])
+            i += 1
         elif c == '"':
             i = _quoted(text, i, '"')
             alts[-1].append(("term", None))
@@ -132,12 +145,6 @@ def _parse_expr(text: str, i: int, depth: int) -> tuple[_Expr, int]:
         elif c == ".":
             i += 1
             alts[-1].append(("term", None))
-        elif c == "(":
-            inner, i = _parse_expr(text, i + 1, depth + 1)
-            if i >= n or text[i] != ")":
-                raise _UnparsableError
-            i += 1
-            alts[-1].append(("group", inner))
         elif c in "*+?":
             i += 1
         elif c == "{":
@@ -151,9 +158,13 @@ def _parse_expr(text: str, i: int, depth: int) -> tuple[_Expr, int]:
                 raise _UnparsableError
             rest = _skip(text, m.end())
             if text.startswith("::=", rest):
-                return alts, m.start()  # the next rule begins
+                i = m.start()  # the next rule begins
+                break
             alts[-1].append(("ref", m.group(0)))
             i = m.end()
+    if len(stack) > 1:
+        raise _UnparsableError  # a group left open
+    return stack[0], i
 
 
 def _parse(text: str) -> dict[str, _Expr]:
@@ -166,7 +177,7 @@ def _parse(text: str) -> dict[str, _Expr]:
         j = _skip(text, m.end())
         if not text.startswith("::=", j):
             raise _UnparsableError
-        expr, i = _parse_expr(text, j + 3, 0)
+        expr, i = _parse_expr(text, j + 3, rules)
         if i < len(text) and text[i] == ")":
             raise _UnparsableError
         name = m.group(0)
@@ -183,8 +194,6 @@ def _refs(expr: _Expr, out: set[str]) -> None:
         for kind, val in alt:
             if kind == "ref":
                 out.add(str(val))
-            elif kind == "group":
-                _refs(val, out)  # type: ignore[arg-type]
 
 
 def grammar_ways(
@@ -212,8 +221,6 @@ def grammar_ways(
                 if kind == "ref":
                     name = str(val)
                     w = ways.get(name, 1) if state.get(name) == 2 else 1
-                elif kind == "group":
-                    w = value(val)  # type: ignore[arg-type]
                 else:
                     w = 1
                 prod = min(prod * w, limit + 1)
@@ -259,7 +266,7 @@ def check_grammar_cost(text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS) -> None
     except (_UnparsableError, RecursionError):
         return
     for name in order:
-        if ways[name] > limit:
+        if ways[name] > limit and not name.startswith("("):  # a group: its rule is named
             raise GrammarError(
                 f"grammar rule {name!r} is too ambiguous: it can be derived in more than "
                 f"{limit} ways, which would stall the model; simplify the rule",
