@@ -99,3 +99,16 @@ def test_a_symlink_in_the_registry_is_not_followed(root: int, tmp_path: Path) ->
     assert reg.seen(root)  # cannot tell whose it is: counted as another process
     assert target.read_bytes() == b"keep"
     reg.close()
+
+
+def test_a_fifo_in_the_registry_is_counted_without_waiting_for_a_writer(
+    root: int, tmp_path: Path
+) -> None:
+    """Opening a FIFO read-only blocks until a writer comes: the probe must not."""
+    first = Cotenants(root, "a")  # creates the registry
+    first.close()
+    os.mkfifo(tmp_path / "cache" / PROCS / "planted.lock")
+    reg = Cotenants(root, "c")  # hung in os.open before
+    assert reg.seen(root)  # an entry it cannot probe counts as a process
+    assert "planted.lock" in _entries(tmp_path)  # and is not removed as a finished one
+    reg.close()

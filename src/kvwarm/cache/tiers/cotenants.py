@@ -27,6 +27,7 @@ import fcntl
 import logging
 import os
 import secrets
+import stat
 import threading
 
 from kvwarm.cache.tiers.fsutil import open_private_subdir, unlink_quiet
@@ -126,12 +127,15 @@ class Cotenants:
 def _held(dir_fd: int, name: str) -> bool:
     """Whether some process holds ``name``'s lock (unknown: assume it does)."""
     try:
-        fd = os.open(name, os.O_RDONLY | _FLAGS, dir_fd=dir_fd)
+        # O_NONBLOCK: opening a FIFO planted under that name must not wait for a writer.
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return False
     except OSError:
         return True
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return True  # not a registration: cannot be probed, so counted (and kept)
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
