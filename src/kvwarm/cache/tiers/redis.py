@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvwarm.cache.tiers.objects import Breaker, Got
-from kvwarm.errors import CacheIOError, CacheKeyError, CacheNetworkError, ConfigError
+from kvwarm.errors import (
+    CacheFormatError,
+    CacheIOError,
+    CacheKeyError,
+    CacheNetworkError,
+    ConfigError,
+)
 
 if TYPE_CHECKING:
     import redis as redis_client
@@ -101,6 +107,13 @@ class RedisStore:
             err = CacheNetworkError(f"{self.label}: {what}: {type(exc).__name__}: {exc}")
             self._breaker.trip(err)
             raise err from exc
+        except self._errors.ResponseError as exc:
+            # Another client's value of another type under one of our names (alone, or in a
+            # pipeline's "Command # 2 ... caused error: WRONGTYPE ..."): junk, like an unreadable
+            # file (a publish replaces it), not a store failure.
+            if "WRONGTYPE" in str(exc):
+                raise CacheFormatError(f"{self.label}: {what}: not a string: {exc}") from exc
+            raise CacheIOError(f"{self.label}: {what}: {type(exc).__name__}: {exc}") from exc
         except self._errors.RedisError as exc:
             raise CacheIOError(f"{self.label}: {what}: {type(exc).__name__}: {exc}") from exc
 
@@ -146,7 +159,13 @@ class RedisStore:
 
     def _keys(self, prefix: str) -> list[str]:
         pattern = _glob_escape(self._obj(prefix)) + "*"
-        return [bytes(k).decode() for k in self._client.scan_iter(match=pattern, count=1000)]
+        names = []
+        for raw in self._client.scan_iter(match=pattern, count=1000):
+            try:
+                names.append(bytes(raw).decode())
+            except UnicodeDecodeError:
+                continue  # another client's binary key: no name this cache writes
+        return names
 
     def list(self, prefix: str) -> list[tuple[str, int, float]]:
         base = self._obj("")

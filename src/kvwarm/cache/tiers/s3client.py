@@ -21,7 +21,13 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 from kvwarm.cache.tiers.objects import Breaker
 from kvwarm.cache.types import S3Config
-from kvwarm.errors import CacheIOError, CacheKeyError, CacheNetworkError, ConfigError
+from kvwarm.errors import (
+    CacheFormatError,
+    CacheIOError,
+    CacheKeyError,
+    CacheNetworkError,
+    ConfigError,
+)
 
 __all__ = [
     "PublishRaceLost",
@@ -134,6 +140,10 @@ class S3Wire:
                 return CacheIOError(f"{where}: no such bucket")
             if code in _MISSING_CODES or status == 404:
                 return CacheKeyError(f"{where}: no such object")
+            if code == "InvalidRange" or status == 416:
+                # A ranged read past the object's end: it is empty or shorter than any row's
+                # or chunk's head, so junk (replaced by a publish), not a store failure.
+                return CacheFormatError(f"{where}: object shorter than its head")
             if status >= 500 or code in _RETRYABLE_CODES:
                 return CacheNetworkError(f"{where}: store answered {status} {code}")
             return CacheIOError(f"{where}: store refused ({status} {code}): {exc}")
