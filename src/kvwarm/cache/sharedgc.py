@@ -30,13 +30,14 @@ See docs/architecture.md ("Shared tiers") and docs/internals.md ("Chunk garbage 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 
 from kvwarm.cache.core import CacheCore
 from kvwarm.cache.protocols import ChunkAges, Tier
 from kvwarm.cache.types import DEFAULT_GRACE_S, SweepResult, TierName
-from kvwarm.errors import CacheError
+from kvwarm.errors import CacheError, ConfigError
 
 __all__ = ["CHUNK_SWEEP_INTERVAL_S", "DEFAULT_GRACE_S", "SharedSweep", "SweepResult", "SweepStep"]
 
@@ -87,8 +88,10 @@ class SharedSweep:
         local, or a local directory another process has used) that no manifest in the store
         names and that are older than ``grace_s`` seconds (``now``: the time to age them
         against, default the wall clock)."""
-        if grace_s < 0:
-            raise ValueError("grace_s must be >= 0")
+        if not math.isfinite(grace_s) or grace_s < 0:
+            # NaN compares false with every age: no chunk would count as young, and the
+            # chunks of saves in flight (what the grace protects) would be deleted.
+            raise ConfigError(f"grace_s must be a finite number >= 0, got {grace_s}")
         results = []
         for tier in self._core.tiers.values():
             if not tier.capabilities.shared or self._core.sole_user(tier):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -314,6 +315,17 @@ class Settings(ModelSettings, ServingSettings):
 
     def check(self) -> None:
         """Range and cross-setting rules; raises ``ConfigError``."""
+        for field_name in type(self).model_fields:
+            value = getattr(self, field_name)
+            # NaN passes every "< 0" check (a busy loop where it is a wait's seconds) and inf
+            # overflows where a wait is converted: a number setting must be finite.
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{field_name} must be finite, got {value}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ConfigError(
+                f"log_level must be one of debug, info, warning, error, critical; "
+                f"got {self.log_level!r}"
+            )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         for name in ("n_ctx", "n_batch", "n_parallel", "max_queue", "max_body_bytes"):
