@@ -42,10 +42,19 @@ def read_toml(path: Path, known: set[str]) -> dict[str, object]:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
-    # A [kvwarm] table is accepted so the settings can live in a shared file.
+    # A [kvwarm] table is accepted so the settings can live in a shared file; other tools' keys
+    # beside it are theirs. A kvwarm setting beside it would be silently ignored: TOML puts a
+    # [[models]] written after [kvwarm] at the top level ([[kvwarm.models]] is inside it).
     section = data.get("kvwarm", data)
     if not isinstance(section, dict):
         raise ConfigError(f"config file {path}: [kvwarm] must be a table")
+    if section is not data:
+        outside = sorted(set(data) & known)
+        if outside:
+            raise ConfigError(
+                f"config file {path}: {', '.join(outside)} outside the [kvwarm] table would be "
+                "ignored; move them into it (models as [[kvwarm.models]])"
+            )
     unknown = set(section) - known - {"kvwarm"}
     if unknown:
         raise ConfigError(f"config file {path}: unknown settings {', '.join(sorted(unknown))}")
