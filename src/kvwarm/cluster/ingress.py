@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm.cluster.calls import Failed, Generate, ModelOp
-from kvwarm.cluster.remote import OpCall, RemoteModel, ResponseStream, StreamCall
+from kvwarm.cluster.remote import OpCall, RemoteModel, ResponseStream
 from kvwarm.engine.types import ModelInfo
 from kvwarm.server.app import create_app
 from kvwarm.server.errors import HTTPError
@@ -28,6 +28,8 @@ from kvwarm.settings import Settings
 
 if TYPE_CHECKING:
     from kvwarm.engine.api import Engine
+    from kvwarm.server.registry import ModelEntry
+    from kvwarm.server.served import ServedModel
 
 log = logging.getLogger("kvwarm.cluster.ingress")
 
@@ -56,24 +58,34 @@ class IngressState(ServerState):
         self.calls = calls
 
     def _load_all(self) -> None:
-        stream_call: StreamCall = self.calls.stream
-        op_call: OpCall = self.calls.op
         for entry in self.entries.values():
             if self._closing.is_set():
                 return
             try:
-                info = op_call(ModelOp(entry.id, "info"))
-                if isinstance(info, Failed):
-                    raise info.error
-                assert isinstance(info, ModelInfo)
+                model = self._attach(entry.id)
             except Exception as exc:  # a replica that cannot start: /health says why
                 entry.state, entry.error = "failed", f"{type(exc).__name__}: {exc}"
                 log.error("model %s is not served by the replicas: %s", entry.id, exc)
                 continue
-            model = RemoteModel(info, stream_call, op_call, _note_served)
-            self._prewarm_systems(model, entry.id)
             entry.model, entry.state = model, "ready"
             log.info("model %s served by the engine replicas", entry.id)
+
+    def _load_one(self, entry: ModelEntry) -> ServedModel:
+        """The registry's loader at the ingress, which has no engine: attach the model the
+        replicas serve again (an unload here, by an admin or the idle reaper, only detached
+        it; the replicas keep it loaded). A model they do not serve fails at once with their
+        error, never a wait for an engine the ingress will not have."""
+        return self._attach(entry.id)
+
+    def _attach(self, model_id: str) -> RemoteModel:
+        op_call: OpCall = self.calls.op
+        info = op_call(ModelOp(model_id, "info"))
+        if isinstance(info, Failed):
+            raise info.error
+        assert isinstance(info, ModelInfo)
+        model = RemoteModel(info, self.calls.stream, op_call, _note_served)
+        self._prewarm_systems(model, model_id)
+        return model
 
     def require_engine(self) -> Engine:
         raise HTTPError(
