@@ -21,6 +21,7 @@ from kvwarm.cluster.gauges import ReplicaGauges
 from kvwarm.cluster.routing import WarmSet
 from kvwarm.engine.ops import CALLS
 from kvwarm.errors import InvalidRequestError, KvwarmError, UnknownModelError
+from kvwarm.server import budget
 from kvwarm.settings import Settings, model_config
 
 if TYPE_CHECKING:
@@ -62,6 +63,13 @@ class EngineReplica:
                 self.models[spec.model_id] = self.engine.load_model(
                     spec.path, model_id=spec.model_id, config=model_config(settings, spec)
                 )
+            # ``memory_budget`` per replica, as ``serve`` applies it: MemoryBudgetError if
+            # the models do not fit, else the RAM tier gets what is left.
+            memories = [budget.memory_of(mid, m) for mid, m in self.models.items()]
+            budget.apply(
+                self.engine.cache,
+                budget.plan(settings.memory_budget, memories, settings.cache_config().tiers),
+            )
         except BaseException:
             self.engine.close()
             raise

@@ -14,11 +14,19 @@ every load and unload (``ServerState``). Quotas of tiers on disk or in s3 are no
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvwarm.cache.types import TierConfig, TierName
 from kvwarm.errors import MemoryBudgetError
+
+if TYPE_CHECKING:
+    from kvwarm.cache.facade import Cache
+    from kvwarm.server.served import ServedModel
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MEMORY_TIERS", "MemoryPlan", "ModelMemory", "fmt_bytes", "plan"]
 
@@ -122,3 +130,20 @@ def _arithmetic(
         f"({names}); raise memory_budget, lower shm_quota_bytes, or load fewer or smaller "
         "models (a smaller n_ctx or n_parallel, a quantised KV cache)"
     )
+
+
+def memory_of(model_id: str, model: ServedModel) -> ModelMemory:
+    """What a loaded model holds, from its ``info()``."""
+    info = model.info()
+    return ModelMemory(model_id, info.size_bytes, info.kv_bytes, info.context_bytes)
+
+
+def apply(cache: Cache, memory_plan: MemoryPlan) -> None:
+    """Make ``memory_plan`` the cache's: with a budget, the RAM tier gets its remainder."""
+    if memory_plan.budget_bytes > 0 and "ram" in cache.tier_names():
+        cache.resize_tier("ram", memory_plan.ram_quota_bytes)
+        log.info(
+            "memory budget %s: RAM tier %s",
+            fmt_bytes(memory_plan.budget_bytes),
+            fmt_bytes(memory_plan.ram_quota_bytes),
+        )

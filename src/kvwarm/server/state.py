@@ -182,8 +182,7 @@ class ServerState:
     def _admit(self, engine: Engine, model_id: str, model: ServedModel) -> None:
         """Count a loaded model against the budget and shrink the RAM tier to what is left;
         ``MemoryBudgetError`` (nothing changed) if it does not fit."""
-        info = model.info()
-        memory = ModelMemory(model_id, info.size_bytes, info.kv_bytes, info.context_bytes)
+        memory = budget.memory_of(model_id, model)
         with self._budget_lock:
             admitted = {**self._admitted, model_id: memory}
             self._apply_plan(engine, self._plan(admitted.values()))
@@ -191,13 +190,7 @@ class ServerState:
 
     def _apply_plan(self, engine: Engine, plan: budget.MemoryPlan) -> None:
         """Make ``plan`` the server's: with a budget, the RAM tier gets its remainder."""
-        if plan.budget_bytes > 0 and "ram" in engine.cache.tier_names():
-            engine.cache.resize_tier("ram", plan.ram_quota_bytes)
-            log.info(
-                "memory budget %s: RAM tier %s",
-                budget.fmt_bytes(plan.budget_bytes),
-                budget.fmt_bytes(plan.ram_quota_bytes),
-            )
+        budget.apply(engine.cache, plan)
         self.memory = plan
 
     def _prewarm_systems(self, model: ServedModel, model_id: str) -> None:
