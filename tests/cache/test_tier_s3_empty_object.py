@@ -31,16 +31,6 @@ def test_an_empty_row_object_does_not_stop_the_scan(moto_server: MotoServer) -> 
     assert [where for where, _ in viewer.problems()] == [viewer.location(empty)]
 
 
-def test_an_empty_object_in_the_way_is_replaced(moto_server: MotoServer) -> None:
-    tier = _tier(moto_server, moto_server.new_bucket())
-    key, req = request((7, 7, 7))
-    tier.wire.client.put_object(Bucket=tier.config.bucket, Key=tier.object_name(key), Body=b"")
-    assert tier.probe(key) is None  # junk is not a row
-    row = tier.store(key, req, FakeBook())
-    assert row is not None
-    assert bytes(tier.load(row).payload) == req.payload
-
-
 def test_an_empty_chunk_object_in_the_way_is_replaced(moto_server: MotoServer) -> None:
     tier = _tier(moto_server, moto_server.new_bucket())
     payload = bytes(range(256)) * 4
