@@ -55,3 +55,9 @@ def test_unknown_log_level_is_refused_by_load_settings() -> None:
 def test_nan_seconds_are_refused(name: str) -> None:
     with pytest.raises(ConfigError, match=name):
         load_settings({name: "nan"}, {})
+
+
+@pytest.mark.parametrize("name", ["request_timeout_s", "worker_stall_s"])
+def test_negative_seconds_are_refused_not_read_as_off(name: str) -> None:
+    with pytest.raises(ConfigError, match=f"{name} must be >= 0"):
+        load_settings({name: -1.0}, {})

@@ -337,6 +337,9 @@ class Settings(ModelSettings, ServingSettings):
             raise ConfigError("max_tokens_limit must be >= 1 and >= default_max_tokens")
         if self.keepalive_interval_s < 0:
             raise ConfigError("keepalive_interval_s must be >= 0")
+        for name in ("request_timeout_s", "worker_stall_s"):  # 0 turns them off; < 0 did too
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0: off)")
         if not 0.0 < self.keepalive_stale_fraction <= 1.0:
             raise ConfigError("keepalive_stale_fraction must be in (0, 1]")
         if self.keepalive_max_entries < 0 or self.keepalive_max_tokens < 0:
