@@ -22,13 +22,22 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 LONG_PROMPT = "Here is a list of the largest cities in Europe, ordered by population, with notes:"
 
 
-@pytest.fixture
-def env(tmp_path: Path) -> dict[str, str]:
+def clean_env(tmp_path: Path) -> dict[str, str]:
+    """A child's environment: no KVWARM_* of ours, this checkout's ``src``, and caches and
+    config under ``tmp_path``."""
     out = {k: v for k, v in os.environ.items() if not k.startswith("KVWARM_") and k != "PYTHONPATH"}
     out.update(
         PYTHONPATH=str(SRC),
         XDG_CACHE_HOME=str(tmp_path / "xdg-cache"),
         XDG_CONFIG_HOME=str(tmp_path / "xdg-config"),
+    )
+    return out
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    out = clean_env(tmp_path)
+    out.update(
         KVWARM_N_CTX="1024",
         KVWARM_N_BATCH="64",
         KVWARM_POLICY_MIN_TOKENS="16",

@@ -18,21 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from .test_cli import SRC, _free_port, kvwarm, no_traceback
+from .test_cli import _free_port, clean_env, kvwarm, no_traceback
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
     """A clean environment (no KVWARM_*; caches and config under tmp_path) and small settings."""
-    out = {k: v for k, v in os.environ.items() if not k.startswith("KVWARM_") and k != "PYTHONPATH"}
-    out.update(
-        PYTHONPATH=str(SRC),
-        XDG_CACHE_HOME=str(tmp_path / "xdg-cache"),
-        XDG_CONFIG_HOME=str(tmp_path / "xdg-config"),
-        KVWARM_N_CTX="1024",
-        KVWARM_N_BATCH="64",
-    )
-    return out
+    return {**clean_env(tmp_path), "KVWARM_N_CTX": "1024", "KVWARM_N_BATCH": "64"}
 
 
 def test_serve_exits_1_with_the_reason_when_no_model_loads(env: dict[str, str]) -> None:

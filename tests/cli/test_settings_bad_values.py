@@ -9,32 +9,20 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.cli.test_cli import clean_env
 
 from kvwarm.errors import ConfigError
 from kvwarm.settings import load_settings
 
-SRC = Path(__file__).resolve().parents[2] / "src"
-
-
-def _env(tmp_path: Path) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if not k.startswith("KVWARM_") and k != "PYTHONPATH"}
-    out.update(
-        PYTHONPATH=str(SRC),
-        XDG_CACHE_HOME=str(tmp_path / "xdg-cache"),
-        XDG_CONFIG_HOME=str(tmp_path / "xdg-config"),
-    )
-    return out
-
 
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_unknown_log_level_is_a_usage_error_not_a_traceback(tmp_path: Path, how: str) -> None:
-    env = _env(tmp_path)
+    env = clean_env(tmp_path)
     args = [sys.executable, "-m", "kvwarm", "models"]
     if how == "flag":
         args += ["--log-level", "verbose"]

@@ -335,17 +335,16 @@ class Settings(ModelSettings, ServingSettings):
             raise ConfigError("default_max_tokens must be >= 0")
         if self.max_tokens_limit < max(1, self.default_max_tokens):
             raise ConfigError("max_tokens_limit must be >= 1 and >= default_max_tokens")
-        if self.keepalive_interval_s < 0:
-            raise ConfigError("keepalive_interval_s must be >= 0")
-        for name in ("request_timeout_s", "worker_stall_s"):  # 0 turns them off; < 0 did too
+        # Durations: 0 turns the timeouts off; a negative value must not do so silently.
+        for name in (
+            "keepalive_interval_s", "keepalive_max_age_s", "request_timeout_s", "worker_stall_s"
+        ):  # fmt: skip
             if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0 (0: off)")
+                raise ConfigError(f"{name} must be >= 0")
         if not 0.0 < self.keepalive_stale_fraction <= 1.0:
             raise ConfigError("keepalive_stale_fraction must be in (0, 1]")
         if self.keepalive_max_entries < 0 or self.keepalive_max_tokens < 0:
             raise ConfigError("keepalive_max_entries and keepalive_max_tokens must be >= 0")
-        if self.keepalive_max_age_s < 0:
-            raise ConfigError("keepalive_max_age_s must be >= 0")
         if self.replicas < 1 or self.cluster_busy_requests < 0:
             raise ConfigError("replicas must be >= 1 and cluster_busy_requests >= 0")
         if self.max_json_depth < 2:
