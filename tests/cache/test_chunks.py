@@ -318,6 +318,26 @@ def test_verify_reads_every_chunk_and_repair_drops_rows_naming_a_bad_one(tmp_pat
         assert not path.exists()  # its last reference went with the rows
 
 
+def test_verify_repair_only_forgets_bad_rows_of_a_shared_directory(tmp_path: Path) -> None:
+    """In a directory other processes share, a row this process cannot read may be another's
+    doing or be read fine by a newer kvwarm elsewhere: ``verify(repair=True)`` forgets it, as
+    a failed read does (``CacheCore.drop_unreadable``), and deletes no file."""
+    root = tmp_path / "kvc"
+    tiers = (TierConfig("disk", 1 << 30, root=root, shared=True),)
+    with Cache(CacheConfig(tiers=tiers, chunk_tokens=C), background=False) as cache:
+        tokens = list(range(1024))
+        short, long = _save(cache, tokens[:600]), _save(cache, tokens)
+        first = chunkfmt.chunk_keys(NS, tokens, (C,))[0]  # named by both rows
+        path = root / f"{first.hex()}.kvk"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(data)
+        assert len(cache.verify(repair=True).bad) == 2
+        assert cache.rows() == []  # forgotten (a lookup may discover them again, as after a read)
+        assert path.exists()
+        assert {p.name for p in root.glob("*.kvc")} == {f"{k.hex()}.kvc" for k in (short, long)}
+
+
 def test_saves_queued_together_line_up(make_cache: CacheFactory) -> None:
     """A finish save accepted while its cold save is still queued shares its chunks (both
     may run at once on the writer pool: cuts are planned when a save is accepted)."""

@@ -7,7 +7,9 @@ Invariants:
 - One bad row never stops a scan, a sweep or a verify.
 - ``verify`` reports every bad file, the ones a read-only startup scan rejected included, and
   deletes nothing unless asked to ``repair``; what repairing scans already set aside
-  (``quarantine/``) it counts apart, as fixed.
+  (``quarantine/``) it counts apart, as fixed. Repairing drops a bad row as a failed read
+  does (``CacheCore.drop_unreadable``): its bytes are deleted in a local tier, and in one
+  other processes share (a shared directory, s3, redis) it is only forgotten.
 - A repairing startup scan adopts no manifest whose chunks are gone: chunks are scanned first
   (a damaged one is set aside), and a manifest naming one that is neither indexed nor on disk
   with a valid head is quarantined, so a damaged chunk costs its rows at startup, not at
@@ -141,6 +143,7 @@ class CacheUpkeep:
         checked = len(self._scan_problems)
         bad = list(self._scan_problems)
         good_chunks: set[tuple[str, bytes]] = set()  # a chunk many rows share is read once
+        failed: list[tuple[Tier, bytes, CacheError]] = []
         for info in self._core.index.rows():
             leased = self._core.index.lease(info.key, touch=False)
             if leased is None:
@@ -159,10 +162,11 @@ class CacheUpkeep:
             except (CacheFormatError, CacheKeyError) as exc:
                 bad.append((stored.location or info.key.hex(), str(exc)))
                 if repair:
-                    gone = self._core.index.remove(info.key)
-                    self._core.retire([gone] if gone is not None else [])
+                    failed.append((tier, info.key, exc))
             finally:
                 self._core.index.checkin(info.key, gen)
+        for tier, key, error in failed:  # as a failed read: deleted if local, else forgotten
+            self._core.drop_unreadable(tier, key, error)
         rows = chunks = 0
         for tier in self._core.tiers.values():
             if isinstance(tier, SetsAside):
