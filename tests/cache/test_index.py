@@ -122,6 +122,28 @@ def test_a_check_in_of_a_removed_copy_leaves_the_next_copy_pinned() -> None:
     assert idx.refcount(key) == 0 and len(idx.evict(1 << 30)) == 1
 
 
+def test_a_row_adopted_again_after_a_failed_promotion_keeps_its_chunks_alive() -> None:
+    """A promotion forgets the shared row (``remove_unpinned``: its chunks' bytes stay in the
+    store) and adopts it again when the copy fails. Its chunks are then named and stored as
+    before: a save reusing them neither waits for a delete nobody will do nor writes them
+    again, and the tier's bytes still count them."""
+    idx = Index()
+    chunks = (b"a" * 32, b"b" * 32)
+    r = row((1, 2, 3, 4), 10, tier="s3")
+    r = StoredRow(r.info, r.tokens, r.location, chunks, (2, 2))
+    assert idx.adopt(r)
+    for chunk in chunks:
+        idx.chunk_stored("s3", chunk, 100)
+    before = idx.sizes()["s3"]
+    removed = idx.remove_unpinned(r.info.key, "s3")
+    assert removed is not None
+    assert idx.adopt(removed)  # the copy to the local tier failed
+    assert idx.sizes()["s3"] == before
+    assert idx.pin_chunks("s3", chunks, timeout_s=0.0) == []  # nothing to write, no wait
+    idx.unpin_chunks("s3", chunks)
+    assert idx.take_freed_chunks() == []
+
+
 def test_checkout_pins_touches_and_counts() -> None:
     clock = FakeClock(100.0)
     idx = Index(clock=clock)

@@ -13,7 +13,9 @@ Invariants:
   manifest publish, or by a save that lost its race): evictable before any row.
 - A chunk leaves in two steps: freed (``dying``: the caller deletes its bytes outside the
   lock) and then ``deleted``. A save that wants a dying chunk waits for the delete and writes
-  it again, so a delete can never remove bytes a manifest published after it names.
+  it again, so a delete can never remove bytes a manifest published after it names. A chunk
+  freed only to be forgotten (``keep``) and named again before the caller took it is alive
+  again at once: nothing would ever delete it, and nobody need wait.
 - Not locked: ``Index`` calls it under its lock. No I/O.
 """
 
@@ -106,9 +108,22 @@ class ChunkRefs:
     def ref(self, tier: TierName, keys: Iterable[bytes]) -> None:
         for key in keys:
             c = self._chunks.setdefault((tier, key), _Chunk(None))
+            if c.dying:
+                self._revive(tier, key, c)
             c.refs += 1
             if c.size is not None and not c.dying:
                 self._logical[tier] = self._logical.get(tier, 0) + c.size
+
+    def _revive(self, tier: TierName, key: bytes, c: _Chunk) -> None:
+        """A chunk freed only to be forgotten (its bytes stay) and named again before anyone
+        took it (a row adopted back after a failed promotion) is alive again, as before."""
+        for i, freed in enumerate(self._freed):
+            if freed.tier == tier and freed.key == key:
+                if freed.keep and c.size is not None:
+                    del self._freed[i]
+                    c.dying = False
+                    self._add(tier, c.size, 1, 0)
+                return
 
     def unref(self, tier: TierName, keys: Iterable[bytes], *, keep: bool = False) -> int:
         """Drop one reference from each; returns the bytes of chunks freed by it (``keep``:
