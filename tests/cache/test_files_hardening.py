@@ -142,6 +142,95 @@ def test_a_writable_parent_of_another_user_is_refused(
     assert _mode(parent) == 0o777
 
 
+def _victim_dir(tmp_path: Path) -> Path:
+    """A directory of ours elsewhere, with what a tier's scans would clean up or tighten."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    victim.chmod(0o755)
+    (victim / "draft.tmp").write_text("precious")
+    (victim / ("ab" * 32 + ".kvc")).write_text("not a row")
+    return victim
+
+
+def _untouched(victim: Path) -> bool:
+    names = sorted(os.listdir(victim))
+    return _mode(victim) == 0o755 and names == ["ab" * 32 + ".kvc", "draft.tmp"]
+
+
+def test_a_parent_of_another_user_is_refused_even_if_only_its_owner_may_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --cache-dir /tmp/kvwarm made beforehand by another user (0755, so not "writable by
+    # others"), with rows -> a directory of ours: the scans used to chmod it 0700, delete its
+    # *.tmp files and quarantine its *.kvc files.
+    victim = _victim_dir(tmp_path)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    theirs.chmod(0o755)
+    (theirs / "rows").symlink_to(victim)
+    stranger = os.geteuid() + 1
+    monkeypatch.setattr(fsutil.os, "fstat", _reported_owner(theirs, stranger, fsutil.os.fstat))
+    with pytest.raises(UnsafeCacheDirError, match="belongs to uid"):
+        tier = FileTier("disk", theirs / "rows", 1 << 20)
+        list(tier.scan())
+    assert _untouched(victim)
+
+
+def test_a_root_linked_by_another_user_in_a_sticky_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --shm-dir /dev/shm/kvwarm planted beforehand by another user as a link to our directory.
+    victim = _victim_dir(tmp_path)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    shm.chmod(0o1777)
+    planted = shm / "kvwarm"
+    planted.symlink_to(victim)
+    stranger, lstat = os.geteuid() + 1, fsutil.os.lstat
+
+    def reported(path: str | os.PathLike[str]) -> os.stat_result:
+        st = lstat(path)
+        if Path(path) != planted:
+            return st
+        fields = list(st)
+        fields[stat.ST_UID] = stranger
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(fsutil.os, "lstat", reported)
+    with pytest.raises(UnsafeCacheDirError, match="symbolic link"):
+        tier = FileTier("ram_file", planted, 1 << 20)
+        list(tier.scan())
+    assert _untouched(victim)
+
+
+def test_our_own_link_as_the_root_is_followed(tmp_path: Path) -> None:
+    target = tmp_path / "big-disk" / "rows"
+    target.mkdir(parents=True)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "rows").symlink_to(target)
+    tier = FileTier("disk", tmp_path / "cache" / "rows", 1 << 20)
+    key, r = request((1, 2, 3))
+    assert tier.store(key, r, FakeBook()) is not None
+    assert (target / f"{key.hex()}.kvc").is_file()
+
+
+def _reported_owner(
+    directory: Path, uid: int, fstat: Callable[[int], os.stat_result]
+) -> Callable[..., object]:
+    """``os.fstat`` that reports ``directory`` (only) as owned by ``uid``."""
+    ino = os.stat(directory).st_ino
+
+    def fake(fd: int) -> os.stat_result:
+        st = fstat(fd)
+        if st.st_ino != ino:
+            return st
+        fields = list(st)
+        fields[stat.ST_UID] = uid
+        return os.stat_result(fields)
+
+    return fake
+
+
 def _owned_by(
     uid: int, parent: Path, fstat: Callable[[int], os.stat_result]
 ) -> Callable[..., object]:

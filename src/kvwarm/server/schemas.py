@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.tenancy import MAX_SALT_CHARS
@@ -248,18 +248,26 @@ async def read_json(request: Request, settings: Settings) -> object:
     """The request body as JSON. 413 past ``settings.max_body_bytes`` (checked on the declared
     length first, then while reading, so a lying or chunked client cannot make us buffer more);
     400 ``json_too_deep`` past ``settings.max_json_depth`` nested arrays/objects, so nothing
-    downstream (validation, schema conversion, templates) ever recurses on an unbounded input."""
+    downstream (validation, schema conversion, templates) ever recurses on an unbounded input.
+    A client gone before its body ends is a 400 ``incomplete_body``."""
     max_bytes = settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client's doing, not ours: a 400 (to no one), not an "unexpected error" logged
+        # with its traceback and counted as a 500 for every cut-short body.
+        raise HTTPError(
+            400, "the client went away before sending the whole body", code="incomplete_body"
+        ) from None
     raw = b"".join(chunks)
     if not raw.strip():
         raise HTTPError(

@@ -10,7 +10,12 @@ The cache directory is not trusted to be what we left there. Invariants:
 - The root's parent (for the disk tier, the configured ``cache_dir`` itself) must not let
   others rename the root away and plant their own in its place: writable by the group or the
   world without the sticky bit, it loses those write bits if it is ours (logged) and is
-  refused if it is not. A sticky parent (``/tmp``, ``/dev/shm``) is fine as it is.
+  refused if it is not. A sticky parent (``/tmp``, ``/dev/shm``) is fine as it is. A parent
+  owned by another user (not root) is refused whatever its mode: its owner can always swap
+  the root, e.g. for a link to a directory of ours that the scans would then clean.
+- A root that is itself a symlink is followed only if it is ours (or root's): one another
+  user planted in a sticky directory (``/dev/shm/kvwarm`` made before we ran) is refused.
+- Both are checked before the root is opened, so a refused root is never changed.
 - Every file below a root is opened relative to the root's directory fd with ``O_NOFOLLOW``
   and ``O_NONBLOCK``, and must be a regular file: a symlink is never followed and a FIFO
   planted in place of a row cannot hang a reader (both surface as ``CacheFormatError``).
@@ -63,14 +68,30 @@ def open_private_dir(path: Path) -> int:
         except FileExistsError:
             continue  # another process made it meanwhile; the root is checked below
         os.chmod(d, PRIVATE_DIR_MODE, follow_symlinks=False)  # the umask may have cut bits
+    # Before the root is opened (and perhaps tightened): a root someone else could have
+    # swapped is refused untouched.
+    _guard_parent(path.parent)
+    _guard_link(path)
     fd = os.open(path, _DIR_FLAGS)
     try:
         _make_private(fd, str(path))
-        _guard_parent(path.parent)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _trusted(uid: int) -> bool:
+    return uid in (os.geteuid(), 0)
+
+
+def _guard_link(path: Path) -> None:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) and not _trusted(st.st_uid):
+        raise UnsafeCacheDirError(
+            f"cache directory {path} is a symbolic link that belongs to uid {st.st_uid}, not "
+            f"to us (uid {os.geteuid()}); not following it. Use a directory we own."
+        )
 
 
 def _guard_parent(parent: Path) -> None:
@@ -78,13 +99,19 @@ def _guard_parent(parent: Path) -> None:
     try:
         st = os.fstat(fd)
         mode = stat.S_IMODE(st.st_mode)
-        if not mode & 0o022 or mode & stat.S_ISVTX:
-            return
-        if st.st_uid != os.geteuid():
+        others_write = bool(mode & 0o022) and not mode & stat.S_ISVTX
+        if others_write and st.st_uid != os.geteuid():
             raise UnsafeCacheDirError(
                 f"{parent} (mode {mode:o}, uid {st.st_uid}) lets other users replace the cache "
                 "directory in it. Use a directory only we can write."
             )
+        if not _trusted(st.st_uid):
+            raise UnsafeCacheDirError(
+                f"{parent} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()}): its "
+                "owner could replace the cache directory in it. Use a directory we own."
+            )
+        if not others_write:
+            return
         log.warning(
             "%s was mode %o: others could replace the cache directory in it; now %o",
             parent,
