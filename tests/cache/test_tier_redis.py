@@ -76,3 +76,19 @@ def test_bad_tier_urls_are_config_errors(tmp_path: Path) -> None:
         Cache(CacheConfig(tiers=(bad,)), background=False)
     with pytest.raises(ConfigError, match="unknown options"):
         s3_config_from_url("s3://bkt/p/?endpiont=http://x")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://user:s3cret@127.0.0.1:6379/0?timeout_s=soon",  # our option's bad value
+        "redis://:s3cret@127.0.0.1:port/0",  # a port that is not a number
+        "redis://user:s3cret@127.0.0.1/0?db=zero",  # the client's own refusal
+        "http://user:s3cret@127.0.0.1/",  # not a redis URL
+        "gopher://user:s3cret@127.0.0.1/",  # no store of that scheme
+    ],
+)
+def test_a_bad_tier_url_is_a_config_error_that_does_not_show_its_password(url: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        Cache(_config(url), background=False)
+    assert "s3cret" not in str(caught.value) and "***" in str(caught.value)

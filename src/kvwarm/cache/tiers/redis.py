@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvwarm.cache.tiers.objects import Breaker, Got
+from kvwarm.cache.tiers.registry import shown_url
 from kvwarm.errors import (
     CacheFormatError,
     CacheIOError,
@@ -58,9 +59,10 @@ class RedisStore:
         except ImportError:
             need = "the redis tier needs the redis client: pip install 'kvwarm[redis]'"
             raise ConfigError(need) from None
+        shown = shown_url(url)  # never the password, in any message
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss"):
-            raise ConfigError(f"a redis tier URL starts with redis:// or rediss://, got {url!r}")
+            raise ConfigError(f"a redis tier URL starts with redis:// or rediss://, got {shown!r}")
         ours = {k: v for k, v in parse_qsl(parts.query) if k in _OURS}
         rest = [(k, v) for k, v in parse_qsl(parts.query) if k not in _OURS]
         self._prefix = ours.get("prefix", "kvwarm/")
@@ -68,14 +70,21 @@ class RedisStore:
             timeout = float(ours.get("timeout_s", "2"))
             self._down_for_s = float(ours.get("down_for_s", "5"))
         except ValueError as exc:
-            raise ConfigError(f"redis tier URL {url!r}: {exc}") from None
+            raise ConfigError(f"redis tier URL {shown!r}: {exc}") from None
         if timeout <= 0 or self._down_for_s < 0:
-            raise ConfigError(f"redis tier URL {url!r}: timeout_s must be > 0, down_for_s >= 0")
+            raise ConfigError(f"redis tier URL {shown!r}: timeout_s must be > 0, down_for_s >= 0")
         plain = urlunsplit(parts._replace(query=urlencode(rest)))
-        self._label = f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path}"
-        self._client: redis_client.Redis = redis_client.Redis.from_url(
-            plain, socket_timeout=timeout, socket_connect_timeout=timeout
-        )
+        try:
+            port = parts.port or 6379
+        except ValueError as exc:  # urllib's message quotes only the port
+            raise ConfigError(f"redis tier URL {shown!r}: {exc}") from None
+        self._label = f"{parts.scheme}://{parts.hostname}:{port}{parts.path}"
+        try:
+            self._client: redis_client.Redis = redis_client.Redis.from_url(
+                plain, socket_timeout=timeout, socket_connect_timeout=timeout
+            )
+        except ValueError:  # e.g. a bad db number; redis's message may quote the whole URL
+            raise ConfigError(f"redis tier URL {shown!r}: the client refused it") from None
         self._errors = redis_client.exceptions
         self._set_meta = self._client.register_script(_SET_META)
         self._breaker = Breaker(self.label, self._down_for_s)

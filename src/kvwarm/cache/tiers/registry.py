@@ -31,6 +31,7 @@ __all__ = [
     "register_tier",
     "registered_schemes",
     "registered_tiers",
+    "shown_url",
     "url_scheme",
     "tier_spec",
     "unregister_tier",
@@ -99,6 +100,20 @@ def registered_schemes() -> tuple[str, ...]:
         return tuple(_schemes)
 
 
+def shown_url(url: str) -> str:
+    """``url`` as messages and logs may show it: a password in it is masked."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # not a URL urlsplit can read (a bad port...): show no part of it
+        return "<unreadable URL>"
+    if password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+
+
 def url_scheme(url: str) -> str:
     """The registered scheme of ``url``; ``ConfigError`` if none is."""
     scheme = urlsplit(url).scheme.lower()
@@ -106,7 +121,7 @@ def url_scheme(url: str) -> str:
         known = scheme in _schemes
     if not known:
         names = ", ".join(f"{s}://" for s in registered_schemes())
-        raise ConfigError(f"tier URL {url!r}: unknown scheme; expected one of {names}")
+        raise ConfigError(f"tier URL {shown_url(url)!r}: unknown scheme; expected one of {names}")
     return scheme
 
 
