@@ -253,9 +253,12 @@ class ToolStream:
         """(content not yet shown, the call deltas still due, whether the reply is calls)."""
         content, calls = parse_tool_calls(self._text, self._names)
         if not calls:
+            # Not a call after all, even if a header already went out (a reply cut off by
+            # max_tokens inside its call): the finish reason follows the non-streamed
+            # response's ("length", "stop"), never "tool_calls" for arguments that never closed.
             rest = self._text[self._shown :]
             self._shown = len(self._text)
-            return rest, [], bool(self._sent)
+            return rest, [], False
         rest = content[self._shown :] if content.startswith(self._text[: self._shown]) else ""
         out: list[Json] = []
         for index, call in enumerate(calls):
