@@ -178,7 +178,18 @@ def plan_chat(
     *,
     renders_tools: bool,
 ) -> ChatPlan:
-    """Decide how tools reach the model. ``renders_tools``: the template shows tools natively."""
+    """Decide how tools reach the model. ``renders_tools``: the template shows tools natively.
+    A forced call (``required``, a named function) with no tools is a 400, as in OpenAI's API:
+    the reply could not be the call the client asked for."""
+    if not tools and (tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)):
+        choice = (
+            f"names {tool_choice.function.name!r}"
+            if isinstance(tool_choice, NamedToolChoice)
+            else "is 'required'"
+        )
+        raise HTTPError(
+            400, f"tool_choice {choice}, but the request has no tools", param="tool_choice"
+        )
     if not tools or tool_choice == "none":
         return ChatPlan(template_messages(messages, native=False), None, None, frozenset(), False)
     chosen = list(tools)
