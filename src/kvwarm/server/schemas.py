@@ -159,7 +159,8 @@ class EmbeddingRequest(_Body):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    # OpenAI's shortened embeddings: the first ``dimensions`` values, scaled to unit length.
+    dimensions: int | None = Field(default=None, ge=1)
 
 
 class TokenizeRequest(_Body):
