@@ -136,6 +136,19 @@ def test_a_call_cut_off_before_its_arguments_close_is_not_a_call() -> None:
     assert rest == '<tool_call>{"name": "get_weather", "arguments": {"ci'
 
 
+def test_single_reports_only_the_first_of_two_calls() -> None:
+    # Parallel calls off: the second call is neither streamed nor reported by finish.
+    reply = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
+    stream = ToolStream(NAMES, forced=False, single=True)
+    deltas = [d for ch in reply for d in stream.feed(ch)[1]]
+    rest, calls, any_call = stream.finish()
+    assert rest == "" and any_call
+    assert [(n, a) for _, n, a in _assemble(deltas + calls)] == [("get_weather", {"city": "Oslo"})]
+
+
 def test_without_tools_passes_everything_through() -> None:
     stream = ToolStream(frozenset(), forced=False)
     assert stream.feed("<tool_call>") == ("<tool_call>", [])
