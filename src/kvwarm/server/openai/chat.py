@@ -44,6 +44,9 @@ router = APIRouter()
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), ChatRequest)
+    if req.top_logprobs and not req.logprobs:
+        # OpenAI's rule; the request would otherwise get no logprobs at all, silently.
+        raise HTTPError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     model = await state.acquire(req.model)
     schema = convert.response_schema(req.response_format)
     plan = await chat.plan(
