@@ -349,6 +349,17 @@ def test_bad_chat_requests_are_400(client: TestClient) -> None:
     assert_error(client.post("/v1/chat/completions", json=bad_role), 400, "invalid_type")
     image = {"model": "a", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
     assert_error(client.post("/v1/chat/completions", json=image), 400, "unsupported_content")
+    # A forced call with no tools could not be honoured: refused, as OpenAI does, not ignored.
+    hi = [{"role": "user", "content": "hi"}]
+    named = {"type": "function", "function": {"name": "f"}}
+    for choice in ("required", named):
+        forced = {"model": "a", "messages": hi, "tool_choice": choice}
+        assert_error(client.post("/v1/chat/completions", json=forced), 400, None, "tool_choice")
+    no_logprobs = {"model": "a", "messages": hi, "top_logprobs": 2}  # top_logprobs needs them
+    assert_error(client.post("/v1/chat/completions", json=no_logprobs), 400, None, "top_logprobs")
+    for choice in ("none", "auto"):  # these need no tools
+        free = {"model": "a", "messages": hi, "tool_choice": choice, "max_tokens": 1}
+        assert client.post("/v1/chat/completions", json=free).status_code == 200
 
 
 def test_malformed_json_and_non_objects(client: TestClient) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 from fastapi.testclient import TestClient
 
 
@@ -23,3 +26,21 @@ def test_token_ids_are_embedded_and_counted_as_given(client: TestClient) -> None
     assert both["data"][0]["embedding"] != both["data"][1]["embedding"]
     text = client.post("/v1/embeddings", json={"model": "a", "input": "hey"}).json()
     assert text["data"][0]["embedding"] == both["data"][1]["embedding"]
+
+
+def test_dimensions_shorten_to_a_unit_vector_and_out_of_range_is_a_400(client: TestClient) -> None:
+    body = {"model": "a", "input": "hey"}
+    full = client.post("/v1/embeddings", json=body).json()["data"][0]["embedding"]
+    short = client.post("/v1/embeddings", json={**body, "dimensions": 4}).json()
+    vector = short["data"][0]["embedding"]
+    # OpenAI's shortened embeddings: the leading values, renormalized (they were not).
+    assert len(vector) == 4 and math.isclose(sum(v * v for v in vector), 1.0, rel_tol=1e-9)
+    scale = vector[0] / full[0]
+    assert vector == pytest.approx([v * scale for v in full[:4]], rel=1e-9)
+    same = client.post("/v1/embeddings", json={**body, "dimensions": len(full)}).json()
+    assert same["data"][0]["embedding"] == pytest.approx(full, rel=1e-9)
+    # Sizes the model cannot give were silently ignored (the full vector came back).
+    for bad in (0, -1, len(full) + 1):
+        response = client.post("/v1/embeddings", json={**body, "dimensions": bad})
+        assert response.status_code == 400, response.json()
+        assert response.json()["error"]["param"] == "dimensions"

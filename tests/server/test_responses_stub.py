@@ -135,6 +135,8 @@ def test_store_get_delete_and_unknown_ids(client: TestClient) -> None:
         ({"max_output_tokens": 10**9}, "max_output_tokens"),
         ({"temperature": -1}, "temperature"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"tool_choice": "required"}, "tool_choice"),  # a forced call needs tools
+        ({"tool_choice": {"type": "function", "name": "w"}}, "tool_choice"),
     ],
 )
 def test_bad_requests_are_400s_naming_the_field(

@@ -330,6 +330,28 @@ def test_tool_call_streams_argument_fragments(client: OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_a_call_cut_by_max_tokens_finishes_with_length_streamed_or_not(client: OpenAI) -> None:
+    # The reply stops (max_tokens) after the call's name, inside its arguments: no call was
+    # made, and a stream says so as the plain response does ("length"), not "tool_calls".
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    grammar = "root ::= " + '"' + call.replace('"', '\\"') + '"'
+    cut = len('<tool_call>{"name": "get_weather", "arguments": {"ci')  # one token per byte
+    body = {
+        "model": "a",
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [WEATHER],
+        "max_tokens": cut,
+        "temperature": 0,
+        "extra_body": {"grammar": grammar},
+    }
+    whole = client.chat.completions.create(**body).choices[0]  # type: ignore[call-overload]
+    assert whole.finish_reason == "length" and not whole.message.tool_calls
+    chunks = list(client.chat.completions.create(**body, stream=True))  # type: ignore[call-overload]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == whole.message.content == call[:cut]
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 # --- suffix and /infill ----------------------------------------------------------------------
 
 

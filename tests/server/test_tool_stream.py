@@ -125,6 +125,30 @@ def test_releases_a_false_alarm_at_the_end() -> None:
     assert calls == [] and not any_call and shown + rest == "a < b and <tools> are fine"
 
 
+def test_a_call_cut_off_before_its_arguments_close_is_not_a_call() -> None:
+    # max_tokens ends the reply inside its call: the header went out, but the reply is no
+    # call, so the finish reason is the non-streamed one ("length"), not "tool_calls".
+    stream = ToolStream(NAMES, forced=False)
+    _, deltas = stream.feed('<tool_call>{"name": "get_weather", "arguments": {"ci')
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    rest, calls, any_call = stream.finish()
+    assert calls == [] and not any_call
+    assert rest == '<tool_call>{"name": "get_weather", "arguments": {"ci'
+
+
+def test_single_reports_only_the_first_of_two_calls() -> None:
+    # Parallel calls off: the second call is neither streamed nor reported by finish.
+    reply = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
+    stream = ToolStream(NAMES, forced=False, single=True)
+    deltas = [d for ch in reply for d in stream.feed(ch)[1]]
+    rest, calls, any_call = stream.finish()
+    assert rest == "" and any_call
+    assert [(n, a) for _, n, a in _assemble(deltas + calls)] == [("get_weather", {"city": "Oslo"})]
+
+
 def test_without_tools_passes_everything_through() -> None:
     stream = ToolStream(frozenset(), forced=False)
     assert stream.feed("<tool_call>") == ("<tool_call>", [])

@@ -23,7 +23,7 @@ from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import Generation
 from kvwarm.server.schemas import ChatMessage, NamedToolChoice, SamplingFields, Tool, parse_body
 from kvwarm.server.tool_stream import ToolStream
-from kvwarm.server.tools import ChatPlan, ToolCall, openai_tools, parse_tool_calls, plan_chat
+from kvwarm.server.tools import ChatPlan, ToolCall, openai_tools, plan_chat
 
 if TYPE_CHECKING:
     from kvwarm.server.served import ServedModel, ServedStream
@@ -57,12 +57,15 @@ async def plan(
     messages: Sequence[ChatMessage],
     tools: Sequence[Tool] | None,
     tool_choice: ToolChoice,
+    *,
+    parallel: bool = True,
 ) -> ChatPlan:
-    """How ``messages`` and ``tools`` reach ``model`` (the template probe runs off the loop)."""
+    """How ``messages`` and ``tools`` reach ``model`` (the template probe runs off the loop);
+    ``parallel`` False: at most one call per reply."""
     native = False
     if tools and tool_choice != "none":
         native = await run_in_threadpool(renders_tools, model, tools)
-    return plan_chat(messages, tools, tool_choice, renders_tools=native)
+    return plan_chat(messages, tools, tool_choice, renders_tools=native, parallel=parallel)
 
 
 def sampling_fields(
@@ -107,7 +110,7 @@ async def whole_reply(gen: Generation, chat: ChatPlan) -> ChatReply:
     """Wait for the reply and split it into content and calls (non-streamed requests)."""
     async with gen:
         done = await gen.result()
-    content, calls = parse_tool_calls(done.text, chat.names)
+    content, calls = chat.split(done.text)
     return ChatReply(done, content, calls)
 
 
@@ -115,12 +118,12 @@ async def streamed_reply(gen: Generation, chat: ChatPlan) -> AsyncIterator[str |
     """Text that is safe to show as it comes (a possible tool call is held back), then one
     ``ChatReply`` whose ``content`` is the text not yet yielded. ``gen`` must be opened
     (``Generation.open_streaming``)."""
-    held = ToolStream(chat.names, forced=chat.forced)
+    held = ToolStream(chat.names, forced=chat.forced, single=chat.single)
     async for fragment in gen.fragments():
         text, _ = held.feed(fragment.text)  # calls are reported whole, at the end
         if text:
             yield text
     done = await gen.result()
     rest, _, _ = held.finish()
-    _, calls = parse_tool_calls(done.text, chat.names)
+    _, calls = chat.split(done.text)
     yield ChatReply(done, rest, calls)

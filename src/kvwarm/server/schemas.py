@@ -150,6 +150,7 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # False: a reply makes at most one tool call
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -159,7 +160,8 @@ class EmbeddingRequest(_Body):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    # OpenAI's shortened embeddings: the first ``dimensions`` values, scaled to unit length.
+    dimensions: int | None = Field(default=None, ge=1)
 
 
 class TokenizeRequest(_Body):

@@ -188,8 +188,10 @@ class _Sent:
 class ToolStream:
     """``feed`` returns (content safe to show now, call deltas); ``finish`` the rest."""
 
-    def __init__(self, names: frozenset[str], *, forced: bool) -> None:
+    def __init__(self, names: frozenset[str], *, forced: bool, single: bool = False) -> None:
+        """``single``: parallel calls are off; only the reply's first call is reported."""
         self._names = names
+        self._single = single
         self._held = bool(names) and forced  # a forced reply is all call: show no content
         self._text = ""
         self._shown = 0
@@ -234,6 +236,8 @@ class ToolStream:
         out: list[Json] = []
         for index, seen in enumerate(scan_calls(region)):
             if index == len(self._sent):
+                if self._single and index > 0:
+                    break  # parallel calls off: the first call is the only one
                 if seen.name is None or seen.name not in self._names:
                     break  # calls go out in order: wait until this one's name is known
                 sent = _Sent("call_" + secrets.token_hex(12), seen.name)
@@ -252,10 +256,14 @@ class ToolStream:
     def finish(self) -> tuple[str, list[Json], bool]:
         """(content not yet shown, the call deltas still due, whether the reply is calls)."""
         content, calls = parse_tool_calls(self._text, self._names)
+        calls = calls[:1] if self._single else calls
         if not calls:
+            # Not a call after all, even if a header already went out (a reply cut off by
+            # max_tokens inside its call): the finish reason follows the non-streamed
+            # response's ("length", "stop"), never "tool_calls" for arguments that never closed.
             rest = self._text[self._shown :]
             self._shown = len(self._text)
-            return rest, [], bool(self._sent)
+            return rest, [], False
         rest = content[self._shown :] if content.startswith(self._text[: self._shown]) else ""
         out: list[Json] = []
         for index, call in enumerate(calls):

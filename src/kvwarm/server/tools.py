@@ -65,6 +65,13 @@ class ChatPlan:
     json_schema: dict[str, object] | None
     names: frozenset[str]  # the tools a call may name; empty: do not parse calls
     forced: bool  # tool_choice required / named: the whole reply is one call
+    single: bool = False  # parallel calls turned off: a reply makes at most one call
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A whole reply as (content, calls): ``parse_tool_calls``, keeping only the first
+        call when parallel calls are off."""
+        content, calls = parse_tool_calls(text, self.names)
+        return content, calls[:1] if self.single else calls
 
 
 def _text(message: ChatMessage, index: int) -> str:
@@ -177,8 +184,22 @@ def plan_chat(
     tool_choice: str | NamedToolChoice | None,
     *,
     renders_tools: bool,
+    parallel: bool = True,
 ) -> ChatPlan:
-    """Decide how tools reach the model. ``renders_tools``: the template shows tools natively."""
+    """Decide how tools reach the model. ``renders_tools``: the template shows tools natively.
+    ``parallel`` False (OpenAI's ``parallel_tool_calls``, Anthropic's
+    ``disable_parallel_tool_use``): a reply makes at most one call.
+    A forced call (``required``, a named function) with no tools is a 400, as in OpenAI's API:
+    the reply could not be the call the client asked for."""
+    if not tools and (tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)):
+        choice = (
+            f"names {tool_choice.function.name!r}"
+            if isinstance(tool_choice, NamedToolChoice)
+            else "is 'required'"
+        )
+        raise HTTPError(
+            400, f"tool_choice {choice}, but the request has no tools", param="tool_choice"
+        )
     if not tools or tool_choice == "none":
         return ChatPlan(template_messages(messages, native=False), None, None, frozenset(), False)
     chosen = list(tools)
@@ -195,14 +216,14 @@ def plan_chat(
     names = frozenset(t.function.name for t in chosen)
     if renders_tools:
         rendered = template_messages(messages, native=True)
-        return ChatPlan(rendered, openai_tools(chosen), schema, names, forced)
+        return ChatPlan(rendered, openai_tools(chosen), schema, names, forced, not parallel)
     rendered = template_messages(messages, native=False)
     prompt = tools_system_prompt(chosen)
     if rendered and rendered[0]["role"] == "system":
         rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{prompt}"}
     else:
         rendered.insert(0, {"role": "system", "content": prompt})
-    return ChatPlan(rendered, None, schema, names, forced)
+    return ChatPlan(rendered, None, schema, names, forced, not parallel)
 
 
 def _new_id() -> str:

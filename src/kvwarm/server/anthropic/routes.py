@@ -30,7 +30,9 @@ async def _plan(model: ServedModel, req: CountTokensRequest) -> tuple[ChatPlan, 
     ``count_tokens`` counts what ``messages`` would render."""
     history, prefill = anthropic.to_chat(req)
     tools = anthropic.tools(req.tools)
-    plan = await chat.plan(model, history, tools, anthropic.tool_choice(req.tool_choice, tools))
+    choice = anthropic.tool_choice(req.tool_choice, tools)
+    parallel = req.tool_choice is None or not req.tool_choice.disable_parallel_tool_use
+    plan = await chat.plan(model, history, tools, choice, parallel=parallel)
     return plan, prefill
 
 

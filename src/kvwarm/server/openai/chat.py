@@ -32,7 +32,7 @@ from kvwarm.server.openai.choices import Choices, group_stats
 from kvwarm.server.schemas import ChatRequest, json_body, parse_body, read_json
 from kvwarm.server.state import server_state
 from kvwarm.server.tool_stream import ToolStream
-from kvwarm.server.tools import ChatPlan, parse_tool_calls
+from kvwarm.server.tools import ChatPlan
 
 router = APIRouter()
 
@@ -44,9 +44,14 @@ router = APIRouter()
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), ChatRequest)
+    if req.top_logprobs and not req.logprobs:
+        # OpenAI's rule; the request would otherwise get no logprobs at all, silently.
+        raise HTTPError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     model = await state.acquire(req.model)
     schema = convert.response_schema(req.response_format)
-    plan = await chat.plan(model, req.messages, req.tools, req.tool_choice)
+    plan = await chat.plan(
+        model, req.messages, req.tools, req.tool_choice, parallel=req.parallel_tool_calls
+    )
     if plan.json_schema is not None and schema is not None:
         raise HTTPError(
             400,
@@ -80,7 +85,7 @@ async def chat_completions(request: Request) -> Response:
             results = await choices.results()
         body: list[dict[str, object]] = []
         for index, done in enumerate(results):
-            content, calls = parse_tool_calls(done.text, plan.names)
+            content, calls = plan.split(done.text)
             shown = content if content or not calls else None
             body.append(convert.chat_choice(index, done, shown, calls))
         stats = group_stats([r.stats for r in results])
@@ -102,7 +107,8 @@ async def _events(
 ) -> AsyncIterator[dict[str, object]]:
     n = len(choices.gens)
     streams = [
-        ChatChoiceStream(plan.names, forced=plan.forced, logprobs=logprobs) for _ in range(n)
+        ChatChoiceStream(plan.names, forced=plan.forced, single=plan.single, logprobs=logprobs)
+        for _ in range(n)
     ]
     for index in range(n):
         role: dict[str, object] = {"role": "assistant", "content": ""}
@@ -136,8 +142,10 @@ class Delta:
 
 
 class ChatChoiceStream:
-    def __init__(self, names: frozenset[str], *, forced: bool, logprobs: bool) -> None:
-        self._tools = ToolStream(names, forced=forced)
+    def __init__(
+        self, names: frozenset[str], *, forced: bool, logprobs: bool, single: bool = False
+    ) -> None:
+        self._tools = ToolStream(names, forced=forced, single=single)
         self._want_logprobs = logprobs
         self._pending: list[TokenLogprob] = []
         self._fed_logprobs = False

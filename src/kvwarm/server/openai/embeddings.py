@@ -8,6 +8,7 @@ engine's async stream. Each generation runs inside ``Choices`` so a disconnect c
 from __future__ import annotations
 
 import base64
+import math
 import struct
 
 from fastapi import APIRouter
@@ -50,8 +51,7 @@ async def embeddings(request: Request) -> Response:
     vectors, n_tokens = await run_in_threadpool(work)
     data: list[dict[str, object]] = []
     for index, full in enumerate(vectors):
-        cut = req.dimensions if req.dimensions and 0 < req.dimensions < len(full) else len(full)
-        vector = full[:cut]
+        vector = full if req.dimensions is None else _shortened(full, req.dimensions)
         encoded: list[float] | str = vector
         if req.encoding_format == "base64":
             encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
@@ -67,3 +67,19 @@ async def embeddings(request: Request) -> Response:
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
         }
     )
+
+
+def _shortened(full: list[float], dimensions: int) -> list[float]:
+    """OpenAI's ``dimensions``: the first values of the (unit) vector, scaled back to unit
+    length as OpenAI's shortened embeddings are (a zero vector stays zero); more dimensions
+    than the model has is a 400, not the full vector under another size."""
+    if dimensions > len(full):
+        raise HTTPError(
+            400,
+            f"dimensions is {dimensions}, above this model's embedding size of {len(full)}",
+            param="dimensions",
+            code="invalid_value",
+        )
+    cut = full[:dimensions]
+    norm = math.sqrt(sum(v * v for v in cut))
+    return [v / norm for v in cut] if norm > 0 else cut

@@ -91,7 +91,8 @@ async def create_response(request: Request) -> Response:
     history = [*(previous.conversation if previous else ()), *responses.to_history(req.input)]
     tools = responses.tools(req.tools)
     messages = responses.with_instructions(req.instructions, history)
-    plan = await chat.plan(model, messages, tools, responses.tool_choice(req.tool_choice))
+    choice = responses.tool_choice(req.tool_choice)
+    plan = await chat.plan(model, messages, tools, choice, parallel=req.parallel_tool_calls)
     schema = responses.text_schema(req.text)
     if plan.json_schema is not None and schema is not None:
         raise HTTPError(
