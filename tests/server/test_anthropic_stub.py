@@ -278,6 +278,10 @@ def test_errors_are_anthropic_shaped(client: TestClient) -> None:
     assert "max_tokens" in assert_anthropic_error(
         client.post("/v1/messages", json=too_many), 400, "invalid_request_error"
     )
+    for field, value in (("temperature", 1.5), ("top_p", 2)):  # Anthropic's ranges are [0, 1]
+        assert field in assert_anthropic_error(
+            client.post("/v1/messages", json={**BASE, field: value}), 400, "invalid_request_error"
+        )
     assert_anthropic_error(client.get("/v1/messages"), 405, "invalid_request_error")
     huge = {**BASE, "system": "x" * (100 << 10)}  # past the stub app's 64 KiB body limit
     assert_anthropic_error(client.post("/v1/messages", json=huge), 413, "request_too_large")

@@ -82,7 +82,8 @@ def test_completion_stream_with_usage(client: TestClient) -> None:
     texts = [c["choices"][0]["text"] for c in chunks if isinstance(c, dict)]
     assert 0 < final["usage"]["completion_tokens"] <= 6
     assert sum(1 for t in texts if t) <= final["usage"]["completion_tokens"]
-    whole = client.post("/v1/completions", json={**body, "stream": False}).json()
+    plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    whole = client.post("/v1/completions", json=plain).json()
     assert "".join(texts) == whole["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")  # type: ignore[index]
     assert all(c["usage"] is None for c in chunks if isinstance(c, dict))
@@ -360,6 +361,25 @@ def test_bad_chat_requests_are_400(client: TestClient) -> None:
     for choice in ("none", "auto"):  # these need no tools
         free = {"model": "a", "messages": hi, "tool_choice": choice, "max_tokens": 1}
         assert client.post("/v1/chat/completions", json=free).status_code == 200
+    # OpenAI's deprecated function calling is refused by name, not ignored (no call came).
+    function = {"name": "f", "parameters": {"type": "object"}}
+    for legacy, value in (("functions", [function]), ("function_call", {"name": "f"})):
+        old_style = {"model": "a", "messages": hi, legacy: value}
+        assert_error(client.post("/v1/chat/completions", json=old_style), 400, None, legacy)
+
+
+def test_stream_options_need_a_stream(client: TestClient) -> None:
+    """As OpenAI: without ``stream`` the usage chunk they ask for would never come."""
+    options = {"include_usage": True}
+    chat = {"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    plain = {"model": "a", "prompt": "x", "max_tokens": 1}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", plain)):
+        refused = client.post(path, json={**body, "stream_options": options})
+        assert_error(refused, 400, None, "stream_options")
+        with client.stream(
+            "POST", path, json={**body, "stream": True, "stream_options": options}
+        ) as r:
+            assert r.status_code == 200 and '"usage"' in "".join(r.iter_text())
 
 
 def test_malformed_json_and_non_objects(client: TestClient) -> None:

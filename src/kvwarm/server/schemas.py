@@ -65,6 +65,15 @@ class SamplingFields(_Body):
     cache_salt: str | None = _salt_field()  # vLLM's field (server/tenancy.py)
 
 
+def check_sampling(req: SamplingFields) -> None:
+    """What OpenAI refuses and validation alone does not: ``stream_options`` without a stream
+    (its usage chunk would never come)."""
+    if req.stream_options is not None and not req.stream:
+        raise HTTPError(
+            400, "stream_options is only allowed with stream: true", param="stream_options"
+        )
+
+
 class JsonSchemaFormat(_Body):
     name: str | None = None
     schema_: dict[str, object] | None = Field(default=None, alias="schema")
@@ -154,6 +163,10 @@ class ChatRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # OpenAI's deprecated function calling, read only to refuse it: ignored, a client relying
+    # on it would get text where it expects a call.
+    functions: list[object] | None = None
+    function_call: object | None = None
 
 
 class EmbeddingRequest(_Body):

@@ -97,8 +97,8 @@ class CountTokensRequest(_Body):
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)  # required, as in Anthropic's API
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)  # Anthropic's range
+    top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=0, le=_INT32_MAX)  # a C int in llama.cpp
     metadata: Metadata | None = None
     stream: bool = False

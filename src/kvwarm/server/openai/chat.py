@@ -29,7 +29,7 @@ from kvwarm.server import chat, convert, tenancy
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import SSE_HEADERS, sse
 from kvwarm.server.openai.choices import Choices, group_stats
-from kvwarm.server.schemas import ChatRequest, json_body, parse_body, read_json
+from kvwarm.server.schemas import ChatRequest, check_sampling, json_body, parse_body, read_json
 from kvwarm.server.state import server_state
 from kvwarm.server.tool_stream import ToolStream
 from kvwarm.server.tools import ChatPlan
@@ -44,6 +44,15 @@ router = APIRouter()
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), ChatRequest)
+    check_sampling(req)
+    for legacy in ("functions", "function_call"):
+        if getattr(req, legacy) is not None:
+            raise HTTPError(
+                400,
+                f"{legacy} (OpenAI's deprecated function calling) is not supported: "
+                "use tools and tool_choice",
+                param=legacy,
+            )
     if req.top_logprobs and not req.logprobs:
         # OpenAI's rule; the request would otherwise get no logprobs at all, silently.
         raise HTTPError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")

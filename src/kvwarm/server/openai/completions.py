@@ -28,6 +28,7 @@ from kvwarm.server.openai.choices import Choices, group_stats
 from kvwarm.server.schemas import (
     CompletionRequest,
     InfillRequest,
+    check_sampling,
     json_body,
     parse_body,
     read_json,
@@ -90,6 +91,7 @@ async def _prompt_part(
 async def completions(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), CompletionRequest)
+    check_sampling(req)
     model = await state.acquire(req.model)
     prompts = _prompts(req.prompt)
     if req.stream and len(prompts) > 1:
