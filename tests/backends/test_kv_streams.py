@@ -191,3 +191,32 @@ def test_a_tail_is_packed_only_where_cells_are_per_position(model: LlamaModel) -
             assert ctx.kv_pack(0) == whole  # the sequence is untouched either way
         finally:
             ctx.close()
+
+
+def test_a_copy_between_streams_refuses_a_window_cut_below_what_it_packed(
+    gemma_path: str,
+) -> None:
+    """A live window past its size still holds its masked cells (its ``pos_min`` stays 0),
+    but a copy between streams goes through a pack, which leaves them out: cut to fewer
+    positions than the source holds, the copy would lack positions its next token attends to.
+    Refused (found by review: it was a silent wrong state, max |dlogit| 0.28 on Gemma)."""
+    model = LlamaBackend().load_model(gemma_path)
+    n_swa = model.facts.n_swa
+    ctx = model.new_context(
+        ContextParams(
+            n_ctx=2048, n_batch=256, n_ubatch=256, n_threads=2, n_seq_max=2, kv_unified=False
+        )
+    )
+    try:
+        tokens = _tokens(model, n_swa + 18)
+        ctx.prefill(0, tokens, 0)
+        assert ctx.seq_pos_min(0) == 0  # the live window still reaches back to 0
+        with pytest.raises(StateRestoreError):
+            ctx.seq_cp(0, 1, 0, 256)
+        assert ctx.seq_pos_max(1) == -1  # nothing half-copied is left
+        ctx.seq_cp(0, 1)  # whole, it is the saved state of every token: kept
+        assert (ctx.seq_pos_min(1), ctx.seq_pos_max(1)) == (18, len(tokens) - 1)
+        assert ctx.copies_by_pack  # so the planner gives such copies a saved state's floor
+    finally:
+        ctx.close()
+        model.close()

@@ -10,6 +10,7 @@ saved at the lengths later prompts resume from), never from a trimmed window.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -172,5 +173,32 @@ def test_a_sibling_resumed_from_a_live_window_leaves_a_checkpoint_where_they_mee
         eng.cache.flush()
         third = model.complete(prompts[2], OPTS)
         assert third.stats.cached_tokens == shared
+    finally:
+        eng.close()
+
+
+def test_a_window_copied_from_a_slot_generating_past_it_is_never_cut_short(
+    gemma_path: str, cold: dict[tuple[int, ...], Completion]
+) -> None:
+    """Deterministic, two slots (a KV stream each): B shares A's 500-token prompt while A
+    generates past the 512-token window. A's live window still holds its masked cells, but a
+    copy between streams is a pack, which leaves them out: the copy cut to B's aligned 256
+    tokens lacked positions B attends to (found by review: max |dlogit| 0.28 beside a cold
+    run). It is not used; nothing is saved, so B prefills cold, bit-identical."""
+    eng = memkit.engine(None, replace(POLICY, min_tokens=100_000, cold_min_tokens=100_000))
+    try:
+        model = load(eng, gemma_path, n_parallel=2)
+        a = prompt_tokens(model, "", 500)
+        b = prompt_tokens(model, " Who built the lighthouse?", 500)
+        assert a == b[:500]
+        stream = model.stream(a, replace(OPTS, max_tokens=200, ignore_eos=True))
+        for i, _ in enumerate(stream):  # each fragment is a token or more: A passes 512
+            if i >= 30:
+                break
+        out = model.complete(b, OPTS)
+        stream.cancel()
+        stream.result()
+        same(out, cold_run(gemma_path, cold, b))
+        assert out.stats.cached_tokens == 0
     finally:
         eng.close()

@@ -283,6 +283,15 @@ class BackendContext(Protocol):
         ...
 
     @property
+    def copies_by_pack(self) -> bool:
+        """Whether ``seq_cp`` goes through a pack and an unpack (a KV stream per sequence):
+        the copy then holds only what a saved state of the source would (a sliding window
+        leaves out the masked cells its live state still keeps), so it resumes only where
+        such a saved state does (``MemoryKind.saved_floor``), not where the live source
+        does."""
+        ...
+
+    @property
     def kv_codec(self) -> KvCodec:
         """This context's chunk codec (pure, any thread, outlives the context)."""
         ...

@@ -335,6 +335,10 @@ class LlamaContext:
         return self._scratch is not None and self._memory.chunkable
 
     @property
+    def copies_by_pack(self) -> bool:
+        return bool(self._streams)
+
+    @property
     def kv_codec(self) -> LlamaKvCodec:
         return self._codec
 
@@ -399,12 +403,24 @@ class LlamaContext:
         lib, mem = self._lib, self._mem
         trims = ([(p1, -1)] if p1 >= 0 else []) + ([(0, p0)] if p0 > 0 else [])
         for a, b in trims:
-            if not lib.llama_memory_seq_rm(mem, dst, a, b):
+            if not lib.llama_memory_seq_rm(mem, dst, a, b) or not self._window_whole(dst):
                 lib.llama_memory_seq_rm(mem, dst, -1, -1)
                 raise StateRestoreError(
                     f"this model's memory ({self._memory.describe()}) cannot keep only "
                     f"[{p0}, {p1}) of a copy of seq {src}"
                 )
+
+    def _window_whole(self, seq: int) -> bool:
+        """Whether ``seq``'s sliding window holds every position its next token attends to
+        (llama-server's rule: ``pos_min <= max(0, n - n_swa)``). A packed window leaves out
+        the masked cells a live one keeps, so a copy trimmed below its source's length may
+        miss some: a wrong state, which llama.cpp's ``seq_rm`` does not refuse."""
+        n_swa = self._memory.n_swa
+        if self._memory.kind != "swa" or n_swa <= 0:
+            return True
+        n = int(self._lib.llama_memory_seq_pos_max(self._mem, seq)) + 1
+        pos_min = int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
+        return n == 0 or 0 <= pos_min <= max(0, n - n_swa)
 
     def seq_pos_max(self, seq: int) -> int:
         with self._life.using():

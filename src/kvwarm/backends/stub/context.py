@@ -299,6 +299,12 @@ class StubContext:
         return self._memory.chunkable and self._params.kv_unified
 
     @property
+    def copies_by_pack(self) -> bool:
+        # As llama.cpp's: a KV stream per sequence (the stub's window keeps no masked cells,
+        # so its copies hold what its live states do either way).
+        return not self._params.kv_unified
+
+    @property
     def kv_codec(self) -> StubKvCodec:
         return self._codec
 

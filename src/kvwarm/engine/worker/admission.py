@@ -275,9 +275,13 @@ class Admission:
         elif plan.kind == "copy":
             src = rt.slots[plan.src_seq]
             rt.reset_seq(slot)
-            rt.ctx.seq_cp(src.seq, slot.seq, 0, keep)
-            source_canonical = src.canonical
-            slot.kv_tokens[:] = tokens[:keep]
+            try:
+                rt.ctx.seq_cp(src.seq, slot.seq, 0, keep)
+                source_canonical = src.canonical
+                slot.kv_tokens[:] = tokens[:keep]
+            except StateRestoreError as exc:  # the memory refused: a miss, never a guess
+                log.warning("worker %s: live KV not copyable, prefilling cold: %s", rt.name, exc)
+                keep = 0
         elif plan.kind == "self":
             source_canonical = slot.canonical
             if plan.row_key is not None:  # the live KV holds the prompt; the row its logits

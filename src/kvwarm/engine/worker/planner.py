@@ -182,7 +182,7 @@ def choose(
         if other is best_slot or not other.kv_tokens or other.kv_namespace != namespace:
             continue
         shared = common_prefix(other.kv_tokens, tokens)
-        keep = keep_of(shared, other.canonical, other.floor)
+        keep = keep_of(shared, other.canonical, max(other.floor, other.copy_floor))
         cand = Plan("copy", keep, src_seq=other.seq, shared=shared)
         if cand.keep > 0:
             best = better(best, cand)

@@ -78,14 +78,18 @@ class Runtime:
         return self.ctx.memory
 
     def refresh_floors(self) -> None:
-        """Each slot's live floor, from where its state now begins (planning needs it only
-        for a memory that cannot be trimmed; full attention keeps 0)."""
+        """Each slot's live floor, from where its state now begins, and its copy floor
+        (planning needs them only for a memory that cannot be trimmed; full attention keeps
+        0). A copy that goes through a pack holds what a saved state holds: it resumes no
+        lower than a saved state of the slot's length would."""
         mem = self.ctx.memory
         if mem.trimmable:
             return
+        by_pack = self.ctx.copies_by_pack
         for slot in self.slots:
             n = len(slot.kv_tokens)
             slot.floor = mem.live_floor(n, self.ctx.seq_pos_min(slot.seq)) if n else 0
+            slot.copy_floor = max(slot.floor, mem.saved_floor(n)) if by_pack else slot.floor
 
     def settle_layout(self, slot: Slot) -> bytes:
         """Give ``slot``'s sequence the cell layout a restore of its state would give it.

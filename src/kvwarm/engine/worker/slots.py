@@ -66,6 +66,10 @@ class Slot:
     #: The shortest prefix of ``kv_tokens`` the live state resumes at (``kvwarm.memory``):
     #: 0 for full attention; set by admission before planning for other memory kinds.
     floor: int = 0
+    #: The same for a copy of it into another slot's sequence: higher where a copy goes
+    #: through a pack (``BackendContext.copies_by_pack``), which leaves out what a saved
+    #: state does (a window's masked cells).
+    copy_floor: int = 0
     kv_namespace: Namespace | None = None  # None while the slot holds no KV
     phase: Phase = "idle"
     active: Active | None = None
@@ -75,6 +79,7 @@ class Slot:
         self.kv_tokens.clear()
         self.canonical = 0
         self.floor = 0
+        self.copy_floor = 0
         self.kv_namespace = None
 
     def status(self) -> SlotStatus:
