@@ -576,3 +576,59 @@ def test_a_tail_read_returns_the_chunks_from_a_boundary(make_cache: CacheFactory
     with cache.open_row(two, from_token=300) as row:
         assert row.chunks_from == 0 and len(row.chunks) == 3 and row.payload.nbytes == REST
     assert cache.chunk_lens(b"\0" * 32) == ()
+
+
+def _computed(tokens: list[int], differ_from: int, *, plain_to: int, canonical: int | None):
+    """A save of ``tokens`` whose KV from ``differ_from`` on has other bits than ``blob``'s
+    (another pass computed them: a partial last pass, an unaligned restore, decoding)."""
+    data = bytearray(blob(tokens))
+    for i in range(differ_from * PER_TOKEN, len(data)):
+        data[i] ^= 0x5A
+    return replace(
+        chunked_request(NS, tokens),
+        payload=bytes(data),
+        plain_to=plain_to,
+        canonical_tokens=canonical,
+    )
+
+
+@pytest.mark.parametrize("store", ["ram", "disk"])
+def test_chunks_past_a_rows_aligned_canonical_prefix_are_never_shared_as_canonical(
+    store: str, tmp_path: Path
+) -> None:
+    """Deterministic restores trust a row's bits up to its canonical length, and chunks are
+    content-addressed by tokens alone. Found on Gemma (deterministic, n_batch 512): X[:513]
+    computed position 512 in a pass of its own; its 553-token sibling, in a pass of 41; the
+    sibling's row reused X[:513]'s chunk [512, 513), so an exact hit on it differed from a
+    cold run. Past a row's aligned canonical prefix (``plain_to``) its chunks are keyed
+    apart: by its length when all its tokens are canonical, else shared only with other
+    rows nobody relies on there."""
+    root = tmp_path / "kvc" if store == "disk" else None
+    cfg = CacheConfig(tiers=(TierConfig(store, 1 << 30, root=root),), chunk_tokens=C)
+    tokens = list(range(1000, 1600))
+    with Cache(cfg, background=False) as cache:
+        tier = cache.tier_names()[0]
+        # X[:513] and its sibling (553 tokens), each canonical in full, each with the bits of
+        # its own last pass [512, n): they differ at 512.
+        short = _computed(tokens[:513], 512, plain_to=512, canonical=None)
+        long = _computed(tokens[:553], 512, plain_to=512, canonical=None)
+        long = replace(
+            long,
+            payload=blob(tokens[:553])[: 512 * PER_TOKEN] + long.payload[512 * PER_TOKEN :][::-1],
+        )
+        for req in (short, long):
+            assert cache.save(replace(req, tier=tier), sync=True) == cache_key(NS, req.tokens)
+        for req in (short, long):
+            assert _restored(cache, cache_key(NS, req.tokens)) == req.payload
+        # A row nobody relies on past 256 (its canonical prefix is 300 tokens) does not put
+        # its bits under the canonical keys a later canonical row of the same tokens uses.
+        loose = _computed(tokens, 256, plain_to=256, canonical=300)
+        assert cache.save(replace(loose, tier=tier), sync=True)
+        exact = replace(chunked_request(NS, tokens[:580], tier=tier), plain_to=512)
+        assert cache.save(exact, sync=True)
+        assert _restored(cache, cache_key(NS, exact.tokens)) == exact.payload
+        # Rows nobody relies on past their canonical prefix still share their chunks there.
+        written = cache.counters()["chunks_written"]
+        again = _computed(tokens[:590], 256, plain_to=256, canonical=300)
+        assert cache.save(replace(again, tier=tier), sync=True)
+        assert cache.counters()["chunks_written"] == written + 1  # only [512, 590) is new

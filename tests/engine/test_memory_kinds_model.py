@@ -202,3 +202,39 @@ def test_a_window_copied_from_a_slot_generating_past_it_is_never_cut_short(
         assert out.stats.cached_tokens == 0
     finally:
         eng.close()
+
+
+def test_an_exact_hit_on_a_row_sharing_a_shorter_rows_last_pass_is_bit_identical_to_cold(
+    gemma_path: str, cold: dict[tuple[int, ...], Completion], tmp_path: Path
+) -> None:
+    """Found by a randomised differential run: ``a[:513]`` computes position 512 in a pass of
+    its own; its sibling (513 shared tokens, then more) computes 512 inside its last pass of
+    41, and its row's chunk plan cuts at 513, where the shorter row's does. Chunks were keyed
+    by tokens alone, so the sibling's row reused the shorter row's bits at 512, and an exact
+    hit on it differed from a cold run after its first token. Past a row's aligned
+    canonical prefix its chunks are now its own (``chunkfmt.chunk_chain``)."""
+    eng = engine(tmp_path)
+    try:
+        model = load(eng, gemma_path)
+        a = prompt_tokens(model, " Who built the lighthouse?", 700)
+        cut = 2 * N_BATCH + 1
+        sibling = [
+            *a[:cut],
+            *model.tokenize(" When did the harbour flood? Say it.", add_special=False),
+        ]
+        sibling = (sibling + a[cut:])[: cut + 40]
+        assert sibling[cut] != a[cut]
+        model.complete(a, OPTS)  # saves the aligned cold checkpoint at 512
+        model.evict()
+        short = model.complete(a[:cut], OPTS)
+        assert short.stats.cached_tokens == 2 * N_BATCH  # then one token in a pass of its own
+        model.evict()
+        first = model.complete(sibling, OPTS)
+        assert first.stats.cached_tokens == 2 * N_BATCH
+        eng.cache.flush()
+        model.evict()
+        again = model.complete(sibling, OPTS)
+        assert again.stats.cached_tokens == len(sibling)  # its own prompt-end checkpoint
+        same(again, cold_run(gemma_path, cold, sibling))
+    finally:
+        eng.close()

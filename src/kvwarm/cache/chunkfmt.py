@@ -9,6 +9,11 @@ sequence blob). Its key chains its parent's::
 with the first chunk's parent 32 zero bytes, so equal prefixes give equal chunk keys in every
 row, tier and process, and a chunk is never shared across namespaces (model, quant, context
 parameters incl. KV cell types and the cache salt) or across different earlier tokens.
+That sharing is exact only where the KV's bits are the same in every row: positions a prefill
+computed in whole aligned passes (``kvwarm.alignment``). Past a row's aligned canonical prefix
+the chain continues from a salted parent (``chunk_chain``): those chunks are shared only with
+rows that rely on their bits no more than this one, never under the plain chain, where a
+deterministic restore trusts them.
 
 Object layout, little-endian::
 
@@ -40,16 +45,19 @@ __all__ = [
     "ROOT_PARENT",
     "ChunkHead",
     "build_head",
+    "chunk_chain",
     "chunk_key",
     "chunk_keys",
     "head_size",
     "parse",
     "parse_head",
+    "recover_chain",
 ]
 
 MAGIC = b"KVK"
 VERSION = 1
 _DOMAIN = b"kvwarm-chunk-v1\x00"
+_BITS = b"kvwarm-chunk-bits\x00"  # salts the chain where a row's bits stop being canonical
 _HEAD = struct.Struct("<3sBIIQ32s32s65s")
 _U32 = struct.Struct("<I")
 ROOT_PARENT = bytes(32)
@@ -79,25 +87,77 @@ def chunk_key(ns: Namespace, parent: bytes, tokens: Sequence[int] | bytes) -> by
     return h.digest()
 
 
-def chunk_keys(ns: Namespace, tokens: Sequence[int], lens: Sequence[int]) -> tuple[bytes, ...]:
+def chunk_keys(
+    ns: Namespace,
+    tokens: Sequence[int],
+    lens: Sequence[int],
+    *,
+    plain_to: int | None = None,
+    own: int = 0,
+) -> tuple[bytes, ...]:
     """Keys of the chunks cutting ``tokens`` into consecutive runs of ``lens`` tokens (which
-    may cover only a prefix of them)."""
+    may cover only a prefix of them); ``chunk_chain`` says what ``plain_to`` and ``own`` do."""
+    return tuple(key for _, key in chunk_chain(ns, tokens, lens, plain_to=plain_to, own=own))
+
+
+def chunk_chain(
+    ns: Namespace,
+    tokens: Sequence[int],
+    lens: Sequence[int],
+    *,
+    plain_to: int | None = None,
+    own: int = 0,
+) -> list[tuple[bytes, bytes]]:
+    """(parent, key) of each chunk cutting ``tokens`` into runs of ``lens`` tokens.
+
+    ``plain_to`` (None: past every chunk): the chunks ending at or below it hold KV that any
+    row of these tokens computed in whole aligned passes holds bit for bit, and chain as the
+    module says. The first chunk ending past it, and so every chunk after it, chains from
+    its parent salted with ``own``: its bits depend on how this row's KV was computed (a
+    last partial pass, a restore at an unaligned point, decoding), so it is never shared
+    with a row whose bits there are canonical. ``own`` is the row's length when those bits
+    are still exact for it (a deterministic exact hit restores them), keeping them apart
+    from every other length's; 0 when nobody relies on them, so such rows share them."""
     encoded = memoryview(encode_tokens(tokens))
     if any(n <= 0 for n in lens) or 4 * sum(lens) > encoded.nbytes:
         raise ValueError("chunk lengths must be positive and fit the tokens")
     prefix = namespace_prefix(ns)
-    keys: list[bytes] = []
+    chain: list[tuple[bytes, bytes]] = []
     parent = ROOT_PARENT
-    start = 0
+    start = end = 0
     for n in lens:
+        end += n
+        if plain_to is not None and end > plain_to:
+            parent = hashlib.sha256(_BITS + parent + _U32.pack(own)).digest()
+            plain_to = None  # the chain stays apart from here on
         h = hashlib.sha256(_DOMAIN)
         h.update(prefix)
         h.update(parent)
         h.update(encoded[start : start + 4 * n])
         start += 4 * n
-        parent = h.digest()
-        keys.append(parent)
-    return tuple(keys)
+        key = h.digest()
+        chain.append((parent, key))
+        parent = key
+    return chain
+
+
+def recover_chain(
+    ns: Namespace, tokens: Sequence[int], lens: Sequence[int], keys: Sequence[bytes]
+) -> list[tuple[bytes, bytes]]:
+    """The (parent, key) chain a manifest's ``keys`` were made with (``chunk_chain``), for a
+    copy that rebuilds their heads: the plain chain up to the first key that differs, then
+    the salted one (``own`` is 0 or the row's length). ``CacheFormatError`` if neither
+    gives ``keys``."""
+    plain = chunk_chain(ns, tokens, lens)
+    split = next((i for i, (_, key) in enumerate(plain) if key != keys[i]), len(plain))
+    if split == len(plain) and len(keys) == len(plain):
+        return plain
+    bound = sum(lens[:split])
+    for own in (0, len(tokens)):
+        chain = chunk_chain(ns, tokens, lens, plain_to=bound, own=own)
+        if [key for _, key in chain] == list(keys):
+            return chain
+    raise CacheFormatError("a manifest's chunk keys are not the chain of its tokens")
 
 
 def head_size(n_tokens: int) -> int:

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvwarm.cache.chunkfmt import ROOT_PARENT, build_head, chunk_keys
+from kvwarm.cache.chunkfmt import build_head, chunk_chain, recover_chain
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.index import Index
 from kvwarm.cache.prefix import common_prefix
@@ -125,7 +125,7 @@ def pack_request(
     assert request.pack is not None
     start = 0
     if lens:
-        keys = chunk_keys(request.namespace, request.tokens, lens)
+        keys = [key for _, key in chain_of(request, lens)]
         for length, size in zip(lens, index.chunk_sizes(tier.name, keys), strict=True):
             if size is None:
                 break
@@ -161,7 +161,8 @@ def store_row(
         return tier.store(key, _whole(request), index)
     if not lens:
         lens = plan_lens(len(tokens), chunk_tokens, *index.chunk_base(ns, tokens))
-    keys = chunk_keys(ns, tokens, lens)
+    chain = chain_of(request, lens)
+    keys = tuple(key for _, key in chain)
     write = index.pin_chunks(tier.name, keys, wait_s)
     if write is None:
         raise CacheIOError(f"{tier.name}: chunks of {key.hex()} are still being deleted")
@@ -194,8 +195,7 @@ def store_row(
         for i, part in enumerate(parts, start=first):
             if keys[i] not in need:
                 continue
-            parent = keys[i - 1] if i else ROOT_PARENT
-            _, head = build_head(ns, parent, tokens[bounds[i] : bounds[i + 1]], part)
+            _, head = build_head(ns, chain[i][0], tokens[bounds[i] : bounds[i + 1]], part)
             stored = tier.store_chunk(keys[i], head, part)
             index.chunk_stored(tier.name, keys[i], stored)
             if counters is not None:
@@ -209,6 +209,17 @@ def store_row(
         return tier.store(key, manifest, index)
     finally:
         index.unpin_chunks(tier.name, keys)
+
+
+def chain_of(request: SaveRequest, lens: Sequence[int]) -> list[tuple[bytes, bytes]]:
+    """(parent, key) of each chunk of ``request`` cut at ``lens``: a copied manifest's own
+    keys, else the chain of its tokens, apart past ``plain_to`` (``chunkfmt.chunk_chain``;
+    a row whose every token is canonical keeps its non-plain chunks to its own length)."""
+    ns, tokens = request.namespace, request.tokens
+    if request.chunk_keys:
+        return recover_chain(ns, tokens, lens, request.chunk_keys)
+    own = len(tokens) if request.canonical_tokens is None else 0
+    return chunk_chain(ns, tokens, lens, plain_to=request.plain_to, own=own)
 
 
 def _whole(request: SaveRequest) -> SaveRequest:

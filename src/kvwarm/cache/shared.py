@@ -132,6 +132,9 @@ class SharedTiers:
             # A manifest's payload is its rest (``kvc``): copied as it is.
             rest=_as_is if split is not None and view.nbytes else None,
             chunk_lens=fields.chunk_lens if split is not None else (),
+            # Its chunks keep their keys: past its canonical prefix they are not the plain
+            # chain of its tokens (``chunkfmt.chunk_chain``).
+            chunk_keys=fields.chunks if split is not None else (),
         )
         self._core.index.mark_in_flight(key)
 

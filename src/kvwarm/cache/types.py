@@ -240,6 +240,10 @@ class SaveRequest:
     quant_bits: int = 0
     fingerprint_mode: FingerprintMode = FingerprintMode.SAFE
     canonical_tokens: int | None = None  # see RowInfo.canonical_tokens
+    # Where this row's KV stops being the bits any row of its tokens computes in whole
+    # aligned passes (its canonical prefix aligned down to n_batch; None: it never does):
+    # chunks past it are keyed apart (``chunkfmt.chunk_chain``).
+    plain_to: int | None = None
     # The backend's codec (``kv_split``): with it, the cache stores ``payload`` as chunks
     # (``cache/chunking.py``), writing only those the tier lacks. Run on a writer thread, so
     # it must be pure (the backends' codecs are).
@@ -251,7 +255,8 @@ class SaveRequest:
     rest: Rester | None = None
     # The chunk lengths to cut ``payload`` at (() : the cache plans them). With
     # ``chunk_keys`` set too, the manifest a tier writes (``payload`` is then empty, or the
-    # row's rest).
+    # row's rest); with ``split`` too, a copy of a manifest (promotion): its chunks are
+    # stored under those keys.
     chunk_lens: tuple[int, ...] = ()
     chunk_keys: tuple[bytes, ...] = ()
     # Instead of ``payload`` (then empty): the cache calls ``pack(start)`` on the saving

@@ -170,6 +170,10 @@ class CachePort:
                 quant_bits=cfg.quant_bits,
                 fingerprint_mode=cfg.fingerprint_mode,
                 canonical_tokens=canonical,
+                # Past its aligned canonical prefix a row's KV bits are its own (a last
+                # partial pass, an unaligned restore, decoding): its chunks there are never
+                # shared with a row whose bits are canonical (kvwarm.alignment).
+                plain_to=align_down(min(slot.canonical, len(tokens)), cfg.n_batch),
                 # Packed by the cache through ``pack`` (only what its tier lacks); it cuts the
                 # chunks on a writer thread (the codec is pure). A memory of two parts
                 # (kvwarm.memory: an iSWA window, a hybrid's recurrent state) is chunked in its
