@@ -62,6 +62,25 @@ def test_chunk_keys_chain_and_stay_in_their_namespace() -> None:
         chunkfmt.chunk_keys(NS, tokens, (11,))
 
 
+def test_chunks_past_plain_to_chain_apart_and_a_copy_recovers_their_parents() -> None:
+    tokens = list(range(10))
+    lens = (3, 3, 3)
+    plain = chunkfmt.chunk_keys(NS, tokens, lens)
+    own = chunkfmt.chunk_keys(NS, tokens, lens, plain_to=3, own=10)
+    loose = chunkfmt.chunk_keys(NS, tokens, lens, plain_to=3, own=0)
+    assert plain[0] == own[0] == loose[0]  # ends at plain_to: canonical bits, shared
+    assert len({plain[1], own[1], loose[1]}) == 3 and len({plain[2], own[2], loose[2]}) == 3
+    assert chunkfmt.chunk_keys(NS, tokens, lens, plain_to=9, own=10) == plain
+    for keys in (plain, own, loose):
+        chain = chunkfmt.recover_chain(NS, tokens, lens, keys)
+        assert [key for _, key in chain] == list(keys)
+        for (parent, key), start in zip(chain, (0, 3, 6), strict=True):
+            # Each head rebuilt from its recovered parent replays to the key it is stored under.
+            assert chunkfmt.build_head(NS, parent, tokens[start : start + 3], b"x")[0] == key
+    with pytest.raises(CacheFormatError):
+        chunkfmt.recover_chain(NS, tokens, lens, (plain[0], own[1], loose[2]))
+
+
 def test_every_single_bit_flip_of_a_chunk_is_rejected() -> None:
     key, good = _chunk()
     for i in range(len(good)):
