@@ -4,7 +4,8 @@ Invariants: every change is applied on the worker thread as a job that waits unt
 active, so no running request ever sees an adapter change mid-way; after a change, every idle
 slot's live KV is forgotten (it was computed under the old set) and the namespace is refolded;
 an adapter that failed to attach or detach natively is listed exactly as the context has it
-(``docs/architecture.md``, "Engine").
+(``docs/architecture.md``, "Engine"). ``applied()`` is the set the generation context has
+natively; the embedding context (``engine.embeddings``) follows it before each embedding.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Adapters:
         self._worker = worker
         self._on_change = on_change
         self._adapters: dict[int, tuple[Adapter, float]] = {}
+        #: The set the generation context has natively (set on the worker thread).
+        self._applied: tuple[tuple[Adapter, float], ...] = ()
         self._next = 1
         self._lock = threading.Lock()
 
@@ -91,6 +94,10 @@ class Adapters:
             items = sorted(self._adapters.items())
         return [AdapterInfo(h, a.path, scale, a.sha256.hex()) for h, (a, scale) in items]
 
+    def applied(self) -> tuple[tuple[Adapter, float], ...]:
+        """The set the generation context has natively; read on the worker thread."""
+        return self._applied
+
     def close(self) -> None:
         for adapter, _ in self._adapters.values():
             adapter.close()
@@ -101,7 +108,9 @@ class Adapters:
 
     def _apply(self) -> None:
         def run() -> None:
-            self._ctx.set_adapters(list(self._adapters.values()))
+            wanted = tuple(self._adapters.values())
+            self._ctx.set_adapters(wanted)
+            self._applied = wanted
             # Live KV was computed under the old adapter set; it must not be reused.
             self._worker.invalidate_live_kv()
             self._on_change([(a.sha256, scale) for a, scale in self._adapters.values()])

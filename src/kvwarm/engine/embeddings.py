@@ -2,26 +2,39 @@
 
 Invariants: the embedding context is created and used only on the model's worker thread (as a
 job between ticks), so it never races the generation context; inputs are validated on the
-caller's thread before any job is queued (``docs/architecture.md``, "Engine").
+caller's thread before any job is queued (``docs/architecture.md``, "Engine"). Before each
+embedding job the context takes the LoRA set the generation context has (``Adapters.applied``):
+a model with an adapter attached embeds with it, as it generates with it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from kvwarm.backends.base import BackendContext, BackendModel, ContextParams
+from kvwarm.backends.base import Adapter, BackendContext, BackendModel, ContextParams
 from kvwarm.engine.request import check_tokens
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
 
+AdapterSet = tuple[tuple[Adapter, float], ...]
+
 
 class Embedder:
-    def __init__(self, bmodel: BackendModel, params: ContextParams, worker: Worker) -> None:
+    def __init__(
+        self,
+        bmodel: BackendModel,
+        params: ContextParams,
+        worker: Worker,
+        adapters: Callable[[], AdapterSet] = tuple,
+    ) -> None:
+        """``adapters`` returns the LoRA set to embed with (called on the worker thread)."""
         self._bmodel = bmodel
         self._params = params
         self._worker = worker
+        self._adapters = adapters
         self._ctx: BackendContext | None = None
+        self._ctx_adapters: AdapterSet = ()  # the set the embedding context has natively
 
     def embed(
         self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool
@@ -42,6 +55,10 @@ class Embedder:
                     )
                 )
             ctx = self._ctx
+            wanted = self._adapters()
+            if wanted != self._ctx_adapters:
+                ctx.set_adapters(wanted)
+                self._ctx_adapters = wanted
             return [ctx.embed(toks, normalize=normalize) for toks in token_lists]
 
         return self._worker.call(run).result()

@@ -101,7 +101,9 @@ class Model:
         self._submitter = Submitter(
             self._bmodel, self._worker, self._engine.cache, self.config, self.policy
         )
-        self._embedder = Embedder(self._bmodel, cfg.context, self._worker)
+        self._embedder = Embedder(
+            self._bmodel, cfg.context, self._worker, adapters=self._adapters.applied
+        )
         self._state = "ready"
 
     def _start_worker(self) -> None:
