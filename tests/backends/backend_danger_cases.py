@@ -180,6 +180,14 @@ def case_out_of_range_ids(backend: str) -> None:
         expect(InvalidRequestError, lambda bad=bad: model.detokenize([bad]))
         expect(InvalidRequestError, lambda bad=bad: model.token_to_piece(bad))
         expect(InvalidRequestError, lambda bad=bad: model.is_eog(bad))
+    # Found by review: non-integer ids passed the range checks and failed in ctypes/min().
+    for bad in (1.5, "7", None, True):
+        expect(InvalidRequestError, lambda bad=bad: ctx.prefill(0, [1, bad], 0))
+        expect(InvalidRequestError, lambda bad=bad: ctx.decode([BatchToken(bad, 0, 0, True)]))
+        expect(InvalidRequestError, lambda bad=bad: ctx.decode([BatchToken(1, bad, 0, True)]))
+        expect(InvalidRequestError, lambda bad=bad: model.detokenize([1, bad]))
+        expect(InvalidRequestError, lambda bad=bad: model.token_to_piece(bad))
+        expect(InvalidRequestError, lambda bad=bad: model.is_eog(bad))
     for seq in (-1, P.n_seq_max, 1000):
         expect(InvalidRequestError, lambda seq=seq: ctx.prefill(seq, [1, 2], 0))
         expect(InvalidRequestError, lambda seq=seq: ctx.decode([BatchToken(1, 0, seq, True)]))
