@@ -433,17 +433,32 @@ class Model:
             return
         self._state = "unloading"
         limit = timeout_s if timeout_s is not None else self.policy.evict_save_timeout_ms / 1e3
-        self._worker.stop(
+        stopped = self._worker.stop(
             lambda: self._worker.save_idle_slots(SaveReason.SHUTDOWN, release=True), limit
         )
         try:
-            self._embedder.close()
-            self._ctx.close()
-            self._adapters.close()
-            self._bmodel.close()
+            if stopped:
+                self._free_native()
+            else:
+                # The worker is still inside a tick: it may hold a numpy array over the
+                # context's logits, which llama_free would unmap under it. It frees the native
+                # state itself when it ends.
+                log.warning(
+                    "model %s: the worker did not stop within %.1f s; its native state is "
+                    "freed when it does",
+                    self.id,
+                    limit,
+                )
+                self._worker.after_exit(self._free_native)
         finally:
             self._state = "closed"
             self._engine._forget(self.id)
+
+    def _free_native(self) -> None:
+        self._embedder.close()
+        self._ctx.close()
+        self._adapters.close()
+        self._bmodel.close()
 
 
 if TYPE_CHECKING:
