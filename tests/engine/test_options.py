@@ -30,7 +30,8 @@ def test_non_finite_floats_are_rejected(name: str, value: float) -> None:
     assert info.value.param == name
 
 
-@pytest.mark.parametrize("value", [0.0, -1.0, 10.5])
+# 1e-45: found by review (a repeated token's logit divided by it is inf in float32).
+@pytest.mark.parametrize("value", [0.0, -1.0, 10.5, 1e-45, 1e-7])
 def test_repeat_penalty_range(value: float) -> None:
     with pytest.raises(InvalidRequestError):
         GenerationOptions(repeat_penalty=value).validate()

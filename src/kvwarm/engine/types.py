@@ -39,6 +39,7 @@ _INT_OPTIONS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
 _OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs"})  # None allowed
 _FLOAT_OPTIONS = tuple(name for name in SAMPLING_OPTIONS if name != "top_k")
 _INT32_MAX = (1 << 31) - 1
+_MIN_REPEAT_PENALTY = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +95,13 @@ class GenerationOptions:
             raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
-        if not 0.0 < self.repeat_penalty <= 10.0:
-            raise InvalidRequestError("repeat_penalty must be in (0, 10]", param="repeat_penalty")
+        if not _MIN_REPEAT_PENALTY <= self.repeat_penalty <= 10.0:
+            # llama.cpp divides a repeated token's float32 logit by it: a vanishing penalty made
+            # the logit inf, which a grammar or stored-logits request then refused as a token
+            # "the grammar forbids".
+            raise InvalidRequestError(
+                f"repeat_penalty must be in [{_MIN_REPEAT_PENALTY:g}, 10]", param="repeat_penalty"
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2]", param=name)
