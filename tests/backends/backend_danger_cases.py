@@ -214,6 +214,13 @@ def case_bad_grammar(backend: str) -> None:
     model = load(backend)
     for grammar in ("", "this is not gbnf", 'start ::= "x"', "root ::= undefined-rule"):
         expect(GrammarError, lambda g=grammar: model.new_sampler(SamplingParams(grammar=g)))
+    # Found by review: llama.cpp takes C strings, so it compiled 'root ::= "x"' from this one
+    # and enforced "x" alone, or found rule "root" for the root "root<NUL>x".
+    expect(GrammarError, lambda: model.new_sampler(SamplingParams(grammar='root ::= "x"\0 | "y"')))
+    expect(
+        GrammarError,
+        lambda: model.new_sampler(SamplingParams(grammar='root ::= "x"', grammar_root="root\0x")),
+    )
 
 
 def case_grammar_then_accept(backend: str) -> None:
