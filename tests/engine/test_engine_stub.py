@@ -274,6 +274,30 @@ def test_adapter_changes_the_namespace_and_rows_never_cross(engine: Engine, tmp_
     assert back.stats.cache_hit == "exact"
 
 
+@pytest.mark.parametrize("scale", ["x", None, 2**2000, float("nan"), True])
+def test_a_bad_adapter_scale_loads_nothing_and_leaks_nothing(
+    engine: Engine, tmp_path: Path, scale: object
+) -> None:
+    """Found by review: the scale was converted after the native load, so a scale that was no
+    number raised ValueError/TypeError and left the adapter loaded, unlisted, and holding the
+    model open: unloading it never freed it."""
+    model = engine.load_model(config=stub_config())
+    adapter = tmp_path / "lora.gguf"
+    adapter.write_bytes(b"fake adapter weights")
+    life = model._bmodel._life  # type: ignore[attr-defined]  # the stub model's
+    before = life.dependents
+    with pytest.raises(InvalidRequestError):
+        model.load_adapter(adapter, scale=scale)  # type: ignore[arg-type]
+    assert model.list_adapters() == []
+    assert life.dependents == before
+    info = model.load_adapter(adapter, scale=0.5)
+    with pytest.raises(InvalidRequestError):
+        model.set_adapter_scale(info.handle, scale)  # type: ignore[arg-type]
+    assert model.list_adapters()[0].scale == 0.5
+    model.unload()
+    assert life.freed
+
+
 def test_evict_saves_and_releases_live_kv(engine: Engine) -> None:
     model = engine.load_model(config=stub_config())
     model.complete(PROMPT, GREEDY)

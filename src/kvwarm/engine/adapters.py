@@ -10,15 +10,17 @@ natively; the embedding context (``engine.embeddings``) follows it before each e
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
+from numbers import Real
 from pathlib import Path
 
 from kvwarm.backends.base import Adapter, BackendContext, BackendModel
 from kvwarm.engine.types import AdapterInfo
 from kvwarm.engine.worker.loop import Worker
-from kvwarm.errors import AdapterError
+from kvwarm.errors import AdapterError, InvalidRequestError
 
 
 class Adapters:
@@ -41,13 +43,14 @@ class Adapters:
         self._lock = threading.Lock()
 
     def load(self, path: str | os.PathLike[str], scale: float = 1.0) -> AdapterInfo:
+        value = _scale(scale)  # before the native load: a bad scale must not leak the adapter
         if not Path(path).is_file():
             raise AdapterError(f"adapter file not found: {path}")
         adapter = self._bmodel.load_adapter(str(path))
         with self._lock:
             handle = self._next
             self._next += 1
-            self._adapters[handle] = (adapter, float(scale))
+            self._adapters[handle] = (adapter, value)
         try:
             self._apply()
         except BaseException:
@@ -58,11 +61,12 @@ class Adapters:
         return self._info(handle)
 
     def set_scale(self, handle: int, scale: float) -> AdapterInfo:
+        value = _scale(scale)
         with self._lock:
             if handle not in self._adapters:
                 raise AdapterError(f"no adapter with handle {handle}")
             adapter, old = self._adapters[handle]
-            self._adapters[handle] = (adapter, float(scale))
+            self._adapters[handle] = (adapter, value)
         try:
             self._apply()
         except BaseException:
@@ -117,3 +121,18 @@ class Adapters:
 
         # needs_idle: no running request ever sees an adapter change mid-way.
         self._worker.call(run, needs_idle=True).result()
+
+
+def _scale(scale: object) -> float:
+    """``scale`` as a finite float. Found by review: ``float(scale)`` ran after the native
+    load, so a scale that was no number (``"x"``, ``None``, ``2**2000``) raised a ``ValueError``
+    and left the adapter loaded, unlisted, and holding its model open for good."""
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise InvalidRequestError(f"adapter scale {scale!r} is not a number", param="scale")
+    try:
+        value = float(scale)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"adapter scale {scale!r} is not finite", param="scale")
+    return value
