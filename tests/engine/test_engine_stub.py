@@ -257,6 +257,15 @@ def test_embeddings_are_normalised(engine: Engine) -> None:
         assert abs(sum(x * x for x in v) - 1.0) < 1e-4
 
 
+@pytest.mark.parametrize("inputs", [[1, 2, 3], [None], [1.5], 5, None, b"ab", [b"ab"]])
+def test_embed_refuses_what_is_neither_text_nor_token_ids(engine: Engine, inputs: object) -> None:
+    """Found by review: a flat list of ids, None or a number raised TypeError from iterating
+    it, and bytes passed as token ids."""
+    model = engine.load_model(config=stub_config())
+    with pytest.raises(InvalidRequestError):
+        model.embed(inputs)  # type: ignore[arg-type]
+
+
 def test_adapter_changes_the_namespace_and_rows_never_cross(engine: Engine, tmp_path: Path) -> None:
     model = engine.load_model(config=stub_config())
     base_fp = model.info().fingerprint

@@ -65,6 +65,8 @@ class Embedder:
 
     def _tokens(self, inputs: str | Sequence[str | Sequence[int]]) -> list[list[int]]:
         """Each input's tokens, validated on the caller's thread."""
+        if not _is_sequence(inputs):
+            raise InvalidRequestError("input must be a text or a list of inputs", param="input")
         items = [inputs] if isinstance(inputs, str) else list(inputs)
         if not items:
             raise InvalidRequestError("no input to embed", param="input")
@@ -73,8 +75,15 @@ class Embedder:
         for item in items:
             if isinstance(item, str):
                 toks = self._bmodel.tokenize(item, add_special=True, parse_special=False)
-            else:
+            elif _is_sequence(item):
                 toks = check_tokens(item, self._bmodel.facts.n_vocab, param="input")
+            else:
+                # Found by review: a flat list of ids ([1, 2, 3]) or None raised TypeError.
+                raise InvalidRequestError(
+                    f"each input is a text or a list of token ids, not {type(item).__name__} "
+                    "(one tokenized input is [[1, 2, 3]])",
+                    param="input",
+                )
             if not toks:
                 raise InvalidRequestError("cannot embed an empty input", param="input")
             if len(toks) > limit:
@@ -89,3 +98,8 @@ class Embedder:
     def close(self) -> None:
         if self._ctx is not None:
             self._ctx.close()
+
+
+def _is_sequence(value: object) -> bool:
+    """A text or a list of items; bytes are neither (they would pass as token ids)."""
+    return isinstance(value, Sequence) and not isinstance(value, bytes | bytearray)
