@@ -257,6 +257,19 @@ def test_embeddings_are_normalised(engine: Engine) -> None:
         assert abs(sum(x * x for x in v) - 1.0) < 1e-4
 
 
+@pytest.mark.parametrize("prompt", [None, 5, 1.5, b"ab", bytearray(b"ab")])
+def test_a_prompt_that_is_neither_text_nor_token_ids_is_refused(
+    engine: Engine, prompt: object
+) -> None:
+    """Found by review: None or a number raised TypeError, bytes became token ids, and
+    tokenize() of a non-string raised AttributeError."""
+    model = engine.load_model(config=stub_config())
+    with pytest.raises(InvalidRequestError):
+        model.complete(prompt, GREEDY)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError):
+        model.tokenize(prompt)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("inputs", [[1, 2, 3], [None], [1.5], 5, None, b"ab", [b"ab"]])
 def test_embed_refuses_what_is_neither_text_nor_token_ids(engine: Engine, inputs: object) -> None:
     """Found by review: a flat list of ids, None or a number raised TypeError from iterating

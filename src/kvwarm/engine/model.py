@@ -49,7 +49,7 @@ from kvwarm.engine.types import (
 )
 from kvwarm.engine.worker.batching import strategy
 from kvwarm.engine.worker.loop import Worker, WorkerConfig
-from kvwarm.errors import EngineClosedError
+from kvwarm.errors import EngineClosedError, InvalidRequestError
 
 if TYPE_CHECKING:
     from kvwarm.engine.engine import Engine
@@ -334,6 +334,12 @@ class Model:
         self, prompt: Prompt, opts: GenerationOptions
     ) -> tuple[tuple[int, ...], str]:
         self._check_ready()
+        if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+            # Found by review: None or a number raised TypeError; bytes passed as token ids.
+            raise InvalidRequestError(
+                f"the prompt is a text or a list of token ids, not {type(prompt).__name__}",
+                param="prompt",
+            )
         if isinstance(prompt, str):
             tokens = self._bmodel.tokenize(
                 prompt, add_special=opts.add_special, parse_special=opts.parse_special
