@@ -14,7 +14,12 @@ from kvwarm.errors import InvalidRequestError
 
 
 def encode_utf8(text: str, *, param: str | None) -> bytes:
-    """``text`` as UTF-8; ``InvalidRequestError`` (naming ``param``) on a lone surrogate."""
+    """``text`` as UTF-8; ``InvalidRequestError`` (naming ``param``) on a lone surrogate, or
+    when it is not a ``str`` at all (found by review: ``tokenize(None)`` was AttributeError)."""
+    if not isinstance(text, str):
+        raise InvalidRequestError(
+            f"{param or 'text'} must be a string, not {type(text).__name__}", param=param
+        )
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:

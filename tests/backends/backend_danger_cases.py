@@ -180,6 +180,14 @@ def case_out_of_range_ids(backend: str) -> None:
         expect(InvalidRequestError, lambda bad=bad: model.detokenize([bad]))
         expect(InvalidRequestError, lambda bad=bad: model.token_to_piece(bad))
         expect(InvalidRequestError, lambda bad=bad: model.is_eog(bad))
+    # Found by review: non-integer ids passed the range checks and failed in ctypes/min().
+    for bad in (1.5, "7", None, True):
+        expect(InvalidRequestError, lambda bad=bad: ctx.prefill(0, [1, bad], 0))
+        expect(InvalidRequestError, lambda bad=bad: ctx.decode([BatchToken(bad, 0, 0, True)]))
+        expect(InvalidRequestError, lambda bad=bad: ctx.decode([BatchToken(1, bad, 0, True)]))
+        expect(InvalidRequestError, lambda bad=bad: model.detokenize([1, bad]))
+        expect(InvalidRequestError, lambda bad=bad: model.token_to_piece(bad))
+        expect(InvalidRequestError, lambda bad=bad: model.is_eog(bad))
     for seq in (-1, P.n_seq_max, 1000):
         expect(InvalidRequestError, lambda seq=seq: ctx.prefill(seq, [1, 2], 0))
         expect(InvalidRequestError, lambda seq=seq: ctx.decode([BatchToken(1, 0, seq, True)]))
@@ -206,6 +214,13 @@ def case_bad_grammar(backend: str) -> None:
     model = load(backend)
     for grammar in ("", "this is not gbnf", 'start ::= "x"', "root ::= undefined-rule"):
         expect(GrammarError, lambda g=grammar: model.new_sampler(SamplingParams(grammar=g)))
+    # Found by review: llama.cpp takes C strings, so it compiled 'root ::= "x"' from this one
+    # and enforced "x" alone, or found rule "root" for the root "root<NUL>x".
+    expect(GrammarError, lambda: model.new_sampler(SamplingParams(grammar='root ::= "x"\0 | "y"')))
+    expect(
+        GrammarError,
+        lambda: model.new_sampler(SamplingParams(grammar='root ::= "x"', grammar_root="root\0x")),
+    )
 
 
 def case_grammar_then_accept(backend: str) -> None:

@@ -443,3 +443,21 @@ def test_fim_tokens(backend_name: str, model: BackendModel) -> None:
         assert piece and model.token_to_piece(token) == b""  # special: no text unless asked
         assert token in model.tokenize(piece.decode(), add_special=False, parse_special=True)
         assert token not in model.tokenize(piece.decode(), add_special=False)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-11])
+def test_a_vanishing_temperature_samples_the_argmax(
+    model: BackendModel, temperature: float
+) -> None:
+    """Found by review: llama.cpp divides float32 logits by the temperature; at 1e-45 that is
+    inf, whose softmax is NaN, and its dist sampler drew an arbitrary token instead of the
+    one every distribution this cold picks."""
+    n_vocab = model.facts.n_vocab
+    logits = np.zeros(n_vocab, np.float32)
+    logits[100], logits[200] = 10.0, 9.0
+    params = SamplingParams(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, seed=1)
+    sampler = model.new_sampler(params)
+    try:
+        assert [sampler.sample_logits(logits.tobytes()) for _ in range(3)] == [100] * 3
+    finally:
+        sampler.close()

@@ -132,3 +132,65 @@ def test_an_explosive_rule_beside_a_deep_group_is_still_weighed() -> None:
     with pytest.raises(GrammarError, match="too ambiguous"):
         check_grammar_cost(hidden)
     check_grammar_cost(doubling(3) + "\n" + deep)
+
+
+# Found by review: a repeated part that can match nothing leaves llama.cpp's grammar engine one
+# stack per repetition for every byte, and its work per token grows with the fourth power of the
+# count: ("a"?){0,100} ~4 s a token on SmolLM2, {0,300} minutes, from a 25-byte grammar (or a
+# JSON-schema pattern, which the converter turns into nested optionals of the same part).
+EMPTY_REPEATS = {
+    "optional_repeated": 'root ::= ("a"?){0,300}',
+    "repeat_of_a_repeat": 'root ::= x{0,300}\nx ::= "a"{0,300}',
+    "inside_a_sequence": 'root ::= "{" (ws item?){0,100} "}"\nws ::= [ ]*\nitem ::= "x"',
+    "nested_repeats": 'root ::= (("a"?){0,5}){0,5}',
+    "schema_pattern": schema_to_gbnf({"type": "string", "pattern": "^(a?){0,300}$"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EMPTY_REPEATS))
+def test_repeating_what_can_be_empty_is_bounded(case: str) -> None:
+    with pytest.raises(GrammarError, match="can match nothing") as info:
+        check_grammar_cost(EMPTY_REPEATS[case])
+    assert info.value.param == "grammar"
+    assert "'(" not in str(info.value)  # names a rule of the grammar, not a group
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'root ::= ("a"?){0,16}',
+        'root ::= x{0,16}\nx ::= "a"{0,300}',
+        'root ::= ("a"?)*',  # one recursive rule: no stack per repetition
+        'root ::= "a"{0,100000} [a-z]{0,999}',  # parts that cannot be empty
+        'root ::= (ws item){0,100}\nws ::= [ ]*\nitem ::= "x"',
+        "deep ::= " + "(" * 300 + '"a"' + ")?" * 300,
+        schema_to_gbnf({"type": "string", "pattern": "^(a?){0,16}$"}),
+        schema_to_gbnf({"type": "string", "maxLength": 900}),
+        schema_to_gbnf({"type": "array", "items": {"type": "integer"}, "maxItems": 200}),
+        schema_to_gbnf(
+            {"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(25)}}
+        ),
+    ],
+)
+def test_repeats_of_what_cannot_be_empty_pass(grammar: str) -> None:
+    check_grammar_cost(grammar)
+
+
+@pytest.mark.model
+def test_real_model_refuses_an_empty_repeat_quickly(real_client: TestClient) -> None:
+    for body in (
+        {"prompt": "x", "max_tokens": 2, "grammar": EMPTY_REPEATS["optional_repeated"]},
+        {
+            "prompt": "x",
+            "max_tokens": 2,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "string", "pattern": "^(a?){0,300}$"}},
+            },
+        },
+    ):
+        start = time.monotonic()
+        response = real_client.post("/v1/completions", json=body)
+        assert response.status_code == 400, response.json()
+        assert response.json()["error"]["code"] == "invalid_grammar"
+        assert time.monotonic() - start < 2.0

@@ -216,3 +216,28 @@ def test_engine_adapter_namespaces(lora_path: Path) -> None:
         assert back.completion_tokens == base.completion_tokens
     finally:
         eng.close()
+
+
+def test_engine_embeddings_follow_the_adapter_set(lora_path: Path) -> None:
+    """The embedding context is a second context: it must carry the adapters the model has
+    (found by review: it never got any, so a model with a LoRA attached embedded silently as
+    the base model). Created before the load, it follows a load, and a detach."""
+    eng = make_engine()
+    try:
+        model = eng.load_model(
+            config=ModelConfig(
+                context=ContextParams(n_ctx=128, n_batch=16, n_ubatch=16, n_threads=2)
+            )
+        )
+        base = model.embed([PROMPT])[0]  # creates the embedding context, no adapter
+        info = model.load_adapter(lora_path, 1.0)
+        with_lora = model.embed([PROMPT])[0]
+        assert not np.allclose(with_lora, base)
+        model.set_adapter_scale(info.handle, 0.0)
+        assert model.embed([PROMPT])[0] == base  # scale 0 is the base model, bit for bit
+        model.set_adapter_scale(info.handle, 1.0)
+        assert model.embed([PROMPT])[0] == with_lora
+        model.detach_adapter(info.handle)
+        assert model.embed([PROMPT])[0] == base
+    finally:
+        eng.close()

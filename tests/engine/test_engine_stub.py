@@ -257,6 +257,28 @@ def test_embeddings_are_normalised(engine: Engine) -> None:
         assert abs(sum(x * x for x in v) - 1.0) < 1e-4
 
 
+@pytest.mark.parametrize("prompt", [None, 5, 1.5, b"ab", bytearray(b"ab")])
+def test_a_prompt_that_is_neither_text_nor_token_ids_is_refused(
+    engine: Engine, prompt: object
+) -> None:
+    """Found by review: None or a number raised TypeError, bytes became token ids, and
+    tokenize() of a non-string raised AttributeError."""
+    model = engine.load_model(config=stub_config())
+    with pytest.raises(InvalidRequestError):
+        model.complete(prompt, GREEDY)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError):
+        model.tokenize(prompt)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("inputs", [[1, 2, 3], [None], [1.5], 5, None, b"ab", [b"ab"]])
+def test_embed_refuses_what_is_neither_text_nor_token_ids(engine: Engine, inputs: object) -> None:
+    """Found by review: a flat list of ids, None or a number raised TypeError from iterating
+    it, and bytes passed as token ids."""
+    model = engine.load_model(config=stub_config())
+    with pytest.raises(InvalidRequestError):
+        model.embed(inputs)  # type: ignore[arg-type]
+
+
 def test_adapter_changes_the_namespace_and_rows_never_cross(engine: Engine, tmp_path: Path) -> None:
     model = engine.load_model(config=stub_config())
     base_fp = model.info().fingerprint
@@ -272,6 +294,30 @@ def test_adapter_changes_the_namespace_and_rows_never_cross(engine: Engine, tmp_
     assert model.info().fingerprint == base_fp
     back = model.complete(PROMPT, GREEDY)
     assert back.stats.cache_hit == "exact"
+
+
+@pytest.mark.parametrize("scale", ["x", None, 2**2000, float("nan"), True])
+def test_a_bad_adapter_scale_loads_nothing_and_leaks_nothing(
+    engine: Engine, tmp_path: Path, scale: object
+) -> None:
+    """Found by review: the scale was converted after the native load, so a scale that was no
+    number raised ValueError/TypeError and left the adapter loaded, unlisted, and holding the
+    model open: unloading it never freed it."""
+    model = engine.load_model(config=stub_config())
+    adapter = tmp_path / "lora.gguf"
+    adapter.write_bytes(b"fake adapter weights")
+    life = model._bmodel._life  # type: ignore[attr-defined]  # the stub model's
+    before = life.dependents
+    with pytest.raises(InvalidRequestError):
+        model.load_adapter(adapter, scale=scale)  # type: ignore[arg-type]
+    assert model.list_adapters() == []
+    assert life.dependents == before
+    info = model.load_adapter(adapter, scale=0.5)
+    with pytest.raises(InvalidRequestError):
+        model.set_adapter_scale(info.handle, scale)  # type: ignore[arg-type]
+    assert model.list_adapters()[0].scale == 0.5
+    model.unload()
+    assert life.freed
 
 
 def test_evict_saves_and_releases_live_kv(engine: Engine) -> None:

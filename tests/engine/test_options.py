@@ -30,7 +30,8 @@ def test_non_finite_floats_are_rejected(name: str, value: float) -> None:
     assert info.value.param == name
 
 
-@pytest.mark.parametrize("value", [0.0, -1.0, 10.5])
+# 1e-45: found by review (a repeated token's logit divided by it is inf in float32).
+@pytest.mark.parametrize("value", [0.0, -1.0, 10.5, 1e-45, 1e-7])
 def test_repeat_penalty_range(value: float) -> None:
     with pytest.raises(InvalidRequestError):
         GenerationOptions(repeat_penalty=value).validate()
@@ -68,3 +69,38 @@ def test_find_lone_surrogate_names_the_path() -> None:
     for _ in range(100_000):
         deep = [deep]
     assert find_lone_surrogate(deep) is not None  # iterative: no RecursionError
+
+
+# Found by review: a value of the wrong type reached the sampler's ctypes calls (a float seed
+# or top_k: ``BackendError: admission failed: ArgumentError``) or a comparison (a string
+# temperature: ``TypeError``), and a top_k past int32 was silently its low 32 bits
+# (2**32 + 1 sampled as top_k=1).
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("seed", 1.5),
+        ("seed", "7"),
+        ("top_k", 2.5),
+        ("top_k", True),
+        ("top_k", 2**32 + 1),
+        ("max_tokens", 2.5),
+        ("logprobs", True),
+        ("prompt_logprobs", 1.0),
+        ("temperature", "1"),
+        ("top_p", None),
+        ("min_p", False),
+        ("logit_bias", {5: "x"}),
+        ("logit_bias", [(5, 1.0)]),
+    ],
+)
+def test_ill_typed_options_are_rejected(name: str, value: object) -> None:
+    options = dataclasses.replace(GenerationOptions(), **{name: value})  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError) as info:
+        options.validate()
+    assert info.value.param == name
+
+
+def test_well_typed_options_pass() -> None:
+    GenerationOptions(
+        top_k=(1 << 31) - 1, seed=2**64 - 1, temperature=1, top_p=1, logit_bias={5: -1}
+    ).validate()

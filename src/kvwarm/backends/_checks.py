@@ -8,6 +8,7 @@ these with their own state (``pos_max``) so the stub and llama.cpp fail identica
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from numbers import Integral
 
 from kvwarm.alignment import chunk_end
 from kvwarm.backends.base import BatchToken
@@ -19,9 +20,18 @@ def check_seq(seq: int, n_seq_max: int, *, param: str = "seq") -> None:
         raise InvalidRequestError(f"seq id {seq!r} outside [0, {n_seq_max})", param=param)
 
 
+def _check_int(value: object, param: str) -> None:
+    """``value`` is an integer (numpy's too, not a bool): a float or a string would reach
+    ctypes (``TypeError``) or a comparison (``TypeError``) instead of a typed error."""
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, Integral)):
+        raise InvalidRequestError(f"{param}: {value!r} is not an integer", param=param)
+
+
 def check_tokens(tokens: Sequence[int], n_vocab: int) -> None:
     if not tokens:
         return
+    for t in tokens:
+        _check_int(t, "tokens")
     lo, hi = min(tokens), max(tokens)
     if lo < 0 or hi >= n_vocab:
         bad = lo if lo < 0 else hi
@@ -58,6 +68,8 @@ def check_batch(
     next_pos: dict[int, int] = {}
     for item in batch:
         check_seq(item.seq, n_seq_max)
+        _check_int(item.token, "tokens")
+        _check_int(item.pos, "pos")
         if not 0 <= item.token < n_vocab:
             raise InvalidRequestError(
                 f"token id {item.token} outside [0, {n_vocab})", param="tokens"

@@ -83,9 +83,18 @@ __all__ = [
 ]
 
 
+#: Temperatures below this sample greedily. Such a distribution is the argmax already (two
+#: logits one float32 step apart near 1, 1e-7, are a factor e**-1000 apart at 1e-10), and
+#: llama.cpp divides float32 logits by the temperature: under ~1e-37 that overflows to inf, the
+#: softmax of inf is NaN, and its dist sampler then drew an arbitrary token (found by review:
+#: ``temperature=1e-45`` generated garbage where greedy generates sense).
+GREEDY_BELOW = 1e-10
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """A sampler chain. ``temperature <= 0`` means greedy (argmax), ignoring the others."""
+    """A sampler chain. ``temperature < GREEDY_BELOW`` (0 included) means greedy (argmax),
+    ignoring the others."""
 
     temperature: float = 0.8
     top_k: int = 40
@@ -103,7 +112,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True, slots=True)

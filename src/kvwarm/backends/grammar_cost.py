@@ -27,6 +27,7 @@ from kvwarm.errors import GrammarError
 
 __all__ = [
     "DEFAULT_MAX_GRAMMAR_WAYS",
+    "MAX_EMPTY_REPEATS",
     "MAX_GRAMMAR_DEPTH",
     "check_grammar_cost",
     "grammar_depth",
@@ -34,6 +35,9 @@ __all__ = [
 ]
 
 DEFAULT_MAX_GRAMMAR_WAYS = 1_000_000
+#: The most a grammar may repeat a part that can match nothing (``_empty_repeats``): 16 costs
+#: ~7 ms a token on SmolLM2, 32 ~17 ms, 100 ~4 s.
+MAX_EMPTY_REPEATS = 16
 #: llama.cpp's grammar parser descends once per nested group, on the calling thread's stack:
 #: 20,000 levels overflowed an 8 MB stack (a segfault that took the server down) and it
 #: refuses 2,000 itself; 1,000 compile. A JSON schema's ``maxLength``/``maxItems`` nest one
@@ -43,10 +47,12 @@ MAX_GRAMMAR_DEPTH = 1000
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 _RULE_START = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*::=", re.MULTILINE)
 
-# An expression: list of alternatives; an alternative: list of items; an item: ("ref", name) or
-# ("term", None). A group is a rule of its own (``_parse_expr``). Postfix operators are dropped
-# (they keep ways).
-_Item = tuple[str, object]
+# An expression: list of alternatives; an alternative: list of items; an item: ("ref", name,
+# repeat) or ("term", empty, repeat), ``empty`` true for the literal "". A group is a rule of
+# its own (``_parse_expr``). ``repeat`` is the postfix operator's (min, max) count, max -1 for
+# unbounded, (1, 1) without one; ``ways`` ignores it (it adds length, not ambiguity).
+_Item = tuple[str, object, tuple[int, int]]
+_ONCE = (1, 1)
 _Alt = list[_Item]
 _Expr = list[_Alt]
 
@@ -131,26 +137,29 @@ def _parse_expr(text: str, i: int, rules: dict[str, _Expr]) -> tuple[_Expr, int]
                 break  # unbalanced: the caller refuses to weigh it
             name = f"({len(rules)}"
             rules[name] = stack.pop()
-            stack[-1][-1].append(("ref", name))
+            stack[-1][-1].append(("ref", name, _ONCE))
             i += 1
         elif c == "(":
             stack.append([[]])
             i += 1
         elif c == '"':
-            i = _quoted(text, i, '"')
-            alts[-1].append(("term", None))
+            end = _quoted(text, i, '"')
+            alts[-1].append(("term", end == i + 2, _ONCE))
+            i = end
         elif c == "[":
             i = _quoted(text, i, "]")
-            alts[-1].append(("term", None))
+            alts[-1].append(("term", False, _ONCE))
         elif c == ".":
             i += 1
-            alts[-1].append(("term", None))
+            alts[-1].append(("term", False, _ONCE))
         elif c in "*+?":
+            _repeat(alts[-1], {"*": (0, -1), "+": (1, -1), "?": (0, 1)}[c])
             i += 1
         elif c == "{":
             j = text.find("}", i)
             if j < 0:
                 raise _UnparsableError
+            _repeat(alts[-1], _counts(text[i + 1 : j]))
             i = j + 1
         else:
             m = _NAME.match(text, i)
@@ -160,7 +169,7 @@ def _parse_expr(text: str, i: int, rules: dict[str, _Expr]) -> tuple[_Expr, int]
             if text.startswith("::=", rest):
                 i = m.start()  # the next rule begins
                 break
-            alts[-1].append(("ref", m.group(0)))
+            alts[-1].append(("ref", m.group(0), _ONCE))
             i = m.end()
     if len(stack) > 1:
         raise _UnparsableError  # a group left open
@@ -189,9 +198,28 @@ def _parse(text: str) -> dict[str, _Expr]:
     return rules
 
 
+def _repeat(alt: _Alt, counts: tuple[int, int]) -> None:
+    """Give the alternative's last item the postfix operator's counts (llama.cpp refuses an
+    operator with nothing before it, or after another)."""
+    if alt:
+        kind, val, _ = alt[-1]
+        alt[-1] = (kind, val, counts)
+
+
+def _counts(body: str) -> tuple[int, int]:
+    """``(min, max)`` of a ``{m}``, ``{m,}``, ``{m,n}`` or ``{,n}`` body; max -1: unbounded."""
+    lo, comma, hi = body.partition(",")
+    try:
+        low = int(lo.strip() or 0)
+        high = (int(hi.strip()) if hi.strip() else -1) if comma else low
+    except ValueError:
+        raise _UnparsableError from None
+    return low, high
+
+
 def _refs(expr: _Expr, out: set[str]) -> None:
     for alt in expr:
-        for kind, val in alt:
+        for kind, val, _ in alt:
             if kind == "ref":
                 out.add(str(val))
 
@@ -203,7 +231,10 @@ def grammar_ways(
 
     ``_UnparsableError`` escapes only to ``check_grammar_cost``.
     """
-    rules = _parse(text)
+    return _ways(_parse(text), limit)
+
+
+def _ways(rules: dict[str, _Expr], limit: int) -> tuple[dict[str, int], list[str]]:
     deps = {name: set[str]() for name in rules}
     for name, expr in rules.items():
         _refs(expr, deps[name])
@@ -217,7 +248,7 @@ def grammar_ways(
         lexical = 0  # alternatives led by a terminal: their stacks die on a mismatched byte
         for alt in expr:
             prod = 1
-            for kind, val in alt:
+            for kind, val, _ in alt:
                 if kind == "ref":
                     name = str(val)
                     w = ways.get(name, 1) if state.get(name) == 2 else 1
@@ -262,9 +293,19 @@ def check_grammar_cost(text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS) -> None
             param="grammar",
         )
     try:
-        ways, order = grammar_ways(text, limit)
+        rules = _parse(text)
+        ways, order = _ways(rules, limit)
     except (_UnparsableError, RecursionError):
         return
+    repeats = _empty_repeats(rules, order, MAX_EMPTY_REPEATS)
+    for name in order:
+        if repeats[name] > MAX_EMPTY_REPEATS and not name.startswith("("):
+            raise GrammarError(
+                f"grammar rule {name!r} repeats a part that can match nothing more than "
+                f"{MAX_EMPTY_REPEATS} times (as in (x?){{0,n}}), which would stall the model; "
+                "make the repeated part non-empty (x{0,n})",
+                param="grammar",
+            )
     for name in order:
         if ways[name] > limit and not name.startswith("("):  # a group: its rule is named
             raise GrammarError(
@@ -272,3 +313,60 @@ def check_grammar_cost(text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS) -> None
                 f"{limit} ways, which would stall the model; simplify the rule",
                 param="grammar",
             )
+
+
+def _nullable(rules: dict[str, _Expr]) -> set[str]:
+    """The rules that can match the empty string (a fixpoint: recursion included)."""
+    found: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for name, expr in rules.items():
+            if name not in found and any(
+                all(rep[0] == 0 or _empty(kind, val, found) for kind, val, rep in alt)
+                for alt in expr
+            ):
+                found.add(name)
+                changed = True
+    return found
+
+
+def _empty(kind: str, val: object, nullable: set[str]) -> bool:
+    """Whether an item's element (its repetition aside) can match the empty string."""
+    return val is True if kind == "term" else str(val) in nullable
+
+
+def _empty_repeats(rules: dict[str, _Expr], order: list[str], cap: int) -> dict[str, int]:
+    """Per rule, the most places inside it that the next byte may come from after parts that
+    can match nothing (saturating past ``cap``).
+
+    A repeated part that can be empty, ``(x?){0,n}``, or the nested optionals a JSON-schema
+    pattern ``(a?){0,n}`` becomes, leaves llama.cpp's grammar engine ``n`` stacks for every
+    byte, and its work per token grows with the fourth power of ``n`` (100: ~4 s a token on
+    SmolLM2, 300: minutes; found by review). Counted: a part whose element can be empty, at
+    least 1 and multiplied by its repeat count (``*`` and ``+`` recurse into one rule and
+    multiply nothing), summed along a sequence while the parts before can be empty. A part
+    made optional only by its own ``?`` counts 0: alternatives that start differently die on
+    the next byte (a schema's optional properties)."""
+    nullable = _nullable(rules)
+    first: dict[str, int] = {}  # places from the rule's start
+    worst: dict[str, int] = {}  # places from any point inside it
+    for name in order:  # deepest first: a rule not weighed yet is a cycle back, and counts 1
+        best = most = 0
+        for alt in rules[name]:
+            suffix = 0  # places from the item at hand to the end of the alternative
+            for kind, val, (low, high) in reversed(alt):
+                if _empty(kind, val, nullable):
+                    count = high if high >= 0 else low
+                    places = max(1, first.get(str(val), 1) if kind == "ref" else 0)
+                    places *= max(1, count)
+                    suffix = min(places + suffix, cap + 1)
+                elif low == 0:
+                    suffix = min(suffix, cap + 1)  # an optional part: the next may follow
+                else:
+                    suffix = 0
+                most = max(most, suffix)
+            best = max(best, suffix)
+        first[name] = best
+        worst[name] = most
+    return worst

@@ -2,26 +2,39 @@
 
 Invariants: the embedding context is created and used only on the model's worker thread (as a
 job between ticks), so it never races the generation context; inputs are validated on the
-caller's thread before any job is queued (``docs/architecture.md``, "Engine").
+caller's thread before any job is queued (``docs/architecture.md``, "Engine"). Before each
+embedding job the context takes the LoRA set the generation context has (``Adapters.applied``):
+a model with an adapter attached embeds with it, as it generates with it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from kvwarm.backends.base import BackendContext, BackendModel, ContextParams
+from kvwarm.backends.base import Adapter, BackendContext, BackendModel, ContextParams
 from kvwarm.engine.request import check_tokens
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
 
+AdapterSet = tuple[tuple[Adapter, float], ...]
+
 
 class Embedder:
-    def __init__(self, bmodel: BackendModel, params: ContextParams, worker: Worker) -> None:
+    def __init__(
+        self,
+        bmodel: BackendModel,
+        params: ContextParams,
+        worker: Worker,
+        adapters: Callable[[], AdapterSet] = tuple,
+    ) -> None:
+        """``adapters`` returns the LoRA set to embed with (called on the worker thread)."""
         self._bmodel = bmodel
         self._params = params
         self._worker = worker
+        self._adapters = adapters
         self._ctx: BackendContext | None = None
+        self._ctx_adapters: AdapterSet = ()  # the set the embedding context has natively
 
     def embed(
         self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool
@@ -42,12 +55,18 @@ class Embedder:
                     )
                 )
             ctx = self._ctx
+            wanted = self._adapters()
+            if wanted != self._ctx_adapters:
+                ctx.set_adapters(wanted)
+                self._ctx_adapters = wanted
             return [ctx.embed(toks, normalize=normalize) for toks in token_lists]
 
         return self._worker.call(run).result()
 
     def _tokens(self, inputs: str | Sequence[str | Sequence[int]]) -> list[list[int]]:
         """Each input's tokens, validated on the caller's thread."""
+        if not _is_sequence(inputs):
+            raise InvalidRequestError("input must be a text or a list of inputs", param="input")
         items = [inputs] if isinstance(inputs, str) else list(inputs)
         if not items:
             raise InvalidRequestError("no input to embed", param="input")
@@ -56,8 +75,15 @@ class Embedder:
         for item in items:
             if isinstance(item, str):
                 toks = self._bmodel.tokenize(item, add_special=True, parse_special=False)
-            else:
+            elif _is_sequence(item):
                 toks = check_tokens(item, self._bmodel.facts.n_vocab, param="input")
+            else:
+                # Found by review: a flat list of ids ([1, 2, 3]) or None raised TypeError.
+                raise InvalidRequestError(
+                    f"each input is a text or a list of token ids, not {type(item).__name__} "
+                    "(one tokenized input is [[1, 2, 3]])",
+                    param="input",
+                )
             if not toks:
                 raise InvalidRequestError("cannot embed an empty input", param="input")
             if len(toks) > limit:
@@ -72,3 +98,8 @@ class Embedder:
     def close(self) -> None:
         if self._ctx is not None:
             self._ctx.close()
+
+
+def _is_sequence(value: object) -> bool:
+    """A text or a list of items; bytes are neither (they would pass as token ids)."""
+    return isinstance(value, Sequence) and not isinstance(value, bytes | bytearray)

@@ -49,7 +49,7 @@ from kvwarm.engine.types import (
 )
 from kvwarm.engine.worker.batching import strategy
 from kvwarm.engine.worker.loop import Worker, WorkerConfig
-from kvwarm.errors import EngineClosedError
+from kvwarm.errors import EngineClosedError, InvalidRequestError
 
 if TYPE_CHECKING:
     from kvwarm.engine.engine import Engine
@@ -101,7 +101,9 @@ class Model:
         self._submitter = Submitter(
             self._bmodel, self._worker, self._engine.cache, self.config, self.policy
         )
-        self._embedder = Embedder(self._bmodel, cfg.context, self._worker)
+        self._embedder = Embedder(
+            self._bmodel, cfg.context, self._worker, adapters=self._adapters.applied
+        )
         self._state = "ready"
 
     def _start_worker(self) -> None:
@@ -332,6 +334,12 @@ class Model:
         self, prompt: Prompt, opts: GenerationOptions
     ) -> tuple[tuple[int, ...], str]:
         self._check_ready()
+        if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+            # Found by review: None or a number raised TypeError; bytes passed as token ids.
+            raise InvalidRequestError(
+                f"the prompt is a text or a list of token ids, not {type(prompt).__name__}",
+                param="prompt",
+            )
         if isinstance(prompt, str):
             tokens = self._bmodel.tokenize(
                 prompt, add_special=opts.add_special, parse_special=opts.parse_special
@@ -431,17 +439,32 @@ class Model:
             return
         self._state = "unloading"
         limit = timeout_s if timeout_s is not None else self.policy.evict_save_timeout_ms / 1e3
-        self._worker.stop(
+        stopped = self._worker.stop(
             lambda: self._worker.save_idle_slots(SaveReason.SHUTDOWN, release=True), limit
         )
         try:
-            self._embedder.close()
-            self._ctx.close()
-            self._adapters.close()
-            self._bmodel.close()
+            if stopped:
+                self._free_native()
+            else:
+                # The worker is still inside a tick: it may hold a numpy array over the
+                # context's logits, which llama_free would unmap under it. It frees the native
+                # state itself when it ends.
+                log.warning(
+                    "model %s: the worker did not stop within %.1f s; its native state is "
+                    "freed when it does",
+                    self.id,
+                    limit,
+                )
+                self._worker.after_exit(self._free_native)
         finally:
             self._state = "closed"
             self._engine._forget(self.id)
+
+    def _free_native(self) -> None:
+        self._embedder.close()
+        self._ctx.close()
+        self._adapters.close()
+        self._bmodel.close()
 
 
 if TYPE_CHECKING:

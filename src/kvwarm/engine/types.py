@@ -35,6 +35,12 @@ SAMPLING_OPTIONS: tuple[str, ...] = (
     "presence_penalty",
 )
 
+_INT_OPTIONS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+_OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs"})  # None allowed
+_FLOAT_OPTIONS = tuple(name for name in SAMPLING_OPTIONS if name != "top_k")
+_INT32_MAX = (1 << 31) - 1
+_MIN_REPEAT_PENALTY = 1e-6
+
 
 @dataclass(frozen=True, slots=True)
 class GenerationOptions:
@@ -75,18 +81,27 @@ class GenerationOptions:
             # 1e999; no sampling option has a meaning for a non-finite number.
             if isinstance(value, float) and not math.isfinite(value):
                 raise InvalidRequestError(f"{f.name} must be a finite number", param=f.name)
+        self._check_types()
         if self.max_tokens < 0:
             raise InvalidRequestError("max_tokens must be >= 0", param="max_tokens")
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidRequestError("temperature must be in [0, 100]", param="temperature")
         if self.top_k < 0:
             raise InvalidRequestError("top_k must be >= 0", param="top_k")
+        if self.top_k > _INT32_MAX:
+            # A C int in llama.cpp: ctypes would keep its low 32 bits (2**32 + 1 is top_k=1).
+            raise InvalidRequestError(f"top_k must be <= {_INT32_MAX}", param="top_k")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
-        if not 0.0 < self.repeat_penalty <= 10.0:
-            raise InvalidRequestError("repeat_penalty must be in (0, 10]", param="repeat_penalty")
+        if not _MIN_REPEAT_PENALTY <= self.repeat_penalty <= 10.0:
+            # llama.cpp divides a repeated token's float32 logit by it: a vanishing penalty made
+            # the logit inf, which a grammar or stored-logits request then refused as a token
+            # "the grammar forbids".
+            raise InvalidRequestError(
+                f"repeat_penalty must be in [{_MIN_REPEAT_PENALTY:g}, 10]", param="repeat_penalty"
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2]", param=name)
@@ -109,6 +124,29 @@ class GenerationOptions:
             if not -100.0 <= bias <= 100.0:
                 raise InvalidRequestError(
                     "logit_bias values must be in [-100, 100]", param="logit_bias"
+                )
+
+    def _check_types(self) -> None:
+        """Numbers are numbers (a bool is not): a string would be a ``TypeError`` below, and a
+        float reaching a C int a ``ctypes.ArgumentError`` on the worker thread."""
+        from kvwarm.errors import InvalidRequestError
+
+        for name in _INT_OPTIONS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidRequestError(f"{name} must be an integer", param=name)
+        for name in _FLOAT_OPTIONS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidRequestError(f"{name} must be a number", param=name)
+        if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
+            raise InvalidRequestError("logit_bias must map token ids to biases", param="logit_bias")
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(bias, bool) or not isinstance(bias, int | float):
+                raise InvalidRequestError(
+                    f"logit_bias of token {token!r} must be a number", param="logit_bias"
                 )
 
     def _check_text(self) -> None:

@@ -77,6 +77,9 @@ class LlamaSampler:
     def _build_grammar(self, params: SamplingParams) -> object:
         if params.grammar is None:
             return None
+        if "\0" in params.grammar or "\0" in params.grammar_root:
+            # A C string ends at the first NUL: llama.cpp would compile the grammar's head only.
+            raise GrammarError("the grammar contains a NUL character", param="grammar")
         lib = self._lib
         grammar = lib.llama_sampler_init_grammar(
             self._model.vocab,

@@ -43,6 +43,8 @@ class LiteralGrammar:
         rules = [line for line in grammar.splitlines() if line.strip()]
         head = re.compile(rf"^\s*{re.escape(root)}\s*::=")
         encode_utf8(grammar, param="grammar")  # as llama.cpp's backend does before compiling
+        if "\0" in grammar or "\0" in root:
+            raise GrammarError("the grammar contains a NUL character", param="grammar")
         if not any(head.match(line) for line in rules):
             raise GrammarError(f"grammar has no {root!r} rule", param="grammar")
         _check_references(grammar)

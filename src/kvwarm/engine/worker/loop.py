@@ -94,6 +94,8 @@ class Worker:
         self._closing = False
         self._shutdown_save: Callable[[], object] | None = None
         self._closed = threading.Event()
+        self._exited = False  # the thread has left _run (under _cond)
+        self._on_exit: list[Callable[[], object]] = []
         self.rt.publish()
         self._thread = threading.Thread(target=self._run, name=f"kvwarm-{name}", daemon=True)
         self._thread.start()
@@ -154,8 +156,10 @@ class Worker:
         """The slots as of the end of the worker's last round (any thread; no lock)."""
         return self.rt.view
 
-    def stop(self, shutdown_save: Callable[[], object] | None, timeout_s: float) -> None:
-        """Cancel everything, run ``shutdown_save`` on the worker, and end the thread."""
+    def stop(self, shutdown_save: Callable[[], object] | None, timeout_s: float) -> bool:
+        """Cancel everything, run ``shutdown_save`` on the worker, and end the thread; whether
+        it ended within ``timeout_s`` (if not, it is still using the context: see
+        ``after_exit``)."""
         with self._cond:
             if self._closing:
                 pending_stop = True
@@ -167,7 +171,16 @@ class Worker:
         if not pending_stop:
             for req in list(self._queue):
                 req.cancelled.set()
-        self._closed.wait(timeout_s)
+        return self._closed.wait(timeout_s)
+
+    def after_exit(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` once the thread has ended: now if it has, else on the thread as it ends.
+        For freeing what the thread may still be using (a context whose logits it reads)."""
+        with self._cond:
+            if not self._exited:
+                self._on_exit.append(fn)
+                return
+        fn()
 
     # ---- worker-thread helpers for jobs ---------------------------------------------------
 
@@ -213,7 +226,15 @@ class Worker:
         finally:
             self.rt.join_buf.release()  # the restore buffer (tens of MiB) goes with the worker
             self.rt.publish()
+            with self._cond:
+                self._exited = True
+                on_exit, self._on_exit = self._on_exit, []
             self._closed.set()
+            for fn in on_exit:
+                try:
+                    fn()
+                except Exception:
+                    log.exception("worker %s: cleanup after exit failed", self.name)
 
     def stalled_for(self) -> float:
         """Seconds the current loop iteration has run (0.0 while idle): a healthy worker ticks
