@@ -16,16 +16,10 @@ unmapped memory fails one test and not the run.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from tests.childkit import ROOT, run_child
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
-
-ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import sys, threading
@@ -82,16 +76,7 @@ engine.close()
 
 
 def test_unload_with_a_busy_worker_frees_the_context_after_it() -> None:
-    src = str(ROOT / "src")
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, src],
-        env={**os.environ, "PYTHONPATH": f"{src}:{ROOT}"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("FREED", "CONTEXT"))]
+    done, lines = run_child(CHILD, str(ROOT / "src"), prefixes=("FREED", "CONTEXT"))
     assert done.returncode == 0, f"child died: rc={done.returncode}, {lines}, {done.stderr[-2000:]}"
     assert "FREED_WHILE_READING False" in lines, lines
     assert "CONTEXT_FREED True" in lines, lines  # freed all the same, once the worker ended

@@ -13,16 +13,11 @@ the test run: the request must be a 400 and the process must still be alive to a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from tests.childkit import ROOT, run_child
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
-
-ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import json, sys
@@ -68,17 +63,9 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_deeply_nested_grammar_is_a_400_and_the_server_survives(case: str) -> None:
-    src = str(ROOT / "src")
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(ROOT)],
-        input=json.dumps(CASES[case]),
-        env={**os.environ, "PYTHONPATH": f"{src}:{ROOT}"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    done, lines = run_child(
+        CHILD, str(ROOT), stdin=json.dumps(CASES[case]), prefixes=("STATUS", "HEALTH")
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("STATUS", "HEALTH"))]
     # Before the fix: returncode -11 (SIGSEGV) and no STATUS line: the process died mid-request.
     assert done.returncode == 0, f"server process died: rc={done.returncode}, saw {lines}"
     assert "STATUS 400" in lines, lines
