@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from kvwarm.engine.types import GenerationOptions
+from kvwarm.engine.submit import choice_options
+from kvwarm.engine.types import RANDOM_SEED, GenerationOptions
 from kvwarm.errors import InvalidRequestError
 from kvwarm.unicode import find_lone_surrogate
 
@@ -104,3 +105,23 @@ def test_well_typed_options_pass() -> None:
     GenerationOptions(
         top_k=(1 << 31) - 1, seed=2**64 - 1, temperature=1, top_p=1, logit_bias={5: -1}
     ).validate()
+
+
+def test_seeds_are_32_bit_and_the_random_one_draws_on_every_backend() -> None:
+    """llama.cpp's sampler draws a fresh seed for 0xFFFFFFFF (LLAMA_DEFAULT_SEED), the stub's
+    did not: -1 (0xFFFFFFFF in 32 bits) was random on one backend and fixed on the other. Both
+    now get None for it, and any other integer modulo 2**32."""
+    assert GenerationOptions(seed=-1).sampling(None).seed is None
+    assert GenerationOptions(seed=RANDOM_SEED).sampling(None).seed is None
+    assert GenerationOptions(seed=(1 << 32) + 5).sampling(None).seed == 5
+    assert GenerationOptions(seed=7).sampling(None).seed == 7
+
+
+def test_no_choice_of_n_lands_on_the_random_seed() -> None:
+    """Choice ``i`` samples with ``seed + i``: one landing on 0xFFFFFFFF would have drawn a
+    random seed, so that choice alone was not reproducible."""
+    near = GenerationOptions(seed=RANDOM_SEED - 1)
+    seeds = [o.seed for o in choice_options(near, 3, 4)]
+    assert seeds == [RANDOM_SEED - 1, 0, 1]
+    assert all(o.seed == -1 for o in choice_options(GenerationOptions(seed=-1), 3, 4))
+    assert [o.seed for o in choice_options(GenerationOptions(seed=5), 2, 4)] == [5, 6]

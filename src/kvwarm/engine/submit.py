@@ -18,21 +18,24 @@ from kvwarm.cache.types import PolicyConfig, TtlClass
 from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.request import Request, RequestKind, check_length
 from kvwarm.engine.stream import CompletionStream
-from kvwarm.engine.types import GenerationOptions
+from kvwarm.engine.types import RANDOM_SEED, GenerationOptions, sampler_seed
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import InvalidRequestError
 
 
 def choice_options(opts: GenerationOptions, n: int, limit: int) -> list[GenerationOptions]:
-    """The options of each of ``n`` choices: choice ``i`` samples with ``seed + i``."""
+    """The options of each of ``n`` choices: choice ``i`` samples with ``seed + i`` (modulo
+    ``RANDOM_SEED``); with no seed, or a random one, each draws its own."""
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
         raise InvalidRequestError(
             f"n must be between 1 and {limit} (this model's n_parallel slots); got {n!r}",
             param="n",
         )
-    if opts.seed is None:
+    base = sampler_seed(opts.seed)
+    if base is None:  # each choice draws its own
         return [opts] * n
-    return [replace(opts, seed=(opts.seed + i) & 0xFFFFFFFF) for i in range(n)]
+    # Never RANDOM_SEED: a choice landing on it would not be reproducible.
+    return [replace(opts, seed=(base + i) % RANDOM_SEED) for i in range(n)]
 
 
 @dataclass(frozen=True, slots=True)

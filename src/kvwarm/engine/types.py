@@ -39,6 +39,20 @@ _INT_OPTIONS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
 _OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs"})  # None allowed
 _FLOAT_OPTIONS = tuple(name for name in SAMPLING_OPTIONS if name != "top_k")
 _INT32_MAX = (1 << 31) - 1
+# llama.cpp's LLAMA_DEFAULT_SEED: its sampler draws a fresh seed for it (so -1 means random,
+# as in llama-server).
+RANDOM_SEED = 0xFFFF_FFFF
+
+
+def sampler_seed(seed: int | None) -> int | None:
+    """The 32-bit seed both backends' samplers use: any integer modulo 2**32; None, and
+    ``RANDOM_SEED`` (so -1 too), for a fresh random one."""
+    if seed is None:
+        return None
+    low = seed & 0xFFFF_FFFF
+    return None if low == RANDOM_SEED else low
+
+
 _MIN_REPEAT_PENALTY = 1e-6
 
 
@@ -188,7 +202,10 @@ class GenerationOptions:
             bias[token] = float("-inf")
         knobs = {name: getattr(self, name) for name in SAMPLING_OPTIONS}
         return SamplingParams(
-            logit_bias=tuple(sorted(bias.items())), seed=self.seed, grammar=grammar, **knobs
+            logit_bias=tuple(sorted(bias.items())),
+            seed=sampler_seed(self.seed),
+            grammar=grammar,
+            **knobs,
         )
 
 
