@@ -9,6 +9,7 @@ brings the base rows back. Prompts are short (prefill ~200 tok/s on CI).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from kvwarm.cache.types import PolicyConfig
 from kvwarm.embedded import default_model_path
 from kvwarm.engine.api import ModelConfig
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.errors import HandleClosedError, InvalidRequestError
+from kvwarm.errors import BackendError, HandleClosedError, InvalidRequestError
 
 pytestmark = pytest.mark.model
 
@@ -239,5 +240,34 @@ def test_engine_embeddings_follow_the_adapter_set(lora_path: Path) -> None:
         assert model.embed([PROMPT])[0] == with_lora
         model.detach_adapter(info.handle)
         assert model.embed([PROMPT])[0] == base
+    finally:
+        eng.close()
+
+
+def test_an_adapter_that_makes_the_logits_nan_fails_its_requests_not_the_model(
+    lora_path: Path,
+) -> None:
+    """An adapter scale of 1e30 overflows the model: every logit is NaN. Every sampler then
+    picked an arbitrary token and reported NaN logprobs (found by review: '....' with
+    logprobs [nan, ...], NaN that strict JSON cannot carry). Each request now fails with a
+    BackendError that says so, greedy, sampled or scored, and the model serves again once
+    the scale is sane."""
+    eng = make_engine()
+    try:
+        model = eng.load_model(
+            config=ModelConfig(
+                context=ContextParams(n_ctx=128, n_batch=16, n_ubatch=16, n_threads=2)
+            )
+        )
+        info = model.load_adapter(lora_path, 1e30)
+        for opts in (
+            GenerationOptions(max_tokens=3, temperature=0.0),
+            GenerationOptions(max_tokens=3, temperature=0.8, seed=1, logprobs=1),
+        ):
+            with pytest.raises(BackendError, match="NaN logits"):
+                model.complete(PROMPT, opts)
+        model.set_adapter_scale(info.handle, 1.0)
+        out = model.complete(PROMPT, GenerationOptions(max_tokens=3, temperature=0.0, logprobs=1))
+        assert out.completion_tokens and all(math.isfinite(x.logprob) for x in out.logprobs or [])
     finally:
         eng.close()

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvwarm.backends.base import BackendContext, SamplingParams
 from kvwarm.backends.lifetime import Lifetime
-from kvwarm.errors import GrammarError, InvalidRequestError, NoLogitsError
+from kvwarm.errors import BackendError, GrammarError, InvalidRequestError, NoLogitsError
 from kvwarm.unicode import encode_utf8
 
 if TYPE_CHECKING:
@@ -157,15 +157,15 @@ class LlamaSampler:
         with self._life.using():
             if not isinstance(ctx, LlamaContext) or ctx.model is not self._model:
                 raise InvalidRequestError("the context belongs to another model")
+            row = _usable(np.frombuffer(ctx.logits(index), dtype=np.float32))
             if self._argmax_only:
-                return self._argmax(np.frombuffer(ctx.logits(index), dtype=np.float32))
+                return self._argmax(row)
             if self._grammar is None:
                 token = ctx.sample_with(self._chain, index)
                 if not 0 <= token < self._n_vocab:
                     raise NoLogitsError(f"llama_sampler_sample returned token {token}")
                 return token
-            view = ctx.logits(index)
-            return self._choose(np.frombuffer(view, dtype=np.float32))
+            return self._choose(row)
 
     def sample_logits(self, logits: bytes | memoryview) -> int:
         with self._life.using():
@@ -175,10 +175,11 @@ class LlamaSampler:
                     f"expected {self._n_vocab * 4} bytes of float32 logits, got {raw.nbytes}",
                     param="logits",
                 )
+            row = _usable(raw.view(np.float32))
             if self._argmax_only:
                 # A row's stored logits (an exact hit): no 262k-entry candidate array either.
-                return self._argmax(raw.view(np.float32))
-            return self._choose(raw.view(np.float32))
+                return self._argmax(row)
+            return self._choose(row)
 
     def accept(self, token: int) -> None:
         with self._life.using():
@@ -262,3 +263,17 @@ class LlamaSampler:
     def _free(self) -> None:
         self._free_native()
         self._model.lifetime.release()
+
+
+def _usable(
+    row: np.ndarray[tuple[int], np.dtype[np.float32]],
+) -> np.ndarray[tuple[int], np.dtype[np.float32]]:
+    """``row``, unless the model computed NaN logits (weights or an adapter that overflow: a
+    LoRA scale of 1e30 does it): every sampler would then pick an arbitrary token and report
+    NaN logprobs, so the request fails instead (~10 us a token over a 49k vocabulary)."""
+    if np.isnan(row).any():
+        raise BackendError(
+            "the model computed NaN logits, so no token can be sampled: its weights or its "
+            "adapters overflow (is a LoRA scale far too large?)"
+        )
+    return row
