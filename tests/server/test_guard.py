@@ -98,11 +98,14 @@ def test_host_rules() -> None:
     loopback = Guard(stub_settings(allowed_hosts=("kv.lan",)))
     for host in ("localhost:8000", "127.0.0.1", "[::1]:80", "app.localhost", "KV.LAN:1"):
         assert loopback.host_ok(host), host
-    for host in ("attacker.example", "192.168.1.5", "", "localhost.attacker.example"):
+    # Not a host and a port: nothing after an IPv6 literal but a port, a port of digits.
+    malformed = ("[::1]evil.com", "[::1]:80evil", "localhost:evil", "[::1", "[]:80")
+    for host in ("attacker.example", "192.168.1.5", "", "localhost.attacker.example", *malformed):
         assert not loopback.host_ok(host), host
     wildcard = Guard(stub_settings(host="0.0.0.0"))
     assert wildcard.host_ok("192.168.1.5:8000") and wildcard.host_ok("[fe80::1]:8000")
     assert not wildcard.host_ok("attacker.example:8000")
+    assert not wildcard.host_ok("[fe80::1]evil.com") and not wildcard.host_ok("10.0.0.1:x")
     assert Guard(stub_settings(allowed_hosts=("*",))).host_ok("anything.example")
 
 

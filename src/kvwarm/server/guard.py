@@ -47,11 +47,21 @@ _FORM = "application/x-www-form-urlencoded"
 
 
 def host_name(value: str) -> str:
-    """The name part of a Host header value, lower-cased, without port or IPv6 brackets."""
+    """The name part of a Host header value, lower-cased, without port or IPv6 brackets.
+    A value that is not ``name``, ``name:port``, ``[ipv6]`` or ``[ipv6]:port`` (a port of
+    digits) is returned whole, so it matches no allowed host: ``[::1]evil.com`` is not
+    ``::1``."""
     value = value.strip().lower()
     if value.startswith("["):
-        return value[1 : value.find("]")] if "]" in value else value
-    return value.rpartition(":")[0] if value.count(":") == 1 else value
+        end = value.find("]")
+        rest = value[end + 1 :] if end > 0 else ""
+        if end > 0 and (not rest or (rest[0] == ":" and rest[1:].isdigit())):
+            return value[1:end]
+        return value
+    if value.count(":") == 1:
+        name, _, port = value.partition(":")
+        return name if port.isdigit() else value
+    return value
 
 
 def _is_ip(name: str) -> bool:
