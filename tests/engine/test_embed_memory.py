@@ -58,6 +58,8 @@ def test_a_short_input_makes_a_small_context_and_it_is_counted() -> None:
         assert model.info().context_bytes == before.context_bytes + (
             model._embedder.memory_bytes().total_bytes  # type: ignore[attr-defined]
         )
+        engine.unload_model(model.id)  # the embedding context is freed and no longer counted
+        assert model.info().context_bytes == before.context_bytes
     finally:
         engine.close()
 

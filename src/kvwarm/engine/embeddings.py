@@ -133,8 +133,9 @@ class Embedder:
         return ctx.memory_bytes if ctx is not None else ContextMemory()
 
     def close(self) -> None:
-        if self._ctx is not None:
-            self._ctx.close()
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.close()
 
 
 def _is_sequence(value: object) -> bool:
