@@ -121,3 +121,57 @@ def test_system_source_prefers_tighter_cgroup_limit(tmp_path: Path) -> None:
 def test_system_source_without_cgroup_files(tmp_path: Path) -> None:
     used, total = SystemMemorySource(cgroup_dir=tmp_path / "missing").sample()
     assert total > 0 and 0 <= used <= total
+
+
+def test_a_cgroup_v1_memory_limit_is_found(tmp_path: Path) -> None:
+    """Found by review: only cgroup v2 was looked for, so inside a v1 container (this review's
+    own machine is one) the container's limit was never watched, and nothing said so."""
+    from kvwarm.cache.pressure import _own_cgroup_files
+
+    v1 = tmp_path / "memory" / "docker" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("1000\n")
+    (v1 / "memory.usage_in_bytes").write_text("950\n")
+    proc = "9:name=systemd:/\n4:memory:/docker/abc\n2:cpu,cpuacct:/\n0::/\n"
+    files = _own_cgroup_files(tmp_path, proc)
+    assert files == (v1 / "memory.limit_in_bytes", v1 / "memory.usage_in_bytes")
+    # A v2 directory with memory.max wins over the v1 controller.
+    v2 = tmp_path / "svc"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("max\n")
+    assert _own_cgroup_files(tmp_path, proc.replace("0::/", "0::/svc")) == (
+        v2 / "memory.max",
+        v2 / "memory.current",
+    )
+    assert _own_cgroup_files(tmp_path / "none", proc) is None
+    source = SystemMemorySource()
+    source._files = files
+    assert source.sample() == (950, 1000)
+
+
+def test_an_unreadable_cgroup_limit_is_a_warning_not_a_silent_fallback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "memory.max").mkdir()  # reading it fails (EISDIR), as EACCES would for a user
+    (tmp_path / "memory.current").write_text("900\n")
+    with caplog.at_level("INFO", logger="kvwarm.cache.pressure"):
+        source = SystemMemorySource(cgroup_dir=tmp_path)
+        used, total = source.sample()
+        source.sample()
+    assert total > 0 and 0 <= used <= total  # the machine's numbers; the tick goes on
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "memory.max" in warnings[0].getMessage()
+    assert "not watched" in warnings[0].getMessage()
+
+
+def test_the_system_source_says_what_it_watches(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "memory.max").write_text("1000\n")
+    (tmp_path / "memory.current").write_text("10\n")
+    with caplog.at_level("INFO", logger="kvwarm.cache.pressure"):
+        SystemMemorySource(cgroup_dir=tmp_path)
+        SystemMemorySource(cgroup_dir=tmp_path / "missing")
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("cgroup limit" in m and "1000 bytes" in m for m in messages)
+    assert any("watching the machine's memory" in m for m in messages)

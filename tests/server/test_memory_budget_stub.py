@@ -132,3 +132,40 @@ def test_in_memory_tiers_past_the_budget_refuse_to_start(tmp_path: Path) -> None
         health = c.get("/health")
     assert health.status_code == 503 and health.json()["status"] == "error"
     assert "memory budget 1.0 GiB < weights 0 B + KV 0 B + shm tier 2.0 GiB" in str(caught.value)
+
+
+def test_an_embedding_context_is_counted_and_shrinks_the_ram_tier() -> None:
+    """Found by review: the embedding context, created on a model's first embedding, was in no
+    term of the budget; the RAM tier kept the room it took."""
+    budget = 1 * GIB
+    with TestClient(create_app(stub_settings(memory_budget=budget))) as c:
+        wait_ready(c.get)
+        before = c.get("/cache/stats").json()["memory"]
+        r = c.post("/v1/embeddings", json={"model": "a", "input": "hello"})
+        assert r.status_code == 200
+        after = c.get("/cache/stats").json()["memory"]
+        meta = {m["id"]: m["meta"] for m in c.get("/v1/models").json()["data"]}
+    grown = after["models"]["a"]["context_bytes"] - before["models"]["a"]["context_bytes"]
+    assert grown > 0 and meta["a"]["context_bytes"] == after["models"]["a"]["context_bytes"]
+    assert after["tiers"]["ram"]["quota_bytes"] == before["tiers"]["ram"]["quota_bytes"] - grown
+    assert after["total_bytes"] == budget
+
+
+def test_an_embedding_context_past_the_budget_empties_the_ram_tier_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Room for model a (a stub context of n_ctx 1024) and b, and little besides.
+    probe = stub_settings()
+    with TestClient(create_app(probe)) as c:
+        wait_ready(c.get)
+        taken = c.get("/cache/stats").json()["memory"]
+    fixed = sum(m["weights_bytes"] + m["context_bytes"] for m in taken["models"].values())
+    with TestClient(create_app(stub_settings(memory_budget=fixed + 1024))) as c:
+        wait_ready(c.get)
+        with caplog.at_level("ERROR", logger="kvwarm.server.state"):
+            r = c.post("/v1/embeddings", json={"model": "a", "input": "hello"})
+        memory = c.get("/cache/stats").json()["memory"]
+    assert r.status_code == 200
+    assert memory["tiers"]["ram"]["quota_bytes"] == 0
+    assert memory["total_bytes"] > memory["budget_bytes"]
+    assert any("the RAM tier is emptied" in rec.getMessage() for rec in caplog.records)

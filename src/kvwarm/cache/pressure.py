@@ -6,9 +6,9 @@ tick brings the ratio under the low mark if the cache holds enough evictable byt
 that fails or reports ``total <= 0`` never evicts. The scheduler never raises into its thread:
 a failing source or evictor is logged and retried next interval.
 
-Sources: ``noop`` (no pressure), ``system`` (psutil, tightened by cgroup v2 limits: inside a
-container psutil reports the host), ``nvidia`` (NVML via the optional ``pynvml`` module, summed
-over all GPUs) and any callable returning ``(used, total)``.
+Sources: ``noop`` (no pressure), ``system`` (psutil, tightened by a cgroup's memory limit, v2
+or v1: inside a container psutil reports the host), ``nvidia`` (NVML via the optional
+``pynvml`` module, summed over all GPUs) and any callable returning ``(used, total)``.
 """
 
 from __future__ import annotations
@@ -63,11 +63,9 @@ class CallableSource:
 
 
 def _read_cgroup_value(path: Path) -> int | None:
-    """An integer from a cgroup v2 file; None for ``max`` (unlimited) or if unreadable."""
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
+    """An integer from a cgroup file; None for ``max`` (unlimited) or text that is not one.
+    ``OSError`` if it cannot be read (``SystemMemorySource`` says so in the log)."""
+    text = path.read_text().strip()
     if not text or text == "max":
         return None
     try:
@@ -76,25 +74,48 @@ def _read_cgroup_value(path: Path) -> int | None:
         return None
 
 
-def _own_cgroup_dir(root: Path) -> Path:
-    """This process's cgroup v2 directory (``0::/path`` in /proc/self/cgroup), else ``root``."""
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                candidate = root / line[3:].lstrip("/")
-                if (candidate / "memory.max").exists():
-                    return candidate
-    except OSError:
-        pass
-    return root
+# cgroup v1 writes "no limit" as LLONG_MAX rounded down to a page.
+_UNLIMITED = 1 << 62
+
+# (limit, usage) file names: cgroup v2, then v1's memory controller.
+_V2_FILES = ("memory.max", "memory.current")
+_V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+
+
+def _own_cgroup_files(root: Path, proc_cgroup: str | None = None) -> tuple[Path, Path] | None:
+    """This process's cgroup memory limit and usage files: its cgroup v2 directory (``0::/path``
+    in /proc/self/cgroup), else its v1 memory controller's (``N:memory:/path``, found by review:
+    a v1 container's limit was never watched), else ``root``'s v2 files; None if none exist."""
+    if proc_cgroup is None:
+        try:
+            proc_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            proc_cgroup = ""
+    lines = proc_cgroup.splitlines()
+    candidates: list[tuple[Path, tuple[str, str]]] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            candidates.insert(0, (root / parts[2].lstrip("/"), _V2_FILES))
+        elif "memory" in parts[1].split(","):
+            candidates.append((root / "memory" / parts[2].lstrip("/"), _V1_FILES))
+    candidates.append((root, _V2_FILES))
+    for directory, (limit, usage) in candidates:
+        if (directory / limit).exists():
+            return directory / limit, directory / usage
+    return None
 
 
 class SystemMemorySource:
-    """System memory via psutil, tightened by the cgroup v2 memory limit when one applies.
+    """System memory via psutil, tightened by the cgroup memory limit when one applies.
 
     ``used`` is total minus available (reclaimable page cache does not count as pressure). If a
-    cgroup sets ``memory.max`` below the machine's memory, the cgroup's ``memory.current``
-    against its ``memory.max`` is used instead when it is the higher ratio.
+    cgroup (v2 ``memory.max``, else v1 ``memory.limit_in_bytes``) sets a limit below the
+    machine's memory, the cgroup's usage against its limit is used instead when it is the
+    higher ratio. What is watched is logged at construction; a cgroup file that cannot be read
+    is a warning (once), never a silent fallback to the machine's numbers.
     """
 
     def __init__(self, cgroup_dir: Path | None = None) -> None:
@@ -103,20 +124,73 @@ class SystemMemorySource:
         except ImportError as exc:  # psutil is a hard dependency; this is a broken install
             raise ConfigError("pressure source 'system' needs psutil") from exc
         self._psutil = psutil
-        self._cgroup = cgroup_dir if cgroup_dir is not None else _own_cgroup_dir(_CGROUP_ROOT)
+        if cgroup_dir is not None:
+            self._files: tuple[Path, Path] | None = (
+                cgroup_dir / _V2_FILES[0],
+                cgroup_dir / _V2_FILES[1],
+            )
+        else:
+            self._files = _own_cgroup_files(_CGROUP_ROOT)
+        self._warned = False
+        self._describe()
+
+    def _describe(self) -> None:
+        if self._files is None:
+            log.info(
+                "pressure source 'system': no cgroup memory files for this process; "
+                "watching the machine's memory"
+            )
+            return
+        limit_path = self._files[0]
+        try:
+            limit = _read_cgroup_value(limit_path)
+        except FileNotFoundError:
+            log.info("pressure source 'system': no %s; watching the machine's memory", limit_path)
+            return
+        except OSError as exc:
+            self._warn(limit_path, exc)
+            return
+        log.info(
+            "pressure source 'system': watching the machine's memory and the cgroup limit %s (%s)",
+            limit_path,
+            "unlimited" if limit is None or limit >= _UNLIMITED else f"{limit} bytes",
+        )
+
+    def _warn(self, path: Path, exc: OSError) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "pressure source 'system': cannot read %s (%s): the cgroup's memory limit is "
+                "not watched, only the machine's memory",
+                path,
+                exc,
+            )
+
+    def _cgroup(self) -> tuple[int, int] | None:
+        """(usage, limit) of the cgroup when it sets a limit and both read."""
+        if self._files is None:
+            return None
+        limit_path, usage_path = self._files
+        try:
+            limit = _read_cgroup_value(limit_path)
+            current = _read_cgroup_value(usage_path) if limit is not None else None
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self._warn(limit_path if exc.filename == str(limit_path) else usage_path, exc)
+            return None
+        if limit is None or current is None or limit <= 0:
+            return None
+        return current, limit
 
     def sample(self) -> tuple[int, int]:
         vm = self._psutil.virtual_memory()
         used, total = int(vm.total - vm.available), int(vm.total)
-        limit = _read_cgroup_value(self._cgroup / "memory.max")
-        current = _read_cgroup_value(self._cgroup / "memory.current")
-        if (
-            limit is not None
-            and current is not None
-            and limit > 0
-            and (total <= 0 or current / limit > used / total)
-        ):
-            return current, limit
+        cgroup = self._cgroup()
+        if cgroup is not None:
+            current, limit = cgroup
+            if total <= 0 or current / limit > used / total:
+                return current, limit
         return used, total
 
 

@@ -5,6 +5,13 @@ job between ticks), so it never races the generation context; inputs are validat
 caller's thread before any job is queued (``docs/architecture.md``, "Engine"). Before each
 embedding job the context takes the LoRA set the generation context has (``Adapters.applied``):
 a model with an adapter attached embeds with it, as it generates with it.
+
+The embedding context is sized to the inputs it has embedded (found by review): pooling needs a
+whole input in one ubatch, so its ``n_ubatch`` (and ``n_ctx``) must hold the longest input, and
+llama.cpp's compute buffer grows with the square of ``n_ubatch``. Sized to the generation
+context's ``n_ctx`` up front, one short input allocated ~0.9 GiB at n_ctx 4096 (SmolLM2). It
+starts at ``_MIN_TOKENS`` and is created again, at the next power of two up to ``n_ctx``, when a
+longer input comes; ``memory_bytes`` reports what it holds (the model counts it in its info).
 """
 
 from __future__ import annotations
@@ -12,12 +19,30 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from kvwarm.backends.base import Adapter, BackendContext, BackendModel, ContextParams
+from kvwarm.backends.base import (
+    Adapter,
+    BackendContext,
+    BackendModel,
+    ContextMemory,
+    ContextParams,
+)
 from kvwarm.engine.request import check_tokens
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
 
 AdapterSet = tuple[tuple[Adapter, float], ...]
+
+#: The smallest embedding context, in tokens (llama.cpp pads a context to 256 cells anyway).
+_MIN_TOKENS = 512
+
+
+def context_tokens(longest: int, limit: int) -> int:
+    """The embedding context's size for inputs of up to ``longest`` tokens: the next power of
+    two from ``_MIN_TOKENS``, at most ``limit`` (the model's ``n_ctx``)."""
+    size = _MIN_TOKENS
+    while size < longest:
+        size *= 2
+    return min(size, limit)
 
 
 class Embedder:
@@ -43,18 +68,25 @@ class Embedder:
         token_lists = self._tokens(inputs)
         limit = self._params.n_ctx
 
+        size = context_tokens(max(len(t) for t in token_lists), limit)
+
         def run() -> list[list[float]]:
-            if self._ctx is None:
-                self._ctx = self._bmodel.new_context(
+            ctx = self._ctx
+            if ctx is None or ctx.params.n_ubatch < size:
+                if ctx is not None:
+                    self._ctx = None
+                    ctx.close()
+                ctx = self._bmodel.new_context(
                     replace(
                         self._params,
                         embeddings=True,
                         n_seq_max=1,
-                        n_batch=max(self._params.n_batch, limit),
-                        n_ubatch=max(self._params.n_ubatch, limit),
+                        n_ctx=size,
+                        n_batch=size,
+                        n_ubatch=size,
                     )
                 )
-            ctx = self._ctx
+                self._ctx, self._ctx_adapters = ctx, ()
             wanted = self._adapters()
             if wanted != self._ctx_adapters:
                 ctx.set_adapters(wanted)
@@ -95,9 +127,15 @@ class Embedder:
             token_lists.append(toks)
         return token_lists
 
+    def memory_bytes(self) -> ContextMemory:
+        """What the embedding context holds (nothing before the first embedding)."""
+        ctx = self._ctx
+        return ctx.memory_bytes if ctx is not None else ContextMemory()
+
     def close(self) -> None:
-        if self._ctx is not None:
-            self._ctx.close()
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.close()
 
 
 def _is_sequence(value: object) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Unpack
 
 from kvwarm.backends import get_backend
-from kvwarm.backends.base import Backend, BackendModel
+from kvwarm.backends.base import Backend, BackendModel, ContextMemory
 from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, resolve_template
 from kvwarm.cache.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
@@ -165,8 +165,15 @@ class Model:
             save_tier=self.save_tier,
             adapters=self.list_adapters(),
             chat_template_name=self.chat_template_name,
-            context_memory=self._ctx.memory_bytes,
+            context_memory=self._context_memory(),
         )
+
+    def _context_memory(self) -> ContextMemory:
+        """The generation context's buffers and the embedding context's, once it exists."""
+        embedder = getattr(self, "_embedder", None)  # None while the model loads
+        gen = self._ctx.memory_bytes
+        emb = embedder.memory_bytes() if embedder is not None else ContextMemory()
+        return ContextMemory(gen.kv_bytes + emb.kv_bytes, gen.other_bytes + emb.other_bytes)
 
     def stalled_for(self) -> float:
         """Seconds the worker's current iteration has run without ticking (0.0 when idle)."""

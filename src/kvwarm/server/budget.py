@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MEMORY_TIERS", "MemoryPlan", "ModelMemory", "fmt_bytes", "plan"]
+__all__ = ["MEMORY_TIERS", "MemoryPlan", "ModelMemory", "fmt_bytes", "overcommitted", "plan"]
 
 # Tiers whose bytes are memory besides the RAM tier itself (the one the budget sizes).
 MEMORY_TIERS: tuple[TierName, ...] = ("ram_file",)
@@ -111,6 +111,16 @@ def plan(
             raise MemoryBudgetError(_arithmetic(budget_bytes, models, others, fixed))
         ram = budget_bytes - fixed if "ram" in quotas else 0
     return MemoryPlan(budget_bytes, tuple(models), others, ram)
+
+
+def overcommitted(
+    budget_bytes: int, models: Sequence[ModelMemory], tiers: Sequence[TierConfig]
+) -> MemoryPlan:
+    """The plan of a server already past its budget (memory a loaded model allocated since it
+    was admitted): the RAM tier gets nothing, and ``total_bytes`` shows the excess."""
+    quotas = {t.name: t.quota_bytes for t in tiers}
+    others = {name: quotas[name] for name in MEMORY_TIERS if name in quotas}
+    return MemoryPlan(budget_bytes, tuple(models), others, 0)
 
 
 def _arithmetic(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 
 from kvwarm.cache.types import TtlClass
-from kvwarm.errors import KvwarmError, ModelLoadError
+from kvwarm.errors import KvwarmError, MemoryBudgetError, ModelLoadError
 from kvwarm.models_dir import checked_path
 from kvwarm.server import budget, tenancy
 from kvwarm.server.budget import ModelMemory
@@ -186,6 +186,31 @@ class ServerState:
         with self._budget_lock:
             admitted = {**self._admitted, model_id: memory}
             self._apply_plan(engine, self._plan(admitted.values()))
+            self._admitted = admitted
+
+    def remeasure(self, model_id: str, model: ServedModel) -> None:
+        """Count a loaded model's memory again: its embedding context is created on its first
+        embedding and grows with longer inputs (found by review: it was counted nowhere). The
+        RAM tier shrinks to what is left; past the budget it is emptied, and the log says by
+        how much the server is over (the embedding already ran: nothing is refused)."""
+        engine = self.engine
+        with self._budget_lock:
+            if engine is None or model_id not in self._admitted:
+                return
+            memory = budget.memory_of(model_id, model)
+            if memory == self._admitted[model_id]:
+                return
+            admitted = {**self._admitted, model_id: memory}
+            try:
+                plan = self._plan(admitted.values())
+            except MemoryBudgetError as exc:
+                log.error("%s; the RAM tier is emptied", exc)
+                plan = budget.overcommitted(
+                    self.settings.memory_budget,
+                    list(admitted.values()),
+                    self.settings.cache_config().tiers,
+                )
+            self._apply_plan(engine, plan)
             self._admitted = admitted
 
     def _apply_plan(self, engine: Engine, plan: budget.MemoryPlan) -> None:

@@ -49,6 +49,8 @@ async def embeddings(request: Request) -> Response:
         return vectors, n_tokens
 
     vectors, n_tokens = await run_in_threadpool(work)
+    # The embedding context is created (or grown) on use: count it against the budget.
+    await run_in_threadpool(state.remeasure, model.id, model)
     data: list[dict[str, object]] = []
     for index, full in enumerate(vectors):
         vector = full if req.dimensions is None else _shortened(full, req.dimensions)
