@@ -127,6 +127,17 @@ def test_a_sticky_parent_is_left_alone(tmp_path: Path) -> None:
     assert _mode(shared) == 0o1777
 
 
+def test_a_sticky_directory_given_as_the_root_itself_is_refused_untouched(tmp_path: Path) -> None:
+    """``--shm-dir /dev/shm`` (not ``/dev/shm/kvwarm``): as root, the tier tightened
+    /dev/shm itself to 0700 and locked every other user of it out (found by review)."""
+    shared = tmp_path / "shm"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(UnsafeCacheDirError, match="shared directory"):
+        FileTier("ram_file", shared, 1 << 20)
+    assert _mode(shared) == 0o1777
+
+
 def test_a_writable_parent_of_another_user_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

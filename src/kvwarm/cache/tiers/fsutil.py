@@ -16,6 +16,8 @@ The cache directory is not trusted to be what we left there. Invariants:
 - A root that is itself a symlink is followed only if it is ours (or root's): one another
   user planted in a sticky directory (``/dev/shm/kvwarm`` made before we ran) is refused.
 - Both are checked before the root is opened, so a refused root is never changed.
+- A root with the sticky bit (``/dev/shm`` or ``/tmp`` given as the directory itself) is a
+  directory many users share: refused, never tightened (as root it would lock them out).
 - Every file below a root is opened relative to the root's directory fd with ``O_NOFOLLOW``
   and ``O_NONBLOCK``, and must be a regular file: a symlink is never followed and a FIFO
   planted in place of a row cannot hang a reader (both surface as ``CacheFormatError``).
@@ -145,6 +147,13 @@ def _make_private(fd: int, where: str) -> None:
         raise UnsafeCacheDirError(
             f"cache directory {where} belongs to uid {st.st_uid}, not to us "
             f"(uid {os.geteuid()}); its owner could replace rows. Use a directory we own."
+        )
+    if st.st_mode & stat.S_ISVTX:
+        # A sticky directory is one many users share (/tmp, /dev/shm itself): tightening it
+        # would lock everyone else out of it.
+        raise UnsafeCacheDirError(
+            f"cache directory {where} is a shared directory (mode {stat.S_IMODE(st.st_mode):o}, "
+            f"sticky); use a directory of its own below it, e.g. {where.rstrip('/')}/kvwarm"
         )
     if stat.S_IMODE(st.st_mode) & 0o077:
         log.warning(
