@@ -127,6 +127,28 @@ def test_admin_key_guards_admin_paths_only() -> None:
         assert admin_only.get("/cache/stats").status_code == 401
 
 
+def test_a_non_ascii_key_is_read_as_utf8_like_the_setting_that_names_it() -> None:
+    # Header bytes reach the app as latin-1; a key is UTF-8 text in the settings and in a
+    # JSON body, so "café" sent as UTF-8 must be "café", and other bytes no key at all.
+    utf8 = {"Authorization": "Bearer café".encode()}
+    with _client(api_key="café", admin_key="rööt") as secured:
+        wait_ready(secured.get)
+        assert secured.get("/v1/models", headers=utf8).status_code == 200
+        assert secured.get("/v1/models", headers={"x-api-key": "café".encode()}).status_code == 200
+        assert secured.post("/cache/gc", headers={"x-api-key": "rööt".encode()}).status_code == 200
+        assert _code(secured.post("/cache/gc", headers=utf8)) == "invalid_admin_key"
+    # Bytes that are not UTF-8 (TestClient re-encodes headers as UTF-8: the guard directly)
+    # are no key's, and refused rather than failing.
+    from kvwarm.server.guard import Guard
+
+    guard = Guard(stub_settings(api_key="café"))
+    for raw in ("café".encode("latin-1"), b"caf\xed\xb3\xa9", "café".encode()):
+        headers = [(b"host", b"localhost"), (b"x-api-key", raw)]
+        scope = {"method": "GET", "path": "/v1/models", "headers": headers}
+        refused = guard.refusal(scope)
+        assert (refused is None) == (raw == "café".encode()), raw
+
+
 def test_live_server_refuses_rebinding_host_and_cross_site_post() -> None:
     live = LiveServer(stub_settings(allowed_hosts=())).start()
     try:

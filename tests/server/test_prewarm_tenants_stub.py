@@ -71,6 +71,17 @@ def test_tenant_key_with_a_salt_is_that_tenants_salted_partition(admin: TestClie
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_tenant_key_reaches_a_tenant_whose_key_is_not_ascii(admin: TestClient) -> None:
+    # The body's key is JSON text; the tenant's, header bytes read as UTF-8: the same tenant.
+    p = prompt_for("utf8")
+    prewarm(admin, prompt=p, tenant_key="clé-ünïcode")
+    body = {"prompt": p, "max_tokens": 2, "temperature": 0}
+    auth = {"Authorization": "Bearer clé-ünïcode".encode()}
+    usage = admin.post("/v1/completions", json=body, headers=auth).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+    assert cached(admin, p, key="cle-unicode") == 0
+
+
 def test_shared_prewarms_the_namespace_of_requests_without_a_key(admin: TestClient) -> None:
     p = prompt_for("shared")
     prewarm(admin, prompt=p, shared=True)

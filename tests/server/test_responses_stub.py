@@ -293,3 +293,23 @@ def test_follow_ups_stay_in_their_namespace_and_tenant() -> None:
             secured.delete(f"/v1/responses/{rid}", headers=admin), 404, "response_not_found"
         )
         assert secured.get(f"/v1/responses/{rid}", headers=user).status_code == 200
+
+
+@pytest.mark.parametrize("from_auth", [False, True])
+def test_a_response_id_alone_never_opens_its_salt_to_a_keyless_follow_up(from_auth: bool) -> None:
+    # Without a key naming the tenant, the salt is what a client must know to share a
+    # namespace: a follow-up that does not present the conversation's salt must not run in it,
+    # or whoever holds a response id could probe its maker's later turns by cached_tokens.
+    with TestClient(create_app(stub_settings(cache_salt_from_auth=from_auth))) as fresh:
+        wait_ready(fresh.get)
+        first = fresh.post("/v1/responses", json={**BASE, "cache_salt": "alice"}).json()
+        follow = {**BASE, "input": "More, fox?", "previous_response_id": first["id"]}
+        # Another client's follow-up, naming no salt: the unsalted namespace (empty here).
+        stranger = fresh.post("/v1/responses", json=follow).json()
+        assert stranger["usage"]["input_tokens_details"]["cached_tokens"] == 0
+        bob = fresh.post("/v1/responses", json=follow, headers={"X-Cache-Salt": "bob"}).json()
+        assert bob["usage"]["input_tokens_details"]["cached_tokens"] == 0
+        # The maker, presenting its salt, still resumes its conversation from the cache.
+        own = fresh.post("/v1/responses", json={**follow, "cache_salt": "alice"}).json()
+        resumed = own["usage"]["input_tokens_details"]["cached_tokens"]
+        assert resumed >= first["usage"]["input_tokens"]

@@ -17,7 +17,8 @@ Invariants, checked in this order before any route runs:
    preflight, are a 415.
 4. With ``admin_key`` set, admin paths (``ADMIN_PREFIXES``) need it; with ``api_key`` set,
    every other path but the open ones needs the API key (or the admin key). A key is read
-   from ``Authorization: Bearer <key>`` or, as Anthropic-style clients send it, ``x-api-key``.
+   from ``Authorization: Bearer <key>`` or, as Anthropic-style clients send it, ``x-api-key``,
+   its bytes read as UTF-8 (``presented_key``).
    The open paths (GET and HEAD only) are ``/health``, the read-only API description
    (``/docs``, ``/openapi.json``) and the web page (``/``, ``/ui/*``, ``webui.py``): they hold
    no data, and a browser opening a page cannot send a header; the Swagger page's "Authorize"
@@ -138,8 +139,19 @@ class Guard:
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
     """The key a request presents (``headers`` by lower-case name): ``Authorization: Bearer``,
-    else ``x-api-key``. One rule for the guard and for the tenant it names (``tenancy``)."""
-    return bearer(headers.get("authorization")) or headers.get("x-api-key")
+    else ``x-api-key``. One rule for the guard and for the tenant it names (``tenancy``).
+
+    Servers hand header bytes over as latin-1; a key is UTF-8 text where it is configured
+    (``api_key``, ``admin_key``) or named in a body (``/cache/prewarm``'s ``tenant_key``), so
+    the bytes are read as UTF-8, any that are not kept apart as surrogate escapes (no UTF-8
+    text reads as them)."""
+    key = bearer(headers.get("authorization")) or headers.get("x-api-key")
+    if key is None:
+        return None
+    try:
+        return key.encode("latin-1").decode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # not header bytes as a server decodes them: already text
+        return key
 
 
 def bearer(authorization: str | None) -> str | None:
@@ -151,7 +163,10 @@ def bearer(authorization: str | None) -> str | None:
 def _same(token: str | None, key: str | None) -> bool:
     if token is None or key is None:
         return False
-    return hmac.compare_digest(token.encode(), key.encode())
+    # Surrogate escapes (bytes of a header that are not UTF-8) encode back to those bytes.
+    return hmac.compare_digest(
+        token.encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape")
+    )
 
 
 def _headers(raw: Sequence[tuple[bytes, bytes]]) -> dict[str, str]:

@@ -4,8 +4,10 @@ Invariants: a request is translated (``server/responses/translate.py``) and runs
 chat-shaped API shares (``server/chat.py``). A follow-up naming ``previous_response_id``
 re-renders the stored conversation plus its new input and passes the previous reply's finish row
 as ``parent_key``, so the engine waits for that row if its save is still in flight and restores
-the conversation instead of prefilling it. Only finished (not cancelled) replies are stored, and
-only with ``store`` true.
+the conversation instead of prefilling it. It runs in the stored conversation's cache salt only
+for the key's tenant that made it (``cache_salt_from_auth``); any other follow-up runs in the salt
+it presents, so holding a response id never opens another salt's namespace. Only finished (not
+cancelled) replies are stored, and only with ``store`` true.
 """
 
 from __future__ import annotations
@@ -83,9 +85,16 @@ async def create_response(request: Request) -> Response:
     previous = None
     if req.previous_response_id is not None:
         previous = _lookup(request, req.previous_response_id, "previous_response_id")
-    # A follow-up continues in its conversation's namespace unless it names a salt itself.
+    # A key's tenant (``owner``, checked by ``_lookup``) continues in its conversation's
+    # namespace unless it names a salt itself: every salt under its key is its own. Without a
+    # key, knowing a salt is what shares its namespace, so a follow-up runs in the salt it
+    # presents: a response id alone never opens another salt to cached_tokens probes.
     salt = tenancy.cache_salt(request, req.cache_salt, state.settings)
-    if previous is not None and tenancy.explicit_salt(request, req.cache_salt) is None:
+    if (
+        previous is not None
+        and previous.owner is not None
+        and tenancy.explicit_salt(request, req.cache_salt) is None
+    ):
         salt = previous.cache_salt
     model = await state.acquire(req.model or (previous.model_id if previous else None))
     history = [*(previous.conversation if previous else ()), *responses.to_history(req.input)]

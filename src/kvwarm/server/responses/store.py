@@ -5,7 +5,8 @@ Invariants: the store is in memory and bounded (``max_items`` responses and roug
 recently used response goes first. A stored response holds its whole conversation (without
 ``instructions``, which OpenAI does not carry over) and the key of its reply's finish row, so a
 follow-up re-renders the conversation and resumes from that row (its prompt is restored, not
-prefilled), in the cache namespace (salt) it ran in. The routes show a response only to the
+prefilled), in the cache namespace (salt) it ran in when a key's tenant asks (without one, in
+the salt the follow-up presents). The routes show a response only to the
 tenant that made it (``owner``; ``server/tenancy.py``). Losing an entry loses only the ability
 to refer to it: the cache rows stay.
 """
@@ -29,7 +30,7 @@ class StoredResponse:
     conversation: tuple[ChatMessage, ...]  # every input turn and this reply, no instructions
     key: bytes | None  # the reply's finish row (``CompletionStats.key``)
     body: Json  # the response object as it was returned
-    cache_salt: str | None = None  # the namespace it ran in: a follow-up continues there
+    cache_salt: str | None = None  # the namespace it ran in: its owner's follow-up continues there
     owner: str | None = None  # the tenant that made it (``tenancy``); no one else sees it
 
     def size(self) -> int:
