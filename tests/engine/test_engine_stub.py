@@ -440,3 +440,29 @@ def test_submit_sends_no_fragments_but_the_same_completion(engine: Engine) -> No
     assert list(quiet) == []  # no per-token events at all
     assert quiet.completion is not None
     assert quiet.completion.text == "".join(pieces) == streamed.result().text
+
+
+def test_a_caller_who_got_its_answer_sees_its_slot_free(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer goes out before the finish save is packed (the pack runs while the reply
+    travels); the slot was marked idle only after the pack, so /metrics read right after a
+    reply could show it busy (seen once as a flaky test_metrics_parse_and_count). The pack
+    is held here until the caller has looked."""
+    from kvwarm.engine.worker.cacheport import CachePort
+
+    packing, looked = threading.Event(), threading.Event()
+    finished = CachePort.finished
+
+    def held_finish(self: CachePort, *args: object, **kwargs: object) -> None:
+        packing.set()
+        assert looked.wait(30), "the test never looked"
+        finished(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CachePort, "finished", held_finish)
+    model = engine.load_model(config=stub_config(n_parallel=2))
+    out = model.complete("a prompt long enough to be saved when it finishes " * 4, max_tokens=4)
+    assert out.completion_tokens and packing.is_set()  # answered; its pack not yet run
+    status = model.status()
+    looked.set()
+    assert (status.active, status.free_slots) == (0, 2), status

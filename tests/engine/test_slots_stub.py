@@ -110,7 +110,8 @@ def test_cancelling_a_queued_request_answers_it_without_waiting_for_a_slot() -> 
         backend = GatedBackend()
         model = eng.load_model(config=stub_config(backend=backend))  # type: ignore[arg-type]
         busy = model.stream("occupies the only slot", OPTS)
-        while model.status().queued:  # bounded: the worker admits it without decoding
+        # Bounded: the worker admits it without decoding, and shows it before the pass.
+        while model.status().queued or not model.status().active:
             pass
         queued = model.stream("me next", OPTS)
         queued.cancel()

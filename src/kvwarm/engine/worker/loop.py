@@ -145,7 +145,9 @@ class Worker:
 
     @property
     def active(self) -> int:
-        return sum(1 for s in self.slots if s.active is not None)
+        """Slots serving a request, from the published view (any thread; may lag a tick): a
+        caller who got its answer sees its slot free (``Runtime.publish``)."""
+        return sum(1 for s in self.rt.view if s.phase != "idle")
 
     @property
     def kv_cells_used(self) -> int:
@@ -210,6 +212,7 @@ class Worker:
                 try:
                     self._run_jobs()
                     self._admit()
+                    self.rt.publish()  # what was admitted shows busy during a long pass
                     self.tick.run()
                 except Exception as exc:  # never let the loop die: fail what is in flight
                     log.exception("worker %s: unexpected error; failing active requests", self.name)

@@ -64,7 +64,9 @@ class Outcomes:
         )
         # The caller has its answer before the finish save packs the sequence (a copy of
         # every cell, the largest cost of a cached request): the pack runs while the reply
-        # goes out, and the row it names may still be in flight (``stats.key``).
+        # goes out, and the row it names may still be in flight (``stats.key``). Its slot is
+        # shown free first: a caller who got its answer never sees it busy.
+        self.rt.publish(freed=slot)
         act.req.answer(Done(completion))
         self.port.finished(slot, held, logits)
         slot.active = None

@@ -107,10 +107,12 @@ class Runtime:
         self.ctx.kv_unpack(slot.seq, blob)
         return blob
 
-    def publish(self) -> None:
+    def publish(self, freed: Slot | None = None) -> None:
         """Refresh ``view`` from the live slots: after each round, and before a request's
-        answer goes out (so a caller who got it sees its slot free)."""
-        self.view = tuple(slot.status() for slot in self.slots)
+        answer goes out (so a caller who got it sees its slot free). ``freed``: a slot whose
+        request is answered next and which then only packs its finish save on this thread
+        (no request can take it before that ends anyway): shown idle already."""
+        self.view = tuple(slot.status(freed=slot is freed) for slot in self.slots)
 
     def reset_seq(self, slot: Slot) -> None:
         """Drop the slot's KV from the context and forget its tokens."""

@@ -82,8 +82,11 @@ class Slot:
         self.copy_floor = 0
         self.kv_namespace = None
 
-    def status(self) -> SlotStatus:
-        """A frozen copy for other threads (worker thread only: it reads live fields)."""
+    def status(self, *, freed: bool = False) -> SlotStatus:
+        """A frozen copy for other threads (worker thread only: it reads live fields).
+        ``freed``: as it will be once its finishing request lets go of it (idle, used now)."""
+        if freed:
+            return SlotStatus(self.seq, "idle", len(self.kv_tokens), self.canonical, time.time())
         # last_used is monotonic (the planner compares it); readers want wall-clock time.
         last_used = time.time() - (time.monotonic() - self.last_used)
         act = self.active
