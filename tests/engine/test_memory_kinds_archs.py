@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from tests.engine import memkit
+from tests.engine import memkit, restorekit
 from tests.engine.memkit import same
 from tests.tinymodels import write_tiny_model
 
@@ -55,6 +55,22 @@ def load(eng: Engine, path: str, *, det: bool = True, n_parallel: int = 1) -> Mo
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     arch = str(request.param)
     yield str(write_tiny_model(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", arch))
+
+
+@pytest.fixture(scope="module")
+def randomised(tiny: str) -> Iterator[tuple[restorekit.Target, restorekit.Reference]]:
+    """The model as a target of ``restorekit``'s random cases, and its reference."""
+    target = restorekit.Target(
+        name=Path(tiny).stem,
+        n_batch=N_BATCH,
+        tokens=(1, 120),
+        lengths=(4, 110),
+        path=tiny,
+        n_ctx=256,
+    )
+    reference = restorekit.Reference(target)
+    yield target, reference
+    reference.close()
 
 
 def cold(path: str, tokens: Sequence[int], *, det: bool = True) -> Completion:
@@ -190,3 +206,14 @@ def test_a_hybrid_blob_is_its_attention_chunks_then_its_rest(tiny: str) -> None:
     finally:
         ctx.close()
         model.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3))
+def test_random_restores_equal_cold_runs(
+    randomised: tuple[restorekit.Target, restorekit.Reference], tmp_path: Path, seed: int
+) -> None:
+    """``test_random_restores_stub.py``'s seeded random sessions, on real recurrent and hybrid
+    state (fewer and shorter: each restart loads the model)."""
+    target, reference = randomised
+    restorekit.run(target, seed, 16, tmp_path, reference)
