@@ -10,7 +10,7 @@ from kvwarm.cache.types import CacheConfig, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig
 from kvwarm.engine.request import Done, Failed
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.errors import GrammarError
+from kvwarm.errors import EngineClosedError, GrammarError
 
 PROMPT = "A prompt long enough to be cached by the low test gates, twice over."
 
@@ -122,3 +122,45 @@ def test_a_non_kvwarm_error_during_admission_still_ends_the_request() -> None:
     finally:
         eng.close()
         cache.close()
+
+
+def _final(req: object, timeout_s: float = 10.0) -> Done | Failed:
+    """The request's final event (bounded: a request never answered fails the test)."""
+    while True:
+        event = req.channel.get(timeout=timeout_s)  # type: ignore[attr-defined]
+        if isinstance(event, Done | Failed):
+            return event
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_worker_that_dies_mid_tick_answers_every_request_with_an_error() -> None:
+    """A non-kvwarm error in a forward pass, then another from the cleanup (seq_rm of a broken
+    context), killed the thread: fail() had marked the running slot free before its cleanup
+    raised, so that request was never answered (its caller waited for ever); the queued one
+    was told "unloaded", and nothing said the model could serve nothing more."""
+    backend = GatedBackend()
+    eng = make_engine()
+    try:
+        model = eng.load_model(config=stub_config(backend=backend))  # type: ignore[arg-type]
+        running = model.stream("Hi.", max_tokens=50, temperature=0.0, ignore_eos=True)
+        backend.gate.step(2)  # its prompt is prefilled: its slot holds KV
+        queued = model.stream("Ho.", max_tokens=5, temperature=0.0)
+        worker = model._worker
+        ctx = worker.rt.ctx
+
+        def broken(*_args: object) -> None:
+            raise RuntimeError("the context is broken")
+
+        ctx._inner.decode = broken  # type: ignore[attr-defined]
+        ctx.seq_rm = broken  # type: ignore[method-assign]
+        backend.gate.set()
+        for req in (running._req, queued._req):
+            event = _final(req)
+            assert isinstance(event, Failed), event
+        assert worker._closed.wait(10)
+        assert model.worker_failure() is not None
+        with pytest.raises(EngineClosedError):
+            model.complete("Again.", max_tokens=2)
+    finally:
+        backend.gate.set()
+        eng.close()
