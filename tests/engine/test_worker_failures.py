@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
@@ -161,6 +163,51 @@ def test_a_worker_that_dies_mid_tick_answers_every_request_with_an_error() -> No
         assert model.worker_failure() is not None
         with pytest.raises(EngineClosedError):
             model.complete("Again.", max_tokens=2)
+        worker._thread.join(10)
     finally:
         backend.gate.set()
+        eng.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_close_whose_finish_fails_still_answers_the_queue_and_saves() -> None:
+    """The close drain finished the running request first: an unexpected error there (its
+    finish save) escaped, and the dying thread ran the same drain again, which raised again,
+    so the queued request was never answered (its caller waited for ever) and the shutdown
+    save of the slots' live KV never ran."""
+    eng = make_engine()
+    try:
+        model = eng.load_model(config=stub_config())
+        worker = model._worker
+        saves: list[object] = []
+        save = worker.save_idle_slots
+
+        def counted(*args: object, **kwargs: object) -> int:
+            saves.append(args)
+            return save(*args, **kwargs)  # type: ignore[arg-type]
+
+        def broken_finish(*_args: object) -> None:
+            raise RuntimeError("the finish save failed")
+
+        worker.save_idle_slots = counted  # type: ignore[method-assign]
+        unloading: list[threading.Thread] = []
+
+        def hold_until_closing() -> None:  # on the worker: the unload starts meanwhile
+            unloading.append(threading.Thread(target=model.unload))
+            unloading[0].start()
+            with worker._cond:
+                assert worker._cond.wait_for(lambda: worker._closing, 10)
+            worker.outcomes.finish = broken_finish  # type: ignore[method-assign]
+
+        running = model.stream(PROMPT, max_tokens=400, temperature=0.0, ignore_eos=True)
+        next(iter(running))  # it holds the one slot: what is submitted next stays queued
+        held = worker.call(hold_until_closing)
+        queued = model.stream(PROMPT, max_tokens=2, temperature=0.0)
+        held.result(10)
+        unloading[0].join(10)
+        for req in (running._req, queued._req):
+            assert isinstance(_final(req), Failed)
+        assert saves, "the shutdown save never ran"
+        worker._thread.join(10)
+    finally:
         eng.close()

@@ -314,21 +314,28 @@ class Worker:
         for job in jobs:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(err)
+        self._shutdown_save_once()
+
+    def _shutdown_save_once(self) -> None:
+        """The save ``stop`` asked for (idle slots' live KV), at most once, even on a death."""
+        save, self._shutdown_save = self._shutdown_save, None
+        if save is not None:
+            try:
+                save()
+            except Exception:
+                log.exception("worker %s: shutdown save failed", self.name)
 
     def _drain_on_close(self) -> None:
         for slot in self.slots:
             if slot.active is not None:
                 self.outcomes.finish(slot, "cancelled", None)
-        while self._queue:
-            req = self._queue.popleft()
+        with self._cond:  # a client's cancel removes from the queue meanwhile
+            queued, self._queue = list(self._queue), deque()
+            jobs, self._jobs = list(self._jobs), deque()
+        for req in queued:
             for one in req.group:
                 one.answer(Failed(EngineClosedError(f"model {self.name!r} was unloaded")))
-        while self._jobs:
-            job = self._jobs.popleft()
+        for job in jobs:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(EngineClosedError(f"model {self.name!r} was unloaded"))
-        if self._shutdown_save is not None:
-            try:
-                self._shutdown_save()
-            except Exception:
-                log.exception("worker %s: shutdown save failed", self.name)
+        self._shutdown_save_once()
