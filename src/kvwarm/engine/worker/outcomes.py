@@ -89,8 +89,10 @@ class Outcomes:
         slot.active = None
         slot.phase = "idle"
         try:
-            act.sampler.close()
-            self.rt.reset_seq(slot)
+            try:
+                act.sampler.close()
+            finally:
+                self.rt.reset_seq(slot)
         except KvwarmError:
             slot.reset_kv()
         finally:
