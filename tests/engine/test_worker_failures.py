@@ -12,7 +12,7 @@ from kvwarm.cache.types import CacheConfig, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig
 from kvwarm.engine.request import Done, Failed
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.errors import EngineClosedError, GrammarError
+from kvwarm.errors import BackendError, EngineClosedError, GrammarError
 
 PROMPT = "A prompt long enough to be cached by the low test gates, twice over."
 
@@ -210,4 +210,33 @@ def test_a_close_whose_finish_fails_still_answers_the_queue_and_saves() -> None:
         assert saves, "the shutdown save never ran"
         worker._thread.join(10)
     finally:
+        eng.close()
+
+
+def test_a_failed_request_whose_sampler_will_not_close_still_empties_its_sequence() -> None:
+    """A failing slot whose sampler raised on close was forgotten (its tokens) while its
+    cells stayed in the context: the next request in that slot prefilled over them."""
+    backend = GatedBackend()
+    eng = make_engine()
+    try:
+        model = eng.load_model(config=stub_config(backend=backend))  # type: ignore[arg-type]
+        running = model.stream("Hi.", max_tokens=50, temperature=0.0, ignore_eos=True)
+        backend.gate.step(2)  # its prompt is prefilled: its slot holds KV
+        worker = model._worker
+        (slot,) = worker.slots
+        assert slot.active is not None and slot.kv_tokens
+        sampler = slot.active.sampler
+
+        def refuse() -> None:
+            raise BackendError("the sampler will not close")
+
+        sampler.close = refuse  # type: ignore[method-assign]
+        worker.rt.ctx._inner.decode = lambda _batch: (_ for _ in ()).throw(  # type: ignore[attr-defined]
+            BackendError("decode failed")
+        )
+        backend.gate.set()
+        assert isinstance(_final(running._req), Failed)
+        assert worker.call(lambda: worker.rt.ctx.seq_pos_max(slot.seq)).result(10) == -1
+    finally:
+        backend.gate.set()
         eng.close()
