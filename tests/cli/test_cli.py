@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -410,3 +412,63 @@ def test_cache_gc_shared_sweeps_unreferenced_chunks_of_a_shared_dir(
     assert len(list((cache_dir / "rows").glob("*.kvk"))) == 4
     again = kvwarm(env_shared, "cache", "gc", "--shared", "--grace-s", "0")
     assert again.returncode == 0 and "disk: 0 of 4 chunks swept" in again.stdout, again.stdout
+
+
+# A stub whose every forward pass takes two minutes: a worker stuck in native code.
+_STUCK_SERVE = """
+import sys
+import kvwarm.backends.stub as stub
+_init = stub.StubBackend.__init__
+def _slow(self, *args, **kwargs):
+    kwargs.setdefault("decode_delay_s", 120.0)
+    _init(self, *args, **kwargs)
+stub.StubBackend.__init__ = _slow
+from kvwarm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_second_signal_stops_serve_at_once(env: dict[str, str], tmp_path: Path) -> None:
+    """uvicorn forced only on a second SIGINT, and only its wait for open connections: with a
+    worker stuck in a forward pass, two SIGTERMs (or two Ctrl-C) left kvwarm serve waiting
+    for the engine's shutdown (30 s per stuck model) regardless."""
+    port = _free_port()
+    args = ["serve", "--port", str(port), "--backend", "stub", "--model", "a=stub-a"]
+    args += ["--cache-dir", str(tmp_path / "cache"), "--worker-stall-s", "0.01"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STUCK_SERVE, *args],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    shutting_down = threading.Event()
+
+    def read_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "Shutting down" in line:
+                shutting_down.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert _wait_healthy(proc, base, 60), "server did not become ready"
+        body = {"prompt": "Hello", "max_tokens": 2}
+
+        def ask() -> None:
+            with contextlib.suppress(httpx.TransportError):  # the server goes away mid-request
+                httpx.post(base + "/v1/completions", json=body, timeout=200)
+
+        client = threading.Thread(target=ask, daemon=True)
+        client.start()
+        deadline = time.monotonic() + 30  # bounded readiness poll: the worker is in its pass
+        while "stalled" not in httpx.get(base + "/health", timeout=5).json():
+            assert time.monotonic() < deadline, "the request never reached the worker"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert shutting_down.wait(30), "the first signal started no shutdown"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=8) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -57,3 +57,16 @@ def test_isolate_gives_each_deterministic_slot_a_call_of_its_own() -> None:
     assert alone == (1,)
     single = TickPlan((1,), (), ())
     assert isolate(single, {1}) == (single, ())  # alone already: nothing to split
+
+
+def test_a_short_prompt_is_not_starved_by_a_long_one_beside_it() -> None:
+    """In slot order, the long prompt of slot 1 took the whole budget every tick: the short
+    prompt of slot 2 waited for all of its chunks before its first token."""
+    wants = [PrefillWant(1, 0, 4000, False), PrefillWant(2, 0, 5, False)]
+    for plan in (
+        DecodeFirst().plan([0], wants, n_batch=16, n_ubatch=16),
+        PrefillFirst().plan([0], wants, n_batch=16, n_ubatch=16),
+    ):
+        assert Chunk(2, 0, 5) in plan.shared_chunks
+        assert Chunk(1, 0, 16 - 5 - len(plan.decode_slots)) in plan.shared_chunks
+    assert Balanced().plan([0], wants, n_batch=16, n_ubatch=16).shared_chunks == (Chunk(2, 0, 5),)

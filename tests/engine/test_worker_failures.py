@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
@@ -10,7 +12,7 @@ from kvwarm.cache.types import CacheConfig, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig
 from kvwarm.engine.request import Done, Failed
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.errors import GrammarError
+from kvwarm.errors import BackendError, EngineClosedError, GrammarError
 
 PROMPT = "A prompt long enough to be cached by the low test gates, twice over."
 
@@ -122,3 +124,119 @@ def test_a_non_kvwarm_error_during_admission_still_ends_the_request() -> None:
     finally:
         eng.close()
         cache.close()
+
+
+def _final(req: object, timeout_s: float = 10.0) -> Done | Failed:
+    """The request's final event (bounded: a request never answered fails the test)."""
+    while True:
+        event = req.channel.get(timeout=timeout_s)  # type: ignore[attr-defined]
+        if isinstance(event, Done | Failed):
+            return event
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_worker_that_dies_mid_tick_answers_every_request_with_an_error() -> None:
+    """A non-kvwarm error in a forward pass, then another from the cleanup (seq_rm of a broken
+    context), killed the thread: fail() had marked the running slot free before its cleanup
+    raised, so that request was never answered (its caller waited for ever); the queued one
+    was told "unloaded", and nothing said the model could serve nothing more."""
+    backend = GatedBackend()
+    eng = make_engine()
+    try:
+        model = eng.load_model(config=stub_config(backend=backend))  # type: ignore[arg-type]
+        running = model.stream("Hi.", max_tokens=50, temperature=0.0, ignore_eos=True)
+        backend.gate.step(2)  # its prompt is prefilled: its slot holds KV
+        queued = model.stream("Ho.", max_tokens=5, temperature=0.0)
+        worker = model._worker
+        ctx = worker.rt.ctx
+
+        def broken(*_args: object) -> None:
+            raise RuntimeError("the context is broken")
+
+        ctx._inner.decode = broken  # type: ignore[attr-defined]
+        ctx.seq_rm = broken  # type: ignore[method-assign]
+        backend.gate.set()
+        for req in (running._req, queued._req):
+            event = _final(req)
+            assert isinstance(event, Failed), event
+        assert worker._closed.wait(10)
+        assert model.worker_failure() is not None
+        with pytest.raises(EngineClosedError):
+            model.complete("Again.", max_tokens=2)
+        worker._thread.join(10)
+    finally:
+        backend.gate.set()
+        eng.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_close_whose_finish_fails_still_answers_the_queue_and_saves() -> None:
+    """The close drain finished the running request first: an unexpected error there (its
+    finish save) escaped, and the dying thread ran the same drain again, which raised again,
+    so the queued request was never answered (its caller waited for ever) and the shutdown
+    save of the slots' live KV never ran."""
+    eng = make_engine()
+    try:
+        model = eng.load_model(config=stub_config())
+        worker = model._worker
+        saves: list[object] = []
+        save = worker.save_idle_slots
+
+        def counted(*args: object, **kwargs: object) -> int:
+            saves.append(args)
+            return save(*args, **kwargs)  # type: ignore[arg-type]
+
+        def broken_finish(*_args: object) -> None:
+            raise RuntimeError("the finish save failed")
+
+        worker.save_idle_slots = counted  # type: ignore[method-assign]
+        unloading: list[threading.Thread] = []
+
+        def hold_until_closing() -> None:  # on the worker: the unload starts meanwhile
+            unloading.append(threading.Thread(target=model.unload))
+            unloading[0].start()
+            with worker._cond:
+                assert worker._cond.wait_for(lambda: worker._closing, 10)
+            worker.outcomes.finish = broken_finish  # type: ignore[method-assign]
+
+        running = model.stream(PROMPT, max_tokens=400, temperature=0.0, ignore_eos=True)
+        next(iter(running))  # it holds the one slot: what is submitted next stays queued
+        held = worker.call(hold_until_closing)
+        queued = model.stream(PROMPT, max_tokens=2, temperature=0.0)
+        held.result(10)
+        unloading[0].join(10)
+        for req in (running._req, queued._req):
+            assert isinstance(_final(req), Failed)
+        assert saves, "the shutdown save never ran"
+        worker._thread.join(10)
+    finally:
+        eng.close()
+
+
+def test_a_failed_request_whose_sampler_will_not_close_still_empties_its_sequence() -> None:
+    """A failing slot whose sampler raised on close was forgotten (its tokens) while its
+    cells stayed in the context: the next request in that slot prefilled over them."""
+    backend = GatedBackend()
+    eng = make_engine()
+    try:
+        model = eng.load_model(config=stub_config(backend=backend))  # type: ignore[arg-type]
+        running = model.stream("Hi.", max_tokens=50, temperature=0.0, ignore_eos=True)
+        backend.gate.step(2)  # its prompt is prefilled: its slot holds KV
+        worker = model._worker
+        (slot,) = worker.slots
+        assert slot.active is not None and slot.kv_tokens
+        sampler = slot.active.sampler
+
+        def refuse() -> None:
+            raise BackendError("the sampler will not close")
+
+        sampler.close = refuse  # type: ignore[method-assign]
+        worker.rt.ctx._inner.decode = lambda _batch: (_ for _ in ()).throw(  # type: ignore[attr-defined]
+            BackendError("decode failed")
+        )
+        backend.gate.set()
+        assert isinstance(_final(running._req), Failed)
+        assert worker.call(lambda: worker.rt.ctx.seq_pos_max(slot.seq)).result(10) == -1
+    finally:
+        backend.gate.set()
+        eng.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from fastapi.testclient import TestClient
 
 from kvwarm.server import create_app
@@ -88,3 +89,28 @@ def test_a_cache_key_can_be_waited_for_and_read() -> None:
         assert row.json()["key"] == key
         assert client.get("/cache/rows/00ff", params={"wait_ms": 10}).status_code == 404
         assert client.get("/cache/rows/zz").status_code == 400
+
+
+class _Died(BaseException):
+    """Stands in for whatever kills a worker thread outright (escaping its error handling)."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_health_names_a_model_whose_worker_died() -> None:
+    """/health said ok while a model whose worker thread had died refused every request."""
+    with TestClient(create_app(stub_settings(models=stub_settings().models[:1]))) as client:
+        wait_ready(client.get)
+        model = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
+
+        def die() -> None:
+            raise _Died()
+
+        model._worker.tick.run = die
+        response = client.post("/v1/completions", json={"model": "a", "prompt": "x"})
+        assert response.status_code == 503, response.json()
+        assert model._worker._closed.wait(10)
+        health = client.get("/health")
+        assert health.status_code == 503, health.json()
+        body = health.json()
+        assert body["status"] == "error" and body["error"]["code"] == "worker_died", body
+        assert "a" in body["error"]["message"]

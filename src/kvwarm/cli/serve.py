@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
+from types import FrameType
 
 from kvwarm.cli.common import add_settings, settings_from, stop_signals
 from kvwarm.errors import ModelLoadError
@@ -39,7 +41,10 @@ def run(args: argparse.Namespace) -> int:
 
     class _Server(uvicorn.Server):
         """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, so the process dies of the
-        signal; for a CLI a requested, clean shutdown is success (exit 0)."""
+        signal; for a CLI a requested, clean shutdown is success (exit 0). A second signal
+        exits at once (found by review: uvicorn forces only on a second SIGINT, and only its
+        wait for open connections; the engine's shutdown, bounded by 30 s per stuck worker,
+        ignored every further signal)."""
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -48,6 +53,14 @@ def run(args: argparse.Namespace) -> int:
                 return
             with stop_signals(self.handle_exit):
                 yield
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if not self.should_exit:
+                self.should_exit = True  # the first: a graceful shutdown, saves flushed
+                return
+            # Not logging (its lock may be held by the thread this handler interrupted).
+            os.write(2, b"kvwarm: second signal: exiting now; saves still pending are lost\n")
+            os._exit(128 + sig)
 
     settings = settings_from(args)
     fatal: list[str] = []

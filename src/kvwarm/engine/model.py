@@ -180,6 +180,13 @@ class Model:
         worker = getattr(self, "_worker", None)
         return 0.0 if worker is None else float(worker.stalled_for())
 
+    def worker_failure(self) -> str | None:
+        """Why the worker thread died, if it did (the model then refuses every request until
+        it is unloaded and loaded again); None while it runs or after a clean stop."""
+        worker = getattr(self, "_worker", None)
+        failure = None if worker is None else worker.failure
+        return None if failure is None else f"its worker died: {failure!r}"
+
     def status(self) -> ModelStatus:
         return model_status(self.id, self._state, self.config, self._worker)
 

@@ -10,6 +10,8 @@ under its paths, ``errors.ANTHROPIC_PATHS``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -67,17 +69,30 @@ class _Observe:
             self.state.counters.record("refused", status)
             return
         status = 500
+        started = False
 
         async def observed_send(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = int(message["status"])
+                status, started = int(message["status"]), True
             await send(message)
 
         try:
             # Leases on models taken by the route are held until the response is fully sent.
             with request_leases():
                 await self.app(scope, receive, observed_send)
+        except asyncio.CancelledError:
+            # The server's shutdown gave up waiting for this request (found by review: it got
+            # uvicorn's plain-text 500): a 503 in the API's own shape, then the cancellation.
+            if not started:
+                status = 503
+                message = "the server is shutting down; retry on another instance or later"
+                body = shaped_body(
+                    scope["path"], status, message, "service_unavailable", "shutting_down"
+                )
+                with contextlib.suppress(Exception):
+                    await send_json(send, status, body)
+            raise
         finally:
             route = scope.get("route")
             self.state.counters.record(getattr(route, "path", "unmatched"), status)

@@ -15,7 +15,7 @@ from kvwarm.engine.ops import Message, ModelOps, OpStream
 ServedModel = ModelOps
 ServedStream = OpStream
 
-__all__ = ["Message", "ServedModel", "ServedStream", "stalled_for"]
+__all__ = ["Message", "ServedModel", "ServedStream", "stalled_for", "worker_failure"]
 
 
 def stalled_for(model: object) -> float:
@@ -23,3 +23,11 @@ def stalled_for(model: object) -> float:
     no local worker to watch (a remote replica)."""
     probe = getattr(model, "stalled_for", None)
     return float(probe()) if callable(probe) else 0.0
+
+
+def worker_failure(model: object) -> str | None:
+    """Why ``model``'s worker thread died, if it did; None for one that runs (or has no local
+    worker: a remote replica)."""
+    probe = getattr(model, "worker_failure", None)
+    failure = probe() if callable(probe) else None
+    return failure if isinstance(failure, str) else None

@@ -58,7 +58,11 @@ def _fill(
 ) -> tuple[list[Chunk], list[Chunk], int]:
     shared: list[Chunk] = []
     isolated: list[Chunk] = []
-    for want in prefilling:
+    # The fewest tokens left to prefill first (found by review: in slot order, a long prompt
+    # in a lower slot took the whole budget every tick, and a short prompt beside it got its
+    # first token only once the long one was prefilled, seconds to minutes later). A long
+    # prompt still gets what the short ones leave: a few tokens each, then they decode.
+    for want in sorted(prefilling, key=lambda w: (w.stop - w.start, w.slot)):
         if max_chunks is not None and len(shared) + len(isolated) >= max_chunks:
             break
         end = chunk_end(want.start, want.stop, n_batch)

@@ -94,6 +94,8 @@ class Worker:
         self._closing = False
         self._shutdown_save: Callable[[], object] | None = None
         self._closed = threading.Event()
+        # What killed the thread, if it died (not stopped): the model can serve nothing more.
+        self.failure: BaseException | None = None
         self._exited = False  # the thread has left _run (under _cond)
         self._on_exit: list[Callable[[], object]] = []
         self.rt.publish()
@@ -220,11 +222,12 @@ class Worker:
                 finally:
                     self._iteration_since = None
                 self.rt.publish()
-        except BaseException:
+        except BaseException as exc:
             log.exception("worker %s: thread is dying; refusing further requests", self.name)
             with self._cond:
                 self._closing = True
-            self._drain_on_close()
+                self.failure = exc
+            self._fail_on_death(exc)
             raise
         finally:
             self.rt.join_buf.release()  # the restore buffer (tens of MiB) goes with the worker
@@ -288,20 +291,54 @@ class Worker:
                 continue
             self.admission.admit(req, free)
 
+    def _fail_on_death(self, exc: BaseException) -> None:
+        """The thread is dying of ``exc``: every request in a slot, queued or waiting on a job
+        gets an error. Not a finish save: a tick cut short may have left a slot's KV other
+        than its tokens say (found by review: the running requests were answered "cancelled"
+        and saved, one whose cleanup raised was never answered)."""
+        err = EngineClosedError(f"model {self.name!r} stopped: its worker died ({exc!r})")
+        err.__cause__ = exc
+        for slot in self.slots:
+            act = slot.active
+            if act is None:
+                continue
+            try:
+                self.outcomes.fail(slot, err)
+            except Exception:
+                log.exception("worker %s: failing a slot as the worker died", self.name)
+            for one in act.req.group:
+                one.answer(Failed(err))  # a no-op for those answered just now
+        with self._cond:
+            queued, self._queue = list(self._queue), deque()
+            jobs, self._jobs = list(self._jobs), deque()
+        for req in queued:
+            for one in req.group:
+                one.answer(Failed(err))
+        for job in jobs:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(err)
+        self._shutdown_save_once()
+
+    def _shutdown_save_once(self) -> None:
+        """The save ``stop`` asked for (idle slots' live KV), at most once, even on a death."""
+        save, self._shutdown_save = self._shutdown_save, None
+        if save is not None:
+            try:
+                save()
+            except Exception:
+                log.exception("worker %s: shutdown save failed", self.name)
+
     def _drain_on_close(self) -> None:
         for slot in self.slots:
             if slot.active is not None:
                 self.outcomes.finish(slot, "cancelled", None)
-        while self._queue:
-            req = self._queue.popleft()
+        with self._cond:  # a client's cancel removes from the queue meanwhile
+            queued, self._queue = list(self._queue), deque()
+            jobs, self._jobs = list(self._jobs), deque()
+        for req in queued:
             for one in req.group:
                 one.answer(Failed(EngineClosedError(f"model {self.name!r} was unloaded")))
-        while self._jobs:
-            job = self._jobs.popleft()
+        for job in jobs:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(EngineClosedError(f"model {self.name!r} was unloaded"))
-        if self._shutdown_save is not None:
-            try:
-                self._shutdown_save()
-            except Exception:
-                log.exception("worker %s: shutdown save failed", self.name)
+        self._shutdown_save_once()

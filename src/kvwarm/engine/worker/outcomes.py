@@ -88,15 +88,20 @@ class Outcomes:
             return
         for waiting in self._take_forks(slot):
             self.fail(waiting, exc)
-        act.sampler.close()
         slot.active = None
         slot.phase = "idle"
         try:
-            self.rt.reset_seq(slot)
+            try:
+                act.sampler.close()
+            finally:
+                self.rt.reset_seq(slot)
         except KvwarmError:
             slot.reset_kv()
-        self.rt.publish()
-        act.req.answer(Failed(exc))
+        finally:
+            # Answered whatever the cleanup raised (found by review: an unexpected error from
+            # seq_rm left the caller waiting for ever, its slot already marked free).
+            self.rt.publish()
+            act.req.answer(Failed(exc))
 
     def fail_all_active(self, exc: BaseException) -> None:
         for slot in self.rt.slots:

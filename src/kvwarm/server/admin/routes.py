@@ -31,7 +31,7 @@ from kvwarm.server.schemas import (
     parse_body,
     read_json,
 )
-from kvwarm.server.served import stalled_for
+from kvwarm.server.served import stalled_for, worker_failure
 from kvwarm.server.state import server_state
 from kvwarm.server.tools import openai_tools, template_messages
 
@@ -47,6 +47,16 @@ async def health(request: Request) -> Response:
     models = {e.id: e.state for e in entries}
     errors = {e.id: e.error for e in entries if e.state == "failed"}
     failure = state.registry.startup_failure() if state.startup_done else None
+    # A model whose worker thread died refuses every request (found by review: /health said
+    # ok meanwhile); with no other model left to serve, the server is down.
+    dead = {
+        e.id: reason
+        for e in entries
+        if e.state == "ready" and (reason := worker_failure(e.model)) is not None
+    }
+    errors.update(dead)
+    if failure is None and entries and all(e.id in errors for e in entries):
+        failure = "; ".join(f"{i}: {r}" for i, r in errors.items())
     if state.startup_done and failure is None:
         stalled = _stalled(entries, state.settings.worker_stall_s)
         degraded = bool(errors or stalled)
@@ -57,7 +67,8 @@ async def health(request: Request) -> Response:
             body["stalled"] = stalled
         return JSONResponse(body)
     if failure is not None:
-        message, code, status = failure, "model_load_failed", "error"
+        code = "worker_died" if dead and len(errors) == len(dead) else "model_load_failed"
+        message, status = failure, "error"
     else:
         message = "loading: " + ", ".join(i for i, s in models.items() if s == "loading")
         code, status = "model_loading", "loading"
