@@ -122,7 +122,11 @@ def test_enospc_on_a_real_tiny_tmpfs(tmp_path: Path) -> None:
     mnt.mkdir()
     script = f'mount -t tmpfs -o size=256k tmpfs "{mnt}" && exec "$0" "$@"'
     proc = subprocess.run(
-        ["unshare", "-Urm", "sh", "-c", script, sys.executable, str(CHILD), "enospc", str(mnt)],
+        # A directory of its own on the mount: a tmpfs root is 1777, shared, and refused.
+        [
+            *("unshare", "-Urm", "sh", "-c", script, sys.executable, str(CHILD)),
+            *("enospc", str(mnt / "kvwarm")),
+        ],
         capture_output=True,
         text=True,
         env=child_env(),
