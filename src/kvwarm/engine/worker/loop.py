@@ -213,8 +213,8 @@ class Worker:
                 self._iteration_since = time.monotonic()
                 try:
                     self._run_jobs()
-                    self._admit()
-                    self.rt.publish()  # what was admitted shows busy during a long pass
+                    if self._admit():
+                        self.rt.publish()  # what was seated shows busy during a long pass
                     self.tick.run()
                 except Exception as exc:  # never let the loop die: fail what is in flight
                     log.exception("worker %s: unexpected error; failing active requests", self.name)
@@ -272,24 +272,27 @@ class Worker:
             except BaseException as exc:
                 job.future.set_exception(exc)
 
-    def _admit(self) -> None:
-        """Seat queued requests, FIFO, while a slot is free (not while a job needs idle)."""
+    def _admit(self) -> bool:
+        """Seat queued requests, FIFO, while a slot is free (not while a job needs idle);
+        whether any was seated."""
+        seated = False
         if self._blocked_by_idle_job():
-            return
+            return seated
         while True:
             free = [s for s in self.slots if s.active is None]
             if not free:
-                return
+                return seated
             with self._cond:
                 # n > 1 waits at the head of the queue (FIFO) until all its slots are free;
                 # Model refuses an n above n_parallel, so it never waits for ever.
                 if not self._queue or len(self._queue[0].group) > len(free):
-                    return
+                    return seated
                 req = self._queue.popleft()
             if req.cancelled.is_set():
                 self.outcomes.cancelled_unstarted(req)
                 continue
             self.admission.admit(req, free)
+            seated = True
 
     def _fail_on_death(self, exc: BaseException) -> None:
         """The thread is dying of ``exc``: every request in a slot, queued or waiting on a job
@@ -308,6 +311,12 @@ class Worker:
                 log.exception("worker %s: failing a slot as the worker died", self.name)
             for one in act.req.group:
                 one.answer(Failed(err))  # a no-op for those answered just now
+        self._fail_waiting(err)
+        self._shutdown_save_once()
+
+    def _fail_waiting(self, err: EngineClosedError) -> None:
+        """Answer every queued request and pending job with ``err`` (taken under the lock: a
+        client's cancel removes from the queue meanwhile)."""
         with self._cond:
             queued, self._queue = list(self._queue), deque()
             jobs, self._jobs = list(self._jobs), deque()
@@ -317,7 +326,6 @@ class Worker:
         for job in jobs:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(err)
-        self._shutdown_save_once()
 
     def _shutdown_save_once(self) -> None:
         """The save ``stop`` asked for (idle slots' live KV), at most once, even on a death."""
@@ -332,13 +340,5 @@ class Worker:
         for slot in self.slots:
             if slot.active is not None:
                 self.outcomes.finish(slot, "cancelled", None)
-        with self._cond:  # a client's cancel removes from the queue meanwhile
-            queued, self._queue = list(self._queue), deque()
-            jobs, self._jobs = list(self._jobs), deque()
-        for req in queued:
-            for one in req.group:
-                one.answer(Failed(EngineClosedError(f"model {self.name!r} was unloaded")))
-        for job in jobs:
-            if job.future.set_running_or_notify_cancel():
-                job.future.set_exception(EngineClosedError(f"model {self.name!r} was unloaded"))
+        self._fail_waiting(EngineClosedError(f"model {self.name!r} was unloaded"))
         self._shutdown_save_once()

@@ -45,12 +45,12 @@ async def embeddings(request: Request) -> Response:
 
     def work() -> tuple[list[list[float]], int]:
         vectors = model.embed(items)
+        # The embedding context is created (or grown) on use: count it against the budget.
+        state.remeasure(model.id, model)
         n_tokens = sum(len(model.tokenize(x)) if isinstance(x, str) else len(x) for x in items)
         return vectors, n_tokens
 
     vectors, n_tokens = await run_in_threadpool(work)
-    # The embedding context is created (or grown) on use: count it against the budget.
-    await run_in_threadpool(state.remeasure, model.id, model)
     data: list[dict[str, object]] = []
     for index, full in enumerate(vectors):
         vector = full if req.dimensions is None else _shortened(full, req.dimensions)
