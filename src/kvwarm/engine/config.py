@@ -21,6 +21,7 @@ from kvwarm.backends.base import (
 from kvwarm.cache.policy import validate_policy
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierName
 from kvwarm.engine.fingerprint import parse_mode
+from kvwarm.engine.types import MAX_DRAFT_TOKENS, SPEC_TYPES, SpecType
 from kvwarm.engine.worker.batching import StrategyName, strategy
 from kvwarm.errors import ConfigError
 
@@ -44,6 +45,12 @@ class ModelConfig:
     chat_template: str | None = None
     max_queue: int = 256
     batch_strategy: StrategyName = "decode_first"
+    #: Speculative decoding (``engine/worker/drafts.py``): the draft source of requests that
+    #: do not choose one (``SpecType``; llama-server's ``--spec-type``), the n-gram size its
+    #: lookups match, and the most tokens one draft may hold. Off in deterministic mode.
+    spec_type: SpecType = "none"
+    spec_ngram_n: int = 4
+    spec_draft_max: int = 16
 
     def validate(self) -> None:
         self.context.validate()
@@ -66,6 +73,16 @@ class ModelConfig:
             )
         parse_mode(self.fingerprint_mode)
         strategy(self.batch_strategy)
+        if self.spec_type not in SPEC_TYPES:
+            raise ConfigError(
+                f"spec_type must be one of {', '.join(SPEC_TYPES)}; got {self.spec_type!r}"
+            )
+        if not 1 <= self.spec_ngram_n <= 64:
+            raise ConfigError(f"spec_ngram_n must be in [1, 64], got {self.spec_ngram_n}")
+        if not 0 <= self.spec_draft_max <= MAX_DRAFT_TOKENS:
+            raise ConfigError(
+                f"spec_draft_max must be in [0, {MAX_DRAFT_TOKENS}], got {self.spec_draft_max}"
+            )
         if self.policy is not None:
             validate_policy(self.policy)
 
@@ -112,6 +129,9 @@ class ModelOptions(TypedDict, total=False):
     fingerprint_mode: str
     max_queue: int
     batch_strategy: StrategyName
+    spec_type: SpecType
+    spec_ngram_n: int
+    spec_draft_max: int
 
 
 def with_options(cfg: ModelConfig, options: ModelOptions) -> ModelConfig:

@@ -25,6 +25,7 @@ from kvwarm.cache.types import FingerprintMode, TierName
 from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.types import AdapterInfo, ModelInfo, ModelStatus
 from kvwarm.engine.worker.loop import Worker
+from kvwarm.memory import MemoryKind
 
 ModelState = Literal["loading", "ready", "unloading", "closed"]
 
@@ -72,7 +73,27 @@ def model_info(
         swa_full=cfg.context.swa_full,
         kv_bytes=context_memory.kv_bytes if context_memory else 0,
         context_bytes=context_memory.total_bytes if context_memory else 0,
+        spec_type=cfg.spec_type,
+        speculation=speculation(
+            cfg, MemoryKind(facts.memory_kind, facts.n_swa, cfg.context.swa_full)
+        ),
     )
+
+
+def speculation(cfg: ModelConfig, memory: MemoryKind) -> str:
+    """Whether requests of this model can speculate (``ModelInfo.speculation``): "on", "on
+    while a sequence is shorter than its window", or "off: " and why."""
+    if cfg.deterministic:
+        return (
+            "off: deterministic mode (a verify pass is a batch of another shape than a "
+            "one-token decode, so its logits differ in the last bits)"
+        )
+    ahead = memory.lookahead(0)
+    if ahead is None:
+        return "on"
+    if ahead == 0:
+        return f"off: a {memory.kind} memory cannot roll a rejected draft back"
+    return f"on while a sequence is shorter than its {memory.n_swa}-token sliding window"
 
 
 def model_status(model_id: str, state: ModelState, cfg: ModelConfig, worker: Worker) -> ModelStatus:

@@ -139,6 +139,12 @@ class Model:
                 fingerprint_mode=self.fingerprint_mode,
                 max_queue=cfg.max_queue,
                 strategy=strategy(cfg.batch_strategy),
+                spec_type=cfg.spec_type,
+                spec_ngram_n=cfg.spec_ngram_n,
+                spec_draft_max=cfg.spec_draft_max,
+                # A verify pass is a batch of another shape than a one-token decode: its
+                # logits differ in the last bits, which deterministic mode promises not to.
+                speculates=not cfg.deterministic,
             ),
             self.namespace,
         )

@@ -87,6 +87,10 @@ class StubBackend:
     hash, so a wrong restore shows in the output as it would on a real model.
     ``weights_bytes`` is what its models report as weights (notional; a context reports
     ``cell_bytes`` per cell as KV), for the memory budget's arithmetic.
+    ``copy_bias`` > 0 makes it copy, as real models do from their context (an "induction"
+    head): the token that followed the latest earlier occurrence of the current token gets
+    that much added to its logit, so greedy output repeats what the prompt holds (speculative
+    decoding's tests need drafts that are accepted, and some that are not).
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class StubBackend:
         memory_kind: MemoryKindName = "full",
         n_swa: int = 0,
         weights_bytes: int = STUB_WEIGHTS_BYTES,
+        copy_bias: float = 0.0,
     ) -> None:
         if cell_bytes < CELL.size or cell_bytes > 0xFFFF:
             raise ValueError(f"cell_bytes must be in [{CELL.size}, 65535]")
@@ -111,6 +116,7 @@ class StubBackend:
         self.cell_bytes = cell_bytes
         self.n_ctx_train = n_ctx_train
         self.weights_bytes = weights_bytes  # notional: what its models report as weights
+        self.copy_bias = copy_bias
 
     @property
     def name(self) -> str:

@@ -142,6 +142,8 @@ class StubContext:
                 if item.logits:
                     self._rows.append(row)
                     self._logits[row] = self._fake_logits(item.token, h)
+                    if self._model.backend.copy_bias:
+                        self._copy(self._logits[row], cells, item.pos)
             for seq in {item.seq for item in batch}:
                 self._forget(self._seqs[seq])
             if self._model.backend.decode_delay_s:
@@ -439,6 +441,23 @@ class StubContext:
         if token == OFFSET + ord("!"):
             logits[EOS] = 20.0
         return logits
+
+    def _copy(self, logits: npt.NDArray[np.float32], cells: dict[int, _Cell], pos: int) -> None:
+        """``copy_bias``: favour what followed the latest earlier occurrence of the two tokens
+        ending at ``pos`` (a function of the prefix, as the rest of the logits are), within
+        what the memory attends to (a sliding window's last ``n_swa`` positions: what a live
+        state and a restored one both hold)."""
+        prev = cells.get(pos - 1)
+        key = (prev.token if prev is not None else -1, cells[pos].token)
+        mem = self._memory
+        low = 0 if mem.trimmable else max(0, pos - mem.n_swa + 1) if mem.kind == "swa" else pos
+        for p in range(pos - 1, low, -1):
+            here, before, after = cells.get(p), cells.get(p - 1), cells.get(p + 1)
+            if here is None or before is None or after is None:
+                continue
+            if (before.token, here.token) == key:
+                logits[after.token] += self._model.backend.copy_bias
+                return
 
     def _free(self) -> None:
         self._invalidate_logits()

@@ -2,7 +2,9 @@
 
 Invariant kept by every strategy: a slot's prefill chunk never crosses an absolute multiple of
 ``n_batch``; a deterministic slot's chunk is never cut by the budget (it runs in a call of its
-own when it does not fit), so its numerics equal a cold prefill's.
+own when it does not fit), so its numerics equal a cold prefill's. A generating slot's draft
+(speculative decoding, ``drafted`` tokens in all) travels with its next token: what the
+decoding slots put in the call counts against the budget before any prefill chunk does.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class BatchStrategy(Protocol):
         prefilling: Sequence[PrefillWant],
         n_batch: int,
         n_ubatch: int,
+        drafted: int = 0,
     ) -> TickPlan: ...
 
 
@@ -93,8 +96,9 @@ class DecodeFirst:
         prefilling: Sequence[PrefillWant],
         n_batch: int,
         n_ubatch: int,
+        drafted: int = 0,
     ) -> TickPlan:
-        used = len(decoding)
+        used = len(decoding) + drafted
         shared, isolated, _ = _fill(prefilling, n_batch, used, n_batch, n_ubatch)
         return TickPlan(tuple(decoding), tuple(shared), tuple(isolated))
 
@@ -108,6 +112,7 @@ class PrefillFirst:
         prefilling: Sequence[PrefillWant],
         n_batch: int,
         n_ubatch: int,
+        drafted: int = 0,
     ) -> TickPlan:
         if not prefilling:
             return TickPlan(tuple(decoding), (), ())
@@ -124,9 +129,10 @@ class Balanced:
         prefilling: Sequence[PrefillWant],
         n_batch: int,
         n_ubatch: int,
+        drafted: int = 0,
     ) -> TickPlan:
         shared, isolated, _ = _fill(
-            prefilling, n_batch, len(decoding), n_batch, n_ubatch, max_chunks=1
+            prefilling, n_batch, len(decoding) + drafted, n_batch, n_ubatch, max_chunks=1
         )
         return TickPlan(tuple(decoding), tuple(shared), tuple(isolated))
 

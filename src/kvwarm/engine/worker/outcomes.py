@@ -50,6 +50,8 @@ class Outcomes:
             key=key,
             stop_sequence=act.assembler.matched,
             reuse=act.reuse,
+            drafted_tokens=act.drafted,
+            accepted_tokens=act.accepted,
         )
         self.rt.stats.account(stats)
         completion = Completion(
