@@ -44,12 +44,19 @@ def test_map_k_caps_a_key_by_its_last_acceptance() -> None:
     assert len(simple.propose([], 16, 0.01)) >= 3
 
 
-def test_pass_cost_fits_a_line() -> None:
-    line = PassCost()
-    assert line.cost == PassCost.DEFAULT  # nothing seen yet
-    for _ in range(10):
-        line.observe(1, 0.011)
-    assert line.cost == PassCost.DEFAULT  # one size only: no slope
-    for tokens in (1, 2, 4, 8, 1, 16):
-        line.observe(tokens, 0.010 + 0.001 * tokens)
-    assert abs(line.cost - 0.001 / 0.011) < 1e-6
+def test_pass_cost_compares_verify_passes_with_the_plain_ones_before_them() -> None:
+    cost = PassCost()
+    assert cost.cost == PassCost.DEFAULT  # nothing seen yet
+    for _ in range(5):
+        cost.observe(1, 0, 0.010)
+    cost.observe(1, 4, 0.014)
+    assert cost.cost == PassCost.DEFAULT  # one sample is not enough
+    # The machine gets three times slower (another process): the pairs still say 10%.
+    for _ in range(15):
+        cost.observe(1, 0, 0.030)
+    for _ in range(3):
+        cost.observe(1, 4, 0.042)
+        cost.observe(1, 0, 9.0)  # one pass stalled for seconds: the median ignores it
+    assert abs(cost.cost - 0.1) < 1e-9
+    cost.observe(2, 3, 0.1)  # no plain pass of two slots yet: no sample
+    assert abs(cost.cost - 0.1) < 1e-9

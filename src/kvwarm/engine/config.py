@@ -77,6 +77,12 @@ class ModelConfig:
             raise ConfigError(
                 f"spec_type must be one of {', '.join(SPEC_TYPES)}; got {self.spec_type!r}"
             )
+        if self.spec_type != "none" and self.context.flash_attn == "off":
+            # Measured (docs/internals.md, "Speculative decoding"): without flash attention a
+            # verify pass's rows differ from one-token passes' and greedy replies changed.
+            raise ConfigError(
+                "speculative decoding needs flash attention: set flash_attn to 'auto' or 'on'"
+            )
         if not 1 <= self.spec_ngram_n <= 64:
             raise ConfigError(f"spec_ngram_n must be in [1, 64], got {self.spec_ngram_n}")
         if not 0 <= self.spec_draft_max <= MAX_DRAFT_TOKENS:

@@ -86,7 +86,12 @@ def speculation(cfg: ModelConfig, memory: MemoryKind) -> str:
     if cfg.deterministic:
         return (
             "off: deterministic mode (a verify pass is a batch of another shape than a "
-            "one-token decode, so its logits differ in the last bits)"
+            "one-token decode, which this mode keeps bit for bit only where kernels allow)"
+        )
+    if cfg.context.flash_attn == "off":
+        return (
+            "off: flash attention is off (a verify pass's logits would differ from one-token "
+            "decoding's; set spec_type, or flash_attn on)"
         )
     ahead = memory.lookahead(0)
     if ahead is None:

@@ -29,6 +29,7 @@ from kvwarm.engine.describe import (
     ModelState,
     model_info,
     model_status,
+    speculation,
     warn_if_past_training,
 )
 from kvwarm.engine.embeddings import Embedder
@@ -89,7 +90,9 @@ class Model:
         self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint, phases.hashing())
         params = replace(cfg.model_params, progress=phases.weights())
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
-        ran = self._bmodel.context_params(cfg.context, deterministic=cfg.deterministic)
+        ran = self._bmodel.context_params(
+            cfg.context, deterministic=cfg.deterministic, speculative=cfg.spec_type != "none"
+        )
         self.config = cfg = replace(cfg, context=ran)
         self.chat_template_name, self._template = self._chat_template(cfg.chat_template)
         try:
@@ -142,9 +145,7 @@ class Model:
                 spec_type=cfg.spec_type,
                 spec_ngram_n=cfg.spec_ngram_n,
                 spec_draft_max=cfg.spec_draft_max,
-                # A verify pass is a batch of another shape than a one-token decode: its
-                # logits differ in the last bits, which deterministic mode promises not to.
-                speculates=not cfg.deterministic,
+                speculates=not speculation(cfg, self._ctx.memory).startswith("off"),
             ),
             self.namespace,
         )

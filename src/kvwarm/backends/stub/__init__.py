@@ -252,7 +252,9 @@ class StubModel:
                 tools=tools,
             )
 
-    def context_params(self, params: ContextParams, *, deterministic: bool) -> ContextParams:
+    def context_params(
+        self, params: ContextParams, *, deterministic: bool, speculative: bool = False
+    ) -> ContextParams:
         return params  # no attention kernels to choose between
 
     def new_context(self, params: ContextParams) -> StubContext:

@@ -20,9 +20,9 @@ costs the extra positions of one pass, never a different output. Here:
   ``k`` that maximises their ratio is drafted; ``k = 0`` (plain decoding) whenever no length
   pays. That is how a prompt with nothing to copy costs what plain decoding does: no match, no
   draft; matches that keep failing drive ``a`` down until drafting stops.
-- ``PassCost``: ``c``, measured: a least-squares line through the worker's recent decode-only
-  passes (time against tokens), so the trade-off follows the hardware (a GPU verifies 16
-  tokens for little more than one; a busy CPU does not).
+- ``PassCost``: ``c``, measured: each verify pass against the plain passes just before it,
+  so the trade-off follows the hardware (a GPU verifies 16 tokens for little more than one;
+  a CPU does not) and not another process's load.
 
 Invariants: nothing here touches the context or the sampler; a drafter reads only its own
 request's tokens (the tenant rule: ``docs/architecture.md``, "Tenants"); its memory is one dict
@@ -31,6 +31,8 @@ entry per token of the request and is freed with the request.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 
 from kvwarm.engine.types import SpecType
@@ -173,36 +175,42 @@ class Drafter:
 
 
 class PassCost:
-    """What one more token in a decode pass costs, relative to a one-token pass: a line
-    ``t = a + b * tokens`` fitted to recent decode-only passes (exponentially weighted, so it
-    follows a machine whose load changes); ``cost = b / (a + b)``."""
+    """What one more token in a decode pass costs, relative to a one-token pass.
 
-    #: Until passes of different sizes have been seen: a CPU-like guess.
+    Measured in pairs, so that another process's load (the usual noise on a shared machine,
+    passes slowed many times over for seconds) cancels out: a pass that verified drafts is
+    compared with the median of the latest plain passes of as many slots, run moments before
+    under the same load; ``(t / t_plain - 1) / drafted`` is one sample of the cost, and the
+    cost is the median of the latest samples (``DEFAULT`` until there are a few)."""
+
+    #: Until a few verify passes have been timed: a CPU-like guess.
     DEFAULT = 0.15
-    _WEIGHT = 0.98  # each pass's weight in the fit fades by this at the next
+    _KEEP = 15  # recent plain passes per slot count, and recent cost samples
     _LOW, _HIGH = 0.005, 2.0
 
-    __slots__ = ("_s0", "_sx", "_sxx", "_sxy", "_sy")
+    __slots__ = ("_plain", "_samples")
 
     def __init__(self) -> None:
-        self._s0 = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._plain: dict[int, deque[float]] = {}
+        self._samples: deque[float] = deque(maxlen=self._KEEP)
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        w = self._WEIGHT
-        self._s0 = self._s0 * w + 1.0
-        self._sx = self._sx * w + tokens
-        self._sy = self._sy * w + seconds
-        self._sxx = self._sxx * w + tokens * tokens
-        self._sxy = self._sxy * w + tokens * seconds
+    def observe(self, slots: int, drafted: int, seconds: float) -> None:
+        """A decode-only pass of ``slots`` slots' next tokens and ``drafted`` draft tokens
+        took ``seconds``."""
+        if slots <= 0 or seconds <= 0.0:
+            return
+        plain = self._plain.get(slots)
+        if not drafted:
+            if plain is None:
+                plain = self._plain[slots] = deque(maxlen=self._KEEP)
+            plain.append(seconds)
+            return
+        if plain:
+            ratio = seconds / statistics.median(plain)
+            self._samples.append(min(self._HIGH, max(self._LOW, (ratio - 1.0) / drafted)))
 
     @property
     def cost(self) -> float:
-        s0, sx, sy = self._s0, self._sx, self._sy
-        var = self._sxx * s0 - sx * sx
-        if s0 < 4.0 or var <= 1e-9 * s0 * s0:
-            return self.DEFAULT  # too few passes, or all of one size: no slope to fit
-        b = (self._sxy * s0 - sx * sy) / var
-        a = (sy - b * sx) / s0
-        if a + b <= 0.0:
+        if len(self._samples) < 3:
             return self.DEFAULT
-        return min(self._HIGH, max(self._LOW, b / (a + b)))
+        return statistics.median(self._samples)

@@ -174,7 +174,8 @@ class Tick:
             self.rt.ctx.decode(batch)
             if not chunks:
                 # A decode-only pass: what one more token costs (drafts' trade-off).
-                self.rt.pass_cost.observe(len(batch), time.perf_counter() - started)
+                slots = len(rows)
+                self.rt.pass_cost.observe(slots, len(batch) - slots, time.perf_counter() - started)
         except KvwarmError as exc:
             if len(rows) > 1:
                 # One slot's failure must not fail the others: retry each alone.
