@@ -120,6 +120,9 @@ def model_status(model_id: str, state: ModelState, cfg: ModelConfig, worker: Wor
         kv_cells=cfg.context.n_ctx,
         slots=worker.slot_statuses(),
         prefilled_tokens=s.prefilled_tokens,
+        drafted_tokens=s.drafted_tokens,
+        accepted_tokens=s.accepted_tokens,
+        verify_passes=s.verify_passes,
     )
 
 

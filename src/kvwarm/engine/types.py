@@ -388,6 +388,11 @@ class ModelStatus:
     kv_cells: int = 0  # the context's cells (n_ctx)
     slots: tuple[SlotStatus, ...] = ()
     prefilled_tokens: int = 0  # prompt tokens run through the model (not restored or forked)
+    #: Speculative decoding: tokens drafted and accepted (finished requests), and the slots'
+    #: passes that verified a draft.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_passes: int = 0
 
     @property
     def free_slots(self) -> int:

@@ -12,9 +12,10 @@ import json
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
+from kvwarm.engine.types import MAX_DRAFT_TOKENS, SpecType
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.tenancy import MAX_SALT_CHARS
 from kvwarm.settings import Settings
@@ -63,6 +64,21 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     ignore_eos: bool = False  # llama.cpp extension: never stop on an end-of-generation token
     cache_salt: str | None = _salt_field()  # vLLM's field (server/tenancy.py)
+    # Speculative decoding for this request (engine/worker/drafts.py); llama-server's
+    # "speculative.type" and "speculative.n_max" are accepted too. None: the model's.
+    spec_type: SpecType | None = Field(
+        default=None,
+        validation_alias=AliasChoices("spec_type", "speculative.type"),
+        description="speculative decoding: none, ngram-simple or ngram-map-k (default: the "
+        "model's spec_type); a speed hint, the output is the same",
+    )
+    spec_draft_max: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_DRAFT_TOKENS,
+        validation_alias=AliasChoices("spec_draft_max", "speculative.n_max"),
+        description="speculative decoding: the most tokens one draft holds (0: none)",
+    )
 
 
 def check_sampling(req: SamplingFields) -> None:

@@ -36,6 +36,7 @@ from kvwarm.settings.types import (
     OptPath,
     OptRopeScaling,
     OptStr,
+    SpecTypeName,
     SplitModeName,
     TensorSplit,
 )
@@ -150,6 +151,23 @@ class ModelSettings(BaseSettings):
     )
     yarn_orig_ctx: Int = Field(
         default=0, description="YaRN original training context size (0: the model's)"
+    )
+    spec_type: SpecTypeName = Field(
+        default="none",
+        description="speculative decoding from n-grams of each request's own prompt and reply: "
+        "none, ngram-simple or ngram-map-k (llama-server's names); exact, off in "
+        "deterministic mode; a request may choose its own (spec_type)",
+    )
+    spec_ngram_n: Int = Field(
+        default=4,
+        description="speculative decoding: how many tokens an n-gram lookup matches",
+        json_schema_extra=_flags("--spec-ngram-size-n"),
+    )
+    spec_draft_max: Int = Field(
+        default=16,
+        description="speculative decoding: the most tokens one draft holds (at most 32; "
+        "each draft is sized to the acceptance seen)",
+        json_schema_extra=_flags("--draft-max", "--spec-draft-n-max"),
     )
 
 
@@ -286,4 +304,7 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
         deterministic=settings.deterministic,
         max_queue=settings.max_queue,
         chat_template=_value(settings, spec, "chat_template"),
+        spec_type=_value(settings, spec, "spec_type"),
+        spec_ngram_n=_value(settings, spec, "spec_ngram_n"),
+        spec_draft_max=_value(settings, spec, "spec_draft_max"),
     )

@@ -2,7 +2,8 @@
 
 Model: byte-level. Token ``b + 3`` is the byte ``b``; 0 is ``<unk>``, 1 is BOS ``<s>``, 2 is
 EOS ``</s>``; fill-in-the-middle tokens follow the bytes, and a model whose path names ``fim``
-reports them (``ModelFacts.fim``), like a GGUF of a code model. Each KV cell of a sequence
+reports them (``ModelFacts.fim``), like a GGUF of a code model; one whose path names ``copy``
+copies from its context (``StubBackend.copy_bias``). Each KV cell of a sequence
 holds ``(pos, token, h)`` where ``h`` chains the previous cell's ``h`` with ``(token, pos)`` —
 so a cell depends on the whole prefix, exactly as real KV does, and a restore + prefill is
 "bit-identical" to cold iff the prefix matches. Logits are a pure function of the last cell's
@@ -70,6 +71,9 @@ STUB_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+
+#: ``copy_bias`` of a stub model whose path names ``copy``: greedy output then copies.
+COPY_BIAS = 8.0
 
 # What a stub model reports as its weights (``ModelFacts.size_bytes``): a notional figure, so
 # the memory budget's arithmetic (``server/budget.py``) has something to add up.
@@ -143,6 +147,8 @@ class StubModel:
         self._backend = backend
         self.params = params or ModelParams()  # what a llama.cpp load would have been given
         self._id = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "little")
+        #: What its contexts add to the logit of the token its context suggests (``copy``).
+        self.copy_bias = backend.copy_bias or (COPY_BIAS if "copy" in Path(path).name else 0.0)
         self._facts = ModelFacts(
             path=path,
             n_vocab=N_VOCAB,

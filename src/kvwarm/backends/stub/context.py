@@ -142,7 +142,7 @@ class StubContext:
                 if item.logits:
                     self._rows.append(row)
                     self._logits[row] = self._fake_logits(item.token, h)
-                    if self._model.backend.copy_bias:
+                    if self._model.copy_bias:
                         self._copy(self._logits[row], cells, item.pos)
             for seq in {item.seq for item in batch}:
                 self._forget(self._seqs[seq])
@@ -456,7 +456,7 @@ class StubContext:
             if here is None or before is None or after is None:
                 continue
             if (before.token, here.token) == key:
-                logits[after.token] += self._model.backend.copy_bias
+                logits[after.token] += self._model.copy_bias
                 return
 
     def _free(self) -> None:
