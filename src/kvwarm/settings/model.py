@@ -161,13 +161,12 @@ class ModelSettings(BaseSettings):
     spec_ngram_n: Int = Field(
         default=4,
         description="speculative decoding: how many tokens an n-gram lookup matches",
-        json_schema_extra=_flags("--spec-ngram-size-n"),
     )
     spec_draft_max: Int = Field(
         default=16,
         description="speculative decoding: the most tokens one draft holds (at most 32; "
         "each draft is sized to the acceptance seen)",
-        json_schema_extra=_flags("--draft-max", "--spec-draft-n-max"),
+        json_schema_extra=_flags("--spec-draft-n-max"),
     )
 
 
