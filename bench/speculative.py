@@ -19,8 +19,9 @@ Prints per load and server the median decode speed by the server's own ``timings
 ``generation_ms``, llama-server's ``predicted_ms``: decode only, not the prompt), the ratio to
 kvwarm plain, the drafts accepted/drafted, and whether the text is the plain text of the same
 numerics (greedy: it must be, everywhere): a speculating kvwarm's is kvwarm-fa's (flash
-attention on, as speculation runs it), llama-server's types' is llama-server plain's. Run it alone: two processes decoding at once on 2 cores halve each other;
-it prints the machine's load average before and after, which says what else ran.
+attention on, as speculation runs it), llama-server's types' is llama-server plain's. Run it
+alone: two processes decoding at once on 2 cores halve each other; it prints the machine's
+load average before and after, which says what else ran.
 """
 
 from __future__ import annotations
