@@ -407,3 +407,25 @@ def test_full_size_window_speculates_everywhere(engine: Engine) -> None:
     assert model.info().speculation == "on"
     plain, spec = both(model, PROMPT, replace(GREEDY, max_tokens=120))
     assert spec.completion_tokens == plain.completion_tokens and spec.stats.accepted_tokens > 20
+
+
+# ---- drafts from the cache ------------------------------------------------------------------
+
+
+def test_drafts_from_the_namespaces_rows_and_no_other(engine: Engine) -> None:
+    """A stub that never copies: a reply's own text suggests nothing, but the reply an earlier
+    request of the same namespace got is in a cached row, and drafts come from it. Another
+    tenant (another cache salt) gets none of them."""
+    model = engine.load_model(config=spec_config(backend=StubBackend()))
+    prompt = "Tell me about the harbour, the lighthouse and the keeper's family."
+    opts = replace(GREEDY, max_tokens=40)
+    first = model.complete(prompt, opts, cache_salt="tenant-a")
+    assert first.stats.accepted_tokens == 0 and first.stats.key is not None
+    assert engine.cache.lookup_exact_or_wait(first.stats.key, 30.0) is not None  # published
+    model.evict()
+    again = model.complete(prompt, opts, cache_salt="tenant-a")
+    assert again.completion_tokens == first.completion_tokens
+    assert again.stats.accepted_tokens >= 30  # the earlier reply, from its row
+    other = model.complete(prompt, opts, cache_salt="tenant-b")
+    assert other.completion_tokens == first.completion_tokens  # the same model, the same reply
+    assert other.stats.drafted_tokens == 0  # but nothing of tenant-a's rows

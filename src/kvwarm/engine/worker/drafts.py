@@ -32,10 +32,18 @@ entry per token of the request and is freed with the request.
 from __future__ import annotations
 
 import statistics
-from collections import deque
-from collections.abc import Sequence
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
+from kvwarm.cache.api import CacheApi
+from kvwarm.cache.types import Namespace
 from kvwarm.engine.types import SpecType
+
+#: A request's second source of drafts: ``(last n tokens, limit)`` to what followed them
+#: elsewhere (``RowDrafts.continuation`` of its namespace), at most ``limit`` tokens.
+Elsewhere = Callable[[tuple[int, ...], int], list[int]]
 
 #: Per-token acceptance a new request starts from (as if one of two tokens had been accepted).
 _PRIOR_ACCEPTED = 1.0
@@ -126,13 +134,24 @@ class DraftBudget:
 class Drafter:
     """One request's drafts (``SpecType`` "ngram-simple" or "ngram-map-k")."""
 
-    __slots__ = ("_caps", "_fed", "_last_key", "budget", "draft_max", "index", "kind")
+    __slots__ = (
+        "_caps", "_fed", "_last_key", "budget", "draft_max", "elsewhere", "index", "kind"
+    )  # fmt: skip
 
-    def __init__(self, kind: SpecType, n: int, draft_max: int, prompt: Sequence[int]) -> None:
+    def __init__(
+        self,
+        kind: SpecType,
+        n: int,
+        draft_max: int,
+        prompt: Sequence[int],
+        elsewhere: Elsewhere | None = None,
+    ) -> None:
         if kind == "none":
             raise ValueError("a drafter needs a draft source")
         self.kind = kind
         self.draft_max = draft_max
+        #: Asked when the request's own text has no match (the cached rows of its namespace).
+        self.elsewhere = elsewhere
         self.index = NgramIndex(n, prompt)
         self.budget = DraftBudget()
         self._fed = 0  # generated tokens already in the index
@@ -149,11 +168,17 @@ class Drafter:
         limit = min(limit, self.draft_max)
         if limit <= 0:
             return []
-        start = self.index.lookup()
-        if start is None:
-            return []
         toks, n = self.index.tokens, self.index.n
-        limit = min(limit, len(toks) - (start + n))
+        start = self.index.lookup()
+        if start is not None:
+            source = toks[start + n : start + n + limit]
+        elif self.elsewhere is not None and len(toks) >= n:
+            source = self.elsewhere(tuple(toks[len(toks) - n :]), limit)
+        else:
+            source = []
+        if not source:
+            return []
+        limit = len(source)
         key: tuple[int, ...] | None = None
         if self.kind == "ngram-map-k":
             key = tuple(toks[len(toks) - n :])
@@ -163,7 +188,7 @@ class Drafter:
             self.budget.skipped()
             return []
         self._last_key = key
-        return toks[start + n : start + n + k]
+        return source[:k]
 
     def verified(self, drafted: int, accepted: int) -> None:
         """The draft ``propose`` made was verified: ``accepted`` of its ``drafted`` tokens
@@ -172,6 +197,123 @@ class Drafter:
         if self._last_key is not None:
             self._caps[self._last_key] = accepted + 1
             self._last_key = None
+
+
+#: Most tokens of cached rows one worker indexes for drafts, over all namespaces. An indexed
+#: token costs about 130 bytes (a dict entry, its keys, the row's token tuple): ~17 MB.
+ROW_TOKENS_MAX = 1 << 17
+_ROWS_PER_REFRESH = 64  # rows a namespace's index takes in at most, per refresh
+_REFRESH_S = 1.0  # a namespace's rows are listed at most this often
+
+
+@dataclass(slots=True, eq=False)
+class _Rows:
+    """One namespace's index: its rows' token sequences and where each n-gram occurs."""
+
+    seqs: list[tuple[int, ...]] = field(default_factory=list)
+    keys: set[bytes] = field(default_factory=set)
+    #: hash of an n-gram -> (index into ``seqs``) << 32 | its start; checked on use.
+    starts: dict[int, int] = field(default_factory=dict)
+    tokens: int = 0
+    refreshed: float = float("-inf")
+
+
+class RowDrafts:
+    """Drafts from the cache: n-grams of the token sequences of the cached rows of each
+    namespace, for what a request's own text cannot suggest (the reply an earlier request of
+    the same namespace got: a retried question, a file sent again). A namespace includes
+    the cache salt, so a request drafts from its own tenant's rows only
+    (``docs/architecture.md``, "Tenants"); drafts change no token either way.
+
+    Bounded: ``max_tokens`` tokens indexed over all namespaces, the namespace drafted from
+    least recently dropped whole first; a namespace takes in at most ``_ROWS_PER_REFRESH``
+    rows per refresh (its newest), at most once per ``_REFRESH_S``, the longest first (a row
+    that is a prefix of one indexed adds no n-gram and is not kept). Tokens come from the
+    cache's index (``CacheApi.row_tokens``): no tier is read; and a finish save this worker
+    makes is indexed at once (``saved``). Worker thread only."""
+
+    def __init__(
+        self,
+        cache: CacheApi,
+        n: int,
+        *,
+        max_tokens: int = ROW_TOKENS_MAX,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cache = cache
+        self.n = n
+        self.max_tokens = max_tokens
+        self._clock = clock
+        self._spaces: OrderedDict[Namespace, _Rows] = OrderedDict()
+
+    @property
+    def tokens(self) -> int:
+        """Tokens indexed, over all namespaces."""
+        return sum(space.tokens for space in self._spaces.values())
+
+    def refresh(self, ns: Namespace) -> None:
+        """Take in the namespace's rows not yet indexed (rate-limited)."""
+        space = self._spaces.get(ns)
+        now = self._clock()
+        if space is not None and now - space.refreshed < _REFRESH_S:
+            self._spaces.move_to_end(ns)
+            return
+        if space is None:
+            space = self._spaces[ns] = _Rows()
+        self._spaces.move_to_end(ns)
+        space.refreshed = now
+        infos = [info for info in self._cache.rows(ns) if info.key not in space.keys]
+        infos.sort(key=lambda info: info.created, reverse=True)
+        fresh = sorted(infos[:_ROWS_PER_REFRESH], key=lambda info: info.n_tokens, reverse=True)
+        for info in fresh:
+            space.keys.add(info.key)
+            tokens = self._cache.row_tokens(info.key)
+            if tokens is None or space.tokens + len(tokens) > self.max_tokens:
+                continue
+            self._add(space, tokens)
+        self._bound(keep=ns)
+
+    def saved(self, ns: Namespace, tokens: Sequence[int]) -> None:
+        """This worker saved a row of ``tokens`` under ``ns`` (a finish save: a reply is in
+        it): indexed at once, before the save is even published."""
+        space = self._spaces.get(ns)
+        if space is None or space.tokens + len(tokens) > self.max_tokens:
+            return  # a namespace nobody drafts from yet is listed from the cache when one does
+        self._add(space, tuple(tokens))
+
+    def _add(self, space: _Rows, tokens: tuple[int, ...]) -> None:
+        n, starts = self.n, space.starts
+        seq = len(space.seqs) << 32
+        added = 0
+        for start in range(len(tokens) - n):
+            h = hash(tokens[start : start + n])
+            if h not in starts:
+                starts[h] = seq | start
+                added += 1
+        if added:
+            space.seqs.append(tokens)
+            space.tokens += len(tokens)
+
+    def _bound(self, keep: Namespace) -> None:
+        total = self.tokens
+        for ns in list(self._spaces):
+            if total <= self.max_tokens:
+                return
+            if ns != keep:
+                total -= self._spaces.pop(ns).tokens
+
+    def continuation(self, ns: Namespace, tail: tuple[int, ...], limit: int) -> list[int]:
+        """What followed ``tail`` (``n`` tokens) in a row of ``ns``: at most ``limit`` tokens."""
+        space = self._spaces.get(ns)
+        if space is None or len(tail) != self.n:
+            return []
+        packed = space.starts.get(hash(tail))
+        if packed is None:
+            return []
+        seq, start = space.seqs[packed >> 32], packed & 0xFFFF_FFFF
+        if seq[start : start + self.n] != tail:
+            return []  # another n-gram with the same hash
+        return list(seq[start + self.n : start + self.n + limit])
 
 
 class PassCost:

@@ -17,7 +17,7 @@ from kvwarm.cache.api import CacheApi
 from kvwarm.cache.types import FingerprintMode, Namespace, PolicyConfig, TierName
 from kvwarm.engine.types import CompletionStats, SlotStatus, SpecType
 from kvwarm.engine.worker.batching import BatchStrategy
-from kvwarm.engine.worker.drafts import PassCost
+from kvwarm.engine.worker.drafts import PassCost, RowDrafts
 from kvwarm.engine.worker.joinbuf import JoinBuffer
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.memory import MemoryKind
@@ -84,6 +84,7 @@ class Runtime:
     view: tuple[SlotStatus, ...] = ()
     join_buf: JoinBuffer = field(default_factory=JoinBuffer)  # chunked restores join here
     pass_cost: PassCost = field(default_factory=PassCost)  # what a draft token costs a pass
+    row_drafts: RowDrafts | None = None  # drafts from cached rows (made on first use)
     _eog: tuple[int, ...] | None = None
 
     @property

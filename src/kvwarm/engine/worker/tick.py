@@ -22,7 +22,7 @@ from kvwarm.backends.base import BatchToken
 from kvwarm.engine.types import SpecType
 from kvwarm.engine.worker.batching import Chunk, PrefillWant, isolate
 from kvwarm.engine.worker.cacheport import CachePort
-from kvwarm.engine.worker.drafts import Drafter
+from kvwarm.engine.worker.drafts import Drafter, RowDrafts
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
 from kvwarm.engine.worker.runtime import Runtime
@@ -132,7 +132,18 @@ class Tick:
             return None
         if self.rt.memory.lookahead(0) == 0:
             return None
-        return Drafter(cast(SpecType, kind), cfg.spec_ngram_n, draft_max, act.req.prompt_tokens)
+        rows = self.rt.row_drafts
+        if rows is None:
+            rows = self.rt.row_drafts = RowDrafts(self.rt.cache, cfg.spec_ngram_n)
+        ns = act.namespace  # the salted one: drafts come from this tenant's rows only
+        rows.refresh(ns)
+        return Drafter(
+            cast(SpecType, kind),
+            cfg.spec_ngram_n,
+            draft_max,
+            act.req.prompt_tokens,
+            lambda tail, limit: rows.continuation(ns, tail, limit),
+        )
 
     def _batch(
         self, decode_slots: Sequence[int], chunks: Sequence[Chunk]
