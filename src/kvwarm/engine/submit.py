@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvwarm.backends.base import BackendModel, json_schema_to_grammar
-from kvwarm.backends.grammar_cost import check_grammar_cost
+from kvwarm.backends.grammar_cost import cheap_grammar
 from kvwarm.cache.api import CacheApi
 from kvwarm.cache.types import PolicyConfig, TtlClass
 from kvwarm.engine.config import ModelConfig
@@ -70,6 +70,11 @@ class Submitter:
         grammar = opts.grammar
         if opts.json_schema is not None:
             grammar = json_schema_to_grammar(opts.json_schema)
+        if grammar is not None:
+            # Before any backend compiles it: an explosively ambiguous or wide grammar is a
+            # 400 here, never minutes of native work on the worker (issues 23, 41); an enum's
+            # literals become a prefix tree llama.cpp checks cheaply.
+            grammar = cheap_grammar(grammar)
         deterministic = (
             opts.deterministic if opts.deterministic is not None else self.config.deterministic
         )
@@ -115,10 +120,6 @@ class Submitter:
             )
 
         req = request(opts, tuple(request(f) for f in forks))
-        if grammar is not None:
-            # Before any backend compiles it: an explosively ambiguous grammar is a 400 here,
-            # never minutes of native work on the worker (issue 23).
-            check_grammar_cost(grammar)
         if grammar is not None or opts.logit_bias:
             # Build once here so a bad grammar or bias is the caller's error, not the worker's.
             self.bmodel.new_sampler(opts.sampling(grammar)).close()
