@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -35,7 +36,13 @@ from kvwarm.engine.embeddings import Embedder
 from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
 from kvwarm.engine.ops import Message
 from kvwarm.engine.options import GenerationOverrides, merge_options
-from kvwarm.engine.prompts import ExtraFile, chat_tokens, fim_tokens
+from kvwarm.engine.prompts import (
+    ExtraFile,
+    chat_tokens,
+    check_chat_size,
+    fim_tokens,
+    longest_piece,
+)
 from kvwarm.engine.request import RequestKind, check_tokens
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.submit import Submitter
@@ -92,6 +99,8 @@ class Model:
         ran = self._bmodel.context_params(cfg.context, deterministic=cfg.deterministic)
         self.config = cfg = replace(cfg, context=ran)
         self.chat_template_name, self._template = self._chat_template(cfg.chat_template)
+        self._longest_lock = threading.Lock()
+        self._longest: int | None = None  # bytes of the longest token (a chat's size bound)
         try:
             self._start_worker()
         except BaseException:
@@ -372,6 +381,7 @@ class Model:
         special-token text in it stays text (``kvwarm.engine.prompts``). Prewarm a chat prefix
         with these tokens so that it matches what ``stream_chat`` sends."""
         self._check_ready()
+        check_chat_size(messages, self.config.context.n_ctx, self._longest_piece)
         return chat_tokens(
             self._bmodel,
             messages,
@@ -379,6 +389,13 @@ class Model:
             add_generation_prompt=add_generation_prompt,
             template=self._template,
         )
+
+    def _longest_piece(self) -> int:
+        """``prompts.longest_piece``, computed once (under a lock: one pass, not several)."""
+        with self._longest_lock:
+            if self._longest is None:
+                self._longest = longest_piece(self._bmodel)
+            return self._longest
 
     def _submit_n(
         self, tokens: tuple[int, ...], opts: GenerationOptions, text: str, n: int, fragments: bool

@@ -361,6 +361,24 @@ def _within(path: str | None, field: str | None) -> bool:
     return path == field or path.startswith(field + ".")
 
 
+def check_count(data: object, field: str, limit: int, setting: str) -> None:
+    """400 for a body whose list ``field`` holds more than ``limit`` items (texts, messages,
+    token lists), counted on the parsed JSON before validation builds an object per item. A
+    list of bare token ids is one item (one tokenized prompt or input)."""
+    items = data.get(field) if isinstance(data, dict) else None
+    if not isinstance(items, list) or len(items) <= limit:
+        return
+    count = sum(1 for item in items if not isinstance(item, int) or isinstance(item, bool))
+    if count > limit:
+        raise HTTPError(
+            400,
+            f"{field} holds {count} items, more than this server's limit of {limit} "
+            f"(setting {setting})",
+            param=field,
+            code="invalid_value",
+        )
+
+
 def parse_body(data: object, model: type[_M]) -> _M:
     """Validate ``data``; the first problem becomes a 400 naming the offending field."""
     if not isinstance(data, dict):

@@ -382,6 +382,8 @@ class StubContext:
                     param="input",
                 )
             _checks.check_tokens(tokens, N_VOCAB)
+            if self._model.backend.prefill_delay_s:  # an embedding is a prefill
+                time.sleep(self._model.backend.prefill_delay_s * len(tokens))
             vecs = np.stack(
                 [np.random.default_rng(t * 7919 + 17).standard_normal(N_EMBD) for t in tokens]
             )

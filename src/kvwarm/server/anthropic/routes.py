@@ -17,7 +17,7 @@ from kvwarm.server import chat, convert, tenancy
 from kvwarm.server.anthropic import translate as anthropic
 from kvwarm.server.anthropic.schemas import CountTokensRequest, MessagesRequest
 from kvwarm.server.generate import SSE_HEADERS, Generation, named_sse, start_stream
-from kvwarm.server.schemas import json_body, parse_body, read_json
+from kvwarm.server.schemas import check_count, json_body, parse_body, read_json
 from kvwarm.server.served import ServedModel
 from kvwarm.server.state import server_state
 from kvwarm.server.tools import ChatPlan
@@ -42,7 +42,9 @@ async def _plan(model: ServedModel, req: CountTokensRequest) -> tuple[ChatPlan, 
 )
 async def messages(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings), MessagesRequest)
+    body = await read_json(request, state.settings)
+    check_count(body, "messages", state.settings.max_chat_messages, "max_chat_messages")
+    req = parse_body(body, MessagesRequest)
     model = await state.acquire(req.model)
     plan, prefill = await _plan(model, req)
     fields = chat.sampling_fields(
@@ -81,7 +83,9 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     """The prompt's token count as ``/v1/messages`` would render it (nothing is generated)."""
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings), CountTokensRequest)
+    body = await read_json(request, state.settings)
+    check_count(body, "messages", state.settings.max_chat_messages, "max_chat_messages")
+    req = parse_body(body, CountTokensRequest)
     model = await state.acquire(req.model)
     plan, prefill = await _plan(model, req)
 

@@ -29,7 +29,14 @@ from kvwarm.server import chat, convert, tenancy
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import SSE_HEADERS, sse
 from kvwarm.server.openai.choices import Choices, group_stats
-from kvwarm.server.schemas import ChatRequest, check_sampling, json_body, parse_body, read_json
+from kvwarm.server.schemas import (
+    ChatRequest,
+    check_count,
+    check_sampling,
+    json_body,
+    parse_body,
+    read_json,
+)
 from kvwarm.server.state import server_state
 from kvwarm.server.tool_stream import ToolStream
 from kvwarm.server.tools import ChatPlan
@@ -43,7 +50,9 @@ router = APIRouter()
 )
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings), ChatRequest)
+    raw = await read_json(request, state.settings)
+    check_count(raw, "messages", state.settings.max_chat_messages, "max_chat_messages")
+    req = parse_body(raw, ChatRequest)
     check_sampling(req)
     for legacy in ("functions", "function_call"):
         if getattr(req, legacy) is not None:

@@ -28,6 +28,7 @@ from kvwarm.server.openai.choices import Choices, group_stats
 from kvwarm.server.schemas import (
     CompletionRequest,
     InfillRequest,
+    check_count,
     check_sampling,
     json_body,
     parse_body,
@@ -90,7 +91,9 @@ async def _prompt_part(
 )
 async def completions(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings), CompletionRequest)
+    body = await read_json(request, state.settings)
+    check_count(body, "prompt", state.settings.max_completion_prompts, "max_completion_prompts")
+    req = parse_body(body, CompletionRequest)
     check_sampling(req)
     model = await state.acquire(req.model)
     prompts = _prompts(req.prompt)

@@ -26,7 +26,7 @@ from kvwarm.server.guard import presented_key
 from kvwarm.server.responses import translate as responses
 from kvwarm.server.responses.schemas import ResponsesRequest
 from kvwarm.server.responses.store import StoredResponse
-from kvwarm.server.schemas import ChatMessage, json_body, parse_body, read_json
+from kvwarm.server.schemas import ChatMessage, check_count, json_body, parse_body, read_json
 from kvwarm.server.state import ServerState, server_state
 from kvwarm.settings import Settings
 
@@ -81,7 +81,9 @@ class _Turn:
 )
 async def create_response(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings), ResponsesRequest)
+    body = await read_json(request, state.settings)
+    check_count(body, "input", state.settings.max_chat_messages, "max_chat_messages")
+    req = parse_body(body, ResponsesRequest)
     previous = None
     if req.previous_response_id is not None:
         previous = _lookup(request, req.previous_response_id, "previous_response_id")
