@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from kvwarm.cache.types import PolicyConfig
 from kvwarm.server import create_app
+from kvwarm.server.connections import uvicorn_config
 from kvwarm.settings import ModelSpec, Settings
 
 # Low gates so that short test prompts are cached.
@@ -77,15 +78,14 @@ def sse_events(text: str) -> list[object]:
 class LiveServer:
     """uvicorn on 127.0.0.1 and a free port, in a thread; ``stop()`` shuts it down cleanly."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, http: str = "auto") -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            create_app(settings), log_config=None, access_log=False, lifespan="on"
-        )
+        # As ``kvwarm serve`` runs it: with its connection limits (server/connections.py).
+        config = uvicorn_config(create_app(settings), settings, http=http, lifespan="on")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True

@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvwarm.server import create_app
+    from kvwarm.server.connections import uvicorn_config
 
     class _Server(uvicorn.Server):
         """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, so the process dies of the
@@ -70,16 +71,8 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app = create_app(settings, on_fatal=on_fatal)
-    # log_config=None keeps our logging setup; the per-request line comes from kvwarm itself.
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=10,
-    )
-    server = _Server(config)
+    # Slow clients are dropped and connections capped (server/connections.py).
+    server = _Server(uvicorn_config(app, settings))
     server.run()
     if fatal:
         raise ModelLoadError(f"no model could be loaded: {fatal[0]}")

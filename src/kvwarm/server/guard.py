@@ -2,7 +2,9 @@
 
 Invariants, checked in this order before any route runs:
 
-1. ``Host`` must name this server: a loopback name (``localhost``, ``*.localhost``,
+1. ``Host`` must be given once (two are a 400, as RFC 9112 requires: servers disagree on
+   which one counts, so the check below must not see one and a route another) and name this
+   server: a loopback name (``localhost``, ``*.localhost``,
    ``127.0.0.1``, ``::1``), the bound address, or a name in ``allowed_hosts`` (``*``: any). A
    DNS-rebinding page reaches us under *its* name, so its requests fail here. Bound to a
    wildcard address (``0.0.0.0``/``::``), any IP-literal Host is accepted as well (rebinding
@@ -112,6 +114,8 @@ class Guard:
 
     def refusal(self, scope: Scope) -> tuple[int, str, str] | None:
         """(status, message, code) of the first rule ``scope`` breaks, or None."""
+        if sum(1 for name, _ in scope["headers"] if name.lower() == b"host") > 1:
+            return 400, "the request has more than one Host header", "duplicate_host"
         headers = _headers(scope["headers"])
         host = headers.get("host", "")
         if not self.host_ok(host):
