@@ -14,6 +14,10 @@ Invariants:
   model loading at startup answers 503 with Retry-After, as before (``docs/architecture.md``).
 - A failed load stays failed (503 with its reason) until an admin loads it again; a file an
   admin loads by path and that fails is forgotten instead (the admin got the error).
+- A loaded model whose worker thread died is failed too, from the first lookup or listing that
+  notices (``_notice_death``): ``/v1/models``, the page and ``/health`` say so, its requests get
+  a 503 ``worker_died``, and an admin load starts it again (its dead engine model is unloaded
+  first) without a restart.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from kvwarm.errors import (
     ModelExistsError,
 )
 from kvwarm.server.errors import HTTPError
+from kvwarm.server.served import worker_failure
 from kvwarm.settings import ModelSpec, Settings
 
 if TYPE_CHECKING:
@@ -78,6 +83,7 @@ class ModelEntry:
     on_demand: bool = False  # a request asked for this load: requests wait for it
     in_progress: bool = False  # a load thread runs (a configured model waits as "loading")
     leases: int = 0
+    died: bool = False  # failed because its worker died; ``model`` is the dead one until unloaded
     last_used: float = 0.0  # time.monotonic()
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
@@ -126,8 +132,30 @@ class ModelRegistry:
                 del self.entries[model_id]
 
     def rescan(self) -> None:
+        """Pick up models_dir's new files; notice models whose worker died."""
         with self._lock:
             self._rescan()
+            for entry in self.entries.values():
+                self._notice_death(entry)
+
+    def notice_deaths(self) -> None:
+        """Mark failed every loaded model whose worker died (``_notice_death``)."""
+        with self._lock:
+            for entry in self.entries.values():
+                self._notice_death(entry)
+
+    @staticmethod
+    def _notice_death(entry: ModelEntry) -> None:
+        """Under the lock: a ready model whose worker thread died serves nothing any more;
+        it becomes failed (the dead model stays in ``entry.model`` until unloaded)."""
+        if entry.state != "ready" or entry.model is None:
+            return
+        reason = worker_failure(entry.model)
+        if reason is None:
+            return
+        entry.state, entry.died = "failed", True
+        entry.error = f"its worker died ({reason}); POST /admin/models/load to load it again"
+        log.error("model %s stopped: its worker died (%s)", entry.id, reason)
 
     def _resolve(self, name: str | None) -> ModelEntry:
         if name is None:
@@ -139,6 +167,8 @@ class ModelRegistry:
         if entry is None and self.models_dir is not None:
             self._rescan()
             entry = self.entries.get(target)
+        if entry is not None:
+            self._notice_death(entry)
         if entry is None:
             known = ", ".join([*self.entries, *self.aliases])
             raise HTTPError(
@@ -185,6 +215,13 @@ class ModelRegistry:
             models_dir.check_gguf_magic(Path(entry.spec.path).expanduser())
 
     def _refuse_unready(self, entry: ModelEntry) -> None:
+        if entry.state == "failed" and entry.died:
+            raise HTTPError(
+                503,
+                f"the model {entry.id!r} stopped: {entry.error}",
+                type="service_unavailable",
+                code="worker_died",
+            )
         if entry.state == "failed":
             raise HTTPError(
                 503,
@@ -220,7 +257,7 @@ class ModelRegistry:
         """Under the lock: mark ``entry`` loading (making room first) and start its thread."""
         victim = self._make_room(entry)
         entry.state, entry.on_demand, entry.error = "loading", on_demand, None
-        entry.in_progress = True
+        entry.in_progress, entry.died = True, False
         thread = threading.Thread(
             target=self._load, args=(entry, victim), name=f"kvwarm-load-{entry.id}", daemon=True
         )
@@ -266,6 +303,13 @@ class ModelRegistry:
     def _load(self, entry: ModelEntry, victim: ModelEntry | None) -> None:
         if victim is not None:
             self._unload_now(victim)
+        if entry.model is not None:  # the dead model of a worker that died: unload it first
+            try:
+                self._unloader(entry)
+            except Exception:
+                log.exception("error unloading the dead model %s", entry.id)
+            with self._lock:
+                entry.model = None
         try:
             model = self._loader(entry)
         # Whatever ends the load (a backend's bug, even a BaseException such as SystemExit),
@@ -293,6 +337,7 @@ class ModelRegistry:
             log.exception("error unloading model %s", entry.id)
         with self._lock:
             entry.model, entry.state = None, "available"
+            entry.error, entry.died = None, False
             self._wake(entry)
         log.info("model %s unloaded", entry.id)
 
@@ -362,6 +407,9 @@ class ModelRegistry:
         """Mark a model unloading (``ModelBusyError`` if in use); None if nothing is loaded."""
         with self._lock:
             entry = self._resolve(name)
+            if entry.state == "failed" and entry.model is not None:
+                entry.state = "unloading"  # a dead worker's model: free what it holds
+                return entry
             if entry.state == "failed":
                 entry.state, entry.error = "available", None
                 return None

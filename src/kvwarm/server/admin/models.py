@@ -50,7 +50,7 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
         "status": entry.state,
         "source": entry.source,
     }
-    if entry.model is not None:
+    if entry.model is not None and entry.state != "failed":  # failed: its worker died
         info = entry.model.info()
         item["meta"] = {
             "path": info.path,
@@ -101,8 +101,7 @@ async def retrieve_model(request: Request, model_id: str) -> Response:
     state = server_state(request)
     registry = state.registry
     target = registry.aliases.get(model_id, model_id)
-    if target not in state.entries:
-        registry.rescan()
+    registry.rescan()  # new files of models_dir; models whose worker died show failed
     entry = state.entries.get(target)
     if entry is None:
         raise HTTPError(
