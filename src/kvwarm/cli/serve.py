@@ -35,12 +35,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the server extra (uvicorn, fastapi) is not needed by the other commands.
-    import uvicorn
-
     from kvwarm.server import create_app
-    from kvwarm.server.connections import uvicorn_config
+    from kvwarm.server.connections import Server, uvicorn_config
 
-    class _Server(uvicorn.Server):
+    class _Server(Server):
         """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, so the process dies of the
         signal; for a CLI a requested, clean shutdown is success (exit 0). A second signal
         exits at once (found by review: uvicorn forces only on a second SIGINT, and only its
@@ -72,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
     app = create_app(settings, on_fatal=on_fatal)
     # Slow clients are dropped and connections capped (server/connections.py).
-    server = _Server(uvicorn_config(app, settings))
+    # Its shutdown ends streams still running with an error event (ServerState.drain).
+    server = _Server(uvicorn_config(app, settings), drain=app.state.kvwarm.drain)
     server.run()
     if fatal:
         raise ModelLoadError(f"no model could be loaded: {fatal[0]}")

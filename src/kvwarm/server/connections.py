@@ -22,6 +22,11 @@ Timers only: a request being served (its head and body in) is never cut by them;
 time is bounded by ``request_timeout_s`` instead (``server/generate.py``). The refusals are
 OpenAI-shaped JSON errors. Invariants: every timer is cancelled when its connection is lost;
 nothing here runs a route.
+
+``Server`` is uvicorn's server telling the app when shutdown begins: when its graceful wait
+(``timeout_graceful_shutdown``) ends, uvicorn cancels what still runs and a stream stopped
+mid-reply with no error event. The app's ``drain`` ends those generations itself a moment
+before (``drain_after``), with an error event in each API's shape.
 """
 
 from __future__ import annotations
@@ -30,19 +35,28 @@ import asyncio
 import json
 import logging
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import uvicorn
 
 from kvwarm.server.errors import error_body
 
 if TYPE_CHECKING:
-    import uvicorn
-
     from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.server")
 
-__all__ = ["FD_RESERVE", "MAX_HEADER_BYTES", "ConnectionLimits", "connection_cap", "uvicorn_config"]
+__all__ = [
+    "FD_RESERVE",
+    "MAX_HEADER_BYTES",
+    "ConnectionLimits",
+    "connection_cap",
+    "drain_after",
+    "Server",
+    "uvicorn_config",
+]
 
 #: File descriptors kept for everything but client connections (the model, cache files, the
 #: listening socket, logs): the connection cap stays this far below the open-file limit.
@@ -244,8 +258,6 @@ def uvicorn_config(
     """The uvicorn configuration ``kvwarm serve`` runs ``app`` under: the settings' address,
     kvwarm's own logging, and the connection limits (``header_timeout_s``,
     ``body_timeout_s``, ``max_connections``). ``options`` are passed on to uvicorn."""
-    import uvicorn
-
     limits = ConnectionLimits(
         header_timeout_s=settings.header_timeout_s,
         body_timeout_s=settings.body_timeout_s,
@@ -259,3 +271,29 @@ def uvicorn_config(
         "timeout_graceful_shutdown": 10,
     }
     return uvicorn.Config(app, http=protocol_class(limits, http), **{**defaults, **options})
+
+
+def drain_after(graceful_s: float | None) -> float | None:
+    """When, into a graceful wait of ``graceful_s`` seconds, the app ends what still runs:
+    a second before its end (half of a wait under two seconds); None: uvicorn waits for
+    ever, so nothing is cut."""
+    if graceful_s is None:
+        return None
+    return max(graceful_s - 1.0, graceful_s / 2)
+
+
+class Server(uvicorn.Server):
+    """``uvicorn.Server`` that calls ``drain(seconds)`` as its shutdown begins
+    (``drain_after``)."""
+
+    def __init__(
+        self, config: uvicorn.Config, drain: Callable[[float], None] | None = None
+    ) -> None:
+        super().__init__(config)
+        self._drain = drain
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        after = drain_after(self.config.timeout_graceful_shutdown)
+        if self._drain is not None and after is not None:
+            self._drain(after)
+        await super().shutdown(sockets)

@@ -135,10 +135,13 @@ def timings(stats: CompletionStats) -> Json:
     }
 
 
-def finish_reason(stats: CompletionStats, calls: Sequence[ToolCall] = ()) -> str:
-    if calls:
-        return "tool_calls"
-    return "length" if stats.finish_reason == "length" else "stop"
+def finish_reason(stats: CompletionStats, calls: bool = False) -> str:
+    """OpenAI's finish reason. A reply max_tokens cut off is ``length`` even when calls
+    came before the cut (issue 41: its second call, never closed, was dropped and the reply
+    said ``tool_calls``, as if complete)."""
+    if stats.finish_reason == "length":
+        return "length"
+    return "tool_calls" if calls else "stop"
 
 
 def chat_logprobs(items: Sequence[TokenLogprob] | None) -> Json | None:
@@ -237,7 +240,7 @@ def chat_choice(
         "index": index,
         "message": message,
         "logprobs": chat_logprobs(done.logprobs),
-        "finish_reason": finish_reason(done.stats, calls),
+        "finish_reason": finish_reason(done.stats, bool(calls)),
     }
 
 

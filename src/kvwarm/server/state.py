@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 
 from kvwarm.cache.types import TtlClass
-from kvwarm.errors import KvwarmError, MemoryBudgetError, ModelLoadError
+from kvwarm.errors import KvwarmError, MemoryBudgetError, ModelLoadError, ServerShuttingDownError
 from kvwarm.models_dir import checked_path
 from kvwarm.server import budget, tenancy
 from kvwarm.server.budget import ModelMemory
@@ -35,6 +35,7 @@ from kvwarm.settings import Settings, model_config
 
 if TYPE_CHECKING:
     from kvwarm.engine.api import Engine
+    from kvwarm.server.generate import Generation
     from kvwarm.server.served import ServedModel
 
 log = logging.getLogger("kvwarm.server")
@@ -57,6 +58,9 @@ class ServerState:
         self.counters = ServerMetrics(self.metrics_snapshot)
         # Strong references to fire-and-forget tasks (the loop keeps only weak ones).
         self.background: set[asyncio.Task[None]] = set()
+        # Generations being served (event loop only), so shutdown can end them with an error.
+        self.streams: set[Generation] = set()
+        self.draining: KvwarmError | None = None  # set once shutdown ended the streams
         ttl = settings.cache_config().ttl_seconds
         limits = KeepAliveLimits(
             settings.keepalive_max_entries,
@@ -76,6 +80,25 @@ class ServerState:
         self.memory = budget.plan(0, [], settings.cache_config().tiers)
 
     # --- lifecycle ---------------------------------------------------------------------------
+
+    def drain(self, after_s: float) -> None:
+        """Shutdown began (event loop): the generations still running ``after_s`` seconds
+        from now, just before uvicorn's graceful wait ends and it cancels whatever is left,
+        are ended with ``ServerShuttingDownError``, so each stream ends with an error event
+        in its API's shape instead of being cut mid-reply (issue 41); later ones at once."""
+
+        def cut() -> None:
+            error = ServerShuttingDownError(
+                "the server is shutting down; retry on another instance or later"
+            )
+            self.draining = error
+            streams = list(self.streams)
+            if streams:
+                log.warning("shutdown: ending %d generations still running", len(streams))
+            for gen in streams:
+                gen.cut(error)
+
+        asyncio.get_running_loop().call_later(max(0.0, after_s), cut)
 
     def start(self) -> None:
         """Start loading in the background (and the keep-alive); returns at once."""

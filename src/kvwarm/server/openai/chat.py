@@ -184,7 +184,7 @@ class ChatChoiceStream:
         if rest:
             out.append(Delta({"content": rest}, self._take_logprobs()))
         out.extend(Delta({"tool_calls": [call]}) for call in calls)
-        reason = "tool_calls" if any_call else convert.finish_reason(done.stats)
+        reason = convert.finish_reason(done.stats, any_call)
         if not self._fed_logprobs and done.logprobs:
             # A stream whose fragments carry no logprobs (a cluster replica streams text only):
             # the completion's logprobs go out with the last chunk.
