@@ -8,6 +8,7 @@ real grammar code (``tests/backends/test_grammar_cost.py``).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -154,5 +155,39 @@ def test_a_chat_beside_a_big_embeddings_batch_waits_about_as_long_as_alone(
         assert result["seconds"] > beside + 1.0, (result, beside)  # it really ran alongside
         print(f"chat alone {alone:.2f} s, beside {beside:.2f} s; embeddings {result}")
         assert beside - alone < 1.0, (alone, beside)
+    finally:
+        live.stop()
+
+
+def test_a_chat_beside_a_huge_body_waits_about_as_long_as_alone() -> None:
+    """A body's JSON was decoded and checked on the event loop: 8 MB (the default limit) held
+    every other client for ~2 s before any limit could refuse it; now only json.loads itself
+    (C, holding the GIL: ~0.3 s) does, the checks run off the loop."""
+    limit = 8 << 20
+    settings = stub_settings(models=stub_settings().models[:1], max_body_bytes=limit)
+    live = LiveServer(settings).start()
+    try:
+        huge = {"model": "a", "messages": [{"role": "user", "content": "x"}] * 300_000}
+        raw = json.dumps(huge).encode()[: limit - 4096]  # as many messages as fit the limit
+        raw = raw[: raw.rindex(b"},") + 1] + b"]}"
+        with httpx.Client(base_url=live.base_url, timeout=120) as http:
+            alone = max(_timed_chat(http) for _ in range(3))
+            result: dict[str, Any] = {}
+
+            def hostile() -> None:
+                with httpx.Client(base_url=live.base_url, timeout=120) as other:
+                    headers = {"content-type": "application/json"}
+                    response = other.post("/v1/chat/completions", content=raw, headers=headers)
+                    result["status"] = response.status_code
+
+            thread = threading.Thread(target=hostile)
+            thread.start()
+            beside = [_timed_chat(http)]
+            while thread.is_alive():  # chats for as long as the huge body is being handled
+                beside.append(_timed_chat(http))
+            thread.join()
+        assert result == {"status": 400}, result  # past max_chat_messages, once decoded
+        print(f"chat alone {alone:.3f} s, beside at most {max(beside):.3f} s ({len(beside)})")
+        assert max(beside) - alone < 1.0, (alone, beside)
     finally:
         live.stop()

@@ -9,10 +9,12 @@ UTF-16 surrogate anywhere in a body is a 400 naming its path (``kvwarm.unicode``
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
 from kvwarm.server.errors import HTTPError
@@ -288,6 +290,22 @@ async def read_json(request: Request, settings: Settings) -> object:
         raise HTTPError(
             400, "the request body is empty; expected a JSON object", code="invalid_json"
         )
+    if len(raw) > _PARSE_INLINE_BYTES:
+        # An 8 MB body took ~2 s to decode and check: off the event loop, so the requests
+        # of other clients go on meanwhile (issue 41).
+        return await run_in_threadpool(_decoded, raw, settings)
+    return _decoded(raw, settings)
+
+
+#: Bodies up to this size are decoded on the event loop (a thread hop costs more than that).
+_PARSE_INLINE_BYTES = 64 << 10
+# A lone surrogate can enter only through a \uD800-\uDFFF escape: the bytes of a body that
+# json.loads accepts are valid UTF-8, which never encodes one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _decoded(raw: bytes, settings: Settings) -> object:
+    """``read_json``'s decoding and checks of a whole body."""
     try:
         data = json.loads(raw, parse_constant=_not_json)  # bytes: strict_loads takes text
     # ValueError too: an integer literal of more than 4,300 digits is refused by int() itself.
@@ -300,7 +318,7 @@ async def read_json(request: Request, settings: Settings) -> object:
     if json_depth(data) > settings.max_json_depth:
         raise _too_deep(settings.max_json_depth)
     # JSON escapes can spell lone surrogates ("\ud800"), which no text field can carry on.
-    where = find_lone_surrogate(data)
+    where = find_lone_surrogate(data) if _SURROGATE_ESCAPE.search(raw) else None
     if where is not None:
         raise HTTPError(
             400,
