@@ -16,7 +16,7 @@ import os
 import threading
 from typing import Unpack
 
-from kvwarm.engine.config import EngineConfig, ModelConfig, ModelOptions
+from kvwarm.engine.config import EngineConfig, LoraSpec, ModelConfig, ModelOptions
 from kvwarm.engine.engine import Engine
 from kvwarm.engine.model import Model, Prompt
 from kvwarm.engine.ops import Message
@@ -25,6 +25,7 @@ from kvwarm.engine.types import ModelInfo
 __all__ = [
     "Engine",
     "EngineConfig",
+    "LoraSpec",
     "Message",
     "Model",
     "ModelConfig",

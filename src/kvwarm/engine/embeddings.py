@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from kvwarm.backends.base import (
-    Adapter,
+    AdapterSet,
     BackendContext,
     BackendModel,
     ContextMemory,
@@ -29,8 +29,6 @@ from kvwarm.backends.base import (
 from kvwarm.engine.request import check_tokens
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
-
-AdapterSet = tuple[tuple[Adapter, float], ...]
 
 #: The smallest embedding context, in tokens (llama.cpp pads a context to 256 cells anyway).
 _MIN_TOKENS = 512

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Unpack
 
 from kvwarm.backends import get_backend
-from kvwarm.backends.base import Backend, BackendModel, ContextMemory
+from kvwarm.backends.base import AdapterSet, Backend, BackendModel, ContextMemory
 from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, resolve_template
 from kvwarm.cache.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
@@ -49,7 +49,8 @@ from kvwarm.engine.types import (
 )
 from kvwarm.engine.worker.batching import strategy
 from kvwarm.engine.worker.loop import Worker, WorkerConfig
-from kvwarm.errors import EngineClosedError, InvalidRequestError
+from kvwarm.engine.worker.runtime import LoraChoice
+from kvwarm.errors import AdapterError, EngineClosedError, InvalidRequestError
 
 if TYPE_CHECKING:
     from kvwarm.engine.engine import Engine
@@ -97,13 +98,29 @@ class Model:
         except BaseException:
             self._bmodel.close()
             raise
-        self._adapters = Adapters(self._bmodel, self._ctx, self._worker, self._refresh_namespace)
+        self._adapters = Adapters(self._bmodel, self._worker, self._refresh_namespace)
         self._submitter = Submitter(
-            self._bmodel, self._worker, self._engine.cache, self.config, self.policy
+            self._bmodel,
+            self._worker,
+            self._engine.cache,
+            self.config,
+            self.policy,
+            self._adapters.check,
         )
         self._embedder = Embedder(
             self._bmodel, cfg.context, self._worker, adapters=self._adapters.applied
         )
+        try:
+            for spec in cfg.lora:
+                try:
+                    self._adapters.load(spec.path, spec.scale, name=spec.name)
+                except AdapterError as exc:
+                    raise AdapterError(
+                        f"LoRA adapter {spec.name or spec.path} of model {model_id}: {exc}"
+                    ) from exc
+        except BaseException:
+            self._free_after_failed_load()
+            raise
         self._state = "ready"
 
     def _start_worker(self) -> None:
@@ -141,7 +158,16 @@ class Model:
                 strategy=strategy(cfg.batch_strategy),
             ),
             self.namespace,
+            self._resolve_lora,
         )
+
+    def _free_after_failed_load(self) -> None:
+        """A model whose configured adapter did not load: stop its worker and free it all."""
+        self._state = "closed"
+        if self._worker.stop(None, 60.0):
+            self._free_native()
+        else:
+            self._worker.after_exit(self._free_native)
 
     # ---- identity -----------------------------------------------------------------------
 
@@ -150,8 +176,18 @@ class Model:
         return self._namespace
 
     def _refresh_namespace(self, adapters: Sequence[tuple[bytes, float]]) -> None:
+        self._namespace = self._namespace_of(adapters)
+
+    def _namespace_of(self, adapters: Sequence[tuple[bytes, float]]) -> Namespace:
         fp = effective_fingerprint(self._fingerprint, list(adapters))
-        self._namespace = Namespace(fp, self._namespace.quant, self._ctx_hash)
+        return Namespace(fp, self._namespace.quant, self._ctx_hash)
+
+    def _resolve_lora(self, choice: LoraChoice | None) -> tuple[AdapterSet, Namespace]:
+        """A request's adapter set and namespace (worker thread, at admission)."""
+        if choice is None:
+            return self._adapters.applied(), self._namespace
+        adapters = self._adapters.resolve(choice)
+        return adapters, self._namespace_of([(a.sha256, s) for a, s in adapters])
 
     def info(self) -> ModelInfo:
         return model_info(
@@ -425,8 +461,12 @@ class Model:
 
     # ---- adapters -----------------------------------------------------------------------
 
-    def load_adapter(self, path: str | os.PathLike[str], scale: float = 1.0) -> AdapterInfo:
-        return self._adapters.load(path, scale)
+    def load_adapter(
+        self, path: str | os.PathLike[str], scale: float = 1.0, *, name: str = ""
+    ) -> AdapterInfo:
+        """Load a LoRA adapter and attach it at ``scale`` to the model's own set (0: loaded,
+        off except for requests that name it in ``GenerationOptions.lora``)."""
+        return self._adapters.load(path, scale, name=name)
 
     def set_adapter_scale(self, handle: int, scale: float) -> AdapterInfo:
         return self._adapters.set_scale(handle, scale)

@@ -8,7 +8,7 @@ wait happens here and never stalls other slots; ``n`` choices are one queued req
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvwarm.backends.base import BackendModel, json_schema_to_grammar
@@ -20,6 +20,7 @@ from kvwarm.engine.request import Request, RequestKind, check_length
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.types import RANDOM_SEED, GenerationOptions, sampler_seed
 from kvwarm.engine.worker.loop import Worker
+from kvwarm.engine.worker.runtime import LoraChoice
 from kvwarm.errors import InvalidRequestError
 
 
@@ -45,6 +46,8 @@ class Submitter:
     cache: CacheApi
     config: ModelConfig
     policy: PolicyConfig
+    #: ``AdapterError`` for a request's LoRA set naming an adapter the model lacks.
+    check_lora: Callable[[LoraChoice | None], None] = lambda _choice: None
 
     def group(
         self, tokens: tuple[int, ...], opts: GenerationOptions, text: str, n: int, fragments: bool
@@ -67,6 +70,7 @@ class Submitter:
     ) -> CompletionStream:
         """Queue one request (with ``forks``: the options of its other choices)."""
         check_length(tokens, self.config.context.n_ctx)
+        self.check_lora(opts.lora)
         grammar = opts.grammar
         if opts.json_schema is not None:
             grammar = json_schema_to_grammar(opts.json_schema)

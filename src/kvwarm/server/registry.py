@@ -1,6 +1,7 @@
 """The models a server knows and which of them are loaded: configured models (loaded at start),
 the files of a models directory (loaded on first use), models an admin loads by path; aliases;
-the cap on loaded models and the idle unload.
+LoRA adapters' names (each runs on its model, ``server/lora.py``); the cap on loaded models and
+the idle unload.
 
 Invariants:
 
@@ -40,6 +41,7 @@ from kvwarm.errors import (
 )
 from kvwarm.server.errors import HTTPError
 from kvwarm.settings import ModelSpec, Settings
+from kvwarm.settings.model import model_lora
 
 if TYPE_CHECKING:
     from kvwarm.server.served import ServedModel
@@ -103,6 +105,12 @@ class ModelRegistry:
                     f"alias {alias}={target}: no model {target!r} "
                     f"(models: {', '.join(self.entries) or 'none'})"
                 )
+        # vLLM's served LoRA adapters: an adapter's name runs on its model (server/lora.py).
+        self.adapter_models: dict[str, str] = {
+            name: spec.model_id
+            for spec in settings.models
+            for name, _ in model_lora(settings, spec)
+        }
         first = settings.models[0].model_id if settings.models else None
         self.default_id = first
 
@@ -134,13 +142,15 @@ class ModelRegistry:
             if self.default_id is None:
                 raise HTTPError(400, "this server has no default model: name one", param="model")
             name = self.default_id
-        target = name if name in self.entries else self.aliases.get(name, name)
+        target = name
+        if name not in self.entries:
+            target = self.aliases.get(name) or self.adapter_models.get(name) or name
         entry = self.entries.get(target)
         if entry is None and self.models_dir is not None:
             self._rescan()
             entry = self.entries.get(target)
         if entry is None:
-            known = ", ".join([*self.entries, *self.aliases])
+            known = ", ".join([*self.entries, *self.aliases, *self.adapter_models])
             raise HTTPError(
                 404,
                 f"the model {name!r} does not exist; available: {known}",

@@ -40,6 +40,19 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class LoraItem(BaseModel):
+    """llama-server's per-request adapter: its id (``GET /lora-adapters``) and scale."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: int = Field(ge=0, le=_INT32_MAX)
+    scale: float = 0.0  # llama-server's default: an id listed without a scale stays off
+
+
+def lora_pairs(items: list[LoraItem] | None) -> list[tuple[int, float]] | None:
+    return None if items is None else [(item.id, item.scale) for item in items]
+
+
 class SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -63,6 +76,8 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     ignore_eos: bool = False  # llama.cpp extension: never stop on an end-of-generation token
     cache_salt: str | None = _salt_field()  # vLLM's field (server/tenancy.py)
+    # llama-server's: the adapters this request runs under (others off); server/lora.py.
+    lora: list[LoraItem] | None = Field(default=None, max_length=64)
 
 
 def check_sampling(req: SamplingFields) -> None:

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +27,7 @@ from kvwarm.server import budget, tenancy
 from kvwarm.server.budget import ModelMemory
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits
+from kvwarm.server.lora import LoraChoice, LoraTable
 from kvwarm.server.metrics import ServerMetrics, Snapshot
 from kvwarm.server.registry import ModelEntry, ModelRegistry
 from kvwarm.server.responses.store import ResponseStore
@@ -48,6 +49,8 @@ class ServerState:
         self.engine_error: str | None = None
         self.on_fatal = on_fatal
         self.registry = ModelRegistry(settings, self._load_one, self._unload_one)
+        # The configured LoRA adapters, their ids and global scales (server/lora.py).
+        self.lora = LoraTable(settings)
         # The registry's dict: read-only views for routes and metrics.
         self.entries: dict[str, ModelEntry] = self.registry.entries
         self.default_id = self.registry.default_id
@@ -296,9 +299,19 @@ class ServerState:
         return self.registry.ready_model(model_id)
 
     async def acquire(self, name: str | None) -> ServedModel:
-        """The ready model a request names (an id or an alias; the first configured model if
-        it names none), loaded on first use; leased until the request ends."""
+        """The ready model a request names (an id, an alias or a LoRA adapter's name; the
+        first configured model if it names none), loaded on first use; leased until the
+        request ends."""
         return await self.registry.acquire(name)
+
+    async def acquire_with_lora(
+        self, name: str | None, lora: Sequence[tuple[int, float]] | None = None
+    ) -> tuple[ServedModel, LoraChoice | None]:
+        """``acquire``, and the LoRA adapters the request runs under: its ``lora`` list
+        (llama-server's), the adapter its model name names (vLLM's), or the model's global
+        scales (``server/lora.py``)."""
+        model = await self.registry.acquire(name)
+        return model, self.lora.choice(model, name, lora)
 
     def require_engine(self) -> Engine:
         engine = self.engine

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from kvwarm.alignment import align_down, canonical_after
-from kvwarm.backends.base import Buffer, Sampler
+from kvwarm.backends.base import AdapterSet, Buffer, Sampler
 from kvwarm.cache.explain import MissReason, ReuseReport
+from kvwarm.cache.key import salted_namespace
 from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Failed, Request
@@ -58,6 +59,7 @@ class Admission:
         # What the last restore attempt came to (a failed one makes the request cold).
         self._restore_failed: tuple[MissReason, str] | None = None
         self._found = Found()
+        self._base: Namespace | None = None  # the last planned request's unsalted namespace
 
     def admit(self, req: Request, free: Sequence[Slot]) -> None:
         """Seat ``req`` in one of the ``free`` slots; on any failure, answer it instead."""
@@ -81,11 +83,15 @@ class Admission:
                     self.outcomes.fail(slot, err)
             one.answer(Failed(err))  # a no-op for one answered just now
 
-    def _plan(self, req: Request, free: Sequence[Slot]) -> tuple[Slot, Plan, Namespace, list[int]]:
+    def _plan(
+        self, req: Request, free: Sequence[Slot]
+    ) -> tuple[Slot, Plan, Namespace, list[int], AdapterSet]:
         """(the slot, its plan, the request's namespace, where its prefill should checkpoint
-        besides the cold save: see ``CachePort.pauses``)."""
+        besides the cold save: see ``CachePort.pauses``, the adapters it runs under)."""
         rt = self.rt
-        ns = self.port.namespace(req.options.salt_bytes())
+        adapters, base = rt.adapter_set(req.options.lora)
+        self._base = base
+        ns = salted_namespace(base, req.options.salt_bytes())
         # A parent_key row was waited for on the caller's thread, so it is published by now
         # and this lookup scores it by what it really shares. The lookup is confined to ns:
         # a parent_key of another salt's row waits, but never restores.
@@ -109,7 +115,7 @@ class Admission:
             if m is not None
         ]
         rt.refresh_floors()
-        rt.cache.note_namespace(rt.namespace())
+        rt.cache.note_namespace(base)
         self._found = best_found(
             prompt,
             slots=rt.slots,
@@ -141,10 +147,10 @@ class Admission:
             resume += [ends[0] + 1, ends[-1] + 1]
         if req.deterministic:
             resume = [align_down(p, rt.cfg.n_batch) for p in resume]
-        return slot, plan, ns, resume
+        return slot, plan, ns, resume, adapters
 
     def _start(self, req: Request, free: Sequence[Slot]) -> None:
-        slot, plan, ns, resume = self._plan(req, free)
+        slot, plan, ns, resume, adapters = self._plan(req, free)
         n = len(req.prompt_tokens)
         samplers: list[Sampler] = []
         try:
@@ -161,7 +167,7 @@ class Admission:
             raise
         sampler, fork_samplers = samplers[0], samplers[1:]
         fork_slots = self.forks.pick(slot, free, len(req.forks))
-        self.forks.seat(fork_slots, list(zip(req.forks, fork_samplers, strict=True)), ns)
+        self.forks.seat(fork_slots, list(zip(req.forks, fork_samplers, strict=True)), ns, adapters)
         hit: CacheHitKind
         if keep == 0:
             hit = "cold"
@@ -184,7 +190,9 @@ class Admission:
         except Exception:  # an explanation never costs a request its answer
             log.exception("worker %s: explaining the cache use failed", self.rt.name)
             reuse = None
-        self._seat(slot, req, ns, sampler, keep, hit, logits_from_row, fork_slots, pauses, reuse)
+        self._seat(
+            slot, req, ns, sampler, keep, hit, logits_from_row, fork_slots, pauses, reuse, adapters
+        )
         if slot.active is not None and slot.active.req is req:
             self.port.resumed(slot, keep, resume_points=resume)
 
@@ -208,7 +216,11 @@ class Admission:
             found,
             keep,
             namespace=ns,
-            others=same_tenant(self.rt.cache, self.rt.namespace(), req.options.salt_bytes()),
+            others=(
+                []
+                if self._base is None
+                else same_tenant(self.rt.cache, self._base, req.options.salt_bytes())
+            ),
             n_batch=self.rt.cfg.n_batch,
             deterministic=req.deterministic,
         )
@@ -225,6 +237,7 @@ class Admission:
         forks: list[Slot],
         pauses: list[int],
         reuse: ReuseReport | None,
+        adapters: AdapterSet,
     ) -> None:
         n = len(req.prompt_tokens)
         active = Active(
@@ -240,6 +253,7 @@ class Admission:
             last_continued=n,  # continued saves count generated tokens from the prompt's end
             forks=forks,
             reuse=reuse,
+            adapters=adapters,
         )
         slot.active = active
         slot.kv_namespace = ns  # whatever KV the slot holds from now on was computed under ns

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvwarm.alignment import align_down
-from kvwarm.cache.key import salted_namespace
 from kvwarm.cache.policy import (
     cold_save_length,
     probe_lengths,
@@ -42,10 +41,6 @@ class CachePort:
         self.rt = rt
 
     # -- what a request can reuse ----------------------------------------------------------
-
-    def namespace(self, salt: bytes | None) -> Namespace:
-        """The namespace a request's KV lives in: the model's, salted by its cache salt."""
-        return salted_namespace(self.rt.namespace(), salt)
 
     def lookup(
         self, ns: Namespace, prompt: Sequence[int], turn_ends: Sequence[int]

@@ -30,6 +30,14 @@ router = APIRouter()
 async def embeddings(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), EmbeddingRequest)
+    if req.model is not None and state.lora.base_of(req.model) is not None:
+        raise HTTPError(
+            400,
+            f"{req.model!r} is a LoRA adapter: adapters apply to generation; embed with its "
+            f"model, {state.lora.base_of(req.model)!r}",
+            param="model",
+            code="invalid_value",
+        )
     model = await state.acquire(req.model)
     raw = req.input
     # Token ids go to the model as they are: no detokenize / re-tokenize round trip.
