@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -99,6 +100,8 @@ class Model:
             self._bmodel.close()
             raise
         self._adapters = Adapters(self._bmodel, self._worker, self._refresh_namespace)
+        self._seen: dict[bytes, None] = {}  # fingerprints of requests' own adapter sets
+        self._seen_lock = threading.Lock()
         self._submitter = Submitter(
             self._bmodel,
             self._worker,
@@ -187,7 +190,23 @@ class Model:
         if choice is None:
             return self._adapters.applied(), self._namespace
         adapters = self._adapters.resolve(choice)
-        return adapters, self._namespace_of([(a.sha256, s) for a, s in adapters])
+        ns = self._namespace_of([(a.sha256, s) for a, s in adapters])
+        with self._seen_lock:
+            self._seen[ns.fingerprint] = None
+        return adapters, ns
+
+    def cache_fingerprints(self) -> frozenset[bytes]:
+        """The fingerprints of the namespaces this model's cached rows live in, as far as it
+        knows: its own (now and without adapters), each loaded adapter's alone at scale 1 (an
+        adapter served as a model of its own), and every set its requests ran under."""
+        own = [self._fingerprint, self._namespace.fingerprint]
+        alone = [
+            self._namespace_of([(bytes.fromhex(a.sha256), 1.0)]).fingerprint
+            for a in self.list_adapters()
+        ]
+        with self._seen_lock:
+            seen = list(self._seen)
+        return frozenset((*own, *alone, *seen))
 
     def info(self) -> ModelInfo:
         return model_info(

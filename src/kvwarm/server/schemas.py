@@ -23,6 +23,16 @@ from kvwarm.unicode import find_lone_surrogate
 _INT32_MAX = (1 << 31) - 1
 
 
+def keep_alive_field() -> Any:
+    """Ollama's ``keep_alive``: how long the model stays loaded after this request."""
+    return Field(
+        default=None,
+        description="how long the model stays loaded once idle after this request: seconds, "
+        'or a duration as "5m" or "1h30m"; 0 unloads it when this request ends, a negative '
+        "value keeps it loaded (default: the server's model_idle_unload_s)",
+    )
+
+
 def _salt_field() -> Any:
     return Field(
         default=None,
@@ -78,6 +88,7 @@ class SamplingFields(_Body):
     cache_salt: str | None = _salt_field()  # vLLM's field (server/tenancy.py)
     # llama-server's: the adapters this request runs under (others off); server/lora.py.
     lora: list[LoraItem] | None = Field(default=None, max_length=64)
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
 
 
 def check_sampling(req: SamplingFields) -> None:
@@ -186,6 +197,7 @@ class ChatRequest(SamplingFields):
 
 class EmbeddingRequest(_Body):
     model: str | None = None
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     # OpenAI's shortened embeddings: the first ``dimensions`` values, scaled to unit length.

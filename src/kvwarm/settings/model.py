@@ -153,6 +153,13 @@ class ModelSettings(BaseSettings):
     yarn_orig_ctx: Int = Field(
         default=0, description="YaRN original training context size (0: the model's)"
     )
+    # Ollama's and LM Studio's users pin the model they work with: it stays loaded.
+    pinned: Bool = Field(
+        default=False,
+        description="never unload the model when idle, by a request's keep_alive, or to make "
+        "room (max_loaded_models, memory_budget); in a [[models]] table: that model alone",
+        json_schema_extra={"switch": True},
+    )
     # vLLM's --lora-modules: each adapter is also a model name of its own; llama-server's
     # /lora-adapters and per-request "lora" list them by position (server/lora.py).
     lora: Loras = Field(
@@ -240,6 +247,11 @@ def model_options(values: Mapping[str, object], model: str) -> tuple[tuple[str, 
 
 def _value(settings: ModelSettings, spec: ModelSpec, name: str) -> Any:
     return dict(spec.options).get(name, getattr(settings, name))
+
+
+def is_pinned(settings: Settings, spec: ModelSpec) -> bool:
+    """``spec``'s ``pinned``: its ``[[models]]`` table's, else the global one."""
+    return bool(_value(settings, spec, "pinned"))
 
 
 def hardware_params(settings: Settings, spec: ModelSpec) -> tuple[ContextParams, ModelParams]:

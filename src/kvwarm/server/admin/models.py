@@ -11,6 +11,8 @@ Unloading a model with requests in flight is a 409 (``ModelBusyError``), never a
 
 from __future__ import annotations
 
+import math
+import time
 from pathlib import Path
 
 from fastapi import APIRouter
@@ -50,6 +52,7 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
         "owned_by": "kvwarm",
         "status": entry.state,
         "source": entry.source,
+        **residency(state, entry),
     }
     if entry.model is not None:
         info = entry.model.info()
@@ -81,6 +84,21 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
     elif entry.error:
         item["error"] = entry.error
     return item
+
+
+def residency(state: ServerState, entry: ModelEntry) -> dict[str, object]:
+    """How long the model stays loaded (as Ollama's ``/api/ps`` says it): ``pinned``,
+    ``keep_alive_s`` (seconds once idle; null: for ever) and ``expires_at`` (unix seconds it
+    unloads at if no request comes; null while in use, not loaded, or never)."""
+    registry = state.registry
+    ttl = registry.keep_alive(entry)
+    due = registry.due(entry)
+    expires = None if due is None else int(time.time() + (due - time.monotonic()))
+    return {
+        "pinned": entry.pinned,
+        "keep_alive_s": None if math.isinf(ttl) else ttl,
+        "expires_at": expires,
+    }
 
 
 @router.get("/v1/models")

@@ -43,7 +43,7 @@ async def _plan(model: ServedModel, req: CountTokensRequest) -> tuple[ChatPlan, 
 async def messages(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), MessagesRequest)
-    model, lora = await state.acquire_with_lora(req.model)
+    model, lora = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
     plan, prefill = await _plan(model, req)
     fields = chat.sampling_fields(
         max_tokens=req.max_tokens,

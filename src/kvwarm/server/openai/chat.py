@@ -63,7 +63,9 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs and not req.logprobs:
         # OpenAI's rule; the request would otherwise get no logprobs at all, silently.
         raise HTTPError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    model, lora = await state.acquire_with_lora(req.model, lora_pairs(req.lora))
+    model, lora = await state.acquire_generation(
+        req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
+    )
     schema = convert.response_schema(req.response_format)
     plan = await chat.plan(
         model, req.messages, req.tools, req.tool_choice, parallel=req.parallel_tool_calls

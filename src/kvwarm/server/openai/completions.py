@@ -93,7 +93,9 @@ async def completions(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), CompletionRequest)
     check_sampling(req)
-    model, lora = await state.acquire_with_lora(req.model, lora_pairs(req.lora))
+    model, lora = await state.acquire_generation(
+        req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
+    )
     prompts = _prompts(req.prompt)
     if req.stream and len(prompts) > 1:
         raise HTTPError(400, "streaming supports one prompt per request", param="prompt")
@@ -213,7 +215,9 @@ async def infill(request: Request) -> Response:
     ``input_suffix``, with ``input_extra`` files as context; its response shape, not OpenAI's."""
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), InfillRequest)
-    model, lora = await state.acquire_with_lora(req.model, lora_pairs(req.lora))
+    model, lora = await state.acquire_generation(
+        req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
+    )
     if req.n != 1:
         raise HTTPError(400, "/infill makes one completion (n=1)", param="n")
     limit = state.settings.max_tokens_limit

@@ -38,7 +38,7 @@ async def embeddings(request: Request) -> Response:
             param="model",
             code="invalid_value",
         )
-    model = await state.acquire(req.model)
+    model, _ = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
     raw = req.input
     # Token ids go to the model as they are: no detokenize / re-tokenize round trip.
     items: list[str | list[int]]

@@ -97,7 +97,7 @@ async def create_response(request: Request) -> Response:
     ):
         salt = previous.cache_salt
     requested = req.model or (previous.model_id if previous else None)
-    model, lora = await state.acquire_with_lora(requested)
+    model, lora = await state.acquire_generation(requested, keep_alive=req.keep_alive)
     history = [*(previous.conversation if previous else ()), *responses.to_history(req.input)]
     tools = responses.tools(req.tools)
     messages = responses.with_instructions(req.instructions, history)
