@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvwarm.alignment import canonical_after
-from kvwarm.cache.prefix import common_prefix
+from kvwarm.cache.index.prefix import common_prefix
 from kvwarm.engine.worker.planner import (
     Plan,
     RowCandidate,

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvwarm.cache.prefix import PrefixIndex, common_prefix
+from kvwarm.cache.index.prefix import PrefixIndex, common_prefix
 from kvwarm.cache.types import Namespace, TierName
 
 __all__ = [

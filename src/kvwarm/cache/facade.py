@@ -42,20 +42,17 @@ from dataclasses import replace
 from types import TracebackType
 
 from kvwarm.cache.api import LoadedRow, VerifyReport
-from kvwarm.cache.chunking import PlanBook, pack_request, tail_of
-from kvwarm.cache.chunkreads import ChunkReads
-from kvwarm.cache.core import CacheCore, ScratchBuffers
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.eviction import build_policy
 from kvwarm.cache.explain import MissHistory, MissReason, ReuseReport
-from kvwarm.cache.index import Index
-from kvwarm.cache.inflight import Holds
-from kvwarm.cache.key import cache_key
-from kvwarm.cache.policy import validate_cache_config
-from kvwarm.cache.pressure import PressureScheduler, PressureSource, make_source
+from kvwarm.cache.formats.key import cache_key
+from kvwarm.cache.index.index import Index
+from kvwarm.cache.index.inflight import Holds
 from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
-from kvwarm.cache.shared import SharedTiers
-from kvwarm.cache.sharedgc import SharedSweep, SweepStep
+from kvwarm.cache.store.chunking import PlanBook, pack_request, tail_of
+from kvwarm.cache.store.chunkreads import ChunkReads
+from kvwarm.cache.store.core import CacheCore, ScratchBuffers
+from kvwarm.cache.store.writer import WriterPool
 from kvwarm.cache.tiers.registry import TierOptions, build_tier
 from kvwarm.cache.types import (
     DEFAULT_GRACE_S,
@@ -68,8 +65,11 @@ from kvwarm.cache.types import (
     SweepResult,
     TierName,
 )
-from kvwarm.cache.upkeep import CacheUpkeep
-from kvwarm.cache.writer import WriterPool
+from kvwarm.cache.upkeep.pressure import PressureScheduler, PressureSource, make_source
+from kvwarm.cache.upkeep.scans import CacheUpkeep
+from kvwarm.cache.upkeep.shared import SharedTiers
+from kvwarm.cache.upkeep.sharedgc import SharedSweep, SweepStep
+from kvwarm.cache.validate import validate_cache_config
 from kvwarm.errors import (
     CacheError,
     CacheFormatError,

@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from kvwarm.cache.chunking import load_chunks
-from kvwarm.cache.core import CacheCore, ScratchBuffers
 from kvwarm.cache.protocols import StoredRow, Tier
+from kvwarm.cache.store.chunking import load_chunks
+from kvwarm.cache.store.core import CacheCore, ScratchBuffers
 from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError
 
 __all__ = ["ChunkReads"]

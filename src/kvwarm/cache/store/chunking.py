@@ -34,10 +34,10 @@ import threading
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvwarm.cache.chunkfmt import build_head, chunk_chain, recover_chain
 from kvwarm.cache.counters import Counters
-from kvwarm.cache.index import Index
-from kvwarm.cache.prefix import common_prefix
+from kvwarm.cache.formats.chunkfmt import build_head, chunk_chain, recover_chain
+from kvwarm.cache.index.index import Index
+from kvwarm.cache.index.prefix import common_prefix
 from kvwarm.cache.protocols import StoredRow, Tier
 from kvwarm.cache.types import Namespace, SaveRequest
 from kvwarm.errors import CacheError, CacheIOError, KvwarmError
