@@ -108,7 +108,7 @@ class ScratchBuffers:
 class CacheCore:
     """The index and the tiers, and the primitives that turn index decisions into tier calls
     (probe, adopt, retire, quota, store). One object; the facade's other collaborators
-    (``upkeep``, ``shared``, ``sharedgc``, ``chunkreads``) are handed it."""
+    (``upkeep``, ``shared``, ``sharedgc``, ``reads``, ``saves``) are handed it."""
 
     def __init__(
         self,
