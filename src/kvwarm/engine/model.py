@@ -50,12 +50,14 @@ from kvwarm.engine.types import (
 from kvwarm.engine.worker.batching import strategy
 from kvwarm.engine.worker.loop import Worker, WorkerConfig
 from kvwarm.errors import EngineClosedError, InvalidRequestError
+from kvwarm.tokens import Prompt
 
 if TYPE_CHECKING:
     from kvwarm.engine.engine import Engine
     from kvwarm.engine.ops import ModelOps
 
-Prompt = str | Sequence[int]
+#: What the generation calls take: text, token ids, or a ``Prompt`` (ids and media spans).
+PromptInput = str | Sequence[int] | Prompt
 
 
 log = logging.getLogger(__name__)
@@ -233,7 +235,7 @@ class Model:
 
     def complete(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         options: GenerationOptions | None = None,
         **overrides: Unpack[GenerationOverrides],
     ) -> Completion:
@@ -241,7 +243,7 @@ class Model:
 
     def stream(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         options: GenerationOptions | None = None,
         **overrides: Unpack[GenerationOverrides],
     ) -> CompletionStream:
@@ -252,7 +254,7 @@ class Model:
 
     def submit(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         options: GenerationOptions | None = None,
         **overrides: Unpack[GenerationOverrides],
     ) -> CompletionStream:
@@ -265,7 +267,7 @@ class Model:
 
     def streams(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         options: GenerationOptions | None = None,
         *,
         n: int,
@@ -293,7 +295,7 @@ class Model:
         """``streams`` for a chat."""
         opts = merge_options(options, overrides)
         tokens, text = self.chat_tokens(messages, tools=tools)
-        return self._submit_n(tokens, opts, text, n, fragments)
+        return self._submit_n(Prompt.text(tokens), opts, text, n, fragments)
 
     def chat(
         self,
@@ -305,7 +307,7 @@ class Model:
     ) -> Completion:
         opts = merge_options(options, overrides)
         tokens, text = self.chat_tokens(messages, tools=tools)
-        return self._submit(tokens, opts, text, fragments=False).result()
+        return self._submit(Prompt.text(tokens), opts, text, fragments=False).result()
 
     def stream_chat(
         self,
@@ -317,11 +319,11 @@ class Model:
     ) -> CompletionStream:
         opts = merge_options(options, overrides)
         tokens, text = self.chat_tokens(messages, tools=tools)
-        return self._submit(tokens, opts, text)
+        return self._submit(Prompt.text(tokens), opts, text)
 
     def prewarm(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         *,
         ttl_class: TtlClass = TtlClass.LONG,
         add_special: bool = True,
@@ -336,18 +338,18 @@ class Model:
         opts.validate()
         if isinstance(prompt, str):
             tokens = self._bmodel.tokenize(prompt, add_special=add_special, parse_special=True)
-            text = prompt
+            ids, text = Prompt.text(tokens), prompt
+        elif isinstance(prompt, Prompt):
+            ids, text = self._checked(prompt), ""
         else:
-            tokens, text = check_tokens(prompt, self.facts.n_vocab), ""
-        stream = self._submit(
-            tuple(tokens), opts, text, kind="prewarm", ttl=ttl_class, fragments=False
-        )
+            ids, text = Prompt.text(check_tokens(prompt, self.facts.n_vocab)), ""
+        stream = self._submit(ids, opts, text, kind="prewarm", ttl=ttl_class, fragments=False)
         return stream.result().stats
 
-    def _prompt_tokens(
-        self, prompt: Prompt, opts: GenerationOptions
-    ) -> tuple[tuple[int, ...], str]:
+    def _prompt_tokens(self, prompt: PromptInput, opts: GenerationOptions) -> tuple[Prompt, str]:
         self._check_ready()
+        if isinstance(prompt, Prompt):
+            return self._checked(prompt), ""
         if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
             # Found by review: None or a number raised TypeError; bytes passed as token ids.
             raise InvalidRequestError(
@@ -358,8 +360,21 @@ class Model:
             tokens = self._bmodel.tokenize(
                 prompt, add_special=opts.add_special, parse_special=opts.parse_special
             )
-            return tuple(tokens), prompt
-        return tuple(check_tokens(prompt, self.facts.n_vocab)), ""
+            return Prompt.text(tokens), prompt
+        return Prompt.text(check_tokens(prompt, self.facts.n_vocab)), ""
+
+    def _checked(self, prompt: Prompt) -> Prompt:
+        """A ``Prompt`` whose text positions are this vocabulary's ids, and whose spans this
+        model can decode (none yet: media need a projector, which no backend loads)."""
+        check_tokens(prompt.text_tokens(), self.facts.n_vocab)
+        if prompt.spans:
+            kinds = sorted({span.kind for span in prompt.spans})
+            raise InvalidRequestError(
+                f"model {self.id!r} cannot read {' or '.join(kinds)} input: it has no "
+                "multimodal projector",
+                param="prompt",
+            )
+        return prompt
 
     def chat_tokens(
         self,
@@ -381,10 +396,10 @@ class Model:
         )
 
     def _submit_n(
-        self, tokens: tuple[int, ...], opts: GenerationOptions, text: str, n: int, fragments: bool
+        self, prompt: Prompt, opts: GenerationOptions, text: str, n: int, fragments: bool
     ) -> list[CompletionStream]:
         self._check_ready()
-        return self._submitter.group(tokens, opts, text, n, fragments)
+        return self._submitter.group(prompt, opts, text, n, fragments)
 
     def infill_tokens(
         self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
@@ -402,7 +417,7 @@ class Model:
 
     def _submit(
         self,
-        tokens: tuple[int, ...],
+        prompt: Prompt,
         opts: GenerationOptions,
         text: str,
         kind: RequestKind = "generate",
@@ -411,7 +426,7 @@ class Model:
         fragments: bool = True,
     ) -> CompletionStream:
         self._check_ready()
-        return self._submitter.one(tokens, opts, text, kind, ttl, fragments=fragments)
+        return self._submitter.one(prompt, opts, text, kind, ttl, fragments=fragments)
 
     # ---- embeddings ---------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.types import RANDOM_SEED, GenerationOptions, sampler_seed
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import InvalidRequestError
+from kvwarm.tokens import Prompt
 
 
 def choice_options(opts: GenerationOptions, n: int, limit: int) -> list[GenerationOptions]:
@@ -47,16 +48,16 @@ class Submitter:
     policy: PolicyConfig
 
     def group(
-        self, tokens: tuple[int, ...], opts: GenerationOptions, text: str, n: int, fragments: bool
+        self, prompt: Prompt, opts: GenerationOptions, text: str, n: int, fragments: bool
     ) -> list[CompletionStream]:
         """``n`` choices of one prompt, prefilled once."""
         choices = choice_options(opts, n, self.config.n_parallel)
-        first = self.one(tokens, choices[0], text, fragments=fragments, forks=choices[1:])
+        first = self.one(prompt, choices[0], text, fragments=fragments, forks=choices[1:])
         return [first] + [CompletionStream(f, self.worker.cancel) for f in first.request.forks]
 
     def one(
         self,
-        tokens: tuple[int, ...],
+        prompt: Prompt,
         opts: GenerationOptions,
         text: str,
         kind: RequestKind = "generate",
@@ -66,7 +67,7 @@ class Submitter:
         forks: Sequence[GenerationOptions] = (),
     ) -> CompletionStream:
         """Queue one request (with ``forks``: the options of its other choices)."""
-        check_length(tokens, self.config.context.n_ctx)
+        check_length(prompt.tokens, self.config.context.n_ctx)
         grammar = opts.grammar
         if opts.json_schema is not None:
             grammar = json_schema_to_grammar(opts.json_schema)
@@ -103,7 +104,7 @@ class Submitter:
 
         def request(options: GenerationOptions, others: tuple[Request, ...] = ()) -> Request:
             return Request(
-                prompt_tokens=tokens,
+                prompt=prompt,
                 options=options,
                 grammar=grammar,
                 deterministic=deterministic,

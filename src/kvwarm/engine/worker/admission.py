@@ -39,6 +39,7 @@ from kvwarm.engine.worker.planner import (
     choose,
     recheck_row,
     trim_restored,
+    within_spans,
 )
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.slots import Active, Slot
@@ -159,6 +160,7 @@ class Admission:
             namespace=ns,
             n_batch=rt.cfg.n_batch,
             deterministic=req.deterministic,
+            spans=req.prompt.spans,
         )
         slot, plan = choose(
             prompt,
@@ -170,6 +172,7 @@ class Admission:
             deterministic=req.deterministic,
             namespace=ns,
             tails=tails,
+            spans=req.prompt.spans,
         )
         if req.options.prompt_logprobs is not None:
             plan = Plan("none", 0)
@@ -226,7 +229,9 @@ class Admission:
             if plan.row_key is not None:  # the live KV holds the prompt; the row its logits
                 logits_from_row = self._row_logits(plan.row_key, tokens)
                 if logits_from_row is None:
-                    keep -= 1  # the row went: decode the last token for its logits
+                    # The row went: decode the last position for its logits (a prompt ending
+                    # in a span decodes the whole span again).
+                    keep = within_spans(keep - 1, req.prompt.spans)
             if len(slot.kv_tokens) > keep:
                 try:
                     rt.ctx.seq_rm(slot.seq, keep, -1)
@@ -333,6 +338,7 @@ class Admission:
             namespace=ns,
             salt=req.options.salt_bytes(),
             deterministic=req.deterministic,
+            spans=req.prompt.spans,
         )
 
     # -- restoring a row ---------------------------------------------------------------------
@@ -370,6 +376,7 @@ class Admission:
                 n_batch=nb,
                 det=det,
                 floor=floor,
+                spans=req.prompt.spans,
             )
             if keep == 0:
                 return 0, None, None
@@ -394,6 +401,7 @@ class Admission:
                     n_batch=nb,
                     det=det,
                     floor=rt.memory.live_floor(n_restored, rt.ctx.seq_pos_min(slot.seq)),
+                    spans=req.prompt.spans,
                 )
                 if keep == 0:
                     return 0, None, None

@@ -37,6 +37,7 @@ from kvwarm.engine.worker.savegates import (
     should_finish_save,
 )
 from kvwarm.engine.worker.slots import Slot
+from kvwarm.tokens import Span
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class CachePort:
         namespace: Namespace,
         salt: bytes | None,
         deterministic: bool,
+        spans: Sequence[Span] = (),
     ) -> ReuseReport:
         """Why a request kept ``keep`` prompt tokens and no more (``worker/explain.py``): it
         may learn of its own namespace and its salt's others, never another salt's."""
@@ -111,6 +113,7 @@ class CachePort:
             others=same_tenant(self.rt.cache, self.rt.namespace(), salt),
             n_batch=self.rt.cfg.n_batch,
             deterministic=deterministic,
+            spans=spans,
         )
 
     def explain_gone(self, namespace: Namespace, prompt: Sequence[int]) -> ReuseReport | None:
