@@ -22,13 +22,12 @@ every process that routes (Ray runs the router in its own) registers it on impor
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvwarm.errors import ConfigError
+from kvwarm.plugins import Plugins
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -100,46 +99,31 @@ class RoutingPolicy(Protocol):
 
 PolicyFactory = Callable[[RoutingConfig], RoutingPolicy]
 
-_lock = threading.Lock()
-_factories: dict[str, PolicyFactory] = {}
+_policies: Plugins[PolicyFactory] = Plugins("routing policy")
 
 
 def register_policy(name: str, factory: PolicyFactory) -> None:
     """Make ``name`` selectable through ``RoutingConfig.policy`` (the ``cluster_routing``
     setting). Registering a name twice replaces the earlier factory."""
-    if not name or not name.replace("_", "").isalnum():
-        raise ConfigError(f"routing policy names are [A-Za-z0-9_]+: {name!r}")
-    with _lock:
-        _factories[name] = factory
+    _policies.register(name, factory)
 
 
 def unregister_policy(name: str) -> None:
-    with _lock:
-        _factories.pop(name, None)
+    _policies.unregister(name)
 
 
 def registered_policies() -> tuple[str, ...]:
-    with _lock:
-        return tuple(_factories)
-
-
-def _factory(name: str) -> PolicyFactory:
-    with _lock:
-        factory = _factories.get(name)
-        known = ", ".join(_factories)
-    if factory is None:
-        raise ConfigError(f"unknown routing policy {name!r}; expected one of {known}")
-    return factory
+    return _policies.names()
 
 
 def check_policy(name: str) -> None:
     """``ConfigError`` naming the registered policies unless ``name`` is one of them."""
-    _factory(name)
+    _policies.get(name)
 
 
 def build_policy(config: RoutingConfig) -> RoutingPolicy:
     """A fresh policy, ``config.policy``, configured by ``config`` (one per router)."""
-    return _factory(config.policy)(config)
+    return _policies.get(config.policy)(config)
 
 
 def _prefix(config: RoutingConfig) -> RoutingPolicy:
