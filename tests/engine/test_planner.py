@@ -4,7 +4,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvwarm.alignment import canonical_after
-from kvwarm.cache.prefix import common_prefix
 from kvwarm.engine.worker.planner import (
     Plan,
     RowCandidate,
@@ -15,6 +14,7 @@ from kvwarm.engine.worker.planner import (
     usable_length,
 )
 from kvwarm.engine.worker.slots import Slot
+from kvwarm.tokens import common_prefix
 
 
 @given(st.lists(st.integers(0, 3), max_size=600), st.lists(st.integers(0, 3), max_size=600))

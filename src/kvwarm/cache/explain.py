@@ -33,8 +33,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvwarm.cache.prefix import PrefixIndex, common_prefix
+from kvwarm.cache.index.prefix import PrefixIndex
 from kvwarm.cache.types import Namespace, TierName
+from kvwarm.tokens import common_prefix
 
 __all__ = [
     "REASON_TEXT",

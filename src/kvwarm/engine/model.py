@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Unpack
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import Backend, BackendModel, ContextMemory
 from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, resolve_template
-from kvwarm.cache.key import effective_fingerprint
+from kvwarm.cache.formats.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
 from kvwarm.engine.adapters import Adapters
 from kvwarm.engine.config import ModelConfig

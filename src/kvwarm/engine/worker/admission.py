@@ -20,7 +20,6 @@ from dataclasses import replace
 from kvwarm.alignment import align_down, canonical_after
 from kvwarm.backends.base import Buffer, Sampler
 from kvwarm.cache.explain import MissReason, ReuseReport
-from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Failed, Request
 from kvwarm.engine.text import TextAssembler
@@ -45,6 +44,7 @@ from kvwarm.errors import (
     KvwarmError,
     StateRestoreError,
 )
+from kvwarm.tokens import common_prefix
 
 log = logging.getLogger(__name__)
 

@@ -5,13 +5,13 @@ life has got to: ``prefilled`` (a prompt chunk is in), ``decoded`` (a token is i
 ``finishing`` / ``finished`` (the reply is about to go out / has gone), ``evicting`` (live KV
 is about to be dropped). The port alone decides what those events save: the cold-save and
 checkpoint pauses a prefill makes (``pauses``), the checkpoint at a prompt's end, continued
-saves, the finish save and the sync saves of eviction; the policy (``cache.policy``) is read
+saves, the finish save and the sync saves of eviction; the save gates (``savegates``) are read
 here and nowhere else in the worker. (vLLM's ``get_computed_blocks``/``allocate``/``free`` and
 sglang's ``match_prefix``/``cache_unfinished_req``/``cache_finished_req`` draw the same line.)
 
 Invariants: bytes are packed on the worker thread, between decode calls, and handed to the
 cache's writer pool with the backend's chunk codec, which cuts them into the chunks the tier
-lacks on a writer thread (``cache/chunking.py``); an async save never blocks a tick. A row's
+lacks on a writer thread (``cache/store/chunking.py``); an async save never blocks a tick. A row's
 ``canonical_tokens`` is the slot's canonical prefix, so a deterministic restore trusts only
 KV an aligned prefill produced (``kvwarm.alignment``; ``docs/architecture.md``, "Engine").
 """
@@ -23,15 +23,15 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvwarm.alignment import align_down
-from kvwarm.cache.key import salted_namespace
-from kvwarm.cache.policy import (
+from kvwarm.cache.formats.key import salted_namespace
+from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, TtlClass
+from kvwarm.engine.worker.runtime import Runtime
+from kvwarm.engine.worker.savegates import (
     cold_save_length,
     probe_lengths,
     should_continued_save,
     should_finish_save,
 )
-from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, TtlClass
-from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.slots import Slot
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class CachePort:
         """The row sharing the most with ``prompt`` and, for a memory that cannot be trimmed
         (of use only whole), the rows that are all a prefix of it. Shared tiers (s3, a shared
         directory) are probed for the prefixes another process could have saved: the cold
-        save's and the turn ends' (``cache.policy.probe_lengths``), bounded by the cache."""
+        save's and the turn ends' (``savegates.probe_lengths``), bounded by the cache."""
         rt = self.rt
         t0 = time.perf_counter()
         probes = probe_lengths(len(prompt), rt.cfg.policy, rt.cfg.n_batch, turn_ends=turn_ends)

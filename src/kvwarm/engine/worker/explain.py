@@ -16,12 +16,12 @@ from dataclasses import dataclass, replace
 
 from kvwarm.cache.api import CacheApi
 from kvwarm.cache.explain import MissReason, ReuseReport
-from kvwarm.cache.key import salted_namespace
-from kvwarm.cache.prefix import common_prefix
+from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.worker.planner import RowCandidate, trim_reason, usable_length
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.memory import MemoryKind
+from kvwarm.tokens import common_prefix
 
 
 @dataclass(frozen=True, slots=True)

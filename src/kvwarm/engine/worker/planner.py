@@ -24,12 +24,11 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from kvwarm.alignment import align_down
-from kvwarm.cache.chunking import tail_of
 from kvwarm.cache.explain import MissReason
-from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.types import Namespace, PrefixMatch
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.memory import MemoryKind
+from kvwarm.tokens import common_prefix, tail_of
 
 SourceKind = Literal["none", "self", "copy", "row"]
 
