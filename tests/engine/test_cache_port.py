@@ -41,6 +41,29 @@ def test_only_the_port_reads_the_save_policy_or_looks_rows_up() -> None:
             assert call not in source, f"{module.name} calls the cache's {call} itself"
 
 
+def _reaches_the_cache(path: Path) -> list[int]:
+    """Lines where a module reads the runtime's cache (``rt.cache``, ``self.rt.cache``)."""
+    tree = ast.parse(path.read_text())
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "cache"
+        and (
+            (isinstance(node.value, ast.Name) and node.value.id == "rt")
+            or (isinstance(node.value, ast.Attribute) and node.value.attr == "rt")
+        )
+    ]
+
+
+def test_every_call_from_the_worker_to_the_cache_goes_through_the_port() -> None:
+    assert _reaches_the_cache(WORKER / "cacheport.py"), "the check itself finds nothing"
+    for module in sorted(WORKER.glob("*.py")):
+        if module.name in ("cacheport.py", "runtime.py"):
+            continue
+        assert _reaches_the_cache(module) == [], f"{module.name} calls the cache past its port"
+
+
 def test_a_request_reaches_the_cache_through_the_lifecycle_verbs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -21,10 +21,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 from kvwarm.alignment import align_down
+from kvwarm.cache.api import LoadedRow
+from kvwarm.cache.explain import ReuseReport
 from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, TtlClass
+from kvwarm.engine.worker.explain import Found, explain, same_tenant
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.savegates import (
     cold_save_length,
@@ -61,6 +65,58 @@ class CachePort:
         whole = [] if rt.memory.trimmable else rt.cache.whole_prefixes(ns, prompt)
         rt.cache.record_latency("lookup", time.perf_counter() - t0)
         return match, whole
+
+    def note_model(self) -> None:
+        """This model serves under its namespace: the cache may name its rows when explaining
+        another model's miss to a request of the same salt."""
+        self.rt.cache.note_namespace(self.rt.namespace())
+
+    def chunk_lens(self, key: bytes) -> tuple[int, ...]:
+        """Row ``key``'s chunk lengths: where a restore onto live KV of its leading tokens
+        can start."""
+        return self.rt.cache.chunk_lens(key)
+
+    def open_row(
+        self, key: bytes, *, chunks: bool = True, payload: bool = True, from_token: int = 0
+    ) -> AbstractContextManager[LoadedRow]:
+        """Row ``key``, leased while the context is open (``CacheApi.open_row``)."""
+        return self.rt.cache.open_row(key, chunks=chunks, payload=payload, from_token=from_token)
+
+    def missed(self) -> None:
+        """A request found nothing to reuse."""
+        self.rt.cache.record_miss()
+
+    def restored(self, seconds: float) -> None:
+        """A row's KV went into a slot in ``seconds`` (the ``unpack`` latency)."""
+        self.rt.cache.record_latency("unpack", seconds)
+
+    def explain(
+        self,
+        prompt: Sequence[int],
+        found: Found,
+        keep: int,
+        *,
+        namespace: Namespace,
+        salt: bytes | None,
+        deterministic: bool,
+    ) -> ReuseReport:
+        """Why a request kept ``keep`` prompt tokens and no more (``worker/explain.py``): it
+        may learn of its own namespace and its salt's others, never another salt's."""
+        return explain(
+            self.rt.cache,
+            prompt,
+            found,
+            keep,
+            namespace=namespace,
+            others=same_tenant(self.rt.cache, self.rt.namespace(), salt),
+            n_batch=self.rt.cfg.n_batch,
+            deterministic=deterministic,
+        )
+
+    def explain_gone(self, namespace: Namespace, prompt: Sequence[int]) -> ReuseReport | None:
+        """Why a row of ``namespace`` that held part of ``prompt`` is gone, if the cache
+        remembers (evicted, expired, unreadable)."""
+        return self.rt.cache.explain_miss(namespace, prompt, 0)
 
     # -- the slot's lifecycle ----------------------------------------------------------------
 
