@@ -25,9 +25,10 @@ from tests.cache.chunkkit import (
 from tests.cache.tierkit import NS, shm_dir
 from tests.s3kit import MotoServer
 
-from kvwarm.cache import Cache, CacheConfig, TierConfig, chunkfmt
-from kvwarm.cache.chunkfmt import head_size
-from kvwarm.cache.key import cache_key
+from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache.formats import chunkfmt
+from kvwarm.cache.formats.chunkfmt import head_size
+from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.protocols import Tier
 from kvwarm.cache.tiers.files import FileTier
 from kvwarm.cache.tiers.s3 import S3Tier
@@ -529,7 +530,7 @@ def test_a_rows_metadata_is_read_alone(make_cache: CacheFactory) -> None:
 def test_metadata_read_alone_is_verified_and_ignores_the_payload(tmp_path: Path) -> None:
     """The metadata's own CRC and key replay guard a metadata read: a flipped bit in the
     logits is refused, while a damaged payload (not read) is caught by the next full read."""
-    from kvwarm.cache import kvc
+    from kvwarm.cache.formats import kvc
 
     root = tmp_path / "kvc"
     cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=C)

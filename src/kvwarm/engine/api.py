@@ -18,9 +18,10 @@ from typing import Unpack
 
 from kvwarm.engine.config import EngineConfig, LoraSpec, ModelConfig, ModelOptions
 from kvwarm.engine.engine import Engine
-from kvwarm.engine.model import Model, Prompt
+from kvwarm.engine.model import Model, PromptInput
 from kvwarm.engine.ops import Message
 from kvwarm.engine.types import ModelInfo
+from kvwarm.tokens import Prompt, Span
 
 __all__ = [
     "Engine",
@@ -31,6 +32,8 @@ __all__ = [
     "ModelConfig",
     "ModelOptions",
     "Prompt",
+    "PromptInput",
+    "Span",
     "default_engine",
     "list_models",
     "load_model",

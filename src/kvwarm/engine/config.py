@@ -19,8 +19,8 @@ from kvwarm.backends.base import (
     RopeScaling,
     SplitMode,
 )
-from kvwarm.cache.policy import validate_policy
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierName
+from kvwarm.cache.validate import validate_policy
 from kvwarm.engine.fingerprint import parse_mode
 from kvwarm.engine.worker.batching import StrategyName, strategy
 from kvwarm.errors import ConfigError

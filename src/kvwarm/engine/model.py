@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Unpack
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import AdapterSet, Backend, BackendModel, ContextMemory
 from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, resolve_template
-from kvwarm.cache.key import effective_fingerprint
+from kvwarm.cache.formats.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
 from kvwarm.engine.adapters import Adapters
 from kvwarm.engine.config import ModelConfig
@@ -52,12 +52,14 @@ from kvwarm.engine.worker.batching import strategy
 from kvwarm.engine.worker.loop import Worker, WorkerConfig
 from kvwarm.engine.worker.runtime import LoraChoice
 from kvwarm.errors import AdapterError, EngineClosedError, InvalidRequestError
+from kvwarm.tokens import Prompt
 
 if TYPE_CHECKING:
     from kvwarm.engine.engine import Engine
     from kvwarm.engine.ops import ModelOps
 
-Prompt = str | Sequence[int]
+#: What the generation calls take: text, token ids, or a ``Prompt`` (ids and media spans).
+PromptInput = str | Sequence[int] | Prompt
 
 
 log = logging.getLogger(__name__)
@@ -288,7 +290,7 @@ class Model:
 
     def complete(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         options: GenerationOptions | None = None,
         **overrides: Unpack[GenerationOverrides],
     ) -> Completion:
@@ -296,7 +298,7 @@ class Model:
 
     def stream(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         options: GenerationOptions | None = None,
         **overrides: Unpack[GenerationOverrides],
     ) -> CompletionStream:
@@ -307,7 +309,7 @@ class Model:
 
     def submit(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         options: GenerationOptions | None = None,
         **overrides: Unpack[GenerationOverrides],
     ) -> CompletionStream:
@@ -320,7 +322,7 @@ class Model:
 
     def streams(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         options: GenerationOptions | None = None,
         *,
         n: int,
@@ -348,7 +350,7 @@ class Model:
         """``streams`` for a chat."""
         opts = merge_options(options, overrides)
         tokens, text = self.chat_tokens(messages, tools=tools)
-        return self._submit_n(tokens, opts, text, n, fragments)
+        return self._submit_n(Prompt.text(tokens), opts, text, n, fragments)
 
     def chat(
         self,
@@ -360,7 +362,7 @@ class Model:
     ) -> Completion:
         opts = merge_options(options, overrides)
         tokens, text = self.chat_tokens(messages, tools=tools)
-        return self._submit(tokens, opts, text, fragments=False).result()
+        return self._submit(Prompt.text(tokens), opts, text, fragments=False).result()
 
     def stream_chat(
         self,
@@ -372,11 +374,11 @@ class Model:
     ) -> CompletionStream:
         opts = merge_options(options, overrides)
         tokens, text = self.chat_tokens(messages, tools=tools)
-        return self._submit(tokens, opts, text)
+        return self._submit(Prompt.text(tokens), opts, text)
 
     def prewarm(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         *,
         ttl_class: TtlClass = TtlClass.LONG,
         add_special: bool = True,
@@ -391,18 +393,18 @@ class Model:
         opts.validate()
         if isinstance(prompt, str):
             tokens = self._bmodel.tokenize(prompt, add_special=add_special, parse_special=True)
-            text = prompt
+            ids, text = Prompt.text(tokens), prompt
+        elif isinstance(prompt, Prompt):
+            ids, text = self._checked(prompt), ""
         else:
-            tokens, text = check_tokens(prompt, self.facts.n_vocab), ""
-        stream = self._submit(
-            tuple(tokens), opts, text, kind="prewarm", ttl=ttl_class, fragments=False
-        )
+            ids, text = Prompt.text(check_tokens(prompt, self.facts.n_vocab)), ""
+        stream = self._submit(ids, opts, text, kind="prewarm", ttl=ttl_class, fragments=False)
         return stream.result().stats
 
-    def _prompt_tokens(
-        self, prompt: Prompt, opts: GenerationOptions
-    ) -> tuple[tuple[int, ...], str]:
+    def _prompt_tokens(self, prompt: PromptInput, opts: GenerationOptions) -> tuple[Prompt, str]:
         self._check_ready()
+        if isinstance(prompt, Prompt):
+            return self._checked(prompt), ""
         if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
             # Found by review: None or a number raised TypeError; bytes passed as token ids.
             raise InvalidRequestError(
@@ -413,8 +415,21 @@ class Model:
             tokens = self._bmodel.tokenize(
                 prompt, add_special=opts.add_special, parse_special=opts.parse_special
             )
-            return tuple(tokens), prompt
-        return tuple(check_tokens(prompt, self.facts.n_vocab)), ""
+            return Prompt.text(tokens), prompt
+        return Prompt.text(check_tokens(prompt, self.facts.n_vocab)), ""
+
+    def _checked(self, prompt: Prompt) -> Prompt:
+        """A ``Prompt`` whose text positions are this vocabulary's ids, and whose spans this
+        model can decode (none yet: media need a projector, which no backend loads)."""
+        check_tokens(prompt.text_tokens(), self.facts.n_vocab)
+        if prompt.spans:
+            kinds = sorted({span.kind for span in prompt.spans})
+            raise InvalidRequestError(
+                f"model {self.id!r} cannot read {' or '.join(kinds)} input: it has no "
+                "multimodal projector",
+                param="prompt",
+            )
+        return prompt
 
     def chat_tokens(
         self,
@@ -436,10 +451,10 @@ class Model:
         )
 
     def _submit_n(
-        self, tokens: tuple[int, ...], opts: GenerationOptions, text: str, n: int, fragments: bool
+        self, prompt: Prompt, opts: GenerationOptions, text: str, n: int, fragments: bool
     ) -> list[CompletionStream]:
         self._check_ready()
-        return self._submitter.group(tokens, opts, text, n, fragments)
+        return self._submitter.group(prompt, opts, text, n, fragments)
 
     def infill_tokens(
         self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
@@ -457,7 +472,7 @@ class Model:
 
     def _submit(
         self,
-        tokens: tuple[int, ...],
+        prompt: Prompt,
         opts: GenerationOptions,
         text: str,
         kind: RequestKind = "generate",
@@ -466,7 +481,7 @@ class Model:
         fragments: bool = True,
     ) -> CompletionStream:
         self._check_ready()
-        return self._submitter.one(tokens, opts, text, kind, ttl, fragments=fragments)
+        return self._submitter.one(prompt, opts, text, kind, ttl, fragments=fragments)
 
     # ---- embeddings ---------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from kvwarm.engine.types import RANDOM_SEED, GenerationOptions, sampler_seed
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.engine.worker.runtime import LoraChoice
 from kvwarm.errors import InvalidRequestError
+from kvwarm.tokens import Prompt
 
 
 def choice_options(opts: GenerationOptions, n: int, limit: int) -> list[GenerationOptions]:
@@ -50,16 +51,16 @@ class Submitter:
     check_lora: Callable[[LoraChoice | None], None] = lambda _choice: None
 
     def group(
-        self, tokens: tuple[int, ...], opts: GenerationOptions, text: str, n: int, fragments: bool
+        self, prompt: Prompt, opts: GenerationOptions, text: str, n: int, fragments: bool
     ) -> list[CompletionStream]:
         """``n`` choices of one prompt, prefilled once."""
         choices = choice_options(opts, n, self.config.n_parallel)
-        first = self.one(tokens, choices[0], text, fragments=fragments, forks=choices[1:])
+        first = self.one(prompt, choices[0], text, fragments=fragments, forks=choices[1:])
         return [first] + [CompletionStream(f, self.worker.cancel) for f in first.request.forks]
 
     def one(
         self,
-        tokens: tuple[int, ...],
+        prompt: Prompt,
         opts: GenerationOptions,
         text: str,
         kind: RequestKind = "generate",
@@ -69,7 +70,7 @@ class Submitter:
         forks: Sequence[GenerationOptions] = (),
     ) -> CompletionStream:
         """Queue one request (with ``forks``: the options of its other choices)."""
-        check_length(tokens, self.config.context.n_ctx)
+        check_length(prompt.tokens, self.config.context.n_ctx)
         self.check_lora(opts.lora)
         grammar = opts.grammar
         if opts.json_schema is not None:
@@ -107,7 +108,7 @@ class Submitter:
 
         def request(options: GenerationOptions, others: tuple[Request, ...] = ()) -> Request:
             return Request(
-                prompt_tokens=tokens,
+                prompt=prompt,
                 options=options,
                 grammar=grammar,
                 deterministic=deterministic,

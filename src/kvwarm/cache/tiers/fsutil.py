@@ -42,7 +42,7 @@ import stat
 from pathlib import Path, PurePosixPath
 
 from kvwarm.buffers import grown
-from kvwarm.cache import kvc
+from kvwarm.cache.formats import kvc
 from kvwarm.errors import CacheFormatError, UnsafeCacheDirError
 
 __all__ = [

@@ -158,7 +158,7 @@ _EFFECTIVE = "_effective_quota_bytes"
 
 def _tier_quotas(counters: Mapping[str, float]) -> dict[str, dict[str, object]]:
     """Per configured tier: its quota, its effective quota (capped by the room on its
-    filesystem, ``cache/quota.py``) and whether that cap applies now."""
+    filesystem, ``cache/store/quota.py``) and whether that cap applies now."""
     quotas: dict[str, dict[str, object]] = {}
     for name, effective in counters.items():
         if name.startswith("tier_") and name.endswith(_EFFECTIVE):

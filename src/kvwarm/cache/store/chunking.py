@@ -34,30 +34,17 @@ import threading
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvwarm.cache.chunkfmt import build_head, chunk_chain, recover_chain
 from kvwarm.cache.counters import Counters
-from kvwarm.cache.index import Index
-from kvwarm.cache.prefix import common_prefix
+from kvwarm.cache.formats.chunkfmt import build_head, chunk_chain, recover_chain
+from kvwarm.cache.index.index import Index
 from kvwarm.cache.protocols import StoredRow, Tier
 from kvwarm.cache.types import Namespace, SaveRequest
 from kvwarm.errors import CacheError, CacheIOError, KvwarmError
+from kvwarm.tokens import common_prefix
 
-__all__ = ["PlanBook", "load_chunks", "pack_request", "plan_lens", "store_row", "tail_of"]
+__all__ = ["PlanBook", "load_chunks", "pack_request", "plan_lens", "store_row"]
 
 log = logging.getLogger(__name__)
-
-
-def tail_of(chunk_lens: Sequence[int], upto: int) -> tuple[int, int]:
-    """(how many leading chunks end at or before ``upto``, the position the others start
-    at): where a read or restore of a row's tail begins when the KV before ``upto`` is held
-    elsewhere. The last chunk is always part of the tail."""
-    skip = start = 0
-    for length in chunk_lens[:-1]:
-        if start + length > upto:
-            break
-        start += length
-        skip += 1
-    return skip, start
 
 
 def plan_lens(n: int, size: int, base: Sequence[int], shared: int) -> tuple[int, ...]:

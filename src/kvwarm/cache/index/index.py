@@ -43,14 +43,14 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
-from kvwarm.cache.chunkrefs import FreedChunk
 from kvwarm.cache.eviction.base import EvictionPolicy
 from kvwarm.cache.eviction.lru import LruPolicy
 from kvwarm.cache.explain import TTL_NAMES, MissHistory, MissReason
-from kvwarm.cache.inflight import InFlight
+from kvwarm.cache.index.chunkrefs import FreedChunk
+from kvwarm.cache.index.inflight import InFlight
+from kvwarm.cache.index.reservations import Orphan, Reservations
+from kvwarm.cache.index.rows import RowTable
 from kvwarm.cache.protocols import StoredRow
-from kvwarm.cache.reservations import Orphan, Reservations
-from kvwarm.cache.rows import RowTable
 from kvwarm.cache.types import Namespace, PrefixMatch, RowInfo, TierName, TierSizes
 
 __all__ = ["Index", "Orphan"]

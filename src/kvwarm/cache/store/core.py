@@ -30,12 +30,13 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from kvwarm.buffers import grown
-from kvwarm.cache.chunking import store_row
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.explain import MissReason
-from kvwarm.cache.index import Index
+from kvwarm.cache.index.index import Index
 from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, Tier
-from kvwarm.cache.quota import QuotaCaps
+from kvwarm.cache.store.chunking import store_row
+from kvwarm.cache.store.quota import QuotaCaps
+from kvwarm.cache.store.writer import WriterPool
 from kvwarm.cache.types import (
     EvictResult,
     RowInfo,
@@ -43,7 +44,6 @@ from kvwarm.cache.types import (
     TierName,
     TierSizes,
 )
-from kvwarm.cache.writer import WriterPool
 from kvwarm.errors import CacheError, CacheIOError, CacheKeyError, ConfigError
 
 __all__ = ["CacheCore", "ScratchBuffers"]
@@ -108,7 +108,7 @@ class ScratchBuffers:
 class CacheCore:
     """The index and the tiers, and the primitives that turn index decisions into tier calls
     (probe, adopt, retire, quota, store). One object; the facade's other collaborators
-    (``upkeep``, ``shared``, ``sharedgc``, ``chunkreads``) are handed it."""
+    (``upkeep``, ``shared``, ``sharedgc``, ``reads``, ``saves``) are handed it."""
 
     def __init__(
         self,
