@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from kvwarm.backends.base import (
-    Adapter,
+    AdapterSet,
     BackendContext,
     BackendModel,
     ContextMemory,
@@ -34,8 +34,6 @@ from kvwarm.backends.base import (
 from kvwarm.engine.request import check_tokens
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
-
-AdapterSet = tuple[tuple[Adapter, float], ...]
 
 #: The smallest embedding context, in tokens (llama.cpp pads a context to 256 cells anyway).
 _MIN_TOKENS = 512

@@ -57,9 +57,10 @@ def options(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     cache_salt: str | None = None,
+    lora: tuple[tuple[int, float], ...] | None = None,
 ) -> GenerationOptions:
     """``req``'s engine options; ``cache_salt`` is the one ``server.tenancy`` resolved (the
-    body's field is only one of its inputs)."""
+    body's field is only one of its inputs), ``lora`` the adapters ``server.lora`` chose."""
     stop: tuple[str, ...] = ()
     if isinstance(req.stop, str):
         stop = (req.stop,) if req.stop else ()
@@ -87,6 +88,7 @@ def options(
         "logit_bias": bias,
         "ignore_eos": req.ignore_eos,
         "cache_salt": cache_salt,
+        "lora": lora,
     }
     for name in SAMPLING_OPTIONS:
         value = getattr(req, name)

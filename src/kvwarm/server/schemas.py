@@ -25,6 +25,16 @@ from kvwarm.unicode import find_lone_surrogate
 _INT32_MAX = (1 << 31) - 1
 
 
+def keep_alive_field() -> Any:
+    """Ollama's ``keep_alive``: how long the model stays loaded after this request."""
+    return Field(
+        default=None,
+        description="how long the model stays loaded once idle after this request: seconds, "
+        'or a duration as "5m" or "1h30m"; 0 unloads it when this request ends, a negative '
+        "value keeps it loaded (default: the server's model_idle_unload_s)",
+    )
+
+
 def _salt_field() -> Any:
     return Field(
         default=None,
@@ -40,6 +50,19 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class LoraItem(BaseModel):
+    """llama-server's per-request adapter: its id (``GET /lora-adapters``) and scale."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: int = Field(ge=0, le=_INT32_MAX)
+    scale: float = 0.0  # llama-server's default: an id listed without a scale stays off
+
+
+def lora_pairs(items: list[LoraItem] | None) -> list[tuple[int, float]] | None:
+    return None if items is None else [(item.id, item.scale) for item in items]
 
 
 class SamplingFields(_Body):
@@ -65,6 +88,9 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     ignore_eos: bool = False  # llama.cpp extension: never stop on an end-of-generation token
     cache_salt: str | None = _salt_field()  # vLLM's field (server/tenancy.py)
+    # llama-server's: the adapters this request runs under (others off); server/lora.py.
+    lora: list[LoraItem] | None = Field(default=None, max_length=64)
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
 
 
 def check_sampling(req: SamplingFields) -> None:
@@ -173,6 +199,7 @@ class ChatRequest(SamplingFields):
 
 class EmbeddingRequest(_Body):
     model: str | None = None
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     # OpenAI's shortened embeddings: the first ``dimensions`` values, scaled to unit length.

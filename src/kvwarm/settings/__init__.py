@@ -101,7 +101,7 @@ SERVER_POLICY = PolicyConfig(
 
 _REPEAT: dict[str, Any] = {"repeatable": True}
 # Settings only ``kvwarm cluster`` takes as flags (the environment and TOML accept them always).
-CLUSTER_ONLY = ("replicas", "ray_address", "node_ip", "cluster_busy_requests")
+CLUSTER_ONLY = ("replicas", "ray_address", "node_ip", "cluster_routing", "cluster_busy_requests")
 
 
 class Settings(ModelSettings, ServingSettings):
@@ -311,6 +311,11 @@ class Settings(ModelSettings, ServingSettings):
         default=None,
         description="cluster: the address a local Ray listens on and other nodes reach it at; "
         "opens its services (GCS, raylet, agents) to that network (default: 127.0.0.1 only)",
+    )
+    cluster_routing: Str = Field(
+        default="prefix",
+        description="cluster: the routing policy that ranks replicas for a request, by name "
+        "(prefix: the replica holding the conversation's longest prefix warm)",
     )
     cluster_busy_requests: Int = Field(
         default=0,

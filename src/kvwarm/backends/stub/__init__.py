@@ -10,7 +10,8 @@ so a cell depends on the whole prefix, exactly as real KV does, and a restore + 
 EOS token wins, so generations end.
 
 Invariants: no native code, no randomness outside seeded samplers; every check the llama.cpp
-backend makes (``_checks``) is made here too, with the same exception types; lifetimes follow
+backend makes is made here too, by the same code (``_checks``, and ``front.ContextFront`` for
+the context), with the same exception types; lifetimes follow
 ``_lifetime`` (a model outlives its contexts, samplers and adapters). The context and its KV
 blobs live in ``stub_context``; the vocabulary's fixed ids in ``stub_vocab``.
 """

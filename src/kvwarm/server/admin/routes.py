@@ -21,6 +21,7 @@ from kvwarm.cache.sizes import row_sizes, summary
 from kvwarm.cache.types import RowInfo, TtlClass
 from kvwarm.engine.types import CompletionStats, ModelStatus
 from kvwarm.server import tenancy
+from kvwarm.server.budget import cache_shares
 from kvwarm.server.errors import HTTPError, error_body
 from kvwarm.server.schemas import (
     DetokenizeRequest,
@@ -153,7 +154,7 @@ _EFFECTIVE = "_effective_quota_bytes"
 
 def _tier_quotas(counters: Mapping[str, float]) -> dict[str, dict[str, object]]:
     """Per configured tier: its quota, its effective quota (capped by the room on its
-    filesystem, ``cache/quota.py``) and whether that cap applies now."""
+    filesystem, ``cache/store/quota.py``) and whether that cap applies now."""
     quotas: dict[str, dict[str, object]] = {}
     for name, effective in counters.items():
         if name.startswith("tier_") and name.endswith(_EFFECTIVE):
@@ -177,13 +178,13 @@ async def cache_stats(request: Request) -> Response:
     cache = state.require_engine().cache
     counters = await run_in_threadpool(cache.counters)
     rows = await run_in_threadpool(cache.rows)
+    stored = {t: int(counters.get(f"tier_{t}_bytes", 0)) for t in cache.tier_names()}
+    shares = cache_shares(rows, stored, state.cache_owners())
     return JSONResponse(
         {
             "counters": dict(counters),
             **summary(counters, rows, cache.tier_names()),
-            "memory": state.memory.report(
-                {t: int(counters.get(f"tier_{t}_bytes", 0)) for t in cache.tier_names()}
-            ),
+            "memory": state.memory.report(stored, shares),
             "quotas": _tier_quotas(counters),
             "keep_alive": [
                 {

@@ -45,7 +45,7 @@ async def messages(request: Request) -> Response:
     body = await read_json(request, state.settings)
     check_count(body, "messages", state.settings.max_chat_messages, "max_chat_messages")
     req = parse_body(body, MessagesRequest)
-    model = await state.acquire(req.model)
+    model, lora = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
     plan, prefill = await _plan(model, req)
     fields = chat.sampling_fields(
         max_tokens=req.max_tokens,
@@ -62,15 +62,17 @@ async def messages(request: Request) -> Response:
         max_tokens_limit=state.settings.max_tokens_limit,
         json_schema=plan.json_schema,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+        lora=lora,
     )
     stream = await start_stream(chat.submit(model, plan, opts, prefill))
     gen = Generation(request, stream, "messages", model.id, state)
     msg_id = anthropic.new_id("msg")
+    name = state.lora.reply_name(req.model, model)
     if not req.stream:
         reply = await chat.whole_reply(gen, plan)
-        return JSONResponse(anthropic.message(msg_id, model.id, reply))
+        return JSONResponse(anthropic.message(msg_id, name, reply))
     await gen.open_streaming()
-    events = anthropic.MessageEvents(msg_id, model.id, len(stream.prompt_tokens))
+    events = anthropic.MessageEvents(msg_id, name, len(stream.prompt_tokens))
     body = anthropic.stream_events(events, chat.streamed_reply(gen, plan))
     return StreamingResponse(
         named_sse(body, gen.close, anthropic.stream_error),

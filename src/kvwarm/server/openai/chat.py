@@ -34,6 +34,7 @@ from kvwarm.server.schemas import (
     check_count,
     check_sampling,
     json_body,
+    lora_pairs,
     parse_body,
     read_json,
 )
@@ -65,7 +66,9 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs and not req.logprobs:
         # OpenAI's rule; the request would otherwise get no logprobs at all, silently.
         raise HTTPError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    model = await state.acquire(req.model)
+    model, lora = await state.acquire_generation(
+        req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
+    )
     schema = convert.response_schema(req.response_format)
     plan = await chat.plan(
         model, req.messages, req.tools, req.tool_choice, parallel=req.parallel_tool_calls
@@ -87,6 +90,7 @@ async def chat_completions(request: Request) -> Response:
         json_schema=plan.json_schema or schema,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+        lora=lora,
     )
     choices = await Choices.start(
         request,
@@ -97,7 +101,7 @@ async def chat_completions(request: Request) -> Response:
         model.id,
         state,
     )
-    ids = convert.ResponseIds("chatcmpl", model.id)
+    ids = convert.ResponseIds("chatcmpl", state.lora.reply_name(req.model, model))
     if not req.stream:
         async with choices:
             results = await choices.results()

@@ -32,7 +32,15 @@ async def embeddings(request: Request) -> Response:
     body = await read_json(request, state.settings)
     check_count(body, "input", state.settings.max_embedding_inputs, "max_embedding_inputs")
     req = parse_body(body, EmbeddingRequest)
-    model = await state.acquire(req.model)
+    if req.model is not None and state.lora.base_of(req.model) is not None:
+        raise HTTPError(
+            400,
+            f"{req.model!r} is a LoRA adapter: adapters apply to generation; embed with its "
+            f"model, {state.lora.base_of(req.model)!r}",
+            param="model",
+            code="invalid_value",
+        )
+    model, _ = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
     raw = req.input
     # Token ids go to the model as they are: no detokenize / re-tokenize round trip.
     items: list[str | list[int]]

@@ -98,7 +98,8 @@ async def create_response(request: Request) -> Response:
         and tenancy.explicit_salt(request, req.cache_salt) is None
     ):
         salt = previous.cache_salt
-    model = await state.acquire(req.model or (previous.model_id if previous else None))
+    requested = req.model or (previous.model_id if previous else None)
+    model, lora = await state.acquire_generation(requested, keep_alive=req.keep_alive)
     history = [*(previous.conversation if previous else ()), *responses.to_history(req.input)]
     tools = responses.tools(req.tools)
     messages = responses.with_instructions(req.instructions, history)
@@ -122,11 +123,13 @@ async def create_response(request: Request) -> Response:
         max_tokens_limit=state.settings.max_tokens_limit,
         json_schema=plan.json_schema or schema,
         cache_salt=salt,
+        lora=lora,
     )
     opts = chat.with_parent(opts, previous.key if previous else None)
     stream = await start_stream(chat.submit(model, plan, opts))
     gen = Generation(request, stream, "responses", model.id, state)
-    shape = responses.ResponseShape(req, model.id)
+    # An adapter's name, when one was asked for: a follow-up naming no model stays on it.
+    shape = responses.ResponseShape(req, state.lora.reply_name(requested, model))
     turn = _Turn(history, salt, _owner(request, state.settings))
     if not req.stream:
         reply = await chat.whole_reply(gen, plan)
