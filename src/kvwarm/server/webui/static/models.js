@@ -110,7 +110,7 @@ export class ModelsView {
           "tr",
           { data: { model: m.id, status: m.status } },
           el("th", { scope: "row", text: adapter ? `${m.id} (LoRA of ${m.parent})` : m.id }),
-          el("td", { class: "state", text: m.status }),
+          el("td", { class: "state", text: m.status, title: m.error }), // why it failed (a worker that died, a load)
           el("td", { text: adapter ? "–" : unloadsWhen(m, now) }),
           el("td", { class: "num", text: fmtBytes(mem.weights) }),
           el("td", { class: "num", text: fmtBytes(mem.context) }),
