@@ -41,6 +41,7 @@ class GenerationOverrides(TypedDict, total=False):
     cache_salt: str | None
     spec_type: str | None
     spec_draft_max: int | None
+    lora: tuple[tuple[int, float], ...] | None
 
 
 def merge_options(

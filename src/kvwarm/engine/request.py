@@ -20,6 +20,7 @@ from kvwarm.cache.types import TtlClass
 from kvwarm.engine.channel import Channel
 from kvwarm.engine.types import Completion, GenerationOptions, TokenLogprob
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
+from kvwarm.tokens import Prompt
 
 RequestKind = Literal["generate", "prewarm"]
 
@@ -56,7 +57,8 @@ Event = Fragment | Prefilled | Done | Failed
 
 @dataclass(slots=True, eq=False)
 class Request:
-    prompt_tokens: tuple[int, ...]
+    #: Its ids and spans (``kvwarm.tokens``); ``prompt_tokens`` are its ids.
+    prompt: Prompt
     options: GenerationOptions
     grammar: str | None
     deterministic: bool
@@ -73,6 +75,10 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     answered: bool = False
+
+    @property
+    def prompt_tokens(self) -> tuple[int, ...]:
+        return self.prompt.tokens
 
     def answer(self, event: Done | Failed) -> None:
         """Send the final event, once; a later one is dropped."""
