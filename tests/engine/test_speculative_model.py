@@ -90,3 +90,26 @@ def test_a_verify_pass_row_is_a_one_token_pass(model: Model) -> None:
             assert np.array_equal(rows[i], one[i]), f"position {n + i} differs"
     finally:
         ctx.close()
+
+
+def test_sliding_window_model_speculates_inside_its_window_exactly(gemma_path: str) -> None:
+    """Gemma 3 270M (a 512-token window): drafts are verified while a pass stays inside the
+    window and the model decodes plainly past it; the reply crosses it and is plain
+    decoding's throughout."""
+    functions = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(18))
+    messages = [{"role": "user", "content": f"Repeat this code exactly:\n\n{functions}"}]
+    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
+        patch.setattr(PassCost, "cost", property(lambda self: 0.05))
+        config = ModelConfig(
+            context=ContextParams(n_ctx=1024, n_batch=256, n_ubatch=256, n_threads=2),
+            spec_type="ngram-simple",
+            chat_template="gemma",
+        )
+        model = engine.load_model(gemma_path, config=config)
+        assert "512-token sliding window" in model.info().speculation
+        opts = GenerationOptions(max_tokens=160, temperature=0.0)
+        plain = model.chat(messages, options=opts, spec_type="none", cache_salt="plain")
+        spec = model.chat(messages, options=opts, cache_salt="spec")
+    assert len(plain.prompt_tokens) < 512 < len(plain.tokens)  # the reply crosses the window
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.accepted_tokens > 0
