@@ -6,7 +6,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TtlClass
-from kvwarm.engine.worker.drafts import DraftBudget, Drafter, NgramIndex, PassCost, RowDrafts
+from kvwarm.engine.worker.drafts import (
+    Cost,
+    DraftBudget,
+    Drafter,
+    NgramIndex,
+    PassCost,
+    RowDrafts,
+)
 
 
 def test_ngram_index_finds_the_latest_earlier_occurrence() -> None:
@@ -18,51 +25,54 @@ def test_ngram_index_finds_the_latest_earlier_occurrence() -> None:
 
 
 def test_budget_drafts_nothing_when_nothing_pays() -> None:
+    gpu, cpu = Cost(0.0, 0.02), Cost(1.0, 0.4)
     budget = DraftBudget()
-    assert budget.length(16, 0.05) >= 3  # a fresh request tries
-    assert budget.length(16, 1.5) == 0  # a pass that costs what two decodes do never pays
+    assert budget.length(32, gpu) >= 16  # a fresh request tries, long on a GPU ...
+    assert 1 <= budget.length(32, cpu) <= 8  # ... shorter where a verify pass costs more
+    assert budget.length(32, Cost(3.0, 1.0)) == 0  # a pass that costs that much never pays
     for _ in range(6):
         budget.verified(4, 0)
-    assert budget.length(16, 0.25) == 0  # every draft failed: not worth a CPU's pass
-    assert 1 <= budget.length(16, 0.02) <= 2  # on a GPU a short draft still pays
-    for _ in range(60):
+    assert budget.length(32, cpu) == 0  # every draft failed: not worth a CPU's pass
+    assert 1 <= budget.length(32, gpu) <= 4  # on a GPU a short draft still pays
+    for _ in range(80):
         budget.skipped()
-    assert budget.length(16, 0.25) > 0  # the evidence faded: it tries again
+    assert budget.length(32, cpu) > 0  # the evidence faded: it tries again
     for _ in range(8):
-        budget.verified(16, 16)
-    assert budget.length(16, 0.15) >= 8
+        budget.verified(32, 32)
+    assert budget.length(32, cpu) >= 16
 
 
 def test_map_k_caps_a_key_by_its_last_acceptance() -> None:
     prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6]
     drafter = Drafter("ngram-map-k", 2, 16, prompt)
-    first = drafter.propose([], 16, 0.01)
+    first = drafter.propose([], 16, Cost(0.0, 0.01))
     assert len(first) >= 3 and first == [7, 8, 9, 10, 11, 5, 6][: len(first)]
     drafter.verified(len(first), 1)
     # The same key again: at most one more token than were accepted; ngram-simple: no cap.
-    assert drafter.propose([], 16, 0.01) == [7, 8]
+    assert drafter.propose([], 16, Cost(0.0, 0.01)) == [7, 8]
     simple = Drafter("ngram-simple", 2, 16, prompt)
-    simple.propose([], 16, 0.01)
+    simple.propose([], 16, Cost(0.0, 0.01))
     simple.verified(len(first), 1)
-    assert len(simple.propose([], 16, 0.01)) >= 3
+    assert len(simple.propose([], 16, Cost(0.0, 0.01))) >= 3
 
 
-def test_pass_cost_compares_verify_passes_with_the_plain_ones_before_them() -> None:
+def test_pass_cost_fits_its_fixed_and_per_token_parts_from_pairs_of_passes() -> None:
     cost = PassCost()
-    assert cost.cost == PassCost.DEFAULT  # nothing seen yet
+    assert cost.cost == PassCost.PRIOR  # nothing seen yet
     for _ in range(5):
         cost.observe(1, 0, 0.010)
-    cost.observe(1, 4, 0.014)
-    assert cost.cost == PassCost.DEFAULT  # one sample is not enough
-    # The machine gets three times slower (another process): the pairs still say 10%.
+    cost.observe(2, 3, 0.1)  # no plain pass of two slots yet: no sample
+    assert cost.cost == PassCost.PRIOR
+    # The truth: a draft of k costs 1 + 1.0 + 0.4 k one-token passes. The machine gets three
+    # times slower meanwhile (another process): the pairs still say so.
     for _ in range(15):
         cost.observe(1, 0, 0.030)
-    for _ in range(3):
-        cost.observe(1, 4, 0.042)
-        cost.observe(1, 0, 9.0)  # one pass stalled for seconds: the median ignores it
-    assert abs(cost.cost - 0.1) < 1e-9
-    cost.observe(2, 3, 0.1)  # no plain pass of two slots yet: no sample
-    assert abs(cost.cost - 0.1) < 1e-9
+    for k in (1, 4, 8, 16, 32) * 5:
+        cost.observe(1, k, 0.030 * (2.0 + 0.4 * k))
+    cost.observe(1, 8, 0.030 * 40)  # one pass stalled for a second: left out of the fit
+    fit = cost.cost
+    assert abs(fit.fixed - 1.0) < 0.1 and abs(fit.per_token - 0.4) < 0.01
+    assert Cost(1.0, 0.4).of(0) == 1.0 and Cost(1.0, 0.4).of(5) == 4.0
 
 
 class _Rows:
@@ -157,7 +167,7 @@ def test_drafter_asks_elsewhere_only_when_its_own_text_has_no_match() -> None:
         return [42, 43][:limit]
 
     drafter = Drafter("ngram-simple", 2, 8, [1, 2, 3, 1, 2], elsewhere)
-    assert drafter.propose([], 8, 0.01)[:1] == [3]  # its own prompt has [1, 2] earlier
+    assert drafter.propose([], 8, Cost(0.0, 0.01))[:1] == [3]  # its own prompt has [1, 2] earlier
     assert asked == []
-    assert drafter.propose([7], 8, 0.01)[:1] == [42]
+    assert drafter.propose([7], 8, Cost(0.0, 0.01))[:1] == [42]
     assert asked == [(2, 7)]

@@ -15,7 +15,7 @@ from kvwarm.backends.base import BatchToken, ContextParams
 from kvwarm.engine.api import ModelConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.engine.worker.drafts import PassCost
+from kvwarm.engine.worker.drafts import Cost, PassCost
 
 pytestmark = pytest.mark.model
 
@@ -32,7 +32,7 @@ MESSAGES = [{"role": "user", "content": f"Repeat this code exactly:\n\n{CODE}"}]
 def model() -> Iterator[Model]:
     with pytest.MonkeyPatch.context() as patch:
         # Draft generously (a GPU's trade-off) so long drafts and rejections are both verified.
-        patch.setattr(PassCost, "cost", property(lambda self: 0.05))
+        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
         with make_engine() as engine:
             config = ModelConfig(
                 context=ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2),
@@ -99,7 +99,7 @@ def test_sliding_window_model_speculates_inside_its_window_exactly(gemma_path: s
     functions = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(18))
     messages = [{"role": "user", "content": f"Repeat this code exactly:\n\n{functions}"}]
     with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
-        patch.setattr(PassCost, "cost", property(lambda self: 0.05))
+        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
         config = ModelConfig(
             context=ContextParams(n_ctx=1024, n_batch=256, n_ubatch=256, n_threads=2),
             spec_type="ngram-simple",

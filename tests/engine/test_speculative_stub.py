@@ -23,7 +23,7 @@ from kvwarm.backends.stub.vocab import EOS
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.engine.worker.drafts import PassCost
+from kvwarm.engine.worker.drafts import Cost, PassCost
 from kvwarm.errors import InvalidRequestError, StateRestoreError
 from kvwarm.memory import MemoryKindName
 
@@ -36,7 +36,7 @@ SAMPLED = GenerationOptions(max_tokens=60, temperature=0.7, top_k=0, top_p=1.0, 
 @pytest.fixture(autouse=True)
 def cheap_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     """One more token in a pass costs 5% of a pass (a GPU-like figure), whatever the timing."""
-    monkeypatch.setattr(PassCost, "cost", property(lambda self: 0.05))
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
 
 
 def copier(**kw: object) -> StubBackend:
@@ -242,7 +242,7 @@ def test_request_switch_and_draft_cap(engine: Engine) -> None:
         model.complete(PROMPT, GREEDY, spec_type="ngram-mod")
     assert bad.value.param == "spec_type"
     with pytest.raises(InvalidRequestError) as bad:
-        model.complete(PROMPT, GREEDY, spec_draft_max=65)
+        model.complete(PROMPT, GREEDY, spec_draft_max=49)
     assert bad.value.param == "spec_draft_max"
 
 

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from tests.server.conftest import sse_events, stub_settings, wait_ready
 
-from kvwarm.engine.worker.drafts import PassCost
+from kvwarm.engine.worker.drafts import Cost, PassCost
 from kvwarm.server import create_app
 from kvwarm.settings import ModelSpec
 
@@ -23,7 +23,7 @@ PROMPT = f"Copy this: {PASSAGE}{PASSAGE}Again: The quick"
 def cheap_passes() -> Iterator[None]:
     """One more token in a pass costs 5% of a pass, whatever the timing (as on a GPU)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(PassCost, "cost", property(lambda self: 0.05))
+        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
         yield
 
 
@@ -103,7 +103,7 @@ def test_llama_server_request_names_switch_it_per_request(client: TestClient) ->
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("spec_type", "ngram-mod"), ("speculative.type", "draft"), ("spec_draft_max", 33)],
+    [("spec_type", "ngram-mod"), ("speculative.type", "draft"), ("spec_draft_max", 49)],
 )
 def test_bad_values_are_400s_naming_the_field(
     client: TestClient, field: str, value: object

@@ -62,7 +62,7 @@ class ModelConfig:
     #: lookups match, and the most tokens one draft may hold. Off in deterministic mode.
     spec_type: SpecType = "none"
     spec_ngram_n: int = 4
-    spec_draft_max: int = 16
+    spec_draft_max: int = 32
     #: LoRA adapters loaded with the model (``AdapterError`` fails the load: one that does not
     #: fit the model's architecture or tensor shapes).
     lora: tuple[LoraSpec, ...] = ()

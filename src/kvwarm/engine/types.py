@@ -26,8 +26,8 @@ SpecType = Literal["none", "ngram-simple", "ngram-map-k"]
 SPEC_TYPES: tuple[str, ...] = get_args(SpecType)
 #: Most tokens one draft may hold (a verify pass is one more than its draft). On the CPU a
 #: pass of up to 63 tokens computes each row as a one-token pass would (flash attention on;
-#: measured), so a draft of 32 leaves room for a second slot's.
-MAX_DRAFT_TOKENS = 32
+#: measured; 64 and more run another kernel), so 48 keeps a margin.
+MAX_DRAFT_TOKENS = 48
 
 _SAMPLER = SamplingParams()
 

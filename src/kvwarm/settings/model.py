@@ -165,9 +165,9 @@ class ModelSettings(BaseSettings):
         description="speculative decoding: how many tokens an n-gram lookup matches",
     )
     spec_draft_max: Int = Field(
-        default=16,
-        description="speculative decoding: the most tokens one draft holds (at most 32; "
-        "each draft is sized to the acceptance seen)",
+        default=32,
+        description="speculative decoding: the most tokens one draft holds (at most 48; "
+        "each draft is sized to the acceptance seen and what a pass costs)",
         json_schema_extra=_flags("--spec-draft-n-max"),
     )
     # Ollama's and LM Studio's users pin the model they work with: it stays loaded.

@@ -16,13 +16,14 @@ costs the extra positions of one pass, never a different output. Here:
   caps it at exactly that many, which mutes a key for good once one draft of it fails).
 - ``DraftBudget``: how long a draft is worth making. With a per-token acceptance ``a`` (counted
   from this request's verify passes, older ones weighing less) a draft of ``k`` yields
-  ``1 + a + ... + a**k`` tokens for a pass that costs ``1 + c*k`` single-token decodes, so the
-  ``k`` that maximises their ratio is drafted; ``k = 0`` (plain decoding) whenever no length
-  pays. That is how a prompt with nothing to copy costs what plain decoding does: no match, no
-  draft; matches that keep failing drive ``a`` down until drafting stops.
-- ``PassCost``: ``c``, measured: each verify pass against the plain passes just before it,
-  so the trade-off follows the hardware (a GPU verifies 16 tokens for little more than one;
-  a CPU does not) and not another process's load.
+  ``1 + a + ... + a**k`` tokens for a pass that costs ``1 + f + c*k`` one-token passes, so
+  the ``k`` that maximises their ratio is drafted; ``k = 0`` (plain decoding) whenever no
+  length pays. That is how a prompt with nothing to copy costs what plain decoding does: no
+  match, no draft; matches that keep failing drive ``a`` down until drafting stops.
+- ``PassCost``: ``f`` and ``c`` (``Cost``), measured: each verify pass against the plain
+  passes just before it, so the trade-off follows the hardware (a GPU verifies 16 tokens for
+  little more than one; a CPU pays for the first drafted token what a whole pass costs) and
+  not another process's load.
 
 Invariants: nothing here touches the context or the sampler; a drafter reads only its own
 request's tokens (the tenant rule: ``docs/architecture.md``, "Tenants"); its memory is one dict
@@ -45,9 +46,11 @@ from kvwarm.engine.types import SpecType
 #: elsewhere (``RowDrafts.continuation`` of its namespace), at most ``limit`` tokens.
 Elsewhere = Callable[[tuple[int, ...], int], list[int]]
 
-#: Per-token acceptance a new request starts from (as if one of two tokens had been accepted).
-_PRIOR_ACCEPTED = 1.0
-_PRIOR_REJECTED = 1.0
+#: Per-token acceptance a new request starts from: 0.9, worth 4 tokens of evidence. Optimistic,
+#: as an n-gram match of a request's own text mostly is a copy; wrong, it is corrected within
+#: a pass or two, and a request whose matches fail stops drafting.
+_PRIOR_ACCEPTED = 3.6
+_PRIOR_REJECTED = 0.4
 #: How much one verify pass's evidence fades at the next (a half-life of about 3 passes), so
 #: a request that leaves a copied passage stops drafting within a few passes, and one that
 #: enters another starts again.
@@ -104,16 +107,16 @@ class DraftBudget:
         acc = self.accepted + _PRIOR_ACCEPTED
         return acc / (acc + self.rejected + _PRIOR_REJECTED)
 
-    def length(self, limit: int, cost: float) -> int:
+    def length(self, limit: int, cost: Cost) -> int:
         """The draft length in ``[0, limit]`` with the most expected tokens per unit of pass
-        cost, each extra token costing ``cost`` of a one-token pass."""
+        cost (``Cost``: in one-token passes)."""
         a = self.acceptance
         best_k, best = 0, 1.0
         gain, p = 1.0, 1.0
         for k in range(1, limit + 1):
             p *= a
             gain += p
-            value = gain / (1.0 + cost * k)
+            value = gain / cost.of(k)
             if value > best:
                 best_k, best = k, value
             elif p < 1e-3:
@@ -158,7 +161,7 @@ class Drafter:
         self._caps: dict[tuple[int, ...], int] = {}  # ngram-map-k: key -> next draft's cap
         self._last_key: tuple[int, ...] | None = None
 
-    def propose(self, generated: Sequence[int], limit: int, cost: float) -> list[int]:
+    def propose(self, generated: Sequence[int], limit: int, cost: Cost) -> list[int]:
         """A draft of at most ``limit`` tokens to follow ``generated`` (the reply so far, its
         last token the one about to be decoded); empty when nothing is worth drafting."""
         self._last_key = None
@@ -316,25 +319,40 @@ class RowDrafts:
         return list(seq[start + self.n : start + self.n + limit])
 
 
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What a pass that verifies a draft of ``k`` tokens costs, in one-token passes:
+    ``1 + fixed + per_token * k``. On a CPU the first drafted token costs most (a one-token
+    pass multiplies a vector, any other a matrix): SmolLM2 on 2 cores, measured, 1.0 and
+    0.4; a GPU's are near 0."""
+
+    fixed: float
+    per_token: float
+
+    def of(self, k: int) -> float:
+        return 1.0 if k <= 0 else 1.0 + self.fixed + self.per_token * k
+
+
 class PassCost:
-    """What one more token in a decode pass costs, relative to a one-token pass.
+    """``Cost``, measured: each pass that verified a draft, against the median of the latest
+    plain passes of as many slots (run moments before, under the same load: another
+    process's load cancels out), gives a sample ``(k, t / t_plain)``; a least-squares line
+    through the latest samples, and two of the prior's (so that a few samples move it a
+    little, many all the way), with samples far off the line (a pass stalled by another
+    process) left out of a second fit."""
 
-    Measured in pairs, so that another process's load (the usual noise on a shared machine,
-    passes slowed many times over for seconds) cancels out: a pass that verified drafts is
-    compared with the median of the latest plain passes of as many slots, run moments before
-    under the same load; ``(t / t_plain - 1) / drafted`` is one sample of the cost, and the
-    cost is the median of the latest samples (``DEFAULT`` until there are a few)."""
+    #: What a pass costs until passes have been timed: a CPU-like guess.
+    PRIOR = Cost(0.5, 0.3)
+    _KEEP = 31  # recent plain passes per slot count; recent samples
+    _PRIOR_AT = (1, 16)  # the prior's two pseudo-samples
+    _MAX_FIXED, _MAX_PER_TOKEN = 4.0, 2.0
 
-    #: Until a few verify passes have been timed: a CPU-like guess.
-    DEFAULT = 0.15
-    _KEEP = 15  # recent plain passes per slot count, and recent cost samples
-    _LOW, _HIGH = 0.005, 2.0
-
-    __slots__ = ("_plain", "_samples")
+    __slots__ = ("_fit", "_plain", "_samples")
 
     def __init__(self) -> None:
         self._plain: dict[int, deque[float]] = {}
-        self._samples: deque[float] = deque(maxlen=self._KEEP)
+        self._samples: deque[tuple[int, float]] = deque(maxlen=self._KEEP)
+        self._fit: Cost | None = self.PRIOR
 
     def observe(self, slots: int, drafted: int, seconds: float) -> None:
         """A decode-only pass of ``slots`` slots' next tokens and ``drafted`` draft tokens
@@ -348,11 +366,37 @@ class PassCost:
             plain.append(seconds)
             return
         if plain:
-            ratio = seconds / statistics.median(plain)
-            self._samples.append(min(self._HIGH, max(self._LOW, (ratio - 1.0) / drafted)))
+            self._samples.append((drafted, seconds / statistics.median(plain)))
+            self._fit = None
 
     @property
-    def cost(self) -> float:
-        if len(self._samples) < 3:
-            return self.DEFAULT
-        return statistics.median(self._samples)
+    def cost(self) -> Cost:
+        if self._fit is None:
+            self._fit = self._estimate()
+        return self._fit
+
+    def _estimate(self) -> Cost:
+        prior = [(k, self.PRIOR.of(k) - 1.0) for k in self._PRIOR_AT]
+        points = prior + [(k, r - 1.0) for k, r in self._samples]
+        fixed, per_token = _line(points)
+        residuals = sorted(abs(y - fixed - per_token * x) for x, y in points)
+        spread = residuals[len(residuals) // 2]
+        kept = prior + [
+            (x, y) for x, y in points[len(prior) :] if abs(y - fixed - per_token * x) <= 3 * spread
+        ]
+        fixed, per_token = _line(kept)
+        return Cost(
+            min(self._MAX_FIXED, max(0.0, fixed)),
+            min(self._MAX_PER_TOKEN, max(0.002, per_token)),
+        )
+
+
+def _line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares ``y = a + b x`` (the prior's two points make ``x`` vary)."""
+    n = float(len(points))
+    sx = float(sum(x for x, _ in points))
+    sy = sum(y for _, y in points)
+    sxx = float(sum(x * x for x, _ in points))
+    sxy = sum(x * y for x, y in points)
+    b = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+    return (sy - b * sx) / n, b

@@ -46,7 +46,7 @@ class WorkerConfig:
     #: False where the model cannot (deterministic mode: see ``ModelInfo.speculation``).
     spec_type: SpecType = "none"
     spec_ngram_n: int = 4
-    spec_draft_max: int = 16
+    spec_draft_max: int = 32
     speculates: bool = True
 
 
