@@ -28,6 +28,7 @@ from kvwarm.cache.api import LoadedRow
 from kvwarm.cache.explain import ReuseReport
 from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, TtlClass
+from kvwarm.engine.worker.drafts import RowDrafts
 from kvwarm.engine.worker.explain import Found, explain, same_tenant
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.savegates import (
@@ -177,6 +178,18 @@ class CachePort:
         if held:
             reason = SaveReason.PREWARM if act.req.kind == "prewarm" else SaveReason.FINISH
             self.save(slot, reason, logits, act.namespace, sync=False, held=True)
+            if self.rt.row_drafts is not None:
+                # The reply is in a row now: later requests of its namespace may draft from it.
+                self.rt.row_drafts.saved(act.namespace, slot.kv_tokens)
+
+    def drafts(self, n: int) -> RowDrafts:
+        """Speculative decoding's drafts from the cache: the worker's index of the n-grams of
+        each namespace's rows (``engine/worker/drafts.py``), made on first use. It lists a
+        namespace's rows and reads their tokens from the index, no tier."""
+        if self.rt.row_drafts is None:
+            cache = self.rt.cache
+            self.rt.row_drafts = RowDrafts(cache.rows, cache.row_tokens, n)
+        return self.rt.row_drafts
 
     def evicting(self, reason: SaveReason, *, release: bool) -> int:
         """Live KV is about to go (evict, shutdown): sync-save every idle slot's."""

@@ -71,9 +71,6 @@ class Outcomes:
         self.rt.publish(freed=slot)
         act.req.answer(Done(completion))
         self.port.finished(slot, held, logits)
-        if held and self.rt.row_drafts is not None:
-            # The reply is in a row now: later requests of its namespace may draft from it.
-            self.rt.row_drafts.saved(act.namespace, slot.kv_tokens)
         slot.active = None
         slot.phase = "idle"
         slot.last_used = time.monotonic()
