@@ -337,23 +337,28 @@ class Cost:
 class PassCost:
     """``Cost``, measured: each pass that verified a draft, against the median of the latest
     plain passes of as many slots (run moments before, under the same load: another
-    process's load cancels out), gives a sample ``(k, t / t_plain)``; a least-squares line
-    through the latest samples, and two of the prior's (so that a few samples move it a
-    little, many all the way), with samples far off the line (a pass stalled by another
-    process) left out of a second fit."""
+    process's load cancels out), gives a sample ``(k, t / t_plain)``. The line through the
+    samples of the last ``_WINDOW_S`` seconds and two points of the prior is fitted robustly
+    (Theil-Sen: the median of pairwise slopes, then the median intercept), so a pass stalled
+    by another process moves it little; a few samples move it a little, many all the way; and
+    with no recent sample (a cost estimated so high that nothing was drafted) the prior comes
+    back, drafts are tried again and measured afresh."""
 
     #: What a pass costs until passes have been timed: a CPU-like guess.
     PRIOR = Cost(0.5, 0.3)
     _KEEP = 31  # recent plain passes per slot count; recent samples
+    _WINDOW_S = 120.0
     _PRIOR_AT = (1, 16)  # the prior's two pseudo-samples
     _MAX_FIXED, _MAX_PER_TOKEN = 4.0, 2.0
 
-    __slots__ = ("_fit", "_plain", "_samples")
+    __slots__ = ("_clock", "_fit", "_fitted_at", "_plain", "_samples")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._plain: dict[int, deque[float]] = {}
-        self._samples: deque[tuple[int, float]] = deque(maxlen=self._KEEP)
-        self._fit: Cost | None = self.PRIOR
+        self._samples: deque[tuple[float, int, float]] = deque(maxlen=self._KEEP)
+        self._fit = self.PRIOR
+        self._fitted_at: float | None = None  # None: refit at the next read
 
     def observe(self, slots: int, drafted: int, seconds: float) -> None:
         """A decode-only pass of ``slots`` slots' next tokens and ``drafted`` draft tokens
@@ -367,37 +372,33 @@ class PassCost:
             plain.append(seconds)
             return
         if plain:
-            self._samples.append((drafted, seconds / statistics.median(plain)))
-            self._fit = None
+            ratio = seconds / statistics.median(plain)
+            self._samples.append((self._clock(), drafted, ratio))
+            self._fitted_at = None
 
     @property
     def cost(self) -> Cost:
-        if self._fit is None:
+        now = self._clock()
+        stale = self._samples and now - self._samples[0][0] > self._WINDOW_S
+        if self._fitted_at is None or (stale and now - self._fitted_at > 1.0):
+            while self._samples and now - self._samples[0][0] > self._WINDOW_S:
+                self._samples.popleft()
             self._fit = self._estimate()
+            self._fitted_at = now
         return self._fit
 
     def _estimate(self) -> Cost:
-        prior = [(k, self.PRIOR.of(k) - 1.0) for k in self._PRIOR_AT]
-        points = prior + [(k, r - 1.0) for k, r in self._samples]
-        fixed, per_token = _line(points)
-        residuals = sorted(abs(y - fixed - per_token * x) for x, y in points)
-        spread = residuals[len(residuals) // 2]
-        kept = prior + [
-            (x, y) for x, y in points[len(prior) :] if abs(y - fixed - per_token * x) <= 3 * spread
+        points = [(k, self.PRIOR.of(k) - 1.0) for k in self._PRIOR_AT]
+        points += [(k, r - 1.0) for _, k, r in self._samples]
+        slopes = [
+            (y2 - y1) / (x2 - x1)
+            for i, (x1, y1) in enumerate(points)
+            for x2, y2 in points[i + 1 :]
+            if x2 != x1
         ]
-        fixed, per_token = _line(kept)
+        per_token = statistics.median(slopes)
+        fixed = statistics.median(y - per_token * x for x, y in points)
         return Cost(
             min(self._MAX_FIXED, max(0.0, fixed)),
             min(self._MAX_PER_TOKEN, max(0.002, per_token)),
         )
-
-
-def _line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares ``y = a + b x`` (the prior's two points make ``x`` vary)."""
-    n = float(len(points))
-    sx = float(sum(x for x, _ in points))
-    sy = sum(y for _, y in points)
-    sxx = float(sum(x * x for x, _ in points))
-    sxy = sum(x * y for x, y in points)
-    b = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-    return (sy - b * sx) / n, b
