@@ -12,8 +12,10 @@ on the CPU), kvwarm plain with flash attention on (what a speculating kvwarm run
 ``--spec-type ngram-simple`` and ``ngram-map-k``, llama-server plain and with each n-gram
 ``--spec-type`` (its defaults: n 12, m 48; ``ngram-mod`` n 24). Each request goes to every
 server in turn (the order rotating per request), so a drift in the machine's speed falls on
-all alike; each prompt runs ``--rounds`` times (the first round's prefill is cold on each
-server, the later ones reuse the prompt: both servers cache it).
+all alike; each load runs ``--rounds`` times, each round's prompt beginning with its own
+"Request N." (so no server drafts from a reply it gave before; ``--repeat`` sends the same
+prompts every round, and kvwarm then drafts from its cached rows, llama-server's ``ngram-mod``
+from its shared pool).
 
 Prints per load and server the median decode speed by the server's own ``timings`` (kvwarm's
 ``generation_ms``, llama-server's ``predicted_ms``: decode only, not the prompt), the ratio to
@@ -195,6 +197,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument("--loads", default=",".join(LOADS))
+    parser.add_argument(
+        "--repeat",
+        action="store_true",
+        help="send each round the same prompts (a server may then draft from its earlier "
+        "replies: kvwarm from its cached rows, llama-server's ngram-mod from its pool); "
+        "by default each round's prompts begin with their own 'Request N.'",
+    )
     args = parser.parse_args()
     import kvwarm.embedded
 
@@ -203,9 +212,13 @@ def main() -> None:
     unknown = set(names) - set(SERVERS)
     if unknown:
         raise SystemExit(f"unknown servers {sorted(unknown)}; known: {', '.join(SERVERS)}")
-    loads = {name: render(model, LOADS[name]) for name in args.loads.split(",") if name}
-    if len(set(loads.values())) != len(loads):
-        raise SystemExit("the loads rendered to the same text")
+    chosen = [name for name in args.loads.split(",") if name]
+    rounds = [
+        {name: render(model, LOADS[name] if args.repeat else f"Request {r + 1}. {LOADS[name]}")
+         for name in chosen}
+        for r in range(args.rounds)
+    ]  # fmt: skip
+    loads = rounds[0]
     print(f"model {model}; before: {machine_load()}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="kvwarm-spec-bench-"))
     servers = [Server(name, model, args.threads, work) for name in names]
@@ -215,8 +228,8 @@ def main() -> None:
         for server in servers:
             server.start()
         turn = 0
-        for _ in range(args.rounds):
-            for load, prompt in loads.items():
+        for prompts in rounds:
+            for load, prompt in prompts.items():
                 order = servers[turn % len(servers) :] + servers[: turn % len(servers)]
                 turn += 1
                 for server in order:
@@ -241,8 +254,8 @@ def main() -> None:
         for name in names:
             rs = runs[(load, name)]
             speed = statistics.median(r[2] / r[1] for r in rs if r[1] > 0)
-            ref = runs[(load, same_as[name])][0][0]
-            same = all(r[0] == ref for r in rs)
+            refs = [r[0] for r in runs[(load, same_as[name])]]
+            same = all(r[0] == ref for r, ref in zip(rs, refs, strict=True))
             drafted = sum(r[3] for r in rs)
             accepted = sum(r[4] for r in rs)
             print(
