@@ -12,11 +12,13 @@ import pytest
 from fastapi.testclient import TestClient
 from tests.server.conftest import sse_events, stub_settings, wait_ready
 
-from kvwarm.cluster.calls import Failed, Generate, ModelOp
+from kvwarm.cluster.calls import Failed, Generate, ModelOp, SnapshotCall
 from kvwarm.cluster.chains import chat_chain
 from kvwarm.cluster.ingress import create_ingress_app
 from kvwarm.cluster.replica import EngineReplica
+from kvwarm.cluster.routing import ClusterIndex
 from kvwarm.errors import InvalidRequestError
+from kvwarm.server.app import create_app
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence, always politely."}
 
@@ -77,8 +79,13 @@ def calls(replica: EngineReplica) -> DirectCalls:
 
 
 @pytest.fixture(scope="module")
-def client(calls: DirectCalls) -> Iterator[TestClient]:
-    with TestClient(create_ingress_app(stub_settings(), calls)) as test_client:
+def index() -> ClusterIndex:
+    return ClusterIndex()
+
+
+@pytest.fixture(scope="module")
+def client(calls: DirectCalls, index: ClusterIndex) -> Iterator[TestClient]:
+    with TestClient(create_ingress_app(stub_settings(), calls, index)) as test_client:
         wait_ready(test_client.get)
         yield test_client
 
@@ -105,6 +112,42 @@ def test_chat_carries_its_chain_names_the_replica_and_warms_it(
     stats = replica.record_routing_stats()
     assert stats["warm"][:1] == [chat_chain("a", turn2)[-1]]  # most recent first
     assert stats["in_flight"] == 0 and stats["ttft_ms"] is not None
+
+
+def test_get_cluster_lists_replicas_and_what_their_caches_hold(
+    client: TestClient, replica: EngineReplica, index: ClusterIndex
+) -> None:
+    turn = [SYSTEM, {"role": "user", "content": "Name a bird that cannot fly."}]
+    body = {"model": "a", "messages": turn, "max_tokens": 6, "temperature": 0}
+    done = client.post("/v1/chat/completions", json=body).json()
+    key = bytes.fromhex(done["timings"]["cache_key"])
+    chain = chat_chain("a", turn)
+    # The ingress noted what replica-1 served before answering: its slot holds the turn.
+    live = index.reach(chain, None, {"replica-1": None})["replica-1"]["live"]
+    assert live == done["usage"]["total_tokens"]
+    # The router applies the replica's report (what Ray relays every stats period).
+    assert replica.engine.cache.lookup_exact_or_wait(key, 5.0) is not None
+    stats = replica.record_routing_stats()
+    if index.observe("replica-1", "node-1", stats):  # this index missed earlier reports
+        snapshot = asyncio.run(replica.snapshot(SnapshotCall("replica-1")))
+        assert index.load_snapshot("replica-1", pickle.loads(pickle.dumps(snapshot)))
+    assert index.wanted() == []
+    assert index.reach((), key, {"replica-1": "node-1"})["replica-1"]["memory"] > 0
+    view = client.get("/cluster").json()
+    assert view["routing"] == "events"
+    (entry,) = view["replicas"]
+    assert entry["id"] == "replica-1" and entry["health"] == "running"
+    assert entry["node"] == "node-1" and entry["stats"]["pid"] > 0
+    assert entry["stats"]["cache"]["ram"]["rows"] == entry["indexed"]["tiers"]["ram"]["rows"]
+    assert entry["seq"] == stats["events"]["seq"]  # type: ignore[index]
+    assert view["index"]["rows"] >= 1 and view["index"]["chunks"] >= 0
+
+
+def test_get_cluster_is_404_on_a_plain_server() -> None:
+    with TestClient(create_app(stub_settings())) as plain:
+        wait_ready(plain.get)
+        answer = plain.get("/cluster")
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_a_cluster"
 
 
 def test_streamed_chat_and_completion(client: TestClient) -> None:

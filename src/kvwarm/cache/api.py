@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvwarm.cache.explain import ReuseReport
+from kvwarm.cache.protocols import RowEvents, TierCapabilities
 from kvwarm.cache.types import (
     DEFAULT_GRACE_S,
     EvictResult,
@@ -55,6 +56,15 @@ class VerifyReport:
 
 class CacheApi(Protocol):
     def tier_names(self) -> tuple[TierName, ...]: ...
+
+    def tier_capabilities(self) -> dict[TierName, TierCapabilities]:
+        """What each configured tier is (persistent, shared, local)."""
+        ...
+
+    def watch_rows(self, events: RowEvents | None) -> None:
+        """Tell ``events`` of every indexed row now, then of every row joining or leaving
+        the index (``protocols.RowEvents``: called under the index's lock)."""
+        ...
 
     def has(self, key: bytes) -> bool:
         """Published or in flight. Counts nothing; never waits."""

@@ -34,7 +34,8 @@ from kvwarm.cluster.ingress import create_ingress_app
 from kvwarm.cluster.loopback import LOOPBACK, keep_ray_on_loopback, keep_replica_grpc_on_loopback
 from kvwarm.cluster.remote import ResponseStream
 from kvwarm.cluster.replica import EngineReplica
-from kvwarm.cluster.routing import RoutingConfig, check_policy
+from kvwarm.cluster.routing import RoutingConfig, check_policy, index_for
+from kvwarm.cluster.routing.index import index_name
 from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.cluster")
@@ -69,7 +70,9 @@ class Ingress:
         self._engine = engine
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        return create_ingress_app(self._settings, HandleCalls(self._engine))
+        # The index the engine deployment's router in this process feeds (``router.py``).
+        index = index_for(index_name(APP_NAME, ENGINE))
+        return create_ingress_app(self._settings, HandleCalls(self._engine), index)
 
 
 def _deployment(cls: type, **options: Any) -> Deployment:

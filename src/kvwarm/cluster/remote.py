@@ -7,7 +7,9 @@ the engine's own error, and a replica lost mid-call becomes ``ReplicaUnavailable
 Blocking calls (``.result()``) run only on the thread pool, as the routes already call model
 methods there; ``info`` is fetched once at start-up and kept. A follow-up carries its previous
 turn's row key as ``parent_key`` (``chains.LastRows``), so whichever replica serves it can
-restore that row from a shared tier by exact key.
+restore that row from a shared tier by exact key. What a replica finished (its chain, its
+finish row, its tokens) is noted in the cluster's index (``ServedFacts``) before the response
+ends, so the client's next turn finds its replica whatever the replica's events say yet.
 """
 
 from __future__ import annotations
@@ -68,6 +70,15 @@ class OpCall(Protocol):
     def __call__(self, op: ModelOp) -> object: ...
 
 
+class ServedFacts(Protocol):
+    """Where the ingress says what a replica just served (``routing.ClusterIndex``): the
+    router then knows it before the replica's own events arrive."""
+
+    def note_served(
+        self, replica: str, chain: Sequence[str], key: bytes | None, n_tokens: int
+    ) -> None: ...
+
+
 def _cancelled(prompt_tokens: int = 0) -> Completion:
     stats = CompletionStats(
         prompt_tokens=prompt_tokens,
@@ -90,7 +101,7 @@ class RemoteStream:
         self,
         response: ResponseStream,
         on_served: Callable[[str], None],
-        on_finished: Callable[[Completion], None] = lambda _done: None,
+        on_finished: Callable[[str | None, Completion], None] = lambda _replica, _done: None,
     ) -> None:
         self._response = response
         self._on_served = on_served
@@ -142,7 +153,7 @@ class RemoteStream:
             self._on_served(item.replica_id)
         elif isinstance(item, Finished):
             self._completion = item.completion
-            self._on_finished(item.completion)
+            self._on_finished(self.replica_id, item.completion)
         elif isinstance(item, Failed):
             self._error = item.error
         return None
@@ -196,11 +207,13 @@ class RemoteModel(ModelOps):
         stream_call: StreamCall,
         op_call: OpCall,
         on_served: Callable[[str], None] = lambda _replica: None,
+        facts: ServedFacts | None = None,
     ) -> None:
         self._info = info
         self._stream_call = stream_call
         self._op_call = op_call
         self._on_served = on_served
+        self._facts = facts
         self._last_rows = chains.LastRows()
 
     @property
@@ -230,8 +243,11 @@ class RemoteModel(ModelOps):
             opts = dataclasses.replace(opts, parent_key=parent)
         call = Generate(model_id=self.id, kind=kind, options=opts, **fields)  # type: ignore[arg-type]
 
-        def finished(done: Completion) -> None:
+        def finished(replica: str | None, done: Completion) -> None:
             self._last_rows.remember(chain, done.stats.key)
+            if self._facts is not None and replica is not None:
+                n_tokens = done.stats.prompt_tokens + done.stats.completion_tokens
+                self._facts.note_served(replica, chain, done.stats.key, n_tokens)
 
         return RemoteStream(self._stream_call(call), self._on_served, finished)
 

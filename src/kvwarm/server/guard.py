@@ -39,7 +39,7 @@ from starlette.types import Scope, Send
 
 from kvwarm.settings import Settings
 
-ADMIN_PREFIXES: tuple[str, ...] = ("/cache/", "/admin/")
+ADMIN_PREFIXES: tuple[str, ...] = ("/cache/", "/admin/", "/cluster")
 OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/"})
 OPEN_PREFIXES: tuple[str, ...] = ("/ui/",)  # the web page's static files (webui.py)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})

@@ -300,6 +300,13 @@ class ServerState:
         it names none), loaded on first use; leased until the request ends."""
         return await self.registry.acquire(name)
 
+    def cluster_view(self) -> dict[str, object]:
+        """``GET /cluster``: the replicas behind this server and what their caches hold.
+        A plain server has none (404); the cluster's ingress answers (``cluster/ingress.py``)."""
+        raise HTTPError(
+            404, "not a cluster: `kvwarm cluster` answers /cluster", code="not_a_cluster"
+        )
+
     def require_engine(self) -> Engine:
         engine = self.engine
         if engine is None:

@@ -283,9 +283,10 @@ class Settings(ModelSettings, ServingSettings):
         "opens its services (GCS, raylet, agents) to that network (default: 127.0.0.1 only)",
     )
     cluster_routing: Str = Field(
-        default="prefix",
+        default="events",
         description="cluster: the routing policy that ranks replicas for a request, by name "
-        "(prefix: the replica holding the conversation's longest prefix warm)",
+        "(events: by what each replica's cache could serve of it, from their cache events, "
+        "against load; prefix: by the conversation text each replica served)",
     )
     cluster_busy_requests: Int = Field(
         default=0,
