@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator, Awaitable, Iterator
 
 import pytest
 from fastapi.testclient import TestClient
+from ray.exceptions import ActorDiedError
 from tests.server.conftest import sse_events, stub_settings, wait_ready
 
-from kvwarm.cluster.calls import Failed, Generate, ModelOp, SnapshotCall
+from kvwarm.cluster.calls import Failed, Generate, ModelOp, Served, SnapshotCall
 from kvwarm.cluster.chains import chat_chain
 from kvwarm.cluster.ingress import create_ingress_app
 from kvwarm.cluster.replica import EngineReplica
@@ -216,6 +217,72 @@ def test_a_dead_replica_is_a_503(replica: EngineReplica) -> None:
         response = c.post("/v1/chat/completions", json=body)
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "replica_unavailable"
+
+
+class DyingCalls(DirectCalls):
+    """The first ``deaths`` generations land on a replica that dies: before answering, or
+    (``after_text``) after streaming some text; later ones reach the real replica."""
+
+    def __init__(self, replica: EngineReplica, deaths: int, *, after_text: bool = False) -> None:
+        super().__init__(replica)
+        self.deaths = deaths
+        self.after_text = after_text
+
+    def stream(self, call: Generate) -> DirectStream:
+        if self.deaths == 0:
+            return super().stream(call)
+        self.deaths -= 1
+        self.calls.append(call)
+        return DirectStream(self._dies_mid_call())
+
+    async def _dies_mid_call(self) -> AsyncIterator[object]:
+        yield Served("replica-dying")
+        if self.after_text:
+            yield "Half a rep"
+        raise ActorDiedError()
+
+
+def test_a_request_whose_replica_dies_before_answering_goes_to_another(
+    replica: EngineReplica,
+) -> None:
+    calls = DyingCalls(replica, deaths=2)
+    with TestClient(create_ingress_app(stub_settings(), calls)) as c:
+        wait_ready(c.get)
+        body = {"model": "a", "messages": [SYSTEM], "max_tokens": 3}
+        response = c.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.json()
+        assert response.headers["x-kvwarm-replica"] == "replica-1"
+        # The retries named the lost replica, so the router passes over it.
+        assert [call.avoid for call in calls.calls] == [
+            (),
+            ("replica-dying",),
+            ("replica-dying", "replica-dying"),
+        ]
+        streamed = c.post("/v1/chat/completions", json={**body, "stream": True})
+        assert streamed.status_code == 200 and calls.deaths == 0
+        # Three lost in a row: the client hears 503, never a hang.
+        calls.deaths = 3
+        assert c.post("/v1/chat/completions", json=body).status_code == 503
+
+
+def test_a_stream_whose_replica_dies_mid_reply_ends_with_an_error_event(
+    replica: EngineReplica,
+) -> None:
+    calls = DyingCalls(replica, deaths=1, after_text=True)
+    with TestClient(create_ingress_app(stub_settings(), calls)) as c:
+        wait_ready(c.get)
+        body = {"model": "a", "messages": [SYSTEM], "max_tokens": 3, "stream": True}
+        response = c.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    events = sse_events(response.text)
+    text = "".join(
+        e["choices"][0]["delta"].get("content") or ""  # type: ignore[index]
+        for e in events
+        if isinstance(e, dict) and e.get("choices")
+    )
+    assert text == "Half a rep"
+    assert events[-1]["error"]["code"] == "replica_unavailable"  # type: ignore[index]
+    assert len(calls.calls) == 1  # text had reached the client: not sent again
 
 
 def test_n_choices_logprobs_and_infill_through_the_ingress(client: TestClient) -> None:

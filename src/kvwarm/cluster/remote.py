@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
@@ -44,6 +45,11 @@ from kvwarm.errors import KvwarmError, ReplicaUnavailableError
 
 if TYPE_CHECKING:
     from kvwarm.engine.ops import Message
+
+log = logging.getLogger("kvwarm.cluster.remote")
+
+# A generation whose replica is lost before any text came back is sent again this many times.
+CALL_RETRIES = 2
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -94,22 +100,55 @@ def _cancelled(prompt_tokens: int = 0) -> Completion:
     return Completion("", (), (), stats)
 
 
+def replica_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` says the replica (its process, its node) is gone, rather than that it
+    answered with an error: only then may a call be sent again elsewhere."""
+    try:
+        from ray import exceptions as ray_errors
+        from ray.serve import exceptions as serve_errors
+    except ImportError:  # pragma: no cover - the cluster extra is what runs this
+        return False
+    lost = (
+        ray_errors.RayActorError,  # ActorDiedError, ActorUnavailableError
+        ray_errors.WorkerCrashedError,
+        ray_errors.NodeDiedError,
+        ray_errors.LocalRayletDiedError,
+        ray_errors.ObjectLostError,
+        serve_errors.ReplicaUnavailableError,
+    )
+    return isinstance(exc, lost)
+
+
 class RemoteStream:
-    """One replica generation, consumed once (async), ending in a ``Completion``."""
+    """One replica generation, consumed once (async), ending in a ``Completion``.
+
+    ``start`` sends the call (the router places it, passing over the replicas it names); it
+    is sent again, up to ``retries``
+    times, when the replica is lost (``replica_lost``) before any text came back: nothing
+    reached the client yet, so another replica can serve it whole (a non-streamed request
+    always, since its text is sent only at the end). Once text was yielded a lost replica
+    ends the stream with ``ReplicaUnavailableError`` (the server's error event)."""
 
     def __init__(
         self,
-        response: ResponseStream,
+        start: Callable[[tuple[str, ...]], ResponseStream],
         on_served: Callable[[str], None],
         on_finished: Callable[[str | None, Completion], None] = lambda _replica, _done: None,
+        *,
+        retries: int = CALL_RETRIES,
     ) -> None:
-        self._response = response
+        self._start = start
+        self._response = start(())
         self._on_served = on_served
         self._on_finished = on_finished
+        self._retries = retries
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self._cancelled = False
+        self._yielded = False
         self.replica_id: str | None = None
+        self.attempts = 1
+        self.lost: list[str | None] = []  # the replicas lost under this call, in order
 
     @property
     def done(self) -> bool:
@@ -119,6 +158,23 @@ class RemoteStream:
         if not self.done and not self._cancelled:
             self._cancelled = True
             self._response.cancel()
+
+    def _retry(self, exc: BaseException) -> bool:
+        """Send the call again after ``exc`` if it may be: True if it was."""
+        if self._yielded or self._cancelled or self.attempts > self._retries:
+            return False
+        if not replica_lost(exc):
+            return False
+        log.warning(
+            "replica %s lost before answering (%s); sending the request to another",
+            self.replica_id or "?",
+            type(exc).__name__,
+        )
+        self.lost.append(self.replica_id)
+        self.replica_id = None
+        self.attempts += 1
+        self._response = self._start(tuple(dict.fromkeys(r for r in self.lost if r is not None)))
+        return True
 
     async def __aiter__(self) -> AsyncIterator[str]:
         while not self.done:
@@ -136,11 +192,12 @@ class RemoteStream:
             except Exception as exc:  # Ray's errors: a dead replica, a cancelled call
                 if self._cancelled:
                     self._completion = _cancelled()
-                else:
+                elif not self._retry(exc):
                     self._error = ReplicaUnavailableError(f"{type(exc).__name__}: {exc}")
             else:
                 text = self._route(item)
                 if text:
+                    self._yielded = True
                     yield text
         if self._error is not None:
             raise self._error
@@ -249,7 +306,10 @@ class RemoteModel(ModelOps):
                 n_tokens = done.stats.prompt_tokens + done.stats.completion_tokens
                 self._facts.note_served(replica, chain, done.stats.key, n_tokens)
 
-        return RemoteStream(self._stream_call(call), self._on_served, finished)
+        def start(avoid: tuple[str, ...]) -> ResponseStream:
+            return self._stream_call(dataclasses.replace(call, avoid=avoid) if avoid else call)
+
+        return RemoteStream(start, self._on_served, finished)
 
     def stream_chat(
         self,

@@ -197,6 +197,10 @@ class AffinityRouter(RequestRouter):
             target = pending_request.args[0]
             if isinstance(target, SnapshotCall):
                 return [[r for r in candidate_replicas if _rid(r) == target.replica_id]]
+            if isinstance(target, Generate) and target.avoid:
+                # A retry after its replica was lost: anywhere else (Ray may not know yet).
+                others = [r for r in candidate_replicas if _rid(r) not in target.avoid]
+                candidate_replicas = others or candidate_replicas
         request = route_request(pending_request)
         for replica in candidate_replicas:
             self._ingest(replica)
