@@ -255,6 +255,7 @@ def test_a_request_whose_replica_dies_before_answering_goes_to_another(
         # The retries named the lost replica, so the router passes over it.
         lost = ("replica-dying",)
         assert [call.avoid for call in calls.calls] == [(), lost, lost]
+        assert c.get("/cluster").json()["ingress"]["retried"] == 2
         streamed = c.post("/v1/chat/completions", json={**body, "stream": True})
         assert streamed.status_code == 200 and calls.deaths == 0
         # Three lost in a row: the client hears 503, never a hang.

@@ -12,6 +12,7 @@ response names the replica that served it in ``x-kvwarm-replica``.
 from __future__ import annotations
 
 import logging
+import os
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Protocol
 
@@ -93,7 +94,15 @@ class IngressState(ServerState):
         return model
 
     def cluster_view(self) -> dict[str, object]:
-        return {"routing": self.settings.cluster_routing, **self.index.describe()}
+        retried = sum(
+            e.model.retried for e in self.entries.values() if isinstance(e.model, RemoteModel)
+        )
+        ingress = {"pid": os.getpid(), "node": _node_id(), "retried": retried}
+        return {
+            "routing": self.settings.cluster_routing,
+            "ingress": ingress,
+            **self.index.describe(),
+        }
 
     def require_engine(self) -> Engine:
         raise HTTPError(
@@ -107,6 +116,12 @@ class IngressState(ServerState):
             states={e.id: e.state for e in self.entries.values()},
             keepalive_prefixes=len(self.keepalive.entries()),
         )
+
+
+def _node_id() -> str | None:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else None
 
 
 class _ServedBy:

@@ -136,12 +136,14 @@ class RemoteStream:
         on_finished: Callable[[str | None, Completion], None] = lambda _replica, _done: None,
         *,
         retries: int = CALL_RETRIES,
+        on_retry: Callable[[], None] = lambda: None,
     ) -> None:
         self._start = start
         self._response = start(())
         self._on_served = on_served
         self._on_finished = on_finished
         self._retries = retries
+        self._on_retry = on_retry
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self._cancelled = False
@@ -173,6 +175,7 @@ class RemoteStream:
         self.lost.append(self.replica_id)
         self.replica_id = None
         self.attempts += 1
+        self._on_retry()
         self._response = self._start(tuple(dict.fromkeys(r for r in self.lost if r is not None)))
         return True
 
@@ -272,6 +275,7 @@ class RemoteModel(ModelOps):
         self._on_served = on_served
         self._facts = facts
         self._last_rows = chains.LastRows()
+        self.retried = 0  # generations sent again after their replica was lost
 
     @property
     def id(self) -> str:
@@ -309,7 +313,10 @@ class RemoteModel(ModelOps):
         def start(avoid: tuple[str, ...]) -> ResponseStream:
             return self._stream_call(dataclasses.replace(call, avoid=avoid) if avoid else call)
 
-        return RemoteStream(start, self._on_served, finished)
+        def retried() -> None:
+            self.retried += 1
+
+        return RemoteStream(start, self._on_served, finished, on_retry=retried)
 
     def stream_chat(
         self,

@@ -274,8 +274,9 @@ class Settings(ModelSettings, ServingSettings):
     replicas: Int = Field(default=2, description="cluster: engine replicas to run")
     ray_address: OptStr = Field(
         default=None,
-        description="cluster: Ray cluster to join, e.g. ray://head:10001 (default: "
-        "start a local one)",
+        description="cluster: the Ray cluster to join, HOST:PORT of its head (`ray start "
+        "--head --port PORT`) or ray://HOST:10001 (default: start a local one)",
+        json_schema_extra={"aliases": ["--address"]},
     )
     node_ip: OptStr = Field(
         default=None,

@@ -57,6 +57,7 @@ from kvwarm.backends.stub.vocab import (
 )
 from kvwarm.errors import (
     AdapterError,
+    ConfigError,
     ModelLoadError,
 )
 from kvwarm.memory import MEMORY_KINDS, MemoryKindName
@@ -89,6 +90,24 @@ class StubBackend:
     ``weights_bytes`` is what its models report as weights (notional; a context reports
     ``cell_bytes`` per cell as KV), for the memory budget's arithmetic.
     """
+
+    @classmethod
+    def from_env(cls) -> StubBackend:
+        """Default options, with the simulated latency of ``KVWARM_STUB_PREFILL_DELAY_S`` (per
+        prefilled token) and ``KVWARM_STUB_DECODE_DELAY_S`` (per decode step) when set: how a
+        test or a bench gives processes it does not construct (a cluster's replicas) the
+        pace of a real model. ``ConfigError`` for a value that is not a number >= 0."""
+        delays = []
+        for name in ("KVWARM_STUB_PREFILL_DELAY_S", "KVWARM_STUB_DECODE_DELAY_S"):
+            raw = os.environ.get(name, "0")
+            try:
+                value = float(raw)
+            except ValueError:
+                value = -1.0
+            if not value >= 0:  # also refuses nan
+                raise ConfigError(f"{name} must be a number of seconds >= 0, got {raw!r}")
+            delays.append(value)
+        return cls(prefill_delay_s=delays[0], decode_delay_s=delays[1])
 
     def __init__(
         self,
