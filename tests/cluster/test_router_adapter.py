@@ -247,3 +247,23 @@ def test_a_follow_up_carries_its_parent_row_to_the_policy() -> None:
     options = GenerationOptions(parent_key=b"p" * 32)
     call = Generate("m", "chat", options, chain=("x",))
     assert route_request(FakePending([call])) == RouteRequest(("x",), "m", b"p" * 32)  # type: ignore[arg-type]
+
+
+def test_address_names_the_cluster_to_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvwarm.cli import main
+    from kvwarm.cluster import deploy
+
+    joined: list[object] = []
+
+    def start_ray(address: str | None, **_kw: object) -> None:
+        joined.append(address)
+        raise ConfigError("stop here")  # the test needs no Ray
+
+    monkeypatch.setattr(deploy, "start_ray", start_ray)
+    assert main(["cluster", "--address", "127.0.0.1:6379", "--backend", "stub"]) == 2
+    assert main(["cluster", "--ray-address", "ray://head:10001", "--backend", "stub"]) == 2
+    assert joined == ["127.0.0.1:6379", "ray://head:10001"]
+    assert deploy._loopback("127.0.0.1:6379") and deploy._loopback("[::1]:6379")
+    assert not deploy._loopback("10.0.0.5:6379") and not deploy._loopback("ray://127.0.0.1:1")
+    assert deploy.proxy_location("127.0.0.1") == "HeadOnly"
+    assert deploy.proxy_location("0.0.0.0") == "EveryNode"
