@@ -123,11 +123,11 @@ class RemoteStream:
     """One replica generation, consumed once (async), ending in a ``Completion``.
 
     ``start`` sends the call (the router places it, passing over the replicas it names); it
-    is sent again, up to ``retries``
-    times, when the replica is lost (``replica_lost``) before any text came back: nothing
-    reached the client yet, so another replica can serve it whole (a non-streamed request
-    always, since its text is sent only at the end). Once text was yielded a lost replica
-    ends the stream with ``ReplicaUnavailableError`` (the server's error event)."""
+    is sent again, up to ``retries`` times, when the replica is lost (``replica_lost``) before
+    any text was handed to the caller: nothing reached the client yet, so another replica can
+    serve it whole (a non-streamed request always: ``aresult`` hands out no text). Once text
+    was handed out a lost replica ends the stream with ``ReplicaUnavailableError`` (the
+    server's error event)."""
 
     def __init__(
         self,
@@ -179,7 +179,11 @@ class RemoteStream:
         self._response = self._start(tuple(dict.fromkeys(r for r in self.lost if r is not None)))
         return True
 
-    async def __aiter__(self) -> AsyncIterator[str]:
+    def __aiter__(self) -> AsyncIterator[str]:
+        """The text as it comes: what the caller forwards (a stream's client sees it)."""
+        return self._items(forwarded=True)
+
+    async def _items(self, *, forwarded: bool) -> AsyncIterator[str]:
         while not self.done:
             try:
                 item = await self._response.__anext__()
@@ -200,7 +204,7 @@ class RemoteStream:
             else:
                 text = self._route(item)
                 if text:
-                    self._yielded = True
+                    self._yielded = self._yielded or forwarded
                     yield text
         if self._error is not None:
             raise self._error
@@ -233,7 +237,9 @@ class RemoteStream:
         return self._completion.prompt_tokens if self._completion is not None else ()
 
     async def aresult(self) -> Completion:
-        async for _ in self:
+        """The completion; text read only here reaches nobody, so a lost replica's call is
+        sent again even after some of it came back (a non-streamed request)."""
+        async for _ in self._items(forwarded=False):
             pass
         assert self._completion is not None
         return self._completion
