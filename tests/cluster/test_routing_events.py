@@ -103,14 +103,28 @@ def test_new_conversations_spread_by_load_then_by_what_replicas_hold() -> None:
     assert rank([view("a"), view("b")], ()).matched == 0
 
 
-def test_busy_and_slow_replicas_rank_last_however_warm() -> None:
+def test_busy_and_slow_replicas_rank_last_when_another_could_serve_some() -> None:
     busy = view("busy", {"live": 5000}, in_flight=4)
     slow = view("slow", {"live": 5000}, ttft_ms=9000.0)
-    fine = [view("x", ttft_ms=100.0), view("y", ttft_ms=120.0)]
-    assert order(rank([busy, slow, *fine]))[-2:] == ["busy", "slow"]
+    fine = [view("x", {"remote": 800}, ttft_ms=100.0), view("y", ttft_ms=120.0)]
+    assert order(rank([busy, slow, *fine])) == ["x", "y", "busy", "slow"]
     # All busy: the warmest first, nobody dropped.
     everyone = [view("a", {"live": 10}, in_flight=5), view("b", {"live": 900}, in_flight=5)]
     assert order(rank(everyone)) == ["b", "a"]
+
+
+def test_a_busy_replica_that_alone_holds_the_conversation_keeps_it_up_to_twice_busy() -> None:
+    # Nobody else could serve any of it: moving means prefilling it all, so the score decides
+    # (5000 - 128 x 4 beats an idle cold replica's 0) ...
+    home = view("home", {"live": 5000}, in_flight=4)
+    assert order(rank([home, view("cold")])) == ["home", "cold"]
+    # ... until it holds twice busy_requests: then it is passed over whatever it holds.
+    jammed = view("home", {"live": 5000}, in_flight=8)
+    assert order(rank([jammed, view("cold")])) == ["cold", "home"]
+    # A slow one is passed over regardless.
+    stalled = view("home", {"live": 5000}, ttft_ms=9000.0)
+    others = [view("a", ttft_ms=100.0), view("b", ttft_ms=110.0)]
+    assert order(rank([stalled, *others]))[-1] == "home"
 
 
 def test_a_chain_this_router_sent_counts_until_the_replica_reports_it() -> None:

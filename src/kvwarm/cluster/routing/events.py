@@ -16,10 +16,13 @@ this router's record places on ``r`` (sent there, not yet reported) counts
 ``routed_unit_tokens`` a chain unit at the ``live`` weight. ``load_tokens`` (128) is what one
 request in flight per slot costs, in tokens of prefill.
 
-Invariants (``base.py``'s, plus): busy replicas (``busy_requests`` in flight) and slow ones
-(time to first token over ``slow_factor`` x the median and ``slow_floor_ms``) rank after all
-others, never dropped; ties go to the least loaded, then the one holding least, then by id,
-so new conversations (all scores equal) spread out. Pure; every rule is a unit test
+Invariants (``base.py``'s, plus): slow replicas (time to first token over ``slow_factor`` x
+the median and ``slow_floor_ms``) rank after all others, and so do busy ones (``busy_requests``
+in flight) when a replica that is not busy could serve some of the request (it restores it
+from a tier instead of waiting) or when they hold twice that; a busy replica that alone holds
+the conversation keeps it below that (moving it would prefill it all: the score weighs that
+wait). None is ever dropped. Ties go to the least loaded, then the one holding least, then
+by id, so new conversations (all scores equal) spread out. Pure; every rule is a unit test
 (``tests/cluster/test_routing_events.py``).
 """
 
@@ -64,7 +67,15 @@ class EventsPolicy:
             return Decision([], 0)
         slow = slow_replicas(views, self.config)
         scores = {v.id: self.score(request, v) for v in views}
-        ok = [v for v in views if v.in_flight < self.config.busy_requests and v.id not in slow]
+        busy = self.config.busy_requests
+        free = [v for v in views if v.in_flight < busy and v.id not in slow]
+        warm_elsewhere = any(self.served(request, v) > 0 for v in free)
+        ok = [
+            v
+            for v in views
+            if v.id not in slow
+            and (v.in_flight < busy or (not warm_elsewhere and v.in_flight < 2 * busy))
+        ]
         ok_ids = {v.id for v in ok}
         ok.sort(key=lambda v: (-scores[v.id], v.in_flight, v.held, v.id))
         rest = sorted(
