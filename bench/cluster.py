@@ -272,11 +272,14 @@ def run_config(
         thread.start()
     try:
         wall = load(base_url, args, run)
+        ingress = cluster_view(base_url)["ingress"]
     finally:
         from ray import serve
 
         serve.delete(deploy.APP_NAME)
-    return report(run, wall, killed[0] if killed else None)
+    out = report(run, wall, killed[0] if killed else None)
+    out["retried_by_ingress"] = ingress["retried"] if isinstance(ingress, dict) else None
+    return out
 
 
 def routing_cost() -> dict[str, object]:

@@ -98,8 +98,15 @@ class RayNodes:
         self.script = temp / "ray_start.py"
         self.script.write_text(RAY_START)
         self.procs: list[subprocess.Popen[bytes]] = []
-        # A head started while ~/.ray/auth_token exists asks every client for that token.
-        self.env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": self.auth_mode()}
+        # A head started while ~/.ray/auth_token exists asks every client for that token; a
+        # second node refuses to start where multi-node clusters are off (a local Ray of an
+        # earlier test turned them off in this process's environment: loopback.py).
+        self.env = {
+            **os.environ,
+            **(env or {}),
+            "RAY_AUTH_MODE": self.auth_mode(),
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
+        }
 
     @staticmethod
     def auth_mode() -> str:

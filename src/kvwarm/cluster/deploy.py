@@ -222,11 +222,14 @@ def run(
 
 def shutdown(*, owned: bool = True) -> None:
     """Remove the application; with ``owned`` (a local Ray started by ``start_ray``) stop
-    Serve and Ray too. A joined cluster keeps its other applications."""
+    Serve and Ray too. A joined cluster keeps its other applications. This process leaves
+    Ray even when removing the application fails (a cluster already gone)."""
     if not ray.is_initialized():
         return
-    if owned:
-        serve.shutdown()  # type: ignore[no-untyped-call]
-    else:
-        serve.delete(APP_NAME)
-    ray.shutdown()
+    try:
+        if owned:
+            serve.shutdown()  # type: ignore[no-untyped-call]
+        else:
+            serve.delete(APP_NAME)
+    finally:
+        ray.shutdown()
