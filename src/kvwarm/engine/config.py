@@ -10,11 +10,13 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TypedDict
 
 from kvwarm.backends.base import (
+    POOLING_TYPES,
     Backend,
     ContextParams,
     FlashAttn,
     KvType,
     ModelParams,
+    PoolingType,
     RopeScaling,
     SplitMode,
 )
@@ -44,6 +46,14 @@ class ModelConfig:
     chat_template: str | None = None
     max_queue: int = 256
     batch_strategy: StrategyName = "decode_first"
+    #: ``--pooling``: how the model pools, over what its GGUF declares (None: the GGUF's,
+    #: else mean). ``rank`` makes it a reranker (``Model.rerank``; it then only ranks).
+    pooling: PoolingType | None = None
+    #: The most documents one rerank may score (more: ``InvalidRequestError``).
+    rerank_max_documents: int = 1000
+    #: A rerank document whose prompt does not fit the context: its end is cut to fit
+    #: (True) or the rerank refused (False: ``ContextOverflowError``).
+    rerank_truncate: bool = False
 
     def validate(self) -> None:
         self.context.validate()
@@ -66,6 +76,12 @@ class ModelConfig:
             )
         parse_mode(self.fingerprint_mode)
         strategy(self.batch_strategy)
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ConfigError(
+                f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}"
+            )
+        if self.rerank_max_documents < 1:
+            raise ConfigError("rerank_max_documents must be >= 1")
         if self.policy is not None:
             validate_policy(self.policy)
 
@@ -112,6 +128,9 @@ class ModelOptions(TypedDict, total=False):
     fingerprint_mode: str
     max_queue: int
     batch_strategy: StrategyName
+    pooling: PoolingType | None
+    rerank_max_documents: int
+    rerank_truncate: bool
 
 
 def with_options(cfg: ModelConfig, options: ModelOptions) -> ModelConfig:
@@ -143,6 +162,8 @@ def with_options(cfg: ModelConfig, options: ModelOptions) -> ModelConfig:
     )
 
 
-_CONTEXT_FIELDS = frozenset(f.name for f in fields(ContextParams))
+# ``pooling`` is the model's (``ModelConfig.pooling``): it decides what the model is; the
+# context field of that name is how the model then runs each of its contexts.
+_CONTEXT_FIELDS = frozenset(f.name for f in fields(ContextParams)) - {"pooling"}
 _MODEL_FIELDS = frozenset(f.name for f in fields(ModelParams)) - {"progress"}
 _CONFIG_FIELDS = frozenset(f.name for f in fields(ModelConfig)) - {"context", "model_params"}

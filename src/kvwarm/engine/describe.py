@@ -23,7 +23,7 @@ from typing import Literal
 from kvwarm.backends.base import ContextMemory, ModelFacts
 from kvwarm.cache.types import FingerprintMode, TierName
 from kvwarm.engine.config import ModelConfig
-from kvwarm.engine.types import AdapterInfo, ModelInfo, ModelStatus
+from kvwarm.engine.types import AdapterInfo, Capability, ModelInfo, ModelStatus
 from kvwarm.engine.worker.loop import Worker
 
 ModelState = Literal["loading", "ready", "unloading", "closed"]
@@ -42,6 +42,8 @@ def model_info(
     adapters: Sequence[AdapterInfo],
     chat_template_name: str = "gguf",
     context_memory: ContextMemory | None = None,
+    capabilities: tuple[Capability, ...] = ("generate", "embed"),
+    pooling: str = "mean",
 ) -> ModelInfo:
     """The model's description; ``fingerprint`` is the effective one (adapters folded in)."""
     return ModelInfo(
@@ -72,6 +74,8 @@ def model_info(
         swa_full=cfg.context.swa_full,
         kv_bytes=context_memory.kv_bytes if context_memory else 0,
         context_bytes=context_memory.total_bytes if context_memory else 0,
+        capabilities=capabilities,
+        pooling=pooling,
     )
 
 

@@ -177,6 +177,29 @@ class EmbeddingRequest(_Body):
     dimensions: int | None = Field(default=None, ge=1)
 
 
+class RerankDocument(_Body):
+    """A document as an object (Jina's, Cohere v1's): its ``text`` is what is ranked."""
+
+    text: str
+
+
+class RerankRequest(_Body):
+    """``/v1/rerank``: Jina's and Cohere's shape (v1: documents as texts or ``{"text"}``,
+    ``return_documents``; v2: ``max_tokens_per_doc``), as llama-server's ``/v1/rerank``."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(default=None, ge=1, description="return the best n (default: all)")
+    return_documents: bool = Field(
+        default=False, description="put each result's document in the answer"
+    )
+    max_tokens_per_doc: int | None = Field(
+        default=None, ge=1, description="cut each document to this many tokens (Cohere v2)"
+    )
+    cache_salt: str | None = _salt_field()
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     content: str

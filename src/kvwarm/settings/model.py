@@ -34,6 +34,7 @@ from kvwarm.settings.types import (
     KvTypeName,
     OptInt,
     OptPath,
+    OptPooling,
     OptRopeScaling,
     OptStr,
     SplitModeName,
@@ -150,6 +151,19 @@ class ModelSettings(BaseSettings):
     )
     yarn_orig_ctx: Int = Field(
         default=0, description="YaRN original training context size (0: the model's)"
+    )
+    pooling: OptPooling = Field(
+        default=None,
+        description="how the model pools: none, mean, cls, last or rank (a reranker, which then "
+        "only ranks: /v1/rerank); default the GGUF's, else mean",
+    )
+    rerank_max_documents: Int = Field(
+        default=1000, description="the most documents one rerank may score (more: a 400)"
+    )
+    rerank_truncate: Bool = Field(
+        default=False,
+        description="cut a rerank document whose prompt does not fit n_ctx to fit (default: "
+        "refuse the rerank with a 400)",
     )
 
 
@@ -286,4 +300,7 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
         deterministic=settings.deterministic,
         max_queue=settings.max_queue,
         chat_template=_value(settings, spec, "chat_template"),
+        pooling=_value(settings, spec, "pooling"),
+        rerank_max_documents=_value(settings, spec, "rerank_max_documents"),
+        rerank_truncate=_value(settings, spec, "rerank_truncate"),
     )

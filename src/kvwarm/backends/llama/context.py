@@ -103,14 +103,19 @@ class LlamaContext:
                     "(quantised V caches need flash attention; check the log)"
                 )
             mem = lib.llama_get_memory(ptr)
-            if not mem:
+            if not mem and not params.embeddings:
+                # An encoder (BERT) keeps no KV cache: it has no state to generate from.
                 lib.llama_free(ptr)
-                raise ModelLoadError("the context has no memory module")
+                raise ModelLoadError(
+                    "this model keeps no KV cache (an encoder): it runs only pooled, as a "
+                    "reranker (pooling rank) or for embeddings"
+                )
         except BaseException:
             model.lifetime.release()
             raise
         self._ptr: object = ptr
-        self._mem: object = mem
+        self._mem: object = mem or None  # None: stateless (no memory module)
+        self._causal = bool(lib.llama_get_causal_attn(ptr))
         self._n_vocab = model.n_vocab
         facts = model.facts
         self._memory = MemoryKind(facts.memory_kind, facts.n_swa, params.swa_full)
@@ -159,8 +164,30 @@ class LlamaContext:
 
     # -- decoding -----------------------------------------------------------------------------
 
+    @property
+    def stateless(self) -> bool:
+        return self._mem is None
+
     def _pos_max(self, seq: int) -> int:
+        if self._mem is None:
+            return -1  # nothing kept: every sequence starts at position 0
         return int(self._lib.llama_memory_seq_pos_max(self._mem, seq))
+
+    def _seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        """``llama_memory_seq_rm``; a stateless context holds nothing to remove."""
+        if self._mem is None:
+            return True
+        return bool(self._lib.llama_memory_seq_rm(self._mem, seq, p0, p1))
+
+    def _check_whole(self, n_tokens: int) -> None:
+        """A non-causal model attends across the whole call: llama.cpp asserts that it fits
+        one ubatch."""
+        if not self._causal and n_tokens > self._params.n_ubatch:
+            raise InvalidRequestError(
+                f"{n_tokens} tokens exceed n_ubatch={self._params.n_ubatch}: this model's "
+                "attention is not causal, so a call must fit one ubatch",
+                param="batch",
+            )
 
     def decode(self, batch: Sequence[BatchToken]) -> None:
         with self._life.using():
@@ -172,13 +199,17 @@ class LlamaContext:
                 n_seq_max=self._params.n_seq_max,
                 pos_max=self._pos_max,
             )
+            self._check_whole(len(batch))
+            # A pooling context outputs every position (llama.cpp overrides, and warns, if
+            # asked for fewer); the rows asked for stay the ones ``logits`` answers for.
+            every = self._params.embeddings
             b = self._batch
             for i, item in enumerate(batch):
                 b.token[i] = item.token
                 b.pos[i] = item.pos
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = item.seq
-                b.logits[i] = 1 if item.logits else 0
+                b.logits[i] = 1 if item.logits or every else 0
             starts: dict[int, int] = {}
             for item in batch:
                 starts.setdefault(item.seq, item.pos)
@@ -198,6 +229,15 @@ class LlamaContext:
             )
             toks = list(tokens)
             total = len(toks)
+            if not self._causal and (start_pos or total > self._params.n_batch):
+                # An encoder's sequence is decoded whole, in one call (``_check_whole``).
+                raise InvalidRequestError(
+                    "this model's attention is not causal: a prompt is prefilled whole, "
+                    f"from position 0, in one call of at most n_batch={self._params.n_batch}",
+                    param="tokens",
+                )
+            self._check_whole(total)
+            every = 1 if self._params.embeddings else 0
             b = self._batch
             for offset, length in _checks.aligned_chunks(start_pos, total, self._params.n_batch):
                 pos0 = start_pos + offset
@@ -205,7 +245,7 @@ class LlamaContext:
                                4 * length)  # fmt: skip
                 ctypes.memmove(b.pos, (ctypes.c_int32 * length)(*range(pos0, pos0 + length)),
                                4 * length)  # fmt: skip
-                ctypes.memset(b.logits, 0, length)
+                ctypes.memset(b.logits, every, length)
                 for i in range(length):
                     b.n_seq_id[i] = 1
                     b.seq_id[i][0] = seq
@@ -216,7 +256,7 @@ class LlamaContext:
                     self._run(length, {seq: pos0})
                 except BaseException:
                     # Earlier chunks succeeded: undo them so the sequence is as before the call.
-                    self._lib.llama_memory_seq_rm(self._mem, seq, start_pos, -1)
+                    self._seq_rm(seq, start_pos, -1)
                     raise
                 self._rows = [length - 1] if last else []
 
@@ -230,7 +270,7 @@ class LlamaContext:
             return
         # Fatal errors leave processed ubatches in memory; drop them so state is consistent.
         for seq, pos in starts.items():
-            self._lib.llama_memory_seq_rm(self._mem, seq, pos, -1)
+            self._seq_rm(seq, pos, -1)
         if rc == 1:
             raise ContextOverflowError(
                 "no KV cache slot for this batch (the context is full)",
@@ -278,7 +318,12 @@ class LlamaContext:
             _checks.check_seq(seq, self._params.n_seq_max)
             return self._pack(seq)
 
+    def _stateful(self) -> None:
+        if self._mem is None:
+            raise StateRestoreError("this context keeps no KV state (an encoder) to pack or set")
+
     def _pack(self, seq: int) -> bytes:
+        self._stateful()
         blob = _kv_state.pack(self._lib, self._ptr, seq)
         if self._streams:
             return kv_layout.one_stream(u8(blob), self._memory.kv_caches)
@@ -290,12 +335,14 @@ class LlamaContext:
             _checks.check_range(start, -1)
             if start == 0 or self._scratch is None or not self._memory.chunkable:
                 return self._pack(seq), 0
+            self._stateful()
             tail = _kv_state.pack_tail(self._lib, self._ptr, self._mem, seq, self._scratch, start)
             return tail, start
 
     def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
+            self._stateful()
             if self._streams:
                 data = kv_layout.widen(u8(data), self._memory.kv_caches, self._streams)
             return _kv_state.unpack(
@@ -312,6 +359,7 @@ class LlamaContext:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
             _checks.check_range(base, -1)
+            self._stateful()
             parts = self._codec.blobs(chunks, base)
             if parts is None or self._scratch is None or not self._memory.chunkable:
                 return None
@@ -332,7 +380,7 @@ class LlamaContext:
 
     @property
     def restores_tails(self) -> bool:
-        return self._scratch is not None and self._memory.chunkable
+        return self._scratch is not None and self._memory.chunkable and self._mem is not None
 
     @property
     def copies_by_pack(self) -> bool:
@@ -361,7 +409,7 @@ class LlamaContext:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
             _checks.check_range(p0, p1)
-            if not self._lib.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            if not self._seq_rm(seq, p0, p1):
                 raise StateRestoreError(
                     f"this model's memory ({self._memory.describe()}) cannot remove "
                     f"[{p0}, {p1}) of seq {seq}"
@@ -372,8 +420,8 @@ class LlamaContext:
             _checks.check_seq(src, self._params.n_seq_max, param="src")
             _checks.check_seq(dst, self._params.n_seq_max, param="dst")
             _checks.check_range(p0, p1)
-            if src == dst:
-                return
+            if src == dst or self._mem is None:
+                return  # a stateless context holds nothing to share
             if self._streams:
                 self._copy_stream(src, dst, p0, p1)
                 return
@@ -430,6 +478,8 @@ class LlamaContext:
     def seq_pos_min(self, seq: int) -> int:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
+            if self._mem is None:
+                return -1
             return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
 
     @property
@@ -438,7 +488,8 @@ class LlamaContext:
 
     def clear(self) -> None:
         with self._life.using():
-            self._lib.llama_memory_clear(self._mem, True)
+            if self._mem is not None:
+                self._lib.llama_memory_clear(self._mem, True)
 
     # -- embeddings and adapters --------------------------------------------------------------
 
@@ -457,8 +508,8 @@ class LlamaContext:
                     f"{n} tokens exceed n_ubatch={self._params.n_ubatch}", param="input"
                 )
             _checks.check_tokens(tokens, self._n_vocab)
-            lib, mem, b = self._lib, self._mem, self._batch
-            lib.llama_memory_seq_rm(mem, 0, -1, -1)
+            lib, b = self._lib, self._batch
+            self._seq_rm(0, -1, -1)
             for i, token in enumerate(tokens):
                 b.token[i] = token
                 b.pos[i] = i
@@ -470,9 +521,23 @@ class LlamaContext:
                 pooled = self._params.pooling != "none"
                 vec = _read_embeddings(lib, self._ptr, n, self._n_embd, pooled=pooled)
             finally:
-                lib.llama_memory_seq_rm(mem, 0, -1, -1)
+                self._seq_rm(0, -1, -1)
                 self._rows = []
             return _embedding_list(vec, normalize=normalize)
+
+    def pooled(self, seq: int) -> tuple[float, ...]:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            pooling = self._params.pooling
+            if not self._params.embeddings or pooling == "none":
+                raise InvalidRequestError("this context does not pool its sequences")
+            n = self._model.facts.n_cls_out if pooling == "rank" else self._n_embd
+            # NULL for a sequence the last decode held no position of (its map is cleared
+            # at each decode), so a stale or absent score is an error, never a wrong number.
+            ptr = self._lib.llama_get_embeddings_seq(self._ptr, seq)
+            if not ptr:
+                raise NoLogitsError(f"no pooled output for seq {seq} from the last decode")
+            return tuple(float(x) for x in ptr[:n])
 
     def set_adapters(self, adapters: Sequence[tuple[Adapter, float]]) -> None:
         with self._life.using():

@@ -65,6 +65,13 @@ log = logging.getLogger(__name__)
 
 _SPECIAL_TEXT = {BOS: "<s>", EOS: "</s>", **FIM_TEXT}
 
+#: A stub reranker's prompt (a model whose path names ``reranker``): the query before the
+#: document, as Qwen3-Reranker's, so every document of a query shares a prefix.
+STUB_RERANK_TEMPLATE = (
+    "<|system|>\nJudge whether the document answers the query: yes or no.\n"
+    "<|query|>\n{query}\n<|document|>\n{document}\n<|assistant|>\n"
+)
+
 STUB_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -87,6 +94,11 @@ class StubBackend:
     hash, so a wrong restore shows in the output as it would on a real model.
     ``weights_bytes`` is what its models report as weights (notional; a context reports
     ``cell_bytes`` per cell as KV), for the memory budget's arithmetic.
+
+    A model whose path names ``reranker`` is a decoder reranker (pooling ``rank``, causal,
+    two labels, ``STUB_RERANK_TEMPLATE``); one naming ``cross-encoder`` an encoder (pooling
+    ``rank``, not causal, one raw score, ``[BOS] query [EOS] document [EOS]``), whose
+    contexts keep nothing after a decode, as a BERT's has no KV cache.
     """
 
     def __init__(
@@ -137,6 +149,9 @@ class StubModel:
         self._backend = backend
         self.params = params or ModelParams()  # what a llama.cpp load would have been given
         self._id = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "little")
+        name = Path(path).name
+        reranker = "reranker" in name
+        encoder = "cross-encoder" in name
         self._facts = ModelFacts(
             path=path,
             n_vocab=N_VOCAB,
@@ -157,9 +172,14 @@ class StubModel:
             n_swa=backend.n_swa,
             fim=(
                 FimTokens(FIM_PRE, FIM_SUF, FIM_MID, FIM_PAD, FIM_REP, FIM_SEP)
-                if "fim" in Path(path).name
+                if "fim" in name
                 else None
             ),
+            pooling="rank" if reranker or encoder else None,
+            causal=not encoder,
+            n_cls_out=2 if reranker else 1,
+            rerank_template=STUB_RERANK_TEMPLATE if reranker else None,
+            add_eos=encoder,
         )
         self._life = Lifetime("model", lambda: None)
 
@@ -292,6 +312,7 @@ __all__ = [
     "N_EMBD",
     "N_VOCAB",
     "OFFSET",
+    "STUB_RERANK_TEMPLATE",
     "UNK",
     "StubBackend",
     "StubContext",

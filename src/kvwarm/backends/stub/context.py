@@ -38,6 +38,7 @@ from kvwarm.buffers import u8
 from kvwarm.errors import (
     AdapterError,
     InvalidRequestError,
+    ModelLoadError,
     NoLogitsError,
     StateRestoreError,
 )
@@ -74,8 +75,19 @@ class StubContext:
     """Per-sequence dicts of cells; logits computed at decode for rows that ask for them."""
 
     def __init__(self, model: StubModel, params: ContextParams) -> None:
+        facts = model.facts
+        if not facts.causal and not params.embeddings:
+            # As llama.cpp's: an encoder keeps no KV cache, so only a pooling context runs it.
+            raise ModelLoadError(
+                "this model keeps no KV cache (an encoder): it runs only pooled, as a "
+                "reranker (pooling rank) or for embeddings"
+            )
         self._model = model
         self._params = params
+        self._stateless = not facts.causal
+        self._n_cls_out = facts.n_cls_out
+        # Each sequence's chain hash at the last position the last decode gave it.
+        self._pooled: dict[int, int] = {}
         self._seqs: list[dict[int, _Cell]] = [{} for _ in range(params.n_seq_max)]
         self._rows: list[int] = []
         self._logits: dict[int, npt.NDArray[np.float32]] = {}
@@ -117,6 +129,10 @@ class StubContext:
     def n_batch(self) -> int:
         return self._params.n_batch
 
+    @property
+    def stateless(self) -> bool:
+        return self._stateless
+
     def _pos_max(self, seq: int) -> int:
         cells = self._seqs[seq]
         return max(cells) if cells else -1
@@ -131,6 +147,12 @@ class StubContext:
                 n_seq_max=self._params.n_seq_max,
                 pos_max=self._pos_max,
             )
+            if self._stateless and len(batch) > self._params.n_ubatch:
+                raise InvalidRequestError(  # llama.cpp's check, and message
+                    f"{len(batch)} tokens exceed n_ubatch={self._params.n_ubatch}: this model's "
+                    "attention is not causal, so a call must fit one ubatch",
+                    param="batch",
+                )
             self._invalidate_logits()
             for row, item in enumerate(batch):
                 cells = self._seqs[item.seq]
@@ -142,8 +164,12 @@ class StubContext:
                 if item.logits:
                     self._rows.append(row)
                     self._logits[row] = self._fake_logits(item.token, h)
+                if self._params.embeddings:
+                    self._pooled[item.seq] = h  # a sequence's last position in the call
             for seq in {item.seq for item in batch}:
                 self._forget(self._seqs[seq])
+                if self._stateless:
+                    self._seqs[seq].clear()  # an encoder keeps nothing after the call
             if self._model.backend.decode_delay_s:
                 time.sleep(self._model.backend.decode_delay_s)
 
@@ -181,6 +207,12 @@ class StubContext:
             )
             toks = list(tokens)
             n = len(toks)
+            if self._stateless and n > self._params.n_batch:
+                raise InvalidRequestError(
+                    "this model's attention is not causal: a prompt is prefilled whole, "
+                    f"from position 0, in one call of at most n_batch={self._params.n_batch}",
+                    param="tokens",
+                )
             for offset, length in _checks.aligned_chunks(start_pos, n, self._params.n_batch):
                 last = offset + length == n
                 self.decode(
@@ -202,9 +234,14 @@ class StubContext:
             # The protocol's plain ``memoryview``; its format is "f" (len == n_vocab).
             return cast(memoryview, view)
 
+    def _stateful(self) -> None:
+        if self._stateless:
+            raise StateRestoreError("this context keeps no KV state (an encoder) to pack or set")
+
     def kv_pack(self, seq: int) -> bytes:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
+            self._stateful()
             cells = self._seqs[seq]
             mem = self._memory
             if mem.kind == "swa" and cells:  # llama.cpp saves only the cells the window sees
@@ -233,6 +270,7 @@ class StubContext:
     def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
+            self._stateful()
             # Like llama.cpp, the sequence is cleared first and stays empty if the blob is bad.
             self._seqs[seq] = {}
             cells = self._parse(u8(data).data)
@@ -296,7 +334,7 @@ class StubContext:
     @property
     def restores_tails(self) -> bool:
         # As llama.cpp's: full attention, one KV stream (the scratch sequence's condition).
-        return self._memory.chunkable and self._params.kv_unified
+        return self._memory.chunkable and self._params.kv_unified and not self._stateless
 
     @property
     def copies_by_pack(self) -> bool:
@@ -391,6 +429,21 @@ class StubContext:
                 vec = vec / norm if norm > 0 else vec
             return [float(x) for x in vec]
 
+    def pooled(self, seq: int) -> tuple[float, ...]:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            if not self._params.embeddings or self._params.pooling != "rank":
+                raise InvalidRequestError("this stub context pools only by rank")
+            h = self._pooled.get(seq)
+            if h is None:
+                raise NoLogitsError(f"no pooled output for seq {seq} from the last decode")
+            # A pure function of the chain hash: of every token up to the last position, so
+            # a score read after a restore or a copy equals a cold one iff the KV is right.
+            p = (h >> 40) / float(1 << 24)
+            if self._n_cls_out == 1:
+                return (4.0 * p - 2.0,)  # a raw score, as a cross-encoder's
+            return (p, 1.0 - p)  # [p(yes), p(no)], as a decoder reranker's softmax
+
     def set_adapters(self, adapters: Sequence[tuple[Adapter, float]]) -> None:
         with self._life.using():
             chosen: list[tuple[StubAdapter, float]] = []
@@ -430,6 +483,7 @@ class StubContext:
         self._views.clear()
         self._rows.clear()
         self._logits.clear()
+        self._pooled.clear()
 
     def _fake_logits(self, token: int, h: int) -> npt.NDArray[np.float32]:
         rng = np.random.default_rng(h ^ self._salt)

@@ -108,6 +108,10 @@ class Admission:
             for m in (match, *whole)
             if m is not None
         ]
+        if req.kind == "score":
+            # A rerank document's score comes from a decode of its last token, so a row's
+            # stored logits cannot stand in for it: at least that token is prefilled.
+            rows = [replace(r, has_logits=False) for r in rows]
         rt.refresh_floors()
         rt.cache.note_namespace(rt.namespace())
         self._found = best_found(
@@ -175,9 +179,7 @@ class Admission:
             ns, req.prompt_tokens, keep, restored=plan.kind == "row", resume_points=resume,
             deterministic=req.deterministic,
         )  # fmt: skip
-        pauses = self.port.pauses(
-            keep, n, resume_points=resume, saved=saved, end=req.kind != "prewarm"
-        )
+        pauses = self.port.pauses(keep, n, resume_points=resume, saved=saved, kind=req.kind)
         # Explained before seating: an exact hit from a row's logits may finish right there.
         try:
             reuse: ReuseReport | None = self._explain(req, ns, keep)

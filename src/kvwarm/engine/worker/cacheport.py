@@ -31,6 +31,7 @@ from kvwarm.cache.policy import (
     should_finish_save,
 )
 from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, TtlClass
+from kvwarm.engine.request import RequestKind
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.slots import Slot
 
@@ -101,8 +102,10 @@ class CachePort:
         partial, unaligned prompt: not worth a row."""
         act = slot.active
         assert act is not None
-        if slot.phase != "generate" or not should_finish_save(
-            len(slot.kv_tokens), self.rt.cfg.policy
+        if (
+            slot.phase != "generate"
+            or act.req.kind == "score"  # one of many documents: a row of it serves no other
+            or not should_finish_save(len(slot.kv_tokens), self.rt.cfg.policy)
         ):
             return None, False
         return self.hold(slot, act.namespace)
@@ -251,6 +254,8 @@ class CachePort:
         act = slot.active
         assert act is not None
         n = len(act.req.prompt_tokens)
+        if act.req.kind == "score":
+            return  # a rerank document saves nothing (``pauses``)
         if not self._checkpoints_resume(keep, n, resume_points, act.deterministic):
             return
         if self.rt.cache.has(self.rt.cache.key_for(act.namespace, slot.kv_tokens)):
@@ -299,23 +304,28 @@ class CachePort:
         *,
         resume_points: Sequence[int] = (),
         saved: int = 0,
-        end: bool = True,
+        kind: RequestKind = "generate",
     ) -> list[int]:
         """Where a prefill of prompt tokens ``[keep, n)`` pauses to save, ascending (``n``
-        itself: the checkpoint at the prompt's end).
+        itself: the checkpoint at the prompt's end). A rerank document (``kind`` score)
+        saves nothing: its shared prefix was prefilled (and saved) by a request of its own,
+        and a row of one document serves no other.
 
-        The cold save's boundary (trimmed, aligned: the row stays canonical), and for a model
-        whose state cannot be trimmed (``kvwarm.memory``) each of ``resume_points`` (where
-        another row's tokens diverge from this prompt: the next prompt that shares that much
-        resumes there, which a longer row's untrimmable state cannot offer) and, with
-        ``end``, the prompt's end. Such a checkpoint is made only ``checkpoint_gap_tokens``
-        or more past the saved state below it (``saved``: the longest prefix of the prompt a
-        row holds at or below ``keep``, 0 for none; or the checkpoint before it): a prompt
-        resuming from that state instead prefills fewer tokens than the checkpoint costs to
-        pack and write. A follow-up chat turn that restored its previous turn's row thus
-        saves only its reply. The end is measured from ``saved`` and the cold save alone:
-        its logits serve the same prompt again with no decode at all, which a checkpoint a
-        few tokens before it (a chat template's generation prompt) cannot."""
+        The cold save's boundary (trimmed, aligned: the row stays canonical), and for a model whose
+        state cannot be trimmed (``kvwarm.memory``) each of ``resume_points`` (where another row's
+        tokens diverge from this prompt: the next prompt that shares that much resumes there, which
+        a longer row's untrimmable state cannot offer) and, but for a prewarm (whose finish save is
+        at its end), the prompt's end. Such a checkpoint is made only ``checkpoint_gap_tokens`` or
+        more past the saved state below it (``saved``: the longest prefix of the prompt a row holds
+        at or below ``keep``, 0 for none; or the checkpoint before it): a prompt resuming from that
+        state instead prefills fewer tokens than the checkpoint costs to pack and write. A follow-up
+        chat turn that restored its previous turn's row thus saves only its reply. The end is
+        measured from ``saved`` and the cold save alone: its logits serve the same prompt again with
+        no decode at all, which a checkpoint a few tokens before it (a chat template's generation
+        prompt) cannot."""
+        if kind == "score":
+            return []
+        end = kind != "prewarm"
         policy = self.rt.cfg.policy
         boundary = cold_save_length(n, policy)
         # Pausing between aligned chunks keeps the cold row canonical.

@@ -34,6 +34,9 @@ class WorkerConfig:
     fingerprint_mode: FingerprintMode
     max_queue: int
     strategy: BatchStrategy
+    #: Prompts run whole, one ubatch per call, and leave no KV to reuse: a model whose
+    #: attention is not causal (a cross-encoder), each position depending on every other.
+    whole: bool = False
 
 
 @dataclass(slots=True)

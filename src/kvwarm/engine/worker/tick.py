@@ -50,7 +50,11 @@ class Tick:
                 decoding.append(i)
             elif slot.phase == "prefill":
                 stop = act.pauses[0] if act.pauses else len(act.req.prompt_tokens)
-                prefilling.append(PrefillWant(i, act.prefill_pos, stop, act.deterministic))
+                prefilling.append(
+                    PrefillWant(
+                        i, act.prefill_pos, stop, act.deterministic, whole=self.rt.cfg.whole
+                    )
+                )
         if not decoding and not prefilling:
             return
         cfg = self.rt.cfg
@@ -160,6 +164,12 @@ class Tick:
         slot.phase = "generate"
         if act.req.kind == "prewarm":
             self.outcomes.finish(slot, "length", bytes(self.rt.ctx.logits(row)))
+            return
+        if act.req.kind == "score":
+            # The rank pooling of this call read the sequence's last position (an encoder:
+            # its whole sequence, which ran whole in this call); llama-server's score is the
+            # first value (a decoder reranker's p("yes")).
+            self.outcomes.finish(slot, "length", None, score=self.rt.ctx.pooled(slot.seq)[0])
             return
         self.forks.prefilled(slot, row, None)
 

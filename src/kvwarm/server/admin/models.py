@@ -52,6 +52,8 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
     }
     if entry.model is not None:
         info = entry.model.info()
+        # What it can be asked to do: "generate" and "embed", or a reranker's "rerank".
+        item["capabilities"] = list(info.capabilities)
         item["meta"] = {
             "path": info.path,
             "backend": info.backend,
@@ -76,6 +78,7 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             # What its cached states can resume from (kvwarm.memory): an orchestrator or a
             # user can tell why a sliding-window or recurrent model reuses only checkpoints.
             "memory": {"kind": info.memory, "n_swa": info.n_swa, "swa_full": info.swa_full},
+            "pooling": info.pooling,
         }
     elif entry.error:
         item["error"] = entry.error
