@@ -130,6 +130,7 @@ class Model:
             ),
             whole=not facts.causal,
             deterministic=cfg.deterministic,
+            n_batch=ctx.n_batch,
         )
         self._state = "ready"
 
@@ -272,6 +273,8 @@ class Model:
             return resolve_template(chosen)
         if self._bmodel.facts.chat_template:
             return "gguf", None
+        if self.pooling == "rank":  # a reranker never chats: nothing to warn about
+            return f"{FALLBACK_TEMPLATE} (fallback)", BUILTIN_TEMPLATES[FALLBACK_TEMPLATE]
         log.warning(
             "model %s carries no chat template: chats use %s (set chat_template to choose)",
             self.id,

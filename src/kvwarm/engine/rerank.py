@@ -20,6 +20,16 @@ prefills, and a later rerank with the same query finds the prefix the same way. 
 no document's KV serves another: its documents run whole, several to a call within one ubatch,
 and its slots keep nothing (``WorkerConfig.whole``).
 
+Numerics: a document scored alone is bit-identical to llama-server's score of it (same flash
+attention, batch size and KV types: ``-np 1``). Scored beside others, a document's last bits
+move with what shares its forward pass, in llama.cpp itself: measured on a 576-wide f16 model,
+llama-server's own ``-np 8`` scores differ from its ``-np 1`` ones by up to 6e-5, kvwarm's
+batched ones by up to 1.5e-4; on the tests' f32 models both stay within 5e-6. A deterministic
+model (``deterministic``) runs each document's passes alone, in a KV stream of its own, and
+shares the prefix only at a multiple of ``n_batch`` (``kvwarm.alignment``): then every score
+is exactly the document's own, whatever else is being ranked (``tests/engine``,
+``bench/rerank.py --exact``).
+
 Invariants: every input is checked on the caller's thread before anything is queued; a
 rerank's requests are queued together or not at all and end together (the first failure
 cancels the rest, and is raised); results are sorted by score, ties in document order.
@@ -61,13 +71,17 @@ class Ranker:
         *,
         whole: bool,
         deterministic: bool,
+        n_batch: int,
     ) -> None:
-        """``whole``: the model's attention is not causal (its documents share nothing)."""
+        """``whole``: the model's attention is not causal (its documents share nothing);
+        ``deterministic``: a deterministic model, whose requests reuse KV only at multiples
+        of ``n_batch`` (``kvwarm.alignment``), so its shared prefix is cut to one."""
         self._bmodel = bmodel
         self._worker = worker
         self._limits = limits
         self._whole = whole
         self._deterministic = deterministic
+        self._align = n_batch if deterministic else 1
 
     def rerank(
         self,
@@ -229,6 +243,7 @@ class Ranker:
         head: Request | None = None
         if not self._whole and len(prompts) > 1:
             shared = min(common_prefix(prompts[0], p) for p in prompts[1:])
+            shared -= shared % self._align  # what a deterministic document can reuse of it
             if shared > 0:
                 head = request(prompts[0][:shared], "prewarm", None, True)
         # The whole rerank counts once against max_queue: its first request.
