@@ -120,3 +120,16 @@ def test_refusals_are_400s(client: TestClient) -> None:
     assert_error(client.post("/v1/embeddings", json=embedding), 400, "unsupported_by_model")
     # The server still serves: a refusal leaves nothing behind.
     assert rerank(documents=DOCS).status_code == 200
+
+
+def test_a_reranker_is_not_prewarmed_with_system_prompts(caplog: pytest.LogCaptureFixture) -> None:
+    """``--prewarm-system`` warms the models that chat; a reranker never does (no warning)."""
+    settings = stub_settings(
+        models=(ModelSpec(path="stub-reranker.gguf", id="ranker"), ModelSpec(path="stub-a", id="a")),
+        prewarm_system=("You are the harbour's archivist.",),
+    )
+    with caplog.at_level("WARNING"), TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        body = {"model": "ranker", "query": QUERY, "documents": DOCS}
+        assert client.post("/v1/rerank", json=body).status_code == 200
+    assert not [r for r in caplog.records if "prewarm of a system prompt" in r.getMessage()]
