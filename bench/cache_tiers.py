@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvwarm.cache.key import cache_key
+from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.protocols import StoredRow, Tier
 from kvwarm.cache.tiers.files import FileTier
 from kvwarm.cache.tiers.ram import RamTier

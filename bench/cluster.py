@@ -11,7 +11,7 @@ affinity by accident (a first run with 2 and 2 stayed 18/18 under both routers).
 Per configuration: follow-ups that stayed on the replica of the turn before, prompt tokens
 restored vs prefilled, switched follow-ups that restored (the shared tier's job), TTFT p50/p95
 (streamed, first content chunk, as a client sees it). Then the router's own cost per request:
-the chain hashing the ingress does and the decision (``routing.rank``) with full warm sets,
+the chain hashing the ingress does and the decision (the ``prefix`` policy) with full warm sets,
 timed in-process. Prints its numbers and the command. Goals (issue 10): follow-ups stay >= 99%,
 switched follow-ups restore, routing adds < 5 ms.
 """
@@ -34,7 +34,13 @@ import httpx
 
 from kvwarm.cluster import deploy
 from kvwarm.cluster.chains import chat_chain
-from kvwarm.cluster.routing import AffinityTable, ReplicaView, RoutingPolicy, rank
+from kvwarm.cluster.routing import (
+    AffinityTable,
+    ReplicaView,
+    RouteRequest,
+    RoutingConfig,
+    build_policy,
+)
 from kvwarm.settings import Settings
 
 SYSTEM = {"role": "system", "content": "You are a concise assistant. Reply in one sentence."}
@@ -224,11 +230,11 @@ def router_cost(n_replicas: int, warm: int, messages: int, rounds: int = 2000) -
     ]
     views[0] = ReplicaView("r0", warm=views[0].warm | set(chain[:-2]))
     table = AffinityTable()
-    policy = RoutingPolicy()
+    policy = build_policy(RoutingConfig())
     started = time.perf_counter()
     for _ in range(rounds):
         routed = table.warm_of(chain)
-        decision = rank(chain, views, policy)
+        decision = policy.rank(RouteRequest(chain), views)
         table.record(chain, decision.groups[0][0])
     assert routed is not None
     rank_us = (time.perf_counter() - started) / rounds * 1e6

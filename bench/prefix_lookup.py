@@ -20,7 +20,7 @@ from array import array
 
 import numpy as np
 
-from kvwarm.cache.index import Index
+from kvwarm.cache.index.index import Index
 from kvwarm.cache.protocols import StoredRow
 from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TtlClass
 

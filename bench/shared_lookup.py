@@ -2,7 +2,7 @@
 
 For prompts of 512..8192 tokens, under the server's policy (cold saves at multiples of 512,
 n_batch 512), a fresh reader cache looks the prompt up with the probe lengths the engine
-passes (``policy.probe_lengths``):
+passes (``savegates.probe_lengths``):
 
 - ``miss``: nothing published: every probe misses (the worst case, bounded by probe_max);
 - ``hit``: another cache published the prompt's cold-save row (its longest aligned prefix);
@@ -28,11 +28,11 @@ from dataclasses import replace
 
 from kvwarm.alignment import align_down
 from kvwarm.cache import Cache, CacheConfig, Namespace, SaveReason, SaveRequest, TierConfig
-from kvwarm.cache.policy import cold_save_length, probe_lengths
 from kvwarm.cache.tiers.ram import RamTier
 from kvwarm.cache.tiers.s3 import S3Tier
 from kvwarm.cache.tiers.s3client import S3Client, make_client
 from kvwarm.cache.types import S3Config
+from kvwarm.engine.worker.savegates import cold_save_length, probe_lengths
 from kvwarm.settings import SERVER_POLICY
 
 NS = Namespace(b"\x01" * 32, 1, b"\x02" * 32)

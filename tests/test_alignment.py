@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvwarm.alignment import align_down, canonical_after, canonical_after_chunk, chunk_end
 from kvwarm.backends._checks import aligned_chunks
-from kvwarm.cache.policy import aligned_boundary
+from kvwarm.engine.worker.savegates import aligned_boundary
 
 
 @given(st.integers(0, 5000), st.integers(1, 600))

@@ -55,7 +55,7 @@ def test_grown_buffers_leave_headroom_for_the_next_turn() -> None:
 
 
 def test_cache_read_arena_is_reused_while_rows_grow_by_a_turn() -> None:
-    from kvwarm.cache.core import ScratchBuffers
+    from kvwarm.cache.store.core import ScratchBuffers
 
     scratch = ScratchBuffers()
     arena = scratch.take_arena(1 << 20)

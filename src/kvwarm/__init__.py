@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from kvwarm.engine.options import GenerationOverrides
     from kvwarm.engine.stream import CompletionStream
     from kvwarm.engine.types import Completion, CompletionStats, GenerationOptions
+    from kvwarm.tokens import Prompt, Span
 
 _LAZY = {
     "Engine": "kvwarm.engine.api",
@@ -68,6 +69,8 @@ _LAZY = {
     "TtlClass": "kvwarm.cache.types",
     "MissReason": "kvwarm.cache.explain",
     "ReuseReport": "kvwarm.cache.explain",
+    "Prompt": "kvwarm.tokens",
+    "Span": "kvwarm.tokens",
 }
 
 
@@ -97,7 +100,9 @@ __all__ = [
     "ModelOptions",
     "ModelParams",
     "PolicyConfig",
+    "Prompt",
     "ReuseReport",
+    "Span",
     "TierConfig",
     "TtlClass",
     "__version__",

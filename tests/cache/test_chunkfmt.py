@@ -20,7 +20,7 @@ from tests.cache.test_kvc import (
     flips_accepted,
 )
 
-from kvwarm.cache import chunkfmt, kvc
+from kvwarm.cache.formats import chunkfmt, kvc
 from kvwarm.cache.types import Namespace
 from kvwarm.errors import CacheFormatError
 

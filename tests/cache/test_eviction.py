@@ -21,10 +21,10 @@ from kvwarm.cache.eviction import (
     registered_policies,
     unregister_policy,
 )
-from kvwarm.cache.index import Index
-from kvwarm.cache.key import cache_key
-from kvwarm.cache.policy import validate_cache_config
+from kvwarm.cache.formats.key import cache_key
+from kvwarm.cache.index.index import Index
 from kvwarm.cache.types import RowInfo, TierName
+from kvwarm.cache.validate import validate_cache_config
 from kvwarm.errors import ConfigError
 
 

@@ -113,7 +113,7 @@ def test_the_quota_is_capped_by_the_room_on_the_filesystem(
         assert counters["tier_disk_quota_capped_by_filesystem"] == 0
         used = int(counters["tier_disk_bytes"])
         monkeypatch.setattr(os, "statvfs", statvfs_with_free(5120))
-        with caplog.at_level(logging.WARNING, logger="kvwarm.cache.quota"):
+        with caplog.at_level(logging.WARNING, logger="kvwarm.cache.store.quota"):
             counters = cache.counters()
             cache.counters()
             fill(cache, 3)  # the save's quota check uses the capped quota too

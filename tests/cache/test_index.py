@@ -6,8 +6,8 @@ import threading
 
 from tests.cache.facadekit import NS, NS2, FakeClock
 
-from kvwarm.cache.index import Index
-from kvwarm.cache.key import cache_key
+from kvwarm.cache.formats.key import cache_key
+from kvwarm.cache.index.index import Index
 from kvwarm.cache.protocols import StoredRow
 from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TierName, TtlClass
 

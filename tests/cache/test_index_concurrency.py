@@ -12,8 +12,8 @@ import threading
 
 from tests.cache.facadekit import NS
 
-from kvwarm.cache.index import Index
-from kvwarm.cache.key import cache_key
+from kvwarm.cache.formats.key import cache_key
+from kvwarm.cache.index.index import Index
 from kvwarm.cache.protocols import StoredRow
 from kvwarm.cache.types import RowInfo, SaveReason, TtlClass
 

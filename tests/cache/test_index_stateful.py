@@ -26,9 +26,10 @@ from hypothesis.stateful import (
 )
 from tests.cache.facadekit import NS, NS2
 
-from kvwarm.cache import Cache, CacheConfig, SaveReason, SaveRequest, TierConfig, kvc
+from kvwarm.cache import Cache, CacheConfig, SaveReason, SaveRequest, TierConfig
 from kvwarm.cache.api import LoadedRow
-from kvwarm.cache.key import cache_key
+from kvwarm.cache.formats import kvc
+from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.types import Namespace, TierName
 from kvwarm.errors import CacheFormatError
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvwarm.cache.key import (
+from kvwarm.cache.formats.key import (
     PrefixKeyer,
     cache_key,
     effective_fingerprint,
@@ -146,7 +146,7 @@ def test_effective_fingerprint_rejects_bad_adapters(adapters: list[tuple[bytes, 
 
 
 def test_salt_folds_into_ctx_hash_and_no_salt_changes_nothing() -> None:
-    from kvwarm.cache.key import salted_namespace
+    from kvwarm.cache.formats.key import salted_namespace
 
     assert salted_namespace(NS, None) is NS
     a, b = salted_namespace(NS, b"alice"), salted_namespace(NS, b"bob")

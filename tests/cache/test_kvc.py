@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvwarm.cache import kvc
-from kvwarm.cache.key import cache_key
+from kvwarm.cache.formats import kvc
+from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.types import FingerprintMode, Namespace, SaveReason, TtlClass
 from kvwarm.errors import CacheFormatError
 
@@ -331,7 +331,7 @@ def test_known_tokens_skip_decoding_only_when_the_key_replays() -> None:
 @pytest.mark.parametrize(("mode", "warns"), [("force", True), ("auto", False)])
 def test_software_crc_fallback_is_announced(mode: str, warns: bool) -> None:
     """The crc32c package silently falls back to a ~10x slower table; we log it at import."""
-    code = "import logging; logging.basicConfig(); import kvwarm.cache.kvc"
+    code = "import logging; logging.basicConfig(); import kvwarm.cache.formats.kvc"
     env = {**os.environ, "CRC32C_SW_MODE": mode}
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwarm.cache.prefix import PrefixIndex
+from kvwarm.cache.index.prefix import PrefixIndex
 
 
 def _key(ns: int, toks: tuple[int, ...]) -> bytes:

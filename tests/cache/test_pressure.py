@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from kvwarm.cache.pressure import (
+from kvwarm.cache.types import EvictResult, PressureConfig, TierName
+from kvwarm.cache.upkeep.pressure import (
     CallableSource,
     NoopSource,
     PressureScheduler,
     SystemMemorySource,
     make_source,
 )
-from kvwarm.cache.types import EvictResult, PressureConfig, TierName
 from kvwarm.errors import ConfigError
 
 
@@ -126,7 +126,7 @@ def test_system_source_without_cgroup_files(tmp_path: Path) -> None:
 def test_a_cgroup_v1_memory_limit_is_found(tmp_path: Path) -> None:
     """Found by review: only cgroup v2 was looked for, so inside a v1 container (this review's
     own machine is one) the container's limit was never watched, and nothing said so."""
-    from kvwarm.cache.pressure import _own_cgroup_files
+    from kvwarm.cache.upkeep.pressure import _own_cgroup_files
 
     v1 = tmp_path / "memory" / "docker" / "abc"
     v1.mkdir(parents=True)
@@ -154,7 +154,7 @@ def test_an_unreadable_cgroup_limit_is_a_warning_not_a_silent_fallback(
 ) -> None:
     (tmp_path / "memory.max").mkdir()  # reading it fails (EISDIR), as EACCES would for a user
     (tmp_path / "memory.current").write_text("900\n")
-    with caplog.at_level("INFO", logger="kvwarm.cache.pressure"):
+    with caplog.at_level("INFO", logger="kvwarm.cache.upkeep.pressure"):
         source = SystemMemorySource(cgroup_dir=tmp_path)
         used, total = source.sample()
         source.sample()
@@ -169,7 +169,7 @@ def test_the_system_source_says_what_it_watches(
 ) -> None:
     (tmp_path / "memory.max").write_text("1000\n")
     (tmp_path / "memory.current").write_text("10\n")
-    with caplog.at_level("INFO", logger="kvwarm.cache.pressure"):
+    with caplog.at_level("INFO", logger="kvwarm.cache.upkeep.pressure"):
         SystemMemorySource(cgroup_dir=tmp_path)
         SystemMemorySource(cgroup_dir=tmp_path / "missing")
     messages = [r.getMessage() for r in caplog.records]

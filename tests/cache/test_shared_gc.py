@@ -17,7 +17,7 @@ from tests.cache.tierkit import NS
 from tests.s3kit import MotoServer
 
 from kvwarm.cache import Cache, CacheConfig, TierConfig
-from kvwarm.cache.key import cache_key
+from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.protocols import ChunkAges, Tier
 from kvwarm.cache.tiers.registry import TierOptions, build_tier
 from kvwarm.errors import CacheKeyError

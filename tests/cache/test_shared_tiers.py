@@ -21,10 +21,10 @@ from tests.s3kit import CREDENTIALS, MotoServer, aws_env, object_names
 
 from kvwarm.alignment import align_down
 from kvwarm.cache import Cache, CacheConfig, PolicyConfig, TierConfig
-from kvwarm.cache.policy import cold_save_length, probe_lengths
 from kvwarm.cache.tiers.files import FileTier
 from kvwarm.cache.tiers.s3 import S3Tier
 from kvwarm.cache.types import S3Config
+from kvwarm.engine.worker.savegates import cold_save_length, probe_lengths
 from kvwarm.errors import CacheIOError, CacheNetworkError
 
 CHILD = Path(__file__).with_name("publisher_child.py")

@@ -10,8 +10,9 @@ from pathlib import Path
 from tests.cache.chunkkit import blob, chunked_request, join
 from tests.cache.tierkit import NS
 
-from kvwarm.cache import Cache, CacheConfig, TierConfig, chunkfmt
-from kvwarm.cache.key import cache_key
+from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache.formats import chunkfmt
+from kvwarm.cache.formats.key import cache_key
 
 C = 256
 N = 600  # three chunks: 256 + 256 + 88 tokens

@@ -11,7 +11,7 @@ from tests.cache.tierkit import NS, TIERS, TierFactory, factory, shm_dir
 from tests.rediskit import RedisServer
 from tests.s3kit import MotoServer
 
-from kvwarm.cache import chunkfmt
+from kvwarm.cache.formats import chunkfmt
 from kvwarm.cache.tiers import layout, objects
 from kvwarm.cache.tiers.objects import ObjectTier
 from kvwarm.cache.tiers.redis import RedisStore

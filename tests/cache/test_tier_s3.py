@@ -16,7 +16,7 @@ from tests.cache.tierkit import NS, request
 from tests.s3kit import MotoServer, object_names
 
 from kvwarm.cache import Cache, CacheConfig, TierConfig
-from kvwarm.cache.kvc import parse
+from kvwarm.cache.formats.kvc import parse
 from kvwarm.cache.tiers.s3 import S3Tier
 from kvwarm.cache.tiers.s3client import S3Client
 from kvwarm.errors import CacheFormatError, CacheNetworkError

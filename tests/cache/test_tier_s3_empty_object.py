@@ -9,7 +9,7 @@ from tests.cache.fakebook import FakeBook
 from tests.cache.tierkit import NS, request
 from tests.s3kit import MotoServer
 
-from kvwarm.cache.chunkfmt import ROOT_PARENT, build_head
+from kvwarm.cache.formats.chunkfmt import ROOT_PARENT, build_head
 from kvwarm.cache.tiers.objects import chunk_name
 from kvwarm.cache.tiers.s3 import S3Tier
 

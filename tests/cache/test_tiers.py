@@ -13,9 +13,9 @@ from tests.cache.tierkit import NS, TIERS, TierFactory, factory, request, shm_di
 from tests.rediskit import RedisServer
 from tests.s3kit import MotoServer, object_names
 
-from kvwarm.cache import kvc
-from kvwarm.cache.index import Index
-from kvwarm.cache.key import cache_key
+from kvwarm.cache.formats import kvc
+from kvwarm.cache.formats.key import cache_key
+from kvwarm.cache.index.index import Index
 from kvwarm.cache.protocols import Tier
 from kvwarm.cache.tiers.cotenants import PROCS
 from kvwarm.cache.tiers.layout import name_for

@@ -12,7 +12,7 @@ import pytest
 from tests.cache.fakebook import FakeBook
 from tests.cache.tierkit import NS, data_names, request
 
-from kvwarm.cache.key import cache_key
+from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.tiers.files import PUBLISH_STEPS, FileTier
 from kvwarm.errors import CacheFormatError, ConfigError
 

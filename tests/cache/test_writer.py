@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvwarm.cache.writer import WriterPool
+from kvwarm.cache.store.writer import WriterPool
 from kvwarm.errors import ConfigError
 
 WAIT = 10.0  # generous bound for events; tests never sleep
@@ -67,7 +67,7 @@ def test_failing_job_is_logged_and_thread_survives(
         raise OSError("disk on fire")
 
     ran: list[int] = []
-    with caplog.at_level(logging.ERROR, logger="kvwarm.cache.writer"):
+    with caplog.at_level(logging.ERROR, logger="kvwarm.cache.store.writer"):
         assert pool.submit(boom)
         assert pool.submit(_recorder(ran, 1))
         assert pool.drain(WAIT)

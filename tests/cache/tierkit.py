@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvwarm.cache.key import cache_key
+from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.protocols import Tier
 from kvwarm.cache.tiers.cotenants import PROCS
 from kvwarm.cache.tiers.files import FileTier, StepHook

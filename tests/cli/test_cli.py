@@ -383,7 +383,7 @@ def test_cache_gc_shared_sweeps_unreferenced_chunks_of_a_shared_dir(
     from tests.cache.tierkit import NS
 
     from kvwarm.cache import Cache, CacheConfig, TierConfig
-    from kvwarm.cache.key import cache_key
+    from kvwarm.cache.formats.key import cache_key
 
     cache_dir = tmp_path / "nfs"
     tiers = (

@@ -222,6 +222,9 @@ def test_cluster_settings_are_flags_of_kvwarm_cluster_only() -> None:
     s = load_settings(settings_flags(args), {})
     assert (s.replicas, s.ray_address, s.cluster_busy_requests) == (3, "ray://h:10001", 0)
     assert s.node_ip is None  # a local Ray stays on loopback unless asked
+    assert s.cluster_routing == "prefix"
+    routed = parser.parse_args(["cluster", "--cluster-routing", "mine"])
+    assert load_settings(settings_flags(routed), {}).cluster_routing == "mine"  # checked by deploy
     opened = parser.parse_args(["cluster", "--node-ip", "10.0.0.5"])
     assert load_settings(settings_flags(opened), {}).node_ip == "10.0.0.5"
     assert load_settings({}, {"KVWARM_REPLICAS": "5"}).replicas == 5  # env works for both
@@ -229,5 +232,7 @@ def test_cluster_settings_are_flags_of_kvwarm_cluster_only() -> None:
         parser.parse_args(["serve", "--replicas", "3"])  # not a serve flag
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--node-ip", "10.0.0.5"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--cluster-routing", "prefix"])
     with pytest.raises(ConfigError, match="replicas"):
         load_settings({}, {"KVWARM_REPLICAS": "0"})

@@ -1,19 +1,38 @@
-"""The prefix-affinity decision (``kvwarm.cluster.routing``) and conversation chains, without
-Ray: candidates and stats in, ranked replica groups out."""
+"""Routing policies by name (``kvwarm.cluster.routing``), the prefix-affinity policy and
+conversation chains, without Ray: candidates and stats in, ranked replica groups out."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import pytest
 
 from kvwarm.cluster.chains import LastRows, chat_chain, text_chain
 from kvwarm.cluster.routing import (
     AffinityTable,
+    Decision,
+    PrefixPolicy,
     ReplicaView,
-    RoutingPolicy,
+    RouteRequest,
+    RoutingConfig,
     WarmSet,
+    build_policy,
     match_length,
-    rank,
+    register_policy,
+    registered_policies,
+    unregister_policy,
 )
+from kvwarm.errors import ConfigError
+from kvwarm.settings import Settings
 
-POLICY = RoutingPolicy(busy_requests=2, slow_factor=3.0, slow_floor_ms=1000.0)
+UNKNOWN = r"unknown routing policy 'nope'; expected one of .*prefix"
+CONFIG = RoutingConfig(busy_requests=2, slow_factor=3.0, slow_floor_ms=1000.0)
+
+
+def rank(chain: Sequence[str], views: Sequence[ReplicaView]) -> Decision:
+    return PrefixPolicy(CONFIG).rank(RouteRequest(tuple(chain)), views)
+
+
 MSGS = [
     {"role": "system", "content": "be brief"},
     {"role": "user", "content": "hello"},
@@ -79,7 +98,7 @@ def test_longest_warm_prefix_wins_over_load() -> None:
         ReplicaView("r2", in_flight=1, warm=frozenset({"h1", "h2"})),
         ReplicaView("r3", in_flight=0),
     ]
-    decision = rank(chain, views, POLICY)
+    decision = rank(chain, views)
     assert decision.matched == 2
     # The others follow: a partial match before none.
     assert decision.groups == [["r2"], ["r1"], ["r3"]]
@@ -87,7 +106,7 @@ def test_longest_warm_prefix_wins_over_load() -> None:
 
 def test_routed_hashes_count_like_reported_ones() -> None:
     views = [ReplicaView("r1"), ReplicaView("r2", routed=frozenset({"h1"}))]
-    assert rank(("h1", "h2"), views, POLICY).groups[0] == ["r2"]
+    assert rank(("h1", "h2"), views).groups[0] == ["r2"]
 
 
 def test_new_conversation_goes_to_the_least_loaded() -> None:
@@ -96,12 +115,12 @@ def test_new_conversation_goes_to_the_least_loaded() -> None:
         ReplicaView("r2", in_flight=0),
         ReplicaView("r3", in_flight=0),
     ]
-    decision = rank(("new",), views, POLICY)
+    decision = rank(("new",), views)
     assert decision.matched == 0
     assert decision.groups == [["r2"], ["r3"], ["r1"]]
     # Equal load: the replica holding fewer conversations first (sequential new ones spread).
     spread = [ReplicaView("r1", held=8), ReplicaView("r2", held=3)]
-    assert rank(("new",), spread, POLICY).groups == [["r2"], ["r1"]]
+    assert rank(("new",), spread).groups == [["r2"], ["r1"]]
 
 
 def test_busy_warm_replica_is_passed_over_but_kept_last() -> None:
@@ -110,7 +129,7 @@ def test_busy_warm_replica_is_passed_over_but_kept_last() -> None:
         ReplicaView("warm", in_flight=2, warm=frozenset(chain)),  # at busy_requests
         ReplicaView("cold", in_flight=0),
     ]
-    decision = rank(chain, views, POLICY)
+    decision = rank(chain, views)
     assert decision.groups == [["cold"], ["warm"]]
     assert decision.matched == 0
 
@@ -122,14 +141,14 @@ def test_slow_warm_replica_is_passed_over() -> None:
         ReplicaView("a", ttft_ms=200.0),
         ReplicaView("b", ttft_ms=250.0),
     ]
-    assert rank(chain, views, POLICY).groups == [["a"], ["b"], ["slow"]]
+    assert rank(chain, views).groups == [["a"], ["b"], ["slow"]]
     # Slow needs both: over slow_factor x the median and over the floor.
     quick = [
         ReplicaView("x", warm=frozenset(chain), ttft_ms=900.0),
         ReplicaView("a", ttft_ms=10.0),
         ReplicaView("b", ttft_ms=10.0),
     ]
-    assert rank(chain, quick, POLICY).groups[0] == ["x"]
+    assert rank(chain, quick).groups[0] == ["x"]
 
 
 def test_all_busy_still_routes_warmest_first() -> None:
@@ -138,8 +157,8 @@ def test_all_busy_still_routes_warmest_first() -> None:
         ReplicaView("r1", in_flight=5, warm=frozenset({"h1"})),
         ReplicaView("r2", in_flight=9, warm=frozenset({"h1", "h2"})),
     ]
-    assert rank(chain, views, POLICY).groups == [["r2"], ["r1"]]
-    assert rank(chain, [], POLICY).groups == []
+    assert rank(chain, views).groups == [["r2"], ["r1"]]
+    assert rank(chain, []).groups == []
 
 
 def test_warm_set_is_bounded_and_recent_first() -> None:
@@ -178,3 +197,57 @@ def test_last_rows_give_a_follow_up_its_previous_turn() -> None:
     rows.remember(("a",), b"a" * 32)
     rows.remember(("b",), b"b" * 32)
     assert rows.parent_of(turn1) is None and len(rows) == 2  # bounded: the oldest went
+
+
+class LeastLoaded:
+    """A policy of a test's own: load only, warm or not."""
+
+    def __init__(self, config: RoutingConfig) -> None:
+        self.config = config
+        self.seen: list[RouteRequest] = []
+
+    def rank(self, request: RouteRequest, views: Sequence[ReplicaView]) -> Decision:
+        self.seen.append(request)
+        ordered = sorted(views, key=lambda v: (v.in_flight, v.id))
+        return Decision([[v.id] for v in ordered], 0)
+
+
+@pytest.fixture
+def least_loaded() -> Iterator[str]:
+    register_policy("least_loaded", LeastLoaded)
+    try:
+        yield "least_loaded"
+    finally:
+        unregister_policy("least_loaded")
+
+
+def test_the_prefix_policy_is_registered_and_the_default() -> None:
+    assert "prefix" in registered_policies()
+    assert RoutingConfig().policy == "prefix" == Settings().cluster_routing
+    policy = build_policy(CONFIG)
+    assert isinstance(policy, PrefixPolicy) and policy.config is CONFIG
+
+
+def test_an_unknown_policy_is_a_config_error_naming_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match=UNKNOWN):
+        build_policy(RoutingConfig(policy="nope"))
+    with pytest.raises(ConfigError, match="routing policy names"):
+        register_policy("no spaces", LeastLoaded)
+    assert "no spaces" not in registered_policies()
+
+
+def test_a_registered_policy_is_built_by_name_and_ranks(least_loaded: str) -> None:
+    policy = build_policy(RoutingConfig(policy=least_loaded, busy_requests=7))
+    assert isinstance(policy, LeastLoaded) and policy.config.busy_requests == 7
+    chain = ("h1", "h2")
+    views = [
+        ReplicaView("warm", in_flight=1, warm=frozenset(chain)),
+        ReplicaView("cold", in_flight=0),
+    ]
+    # The prefix policy sends the conversation to its warm replica; this one ignores warmth.
+    assert rank(chain, views).groups[0] == ["warm"]
+    assert policy.rank(RouteRequest(chain, "m"), views).groups == [["cold"], ["warm"]]
+    assert policy.seen == [RouteRequest(chain, "m")]
+    unregister_policy(least_loaded)
+    with pytest.raises(ConfigError, match="least_loaded"):
+        build_policy(RoutingConfig(policy=least_loaded))

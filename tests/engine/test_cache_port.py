@@ -33,12 +33,35 @@ def test_only_the_port_reads_the_save_policy_or_looks_rows_up() -> None:
         if module.name == "cacheport.py":
             continue
         imported = _imports(module)
-        assert "kvwarm.cache.policy" not in imported, module.name
+        assert "kvwarm.engine.worker.savegates" not in imported, module.name
         source = module.read_text()
         if module.name == "explain.py":
             continue  # its explain_prompt serves `kvwarm cache explain`, with no worker at all
         for call in ("longest_prefix(", "whole_prefixes(", ".save(SaveRequest"):
             assert call not in source, f"{module.name} calls the cache's {call} itself"
+
+
+def _reaches_the_cache(path: Path) -> list[int]:
+    """Lines where a module reads the runtime's cache (``rt.cache``, ``self.rt.cache``)."""
+    tree = ast.parse(path.read_text())
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "cache"
+        and (
+            (isinstance(node.value, ast.Name) and node.value.id == "rt")
+            or (isinstance(node.value, ast.Attribute) and node.value.attr == "rt")
+        )
+    ]
+
+
+def test_every_call_from_the_worker_to_the_cache_goes_through_the_port() -> None:
+    assert _reaches_the_cache(WORKER / "cacheport.py"), "the check itself finds nothing"
+    for module in sorted(WORKER.glob("*.py")):
+        if module.name in ("cacheport.py", "runtime.py"):
+            continue
+        assert _reaches_the_cache(module) == [], f"{module.name} calls the cache past its port"
 
 
 def test_a_request_reaches_the_cache_through_the_lifecycle_verbs(
@@ -153,8 +176,8 @@ def test_evict_keeps_live_kv_until_its_in_flight_save_publishes_or_saves_it_itse
 ) -> None:
     """An idle slot whose finish save is still being written is evicted only once that save
     ends; when it fails, the eviction's own sync save keeps the KV (no saved data is lost)."""
-    from kvwarm.cache.core import CacheCore
     from kvwarm.cache.facade import Cache
+    from kvwarm.cache.store.core import CacheCore
     from kvwarm.errors import CacheIOError
 
     gate, parked = threading.Event(), threading.Event()
@@ -194,7 +217,7 @@ def test_evict_keeps_live_kv_until_its_in_flight_save_publishes_or_saves_it_itse
 def test_evict_keeps_live_kv_whose_own_save_failed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every save failing (the tier is gone), the slot's live KV is the only copy of the
     prompt: evict saves nothing and must keep it, so the same prompt still reuses it."""
-    from kvwarm.cache.core import CacheCore
+    from kvwarm.cache.store.core import CacheCore
     from kvwarm.errors import CacheIOError
 
     def failing(self: CacheCore, key: bytes, request: SaveRequest, *a: object) -> object:

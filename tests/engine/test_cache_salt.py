@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
-from kvwarm.cache.key import salted_namespace
+from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.engine.api import Engine
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import MAX_CACHE_SALT_CHARS, Completion, GenerationOptions

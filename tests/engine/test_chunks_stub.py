@@ -103,7 +103,7 @@ def test_a_hundred_conversations_store_their_system_prompt_once(root: Path) -> N
 def test_kv_cell_types_are_part_of_every_chunk_key() -> None:
     """Chunks of one cell type never serve another: the types are in the context hash, and
     so in the namespace every chunk key hashes."""
-    from kvwarm.cache.chunkfmt import chunk_keys
+    from kvwarm.cache.formats.chunkfmt import chunk_keys
     from kvwarm.cache.types import Namespace
 
     tokens = list(range(600))

@@ -466,3 +466,24 @@ def test_a_caller_who_got_its_answer_sees_its_slot_free(
     status = model.status()
     looked.set()
     assert (status.active, status.free_slots) == (0, 2), status
+
+
+def test_a_prompt_value_runs_as_its_tokens_and_media_is_refused_clearly(engine: Engine) -> None:
+    """A span-less ``Prompt`` is the text case; a prompt with an image span is refused with a
+    typed error naming the prompt (no backend decodes media yet), before anything is queued."""
+    import hashlib
+
+    from kvwarm.tokens import Prompt
+
+    model = engine.load_model(config=stub_config())
+    tokens = model.tokenize(PROMPT)
+    by_tokens = model.complete(tokens, GREEDY)
+    by_prompt = model.complete(Prompt.text(tokens), GREEDY)
+    assert by_prompt.text == by_tokens.text and by_prompt.prompt_tokens == tuple(tokens)
+    picture = Prompt.build([tokens[:5], (hashlib.sha256(b"px").digest(), 16, "image"), tokens[5:]])
+    with pytest.raises(InvalidRequestError, match="cannot read image input") as info:
+        model.complete(picture, GREEDY)
+    assert info.value.param == "prompt"
+    with pytest.raises(InvalidRequestError):
+        model.complete(Prompt.text([*tokens, 10**9]), GREEDY)  # not this vocabulary's id
+    assert model.status().active == 0

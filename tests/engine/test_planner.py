@@ -4,17 +4,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvwarm.alignment import canonical_after
-from kvwarm.cache.prefix import common_prefix
+from kvwarm.cache.explain import MissReason
 from kvwarm.engine.worker.planner import (
     Plan,
     RowCandidate,
     better,
     choose,
     recheck_row,
+    trim_reason,
     trim_restored,
     usable_length,
 )
 from kvwarm.engine.worker.slots import Slot
+from kvwarm.tokens import Span, common_prefix
 
 
 @given(st.lists(st.integers(0, 3), max_size=600), st.lists(st.integers(0, 3), max_size=600))
@@ -160,9 +162,6 @@ def test_choose_never_reuses_live_kv_of_another_namespace() -> None:
 
 
 def test_trim_reason_reads_the_planner_rules_back() -> None:
-    from kvwarm.cache.explain import MissReason
-    from kvwarm.engine.worker.planner import trim_reason
-
     def why(shared: int, n: int, keep: int, **kw: object) -> MissReason:
         args: dict[str, object] = {"canonical": None, "n_batch": 16, "deterministic": False}
         return trim_reason(shared, n, keep, **{**args, **kw})  # type: ignore[arg-type]
@@ -232,3 +231,44 @@ def test_a_tail_restore_never_starts_past_the_rows_last_chunk_or_its_keep() -> N
         deterministic=False, tails=True,
     )  # fmt: skip
     assert plan.kind == "self"  # the live KV holds all 29 tokens a row would give
+
+
+def test_no_source_is_resumed_inside_a_span() -> None:
+    """A span is decoded whole: KV that ends inside it is no prompt's state, so a keep that
+    would end there moves back to the span's start, for rows, live KV and re-checks."""
+    spans = (Span(20, 16, b"d" * 32),)
+    # A row holding the whole prompt but no logits: all but the last position...
+    assert usable_length(40, 40, canonical=None, n_batch=16, deterministic=False, spans=spans) == (
+        39,
+        False,
+    )
+    # ... but one sharing up to the middle of the span keeps only what precedes it.
+    got = usable_length(30, 40, canonical=None, n_batch=16, deterministic=False, spans=spans)
+    assert got == (20, False)
+    # Deterministic mode aligns after moving back, and moves back again if that lands inside.
+    spans2 = (Span(10, 12, b"d" * 32),)
+    assert usable_length(30, 40, canonical=None, n_batch=16, deterministic=True, spans=spans2) == (
+        0,
+        False,
+    )
+    # A prompt ending in a span decodes the whole span when the row's logits are missing.
+    tail = (Span(30, 10, b"d" * 32),)
+    assert usable_length(40, 40, canonical=None, n_batch=16, deterministic=False, spans=tail) == (
+        30,
+        False,
+    )
+    assert trim_restored(39, 39, 40, use_logits=False, n_batch=16, det=False, spans=tail) == (
+        30,
+        False,
+    )
+    assert recheck_row(39, 33, 40, canonical=None, n_batch=16, det=False, spans=tail) == 30
+    # Live KV: a slot whose KV shares into the span is kept only up to its start.
+    prompt = list(range(40))
+    warm = _slot(0, prompt[:33], 33)
+    slot, plan = choose(
+        prompt, free=[warm], slots=[warm], row=None, n_batch=16, deterministic=False, spans=tail
+    )
+    assert slot is warm and (plan.kind, plan.keep) == ("self", 30)
+    assert trim_reason(33, 40, 30, canonical=None, n_batch=16, deterministic=False, spans=tail) is (
+        MissReason.INSIDE_SPAN
+    )

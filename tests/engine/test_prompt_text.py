@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tests.engine.conftest import LOW_GATES, stub_config
 
-from kvwarm.cache import kvc
+from kvwarm.cache.formats import kvc
 from kvwarm.cache.types import CacheConfig, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig
 from kvwarm.engine.types import GenerationOptions

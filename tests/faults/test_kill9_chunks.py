@@ -21,7 +21,7 @@ from tests.faults.test_kill9 import CHILD, child_env
 from tests.faults.writer_child import chunked_rows
 
 from kvwarm.cache import Cache, CacheConfig, TierConfig
-from kvwarm.cache.key import cache_key
+from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.tiers.files import PUBLISH_STEPS
 from kvwarm.cache.tiers.publish import CHUNK_STEPS
 

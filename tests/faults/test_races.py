@@ -13,8 +13,8 @@ from tests.cache.fakebook import FakeBook
 from tests.cache.tierkit import NS, data_names, request
 from tests.faults.test_kill9 import CHILD, child_env
 
-from kvwarm.cache import kvc
-from kvwarm.cache.key import cache_key
+from kvwarm.cache.formats import kvc
+from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.protocols import StoredRow
 from kvwarm.cache.tiers.files import FileTier
 

@@ -125,7 +125,10 @@ def test_refusals_are_400s(client: TestClient) -> None:
 def test_a_reranker_is_not_prewarmed_with_system_prompts(caplog: pytest.LogCaptureFixture) -> None:
     """``--prewarm-system`` warms the models that chat; a reranker never does (no warning)."""
     settings = stub_settings(
-        models=(ModelSpec(path="stub-reranker.gguf", id="ranker"), ModelSpec(path="stub-a", id="a")),
+        models=(
+            ModelSpec(path="stub-reranker.gguf", id="ranker"),
+            ModelSpec(path="stub-a", id="a"),
+        ),
         prewarm_system=("You are the harbour's archivist.",),
     )
     with caplog.at_level("WARNING"), TestClient(create_app(settings)) as client:

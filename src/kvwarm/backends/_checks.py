@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from numbers import Integral
 
+import numpy as np
+import numpy.typing as npt
+
 from kvwarm.alignment import chunk_end
 from kvwarm.backends.base import BatchToken
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
@@ -124,6 +127,17 @@ def check_prefill(
             f"(expected {expected})",
             param="start_pos",
         )
+
+
+def logits_row(logits: bytes | memoryview, n_vocab: int) -> npt.NDArray[np.float32]:
+    """``logits`` (a row's stored logits) as ``n_vocab`` float32 values, without a copy;
+    ``InvalidRequestError`` if it holds any other number of bytes."""
+    raw = np.frombuffer(logits, dtype=np.uint8)
+    if raw.nbytes != n_vocab * 4:
+        raise InvalidRequestError(
+            f"expected {n_vocab * 4} bytes of float32 logits, got {raw.nbytes}", param="logits"
+        )
+    return raw.view(np.float32)
 
 
 def aligned_chunks(start_pos: int, n_tokens: int, n_batch: int) -> Iterator[tuple[int, int]]:

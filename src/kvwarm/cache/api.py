@@ -96,7 +96,7 @@ class CacheApi(Protocol):
         ``hits_longest_prefix`` on a hit.
 
         ``probe_lengths``: prefix lengths whose keys shared tiers are asked for when the index
-        offers nothing that long (``policy.probe_lengths``): rows another process published
+        offers nothing that long (``savegates.probe_lengths``): rows another process published
         are found at once, at a bounded number of round trips (``CacheConfig.probe_max``)."""
         ...
 

@@ -37,7 +37,7 @@ BASE_COUNTERS: tuple[str, ...] = (
     "evicted_bytes",
     # saves a full filesystem (ENOSPC) refused, retried once after evicting from their tier
     "saves_retried_after_enospc",
-    # shared tiers (cache/shared.py): rows found by probing, keys probed, rounds of probes,
+    # shared tiers (cache/upkeep/shared.py): rows found by probing, keys probed, rounds of probes,
     # remote hits copied to a local tier (or not: writer queue full), unreachable stores
     "hits_shared",
     "probes",
@@ -45,7 +45,7 @@ BASE_COUNTERS: tuple[str, ...] = (
     "promotions",
     "promotions_dropped",
     "store_errors",
-    # chunked rows (cache/chunking.py): chunks written (and their bytes), chunks a save
+    # chunked rows (cache/store/chunking.py): chunks written (and their bytes), chunks a save
     # found already stored and did not write again
     "chunks_written",
     "chunk_bytes_written",

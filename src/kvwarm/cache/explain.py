@@ -33,8 +33,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvwarm.cache.prefix import PrefixIndex, common_prefix
+from kvwarm.cache.index.prefix import PrefixIndex
 from kvwarm.cache.types import Namespace, TierName
+from kvwarm.tokens import common_prefix
 
 __all__ = [
     "REASON_TEXT",
@@ -65,6 +66,7 @@ class MissReason(enum.Enum):
     SAVE_IN_FLIGHT = "save_in_flight"  # ... is still being written
     RESTORE_FAILED = "restore_failed"  # the chosen row could not be restored: prefilled cold
     PROMPT_LOGPROBS = "prompt_logprobs"  # every prompt position's logits were asked for
+    INSIDE_SPAN = "inside_span"  # the reusable prefix ended inside an image's or audio's span
 
 
 #: One line per reason, for people (log line, CLI, docs). The page keeps its own copy.
@@ -83,6 +85,7 @@ REASON_TEXT: dict[MissReason, str] = {
     MissReason.SAVE_IN_FLIGHT: "the save that would have served it is still being written",
     MissReason.RESTORE_FAILED: "the row could not be restored",
     MissReason.PROMPT_LOGPROBS: "prompt logprobs need every position's logits",
+    MissReason.INSIDE_SPAN: "the reusable prefix ended inside an image or audio, decoded whole",
 }
 
 #: ``TtlClass`` names by value, without building a string per expiry.

@@ -1,13 +1,13 @@
 """``Cache``: the one object callers use (implements ``api.CacheApi``).
 
-It wires the decision half (``Index``, policy validation, counters, pressure) to the storage
-half (tiers built by name or URL from ``tiers.registry``, writer pool). Its collaborators,
-each an object with its own state, built here and handed what they use: ``core.CacheCore``
-(the index and the tiers, and the primitives that turn index decisions into tier calls),
-``upkeep.CacheUpkeep`` (scan, sweeps, verify), ``shared.SharedTiers`` (prefix discovery in
-shared tiers, promotion of their hits), ``sharedgc.SharedSweep`` (the mark-and-sweep of chunks
-in directories and stores other processes use), ``chunkreads.ChunkReads`` (a manifest's chunk
-reads); this module holds lookups, reads, saves and lifetime.
+It is the one door of the cache's wings and holds no body of its own beyond lookups and
+lifetime: it builds the collaborators, each an object with its own state, hands them what they
+use and delegates. The index wing decides (``index.index.Index``); the store wing stores
+(``store.core.CacheCore``: the index and the tiers and the primitives between them;
+``store.reads.RowReads``: ``open_row``; ``store.saves.Saves``: ``save``, ``flush``); the upkeep
+wing keeps it (``upkeep.scans.CacheUpkeep``: scans, sweeps, verify; ``upkeep.shared.SharedTiers``:
+discovery in shared tiers and promotion; ``upkeep.sharedgc.SharedSweep``: their chunks'
+mark-and-sweep; ``upkeep.pressure``); tiers are built by name or URL (``tiers.registry``).
 
 Invariants:
 
@@ -35,27 +35,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
-from dataclasses import replace
+from contextlib import AbstractContextManager
 from types import TracebackType
 
 from kvwarm.cache.api import LoadedRow, VerifyReport
-from kvwarm.cache.chunking import PlanBook, pack_request, tail_of
-from kvwarm.cache.chunkreads import ChunkReads
-from kvwarm.cache.core import CacheCore, ScratchBuffers
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.eviction import build_policy
 from kvwarm.cache.explain import MissHistory, MissReason, ReuseReport
-from kvwarm.cache.index import Index
-from kvwarm.cache.inflight import Holds
-from kvwarm.cache.key import cache_key
-from kvwarm.cache.policy import validate_cache_config
-from kvwarm.cache.pressure import PressureScheduler, PressureSource, make_source
-from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
-from kvwarm.cache.shared import SharedTiers
-from kvwarm.cache.sharedgc import SharedSweep, SweepStep
+from kvwarm.cache.formats.key import cache_key
+from kvwarm.cache.index.index import Index
+from kvwarm.cache.protocols import Tier
+from kvwarm.cache.store.core import CacheCore, ScratchBuffers
+from kvwarm.cache.store.reads import RowReads
+from kvwarm.cache.store.saves import Saves
+from kvwarm.cache.store.writer import WriterPool
 from kvwarm.cache.tiers.registry import TierOptions, build_tier
 from kvwarm.cache.types import (
     DEFAULT_GRACE_S,
@@ -68,17 +63,11 @@ from kvwarm.cache.types import (
     SweepResult,
     TierName,
 )
-from kvwarm.cache.upkeep import CacheUpkeep
-from kvwarm.cache.writer import WriterPool
-from kvwarm.errors import (
-    CacheError,
-    CacheFormatError,
-    CacheIOError,
-    CacheKeyError,
-    CacheNetworkError,
-    InvalidRequestError,
-    KvwarmError,
-)
+from kvwarm.cache.upkeep.pressure import PressureScheduler, PressureSource, make_source
+from kvwarm.cache.upkeep.scans import CacheUpkeep
+from kvwarm.cache.upkeep.shared import SharedTiers
+from kvwarm.cache.upkeep.sharedgc import SharedSweep, SweepStep
+from kvwarm.cache.validate import validate_cache_config
 
 __all__ = ["Cache"]
 
@@ -90,9 +79,9 @@ class Cache:
 
     Composed of explicit collaborators, each with its own state: the ``Index`` (rows,
     reservations, eviction order), the ``CacheCore`` (the tiers and the primitives that turn
-    index decisions into tier calls), ``CacheUpkeep`` (scans, sweeps, verify), ``SharedTiers``
-    (discovery in shared tiers, promotion), ``SharedSweep`` (chunk mark-and-sweep) and
-    ``ChunkReads`` (a manifest's chunks). This class holds them and implements
+    index decisions into tier calls), ``RowReads`` (reading a row), ``Saves`` (saving one),
+    ``CacheUpkeep`` (scans, sweeps, verify), ``SharedTiers`` (discovery in shared tiers,
+    promotion) and ``SharedSweep`` (chunk mark-and-sweep). This class holds them and implements
     ``api.CacheApi`` by calling them; none inherits from another."""
 
     def __init__(
@@ -140,8 +129,6 @@ class Cache:
         self._tiers: dict[TierName, Tier] = {tier.name: tier for tier in tiers}
         self._closed = False
         self._scratch = ScratchBuffers()
-        self._plans = PlanBook()
-        self._holds = Holds()
         self._close_lock = threading.Lock()
         self._stop = threading.Event()
         self._writer = WriterPool(self.config.writer_threads, self.config.writer_queue)
@@ -156,7 +143,10 @@ class Cache:
                 max_workers=self.config.probe_parallel, thread_name_prefix="kvwarm-probe"
             )
         self._shared = SharedTiers(self._core, self.config, self._remote_pool)
-        self._reads = ChunkReads(self._core, self._scratch, self._remote_pool)
+        self._reads = RowReads(self._core, self._scratch, self._remote_pool, self._shared.promote)
+        self._saves = Saves(
+            self._core, self.config, self._writer, self._history, lambda: self._closed
+        )
         self._sweep = SharedSweep(self._core)
         self._upkeep = CacheUpkeep(
             self._core, self._sweep, sweep_interval_s=self.config.sweep_interval_s, stop=self._stop
@@ -193,12 +183,10 @@ class Cache:
         return cache_key(namespace, tokens)
 
     def hold(self, key: bytes) -> None:
-        self._holds.take()
-        self._index.mark_in_flight(key)
+        self._saves.hold(key)
 
     def release(self, key: bytes) -> None:
-        self._index.clear_in_flight(key)
-        self._holds.give()
+        self._saves.release(key)
 
     def lookup_exact(self, key: bytes) -> RowInfo | None:
         info = self._index.get(key)
@@ -290,195 +278,23 @@ class Cache:
 
     # ------------------------------------------------------------------ reading a row
 
-    @contextmanager
     def open_row(
         self, key: bytes, *, chunks: bool = True, payload: bool = True, from_token: int = 0
-    ) -> Iterator[LoadedRow]:
-        chunks = chunks and payload  # the metadata alone names chunks but reads none
-        leased = self._index.lease(key)
-        if leased is None and self._core.probe(key) is not None:
-            leased = self._index.lease(key)
-        if leased is None:
-            raise CacheKeyError(f"no cache row {key.hex()}")
-        stored, gen = leased
-        whole = stored
-        skip, chunks_from = tail_of(stored.chunk_lens, from_token) if chunks else (0, 0)
-        if skip:
-            stored = replace(
-                stored, chunks=stored.chunks[skip:], chunk_lens=stored.chunk_lens[skip:]
-            )
-        tier = self._tiers[stored.info.tier]
-        local = tier.capabilities.local
-        # A remote row's buffer may outlive this lease (promotion): never the thread's scratch.
-        scratch = self._scratch.take() if local else None
-        data: RowBytes | None = None
-        parts: tuple[memoryview, ...] = ()
-        # Chunks read from local storage land in the thread's arena; ram holds them already.
-        persistent = tier.capabilities.persistent
-        arena = None
-        try:
-            data = self._load(tier, stored, scratch, payload=payload)
-            if skip and data.payload.nbytes:
-                # A manifest's payload (an iSWA window, a recurrent state) belongs to the
-                # whole row: it is read whole.
-                stored, chunks_from = whole, 0
-            if chunks and local and persistent:
-                arena = self._reads.chunk_arena(stored)
-            if chunks:
-                parts = self._reads.load_parts(tier, stored, arena)
-            yield LoadedRow(stored.info, data.tokens, data.payload, data.logits, parts, chunks_from)
-        finally:
-            self._index.checkin(key, gen)
-            if local:
-                self._scratch.reclaim(scratch, data)
-                self._scratch.reclaim_arena(arena, parts)
-            elif data is not None:
-                # Neither metadata alone nor a tail of the chunks is a row to promote.
-                if payload and stored is whole:
-                    self._shared.promote(tier, stored, data, parts)
-                _release(data)
+    ) -> AbstractContextManager[LoadedRow]:
+        return self._reads.open_row(key, chunks=chunks, payload=payload, from_token=from_token)
 
     def chunk_lens(self, key: bytes) -> tuple[int, ...]:
         return self._index.chunk_lens(key)
-
-    def _load(
-        self,
-        tier: Tier,
-        stored: StoredRow,
-        scratch: bytearray | None = None,
-        *,
-        payload: bool = True,
-    ) -> RowBytes:
-        key = stored.info.key
-        t0 = time.perf_counter()
-        try:
-            data = tier.load(stored, scratch) if payload else tier.load_meta(stored)
-            if data.tokens != stored.tokens:
-                raise CacheFormatError(f"row {key.hex()} holds other tokens than indexed")
-        except (CacheFormatError, CacheKeyError) as exc:
-            # Corrupt, or removed behind our back (another process): never restore it again;
-            # in a shared tier only forgotten, its bytes left to the others (core.py).
-            self._core.drop_unreadable(tier, key, exc)
-            raise
-        except CacheIOError:
-            self._counters.incr("store_errors")  # unreachable, not wrong: the row stays
-            raise
-        self._counters.record_latency("load", time.perf_counter() - t0)
-        return data
 
     # ------------------------------------------------------------------ saving
 
     def save(
         self, request: SaveRequest, *, sync: bool = False, timeout_s: float = 30.0
     ) -> bytes | None:
-        tier = self._tiers.get(request.tier)
-        if tier is None:
-            raise InvalidRequestError(
-                f"cache tier {request.tier!r} is not configured", param="tier"
-            )
-        if request.prompt_text and not self.config.store_prompt_text:
-            request = replace(request, prompt_text="")
-        key = cache_key(request.namespace, request.tokens)
-        if key in self._index:
-            return key  # already published: the bytes would be identical
-        if self._closed:  # tiers are closed: nothing could be stored
-            self._counters.incr("saves_dropped")
-            return None
-        # Cuts are planned now, in submission order, so saves queued together line up; then
-        # the payload is packed (only what the tier lacks), before the save is announced.
-        lens = self._plans.plan(key, request, self._index, self.config.chunk_tokens)
-        if lens is not None:
-            request = replace(request, chunk_lens=lens)
-        if request.pack is not None:
-            try:
-                request = pack_request(request, tier, self._index, lens)
-            except (KvwarmError, MemoryError) as exc:
-                # The backend could not copy the state out (llama.cpp refused, no memory for
-                # the blob): a dropped save, never a failed request or a dead worker.
-                self._plans.done(key)
-                log.warning("%s save dropped: packing failed: %s", request.reason.name, exc)
-                self._history.gone(
-                    request.namespace, key, request.tokens, MissReason.SAVE_DROPPED,
-                    request.tier, "pack_failed",
-                )  # fmt: skip
-                self._counters.incr("save_failures")
-                self._counters.incr("saves_dropped")
-                return None
-            except BaseException:
-                self._plans.done(key)
-                raise
-        planned = request
-        self._index.mark_in_flight(key)
-        self._history.saving(key, request.namespace, request.tokens, request.tier)
-
-        def job() -> bool:
-            try:
-                return self._run_save(key, planned, tier)
-            finally:
-                self._plans.done(key)
-                self._history.saved(key)
-
-        if sync:
-            try:
-                return key if self._writer.submit_sync(job, timeout_s) else None
-            except TimeoutError:
-                log.warning(
-                    "sync %s save still running after %.1fs", request.reason.name, timeout_s
-                )
-                return None
-        if not self._writer.submit(job):
-            self._plans.done(key)
-            self._history.saved(key)
-            self._dropped(key, request, "queue_full")
-            self._counters.incr("saves_dropped")
-            return None
-        return key
-
-    def _dropped(self, key: bytes, request: SaveRequest, why: str) -> None:
-        """A save that will not publish: remembered as the row's miss reason, no longer in
-        flight."""
-        self._history.gone(
-            request.namespace, key, request.tokens, MissReason.SAVE_DROPPED, request.tier, why
-        )
-        self._index.clear_in_flight(key)
-
-    def _run_save(self, key: bytes, request: SaveRequest, tier: Tier) -> bool:
-        t0 = time.perf_counter()
-        published = False
-        try:
-            row = self._core.store_row(key, request, tier, self.config.chunk_tokens)
-            published = True
-        except CacheNetworkError as exc:
-            # The tier warned when the store went down; one line per dropped save is noise.
-            self._counters.incr("save_failures")
-            self._counters.incr("store_errors")
-            log.info("%s: %s save dropped: %s", tier.name, request.reason.name, exc)
-            return False
-        except CacheError as exc:
-            self._counters.incr("save_failures")
-            log.warning("%s: %s save failed: %s", tier.name, request.reason.name, exc)
-            return False
-        except Exception:
-            self._counters.incr("save_failures")
-            log.exception("%s: %s save failed", tier.name, request.reason.name)
-            return False
-        finally:
-            if published:
-                self._index.clear_in_flight(key)
-            else:
-                self._dropped(key, request, "failed")
-        self._counters.record_latency("save", time.perf_counter() - t0)
-        if row is None:  # another writer had it reserved or published: fine if it is there now
-            return key in self._index
-        self._counters.record_save(request.reason)
-        self._core.enforce_quota(tier)
-        return True
+        return self._saves.save(request, sync=sync, timeout_s=timeout_s)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        if not self._holds.wait_none(timeout_s):
-            return False
-        return self._writer.drain(max(0.0, deadline - time.monotonic()))
+        return self._saves.flush(timeout_s)
 
     # ------------------------------------------------------------------ removing
 
@@ -595,10 +411,3 @@ class Cache:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _release(data: RowBytes) -> None:
-    """End a remote row's lease: the caller's view goes (a promotion holds its own)."""
-    # Still exported by the caller: harmless, the bytes are immutable and never reused.
-    with suppress(BufferError):
-        data.payload.release()

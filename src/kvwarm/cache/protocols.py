@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from kvwarm.cache.kvc import KvcFields
+from kvwarm.cache.formats.kvc import KvcFields
 from kvwarm.cache.types import RowInfo, SaveRequest, TierName
 
 
@@ -147,7 +147,7 @@ class Tier(Protocol):
         """(where, why) of each bad item the last ``scan`` found and left in place."""
         ...
 
-    # ---- chunks (content-addressed, immutable, shared by manifests; ``cache/chunkfmt.py``)
+    # ---- chunks (content-addressed, immutable, shared by manifests; ``cache/formats/chunkfmt.py``)
 
     def store_chunk(self, key: bytes, head: bytes, payload: bytes) -> int:
         """Make chunk ``key`` (object ``head ‖ payload``) durable, crash-safely (a visible
@@ -203,7 +203,7 @@ class SetsAside(Protocol):
 @runtime_checkable
 class ChunkAges(Protocol):
     """A tier whose chunks can be listed with their ages, for the shared-tier chunk sweep
-    (``cache/sharedgc.py``): file tiers and s3."""
+    (``cache/upkeep/sharedgc.py``): file tiers and s3."""
 
     def chunk_ages(self) -> Iterator[tuple[bytes, int, float]]:
         """(key, stored bytes, last-modified time in seconds since the epoch) of every chunk

@@ -245,7 +245,7 @@ class SaveRequest:
     # chunks past it are keyed apart (``chunkfmt.chunk_chain``).
     plain_to: int | None = None
     # The backend's codec (``kv_split``): with it, the cache stores ``payload`` as chunks
-    # (``cache/chunking.py``), writing only those the tier lacks. Run on a writer thread, so
+    # (``cache/store/chunking.py``), writing only those the tier lacks. Run on a writer thread, so
     # it must be pure (the backends' codecs are).
     split: Splitter | None = None
     # With ``split``, for a memory of two parts (``kvwarm.memory.MemoryKind.has_rest``): the

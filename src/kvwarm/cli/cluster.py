@@ -1,9 +1,10 @@
 """``kvwarm cluster``: the OpenAI-compatible server over several engine replicas on Ray Serve.
 
 Invariant: the same settings as ``serve`` (flags, ``KVWARM_*`` env, TOML), plus ``--replicas``,
-``--ray-address``, ``--node-ip`` and ``--cluster-busy-requests``; a local Ray listens on
-127.0.0.1 only unless ``--node-ip`` opens it; it runs until SIGINT/SIGTERM, then removes
-the application (and stops Ray if it started it).
+``--ray-address``, ``--node-ip``, ``--cluster-routing`` (checked before Ray starts) and
+``--cluster-busy-requests``; a local Ray listens on 127.0.0.1 only unless ``--node-ip`` opens
+it; it runs until SIGINT/SIGTERM, then removes the application (and stops Ray if it started
+it).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"kvwarm cluster needs the cluster extra (kvwarm[cluster]): {exc}"
         ) from exc
+    deploy.routing_config(settings)  # an unknown routing policy fails before Ray starts
     deploy.start_ray(settings.ray_address, node_ip=settings.node_ip)
     stop = threading.Event()
     # After ray.init: Ray installs its own SIGTERM handler in the driver (a stack dump and an

@@ -64,7 +64,7 @@ def _read_body(path: Path) -> Mapping[str, object]:
 def run_explain(args: argparse.Namespace) -> int:
     from kvwarm.backends import get_backend
     from kvwarm.cache.explain import describe, reuse_json
-    from kvwarm.cache.key import salted_namespace
+    from kvwarm.cache.formats.key import salted_namespace
     from kvwarm.cache.types import Namespace
     from kvwarm.cli.cache_cmd import open_cache
     from kvwarm.engine.fingerprint import model_fingerprint, parse_mode

@@ -2,9 +2,10 @@
 the router, from one ``Settings``.
 
 Invariants: the same settings that configure ``kvwarm serve`` configure every replica (models,
-context, cache tiers); ``replicas``, ``ray_address`` and ``cluster_busy_requests`` add the
-cluster's own. Replicas ask Ray for no CPU reservation (``num_cpus=0``): llama.cpp's threads
-are set by ``n_threads``, not by Ray. The HTTP proxy listens on ``host:port``, as ``serve``.
+context, cache tiers); ``replicas``, ``ray_address``, ``cluster_routing`` and
+``cluster_busy_requests`` add the cluster's own. Replicas ask Ray for no CPU reservation
+(``num_cpus=0``): llama.cpp's threads are set by ``n_threads``, not by Ray. The HTTP proxy
+listens on ``host:port``, as ``serve``.
 
 A local Ray (no ``ray_address``) listens on 127.0.0.1 only, every service of it: GCS, raylet,
 agents, workers, the Serve controller (Ray's GCS takes a token but runs any driver that has
@@ -33,7 +34,7 @@ from kvwarm.cluster.ingress import create_ingress_app
 from kvwarm.cluster.loopback import LOOPBACK, keep_ray_on_loopback, keep_replica_grpc_on_loopback
 from kvwarm.cluster.remote import ResponseStream
 from kvwarm.cluster.replica import EngineReplica
-from kvwarm.cluster.routing import RoutingPolicy
+from kvwarm.cluster.routing import RoutingConfig, check_policy
 from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.cluster")
@@ -75,9 +76,12 @@ def _deployment(cls: type, **options: Any) -> Deployment:
     return cast(Deployment, serve.deployment(cls, **options))
 
 
-def routing_policy(settings: Settings) -> RoutingPolicy:
+def routing_config(settings: Settings) -> RoutingConfig:
+    """The router's configuration; ``ConfigError`` naming the registered routing policies if
+    ``cluster_routing`` is none of them."""
+    check_policy(settings.cluster_routing)
     busy = settings.cluster_busy_requests or 2 * settings.n_parallel
-    return RoutingPolicy(busy_requests=busy)
+    return RoutingConfig(policy=settings.cluster_routing, busy_requests=busy)
 
 
 def build_app(
@@ -87,8 +91,9 @@ def build_app(
     stats_period_s: float = STATS_PERIOD_S,
     actor_options: Mapping[str, object] | None = None,
 ) -> Application:
-    """The Serve application: ``ingress`` in front of ``settings.replicas`` engine replicas.
-    ``router="default"`` keeps Ray's own (power of two choices), for comparison."""
+    """The Serve application: ``ingress`` in front of ``settings.replicas`` engine replicas,
+    routed by the ``cluster_routing`` policy. ``router="default"`` keeps Ray's own (power of
+    two choices), for comparison."""
     options: dict[str, object] = {"num_cpus": 0, **(actor_options or {})}
     router_fields: dict[str, Any] = {}  # empty: Ray's default (power of two choices)
     if router == "affinity":
@@ -96,7 +101,7 @@ def build_app(
 
         router_fields = {
             "request_router_class": AffinityRouter,
-            "request_router_kwargs": asdict(routing_policy(settings)),
+            "request_router_kwargs": asdict(routing_config(settings)),
             "request_routing_stats_period_s": stats_period_s,
         }
     # serve.deployment's annotation is its decorator form; called with the class it returns

@@ -1,12 +1,14 @@
-"""``AffinityRouter``: Ray Serve's ``RequestRouter`` that places requests by prefix affinity.
+"""``AffinityRouter``: Ray Serve's ``RequestRouter`` that places requests where a routing policy
+ranks them first (``routing``; the default, ``prefix``, by the conversation's warm prefix).
 
-Invariants: the decision is ``routing.rank`` (pure); this class only gathers its inputs from
-Ray (the live candidates, their queue lengths, the routing stats replicas report) and the
-router's own ``AffinityTable`` (where it sent each chain, so a follow-up that arrives before
+Invariants: the decision is the configured routing policy's (``routing``, pure, chosen by
+name: ``RoutingConfig.policy``); this class only gathers its inputs from Ray (the live
+candidates, their queue lengths, the routing stats replicas report) and the router's own
+``AffinityTable`` (where it sent each chain, so a follow-up that arrives before
 the next stats report still finds its replica). It routes each request to the replica chosen
 for *that* request (no FIFO reassignment, which would move a conversation off its replica).
 Dead replicas leave the candidates through Ray (health checks, ``ActorDiedError`` on a probe)
-and leave the table here. A request without a chain (not a generation) is balanced by load.
+and leave the table here.
 """
 
 from __future__ import annotations
@@ -18,19 +20,31 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvwarm.cluster.calls import Generate, ModelOp
-from kvwarm.cluster.routing import AffinityTable, ReplicaView, RoutingPolicy, rank
+from kvwarm.cluster.routing import (
+    AffinityTable,
+    ReplicaView,
+    RouteRequest,
+    RoutingConfig,
+    build_policy,
+)
 
 log = logging.getLogger("kvwarm.cluster.router")
 
 
-def request_chain(pending: PendingRequest | None) -> tuple[str, ...]:
-    """The chain a ``Generate`` or ``ModelOp`` carries as its first argument (else none)."""
+def route_request(pending: PendingRequest | None) -> RouteRequest:
+    """What a ``Generate`` or ``ModelOp`` carried as its first argument tells a routing
+    policy (an empty request for any other call)."""
     if pending is None or not pending.args:
-        return ()
+        return RouteRequest()
     call = pending.args[0]
     if isinstance(call, Generate | ModelOp):
-        return call.chain
-    return ()
+        return RouteRequest(chain=call.chain, model_id=call.model_id)
+    return RouteRequest()
+
+
+def request_chain(pending: PendingRequest | None) -> tuple[str, ...]:
+    """The chain a ``Generate`` or ``ModelOp`` carries as its first argument (else none)."""
+    return route_request(pending).chain
 
 
 def _number(value: object) -> float | None:
@@ -39,7 +53,7 @@ def _number(value: object) -> float | None:
 
 class AffinityRouter(RequestRouter):
     """Configured by ``RequestRouterConfig(request_router_kwargs=...)`` with the fields of
-    ``RoutingPolicy`` (``deploy.py`` passes the settings' values)."""
+    ``RoutingConfig`` (``deploy.py`` passes the settings' values), the policy among them."""
 
     # Ray skips a replica that does not say its queue length within this deadline (its
     # default, 0.1 s, is often missed by a replica whose cores are busy decoding, which would
@@ -47,7 +61,7 @@ class AffinityRouter(RequestRouter):
     queue_len_response_deadline_s = 0.5
 
     def initialize_state(self, **kwargs: Any) -> None:
-        self._policy = RoutingPolicy(**kwargs)
+        self._policy = build_policy(RoutingConfig(**kwargs))
         self._table = AffinityTable()
         # Reported hash lists, as sets, rebuilt only when a replica's report changes.
         self._warm: dict[str, tuple[int, frozenset[str]]] = {}
@@ -73,6 +87,7 @@ class AffinityRouter(RequestRouter):
             ttft_ms=_number(stats.get("ttft_ms")),
             # The report and the table overlap; the larger is the better count.
             held=max(len(cached[1]), self._table.count(rid)),
+            reported=stats,
         )
         return rid, view
 
@@ -82,8 +97,8 @@ class AffinityRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         self._ensure_state()
-        chain = request_chain(pending_request)
-        routed = self._table.warm_of(chain)
+        request = route_request(pending_request)
+        routed = self._table.warm_of(request.chain)
         by_id: dict[str, RunningReplica] = {}
         views: list[ReplicaView] = []
         for replica in candidate_replicas:
@@ -91,7 +106,7 @@ class AffinityRouter(RequestRouter):
             by_id[rid] = replica
             held = routed.get(rid)
             views.append(view if held is None else _with_routed(view, held))
-        decision = rank(chain, views, self._policy)
+        decision = self._policy.rank(request, views)
         return [[by_id[i] for i in group] for group in decision.groups]
 
     def on_request_routed(

@@ -16,20 +16,24 @@ import os
 import threading
 from typing import Unpack
 
-from kvwarm.engine.config import EngineConfig, ModelConfig, ModelOptions
+from kvwarm.engine.config import EngineConfig, LoraSpec, ModelConfig, ModelOptions
 from kvwarm.engine.engine import Engine
-from kvwarm.engine.model import Model, Prompt
+from kvwarm.engine.model import Model, PromptInput
 from kvwarm.engine.ops import Message
 from kvwarm.engine.types import ModelInfo
+from kvwarm.tokens import Prompt, Span
 
 __all__ = [
     "Engine",
     "EngineConfig",
+    "LoraSpec",
     "Message",
     "Model",
     "ModelConfig",
     "ModelOptions",
     "Prompt",
+    "PromptInput",
+    "Span",
     "default_engine",
     "list_models",
     "load_model",

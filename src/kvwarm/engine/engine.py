@@ -16,8 +16,8 @@ from typing import Unpack
 
 from kvwarm.backends import get_backend
 from kvwarm.cache import Cache
-from kvwarm.cache.policy import validate_policy
 from kvwarm.cache.types import TierName
+from kvwarm.cache.validate import validate_policy
 from kvwarm.embedded import model_id_for
 from kvwarm.engine.config import EngineConfig, ModelConfig, ModelOptions, with_options
 from kvwarm.engine.model import Model

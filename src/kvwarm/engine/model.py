@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Unpack
 
 from kvwarm.backends import get_backend
-from kvwarm.backends.base import Backend, BackendModel, ContextMemory, PoolingType
+from kvwarm.backends.base import AdapterSet, Backend, BackendModel, ContextMemory, PoolingType
 from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, resolve_template
-from kvwarm.cache.key import effective_fingerprint
+from kvwarm.cache.formats.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
 from kvwarm.engine.adapters import Adapters
 from kvwarm.engine.config import ModelConfig
@@ -35,7 +36,13 @@ from kvwarm.engine.embeddings import Embedder
 from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
 from kvwarm.engine.ops import Message
 from kvwarm.engine.options import GenerationOverrides, merge_options
-from kvwarm.engine.prompts import ExtraFile, chat_tokens, fim_tokens
+from kvwarm.engine.prompts import (
+    ExtraFile,
+    chat_tokens,
+    check_chat_size,
+    fim_tokens,
+    longest_piece,
+)
 from kvwarm.engine.request import RequestKind, check_tokens
 from kvwarm.engine.rerank import Ranker, RerankLimits
 from kvwarm.engine.stream import CompletionStream
@@ -52,13 +59,16 @@ from kvwarm.engine.types import (
 )
 from kvwarm.engine.worker.batching import strategy
 from kvwarm.engine.worker.loop import Worker, WorkerConfig
-from kvwarm.errors import CapabilityError, EngineClosedError, InvalidRequestError
+from kvwarm.engine.worker.runtime import LoraChoice
+from kvwarm.errors import AdapterError, CapabilityError, EngineClosedError, InvalidRequestError
+from kvwarm.tokens import Prompt
 
 if TYPE_CHECKING:
     from kvwarm.engine.engine import Engine
     from kvwarm.engine.ops import ModelOps
 
-Prompt = str | Sequence[int]
+#: What the generation calls take: text, token ids, or a ``Prompt`` (ids and media spans).
+PromptInput = str | Sequence[int] | Prompt
 
 
 log = logging.getLogger(__name__)
@@ -104,14 +114,23 @@ class Model:
                 ran = replace(ran, n_ubatch=ran.n_batch)
         self.config = cfg = replace(cfg, context=ran)
         self.chat_template_name, self._template = self._chat_template(cfg.chat_template)
+        self._longest_lock = threading.Lock()
+        self._longest: int | None = None  # bytes of the longest token (a chat's size bound)
         try:
             self._start_worker()
         except BaseException:
             self._bmodel.close()
             raise
-        self._adapters = Adapters(self._bmodel, self._ctx, self._worker, self._refresh_namespace)
+        self._adapters = Adapters(self._bmodel, self._worker, self._refresh_namespace)
+        self._seen: dict[bytes, None] = {}  # fingerprints of requests' own adapter sets
+        self._seen_lock = threading.Lock()
         self._submitter = Submitter(
-            self._bmodel, self._worker, self._engine.cache, self.config, self.policy
+            self._bmodel,
+            self._worker,
+            self._engine.cache,
+            self.config,
+            self.policy,
+            self._adapters.check,
         )
         self._embedder = Embedder(
             self._bmodel,
@@ -132,6 +151,17 @@ class Model:
             deterministic=cfg.deterministic,
             n_batch=ctx.n_batch,
         )
+        try:
+            for spec in cfg.lora:
+                try:
+                    self._adapters.load(spec.path, spec.scale, name=spec.name)
+                except AdapterError as exc:
+                    raise AdapterError(
+                        f"LoRA adapter {spec.name or spec.path} of model {model_id}: {exc}"
+                    ) from exc
+        except BaseException:
+            self._free_after_failed_load()
+            raise
         self._state = "ready"
 
     def _start_worker(self) -> None:
@@ -170,7 +200,16 @@ class Model:
                 whole=self.pooling == "rank" and not facts.causal,
             ),
             self.namespace,
+            self._resolve_lora,
         )
+
+    def _free_after_failed_load(self) -> None:
+        """A model whose configured adapter did not load: stop its worker and free it all."""
+        self._state = "closed"
+        if self._worker.stop(None, 60.0):
+            self._free_native()
+        else:
+            self._worker.after_exit(self._free_native)
 
     # ---- identity -----------------------------------------------------------------------
 
@@ -179,8 +218,34 @@ class Model:
         return self._namespace
 
     def _refresh_namespace(self, adapters: Sequence[tuple[bytes, float]]) -> None:
+        self._namespace = self._namespace_of(adapters)
+
+    def _namespace_of(self, adapters: Sequence[tuple[bytes, float]]) -> Namespace:
         fp = effective_fingerprint(self._fingerprint, list(adapters))
-        self._namespace = Namespace(fp, self._namespace.quant, self._ctx_hash)
+        return Namespace(fp, self._namespace.quant, self._ctx_hash)
+
+    def _resolve_lora(self, choice: LoraChoice | None) -> tuple[AdapterSet, Namespace]:
+        """A request's adapter set and namespace (worker thread, at admission)."""
+        if choice is None:
+            return self._adapters.applied(), self._namespace
+        adapters = self._adapters.resolve(choice)
+        ns = self._namespace_of([(a.sha256, s) for a, s in adapters])
+        with self._seen_lock:
+            self._seen[ns.fingerprint] = None
+        return adapters, ns
+
+    def cache_fingerprints(self) -> frozenset[bytes]:
+        """The fingerprints of the namespaces this model's cached rows live in, as far as it
+        knows: its own (now and without adapters), each loaded adapter's alone at scale 1 (an
+        adapter served as a model of its own), and every set its requests ran under."""
+        own = [self._fingerprint, self._namespace.fingerprint]
+        alone = [
+            self._namespace_of([(bytes.fromhex(a.sha256), 1.0)]).fingerprint
+            for a in self.list_adapters()
+        ]
+        with self._seen_lock:
+            seen = list(self._seen)
+        return frozenset((*own, *alone, *seen))
 
     def info(self) -> ModelInfo:
         return model_info(
@@ -286,7 +351,7 @@ class Model:
 
     def complete(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         options: GenerationOptions | None = None,
         **overrides: Unpack[GenerationOverrides],
     ) -> Completion:
@@ -294,7 +359,7 @@ class Model:
 
     def stream(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         options: GenerationOptions | None = None,
         **overrides: Unpack[GenerationOverrides],
     ) -> CompletionStream:
@@ -305,7 +370,7 @@ class Model:
 
     def submit(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         options: GenerationOptions | None = None,
         **overrides: Unpack[GenerationOverrides],
     ) -> CompletionStream:
@@ -318,7 +383,7 @@ class Model:
 
     def streams(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         options: GenerationOptions | None = None,
         *,
         n: int,
@@ -346,7 +411,7 @@ class Model:
         """``streams`` for a chat."""
         opts = merge_options(options, overrides)
         tokens, text = self.chat_tokens(messages, tools=tools)
-        return self._submit_n(tokens, opts, text, n, fragments)
+        return self._submit_n(Prompt.text(tokens), opts, text, n, fragments)
 
     def chat(
         self,
@@ -358,7 +423,7 @@ class Model:
     ) -> Completion:
         opts = merge_options(options, overrides)
         tokens, text = self.chat_tokens(messages, tools=tools)
-        return self._submit(tokens, opts, text, fragments=False).result()
+        return self._submit(Prompt.text(tokens), opts, text, fragments=False).result()
 
     def stream_chat(
         self,
@@ -370,11 +435,11 @@ class Model:
     ) -> CompletionStream:
         opts = merge_options(options, overrides)
         tokens, text = self.chat_tokens(messages, tools=tools)
-        return self._submit(tokens, opts, text)
+        return self._submit(Prompt.text(tokens), opts, text)
 
     def prewarm(
         self,
-        prompt: Prompt,
+        prompt: PromptInput,
         *,
         ttl_class: TtlClass = TtlClass.LONG,
         add_special: bool = True,
@@ -390,18 +455,18 @@ class Model:
         opts.validate()
         if isinstance(prompt, str):
             tokens = self._bmodel.tokenize(prompt, add_special=add_special, parse_special=True)
-            text = prompt
+            ids, text = Prompt.text(tokens), prompt
+        elif isinstance(prompt, Prompt):
+            ids, text = self._checked(prompt), ""
         else:
-            tokens, text = check_tokens(prompt, self.facts.n_vocab), ""
-        stream = self._submit(
-            tuple(tokens), opts, text, kind="prewarm", ttl=ttl_class, fragments=False
-        )
+            ids, text = Prompt.text(check_tokens(prompt, self.facts.n_vocab)), ""
+        stream = self._submit(ids, opts, text, kind="prewarm", ttl=ttl_class, fragments=False)
         return stream.result().stats
 
-    def _prompt_tokens(
-        self, prompt: Prompt, opts: GenerationOptions
-    ) -> tuple[tuple[int, ...], str]:
+    def _prompt_tokens(self, prompt: PromptInput, opts: GenerationOptions) -> tuple[Prompt, str]:
         self._check_ready()
+        if isinstance(prompt, Prompt):
+            return self._checked(prompt), ""
         if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
             # Found by review: None or a number raised TypeError; bytes passed as token ids.
             raise InvalidRequestError(
@@ -412,8 +477,21 @@ class Model:
             tokens = self._bmodel.tokenize(
                 prompt, add_special=opts.add_special, parse_special=opts.parse_special
             )
-            return tuple(tokens), prompt
-        return tuple(check_tokens(prompt, self.facts.n_vocab)), ""
+            return Prompt.text(tokens), prompt
+        return Prompt.text(check_tokens(prompt, self.facts.n_vocab)), ""
+
+    def _checked(self, prompt: Prompt) -> Prompt:
+        """A ``Prompt`` whose text positions are this vocabulary's ids, and whose spans this
+        model can decode (none yet: media need a projector, which no backend loads)."""
+        check_tokens(prompt.text_tokens(), self.facts.n_vocab)
+        if prompt.spans:
+            kinds = sorted({span.kind for span in prompt.spans})
+            raise InvalidRequestError(
+                f"model {self.id!r} cannot read {' or '.join(kinds)} input: it has no "
+                "multimodal projector",
+                param="prompt",
+            )
+        return prompt
 
     def chat_tokens(
         self,
@@ -426,6 +504,7 @@ class Model:
         special-token text in it stays text (``kvwarm.engine.prompts``). Prewarm a chat prefix
         with these tokens so that it matches what ``stream_chat`` sends."""
         self._check_ready()
+        check_chat_size(messages, self.config.context.n_ctx, self._longest_piece)
         return chat_tokens(
             self._bmodel,
             messages,
@@ -434,12 +513,19 @@ class Model:
             template=self._template,
         )
 
+    def _longest_piece(self) -> int:
+        """``prompts.longest_piece``, computed once (under a lock: one pass, not several)."""
+        with self._longest_lock:
+            if self._longest is None:
+                self._longest = longest_piece(self._bmodel)
+            return self._longest
+
     def _submit_n(
-        self, tokens: tuple[int, ...], opts: GenerationOptions, text: str, n: int, fragments: bool
+        self, prompt: Prompt, opts: GenerationOptions, text: str, n: int, fragments: bool
     ) -> list[CompletionStream]:
         self._check_ready()
         self._require("generate")
-        return self._submitter.group(tokens, opts, text, n, fragments)
+        return self._submitter.group(prompt, opts, text, n, fragments)
 
     def infill_tokens(
         self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
@@ -457,7 +543,7 @@ class Model:
 
     def _submit(
         self,
-        tokens: tuple[int, ...],
+        prompt: Prompt,
         opts: GenerationOptions,
         text: str,
         kind: RequestKind = "generate",
@@ -467,7 +553,7 @@ class Model:
     ) -> CompletionStream:
         self._check_ready()
         self._require("generate")
-        return self._submitter.one(tokens, opts, text, kind, ttl, fragments=fragments)
+        return self._submitter.one(prompt, opts, text, kind, ttl, fragments=fragments)
 
     # ---- embeddings ---------------------------------------------------------------------
 
@@ -510,8 +596,12 @@ class Model:
 
     # ---- adapters -----------------------------------------------------------------------
 
-    def load_adapter(self, path: str | os.PathLike[str], scale: float = 1.0) -> AdapterInfo:
-        return self._adapters.load(path, scale)
+    def load_adapter(
+        self, path: str | os.PathLike[str], scale: float = 1.0, *, name: str = ""
+    ) -> AdapterInfo:
+        """Load a LoRA adapter and attach it at ``scale`` to the model's own set (0: loaded,
+        off except for requests that name it in ``GenerationOptions.lora``)."""
+        return self._adapters.load(path, scale, name=name)
 
     def set_adapter_scale(self, handle: int, scale: float) -> AdapterInfo:
         return self._adapters.set_scale(handle, scale)

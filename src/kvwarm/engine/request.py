@@ -22,6 +22,7 @@ from kvwarm.cache.types import TtlClass
 from kvwarm.engine.channel import Channel
 from kvwarm.engine.types import Completion, GenerationOptions, TokenLogprob
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
+from kvwarm.tokens import Prompt
 
 #: ``score``: a rerank document, prefilled and scored by the model's pooling (rank),
 #: generating nothing and saving nothing.
@@ -60,7 +61,8 @@ Event = Fragment | Prefilled | Done | Failed
 
 @dataclass(slots=True, eq=False)
 class Request:
-    prompt_tokens: tuple[int, ...]
+    #: Its ids and spans (``kvwarm.tokens``); ``prompt_tokens`` are its ids.
+    prompt: Prompt
     options: GenerationOptions
     grammar: str | None
     deterministic: bool
@@ -84,6 +86,10 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     answered: bool = False
     outcome: Done | Failed | None = None  # the final event, once answered
+
+    @property
+    def prompt_tokens(self) -> tuple[int, ...]:
+        return self.prompt.tokens
 
     def answer(self, event: Done | Failed) -> None:
         """Send the final event, once; a later one is dropped."""

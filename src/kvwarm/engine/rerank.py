@@ -41,12 +41,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvwarm.backends.base import BackendModel
-from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.types import TtlClass
 from kvwarm.engine.request import Done, Failed, Request, RequestKind
 from kvwarm.engine.types import GenerationOptions, Reranking, RerankResult
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import ContextOverflowError, EngineClosedError, InvalidRequestError
+from kvwarm.tokens import Prompt, common_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +229,7 @@ class Ranker:
             tokens: tuple[int, ...], kind: RequestKind, after: Request | None, counted: bool
         ) -> Request:
             return Request(
-                prompt_tokens=tokens,
+                prompt=Prompt.text(tokens),
                 options=options,
                 grammar=None,
                 deterministic=self._deterministic,

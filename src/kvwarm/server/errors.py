@@ -83,6 +83,7 @@ _KINDS: dict[type[BaseException], ErrorKind] = {
     e.GrammarError: ErrorKind(400, _INVALID, "invalid_grammar"),
     e.NotAModelError: ErrorKind(400, _INVALID, "not_a_model"),
     e.RequestTimeoutError: ErrorKind(503, "service_unavailable", "request_timeout"),
+    e.ServerShuttingDownError: ErrorKind(503, "service_unavailable", "shutting_down"),
     e.FimNotSupportedError: ErrorKind(400, _INVALID, "fim_not_supported"),
     e.CapabilityError: ErrorKind(400, _INVALID, "unsupported_by_model"),
     e.InvalidRequestError: ErrorKind(400, _INVALID, "invalid_value"),

@@ -2,7 +2,7 @@
 
 ``cached_tokens`` tells a client how much of its prompt was already cached, so a client that
 shared a namespace with another could probe that other's prompts token by token. Requests share
-rows and live KV only when they share a salt (``kvwarm.cache.key.salted_namespace``).
+rows and live KV only when they share a salt (``kvwarm.cache.formats.key.salted_namespace``).
 
 Rules, in order (``docs/architecture.md``, "Tenants"):
 

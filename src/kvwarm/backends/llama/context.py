@@ -2,14 +2,16 @@
 
 Invariants:
 
-- Every argument is checked (``_checks``) before llama.cpp sees it; the checks are what stand
-  between a caller and a ``GGML_ASSERT``: token / seq ids, positions that continue each
-  sequence, batch sizes, positions < ``n_ctx``, logits rows that were requested.
+- Every argument is checked before llama.cpp sees it, by the code the stub runs too: a
+  ``LlamaContext`` is a ``ContextFront`` (``backends/front.py``), whose public methods check
+  each call (token / seq ids, positions that continue each sequence, batch sizes, positions
+  < ``n_ctx``, logits rows that were requested) and then call the ``_``-methods here; the
+  checks are what stand between a caller and a ``GGML_ASSERT``.
 - One ``llama_batch`` is allocated per context (``llama_batch_init``) and freed exactly once, in
   ``_free``; decode and prefill refill it in place.
 - ``logits()`` returns a zero-copy view of llama.cpp's buffer. The views handed out are released
-  at the next decode and at close, so a stale view raises ``ValueError`` instead of reading
-  freed memory (unless the caller re-exported it, e.g. into numpy).
+  at the next decode and at close (``ContextFront``), so a stale view raises ``ValueError``
+  instead of reading freed memory (unless the caller re-exported it, e.g. into numpy).
 - ``kv_pack`` / ``kv_unpack`` / ``kv_unpack_chunks`` keep the invariants of ``_kv_state`` (one
   copy out, none in; a blob that does not restore leaves the sequence empty). ``kv_split`` /
   ``kv_join`` are the pure ``LlamaKvCodec``: they take no lock and touch no native state.
@@ -27,25 +29,17 @@ are copied out before the next decode can overwrite them.
 from __future__ import annotations
 
 import ctypes
-import logging
 import math
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast, overload
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvwarm.backends import _checks
-from kvwarm.backends.base import (
-    Adapter,
-    BatchToken,
-    Buffer,
-    ContextMemory,
-    ContextParams,
-    WritableBuffer,
-)
-from kvwarm.backends.lifetime import Lifetime
+from kvwarm.backends.base import BatchToken, Buffer, ContextMemory, ContextParams
+from kvwarm.backends.front import ContextFront
 from kvwarm.backends.llama import kv_layout
 from kvwarm.backends.llama import kv_state as _kv_state
 from kvwarm.backends.llama import native as _native
@@ -59,7 +53,6 @@ from kvwarm.errors import (
     BackendError,
     ConfigError,
     ContextOverflowError,
-    InvalidRequestError,
     ModelLoadError,
     NoLogitsError,
     StateRestoreError,
@@ -69,17 +62,13 @@ from kvwarm.memory import MemoryKind
 if TYPE_CHECKING:
     from kvwarm.backends.llama.model import LlamaModel
 
-log = logging.getLogger(__name__)
 
-
-class LlamaContext:
+class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
     """``BackendContext`` over ``llama_init_from_model``; one thread drives it."""
 
     def __init__(self, model: LlamaModel, params: ContextParams) -> None:
         lib = model._lib
         self._lib = lib
-        self._model = model
-        self._params = params
         max_seq = int(lib.llama_max_parallel_sequences())
         if params.n_seq_max > max_seq:
             raise ConfigError(f"n_seq_max={params.n_seq_max} exceeds llama.cpp's limit")
@@ -115,17 +104,13 @@ class LlamaContext:
             raise
         self._ptr: object = ptr
         self._mem: object = mem or None  # None: stateless (no memory module)
-        self._causal = bool(lib.llama_get_causal_attn(ptr))
-        self._n_vocab = model.n_vocab
+        causal = bool(lib.llama_get_causal_attn(ptr))
         facts = model.facts
         self._memory = MemoryKind(facts.memory_kind, facts.n_swa, params.swa_full)
         self._n_embd = int(lib.llama_model_n_embd(model.native))
         # llama.cpp rounds n_ctx up (to 256); positions are bounded by what was asked for.
-        self._n_ctx = min(params.n_ctx, int(lib.llama_n_ctx_seq(ptr)), int(lib.llama_n_ctx(ptr)))
+        n_ctx = min(params.n_ctx, int(lib.llama_n_ctx_seq(ptr)), int(lib.llama_n_ctx(ptr)))
         self._batch = lib.llama_batch_init(params.n_batch, 0, params.n_seq_max)
-        self._rows: list[int] = []
-        self._views: list[memoryview[float]] = []
-        self._adapters: list[tuple[LlamaAdapter, float]] = []
         self._codec = LlamaKvCodec(
             type_k=_native.GGML_TYPES[params.type_k],
             type_v=_native.GGML_TYPES[params.type_v],
@@ -133,8 +118,16 @@ class LlamaContext:
             v_trans={"auto": None, "on": False, "off": True}[params.flash_attn],
             with_rest=self._memory.has_rest,
         )
-        self._life = Lifetime("context", self._free)
         self._memory_bytes = buffer_sizes(lines)
+        super().__init__(
+            model,
+            params,
+            n_ctx=n_ctx,
+            n_vocab=model.n_vocab,
+            adapter=LlamaAdapter,
+            causal=causal,
+            stateless=self._mem is None,
+        )
 
     # -- properties ---------------------------------------------------------------------------
 
@@ -143,122 +136,68 @@ class LlamaContext:
         return self._memory_bytes
 
     @property
-    def params(self) -> ContextParams:
-        return self._params
-
-    @property
-    def n_ctx(self) -> int:
-        return self._n_ctx
-
-    @property
-    def n_batch(self) -> int:
-        return self._params.n_batch
-
-    @property
     def model(self) -> LlamaModel:
         return self._model
 
-    @property
-    def lifetime(self) -> Lifetime:
-        return self._life
-
     # -- decoding -----------------------------------------------------------------------------
-
-    @property
-    def stateless(self) -> bool:
-        return self._mem is None
 
     def _pos_max(self, seq: int) -> int:
         if self._mem is None:
             return -1  # nothing kept: every sequence starts at position 0
         return int(self._lib.llama_memory_seq_pos_max(self._mem, seq))
 
-    def _seq_rm(self, seq: int, p0: int, p1: int) -> bool:
-        """``llama_memory_seq_rm``; a stateless context holds nothing to remove."""
+    def _pos_min(self, seq: int) -> int:
         if self._mem is None:
-            return True
-        return bool(self._lib.llama_memory_seq_rm(self._mem, seq, p0, p1))
+            return -1
+        return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
 
-    def _check_whole(self, n_tokens: int) -> None:
-        """A non-causal model attends across the whole call: llama.cpp asserts that it fits
-        one ubatch."""
-        if not self._causal and n_tokens > self._params.n_ubatch:
-            raise InvalidRequestError(
-                f"{n_tokens} tokens exceed n_ubatch={self._params.n_ubatch}: this model's "
-                "attention is not causal, so a call must fit one ubatch",
-                param="batch",
-            )
+    def _forget(self, seq: int, p0: int) -> None:
+        """Drop ``seq``'s positions from ``p0`` on (a failed call's); nothing if stateless."""
+        if self._mem is not None:
+            self._lib.llama_memory_seq_rm(self._mem, seq, p0, -1)
 
-    def decode(self, batch: Sequence[BatchToken]) -> None:
-        with self._life.using():
-            _checks.check_batch(
-                batch,
-                n_batch=self._params.n_batch,
-                n_ctx=self._n_ctx,
-                n_vocab=self._n_vocab,
-                n_seq_max=self._params.n_seq_max,
-                pos_max=self._pos_max,
-            )
-            self._check_whole(len(batch))
-            # A pooling context outputs every position (llama.cpp overrides, and warns, if
-            # asked for fewer); the rows asked for stay the ones ``logits`` answers for.
-            every = self._params.embeddings
-            b = self._batch
-            for i, item in enumerate(batch):
-                b.token[i] = item.token
-                b.pos[i] = item.pos
+    def _decode(self, batch: Sequence[BatchToken]) -> None:
+        # A pooling context outputs every position (llama.cpp overrides, and warns, if asked
+        # for fewer); the rows asked for stay the ones ``logits`` answers for.
+        every = self._params.embeddings
+        b = self._batch
+        for i, item in enumerate(batch):
+            b.token[i] = item.token
+            b.pos[i] = item.pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = item.seq
+            b.logits[i] = 1 if item.logits or every else 0
+        starts: dict[int, int] = {}
+        for item in batch:
+            starts.setdefault(item.seq, item.pos)
+        self._run(len(batch), starts)
+        self._rows = [i for i, item in enumerate(batch) if item.logits]
+
+    def _prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
+        toks = list(tokens)
+        total = len(toks)
+        every = 1 if self._params.embeddings else 0
+        b = self._batch
+        for offset, length in _checks.aligned_chunks(start_pos, total, self._params.n_batch):
+            pos0 = start_pos + offset
+            ctypes.memmove(b.token, (ctypes.c_int32 * length)(*toks[offset : offset + length]),
+                           4 * length)  # fmt: skip
+            ctypes.memmove(b.pos, (ctypes.c_int32 * length)(*range(pos0, pos0 + length)),
+                           4 * length)  # fmt: skip
+            ctypes.memset(b.logits, every, length)
+            for i in range(length):
                 b.n_seq_id[i] = 1
-                b.seq_id[i][0] = item.seq
-                b.logits[i] = 1 if item.logits or every else 0
-            starts: dict[int, int] = {}
-            for item in batch:
-                starts.setdefault(item.seq, item.pos)
-            self._run(len(batch), starts)
-            self._rows = [i for i, item in enumerate(batch) if item.logits]
-
-    def prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
-        with self._life.using():
-            _checks.check_prefill(
-                seq,
-                tokens,
-                start_pos,
-                n_ctx=self._n_ctx,
-                n_vocab=self._n_vocab,
-                n_seq_max=self._params.n_seq_max,
-                pos_max=self._pos_max,
-            )
-            toks = list(tokens)
-            total = len(toks)
-            if not self._causal and (start_pos or total > self._params.n_batch):
-                # An encoder's sequence is decoded whole, in one call (``_check_whole``).
-                raise InvalidRequestError(
-                    "this model's attention is not causal: a prompt is prefilled whole, "
-                    f"from position 0, in one call of at most n_batch={self._params.n_batch}",
-                    param="tokens",
-                )
-            self._check_whole(total)
-            every = 1 if self._params.embeddings else 0
-            b = self._batch
-            for offset, length in _checks.aligned_chunks(start_pos, total, self._params.n_batch):
-                pos0 = start_pos + offset
-                ctypes.memmove(b.token, (ctypes.c_int32 * length)(*toks[offset : offset + length]),
-                               4 * length)  # fmt: skip
-                ctypes.memmove(b.pos, (ctypes.c_int32 * length)(*range(pos0, pos0 + length)),
-                               4 * length)  # fmt: skip
-                ctypes.memset(b.logits, every, length)
-                for i in range(length):
-                    b.n_seq_id[i] = 1
-                    b.seq_id[i][0] = seq
-                last = offset + length == total
-                if last:
-                    b.logits[length - 1] = 1
-                try:
-                    self._run(length, {seq: pos0})
-                except BaseException:
-                    # Earlier chunks succeeded: undo them so the sequence is as before the call.
-                    self._seq_rm(seq, start_pos, -1)
-                    raise
-                self._rows = [length - 1] if last else []
+                b.seq_id[i][0] = seq
+            last = offset + length == total
+            if last:
+                b.logits[length - 1] = 1
+            try:
+                self._run(length, {seq: pos0})
+            except BaseException:
+                # Earlier chunks succeeded: undo them so the sequence is as before the call.
+                self._forget(seq, start_pos)
+                raise
+            self._rows = [length - 1] if last else []
 
     def _run(self, n_tokens: int, starts: dict[int, int]) -> None:
         """``llama_decode`` the first ``n_tokens`` rows of the batch; typed errors on failure."""
@@ -270,7 +209,7 @@ class LlamaContext:
             return
         # Fatal errors leave processed ubatches in memory; drop them so state is consistent.
         for seq, pos in starts.items():
-            self._seq_rm(seq, pos, -1)
+            self._forget(seq, pos)
         if rc == 1:
             raise ContextOverflowError(
                 "no KV cache slot for this batch (the context is full)",
@@ -281,102 +220,63 @@ class LlamaContext:
             raise BackendError("llama_decode was aborted")
         raise BackendError(f"llama_decode failed with code {rc}")
 
-    def _row(self, index: int) -> int:
-        row = _checks.resolve_row(index, self._rows)
-        if row < 0:
-            raise NoLogitsError(f"no logits for batch row {index} (decode with logits first)")
-        return row
-
-    def logits(self, index: int = -1) -> memoryview:
-        with self._life.using():
-            ptr = self._lib.llama_get_logits_ith(self._ptr, self._row(index))
-            if not ptr:
-                raise NoLogitsError(f"llama.cpp has no logits for row {index}")
-            array = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float * self._n_vocab)).contents
-            view = memoryview(array).cast("B").cast("f")
-            self._views.append(view)
-            # The protocol's plain ``memoryview``; its format is "f" (len == n_vocab).
-            return cast(memoryview, view)
+    def _logits(self, row: int) -> memoryview[float]:
+        ptr = self._lib.llama_get_logits_ith(self._ptr, row)
+        if not ptr:
+            raise NoLogitsError(f"llama.cpp has no logits for batch row {row}")
+        array = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float * self._n_vocab)).contents
+        return memoryview(array).cast("B").cast("f")
 
     def sample_with(self, chain: object, index: int) -> int:
         """``llama_sampler_sample`` on row ``index`` (for ``LlamaSampler``), under our lock."""
         with self._life.using():
             return int(self._lib.llama_sampler_sample(chain, self._ptr, self._row(index)))
 
-    def _release_views(self) -> None:
-        for view in self._views:
-            try:
-                view.release()
-            except BufferError:
-                log.debug("a logits view is still exported; it now reads stale logits")
-        self._views.clear()
-
     # -- KV state -----------------------------------------------------------------------------
 
-    def kv_pack(self, seq: int) -> bytes:
-        with self._life.using():
-            _checks.check_seq(seq, self._params.n_seq_max)
-            return self._pack(seq)
-
-    def _stateful(self) -> None:
-        if self._mem is None:
-            raise StateRestoreError("this context keeps no KV state (an encoder) to pack or set")
-
-    def _pack(self, seq: int) -> bytes:
-        self._stateful()
+    def _kv_pack(self, seq: int) -> bytes:
         blob = _kv_state.pack(self._lib, self._ptr, seq)
         if self._streams:
             return kv_layout.one_stream(u8(blob), self._memory.kv_caches)
         return blob
 
-    def kv_pack_tail(self, seq: int, start: int) -> tuple[bytes, int]:
-        with self._life.using():
-            _checks.check_seq(seq, self._params.n_seq_max)
-            _checks.check_range(start, -1)
-            if start == 0 or self._scratch is None or not self._memory.chunkable:
-                return self._pack(seq), 0
-            self._stateful()
-            tail = _kv_state.pack_tail(self._lib, self._ptr, self._mem, seq, self._scratch, start)
-            return tail, start
+    def _kv_pack_tail(self, seq: int, start: int) -> tuple[bytes, int]:
+        if start == 0 or self._scratch is None or not self._memory.chunkable:
+            return self._kv_pack(seq), 0
+        tail = _kv_state.pack_tail(self._lib, self._ptr, self._mem, seq, self._scratch, start)
+        return tail, start
 
-    def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
-        with self._life.using():
-            _checks.check_seq(seq, self._params.n_seq_max)
-            self._stateful()
-            if self._streams:
-                data = kv_layout.widen(u8(data), self._memory.kv_caches, self._streams)
-            return _kv_state.unpack(
-                self._lib,
-                self._ptr,
-                self._mem,
-                seq,
-                data,
-                self._n_ctx,
-                from_zero=self._memory.chunkable,
-            )
+    def _kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
+        if self._streams:
+            data = kv_layout.widen(u8(data), self._memory.kv_caches, self._streams)
+        return _kv_state.unpack(
+            self._lib,
+            self._ptr,
+            self._mem,
+            seq,
+            data,
+            self._n_ctx,
+            from_zero=self._memory.chunkable,
+        )
 
-    def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer], *, base: int = 0) -> int | None:
-        with self._life.using():
-            _checks.check_seq(seq, self._params.n_seq_max)
-            _checks.check_range(base, -1)
-            self._stateful()
-            parts = self._codec.blobs(chunks, base)
-            if parts is None or self._scratch is None or not self._memory.chunkable:
-                return None
-            n = base + sum(int(HEAD.unpack_from(part.data, 0)[3]) for part in parts)
-            if n > self._n_ctx:
-                raise StateRestoreError(f"KV chunks hold {n} positions; n_ctx={self._n_ctx}")
-            return _kv_state.unpack_chunks(
-                self._lib,
-                self._ptr,
-                self._mem,
-                seq,
-                self._scratch,
-                parts,
-                self._n_ctx,
-                base=base,
-                n_end=n,
-            )
+    def _kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer], base: int) -> int | None:
+        parts = self._codec.blobs(chunks, base)
+        if parts is None or self._scratch is None or not self._memory.chunkable:
+            return None
+        n = base + sum(int(HEAD.unpack_from(part.data, 0)[3]) for part in parts)
+        if n > self._n_ctx:
+            raise StateRestoreError(f"KV chunks hold {n} positions; n_ctx={self._n_ctx}")
+        return _kv_state.unpack_chunks(
+            self._lib,
+            self._ptr,
+            self._mem,
+            seq,
+            self._scratch,
+            parts,
+            self._n_ctx,
+            base=base,
+            n_end=n,
+        )
 
     @property
     def restores_tails(self) -> bool:
@@ -390,48 +290,24 @@ class LlamaContext:
     def kv_codec(self) -> LlamaKvCodec:
         return self._codec
 
-    def kv_split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
-        # No lock: the codec is pure, so a writer thread never waits for a decode.
-        self._life.check()
-        return self._codec.split(blob, bounds)
+    def _seq_rm(self, seq: int, p0: int, p1: int) -> None:
+        if not self._lib.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            raise StateRestoreError(
+                f"this model's memory ({self._memory.describe()}) cannot remove "
+                f"[{p0}, {p1}) of seq {seq}"
+            )
 
-    @overload
-    def kv_join(self, chunks: Sequence[Buffer], out: None = None) -> bytearray: ...
-    @overload
-    def kv_join(self, chunks: Sequence[Buffer], out: WritableBuffer) -> memoryview: ...
-    def kv_join(
-        self, chunks: Sequence[Buffer], out: WritableBuffer | None = None
-    ) -> bytearray | memoryview:
-        self._life.check()
-        return self._codec.join(chunks) if out is None else self._codec.join(chunks, out)
-
-    def seq_rm(self, seq: int, p0: int = 0, p1: int = -1) -> None:
-        with self._life.using():
-            _checks.check_seq(seq, self._params.n_seq_max)
-            _checks.check_range(p0, p1)
-            if not self._seq_rm(seq, p0, p1):
-                raise StateRestoreError(
-                    f"this model's memory ({self._memory.describe()}) cannot remove "
-                    f"[{p0}, {p1}) of seq {seq}"
-                )
-
-    def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
-        with self._life.using():
-            _checks.check_seq(src, self._params.n_seq_max, param="src")
-            _checks.check_seq(dst, self._params.n_seq_max, param="dst")
-            _checks.check_range(p0, p1)
-            if src == dst or self._mem is None:
-                return  # a stateless context holds nothing to share
-            if self._streams:
-                self._copy_stream(src, dst, p0, p1)
-                return
-            lib, mem = self._lib, self._mem
-            # dst := src[p0:p1). Clearing dst first keeps it free of duplicate positions, which
-            # would make its next decode inconsistent. (Cells are shared, not copied: the
-            # context has one unified KV stream. Across streams llama.cpp would GGML_ASSERT on a
-            # partial range.)
-            lib.llama_memory_seq_rm(mem, dst, -1, -1)
-            lib.llama_memory_seq_cp(mem, src, dst, p0, p1)
+    def _seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        if self._streams:
+            self._copy_stream(src, dst, p0, p1)
+            return
+        lib, mem = self._lib, self._mem
+        # dst := src[p0:p1). Clearing dst first keeps it free of duplicate positions, which
+        # would make its next decode inconsistent. (Cells are shared, not copied: the context
+        # has one unified KV stream. Across streams llama.cpp would GGML_ASSERT on a partial
+        # range.)
+        lib.llama_memory_seq_rm(mem, dst, -1, -1)
+        lib.llama_memory_seq_cp(mem, src, dst, p0, p1)
 
     def _copy_stream(self, src: int, dst: int, p0: int, p1: int) -> None:
         """dst := src[p0:p1) across streams. llama.cpp's own cross-stream seq_cp copies whole
@@ -470,111 +346,56 @@ class LlamaContext:
         pos_min = int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
         return n == 0 or 0 <= pos_min <= max(0, n - n_swa)
 
-    def seq_pos_max(self, seq: int) -> int:
-        with self._life.using():
-            _checks.check_seq(seq, self._params.n_seq_max)
-            return self._pos_max(seq)
-
-    def seq_pos_min(self, seq: int) -> int:
-        with self._life.using():
-            _checks.check_seq(seq, self._params.n_seq_max)
-            if self._mem is None:
-                return -1
-            return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
-
     @property
     def memory(self) -> MemoryKind:
         return self._memory
 
-    def clear(self) -> None:
-        with self._life.using():
-            if self._mem is not None:
-                self._lib.llama_memory_clear(self._mem, True)
+    def _clear(self) -> None:
+        self._lib.llama_memory_clear(self._mem, True)
 
     # -- embeddings and adapters --------------------------------------------------------------
 
-    def embed(self, tokens: Sequence[int], *, normalize: bool = True) -> list[float]:
-        with self._life.using():
-            if not self._params.embeddings:
-                raise InvalidRequestError(
-                    "this context was not created with embeddings=True", param="input"
-                )
-            n = len(tokens)
-            if n == 0:
-                raise InvalidRequestError("cannot embed zero tokens", param="input")
-            # Pooling needs the whole sequence in one ubatch.
-            if n > min(self._params.n_ubatch, self._n_ctx):
-                raise InvalidRequestError(
-                    f"{n} tokens exceed n_ubatch={self._params.n_ubatch}", param="input"
-                )
-            _checks.check_tokens(tokens, self._n_vocab)
-            lib, b = self._lib, self._batch
-            self._seq_rm(0, -1, -1)
-            for i, token in enumerate(tokens):
-                b.token[i] = token
-                b.pos[i] = i
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0
-                b.logits[i] = 1
-            try:
-                self._run(n, {0: 0})
-                pooled = self._params.pooling != "none"
-                vec = _read_embeddings(lib, self._ptr, n, self._n_embd, pooled=pooled)
-            finally:
-                self._seq_rm(0, -1, -1)
-                self._rows = []
-            return _embedding_list(vec, normalize=normalize)
+    def _embed(self, tokens: Sequence[int], *, normalize: bool) -> list[float]:
+        n = len(tokens)
+        lib, b = self._lib, self._batch
+        self._forget(0, 0)
+        for i, token in enumerate(tokens):
+            b.token[i] = token
+            b.pos[i] = i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 1
+        try:
+            self._run(n, {0: 0})
+            pooled = self._params.pooling != "none"
+            vec = _read_embeddings(lib, self._ptr, n, self._n_embd, pooled=pooled)
+        finally:
+            self._forget(0, 0)
+            self._rows = []
+        return _embedding_list(vec, normalize=normalize)
 
-    def pooled(self, seq: int) -> tuple[float, ...]:
-        with self._life.using():
-            _checks.check_seq(seq, self._params.n_seq_max)
-            pooling = self._params.pooling
-            if not self._params.embeddings or pooling == "none":
-                raise InvalidRequestError("this context does not pool its sequences")
-            n = self._model.facts.n_cls_out if pooling == "rank" else self._n_embd
-            # NULL for a sequence the last decode held no position of (its map is cleared
-            # at each decode), so a stale or absent score is an error, never a wrong number.
-            ptr = self._lib.llama_get_embeddings_seq(self._ptr, seq)
-            if not ptr:
-                raise NoLogitsError(f"no pooled output for seq {seq} from the last decode")
-            return tuple(float(x) for x in ptr[:n])
+    def _pooled(self, seq: int) -> tuple[float, ...] | None:
+        n = self._model.facts.n_cls_out if self._params.pooling == "rank" else self._n_embd
+        # NULL for a sequence the last decode held no position of (llama.cpp clears its map
+        # at each decode), so a stale score is None here, never an old number.
+        ptr = self._lib.llama_get_embeddings_seq(self._ptr, seq)
+        if not ptr:
+            return None
+        return tuple(float(x) for x in ptr[:n])
 
-    def set_adapters(self, adapters: Sequence[tuple[Adapter, float]]) -> None:
-        with self._life.using():
-            chosen: list[tuple[LlamaAdapter, float]] = []
-            for adapter, scale in adapters:
-                if not isinstance(adapter, LlamaAdapter) or adapter.model is not self._model:
-                    raise AdapterError("adapter was not loaded by this context's model")
-                if not math.isfinite(scale):
-                    raise InvalidRequestError(f"adapter scale {scale} is not finite")
-                chosen.append((adapter, float(scale)))
-            acquired: list[LlamaAdapter] = []
-            try:
-                for adapter, _ in chosen:
-                    adapter.lifetime.acquire()
-                    acquired.append(adapter)
-                n = len(chosen)
-                lib = self._lib
-                if n:
-                    ptrs = (lib.llama_adapter_lora_p_ctypes * n)(*(a.native for a, _ in chosen))
-                    scales = (ctypes.c_float * n)(*(s for _, s in chosen))
-                    rc = int(lib.llama_set_adapters_lora(self._ptr, ptrs, n, scales))
-                else:
-                    rc = int(lib.llama_set_adapters_lora(self._ptr, None, 0, None))
-                if rc != 0:
-                    raise AdapterError(f"llama_set_adapters_lora failed with code {rc}")
-            except BaseException:
-                for adapter in acquired:
-                    adapter.lifetime.release()
-                raise
-            for adapter, _ in self._adapters:
-                adapter.lifetime.release()
-            self._adapters = chosen
+    def _attach(self, adapters: Sequence[tuple[LlamaAdapter, float]]) -> None:
+        n = len(adapters)
+        lib = self._lib
+        if n:
+            ptrs = (lib.llama_adapter_lora_p_ctypes * n)(*(a.native for a, _ in adapters))
+            scales = (ctypes.c_float * n)(*(s for _, s in adapters))
+            rc = int(lib.llama_set_adapters_lora(self._ptr, ptrs, n, scales))
+        else:
+            rc = int(lib.llama_set_adapters_lora(self._ptr, None, 0, None))
+        if rc != 0:
+            raise AdapterError(f"llama_set_adapters_lora failed with code {rc}")
 
     # -- lifetime -----------------------------------------------------------------------------
-
-    def close(self) -> None:
-        self._life.close()
 
     def _free(self) -> None:
         self._release_views()
@@ -584,9 +405,7 @@ class LlamaContext:
         lib.llama_free(self._ptr)
         self._ptr = None
         self._mem = None
-        for adapter, _ in self._adapters:
-            adapter.lifetime.release()
-        self._adapters = []
+        self._release_adapters()
         self._model.lifetime.release()
 
 

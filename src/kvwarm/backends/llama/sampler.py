@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import BackendError, GrammarError, InvalidRequestError, NoLogitsError
@@ -169,13 +170,7 @@ class LlamaSampler:
 
     def sample_logits(self, logits: bytes | memoryview) -> int:
         with self._life.using():
-            raw = np.frombuffer(logits, dtype=np.uint8)
-            if raw.nbytes != self._n_vocab * 4:
-                raise InvalidRequestError(
-                    f"expected {self._n_vocab * 4} bytes of float32 logits, got {raw.nbytes}",
-                    param="logits",
-                )
-            row = _usable(raw.view(np.float32))
+            row = _usable(_checks.logits_row(logits, self._n_vocab))
             if self._argmax_only:
                 # A row's stored logits (an exact hit): no 262k-entry candidate array either.
                 return self._argmax(row)

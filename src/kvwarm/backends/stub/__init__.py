@@ -10,7 +10,8 @@ so a cell depends on the whole prefix, exactly as real KV does, and a restore + 
 EOS token wins, so generations end.
 
 Invariants: no native code, no randomness outside seeded samplers; every check the llama.cpp
-backend makes (``_checks``) is made here too, with the same exception types; lifetimes follow
+backend makes is made here too, by the same code (``_checks``, and ``front.ContextFront`` for
+the context), with the same exception types; lifetimes follow
 ``_lifetime`` (a model outlives its contexts, samplers and adapters). The context and its KV
 blobs live in ``stub_context``; the vocabulary's fixed ids in ``stub_vocab``.
 """
@@ -86,8 +87,9 @@ STUB_WEIGHTS_BYTES = 64 << 20
 class StubBackend:
     """Factory of stub models.
 
-    ``prefill_delay_s`` / ``decode_delay_s`` add simulated latency (per prefilled token / per
-    ``decode`` call) for engine tests; ``cell_bytes`` (>= 16) sets the KV blob size per token.
+    ``prefill_delay_s`` / ``decode_delay_s`` add simulated latency (per prefilled or embedded
+    token / per ``decode`` call) for engine tests; ``cell_bytes`` (>= 16) sets the KV blob
+    size per token.
     ``memory_kind`` / ``n_swa`` model llama.cpp's memory kinds (``kvwarm.memory``): a sliding
     window keeps only its last ``n_swa`` cells, a recurrent (or hybrid) state only its last
     one and refuses to be trimmed; a token decoded without the cells it needs gets a poisoned

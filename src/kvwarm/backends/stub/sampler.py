@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
+from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import GrammarError, InvalidRequestError, NoLogitsError
@@ -125,13 +126,7 @@ class StubSampler:
 
     def sample_logits(self, logits: bytes | memoryview) -> int:
         with self._life.using():
-            arr = np.frombuffer(logits, dtype=np.uint8)
-            if arr.nbytes != self._n_vocab * 4:
-                raise InvalidRequestError(
-                    f"expected {self._n_vocab * 4} bytes of float32 logits, got {arr.nbytes}",
-                    param="logits",
-                )
-            return self._choose(arr.view(np.float32))
+            return self._choose(_checks.logits_row(logits, self._n_vocab))
 
     def accept(self, token: int) -> None:
         with self._life.using():

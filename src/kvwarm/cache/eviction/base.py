@@ -18,12 +18,11 @@ picks one. The built-ins are ``lru`` (the default) and ``lfu``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from kvwarm.cache.types import RowInfo, TierName
-from kvwarm.errors import ConfigError
+from kvwarm.plugins import Plugins
 
 __all__ = [
     "EvictionPolicy",
@@ -67,37 +66,26 @@ class EvictionPolicy(Protocol):
 
 PolicyFactory = Callable[[], EvictionPolicy]
 
-_lock = threading.Lock()
-_factories: dict[str, PolicyFactory] = {}
+_policies: Plugins[PolicyFactory] = Plugins("eviction policy")
 
 
 def register_policy(name: str, factory: PolicyFactory) -> None:
     """Make ``name`` selectable through ``CacheConfig.eviction``. Registering a name twice
     replaces the earlier factory."""
-    if not name or not name.replace("_", "").isalnum():
-        raise ConfigError(f"eviction policy names are [A-Za-z0-9_]+: {name!r}")
-    with _lock:
-        _factories[name] = factory
+    _policies.register(name, factory)
 
 
 def unregister_policy(name: str) -> None:
-    with _lock:
-        _factories.pop(name, None)
+    _policies.unregister(name)
 
 
 def registered_policies() -> tuple[str, ...]:
-    with _lock:
-        return tuple(_factories)
+    return _policies.names()
 
 
 def build_policy(name: str) -> EvictionPolicy:
     """A fresh policy (one per index: a policy holds that index's order)."""
-    with _lock:
-        factory = _factories.get(name)
-    if factory is None:
-        known = ", ".join(registered_policies())
-        raise ConfigError(f"unknown eviction policy {name!r}; expected one of {known}")
-    return factory()
+    return _policies.get(name)()
 
 
 def _lru() -> EvictionPolicy:

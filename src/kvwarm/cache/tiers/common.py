@@ -22,8 +22,8 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from kvwarm.cache.key import KEY_BYTES, cache_key
-from kvwarm.cache.kvc import KvcFields, check_chunks
+from kvwarm.cache.formats.key import KEY_BYTES, cache_key
+from kvwarm.cache.formats.kvc import KvcFields, check_chunks
 from kvwarm.cache.protocols import ReservationBook, StoredRow
 from kvwarm.cache.types import RowInfo, SaveRequest, TierName
 from kvwarm.errors import CacheIOError

@@ -5,7 +5,7 @@ the rows it wrote or adopted, not rows another process published into the same d
 meanwhile.
 So it may delete a chunk its own rows stopped naming only while nobody else has used the
 directory since it opened it; from then on the chunks are only forgotten and the directory's
-mark-and-sweep (``cache/sharedgc.py``, which reads every manifest there) reclaims them.
+mark-and-sweep (``cache/upkeep/sharedgc.py``, which reads every manifest there) reclaims them.
 
 Every ``FileTier`` on a local directory registers here when it opens:
 ``<root>/procs/<pid>-<random>.lock``, holding an exclusive ``flock`` on it for as long as

@@ -13,7 +13,7 @@ temp-file reaping (``filescan.py``), the registry of co-tenant processes (``cote
 Invariants:
 - A visible ``.kvc`` or ``.kvk`` file is complete (``publish.py``), and its path is a pure
   function of its key (``layout.py``), so another process sharing the directory finds a row
-  it did not write. The bytes are a ``.kvc`` file's (``cache/kvc.py``); a chunk object
+  it did not write. The bytes are a ``.kvc`` file's (``cache/formats/kvc.py``); a chunk object
   ``chunks/<hex>.kvk`` is the file ``<hex>.kvk`` beside the rows.
 - Every name is resolved against the root's directory fd, without following links, and the
   root is private (``fsutil``): a row swapped for a symlink is reported bad, never written
@@ -43,7 +43,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvwarm.cache import kvc
+from kvwarm.cache.formats import kvc
 from kvwarm.cache.protocols import TierCapabilities
 from kvwarm.cache.tiers import filescan
 from kvwarm.cache.tiers.cotenants import PROCS, Cotenants

@@ -12,7 +12,7 @@ only), ``Quarantines`` (what a scan rejects is moved aside, not only reported) a
 ``ReapsTemps`` (interrupted puts leave temp objects a scan removes).
 
 Invariants:
-- An object holds exactly the bytes of a ``.kvc`` file (``cache/kvc.py``), so every ``load``
+- An object holds exactly the bytes of a ``.kvc`` file (``cache/formats/kvc.py``), so every ``load``
   verifies the payload CRC32C and that the row replays to its key; a row that fails is
   ``CacheFormatError`` (the facade drops it and deletes the object).
 - Publish once (``common.publish_row``): the row is staged (``StagesPuts``; else nothing is
@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
-from kvwarm.cache import chunkfmt, kvc
+from kvwarm.cache.formats import chunkfmt, kvc
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
 from kvwarm.cache.tiers import layout
 from kvwarm.cache.tiers.common import StepHook, commit_chunk, publish_row, row_info

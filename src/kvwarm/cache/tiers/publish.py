@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvwarm.cache import kvc
+from kvwarm.cache.formats import kvc
 from kvwarm.cache.tiers.common import StepHook
 from kvwarm.cache.tiers.fsutil import unlink_quiet
 from kvwarm.cache.tiers.layout import CHUNK_SUFFIX, tmp_name

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from kvwarm.cache.kvc import KvcFields
+from kvwarm.cache.formats.kvc import KvcFields
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
 from kvwarm.cache.tiers.common import publish_row, row_info
 from kvwarm.cache.types import SaveRequest, TierName

@@ -1,9 +1,15 @@
 """Admission: a queued request gets a free slot and its prompt KV (own, copied, restored from a
 row, or none), then waits for the tick to prefill the rest.
 
+Three named steps, each handing the next a value: ``look_up`` (the cache's candidates, the
+planner's choice: a ``Planned``), ``restore`` (the plan carried out into the slot: a
+``Restored``), ``seat`` (the slot becomes the request's, with its checkpoints and the reason it
+reused no more). Every call to the cache goes through the worker's one port (``CachePort``).
+
 Invariants: the plan comes from ``planner.choose`` (pure); this module only carries it out and
-never decides how much KV to reuse itself. A request's namespace (the model's, with the
-request's cache salt folded in) is fixed here, when it is admitted, and recorded on its slot.
+never decides how much KV to reuse itself. A request's adapter set and namespace (the model's,
+with that set and the request's cache salt folded in) are fixed here, when it is admitted, and
+recorded on its slot.
 Whatever goes wrong, no slot stays taken: a failed restore falls back to a cold prefill, any
 other failure answers the request and its forks (``docs/architecture.md``, "Engine"). A request
 asking for prompt logprobs reuses no KV: every prompt position needs its logits, and restored KV
@@ -15,18 +21,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from kvwarm.alignment import align_down, canonical_after
-from kvwarm.backends.base import Buffer, Sampler
+from kvwarm.backends.base import AdapterSet, Buffer, Sampler
 from kvwarm.cache.explain import MissReason, ReuseReport
-from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Failed, Request
 from kvwarm.engine.text import TextAssembler
 from kvwarm.engine.types import CacheHitKind
 from kvwarm.engine.worker.cacheport import CachePort
-from kvwarm.engine.worker.explain import Found, best_found, explain, same_tenant
+from kvwarm.engine.worker.explain import Found, best_found
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
 from kvwarm.engine.worker.planner import (
@@ -35,6 +40,7 @@ from kvwarm.engine.worker.planner import (
     choose,
     recheck_row,
     trim_restored,
+    within_spans,
 )
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.slots import Active, Slot
@@ -45,8 +51,37 @@ from kvwarm.errors import (
     KvwarmError,
     StateRestoreError,
 )
+from kvwarm.tokens import common_prefix
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """What ``look_up`` found and chose for a request."""
+
+    slot: Slot
+    plan: Plan
+    namespace: Namespace
+    #: The namespace unsalted: the model's with the request's adapter set folded in.
+    base: Namespace
+    #: The LoRA adapters the request runs under (``Runtime.adapter_set``).
+    adapters: AdapterSet
+    #: Where the prefill should also checkpoint, besides the cold save (``CachePort.pauses``).
+    resume: tuple[int, ...]
+    #: The source sharing the most with the prompt, for explaining the reuse.
+    found: Found
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What ``restore`` put into the slot: the prompt tokens kept, the stored final logits to
+    sample from (an exact hit on a row holding them), and why a restore that was planned did
+    not happen (the request is then cold)."""
+
+    keep: int
+    logits: bytes | None = None
+    failed: tuple[MissReason, str] | None = None
 
 
 class Admission:
@@ -55,14 +90,24 @@ class Admission:
         self.forks = forks
         self.outcomes = outcomes
         self.port = port
-        # What the last restore attempt came to (a failed one makes the request cold).
-        self._restore_failed: tuple[MissReason, str] | None = None
-        self._found = Found()
 
     def admit(self, req: Request, free: Sequence[Slot]) -> None:
         """Seat ``req`` in one of the ``free`` slots; on any failure, answer it instead."""
         try:
-            self._start(req, free)
+            planned = self.look_up(req, free)
+            samplers: list[Sampler] = []
+            try:
+                for one in req.group:
+                    banned = self.rt.eog_tokens() if one.options.ignore_eos else ()
+                    params = one.options.sampling(one.grammar, banned)
+                    samplers.append(self.rt.model.new_sampler(params))
+                restored = self.restore(planned, req)
+            except Exception:
+                for made in samplers:
+                    made.close()
+                self.rt.reset_seq(planned.slot)
+                raise
+            self.seat(req, planned, restored, samplers, free)
         except Exception as exc:
             self._failed(req, exc)
 
@@ -81,11 +126,15 @@ class Admission:
                     self.outcomes.fail(slot, err)
             one.answer(Failed(err))  # a no-op for one answered just now
 
-    def _plan(self, req: Request, free: Sequence[Slot]) -> tuple[Slot, Plan, Namespace, list[int]]:
-        """(the slot, its plan, the request's namespace, where its prefill should checkpoint
-        besides the cold save: see ``CachePort.pauses``)."""
+    # -- step 1: look up and plan --------------------------------------------------------------
+
+    def look_up(self, req: Request, free: Sequence[Slot]) -> Planned:
+        """The cache's candidates for ``req`` and the planner's choice among them and the
+        slots' live KV."""
         rt = self.rt
-        ns = self.port.namespace(req.options.salt_bytes())
+        port = self.port
+        adapters, base = rt.adapter_set(req.options.lora)
+        ns = port.namespace(base, req.options.salt_bytes())
         # A parent_key row was waited for on the caller's thread, so it is published by now
         # and this lookup scores it by what it really shares. The lookup is confined to ns:
         # a parent_key of another salt's row waits, but never restores.
@@ -96,7 +145,7 @@ class Admission:
         ends = [i for i, t in enumerate(prompt) if t in eog]  # where earlier chat turns ended
         # A state that cannot be trimmed is of use only whole: the longest row that is all a
         # prefix of the prompt is a candidate beside the one sharing the most (kvwarm.memory).
-        match, whole = self.port.lookup(ns, prompt, ends)
+        match, whole = port.lookup(ns, prompt, ends)
         mem = rt.memory
         if req.options.prompt_logprobs is not None:
             match, whole = None, []  # every position's logits are needed: prefill from start
@@ -104,7 +153,7 @@ class Admission:
         # start (only where the context restores tails: full attention, one KV stream).
         tails = rt.ctx.restores_tails and not req.deterministic
         rows = [
-            RowCandidate.of(m, mem, rt.cache.chunk_lens(m.row.key) if tails else ())
+            RowCandidate.of(m, mem, port.chunk_lens(m.row.key) if tails else ())
             for m in (match, *whole)
             if m is not None
         ]
@@ -113,17 +162,18 @@ class Admission:
             # stored logits cannot stand in for it: at least that token is prefilled.
             rows = [replace(r, has_logits=False) for r in rows]
         rt.refresh_floors()
-        rt.cache.note_namespace(rt.namespace())
-        self._found = best_found(
+        port.note_model(base)
+        found = best_found(
             prompt,
             slots=rt.slots,
             rows=rows,
             namespace=ns,
             n_batch=rt.cfg.n_batch,
             deterministic=req.deterministic,
+            spans=req.prompt.spans,
         )
         slot, plan = choose(
-            req.prompt_tokens,
+            prompt,
             free=free,
             slots=rt.slots,
             row=None,
@@ -132,6 +182,7 @@ class Admission:
             deterministic=req.deterministic,
             namespace=ns,
             tails=tails,
+            spans=req.prompt.spans,
         )
         if req.options.prompt_logprobs is not None:
             plan = Plan("none", 0)
@@ -145,123 +196,22 @@ class Admission:
             resume += [ends[0] + 1, ends[-1] + 1]
         if req.deterministic:
             resume = [align_down(p, rt.cfg.n_batch) for p in resume]
-        return slot, plan, ns, resume
+        return Planned(slot, plan, ns, base, adapters, tuple(resume), found)
 
-    def _start(self, req: Request, free: Sequence[Slot]) -> None:
-        slot, plan, ns, resume = self._plan(req, free)
-        n = len(req.prompt_tokens)
-        samplers: list[Sampler] = []
-        try:
-            for one in req.group:
-                banned = self.rt.eog_tokens() if one.options.ignore_eos else ()
-                params = one.options.sampling(one.grammar, banned)
-                samplers.append(self.rt.model.new_sampler(params))
-            self._restore_failed = None
-            keep, logits_from_row = self._apply(slot, plan, req)
-        except Exception:
-            for made in samplers:
-                made.close()
-            self.rt.reset_seq(slot)
-            raise
-        sampler, fork_samplers = samplers[0], samplers[1:]
-        fork_slots = self.forks.pick(slot, free, len(req.forks))
-        self.forks.seat(fork_slots, list(zip(req.forks, fork_samplers, strict=True)), ns)
-        hit: CacheHitKind
-        if keep == 0:
-            hit = "cold"
-            if plan.kind in ("none", "row"):
-                self.rt.cache.record_miss()
-        elif plan.shared >= n:
-            hit = "exact"
-        else:
-            hit = "partial"
-        saved = self.port.saved_below(
-            ns, req.prompt_tokens, keep, restored=plan.kind == "row", resume_points=resume,
-            deterministic=req.deterministic,
-        )  # fmt: skip
-        pauses = self.port.pauses(keep, n, resume_points=resume, saved=saved, kind=req.kind)
-        # Explained before seating: an exact hit from a row's logits may finish right there.
-        try:
-            reuse: ReuseReport | None = self._explain(req, ns, keep)
-        except Exception:  # an explanation never costs a request its answer
-            log.exception("worker %s: explaining the cache use failed", self.rt.name)
-            reuse = None
-        self._seat(slot, req, ns, sampler, keep, hit, logits_from_row, fork_slots, pauses, reuse)
-        if slot.active is not None and slot.active.req is req:
-            self.port.resumed(slot, keep, resume_points=resume)
+    # -- step 2: restore -----------------------------------------------------------------------
 
-    def _explain(self, req: Request, ns: Namespace, keep: int) -> ReuseReport:
-        """Why ``req`` kept ``keep`` prompt tokens and no more (``worker/explain.py``)."""
-        found = self._found
-        if req.options.prompt_logprobs is not None:
-            return ReuseReport(MissReason.PROMPT_LOGPROBS, found.shared, keep)
-        if self._restore_failed is not None and keep == 0:
-            reason, detail = self._restore_failed
-            if detail == "missing":
-                # The row may simply have left between the lookup and the read (evicted,
-                # expired): then the cache remembers why, and that is the better answer.
-                gone = self.rt.cache.explain_miss(ns, req.prompt_tokens, 0)
-                if gone is not None and gone.found_tokens >= found.shared:
-                    reason, detail = gone.reason, gone.detail
-            return ReuseReport(reason, found.shared, keep, detail=detail)
-        return explain(
-            self.rt.cache,
-            req.prompt_tokens,
-            found,
-            keep,
-            namespace=ns,
-            others=same_tenant(self.rt.cache, self.rt.namespace(), req.options.salt_bytes()),
-            n_batch=self.rt.cfg.n_batch,
-            deterministic=req.deterministic,
-        )
-
-    def _seat(
-        self,
-        slot: Slot,
-        req: Request,
-        ns: Namespace,
-        sampler: Sampler,
-        keep: int,
-        hit: CacheHitKind,
-        logits_from_row: bytes | None,
-        forks: list[Slot],
-        pauses: list[int],
-        reuse: ReuseReport | None,
-    ) -> None:
-        n = len(req.prompt_tokens)
-        active = Active(
-            req=req,
-            namespace=ns,
-            sampler=sampler,
-            assembler=TextAssembler(req.options.stop),
-            prefill_pos=keep,
-            pauses=pauses,
-            cached_tokens=keep,
-            hit_kind=hit,
-            admitted=time.perf_counter(),
-            last_continued=n,  # continued saves count generated tokens from the prompt's end
-            forks=forks,
-            reuse=reuse,
-        )
-        slot.active = active
-        slot.kv_namespace = ns  # whatever KV the slot holds from now on was computed under ns
-        slot.phase = "prefill"
-        if logits_from_row is not None:
-            # Exact hit with stored final logits: no decode at all before the first token.
-            active.prefill_done = time.perf_counter()
-            slot.phase = "generate"
-            try:
-                self.forks.prefilled(slot, None, logits_from_row)
-            except KvwarmError as exc:
-                self.outcomes.fail(slot, exc)
-
-    def _apply(self, slot: Slot, plan: Plan, req: Request) -> tuple[int, bytes | None]:
-        """Put the plan's KV into ``slot``; (tokens kept, stored logits to sample from)."""
+    def restore(self, planned: Planned, req: Request) -> Restored:
+        """Put the plan's KV into its slot: a row restored (re-checked against what it
+        really holds), another slot's live KV copied, the slot's own trimmed, or nothing. A
+        restore the cache or the memory refuses is a miss (``Restored.failed`` says why),
+        never a failed request."""
         rt = self.rt
+        slot, plan = planned.slot, planned.plan
         tokens = req.prompt_tokens
         keep = plan.keep
         logits_from_row: bytes | None = None
         source_canonical: int | None = None
+        failed: tuple[MissReason, str] | None = None
         if plan.kind == "row":
             try:
                 keep, source_canonical, logits_from_row = self._restore_row(slot, plan, req)
@@ -269,11 +219,11 @@ class Admission:
                 log.warning("worker %s: cache restore failed, prefilling cold: %s", rt.name, exc)
                 keep, source_canonical, logits_from_row = 0, None, None
                 if isinstance(exc, CacheKeyError):
-                    self._restore_failed = (MissReason.UNREADABLE, "missing")
+                    failed = (MissReason.UNREADABLE, "missing")
                 elif isinstance(exc, CacheFormatError):
-                    self._restore_failed = (MissReason.UNREADABLE, "corrupt")
+                    failed = (MissReason.UNREADABLE, "corrupt")
                 else:
-                    self._restore_failed = (MissReason.RESTORE_FAILED, "")
+                    failed = (MissReason.RESTORE_FAILED, "")
         elif plan.kind == "copy":
             src = rt.slots[plan.src_seq]
             rt.reset_seq(slot)
@@ -289,7 +239,9 @@ class Admission:
             if plan.row_key is not None:  # the live KV holds the prompt; the row its logits
                 logits_from_row = self._row_logits(plan.row_key, tokens)
                 if logits_from_row is None:
-                    keep -= 1  # the row went: decode the last token for its logits
+                    # The row went: decode the last position for its logits (a prompt ending
+                    # in a span decodes the whole span again).
+                    keep = within_spans(keep - 1, req.prompt.spans)
             if len(slot.kv_tokens) > keep:
                 try:
                     rt.ctx.seq_rm(slot.seq, keep, -1)
@@ -305,14 +257,110 @@ class Admission:
             rt.reset_seq(slot)
             source_canonical = None
         slot.canonical = canonical_after(keep, source_canonical, len(tokens), rt.cfg.n_batch)
-        return keep, logits_from_row
+        return Restored(keep, logits_from_row, failed)
+
+    # -- step 3: seat --------------------------------------------------------------------------
+
+    def seat(
+        self,
+        req: Request,
+        planned: Planned,
+        restored: Restored,
+        samplers: Sequence[Sampler],
+        free: Sequence[Slot],
+    ) -> None:
+        """The slot becomes ``req``'s (its forks seated beside it), with where its prefill
+        pauses to save and why it reused no more than it did."""
+        slot, plan, ns = planned.slot, planned.plan, planned.namespace
+        keep = restored.keep
+        n = len(req.prompt_tokens)
+        sampler, fork_samplers = samplers[0], samplers[1:]
+        fork_slots = self.forks.pick(slot, free, len(req.forks))
+        self.forks.seat(
+            fork_slots, list(zip(req.forks, fork_samplers, strict=True)), ns, planned.adapters
+        )
+        hit: CacheHitKind
+        if keep == 0:
+            hit = "cold"
+            if plan.kind in ("none", "row"):
+                self.port.missed()
+        elif plan.shared >= n:
+            hit = "exact"
+        else:
+            hit = "partial"
+        saved = self.port.saved_below(
+            ns, req.prompt_tokens, keep, restored=plan.kind == "row",
+            resume_points=planned.resume, deterministic=req.deterministic,
+        )  # fmt: skip
+        pauses = self.port.pauses(keep, n, resume_points=planned.resume, saved=saved, kind=req.kind)
+        # Explained before seating: an exact hit from a row's logits may finish right there.
+        try:
+            reuse: ReuseReport | None = self._explain(req, planned, restored)
+        except Exception:  # an explanation never costs a request its answer
+            log.exception("worker %s: explaining the cache use failed", self.rt.name)
+            reuse = None
+        active = Active(
+            req=req,
+            namespace=ns,
+            sampler=sampler,
+            assembler=TextAssembler(req.options.stop),
+            prefill_pos=keep,
+            pauses=pauses,
+            cached_tokens=keep,
+            hit_kind=hit,
+            admitted=time.perf_counter(),
+            last_continued=n,  # continued saves count generated tokens from the prompt's end
+            forks=fork_slots,
+            reuse=reuse,
+            adapters=planned.adapters,
+        )
+        slot.active = active
+        slot.kv_namespace = ns  # whatever KV the slot holds from now on was computed under ns
+        slot.phase = "prefill"
+        if restored.logits is not None:
+            # Exact hit with stored final logits: no decode at all before the first token.
+            active.prefill_done = time.perf_counter()
+            slot.phase = "generate"
+            try:
+                self.forks.prefilled(slot, None, restored.logits)
+            except KvwarmError as exc:
+                self.outcomes.fail(slot, exc)
+        if slot.active is not None and slot.active.req is req:
+            self.port.resumed(slot, keep, resume_points=planned.resume)
+
+    def _explain(self, req: Request, planned: Planned, restored: Restored) -> ReuseReport:
+        """Why ``req`` kept ``restored.keep`` prompt tokens and no more."""
+        found, keep, ns = planned.found, restored.keep, planned.namespace
+        if req.options.prompt_logprobs is not None:
+            return ReuseReport(MissReason.PROMPT_LOGPROBS, found.shared, keep)
+        if restored.failed is not None and keep == 0:
+            reason, detail = restored.failed
+            if detail == "missing":
+                # The row may simply have left between the lookup and the read (evicted,
+                # expired): then the cache remembers why, and that is the better answer.
+                gone = self.port.explain_gone(ns, req.prompt_tokens)
+                if gone is not None and gone.found_tokens >= found.shared:
+                    reason, detail = gone.reason, gone.detail
+            return ReuseReport(reason, found.shared, keep, detail=detail)
+        return self.port.explain(
+            req.prompt_tokens,
+            found,
+            keep,
+            namespace=ns,
+            base=planned.base,
+            salt=req.options.salt_bytes(),
+            deterministic=req.deterministic,
+            spans=req.prompt.spans,
+        )
+
+    # -- restoring a row ---------------------------------------------------------------------
 
     def _row_logits(self, key: bytes, tokens: Sequence[int]) -> bytes | None:
         """The final logits of row ``key`` if it holds exactly ``tokens`` (its metadata alone
         is read: no chunks, no payload); None if it is gone, unreadable or not that prompt's
         row."""
         try:
-            with self.rt.cache.open_row(key, chunks=False, payload=False) as row:
+            with self.port.open_row(key, chunks=False, payload=False) as row:
                 if row.logits is None or tuple(row.tokens) != tuple(tokens):
                     return None
                 return bytes(row.logits)
@@ -328,7 +376,7 @@ class Admission:
         tokens = req.prompt_tokens
         nb = rt.cfg.n_batch
         det = req.deterministic
-        with rt.cache.open_row(plan.row_key, from_token=plan.base) as row:
+        with self.port.open_row(plan.row_key, from_token=plan.base) as row:
             canonical = row.info.canonical_tokens
             shared = common_prefix(row.tokens, tokens)
             floor = rt.memory.saved_floor(row.info.n_tokens)
@@ -340,6 +388,7 @@ class Admission:
                 n_batch=nb,
                 det=det,
                 floor=floor,
+                spans=req.prompt.spans,
             )
             if keep == 0:
                 return 0, None, None
@@ -354,7 +403,7 @@ class Admission:
                 rt.reset_seq(slot)
                 n_restored = self._restore_whole(slot, row.chunks, row.payload)
             if n_restored is not None:
-                rt.cache.record_latency("unpack", time.perf_counter() - t0)
+                self.port.restored(time.perf_counter() - t0)
                 slot.kv_tokens[:] = row.tokens[:n_restored]
                 keep, use_logits = trim_restored(
                     keep,
@@ -364,6 +413,7 @@ class Admission:
                     n_batch=nb,
                     det=det,
                     floor=rt.memory.live_floor(n_restored, rt.ctx.seq_pos_min(slot.seq)),
+                    spans=req.prompt.spans,
                 )
                 if keep == 0:
                     return 0, None, None

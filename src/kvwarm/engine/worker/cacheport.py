@@ -5,13 +5,13 @@ life has got to: ``prefilled`` (a prompt chunk is in), ``decoded`` (a token is i
 ``finishing`` / ``finished`` (the reply is about to go out / has gone), ``evicting`` (live KV
 is about to be dropped). The port alone decides what those events save: the cold-save and
 checkpoint pauses a prefill makes (``pauses``), the checkpoint at a prompt's end, continued
-saves, the finish save and the sync saves of eviction; the policy (``cache.policy``) is read
+saves, the finish save and the sync saves of eviction; the save gates (``savegates``) are read
 here and nowhere else in the worker. (vLLM's ``get_computed_blocks``/``allocate``/``free`` and
 sglang's ``match_prefix``/``cache_unfinished_req``/``cache_finished_req`` draw the same line.)
 
 Invariants: bytes are packed on the worker thread, between decode calls, and handed to the
 cache's writer pool with the backend's chunk codec, which cuts them into the chunks the tier
-lacks on a writer thread (``cache/chunking.py``); an async save never blocks a tick. A row's
+lacks on a writer thread (``cache/store/chunking.py``); an async save never blocks a tick. A row's
 ``canonical_tokens`` is the slot's canonical prefix, so a deterministic restore trusts only
 KV an aligned prefill produced (``kvwarm.alignment``; ``docs/architecture.md``, "Engine").
 """
@@ -21,19 +21,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 from kvwarm.alignment import align_down
-from kvwarm.cache.key import salted_namespace
-from kvwarm.cache.policy import (
+from kvwarm.cache.api import LoadedRow
+from kvwarm.cache.explain import ReuseReport
+from kvwarm.cache.formats.key import salted_namespace
+from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, TtlClass
+from kvwarm.engine.request import RequestKind
+from kvwarm.engine.worker.explain import Found, explain, same_tenant
+from kvwarm.engine.worker.runtime import Runtime
+from kvwarm.engine.worker.savegates import (
     cold_save_length,
     probe_lengths,
     should_continued_save,
     should_finish_save,
 )
-from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, TtlClass
-from kvwarm.engine.request import RequestKind
-from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.slots import Slot
+from kvwarm.tokens import Span
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +49,10 @@ class CachePort:
 
     # -- what a request can reuse ----------------------------------------------------------
 
-    def namespace(self, salt: bytes | None) -> Namespace:
-        """The namespace a request's KV lives in: the model's, salted by its cache salt."""
-        return salted_namespace(self.rt.namespace(), salt)
+    def namespace(self, base: Namespace, salt: bytes | None) -> Namespace:
+        """The namespace a request's KV lives in: ``base`` (the model's, with the request's
+        adapter set folded in: ``Runtime.adapter_set``), salted by its cache salt."""
+        return salted_namespace(base, salt)
 
     def lookup(
         self, ns: Namespace, prompt: Sequence[int], turn_ends: Sequence[int]
@@ -54,7 +60,7 @@ class CachePort:
         """The row sharing the most with ``prompt`` and, for a memory that cannot be trimmed
         (of use only whole), the rows that are all a prefix of it. Shared tiers (s3, a shared
         directory) are probed for the prefixes another process could have saved: the cold
-        save's and the turn ends' (``cache.policy.probe_lengths``), bounded by the cache."""
+        save's and the turn ends' (``savegates.probe_lengths``), bounded by the cache."""
         rt = self.rt
         t0 = time.perf_counter()
         probes = probe_lengths(len(prompt), rt.cfg.policy, rt.cfg.n_batch, turn_ends=turn_ends)
@@ -62,6 +68,63 @@ class CachePort:
         whole = [] if rt.memory.trimmable else rt.cache.whole_prefixes(ns, prompt)
         rt.cache.record_latency("lookup", time.perf_counter() - t0)
         return match, whole
+
+    def note_model(self, base: Namespace) -> None:
+        """This model serves under ``base`` (its namespace with a request's adapter set): the
+        cache may name its rows when explaining another model's or set's miss to a request of
+        the same salt."""
+        self.rt.cache.note_namespace(base)
+
+    def chunk_lens(self, key: bytes) -> tuple[int, ...]:
+        """Row ``key``'s chunk lengths: where a restore onto live KV of its leading tokens
+        can start."""
+        return self.rt.cache.chunk_lens(key)
+
+    def open_row(
+        self, key: bytes, *, chunks: bool = True, payload: bool = True, from_token: int = 0
+    ) -> AbstractContextManager[LoadedRow]:
+        """Row ``key``, leased while the context is open (``CacheApi.open_row``)."""
+        return self.rt.cache.open_row(key, chunks=chunks, payload=payload, from_token=from_token)
+
+    def missed(self) -> None:
+        """A request found nothing to reuse."""
+        self.rt.cache.record_miss()
+
+    def restored(self, seconds: float) -> None:
+        """A row's KV went into a slot in ``seconds`` (the ``unpack`` latency)."""
+        self.rt.cache.record_latency("unpack", seconds)
+
+    def explain(
+        self,
+        prompt: Sequence[int],
+        found: Found,
+        keep: int,
+        *,
+        namespace: Namespace,
+        base: Namespace,
+        salt: bytes | None,
+        deterministic: bool,
+        spans: Sequence[Span] = (),
+    ) -> ReuseReport:
+        """Why a request kept ``keep`` prompt tokens and no more (``worker/explain.py``): it
+        may learn of its own namespace (``base`` salted) and its salt's others, never
+        another salt's."""
+        return explain(
+            self.rt.cache,
+            prompt,
+            found,
+            keep,
+            namespace=namespace,
+            others=same_tenant(self.rt.cache, base, salt),
+            n_batch=self.rt.cfg.n_batch,
+            deterministic=deterministic,
+            spans=spans,
+        )
+
+    def explain_gone(self, namespace: Namespace, prompt: Sequence[int]) -> ReuseReport | None:
+        """Why a row of ``namespace`` that held part of ``prompt`` is gone, if the cache
+        remembers (evicted, expired, unreadable)."""
+        return self.rt.cache.explain_miss(namespace, prompt, 0)
 
     # -- the slot's lifecycle ----------------------------------------------------------------
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass, replace
 
 from kvwarm.cache.api import CacheApi
 from kvwarm.cache.explain import MissReason, ReuseReport
-from kvwarm.cache.key import salted_namespace
-from kvwarm.cache.prefix import common_prefix
+from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.worker.planner import RowCandidate, trim_reason, usable_length
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.memory import MemoryKind
+from kvwarm.tokens import Span, common_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,7 @@ def best_found(
     namespace: Namespace,
     n_batch: int,
     deterministic: bool,
+    spans: Sequence[Span] = (),
 ) -> Found:
     """The candidate (a slot's live KV of ``namespace``, or a row) sharing the most tokens;
     among equals the one the planner keeps the most of."""
@@ -64,6 +65,7 @@ def best_found(
             row_tokens=row_tokens,
             row_has_logits=has_logits,
             floor=floor,
+            spans=spans,
         )
         if (shared, keep) > (best.shared, best_keep):
             best, best_keep = Found(shared, canonical, floor), keep
@@ -80,9 +82,11 @@ def explain(
     others: Sequence[Namespace],
     n_batch: int,
     deterministic: bool,
+    spans: Sequence[Span] = (),
 ) -> ReuseReport:
     """The report for a request that kept ``reused`` prompt tokens; ``others``: the
-    namespaces besides its own the request may learn about (``same_tenant``)."""
+    namespaces besides its own the request may learn about (``same_tenant``); ``spans``: the
+    prompt's."""
     n = len(tokens)
     if reused >= n:
         return ReuseReport(MissReason.NONE, found.shared, reused)
@@ -98,6 +102,7 @@ def explain(
         n_batch=n_batch,
         deterministic=deterministic,
         floor=found.floor,
+        spans=spans,
     )
     return ReuseReport(reason, found.shared, reused)
 

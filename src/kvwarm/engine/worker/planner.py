@@ -11,6 +11,9 @@ A slot's live KV is a candidate only for a request of the same namespace (``kv_n
 like rows, live KV never crosses models, adapter sets or cache salts, or ``cached_tokens``
 would tell one tenant what another's prompt begins with.
 
+A source is never resumed inside a span (an image's or audio's positions, decoded whole:
+``kvwarm.tokens``): a length that falls inside one moves back to the span's start.
+
 Every source also has a *floor* (``kvwarm.memory``): the shortest prefix its state resumes at.
 A sliding-window state longer than its window, or any recurrent state, is exactly the state of
 its own length and of no shorter prefix; keeping fewer tokens than the floor would be a wrong
@@ -24,12 +27,11 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from kvwarm.alignment import align_down
-from kvwarm.cache.chunking import tail_of
 from kvwarm.cache.explain import MissReason
-from kvwarm.cache.prefix import common_prefix
 from kvwarm.cache.types import Namespace, PrefixMatch
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.memory import MemoryKind
+from kvwarm.tokens import Span, common_prefix, resume_point, tail_of
 
 SourceKind = Literal["none", "self", "copy", "row"]
 
@@ -44,12 +46,14 @@ def usable_length(
     row_tokens: int | None = None,
     row_has_logits: bool = False,
     floor: int = 0,
+    spans: Sequence[Span] = (),
 ) -> tuple[int, bool]:
     """(tokens to keep from the source, whether its stored logits replace any decode).
 
     At least one prompt token is left to prefill unless the source is a row holding exactly the
     prompt with its final logits, because sampling needs logits after the last prompt token.
     ``floor``: the shortest prefix the source's state resumes at; below it, nothing is kept.
+    ``spans``: the prompt's; a keep never ends inside one (``within_spans``).
     """
     u = min(shared, n_prompt)
     if deterministic:
@@ -66,9 +70,20 @@ def usable_length(
         u = n_prompt - 1
         if deterministic:
             u = align_down(u, n_batch)
+    u = within_spans(u, spans, n_batch if deterministic else 1)
     if u < floor:
         return 0, False
     return max(u, 0), False
+
+
+def within_spans(keep: int, spans: Sequence[Span], align: int = 1) -> int:
+    """The longest ``k <= keep`` that ends no span early and is a multiple of ``align``."""
+    while spans:
+        moved = align_down(resume_point(spans, keep), align)
+        if moved == keep:
+            break
+        keep = moved
+    return keep
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +155,7 @@ def choose(
     namespace: Namespace | None = None,
     rows: Sequence[RowCandidate] = (),
     tails: bool = False,
+    spans: Sequence[Span] = (),
 ) -> tuple[Slot, Plan]:
     """The free slot to serve ``tokens`` in, and the plan for its prompt KV.
 
@@ -149,7 +165,8 @@ def choose(
     model whose state cannot be trimmed). Each source counts only down to its floor.
     ``tails``: a row may restore only its chunks past live KV that holds its leading ones
     (``BackendContext.restores_tails``; never in deterministic mode, whose rows and live KV
-    each stay canonical on their own): the plan's ``base``.
+    each stay canonical on their own): the plan's ``base``. ``spans``: the prompt's (no
+    source is resumed inside one).
     """
     n = len(tokens)
 
@@ -161,6 +178,7 @@ def choose(
             n_batch=n_batch,
             deterministic=deterministic,
             floor=floor,
+            spans=spans,
         )
         return keep
 
@@ -199,6 +217,7 @@ def choose(
             row_tokens=cand_row.n_tokens,
             row_has_logits=cand_row.has_logits,
             floor=cand_row.floor,
+            spans=spans,
         )
         if keep > 0:
             plan = Plan("row", keep, use_logits, row_key=cand_row.key, shared=shared)
@@ -250,13 +269,20 @@ def recheck_row(
     n_batch: int,
     det: bool,
     floor: int = 0,
+    spans: Sequence[Span] = (),
 ) -> int:
     """The planned ``keep`` of a row, re-scored if the opened row shares only ``shared`` tokens
     with the prompt (the row changed since the lookup). Token-exact, always."""
     if shared >= keep:
         return keep
     keep, _ = usable_length(
-        shared, n_prompt, canonical=canonical, n_batch=n_batch, deterministic=det, floor=floor
+        shared,
+        n_prompt,
+        canonical=canonical,
+        n_batch=n_batch,
+        deterministic=det,
+        floor=floor,
+        spans=spans,
     )
     return keep
 
@@ -270,6 +296,7 @@ def trim_restored(
     n_batch: int,
     det: bool,
     floor: int = 0,
+    spans: Sequence[Span] = (),
 ) -> tuple[int, bool]:
     """(tokens of an unpacked row to keep, whether its stored logits are used).
 
@@ -284,6 +311,8 @@ def trim_restored(
         keep, use_logits = n_restored, False
     if det and not use_logits:
         keep = align_down(keep, n_batch)
+    if not use_logits:
+        keep = within_spans(keep, spans, n_batch if det else 1)
     if keep < floor:
         return 0, False
     return keep, use_logits
@@ -298,6 +327,7 @@ def trim_reason(
     n_batch: int,
     deterministic: bool,
     floor: int = 0,
+    spans: Sequence[Span] = (),
 ) -> MissReason:
     """Why ``usable_length`` kept ``keep`` of the ``shared`` tokens a source shares with a
     prompt of ``n_prompt`` (the same rules, read back; nothing here decides anything)."""
@@ -308,6 +338,8 @@ def trim_reason(
     u = min(shared, n_prompt)
     if u >= n_prompt:
         u = n_prompt - 1
+    if spans and within_spans(u, spans) < u and keep <= within_spans(u, spans):
+        return MissReason.INSIDE_SPAN
     if keep == 0 and floor > 0:
         aligned = (
             align_down(min(u, canonical if canonical is not None else u), n_batch)

@@ -158,6 +158,7 @@ const REASON_TEXT = {
   save_in_flight: "the save that would have served it is still being written",
   restore_failed: "the row could not be restored",
   prompt_logprobs: "prompt logprobs need every position's logits",
+  inside_span: "the reusable prefix ended inside an image or audio, decoded whole",
 };
 
 /** One line under the cache bar: why the rest was prefilled, with its numbers. */

@@ -36,8 +36,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvwarm.cache.key import encode_tokens, namespace_prefix
-from kvwarm.cache.kvc import Buffer, crc32c
+from kvwarm.cache.formats.key import encode_tokens, namespace_prefix
+from kvwarm.cache.formats.kvc import Buffer, crc32c
 from kvwarm.cache.types import Namespace
 from kvwarm.errors import CacheFormatError
 

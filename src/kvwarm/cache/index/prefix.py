@@ -35,24 +35,11 @@ from array import array
 from collections.abc import Hashable, Sequence
 from typing import Literal
 
-__all__ = ["PrefixIndex", "common_prefix", "encode_native"]
+__all__ = ["PrefixIndex", "encode_native"]
 
 _CODE = next(c for c in ("I", "L") if array(c).itemsize == 4)
 
 _Best = tuple[int, bytes]  # (size in bytes, key): tuple order is the tie-break order
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    i = 0
-    # Compare in blocks first: slices compare in C, far faster than a Python loop.
-    block = 256
-    while i + block <= n and a[i : i + block] == b[i : i + block]:
-        i += block
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def encode_native(tokens: Sequence[int]) -> array[int]:

@@ -13,7 +13,7 @@ Layout, little-endian throughout::
     [..end]   payload  opaque KV bytes
 
 A version-2 file is a *manifest* when its TLV lists chunk lengths and chunk keys: the row's KV
-is those content-addressed chunks (``cache/chunkfmt.py``) in order, their lengths summing to
+is those content-addressed chunks (``cache/formats/chunkfmt.py``) in order, their lengths summing to
 the token count, and its payload is empty. Without them the payload is the whole KV blob. A
 version-3 file is a manifest whose payload is the row's *rest*: the state after the chunked KV
 cache that cannot be cut (an iSWA model's window, a hybrid model's recurrent state; the blob
@@ -31,7 +31,7 @@ Invariants:
 - ``build_prefix`` returns only the bytes before the payload, so a multi-MB payload is never
   concatenated into a bigger buffer; ``parse`` returns the payload as a zero-copy view.
 
-The TLV section of a KVC file (``cache/kvc.py``): its tags, their records and their checks.
+The TLV section of a KVC file (``cache/formats/kvc.py``): its tags, their records and their checks.
 
 A record is ``u8 tag, u32 length, value``. Tags 0x01..0x09 are erllama's; 0x0A.. are kvwarm's.
 Unknown tags are skipped (a newer writer's business); a known tag twice, a record overrunning
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import crc32c as _crc32c
 
 from kvwarm._version import __version__
-from kvwarm.cache.key import encode_tokens, namespace_prefix
+from kvwarm.cache.formats.key import encode_tokens, namespace_prefix
 from kvwarm.cache.types import FingerprintMode, Namespace, SaveReason, SaveRequest, TtlClass
 from kvwarm.errors import CacheFormatError
 

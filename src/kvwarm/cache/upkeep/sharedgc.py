@@ -34,8 +34,8 @@ import math
 import time
 from collections.abc import Callable, Iterable
 
-from kvwarm.cache.core import CacheCore
 from kvwarm.cache.protocols import ChunkAges, Tier
+from kvwarm.cache.store.core import CacheCore
 from kvwarm.cache.types import DEFAULT_GRACE_S, SweepResult, TierName
 from kvwarm.errors import CacheError, ConfigError
 

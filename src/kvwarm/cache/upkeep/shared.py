@@ -6,7 +6,7 @@ process's index has not seen. A collaborator of ``Cache`` (facade.py), handed th
 
 Invariants:
 - Discovery is bounded: a prefix lookup probes at most ``CacheConfig.probe_max`` keys, only
-  the keys of prefix lengths some save can produce (``policy.probe_lengths``), only lengths
+  the keys of prefix lengths some save can produce (``savegates.probe_lengths``), only lengths
   longer than what the index already offers, longest first, ``probe_parallel`` at a time;
   the first wave that finds a row ends it (later waves hold only shorter prefixes). So a
   lookup costs at most ``ceil(probe_max / probe_parallel)`` rounds of concurrent requests.
@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from kvwarm.cache.core import CacheCore
-from kvwarm.cache.key import PrefixKeyer
+from kvwarm.cache.formats.key import PrefixKeyer
 from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
+from kvwarm.cache.store.core import CacheCore
 from kvwarm.cache.types import CacheConfig, Namespace, SaveRequest
 from kvwarm.errors import CacheError
 

@@ -23,9 +23,9 @@ import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from kvwarm.cache.chunkrefs import ChunkRefs
 from kvwarm.cache.eviction.base import EvictionPolicy
-from kvwarm.cache.prefix import PrefixIndex
+from kvwarm.cache.index.chunkrefs import ChunkRefs
+from kvwarm.cache.index.prefix import PrefixIndex
 from kvwarm.cache.protocols import StoredRow
 from kvwarm.cache.types import Namespace, PrefixMatch, RowInfo, TierName, TierSizes
 

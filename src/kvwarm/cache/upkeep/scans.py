@@ -29,11 +29,11 @@ import logging
 import threading
 
 from kvwarm.cache.api import VerifyReport
-from kvwarm.cache.core import CacheCore
-from kvwarm.cache.index import Orphan
+from kvwarm.cache.index.index import Orphan
 from kvwarm.cache.protocols import SetsAside, StoredRow, Tier
-from kvwarm.cache.sharedgc import SharedSweep
+from kvwarm.cache.store.core import CacheCore
 from kvwarm.cache.types import EvictResult
+from kvwarm.cache.upkeep.sharedgc import SharedSweep
 from kvwarm.errors import CacheError, CacheFormatError, CacheKeyError
 
 __all__ = ["CacheUpkeep"]

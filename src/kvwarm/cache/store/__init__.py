@@ -1,0 +1,1 @@
+"""The store: index + tiers (CacheCore), chunk I/O, the bounded writer pool, quotas."""

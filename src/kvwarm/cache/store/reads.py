@@ -1,0 +1,171 @@
+"""Reading a row for ``Cache.open_row``: the lease, its metadata and payload, a manifest's
+chunks (a collaborator of the facade, handed the ``CacheCore``, the scratch buffers, the remote
+I/O pool and the shared tiers' promotion).
+
+Invariants: a row is read only while it is checked out of the index (its bytes cannot be
+retired under the reader), and checked in when the lease ends; every chunk is verified (head,
+key replay, payload CRC32C) before a caller sees it; a missing or corrupt row or chunk drops
+the row that names it (in a shared tier only forgets it: a miss, never a wrong restore);
+reads from local storage land in the thread's reusable buffers (``ScratchBuffers``), whose
+views end with the lease; a remote tier's chunks are fetched concurrently, and a remote row
+read whole is promoted to a local tier. See docs/architecture.md ("Chunks").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from dataclasses import replace
+
+from kvwarm.cache.api import LoadedRow
+from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
+from kvwarm.cache.store.chunking import load_chunks
+from kvwarm.cache.store.core import CacheCore, ScratchBuffers
+from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError
+from kvwarm.tokens import tail_of
+
+__all__ = ["Promote", "RowReads"]
+
+#: Copies a remote row read whole into a local tier (``upkeep.shared.SharedTiers.promote``).
+Promote = Callable[[Tier, StoredRow, RowBytes, tuple[memoryview, ...]], None]
+
+log = logging.getLogger(__name__)
+
+
+class RowReads:
+    """Row reads of one cache: the thread's scratch buffer and chunk arena (``scratch``) for
+    local tiers, the cache's remote I/O pool (``pool``, None without remote tiers) for
+    concurrent GETs, and ``promote`` for a remote row once it is read whole."""
+
+    def __init__(
+        self,
+        core: CacheCore,
+        scratch: ScratchBuffers,
+        pool: ThreadPoolExecutor | None,
+        promote: Promote,
+    ) -> None:
+        self._core = core
+        self._scratch = scratch
+        self._pool = pool
+        self._promote = promote
+
+    @contextmanager
+    def open_row(
+        self, key: bytes, *, chunks: bool = True, payload: bool = True, from_token: int = 0
+    ) -> Iterator[LoadedRow]:
+        """``CacheApi.open_row``: the row of ``key`` leased (checked out) while the context
+        is open; ``CacheKeyError`` when there is none."""
+        index = self._core.index
+        chunks = chunks and payload  # the metadata alone names chunks but reads none
+        leased = index.lease(key)
+        if leased is None and self._core.probe(key) is not None:
+            leased = index.lease(key)
+        if leased is None:
+            raise CacheKeyError(f"no cache row {key.hex()}")
+        stored, gen = leased
+        whole = stored
+        skip, chunks_from = tail_of(stored.chunk_lens, from_token) if chunks else (0, 0)
+        if skip:
+            stored = replace(
+                stored, chunks=stored.chunks[skip:], chunk_lens=stored.chunk_lens[skip:]
+            )
+        tier = self._core.tiers[stored.info.tier]
+        local = tier.capabilities.local
+        # A remote row's buffer may outlive this lease (promotion): never the thread's scratch.
+        scratch = self._scratch.take() if local else None
+        data: RowBytes | None = None
+        parts: tuple[memoryview, ...] = ()
+        # Chunks read from local storage land in the thread's arena; ram holds them already.
+        persistent = tier.capabilities.persistent
+        arena = None
+        try:
+            data = self._load(tier, stored, scratch, payload=payload)
+            if skip and data.payload.nbytes:
+                # A manifest's payload (an iSWA window, a recurrent state) belongs to the
+                # whole row: it is read whole.
+                stored, chunks_from = whole, 0
+            if chunks and local and persistent:
+                arena = self.chunk_arena(stored)
+            if chunks:
+                parts = self.load_parts(tier, stored, arena)
+            yield LoadedRow(stored.info, data.tokens, data.payload, data.logits, parts, chunks_from)
+        finally:
+            index.checkin(key, gen)
+            if local:
+                self._scratch.reclaim(scratch, data)
+                self._scratch.reclaim_arena(arena, parts)
+            elif data is not None:
+                # Neither metadata alone nor a tail of the chunks is a row to promote.
+                if payload and stored is whole:
+                    self._promote(tier, stored, data, parts)
+                _release(data)
+
+    def _load(
+        self,
+        tier: Tier,
+        stored: StoredRow,
+        scratch: bytearray | None = None,
+        *,
+        payload: bool = True,
+    ) -> RowBytes:
+        key = stored.info.key
+        t0 = time.perf_counter()
+        try:
+            data = tier.load(stored, scratch) if payload else tier.load_meta(stored)
+            if data.tokens != stored.tokens:
+                raise CacheFormatError(f"row {key.hex()} holds other tokens than indexed")
+        except (CacheFormatError, CacheKeyError) as exc:
+            # Corrupt, or removed behind our back (another process): never restore it again;
+            # in a shared tier only forgotten, its bytes left to the others (core.py).
+            self._core.drop_unreadable(tier, key, exc)
+            raise
+        except CacheIOError:
+            self._core.counters.incr("store_errors")  # unreachable, not wrong: the row stays
+            raise
+        self._core.counters.record_latency("load", time.perf_counter() - t0)
+        return data
+
+    def chunk_arena(self, stored: StoredRow) -> bytearray | None:
+        """The thread's chunk buffer, large enough for every chunk of ``stored`` whose
+        stored size the index knows (a fresh 45 MB buffer costs more to fault in than to
+        fill), or None."""
+        if not stored.chunks:
+            return None
+        sizes = self._core.index.chunk_sizes(stored.info.tier, stored.chunks)
+        known = [n for n in sizes if n is not None]
+        return self._scratch.take_arena(sum(known)) if len(known) == len(sizes) else None
+
+    def load_parts(
+        self, tier: Tier, stored: StoredRow, arena: bytearray | None
+    ) -> tuple[memoryview, ...]:
+        """A manifest's chunks, verified, in order; () for a whole-blob row."""
+        if not stored.chunks:
+            return ()
+        key = stored.info.key
+        try:
+            pool = self._pool
+            if not tier.capabilities.local and pool is not None and len(stored.chunks) > 1:
+                # A remote store answers several GETs at once: one round trip, not one each.
+                chunks = list(pool.map(tier.load_chunk, stored.chunks))
+            else:
+                sizes = self._core.index.chunk_sizes(tier.name, stored.chunks) if arena else []
+                chunks = load_chunks(tier, stored.chunks, arena, sizes)
+        except (CacheFormatError, CacheKeyError) as exc:
+            # A chunk is corrupt or gone: the row cannot be restored. Drop the row (in a
+            # shared tier only forget it: ``CacheCore.drop_unreadable``).
+            self._core.drop_unreadable(tier, key, exc)
+            raise
+        except CacheIOError:
+            self._core.counters.incr("store_errors")
+            raise
+        return tuple(chunks)
+
+
+def _release(data: RowBytes) -> None:
+    """End a remote row's lease: the caller's view goes (a promotion holds its own)."""
+    # Still exported by the caller: harmless, the bytes are immutable and never reused.
+    with suppress(BufferError):
+        data.payload.release()

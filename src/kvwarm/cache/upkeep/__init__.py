@@ -1,0 +1,2 @@
+"""Upkeep: startup scans and sweeps, shared tiers (discovery, promotion, their GC),
+memory pressure."""

@@ -1,0 +1,135 @@
+"""The routing seam: what a routing policy is told, what it answers, and the policies by name.
+
+Invariants every policy keeps (the router relies on them, see docs/architecture.md):
+
+- A policy is pure over its inputs: a request's facts (``RouteRequest``) and one view per live
+  replica (``ReplicaView``) in, a ranking (``Decision``) out. It reads no clock and does no
+  I/O, so every rule is a unit test; the router (``cluster/router.py``) gathers the inputs
+  from Ray and its own ``AffinityTable``.
+- Every replica it is shown appears in exactly one group of its answer (none is dropped: a
+  busy or slow replica is ranked last, so a request always has somewhere to go); it answers
+  ``Decision([], 0)`` only when shown no replica. Dead replicas are not shown (Ray removes
+  them).
+- A policy is built once per router (``build_policy``) and may keep state of its own between
+  calls (an index fed by what replicas report); the router calls it from one task at a time.
+
+Policies are registered by name (``register_policy``), like eviction policies and tiers; the
+``cluster_routing`` setting picks one (``RoutingConfig.policy``). The built-in is ``prefix``
+(``prefix.py``): the replica holding the longest prefix of the request's chain warm. A new
+policy is one module here plus one ``register_policy`` call at the end of this file, where
+every process that routes (Ray runs the router in its own) registers it on import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvwarm.plugins import Plugins
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "Decision",
+    "PolicyFactory",
+    "ReplicaView",
+    "RouteRequest",
+    "RoutingConfig",
+    "RoutingPolicy",
+    "build_policy",
+    "check_policy",
+    "register_policy",
+    "registered_policies",
+    "unregister_policy",
+]
+
+DEFAULT_POLICY = "prefix"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """How the router is configured (``deploy.routing_config`` fills it from the settings;
+    it crosses to Ray's router as keyword arguments, so its fields are plain values)."""
+
+    policy: str = DEFAULT_POLICY  # a registered policy's name
+    busy_requests: int = 2  # in flight (queued + running) at or above which a replica is busy
+    slow_factor: float = 3.0  # slow: ttft over slow_factor x the median of the candidates ...
+    slow_floor_ms: float = 2000.0  # ... and over this many milliseconds
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a policy knows of the request it places (the ingress computed it; the router
+    reads it off the typed call, ``cluster/calls.py``)."""
+
+    chain: tuple[str, ...] = ()  # chained hashes of its prompt (``chains``); (): no prompt
+    model_id: str | None = None  # the model it names (None: not a typed call)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """What the router knows of one live replica when it routes."""
+
+    id: str
+    in_flight: int = 0
+    warm: AbstractSet[str] = field(default_factory=frozenset)  # reported by the replica
+    routed: AbstractSet[str] = field(default_factory=frozenset)  # sent there by this router
+    ttft_ms: float | None = None  # recent time to first token, None if not reported yet
+    held: int = 0  # chain hashes it holds (reported and routed): how many conversations
+    # Everything the replica last reported (``EngineReplica.record_routing_stats``): a policy
+    # that needs a fact of its own reads it here, with no change to the router.
+    reported: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    groups: list[list[str]]  # ranked: try the first group, then the next ...
+    matched: int  # chain units the first choice holds warm (0: a new conversation)
+
+
+class RoutingPolicy(Protocol):
+    """Ranks the live replicas for one request. See the module invariants."""
+
+    def rank(self, request: RouteRequest, views: Sequence[ReplicaView]) -> Decision:
+        """Replicas for ``request``, best first, one or more to a group (Ray tries each group
+        in turn and moves on when a replica refuses or does not answer)."""
+        ...
+
+
+PolicyFactory = Callable[[RoutingConfig], RoutingPolicy]
+
+_policies: Plugins[PolicyFactory] = Plugins("routing policy")
+
+
+def register_policy(name: str, factory: PolicyFactory) -> None:
+    """Make ``name`` selectable through ``RoutingConfig.policy`` (the ``cluster_routing``
+    setting). Registering a name twice replaces the earlier factory."""
+    _policies.register(name, factory)
+
+
+def unregister_policy(name: str) -> None:
+    _policies.unregister(name)
+
+
+def registered_policies() -> tuple[str, ...]:
+    return _policies.names()
+
+
+def check_policy(name: str) -> None:
+    """``ConfigError`` naming the registered policies unless ``name`` is one of them."""
+    _policies.get(name)
+
+
+def build_policy(config: RoutingConfig) -> RoutingPolicy:
+    """A fresh policy, ``config.policy``, configured by ``config`` (one per router)."""
+    return _policies.get(config.policy)(config)
+
+
+def _prefix(config: RoutingConfig) -> RoutingPolicy:
+    from kvwarm.cluster.routing.prefix import PrefixPolicy
+
+    return PrefixPolicy(config)
+
+
+register_policy("prefix", _prefix)
