@@ -122,6 +122,33 @@ def test_refusals_are_400s(client: TestClient) -> None:
     assert rerank(documents=DOCS).status_code == 200
 
 
+def test_documents_are_counted_before_validation_against_each_models_limit() -> None:
+    """More documents than any model may take is a 400 before the body is validated; a
+    ``[[models]]`` table's larger limit is its model's own (the global one bounds the rest)."""
+    settings = stub_settings(
+        models=(
+            ModelSpec(path="stub-reranker.gguf", id="small"),
+            ModelSpec(
+                path="stub-reranker.gguf", id="large", options=(("rerank_max_documents", 20),)
+            ),
+        ),
+        rerank_max_documents=8,
+    )
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+
+        def rerank(model: str, n: int) -> object:
+            docs = [f"doc {i}" for i in range(n)]
+            body = {"model": model, "query": QUERY, "documents": docs, "keep_alive": "5m"}
+            return client.post("/v1/rerank", json=body)
+
+        assert rerank("large", 12).status_code == 200
+        assert_error(rerank("small", 12), 400, "invalid_value", "documents")
+        refused = rerank("large", 21)
+        assert_error(refused, 400, "invalid_value", "documents")
+        assert "rerank_max_documents" in refused.json()["error"]["message"]
+
+
 def test_a_reranker_is_not_prewarmed_with_system_prompts(caplog: pytest.LogCaptureFixture) -> None:
     """``--prewarm-system`` warms the models that chat; a reranker never does (no warning)."""
     settings = stub_settings(

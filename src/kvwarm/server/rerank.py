@@ -18,11 +18,24 @@ from starlette.responses import JSONResponse, Response
 
 from kvwarm.engine.types import Reranking
 from kvwarm.server import tenancy
+from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import request_log
-from kvwarm.server.schemas import RerankRequest, json_body, parse_body, read_json
+from kvwarm.server.schemas import RerankRequest, check_count, json_body, parse_body, read_json
 from kvwarm.server.state import server_state
+from kvwarm.settings import Settings
 
 router = APIRouter()
+
+
+def most_documents(settings: Settings) -> int:
+    """The largest ``rerank_max_documents`` of any configured model (the global value, or a
+    ``[[models]]`` table's)."""
+    values = [settings.rerank_max_documents]
+    for spec in settings.models:
+        value = dict(spec.options).get("rerank_max_documents")
+        if isinstance(value, int):
+            values.append(value)
+    return max(values)
 
 
 @router.post("/v1/rerank", openapi_extra=json_body(RerankRequest) | tenancy.openapi_header())
@@ -31,8 +44,20 @@ router = APIRouter()
 async def rerank(request: Request) -> Response:
     """The documents by relevance to the query, best first."""
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings), RerankRequest)
-    model = await state.acquire(req.model)
+    body = await read_json(request, state.settings)
+    # Counted before validation builds an object per document; each model checks its own
+    # limit again (rerank_max_documents may be set per model: the largest bounds this one).
+    check_count(body, "documents", most_documents(state.settings), "rerank_max_documents")
+    req = parse_body(body, RerankRequest)
+    if req.model is not None and state.lora.base_of(req.model) is not None:
+        raise HTTPError(
+            400,
+            f"{req.model!r} is a LoRA adapter: adapters apply to generation; rerank with a "
+            "reranker",
+            param="model",
+            code="unsupported_by_model",
+        )
+    model, _ = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
     texts = [d if isinstance(d, str) else d.text for d in req.documents]
     salt = tenancy.cache_salt(request, req.cache_salt, state.settings)
 

@@ -217,6 +217,7 @@ class RerankRequest(_Body):
     ``return_documents``; v2: ``max_tokens_per_doc``), as llama-server's ``/v1/rerank``."""
 
     model: str | None = None
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
     query: str
     documents: list[str | RerankDocument]
     top_n: int | None = Field(default=None, ge=1, description="return the best n (default: all)")
