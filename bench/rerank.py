@@ -23,9 +23,10 @@ What each server can do with that: llama-server treats every document as a fresh
 query and copies them to each document's sequence, and finds them again for the second
 request. An encoder's pair shares nothing, so there both prefill everything.
 
-Prints per request: each server's seconds, kvwarm's cached tokens, the largest score
-difference and whether the orders agree; then the totals and kvwarm's time as a fraction of
-llama-server's. By default both batch as they would be run: kvwarm's defaults, llama-server
+Prints per request: each server's seconds, kvwarm's time and CPU time (its process's, all
+threads: less at the mercy of a shared machine's other load than the wall clock) as fractions
+of llama-server's, kvwarm's cached tokens, the largest score difference and whether the orders
+agree; then the totals. By default both batch as they would be run: kvwarm's defaults, llama-server
 with ``--slots`` slots and ``-fa off`` (kvwarm's attention on the CPU). A score then moves in
 its last bits with what shares its forward pass, on both servers (``engine/rerank.py``,
 "Numerics"). ``--exact`` runs kvwarm deterministic (each document's passes alone, in its own
@@ -38,6 +39,7 @@ each other.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shlex
 import subprocess
@@ -202,6 +204,7 @@ class Server:
     exact_batch: int = 64
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    last_cpu: float = 0.0
 
     def command(self) -> list[str]:
         batch = str(self.exact_batch if self.exact else 512)
@@ -237,14 +240,23 @@ class Server:
                 self.proc.wait()
             self.proc = None
 
+    def cpu(self) -> float:
+        """CPU seconds the server process has used (all its threads): on a shared machine,
+        less at the mercy of its neighbours than the wall clock."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def rerank(self, query: str, docs: list[str]) -> tuple[float, dict[int, float], int]:
-        """(seconds, score by document, cached tokens) of one rerank."""
-        t0 = time.perf_counter()
+        """(seconds, score by document, cached tokens) of one rerank; its CPU seconds in
+        ``last_cpu``."""
+        t0, c0 = time.perf_counter(), self.cpu()
         out = post(
             f"http://127.0.0.1:{self.port}/v1/rerank",
             {"model": "m", "query": query, "documents": docs},
         )
         seconds = time.perf_counter() - t0
+        self.last_cpu = self.cpu() - c0
         results = out["results"]
         assert isinstance(results, list)
         usage = out.get("usage") or {}
@@ -291,22 +303,28 @@ def run(kind: str, args: argparse.Namespace) -> tuple[float, float]:
             before = prefix_tokens(servers[0].port, QUERIES[0])
             print(f"   kvwarm's prompt before the document: {before} tokens")
             totals = {s.name: 0.0 for s in servers}
-            print(f"   {'request':<16}{'kvwarm s':>10}{'llama s':>10}{'ratio':>8}{'cached':>9}"
-                  f"{'max |d|':>10}  order")  # fmt: skip
+            cpu = {s.name: 0.0 for s in servers}
+            print(f"   {'request':<16}{'kvwarm s':>10}{'llama s':>10}{'ratio':>8}{'cpu ratio':>10}"
+                  f"{'cached':>9}{'max |d|':>10}  order")  # fmt: skip
             for i, (label, query, docs) in enumerate(load):
                 order = servers if i % 2 == 0 else servers[::-1]
                 got = {s.name: s.rerank(query, docs) for s in order}
                 (kt, ks, cached), (lt, ls, _) = got["kvwarm"], got["llama-server"]
                 totals["kvwarm"] += kt
                 totals["llama-server"] += lt
+                kc, lc = servers[0].last_cpu, servers[1].last_cpu
+                cpu["kvwarm"] += kc
+                cpu["llama-server"] += lc
                 worst = max(abs(ks[j] - ls[j]) for j in range(len(docs)))
                 same = sorted(ks, key=lambda j: (-ks[j], j)) == sorted(
                     ls, key=lambda j: (-ls[j], j)
                 )
-                print(f"   {label:<16}{kt:>10.2f}{lt:>10.2f}{kt / lt:>8.2f}{cached:>9}"
-                      f"{worst:>10.1e}  {'same' if same else 'DIFFERENT'}")  # fmt: skip
+                print(f"   {label:<16}{kt:>10.2f}{lt:>10.2f}{kt / lt:>8.2f}{kc / lc:>10.2f}"
+                      f"{cached:>9}{worst:>10.1e}  {'same' if same else 'DIFFERENT'}")  # fmt: skip
             k, ll = totals["kvwarm"], totals["llama-server"]
-            print(f"   {'total':<16}{k:>10.2f}{ll:>10.2f}{k / ll:>8.2f}")
+            kc, lc = cpu["kvwarm"], cpu["llama-server"]
+            print(f"   {'total':<16}{k:>10.2f}{ll:>10.2f}{k / ll:>8.2f}{kc / lc:>10.2f}"
+                  f"   (CPU s: kvwarm {kc:.1f}, llama-server {lc:.1f})")  # fmt: skip
             return k, ll
         finally:
             for server in servers:
