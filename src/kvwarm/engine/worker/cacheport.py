@@ -374,18 +374,18 @@ class CachePort:
         saves nothing: its shared prefix was prefilled (and saved) by a request of its own,
         and a row of one document serves no other.
 
-        The cold save's boundary (trimmed, aligned: the row stays canonical), and for a model whose
-        state cannot be trimmed (``kvwarm.memory``) each of ``resume_points`` (where another row's
-        tokens diverge from this prompt: the next prompt that shares that much resumes there, which
-        a longer row's untrimmable state cannot offer) and, but for a prewarm (whose finish save is
-        at its end), the prompt's end. Such a checkpoint is made only ``checkpoint_gap_tokens`` or
-        more past the saved state below it (``saved``: the longest prefix of the prompt a row holds
-        at or below ``keep``, 0 for none; or the checkpoint before it): a prompt resuming from that
-        state instead prefills fewer tokens than the checkpoint costs to pack and write. A follow-up
-        chat turn that restored its previous turn's row thus saves only its reply. The end is
-        measured from ``saved`` and the cold save alone: its logits serve the same prompt again with
-        no decode at all, which a checkpoint a few tokens before it (a chat template's generation
-        prompt) cannot."""
+        The cold save's boundary (trimmed, aligned: the row stays canonical), and for a model
+        whose state cannot be trimmed (``kvwarm.memory``) each of ``resume_points`` (where
+        another row's tokens diverge from this prompt: the next prompt that shares that much
+        resumes there, which a longer row's untrimmable state cannot offer) and, but for a
+        prewarm, the prompt's end. Such a checkpoint is made only ``checkpoint_gap_tokens``
+        or more past the saved state below it (``saved``: the longest prefix of the prompt a
+        row holds at or below ``keep``, 0 for none; or the checkpoint before it): a prompt
+        resuming from that state instead prefills fewer tokens than the checkpoint costs to
+        pack and write. A follow-up chat turn that restored its previous turn's row thus
+        saves only its reply. The end is measured from ``saved`` and the cold save alone:
+        its logits serve the same prompt again with no decode at all, which a checkpoint a
+        few tokens before it (a chat template's generation prompt) cannot."""
         if kind == "score":
             return []
         end = kind != "prewarm"
