@@ -300,8 +300,9 @@ def run(kind: str, args: argparse.Namespace) -> tuple[float, float]:
             for server in servers:
                 print(f"   {server.name}: {shlex.join(server.command())}")
                 server.rerank("warm-up", ["a short document"])  # graphs, buffers
-            before = prefix_tokens(servers[0].port, QUERIES[0])
-            print(f"   kvwarm's prompt before the document: {before} tokens")
+            if kind == "decoder":
+                before = prefix_tokens(servers[0].port, QUERIES[0])
+                print(f"   kvwarm's prompt before the document: {before} tokens")
             totals = {s.name: 0.0 for s in servers}
             cpu = {s.name: 0.0 for s in servers}
             print(f"   {'request':<16}{'kvwarm s':>10}{'llama s':>10}{'ratio':>8}{'cpu ratio':>10}"
