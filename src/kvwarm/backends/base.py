@@ -429,11 +429,14 @@ class BackendModel(Protocol):
         """Render messages with the GGUF's own (Jinja) chat template, or ``template``."""
         ...
 
-    def context_params(self, params: ContextParams, *, deterministic: bool) -> ContextParams:
+    def context_params(
+        self, params: ContextParams, *, deterministic: bool, speculative: bool = False
+    ) -> ContextParams:
         """``params`` as this model's contexts run them, in a model that is or is not
-        ``deterministic`` (``flash_attn="auto"`` resolved where the backend chooses). The
-        engine creates its contexts and hashes its cache keys from these, so a key names what
-        ran."""
+        ``deterministic`` and does or does not ``speculative``-ly decode by default
+        (``flash_attn="auto"`` resolved where the backend chooses: both need attention whose
+        numerics do not depend on the batch). The engine creates its contexts and hashes its
+        cache keys from these, so a key names what ran."""
         ...
 
     def new_context(self, params: ContextParams) -> BackendContext: ...

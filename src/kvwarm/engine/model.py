@@ -30,6 +30,7 @@ from kvwarm.engine.describe import (
     ModelState,
     model_info,
     model_status,
+    speculation,
     warn_if_past_training,
 )
 from kvwarm.engine.embeddings import Embedder
@@ -102,7 +103,9 @@ class Model:
         self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint, phases.hashing())
         params = replace(cfg.model_params, progress=phases.weights())
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
-        ran = self._bmodel.context_params(cfg.context, deterministic=cfg.deterministic)
+        ran = self._bmodel.context_params(
+            cfg.context, deterministic=cfg.deterministic, speculative=cfg.spec_type != "none"
+        )
         facts = self._bmodel.facts
         #: How it pools: the setting's, else the GGUF's, else the context's (mean).
         self.pooling: PoolingType = cfg.pooling or facts.pooling or ran.pooling
@@ -198,6 +201,10 @@ class Model:
                 max_queue=cfg.max_queue,
                 strategy=strategy(cfg.batch_strategy),
                 whole=self.pooling == "rank" and not facts.causal,
+                spec_type=cfg.spec_type,
+                spec_ngram_n=cfg.spec_ngram_n,
+                spec_draft_max=cfg.spec_draft_max,
+                speculates=not speculation(cfg, self._ctx.memory).startswith("off"),
             ),
             self.namespace,
             self._resolve_lora,

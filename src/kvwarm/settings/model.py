@@ -39,6 +39,7 @@ from kvwarm.settings.types import (
     OptPooling,
     OptRopeScaling,
     OptStr,
+    SpecTypeName,
     SplitModeName,
     TensorSplit,
 )
@@ -166,6 +167,22 @@ class ModelSettings(BaseSettings):
         default=False,
         description="cut a rerank document whose prompt does not fit n_ctx to fit (default: "
         "refuse the rerank with a 400)",
+    )
+    spec_type: SpecTypeName = Field(
+        default="none",
+        description="speculative decoding from n-grams of each request's own prompt and reply: "
+        "none, ngram-simple or ngram-map-k (llama-server's names); exact, off in "
+        "deterministic mode; a request may choose its own (spec_type)",
+    )
+    spec_ngram_n: Int = Field(
+        default=4,
+        description="speculative decoding: how many tokens an n-gram lookup matches",
+    )
+    spec_draft_max: Int = Field(
+        default=32,
+        description="speculative decoding: the most tokens one draft holds (at most 48; "
+        "each draft is sized to the acceptance seen and what a pass costs)",
+        json_schema_extra=_flags("--spec-draft-n-max"),
     )
     # Ollama's and LM Studio's users pin the model they work with: it stays loaded.
     pinned: Bool = Field(
@@ -391,6 +408,9 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
         pooling=_value(settings, spec, "pooling"),
         rerank_max_documents=_value(settings, spec, "rerank_max_documents"),
         rerank_truncate=_value(settings, spec, "rerank_truncate"),
+        spec_type=_value(settings, spec, "spec_type"),
+        spec_ngram_n=_value(settings, spec, "spec_ngram_n"),
+        spec_draft_max=_value(settings, spec, "spec_draft_max"),
         # Loaded off (scale 0): the model serves itself; a request names an adapter to use it.
         lora=tuple(
             LoraSpec(str(Path(path).expanduser()), name)

@@ -34,6 +34,7 @@ from kvwarm.backends.base import (
 )
 from kvwarm.cache.types import PolicyConfig, TierName
 from kvwarm.embedded import model_id_for
+from kvwarm.engine.types import SPEC_TYPES, SpecType
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -371,6 +372,7 @@ FlashAttnMode = Annotated[
         )
     ),
 ]
+SpecTypeName = Annotated[SpecType, BeforeValidator(choice(SPEC_TYPES))]
 OptRopeScaling = Annotated[RopeScaling | None, BeforeValidator(opt_choice(ROPE_SCALINGS))]
 OptPooling = Annotated[PoolingType | None, BeforeValidator(opt_choice(POOLING_TYPES))]
 TensorSplit = Annotated[tuple[float, ...], BeforeValidator(as_tensor_split), NoDecode]

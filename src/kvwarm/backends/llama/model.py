@@ -339,12 +339,18 @@ class LlamaModel:
 
     # -- children -----------------------------------------------------------------------------
 
-    def context_params(self, params: ContextParams, *, deterministic: bool) -> ContextParams:
+    def context_params(
+        self, params: ContextParams, *, deterministic: bool, speculative: bool = False
+    ) -> ContextParams:
         """``params`` as this model's contexts run them. ``flash_attn="auto"`` becomes ``off``
         where attention runs on the CPU (no layer offloaded, or a build without a GPU), V is
-        not quantised (a quantised V needs it) and the model is not deterministic (without
+        not quantised (a quantised V needs it) and the model is neither deterministic (without
         flash attention a restored sequence's logits differ from a cold run's in the last
-        bits, see ``ModelConfig.validate``); elsewhere llama.cpp decides per device.
+        bits, see ``ModelConfig.validate``) nor speculative (without it a verify pass's rows
+        differ from one-token passes' by up to 0.7 in a logit on SmolLM2, so a greedy reply
+        changed; with it, a pass of up to 63 tokens gives each row exactly a one-token
+        pass's logits: measured, ``docs/internals.md``, "Speculative decoding"); elsewhere
+        llama.cpp decides per device.
 
         llama.cpp's own ``auto`` turns flash attention on whenever the device supports it,
         and its CPU kernel is the slower one for what a cache serves: decoding and short
@@ -353,7 +359,9 @@ class LlamaModel:
         less time, 20-40-token prefills 18-63% less, a cold prefill 3-33% more (the real
         models 5-10%). Explicit ``on``/``off`` are kept as given.
         """
-        if params.flash_attn != "auto" or params.type_v in QUANTIZED_KV_TYPES or deterministic:
+        if params.flash_attn != "auto" or params.type_v in QUANTIZED_KV_TYPES:
+            return params
+        if deterministic or speculative:
             return params
         if self._params.n_gpu_layers != 0 and bool(self._lib.llama_supports_gpu_offload()):
             return params

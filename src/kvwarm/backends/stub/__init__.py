@@ -2,7 +2,8 @@
 
 Model: byte-level. Token ``b + 3`` is the byte ``b``; 0 is ``<unk>``, 1 is BOS ``<s>``, 2 is
 EOS ``</s>``; fill-in-the-middle tokens follow the bytes, and a model whose path names ``fim``
-reports them (``ModelFacts.fim``), like a GGUF of a code model. Each KV cell of a sequence
+reports them (``ModelFacts.fim``), like a GGUF of a code model; one whose path names ``copy``
+copies from its context (``StubBackend.copy_bias``). Each KV cell of a sequence
 holds ``(pos, token, h)`` where ``h`` chains the previous cell's ``h`` with ``(token, pos)`` —
 so a cell depends on the whole prefix, exactly as real KV does, and a restore + prefill is
 "bit-identical" to cold iff the prefix matches. Logits are a pure function of the last cell's
@@ -79,6 +80,9 @@ STUB_CHAT_TEMPLATE = (
 )
 
 
+#: ``copy_bias`` of a stub model whose path names ``copy``: greedy output then copies.
+COPY_BIAS = 8.0
+
 # What a stub model reports as its weights (``ModelFacts.size_bytes``): a notional figure, so
 # the memory budget's arithmetic (``server/budget.py``) has something to add up.
 STUB_WEIGHTS_BYTES = 64 << 20
@@ -101,6 +105,10 @@ class StubBackend:
     two labels, ``STUB_RERANK_TEMPLATE``); one naming ``cross-encoder`` an encoder (pooling
     ``rank``, not causal, one raw score, ``[BOS] query [EOS] document [EOS]``), whose
     contexts keep nothing after a decode, as a BERT's has no KV cache.
+    ``copy_bias`` > 0 makes it copy, as real models do from their context (an "induction"
+    head): the token that followed the latest earlier occurrence of the current token gets
+    that much added to its logit, so greedy output repeats what the prompt holds (speculative
+    decoding's tests need drafts that are accepted, and some that are not).
     """
 
     def __init__(
@@ -113,6 +121,7 @@ class StubBackend:
         memory_kind: MemoryKindName = "full",
         n_swa: int = 0,
         weights_bytes: int = STUB_WEIGHTS_BYTES,
+        copy_bias: float = 0.0,
     ) -> None:
         if cell_bytes < CELL.size or cell_bytes > 0xFFFF:
             raise ValueError(f"cell_bytes must be in [{CELL.size}, 65535]")
@@ -125,6 +134,7 @@ class StubBackend:
         self.cell_bytes = cell_bytes
         self.n_ctx_train = n_ctx_train
         self.weights_bytes = weights_bytes  # notional: what its models report as weights
+        self.copy_bias = copy_bias
 
     @property
     def name(self) -> str:
@@ -154,6 +164,8 @@ class StubModel:
         name = Path(path).name
         reranker = "reranker" in name
         encoder = "cross-encoder" in name
+        #: What its contexts add to the logit of the token its context suggests (``copy``).
+        self.copy_bias = backend.copy_bias or (COPY_BIAS if "copy" in Path(path).name else 0.0)
         self._facts = ModelFacts(
             path=path,
             n_vocab=N_VOCAB,
@@ -268,7 +280,9 @@ class StubModel:
                 tools=tools,
             )
 
-    def context_params(self, params: ContextParams, *, deterministic: bool) -> ContextParams:
+    def context_params(
+        self, params: ContextParams, *, deterministic: bool, speculative: bool = False
+    ) -> ContextParams:
         return params  # no attention kernels to choose between
 
     def new_context(self, params: ContextParams) -> StubContext:

@@ -125,6 +125,8 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
             if item.logits:
                 self._rows.append(row)
                 self._row_logits[row] = self._fake_logits(item.token, h)
+                if self._model.copy_bias:
+                    self._copy(self._row_logits[row], cells, item.pos)
             if self._params.embeddings:
                 self._pooled_h[item.seq] = h  # a sequence's last position in the call
         for seq in {item.seq for item in batch}:
@@ -339,6 +341,23 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
         if token == OFFSET + ord("!"):
             logits[EOS] = 20.0
         return logits
+
+    def _copy(self, logits: npt.NDArray[np.float32], cells: dict[int, _Cell], pos: int) -> None:
+        """``copy_bias``: favour what followed the latest earlier occurrence of the two tokens
+        ending at ``pos`` (a function of the prefix, as the rest of the logits are), within
+        what the memory attends to (a sliding window's last ``n_swa`` positions: what a live
+        state and a restored one both hold)."""
+        prev = cells.get(pos - 1)
+        key = (prev.token if prev is not None else -1, cells[pos].token)
+        mem = self._memory
+        low = 0 if mem.trimmable else max(0, pos - mem.n_swa + 1) if mem.kind == "swa" else pos
+        for p in range(pos - 1, low, -1):
+            here, before, after = cells.get(p), cells.get(p - 1), cells.get(p + 1)
+            if here is None or before is None or after is None:
+                continue
+            if (before.token, here.token) == key:
+                logits[after.token] += self._model.copy_bias
+                return
 
     def _free(self) -> None:
         self._invalidate_logits()

@@ -52,6 +52,8 @@ class Outcomes:
             key=key,
             stop_sequence=act.assembler.matched,
             reuse=act.reuse,
+            drafted_tokens=act.drafted,
+            accepted_tokens=act.accepted,
         )
         self.rt.stats.account(stats)
         completion = Completion(
@@ -74,6 +76,9 @@ class Outcomes:
         self.port.finished(slot, held, logits)
         if self.rt.cfg.whole:
             self.rt.reset_seq(slot)  # an encoder's KV serves no other prompt
+        if held and self.rt.row_drafts is not None:
+            # The reply is in a row now: later requests of its namespace may draft from it.
+            self.rt.row_drafts.saved(act.namespace, slot.kv_tokens)
         slot.active = None
         slot.phase = "idle"
         slot.last_used = time.monotonic()

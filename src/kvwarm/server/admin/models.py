@@ -83,6 +83,9 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             # user can tell why a sliding-window or recurrent model reuses only checkpoints.
             "memory": {"kind": info.memory, "n_swa": info.n_swa, "swa_full": info.swa_full},
             "pooling": info.pooling,
+            # Speculative decoding: the requests' default draft source, and whether (or where)
+            # this model can speculate at all ("on", "on while ...", "off: why").
+            "speculative": {"type": info.spec_type, "available": info.speculation},
         }
     elif entry.error:
         item["error"] = entry.error
