@@ -29,6 +29,7 @@ from kvwarm.cache.explain import ReuseReport
 from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, TtlClass
 from kvwarm.engine.request import RequestKind
+from kvwarm.engine.worker.drafts import RowDrafts
 from kvwarm.engine.worker.explain import Found, explain, same_tenant
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.savegates import (
@@ -85,6 +86,11 @@ class CachePort:
     ) -> AbstractContextManager[LoadedRow]:
         """Row ``key``, leased while the context is open (``CacheApi.open_row``)."""
         return self.rt.cache.open_row(key, chunks=chunks, payload=payload, from_token=from_token)
+
+    def row_drafts(self, ngram_n: int) -> RowDrafts:
+        """An n-gram index over the token sequences of this cache's rows, for speculative
+        decoding's drafts from the cache (``drafts.py``)."""
+        return RowDrafts(self.rt.cache, ngram_n)
 
     def missed(self) -> None:
         """A request found nothing to reuse."""

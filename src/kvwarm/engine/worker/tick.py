@@ -24,7 +24,7 @@ from kvwarm.backends.base import AdapterSet, BatchToken
 from kvwarm.engine.types import SpecType
 from kvwarm.engine.worker.batching import Chunk, PrefillWant, isolate
 from kvwarm.engine.worker.cacheport import CachePort
-from kvwarm.engine.worker.drafts import Drafter, RowDrafts
+from kvwarm.engine.worker.drafts import Drafter
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
 from kvwarm.engine.worker.runtime import Runtime
@@ -140,7 +140,7 @@ class Tick:
             return None
         rows = self.rt.row_drafts
         if rows is None:
-            rows = self.rt.row_drafts = RowDrafts(self.rt.cache, cfg.spec_ngram_n)
+            rows = self.rt.row_drafts = self.port.row_drafts(cfg.spec_ngram_n)
         ns = act.namespace  # the salted one: drafts come from this tenant's rows only
         rows.refresh(ns)
         return Drafter(
