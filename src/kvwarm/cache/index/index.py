@@ -394,6 +394,11 @@ class Index:
             self._rows.chunks.deleted(chunk.tier, chunk.key)
             self._chunk_gone.notify_all()
 
+    def memory_sizes(self) -> dict[str, TierSizes]:
+        """What the rows of each memory kind store and restore (``RowTable.memory_sizes``)."""
+        with self._lock:
+            return self._rows.memory_sizes()
+
     def chunk_base(
         self, namespace: Namespace, tokens: Sequence[int]
     ) -> tuple[tuple[int, ...], int]:

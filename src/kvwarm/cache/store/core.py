@@ -190,6 +190,12 @@ class CacheCore:
             effective, capped = self.quota_caps.effective(tier, int(size.physical_bytes))
             snap[f"tier_{name}_effective_quota_bytes"] = float(effective)
             snap[f"tier_{name}_quota_capped_by_filesystem"] = float(capped)
+        for kind, size in self.index.memory_sizes().items():
+            snap[f"memory_{kind}_bytes"] = float(size.physical_bytes)
+            snap[f"memory_{kind}_logical_bytes"] = float(size.logical_bytes)
+            snap[f"memory_{kind}_dedup_ratio"] = size.dedup_ratio
+            snap[f"memory_{kind}_chunks"] = float(size.chunks)
+            snap[f"memory_{kind}_rows"] = float(size.rows)
         snap["rows"] = float(len(self.index))
         snap["reservations"] = float(self.index.pending_reservations())
         return snap
