@@ -179,6 +179,12 @@ class CacheConfig:
     # Rows are manifests over content-addressed chunks of up to this many tokens (0: every
     # row is one whole blob). Only saves that come with a ``SaveRequest.split`` are chunked.
     chunk_tokens: int = 256
+    # A recurrent or hybrid model's saved states are whole (nothing shared): of the rows a
+    # newly saved state extends, a local tier keeps this many nearest (the previous turns:
+    # a regenerated or edited last message resumes there) and those another conversation
+    # also extends (a system prompt's checkpoint); the older states of that conversation go
+    # (``Index.retention_victims``). -1 keeps every state ever saved, until evicted.
+    state_history: int = 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,10 @@ from kvwarm.cache.index.rows import RowTable
 from kvwarm.cache.protocols import StoredRow
 from kvwarm.cache.types import Namespace, PrefixMatch, RowInfo, TierName, TierSizes
 
+#: Memory kinds whose saved states are whole (a recurrent state, with a hybrid's attention
+#: chunks): kept per conversation by ``retention_victims``, not every one ever written.
+STATE_KINDS = frozenset({"recurrent", "hybrid"})
+
 __all__ = ["Index", "Orphan"]
 
 log = logging.getLogger(__name__)
@@ -312,6 +316,31 @@ class Index:
             gone = [r for r in removed if r is not None]
             for r in gone:
                 self._remember(r, MissReason.EXPIRED, TTL_NAMES[r.info.ttl_class])
+            return gone
+
+    def retention_victims(self, key: bytes, keep: int) -> list[StoredRow]:
+        """Retire the saved states a conversation no longer needs, now that row ``key``
+        (a recurrent or hybrid model's state: each is whole, nothing shared) extends them:
+        of the rows of its tier whose tokens are a prefix of its own, all but the ``keep``
+        nearest, except those another conversation also extends (a system prompt's
+        checkpoint), those checked out, and those of other memory kinds. Rows already
+        extending ``key`` count towards ``keep``: saves of one conversation may publish out of
+        order (a checkpoint after the finish save above it)."""
+        with self._lock:
+            info = self._rows.get(key)
+            if info is None or info.memory not in STATE_KINDS:
+                return []
+            keep = max(0, keep - self._rows.below(key))
+            victims = []
+            for i, (other, shared) in enumerate(self._rows.lineage(key)):
+                row = self._rows.get(other)
+                if i < keep or shared or row is None or row.tier != info.tier:
+                    continue
+                if row.memory in STATE_KINDS and not self._rows.refcount(other):
+                    victims.append(other)
+            gone = [r for r in map(self._rows.remove, victims) if r is not None]
+            for r in gone:
+                self._remember(r, MissReason.EVICTED, "retention")
             return gone
 
     def reap_reservations(self) -> tuple[int, list[Orphan]]:

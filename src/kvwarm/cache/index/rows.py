@@ -147,6 +147,15 @@ class RowTable:
     def tokens(self, key: bytes) -> tuple[int, ...] | None:
         return self._prefix.tokens(key)
 
+    def lineage(self, key: bytes) -> list[tuple[bytes, bool]]:
+        """``PrefixIndex.lineage``: the rows ``key`` extends, nearest first, and whether
+        another row outside that path extends each."""
+        return self._prefix.lineage(key)
+
+    def below(self, key: bytes) -> int:
+        """``PrefixIndex.below``: how many rows extend ``key`` along one path."""
+        return self._prefix.below(key)
+
     def usage(self) -> dict[TierName, tuple[int, int]]:
         """Per tier ever used: (bytes, rows); bytes include the tier's chunks, each once."""
         tiers = dict.fromkeys([*self._count, *self.chunks.tiers()])

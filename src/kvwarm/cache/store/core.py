@@ -288,6 +288,19 @@ class CacheCore:
             info.namespace, info.key, row.tokens, MissReason.UNREADABLE, info.tier, detail
         )
 
+    def retain(self, tier: Tier, row: StoredRow, keep: int) -> None:
+        """A recurrent or hybrid model's state was just published in ``tier``: retire the
+        states of its conversation it makes needless (``Index.retention_victims``). Only in
+        a local tier this process alone writes: elsewhere another process's conversations
+        may extend a row this index does not know to be shared."""
+        if keep < 0 or not tier.capabilities.local or not self.sole_user(tier):
+            return
+        victims = self.index.retention_victims(row.info.key, keep)
+        if victims:
+            freed = self.retire(victims)
+            self.counters.incr("retention_drops", freed.rows)
+            self.counters.incr("retention_bytes", freed.bytes)
+
     def enforce_quota(self, tier: Tier) -> None:
         used, _ = self.index.usage().get(tier.name, (0, 0))
         quota, _ = self.quota_caps.effective(tier, used)
