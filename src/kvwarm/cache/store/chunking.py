@@ -357,7 +357,11 @@ def _write_rest(
         return
     if bounds[first] < rest.first:
         raise CacheError("a rest chunk wider than the window is not in the tier")
-    parts = request.split_rest(request.payload, bounds[first:])
+    try:
+        parts = request.split_rest(request.payload, bounds[first:])
+    except KvwarmError as exc:  # the codec spanned this window a moment ago: a bug, not a row
+        n = len(request.tokens)
+        raise CacheError(f"{tier.name}: window of {n} tokens not cut: {exc}") from exc
     if len(parts) != len(keys) - first:
         raise ValueError(f"rest splitter returned {len(parts)} parts for {len(keys) - first}")
     for i, part in enumerate(parts, start=first):
