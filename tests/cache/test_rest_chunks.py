@@ -32,7 +32,7 @@ from kvwarm.cache.index.index import Index
 from kvwarm.cache.sizes import summary
 from kvwarm.errors import CacheFormatError, CacheKeyError, StateRestoreError
 
-C = 256  # chunks of the first cache; the window's grid is C // 8 = 32
+C = 256  # chunks of the first cache; the window's grid is C // 4 = 64
 TOKENS = list(range(1000, 2200))
 
 
@@ -72,7 +72,7 @@ def test_checkpoints_of_one_conversation_share_all_but_their_newest_window_cells
             assert row.rest_from == n - 100
     rows = {r.n_tokens: r for r in cache.rows()}
     # Every window cell of [500, 700) is stored once: the 640 row's window starts inside the
-    # 600 row's chunk [512, 544), which it names rather than storing [540, 544) again.
+    # 600 row's chunk [512, 576), which it names rather than storing [540, 576) again.
     window_bytes = sum(
         r.logical_bytes - r.size - r.n_tokens * PER_TOKEN for r in rows.values()
     )  # what the windows restore from, summed over the rows (shared chunks counted per row)
@@ -100,12 +100,28 @@ def test_conversations_over_one_prompt_share_its_window_chunks(make_cache: Cache
     assert _restored(cache, ka) == _whole(a) and _restored(cache, kb) == _whole(b)
     rows = {r.info.key: r for r in _stored(cache)}
     shared = set(rows[ka].rest.keys) & set(rows[kb].rest.keys)
-    # [544, 576) (A's and B's window starts at 550 inside it) and [576, 600): the prompt's.
+    # [512, 576) (A's and B's window starts at 550 inside it) and [576, 600): the prompt's.
     assert len(shared) == 2
     if cache.tier_names()[0] == "ram":
         # Each conversation wrote its 50 new tokens' cells and nothing of the prompt's.
         per = 50 * (PER_TOKEN + WINDOW_PER_TOKEN)
-        assert _written(cache, before) == 2 * per + 4 * 2 * 3  # 3 rest chunks each
+        assert _written(cache, before) == 2 * per + 4 * 2 * 2  # 2 rest chunks each
+
+
+def test_a_window_may_begin_in_the_first_chunk_of_a_row_it_extends(
+    make_cache: CacheFactory,
+) -> None:
+    """No grid chunk holds [505, 512) (the 600 row's window began at 500, inside the grid
+    cell [448, 512)), but the first chunk of the 600 row's window does: the 605 row names it."""
+    cache = make_cache()
+    _save(cache, TOKENS[:600])
+    before = cache.counters()["chunk_bytes_written"]
+    key = _save(cache, TOKENS[:605])
+    assert _restored(cache, key) == _whole(TOKENS[:605])
+    rows = {r.info.n_tokens: r for r in _stored(cache)}
+    assert rows[605].rest.start == 500 and rows[605].rest.keys[0] == rows[600].rest.keys[0]
+    if cache.tier_names()[0] == "ram":  # its 5 new tokens, nothing of the window before
+        assert _written(cache, before) == 5 * (PER_TOKEN + WINDOW_PER_TOKEN) + 4
 
 
 def test_a_wider_chunk_that_left_the_tier_is_not_named(

@@ -438,6 +438,12 @@ class Index:
             return (), 0
         return self._rows.chunk_lens(match.row.key), match.n_shared
 
+    def rest_starts(self, tier: TierName, namespace: Namespace, tokens: Sequence[int]) -> set[int]:
+        """Where the windows of the rows of ``tier`` that ``tokens`` extend begin in chunks
+        (``RowTable.rest_starts``, the 8 longest): a save's window may begin in one of those."""
+        with self._lock:
+            return self._rows.rest_starts(tier, namespace, tokens, 8)
+
     def chunk_lens(self, key: bytes) -> tuple[int, ...]:
         """How many tokens each chunk of row ``key`` covers (() if none, or no row)."""
         with self._lock:

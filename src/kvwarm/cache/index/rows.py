@@ -125,6 +125,18 @@ class RowTable:
         entry = self._entries.get(key)
         return () if entry is None else entry.chunk_lens
 
+    def rest_starts(
+        self, tier: TierName, namespace: Namespace, tokens: Sequence[int], limit: int
+    ) -> set[int]:
+        """Where the rest chunks of up to ``limit`` rows of ``tier`` that are whole prefixes
+        of ``tokens`` start (their windows' first chunks)."""
+        out = set()
+        for key, _ in self._prefix.whole(namespace, tokens, limit):
+            entry = self._entries.get(key)
+            if entry is not None and entry.rest is not None and entry.info.tier == tier:
+                out.add(entry.rest.start)
+        return out
+
     def infos(self) -> list[RowInfo]:
         """Every row, with its ``logical_bytes`` and ``exclusive_bytes`` as of now."""
         out = []

@@ -226,8 +226,10 @@ def store_row(
 
 #: A window is cut every ``chunk_tokens // REST_GRID_PARTS`` positions (and at its first
 #: cache's cuts), so a checkpoint's window costs its new cells plus at most that many before
-#: the next grid point, where an earlier checkpoint's cells did not reach.
-REST_GRID_PARTS = 8
+#: the next grid point, where no lower window's chunk reached. Finer cuts waste less there
+#: but make more chunks a restore reads (Gemma 3 270M, a 1,000-token row on disk: 17 window
+#: chunks at 32 tokens restored in 1.25x the time of its window stored whole).
+REST_GRID_PARTS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,14 +298,19 @@ def _plan_rest(
     grid = max(1, chunk_tokens // REST_GRID_PARTS)
     cuts = rest_cuts(lens, first, end, grid)
     if wide:
-        # The grid point or chunk cut at or below the window's first position: a chunk from
-        # there to the next cut, stored by an earlier, lower window, holds these cells too.
-        at = max(first // grid * grid, *(b for b in _starts(lens) if b <= first))
-        if at < first:
+        # A chunk from below the window's first position to the next cut, stored by a lower
+        # window, holds these cells too: one from the grid point or chunk cut at or below it,
+        # or from where the window of a row this one extends began (its first chunk).
+        floor = max(first // grid * grid, *(b for b in _starts(lens) if b <= first))
+        starts = index.rest_starts(tier.name, ns, tokens) if floor < first else set()
+        for at in sorted({floor, *(s for s in starts if floor <= s < first)}):
+            if at >= first:
+                break
             widened = [at, *cuts[1:]]
             key = rest_chain(request.namespace, tokens, lens, chain, widened[:2])[0][1]
             if index.chunk_sizes(tier.name, [key])[0] is not None:
                 cuts = widened
+                break
     links = rest_chain(ns, tokens, lens, chain, cuts)
     chunks = RestChunks(
         first=first,
