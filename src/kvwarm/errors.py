@@ -150,6 +150,11 @@ class RequestTimeoutError(KvwarmError):
     """A request ran past the server's deadline (``request_timeout_s``) and was ended."""
 
 
+class ServerShuttingDownError(KvwarmError):
+    """The server is shutting down: a generation still running at the end of its graceful
+    wait is ended with this error (``server/connections.py``)."""
+
+
 class QueueFullError(KvwarmError):
     """The model's request queue is full; try again later."""
 

@@ -75,6 +75,7 @@ __all__ = [
     "ModelFacts",
     "Sampler",
     "Adapter",
+    "AdapterSet",
     "KvCodec",
     "BackendContext",
     "BackendModel",
@@ -202,6 +203,10 @@ class Adapter(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+#: LoRA adapters with their scales, as a context has them attached (``set_adapters``).
+AdapterSet = tuple[tuple[Adapter, float], ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ configuration never reaches llama.cpp (``docs/architecture.md``, "Engine").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import TypedDict
 
@@ -23,6 +24,17 @@ from kvwarm.cache.validate import validate_policy
 from kvwarm.engine.fingerprint import parse_mode
 from kvwarm.engine.worker.batching import StrategyName, strategy
 from kvwarm.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSpec:
+    """A LoRA adapter to load with its model: its file, the name it is served under, and the
+    scale it is attached at (0: loaded but off until a request or ``set_adapter_scale`` turns
+    it on). Handles are given in order, from 1."""
+
+    path: str
+    name: str = ""
+    scale: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +56,9 @@ class ModelConfig:
     chat_template: str | None = None
     max_queue: int = 256
     batch_strategy: StrategyName = "decode_first"
+    #: LoRA adapters loaded with the model (``AdapterError`` fails the load: one that does not
+    #: fit the model's architecture or tensor shapes).
+    lora: tuple[LoraSpec, ...] = ()
 
     def validate(self) -> None:
         self.context.validate()
@@ -68,6 +83,14 @@ class ModelConfig:
         strategy(self.batch_strategy)
         if self.policy is not None:
             validate_policy(self.policy)
+        names = [spec.name for spec in self.lora if spec.name]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"LoRA adapter names must differ: {', '.join(names)}")
+        for spec in self.lora:
+            if isinstance(spec.scale, bool) or not isinstance(spec.scale, int | float):
+                raise ConfigError(f"LoRA adapter {spec.path}: scale must be a number")
+            if not math.isfinite(spec.scale):
+                raise ConfigError(f"LoRA adapter {spec.path}: scale must be finite")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +135,7 @@ class ModelOptions(TypedDict, total=False):
     fingerprint_mode: str
     max_queue: int
     batch_strategy: StrategyName
+    lora: tuple[LoraSpec, ...]
 
 
 def with_options(cfg: ModelConfig, options: ModelOptions) -> ModelConfig:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Unpack
 
 from kvwarm.backends import get_backend
-from kvwarm.backends.base import Backend, BackendModel, ContextMemory
+from kvwarm.backends.base import AdapterSet, Backend, BackendModel, ContextMemory
 from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, resolve_template
 from kvwarm.cache.formats.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
@@ -35,7 +36,13 @@ from kvwarm.engine.embeddings import Embedder
 from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
 from kvwarm.engine.ops import Message
 from kvwarm.engine.options import GenerationOverrides, merge_options
-from kvwarm.engine.prompts import ExtraFile, chat_tokens, fim_tokens
+from kvwarm.engine.prompts import (
+    ExtraFile,
+    chat_tokens,
+    check_chat_size,
+    fim_tokens,
+    longest_piece,
+)
 from kvwarm.engine.request import RequestKind, check_tokens
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.submit import Submitter
@@ -49,7 +56,8 @@ from kvwarm.engine.types import (
 )
 from kvwarm.engine.worker.batching import strategy
 from kvwarm.engine.worker.loop import Worker, WorkerConfig
-from kvwarm.errors import EngineClosedError, InvalidRequestError
+from kvwarm.engine.worker.runtime import LoraChoice
+from kvwarm.errors import AdapterError, EngineClosedError, InvalidRequestError
 from kvwarm.tokens import Prompt
 
 if TYPE_CHECKING:
@@ -94,18 +102,38 @@ class Model:
         ran = self._bmodel.context_params(cfg.context, deterministic=cfg.deterministic)
         self.config = cfg = replace(cfg, context=ran)
         self.chat_template_name, self._template = self._chat_template(cfg.chat_template)
+        self._longest_lock = threading.Lock()
+        self._longest: int | None = None  # bytes of the longest token (a chat's size bound)
         try:
             self._start_worker()
         except BaseException:
             self._bmodel.close()
             raise
-        self._adapters = Adapters(self._bmodel, self._ctx, self._worker, self._refresh_namespace)
+        self._adapters = Adapters(self._bmodel, self._worker, self._refresh_namespace)
+        self._seen: dict[bytes, None] = {}  # fingerprints of requests' own adapter sets
+        self._seen_lock = threading.Lock()
         self._submitter = Submitter(
-            self._bmodel, self._worker, self._engine.cache, self.config, self.policy
+            self._bmodel,
+            self._worker,
+            self._engine.cache,
+            self.config,
+            self.policy,
+            self._adapters.check,
         )
         self._embedder = Embedder(
             self._bmodel, cfg.context, self._worker, adapters=self._adapters.applied
         )
+        try:
+            for spec in cfg.lora:
+                try:
+                    self._adapters.load(spec.path, spec.scale, name=spec.name)
+                except AdapterError as exc:
+                    raise AdapterError(
+                        f"LoRA adapter {spec.name or spec.path} of model {model_id}: {exc}"
+                    ) from exc
+        except BaseException:
+            self._free_after_failed_load()
+            raise
         self._state = "ready"
 
     def _start_worker(self) -> None:
@@ -143,7 +171,16 @@ class Model:
                 strategy=strategy(cfg.batch_strategy),
             ),
             self.namespace,
+            self._resolve_lora,
         )
+
+    def _free_after_failed_load(self) -> None:
+        """A model whose configured adapter did not load: stop its worker and free it all."""
+        self._state = "closed"
+        if self._worker.stop(None, 60.0):
+            self._free_native()
+        else:
+            self._worker.after_exit(self._free_native)
 
     # ---- identity -----------------------------------------------------------------------
 
@@ -152,8 +189,34 @@ class Model:
         return self._namespace
 
     def _refresh_namespace(self, adapters: Sequence[tuple[bytes, float]]) -> None:
+        self._namespace = self._namespace_of(adapters)
+
+    def _namespace_of(self, adapters: Sequence[tuple[bytes, float]]) -> Namespace:
         fp = effective_fingerprint(self._fingerprint, list(adapters))
-        self._namespace = Namespace(fp, self._namespace.quant, self._ctx_hash)
+        return Namespace(fp, self._namespace.quant, self._ctx_hash)
+
+    def _resolve_lora(self, choice: LoraChoice | None) -> tuple[AdapterSet, Namespace]:
+        """A request's adapter set and namespace (worker thread, at admission)."""
+        if choice is None:
+            return self._adapters.applied(), self._namespace
+        adapters = self._adapters.resolve(choice)
+        ns = self._namespace_of([(a.sha256, s) for a, s in adapters])
+        with self._seen_lock:
+            self._seen[ns.fingerprint] = None
+        return adapters, ns
+
+    def cache_fingerprints(self) -> frozenset[bytes]:
+        """The fingerprints of the namespaces this model's cached rows live in, as far as it
+        knows: its own (now and without adapters), each loaded adapter's alone at scale 1 (an
+        adapter served as a model of its own), and every set its requests ran under."""
+        own = [self._fingerprint, self._namespace.fingerprint]
+        alone = [
+            self._namespace_of([(bytes.fromhex(a.sha256), 1.0)]).fingerprint
+            for a in self.list_adapters()
+        ]
+        with self._seen_lock:
+            seen = list(self._seen)
+        return frozenset((*own, *alone, *seen))
 
     def info(self) -> ModelInfo:
         return model_info(
@@ -387,6 +450,7 @@ class Model:
         special-token text in it stays text (``kvwarm.engine.prompts``). Prewarm a chat prefix
         with these tokens so that it matches what ``stream_chat`` sends."""
         self._check_ready()
+        check_chat_size(messages, self.config.context.n_ctx, self._longest_piece)
         return chat_tokens(
             self._bmodel,
             messages,
@@ -394,6 +458,13 @@ class Model:
             add_generation_prompt=add_generation_prompt,
             template=self._template,
         )
+
+    def _longest_piece(self) -> int:
+        """``prompts.longest_piece``, computed once (under a lock: one pass, not several)."""
+        with self._longest_lock:
+            if self._longest is None:
+                self._longest = longest_piece(self._bmodel)
+            return self._longest
 
     def _submit_n(
         self, prompt: Prompt, opts: GenerationOptions, text: str, n: int, fragments: bool
@@ -440,8 +511,12 @@ class Model:
 
     # ---- adapters -----------------------------------------------------------------------
 
-    def load_adapter(self, path: str | os.PathLike[str], scale: float = 1.0) -> AdapterInfo:
-        return self._adapters.load(path, scale)
+    def load_adapter(
+        self, path: str | os.PathLike[str], scale: float = 1.0, *, name: str = ""
+    ) -> AdapterInfo:
+        """Load a LoRA adapter and attach it at ``scale`` to the model's own set (0: loaded,
+        off except for requests that name it in ``GenerationOptions.lora``)."""
+        return self._adapters.load(path, scale, name=name)
 
     def set_adapter_scale(self, handle: int, scale: float) -> AdapterInfo:
         return self._adapters.set_scale(handle, scale)

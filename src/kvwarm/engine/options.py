@@ -39,6 +39,7 @@ class GenerationOverrides(TypedDict, total=False):
     logit_bias: Mapping[int, float] | None
     ignore_eos: bool
     cache_salt: str | None
+    lora: tuple[tuple[int, float], ...] | None
 
 
 def merge_options(

@@ -54,6 +54,9 @@ def sampler_seed(seed: int | None) -> int | None:
 
 
 _MIN_REPEAT_PENALTY = 1e-6
+#: Largest per-request LoRA scale magnitude: llama.cpp takes a float32, and a scale this large
+#: already overflows a model's activations (NaN logits, which fail the request, never the model).
+MAX_LORA_SCALE = 1e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,12 @@ class GenerationOptions:
     # Requests share cached rows and live KV only when they share a salt (None: the unsalted,
     # shared namespace). A tenant's secret: never logged, never written to a row file.
     cache_salt: str | None = None
+    #: The LoRA adapters this request runs under, as (handle, scale) pairs of the model's
+    #: loaded adapters (``Model.list_adapters``); an adapter not listed is off for it (scale
+    #: 0, as llama-server's per-request ``lora``). None: the model's adapters at their own
+    #: scales. Requests of different sets never share a forward pass, cached rows or live KV
+    #: (``engine/adapters.py``).
+    lora: tuple[tuple[int, float], ...] | None = None
 
     def validate(self) -> None:
         from kvwarm.errors import InvalidRequestError
@@ -125,6 +134,7 @@ class GenerationOptions:
             raise InvalidRequestError("give grammar or json_schema, not both", param="grammar")
         self._check_text()
         self._check_salt()
+        self._check_lora()
         if self.parent_key is not None and len(self.parent_key) != 32:
             raise InvalidRequestError("parent_key must be 32 bytes", param="parent_key")
         for name in ("logprobs", "prompt_logprobs"):
@@ -190,6 +200,31 @@ class GenerationOptions:
                 param="cache_salt",
             )
         encode_utf8(salt, param="cache_salt")
+
+    def _check_lora(self) -> None:
+        from kvwarm.errors import InvalidRequestError
+
+        if self.lora is None:
+            return
+        if not isinstance(self.lora, tuple | list):
+            raise InvalidRequestError("lora must be a list of (handle, scale)", param="lora")
+        seen: set[int] = set()
+        for item in self.lora:
+            if not isinstance(item, tuple | list) or len(item) != 2:
+                raise InvalidRequestError("lora must be a list of (handle, scale)", param="lora")
+            handle, scale = item
+            if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
+                raise InvalidRequestError(f"lora handle {handle!r} is not an id", param="lora")
+            if handle in seen:
+                raise InvalidRequestError(f"lora lists adapter {handle} twice", param="lora")
+            seen.add(handle)
+            if isinstance(scale, bool) or not isinstance(scale, int | float):
+                raise InvalidRequestError(f"lora scale {scale!r} is not a number", param="lora")
+            if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
+                raise InvalidRequestError(
+                    f"lora scale {scale!r} must be finite and within +-{MAX_LORA_SCALE:g}",
+                    param="lora",
+                )
 
     def salt_bytes(self) -> bytes | None:
         """The salt as the cache folds it into a namespace (``cache.key.salted_namespace``)."""
@@ -261,6 +296,7 @@ class AdapterInfo:
     path: str
     scale: float
     sha256: str
+    name: str = ""  # the name it was loaded under (``ModelConfig.lora``), if any
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,9 +57,10 @@ def options(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     cache_salt: str | None = None,
+    lora: tuple[tuple[int, float], ...] | None = None,
 ) -> GenerationOptions:
     """``req``'s engine options; ``cache_salt`` is the one ``server.tenancy`` resolved (the
-    body's field is only one of its inputs)."""
+    body's field is only one of its inputs), ``lora`` the adapters ``server.lora`` chose."""
     stop: tuple[str, ...] = ()
     if isinstance(req.stop, str):
         stop = (req.stop,) if req.stop else ()
@@ -87,6 +88,7 @@ def options(
         "logit_bias": bias,
         "ignore_eos": req.ignore_eos,
         "cache_salt": cache_salt,
+        "lora": lora,
     }
     for name in SAMPLING_OPTIONS:
         value = getattr(req, name)
@@ -135,10 +137,13 @@ def timings(stats: CompletionStats) -> Json:
     }
 
 
-def finish_reason(stats: CompletionStats, calls: Sequence[ToolCall] = ()) -> str:
-    if calls:
-        return "tool_calls"
-    return "length" if stats.finish_reason == "length" else "stop"
+def finish_reason(stats: CompletionStats, calls: bool = False) -> str:
+    """OpenAI's finish reason. A reply max_tokens cut off is ``length`` even when calls
+    came before the cut (issue 41: its second call, never closed, was dropped and the reply
+    said ``tool_calls``, as if complete)."""
+    if stats.finish_reason == "length":
+        return "length"
+    return "tool_calls" if calls else "stop"
 
 
 def chat_logprobs(items: Sequence[TokenLogprob] | None) -> Json | None:
@@ -237,7 +242,7 @@ def chat_choice(
         "index": index,
         "message": message,
         "logprobs": chat_logprobs(done.logprobs),
-        "finish_reason": finish_reason(done.stats, calls),
+        "finish_reason": finish_reason(done.stats, bool(calls)),
     }
 
 

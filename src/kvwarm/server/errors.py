@@ -83,6 +83,7 @@ _KINDS: dict[type[BaseException], ErrorKind] = {
     e.GrammarError: ErrorKind(400, _INVALID, "invalid_grammar"),
     e.NotAModelError: ErrorKind(400, _INVALID, "not_a_model"),
     e.RequestTimeoutError: ErrorKind(503, "service_unavailable", "request_timeout"),
+    e.ServerShuttingDownError: ErrorKind(503, "service_unavailable", "shutting_down"),
     e.FimNotSupportedError: ErrorKind(400, _INVALID, "fim_not_supported"),
     e.InvalidRequestError: ErrorKind(400, _INVALID, "invalid_value"),
     e.ConfigError: ErrorKind(400, _INVALID, "invalid_config"),

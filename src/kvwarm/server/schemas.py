@@ -9,10 +9,12 @@ UTF-16 surrogate anywhere in a body is a 400 naming its path (``kvwarm.unicode``
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
 from kvwarm.server.errors import HTTPError
@@ -21,6 +23,16 @@ from kvwarm.settings import Settings
 from kvwarm.unicode import find_lone_surrogate
 
 _INT32_MAX = (1 << 31) - 1
+
+
+def keep_alive_field() -> Any:
+    """Ollama's ``keep_alive``: how long the model stays loaded after this request."""
+    return Field(
+        default=None,
+        description="how long the model stays loaded once idle after this request: seconds, "
+        'or a duration as "5m" or "1h30m"; 0 unloads it when this request ends, a negative '
+        "value keeps it loaded (default: the server's model_idle_unload_s)",
+    )
 
 
 def _salt_field() -> Any:
@@ -38,6 +50,19 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class LoraItem(BaseModel):
+    """llama-server's per-request adapter: its id (``GET /lora-adapters``) and scale."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: int = Field(ge=0, le=_INT32_MAX)
+    scale: float = 0.0  # llama-server's default: an id listed without a scale stays off
+
+
+def lora_pairs(items: list[LoraItem] | None) -> list[tuple[int, float]] | None:
+    return None if items is None else [(item.id, item.scale) for item in items]
 
 
 class SamplingFields(_Body):
@@ -63,6 +88,9 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     ignore_eos: bool = False  # llama.cpp extension: never stop on an end-of-generation token
     cache_salt: str | None = _salt_field()  # vLLM's field (server/tenancy.py)
+    # llama-server's: the adapters this request runs under (others off); server/lora.py.
+    lora: list[LoraItem] | None = Field(default=None, max_length=64)
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
 
 
 def check_sampling(req: SamplingFields) -> None:
@@ -171,6 +199,7 @@ class ChatRequest(SamplingFields):
 
 class EmbeddingRequest(_Body):
     model: str | None = None
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     # OpenAI's shortened embeddings: the first ``dimensions`` values, scaled to unit length.
@@ -288,6 +317,22 @@ async def read_json(request: Request, settings: Settings) -> object:
         raise HTTPError(
             400, "the request body is empty; expected a JSON object", code="invalid_json"
         )
+    if len(raw) > _PARSE_INLINE_BYTES:
+        # An 8 MB body took ~2 s to decode and check: off the event loop, so the requests
+        # of other clients go on meanwhile (issue 41).
+        return await run_in_threadpool(_decoded, raw, settings)
+    return _decoded(raw, settings)
+
+
+#: Bodies up to this size are decoded on the event loop (a thread hop costs more than that).
+_PARSE_INLINE_BYTES = 64 << 10
+# A lone surrogate can enter only through a \uD800-\uDFFF escape: the bytes of a body that
+# json.loads accepts are valid UTF-8, which never encodes one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _decoded(raw: bytes, settings: Settings) -> object:
+    """``read_json``'s decoding and checks of a whole body."""
     try:
         data = json.loads(raw, parse_constant=_not_json)  # bytes: strict_loads takes text
     # ValueError too: an integer literal of more than 4,300 digits is refused by int() itself.
@@ -300,7 +345,7 @@ async def read_json(request: Request, settings: Settings) -> object:
     if json_depth(data) > settings.max_json_depth:
         raise _too_deep(settings.max_json_depth)
     # JSON escapes can spell lone surrogates ("\ud800"), which no text field can carry on.
-    where = find_lone_surrogate(data)
+    where = find_lone_surrogate(data) if _SURROGATE_ESCAPE.search(raw) else None
     if where is not None:
         raise HTTPError(
             400,
@@ -359,6 +404,24 @@ def _within(path: str | None, field: str | None) -> bool:
     if path is None or field is None:
         return path == field
     return path == field or path.startswith(field + ".")
+
+
+def check_count(data: object, field: str, limit: int, setting: str) -> None:
+    """400 for a body whose list ``field`` holds more than ``limit`` items (texts, messages,
+    token lists), counted on the parsed JSON before validation builds an object per item. A
+    list of bare token ids is one item (one tokenized prompt or input)."""
+    items = data.get(field) if isinstance(data, dict) else None
+    if not isinstance(items, list) or len(items) <= limit:
+        return
+    count = sum(1 for item in items if not isinstance(item, int) or isinstance(item, bool))
+    if count > limit:
+        raise HTTPError(
+            400,
+            f"{field} holds {count} items, more than this server's limit of {limit} "
+            f"(setting {setting})",
+            param=field,
+            code="invalid_value",
+        )
 
 
 def parse_body(data: object, model: type[_M]) -> _M:

@@ -80,8 +80,9 @@ STUB_WEIGHTS_BYTES = 64 << 20
 class StubBackend:
     """Factory of stub models.
 
-    ``prefill_delay_s`` / ``decode_delay_s`` add simulated latency (per prefilled token / per
-    ``decode`` call) for engine tests; ``cell_bytes`` (>= 16) sets the KV blob size per token.
+    ``prefill_delay_s`` / ``decode_delay_s`` add simulated latency (per prefilled or embedded
+    token / per ``decode`` call) for engine tests; ``cell_bytes`` (>= 16) sets the KV blob
+    size per token.
     ``memory_kind`` / ``n_swa`` model llama.cpp's memory kinds (``kvwarm.memory``): a sliding
     window keeps only its last ``n_swa`` cells, a recurrent (or hybrid) state only its last
     one and refuses to be trimmed; a token decoded without the cells it needs gets a poisoned

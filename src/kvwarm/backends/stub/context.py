@@ -350,6 +350,8 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
             cells.clear()
 
     def _embed(self, tokens: Sequence[int], *, normalize: bool) -> list[float]:
+        if self._model.backend.prefill_delay_s:  # an embedding is a prefill
+            time.sleep(self._model.backend.prefill_delay_s * len(tokens))
         vecs = np.stack(
             [np.random.default_rng(t * 7919 + 17).standard_normal(N_EMBD) for t in tokens]
         )

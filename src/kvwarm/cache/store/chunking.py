@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvwarm.cache.counters import Counters
@@ -48,6 +48,9 @@ from kvwarm.cache.protocols import StoredRow, Tier
 from kvwarm.cache.types import Namespace, RestChunks, SaveRequest
 from kvwarm.errors import CacheError, CacheFormatError, CacheIOError, KvwarmError
 from kvwarm.tokens import common_prefix
+
+#: Room for bytes about to enter a tier: raises to refuse, returns what gives it back.
+HoldRoom = Callable[[int], Callable[[], None]]
 
 __all__ = ["PlanBook", "load_chunks", "pack_request", "plan_lens", "store_row"]
 
@@ -141,9 +144,13 @@ def store_row(
     *,
     counters: Counters | None = None,
     wait_s: float = 30.0,
+    hold: HoldRoom | None = None,
 ) -> StoredRow | None:
     """Store ``request`` in ``tier`` as a manifest over chunks when it comes with a splitter
-    and holds at least one full chunk, else whole. Returns the published row, or None."""
+    and holds at least one full chunk, else whole. Returns the published row, or None.
+    ``hold``: called with the bytes about to enter the tier (the chunks it lacks and the
+    manifest, or the whole row) before any is written; it raises to refuse them and returns
+    what gives the room back once the row is stored or failed."""
     split, ns, tokens = request.split, request.namespace, request.tokens
     lens = request.chunk_lens
     lead = request.payload_from  # the payload is a tail: chunks before it must be stored
@@ -152,7 +159,7 @@ def store_row(
     if split is None or (not lens and (chunk_tokens <= 0 or len(tokens) < chunk_tokens)):
         if lead:
             raise CacheError(f"{tier.name}: {key.hex()} holds positions from {lead} only")
-        return tier.store(key, _whole(request), index)
+        return _store_whole(key, request, tier, index, hold)
     if not lens:
         lens = plan_lens(len(tokens), chunk_tokens, *index.chunk_base(ns, tokens))
     chain = chain_of(request, lens)
@@ -197,29 +204,41 @@ def store_row(
             # A blob the codec cannot cut (several KV streams, a sliding-window cache): the
             # row is stored whole, as before chunks existed.
             log.info("%s: storing %s whole: %s", tier.name, key.hex(), exc)
-            return tier.store(key, _whole(request), index)
+            return _store_whole(key, request, tier, index, hold)
         if len(parts) != len(keys) - first:
             raise ValueError(f"splitter returned {len(parts)} parts for {len(keys) - first}")
-        for i, part in enumerate(parts, start=first):
-            if keys[i] in need:
-                _write_chunk(tier, index, counters, ns, keys[i], chain[i][0], tokens[
-                    bounds[i] : bounds[i + 1]], part)  # fmt: skip
-        if rest is not None:
-            _write_rest(request, rest, tier, index, counters, need)
-        if counters is not None:
-            counters.incr("chunks_reused", len(pinned) - len(need))
-        manifest = replace(
-            request,
-            payload=whole_rest,
-            split=None,
-            rest=None,
-            rest_span=None,
-            split_rest=None,
-            chunk_lens=lens,
-            chunk_keys=keys,
-            rest_chunks=None if rest is None else rest.chunks,
+        rest_parts = _cut_rest(request, rest, tier, need) if rest is not None else []
+        size = len(whole_rest) + sum(
+            len(part) for i, part in enumerate(parts, start=first) if keys[i] in need
         )
-        return tier.store(key, manifest, index)
+        size += sum(len(part) for _, part in rest_parts)
+        give_back = hold(size) if hold is not None else _nothing
+        try:
+            for i, part in enumerate(parts, start=first):
+                if keys[i] in need:
+                    _write_chunk(tier, index, counters, ns, keys[i], chain[i][0], tokens[
+                        bounds[i] : bounds[i + 1]], part)  # fmt: skip
+            if rest is not None:
+                rest_bounds = rest.bounds()
+                for i, part in rest_parts:
+                    _write_chunk(tier, index, counters, ns, rest.keys[i], rest.parents[i],
+                                 tokens[rest_bounds[i] : rest_bounds[i + 1]], part)  # fmt: skip
+            if counters is not None:
+                counters.incr("chunks_reused", len(pinned) - len(need))
+            manifest = replace(
+                request,
+                payload=whole_rest,
+                split=None,
+                rest=None,
+                rest_span=None,
+                split_rest=None,
+                chunk_lens=lens,
+                chunk_keys=keys,
+                rest_chunks=None if rest is None else rest.chunks,
+            )
+            return tier.store(key, manifest, index)
+        finally:
+            give_back()
     finally:
         index.unpin_chunks(tier.name, pinned)
 
@@ -347,21 +366,16 @@ def _rest_parents(
     return tuple(p for p, _ in links)
 
 
-def _write_rest(
-    request: SaveRequest,
-    rest: _RestPlan,
-    tier: Tier,
-    index: Index,
-    counters: Counters | None,
-    need: set[bytes],
-) -> None:
-    """Cut and write the rest chunks the tier lacks (from the first of them on)."""
+def _cut_rest(
+    request: SaveRequest, rest: _RestPlan, tier: Tier, need: set[bytes]
+) -> list[tuple[int, bytes]]:
+    """The rest chunks the tier lacks, cut (from the first of them on), by their index."""
     assert request.split_rest is not None
     bounds = rest.bounds()
     keys = rest.keys
     first = next((i for i, k in enumerate(keys) if k in need), len(keys))
     if first == len(keys):
-        return
+        return []
     if bounds[first] < rest.first:
         raise CacheError("a rest chunk wider than the window is not in the tier")
     try:
@@ -371,12 +385,7 @@ def _write_rest(
         raise CacheError(f"{tier.name}: window of {n} tokens not cut: {exc}") from exc
     if len(parts) != len(keys) - first:
         raise ValueError(f"rest splitter returned {len(parts)} parts for {len(keys) - first}")
-    for i, part in enumerate(parts, start=first):
-        if keys[i] in need:
-            tokens = request.tokens[bounds[i] : bounds[i + 1]]
-            _write_chunk(
-                tier, index, counters, request.namespace, keys[i], rest.parents[i], tokens, part
-            )
+    return [(i, part) for i, part in enumerate(parts, start=first) if keys[i] in need]
 
 
 def _write_chunk(
@@ -398,6 +407,20 @@ def _write_chunk(
     if counters is not None:
         counters.incr("chunks_written")
         counters.incr("chunk_bytes_written", stored)
+
+
+def _store_whole(
+    key: bytes, request: SaveRequest, tier: Tier, index: Index, hold: HoldRoom | None
+) -> StoredRow | None:
+    give_back = hold(memoryview(request.payload).nbytes) if hold is not None else _nothing
+    try:
+        return tier.store(key, _whole(request), index)
+    finally:
+        give_back()
+
+
+def _nothing() -> None:
+    pass
 
 
 def chain_of(request: SaveRequest, lens: Sequence[int]) -> list[tuple[bytes, bytes]]:

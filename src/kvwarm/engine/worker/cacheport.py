@@ -48,9 +48,10 @@ class CachePort:
 
     # -- what a request can reuse ----------------------------------------------------------
 
-    def namespace(self, salt: bytes | None) -> Namespace:
-        """The namespace a request's KV lives in: the model's, salted by its cache salt."""
-        return salted_namespace(self.rt.namespace(), salt)
+    def namespace(self, base: Namespace, salt: bytes | None) -> Namespace:
+        """The namespace a request's KV lives in: ``base`` (the model's, with the request's
+        adapter set folded in: ``Runtime.adapter_set``), salted by its cache salt."""
+        return salted_namespace(base, salt)
 
     def lookup(
         self, ns: Namespace, prompt: Sequence[int], turn_ends: Sequence[int]
@@ -67,10 +68,11 @@ class CachePort:
         rt.cache.record_latency("lookup", time.perf_counter() - t0)
         return match, whole
 
-    def note_model(self) -> None:
-        """This model serves under its namespace: the cache may name its rows when explaining
-        another model's miss to a request of the same salt."""
-        self.rt.cache.note_namespace(self.rt.namespace())
+    def note_model(self, base: Namespace) -> None:
+        """This model serves under ``base`` (its namespace with a request's adapter set): the
+        cache may name its rows when explaining another model's or set's miss to a request of
+        the same salt."""
+        self.rt.cache.note_namespace(base)
 
     def chunk_lens(self, key: bytes) -> tuple[int, ...]:
         """Row ``key``'s chunk lengths: where a restore onto live KV of its leading tokens
@@ -98,19 +100,21 @@ class CachePort:
         keep: int,
         *,
         namespace: Namespace,
+        base: Namespace,
         salt: bytes | None,
         deterministic: bool,
         spans: Sequence[Span] = (),
     ) -> ReuseReport:
         """Why a request kept ``keep`` prompt tokens and no more (``worker/explain.py``): it
-        may learn of its own namespace and its salt's others, never another salt's."""
+        may learn of its own namespace (``base`` salted) and its salt's others, never
+        another salt's."""
         return explain(
             self.rt.cache,
             prompt,
             found,
             keep,
             namespace=namespace,
-            others=same_tenant(self.rt.cache, self.rt.namespace(), salt),
+            others=same_tenant(self.rt.cache, base, salt),
             n_batch=self.rt.cfg.n_batch,
             deterministic=deterministic,
             spans=spans,

@@ -11,8 +11,9 @@ Invariants:
   it through ``submit`` (requests, FIFO) and ``call`` (jobs run between ticks).
 - A save's bytes are packed here, between decode calls, and handed to the cache's writer pool;
   async saves never block a tick.
-- A request's namespace (effective fingerprint) is fixed when it is admitted to a slot; adapter
-  changes are jobs that wait until no slot is active, so they never affect a running request.
+- A request's namespace (effective fingerprint) and adapter set are fixed when it is admitted
+  to a slot; changes of the model's set are jobs that wait until no slot is active, so they
+  never affect a running request. Slots of different adapter sets never share a forward pass.
 - Any failure is confined to the requests it touches; the loop itself never dies while the
   model is loaded (an unexpected error fails the in-flight requests and clears their KV).
 - Other threads see the slots through ``slot_statuses()``: frozen copies this thread
@@ -42,7 +43,7 @@ from kvwarm.engine.worker.admission import Admission
 from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
-from kvwarm.engine.worker.runtime import Runtime, WorkerConfig, WorkerStats
+from kvwarm.engine.worker.runtime import Resolver, Runtime, WorkerConfig, WorkerStats
 from kvwarm.engine.worker.sampling import Sampling
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.engine.worker.tick import Tick
@@ -70,6 +71,7 @@ class Worker:
         cache: CacheApi,
         config: WorkerConfig,
         namespace: Callable[[], Namespace],
+        resolve: Resolver | None = None,
     ) -> None:
         self.name = name
         self.cfg = config
@@ -77,7 +79,7 @@ class Worker:
         # long (a grammar or decode stuck in native code) is reported by stalled_for().
         self._iteration_since: float | None = None
         slots = [Slot(seq=i) for i in range(config.n_parallel)]
-        self.rt = Runtime(name, model, ctx, cache, config, namespace, slots)
+        self.rt = Runtime(name, model, ctx, cache, config, namespace, slots, resolve)
         # One native call per vocabulary entry (1.6 s for Gemma's 262,144): paid while the
         # model loads, not by its first request (which, after a restart, is a cache hit).
         self.rt.eog_tokens()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvwarm.backends.base import BackendContext, BackendModel
+from kvwarm.backends.base import AdapterSet, BackendContext, BackendModel
 from kvwarm.cache.api import CacheApi
 from kvwarm.cache.types import FingerprintMode, Namespace, PolicyConfig, TierName
 from kvwarm.engine.types import CompletionStats, SlotStatus
@@ -20,6 +20,12 @@ from kvwarm.engine.worker.batching import BatchStrategy
 from kvwarm.engine.worker.joinbuf import JoinBuffer
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.memory import MemoryKind
+
+#: A request's own adapter set, as (handle, scale) pairs (``GenerationOptions.lora``).
+LoraChoice = tuple[tuple[int, float], ...]
+#: A request's choice (None: the model's set) to the set it runs under and its namespace
+#: (the model's fingerprint folded with that set; unsalted).
+Resolver = Callable[[LoraChoice | None], tuple[AdapterSet, Namespace]]
 
 
 @dataclass(slots=True)
@@ -67,10 +73,30 @@ class Runtime:
     cfg: WorkerConfig
     namespace: Callable[[], Namespace]
     slots: list[Slot]
+    #: A request's adapter choice to its set and namespace (None: the model's set and
+    #: ``namespace()``, for a model without adapters).
+    resolve: Resolver | None = None
     stats: WorkerStats = field(default_factory=WorkerStats)
+    #: The adapters the context has attached now: the set of the last forward pass.
+    adapters_now: AdapterSet = ()
     view: tuple[SlotStatus, ...] = ()
     join_buf: JoinBuffer = field(default_factory=JoinBuffer)  # chunked restores join here
     _eog: tuple[int, ...] | None = None
+
+    def adapter_set(self, choice: LoraChoice | None) -> tuple[AdapterSet, Namespace]:
+        """The set a request with ``choice`` runs under, and its (unsalted) namespace."""
+        if self.resolve is None:
+            return (), self.namespace()
+        return self.resolve(choice)
+
+    def use_adapters(self, adapters: AdapterSet) -> None:
+        """Attach exactly ``adapters`` to the context unless it has them already (llama.cpp
+        then re-plans its compute graph on the next pass: a pass of another set than the
+        last costs that once)."""
+        if adapters == self.adapters_now:
+            return
+        self.ctx.set_adapters(adapters)
+        self.adapters_now = adapters
 
     @property
     def memory(self) -> MemoryKind:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvwarm.backends.base import Sampler
+from kvwarm.backends.base import AdapterSet, Sampler
 from kvwarm.cache.explain import ReuseReport
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Request
@@ -46,6 +46,9 @@ class Active:
     last_continued: int = 0  # live KV length at the last continued save
     forks: list[Slot] = field(default_factory=list)  # slots waiting for this prompt's KV
     reuse: ReuseReport | None = None  # why no more of the prompt was reused (worker/explain.py)
+    #: The LoRA adapters its forward passes run under (``engine/adapters.py``): fixed at
+    #: admission; slots of other sets never share its passes.
+    adapters: AdapterSet = ()
 
     def unsent_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The logprobs not yet sent with a fragment; marks them sent."""

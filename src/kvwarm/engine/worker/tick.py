@@ -1,6 +1,8 @@
 """The tick: one round of forward passes over every active slot.
 
-Invariants: the batch strategy decides which tokens share a call (``batching``); a failed call
+Invariants: the batch strategy decides which tokens share a call (``batching``), and only
+slots of one LoRA adapter set share a call (the context runs each call under one set: a call
+the plan shares between sets runs as one call per set); a failed call
 with several slots is retried one slot at a time so one slot's failure never fails another;
 after each call, a slot's ``kv_tokens`` grows by exactly what the call decoded for it, and its
 canonical prefix shrinks when a chunk was cut short by the budget (``kvwarm.alignment``;
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvwarm.alignment import canonical_after_chunk
-from kvwarm.backends.base import BatchToken
+from kvwarm.backends.base import AdapterSet, BatchToken
 from kvwarm.engine.worker.batching import Chunk, PrefillWant, isolate
 from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.forks import Forks
@@ -100,10 +102,17 @@ class Tick:
         return batch, rows
 
     def _run_call(self, decode_slots: Sequence[int], chunks: Sequence[Chunk]) -> None:
+        groups = self._by_adapters(decode_slots, chunks)
+        if len(groups) > 1:
+            for group_slots, group_chunks in groups:
+                self._run_call(group_slots, group_chunks)
+            return
         batch, rows = self._batch(decode_slots, chunks)
         if not batch:
             return
         try:
+            act = rows[0][0].active
+            self.rt.use_adapters(act.adapters if act is not None else ())
             self.rt.ctx.decode(batch)
         except KvwarmError as exc:
             if len(rows) > 1:
@@ -128,6 +137,28 @@ class Tick:
                     self._after_chunk(slot, row, done)
             except KvwarmError as exc:
                 self.outcomes.fail(slot, exc)
+
+    def _by_adapters(
+        self, decode_slots: Sequence[int], chunks: Sequence[Chunk]
+    ) -> list[tuple[list[int], list[Chunk]]]:
+        """The call's work split by the adapter set each slot runs under, in first-seen
+        order (one group: no LoRA, or one set for all)."""
+        groups: list[tuple[AdapterSet, list[int], list[Chunk]]] = []
+
+        def group(i: int) -> tuple[AdapterSet, list[int], list[Chunk]]:
+            act = self.rt.slots[i].active
+            adapters = act.adapters if act is not None else ()
+            for g in groups:
+                if g[0] == adapters:
+                    return g
+            groups.append((adapters, [], []))
+            return groups[-1]
+
+        for i in decode_slots:
+            group(i)[1].append(i)
+        for chunk in chunks:
+            group(chunk.slot)[2].append(chunk)
+        return [(slots, chunks) for _, slots, chunks in groups]
 
     def _after_chunk(self, slot: Slot, row: int, chunk: Chunk) -> None:
         act = slot.active
