@@ -136,7 +136,7 @@ def chunked_mode(root: str, tier: str, step: str, n: int) -> None:
 
 
 #: The windowed kill test's checkpoints of one conversation: two acknowledged, then the victim,
-#: whose save writes one first-cache chunk and four window chunks (then its manifest).
+#: whose save writes one first-cache chunk and three window chunks (then its manifest).
 WINDOWED = (600, 700, 900)
 WINDOWED_TOKENS = list(range(3000, 4000))
 
