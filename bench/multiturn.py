@@ -283,17 +283,17 @@ def storage(cache_dir: Path, per_token: int) -> list[str]:
 
 
 def restore_times(counters: list[dict[str, float]]) -> list[str]:
-    """Per phase: restores, and ms per restore reading the tier and unpacking the KV."""
+    """Per phase: restores, and ms per restore reading the row and its chunks (``restore``
+    less ``unpack``; an older kvwarm does not record it) and joining and unpacking them."""
     out = []
     for phase, c in zip(("run", "after restart"), counters, strict=False):
         n = c.get("latency_unpack_count", 0.0)
         if not n:
             continue
-        load = 1e3 * c.get("latency_load_seconds", 0.0) / max(c.get("latency_load_count", 0), 1)
         unpack = 1e3 * c.get("latency_unpack_seconds", 0.0) / n
-        out.append(
-            f"restores ({phase}): {int(n)}, tier read {load:.1f} ms + unpack {unpack:.1f} ms each"
-        )
+        whole = c.get("latency_restore_seconds")
+        read = "" if whole is None else f"{1e3 * whole / n - unpack:.1f} ms reading and "
+        out.append(f"restores ({phase}): {int(n)}, {read}{unpack:.1f} ms joining and unpacking")
     return out
 
 

@@ -13,7 +13,8 @@ Names in the snapshot:
   ``chunk_bytes_written``, ``chunks_reused``, ``shared_rows_forgotten``, ``shared_chunks_swept``,
   ``retention_drops``, ``retention_bytes``, plus anything else ``incr`` was asked to count;
 - latencies: ``latency_<name>_count`` and ``latency_<name>_seconds`` for ``pack``, ``unpack``,
-  ``load``, ``lookup``, ``save`` and any other name recorded.
+  ``restore`` (a row read and unpacked), ``load``, ``lookup``, ``save`` and any other name
+  recorded.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ BASE_COUNTERS: tuple[str, ...] = (
     "retention_drops",
     "retention_bytes",
 )
-LATENCY_NAMES: tuple[str, ...] = ("pack", "unpack", "load", "lookup", "save")
+LATENCY_NAMES: tuple[str, ...] = ("pack", "unpack", "restore", "load", "lookup", "save")
 
 
 class Counters:

@@ -375,6 +375,7 @@ class Admission:
         tokens = req.prompt_tokens
         nb = rt.cfg.n_batch
         det = req.deterministic
+        opened = time.perf_counter()
         with self.port.open_row(plan.row_key, from_token=plan.base) as row:
             canonical = row.info.canonical_tokens
             shared = common_prefix(row.tokens, tokens)
@@ -402,7 +403,8 @@ class Admission:
                 rt.reset_seq(slot)
                 n_restored = self._restore_whole(slot, row)
             if n_restored is not None:
-                self.port.restored(time.perf_counter() - t0)
+                done = time.perf_counter()
+                self.port.restored(done - t0, done - opened)
                 slot.kv_tokens[:] = row.tokens[:n_restored]
                 keep, use_logits = trim_restored(
                     keep,

@@ -89,9 +89,12 @@ class CachePort:
         """A request found nothing to reuse."""
         self.rt.cache.record_miss()
 
-    def restored(self, seconds: float) -> None:
-        """A row's KV went into a slot in ``seconds`` (the ``unpack`` latency)."""
+    def restored(self, seconds: float, whole_s: float) -> None:
+        """A row's KV went into a slot in ``seconds`` (the ``unpack`` latency: joined and
+        unpacked), ``whole_s`` from opening the row (the ``restore`` latency: its file and its
+        chunks read and verified too)."""
         self.rt.cache.record_latency("unpack", seconds)
+        self.rt.cache.record_latency("restore", whole_s)
 
     def explain(
         self,
