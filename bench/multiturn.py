@@ -291,9 +291,13 @@ def restore_times(counters: list[dict[str, float]]) -> list[str]:
         if not n:
             continue
         unpack = 1e3 * c.get("latency_unpack_seconds", 0.0) / n
+        load = 1e3 * c.get("latency_load_seconds", 0.0) / max(c.get("latency_load_count", 0), 1)
         whole = c.get("latency_restore_seconds")
-        read = "" if whole is None else f"{1e3 * whole / n - unpack:.1f} ms reading and "
-        out.append(f"restores ({phase}): {int(n)}, {read}{unpack:.1f} ms joining and unpacking")
+        read = "" if whole is None else f", {1e3 * whole / n - unpack:.1f} ms with its chunks"
+        out.append(
+            f"restores ({phase}): {int(n)}, reading {load:.1f} ms the row file{read}, "
+            f"{unpack:.1f} ms joining and unpacking"
+        )
     return out
 
 
