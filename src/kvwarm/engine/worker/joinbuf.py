@@ -78,19 +78,27 @@ class JoinBuffer:
         rest_chunks: Sequence[Buffer],
         rest_from: int,
     ) -> memoryview:
-        """Both caches joined one after the other (each checked, and sized, first)."""
+        """Both caches joined one after the other into this buffer, each checked once: a
+        join that does not fit is refused before it writes (``JoinBufferTooSmallError``,
+        with the size it needs), and the buffer grows to the sum."""
         codec = ctx.kv_codec
-        head = codec.joined_size(chunks)
-        need = head + codec.rest_size(rest_chunks, rest_from)
-        if self.capacity < need:
-            old = self.capacity
-            self._buf = None  # holding both would briefly double the footprint
-            self._buf = grown(need, old)
-        assert self._buf is not None
+        if self._buf is not None:
+            view = memoryview(self._buf)
+            try:
+                head = ctx.kv_join(chunks, out=view).nbytes
+                tail = codec.join_rest(rest_chunks, rest_from, out=view[head:]).nbytes
+            except JoinBufferTooSmallError:
+                pass  # refused before a byte was written: grow below
+            else:
+                return view[: head + tail]
+        need = codec.joined_size(chunks) + codec.rest_size(rest_chunks, rest_from)
+        old = self.capacity
+        self._buf = None  # holding both would briefly double the footprint
+        self._buf = grown(need, old)
         view = memoryview(self._buf)
-        ctx.kv_join(chunks, out=view[:head]).release()
-        codec.join_rest(rest_chunks, rest_from, out=view[head:need]).release()
-        return view[:need]
+        head = ctx.kv_join(chunks, out=view).nbytes
+        tail = codec.join_rest(rest_chunks, rest_from, out=view[head:]).nbytes
+        return view[: head + tail]
 
     def _append(self, at: int, rest: Buffer, extra: int) -> memoryview:
         """The buffer's first ``at`` bytes (a joined blob) followed by ``rest``, as a view."""
