@@ -41,6 +41,11 @@ class LoadedRow:
     #: The first position ``chunks`` cover: 0, or the chunk boundary a tail read
     #: (``open_row(from_token=...)``) started at; the KV before it was not read.
     chunks_from: int = 0
+    #: A manifest's rest in chunks (an iSWA window: ``RestChunks``), for the backend's
+    #: ``join_rest`` after ``join`` of ``chunks``, the window starting at ``rest_from``; ()
+    #: when the rest (if any) is ``payload``.
+    rest_chunks: tuple[memoryview, ...] = ()
+    rest_from: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
             n_layer=model.facts.n_layer,
             v_trans={"auto": None, "on": False, "off": True}[params.flash_attn],
             with_rest=self._memory.has_rest,
+            rest_cells=self._memory.rest_chunkable,
         )
         self._memory_bytes = buffer_sizes(lines)
         super().__init__(

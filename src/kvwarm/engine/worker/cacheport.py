@@ -96,9 +96,12 @@ class CachePort:
         """A request found nothing to reuse."""
         self.rt.cache.record_miss()
 
-    def restored(self, seconds: float) -> None:
-        """A row's KV went into a slot in ``seconds`` (the ``unpack`` latency)."""
+    def restored(self, seconds: float, whole_s: float) -> None:
+        """A row's KV went into a slot in ``seconds`` (the ``unpack`` latency: joined and
+        unpacked), ``whole_s`` from opening the row (the ``restore`` latency: its file and its
+        chunks read and verified too)."""
         self.rt.cache.record_latency("unpack", seconds)
+        self.rt.cache.record_latency("restore", whole_s)
 
     def explain(
         self,
@@ -242,6 +245,7 @@ class CachePort:
                 quant_bits=cfg.quant_bits,
                 fingerprint_mode=cfg.fingerprint_mode,
                 canonical_tokens=canonical,
+                memory=rt.memory.kind,
                 # Past its aligned canonical prefix a row's KV bits are its own (a last
                 # partial pass, an unaligned restore, decoding): its chunks there are never
                 # shared with a row whose bits are canonical (kvwarm.alignment).
@@ -249,11 +253,14 @@ class CachePort:
                 # Packed by the cache through ``pack`` (only what its tier lacks); it cuts the
                 # chunks on a writer thread (the codec is pure). A memory of two parts
                 # (kvwarm.memory: an iSWA window, a hybrid's recurrent state) is chunked in its
-                # full-attention cache and keeps the rest in the row; a recurrent state is
-                # stored whole. Such rows are checkpoints, restorable only where their floor
-                # allows.
+                # full-attention cache and keeps the rest: a window in chunks of its own,
+                # keyed like the first cache's, a recurrent state in the row; a pure recurrent
+                # state is stored whole. Such rows are checkpoints, restorable only where
+                # their floor allows.
                 split=codec.split if rt.memory.chunkable or rt.memory.has_rest else None,
                 rest=codec.rest if rt.memory.has_rest else None,
+                rest_span=codec.rest_span if rt.memory.rest_chunkable else None,
+                split_rest=codec.split_rest if rt.memory.rest_chunkable else None,
             )
             timeout = cfg.policy.evict_save_timeout_ms / 1e3
             return rt.cache.save(request, sync=sync, timeout_s=timeout)
