@@ -71,10 +71,20 @@ class MemoryKind:
         """Whether a saved state is a KV cache of every position followed by a part that
         must be kept whole (its *rest*): an iSWA model's full-attention cache, then its window;
         a hybrid model's attention cache, then its recurrent state. Rows of such a memory are
-        that first cache as chunks (shared like full attention's) plus the rest, stored in the
-        row itself (the codec's ``rest``; it refuses a blob that is not of this shape, and
-        the row is then stored whole)."""
+        that first cache as chunks (shared like full attention's) plus the rest: a window's
+        in chunks of its own (``rest_chunkable``), a recurrent state in the row itself (the
+        codec's ``rest``; it refuses a blob that is not of this shape, and the row is then
+        stored whole)."""
         return self.kind == "hybrid" or (self.kind == "swa" and self.n_swa > 0)
+
+    @property
+    def rest_chunkable(self) -> bool:
+        """Whether the rest (``has_rest``) is itself a KV cache of per-position cells, cut into
+        chunks like the first cache (``KvCodec.split_rest``): an iSWA window, whose cell at
+        position ``i`` depends only on the tokens up to ``i``, so checkpoints of one
+        conversation share all but their newest cells and conversations share a system
+        prompt's. A recurrent state is one value per sequence: kept whole."""
+        return self.kind == "swa" and self.n_swa > 0
 
     def saved_floor(self, n_tokens: int) -> int:
         """The shortest prefix a *saved* state of ``n_tokens`` tokens resumes at.
@@ -103,6 +113,20 @@ class MemoryKind:
                 return n_tokens
             return 0 if pos_min == 0 else min(n_tokens, pos_min + self.n_swa)
         return n_tokens
+
+    def lookahead(self, n_tokens: int) -> int | None:
+        """How many tokens a *live* sequence of ``n_tokens`` tokens may decode past its end
+        and still be trimmed back to any length in between (speculative decoding's verify
+        pass: the rejected draft tokens are removed). None: no limit (full attention; a
+        full-size SWA cache, whose live state trims like full attention). A sliding window
+        without it: only while no position is masked yet, that is while the last decoded
+        position stays below ``n_swa`` (llama.cpp reuses a masked cell, so a trim past it
+        would leave the window short). A recurrent or hybrid state: 0, it cannot roll back."""
+        if self.trimmable or (self.kind == "swa" and self.swa_full):
+            return None
+        if self.kind == "swa":
+            return max(0, self.n_swa - n_tokens)
+        return 0
 
     def describe(self) -> str:
         """A short label: ``full``, ``swa(512)``, ``swa(512, full cache)``, ``recurrent``..."""

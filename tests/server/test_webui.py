@@ -198,6 +198,11 @@ def test_stats_total_each_tier(client: TestClient) -> None:
     for name, totals in tiers.items():
         assert sum(totals["ttl_classes"].values()) == totals["rows"]
         assert f"tier_{name}_quota_bytes" in stats["counters"]  # the page's quota meter
+    # Stored against logical bytes per memory kind (the stub models full attention here).
+    kinds = stats["memory_kinds"]
+    assert set(kinds) == {"full"} and kinds["full"]["rows"] == stats["rows"]
+    assert kinds["full"]["bytes"] == stats["bytes"] > 0
+    assert kinds["full"]["logical_bytes"] == stats["logical_bytes"]
 
 
 def test_the_cluster_panel_draws_what_get_cluster_says(tmp_path: Path) -> None:

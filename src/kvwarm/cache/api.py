@@ -42,6 +42,11 @@ class LoadedRow:
     #: The first position ``chunks`` cover: 0, or the chunk boundary a tail read
     #: (``open_row(from_token=...)``) started at; the KV before it was not read.
     chunks_from: int = 0
+    #: A manifest's rest in chunks (an iSWA window: ``RestChunks``), for the backend's
+    #: ``join_rest`` after ``join`` of ``chunks``, the window starting at ``rest_from``; ()
+    #: when the rest (if any) is ``payload``.
+    rest_chunks: tuple[memoryview, ...] = ()
+    rest_from: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +196,11 @@ class CacheApi(Protocol):
     def delete(self, key: bytes) -> bool: ...
 
     def rows(self, namespace: Namespace | None = None) -> list[RowInfo]: ...
+
+    def row_tokens(self, key: bytes) -> tuple[int, ...] | None:
+        """The tokens a published row holds (None: no such row), from the index alone: no
+        tier is read. Speculative decoding drafts from them (``engine/worker/drafts.py``)."""
+        ...
 
     def counters(self) -> Mapping[str, float]:
         """One snapshot: hits by kind, misses, saves by reason, saves_dropped, evictions,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvwarm.cache.formats.kvc import KvcFields
-from kvwarm.cache.types import RowInfo, SaveRequest, TierName
+from kvwarm.cache.types import RestChunks, RowInfo, SaveRequest, TierName
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,13 @@ class StoredRow:
     # and how many tokens each covers.
     chunks: tuple[bytes, ...] = ()
     chunk_lens: tuple[int, ...] = ()
+    # A manifest's rest in chunks of the same tier (an iSWA window), or None.
+    rest: RestChunks | None = None
+
+    @property
+    def chunk_refs(self) -> tuple[bytes, ...]:
+        """Every chunk the row names: its first cache's, then its rest's."""
+        return self.chunks if self.rest is None else self.chunks + self.rest.keys
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,7 +84,9 @@ class EventLog:
 
     def row_stored(self, row: StoredRow) -> None:
         scope, source = self._place(row.info.tier)
-        fact = RowFact(row.info.key, row.info.tier, scope, source, row.info.n_tokens, row.chunks)
+        fact = RowFact(
+            row.info.key, row.info.tier, scope, source, row.info.n_tokens, row.chunk_refs
+        )
         with self._lock:
             self._rows[fact.key] = fact
             self._append(fact)

@@ -11,17 +11,20 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TypedDict
 
 from kvwarm.backends.base import (
+    POOLING_TYPES,
     Backend,
     ContextParams,
     FlashAttn,
     KvType,
     ModelParams,
+    PoolingType,
     RopeScaling,
     SplitMode,
 )
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierName
 from kvwarm.cache.validate import validate_policy
 from kvwarm.engine.fingerprint import parse_mode
+from kvwarm.engine.types import MAX_DRAFT_TOKENS, SPEC_TYPES, SpecType
 from kvwarm.engine.worker.batching import StrategyName, strategy
 from kvwarm.errors import ConfigError
 
@@ -56,6 +59,20 @@ class ModelConfig:
     chat_template: str | None = None
     max_queue: int = 256
     batch_strategy: StrategyName = "decode_first"
+    #: ``--pooling``: how the model pools, over what its GGUF declares (None: the GGUF's,
+    #: else mean). ``rank`` makes it a reranker (``Model.rerank``; it then only ranks).
+    pooling: PoolingType | None = None
+    #: The most documents one rerank may score (more: ``InvalidRequestError``).
+    rerank_max_documents: int = 1000
+    #: A rerank document whose prompt does not fit the context: its end is cut to fit
+    #: (True) or the rerank refused (False: ``ContextOverflowError``).
+    rerank_truncate: bool = False
+    #: Speculative decoding (``engine/worker/drafts.py``): the draft source of requests that
+    #: do not choose one (``SpecType``; llama-server's ``--spec-type``), the n-gram size its
+    #: lookups match, and the most tokens one draft may hold. Off in deterministic mode.
+    spec_type: SpecType = "none"
+    spec_ngram_n: int = 4
+    spec_draft_max: int = 32
     #: LoRA adapters loaded with the model (``AdapterError`` fails the load: one that does not
     #: fit the model's architecture or tensor shapes).
     lora: tuple[LoraSpec, ...] = ()
@@ -81,6 +98,28 @@ class ModelConfig:
             )
         parse_mode(self.fingerprint_mode)
         strategy(self.batch_strategy)
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ConfigError(
+                f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}"
+            )
+        if self.rerank_max_documents < 1:
+            raise ConfigError("rerank_max_documents must be >= 1")
+        if self.spec_type not in SPEC_TYPES:
+            raise ConfigError(
+                f"spec_type must be one of {', '.join(SPEC_TYPES)}; got {self.spec_type!r}"
+            )
+        if self.spec_type != "none" and self.context.flash_attn == "off":
+            # Measured (docs/internals.md, "Speculative decoding"): without flash attention a
+            # verify pass's rows differ from one-token passes' and greedy replies changed.
+            raise ConfigError(
+                "speculative decoding needs flash attention: set flash_attn to 'auto' or 'on'"
+            )
+        if not 1 <= self.spec_ngram_n <= 64:
+            raise ConfigError(f"spec_ngram_n must be in [1, 64], got {self.spec_ngram_n}")
+        if not 0 <= self.spec_draft_max <= MAX_DRAFT_TOKENS:
+            raise ConfigError(
+                f"spec_draft_max must be in [0, {MAX_DRAFT_TOKENS}], got {self.spec_draft_max}"
+            )
         if self.policy is not None:
             validate_policy(self.policy)
         names = [spec.name for spec in self.lora if spec.name]
@@ -135,6 +174,12 @@ class ModelOptions(TypedDict, total=False):
     fingerprint_mode: str
     max_queue: int
     batch_strategy: StrategyName
+    pooling: PoolingType | None
+    rerank_max_documents: int
+    rerank_truncate: bool
+    spec_type: SpecType
+    spec_ngram_n: int
+    spec_draft_max: int
     lora: tuple[LoraSpec, ...]
 
 
@@ -167,6 +212,8 @@ def with_options(cfg: ModelConfig, options: ModelOptions) -> ModelConfig:
     )
 
 
-_CONTEXT_FIELDS = frozenset(f.name for f in fields(ContextParams))
+# ``pooling`` is the model's (``ModelConfig.pooling``): it decides what the model is; the
+# context field of that name is how the model then runs each of its contexts.
+_CONTEXT_FIELDS = frozenset(f.name for f in fields(ContextParams)) - {"pooling"}
 _MODEL_FIELDS = frozenset(f.name for f in fields(ModelParams)) - {"progress"}
 _CONFIG_FIELDS = frozenset(f.name for f in fields(ModelConfig)) - {"context", "model_params"}

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Unpack
 
 from kvwarm.backends import get_backend
-from kvwarm.backends.base import AdapterSet, Backend, BackendModel, ContextMemory
+from kvwarm.backends.base import AdapterSet, Backend, BackendModel, ContextMemory, PoolingType
 from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, resolve_template
 from kvwarm.cache.formats.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
@@ -30,6 +30,7 @@ from kvwarm.engine.describe import (
     ModelState,
     model_info,
     model_status,
+    speculation,
     warn_if_past_training,
 )
 from kvwarm.engine.embeddings import Embedder
@@ -44,20 +45,23 @@ from kvwarm.engine.prompts import (
     longest_piece,
 )
 from kvwarm.engine.request import RequestKind, check_tokens
+from kvwarm.engine.rerank import Ranker, RerankLimits
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.submit import Submitter
 from kvwarm.engine.types import (
     AdapterInfo,
+    Capability,
     Completion,
     CompletionStats,
     GenerationOptions,
     ModelInfo,
     ModelStatus,
+    Reranking,
 )
 from kvwarm.engine.worker.batching import strategy
 from kvwarm.engine.worker.loop import Worker, WorkerConfig
 from kvwarm.engine.worker.runtime import LoraChoice
-from kvwarm.errors import AdapterError, EngineClosedError, InvalidRequestError
+from kvwarm.errors import AdapterError, CapabilityError, EngineClosedError, InvalidRequestError
 from kvwarm.tokens import Prompt
 
 if TYPE_CHECKING:
@@ -99,7 +103,18 @@ class Model:
         self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint, phases.hashing())
         params = replace(cfg.model_params, progress=phases.weights())
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
-        ran = self._bmodel.context_params(cfg.context, deterministic=cfg.deterministic)
+        ran = self._bmodel.context_params(
+            cfg.context, deterministic=cfg.deterministic, speculative=cfg.spec_type != "none"
+        )
+        facts = self._bmodel.facts
+        #: How it pools: the setting's, else the GGUF's, else the context's (mean).
+        self.pooling: PoolingType = cfg.pooling or facts.pooling or ran.pooling
+        if self.pooling == "rank":
+            # A reranker's slots pool their sequences by rank (llama-server's --rerank); an
+            # encoder's prompt runs whole, in one ubatch, so a ubatch is a whole batch.
+            ran = replace(ran, embeddings=True, pooling="rank")
+            if not facts.causal:
+                ran = replace(ran, n_ubatch=ran.n_batch)
         self.config = cfg = replace(cfg, context=ran)
         self.chat_template_name, self._template = self._chat_template(cfg.chat_template)
         self._longest_lock = threading.Lock()
@@ -121,7 +136,23 @@ class Model:
             self._adapters.check,
         )
         self._embedder = Embedder(
-            self._bmodel, cfg.context, self._worker, adapters=self._adapters.applied
+            self._bmodel,
+            replace(cfg.context, pooling=self.pooling),
+            self._worker,
+            adapters=self._adapters.applied,
+        )
+        ctx = cfg.context
+        self._ranker = Ranker(
+            self._bmodel,
+            self._worker,
+            RerankLimits(
+                limit=ctx.n_ctx if facts.causal else min(ctx.n_ctx, ctx.n_ubatch),
+                max_documents=cfg.rerank_max_documents,
+                truncate=cfg.rerank_truncate,
+            ),
+            whole=not facts.causal,
+            deterministic=cfg.deterministic,
+            n_batch=ctx.n_batch,
         )
         try:
             for spec in cfg.lora:
@@ -169,6 +200,11 @@ class Model:
                 fingerprint_mode=self.fingerprint_mode,
                 max_queue=cfg.max_queue,
                 strategy=strategy(cfg.batch_strategy),
+                whole=self.pooling == "rank" and not facts.causal,
+                spec_type=cfg.spec_type,
+                spec_ngram_n=cfg.spec_ngram_n,
+                spec_draft_max=cfg.spec_draft_max,
+                speculates=not speculation(cfg, self._ctx.memory).startswith("off"),
             ),
             self.namespace,
             self._resolve_lora,
@@ -231,6 +267,28 @@ class Model:
             adapters=self.list_adapters(),
             chat_template_name=self.chat_template_name,
             context_memory=self._context_memory(),
+            capabilities=self.capabilities,
+            pooling=self.pooling,
+        )
+
+    @property
+    def capabilities(self) -> tuple[Capability, ...]:
+        """What it can be asked to do: a reranker only ranks (its slots pool by rank)."""
+        return ("rerank",) if self.pooling == "rank" else ("generate", "embed")
+
+    def _require(self, capability: Capability) -> None:
+        if capability in self.capabilities:
+            return
+        if capability == "rerank":
+            raise CapabilityError(
+                f"model {self.id!r} is not a reranker (its pooling is {self.pooling}; a "
+                "reranker's is rank: set pooling to rank to rank with it)",
+                param="model",
+            )
+        raise CapabilityError(
+            f"model {self.id!r} is a reranker: it can only rerank (/v1/rerank), not "
+            f"{'embed' if capability == 'embed' else 'generate text'}",
+            param="model",
         )
 
     def _context_memory(self) -> ContextMemory:
@@ -287,6 +345,8 @@ class Model:
             return resolve_template(chosen)
         if self._bmodel.facts.chat_template:
             return "gguf", None
+        if self.pooling == "rank":  # a reranker never chats: nothing to warn about
+            return f"{FALLBACK_TEMPLATE} (fallback)", BUILTIN_TEMPLATES[FALLBACK_TEMPLATE]
         log.warning(
             "model %s carries no chat template: chats use %s (set chat_template to choose)",
             self.id,
@@ -395,6 +455,7 @@ class Model:
         """Prefill ``prompt`` and save it (with its final logits), generating nothing. With a
         ``cache_salt`` the row serves only requests with the same salt."""
         self._check_ready()
+        self._require("generate")
         opts = GenerationOptions(
             max_tokens=0, temperature=0.0, add_special=add_special, cache_salt=cache_salt
         )
@@ -470,6 +531,7 @@ class Model:
         self, prompt: Prompt, opts: GenerationOptions, text: str, n: int, fragments: bool
     ) -> list[CompletionStream]:
         self._check_ready()
+        self._require("generate")
         return self._submitter.group(prompt, opts, text, n, fragments)
 
     def infill_tokens(
@@ -497,6 +559,7 @@ class Model:
         fragments: bool = True,
     ) -> CompletionStream:
         self._check_ready()
+        self._require("generate")
         return self._submitter.one(prompt, opts, text, kind, ttl, fragments=fragments)
 
     # ---- embeddings ---------------------------------------------------------------------
@@ -507,7 +570,36 @@ class Model:
         """One pooled vector per input. An input is text (tokenized with BOS) or token ids,
         used exactly as given: ids are never detokenized and tokenized again."""
         self._check_ready()
+        self._require("embed")
         return self._embedder.embed(inputs, normalize=normalize)
+
+    # ---- reranking ----------------------------------------------------------------------
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        max_tokens_per_doc: int | None = None,
+        cache_salt: str | None = None,
+    ) -> Reranking:
+        """The ``documents`` by relevance to ``query``, best first, at most ``top_n`` (a
+        reranker only: ``CapabilityError`` otherwise). Each document is scored in a slot of
+        its own, batched like any request; a decoder reranker's documents share the prompt
+        before the document (instruction and query), prefilled once (``engine/rerank.py``).
+        ``max_tokens_per_doc`` cuts each document to that many tokens (Cohere's). A
+        document whose prompt does not fit ``n_ctx`` is ``ContextOverflowError``, or cut to
+        fit with ``rerank_truncate``."""
+        self._check_ready()
+        self._require("rerank")
+        return self._ranker.rerank(
+            query,
+            documents,
+            top_n=top_n,
+            max_tokens_per_doc=max_tokens_per_doc,
+            cache_salt=cache_salt,
+        )
 
     # ---- adapters -----------------------------------------------------------------------
 

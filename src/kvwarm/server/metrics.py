@@ -28,7 +28,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from kvwarm.cache.types import TIER_SERIES
+from kvwarm.cache.types import MEMORY_SERIES, TIER_SERIES
 from kvwarm.engine.types import ModelStatus
 from kvwarm.server.budget import MemoryPlan
 
@@ -39,6 +39,12 @@ _BAD_NAME = re.compile(r"[^a-zA-Z0-9_]")
 _TIER_KEY = re.compile(
     r"^tier_([A-Za-z0-9_]+?)_("
     + "|".join(sorted(map(re.escape, TIER_SERIES), key=len, reverse=True))
+    + r")$"
+)
+# memory_<kind>_<series>: what the rows of one memory kind store and restore.
+_MEMORY_KEY = re.compile(
+    r"^memory_([a-z]+)_("
+    + "|".join(sorted(map(re.escape, MEMORY_SERIES), key=len, reverse=True))
     + r")$"
 )
 # Cache counters that are levels, not running totals (tier_* levels are matched separately).
@@ -108,6 +114,14 @@ def add_cache(out: Families, counters: Mapping[str, float]) -> None:
                 value,
                 tier=tier.group(1),
             )
+        elif (memory := _MEMORY_KEY.match(key)) is not None:
+            out.add(
+                f"kvwarm_cache_memory_{memory.group(2)}",
+                "gauge",
+                f"cache rows of one memory kind: {memory.group(2).replace('_', ' ')}",
+                value,
+                memory=memory.group(1),
+            )
         elif key in _GAUGES:
             out.add(f"kvwarm_cache_{key}", "gauge", f"cache {key.replace('_', ' ')}", value)
         else:
@@ -146,6 +160,27 @@ _MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
         1,
     ),
     ("kvwarm_completion_tokens_total", "counter", "generated tokens", "completion_tokens", 1),
+    (
+        "kvwarm_spec_draft_tokens_total",
+        "counter",
+        "speculative decoding: tokens drafted into verify passes",
+        "drafted_tokens",
+        1,
+    ),
+    (
+        "kvwarm_spec_accepted_tokens_total",
+        "counter",
+        "speculative decoding: drafted tokens the model accepted",
+        "accepted_tokens",
+        1,
+    ),
+    (
+        "kvwarm_spec_verify_passes_total",
+        "counter",
+        "speculative decoding: a slot's passes that verified a draft",
+        "verify_passes",
+        1,
+    ),
     ("kvwarm_prefill_seconds_total", "counter", "time spent in prefill", "prefill_ms", 1e-3),
     ("kvwarm_decode_seconds_total", "counter", "time spent generating", "generation_ms", 1e-3),
 )

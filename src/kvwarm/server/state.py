@@ -262,7 +262,9 @@ class ServerState:
     def _prewarm_systems(self, model: ServedModel, model_id: str) -> None:
         """``--prewarm-system``: every prompt, in every namespace a tenant may ask from
         (``tenancy.system_salts``). Shared with the cluster's ingress, which warms through
-        the replicas."""
+        the replicas. A reranker is skipped: it never chats."""
+        if "generate" not in model.info().capabilities:
+            return
         for prompt in self.settings.prewarm_system:
             for salt in tenancy.system_salts(self.settings):
                 self._prewarm_system(model, model_id, prompt, salt)

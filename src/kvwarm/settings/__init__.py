@@ -197,6 +197,11 @@ class Settings(ModelSettings, ServingSettings):
         description="rows are stored as shared chunks of this many tokens (a divisor or a "
         "multiple of n_batch; 0: one whole blob a row)",
     )
+    cache_state_history: Int = Field(
+        default=2,
+        description="a recurrent or hybrid model's saved states kept per conversation below "
+        "its newest, besides those other conversations share (-1: every one)",
+    )
     policy: Policy = Field(
         default=SERVER_POLICY,
         description="cache policy override KEY=VALUE (repeatable), e.g. min_tokens=64",

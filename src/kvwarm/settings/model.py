@@ -36,8 +36,10 @@ from kvwarm.settings.types import (
     Loras,
     OptInt,
     OptPath,
+    OptPooling,
     OptRopeScaling,
     OptStr,
+    SpecTypeName,
     SplitModeName,
     TensorSplit,
 )
@@ -152,6 +154,35 @@ class ModelSettings(BaseSettings):
     )
     yarn_orig_ctx: Int = Field(
         default=0, description="YaRN original training context size (0: the model's)"
+    )
+    pooling: OptPooling = Field(
+        default=None,
+        description="how the model pools: none, mean, cls, last or rank (a reranker, which then "
+        "only ranks: /v1/rerank); default the GGUF's, else mean",
+    )
+    rerank_max_documents: Int = Field(
+        default=1000, description="the most documents one rerank may score (more: a 400)"
+    )
+    rerank_truncate: Bool = Field(
+        default=False,
+        description="cut a rerank document whose prompt does not fit n_ctx to fit (default: "
+        "refuse the rerank with a 400)",
+    )
+    spec_type: SpecTypeName = Field(
+        default="none",
+        description="speculative decoding from n-grams of each request's own prompt and reply: "
+        "none, ngram-simple or ngram-map-k (llama-server's names); exact, off in "
+        "deterministic mode; a request may choose its own (spec_type)",
+    )
+    spec_ngram_n: Int = Field(
+        default=4,
+        description="speculative decoding: how many tokens an n-gram lookup matches",
+    )
+    spec_draft_max: Int = Field(
+        default=32,
+        description="speculative decoding: the most tokens one draft holds (at most 48; "
+        "each draft is sized to the acceptance seen and what a pass costs)",
+        json_schema_extra=_flags("--spec-draft-n-max"),
     )
     # Ollama's and LM Studio's users pin the model they work with: it stays loaded.
     pinned: Bool = Field(
@@ -374,6 +405,12 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
         deterministic=settings.deterministic,
         max_queue=settings.max_queue,
         chat_template=_value(settings, spec, "chat_template"),
+        pooling=_value(settings, spec, "pooling"),
+        rerank_max_documents=_value(settings, spec, "rerank_max_documents"),
+        rerank_truncate=_value(settings, spec, "rerank_truncate"),
+        spec_type=_value(settings, spec, "spec_type"),
+        spec_ngram_n=_value(settings, spec, "spec_ngram_n"),
+        spec_draft_max=_value(settings, spec, "spec_draft_max"),
         # Loaded off (scale 0): the model serves itself; a request names an adapter to use it.
         lora=tuple(
             LoraSpec(str(Path(path).expanduser()), name)

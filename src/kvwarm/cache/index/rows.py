@@ -28,7 +28,7 @@ from kvwarm.cache.eviction.base import EvictionPolicy
 from kvwarm.cache.index.chunkrefs import ChunkRefs
 from kvwarm.cache.index.prefix import PrefixIndex
 from kvwarm.cache.protocols import RowEvents, StoredRow
-from kvwarm.cache.types import Namespace, PrefixMatch, RowInfo, TierName, TierSizes
+from kvwarm.cache.types import Namespace, PrefixMatch, RestChunks, RowInfo, TierName, TierSizes
 
 __all__ = ["RowTable"]
 
@@ -40,6 +40,7 @@ class _Entry:
     refcount: int = 0
     chunks: tuple[bytes, ...] = ()
     chunk_lens: tuple[int, ...] = ()
+    rest: RestChunks | None = None
     # Which stored copy the pins count: a reader's check-in of a copy since removed must not
     # release the pin of a copy published later under the same key.
     gen: int = 0
@@ -127,12 +128,25 @@ class RowTable:
         entry = self._entries.get(key)
         return () if entry is None else entry.chunk_lens
 
+    def rest_starts(
+        self, tier: TierName, namespace: Namespace, tokens: Sequence[int], limit: int
+    ) -> set[int]:
+        """Where the rest chunks of up to ``limit`` rows of ``tier`` that are whole prefixes
+        of ``tokens`` start (their windows' first chunks)."""
+        out = set()
+        for key, _ in self._prefix.whole(namespace, tokens, limit):
+            entry = self._entries.get(key)
+            if entry is not None and entry.rest is not None and entry.info.tier == tier:
+                out.add(entry.rest.start)
+        return out
+
     def infos(self) -> list[RowInfo]:
         """Every row, with its ``logical_bytes`` and ``exclusive_bytes`` as of now."""
         out = []
         for e in self._entries.values():
             info = e.info
-            logical, exclusive = self.chunks.row_sizes(info.tier, e.chunks)
+            refs = e.chunks if e.rest is None else e.chunks + e.rest.keys
+            logical, exclusive = self.chunks.row_sizes(info.tier, refs)
             out.append(
                 replace(
                     info,
@@ -147,6 +161,15 @@ class RowTable:
 
     def tokens(self, key: bytes) -> tuple[int, ...] | None:
         return self._prefix.tokens(key)
+
+    def lineage(self, key: bytes) -> list[tuple[bytes, bool]]:
+        """``PrefixIndex.lineage``: the rows ``key`` extends, nearest first, and whether
+        another row outside that path extends each."""
+        return self._prefix.lineage(key)
+
+    def below(self, key: bytes) -> int:
+        """``PrefixIndex.below``: how many rows extend ``key`` along one path."""
+        return self._prefix.below(key)
 
     def usage(self) -> dict[TierName, tuple[int, int]]:
         """Per tier ever used: (bytes, rows); bytes include the tier's chunks, each once."""
@@ -166,6 +189,29 @@ class RowTable:
             for t in tiers
         }
 
+    def memory_sizes(self) -> dict[str, TierSizes]:
+        """Per memory kind the rows record ("unknown" for those that do not say): their own
+        bytes plus each chunk they name once (``physical_bytes``; a chunk is never shared
+        across kinds, whose namespaces differ), and what they restore (``logical_bytes``)."""
+        own: dict[str, int] = {}
+        logical: dict[str, int] = {}
+        rows: dict[str, int] = {}
+        named: dict[str, set[tuple[TierName, bytes]]] = {}
+        for e in self._entries.values():
+            kind = e.info.memory or "unknown"
+            refs = e.chunks if e.rest is None else e.chunks + e.rest.keys
+            rows[kind] = rows.get(kind, 0) + 1
+            own[kind] = own.get(kind, 0) + e.info.size
+            logical[kind] = logical.get(kind, 0) + e.info.size
+            logical[kind] += self.chunks.row_sizes(e.info.tier, refs)[0]
+            named.setdefault(kind, set()).update((e.info.tier, k) for k in refs)
+        out = {}
+        for kind, n in rows.items():
+            sizes = [self.chunks.size(tier, key) for tier, key in named[kind]]
+            stored = [size for size in sizes if size is not None]
+            out[kind] = TierSizes(own[kind] + sum(stored), logical[kind], n, len(stored))
+        return out
+
     def tier_bytes(self, tier: TierName) -> int:
         return self._bytes.get(tier, 0) + self.chunks.tier_bytes(tier)
 
@@ -176,7 +222,9 @@ class RowTable:
         entry = self._entries[key]
         tokens = self._prefix.tokens(key)
         assert tokens is not None, "row present without tokens"
-        return StoredRow(entry.info, tokens, entry.location, entry.chunks, entry.chunk_lens)
+        return StoredRow(
+            entry.info, tokens, entry.location, entry.chunks, entry.chunk_lens, entry.rest
+        )
 
     # ----------------------------------------------------------------- membership
 
@@ -195,8 +243,10 @@ class RowTable:
                 # Its bytes in the other tier are nobody's to delete here: only forgotten.
                 self.events.row_dropped(dropped, bytes_kept=True)
         self._prefix.insert(info.namespace, key, row.tokens, info.size)
-        self._entries[key] = _Entry(info, row.location, refcount, row.chunks, row.chunk_lens, gen)
-        self.chunks.ref(info.tier, row.chunks)
+        self._entries[key] = _Entry(
+            info, row.location, refcount, row.chunks, row.chunk_lens, row.rest, gen
+        )
+        self.chunks.ref(info.tier, row.chunk_refs)
         self._bytes[info.tier] = self._bytes.get(info.tier, 0) + info.size
         self._count[info.tier] = self._count.get(info.tier, 0) + 1
         self._policy.insert(key, info)
@@ -218,7 +268,7 @@ class RowTable:
         row = self.stored(key)
         tier = row.info.tier
         del self._entries[key]
-        self.chunks.unref(tier, row.chunks, keep=keep_chunk_bytes)
+        self.chunks.unref(tier, row.chunk_refs, keep=keep_chunk_bytes)
         self._bytes[tier] -= row.info.size
         self._count[tier] -= 1
         self._prefix.remove(key)

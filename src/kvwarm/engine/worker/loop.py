@@ -106,15 +106,18 @@ class Worker:
 
     # ---- called from other threads -------------------------------------------------------
 
-    def submit(self, req: Request) -> None:
+    def submit(self, req: Request, *more: Request) -> None:
+        """Queue ``req`` (and ``more`` right behind it, all or none: a rerank's documents)."""
         with self._cond:
             if self._closing:
                 raise EngineClosedError(f"model {self.name!r} is shut down")
-            if len(self._queue) >= self.cfg.max_queue:
+            waiting = sum(1 for r in self._queue if r.counted)
+            if waiting >= self.cfg.max_queue:
                 raise QueueFullError(
-                    f"model {self.name!r} has {len(self._queue)} queued requests (max_queue)"
+                    f"model {self.name!r} has {waiting} queued requests (max_queue)"
                 )
             self._queue.append(req)
+            self._queue.extend(more)
             self._cond.notify_all()
 
     def call(self, fn: Callable[[], T], *, needs_idle: bool = False) -> Future[T]:
@@ -286,12 +289,17 @@ class Worker:
                 return seated
             with self._cond:
                 # n > 1 waits at the head of the queue (FIFO) until all its slots are free;
-                # Model refuses an n above n_parallel, so it never waits for ever.
+                # Model refuses an n above n_parallel, so it never waits for ever. A request
+                # ``after`` another waits there until that one is answered: it is ahead in
+                # the queue or in a slot, so it is answered in time.
                 if not self._queue or len(self._queue[0].group) > len(free):
                     return seated
+                after = self._queue[0].after
+                if after is not None and not after.answered:
+                    return seated
                 req = self._queue.popleft()
-            if req.cancelled.is_set():
-                self.outcomes.cancelled_unstarted(req)
+            if req.cancelled.is_set() or (after is not None and not after.finished):
+                self.outcomes.ended_like(req, after)
                 continue
             self.admission.admit(req, free)
             seated = True

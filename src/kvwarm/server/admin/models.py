@@ -56,6 +56,8 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
     }
     if entry.model is not None and entry.state != "failed":  # failed: its worker died
         info = entry.model.info()
+        # What it can be asked to do: "generate" and "embed", or a reranker's "rerank".
+        item["capabilities"] = list(info.capabilities)
         item["meta"] = {
             "path": info.path,
             "backend": info.backend,
@@ -80,6 +82,10 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             # What its cached states can resume from (kvwarm.memory): an orchestrator or a
             # user can tell why a sliding-window or recurrent model reuses only checkpoints.
             "memory": {"kind": info.memory, "n_swa": info.n_swa, "swa_full": info.swa_full},
+            "pooling": info.pooling,
+            # Speculative decoding: the requests' default draft source, and whether (or where)
+            # this model can speculate at all ("on", "on while ...", "off: why").
+            "speculative": {"type": info.spec_type, "available": info.speculation},
         }
     elif entry.error:
         item["error"] = entry.error

@@ -49,6 +49,7 @@ export class Dashboard {
     this.root = root;
     this.status = root.querySelector("#dash-status");
     this.tiersBody = root.querySelector("#tiers tbody");
+    this.kindsBody = root.querySelector("#memory-kinds tbody");
     this.slots = root.querySelector("#slots");
     this.rows = root.querySelector("#rows");
     this.rowsNote = root.querySelector("#rows-note");
@@ -156,6 +157,7 @@ export class Dashboard {
     this.savedChart.push(now, [savedMs / 1000]);
     this.redrawCharts();
     this.renderTiers(stats.tiers || {});
+    this.renderKinds(stats.memory_kinds || {});
     this.renderSlots(models);
     if (rows) this.renderRows(rows, stats.rows);
   }
@@ -192,6 +194,24 @@ export class Dashboard {
       );
     }
     this.tiersBody.replaceChildren(...rows);
+  }
+
+  /** Stored against logical bytes per memory kind: what deduplication saves on each model. */
+  renderKinds(kinds) {
+    const rows = Object.entries(kinds).map(([kind, level]) =>
+      el(
+        "tr",
+        { data: { kind } },
+        el("th", { scope: "row", text: kind }),
+        el("td", { class: "num", text: fmtInt(level.rows || 0) }),
+        el("td", { class: "num", text: fmtInt(level.tokens || 0) }),
+        el("td", { class: "num", text: fmtInt(level.chunks || 0) }),
+        el("td", { class: "num", text: fmtBytes(level.bytes || 0) }),
+        el("td", { class: "num", text: fmtBytes(level.logical_bytes || 0) }),
+        el("td", { class: "num", text: level.bytes ? `${(level.dedup_ratio || 0).toFixed(2)}x` : "–" }),
+      ),
+    );
+    this.kindsBody.replaceChildren(...rows);
   }
 
   renderSlots(models) {
