@@ -23,6 +23,7 @@ from kvwarm.cache.validate import validate_policy
 from kvwarm.engine.fingerprint import parse_mode
 from kvwarm.engine.worker.batching import StrategyName, strategy
 from kvwarm.errors import ConfigError
+from kvwarm.media import MediaLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,9 +45,15 @@ class ModelConfig:
     chat_template: str | None = None
     max_queue: int = 256
     batch_strategy: StrategyName = "decode_first"
+    #: ``--mmproj``: the multimodal projector GGUF whose images (and audio) this model reads
+    #: (llama.cpp's ``mtmd``); None: text only.
+    mmproj: str | None = None
+    #: What a request's images and audio may be (``kvwarm.media``).
+    media: MediaLimits = field(default_factory=MediaLimits)
 
     def validate(self) -> None:
         self.context.validate()
+        self.media.validate()
         self.model_params.validate()
         if not 1 <= self.n_parallel <= 64:
             raise ConfigError(f"n_parallel must be in [1, 64], got {self.n_parallel}")
@@ -112,6 +119,8 @@ class ModelOptions(TypedDict, total=False):
     fingerprint_mode: str
     max_queue: int
     batch_strategy: StrategyName
+    mmproj: str | None
+    media: MediaLimits
 
 
 def with_options(cfg: ModelConfig, options: ModelOptions) -> ModelConfig:

@@ -14,13 +14,16 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvwarm.cache.types import TtlClass
 from kvwarm.engine.channel import Channel
 from kvwarm.engine.types import Completion, GenerationOptions, TokenLogprob
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
 from kvwarm.tokens import Prompt
+
+if TYPE_CHECKING:
+    from kvwarm.engine.prompts import SpanMedia
 
 RequestKind = Literal["generate", "prewarm"]
 
@@ -71,6 +74,9 @@ class Request:
     # n > 1: the other choices. They share this prompt; the worker seats them with this
     # request and copies its prompt KV to them once it is prefilled (``engine/worker/forks.py``).
     forks: tuple[Request, ...] = ()
+    #: What each of the prompt's spans shows, in order (``engine/prompts.py``): what the worker
+    #: encodes for a span it does not restore.
+    media: tuple[SpanMedia, ...] = ()
     channel: Channel[Event] = field(default_factory=Channel)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)

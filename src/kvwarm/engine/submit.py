@@ -16,12 +16,12 @@ from kvwarm.backends.grammar_cost import check_grammar_cost
 from kvwarm.cache.api import CacheApi
 from kvwarm.cache.types import PolicyConfig, TtlClass
 from kvwarm.engine.config import ModelConfig
+from kvwarm.engine.prompts import MediaPrompt
 from kvwarm.engine.request import Request, RequestKind, check_length
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.types import RANDOM_SEED, GenerationOptions, sampler_seed
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import InvalidRequestError
-from kvwarm.tokens import Prompt
 
 
 def choice_options(opts: GenerationOptions, n: int, limit: int) -> list[GenerationOptions]:
@@ -48,7 +48,7 @@ class Submitter:
     policy: PolicyConfig
 
     def group(
-        self, prompt: Prompt, opts: GenerationOptions, text: str, n: int, fragments: bool
+        self, prompt: MediaPrompt, opts: GenerationOptions, text: str, n: int, fragments: bool
     ) -> list[CompletionStream]:
         """``n`` choices of one prompt, prefilled once."""
         choices = choice_options(opts, n, self.config.n_parallel)
@@ -57,7 +57,7 @@ class Submitter:
 
     def one(
         self,
-        prompt: Prompt,
+        given: MediaPrompt,
         opts: GenerationOptions,
         text: str,
         kind: RequestKind = "generate",
@@ -67,7 +67,10 @@ class Submitter:
         forks: Sequence[GenerationOptions] = (),
     ) -> CompletionStream:
         """Queue one request (with ``forks``: the options of its other choices)."""
+        prompt = given.prompt
         check_length(prompt.tokens, self.config.context.n_ctx)
+        if prompt.spans:
+            self._check_spans(given, opts)
         grammar = opts.grammar
         if opts.json_schema is not None:
             grammar = json_schema_to_grammar(opts.json_schema)
@@ -113,6 +116,7 @@ class Submitter:
                 prompt_text=text,
                 fragments=fragments,
                 forks=others,
+                media=given.media,
             )
 
         req = request(opts, tuple(request(f) for f in forks))
@@ -125,3 +129,23 @@ class Submitter:
             self.bmodel.new_sampler(opts.sampling(grammar)).close()
         self.worker.submit(req)
         return CompletionStream(req, self.worker.cancel)
+
+    def _check_spans(self, given: MediaPrompt, opts: GenerationOptions) -> None:
+        """A prompt's spans are decoded whole, each in one ubatch; their positions have no
+        token to score."""
+        ctx = self.config.context
+        room = min(ctx.n_ubatch, ctx.n_batch)
+        longest = max(span.length for span in given.prompt.spans)
+        if longest > room:
+            raise InvalidRequestError(
+                f"an image or audio clip of {longest} positions does not fit one ubatch "
+                f"(n_ubatch={ctx.n_ubatch}): it is decoded whole; load the model with a "
+                "larger n_ubatch and n_batch",
+                param="messages",
+            )
+        if opts.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "prompt logprobs score each prompt token: a prompt with images or audio has "
+                "positions that are no token",
+                param="prompt_logprobs",
+            )

@@ -281,7 +281,12 @@ class Admission:
             resume_points=planned.resume, deterministic=req.deterministic,
         )  # fmt: skip
         pauses = self.port.pauses(
-            keep, n, resume_points=planned.resume, saved=saved, end=req.kind != "prewarm"
+            keep,
+            n,
+            resume_points=planned.resume,
+            saved=saved,
+            end=req.kind != "prewarm",
+            spans=req.prompt.spans,
         )
         # Explained before seating: an exact hit from a row's logits may finish right there.
         try:
@@ -303,6 +308,11 @@ class Admission:
             forks=fork_slots,
             reuse=reuse,
         )
+        encoder = self.rt.encoder
+        for index, span in enumerate(req.prompt.spans):
+            # Only the spans it did not restore; encoded while the worker decodes the rest.
+            if span.end > keep and encoder is not None:
+                active.encodes[index] = encoder.start(req.media[index])
         slot.active = active
         slot.kv_namespace = ns  # whatever KV the slot holds from now on was computed under ns
         slot.phase = "prefill"

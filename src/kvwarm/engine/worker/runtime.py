@@ -17,6 +17,7 @@ from kvwarm.cache.api import CacheApi
 from kvwarm.cache.types import FingerprintMode, Namespace, PolicyConfig, TierName
 from kvwarm.engine.types import CompletionStats, SlotStatus
 from kvwarm.engine.worker.batching import BatchStrategy
+from kvwarm.engine.worker.encoder import Encoder
 from kvwarm.engine.worker.joinbuf import JoinBuffer
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.memory import MemoryKind
@@ -70,6 +71,8 @@ class Runtime:
     stats: WorkerStats = field(default_factory=WorkerStats)
     view: tuple[SlotStatus, ...] = ()
     join_buf: JoinBuffer = field(default_factory=JoinBuffer)  # chunked restores join here
+    #: Encodes media spans off this thread (None: the model has no projector).
+    encoder: Encoder | None = None
     _eog: tuple[int, ...] | None = None
 
     @property

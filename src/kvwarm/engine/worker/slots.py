@@ -10,6 +10,7 @@ within it, as rows are (``docs/architecture.md``, "Tenants").
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvwarm.backends.base import Sampler
@@ -46,6 +47,8 @@ class Active:
     last_continued: int = 0  # live KV length at the last continued save
     forks: list[Slot] = field(default_factory=list)  # slots waiting for this prompt's KV
     reuse: ReuseReport | None = None  # why no more of the prompt was reused (worker/explain.py)
+    #: The embeddings of the prompt's spans it did not restore, being encoded (by span index).
+    encodes: dict[int, Future[bytes]] = field(default_factory=dict)
 
     def unsent_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The logprobs not yet sent with a fragment; marks them sent."""
