@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvwarm.errors import InvalidRequestError
+from kvwarm.errors import MediaError
 
 __all__ = [
     "AUDIO_FORMATS",
@@ -56,11 +56,6 @@ MediaKind = Literal["image", "audio"]
 IMAGE_FORMATS = ("png", "jpeg", "webp", "gif", "bmp")
 #: The audio formats ``decode_audio`` reads.
 AUDIO_FORMATS = ("wav",)
-
-
-class MediaError(InvalidRequestError):
-    """An image or audio part that cannot be used: over a limit, of a format not allowed,
-    truncated or not what it claims. ``param`` names the part."""
 
 
 @dataclass(frozen=True, slots=True)

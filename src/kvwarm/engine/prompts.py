@@ -232,6 +232,8 @@ def _media_parts(
         text: list[str] = []
         for j, part in enumerate(content):
             where = f"messages.{i}.content.{j}"
+            if isinstance(part, Mapping) and isinstance(part.get("param"), str):
+                where = str(part["param"])  # where the client put it (another API's body)
             if isinstance(part, str):
                 text.append(part)
                 continue

@@ -143,9 +143,11 @@ def _arithmetic(
 
 
 def memory_of(model_id: str, model: ServedModel) -> ModelMemory:
-    """What a loaded model holds, from its ``info()``."""
+    """What a loaded model holds, from its ``info()``: its projector's weights and buffers
+    count with its weights."""
     info = model.info()
-    return ModelMemory(model_id, info.size_bytes, info.kv_bytes, info.context_bytes)
+    weights = info.size_bytes + info.projector_bytes
+    return ModelMemory(model_id, weights, info.kv_bytes, info.context_bytes)
 
 
 def apply(cache: Cache, memory_plan: MemoryPlan) -> None:

@@ -84,6 +84,7 @@ _KINDS: dict[type[BaseException], ErrorKind] = {
     e.NotAModelError: ErrorKind(400, _INVALID, "not_a_model"),
     e.RequestTimeoutError: ErrorKind(503, "service_unavailable", "request_timeout"),
     e.FimNotSupportedError: ErrorKind(400, _INVALID, "fim_not_supported"),
+    e.MediaError: ErrorKind(400, _INVALID, "invalid_media"),
     e.InvalidRequestError: ErrorKind(400, _INVALID, "invalid_value"),
     e.ConfigError: ErrorKind(400, _INVALID, "invalid_config"),
     e.UnknownModelError: ErrorKind(404, _INVALID, "model_not_found"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
@@ -105,6 +106,11 @@ class ModelSettings(BaseSettings):
         default=None,
         description="chat template: a built-in name (chatml, gemma, llama3, mistral) or a Jinja "
         "file; default the GGUF's own, else chatml (with a warning)",
+    )
+    mmproj: OptPath = Field(
+        default=None,
+        description="multimodal projector GGUF (llama-server's --mmproj): the model then reads "
+        "images (and audio) in chat messages; a models_dir pairs mmproj-NAME.gguf with NAME.gguf",
     )
     swa_full: Bool = Field(
         default=False,
@@ -262,7 +268,11 @@ def check_models(settings: Settings) -> None:
         raise ConfigError("model_idle_unload_s and max_loaded_models must be >= 0")
     for spec in settings.models:
         try:
-            model_config(settings, spec).validate()  # its context and model params included
+            cfg = model_config(settings, spec)
+            cfg.validate()  # its context and model params included
+            backend = spec.backend or settings.backend
+            if cfg.mmproj is not None and backend != "stub" and not Path(cfg.mmproj).is_file():
+                raise ConfigError(f"mmproj: no projector file at {cfg.mmproj}")
             template = _value(settings, spec, "chat_template")
             if template is not None:
                 resolve_template(template)
@@ -275,6 +285,7 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
     from kvwarm.engine.api import ModelConfig
 
     context, params = hardware_params(settings, spec)
+    mmproj = _value(settings, spec, "mmproj")
     return ModelConfig(
         backend=spec.backend,
         context=context,
@@ -286,4 +297,6 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
         deterministic=settings.deterministic,
         max_queue=settings.max_queue,
         chat_template=_value(settings, spec, "chat_template"),
+        mmproj=None if mmproj is None else str(mmproj),
+        media=settings.media_limits(),
     )
