@@ -35,3 +35,15 @@ def image_chat(
             ],
         },
     ]
+
+
+def poke(data: bytes) -> bytes:
+    """The PNG ``data`` with its first pixel's red value changed by one."""
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    r, g, b = img.getpixel((0, 0))  # type: ignore[misc]
+    img.putpixel((0, 0), (r ^ 1, g, b))
+    out = io.BytesIO()
+    img.save(out, format="PNG")
+    return out.getvalue()
