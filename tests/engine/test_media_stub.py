@@ -12,6 +12,7 @@ from tests.engine.conftest import LOW_GATES, make_engine, stub_config
 from tests.engine.mediakit import image_chat, png
 
 from kvwarm.backends.stub import StubBackend
+from kvwarm.cache.explain import MissReason
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.errors import BackendError, InvalidRequestError
@@ -50,6 +51,8 @@ def test_the_same_image_shares_its_kv_across_conversations_and_a_pixel_does_not(
     model.evict()
     poked = model.chat(image_chat(png(1, poke=True), "What is it?"), options=GREEDY)
     assert poked.stats.cached_tokens <= span.start  # only what precedes the picture
+    assert poked.stats.reuse is not None
+    assert poked.stats.reuse.reason is MissReason.MEDIA_DIFFERS  # and says why
     assert first.stats.cached_tokens == 0
 
 

@@ -159,6 +159,7 @@ const REASON_TEXT = {
   restore_failed: "the row could not be restored",
   prompt_logprobs: "prompt logprobs need every position's logits",
   inside_span: "the reusable prefix ended inside an image or audio, decoded whole",
+  media_differs: "the prompt's image or audio differs from what was cached there",
 };
 
 /** One line under the cache bar: why the rest was prefilled, with its numbers. */
