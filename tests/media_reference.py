@@ -58,6 +58,45 @@ def picture(seed: int) -> bytes:
     return out.getvalue()
 
 
+AUDIO_CASE = "smollm2-audio"
+CLIPS = (1, 2)
+AUDIO_QUESTION = "What do you hear?"
+
+
+def clip(seed: int) -> bytes:
+    """A seeded one-second 16 kHz mono 16-bit WAV (a chord of three seeded tones)."""
+    import wave
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(16000) / 16000.0
+    tones = sum(np.sin(2 * np.pi * f * t) for f in rng.uniform(200, 2000, 3))
+    pcm = (tones / 3 * 20000).astype("<i2")
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(pcm.tobytes())
+    return out.getvalue()
+
+
+def audio_messages(wav: bytes) -> list[dict[str, object]]:
+    """The audio chat, OpenAI-shaped: a system message, then a question and the clip."""
+    return [
+        {"role": "system", "content": SYSTEM},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": AUDIO_QUESTION},
+                {
+                    "type": "input_audio",
+                    "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"},
+                },
+            ],
+        },
+    ]
+
+
 def messages(png: bytes) -> list[dict[str, object]]:
     """The chat, OpenAI-shaped: a system message, then a question and the picture."""
     uri = "data:image/png;base64," + base64.b64encode(png).decode()
@@ -80,7 +119,7 @@ def sha256(data: bytes) -> str:
 def record() -> dict[str, object]:
     sys.path.insert(0, str(ROOT / "bench"))
     sys.path.insert(0, str(ROOT))
-    from tests.tinymodels import write_tiny_projector
+    from tests.tinymodels import write_tiny_audio_projector, write_tiny_projector
 
     from multiturn import free_port, post, wait_ready
     from peer import llama_server
@@ -127,7 +166,51 @@ def record() -> dict[str, object]:
                 "mmproj_sha256": sha256(proj.read_bytes()),
                 "replies": replies,
             }
+        out["cases"][AUDIO_CASE] = _record_audio(Path(tmp), write_tiny_audio_projector)  # type: ignore[index]
     return out
+
+
+def _record_audio(tmp: Path, write: object) -> dict[str, object]:
+    """SmolLM2 with the audio projector: a clip is one 750-position span, decoded in one
+    pass on both servers (batch and ubatch 1024)."""
+    from multiturn import free_port, post, wait_ready
+    from peer import llama_server
+
+    model = model_path("smollm2")
+    proj = write(tmp / "mmproj-audio.gguf", 576)  # type: ignore[operator]
+    port = free_port()
+    cmd = [
+        str(llama_server()), "--host", "127.0.0.1", "--port", str(port), "-m", str(model),
+        "--mmproj", str(proj), "-c", "2048", "-b", "1024", "-ub", "1024", "-np", "1",
+        "-t", "1", "-tb", "1", "-fa", "on", "--jinja", "--no-webui", "--no-warmup",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    replies = {}
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", proc)
+        for seed in CLIPS:
+            wav = clip(seed)
+            body = {
+                "messages": audio_messages(wav),
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "cache_prompt": False,
+            }
+            got = post(f"http://127.0.0.1:{port}/v1/chat/completions", body)
+            replies[str(seed)] = {
+                "wav_sha256": sha256(wav),
+                "text": got["choices"][0]["message"]["content"],  # type: ignore[index]
+                "prompt_tokens": got["usage"]["prompt_tokens"],  # type: ignore[index]
+            }
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return {
+        "model": model.name,
+        "model_sha256": sha256(model.read_bytes()),
+        "mmproj_sha256": sha256(proj.read_bytes()),
+        "replies": replies,
+    }
 
 
 if __name__ == "__main__":

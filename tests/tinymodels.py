@@ -201,3 +201,54 @@ def write_tiny_projector(path: Path, n_embd_text: int, *, seed: int = 11) -> Pat
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tiny_audio_projector(path: Path, n_embd_text: int, *, seed: int = 13) -> Path:
+    """A complete random-weight ``qwen2a`` audio projector (a one-layer Whisper encoder and a
+    linear projection) for a text model of width ``n_embd_text``. llama.cpp pads audio to
+    30 s windows: any clip up to 30 s is one span of 750 positions. The same arguments write
+    the same bytes."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    e, ff, n_mel, n_pos = PROJ_EMBD, PROJ_FF, 128, 1500
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_bool("clip.has_audio_encoder", True)
+    w.add_string("clip.projector_type", "qwen2a")
+    w.add_uint32("clip.audio.embedding_length", e)
+    w.add_uint32("clip.audio.feed_forward_length", ff)
+    w.add_uint32("clip.audio.block_count", 1)
+    w.add_uint32("clip.audio.attention.head_count", 2)
+    w.add_uint32("clip.audio.projection_dim", n_embd_text)
+    w.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
+    w.add_uint32("clip.audio.num_mel_bins", n_mel)
+    w.add_uint32("general.file_type", 1)
+
+    def tensor(name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(dtype))
+
+    tensor("a.conv1d.1.weight", (e, n_mel, 3), np.float16)
+    tensor("a.conv1d.1.bias", (e, 1))
+    tensor("a.conv1d.2.weight", (e, e, 3), np.float16)
+    tensor("a.conv1d.2.bias", (e, 1))
+    tensor("a.position_embd.weight", (n_pos, e))
+    for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+        tensor(f"a.blk.0.{name}.weight", (e, e), np.float16)
+        if name != "attn_k":  # Whisper's K has no bias
+            tensor(f"a.blk.0.{name}.bias", (e,))
+    for name in ("ln1", "ln2"):
+        w.add_tensor(f"a.blk.0.{name}.weight", np.ones(e, np.float32))
+        tensor(f"a.blk.0.{name}.bias", (e,))
+    tensor("a.blk.0.ffn_up.weight", (ff, e), np.float16)
+    tensor("a.blk.0.ffn_up.bias", (ff,))
+    tensor("a.blk.0.ffn_down.weight", (e, ff), np.float16)
+    tensor("a.blk.0.ffn_down.bias", (e,))
+    w.add_tensor("a.post_ln.weight", np.ones(e, np.float32))
+    tensor("a.post_ln.bias", (e,))
+    tensor("mm.a.fc.weight", (n_embd_text, e), np.float16)
+    tensor("mm.a.fc.bias", (n_embd_text,))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -15,12 +15,12 @@ import pytest
 from tests import media_reference as ref
 from tests.engine.conftest import make_engine
 from tests.engine.mediakit import poke
-from tests.tinymodels import PROJ_TOKENS, write_tiny_projector
+from tests.tinymodels import PROJ_TOKENS, write_tiny_audio_projector, write_tiny_projector
 
 from kvwarm.backends.base import ContextParams
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.errors import ModelLoadError
+from kvwarm.errors import InvalidRequestError, ModelLoadError
 
 pytestmark = pytest.mark.model
 
@@ -111,6 +111,26 @@ def test_an_image_is_shared_restored_after_a_restart_and_exact(
         assert warm.tokens == cold.tokens and warm.logprobs == cold.logprobs
     finally:
         second.close()
+
+
+def test_the_greedy_reply_to_a_clip_equals_llama_servers(tmp_path: Path, engine: Engine) -> None:
+    """The audio path end to end: a WAV clip decoded in Python (16-bit PCM to float32, as
+    llama.cpp's own loader reads it) is one causal 750-position span; the reply equals
+    llama-server's on the same files."""
+    expected = FIXTURE["cases"][ref.AUDIO_CASE]
+    proj = write_tiny_audio_projector(tmp_path / "mmproj-audio.gguf", 576)
+    assert ref.sha256(proj.read_bytes()) == expected["mmproj_sha256"]
+    cfg = config(proj, n_ctx=2048, n_batch=1024, n_ubatch=1024)
+    model = engine.load_model(str(ref.model_path("smollm2")), config=cfg)
+    assert model.info().media == ("audio",)
+    for seed, reply in expected["replies"].items():
+        wav = ref.clip(int(seed))
+        assert ref.sha256(wav) == reply["wav_sha256"]
+        out = model.chat(ref.audio_messages(wav), options=GREEDY)
+        assert out.stats.prompt_tokens == reply["prompt_tokens"], seed
+        assert out.text == reply["text"], seed
+    with pytest.raises(InvalidRequestError, match="reads audio, not image"):
+        model.chat(ref.messages(ref.picture(1)), options=GREEDY)
 
 
 def test_a_projector_for_another_model_is_refused_at_load(

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from tests.engine.mediakit import png
@@ -17,7 +18,7 @@ from tests.server.conftest import stub_settings, wait_ready
 from kvwarm.server import create_app
 from kvwarm.settings import ModelSpec
 
-MMPROJ = (("mmproj", Path("stub-mmproj.gguf")),)
+MMPROJ = (("mmproj", Path("stub-audio-mmproj.gguf")),)  # reads images and audio
 
 
 def data_uri(data: bytes, kind: str = "image/png") -> str:
@@ -72,7 +73,7 @@ def test_an_image_url_part_is_seen_and_cached_by_content(client: TestClient) -> 
 def test_the_models_list_names_the_projector(client: TestClient) -> None:
     models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
     meta = models["eye"]["meta"]
-    assert meta["mmproj"] == "stub-mmproj.gguf" and meta["media"] == ["image"]
+    assert meta["mmproj"] == "stub-audio-mmproj.gguf" and meta["media"] == ["image", "audio"]
     assert meta["projector_bytes"] > 0
     assert meta["weights_bytes"] == meta["size"] + meta["projector_bytes"]
 
@@ -163,6 +164,25 @@ def test_bad_images_are_a_400_naming_the_part(
     error = response.json()["error"]
     assert (error["code"], error["param"]) == (code, param), error
     assert client.get("/health").status_code == 200
+
+
+def test_input_audio_parts(client: TestClient) -> None:
+    from tests.test_media import wav
+
+    tone = (np.sin(np.arange(8000) / 7) * 20000).astype("<i2")
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(tone)).decode()}}
+    body = {
+        "model": "eye",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hear:"}, part]}],
+    }
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.json()
+    assert response.json()["usage"]["prompt_tokens"] > 2 * 4  # half a second: 2 positions + marks
+    part["input_audio"] = {"data": base64.b64encode(b"RIFF....WAVEjunk").decode()}
+    bad = client.post("/v1/chat/completions", json=body)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_media"
+    assert bad.json()["error"]["param"] == "messages.0.content.1"
 
 
 def test_too_many_images_and_a_text_model_are_refused(client: TestClient) -> None:

@@ -136,23 +136,23 @@ def check_embd(
     n_tokens: int,
     *,
     n_embd: int,
-    n_ubatch: int,
+    room: int,
     n_ctx: int,
     n_seq_max: int,
     pos_max: Callable[[int], int],
 ) -> None:
-    """Validate a span of embeddings (``decode_embd``): its size, that it fits one ubatch (a
-    span attending to itself non-causally must be decoded in one), and that its positions
-    continue ``seq``."""
+    """Validate a span of embeddings (``decode_embd``): its size, that it fits ``room`` (the
+    batch; one ubatch for a span attending to itself non-causally, which must be decoded in
+    one), and that its positions continue ``seq``."""
     check_seq(seq, n_seq_max)
     _check_int(n_tokens, "n_tokens")
     _check_int(start_pos, "start_pos")
     if n_tokens < 1:
         raise InvalidRequestError("a span has at least one position", param="n_tokens")
-    if n_tokens > n_ubatch:
+    if n_tokens > room:
         raise InvalidRequestError(
-            f"a span of {n_tokens} positions does not fit one ubatch (n_ubatch={n_ubatch}); "
-            "it must be decoded whole: raise n_ubatch (and n_batch)",
+            f"a span of {n_tokens} positions does not fit one pass ({room}); it must be "
+            "decoded whole: raise n_ubatch and n_batch",
             param="n_tokens",
         )
     if nbytes != 4 * n_embd * n_tokens:

@@ -236,14 +236,15 @@ class ProjectorParams:
 @dataclass(frozen=True, slots=True)
 class ProjectorFacts:
     """A loaded multimodal projector: what it reads (``kinds``), the width of the
-    embeddings it hands the text model (``n_embd``, the model's input width), whether a span
-    attends to itself non-causally (decoded in one ubatch), its audio sample rate (0 without
-    audio) and the memory it holds (weights and compute buffers)."""
+    embeddings it hands the text model (``n_embd``, the model's input width), the kinds whose
+    spans attend to themselves non-causally (``non_causal``: Gemma 3's images; decoded in one
+    ubatch), its audio sample rate (0 without audio) and the memory it holds (weights and
+    compute buffers)."""
 
     path: str
     kinds: tuple[MediaKind, ...]
     n_embd: int
-    non_causal: bool
+    non_causal: tuple[MediaKind, ...]
     audio_sample_rate: int
     memory_bytes: int
     description: str = ""
@@ -326,8 +327,8 @@ class BackendContext(Protocol):
         logits: bool = False,
     ) -> None:
         """One forward pass over ``n_tokens`` rows of float32 embeddings (a media span) at
-        positions ``start_pos…`` of ``seq``, alone and whole: ``n_tokens <= n_ubatch``, so a
-        span that attends to itself ``non_causal``-ly is one ubatch. ``logits``: keep the last
+        positions ``start_pos…`` of ``seq``, alone and whole: ``n_tokens <= n_batch``, and a
+        span that attends to itself ``non_causal``-ly fits one ubatch. ``logits``: keep the last
         row's logits (row ``n_tokens - 1``). ``InvalidRequestError`` for a bad size or a
         position that does not continue ``seq``."""
         ...

@@ -144,7 +144,11 @@ class ContextFront(ABC, Generic[M, A]):
                 view.nbytes,
                 n_tokens,
                 n_embd=self._n_embd_inp,
-                n_ubatch=min(self._params.n_ubatch, self._params.n_batch),
+                room=(
+                    min(self._params.n_ubatch, self._params.n_batch)
+                    if non_causal
+                    else self._params.n_batch
+                ),
                 n_ctx=self._n_ctx,
                 n_seq_max=self._params.n_seq_max,
                 pos_max=self._pos_max,

@@ -114,7 +114,12 @@ class Model:
             raise
         self._adapters = Adapters(self._bmodel, self._ctx, self._worker, self._refresh_namespace)
         self._submitter = Submitter(
-            self._bmodel, self._worker, self._engine.cache, self.config, self.policy
+            self._bmodel,
+            self._worker,
+            self._engine.cache,
+            self.config,
+            self.policy,
+            non_causal=() if self._projector is None else self._projector.facts.non_causal,
         )
         self._embedder = Embedder(
             self._bmodel, cfg.context, self._worker, adapters=self._adapters.applied

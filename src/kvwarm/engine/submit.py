@@ -46,6 +46,8 @@ class Submitter:
     cache: CacheApi
     config: ModelConfig
     policy: PolicyConfig
+    #: The media kinds whose spans are decoded in one ubatch (the projector's).
+    non_causal: tuple[str, ...] = ()
 
     def group(
         self, prompt: MediaPrompt, opts: GenerationOptions, text: str, n: int, fragments: bool
@@ -134,15 +136,17 @@ class Submitter:
         """A prompt's spans are decoded whole, each in one ubatch; their positions have no
         token to score."""
         ctx = self.config.context
-        room = min(ctx.n_ubatch, ctx.n_batch)
-        longest = max(span.length for span in given.prompt.spans)
-        if longest > room:
-            raise InvalidRequestError(
-                f"an image or audio clip of {longest} positions does not fit one ubatch "
-                f"(n_ubatch={ctx.n_ubatch}): it is decoded whole; load the model with a "
-                "larger n_ubatch and n_batch",
-                param="messages",
-            )
+        both_ways = self.non_causal
+        for span in given.prompt.spans:
+            whole = span.kind in both_ways
+            room = min(ctx.n_ubatch, ctx.n_batch) if whole else ctx.n_batch
+            if span.length > room:
+                raise InvalidRequestError(
+                    f"an {span.kind} of {span.length} positions does not fit one "
+                    f"{'ubatch' if whole else 'batch'} ({room}): it is decoded whole; load the "
+                    "model with a larger n_ubatch and n_batch",
+                    param="messages",
+                )
         if opts.prompt_logprobs is not None:
             raise InvalidRequestError(
                 "prompt logprobs score each prompt token: a prompt with images or audio has "

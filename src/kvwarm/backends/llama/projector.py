@@ -24,6 +24,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,7 +95,7 @@ class LlamaProjector:
             self._ptr: object = ptr
             try:
                 self._facts = self._read_facts(path, lines)
-                self._check_layout()
+                self._facts = replace(self._facts, non_causal=self._check_layout())
             except BaseException:
                 mt.mtmd_free(ptr)
                 raise
@@ -126,15 +127,17 @@ class LlamaProjector:
             path=path,
             kinds=tuple(kinds),
             n_embd=int(lib.llama_model_n_embd_inp(self._model.native)),
-            non_causal=bool(mt.mtmd_decode_use_non_causal(ptr, None)),
+            non_causal=(),  # per kind, from a chunk of each (_check_layout)
             audio_sample_rate=max(rate, 0),
             memory_bytes=size + compute,
             description=Path(path).name,
         )
 
-    def _check_layout(self) -> None:
+    def _check_layout(self) -> tuple[MediaKind, ...]:
         """Lay out a small placeholder of each kind: every marker token must be this
-        vocabulary's, every span one position per embedding."""
+        vocabulary's, every span one position per embedding. Returns the kinds whose spans
+        attend to themselves both ways (mtmd answers per chunk)."""
+        both_ways: list[MediaKind] = []
         probes: list[Media] = []
         if "image" in self._facts.kinds:
             probes.append(Image(8, 8, bytes(8 * 8 * 3)))
@@ -144,7 +147,7 @@ class LlamaProjector:
         n_vocab = self._model.n_vocab
         for probe in probes:
             try:
-                pieces = self._layout(probe, check_pos=True)
+                pieces = self._layout(probe, check_pos=True, non_causal=both_ways)
             except InvalidRequestError as exc:
                 raise ModelLoadError(
                     f"the projector cannot lay out an {probe.kind}: {exc}"
@@ -155,6 +158,7 @@ class LlamaProjector:
                         f"the projector marks an {probe.kind} with tokens this model's "
                         "vocabulary does not have (a projector made for another model)"
                     )
+        return tuple(both_ways)
 
     @property
     def facts(self) -> ProjectorFacts:
@@ -170,7 +174,9 @@ class LlamaProjector:
         with self._life.using():
             return self._layout(media, check_pos=False)
 
-    def _layout(self, media: Media, *, check_pos: bool) -> tuple[LayoutPiece, ...]:
+    def _layout(
+        self, media: Media, *, check_pos: bool, non_causal: list[MediaKind] | None = None
+    ) -> tuple[LayoutPiece, ...]:
         if media.kind not in self._facts.kinds:
             raise InvalidRequestError(
                 f"this model's projector reads {' and '.join(self._facts.kinds)}, not {media.kind}",
@@ -185,6 +191,9 @@ class LlamaProjector:
                 n = int(self._mt.mtmd_input_chunk_get_n_tokens(chunk))
                 if check_pos and int(self._mt.mtmd_input_chunk_get_n_pos(chunk)) != n:
                     raise ModelLoadError("a span's positions are not one per embedding")
+                both = bool(self._mt.mtmd_decode_use_non_causal(self._ptr, chunk))
+                if non_causal is not None and both and _KINDS[kind] not in non_causal:
+                    non_causal.append(_KINDS[kind])
                 out.append(MediaSpan(n, _KINDS[kind]))
             return tuple(out)
 

@@ -49,7 +49,7 @@ class StubProjector:
             path=path,
             kinds=kinds,
             n_embd=N_EMBD,
-            non_causal=True,
+            non_causal=("image",),  # as Gemma 3's: its images both ways, audio causal
             audio_sample_rate=AUDIO_RATE if "audio" in kinds else 0,
             memory_bytes=1 << 20,
             description=Path(path).name,

@@ -28,9 +28,9 @@ class Encoder:
         self._wake = wake
         self._pool: ThreadPoolExecutor | None = None
 
-    @property
-    def non_causal(self) -> bool:
-        return self.projector.facts.non_causal
+    def non_causal(self, kind: str) -> bool:
+        """Whether a span of ``kind`` attends to itself both ways (decoded in one ubatch)."""
+        return kind in self.projector.facts.non_causal
 
     def start(self, shown: SpanMedia) -> Future[bytes]:
         """The embeddings of ``shown``'s span, encoded on the encoder's thread."""

@@ -173,7 +173,7 @@ class Tick:
                 span.start,
                 embd,
                 span.length,
-                non_causal=encoder.non_causal,
+                non_causal=encoder.non_causal(span.kind),
                 logits=last,
             )
             self._after_chunk(slot, span.length - 1, Chunk(slot.seq, span.start, span.end))
