@@ -1,8 +1,9 @@
 """One memory budget (issue 25): what a server takes of memory, and the RAM tier sized to fit.
 
 A server holds, in memory: each loaded model's weights (``ModelInfo.size_bytes``, llama.cpp's
-``llama_model_size``) and context (``ModelInfo.context_bytes``: its KV buffers and the rest
-llama.cpp allocated for it), the RAM tier and the ``ram_file`` tier (files on /dev/shm are
+``llama_model_size``, and its projector's, ``ModelInfo.projector_bytes``) and context
+(``ModelInfo.context_bytes``: its KV buffers and the rest llama.cpp allocated for it), the RAM
+tier and the ``ram_file`` tier (files on /dev/shm are
 memory). With ``memory_budget`` set, the RAM tier's quota is what the others leave:
 
     ram = budget - sum(weights) - sum(contexts) - ram_file quota
