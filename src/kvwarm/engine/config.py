@@ -121,6 +121,7 @@ class ModelOptions(TypedDict, total=False):
     batch_strategy: StrategyName
     mmproj: str | None
     media: MediaLimits
+    chat_template: str | None
 
 
 def with_options(cfg: ModelConfig, options: ModelOptions) -> ModelConfig:
