@@ -11,8 +11,10 @@ the server maps exception *types* to HTTP statuses, never message text.
     │   ├── ContextOverflowError                  prompt (+ generation) exceeds n_ctx
     │   ├── GrammarError                          GBNF / JSON schema that does not compile
     │   ├── FimNotSupportedError                  fill-in-the-middle on a model without FIM tokens
-    │   └── MediaError                            an image or audio part over a limit, of a
-    │                                             format not allowed, truncated or hostile
+    │   ├── MediaError                            an image or audio part over a limit, of a
+    │   │                                         format not allowed, truncated or hostile
+    │   └── CapabilityError                       an operation the model cannot do (rerank on a
+    │                                             model that does not rank, generate on a reranker)
     ├── ModelNotFoundError                        no such model file / embedded model missing
     ├── UnknownModelError      (also KeyError)    no loaded model with that id
     ├── ModelExistsError                          a model id loaded twice
@@ -85,6 +87,11 @@ class MediaError(InvalidRequestError):
     truncated or not what it claims (``kvwarm.media``). ``param`` names the part."""
 
 
+class CapabilityError(InvalidRequestError):
+    """The model cannot do what was asked: rerank with a model whose pooling is not rank, or
+    generate (or embed) with a reranker (``ModelInfo.capabilities`` says what it can do)."""
+
+
 class ModelNotFoundError(KvwarmError):
     """The model file does not exist (or the embedded default model is not installed)."""
 
@@ -155,6 +162,11 @@ class ReplicaUnavailableError(KvwarmError):
 
 class RequestTimeoutError(KvwarmError):
     """A request ran past the server's deadline (``request_timeout_s``) and was ended."""
+
+
+class ServerShuttingDownError(KvwarmError):
+    """The server is shutting down: a generation still running at the end of its graceful
+    wait is ended with this error (``server/connections.py``)."""
 
 
 class QueueFullError(KvwarmError):

@@ -53,12 +53,15 @@ def make_lora(
     layers: Sequence[int] = (0, 1, 2, 3),
     alpha: float | None = None,
     f16: bool = False,
+    misfit: int = 0,
 ) -> Path:
     """Write a LoRA adapter GGUF for ``base_model_path`` to ``out_path`` and return it.
 
     ``scale_hint`` sets the strength: each adapted weight gets a delta of RMS about
     ``scale_hint`` times a typical weight's (for a unit ``scale`` at attach time). ``alpha``
     defaults to ``rank`` (effective multiplier 1). Deterministic for a given ``seed``.
+    ``misfit``: widen each ``lora_a`` by that many inputs, so the adapter is one made for a
+    model of other dimensions (llama.cpp refuses it: "has incorrect shape").
     """
     arch, shapes = _read_base(str(base_model_path))
     if arch != "llama":
@@ -81,7 +84,7 @@ def make_lora(
             # Entries of B @ A have variance rank * var(a) * var(b) = (scale_hint / sqrt(n_in))^2:
             # the size of a typical weight that keeps activations at unit scale.
             std = math.sqrt(scale_hint / math.sqrt(n_in) / math.sqrt(rank))
-            a = rng.normal(0.0, std, size=(rank, n_in)).astype(dtype)
+            a = rng.normal(0.0, std, size=(rank, n_in + misfit)).astype(dtype)
             b = rng.normal(0.0, std, size=(n_out, rank)).astype(dtype)
             writer.add_tensor(f"{name}.lora_a", a)
             writer.add_tensor(f"{name}.lora_b", b)

@@ -3,6 +3,7 @@ compiles it; ordinary grammars pass."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 
@@ -11,7 +12,12 @@ from fastapi.testclient import TestClient
 from tests.server.conftest import LOW_POLICY, stub_settings, wait_ready
 
 from kvwarm.backends.grammar import schema_to_gbnf
-from kvwarm.backends.grammar_cost import check_grammar_cost, grammar_ways
+from kvwarm.backends.grammar_cost import (
+    cheap_grammar,
+    check_grammar_cost,
+    grammar_ways,
+    grammar_widths,
+)
 from kvwarm.errors import GrammarError
 from kvwarm.server import create_app
 from kvwarm.settings import ModelSpec, Settings
@@ -44,7 +50,7 @@ def test_the_41_rule_doubling_grammar_is_rejected_naming_a_rule() -> None:
     ],
 )
 def test_ordinary_grammars_pass(grammar: str) -> None:
-    check_grammar_cost(grammar)
+    cheap_grammar(grammar)  # 2,000 literals pass factored (issue 41), not as 2,000 stacks
 
 
 def test_a_schema_with_many_optional_fields_passes() -> None:
@@ -194,3 +200,160 @@ def test_real_model_refuses_an_empty_repeat_quickly(real_client: TestClient) -> 
         assert response.status_code == 400, response.json()
         assert response.json()["error"]["code"] == "invalid_grammar"
         assert time.monotonic() - start < 2.0
+
+
+# --- issue 41: alternatives open at once (width), prefix trees of literals, size -------------
+
+_HELPER_ALT = re.compile(r'"((?:[^"\\]|\\.)*)"(?: ([A-Za-z0-9_-]+))?')
+
+
+def _gbnf_string(body: str) -> str:
+    """A literal's body as llama.cpp reads it (an independent decoder: the test's own)."""
+    out, i = [], 0
+    while i < len(body):
+        if body[i] != "\\":
+            out.append(body[i])
+            i += 1
+            continue
+        kind = body[i + 1]
+        width = {"x": 2, "u": 4, "U": 8}.get(kind)
+        if width:
+            out.append(chr(int(body[i + 2 : i + 2 + width], 16)))
+            i += 2 + width
+        else:
+            out.append({"n": "\n", "r": "\r", "t": "\t"}.get(kind, kind))
+            i += 2
+    return "".join(out)
+
+
+def _language(grammar: str, rule: str = "root") -> set[str]:
+    """Every string ``rule`` derives, for the shape ``factor_literal_rules`` writes (rules
+    of ``"lit" [helper]`` alternatives, maybe wrapped in ``( ... )?``, or ``""``)."""
+    rules = {}
+    for line in grammar.splitlines():
+        name, _, body = line.partition(" ::= ")
+        rules[name] = body
+    body = rules[rule]
+    out: set[str] = set()
+    if body.startswith("( ") and body.endswith(" )?"):
+        out.add("")
+        body = body[2:-3]
+    if body == '""':
+        return {""}
+    for match in _HELPER_ALT.finditer(body):
+        head = _gbnf_string(match.group(1))
+        tails = _language(grammar, match.group(2)) if match.group(2) else {""}
+        out |= {head + tail for tail in tails}
+    return out
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [f"v{i}" for i in range(300)],
+        ["", "a", "ab", "abc", "abd", "b", "ba", "bab", "c"],
+        ['q"', "q\\", "q[", "q]", "q\n", "q\t", "q\x7f", "q\u00e9", "q\U0001f600", "q\x00", "r"],
+        ["same"] * 9 + ["samf", "s"],
+        [chr(0x4E00 + i) * 3 for i in range(40)] + [chr(0x4E00) + "x"],
+    ],
+)
+def test_a_rule_of_literals_becomes_a_prefix_tree_of_the_same_strings(values: list[str]) -> None:
+    from kvwarm.backends.grammar_factor import _encode, factor_literal_rules
+
+    grammar = "root ::= " + " | ".join(_encode(v) for v in values)
+    factored = factor_literal_rules(grammar)
+    assert factored != grammar
+    assert _language(factored) == set(values)
+    widths = grammar_widths(factored, 10_000)
+    assert max(widths.values()) < len(set(values))
+
+
+def test_other_rules_and_unreadable_grammars_are_left_as_they_are() -> None:
+    from kvwarm.backends.grammar_factor import factor_literal_rules
+
+    enum = " | ".join(f'"k{i}"' for i in range(20))
+    grammar = f'root ::= item ("," item)*\nitem ::= {enum}\n# a comment ::= "x"\nws ::= [ ]*\n'
+    factored = factor_literal_rules(grammar)
+    assert factored.startswith('root ::= item ("," item)*\n')
+    assert "ws ::= [ ]*" in factored and 'item ::= "k" item-f1' in factored
+    few = 'root ::= "a1" | "a2"'  # fewer than MIN_ALTERNATIVES
+    assert factor_literal_rules(few) == few
+    distinct = "root ::= " + " | ".join(f'"{c}x"' for c in "abcdefghij")  # nothing shared
+    assert factor_literal_rules(distinct) == distinct
+    for unreadable in ('root ::= "a\\q" | ' + enum, 'root ::= "open', "no rule here"):
+        assert factor_literal_rules(unreadable) == unreadable
+    # A helper's name never collides with a rule (or a name) the grammar has.
+    taken = f'root ::= {enum.replace("k", "r")}\nroot-f1 ::= "z"\n'
+    assert 'root-f1 ::= "z"' in factor_literal_rules(taken)
+    assert factor_literal_rules(taken).count("root-f1 ::=") == 1
+
+
+def test_widths_count_the_alternatives_llama_cpp_opens() -> None:
+    assert grammar_widths('root ::= a? a? a? "x"\na ::= "p" | "q"')["root"] == 7
+    assert grammar_widths('root ::= [a-z]+ (" " [a-z]+)*')["root"] == 2
+    many = "root ::= " + " | ".join(f"r{i}" for i in range(200))
+    many += "\n" + "\n".join(f'r{i} ::= "{i}"' for i in range(200))
+    with pytest.raises(GrammarError, match="'root' opens more than 128 alternatives") as info:
+        check_grammar_cost(many)
+    assert info.value.param == "grammar"
+    with pytest.raises(GrammarError, match="opens more than"):
+        cheap_grammar(many)  # not literals: nothing to factor
+
+
+def test_a_schema_with_a_100k_value_enum_is_factored_quickly() -> None:
+    schema = {"type": "string", "enum": [f"value-{i}" for i in range(100_000)]}
+    start = time.monotonic()
+    grammar = cheap_grammar(schema_to_gbnf(schema))
+    elapsed = time.monotonic() - start
+    assert max(grammar_widths(grammar).values()) <= 11
+    assert elapsed < 5.0, elapsed  # ~0.8 s here; the point is it is Python, off the worker
+
+
+def test_a_grammar_past_the_size_bound_is_refused() -> None:
+    from kvwarm.backends.grammar_cost import MAX_GRAMMAR_BYTES
+
+    huge = 'root ::= "' + "a" * MAX_GRAMMAR_BYTES + '"'
+    with pytest.raises(GrammarError, match="more than the"):
+        cheap_grammar(huge)
+
+
+@pytest.mark.model
+def test_llama_cpp_follows_a_factored_100k_enum_at_a_few_ms_a_token() -> None:
+    """Issue 41: a 10,000-value enum cost ~7 s a token in llama.cpp's grammar engine (every
+    value a parse stack), 100,000 minutes; factored, a token costs milliseconds, and the
+    grammar still admits exactly the enum's values (driven token by token through it)."""
+    import numpy as np
+
+    from kvwarm.backends import get_backend
+    from kvwarm.backends.base import SamplingParams
+    from kvwarm.embedded import default_model_path
+
+    values = [f"v{i}" for i in range(100_000)]
+    grammar = cheap_grammar(schema_to_gbnf({"type": "string", "enum": values}))
+    model = get_backend("llama_cpp").load_model(str(default_model_path()))
+    try:
+        n_vocab = model.facts.n_vocab
+        eos = next(t for t in range(n_vocab) if model.is_eog(t))
+
+        def drive(text: str) -> tuple[bool, float]:
+            """Whether the grammar takes ``text``'s tokens then the end, and the seconds."""
+            sampler = model.new_sampler(SamplingParams(temperature=0, grammar=grammar))
+            start = time.monotonic()
+            try:
+                for token in [*model.tokenize(text, add_special=False), eos]:
+                    row = np.zeros(n_vocab, dtype=np.float32)
+                    row[token] = 100.0  # the grammar's choice unless it forbids this one
+                    if sampler.sample_logits(row.tobytes()) != token:
+                        return False, time.monotonic() - start
+                return True, time.monotonic() - start
+            finally:
+                sampler.close()
+
+        for value in ("v0", "v5", "v12345", "v99999"):
+            taken, seconds = drive(f'"{value}"')
+            assert taken, value
+            assert seconds < 1.0, seconds  # unfactored, the first token alone: minutes
+        assert not drive('"v100000"')[0]  # not a value
+        assert not drive('"v1234')[0]  # a prefix: the grammar does not let it end
+    finally:
+        model.close()

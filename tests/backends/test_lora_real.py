@@ -24,7 +24,7 @@ from kvwarm.cache.types import PolicyConfig
 from kvwarm.embedded import default_model_path
 from kvwarm.engine.api import ModelConfig
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.errors import BackendError, HandleClosedError, InvalidRequestError
+from kvwarm.errors import AdapterError, BackendError, HandleClosedError, InvalidRequestError
 
 pytestmark = pytest.mark.model
 
@@ -269,5 +269,29 @@ def test_an_adapter_that_makes_the_logits_nan_fails_its_requests_not_the_model(
         model.set_adapter_scale(info.handle, 1.0)
         out = model.complete(PROMPT, GenerationOptions(max_tokens=3, temperature=0.0, logprobs=1))
         assert out.completion_tokens and all(math.isfinite(x.logprob) for x in out.logprobs or [])
+    finally:
+        eng.close()
+
+
+def test_an_adapter_of_other_dimensions_is_refused_saying_why(
+    bmodel: BackendModel, lora_path: Path
+) -> None:
+    """A LoRA made for a model of the same architecture but other sizes: llama.cpp refuses it
+    (never an assert), and the error carries its reason."""
+    misfit = make_lora(default_model_path(), lora_path.with_name("misfit.gguf"), misfit=8)
+    with pytest.raises(AdapterError, match=r"does not fit this model: .*incorrect shape"):
+        bmodel.load_adapter(str(misfit))
+    eng = make_engine()
+    try:
+        model = eng.load_model(
+            config=ModelConfig(
+                context=ContextParams(n_ctx=128, n_batch=16, n_ubatch=16, n_threads=2)
+            )
+        )
+        with pytest.raises(AdapterError, match="incorrect shape"):
+            model.load_adapter(misfit)
+        assert model.list_adapters() == []
+        still = model.complete(PROMPT, GenerationOptions(max_tokens=2, temperature=0.0))
+        assert still.completion_tokens  # the model still serves
     finally:
         eng.close()

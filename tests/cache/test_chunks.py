@@ -240,11 +240,14 @@ def test_quota_counts_unique_chunks(make_cache: CacheFactory) -> None:
     a = _save(cache, tokens[:1280])
     b = _save(cache, tokens[:1536])
     assert cache.lookup_exact(a) is not None and cache.lookup_exact(b) is not None
-    c = _save(cache, tokens)
     tier = cache.tier_names()[0]
+    # Its 8 chunks alone exceed the quota: a file tier stores it and then evicts down to
+    # the quota; the ram tier holds room before copying it in, and refuses it.
+    c = cache.save(chunked_request(NS, tokens, tier=tier), sync=True)
+    assert c == cache_key(NS, tokens) or (c is None and tier == "ram")
     assert cache.counters()[f"tier_{tier}_bytes"] <= room
     assert cache.lookup_exact(a) is None and cache.lookup_exact(b) is None
-    assert cache.lookup_exact(c) is None or _restored(cache, c) == blob(tokens)
+    assert c is None or cache.lookup_exact(c) is None or _restored(cache, c) == blob(tokens)
 
 
 def test_restart_adopts_rows_chunks_and_orphans(tmp_path: Path) -> None:

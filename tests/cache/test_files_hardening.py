@@ -270,3 +270,109 @@ def test_rows_survive_a_long_downtime_and_expire_after_unused_uptime(tmp_path: P
         assert c2.gc().rows == 0
         clock.advance(2)
         assert c2.gc().rows == 1 and not list(tmp_path.glob("*.kvc"))
+
+
+# --- every ancestor, as ssh's StrictModes checks a key's path (issue 41) ----------------------
+
+STRANGER = 65534  # nobody: a real other user, chown'd to (the tests run as root)
+
+
+def _needs_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+
+
+def test_an_ancestor_of_another_user_above_the_parent_is_refused(tmp_path: Path) -> None:
+    # /tmp/x/theirs (another user's, 0755) / ours / cache / rows: the parent (cache) and the
+    # directory above it are ours, but the stranger may rename "ours" away and put a tree of
+    # their own, or a link to a directory of ours, in its place.
+    _needs_root()
+    theirs = tmp_path / "theirs"
+    (theirs / "ours" / "cache").mkdir(parents=True)
+    os.chown(theirs, STRANGER, STRANGER)
+    theirs.chmod(0o755)
+    with pytest.raises(UnsafeCacheDirError, match=f"{theirs}.*belongs to uid {STRANGER}"):
+        FileTier("disk", theirs / "ours" / "cache" / "rows", 1 << 20)
+    assert _mode(theirs / "ours" / "cache" / "rows") == 0o700  # made (0700), never opened
+
+
+def test_a_symlinked_ancestor_of_another_user_is_refused(tmp_path: Path) -> None:
+    # The path names a link the stranger owns: they may point it anywhere at any time.
+    _needs_root()
+    real = tmp_path / "real"
+    (real / "cache").mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    os.chown(link, STRANGER, STRANGER, follow_symlinks=False)
+    with pytest.raises(UnsafeCacheDirError, match=f"{link} .*symbolic link of uid {STRANGER}"):
+        FileTier("disk", link / "cache" / "rows", 1 << 20)
+
+
+def test_an_ancestor_reached_through_our_link_is_checked_where_it_leads(tmp_path: Path) -> None:
+    # Our own link is followed, and the directories it leads through are checked in turn.
+    _needs_root()
+    theirs = tmp_path / "theirs"
+    (theirs / "cache").mkdir(parents=True)
+    os.chown(theirs, STRANGER, STRANGER)
+    (tmp_path / "ours").symlink_to(theirs)
+    with pytest.raises(UnsafeCacheDirError, match=f"{theirs}.*belongs to uid {STRANGER}"):
+        FileTier("disk", tmp_path / "ours" / "cache" / "rows", 1 << 20)
+
+
+def test_a_world_writable_ancestor_is_refused_and_left_as_it_is(tmp_path: Path) -> None:
+    # Ours (root's), but anyone may rename what is in it: refused, not tightened (it is not
+    # the cache's directory to change).
+    open_dir = tmp_path / "open"
+    (open_dir / "cache").mkdir(parents=True)
+    open_dir.chmod(0o777)
+    with pytest.raises(UnsafeCacheDirError, match="writable by every user"):
+        FileTier("disk", open_dir / "cache" / "rows", 1 << 20)
+    assert _mode(open_dir) == 0o777
+
+
+def test_a_group_writable_ancestor_of_another_group_is_refused(tmp_path: Path) -> None:
+    _needs_root()
+    shared = tmp_path / "team"
+    (shared / "cache").mkdir(parents=True)
+    os.chown(shared, 0, STRANGER)
+    shared.chmod(0o775)
+    with pytest.raises(UnsafeCacheDirError, match=f"writable by group {STRANGER}"):
+        FileTier("disk", shared / "cache" / "rows", 1 << 20)
+
+
+def test_a_sticky_ancestor_and_our_own_links_are_accepted(tmp_path: Path) -> None:
+    # /tmp-like (1777) above, reached through a link of ours: others may add names there but
+    # not rename ours, so the tree below is still ours alone.
+    sticky = tmp_path / "tmp"
+    (sticky / "me" / "cache").mkdir(parents=True)
+    sticky.chmod(0o1777)
+    (tmp_path / "alias").symlink_to("tmp/me")  # relative, resolved against its directory
+    tier = FileTier("disk", tmp_path / "alias" / "cache" / "rows", 1 << 20)
+    key, r = request((1, 2))
+    assert tier.store(key, r, FakeBook()) is not None
+    assert (sticky / "me" / "cache" / "rows" / f"{key.hex()}.kvc").is_file()
+
+
+def test_our_private_group_may_write_an_ancestor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The "user private group" layout (a home 0775, its group ours alone) is no opening.
+    _needs_root()
+    home = tmp_path / "home"
+    (home / "cache").mkdir(parents=True)
+    os.chown(home, 0, STRANGER)
+    home.chmod(0o775)
+    monkeypatch.setattr(fsutil.os, "getegid", lambda: STRANGER)
+    monkeypatch.setattr(fsutil.grp, "getgrgid", lambda gid: grp_entry("root", gid, ["root"]))
+    FileTier("disk", home / "cache" / "rows", 1 << 20)
+    monkeypatch.setattr(
+        fsutil.grp, "getgrgid", lambda gid: grp_entry("root", gid, ["root", "guest"])
+    )
+    with pytest.raises(UnsafeCacheDirError, match="writable by group"):
+        FileTier("disk", home / "cache" / "rows2", 1 << 20)
+
+
+def grp_entry(name: str, gid: int, members: list[str]) -> object:
+    import grp
+
+    return grp.struct_group((name, "x", gid, members))

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from kvwarm.cache.types import PolicyConfig
 from kvwarm.server import create_app
+from kvwarm.server.connections import Server, uvicorn_config
 from kvwarm.settings import ModelSpec, Settings
 
 # Low gates so that short test prompts are cached.
@@ -77,16 +77,16 @@ def sse_events(text: str) -> list[object]:
 class LiveServer:
     """uvicorn on 127.0.0.1 and a free port, in a thread; ``stop()`` shuts it down cleanly."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, http: str = "auto", **options: object) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            create_app(settings), log_config=None, access_log=False, lifespan="on"
-        )
-        self.server = uvicorn.Server(config)
+        # As ``kvwarm serve`` runs it: with its connection limits (server/connections.py).
+        app = create_app(settings)
+        config = uvicorn_config(app, settings, http=http, lifespan="on", **options)
+        self.server = Server(config, drain=app.state.kvwarm.drain)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )

@@ -169,3 +169,24 @@ def test_live_server_refuses_rebinding_host_and_cross_site_post() -> None:
             assert own.status_code == 200
     finally:
         live.stop()
+
+
+def test_two_host_headers_are_a_400_whatever_the_parser() -> None:
+    """Issue 41: with httptools the first Host won (127.0.0.1, then evil.example: a 200);
+    RFC 9112 requires a 400 (h11 refuses it itself)."""
+    from kvwarm.server.guard import Guard
+
+    guard = Guard(stub_settings(allowed_hosts=()))
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/health",
+        "headers": [(b"host", b"127.0.0.1"), (b"Host", b"evil.example")],
+    }
+    assert guard.refusal(scope) == (
+        400,
+        "the request has more than one Host header",
+        "duplicate_host",
+    )
+    scope["headers"] = scope["headers"][:1]
+    assert guard.refusal(scope) is None

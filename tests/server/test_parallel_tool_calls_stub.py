@@ -144,3 +144,76 @@ def test_responses_parallel_tool_calls_false_keeps_the_first_call(
 ) -> None:
     assert _responses_calls(client, True, stream) == ["get_weather", "get_time"]
     assert _responses_calls(client, False, stream) == ["get_weather"]
+
+
+# Issue 41: the reply cut off by max_tokens inside its second call reported tool_calls
+# (tool_use, completed), as if it were whole; it says length (max_tokens, incomplete) now.
+CUT = len(TWO_CALLS) - 12  # tokens (the stub's are bytes): inside the second call
+
+
+@pytest.fixture
+def cut_short(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    options = convert.options
+
+    def with_grammar(*args: object, **kwargs: object) -> GenerationOptions:
+        opts = options(*args, **kwargs)  # type: ignore[arg-type]
+        return dataclasses.replace(opts, grammar=GRAMMAR, max_tokens=CUT)
+
+    monkeypatch.setattr(convert, "options", with_grammar)
+    yield
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_second_call_cut_off_by_max_tokens_is_length_in_chat(
+    client: TestClient, cut_short: None, stream: bool
+) -> None:
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": CITY}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {}}},
+    ]
+    body = {"model": "a", "messages": HI, "tools": tools, "stream": stream}
+    if not stream:
+        choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "length", choice
+        return
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = sse_events(r.read().decode())
+    assert events[-1]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_second_call_cut_off_by_max_tokens_is_max_tokens_in_messages(
+    client: TestClient, cut_short: None, stream: bool
+) -> None:
+    tools = [
+        {"name": "get_weather", "input_schema": CITY},
+        {"name": "get_time", "input_schema": {"type": "object"}},
+    ]
+    body = {"model": "a", "max_tokens": 200, "messages": HI, "tools": tools, "stream": stream}
+    if not stream:
+        data = client.post("/v1/messages", json=body).json()
+        assert data["stop_reason"] == "max_tokens", data
+        return
+    with client.stream("POST", "/v1/messages", json=body) as r:
+        events = named_events(r.read().decode())
+    assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_second_call_cut_off_by_max_tokens_is_incomplete_in_responses(
+    client: TestClient, cut_short: None, stream: bool
+) -> None:
+    tools = [
+        {"type": "function", "name": "get_weather", "parameters": CITY},
+        {"type": "function", "name": "get_time", "parameters": {"type": "object"}},
+    ]
+    body = {"model": "a", "input": "Weather?", "tools": tools, "stream": stream, "store": False}
+    if not stream:
+        data = client.post("/v1/responses", json=body).json()
+    else:
+        with client.stream("POST", "/v1/responses", json=body) as r:
+            events = named_events(r.read().decode())
+        assert events[-1][0] == "response.incomplete", events[-1]
+        data = events[-1][1]["response"]  # type: ignore[assignment]
+    assert data["status"] == "incomplete", data
+    assert data["incomplete_details"] == {"reason": "max_output_tokens"}

@@ -4,6 +4,7 @@ lazy loads, sticky failures, aliases and the models directory's rules."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -16,7 +17,12 @@ from kvwarm import models_dir
 from kvwarm.engine.api import Model
 from kvwarm.errors import ConfigError, ModelBusyError, ModelCapacityError, ModelLoadError
 from kvwarm.server.errors import HTTPError
-from kvwarm.server.registry import ModelEntry, ModelRegistry, request_leases
+from kvwarm.server.registry import (
+    ModelEntry,
+    ModelRegistry,
+    keep_alive_seconds,
+    request_leases,
+)
 from kvwarm.settings import ModelSpec, Settings
 
 
@@ -229,3 +235,124 @@ def test_models_dir_lists_regular_gguf_files_only(tmp_path: Path) -> None:
         models_dir.checked_path(d, outside)
     with pytest.raises(ModelLoadError, match="no longer in models_dir"):
         models_dir.checked_path(d, d / "gone.gguf")
+
+
+# --- keep_alive and pinned models (issue 41) --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (300, 300.0),
+        (2.5, 2.5),
+        (0, 0.0),
+        ("0", 0.0),
+        ("5m", 300.0),
+        ("1h30m", 5400.0),
+        ("1.5s", 1.5),
+        ("250ms", 0.25),
+        ("300", 300.0),
+        (-1, math.inf),
+        ("-1m", math.inf),
+        ("-1", math.inf),
+        (1e999, math.inf),
+    ],
+)
+def test_keep_alive_reads_as_ollama_reads_it(value: float | str, seconds: float) -> None:
+    assert keep_alive_seconds(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["", "5 minutes", "m", "5mm", "1h-30m", "nan", True, "5d"])
+def test_a_keep_alive_that_is_no_duration_is_a_400(value: object) -> None:
+    with pytest.raises(HTTPError) as caught:
+        keep_alive_seconds(value)  # type: ignore[arg-type]
+    assert caught.value.status == 400 and caught.value.param == "keep_alive"
+
+
+async def test_a_requests_keep_alive_sets_how_long_its_model_stays() -> None:
+    loads = Loads()
+    reg = registry(loads, model_idle_unload_s=600.0)
+    for entry in reg.entries.values():
+        reg.load_now(entry)
+    a, b = reg.entries["a"], reg.entries["b"]
+    with request_leases():
+        await reg.acquire("a", keep_alive=30.0, generation=True)
+        assert reg.due(a) is None  # in use: never due
+    assert reg.keep_alive(a) == 30.0 and reg.keep_alive(b) == 600.0
+    start = a.last_used
+    assert reg.reap_idle(start + 29) == []
+    assert reg.reap_idle(start + 30) == ["a"] and loads.unloaded == ["a"]
+    # The next request without one goes back to the server's (as each Ollama request does).
+    await reg.acquire("a", generation=True)
+    assert reg.keep_alive(a) == 600.0
+    # Negative: loaded for ever (until an admin unloads it), even past the server's limit.
+    await reg.acquire("a", keep_alive=math.inf, generation=True)
+    assert reg.due(a) is None and reg.reap_idle(a.last_used + 1e9) == ["b"]
+    # A lookup that is no generation (tokenize, an admin load) leaves it as it is.
+    await reg.acquire("a")
+    assert reg.keep_alive(a) == math.inf
+
+
+async def test_keep_alive_zero_unloads_when_the_request_ends() -> None:
+    loads = Loads()
+    reg = registry(loads)  # model_idle_unload_s 0: nothing else would ever unload it
+    reg.load_now(reg.entries["a"])
+    reg.reaper_wake.clear()
+    with request_leases():
+        await reg.acquire("a", keep_alive=0.0, generation=True)
+        assert reg.reap_idle() == []  # still answering
+    assert reg.reaper_wake.is_set()  # the lease's end wakes the server's reaper ...
+    assert reg.next_due() is not None and reg.next_due() <= 0  # type: ignore[operator]
+    assert reg.reap_idle() == ["a"]  # ... which finds it due at once
+    assert reg.entries["a"].state == "available" and reg.next_due() is None
+
+
+async def test_pinned_models_are_never_unloaded_but_by_an_admin() -> None:
+    loads = Loads()
+    models = (
+        ModelSpec(path="stub-a", id="a", options=(("pinned", True),)),
+        ModelSpec(path="stub-b", id="b"),
+        ModelSpec(path="stub-c", id="c"),
+    )
+    reg = registry(loads, models=models, model_idle_unload_s=5.0, max_loaded_models=2)
+    a, b = reg.entries["a"], reg.entries["b"]
+    assert a.pinned and not b.pinned
+    reg.load_now(a)
+    reg.load_now(b)
+    await reg.acquire("a", keep_alive=0.0, generation=True)  # pinned wins over keep_alive
+    later = max(a.last_used, b.last_used) + 1e6
+    assert reg.due(a) is None and reg.reap_idle(later) == ["b"]
+    reg.load_now(b)
+    a.last_used = b.last_used - 100  # a is the least recently used: still never the victim
+    reg.entries["c"].state = "available"
+    await reg.acquire("c")
+    assert loads.unloaded == ["b", "b"] and a.state == "ready"
+    with request_leases():
+        await reg.acquire("c")
+        with pytest.raises(ModelCapacityError, match="busy or pinned"):
+            await reg.acquire("b")
+    assert reg.memory_victim(b) is reg.entries["c"]  # the budget's victim: never a
+    reg.entries["c"].state = "ready"
+    entry = reg.begin_unload("a")  # the admin's unload still works
+    assert entry is not None
+    reg.finish_unload(entry)
+    assert a.state == "available"
+
+
+def test_pinned_is_a_setting_global_or_per_model(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[[models]]\nid = "a"\npath = "stub-a"\npinned = true\n'
+        '[[models]]\nid = "b"\npath = "stub-b"\nbackend = "stub"\n'
+    )
+    from kvwarm.settings import load_settings
+
+    env = {"XDG_CONFIG_HOME": "/nonexistent-kvwarm-test"}
+    s = load_settings({"config": str(config), "backend": "stub"}, env)
+    reg = ModelRegistry(s, Loads().load, Loads().unload)
+    assert (reg.entries["a"].pinned, reg.entries["b"].pinned) == (True, False)
+    everything = load_settings(
+        {"config": str(config), "backend": "stub"}, {**env, "KVWARM_PINNED": "1"}
+    )
+    reg = ModelRegistry(everything, Loads().load, Loads().unload)
+    assert reg.entries["b"].pinned

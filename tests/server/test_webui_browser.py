@@ -16,10 +16,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, sync_playwright
 
-from .conftest import LiveServer
+from kvwarm.settings import ModelSpec
+
+from .conftest import LiveServer, stub_settings
 from .test_live_openai import real_settings
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -246,6 +249,59 @@ def test_keys_are_asked_once_per_session(browser: Browser, tmp_path: Path) -> No
             assert not page.is_visible("#key-dialog")  # kept for the session: not asked again
             wait_for(page, "() => document.getElementById('stat-rows').dataset.value === '0'")
             assert page.eval_on_selector_all("#model option", "o => o.length") == 1
+            assert console.errors == []
+    finally:
+        live.stop()
+
+
+def test_the_models_view_loads_unloads_and_shows_memory(browser: Browser, tmp_path: Path) -> None:
+    """The Models tab (stub models: fast): each model's status, when it unloads (pinned:
+    never), its memory with its cache share, and Load/Unload buttons that work from the
+    keyboard (issue 41)."""
+    models = (
+        ModelSpec(path="stub-a", id="a", options=(("pinned", True),)),
+        ModelSpec(path="stub-b", id="b"),
+    )
+    live = LiveServer(stub_settings(models=models, model_idle_unload_s=600)).start()
+    try:
+        with httpx.Client(base_url=live.base_url, timeout=60) as http:
+            body = {"model": "a", "prompt": "A lighthouse keeper and a cat " * 4, "max_tokens": 4}
+            assert http.post("/v1/completions", json=body).status_code == 200
+        page, console = open_page(browser, live.base_url + "/#models", viewport=PHONE)
+        with screenshot_on_failure(page, tmp_path / "models.png"):
+            page.wait_for_selector("body[data-ready='true']")
+            row = "#models-table tr[data-model='{}']"
+            page.wait_for_selector(row.format("a") + "[data-status='ready']")
+            page.wait_for_selector(row.format("b") + "[data-status='ready']")
+            cells = page.eval_on_selector(
+                row.format("a"), "r => [...r.cells].map(c => c.textContent)"
+            )
+            assert cells[2] == "pinned" and cells[3].endswith("MiB")  # weights
+            assert page.inner_text(row.format("b") + " td:nth-child(3)").startswith("in ")
+            # The cache share of a (it served the request), none of b.
+            wait_for(
+                page,
+                "s => Number(document.querySelector(s).dataset.value) > 0",
+                row.format("a") + " td.cache",
+            )
+            assert page.get_attribute(row.format("b") + " td.cache", "data-value") == "0"
+            # Unload b, then load it again, from the keyboard.
+            for _ in range(40):  # Tab to the button: reachable by keyboard
+                label = (
+                    "document.activeElement && document.activeElement.getAttribute('aria-label')"
+                )
+                if page.evaluate(label) == "Unload b":
+                    break
+                page.keyboard.press("Tab")
+            else:
+                raise AssertionError("the Unload button is not reachable with Tab")
+            page.keyboard.press("Enter")
+            page.wait_for_selector(row.format("b") + "[data-status='available']")
+            assert page.inner_text("#models-status").startswith("b is available")
+            page.click("[aria-label='Load b']")
+            page.wait_for_selector(row.format("b") + "[data-status='ready']")
+            overflow = "() => document.documentElement.scrollWidth - window.innerWidth"
+            assert page.evaluate(overflow) <= 0
             assert console.errors == []
     finally:
         live.stop()

@@ -114,3 +114,60 @@ def test_health_names_a_model_whose_worker_died() -> None:
         body = health.json()
         assert body["status"] == "error" and body["error"]["code"] == "worker_died", body
         assert "a" in body["error"]["message"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_model_whose_worker_died_is_failed_everywhere_and_loads_again() -> None:
+    """Issue 41: a model whose worker died still said "ready" in /v1/models (and on the page,
+    which lists its status); it could be brought back only by restarting the server."""
+    with TestClient(create_app(stub_settings())) as client:
+        wait_ready(client.get)
+        dead = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
+
+        def die() -> None:
+            raise _Died()
+
+        dead._worker.tick.run = die
+        response = client.post("/v1/completions", json={"model": "a", "prompt": "x"})
+        assert response.status_code == 503, response.json()
+        assert dead._worker._closed.wait(10)
+        listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+        assert listed["a"]["status"] == "failed", listed["a"]
+        assert "worker died" in listed["a"]["error"] and "meta" not in listed["a"]
+        assert listed["b"]["status"] == "ready"  # the other model is untouched
+        one = client.get("/v1/models/a").json()
+        assert one["status"] == "failed", one
+        again = client.post("/v1/completions", json={"model": "a", "prompt": "x"})
+        assert again.status_code == 503 and again.json()["error"]["code"] == "worker_died"
+        health = client.get("/health").json()
+        assert health["status"] == "degraded" and "a" in health["errors"], health
+        # Back without a restart: the dead model is unloaded and a new one loaded.
+        loaded = client.post("/admin/models/load", json={"name": "a"})
+        assert loaded.status_code == 200, loaded.json()
+        assert loaded.json()["status"] == "ready"
+        model = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
+        assert model is not dead and dead._state != "ready"
+        done = client.post("/v1/completions", json={"model": "a", "prompt": "x"})
+        assert done.status_code == 200, done.json()
+        assert client.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_unloading_a_model_whose_worker_died_frees_it() -> None:
+    with TestClient(create_app(stub_settings())) as client:
+        wait_ready(client.get)
+        dead = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
+
+        def die() -> None:
+            raise _Died()
+
+        dead._worker.tick.run = die
+        client.post("/v1/completions", json={"model": "a", "prompt": "x"})
+        assert dead._worker._closed.wait(10)
+        unloaded = client.post("/admin/models/unload", json={"model": "a"})
+        assert unloaded.status_code == 200, unloaded.json()
+        assert unloaded.json()["status"] == "available"
+        assert dead._state != "ready"
+        # Its next request loads it again, as for any unloaded model.
+        done = client.post("/v1/completions", json={"model": "a", "prompt": "x"})
+        assert done.status_code == 200, done.json()

@@ -81,6 +81,7 @@ __all__ = [
     "ProjectorFacts",
     "ProjectorParams",
     "Projector",
+    "AdapterSet",
     "KvCodec",
     "BackendContext",
     "BackendModel",
@@ -169,6 +170,20 @@ class ModelFacts:
     memory_kind: MemoryKindName = "full"
     #: The sliding window of its SWA layers (``memory_kind`` "swa"), else 0.
     n_swa: int = 0
+    #: The pooling the GGUF declares (``{arch}.pooling_type``): ``rank`` for a reranker;
+    #: None where it declares none.
+    pooling: PoolingType | None = None
+    #: Whether its attention is causal (``{arch}.attention.causal``): false for an encoder
+    #: (a BERT cross-encoder), each of whose positions depends on the whole sequence.
+    causal: bool = True
+    #: Values a rank-pooling context gives per sequence (its classifier's labels; 1 without).
+    n_cls_out: int = 1
+    #: The GGUF's rerank prompt (``tokenizer.chat_template.rerank``) with ``{query}`` and
+    #: ``{document}`` in it; None: the pair ``[BOS] query [EOS] [SEP] document [EOS]``.
+    rerank_template: str | None = None
+    sep: int | None = None  # the separator token, if the vocabulary has one
+    add_eos: bool = False  # whether the vocabulary ends a text with EOS (BERT's [SEP])
+    add_sep: bool = False  # whether it puts a separator between two texts
 
 
 @runtime_checkable
@@ -208,6 +223,10 @@ class Adapter(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+#: LoRA adapters with their scales, as a context has them attached (``set_adapters``).
+AdapterSet = tuple[tuple[Adapter, float], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,6 +457,21 @@ class BackendContext(Protocol):
         """Pooled embedding of ``tokens`` (context must have ``embeddings=True``)."""
         ...
 
+    def pooled(self, seq: int) -> tuple[float, ...]:
+        """``seq``'s pooled output from the last decode, which must have ended that
+        sequence's prompt: in a rank-pooling context its ``n_cls_out`` scores (a causal
+        model's read at the sequence's last position, an encoder's from the whole
+        sequence). ``InvalidRequestError`` for a context that does not pool,
+        ``NoLogitsError`` if the last decode held no position of ``seq``."""
+        ...
+
+    @property
+    def stateless(self) -> bool:
+        """Whether the context keeps nothing of a sequence after a decode (an encoder such as
+        a BERT cross-encoder has no KV cache): each sequence is decoded whole, in one ubatch,
+        from position 0; the sequence operations do nothing and its KV cannot be packed."""
+        ...
+
     def set_adapters(self, adapters: Sequence[tuple[Adapter, float]]) -> None:
         """Replace the attached LoRA adapters (each with its scale)."""
         ...
@@ -479,11 +513,14 @@ class BackendModel(Protocol):
         """Render messages with the GGUF's own (Jinja) chat template, or ``template``."""
         ...
 
-    def context_params(self, params: ContextParams, *, deterministic: bool) -> ContextParams:
+    def context_params(
+        self, params: ContextParams, *, deterministic: bool, speculative: bool = False
+    ) -> ContextParams:
         """``params`` as this model's contexts run them, in a model that is or is not
-        ``deterministic`` (``flash_attn="auto"`` resolved where the backend chooses). The
-        engine creates its contexts and hashes its cache keys from these, so a key names what
-        ran."""
+        ``deterministic`` and does or does not ``speculative``-ly decode by default
+        (``flash_attn="auto"`` resolved where the backend chooses: both need attention whose
+        numerics do not depend on the batch). The engine creates its contexts and hashes its
+        cache keys from these, so a key names what ran."""
         ...
 
     def new_context(self, params: ContextParams) -> BackendContext: ...

@@ -23,15 +23,20 @@ from __future__ import annotations
 
 import re
 
+from kvwarm.backends.grammar_factor import factor_literal_rules
 from kvwarm.errors import GrammarError
 
 __all__ = [
     "DEFAULT_MAX_GRAMMAR_WAYS",
     "MAX_EMPTY_REPEATS",
+    "MAX_GRAMMAR_BYTES",
     "MAX_GRAMMAR_DEPTH",
+    "MAX_GRAMMAR_WIDTH",
     "check_grammar_cost",
+    "cheap_grammar",
     "grammar_depth",
     "grammar_ways",
+    "grammar_widths",
 ]
 
 DEFAULT_MAX_GRAMMAR_WAYS = 1_000_000
@@ -43,6 +48,17 @@ MAX_EMPTY_REPEATS = 16
 #: refuses 2,000 itself; 1,000 compile. A JSON schema's ``maxLength``/``maxItems`` nest one
 #: group per optional repeat. Deeper grammars are refused before llama.cpp sees them.
 MAX_GRAMMAR_DEPTH = 1000
+#: The most alternatives a grammar may open at one point (``grammar_widths``). llama.cpp keeps
+#: one parse stack per open alternative and checks each against every token of the vocabulary
+#: at every step: on SmolLM2 (49k tokens) ~0.1-0.5 ms per stack a token, so 10,000 (a JSON
+#: schema's 10,000-value ``enum``) took ~7 s a token and stalled every request of the model;
+#: 128 costs at most ~60 ms (a vocabulary 5x larger, 5x that). A rule of many string literals
+#: is factored into a prefix tree first (``grammar_factor``), which opens one per distinct
+#: next character, so even a 100,000-value enum passes.
+MAX_GRAMMAR_WIDTH = 128
+#: The longest grammar text accepted: its parse and checks here are Python (~0.4 s a MiB) and
+#: llama.cpp compiles it twice (once here, once on the worker).
+MAX_GRAMMAR_BYTES = 2 << 20
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 _RULE_START = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*::=", re.MULTILINE)
@@ -282,9 +298,31 @@ def _ways(rules: dict[str, _Expr], limit: int) -> tuple[dict[str, int], list[str
     return ways, order
 
 
-def check_grammar_cost(text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS) -> None:
-    """``GrammarError`` (a 400) for a grammar nesting deeper than ``MAX_GRAMMAR_DEPTH``, or
-    naming the first rule whose ambiguity passes ``limit``."""
+def cheap_grammar(text: str) -> str:
+    """``text`` as llama.cpp should get it: no longer than ``MAX_GRAMMAR_BYTES``, rules of
+    many string literals factored into prefix trees (``grammar_factor``), and within every
+    bound of ``check_grammar_cost`` (``GrammarError`` otherwise)."""
+    _check_length(text)
+    factored = factor_literal_rules(text)
+    check_grammar_cost(factored)
+    return factored
+
+
+def _check_length(text: str) -> None:
+    if len(text) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(
+            f"grammar is {len(text)} characters, more than the {MAX_GRAMMAR_BYTES} accepted",
+            param="grammar",
+        )
+
+
+def check_grammar_cost(
+    text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS, width_limit: int = MAX_GRAMMAR_WIDTH
+) -> None:
+    """``GrammarError`` (a 400) for a grammar longer than ``MAX_GRAMMAR_BYTES`` or nesting
+    deeper than ``MAX_GRAMMAR_DEPTH``, or naming the first rule whose ambiguity passes
+    ``limit`` or that opens more than ``width_limit`` alternatives at once."""
+    _check_length(text)
     depth = grammar_depth(text)
     if depth > MAX_GRAMMAR_DEPTH:
         raise GrammarError(
@@ -311,6 +349,15 @@ def check_grammar_cost(text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS) -> None
             raise GrammarError(
                 f"grammar rule {name!r} is too ambiguous: it can be derived in more than "
                 f"{limit} ways, which would stall the model; simplify the rule",
+                param="grammar",
+            )
+    widths = _widths(rules, order, width_limit)
+    for name in order:
+        if widths[name] > width_limit and not name.startswith("("):
+            raise GrammarError(
+                f"grammar rule {name!r} opens more than {width_limit} alternatives at once "
+                "(each is checked against the whole vocabulary for every token, which would "
+                "stall the model); factor common prefixes out of its alternatives or split it",
                 param="grammar",
             )
 
@@ -369,4 +416,50 @@ def _empty_repeats(rules: dict[str, _Expr], order: list[str], cap: int) -> dict[
             best = max(best, suffix)
         first[name] = best
         worst[name] = most
+    return worst
+
+
+def grammar_widths(text: str, cap: int = MAX_GRAMMAR_WIDTH) -> dict[str, int]:
+    """Per rule, the most alternatives open at once at any point inside it or the rules it
+    reaches (saturating past ``cap``); groups are included under their ``(N`` names.
+
+    ``_UnparsableError`` escapes only to ``check_grammar_cost``.
+    """
+    rules = _parse(text)
+    _, order = _ways(rules, cap)
+    return _widths(rules, order, cap)
+
+
+def _widths(rules: dict[str, _Expr], order: list[str], cap: int) -> dict[str, int]:
+    """The number of parse stacks llama.cpp's grammar engine holds at a point is the number of
+    alternatives open there: a rule reference expands into every alternative of the rule,
+    each led by a reference expanding in turn, and an element that can match nothing
+    (``x?``, ``x*``, a nullable rule) opens what follows it too. Counted per rule (deepest
+    first; a reference back into a cycle counts 1): ``first``, what its start opens;
+    ``worst``, the most open at any point inside it, the rules it reaches included."""
+    nullable = _nullable(rules)
+    first: dict[str, int] = {}  # alternatives a rule's start opens (not counting what follows)
+    worst: dict[str, int] = {}
+
+    def opens(kind: str, val: object) -> int:
+        if kind == "ref":
+            return first.get(str(val), 1)
+        return 0 if val is True else 1  # the literal "" opens nothing
+
+    for name in order:
+        own = 0
+        most = 0
+        for alt in rules[name]:
+            inner = 0  # what the items from here on open
+            through = True  # and whether all of them can match nothing (the caller goes on)
+            for kind, val, rep in reversed(alt):
+                skippable = rep[0] == 0 or _empty(kind, val, nullable)
+                inner = min(opens(kind, val) + (inner if skippable else 0), cap + 1)
+                through = through and skippable
+                most = max(most, inner + through)
+                if kind == "ref":
+                    most = max(most, worst.get(str(val), 0))
+            own = min(own + inner, cap + 1)
+        first[name] = own
+        worst[name] = min(max(most, own + (name in nullable)), cap + 1)
     return worst

@@ -182,6 +182,11 @@ class CacheApi(Protocol):
 
     def rows(self, namespace: Namespace | None = None) -> list[RowInfo]: ...
 
+    def row_tokens(self, key: bytes) -> tuple[int, ...] | None:
+        """The tokens a published row holds (None: no such row), from the index alone: no
+        tier is read. Speculative decoding drafts from them (``engine/worker/drafts.py``)."""
+        ...
+
     def counters(self) -> Mapping[str, float]:
         """One snapshot: hits by kind, misses, saves by reason, saves_dropped, evictions,
         per-tier bytes/rows/quota (``tier_<name>_bytes`` …), latency totals."""

@@ -326,6 +326,9 @@ class Cache:
     def rows(self, namespace: Namespace | None = None) -> list[RowInfo]:
         return self._index.rows(namespace)
 
+    def row_tokens(self, key: bytes) -> tuple[int, ...] | None:
+        return self._index.tokens(key)
+
     # ------------------------------------------------------------------ counting
 
     def record_miss(self) -> None:

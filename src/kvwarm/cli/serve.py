@@ -35,11 +35,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the server extra (uvicorn, fastapi) is not needed by the other commands.
-    import uvicorn
-
     from kvwarm.server import create_app
+    from kvwarm.server.connections import Server, uvicorn_config
 
-    class _Server(uvicorn.Server):
+    class _Server(Server):
         """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, so the process dies of the
         signal; for a CLI a requested, clean shutdown is success (exit 0). A second signal
         exits at once (found by review: uvicorn forces only on a second SIGINT, and only its
@@ -70,16 +69,9 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app = create_app(settings, on_fatal=on_fatal)
-    # log_config=None keeps our logging setup; the per-request line comes from kvwarm itself.
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=10,
-    )
-    server = _Server(config)
+    # Slow clients are dropped and connections capped (server/connections.py).
+    # Its shutdown ends streams still running with an error event (ServerState.drain).
+    server = _Server(uvicorn_config(app, settings), drain=app.state.kvwarm.drain)
     server.run()
     if fatal:
         raise ModelLoadError(f"no model could be loaded: {fatal[0]}")

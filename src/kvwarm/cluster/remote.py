@@ -320,6 +320,7 @@ class RemoteModel(ModelOps):
     chat_tokens = _forward(ModelCalls.chat_tokens)
     infill_tokens = _forward(ModelCalls.infill_tokens)
     embed = _forward(ModelCalls.embed)
+    rerank = _forward(ModelCalls.rerank)
 
     def prewarm(
         self,

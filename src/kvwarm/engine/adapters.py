@@ -1,11 +1,17 @@
-"""A model's attached LoRA adapters.
+"""A model's loaded LoRA adapters, the model's own set (each at its scale), and the set a
+request runs under.
 
-Invariants: every change is applied on the worker thread as a job that waits until no slot is
-active, so no running request ever sees an adapter change mid-way; after a change, every idle
-slot's live KV is forgotten (it was computed under the old set) and the namespace is refolded;
-an adapter that failed to attach or detach natively is listed exactly as the context has it
-(``docs/architecture.md``, "Engine"). ``applied()`` is the set the generation context has
-natively; the embedding context (``engine.embeddings``) follows it before each embedding.
+Invariants: every change of the model's set is applied on the worker thread as a job that
+waits until no slot is active, so no running request ever sees it change mid-way; after a
+change, every idle slot's live KV is forgotten and the namespace is refolded; an adapter that
+failed to attach or detach natively is listed exactly as the context has it
+(``docs/architecture.md``, "Engine"). A request may name its own set instead
+(``GenerationOptions.lora``, llama-server's per-request ``lora``): it is resolved when the
+request is admitted (``resolve``), runs in forward passes of its set alone (the tick sets the
+context's adapters before each pass, ``Runtime.use_adapters``) and lives in the namespace of
+that set, so rows and live KV never cross sets. An adapter at scale 0 is no adapter: left out
+of the native set and of the namespace, so it costs nothing and shares the base model's rows.
+``applied()`` is the model's set; the embedding context (``engine.embeddings``) follows it.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ from collections.abc import Callable, Sequence
 from numbers import Real
 from pathlib import Path
 
-from kvwarm.backends.base import Adapter, BackendContext, BackendModel
+from kvwarm.backends.base import Adapter, AdapterSet, BackendModel
 from kvwarm.engine.types import AdapterInfo
 from kvwarm.engine.worker.loop import Worker
+from kvwarm.engine.worker.runtime import LoraChoice
 from kvwarm.errors import AdapterError, InvalidRequestError
 
 
@@ -27,22 +34,23 @@ class Adapters:
     def __init__(
         self,
         bmodel: BackendModel,
-        ctx: BackendContext,
         worker: Worker,
         on_change: Callable[[Sequence[tuple[bytes, float]]], None],
     ) -> None:
         """``on_change`` receives (sha256, scale) of the new set, on the worker thread."""
         self._bmodel = bmodel
-        self._ctx = ctx
         self._worker = worker
         self._on_change = on_change
         self._adapters: dict[int, tuple[Adapter, float]] = {}
-        #: The set the generation context has natively (set on the worker thread).
-        self._applied: tuple[tuple[Adapter, float], ...] = ()
+        self._names: dict[int, str] = {}
+        #: The model's set, adapters at scale 0 left out (set on the worker thread).
+        self._applied: AdapterSet = ()
         self._next = 1
         self._lock = threading.Lock()
 
-    def load(self, path: str | os.PathLike[str], scale: float = 1.0) -> AdapterInfo:
+    def load(
+        self, path: str | os.PathLike[str], scale: float = 1.0, *, name: str = ""
+    ) -> AdapterInfo:
         value = _scale(scale)  # before the native load: a bad scale must not leak the adapter
         if not Path(path).is_file():
             raise AdapterError(f"adapter file not found: {path}")
@@ -51,11 +59,13 @@ class Adapters:
             handle = self._next
             self._next += 1
             self._adapters[handle] = (adapter, value)
+            self._names[handle] = name
         try:
             self._apply()
         except BaseException:
             with self._lock:
                 self._adapters.pop(handle, None)
+                self._names.pop(handle, None)
             adapter.close()
             raise
         return self._info(handle)
@@ -91,16 +101,49 @@ class Adapters:
             with self._lock:
                 self._adapters[handle] = (adapter, scale)
             raise
+        with self._lock:
+            self._names.pop(handle, None)
         adapter.close()
 
     def list(self) -> list[AdapterInfo]:
         with self._lock:
-            items = sorted(self._adapters.items())
-        return [AdapterInfo(h, a.path, scale, a.sha256.hex()) for h, (a, scale) in items]
+            return [self._info(h) for h in sorted(self._adapters)]
 
-    def applied(self) -> tuple[tuple[Adapter, float], ...]:
-        """The set the generation context has natively; read on the worker thread."""
+    def applied(self) -> AdapterSet:
+        """The model's set (what a request without its own runs under, and what embeddings
+        use); read on the worker thread."""
         return self._applied
+
+    def check(self, choice: LoraChoice | None) -> None:
+        """``AdapterError`` for a request's set naming an adapter this model has not loaded:
+        the caller's error, before its request is queued."""
+        if choice is None:
+            return
+        with self._lock:
+            missing = [handle for handle, _ in choice if handle not in self._adapters]
+            known = sorted(self._adapters)
+        if missing:
+            raise AdapterError(
+                f"this model has no LoRA adapter {missing[0]} (loaded: "
+                f"{', '.join(map(str, known)) or 'none'})"
+            )
+
+    def resolve(self, choice: LoraChoice | None) -> AdapterSet:
+        """The set a request runs under: the model's (``choice`` None), or exactly the
+        adapters ``choice`` names at its scales, ordered by handle; scale 0 left out. On the
+        worker thread, when the request is admitted (an adapter detached since it was queued
+        is an ``AdapterError`` for that request alone)."""
+        if choice is None:
+            return self._applied
+        with self._lock:
+            out = []
+            for handle, scale in sorted(choice):
+                entry = self._adapters.get(handle)
+                if entry is None:
+                    raise AdapterError(f"LoRA adapter {handle} was detached from this model")
+                if scale != 0.0:
+                    out.append((entry[0], float(scale)))
+        return tuple(out)
 
     def close(self) -> None:
         for adapter, _ in self._adapters.values():
@@ -108,16 +151,20 @@ class Adapters:
 
     def _info(self, handle: int) -> AdapterInfo:
         adapter, scale = self._adapters[handle]
-        return AdapterInfo(handle, adapter.path, scale, adapter.sha256.hex())
+        name = self._names.get(handle, "")
+        return AdapterInfo(handle, adapter.path, scale, adapter.sha256.hex(), name)
 
     def _apply(self) -> None:
         def run() -> None:
-            wanted = tuple(self._adapters.values())
-            self._ctx.set_adapters(wanted)
+            with self._lock:
+                wanted = tuple((a, s) for a, s in self._adapters.values() if s != 0.0)
+            # At once, not at the next pass: a set the context refuses fails this call, and
+            # an adapter detached here is released by the context before it is closed.
+            self._worker.rt.use_adapters(wanted)
             self._applied = wanted
             # Live KV was computed under the old adapter set; it must not be reused.
             self._worker.invalidate_live_kv()
-            self._on_change([(a.sha256, scale) for a, scale in self._adapters.values()])
+            self._on_change([(a.sha256, scale) for a, scale in wanted])
 
         # needs_idle: no running request ever sees an adapter change mid-way.
         self._worker.call(run, needs_idle=True).result()

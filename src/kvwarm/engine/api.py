@@ -16,7 +16,7 @@ import os
 import threading
 from typing import Unpack
 
-from kvwarm.engine.config import EngineConfig, ModelConfig, ModelOptions
+from kvwarm.engine.config import EngineConfig, LoraSpec, ModelConfig, ModelOptions
 from kvwarm.engine.engine import Engine
 from kvwarm.engine.model import Model, PromptInput
 from kvwarm.engine.ops import Message
@@ -26,6 +26,7 @@ from kvwarm.tokens import Prompt, Span
 __all__ = [
     "Engine",
     "EngineConfig",
+    "LoraSpec",
     "Message",
     "Model",
     "ModelConfig",

@@ -1,10 +1,14 @@
 """Embeddings: pooled vectors from a separate, lazily created embedding context.
 
-Invariants: the embedding context is created and used only on the model's worker thread (as a
-job between ticks), so it never races the generation context; inputs are validated on the
-caller's thread before any job is queued (``docs/architecture.md``, "Engine"). Before each
-embedding job the context takes the LoRA set the generation context has (``Adapters.applied``):
-a model with an adapter attached embeds with it, as it generates with it.
+Invariants: the embedding context is created and used only on the model's worker thread (as
+jobs between ticks), so it never races the generation context; inputs are validated on the
+caller's thread before any job is queued (``docs/architecture.md``, "Engine"). A batch is
+embedded in pieces of about ``n_batch`` tokens, one job each, queued one after the other, so
+the model's other requests get a tick between any two pieces (issue 41: 20,000 inputs as one
+job held a concurrent chat for 168 s), as a batch of completion prompts shares the model.
+Before each embedding job the context takes the LoRA set the generation context has
+(``Adapters.applied``): a model with an adapter attached embeds with it, as it generates with
+it.
 
 The embedding context is sized to the inputs it has embedded (found by review): pooling needs a
 whole input in one ubatch, so its ``n_ubatch`` (and ``n_ctx``) must hold the longest input, and
@@ -16,11 +20,12 @@ longer input comes; ``memory_bytes`` reports what it holds (the model counts it 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 from kvwarm.backends.base import (
-    Adapter,
+    AdapterSet,
     BackendContext,
     BackendModel,
     ContextMemory,
@@ -30,10 +35,23 @@ from kvwarm.engine.request import check_tokens
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
 
-AdapterSet = tuple[tuple[Adapter, float], ...]
-
 #: The smallest embedding context, in tokens (llama.cpp pads a context to 256 cells anyway).
 _MIN_TOKENS = 512
+
+
+def pieces(token_lists: list[list[int]], budget: int) -> Iterator[list[list[int]]]:
+    """``token_lists`` in order, in runs of at most ``budget`` tokens (an input longer than
+    that is a run of its own)."""
+    run: list[list[int]] = []
+    size = 0
+    for tokens in token_lists:
+        if run and size + len(tokens) > budget:
+            yield run
+            run, size = [], 0
+        run.append(tokens)
+        size += len(tokens)
+    if run:
+        yield run
 
 
 def context_tokens(longest: int, limit: int) -> int:
@@ -70,7 +88,7 @@ class Embedder:
 
         size = context_tokens(max(len(t) for t in token_lists), limit)
 
-        def run() -> list[list[float]]:
+        def run(piece: list[list[int]]) -> list[list[float]]:
             ctx = self._ctx
             if ctx is None or ctx.params.n_ubatch < size:
                 if ctx is not None:
@@ -91,9 +109,14 @@ class Embedder:
             if wanted != self._ctx_adapters:
                 ctx.set_adapters(wanted)
                 self._ctx_adapters = wanted
-            return [ctx.embed(toks, normalize=normalize) for toks in token_lists]
+            return [ctx.embed(toks, normalize=normalize) for toks in piece]
 
-        return self._worker.call(run).result()
+        vectors: list[list[float]] = []
+        for piece in pieces(token_lists, self._params.n_batch):
+            # One piece at a time: the next is queued once this one is done, after the
+            # worker's next tick, never ahead of the other requests' tokens.
+            vectors += self._worker.call(functools.partial(run, piece)).result()
+        return vectors
 
     def _tokens(self, inputs: str | Sequence[str | Sequence[int]]) -> list[list[int]]:
         """Each input's tokens, validated on the caller's thread."""

@@ -19,12 +19,9 @@ from typing import BinaryIO
 
 from kvwarm.cache.types import FingerprintMode
 from kvwarm.errors import ConfigError, ModelLoadError
+from kvwarm.gguf_meta import read_metadata
 
 _CHUNK = 4 << 20
-_GGUF_MAGIC = b"GGUF"
-# Byte sizes of fixed-size GGUF metadata value types (uint8 … float64, bool).
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
 
 Progress = Callable[[int, int], None]
 
@@ -129,46 +126,14 @@ def _gguf_layout(f: BinaryIO, size: int) -> tuple[int, int]:
             raise ValueError("truncated header")
         return struct.unpack(fmt, raw)
 
-    def skip_string() -> None:
+    meta = read_metadata(f, size, ("general.alignment",))
+    alignment = int(meta.values.get("general.alignment", 32))
+    offsets: list[int] = []
+    for _ in range(meta.n_tensors):
         (n,) = read("<Q")
         if n > size:
             raise ValueError("string length beyond file")
         f.seek(n, os.SEEK_CUR)
-
-    def skip_value(vtype: int) -> None:
-        if vtype in _SCALAR_SIZES:
-            f.seek(_SCALAR_SIZES[vtype], os.SEEK_CUR)
-        elif vtype == _STRING:
-            skip_string()
-        elif vtype == _ARRAY:
-            (etype,) = read("<I")
-            (count,) = read("<Q")
-            if etype in _SCALAR_SIZES:
-                f.seek(_SCALAR_SIZES[etype] * count, os.SEEK_CUR)
-            else:
-                for _ in range(count):
-                    skip_value(etype)
-        else:
-            raise ValueError(f"unknown metadata type {vtype}")
-
-    if f.read(4) != _GGUF_MAGIC:
-        raise ValueError("bad magic")
-    (version,) = read("<I")
-    if version < 2:
-        raise ValueError(f"GGUF version {version} is not supported")
-    n_tensors, n_kv = read("<QQ")
-    alignment = 32
-    for _ in range(n_kv):
-        (klen,) = read("<Q")
-        key = f.read(klen)
-        (vtype,) = read("<I")
-        if key == b"general.alignment" and vtype == 4:
-            (alignment,) = read("<I")
-        else:
-            skip_value(vtype)
-    offsets: list[int] = []
-    for _ in range(n_tensors):
-        skip_string()
         (n_dims,) = read("<I")
         f.seek(8 * n_dims + 4, os.SEEK_CUR)
         (offset,) = read("<Q")

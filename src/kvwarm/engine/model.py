@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Unpack
 
 from kvwarm.backends import get_backend
-from kvwarm.backends.base import Backend, BackendModel, ContextMemory, Projector, ProjectorParams
+from kvwarm.backends.base import (
+    AdapterSet,
+    Backend,
+    BackendModel,
+    ContextMemory,
+    PoolingType,
+    Projector,
+    ProjectorParams,
+)
 from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, resolve_template
 from kvwarm.cache.formats.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
@@ -29,6 +38,7 @@ from kvwarm.engine.describe import (
     ModelState,
     model_info,
     model_status,
+    speculation,
     warn_if_past_training,
 )
 from kvwarm.engine.embeddings import Embedder
@@ -40,22 +50,28 @@ from kvwarm.engine.prompts import (
     ExtraFile,
     MediaPrompt,
     chat_prompt,
+    check_chat_size,
     fim_tokens,
+    longest_piece,
 )
 from kvwarm.engine.request import RequestKind, check_tokens
+from kvwarm.engine.rerank import Ranker, RerankLimits
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.submit import Submitter
 from kvwarm.engine.types import (
     AdapterInfo,
+    Capability,
     Completion,
     CompletionStats,
     GenerationOptions,
     ModelInfo,
     ModelStatus,
+    Reranking,
 )
 from kvwarm.engine.worker.batching import strategy
 from kvwarm.engine.worker.loop import Worker, WorkerConfig
-from kvwarm.errors import EngineClosedError, InvalidRequestError
+from kvwarm.engine.worker.runtime import LoraChoice
+from kvwarm.errors import AdapterError, CapabilityError, EngineClosedError, InvalidRequestError
 from kvwarm.tokens import Prompt
 
 if TYPE_CHECKING:
@@ -100,10 +116,23 @@ class Model:
         params = replace(cfg.model_params, progress=phases.weights())
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
         self._projector: Projector | None = None
+        ran = self._bmodel.context_params(
+            cfg.context, deterministic=cfg.deterministic, speculative=cfg.spec_type != "none"
+        )
+        facts = self._bmodel.facts
+        #: How it pools: the setting's, else the GGUF's, else the context's (mean).
+        self.pooling: PoolingType = cfg.pooling or facts.pooling or ran.pooling
+        if self.pooling == "rank":
+            # A reranker's slots pool their sequences by rank (llama-server's --rerank); an
+            # encoder's prompt runs whole, in one ubatch, so a ubatch is a whole batch.
+            ran = replace(ran, embeddings=True, pooling="rank")
+            if not facts.causal:
+                ran = replace(ran, n_ubatch=ran.n_batch)
+        self.config = cfg = replace(cfg, context=ran)
+        self.chat_template_name, self._template = self._chat_template(cfg.chat_template)
+        self._longest_lock = threading.Lock()
+        self._longest: int | None = None  # bytes of the longest token (a chat's size bound)
         try:
-            ran = self._bmodel.context_params(cfg.context, deterministic=cfg.deterministic)
-            self.config = cfg = replace(cfg, context=ran)
-            self.chat_template_name, self._template = self._chat_template(cfg.chat_template)
             if cfg.mmproj is not None:
                 self._projector = self._load_projector(cfg.mmproj)
             self._start_worker()
@@ -112,18 +141,48 @@ class Model:
                 self._projector.close()
             self._bmodel.close()
             raise
-        self._adapters = Adapters(self._bmodel, self._ctx, self._worker, self._refresh_namespace)
+        self._adapters = Adapters(self._bmodel, self._worker, self._refresh_namespace)
+        self._seen: dict[bytes, None] = {}  # fingerprints of requests' own adapter sets
+        self._seen_lock = threading.Lock()
         self._submitter = Submitter(
             self._bmodel,
             self._worker,
             self._engine.cache,
             self.config,
             self.policy,
+            self._adapters.check,
             non_causal=() if self._projector is None else self._projector.facts.non_causal,
         )
         self._embedder = Embedder(
-            self._bmodel, cfg.context, self._worker, adapters=self._adapters.applied
+            self._bmodel,
+            replace(cfg.context, pooling=self.pooling),
+            self._worker,
+            adapters=self._adapters.applied,
         )
+        ctx = cfg.context
+        self._ranker = Ranker(
+            self._bmodel,
+            self._worker,
+            RerankLimits(
+                limit=ctx.n_ctx if facts.causal else min(ctx.n_ctx, ctx.n_ubatch),
+                max_documents=cfg.rerank_max_documents,
+                truncate=cfg.rerank_truncate,
+            ),
+            whole=not facts.causal,
+            deterministic=cfg.deterministic,
+            n_batch=ctx.n_batch,
+        )
+        try:
+            for spec in cfg.lora:
+                try:
+                    self._adapters.load(spec.path, spec.scale, name=spec.name)
+                except AdapterError as exc:
+                    raise AdapterError(
+                        f"LoRA adapter {spec.name or spec.path} of model {model_id}: {exc}"
+                    ) from exc
+        except BaseException:
+            self._free_after_failed_load()
+            raise
         self._state = "ready"
 
     def _load_projector(self, mmproj: str) -> Projector:
@@ -179,10 +238,24 @@ class Model:
                 fingerprint_mode=self.fingerprint_mode,
                 max_queue=cfg.max_queue,
                 strategy=strategy(cfg.batch_strategy),
+                whole=self.pooling == "rank" and not facts.causal,
+                spec_type=cfg.spec_type,
+                spec_ngram_n=cfg.spec_ngram_n,
+                spec_draft_max=cfg.spec_draft_max,
+                speculates=not speculation(cfg, self._ctx.memory).startswith("off"),
             ),
             self.namespace,
+            self._resolve_lora,
             projector=self._projector,
         )
+
+    def _free_after_failed_load(self) -> None:
+        """A model whose configured adapter did not load: stop its worker and free it all."""
+        self._state = "closed"
+        if self._worker.stop(None, 60.0):
+            self._free_native()
+        else:
+            self._worker.after_exit(self._free_native)
 
     # ---- identity -----------------------------------------------------------------------
 
@@ -191,8 +264,34 @@ class Model:
         return self._namespace
 
     def _refresh_namespace(self, adapters: Sequence[tuple[bytes, float]]) -> None:
+        self._namespace = self._namespace_of(adapters)
+
+    def _namespace_of(self, adapters: Sequence[tuple[bytes, float]]) -> Namespace:
         fp = effective_fingerprint(self._fingerprint, list(adapters))
-        self._namespace = Namespace(fp, self._namespace.quant, self._ctx_hash)
+        return Namespace(fp, self._namespace.quant, self._ctx_hash)
+
+    def _resolve_lora(self, choice: LoraChoice | None) -> tuple[AdapterSet, Namespace]:
+        """A request's adapter set and namespace (worker thread, at admission)."""
+        if choice is None:
+            return self._adapters.applied(), self._namespace
+        adapters = self._adapters.resolve(choice)
+        ns = self._namespace_of([(a.sha256, s) for a, s in adapters])
+        with self._seen_lock:
+            self._seen[ns.fingerprint] = None
+        return adapters, ns
+
+    def cache_fingerprints(self) -> frozenset[bytes]:
+        """The fingerprints of the namespaces this model's cached rows live in, as far as it
+        knows: its own (now and without adapters), each loaded adapter's alone at scale 1 (an
+        adapter served as a model of its own), and every set its requests ran under."""
+        own = [self._fingerprint, self._namespace.fingerprint]
+        alone = [
+            self._namespace_of([(bytes.fromhex(a.sha256), 1.0)]).fingerprint
+            for a in self.list_adapters()
+        ]
+        with self._seen_lock:
+            seen = list(self._seen)
+        return frozenset((*own, *alone, *seen))
 
     def info(self) -> ModelInfo:
         return model_info(
@@ -208,6 +307,28 @@ class Model:
             chat_template_name=self.chat_template_name,
             context_memory=self._context_memory(),
             projector=None if self._projector is None else self._projector.facts,
+            capabilities=self.capabilities,
+            pooling=self.pooling,
+        )
+
+    @property
+    def capabilities(self) -> tuple[Capability, ...]:
+        """What it can be asked to do: a reranker only ranks (its slots pool by rank)."""
+        return ("rerank",) if self.pooling == "rank" else ("generate", "embed")
+
+    def _require(self, capability: Capability) -> None:
+        if capability in self.capabilities:
+            return
+        if capability == "rerank":
+            raise CapabilityError(
+                f"model {self.id!r} is not a reranker (its pooling is {self.pooling}; a "
+                "reranker's is rank: set pooling to rank to rank with it)",
+                param="model",
+            )
+        raise CapabilityError(
+            f"model {self.id!r} is a reranker: it can only rerank (/v1/rerank), not "
+            f"{'embed' if capability == 'embed' else 'generate text'}",
+            param="model",
         )
 
     def _context_memory(self) -> ContextMemory:
@@ -264,6 +385,8 @@ class Model:
             return resolve_template(chosen)
         if self._bmodel.facts.chat_template:
             return "gguf", None
+        if self.pooling == "rank":  # a reranker never chats: nothing to warn about
+            return f"{FALLBACK_TEMPLATE} (fallback)", BUILTIN_TEMPLATES[FALLBACK_TEMPLATE]
         log.warning(
             "model %s carries no chat template: chats use %s (set chat_template to choose)",
             self.id,
@@ -372,6 +495,7 @@ class Model:
         """Prefill ``prompt`` and save it (with its final logits), generating nothing. With a
         ``cache_salt`` the row serves only requests with the same salt."""
         self._check_ready()
+        self._require("generate")
         opts = GenerationOptions(
             max_tokens=0, temperature=0.0, add_special=add_special, cache_salt=cache_salt
         )
@@ -470,6 +594,7 @@ class Model:
         URI), ``audio``, ``input_audio``), decoded under ``ModelConfig.media``, and its
         rendered text (each medium shown as ``<__media__>``)."""
         self._check_ready()
+        check_chat_size(messages, self.config.context.n_ctx, self._longest_piece)
         return chat_prompt(
             self._bmodel,
             messages,
@@ -479,10 +604,18 @@ class Model:
             media=ChatMedia(self._projector, self.config.media),
         )
 
+    def _longest_piece(self) -> int:
+        """``prompts.longest_piece``, computed once (under a lock: one pass, not several)."""
+        with self._longest_lock:
+            if self._longest is None:
+                self._longest = longest_piece(self._bmodel)
+            return self._longest
+
     def _submit_n(
         self, prompt: MediaPrompt, opts: GenerationOptions, text: str, n: int, fragments: bool
     ) -> list[CompletionStream]:
         self._check_ready()
+        self._require("generate")
         return self._submitter.group(prompt, opts, text, n, fragments)
 
     def infill_tokens(
@@ -510,6 +643,7 @@ class Model:
         fragments: bool = True,
     ) -> CompletionStream:
         self._check_ready()
+        self._require("generate")
         return self._submitter.one(prompt, opts, text, kind, ttl, fragments=fragments)
 
     # ---- embeddings ---------------------------------------------------------------------
@@ -520,12 +654,45 @@ class Model:
         """One pooled vector per input. An input is text (tokenized with BOS) or token ids,
         used exactly as given: ids are never detokenized and tokenized again."""
         self._check_ready()
+        self._require("embed")
         return self._embedder.embed(inputs, normalize=normalize)
+
+    # ---- reranking ----------------------------------------------------------------------
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        max_tokens_per_doc: int | None = None,
+        cache_salt: str | None = None,
+    ) -> Reranking:
+        """The ``documents`` by relevance to ``query``, best first, at most ``top_n`` (a
+        reranker only: ``CapabilityError`` otherwise). Each document is scored in a slot of
+        its own, batched like any request; a decoder reranker's documents share the prompt
+        before the document (instruction and query), prefilled once (``engine/rerank.py``).
+        ``max_tokens_per_doc`` cuts each document to that many tokens (Cohere's). A
+        document whose prompt does not fit ``n_ctx`` is ``ContextOverflowError``, or cut to
+        fit with ``rerank_truncate``."""
+        self._check_ready()
+        self._require("rerank")
+        return self._ranker.rerank(
+            query,
+            documents,
+            top_n=top_n,
+            max_tokens_per_doc=max_tokens_per_doc,
+            cache_salt=cache_salt,
+        )
 
     # ---- adapters -----------------------------------------------------------------------
 
-    def load_adapter(self, path: str | os.PathLike[str], scale: float = 1.0) -> AdapterInfo:
-        return self._adapters.load(path, scale)
+    def load_adapter(
+        self, path: str | os.PathLike[str], scale: float = 1.0, *, name: str = ""
+    ) -> AdapterInfo:
+        """Load a LoRA adapter and attach it at ``scale`` to the model's own set (0: loaded,
+        off except for requests that name it in ``GenerationOptions.lora``)."""
+        return self._adapters.load(path, scale, name=name)
 
     def set_adapter_scale(self, handle: int, scale: float) -> AdapterInfo:
         return self._adapters.set_scale(handle, scale)

@@ -43,11 +43,11 @@ import hashlib
 import logging
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvwarm.backends.base import BackendModel, MediaSpan, Projector
-from kvwarm.errors import FimNotSupportedError, InvalidRequestError
+from kvwarm.errors import ContextOverflowError, FimNotSupportedError, InvalidRequestError
 from kvwarm.media import Media, MediaError, MediaKind, MediaLimits, load_media
 from kvwarm.tokens import Prompt
 from kvwarm.unicode import find_lone_surrogate
@@ -102,6 +102,51 @@ def span_digest(media: Media, index: int) -> bytes:
     if index == 0:
         return media.digest
     return hashlib.sha256(media.digest + index.to_bytes(4, "little")).digest()
+
+
+def content_chars(messages: Sequence[Message]) -> int:
+    """How many characters of text the messages' contents hold (strings, and the ``text`` of
+    content parts); what a template renders besides is not counted."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, Mapping) else None
+                total += len(text) if isinstance(text, str) else 0
+    return total
+
+
+def check_chat_size(
+    messages: Sequence[Message], n_ctx: int, longest_piece: Callable[[], int]
+) -> None:
+    """``ContextOverflowError`` for messages whose contents alone cannot fit ``n_ctx`` tokens,
+    found before the template renders them (rendering and tokenizing a 3 MB chat took seconds
+    only to be refused then, issue 41). Sound: a character is at least one byte and a token
+    stands for at most ``longest_piece()`` bytes (asked only for a chat long enough to need
+    it), so more than ``n_ctx * longest_piece()`` characters are more than ``n_ctx`` tokens."""
+    chars = content_chars(messages)
+    if chars <= n_ctx:
+        return
+    longest = max(1, longest_piece())
+    if chars > n_ctx * longest:
+        raise ContextOverflowError(
+            f"the messages' contents hold {chars} characters: more than {n_ctx} tokens, the "
+            f"context, whatever the template (a token of this model stands for at most "
+            f"{longest} bytes)",
+            n_tokens=chars // longest,
+            n_ctx=n_ctx,
+        )
+
+
+def longest_piece(model: BackendModel) -> int:
+    """The most bytes any token of ``model`` stands for (one native call per token)."""
+    return max(
+        (len(model.token_to_piece(t, special=True)) for t in range(model.facts.n_vocab)),
+        default=1,
+    )
 
 
 def chat_tokens(

@@ -8,11 +8,11 @@ wait happens here and never stalls other slots; ``n`` choices are one queued req
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvwarm.backends.base import BackendModel, json_schema_to_grammar
-from kvwarm.backends.grammar_cost import check_grammar_cost
+from kvwarm.backends.grammar_cost import cheap_grammar
 from kvwarm.cache.api import CacheApi
 from kvwarm.cache.types import PolicyConfig, TtlClass
 from kvwarm.engine.config import ModelConfig
@@ -21,6 +21,7 @@ from kvwarm.engine.request import Request, RequestKind, check_length
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.types import RANDOM_SEED, GenerationOptions, sampler_seed
 from kvwarm.engine.worker.loop import Worker
+from kvwarm.engine.worker.runtime import LoraChoice
 from kvwarm.errors import InvalidRequestError
 
 
@@ -46,6 +47,8 @@ class Submitter:
     cache: CacheApi
     config: ModelConfig
     policy: PolicyConfig
+    #: ``AdapterError`` for a request's LoRA set naming an adapter the model lacks.
+    check_lora: Callable[[LoraChoice | None], None] = lambda _choice: None
     #: The media kinds whose spans are decoded in one ubatch (the projector's).
     non_causal: tuple[str, ...] = ()
 
@@ -71,11 +74,17 @@ class Submitter:
         """Queue one request (with ``forks``: the options of its other choices)."""
         prompt = given.prompt
         check_length(prompt.tokens, self.config.context.n_ctx)
+        self.check_lora(opts.lora)
         if prompt.spans:
             self._check_spans(given, opts)
         grammar = opts.grammar
         if opts.json_schema is not None:
             grammar = json_schema_to_grammar(opts.json_schema)
+        if grammar is not None:
+            # Before any backend compiles it: an explosively ambiguous or wide grammar is a
+            # 400 here, never minutes of native work on the worker (issues 23, 41); an enum's
+            # literals become a prefix tree llama.cpp checks cheaply.
+            grammar = cheap_grammar(grammar)
         deterministic = (
             opts.deterministic if opts.deterministic is not None else self.config.deterministic
         )
@@ -122,10 +131,6 @@ class Submitter:
             )
 
         req = request(opts, tuple(request(f) for f in forks))
-        if grammar is not None:
-            # Before any backend compiles it: an explosively ambiguous grammar is a 400 here,
-            # never minutes of native work on the worker (issue 23).
-            check_grammar_cost(grammar)
         if grammar is not None or opts.logit_bias:
             # Build once here so a bad grammar or bias is the caller's error, not the worker's.
             self.bmodel.new_sampler(opts.sampling(grammar)).close()

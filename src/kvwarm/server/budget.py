@@ -16,11 +16,12 @@ every load and unload (``ServerState``). Quotas of tiers on disk or in s3 are no
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvwarm.cache.types import TierConfig, TierName
+from kvwarm.cache.types import RowInfo, TierConfig, TierName
 from kvwarm.errors import MemoryBudgetError
 
 if TYPE_CHECKING:
@@ -29,7 +30,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MEMORY_TIERS", "MemoryPlan", "ModelMemory", "fmt_bytes", "overcommitted", "plan"]
+__all__ = [
+    "MEMORY_TIERS",
+    "MemoryPlan",
+    "ModelMemory",
+    "cache_shares",
+    "fmt_bytes",
+    "overcommitted",
+    "plan",
+]
 
 # Tiers whose bytes are memory besides the RAM tier itself (the one the budget sizes).
 MEMORY_TIERS: tuple[TierName, ...] = ("ram_file",)
@@ -61,9 +70,22 @@ class MemoryPlan:
         """Weights + contexts + every in-memory tier's quota (the RAM tier's included)."""
         return _fixed(self.models, self.tiers) + self.ram_quota_bytes
 
-    def report(self, used: Mapping[TierName, int] | None = None) -> dict[str, object]:
-        """The JSON ``/cache/stats`` answers as ``memory``; ``used``: tier bytes stored now."""
+    def report(
+        self,
+        used: Mapping[TierName, int] | None = None,
+        shares: Mapping[str, Mapping[TierName, int]] | None = None,
+    ) -> dict[str, object]:
+        """The JSON ``/cache/stats`` answers as ``memory``; ``used``: tier bytes stored now;
+        ``shares``: each model's part of them (``cache_shares``). A model's ``cache_bytes``
+        is its part of the in-memory tiers (ram, ram_file), ``total_bytes`` that plus its
+        weights and context."""
         tiers = {"ram": self.ram_quota_bytes, **self.tiers}
+        in_memory = ("ram", *MEMORY_TIERS)
+        shares = shares or {}
+
+        def cache_bytes(model: str) -> int:
+            return sum(n for t, n in shares.get(model, {}).items() if t in in_memory)
+
         return {
             "budget_bytes": self.budget_bytes,
             "total_bytes": self.total_bytes,
@@ -75,6 +97,9 @@ class MemoryPlan:
                     "weights_bytes": m.weights_bytes,
                     "kv_bytes": m.kv_bytes,
                     "context_bytes": m.context_bytes,
+                    "cache_bytes": cache_bytes(m.model),
+                    "cache_tiers": dict(shares.get(m.model, {})),
+                    "total_bytes": m.weights_bytes + m.context_bytes + cache_bytes(m.model),
                 }
                 for m in self.models
             },
@@ -141,6 +166,29 @@ def _arithmetic(
         f"({names}); raise memory_budget, lower shm_quota_bytes, or load fewer or smaller "
         "models (a smaller n_ctx or n_parallel, a quantised KV cache)"
     )
+
+
+def cache_shares(
+    rows: Sequence[RowInfo],
+    stored: Mapping[TierName, int],
+    owners: Mapping[str, Collection[bytes]],
+) -> dict[str, dict[TierName, int]]:
+    """Each model's part of each tier's ``stored`` bytes: the tier's bytes apportioned by the
+    KV its rows restore (``RowInfo.logical_bytes``), a row being a model's when its
+    namespace's fingerprint is one of ``owners[model]``. Exact where rows share no chunk;
+    chunks shared by two rows count for both in proportion to their rows."""
+    total: Counter[TierName] = Counter()
+    by_model: dict[str, Counter[TierName]] = {m: Counter() for m in owners}
+    whose = {fp: m for m, fps in owners.items() for fp in fps}
+    for row in rows:
+        total[row.tier] += row.logical_bytes
+        model = whose.get(row.namespace.fingerprint)
+        if model is not None:
+            by_model[model][row.tier] += row.logical_bytes
+    return {
+        m: {t: stored.get(t, 0) * n // total[t] for t, n in tiers.items() if total[t]}
+        for m, tiers in by_model.items()
+    }
 
 
 def memory_of(model_id: str, model: ServedModel) -> ModelMemory:

@@ -57,9 +57,10 @@ def options(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     cache_salt: str | None = None,
+    lora: tuple[tuple[int, float], ...] | None = None,
 ) -> GenerationOptions:
     """``req``'s engine options; ``cache_salt`` is the one ``server.tenancy`` resolved (the
-    body's field is only one of its inputs)."""
+    body's field is only one of its inputs), ``lora`` the adapters ``server.lora`` chose."""
     stop: tuple[str, ...] = ()
     if isinstance(req.stop, str):
         stop = (req.stop,) if req.stop else ()
@@ -87,6 +88,9 @@ def options(
         "logit_bias": bias,
         "ignore_eos": req.ignore_eos,
         "cache_salt": cache_salt,
+        "spec_type": req.spec_type,
+        "spec_draft_max": req.spec_draft_max,
+        "lora": lora,
     }
     for name in SAMPLING_OPTIONS:
         value = getattr(req, name)
@@ -132,13 +136,19 @@ def timings(stats: CompletionStats) -> Json:
         # The finish save's row key (None: not saved): its file is ``<key>.kvc`` in a disk tier.
         "cache_key": stats.key.hex() if stats.key else None,
         "cache_reason": None if stats.reuse is None else reuse_json(stats.reuse),
+        # Speculative decoding, under llama-server's names: tokens drafted, and accepted.
+        "draft_n": stats.drafted_tokens,
+        "draft_n_accepted": stats.accepted_tokens,
     }
 
 
-def finish_reason(stats: CompletionStats, calls: Sequence[ToolCall] = ()) -> str:
-    if calls:
-        return "tool_calls"
-    return "length" if stats.finish_reason == "length" else "stop"
+def finish_reason(stats: CompletionStats, calls: bool = False) -> str:
+    """OpenAI's finish reason. A reply max_tokens cut off is ``length`` even when calls
+    came before the cut (issue 41: its second call, never closed, was dropped and the reply
+    said ``tool_calls``, as if complete)."""
+    if stats.finish_reason == "length":
+        return "length"
+    return "tool_calls" if calls else "stop"
 
 
 def chat_logprobs(items: Sequence[TokenLogprob] | None) -> Json | None:
@@ -237,7 +247,7 @@ def chat_choice(
         "index": index,
         "message": message,
         "logprobs": chat_logprobs(done.logprobs),
-        "finish_reason": finish_reason(done.stats, calls),
+        "finish_reason": finish_reason(done.stats, bool(calls)),
     }
 
 
@@ -306,4 +316,6 @@ def sum_stats(all_stats: Sequence[CompletionStats]) -> CompletionStats:
         prefill_ms=sum(s.prefill_ms for s in all_stats),
         generation_ms=sum(s.generation_ms for s in all_stats),
         queue_ms=sum(s.queue_ms for s in all_stats),
+        drafted_tokens=sum(s.drafted_tokens for s in all_stats),
+        accepted_tokens=sum(s.accepted_tokens for s in all_stats),
     )

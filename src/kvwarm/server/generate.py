@@ -10,6 +10,10 @@ Invariants:
   first fragment (context overflow, a bad grammar) become proper 4xx responses, not a 200 stream
   carrying an error.
 - Every finished generation logs exactly one line on ``kvwarm.server.requests``.
+- A generation the server ends (its deadline, ``request_timeout_s``; the end of shutdown's
+  graceful wait, ``ServerState.drain``) raises that error from ``fragments()``/``result()``,
+  so a stream ends with an error event in its API's shape (``sse``, ``named_sse``), never
+  silently; a worker that dies fails its streams the same way (``EngineClosedError``).
 
 The ``n`` choices of one request are ``Generation``s gathered by ``choices.Choices``, which
 watches for the disconnect once for all of them.
@@ -97,11 +101,14 @@ class Generation:
         self._finished = False
         self._first: Fragment | object | None = None
         self._done: Completion | None = None
-        self.timed_out = False
+        self._cut: KvwarmError | None = None  # why the server ended it, if it did
         self._deadline: asyncio.TimerHandle | None = None
         limit = float(state.settings.request_timeout_s)
         if limit > 0:  # from submission: the deadline covers queueing too
             self._deadline = asyncio.get_running_loop().call_later(limit, self._expire)
+        state.streams.add(self)
+        if state.draining is not None:  # started after shutdown ended the others
+            self.cut(state.draining)
 
     async def __aenter__(self) -> Generation:
         if self._watch_disconnect:
@@ -110,16 +117,27 @@ class Generation:
 
     def _expire(self) -> None:
         """The server-side deadline: end the stream; result()/fragments() raise."""
-        if not self.stream.done:
-            self.timed_out = True
-            self.stream.cancel()
-
-    def _check_deadline(self) -> None:
-        if self.timed_out:
-            raise RequestTimeoutError(
+        self.cut(
+            RequestTimeoutError(
                 f"the request ran past the server's deadline of "
                 f"{self._state.settings.request_timeout_s:g} s (request_timeout_s)"
             )
+        )
+
+    def cut(self, error: KvwarmError) -> None:
+        """End the stream for the server's own reason: result()/fragments() raise ``error``
+        (a stream already done keeps its result)."""
+        if not self.stream.done and self._cut is None:
+            self._cut = error
+            self.stream.cancel()
+
+    @property
+    def timed_out(self) -> bool:
+        return isinstance(self._cut, RequestTimeoutError)
+
+    def _check_deadline(self) -> None:
+        if self._cut is not None:
+            raise self._cut
 
     async def __aexit__(
         self,
@@ -130,6 +148,7 @@ class Generation:
         self.close()
 
     def close(self) -> None:
+        self._state.streams.discard(self)
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
@@ -286,17 +305,18 @@ def named_line(name: str, data: dict[str, object]) -> bytes:
 async def named_sse(
     events: AsyncIterator[Event],
     on_close: Callable[[], None],
-    on_error: Callable[[KvwarmError], Event],
+    on_error: Callable[[KvwarmError], Sequence[Event]],
 ) -> AsyncIterator[bytes]:
     """``event: name`` / ``data: {json}`` pairs with no terminator line (Anthropic's and the
-    Responses API's streams). A ``KvwarmError`` after the headers were sent becomes the one
-    event ``on_error`` makes of it, in the stream's own dialect (any other exception, a bug,
-    as an internal error)."""
+    Responses API's streams). A ``KvwarmError`` after the headers were sent becomes the events
+    ``on_error`` makes of it, in the stream's own dialect (any other exception, a bug, as an
+    internal error)."""
     try:
         try:
             async for name, data in events:
                 yield named_line(name, data)
         except Exception as exc:
-            yield named_line(*on_error(_as_kvwarm(exc)))
+            for name, data in on_error(_as_kvwarm(exc)):
+                yield named_line(name, data)
     finally:
         on_close()

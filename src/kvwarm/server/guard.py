@@ -2,7 +2,9 @@
 
 Invariants, checked in this order before any route runs:
 
-1. ``Host`` must name this server: a loopback name (``localhost``, ``*.localhost``,
+1. ``Host`` must be given once (two are a 400, as RFC 9112 requires: servers disagree on
+   which one counts, so the check below must not see one and a route another) and name this
+   server: a loopback name (``localhost``, ``*.localhost``,
    ``127.0.0.1``, ``::1``), the bound address, or a name in ``allowed_hosts`` (``*``: any). A
    DNS-rebinding page reaches us under *its* name, so its requests fail here. Bound to a
    wildcard address (``0.0.0.0``/``::``), any IP-literal Host is accepted as well (rebinding
@@ -15,10 +17,10 @@ Invariants, checked in this order before any route runs:
    ``application/x-www-form-urlencoded`` (what ``curl -d`` sends; parsed as JSON all the same).
    ``text/plain`` and ``multipart/form-data``, which a page may send cross-site without a CORS
    preflight, are a 415.
-4. With ``admin_key`` set, admin paths (``ADMIN_PREFIXES``) need it; with ``api_key`` set,
-   every other path but the open ones needs the API key (or the admin key). A key is read
-   from ``Authorization: Bearer <key>`` or, as Anthropic-style clients send it, ``x-api-key``,
-   its bytes read as UTF-8 (``presented_key``).
+4. With ``admin_key`` set, admin paths (``ADMIN_PREFIXES``, ``ADMIN_ROUTES``) need it; with
+   ``api_key`` set, every other path but the open ones needs the API key (or the admin key).
+   A key is read from ``Authorization: Bearer <key>`` or, as Anthropic-style clients send it,
+   ``x-api-key``, its bytes read as UTF-8 (``presented_key``).
    The open paths (GET and HEAD only) are ``/health``, the read-only API description
    (``/docs``, ``/openapi.json``) and the web page (``/``, ``/ui/*``, ``webui.py``): they hold
    no data, and a browser opening a page cannot send a header; the Swagger page's "Authorize"
@@ -40,6 +42,9 @@ from starlette.types import Scope, Send
 from kvwarm.settings import Settings
 
 ADMIN_PREFIXES: tuple[str, ...] = ("/cache/", "/admin/")
+#: Admin operations outside those prefixes, by (method, path): llama-server's route that sets
+#: what every later request of a model runs under (``server/lora.py``).
+ADMIN_ROUTES = frozenset({("POST", "/lora-adapters")})
 OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/"})
 OPEN_PREFIXES: tuple[str, ...] = ("/ui/",)  # the web page's static files (webui.py)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -112,6 +117,8 @@ class Guard:
 
     def refusal(self, scope: Scope) -> tuple[int, str, str] | None:
         """(status, message, code) of the first rule ``scope`` breaks, or None."""
+        if sum(1 for name, _ in scope["headers"] if name.lower() == b"host") > 1:
+            return 400, "the request has more than one Host header", "duplicate_host"
         headers = _headers(scope["headers"])
         host = headers.get("host", "")
         if not self.host_ok(host):
@@ -126,7 +133,7 @@ class Guard:
         return self._auth(scope["method"], scope["path"], presented_key(headers))
 
     def _auth(self, method: str, path: str, token: str | None) -> tuple[int, str, str] | None:
-        if is_admin_path(path) and self.admin_key:
+        if (is_admin_path(path) or (method, path) in ADMIN_ROUTES) and self.admin_key:
             if not _same(token, self.admin_key):
                 return 401, "this endpoint needs the admin key", "invalid_admin_key"
             return None

@@ -1,6 +1,7 @@
 """The models a server knows and which of them are loaded: configured models (loaded at start),
 the files of a models directory (loaded on first use), models an admin loads by path; aliases;
-the cap on loaded models and the idle unload.
+LoRA adapters' names (each runs on its model, ``server/lora.py``); the cap on loaded models and
+the idle unload.
 
 Invariants:
 
@@ -14,6 +15,15 @@ Invariants:
   model loading at startup answers 503 with Retry-After, as before (``docs/architecture.md``).
 - A failed load stays failed (503 with its reason) until an admin loads it again; a file an
   admin loads by path and that fails is forgotten instead (the admin got the error).
+- A loaded model whose worker thread died is failed too, from the first lookup or listing that
+  notices (``_notice_death``): ``/v1/models``, the page and ``/health`` say so, its requests get
+  a 503 ``worker_died``, and an admin load starts it again (its dead engine model is unloaded
+  first) without a restart.
+- How long an idle model stays loaded is the last request's ``keep_alive`` (Ollama's: seconds
+  or a duration, 0 unloads it as soon as that request ends, negative never), else the
+  server's ``model_idle_unload_s`` (0: never). A *pinned* model (setting ``pinned``) is never
+  unloaded by any of these, nor to make room (the cap, the memory budget); an admin may still
+  unload it. Time is ``time.monotonic()`` unless a caller passes ``now`` (tests).
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +51,9 @@ from kvwarm.errors import (
     ModelExistsError,
 )
 from kvwarm.server.errors import HTTPError
+from kvwarm.server.served import worker_failure
 from kvwarm.settings import ModelSpec, Settings
+from kvwarm.settings.model import is_pinned, model_lora
 
 if TYPE_CHECKING:
     from kvwarm.server.served import ServedModel
@@ -67,6 +81,42 @@ def request_leases() -> Iterator[None]:
             release()
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: float | str, *, param: str = "keep_alive") -> float:
+    """Ollama's ``keep_alive`` as seconds: a number is seconds; a string is a Go duration
+    (``"5m"``, ``"1h30m"``, ``"0"``) or a number; any negative value is ``inf`` (kept loaded
+    until an admin unloads it). ``HTTPError`` 400 naming ``param`` for anything else."""
+    seconds: float
+    if isinstance(value, bool):
+        raise HTTPError(400, "keep_alive is a duration, not a boolean", param=param)
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        try:
+            seconds = sign * float(body)
+        except ValueError:
+            parts = _DURATION.findall(body)
+            if not body or "".join(n + u for n, u in parts) != body:
+                raise HTTPError(
+                    400,
+                    f"keep_alive {value!r} is not a duration: seconds, or a number with a "
+                    'unit as "30s", "5m", "1h30m" (0: unload after this request; '
+                    "negative: keep loaded)",
+                    param=param,
+                    code="invalid_value",
+                ) from None
+            seconds = sign * sum(float(n) * _UNITS[u] for n, u in parts)
+    if math.isnan(seconds):
+        raise HTTPError(400, "keep_alive is not a number", param=param, code="invalid_value")
+    return math.inf if seconds < 0 else seconds
+
+
 @dataclass(slots=True, eq=False)
 class ModelEntry:
     spec: ModelSpec
@@ -78,8 +128,13 @@ class ModelEntry:
     on_demand: bool = False  # a request asked for this load: requests wait for it
     in_progress: bool = False  # a load thread runs (a configured model waits as "loading")
     leases: int = 0
+    died: bool = False  # failed because its worker died; ``model`` is the dead one until unloaded
     last_used: float = 0.0  # time.monotonic()
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    pinned: bool = False  # never unloaded but by an admin (setting ``pinned``)
+    #: The last request's ``keep_alive`` in seconds (inf: for ever); None: the server's
+    #: ``model_idle_unload_s``.
+    keep_alive_s: float | None = None
 
 
 class ModelRegistry:
@@ -90,8 +145,12 @@ class ModelRegistry:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self.entries: dict[str, ModelEntry] = {
-            spec.model_id: ModelEntry(spec, spec.model_id) for spec in settings.models
+            spec.model_id: ModelEntry(spec, spec.model_id, pinned=is_pinned(settings, spec))
+            for spec in settings.models
         }
+        #: Set whenever an unload may have come due sooner (a lease ended, a keep_alive was
+        #: given): the server's reaper thread waits on it (``next_due``, ``reap_idle``).
+        self.reaper_wake = threading.Event()
         self.models_dir = settings.models_dir
         self._rescan()
         self.aliases: dict[str, str] = dict(settings.aliases)
@@ -103,6 +162,12 @@ class ModelRegistry:
                     f"alias {alias}={target}: no model {target!r} "
                     f"(models: {', '.join(self.entries) or 'none'})"
                 )
+        # vLLM's served LoRA adapters: an adapter's name runs on its model (server/lora.py).
+        self.adapter_models: dict[str, str] = {
+            name: spec.model_id
+            for spec in settings.models
+            for name, _ in model_lora(settings, spec)
+        }
         first = settings.models[0].model_id if settings.models else None
         self.default_id = first
 
@@ -119,7 +184,10 @@ class ModelRegistry:
                 projector = models_dir.projector_for(self.models_dir, path, len(found))
                 options = () if projector is None else (("mmproj", projector),)
                 spec = ModelSpec(path=str(path), id=model_id, options=options)
-                self.entries[model_id] = ModelEntry(spec, model_id, "models_dir", "available")
+                pinned = is_pinned(self._settings, spec)
+                self.entries[model_id] = ModelEntry(
+                    spec, model_id, "models_dir", "available", pinned=pinned
+                )
             elif entry.source != "models_dir" and entry.spec.path != str(path):
                 log.debug("models_dir file %s is shadowed by model %s", path.name, model_id)
         for model_id, entry in list(self.entries.items()):
@@ -128,21 +196,47 @@ class ModelRegistry:
                 del self.entries[model_id]
 
     def rescan(self) -> None:
+        """Pick up models_dir's new files; notice models whose worker died."""
         with self._lock:
             self._rescan()
+            for entry in self.entries.values():
+                self._notice_death(entry)
+
+    def notice_deaths(self) -> None:
+        """Mark failed every loaded model whose worker died (``_notice_death``)."""
+        with self._lock:
+            for entry in self.entries.values():
+                self._notice_death(entry)
+
+    @staticmethod
+    def _notice_death(entry: ModelEntry) -> None:
+        """Under the lock: a ready model whose worker thread died serves nothing any more;
+        it becomes failed (the dead model stays in ``entry.model`` until unloaded)."""
+        if entry.state != "ready" or entry.model is None:
+            return
+        reason = worker_failure(entry.model)
+        if reason is None:
+            return
+        entry.state, entry.died = "failed", True
+        entry.error = f"its worker died ({reason}); POST /admin/models/load to load it again"
+        log.error("model %s stopped: its worker died (%s)", entry.id, reason)
 
     def _resolve(self, name: str | None) -> ModelEntry:
         if name is None:
             if self.default_id is None:
                 raise HTTPError(400, "this server has no default model: name one", param="model")
             name = self.default_id
-        target = name if name in self.entries else self.aliases.get(name, name)
+        target = name
+        if name not in self.entries:
+            target = self.aliases.get(name) or self.adapter_models.get(name) or name
         entry = self.entries.get(target)
         if entry is None and self.models_dir is not None:
             self._rescan()
             entry = self.entries.get(target)
+        if entry is not None:
+            self._notice_death(entry)
         if entry is None:
-            known = ", ".join([*self.entries, *self.aliases])
+            known = ", ".join([*self.entries, *self.aliases, *self.adapter_models])
             raise HTTPError(
                 404,
                 f"the model {name!r} does not exist; available: {known}",
@@ -157,10 +251,20 @@ class ModelRegistry:
 
     # --- acquiring -----------------------------------------------------------------------------
 
-    async def acquire(self, name: str | None, *, lease: bool = True) -> ServedModel:
+    async def acquire(
+        self,
+        name: str | None,
+        *,
+        lease: bool = True,
+        keep_alive: float | None = None,
+        generation: bool = False,
+    ) -> ServedModel:
         """The ready model ``name`` (an id or an alias) names, loading it first if need be.
 
-        Inside ``request_leases`` the model is leased until the request ends."""
+        Inside ``request_leases`` the model is leased until the request ends. A
+        ``generation`` sets how long the model stays loaded once idle, as each Ollama request
+        does: ``keep_alive`` seconds (``keep_alive_seconds``), or None for the server's
+        ``model_idle_unload_s``."""
         loop = asyncio.get_running_loop()
         while True:
             with self._lock:
@@ -169,6 +273,9 @@ class ModelRegistry:
                     if lease:
                         self._lease(entry)
                     entry.last_used = time.monotonic()
+                    if generation:
+                        entry.keep_alive_s = keep_alive
+                        self.reaper_wake.set()
                     return entry.model
                 self._refuse_unready(entry)
                 if entry.state == "available":
@@ -187,6 +294,13 @@ class ModelRegistry:
             models_dir.check_gguf_magic(Path(entry.spec.path).expanduser())
 
     def _refuse_unready(self, entry: ModelEntry) -> None:
+        if entry.state == "failed" and entry.died:
+            raise HTTPError(
+                503,
+                f"the model {entry.id!r} stopped: {entry.error}",
+                type="service_unavailable",
+                code="worker_died",
+            )
         if entry.state == "failed":
             raise HTTPError(
                 503,
@@ -213,6 +327,7 @@ class ModelRegistry:
             with self._lock:
                 entry.leases -= 1
                 entry.last_used = time.monotonic()
+            self.reaper_wake.set()  # keep_alive 0: due now
 
         held.append(release)
 
@@ -222,7 +337,7 @@ class ModelRegistry:
         """Under the lock: mark ``entry`` loading (making room first) and start its thread."""
         victim = self._make_room(entry)
         entry.state, entry.on_demand, entry.error = "loading", on_demand, None
-        entry.in_progress = True
+        entry.in_progress, entry.died = True, False
         thread = threading.Thread(
             target=self._load, args=(entry, victim), name=f"kvwarm-load-{entry.id}", daemon=True
         )
@@ -235,10 +350,10 @@ class ModelRegistry:
         loaded = [e for e in self.entries.values() if e.state == "ready" or e.in_progress]
         if cap <= 0 or len([e for e in loaded if e is not incoming]) < cap:
             return None
-        idle = [e for e in loaded if e.state == "ready" and self._idle(e)]
+        idle = [e for e in loaded if e.state == "ready" and self._idle(e) and not e.pinned]
         if not idle:
             raise ModelCapacityError(
-                f"{cap} models are loaded (max_loaded_models) and all are busy; "
+                f"{cap} models are loaded (max_loaded_models) and all are busy or pinned; "
                 f"cannot load {incoming.id!r} now"
             )
         victim = min(idle, key=lambda e: e.last_used)
@@ -268,6 +383,13 @@ class ModelRegistry:
     def _load(self, entry: ModelEntry, victim: ModelEntry | None) -> None:
         if victim is not None:
             self._unload_now(victim)
+        if entry.model is not None:  # the dead model of a worker that died: unload it first
+            try:
+                self._unloader(entry)
+            except Exception:
+                log.exception("error unloading the dead model %s", entry.id)
+            with self._lock:
+                entry.model = None
         try:
             model = self._loader(entry)
         # Whatever ends the load (a backend's bug, even a BaseException such as SystemExit),
@@ -295,6 +417,7 @@ class ModelRegistry:
             log.exception("error unloading model %s", entry.id)
         with self._lock:
             entry.model, entry.state = None, "available"
+            entry.error, entry.died = None, False
             self._wake(entry)
         log.info("model %s unloaded", entry.id)
 
@@ -305,24 +428,63 @@ class ModelRegistry:
             with contextlib.suppress(RuntimeError):  # the loop already closed: nobody waits
                 waiter.get_loop().call_soon_threadsafe(_resolve_waiter, waiter)
 
+    def keep_alive(self, entry: ModelEntry) -> float:
+        """How long ``entry`` stays loaded once idle, in seconds (inf: for ever): pinned, the
+        last request's ``keep_alive``, else ``model_idle_unload_s`` (0: for ever)."""
+        if entry.pinned:
+            return math.inf
+        if entry.keep_alive_s is not None:
+            return entry.keep_alive_s
+        return self._settings.model_idle_unload_s or math.inf
+
+    def due(self, entry: ModelEntry) -> float | None:
+        """When (``time.monotonic()``) a ready, unleased ``entry`` unloads; None: never, or
+        not while it is in use."""
+        ttl = self.keep_alive(entry)
+        if entry.state != "ready" or entry.leases > 0 or math.isinf(ttl):
+            return None
+        return entry.last_used + ttl
+
+    def next_due(self, now: float | None = None) -> float | None:
+        """Seconds until the next model may come due (<= 0: one is due; None: none will
+        until a request says otherwise): how long the reaper may sleep."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            times = [d for e in self.entries.values() if (d := self.due(e)) is not None]
+        return min(times) - now if times else None
+
     def reap_idle(self, now: float | None = None) -> list[str]:
-        """Unload every model unused for ``model_idle_unload_s``; returns their ids."""
-        limit = self._settings.model_idle_unload_s
-        if limit <= 0:
-            return []
+        """Unload every idle model whose keep-alive has run out (``keep_alive``); returns
+        their ids."""
         now = time.monotonic() if now is None else now
         with self._lock:
             stale = [
                 e
                 for e in self.entries.values()
-                if e.state == "ready" and now - e.last_used >= limit and self._idle(e)
+                if (due := self.due(e)) is not None and now >= due and self._idle(e)
             ]
             for entry in stale:
                 entry.state = "unloading"
         for entry in stale:
-            log.info("model %s idle for %.0f s: unloading", entry.id, now - entry.last_used)
+            log.info("model %s idle for %.1f s: unloading", entry.id, now - entry.last_used)
             self._unload_now(entry)
         return [e.id for e in stale]
+
+    def memory_victim(self, incoming: ModelEntry) -> ModelEntry | None:
+        """The least recently used idle model, not pinned, to unload so that ``incoming``
+        fits the memory budget (marked unloading); None if there is none."""
+        with self._lock:
+            idle = [
+                e
+                for e in self.entries.values()
+                if e is not incoming and e.state == "ready" and self._idle(e) and not e.pinned
+            ]
+            if not idle:
+                return None
+            victim = min(idle, key=lambda e: e.last_used)
+            victim.state = "unloading"
+        log.info("unloading model %s to fit %s in the memory budget", victim.id, incoming.id)
+        return victim
 
     # --- admin -------------------------------------------------------------------------------
 
@@ -355,7 +517,8 @@ class ModelRegistry:
         entry = self.entries.get(mid)
         if entry is None:
             spec = ModelSpec(path=str(path), id=mid)
-            entry = self.entries[mid] = ModelEntry(spec, mid, "admin", "available")
+            pinned = is_pinned(self._settings, spec)
+            entry = self.entries[mid] = ModelEntry(spec, mid, "admin", "available", pinned=pinned)
         elif Path(entry.spec.path or "") != path:
             raise ModelExistsError(f"a model with id {mid!r} is already known (another file)")
         return entry
@@ -364,6 +527,9 @@ class ModelRegistry:
         """Mark a model unloading (``ModelBusyError`` if in use); None if nothing is loaded."""
         with self._lock:
             entry = self._resolve(name)
+            if entry.state == "failed" and entry.model is not None:
+                entry.state = "unloading"  # a dead worker's model: free what it holds
+                return entry
             if entry.state == "failed":
                 entry.state, entry.error = "available", None
                 return None

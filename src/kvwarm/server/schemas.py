@@ -9,18 +9,31 @@ UTF-16 surrogate anywhere in a body is a 400 naming its path (``kvwarm.unicode``
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
+from kvwarm.engine.types import MAX_DRAFT_TOKENS, SpecType
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.tenancy import MAX_SALT_CHARS
 from kvwarm.settings import Settings
 from kvwarm.unicode import find_lone_surrogate
 
 _INT32_MAX = (1 << 31) - 1
+
+
+def keep_alive_field() -> Any:
+    """Ollama's ``keep_alive``: how long the model stays loaded after this request."""
+    return Field(
+        default=None,
+        description="how long the model stays loaded once idle after this request: seconds, "
+        'or a duration as "5m" or "1h30m"; 0 unloads it when this request ends, a negative '
+        "value keeps it loaded (default: the server's model_idle_unload_s)",
+    )
 
 
 def _salt_field() -> Any:
@@ -38,6 +51,19 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class LoraItem(BaseModel):
+    """llama-server's per-request adapter: its id (``GET /lora-adapters``) and scale."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: int = Field(ge=0, le=_INT32_MAX)
+    scale: float = 0.0  # llama-server's default: an id listed without a scale stays off
+
+
+def lora_pairs(items: list[LoraItem] | None) -> list[tuple[int, float]] | None:
+    return None if items is None else [(item.id, item.scale) for item in items]
 
 
 class SamplingFields(_Body):
@@ -63,6 +89,24 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     ignore_eos: bool = False  # llama.cpp extension: never stop on an end-of-generation token
     cache_salt: str | None = _salt_field()  # vLLM's field (server/tenancy.py)
+    # Speculative decoding for this request (engine/worker/drafts.py); llama-server's
+    # "speculative.type" and "speculative.n_max" are accepted too. None: the model's.
+    spec_type: SpecType | None = Field(
+        default=None,
+        validation_alias=AliasChoices("spec_type", "speculative.type"),
+        description="speculative decoding: none, ngram-simple or ngram-map-k (default: the "
+        "model's spec_type); a speed hint, the output is the same",
+    )
+    spec_draft_max: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_DRAFT_TOKENS,
+        validation_alias=AliasChoices("spec_draft_max", "speculative.n_max"),
+        description="speculative decoding: the most tokens one draft holds (0: none)",
+    )
+    # llama-server's: the adapters this request runs under (others off); server/lora.py.
+    lora: list[LoraItem] | None = Field(default=None, max_length=64)
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
 
 
 def check_sampling(req: SamplingFields) -> None:
@@ -189,10 +233,35 @@ class ChatRequest(SamplingFields):
 
 class EmbeddingRequest(_Body):
     model: str | None = None
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     # OpenAI's shortened embeddings: the first ``dimensions`` values, scaled to unit length.
     dimensions: int | None = Field(default=None, ge=1)
+
+
+class RerankDocument(_Body):
+    """A document as an object (Jina's, Cohere v1's): its ``text`` is what is ranked."""
+
+    text: str
+
+
+class RerankRequest(_Body):
+    """``/v1/rerank``: Jina's and Cohere's shape (v1: documents as texts or ``{"text"}``,
+    ``return_documents``; v2: ``max_tokens_per_doc``), as llama-server's ``/v1/rerank``."""
+
+    model: str | None = None
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(default=None, ge=1, description="return the best n (default: all)")
+    return_documents: bool = Field(
+        default=False, description="put each result's document in the answer"
+    )
+    max_tokens_per_doc: int | None = Field(
+        default=None, ge=1, description="cut each document to this many tokens (Cohere v2)"
+    )
+    cache_salt: str | None = _salt_field()
 
 
 class TokenizeRequest(_Body):
@@ -306,6 +375,22 @@ async def read_json(request: Request, settings: Settings) -> object:
         raise HTTPError(
             400, "the request body is empty; expected a JSON object", code="invalid_json"
         )
+    if len(raw) > _PARSE_INLINE_BYTES:
+        # An 8 MB body took ~2 s to decode and check: off the event loop, so the requests
+        # of other clients go on meanwhile (issue 41).
+        return await run_in_threadpool(_decoded, raw, settings)
+    return _decoded(raw, settings)
+
+
+#: Bodies up to this size are decoded on the event loop (a thread hop costs more than that).
+_PARSE_INLINE_BYTES = 64 << 10
+# A lone surrogate can enter only through a \uD800-\uDFFF escape: the bytes of a body that
+# json.loads accepts are valid UTF-8, which never encodes one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _decoded(raw: bytes, settings: Settings) -> object:
+    """``read_json``'s decoding and checks of a whole body."""
     try:
         data = json.loads(raw, parse_constant=_not_json)  # bytes: strict_loads takes text
     # ValueError too: an integer literal of more than 4,300 digits is refused by int() itself.
@@ -318,7 +403,7 @@ async def read_json(request: Request, settings: Settings) -> object:
     if json_depth(data) > settings.max_json_depth:
         raise _too_deep(settings.max_json_depth)
     # JSON escapes can spell lone surrogates ("\ud800"), which no text field can carry on.
-    where = find_lone_surrogate(data)
+    where = find_lone_surrogate(data) if _SURROGATE_ESCAPE.search(raw) else None
     if where is not None:
         raise HTTPError(
             400,
@@ -377,6 +462,24 @@ def _within(path: str | None, field: str | None) -> bool:
     if path is None or field is None:
         return path == field
     return path == field or path.startswith(field + ".")
+
+
+def check_count(data: object, field: str, limit: int, setting: str) -> None:
+    """400 for a body whose list ``field`` holds more than ``limit`` items (texts, messages,
+    token lists), counted on the parsed JSON before validation builds an object per item. A
+    list of bare token ids is one item (one tokenized prompt or input)."""
+    items = data.get(field) if isinstance(data, dict) else None
+    if not isinstance(items, list) or len(items) <= limit:
+        return
+    count = sum(1 for item in items if not isinstance(item, int) or isinstance(item, bool))
+    if count > limit:
+        raise HTTPError(
+            400,
+            f"{field} holds {count} items, more than this server's limit of {limit} "
+            f"(setting {setting})",
+            param=field,
+            code="invalid_value",
+        )
 
 
 def parse_body(data: object, model: type[_M]) -> _M:

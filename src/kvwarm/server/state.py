@@ -14,27 +14,29 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
 from kvwarm.cache.types import TtlClass
-from kvwarm.errors import KvwarmError, MemoryBudgetError, ModelLoadError
+from kvwarm.errors import KvwarmError, MemoryBudgetError, ModelLoadError, ServerShuttingDownError
 from kvwarm.models_dir import checked_path
 from kvwarm.server import budget, tenancy
 from kvwarm.server.budget import ModelMemory
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits
+from kvwarm.server.lora import LoraChoice, LoraTable
 from kvwarm.server.metrics import ServerMetrics, Snapshot
-from kvwarm.server.registry import ModelEntry, ModelRegistry
+from kvwarm.server.registry import ModelEntry, ModelRegistry, keep_alive_seconds
 from kvwarm.server.responses.store import ResponseStore
 from kvwarm.server.served import stalled_for
 from kvwarm.settings import Settings, model_config
 
 if TYPE_CHECKING:
     from kvwarm.engine.api import Engine
+    from kvwarm.server.generate import Generation
     from kvwarm.server.served import ServedModel
 
 log = logging.getLogger("kvwarm.server")
@@ -48,6 +50,8 @@ class ServerState:
         self.engine_error: str | None = None
         self.on_fatal = on_fatal
         self.registry = ModelRegistry(settings, self._load_one, self._unload_one)
+        # The configured LoRA adapters, their ids and global scales (server/lora.py).
+        self.lora = LoraTable(settings)
         # The registry's dict: read-only views for routes and metrics.
         self.entries: dict[str, ModelEntry] = self.registry.entries
         self.default_id = self.registry.default_id
@@ -57,6 +61,9 @@ class ServerState:
         self.counters = ServerMetrics(self.metrics_snapshot)
         # Strong references to fire-and-forget tasks (the loop keeps only weak ones).
         self.background: set[asyncio.Task[None]] = set()
+        # Generations being served (event loop only), so shutdown can end them with an error.
+        self.streams: set[Generation] = set()
+        self.draining: KvwarmError | None = None  # set once shutdown ended the streams
         ttl = settings.cache_config().ttl_seconds
         limits = KeepAliveLimits(
             settings.keepalive_max_entries,
@@ -77,6 +84,25 @@ class ServerState:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
+    def drain(self, after_s: float) -> None:
+        """Shutdown began (event loop): the generations still running ``after_s`` seconds
+        from now, just before uvicorn's graceful wait ends and it cancels whatever is left,
+        are ended with ``ServerShuttingDownError``, so each stream ends with an error event
+        in its API's shape instead of being cut mid-reply (issue 41); later ones at once."""
+
+        def cut() -> None:
+            error = ServerShuttingDownError(
+                "the server is shutting down; retry on another instance or later"
+            )
+            self.draining = error
+            streams = list(self.streams)
+            if streams:
+                log.warning("shutdown: ending %d generations still running", len(streams))
+            for gen in streams:
+                gen.cut(error)
+
+        asyncio.get_running_loop().call_later(max(0.0, after_s), cut)
+
     def start(self) -> None:
         """Start loading in the background (and the keep-alive); returns at once."""
         loader = threading.Thread(target=self._load_all, name="kvwarm-loader", daemon=True)
@@ -88,10 +114,10 @@ class ServerState:
             )
             self._threads.append(keeper)
             keeper.start()
-        if self.settings.model_idle_unload_s > 0:
-            reaper = threading.Thread(target=self._idle_loop, name="kvwarm-idle", daemon=True)
-            self._threads.append(reaper)
-            reaper.start()
+        # Always: a request's keep_alive may unload a model even with model_idle_unload_s 0.
+        reaper = threading.Thread(target=self._idle_loop, name="kvwarm-idle", daemon=True)
+        self._threads.append(reaper)
+        reaper.start()
 
     def _load_all(self) -> None:
         from kvwarm.engine.api import Engine, EngineConfig
@@ -157,7 +183,7 @@ class ServerState:
             progress=lambda _fraction: not self._closing.is_set(),
         )
         try:
-            self._admit(engine, entry.id, model)
+            self._admit_evicting(engine, entry, model)
         except KvwarmError:
             engine.unload_model(entry.id)  # loaded only to learn its sizes: it does not fit
             raise
@@ -187,6 +213,21 @@ class ServerState:
             admitted = {**self._admitted, model_id: memory}
             self._apply_plan(engine, self._plan(admitted.values()))
             self._admitted = admitted
+
+    def _admit_evicting(self, engine: Engine, entry: ModelEntry, model: ServedModel) -> None:
+        """``_admit``; for a load a request asked for, unloading idle models that are not
+        pinned, least recently used first, while the budget has no room for ``model`` (as
+        Ollama makes room for the model a request names); ``MemoryBudgetError`` once there is
+        none to unload. The configured models loading at startup never unload each other."""
+        while True:
+            try:
+                self._admit(engine, entry.id, model)
+                return
+            except MemoryBudgetError:
+                victim = self.registry.memory_victim(entry) if entry.on_demand else None
+                if victim is None:
+                    raise
+                self.registry.finish_unload(victim)
 
     def remeasure(self, model_id: str, model: ServedModel) -> None:
         """Count a loaded model's memory again: its embedding context is created on its first
@@ -221,7 +262,9 @@ class ServerState:
     def _prewarm_systems(self, model: ServedModel, model_id: str) -> None:
         """``--prewarm-system``: every prompt, in every namespace a tenant may ask from
         (``tenancy.system_salts``). Shared with the cluster's ingress, which warms through
-        the replicas."""
+        the replicas. A reranker is skipped: it never chats."""
+        if "generate" not in model.info().capabilities:
+            return
         for prompt in self.settings.prewarm_system:
             for salt in tenancy.system_salts(self.settings):
                 self._prewarm_system(model, model_id, prompt, salt)
@@ -254,13 +297,25 @@ class ServerState:
             self.keepalive.tick(self.ready_model)
 
     def _idle_loop(self) -> None:
-        # Checked a few times per timeout, so a model goes at most ~25% past its idle time.
-        interval = min(max(self.settings.model_idle_unload_s / 4, 0.05), 10.0)
-        while not self._closing.wait(interval):
+        """Unload models whose keep-alive ran out: sleeps until the next one may come due
+        (at most 10 s), or until a lease ends or a request sets a keep_alive."""
+        wake = self.registry.reaper_wake
+        while not self._closing.is_set():
+            due_in = self.registry.next_due()
+            # Due but still in use (a request queued by another way than HTTP): look again
+            # soon, not in a busy loop.
+            timeout = 10.0 if due_in is None else min(max(due_in, 0.0) + 0.01, 10.0)
+            if due_in is not None and due_in <= 0:
+                timeout = 0.5
+            wake.wait(timeout)
+            wake.clear()
+            if self._closing.is_set():
+                return
             self.registry.reap_idle()
 
     def close(self) -> None:
         self._closing.set()
+        self.registry.reaper_wake.set()  # the reaper sees the close at once
         self._engine_known.set()  # a load waiting for the engine gives up (require_engine)
         for thread in self._threads:
             # The loader aborts at its next progress callback; a native load in flight may
@@ -292,13 +347,45 @@ class ServerState:
             stalled_s={e.id: stalled_for(e.model) for e in entries if e.model is not None},
         )
 
+    def cache_owners(self) -> dict[str, frozenset[bytes]]:
+        """Each loaded model's cache fingerprints (``Model.cache_fingerprints``): which rows
+        are its share of the cache. Models of another process (a cluster's) have none."""
+        engine = self.engine
+        out: dict[str, frozenset[bytes]] = {}
+        for entry in list(self.entries.values()):
+            if entry.state != "ready" or engine is None:
+                continue
+            try:
+                model = engine.get_model(entry.id)
+            except KvwarmError:
+                continue
+            out[entry.id] = model.cache_fingerprints()
+        return out
+
     def ready_model(self, model_id: str) -> ServedModel | None:
         return self.registry.ready_model(model_id)
 
     async def acquire(self, name: str | None) -> ServedModel:
-        """The ready model a request names (an id or an alias; the first configured model if
-        it names none), loaded on first use; leased until the request ends."""
+        """The ready model a request names (an id, an alias or a LoRA adapter's name; the
+        first configured model if it names none), loaded on first use; leased until the
+        request ends."""
         return await self.registry.acquire(name)
+
+    async def acquire_generation(
+        self,
+        name: str | None,
+        *,
+        keep_alive: float | str | None,
+        lora: Sequence[tuple[int, float]] | None = None,
+    ) -> tuple[ServedModel, LoraChoice | None]:
+        """``acquire`` for a generation (or an embedding): its ``keep_alive`` (None when the
+        request gave none: the server's ``model_idle_unload_s``) says how long the model then
+        stays loaded once idle, as each Ollama request does (``registry``); and the LoRA
+        adapters the request runs under: its ``lora`` list (llama-server's), the adapter its
+        model name names (vLLM's), or the model's global scales (``server/lora.py``)."""
+        seconds = None if keep_alive is None else keep_alive_seconds(keep_alive)
+        model = await self.registry.acquire(name, keep_alive=seconds, generation=True)
+        return model, self.lora.choice(model, name, lora)
 
     def require_engine(self) -> Engine:
         engine = self.engine

@@ -296,6 +296,36 @@ class Settings(ModelSettings, ServingSettings):
     max_json_depth: Int = Field(
         default=64, description="deepest nesting of arrays/objects accepted in a request body"
     )
+    # What one request may ask of a model (issue 41): counted on the parsed body, before
+    # anything is built per item; OpenAI's embeddings limit is 2,048 inputs.
+    max_embedding_inputs: Int = Field(
+        default=2048, description="most inputs one /v1/embeddings request may embed (more: 400)"
+    )
+    max_completion_prompts: Int = Field(
+        default=2048, description="most prompts one /v1/completions request may hold (more: 400)"
+    )
+    max_chat_messages: Int = Field(
+        default=2048,
+        description="most messages (input items) one chat request may hold (more: 400)",
+    )
+    # Slow clients (server/http.py): uvicorn starts no timer before a request's first response
+    # byte, so a client sending half a header held its connection (and a file descriptor) for
+    # ever.
+    header_timeout_s: Float = Field(
+        default=10.0,
+        description="seconds a client has to send a request's headers, from connecting or "
+        "from its previous response; then a 408 and the connection is closed (0: no limit)",
+    )
+    body_timeout_s: Float = Field(
+        default=30.0,
+        description="seconds a client has to send a request's whole body once its headers "
+        "are in; then the connection is closed (0: no limit)",
+    )
+    max_connections: Int = Field(
+        default=1000,
+        description="open HTTP connections at most; more are answered 503 and closed (also "
+        "kept below the open-file limit)",
+    )
     log_level: Str = Field(default="info", description="logging level: debug, info, warning, error")
     # `kvwarm cluster` only (kvwarm.cluster; not flags of the other commands: CLUSTER_ONLY).
     replicas: Int = Field(default=2, description="cluster: engine replicas to run")
@@ -390,6 +420,15 @@ class Settings(ModelSettings, ServingSettings):
             raise ConfigError("replicas must be >= 1 and cluster_busy_requests >= 0")
         if self.max_json_depth < 2:
             raise ConfigError("max_json_depth must be >= 2")
+        for name in (
+            "max_embedding_inputs", "max_completion_prompts", "max_chat_messages",
+            "max_connections",
+        ):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
         if self.fingerprint_mode not in ("safe", "gguf_chunked", "fast_unsafe"):
             raise ConfigError("fingerprint_mode must be safe, gguf_chunked or fast_unsafe")
         if self.cache_eviction not in registered_policies():

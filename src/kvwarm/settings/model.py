@@ -33,10 +33,13 @@ from kvwarm.settings.types import (
     GpuLayers,
     Int,
     KvTypeName,
+    Loras,
     OptInt,
     OptPath,
+    OptPooling,
     OptRopeScaling,
     OptStr,
+    SpecTypeName,
     SplitModeName,
     TensorSplit,
 )
@@ -157,6 +160,50 @@ class ModelSettings(BaseSettings):
     yarn_orig_ctx: Int = Field(
         default=0, description="YaRN original training context size (0: the model's)"
     )
+    pooling: OptPooling = Field(
+        default=None,
+        description="how the model pools: none, mean, cls, last or rank (a reranker, which then "
+        "only ranks: /v1/rerank); default the GGUF's, else mean",
+    )
+    rerank_max_documents: Int = Field(
+        default=1000, description="the most documents one rerank may score (more: a 400)"
+    )
+    rerank_truncate: Bool = Field(
+        default=False,
+        description="cut a rerank document whose prompt does not fit n_ctx to fit (default: "
+        "refuse the rerank with a 400)",
+    )
+    spec_type: SpecTypeName = Field(
+        default="none",
+        description="speculative decoding from n-grams of each request's own prompt and reply: "
+        "none, ngram-simple or ngram-map-k (llama-server's names); exact, off in "
+        "deterministic mode; a request may choose its own (spec_type)",
+    )
+    spec_ngram_n: Int = Field(
+        default=4,
+        description="speculative decoding: how many tokens an n-gram lookup matches",
+    )
+    spec_draft_max: Int = Field(
+        default=32,
+        description="speculative decoding: the most tokens one draft holds (at most 48; "
+        "each draft is sized to the acceptance seen and what a pass costs)",
+        json_schema_extra=_flags("--spec-draft-n-max"),
+    )
+    # Ollama's and LM Studio's users pin the model they work with: it stays loaded.
+    pinned: Bool = Field(
+        default=False,
+        description="never unload the model when idle, by a request's keep_alive, or to make "
+        "room (max_loaded_models, memory_budget); in a [[models]] table: that model alone",
+        json_schema_extra={"switch": True},
+    )
+    # vLLM's --lora-modules: each adapter is also a model name of its own; llama-server's
+    # /lora-adapters and per-request "lora" list them by position (server/lora.py).
+    lora: Loras = Field(
+        default=(),
+        description="a LoRA adapter of the first model, served under its own model name, "
+        "NAME=PATH (repeatable; in a [[models]] table: that model's adapters)",
+        json_schema_extra={"flag": "--lora", **_REPEAT},
+    )
 
 
 class ServingSettings(BaseSettings):
@@ -238,6 +285,11 @@ def _value(settings: ModelSettings, spec: ModelSpec, name: str) -> Any:
     return dict(spec.options).get(name, getattr(settings, name))
 
 
+def is_pinned(settings: Settings, spec: ModelSpec) -> bool:
+    """``spec``'s ``pinned``: its ``[[models]]`` table's, else the global one."""
+    return bool(_value(settings, spec, "pinned"))
+
+
 def hardware_params(settings: Settings, spec: ModelSpec) -> tuple[ContextParams, ModelParams]:
     """The per-slot ``ContextParams`` and the ``ModelParams`` of ``spec`` under ``settings``."""
     n_parallel = spec.n_parallel or settings.n_parallel
@@ -250,6 +302,71 @@ def hardware_params(settings: Settings, spec: ModelSpec) -> tuple[ContextParams,
     )
     params = ModelParams(**{name: _value(settings, spec, name) for name in _MODEL_PARAMS})
     return context, params
+
+
+def model_lora(settings: Settings, spec: ModelSpec) -> tuple[tuple[str, str], ...]:
+    """``spec``'s LoRA adapters (name, path): its ``[[models]]`` table's ``lora``, else, for
+    the first configured model alone, the global ``lora`` (an adapter fits one model, so it is
+    never every model's)."""
+    own = dict(spec.options)
+    if "lora" in own:
+        return tuple(own["lora"])  # type: ignore[arg-type]
+    first = settings.models[0] if settings.models else None
+    return tuple(settings.lora) if spec == first else ()
+
+
+#: GGUF metadata a LoRA adapter is checked by before any model loads.
+_ADAPTER_KEYS = ("general.type", "adapter.type", "general.architecture")
+
+
+def check_lora(settings: Settings) -> None:
+    """Every configured LoRA adapter: a unique name that no model or alias has, and, for a
+    backend that reads files, a GGUF LoRA adapter made for its model's architecture
+    (``ConfigError`` before anything loads; tensor shapes are llama.cpp's to check when the
+    model loads, which then fails with its reason)."""
+    if settings.lora and not settings.models:
+        raise ConfigError("lora names adapters of the first configured model; there is none")
+    taken = {m.model_id for m in settings.models} | {alias for alias, _ in settings.aliases}
+    seen: dict[str, str] = {}
+    for spec in settings.models:
+        for name, path in model_lora(settings, spec):
+            if name in taken:
+                raise ConfigError(f"LoRA adapter {name!r} has the name of a model or alias")
+            if name in seen:
+                raise ConfigError(
+                    f"LoRA adapter {name!r} is given twice (models {seen[name]} and "
+                    f"{spec.model_id}): each adapter's name is a model name of its own"
+                )
+            seen[name] = spec.model_id
+            if (spec.backend or settings.backend) != "stub":
+                _check_adapter_file(name, path, spec)
+
+
+def _check_adapter_file(name: str, path: str, spec: ModelSpec) -> None:
+    from kvwarm.embedded import default_model_path
+    from kvwarm.gguf_meta import metadata_of
+
+    label = f"LoRA adapter {name} ({path})"
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"{label}: no such file")
+    try:
+        meta = metadata_of(file, _ADAPTER_KEYS)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{label}: not a readable GGUF file ({exc})") from exc
+    if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+        raise ConfigError(f"{label}: not a LoRA adapter (a GGUF with adapter.type = lora)")
+    base = Path(spec.path).expanduser() if spec.path else default_model_path()
+    try:
+        base_arch = metadata_of(base, ("general.architecture",)).get("general.architecture")
+    except (OSError, ValueError):
+        return  # the model's own load says what is wrong with it
+    arch = meta.get("general.architecture")
+    if base_arch is not None and arch != base_arch:
+        raise ConfigError(
+            f"{label} is for the {arch!r} architecture; model {spec.model_id} is "
+            f"{base_arch!r}: it does not fit"
+        )
 
 
 def check_models(settings: Settings) -> None:
@@ -266,6 +383,7 @@ def check_models(settings: Settings) -> None:
         raise ConfigError(f"aliases {', '.join(shadowing)} are already model ids")
     if settings.model_idle_unload_s < 0 or settings.max_loaded_models < 0:
         raise ConfigError("model_idle_unload_s and max_loaded_models must be >= 0")
+    check_lora(settings)
     for spec in settings.models:
         try:
             cfg = model_config(settings, spec)
@@ -282,7 +400,7 @@ def check_models(settings: Settings) -> None:
 
 def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
     """The engine's per-model config for ``spec`` under these settings."""
-    from kvwarm.engine.api import ModelConfig
+    from kvwarm.engine.api import LoraSpec, ModelConfig
 
     context, params = hardware_params(settings, spec)
     mmproj = _value(settings, spec, "mmproj")
@@ -297,6 +415,17 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
         deterministic=settings.deterministic,
         max_queue=settings.max_queue,
         chat_template=_value(settings, spec, "chat_template"),
+        pooling=_value(settings, spec, "pooling"),
+        rerank_max_documents=_value(settings, spec, "rerank_max_documents"),
+        rerank_truncate=_value(settings, spec, "rerank_truncate"),
+        spec_type=_value(settings, spec, "spec_type"),
+        spec_ngram_n=_value(settings, spec, "spec_ngram_n"),
+        spec_draft_max=_value(settings, spec, "spec_draft_max"),
+        # Loaded off (scale 0): the model serves itself; a request names an adapter to use it.
+        lora=tuple(
+            LoraSpec(str(Path(path).expanduser()), name)
+            for name, path in model_lora(settings, spec)
+        ),
         mmproj=None if mmproj is None else str(mmproj),
         media=settings.media_limits(),
     )

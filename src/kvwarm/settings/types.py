@@ -22,16 +22,19 @@ from pydantic_settings import NoDecode
 from kvwarm.backends.base import (
     FLASH_ATTN_MODES,
     KV_TYPES,
+    POOLING_TYPES,
     ROPE_SCALINGS,
     SPLIT_MODES,
     FlashAttn,
     KvType,
+    PoolingType,
     RopeScaling,
     SplitMode,
     check_tensor_split,
 )
 from kvwarm.cache.types import PolicyConfig, TierName
 from kvwarm.embedded import model_id_for
+from kvwarm.engine.types import SPEC_TYPES, SpecType
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -251,6 +254,35 @@ def as_tensor_split(value: object) -> tuple[float, ...]:
     return shares
 
 
+def as_loras(value: object) -> tuple[tuple[str, str], ...]:
+    """LoRA adapters as (name, path): ``NAME=PATH`` strings (a flag each, or comma-separated
+    in the environment), a list of those, or a TOML table ``{NAME = "PATH"}``. A bare
+    ``PATH`` is named after its file (``my-lora.gguf``: ``my-lora``)."""
+    if isinstance(value, Mapping):
+        pairs = [(as_str(k).strip(), as_str(v).strip()) for k, v in value.items()]
+    elif isinstance(value, list | tuple) and all(isinstance(v, list | tuple) for v in value):
+        if any(len(v) != 2 for v in value):
+            raise ValueError("expected NAME=PATH pairs")
+        pairs = [(as_str(v[0]).strip(), as_str(v[1]).strip()) for v in value]
+    else:
+        items = as_str_tuple(value)
+        if len(items) == 1:
+            items = tuple(i for i in items[0].split(",") if i.strip())
+        pairs = []
+        for item in items:
+            name, sep, path = item.partition("=")
+            if not sep:
+                name, path = Path(item.strip()).stem, item
+            pairs.append((name.strip(), path.strip()))
+    names = [name for name, _ in pairs]
+    for name, path in pairs:
+        if not name or not path:
+            raise ValueError(f"expected NAME=PATH, got {name!r}={path!r}")
+        if names.count(name) > 1:
+            raise ValueError(f"LoRA adapter name {name!r} is given twice")
+    return tuple(pairs)
+
+
 def as_aliases(value: object) -> tuple[tuple[str, str], ...]:
     """``ALIAS=MODEL`` pairs: a comma-separated string (env), a list of those (flags), or a
     TOML table ``{ALIAS = "MODEL"}``."""
@@ -340,7 +372,10 @@ FlashAttnMode = Annotated[
         )
     ),
 ]
+SpecTypeName = Annotated[SpecType, BeforeValidator(choice(SPEC_TYPES))]
 OptRopeScaling = Annotated[RopeScaling | None, BeforeValidator(opt_choice(ROPE_SCALINGS))]
+OptPooling = Annotated[PoolingType | None, BeforeValidator(opt_choice(POOLING_TYPES))]
 TensorSplit = Annotated[tuple[float, ...], BeforeValidator(as_tensor_split), NoDecode]
 Aliases = Annotated[tuple[tuple[str, str], ...], BeforeValidator(as_aliases), NoDecode]
+Loras = Annotated[tuple[tuple[str, str], ...], BeforeValidator(as_loras), NoDecode]
 Policy = Annotated[PolicyConfig, BeforeValidator(as_policy), NoDecode]

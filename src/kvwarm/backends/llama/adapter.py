@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvwarm.backends.lifetime import Lifetime
+from kvwarm.backends.llama import native as _native
 from kvwarm.errors import AdapterError
 
 if TYPE_CHECKING:
@@ -36,14 +37,17 @@ class LlamaAdapter:
         lib = model._lib
         model.lifetime.acquire()
         try:
-            with model.lifetime.using():
+            with model.lifetime.using(), _native.captured_log() as lines:
                 ptr = lib.llama_adapter_lora_init(model.native, path.encode())
         except BaseException:
             model.lifetime.release()
             raise
         if not ptr:
             model.lifetime.release()
-            raise AdapterError(f"llama.cpp could not load adapter {path!r} for this model")
+            raise AdapterError(
+                f"adapter {path!r} does not fit this model{_why(lines)} (an adapter must be "
+                "made for this model's architecture and tensor shapes)"
+            )
         self._ptr: object = ptr
         self._lib = lib
         self._life = Lifetime("adapter", self._free)
@@ -71,3 +75,14 @@ class LlamaAdapter:
         self._lib.llama_adapter_lora_free(self._ptr)
         self._ptr = None
         self.model.lifetime.release()
+
+
+def _why(lines: list[str]) -> str:
+    """llama.cpp's reason for refusing an adapter, from its log ("model arch and LoRA arch
+    mismatch", "tensor 'blk.0.attn_q.weight' has incorrect shape ..."): the line that says
+    what failed, without the function-name prefix."""
+    for line in lines:
+        text = line.strip()
+        if "failed to apply lora adapter:" in text:
+            return ": " + text.split("failed to apply lora adapter:", 1)[1].strip()
+    return ""

@@ -92,14 +92,19 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
                     "(quantised V caches need flash attention; check the log)"
                 )
             mem = lib.llama_get_memory(ptr)
-            if not mem:
+            if not mem and not params.embeddings:
+                # An encoder (BERT) keeps no KV cache: it has no state to generate from.
                 lib.llama_free(ptr)
-                raise ModelLoadError("the context has no memory module")
+                raise ModelLoadError(
+                    "this model keeps no KV cache (an encoder): it runs only pooled, as a "
+                    "reranker (pooling rank) or for embeddings"
+                )
         except BaseException:
             model.lifetime.release()
             raise
         self._ptr: object = ptr
-        self._mem: object = mem
+        self._mem: object = mem or None  # None: stateless (no memory module)
+        causal = bool(lib.llama_get_causal_attn(ptr))
         facts = model.facts
         self._memory = MemoryKind(facts.memory_kind, facts.n_swa, params.swa_full)
         self._n_embd = int(lib.llama_model_n_embd(model.native))
@@ -124,6 +129,8 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
             n_vocab=model.n_vocab,
             adapter=LlamaAdapter,
             n_embd=n_embd_inp,
+            causal=causal,
+            stateless=self._mem is None,
         )
 
     # -- properties ---------------------------------------------------------------------------
@@ -139,19 +146,31 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
     # -- decoding -----------------------------------------------------------------------------
 
     def _pos_max(self, seq: int) -> int:
+        if self._mem is None:
+            return -1  # nothing kept: every sequence starts at position 0
         return int(self._lib.llama_memory_seq_pos_max(self._mem, seq))
 
     def _pos_min(self, seq: int) -> int:
+        if self._mem is None:
+            return -1
         return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
 
+    def _forget(self, seq: int, p0: int) -> None:
+        """Drop ``seq``'s positions from ``p0`` on (a failed call's); nothing if stateless."""
+        if self._mem is not None:
+            self._lib.llama_memory_seq_rm(self._mem, seq, p0, -1)
+
     def _decode(self, batch: Sequence[BatchToken]) -> None:
+        # A pooling context outputs every position (llama.cpp overrides, and warns, if asked
+        # for fewer); the rows asked for stay the ones ``logits`` answers for.
+        every = self._params.embeddings
         b = self._batch
         for i, item in enumerate(batch):
             b.token[i] = item.token
             b.pos[i] = item.pos
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = item.seq
-            b.logits[i] = 1 if item.logits else 0
+            b.logits[i] = 1 if item.logits or every else 0
         starts: dict[int, int] = {}
         for item in batch:
             starts.setdefault(item.seq, item.pos)
@@ -161,6 +180,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
     def _prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
         toks = list(tokens)
         total = len(toks)
+        every = 1 if self._params.embeddings else 0
         b = self._batch
         for offset, length in _checks.aligned_chunks(start_pos, total, self._params.n_batch):
             pos0 = start_pos + offset
@@ -168,7 +188,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
                            4 * length)  # fmt: skip
             ctypes.memmove(b.pos, (ctypes.c_int32 * length)(*range(pos0, pos0 + length)),
                            4 * length)  # fmt: skip
-            ctypes.memset(b.logits, 0, length)
+            ctypes.memset(b.logits, every, length)
             for i in range(length):
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = seq
@@ -179,7 +199,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
                 self._run(length, {seq: pos0})
             except BaseException:
                 # Earlier chunks succeeded: undo them so the sequence is as before the call.
-                self._lib.llama_memory_seq_rm(self._mem, seq, start_pos, -1)
+                self._forget(seq, start_pos)
                 raise
             self._rows = [length - 1] if last else []
 
@@ -229,7 +249,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
             return
         # Fatal errors leave processed ubatches in memory; drop them so state is consistent.
         for seq, pos in starts.items():
-            self._lib.llama_memory_seq_rm(self._mem, seq, pos, -1)
+            self._forget(seq, pos)
         if rc == 1:
             raise ContextOverflowError(
                 "no KV cache slot for this batch (the context is full)",
@@ -300,7 +320,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
 
     @property
     def restores_tails(self) -> bool:
-        return self._scratch is not None and self._memory.chunkable
+        return self._scratch is not None and self._memory.chunkable and self._mem is not None
 
     @property
     def copies_by_pack(self) -> bool:
@@ -377,8 +397,8 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
 
     def _embed(self, tokens: Sequence[int], *, normalize: bool) -> list[float]:
         n = len(tokens)
-        lib, mem, b = self._lib, self._mem, self._batch
-        lib.llama_memory_seq_rm(mem, 0, -1, -1)
+        lib, b = self._lib, self._batch
+        self._forget(0, 0)
         for i, token in enumerate(tokens):
             b.token[i] = token
             b.pos[i] = i
@@ -390,9 +410,18 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
             pooled = self._params.pooling != "none"
             vec = _read_embeddings(lib, self._ptr, n, self._n_embd, pooled=pooled)
         finally:
-            lib.llama_memory_seq_rm(mem, 0, -1, -1)
+            self._forget(0, 0)
             self._rows = []
         return _embedding_list(vec, normalize=normalize)
+
+    def _pooled(self, seq: int) -> tuple[float, ...] | None:
+        n = self._model.facts.n_cls_out if self._params.pooling == "rank" else self._n_embd
+        # NULL for a sequence the last decode held no position of (llama.cpp clears its map
+        # at each decode), so a stale score is None here, never an old number.
+        ptr = self._lib.llama_get_embeddings_seq(self._ptr, seq)
+        if not ptr:
+            return None
+        return tuple(float(x) for x in ptr[:n])
 
     def _attach(self, adapters: Sequence[tuple[LlamaAdapter, float]]) -> None:
         n = len(adapters)

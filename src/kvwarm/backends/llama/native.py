@@ -53,7 +53,7 @@ GGML_TYPES = {
 }
 
 #: llama_pooling_type ids.
-POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3}
+POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 
 # Nominal bits per weight of LLAMA_FTYPE_* values; the cache key's quant byte is the ftype.
 _FTYPE_BITS = {

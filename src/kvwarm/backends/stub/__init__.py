@@ -2,7 +2,8 @@
 
 Model: byte-level. Token ``b + 3`` is the byte ``b``; 0 is ``<unk>``, 1 is BOS ``<s>``, 2 is
 EOS ``</s>``; fill-in-the-middle tokens follow the bytes, and a model whose path names ``fim``
-reports them (``ModelFacts.fim``), like a GGUF of a code model. Each KV cell of a sequence
+reports them (``ModelFacts.fim``), like a GGUF of a code model; one whose path names ``copy``
+copies from its context (``StubBackend.copy_bias``). Each KV cell of a sequence
 holds ``(pos, token, h)`` where ``h`` chains the previous cell's ``h`` with ``(token, pos)`` —
 so a cell depends on the whole prefix, exactly as real KV does, and a restore + prefill is
 "bit-identical" to cold iff the prefix matches. Logits are a pure function of the last cell's
@@ -69,11 +70,21 @@ log = logging.getLogger(__name__)
 
 _SPECIAL_TEXT = {BOS: "<s>", EOS: "</s>", **FIM_TEXT}
 
+#: A stub reranker's prompt (a model whose path names ``reranker``): the query before the
+#: document, as Qwen3-Reranker's, so every document of a query shares a prefix.
+STUB_RERANK_TEMPLATE = (
+    "<|system|>\nJudge whether the document answers the query: yes or no.\n"
+    "<|query|>\n{query}\n<|document|>\n{document}\n<|assistant|>\n"
+)
+
 STUB_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+
+#: ``copy_bias`` of a stub model whose path names ``copy``: greedy output then copies.
+COPY_BIAS = 8.0
 
 # What a stub model reports as its weights (``ModelFacts.size_bytes``): a notional figure, so
 # the memory budget's arithmetic (``server/budget.py``) has something to add up.
@@ -83,14 +94,24 @@ STUB_WEIGHTS_BYTES = 64 << 20
 class StubBackend:
     """Factory of stub models.
 
-    ``prefill_delay_s`` / ``decode_delay_s`` add simulated latency (per prefilled token / per
-    ``decode`` call) for engine tests; ``cell_bytes`` (>= 16) sets the KV blob size per token.
+    ``prefill_delay_s`` / ``decode_delay_s`` add simulated latency (per prefilled or embedded
+    token / per ``decode`` call) for engine tests; ``cell_bytes`` (>= 16) sets the KV blob
+    size per token.
     ``memory_kind`` / ``n_swa`` model llama.cpp's memory kinds (``kvwarm.memory``): a sliding
     window keeps only its last ``n_swa`` cells, a recurrent (or hybrid) state only its last
     one and refuses to be trimmed; a token decoded without the cells it needs gets a poisoned
     hash, so a wrong restore shows in the output as it would on a real model.
     ``weights_bytes`` is what its models report as weights (notional; a context reports
     ``cell_bytes`` per cell as KV), for the memory budget's arithmetic.
+
+    A model whose path names ``reranker`` is a decoder reranker (pooling ``rank``, causal,
+    two labels, ``STUB_RERANK_TEMPLATE``); one naming ``cross-encoder`` an encoder (pooling
+    ``rank``, not causal, one raw score, ``[BOS] query [EOS] document [EOS]``), whose
+    contexts keep nothing after a decode, as a BERT's has no KV cache.
+    ``copy_bias`` > 0 makes it copy, as real models do from their context (an "induction"
+    head): the token that followed the latest earlier occurrence of the current token gets
+    that much added to its logit, so greedy output repeats what the prompt holds (speculative
+    decoding's tests need drafts that are accepted, and some that are not).
     """
 
     def __init__(
@@ -104,6 +125,7 @@ class StubBackend:
         n_swa: int = 0,
         weights_bytes: int = STUB_WEIGHTS_BYTES,
         media_tokens: int = 16,
+        copy_bias: float = 0.0,
     ) -> None:
         if cell_bytes < CELL.size or cell_bytes > 0xFFFF:
             raise ValueError(f"cell_bytes must be in [{CELL.size}, 65535]")
@@ -121,6 +143,7 @@ class StubBackend:
         #: to make every encode fail (tests).
         self.encode_gate: threading.Event | None = None
         self.encode_error: str | None = None
+        self.copy_bias = copy_bias
 
     @property
     def name(self) -> str:
@@ -147,6 +170,11 @@ class StubModel:
         self._backend = backend
         self.params = params or ModelParams()  # what a llama.cpp load would have been given
         self._id = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "little")
+        name = Path(path).name
+        reranker = "reranker" in name
+        encoder = "cross-encoder" in name
+        #: What its contexts add to the logit of the token its context suggests (``copy``).
+        self.copy_bias = backend.copy_bias or (COPY_BIAS if "copy" in Path(path).name else 0.0)
         self._facts = ModelFacts(
             path=path,
             n_vocab=N_VOCAB,
@@ -167,9 +195,14 @@ class StubModel:
             n_swa=backend.n_swa,
             fim=(
                 FimTokens(FIM_PRE, FIM_SUF, FIM_MID, FIM_PAD, FIM_REP, FIM_SEP)
-                if "fim" in Path(path).name
+                if "fim" in name
                 else None
             ),
+            pooling="rank" if reranker or encoder else None,
+            causal=not encoder,
+            n_cls_out=2 if reranker else 1,
+            rerank_template=STUB_RERANK_TEMPLATE if reranker else None,
+            add_eos=encoder,
         )
         self._life = Lifetime("model", lambda: None)
 
@@ -256,7 +289,9 @@ class StubModel:
                 tools=tools,
             )
 
-    def context_params(self, params: ContextParams, *, deterministic: bool) -> ContextParams:
+    def context_params(
+        self, params: ContextParams, *, deterministic: bool, speculative: bool = False
+    ) -> ContextParams:
         return params  # no attention kernels to choose between
 
     def new_context(self, params: ContextParams) -> StubContext:
@@ -307,6 +342,7 @@ __all__ = [
     "N_EMBD",
     "N_VOCAB",
     "OFFSET",
+    "STUB_RERANK_TEMPLATE",
     "UNK",
     "StubBackend",
     "StubContext",

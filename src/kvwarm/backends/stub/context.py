@@ -28,7 +28,7 @@ from kvwarm.backends.stub.adapter import StubAdapter
 from kvwarm.backends.stub.kv_codec import CELL, HEADER, MAGIC, StubKvCodec
 from kvwarm.backends.stub.vocab import EOS, N_BYTE_TOKENS, N_EMBD, N_VOCAB, OFFSET
 from kvwarm.buffers import u8
-from kvwarm.errors import StateRestoreError
+from kvwarm.errors import InvalidRequestError, ModelLoadError, StateRestoreError
 from kvwarm.memory import MemoryKind
 
 if TYPE_CHECKING:
@@ -61,6 +61,16 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
     """Per-sequence dicts of cells; logits computed at decode for rows that ask for them."""
 
     def __init__(self, model: StubModel, params: ContextParams) -> None:
+        facts = model.facts
+        if not facts.causal and not params.embeddings:
+            # As llama.cpp's: an encoder keeps no KV cache, so only a pooling context runs it.
+            raise ModelLoadError(
+                "this model keeps no KV cache (an encoder): it runs only pooled, as a "
+                "reranker (pooling rank) or for embeddings"
+            )
+        self._n_cls_out = facts.n_cls_out
+        # Each sequence's chain hash at its last position in the last decode.
+        self._pooled_h: dict[int, int] = {}
         self._seqs: list[dict[int, _Cell]] = [{} for _ in range(params.n_seq_max)]
         self._row_logits: dict[int, npt.NDArray[np.float32]] = {}
         self._salt = 0
@@ -74,7 +84,14 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
         backend = model.backend
         self._memory = MemoryKind(backend.memory_kind, backend.n_swa, params.swa_full)
         super().__init__(
-            model, params, n_ctx=params.n_ctx, n_vocab=N_VOCAB, adapter=StubAdapter, n_embd=N_EMBD
+            model,
+            params,
+            n_ctx=params.n_ctx,
+            n_vocab=N_VOCAB,
+            adapter=StubAdapter,
+            n_embd=N_EMBD,
+            causal=facts.causal,
+            stateless=not facts.causal,
         )
 
     @property
@@ -109,8 +126,14 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
             if item.logits:
                 self._rows.append(row)
                 self._row_logits[row] = self._fake_logits(item.token, h)
+                if self._model.copy_bias:
+                    self._copy(self._row_logits[row], cells, item.pos)
+            if self._params.embeddings:
+                self._pooled_h[item.seq] = h  # a sequence's last position in the call
         for seq in {item.seq for item in batch}:
             self._forget(self._seqs[seq])
+            if self._stateless:
+                self._seqs[seq].clear()  # an encoder keeps nothing after the call
         if self._model.backend.decode_delay_s:
             time.sleep(self._model.backend.decode_delay_s)
 
@@ -269,7 +292,7 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
     @property
     def restores_tails(self) -> bool:
         # As llama.cpp's: full attention, one KV stream (the scratch sequence's condition).
-        return self._memory.chunkable and self._params.kv_unified
+        return self._memory.chunkable and self._params.kv_unified and not self._stateless
 
     @property
     def copies_by_pack(self) -> bool:
@@ -307,6 +330,8 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
             cells.clear()
 
     def _embed(self, tokens: Sequence[int], *, normalize: bool) -> list[float]:
+        if self._model.backend.prefill_delay_s:  # an embedding is a prefill
+            time.sleep(self._model.backend.prefill_delay_s * len(tokens))
         vecs = np.stack(
             [np.random.default_rng(t * 7919 + 17).standard_normal(N_EMBD) for t in tokens]
         )
@@ -315,6 +340,19 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
             norm = math.sqrt(float(np.dot(vec, vec)))
             vec = vec / norm if norm > 0 else vec
         return [float(x) for x in vec]
+
+    def _pooled(self, seq: int) -> tuple[float, ...] | None:
+        if self._params.pooling != "rank":
+            raise InvalidRequestError("this stub context pools only by rank")
+        h = self._pooled_h.get(seq)
+        if h is None:
+            return None
+        # A pure function of the chain hash: of every token up to the last position, so a
+        # score read after a restore or a copy equals a cold one iff the KV is right.
+        p = (h >> 40) / float(1 << 24)
+        if self._n_cls_out == 1:
+            return (4.0 * p - 2.0,)  # a raw score, as a cross-encoder's
+        return (p, 1.0 - p)  # [p(yes), p(no)], as a decoder reranker's softmax
 
     def _attach(self, adapters: Sequence[tuple[StubAdapter, float]]) -> None:
         salt = 0
@@ -327,6 +365,7 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
         self._release_views()
         self._rows.clear()
         self._row_logits.clear()
+        self._pooled_h.clear()
 
     def _fake_logits(self, token: int, h: int) -> npt.NDArray[np.float32]:
         rng = np.random.default_rng(h ^ self._salt)
@@ -336,6 +375,23 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
         if token == OFFSET + ord("!"):
             logits[EOS] = 20.0
         return logits
+
+    def _copy(self, logits: npt.NDArray[np.float32], cells: dict[int, _Cell], pos: int) -> None:
+        """``copy_bias``: favour what followed the latest earlier occurrence of the two tokens
+        ending at ``pos`` (a function of the prefix, as the rest of the logits are), within
+        what the memory attends to (a sliding window's last ``n_swa`` positions: what a live
+        state and a restored one both hold)."""
+        prev = cells.get(pos - 1)
+        key = (prev.token if prev is not None else -1, cells[pos].token)
+        mem = self._memory
+        low = 0 if mem.trimmable else max(0, pos - mem.n_swa + 1) if mem.kind == "swa" else pos
+        for p in range(pos - 1, low, -1):
+            here, before, after = cells.get(p), cells.get(p - 1), cells.get(p + 1)
+            if here is None or before is None or after is None:
+                continue
+            if (before.token, here.token) == key:
+                logits[after.token] += self._model.copy_bias
+                return
 
     def _free(self) -> None:
         self._invalidate_logits()

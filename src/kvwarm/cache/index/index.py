@@ -85,6 +85,9 @@ class Index:
         self._chunk_gone = threading.Condition(self._lock)
         self._eviction_name = eviction_name
         self.history = history if history is not None else MissHistory(clock=clock)
+        # Bytes promised to saves not yet published, per tier (``hold_room``): counted with
+        # the tier's own, so saves in flight together cannot overshoot its quota.
+        self._room: dict[TierName, int] = {}
 
     # ----------------------------------------------------------------- lock-free reads
 
@@ -290,10 +293,38 @@ class Index:
             return self._evict(n_bytes, tiers)
 
     def enforce_quota(self, tier: TierName, quota_bytes: int) -> list[StoredRow]:
-        """Retire rows of ``tier``, in policy order, until it holds at most ``quota_bytes``."""
+        """Retire rows of ``tier``, in policy order, until it holds at most ``quota_bytes``
+        besides the room held for saves in flight."""
         with self._lock:
-            excess = self._rows.tier_bytes(tier) - quota_bytes
+            excess = self._rows.tier_bytes(tier) + self._room.get(tier, 0) - quota_bytes
             return self._evict(excess, (tier,)) if excess > 0 else []
+
+    def hold_room(
+        self, tier: TierName, n_bytes: int, quota_bytes: int
+    ) -> tuple[bool, list[StoredRow]]:
+        """Room for a save of ``n_bytes`` in ``tier`` before it is stored: the rows it
+        evicts (in policy order; the caller retires them) and whether the room is held. The
+        room counts against the quota until ``give_room``, so N saves in flight at once
+        cannot overshoot it by N rows; a save that cannot have it (everything left is checked
+        out, or it is larger than the quota) is refused."""
+        with self._lock:
+            held = self._room.get(tier, 0)
+            excess = self._rows.tier_bytes(tier) + held + n_bytes - quota_bytes
+            victims = self._evict(excess, (tier,)) if excess > 0 else []
+            if self._rows.tier_bytes(tier) + held + n_bytes > quota_bytes:
+                return False, victims
+            self._room[tier] = held + n_bytes
+            return True, victims
+
+    def give_room(self, tier: TierName, n_bytes: int) -> None:
+        """End what ``hold_room`` held: the save published (its bytes now count as the
+        tier's own) or was dropped."""
+        with self._lock:
+            left = self._room.get(tier, 0) - n_bytes
+            if left > 0:
+                self._room[tier] = left
+            else:
+                self._room.pop(tier, None)
 
     def expire(self, forget_only: Collection[TierName] = ()) -> list[StoredRow]:
         """Retire every not-checked-out row unused for longer than its TTL class allows.

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from kvwarm.cache.counters import Counters
@@ -41,6 +41,9 @@ from kvwarm.cache.protocols import StoredRow, Tier
 from kvwarm.cache.types import Namespace, SaveRequest
 from kvwarm.errors import CacheError, CacheIOError, KvwarmError
 from kvwarm.tokens import common_prefix
+
+#: Room for bytes about to enter a tier: raises to refuse, returns what gives it back.
+HoldRoom = Callable[[int], Callable[[], None]]
 
 __all__ = ["PlanBook", "load_chunks", "pack_request", "plan_lens", "store_row"]
 
@@ -134,9 +137,13 @@ def store_row(
     *,
     counters: Counters | None = None,
     wait_s: float = 30.0,
+    hold: HoldRoom | None = None,
 ) -> StoredRow | None:
     """Store ``request`` in ``tier`` as a manifest over chunks when it comes with a splitter
-    and holds at least one full chunk, else whole. Returns the published row, or None."""
+    and holds at least one full chunk, else whole. Returns the published row, or None.
+    ``hold``: called with the bytes about to enter the tier (the chunks it lacks and the
+    manifest, or the whole row) before any is written; it raises to refuse them and returns
+    what gives the room back once the row is stored or failed."""
     split, ns, tokens = request.split, request.namespace, request.tokens
     lens = request.chunk_lens
     lead = request.payload_from  # the payload is a tail: chunks before it must be stored
@@ -145,7 +152,7 @@ def store_row(
     if split is None or (not lens and (chunk_tokens <= 0 or len(tokens) < chunk_tokens)):
         if lead:
             raise CacheError(f"{tier.name}: {key.hex()} holds positions from {lead} only")
-        return tier.store(key, _whole(request), index)
+        return _store_whole(key, request, tier, index, hold)
     if not lens:
         lens = plan_lens(len(tokens), chunk_tokens, *index.chunk_base(ns, tokens))
     chain = chain_of(request, lens)
@@ -176,26 +183,47 @@ def store_row(
             # A blob the codec cannot cut (several KV streams, a sliding-window cache): the
             # row is stored whole, as before chunks existed.
             log.info("%s: storing %s whole: %s", tier.name, key.hex(), exc)
-            return tier.store(key, _whole(request), index)
+            return _store_whole(key, request, tier, index, hold)
         if len(parts) != len(keys) - first:
             raise ValueError(f"splitter returned {len(parts)} parts for {len(keys) - first}")
-        for i, part in enumerate(parts, start=first):
-            if keys[i] not in need:
-                continue
-            _, head = build_head(ns, chain[i][0], tokens[bounds[i] : bounds[i + 1]], part)
-            stored = tier.store_chunk(keys[i], head, part)
-            index.chunk_stored(tier.name, keys[i], stored)
-            if counters is not None:
-                counters.incr("chunks_written")
-                counters.incr("chunk_bytes_written", stored)
-        if counters is not None:
-            counters.incr("chunks_reused", len(keys) - len(need))
-        manifest = replace(
-            request, payload=rest, split=None, rest=None, chunk_lens=lens, chunk_keys=keys
+        size = len(rest) + sum(
+            len(part) for i, part in enumerate(parts, start=first) if keys[i] in need
         )
-        return tier.store(key, manifest, index)
+        give_back = hold(size) if hold is not None else _nothing
+        try:
+            for i, part in enumerate(parts, start=first):
+                if keys[i] not in need:
+                    continue
+                _, head = build_head(ns, chain[i][0], tokens[bounds[i] : bounds[i + 1]], part)
+                stored = tier.store_chunk(keys[i], head, part)
+                index.chunk_stored(tier.name, keys[i], stored)
+                if counters is not None:
+                    counters.incr("chunks_written")
+                    counters.incr("chunk_bytes_written", stored)
+            if counters is not None:
+                counters.incr("chunks_reused", len(keys) - len(need))
+            manifest = replace(
+                request, payload=rest, split=None, rest=None, chunk_lens=lens, chunk_keys=keys
+            )
+            return tier.store(key, manifest, index)
+        finally:
+            give_back()
     finally:
         index.unpin_chunks(tier.name, keys)
+
+
+def _store_whole(
+    key: bytes, request: SaveRequest, tier: Tier, index: Index, hold: HoldRoom | None
+) -> StoredRow | None:
+    give_back = hold(memoryview(request.payload).nbytes) if hold is not None else _nothing
+    try:
+        return tier.store(key, _whole(request), index)
+    finally:
+        give_back()
+
+
+def _nothing() -> None:
+    pass
 
 
 def chain_of(request: SaveRequest, lens: Sequence[int]) -> list[tuple[bytes, bytes]]:

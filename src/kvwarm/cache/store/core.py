@@ -27,14 +27,14 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvwarm.buffers import grown
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.explain import MissReason
 from kvwarm.cache.index.index import Index
 from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, Tier
-from kvwarm.cache.store.chunking import store_row
+from kvwarm.cache.store.chunking import HoldRoom, store_row
 from kvwarm.cache.store.quota import QuotaCaps
 from kvwarm.cache.store.writer import WriterPool
 from kvwarm.cache.types import (
@@ -300,10 +300,16 @@ class CacheCore:
         count_chunks: bool = True,
     ) -> StoredRow | None:
         """``chunking.store_row``; on ENOSPC, evict from ``tier`` (its policy picks) about
-        the save's size and retry once. Without a row to evict the error stands."""
+        the save's size and retry once. Without a row to evict the error stands. In a tier of
+        this process's memory (``ram``) the bytes a save adds hold their room under its quota
+        before they are copied in (``hold_room``), so saves stored at once cannot overshoot it;
+        other tiers' quotas are enforced after each store."""
         counters = self.counters if count_chunks else None
+        hold = None if tier.capabilities.persistent else self._holder(tier)
         try:
-            return store_row(key, request, tier, self.index, chunk_tokens, counters=counters)
+            return store_row(
+                key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold
+            )
         except CacheIOError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
@@ -324,4 +330,20 @@ class CacheCore:
                 key.hex(),
             )
         self.counters.incr("saves_retried_after_enospc")
-        return store_row(key, request, tier, self.index, chunk_tokens, counters=counters)
+        return store_row(key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold)
+
+    def _holder(self, tier: Tier) -> HoldRoom:
+        """Room in ``tier`` for a save's new bytes, evicting in policy order; a save that
+        cannot have it (the rest is checked out, or it is larger than the quota) fails."""
+
+        def hold(n_bytes: int) -> Callable[[], None]:
+            used, _ = self.index.usage().get(tier.name, (0, 0))
+            quota, _ = self.quota_caps.effective(tier, used)
+            held, victims = self.index.hold_room(tier.name, n_bytes, quota)
+            if victims:
+                self.retire(victims, count=True)
+            if not held:
+                raise CacheError(f"{tier.name}: no room for {n_bytes} bytes under its quota")
+            return lambda: self.index.give_room(tier.name, n_bytes)
+
+        return hold

@@ -15,7 +15,13 @@ The cache directory is not trusted to be what we left there. Invariants:
   the root, e.g. for a link to a directory of ours that the scans would then clean.
 - A root that is itself a symlink is followed only if it is ours (or root's): one another
   user planted in a sticky directory (``/dev/shm/kvwarm`` made before we ran) is refused.
-- Both are checked before the root is opened, so a refused root is never changed.
+- Every other ancestor, from ``/`` down to the parent's parent, and every symlink met on the
+  way there, must be one no other user can replace (``_guard_ancestors``, as ssh's
+  StrictModes checks a key's path): owned by root or us, and writable by no one else unless
+  sticky (others may add names there but not rename ours) or group-writable only for our
+  own private group (a group named as we are, of no other member). Those are refused, never
+  changed: they are not the cache's to tighten.
+- All of these are checked before the root is opened, so a refused root is never changed.
 - A root with the sticky bit (``/dev/shm`` or ``/tmp`` given as the directory itself) is a
   directory many users share: refused, never tightened (as root it would lock them out).
 - Every file below a root is opened relative to the root's directory fd with ``O_NOFOLLOW``
@@ -28,10 +34,12 @@ The cache directory is not trusted to be what we left there. Invariants:
 from __future__ import annotations
 
 import errno
+import grp
 import logging
 import os
+import pwd
 import stat
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from kvwarm.buffers import grown
 from kvwarm.cache.formats import kvc
@@ -72,6 +80,7 @@ def open_private_dir(path: Path) -> int:
         os.chmod(d, PRIVATE_DIR_MODE, follow_symlinks=False)  # the umask may have cut bits
     # Before the root is opened (and perhaps tightened): a root someone else could have
     # swapped is refused untouched.
+    _guard_ancestors(path)
     _guard_parent(path.parent)
     _guard_link(path)
     fd = os.open(path, _DIR_FLAGS)
@@ -94,6 +103,86 @@ def _guard_link(path: Path) -> None:
             f"cache directory {path} is a symbolic link that belongs to uid {st.st_uid}, not "
             f"to us (uid {os.geteuid()}); not following it. Use a directory we own."
         )
+
+
+#: Symlinks followed while walking a root's ancestors before giving up (Linux's own limit).
+_MAX_LINKS = 40
+
+
+def _guard_ancestors(root: Path) -> None:
+    """Refuse ``root`` when a directory above its parent, or a symlink on the way to the
+    parent, could be replaced by another user (``UnsafeCacheDirError``). The path is walked
+    from ``/`` a name at a time as the kernel resolves it, links followed (their target's
+    directories are checked in turn), so what is checked is what the open will traverse. The
+    parent itself is ``_guard_parent``'s (ours and too open: tightened; that rule stays)."""
+    start = root if root.is_absolute() else Path.cwd() / root  # ".." kept: the kernel's
+    pending = list(reversed(PurePosixPath(start).parent.parts[1:]))
+    here = PurePosixPath("/")
+    links = 0
+    _check_ancestor(here, os.lstat(here), root)
+    while pending:
+        name = pending.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            here = here.parent
+            continue
+        step = here / name
+        try:
+            st = os.lstat(step)
+        except FileNotFoundError:
+            return  # open_private_dir made every missing one; a racing rename fails the open
+        if stat.S_ISLNK(st.st_mode):
+            if not _trusted(st.st_uid):
+                raise UnsafeCacheDirError(
+                    f"{step} on the way to the cache directory {root} is a symbolic link of uid "
+                    f"{st.st_uid}, not ours (uid {os.geteuid()}) nor root's: its owner could "
+                    "point it elsewhere. Use a path of directories we or root own."
+                )
+            links += 1
+            if links > _MAX_LINKS:
+                raise UnsafeCacheDirError(f"too many symbolic links on the way to {root}")
+            target = PurePosixPath(os.readlink(step))
+            if target.is_absolute():
+                here = PurePosixPath("/")
+                pending.extend(reversed(target.parts[1:]))
+            else:
+                pending.extend(reversed(target.parts))
+            continue
+        if pending:  # the parent itself is _guard_parent's
+            _check_ancestor(step, st, root)
+        here = step
+
+
+def _check_ancestor(path: PurePosixPath, st: os.stat_result, root: Path) -> None:
+    mode = stat.S_IMODE(st.st_mode)
+    why = None
+    if not _trusted(st.st_uid):
+        why = f"belongs to uid {st.st_uid}, not to us (uid {os.geteuid()}) nor to root"
+    elif mode & 0o022 and not mode & stat.S_ISVTX:
+        if mode & 0o002:
+            why = f"is writable by every user (mode {mode:o})"
+        elif not _own_private_group(st.st_gid):
+            why = f"is writable by group {st.st_gid} (mode {mode:o})"
+    if why is not None:
+        raise UnsafeCacheDirError(
+            f"{path}, above the cache directory {root}, {why}: another user could replace "
+            "the directories below it. Use a path only we and root can change (or remove "
+            "those write bits)."
+        )
+
+
+def _own_private_group(gid: int) -> bool:
+    """``gid`` is our own private group (named as we are, no other member), so its write
+    bit lets no one else in: the "user private group" layout where a home is 0775."""
+    if gid != os.getegid():
+        return False
+    try:
+        me = pwd.getpwuid(os.geteuid()).pw_name
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return group.gr_name == me and set(group.gr_mem) <= {me}
 
 
 def _guard_parent(parent: Path) -> None:

@@ -7,8 +7,9 @@ planner's choice: a ``Planned``), ``restore`` (the plan carried out into the slo
 reused no more). Every call to the cache goes through the worker's one port (``CachePort``).
 
 Invariants: the plan comes from ``planner.choose`` (pure); this module only carries it out and
-never decides how much KV to reuse itself. A request's namespace (the model's, with the
-request's cache salt folded in) is fixed here, when it is admitted, and recorded on its slot.
+never decides how much KV to reuse itself. A request's adapter set and namespace (the model's,
+with that set and the request's cache salt folded in) are fixed here, when it is admitted, and
+recorded on its slot.
 Whatever goes wrong, no slot stays taken: a failed restore falls back to a cold prefill, any
 other failure answers the request and its forks (``docs/architecture.md``, "Engine"). A request
 asking for prompt logprobs reuses no KV: every prompt position needs its logits, and restored KV
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvwarm.alignment import align_down, canonical_after
-from kvwarm.backends.base import Buffer, Sampler
+from kvwarm.backends.base import AdapterSet, Buffer, Sampler
 from kvwarm.cache.explain import MissReason, ReuseReport
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Failed, Request
@@ -62,6 +63,10 @@ class Planned:
     slot: Slot
     plan: Plan
     namespace: Namespace
+    #: The namespace unsalted: the model's with the request's adapter set folded in.
+    base: Namespace
+    #: The LoRA adapters the request runs under (``Runtime.adapter_set``).
+    adapters: AdapterSet
     #: Where the prefill should also checkpoint, besides the cold save (``CachePort.pauses``).
     resume: tuple[int, ...]
     #: The source sharing the most with the prompt, for explaining the reuse.
@@ -128,7 +133,8 @@ class Admission:
         slots' live KV."""
         rt = self.rt
         port = self.port
-        ns = port.namespace(req.options.salt_bytes())
+        adapters, base = rt.adapter_set(req.options.lora)
+        ns = port.namespace(base, req.options.salt_bytes())
         # A parent_key row was waited for on the caller's thread, so it is published by now
         # and this lookup scores it by what it really shares. The lookup is confined to ns:
         # a parent_key of another salt's row waits, but never restores.
@@ -151,8 +157,12 @@ class Admission:
             for m in (match, *whole)
             if m is not None
         ]
+        if req.kind == "score":
+            # A rerank document's score comes from a decode of its last token, so a row's
+            # stored logits cannot stand in for it: at least that token is prefilled.
+            rows = [replace(r, has_logits=False) for r in rows]
         rt.refresh_floors()
-        port.note_model()
+        port.note_model(base)
         found = best_found(
             prompt,
             slots=rt.slots,
@@ -186,7 +196,7 @@ class Admission:
             resume += [ends[0] + 1, ends[-1] + 1]
         if req.deterministic:
             resume = [align_down(p, rt.cfg.n_batch) for p in resume]
-        return Planned(slot, plan, ns, tuple(resume), found)
+        return Planned(slot, plan, ns, base, adapters, tuple(resume), found)
 
     # -- step 2: restore -----------------------------------------------------------------------
 
@@ -266,7 +276,9 @@ class Admission:
         n = len(req.prompt_tokens)
         sampler, fork_samplers = samplers[0], samplers[1:]
         fork_slots = self.forks.pick(slot, free, len(req.forks))
-        self.forks.seat(fork_slots, list(zip(req.forks, fork_samplers, strict=True)), ns)
+        self.forks.seat(
+            fork_slots, list(zip(req.forks, fork_samplers, strict=True)), ns, planned.adapters
+        )
         hit: CacheHitKind
         if keep == 0:
             hit = "cold"
@@ -285,7 +297,7 @@ class Admission:
             n,
             resume_points=planned.resume,
             saved=saved,
-            end=req.kind != "prewarm",
+            kind=req.kind,
             spans=req.prompt.spans,
         )
         # Explained before seating: an exact hit from a row's logits may finish right there.
@@ -307,6 +319,7 @@ class Admission:
             last_continued=n,  # continued saves count generated tokens from the prompt's end
             forks=fork_slots,
             reuse=reuse,
+            adapters=planned.adapters,
         )
         encoder = self.rt.encoder
         for index, span in enumerate(req.prompt.spans):
@@ -346,6 +359,7 @@ class Admission:
             found,
             keep,
             namespace=ns,
+            base=planned.base,
             salt=req.options.salt_bytes(),
             deterministic=req.deterministic,
             spans=req.prompt.spans,

@@ -28,6 +28,7 @@ from kvwarm.cache.api import LoadedRow
 from kvwarm.cache.explain import ReuseReport
 from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, TtlClass
+from kvwarm.engine.request import RequestKind
 from kvwarm.engine.worker.explain import Found, explain, same_tenant
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.savegates import (
@@ -48,9 +49,10 @@ class CachePort:
 
     # -- what a request can reuse ----------------------------------------------------------
 
-    def namespace(self, salt: bytes | None) -> Namespace:
-        """The namespace a request's KV lives in: the model's, salted by its cache salt."""
-        return salted_namespace(self.rt.namespace(), salt)
+    def namespace(self, base: Namespace, salt: bytes | None) -> Namespace:
+        """The namespace a request's KV lives in: ``base`` (the model's, with the request's
+        adapter set folded in: ``Runtime.adapter_set``), salted by its cache salt."""
+        return salted_namespace(base, salt)
 
     def lookup(
         self, ns: Namespace, prompt: Sequence[int], turn_ends: Sequence[int]
@@ -67,10 +69,11 @@ class CachePort:
         rt.cache.record_latency("lookup", time.perf_counter() - t0)
         return match, whole
 
-    def note_model(self) -> None:
-        """This model serves under its namespace: the cache may name its rows when explaining
-        another model's miss to a request of the same salt."""
-        self.rt.cache.note_namespace(self.rt.namespace())
+    def note_model(self, base: Namespace) -> None:
+        """This model serves under ``base`` (its namespace with a request's adapter set): the
+        cache may name its rows when explaining another model's or set's miss to a request of
+        the same salt."""
+        self.rt.cache.note_namespace(base)
 
     def chunk_lens(self, key: bytes) -> tuple[int, ...]:
         """Row ``key``'s chunk lengths: where a restore onto live KV of its leading tokens
@@ -98,19 +101,21 @@ class CachePort:
         keep: int,
         *,
         namespace: Namespace,
+        base: Namespace,
         salt: bytes | None,
         deterministic: bool,
         spans: Sequence[Span] = (),
     ) -> ReuseReport:
         """Why a request kept ``keep`` prompt tokens and no more (``worker/explain.py``): it
-        may learn of its own namespace and its salt's others, never another salt's."""
+        may learn of its own namespace (``base`` salted) and its salt's others, never
+        another salt's."""
         return explain(
             self.rt.cache,
             prompt,
             found,
             keep,
             namespace=namespace,
-            others=same_tenant(self.rt.cache, self.rt.namespace(), salt),
+            others=same_tenant(self.rt.cache, base, salt),
             n_batch=self.rt.cfg.n_batch,
             deterministic=deterministic,
             spans=spans,
@@ -160,8 +165,10 @@ class CachePort:
         partial, unaligned prompt: not worth a row."""
         act = slot.active
         assert act is not None
-        if slot.phase != "generate" or not should_finish_save(
-            len(slot.kv_tokens), self.rt.cfg.policy
+        if (
+            slot.phase != "generate"
+            or act.req.kind == "score"  # one of many documents: a row of it serves no other
+            or not should_finish_save(len(slot.kv_tokens), self.rt.cfg.policy)
         ):
             return None, False
         return self.hold(slot, act.namespace)
@@ -310,6 +317,8 @@ class CachePort:
         act = slot.active
         assert act is not None
         n = len(act.req.prompt_tokens)
+        if act.req.kind == "score":
+            return  # a rerank document saves nothing (``pauses``)
         if not self._checkpoints_resume(keep, n, resume_points, act.deterministic):
             return
         if self.rt.cache.has(self.rt.cache.key_for(act.namespace, slot.kv_tokens)):
@@ -358,19 +367,21 @@ class CachePort:
         *,
         resume_points: Sequence[int] = (),
         saved: int = 0,
-        end: bool = True,
+        kind: RequestKind = "generate",
         spans: Sequence[Span] = (),
     ) -> list[int]:
         """Where a prefill of prompt tokens ``[keep, n)`` pauses to save, ascending (``n``
-        itself: the checkpoint at the prompt's end). Never inside one of the prompt's
+        itself: the checkpoint at the prompt's end). A rerank document (``kind`` score)
+        saves nothing: its shared prefix was prefilled (and saved) by a request of its own,
+        and a row of one document serves no other. Never inside one of the prompt's
         ``spans``: a point that falls in one moves to its start (KV ending inside a span is
         no prompt's state).
 
         The cold save's boundary (trimmed, aligned: the row stays canonical), and for a model
         whose state cannot be trimmed (``kvwarm.memory``) each of ``resume_points`` (where
         another row's tokens diverge from this prompt: the next prompt that shares that much
-        resumes there, which a longer row's untrimmable state cannot offer) and, with
-        ``end``, the prompt's end. Such a checkpoint is made only ``checkpoint_gap_tokens``
+        resumes there, which a longer row's untrimmable state cannot offer) and, but for a
+        prewarm, the prompt's end. Such a checkpoint is made only ``checkpoint_gap_tokens``
         or more past the saved state below it (``saved``: the longest prefix of the prompt a
         row holds at or below ``keep``, 0 for none; or the checkpoint before it): a prompt
         resuming from that state instead prefills fewer tokens than the checkpoint costs to
@@ -378,6 +389,9 @@ class CachePort:
         saves only its reply. The end is measured from ``saved`` and the cold save alone:
         its logits serve the same prompt again with no decode at all, which a checkpoint a
         few tokens before it (a chat template's generation prompt) cannot."""
+        if kind == "score":
+            return []
+        end = kind != "prewarm"
         policy = self.rt.cfg.policy
         boundary = cold_save_length(n, policy)
         # Pausing between aligned chunks keeps the cold row canonical.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvwarm.backends.base import Sampler
+from kvwarm.backends.base import AdapterSet, Sampler
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Prefilled, Request
 from kvwarm.engine.text import TextAssembler
@@ -46,6 +46,7 @@ class Forks:
         slots: Sequence[Slot],
         forks: Sequence[tuple[Request, Sampler]],
         ns: Namespace,
+        adapters: AdapterSet = (),
     ) -> None:
         """Seat each fork in its slot, waiting for the first choice's prompt KV."""
         now = time.perf_counter()
@@ -63,6 +64,7 @@ class Forks:
                 hit_kind="exact",
                 admitted=now,
                 last_continued=n,
+                adapters=adapters,  # the first choice's: they share its prompt's KV
             )
             slot.phase = "fork"
 

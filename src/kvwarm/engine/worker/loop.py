@@ -11,8 +11,9 @@ Invariants:
   it through ``submit`` (requests, FIFO) and ``call`` (jobs run between ticks).
 - A save's bytes are packed here, between decode calls, and handed to the cache's writer pool;
   async saves never block a tick.
-- A request's namespace (effective fingerprint) is fixed when it is admitted to a slot; adapter
-  changes are jobs that wait until no slot is active, so they never affect a running request.
+- A request's namespace (effective fingerprint) and adapter set are fixed when it is admitted
+  to a slot; changes of the model's set are jobs that wait until no slot is active, so they
+  never affect a running request. Slots of different adapter sets never share a forward pass.
 - Any failure is confined to the requests it touches; the loop itself never dies while the
   model is loaded (an unexpected error fails the in-flight requests and clears their KV).
 - Other threads see the slots through ``slot_statuses()``: frozen copies this thread
@@ -43,7 +44,7 @@ from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.encoder import Encoder
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
-from kvwarm.engine.worker.runtime import Runtime, WorkerConfig, WorkerStats
+from kvwarm.engine.worker.runtime import Resolver, Runtime, WorkerConfig, WorkerStats
 from kvwarm.engine.worker.sampling import Sampling
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.engine.worker.tick import Tick
@@ -71,6 +72,7 @@ class Worker:
         cache: CacheApi,
         config: WorkerConfig,
         namespace: Callable[[], Namespace],
+        resolve: Resolver | None = None,
         *,
         projector: Projector | None = None,
     ) -> None:
@@ -80,7 +82,7 @@ class Worker:
         # long (a grammar or decode stuck in native code) is reported by stalled_for().
         self._iteration_since: float | None = None
         slots = [Slot(seq=i) for i in range(config.n_parallel)]
-        self.rt = Runtime(name, model, ctx, cache, config, namespace, slots)
+        self.rt = Runtime(name, model, ctx, cache, config, namespace, slots, resolve)
         self._cond = threading.Condition()
         if projector is not None:
             self.rt.encoder = Encoder(name, projector, self._wake)
@@ -109,15 +111,18 @@ class Worker:
 
     # ---- called from other threads -------------------------------------------------------
 
-    def submit(self, req: Request) -> None:
+    def submit(self, req: Request, *more: Request) -> None:
+        """Queue ``req`` (and ``more`` right behind it, all or none: a rerank's documents)."""
         with self._cond:
             if self._closing:
                 raise EngineClosedError(f"model {self.name!r} is shut down")
-            if len(self._queue) >= self.cfg.max_queue:
+            waiting = sum(1 for r in self._queue if r.counted)
+            if waiting >= self.cfg.max_queue:
                 raise QueueFullError(
-                    f"model {self.name!r} has {len(self._queue)} queued requests (max_queue)"
+                    f"model {self.name!r} has {waiting} queued requests (max_queue)"
                 )
             self._queue.append(req)
+            self._queue.extend(more)
             self._cond.notify_all()
 
     def call(self, fn: Callable[[], T], *, needs_idle: bool = False) -> Future[T]:
@@ -319,12 +324,17 @@ class Worker:
                 return seated
             with self._cond:
                 # n > 1 waits at the head of the queue (FIFO) until all its slots are free;
-                # Model refuses an n above n_parallel, so it never waits for ever.
+                # Model refuses an n above n_parallel, so it never waits for ever. A request
+                # ``after`` another waits there until that one is answered: it is ahead in
+                # the queue or in a slot, so it is answered in time.
                 if not self._queue or len(self._queue[0].group) > len(free):
                     return seated
+                after = self._queue[0].after
+                if after is not None and not after.answered:
+                    return seated
                 req = self._queue.popleft()
-            if req.cancelled.is_set():
-                self.outcomes.cancelled_unstarted(req)
+            if req.cancelled.is_set() or (after is not None and not after.finished):
+                self.outcomes.ended_like(req, after)
                 continue
             self.admission.admit(req, free)
             seated = True

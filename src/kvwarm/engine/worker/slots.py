@@ -13,12 +13,13 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from kvwarm.backends.base import Sampler
+from kvwarm.backends.base import AdapterSet, Sampler
 from kvwarm.cache.explain import ReuseReport
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Request
 from kvwarm.engine.text import TextAssembler
 from kvwarm.engine.types import CacheHitKind, SlotPhase, SlotStatus, TokenLogprob
+from kvwarm.engine.worker.drafts import Drafter
 
 Phase = SlotPhase
 
@@ -47,6 +48,17 @@ class Active:
     last_continued: int = 0  # live KV length at the last continued save
     forks: list[Slot] = field(default_factory=list)  # slots waiting for this prompt's KV
     reuse: ReuseReport | None = None  # why no more of the prompt was reused (worker/explain.py)
+    #: Speculative decoding (``engine/worker/drafts.py``): the request's drafter (None: it
+    #: decodes plainly; decided on its first generating tick, once ``spec_decided``), the
+    #: draft going into this tick's pass after ``pending``, and the tokens drafted and accepted.
+    drafter: Drafter | None = None
+    spec_decided: bool = False
+    draft: list[int] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    #: The LoRA adapters its forward passes run under (``engine/adapters.py``): fixed at
+    #: admission; slots of other sets never share its passes.
+    adapters: AdapterSet = ()
     #: The embeddings of the prompt's spans it did not restore, being encoded (by span index).
     encodes: dict[int, Future[bytes]] = field(default_factory=dict)
 

@@ -1,10 +1,14 @@
 """The tick: one round of forward passes over every active slot.
 
-Invariants: the batch strategy decides which tokens share a call (``batching``); a failed call
+Invariants: the batch strategy decides which tokens share a call (``batching``), and only
+slots of one LoRA adapter set share a call (the context runs each call under one set: a call
+the plan shares between sets runs as one call per set); a failed call
 with several slots is retried one slot at a time so one slot's failure never fails another;
-after each call, a slot's ``kv_tokens`` grows by exactly what the call decoded for it, and its
-canonical prefix shrinks when a chunk was cut short by the budget (``kvwarm.alignment``;
-``docs/architecture.md``, "Engine").
+after each call, a slot's ``kv_tokens`` grows by exactly what the call decoded for it and kept
+(a speculating slot's draft past its first rejected token is removed again: ``sampling``), and
+its canonical prefix shrinks when a chunk was cut short by the budget (``kvwarm.alignment``;
+``docs/architecture.md``, "Engine"). Drafts (``drafts``) are made before the plan, within
+what the pass has room for, and only for requests that may speculate (``speculates``).
 
 A media span (``kvwarm.tokens``) is decoded whole, in a call of its own (its embeddings, with
 causal attention off where the projector says so), once its encode is done; a prefill chunk
@@ -17,19 +21,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 
 from kvwarm.alignment import canonical_after_chunk
-from kvwarm.backends.base import BatchToken
+from kvwarm.backends.base import AdapterSet, BatchToken
+from kvwarm.engine.types import SpecType
 from kvwarm.engine.worker.batching import Chunk, PrefillWant, isolate
 from kvwarm.engine.worker.cacheport import CachePort
+from kvwarm.engine.worker.drafts import Drafter, RowDrafts
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.sampling import token_logprob
-from kvwarm.engine.worker.slots import Slot
+from kvwarm.engine.worker.slots import Active, Slot
 from kvwarm.errors import BackendError, KvwarmError
 from kvwarm.tokens import Span
 
@@ -72,7 +78,11 @@ class Tick:
                     continue
                 if due is not None:
                     stop = min(stop, due[1].start)
-                prefilling.append(PrefillWant(i, act.prefill_pos, stop, act.deterministic))
+                prefilling.append(
+                    PrefillWant(
+                        i, act.prefill_pos, stop, act.deterministic, whole=self.rt.cfg.whole
+                    )
+                )
         for slot, index, span in spans:
             self._run_span(slot, index, span)
         if not decoding and not prefilling:
@@ -82,7 +92,13 @@ class Tick:
 
     def _run_plan(self, decoding: list[int], prefilling: list[PrefillWant]) -> None:
         cfg = self.rt.cfg
-        plan = cfg.strategy.plan(decoding, prefilling, cfg.n_batch, cfg.n_ubatch)
+        drafted = self._draft(decoding)
+        plan = cfg.strategy.plan(decoding, prefilling, cfg.n_batch, cfg.n_ubatch, drafted)
+        if drafted:
+            for i in set(decoding) - set(plan.decode_slots):
+                act = self.rt.slots[i].active
+                if act is not None:
+                    act.draft = []  # this slot does not decode this tick
         alone: tuple[int, ...] = ()
         if not self.rt.ctx.params.kv_unified:
             det = {
@@ -99,6 +115,69 @@ class Tick:
         for chunk in plan.isolated_chunks:
             self._run_call((), (chunk,))
 
+    def _draft(self, decoding: Sequence[int]) -> int:
+        """Give each generating slot that speculates a draft to verify with its next token;
+        the number of drafted tokens (all of them fit one pass beside one token per slot)."""
+        rt = self.rt
+        room = rt.cfg.n_batch - len(decoding)
+        total = 0
+        cost = rt.pass_cost.cost
+        for i in decoding:
+            slot = rt.slots[i]
+            act = slot.active
+            assert act is not None
+            act.draft = []
+            if not act.spec_decided:
+                act.spec_decided = True
+                act.drafter = self._drafter(act)
+            if act.drafter is None or room <= 0:
+                continue
+            n = len(slot.kv_tokens)
+            # Rows n .. n + k must stay inside the slot's window and the token budget (the
+            # pending token is the first of them), and a memory that cannot roll back far
+            # limits how far past n the pass may go.
+            limit = min(
+                room,
+                rt.cfg.n_ctx_slot - 1 - n,
+                act.req.options.max_tokens - len(act.generated) - 1,
+            )
+            ahead = rt.memory.lookahead(n)
+            if ahead is not None:
+                limit = min(limit, ahead - 1)
+            if limit <= 0:
+                continue
+            act.draft = act.drafter.propose(act.generated, limit, cost)
+            room -= len(act.draft)
+            total += len(act.draft)
+        return total
+
+    def _drafter(self, act: Active) -> Drafter | None:
+        """The request's drafter, or None where it decodes plainly: its own ``spec_type``
+        or else the model's is "none", it is deterministic (a verify pass is a batch of
+        another shape than a one-token decode, so its logits differ in the last bits), or
+        the model cannot speculate (``WorkerConfig.speculates``; a memory that cannot roll
+        back is found by ``lookahead`` per pass)."""
+        cfg = self.rt.cfg
+        opts = act.req.options
+        kind = cfg.spec_type if opts.spec_type is None else opts.spec_type
+        draft_max = cfg.spec_draft_max if opts.spec_draft_max is None else opts.spec_draft_max
+        if kind == "none" or draft_max <= 0 or act.deterministic or not cfg.speculates:
+            return None
+        if self.rt.memory.lookahead(0) == 0:
+            return None
+        rows = self.rt.row_drafts
+        if rows is None:
+            rows = self.rt.row_drafts = RowDrafts(self.rt.cache, cfg.spec_ngram_n)
+        ns = act.namespace  # the salted one: drafts come from this tenant's rows only
+        rows.refresh(ns)
+        return Drafter(
+            cast(SpecType, kind),
+            cfg.spec_ngram_n,
+            draft_max,
+            act.req.prompt_tokens,
+            lambda tail, limit: rows.continuation(ns, tail, limit),
+        )
+
     def _batch(
         self, decode_slots: Sequence[int], chunks: Sequence[Chunk]
     ) -> tuple[list[BatchToken], list[tuple[Slot, int, Chunk | None]]]:
@@ -111,7 +190,10 @@ class Tick:
             if act is None or act.pending is None:
                 continue
             rows.append((slot, len(batch), None))
-            batch.append(BatchToken(act.pending, len(slot.kv_tokens), slot.seq, True))
+            n = len(slot.kv_tokens)
+            batch.append(BatchToken(act.pending, n, slot.seq, True))
+            for j, token in enumerate(act.draft):
+                batch.append(BatchToken(token, n + 1 + j, slot.seq, True))
         for chunk in chunks:
             slot = self.rt.slots[chunk.slot]
             act = slot.active
@@ -128,11 +210,23 @@ class Tick:
         return batch, rows
 
     def _run_call(self, decode_slots: Sequence[int], chunks: Sequence[Chunk]) -> None:
+        groups = self._by_adapters(decode_slots, chunks)
+        if len(groups) > 1:
+            for group_slots, group_chunks in groups:
+                self._run_call(group_slots, group_chunks)
+            return
         batch, rows = self._batch(decode_slots, chunks)
         if not batch:
             return
         try:
+            act = rows[0][0].active
+            self.rt.use_adapters(act.adapters if act is not None else ())
+            started = time.perf_counter()
             self.rt.ctx.decode(batch)
+            if not chunks:
+                # A decode-only pass: what one more token costs (drafts' trade-off).
+                slots = len(rows)
+                self.rt.pass_cost.observe(slots, len(batch) - slots, time.perf_counter() - started)
         except KvwarmError as exc:
             if len(rows) > 1:
                 # One slot's failure must not fail the others: retry each alone.
@@ -168,6 +262,7 @@ class Tick:
                 raise BackendError("a media span reached the worker with nothing to decode it")
             embd = future.result()
             last = span.end == len(act.req.prompt_tokens)
+            self.rt.use_adapters(act.adapters)  # the LoRA set its request runs under
             self.rt.ctx.decode_embd(
                 slot.seq,
                 span.start,
@@ -179,6 +274,28 @@ class Tick:
             self._after_chunk(slot, span.length - 1, Chunk(slot.seq, span.start, span.end))
         except KvwarmError as exc:
             self.outcomes.fail(slot, exc)
+
+    def _by_adapters(
+        self, decode_slots: Sequence[int], chunks: Sequence[Chunk]
+    ) -> list[tuple[list[int], list[Chunk]]]:
+        """The call's work split by the adapter set each slot runs under, in first-seen
+        order (one group: no LoRA, or one set for all)."""
+        groups: list[tuple[AdapterSet, list[int], list[Chunk]]] = []
+
+        def group(i: int) -> tuple[AdapterSet, list[int], list[Chunk]]:
+            act = self.rt.slots[i].active
+            adapters = act.adapters if act is not None else ()
+            for g in groups:
+                if g[0] == adapters:
+                    return g
+            groups.append((adapters, [], []))
+            return groups[-1]
+
+        for i in decode_slots:
+            group(i)[1].append(i)
+        for chunk in chunks:
+            group(chunk.slot)[2].append(chunk)
+        return [(slots, chunks) for _, slots, chunks in groups]
 
     def _after_chunk(self, slot: Slot, row: int, chunk: Chunk) -> None:
         act = slot.active
@@ -217,6 +334,12 @@ class Tick:
         if act.req.kind == "prewarm":
             self.outcomes.finish(slot, "length", bytes(self.rt.ctx.logits(row)))
             return
+        if act.req.kind == "score":
+            # The rank pooling of this call read the sequence's last position (an encoder:
+            # its whole sequence, which ran whole in this call); llama-server's score is the
+            # first value (a decoder reranker's p("yes")).
+            self.outcomes.finish(slot, "length", None, score=self.rt.ctx.pooled(slot.seq)[0])
+            return
         self.forks.prefilled(slot, row, None)
 
     def _prompt_logprobs(self, slot: Slot, last_row: int, chunk: Chunk) -> None:
@@ -234,6 +357,10 @@ class Tick:
     def _after_decode(self, slot: Slot, row: int) -> None:
         act = slot.active
         assert act is not None and act.pending is not None
+        if act.draft:
+            draft, act.draft = act.draft, []
+            self.sampling.on_verify(slot, row, draft)
+            return
         slot.kv_tokens.append(act.pending)
         act.pending = None
         self.port.decoded(slot)

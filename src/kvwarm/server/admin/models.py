@@ -1,5 +1,6 @@
-"""Models at run time: ``GET /v1/models`` (configured models, the models directory, aliases) and
-the admin endpoints that load and unload them.
+"""Models at run time: ``GET /v1/models`` (configured models, the models directory, aliases,
+LoRA adapters served as models), the admin endpoints that load and unload them, and
+llama-server's ``GET``/``POST /lora-adapters`` (``server/lora.py``).
 
 Invariants: ``/admin/*`` sits behind the admin key (or the API key) exactly as ``/cache/*`` does
 (``server/guard.py``), and, being POSTs, behind the Origin and Host checks. Loading a file by
@@ -10,10 +11,12 @@ Unloading a model with requests in flight is a 409 (``ModelBusyError``), never a
 
 from __future__ import annotations
 
+import math
+import time
 from pathlib import Path
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -49,9 +52,12 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
         "owned_by": "kvwarm",
         "status": entry.state,
         "source": entry.source,
+        **residency(state, entry),
     }
-    if entry.model is not None:
+    if entry.model is not None and entry.state != "failed":  # failed: its worker died
         info = entry.model.info()
+        # What it can be asked to do: "generate" and "embed", or a reranker's "rerank".
+        item["capabilities"] = list(info.capabilities)
         item["meta"] = {
             "path": info.path,
             "backend": info.backend,
@@ -77,6 +83,10 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             # What its cached states can resume from (kvwarm.memory): an orchestrator or a
             # user can tell why a sliding-window or recurrent model reuses only checkpoints.
             "memory": {"kind": info.memory, "n_swa": info.n_swa, "swa_full": info.swa_full},
+            "pooling": info.pooling,
+            # Speculative decoding: the requests' default draft source, and whether (or where)
+            # this model can speculate at all ("on", "on while ...", "off: why").
+            "speculative": {"type": info.spec_type, "available": info.speculation},
             # Its multimodal projector (--mmproj): what it reads, what it holds.
             "mmproj": info.mmproj,
             "media": list(info.media),
@@ -85,6 +95,21 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
     elif entry.error:
         item["error"] = entry.error
     return item
+
+
+def residency(state: ServerState, entry: ModelEntry) -> dict[str, object]:
+    """How long the model stays loaded (as Ollama's ``/api/ps`` says it): ``pinned``,
+    ``keep_alive_s`` (seconds once idle; null: for ever) and ``expires_at`` (unix seconds it
+    unloads at if no request comes; null while in use, not loaded, or never)."""
+    registry = state.registry
+    ttl = registry.keep_alive(entry)
+    due = registry.due(entry)
+    expires = None if due is None else int(time.time() + (due - time.monotonic()))
+    return {
+        "pinned": entry.pinned,
+        "keep_alive_s": None if math.isinf(ttl) else ttl,
+        "expires_at": expires,
+    }
 
 
 @router.get("/v1/models")
@@ -96,7 +121,30 @@ async def list_models(request: Request) -> Response:
         entry = state.entries.get(target)
         if entry is not None:
             data.append({**model_item(state, entry), "id": alias, "alias_of": target})
+    data += [
+        adapter_item(state, adapter.name)
+        for adapter in state.lora.by_name.values()
+        if adapter.model in state.entries
+    ]
     return JSONResponse({"object": "list", "data": data})
+
+
+def adapter_item(state: ServerState, name: str) -> dict[str, object]:
+    """A LoRA adapter served as a model, as vLLM lists one: its file as ``root``, its model
+    as ``parent``; loaded, ready or failed with it."""
+    adapter = state.lora.by_name[name]
+    entry = state.entries[adapter.model]
+    return {
+        "id": adapter.name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "kvwarm",
+        "root": adapter.path,
+        "parent": adapter.model,
+        "status": entry.state,
+        "source": "lora",
+        "lora": {"id": adapter.id, "path": adapter.path},
+    }
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -105,9 +153,10 @@ async def retrieve_model(request: Request, model_id: str) -> Response:
     ``model_not_found``."""
     state = server_state(request)
     registry = state.registry
+    if model_id in state.lora.by_name and model_id not in state.entries:
+        return JSONResponse(adapter_item(state, model_id))
     target = registry.aliases.get(model_id, model_id)
-    if target not in state.entries:
-        registry.rescan()
+    registry.rescan()  # new files of models_dir; models whose worker died show failed
     entry = state.entries.get(target)
     if entry is None:
         raise HTTPError(
@@ -158,3 +207,70 @@ async def unload_model(request: Request) -> Response:
     target = state.registry.aliases.get(req.model, req.model)
     entry = state.entries.get(target)
     return JSONResponse(model_item(state, entry) if entry else {"id": req.model})
+
+
+# --- llama-server's /lora-adapters ------------------------------------------------------------
+
+
+class LoraScale(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: int = Field(ge=0, le=(1 << 31) - 1, description="the adapter's id (GET /lora-adapters)")
+    scale: float = Field(default=0.0, description="its global scale (0: off)")
+
+
+class LoraScales(RootModel[list[LoraScale]]):
+    """llama-server's body: every adapter's global scale; one not listed is set to 0."""
+
+    root: list[LoraScale] = Field(max_length=64)
+
+
+def _lora_model(state: ServerState, model: str | None) -> str:
+    """The model a ``/lora-adapters`` call is about: ``model`` (an id, alias or adapter name),
+    else the default model (llama-server serves one)."""
+    name = model or state.registry.default_id
+    if name is None:
+        raise HTTPError(400, "this server has no default model: name one", param="model")
+    base = state.lora.base_of(name)
+    if base is not None:
+        return base
+    target = state.registry.aliases.get(name, name)
+    if target not in state.entries:
+        raise HTTPError(
+            404, f"the model {name!r} does not exist", param="model", code="model_not_found"
+        )
+    return target
+
+
+@router.get("/lora-adapters")
+async def list_lora_adapters(request: Request, model: str | None = None) -> Response:
+    """A model's LoRA adapters by id, with their global scales (its ``lora`` setting's
+    order); the model need not be loaded."""
+    state = server_state(request)
+    return JSONResponse(state.lora.listing(_lora_model(state, model)))
+
+
+@router.post("/lora-adapters", openapi_extra=json_body(LoraScales))
+async def set_lora_adapters(request: Request, model: str | None = None) -> Response:
+    """Set a model's global adapter scales: what its requests without a ``lora`` list of
+    their own run under, from the next request on (running ones keep theirs)."""
+    state = server_state(request)
+    data = await read_json(request, state.settings)
+    if not isinstance(data, list):
+        raise HTTPError(
+            400,
+            'the body is a list of adapters, e.g. [{"id": 0, "scale": 0.5}]',
+            code="invalid_json",
+        )
+    body = parse_body({"root": data}, _LoraScalesBody)
+    target = _lora_model(state, model)
+    state.lora.set_scales(target, [(item.id, item.scale) for item in body.root])
+    return JSONResponse({"success": True})
+
+
+class _LoraScalesBody(BaseModel):
+    """``LoraScales`` under a key, so ``parse_body`` names the offending item's field."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    root: list[LoraScale] = Field(max_length=64)

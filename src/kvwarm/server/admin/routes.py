@@ -21,6 +21,7 @@ from kvwarm.cache.sizes import row_sizes, summary
 from kvwarm.cache.types import RowInfo, TtlClass
 from kvwarm.engine.types import CompletionStats, ModelStatus
 from kvwarm.server import tenancy
+from kvwarm.server.budget import cache_shares
 from kvwarm.server.errors import HTTPError, error_body
 from kvwarm.server.schemas import (
     DetokenizeRequest,
@@ -31,7 +32,7 @@ from kvwarm.server.schemas import (
     parse_body,
     read_json,
 )
-from kvwarm.server.served import stalled_for, worker_failure
+from kvwarm.server.served import stalled_for
 from kvwarm.server.state import server_state
 from kvwarm.server.tools import openai_tools, template_messages
 
@@ -43,18 +44,14 @@ async def health(request: Request) -> Response:
     """200 once startup loading is over and some model can be served ("degraded" if some
     failed: requests naming those get a 503 with the reason); 503 before, or if none can."""
     state = server_state(request)
+    # A model whose worker thread died refuses every request (found by review: /health said
+    # ok meanwhile): it is failed from here on; with no other model left, the server is down.
+    state.registry.notice_deaths()
     entries = list(state.entries.values())  # a snapshot: a rescan may add entries meanwhile
     models = {e.id: e.state for e in entries}
     errors = {e.id: e.error for e in entries if e.state == "failed"}
     failure = state.registry.startup_failure() if state.startup_done else None
-    # A model whose worker thread died refuses every request (found by review: /health said
-    # ok meanwhile); with no other model left to serve, the server is down.
-    dead = {
-        e.id: reason
-        for e in entries
-        if e.state == "ready" and (reason := worker_failure(e.model)) is not None
-    }
-    errors.update(dead)
+    dead = {e.id for e in entries if e.state == "failed" and e.died}
     if failure is None and entries and all(e.id in errors for e in entries):
         failure = "; ".join(f"{i}: {r}" for i, r in errors.items())
     if state.startup_done and failure is None:
@@ -181,13 +178,13 @@ async def cache_stats(request: Request) -> Response:
     cache = state.require_engine().cache
     counters = await run_in_threadpool(cache.counters)
     rows = await run_in_threadpool(cache.rows)
+    stored = {t: int(counters.get(f"tier_{t}_bytes", 0)) for t in cache.tier_names()}
+    shares = cache_shares(rows, stored, state.cache_owners())
     return JSONResponse(
         {
             "counters": dict(counters),
             **summary(counters, rows, cache.tier_names()),
-            "memory": state.memory.report(
-                {t: int(counters.get(f"tier_{t}_bytes", 0)) for t in cache.tier_names()}
-            ),
+            "memory": state.memory.report(stored, shares),
             "quotas": _tier_quotas(counters),
             "keep_alive": [
                 {

@@ -17,7 +17,7 @@ from kvwarm.server import chat, convert, tenancy
 from kvwarm.server.anthropic import translate as anthropic
 from kvwarm.server.anthropic.schemas import CountTokensRequest, MessagesRequest
 from kvwarm.server.generate import SSE_HEADERS, Generation, named_sse, start_stream
-from kvwarm.server.schemas import json_body, parse_body, read_json
+from kvwarm.server.schemas import check_count, json_body, parse_body, read_json
 from kvwarm.server.served import ServedModel
 from kvwarm.server.state import server_state
 from kvwarm.server.tools import ChatPlan
@@ -45,8 +45,10 @@ async def _plan(
 )
 async def messages(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings), MessagesRequest)
-    model = await state.acquire(req.model)
+    body = await read_json(request, state.settings)
+    check_count(body, "messages", state.settings.max_chat_messages, "max_chat_messages")
+    req = parse_body(body, MessagesRequest)
+    model, lora = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
     plan, prefill = await _plan(model, req, state.settings)
     fields = chat.sampling_fields(
         max_tokens=req.max_tokens,
@@ -63,15 +65,17 @@ async def messages(request: Request) -> Response:
         max_tokens_limit=state.settings.max_tokens_limit,
         json_schema=plan.json_schema,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+        lora=lora,
     )
     stream = await start_stream(chat.submit(model, plan, opts, prefill))
     gen = Generation(request, stream, "messages", model.id, state)
     msg_id = anthropic.new_id("msg")
+    name = state.lora.reply_name(req.model, model)
     if not req.stream:
         reply = await chat.whole_reply(gen, plan)
-        return JSONResponse(anthropic.message(msg_id, model.id, reply))
+        return JSONResponse(anthropic.message(msg_id, name, reply))
     await gen.open_streaming()
-    events = anthropic.MessageEvents(msg_id, model.id, len(stream.prompt_tokens))
+    events = anthropic.MessageEvents(msg_id, name, len(stream.prompt_tokens))
     body = anthropic.stream_events(events, chat.streamed_reply(gen, plan))
     return StreamingResponse(
         named_sse(body, gen.close, anthropic.stream_error),
@@ -84,7 +88,9 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     """The prompt's token count as ``/v1/messages`` would render it (nothing is generated)."""
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings), CountTokensRequest)
+    body = await read_json(request, state.settings)
+    check_count(body, "messages", state.settings.max_chat_messages, "max_chat_messages")
+    req = parse_body(body, CountTokensRequest)
     model = await state.acquire(req.model)
     plan, prefill = await _plan(model, req, state.settings)
 

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvwarm.server.schemas import keep_alive_field
 from kvwarm.server.tenancy import MAX_SALT_CHARS
 
 _INT32_MAX = (1 << 31) - 1
@@ -113,6 +114,7 @@ class CountTokensRequest(_Body):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)  # required, as in Anthropic's API
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)  # Anthropic's range
     top_p: float | None = Field(default=None, ge=0, le=1)

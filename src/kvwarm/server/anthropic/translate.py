@@ -239,10 +239,10 @@ def usage(stats: CompletionStats) -> Json:
 def stop_reason(reply: ChatReply) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) of a finished reply."""
     stats = reply.done.stats
+    if stats.finish_reason == "length":  # even after calls: the one cut off is lost
+        return "max_tokens", None
     if reply.calls:
         return "tool_use", None
-    if stats.finish_reason == "length":
-        return "max_tokens", None
     if stats.stop_sequence is not None:
         return "stop_sequence", stats.stop_sequence
     return "end_turn", None
@@ -368,6 +368,6 @@ async def stream_events(
             yield event
 
 
-def stream_error(exc: KvwarmError) -> Event:
-    """A failure after the stream began, as Anthropic's ``error`` event."""
-    return "error", anthropic_body(kind_of(exc).status, str(exc) or type(exc).__name__)
+def stream_error(exc: KvwarmError) -> list[Event]:
+    """A failure after the stream began, as Anthropic's ``error`` event (its last)."""
+    return [("error", anthropic_body(kind_of(exc).status, str(exc) or type(exc).__name__))]

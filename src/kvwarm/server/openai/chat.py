@@ -29,7 +29,15 @@ from kvwarm.server import chat, convert, tenancy
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import SSE_HEADERS, sse
 from kvwarm.server.openai.choices import Choices, group_stats
-from kvwarm.server.schemas import ChatRequest, check_sampling, json_body, parse_body, read_json
+from kvwarm.server.schemas import (
+    ChatRequest,
+    check_count,
+    check_sampling,
+    json_body,
+    lora_pairs,
+    parse_body,
+    read_json,
+)
 from kvwarm.server.state import server_state
 from kvwarm.server.tool_stream import ToolStream
 from kvwarm.server.tools import ChatPlan
@@ -43,7 +51,9 @@ router = APIRouter()
 )
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings), ChatRequest)
+    raw = await read_json(request, state.settings)
+    check_count(raw, "messages", state.settings.max_chat_messages, "max_chat_messages")
+    req = parse_body(raw, ChatRequest)
     check_sampling(req)
     for legacy in ("functions", "function_call"):
         if getattr(req, legacy) is not None:
@@ -56,7 +66,9 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs and not req.logprobs:
         # OpenAI's rule; the request would otherwise get no logprobs at all, silently.
         raise HTTPError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-    model = await state.acquire(req.model)
+    model, lora = await state.acquire_generation(
+        req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
+    )
     schema = convert.response_schema(req.response_format)
     plan = await chat.plan(
         model,
@@ -83,6 +95,7 @@ async def chat_completions(request: Request) -> Response:
         json_schema=plan.json_schema or schema,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+        lora=lora,
     )
     choices = await Choices.start(
         request,
@@ -93,7 +106,7 @@ async def chat_completions(request: Request) -> Response:
         model.id,
         state,
     )
-    ids = convert.ResponseIds("chatcmpl", model.id)
+    ids = convert.ResponseIds("chatcmpl", state.lora.reply_name(req.model, model))
     if not req.stream:
         async with choices:
             results = await choices.results()
@@ -180,7 +193,7 @@ class ChatChoiceStream:
         if rest:
             out.append(Delta({"content": rest}, self._take_logprobs()))
         out.extend(Delta({"tool_calls": [call]}) for call in calls)
-        reason = "tool_calls" if any_call else convert.finish_reason(done.stats)
+        reason = convert.finish_reason(done.stats, any_call)
         if not self._fed_logprobs and done.logprobs:
             # A stream whose fragments carry no logprobs (a cluster replica streams text only):
             # the completion's logprobs go out with the last chunk.

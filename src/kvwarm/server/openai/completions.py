@@ -28,8 +28,10 @@ from kvwarm.server.openai.choices import Choices, group_stats
 from kvwarm.server.schemas import (
     CompletionRequest,
     InfillRequest,
+    check_count,
     check_sampling,
     json_body,
+    lora_pairs,
     parse_body,
     read_json,
 )
@@ -90,9 +92,13 @@ async def _prompt_part(
 )
 async def completions(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings), CompletionRequest)
+    body = await read_json(request, state.settings)
+    check_count(body, "prompt", state.settings.max_completion_prompts, "max_completion_prompts")
+    req = parse_body(body, CompletionRequest)
     check_sampling(req)
-    model = await state.acquire(req.model)
+    model, lora = await state.acquire_generation(
+        req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
+    )
     prompts = _prompts(req.prompt)
     if req.stream and len(prompts) > 1:
         raise HTTPError(400, "streaming supports one prompt per request", param="prompt")
@@ -109,8 +115,9 @@ async def completions(request: Request) -> Response:
         logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if echo_lp else None,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+        lora=lora,
     )
-    ids = convert.ResponseIds("cmpl", model.id)
+    ids = convert.ResponseIds("cmpl", state.lora.reply_name(req.model, model))
     if req.stream:
         return await _streamed(request, model, req, prompts[0], opts, ids)
     choices: list[dict[str, object]] = []
@@ -211,7 +218,9 @@ async def infill(request: Request) -> Response:
     ``input_suffix``, with ``input_extra`` files as context; its response shape, not OpenAI's."""
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), InfillRequest)
-    model = await state.acquire(req.model)
+    model, lora = await state.acquire_generation(
+        req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
+    )
     if req.n != 1:
         raise HTTPError(400, "/infill makes one completion (n=1)", param="n")
     limit = state.settings.max_tokens_limit
@@ -232,13 +241,14 @@ async def infill(request: Request) -> Response:
         max_tokens_limit=limit,
         max_tokens=req.n_predict if req.n_predict is not None and req.n_predict >= 0 else None,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
+        lora=lora,
     )
     submit = functools.partial(model.streams, tokens, opts, n=1, fragments=req.stream)
     group = await Choices.start(request, submit, "infill", model.id, state)
     if not req.stream:
         async with group:
             (done,) = await group.results()
-        return JSONResponse(_infill_body(model.id, done))
+        return JSONResponse(_infill_body(state.lora.reply_name(req.model, model), done))
     await group.open_streaming()
 
     async def events() -> AsyncIterator[dict[str, object]]:
@@ -246,7 +256,7 @@ async def infill(request: Request) -> Response:
             if fragment is not None and fragment.text:
                 yield {"content": fragment.text, "stop": False}
         (done,) = await group.results()
-        yield {**_infill_body(model.id, done), "content": ""}
+        yield {**_infill_body(state.lora.reply_name(req.model, model), done), "content": ""}
 
     return StreamingResponse(
         sse(events(), group.close, done_line=False),

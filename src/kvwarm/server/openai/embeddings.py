@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import request_log
-from kvwarm.server.schemas import EmbeddingRequest, json_body, parse_body, read_json
+from kvwarm.server.schemas import EmbeddingRequest, check_count, json_body, parse_body, read_json
 from kvwarm.server.state import server_state
 
 router = APIRouter()
@@ -29,8 +29,18 @@ router = APIRouter()
 @router.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest))
 async def embeddings(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings), EmbeddingRequest)
-    model = await state.acquire(req.model)
+    body = await read_json(request, state.settings)
+    check_count(body, "input", state.settings.max_embedding_inputs, "max_embedding_inputs")
+    req = parse_body(body, EmbeddingRequest)
+    if req.model is not None and state.lora.base_of(req.model) is not None:
+        raise HTTPError(
+            400,
+            f"{req.model!r} is a LoRA adapter: adapters apply to generation; embed with its "
+            f"model, {state.lora.base_of(req.model)!r}",
+            param="model",
+            code="invalid_value",
+        )
+    model, _ = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
     raw = req.input
     # Token ids go to the model as they are: no detokenize / re-tokenize round trip.
     items: list[str | list[int]]

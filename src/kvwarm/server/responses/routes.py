@@ -26,7 +26,7 @@ from kvwarm.server.guard import presented_key
 from kvwarm.server.responses import translate as responses
 from kvwarm.server.responses.schemas import ResponsesRequest
 from kvwarm.server.responses.store import StoredResponse
-from kvwarm.server.schemas import ChatMessage, json_body, parse_body, read_json
+from kvwarm.server.schemas import ChatMessage, check_count, json_body, parse_body, read_json
 from kvwarm.server.state import ServerState, server_state
 from kvwarm.settings import Settings
 
@@ -81,7 +81,9 @@ class _Turn:
 )
 async def create_response(request: Request) -> Response:
     state = server_state(request)
-    req = parse_body(await read_json(request, state.settings), ResponsesRequest)
+    body = await read_json(request, state.settings)
+    check_count(body, "input", state.settings.max_chat_messages, "max_chat_messages")
+    req = parse_body(body, ResponsesRequest)
     previous = None
     if req.previous_response_id is not None:
         previous = _lookup(request, req.previous_response_id, "previous_response_id")
@@ -96,7 +98,8 @@ async def create_response(request: Request) -> Response:
         and tenancy.explicit_salt(request, req.cache_salt) is None
     ):
         salt = previous.cache_salt
-    model = await state.acquire(req.model or (previous.model_id if previous else None))
+    requested = req.model or (previous.model_id if previous else None)
+    model, lora = await state.acquire_generation(requested, keep_alive=req.keep_alive)
     history = [*(previous.conversation if previous else ()), *responses.to_history(req.input)]
     tools = responses.tools(req.tools)
     messages = responses.with_instructions(req.instructions, history)
@@ -122,11 +125,13 @@ async def create_response(request: Request) -> Response:
         max_tokens_limit=state.settings.max_tokens_limit,
         json_schema=plan.json_schema or schema,
         cache_salt=salt,
+        lora=lora,
     )
     opts = chat.with_parent(opts, previous.key if previous else None)
     stream = await start_stream(chat.submit(model, plan, opts))
     gen = Generation(request, stream, "responses", model.id, state)
-    shape = responses.ResponseShape(req, model.id)
+    # An adapter's name, when one was asked for: a follow-up naming no model stays on it.
+    shape = responses.ResponseShape(req, state.lora.reply_name(requested, model))
     turn = _Turn(history, salt, _owner(request, state.settings))
     if not req.stream:
         reply = await chat.whole_reply(gen, plan)

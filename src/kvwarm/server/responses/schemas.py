@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from kvwarm.server.schemas import keep_alive_field
 from kvwarm.server.tenancy import MAX_SALT_CHARS
 
 
@@ -138,6 +139,7 @@ class TextConfig(_Body):
 
 class ResponsesRequest(_Body):
     model: str | None = None
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
     input: str | list[InputItem]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None

@@ -285,9 +285,9 @@ class ResponseShape:
 
 
 def _status(reply: ChatReply) -> str:
-    if reply.done.stats.finish_reason == "length" and not reply.calls:
-        return "incomplete"
-    return "completed"
+    """``incomplete`` for a reply max_output_tokens cut off, calls made before the cut or
+    not (the one cut off is lost)."""
+    return "incomplete" if reply.done.stats.finish_reason == "length" else "completed"
 
 
 def _item_status(reply: ChatReply) -> str:
@@ -383,12 +383,20 @@ class ResponseEvents:
             ),
         ]
 
-    def error(self, exc: KvwarmError) -> Event:
-        """A failure after the stream began, as the Responses API's ``error`` event."""
+    def error(self, exc: KvwarmError) -> list[Event]:
+        """A failure after the stream began, as the Responses API ends one: an ``error``
+        event, then ``response.failed`` carrying the response (status ``failed``, its
+        ``error``, the text sent so far)."""
         kind = kind_of(exc)
         message = str(exc) or type(exc).__name__
         param = getattr(exc, "param", None)
-        return self._event("error", code=kind.code, message=message, param=param)
+        output = [self.shape.message_item(self.text, "incomplete")] if self._message_open else []
+        failed = self.shape.body("failed", output)
+        failed["error"] = {"code": kind.code, "message": message}
+        return [
+            self._event("error", code=kind.code, message=message, param=param),
+            self._event("response.failed", response=failed),
+        ]
 
 
 async def stream_events(

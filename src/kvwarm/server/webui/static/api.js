@@ -31,7 +31,7 @@ export function storeKey(kind, value) {
 }
 
 export function isAdminPath(path) {
-  return path.startsWith("/cache/");
+  return path.startsWith("/cache/") || path.startsWith("/admin/");
 }
 
 /** The kind of key a path needs first, or null when this server wants none. */

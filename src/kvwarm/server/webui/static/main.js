@@ -1,8 +1,9 @@
-// Entry point: reads which keys the server wants, wires the key dialog, switches the two views.
+// Entry point: reads which keys the server wants, wires the key dialog, switches the views.
 
 import { loadServerConfig, server, setKeyPrompt, storeKey, storedKey } from "./api.js";
 import { Chat } from "./chat.js";
 import { Dashboard } from "./dashboard.js";
+import { ModelsView } from "./models.js";
 
 const LABELS = { api: "API key", admin: "Admin key" };
 
@@ -61,24 +62,27 @@ class KeyDialog {
   }
 }
 
-function setupViews(dashboard) {
-  const tabs = [
-    [document.getElementById("tab-chat"), document.getElementById("view-chat")],
-    [document.getElementById("tab-cache"), document.getElementById("view-cache")],
-  ];
+const VIEWS = ["chat", "models", "cache"];
+
+function setupViews(dashboard, models, chat) {
+  let current = null;
   const select = (name) => {
-    for (const [tab, view] of tabs) {
-      const on = view.id === `view-${name}`;
-      tab.setAttribute("aria-pressed", String(on));
-      view.hidden = !on;
+    const back = current !== null && current !== name && name === "chat";
+    current = name;
+    for (const view of VIEWS) {
+      const on = view === name;
+      document.getElementById(`tab-${view}`).setAttribute("aria-pressed", String(on));
+      document.getElementById(`view-${view}`).hidden = !on;
     }
     dashboard.show(name === "cache");
+    models.show(name === "models");
+    if (back) chat.loadModels(); // a model may have been loaded or unloaded meanwhile
     if (location.hash !== `#${name}`) history.replaceState(null, "", `#${name}`);
   };
-  tabs[0][0].addEventListener("click", () => select("chat"));
-  tabs[1][0].addEventListener("click", () => select("cache"));
-  window.addEventListener("hashchange", () => select(location.hash === "#cache" ? "cache" : "chat"));
-  select(location.hash === "#cache" ? "cache" : "chat");
+  const fromHash = () => (VIEWS.includes(location.hash.slice(1)) ? location.hash.slice(1) : "chat");
+  for (const view of VIEWS) document.getElementById(`tab-${view}`).addEventListener("click", () => select(view));
+  window.addEventListener("hashchange", () => select(fromHash()));
+  select(fromHash());
 }
 
 async function main() {
@@ -92,6 +96,7 @@ async function main() {
 
   const chat = new Chat(document.getElementById("view-chat"));
   const dashboard = new Dashboard(document.getElementById("view-cache"));
+  const models = new ModelsView(document.getElementById("view-models"));
   try {
     await loadServerConfig();
   } catch (error) {
@@ -102,7 +107,7 @@ async function main() {
     const entered = await keys.ask("api", "This server needs an API key.");
     if (entered) storeKey("api", entered);
   }
-  setupViews(dashboard);
+  setupViews(dashboard, models, chat);
   await chat.loadModels();
   dashboard.start();
   document.body.dataset.ready = "true";

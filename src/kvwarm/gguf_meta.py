@@ -1,0 +1,106 @@
+"""A GGUF file's metadata, read without llama.cpp: its key/value section walked once.
+
+Used where a file must be judged before anything native opens it: the model fingerprint's
+``gguf_chunked`` mode (``engine/fingerprint.py``: where the tensor table and data start) and
+the settings' check that a configured LoRA adapter is an adapter made for its model's
+architecture (``settings/model.py``). Imports nothing of kvwarm.
+
+Invariant: only the values of the keys asked for are decoded (strings and unsigned ints);
+every other value is skipped by its declared size, and a size that points past the file's end
+is a ``ValueError``, never a read of gigabytes.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+MAGIC = b"GGUF"
+# Byte sizes of fixed-size GGUF metadata value types (uint8 … float64, bool).
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_UINT32, _STRING, _ARRAY = 4, 8, 9
+
+
+@dataclass(frozen=True, slots=True)
+class Metadata:
+    """What ``read_metadata`` found: the version, the tensor count, and the values of the keys
+    asked for that are strings or uint32 (others are absent). The file is left positioned at
+    the tensor table."""
+
+    version: int
+    n_tensors: int
+    values: dict[str, str | int]
+
+
+def read_metadata(f: BinaryIO, size: int, keys: Collection[str]) -> Metadata:
+    """Walk ``f``'s GGUF header (v2 or v3) from its start; ``ValueError`` if it is not one."""
+
+    def read(fmt: str) -> tuple[int, ...]:
+        n = struct.calcsize(fmt)
+        raw = f.read(n)
+        if len(raw) != n:
+            raise ValueError("truncated header")
+        return struct.unpack(fmt, raw)
+
+    def read_string() -> bytes:
+        (n,) = read("<Q")
+        if n > size:
+            raise ValueError("string length beyond file")
+        raw = f.read(n)
+        if len(raw) != n:
+            raise ValueError("truncated header")
+        return raw
+
+    def skip_value(vtype: int) -> None:
+        if vtype in _SCALAR_SIZES:
+            f.seek(_SCALAR_SIZES[vtype], os.SEEK_CUR)
+        elif vtype == _STRING:
+            (n,) = read("<Q")
+            if n > size:
+                raise ValueError("string length beyond file")
+            f.seek(n, os.SEEK_CUR)
+        elif vtype == _ARRAY:
+            (etype,) = read("<I")
+            (count,) = read("<Q")
+            if etype in _SCALAR_SIZES:
+                if _SCALAR_SIZES[etype] * count > size:
+                    raise ValueError("array beyond file")
+                f.seek(_SCALAR_SIZES[etype] * count, os.SEEK_CUR)
+            else:
+                if count > size:
+                    raise ValueError("array beyond file")
+                for _ in range(count):
+                    skip_value(etype)
+        else:
+            raise ValueError(f"unknown metadata type {vtype}")
+
+    if f.read(4) != MAGIC:
+        raise ValueError("bad magic")
+    (version,) = read("<I")
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported")
+    n_tensors, n_kv = read("<QQ")
+    wanted = {k.encode() for k in keys}
+    values: dict[str, str | int] = {}
+    for _ in range(n_kv):
+        key = read_string()
+        (vtype,) = read("<I")
+        if key in wanted and vtype == _STRING:
+            values[key.decode()] = read_string().decode("utf-8", "replace")
+        elif key in wanted and vtype == _UINT32:
+            (values[key.decode()],) = read("<I")
+        else:
+            skip_value(vtype)
+    return Metadata(version, n_tensors, values)
+
+
+def metadata_of(path: str | os.PathLike[str], keys: Collection[str]) -> dict[str, str | int]:
+    """The values of ``keys`` in the GGUF file at ``path``; ``ValueError`` if it is not one,
+    ``OSError`` if it cannot be read."""
+    p = Path(path)
+    with p.open("rb") as f:
+        return read_metadata(f, p.stat().st_size, keys).values

@@ -1,0 +1,86 @@
+"""The ram tier's quota holds under concurrent saves: room is held when a save is queued, not
+checked after it is stored, so saves in flight together cannot overshoot it (issue 41)."""
+
+from __future__ import annotations
+
+import threading
+
+from tests.cache.facadekit import req
+
+from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache.protocols import ReservationBook, StoredRow
+from kvwarm.cache.tiers.ram import RamTier
+from kvwarm.cache.types import SaveRequest
+
+QUOTA = 1000
+
+
+class ParkedRam(RamTier):
+    """A ram tier whose stores park, once their row is published and resident, until the
+    test opens ``gate``; ``peak`` is the most bytes it ever held."""
+
+    def __init__(self) -> None:
+        super().__init__(QUOTA)
+        self.gate = threading.Event()
+        self.parked = 0
+        self.peak = 0
+        self.changed = threading.Condition()
+
+    def resident(self) -> int:
+        with self._lock:
+            return sum(len(e.payload) for e in self._rows.values())
+
+    def store(self, key: bytes, request: SaveRequest, book: ReservationBook) -> StoredRow | None:
+        row = super().store(key, request, book)
+        with self.changed:
+            self.peak = max(self.peak, self.resident())
+            self.parked += 1
+            self.changed.notify_all()
+        assert self.gate.wait(30)
+        return row
+
+
+def test_saves_in_flight_together_never_overshoot_the_quota() -> None:
+    tier = ParkedRam()
+    config = CacheConfig(tiers=(TierConfig("ram", QUOTA),), writer_threads=4)
+    with Cache(config, tiers=[tier], background=False) as cache:
+        refused = []
+        hold_room = cache._index.hold_room
+
+        def counted(name: str, n_bytes: int, quota: int) -> tuple[bool, list[StoredRow]]:
+            held, victims = hold_room(name, n_bytes, quota)
+            with tier.changed:
+                refused.extend([] if held else [n_bytes])
+                tier.changed.notify_all()
+            return held, victims
+
+        cache._index.hold_room = counted  # type: ignore[method-assign]
+        keys = [cache.save(req(tuple(range(i * 50, i * 50 + 20)), 400)) for i in range(4)]
+        assert all(keys)
+        # Every store is either parked with its row resident or refused its room.
+        with tier.changed:
+            assert tier.changed.wait_for(lambda: tier.parked + len(refused) == 4, timeout=30)
+        tier.gate.set()
+        assert cache.flush(30)
+        # Two 400-byte rows fit in 1,000 bytes; the other two saves are refused their room
+        # before a byte is copied in (on the old code all four were resident at once: 1,600).
+        assert tier.peak <= QUOTA
+        assert tier.parked == 2 and refused == [400, 400]
+        counters = cache.counters()
+        assert counters["save_failures"] == 2
+        assert counters["tier_ram_bytes"] <= QUOTA
+
+
+def test_room_comes_from_evicting_rows_no_save_holds() -> None:
+    tier = ParkedRam()
+    tier.gate.set()
+    config = CacheConfig(tiers=(TierConfig("ram", QUOTA),), writer_threads=2)
+    with Cache(config, tiers=[tier], background=False) as cache:
+        for i in range(6):  # each save evicts the oldest rows to make its room
+            assert cache.save(req(tuple(range(i * 50, i * 50 + 20)), 400), sync=True)
+            assert tier.resident() <= QUOTA
+        assert cache.counters()["tier_ram_rows"] == 2
+        with cache.open_row(cache.key_for(req((1,)).namespace, tuple(range(250, 270)))):
+            # A checked-out row cannot be evicted: a save needing its room is dropped.
+            assert cache.save(req(tuple(range(900, 920)), 700), sync=True) is None
+        assert cache.save(req(tuple(range(900, 920)), 700), sync=True)

@@ -1,0 +1,204 @@
+"""LoRA over HTTP on the stub backend (``server/lora.py``): llama-server's ``/lora-adapters``
+and per-request ``lora``, vLLM's adapters served under model names of their own, the cache
+namespace of each, the errors and the guard. The stub's logits are salted by the adapters a
+pass runs under, so a request run under the wrong set gives other text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvwarm.server import create_app
+
+from .conftest import stub_settings, wait_ready
+
+PROMPT = "Tell me a story about a lighthouse keeper and a cat, in three short sentences"
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("lora")
+    sql, pirate = folder / "sql.gguf", folder / "pirate.gguf"
+    sql.write_bytes(b"stub adapter: sql")
+    pirate.write_bytes(b"stub adapter: pirate")
+    return sql, pirate
+
+
+@pytest.fixture(scope="module")
+def client(adapters: tuple[Path, Path]) -> Iterator[TestClient]:
+    sql, pirate = adapters
+    settings = stub_settings(lora=(("sql", str(sql)), ("pirate", str(pirate))))
+    with TestClient(create_app(settings)) as test_client:
+        wait_ready(test_client.get)
+        yield test_client
+
+
+def _complete(client: TestClient, prompt: str, **fields: object) -> dict[str, object]:
+    body = {"model": "a", "prompt": prompt, "max_tokens": 8, "temperature": 0, **fields}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.json()
+    return response.json()  # type: ignore[no-any-return]
+
+
+def _text(reply: dict[str, object]) -> str:
+    return reply["choices"][0]["text"]  # type: ignore[index,no-any-return]
+
+
+def _cached(reply: dict[str, object]) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index,no-any-return]
+
+
+def test_adapters_are_listed_by_id_and_as_models(
+    client: TestClient, adapters: tuple[Path, Path]
+) -> None:
+    listed = client.get("/lora-adapters").json()
+    assert listed == [
+        {"id": 0, "path": str(adapters[0]), "scale": 0.0, "name": "sql", "model": "a"},
+        {"id": 1, "path": str(adapters[1]), "scale": 0.0, "name": "pirate", "model": "a"},
+    ]
+    assert client.get("/lora-adapters", params={"model": "sql"}).json() == listed
+    assert client.get("/lora-adapters", params={"model": "b"}).json() == []
+    missing = client.get("/lora-adapters", params={"model": "nope"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    assert models["sql"]["parent"] == "a" and models["sql"]["root"] == str(adapters[0])
+    assert models["pirate"]["status"] == models["a"]["status"] == "ready"
+    one = client.get("/v1/models/sql").json()
+    assert one["id"] == "sql" and one["parent"] == "a"
+
+
+def test_each_adapter_is_its_own_cache_namespace_in_both_forms(client: TestClient) -> None:
+    prompt = PROMPT + " (namespaces)"
+    base = _complete(client, prompt)
+    assert _complete(client, prompt)["choices"] == base["choices"]
+    assert _cached(_complete(client, prompt)) > 0
+    # vLLM's form: the adapter's name. Never the base model's rows or live KV.
+    sql = _complete(client, prompt, model="sql")
+    assert _cached(sql) == 0 and _text(sql) != _text(base)
+    assert sql["model"] == "sql"
+    again = _complete(client, prompt, model="sql")
+    assert _cached(again) > 0 and _text(again) == _text(sql)
+    # llama-server's form, the same adapter at the same scale: the same namespace and text.
+    by_id = _complete(client, prompt, lora=[{"id": 0, "scale": 1.0}])
+    assert _cached(by_id) > 0 and _text(by_id) == _text(sql)
+    # Another adapter, and another scale, are other namespaces.
+    pirate = _complete(client, prompt, lora=[{"id": 1, "scale": 1.0}])
+    assert _cached(pirate) == 0 and _text(pirate) not in (_text(base), _text(sql))
+    half = _complete(client, prompt, model="sql", lora=[{"id": 0, "scale": 0.5}])
+    assert _cached(half) == 0 and _text(half) not in (_text(base), _text(sql))
+    # The base model is still the base model, its rows still its own.
+    back = _complete(client, prompt)
+    assert _text(back) == _text(base) and _cached(back) > 0
+    # Scale 0 (llama-server's default for a listed id) is no adapter: the base namespace.
+    off = _complete(client, prompt, lora=[{"id": 0}])
+    assert _text(off) == _text(base) and _cached(off) > 0
+
+
+def test_the_chat_apis_run_the_adapter_too(client: TestClient) -> None:
+    messages = [{"role": "user", "content": PROMPT + " (chat)"}]
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0}
+    base = client.post("/v1/chat/completions", json={**body, "model": "a"}).json()
+    sql = client.post("/v1/chat/completions", json={**body, "model": "sql"}).json()
+    by_id = client.post(
+        "/v1/chat/completions", json={**body, "model": "a", "lora": [{"id": 0, "scale": 1}]}
+    ).json()
+    content = [r["choices"][0]["message"]["content"] for r in (base, sql, by_id)]
+    assert content[1] != content[0] and content[2] == content[1]
+    assert sql["model"] == "sql" and base["model"] == "a"
+    anthropic = client.post(
+        "/v1/messages", json={"model": "sql", "messages": messages, "max_tokens": 8,
+                              "temperature": 0},
+    ).json()  # fmt: skip
+    assert anthropic["model"] == "sql" and anthropic["content"][0]["text"] == content[1]
+    responses = client.post(
+        "/v1/responses", json={"model": "sql", "input": messages, "max_output_tokens": 8,
+                               "temperature": 0},
+    ).json()  # fmt: skip
+    assert responses["model"] == "sql"
+
+
+def test_global_scales_change_what_the_base_name_runs_under(client: TestClient) -> None:
+    prompt = PROMPT + " (global)"
+    base = _text(_complete(client, prompt))
+    pirate = _text(_complete(client, prompt, model="pirate"))
+    try:
+        ok = client.post("/lora-adapters", json=[{"id": 1, "scale": 1.0}])
+        assert ok.status_code == 200 and ok.json() == {"success": True}
+        assert [a["scale"] for a in client.get("/lora-adapters").json()] == [0.0, 1.0]
+        assert _text(_complete(client, prompt)) == pirate
+        # A request's own list wins over the global scales; its model name too.
+        assert _text(_complete(client, prompt, lora=[{"id": 1, "scale": 0}])) == base
+        assert _text(_complete(client, prompt, model="sql")) != pirate
+    finally:
+        assert client.post("/lora-adapters", json=[]).status_code == 200
+    assert [a["scale"] for a in client.get("/lora-adapters").json()] == [0.0, 0.0]
+    assert _text(_complete(client, prompt)) == base
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"lora": [{"id": 9, "scale": 1.0}]}, "lora"),
+        ({"lora": [{"id": 0, "scale": 1.0}, {"id": 0, "scale": 0.5}]}, "lora"),
+        ({"lora": [{"id": 0, "scale": "HUGE"}]}, "lora"),
+        ({"lora": [{"id": -1, "scale": 1.0}]}, "lora.0.id"),
+        ({"lora": [{"id": 0, "scale": 1.0, "x": 1}]}, "lora.0.x"),
+        ({"lora": {"id": 0}}, "lora"),
+        ({"model": "b", "lora": [{"id": 0, "scale": 1.0}]}, "lora"),
+    ],
+)
+def test_a_bad_lora_list_is_a_400(client: TestClient, body: dict[str, object], param: str) -> None:
+    raw = json.dumps({"model": "a", "prompt": "hi", "max_tokens": 2, **body})
+    response = client.post(
+        "/v1/completions",
+        content=raw.replace('"HUGE"', "1e999"),  # JSON's way to infinity: a float too big
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 400, response.json()
+    assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"id": 0, "scale": 1.0}, [{"id": 5, "scale": 1.0}], [{"id": 0, "scale": "HUGE"}], ["x"]],
+)
+def test_a_bad_scales_body_is_a_400_and_changes_nothing(client: TestClient, body: object) -> None:
+    response = client.post(
+        "/lora-adapters",
+        content=json.dumps(body).replace('"HUGE"', "1e999"),
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 400, response.json()
+    assert [a["scale"] for a in client.get("/lora-adapters").json()] == [0.0, 0.0]
+
+
+def test_an_adapter_name_cannot_embed(client: TestClient) -> None:
+    response = client.post("/v1/embeddings", json={"model": "sql", "input": "hello"})
+    assert response.status_code == 400 and "adapter" in response.json()["error"]["message"]
+
+
+def test_setting_scales_needs_the_admin_key_and_a_trusted_page(adapters: tuple[Path, Path]) -> None:
+    settings = stub_settings(
+        lora=(("sql", str(adapters[0])),), api_key="user-key", admin_key="admin-key"
+    )
+    with TestClient(create_app(settings)) as c:
+        user = {"Authorization": "Bearer user-key"}
+        admin = {"Authorization": "Bearer admin-key"}
+        wait_ready(lambda path: c.get(path, headers=user))
+        assert c.get("/lora-adapters", headers=user).status_code == 200
+        refused = c.post("/lora-adapters", json=[{"id": 0, "scale": 1}], headers=user)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_admin_key"
+        cross_site = c.post(
+            "/lora-adapters",
+            json=[{"id": 0, "scale": 1}],
+            headers={**admin, "Origin": "http://evil.example"},
+        )
+        assert cross_site.status_code == 403
+        assert c.get("/lora-adapters", headers=user).json()[0]["scale"] == 0.0
+        assert c.post("/lora-adapters", json=[{"id": 0, "scale": 1}], headers=admin).is_success
+        assert c.get("/lora-adapters", headers=user).json()[0]["scale"] == 1.0
