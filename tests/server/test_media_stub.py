@@ -144,6 +144,22 @@ def test_anthropic_image_blocks_and_responses_input_image(client: TestClient) ->
     )
     assert bad.status_code == 400
     assert "messages.0.content.0" in bad.json()["error"]["message"]  # as the client sent it
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": picture},
+    }
+    prefilled = client.post(
+        "/v1/messages",
+        json={
+            "model": "eye",
+            "max_tokens": 4,
+            "messages": [
+                {"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]},
+                {"role": "assistant", "content": "It is"},
+            ],
+        },
+    )
+    assert prefilled.status_code == 400 and "prefill" in prefilled.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,14 @@ def submit(
     appended to the prompt as plain text after the template's generation prompt."""
     if not prefill:
         return lambda: model.stream_chat(chat.messages, tools=chat.tools, options=opts)
+    if any(isinstance(m.get("content"), list) for m in chat.messages):
+        # The prefill is appended to the prompt's ids, which cannot carry an image's pixels.
+        raise HTTPError(
+            400,
+            "a trailing assistant message (a prefill) is not supported with images yet",
+            code="unsupported_content",
+            param="messages",
+        )
 
     def start() -> ServedStream:
         tokens, _ = model.chat_tokens(chat.messages, tools=chat.tools)
