@@ -143,6 +143,117 @@ def write_tiny_model(
     return path
 
 
+# --- A tiny random-weight vision projector (llama.cpp's ``clip`` GGUF, projector ``gemma3``) ---
+
+#: The projector's vision tower: 64x64 images in 8x8 patches, pooled 2x2: 16 positions each.
+PROJ_IMAGE, PROJ_PATCH, PROJ_EMBD, PROJ_FF = 64, 8, 64, 128
+PROJ_TOKENS = (PROJ_IMAGE // PROJ_PATCH // 2) ** 2
+
+
+def write_tiny_projector(path: Path, n_embd_text: int, *, seed: int = 11) -> Path:
+    """A complete random-weight ``gemma3`` projector at ``path`` for a text model of width
+    ``n_embd_text`` (640 Gemma 3 270M, 576 SmolLM2): what ``/work/shared/DESIGN.md`` measured
+    this llama.cpp to accept (~0.26 MB). The same arguments write the same bytes."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    e, ff, p = PROJ_EMBD, PROJ_FF, PROJ_PATCH
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", "gemma3")
+    w.add_uint32("clip.vision.embedding_length", e)
+    w.add_uint32("clip.vision.feed_forward_length", ff)  # != e: or clip.cpp swaps up and down
+    w.add_uint32("clip.vision.block_count", 2)
+    w.add_uint32("clip.vision.attention.head_count", 2)
+    w.add_uint32("clip.vision.projection_dim", n_embd_text)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_uint32("clip.vision.image_size", PROJ_IMAGE)
+    w.add_uint32("clip.vision.patch_size", p)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w.add_bool("clip.use_gelu", True)
+    w.add_uint32("clip.vision.projector.scale_factor", 2)
+    w.add_uint32("general.file_type", 1)
+
+    def tensor(name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(dtype))
+
+    tensor("v.patch_embd.weight", (e, 3, p, p), np.float16)
+    tensor("v.patch_embd.bias", (e,))
+    tensor("v.position_embd.weight", ((PROJ_IMAGE // p) ** 2, e))
+    for il in range(2):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            tensor(f"v.blk.{il}.{name}.weight", (e, e), np.float16)
+            tensor(f"v.blk.{il}.{name}.bias", (e,))
+        for name in ("ln1", "ln2"):
+            w.add_tensor(f"v.blk.{il}.{name}.weight", np.ones(e, np.float32))
+            tensor(f"v.blk.{il}.{name}.bias", (e,))
+        tensor(f"v.blk.{il}.ffn_up.weight", (ff, e), np.float16)
+        tensor(f"v.blk.{il}.ffn_up.bias", (ff,))
+        tensor(f"v.blk.{il}.ffn_down.weight", (e, ff), np.float16)
+        tensor(f"v.blk.{il}.ffn_down.bias", (e,))
+    w.add_tensor("v.post_ln.weight", np.ones(e, np.float32))
+    tensor("v.post_ln.bias", (e,))
+    w.add_tensor("mm.soft_emb_norm.weight", np.ones(e, np.float32))
+    tensor("mm.input_projection.weight", (e, n_embd_text), np.float16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_tiny_audio_projector(path: Path, n_embd_text: int, *, seed: int = 13) -> Path:
+    """A complete random-weight ``qwen2a`` audio projector (a one-layer Whisper encoder and a
+    linear projection) for a text model of width ``n_embd_text``. llama.cpp pads audio to
+    30 s windows: any clip up to 30 s is one span of 750 positions. The same arguments write
+    the same bytes."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    e, ff, n_mel, n_pos = PROJ_EMBD, PROJ_FF, 128, 1500
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_bool("clip.has_audio_encoder", True)
+    w.add_string("clip.projector_type", "qwen2a")
+    w.add_uint32("clip.audio.embedding_length", e)
+    w.add_uint32("clip.audio.feed_forward_length", ff)
+    w.add_uint32("clip.audio.block_count", 1)
+    w.add_uint32("clip.audio.attention.head_count", 2)
+    w.add_uint32("clip.audio.projection_dim", n_embd_text)
+    w.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
+    w.add_uint32("clip.audio.num_mel_bins", n_mel)
+    w.add_uint32("general.file_type", 1)
+
+    def tensor(name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(dtype))
+
+    tensor("a.conv1d.1.weight", (e, n_mel, 3), np.float16)
+    tensor("a.conv1d.1.bias", (e, 1))
+    tensor("a.conv1d.2.weight", (e, e, 3), np.float16)
+    tensor("a.conv1d.2.bias", (e, 1))
+    tensor("a.position_embd.weight", (n_pos, e))
+    for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+        tensor(f"a.blk.0.{name}.weight", (e, e), np.float16)
+        if name != "attn_k":  # Whisper's K has no bias
+            tensor(f"a.blk.0.{name}.bias", (e,))
+    for name in ("ln1", "ln2"):
+        w.add_tensor(f"a.blk.0.{name}.weight", np.ones(e, np.float32))
+        tensor(f"a.blk.0.{name}.bias", (e,))
+    tensor("a.blk.0.ffn_up.weight", (ff, e), np.float16)
+    tensor("a.blk.0.ffn_up.bias", (ff,))
+    tensor("a.blk.0.ffn_down.weight", (e, ff), np.float16)
+    tensor("a.blk.0.ffn_down.bias", (e,))
+    w.add_tensor("a.post_ln.weight", np.ones(e, np.float32))
+    tensor("a.post_ln.bias", (e,))
+    tensor("mm.a.fc.weight", (n_embd_text, e), np.float16)
+    tensor("mm.a.fc.bias", (n_embd_text,))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 # --- Rerankers: written whole with the ``gguf`` package (llama.cpp's model saver leaves out
 # what these need: the rerank template, and a BERT's token embeddings), every tensor the
 # pinned loader asks for, norms at 1, the rest seeded normal values. Measured facts in

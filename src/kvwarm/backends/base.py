@@ -48,6 +48,7 @@ from kvwarm.backends.params import (
 )
 
 # The codec protocol lives beside its implementations' helpers; re-exported here.
+from kvwarm.media import Media, MediaKind
 from kvwarm.memory import MemoryKind, MemoryKindName
 
 __all__ = [
@@ -75,6 +76,11 @@ __all__ = [
     "ModelFacts",
     "Sampler",
     "Adapter",
+    "MediaSpan",
+    "LayoutPiece",
+    "ProjectorFacts",
+    "ProjectorParams",
+    "Projector",
     "AdapterSet",
     "KvCodec",
     "BackendContext",
@@ -224,6 +230,67 @@ AdapterSet = tuple[tuple[Adapter, float], ...]
 
 
 @dataclass(frozen=True, slots=True)
+class MediaSpan:
+    """A media chunk of a projector's layout: ``n_tokens`` positions of embeddings of
+    ``kind``, decoded whole (``BackendContext.decode_embd``)."""
+
+    n_tokens: int
+    kind: MediaKind
+
+
+#: One piece of how a projector lays out an image or clip in a prompt: text token ids (the
+#: markers around it, ``<start_of_image>`` ...) or a span of embeddings.
+LayoutPiece = tuple[int, ...] | MediaSpan
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectorParams:
+    """How a projector (``--mmproj``) runs: CPU threads (None: every CPU this process may
+    use) and whether it may use a GPU."""
+
+    n_threads: int | None = None
+    use_gpu: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectorFacts:
+    """A loaded multimodal projector: what it reads (``kinds``), the width of the
+    embeddings it hands the text model (``n_embd``, the model's input width), the kinds whose
+    spans attend to themselves non-causally (``non_causal``: Gemma 3's images; decoded in one
+    ubatch), its audio sample rate (0 without audio) and the memory it holds (weights and
+    compute buffers)."""
+
+    path: str
+    kinds: tuple[MediaKind, ...]
+    n_embd: int
+    non_causal: tuple[MediaKind, ...]
+    audio_sample_rate: int
+    memory_bytes: int
+    description: str = ""
+
+
+@runtime_checkable
+class Projector(Protocol):
+    """A model's multimodal projector (llama.cpp's ``mtmd``): media in, embeddings out.
+    Thread-safe: ``layout`` runs on callers' threads, ``encode`` one at a time anywhere."""
+
+    @property
+    def facts(self) -> ProjectorFacts: ...
+
+    def layout(self, media: Media) -> tuple[LayoutPiece, ...]:
+        """How ``media`` sits in a prompt: marker tokens and spans, in order (no encoding).
+        ``InvalidRequestError`` if this projector cannot read it."""
+        ...
+
+    def encode(self, media: Media, index: int) -> bytes:
+        """The float32 embeddings (``n_tokens * n_embd``) of the ``index``-th span of
+        ``layout(media)``. ``BackendError`` if the encoder fails."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
 class ContextMemory:
     """What a context holds in memory, as its backend allocated it: ``kv_bytes`` the KV (and
     recurrent-state) buffers, ``other_bytes`` the rest (output logits, compute scratch)."""
@@ -266,6 +333,23 @@ class BackendContext(Protocol):
     def prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
         """Decode ``tokens`` at positions ``start_pos…`` of ``seq``, chunk boundaries at
         absolute multiples of ``n_batch``; logits of the last token are kept (index -1)."""
+        ...
+
+    def decode_embd(
+        self,
+        seq: int,
+        start_pos: int,
+        embd: Buffer,
+        n_tokens: int,
+        *,
+        non_causal: bool,
+        logits: bool = False,
+    ) -> None:
+        """One forward pass over ``n_tokens`` rows of float32 embeddings (a media span) at
+        positions ``start_pos…`` of ``seq``, alone and whole: ``n_tokens <= n_batch``, and a
+        span that attends to itself ``non_causal``-ly fits one ubatch. ``logits``: keep the last
+        row's logits (row ``n_tokens - 1``). ``InvalidRequestError`` for a bad size or a
+        position that does not continue ``seq``."""
         ...
 
     def logits(self, index: int = -1) -> memoryview:
@@ -446,6 +530,11 @@ class BackendModel(Protocol):
         ...
 
     def load_adapter(self, path: str) -> Adapter: ...
+
+    def load_projector(self, path: str, params: ProjectorParams) -> Projector:
+        """The multimodal projector at ``path`` for this model (``--mmproj``);
+        ``ModelLoadError`` if it does not load or cannot feed this model."""
+        ...
 
     def close(self) -> None: ...
 

@@ -69,14 +69,17 @@ class ContextFront(ABC, Generic[M, A]):
         n_ctx: int,
         n_vocab: int,
         adapter: type[A],
+        n_embd: int = 0,
         causal: bool = True,
         stateless: bool = False,
     ) -> None:
         """Last in a backend context's ``__init__``, once its resources exist: from here on
         ``close()`` frees them (``_free``). ``n_ctx`` bounds positions (llama.cpp rounds its
-        own up); ``adapter`` is the only adapter type ``set_adapters`` accepts; ``causal``:
+        own up); ``adapter`` is the only adapter type ``set_adapters`` accepts; ``n_embd`` the
+        width of the embeddings ``decode_embd`` takes (the model's input width); ``causal``:
         the model's attention; ``stateless``: the context keeps no KV (module invariants)."""
         self._model = model
+        self._n_embd_inp = n_embd
         self._params = params
         self._n_ctx = n_ctx
         self._n_vocab = n_vocab
@@ -146,6 +149,35 @@ class ContextFront(ABC, Generic[M, A]):
                 )
             self._check_whole(len(tokens))
             self._prefill(seq, tokens, start_pos)
+
+    def decode_embd(
+        self,
+        seq: int,
+        start_pos: int,
+        embd: Buffer,
+        n_tokens: int,
+        *,
+        non_causal: bool,
+        logits: bool = False,
+    ) -> None:
+        with self._life.using():
+            view = memoryview(embd)
+            _checks.check_embd(
+                seq,
+                start_pos,
+                view.nbytes,
+                n_tokens,
+                n_embd=self._n_embd_inp,
+                room=(
+                    min(self._params.n_ubatch, self._params.n_batch)
+                    if non_causal
+                    else self._params.n_batch
+                ),
+                n_ctx=self._n_ctx,
+                n_seq_max=self._params.n_seq_max,
+                pos_max=self._pos_max,
+            )
+            self._decode_embd(seq, start_pos, view.cast("B"), n_tokens, bool(non_causal), logits)
 
     def _check_whole(self, n_tokens: int) -> None:
         """A non-causal call attends across all of it: llama.cpp asserts it fits one ubatch."""
@@ -333,6 +365,19 @@ class ContextFront(ABC, Generic[M, A]):
 
     @abstractmethod
     def _prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None: ...
+
+    @abstractmethod
+    def _decode_embd(
+        self,
+        seq: int,
+        start_pos: int,
+        embd: memoryview,
+        n_tokens: int,
+        non_causal: bool,
+        logits: bool,
+    ) -> None:
+        """One pass over a span's embeddings (checked); ``_rows`` then names the last row if
+        ``logits``."""
 
     @abstractmethod
     def _logits(self, row: int) -> memoryview[float]:

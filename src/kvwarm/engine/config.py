@@ -27,6 +27,7 @@ from kvwarm.engine.fingerprint import parse_mode
 from kvwarm.engine.types import MAX_DRAFT_TOKENS, SPEC_TYPES, SpecType
 from kvwarm.engine.worker.batching import StrategyName, strategy
 from kvwarm.errors import ConfigError
+from kvwarm.media import MediaLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,11 @@ class ModelConfig:
     chat_template: str | None = None
     max_queue: int = 256
     batch_strategy: StrategyName = "decode_first"
+    #: ``--mmproj``: the multimodal projector GGUF whose images (and audio) this model reads
+    #: (llama.cpp's ``mtmd``); None: text only.
+    mmproj: str | None = None
+    #: What a request's images and audio may be (``kvwarm.media``).
+    media: MediaLimits = field(default_factory=MediaLimits)
     #: ``--pooling``: how the model pools, over what its GGUF declares (None: the GGUF's,
     #: else mean). ``rank`` makes it a reranker (``Model.rerank``; it then only ranks).
     pooling: PoolingType | None = None
@@ -79,6 +85,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         self.context.validate()
+        self.media.validate()
         self.model_params.validate()
         if not 1 <= self.n_parallel <= 64:
             raise ConfigError(f"n_parallel must be in [1, 64], got {self.n_parallel}")
@@ -174,6 +181,9 @@ class ModelOptions(TypedDict, total=False):
     fingerprint_mode: str
     max_queue: int
     batch_strategy: StrategyName
+    mmproj: str | None
+    media: MediaLimits
+    chat_template: str | None
     pooling: PoolingType | None
     rerank_max_documents: int
     rerank_truncate: bool

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from kvwarm.backends.base import ContextMemory, ModelFacts
+from kvwarm.backends.base import ContextMemory, ModelFacts, ProjectorFacts
 from kvwarm.cache.types import FingerprintMode, TierName
 from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.types import AdapterInfo, Capability, ModelInfo, ModelStatus
@@ -43,6 +43,7 @@ def model_info(
     adapters: Sequence[AdapterInfo],
     chat_template_name: str = "gguf",
     context_memory: ContextMemory | None = None,
+    projector: ProjectorFacts | None = None,
     capabilities: tuple[Capability, ...] = ("generate", "embed"),
     pooling: str = "mean",
 ) -> ModelInfo:
@@ -75,6 +76,9 @@ def model_info(
         swa_full=cfg.context.swa_full,
         kv_bytes=context_memory.kv_bytes if context_memory else 0,
         context_bytes=context_memory.total_bytes if context_memory else 0,
+        mmproj=projector.path if projector else None,
+        media=projector.kinds if projector else (),
+        projector_bytes=projector.memory_bytes if projector else 0,
         capabilities=capabilities,
         pooling=pooling,
         spec_type=cfg.spec_type,

@@ -16,13 +16,16 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvwarm.cache.types import TtlClass
 from kvwarm.engine.channel import Channel
 from kvwarm.engine.types import Completion, GenerationOptions, TokenLogprob
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
 from kvwarm.tokens import Prompt
+
+if TYPE_CHECKING:
+    from kvwarm.engine.prompts import SpanMedia
 
 #: ``score``: a rerank document, prefilled and scored by the model's pooling (rank),
 #: generating nothing and saving nothing.
@@ -75,6 +78,9 @@ class Request:
     # n > 1: the other choices. They share this prompt; the worker seats them with this
     # request and copies its prompt KV to them once it is prefilled (``engine/worker/forks.py``).
     forks: tuple[Request, ...] = ()
+    #: What each of the prompt's spans shows, in order (``engine/prompts.py``): what the worker
+    #: encodes for a span it does not restore.
+    media: tuple[SpanMedia, ...] = ()
     #: Queued behind this request, and admitted only once it is answered: a rerank's shared
     #: prefix, whose KV its documents then copy (``engine/rerank.py``).
     after: Request | None = None

@@ -413,6 +413,11 @@ class ModelInfo:
     #: that cannot roll back, deterministic mode).
     spec_type: str = "none"
     speculation: str = "on"
+    #: Its multimodal projector (``--mmproj``): the file, what it reads ("image", "audio";
+    #: empty: text only) and what it holds in memory (weights and compute buffers).
+    mmproj: str | None = None
+    media: tuple[str, ...] = ()
+    projector_bytes: int = 0
 
 
 # "fork": holds one of an n > 1 request's other choices, waiting for the first choice's

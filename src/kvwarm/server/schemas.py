@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
@@ -154,9 +154,27 @@ class InfillRequest(SamplingFields):
     n_predict: int | None = Field(default=None, ge=-1)  # llama-server's max_tokens; -1: default
 
 
+class ImageUrl(_Body):
+    url: str
+    detail: str | None = None  # accepted and ignored: the projector decides the resolution
+
+
+class InputAudio(_Body):
+    data: str  # base64
+    format: str | None = None
+
+
 class ContentPart(_Body):
+    """A chat message's content part: ``text``, ``image_url`` (a base64 data: URI, or an
+    http(s) URL from a host ``media_fetch_hosts`` lists) or ``input_audio`` (base64 WAV)."""
+
     type: str
     text: str | None = None
+    image_url: ImageUrl | str | None = None
+    input_audio: InputAudio | None = None
+    #: Where the part was in the request as the client sent it (another API's body
+    #: translated into chat messages): what an error about it names.
+    _where: str | None = PrivateAttr(default=None)
 
 
 class FunctionCall(_Body):

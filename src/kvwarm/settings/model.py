@@ -110,6 +110,11 @@ class ModelSettings(BaseSettings):
         description="chat template: a built-in name (chatml, gemma, llama3, mistral) or a Jinja "
         "file; default the GGUF's own, else chatml (with a warning)",
     )
+    mmproj: OptPath = Field(
+        default=None,
+        description="multimodal projector GGUF (llama-server's --mmproj): the model then reads "
+        "images (and audio) in chat messages; a models_dir pairs mmproj-NAME.gguf with NAME.gguf",
+    )
     swa_full: Bool = Field(
         default=False,
         description="keep sliding-window layers' KV at full size (llama.cpp --swa-full): their "
@@ -381,7 +386,11 @@ def check_models(settings: Settings) -> None:
     check_lora(settings)
     for spec in settings.models:
         try:
-            model_config(settings, spec).validate()  # its context and model params included
+            cfg = model_config(settings, spec)
+            cfg.validate()  # its context and model params included
+            backend = spec.backend or settings.backend
+            if cfg.mmproj is not None and backend != "stub" and not Path(cfg.mmproj).is_file():
+                raise ConfigError(f"mmproj: no projector file at {cfg.mmproj}")
             template = _value(settings, spec, "chat_template")
             if template is not None:
                 resolve_template(template)
@@ -394,6 +403,7 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
     from kvwarm.engine.api import LoraSpec, ModelConfig
 
     context, params = hardware_params(settings, spec)
+    mmproj = _value(settings, spec, "mmproj")
     return ModelConfig(
         backend=spec.backend,
         context=context,
@@ -416,4 +426,6 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
             LoraSpec(str(Path(path).expanduser()), name)
             for name, path in model_lora(settings, spec)
         ),
+        mmproj=None if mmproj is None else str(mmproj),
+        media=settings.media_limits(),
     )

@@ -111,6 +111,9 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         # llama.cpp rounds n_ctx up (to 256); positions are bounded by what was asked for.
         n_ctx = min(params.n_ctx, int(lib.llama_n_ctx_seq(ptr)), int(lib.llama_n_ctx(ptr)))
         self._batch = lib.llama_batch_init(params.n_batch, 0, params.n_seq_max)
+        #: The batch media spans' embeddings go through, made on first use (``decode_embd``).
+        self._embd_batch: Any = None
+        n_embd_inp = int(lib.llama_model_n_embd_inp(model.native))
         self._codec = LlamaKvCodec(
             type_k=_native.GGML_TYPES[params.type_k],
             type_v=_native.GGML_TYPES[params.type_v],
@@ -126,6 +129,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
             n_ctx=n_ctx,
             n_vocab=model.n_vocab,
             adapter=LlamaAdapter,
+            n_embd=n_embd_inp,
             causal=causal,
             stateless=self._mem is None,
         )
@@ -200,12 +204,48 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
                 raise
             self._rows = [length - 1] if last else []
 
-    def _run(self, n_tokens: int, starts: dict[int, int]) -> None:
-        """``llama_decode`` the first ``n_tokens`` rows of the batch; typed errors on failure."""
+    def _decode_embd(
+        self,
+        seq: int,
+        start_pos: int,
+        embd: memoryview,
+        n_tokens: int,
+        non_causal: bool,
+        logits: bool,
+    ) -> None:
+        lib = self._lib
+        if self._embd_batch is None:
+            n = min(self._params.n_ubatch, self._params.n_batch)
+            self._embd_batch = lib.llama_batch_init(n, self._n_embd_inp, 1)
+        b = self._embd_batch
+        src = np.frombuffer(embd, dtype=np.uint8)
+        ctypes.memmove(b.embd, src.ctypes.data, src.nbytes)
+        for i in range(n_tokens):
+            b.pos[i] = start_pos + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = 0
+        if logits:
+            b.logits[n_tokens - 1] = 1
+        # A span that attends to itself both ways (Gemma 3's images) is decoded with causal
+        # attention off for this one call, alone: no other sequence's tokens share it.
+        if non_causal:
+            lib.llama_set_causal_attn(self._ptr, False)
+        try:
+            self._run(n_tokens, {seq: start_pos}, b)
+        finally:
+            if non_causal:
+                lib.llama_set_causal_attn(self._ptr, True)
+        self._rows = [n_tokens - 1] if logits else []
+
+    def _run(self, n_tokens: int, starts: dict[int, int], batch: Any = None) -> None:
+        """``llama_decode`` the first ``n_tokens`` rows of the batch (the token batch unless
+        another is given); typed errors on failure."""
         self._release_views()
         self._rows = []
-        self._batch.n_tokens = n_tokens
-        rc = int(self._lib.llama_decode(self._ptr, self._batch))
+        batch = self._batch if batch is None else batch
+        batch.n_tokens = n_tokens
+        rc = int(self._lib.llama_decode(self._ptr, batch))
         if rc == 0:
             return
         # Fatal errors leave processed ubatches in memory; drop them so state is consistent.
@@ -403,6 +443,9 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         self._rows = []
         lib = self._lib
         lib.llama_batch_free(self._batch)
+        if self._embd_batch is not None:
+            lib.llama_batch_free(self._embd_batch)
+            self._embd_batch = None
         lib.llama_free(self._ptr)
         self._ptr = None
         self._mem = None

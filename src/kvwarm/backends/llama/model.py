@@ -34,6 +34,7 @@ from kvwarm.backends.base import (
     ModelFacts,
     ModelParams,
     PoolingType,
+    ProjectorParams,
     SamplingParams,
 )
 from kvwarm.backends.chat_template import render_chat
@@ -42,6 +43,7 @@ from kvwarm.backends.llama import native as _native
 from kvwarm.backends.llama import params as llama_params
 from kvwarm.backends.llama.adapter import LlamaAdapter
 from kvwarm.backends.llama.context import LlamaContext
+from kvwarm.backends.llama.projector import LlamaProjector
 from kvwarm.backends.llama.sampler import LlamaSampler
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import (
@@ -378,6 +380,11 @@ class LlamaModel:
 
     def load_adapter(self, path: str) -> LlamaAdapter:
         return LlamaAdapter(self, str(path))
+
+    def load_projector(self, path: str, params: ProjectorParams) -> LlamaProjector:
+        if self._params.vocab_only:
+            raise ModelLoadError("a vocab_only model cannot load a projector")
+        return LlamaProjector(self, str(path), params)
 
     def close(self) -> None:
         self._life.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from kvwarm.backends.base import (
     FimTokens,
     ModelFacts,
     ModelParams,
+    ProjectorParams,
     Sampler,
     SamplingParams,
 )
@@ -39,6 +41,7 @@ from kvwarm.backends.lifetime import Lifetime
 from kvwarm.backends.stub.adapter import StubAdapter
 from kvwarm.backends.stub.context import StubContext
 from kvwarm.backends.stub.kv_codec import CELL
+from kvwarm.backends.stub.projector import StubProjector
 from kvwarm.backends.stub.sampler import StubSampler
 from kvwarm.backends.stub.vocab import (
     BOS,
@@ -140,6 +143,7 @@ class StubBackend:
         memory_kind: MemoryKindName = "full",
         n_swa: int = 0,
         weights_bytes: int = STUB_WEIGHTS_BYTES,
+        media_tokens: int = 16,
         copy_bias: float = 0.0,
     ) -> None:
         if cell_bytes < CELL.size or cell_bytes > 0xFFFF:
@@ -153,6 +157,11 @@ class StubBackend:
         self.cell_bytes = cell_bytes
         self.n_ctx_train = n_ctx_train
         self.weights_bytes = weights_bytes  # notional: what its models report as weights
+        self.media_tokens = media_tokens  # positions of one image's span (stub projector)
+        #: Set to an Event to hold every projector encode until it is set; an error message
+        #: to make every encode fail (tests).
+        self.encode_gate: threading.Event | None = None
+        self.encode_error: str | None = None
         self.copy_bias = copy_bias
 
     @property
@@ -333,6 +342,11 @@ class StubModel:
                 raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
             self._life.acquire()
             return StubAdapter(self, path, digest)
+
+    def load_projector(self, path: str, params: ProjectorParams) -> StubProjector:
+        """Any path loads (its name naming ``audio`` adds audio to what it reads)."""
+        with self._life.using():
+            return StubProjector(self, str(path), params)
 
     def close(self) -> None:
         self._life.close()

@@ -108,6 +108,7 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
             n_ctx=params.n_ctx,
             n_vocab=N_VOCAB,
             adapter=StubAdapter,
+            n_embd=N_EMBD,
             causal=facts.causal,
             stateless=not facts.causal,
         )
@@ -158,6 +159,41 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
                 self._seqs[seq].clear()  # an encoder keeps nothing after the call
         if self._model.backend.decode_delay_s:
             time.sleep(self._model.backend.decode_delay_s)
+
+    def _decode_embd(
+        self,
+        seq: int,
+        start_pos: int,
+        embd: memoryview,
+        n_tokens: int,
+        non_causal: bool,
+        logits: bool,
+    ) -> None:
+        """A span's cells: each holds a negative "token" from a hash of the whole span (it
+        attends to all of it when ``non_causal``, as Gemma 3's images do) and chains on the
+        cell before it like text."""
+        self._invalidate_logits()
+        row = 4 * N_EMBD
+        whole = hashlib.sha256(bytes(embd)).digest()
+        cells = self._seqs[seq]
+        windowed = self._memory.rest_chunkable
+        for i in range(n_tokens):
+            pos = start_pos + i
+            # Non-causal: every cell depends on the whole span; causal: on the rows up to it.
+            seen = whole if non_causal else hashlib.sha256(bytes(embd[: row * (i + 1)])).digest()
+            token = -1 - ((int.from_bytes(seen[:4], "little") + i) & 0x3FFFFFFF)
+            prev = cells.get(pos - 1)
+            h = _mix(prev.h if prev is not None else _H0, token, pos)
+            if not self._sees_what_it_needs(cells, self._windows[seq], pos):
+                h = _mix(h, _POISON, pos)
+            cells[pos] = _Cell(token, h)
+            if windowed:
+                self._windows[seq][pos] = _window_cell(cells[pos], pos)
+        self._forget(self._windows[seq] if windowed else cells)
+        if logits:
+            last = cells[start_pos + n_tokens - 1]
+            self._rows.append(n_tokens - 1)
+            self._row_logits[n_tokens - 1] = self._fake_logits(last.token, last.h)
 
     def _sees_what_it_needs(
         self, cells: dict[int, _Cell], window: dict[int, _Cell], pos: int
@@ -301,7 +337,8 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
         for i in range(count):
             at = HEADER.size + i * size
             pos, token, h = CELL.unpack_from(blob, at)
-            if not (prev_pos < pos < self._params.n_ctx and 0 <= token < N_VOCAB):
+            # A negative token is a media span's cell (``_decode_embd``).
+            if not (prev_pos < pos < self._params.n_ctx and token < N_VOCAB):
                 raise StateRestoreError(f"KV blob cell {i} is corrupt")
             chained = _mix(prev_h, token, pos) == h if pos == prev_pos + 1 else True
             if not chained or blob[at + CELL.size : at + size] != _pad(h, size - CELL.size):

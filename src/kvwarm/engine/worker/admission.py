@@ -293,7 +293,14 @@ class Admission:
             ns, req.prompt_tokens, keep, restored=plan.kind == "row",
             resume_points=planned.resume, deterministic=req.deterministic,
         )  # fmt: skip
-        pauses = self.port.pauses(keep, n, resume_points=planned.resume, saved=saved, kind=req.kind)
+        pauses = self.port.pauses(
+            keep,
+            n,
+            resume_points=planned.resume,
+            saved=saved,
+            kind=req.kind,
+            spans=req.prompt.spans,
+        )
         # Explained before seating: an exact hit from a row's logits may finish right there.
         try:
             reuse: ReuseReport | None = self._explain(req, planned, restored)
@@ -315,6 +322,11 @@ class Admission:
             reuse=reuse,
             adapters=planned.adapters,
         )
+        encoder = self.rt.encoder
+        for index, span in enumerate(req.prompt.spans):
+            # Only the spans it did not restore; encoded while the worker decodes the rest.
+            if span.end > keep and encoder is not None:
+                active.encodes[index] = encoder.start(req.media[index])
         slot.active = active
         slot.kv_namespace = ns  # whatever KV the slot holds from now on was computed under ns
         slot.phase = "prefill"

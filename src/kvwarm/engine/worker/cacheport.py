@@ -39,7 +39,7 @@ from kvwarm.engine.worker.savegates import (
     should_finish_save,
 )
 from kvwarm.engine.worker.slots import Slot
-from kvwarm.tokens import Span
+from kvwarm.tokens import Span, resume_point
 
 log = logging.getLogger(__name__)
 
@@ -381,11 +381,14 @@ class CachePort:
         resume_points: Sequence[int] = (),
         saved: int = 0,
         kind: RequestKind = "generate",
+        spans: Sequence[Span] = (),
     ) -> list[int]:
         """Where a prefill of prompt tokens ``[keep, n)`` pauses to save, ascending (``n``
         itself: the checkpoint at the prompt's end). A rerank document (``kind`` score)
         saves nothing: its shared prefix was prefilled (and saved) by a request of its own,
-        and a row of one document serves no other.
+        and a row of one document serves no other. Never inside one of the prompt's
+        ``spans``: a point that falls in one moves to its start (KV ending inside a span is
+        no prompt's state).
 
         The cold save's boundary (trimmed, aligned: the row stays canonical), and for a model
         whose state cannot be trimmed (``kvwarm.memory``) each of ``resume_points`` (where
@@ -405,12 +408,13 @@ class CachePort:
         policy = self.rt.cfg.policy
         boundary = cold_save_length(n, policy)
         # Pausing between aligned chunks keeps the cold row canonical.
-        boundary = align_down(boundary, self.rt.cfg.n_batch)
+        boundary = resume_point(spans, align_down(boundary, self.rt.cfg.n_batch))
         cold = boundary if keep < boundary < n and boundary >= policy.min_tokens else 0
         if self.rt.memory.trimmable:
             return [cold] if cold else []
         gap = policy.checkpoint_gap_tokens
-        wanted = {p for p in resume_points if keep < p < n and p >= policy.min_tokens}
+        wanted = {resume_point(spans, p) for p in resume_points}
+        wanted = {p for p in wanted if keep < p < n and p >= policy.min_tokens}
         points: list[int] = []
         below = saved
         for point in sorted(wanted | {cold} - {0}):

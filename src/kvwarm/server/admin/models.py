@@ -67,8 +67,9 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             "n_embd": info.n_embd,
             "n_parallel": info.n_parallel,
             "size": info.size_bytes,
-            # What it holds in memory (the memory budget's terms, server/budget.py).
-            "weights_bytes": info.size_bytes,
+            # What it holds in memory (the memory budget's terms, server/budget.py): the
+            # projector's weights and buffers count with the model's weights.
+            "weights_bytes": info.size_bytes + info.projector_bytes,
             "kv_bytes": info.kv_bytes,
             "context_bytes": info.context_bytes,
             "description": info.description,
@@ -86,6 +87,10 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             # Speculative decoding: the requests' default draft source, and whether (or where)
             # this model can speculate at all ("on", "on while ...", "off: why").
             "speculative": {"type": info.spec_type, "available": info.speculation},
+            # Its multimodal projector (--mmproj): what it reads, what it holds.
+            "mmproj": info.mmproj,
+            "media": list(info.media),
+            "projector_bytes": info.projector_bytes,
         }
     elif entry.error:
         item["error"] = entry.error
