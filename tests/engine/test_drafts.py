@@ -3,8 +3,6 @@ the draft budget, ngram-map-k's caps, the pass cost's fit."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TtlClass
 from kvwarm.engine.worker.drafts import (
     Cost,
@@ -114,8 +112,7 @@ def _ns(salt: bytes) -> Namespace:
 
 
 def _drafts(cache: _Rows, **kw: object) -> RowDrafts:
-    fake = SimpleNamespace(rows=cache.rows_of, row_tokens=cache.row_tokens)
-    return RowDrafts(fake, 2, **kw)  # type: ignore[arg-type]
+    return RowDrafts(cache.rows_of, cache.row_tokens, 2, **kw)  # type: ignore[arg-type]
 
 
 def test_row_drafts_come_from_the_namespace_alone() -> None:

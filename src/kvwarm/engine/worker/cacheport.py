@@ -87,11 +87,6 @@ class CachePort:
         """Row ``key``, leased while the context is open (``CacheApi.open_row``)."""
         return self.rt.cache.open_row(key, chunks=chunks, payload=payload, from_token=from_token)
 
-    def row_drafts(self, ngram_n: int) -> RowDrafts:
-        """An n-gram index over the token sequences of this cache's rows, for speculative
-        decoding's drafts from the cache (``drafts.py``)."""
-        return RowDrafts(self.rt.cache, ngram_n)
-
     def missed(self) -> None:
         """A request found nothing to reuse."""
         self.rt.cache.record_miss()
@@ -189,6 +184,18 @@ class CachePort:
         if held:
             reason = SaveReason.PREWARM if act.req.kind == "prewarm" else SaveReason.FINISH
             self.save(slot, reason, logits, act.namespace, sync=False, held=True)
+            if self.rt.row_drafts is not None:
+                # The reply is in a row now: later requests of its namespace may draft from it.
+                self.rt.row_drafts.saved(act.namespace, slot.kv_tokens)
+
+    def drafts(self, n: int) -> RowDrafts:
+        """Speculative decoding's drafts from the cache: the worker's index of the n-grams of
+        each namespace's rows (``engine/worker/drafts.py``), made on first use. It lists a
+        namespace's rows and reads their tokens from the index, no tier."""
+        if self.rt.row_drafts is None:
+            cache = self.rt.cache
+            self.rt.row_drafts = RowDrafts(cache.rows, cache.row_tokens, n)
+        return self.rt.row_drafts
 
     def evicting(self, reason: SaveReason, *, release: bool) -> int:
         """Live KV is about to go (evict, shutdown): sync-save every idle slot's."""

@@ -39,8 +39,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvwarm.cache.api import CacheApi
-from kvwarm.cache.types import Namespace
+from kvwarm.cache.types import Namespace, RowInfo
 from kvwarm.engine.types import SpecType
 from kvwarm.tokens import is_span_id
 
@@ -237,18 +236,20 @@ class RowDrafts:
     least recently dropped whole first; a namespace takes in at most ``_ROWS_PER_REFRESH``
     rows per refresh (its newest), at most once per ``_REFRESH_S``, the longest first (a row
     that is a prefix of one indexed adds no n-gram and is not kept). Tokens come from the
-    cache's index (``CacheApi.row_tokens``): no tier is read; and a finish save this worker
-    makes is indexed at once (``saved``). Worker thread only."""
+    cache's index (``CacheApi.row_tokens``, through the worker's cache port): no tier is read;
+    and a finish save this worker makes is indexed at once (``saved``). Worker thread only."""
 
     def __init__(
         self,
-        cache: CacheApi,
+        rows: Callable[[Namespace], list[RowInfo]],
+        row_tokens: Callable[[bytes], tuple[int, ...] | None],
         n: int,
         *,
         max_tokens: int = ROW_TOKENS_MAX,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._cache = cache
+        self._rows = rows  # a namespace's published rows (the cache port's)
+        self._row_tokens = row_tokens  # a row's tokens, from the cache's index
         self.n = n
         self.max_tokens = max_tokens
         self._clock = clock
@@ -270,12 +271,12 @@ class RowDrafts:
             space = self._spaces[ns] = _Rows()
         self._spaces.move_to_end(ns)
         space.refreshed = now
-        infos = [info for info in self._cache.rows(ns) if info.key not in space.keys]
+        infos = [info for info in self._rows(ns) if info.key not in space.keys]
         infos.sort(key=lambda info: info.created, reverse=True)
         fresh = sorted(infos[:_ROWS_PER_REFRESH], key=lambda info: info.n_tokens, reverse=True)
         for info in fresh:
             space.keys.add(info.key)
-            tokens = self._cache.row_tokens(info.key)
+            tokens = self._row_tokens(info.key)
             if tokens is None or space.tokens + len(tokens) > self.max_tokens:
                 continue
             self._add(space, tokens)

@@ -76,9 +76,6 @@ class Outcomes:
         self.port.finished(slot, held, logits)
         if self.rt.cfg.whole:
             self.rt.reset_seq(slot)  # an encoder's KV serves no other prompt
-        if held and self.rt.row_drafts is not None:
-            # The reply is in a row now: later requests of its namespace may draft from it.
-            self.rt.row_drafts.saved(act.namespace, slot.kv_tokens)
         slot.active = None
         slot.phase = "idle"
         slot.last_used = time.monotonic()

@@ -165,9 +165,7 @@ class Tick:
             return None
         if self.rt.memory.lookahead(0) == 0:
             return None
-        rows = self.rt.row_drafts
-        if rows is None:
-            rows = self.rt.row_drafts = self.port.row_drafts(cfg.spec_ngram_n)
+        rows = self.port.drafts(cfg.spec_ngram_n)
         ns = act.namespace  # the salted one: drafts come from this tenant's rows only
         rows.refresh(ns)
         return Drafter(
