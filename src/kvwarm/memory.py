@@ -114,6 +114,20 @@ class MemoryKind:
             return 0 if pos_min == 0 else min(n_tokens, pos_min + self.n_swa)
         return n_tokens
 
+    def lookahead(self, n_tokens: int) -> int | None:
+        """How many tokens a *live* sequence of ``n_tokens`` tokens may decode past its end
+        and still be trimmed back to any length in between (speculative decoding's verify
+        pass: the rejected draft tokens are removed). None: no limit (full attention; a
+        full-size SWA cache, whose live state trims like full attention). A sliding window
+        without it: only while no position is masked yet, that is while the last decoded
+        position stays below ``n_swa`` (llama.cpp reuses a masked cell, so a trim past it
+        would leave the window short). A recurrent or hybrid state: 0, it cannot roll back."""
+        if self.trimmable or (self.kind == "swa" and self.swa_full):
+            return None
+        if self.kind == "swa":
+            return max(0, self.n_swa - n_tokens)
+        return 0
+
     def describe(self) -> str:
         """A short label: ``full``, ``swa(512)``, ``swa(512, full cache)``, ``recurrent``..."""
         if self.kind != "swa":

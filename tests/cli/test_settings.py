@@ -229,7 +229,9 @@ def test_cluster_settings_are_flags_of_kvwarm_cluster_only() -> None:
     s = load_settings(settings_flags(args), {})
     assert (s.replicas, s.ray_address, s.cluster_busy_requests) == (3, "ray://h:10001", 0)
     assert s.node_ip is None  # a local Ray stays on loopback unless asked
-    assert s.cluster_routing == "prefix"
+    assert s.cluster_routing == "events"
+    joined = parser.parse_args(["cluster", "--address", "10.0.0.5:6379"])
+    assert load_settings(settings_flags(joined), {}).ray_address == "10.0.0.5:6379"
     routed = parser.parse_args(["cluster", "--cluster-routing", "mine"])
     assert load_settings(settings_flags(routed), {}).cluster_routing == "mine"  # checked by deploy
     opened = parser.parse_args(["cluster", "--node-ip", "10.0.0.5"])

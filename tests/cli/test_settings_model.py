@@ -224,3 +224,28 @@ def test_aliases_from_flags_env_and_toml(tmp_path: Path) -> None:
         load_settings(_flags("--alias", "a=m", "--alias", "a=n"), ENV)
     with pytest.raises(ConfigError, match="already model ids"):
         load_settings(_flags("--model", "m=/x.gguf", "--alias", "m=n"), ENV)
+
+
+def test_speculative_decoding_settings_globally_per_model_and_checked(tmp_path: Path) -> None:
+    s = load_settings(_flags("--spec-type", "ngram-map-k", "--spec-ngram-n", "3"), ENV)
+    cfg = model_config(s, s.models[0])
+    assert (cfg.spec_type, cfg.spec_ngram_n, cfg.spec_draft_max) == ("ngram-map-k", 3, 32)
+    s = load_settings(
+        _flags("--spec-draft-n-max", "8"), {**ENV, "KVWARM_SPEC_TYPE": "ngram-simple"}
+    )
+    assert model_config(s, s.models[0]).spec_draft_max == 8
+    config = tmp_path / "c.toml"
+    config.write_text(
+        'spec_type = "ngram-simple"\n'
+        '[[models]]\nid = "code"\npath = "/m/code.gguf"\nspec_draft_max = 32\n'
+        '[[models]]\nid = "chat"\npath = "/m/chat.gguf"\nspec_type = "none"\n'
+    )
+    s = load_settings({"config": str(config)}, ENV)
+    code, chat = (model_config(s, spec) for spec in s.models)
+    assert (code.spec_type, code.spec_draft_max, chat.spec_type) == ("ngram-simple", 32, "none")
+    with pytest.raises(ConfigError, match="expected one of none, ngram-simple, ngram-map-k"):
+        load_settings(_flags("--spec-type", "ngram-mod"), ENV)
+    with pytest.raises(ConfigError, match=r"spec_draft_max must be in \[0, 48\]"):
+        load_settings(_flags("--spec-type", "ngram-simple", "--spec-draft-max", "49"), ENV)
+    with pytest.raises(ConfigError, match="speculative decoding needs flash attention"):
+        load_settings(_flags("--spec-type", "ngram-simple", "-fa", "off"), ENV)

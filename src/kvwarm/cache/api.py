@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvwarm.cache.explain import ReuseReport
+from kvwarm.cache.protocols import RowEvents, TierCapabilities
 from kvwarm.cache.types import (
     DEFAULT_GRACE_S,
     EvictResult,
@@ -60,6 +61,15 @@ class VerifyReport:
 
 class CacheApi(Protocol):
     def tier_names(self) -> tuple[TierName, ...]: ...
+
+    def tier_capabilities(self) -> dict[TierName, TierCapabilities]:
+        """What each configured tier is (persistent, shared, local)."""
+        ...
+
+    def watch_rows(self, events: RowEvents | None) -> None:
+        """Tell ``events`` of every indexed row now, then of every row joining or leaving
+        the index (``protocols.RowEvents``: called under the index's lock)."""
+        ...
 
     def has(self, key: bytes) -> bool:
         """Published or in flight. Counts nothing; never waits."""
@@ -186,6 +196,11 @@ class CacheApi(Protocol):
     def delete(self, key: bytes) -> bool: ...
 
     def rows(self, namespace: Namespace | None = None) -> list[RowInfo]: ...
+
+    def row_tokens(self, key: bytes) -> tuple[int, ...] | None:
+        """The tokens a published row holds (None: no such row), from the index alone: no
+        tier is read. Speculative decoding drafts from them (``engine/worker/drafts.py``)."""
+        ...
 
     def counters(self) -> Mapping[str, float]:
         """One snapshot: hits by kind, misses, saves by reason, saves_dropped, evictions,

@@ -61,6 +61,26 @@ class RowBytes:
     fields: KvcFields | None = None  # everything the row records (for promotion), if known
 
 
+class RowEvents(Protocol):
+    """Told whenever a row joins or leaves this cache's index (``Cache.watch_rows``): what
+    ``kvwarm.cluster`` publishes to its router. ``RowTable.insert`` and ``remove`` are the
+    only mutators of membership, so no path that publishes, adopts, promotes, evicts, expires
+    or forgets a row is missed.
+
+    Called under the index's lock, in index order: an implementation must be quick (append to
+    a log) and must never call back into the cache."""
+
+    def row_stored(self, row: StoredRow) -> None:
+        """``row`` is indexed (published, adopted, or a copy replacing one in the same tier)."""
+        ...
+
+    def row_dropped(self, row: StoredRow, *, bytes_kept: bool) -> None:
+        """``row`` left the index. ``bytes_kept``: only forgotten by this process (a shared
+        tier's row after a TTL or a failed read, a copy left behind by a promotion), so its
+        bytes stay for others; otherwise its bytes are being deleted."""
+        ...
+
+
 class ReservationBook(Protocol):
     """Implemented by the index. Tokens are positive ints unique per reservation."""
 

@@ -91,7 +91,9 @@ def run_explain(args: argparse.Namespace) -> int:
         facts = bmodel.facts
         tokens = _tokens(bmodel, args.prompt, body, cfg.chat_template)
         # The namespace the server hashed: its context as it ran (flash attention resolved).
-        context = bmodel.context_params(cfg.context, deterministic=cfg.deterministic)
+        context = bmodel.context_params(
+            cfg.context, deterministic=cfg.deterministic, speculative=cfg.spec_type != "none"
+        )
     finally:
         bmodel.close()
     fingerprint = model_fingerprint(path, parse_mode(cfg.fingerprint_mode), cfg.fingerprint)

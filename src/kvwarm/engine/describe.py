@@ -20,11 +20,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from kvwarm.backends.base import ContextMemory, ModelFacts
+from kvwarm.backends.base import ContextMemory, ModelFacts, ProjectorFacts
 from kvwarm.cache.types import FingerprintMode, TierName
 from kvwarm.engine.config import ModelConfig
-from kvwarm.engine.types import AdapterInfo, ModelInfo, ModelStatus
+from kvwarm.engine.types import AdapterInfo, Capability, ModelInfo, ModelStatus
 from kvwarm.engine.worker.loop import Worker
+from kvwarm.memory import MemoryKind
 
 ModelState = Literal["loading", "ready", "unloading", "closed"]
 
@@ -42,6 +43,9 @@ def model_info(
     adapters: Sequence[AdapterInfo],
     chat_template_name: str = "gguf",
     context_memory: ContextMemory | None = None,
+    projector: ProjectorFacts | None = None,
+    capabilities: tuple[Capability, ...] = ("generate", "embed"),
+    pooling: str = "mean",
 ) -> ModelInfo:
     """The model's description; ``fingerprint`` is the effective one (adapters folded in)."""
     return ModelInfo(
@@ -72,7 +76,37 @@ def model_info(
         swa_full=cfg.context.swa_full,
         kv_bytes=context_memory.kv_bytes if context_memory else 0,
         context_bytes=context_memory.total_bytes if context_memory else 0,
+        mmproj=projector.path if projector else None,
+        media=projector.kinds if projector else (),
+        projector_bytes=projector.memory_bytes if projector else 0,
+        capabilities=capabilities,
+        pooling=pooling,
+        spec_type=cfg.spec_type,
+        speculation=speculation(
+            cfg, MemoryKind(facts.memory_kind, facts.n_swa, cfg.context.swa_full)
+        ),
     )
+
+
+def speculation(cfg: ModelConfig, memory: MemoryKind) -> str:
+    """Whether requests of this model can speculate (``ModelInfo.speculation``): "on", "on
+    while a sequence is shorter than its window", or "off: " and why."""
+    if cfg.deterministic:
+        return (
+            "off: deterministic mode (a verify pass is a batch of another shape than a "
+            "one-token decode, which this mode keeps bit for bit only where kernels allow)"
+        )
+    if cfg.context.flash_attn == "off":
+        return (
+            "off: flash attention is off (a verify pass's logits would differ from one-token "
+            "decoding's; set spec_type, or flash_attn on)"
+        )
+    ahead = memory.lookahead(0)
+    if ahead is None:
+        return "on"
+    if ahead == 0:
+        return f"off: a {memory.kind} memory cannot roll a rejected draft back"
+    return f"on while a sequence is shorter than its {memory.n_swa}-token sliding window"
 
 
 def model_status(model_id: str, state: ModelState, cfg: ModelConfig, worker: Worker) -> ModelStatus:
@@ -94,6 +128,9 @@ def model_status(model_id: str, state: ModelState, cfg: ModelConfig, worker: Wor
         kv_cells=cfg.context.n_ctx,
         slots=worker.slot_statuses(),
         prefilled_tokens=s.prefilled_tokens,
+        drafted_tokens=s.drafted_tokens,
+        accepted_tokens=s.accepted_tokens,
+        verify_passes=s.verify_passes,
     )
 
 

@@ -39,6 +39,8 @@ class GenerationOverrides(TypedDict, total=False):
     logit_bias: Mapping[int, float] | None
     ignore_eos: bool
     cache_salt: str | None
+    spec_type: str | None
+    spec_draft_max: int | None
     lora: tuple[tuple[int, float], ...] | None
 
 

@@ -9,13 +9,25 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Literal, get_args
 
 from kvwarm.backends.base import SamplingParams
 from kvwarm.cache.explain import ReuseReport
 
 CacheHitKind = Literal["exact", "partial", "cold"]
 FinishReason = Literal["stop", "length", "cancelled"]
+
+#: Speculative decoding's draft sources, named as llama-server's ``--spec-type`` names the ones
+#: that mean the same (``engine/worker/drafts.py``): "none" (plain decoding), "ngram-simple"
+#: (the latest earlier occurrence of the last n tokens in the request's own prompt and reply
+#: proposes what followed it), "ngram-map-k" (the same lookup, with each n-gram's drafts capped
+#: by how many of its last draft were accepted).
+SpecType = Literal["none", "ngram-simple", "ngram-map-k"]
+SPEC_TYPES: tuple[str, ...] = get_args(SpecType)
+#: Most tokens one draft may hold (a verify pass is one more than its draft). On the CPU a
+#: pass of up to 63 tokens computes each row as a one-token pass would (flash attention on;
+#: measured; 64 and more run another kernel), so 48 keeps a margin.
+MAX_DRAFT_TOKENS = 48
 
 _SAMPLER = SamplingParams()
 
@@ -35,8 +47,8 @@ SAMPLING_OPTIONS: tuple[str, ...] = (
     "presence_penalty",
 )
 
-_INT_OPTIONS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
-_OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs"})  # None allowed
+_INT_OPTIONS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "spec_draft_max")
+_OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs", "spec_draft_max"})  # None allowed
 _FLOAT_OPTIONS = tuple(name for name in SAMPLING_OPTIONS if name != "top_k")
 _INT32_MAX = (1 << 31) - 1
 # llama.cpp's LLAMA_DEFAULT_SEED: its sampler draws a fresh seed for it (so -1 means random,
@@ -88,6 +100,12 @@ class GenerationOptions:
     # Requests share cached rows and live KV only when they share a salt (None: the unsalted,
     # shared namespace). A tenant's secret: never logged, never written to a row file.
     cache_salt: str | None = None
+    # Speculative decoding for this request: a ``SpecType`` name ("none" turns it off; None:
+    # the model's ``spec_type``) and the most tokens one draft may hold (None: the model's).
+    # A speed hint only: the output is the same either way, and where the model or the request
+    # cannot speculate (``ModelInfo.speculation``) it decodes plainly.
+    spec_type: str | None = None
+    spec_draft_max: int | None = None
     #: The LoRA adapters this request runs under, as (handle, scale) pairs of the model's
     #: loaded adapters (``Model.list_adapters``); an adapter not listed is off for it (scale
     #: 0, as llama-server's per-request ``lora``). None: the model's adapters at their own
@@ -141,6 +159,7 @@ class GenerationOptions:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:
                 raise InvalidRequestError(f"{name} must be in [0, 20]", param=name)
+        self._check_spec()
         for token, bias in (self.logit_bias or {}).items():
             # A C int32 in llama.cpp: a larger id would overflow (the vocab check comes later).
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 1 << 31:
@@ -185,6 +204,20 @@ class GenerationOptions:
         if self.json_schema is not None and find_lone_surrogate(self.json_schema) is not None:
             raise InvalidRequestError(
                 "json_schema contains a lone UTF-16 surrogate", param="json_schema"
+            )
+
+    def _check_spec(self) -> None:
+        from kvwarm.errors import InvalidRequestError
+
+        if self.spec_type is not None and self.spec_type not in SPEC_TYPES:
+            raise InvalidRequestError(
+                f"spec_type must be one of {', '.join(SPEC_TYPES)}; got {self.spec_type!r}",
+                param="spec_type",
+            )
+        n = self.spec_draft_max
+        if n is not None and not 0 <= n <= MAX_DRAFT_TOKENS:
+            raise InvalidRequestError(
+                f"spec_draft_max must be in [0, {MAX_DRAFT_TOKENS}]", param="spec_draft_max"
             )
 
     def _check_salt(self) -> None:
@@ -259,6 +292,10 @@ class CompletionStats:
     #: What the planner found and why it reused no more (``kvwarm.cache.explain``); None for
     #: a request that never reached a slot (cancelled while queued) or a fork (``n > 1``).
     reuse: ReuseReport | None = None
+    #: Speculative decoding: tokens drafted for verify passes, and how many of them the model
+    #: accepted (llama-server's ``draft_n`` and ``draft_n_accepted``); 0 and 0 without it.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def ttft_ms(self) -> float:
@@ -283,11 +320,40 @@ class Completion:
     # With ``prompt_logprobs``: one entry per prompt token after the first (the first has no
     # context to be predicted from).
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    #: A rerank document's relevance score (its request scores, generating nothing); None for
+    #: a generation.
+    score: float | None = None
 
     @property
     def tokens(self) -> tuple[int, ...]:
         """The full token list: prompt then completion."""
         return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RerankResult:
+    """One document of a rerank: its index in the request and its relevance score (a
+    decoder reranker's p("yes"), a cross-encoder's raw score: llama-server's numbers)."""
+
+    index: int
+    relevance_score: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reranking:
+    """``Model.rerank``'s answer: the documents best first (ties: the earlier document
+    first), at most ``top_n``; ``prompt_tokens`` every document's prompt counted in full (as
+    llama-server counts them), ``cached_tokens`` of those reused instead of prefilled (the
+    query's prefix shared between documents, from another slot or a cache row)."""
+
+    results: tuple[RerankResult, ...]
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+#: What a model can be asked to do: ``generate`` (completions, chats, prewarm) and ``embed``,
+#: or, for a model whose pooling is rank, ``rerank`` alone.
+Capability = Literal["generate", "embed", "rerank"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +403,21 @@ class ModelInfo:
     #: An embeddings context, made on first use, is not counted.
     kv_bytes: int = 0
     context_bytes: int = 0
+    #: What it can be asked to do, and how it pools (``rank``: a reranker; the setting
+    #: ``pooling`` overrides what the GGUF declares).
+    capabilities: tuple[Capability, ...] = ("generate", "embed")
+    pooling: str = "mean"
+    #: Speculative decoding: the draft source requests get unless they choose
+    #: (``GenerationOptions.spec_type``), and whether this model can speculate at all: "on",
+    #: "on while a sequence is shorter than its N-token window", or "off: " and why (a memory
+    #: that cannot roll back, deterministic mode).
+    spec_type: str = "none"
+    speculation: str = "on"
+    #: Its multimodal projector (``--mmproj``): the file, what it reads ("image", "audio";
+    #: empty: text only) and what it holds in memory (weights and compute buffers).
+    mmproj: str | None = None
+    media: tuple[str, ...] = ()
+    projector_bytes: int = 0
 
 
 # "fork": holds one of an n > 1 request's other choices, waiting for the first choice's
@@ -381,6 +462,11 @@ class ModelStatus:
     kv_cells: int = 0  # the context's cells (n_ctx)
     slots: tuple[SlotStatus, ...] = ()
     prefilled_tokens: int = 0  # prompt tokens run through the model (not restored or forked)
+    #: Speculative decoding: tokens drafted and accepted (finished requests), and the slots'
+    #: passes that verified a draft.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_passes: int = 0
 
     @property
     def free_slots(self) -> int:

@@ -88,6 +88,8 @@ def options(
         "logit_bias": bias,
         "ignore_eos": req.ignore_eos,
         "cache_salt": cache_salt,
+        "spec_type": req.spec_type,
+        "spec_draft_max": req.spec_draft_max,
         "lora": lora,
     }
     for name in SAMPLING_OPTIONS:
@@ -134,6 +136,9 @@ def timings(stats: CompletionStats) -> Json:
         # The finish save's row key (None: not saved): its file is ``<key>.kvc`` in a disk tier.
         "cache_key": stats.key.hex() if stats.key else None,
         "cache_reason": None if stats.reuse is None else reuse_json(stats.reuse),
+        # Speculative decoding, under llama-server's names: tokens drafted, and accepted.
+        "draft_n": stats.drafted_tokens,
+        "draft_n_accepted": stats.accepted_tokens,
     }
 
 
@@ -311,4 +316,6 @@ def sum_stats(all_stats: Sequence[CompletionStats]) -> CompletionStats:
         prefill_ms=sum(s.prefill_ms for s in all_stats),
         generation_ms=sum(s.generation_ms for s in all_stats),
         queue_ms=sum(s.queue_ms for s in all_stats),
+        drafted_tokens=sum(s.drafted_tokens for s in all_stats),
+        accepted_tokens=sum(s.accepted_tokens for s in all_stats),
     )

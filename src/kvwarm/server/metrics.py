@@ -160,6 +160,27 @@ _MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
         1,
     ),
     ("kvwarm_completion_tokens_total", "counter", "generated tokens", "completion_tokens", 1),
+    (
+        "kvwarm_spec_draft_tokens_total",
+        "counter",
+        "speculative decoding: tokens drafted into verify passes",
+        "drafted_tokens",
+        1,
+    ),
+    (
+        "kvwarm_spec_accepted_tokens_total",
+        "counter",
+        "speculative decoding: drafted tokens the model accepted",
+        "accepted_tokens",
+        1,
+    ),
+    (
+        "kvwarm_spec_verify_passes_total",
+        "counter",
+        "speculative decoding: a slot's passes that verified a draft",
+        "verify_passes",
+        1,
+    ),
     ("kvwarm_prefill_seconds_total", "counter", "time spent in prefill", "prefill_ms", 1e-3),
     ("kvwarm_decode_seconds_total", "counter", "time spent generating", "generation_ms", 1e-3),
 )

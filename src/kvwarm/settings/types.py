@@ -22,16 +22,19 @@ from pydantic_settings import NoDecode
 from kvwarm.backends.base import (
     FLASH_ATTN_MODES,
     KV_TYPES,
+    POOLING_TYPES,
     ROPE_SCALINGS,
     SPLIT_MODES,
     FlashAttn,
     KvType,
+    PoolingType,
     RopeScaling,
     SplitMode,
     check_tensor_split,
 )
 from kvwarm.cache.types import PolicyConfig, TierName
 from kvwarm.embedded import model_id_for
+from kvwarm.engine.types import SPEC_TYPES, SpecType
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -369,7 +372,9 @@ FlashAttnMode = Annotated[
         )
     ),
 ]
+SpecTypeName = Annotated[SpecType, BeforeValidator(choice(SPEC_TYPES))]
 OptRopeScaling = Annotated[RopeScaling | None, BeforeValidator(opt_choice(ROPE_SCALINGS))]
+OptPooling = Annotated[PoolingType | None, BeforeValidator(opt_choice(POOLING_TYPES))]
 TensorSplit = Annotated[tuple[float, ...], BeforeValidator(as_tensor_split), NoDecode]
 Aliases = Annotated[tuple[tuple[str, str], ...], BeforeValidator(as_aliases), NoDecode]
 Loras = Annotated[tuple[tuple[str, str], ...], BeforeValidator(as_loras), NoDecode]

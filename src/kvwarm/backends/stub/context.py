@@ -39,7 +39,7 @@ from kvwarm.backends.stub.kv_codec import (
 )
 from kvwarm.backends.stub.vocab import EOS, N_BYTE_TOKENS, N_EMBD, N_VOCAB, OFFSET
 from kvwarm.buffers import u8
-from kvwarm.errors import StateRestoreError
+from kvwarm.errors import InvalidRequestError, ModelLoadError, StateRestoreError
 from kvwarm.memory import MemoryKind
 
 if TYPE_CHECKING:
@@ -77,6 +77,16 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
     """Per-sequence dicts of cells; logits computed at decode for rows that ask for them."""
 
     def __init__(self, model: StubModel, params: ContextParams) -> None:
+        facts = model.facts
+        if not facts.causal and not params.embeddings:
+            # As llama.cpp's: an encoder keeps no KV cache, so only a pooling context runs it.
+            raise ModelLoadError(
+                "this model keeps no KV cache (an encoder): it runs only pooled, as a "
+                "reranker (pooling rank) or for embeddings"
+            )
+        self._n_cls_out = facts.n_cls_out
+        # Each sequence's chain hash at its last position in the last decode.
+        self._pooled_h: dict[int, int] = {}
         self._seqs: list[dict[int, _Cell]] = [{} for _ in range(params.n_seq_max)]
         # A sliding-window model's window cache, per sequence (empty for other kinds).
         self._windows: list[dict[int, _Cell]] = [{} for _ in range(params.n_seq_max)]
@@ -92,7 +102,16 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
             cell_bytes=model.backend.cell_bytes,
             with_rest=self._memory.rest_chunkable,
         )
-        super().__init__(model, params, n_ctx=params.n_ctx, n_vocab=N_VOCAB, adapter=StubAdapter)
+        super().__init__(
+            model,
+            params,
+            n_ctx=params.n_ctx,
+            n_vocab=N_VOCAB,
+            adapter=StubAdapter,
+            n_embd=N_EMBD,
+            causal=facts.causal,
+            stateless=not facts.causal,
+        )
 
     @property
     def memory(self) -> MemoryKind:
@@ -130,10 +149,51 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
             if item.logits:
                 self._rows.append(row)
                 self._row_logits[row] = self._fake_logits(item.token, h)
+                if self._model.copy_bias:
+                    self._copy(self._row_logits[row], cells, item.pos)
+            if self._params.embeddings:
+                self._pooled_h[item.seq] = h  # a sequence's last position in the call
         for seq in {item.seq for item in batch}:
             self._forget(self._windows[seq] if windowed else self._seqs[seq])
+            if self._stateless:
+                self._seqs[seq].clear()  # an encoder keeps nothing after the call
         if self._model.backend.decode_delay_s:
             time.sleep(self._model.backend.decode_delay_s)
+
+    def _decode_embd(
+        self,
+        seq: int,
+        start_pos: int,
+        embd: memoryview,
+        n_tokens: int,
+        non_causal: bool,
+        logits: bool,
+    ) -> None:
+        """A span's cells: each holds a negative "token" from a hash of the whole span (it
+        attends to all of it when ``non_causal``, as Gemma 3's images do) and chains on the
+        cell before it like text."""
+        self._invalidate_logits()
+        row = 4 * N_EMBD
+        whole = hashlib.sha256(bytes(embd)).digest()
+        cells = self._seqs[seq]
+        windowed = self._memory.rest_chunkable
+        for i in range(n_tokens):
+            pos = start_pos + i
+            # Non-causal: every cell depends on the whole span; causal: on the rows up to it.
+            seen = whole if non_causal else hashlib.sha256(bytes(embd[: row * (i + 1)])).digest()
+            token = -1 - ((int.from_bytes(seen[:4], "little") + i) & 0x3FFFFFFF)
+            prev = cells.get(pos - 1)
+            h = _mix(prev.h if prev is not None else _H0, token, pos)
+            if not self._sees_what_it_needs(cells, self._windows[seq], pos):
+                h = _mix(h, _POISON, pos)
+            cells[pos] = _Cell(token, h)
+            if windowed:
+                self._windows[seq][pos] = _window_cell(cells[pos], pos)
+        self._forget(self._windows[seq] if windowed else cells)
+        if logits:
+            last = cells[start_pos + n_tokens - 1]
+            self._rows.append(n_tokens - 1)
+            self._row_logits[n_tokens - 1] = self._fake_logits(last.token, last.h)
 
     def _sees_what_it_needs(
         self, cells: dict[int, _Cell], window: dict[int, _Cell], pos: int
@@ -277,7 +337,8 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
         for i in range(count):
             at = HEADER.size + i * size
             pos, token, h = CELL.unpack_from(blob, at)
-            if not (prev_pos < pos < self._params.n_ctx and 0 <= token < N_VOCAB):
+            # A negative token is a media span's cell (``_decode_embd``).
+            if not (prev_pos < pos < self._params.n_ctx and token < N_VOCAB):
                 raise StateRestoreError(f"KV blob cell {i} is corrupt")
             chained = _mix(prev_h, token, pos) == h if pos == prev_pos + 1 else True
             if not chained or blob[at + CELL.size : at + size] != _pad(h, size - CELL.size):
@@ -309,7 +370,7 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
     @property
     def restores_tails(self) -> bool:
         # As llama.cpp's: full attention, one KV stream (the scratch sequence's condition).
-        return self._memory.chunkable and self._params.kv_unified
+        return self._memory.chunkable and self._params.kv_unified and not self._stateless
 
     @property
     def copies_by_pack(self) -> bool:
@@ -361,6 +422,19 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
             vec = vec / norm if norm > 0 else vec
         return [float(x) for x in vec]
 
+    def _pooled(self, seq: int) -> tuple[float, ...] | None:
+        if self._params.pooling != "rank":
+            raise InvalidRequestError("this stub context pools only by rank")
+        h = self._pooled_h.get(seq)
+        if h is None:
+            return None
+        # A pure function of the chain hash: of every token up to the last position, so a
+        # score read after a restore or a copy equals a cold one iff the KV is right.
+        p = (h >> 40) / float(1 << 24)
+        if self._n_cls_out == 1:
+            return (4.0 * p - 2.0,)  # a raw score, as a cross-encoder's
+        return (p, 1.0 - p)  # [p(yes), p(no)], as a decoder reranker's softmax
+
     def _attach(self, adapters: Sequence[tuple[StubAdapter, float]]) -> None:
         salt = 0
         for adapter, scale in adapters:
@@ -372,6 +446,7 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
         self._release_views()
         self._rows.clear()
         self._row_logits.clear()
+        self._pooled_h.clear()
 
     def _fake_logits(self, token: int, h: int) -> npt.NDArray[np.float32]:
         rng = np.random.default_rng(h ^ self._salt)
@@ -381,6 +456,23 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
         if token == OFFSET + ord("!"):
             logits[EOS] = 20.0
         return logits
+
+    def _copy(self, logits: npt.NDArray[np.float32], cells: dict[int, _Cell], pos: int) -> None:
+        """``copy_bias``: favour what followed the latest earlier occurrence of the two tokens
+        ending at ``pos`` (a function of the prefix, as the rest of the logits are), within
+        what the memory attends to (a sliding window's last ``n_swa`` positions: what a live
+        state and a restored one both hold)."""
+        prev = cells.get(pos - 1)
+        key = (prev.token if prev is not None else -1, cells[pos].token)
+        mem = self._memory
+        low = 0 if mem.trimmable else max(0, pos - mem.n_swa + 1) if mem.kind == "swa" else pos
+        for p in range(pos - 1, low, -1):
+            here, before, after = cells.get(p), cells.get(p - 1), cells.get(p + 1)
+            if here is None or before is None or after is None:
+                continue
+            if (before.token, here.token) == key:
+                logits[after.token] += self._model.copy_bias
+                return
 
     def _free(self) -> None:
         self._invalidate_logits()

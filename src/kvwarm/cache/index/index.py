@@ -50,7 +50,7 @@ from kvwarm.cache.index.chunkrefs import FreedChunk
 from kvwarm.cache.index.inflight import InFlight
 from kvwarm.cache.index.reservations import Orphan, Reservations
 from kvwarm.cache.index.rows import RowTable
-from kvwarm.cache.protocols import StoredRow
+from kvwarm.cache.protocols import RowEvents, StoredRow
 from kvwarm.cache.types import Namespace, PrefixMatch, RowInfo, TierName, TierSizes
 
 #: Memory kinds whose saved states are whole (a recurrent state, with a hybrid's attention
@@ -238,6 +238,16 @@ class Index:
         """At close: jobs the writer dropped will never clear their marks; release waiters."""
         with self._lock:
             self._inflight.clear_all()
+
+    def watch_rows(self, events: RowEvents | None) -> None:
+        """Tell ``events`` of every row indexed now (``row_stored``, one call each), then of
+        every row that joins or leaves from here on, under the lock, so the listener misses
+        nothing and sees nothing twice. None stops telling."""
+        with self._lock:
+            if events is not None:
+                for info in self._rows.infos():
+                    events.row_stored(self._rows.stored(info.key))
+            self._rows.events = events
 
     # ----------------------------------------------------------------- use
 

@@ -6,7 +6,8 @@ Invariants:
 - ``insert`` and ``remove`` are the only mutators of membership, and each changes the entry,
   the tier totals, the prefix tree, the policy and the chunk references (``chunkrefs.py``)
   together, so all five always describe the same set of published rows. A tier's bytes are
-  its rows' own bytes plus each stored chunk once.
+  its rows' own bytes plus each stored chunk once. Each change is told to ``events`` (when
+  set), in order, so a listener replaying them holds the same set of rows.
 - A pinned row (refcount > 0, checked out for a read) is never offered as a victim or as an
   expired row; ``remove`` is the only way it leaves.
 - ``evict`` returns each key at most once and only keys present, whatever the policy
@@ -26,7 +27,7 @@ from dataclasses import dataclass, replace
 from kvwarm.cache.eviction.base import EvictionPolicy
 from kvwarm.cache.index.chunkrefs import ChunkRefs
 from kvwarm.cache.index.prefix import PrefixIndex
-from kvwarm.cache.protocols import StoredRow
+from kvwarm.cache.protocols import RowEvents, StoredRow
 from kvwarm.cache.types import Namespace, PrefixMatch, RestChunks, RowInfo, TierName, TierSizes
 
 __all__ = ["RowTable"]
@@ -55,6 +56,7 @@ class RowTable:
         "_policy",
         "_prefix",
         "chunks",
+        "events",
     )
 
     def __init__(self, policy: EvictionPolicy) -> None:
@@ -66,6 +68,7 @@ class RowTable:
         self._dirty_hits: set[bytes] = set()  # hit counts not yet written to the tiers
         self.chunks = ChunkRefs()
         self._gens = itertools.count(1)
+        self.events: RowEvents | None = None  # told of every insert and remove (``Index``)
 
     # ----------------------------------------------------------------- lock-free reads
 
@@ -234,7 +237,11 @@ class RowTable:
         old = self._entries.get(key)
         if old is not None:
             refcount, gen = old.refcount, old.gen  # the pins move to the new copy
-            self.remove(key)
+            moved = old.info.tier != info.tier
+            dropped = self._remove(key, keep_chunk_bytes=False)
+            if moved and dropped is not None and self.events is not None:
+                # Its bytes in the other tier are nobody's to delete here: only forgotten.
+                self.events.row_dropped(dropped, bytes_kept=True)
         self._prefix.insert(info.namespace, key, row.tokens, info.size)
         self._entries[key] = _Entry(
             info, row.location, refcount, row.chunks, row.chunk_lens, row.rest, gen
@@ -243,11 +250,19 @@ class RowTable:
         self._bytes[info.tier] = self._bytes.get(info.tier, 0) + info.size
         self._count[info.tier] = self._count.get(info.tier, 0) + 1
         self._policy.insert(key, info)
+        if self.events is not None:
+            self.events.row_stored(row)
 
     def remove(self, key: bytes, *, keep_chunk_bytes: bool = False) -> StoredRow | None:
         """Forget a row, pinned or not; the row as it was, for the caller to delete its bytes
         (and the chunks no other row names: ``chunks.take_freed``, marked to be only
         forgotten with ``keep_chunk_bytes``)."""
+        row = self._remove(key, keep_chunk_bytes=keep_chunk_bytes)
+        if row is not None and self.events is not None:
+            self.events.row_dropped(row, bytes_kept=keep_chunk_bytes)
+        return row
+
+    def _remove(self, key: bytes, *, keep_chunk_bytes: bool) -> StoredRow | None:
         if key not in self._entries:
             return None
         row = self.stored(key)

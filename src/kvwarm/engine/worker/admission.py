@@ -158,6 +158,10 @@ class Admission:
             for m in (match, *whole)
             if m is not None
         ]
+        if req.kind == "score":
+            # A rerank document's score comes from a decode of its last token, so a row's
+            # stored logits cannot stand in for it: at least that token is prefilled.
+            rows = [replace(r, has_logits=False) for r in rows]
         rt.refresh_floors()
         port.note_model(base)
         found = best_found(
@@ -290,7 +294,12 @@ class Admission:
             resume_points=planned.resume, deterministic=req.deterministic,
         )  # fmt: skip
         pauses = self.port.pauses(
-            keep, n, resume_points=planned.resume, saved=saved, end=req.kind != "prewarm"
+            keep,
+            n,
+            resume_points=planned.resume,
+            saved=saved,
+            kind=req.kind,
+            spans=req.prompt.spans,
         )
         # Explained before seating: an exact hit from a row's logits may finish right there.
         try:
@@ -313,6 +322,11 @@ class Admission:
             reuse=reuse,
             adapters=planned.adapters,
         )
+        encoder = self.rt.encoder
+        for index, span in enumerate(req.prompt.spans):
+            # Only the spans it did not restore; encoded while the worker decodes the rest.
+            if span.end > keep and encoder is not None:
+                active.encodes[index] = encoder.start(req.media[index])
         slot.active = active
         slot.kv_namespace = ns  # whatever KV the slot holds from now on was computed under ns
         slot.phase = "prefill"

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from kvwarm.backends.base import AdapterSet, BackendContext, BackendModel
 from kvwarm.cache.api import CacheApi
 from kvwarm.cache.types import FingerprintMode, Namespace, PolicyConfig, TierName
-from kvwarm.engine.types import CompletionStats, SlotStatus
+from kvwarm.engine.types import CompletionStats, SlotStatus, SpecType
 from kvwarm.engine.worker.batching import BatchStrategy
+from kvwarm.engine.worker.drafts import PassCost, RowDrafts
+from kvwarm.engine.worker.encoder import Encoder
 from kvwarm.engine.worker.joinbuf import JoinBuffer
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.memory import MemoryKind
@@ -40,6 +42,16 @@ class WorkerConfig:
     fingerprint_mode: FingerprintMode
     max_queue: int
     strategy: BatchStrategy
+    #: Prompts run whole, one ubatch per call, and leave no KV to reuse: a model whose
+    #: attention is not causal (a cross-encoder), each position depending on every other.
+    whole: bool = False
+    #: Speculative decoding (``engine/worker/drafts.py``): the draft source of requests that
+    #: do not choose, the n-gram size its lookups match, the longest draft; ``speculates``
+    #: False where the model cannot (deterministic mode: see ``ModelInfo.speculation``).
+    spec_type: SpecType = "none"
+    spec_ngram_n: int = 4
+    spec_draft_max: int = 32
+    speculates: bool = True
 
 
 @dataclass(slots=True)
@@ -52,6 +64,9 @@ class WorkerStats:
     generation_ms: float = 0.0
     ticks: int = 0
     prefilled_tokens: int = 0  # prompt tokens run through the model (not restored or forked)
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted into verify passes
+    accepted_tokens: int = 0  # ... and accepted by the model
+    verify_passes: int = 0  # slots' passes that verified a draft
     hits: dict[str, int] = field(default_factory=lambda: {"exact": 0, "partial": 0, "cold": 0})
 
     def account(self, st: CompletionStats) -> None:
@@ -61,6 +76,8 @@ class WorkerStats:
         self.completion_tokens += st.completion_tokens
         self.prefill_ms += st.prefill_ms
         self.generation_ms += st.generation_ms
+        self.drafted_tokens += st.drafted_tokens
+        self.accepted_tokens += st.accepted_tokens
         self.hits[st.cache_hit] += 1
 
 
@@ -81,6 +98,10 @@ class Runtime:
     adapters_now: AdapterSet = ()
     view: tuple[SlotStatus, ...] = ()
     join_buf: JoinBuffer = field(default_factory=JoinBuffer)  # chunked restores join here
+    #: Encodes media spans off this thread (None: the model has no projector).
+    encoder: Encoder | None = None
+    pass_cost: PassCost = field(default_factory=PassCost)  # what a draft token costs a pass
+    row_drafts: RowDrafts | None = None  # drafts from cached rows (made on first use)
     _eog: tuple[int, ...] | None = None
 
     def adapter_set(self, choice: LoraChoice | None) -> tuple[AdapterSet, Namespace]:

@@ -1,9 +1,11 @@
 """Sampling: from one position's logits to the next token, and where that token goes.
 
 Invariants: a slot's generated tokens are sampled in order from the logits of the position
-before them (a decode row, or a row's stored final logits on an exact hit); an end-of-generation
-token, a stop string, ``max_tokens`` or a full window ends the request through ``Outcomes``; the
-token that reaches ``max_tokens`` is reported but never decoded (``docs/architecture.md``).
+before them (a decode row, a verify pass's row, or a row's stored final logits on an exact
+hit), by the request's one sampler, so a speculative request samples what a plain one would;
+an end-of-generation token, a stop string, ``max_tokens`` or a full window ends the request
+through ``Outcomes``; the token that reaches ``max_tokens`` is reported but never decoded; a
+verify pass leaves the sequence holding only the accepted draft (``docs/architecture.md``).
 
 Log-probabilities of tokens from one position's logits, for generated and prompt tokens.
 
@@ -21,11 +23,11 @@ import numpy as np
 from kvwarm.backends.base import BackendModel
 from kvwarm.engine.request import Fragment
 from kvwarm.engine.text import piece_text
-from kvwarm.engine.types import TokenLogprob
+from kvwarm.engine.types import FinishReason, TokenLogprob
 from kvwarm.engine.worker.outcomes import Outcomes
 from kvwarm.engine.worker.runtime import Runtime
-from kvwarm.engine.worker.slots import Slot
-from kvwarm.errors import KvwarmError
+from kvwarm.engine.worker.slots import Active, Slot
+from kvwarm.errors import KvwarmError, StateRestoreError
 
 
 class Sampling:
@@ -37,12 +39,96 @@ class Sampling:
         """Sample the next token from batch row ``row`` (or stored logits) and route it."""
         act = slot.active
         assert act is not None
-        rt = self.rt
-        opts = act.req.options
-        if len(act.generated) >= opts.max_tokens or len(slot.kv_tokens) >= rt.cfg.n_ctx_slot:
+        if self._used_up(slot):
             # max_tokens (0 for a prewarm-style request) or the slot's window is used up.
             self.outcomes.finish(slot, "length", self._logits_bytes(row, stored))
             return
+        token = self._sample(act, row, stored)
+        reason = self._route(act, token)
+        if reason is None:
+            act.pending = token
+            return
+        self.outcomes.finish(slot, reason, self._logits_bytes(row, stored))
+
+    def on_verify(self, slot: Slot, first: int, draft: list[int]) -> None:
+        """Speculative decoding: batch rows ``first .. first + len(draft)`` hold the logits
+        after the slot's ``pending`` token and after each draft token. Each row is sampled
+        in turn, exactly as plain decoding would sample it (the same sampler, its state, its
+        seed), for as long as the draft so far is what was sampled; the first sampled token
+        that differs from the draft (or the one after a fully accepted draft) becomes the new
+        ``pending``. With a draft that is one token for sure (an n-gram's), accepting it when
+        sampled and otherwise keeping what was sampled *is* speculative rejection sampling:
+        the draft token ``d`` is kept with probability ``p(d)`` and, if not, the token comes
+        from ``p`` without ``d``, renormalised (``docs/internals.md``, "Speculative
+        decoding"). So output, logprobs, grammar and penalties are plain decoding's.
+
+        Then the KV: the cells of the draft tokens past the last accepted one are removed
+        (``seq_rm``, checked); ``kv_tokens`` grows by ``pending`` and the accepted draft, and
+        only then may the request finish (its finish save packs exactly those)."""
+        act = slot.active
+        assert act is not None and act.pending is not None
+        rt = self.rt
+        decoded = act.pending
+        act.pending = None
+        n = len(slot.kv_tokens)  # ``decoded`` sits at position n, draft[i] at n + 1 + i
+        reason: FinishReason | None = None
+        matched = 0  # draft tokens equal to what was sampled, in order
+        last = len(draft)  # the last row sampled
+        for i in range(len(draft) + 1):
+            if self._used_up(slot, n + i + 1):
+                reason, last = "length", i
+                break
+            token = self._sample(act, first + i, None)
+            same = i < len(draft) and token == draft[i]
+            matched += same
+            reason = self._route(act, token)
+            if reason is not None or not same:
+                last = i
+                if reason is None:
+                    act.pending = token
+                break
+        # ``decoded`` and draft[:last] hold the KV the sampled tokens were sampled from.
+        self._trim(slot, n + last + 1, n + len(draft))
+        slot.kv_tokens.append(decoded)
+        slot.kv_tokens.extend(draft[:last])
+        act.drafted += len(draft)
+        act.accepted += matched
+        rt.stats.verify_passes += 1
+        if act.drafter is not None:
+            act.drafter.verified(len(draft), matched)
+        self.outcomes.port.decoded(slot)
+        if reason is not None:
+            self.outcomes.finish(slot, reason, self._logits_bytes(first + last, None))
+
+    def _trim(self, slot: Slot, keep: int, top: int) -> None:
+        """Remove the cells of positions ``keep .. top`` from the slot's sequence, and check
+        that what is left is exactly ``[0, keep)``, a state the model can resume from
+        (``StateRestoreError`` if the memory refused: the request then fails, its slot is
+        cleared; never a sequence holding a rejected draft's cells)."""
+        if keep > top:
+            return
+        ctx = self.rt.ctx
+        ctx.seq_rm(slot.seq, keep, -1)
+        held = ctx.seq_pos_max(slot.seq)
+        mem = self.rt.memory
+        if held != keep - 1 or mem.live_floor(keep, ctx.seq_pos_min(slot.seq)) > keep:
+            raise StateRestoreError(
+                f"removing a rejected draft left seq {slot.seq} holding up to position {held}, "
+                f"not a state of its first {keep} tokens ({mem.describe()} memory)"
+            )
+
+    def _used_up(self, slot: Slot, live: int | None = None) -> bool:
+        """Whether ``max_tokens`` or the slot's window (``live`` tokens of KV, by default
+        what it holds) leave no room for one more sampled token."""
+        act = slot.active
+        assert act is not None
+        live = len(slot.kv_tokens) if live is None else live
+        return len(act.generated) >= act.req.options.max_tokens or live >= self.rt.cfg.n_ctx_slot
+
+    def _sample(self, act: Active, row: int | None, stored: bytes | None) -> int:
+        """The next token from batch row ``row`` (or stored logits), with its logprob."""
+        rt = self.rt
+        opts = act.req.options
         lp_source = None
         if opts.logprobs is not None:
             lp_source = np.frombuffer(
@@ -56,22 +142,25 @@ class Sampling:
             token = act.sampler.sample(rt.ctx, row)
         if lp_source is not None:
             act.logprobs.append(token_logprob(rt.model, lp_source, token, opts.logprobs or 0))
+        return token
+
+    def _route(self, act: Active, token: int) -> FinishReason | None:
+        """Send ``token`` on its way; why the request ends with it, if it does (an
+        end-of-generation token is not part of the reply; the one that reaches ``max_tokens``
+        is, but is never decoded)."""
+        rt = self.rt
         if rt.model.is_eog(token):
-            self.outcomes.finish(slot, "stop", self._logits_bytes(row, stored))
-            return
+            return "stop"
         act.generated.append(token)
         fragment = act.assembler.feed(rt.model.token_to_piece(token))
         if fragment and act.req.fragments:
             # A token whose text is held back keeps its logprob until text goes out with it.
             act.req.channel.put(Fragment(fragment, act.unsent_logprobs()))
         if act.assembler.stopped:
-            self.outcomes.finish(slot, "stop", self._logits_bytes(row, stored))
-            return
-        act.pending = token
-        if len(act.generated) >= opts.max_tokens:
-            # The limit is reached: the last token is reported but never decoded.
-            act.pending = None
-            self.outcomes.finish(slot, "length", self._logits_bytes(row, stored))
+            return "stop"
+        if len(act.generated) >= act.req.options.max_tokens:
+            return "length"
+        return None
 
     def _logits_bytes(self, row: int | None, stored: bytes | None) -> bytes | None:
         if stored is not None:

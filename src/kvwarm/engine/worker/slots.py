@@ -10,6 +10,7 @@ within it, as rows are (``docs/architecture.md``, "Tenants").
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvwarm.backends.base import AdapterSet, Sampler
@@ -18,6 +19,7 @@ from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Request
 from kvwarm.engine.text import TextAssembler
 from kvwarm.engine.types import CacheHitKind, SlotPhase, SlotStatus, TokenLogprob
+from kvwarm.engine.worker.drafts import Drafter
 
 Phase = SlotPhase
 
@@ -46,9 +48,19 @@ class Active:
     last_continued: int = 0  # live KV length at the last continued save
     forks: list[Slot] = field(default_factory=list)  # slots waiting for this prompt's KV
     reuse: ReuseReport | None = None  # why no more of the prompt was reused (worker/explain.py)
+    #: Speculative decoding (``engine/worker/drafts.py``): the request's drafter (None: it
+    #: decodes plainly; decided on its first generating tick, once ``spec_decided``), the
+    #: draft going into this tick's pass after ``pending``, and the tokens drafted and accepted.
+    drafter: Drafter | None = None
+    spec_decided: bool = False
+    draft: list[int] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
     #: The LoRA adapters its forward passes run under (``engine/adapters.py``): fixed at
     #: admission; slots of other sets never share its passes.
     adapters: AdapterSet = ()
+    #: The embeddings of the prompt's spans it did not restore, being encoded (by span index).
+    encodes: dict[int, Future[bytes]] = field(default_factory=dict)
 
     def unsent_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The logprobs not yet sent with a fragment; marks them sent."""

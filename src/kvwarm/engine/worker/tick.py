@@ -4,28 +4,42 @@ Invariants: the batch strategy decides which tokens share a call (``batching``),
 slots of one LoRA adapter set share a call (the context runs each call under one set: a call
 the plan shares between sets runs as one call per set); a failed call
 with several slots is retried one slot at a time so one slot's failure never fails another;
-after each call, a slot's ``kv_tokens`` grows by exactly what the call decoded for it, and its
-canonical prefix shrinks when a chunk was cut short by the budget (``kvwarm.alignment``;
-``docs/architecture.md``, "Engine").
+after each call, a slot's ``kv_tokens`` grows by exactly what the call decoded for it and kept
+(a speculating slot's draft past its first rejected token is removed again: ``sampling``), and
+its canonical prefix shrinks when a chunk was cut short by the budget (``kvwarm.alignment``;
+``docs/architecture.md``, "Engine"). Drafts (``drafts``) are made before the plan, within
+what the pass has room for, and only for requests that may speculate (``speculates``).
+
+A media span (``kvwarm.tokens``) is decoded whole, in a call of its own (its embeddings, with
+causal attention off where the projector says so), once its encode is done; a prefill chunk
+stops at a span's start and the next begins at its end, so no chunk holds part of a span.
+While a span's embeddings are still being encoded (``encoder``) the other slots run as
+usual; a round in which nothing but such waits remained reports ``"waiting"``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Literal, cast
 
 import numpy as np
 
 from kvwarm.alignment import canonical_after_chunk
 from kvwarm.backends.base import AdapterSet, BatchToken
+from kvwarm.engine.types import SpecType
 from kvwarm.engine.worker.batching import Chunk, PrefillWant, isolate
 from kvwarm.engine.worker.cacheport import CachePort
+from kvwarm.engine.worker.drafts import Drafter
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.sampling import token_logprob
-from kvwarm.engine.worker.slots import Slot
-from kvwarm.errors import KvwarmError
+from kvwarm.engine.worker.slots import Active, Slot
+from kvwarm.errors import BackendError, KvwarmError
+from kvwarm.tokens import Span
+
+TickResult = Literal["ran", "idle", "waiting"]
 
 
 class Tick:
@@ -36,11 +50,13 @@ class Tick:
         self.outcomes = outcomes
         self.port = port
 
-    def run(self) -> None:
-        """Cancel what was cancelled, then decode every generating slot's pending token and
-        the prefill chunks the strategy picks."""
+    def run(self) -> TickResult:
+        """Cancel what was cancelled, then decode every generating slot's pending token, the
+        prefill chunks the strategy picks and each media span whose embeddings are ready."""
         decoding: list[int] = []
         prefilling: list[PrefillWant] = []
+        spans: list[tuple[Slot, int, Span]] = []
+        waiting = False
         for i, slot in enumerate(self.rt.slots):
             act = slot.active
             if act is None:
@@ -52,11 +68,37 @@ class Tick:
                 decoding.append(i)
             elif slot.phase == "prefill":
                 stop = act.pauses[0] if act.pauses else len(act.req.prompt_tokens)
-                prefilling.append(PrefillWant(i, act.prefill_pos, stop, act.deterministic))
+                due = _next_span(act.req.prompt.spans, act.prefill_pos)
+                if due is not None and due[1].start == act.prefill_pos:
+                    future = act.encodes.get(due[0])
+                    if future is None or future.done():
+                        spans.append((slot, *due))
+                    else:
+                        waiting = True
+                    continue
+                if due is not None:
+                    stop = min(stop, due[1].start)
+                prefilling.append(
+                    PrefillWant(
+                        i, act.prefill_pos, stop, act.deterministic, whole=self.rt.cfg.whole
+                    )
+                )
+        for slot, index, span in spans:
+            self._run_span(slot, index, span)
         if not decoding and not prefilling:
-            return
+            return "waiting" if waiting and not spans else ("ran" if spans else "idle")
+        self._run_plan(decoding, prefilling)
+        return "ran"
+
+    def _run_plan(self, decoding: list[int], prefilling: list[PrefillWant]) -> None:
         cfg = self.rt.cfg
-        plan = cfg.strategy.plan(decoding, prefilling, cfg.n_batch, cfg.n_ubatch)
+        drafted = self._draft(decoding)
+        plan = cfg.strategy.plan(decoding, prefilling, cfg.n_batch, cfg.n_ubatch, drafted)
+        if drafted:
+            for i in set(decoding) - set(plan.decode_slots):
+                act = self.rt.slots[i].active
+                if act is not None:
+                    act.draft = []  # this slot does not decode this tick
         alone: tuple[int, ...] = ()
         if not self.rt.ctx.params.kv_unified:
             det = {
@@ -73,6 +115,69 @@ class Tick:
         for chunk in plan.isolated_chunks:
             self._run_call((), (chunk,))
 
+    def _draft(self, decoding: Sequence[int]) -> int:
+        """Give each generating slot that speculates a draft to verify with its next token;
+        the number of drafted tokens (all of them fit one pass beside one token per slot)."""
+        rt = self.rt
+        room = rt.cfg.n_batch - len(decoding)
+        total = 0
+        cost = rt.pass_cost.cost
+        for i in decoding:
+            slot = rt.slots[i]
+            act = slot.active
+            assert act is not None
+            act.draft = []
+            if not act.spec_decided:
+                act.spec_decided = True
+                act.drafter = self._drafter(act)
+            if act.drafter is None or room <= 0:
+                continue
+            n = len(slot.kv_tokens)
+            # Rows n .. n + k must stay inside the slot's window and the token budget (the
+            # pending token is the first of them), and a memory that cannot roll back far
+            # limits how far past n the pass may go.
+            limit = min(
+                room,
+                rt.cfg.n_ctx_slot - 1 - n,
+                act.req.options.max_tokens - len(act.generated) - 1,
+            )
+            ahead = rt.memory.lookahead(n)
+            if ahead is not None:
+                limit = min(limit, ahead - 1)
+            if limit <= 0:
+                continue
+            act.draft = act.drafter.propose(act.generated, limit, cost)
+            room -= len(act.draft)
+            total += len(act.draft)
+        return total
+
+    def _drafter(self, act: Active) -> Drafter | None:
+        """The request's drafter, or None where it decodes plainly: its own ``spec_type``
+        or else the model's is "none", it is deterministic (a verify pass is a batch of
+        another shape than a one-token decode, so its logits differ in the last bits), or
+        the model cannot speculate (``WorkerConfig.speculates``; a memory that cannot roll
+        back is found by ``lookahead`` per pass)."""
+        cfg = self.rt.cfg
+        opts = act.req.options
+        kind = cfg.spec_type if opts.spec_type is None else opts.spec_type
+        draft_max = cfg.spec_draft_max if opts.spec_draft_max is None else opts.spec_draft_max
+        if kind == "none" or draft_max <= 0 or act.deterministic or not cfg.speculates:
+            return None
+        if self.rt.memory.lookahead(0) == 0:
+            return None
+        rows = self.rt.row_drafts
+        if rows is None:
+            rows = self.rt.row_drafts = self.port.row_drafts(cfg.spec_ngram_n)
+        ns = act.namespace  # the salted one: drafts come from this tenant's rows only
+        rows.refresh(ns)
+        return Drafter(
+            cast(SpecType, kind),
+            cfg.spec_ngram_n,
+            draft_max,
+            act.req.prompt_tokens,
+            lambda tail, limit: rows.continuation(ns, tail, limit),
+        )
+
     def _batch(
         self, decode_slots: Sequence[int], chunks: Sequence[Chunk]
     ) -> tuple[list[BatchToken], list[tuple[Slot, int, Chunk | None]]]:
@@ -85,7 +190,10 @@ class Tick:
             if act is None or act.pending is None:
                 continue
             rows.append((slot, len(batch), None))
-            batch.append(BatchToken(act.pending, len(slot.kv_tokens), slot.seq, True))
+            n = len(slot.kv_tokens)
+            batch.append(BatchToken(act.pending, n, slot.seq, True))
+            for j, token in enumerate(act.draft):
+                batch.append(BatchToken(token, n + 1 + j, slot.seq, True))
         for chunk in chunks:
             slot = self.rt.slots[chunk.slot]
             act = slot.active
@@ -113,7 +221,12 @@ class Tick:
         try:
             act = rows[0][0].active
             self.rt.use_adapters(act.adapters if act is not None else ())
+            started = time.perf_counter()
             self.rt.ctx.decode(batch)
+            if not chunks:
+                # A decode-only pass: what one more token costs (drafts' trade-off).
+                slots = len(rows)
+                self.rt.pass_cost.observe(slots, len(batch) - slots, time.perf_counter() - started)
         except KvwarmError as exc:
             if len(rows) > 1:
                 # One slot's failure must not fail the others: retry each alone.
@@ -137,6 +250,30 @@ class Tick:
                     self._after_chunk(slot, row, done)
             except KvwarmError as exc:
                 self.outcomes.fail(slot, exc)
+
+    def _run_span(self, slot: Slot, index: int, span: Span) -> None:
+        """Decode one media span of ``slot``'s prompt whole, in a call of its own."""
+        act = slot.active
+        encoder = self.rt.encoder
+        assert act is not None
+        future = act.encodes.pop(index, None)
+        try:
+            if encoder is None or future is None:
+                raise BackendError("a media span reached the worker with nothing to decode it")
+            embd = future.result()
+            last = span.end == len(act.req.prompt_tokens)
+            self.rt.use_adapters(act.adapters)  # the LoRA set its request runs under
+            self.rt.ctx.decode_embd(
+                slot.seq,
+                span.start,
+                embd,
+                span.length,
+                non_causal=encoder.non_causal(span.kind),
+                logits=last,
+            )
+            self._after_chunk(slot, span.length - 1, Chunk(slot.seq, span.start, span.end))
+        except KvwarmError as exc:
+            self.outcomes.fail(slot, exc)
 
     def _by_adapters(
         self, decode_slots: Sequence[int], chunks: Sequence[Chunk]
@@ -170,7 +307,12 @@ class Tick:
         self.rt.stats.prefilled_tokens += chunk.end - chunk.start
         act.prefill_pos = chunk.end
         slot.canonical = canonical_after_chunk(
-            slot.canonical, chunk.start, chunk.end, len(toks), self.rt.cfg.n_batch
+            slot.canonical,
+            chunk.start,
+            chunk.end,
+            len(toks),
+            self.rt.cfg.n_batch,
+            cuts=span_cuts(act.req.prompt.spans),
         )
         packed = None  # the state as packed since this chunk, if it was
         if act.deterministic and not self.rt.memory.trimmable:
@@ -192,6 +334,12 @@ class Tick:
         if act.req.kind == "prewarm":
             self.outcomes.finish(slot, "length", bytes(self.rt.ctx.logits(row)))
             return
+        if act.req.kind == "score":
+            # The rank pooling of this call read the sequence's last position (an encoder:
+            # its whole sequence, which ran whole in this call); llama-server's score is the
+            # first value (a decoder reranker's p("yes")).
+            self.outcomes.finish(slot, "length", None, score=self.rt.ctx.pooled(slot.seq)[0])
+            return
         self.forks.prefilled(slot, row, None)
 
     def _prompt_logprobs(self, slot: Slot, last_row: int, chunk: Chunk) -> None:
@@ -209,7 +357,25 @@ class Tick:
     def _after_decode(self, slot: Slot, row: int) -> None:
         act = slot.active
         assert act is not None and act.pending is not None
+        if act.draft:
+            draft, act.draft = act.draft, []
+            self.sampling.on_verify(slot, row, draft)
+            return
         slot.kv_tokens.append(act.pending)
         act.pending = None
         self.port.decoded(slot)
         self.sampling.on_logits(slot, row, None)
+
+
+def _next_span(spans: Sequence[Span], pos: int) -> tuple[int, Span] | None:
+    """The first span (and its index) that ends after ``pos``."""
+    for index, span in enumerate(spans):
+        if span.end > pos:
+            return index, span
+    return None
+
+
+def span_cuts(spans: Sequence[Span]) -> frozenset[int]:
+    """Where a prompt's spans start and end: where its prefill chunks are cut besides the
+    multiples of ``n_batch`` (``kvwarm.alignment``)."""
+    return frozenset(p for span in spans for p in (span.start, span.end))

@@ -31,7 +31,7 @@ export function storeKey(kind, value) {
 }
 
 export function isAdminPath(path) {
-  return path.startsWith("/cache/") || path.startsWith("/admin/");
+  return path.startsWith("/cache/") || path.startsWith("/admin/") || path === "/cluster";
 }
 
 /** The kind of key a path needs first, or null when this server wants none. */

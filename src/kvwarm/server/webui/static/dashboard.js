@@ -1,8 +1,11 @@
 // The cache dashboard: polls /cache/stats, /cache/slots and /cache/rows and redraws. Counts
-// come straight from the server; the two rates and the time saved are derived here.
+// come straight from the server; the two rates and the time saved are derived here. Behind
+// `kvwarm cluster` it polls /cluster instead (the replicas and what their caches hold;
+// /cache/* is per replica there).
 
 import { ApiError, getJSON, missingKey } from "./api.js";
 import { LineChart } from "./chart.js";
+import { renderCluster } from "./cluster.js";
 import { el, fmtAgo, fmtBytes, fmtInt, fmtMs, fmtPercent, table } from "./format.js";
 
 const POLL_MS = 2000;
@@ -50,6 +53,8 @@ export class Dashboard {
     this.slots = root.querySelector("#slots");
     this.rows = root.querySelector("#rows");
     this.rowsNote = root.querySelector("#rows-note");
+    this.cluster = root.querySelector("#cluster");
+    this.isCluster = null; // unknown until /cluster answers (404: a plain server)
     const hits = root.querySelector("#chart-hits");
     const saved = root.querySelector("#chart-saved");
     hits.dataset.title = "Hit rate over time";
@@ -93,6 +98,7 @@ export class Dashboard {
       // In the background, never prompt: only poll when a key is at hand (or none is needed).
       if (!this.visible && missingKey("/cache/stats")) return;
       const options = { interactive: this.visible };
+      if (this.isCluster !== false && (await this.pollCluster(options))) return;
       const [stats, slots, rows] = await Promise.all([
         getJSON("/cache/stats", options),
         getJSON("/cache/slots", options),
@@ -106,6 +112,23 @@ export class Dashboard {
     } finally {
       this.busy = false;
       this.schedule();
+    }
+  }
+
+  /** Draws /cluster and says true behind `kvwarm cluster`; false (for good) elsewhere. */
+  async pollCluster(options) {
+    try {
+      const view = await getJSON("/cluster", options);
+      this.isCluster = true;
+      renderCluster(this.cluster, view);
+      this.setStatus(`Updated ${new Date().toLocaleTimeString()}; every ${POLL_MS / 1000} s.`);
+      return true;
+    } catch (error) {
+      if (error instanceof ApiError && error.status === 404) {
+        this.isCluster = false;
+        return false;
+      }
+      throw error;
     }
   }
 

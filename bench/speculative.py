@@ -1,0 +1,259 @@
+"""Speculative decoding, kvwarm vs llama-server (the peer built from the same pinned llama.cpp by
+``bench/peer.py``), side by side in one run, same model, same threads, servers alternated.
+
+    python bench/speculative.py [--model PATH.gguf] [--rounds 2] [--max-tokens 160]
+                                [--servers kvwarm,kvwarm-spec,llama,llama-ngram-simple,...]
+
+Loads (issue 39), greedy, each a chat rendered once with the GGUF's template and sent as the
+same text to every server's ``/v1/completions``: three that copy (return a function with one
+rename; answer a question by quoting a passage; rewrite a JSON document with one key changed)
+and a plain chat that copies nothing. Servers: kvwarm plain (its defaults: flash attention off
+on the CPU), kvwarm plain with flash attention on (what a speculating kvwarm runs), kvwarm
+``--spec-type ngram-simple`` and ``ngram-map-k``, llama-server plain and with each n-gram
+``--spec-type`` (its defaults: n 12, m 48; ``ngram-mod`` n 24). Each request goes to every
+server in turn (the order rotating per request), so a drift in the machine's speed falls on
+all alike; each prompt runs ``--rounds`` times (the first round's prefill is cold on each
+server, the later ones reuse the prompt: both servers cache it).
+
+Prints per load and server the median decode speed by the server's own ``timings`` (kvwarm's
+``generation_ms``, llama-server's ``predicted_ms``: decode only, not the prompt), the ratio to
+kvwarm plain, the drafts accepted/drafted, and whether the text is the plain text of the same
+numerics (greedy: it must be, everywhere): a speculating kvwarm's is kvwarm-fa's (flash
+attention on, as speculation runs it), llama-server's types' is llama-server plain's. Run it
+alone: two processes decoding at once on 2 cores halve each other; it prints the machine's
+load average before and after, which says what else ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from multiturn import free_port, post, wait_ready
+from peer import llama_server
+
+FUNCTION = '''def merge_sorted(left, right):
+    """Merge two sorted lists into one sorted list."""
+    result = []
+    i = j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            result.append(left[i])
+            i += 1
+        else:
+            result.append(right[j])
+            j += 1
+    result.extend(left[i:])
+    result.extend(right[j:])
+    return result
+'''
+PASSAGE = (
+    "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 "
+    "individual reefs and 900 islands stretching for over 2,300 kilometres over an area of "
+    "approximately 344,400 square kilometres. The reef is located in the Coral Sea, off the "
+    "coast of Queensland, Australia. It can be seen from outer space and is the world's "
+    "biggest single structure made by living organisms."
+)
+DOCUMENT = {
+    "name": "Alice Smith",
+    "age": 34,
+    "city": "Paris",
+    "email": "alice.smith@example.com",
+    "tags": ["admin", "editor", "viewer"],
+    "address": {"street": "12 Rue de Rivoli", "zip": "75001", "country": "France"},
+    "active": True,
+}
+LOADS: dict[str, str] = {
+    "rename": "Here is a Python function:\n\n```python\n"
+    + FUNCTION
+    + "```\n\nRepeat this function with only its name changed from merge_sorted to "
+    "merge_lists. Reply with the code only.",
+    "quote": f"Passage: {PASSAGE}\n\nQuote the passage's sentences about where the reef is "
+    "and how big it is, word for word.",
+    "json": 'Rewrite this JSON document with the key "city" renamed to "town". Output only '
+    "the JSON.\n\n" + json.dumps(DOCUMENT, indent=2),
+    "chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+SERVERS = (
+    "kvwarm",
+    "kvwarm-fa",
+    "kvwarm-spec",
+    "kvwarm-spec-map-k",
+    "llama",
+    "llama-ngram-simple",
+    "llama-ngram-map-k",
+    "llama-ngram-mod",
+)
+
+
+@dataclass
+class Server:
+    name: str
+    model: Path
+    threads: int
+    work: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def kvwarm(self) -> bool:
+        return self.name.startswith("kvwarm")
+
+    def command(self) -> list[str]:
+        if self.kvwarm:
+            spec = {"kvwarm-spec": "ngram-simple", "kvwarm-spec-map-k": "ngram-map-k"}
+            extra = ["--spec-type", spec[self.name]] if self.name in spec else []
+            if self.name == "kvwarm-fa":
+                extra = ["--flash-attn", "on"]
+            return [
+                sys.executable, "-m", "kvwarm", "serve", "--host", "127.0.0.1",
+                "--port", str(self.port), "--model", f"m={self.model}", "--n-ctx", "4096",
+                "--n-threads", str(self.threads), "--n-threads-batch", str(self.threads),
+                "--cache-dir", str(self.work / self.name), "--n-parallel", "1", *extra,
+            ]  # fmt: skip
+        extra = ["--spec-type", self.name.removeprefix("llama-")] if self.name != "llama" else []
+        return [
+            str(llama_server()), "--host", "127.0.0.1", "--port", str(self.port),
+            "-m", str(self.model), "-c", "4096", "-t", str(self.threads),
+            "-tb", str(self.threads), "-np", "1", "--no-webui", *extra,
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        log = open(self.work / f"{self.name}.log", "wb")  # noqa: SIM115 (the child owns it)
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        wait_ready(f"http://127.0.0.1:{self.port}/health", self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def complete(self, prompt: str, max_tokens: int) -> tuple[str, float, int, int, int]:
+        """(text, decode seconds, completion tokens, drafted, accepted), by the server's own
+        timings: kvwarm's ``/v1/completions``, llama-server's native ``/completion``."""
+        url = f"http://127.0.0.1:{self.port}"
+        if self.kvwarm:
+            body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            out = post(f"{url}/v1/completions", body)
+            timings, usage = out["timings"], out["usage"]
+            assert isinstance(timings, dict) and isinstance(usage, dict)
+            text = str(out["choices"][0]["text"])  # type: ignore[index]
+            seconds, tokens = timings["generation_ms"] / 1e3, usage["completion_tokens"]
+        else:
+            body = {
+                "prompt": prompt, "n_predict": max_tokens, "temperature": 0,
+                "cache_prompt": True,
+            }  # fmt: skip
+            out = post(f"{url}/completion", body)
+            timings = out["timings"]
+            assert isinstance(timings, dict)
+            text = str(out["content"])
+            seconds, tokens = timings["predicted_ms"] / 1e3, timings["predicted_n"]
+        drafted = int(timings.get("draft_n", 0))
+        return text, float(seconds), int(tokens), drafted, int(timings.get("draft_n_accepted", 0))
+
+
+def render(model: Path, content: str) -> str:
+    """The chat as the GGUF's own template renders it (one user turn), as text."""
+    from kvwarm.cache.types import CacheConfig, TierConfig
+    from kvwarm.engine.api import Engine, EngineConfig
+
+    with Engine(EngineConfig(CacheConfig(tiers=(TierConfig("ram", 1 << 20),)))) as engine:
+        m = engine.load_model(str(model), n_ctx=512)
+        return m.apply_chat_template([{"role": "user", "content": content}])
+
+
+def machine_load() -> str:
+    one, five, _ = os.getloadavg()
+    top = subprocess.run(
+        ["ps", "-eo", "pcpu,comm", "--sort=-pcpu"], capture_output=True, text=True, check=False
+    ).stdout.splitlines()[1:6]
+    return f"load average {one:.2f} (1 min) {five:.2f} (5 min); top: " + "; ".join(
+        " ".join(line.split()) for line in top
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="GGUF (default: the embedded)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--loads", default=",".join(LOADS))
+    args = parser.parse_args()
+    import kvwarm.embedded
+
+    model = args.model or kvwarm.embedded.default_model_path()
+    names = [n for n in args.servers.split(",") if n]
+    unknown = set(names) - set(SERVERS)
+    if unknown:
+        raise SystemExit(f"unknown servers {sorted(unknown)}; known: {', '.join(SERVERS)}")
+    loads = {name: render(model, LOADS[name]) for name in args.loads.split(",") if name}
+    if len(set(loads.values())) != len(loads):
+        raise SystemExit("the loads rendered to the same text")
+    print(f"model {model}; before: {machine_load()}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="kvwarm-spec-bench-"))
+    servers = [Server(name, model, args.threads, work) for name in names]
+    # (load, server) -> per round: (text, decode s, tokens, drafted, accepted)
+    runs: dict[tuple[str, str], list[tuple[str, float, int, int, int]]] = {}
+    try:
+        for server in servers:
+            server.start()
+        turn = 0
+        for _ in range(args.rounds):
+            for load, prompt in loads.items():
+                order = servers[turn % len(servers) :] + servers[: turn % len(servers)]
+                turn += 1
+                for server in order:
+                    result = server.complete(prompt, args.max_tokens)
+                    runs.setdefault((load, server.name), []).append(result)
+    finally:
+        for server in servers:
+            server.stop()
+    print(f"after: {machine_load()}\n", flush=True)
+    # Speeds against the first server (kvwarm's defaults); texts against the plain server
+    # whose numerics each one shares: flash attention changes the last bits of every logit,
+    # so kvwarm with it off and everything with it on may greedily pick differently at a near
+    # tie. kvwarm-fa is kvwarm-spec with spec_type none; llama-server runs llama.cpp's auto.
+    base_name = names[0]
+    same_as = {n: "kvwarm-fa" if n.startswith("kvwarm-spec") else n for n in names}
+    same_as.update({n: "llama" for n in names if n.startswith("llama")})
+    same_as = {n: ref if ref in names else base_name for n, ref in same_as.items()}
+    print(f"{'load':8} {'server':20} {'tok/s':>8} {'x ' + base_name:>10} {'acc/draft':>11}  text")
+    for load in loads:
+        base = runs[(load, base_name)]
+        base_speed = statistics.median(r[2] / r[1] for r in base if r[1] > 0)
+        for name in names:
+            rs = runs[(load, name)]
+            speed = statistics.median(r[2] / r[1] for r in rs if r[1] > 0)
+            ref = runs[(load, same_as[name])][0][0]
+            same = all(r[0] == ref for r in rs)
+            drafted = sum(r[3] for r in rs)
+            accepted = sum(r[4] for r in rs)
+            print(
+                f"{load:8} {name:20} {speed:8.1f} {speed / base_speed:10.2f} "
+                f"{accepted:5}/{drafted:<5}  {'same as' if same else 'DIFFERS from'}"
+                f" {same_as[name]} ({rs[0][2]} tokens)"
+            )
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    start = time.monotonic()
+    main()
+    print(f"\n{time.monotonic() - start:.0f} s in all")

@@ -1,0 +1,407 @@
+"""Drafts for speculative decoding: the tokens a request's own text (its prompt and its reply so
+far) suggests come next, and how many of them are worth a verify pass.
+
+A slot that speculates puts its next token and a draft of ``k`` more into one forward pass
+(``tick``); the model's logits at each of those ``k + 1`` positions are then sampled in order,
+exactly as plain decoding would, and the draft is kept up to its first token that differs from
+what was sampled (``sampling.Sampling.on_verify``). So a draft is only a guess: a wrong one
+costs the extra positions of one pass, never a different output. Here:
+
+- ``NgramIndex``: where each n-gram of a growing token list last occurred, one dict entry per
+  position (built once per request from its prompt, then a few entries per generated token).
+- ``Drafter``: one request's drafts, by its ``SpecType``. "ngram-simple" proposes what followed
+  the latest earlier occurrence of the last ``n`` tokens (llama-server's ``ngram-simple``, which
+  scans backwards for the same thing); "ngram-map-k" does the same lookup but caps each n-gram's
+  next draft at one more token than were accepted of its last (llama-server's ``ngram-map-k``
+  caps it at exactly that many, which mutes a key for good once one draft of it fails).
+- ``DraftBudget``: how long a draft is worth making. With a per-token acceptance ``a`` (counted
+  from this request's verify passes, older ones weighing less) a draft of ``k`` yields
+  ``1 + a + ... + a**k`` tokens for a pass that costs ``1 + f + c*k`` one-token passes, so
+  the ``k`` that maximises their ratio is drafted; ``k = 0`` (plain decoding) whenever no
+  length pays. That is how a prompt with nothing to copy costs what plain decoding does: no
+  match, no draft; matches that keep failing drive ``a`` down until drafting stops.
+- ``PassCost``: ``f`` and ``c`` (``Cost``), measured: each verify pass against the plain
+  passes just before it, so the trade-off follows the hardware (a GPU verifies 16 tokens for
+  little more than one; a CPU pays for the first drafted token what a whole pass costs) and
+  not another process's load.
+
+Invariants: nothing here touches the context or the sampler; a drafter reads only its own
+request's tokens (the tenant rule: ``docs/architecture.md``, "Tenants"); its memory is one dict
+entry per token of the request and is freed with the request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvwarm.cache.api import CacheApi
+from kvwarm.cache.types import Namespace
+from kvwarm.engine.types import SpecType
+from kvwarm.tokens import is_span_id
+
+#: A request's second source of drafts: ``(last n tokens, limit)`` to what followed them
+#: elsewhere (``RowDrafts.continuation`` of its namespace), at most ``limit`` tokens.
+Elsewhere = Callable[[tuple[int, ...], int], list[int]]
+
+#: Per-token acceptance a new request starts from: 0.9, worth 4 tokens of evidence. Optimistic,
+#: as an n-gram match of a request's own text mostly is a copy; wrong, it is corrected within
+#: a pass or two, and a request whose matches fail stops drafting.
+_PRIOR_ACCEPTED = 3.6
+_PRIOR_REJECTED = 0.4
+#: How much one verify pass's evidence fades at the next (a half-life of about 3 passes), so
+#: a request that leaves a copied passage stops drafting within a few passes, and one that
+#: enters another starts again.
+_FADE = 0.8
+#: How much the evidence fades at each match not drafted (a low acceptance then drifts back
+#: to the prior, so a request whose early matches failed tries again later).
+_IDLE_FADE = 0.95
+
+
+class NgramIndex:
+    """Where each ``n``-gram of a growing token list last occurred."""
+
+    __slots__ = ("_indexed", "_starts", "n", "tokens")
+
+    def __init__(self, n: int, tokens: Sequence[int] = ()) -> None:
+        if n < 1:
+            raise ValueError("an n-gram has at least one token")
+        self.n = n
+        self.tokens: list[int] = list(tokens)
+        self._starts: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending before this position are in _starts
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def lookup(self) -> int | None:
+        """Where the latest earlier occurrence of the list's last ``n`` tokens starts (None:
+        there is none). What followed it begins at ``start + n``, at most the last token."""
+        toks, n = self.tokens, self.n
+        size = len(toks)
+        if size <= n:
+            return None
+        starts = self._starts
+        # Index every n-gram ending before the last token: the tail's own occurrence is not
+        # an earlier one.
+        for end in range(max(self._indexed, n - 1), size - 1):
+            starts[tuple(toks[end - n + 1 : end + 1])] = end - n + 1
+        self._indexed = max(self._indexed, size - 1)
+        return starts.get(tuple(toks[size - n :]))
+
+
+class DraftBudget:
+    """How many tokens a draft is worth, from the acceptance this request has seen."""
+
+    __slots__ = ("accepted", "rejected")
+
+    def __init__(self) -> None:
+        self.accepted = 0.0
+        self.rejected = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that a drafted token is accepted (given its predecessors were)."""
+        acc = self.accepted + _PRIOR_ACCEPTED
+        return acc / (acc + self.rejected + _PRIOR_REJECTED)
+
+    def length(self, limit: int, cost: Cost) -> int:
+        """The draft length in ``[0, limit]`` with the most expected tokens per unit of pass
+        cost (``Cost``: in one-token passes)."""
+        a = self.acceptance
+        best_k, best = 0, 1.0
+        gain, p = 1.0, 1.0
+        for k in range(1, limit + 1):
+            p *= a
+            gain += p
+            value = gain / cost.of(k)
+            if value > best:
+                best_k, best = k, value
+            elif p < 1e-3:
+                break  # the gain has stopped growing; the cost has not
+        return best_k
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """A verify pass kept ``accepted`` of ``drafted`` tokens."""
+        self.accepted = self.accepted * _FADE + accepted
+        self.rejected = self.rejected * _FADE + (1.0 if accepted < drafted else 0.0)
+
+    def skipped(self) -> None:
+        """A match was found but not drafted: the evidence fades toward the prior."""
+        self.accepted *= _IDLE_FADE
+        self.rejected *= _IDLE_FADE
+
+
+class Drafter:
+    """One request's drafts (``SpecType`` "ngram-simple" or "ngram-map-k")."""
+
+    __slots__ = (
+        "_caps", "_fed", "_last_key", "budget", "draft_max", "elsewhere", "index", "kind"
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        kind: SpecType,
+        n: int,
+        draft_max: int,
+        prompt: Sequence[int],
+        elsewhere: Elsewhere | None = None,
+    ) -> None:
+        if kind == "none":
+            raise ValueError("a drafter needs a draft source")
+        self.kind = kind
+        self.draft_max = draft_max
+        #: Asked when the request's own text has no match (the cached rows of its namespace).
+        self.elsewhere = elsewhere
+        self.index = NgramIndex(n, prompt)
+        self.budget = DraftBudget()
+        self._fed = 0  # generated tokens already in the index
+        self._caps: dict[tuple[int, ...], int] = {}  # ngram-map-k: key -> next draft's cap
+        self._last_key: tuple[int, ...] | None = None
+
+    def propose(self, generated: Sequence[int], limit: int, cost: Cost) -> list[int]:
+        """A draft of at most ``limit`` tokens to follow ``generated`` (the reply so far, its
+        last token the one about to be decoded); empty when nothing is worth drafting."""
+        self._last_key = None
+        if len(generated) > self._fed:
+            self.index.extend(generated[self._fed :])
+            self._fed = len(generated)
+        limit = min(limit, self.draft_max)
+        if limit <= 0:
+            return []
+        toks, n = self.index.tokens, self.index.n
+        start = self.index.lookup()
+        if start is not None:
+            source = toks[start + n : start + n + limit]
+        elif self.elsewhere is not None and len(toks) >= n:
+            source = self.elsewhere(tuple(toks[len(toks) - n :]), limit)
+        else:
+            source = []
+        # A media span's positions are no token: a draft stops before one (a prompt's or a
+        # row's span ids would otherwise be proposed as tokens, which no vocabulary has).
+        source = list(itertools.takewhile(lambda t: not is_span_id(t), source))
+        if not source:
+            return []
+        limit = len(source)
+        key: tuple[int, ...] | None = None
+        if self.kind == "ngram-map-k":
+            key = tuple(toks[len(toks) - n :])
+            limit = min(limit, self._caps.get(key, limit))
+        k = self.budget.length(limit, cost)
+        if k == 0:
+            self.budget.skipped()
+            return []
+        self._last_key = key
+        return source[:k]
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """The draft ``propose`` made was verified: ``accepted`` of its ``drafted`` tokens
+        were what the model sampled."""
+        self.budget.verified(drafted, accepted)
+        if self._last_key is not None:
+            self._caps[self._last_key] = accepted + 1
+            self._last_key = None
+
+
+#: Most tokens of cached rows one worker indexes for drafts, over all namespaces. An indexed
+#: token costs about 130 bytes (a dict entry, its keys, the row's token tuple): ~17 MB.
+ROW_TOKENS_MAX = 1 << 17
+_ROWS_PER_REFRESH = 64  # rows a namespace's index takes in at most, per refresh
+_REFRESH_S = 1.0  # a namespace's rows are listed at most this often
+
+
+@dataclass(slots=True, eq=False)
+class _Rows:
+    """One namespace's index: its rows' token sequences and where each n-gram occurs."""
+
+    seqs: list[tuple[int, ...]] = field(default_factory=list)
+    keys: set[bytes] = field(default_factory=set)
+    #: hash of an n-gram -> (index into ``seqs``) << 32 | its start; checked on use.
+    starts: dict[int, int] = field(default_factory=dict)
+    tokens: int = 0
+    refreshed: float = float("-inf")
+
+
+class RowDrafts:
+    """Drafts from the cache: n-grams of the token sequences of the cached rows of each
+    namespace, for what a request's own text cannot suggest (the reply an earlier request of
+    the same namespace got: a retried question, a file sent again). A namespace includes
+    the cache salt, so a request drafts from its own tenant's rows only
+    (``docs/architecture.md``, "Tenants"); drafts change no token either way.
+
+    Bounded: ``max_tokens`` tokens indexed over all namespaces, the namespace drafted from
+    least recently dropped whole first; a namespace takes in at most ``_ROWS_PER_REFRESH``
+    rows per refresh (its newest), at most once per ``_REFRESH_S``, the longest first (a row
+    that is a prefix of one indexed adds no n-gram and is not kept). Tokens come from the
+    cache's index (``CacheApi.row_tokens``): no tier is read; and a finish save this worker
+    makes is indexed at once (``saved``). Worker thread only."""
+
+    def __init__(
+        self,
+        cache: CacheApi,
+        n: int,
+        *,
+        max_tokens: int = ROW_TOKENS_MAX,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cache = cache
+        self.n = n
+        self.max_tokens = max_tokens
+        self._clock = clock
+        self._spaces: OrderedDict[Namespace, _Rows] = OrderedDict()
+
+    @property
+    def tokens(self) -> int:
+        """Tokens indexed, over all namespaces."""
+        return sum(space.tokens for space in self._spaces.values())
+
+    def refresh(self, ns: Namespace) -> None:
+        """Take in the namespace's rows not yet indexed (rate-limited)."""
+        space = self._spaces.get(ns)
+        now = self._clock()
+        if space is not None and now - space.refreshed < _REFRESH_S:
+            self._spaces.move_to_end(ns)
+            return
+        if space is None:
+            space = self._spaces[ns] = _Rows()
+        self._spaces.move_to_end(ns)
+        space.refreshed = now
+        infos = [info for info in self._cache.rows(ns) if info.key not in space.keys]
+        infos.sort(key=lambda info: info.created, reverse=True)
+        fresh = sorted(infos[:_ROWS_PER_REFRESH], key=lambda info: info.n_tokens, reverse=True)
+        for info in fresh:
+            space.keys.add(info.key)
+            tokens = self._cache.row_tokens(info.key)
+            if tokens is None or space.tokens + len(tokens) > self.max_tokens:
+                continue
+            self._add(space, tokens)
+        self._bound(keep=ns)
+
+    def saved(self, ns: Namespace, tokens: Sequence[int]) -> None:
+        """This worker saved a row of ``tokens`` under ``ns`` (a finish save: a reply is in
+        it): indexed at once, before the save is even published."""
+        space = self._spaces.get(ns)
+        if space is None or space.tokens + len(tokens) > self.max_tokens:
+            return  # a namespace nobody drafts from yet is listed from the cache when one does
+        self._add(space, tuple(tokens))
+
+    def _add(self, space: _Rows, tokens: tuple[int, ...]) -> None:
+        n, starts = self.n, space.starts
+        seq = len(space.seqs) << 32
+        added = 0
+        for start in range(len(tokens) - n):
+            h = hash(tokens[start : start + n])
+            if h not in starts:
+                starts[h] = seq | start
+                added += 1
+        if added:
+            space.seqs.append(tokens)
+            space.tokens += len(tokens)
+
+    def _bound(self, keep: Namespace) -> None:
+        total = self.tokens
+        for ns in list(self._spaces):
+            if total <= self.max_tokens:
+                return
+            if ns != keep:
+                total -= self._spaces.pop(ns).tokens
+
+    def continuation(self, ns: Namespace, tail: tuple[int, ...], limit: int) -> list[int]:
+        """What followed ``tail`` (``n`` tokens) in a row of ``ns``: at most ``limit`` tokens."""
+        space = self._spaces.get(ns)
+        if space is None or len(tail) != self.n:
+            return []
+        packed = space.starts.get(hash(tail))
+        if packed is None:
+            return []
+        seq, start = space.seqs[packed >> 32], packed & 0xFFFF_FFFF
+        if seq[start : start + self.n] != tail:
+            return []  # another n-gram with the same hash
+        return list(seq[start + self.n : start + self.n + limit])
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What a pass that verifies a draft of ``k`` tokens costs, in one-token passes:
+    ``1 + fixed + per_token * k``. On a CPU the first drafted token costs most (a one-token
+    pass multiplies a vector, any other a matrix): SmolLM2 on 2 cores, measured, 1.0 and
+    0.4; a GPU's are near 0."""
+
+    fixed: float
+    per_token: float
+
+    def of(self, k: int) -> float:
+        return 1.0 if k <= 0 else 1.0 + self.fixed + self.per_token * k
+
+
+class PassCost:
+    """``Cost``, measured: each pass that verified a draft, against the median of the latest
+    plain passes of as many slots (run moments before, under the same load: another
+    process's load cancels out), gives a sample ``(k, t / t_plain)``; a least-squares line
+    through the latest samples, and two of the prior's (so that a few samples move it a
+    little, many all the way), with samples far off the line (a pass stalled by another
+    process) left out of a second fit."""
+
+    #: What a pass costs until passes have been timed: a CPU-like guess.
+    PRIOR = Cost(0.5, 0.3)
+    _KEEP = 31  # recent plain passes per slot count; recent samples
+    _PRIOR_AT = (1, 16)  # the prior's two pseudo-samples
+    _MAX_FIXED, _MAX_PER_TOKEN = 4.0, 2.0
+
+    __slots__ = ("_fit", "_plain", "_samples")
+
+    def __init__(self) -> None:
+        self._plain: dict[int, deque[float]] = {}
+        self._samples: deque[tuple[int, float]] = deque(maxlen=self._KEEP)
+        self._fit: Cost | None = self.PRIOR
+
+    def observe(self, slots: int, drafted: int, seconds: float) -> None:
+        """A decode-only pass of ``slots`` slots' next tokens and ``drafted`` draft tokens
+        took ``seconds``."""
+        if slots <= 0 or seconds <= 0.0:
+            return
+        plain = self._plain.get(slots)
+        if not drafted:
+            if plain is None:
+                plain = self._plain[slots] = deque(maxlen=self._KEEP)
+            plain.append(seconds)
+            return
+        if plain:
+            self._samples.append((drafted, seconds / statistics.median(plain)))
+            self._fit = None
+
+    @property
+    def cost(self) -> Cost:
+        if self._fit is None:
+            self._fit = self._estimate()
+        return self._fit
+
+    def _estimate(self) -> Cost:
+        prior = [(k, self.PRIOR.of(k) - 1.0) for k in self._PRIOR_AT]
+        points = prior + [(k, r - 1.0) for k, r in self._samples]
+        fixed, per_token = _line(points)
+        residuals = sorted(abs(y - fixed - per_token * x) for x, y in points)
+        spread = residuals[len(residuals) // 2]
+        kept = prior + [
+            (x, y) for x, y in points[len(prior) :] if abs(y - fixed - per_token * x) <= 3 * spread
+        ]
+        fixed, per_token = _line(kept)
+        return Cost(
+            min(self._MAX_FIXED, max(0.0, fixed)),
+            min(self._MAX_PER_TOKEN, max(0.002, per_token)),
+        )
+
+
+def _line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares ``y = a + b x`` (the prior's two points make ``x`` vary)."""
+    n = float(len(points))
+    sx = float(sum(x for x, _ in points))
+    sy = sum(y for _, y in points)
+    sxx = float(sum(x * x for x, _ in points))
+    sxy = sum(x * y for x, y in points)
+    b = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+    return (sy - b * sx) / n, b

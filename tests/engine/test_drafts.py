@@ -1,0 +1,188 @@
+"""The parts of speculative decoding's drafts (engine/worker/drafts.py): the n-gram index,
+the draft budget, ngram-map-k's caps, the pass cost's fit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TtlClass
+from kvwarm.engine.worker.drafts import (
+    Cost,
+    DraftBudget,
+    Drafter,
+    NgramIndex,
+    PassCost,
+    RowDrafts,
+)
+
+
+def test_ngram_index_finds_the_latest_earlier_occurrence() -> None:
+    index = NgramIndex(2, [1, 2, 3, 1, 2, 4, 1, 2])
+    assert index.lookup() == 3  # [1, 2] at 3 (then 4), not at 6 (the tail itself)
+    index.extend([9])
+    assert index.lookup() is None
+    assert NgramIndex(3, [1, 2]).lookup() is None
+
+
+def test_budget_drafts_nothing_when_nothing_pays() -> None:
+    gpu, cpu = Cost(0.0, 0.02), Cost(1.0, 0.4)
+    budget = DraftBudget()
+    assert budget.length(32, gpu) >= 16  # a fresh request tries, long on a GPU ...
+    assert 1 <= budget.length(32, cpu) <= 8  # ... shorter where a verify pass costs more
+    assert budget.length(32, Cost(3.0, 1.0)) == 0  # a pass that costs that much never pays
+    for _ in range(6):
+        budget.verified(4, 0)
+    assert budget.length(32, cpu) == 0  # every draft failed: not worth a CPU's pass
+    assert 1 <= budget.length(32, gpu) <= 4  # on a GPU a short draft still pays
+    for _ in range(80):
+        budget.skipped()
+    assert budget.length(32, cpu) > 0  # the evidence faded: it tries again
+    for _ in range(8):
+        budget.verified(32, 32)
+    assert budget.length(32, cpu) >= 16
+
+
+def test_map_k_caps_a_key_by_its_last_acceptance() -> None:
+    prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6]
+    drafter = Drafter("ngram-map-k", 2, 16, prompt)
+    first = drafter.propose([], 16, Cost(0.0, 0.01))
+    assert len(first) >= 3 and first == [7, 8, 9, 10, 11, 5, 6][: len(first)]
+    drafter.verified(len(first), 1)
+    # The same key again: at most one more token than were accepted; ngram-simple: no cap.
+    assert drafter.propose([], 16, Cost(0.0, 0.01)) == [7, 8]
+    simple = Drafter("ngram-simple", 2, 16, prompt)
+    simple.propose([], 16, Cost(0.0, 0.01))
+    simple.verified(len(first), 1)
+    assert len(simple.propose([], 16, Cost(0.0, 0.01))) >= 3
+
+
+def test_pass_cost_fits_its_fixed_and_per_token_parts_from_pairs_of_passes() -> None:
+    cost = PassCost()
+    assert cost.cost == PassCost.PRIOR  # nothing seen yet
+    for _ in range(5):
+        cost.observe(1, 0, 0.010)
+    cost.observe(2, 3, 0.1)  # no plain pass of two slots yet: no sample
+    assert cost.cost == PassCost.PRIOR
+    # The truth: a draft of k costs 1 + 1.0 + 0.4 k one-token passes. The machine gets three
+    # times slower meanwhile (another process): the pairs still say so.
+    for _ in range(15):
+        cost.observe(1, 0, 0.030)
+    for k in (1, 4, 8, 16, 32) * 5:
+        cost.observe(1, k, 0.030 * (2.0 + 0.4 * k))
+    cost.observe(1, 8, 0.030 * 40)  # one pass stalled for a second: left out of the fit
+    fit = cost.cost
+    assert abs(fit.fixed - 1.0) < 0.1 and abs(fit.per_token - 0.4) < 0.01
+    assert Cost(1.0, 0.4).of(0) == 1.0 and Cost(1.0, 0.4).of(5) == 4.0
+
+
+class _Rows:
+    """What ``RowDrafts`` asks of a cache: a namespace's rows and their tokens."""
+
+    def __init__(self) -> None:
+        self.rows: dict[bytes, tuple[Namespace, tuple[int, ...]]] = {}
+        self.listed = 0
+
+    def add(self, ns: Namespace, tokens: list[int]) -> None:
+        self.rows[bytes([len(self.rows)])] = (ns, tuple(tokens))
+
+    def rows_of(self, ns: Namespace | None = None) -> list[RowInfo]:
+        self.listed += 1
+        return [
+            RowInfo(
+                key,
+                "ram",
+                0,
+                len(toks),
+                0,
+                0.0,
+                float(i),
+                SaveReason.FINISH,
+                TtlClass.SHORT,
+                False,
+                space,
+            )
+            for i, (key, (space, toks)) in enumerate(self.rows.items())
+            if ns is None or space == ns
+        ]
+
+    def row_tokens(self, key: bytes) -> tuple[int, ...] | None:
+        return self.rows[key][1] if key in self.rows else None
+
+
+def _ns(salt: bytes) -> Namespace:
+    return Namespace(b"f" * 32, 1, salt.ljust(32, b"\0"))
+
+
+def _drafts(cache: _Rows, **kw: object) -> RowDrafts:
+    fake = SimpleNamespace(rows=cache.rows_of, row_tokens=cache.row_tokens)
+    return RowDrafts(fake, 2, **kw)  # type: ignore[arg-type]
+
+
+def test_row_drafts_come_from_the_namespace_alone() -> None:
+    cache = _Rows()
+    a, b = _ns(b"a"), _ns(b"b")
+    cache.add(a, [1, 2, 3, 4, 5, 6])
+    cache.add(b, [1, 2, 9, 9, 9])
+    drafts = _drafts(cache)
+    drafts.refresh(a)
+    assert drafts.continuation(a, (2, 3), 8) == [4, 5, 6]
+    assert drafts.continuation(b, (2, 3), 8) == []  # b's index was never made
+    drafts.refresh(b)
+    assert drafts.continuation(b, (1, 2), 8) == [9, 9, 9]
+    assert drafts.continuation(a, (1, 2), 2) == [3, 4]
+    assert drafts.continuation(a, (9, 9), 8) == []
+
+
+def test_row_drafts_stay_bounded_and_refresh_at_most_once_a_second() -> None:
+    cache = _Rows()
+    a, b = _ns(b"a"), _ns(b"b")
+    now = [0.0]
+    cache.add(a, list(range(100, 160)))
+    cache.add(a, list(range(100, 130)))  # a prefix of the first: adds nothing, not kept
+    drafts = _drafts(cache, max_tokens=100, clock=lambda: now[0])
+    drafts.refresh(a)
+    assert drafts.tokens == 60
+    cache.add(a, list(range(200, 260)))  # would pass the bound: not taken in
+    drafts.refresh(a)  # too soon: the cache is not even asked
+    assert cache.listed == 1
+    now[0] = 2.0
+    drafts.refresh(a)
+    assert cache.listed == 2 and drafts.tokens == 60
+    assert drafts.continuation(a, (200, 201), 4) == []
+    cache.add(b, list(range(300, 360)))
+    drafts.refresh(b)  # b is drafted from now: a, least recent, is dropped whole
+    assert drafts.tokens == 60 and drafts.continuation(a, (100, 101), 4) == []
+    assert drafts.continuation(b, (300, 301), 2) == [302, 303]
+    drafts.saved(b, [7, 8, 9])
+    assert drafts.continuation(b, (7, 8), 2) == [9]
+    drafts.saved(a, [7, 8, 9])  # a is not indexed (nobody drafts from it): ignored
+    assert drafts.continuation(a, (7, 8), 2) == []
+
+
+def test_drafter_asks_elsewhere_only_when_its_own_text_has_no_match() -> None:
+    asked: list[tuple[int, ...]] = []
+
+    def elsewhere(tail: tuple[int, ...], limit: int) -> list[int]:
+        asked.append(tail)
+        return [42, 43][:limit]
+
+    drafter = Drafter("ngram-simple", 2, 8, [1, 2, 3, 1, 2], elsewhere)
+    assert drafter.propose([], 8, Cost(0.0, 0.01))[:1] == [3]  # its own prompt has [1, 2] earlier
+    assert asked == []
+    assert drafter.propose([7], 8, Cost(0.0, 0.01))[:1] == [42]
+    assert asked == [(2, 7)]
+
+
+def test_a_draft_stops_before_a_media_span() -> None:
+    """A span's ids (an image's positions) are no token: drafted as tokens they would fail the
+    request's pass (ids outside the vocabulary)."""
+    import hashlib
+
+    from kvwarm.tokens import span_ids
+
+    image = list(span_ids(hashlib.sha256(b"picture").digest(), 4))
+    prompt = [5, 6, 7, *image, 8, 5, 6]
+    draft = Drafter("ngram-simple", 2, 16, prompt).propose([], 16, Cost(0.0, 0.01))
+    assert draft == [7]  # what followed [5, 6], up to the picture
+    rows = Drafter("ngram-simple", 2, 16, [1, 2], lambda tail, limit: [9, *image][:limit])
+    assert rows.propose([], 16, Cost(0.0, 0.01)) == [9]

@@ -1,0 +1,115 @@
+"""Speculative decoding on the real embedded model (llama.cpp): the verify pass's rows are a
+one-token pass's logits (flash attention on), so greedy and seeded replies, and their logprobs,
+are plain decoding's, token for token, while drafts copied from the prompt are accepted.
+Short prompts: prefill is ~200 tokens/s on 2 cores."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from tests.engine.conftest import make_engine
+
+from kvwarm.backends.base import BatchToken, ContextParams
+from kvwarm.engine.api import ModelConfig
+from kvwarm.engine.model import Model
+from kvwarm.engine.types import GenerationOptions
+from kvwarm.engine.worker.drafts import Cost, PassCost
+
+pytestmark = pytest.mark.model
+
+CODE = (
+    "def area(width, height):\n"
+    "    if width < 0 or height < 0:\n"
+    "        raise ValueError('negative size')\n"
+    "    return width * height\n"
+)
+MESSAGES = [{"role": "user", "content": f"Repeat this code exactly:\n\n{CODE}"}]
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[Model]:
+    with pytest.MonkeyPatch.context() as patch:
+        # Draft generously (a GPU's trade-off) so long drafts and rejections are both verified.
+        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+        with make_engine() as engine:
+            config = ModelConfig(
+                context=ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2),
+                spec_type="ngram-simple",
+                spec_ngram_n=3,
+                spec_draft_max=32,
+            )
+            yield engine.load_model(config=config)
+
+
+def test_greedy_reply_is_plain_decodings(model: Model) -> None:
+    opts = GenerationOptions(max_tokens=48, temperature=0.0)
+    # Salts keep each run cold, so both start from the same prefill.
+    plain = model.chat(MESSAGES, options=opts, spec_type="none", cache_salt="plain")
+    spec = model.chat(MESSAGES, options=opts, cache_salt="spec")
+    assert spec.completion_tokens == plain.completion_tokens
+    assert "width * height" in spec.text  # it copied ...
+    assert spec.stats.accepted_tokens >= 16  # ... much of it from drafts
+    assert model.info().flash_attn == "auto"  # llama.cpp's auto: flash attention on
+
+
+def test_seeded_reply_and_logprobs_are_plain_decodings(model: Model) -> None:
+    opts = GenerationOptions(max_tokens=32, temperature=0.8, seed=11, logprobs=2)
+    plain = model.chat(MESSAGES, options=opts, spec_type="none", cache_salt="plain-s")
+    spec = model.chat(MESSAGES, options=opts, spec_type="ngram-map-k", cache_salt="spec-s")
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.logprobs == plain.logprobs
+    assert spec.stats.drafted_tokens > 0
+
+
+def test_a_verify_pass_row_is_a_one_token_pass(model: Model) -> None:
+    """What exactness rests on (``docs/internals.md``, "Speculative decoding"): with flash
+    attention, the logits of each row of a pass of up to 63 tokens of one sequence equal a
+    one-token pass's at that position, and so does everything decoded after a trim."""
+    bmodel = model._bmodel
+    prompt = bmodel.tokenize(CODE)
+    params = ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2, flash_attn="on")
+    ctx = bmodel.new_context(params)
+    try:
+        n = len(prompt)
+        follow = [prompt[i % n] for i in range(40)]
+        ctx.prefill(0, prompt, 0)
+        one = []
+        for i, token in enumerate(follow):
+            ctx.decode([BatchToken(token, n + i, 0, True)])
+            one.append(np.frombuffer(ctx.logits(0), np.float32).copy())
+        ctx.seq_rm(0, n, -1)
+        ctx.decode([BatchToken(t, n + i, 0, True) for i, t in enumerate(follow[:33])])
+        rows = [np.frombuffer(ctx.logits(i), np.float32).copy() for i in range(33)]
+        ctx.seq_rm(0, n + 5, -1)  # keep 5, as a verify pass that accepted 4 drafts would
+        for i, token in enumerate(follow[5:20], start=5):
+            ctx.decode([BatchToken(token, n + i, 0, True)])
+            rows[i] = np.frombuffer(ctx.logits(0), np.float32).copy()
+        for i in range(20):
+            assert np.array_equal(rows[i], one[i]), f"position {n + i} differs"
+    finally:
+        ctx.close()
+
+
+def test_sliding_window_model_speculates_inside_its_window_exactly(gemma_path: str) -> None:
+    """Gemma 3 270M (a 512-token window): drafts are verified while a pass stays inside the
+    window and the model decodes plainly past it; the reply crosses it and is plain
+    decoding's throughout."""
+    functions = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(18))
+    messages = [{"role": "user", "content": f"Repeat this code exactly:\n\n{functions}"}]
+    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
+        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+        config = ModelConfig(
+            context=ContextParams(n_ctx=1024, n_batch=256, n_ubatch=256, n_threads=2),
+            spec_type="ngram-simple",
+            chat_template="gemma",
+        )
+        model = engine.load_model(gemma_path, config=config)
+        assert "512-token sliding window" in model.info().speculation
+        opts = GenerationOptions(max_tokens=160, temperature=0.0)
+        plain = model.chat(messages, options=opts, spec_type="none", cache_salt="plain")
+        spec = model.chat(messages, options=opts, cache_salt="spec")
+    assert len(plain.prompt_tokens) < 512 < len(plain.tokens)  # the reply crosses the window
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.accepted_tokens > 0

@@ -1,0 +1,431 @@
+"""Speculative decoding (engine/worker/drafts.py, sampling.on_verify, tick) on the stub: the
+output is plain decoding's, token for token, and the KV holds only what was accepted.
+
+The stub copies (``copy_bias``: what followed the latest earlier occurrence of the last two
+tokens is favoured), so drafts from the prompt are accepted, and rejected where it stops
+copying. A pass's cost is pinned (``cheap_passes``) so what is drafted never depends on timing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from tests.engine.conftest import GatedBackend, make_engine, stub_config
+
+from kvwarm.backends.base import BatchToken, ContextParams
+from kvwarm.backends.stub import StubBackend
+from kvwarm.backends.stub.vocab import EOS
+from kvwarm.engine.api import Engine, ModelConfig
+from kvwarm.engine.model import Model
+from kvwarm.engine.types import GenerationOptions
+from kvwarm.engine.worker.drafts import Cost, PassCost
+from kvwarm.errors import InvalidRequestError, StateRestoreError
+from kvwarm.memory import MemoryKindName
+
+PASSAGE = "The quick brown fox jumps over the lazy dog while the cat sleeps on the mat. "
+PROMPT = f"Copy this: {PASSAGE}{PASSAGE}Again: The quick"
+GREEDY = GenerationOptions(max_tokens=60, temperature=0.0)
+SAMPLED = GenerationOptions(max_tokens=60, temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, seed=5)
+
+
+@pytest.fixture(autouse=True)
+def cheap_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One more token in a pass costs 5% of a pass (a GPU-like figure), whatever the timing."""
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+
+
+def copier(**kw: object) -> StubBackend:
+    return StubBackend(copy_bias=kw.pop("copy_bias", 8.0), **kw)  # type: ignore[arg-type]
+
+
+def spec_config(
+    n_parallel: int = 1, *, backend: StubBackend | None = None, **kw: object
+) -> ModelConfig:
+    base = stub_config(n_parallel, backend=backend or copier(), n_batch=64)
+    return replace(base, **{"spec_type": "ngram-simple", **kw})  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    eng = make_engine()
+    yield eng
+    eng.close()
+
+
+def both(model: Model, prompt: str, opts: GenerationOptions, **kw: object):  # type: ignore[no-untyped-def]
+    plain = model.complete(prompt, opts, spec_type="none", **kw)  # type: ignore[arg-type]
+    model.evict()
+    spec = model.complete(prompt, opts, **kw)  # type: ignore[arg-type]
+    model.evict()
+    return plain, spec
+
+
+def held(model: Model, seq: int = 0) -> int:
+    """Positions the slot's sequence holds in the context (the worker is idle)."""
+    return int(model._worker.rt.ctx.seq_pos_max(seq)) + 1
+
+
+# ---- the output is plain decoding's -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["ngram-simple", "ngram-map-k"])
+def test_greedy_output_is_plain_decodings(engine: Engine, kind: str) -> None:
+    model = engine.load_model(config=spec_config(spec_type=kind))
+    plain, spec = both(model, PROMPT, GREEDY)
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.text == plain.text
+    assert plain.stats.drafted_tokens == 0
+    assert spec.stats.accepted_tokens > 20  # it copied, most of it from drafts
+    assert spec.stats.drafted_tokens >= spec.stats.accepted_tokens
+
+
+def test_seeded_sampling_is_plain_decodings_token_for_token(engine: Engine) -> None:
+    model = engine.load_model(config=spec_config())
+    plain, spec = both(model, PROMPT, SAMPLED, logprobs=3)
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.logprobs == plain.logprobs  # the target's logprobs, every one
+    assert spec.stats.accepted_tokens > 0
+    assert spec.stats.drafted_tokens > spec.stats.accepted_tokens  # some drafts were rejected
+
+
+def test_sampled_tokens_keep_the_target_distribution(engine: Engine) -> None:
+    """Many seeds, one verify pass each: the pending token ``t1`` and the first token sampled
+    from a verify pass, ``t2``, against the exact target distribution ``p(t1) p(t2 | t1)``
+    (chi-square at p = 0.001, and total variation)."""
+    backend = copier(copy_bias=5.5)
+    model = engine.load_model(config=spec_config(backend=backend, spec_ngram_n=1))
+    prompt = "abcabdabeabfab"
+    opts = GenerationOptions(max_tokens=3, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    toks = model.tokenize(prompt)
+    pairs: Counter[tuple[int, int]] = Counter()
+    drafted = accepted = 0
+    n = 1500
+    for seed in range(n):
+        done = model.complete(toks, opts, seed=seed)
+        pair = (*done.completion_tokens[:2], EOS, EOS)  # an end-of-generation token ends it
+        pairs[(pair[0], pair[1])] += 1
+        drafted += done.stats.drafted_tokens
+        accepted += done.stats.accepted_tokens
+    assert drafted > n // 3 and n // 10 < accepted < drafted - n // 10  # both branches, often
+    expected = _target(backend, toks, {t1 for t1, _ in pairs})
+    # Cells expected at least 5 times each, and one for the rest.
+    big = {pair for pair, p in expected.items() if n * p >= 5}
+    seen = [pairs.get(pair, 0) for pair in big] + [n - sum(pairs.get(pair, 0) for pair in big)]
+    want = [n * expected[pair] for pair in big] + [n - sum(n * expected[pair] for pair in big)]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(seen, want, strict=True) if e > 0)
+    assert len(big) >= 4
+    assert chi2 < _chi2_critical(len(big), 0.001)
+    assert 0.5 * sum(abs(o - e) for o, e in zip(seen, want, strict=True)) / n < 0.05
+
+
+def _target(
+    backend: StubBackend, prompt: list[int], firsts: set[int]
+) -> dict[tuple[int, int], float]:
+    """``p(t1) p(t2 | t1)`` under the stub's logits at temperature 1 (a plain softmax)."""
+    bmodel = backend.load_model("stub")
+    ctx = bmodel.new_context(ContextParams(n_ctx=256, n_batch=64, n_ubatch=64))
+    try:
+        ctx.prefill(0, prompt, 0)
+        p1 = _softmax(ctx.logits(-1))
+        out: dict[tuple[int, int], float] = {}
+        for t1 in range(len(p1)):
+            if p1[t1] < 1e-6 and t1 not in firsts:
+                continue
+            if t1 == EOS:
+                out[(EOS, EOS)] = float(p1[EOS])
+                continue
+            ctx.seq_rm(0, len(prompt), -1)
+            ctx.decode([BatchToken(t1, len(prompt), 0, True)])
+            p2 = _softmax(ctx.logits(0))
+            for t2 in np.flatnonzero(p2 > 1e-9):
+                out[(t1, int(t2))] = float(p1[t1] * p2[t2])
+        return out
+    finally:
+        ctx.close()
+        bmodel.close()
+
+
+def _softmax(logits: memoryview) -> np.ndarray:
+    x = np.frombuffer(logits, dtype=np.float32).astype(np.float64)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def _chi2_critical(dof: int, alpha: float) -> float:
+    """Wilson-Hilferty: the chi-square quantile of ``1 - alpha`` (good to ~1% for dof > 3)."""
+    z = {0.001: 3.0902, 0.01: 2.3263}[alpha]
+    k = float(dof)
+    return k * (1 - 2 / (9 * k) + z * math.sqrt(2 / (9 * k))) ** 3
+
+
+def test_stop_string_inside_an_accepted_draft(engine: Engine) -> None:
+    model = engine.load_model(config=spec_config())
+    greedy = model.complete(PROMPT, GREEDY, spec_type="none").text
+    stop = greedy[20:26]  # several tokens, well inside the copied text
+    model.evict()
+    plain, spec = both(model, PROMPT, GREEDY, stop=[stop])
+    assert spec.text == plain.text == greedy[: greedy.index(stop)]
+    assert spec.stats.finish_reason == "stop" and spec.stats.stop_sequence == stop
+    assert spec.stats.accepted_tokens > 0
+    # The sequence holds the prompt and the reply's decoded tokens, no draft past the stop.
+    again = model.complete(PROMPT, GREEDY, stop=[stop])
+    assert held(model) == len(again.prompt_tokens) + len(again.completion_tokens) - 1
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 23])
+def test_max_tokens_mid_draft(engine: Engine, max_tokens: int) -> None:
+    model = engine.load_model(config=spec_config())
+    opts = replace(GREEDY, max_tokens=max_tokens)
+    plain, spec = both(model, PROMPT, opts)
+    assert spec.completion_tokens == plain.completion_tokens
+    assert len(spec.completion_tokens) == max_tokens and spec.stats.finish_reason == "length"
+    spec = model.complete(PROMPT, opts)
+    assert held(model) == len(spec.prompt_tokens) + max_tokens - 1  # the last is never decoded
+
+
+def test_window_end_mid_draft(engine: Engine) -> None:
+    cfg = spec_config()
+    cfg = replace(cfg, context=replace(cfg.context, n_ctx=230))
+    model = engine.load_model(config=cfg)
+    opts = replace(GREEDY, max_tokens=500)
+    plain, spec = both(model, PROMPT, opts)
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.finish_reason == "length" and spec.stats.accepted_tokens > 0
+
+
+def test_n_choices_each_speculate(engine: Engine) -> None:
+    model = engine.load_model(config=spec_config(n_parallel=3))
+    group = [s.result() for s in model.streams(PROMPT, SAMPLED, n=3)]
+    model.evict()
+    plain = [s.result() for s in model.streams(PROMPT, SAMPLED, n=3, spec_type="none")]
+    assert [g.completion_tokens for g in group] == [p.completion_tokens for p in plain]
+    assert sum(g.stats.drafted_tokens for g in group) > 0
+
+
+def test_grammar_refusing_a_draft_token_ends_the_draft(engine: Engine) -> None:
+    model = engine.load_model(config=spec_config())
+    grammar = 'root ::= " brown fox jumps over the lazy cat" | " brown fox jumps high"'
+    plain, spec = both(model, PROMPT, GREEDY, grammar=grammar)
+    assert spec.text == plain.text == " brown fox jumps over the lazy cat"
+    assert 0 < spec.stats.accepted_tokens < spec.stats.drafted_tokens  # " dog" was refused
+
+
+def test_streamed_fragments_are_plain_decodings(engine: Engine) -> None:
+    model = engine.load_model(config=spec_config())
+    plain = "".join(model.stream(PROMPT, GREEDY, spec_type="none"))
+    model.evict()
+    stream = model.stream(PROMPT, GREEDY)
+    assert "".join(stream) == plain
+    assert stream.result().stats.accepted_tokens > 0
+
+
+def test_request_switch_and_draft_cap(engine: Engine) -> None:
+    model = engine.load_model(config=replace(spec_config(), spec_type="none"))
+    assert model.complete(PROMPT, GREEDY).stats.drafted_tokens == 0
+    model.evict()
+    on = model.complete(PROMPT, GREEDY, spec_type="ngram-map-k", spec_draft_max=3)
+    assert on.stats.accepted_tokens > 0
+    assert on.stats.drafted_tokens <= 3 * len(on.completion_tokens)
+    model.evict()
+    assert (
+        model.complete(
+            PROMPT, GREEDY, spec_type="ngram-simple", spec_draft_max=0
+        ).stats.drafted_tokens
+        == 0
+    )
+    with pytest.raises(InvalidRequestError) as bad:
+        model.complete(PROMPT, GREEDY, spec_type="ngram-mod")
+    assert bad.value.param == "spec_type"
+    with pytest.raises(InvalidRequestError) as bad:
+        model.complete(PROMPT, GREEDY, spec_draft_max=49)
+    assert bad.value.param == "spec_draft_max"
+
+
+def test_nothing_to_copy_drafts_nothing(engine: Engine) -> None:
+    model = engine.load_model(config=spec_config(backend=StubBackend()))  # a stub that never copies
+    done = model.complete("Tell me something new.", replace(GREEDY, max_tokens=40))
+    assert done.stats.drafted_tokens == 0
+
+
+# ---- the KV and the cache -------------------------------------------------------------------
+
+
+def test_reply_kv_is_the_accepted_tokens_only(engine: Engine) -> None:
+    """The stub's cells chain by hash: KV with a rejected draft cell left in it, or missing
+    an accepted one, would change every later logit. A follow-up prompt that continues the
+    speculative reply, reusing its live KV, must answer as a cold run of the same prompt."""
+    model = engine.load_model(config=spec_config())
+    plain = model.complete(PROMPT, SAMPLED, spec_type="none")
+    plain_held = held(model)
+    model.evict()
+    first = model.complete(PROMPT, SAMPLED)
+    assert first.completion_tokens == plain.completion_tokens
+    assert 0 < first.stats.accepted_tokens < first.stats.drafted_tokens
+    assert held(model) == plain_held  # no draft cell left behind, none missing
+    follow = [*first.tokens, *model.tokenize(" And then", add_special=False)]
+    warm = model.complete(follow, GREEDY, spec_type="none")
+    assert warm.stats.cached_tokens == plain_held
+    model.evict()
+    with make_engine() as other:
+        cold = other.load_model(config=spec_config()).complete(follow, GREEDY, spec_type="none")
+    assert warm.completion_tokens == cold.completion_tokens
+
+
+def test_finish_row_restores_to_plain_output(engine: Engine) -> None:
+    model = engine.load_model(config=spec_config())
+    first = model.complete(PROMPT, GREEDY)
+    model.evict()  # the live KV goes; the finish row remains
+    follow = [*first.tokens, *model.tokenize(" Next:", add_special=False)]
+    restored = model.complete(follow, GREEDY)
+    assert restored.stats.cached_tokens >= len(first.tokens) - 8  # from the row
+    with make_engine() as other:
+        cold = other.load_model(config=spec_config()).complete(follow, GREEDY, spec_type="none")
+    assert restored.completion_tokens == cold.completion_tokens
+
+
+def test_a_refused_removal_fails_the_request_and_clears_its_slot(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = engine.load_model(config=spec_config())
+    ctx = model._worker.rt.ctx
+    real = ctx.seq_rm
+
+    def refuse(seq: int, p0: int = 0, p1: int = -1) -> None:
+        if p0 > 0:
+            raise StateRestoreError("this memory cannot remove those positions")
+        real(seq, p0, p1)
+
+    monkeypatch.setattr(ctx, "seq_rm", refuse)
+    with pytest.raises(StateRestoreError):
+        model.complete(PROMPT, SAMPLED)
+    assert held(model) == 0 and model.status().active == 0
+    monkeypatch.setattr(ctx, "seq_rm", real)
+    plain = model.complete(PROMPT, GREEDY, spec_type="none")
+    model.evict()
+    assert model.complete(PROMPT, GREEDY).completion_tokens == plain.completion_tokens
+
+
+def test_a_removal_that_leaves_cells_behind_is_caught(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = engine.load_model(config=spec_config())
+    ctx = model._worker.rt.ctx
+    real = ctx.seq_rm
+    monkeypatch.setattr(ctx, "seq_rm", lambda s, p0=0, p1=-1: None if p0 > 0 else real(s, p0, p1))
+    with pytest.raises(StateRestoreError, match="rejected draft"):
+        model.complete(PROMPT, SAMPLED)
+    assert held(model) == 0
+
+
+# ---- batching, cancellation ----------------------------------------------------------------
+
+
+class _Spy:
+    def __init__(self, inner: object, batches: list[list[BatchToken]]) -> None:
+        self._inner, self._batches = inner, batches
+
+    def decode(self, batch: list[BatchToken]) -> None:
+        self._batches.append(list(batch))
+        self._inner.decode(batch)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+def test_several_slots_verify_their_drafts_in_one_pass(engine: Engine) -> None:
+    model = engine.load_model(config=spec_config(n_parallel=2))
+    batches: list[list[BatchToken]] = []
+    rt = model._worker.rt
+    rt.ctx = _Spy(rt.ctx, batches)  # type: ignore[assignment]
+    a = model.stream(PROMPT, GREEDY)
+    b = model.stream(PROMPT.replace("Copy", "Echo"), GREEDY)
+    a.result(), b.result()
+    both_drafting = [
+        batch
+        for batch in batches
+        if all(sum(1 for t in batch if t.seq == s) > 1 for s in (0, 1))
+        and all(t.logits for t in batch)
+    ]
+    assert both_drafting, "no pass verified two slots' drafts together"
+
+
+def test_cancel_while_speculating() -> None:
+    with make_engine() as eng:
+        gated = GatedBackend()
+        gated._stub = copier()
+        model = eng.load_model(config=spec_config(backend=gated))  # type: ignore[arg-type]
+        stream = model.stream(PROMPT, GREEDY)
+        gated.gate.step(3)  # prefill, then a pass or two
+        stream.cancel()
+        gated.gate.set()
+        done = stream.result()
+        assert done.stats.finish_reason == "cancelled"
+        assert held(model) == len(done.prompt_tokens) + len(done.completion_tokens) - 1
+
+
+# ---- where it is off ------------------------------------------------------------------------
+
+
+def test_deterministic_mode_does_not_speculate(engine: Engine) -> None:
+    model = engine.load_model(config=spec_config(deterministic=True))
+    assert model.info().speculation.startswith("off: deterministic")
+    assert model.complete(PROMPT, GREEDY).stats.drafted_tokens == 0
+    relaxed = engine.load_model("relaxed", config=spec_config())
+    assert relaxed.info().speculation == "on" and relaxed.info().spec_type == "ngram-simple"
+    assert relaxed.complete(PROMPT, GREEDY, deterministic=True).stats.drafted_tokens == 0
+
+
+@pytest.mark.parametrize("kind", ["recurrent", "hybrid"])
+def test_memory_that_cannot_roll_back_does_not_speculate(
+    engine: Engine, kind: MemoryKindName
+) -> None:
+    model = engine.load_model(config=spec_config(backend=copier(memory_kind=kind)))
+    assert model.info().speculation == f"off: a {kind} memory cannot roll a rejected draft back"
+    assert model.complete(PROMPT, GREEDY).stats.drafted_tokens == 0
+
+
+def test_sliding_window_speculates_only_inside_its_window(engine: Engine) -> None:
+    window = 240
+    model = engine.load_model(config=spec_config(backend=copier(memory_kind="swa", n_swa=window)))
+    assert "shorter than its 240-token sliding window" in model.info().speculation
+    opts = replace(GREEDY, max_tokens=120)
+    plain, spec = both(model, PROMPT, opts)
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.accepted_tokens > 0
+    assert len(spec.prompt_tokens) + 120 > window  # it went on past the window, plainly
+
+
+def test_full_size_window_speculates_everywhere(engine: Engine) -> None:
+    cfg = spec_config(backend=copier(memory_kind="swa", n_swa=128))
+    cfg = replace(cfg, context=replace(cfg.context, swa_full=True))
+    model = engine.load_model(config=cfg)
+    assert model.info().speculation == "on"
+    plain, spec = both(model, PROMPT, replace(GREEDY, max_tokens=120))
+    assert spec.completion_tokens == plain.completion_tokens and spec.stats.accepted_tokens > 20
+
+
+# ---- drafts from the cache ------------------------------------------------------------------
+
+
+def test_drafts_from_the_namespaces_rows_and_no_other(engine: Engine) -> None:
+    """A stub that never copies: a reply's own text suggests nothing, but the reply an earlier
+    request of the same namespace got is in a cached row, and drafts come from it. Another
+    tenant (another cache salt) gets none of them."""
+    model = engine.load_model(config=spec_config(backend=StubBackend()))
+    prompt = "Tell me about the harbour, the lighthouse and the keeper's family."
+    opts = replace(GREEDY, max_tokens=40)
+    first = model.complete(prompt, opts, cache_salt="tenant-a")
+    assert first.stats.accepted_tokens == 0 and first.stats.key is not None
+    assert engine.cache.lookup_exact_or_wait(first.stats.key, 30.0) is not None  # published
+    model.evict()
+    again = model.complete(prompt, opts, cache_salt="tenant-a")
+    assert again.completion_tokens == first.completion_tokens
+    assert again.stats.accepted_tokens >= 30  # the earlier reply, from its row
+    other = model.complete(prompt, opts, cache_salt="tenant-b")
+    assert other.completion_tokens == first.completion_tokens  # the same model, the same reply
+    assert other.stats.drafted_tokens == 0  # but nothing of tenant-a's rows

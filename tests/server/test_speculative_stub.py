@@ -1,0 +1,120 @@
+"""Speculative decoding at the server's edges: the request fields (kvwarm's and llama-server's
+names), ``timings.draft_n``/``draft_n_accepted``, the ``/metrics`` counters and what
+``/v1/models`` says, on a stub model that copies (its path names ``copy``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from tests.server.conftest import sse_events, stub_settings, wait_ready
+
+from kvwarm.engine.worker.drafts import Cost, PassCost
+from kvwarm.server import create_app
+from kvwarm.settings import ModelSpec
+
+PASSAGE = "The quick brown fox jumps over the lazy dog while the cat sleeps on the mat. "
+PROMPT = f"Copy this: {PASSAGE}{PASSAGE}Again: The quick"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cheap_passes() -> Iterator[None]:
+    """One more token in a pass costs 5% of a pass, whatever the timing (as on a GPU)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+        yield
+
+
+@pytest.fixture(scope="module")
+def client(cheap_passes: None) -> Iterator[TestClient]:
+    settings = stub_settings(
+        models=(
+            ModelSpec(path="stub-copy", id="spec", options=(("spec_type", "ngram-simple"),)),
+            ModelSpec(path="stub-copy-plain", id="plain"),
+        )
+    )
+    with TestClient(create_app(settings)) as test_client:
+        wait_ready(test_client.get)
+        yield test_client
+
+
+def counters(client: TestClient, model: str) -> dict[str, float]:
+    text = client.get("/metrics").text
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("kvwarm_spec_") and s.labels.get("model") == model
+    }
+
+
+def test_timings_and_metrics_count_drafts(client: TestClient) -> None:
+    before = counters(client, "spec")
+    body = {"model": "spec", "prompt": PROMPT, "max_tokens": 48, "temperature": 0}
+    spec = client.post("/v1/completions", json=body).json()
+    plain = client.post(
+        "/v1/completions", json={**body, "spec_type": "none", "cache_salt": "other"}
+    ).json()
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    timings = spec["timings"]
+    assert 0 < timings["draft_n_accepted"] <= timings["draft_n"]
+    assert plain["timings"]["draft_n"] == 0
+    after = counters(client, "spec")
+    drafted = after["kvwarm_spec_draft_tokens_total"] - before.get(
+        "kvwarm_spec_draft_tokens_total", 0
+    )
+    assert drafted == timings["draft_n"]
+    assert after["kvwarm_spec_accepted_tokens_total"] > before.get(
+        "kvwarm_spec_accepted_tokens_total", 0
+    )
+    assert after["kvwarm_spec_verify_passes_total"] > 0
+
+
+def test_streamed_chat_reports_drafts_in_its_usage_chunk(client: TestClient) -> None:
+    body = {
+        "model": "spec",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = sse_events(client.post("/v1/chat/completions", json=body).text)
+    last = events[-1]
+    assert isinstance(last, dict) and last["timings"]["draft_n_accepted"] > 0
+
+
+def test_llama_server_request_names_switch_it_per_request(client: TestClient) -> None:
+    body = {"model": "plain", "prompt": PROMPT, "max_tokens": 32, "temperature": 0}
+    off = client.post("/v1/completions", json=body).json()["timings"]
+    assert off["draft_n"] == 0
+    on = client.post(
+        "/v1/completions",
+        json={**body, "cache_salt": "x", "speculative.type": "ngram-map-k", "speculative.n_max": 4},
+    ).json()["timings"]
+    assert on["draft_n_accepted"] > 0
+    mine = client.post(
+        "/v1/completions", json={**body, "cache_salt": "y", "spec_type": "ngram-simple"}
+    ).json()["timings"]
+    assert mine["draft_n_accepted"] > 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("spec_type", "ngram-mod"), ("speculative.type", "draft"), ("spec_draft_max", 49)],
+)
+def test_bad_values_are_400s_naming_the_field(
+    client: TestClient, field: str, value: object
+) -> None:
+    body = {"model": "spec", "prompt": "x", "max_tokens": 2, field: value}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    assert field.split(".", maxsplit=1)[0] in response.text
+
+
+def test_models_say_whether_and_how_they_speculate(client: TestClient) -> None:
+    data = {m["id"]: m["meta"] for m in client.get("/v1/models").json()["data"]}
+    assert data["spec"]["speculative"] == {"type": "ngram-simple", "available": "on"}
+    assert data["plain"]["speculative"] == {"type": "none", "available": "on"}
