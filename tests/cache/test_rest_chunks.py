@@ -246,7 +246,8 @@ def test_an_older_kvwarm_refuses_a_version_4_row(
 
 def test_a_promoted_row_keeps_its_window_chunks(moto_server: MotoServer) -> None:
     """A hit on a shared tier copies a version-4 manifest to the local tier with its first
-    cache's chunks and its window's: the local copy restores to the same blob."""
+    cache's chunks and its window's, a wider first one included: the local copy restores to
+    the same blob."""
     from tests.cache.facadekit import FakeClock
 
     clock = FakeClock(time.time())
@@ -254,8 +255,10 @@ def test_a_promoted_row_keeps_its_window_chunks(moto_server: MotoServer) -> None
     cfg = CacheConfig(
         tiers=(TierConfig("ram", 1 << 30), s3), ttl_seconds=(10.0, 10.0, 10.0), chunk_tokens=C
     )
-    tokens = TOKENS[:700]
+    tokens = TOKENS[:640]
     with Cache(cfg, clock=clock, background=False) as cache:
+        assert cache.save(window_request(NS, TOKENS[:600], [], tier="s3"), sync=True)
+        # Its window begins in the 600 row's chunk [512, 576): the copy needs that one too.
         key = cache.save(window_request(NS, tokens, [], tier="s3"), sync=True)
         assert key is not None
         clock.advance(1000)

@@ -120,10 +120,11 @@ def test_windows_are_shared_and_every_restore_is_exact(tmp_path: Path, gemma_pat
     # Two checkpoints of one conversation share their window's cells but the newest: past 512
     # (their canonical prefix aligned to n_batch) chunks are keyed apart by the deterministic
     # rule, and the longer one's window starts a grid cell or so later.
+    # (Cut every 64 positions: a window below 512 is 7 or 8 chunks.)
     lo, hi = a_rows[0], a_rows[-1]
-    assert len(by_key[lo] - by_key[hi]) <= 5 and len(by_key[lo] & by_key[hi]) >= 10
+    assert len(by_key[lo] - by_key[hi]) <= 3 and len(by_key[lo] & by_key[hi]) >= 6
     # ... and two conversations share their system prompt's window.
-    assert len(by_key[a_rows[0]] & by_key[max(ends_b)]) >= 10
+    assert len(by_key[a_rows[0]] & by_key[max(ends_b)]) >= 6
     # In bytes: each window cell is stored about once, not once per checkpoint.
     keys = set().union(*by_key.values())
     cells = stored = 0
