@@ -450,13 +450,9 @@ def test_cache_stats_gives_stored_and_logical_bytes_per_memory_kind(
 
 # A stub whose every forward pass takes two minutes: a worker stuck in native code.
 _STUCK_SERVE = """
+import os
 import sys
-import kvwarm.backends.stub as stub
-_init = stub.StubBackend.__init__
-def _slow(self, *args, **kwargs):
-    kwargs.setdefault("decode_delay_s", 120.0)
-    _init(self, *args, **kwargs)
-stub.StubBackend.__init__ = _slow
+os.environ["KVWARM_STUB_DECODE_DELAY_S"] = "120"  # read by StubBackend.from_env
 from kvwarm.cli import main
 sys.exit(main(sys.argv[1:]))
 """
