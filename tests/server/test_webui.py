@@ -156,7 +156,9 @@ def test_the_page_needs_no_key_but_its_calls_do() -> None:
 
 
 def test_config_says_no_key_when_none_is_set(client: TestClient) -> None:
-    assert client.get("/ui/config.json").json()["apiKey"] is False
+    config = client.get("/ui/config.json").json()
+    assert config["apiKey"] is False
+    assert config["cluster"] is False  # the page asks /cluster only behind kvwarm cluster
 
 
 def test_the_page_origin_passes_the_guard(client: TestClient) -> None:

@@ -93,6 +93,8 @@ class IngressState(ServerState):
         self._prewarm_systems(model, model_id)
         return model
 
+    is_cluster = True
+
     def cluster_view(self) -> dict[str, object]:
         retried = sum(
             e.model.retried for e in self.entries.values() if isinstance(e.model, RemoteModel)

@@ -371,6 +371,9 @@ class ServerState:
         request ends."""
         return await self.registry.acquire(name)
 
+    #: Whether ``cluster_view`` answers: the page asks ``/cluster`` only then (``/ui/config.json``).
+    is_cluster: bool = False
+
     def cluster_view(self) -> dict[str, object]:
         """``GET /cluster``: the replicas behind this server and what their caches hold.
         A plain server has none (404); the cluster's ingress answers (``cluster/ingress.py``)."""

@@ -4,7 +4,7 @@
 const STORE = { api: "kvwarm.apiKey", admin: "kvwarm.adminKey" };
 
 /** What /ui/config.json said: which keys this server wants. */
-export const server = { apiKey: false, adminKey: false, version: "" };
+export const server = { apiKey: false, adminKey: false, version: "", cluster: false };
 
 let askKey = async () => null;
 

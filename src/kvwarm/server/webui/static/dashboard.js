@@ -3,7 +3,7 @@
 // `kvwarm cluster` it polls /cluster instead (the replicas and what their caches hold;
 // /cache/* is per replica there).
 
-import { ApiError, getJSON, missingKey } from "./api.js";
+import { ApiError, getJSON, missingKey, server } from "./api.js";
 import { LineChart } from "./chart.js";
 import { renderCluster } from "./cluster.js";
 import { el, fmtAgo, fmtBytes, fmtInt, fmtMs, fmtPercent, table } from "./format.js";
@@ -98,7 +98,9 @@ export class Dashboard {
       // In the background, never prompt: only poll when a key is at hand (or none is needed).
       if (!this.visible && missingKey("/cache/stats")) return;
       const options = { interactive: this.visible };
-      if (this.isCluster !== false && (await this.pollCluster(options))) return;
+      // Only `kvwarm cluster` answers /cluster (/ui/config.json says so): a plain server's
+      // 404 would be a console error on every page.
+      if (server.cluster && this.isCluster !== false && (await this.pollCluster(options))) return;
       const [stats, slots, rows] = await Promise.all([
         getJSON("/cache/stats", options),
         getJSON("/cache/slots", options),
