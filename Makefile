@@ -40,13 +40,14 @@ model: $(MODEL_STAMP)
 gemma: $(GEMMA)
 
 # The web page's browser test (tests/server/test_webui_browser.py) drives Debian's Chromium
-# through Playwright (whose own browser download may be unreachable). Installed with apt-get
+# through Playwright (whose own browser download may be unreachable), and the page's modules run
+# in Node (tests/server/test_webui.py). Installed with apt-get
 # when missing and we are root; otherwise the test skips and says why.
 browser:
-	@if command -v $(CHROMIUM) >/dev/null 2>&1; then \
+	@if command -v $(CHROMIUM) >/dev/null 2>&1 && command -v node >/dev/null 2>&1; then \
 		: ; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium nodejs; \
 	else \
 		echo "chromium is missing and cannot be installed here (needs root and apt-get):" \
 			"the browser test will skip"; \

@@ -19,11 +19,17 @@ issue 9) and with chunked rows (``chunk_tokens=256``):
    and, with ``--variants``, chunks joined into the reused ``JoinBuffer`` or a fresh buffer
    first (the paths before in-place restores).
 4. **KV cell types** f16, q8_0, q4_0: KV bytes a token, and split + join byte-identical.
+5. **A sliding-window row** (``--window-model``, e.g. Gemma 3 270M, n_swa 512; run alone with
+   ``--only window``): a 1,000-token state saved per tier as a version-3 row (its 512-cell
+   window kept whole in the row: what kvwarm stored before issue 38) and as a version-4 row
+   (the window in chunks), each restored the engine's way (``open_row``, both caches joined
+   into the reused ``JoinBuffer``, ``kv_unpack``), median ms, interleaved; and the bytes a
+   second checkpoint 40 tokens later adds to the tier in each format.
 
 Usage::
 
     PYTHONPATH=src:. .venv/bin/python bench/chunks.py [--reps 7] [--root /tmp/kvwarm-bench]
-        [--only restore] [--variants chunks,joined,fresh]
+        [--only restore|window] [--variants chunks,joined,fresh] [--window-model GGUF]
 """
 
 from __future__ import annotations
@@ -247,6 +253,80 @@ def _time_restores(
     return {v: statistics.median(t) * 1e3 for v, t in times.items()}
 
 
+def window_restores(
+    path: str, reps: int, root: Path, threads: int | None
+) -> tuple[dict[str, dict[str, float]], dict[str, int], int]:
+    """Scenario 5: per tier, median ms to restore a 1,000-token sliding-window state stored
+    as version 3 (window whole) and version 4 (window in chunks); the tier bytes a second
+    checkpoint 40 tokens later adds in each format; the blob's size."""
+    model = LlamaBackend().load_model(path)
+    params = model.context_params(
+        ContextParams(n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=threads),
+        deterministic=False,
+    )
+    ctx = model.new_context(params)
+    tokens = model.tokenize(TEXT * 40)[:1040]
+    codec = ctx.kv_codec
+    blobs = {}
+    for n in (1000, 1040):
+        ctx.seq_rm(0)
+        ctx.prefill(0, tokens[:n], 0)
+        blobs[n] = ctx.kv_pack(0)
+
+    def save(cache: Cache, n: int, windowed: bool) -> bytes:
+        tier = cache.tier_names()[0]
+        req = SaveRequest(
+            NS, tuple(tokens[:n]), blobs[n], SaveReason.CONTINUED, tier,
+            split=codec.split, rest=codec.rest,
+            rest_span=codec.rest_span if windowed else None,
+            split_rest=codec.split_rest if windowed else None,
+        )  # fmt: skip
+        key = cache.save(req, sync=True)
+        assert key is not None
+        return key
+
+    times: dict[str, dict[str, float]] = {}
+    added: dict[str, int] = {}
+    join_buf = JoinBuffer()
+    with tier_configs(root) as tiers:
+        for name, tier_cfg, tier in tiers:
+            caches: dict[str, tuple[Cache, bytes]] = {}
+            for mode in ("v3", "v4"):
+                base = tier_cfg if tier_cfg is not None else TierConfig("ram", 1)
+                if base.root is not None:
+                    base = replace(base, root=base.root.with_name(f"{base.root.name}-w{mode}"))
+                cfg = CacheConfig(tiers=(base,), chunk_tokens=256)
+                cache = Cache(cfg, tiers=None if tier is None else [tier()], background=False)
+                caches[mode] = (cache, save(cache, 1000, mode == "v4"))
+            runs: dict[str, list[float]] = {"v3": [], "v4": []}
+            for _ in range(reps):
+                for mode, (cache, key) in caches.items():
+                    ctx.seq_rm(0)
+                    t0 = time.perf_counter()
+                    with cache.open_row(key) as row:
+                        if row.rest_chunks:
+                            joined = join_buf.join(ctx, row.chunks, rest_chunks=row.rest_chunks,
+                                                   rest_from=row.rest_from)  # fmt: skip
+                        else:
+                            joined = join_buf.join(ctx, row.chunks, row.payload)
+                        assert ctx.kv_unpack(0, joined) == 1000
+                        joined.release()
+                    runs[mode].append(time.perf_counter() - t0)
+            times[name] = {m: statistics.median(t) * 1e3 for m, t in runs.items()}
+            for mode, (cache, _) in caches.items():
+                before = cache.counters()[f"tier_{cache.tier_names()[0]}_bytes"]
+                save(cache, 1040, mode == "v4")
+                added[f"{name} {mode}"] = int(
+                    cache.counters()[f"tier_{cache.tier_names()[0]}_bytes"] - before
+                )
+                cache.close()
+    join_buf.release()
+    size = len(blobs[1000])
+    ctx.close()
+    model.close()
+    return times, added, size
+
+
 def cell_types(tokens: list[int], threads: int | None) -> dict[str, tuple[float, bool]]:
     """Section 4: KV bytes a token and whether split + join gives the blob back, per type."""
     model = LlamaBackend().load_model(str(default_model_path()))
@@ -275,7 +355,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--root", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--only", choices=("restore",), default=None, help="run scenario 3 alone")
+    parser.add_argument(
+        "--only", choices=("restore", "window"), default=None, help="run scenario 3 or 5 alone"
+    )
+    parser.add_argument(
+        "--window-model", default=None, help="a sliding-window GGUF for scenario 5 (Gemma 3)"
+    )
     parser.add_argument(
         "--variants",
         default="chunks",
@@ -284,6 +369,19 @@ def main() -> None:
     )
     args = parser.parse_args()
     root = args.root or Path(tempfile.mkdtemp(prefix="kvwarm-bench-chunks-"))
+    if args.window_model is not None and args.only in (None, "window"):
+        times, added, size = window_restores(args.window_model, args.reps, root, args.threads)
+        print(f"5. a 1,000-token sliding-window row ({size / 2**20:.1f} MiB), median ms to "
+              "restore; bytes a checkpoint 40 tokens later adds")  # fmt: skip
+        for name, t in times.items():
+            print(
+                f"   {name:8s}  window whole (v3) {t['v3']:6.2f}  in chunks (v4) {t['v4']:6.2f} "
+                f"({t['v4'] / t['v3']:.2f}x)   +{added[f'{name} v3'] / 2**20:5.2f} MiB (v3) "
+                f"+{added[f'{name} v4'] / 2**20:5.2f} MiB (v4)"
+            )
+    if args.only == "window":
+        shutil.rmtree(root, ignore_errors=True)
+        return
     model = LlamaBackend().load_model(str(default_model_path()))
     params = ContextParams(n_ctx=4608, n_batch=512, n_ubatch=512, n_threads=args.threads)
     ctx = model.new_context(params)

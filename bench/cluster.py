@@ -1,28 +1,38 @@
-"""Chat load over kvwarm replicas on a local Ray cluster: prefix-affinity routing vs Ray's
-default router (power of two choices), with and without a cache tier the replicas share.
+"""Chat load over kvwarm replicas on a Ray cluster of two nodes: the event-fed router
+(``events``) vs the text-prefix one (``prefix``) vs Ray Serve's default (power of two
+choices), each with and without a cache directory the nodes share, and once with a replica
+killed (SIGKILL) in the middle of the load.
 
-    python bench/cluster.py                          # 2 replicas, 8 conversations x 4 turns
-    python bench/cluster.py --conversations 12 --turns 5 --concurrency 4
+    python bench/cluster.py                                   # 2 local nodes, stub backend
+    python bench/cluster.py --conversations 30 --turns 4 --replicas 3
+    python bench/cluster.py --address 10.0.0.5:6379 --backend llama_cpp   # a real cluster
 
-Keep ``--concurrency`` above ``--replicas``: with exactly one client per replica, Ray's default
-router keeps each client on the replica the other client is not using, which looks like
-affinity by accident (a first run with 2 and 2 stayed 18/18 under both routers).
+Without ``--address`` it starts two Ray nodes on 127.0.0.1 (`ray start --head` and `ray start
+--address`, as ``tests/cluster/test_cluster_nodes.py`` does) and stops them at the end. The
+stub backend is paced like a small model (``--decode-delay-s`` per token, ``--prefill-delay-s``
+per prefilled token: ``KVWARM_STUB_*_DELAY_S``), so a prefix restored instead of prefilled
+shows in the latency.
 
-Per configuration: follow-ups that stayed on the replica of the turn before, prompt tokens
-restored vs prefilled, switched follow-ups that restored (the shared tier's job), TTFT p50/p95
-(streamed, first content chunk, as a client sees it). Then the router's own cost per request:
-the chain hashing the ingress does and the decision (the ``prefix`` policy) with full warm sets,
-timed in-process. Prints its numbers and the command. Goals (issue 10): follow-ups stay >= 99%,
-switched follow-ups restore, routing adds < 5 ms.
+Load: ``--conversations`` conversations over three system prompts, ``--turns`` turns each,
+``--concurrency`` at a time; every fifth conversation streams. Per configuration: follow-ups
+served from a cached prefix (``cached_tokens`` at least the previous turn's prompt: a slot,
+a tier or the shared directory), follow-ups that stayed on their replica, failed non-streamed
+requests, streams cut by an error event, prompt tokens cached, latency p50/p95. Then the
+event-fed router's own cost with 100,000 indexed chunks (``routing_index.py``). Goals
+(issue 40): >= 99% of follow-ups from a cached prefix, 0 failed non-streamed requests through
+the kill, routing <= 1 ms p99.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import collections
 import json
+import os
 import shlex
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -32,19 +42,20 @@ from pathlib import Path
 
 import httpx
 
-from kvwarm.cluster import deploy
-from kvwarm.cluster.chains import chat_chain
-from kvwarm.cluster.routing import (
-    AffinityTable,
-    ReplicaView,
-    RouteRequest,
-    RoutingConfig,
-    build_policy,
-)
-from kvwarm.settings import Settings
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests/cluster/conftest.py: the two local Ray nodes
 
-SYSTEM = {"role": "system", "content": "You are a concise assistant. Reply in one sentence."}
-TOPICS = ["rivers", "planets", "bread", "bridges", "volcanoes", "violins", "glaciers", "owls"]
+from kvwarm.cluster import deploy  # noqa: E402
+from kvwarm.settings import ModelSpec, Settings  # noqa: E402
+
+SYSTEMS = [
+    "You are a terse assistant for a quiz about the natural world. Answer every question in a "
+    "few plain words, with no lists, no greetings and no follow-up questions.",
+    "You are a patient tutor of elementary arithmetic for children. Show exactly one step of "
+    "the working, then the answer, and never more than two short sentences.",
+    "You are a travel guide for small coastal towns in the north. Name one place to visit and "
+    "one local food, in a single sentence, and mention the season it is best in.",
+]
 FOLLOW_UPS = ["Tell me more.", "Why is that?", "Give an example.", "Anything surprising?"]
 
 
@@ -55,7 +66,9 @@ class Turn:
     replica: str
     prompt_tokens: int
     cached_tokens: int
-    ttft_ms: float
+    latency_ms: float
+    ok: bool
+    streamed: bool
 
 
 @dataclass
@@ -63,56 +76,63 @@ class Run:
     name: str
     turns: list[Turn] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    done: int = 0
 
 
 def chat_turn(
-    http: httpx.Client, messages: list[dict[str, str]], max_tokens: int
-) -> tuple[str, Turn]:
-    body = {
-        "messages": messages,  # no model: the first (only) one
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    http: httpx.Client, messages: list[dict[str, str]], max_tokens: int, stream: bool
+) -> tuple[str | None, Turn]:
+    body: dict[str, object] = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
-    ttft = None
-    text: list[str] = []
-    usage: dict[str, object] = {}
-    with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        replica = response.headers.get("x-kvwarm-replica", "?")
-        for line in response.iter_lines():
+    response = http.post("/v1/chat/completions", json=body)
+    latency = (time.perf_counter() - started) * 1000
+    replica = response.headers.get("x-kvwarm-replica", "?")
+    failed = Turn(0, 0, replica, 0, 0, latency, False, stream)
+    if response.status_code != 200:
+        print(f"failed: {response.status_code} {response.text[:300]}", file=sys.stderr, flush=True)
+        return None, failed
+    if not stream:
+        done = response.json()
+        usage = done["usage"]
+        text = done["choices"][0]["message"]["content"]
+    else:
+        pieces, usage, error = [], {}, None
+        for line in response.text.split("\n"):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            for choice in event.get("choices", []):
-                piece = choice.get("delta", {}).get("content")
-                if piece:
-                    ttft = ttft if ttft is not None else (time.perf_counter() - started) * 1000
-                    text.append(piece)
-            if event.get("usage"):
-                usage = event["usage"]
-    details = usage.get("prompt_tokens_details") or {}
-    assert isinstance(details, dict)
-    turn = Turn(
-        0,
-        0,
-        replica,
-        int(usage.get("prompt_tokens", 0)),  # type: ignore[call-overload]
-        int(details.get("cached_tokens", 0)),
-        ttft if ttft is not None else (time.perf_counter() - started) * 1000,
-    )
-    return "".join(text), turn
+            error = event.get("error") or error
+            for choice in event.get("choices") or []:
+                pieces.append(choice.get("delta", {}).get("content") or "")
+            usage = event.get("usage") or usage
+        if error is not None:
+            print(f"stream cut: {error}", file=sys.stderr, flush=True)
+            return None, failed
+        text = "".join(pieces)
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return text, Turn(0, 0, replica, usage["prompt_tokens"], cached, latency, True, stream)
 
 
-def converse(http: httpx.Client, conv: int, turns: int, max_tokens: int, run: Run) -> None:
-    messages = [SYSTEM, {"role": "user", "content": f"Tell me one fact about {TOPICS[conv % 8]}."}]
-    for t in range(turns):
-        reply, turn = chat_turn(http, messages, max_tokens)
+def converse(http: httpx.Client, conv: int, args: argparse.Namespace, run: Run) -> None:
+    stream = conv % 5 == 0
+    messages = [
+        {"role": "system", "content": SYSTEMS[conv % len(SYSTEMS)]},
+        {"role": "user", "content": f"Conversation {conv}: tell me one thing."},
+    ]
+    for t in range(args.turns):
+        reply, turn = chat_turn(http, messages, args.max_tokens, stream)
+        if reply is None and stream:  # a stream cut by its replica's death: ask again
+            with run.lock:
+                run.turns.append(Turn(conv, t, turn.replica, 0, 0, turn.latency_ms, False, True))
+            reply, turn = chat_turn(http, messages, args.max_tokens, stream)
         turn.conv, turn.turn = conv, t
         with run.lock:
             run.turns.append(turn)
+            run.done += 1
+        if reply is None:
+            return
         messages = [*messages, {"role": "assistant", "content": reply}]
         messages.append({"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]})
 
@@ -128,7 +148,7 @@ def load(base_url: str, args: argparse.Namespace, run: Run) -> float:
                     if not queue:
                         return
                     conv = queue.pop(0)
-                converse(http, conv, args.turns, args.max_tokens, run)
+                converse(http, conv, args, run)
 
     started = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
@@ -144,44 +164,72 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
 
 
-def report(run: Run, wall_s: float) -> dict[str, object]:
-    by_conv: dict[int, list[Turn]] = {}
-    for turn in sorted(run.turns, key=lambda t: (t.conv, t.turn)):
-        by_conv.setdefault(turn.conv, []).append(turn)
-    stayed = switched = switched_restored = 0
+def report(run: Run, wall_s: float, killed: str | None) -> dict[str, object]:
+    answered = [t for t in run.turns if t.ok]
+    by_conv: dict[int, dict[int, Turn]] = collections.defaultdict(dict)
+    for turn in answered:
+        by_conv[turn.conv][turn.turn] = turn
+    follow = stayed = from_prefix = 0
     for turns in by_conv.values():
-        for before, after in itertools.pairwise(turns):
-            if after.replica == before.replica:
-                stayed += 1
-            else:
-                switched += 1
-                switched_restored += after.cached_tokens > 0
-    follow = [t for t in run.turns if t.turn > 0]
-    prompt = sum(t.prompt_tokens for t in run.turns)
-    cached = sum(t.cached_tokens for t in run.turns)
+        for t, turn in turns.items():
+            before = turns.get(t - 1)
+            if t == 0 or before is None:
+                continue
+            follow += 1
+            stayed += turn.replica == before.replica
+            from_prefix += turn.cached_tokens >= before.prompt_tokens
+    prompt = sum(t.prompt_tokens for t in answered)
+    cached = sum(t.cached_tokens for t in answered)
     return {
         "config": run.name,
         "requests": len(run.turns),
-        "replicas_used": len({t.replica for t in run.turns}),
-        "follow_ups_stayed": f"{stayed}/{stayed + switched}",
-        "switched_that_restored": f"{switched_restored}/{switched}",
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "prefilled_tokens": prompt - cached,
+        "replicas_used": len({t.replica for t in answered}),
+        "follow_ups_from_cached_prefix": f"{from_prefix}/{follow}",
+        "from_cached_prefix_pct": round(100 * from_prefix / follow, 1) if follow else 0.0,
+        "follow_ups_stayed": f"{stayed}/{follow}",
+        "failed_non_streamed": sum(1 for t in run.turns if not t.ok and not t.streamed),
+        "streams_cut": sum(1 for t in run.turns if not t.ok and t.streamed),
         "token_hit_rate": round(cached / prompt, 3) if prompt else 0.0,
-        "ttft_ms_p50": round(pct([t.ttft_ms for t in run.turns], 0.5), 1),
-        "ttft_ms_p95": round(pct([t.ttft_ms for t in run.turns], 0.95), 1),
-        "follow_up_ttft_ms_p50": round(pct([t.ttft_ms for t in follow], 0.5), 1),
+        "latency_ms_p50": round(pct([t.latency_ms for t in answered], 0.5), 1),
+        "latency_ms_p95": round(pct([t.latency_ms for t in answered], 0.95), 1),
         "wall_s": round(wall_s, 1),
+        "killed": killed,
     }
 
 
+def cluster_view(base_url: str) -> dict[str, object]:
+    out: dict[str, object] = httpx.get(f"{base_url}/cluster", timeout=10).json()
+    return out
+
+
+def killer(base_url: str, run: Run, at: int, result: list[str]) -> None:
+    """When ``at`` turns are done, SIGKILL the replica serving the most conversations."""
+    while run.done < at:  # the load's own progress; a short poll
+        time.sleep(0.05)
+    with run.lock:
+        counts = collections.Counter(t.replica for t in run.turns if t.ok)
+    victim = counts.most_common(1)[0][0]
+    replicas = cluster_view(base_url)["replicas"]
+    assert isinstance(replicas, list)
+    pid = next(r["stats"]["pid"] for r in replicas if r["id"] == victim)
+    os.kill(pid, signal.SIGKILL)  # a replica of the cluster this bench started
+    result.append(victim)
+
+
 def run_config(
-    name: str, router: str, shared: Path | None, args: argparse.Namespace
+    name: str,
+    router: str,
+    policy: str,
+    shared: Path | None,
+    args: argparse.Namespace,
+    *,
+    kill: bool = False,
 ) -> dict[str, object]:
     settings = Settings(
         host="127.0.0.1",
         port=args.port,
+        backend=args.backend,
+        models=(ModelSpec(path=args.model, id="m"),) if args.backend == "stub" else (),
         n_ctx=args.n_ctx,
         n_parallel=1,
         n_threads=1,
@@ -190,89 +238,121 @@ def run_config(
         cache_dir=shared,
         cache_dir_shared=shared is not None,
         ram_quota_bytes=256 << 20,
+        cluster_routing=policy,
     )
+    if args.backend == "stub":
+        from tests.server.conftest import LOW_POLICY  # save rows of a stub's short prompts
+
+        settings = settings.replace(policy=LOW_POLICY)
     deploy.run(settings, router=router)  # type: ignore[arg-type]
     base_url = f"http://127.0.0.1:{args.port}"
     with httpx.Client(base_url=base_url, timeout=10) as http:
         end = time.monotonic() + 300
         while time.monotonic() < end:  # readiness poll, bounded
             try:
-                if http.get("/health").status_code == 200:
+                if (
+                    http.get("/health").status_code == 200
+                    and sum(
+                        1
+                        for r in http.get("/cluster").json()["replicas"]
+                        if r["health"] == "running" and r["stats"].get("pid")
+                    )
+                    == args.replicas
+                ):
                     break
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
     run = Run(name)
+    killed: list[str] = []
+    thread = None
+    if kill:
+        at = args.conversations * args.turns * 2 // 5
+        thread = threading.Thread(target=killer, args=(base_url, run, at, killed), daemon=True)
+        thread.start()
     try:
         wall = load(base_url, args, run)
+        ingress = cluster_view(base_url)["ingress"]
     finally:
         from ray import serve
 
         serve.delete(deploy.APP_NAME)
-    return report(run, wall)
+    out = report(run, wall, killed[0] if killed else None)
+    out["retried_by_ingress"] = ingress["retried"] if isinstance(ingress, dict) else None
+    return out
 
 
-def router_cost(n_replicas: int, warm: int, messages: int, rounds: int = 2000) -> dict[str, float]:
-    """What the affinity router adds per request, in-process: the ingress's chain hashing and
-    the decision over ``n_replicas`` full warm sets (Ray's own routing work is the same for
-    both routers)."""
-    convo = [SYSTEM] + [
-        {"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 40}
-        for i in range(messages)
-    ]
-    started = time.perf_counter()
-    for _ in range(rounds):
-        chain = chat_chain("default", convo)
-    hash_us = (time.perf_counter() - started) / rounds * 1e6
-    views = [
-        ReplicaView(f"r{i}", in_flight=i % 2, warm=frozenset(f"{i}-{j}" for j in range(warm)))
-        for i in range(n_replicas)
-    ]
-    views[0] = ReplicaView("r0", warm=views[0].warm | set(chain[:-2]))
-    table = AffinityTable()
-    policy = build_policy(RoutingConfig())
-    started = time.perf_counter()
-    for _ in range(rounds):
-        routed = table.warm_of(chain)
-        decision = policy.rank(RouteRequest(chain), views)
-        table.record(chain, decision.groups[0][0])
-    assert routed is not None
-    rank_us = (time.perf_counter() - started) / rounds * 1e6
-    return {"chain_hash_us": round(hash_us, 1), "decision_us": round(rank_us, 1)}
+def routing_cost() -> dict[str, object]:
+    script = Path(__file__).with_name("routing_index.py")
+    out = (
+        subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+        .stdout.strip()
+        .splitlines()
+    )
+    result: dict[str, object] = json.loads(out[-1])
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--address", help="join this Ray cluster (default: two local nodes)")
+    parser.add_argument("--backend", default="stub", choices=["stub", "llama_cpp"])
+    parser.add_argument("--model", default="stub-a", help="the stub's model name")
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--conversations", type=int, default=30)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=12)
-    parser.add_argument("--concurrency", type=int, default=3)
-    parser.add_argument("--n-ctx", type=int, default=2048)
-    parser.add_argument("--port", type=int, default=8190)
-    parser.add_argument("--scratch", type=Path, default=Path("/tmp/cluster"))
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--decode-delay-s", type=float, default=0.02)
+    parser.add_argument("--prefill-delay-s", type=float, default=0.0005)
+    parser.add_argument("--port", type=int, default=0, help="0: a free one")
+    parser.add_argument("--only", help="comma-separated configuration names")
     args = parser.parse_args()
     print("command: python " + shlex.join(sys.argv), flush=True)
-    print(json.dumps(router_cost(args.replicas, 4096, 12)), flush=True)
-    args.scratch.mkdir(parents=True, exist_ok=True)
-    temp = Path(tempfile.mkdtemp(prefix="ray-", dir=args.scratch))
-    deploy.start_ray(None, temp_dir=temp, num_cpus=2)
+    print(json.dumps({"routing_cost": routing_cost()}), flush=True)
+    from tests.cluster.conftest import RayNodes, free_port, join_with_auth
+
+    if not args.port:
+        args.port = free_port()
+    nodes = None
+    temp = Path(tempfile.mkdtemp(prefix="kvb2n-", dir="/tmp"))
+    scratch = Path(tempfile.mkdtemp(prefix="kvbench-"))
     try:
-        for name, router, shared in (
-            ("affinity+shared", "affinity", True),
-            ("affinity", "affinity", False),
-            ("default+shared", "default", True),
-            ("default", "default", False),
-        ):
-            cache = Path(tempfile.mkdtemp(prefix="shared-", dir=args.scratch)) if shared else None
-            try:
-                print(json.dumps(run_config(name, router, cache, args)), flush=True)
-            finally:
-                if cache is not None:
-                    shutil.rmtree(cache, ignore_errors=True)
+        if args.address is None:
+            env = {
+                "KVWARM_STUB_DECODE_DELAY_S": str(args.decode_delay_s),
+                "KVWARM_STUB_PREFILL_DELAY_S": str(args.prefill_delay_s),
+            }
+            nodes = RayNodes(temp, env)
+            nodes.start_head('{"kvwarm_head": 1}')
+            nodes.add_node('{"kvwarm_second": 1}')
+            join_with_auth(nodes.env["RAY_AUTH_MODE"])
+            deploy.start_ray(nodes.address)
+            nodes.wait_nodes(2)
+        else:
+            deploy.start_ray(args.address)
+        configs = [
+            ("events+shared", "affinity", "events", True, False),
+            ("events", "affinity", "events", False, False),
+            ("prefix+shared", "affinity", "prefix", True, False),
+            ("prefix", "affinity", "prefix", False, False),
+            ("default+shared", "default", "events", True, False),
+            ("default", "default", "events", False, False),
+            ("events+shared+kill", "affinity", "events", True, True),
+        ]
+        wanted = set(args.only.split(",")) if args.only else None
+        for name, router, policy, shared, kill in configs:
+            if wanted is not None and name not in wanted:
+                continue
+            cache = Path(tempfile.mkdtemp(prefix="shared-", dir=scratch)) if shared else None
+            print(json.dumps(run_config(name, router, policy, cache, args, kill=kill)), flush=True)
     finally:
-        deploy.shutdown()
+        deploy.shutdown(owned=False)
+        if nodes is not None:
+            nodes.stop()
         shutil.rmtree(temp, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,12 @@
 ``bench/peer.py``), side by side in one run, same model, same threads, servers alternated.
 
     python bench/multiturn.py --model PATH.gguf [--rounds 2] [--system-tokens 1000]
-                              [--profile kvwarm.raw]
+                              [--profile kvwarm.raw] [--servers kvwarm,llama-server]
+                              [--base-tree DIR]
+
+``--base-tree DIR`` adds a server ``kvwarm-base``: kvwarm from another source tree (e.g. the
+commit before a change, ``git archive``d into DIR), so ``--servers kvwarm,kvwarm-base`` compares
+two versions on one load, alternated request by request like any two servers.
 
 The load (issue 22): 3 conversations x 4 turns over one ~1,000-token system prompt, 16-token
 replies; then each server restarts and every conversation takes one more turn. Both servers
@@ -15,7 +20,11 @@ restart); llama-server with its defaults (RAM prompt cache, context checkpoints)
 
 Prints, per server and round: total time of the run phase and of the after-restart phase, each
 request's cached / prompt tokens and latency, and kvwarm's checkpoint bytes on disk per
-conversation and, by save reason, per token a row holds (``kvwarm cache ls --json``); the
+conversation and, by save reason, per token a row holds (``kvwarm cache ls --json``); for each
+kvwarm, its storage against the distinct KV (the tokens of every row, each prefix once, times
+the model's f16 K and V bytes a token, every layer, from the GGUF: what a cache storing each
+token's KV once would hold), with the rows' final logits apart, and its restore time (the
+tier read and the unpack, per restore, from ``/cache/stats``'s latency totals); the
 run ratio also without each server's first request (a cold prefill of the system prompt on
 both, the same work); and the first server's *floor*: its phase had every request after the
 first cost only its decode, by the server's own ``timings`` (no restore, no prefill), against
@@ -29,7 +38,9 @@ it alone: two processes decoding at once on 2 cores halve each other.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -112,8 +123,17 @@ class Server:
     #: wherever the device supports it, the CPU included).
     ran_flash_attn: str = ""
 
+    #: Another kvwarm source tree (its ``src``) this server runs, for ``kvwarm-base``.
+    tree: Path | None = None
+    #: ``/cache/stats``'s counters, read before each stop (kvwarm only), one per phase.
+    counters: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def is_kvwarm(self) -> bool:
+        return self.name.startswith("kvwarm")
+
     def command(self) -> list[str]:
-        if self.name == "kvwarm":
+        if self.is_kvwarm:
             return [
                 sys.executable, "-m", "kvwarm", "serve", "--host", "127.0.0.1",
                 "--port", str(self.port), "--model", f"m={self.model}", "--n-ctx", "4096",
@@ -130,17 +150,23 @@ class Server:
         ]  # fmt: skip
 
     def start(self) -> None:
+        env = None
+        if self.tree is not None:
+            env = {**os.environ, "PYTHONPATH": str(self.tree / "src")}
         self.proc = subprocess.Popen(
-            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
         )
         wait_ready(f"http://127.0.0.1:{self.port}/health", self.proc)
         self.ran_flash_attn = f"-fa {self.flash_attn}"
-        if self.name == "kvwarm":
+        if self.is_kvwarm:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models") as resp:
                 meta = json.loads(resp.read())["data"][0]["meta"]
             self.ran_flash_attn = f"flash_attn {meta['flash_attn']}"
 
     def stop(self) -> None:
+        if self.proc is not None and self.is_kvwarm:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/cache/stats") as resp:
+                self.counters.append(json.loads(resp.read())["counters"])
         if self.proc is not None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -154,7 +180,7 @@ class Server:
         """(cached tokens, prompt tokens, seconds) of one completion of ``n`` tokens; its text
         is ``last_text``."""
         t0 = time.perf_counter()
-        if self.name == "kvwarm":
+        if self.is_kvwarm:
             out = post(
                 f"http://127.0.0.1:{self.port}/v1/completions",
                 {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0},
@@ -206,6 +232,73 @@ def checkpoint_bytes(cache_dir: Path) -> list[str]:
             f"{own / 2**20:7.1f} MiB ({own / tokens / 1024:5.1f} KiB per token)"
         )
     return lines
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """A token's K and V in f16, every layer, from the GGUF's attention shape."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(model)).fields
+
+    def value(name: str) -> int | None:
+        f = fields.get(name)
+        return None if f is None else int(f.parts[f.data[0]][0])
+
+    arch = bytes(fields["general.architecture"].parts[-1]).decode()
+    n_layer = value(f"{arch}.block_count") or 0
+    n_head = value(f"{arch}.attention.head_count") or 1
+    n_kv = value(f"{arch}.attention.head_count_kv") or n_head
+    head = (value(f"{arch}.embedding_length") or 0) // n_head
+    k = value(f"{arch}.attention.key_length") or head
+    v = value(f"{arch}.attention.value_length") or head
+    return n_layer * n_kv * (k + v) * 2
+
+
+def storage(cache_dir: Path, per_token: int) -> list[str]:
+    """What the cache holds against the distinct KV: every row's tokens, each prefix once,
+    times ``per_token``; the rows' final logits apart (each row's own: nothing to share)."""
+    from kvwarm.cache.formats import kvc
+
+    prefixes: set[tuple[int, bytes]] = set()
+    logits = rows = 0
+    for path in cache_dir.rglob("*.kvc"):
+        fields = kvc.parse_meta(path.read_bytes()).fields
+        rows += 1
+        logits += len(fields.logits or b"")
+        h = hashlib.sha256()
+        for i, t in enumerate(fields.tokens):
+            h.update(t.to_bytes(4, "little"))
+            prefixes.add((i, h.digest()[:16]))
+    files = [f for f in cache_dir.rglob("*") if f.is_file() and f.suffix in (".kvc", ".kvk")]
+    total = sum(f.stat().st_size for f in files)
+    chunks = sum(f.stat().st_size for f in files if f.suffix == ".kvk")
+    distinct = len(prefixes) * per_token
+    mib = 2**20
+    return [
+        f"storage: {total / mib:.1f} MiB in {rows} rows = {total / distinct:.2f}x the distinct KV "
+        f"({len(prefixes)} tokens x {per_token} B = {distinct / mib:.1f} MiB); without the rows' "
+        f"logits ({logits / mib:.1f} MiB) {(total - logits) / distinct:.2f}x; chunk files "
+        f"{chunks / mib:.1f} MiB, row files {(total - chunks) / mib:.1f} MiB"
+    ]
+
+
+def restore_times(counters: list[dict[str, float]]) -> list[str]:
+    """Per phase: restores, and ms per restore reading the row and its chunks (``restore``
+    less ``unpack``; an older kvwarm does not record it) and joining and unpacking them."""
+    out = []
+    for phase, c in zip(("run", "after restart"), counters, strict=False):
+        n = c.get("latency_unpack_count", 0.0)
+        if not n:
+            continue
+        unpack = 1e3 * c.get("latency_unpack_seconds", 0.0) / n
+        load = 1e3 * c.get("latency_load_seconds", 0.0) / max(c.get("latency_load_count", 0), 1)
+        whole = c.get("latency_restore_seconds")
+        read = "" if whole is None else f", {1e3 * whole / n - unpack:.1f} ms with its chunks"
+        out.append(
+            f"restores ({phase}): {int(n)}, reading {load:.1f} ms the row file{read}, "
+            f"{unpack:.1f} ms joining and unpacking"
+        )
+    return out
 
 
 def turn_text(history: str, question: str) -> str:
@@ -291,6 +384,7 @@ def one_round(
             work,
             gpu_layers=args.gpu_layers,
             flash_attn=args.flash_attn,
+            tree=args.base_tree if name == "kvwarm-base" else None,
         )
         for name, work in zip(names, works, strict=True)
     ]
@@ -317,8 +411,11 @@ def one_round(
             disk = sum(f.stat().st_size for f in files)
             n_rows = sum(1 for f in files if f.suffix == ".kvc")
             tail = [f"cache rows: {n_rows}, {disk / max(n_rows, 1) / 2**20:.1f} MiB each"]
-            if name == "kvwarm":
+            if name.startswith("kvwarm"):
                 tail += checkpoint_bytes(work / "kvwarm-cache")
+                tail += storage(work / "kvwarm-cache", kv_bytes_per_token(args.model))
+                server = next(s for s in servers if s.name == name)
+                tail += restore_times(server.counters)
             ran = next(s.ran_flash_attn for s in servers if s.name == name)
             lines = [f"flash attention: {ran}", *run.rows, "-- restart --", *after.rows, *tail]
             out[name] = Result(run, after, lines, disk)
@@ -335,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--servers", default="kvwarm,llama-server")
+    ap.add_argument(
+        "--base-tree", type=Path, default=None, help="the kvwarm-base server's source tree"
+    )
     ap.add_argument("--gpu-layers", type=int, default=0, help="layers offloaded, both servers")
     ap.add_argument(
         "--flash-attn", choices=("auto", "on", "off"), default="auto", help="both servers"

@@ -72,6 +72,6 @@ def test_no_cache_wing_imports_a_wing_above_it() -> None:
 
 
 def test_the_ground_modules_import_nothing_of_kvwarm() -> None:
-    for name in ("tokens", "alignment", "memory", "plugins", "gguf_meta"):
+    for name in ("tokens", "alignment", "memory", "plugins", "gguf_meta", "media"):
         path = SRC / f"{name}.py"
         assert all(m.startswith("kvwarm.errors") for m in _imports(path)), name

@@ -141,3 +141,250 @@ def write_tiny_model(
         ggml_base.gguf_free(gctx)
         meta.unlink(missing_ok=True)
     return path
+
+
+# --- A tiny random-weight vision projector (llama.cpp's ``clip`` GGUF, projector ``gemma3``) ---
+
+#: The projector's vision tower: 64x64 images in 8x8 patches, pooled 2x2: 16 positions each.
+PROJ_IMAGE, PROJ_PATCH, PROJ_EMBD, PROJ_FF = 64, 8, 64, 128
+PROJ_TOKENS = (PROJ_IMAGE // PROJ_PATCH // 2) ** 2
+
+
+def write_tiny_projector(path: Path, n_embd_text: int, *, seed: int = 11) -> Path:
+    """A complete random-weight ``gemma3`` projector at ``path`` for a text model of width
+    ``n_embd_text`` (640 Gemma 3 270M, 576 SmolLM2): what ``/work/shared/DESIGN.md`` measured
+    this llama.cpp to accept (~0.26 MB). The same arguments write the same bytes."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    e, ff, p = PROJ_EMBD, PROJ_FF, PROJ_PATCH
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", "gemma3")
+    w.add_uint32("clip.vision.embedding_length", e)
+    w.add_uint32("clip.vision.feed_forward_length", ff)  # != e: or clip.cpp swaps up and down
+    w.add_uint32("clip.vision.block_count", 2)
+    w.add_uint32("clip.vision.attention.head_count", 2)
+    w.add_uint32("clip.vision.projection_dim", n_embd_text)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_uint32("clip.vision.image_size", PROJ_IMAGE)
+    w.add_uint32("clip.vision.patch_size", p)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w.add_bool("clip.use_gelu", True)
+    w.add_uint32("clip.vision.projector.scale_factor", 2)
+    w.add_uint32("general.file_type", 1)
+
+    def tensor(name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(dtype))
+
+    tensor("v.patch_embd.weight", (e, 3, p, p), np.float16)
+    tensor("v.patch_embd.bias", (e,))
+    tensor("v.position_embd.weight", ((PROJ_IMAGE // p) ** 2, e))
+    for il in range(2):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            tensor(f"v.blk.{il}.{name}.weight", (e, e), np.float16)
+            tensor(f"v.blk.{il}.{name}.bias", (e,))
+        for name in ("ln1", "ln2"):
+            w.add_tensor(f"v.blk.{il}.{name}.weight", np.ones(e, np.float32))
+            tensor(f"v.blk.{il}.{name}.bias", (e,))
+        tensor(f"v.blk.{il}.ffn_up.weight", (ff, e), np.float16)
+        tensor(f"v.blk.{il}.ffn_up.bias", (ff,))
+        tensor(f"v.blk.{il}.ffn_down.weight", (e, ff), np.float16)
+        tensor(f"v.blk.{il}.ffn_down.bias", (e,))
+    w.add_tensor("v.post_ln.weight", np.ones(e, np.float32))
+    tensor("v.post_ln.bias", (e,))
+    w.add_tensor("mm.soft_emb_norm.weight", np.ones(e, np.float32))
+    tensor("mm.input_projection.weight", (e, n_embd_text), np.float16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_tiny_audio_projector(path: Path, n_embd_text: int, *, seed: int = 13) -> Path:
+    """A complete random-weight ``qwen2a`` audio projector (a one-layer Whisper encoder and a
+    linear projection) for a text model of width ``n_embd_text``. llama.cpp pads audio to
+    30 s windows: any clip up to 30 s is one span of 750 positions. The same arguments write
+    the same bytes."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    e, ff, n_mel, n_pos = PROJ_EMBD, PROJ_FF, 128, 1500
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_bool("clip.has_audio_encoder", True)
+    w.add_string("clip.projector_type", "qwen2a")
+    w.add_uint32("clip.audio.embedding_length", e)
+    w.add_uint32("clip.audio.feed_forward_length", ff)
+    w.add_uint32("clip.audio.block_count", 1)
+    w.add_uint32("clip.audio.attention.head_count", 2)
+    w.add_uint32("clip.audio.projection_dim", n_embd_text)
+    w.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
+    w.add_uint32("clip.audio.num_mel_bins", n_mel)
+    w.add_uint32("general.file_type", 1)
+
+    def tensor(name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(dtype))
+
+    tensor("a.conv1d.1.weight", (e, n_mel, 3), np.float16)
+    tensor("a.conv1d.1.bias", (e, 1))
+    tensor("a.conv1d.2.weight", (e, e, 3), np.float16)
+    tensor("a.conv1d.2.bias", (e, 1))
+    tensor("a.position_embd.weight", (n_pos, e))
+    for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+        tensor(f"a.blk.0.{name}.weight", (e, e), np.float16)
+        if name != "attn_k":  # Whisper's K has no bias
+            tensor(f"a.blk.0.{name}.bias", (e,))
+    for name in ("ln1", "ln2"):
+        w.add_tensor(f"a.blk.0.{name}.weight", np.ones(e, np.float32))
+        tensor(f"a.blk.0.{name}.bias", (e,))
+    tensor("a.blk.0.ffn_up.weight", (ff, e), np.float16)
+    tensor("a.blk.0.ffn_up.bias", (ff,))
+    tensor("a.blk.0.ffn_down.weight", (e, ff), np.float16)
+    tensor("a.blk.0.ffn_down.bias", (e,))
+    w.add_tensor("a.post_ln.weight", np.ones(e, np.float32))
+    tensor("a.post_ln.bias", (e,))
+    tensor("mm.a.fc.weight", (n_embd_text, e), np.float16)
+    tensor("mm.a.fc.bias", (n_embd_text,))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# --- Rerankers: written whole with the ``gguf`` package (llama.cpp's model saver leaves out
+# what these need: the rerank template, and a BERT's token embeddings), every tensor the
+# pinned loader asks for, norms at 1, the rest seeded normal values. Measured facts in
+# ``../shared/DESIGN.md`` ("Test models that no package ships").
+
+#: Qwen3-Reranker's prompt (its GGUF's ``tokenizer.chat_template.rerank``): the query before
+#: the document, so a query's documents share everything before the document.
+QWEN3_RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+    'and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
+    "<|im_start|>user\n<Instruct>: Given a web search query, retrieve relevant passages that "
+    "answer the query\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+
+
+def test_tokenizer(w: Any, *, specials: bool = False) -> int:
+    """llama.cpp's ``test`` tokenizer (a token per 5 bytes, hashed) of N_VOCAB tokens; with
+    ``specials``, BOS/EOS/SEP ids that the vocabulary adds (a BERT's [CLS] q [SEP] [SEP] d
+    [SEP] shape). Returns the vocabulary's size."""
+    w.add_string("tokenizer.ggml.model", "test")
+    w.add_array("tokenizer.ggml.tokens", [f"tok_{i}" for i in range(N_VOCAB)])
+    w.add_array("tokenizer.ggml.scores", [0.0] * N_VOCAB)
+    if specials:
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_sep_token_id(3)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(True)
+        w.add_add_sep_token(True)
+    return N_VOCAB
+
+
+def write_reranker(
+    path: Path,
+    kind: str,
+    *,
+    seed: int = 7,
+    n_embd: int = N_EMBD,
+    n_layer: int = N_LAYER,
+    n_head: int = N_HEAD,
+    n_ctx: int = N_CTX,
+    stdev: float = 0.1,
+    dtype: Any = np.float32,
+    tokenizer: Callable[[Any], int] | None = None,
+    template: str | None = QWEN3_RERANK_TEMPLATE,
+) -> Path:
+    """A random-weight reranker at ``path``: ``kind`` "decoder" (``qwen3`` with pooling rank,
+    labels yes/no and a ``cls.output`` head: scores are p("yes")) or "encoder" (a ``bert``
+    cross-encoder: attention not causal, ``cls`` and ``cls.output`` heads, one raw score).
+    ``tokenizer`` adds the vocabulary's keys and returns its size (default: ``test``, with
+    BOS/EOS/SEP for the encoder); ``template`` is the decoder's rerank prompt. Deterministic:
+    the same arguments write the same bytes."""
+    import gguf
+
+    decoder = kind == "decoder"
+    arch = "qwen3" if decoder else "bert"
+    w = gguf.GGUFWriter(str(path), arch)
+    n_vocab = test_tokenizer(w, specials=not decoder) if tokenizer is None else tokenizer(w)
+    n_ff = 4 * n_embd
+    head = n_embd // n_head
+    k = f"{arch}."
+    w.add_uint32(k + "context_length", n_ctx)
+    w.add_uint32(k + "embedding_length", n_embd)
+    w.add_uint32(k + "block_count", n_layer)
+    w.add_uint32(k + "feed_forward_length", n_ff)
+    w.add_uint32(k + "attention.head_count", n_head)
+    w.add_uint32(k + "pooling_type", 4)  # rank
+    if decoder:
+        w.add_uint32(k + "attention.head_count_kv", n_head)
+        w.add_uint32(k + "attention.key_length", head)
+        w.add_uint32(k + "attention.value_length", head)
+        w.add_float32(k + "attention.layer_norm_rms_epsilon", 1e-6)
+        w.add_float32(k + "rope.freq_base", 10000.0)
+        w.add_array(k + "classifier.output_labels", ["yes", "no"])
+        if template is not None:
+            w.add_string("tokenizer.chat_template.rerank", template)
+    else:
+        w.add_float32(k + "attention.layer_norm_epsilon", 1e-12)
+        w.add_bool(k + "attention.causal", False)
+        w.add_uint32("tokenizer.ggml.token_type_count", 2)
+
+    rng = np.random.default_rng(seed)
+
+    def matrix(name: str, rows: int, cols: int, kind: Any = dtype) -> None:
+        w.add_tensor(name, rng.normal(0.0, stdev, (rows, cols)).astype(kind))
+
+    def vector(name: str, n: int, *, ones: bool = False) -> None:
+        values = np.ones(n) if ones else rng.normal(0.0, stdev, n)
+        w.add_tensor(name, values.astype(np.float32))
+
+    matrix("token_embd.weight", n_vocab, n_embd)
+    if decoder:
+        vector("output_norm.weight", n_embd, ones=True)
+        matrix("cls.output.weight", 2, n_embd)  # yes, no
+    else:
+        # Added to f32 activations as they are (a BERT GGUF keeps them f32: ggml cannot add
+        # an f16 tensor to an f32 one, and aborts).
+        matrix("token_types.weight", 2, n_embd, np.float32)
+        matrix("position_embd.weight", n_ctx, n_embd, np.float32)
+        vector("token_embd_norm.weight", n_embd, ones=True)
+        vector("token_embd_norm.bias", n_embd)
+        matrix("cls.weight", n_embd, n_embd)
+        vector("cls.bias", n_embd)
+        matrix("cls.output.weight", 1, n_embd)
+        vector("cls.output.bias", 1)
+    for il in range(n_layer):
+        b = f"blk.{il}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            matrix(b + name + ".weight", n_embd, n_embd)
+            if not decoder:
+                vector(b + name + ".bias", n_embd)
+        if decoder:
+            vector(b + "attn_norm.weight", n_embd, ones=True)
+            vector(b + "attn_q_norm.weight", head, ones=True)
+            vector(b + "attn_k_norm.weight", head, ones=True)
+            vector(b + "ffn_norm.weight", n_embd, ones=True)
+            matrix(b + "ffn_gate.weight", n_ff, n_embd)
+            matrix(b + "ffn_up.weight", n_ff, n_embd)
+            matrix(b + "ffn_down.weight", n_embd, n_ff)
+        else:
+            vector(b + "attn_output_norm.weight", n_embd, ones=True)
+            vector(b + "attn_output_norm.bias", n_embd)
+            matrix(b + "ffn_up.weight", n_ff, n_embd)
+            vector(b + "ffn_up.bias", n_ff)
+            matrix(b + "ffn_down.weight", n_embd, n_ff)
+            vector(b + "ffn_down.bias", n_embd)
+            vector(b + "layer_output_norm.weight", n_embd, ones=True)
+            vector(b + "layer_output_norm.bias", n_embd)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -13,7 +13,9 @@ any other that shares the prefix.
 The rule, wherever KV is produced or reused:
 
 1. A prefill chunk ends at the next absolute multiple of ``n_batch`` or at the end of what is
-   being prefilled (``chunk_end``), never anywhere else unless a tick budget cuts it.
+   being prefilled (``chunk_end``), never anywhere else unless a tick budget cuts it. A media
+   span (an image's positions) is one call of its own, so the chunks before and after it end
+   and start at its edges: cuts that depend on the prompt alone, as the multiples do.
 2. Every slot and row records its *canonical prefix*: the leading tokens whose KV came from
    such aligned chunks. Generated tokens (decoded one at a time) and chunks cut short by a
    tick's budget are not canonical (``canonical_after``, ``canonical_after_chunk``).
@@ -22,11 +24,13 @@ The rule, wherever KV is produced or reused:
    are then bit-identical to a cold prefill's.
 4. A cold save pauses the prefill at a multiple of ``n_batch``, so the whole row is canonical.
 
-Invariant: pure integer arithmetic, no imports, no state. See ``docs/architecture.md``,
+Invariant: pure integer arithmetic, no imports of kvwarm, no state. See ``docs/architecture.md``,
 "Exactness".
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 __all__ = [
     "align_down",
@@ -61,13 +65,24 @@ def canonical_after(keep: int, source_canonical: int | None, n_prompt: int, n_ba
     return src
 
 
-def canonical_after_chunk(canonical: int, start: int, end: int, n_prompt: int, n_batch: int) -> int:
+def canonical_after_chunk(
+    canonical: int,
+    start: int,
+    end: int,
+    n_prompt: int,
+    n_batch: int,
+    *,
+    cuts: Collection[int] = (),
+) -> int:
     """The canonical prefix after prefilling ``[start, end)`` of an ``n_prompt``-token prompt.
 
-    A chunk cut short by the tick budget (ending neither at a multiple of ``n_batch`` nor at
-    the prompt's end) was not computed the way an aligned prefill computes it: from its aligned
-    start on, the KV is not canonical.
+    A chunk cut short by the tick budget (ending neither at a multiple of ``n_batch``, nor at
+    the prompt's end, nor at one of ``cuts``) was not computed the way an aligned prefill
+    computes it: from its aligned start on, the KV is not canonical. ``cuts``: the starts and
+    ends of the prompt's media spans, where every prefill of it cuts too (a span is decoded
+    whole in a call of its own, so those cuts depend only on the prompt, as the multiples of
+    ``n_batch`` do).
     """
-    if is_aligned(end, n_batch) or end == n_prompt:
+    if is_aligned(end, n_batch) or end == n_prompt or end in cuts:
         return canonical
     return min(canonical, align_down(start, n_batch))

@@ -10,7 +10,11 @@ the server maps exception *types* to HTTP statuses, never message text.
     ├── InvalidRequestError    (also ValueError)  bad per-request options or inputs
     │   ├── ContextOverflowError                  prompt (+ generation) exceeds n_ctx
     │   ├── GrammarError                          GBNF / JSON schema that does not compile
-    │   └── FimNotSupportedError                  fill-in-the-middle on a model without FIM tokens
+    │   ├── FimNotSupportedError                  fill-in-the-middle on a model without FIM tokens
+    │   ├── MediaError                            an image or audio part over a limit, of a
+    │   │                                         format not allowed, truncated or hostile
+    │   └── CapabilityError                       an operation the model cannot do (rerank on a
+    │                                             model that does not rank, generate on a reranker)
     ├── ModelNotFoundError                        no such model file / embedded model missing
     ├── UnknownModelError      (also KeyError)    no loaded model with that id
     ├── ModelExistsError                          a model id loaded twice
@@ -76,6 +80,16 @@ class NotAModelError(InvalidRequestError):
 
 class FimNotSupportedError(InvalidRequestError):
     """Fill-in-the-middle was asked of a model whose vocabulary has no FIM tokens."""
+
+
+class MediaError(InvalidRequestError):
+    """An image or audio part that cannot be used: over a limit, of a format not allowed,
+    truncated or not what it claims (``kvwarm.media``). ``param`` names the part."""
+
+
+class CapabilityError(InvalidRequestError):
+    """The model cannot do what was asked: rerank with a model whose pooling is not rank, or
+    generate (or embed) with a reranker (``ModelInfo.capabilities`` says what it can do)."""
 
 
 class ModelNotFoundError(KvwarmError):

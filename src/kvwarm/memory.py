@@ -71,10 +71,20 @@ class MemoryKind:
         """Whether a saved state is a KV cache of every position followed by a part that
         must be kept whole (its *rest*): an iSWA model's full-attention cache, then its window;
         a hybrid model's attention cache, then its recurrent state. Rows of such a memory are
-        that first cache as chunks (shared like full attention's) plus the rest, stored in the
-        row itself (the codec's ``rest``; it refuses a blob that is not of this shape, and
-        the row is then stored whole)."""
+        that first cache as chunks (shared like full attention's) plus the rest: a window's
+        in chunks of its own (``rest_chunkable``), a recurrent state in the row itself (the
+        codec's ``rest``; it refuses a blob that is not of this shape, and the row is then
+        stored whole)."""
         return self.kind == "hybrid" or (self.kind == "swa" and self.n_swa > 0)
+
+    @property
+    def rest_chunkable(self) -> bool:
+        """Whether the rest (``has_rest``) is itself a KV cache of per-position cells, cut into
+        chunks like the first cache (``KvCodec.split_rest``): an iSWA window, whose cell at
+        position ``i`` depends only on the tokens up to ``i``, so checkpoints of one
+        conversation share all but their newest cells and conversations share a system
+        prompt's. A recurrent state is one value per sequence: kept whole."""
+        return self.kind == "swa" and self.n_swa > 0
 
     def saved_floor(self, n_tokens: int) -> int:
         """The shortest prefix a *saved* state of ``n_tokens`` tokens resumes at.

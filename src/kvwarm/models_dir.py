@@ -1,5 +1,11 @@
 """The GGUF files of a models directory (``--models-dir``): which files are models, under which
-names, and the check a name-based load passes before llama.cpp opens anything.
+names, which multimodal projector goes with each, and the check a name-based load passes
+before llama.cpp opens anything.
+
+Projectors (``mmproj*.gguf``, any file whose name holds ``mmproj``) are never models, as in
+llama-server's models directory. A model ``NAME.gguf`` reads images through
+``mmproj-NAME.gguf`` (or ``NAME-mmproj.gguf``, ``NAME.mmproj.gguf``) beside it, and a
+directory of one model and one projector pairs them whatever their names (``projector_for``).
 
 Invariant: a listed model is a regular file (never a symlink) directly inside the directory,
 named ``*.gguf``; a model split into parts (``x-00001-of-00003.gguf``) is listed once, as its
@@ -32,7 +38,7 @@ def scan(directory: Path) -> dict[str, Path]:
         return {}
     found: dict[str, Path] = {}
     for entry in entries:
-        if not entry.name.lower().endswith(".gguf"):
+        if not entry.name.lower().endswith(".gguf") or _is_projector(entry.name):
             continue
         if not entry.is_file(follow_symlinks=False):
             log.debug("models_dir: skipping %s (not a regular file)", entry.name)
@@ -45,6 +51,35 @@ def scan(directory: Path) -> dict[str, Path]:
             stem = part["stem"]
         found.setdefault(stem, directory / entry.name)
     return found
+
+
+def _is_projector(name: str) -> bool:
+    return "mmproj" in name.lower()
+
+
+def projector_for(directory: Path, model: Path, models: int) -> Path | None:
+    """The projector beside ``model`` in ``directory`` (a regular file named for it, or the
+    only one of a directory holding ``models`` == 1 model), None if there is none."""
+    stem = model.name[: -len(".gguf")]
+    part = _PART.match(stem)
+    if part is not None:
+        stem = part["stem"]
+    try:
+        names = {
+            e.name: e
+            for e in os.scandir(directory)
+            if e.name.lower().endswith(".gguf")
+            and _is_projector(e.name)
+            and e.is_file(follow_symlinks=False)
+        }
+    except OSError:
+        return None
+    for name in (f"mmproj-{stem}.gguf", f"{stem}-mmproj.gguf", f"{stem}.mmproj.gguf"):
+        if name in names:
+            return directory / name
+    if models == 1 and len(names) == 1:
+        return directory / next(iter(names))
+    return None
 
 
 def checked_path(directory: Path, path: Path) -> Path:

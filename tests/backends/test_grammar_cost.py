@@ -306,7 +306,9 @@ def test_a_schema_with_a_100k_value_enum_is_factored_quickly() -> None:
     grammar = cheap_grammar(schema_to_gbnf(schema))
     elapsed = time.monotonic() - start
     assert max(grammar_widths(grammar).values()) <= 11
-    assert elapsed < 5.0, elapsed  # ~0.8 s here; the point is it is Python, off the worker
+    # ~0.8 s alone; the bound only catches a return of the old blow-up (92 s for a 100k enum)
+    # on a loaded machine, the point being that it is Python on the caller, off the worker.
+    assert elapsed < 30.0, elapsed
 
 
 def test_a_grammar_past_the_size_bound_is_refused() -> None:

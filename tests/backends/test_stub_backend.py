@@ -62,3 +62,19 @@ def test_literal_grammar_is_enforced_and_others_checked() -> None:
     assert out == [OFFSET + ord("o"), OFFSET + ord("k"), EOS]
     with pytest.raises(GrammarError):
         model.new_sampler(SamplingParams(grammar='root ::= item\nitem ::= "x" other'))
+
+
+def test_the_environment_sets_a_stub_backends_pace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processes a test does not construct (a cluster's replicas) get the stub's simulated
+    latency from the environment; a bad value is refused, not ignored."""
+    from kvwarm.backends import get_backend
+    from kvwarm.errors import ConfigError
+
+    monkeypatch.setenv("KVWARM_STUB_DECODE_DELAY_S", "0.02")
+    backend = get_backend("stub")
+    assert isinstance(backend, StubBackend)
+    assert (backend.prefill_delay_s, backend.decode_delay_s) == (0.0, 0.02)
+    for bad in ("-1", "nan", "soon"):
+        monkeypatch.setenv("KVWARM_STUB_PREFILL_DELAY_S", bad)
+        with pytest.raises(ConfigError, match="KVWARM_STUB_PREFILL_DELAY_S"):
+            StubBackend.from_env()

@@ -1,6 +1,7 @@
-"""Chunk objects and manifests (KVC v2): round trips, chained keys, and every bit flip,
-truncation or extension of a chunk or a manifest is a ``CacheFormatError`` (nothing else);
-old (v1) rows are read as whole blobs, never as manifests."""
+"""Chunk objects and manifests (KVC v2, v3 with a rest, v4 with a rest in chunks): round
+trips, chained keys, and every bit flip, truncation or extension of a chunk or a manifest is a
+``CacheFormatError`` (nothing else); old (v1) rows are read as whole blobs, never as
+manifests."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tests.cache.test_kvc import (
 )
 
 from kvwarm.cache.formats import chunkfmt, kvc
-from kvwarm.cache.types import Namespace
+from kvwarm.cache.types import Namespace, RestChunks
 from kvwarm.errors import CacheFormatError
 
 NS = FIELDS.namespace
@@ -187,8 +188,8 @@ def test_chunk_tags_in_a_version_1_file_are_refused() -> None:
 
 
 def test_an_unknown_version_is_refused_with_a_clear_message() -> None:
-    with pytest.raises(CacheFormatError, match="unsupported version 4"):
-        kvc.parse(_as_version(_file(), 4))
+    with pytest.raises(CacheFormatError, match="unsupported version 5"):
+        kvc.parse(_as_version(_file(), 5))
 
 
 # ---- manifests with a rest (KVC version 3): an iSWA window, a hybrid's recurrent state
@@ -226,3 +227,113 @@ def test_a_lone_chunk_tag_is_refused() -> None:
     good[at] = 0x7F
     with pytest.raises(CacheFormatError, match="together"):
         kvc.parse(_reseal(good), expected_key=KEY)
+
+
+# ---- manifests whose rest is in chunks (KVC version 4): an iSWA window
+
+REST = RestChunks(first=1, start=0, lens=(3, 1), keys=(b"\x03" * 32, b"\x04" * 32))
+WINDOWED = replace(MANIFEST, rest_chunks=REST)
+
+
+def test_a_manifest_with_its_rest_in_chunks_is_version_4_and_round_trips() -> None:
+    good = _file(WINDOWED, b"")
+    assert good[3] == 4
+    f = kvc.parse(good, expected_key=KEY)
+    assert f.meta.fields == WINDOWED and f.payload.nbytes == 0
+    # Version 3 (a rest in the payload) and 2 are still read as they were.
+    assert kvc.parse(_file(MANIFEST, b"w"), expected_key=KEY).meta.fields.rest_chunks is None
+
+
+def test_every_single_bit_flip_of_a_version_4_manifest_is_rejected() -> None:
+    assert set(flips_accepted(_file(WINDOWED, b""))) == UNCOVERED
+
+
+def test_every_truncation_of_a_version_4_manifest_is_rejected() -> None:
+    good = _file(WINDOWED, b"")
+    for n in range(len(good)):
+        with pytest.raises(CacheFormatError):
+            kvc.parse(good[:n])
+
+
+@pytest.mark.parametrize(
+    ("fields", "payload", "version", "match"),
+    [
+        (WINDOWED, b"", 3, "version-3"),  # rest chunks in a version-3 file
+        (WINDOWED, b"", 2, "version 4"),
+        (MANIFEST, b"rest", 4, "no rest chunks"),  # a version-3 row claiming version 4
+        (FIELDS, PAYLOAD, 4, "no chunks"),  # a whole blob claiming version 4
+    ],
+)
+def test_rest_chunks_and_the_version_must_agree(
+    fields: kvc.KvcFields, payload: bytes, version: int, match: str
+) -> None:
+    with pytest.raises(CacheFormatError, match=match):
+        kvc.parse(_as_version(_file(fields, payload), version), expected_key=KEY)
+
+
+@pytest.mark.parametrize(
+    "rest",
+    [
+        RestChunks(first=3, start=0, lens=(3, 1), keys=REST.keys),  # first past chunk 0
+        RestChunks(first=1, start=0, lens=(3,), keys=REST.keys[:1]),  # ends before the row
+        RestChunks(first=1, start=0, lens=(3, 2), keys=REST.keys),  # ends after it
+        RestChunks(first=1, start=0, lens=(3, 1), keys=REST.keys[:1]),  # unpaired
+        RestChunks(first=1, start=0, lens=(), keys=()),
+    ],
+)
+def test_rest_chunks_that_do_not_cover_the_window_are_refused(rest: RestChunks) -> None:
+    with pytest.raises(ValueError):
+        kvc.build_prefix(replace(MANIFEST, rest_chunks=rest), b"")
+
+
+def test_a_rest_in_chunks_needs_chunks_and_no_payload() -> None:
+    with pytest.raises(ValueError):
+        kvc.build_prefix(replace(WINDOWED, chunk_lens=(), chunks=()), b"")
+    with pytest.raises(ValueError):
+        kvc.build_prefix(WINDOWED, b"rest")
+
+
+def test_rest_cuts_are_the_grid_and_the_chunk_cuts_inside_the_window() -> None:
+    assert chunkfmt.rest_cuts((256, 256, 100), 300, 612, 32) == [
+        300, *range(320, 612, 32), 612
+    ]  # fmt: skip
+    cuts = chunkfmt.rest_cuts((250, 250, 112), 100, 612, 64)
+    assert 250 in cuts and 500 in cuts and cuts[0] == 100 and cuts[-1] == 612
+    # Two windows of one conversation cut alike past the later one's start.
+    a, b = chunkfmt.rest_cuts((256, 356), 88, 612, 32), chunkfmt.rest_cuts((256, 356), 100, 612, 32)
+    assert a[2:] == b[1:]
+
+
+def test_rest_chunk_keys_name_the_prefix_the_start_and_the_bits_rule() -> None:
+    tokens = list(range(40, 60))
+    lens = (8, 8, 4)
+    chain = chunkfmt.chunk_chain(NS, tokens, lens)
+    keys = [k for _, k in chunkfmt.rest_chain(NS, tokens, lens, chain, [6, 8, 12, 16, 20])]
+    assert len(set(keys)) == 4 and not set(keys) & {k for _, k in chain}
+    # The same cells of a window starting elsewhere, or of other earlier tokens, are other keys.
+    later = chunkfmt.rest_chain(NS, tokens, lens, chain, [7, 8, 12, 16, 20])
+    assert later[0][1] != keys[0] and [k for _, k in later[1:]] == keys[1:]
+    other = [99, *tokens[1:]]
+    moved = chunkfmt.rest_chain(NS, other, lens, chunkfmt.chunk_chain(NS, other, lens), [6, 8])
+    assert moved[0][1] != keys[0]
+    # Past plain_to the rest's chunks chain apart as the first cache's do.
+    salted = chunkfmt.chunk_chain(NS, tokens, lens, plain_to=8, own=20)
+    apart = chunkfmt.rest_chain(NS, tokens, lens, salted, [6, 8, 12, 16, 20])
+    assert apart[0][1] == keys[0] and not {k for _, k in apart[1:]} & set(keys)
+    for parent, key in chunkfmt.rest_chain(NS, tokens, lens, chain, [6, 8, 12]):
+        assert key == chunkfmt.chunk_key(NS, parent, tokens[8:12]) or key == keys[0]
+    with pytest.raises(ValueError, match="crosses"):
+        chunkfmt.rest_chain(NS, tokens, lens, chain, [6, 12])
+
+
+def test_a_rows_memory_kind_round_trips_and_an_unknown_one_reads_as_unsaid() -> None:
+    for kind in ("full", "swa", "recurrent", "hybrid", ""):
+        fields = replace(WINDOWED, memory=kind)
+        assert kvc.parse(_file(fields, b""), expected_key=KEY).meta.fields.memory == kind
+    good = bytearray(_file(replace(MANIFEST, memory="swa"), b""))
+    at = bytes(good).find(struct.pack("<BIB", kvc.TAG_MEMORY, 1, 2))
+    assert at > 0
+    good[at + 5] = 99  # a newer writer's kind
+    assert kvc.parse(_reseal(good), expected_key=KEY).meta.fields.memory == ""
+    with pytest.raises(ValueError):
+        kvc.build_prefix(replace(MANIFEST, memory="quantum"), b"")

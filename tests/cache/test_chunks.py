@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,53 +21,19 @@ from tests.cache.chunkkit import (
     tail_request,
     two_part_request,
 )
-from tests.cache.tierkit import NS, shm_dir
+from tests.cache.conftest import CacheFactory
+from tests.cache.tierkit import NS
 from tests.s3kit import MotoServer
 
 from kvwarm.cache import Cache, CacheConfig, TierConfig
 from kvwarm.cache.formats import chunkfmt
 from kvwarm.cache.formats.chunkfmt import head_size
 from kvwarm.cache.formats.key import cache_key
-from kvwarm.cache.protocols import Tier
 from kvwarm.cache.tiers.files import FileTier
 from kvwarm.cache.tiers.s3 import S3Tier
 from kvwarm.errors import CacheFormatError, CacheKeyError, StateRestoreError
 
 C = 256
-CacheFactory = Callable[..., Cache]
-
-
-@pytest.fixture(params=["ram", "ram_file", "disk", "s3"])
-def make_cache(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CacheFactory]:
-    name = request.param
-    made: list[Cache] = []
-
-    def build(quota: int = 1 << 30, chunk_tokens: int = C) -> Cache:
-        cfg = CacheConfig(tiers=(TierConfig(name, quota, root=root),), chunk_tokens=chunk_tokens)
-        tiers: list[Tier] | None = None
-        if name == "s3":
-            tiers = [S3Tier(s3_config, quota)]
-            cfg = CacheConfig(tiers=(TierConfig("ram", quota),), chunk_tokens=chunk_tokens)
-        cache = Cache(cfg, tiers=tiers, background=False)
-        made.append(cache)
-        return cache
-
-    root: Path | None = None
-    if name == "s3":
-        server: MotoServer = request.getfixturevalue("moto_server")
-        s3_config = server.config(server.new_bucket())
-    if name == "ram_file":
-        with shm_dir() as d:
-            root = d
-            yield build
-            for c in made:
-                c.close()
-        return
-    if name == "disk":
-        root = tmp_path / "kvc"
-    yield build
-    for c in made:
-        c.close()
 
 
 def _save(cache: Cache, tokens: list[int]) -> bytes:

@@ -187,3 +187,62 @@ def test_whole_lists_the_rows_that_are_whole_prefixes_longest_first(
     assert [n for _, n in got] == [n for n, _ in expected][:limit]
     assert {k for k, _ in got} <= {k for _, k in expected}
     assert index.whole(1, query, limit) == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.integers(0, 3), min_size=1, max_size=7).map(tuple), min_size=1, max_size=12
+    ),
+    st.data(),
+)
+def test_lineage_is_the_rows_a_row_extends_and_whether_others_extend_them(
+    rows: list[tuple[int, ...]], data: st.DataObject
+) -> None:
+    """Against brute force: the rows whose tokens are a prefix of a row's, nearest first,
+    each shared when a row that is not on that path (nor extends the row itself) extends it,
+    also after rows are removed (splits and merges)."""
+    index = PrefixIndex()
+    held = {}
+    for toks in dict.fromkeys(rows):
+        index.insert(0, _key(0, toks), toks, len(toks))
+        held[_key(0, toks)] = toks
+    for toks in data.draw(st.lists(st.sampled_from(sorted(set(rows))), max_size=4)):
+        if index.remove(_key(0, toks)):
+            del held[_key(0, toks)]
+    for key, toks in held.items():
+        above = sorted(
+            (k for k, t in held.items() if len(t) < len(toks) and toks[: len(t)] == t),
+            key=lambda k: -len(held[k]),
+        )
+
+        def shared(a: bytes, toks: tuple[int, ...] = toks) -> bool:
+            base = held[a]
+            return any(
+                t[: len(base)] == base and t != base and toks[: len(t)] != t
+                and t[: len(toks)] != toks
+                for t in held.values()
+            )  # fmt: skip
+
+        assert index.lineage(key) == [(k, shared(k)) for k in above]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6).map(tuple), max_size=10))
+def test_below_counts_the_rows_on_the_one_path_extending_a_row(
+    rows: list[tuple[int, ...]],
+) -> None:
+    index = PrefixIndex()
+    held = list(dict.fromkeys(rows))
+    for toks in held:
+        index.insert(0, _key(0, toks), toks, len(toks))
+    for toks in held:
+        longer = [t for t in held if len(t) > len(toks) and t[: len(toks)] == toks]
+        # One path: every longer row extends every shorter one of them.
+        chain = all(
+            a[: len(b)] == b or b[: len(a)] == a for a in longer for b in longer
+        )  # fmt: skip
+        if chain:
+            assert index.below(_key(0, toks)) == len(longer)
+        else:
+            assert index.below(_key(0, toks)) < len(longer)

@@ -414,15 +414,45 @@ def test_cache_gc_shared_sweeps_unreferenced_chunks_of_a_shared_dir(
     assert again.returncode == 0 and "disk: 0 of 4 chunks swept" in again.stdout, again.stdout
 
 
+def test_cache_stats_gives_stored_and_logical_bytes_per_memory_kind(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """No model: a sliding-window model's checkpoints and a full-attention row written through
+    the library; ``kvwarm cache stats`` reports each kind's stored and logical bytes."""
+    from dataclasses import replace
+
+    from tests.cache.chunkkit import chunked_request, window_request
+    from tests.cache.tierkit import NS
+
+    from kvwarm.cache import Cache, CacheConfig, TierConfig
+
+    cache_dir = tmp_path / "kv"
+    tiers = (TierConfig("disk", 1 << 30, cache_dir / "rows"),)
+    with Cache(CacheConfig(tiers=tiers), background=False) as c:
+        for n in (600, 650, 700):
+            req = replace(window_request(NS, range(n), [], tier="disk"), memory="swa")
+            assert c.save(req, sync=True)
+        req = replace(chunked_request(NS, (7,) * 300, tier="disk"), memory="full")
+        assert c.save(req, sync=True)
+    env_dir = {
+        **env,
+        "KVWARM_MODELS": "/nonexistent/model.gguf",
+        "KVWARM_CACHE_DIR": str(cache_dir),
+    }
+    stats = kvwarm(env_dir, "cache", "stats", "--json")
+    assert stats.returncode == 0, stats.stderr
+    kinds = json.loads(stats.stdout)["memory_kinds"]
+    assert {k: v["rows"] for k, v in kinds.items()} == {"swa": 3, "full": 1}
+    assert kinds["swa"]["logical_bytes"] > 2 * kinds["swa"]["bytes"]  # windows stored once
+    text = kvwarm(env_dir, "cache", "stats")
+    assert text.returncode == 0 and "memory swa" in text.stdout and "memory full" in text.stdout
+
+
 # A stub whose every forward pass takes two minutes: a worker stuck in native code.
 _STUCK_SERVE = """
+import os
 import sys
-import kvwarm.backends.stub as stub
-_init = stub.StubBackend.__init__
-def _slow(self, *args, **kwargs):
-    kwargs.setdefault("decode_delay_s", 120.0)
-    _init(self, *args, **kwargs)
-stub.StubBackend.__init__ = _slow
+os.environ["KVWARM_STUB_DECODE_DELAY_S"] = "120"  # read by StubBackend.from_env
 from kvwarm.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -93,6 +93,12 @@ def test_cache_chunk_tokens_reaches_the_cache_config() -> None:
     assert load_settings({}, {"KVWARM_CACHE_CHUNK_TOKENS": "0"}).cache_config().chunk_tokens == 0
 
 
+def test_cache_state_history_reaches_the_cache_config() -> None:
+    assert load_settings({}, {}).cache_config().state_history == 2
+    env = {"KVWARM_CACHE_STATE_HISTORY": "-1"}
+    assert load_settings({}, env).cache_config().state_history == -1
+
+
 def test_sizes_accept_suffixes() -> None:
     s = load_settings({}, {"KVWARM_DISK_QUOTA_BYTES": "2G", "KVWARM_MAX_BODY_BYTES": "512k"})
     assert s.disk_quota_bytes == 2 << 30
@@ -112,6 +118,7 @@ def test_sizes_accept_suffixes() -> None:
         ({"KVWARM_CACHE_EVICTION": "mru"}, "cache_eviction"),
         ({"KVWARM_CACHE_CHUNK_TOKENS": "384"}, "cache_chunk_tokens"),
         ({"KVWARM_CACHE_CHUNK_TOKENS": "-256"}, "cache_chunk_tokens"),
+        ({"KVWARM_CACHE_STATE_HISTORY": "-2"}, "cache_state_history"),
     ],
 )
 def test_bad_values_are_config_errors_naming_the_setting(env: dict[str, str], needle: str) -> None:
@@ -222,7 +229,9 @@ def test_cluster_settings_are_flags_of_kvwarm_cluster_only() -> None:
     s = load_settings(settings_flags(args), {})
     assert (s.replicas, s.ray_address, s.cluster_busy_requests) == (3, "ray://h:10001", 0)
     assert s.node_ip is None  # a local Ray stays on loopback unless asked
-    assert s.cluster_routing == "prefix"
+    assert s.cluster_routing == "events"
+    joined = parser.parse_args(["cluster", "--address", "10.0.0.5:6379"])
+    assert load_settings(settings_flags(joined), {}).ray_address == "10.0.0.5:6379"
     routed = parser.parse_args(["cluster", "--cluster-routing", "mine"])
     assert load_settings(settings_flags(routed), {}).cluster_routing == "mine"  # checked by deploy
     opened = parser.parse_args(["cluster", "--node-ip", "10.0.0.5"])

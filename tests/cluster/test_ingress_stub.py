@@ -10,13 +10,16 @@ from collections.abc import AsyncIterator, Awaitable, Iterator
 
 import pytest
 from fastapi.testclient import TestClient
+from ray.exceptions import ActorDiedError
 from tests.server.conftest import sse_events, stub_settings, wait_ready
 
-from kvwarm.cluster.calls import Failed, Generate, ModelOp
+from kvwarm.cluster.calls import Failed, Generate, ModelOp, Served, SnapshotCall
 from kvwarm.cluster.chains import chat_chain
 from kvwarm.cluster.ingress import create_ingress_app
 from kvwarm.cluster.replica import EngineReplica
+from kvwarm.cluster.routing import ClusterIndex
 from kvwarm.errors import InvalidRequestError
+from kvwarm.server.app import create_app
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence, always politely."}
 
@@ -77,8 +80,13 @@ def calls(replica: EngineReplica) -> DirectCalls:
 
 
 @pytest.fixture(scope="module")
-def client(calls: DirectCalls) -> Iterator[TestClient]:
-    with TestClient(create_ingress_app(stub_settings(), calls)) as test_client:
+def index() -> ClusterIndex:
+    return ClusterIndex()
+
+
+@pytest.fixture(scope="module")
+def client(calls: DirectCalls, index: ClusterIndex) -> Iterator[TestClient]:
+    with TestClient(create_ingress_app(stub_settings(), calls, index)) as test_client:
         wait_ready(test_client.get)
         yield test_client
 
@@ -105,6 +113,42 @@ def test_chat_carries_its_chain_names_the_replica_and_warms_it(
     stats = replica.record_routing_stats()
     assert stats["warm"][:1] == [chat_chain("a", turn2)[-1]]  # most recent first
     assert stats["in_flight"] == 0 and stats["ttft_ms"] is not None
+
+
+def test_get_cluster_lists_replicas_and_what_their_caches_hold(
+    client: TestClient, replica: EngineReplica, index: ClusterIndex
+) -> None:
+    turn = [SYSTEM, {"role": "user", "content": "Name a bird that cannot fly."}]
+    body = {"model": "a", "messages": turn, "max_tokens": 6, "temperature": 0}
+    done = client.post("/v1/chat/completions", json=body).json()
+    key = bytes.fromhex(done["timings"]["cache_key"])
+    chain = chat_chain("a", turn)
+    # The ingress noted what replica-1 served before answering: its slot holds the turn.
+    live = index.reach(chain, None, {"replica-1": None})["replica-1"]["live"]
+    assert live == done["usage"]["total_tokens"]
+    # The router applies the replica's report (what Ray relays every stats period).
+    assert replica.engine.cache.lookup_exact_or_wait(key, 5.0) is not None
+    stats = replica.record_routing_stats()
+    if index.observe("replica-1", "node-1", stats):  # this index missed earlier reports
+        snapshot = asyncio.run(replica.snapshot(SnapshotCall("replica-1")))
+        assert index.load_snapshot("replica-1", pickle.loads(pickle.dumps(snapshot)))
+    assert index.wanted() == []
+    assert index.reach((), key, {"replica-1": "node-1"})["replica-1"]["memory"] > 0
+    view = client.get("/cluster").json()
+    assert view["routing"] == "events"
+    (entry,) = view["replicas"]
+    assert entry["id"] == "replica-1" and entry["health"] == "running"
+    assert entry["node"] == "node-1" and entry["stats"]["pid"] > 0
+    assert entry["stats"]["cache"]["ram"]["rows"] == entry["indexed"]["tiers"]["ram"]["rows"]
+    assert entry["seq"] == stats["events"]["seq"]  # type: ignore[index]
+    assert view["index"]["rows"] >= 1 and view["index"]["chunks"] >= 0
+
+
+def test_get_cluster_is_404_on_a_plain_server() -> None:
+    with TestClient(create_app(stub_settings())) as plain:
+        wait_ready(plain.get)
+        answer = plain.get("/cluster")
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_a_cluster"
 
 
 def test_streamed_chat_and_completion(client: TestClient) -> None:
@@ -173,6 +217,85 @@ def test_a_dead_replica_is_a_503(replica: EngineReplica) -> None:
         response = c.post("/v1/chat/completions", json=body)
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "replica_unavailable"
+
+
+class DyingCalls(DirectCalls):
+    """The first ``deaths`` generations land on a replica that dies: before answering, or
+    (``after_text``) after streaming some text; later ones reach the real replica."""
+
+    def __init__(self, replica: EngineReplica, deaths: int, *, after_text: bool = False) -> None:
+        super().__init__(replica)
+        self.deaths = deaths
+        self.after_text = after_text
+
+    def stream(self, call: Generate) -> DirectStream:
+        if self.deaths == 0:
+            return super().stream(call)
+        self.deaths -= 1
+        self.calls.append(call)
+        return DirectStream(self._dies_mid_call())
+
+    async def _dies_mid_call(self) -> AsyncIterator[object]:
+        yield Served("replica-dying")
+        if self.after_text:
+            yield "Half a rep"
+        raise ActorDiedError()
+
+
+def test_a_request_whose_replica_dies_before_answering_goes_to_another(
+    replica: EngineReplica,
+) -> None:
+    calls = DyingCalls(replica, deaths=2)
+    with TestClient(create_ingress_app(stub_settings(), calls)) as c:
+        wait_ready(c.get)
+        body = {"model": "a", "messages": [SYSTEM], "max_tokens": 3}
+        response = c.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.json()
+        assert response.headers["x-kvwarm-replica"] == "replica-1"
+        # The retries named the lost replica, so the router passes over it.
+        lost = ("replica-dying",)
+        assert [call.avoid for call in calls.calls] == [(), lost, lost]
+        assert c.get("/cluster").json()["ingress"]["retried"] == 2
+        streamed = c.post("/v1/chat/completions", json={**body, "stream": True})
+        assert streamed.status_code == 200 and calls.deaths == 0
+        # Three lost in a row: the client hears 503, never a hang.
+        calls.deaths = 3
+        assert c.post("/v1/chat/completions", json=body).status_code == 503
+
+
+def test_a_stream_whose_replica_dies_mid_reply_ends_with_an_error_event(
+    replica: EngineReplica,
+) -> None:
+    calls = DyingCalls(replica, deaths=1, after_text=True)
+    with TestClient(create_ingress_app(stub_settings(), calls)) as c:
+        wait_ready(c.get)
+        body = {"model": "a", "messages": [SYSTEM], "max_tokens": 3, "stream": True}
+        response = c.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    events = sse_events(response.text)
+    text = "".join(
+        e["choices"][0]["delta"].get("content") or ""  # type: ignore[index]
+        for e in events
+        if isinstance(e, dict) and e.get("choices")
+    )
+    assert text == "Half a rep"
+    assert events[-1]["error"]["code"] == "replica_unavailable"  # type: ignore[index]
+    assert len(calls.calls) == 1  # text had reached the client: not sent again
+
+
+def test_a_non_streamed_request_whose_replica_dies_mid_reply_is_sent_again(
+    replica: EngineReplica,
+) -> None:
+    # Its text came back in part, but none of it reached the client: another replica serves
+    # it whole (found by bench/cluster.py: one failed request in a run with a kill).
+    calls = DyingCalls(replica, deaths=1, after_text=True)
+    with TestClient(create_ingress_app(stub_settings(), calls)) as c:
+        wait_ready(c.get)
+        body = {"model": "a", "messages": [SYSTEM], "max_tokens": 3}
+        response = c.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.json()
+    assert "Half a rep" not in response.json()["choices"][0]["message"]["content"]
+    assert len(calls.calls) == 2
 
 
 def test_n_choices_logprobs_and_infill_through_the_ingress(client: TestClient) -> None:

@@ -61,6 +61,12 @@ def test_every_declared_operation_is_a_remote_model_method() -> None:
             ("p", "s"),
             {"extra": [ExtraFile("x")]},
         ),
+        (
+            lambda m: m.rerank("q", ("a", "b"), top_n=1, cache_salt="t"),
+            "rerank",
+            ("q", ["a", "b"]),
+            {"top_n": 1, "cache_salt": "t"},
+        ),
     ],
 )
 def test_a_forwarded_call_names_its_operation_and_sends_plain_values(

@@ -5,16 +5,19 @@ them the right inputs and remembers where it sent each chain."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
 
-from kvwarm.cluster.calls import Generate, ModelOp
+from kvwarm.cache.protocols import StoredRow
+from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TtlClass
+from kvwarm.cluster.calls import Generate, ModelOp, SnapshotCall
 from kvwarm.cluster.chains import chat_chain
-from kvwarm.cluster.router import AffinityRouter, request_chain
+from kvwarm.cluster.eventlog import EventLog
+from kvwarm.cluster.router import AffinityRouter, request_chain, route_request
 from kvwarm.cluster.routing import (
     Decision,
     ReplicaView,
@@ -23,6 +26,8 @@ from kvwarm.cluster.routing import (
     register_policy,
     unregister_policy,
 )
+from kvwarm.cluster.routing.facts import Scope, Source
+from kvwarm.cluster.routing.index import forget_indexes
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.errors import ConfigError
 from kvwarm.settings import Settings
@@ -30,12 +35,14 @@ from kvwarm.settings import Settings
 UNKNOWN = r"unknown routing policy 'nope'; expected one of .*prefix"
 ENGINE = DeploymentID(name="engine", app_name="kvwarm")
 SYSTEM = {"role": "system", "content": "be brief"}
+NS = Namespace(b"f" * 32, 1, b"c" * 32)
 
 
 @dataclass
 class FakeReplica:
     name: str
     routing_stats: dict[str, object] = field(default_factory=dict)
+    node_id: str = "node-1"
 
     @property
     def replica_id(self) -> ReplicaID:
@@ -47,9 +54,17 @@ class FakePending:
     args: list[object]
 
 
-def router() -> AffinityRouter:
+@pytest.fixture(autouse=True)
+def fresh_indexes() -> Iterator[None]:
+    """Routers find their index by deployment in the process: each test starts empty."""
+    forget_indexes()
+    yield
+    forget_indexes()
+
+
+def router(policy: str = "prefix") -> AffinityRouter:
     r = AffinityRouter(deployment_id=ENGINE, handle_source=DeploymentHandleSource.UNKNOWN)
-    r.initialize_state(busy_requests=2)
+    r.initialize_state(busy_requests=2, policy=policy)
     return r
 
 
@@ -156,3 +171,99 @@ def test_an_unknown_routing_setting_fails_before_ray_starts(
     monkeypatch.setattr(deploy, "start_ray", no_ray)
     assert main(["cluster", "--cluster-routing", "nope"]) == 2
     assert "unknown routing policy 'nope'" in capsys.readouterr().err
+
+
+# ---- the events policy: the router feeds the index from routing stats ----------------------
+
+
+def places() -> dict[str, tuple[Scope, Source]]:
+    return {"ram": ("replica", "memory"), "disk": ("node", "local")}
+
+
+def stored(name: str, tier: str, n_tokens: int) -> StoredRow:
+    key = name.encode().ljust(32, b".")
+    info = RowInfo(
+        key, tier, 1, n_tokens, 0, 0.0, 0.0, SaveReason.FINISH, TtlClass.SHORT, False, NS
+    )
+    return StoredRow(info, tuple(range(n_tokens)), None, (key,), (n_tokens,))
+
+
+async def test_cache_events_in_routing_stats_choose_the_replica() -> None:
+    first = chat("hello")
+    follow_up = chat("hello", "more")
+    chain = request_chain(first)  # type: ignore[arg-type]
+    log_a, log_b = EventLog(places(), epoch="a"), EventLog(places(), epoch="b")
+    log_b.row_stored(stored("turn1", "ram", 700))
+    log_b.served(chain, b"turn1".ljust(32, b"."), 700)
+    a = FakeReplica("a", {"events": log_a.report(), "in_flight": 0})
+    b = FakeReplica("b", {"events": log_b.report(), "in_flight": 1})
+    r = router("events")
+    groups = await r.choose_replicas([a, b], follow_up)  # type: ignore[arg-type]
+    assert [g[0].name for g in groups] == ["b", "a"]  # 700 live - 128 load beats nothing
+    # b's process dies; its node's directory holds the row a can read: a's turn.
+    r.update_replicas([a])  # type: ignore[list-item]
+    assert r.index.reach(follow_up.args[0].chain, None, {full_id(a): "node-1"}) == {}  # type: ignore[attr-defined]
+    log_a.row_stored(stored("turn1", "disk", 700))
+    a.routing_stats = {"events": log_a.report(), "in_flight": 0}
+    r.update_replicas([a])  # type: ignore[list-item]
+    parent = b"turn1".ljust(32, b".")
+    assert r.index.reach((), parent, {full_id(a): "node-1"}) == {full_id(a): {"local": 700}}
+
+
+async def test_a_gap_in_a_replicas_events_fetches_its_snapshot() -> None:
+    log = EventLog(places(), window=1)
+    a = FakeReplica("a", {"events": log.report()})
+    r = router("events")
+    asked: list[str] = []
+
+    def fetch(rid: str) -> object:
+        asked.append(rid)
+        return log.snapshot()
+
+    r.use_snapshot_fetch(fetch)
+    r.update_replicas([a])  # type: ignore[list-item]
+    for i in range(3):  # events in reports the router never sees
+        log.row_stored(stored(f"k{i}", "ram", 100))
+        log.report()
+    a.routing_stats = {"events": log.report()}
+    r.update_replicas([a])  # type: ignore[list-item]
+    r.wait_resyncs(10.0)
+    assert asked == [full_id(a)]
+    rows, _, seq = r.index.facts_of(full_id(a)) or (frozenset(), frozenset(), 0)
+    assert seq == log.seq and len(rows) == 3
+
+
+async def test_a_snapshot_call_goes_to_its_replica_only() -> None:
+    a, b = FakeReplica("a"), FakeReplica("b")
+    r = router("events")
+    call = FakePending([SnapshotCall(full_id(b))])
+    groups = await r.choose_replicas([a, b], call)  # type: ignore[arg-type]
+    assert [[x.name for x in g] for g in groups] == [["b"]]
+    gone = FakePending([SnapshotCall("nobody")])
+    assert await r.choose_replicas([a, b], gone) == [[]]  # type: ignore[arg-type]
+
+
+def test_a_follow_up_carries_its_parent_row_to_the_policy() -> None:
+    options = GenerationOptions(parent_key=b"p" * 32)
+    call = Generate("m", "chat", options, chain=("x",))
+    assert route_request(FakePending([call])) == RouteRequest(("x",), "m", b"p" * 32)  # type: ignore[arg-type]
+
+
+def test_address_names_the_cluster_to_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvwarm.cli import main
+    from kvwarm.cluster import deploy
+
+    joined: list[object] = []
+
+    def start_ray(address: str | None, **_kw: object) -> None:
+        joined.append(address)
+        raise ConfigError("stop here")  # the test needs no Ray
+
+    monkeypatch.setattr(deploy, "start_ray", start_ray)
+    assert main(["cluster", "--address", "127.0.0.1:6379", "--backend", "stub"]) == 2
+    assert main(["cluster", "--ray-address", "ray://head:10001", "--backend", "stub"]) == 2
+    assert joined == ["127.0.0.1:6379", "ray://head:10001"]
+    assert deploy._loopback("127.0.0.1:6379") and deploy._loopback("[::1]:6379")
+    assert not deploy._loopback("10.0.0.5:6379") and not deploy._loopback("ray://127.0.0.1:1")
+    assert deploy.proxy_location("127.0.0.1") == "HeadOnly"
+    assert deploy.proxy_location("0.0.0.0") == "EveryNode"

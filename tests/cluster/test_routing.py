@@ -3,6 +3,7 @@ conversation chains, without Ray: candidates and stats in, ranked replica groups
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -221,11 +222,11 @@ def least_loaded() -> Iterator[str]:
         unregister_policy("least_loaded")
 
 
-def test_the_prefix_policy_is_registered_and_the_default() -> None:
+def test_the_prefix_policy_stays_registered_as_the_fallback() -> None:
     assert "prefix" in registered_policies()
-    assert RoutingConfig().policy == "prefix" == Settings().cluster_routing
-    policy = build_policy(CONFIG)
-    assert isinstance(policy, PrefixPolicy) and policy.config is CONFIG
+    assert Settings(cluster_routing="prefix").cluster_routing == "prefix"
+    policy = build_policy(dataclasses.replace(CONFIG, policy="prefix"))
+    assert isinstance(policy, PrefixPolicy) and policy.config.busy_requests == 2
 
 
 def test_an_unknown_policy_is_a_config_error_naming_the_known_ones() -> None:

@@ -174,3 +174,18 @@ def test_drafter_asks_elsewhere_only_when_its_own_text_has_no_match() -> None:
     assert asked == []
     assert drafter.propose([7], 8, Cost(0.0, 0.01))[:1] == [42]
     assert asked == [(2, 7)]
+
+
+def test_a_draft_stops_before_a_media_span() -> None:
+    """A span's ids (an image's positions) are no token: drafted as tokens they would fail the
+    request's pass (ids outside the vocabulary)."""
+    import hashlib
+
+    from kvwarm.tokens import span_ids
+
+    image = list(span_ids(hashlib.sha256(b"picture").digest(), 4))
+    prompt = [5, 6, 7, *image, 8, 5, 6]
+    draft = Drafter("ngram-simple", 2, 16, prompt).propose([], 16, Cost(0.0, 0.01))
+    assert draft == [7]  # what followed [5, 6], up to the picture
+    rows = Drafter("ngram-simple", 2, 16, [1, 2], lambda tail, limit: [9, *image][:limit])
+    assert rows.propose([], 16, Cost(0.0, 0.01)) == [9]

@@ -68,3 +68,31 @@ def test_a_rest_follows_the_joined_chunks_and_grows_the_buffer_when_it_does_not_
     finally:
         ctx.close()
         model.close()
+
+
+def test_a_window_row_joins_both_caches_and_the_buffer_grows_once() -> None:
+    """A row whose window is in chunks: its first cache's chunks then its window's, joined
+    into one blob the context restores, in a buffer that grows only when a row needs more."""
+    from kvwarm.backends.stub import StubBackend
+
+    model = StubBackend(memory_kind="swa", n_swa=24).load_model("stub-window")
+    ctx = model.new_context(ContextParams(n_ctx=256, n_batch=16, n_ubatch=16))
+    try:
+        codec = ctx.kv_codec
+        buf = JoinBuffer()
+        sizes = []
+        for n in (60, 40, 90):
+            ctx.seq_rm(0)
+            ctx.prefill(0, [1 + (i * 5) % 200 for i in range(n)], 0)
+            blob = ctx.kv_pack(0)
+            first, end = codec.rest_span(blob)
+            main = codec.split(blob, [0, 32, n])
+            rest = codec.split_rest(blob, [first, *(b for b in (48,) if first < b < end), end])
+            got = buf.join(ctx, main, rest_chunks=rest, rest_from=first)
+            assert bytes(got) == blob
+            sizes.append(buf.capacity)
+            got.release()
+        assert sizes[0] == sizes[1] < sizes[2]  # the shorter row fit; the longer one grew it
+    finally:
+        ctx.close()
+        model.close()

@@ -18,7 +18,8 @@ from tests.engine.conftest import LOW_GATES, make_engine, stub_config
 
 from kvwarm.backends.base import BatchToken, ContextParams
 from kvwarm.backends.stub import StubBackend
-from kvwarm.engine.api import Engine
+from kvwarm.cache.types import CacheConfig, TierConfig
+from kvwarm.engine.api import Engine, EngineConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import Completion, GenerationOptions
 from kvwarm.errors import StateRestoreError
@@ -331,5 +332,64 @@ def test_the_prompt_end_is_checkpointed_whatever_checkpoint_lies_just_before_it(
         again = model.complete(prompt, GREEDY)
         assert again.stats.cached_tokens == len(prompt)
         assert again.text == first.text
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("kind", ["recurrent", "hybrid"])
+def test_a_conversation_keeps_its_latest_states_and_those_another_shares(
+    tmp_path: Path, kind: str
+) -> None:
+    """A recurrent state is whole: of one conversation's saved states the cache keeps the
+    newest and the ``state_history`` (2) below it, dropping the older ones as turns go on,
+    but never one another conversation also extends (where a second conversation over the
+    same system prompt diverged), so a third still resumes there."""
+
+    def chat(model: Model, opening: str, turns: int) -> list[Completion]:
+        history, outs = SYSTEM + opening, []
+        for turn in range(turns):
+            out = run(eng, model, history)
+            assert out.text == cold(kind, 0, history).text, turn
+            outs.append(out)
+            history += out.text + f" Q: and then {turn}?"
+            model.evict()  # only rows can serve the next turn
+        return outs
+
+    eng = make_engine(tmp_path)
+    try:
+        model = load(eng, kind, 0)
+        first = chat(model, "Q: one?", 6)
+        assert all(o.stats.cached_tokens > 0 for o in first[1:])  # each turn resumed
+        assert len(eng.cache.rows()) <= 3  # the newest state and the two below it
+        assert eng.cache.counters()["retention_drops"] > 0
+        chat(model, "Q: two?", 4)
+        shared = len(model.tokenize(SYSTEM + "Q: ", add_special=True))
+        boundary = [r for r in eng.cache.rows() if r.n_tokens == shared]
+        assert boundary, "the checkpoint both conversations extend was dropped"
+        third = run(eng, model, SYSTEM + "Q: three?")
+        assert third.stats.cached_tokens == shared
+        assert {r.memory for r in eng.cache.rows()} == {kind}
+    finally:
+        eng.close()
+
+
+def test_every_state_is_kept_with_no_history_limit(tmp_path: Path) -> None:
+    eng = Engine(
+        EngineConfig(
+            cache=CacheConfig(
+                tiers=(TierConfig("ram", 64 << 20), TierConfig("disk", 256 << 20, tmp_path)),
+                state_history=-1,
+            ),
+            policy=LOW_GATES,
+        )
+    )
+    try:
+        model = load(eng, "recurrent", 0)
+        history = SYSTEM + "Q: one?"
+        for turn in range(4):
+            out = run(eng, model, history)
+            history += out.text + f" Q: and then {turn}?"
+            model.evict()
+        assert len(eng.cache.rows()) > 3 and eng.cache.counters()["retention_drops"] == 0
     finally:
         eng.close()

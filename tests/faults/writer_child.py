@@ -6,6 +6,9 @@ writer_child.py race  ROOT TIER ID          store the race row; pause at "checke
 writer_child.py enospc ROOT                 on a tiny tmpfs: a fitting row, then one too big
 writer_child.py chunked ROOT TIER STEP N    through a Cache: save N chunked rows (ACK each),
                                       then SIGKILL self at STEP of the victim's save
+writer_child.py windowed ROOT STEP K        through a Cache: save two checkpoints of a window
+                                      model (ACK each), then SIGKILL self at the K-th STEP of
+                                      a third one's save (its window in chunks)
 """
 
 from __future__ import annotations
@@ -132,6 +135,42 @@ def chunked_mode(root: str, tier: str, step: str, n: int) -> None:
         say("SURVIVED")
 
 
+#: The windowed kill test's checkpoints of one conversation: two acknowledged, then the victim,
+#: whose save writes one first-cache chunk and three window chunks (then its manifest).
+WINDOWED = (600, 700, 900)
+WINDOWED_TOKENS = list(range(3000, 4000))
+
+
+def windowed_mode(root: str, step: str, nth: int) -> None:
+    from tests.cache.chunkkit import window_request
+    from tests.cache.tierkit import NS
+
+    from kvwarm.cache import Cache, CacheConfig, TierConfig
+
+    armed = False
+    seen = 0
+
+    def hook(s: str) -> None:
+        nonlocal seen
+        if armed and s == step:
+            seen += 1
+            if seen == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    files = FileTier("disk", root, 1 << 30, on_step=hook)
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=Path(root)),), chunk_tokens=256)
+    with Cache(cfg, tiers=[files], background=False) as cache:
+        for n in WINDOWED[:-1]:
+            key = cache.save(window_request(NS, WINDOWED_TOKENS[:n], [], tier="disk"), sync=True)
+            assert key is not None
+            say(f"ACK {key.hex()}")
+        armed = True
+        victim = window_request(NS, WINDOWED_TOKENS[: WINDOWED[-1]], [], tier="disk")
+        say(f"VICTIM {cache.key_for(NS, victim.tokens).hex()}")
+        cache.save(victim, sync=True)
+        say("SURVIVED")
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode == "kill":
@@ -140,6 +179,8 @@ if __name__ == "__main__":
         race_mode(args[0], args[1], int(args[2]))
     elif mode == "chunked":
         chunked_mode(args[0], args[1], args[2], int(args[3]))
+    elif mode == "windowed":
+        windowed_mode(args[0], args[1], int(args[2]))
     elif mode == "enospc":
         enospc_mode(args[0])
     else:

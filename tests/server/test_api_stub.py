@@ -349,7 +349,9 @@ def test_bad_chat_requests_are_400(client: TestClient) -> None:
     bad_role = {"model": "a", "messages": [{"role": "wizard", "content": "x"}]}
     assert_error(client.post("/v1/chat/completions", json=bad_role), 400, "invalid_type")
     image = {"model": "a", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
-    assert_error(client.post("/v1/chat/completions", json=image), 400, "unsupported_content")
+    assert_error(client.post("/v1/chat/completions", json=image), 400, "invalid_value")
+    video = {"model": "a", "messages": [{"role": "user", "content": [{"type": "video_url"}]}]}
+    assert_error(client.post("/v1/chat/completions", json=video), 400, "unsupported_content")
     # A forced call with no tools could not be honoured: refused, as OpenAI does, not ignored.
     hi = [{"role": "user", "content": "hi"}]
     named = {"type": "function", "function": {"name": "f"}}

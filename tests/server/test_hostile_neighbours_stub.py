@@ -188,6 +188,9 @@ def test_a_chat_beside_a_huge_body_waits_about_as_long_as_alone() -> None:
             thread.join()
         assert result == {"status": 400}, result  # past max_chat_messages, once decoded
         print(f"chat alone {alone:.3f} s, beside at most {max(beside):.3f} s ({len(beside)})")
-        assert max(beside) - alone < 1.0, (alone, beside)
+        # Alone on 2 cores the worst chat beside it took 0.45 s (4.3 s when the body was decoded
+        # on the event loop); the bound leaves room for a loaded machine (1.8 s seen beside
+        # other test runs) and still fails the old code.
+        assert max(beside) - alone < 2.5, (alone, beside)
     finally:
         live.stop()

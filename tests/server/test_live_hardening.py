@@ -66,11 +66,16 @@ API_SAMPLING_CASES: dict[str, object] = {
     "seed": 7,
     "grammar": 'root ::= ("yes" | "no")',
     "logit_bias": {"1": -5},
+    "spec_type": "ngram-simple",  # speculative decoding (exactness: test_speculative_model.py)
+    "spec_draft_max": 4,
     "stop": ["\n"],
     "ignore_eos": True,
 }
 #: Request fields that do not reach the sampler (routing, framing, length, cache namespace).
 NOT_SAMPLING = {"model", "max_tokens", "stream", "stream_options", "n", "cache_salt"}
+# Which adapter set runs (tests/server/test_lora_live.py, on the real model) and how long the
+# model stays loaded after the request (tests/server/test_keep_alive_stub.py): not sampling.
+NOT_SAMPLING |= {"lora", "keep_alive"}
 
 
 def test_every_api_sampling_option_has_a_case() -> None:

@@ -7,7 +7,10 @@ the ``/cache/slots`` and ``/cache/stats`` fields the dashboard draws.
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -15,6 +18,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from kvwarm.cluster.eventlog import EventLog
+from kvwarm.cluster.routing import ClusterIndex
 from kvwarm.server import create_app
 from kvwarm.server.webui import CSP, load_static
 
@@ -151,7 +156,9 @@ def test_the_page_needs_no_key_but_its_calls_do() -> None:
 
 
 def test_config_says_no_key_when_none_is_set(client: TestClient) -> None:
-    assert client.get("/ui/config.json").json()["apiKey"] is False
+    config = client.get("/ui/config.json").json()
+    assert config["apiKey"] is False
+    assert config["cluster"] is False  # the page asks /cluster only behind kvwarm cluster
 
 
 def test_the_page_origin_passes_the_guard(client: TestClient) -> None:
@@ -193,3 +200,50 @@ def test_stats_total_each_tier(client: TestClient) -> None:
     for name, totals in tiers.items():
         assert sum(totals["ttl_classes"].values()) == totals["rows"]
         assert f"tier_{name}_quota_bytes" in stats["counters"]  # the page's quota meter
+    # Stored against logical bytes per memory kind (the stub models full attention here).
+    kinds = stats["memory_kinds"]
+    assert set(kinds) == {"full"} and kinds["full"]["rows"] == stats["rows"]
+    assert kinds["full"]["bytes"] == stats["bytes"] > 0
+    assert kinds["full"]["logical_bytes"] == stats["logical_bytes"]
+
+
+def test_the_cluster_panel_draws_what_get_cluster_says(tmp_path: Path) -> None:
+    """``cluster.js``'s cells for a ``/cluster`` body the router's index wrote (run in Node:
+    the module touches no DOM until it renders)."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node on the PATH to run the page's modules")
+    index = ClusterIndex()
+    log = EventLog({"ram": ("replica", "memory")}, slots=2)
+    index.observe(
+        "SERVE_REPLICA::kvwarm#engine#ab12cd",
+        "node-one-id-0123456789",
+        {
+            "events": log.report(),
+            "pid": 4242,
+            "in_flight": 1,
+            "slots": 2,
+            "ttft_ms": 35.0,
+            "cache": {"ram": {"rows": 3.0}},
+        },
+        now=1000.0,
+    )
+    index.note_served("SERVE_REPLICA::kvwarm#engine#ab12cd", ("h",), b"k" * 32, 90)
+    body = {"routing": "events", **index.describe()}
+    script = tmp_path / "cells.mjs"
+    module = json.dumps((STATIC / "cluster.js").as_uri())
+    script.write_text(
+        f"import {{ replicaCells, indexNote }} from {module};\n"
+        f"const view = {json.dumps(body)};\n"
+        "console.log(JSON.stringify({cells: replicaCells(view.replicas, 1060 * 1000), "
+        "note: indexNote(view)}));\n"
+    )
+    out = json.loads(
+        subprocess.run([node, str(script)], capture_output=True, check=True, text=True).stdout
+    )
+    (cells,) = out["cells"]
+    texts = [c[0] for c in cells]
+    assert texts[:5] == ["ab12cd", "node-one-id-", "4242", "running", "1 / 2"]
+    assert texts[6] == "35 ms" and texts[7] == "ram 3" and texts[10] == "1"
+    assert texts[12] == "1 min ago"
+    assert out["note"].startswith("routing: events; index: 0 rows")

@@ -305,3 +305,41 @@ def test_the_models_view_loads_unloads_and_shows_memory(browser: Browser, tmp_pa
             assert console.errors == []
     finally:
         live.stop()
+
+
+@pytest.fixture(scope="module")
+def seeing_server() -> Iterator[LiveServer]:
+    """The stub backend with a projector: the page's image path without a model to wait on."""
+    from kvwarm.settings import ModelSpec
+
+    from .conftest import stub_settings
+
+    spec = ModelSpec(path="stub-eye", id="eye", options=(("mmproj", Path("stub-mmproj.gguf")),))
+    live = LiveServer(stub_settings(models=(spec,), max_body_bytes=1 << 20)).start()
+    try:
+        yield live
+    finally:
+        live.stop()
+
+
+def test_an_image_attached_to_a_turn_stays_in_the_conversation(
+    browser: Browser, seeing_server: LiveServer, tmp_path: Path
+) -> None:
+    from tests.engine.mediakit import png
+
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(png(1))
+    page, console = open_page(browser, seeing_server.base_url + "/")
+    with screenshot_on_failure(page, tmp_path / "image-turn.png"):
+        page.wait_for_selector("body[data-ready='true']")
+        page.fill("#max-tokens", "8")
+        page.fill("#temperature", "0")
+        page.set_input_files("#attach", str(picture))
+        assert page.inner_text("#attached").startswith("picture.png")
+        first = send_turn(page, "What is in it?", 1)
+        assert "Image: picture.png" in page.inner_text("#transcript li.msg.user")
+        assert page.input_value("#attach") == ""  # sent with that turn only
+        second = send_turn(page, "And its colours?", 2)
+        # The image went again with the conversation, and came from the cache with it.
+        assert second["cachedTokens"] >= first["promptTokens"], (first, second)
+        assert console.errors == []

@@ -14,11 +14,12 @@ BACKEND_NAMES = ("llama_cpp", "stub")
 
 
 def get_backend(name: str) -> Backend:
-    """The backend called ``name`` ('llama_cpp' or 'stub'), with default options."""
+    """The backend called ``name`` ('llama_cpp' or 'stub'), with default options (the stub's
+    simulated latency from the environment: ``StubBackend.from_env``)."""
     if name == "stub":
         from kvwarm.backends.stub import StubBackend
 
-        return StubBackend()
+        return StubBackend.from_env()
     if name == "llama_cpp":
         from kvwarm.backends.llama import LlamaBackend
 

@@ -129,6 +129,56 @@ def check_prefill(
         )
 
 
+def check_embd(
+    seq: int,
+    start_pos: int,
+    nbytes: int,
+    n_tokens: int,
+    *,
+    n_embd: int,
+    room: int,
+    n_ctx: int,
+    n_seq_max: int,
+    pos_max: Callable[[int], int],
+) -> None:
+    """Validate a span of embeddings (``decode_embd``): its size, that it fits ``room`` (the
+    batch; one ubatch for a span attending to itself non-causally, which must be decoded in
+    one), and that its positions continue ``seq``."""
+    check_seq(seq, n_seq_max)
+    _check_int(n_tokens, "n_tokens")
+    _check_int(start_pos, "start_pos")
+    if n_tokens < 1:
+        raise InvalidRequestError("a span has at least one position", param="n_tokens")
+    if n_tokens > room:
+        raise InvalidRequestError(
+            f"a span of {n_tokens} positions does not fit one pass ({room}); it must be "
+            "decoded whole: raise n_ubatch and n_batch",
+            param="n_tokens",
+        )
+    if nbytes != 4 * n_embd * n_tokens:
+        raise InvalidRequestError(
+            f"{nbytes} bytes of embeddings for {n_tokens} positions of width {n_embd} "
+            f"(expected {4 * n_embd * n_tokens})",
+            param="embd",
+        )
+    if start_pos < 0:
+        raise InvalidRequestError(f"negative start_pos {start_pos}", param="start_pos")
+    end = start_pos + n_tokens
+    if end > n_ctx:
+        raise ContextOverflowError(
+            f"{end} positions do not fit the context window (n_ctx={n_ctx})",
+            n_tokens=end,
+            n_ctx=n_ctx,
+        )
+    expected = pos_max(seq) + 1
+    if start_pos != expected:
+        raise InvalidRequestError(
+            f"seq {seq}: start_pos {start_pos} does not continue the sequence "
+            f"(expected {expected})",
+            param="start_pos",
+        )
+
+
 def logits_row(logits: bytes | memoryview, n_vocab: int) -> npt.NDArray[np.float32]:
     """``logits`` (a row's stored logits) as ``n_vocab`` float32 values, without a copy;
     ``InvalidRequestError`` if it holds any other number of bytes."""

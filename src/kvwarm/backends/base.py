@@ -48,6 +48,7 @@ from kvwarm.backends.params import (
 )
 
 # The codec protocol lives beside its implementations' helpers; re-exported here.
+from kvwarm.media import Media, MediaKind
 from kvwarm.memory import MemoryKind, MemoryKindName
 
 __all__ = [
@@ -75,6 +76,11 @@ __all__ = [
     "ModelFacts",
     "Sampler",
     "Adapter",
+    "MediaSpan",
+    "LayoutPiece",
+    "ProjectorFacts",
+    "ProjectorParams",
+    "Projector",
     "AdapterSet",
     "KvCodec",
     "BackendContext",
@@ -164,6 +170,20 @@ class ModelFacts:
     memory_kind: MemoryKindName = "full"
     #: The sliding window of its SWA layers (``memory_kind`` "swa"), else 0.
     n_swa: int = 0
+    #: The pooling the GGUF declares (``{arch}.pooling_type``): ``rank`` for a reranker;
+    #: None where it declares none.
+    pooling: PoolingType | None = None
+    #: Whether its attention is causal (``{arch}.attention.causal``): false for an encoder
+    #: (a BERT cross-encoder), each of whose positions depends on the whole sequence.
+    causal: bool = True
+    #: Values a rank-pooling context gives per sequence (its classifier's labels; 1 without).
+    n_cls_out: int = 1
+    #: The GGUF's rerank prompt (``tokenizer.chat_template.rerank``) with ``{query}`` and
+    #: ``{document}`` in it; None: the pair ``[BOS] query [EOS] [SEP] document [EOS]``.
+    rerank_template: str | None = None
+    sep: int | None = None  # the separator token, if the vocabulary has one
+    add_eos: bool = False  # whether the vocabulary ends a text with EOS (BERT's [SEP])
+    add_sep: bool = False  # whether it puts a separator between two texts
 
 
 @runtime_checkable
@@ -210,6 +230,67 @@ AdapterSet = tuple[tuple[Adapter, float], ...]
 
 
 @dataclass(frozen=True, slots=True)
+class MediaSpan:
+    """A media chunk of a projector's layout: ``n_tokens`` positions of embeddings of
+    ``kind``, decoded whole (``BackendContext.decode_embd``)."""
+
+    n_tokens: int
+    kind: MediaKind
+
+
+#: One piece of how a projector lays out an image or clip in a prompt: text token ids (the
+#: markers around it, ``<start_of_image>`` ...) or a span of embeddings.
+LayoutPiece = tuple[int, ...] | MediaSpan
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectorParams:
+    """How a projector (``--mmproj``) runs: CPU threads (None: every CPU this process may
+    use) and whether it may use a GPU."""
+
+    n_threads: int | None = None
+    use_gpu: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectorFacts:
+    """A loaded multimodal projector: what it reads (``kinds``), the width of the
+    embeddings it hands the text model (``n_embd``, the model's input width), the kinds whose
+    spans attend to themselves non-causally (``non_causal``: Gemma 3's images; decoded in one
+    ubatch), its audio sample rate (0 without audio) and the memory it holds (weights and
+    compute buffers)."""
+
+    path: str
+    kinds: tuple[MediaKind, ...]
+    n_embd: int
+    non_causal: tuple[MediaKind, ...]
+    audio_sample_rate: int
+    memory_bytes: int
+    description: str = ""
+
+
+@runtime_checkable
+class Projector(Protocol):
+    """A model's multimodal projector (llama.cpp's ``mtmd``): media in, embeddings out.
+    Thread-safe: ``layout`` runs on callers' threads, ``encode`` one at a time anywhere."""
+
+    @property
+    def facts(self) -> ProjectorFacts: ...
+
+    def layout(self, media: Media) -> tuple[LayoutPiece, ...]:
+        """How ``media`` sits in a prompt: marker tokens and spans, in order (no encoding).
+        ``InvalidRequestError`` if this projector cannot read it."""
+        ...
+
+    def encode(self, media: Media, index: int) -> bytes:
+        """The float32 embeddings (``n_tokens * n_embd``) of the ``index``-th span of
+        ``layout(media)``. ``BackendError`` if the encoder fails."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
 class ContextMemory:
     """What a context holds in memory, as its backend allocated it: ``kv_bytes`` the KV (and
     recurrent-state) buffers, ``other_bytes`` the rest (output logits, compute scratch)."""
@@ -252,6 +333,23 @@ class BackendContext(Protocol):
     def prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
         """Decode ``tokens`` at positions ``start_pos…`` of ``seq``, chunk boundaries at
         absolute multiples of ``n_batch``; logits of the last token are kept (index -1)."""
+        ...
+
+    def decode_embd(
+        self,
+        seq: int,
+        start_pos: int,
+        embd: Buffer,
+        n_tokens: int,
+        *,
+        non_causal: bool,
+        logits: bool = False,
+    ) -> None:
+        """One forward pass over ``n_tokens`` rows of float32 embeddings (a media span) at
+        positions ``start_pos…`` of ``seq``, alone and whole: ``n_tokens <= n_batch``, and a
+        span that attends to itself ``non_causal``-ly fits one ubatch. ``logits``: keep the last
+        row's logits (row ``n_tokens - 1``). ``InvalidRequestError`` for a bad size or a
+        position that does not continue ``seq``."""
         ...
 
     def logits(self, index: int = -1) -> memoryview:
@@ -359,6 +457,21 @@ class BackendContext(Protocol):
         """Pooled embedding of ``tokens`` (context must have ``embeddings=True``)."""
         ...
 
+    def pooled(self, seq: int) -> tuple[float, ...]:
+        """``seq``'s pooled output from the last decode, which must have ended that
+        sequence's prompt: in a rank-pooling context its ``n_cls_out`` scores (a causal
+        model's read at the sequence's last position, an encoder's from the whole
+        sequence). ``InvalidRequestError`` for a context that does not pool,
+        ``NoLogitsError`` if the last decode held no position of ``seq``."""
+        ...
+
+    @property
+    def stateless(self) -> bool:
+        """Whether the context keeps nothing of a sequence after a decode (an encoder such as
+        a BERT cross-encoder has no KV cache): each sequence is decoded whole, in one ubatch,
+        from position 0; the sequence operations do nothing and its KV cannot be packed."""
+        ...
+
     def set_adapters(self, adapters: Sequence[tuple[Adapter, float]]) -> None:
         """Replace the attached LoRA adapters (each with its scale)."""
         ...
@@ -417,6 +530,11 @@ class BackendModel(Protocol):
         ...
 
     def load_adapter(self, path: str) -> Adapter: ...
+
+    def load_projector(self, path: str, params: ProjectorParams) -> Projector:
+        """The multimodal projector at ``path`` for this model (``--mmproj``);
+        ``ModelLoadError`` if it does not load or cannot feed this model."""
+        ...
 
     def close(self) -> None: ...
 

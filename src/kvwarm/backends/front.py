@@ -18,6 +18,13 @@ Invariants:
   and at close, so a stale view raises ``ValueError`` instead of reading freed memory.
 - A context holds each attached adapter (``acquire``); ``set_adapters`` acquires the new ones
   before the backend attaches them and releases the old ones only once it has.
+- A model whose attention is not causal (an encoder) attends across a whole forward pass, which
+  llama.cpp asserts fits one ubatch: a larger call is refused here, and a prefill must be one
+  whole call from position 0. A *stateless* context (an encoder has no KV cache) keeps nothing
+  after a decode: its sequence operations do nothing, and packing or setting its KV is a
+  ``StateRestoreError``.
+- ``pooled`` reads a sequence's pooled output (a reranker's scores) only from the last decode:
+  a sequence that decode did not hold is ``NoLogitsError``, never an older number.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from kvwarm.backends import _checks
 from kvwarm.backends.base import Adapter, BatchToken, Buffer, ContextParams, WritableBuffer
 from kvwarm.backends.kv_codec import KvCodec
 from kvwarm.backends.lifetime import Lifetime
-from kvwarm.errors import AdapterError, InvalidRequestError, NoLogitsError
+from kvwarm.errors import AdapterError, InvalidRequestError, NoLogitsError, StateRestoreError
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +62,29 @@ class ContextFront(ABC, Generic[M, A]):
     """The checked, lifetime-holding front of one backend context. See the module invariants."""
 
     def __init__(
-        self, model: M, params: ContextParams, *, n_ctx: int, n_vocab: int, adapter: type[A]
+        self,
+        model: M,
+        params: ContextParams,
+        *,
+        n_ctx: int,
+        n_vocab: int,
+        adapter: type[A],
+        n_embd: int = 0,
+        causal: bool = True,
+        stateless: bool = False,
     ) -> None:
         """Last in a backend context's ``__init__``, once its resources exist: from here on
         ``close()`` frees them (``_free``). ``n_ctx`` bounds positions (llama.cpp rounds its
-        own up); ``adapter`` is the only adapter type ``set_adapters`` accepts."""
+        own up); ``adapter`` is the only adapter type ``set_adapters`` accepts; ``n_embd`` the
+        width of the embeddings ``decode_embd`` takes (the model's input width); ``causal``:
+        the model's attention; ``stateless``: the context keeps no KV (module invariants)."""
         self._model = model
+        self._n_embd_inp = n_embd
         self._params = params
         self._n_ctx = n_ctx
         self._n_vocab = n_vocab
+        self._causal = causal
+        self._stateless = stateless
         self._adapter_type = adapter
         self._rows: list[int] = []  # batch rows of the last decode that asked for logits
         self._views: list[memoryview[float]] = []
@@ -87,6 +108,10 @@ class ContextFront(ABC, Generic[M, A]):
         return self._life
 
     @property
+    def stateless(self) -> bool:
+        return self._stateless
+
+    @property
     @abstractmethod
     def kv_codec(self) -> KvCodec: ...
 
@@ -102,6 +127,7 @@ class ContextFront(ABC, Generic[M, A]):
                 n_seq_max=self._params.n_seq_max,
                 pos_max=self._pos_max,
             )
+            self._check_whole(len(batch))
             self._decode(batch)
 
     def prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
@@ -115,7 +141,52 @@ class ContextFront(ABC, Generic[M, A]):
                 n_seq_max=self._params.n_seq_max,
                 pos_max=self._pos_max,
             )
+            if not self._causal and (start_pos or len(tokens) > self._params.n_batch):
+                raise InvalidRequestError(
+                    "this model's attention is not causal: a prompt is prefilled whole, "
+                    f"from position 0, in one call of at most n_batch={self._params.n_batch}",
+                    param="tokens",
+                )
+            self._check_whole(len(tokens))
             self._prefill(seq, tokens, start_pos)
+
+    def decode_embd(
+        self,
+        seq: int,
+        start_pos: int,
+        embd: Buffer,
+        n_tokens: int,
+        *,
+        non_causal: bool,
+        logits: bool = False,
+    ) -> None:
+        with self._life.using():
+            view = memoryview(embd)
+            _checks.check_embd(
+                seq,
+                start_pos,
+                view.nbytes,
+                n_tokens,
+                n_embd=self._n_embd_inp,
+                room=(
+                    min(self._params.n_ubatch, self._params.n_batch)
+                    if non_causal
+                    else self._params.n_batch
+                ),
+                n_ctx=self._n_ctx,
+                n_seq_max=self._params.n_seq_max,
+                pos_max=self._pos_max,
+            )
+            self._decode_embd(seq, start_pos, view.cast("B"), n_tokens, bool(non_causal), logits)
+
+    def _check_whole(self, n_tokens: int) -> None:
+        """A non-causal call attends across all of it: llama.cpp asserts it fits one ubatch."""
+        if not self._causal and n_tokens > self._params.n_ubatch:
+            raise InvalidRequestError(
+                f"{n_tokens} tokens exceed n_ubatch={self._params.n_ubatch}: this model's "
+                "attention is not causal, so a call must fit one ubatch",
+                param="batch",
+            )
 
     def logits(self, index: int = -1) -> memoryview:
         with self._life.using():
@@ -142,26 +213,34 @@ class ContextFront(ABC, Generic[M, A]):
 
     # -- KV state -----------------------------------------------------------------------------
 
+    def _stateful(self) -> None:
+        if self._stateless:
+            raise StateRestoreError("this context keeps no KV state (an encoder) to pack or set")
+
     def kv_pack(self, seq: int) -> bytes:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
+            self._stateful()
             return self._kv_pack(seq)
 
     def kv_pack_tail(self, seq: int, start: int) -> tuple[bytes, int]:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
             _checks.check_range(start, -1)
+            self._stateful()
             return self._kv_pack_tail(seq, start)
 
     def kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
+            self._stateful()
             return self._kv_unpack(seq, data)
 
     def kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer], *, base: int = 0) -> int | None:
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
             _checks.check_range(base, -1)
+            self._stateful()
             return self._kv_unpack_chunks(seq, chunks, base)
 
     def kv_split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
@@ -184,14 +263,15 @@ class ContextFront(ABC, Generic[M, A]):
         with self._life.using():
             _checks.check_seq(seq, self._params.n_seq_max)
             _checks.check_range(p0, p1)
-            self._seq_rm(seq, p0, p1)
+            if not self._stateless:  # nothing is held to remove
+                self._seq_rm(seq, p0, p1)
 
     def seq_cp(self, src: int, dst: int, p0: int = 0, p1: int = -1) -> None:
         with self._life.using():
             _checks.check_seq(src, self._params.n_seq_max, param="src")
             _checks.check_seq(dst, self._params.n_seq_max, param="dst")
             _checks.check_range(p0, p1)
-            if src != dst:
+            if src != dst and not self._stateless:  # nothing is held to share
                 self._seq_cp(src, dst, p0, p1)
 
     def seq_pos_max(self, seq: int) -> int:
@@ -206,7 +286,8 @@ class ContextFront(ABC, Generic[M, A]):
 
     def clear(self) -> None:
         with self._life.using():
-            self._clear()
+            if not self._stateless:
+                self._clear()
 
     # -- embeddings and adapters --------------------------------------------------------------
 
@@ -226,6 +307,16 @@ class ContextFront(ABC, Generic[M, A]):
                 )
             _checks.check_tokens(tokens, self._n_vocab)
             return self._embed(tokens, normalize=normalize)
+
+    def pooled(self, seq: int) -> tuple[float, ...]:
+        with self._life.using():
+            _checks.check_seq(seq, self._params.n_seq_max)
+            if not self._params.embeddings or self._params.pooling == "none":
+                raise InvalidRequestError("this context does not pool its sequences")
+            values = self._pooled(seq)
+            if values is None:
+                raise NoLogitsError(f"no pooled output for seq {seq} from the last decode")
+            return values
 
     def set_adapters(self, adapters: Sequence[tuple[Adapter, float]]) -> None:
         with self._life.using():
@@ -276,6 +367,19 @@ class ContextFront(ABC, Generic[M, A]):
     def _prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None: ...
 
     @abstractmethod
+    def _decode_embd(
+        self,
+        seq: int,
+        start_pos: int,
+        embd: memoryview,
+        n_tokens: int,
+        non_causal: bool,
+        logits: bool,
+    ) -> None:
+        """One pass over a span's embeddings (checked); ``_rows`` then names the last row if
+        ``logits``."""
+
+    @abstractmethod
     def _logits(self, row: int) -> memoryview[float]:
         """A view of batch row ``row``'s logits (one of ``_rows``)."""
 
@@ -303,6 +407,11 @@ class ContextFront(ABC, Generic[M, A]):
 
     @abstractmethod
     def _embed(self, tokens: Sequence[int], *, normalize: bool) -> list[float]: ...
+
+    @abstractmethod
+    def _pooled(self, seq: int) -> tuple[float, ...] | None:
+        """``seq``'s pooled output from the last decode (a rank pooling: its classifier's
+        values), or None if that decode held no position of it."""
 
     @abstractmethod
     def _attach(self, adapters: Sequence[tuple[A, float]]) -> None:

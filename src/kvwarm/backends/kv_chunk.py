@@ -5,7 +5,7 @@ A chunk is ``head ‖ descriptor ‖ crc ‖ body`` (little-endian)::
     magic      4s   b"KVCK"
     version    u8   1
     codec      u8   which blob format the body slices (CODEC_LLAMA, CODEC_STUB)
-    flags      u16  0, or FLAG_BLOB (anything else is refused)
+    flags      u16  0, FLAG_BLOB or FLAG_REST (anything else is refused)
     start      u32  first token position the chunk holds
     n_cells    u32  how many positions (>= 1)
     desc_len   u32  length of the descriptor
@@ -16,6 +16,10 @@ A chunk is ``head ‖ descriptor ‖ crc ‖ body`` (little-endian)::
 ``FLAG_BLOB`` says the body is itself a complete blob of the codec's format holding just the
 chunk's cells (positions ``start..``), which the backend can restore straight from the chunk's
 buffer; without it the body is the cells alone (the first chunk format, still read).
+``FLAG_REST`` says the chunk holds cells of the blob's *second* KV cache (an iSWA model's
+window: ``KvCodec.split_rest``), body as without ``FLAG_BLOB``: such a chunk is only ever
+joined into a rest (``KvCodec.join_rest``), never taken for one of the first cache (and a
+kvwarm that does not know the flag refuses it).
 
 Invariants: ``parse`` checks every field and the CRC before returning anything, so a flipped
 bit anywhere in the envelope, a truncated or extended chunk, or a chunk of another codec is a
@@ -41,6 +45,8 @@ CODEC_LLAMA = 1  # llama.cpp ``llama_state_seq_get_data``, one unified KV stream
 CODEC_STUB = 2  # the stub backend's blob format
 #: The body is a whole blob of the codec's format for the chunk's cells alone.
 FLAG_BLOB = 1
+#: The chunk holds cells of the blob's second KV cache (its rest), without a blob head.
+FLAG_REST = 2
 _HEAD = struct.Struct("<4sBBHIIIQ")
 _CRC = struct.Struct("<I")
 #: Descriptors describe layers, not cells: a megabyte would be a quarter-million layers.
@@ -105,7 +111,7 @@ def parse(chunk: U8, codec: int) -> ChunkView:
     # Past the CRC, a mismatch below is a well-formed chunk that does not belong here.
     if kind != codec:
         raise StateRestoreError(f"KV chunk was made by codec {kind}, this context uses {codec}")
-    if flags & ~FLAG_BLOB:
+    if flags & ~(FLAG_BLOB | FLAG_REST) or flags == FLAG_BLOB | FLAG_REST:
         raise StateRestoreError(f"KV chunk has unknown flags {flags:#x}")
     if n_cells < 1 or start + n_cells > MAX_CELLS:
         raise StateRestoreError(f"KV chunk claims cells [{start}, {start + n_cells})")

@@ -86,6 +86,41 @@ class KvCodec(Protocol):
         positions from 0, or nothing follows it): the row is then stored whole."""
         ...
 
+    def rest_span(self, blob: Buffer) -> tuple[int, int]:
+        """``(first, end)``: the positions the rest of ``blob`` holds when that rest is itself
+        a KV cache of cells (an iSWA window: the last ``n_swa`` positions, ``end`` being where
+        the first cache ends), so ``split_rest`` can cut it. ``StateRestoreError`` when this
+        context's rest is no such cache (a recurrent state; no rest at all) or ``blob`` is not
+        of that shape: the rest is then kept whole."""
+        ...
+
+    def split_rest(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
+        """The rest's cells cut like ``split`` cuts the first cache: one chunk per range
+        ``[bounds[i], bounds[i+1])`` within ``rest_span(blob)``, each depending only on the
+        cells it holds, marked as a rest's (``join`` refuses it, ``join_rest`` accepts only
+        such chunks). Errors as ``split``."""
+        ...
+
+    def rest_size(self, chunks: Sequence[Buffer], first: int) -> int:
+        """How many bytes ``join_rest(chunks, first)`` writes, after the same checks."""
+        ...
+
+    @overload
+    def join_rest(self, chunks: Sequence[Buffer], first: int, out: None = None) -> bytearray: ...
+    @overload
+    def join_rest(
+        self, chunks: Sequence[Buffer], first: int, out: WritableBuffer
+    ) -> memoryview: ...
+    def join_rest(
+        self, chunks: Sequence[Buffer], first: int, out: WritableBuffer | None = None
+    ) -> bytearray | memoryview:
+        """The rest again, its cells from position ``first`` on, from rest chunks tiling the
+        positions from the first chunk's start (which may lie before ``first``: a wider chunk
+        another row stored; its earlier cells are skipped) to the end, in order: so
+        ``join(split(blob, b)) ‖ join_rest(split_rest(blob, r), rest_span(blob)[0])`` is
+        ``blob`` (from seq 0, its cells in position order). ``out`` as for ``join``."""
+        ...
+
     def chunk_range(self, chunk: Buffer) -> tuple[int, int]:
         """``(start, n_cells)`` of one chunk, after checking its envelope and layout."""
         ...

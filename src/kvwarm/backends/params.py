@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
 
 KvType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
-PoolingType = Literal["mean", "cls", "last", "none"]
+#: How a context pools a sequence's outputs: ``rank`` scores it with the model's classifier head
+#: (a reranker: one value per label, ``ModelFacts.n_cls_out``).
+PoolingType = Literal["mean", "cls", "last", "none", "rank"]
 #: llama.cpp's ``llama_split_mode``: one GPU, layers spread over GPUs, or rows (tensor parallel).
 SplitMode = Literal["none", "layer", "row"]
 #: ``auto`` lets llama.cpp enable flash attention where the device supports it.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvwarm.cache.explain import ReuseReport
+from kvwarm.cache.protocols import RowEvents, TierCapabilities
 from kvwarm.cache.types import (
     DEFAULT_GRACE_S,
     EvictResult,
@@ -41,6 +42,11 @@ class LoadedRow:
     #: The first position ``chunks`` cover: 0, or the chunk boundary a tail read
     #: (``open_row(from_token=...)``) started at; the KV before it was not read.
     chunks_from: int = 0
+    #: A manifest's rest in chunks (an iSWA window: ``RestChunks``), for the backend's
+    #: ``join_rest`` after ``join`` of ``chunks``, the window starting at ``rest_from``; ()
+    #: when the rest (if any) is ``payload``.
+    rest_chunks: tuple[memoryview, ...] = ()
+    rest_from: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +61,15 @@ class VerifyReport:
 
 class CacheApi(Protocol):
     def tier_names(self) -> tuple[TierName, ...]: ...
+
+    def tier_capabilities(self) -> dict[TierName, TierCapabilities]:
+        """What each configured tier is (persistent, shared, local)."""
+        ...
+
+    def watch_rows(self, events: RowEvents | None) -> None:
+        """Tell ``events`` of every indexed row now, then of every row joining or leaving
+        the index (``protocols.RowEvents``: called under the index's lock)."""
+        ...
 
     def has(self, key: bytes) -> bool:
         """Published or in flight. Counts nothing; never waits."""

@@ -11,10 +11,10 @@ Names in the snapshot:
   ``evictions``, ``evicted_bytes``, ``hits_shared``, ``probes``, ``probe_rounds``,
   ``promotions``, ``promotions_dropped``, ``store_errors``, ``chunks_written``,
   ``chunk_bytes_written``, ``chunks_reused``, ``shared_rows_forgotten``, ``shared_chunks_swept``,
-  plus anything else ``incr`` was
-  asked to count;
+  ``retention_drops``, ``retention_bytes``, plus anything else ``incr`` was asked to count;
 - latencies: ``latency_<name>_count`` and ``latency_<name>_seconds`` for ``pack``, ``unpack``,
-  ``load``, ``lookup``, ``save`` and any other name recorded.
+  ``restore`` (a row read and unpacked), ``load``, ``lookup``, ``save`` and any other name
+  recorded.
 """
 
 from __future__ import annotations
@@ -53,8 +53,12 @@ BASE_COUNTERS: tuple[str, ...] = (
     # shared tiers: rows forgotten (not deleted) after a failed read, chunks gc_shared deleted
     "shared_rows_forgotten",
     "shared_chunks_swept",
+    # recurrent and hybrid states a conversation no longer needs, retired when a newer one
+    # of it was saved (``CacheConfig.state_history``), and their bytes
+    "retention_drops",
+    "retention_bytes",
 )
-LATENCY_NAMES: tuple[str, ...] = ("pack", "unpack", "load", "lookup", "save")
+LATENCY_NAMES: tuple[str, ...] = ("pack", "unpack", "restore", "load", "lookup", "save")
 
 
 class Counters:

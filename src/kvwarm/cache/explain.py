@@ -67,6 +67,7 @@ class MissReason(enum.Enum):
     RESTORE_FAILED = "restore_failed"  # the chosen row could not be restored: prefilled cold
     PROMPT_LOGPROBS = "prompt_logprobs"  # every prompt position's logits were asked for
     INSIDE_SPAN = "inside_span"  # the reusable prefix ended inside an image's or audio's span
+    MEDIA_DIFFERS = "media_differs"  # the source goes on with other content where an image starts
 
 
 #: One line per reason, for people (log line, CLI, docs). The page keeps its own copy.
@@ -86,6 +87,7 @@ REASON_TEXT: dict[MissReason, str] = {
     MissReason.RESTORE_FAILED: "the row could not be restored",
     MissReason.PROMPT_LOGPROBS: "prompt logprobs need every position's logits",
     MissReason.INSIDE_SPAN: "the reusable prefix ended inside an image or audio, decoded whole",
+    MissReason.MEDIA_DIFFERS: "the prompt's image or audio differs from what was cached there",
 }
 
 #: ``TtlClass`` names by value, without building a string per expiry.

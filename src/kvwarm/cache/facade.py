@@ -46,7 +46,7 @@ from kvwarm.cache.eviction import build_policy
 from kvwarm.cache.explain import MissHistory, MissReason, ReuseReport
 from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.index.index import Index
-from kvwarm.cache.protocols import Tier
+from kvwarm.cache.protocols import RowEvents, Tier, TierCapabilities
 from kvwarm.cache.store.core import CacheCore, ScratchBuffers
 from kvwarm.cache.store.reads import RowReads
 from kvwarm.cache.store.saves import Saves
@@ -178,6 +178,15 @@ class Cache:
     def tier_names(self) -> tuple[TierName, ...]:
         """The configured tiers, in configuration order (the first is the default save tier)."""
         return tuple(self._tiers)
+
+    def tier_capabilities(self) -> dict[TierName, TierCapabilities]:
+        """What each configured tier is (persistent, shared with other processes, local)."""
+        return {name: tier.capabilities for name, tier in self._tiers.items()}
+
+    def watch_rows(self, events: RowEvents | None) -> None:
+        """Tell ``events`` of every row indexed now and of every row that joins or leaves the
+        index from here on (``protocols.RowEvents``; None stops)."""
+        self._index.watch_rows(events)
 
     def key_for(self, namespace: Namespace, tokens: Sequence[int]) -> bytes:
         return cache_key(namespace, tokens)

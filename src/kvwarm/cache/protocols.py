@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvwarm.cache.formats.kvc import KvcFields
-from kvwarm.cache.types import RowInfo, SaveRequest, TierName
+from kvwarm.cache.types import RestChunks, RowInfo, SaveRequest, TierName
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,13 @@ class StoredRow:
     # and how many tokens each covers.
     chunks: tuple[bytes, ...] = ()
     chunk_lens: tuple[int, ...] = ()
+    # A manifest's rest in chunks of the same tier (an iSWA window), or None.
+    rest: RestChunks | None = None
+
+    @property
+    def chunk_refs(self) -> tuple[bytes, ...]:
+        """Every chunk the row names: its first cache's, then its rest's."""
+        return self.chunks if self.rest is None else self.chunks + self.rest.keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +59,26 @@ class RowBytes:
     logits: bytes | None
     buffer: bytearray | None = None  # the scratch buffer ``payload`` views, if reusable
     fields: KvcFields | None = None  # everything the row records (for promotion), if known
+
+
+class RowEvents(Protocol):
+    """Told whenever a row joins or leaves this cache's index (``Cache.watch_rows``): what
+    ``kvwarm.cluster`` publishes to its router. ``RowTable.insert`` and ``remove`` are the
+    only mutators of membership, so no path that publishes, adopts, promotes, evicts, expires
+    or forgets a row is missed.
+
+    Called under the index's lock, in index order: an implementation must be quick (append to
+    a log) and must never call back into the cache."""
+
+    def row_stored(self, row: StoredRow) -> None:
+        """``row`` is indexed (published, adopted, or a copy replacing one in the same tier)."""
+        ...
+
+    def row_dropped(self, row: StoredRow, *, bytes_kept: bool) -> None:
+        """``row`` left the index. ``bytes_kept``: only forgotten by this process (a shared
+        tier's row after a TTL or a failed read, a copy left behind by a promotion), so its
+        bytes stay for others; otherwise its bytes are being deleted."""
+        ...
 
 
 class ReservationBook(Protocol):

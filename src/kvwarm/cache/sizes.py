@@ -11,6 +11,9 @@ Two measures (docs/internals.md, "Refcounts and eviction"):
 - *logical* (``logical_bytes``): what the rows restore, each row counting every chunk it names.
   ``dedup_ratio`` = logical / physical.
 
+Both per tier and per memory kind (``memory_kinds``: the rows of full-attention,
+sliding-window, recurrent and hybrid models apart, from the counters ``memory_<kind>_*``).
+
 A row reports its logical bytes and its *exclusive* bytes: its own file plus the chunks no
 other row of its tier names (what deleting it alone would free).
 """
@@ -22,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from kvwarm.cache.types import RowInfo, TierName
 
-__all__ = ["row_sizes", "summary"]
+__all__ = ["memory_kinds", "row_sizes", "summary"]
 
 
 def row_sizes(row: RowInfo) -> dict[str, int]:
@@ -75,4 +78,31 @@ def summary(
         "dedup_ratio": _ratio(total["logical_bytes"], total["bytes"]),
         "tokens": sum(r.n_tokens for r in rows),
         "tiers": per,
+        "memory_kinds": memory_kinds(counters, rows),
     }
+
+
+def memory_kinds(
+    counters: Mapping[str, float], rows: Sequence[RowInfo]
+) -> dict[str, dict[str, object]]:
+    """Per memory kind of the rows held (``memory_<kind>_*`` counters): rows, stored
+    ``bytes`` (their own files and each chunk once), ``logical_bytes`` (what they restore),
+    their ratio and tokens, so a user sees what deduplication saves on their model: on a
+    sliding-window model the windows of its checkpoints, stored once in chunks; on a recurrent
+    one, nothing (each state is whole)."""
+    tokens: Counter[str] = Counter()
+    for row in rows:
+        tokens[row.memory or "unknown"] += row.n_tokens
+    kinds = sorted({key.split("_")[1] for key in counters if key.startswith("memory_")})
+    out: dict[str, dict[str, object]] = {}
+    for kind in kinds:
+        level = {
+            k: int(counters.get(f"memory_{kind}_{k}", 0))
+            for k in ("rows", "chunks", "bytes", "logical_bytes")
+        }
+        out[kind] = {
+            **level,
+            "dedup_ratio": _ratio(level["logical_bytes"], level["bytes"]),
+            "tokens": tokens[kind],
+        }
+    return out

@@ -20,6 +20,9 @@ Splitter = Callable[[bytes | bytearray | memoryview, Sequence[int]], list[bytes]
 # The part of a blob after the KV cache a ``Splitter`` cuts (a backend's ``kv_codec.rest``:
 # an iSWA model's window, a hybrid model's recurrent state): a manifest keeps it whole.
 Rester = Callable[[bytes | bytearray | memoryview], bytes | bytearray | memoryview]
+# The positions ``(first, end)`` a blob's rest holds when it is a KV cache of cells that a
+# ``Splitter`` for the rest can cut (a backend's ``kv_codec.rest_span``: an iSWA window).
+RestSpan = Callable[[bytes | bytearray | memoryview], tuple[int, int]]
 # Packs a sequence's positions from ``start`` on (a backend's ``kv_pack_tail``): ``(blob,
 # first)``, ``first`` being ``start`` or 0 where the backend packed the whole sequence.
 Packer = Callable[[int], tuple[bytes, int]]
@@ -34,6 +37,13 @@ TIER_SERIES: tuple[str, ...] = (
     "effective_quota_bytes",
     "quota_capped_by_filesystem",
 )
+
+
+# The per-memory-kind levels the cache reports, as ``memory_<kind>_<series>`` (``kind`` one of
+# ``kvwarm.memory``'s, or "unknown" for rows that do not say): what the rows of models of that
+# kind store (``bytes``: their own files and each chunk they name once) and restore
+# (``logical_bytes``), so a user sees what deduplication saves on their model.
+MEMORY_SERIES: tuple[str, ...] = ("bytes", "logical_bytes", "dedup_ratio", "chunks", "rows")
 
 
 class SaveReason(enum.IntEnum):
@@ -87,8 +97,8 @@ class PolicyConfig:
     #: A checkpoint (a saved state of a model that cannot be trimmed, taken inside or at the
     #: end of a prompt: ``CachePort.pauses``) is skipped when a saved state of the same prompt
     #: lies fewer tokens below it: a later prompt resuming there would prefill at most that
-    #: many tokens more, which costs less than packing and writing the checkpoint (~8 MB for
-    #: Gemma 3 270M's window).
+    #: many tokens more, which costs less than packing the checkpoint (~10 MB on the worker for
+    #: Gemma 3 270M: a window's state is packed whole, though only its new cells are written).
     checkpoint_gap_tokens: int = 32
     session_resume_wait_ms: int = 500
     evict_save_timeout_ms: int = 30_000
@@ -169,6 +179,12 @@ class CacheConfig:
     # Rows are manifests over content-addressed chunks of up to this many tokens (0: every
     # row is one whole blob). Only saves that come with a ``SaveRequest.split`` are chunked.
     chunk_tokens: int = 256
+    # A recurrent or hybrid model's saved states are whole (nothing shared): of the rows a
+    # newly saved state extends, a local tier keeps this many nearest (the previous turns:
+    # a regenerated or edited last message resumes there) and those another conversation
+    # also extends (a system prompt's checkpoint); the older states of that conversation go
+    # (``Index.retention_victims``). -1 keeps every state ever saved, until evicted.
+    state_history: int = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +207,9 @@ class RowInfo:
     # Leading tokens whose KV came from aligned-chunk prefill (None: all of them). Generated
     # tokens are decoded one at a time, so deterministic restores never trim past this.
     canonical_tokens: int | None = None
+    # The memory kind of the model that saved it (``kvwarm.memory``: "full", "swa",
+    # "recurrent", "hybrid"; "" for a row that does not say: saved by an older kvwarm).
+    memory: str = ""
     # Filled by ``rows()`` (0 elsewhere), as of that call: the bytes the row restores from
     # (``size`` plus every chunk it names), and those only it holds (``size`` plus the chunks
     # no other row of its tier names: what deleting it alone would free).
@@ -225,6 +244,38 @@ class PrefixMatch:
 
 
 @dataclass(frozen=True, slots=True)
+class RestChunks:
+    """Where a manifest's rest lies when it is a KV cache cut into chunks (an iSWA window:
+    ``MemoryKind.rest_chunkable``): the positions ``[first, end)`` it holds, in chunks of
+    ``lens`` tokens from ``start`` to ``end`` (the row's length), named by ``keys``. The first
+    chunk may start before the window (``start < first``: a wider chunk another row stored,
+    whose cells before ``first`` a restore skips). Every chunk ends at a grid point, a cut
+    of the row's first-cache chunks or its end, and lies within one first-cache chunk, whose
+    chain its key continues (``chunkfmt.rest_chain``)."""
+
+    first: int
+    start: int
+    lens: tuple[int, ...]
+    keys: tuple[bytes, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + sum(self.lens)
+
+    def check(self, n_tokens: int) -> None:
+        """``ValueError`` unless these chunks cover a window that ends the row's
+        ``n_tokens`` and whose first position lies in the first chunk."""
+        if len(self.lens) != len(self.keys) or not self.keys:
+            raise ValueError("a rest's chunk lengths and keys must pair up, and be some")
+        if any(len(k) != 32 for k in self.keys) or any(n <= 0 for n in self.lens):
+            raise ValueError("a rest's chunk keys are 32 bytes and its lengths positive")
+        if not 0 <= self.start <= self.first < self.start + self.lens[0]:
+            raise ValueError(f"a rest from {self.first} does not start in its first chunk")
+        if self.end != n_tokens:
+            raise ValueError(f"a rest's chunks end at {self.end}, not the row's {n_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
 class SaveRequest:
     """A row to write. ``payload`` is handed over: the caller must not mutate it afterwards."""
 
@@ -240,6 +291,7 @@ class SaveRequest:
     quant_bits: int = 0
     fingerprint_mode: FingerprintMode = FingerprintMode.SAFE
     canonical_tokens: int | None = None  # see RowInfo.canonical_tokens
+    memory: str = ""  # see RowInfo.memory
     # Where this row's KV stops being the bits any row of its tokens computes in whole
     # aligned passes (its canonical prefix aligned down to n_batch; None: it never does):
     # chunks past it are keyed apart (``chunkfmt.chunk_chain``).
@@ -253,12 +305,22 @@ class SaveRequest:
     # chunks hold only the first KV cache. A ``StateRestoreError`` from it stores the row
     # whole.
     rest: Rester | None = None
+    # With ``rest``, for a rest that is itself a KV cache (``MemoryKind.rest_chunkable``: an
+    # iSWA window): the positions it holds, and its splitter (the backend's
+    # ``kv_codec.rest_span`` and ``split_rest``). The cache then stores the rest as chunks
+    # too, keyed like the first cache's, and the manifest names them (``RestChunks``); a
+    # ``StateRestoreError`` from either keeps the rest in the row, whole.
+    rest_span: RestSpan | None = None
+    split_rest: Splitter | None = None
     # The chunk lengths to cut ``payload`` at (() : the cache plans them). With
     # ``chunk_keys`` set too, the manifest a tier writes (``payload`` is then empty, or the
     # row's rest); with ``split`` too, a copy of a manifest (promotion): its chunks are
     # stored under those keys.
     chunk_lens: tuple[int, ...] = ()
     chunk_keys: tuple[bytes, ...] = ()
+    # With ``chunk_keys``: the manifest's rest in chunks (its ``payload`` is then empty), or
+    # with ``split_rest`` too, a copied manifest's, stored under those keys.
+    rest_chunks: RestChunks | None = None
     # Instead of ``payload`` (then empty): the cache calls ``pack(start)`` on the saving
     # thread once it knows the first planned chunk its tier lacks, so the tokens a tier holds
     # are never copied out of the context again. Needs ``split``.

@@ -124,6 +124,7 @@ def validate_cache_config(cfg: CacheConfig) -> None:
     _need_int("cache", "probe_max", cfg.probe_max, minimum=0)
     _need_int("cache", "probe_parallel", cfg.probe_parallel, minimum=1)
     _need_int("cache", "chunk_tokens", cfg.chunk_tokens, minimum=0)
+    _need_int("cache", "state_history", cfg.state_history, minimum=-1)
     if cfg.promote_tier is not None and cfg.promote_tier not in seen:
         raise ConfigError(f"cache.promote_tier names a tier not configured: {cfg.promote_tier}")
     if len(cfg.ttl_seconds) != 3:

@@ -122,6 +122,14 @@ def run_stats(args: argparse.Namespace) -> int:
             f"{_size(level['bytes']):>10} stored  {_size(level['logical_bytes']):>10} logical  "
             f"{level['dedup_ratio']:.2f}x  quota {_size(level['quota_bytes'])}"
         )
+    kinds = total["memory_kinds"]
+    assert isinstance(kinds, dict)
+    for kind, level in kinds.items():
+        print(
+            f"  memory {kind:<9} {level['rows']:>6} rows {level['chunks']:>7} chunks  "
+            f"{_size(level['bytes']):>10} stored  {_size(level['logical_bytes']):>10} logical  "
+            f"{level['dedup_ratio']:.2f}x"
+        )
     for key in sorted(counters):
         print(f"{key} {counters[key]:g}")
     return 0

@@ -1,7 +1,8 @@
 """What the ingress sends an engine replica, and what comes back: plain picklable values.
 
-Invariants: every call names its model; a ``Generate`` carries the request's ``chain``
-(``chains``) so the router can place it without the body; a replica answers a ``Generate`` with
+Invariants: every call names its model (a ``SnapshotCall`` names its replica instead); a
+``Generate`` carries the request's ``chain`` (``chains``) so the router can place it without
+the body; a replica answers a ``Generate`` with
 a ``Served`` marker first (which replica, so the ingress can say), then text fragments, then
 exactly one ``Finished`` or ``Failed``. Errors travel as ``Failed(exc)`` rather than as Ray's
 wrapped exceptions, so the ingress re-raises the engine's own typed error and maps it by type.
@@ -28,6 +29,7 @@ class Generate:
     messages: Sequence[Mapping[str, object]] = ()
     tools: Sequence[Mapping[str, object]] | None = None
     prompt: str | tuple[int, ...] = ""
+    avoid: tuple[str, ...] = ()  # replicas lost under an earlier attempt of this call
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,14 @@ class ModelOp:
     args: tuple[object, ...] = ()
     kwargs: Mapping[str, object] = field(default_factory=dict)
     chain: tuple[str, ...] = ()  # prewarm: where the prefix should live
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotCall:
+    """Ask one replica, by id, for its cache facts' snapshot (``EventLog.snapshot``): the
+    router routes it to that replica only, never another."""
+
+    replica_id: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,11 @@ A local Ray (no ``ray_address``) listens on 127.0.0.1 only, every service of it:
 agents, workers, the Serve controller (Ray's GCS takes a token but runs any driver that has
 it). Ray would otherwise turn a loopback ``_node_ip_address`` into the host's address and bind
 its gRPC servers to every interface; ``node_ip`` opens it to that address deliberately. No
-dashboard. (``kvwarm.cluster.loopback``.)
+dashboard. (``kvwarm.cluster.loopback``.) With ``ray_address`` kvwarm joins a cluster someone
+started (``ray start``, KubeRay): its nodes listen where they were told to; kvwarm's own
+servers (the HTTP proxy on ``host``, each replica's gRPC server on its node's address) add
+nothing wider. Replicas are spread over the nodes (Serve's default spread scheduling; they
+reserve no CPU); the HTTP proxy runs on the head node unless ``host`` is a wildcard.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from kvwarm.cluster.ingress import create_ingress_app
 from kvwarm.cluster.loopback import LOOPBACK, keep_ray_on_loopback, keep_replica_grpc_on_loopback
 from kvwarm.cluster.remote import ResponseStream
 from kvwarm.cluster.replica import EngineReplica
-from kvwarm.cluster.routing import RoutingConfig, check_policy
+from kvwarm.cluster.routing import RoutingConfig, check_policy, index_for
+from kvwarm.cluster.routing.index import index_name
 from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.cluster")
@@ -69,7 +74,9 @@ class Ingress:
         self._engine = engine
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        return create_ingress_app(self._settings, HandleCalls(self._engine))
+        # The index the engine deployment's router in this process feeds (``router.py``).
+        index = index_for(index_name(APP_NAME, ENGINE))
+        return create_ingress_app(self._settings, HandleCalls(self._engine), index)
 
 
 def _deployment(cls: type, **options: Any) -> Deployment:
@@ -90,11 +97,17 @@ def build_app(
     router: RouterKind = "affinity",
     stats_period_s: float = STATS_PERIOD_S,
     actor_options: Mapping[str, object] | None = None,
+    nodes: int | None = None,
 ) -> Application:
     """The Serve application: ``ingress`` in front of ``settings.replicas`` engine replicas,
     routed by the ``cluster_routing`` policy. ``router="default"`` keeps Ray's own (power of
-    two choices), for comparison."""
+    two choices), for comparison. With ``nodes`` (the cluster's, when more than one) no node
+    runs more than its share of the replicas (``ceil(replicas / nodes)``): Serve's own spread
+    is best effort, and replicas reserving no CPU may all land on one node."""
     options: dict[str, object] = {"num_cpus": 0, **(actor_options or {})}
+    spread: dict[str, Any] = {}
+    if nodes is not None and nodes > 1:
+        spread["max_replicas_per_node"] = -(-settings.replicas // nodes)
     router_fields: dict[str, Any] = {}  # empty: Ray's default (power of two choices)
     if router == "affinity":
         from kvwarm.cluster.router import AffinityRouter
@@ -115,6 +128,7 @@ def build_app(
         max_ongoing_requests=max(8, 4 * settings.n_parallel),
         ray_actor_options=options,
         request_router_config=RequestRouterConfig(**router_fields),
+        **spread,
     )
     ingress_class = cast(type[Ingress], serve.ingress()(Ingress))
     ingress = _deployment(
@@ -140,7 +154,10 @@ def start_ray(
     if ray.is_initialized():
         return
     if address:
+        if _loopback(address):
+            keep_ray_on_loopback()  # else Ray swaps 127.0.0.1 for the host's outward address
         ray.init(address=address, log_to_driver=True)
+        log.info("kvwarm cluster: joined the Ray cluster at %s (%d nodes)", address, alive_nodes())
         return
     if node_ip is None or node_ip == LOOPBACK:
         keep_ray_on_loopback()
@@ -155,6 +172,28 @@ def start_ray(
     )
 
 
+def _loopback(address: str) -> bool:
+    """Whether a ``HOST:PORT`` address names this machine's loopback."""
+    if "://" in address:
+        return False
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+def alive_nodes() -> int:
+    """Nodes of the Ray cluster this process is connected to that are alive now."""
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    return len([node for node in nodes if node.get("Alive")])
+
+
+def proxy_location(host: str) -> str:
+    """Where Serve runs its HTTP proxy: on every node with a replica when ``host`` is a
+    wildcard (each node serves its own interfaces), else on the head node only (a loopback
+    or one machine's address is bound on one node; several proxies on one host would
+    collide on the port)."""
+    return "EveryNode" if host in ("0.0.0.0", "::", "") else "HeadOnly"
+
+
 def run(
     settings: Settings,
     *,
@@ -163,8 +202,11 @@ def run(
 ) -> DeploymentHandle[EngineReplica]:
     """Deploy on the current Ray cluster (``start_ray`` first) and wait until it is healthy;
     the HTTP proxy listens on ``settings.host:settings.port``."""
-    serve.start(http_options={"host": settings.host, "port": settings.port})
-    app = build_app(settings, router=router, stats_period_s=stats_period_s)
+    serve.start(
+        proxy_location=proxy_location(settings.host),
+        http_options={"host": settings.host, "port": settings.port},
+    )
+    app = build_app(settings, router=router, stats_period_s=stats_period_s, nodes=alive_nodes())
     handle: DeploymentHandle[EngineReplica] = serve.run(
         app, name=APP_NAME, route_prefix="/", blocking=False
     )
@@ -180,11 +222,14 @@ def run(
 
 def shutdown(*, owned: bool = True) -> None:
     """Remove the application; with ``owned`` (a local Ray started by ``start_ray``) stop
-    Serve and Ray too. A joined cluster keeps its other applications."""
+    Serve and Ray too. A joined cluster keeps its other applications. This process leaves
+    Ray even when removing the application fails (a cluster already gone)."""
     if not ray.is_initialized():
         return
-    if owned:
-        serve.shutdown()  # type: ignore[no-untyped-call]
-    else:
-        serve.delete(APP_NAME)
-    ray.shutdown()
+    try:
+        if owned:
+            serve.shutdown()  # type: ignore[no-untyped-call]
+        else:
+            serve.delete(APP_NAME)
+    finally:
+        ray.shutdown()

@@ -3,14 +3,16 @@ proxies for the engine deployment (``remote.RemoteModel``).
 
 Invariants: the routes, guard, errors, metrics and keep-alive are the server's own; only the
 state differs: ``IngressState`` loads no model, it asks a replica for each model's info and
-then serves it through the handle. Cache administration (``/cache/*`` except keep-alive) is
-per replica and answers 501 here. Every generation's response names the replica that served
-it in ``x-kvwarm-replica``.
+then serves it through the handle, and answers ``GET /cluster`` from the index of the
+replicas' cache events it shares with the router in this process. Cache administration
+(``/cache/*`` except keep-alive) is per replica and answers 501 here. Every generation's
+response names the replica that served it in ``x-kvwarm-replica``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Protocol
 
@@ -19,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm.cluster.calls import Failed, Generate, ModelOp
 from kvwarm.cluster.remote import OpCall, RemoteModel, ResponseStream
+from kvwarm.cluster.routing import ClusterIndex
 from kvwarm.engine.types import ModelInfo
 from kvwarm.server.app import create_app
 from kvwarm.server.errors import HTTPError
@@ -53,9 +56,12 @@ class Calls(Protocol):
 
 
 class IngressState(ServerState):
-    def __init__(self, settings: Settings, calls: Calls) -> None:
+    def __init__(self, settings: Settings, calls: Calls, index: ClusterIndex | None = None) -> None:
+        """``index``: the router's index of the replicas' cache events in this process
+        (``routing.index_for``); a fresh one when None (tests, no router)."""
         super().__init__(settings)
         self.calls = calls
+        self.index = index if index is not None else ClusterIndex()
 
     def _load_all(self) -> None:
         for entry in self.entries.values():
@@ -83,9 +89,22 @@ class IngressState(ServerState):
         if isinstance(info, Failed):
             raise info.error
         assert isinstance(info, ModelInfo)
-        model = RemoteModel(info, self.calls.stream, op_call, _note_served)
+        model = RemoteModel(info, self.calls.stream, op_call, _note_served, self.index)
         self._prewarm_systems(model, model_id)
         return model
+
+    is_cluster = True
+
+    def cluster_view(self) -> dict[str, object]:
+        retried = sum(
+            e.model.retried for e in self.entries.values() if isinstance(e.model, RemoteModel)
+        )
+        ingress = {"pid": os.getpid(), "node": _node_id(), "retried": retried}
+        return {
+            "routing": self.settings.cluster_routing,
+            "ingress": ingress,
+            **self.index.describe(),
+        }
 
     def require_engine(self) -> Engine:
         raise HTTPError(
@@ -99,6 +118,12 @@ class IngressState(ServerState):
             states={e.id: e.state for e in self.entries.values()},
             keepalive_prefixes=len(self.keepalive.entries()),
         )
+
+
+def _node_id() -> str | None:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else None
 
 
 class _ServedBy:
@@ -126,7 +151,9 @@ class _ServedBy:
             _served_by.reset(token)
 
 
-def create_ingress_app(settings: Settings, calls: Calls) -> FastAPI:
-    app = create_app(settings, IngressState(settings, calls))
+def create_ingress_app(
+    settings: Settings, calls: Calls, index: ClusterIndex | None = None
+) -> FastAPI:
+    app = create_app(settings, IngressState(settings, calls, index))
     app.add_middleware(_ServedBy)
     return app

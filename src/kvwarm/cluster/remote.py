@@ -7,13 +7,16 @@ the engine's own error, and a replica lost mid-call becomes ``ReplicaUnavailable
 Blocking calls (``.result()``) run only on the thread pool, as the routes already call model
 methods there; ``info`` is fetched once at start-up and kept. A follow-up carries its previous
 turn's row key as ``parent_key`` (``chains.LastRows``), so whichever replica serves it can
-restore that row from a shared tier by exact key.
+restore that row from a shared tier by exact key. What a replica finished (its chain, its
+finish row, its tokens) is noted in the cluster's index (``ServedFacts``) before the response
+ends, so the client's next turn finds its replica whatever the replica's events say yet.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
@@ -43,6 +46,11 @@ from kvwarm.errors import KvwarmError, ReplicaUnavailableError
 if TYPE_CHECKING:
     from kvwarm.engine.ops import Message
 
+log = logging.getLogger("kvwarm.cluster.remote")
+
+# A generation whose replica is lost before any text came back is sent again this many times.
+CALL_RETRIES = 2
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 _V = TypeVar("_V")
@@ -68,6 +76,15 @@ class OpCall(Protocol):
     def __call__(self, op: ModelOp) -> object: ...
 
 
+class ServedFacts(Protocol):
+    """Where the ingress says what a replica just served (``routing.ClusterIndex``): the
+    router then knows it before the replica's own events arrive."""
+
+    def note_served(
+        self, replica: str, chain: Sequence[str], key: bytes | None, n_tokens: int
+    ) -> None: ...
+
+
 def _cancelled(prompt_tokens: int = 0) -> Completion:
     stats = CompletionStats(
         prompt_tokens=prompt_tokens,
@@ -83,22 +100,57 @@ def _cancelled(prompt_tokens: int = 0) -> Completion:
     return Completion("", (), (), stats)
 
 
+def replica_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` says the replica (its process, its node) is gone, rather than that it
+    answered with an error: only then may a call be sent again elsewhere."""
+    try:
+        from ray import exceptions as ray_errors
+        from ray.serve import exceptions as serve_errors
+    except ImportError:  # pragma: no cover - the cluster extra is what runs this
+        return False
+    lost = (
+        ray_errors.RayActorError,  # ActorDiedError, ActorUnavailableError
+        ray_errors.WorkerCrashedError,
+        ray_errors.NodeDiedError,
+        ray_errors.LocalRayletDiedError,
+        ray_errors.ObjectLostError,
+        serve_errors.ReplicaUnavailableError,
+    )
+    return isinstance(exc, lost)
+
+
 class RemoteStream:
-    """One replica generation, consumed once (async), ending in a ``Completion``."""
+    """One replica generation, consumed once (async), ending in a ``Completion``.
+
+    ``start`` sends the call (the router places it, passing over the replicas it names); it
+    is sent again, up to ``retries`` times, when the replica is lost (``replica_lost``) before
+    any text was handed to the caller: nothing reached the client yet, so another replica can
+    serve it whole (a non-streamed request always: ``aresult`` hands out no text). Once text
+    was handed out a lost replica ends the stream with ``ReplicaUnavailableError`` (the
+    server's error event)."""
 
     def __init__(
         self,
-        response: ResponseStream,
+        start: Callable[[tuple[str, ...]], ResponseStream],
         on_served: Callable[[str], None],
-        on_finished: Callable[[Completion], None] = lambda _done: None,
+        on_finished: Callable[[str | None, Completion], None] = lambda _replica, _done: None,
+        *,
+        retries: int = CALL_RETRIES,
+        on_retry: Callable[[], None] = lambda: None,
     ) -> None:
-        self._response = response
+        self._start = start
+        self._response = start(())
         self._on_served = on_served
         self._on_finished = on_finished
+        self._retries = retries
+        self._on_retry = on_retry
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self._cancelled = False
+        self._yielded = False
         self.replica_id: str | None = None
+        self.attempts = 1
+        self.lost: list[str | None] = []  # the replicas lost under this call, in order
 
     @property
     def done(self) -> bool:
@@ -109,7 +161,29 @@ class RemoteStream:
             self._cancelled = True
             self._response.cancel()
 
-    async def __aiter__(self) -> AsyncIterator[str]:
+    def _retry(self, exc: BaseException) -> bool:
+        """Send the call again after ``exc`` if it may be: True if it was."""
+        if self._yielded or self._cancelled or self.attempts > self._retries:
+            return False
+        if not replica_lost(exc):
+            return False
+        log.warning(
+            "replica %s lost before answering (%s); sending the request to another",
+            self.replica_id or "?",
+            type(exc).__name__,
+        )
+        self.lost.append(self.replica_id)
+        self.replica_id = None
+        self.attempts += 1
+        self._on_retry()
+        self._response = self._start(tuple(dict.fromkeys(r for r in self.lost if r is not None)))
+        return True
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        """The text as it comes: what the caller forwards (a stream's client sees it)."""
+        return self._items(forwarded=True)
+
+    async def _items(self, *, forwarded: bool) -> AsyncIterator[str]:
         while not self.done:
             try:
                 item = await self._response.__anext__()
@@ -125,11 +199,12 @@ class RemoteStream:
             except Exception as exc:  # Ray's errors: a dead replica, a cancelled call
                 if self._cancelled:
                     self._completion = _cancelled()
-                else:
+                elif not self._retry(exc):
                     self._error = ReplicaUnavailableError(f"{type(exc).__name__}: {exc}")
             else:
                 text = self._route(item)
                 if text:
+                    self._yielded = self._yielded or forwarded
                     yield text
         if self._error is not None:
             raise self._error
@@ -142,7 +217,7 @@ class RemoteStream:
             self._on_served(item.replica_id)
         elif isinstance(item, Finished):
             self._completion = item.completion
-            self._on_finished(item.completion)
+            self._on_finished(self.replica_id, item.completion)
         elif isinstance(item, Failed):
             self._error = item.error
         return None
@@ -162,7 +237,9 @@ class RemoteStream:
         return self._completion.prompt_tokens if self._completion is not None else ()
 
     async def aresult(self) -> Completion:
-        async for _ in self:
+        """The completion; text read only here reaches nobody, so a lost replica's call is
+        sent again even after some of it came back (a non-streamed request)."""
+        async for _ in self._items(forwarded=False):
             pass
         assert self._completion is not None
         return self._completion
@@ -196,12 +273,15 @@ class RemoteModel(ModelOps):
         stream_call: StreamCall,
         op_call: OpCall,
         on_served: Callable[[str], None] = lambda _replica: None,
+        facts: ServedFacts | None = None,
     ) -> None:
         self._info = info
         self._stream_call = stream_call
         self._op_call = op_call
         self._on_served = on_served
+        self._facts = facts
         self._last_rows = chains.LastRows()
+        self.retried = 0  # generations sent again after their replica was lost
 
     @property
     def id(self) -> str:
@@ -230,10 +310,19 @@ class RemoteModel(ModelOps):
             opts = dataclasses.replace(opts, parent_key=parent)
         call = Generate(model_id=self.id, kind=kind, options=opts, **fields)  # type: ignore[arg-type]
 
-        def finished(done: Completion) -> None:
+        def finished(replica: str | None, done: Completion) -> None:
             self._last_rows.remember(chain, done.stats.key)
+            if self._facts is not None and replica is not None:
+                n_tokens = done.stats.prompt_tokens + done.stats.completion_tokens
+                self._facts.note_served(replica, chain, done.stats.key, n_tokens)
 
-        return RemoteStream(self._stream_call(call), self._on_served, finished)
+        def start(avoid: tuple[str, ...]) -> ResponseStream:
+            return self._stream_call(dataclasses.replace(call, avoid=avoid) if avoid else call)
+
+        def retried() -> None:
+            self.retried += 1
+
+        return RemoteStream(start, self._on_served, finished, on_retry=retried)
 
     def stream_chat(
         self,
@@ -320,6 +409,7 @@ class RemoteModel(ModelOps):
     chat_tokens = _forward(ModelCalls.chat_tokens)
     infill_tokens = _forward(ModelCalls.infill_tokens)
     embed = _forward(ModelCalls.embed)
+    rerank = _forward(ModelCalls.rerank)
 
     def prewarm(
         self,

@@ -4,21 +4,34 @@ Invariants: a replica is a plain ``Engine`` (the same settings, the same cache t
 ``kvwarm serve``); Ray only constructs it and calls its methods. Every ``generate`` answers
 ``Served`` first, then fragments, then exactly one ``Finished`` or ``Failed`` (``calls``); a
 cancelled call (the client left) cancels the engine stream. A replica reports, through
-``record_routing_stats``, the chain hashes of the requests it finished (bounded, most recent
-first), its load and its recent time to first token: what ``routing`` decides by; the same
-call refreshes its load gauges in Ray's metrics (``gauges``).
+``record_routing_stats``, the tail of its cache's event log (``eventlog.EventLog``: rows its
+tiers gain and lose, live slots, chain links; the whole state on ``snapshot``), the chain
+hashes of the requests it finished (bounded, most recent first, for the ``prefix`` policy),
+its node, process, load and recent time to first token: what ``routing`` decides by; the
+same call refreshes its load gauges in Ray's metrics (``gauges``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from kvwarm.cluster.calls import Failed, Finished, Generate, ModelOp, Served, StreamItem
+from kvwarm.cluster.calls import (
+    Failed,
+    Finished,
+    Generate,
+    ModelOp,
+    Served,
+    SnapshotCall,
+    StreamItem,
+)
+from kvwarm.cluster.eventlog import EventLog
 from kvwarm.cluster.gauges import ReplicaGauges
 from kvwarm.cluster.routing import WarmSet
+from kvwarm.cluster.routing.facts import place
 from kvwarm.engine.ops import CALLS
 from kvwarm.errors import InvalidRequestError, KvwarmError, UnknownModelError
 from kvwarm.server import budget
@@ -41,6 +54,15 @@ def replica_name() -> str:
     from ray import serve
 
     return str(serve.get_replica_context().replica_id.to_full_id_str())
+
+
+def node_name() -> str | None:
+    """The Ray node this process runs on (None outside Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return str(ray.get_runtime_context().get_node_id())
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -74,6 +96,11 @@ class EngineReplica:
             self.engine.close()
             raise
         self.warm = WarmSet(REPORTED_HASHES)
+        places = {name: place(caps) for name, caps in self.engine.cache.tier_capabilities().items()}
+        slots = sum(m.info().n_parallel for m in self.models.values())
+        self.events = EventLog(places, slots=slots)
+        self.engine.cache.watch_rows(self.events)  # rows already indexed are told first
+        self.node = node_name()
         self.gauges = ReplicaGauges()
         self.ttft_ms: float | None = None
         self.in_flight = 0
@@ -115,6 +142,8 @@ class EngineReplica:
                     stream.cancel()
             if done.stats.finish_reason != "cancelled":
                 self.warm.add(call.chain)
+                n_tokens = done.stats.prompt_tokens + done.stats.completion_tokens
+                self.events.served(call.chain, done.stats.key, n_tokens)
                 ttft = done.stats.ttft_ms
                 prev = self.ttft_ms
                 self.ttft_ms = ttft if prev is None else prev + _TTFT_WEIGHT * (ttft - prev)
@@ -139,17 +168,42 @@ class EngineReplica:
         result = getattr(model, op.op)(*op.args, **op.kwargs)
         if op.op == "prewarm":
             self.warm.add(op.chain)
+            key = getattr(result, "key", None)
+            self.events.served(op.chain, key if isinstance(key, bytes) else None, 0)
         return result
+
+    async def snapshot(self, call: SnapshotCall) -> dict[str, object]:
+        """Everything this replica's cache events add up to (a router missed some)."""
+        if call.replica_id != self.replica_id:  # the router routes it here only
+            raise InvalidRequestError(f"snapshot of {call.replica_id} asked of {self.replica_id}")
+        return self.events.snapshot()
 
     def record_routing_stats(self) -> dict[str, object]:
         statuses = [m.status() for m in self.models.values()]
         self.gauges.update(statuses)  # Ray asks every period: the gauges' refresh too
         return {
             "warm": self.warm.recent(),
+            "events": self.events.report(),
+            "node": self.node,
+            "pid": os.getpid(),
+            "slots": self.events.slots,
             "in_flight": self.in_flight,
             "queued": sum(s.queued for s in statuses),
             "free_slots": sum(s.free_slots for s in statuses),
             "ttft_ms": self.ttft_ms,
+            "models": sorted(self.models),
+            "cache": self._cache_sizes(),
+        }
+
+    def _cache_sizes(self) -> dict[str, dict[str, float]]:
+        """Per tier: rows, chunks, bytes and quota, as this replica's cache counts them."""
+        counters = self.engine.cache.counters()
+        return {
+            tier: {
+                field: counters.get(f"tier_{tier}_{field}", 0.0)
+                for field in ("rows", "chunks", "bytes", "quota_bytes")
+            }
+            for tier in self.engine.cache.tier_names()
         }
 
     def check_health(self) -> None:

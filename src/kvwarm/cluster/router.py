@@ -1,34 +1,52 @@
 """``AffinityRouter``: Ray Serve's ``RequestRouter`` that places requests where a routing policy
-ranks them first (``routing``; the default, ``prefix``, by the conversation's warm prefix).
+ranks them first (``routing``; the default, ``events``, by what each replica's cache could
+serve of the request, from the replicas' cache events).
 
 Invariants: the decision is the configured routing policy's (``routing``, pure, chosen by
 name: ``RoutingConfig.policy``); this class only gathers its inputs from Ray (the live
-candidates, their queue lengths, the routing stats replicas report) and the router's own
-``AffinityTable`` (where it sent each chain, so a follow-up that arrives before
-the next stats report still finds its replica). It routes each request to the replica chosen
-for *that* request (no FIFO reassignment, which would move a conversation off its replica).
-Dead replicas leave the candidates through Ray (health checks, ``ActorDiedError`` on a probe)
-and leave the table here.
+candidates, their nodes, their queue lengths, the routing stats replicas report) and from
+this process's ``ClusterIndex`` (``routing/index.py``: every replica's cache events, applied
+as their reports arrive, plus what the ingress saw them serve) and the router's own
+``AffinityTable`` (where it sent each chain, so a follow-up that arrives before the next
+report still finds its replica). It routes each request to the replica chosen for *that*
+request (no FIFO reassignment, which would move a conversation off its replica). A
+``SnapshotCall`` goes to the replica it names and nowhere else.
+
+When a replica's events show a gap (reports missed, this router new), the router fetches
+that replica's snapshot on a thread of its own, one at a time per replica, through a handle
+to its deployment; until it arrives the index keeps what it had. Dead replicas leave the
+candidates through Ray (health checks, ``ActorDiedError`` on a probe) and leave the table
+and the index here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvwarm.cluster.calls import Generate, ModelOp
+from kvwarm.cluster.calls import Generate, ModelOp, SnapshotCall
 from kvwarm.cluster.routing import (
     AffinityTable,
+    ClusterIndex,
     ReplicaView,
     RouteRequest,
     RoutingConfig,
     build_policy,
+    index_for,
 )
+from kvwarm.cluster.routing.index import index_name
 
 log = logging.getLogger("kvwarm.cluster.router")
+
+SNAPSHOT_TIMEOUT_S = 30.0
+
+SnapshotFetch = Callable[[str], object]  # replica id -> its snapshot (plain values)
 
 
 def route_request(pending: PendingRequest | None) -> RouteRequest:
@@ -37,7 +55,9 @@ def route_request(pending: PendingRequest | None) -> RouteRequest:
     if pending is None or not pending.args:
         return RouteRequest()
     call = pending.args[0]
-    if isinstance(call, Generate | ModelOp):
+    if isinstance(call, Generate):
+        return RouteRequest(call.chain, call.model_id, call.options.parent_key)
+    if isinstance(call, ModelOp):
         return RouteRequest(chain=call.chain, model_id=call.model_id)
     return RouteRequest()
 
@@ -65,10 +85,85 @@ class AffinityRouter(RequestRouter):
         self._table = AffinityTable()
         # Reported hash lists, as sets, rebuilt only when a replica's report changes.
         self._warm: dict[str, tuple[int, frozenset[str]]] = {}
+        deployment = self._deployment_id
+        self._index: ClusterIndex = index_for(index_name(deployment.app_name, deployment.name))
+        self._seen: dict[str, int] = {}  # id() of each replica's last stats applied
+        self._fetching: dict[str, threading.Thread] = {}
+        self._fetch_lock = threading.Lock()
+        self._fetch: SnapshotFetch | None = None
 
     def _ensure_state(self) -> None:
         if not hasattr(self, "_table"):
             self.initialize_state()
+
+    @property
+    def index(self) -> ClusterIndex:
+        self._ensure_state()
+        return self._index
+
+    def use_snapshot_fetch(self, fetch: SnapshotFetch) -> None:
+        """Fetch snapshots with ``fetch`` instead of a handle (tests)."""
+        self._ensure_state()
+        self._fetch = fetch
+
+    # ---------------------------------------------------------------- the index's feed
+
+    def _ingest(self, replica: RunningReplica) -> None:
+        """Apply a replica's routing stats to the index once per report."""
+        rid = replica.replica_id.to_full_id_str()
+        stats = replica.routing_stats or {}
+        if self._seen.get(rid) == id(stats):
+            return
+        self._seen[rid] = id(stats)
+        if self._index.observe(rid, replica.node_id, stats, time.time()):
+            self._resync(rid)
+
+    def _resync(self, rid: str) -> None:
+        with self._fetch_lock:
+            if rid in self._fetching:
+                return
+            thread = threading.Thread(
+                target=self._fetch_snapshot, args=(rid,), name="kvwarm-resync", daemon=True
+            )
+            self._fetching[rid] = thread
+        thread.start()
+
+    def wait_resyncs(self, timeout_s: float) -> None:
+        """Wait for the snapshot fetches under way (tests)."""
+        with self._fetch_lock:
+            threads = list(self._fetching.values())
+        for thread in threads:
+            thread.join(timeout_s)
+
+    def _fetch_snapshot(self, rid: str) -> None:
+        try:
+            fetch = self._fetch or self._handle_fetch()
+            if self._index.load_snapshot(rid, fetch(rid)):
+                log.info("replica %s: cache facts resynced from its snapshot", rid)
+        except Exception as exc:  # a dead or slow replica: the next report asks again
+            log.info("replica %s: snapshot not fetched: %s", rid, exc)
+        finally:
+            with self._fetch_lock:
+                self._fetching.pop(rid, None)
+
+    def _handle_fetch(self) -> SnapshotFetch:
+        from ray import serve
+
+        deployment = self._deployment_id
+        handle = serve.get_deployment_handle(deployment.name, deployment.app_name)
+
+        def fetch(rid: str) -> object:
+            response = handle.snapshot.remote(SnapshotCall(rid))
+            try:
+                return response.result(timeout_s=SNAPSHOT_TIMEOUT_S)
+            except Exception:
+                response.cancel()  # type: ignore[no-untyped-call]
+                raise
+
+        self._fetch = fetch
+        return fetch
+
+    # ---------------------------------------------------------------- routing
 
     def _view(self, replica: RunningReplica) -> tuple[str, ReplicaView]:
         rid = replica.replica_id.to_full_id_str()
@@ -86,8 +181,9 @@ class AffinityRouter(RequestRouter):
             warm=cached[1],
             ttft_ms=_number(stats.get("ttft_ms")),
             # The report and the table overlap; the larger is the better count.
-            held=max(len(cached[1]), self._table.count(rid)),
+            held=max(len(cached[1]), self._table.count(rid), self._index.held(rid)),
             reported=stats,
+            slots=int(_number(stats.get("slots")) or 1),
         )
         return rid, view
 
@@ -97,15 +193,33 @@ class AffinityRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         self._ensure_state()
+        if pending_request is not None and pending_request.args:
+            target = pending_request.args[0]
+            if isinstance(target, SnapshotCall):
+                return [[r for r in candidate_replicas if _rid(r) == target.replica_id]]
+            if isinstance(target, Generate) and target.avoid:
+                # A retry after its replica was lost: anywhere else (Ray may not know yet).
+                others = [r for r in candidate_replicas if _rid(r) not in target.avoid]
+                candidate_replicas = others or candidate_replicas
         request = route_request(pending_request)
+        for replica in candidate_replicas:
+            self._ingest(replica)
         routed = self._table.warm_of(request.chain)
+        running = {_rid(r): r.node_id for r in candidate_replicas}
+        reach = self._index.reach(request.chain, request.parent_key, running)
         by_id: dict[str, RunningReplica] = {}
         views: list[ReplicaView] = []
         for replica in candidate_replicas:
             rid, view = self._view(replica)
             by_id[rid] = replica
             held = routed.get(rid)
-            views.append(view if held is None else _with_routed(view, held))
+            views.append(
+                dataclasses.replace(
+                    view,
+                    routed=frozenset(held) if held else view.routed,
+                    reach=reach.get(rid, {}),
+                )
+            )
         decision = self._policy.rank(request, views)
         return [[by_id[i] for i in group] for group in decision.groups]
 
@@ -120,16 +234,21 @@ class AffinityRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self._ensure_state()
-        live = [r.replica_id.to_full_id_str() for r in replicas]
+        live = [_rid(r) for r in replicas]
         self._table.forget(live)
         self._warm = {k: v for k, v in self._warm.items() if k in set(live)}
+        self._index.retain({_rid(r): r.node_id for r in replicas})
+        self._seen = {k: v for k, v in self._seen.items() if k in set(live)}
+        for replica in replicas:
+            self._ingest(replica)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._ensure_state()
         self._table.forget(r.to_full_id_str() for r in self.curr_replicas)
+        self._index.died(replica_id.to_full_id_str())
         log.info("replica %s died: its conversations move", replica_id.to_full_id_str())
 
 
-def _with_routed(view: ReplicaView, routed: set[str]) -> ReplicaView:
-    return dataclasses.replace(view, routed=frozenset(routed))
+def _rid(replica: RunningReplica) -> str:
+    return replica.replica_id.to_full_id_str()

@@ -11,11 +11,13 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TypedDict
 
 from kvwarm.backends.base import (
+    POOLING_TYPES,
     Backend,
     ContextParams,
     FlashAttn,
     KvType,
     ModelParams,
+    PoolingType,
     RopeScaling,
     SplitMode,
 )
@@ -25,6 +27,7 @@ from kvwarm.engine.fingerprint import parse_mode
 from kvwarm.engine.types import MAX_DRAFT_TOKENS, SPEC_TYPES, SpecType
 from kvwarm.engine.worker.batching import StrategyName, strategy
 from kvwarm.errors import ConfigError
+from kvwarm.media import MediaLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,19 @@ class ModelConfig:
     chat_template: str | None = None
     max_queue: int = 256
     batch_strategy: StrategyName = "decode_first"
+    #: ``--mmproj``: the multimodal projector GGUF whose images (and audio) this model reads
+    #: (llama.cpp's ``mtmd``); None: text only.
+    mmproj: str | None = None
+    #: What a request's images and audio may be (``kvwarm.media``).
+    media: MediaLimits = field(default_factory=MediaLimits)
+    #: ``--pooling``: how the model pools, over what its GGUF declares (None: the GGUF's,
+    #: else mean). ``rank`` makes it a reranker (``Model.rerank``; it then only ranks).
+    pooling: PoolingType | None = None
+    #: The most documents one rerank may score (more: ``InvalidRequestError``).
+    rerank_max_documents: int = 1000
+    #: A rerank document whose prompt does not fit the context: its end is cut to fit
+    #: (True) or the rerank refused (False: ``ContextOverflowError``).
+    rerank_truncate: bool = False
     #: Speculative decoding (``engine/worker/drafts.py``): the draft source of requests that
     #: do not choose one (``SpecType``; llama-server's ``--spec-type``), the n-gram size its
     #: lookups match, and the most tokens one draft may hold. Off in deterministic mode.
@@ -69,6 +85,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         self.context.validate()
+        self.media.validate()
         self.model_params.validate()
         if not 1 <= self.n_parallel <= 64:
             raise ConfigError(f"n_parallel must be in [1, 64], got {self.n_parallel}")
@@ -88,6 +105,12 @@ class ModelConfig:
             )
         parse_mode(self.fingerprint_mode)
         strategy(self.batch_strategy)
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ConfigError(
+                f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}"
+            )
+        if self.rerank_max_documents < 1:
+            raise ConfigError("rerank_max_documents must be >= 1")
         if self.spec_type not in SPEC_TYPES:
             raise ConfigError(
                 f"spec_type must be one of {', '.join(SPEC_TYPES)}; got {self.spec_type!r}"
@@ -158,6 +181,12 @@ class ModelOptions(TypedDict, total=False):
     fingerprint_mode: str
     max_queue: int
     batch_strategy: StrategyName
+    mmproj: str | None
+    media: MediaLimits
+    chat_template: str | None
+    pooling: PoolingType | None
+    rerank_max_documents: int
+    rerank_truncate: bool
     spec_type: SpecType
     spec_ngram_n: int
     spec_draft_max: int
@@ -193,6 +222,8 @@ def with_options(cfg: ModelConfig, options: ModelOptions) -> ModelConfig:
     )
 
 
-_CONTEXT_FIELDS = frozenset(f.name for f in fields(ContextParams))
+# ``pooling`` is the model's (``ModelConfig.pooling``): it decides what the model is; the
+# context field of that name is how the model then runs each of its contexts.
+_CONTEXT_FIELDS = frozenset(f.name for f in fields(ContextParams)) - {"pooling"}
 _MODEL_FIELDS = frozenset(f.name for f in fields(ModelParams)) - {"progress"}
 _CONFIG_FIELDS = frozenset(f.name for f in fields(ModelConfig)) - {"context", "model_params"}

@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from kvwarm.backends.base import ContextMemory, ModelFacts
+from kvwarm.backends.base import ContextMemory, ModelFacts, ProjectorFacts
 from kvwarm.cache.types import FingerprintMode, TierName
 from kvwarm.engine.config import ModelConfig
-from kvwarm.engine.types import AdapterInfo, ModelInfo, ModelStatus
+from kvwarm.engine.types import AdapterInfo, Capability, ModelInfo, ModelStatus
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.memory import MemoryKind
 
@@ -43,6 +43,9 @@ def model_info(
     adapters: Sequence[AdapterInfo],
     chat_template_name: str = "gguf",
     context_memory: ContextMemory | None = None,
+    projector: ProjectorFacts | None = None,
+    capabilities: tuple[Capability, ...] = ("generate", "embed"),
+    pooling: str = "mean",
 ) -> ModelInfo:
     """The model's description; ``fingerprint`` is the effective one (adapters folded in)."""
     return ModelInfo(
@@ -73,6 +76,11 @@ def model_info(
         swa_full=cfg.context.swa_full,
         kv_bytes=context_memory.kv_bytes if context_memory else 0,
         context_bytes=context_memory.total_bytes if context_memory else 0,
+        mmproj=projector.path if projector else None,
+        media=projector.kinds if projector else (),
+        projector_bytes=projector.memory_bytes if projector else 0,
+        capabilities=capabilities,
+        pooling=pooling,
         spec_type=cfg.spec_type,
         speculation=speculation(
             cfg, MemoryKind(facts.memory_kind, facts.n_swa, cfg.context.swa_full)

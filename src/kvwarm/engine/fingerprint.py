@@ -50,6 +50,18 @@ def model_fingerprint(
     return fingerprint(path, mode, supplied, progress)
 
 
+def with_projector(model_fp: bytes, path: Path, mode: FingerprintMode) -> bytes:
+    """``model_fp`` with the multimodal projector at ``path`` folded in: an image's KV depends
+    on the projector that encoded it. Hashed as the model is, but for ``fast_unsafe`` (which
+    supplies the model's fingerprint only): the projector is then hashed whole."""
+    if not path.is_file():  # a backend that needs no file (the stub): its path names it
+        proj = hashlib.sha256(b"stub:" + str(path).encode()).digest()
+    else:
+        chunked = mode is FingerprintMode.GGUF_CHUNKED
+        proj = fingerprint(path, FingerprintMode.GGUF_CHUNKED if chunked else FingerprintMode.SAFE)
+    return hashlib.sha256(b"kvwarm-mmproj\0" + model_fp + proj).digest()
+
+
 def fingerprint(
     path: str | os.PathLike[str],
     mode: FingerprintMode,

@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Unpack
 
 from kvwarm.backends import get_backend
-from kvwarm.backends.base import AdapterSet, Backend, BackendModel, ContextMemory
+from kvwarm.backends.base import (
+    AdapterSet,
+    Backend,
+    BackendModel,
+    ContextMemory,
+    PoolingType,
+    Projector,
+    ProjectorParams,
+)
 from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, resolve_template
 from kvwarm.cache.formats.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
@@ -34,39 +42,46 @@ from kvwarm.engine.describe import (
     warn_if_past_training,
 )
 from kvwarm.engine.embeddings import Embedder
-from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
+from kvwarm.engine.fingerprint import model_fingerprint, parse_mode, with_projector
 from kvwarm.engine.ops import Message
 from kvwarm.engine.options import GenerationOverrides, merge_options
 from kvwarm.engine.prompts import (
+    ChatMedia,
     ExtraFile,
-    chat_tokens,
+    MediaPrompt,
+    chat_prompt,
     check_chat_size,
     fim_tokens,
     longest_piece,
 )
 from kvwarm.engine.request import RequestKind, check_tokens
+from kvwarm.engine.rerank import Ranker, RerankLimits
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.submit import Submitter
 from kvwarm.engine.types import (
     AdapterInfo,
+    Capability,
     Completion,
     CompletionStats,
     GenerationOptions,
     ModelInfo,
     ModelStatus,
+    Reranking,
 )
 from kvwarm.engine.worker.batching import strategy
 from kvwarm.engine.worker.loop import Worker, WorkerConfig
 from kvwarm.engine.worker.runtime import LoraChoice
-from kvwarm.errors import AdapterError, EngineClosedError, InvalidRequestError
+from kvwarm.errors import AdapterError, CapabilityError, EngineClosedError, InvalidRequestError
 from kvwarm.tokens import Prompt
 
 if TYPE_CHECKING:
     from kvwarm.engine.engine import Engine
     from kvwarm.engine.ops import ModelOps
 
-#: What the generation calls take: text, token ids, or a ``Prompt`` (ids and media spans).
-PromptInput = str | Sequence[int] | Prompt
+#: What the generation calls take: text, token ids, a ``Prompt`` (ids and media spans: only
+#: one without spans, whose content it does not carry), or a ``MediaPrompt`` (a prompt and the
+#: media its spans show, as ``chat_prompt`` builds it).
+PromptInput = str | Sequence[int] | Prompt | MediaPrompt
 
 
 log = logging.getLogger(__name__)
@@ -100,16 +115,30 @@ class Model:
         self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint, phases.hashing())
         params = replace(cfg.model_params, progress=phases.weights())
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
+        self._projector: Projector | None = None
         ran = self._bmodel.context_params(
             cfg.context, deterministic=cfg.deterministic, speculative=cfg.spec_type != "none"
         )
+        facts = self._bmodel.facts
+        #: How it pools: the setting's, else the GGUF's, else the context's (mean).
+        self.pooling: PoolingType = cfg.pooling or facts.pooling or ran.pooling
+        if self.pooling == "rank":
+            # A reranker's slots pool their sequences by rank (llama-server's --rerank); an
+            # encoder's prompt runs whole, in one ubatch, so a ubatch is a whole batch.
+            ran = replace(ran, embeddings=True, pooling="rank")
+            if not facts.causal:
+                ran = replace(ran, n_ubatch=ran.n_batch)
         self.config = cfg = replace(cfg, context=ran)
         self.chat_template_name, self._template = self._chat_template(cfg.chat_template)
         self._longest_lock = threading.Lock()
         self._longest: int | None = None  # bytes of the longest token (a chat's size bound)
         try:
+            if cfg.mmproj is not None:
+                self._projector = self._load_projector(cfg.mmproj)
             self._start_worker()
         except BaseException:
+            if self._projector is not None:
+                self._projector.close()
             self._bmodel.close()
             raise
         self._adapters = Adapters(self._bmodel, self._worker, self._refresh_namespace)
@@ -122,9 +151,26 @@ class Model:
             self.config,
             self.policy,
             self._adapters.check,
+            non_causal=() if self._projector is None else self._projector.facts.non_causal,
         )
         self._embedder = Embedder(
-            self._bmodel, cfg.context, self._worker, adapters=self._adapters.applied
+            self._bmodel,
+            replace(cfg.context, pooling=self.pooling),
+            self._worker,
+            adapters=self._adapters.applied,
+        )
+        ctx = cfg.context
+        self._ranker = Ranker(
+            self._bmodel,
+            self._worker,
+            RerankLimits(
+                limit=ctx.n_ctx if facts.causal else min(ctx.n_ctx, ctx.n_ubatch),
+                max_documents=cfg.rerank_max_documents,
+                truncate=cfg.rerank_truncate,
+            ),
+            whole=not facts.causal,
+            deterministic=cfg.deterministic,
+            n_batch=ctx.n_batch,
         )
         try:
             for spec in cfg.lora:
@@ -138,6 +184,26 @@ class Model:
             self._free_after_failed_load()
             raise
         self._state = "ready"
+
+    def _load_projector(self, mmproj: str) -> Projector:
+        """The ``--mmproj`` projector, its fingerprint folded into the model's: an image's KV
+        depends on the projector that encoded it."""
+        path = Path(mmproj).expanduser()
+        threads = self.config.context.n_threads_batch or self.config.context.n_threads
+        gpu = self.config.model_params.n_gpu_layers != 0
+        projector = self._bmodel.load_projector(str(path), ProjectorParams(threads, gpu))
+        try:
+            self._fingerprint = with_projector(self._fingerprint, path, self.fingerprint_mode)
+        except BaseException:
+            projector.close()
+            raise
+        log.info(
+            "model %s reads %s through %s",
+            self.id,
+            " and ".join(projector.facts.kinds),
+            path.name,
+        )
+        return projector
 
     def _start_worker(self) -> None:
         cfg = self.config
@@ -172,6 +238,7 @@ class Model:
                 fingerprint_mode=self.fingerprint_mode,
                 max_queue=cfg.max_queue,
                 strategy=strategy(cfg.batch_strategy),
+                whole=self.pooling == "rank" and not facts.causal,
                 spec_type=cfg.spec_type,
                 spec_ngram_n=cfg.spec_ngram_n,
                 spec_draft_max=cfg.spec_draft_max,
@@ -179,6 +246,7 @@ class Model:
             ),
             self.namespace,
             self._resolve_lora,
+            projector=self._projector,
         )
 
     def _free_after_failed_load(self) -> None:
@@ -238,6 +306,29 @@ class Model:
             adapters=self.list_adapters(),
             chat_template_name=self.chat_template_name,
             context_memory=self._context_memory(),
+            projector=None if self._projector is None else self._projector.facts,
+            capabilities=self.capabilities,
+            pooling=self.pooling,
+        )
+
+    @property
+    def capabilities(self) -> tuple[Capability, ...]:
+        """What it can be asked to do: a reranker only ranks (its slots pool by rank)."""
+        return ("rerank",) if self.pooling == "rank" else ("generate", "embed")
+
+    def _require(self, capability: Capability) -> None:
+        if capability in self.capabilities:
+            return
+        if capability == "rerank":
+            raise CapabilityError(
+                f"model {self.id!r} is not a reranker (its pooling is {self.pooling}; a "
+                "reranker's is rank: set pooling to rank to rank with it)",
+                param="model",
+            )
+        raise CapabilityError(
+            f"model {self.id!r} is a reranker: it can only rerank (/v1/rerank), not "
+            f"{'embed' if capability == 'embed' else 'generate text'}",
+            param="model",
         )
 
     def _context_memory(self) -> ContextMemory:
@@ -294,6 +385,8 @@ class Model:
             return resolve_template(chosen)
         if self._bmodel.facts.chat_template:
             return "gguf", None
+        if self.pooling == "rank":  # a reranker never chats: nothing to warn about
+            return f"{FALLBACK_TEMPLATE} (fallback)", BUILTIN_TEMPLATES[FALLBACK_TEMPLATE]
         log.warning(
             "model %s carries no chat template: chats use %s (set chat_template to choose)",
             self.id,
@@ -364,8 +457,8 @@ class Model:
     ) -> list[CompletionStream]:
         """``streams`` for a chat."""
         opts = merge_options(options, overrides)
-        tokens, text = self.chat_tokens(messages, tools=tools)
-        return self._submit_n(Prompt.text(tokens), opts, text, n, fragments)
+        prompt, text = self.chat_prompt(messages, tools=tools)
+        return self._submit_n(prompt, opts, text, n, fragments)
 
     def chat(
         self,
@@ -376,8 +469,8 @@ class Model:
         **overrides: Unpack[GenerationOverrides],
     ) -> Completion:
         opts = merge_options(options, overrides)
-        tokens, text = self.chat_tokens(messages, tools=tools)
-        return self._submit(Prompt.text(tokens), opts, text, fragments=False).result()
+        prompt, text = self.chat_prompt(messages, tools=tools)
+        return self._submit(prompt, opts, text, fragments=False).result()
 
     def stream_chat(
         self,
@@ -388,8 +481,8 @@ class Model:
         **overrides: Unpack[GenerationOverrides],
     ) -> CompletionStream:
         opts = merge_options(options, overrides)
-        tokens, text = self.chat_tokens(messages, tools=tools)
-        return self._submit(Prompt.text(tokens), opts, text)
+        prompt, text = self.chat_prompt(messages, tools=tools)
+        return self._submit(prompt, opts, text)
 
     def prewarm(
         self,
@@ -402,23 +495,27 @@ class Model:
         """Prefill ``prompt`` and save it (with its final logits), generating nothing. With a
         ``cache_salt`` the row serves only requests with the same salt."""
         self._check_ready()
+        self._require("generate")
         opts = GenerationOptions(
             max_tokens=0, temperature=0.0, add_special=add_special, cache_salt=cache_salt
         )
         opts.validate()
+        ids: MediaPrompt
         if isinstance(prompt, str):
             tokens = self._bmodel.tokenize(prompt, add_special=add_special, parse_special=True)
-            ids, text = Prompt.text(tokens), prompt
-        elif isinstance(prompt, Prompt):
+            ids, text = MediaPrompt(Prompt.text(tokens)), prompt
+        elif isinstance(prompt, Prompt | MediaPrompt):
             ids, text = self._checked(prompt), ""
         else:
-            ids, text = Prompt.text(check_tokens(prompt, self.facts.n_vocab)), ""
+            ids, text = MediaPrompt(Prompt.text(check_tokens(prompt, self.facts.n_vocab))), ""
         stream = self._submit(ids, opts, text, kind="prewarm", ttl=ttl_class, fragments=False)
         return stream.result().stats
 
-    def _prompt_tokens(self, prompt: PromptInput, opts: GenerationOptions) -> tuple[Prompt, str]:
+    def _prompt_tokens(
+        self, prompt: PromptInput, opts: GenerationOptions
+    ) -> tuple[MediaPrompt, str]:
         self._check_ready()
-        if isinstance(prompt, Prompt):
+        if isinstance(prompt, Prompt | MediaPrompt):
             return self._checked(prompt), ""
         if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
             # Found by review: None or a number raised TypeError; bytes passed as token ids.
@@ -430,21 +527,38 @@ class Model:
             tokens = self._bmodel.tokenize(
                 prompt, add_special=opts.add_special, parse_special=opts.parse_special
             )
-            return Prompt.text(tokens), prompt
-        return Prompt.text(check_tokens(prompt, self.facts.n_vocab)), ""
+            return MediaPrompt(Prompt.text(tokens)), prompt
+        return MediaPrompt(Prompt.text(check_tokens(prompt, self.facts.n_vocab))), ""
 
-    def _checked(self, prompt: Prompt) -> Prompt:
-        """A ``Prompt`` whose text positions are this vocabulary's ids, and whose spans this
-        model can decode (none yet: media need a projector, which no backend loads)."""
+    def _checked(self, given: Prompt | MediaPrompt) -> MediaPrompt:
+        """A prompt whose text positions are this vocabulary's ids and whose spans this model
+        can decode: each with the media it shows (a bare ``Prompt``'s spans name content it
+        does not carry), of a kind its projector reads, of the size its layout gives."""
+        mp = given if isinstance(given, MediaPrompt) else None
+        prompt = given.prompt if isinstance(given, MediaPrompt) else given
         check_tokens(prompt.text_tokens(), self.facts.n_vocab)
-        if prompt.spans:
-            kinds = sorted({span.kind for span in prompt.spans})
+        if not prompt.spans:
+            return mp or MediaPrompt(prompt)
+        kinds = sorted({span.kind for span in prompt.spans})
+        projector = self._projector
+        if projector is None:
             raise InvalidRequestError(
                 f"model {self.id!r} cannot read {' or '.join(kinds)} input: it has no "
-                "multimodal projector",
+                "multimodal projector (load it with --mmproj)",
                 param="prompt",
             )
-        return prompt
+        if mp is None:
+            raise InvalidRequestError(
+                "a Prompt with spans names its media by digest only: pass a MediaPrompt (a "
+                "prompt and its media, as Model.chat_prompt builds it) or chat messages",
+                param="prompt",
+            )
+        for span, shown in zip(prompt.spans, mp.media, strict=True):
+            if span.kind not in projector.facts.kinds or shown.media.kind != span.kind:
+                raise InvalidRequestError(
+                    f"a {span.kind} span this model's projector cannot decode", param="prompt"
+                )
+        return mp
 
     def chat_tokens(
         self,
@@ -455,15 +569,39 @@ class Model:
     ) -> tuple[tuple[int, ...], str]:
         """The prompt tokens of a chat and its rendered text. Message content is plain text:
         special-token text in it stays text (``kvwarm.engine.prompts``). Prewarm a chat prefix
-        with these tokens so that it matches what ``stream_chat`` sends."""
+        with these tokens so that it matches what ``stream_chat`` sends. A chat with images
+        or audio has spans, which ids alone cannot carry: ``chat_prompt``."""
+        prompt, text = self.chat_prompt(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt
+        )
+        if prompt.media:
+            raise InvalidRequestError(
+                "this chat holds images or audio: its prompt is more than token ids "
+                "(use chat, stream_chat or chat_prompt)",
+                param="messages",
+            )
+        return prompt.prompt.tokens, text
+
+    def chat_prompt(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> tuple[MediaPrompt, str]:
+        """The prompt of a chat, with its images and audio (content parts of type ``image``
+        (bytes, a path, a data: URI or a ``kvwarm.media.Image``), ``image_url`` (a data:
+        URI), ``audio``, ``input_audio``), decoded under ``ModelConfig.media``, and its
+        rendered text (each medium shown as ``<__media__>``)."""
         self._check_ready()
         check_chat_size(messages, self.config.context.n_ctx, self._longest_piece)
-        return chat_tokens(
+        return chat_prompt(
             self._bmodel,
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             template=self._template,
+            media=ChatMedia(self._projector, self.config.media),
         )
 
     def _longest_piece(self) -> int:
@@ -474,9 +612,10 @@ class Model:
             return self._longest
 
     def _submit_n(
-        self, prompt: Prompt, opts: GenerationOptions, text: str, n: int, fragments: bool
+        self, prompt: MediaPrompt, opts: GenerationOptions, text: str, n: int, fragments: bool
     ) -> list[CompletionStream]:
         self._check_ready()
+        self._require("generate")
         return self._submitter.group(prompt, opts, text, n, fragments)
 
     def infill_tokens(
@@ -495,7 +634,7 @@ class Model:
 
     def _submit(
         self,
-        prompt: Prompt,
+        prompt: MediaPrompt,
         opts: GenerationOptions,
         text: str,
         kind: RequestKind = "generate",
@@ -504,6 +643,7 @@ class Model:
         fragments: bool = True,
     ) -> CompletionStream:
         self._check_ready()
+        self._require("generate")
         return self._submitter.one(prompt, opts, text, kind, ttl, fragments=fragments)
 
     # ---- embeddings ---------------------------------------------------------------------
@@ -514,7 +654,36 @@ class Model:
         """One pooled vector per input. An input is text (tokenized with BOS) or token ids,
         used exactly as given: ids are never detokenized and tokenized again."""
         self._check_ready()
+        self._require("embed")
         return self._embedder.embed(inputs, normalize=normalize)
+
+    # ---- reranking ----------------------------------------------------------------------
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        max_tokens_per_doc: int | None = None,
+        cache_salt: str | None = None,
+    ) -> Reranking:
+        """The ``documents`` by relevance to ``query``, best first, at most ``top_n`` (a
+        reranker only: ``CapabilityError`` otherwise). Each document is scored in a slot of
+        its own, batched like any request; a decoder reranker's documents share the prompt
+        before the document (instruction and query), prefilled once (``engine/rerank.py``).
+        ``max_tokens_per_doc`` cuts each document to that many tokens (Cohere's). A
+        document whose prompt does not fit ``n_ctx`` is ``ContextOverflowError``, or cut to
+        fit with ``rerank_truncate``."""
+        self._check_ready()
+        self._require("rerank")
+        return self._ranker.rerank(
+            query,
+            documents,
+            top_n=top_n,
+            max_tokens_per_doc=max_tokens_per_doc,
+            cache_salt=cache_salt,
+        )
 
     # ---- adapters -----------------------------------------------------------------------
 
@@ -575,6 +744,8 @@ class Model:
         self._embedder.close()
         self._ctx.close()
         self._adapters.close()
+        if self._projector is not None:
+            self._projector.close()
         self._bmodel.close()
 
 

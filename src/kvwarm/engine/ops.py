@@ -11,7 +11,7 @@ Invariants: ``kvwarm.engine.Model`` satisfies ``ModelOps`` (checked by mypy wher
 defined); the server's routes use a model only through ``ModelOps`` (``server.served``
 names it ``ServedModel``); the cluster's ``RemoteModel`` subclasses ``ModelOps`` and forwards
 each call generically (``cluster.remote``), so an operation added here and forgotten there is
-an abstract-class error in mypy and a failing test. Adding an operation (say ``rerank``): its
+an abstract-class error in mypy and a failing test. Adding an operation (as ``rerank`` was): its
 signature here, its body in ``Model``, one line in ``RemoteModel``, then the route.
 """
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         GenerationOptions,
         ModelInfo,
         ModelStatus,
+        Reranking,
         TokenLogprob,
     )
 
@@ -117,6 +118,18 @@ class ModelCalls(Protocol):
         self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool = True
     ) -> list[list[float]]:
         """One pooled vector per input (text or token ids)."""
+        ...
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        max_tokens_per_doc: int | None = None,
+        cache_salt: str | None = None,
+    ) -> Reranking:
+        """The documents by relevance to ``query``, best first (a reranker only)."""
         ...
 
 

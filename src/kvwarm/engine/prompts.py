@@ -17,6 +17,14 @@ Invariants:
 - A template that rewrites content (strip, split) moves the sentinels' surroundings; then the
   spliced text differs from the real render and the whole render is tokenized at once, which
   is safe only if no content holds special-token text (``InvalidRequestError`` otherwise).
+- Images and audio (a content list's ``image``/``image_url``/``audio``/``input_audio`` parts)
+  are decoded under the model's ``MediaLimits`` (``kvwarm.media``) and sit in the message where
+  they were, as llama-server puts them: its text parts joined, no newline next to a medium, the
+  projector's marker tokens around each (``<start_of_image>`` ...) and a span of its
+  embeddings (``Prompt.spans``, named by the decoded content's digest). A user's text never
+  becomes a medium: media are placed by a private sentinel, never by a marker string, and the
+  rendered ``text`` shows each as ``MEDIA_MARKER``. Every medium must come out of the template
+  exactly once (``InvalidRequestError`` otherwise).
 
 Fill-in-the-middle prompts from a model's FIM tokens, as llama-server assembles them.
 
@@ -31,19 +39,69 @@ contains ``<fim_middle>`` stays text; a model without FIM tokens is a ``FimNotSu
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvwarm.backends.base import BackendModel
+from kvwarm.backends.base import BackendModel, MediaSpan, Projector
 from kvwarm.errors import ContextOverflowError, FimNotSupportedError, InvalidRequestError
+from kvwarm.media import Media, MediaError, MediaKind, MediaLimits, load_media
+from kvwarm.tokens import Prompt
 from kvwarm.unicode import find_lone_surrogate
 
 log = logging.getLogger(__name__)
 
 Message = Mapping[str, object]
+
+
+#: How the rendered text of a chat shows where an image or clip sits (mtmd's default marker).
+MEDIA_MARKER = "<__media__>"
+
+
+@dataclass(frozen=True, slots=True)
+class SpanMedia:
+    """What one span of a prompt shows: the ``index``-th span of ``media``'s layout."""
+
+    media: Media
+    index: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPrompt:
+    """A ``Prompt`` and the media its spans show, one ``SpanMedia`` per span, in order: what
+    a prompt with images or audio needs to be decoded (the ids only name the content)."""
+
+    prompt: Prompt
+    media: tuple[SpanMedia, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.media) != len(self.prompt.spans):
+            raise ValueError(f"{len(self.prompt.spans)} spans, {len(self.media)} media")
+
+    def extended(self, tokens: Sequence[int]) -> MediaPrompt:
+        """This prompt followed by text ``tokens``."""
+        p = self.prompt
+        return MediaPrompt(Prompt((*p.tokens, *tokens), p.spans), self.media)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMedia:
+    """How a chat's media are read: the model's projector (None: it reads none) and the
+    limits they are decoded under."""
+
+    projector: Projector | None
+    limits: MediaLimits
+
+
+def span_digest(media: Media, index: int) -> bytes:
+    """The digest a medium's ``index``-th span is named by: its content's (``index`` 0, the
+    one span of an image on every projector kvwarm knows), else that folded with ``index``."""
+    if index == 0:
+        return media.digest
+    return hashlib.sha256(media.digest + index.to_bytes(4, "little")).digest()
 
 
 def content_chars(messages: Sequence[Message]) -> int:
@@ -100,7 +158,30 @@ def chat_tokens(
     template: str | None = None,
 ) -> tuple[tuple[int, ...], str]:
     """The prompt tokens of ``messages`` and the rendered text they stand for, rendered with
-    ``template`` (Jinja source; None: the model's own)."""
+    ``template`` (Jinja source; None: the model's own). Text only (``chat_prompt`` takes
+    media)."""
+    chat, text = chat_prompt(
+        model,
+        messages,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        template=template,
+        media=None,
+    )
+    return chat.prompt.tokens, text
+
+
+def chat_prompt(
+    model: BackendModel,
+    messages: Sequence[Message],
+    *,
+    tools: Sequence[Mapping[str, object]] | None = None,
+    add_generation_prompt: bool = True,
+    template: str | None = None,
+    media: ChatMedia | None,
+) -> tuple[MediaPrompt, str]:
+    """The prompt of ``messages`` (text, and the images and audio of their content lists,
+    read as ``media`` says) and the rendered text it stands for."""
     for name, given in (("messages", list(messages)), ("tools", list(tools or ()))):
         where = find_lone_surrogate(given)
         if where is not None:
@@ -108,12 +189,13 @@ def chat_tokens(
                 f"{name}.{where} contains a lone UTF-16 surrogate; text must be valid Unicode",
                 param=f"{name}.{where}",
             )
+    tag = secrets.token_hex(8)
+    messages, found = _media_parts(messages, tag, media)
     text = model.apply_chat_template(
         messages, tools=tools, add_generation_prompt=add_generation_prompt, template=template
     )
     for where, value in _markup_strings(messages, tools):
         _refuse_special(model, value, where)
-    tag = secrets.token_hex(8)
     marked, contents = _with_sentinels(messages, tag)
     rendered = model.apply_chat_template(
         marked, tools=tools, add_generation_prompt=add_generation_prompt, template=template
@@ -121,22 +203,151 @@ def chat_tokens(
     pieces = re.split(f"\ue000{tag}:([0-9]+)\ue001", rendered)
     # re.split alternates markup and captured content indices: m0, i0, m1, i1, ..., mN.
     spliced = "".join(p if k % 2 == 0 else contents[int(p)] for k, p in enumerate(pieces))
+    parts: list[Sequence[int] | tuple[bytes, int, str]] = []
+    placed: list[SpanMedia] = []
+    seen: list[int] = []
+    shown = re.sub(f"\ue000{tag}:m[0-9]+\ue001", MEDIA_MARKER, text)
+
+    def add(piece: str, *, special: bool) -> None:
+        for k, bit in enumerate(re.split(f"\ue000{tag}:m([0-9]+)\ue001", piece)):
+            if k % 2 == 0:
+                if bit:
+                    parts.append(model.tokenize(bit, add_special=False, parse_special=special))
+                continue
+            assert media is not None and media.projector is not None  # it read them
+            item = found[int(bit)]
+            seen.append(int(bit))
+            index = 0
+            for lay in media.projector.layout(item):
+                if isinstance(lay, MediaSpan):
+                    parts.append((span_digest(item, index), lay.n_tokens, lay.kind))
+                    placed.append(SpanMedia(item, index))
+                    index += 1
+                else:
+                    parts.append(lay)
+
     if spliced != text:
         log.debug("the chat template rewrites content; tokenizing its whole render")
         for index, content in enumerate(contents):
-            _refuse_special(model, content, f"messages.{index}.content")
+            _refuse_special(model, _unmarked(content, tag), f"messages.{index}.content")
         # The template already carries any BOS/special tokens as text.
-        return tuple(model.tokenize(text, add_special=False, parse_special=True)), text
-    tokens: list[int] = []
-    for k, piece in enumerate(pieces):
-        if k % 2 == 0:
-            if piece:
-                tokens += model.tokenize(piece, add_special=False, parse_special=True)
-        else:
-            content = contents[int(piece)]
-            if content:
-                tokens += model.tokenize(content, add_special=False, parse_special=False)
-    return tuple(tokens), text
+        add(text, special=True)
+    else:
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                if piece:
+                    add(piece, special=True)
+            else:
+                content = contents[int(piece)]
+                if content:
+                    add(content, special=False)
+    if sorted(seen) != list(range(len(found))):
+        raise InvalidRequestError(
+            "the chat template did not place every image or audio part exactly once "
+            "(it drops or repeats message content)",
+            param="messages",
+        )
+    return MediaPrompt(Prompt.build(parts), tuple(placed)), shown
+
+
+def _unmarked(content: str, tag: str) -> str:
+    return re.sub(f"\ue000{tag}:m[0-9]+\ue001", "", content)
+
+
+_MEDIA_TYPES: dict[str, tuple[MediaKind, str]] = {
+    "image": ("image", "image"),
+    "image_url": ("image", "image_url"),
+    "audio": ("audio", "audio"),
+    "input_audio": ("audio", "input_audio"),
+}
+
+
+def _media_parts(
+    messages: Sequence[Message], tag: str, media: ChatMedia | None
+) -> tuple[list[Message], list[Media]]:
+    """``messages`` with each content list made a string: its text parts joined, each image
+    or clip (decoded, in ``found``) replaced by a private sentinel ``\ue000{tag}:m{n}\ue001``."""
+    out: list[Message] = []
+    found: list[Media] = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list | tuple):
+            out.append(message)
+            continue
+        text: list[str] = []
+        for j, part in enumerate(content):
+            where = f"messages.{i}.content.{j}"
+            if isinstance(part, Mapping) and isinstance(part.get("param"), str):
+                where = str(part["param"])  # where the client put it (another API's body)
+            if isinstance(part, str):
+                text.append(part)
+                continue
+            if not isinstance(part, Mapping):
+                raise InvalidRequestError(f"{where} is not a content part", param=where)
+            kind = part.get("type")
+            if kind == "text":
+                value = part.get("text")
+                if not isinstance(value, str):
+                    raise InvalidRequestError(f"{where}.text is not a string", param=where)
+                text.append(value)
+                continue
+            if not isinstance(kind, str) or kind not in _MEDIA_TYPES:
+                raise InvalidRequestError(
+                    f"{where} has type {kind!r}: a content part is text, image, image_url, "
+                    "audio or input_audio",
+                    param=where,
+                )
+            text.append(f"\ue000{tag}:m{len(found)}\ue001")
+            found.append(_read_part(part, kind, where, media, len(found)))
+        out.append({**message, "content": "".join(text)})
+    return out, found
+
+
+def _read_part(
+    part: Mapping[str, object], kind: str, where: str, media: ChatMedia | None, count: int
+) -> Media:
+    medium, key = _MEDIA_TYPES[kind]
+    projector = None if media is None else media.projector
+    if media is None or projector is None:
+        raise InvalidRequestError(
+            f"{where}: this model cannot read {medium} input: it has no multimodal projector "
+            "(load it with --mmproj)",
+            param=where,
+        )
+    if medium not in projector.facts.kinds:
+        raise InvalidRequestError(
+            f"{where}: this model's projector reads {' and '.join(projector.facts.kinds)}, "
+            f"not {medium}",
+            param=where,
+        )
+    if count >= media.limits.max_items:
+        raise MediaError(
+            f"{where}: a request may hold at most {media.limits.max_items} images and audio "
+            "clips (setting media_max_items)",
+            param=where,
+        )
+    value = part.get(key)
+    if kind == "image_url":
+        url = value.get("url") if isinstance(value, Mapping) else value
+        if not isinstance(url, str) or not url.startswith("data:"):
+            raise MediaError(
+                f"{where}.image_url.url must be a base64 data: URI here (the server fetches "
+                "http(s) URLs only from the hosts its media_fetch_hosts setting lists)",
+                param=where,
+            )
+        value = url
+    elif kind == "input_audio":
+        data = value.get("data") if isinstance(value, Mapping) else None
+        if not isinstance(data, str):
+            raise MediaError(f"{where}.input_audio.data must be base64 text", param=where)
+        value = data if data.startswith("data:") else f"data:audio/wav;base64,{data}"
+    return load_media(
+        value,
+        medium,
+        media.limits,
+        where,
+        sample_rate=projector.facts.audio_sample_rate or 16000,
+    )
 
 
 def _with_sentinels(messages: Sequence[Message], tag: str) -> tuple[list[Message], list[str]]:

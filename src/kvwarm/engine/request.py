@@ -5,7 +5,9 @@ Invariants: a queued request's prompt is non-empty, leaves room for one generate
 holds only valid token ids, so the worker never has to refuse one (``docs/architecture.md``).
 A request is answered once: ``answer`` puts the first final event (``Done`` or ``Failed``) and
 ignores any later one. A request with ``forks`` (``n > 1``) is queued alone; its forks share
-its prompt and are seated and answered by the worker with it.
+its prompt and are seated and answered by the worker with it. A request with ``after`` (a
+rerank's document, after the prefix its documents share) waits at the head of the queue until
+that request is answered, and ends as it did if it did not finish.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvwarm.cache.types import TtlClass
 from kvwarm.engine.channel import Channel
@@ -22,7 +24,12 @@ from kvwarm.engine.types import Completion, GenerationOptions, TokenLogprob
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
 from kvwarm.tokens import Prompt
 
-RequestKind = Literal["generate", "prewarm"]
+if TYPE_CHECKING:
+    from kvwarm.engine.prompts import SpanMedia
+
+#: ``score``: a rerank document, prefilled and scored by the model's pooling (rank),
+#: generating nothing and saving nothing.
+RequestKind = Literal["generate", "prewarm", "score"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +78,20 @@ class Request:
     # n > 1: the other choices. They share this prompt; the worker seats them with this
     # request and copies its prompt KV to them once it is prefilled (``engine/worker/forks.py``).
     forks: tuple[Request, ...] = ()
+    #: What each of the prompt's spans shows, in order (``engine/prompts.py``): what the worker
+    #: encodes for a span it does not restore.
+    media: tuple[SpanMedia, ...] = ()
+    #: Queued behind this request, and admitted only once it is answered: a rerank's shared
+    #: prefix, whose KV its documents then copy (``engine/rerank.py``).
+    after: Request | None = None
+    #: Whether it counts against the queue's ``max_queue``: a rerank's documents ride on the
+    #: rerank's first request, so one rerank is one queued request however many it scores.
+    counted: bool = True
     channel: Channel[Event] = field(default_factory=Channel)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     answered: bool = False
+    outcome: Done | Failed | None = None  # the final event, once answered
 
     @property
     def prompt_tokens(self) -> tuple[int, ...]:
@@ -84,8 +101,15 @@ class Request:
         """Send the final event, once; a later one is dropped."""
         if self.answered:
             return
+        self.outcome = event  # before ``answered``: whoever sees that reads this
         self.answered = True
         self.channel.put(event)
+
+    @property
+    def finished(self) -> bool:
+        """Answered with a completion that was not cancelled."""
+        out = self.outcome
+        return isinstance(out, Done) and out.completion.stats.finish_reason != "cancelled"
 
     @property
     def group(self) -> tuple[Request, ...]:

@@ -16,13 +16,13 @@ from kvwarm.backends.grammar_cost import cheap_grammar
 from kvwarm.cache.api import CacheApi
 from kvwarm.cache.types import PolicyConfig, TtlClass
 from kvwarm.engine.config import ModelConfig
+from kvwarm.engine.prompts import MediaPrompt
 from kvwarm.engine.request import Request, RequestKind, check_length
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.types import RANDOM_SEED, GenerationOptions, sampler_seed
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.engine.worker.runtime import LoraChoice
 from kvwarm.errors import InvalidRequestError
-from kvwarm.tokens import Prompt
 
 
 def choice_options(opts: GenerationOptions, n: int, limit: int) -> list[GenerationOptions]:
@@ -49,9 +49,11 @@ class Submitter:
     policy: PolicyConfig
     #: ``AdapterError`` for a request's LoRA set naming an adapter the model lacks.
     check_lora: Callable[[LoraChoice | None], None] = lambda _choice: None
+    #: The media kinds whose spans are decoded in one ubatch (the projector's).
+    non_causal: tuple[str, ...] = ()
 
     def group(
-        self, prompt: Prompt, opts: GenerationOptions, text: str, n: int, fragments: bool
+        self, prompt: MediaPrompt, opts: GenerationOptions, text: str, n: int, fragments: bool
     ) -> list[CompletionStream]:
         """``n`` choices of one prompt, prefilled once."""
         choices = choice_options(opts, n, self.config.n_parallel)
@@ -60,7 +62,7 @@ class Submitter:
 
     def one(
         self,
-        prompt: Prompt,
+        given: MediaPrompt,
         opts: GenerationOptions,
         text: str,
         kind: RequestKind = "generate",
@@ -70,8 +72,11 @@ class Submitter:
         forks: Sequence[GenerationOptions] = (),
     ) -> CompletionStream:
         """Queue one request (with ``forks``: the options of its other choices)."""
+        prompt = given.prompt
         check_length(prompt.tokens, self.config.context.n_ctx)
         self.check_lora(opts.lora)
+        if prompt.spans:
+            self._check_spans(given, opts)
         grammar = opts.grammar
         if opts.json_schema is not None:
             grammar = json_schema_to_grammar(opts.json_schema)
@@ -122,6 +127,7 @@ class Submitter:
                 prompt_text=text,
                 fragments=fragments,
                 forks=others,
+                media=given.media,
             )
 
         req = request(opts, tuple(request(f) for f in forks))
@@ -130,3 +136,25 @@ class Submitter:
             self.bmodel.new_sampler(opts.sampling(grammar)).close()
         self.worker.submit(req)
         return CompletionStream(req, self.worker.cancel)
+
+    def _check_spans(self, given: MediaPrompt, opts: GenerationOptions) -> None:
+        """A prompt's spans are decoded whole, each in one ubatch; their positions have no
+        token to score."""
+        ctx = self.config.context
+        both_ways = self.non_causal
+        for span in given.prompt.spans:
+            whole = span.kind in both_ways
+            room = min(ctx.n_ubatch, ctx.n_batch) if whole else ctx.n_batch
+            if span.length > room:
+                raise InvalidRequestError(
+                    f"an {span.kind} of {span.length} positions does not fit one "
+                    f"{'ubatch' if whole else 'batch'} ({room}): it is decoded whole; load the "
+                    "model with a larger n_ubatch and n_batch",
+                    param="messages",
+                )
+        if opts.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "prompt logprobs score each prompt token: a prompt with images or audio has "
+                "positions that are no token",
+                param="prompt_logprobs",
+            )

@@ -320,11 +320,40 @@ class Completion:
     # With ``prompt_logprobs``: one entry per prompt token after the first (the first has no
     # context to be predicted from).
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    #: A rerank document's relevance score (its request scores, generating nothing); None for
+    #: a generation.
+    score: float | None = None
 
     @property
     def tokens(self) -> tuple[int, ...]:
         """The full token list: prompt then completion."""
         return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RerankResult:
+    """One document of a rerank: its index in the request and its relevance score (a
+    decoder reranker's p("yes"), a cross-encoder's raw score: llama-server's numbers)."""
+
+    index: int
+    relevance_score: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reranking:
+    """``Model.rerank``'s answer: the documents best first (ties: the earlier document
+    first), at most ``top_n``; ``prompt_tokens`` every document's prompt counted in full (as
+    llama-server counts them), ``cached_tokens`` of those reused instead of prefilled (the
+    query's prefix shared between documents, from another slot or a cache row)."""
+
+    results: tuple[RerankResult, ...]
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+#: What a model can be asked to do: ``generate`` (completions, chats, prewarm) and ``embed``,
+#: or, for a model whose pooling is rank, ``rerank`` alone.
+Capability = Literal["generate", "embed", "rerank"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,12 +403,21 @@ class ModelInfo:
     #: An embeddings context, made on first use, is not counted.
     kv_bytes: int = 0
     context_bytes: int = 0
+    #: What it can be asked to do, and how it pools (``rank``: a reranker; the setting
+    #: ``pooling`` overrides what the GGUF declares).
+    capabilities: tuple[Capability, ...] = ("generate", "embed")
+    pooling: str = "mean"
     #: Speculative decoding: the draft source requests get unless they choose
     #: (``GenerationOptions.spec_type``), and whether this model can speculate at all: "on",
     #: "on while a sequence is shorter than its N-token window", or "off: " and why (a memory
     #: that cannot roll back, deterministic mode).
     spec_type: str = "none"
     speculation: str = "on"
+    #: Its multimodal projector (``--mmproj``): the file, what it reads ("image", "audio";
+    #: empty: text only) and what it holds in memory (weights and compute buffers).
+    mmproj: str | None = None
+    media: tuple[str, ...] = ()
+    projector_bytes: int = 0
 
 
 # "fork": holds one of an n > 1 request's other choices, waiting for the first choice's

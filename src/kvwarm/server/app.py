@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm._version import __version__
 from kvwarm.errors import KvwarmError
+from kvwarm.server import rerank as rerank_routes
 from kvwarm.server import webui
 from kvwarm.server.admin import models as admin_models
 from kvwarm.server.admin import routes as admin_routes
@@ -103,6 +104,7 @@ ROUTERS = (
     openai_chat.router,
     openai_completions.router,
     openai_embeddings.router,
+    rerank_routes.router,
     admin_models.router,
     anthropic_routes.router,
     responses_routes.router,

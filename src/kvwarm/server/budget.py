@@ -1,8 +1,9 @@
 """One memory budget (issue 25): what a server takes of memory, and the RAM tier sized to fit.
 
 A server holds, in memory: each loaded model's weights (``ModelInfo.size_bytes``, llama.cpp's
-``llama_model_size``) and context (``ModelInfo.context_bytes``: its KV buffers and the rest
-llama.cpp allocated for it), the RAM tier and the ``ram_file`` tier (files on /dev/shm are
+``llama_model_size``, and its projector's, ``ModelInfo.projector_bytes``) and context
+(``ModelInfo.context_bytes``: its KV buffers and the rest llama.cpp allocated for it), the RAM
+tier and the ``ram_file`` tier (files on /dev/shm are
 memory). With ``memory_budget`` set, the RAM tier's quota is what the others leave:
 
     ram = budget - sum(weights) - sum(contexts) - ram_file quota
@@ -191,9 +192,11 @@ def cache_shares(
 
 
 def memory_of(model_id: str, model: ServedModel) -> ModelMemory:
-    """What a loaded model holds, from its ``info()``."""
+    """What a loaded model holds, from its ``info()``: its projector's weights and buffers
+    count with its weights."""
     info = model.info()
-    return ModelMemory(model_id, info.size_bytes, info.kv_bytes, info.context_bytes)
+    weights = info.size_bytes + info.projector_bytes
+    return ModelMemory(model_id, weights, info.kv_bytes, info.context_bytes)
 
 
 def apply(cache: Cache, memory_plan: MemoryPlan) -> None:

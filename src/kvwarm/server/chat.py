@@ -21,12 +21,14 @@ from starlette.concurrency import run_in_threadpool
 from kvwarm.engine.types import Completion, GenerationOptions
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import Generation
+from kvwarm.server.media import fetch_images
 from kvwarm.server.schemas import ChatMessage, NamedToolChoice, SamplingFields, Tool, parse_body
 from kvwarm.server.tool_stream import ToolStream
 from kvwarm.server.tools import ChatPlan, ToolCall, openai_tools, plan_chat
 
 if TYPE_CHECKING:
     from kvwarm.server.served import ServedModel, ServedStream
+    from kvwarm.settings import Settings
 
 ToolChoice = str | NamedToolChoice | None
 
@@ -59,9 +61,13 @@ async def plan(
     tool_choice: ToolChoice,
     *,
     parallel: bool = True,
+    settings: Settings | None = None,
 ) -> ChatPlan:
     """How ``messages`` and ``tools`` reach ``model`` (the template probe runs off the loop);
-    ``parallel`` False: at most one call per reply."""
+    ``parallel`` False: at most one call per reply. With ``settings``, an image given by an
+    http(s) URL is fetched if its host is allowed, else refused (``server/media.py``)."""
+    if settings is not None:
+        messages = await fetch_images(messages, settings)
     native = False
     if tools and tool_choice != "none":
         native = await run_in_threadpool(renders_tools, model, tools)
@@ -92,6 +98,14 @@ def submit(
     appended to the prompt as plain text after the template's generation prompt."""
     if not prefill:
         return lambda: model.stream_chat(chat.messages, tools=chat.tools, options=opts)
+    if any(isinstance(m.get("content"), list) for m in chat.messages):
+        # The prefill is appended to the prompt's ids, which cannot carry an image's pixels.
+        raise HTTPError(
+            400,
+            "a trailing assistant message (a prefill) is not supported with images yet",
+            code="unsupported_content",
+            param="messages",
+        )
 
     def start() -> ServedStream:
         tokens, _ = model.chat_tokens(chat.messages, tools=chat.tools)

@@ -85,6 +85,8 @@ _KINDS: dict[type[BaseException], ErrorKind] = {
     e.RequestTimeoutError: ErrorKind(503, "service_unavailable", "request_timeout"),
     e.ServerShuttingDownError: ErrorKind(503, "service_unavailable", "shutting_down"),
     e.FimNotSupportedError: ErrorKind(400, _INVALID, "fim_not_supported"),
+    e.MediaError: ErrorKind(400, _INVALID, "invalid_media"),
+    e.CapabilityError: ErrorKind(400, _INVALID, "unsupported_by_model"),
     e.InvalidRequestError: ErrorKind(400, _INVALID, "invalid_value"),
     e.ConfigError: ErrorKind(400, _INVALID, "invalid_config"),
     e.UnknownModelError: ErrorKind(404, _INVALID, "model_not_found"),

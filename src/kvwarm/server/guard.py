@@ -41,7 +41,7 @@ from starlette.types import Scope, Send
 
 from kvwarm.settings import Settings
 
-ADMIN_PREFIXES: tuple[str, ...] = ("/cache/", "/admin/")
+ADMIN_PREFIXES: tuple[str, ...] = ("/cache/", "/admin/", "/cluster")
 #: Admin operations outside those prefixes, by (method, path): llama-server's route that sets
 #: what every later request of a model runs under (``server/lora.py``).
 ADMIN_ROUTES = frozenset({("POST", "/lora-adapters")})

@@ -28,7 +28,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from kvwarm.cache.types import TIER_SERIES
+from kvwarm.cache.types import MEMORY_SERIES, TIER_SERIES
 from kvwarm.engine.types import ModelStatus
 from kvwarm.server.budget import MemoryPlan
 
@@ -39,6 +39,12 @@ _BAD_NAME = re.compile(r"[^a-zA-Z0-9_]")
 _TIER_KEY = re.compile(
     r"^tier_([A-Za-z0-9_]+?)_("
     + "|".join(sorted(map(re.escape, TIER_SERIES), key=len, reverse=True))
+    + r")$"
+)
+# memory_<kind>_<series>: what the rows of one memory kind store and restore.
+_MEMORY_KEY = re.compile(
+    r"^memory_([a-z]+)_("
+    + "|".join(sorted(map(re.escape, MEMORY_SERIES), key=len, reverse=True))
     + r")$"
 )
 # Cache counters that are levels, not running totals (tier_* levels are matched separately).
@@ -107,6 +113,14 @@ def add_cache(out: Families, counters: Mapping[str, float]) -> None:
                 f"cache tier {tier.group(2).replace('_', ' ')}",
                 value,
                 tier=tier.group(1),
+            )
+        elif (memory := _MEMORY_KEY.match(key)) is not None:
+            out.add(
+                f"kvwarm_cache_memory_{memory.group(2)}",
+                "gauge",
+                f"cache rows of one memory kind: {memory.group(2).replace('_', ' ')}",
+                value,
+                memory=memory.group(1),
             )
         elif key in _GAUGES:
             out.add(f"kvwarm_cache_{key}", "gauge", f"cache {key.replace('_', ' ')}", value)

@@ -181,7 +181,9 @@ class ModelRegistry:
         for model_id, path in found.items():
             entry = self.entries.get(model_id)
             if entry is None:
-                spec = ModelSpec(path=str(path), id=model_id)
+                projector = models_dir.projector_for(self.models_dir, path, len(found))
+                options = () if projector is None else (("mmproj", projector),)
+                spec = ModelSpec(path=str(path), id=model_id, options=options)
                 pinned = is_pinned(self._settings, spec)
                 self.entries[model_id] = ModelEntry(
                     spec, model_id, "models_dir", "available", pinned=pinned

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
@@ -154,9 +154,27 @@ class InfillRequest(SamplingFields):
     n_predict: int | None = Field(default=None, ge=-1)  # llama-server's max_tokens; -1: default
 
 
+class ImageUrl(_Body):
+    url: str
+    detail: str | None = None  # accepted and ignored: the projector decides the resolution
+
+
+class InputAudio(_Body):
+    data: str  # base64
+    format: str | None = None
+
+
 class ContentPart(_Body):
+    """A chat message's content part: ``text``, ``image_url`` (a base64 data: URI, or an
+    http(s) URL from a host ``media_fetch_hosts`` lists) or ``input_audio`` (base64 WAV)."""
+
     type: str
     text: str | None = None
+    image_url: ImageUrl | str | None = None
+    input_audio: InputAudio | None = None
+    #: Where the part was in the request as the client sent it (another API's body
+    #: translated into chat messages): what an error about it names.
+    _where: str | None = PrivateAttr(default=None)
 
 
 class FunctionCall(_Body):
@@ -220,6 +238,30 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     # OpenAI's shortened embeddings: the first ``dimensions`` values, scaled to unit length.
     dimensions: int | None = Field(default=None, ge=1)
+
+
+class RerankDocument(_Body):
+    """A document as an object (Jina's, Cohere v1's): its ``text`` is what is ranked."""
+
+    text: str
+
+
+class RerankRequest(_Body):
+    """``/v1/rerank``: Jina's and Cohere's shape (v1: documents as texts or ``{"text"}``,
+    ``return_documents``; v2: ``max_tokens_per_doc``), as llama-server's ``/v1/rerank``."""
+
+    model: str | None = None
+    keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(default=None, ge=1, description="return the best n (default: all)")
+    return_documents: bool = Field(
+        default=False, description="put each result's document in the answer"
+    )
+    max_tokens_per_doc: int | None = Field(
+        default=None, ge=1, description="cut each document to this many tokens (Cohere v2)"
+    )
+    cache_salt: str | None = _salt_field()
 
 
 class TokenizeRequest(_Body):

@@ -262,7 +262,9 @@ class ServerState:
     def _prewarm_systems(self, model: ServedModel, model_id: str) -> None:
         """``--prewarm-system``: every prompt, in every namespace a tenant may ask from
         (``tenancy.system_salts``). Shared with the cluster's ingress, which warms through
-        the replicas."""
+        the replicas. A reranker is skipped: it never chats."""
+        if "generate" not in model.info().capabilities:
+            return
         for prompt in self.settings.prewarm_system:
             for salt in tenancy.system_salts(self.settings):
                 self._prewarm_system(model, model_id, prompt, salt)
@@ -368,6 +370,16 @@ class ServerState:
         first configured model if it names none), loaded on first use; leased until the
         request ends."""
         return await self.registry.acquire(name)
+
+    #: Whether ``cluster_view`` answers: the page asks ``/cluster`` only then (``/ui/config.json``).
+    is_cluster: bool = False
+
+    def cluster_view(self) -> dict[str, object]:
+        """``GET /cluster``: the replicas behind this server and what their caches hold.
+        A plain server has none (404); the cluster's ingress answers (``cluster/ingress.py``)."""
+        raise HTTPError(
+            404, "not a cluster: `kvwarm cluster` answers /cluster", code="not_a_cluster"
+        )
 
     async def acquire_generation(
         self,

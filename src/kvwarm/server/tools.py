@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvwarm.server.errors import HTTPError
+from kvwarm.server.media import engine_parts
 from kvwarm.server.schemas import (
     STRICT_DECODER,
     ChatMessage,
@@ -74,23 +75,14 @@ class ChatPlan:
         return content, calls[:1] if self.single else calls
 
 
-def _text(message: ChatMessage, index: int) -> str:
+def _content(message: ChatMessage, index: int) -> str | list[dict[str, object]]:
+    """A message's content as the engine takes it: text, or parts with images and audio."""
     content = message.content
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    parts: list[str] = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise HTTPError(
-                400,
-                f"content part of type {part.type!r} is not supported (text only)",
-                code="unsupported_content",
-                param=f"messages.{index}.content",
-            )
-        parts.append(part.text)
-    return "".join(parts)
+    return engine_parts(content, f"messages.{index}.content")
 
 
 def _arguments_object(arguments: str | Mapping[str, object]) -> object:
@@ -115,7 +107,7 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
     out: list[Message] = []
     for index, message in enumerate(messages):
         role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
-        text = _text(message, index)
+        text = _content(message, index)
         item: Message = {"role": role, "content": text}
         if message.name:
             item["name"] = message.name
@@ -137,7 +129,10 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
                 ]
             else:
                 blocks = "\n".join(_call_text(name, args) for name, args in calls)
-                item["content"] = f"{text}\n{blocks}" if text else blocks
+                if isinstance(text, list):
+                    item["content"] = [*text, {"type": "text", "text": "\n" + blocks}]
+                else:
+                    item["content"] = f"{text}\n{blocks}" if text else blocks
         if role == "tool":
             if native:
                 if message.tool_call_id:

@@ -41,6 +41,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from kvwarm.cache.eviction.base import registered_policies
 from kvwarm.cache.types import CacheConfig, PolicyConfig, S3Config, TierName
 from kvwarm.errors import ConfigError
+from kvwarm.media import MediaLimits
 from kvwarm.settings import cache as settings_cache
 from kvwarm.settings.flags import add_arguments, env_name, flag_name
 from kvwarm.settings.model import (
@@ -197,6 +198,11 @@ class Settings(ModelSettings, ServingSettings):
         description="rows are stored as shared chunks of this many tokens (a divisor or a "
         "multiple of n_batch; 0: one whole blob a row)",
     )
+    cache_state_history: Int = Field(
+        default=2,
+        description="a recurrent or hybrid model's saved states kept per conversation below "
+        "its newest, besides those other conversations share (-1: every one)",
+    )
     policy: Policy = Field(
         default=SERVER_POLICY,
         description="cache policy override KEY=VALUE (repeatable), e.g. min_tokens=64",
@@ -266,6 +272,32 @@ class Settings(ModelSettings, ServingSettings):
         "(repeatable; '*' any)",
         json_schema_extra={"flag": "--allowed-host", **_REPEAT},
     )
+    # Images and audio in chat messages (models with an mmproj): decoded in Python under these
+    # limits before anything reaches llama.cpp (kvwarm.media).
+    media_max_bytes: Size = Field(
+        default=8 << 20,
+        description="largest image or audio file in a request, encoded (max_body_bytes also "
+        "bounds the request, where base64 takes 4/3 of it)",
+    )
+    media_max_pixels: Int = Field(
+        default=16 << 20,
+        description="most pixels (width x height) of one image, read from its header before "
+        "it is decoded",
+    )
+    media_max_items: Int = Field(default=8, description="most images and audio clips per request")
+    media_max_audio_s: Float = Field(default=300.0, description="longest audio clip, seconds")
+    media_formats: StrTuple = Field(
+        default=("png", "jpeg", "webp", "gif", "bmp", "wav"),
+        description="image and audio formats accepted (png, jpeg, webp, gif, bmp, wav)",
+        json_schema_extra={"flag": "--media-format", **_REPEAT},
+    )
+    # A local server must not fetch whatever URL a web page puts in a request.
+    media_fetch_hosts: StrTuple = Field(
+        default=(),
+        description="host an image_url may be fetched from over http(s) (repeatable; none: "
+        "only data: URIs)",
+        json_schema_extra={"flag": "--media-fetch-host", **_REPEAT},
+    )
     max_json_depth: Int = Field(
         default=64, description="deepest nesting of arrays/objects accepted in a request body"
     )
@@ -304,8 +336,9 @@ class Settings(ModelSettings, ServingSettings):
     replicas: Int = Field(default=2, description="cluster: engine replicas to run")
     ray_address: OptStr = Field(
         default=None,
-        description="cluster: Ray cluster to join, e.g. ray://head:10001 (default: "
-        "start a local one)",
+        description="cluster: the Ray cluster to join, HOST:PORT of its head (`ray start "
+        "--head --port PORT`) or ray://HOST:10001 (default: start a local one)",
+        json_schema_extra={"aliases": ["--address"]},
     )
     node_ip: OptStr = Field(
         default=None,
@@ -313,9 +346,10 @@ class Settings(ModelSettings, ServingSettings):
         "opens its services (GCS, raylet, agents) to that network (default: 127.0.0.1 only)",
     )
     cluster_routing: Str = Field(
-        default="prefix",
+        default="events",
         description="cluster: the routing policy that ranks replicas for a request, by name "
-        "(prefix: the replica holding the conversation's longest prefix warm)",
+        "(events: by what each replica's cache could serve of it, from their cache events, "
+        "against load; prefix: by the conversation text each replica served)",
     )
     cluster_busy_requests: Int = Field(
         default=0,
@@ -347,6 +381,15 @@ class Settings(ModelSettings, ServingSettings):
 
     def cache_config(self) -> CacheConfig:
         return settings_cache.cache_config(self)
+
+    def media_limits(self) -> MediaLimits:
+        return MediaLimits(
+            max_bytes=self.media_max_bytes,
+            max_pixels=self.media_max_pixels,
+            max_audio_s=self.media_max_audio_s,
+            max_items=self.media_max_items,
+            formats=tuple(f.lower() for f in self.media_formats),
+        )
 
     def check(self) -> None:
         """Range and cross-setting rules; raises ``ConfigError``."""

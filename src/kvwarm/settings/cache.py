@@ -61,6 +61,7 @@ def cache_config(s: Settings) -> CacheConfig:
         store_prompt_text=s.store_prompt_text,
         eviction=s.cache_eviction,
         chunk_tokens=s.cache_chunk_tokens,
+        state_history=s.cache_state_history,
     )
 
 
@@ -86,12 +87,17 @@ def url_tier(spec: str) -> TierConfig:
 
 def check(s: Settings) -> None:
     """``ConfigError`` for a save tier that is not configured, a chunk size that does not
-    line up with n_batch, or bad s3 settings."""
+    line up with n_batch, a state history below -1, or bad s3 settings."""
     c, b = s.cache_chunk_tokens, s.n_batch
     # Aligned restore boundaries (multiples of n_batch) then always fall on chunk boundaries.
     if c < 0 or (c and b % c and c % b):
         raise ConfigError(
             f"cache_chunk_tokens must be 0, a divisor or a multiple of n_batch ({b}), got {c}"
+        )
+    if s.cache_state_history < -1:
+        raise ConfigError(
+            f"cache_state_history must be -1 (keep every state) or more, got "
+            f"{s.cache_state_history}"
         )
     tier = save_tier(s)
     if tier == "disk" and s.cache_dir is None:

@@ -36,6 +36,7 @@ from kvwarm.settings.types import (
     Loras,
     OptInt,
     OptPath,
+    OptPooling,
     OptRopeScaling,
     OptStr,
     SpecTypeName,
@@ -109,6 +110,11 @@ class ModelSettings(BaseSettings):
         description="chat template: a built-in name (chatml, gemma, llama3, mistral) or a Jinja "
         "file; default the GGUF's own, else chatml (with a warning)",
     )
+    mmproj: OptPath = Field(
+        default=None,
+        description="multimodal projector GGUF (llama-server's --mmproj): the model then reads "
+        "images (and audio) in chat messages; a models_dir pairs mmproj-NAME.gguf with NAME.gguf",
+    )
     swa_full: Bool = Field(
         default=False,
         description="keep sliding-window layers' KV at full size (llama.cpp --swa-full): their "
@@ -153,6 +159,19 @@ class ModelSettings(BaseSettings):
     )
     yarn_orig_ctx: Int = Field(
         default=0, description="YaRN original training context size (0: the model's)"
+    )
+    pooling: OptPooling = Field(
+        default=None,
+        description="how the model pools: none, mean, cls, last or rank (a reranker, which then "
+        "only ranks: /v1/rerank); default the GGUF's, else mean",
+    )
+    rerank_max_documents: Int = Field(
+        default=1000, description="the most documents one rerank may score (more: a 400)"
+    )
+    rerank_truncate: Bool = Field(
+        default=False,
+        description="cut a rerank document whose prompt does not fit n_ctx to fit (default: "
+        "refuse the rerank with a 400)",
     )
     spec_type: SpecTypeName = Field(
         default="none",
@@ -367,7 +386,11 @@ def check_models(settings: Settings) -> None:
     check_lora(settings)
     for spec in settings.models:
         try:
-            model_config(settings, spec).validate()  # its context and model params included
+            cfg = model_config(settings, spec)
+            cfg.validate()  # its context and model params included
+            backend = spec.backend or settings.backend
+            if cfg.mmproj is not None and backend != "stub" and not Path(cfg.mmproj).is_file():
+                raise ConfigError(f"mmproj: no projector file at {cfg.mmproj}")
             template = _value(settings, spec, "chat_template")
             if template is not None:
                 resolve_template(template)
@@ -380,6 +403,7 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
     from kvwarm.engine.api import LoraSpec, ModelConfig
 
     context, params = hardware_params(settings, spec)
+    mmproj = _value(settings, spec, "mmproj")
     return ModelConfig(
         backend=spec.backend,
         context=context,
@@ -391,6 +415,9 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
         deterministic=settings.deterministic,
         max_queue=settings.max_queue,
         chat_template=_value(settings, spec, "chat_template"),
+        pooling=_value(settings, spec, "pooling"),
+        rerank_max_documents=_value(settings, spec, "rerank_max_documents"),
+        rerank_truncate=_value(settings, spec, "rerank_truncate"),
         spec_type=_value(settings, spec, "spec_type"),
         spec_ngram_n=_value(settings, spec, "spec_ngram_n"),
         spec_draft_max=_value(settings, spec, "spec_draft_max"),
@@ -399,4 +426,6 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
             LoraSpec(str(Path(path).expanduser()), name)
             for name, path in model_lora(settings, spec)
         ),
+        mmproj=None if mmproj is None else str(mmproj),
+        media=settings.media_limits(),
     )

@@ -22,10 +22,12 @@ from pydantic_settings import NoDecode
 from kvwarm.backends.base import (
     FLASH_ATTN_MODES,
     KV_TYPES,
+    POOLING_TYPES,
     ROPE_SCALINGS,
     SPLIT_MODES,
     FlashAttn,
     KvType,
+    PoolingType,
     RopeScaling,
     SplitMode,
     check_tensor_split,
@@ -372,6 +374,7 @@ FlashAttnMode = Annotated[
 ]
 SpecTypeName = Annotated[SpecType, BeforeValidator(choice(SPEC_TYPES))]
 OptRopeScaling = Annotated[RopeScaling | None, BeforeValidator(opt_choice(ROPE_SCALINGS))]
+OptPooling = Annotated[PoolingType | None, BeforeValidator(opt_choice(POOLING_TYPES))]
 TensorSplit = Annotated[tuple[float, ...], BeforeValidator(as_tensor_split), NoDecode]
 Aliases = Annotated[tuple[tuple[str, str], ...], BeforeValidator(as_aliases), NoDecode]
 Loras = Annotated[tuple[tuple[str, str], ...], BeforeValidator(as_loras), NoDecode]

@@ -92,29 +92,47 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
                     "(quantised V caches need flash attention; check the log)"
                 )
             mem = lib.llama_get_memory(ptr)
-            if not mem:
+            if not mem and not params.embeddings:
+                # An encoder (BERT) keeps no KV cache: it has no state to generate from.
                 lib.llama_free(ptr)
-                raise ModelLoadError("the context has no memory module")
+                raise ModelLoadError(
+                    "this model keeps no KV cache (an encoder): it runs only pooled, as a "
+                    "reranker (pooling rank) or for embeddings"
+                )
         except BaseException:
             model.lifetime.release()
             raise
         self._ptr: object = ptr
-        self._mem: object = mem
+        self._mem: object = mem or None  # None: stateless (no memory module)
+        causal = bool(lib.llama_get_causal_attn(ptr))
         facts = model.facts
         self._memory = MemoryKind(facts.memory_kind, facts.n_swa, params.swa_full)
         self._n_embd = int(lib.llama_model_n_embd(model.native))
         # llama.cpp rounds n_ctx up (to 256); positions are bounded by what was asked for.
         n_ctx = min(params.n_ctx, int(lib.llama_n_ctx_seq(ptr)), int(lib.llama_n_ctx(ptr)))
         self._batch = lib.llama_batch_init(params.n_batch, 0, params.n_seq_max)
+        #: The batch media spans' embeddings go through, made on first use (``decode_embd``).
+        self._embd_batch: Any = None
+        n_embd_inp = int(lib.llama_model_n_embd_inp(model.native))
         self._codec = LlamaKvCodec(
             type_k=_native.GGML_TYPES[params.type_k],
             type_v=_native.GGML_TYPES[params.type_v],
             n_layer=model.facts.n_layer,
             v_trans={"auto": None, "on": False, "off": True}[params.flash_attn],
             with_rest=self._memory.has_rest,
+            rest_cells=self._memory.rest_chunkable,
         )
         self._memory_bytes = buffer_sizes(lines)
-        super().__init__(model, params, n_ctx=n_ctx, n_vocab=model.n_vocab, adapter=LlamaAdapter)
+        super().__init__(
+            model,
+            params,
+            n_ctx=n_ctx,
+            n_vocab=model.n_vocab,
+            adapter=LlamaAdapter,
+            n_embd=n_embd_inp,
+            causal=causal,
+            stateless=self._mem is None,
+        )
 
     # -- properties ---------------------------------------------------------------------------
 
@@ -129,19 +147,31 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
     # -- decoding -----------------------------------------------------------------------------
 
     def _pos_max(self, seq: int) -> int:
+        if self._mem is None:
+            return -1  # nothing kept: every sequence starts at position 0
         return int(self._lib.llama_memory_seq_pos_max(self._mem, seq))
 
     def _pos_min(self, seq: int) -> int:
+        if self._mem is None:
+            return -1
         return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
 
+    def _forget(self, seq: int, p0: int) -> None:
+        """Drop ``seq``'s positions from ``p0`` on (a failed call's); nothing if stateless."""
+        if self._mem is not None:
+            self._lib.llama_memory_seq_rm(self._mem, seq, p0, -1)
+
     def _decode(self, batch: Sequence[BatchToken]) -> None:
+        # A pooling context outputs every position (llama.cpp overrides, and warns, if asked
+        # for fewer); the rows asked for stay the ones ``logits`` answers for.
+        every = self._params.embeddings
         b = self._batch
         for i, item in enumerate(batch):
             b.token[i] = item.token
             b.pos[i] = item.pos
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = item.seq
-            b.logits[i] = 1 if item.logits else 0
+            b.logits[i] = 1 if item.logits or every else 0
         starts: dict[int, int] = {}
         for item in batch:
             starts.setdefault(item.seq, item.pos)
@@ -151,6 +181,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
     def _prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
         toks = list(tokens)
         total = len(toks)
+        every = 1 if self._params.embeddings else 0
         b = self._batch
         for offset, length in _checks.aligned_chunks(start_pos, total, self._params.n_batch):
             pos0 = start_pos + offset
@@ -158,7 +189,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
                            4 * length)  # fmt: skip
             ctypes.memmove(b.pos, (ctypes.c_int32 * length)(*range(pos0, pos0 + length)),
                            4 * length)  # fmt: skip
-            ctypes.memset(b.logits, 0, length)
+            ctypes.memset(b.logits, every, length)
             for i in range(length):
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = seq
@@ -169,21 +200,57 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
                 self._run(length, {seq: pos0})
             except BaseException:
                 # Earlier chunks succeeded: undo them so the sequence is as before the call.
-                self._lib.llama_memory_seq_rm(self._mem, seq, start_pos, -1)
+                self._forget(seq, start_pos)
                 raise
             self._rows = [length - 1] if last else []
 
-    def _run(self, n_tokens: int, starts: dict[int, int]) -> None:
-        """``llama_decode`` the first ``n_tokens`` rows of the batch; typed errors on failure."""
+    def _decode_embd(
+        self,
+        seq: int,
+        start_pos: int,
+        embd: memoryview,
+        n_tokens: int,
+        non_causal: bool,
+        logits: bool,
+    ) -> None:
+        lib = self._lib
+        if self._embd_batch is None:
+            n = min(self._params.n_ubatch, self._params.n_batch)
+            self._embd_batch = lib.llama_batch_init(n, self._n_embd_inp, 1)
+        b = self._embd_batch
+        src = np.frombuffer(embd, dtype=np.uint8)
+        ctypes.memmove(b.embd, src.ctypes.data, src.nbytes)
+        for i in range(n_tokens):
+            b.pos[i] = start_pos + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = 0
+        if logits:
+            b.logits[n_tokens - 1] = 1
+        # A span that attends to itself both ways (Gemma 3's images) is decoded with causal
+        # attention off for this one call, alone: no other sequence's tokens share it.
+        if non_causal:
+            lib.llama_set_causal_attn(self._ptr, False)
+        try:
+            self._run(n_tokens, {seq: start_pos}, b)
+        finally:
+            if non_causal:
+                lib.llama_set_causal_attn(self._ptr, True)
+        self._rows = [n_tokens - 1] if logits else []
+
+    def _run(self, n_tokens: int, starts: dict[int, int], batch: Any = None) -> None:
+        """``llama_decode`` the first ``n_tokens`` rows of the batch (the token batch unless
+        another is given); typed errors on failure."""
         self._release_views()
         self._rows = []
-        self._batch.n_tokens = n_tokens
-        rc = int(self._lib.llama_decode(self._ptr, self._batch))
+        batch = self._batch if batch is None else batch
+        batch.n_tokens = n_tokens
+        rc = int(self._lib.llama_decode(self._ptr, batch))
         if rc == 0:
             return
         # Fatal errors leave processed ubatches in memory; drop them so state is consistent.
         for seq, pos in starts.items():
-            self._lib.llama_memory_seq_rm(self._mem, seq, pos, -1)
+            self._forget(seq, pos)
         if rc == 1:
             raise ContextOverflowError(
                 "no KV cache slot for this batch (the context is full)",
@@ -254,7 +321,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
 
     @property
     def restores_tails(self) -> bool:
-        return self._scratch is not None and self._memory.chunkable
+        return self._scratch is not None and self._memory.chunkable and self._mem is not None
 
     @property
     def copies_by_pack(self) -> bool:
@@ -331,8 +398,8 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
 
     def _embed(self, tokens: Sequence[int], *, normalize: bool) -> list[float]:
         n = len(tokens)
-        lib, mem, b = self._lib, self._mem, self._batch
-        lib.llama_memory_seq_rm(mem, 0, -1, -1)
+        lib, b = self._lib, self._batch
+        self._forget(0, 0)
         for i, token in enumerate(tokens):
             b.token[i] = token
             b.pos[i] = i
@@ -344,9 +411,18 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
             pooled = self._params.pooling != "none"
             vec = _read_embeddings(lib, self._ptr, n, self._n_embd, pooled=pooled)
         finally:
-            lib.llama_memory_seq_rm(mem, 0, -1, -1)
+            self._forget(0, 0)
             self._rows = []
         return _embedding_list(vec, normalize=normalize)
+
+    def _pooled(self, seq: int) -> tuple[float, ...] | None:
+        n = self._model.facts.n_cls_out if self._params.pooling == "rank" else self._n_embd
+        # NULL for a sequence the last decode held no position of (llama.cpp clears its map
+        # at each decode), so a stale score is None here, never an old number.
+        ptr = self._lib.llama_get_embeddings_seq(self._ptr, seq)
+        if not ptr:
+            return None
+        return tuple(float(x) for x in ptr[:n])
 
     def _attach(self, adapters: Sequence[tuple[LlamaAdapter, float]]) -> None:
         n = len(adapters)
@@ -367,6 +443,9 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         self._rows = []
         lib = self._lib
         lib.llama_batch_free(self._batch)
+        if self._embd_batch is not None:
+            lib.llama_batch_free(self._embd_batch)
+            self._embd_batch = None
         lib.llama_free(self._ptr)
         self._ptr = None
         self._mem = None

@@ -23,6 +23,14 @@ blob again. That first cache has fewer layers than the model (an iSWA model's fu
 layers only), a count llama.cpp does not publish: the codec then accepts any count up to the
 model's, and llama.cpp's own check refuses another at restore (``StateRestoreError``).
 
+An iSWA window (``rest_cells``) is itself a KV cache of the last positions' cells in the other
+layers, and is cut the same way (``split_rest``): chunks flagged ``kv_chunk.FLAG_REST`` whose
+body is the range's canonical metadata and every section's cells (no blob head: a window
+restores only beside its first cache). ``join_rest`` writes the rest again from such chunks,
+the first of which may start before the window (a wider chunk another row stored): cells
+before ``first`` are skipped, so ``join(split(blob)) ‖ join_rest(split_rest(blob), first)`` is
+the blob, its window's cells in position order.
+
 Invariants: ``split`` copies each byte it emits once (a slice copy, or a gather when the cells
 were out of order); ``join`` writes each byte once into one uninitialised ``bytearray``, or into the
 caller's ``out`` buffer (the engine's reused, already-faulted one); both
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import struct
 from collections.abc import Sequence
 from typing import overload
 
@@ -45,6 +54,7 @@ import numpy.typing as npt
 from kvwarm.backends import kv_chunk
 from kvwarm.backends.base import Buffer, WritableBuffer
 from kvwarm.backends.llama.kv_layout import (
+    CACHE_HEAD,
     CELL,
     HEAD,
     IO_MAGIC,
@@ -52,6 +62,7 @@ from kvwarm.backends.llama.kv_layout import (
     Structure,
     parse_blob,
     parse_descriptor,
+    parse_second_cache,
 )
 from kvwarm.backends.llama.native import GGML_TYPES
 from kvwarm.buffers import U8, fresh_bytes, join_target, u8
@@ -74,7 +85,7 @@ class LlamaKvCodec:
     check at ``kv_unpack`` (a ``StateRestoreError`` too). Row sizes are checked there as well.
     """
 
-    __slots__ = ("_n_layer", "_type_k", "_type_v", "_v_trans", "_with_rest")
+    __slots__ = ("_n_layer", "_rest_cells", "_type_k", "_type_v", "_v_trans", "_with_rest")
 
     def __init__(
         self,
@@ -84,12 +95,16 @@ class LlamaKvCodec:
         n_layer: int,
         v_trans: bool | None,
         with_rest: bool = False,
+        rest_cells: bool = False,
     ) -> None:
         self._type_k = type_k
         self._type_v = type_v
         self._n_layer = n_layer
         self._v_trans = v_trans
-        self._with_rest = with_rest
+        self._with_rest = with_rest or rest_cells
+        # The rest is a KV cache of cells (an iSWA window), not a recurrent state: its bytes
+        # are parsed only then, since a recurrent state may happen to parse as one.
+        self._rest_cells = rest_cells
 
     def split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
         data = u8(blob)
@@ -106,6 +121,87 @@ class LlamaKvCodec:
             raise StateRestoreError("this context's KV blobs are one cache: they have no rest")
         data = u8(blob)
         return data[self._first_cache(data).end :].data
+
+    def rest_span(self, blob: Buffer) -> tuple[int, int]:
+        data = u8(blob)
+        _, window = self._two_caches(data)
+        return window.first, window.first + window.n_cells
+
+    def split_rest(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
+        data = u8(blob)
+        first, window = self._two_caches(data)
+        cuts = kv_chunk.check_bounds(bounds, window.n_cells, window.first)
+        sources = _sections(data[first.end :], window.structure, window.n_cells, CACHE_HEAD)
+        return [self._cut(window, sources, a, b, rest=True) for a, b in itertools.pairwise(cuts)]
+
+    def rest_size(self, chunks: Sequence[Buffer], first: int) -> int:
+        _, structure, end = self._checked_rest(chunks, first)
+        return structure.blob_size(end - first, CACHE_HEAD)
+
+    @overload
+    def join_rest(self, chunks: Sequence[Buffer], first: int, out: None = None) -> bytearray: ...
+    @overload
+    def join_rest(
+        self, chunks: Sequence[Buffer], first: int, out: WritableBuffer
+    ) -> memoryview: ...
+    def join_rest(
+        self, chunks: Sequence[Buffer], first: int, out: WritableBuffer | None = None
+    ) -> bytearray | memoryview:
+        views, structure, end = self._checked_rest(chunks, first)
+        n_cells = end - first
+        dst, result = join_target(structure.blob_size(n_cells, CACHE_HEAD), out)
+        for at, piece in _skeleton(views[0].descriptor, structure, n_cells, CACHE_HEAD):
+            dst.data[at : at + len(piece)] = piece
+        targets = _sections(dst, structure, n_cells, CACHE_HEAD)
+        meta = dst[CACHE_HEAD : CACHE_HEAD + n_cells * CELL]
+        for view in views:
+            skip = max(0, first - view.start)  # cells of a wider chunk before the window
+            a, b = view.start + skip - first, view.end - first
+            meta_at, offsets = _body_offsets(view, structure)
+            lo = meta_at + skip * CELL
+            meta[a * CELL : b * CELL] = view.body[lo : lo + (b - a) * CELL]
+            for section, target, at in zip(structure.sections, targets, offsets, strict=True):
+                size = view.n_cells * section.cell_bytes
+                cells = view.body[at : at + size].reshape(section.groups, view.n_cells, -1)
+                target[:, a:b, :] = cells[:, skip:, :]
+        return result
+
+    def _two_caches(self, data: U8) -> tuple[BlobLayout, BlobLayout]:
+        """A window's blob: its first cache (positions from 0) and its window, which ends
+        where the first cache does."""
+        if not self._rest_cells:
+            raise StateRestoreError("this context's KV blobs have no window cache to cut")
+        first = self._first_cache(data)
+        window = parse_second_cache(data, first.end)
+        if window.first + window.n_cells != first.n_cells:
+            raise StateRestoreError(
+                f"the blob's window holds positions [{window.first}, "
+                f"{window.first + window.n_cells}); its first cache ends at {first.n_cells}"
+            )
+        self._check(window.structure, "KV blob window")
+        return first, window
+
+    def _checked_rest(
+        self, chunks: Sequence[Buffer], first: int
+    ) -> tuple[list[kv_chunk.ChunkView], Structure, int]:
+        """Rest chunks' views, layout and end position, every one checked: they tile
+        positions in order from the first one's start, which holds ``first``."""
+        views = [kv_chunk.parse(u8(c, "KV chunk"), kv_chunk.CODEC_LLAMA) for c in chunks]
+        if not views:
+            raise StateRestoreError("a window needs at least one chunk")
+        if any(view.flags != kv_chunk.FLAG_REST for view in views):
+            raise StateRestoreError("a window's chunks must all be window chunks")
+        if not views[0].start <= first < views[0].end:
+            raise StateRestoreError(
+                f"the window starts at {first}, outside its first chunk "
+                f"[{views[0].start}, {views[0].end})"
+            )
+        end = kv_chunk.check_sequence(views, views[0].start)
+        structure = parse_descriptor(views[0].descriptor)
+        self._check(structure, "KV window chunk")
+        for i, view in enumerate(views):
+            _check_body(view, structure, i)
+        return views, structure, end
 
     def _first_cache(self, data: U8) -> BlobLayout:
         """The blob's layout (a two-part blob's first cache, which must hold positions from 0:
@@ -169,6 +265,8 @@ class LlamaKvCodec:
         views = [kv_chunk.parse(u8(c, "KV chunk"), kv_chunk.CODEC_LLAMA) for c in chunks]
         if not views:
             return None
+        if any(view.flags & kv_chunk.FLAG_REST for view in views):
+            raise StateRestoreError("a window chunk is not a chunk of the first KV cache")
         n_cells = kv_chunk.check_sequence(views, start)
         structure = parse_descriptor(views[0].descriptor)
         self._check(structure, "KV chunk")
@@ -207,12 +305,13 @@ class LlamaKvCodec:
                 )
 
     @staticmethod
-    def _cut(layout: BlobLayout, sources: list[U8], a: int, b: int) -> bytes:
-        """The chunk of positions ``[a, b)``; cells ``[a - first, b - first)`` of the blob."""
+    def _cut(layout: BlobLayout, sources: list[U8], a: int, b: int, *, rest: bool = False) -> bytes:
+        """The chunk of positions ``[a, b)``; cells ``[a - first, b - first)`` of the blob
+        (with ``rest``, of its window: a ``FLAG_REST`` chunk with no blob head)."""
         n = b - a
         lo, hi = a - layout.first, b - layout.first
         structure = layout.structure
-        body_len = structure.blob_size(n)
+        body_len = n * structure.cell_bytes if rest else structure.blob_size(n)
         out, view = fresh_bytes(kv_chunk.header_size(layout.descriptor) + body_len)
         at = kv_chunk.write_header(
             view,
@@ -221,16 +320,24 @@ class LlamaKvCodec:
             n_cells=n,
             descriptor=layout.descriptor,
             body_len=body_len,
-            flags=kv_chunk.FLAG_BLOB,
+            flags=kv_chunk.FLAG_REST if rest else kv_chunk.FLAG_BLOB,
         )
         body = view[at:]
-        _write_skeleton(body, layout.descriptor, structure, n)
-        meta = body[HEAD.size : HEAD.size + n * CELL].view("<i4").reshape(n, 3)
+        meta_at = 0 if rest else HEAD.size
+        if not rest:
+            _write_skeleton(body, layout.descriptor, structure, n)
+        meta = body[meta_at : meta_at + n * CELL].view("<i4").reshape(n, 3)
         meta[:, 0] = np.arange(a, b, dtype=np.int32)
         meta[:, 1] = 1
         meta[:, 2] = 0
         cells = None if layout.order is None else layout.order[lo:hi]
-        targets = _sections(body, structure, n)
+        if rest:
+            targets = [
+                body[o : o + n * s.cell_bytes].reshape(s.groups, n, s.unit)
+                for s, o in zip(structure.sections, _cell_offsets(structure, n), strict=True)
+            ]
+        else:
+            targets = _sections(body, structure, n)
         for source, dst in zip(sources, targets, strict=True):
             if cells is None:
                 dst[...] = source[:, lo:hi, :]
@@ -241,10 +348,11 @@ class LlamaKvCodec:
         return out
 
 
-def _sections(data: U8, structure: Structure, n_cells: int) -> list[U8]:
-    """Each section of a blob of ``n_cells`` cells as a ``(groups, n_cells, unit)`` view."""
+def _sections(data: U8, structure: Structure, n_cells: int, head: int = HEAD.size) -> list[U8]:
+    """Each section of a blob of ``n_cells`` cells as a ``(groups, n_cells, unit)`` view
+    (``head``: the bytes before its metadata; ``CACHE_HEAD`` for a window's cache)."""
     views = []
-    for section, at in zip(structure.sections, structure.offsets(n_cells), strict=True):
+    for section, at in zip(structure.sections, structure.offsets(n_cells, head), strict=True):
         size = n_cells * section.cell_bytes
         views.append(data[at : at + size].reshape(section.groups, n_cells, section.unit))
     return views
@@ -255,11 +363,17 @@ def _body_offsets(view: kv_chunk.ChunkView, structure: Structure) -> tuple[int, 
     n = view.n_cells
     if view.flags & kv_chunk.FLAG_BLOB:
         return HEAD.size, structure.offsets(n)
+    return 0, _cell_offsets(structure, n)
+
+
+def _cell_offsets(structure: Structure, n: int) -> list[int]:
+    """Where each section's cells start in a headless body: ``n`` cells' metadata, then
+    every section's cells (a chunk of the first format, or of a window)."""
     offsets, at = [], n * CELL
     for section in structure.sections:
         offsets.append(at)
         at += n * section.cell_bytes
-    return 0, offsets
+    return offsets
 
 
 def _check_body(view: kv_chunk.ChunkView, structure: Structure, i: int) -> None:
@@ -290,10 +404,16 @@ def _canonical_meta(start: int, n: int) -> bytes:
     return meta.tobytes()
 
 
-def _skeleton(descriptor: bytes, structure: Structure, n_cells: int) -> list[tuple[int, bytes]]:
-    """A blob of ``n_cells`` cells' head and section headers, as (offset, bytes) pieces."""
-    pieces = [(0, HEAD.pack(IO_MAGIC, 0, 1, n_cells)), (HEAD.size + n_cells * CELL, descriptor[:8])]
-    for i, offset in enumerate(structure.offsets(n_cells)):
+def _skeleton(
+    descriptor: bytes, structure: Structure, n_cells: int, head: int = HEAD.size
+) -> list[tuple[int, bytes]]:
+    """A blob of ``n_cells`` cells' head and section headers, as (offset, bytes) pieces
+    (with ``head`` ``CACHE_HEAD``: a window cache's, ``u32 n_stream = 1, u32 n_cells``)."""
+    first = (
+        HEAD.pack(IO_MAGIC, 0, 1, n_cells) if head == HEAD.size else struct.pack("<II", 1, n_cells)
+    )
+    pieces = [(0, first), (head + n_cells * CELL, descriptor[:8])]
+    for i, offset in enumerate(structure.offsets(n_cells, head)):
         head = 8 + i * _SECTION_HEAD
         pieces.append((offset - _SECTION_HEAD, descriptor[head : head + _SECTION_HEAD]))
     return pieces

@@ -22,7 +22,9 @@ section's 12-byte header): it rebuilds the offsets of a blob of any length.
 A memory of two parts (``MemoryKind.has_rest``) writes a second part after the first KV
 cache: an iSWA model's window cache (``u32 n_stream`` and its cells, as above without the
 magic and sequence id), a hybrid model's recurrent state. ``parse_blob(rest=True)`` parses the
-first cache and says where it ends; what follows is the blob's *rest*, opaque here.
+first cache and says where it ends; what follows is the blob's *rest*. A window's rest is itself
+a KV cache (``parse_second_cache``): cells of the last positions, cut into chunks like the
+first cache's.
 
 Invariant: ``parse_blob`` checks every count and length against the blob's real size before
 any offset is computed from it, and refuses a blob it does not fully account for (several
@@ -79,9 +81,10 @@ class Structure:
     def __post_init__(self) -> None:
         object.__setattr__(self, "cell_bytes", CELL + sum(s.cell_bytes for s in self.sections))
 
-    def offsets(self, n_cells: int) -> list[int]:
-        """Where each section's cells start in a blob of ``n_cells`` cells."""
-        at = HEAD.size + n_cells * CELL + _PAIR.size
+    def offsets(self, n_cells: int, head: int = HEAD.size) -> list[int]:
+        """Where each section's cells start in a blob of ``n_cells`` cells (``head``: the
+        bytes before its cell metadata: a blob's 16, a second cache's 8)."""
+        at = head + n_cells * CELL + _PAIR.size
         out = []
         for section in self.sections:
             at += _SECTION_HEAD
@@ -89,10 +92,8 @@ class Structure:
             at += n_cells * section.cell_bytes
         return out
 
-    def blob_size(self, n_cells: int) -> int:
-        return (
-            HEAD.size + _PAIR.size + len(self.sections) * _SECTION_HEAD + n_cells * self.cell_bytes
-        )
+    def blob_size(self, n_cells: int, head: int = HEAD.size) -> int:
+        return head + _PAIR.size + len(self.sections) * _SECTION_HEAD + n_cells * self.cell_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,21 +149,48 @@ def parse_blob(blob: U8, *, tail: bool = False, rest: bool = False) -> BlobLayou
     size = blob.size
     if size < HEAD.size:
         raise StateRestoreError(f"KV blob of {size} bytes is shorter than its header")
-    raw = blob.data  # a memoryview: what ``struct`` reads
-    magic, _seq, n_stream, n_cells = HEAD.unpack_from(raw, 0)
+    magic, _seq, _n_stream, _n_cells = HEAD.unpack_from(blob.data, 0)
     if magic != IO_MAGIC:
         raise StateRestoreError(f"KV blob magic {magic:#x} is not llama.cpp's {IO_MAGIC:#x}")
+    layout = _parse_cache(blob, 8, positions="tail" if tail else "zero", trailing=rest)
+    if layout.n_cells == 0 and size != HEAD.size and not rest:
+        raise StateRestoreError(f"empty KV blob has {size - HEAD.size} trailing bytes")
+    return layout
+
+
+#: The bytes before a second KV cache's cell metadata: ``u32 n_stream, u32 n_cells``.
+CACHE_HEAD = 8
+
+
+def parse_second_cache(blob: U8, at: int) -> BlobLayout:
+    """The KV cache that starts at ``blob[at:]`` (``u32 n_stream``, ``u32 n_cells``, its cells;
+    no magic, no sequence id: an iSWA blob's window cache after its first) and must end the
+    blob. Its cells hold any consecutive positions ``first..first+n-1`` (a window's); ``end``
+    is the blob's size. ``StateRestoreError`` for anything else, or for an empty cache."""
+    layout = _parse_cache(blob, at, positions="any", trailing=False)
+    if layout.n_cells == 0:
+        raise StateRestoreError("the blob's second KV cache holds no cells")
+    return layout
+
+
+def _parse_cache(blob: U8, at: int, *, positions: str, trailing: bool) -> BlobLayout:
+    """One KV cache from its ``n_stream`` field at ``blob[at:]``. ``positions``: "zero" (from
+    0), "tail" or "any" (any consecutive run); ``trailing``: bytes may follow it."""
+    size = blob.size
+    raw = blob.data  # a memoryview: what ``struct`` reads
+    if at + 8 > size:
+        raise StateRestoreError(f"KV blob of {size} bytes ends inside a cache header")
+    n_stream, n_cells = struct.unpack_from("<II", raw, at)
     if n_stream != 1:
         raise StateRestoreError(f"KV blob has {n_stream} streams; chunks need a unified cache")
+    head = at + 8
     if n_cells == 0:
-        if size != HEAD.size and not rest:
-            raise StateRestoreError(f"empty KV blob has {size - HEAD.size} trailing bytes")
-        return BlobLayout(Structure(False, 0, ()), b"", 0, None, end=HEAD.size)
-    at = HEAD.size + n_cells * CELL
+        return BlobLayout(Structure(False, 0, ()), b"", 0, None, end=head)
+    at = head + n_cells * CELL
     if at + _PAIR.size > size:
         raise StateRestoreError(f"KV blob of {size} bytes cannot hold {n_cells} cells")
-    first, order = _cell_order(blob[HEAD.size : at], n_cells)
-    if first and not tail:
+    first, order = _cell_order(blob[head:at], n_cells)
+    if first and positions == "zero":
         raise StateRestoreError(f"KV blob cells are not exactly positions 0..{n_cells - 1}")
     v_trans, n_layer = _PAIR.unpack_from(raw, at)
     if v_trans not in (0, 1) or not 1 <= n_layer <= MAX_LAYERS:
@@ -177,7 +205,7 @@ def parse_blob(blob: U8, *, tail: bool = False, rest: bool = False) -> BlobLayou
         at += _SECTION_HEAD + n_cells * section.cell_bytes
         if at > size:
             raise StateRestoreError(f"KV blob ends inside section {i}")
-    if at != size and not rest:
+    if at != size and not trailing:
         raise StateRestoreError(f"KV blob has {size - at} bytes after its last section")
     descriptor = b"".join(heads)
     return BlobLayout(parse_descriptor(descriptor), descriptor, n_cells, order, first, at)

@@ -33,6 +33,8 @@ from kvwarm.backends.base import (
     FimTokens,
     ModelFacts,
     ModelParams,
+    PoolingType,
+    ProjectorParams,
     SamplingParams,
 )
 from kvwarm.backends.chat_template import render_chat
@@ -41,6 +43,7 @@ from kvwarm.backends.llama import native as _native
 from kvwarm.backends.llama import params as llama_params
 from kvwarm.backends.llama.adapter import LlamaAdapter
 from kvwarm.backends.llama.context import LlamaContext
+from kvwarm.backends.llama.projector import LlamaProjector
 from kvwarm.backends.llama.sampler import LlamaSampler
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import (
@@ -55,6 +58,10 @@ from kvwarm.unicode import encode_utf8
 log = logging.getLogger(__name__)
 
 _INT32_MIN = -(2**31)
+#: ``{arch}.pooling_type`` values (llama.cpp's ``llama_pooling_type``) by name.
+_POOLING_NAMES: dict[str, PoolingType] = {
+    "0": "none", "1": "mean", "2": "cls", "3": "last", "4": "rank",
+}  # fmt: skip
 _MAX_TEXT = 2**31 - 1
 
 
@@ -159,6 +166,9 @@ class LlamaModel:
             memory_kind = "full"
         bos = int(lib.llama_vocab_bos(self._vocab))
         eos = int(lib.llama_vocab_eos(self._vocab))
+        sep = int(lib.llama_vocab_sep(self._vocab))
+        arch = metadata.get("general.architecture", "")
+        rerank_template = lib.llama_model_chat_template(ptr, b"rerank")
         return ModelFacts(
             path=path,
             n_vocab=self._n_vocab,
@@ -178,6 +188,16 @@ class LlamaModel:
             fim=self._fim_tokens(),
             memory_kind=memory_kind,
             n_swa=n_swa if memory_kind == "swa" else 0,
+            pooling=_POOLING_NAMES.get(metadata.get(f"{arch}.pooling_type", "")),
+            # llama.cpp's default is causal; an encoder's GGUF says false.
+            causal=metadata.get(f"{arch}.attention.causal", "true").lower() != "false",
+            n_cls_out=max(1, int(lib.llama_model_n_cls_out(ptr))),
+            rerank_template=(
+                rerank_template.decode("utf-8", errors="replace") if rerank_template else None
+            ),
+            sep=sep if 0 <= sep < self._n_vocab else None,
+            add_eos=bool(lib.llama_vocab_get_add_eos(self._vocab)),
+            add_sep=bool(lib.llama_vocab_get_add_sep(self._vocab)),
         )
 
     def _fim_tokens(self) -> FimTokens | None:
@@ -360,6 +380,11 @@ class LlamaModel:
 
     def load_adapter(self, path: str) -> LlamaAdapter:
         return LlamaAdapter(self, str(path))
+
+    def load_projector(self, path: str, params: ProjectorParams) -> LlamaProjector:
+        if self._params.vocab_only:
+            raise ModelLoadError("a vocab_only model cannot load a projector")
+        return LlamaProjector(self, str(path), params)
 
     def close(self) -> None:
         self._life.close()

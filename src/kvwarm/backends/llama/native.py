@@ -5,9 +5,9 @@ Invariants:
 - ``llama_cpp`` is imported here and only via ``lib()``; importing this module does not load the
   native library.
 - ``llama_backend_init`` runs at most once per process, under a lock.
-- The ctypes log callback handed to ``llama_log_set`` is stored in a module global for the life
-  of the process: C keeps the raw pointer, and a collected callback would be a call into freed
-  memory on the next log line.
+- The ctypes log callback handed to ``llama_log_set`` (and ``mtmd_log_set``, the projector's)
+  is stored in a module global for the life of the process: C keeps the raw pointer, and a
+  collected callback would be a call into freed memory on the next log line.
 - llama.cpp's log lines go to the ``kvwarm.llama_cpp`` logger; by default only WARNING and above
   are formatted at all (the callback returns before building a string for filtered levels).
   Warnings that do not hold for kvwarm's contexts (``_DEMOTED``) are logged at DEBUG.
@@ -53,7 +53,7 @@ GGML_TYPES = {
 }
 
 #: llama_pooling_type ids.
-POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3}
+POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 
 # Nominal bits per weight of LLAMA_FTYPE_* values; the cache key's quant byte is the ftype.
 _FTYPE_BITS = {
@@ -142,6 +142,21 @@ def lib() -> ModuleType:
             llama_cpp.llama_backend_init()
             _LIB = llama_cpp
     return _LIB
+
+
+_MTMD_ROUTED = False
+
+
+def route_mtmd_log(mtmd: ModuleType) -> None:
+    """Send mtmd's (the projector's) log lines through the same callback as llama.cpp's, once
+    per process (it logs to stderr otherwise); the callback is the one ``lib`` keeps alive."""
+    global _MTMD_ROUTED
+    with _LOCK:
+        if _MTMD_ROUTED or _LOG_CALLBACK is None:
+            return
+        mtmd.mtmd_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        mtmd.mtmd_helper_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        _MTMD_ROUTED = True
 
 
 def amx_in_use() -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from kvwarm.backends.base import (
     FimTokens,
     ModelFacts,
     ModelParams,
+    ProjectorParams,
     Sampler,
     SamplingParams,
 )
@@ -39,6 +41,7 @@ from kvwarm.backends.lifetime import Lifetime
 from kvwarm.backends.stub.adapter import StubAdapter
 from kvwarm.backends.stub.context import StubContext
 from kvwarm.backends.stub.kv_codec import CELL
+from kvwarm.backends.stub.projector import StubProjector
 from kvwarm.backends.stub.sampler import StubSampler
 from kvwarm.backends.stub.vocab import (
     BOS,
@@ -58,6 +61,7 @@ from kvwarm.backends.stub.vocab import (
 )
 from kvwarm.errors import (
     AdapterError,
+    ConfigError,
     ModelLoadError,
 )
 from kvwarm.memory import MEMORY_KINDS, MemoryKindName
@@ -66,6 +70,13 @@ from kvwarm.unicode import encode_utf8
 log = logging.getLogger(__name__)
 
 _SPECIAL_TEXT = {BOS: "<s>", EOS: "</s>", **FIM_TEXT}
+
+#: A stub reranker's prompt (a model whose path names ``reranker``): the query before the
+#: document, as Qwen3-Reranker's, so every document of a query shares a prefix.
+STUB_RERANK_TEMPLATE = (
+    "<|system|>\nJudge whether the document answers the query: yes or no.\n"
+    "<|query|>\n{query}\n<|document|>\n{document}\n<|assistant|>\n"
+)
 
 STUB_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -93,11 +104,34 @@ class StubBackend:
     hash, so a wrong restore shows in the output as it would on a real model.
     ``weights_bytes`` is what its models report as weights (notional; a context reports
     ``cell_bytes`` per cell as KV), for the memory budget's arithmetic.
+
+    A model whose path names ``reranker`` is a decoder reranker (pooling ``rank``, causal,
+    two labels, ``STUB_RERANK_TEMPLATE``); one naming ``cross-encoder`` an encoder (pooling
+    ``rank``, not causal, one raw score, ``[BOS] query [EOS] document [EOS]``), whose
+    contexts keep nothing after a decode, as a BERT's has no KV cache.
     ``copy_bias`` > 0 makes it copy, as real models do from their context (an "induction"
     head): the token that followed the latest earlier occurrence of the current token gets
     that much added to its logit, so greedy output repeats what the prompt holds (speculative
     decoding's tests need drafts that are accepted, and some that are not).
     """
+
+    @classmethod
+    def from_env(cls) -> StubBackend:
+        """Default options, with the simulated latency of ``KVWARM_STUB_PREFILL_DELAY_S`` (per
+        prefilled token) and ``KVWARM_STUB_DECODE_DELAY_S`` (per decode step) when set: how a
+        test or a bench gives processes it does not construct (a cluster's replicas) the
+        pace of a real model. ``ConfigError`` for a value that is not a number >= 0."""
+        delays = []
+        for name in ("KVWARM_STUB_PREFILL_DELAY_S", "KVWARM_STUB_DECODE_DELAY_S"):
+            raw = os.environ.get(name, "0")
+            try:
+                value = float(raw)
+            except ValueError:
+                value = -1.0
+            if not value >= 0:  # also refuses nan
+                raise ConfigError(f"{name} must be a number of seconds >= 0, got {raw!r}")
+            delays.append(value)
+        return cls(prefill_delay_s=delays[0], decode_delay_s=delays[1])
 
     def __init__(
         self,
@@ -109,6 +143,7 @@ class StubBackend:
         memory_kind: MemoryKindName = "full",
         n_swa: int = 0,
         weights_bytes: int = STUB_WEIGHTS_BYTES,
+        media_tokens: int = 16,
         copy_bias: float = 0.0,
     ) -> None:
         if cell_bytes < CELL.size or cell_bytes > 0xFFFF:
@@ -122,6 +157,11 @@ class StubBackend:
         self.cell_bytes = cell_bytes
         self.n_ctx_train = n_ctx_train
         self.weights_bytes = weights_bytes  # notional: what its models report as weights
+        self.media_tokens = media_tokens  # positions of one image's span (stub projector)
+        #: Set to an Event to hold every projector encode until it is set; an error message
+        #: to make every encode fail (tests).
+        self.encode_gate: threading.Event | None = None
+        self.encode_error: str | None = None
         self.copy_bias = copy_bias
 
     @property
@@ -149,6 +189,9 @@ class StubModel:
         self._backend = backend
         self.params = params or ModelParams()  # what a llama.cpp load would have been given
         self._id = int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "little")
+        name = Path(path).name
+        reranker = "reranker" in name
+        encoder = "cross-encoder" in name
         #: What its contexts add to the logit of the token its context suggests (``copy``).
         self.copy_bias = backend.copy_bias or (COPY_BIAS if "copy" in Path(path).name else 0.0)
         self._facts = ModelFacts(
@@ -171,9 +214,14 @@ class StubModel:
             n_swa=backend.n_swa,
             fim=(
                 FimTokens(FIM_PRE, FIM_SUF, FIM_MID, FIM_PAD, FIM_REP, FIM_SEP)
-                if "fim" in Path(path).name
+                if "fim" in name
                 else None
             ),
+            pooling="rank" if reranker or encoder else None,
+            causal=not encoder,
+            n_cls_out=2 if reranker else 1,
+            rerank_template=STUB_RERANK_TEMPLATE if reranker else None,
+            add_eos=encoder,
         )
         self._life = Lifetime("model", lambda: None)
 
@@ -295,6 +343,11 @@ class StubModel:
             self._life.acquire()
             return StubAdapter(self, path, digest)
 
+    def load_projector(self, path: str, params: ProjectorParams) -> StubProjector:
+        """Any path loads (its name naming ``audio`` adds audio to what it reads)."""
+        with self._life.using():
+            return StubProjector(self, str(path), params)
+
     def close(self) -> None:
         self._life.close()
 
@@ -308,6 +361,7 @@ __all__ = [
     "N_EMBD",
     "N_VOCAB",
     "OFFSET",
+    "STUB_RERANK_TEMPLATE",
     "UNK",
     "StubBackend",
     "StubContext",

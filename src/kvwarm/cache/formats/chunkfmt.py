@@ -15,6 +15,13 @@ the chain continues from a salted parent (``chunk_chain``): those chunks are sha
 rows that rely on their bits no more than this one, never under the plain chain, where a
 deterministic restore trusts them.
 
+A rest in chunks (an iSWA window's cells: ``RestChunks``) is keyed from the same chain: the
+rest chunk of positions ``[a, b)``, inside the first-cache chunk ``[c, d)`` whose parent is
+``P``, chains from ``sha256("kvwarm-chunk-rest\0" ‖ P ‖ u32 (a - c) ‖ tokens [c, a))``, so its
+key names every token before ``b``, its start ``a`` (a window's cells begin where its window
+does) and the bits rule of the chunk it lies in (``rest_chain``); it is stored as any chunk
+object, that digest as its parent.
+
 Object layout, little-endian::
 
     [0..]    head     magic "KVK", u8 version=1, u32 token count, u32 payload CRC32C,
@@ -32,6 +39,7 @@ is returned as a zero-copy view. See docs/architecture.md ("Chunks").
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,12 +60,15 @@ __all__ = [
     "parse",
     "parse_head",
     "recover_chain",
+    "rest_chain",
+    "rest_cuts",
 ]
 
 MAGIC = b"KVK"
 VERSION = 1
 _DOMAIN = b"kvwarm-chunk-v1\x00"
 _BITS = b"kvwarm-chunk-bits\x00"  # salts the chain where a row's bits stop being canonical
+_REST = b"kvwarm-chunk-rest\x00"  # a rest chunk's parent, from the chunk it lies in
 _HEAD = struct.Struct("<3sBIIQ32s32s65s")
 _U32 = struct.Struct("<I")
 ROOT_PARENT = bytes(32)
@@ -158,6 +169,57 @@ def recover_chain(
         if [key for _, key in chain] == list(keys):
             return chain
     raise CacheFormatError("a manifest's chunk keys are not the chain of its tokens")
+
+
+def rest_cuts(lens: Sequence[int], first: int, end: int, grid: int) -> list[int]:
+    """Where a rest holding positions ``[first, end)`` is cut: at ``first``, at every multiple
+    of ``grid`` and every cut of the first cache's chunks (of ``lens`` tokens) inside it, and
+    at ``end``. Cutting at fixed positions is what lets two windows share chunks: a later
+    checkpoint's window starts elsewhere, but its cells past the next grid point lie in the
+    same chunks as an earlier one's."""
+    if not 0 <= first < end or grid <= 0:
+        raise ValueError(f"a rest of [{first}, {end}) cut every {grid}")
+    cuts = {first, end}
+    cuts.update(range((first // grid + 1) * grid, end, grid))
+    at = 0
+    for n in lens:
+        at += n
+        if first < at < end:
+            cuts.add(at)
+    return sorted(cuts)
+
+
+def rest_chain(
+    ns: Namespace,
+    tokens: Sequence[int],
+    lens: Sequence[int],
+    chain: Sequence[tuple[bytes, bytes]],
+    bounds: Sequence[int],
+) -> list[tuple[bytes, bytes]]:
+    """(parent, key) of each rest chunk ``[bounds[i], bounds[i+1])`` of a row whose first
+    cache is cut at ``lens`` with ``chain`` (``chunk_chain``); ``ValueError`` for a rest
+    chunk that does not lie within one chunk of the first cache."""
+    encoded = memoryview(encode_tokens(tokens))
+    if len(bounds) < 2 or bounds[-1] > sum(lens) or len(chain) != len(lens):
+        raise ValueError("a rest's bounds must lie within the row's chunks")
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    out: list[tuple[bytes, bytes]] = []
+    i = 0
+    for a, b in itertools.pairwise(bounds):
+        while starts[i + 1] <= a:
+            i += 1
+        c, d = starts[i], starts[i + 1]
+        if not c <= a < b <= d:
+            raise ValueError(f"rest chunk [{a}, {b}) crosses a chunk boundary at {d}")
+        h = hashlib.sha256(_REST)
+        h.update(chain[i][0])
+        h.update(_U32.pack(a - c))
+        h.update(encoded[4 * c : 4 * a])
+        parent = h.digest()
+        out.append((parent, chunk_key(ns, parent, bytes(encoded[4 * a : 4 * b]))))
+    return out
 
 
 def head_size(n_tokens: int) -> int:

@@ -2,7 +2,7 @@
 
 Layout, little-endian throughout::
 
-    [0..47]   header   magic "KVC", u8 version=2, u8 quant_bits, u8 save_reason, u8[2] zero,
+    [0..47]   header   magic "KVC", u8 version=2 (3, 4), u8 quant_bits, u8 save_reason, u8[2] zero,
                        u32 token count, u32 hit count*, u32 context size, u8[4] zero,
                        u64 created (unix s), u64 last used* (unix s), u64 payload bytes
     [48..71]  trailer  u64 payload offset, u64 payload length, u32 payload CRC32C,
@@ -18,9 +18,11 @@ the token count, and its payload is empty. Without them the payload is the whole
 version-3 file is a manifest whose payload is the row's *rest*: the state after the chunked KV
 cache that cannot be cut (an iSWA model's window, a hybrid model's recurrent state; the blob
 is the joined chunks followed by it). Only such a manifest is written as version 3. A
-version-1 file (an older kvwarm) holds no chunk tags and is read as such a whole-blob row; an
-older kvwarm refuses versions it does not know, so it never mistakes a manifest for a row with
-no KV, nor restores chunks without their rest.
+version-4 file is a manifest whose rest is itself in chunks (an iSWA window: ``RestChunks``,
+three tags: where the window starts and its first chunk starts, the chunks' lengths, their
+keys); its payload is empty. A version-1 file (an older kvwarm) holds no chunk tags and is read
+as such a whole-blob row; an older kvwarm refuses versions it does not know, so it never
+mistakes a manifest for a row with no KV, nor restores chunks without their rest.
 
 Invariants:
 - The payload CRC covers the payload; the meta CRC covers every byte before the payload except
@@ -51,7 +53,14 @@ import crc32c as _crc32c
 
 from kvwarm._version import __version__
 from kvwarm.cache.formats.key import encode_tokens, namespace_prefix
-from kvwarm.cache.types import FingerprintMode, Namespace, SaveReason, SaveRequest, TtlClass
+from kvwarm.cache.types import (
+    FingerprintMode,
+    Namespace,
+    RestChunks,
+    SaveReason,
+    SaveRequest,
+    TtlClass,
+)
 from kvwarm.errors import CacheFormatError
 
 # --- The TLV section: its tags, their records and their checks.
@@ -70,6 +79,14 @@ TAG_TTL_CLASS = 0x0B  # kvwarm: TtlClass byte
 TAG_CANONICAL = 0x0C  # kvwarm: u32, leading tokens whose KV came from aligned prefill
 TAG_CHUNK_LENS = 0x0D  # kvwarm v2: u32 token count of each chunk (the row is a manifest)
 TAG_CHUNKS = 0x0E  # kvwarm v2: the chunk keys, 32 bytes each, in token order
+TAG_REST_SPAN = 0x0F  # kvwarm v4: u32 the rest's first position, u32 its first chunk's start
+TAG_REST_LENS = 0x10  # kvwarm v4: u32 token count of each of the rest's chunks
+TAG_REST_CHUNKS = 0x11  # kvwarm v4: the rest's chunk keys, 32 bytes each, in token order
+TAG_MEMORY = 0x12  # kvwarm: u8, the saving model's memory kind (``MEMORY_CODES``)
+#: Memory kinds by their ``TAG_MEMORY`` byte (``kvwarm.memory``); a code this table does not
+#: know (a newer writer's kind) reads as "", as a row that does not say.
+MEMORY_CODES = {1: "full", 2: "swa", 3: "recurrent", 4: "hybrid"}
+_MEMORY_BYTES = {kind: code for code, kind in MEMORY_CODES.items()}
 REQUIRED = (
     TAG_FINGERPRINT,
     TAG_FINGERPRINT_MODE,
@@ -79,7 +96,8 @@ REQUIRED = (
     TAG_TOKENS,
 )
 _KNOWN = frozenset((*REQUIRED, TAG_HOSTNAME, TAG_VERSION, TAG_REASON_DETAIL, TAG_LOGITS,
-                    TAG_TTL_CLASS, TAG_CANONICAL, TAG_CHUNK_LENS, TAG_CHUNKS))  # fmt: skip
+                    TAG_TTL_CLASS, TAG_CANONICAL, TAG_CHUNK_LENS, TAG_CHUNKS, TAG_REST_SPAN,
+                    TAG_REST_LENS, TAG_REST_CHUNKS, TAG_MEMORY))  # fmt: skip
 _HEAD = struct.Struct("<BI")
 _U32 = struct.Struct("<I")
 U32_MAX = 0xFFFF_FFFF
@@ -158,6 +176,25 @@ def optional_fields(
     return ttl, logits, canonical
 
 
+def memory_record(kind: str) -> list[bytes]:
+    """The ``TAG_MEMORY`` record of a row saved by a model of ``kind`` (none for "")."""
+    if not kind:
+        return []
+    if kind not in _MEMORY_BYTES:
+        raise ValueError(f"unknown memory kind {kind!r}")
+    return [record(TAG_MEMORY, bytes((_MEMORY_BYTES[kind],)))]
+
+
+def memory_kind(tags: dict[int, memoryview]) -> str:
+    """The memory kind a row records ("" when it does not say, or says one unknown here)."""
+    v = tags.get(TAG_MEMORY)
+    if v is None:
+        return ""
+    if v.nbytes != 1:
+        raise bad("memory kind has the wrong size")
+    return MEMORY_CODES.get(v[0], "")
+
+
 def check_chunks(n_tokens: int, lens: tuple[int, ...], chunks: tuple[bytes, ...]) -> None:
     """``ValueError`` unless ``chunks`` (of ``lens`` tokens) cover the row's ``n_tokens``
     exactly (or there are no chunks at all)."""
@@ -169,17 +206,59 @@ def check_chunks(n_tokens: int, lens: tuple[int, ...], chunks: tuple[bytes, ...]
         raise ValueError("chunk lengths do not cover the row's tokens")
 
 
-def file_version(chunks: tuple[bytes, ...], payload_len: int) -> int:
-    """The version a row is written as: 3 for a manifest with a rest, else 2."""
+def file_version(
+    chunks: tuple[bytes, ...], payload_len: int, rest: RestChunks | None = None
+) -> int:
+    """The version a row is written as: 4 for a manifest with its rest in chunks, 3 for one
+    with a rest in its payload, else 2."""
+    if rest is not None:
+        return 4
     return 3 if chunks and payload_len else VERSION
 
 
-def chunk_records(lens: tuple[int, ...], chunks: tuple[bytes, ...]) -> list[bytes]:
-    """A manifest's two records (none for a whole-blob row)."""
+def chunk_records(
+    lens: tuple[int, ...], chunks: tuple[bytes, ...], rest: RestChunks | None = None
+) -> list[bytes]:
+    """A manifest's records (none for a whole-blob row): its chunks, and its rest's."""
     if not chunks:
         return []
     packed = struct.pack(f"<{len(lens)}I", *lens)
-    return [record(TAG_CHUNK_LENS, packed), record(TAG_CHUNKS, b"".join(chunks))]
+    out = [record(TAG_CHUNK_LENS, packed), record(TAG_CHUNKS, b"".join(chunks))]
+    if rest is not None:
+        out += [
+            record(TAG_REST_SPAN, struct.pack("<II", rest.first, rest.start)),
+            record(TAG_REST_LENS, struct.pack(f"<{len(rest.lens)}I", *rest.lens)),
+            record(TAG_REST_CHUNKS, b"".join(rest.keys)),
+        ]
+    return out
+
+
+def rest_tags(
+    tags: dict[int, memoryview], version: int, count: int, payload_len: int
+) -> RestChunks | None:
+    """A version-4 manifest's rest chunks, checked against the row; None for any other."""
+    span, lens_v, keys_v = (tags.get(t) for t in (TAG_REST_SPAN, TAG_REST_LENS, TAG_REST_CHUNKS))
+    if span is None and lens_v is None and keys_v is None:
+        if version == 4:
+            raise bad("a version-4 file names no rest chunks")
+        return None
+    if version != 4 or span is None or lens_v is None or keys_v is None:
+        raise bad("a rest's span, chunk lengths and keys must come together, in version 4")
+    if payload_len:
+        raise bad(f"a version-4 manifest with a {payload_len}-byte payload")
+    if span.nbytes != 8 or lens_v.nbytes % 4 or keys_v.nbytes % 32:
+        raise bad("a rest's span, chunk lengths or chunk keys have the wrong size")
+    if lens_v.nbytes // 4 != keys_v.nbytes // 32:
+        raise bad("a rest's chunk lengths and keys do not pair up")
+    first, start = struct.unpack_from("<II", span, 0)
+    lens = struct.unpack(f"<{lens_v.nbytes // 4}I", lens_v)
+    raw = bytes(keys_v)
+    rest = RestChunks(first, start, lens, tuple(raw[i : i + 32] for i in range(0, len(raw), 32)))
+    try:
+        rest.check(count)
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    return rest
 
 
 def chunk_tags(
@@ -188,8 +267,8 @@ def chunk_tags(
     """A manifest's chunk lengths and keys, checked against the row; ((), ()) for a blob row."""
     lens_v, keys_v = tags.get(TAG_CHUNK_LENS), tags.get(TAG_CHUNKS)
     if lens_v is None and keys_v is None:
-        if version == 3:
-            raise bad("a version-3 file names no chunks")
+        if version >= 3:
+            raise bad(f"a version-{version} file names no chunks")
         return (), ()
     if version < 2 or lens_v is None or keys_v is None:
         raise bad("chunk lengths and chunk keys must come together, in a version-2+ file")
@@ -204,8 +283,9 @@ def chunk_tags(
         check_chunks(count, lens, chunks)
     except ValueError as exc:
         raise bad(str(exc)) from None
-    if file_version(chunks, payload_len) != version:
-        # A version-2 manifest holds its KV in its chunks alone; version 3 is one with a rest.
+    if version < 4 and file_version(chunks, payload_len) != version:
+        # A version-2 manifest holds its KV in its chunks alone; version 3 is one with a rest
+        # (version 4's rest is in chunks: ``rest_tags`` checks it).
         raise bad(f"a version-{version} manifest with a {payload_len}-byte payload")
     return lens, chunks
 
@@ -249,7 +329,7 @@ def crc32c(data: Buffer, value: int = 0) -> int:
 
 MAGIC = b"KVC"
 VERSION = 2  # every row but a manifest with a rest (``file_version``)
-_READABLE_VERSIONS = (1, 2, 3)
+_READABLE_VERSIONS = (1, 2, 3, 4)
 _HEADER = struct.Struct("<3sBBB2sIII4sQQQ")
 _TRAILER = struct.Struct("<QQII")
 HEADER_SIZE = _HEADER.size  # 48
@@ -284,10 +364,13 @@ class KvcFields:
     hostname: str = ""
     version: str = __version__
     canonical_tokens: int | None = None  # see RowInfo.canonical_tokens; None: all tokens
+    memory: str = ""  # see RowInfo.memory
     # A manifest's chunk lengths (tokens) and keys, in order (both (): the payload is the
     # whole blob).
     chunk_lens: tuple[int, ...] = ()
     chunks: tuple[bytes, ...] = ()
+    # A version-4 manifest's rest, in chunks (None: in the payload, or no rest).
+    rest_chunks: RestChunks | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,8 +406,10 @@ def fields_from_request(req: SaveRequest, *, now: float) -> KvcFields:
         prompt_text=req.prompt_text,
         hostname=socket.gethostname(),
         canonical_tokens=req.canonical_tokens,
+        memory=req.memory,
         chunk_lens=req.chunk_lens,
         chunks=req.chunk_keys,
+        rest_chunks=req.rest_chunks,
     )
 
 
@@ -358,8 +443,14 @@ def build_prefix(fields: KvcFields, payload: Buffer) -> bytes:
         records.append(record(TAG_LOGITS, fields.logits))
     if canonical is not None:
         records.append(record(TAG_CANONICAL, _U32.pack(canonical)))
+    records += memory_record(fields.memory)
     check_chunks(len(fields.tokens), fields.chunk_lens, fields.chunks)
-    records += chunk_records(fields.chunk_lens, fields.chunks)
+    rest = fields.rest_chunks
+    if rest is not None:
+        if not fields.chunks or memoryview(payload).nbytes:
+            raise ValueError("a rest in chunks needs chunks of its own, and no payload")
+        rest.check(len(fields.tokens))
+    records += chunk_records(fields.chunk_lens, fields.chunks, rest)
     section = b"".join(records)
     prompt = fields.prompt_text.encode("utf-8", "replace")
     body = _U32.pack(len(prompt)) + prompt + _U32.pack(len(section)) + section
@@ -369,7 +460,7 @@ def build_prefix(fields: KvcFields, payload: Buffer) -> bytes:
         raise ValueError(f"metadata of {offset} bytes exceeds {MAX_META_BYTES}")
     header = _HEADER.pack(
         MAGIC,
-        file_version(fields.chunks, payload_len),
+        file_version(fields.chunks, payload_len, rest),
         fields.quant_bits,
         int(fields.reason),
         b"\0\0",
@@ -450,7 +541,7 @@ def _parse_meta(
     if magic != MAGIC:
         raise bad("bad magic")
     if version not in _READABLE_VERSIONS:
-        raise bad(f"unsupported version {version} (this kvwarm reads 1 to 3)")
+        raise bad(f"unsupported version {version} (this kvwarm reads 1 to 4)")
     if res1 != b"\0\0" or res2 != b"\0\0\0\0":
         raise bad("reserved header bytes are not zero")
     if reason not in SaveReason._value2member_map_:
@@ -504,6 +595,7 @@ def _parse_meta(
         raise bad("token list length does not match token count")
     ttl, logits, canonical = optional_fields(tags, count)
     chunk_lens, chunks = chunk_tags(tags, version, count, length)
+    rest_chunks = rest_tags(tags, version, count, length)
     ns = Namespace(fingerprint=bytes(fp), quant=quant_v[0], ctx_hash=bytes(ctx))
     key_hash = hashlib.sha256(namespace_prefix(ns))
     key_hash.update(tok_v)
@@ -531,8 +623,10 @@ def _parse_meta(
         hostname=text(tags, TAG_HOSTNAME),
         version=text(tags, TAG_VERSION),
         canonical_tokens=canonical,
+        memory=memory_kind(tags),
         chunk_lens=chunk_lens,
         chunks=chunks,
+        rest_chunks=rest_chunks,
     )
     return KvcMeta(key, fields, offset, length, payload_crc)
 

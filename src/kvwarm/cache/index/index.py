@@ -50,8 +50,12 @@ from kvwarm.cache.index.chunkrefs import FreedChunk
 from kvwarm.cache.index.inflight import InFlight
 from kvwarm.cache.index.reservations import Orphan, Reservations
 from kvwarm.cache.index.rows import RowTable
-from kvwarm.cache.protocols import StoredRow
+from kvwarm.cache.protocols import RowEvents, StoredRow
 from kvwarm.cache.types import Namespace, PrefixMatch, RowInfo, TierName, TierSizes
+
+#: Memory kinds whose saved states are whole (a recurrent state, with a hybrid's attention
+#: chunks): kept per conversation by ``retention_victims``, not every one ever written.
+STATE_KINDS = frozenset({"recurrent", "hybrid"})
 
 __all__ = ["Index", "Orphan"]
 
@@ -235,6 +239,16 @@ class Index:
         with self._lock:
             self._inflight.clear_all()
 
+    def watch_rows(self, events: RowEvents | None) -> None:
+        """Tell ``events`` of every row indexed now (``row_stored``, one call each), then of
+        every row that joins or leaves from here on, under the lock, so the listener misses
+        nothing and sees nothing twice. None stops telling."""
+        with self._lock:
+            if events is not None:
+                for info in self._rows.infos():
+                    events.row_stored(self._rows.stored(info.key))
+            self._rows.events = events
+
     # ----------------------------------------------------------------- use
 
     def checkout(self, key: bytes, *, touch: bool = True) -> StoredRow | None:
@@ -345,6 +359,31 @@ class Index:
                 self._remember(r, MissReason.EXPIRED, TTL_NAMES[r.info.ttl_class])
             return gone
 
+    def retention_victims(self, key: bytes, keep: int) -> list[StoredRow]:
+        """Retire the saved states a conversation no longer needs, now that row ``key``
+        (a recurrent or hybrid model's state: each is whole, nothing shared) extends them:
+        of the rows of its tier whose tokens are a prefix of its own, all but the ``keep``
+        nearest, except those another conversation also extends (a system prompt's
+        checkpoint), those checked out, and those of other memory kinds. Rows already
+        extending ``key`` count towards ``keep``: saves of one conversation may publish out of
+        order (a checkpoint after the finish save above it)."""
+        with self._lock:
+            info = self._rows.get(key)
+            if info is None or info.memory not in STATE_KINDS:
+                return []
+            keep = max(0, keep - self._rows.below(key))
+            victims = []
+            for i, (other, shared) in enumerate(self._rows.lineage(key)):
+                row = self._rows.get(other)
+                if i < keep or shared or row is None or row.tier != info.tier:
+                    continue
+                if row.memory in STATE_KINDS and not self._rows.refcount(other):
+                    victims.append(other)
+            gone = [r for r in map(self._rows.remove, victims) if r is not None]
+            for r in gone:
+                self._remember(r, MissReason.EVICTED, "retention")
+            return gone
+
     def reap_reservations(self) -> tuple[int, list[Orphan]]:
         """Two-stage reaping; linked orphans are returned for the caller to adopt or delete."""
         with self._lock:
@@ -425,6 +464,11 @@ class Index:
             self._rows.chunks.deleted(chunk.tier, chunk.key)
             self._chunk_gone.notify_all()
 
+    def memory_sizes(self) -> dict[str, TierSizes]:
+        """What the rows of each memory kind store and restore (``RowTable.memory_sizes``)."""
+        with self._lock:
+            return self._rows.memory_sizes()
+
     def chunk_base(
         self, namespace: Namespace, tokens: Sequence[int]
     ) -> tuple[tuple[int, ...], int]:
@@ -434,6 +478,12 @@ class Index:
         if match is None:
             return (), 0
         return self._rows.chunk_lens(match.row.key), match.n_shared
+
+    def rest_starts(self, tier: TierName, namespace: Namespace, tokens: Sequence[int]) -> set[int]:
+        """Where the windows of the rows of ``tier`` that ``tokens`` extend begin in chunks
+        (``RowTable.rest_starts``, the 8 longest): a save's window may begin in one of those."""
+        with self._lock:
+            return self._rows.rest_starts(tier, namespace, tokens, 8)
 
     def chunk_lens(self, key: bytes) -> tuple[int, ...]:
         """How many tokens each chunk of row ``key`` covers (() if none, or no row)."""

@@ -305,6 +305,35 @@ class PrefixIndex:
                 found.append((node.row[1], pos))
         return found[::-1][:limit]
 
+    def lineage(self, key: bytes) -> list[tuple[bytes, bool]]:
+        """The rows whose tokens are a prefix of ``key``'s, nearest first, each with whether
+        a row outside that path also extends it (another conversation goes on from it: a
+        branch below it). Rows extending ``key`` itself do not count: they are its own."""
+        node = self._node_of.get(key)
+        if node is None:
+            return []
+        out: list[tuple[bytes, bool]] = []
+        branched = False
+        cur = node.parent
+        while cur is not None:
+            # A node with a second child has rows off this path below it (every leaf of a
+            # compressed tree is a row), and so has every node above it.
+            branched = branched or bool(cur.children and len(cur.children) > 1)
+            if cur.row is not None:
+                out.append((cur.row[1], branched))
+            cur = cur.parent
+        return out
+
+    def below(self, key: bytes) -> int:
+        """How many rows extend ``key`` along one path (0 when none does; counted until the
+        rows branch, where every row above is extended by two conversations anyway)."""
+        node = self._node_of.get(key)
+        n = 0
+        while node is not None and node.children and len(node.children) == 1:
+            (node,) = node.children.values()
+            n += node.row is not None
+        return n
+
     def tokens(self, key: bytes) -> tuple[int, ...] | None:
         """The row's tokens, rebuilt from its root path; None if unknown."""
         node = self._node_of.get(key)

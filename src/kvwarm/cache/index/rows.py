@@ -6,7 +6,8 @@ Invariants:
 - ``insert`` and ``remove`` are the only mutators of membership, and each changes the entry,
   the tier totals, the prefix tree, the policy and the chunk references (``chunkrefs.py``)
   together, so all five always describe the same set of published rows. A tier's bytes are
-  its rows' own bytes plus each stored chunk once.
+  its rows' own bytes plus each stored chunk once. Each change is told to ``events`` (when
+  set), in order, so a listener replaying them holds the same set of rows.
 - A pinned row (refcount > 0, checked out for a read) is never offered as a victim or as an
   expired row; ``remove`` is the only way it leaves.
 - ``evict`` returns each key at most once and only keys present, whatever the policy
@@ -26,8 +27,8 @@ from dataclasses import dataclass, replace
 from kvwarm.cache.eviction.base import EvictionPolicy
 from kvwarm.cache.index.chunkrefs import ChunkRefs
 from kvwarm.cache.index.prefix import PrefixIndex
-from kvwarm.cache.protocols import StoredRow
-from kvwarm.cache.types import Namespace, PrefixMatch, RowInfo, TierName, TierSizes
+from kvwarm.cache.protocols import RowEvents, StoredRow
+from kvwarm.cache.types import Namespace, PrefixMatch, RestChunks, RowInfo, TierName, TierSizes
 
 __all__ = ["RowTable"]
 
@@ -39,6 +40,7 @@ class _Entry:
     refcount: int = 0
     chunks: tuple[bytes, ...] = ()
     chunk_lens: tuple[int, ...] = ()
+    rest: RestChunks | None = None
     # Which stored copy the pins count: a reader's check-in of a copy since removed must not
     # release the pin of a copy published later under the same key.
     gen: int = 0
@@ -54,6 +56,7 @@ class RowTable:
         "_policy",
         "_prefix",
         "chunks",
+        "events",
     )
 
     def __init__(self, policy: EvictionPolicy) -> None:
@@ -65,6 +68,7 @@ class RowTable:
         self._dirty_hits: set[bytes] = set()  # hit counts not yet written to the tiers
         self.chunks = ChunkRefs()
         self._gens = itertools.count(1)
+        self.events: RowEvents | None = None  # told of every insert and remove (``Index``)
 
     # ----------------------------------------------------------------- lock-free reads
 
@@ -124,12 +128,25 @@ class RowTable:
         entry = self._entries.get(key)
         return () if entry is None else entry.chunk_lens
 
+    def rest_starts(
+        self, tier: TierName, namespace: Namespace, tokens: Sequence[int], limit: int
+    ) -> set[int]:
+        """Where the rest chunks of up to ``limit`` rows of ``tier`` that are whole prefixes
+        of ``tokens`` start (their windows' first chunks)."""
+        out = set()
+        for key, _ in self._prefix.whole(namespace, tokens, limit):
+            entry = self._entries.get(key)
+            if entry is not None and entry.rest is not None and entry.info.tier == tier:
+                out.add(entry.rest.start)
+        return out
+
     def infos(self) -> list[RowInfo]:
         """Every row, with its ``logical_bytes`` and ``exclusive_bytes`` as of now."""
         out = []
         for e in self._entries.values():
             info = e.info
-            logical, exclusive = self.chunks.row_sizes(info.tier, e.chunks)
+            refs = e.chunks if e.rest is None else e.chunks + e.rest.keys
+            logical, exclusive = self.chunks.row_sizes(info.tier, refs)
             out.append(
                 replace(
                     info,
@@ -144,6 +161,15 @@ class RowTable:
 
     def tokens(self, key: bytes) -> tuple[int, ...] | None:
         return self._prefix.tokens(key)
+
+    def lineage(self, key: bytes) -> list[tuple[bytes, bool]]:
+        """``PrefixIndex.lineage``: the rows ``key`` extends, nearest first, and whether
+        another row outside that path extends each."""
+        return self._prefix.lineage(key)
+
+    def below(self, key: bytes) -> int:
+        """``PrefixIndex.below``: how many rows extend ``key`` along one path."""
+        return self._prefix.below(key)
 
     def usage(self) -> dict[TierName, tuple[int, int]]:
         """Per tier ever used: (bytes, rows); bytes include the tier's chunks, each once."""
@@ -163,6 +189,29 @@ class RowTable:
             for t in tiers
         }
 
+    def memory_sizes(self) -> dict[str, TierSizes]:
+        """Per memory kind the rows record ("unknown" for those that do not say): their own
+        bytes plus each chunk they name once (``physical_bytes``; a chunk is never shared
+        across kinds, whose namespaces differ), and what they restore (``logical_bytes``)."""
+        own: dict[str, int] = {}
+        logical: dict[str, int] = {}
+        rows: dict[str, int] = {}
+        named: dict[str, set[tuple[TierName, bytes]]] = {}
+        for e in self._entries.values():
+            kind = e.info.memory or "unknown"
+            refs = e.chunks if e.rest is None else e.chunks + e.rest.keys
+            rows[kind] = rows.get(kind, 0) + 1
+            own[kind] = own.get(kind, 0) + e.info.size
+            logical[kind] = logical.get(kind, 0) + e.info.size
+            logical[kind] += self.chunks.row_sizes(e.info.tier, refs)[0]
+            named.setdefault(kind, set()).update((e.info.tier, k) for k in refs)
+        out = {}
+        for kind, n in rows.items():
+            sizes = [self.chunks.size(tier, key) for tier, key in named[kind]]
+            stored = [size for size in sizes if size is not None]
+            out[kind] = TierSizes(own[kind] + sum(stored), logical[kind], n, len(stored))
+        return out
+
     def tier_bytes(self, tier: TierName) -> int:
         return self._bytes.get(tier, 0) + self.chunks.tier_bytes(tier)
 
@@ -173,7 +222,9 @@ class RowTable:
         entry = self._entries[key]
         tokens = self._prefix.tokens(key)
         assert tokens is not None, "row present without tokens"
-        return StoredRow(entry.info, tokens, entry.location, entry.chunks, entry.chunk_lens)
+        return StoredRow(
+            entry.info, tokens, entry.location, entry.chunks, entry.chunk_lens, entry.rest
+        )
 
     # ----------------------------------------------------------------- membership
 
@@ -186,24 +237,38 @@ class RowTable:
         old = self._entries.get(key)
         if old is not None:
             refcount, gen = old.refcount, old.gen  # the pins move to the new copy
-            self.remove(key)
+            moved = old.info.tier != info.tier
+            dropped = self._remove(key, keep_chunk_bytes=False)
+            if moved and dropped is not None and self.events is not None:
+                # Its bytes in the other tier are nobody's to delete here: only forgotten.
+                self.events.row_dropped(dropped, bytes_kept=True)
         self._prefix.insert(info.namespace, key, row.tokens, info.size)
-        self._entries[key] = _Entry(info, row.location, refcount, row.chunks, row.chunk_lens, gen)
-        self.chunks.ref(info.tier, row.chunks)
+        self._entries[key] = _Entry(
+            info, row.location, refcount, row.chunks, row.chunk_lens, row.rest, gen
+        )
+        self.chunks.ref(info.tier, row.chunk_refs)
         self._bytes[info.tier] = self._bytes.get(info.tier, 0) + info.size
         self._count[info.tier] = self._count.get(info.tier, 0) + 1
         self._policy.insert(key, info)
+        if self.events is not None:
+            self.events.row_stored(row)
 
     def remove(self, key: bytes, *, keep_chunk_bytes: bool = False) -> StoredRow | None:
         """Forget a row, pinned or not; the row as it was, for the caller to delete its bytes
         (and the chunks no other row names: ``chunks.take_freed``, marked to be only
         forgotten with ``keep_chunk_bytes``)."""
+        row = self._remove(key, keep_chunk_bytes=keep_chunk_bytes)
+        if row is not None and self.events is not None:
+            self.events.row_dropped(row, bytes_kept=keep_chunk_bytes)
+        return row
+
+    def _remove(self, key: bytes, *, keep_chunk_bytes: bool) -> StoredRow | None:
         if key not in self._entries:
             return None
         row = self.stored(key)
         tier = row.info.tier
         del self._entries[key]
-        self.chunks.unref(tier, row.chunks, keep=keep_chunk_bytes)
+        self.chunks.unref(tier, row.chunk_refs, keep=keep_chunk_bytes)
         self._bytes[tier] -= row.info.size
         self._count[tier] -= 1
         self._prefix.remove(key)

@@ -190,6 +190,12 @@ class CacheCore:
             effective, capped = self.quota_caps.effective(tier, int(size.physical_bytes))
             snap[f"tier_{name}_effective_quota_bytes"] = float(effective)
             snap[f"tier_{name}_quota_capped_by_filesystem"] = float(capped)
+        for kind, size in self.index.memory_sizes().items():
+            snap[f"memory_{kind}_bytes"] = float(size.physical_bytes)
+            snap[f"memory_{kind}_logical_bytes"] = float(size.logical_bytes)
+            snap[f"memory_{kind}_dedup_ratio"] = size.dedup_ratio
+            snap[f"memory_{kind}_chunks"] = float(size.chunks)
+            snap[f"memory_{kind}_rows"] = float(size.rows)
         snap["rows"] = float(len(self.index))
         snap["reservations"] = float(self.index.pending_reservations())
         return snap
@@ -281,6 +287,19 @@ class CacheCore:
         self.index.history.gone(
             info.namespace, info.key, row.tokens, MissReason.UNREADABLE, info.tier, detail
         )
+
+    def retain(self, tier: Tier, row: StoredRow, keep: int) -> None:
+        """A recurrent or hybrid model's state was just published in ``tier``: retire the
+        states of its conversation it makes needless (``Index.retention_victims``). Only in
+        a local tier this process alone writes: elsewhere another process's conversations
+        may extend a row this index does not know to be shared."""
+        if keep < 0 or not tier.capabilities.local or not self.sole_user(tier):
+            return
+        victims = self.index.retention_victims(row.info.key, keep)
+        if victims:
+            freed = self.retire(victims)
+            self.counters.incr("retention_drops", freed.rows)
+            self.counters.incr("retention_bytes", freed.bytes)
 
     def enforce_quota(self, tier: Tier) -> None:
         used, _ = self.index.usage().get(tier.name, (0, 0))

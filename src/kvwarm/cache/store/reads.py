@@ -83,15 +83,25 @@ class RowReads:
         arena = None
         try:
             data = self._load(tier, stored, scratch, payload=payload)
-            if skip and data.payload.nbytes:
-                # A manifest's payload (an iSWA window, a recurrent state) belongs to the
-                # whole row: it is read whole.
+            if skip and (data.payload.nbytes or stored.rest is not None):
+                # A manifest's rest (an iSWA window, a recurrent state) belongs to the whole
+                # row: it is read whole.
                 stored, chunks_from = whole, 0
             if chunks and local and persistent:
                 arena = self.chunk_arena(stored)
             if chunks:
                 parts = self.load_parts(tier, stored, arena)
-            yield LoadedRow(stored.info, data.tokens, data.payload, data.logits, parts, chunks_from)
+            main, rest = parts[: len(stored.chunks)], parts[len(stored.chunks) :]
+            yield LoadedRow(
+                stored.info,
+                data.tokens,
+                data.payload,
+                data.logits,
+                main,
+                chunks_from,
+                rest,
+                stored.rest.first if stored.rest is not None and rest else 0,
+            )
         finally:
             index.checkin(key, gen)
             if local:
@@ -134,25 +144,27 @@ class RowReads:
         fill), or None."""
         if not stored.chunks:
             return None
-        sizes = self._core.index.chunk_sizes(stored.info.tier, stored.chunks)
+        sizes = self._core.index.chunk_sizes(stored.info.tier, stored.chunk_refs)
         known = [n for n in sizes if n is not None]
         return self._scratch.take_arena(sum(known)) if len(known) == len(sizes) else None
 
     def load_parts(
         self, tier: Tier, stored: StoredRow, arena: bytearray | None
     ) -> tuple[memoryview, ...]:
-        """A manifest's chunks, verified, in order; () for a whole-blob row."""
-        if not stored.chunks:
+        """A manifest's chunks, verified, in order (its first cache's, then its rest's); ()
+        for a whole-blob row."""
+        refs = stored.chunk_refs
+        if not refs:
             return ()
         key = stored.info.key
         try:
             pool = self._pool
-            if not tier.capabilities.local and pool is not None and len(stored.chunks) > 1:
+            if not tier.capabilities.local and pool is not None and len(refs) > 1:
                 # A remote store answers several GETs at once: one round trip, not one each.
-                chunks = list(pool.map(tier.load_chunk, stored.chunks))
+                chunks = list(pool.map(tier.load_chunk, refs))
             else:
-                sizes = self._core.index.chunk_sizes(tier.name, stored.chunks) if arena else []
-                chunks = load_chunks(tier, stored.chunks, arena, sizes)
+                sizes = self._core.index.chunk_sizes(tier.name, refs) if arena else []
+                chunks = load_chunks(tier, refs, arena, sizes)
         except (CacheFormatError, CacheKeyError) as exc:
             # A chunk is corrupt or gone: the row cannot be restored. Drop the row (in a
             # shared tier only forget it: ``CacheCore.drop_unreadable``).

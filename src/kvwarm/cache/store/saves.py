@@ -165,6 +165,7 @@ class Saves:
         if row is None:  # another writer had it reserved or published: fine if it is there now
             return key in self._core.index
         self._core.counters.record_save(request.reason)
+        self._core.retain(tier, row, self._config.state_history)
         self._core.enforce_quota(tier)
         return True
 

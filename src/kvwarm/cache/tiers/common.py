@@ -173,6 +173,10 @@ def check_request(key: bytes, request: SaveRequest) -> None:
     if request.logits is not None and len(request.logits) % 4:
         raise ValueError("logits must be float32 (length a multiple of 4)")
     check_chunks(len(request.tokens), request.chunk_lens, request.chunk_keys)
+    if request.rest_chunks is not None:
+        if not request.chunk_keys or memoryview(request.payload).nbytes:
+            raise ValueError("a rest in chunks needs chunks of its own, and no payload")
+        request.rest_chunks.check(len(request.tokens))
 
 
 def row_info(
@@ -192,7 +196,9 @@ def row_info(
     if stored_bytes is not None:
         payload_len = stored_bytes
     elif fields.chunks:
-        payload_len += 4 * len(fields.tokens) + 36 * len(fields.chunks) + len(fields.logits or b"")
+        rest = fields.rest_chunks
+        n_chunks = len(fields.chunks) + (0 if rest is None else len(rest.keys))
+        payload_len += 4 * len(fields.tokens) + 36 * n_chunks + len(fields.logits or b"")
     return RowInfo(
         key=key,
         tier=tier,
@@ -206,4 +212,5 @@ def row_info(
         has_logits=fields.logits is not None,
         namespace=fields.namespace,
         canonical_tokens=fields.canonical_tokens,
+        memory=fields.memory,
     )

@@ -290,7 +290,14 @@ class _Staged:
         n = memoryview(request.payload).nbytes
         info = row_info(key, tier.name, self._fields, n, stored_bytes=self._prefix_len + n)
         location = tier.location(key)
-        return StoredRow(info, request.tokens, location, request.chunk_keys, request.chunk_lens)
+        return StoredRow(
+            info,
+            request.tokens,
+            location,
+            request.chunk_keys,
+            request.chunk_lens,
+            request.rest_chunks,
+        )
 
     def undo(self) -> None:
         self._put.undo()
@@ -438,8 +445,14 @@ class ObjectTier:
         hits, last_used = _int_meta(user_meta, META_HITS), _int_meta(user_meta, META_LAST_USED)
         if hits is not None and last_used is not None:
             info = replace(info, hits=hits, last_used=float(last_used))
+        fields = meta.fields
         return StoredRow(
-            info, meta.fields.tokens, self.location(key), meta.fields.chunks, meta.fields.chunk_lens
+            info,
+            fields.tokens,
+            self.location(key),
+            fields.chunks,
+            fields.chunk_lens,
+            fields.rest_chunks,
         )
 
     def delete(self, key: bytes) -> None:

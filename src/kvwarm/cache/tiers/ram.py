@@ -106,12 +106,16 @@ class RamTier:
             ttl_class=request.ttl_class,
             logits=request.logits,
             canonical_tokens=request.canonical_tokens,
+            memory=request.memory,
             chunk_lens=request.chunk_lens,
             chunks=request.chunk_keys,
+            rest_chunks=request.rest_chunks,
         )
         size = memoryview(request.payload).nbytes
         info = row_info(key, self._name, fields, size, created=now, last_used=now)
-        stored = StoredRow(info, request.tokens, None, request.chunk_keys, request.chunk_lens)
+        stored = StoredRow(
+            info, request.tokens, None, request.chunk_keys, request.chunk_lens, request.rest_chunks
+        )
         return _Staged(self, key, _Entry(stored, request.payload, request.logits))
 
     def _put(self, key: bytes, entry: _Entry) -> None:

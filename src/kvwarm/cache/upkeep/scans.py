@@ -87,9 +87,10 @@ class CacheUpkeep:
         (set aside instead, in a tier that sets aside). A chunk not seen by the chunk scan
         but on disk now (another process's save since) is counted stored, not missing."""
         if row.chunks and isinstance(tier, SetsAside) and tier.capabilities.local:
-            sizes = self._core.index.chunk_sizes(tier.name, row.chunks)
+            refs = row.chunk_refs  # a window's chunks too
+            sizes = self._core.index.chunk_sizes(tier.name, refs)
             gone = []
-            for chunk, size in zip(row.chunks, sizes, strict=True):
+            for chunk, size in zip(refs, sizes, strict=True):
                 if size is not None:
                     continue
                 found = tier.chunk_size(chunk)
@@ -155,7 +156,7 @@ class CacheUpkeep:
                 data = tier.load(stored)
                 if data.tokens != stored.tokens:
                     raise CacheFormatError("tokens differ from the index")
-                for chunk in stored.chunks:
+                for chunk in stored.chunk_refs:
                     if (tier.name, chunk) not in good_chunks:
                         tier.load_chunk(chunk)  # head, key replay and payload CRC32C
                         good_chunks.add((tier.name, chunk))

@@ -29,7 +29,7 @@ from dataclasses import replace
 from kvwarm.cache.formats.key import PrefixKeyer
 from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
 from kvwarm.cache.store.core import CacheCore
-from kvwarm.cache.types import CacheConfig, Namespace, SaveRequest
+from kvwarm.cache.types import CacheConfig, Namespace, SaveRequest, Splitter
 from kvwarm.errors import CacheError
 
 __all__ = ["SharedTiers"]
@@ -101,19 +101,15 @@ class SharedTiers:
         if target is None or fields is None or self._core.index.in_flight(key):
             return
         view = data.payload[:]
-        split = None
+        split = split_rest = None
+        rest = fields.rest_chunks
         if parts and fields.chunks:
-            held = tuple(p[:] for p in parts)  # s3 bodies are immutable bytes: views suffice
-            starts: dict[int, int] = {}
-            at = 0
-            for i, length in enumerate(fields.chunk_lens):
-                starts[at] = i
-                at += length
-
-            def pick(_blob: object, bounds: Sequence[int]) -> list[bytes]:
-                return [bytes(held[starts[b]]) for b in bounds[:-1]]
-
-            split = pick
+            # s3 bodies are immutable bytes: views suffice.
+            n_main = len(fields.chunks)
+            split = _picker(tuple(p[:] for p in parts[:n_main]), 0, fields.chunk_lens)
+            if rest is not None:
+                held = tuple(p[:] for p in parts[n_main:])
+                split_rest = _picker(held, rest.start, rest.lens)
         # The payload is copied on the writer thread: copying MBs here would stall a tick.
         request = SaveRequest(
             namespace=fields.namespace,
@@ -128,9 +124,13 @@ class SharedTiers:
             quant_bits=fields.quant_bits,
             fingerprint_mode=fields.fingerprint_mode,
             canonical_tokens=fields.canonical_tokens,
+            memory=fields.memory,
             split=split,
-            # A manifest's payload is its rest (``kvc``): copied as it is.
+            # A manifest's payload is its rest (``kvc``): copied as it is; a rest in chunks is
+            # copied chunk by chunk under its keys.
             rest=_as_is if split is not None and view.nbytes else None,
+            split_rest=split_rest,
+            rest_chunks=rest if split_rest is not None else None,
             chunk_lens=fields.chunk_lens if split is not None else (),
             # Its chunks keep their keys: past its canonical prefix they are not the plain
             # chain of its tokens (``chunkfmt.chunk_chain``).
@@ -171,6 +171,21 @@ class SharedTiers:
         self._core.counters.incr("promotions")
         self._core.enforce_quota(target)
         return True
+
+
+def _picker(held: tuple[memoryview, ...], start: int, lens: Sequence[int]) -> Splitter:
+    """A splitter that hands back chunks already read (a promoted manifest's, cut at
+    ``lens`` tokens from ``start``), by where each starts."""
+    starts: dict[int, int] = {}
+    at = start
+    for i, length in enumerate(lens):
+        starts[at] = i
+        at += length
+
+    def pick(_blob: object, bounds: Sequence[int]) -> list[bytes]:
+        return [bytes(held[starts[b]]) for b in bounds[:-1]]
+
+    return pick
 
 
 def _as_is(payload: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:

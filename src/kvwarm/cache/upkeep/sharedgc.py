@@ -163,5 +163,5 @@ class SharedSweep:
             if stored is None:
                 bad.add(key)
                 continue
-            marked.update(stored.chunks)
+            marked.update(stored.chunk_refs)
         return bad

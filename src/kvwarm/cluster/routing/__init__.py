@@ -1,6 +1,8 @@
 """Routing: which replica a request goes to (``base.py`` for the seam, its invariants and the
-registry of policies; ``prefix.py`` the built-in policy; ``tables.py`` what replicas report
-and where the router sent each chain). Pure: no Ray, no clock, no I/O."""
+registry of policies; ``events.py`` the default policy, by what replicas' caches hold;
+``prefix.py`` the text-prefix one; ``facts.py`` the cache facts replicas publish and
+``index.py`` the router's index of them; ``tables.py`` what replicas report and where the
+router sent each chain). Pure: no Ray, no clock, no I/O."""
 
 from kvwarm.cluster.routing.base import (
     DEFAULT_POLICY,
@@ -16,13 +18,17 @@ from kvwarm.cluster.routing.base import (
     registered_policies,
     unregister_policy,
 )
+from kvwarm.cluster.routing.events import EventsPolicy
+from kvwarm.cluster.routing.index import ClusterIndex, index_for
 from kvwarm.cluster.routing.prefix import PrefixPolicy, match_length
 from kvwarm.cluster.routing.tables import AffinityTable, WarmSet
 
 __all__ = [
     "DEFAULT_POLICY",
     "AffinityTable",
+    "ClusterIndex",
     "Decision",
+    "EventsPolicy",
     "PolicyFactory",
     "PrefixPolicy",
     "ReplicaView",
@@ -32,6 +38,7 @@ __all__ = [
     "WarmSet",
     "build_policy",
     "check_policy",
+    "index_for",
     "match_length",
     "register_policy",
     "registered_policies",

@@ -14,10 +14,13 @@ Invariants every policy keeps (the router relies on them, see docs/architecture.
   calls (an index fed by what replicas report); the router calls it from one task at a time.
 
 Policies are registered by name (``register_policy``), like eviction policies and tiers; the
-``cluster_routing`` setting picks one (``RoutingConfig.policy``). The built-in is ``prefix``
-(``prefix.py``): the replica holding the longest prefix of the request's chain warm. A new
-policy is one module here plus one ``register_policy`` call at the end of this file, where
-every process that routes (Ray runs the router in its own) registers it on import.
+``cluster_routing`` setting picks one (``RoutingConfig.policy``). The built-ins: ``events``
+(``events.py``, the default): what each replica could serve of the request, from the facts
+its cache events told the router (``index.py``; ``ReplicaView.reach``), weighed against its
+load; ``prefix`` (``prefix.py``): the replica holding the longest prefix of the request's
+chain warm, as guessed from the text it served. A new policy is one module here plus one
+``register_policy`` call at the end of this file, where every process that routes (Ray runs
+the router in its own) registers it on import.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ __all__ = [
     "unregister_policy",
 ]
 
-DEFAULT_POLICY = "prefix"
+DEFAULT_POLICY = "events"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,15 @@ class RoutingConfig:
     busy_requests: int = 2  # in flight (queued + running) at or above which a replica is busy
     slow_factor: float = 3.0  # slow: ttft over slow_factor x the median of the candidates ...
     slow_floor_ms: float = 2000.0  # ... and over this many milliseconds
+    # ``events``: the score is tokens served x the source's weight - load_tokens x load
+    # (docs/cluster.md, "Routing"); a chain unit only this router's record places counts
+    # routed_unit_tokens.
+    load_tokens: float = 128.0
+    weight_live: float = 1.0
+    weight_memory: float = 0.95
+    weight_local: float = 0.8
+    weight_remote: float = 0.6
+    routed_unit_tokens: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +77,7 @@ class RouteRequest:
 
     chain: tuple[str, ...] = ()  # chained hashes of its prompt (``chains``); (): no prompt
     model_id: str | None = None  # the model it names (None: not a typed call)
+    parent_key: bytes | None = None  # its previous turn's finish row, if the ingress knows it
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +93,18 @@ class ReplicaView:
     # Everything the replica last reported (``EngineReplica.record_routing_stats``): a policy
     # that needs a fact of its own reads it here, with no change to the router.
     reported: Mapping[str, object] = field(default_factory=dict)
+    # What it could serve of this request, per source (live, memory, local, remote), in
+    # tokens: from the cluster's index of cache events (``index.ClusterIndex.reach``).
+    reach: Mapping[str, int] = field(default_factory=dict)
+    slots: int = 1  # conversations it runs at once (its models' slots)
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     groups: list[list[str]]  # ranked: try the first group, then the next ...
-    matched: int  # chain units the first choice holds warm (0: a new conversation)
+    # How much of the request the first choice holds, in the policy's unit (prefix: chain
+    # units; events: tokens weighed by source); 0: nothing (a new conversation).
+    matched: int
 
 
 class RoutingPolicy(Protocol):
@@ -132,4 +151,11 @@ def _prefix(config: RoutingConfig) -> RoutingPolicy:
     return PrefixPolicy(config)
 
 
+def _events(config: RoutingConfig) -> RoutingPolicy:
+    from kvwarm.cluster.routing.events import EventsPolicy
+
+    return EventsPolicy(config)
+
+
+register_policy("events", _events)
 register_policy("prefix", _prefix)

@@ -38,7 +38,9 @@ def _match(chain: Sequence[str], view: ReplicaView) -> int:
     return match_length(chain, view.warm, view.routed)
 
 
-def _slow(views: Sequence[ReplicaView], config: RoutingConfig) -> set[str]:
+def slow_replicas(views: Sequence[ReplicaView], config: RoutingConfig) -> set[str]:
+    """Replicas whose recent time to first token is over ``slow_factor`` x the median of
+    those reported and over ``slow_floor_ms`` (none when fewer than two reported)."""
     reported = [v.ttft_ms for v in views if v.ttft_ms is not None]
     if len(reported) < 2:
         return set()  # nothing to compare with
@@ -58,7 +60,7 @@ class PrefixPolicy:
         if not views:
             return Decision([], 0)
         chain = request.chain
-        slow = _slow(views, self.config)
+        slow = slow_replicas(views, self.config)
         matches = {v.id: _match(chain, v) for v in views}
         ok = [v for v in views if v.in_flight < self.config.busy_requests and v.id not in slow]
         ok_ids = {v.id for v in ok}

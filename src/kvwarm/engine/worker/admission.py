@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from kvwarm.alignment import align_down, canonical_after
 from kvwarm.backends.base import AdapterSet, Buffer, Sampler
+from kvwarm.cache.api import LoadedRow
 from kvwarm.cache.explain import MissReason, ReuseReport
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Failed, Request
@@ -157,6 +158,10 @@ class Admission:
             for m in (match, *whole)
             if m is not None
         ]
+        if req.kind == "score":
+            # A rerank document's score comes from a decode of its last token, so a row's
+            # stored logits cannot stand in for it: at least that token is prefilled.
+            rows = [replace(r, has_logits=False) for r in rows]
         rt.refresh_floors()
         port.note_model(base)
         found = best_found(
@@ -289,7 +294,12 @@ class Admission:
             resume_points=planned.resume, deterministic=req.deterministic,
         )  # fmt: skip
         pauses = self.port.pauses(
-            keep, n, resume_points=planned.resume, saved=saved, end=req.kind != "prewarm"
+            keep,
+            n,
+            resume_points=planned.resume,
+            saved=saved,
+            kind=req.kind,
+            spans=req.prompt.spans,
         )
         # Explained before seating: an exact hit from a row's logits may finish right there.
         try:
@@ -312,6 +322,11 @@ class Admission:
             reuse=reuse,
             adapters=planned.adapters,
         )
+        encoder = self.rt.encoder
+        for index, span in enumerate(req.prompt.spans):
+            # Only the spans it did not restore; encoded while the worker decodes the rest.
+            if span.end > keep and encoder is not None:
+                active.encodes[index] = encoder.start(req.media[index])
         slot.active = active
         slot.kv_namespace = ns  # whatever KV the slot holds from now on was computed under ns
         slot.phase = "prefill"
@@ -374,6 +389,7 @@ class Admission:
         tokens = req.prompt_tokens
         nb = rt.cfg.n_batch
         det = req.deterministic
+        opened = time.perf_counter()
         with self.port.open_row(plan.row_key, from_token=plan.base) as row:
             canonical = row.info.canonical_tokens
             shared = common_prefix(row.tokens, tokens)
@@ -399,9 +415,10 @@ class Admission:
                 canonical = base_canonical if canonical is None else min(canonical, base_canonical)
             else:
                 rt.reset_seq(slot)
-                n_restored = self._restore_whole(slot, row.chunks, row.payload)
+                n_restored = self._restore_whole(slot, row)
             if n_restored is not None:
-                self.port.restored(time.perf_counter() - t0)
+                done = time.perf_counter()
+                self.port.restored(done - t0, done - opened)
                 slot.kv_tokens[:] = row.tokens[:n_restored]
                 keep, use_logits = trim_restored(
                     keep,
@@ -423,17 +440,22 @@ class Admission:
         # read anew outside that lease.
         return self._restore_row(slot, replace(plan, base=0), req)
 
-    def _restore_whole(self, slot: Slot, chunks: Sequence[Buffer], payload: memoryview) -> int:
+    def _restore_whole(self, slot: Slot, row: LoadedRow) -> int:
         """Restore a whole row into ``slot`` (emptied): its chunks, or its payload."""
         rt = self.rt
+        chunks, payload = row.chunks, row.payload
         # A manifest's chunks are restored each from the buffer it was read into; chunks the
         # context cannot restore in place (an older chunk format) are joined (each byte
         # copied once) into the worker's reused buffer, which kv_unpack reads in place, and so
-        # are those of a manifest with a rest (its payload: an iSWA window, a hybrid's
-        # recurrent state), followed by it. A whole-blob row is unpacked from its view
-        # directly. No view is kept.
+        # are those of a manifest with a rest, followed by it: its payload (a hybrid's
+        # recurrent state), or its rest chunks joined after them (an iSWA window). A
+        # whole-blob row is unpacked from its view directly. No view is kept.
         if not chunks:
             return rt.ctx.kv_unpack(slot.seq, payload)
+        if row.rest_chunks:
+            joined = rt.join_buf.join(rt.ctx, chunks, rest_chunks=row.rest_chunks,
+                                      rest_from=row.rest_from)  # fmt: skip
+            return rt.ctx.kv_unpack(slot.seq, joined)
         n_restored = None if payload.nbytes else rt.ctx.kv_unpack_chunks(slot.seq, chunks)
         if n_restored is None:
             n_restored = rt.ctx.kv_unpack(slot.seq, rt.join_buf.join(rt.ctx, chunks, payload))

@@ -2,7 +2,9 @@
 
 Invariant kept by every strategy: a slot's prefill chunk never crosses an absolute multiple of
 ``n_batch``; a deterministic slot's chunk is never cut by the budget (it runs in a call of its
-own when it does not fit), so its numerics equal a cold prefill's. A generating slot's draft
+own when it does not fit), so its numerics equal a cold prefill's. A ``whole`` prompt (a model
+whose attention is not causal) is never cut either, and shares a call only within one ubatch:
+if it does not fit what is left, it waits for the next tick. A generating slot's draft
 (speculative decoding, ``drafted`` tokens in all) travels with its next token: what the
 decoding slots put in the call counts against the budget before any prefill chunk does.
 """
@@ -24,6 +26,9 @@ class PrefillWant:
     start: int  # next prompt position to prefill
     stop: int  # exclusive: end of prompt or the cold-save pause point
     deterministic: bool
+    #: Prefilled whole, in one ubatch with whatever shares its call (an encoder: every
+    #: position attends to every other, and llama.cpp asserts the call fits one ubatch).
+    whole: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +75,12 @@ def _fill(
             break
         end = chunk_end(want.start, want.stop, n_batch)
         size = end - want.start
+        if want.whole:
+            # Admission keeps such a prompt within n_ubatch, so one always fits an empty call.
+            if used + size <= min(budget, n_ubatch):
+                shared.append(Chunk(want.slot, want.start, end))
+                used += size
+            continue
         if want.deterministic:
             # Mixing keeps numerics only if llama.cpp will not split the call differently
             # (the whole call must fit one ubatch); otherwise the chunk runs alone.

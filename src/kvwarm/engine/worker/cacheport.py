@@ -28,6 +28,7 @@ from kvwarm.cache.api import LoadedRow
 from kvwarm.cache.explain import ReuseReport
 from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, TtlClass
+from kvwarm.engine.request import RequestKind
 from kvwarm.engine.worker.drafts import RowDrafts
 from kvwarm.engine.worker.explain import Found, explain, same_tenant
 from kvwarm.engine.worker.runtime import Runtime
@@ -38,7 +39,7 @@ from kvwarm.engine.worker.savegates import (
     should_finish_save,
 )
 from kvwarm.engine.worker.slots import Slot
-from kvwarm.tokens import Span
+from kvwarm.tokens import Span, resume_point
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,12 @@ class CachePort:
         """A request found nothing to reuse."""
         self.rt.cache.record_miss()
 
-    def restored(self, seconds: float) -> None:
-        """A row's KV went into a slot in ``seconds`` (the ``unpack`` latency)."""
+    def restored(self, seconds: float, whole_s: float) -> None:
+        """A row's KV went into a slot in ``seconds`` (the ``unpack`` latency: joined and
+        unpacked), ``whole_s`` from opening the row (the ``restore`` latency: its file and its
+        chunks read and verified too)."""
         self.rt.cache.record_latency("unpack", seconds)
+        self.rt.cache.record_latency("restore", whole_s)
 
     def explain(
         self,
@@ -165,8 +169,10 @@ class CachePort:
         partial, unaligned prompt: not worth a row."""
         act = slot.active
         assert act is not None
-        if slot.phase != "generate" or not should_finish_save(
-            len(slot.kv_tokens), self.rt.cfg.policy
+        if (
+            slot.phase != "generate"
+            or act.req.kind == "score"  # one of many documents: a row of it serves no other
+            or not should_finish_save(len(slot.kv_tokens), self.rt.cfg.policy)
         ):
             return None, False
         return self.hold(slot, act.namespace)
@@ -246,6 +252,7 @@ class CachePort:
                 quant_bits=cfg.quant_bits,
                 fingerprint_mode=cfg.fingerprint_mode,
                 canonical_tokens=canonical,
+                memory=rt.memory.kind,
                 # Past its aligned canonical prefix a row's KV bits are its own (a last
                 # partial pass, an unaligned restore, decoding): its chunks there are never
                 # shared with a row whose bits are canonical (kvwarm.alignment).
@@ -253,11 +260,14 @@ class CachePort:
                 # Packed by the cache through ``pack`` (only what its tier lacks); it cuts the
                 # chunks on a writer thread (the codec is pure). A memory of two parts
                 # (kvwarm.memory: an iSWA window, a hybrid's recurrent state) is chunked in its
-                # full-attention cache and keeps the rest in the row; a recurrent state is
-                # stored whole. Such rows are checkpoints, restorable only where their floor
-                # allows.
+                # full-attention cache and keeps the rest: a window in chunks of its own,
+                # keyed like the first cache's, a recurrent state in the row; a pure recurrent
+                # state is stored whole. Such rows are checkpoints, restorable only where
+                # their floor allows.
                 split=codec.split if rt.memory.chunkable or rt.memory.has_rest else None,
                 rest=codec.rest if rt.memory.has_rest else None,
+                rest_span=codec.rest_span if rt.memory.rest_chunkable else None,
+                split_rest=codec.split_rest if rt.memory.rest_chunkable else None,
             )
             timeout = cfg.policy.evict_save_timeout_ms / 1e3
             return rt.cache.save(request, sync=sync, timeout_s=timeout)
@@ -327,6 +337,8 @@ class CachePort:
         act = slot.active
         assert act is not None
         n = len(act.req.prompt_tokens)
+        if act.req.kind == "score":
+            return  # a rerank document saves nothing (``pauses``)
         if not self._checkpoints_resume(keep, n, resume_points, act.deterministic):
             return
         if self.rt.cache.has(self.rt.cache.key_for(act.namespace, slot.kv_tokens)):
@@ -375,16 +387,21 @@ class CachePort:
         *,
         resume_points: Sequence[int] = (),
         saved: int = 0,
-        end: bool = True,
+        kind: RequestKind = "generate",
+        spans: Sequence[Span] = (),
     ) -> list[int]:
         """Where a prefill of prompt tokens ``[keep, n)`` pauses to save, ascending (``n``
-        itself: the checkpoint at the prompt's end).
+        itself: the checkpoint at the prompt's end). A rerank document (``kind`` score)
+        saves nothing: its shared prefix was prefilled (and saved) by a request of its own,
+        and a row of one document serves no other. Never inside one of the prompt's
+        ``spans``: a point that falls in one moves to its start (KV ending inside a span is
+        no prompt's state).
 
         The cold save's boundary (trimmed, aligned: the row stays canonical), and for a model
         whose state cannot be trimmed (``kvwarm.memory``) each of ``resume_points`` (where
         another row's tokens diverge from this prompt: the next prompt that shares that much
-        resumes there, which a longer row's untrimmable state cannot offer) and, with
-        ``end``, the prompt's end. Such a checkpoint is made only ``checkpoint_gap_tokens``
+        resumes there, which a longer row's untrimmable state cannot offer) and, but for a
+        prewarm, the prompt's end. Such a checkpoint is made only ``checkpoint_gap_tokens``
         or more past the saved state below it (``saved``: the longest prefix of the prompt a
         row holds at or below ``keep``, 0 for none; or the checkpoint before it): a prompt
         resuming from that state instead prefills fewer tokens than the checkpoint costs to
@@ -392,15 +409,19 @@ class CachePort:
         saves only its reply. The end is measured from ``saved`` and the cold save alone:
         its logits serve the same prompt again with no decode at all, which a checkpoint a
         few tokens before it (a chat template's generation prompt) cannot."""
+        if kind == "score":
+            return []
+        end = kind != "prewarm"
         policy = self.rt.cfg.policy
         boundary = cold_save_length(n, policy)
         # Pausing between aligned chunks keeps the cold row canonical.
-        boundary = align_down(boundary, self.rt.cfg.n_batch)
+        boundary = resume_point(spans, align_down(boundary, self.rt.cfg.n_batch))
         cold = boundary if keep < boundary < n and boundary >= policy.min_tokens else 0
         if self.rt.memory.trimmable:
             return [cold] if cold else []
         gap = policy.checkpoint_gap_tokens
-        wanted = {p for p in resume_points if keep < p < n and p >= policy.min_tokens}
+        wanted = {resume_point(spans, p) for p in resume_points}
+        wanted = {p for p in wanted if keep < p < n and p >= policy.min_tokens}
         points: list[int] = []
         below = saved
         for point in sorted(wanted | {cold} - {0}):

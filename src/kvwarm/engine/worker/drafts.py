@@ -32,6 +32,7 @@ entry per token of the request and is freed with the request.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections import OrderedDict, deque
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 
 from kvwarm.cache.types import Namespace, RowInfo
 from kvwarm.engine.types import SpecType
+from kvwarm.tokens import is_span_id
 
 #: A request's second source of drafts: ``(last n tokens, limit)`` to what followed them
 #: elsewhere (``RowDrafts.continuation`` of its namespace), at most ``limit`` tokens.
@@ -178,6 +180,9 @@ class Drafter:
             source = self.elsewhere(tuple(toks[len(toks) - n :]), limit)
         else:
             source = []
+        # A media span's positions are no token: a draft stops before one (a prompt's or a
+        # row's span ids would otherwise be proposed as tokens, which no vocabulary has).
+        source = list(itertools.takewhile(lambda t: not is_span_id(t), source))
         if not source:
             return []
         limit = len(source)

@@ -31,6 +31,9 @@ class Found:
     shared: int = 0
     canonical: int | None = None
     floor: int = 0
+    #: Whether the source holds more than the ``shared`` tokens: it goes on with other
+    #: content where the prompt diverges from it.
+    longer: bool = False
 
 
 def best_found(
@@ -48,14 +51,17 @@ def best_found(
     n = len(tokens)
     best = Found()
     best_keep = -1
-    cands: list[tuple[int, int | None, int, int | None, bool]] = []
+    cands: list[tuple[int, int | None, int, int | None, bool, bool]] = []
     for slot in slots:
         if slot.kv_tokens and slot.kv_namespace == namespace:
             shared = common_prefix(slot.kv_tokens, tokens)
-            cands.append((shared, slot.canonical, slot.floor, None, False))
+            longer = len(slot.kv_tokens) > shared
+            cands.append((shared, slot.canonical, slot.floor, None, False, longer))
     for row in rows:
-        cands.append((min(row.n_shared, n), row.canonical, row.floor, row.n_tokens, row.has_logits))
-    for shared, canonical, floor, row_tokens, has_logits in cands:
+        shared = min(row.n_shared, n)
+        longer = row.n_tokens > shared
+        cands.append((shared, row.canonical, row.floor, row.n_tokens, row.has_logits, longer))
+    for shared, canonical, floor, row_tokens, has_logits, longer in cands:
         keep, _ = usable_length(
             shared,
             n,
@@ -68,7 +74,7 @@ def best_found(
             spans=spans,
         )
         if (shared, keep) > (best.shared, best_keep):
-            best, best_keep = Found(shared, canonical, floor), keep
+            best, best_keep = Found(shared, canonical, floor, longer), keep
     return best
 
 
@@ -104,6 +110,11 @@ def explain(
         floor=found.floor,
         spans=spans,
     )
+    # The prompt shows an image or clip where the source holds other content (another
+    # picture, or text): its span's ids name its content, so they part right there.
+    starts = {span.start for span in spans}
+    if reason is MissReason.NEW_TOKENS and found.longer and found.shared in starts:
+        reason = MissReason.MEDIA_DIFFERS
     return ReuseReport(reason, found.shared, reused)
 
 

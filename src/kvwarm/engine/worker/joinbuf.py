@@ -36,9 +36,21 @@ class JoinBuffer:
     def capacity(self) -> int:
         return 0 if self._buf is None else len(self._buf)
 
-    def join(self, ctx: BackendContext, chunks: Sequence[Buffer], rest: Buffer = b"") -> memoryview:
+    def join(
+        self,
+        ctx: BackendContext,
+        chunks: Sequence[Buffer],
+        rest: Buffer = b"",
+        *,
+        rest_chunks: Sequence[Buffer] = (),
+        rest_from: int = 0,
+    ) -> memoryview:
         """``ctx.kv_join(chunks)`` followed by ``rest`` (a row's state after its chunked KV
-        cache: ``KvCodec.rest``) written into this buffer; a view of the blob."""
+        cache: ``KvCodec.rest``), or by the rest joined from ``rest_chunks`` (an iSWA window
+        from position ``rest_from``: ``KvCodec.join_rest``), written into this buffer; a view
+        of the blob."""
+        if rest_chunks:
+            return self._join_both(ctx, chunks, rest_chunks, rest_from)
         extra = memoryview(rest).nbytes
         need = 0
         if self._buf is not None:
@@ -58,6 +70,35 @@ class JoinBuffer:
         self._buf = None
         self._buf = grown(need, old)
         return self._append(ctx.kv_join(chunks, out=self._buf).nbytes, rest, extra)
+
+    def _join_both(
+        self,
+        ctx: BackendContext,
+        chunks: Sequence[Buffer],
+        rest_chunks: Sequence[Buffer],
+        rest_from: int,
+    ) -> memoryview:
+        """Both caches joined one after the other into this buffer, each checked once: a
+        join that does not fit is refused before it writes (``JoinBufferTooSmallError``,
+        with the size it needs), and the buffer grows to the sum."""
+        codec = ctx.kv_codec
+        if self._buf is not None:
+            view = memoryview(self._buf)
+            try:
+                head = ctx.kv_join(chunks, out=view).nbytes
+                tail = codec.join_rest(rest_chunks, rest_from, out=view[head:]).nbytes
+            except JoinBufferTooSmallError:
+                pass  # refused before a byte was written: grow below
+            else:
+                return view[: head + tail]
+        need = codec.joined_size(chunks) + codec.rest_size(rest_chunks, rest_from)
+        old = self.capacity
+        self._buf = None  # holding both would briefly double the footprint
+        self._buf = grown(need, old)
+        view = memoryview(self._buf)
+        head = ctx.kv_join(chunks, out=view).nbytes
+        tail = codec.join_rest(rest_chunks, rest_from, out=view[head:]).nbytes
+        return view[: head + tail]
 
     def _append(self, at: int, rest: Buffer, extra: int) -> memoryview:
         """The buffer's first ``at`` bytes (a joined blob) followed by ``rest``, as a view."""

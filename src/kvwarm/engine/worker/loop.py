@@ -34,13 +34,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvwarm.backends.base import BackendContext, BackendModel
+from kvwarm.backends.base import BackendContext, BackendModel, Projector
 from kvwarm.cache.api import CacheApi
 from kvwarm.cache.types import Namespace, SaveReason
 from kvwarm.engine.request import Failed, Request
 from kvwarm.engine.types import SlotStatus
 from kvwarm.engine.worker.admission import Admission
 from kvwarm.engine.worker.cacheport import CachePort
+from kvwarm.engine.worker.encoder import Encoder
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
 from kvwarm.engine.worker.runtime import Resolver, Runtime, WorkerConfig, WorkerStats
@@ -72,6 +73,8 @@ class Worker:
         config: WorkerConfig,
         namespace: Callable[[], Namespace],
         resolve: Resolver | None = None,
+        *,
+        projector: Projector | None = None,
     ) -> None:
         self.name = name
         self.cfg = config
@@ -80,6 +83,9 @@ class Worker:
         self._iteration_since: float | None = None
         slots = [Slot(seq=i) for i in range(config.n_parallel)]
         self.rt = Runtime(name, model, ctx, cache, config, namespace, slots, resolve)
+        self._cond = threading.Condition()
+        if projector is not None:
+            self.rt.encoder = Encoder(name, projector, self._wake)
         # One native call per vocabulary entry (1.6 s for Gemma's 262,144): paid while the
         # model loads, not by its first request (which, after a restart, is a cache hit).
         self.rt.eog_tokens()
@@ -92,7 +98,6 @@ class Worker:
         self.tick = Tick(self.rt, forks, self.outcomes, self.port)
         self._queue: deque[Request] = deque()
         self._jobs: deque[_Job] = deque()
-        self._cond = threading.Condition()
         self._closing = False
         self._shutdown_save: Callable[[], object] | None = None
         self._closed = threading.Event()
@@ -106,15 +111,18 @@ class Worker:
 
     # ---- called from other threads -------------------------------------------------------
 
-    def submit(self, req: Request) -> None:
+    def submit(self, req: Request, *more: Request) -> None:
+        """Queue ``req`` (and ``more`` right behind it, all or none: a rerank's documents)."""
         with self._cond:
             if self._closing:
                 raise EngineClosedError(f"model {self.name!r} is shut down")
-            if len(self._queue) >= self.cfg.max_queue:
+            waiting = sum(1 for r in self._queue if r.counted)
+            if waiting >= self.cfg.max_queue:
                 raise QueueFullError(
-                    f"model {self.name!r} has {len(self._queue)} queued requests (max_queue)"
+                    f"model {self.name!r} has {waiting} queued requests (max_queue)"
                 )
             self._queue.append(req)
+            self._queue.extend(more)
             self._cond.notify_all()
 
     def call(self, fn: Callable[[], T], *, needs_idle: bool = False) -> Future[T]:
@@ -213,17 +221,20 @@ class Worker:
                     self._drain_on_close()
                     return
                 self._iteration_since = time.monotonic()
+                waiting = False
                 try:
                     self._run_jobs()
                     if self._admit():
                         self.rt.publish()  # what was seated shows busy during a long pass
-                    self.tick.run()
+                    waiting = self.tick.run() == "waiting"
                 except Exception as exc:  # never let the loop die: fail what is in flight
                     log.exception("worker %s: unexpected error; failing active requests", self.name)
                     self.outcomes.fail_all_active(exc)
                 finally:
                     self._iteration_since = None
                 self.rt.publish()
+                if waiting:  # not a stall: an encode runs on its own thread
+                    self._wait_for_encodes()
         except BaseException as exc:
             log.exception("worker %s: thread is dying; refusing further requests", self.name)
             with self._cond:
@@ -233,6 +244,8 @@ class Worker:
             raise
         finally:
             self.rt.join_buf.release()  # the restore buffer (tens of MiB) goes with the worker
+            if self.rt.encoder is not None:
+                self.rt.encoder.close()
             self.rt.publish()
             with self._cond:
                 self._exited = True
@@ -243,6 +256,31 @@ class Worker:
                     fn()
                 except Exception:
                     log.exception("worker %s: cleanup after exit failed", self.name)
+
+    def _wake(self) -> None:
+        """An encode finished (any thread): the loop may be waiting for it."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _wait_for_encodes(self) -> None:
+        """Nothing could run this round but spans whose embeddings are still being encoded:
+        sleep until an encode finishes or anything else happens (a request, a job, a cancel,
+        a close: each notifies), instead of spinning the loop."""
+        with self._cond:
+            if self._closing or self._jobs or self._cancelled_or_encoded():
+                return
+            if self._queue and any(s.active is None for s in self.slots):
+                return
+            self._cond.wait()
+
+    def _cancelled_or_encoded(self) -> bool:
+        for slot in self.slots:
+            act = slot.active
+            if act is None:
+                continue
+            if act.req.cancelled.is_set() or any(f.done() for f in act.encodes.values()):
+                return True
+        return False
 
     def stalled_for(self) -> float:
         """Seconds the current loop iteration has run (0.0 while idle): a healthy worker ticks
@@ -286,12 +324,17 @@ class Worker:
                 return seated
             with self._cond:
                 # n > 1 waits at the head of the queue (FIFO) until all its slots are free;
-                # Model refuses an n above n_parallel, so it never waits for ever.
+                # Model refuses an n above n_parallel, so it never waits for ever. A request
+                # ``after`` another waits there until that one is answered: it is ahead in
+                # the queue or in a slot, so it is answered in time.
                 if not self._queue or len(self._queue[0].group) > len(free):
                     return seated
+                after = self._queue[0].after
+                if after is not None and not after.answered:
+                    return seated
                 req = self._queue.popleft()
-            if req.cancelled.is_set():
-                self.outcomes.cancelled_unstarted(req)
+            if req.cancelled.is_set() or (after is not None and not after.finished):
+                self.outcomes.ended_like(req, after)
                 continue
             self.admission.admit(req, free)
             seated = True

@@ -24,7 +24,9 @@ class Outcomes:
         self.rt = rt
         self.port = port
 
-    def finish(self, slot: Slot, reason: FinishReason, logits: bytes | None) -> None:
+    def finish(
+        self, slot: Slot, reason: FinishReason, logits: bytes | None, *, score: float | None = None
+    ) -> None:
         act = slot.active
         assert act is not None
         for waiting in self._take_forks(slot):
@@ -63,6 +65,7 @@ class Outcomes:
             prompt_logprobs=(
                 tuple(act.prompt_logprobs) if act.req.options.prompt_logprobs is not None else None
             ),
+            score=score,
         )
         # The caller has its answer before the finish save packs the sequence (a copy of
         # every cell, the largest cost of a cached request): the pack runs while the reply
@@ -71,6 +74,8 @@ class Outcomes:
         self.rt.publish(freed=slot)
         act.req.answer(Done(completion))
         self.port.finished(slot, held, logits)
+        if self.rt.cfg.whole:
+            self.rt.reset_seq(slot)  # an encoder's KV serves no other prompt
         slot.active = None
         slot.phase = "idle"
         slot.last_used = time.monotonic()
@@ -108,6 +113,16 @@ class Outcomes:
     def fail_all_active(self, exc: BaseException) -> None:
         for slot in self.rt.slots:
             self.fail(slot, exc)
+
+    def ended_like(self, req: Request, after: Request | None) -> None:
+        """A queued request that will not start: cancelled, or ``after`` a request that
+        failed (the same error) or was cancelled."""
+        out = None if after is None else after.outcome
+        if isinstance(out, Failed) and not req.cancelled.is_set():
+            for one in req.group:
+                one.answer(Failed(out.error))
+        else:
+            self.cancelled_unstarted(req)
 
     def cancelled_unstarted(self, req: Request) -> None:
         """A request (and its forks) cancelled while still queued: a cold, empty ``Done``."""

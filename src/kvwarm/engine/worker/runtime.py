@@ -18,6 +18,7 @@ from kvwarm.cache.types import FingerprintMode, Namespace, PolicyConfig, TierNam
 from kvwarm.engine.types import CompletionStats, SlotStatus, SpecType
 from kvwarm.engine.worker.batching import BatchStrategy
 from kvwarm.engine.worker.drafts import PassCost, RowDrafts
+from kvwarm.engine.worker.encoder import Encoder
 from kvwarm.engine.worker.joinbuf import JoinBuffer
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.memory import MemoryKind
@@ -41,6 +42,9 @@ class WorkerConfig:
     fingerprint_mode: FingerprintMode
     max_queue: int
     strategy: BatchStrategy
+    #: Prompts run whole, one ubatch per call, and leave no KV to reuse: a model whose
+    #: attention is not causal (a cross-encoder), each position depending on every other.
+    whole: bool = False
     #: Speculative decoding (``engine/worker/drafts.py``): the draft source of requests that
     #: do not choose, the n-gram size its lookups match, the longest draft; ``speculates``
     #: False where the model cannot (deterministic mode: see ``ModelInfo.speculation``).
@@ -94,6 +98,8 @@ class Runtime:
     adapters_now: AdapterSet = ()
     view: tuple[SlotStatus, ...] = ()
     join_buf: JoinBuffer = field(default_factory=JoinBuffer)  # chunked restores join here
+    #: Encodes media spans off this thread (None: the model has no projector).
+    encoder: Encoder | None = None
     pass_cost: PassCost = field(default_factory=PassCost)  # what a draft token costs a pass
     row_drafts: RowDrafts | None = None  # drafts from cached rows (made on first use)
     _eog: tuple[int, ...] | None = None

@@ -10,6 +10,7 @@ within it, as rows are (``docs/architecture.md``, "Tenants").
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvwarm.backends.base import AdapterSet, Sampler
@@ -58,6 +59,8 @@ class Active:
     #: The LoRA adapters its forward passes run under (``engine/adapters.py``): fixed at
     #: admission; slots of other sets never share its passes.
     adapters: AdapterSet = ()
+    #: The embeddings of the prompt's spans it did not restore, being encoded (by span index).
+    encodes: dict[int, Future[bytes]] = field(default_factory=dict)
 
     def unsent_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The logprobs not yet sent with a fragment; marks them sent."""

@@ -9,13 +9,19 @@ after each call, a slot's ``kv_tokens`` grows by exactly what the call decoded f
 its canonical prefix shrinks when a chunk was cut short by the budget (``kvwarm.alignment``;
 ``docs/architecture.md``, "Engine"). Drafts (``drafts``) are made before the plan, within
 what the pass has room for, and only for requests that may speculate (``speculates``).
+
+A media span (``kvwarm.tokens``) is decoded whole, in a call of its own (its embeddings, with
+causal attention off where the projector says so), once its encode is done; a prefill chunk
+stops at a span's start and the next begins at its end, so no chunk holds part of a span.
+While a span's embeddings are still being encoded (``encoder``) the other slots run as
+usual; a round in which nothing but such waits remained reports ``"waiting"``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import cast
+from typing import Literal, cast
 
 import numpy as np
 
@@ -30,7 +36,10 @@ from kvwarm.engine.worker.outcomes import Outcomes
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.sampling import token_logprob
 from kvwarm.engine.worker.slots import Active, Slot
-from kvwarm.errors import KvwarmError
+from kvwarm.errors import BackendError, KvwarmError
+from kvwarm.tokens import Span
+
+TickResult = Literal["ran", "idle", "waiting"]
 
 
 class Tick:
@@ -41,11 +50,13 @@ class Tick:
         self.outcomes = outcomes
         self.port = port
 
-    def run(self) -> None:
-        """Cancel what was cancelled, then decode every generating slot's pending token and
-        the prefill chunks the strategy picks."""
+    def run(self) -> TickResult:
+        """Cancel what was cancelled, then decode every generating slot's pending token, the
+        prefill chunks the strategy picks and each media span whose embeddings are ready."""
         decoding: list[int] = []
         prefilling: list[PrefillWant] = []
+        spans: list[tuple[Slot, int, Span]] = []
+        waiting = False
         for i, slot in enumerate(self.rt.slots):
             act = slot.active
             if act is None:
@@ -57,9 +68,29 @@ class Tick:
                 decoding.append(i)
             elif slot.phase == "prefill":
                 stop = act.pauses[0] if act.pauses else len(act.req.prompt_tokens)
-                prefilling.append(PrefillWant(i, act.prefill_pos, stop, act.deterministic))
+                due = _next_span(act.req.prompt.spans, act.prefill_pos)
+                if due is not None and due[1].start == act.prefill_pos:
+                    future = act.encodes.get(due[0])
+                    if future is None or future.done():
+                        spans.append((slot, *due))
+                    else:
+                        waiting = True
+                    continue
+                if due is not None:
+                    stop = min(stop, due[1].start)
+                prefilling.append(
+                    PrefillWant(
+                        i, act.prefill_pos, stop, act.deterministic, whole=self.rt.cfg.whole
+                    )
+                )
+        for slot, index, span in spans:
+            self._run_span(slot, index, span)
         if not decoding and not prefilling:
-            return
+            return "waiting" if waiting and not spans else ("ran" if spans else "idle")
+        self._run_plan(decoding, prefilling)
+        return "ran"
+
+    def _run_plan(self, decoding: list[int], prefilling: list[PrefillWant]) -> None:
         cfg = self.rt.cfg
         drafted = self._draft(decoding)
         plan = cfg.strategy.plan(decoding, prefilling, cfg.n_batch, cfg.n_ubatch, drafted)
@@ -218,6 +249,30 @@ class Tick:
             except KvwarmError as exc:
                 self.outcomes.fail(slot, exc)
 
+    def _run_span(self, slot: Slot, index: int, span: Span) -> None:
+        """Decode one media span of ``slot``'s prompt whole, in a call of its own."""
+        act = slot.active
+        encoder = self.rt.encoder
+        assert act is not None
+        future = act.encodes.pop(index, None)
+        try:
+            if encoder is None or future is None:
+                raise BackendError("a media span reached the worker with nothing to decode it")
+            embd = future.result()
+            last = span.end == len(act.req.prompt_tokens)
+            self.rt.use_adapters(act.adapters)  # the LoRA set its request runs under
+            self.rt.ctx.decode_embd(
+                slot.seq,
+                span.start,
+                embd,
+                span.length,
+                non_causal=encoder.non_causal(span.kind),
+                logits=last,
+            )
+            self._after_chunk(slot, span.length - 1, Chunk(slot.seq, span.start, span.end))
+        except KvwarmError as exc:
+            self.outcomes.fail(slot, exc)
+
     def _by_adapters(
         self, decode_slots: Sequence[int], chunks: Sequence[Chunk]
     ) -> list[tuple[list[int], list[Chunk]]]:
@@ -250,7 +305,12 @@ class Tick:
         self.rt.stats.prefilled_tokens += chunk.end - chunk.start
         act.prefill_pos = chunk.end
         slot.canonical = canonical_after_chunk(
-            slot.canonical, chunk.start, chunk.end, len(toks), self.rt.cfg.n_batch
+            slot.canonical,
+            chunk.start,
+            chunk.end,
+            len(toks),
+            self.rt.cfg.n_batch,
+            cuts=span_cuts(act.req.prompt.spans),
         )
         packed = None  # the state as packed since this chunk, if it was
         if act.deterministic and not self.rt.memory.trimmable:
@@ -271,6 +331,12 @@ class Tick:
         slot.phase = "generate"
         if act.req.kind == "prewarm":
             self.outcomes.finish(slot, "length", bytes(self.rt.ctx.logits(row)))
+            return
+        if act.req.kind == "score":
+            # The rank pooling of this call read the sequence's last position (an encoder:
+            # its whole sequence, which ran whole in this call); llama-server's score is the
+            # first value (a decoder reranker's p("yes")).
+            self.outcomes.finish(slot, "length", None, score=self.rt.ctx.pooled(slot.seq)[0])
             return
         self.forks.prefilled(slot, row, None)
 
@@ -297,3 +363,17 @@ class Tick:
         act.pending = None
         self.port.decoded(slot)
         self.sampling.on_logits(slot, row, None)
+
+
+def _next_span(spans: Sequence[Span], pos: int) -> tuple[int, Span] | None:
+    """The first span (and its index) that ends after ``pos``."""
+    for index, span in enumerate(spans):
+        if span.end > pos:
+            return index, span
+    return None
+
+
+def span_cuts(spans: Sequence[Span]) -> frozenset[int]:
+    """Where a prompt's spans start and end: where its prefill chunks are cut besides the
+    multiples of ``n_batch`` (``kvwarm.alignment``)."""
+    return frozenset(p for span in spans for p in (span.start, span.end))

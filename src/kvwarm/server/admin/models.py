@@ -56,6 +56,8 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
     }
     if entry.model is not None and entry.state != "failed":  # failed: its worker died
         info = entry.model.info()
+        # What it can be asked to do: "generate" and "embed", or a reranker's "rerank".
+        item["capabilities"] = list(info.capabilities)
         item["meta"] = {
             "path": info.path,
             "backend": info.backend,
@@ -65,8 +67,9 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             "n_embd": info.n_embd,
             "n_parallel": info.n_parallel,
             "size": info.size_bytes,
-            # What it holds in memory (the memory budget's terms, server/budget.py).
-            "weights_bytes": info.size_bytes,
+            # What it holds in memory (the memory budget's terms, server/budget.py): the
+            # projector's weights and buffers count with the model's weights.
+            "weights_bytes": info.size_bytes + info.projector_bytes,
             "kv_bytes": info.kv_bytes,
             "context_bytes": info.context_bytes,
             "description": info.description,
@@ -80,9 +83,14 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             # What its cached states can resume from (kvwarm.memory): an orchestrator or a
             # user can tell why a sliding-window or recurrent model reuses only checkpoints.
             "memory": {"kind": info.memory, "n_swa": info.n_swa, "swa_full": info.swa_full},
+            "pooling": info.pooling,
             # Speculative decoding: the requests' default draft source, and whether (or where)
             # this model can speculate at all ("on", "on while ...", "off: why").
             "speculative": {"type": info.spec_type, "available": info.speculation},
+            # Its multimodal projector (--mmproj): what it reads, what it holds.
+            "mmproj": info.mmproj,
+            "media": list(info.media),
+            "projector_bytes": info.projector_bytes,
         }
     elif entry.error:
         item["error"] = entry.error

@@ -169,6 +169,14 @@ def _tier_quotas(counters: Mapping[str, float]) -> dict[str, dict[str, object]]:
     return quotas
 
 
+@router.get("/cluster")
+async def cluster(request: Request) -> Response:
+    """``kvwarm cluster`` only (404 elsewhere): each engine replica (id, node, process,
+    health, load) and what its cache holds, as it reports and as the router's index of its
+    cache events has it; the index's sizes (docs/cluster.md, "GET /cluster")."""
+    return JSONResponse(server_state(request).cluster_view())
+
+
 @router.get("/cache/stats")
 async def cache_stats(request: Request) -> Response:
     """Rows and bytes per tier (``cache.sizes.summary``: physical ``bytes``, each chunk once,

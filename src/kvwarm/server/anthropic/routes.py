@@ -21,18 +21,21 @@ from kvwarm.server.schemas import check_count, json_body, parse_body, read_json
 from kvwarm.server.served import ServedModel
 from kvwarm.server.state import server_state
 from kvwarm.server.tools import ChatPlan
+from kvwarm.settings import Settings
 
 router = APIRouter()
 
 
-async def _plan(model: ServedModel, req: CountTokensRequest) -> tuple[ChatPlan, str]:
+async def _plan(
+    model: ServedModel, req: CountTokensRequest, settings: Settings
+) -> tuple[ChatPlan, str]:
     """The chat plan and assistant prefill of a request: one translation for both routes, so
     ``count_tokens`` counts what ``messages`` would render."""
     history, prefill = anthropic.to_chat(req)
     tools = anthropic.tools(req.tools)
     choice = anthropic.tool_choice(req.tool_choice, tools)
     parallel = req.tool_choice is None or not req.tool_choice.disable_parallel_tool_use
-    plan = await chat.plan(model, history, tools, choice, parallel=parallel)
+    plan = await chat.plan(model, history, tools, choice, parallel=parallel, settings=settings)
     return plan, prefill
 
 
@@ -46,7 +49,7 @@ async def messages(request: Request) -> Response:
     check_count(body, "messages", state.settings.max_chat_messages, "max_chat_messages")
     req = parse_body(body, MessagesRequest)
     model, lora = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
-    plan, prefill = await _plan(model, req)
+    plan, prefill = await _plan(model, req, state.settings)
     fields = chat.sampling_fields(
         max_tokens=req.max_tokens,
         param="max_tokens",
@@ -89,7 +92,7 @@ async def count_tokens(request: Request) -> Response:
     check_count(body, "messages", state.settings.max_chat_messages, "max_chat_messages")
     req = parse_body(body, CountTokensRequest)
     model = await state.acquire(req.model)
-    plan, prefill = await _plan(model, req)
+    plan, prefill = await _plan(model, req, state.settings)
 
     def count() -> int:
         tokens, _ = model.chat_tokens(plan.messages, tools=plan.tools)

@@ -2,8 +2,9 @@
 
 Invariant: as for the OpenAI bodies (``schemas.py``), unknown fields are ignored and a known field
 of the wrong type is a 400 naming it. Content blocks are told apart by their ``type``; blocks
-kvwarm cannot use (images, documents) parse, so that the conversion can refuse them with a
-clear message, and thinking blocks of earlier turns parse and are dropped.
+kvwarm cannot use (documents) parse, so that the conversion can refuse them with a clear
+message, and thinking blocks of earlier turns parse and are dropped. Image blocks (base64, or a
+URL the server may fetch) reach a model with a projector (``--mmproj``).
 """
 
 from __future__ import annotations
@@ -28,9 +29,23 @@ class TextBlock(_Body):
 
 
 class MediaBlock(_Body):
-    """An image or document: parsed only to be refused by name (kvwarm serves text models)."""
+    """A document: parsed only to be refused by name."""
 
-    type: Literal["image", "document"]
+    type: Literal["document"]
+
+
+class ImageSource(_Body):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(_Body):
+    """An image: base64 data (or a URL from a host the server may fetch from)."""
+
+    type: Literal["image"]
+    source: ImageSource
 
 
 class ThinkingBlock(_Body):
@@ -49,12 +64,14 @@ class ToolUseBlock(_Body):
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[TextBlock | MediaBlock, Field(discriminator="type")]] = ""
+    content: (
+        str | list[Annotated[TextBlock | ImageBlock | MediaBlock, Field(discriminator="type")]]
+    ) = ""
     is_error: bool = False
 
 
 ContentBlock = Annotated[
-    TextBlock | MediaBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock,
+    TextBlock | ImageBlock | MediaBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock,
     Field(discriminator="type"),
 ]
 

@@ -26,6 +26,7 @@ from kvwarm.engine.types import CompletionStats
 from kvwarm.errors import KvwarmError
 from kvwarm.server.anthropic.schemas import (
     CountTokensRequest,
+    ImageBlock,
     MediaBlock,
     Message,
     TextBlock,
@@ -40,8 +41,10 @@ from kvwarm.server.errors import HTTPError, anthropic_body, kind_of
 from kvwarm.server.generate import Event
 from kvwarm.server.schemas import (
     ChatMessage,
+    ContentPart,
     FunctionCall,
     FunctionDef,
+    ImageUrl,
     NamedToolChoice,
     NamedToolChoiceFunction,
     Tool,
@@ -59,35 +62,70 @@ def new_id(prefix: str) -> str:
 def _unsupported(block: MediaBlock, where: str) -> HTTPError:
     return HTTPError(
         400,
-        f"{where}: content blocks of type {block.type!r} are not supported (text models only)",
+        f"{where}: content blocks of type {block.type!r} are not supported (text and images)",
         code="unsupported_content",
         param=where,
     )
 
 
-def _texts(blocks: Sequence[TextBlock | MediaBlock], where: str, sep: str) -> str:
+def _texts(blocks: Sequence[TextBlock | ImageBlock | MediaBlock], where: str, sep: str) -> str:
     parts: list[str] = []
     for block in blocks:
         if isinstance(block, MediaBlock):
             raise _unsupported(block, where)
+        if isinstance(block, ImageBlock):
+            raise HTTPError(
+                400,
+                f"{where}: an image in a tool result is not supported (put it in the user turn)",
+                code="unsupported_content",
+                param=where,
+            )
         parts.append(block.text)
     return sep.join(parts)
 
 
+def _image(block: ImageBlock, where: str) -> ContentPart:
+    """An image block as an OpenAI ``image_url`` part (a data: URI, or the URL the server
+    fetches only from an allowed host), naming where it was."""
+    source = block.source
+    if source.type == "base64":
+        if not source.data:
+            raise HTTPError(400, f"{where}: an image block needs source.data", param=where)
+        kind = source.media_type or "image/*"
+        url = f"data:{kind};base64,{source.data}"
+    else:
+        if not source.url:
+            raise HTTPError(400, f"{where}: an image block needs source.url", param=where)
+        url = source.url
+    part = ContentPart(type="image_url", image_url=ImageUrl(url=url))
+    part._where = where
+    return part
+
+
+def _user_content(parts: list[ContentPart]) -> str | list[ContentPart]:
+    """Text alone as a string (as before images), else the parts in order."""
+    if all(p.type == "text" for p in parts):
+        return "".join(p.text or "" for p in parts)
+    return parts
+
+
 def _user(message: Message, where: str) -> list[ChatMessage]:
-    """A user turn: its tool results become tool messages, its text a user message, in order."""
+    """A user turn: its tool results become tool messages, its text and images a user message,
+    in order."""
     if isinstance(message.content, str):
         return [ChatMessage(role="user", content=message.content)]
     out: list[ChatMessage] = []
-    text: list[str] = []
+    parts: list[ContentPart] = []
     for i, block in enumerate(message.content):
         at = f"{where}.content.{i}"
         if isinstance(block, TextBlock):
-            text.append(block.text)
+            parts.append(ContentPart(type="text", text=block.text))
+        elif isinstance(block, ImageBlock):
+            parts.append(_image(block, at))
         elif isinstance(block, ToolResultBlock):
-            if text:
-                out.append(ChatMessage(role="user", content="".join(text)))
-                text = []
+            if parts:
+                out.append(ChatMessage(role="user", content=_user_content(parts)))
+                parts = []
             result = block.content
             body = result if isinstance(result, str) else _texts(result, at, "\n")
             body = f"Error: {body}" if block.is_error else body
@@ -96,8 +134,8 @@ def _user(message: Message, where: str) -> list[ChatMessage]:
             raise _unsupported(block, at)
         elif isinstance(block, ToolUseBlock):
             raise HTTPError(400, f"{at}: tool_use blocks belong to assistant turns", param=at)
-    if text or not out:
-        out.append(ChatMessage(role="user", content="".join(text)))
+    if parts or not out:
+        out.append(ChatMessage(role="user", content=_user_content(parts)))
     return out
 
 
@@ -113,8 +151,13 @@ def _assistant(message: Message, where: str) -> ChatMessage:
         elif isinstance(block, ToolUseBlock):
             call = FunctionCall(name=block.name, arguments=dict(block.input))
             calls.append(ToolCallIn(id=block.id, function=call))
-        elif isinstance(block, MediaBlock):
-            raise _unsupported(block, at)
+        elif isinstance(block, MediaBlock | ImageBlock):
+            raise HTTPError(
+                400,
+                f"{at}: an assistant turn holds text and tool calls, not {block.type} blocks",
+                code="unsupported_content",
+                param=at,
+            )
         elif isinstance(block, ToolResultBlock):
             raise HTTPError(400, f"{at}: tool_result blocks belong to user turns", param=at)
         # ThinkingBlock: an earlier turn's reasoning is not part of the prompt.

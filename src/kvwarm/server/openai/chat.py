@@ -71,7 +71,12 @@ async def chat_completions(request: Request) -> Response:
     )
     schema = convert.response_schema(req.response_format)
     plan = await chat.plan(
-        model, req.messages, req.tools, req.tool_choice, parallel=req.parallel_tool_calls
+        model,
+        req.messages,
+        req.tools,
+        req.tool_choice,
+        parallel=req.parallel_tool_calls,
+        settings=state.settings,
     )
     if plan.json_schema is not None and schema is not None:
         raise HTTPError(

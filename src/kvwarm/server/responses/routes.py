@@ -104,7 +104,9 @@ async def create_response(request: Request) -> Response:
     tools = responses.tools(req.tools)
     messages = responses.with_instructions(req.instructions, history)
     choice = responses.tool_choice(req.tool_choice)
-    plan = await chat.plan(model, messages, tools, choice, parallel=req.parallel_tool_calls)
+    plan = await chat.plan(
+        model, messages, tools, choice, parallel=req.parallel_tool_calls, settings=state.settings
+    )
     schema = responses.text_schema(req.text)
     if plan.json_schema is not None and schema is not None:
         raise HTTPError(

@@ -2,8 +2,9 @@
 
 Invariant: as for the chat bodies (``schemas.py``), unknown fields are ignored and a known field
 of the wrong type is a 400 naming it. Input items are told apart by ``type`` (a message may omit
-it, as OpenAI's "easy" input messages do); content and items kvwarm cannot use (images, files,
-hosted tools, item references) parse, so that the conversion refuses them by name.
+it, as OpenAI's "easy" input messages do); content and items kvwarm cannot use (files, hosted
+tools, item references) parse, so that the conversion refuses them by name. Images
+(``input_image``) and audio (``input_audio``) reach a model with a projector (``--mmproj``).
 """
 
 from __future__ import annotations
@@ -31,12 +32,34 @@ class RefusalPart(_Body):
 
 
 class MediaPart(_Body):
-    """Images, files, audio: parsed only to be refused by name (kvwarm serves text models)."""
+    """Files: parsed only to be refused by name."""
 
-    type: Literal["input_image", "input_file", "input_audio"]
+    type: Literal["input_file"]
 
 
-ContentPart = Annotated[TextPart | RefusalPart | MediaPart, Field(discriminator="type")]
+class ImagePart(_Body):
+    """An image: ``image_url`` a base64 data: URI (or a URL from a host the server may fetch
+    from); a stored ``file_id`` is refused."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+class AudioData(_Body):
+    data: str
+    format: str | None = None
+
+
+class AudioPart(_Body):
+    type: Literal["input_audio"]
+    input_audio: AudioData
+
+
+ContentPart = Annotated[
+    TextPart | RefusalPart | MediaPart | ImagePart | AudioPart, Field(discriminator="type")
+]
 
 
 class MessageItem(_Body):

@@ -25,10 +25,12 @@ from kvwarm.server.chat import ToolChoice as ChatToolChoice
 from kvwarm.server.errors import HTTPError, kind_of
 from kvwarm.server.generate import Event
 from kvwarm.server.responses.schemas import (
+    AudioPart,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionChoice,
     FunctionTool,
+    ImagePart,
     InputItem,
     ItemReference,
     MediaPart,
@@ -41,30 +43,67 @@ from kvwarm.server.schemas import (
     ChatMessage,
     FunctionCall,
     FunctionDef,
+    ImageUrl,
+    InputAudio,
     NamedToolChoice,
     NamedToolChoiceFunction,
     Tool,
     ToolCallIn,
 )
+from kvwarm.server.schemas import ContentPart as ChatPart
 from kvwarm.server.tools import ToolCall
 
 Json = dict[str, object]
 
 
 def _text(content: str | Sequence[object], where: str) -> str:
+    out = _content(content, where)
+    if not isinstance(out, str):
+        raise HTTPError(
+            400,
+            f"{where}: images and audio belong in a message, not here",
+            code="unsupported_content",
+            param=where,
+        )
+    return out
+
+
+def _content(content: str | Sequence[object], where: str) -> str | list[ChatPart]:
+    """A message's content: its text, or (with images or audio) chat content parts, each
+    naming where it was."""
     if isinstance(content, str):
         return content
-    parts: list[str] = []
+    parts: list[ChatPart] = []
     for i, part in enumerate(content):
+        at = f"{where}.{i}"
+        chat: ChatPart
         if isinstance(part, MediaPart):
             raise HTTPError(
                 400,
-                f"{where}.{i}: content of type {part.type!r} is not supported (text only)",
+                f"{at}: content of type {part.type!r} is not supported (text, images, audio)",
                 code="unsupported_content",
-                param=f"{where}.{i}",
+                param=at,
             )
-        parts.append(part.refusal if isinstance(part, RefusalPart) else getattr(part, "text", ""))
-    return "".join(parts)
+        if isinstance(part, ImagePart):
+            if part.image_url is None:
+                raise HTTPError(
+                    400,
+                    f"{at}: an input_image needs image_url (stored files are not supported)",
+                    code="unsupported_content",
+                    param=at,
+                )
+            chat = ChatPart(type="image_url", image_url=ImageUrl(url=part.image_url))
+        elif isinstance(part, AudioPart):
+            audio = InputAudio(data=part.input_audio.data, format=part.input_audio.format)
+            chat = ChatPart(type="input_audio", input_audio=audio)
+        else:
+            text = part.refusal if isinstance(part, RefusalPart) else getattr(part, "text", "")
+            chat = ChatPart(type="text", text=text)
+        chat._where = at
+        parts.append(chat)
+    if all(p.type == "text" for p in parts):
+        return "".join(p.text or "" for p in parts)
+    return parts
 
 
 def to_history(given: str | Sequence[InputItem]) -> list[ChatMessage]:
@@ -75,7 +114,8 @@ def to_history(given: str | Sequence[InputItem]) -> list[ChatMessage]:
     for index, item in enumerate(given):
         where = f"input.{index}"
         if isinstance(item, MessageItem):
-            out.append(ChatMessage(role=item.role, content=_text(item.content, f"{where}.content")))
+            content = _content(item.content, f"{where}.content")
+            out.append(ChatMessage(role=item.role, content=content))
         elif isinstance(item, FunctionCallItem):
             call = ToolCallIn(
                 id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)

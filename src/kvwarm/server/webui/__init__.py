@@ -94,11 +94,13 @@ def router(static: dict[str, tuple[bytes, str]] | None = None) -> APIRouter:
 
     @routes.get(PREFIX + "config.json", include_in_schema=False)
     async def config(request: Request) -> Response:
-        settings = server_state(request).settings
+        state = server_state(request)
+        settings = state.settings
         body = {
             "apiKey": bool(settings.api_key),
             "adminKey": bool(settings.admin_key),
             "version": __version__,
+            "cluster": state.is_cluster,  # the page polls /cluster only behind kvwarm cluster
         }
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 

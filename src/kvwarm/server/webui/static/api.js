@@ -4,7 +4,7 @@
 const STORE = { api: "kvwarm.apiKey", admin: "kvwarm.adminKey" };
 
 /** What /ui/config.json said: which keys this server wants. */
-export const server = { apiKey: false, adminKey: false, version: "" };
+export const server = { apiKey: false, adminKey: false, version: "", cluster: false };
 
 let askKey = async () => null;
 
@@ -31,7 +31,7 @@ export function storeKey(kind, value) {
 }
 
 export function isAdminPath(path) {
-  return path.startsWith("/cache/") || path.startsWith("/admin/");
+  return path.startsWith("/cache/") || path.startsWith("/admin/") || path === "/cluster";
 }
 
 /** The kind of key a path needs first, or null when this server wants none. */

@@ -1,6 +1,9 @@
 // The chat view: streams /v1/chat/completions and shows, per turn, how much of the prompt the
 // cache restored (cached) and how much was computed (prefilled), and the time to first token
-// as this page measured it.
+// as this page measured it. A turn may carry an image (a model with a projector reads it): it
+// goes in the request body as a data: URI (the page's CSP allows no data: images, so the
+// transcript names it rather than showing it) and stays in the conversation, so each later
+// turn resends it and the cache, keyed by its pixels, restores it.
 
 import { apiFetch, errorOf, getJSON, sseData } from "./api.js";
 import { el, fmtInt, fmtMs } from "./format.js";
@@ -14,6 +17,8 @@ export class Chat {
     this.system = root.querySelector("#system");
     this.transcript = root.querySelector("#transcript");
     this.prompt = root.querySelector("#prompt");
+    this.attach = root.querySelector("#attach");
+    this.attached = root.querySelector("#attached");
     this.send = root.querySelector("#send");
     this.stop = root.querySelector("#stop");
     this.status = root.querySelector("#chat-status");
@@ -32,6 +37,10 @@ export class Chat {
       }
     });
     this.stop.addEventListener("click", () => this.abort?.abort());
+    this.attach.addEventListener("change", () => {
+      const file = this.attach.files?.[0];
+      this.attached.textContent = file ? `${file.name}, ${fmtInt(file.size)} bytes` : "";
+    });
     root.querySelector("#new-chat").addEventListener("click", () => this.reset());
     root.querySelector("#chat-settings").addEventListener("submit", (event) => event.preventDefault());
   }
@@ -89,11 +98,27 @@ export class Chat {
 
   async submit() {
     const text = this.prompt.value.trim();
-    if (!text || this.abort) return;
+    const file = this.attach.files?.[0];
+    if ((!text && !file) || this.abort) return;
+    let content = text;
+    if (file) {
+      let url;
+      try {
+        url = await dataUri(file);
+      } catch (error) {
+        this.setStatus(`Could not read ${file.name}: ${error.message}`, true);
+        return;
+      }
+      content = [{ type: "text", text }, { type: "image_url", image_url: { url } }];
+      this.attach.value = "";
+      this.attached.textContent = "";
+    }
     this.prompt.value = "";
-    this.messages.push({ role: "user", content: text });
+    this.messages.push({ role: "user", content });
     this.turns += 1;
-    this.transcript.append(el("li", { class: "msg user" }, el("p", { class: "who", text: "You" }), el("p", { class: "text", text })));
+    const shown = [el("p", { class: "who", text: "You" }), el("p", { class: "text", text })];
+    if (file) shown.push(el("p", { class: "image", text: `Image: ${file.name}` }));
+    this.transcript.append(el("li", { class: "msg user" }, ...shown));
     const turn = new Turn(this.turns);
     this.transcript.append(turn.node);
     turn.node.scrollIntoView({ block: "nearest" });
@@ -159,6 +184,7 @@ const REASON_TEXT = {
   restore_failed: "the row could not be restored",
   prompt_logprobs: "prompt logprobs need every position's logits",
   inside_span: "the reusable prefix ended inside an image or audio, decoded whole",
+  media_differs: "the prompt's image or audio differs from what was cached there",
 };
 
 /** One line under the cache bar: why the rest was prefilled, with its numbers. */
@@ -255,4 +281,14 @@ class Turn {
     const reason = why ? el("p", { class: "reason", text: `Prefilled because: ${why}` }) : null;
     this.meta.replaceChildren(...[bar, reason, legend].filter(Boolean));
   }
+}
+
+// A file as a base64 data: URI (for the request body only).
+function dataUri(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(String(reader.result));
+    reader.onerror = () => reject(reader.error ?? new Error("unreadable"));
+    reader.readAsDataURL(file);
+  });
 }

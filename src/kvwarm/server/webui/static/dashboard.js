@@ -1,8 +1,11 @@
 // The cache dashboard: polls /cache/stats, /cache/slots and /cache/rows and redraws. Counts
-// come straight from the server; the two rates and the time saved are derived here.
+// come straight from the server; the two rates and the time saved are derived here. Behind
+// `kvwarm cluster` it polls /cluster instead (the replicas and what their caches hold;
+// /cache/* is per replica there).
 
-import { ApiError, getJSON, missingKey } from "./api.js";
+import { ApiError, getJSON, missingKey, server } from "./api.js";
 import { LineChart } from "./chart.js";
+import { renderCluster } from "./cluster.js";
 import { el, fmtAgo, fmtBytes, fmtInt, fmtMs, fmtPercent, table } from "./format.js";
 
 const POLL_MS = 2000;
@@ -46,9 +49,12 @@ export class Dashboard {
     this.root = root;
     this.status = root.querySelector("#dash-status");
     this.tiersBody = root.querySelector("#tiers tbody");
+    this.kindsBody = root.querySelector("#memory-kinds tbody");
     this.slots = root.querySelector("#slots");
     this.rows = root.querySelector("#rows");
     this.rowsNote = root.querySelector("#rows-note");
+    this.cluster = root.querySelector("#cluster");
+    this.isCluster = null; // unknown until /cluster answers (404: a plain server)
     const hits = root.querySelector("#chart-hits");
     const saved = root.querySelector("#chart-saved");
     hits.dataset.title = "Hit rate over time";
@@ -92,6 +98,9 @@ export class Dashboard {
       // In the background, never prompt: only poll when a key is at hand (or none is needed).
       if (!this.visible && missingKey("/cache/stats")) return;
       const options = { interactive: this.visible };
+      // Only `kvwarm cluster` answers /cluster (/ui/config.json says so): a plain server's
+      // 404 would be a console error on every page.
+      if (server.cluster && this.isCluster !== false && (await this.pollCluster(options))) return;
       const [stats, slots, rows] = await Promise.all([
         getJSON("/cache/stats", options),
         getJSON("/cache/slots", options),
@@ -105,6 +114,23 @@ export class Dashboard {
     } finally {
       this.busy = false;
       this.schedule();
+    }
+  }
+
+  /** Draws /cluster and says true behind `kvwarm cluster`; false (for good) elsewhere. */
+  async pollCluster(options) {
+    try {
+      const view = await getJSON("/cluster", options);
+      this.isCluster = true;
+      renderCluster(this.cluster, view);
+      this.setStatus(`Updated ${new Date().toLocaleTimeString()}; every ${POLL_MS / 1000} s.`);
+      return true;
+    } catch (error) {
+      if (error instanceof ApiError && error.status === 404) {
+        this.isCluster = false;
+        return false;
+      }
+      throw error;
     }
   }
 
@@ -133,6 +159,7 @@ export class Dashboard {
     this.savedChart.push(now, [savedMs / 1000]);
     this.redrawCharts();
     this.renderTiers(stats.tiers || {});
+    this.renderKinds(stats.memory_kinds || {});
     this.renderSlots(models);
     if (rows) this.renderRows(rows, stats.rows);
   }
@@ -169,6 +196,24 @@ export class Dashboard {
       );
     }
     this.tiersBody.replaceChildren(...rows);
+  }
+
+  /** Stored against logical bytes per memory kind: what deduplication saves on each model. */
+  renderKinds(kinds) {
+    const rows = Object.entries(kinds).map(([kind, level]) =>
+      el(
+        "tr",
+        { data: { kind } },
+        el("th", { scope: "row", text: kind }),
+        el("td", { class: "num", text: fmtInt(level.rows || 0) }),
+        el("td", { class: "num", text: fmtInt(level.tokens || 0) }),
+        el("td", { class: "num", text: fmtInt(level.chunks || 0) }),
+        el("td", { class: "num", text: fmtBytes(level.bytes || 0) }),
+        el("td", { class: "num", text: fmtBytes(level.logical_bytes || 0) }),
+        el("td", { class: "num", text: level.bytes ? `${(level.dedup_ratio || 0).toFixed(2)}x` : "–" }),
+      ),
+    );
+    this.kindsBody.replaceChildren(...rows);
   }
 
   renderSlots(models) {

@@ -1,0 +1,298 @@
+"""Conversations about pictures, kvwarm vs llama-server ``--mmproj`` (the peer built from the
+same pinned llama.cpp by ``bench/peer.py``), side by side in one run, same files, same threads.
+
+    python bench/media.py [--model PATH.gguf] [--system-tokens 400] [--threads 2]
+
+The load (issue 36): three conversations of four turns, each about one picture (the first and
+the third show the same picture, the second another), over one system prompt; then both
+servers restart and every conversation takes one more turn. The picture comes first in each
+conversation's first message, so the third conversation can reuse the first one's KV of it.
+The projector is the tiny random-weight one ``tests/tinymodels.py`` writes (16 positions per
+picture), so what is measured is the cache, not a vision tower. Both servers get the same
+OpenAI chat requests; they take each request in turn (the order alternating request by
+request), so a drift in the machine's speed falls on both alike. kvwarm runs with a disk tier
+(it survives the restart); llama-server with its defaults (its slot and RAM prompt cache).
+
+Prints every request's cached / prompt tokens and latency per server, then the goals: every
+follow-up and every after-restart request of kvwarm restores through its picture's span; the
+third conversation's first request reuses the first one's picture; kvwarm's after-restart
+time against llama-server's (goal <= 0.5x); and the bytes one picture's span costs in
+kvwarm's cache. Run it alone: two processes decoding at once on 2 cores halve each other; the
+load average and the busiest other processes are printed with the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvwarm import Engine
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(ROOT))
+from multiturn import LORE, free_port, post, wait_ready  # noqa: E402
+from peer import llama_server  # noqa: E402
+
+CONVERSATIONS = 3
+TURNS = 4
+REPLY_TOKENS = 16
+PICTURE_OF = (1, 2, 1)  # the seed of each conversation's picture: the first and third alike
+QUESTIONS = [
+    "What is in this picture?",
+    "Which colours stand out?",
+    "What could it be used for?",
+    "Describe its left half.",
+    "Give it a title.",
+]
+
+
+@dataclass
+class Server:
+    name: str
+    model: Path
+    mmproj: Path
+    threads: int
+    work: Path
+    template: Path | None = None
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        if self.name == "kvwarm":
+            cmd = [
+                sys.executable, "-m", "kvwarm", "serve", "--host", "127.0.0.1",
+                "--port", str(self.port), "--model", f"m={self.model}", "--mmproj",
+                str(self.mmproj), "--n-ctx", "4096", "--n-parallel", "1",
+                "--n-threads", str(self.threads), "--n-threads-batch", str(self.threads),
+                "--cache-dir", str(self.work / "kvwarm-cache"), "--flash-attn", "on",
+                "--max-body-bytes", "4M",
+            ]  # fmt: skip
+            return cmd + (["--chat-template", str(self.template)] if self.template else [])
+        cmd = [
+            str(llama_server()), "--host", "127.0.0.1", "--port", str(self.port),
+            "-m", str(self.model), "--mmproj", str(self.mmproj), "-c", "4096", "-np", "1",
+            "-t", str(self.threads), "-tb", str(self.threads), "-fa", "on", "--jinja",
+            "--no-webui",
+        ]  # fmt: skip
+        return cmd + (["--chat-template-file", str(self.template)] if self.template else [])
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_ready(f"http://127.0.0.1:{self.port}/health", self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def chat(self, messages: list[dict[str, object]]) -> tuple[int, int, float, str]:
+        """(cached tokens, prompt tokens, seconds, reply) of one greedy chat turn."""
+        body = {"model": "m", "messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0}
+        t0 = time.perf_counter()
+        out = post(f"http://127.0.0.1:{self.port}/v1/chat/completions", body)
+        secs = time.perf_counter() - t0
+        usage = out["usage"]
+        assert isinstance(usage, dict)
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        reply = str(out["choices"][0]["message"]["content"] or "")  # type: ignore[index]
+        return cached, int(usage["prompt_tokens"]), secs, reply
+
+
+@dataclass
+class Request:
+    conversation: int
+    turn: int  # TURNS: the turn after the restart
+    cached: int
+    prompt: int
+    seconds: float
+
+
+def first_message(seed: int, question: str) -> dict[str, object]:
+    from tests.media_reference import picture
+
+    uri = "data:image/png;base64," + base64.b64encode(picture(seed)).decode()
+    return {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": uri}},
+            {"type": "text", "text": question},
+        ],
+    }
+
+
+def span_ends(model: Path, mmproj: Path, system: str, template: Path | None) -> list[int]:
+    """Where each conversation's picture ends in its prompt (kvwarm's own layout)."""
+    engine = ram_engine()
+    m = engine.load_model(
+        str(model),
+        n_ctx=4096,
+        mmproj=str(mmproj),
+        chat_template=None if template is None else str(template),
+    )
+    try:
+        ends = []
+        for c in range(CONVERSATIONS):
+            msgs = [{"role": "system", "content": system}, first_message(PICTURE_OF[c], "x")]
+            prompt, _ = m.chat_prompt(msgs)
+            ends.append(prompt.prompt.spans[0].end)
+        return ends
+    finally:
+        engine.close()
+
+
+def ram_engine() -> Engine:
+    """An engine of a small RAM tier alone: nothing of the bench is written elsewhere."""
+    from kvwarm import CacheConfig, Engine, TierConfig
+    from kvwarm.engine.api import EngineConfig
+
+    return Engine(EngineConfig(cache=CacheConfig(tiers=(TierConfig("ram", 1 << 20),))))
+
+
+def run(
+    servers: list[Server], histories: dict[str, list[list[dict[str, object]]]], turns: range
+) -> dict[str, list[Request]]:
+    out: dict[str, list[Request]] = {s.name: [] for s in servers}
+    i = 0
+    for t in turns:
+        for c in range(CONVERSATIONS):
+            order = servers if i % 2 == 0 else list(reversed(servers))
+            for server in order:
+                history = histories[server.name][c]
+                question = QUESTIONS[(c + t) % len(QUESTIONS)]
+                message = (
+                    first_message(PICTURE_OF[c], question)
+                    if t == 0
+                    else {"role": "user", "content": question}
+                )
+                history.append(message)
+                cached, n_prompt, secs, reply = server.chat(history)
+                history.append({"role": "assistant", "content": reply})
+                out[server.name].append(Request(c, t, cached, n_prompt, secs))
+            i += 1
+    return out
+
+
+def cache_bytes_per_token(cache_dir: Path) -> float:
+    """kvwarm's rows: logical bytes (what a restore reads) per token they hold."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvwarm", "cache", "ls", "--json", "--cache-dir", str(cache_dir)],
+        capture_output=True, check=True, text=True,
+    )  # fmt: skip
+    rows = json.loads(out.stdout)
+    tokens = sum(int(r["n_tokens"]) for r in rows)
+    return sum(int(r["bytes"]) for r in rows) / max(tokens, 1)
+
+
+def what_else_ran() -> list[str]:
+    """The load average and the busiest processes not started by this run."""
+    lines = [f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
+    ps = subprocess.run(
+        ["ps", "-eo", "pcpu,etimes,args", "--sort=-pcpu"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    own = str(os.getpid())
+    for line in ps.stdout.splitlines()[1:8]:
+        if own not in line:
+            lines.append("  " + line[:140])
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tests.tinymodels import write_tiny_projector
+
+    from kvwarm.embedded import default_model_path
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--width", type=int, default=0, help="the model's n_embd (default: read it)")
+    ap.add_argument("--template", type=Path, default=None, help="a Jinja chat template, both")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--system-tokens", type=int, default=400)
+    args = ap.parse_args(argv)
+    model = args.model or default_model_path()
+    print("command:", shlex.join([sys.executable, *sys.argv]))
+    system = LORE * max(1, args.system_tokens // 34)
+    work = Path(tempfile.mkdtemp(prefix="kvwarm-media-"))
+    try:
+        width = args.width
+        if not width:
+            probe = ram_engine()
+            width = probe.load_model(str(model), n_ctx=256).info().n_embd
+            probe.close()
+        mmproj = write_tiny_projector(work / "mmproj.gguf", width)
+        ends = span_ends(model, mmproj, system, args.template)
+        servers = []
+        for name in ("kvwarm", "llama-server"):
+            (work / name).mkdir()
+            servers.append(Server(name, model, mmproj, args.threads, work / name, args.template))
+        histories = {s.name: [[{"role": "system", "content": system}] for _ in range(3)]
+                     for s in servers}  # fmt: skip
+        for s in servers:
+            s.start()
+        try:
+            before = run(servers, histories, range(TURNS))
+        finally:
+            for s in servers:
+                s.stop()
+        for s in servers:
+            s.start()  # only what each server persisted survives
+        try:
+            after = run(servers, histories, range(TURNS, TURNS + 1))
+        finally:
+            for s in servers:
+                s.stop()
+        for name in before:
+            print(f"\n== {name}")
+            for r in before[name] + after[name]:
+                label = "after restart" if r.turn == TURNS else f"turn {r.turn}"
+                end = ends[r.conversation]
+                print(f"conv {r.conversation} {label:13s}: cached {r.cached:5d} / {r.prompt:5d}"
+                      f"  {r.seconds * 1e3:7.0f} ms  (picture ends at {end})")  # fmt: skip
+        k_before, k_after = before["kvwarm"], after["kvwarm"]
+        follow = [r for r in k_before if r.turn > 0] + k_after
+        through = [r.cached >= ends[r.conversation] for r in follow]
+        shared = next(r for r in k_before if r.conversation == 2 and r.turn == 0)
+        ratio = sum(r.seconds for r in k_after) / sum(r.seconds for r in after["llama-server"])
+        per_token = cache_bytes_per_token(servers[0].work / "kvwarm-cache")
+        print("\n== goals")
+        print(f"kvwarm follow-ups and after-restart turns restoring through their picture: "
+              f"{sum(through)}/{len(through)}")  # fmt: skip
+        print(f"third conversation (the first's picture) reused it: cached {shared.cached} "
+              f">= {ends[2]}: {shared.cached >= ends[2]}")  # fmt: skip
+        print(f"after the restart, kvwarm/llama-server: {ratio:.2f}x (goal <= 0.5x)")
+        print(f"one picture's span (16 positions) in kvwarm's cache: {per_token * 16 / 1024:.0f} "
+              f"KiB ({per_token / 1024:.1f} KiB per position)")  # fmt: skip
+        for s in ("kvwarm", "llama-server"):
+            print(f"{s}: run {sum(r.seconds for r in before[s]):.2f} s, after restart "
+                  f"{sum(r.seconds for r in after[s]):.2f} s")  # fmt: skip
+        print("\n== what else was running")
+        for line in what_else_ran():
+            print(line)
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,467 @@
+"""The router's one index of what every replica's cache holds, fed by their events
+(``facts.py``), and what each replica could serve of a request (``reach``).
+
+What it keeps:
+
+- *Copies*: a row (by key) in a *store*: a replica's own tier (scope ``replica``), a tier
+  the replicas of one node share (``node``: the store is that node's), or one every replica
+  reads (``cluster``). Each copy counts the replicas whose index holds it (*vouchers*) and
+  references its chunk keys, counted per store.
+- *Live slots*: per replica, the chain ends of the conversations its slots hold.
+- *Links*: chain end -> the row key its request saved (content facts, bounded).
+
+Invariants:
+
+- Per replica, events are applied in sequence order from the epoch's start or from a
+  snapshot; a report whose events do not continue the last one applied (a gap: reports
+  missed, a router restart) applies nothing and marks the replica *wanted*: the router
+  fetches its snapshot (``load_snapshot``), which replaces everything the replica vouched
+  for. A new epoch (a restarted replica) drops the old epoch's facts first. So lost or
+  replayed events converge: replaying an applied event changes nothing, a missed one ends
+  in a snapshot.
+- A copy whose bytes were deleted (``RowGone`` without ``bytes_kept``) leaves its store for
+  every replica. A copy in a shared store that no replica vouches for any more (forgotten on
+  a TTL, its replica dead) stays, since its bytes do, until deleted or pushed out by newer
+  ones (``unvouched`` bounds them); a replica's own copies go with it.
+- Thread-safe (one lock): the router applies reports and reads ``reach`` on its loop while
+  the ingress notes what replicas served on its own threads. Pure otherwise: no clock, no
+  I/O (callers pass ``now``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvwarm.cluster.routing.facts import (
+    Fact,
+    Link,
+    Live,
+    LiveGone,
+    RowFact,
+    RowGone,
+    Scope,
+    Snapshot,
+    Source,
+    decode_report,
+    decode_snapshot,
+)
+
+__all__ = ["ClusterIndex", "Reach", "forget_indexes", "index_for", "index_name"]
+
+log = logging.getLogger("kvwarm.cluster.index")
+
+Store = tuple[Scope, str, str]  # (scope, owner: replica id | node id | "", tier)
+Reach = dict[str, int]  # tokens a replica could serve of a request, per source (Source)
+LINKS = 262144
+UNVOUCHED = 65536
+DEAD_KEPT = 16  # dead replicas listed by ``describe``
+
+
+@dataclass(slots=True)
+class _Copy:
+    n_tokens: int
+    source: Source
+    chunks: tuple[bytes, ...]
+    vouchers: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Replica:
+    epoch: str | None = None
+    seq: int = 0
+    node: str | None = None
+    slots: int = 1
+    vouches: set[tuple[bytes, Store]] = field(default_factory=set)
+    live: OrderedDict[str, tuple[bytes | None, int]] = field(default_factory=OrderedDict)
+    stats: Mapping[str, object] = field(default_factory=dict)
+    reported_at: float | None = None
+    resyncs: int = 0
+    gaps: int = 0
+
+
+class ClusterIndex:
+    def __init__(self, *, links: int = LINKS, unvouched: int = UNVOUCHED) -> None:
+        self._lock = threading.Lock()
+        self._replicas: dict[str, _Replica] = {}
+        self._dead: OrderedDict[str, _Replica] = OrderedDict()
+        self._copies: dict[bytes, dict[Store, _Copy]] = {}
+        self._chunks: dict[Store, dict[bytes, int]] = {}
+        self._live: dict[str, dict[str, int]] = {}  # chain end -> replica -> tokens
+        self._links: OrderedDict[str, bytes] = OrderedDict()
+        self._unvouched: OrderedDict[tuple[bytes, Store], None] = OrderedDict()
+        self._wanted: set[str] = set()
+        self._link_capacity = links
+        self._unvouched_capacity = unvouched
+
+    # ---------------------------------------------------------------- feeding
+
+    def observe(
+        self,
+        replica: str,
+        node: str | None,
+        stats: Mapping[str, object] | None,
+        now: float | None = None,
+    ) -> bool:
+        """Apply the events of ``stats["events"]`` (a routing-stats report) from ``replica``
+        on ``node``. True if the replica's snapshot is wanted (a gap, or a bad report)."""
+        stats = stats or {}
+        raw = stats.get("events")
+        with self._lock:
+            state = self._replica(replica, node)
+            state.stats = {k: v for k, v in stats.items() if k not in ("events", "warm")}
+            state.reported_at = now
+            if raw is None:
+                return False
+            try:
+                report = decode_report(raw)
+            except ValueError as exc:
+                log.warning("replica %s: unreadable cache events (%s): resync", replica, exc)
+                return self._want(replica, state)
+            state.slots = report.slots
+            if report.epoch != state.epoch:
+                if state.epoch is not None:
+                    log.info("replica %s restarted (new epoch): its facts start over", replica)
+                self._drop_facts(replica, state)
+                state.epoch, state.seq = report.epoch, 0
+            events = [e for e in report.events if e[0] > state.seq]
+            if report.seq > state.seq and (not events or events[0][0] != state.seq + 1):
+                return self._want(replica, state)
+            for seq, fact in events:
+                if seq != state.seq + 1:
+                    return self._want(replica, state)
+                self._apply(replica, state, fact)
+                state.seq = seq
+            return replica in self._wanted
+
+    def load_snapshot(self, replica: str, raw: object) -> bool:
+        """Replace what ``replica`` vouches for with its snapshot. False if it is unreadable,
+        of another epoch than its reports now are, or older than what was applied."""
+        try:
+            snap = decode_snapshot(raw)
+        except ValueError as exc:
+            log.warning("replica %s: unreadable snapshot: %s", replica, exc)
+            return False
+        with self._lock:
+            state = self._replicas.get(replica)
+            if state is None:
+                return False  # gone meanwhile
+            if state.epoch is not None and snap.epoch != state.epoch:
+                return False  # its reports speak of another process now: ask again
+            if snap.epoch == state.epoch and snap.seq < state.seq and replica not in self._wanted:
+                return False  # older than what the events already told
+            self._load(replica, state, snap)
+            self._wanted.discard(replica)
+            state.resyncs += 1
+            return True
+
+    def note_served(
+        self, replica: str, chain: Sequence[str], key: bytes | None, n_tokens: int
+    ) -> None:
+        """The ingress saw ``replica`` finish a request with ``chain`` (before the replica's
+        events say so): its slot holds the conversation, its finish row is ``key``."""
+        if not chain:
+            return
+        with self._lock:
+            state = self._replica(replica, None)
+            if key is not None:
+                self._link(chain[-1], key)
+            self._set_live(replica, state, Live(chain[-1], key, n_tokens))
+
+    def retain(self, running: Mapping[str, str | None]) -> None:
+        """Ray's running replicas (id -> node): the others are dead; their own copies and
+        live slots go, their vouches for shared copies go (the copies stay)."""
+        with self._lock:
+            for replica in [r for r in self._replicas if r not in running]:
+                self._bury(replica)
+            for replica, node in running.items():
+                self._replica(replica, node)
+
+    def died(self, replica: str) -> None:
+        with self._lock:
+            if replica in self._replicas:
+                self._bury(replica)
+
+    def wanted(self) -> list[str]:
+        """Replicas whose snapshot is wanted (a gap in their events)."""
+        with self._lock:
+            return sorted(self._wanted)
+
+    # ---------------------------------------------------------------- reading
+
+    def reach(
+        self, chain: Sequence[str], parent_key: bytes | None, running: Mapping[str, str | None]
+    ) -> dict[str, Reach]:
+        """For each running replica (id -> node), the most tokens of this request it could
+        serve from each source: a live slot holding a prefix of ``chain``, or a row linked
+        to one of ``chain``'s prefixes (or ``parent_key``) in a store it can read. Replicas
+        with nothing are left out. Cost: one lookup per chain unit, then per copy found."""
+        out: dict[str, Reach] = {}
+
+        def give(replica: str, source: str, n: int) -> None:
+            best = out.setdefault(replica, {})
+            if n > best.get(source, 0):
+                best[source] = n
+
+        with self._lock:
+            keys: list[bytes] = [] if parent_key is None else [parent_key]
+            for end in chain:
+                holders = self._live.get(end)
+                if holders:
+                    for replica, n in holders.items():
+                        if replica in running:
+                            give(replica, "live", n)
+                key = self._links.get(end)
+                if key is not None:
+                    keys.append(key)
+            for key in dict.fromkeys(keys):
+                for (scope, owner, _), copy in self._copies.get(key, {}).items():
+                    if scope == "replica":
+                        if owner in running:
+                            give(owner, copy.source, copy.n_tokens)
+                    elif scope == "node":
+                        for replica, node in running.items():
+                            if node == owner:
+                                give(replica, copy.source, copy.n_tokens)
+                    else:
+                        for replica in running:
+                            give(replica, copy.source, copy.n_tokens)
+        return out
+
+    def held(self, replica: str) -> int:
+        """Facts a replica vouches for (rows and live slots): how much it holds."""
+        with self._lock:
+            state = self._replicas.get(replica)
+            return 0 if state is None else len(state.vouches) + len(state.live)
+
+    def facts_of(
+        self, replica: str
+    ) -> tuple[frozenset[tuple[bytes, str]], frozenset[str], int] | None:
+        """What ``replica`` vouches for: (row key, tier) pairs, live chain ends, and the
+        last event applied (None for a replica not known). Tests compare it with the
+        replica's own snapshot."""
+        with self._lock:
+            state = self._replicas.get(replica)
+            if state is None:
+                return None
+            rows = frozenset((key, store[2]) for key, store in state.vouches)
+            return rows, frozenset(state.live), state.seq
+
+    def sizes(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "rows": len(self._copies),
+                "copies": sum(len(c) for c in self._copies.values()),
+                "chunks": sum(len(c) for c in self._chunks.values()),
+                "links": len(self._links),
+                "unvouched": len(self._unvouched),
+            }
+
+    def describe(self) -> dict[str, object]:
+        """Every replica known (running first, then the recently dead) with what it last
+        reported and what this index holds of it; then the index's sizes."""
+        with self._lock:
+            replicas = [
+                self._describe(rid, state, "running") for rid, state in self._replicas.items()
+            ]
+            replicas += [self._describe(rid, state, "dead") for rid, state in self._dead.items()]
+        return {"replicas": replicas, "index": self.sizes()}
+
+    def _describe(self, rid: str, state: _Replica, health: str) -> dict[str, object]:
+        by_store: dict[str, dict[str, int]] = {}
+        for key, store in state.vouches:
+            scope, _, tier = store
+            entry = by_store.setdefault(tier, {"rows": 0, "tokens": 0, "chunks": 0})
+            copy = self._copies.get(key, {}).get(store)
+            entry["rows"] += 1
+            entry["tokens"] += copy.n_tokens if copy is not None else 0
+        for store, chunks in self._chunks.items():
+            scope, owner, tier = store
+            mine = owner == rid or (scope == "node" and owner == state.node) or scope == "cluster"
+            if mine and tier in by_store:
+                by_store[tier]["chunks"] = len(chunks)
+        return {
+            "id": rid,
+            "health": health,
+            "node": state.node,
+            "epoch": state.epoch,
+            "seq": state.seq,
+            "resyncs": state.resyncs,
+            "gaps": state.gaps,
+            "resync_wanted": rid in self._wanted,
+            "reported_at": state.reported_at,
+            "stats": dict(state.stats),
+            "indexed": {"live": len(state.live), "tiers": by_store},
+        }
+
+    # ---------------------------------------------------------------- internals (locked)
+
+    def _replica(self, replica: str, node: str | None) -> _Replica:
+        state = self._replicas.get(replica)
+        if state is None:
+            state = self._replicas[replica] = _Replica(node=node)
+            self._dead.pop(replica, None)
+        elif node is not None and state.node != node:
+            if state.node is not None:  # a replica does not move: drop what it said before
+                self._drop_facts(replica, state)
+                state.epoch, state.seq = None, 0
+            state.node = node
+        return state
+
+    def _want(self, replica: str, state: _Replica) -> bool:
+        if replica not in self._wanted:
+            state.gaps += 1
+            self._wanted.add(replica)
+        return True
+
+    def _store(self, replica: str, state: _Replica, scope: Scope, tier: str) -> Store:
+        if scope == "replica":
+            return ("replica", replica, tier)
+        if scope == "node":
+            return ("node", state.node or f"?{replica}", tier)
+        return ("cluster", "", tier)
+
+    def _apply(self, replica: str, state: _Replica, fact: Fact) -> None:
+        if isinstance(fact, RowFact):
+            self._add_copy(replica, state, fact)
+        elif isinstance(fact, RowGone):
+            store = self._store(replica, state, fact.scope, fact.tier)
+            self._drop_copy(replica, state, fact.key, store, fact.bytes_kept)
+        elif isinstance(fact, Live):
+            self._set_live(replica, state, fact)
+        elif isinstance(fact, LiveGone):
+            self._unset_live(replica, state, fact.chain_end)
+        elif isinstance(fact, Link):
+            self._link(fact.chain_end, fact.key)
+
+    def _add_copy(self, replica: str, state: _Replica, fact: RowFact) -> None:
+        store = self._store(replica, state, fact.scope, fact.tier)
+        copies = self._copies.setdefault(fact.key, {})
+        copy = copies.get(store)
+        if copy is None:
+            copy = copies[store] = _Copy(fact.n_tokens, fact.source, fact.chunks)
+            refs = self._chunks.setdefault(store, {})
+            for chunk in fact.chunks:
+                refs[chunk] = refs.get(chunk, 0) + 1
+        copy.vouchers.add(replica)
+        self._unvouched.pop((fact.key, store), None)
+        state.vouches.add((fact.key, store))
+
+    def _drop_copy(
+        self, replica: str, state: _Replica, key: bytes, store: Store, bytes_kept: bool
+    ) -> None:
+        state.vouches.discard((key, store))
+        copy = self._copies.get(key, {}).get(store)
+        if copy is None:
+            return
+        copy.vouchers.discard(replica)
+        if not bytes_kept or store[0] == "replica":
+            self._delete_copy(key, store)
+        elif not copy.vouchers:
+            self._unvouched[(key, store)] = None
+            while len(self._unvouched) > self._unvouched_capacity:
+                (old_key, old_store), _ = self._unvouched.popitem(last=False)
+                self._delete_copy(old_key, old_store)
+
+    def _delete_copy(self, key: bytes, store: Store) -> None:
+        copies = self._copies.get(key)
+        if copies is None or store not in copies:
+            return
+        copy = copies.pop(store)
+        if not copies:
+            del self._copies[key]
+        for other in copy.vouchers:  # the bytes are gone for everyone sharing the store
+            other_state = self._replicas.get(other)
+            if other_state is not None:
+                other_state.vouches.discard((key, store))
+        self._unvouched.pop((key, store), None)
+        refs = self._chunks.get(store)
+        if refs is not None:
+            for chunk in copy.chunks:
+                n = refs.get(chunk, 0) - 1
+                if n > 0:
+                    refs[chunk] = n
+                else:
+                    refs.pop(chunk, None)
+            if not refs:
+                del self._chunks[store]
+
+    def _set_live(self, replica: str, state: _Replica, fact: Live) -> None:
+        state.live.pop(fact.chain_end, None)
+        state.live[fact.chain_end] = (fact.key, fact.n_tokens)
+        self._live.setdefault(fact.chain_end, {})[replica] = fact.n_tokens
+        while len(state.live) > max(1, state.slots):
+            oldest = next(iter(state.live))
+            self._unset_live(replica, state, oldest)
+
+    def _unset_live(self, replica: str, state: _Replica, end: str) -> None:
+        state.live.pop(end, None)
+        holders = self._live.get(end)
+        if holders is not None:
+            holders.pop(replica, None)
+            if not holders:
+                del self._live[end]
+
+    def _link(self, end: str, key: bytes) -> None:
+        self._links[end] = key
+        self._links.move_to_end(end)
+        while len(self._links) > self._link_capacity:
+            self._links.popitem(last=False)
+
+    def _drop_facts(self, replica: str, state: _Replica) -> None:
+        for key, store in list(state.vouches):
+            # Its own copies die with it; shared ones keep their bytes.
+            self._drop_copy(replica, state, key, store, bytes_kept=True)
+        for end in list(state.live):
+            self._unset_live(replica, state, end)
+        state.vouches.clear()
+
+    def _load(self, replica: str, state: _Replica, snap: Snapshot) -> None:
+        self._drop_facts(replica, state)
+        state.epoch, state.seq, state.slots = snap.epoch, snap.seq, snap.slots
+        for row in snap.rows:
+            self._add_copy(replica, state, row)
+        for link in snap.links:
+            self._link(link.chain_end, link.key)
+        for live in snap.live:
+            self._set_live(replica, state, live)
+
+    def _bury(self, replica: str) -> None:
+        state = self._replicas.pop(replica)
+        self._drop_facts(replica, state)
+        self._wanted.discard(replica)
+        self._dead[replica] = state
+        while len(self._dead) > DEAD_KEPT:
+            self._dead.popitem(last=False)
+
+
+def index_name(app_name: str, deployment: str) -> str:
+    """The key of a deployment's ``ClusterIndex`` in its process (``index_for``)."""
+    return f"{app_name}#{deployment}"
+
+
+_indexes: dict[str, ClusterIndex] = {}
+_indexes_lock = threading.Lock()
+
+
+def index_for(deployment: str) -> ClusterIndex:
+    """The one ``ClusterIndex`` of this process for ``deployment`` (e.g. ``kvwarm#engine``).
+
+    Ray builds a deployment's router inside the process that calls its handle (the ingress)
+    and the ingress's app separately; neither can hand the other an object. Both find the
+    index here, so the router's events and the ingress's served notes meet in one place."""
+    with _indexes_lock:
+        index = _indexes.get(deployment)
+        if index is None:
+            index = _indexes[deployment] = ClusterIndex()
+        return index
+
+
+def forget_indexes(names: Iterable[str] | None = None) -> None:
+    """Drop this process's indexes (all, or ``names``): a test's fresh start."""
+    with _indexes_lock:
+        for name in list(_indexes) if names is None else list(names):
+            _indexes.pop(name, None)

@@ -1,0 +1,377 @@
+"""Images and audio in prompts: decoded in Python, under limits, before anything reaches C.
+
+A client's file (PNG, JPEG, WAV ...) is never handed to llama.cpp: ``decode_image`` turns it
+into raw RGB pixels with Pillow and ``decode_audio`` a WAV file into float32 mono samples, each
+under ``MediaLimits`` (bytes, pixels, seconds, formats), so a truncated, oversized or hostile
+file is a ``MediaError`` (a 400 naming the part) and a decompression bomb is refused from its
+header, before its pixels are decoded. The projector (``mtmd``) then gets those pixels or
+samples (``mtmd_bitmap_init``), never the file.
+
+Each decoded item carries its ``digest``: a sha-256 of its kind, size and content (pixels or
+samples), the identity its prompt span is cached under (``kvwarm.tokens.span_ids``). Two files
+that decode to the same pixels (a PNG and its re-encoding) share their KV; a one-pixel change
+shares nothing past the span's start.
+
+Invariant: pure; imports only ``kvwarm.errors`` (Pillow and numpy where decoding needs them).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import os
+import re
+import struct
+import wave
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwarm.errors import MediaError
+
+__all__ = [
+    "AUDIO_FORMATS",
+    "IMAGE_FORMATS",
+    "Audio",
+    "Image",
+    "Media",
+    "MediaError",
+    "MediaKind",
+    "MediaLimits",
+    "decode_audio",
+    "decode_data_uri",
+    "decode_image",
+    "load_media",
+]
+
+MediaKind = Literal["image", "audio"]
+
+#: The image formats Pillow decodes that a limit may allow (Pillow's format names, lower case).
+IMAGE_FORMATS = ("png", "jpeg", "webp", "gif", "bmp")
+#: The audio formats ``decode_audio`` reads.
+AUDIO_FORMATS = ("wav",)
+
+
+@dataclass(frozen=True, slots=True)
+class MediaLimits:
+    """What a request's media may be. ``max_bytes`` bounds each encoded file, ``max_pixels``
+    each image's width x height (read from its header, before it is decoded: a decompression
+    bomb never allocates), ``max_audio_s`` each clip's length, ``max_items`` the media of one
+    request; ``formats`` the image and audio formats allowed (``IMAGE_FORMATS``,
+    ``AUDIO_FORMATS``)."""
+
+    max_bytes: int = 20 << 20
+    max_pixels: int = 32 << 20
+    max_audio_s: float = 600.0
+    max_items: int = 16
+    formats: tuple[str, ...] = (*IMAGE_FORMATS, *AUDIO_FORMATS)
+
+    def validate(self) -> None:
+        from kvwarm.errors import ConfigError
+
+        if self.max_bytes < 1 or self.max_pixels < 1 or self.max_items < 0:
+            raise ConfigError("media limits must be positive (max_items may be 0: no media)")
+        if not self.max_audio_s > 0:
+            raise ConfigError("media_max_audio_s must be > 0")
+        unknown = sorted(set(self.formats) - set(IMAGE_FORMATS) - set(AUDIO_FORMATS))
+        if unknown:
+            raise ConfigError(
+                f"unknown media formats {', '.join(unknown)} (known: "
+                f"{', '.join((*IMAGE_FORMATS, *AUDIO_FORMATS))})"
+            )
+
+
+def _digest(kind: bytes, header: bytes, data: bytes) -> bytes:
+    h = hashlib.sha256(b"kvwarm-media\0" + kind + b"\0" + header)
+    h.update(data)
+    return h.digest()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Image:
+    """Decoded pixels: ``rgb`` is ``width * height * 3`` bytes, row-major RGBRGB..."""
+
+    width: int
+    height: int
+    rgb: bytes = field(repr=False)
+    digest: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.width < 1 or self.height < 1 or len(self.rgb) != 3 * self.width * self.height:
+            raise ValueError(f"an image of {self.width}x{self.height} has {len(self.rgb)} bytes")
+        header = struct.pack("<II", self.width, self.height)
+        object.__setattr__(self, "digest", _digest(b"image", header, self.rgb))
+
+    @property
+    def kind(self) -> MediaKind:
+        return "image"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Image) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Audio:
+    """Decoded audio: ``samples`` are float32 (little-endian) mono PCM at ``sample_rate``."""
+
+    samples: bytes = field(repr=False)
+    sample_rate: int
+    digest: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.sample_rate < 1 or not self.samples or len(self.samples) % 4:
+            raise ValueError("audio needs whole float32 samples and a positive sample rate")
+        header = struct.pack("<I", self.sample_rate)
+        object.__setattr__(self, "digest", _digest(b"audio", header, self.samples))
+
+    @property
+    def kind(self) -> MediaKind:
+        return "audio"
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.samples) // 4
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Audio) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+
+Media = Image | Audio
+
+
+def _check_size(data: bytes, limits: MediaLimits, where: str) -> None:
+    if not data:
+        raise MediaError(f"{where} is empty", param=where)
+    if len(data) > limits.max_bytes:
+        raise MediaError(
+            f"{where} is {len(data)} bytes, above this server's limit of {limits.max_bytes} "
+            "(setting media_max_bytes)",
+            param=where,
+        )
+
+
+def decode_image(data: bytes, limits: MediaLimits, where: str) -> Image:
+    """The RGB pixels of an encoded image; ``MediaError`` naming ``where`` for anything that is
+    not a whole image of an allowed format within the limits. Pillow reads the header first:
+    an image over ``max_pixels`` is refused before its pixels are decoded. Alpha is dropped and
+    a palette expanded (as llama.cpp's own loader does), an animation gives its first frame."""
+    _check_size(data, limits, where)
+    import warnings
+
+    from PIL import Image as PilImage
+    from PIL import UnidentifiedImageError
+
+    allowed = [f for f in limits.formats if f in IMAGE_FORMATS]
+    if not allowed:
+        raise MediaError(f"{where}: this server accepts no images", param=where)
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns (and errs past 2x) on its own bomb limit; ours is checked below.
+            warnings.simplefilter("ignore", PilImage.DecompressionBombWarning)
+            with PilImage.open(io.BytesIO(data), formats=[f.upper() for f in allowed]) as img:
+                width, height = img.size
+                if width < 1 or height < 1:
+                    raise MediaError(f"{where} has no pixels ({width}x{height})", param=where)
+                if width * height > limits.max_pixels:
+                    raise MediaError(
+                        f"{where} is {width}x{height} pixels, above this server's limit of "
+                        f"{limits.max_pixels} (setting media_max_pixels)",
+                        param=where,
+                    )
+                img.load()  # decodes every byte now: a truncated file fails here
+                rgb = img.convert("RGB")
+                pixels = rgb.tobytes()
+    except MediaError:
+        raise
+    except UnidentifiedImageError as exc:
+        raise MediaError(
+            f"{where} is not an image of an allowed format ({', '.join(allowed)})", param=where
+        ) from exc
+    except PilImage.DecompressionBombError as exc:
+        raise MediaError(f"{where} is too large to decode: {exc}", param=where) from exc
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error, MemoryError) as exc:
+        raise MediaError(f"{where} is not a whole image: {exc}", param=where) from exc
+    return Image(width, height, pixels)
+
+
+def decode_audio(data: bytes, limits: MediaLimits, where: str, sample_rate: int) -> Audio:
+    """float32 mono samples at ``sample_rate`` (the projector's) of a WAV file of integer or
+    float PCM: channels are averaged, other rates resampled linearly. ``MediaError`` naming
+    ``where`` for anything else."""
+    _check_size(data, limits, where)
+    if "wav" not in limits.formats:
+        raise MediaError(f"{where}: this server accepts no audio", param=where)
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise MediaError(f"{where} is not a WAV file (the audio format read)", param=where)
+    try:
+        samples, rate, channels = _read_wav(data)
+    except (wave.Error, EOFError, ValueError, struct.error) as exc:
+        raise MediaError(f"{where} is not a whole WAV file: {exc}", param=where) from exc
+    frames = samples.size // channels
+    if frames == 0:
+        raise MediaError(f"{where} holds no samples", param=where)
+    if frames / rate > limits.max_audio_s:
+        raise MediaError(
+            f"{where} is {frames / rate:.1f} s long, above this server's limit of "
+            f"{limits.max_audio_s:g} s (setting media_max_audio_s)",
+            param=where,
+        )
+    mono = samples[: frames * channels].reshape(frames, channels).mean(axis=1, dtype=np.float64)
+    if rate != sample_rate:
+        n_out = max(1, round(frames * sample_rate / rate))
+        mono = np.interp(np.arange(n_out) * (rate / sample_rate), np.arange(frames), mono)
+    return Audio(np.asarray(mono, dtype="<f4").tobytes(), sample_rate)
+
+
+def _read_wav(data: bytes) -> tuple[npt.NDArray[np.float64], int, int]:
+    """(samples as float in [-1, 1], flat; rate; channels) of integer PCM (``wave``) or
+    IEEE float (format 3, which ``wave`` refuses) WAV data."""
+    fmt = _wav_format(data)
+    if fmt == 3:
+        rate, channels, bits, payload = _float_wav(data)
+        dtype = {32: "<f4", 64: "<f8"}.get(bits)
+        if dtype is None:
+            raise ValueError(f"{bits}-bit float samples")
+        return np.frombuffer(payload, dtype=dtype).astype(np.float64), rate, channels
+    with wave.open(io.BytesIO(data), "rb") as w:
+        rate, channels, width = w.getframerate(), w.getnchannels(), w.getsampwidth()
+        if rate < 1 or channels < 1:
+            raise ValueError(f"{rate} Hz, {channels} channels")
+        raw = w.readframes(w.getnframes())
+    if width == 1:
+        unsigned = np.frombuffer(raw, dtype=np.uint8).astype(np.float64)
+        return (unsigned - 128.0) / 128.0, rate, channels
+    if width == 2:
+        return np.frombuffer(raw, dtype="<i2").astype(np.float64) / 32768.0, rate, channels
+    if width == 3:
+        b = np.frombuffer(raw[: len(raw) - len(raw) % 3], dtype=np.uint8).reshape(-1, 3)
+        packed = b[:, 0].astype(np.int64) | (b[:, 1].astype(np.int64) << 8)
+        packed = packed | (b[:, 2].astype(np.int64) << 16)
+        signed = np.where(packed >= 1 << 23, packed - (1 << 24), packed)
+        return signed.astype(np.float64) / float(1 << 23), rate, channels
+    if width == 4:
+        return np.frombuffer(raw, dtype="<i4").astype(np.float64) / float(1 << 31), rate, channels
+    raise ValueError(f"{8 * width}-bit samples")
+
+
+def _chunks(data: bytes) -> list[tuple[bytes, bytes]]:
+    out: list[tuple[bytes, bytes]] = []
+    at = 12
+    while at + 8 <= len(data):
+        name, size = data[at : at + 4], struct.unpack_from("<I", data, at + 4)[0]
+        body = data[at + 8 : at + 8 + size]
+        if len(body) != size:
+            raise ValueError(f"chunk {name!r} is cut short")
+        out.append((name, body))
+        at += 8 + size + (size & 1)
+    return out
+
+
+def _wav_format(data: bytes) -> int:
+    for name, body in _chunks(data):
+        if name == b"fmt ":
+            if len(body) < 16:
+                raise ValueError("fmt chunk too short")
+            fmt: int = struct.unpack_from("<H", body, 0)[0]
+            if fmt == 0xFFFE and len(body) >= 26:  # WAVE_FORMAT_EXTENSIBLE: its subformat
+                fmt = struct.unpack_from("<H", body, 24)[0]
+            return fmt
+    raise ValueError("no fmt chunk")
+
+
+def _float_wav(data: bytes) -> tuple[int, int, int, bytes]:
+    rate = channels = bits = 0
+    payload = b""
+    for name, body in _chunks(data):
+        if name == b"fmt ":
+            channels, rate = struct.unpack_from("<HI", body, 2)
+            bits = struct.unpack_from("<H", body, 14)[0]
+        elif name == b"data":
+            payload = body
+    if rate < 1 or channels < 1:
+        raise ValueError(f"{rate} Hz, {channels} channels")
+    frame = channels * bits // 8
+    return rate, channels, bits, payload[: len(payload) - len(payload) % max(frame, 1)]
+
+
+_DATA_URI = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,", re.I)
+
+
+def decode_data_uri(uri: str, where: str, limits: MediaLimits) -> tuple[str, bytes]:
+    """(media type, bytes) of a base64 ``data:`` URI; ``MediaError`` if it is not one or its
+    payload is over ``max_bytes`` (checked before decoding: base64 is 4/3 the size)."""
+    found = _DATA_URI.match(uri)
+    if found is None:
+        raise MediaError(f"{where} is not a base64 data: URI", param=where)
+    return found["type"] or "", decode_base64(uri[found.end() :], where, limits)
+
+
+def decode_base64(text: str, where: str, limits: MediaLimits) -> bytes:
+    """The bytes of base64 ``text`` (standard alphabet, whitespace allowed); ``MediaError``
+    if it is not base64 or decodes to more than ``max_bytes``."""
+    compact = "".join(text.split())
+    if len(compact) * 3 // 4 > limits.max_bytes + 3:
+        raise MediaError(
+            f"{where} is over {limits.max_bytes} bytes (setting media_max_bytes)", param=where
+        )
+    try:
+        return base64.b64decode(compact, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MediaError(f"{where} is not valid base64: {exc}", param=where) from exc
+
+
+def load_media(
+    value: object,
+    kind: MediaKind,
+    limits: MediaLimits,
+    where: str,
+    *,
+    sample_rate: int = 16000,
+) -> Media:
+    """The Python API's media: decoded ``Image``/``Audio`` as given, else encoded bytes, a
+    path to a file, or a base64 ``data:`` URI, decoded under ``limits``."""
+    if isinstance(value, Image | Audio):
+        if value.kind != kind:
+            raise MediaError(f"{where} is {value.kind}, not {kind}", param=where)
+        return value
+    if isinstance(value, bytes | bytearray | memoryview):
+        data = bytes(value)
+    elif isinstance(value, str) and value.startswith("data:"):
+        data = decode_data_uri(value, where, limits)[1]
+    elif isinstance(value, str | os.PathLike):
+        path = Path(value)
+        try:
+            if path.stat().st_size > limits.max_bytes:
+                raise MediaError(
+                    f"{where}: {str(path)!r} is over {limits.max_bytes} bytes (media_max_bytes)",
+                    param=where,
+                )
+            data = path.read_bytes()
+        except OSError as exc:
+            raise MediaError(f"{where}: cannot read {str(path)!r}: {exc}", param=where) from exc
+    else:
+        raise MediaError(
+            f"{where} must be bytes, a path, a data: URI or a decoded kvwarm.media.{kind.title()}"
+            f", not {type(value).__name__}",
+            param=where,
+        )
+    if kind == "image":
+        return decode_image(data, limits, where)
+    return decode_audio(data, limits, where, sample_rate)
+
+
+def media_kinds(items: Sequence[Media]) -> list[str]:
+    """The kinds among ``items``, sorted, each once (for messages)."""
+    return sorted({m.kind for m in items})

@@ -1,0 +1,104 @@
+"""``/v1/rerank`` (and ``/rerank``, ``/v2/rerank``): Jina's and Cohere's rerank API, as
+llama-server serves it with ``--rerank``, on a model whose pooling is rank.
+
+Invariant: the handler never blocks the event loop: the rerank (tokenizing, then waiting for
+every document's score from the worker) runs in the thread pool, as ``/v1/embeddings`` does.
+The documents go through the model's queue, slots and batching like any request
+(``kvwarm.engine.rerank``); a model that is not a reranker answers 400 ``unsupported_by_model``.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvwarm.engine.types import Reranking
+from kvwarm.server import tenancy
+from kvwarm.server.errors import HTTPError
+from kvwarm.server.generate import request_log
+from kvwarm.server.schemas import RerankRequest, check_count, json_body, parse_body, read_json
+from kvwarm.server.state import server_state
+from kvwarm.settings import Settings
+
+router = APIRouter()
+
+
+def most_documents(settings: Settings) -> int:
+    """The largest ``rerank_max_documents`` of any configured model (the global value, or a
+    ``[[models]]`` table's)."""
+    values = [settings.rerank_max_documents]
+    for spec in settings.models:
+        value = dict(spec.options).get("rerank_max_documents")
+        if isinstance(value, int):
+            values.append(value)
+    return max(values)
+
+
+@router.post("/v1/rerank", openapi_extra=json_body(RerankRequest) | tenancy.openapi_header())
+@router.post("/rerank", openapi_extra=json_body(RerankRequest) | tenancy.openapi_header())
+@router.post("/v2/rerank", openapi_extra=json_body(RerankRequest) | tenancy.openapi_header())
+async def rerank(request: Request) -> Response:
+    """The documents by relevance to the query, best first."""
+    state = server_state(request)
+    body = await read_json(request, state.settings)
+    # Counted before validation builds an object per document; each model checks its own
+    # limit again (rerank_max_documents may be set per model: the largest bounds this one).
+    check_count(body, "documents", most_documents(state.settings), "rerank_max_documents")
+    req = parse_body(body, RerankRequest)
+    if req.model is not None and state.lora.base_of(req.model) is not None:
+        raise HTTPError(
+            400,
+            f"{req.model!r} is a LoRA adapter: adapters apply to generation; rerank with a "
+            "reranker",
+            param="model",
+            code="unsupported_by_model",
+        )
+    model, _ = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
+    texts = [d if isinstance(d, str) else d.text for d in req.documents]
+    salt = tenancy.cache_salt(request, req.cache_salt, state.settings)
+
+    def work() -> Reranking:
+        return model.rerank(
+            req.query,
+            texts,
+            top_n=req.top_n,
+            max_tokens_per_doc=req.max_tokens_per_doc,
+            cache_salt=salt,
+        )
+
+    ranking = await run_in_threadpool(work)
+    results: list[dict[str, object]] = []
+    for result in ranking.results:
+        item: dict[str, object] = {
+            "index": result.index,
+            "relevance_score": result.relevance_score,
+        }
+        if req.return_documents:
+            item["document"] = {"text": texts[result.index]}
+        results.append(item)
+    request_log.info(
+        "rerank model=%s documents=%d prompt_tokens=%d cached_tokens=%d",
+        model.id,
+        len(texts),
+        ranking.prompt_tokens,
+        ranking.cached_tokens,
+    )
+    return JSONResponse(
+        {
+            "id": f"rerank-{uuid.uuid4().hex}",
+            "object": "list",
+            "model": model.id,
+            "results": results,
+            "usage": {
+                "prompt_tokens": ranking.prompt_tokens,
+                "total_tokens": ranking.prompt_tokens,
+                "prompt_tokens_details": {"cached_tokens": ranking.cached_tokens},
+            },
+            # Cohere's clients read their units here.
+            "meta": {"billed_units": {"search_units": 1}},
+        }
+    )

@@ -1,0 +1,183 @@
+"""A sliding window's cells in chunks (``KvCodec.rest_span``, ``split_rest``, ``join_rest``):
+an iSWA blob is its first cache then its window, and the window is cut by position like the
+first cache, so ``join(split(blob)) ‖ join_rest(split_rest(blob), first) == blob``. Checked
+on the stub's window model and on Gemma 3 270M (n_swa 512, marked ``model``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvwarm.backends import get_backend, kv_chunk
+from kvwarm.backends.base import BackendContext, BackendModel, ContextParams
+from kvwarm.backends.stub import StubBackend
+from kvwarm.buffers import u8
+from kvwarm.errors import JoinBufferTooSmallError, StateRestoreError
+
+N_SWA = 24
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[BackendModel]:
+    model = StubBackend(memory_kind="swa", n_swa=N_SWA).load_model("stub-window")
+    yield model
+    model.close()
+
+
+@pytest.fixture
+def ctx(stub: BackendModel) -> Iterator[BackendContext]:
+    context = stub.new_context(ContextParams(n_ctx=256, n_batch=16, n_ubatch=16, n_seq_max=2))
+    yield context
+    context.close()
+
+
+def _state(ctx: BackendContext, n: int, seq: int = 0) -> bytes:
+    ctx.prefill(seq, [1 + (i * 7) % 200 for i in range(n)], 0)
+    return ctx.kv_pack(seq)
+
+
+def _cuts(first: int, end: int, step: int) -> list[int]:
+    return sorted({first, end, *range((first // step + 1) * step, end, step)})
+
+
+def test_a_window_is_cut_and_joined_back_to_the_blob(ctx: BackendContext) -> None:
+    blob = _state(ctx, 60)
+    codec = ctx.kv_codec
+    first, end = codec.rest_span(blob)
+    assert (first, end) == (60 - N_SWA, 60)
+    for step in (1, 5, 16, 100):
+        main = codec.split(blob, _cuts(0, end, step))
+        rest = codec.split_rest(blob, _cuts(first, end, step))
+        assert bytes(codec.join(main)) + bytes(codec.join_rest(rest, first)) == blob
+        assert codec.rest_size(rest, first) == len(blob) - codec.joined_size(main)
+    assert bytes(codec.rest(blob)) == bytes(
+        codec.join_rest(codec.split_rest(blob, [first, end]), first)
+    )
+
+
+def test_a_wider_first_chunk_is_read_from_the_window_start(ctx: BackendContext) -> None:
+    """A later window starts inside a chunk an earlier, lower window stored: its cells
+    before the window are skipped, and the result is the later blob exactly."""
+    codec = ctx.kv_codec
+    early = _state(ctx, 50)
+    late = _state(ctx, 60, seq=1)  # the same tokens, ten more
+    wide = codec.split_rest(early, [32, 48])  # [32, 48) of the earlier window [26, 50)
+    tail = codec.split_rest(late, [48, 60])
+    first = codec.rest_span(late)[0]
+    assert first == 36
+    joined = codec.join_rest([*wide, *tail], first)
+    assert bytes(joined) == bytes(codec.rest(late))
+    restored = bytes(codec.join(codec.split(late, [0, 60]))) + bytes(joined)
+    assert ctx.kv_unpack(0, restored) == 60 and ctx.kv_pack(0) == late
+
+
+def test_window_chunks_and_first_cache_chunks_never_mix(ctx: BackendContext) -> None:
+    blob = _state(ctx, 60)
+    codec = ctx.kv_codec
+    first, _ = codec.rest_span(blob)
+    main = codec.split(blob, [0, 40, 60])
+    rest = codec.split_rest(blob, [first, 48, 60])
+    assert all(kv_chunk.parse(u8(c), c[5]).flags == kv_chunk.FLAG_REST for c in rest)
+    with pytest.raises(StateRestoreError):
+        codec.join([*main[:1], *rest])
+    with pytest.raises(StateRestoreError):
+        codec.join_rest(main[1:], 40)
+    with pytest.raises(StateRestoreError):  # out of order, missing, or not holding first
+        codec.join_rest(rest[::-1], first)
+    with pytest.raises(StateRestoreError):
+        codec.join_rest(rest[1:], first)
+    with pytest.raises(StateRestoreError):
+        codec.join_rest(rest, first - 1)
+    with pytest.raises(StateRestoreError):
+        codec.join_rest([], first)
+
+
+def test_a_short_output_buffer_is_refused_before_a_byte_is_written(ctx: BackendContext) -> None:
+    blob = _state(ctx, 60)
+    codec = ctx.kv_codec
+    first, end = codec.rest_span(blob)
+    rest = codec.split_rest(blob, [first, end])
+    need = codec.rest_size(rest, first)
+    buf = bytearray(b"\xaa" * (need - 1))
+    with pytest.raises(JoinBufferTooSmallError) as caught:
+        codec.join_rest(rest, first, out=buf)
+    assert caught.value.needed == need and buf == bytearray(b"\xaa" * (need - 1))
+    out = bytearray(need + 10)
+    assert bytes(codec.join_rest(rest, first, out=out)) == bytes(codec.rest(blob))
+
+
+def test_a_model_without_a_window_has_no_rest_to_cut() -> None:
+    for kind, n_swa in (("full", 0), ("hybrid", 0)):
+        model = StubBackend(memory_kind=kind, n_swa=n_swa).load_model("stub")  # type: ignore[arg-type]
+        context = model.new_context(ContextParams(n_ctx=64, n_batch=16, n_ubatch=16))
+        try:
+            blob = _state(context, 20)
+            with pytest.raises(StateRestoreError):
+                context.kv_codec.rest_span(blob)
+            with pytest.raises(StateRestoreError):
+                context.kv_codec.split_rest(blob, [0, 20])
+        finally:
+            context.close()
+            model.close()
+
+
+def test_a_window_of_other_tokens_poisons_what_is_decoded_beside_it(
+    ctx: BackendContext,
+) -> None:
+    """The stub takes a window as llama.cpp does, unchecked: joined to another prompt's first
+    cache it restores, and the next token's logits differ from the true state's, as on a
+    real model (what the cache's keys must prevent)."""
+    codec = ctx.kv_codec
+    blob = _state(ctx, 60)
+    ctx.prefill(1, [2 + (i * 7) % 200 for i in range(60)], 0)
+    other = ctx.kv_pack(1)
+    first = codec.rest_span(blob)[0]
+    good = bytes(codec.join(codec.split(blob, [0, 60]))) + bytes(codec.rest(blob))
+    bad = bytes(codec.join(codec.split(blob, [0, 60]))) + bytes(codec.rest(other))
+    assert codec.rest_span(other)[0] == first
+    answers = []
+    for state in (good, bad):
+        ctx.kv_unpack(0, state)
+        ctx.prefill(0, [5], 60)
+        answers.append(list(ctx.logits(0))[:8])
+    assert answers[0] != answers[1]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_gemmas_window_is_cut_and_joined_back_and_restores(gemma_path: str) -> None:
+    model = get_backend("llama_cpp").load_model(gemma_path)
+    params = model.context_params(
+        ContextParams(n_ctx=1280, n_batch=128, n_ubatch=128, n_seq_max=2, n_threads=2),
+        deterministic=False,
+    )
+    ctx = model.new_context(params)
+    try:
+        tokens = model.tokenize("The harbour keeper wrote down every ship. " * 70)[:530]
+        # A lower window (the first 520 tokens'), computed alone as the 530 are below:
+        # the same passes give the same bits.
+        ctx.prefill(0, tokens[:520], 0)
+        lower = ctx.kv_pack(0)
+        ctx.seq_rm(0, 0, -1)
+        ctx.prefill(0, tokens, 0)
+        blob = ctx.kv_pack(0)
+        codec = ctx.kv_codec
+        first, end = codec.rest_span(blob)
+        assert (first, end) == (530 - 512, 530)  # Gemma 3 270M's window: 512 positions
+        main = codec.split(blob, [0, 256, 512, 530])
+        rest = codec.split_rest(blob, [first, 32, 256, 512, 530])
+        joined = bytes(codec.join(main)) + bytes(codec.join_rest(rest, first))
+        assert joined == blob
+        # A wider first chunk from that lower window is read from 18.
+        wide = codec.split_rest(lower, [8, 32])
+        assert bytes(codec.join_rest([*wide, *rest[1:]], first)) == bytes(codec.rest(blob))
+        assert ctx.kv_unpack(1, joined) == 530
+        again = ctx.kv_pack(1)  # seq 1's: the same cells, under its own sequence id
+        rejoined = bytes(codec.join(codec.split(again, [0, 530])))
+        assert (
+            rejoined + bytes(codec.join_rest(codec.split_rest(again, [first, 530]), first)) == blob
+        )
+    finally:
+        ctx.close()
+        model.close()

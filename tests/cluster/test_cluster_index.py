@@ -1,0 +1,248 @@
+"""The cluster's index of cache events (``routing/index.py``) fed by replicas' event logs
+(``cluster/eventlog.py``), without Ray: what each replica could serve of a request, which
+stores a copy lives in, and convergence when reports are lost or replayed, when the router
+restarts and when a replica restarts."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+
+import pytest
+
+from kvwarm.cache.protocols import StoredRow
+from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TtlClass
+from kvwarm.cluster.eventlog import EventLog
+from kvwarm.cluster.routing.facts import Scope, Source, decode_snapshot
+from kvwarm.cluster.routing.index import ClusterIndex
+
+NS = Namespace(b"f" * 32, 1, b"c" * 32)
+PLACES: Mapping[str, tuple[Scope, Source]] = {
+    "ram": ("replica", "memory"),
+    "disk": ("node", "local"),
+    "s3": ("cluster", "remote"),
+}
+
+
+def row(name: str, tier: str = "ram", n_tokens: int = 100, n_chunks: int = 2) -> StoredRow:
+    key = name.encode().ljust(32, b".")
+    info = RowInfo(
+        key, tier, 10, n_tokens, 0, 0.0, 0.0, SaveReason.FINISH, TtlClass.SHORT, False, NS
+    )
+    chunks = tuple(f"{name}/{i}".encode().ljust(32, b"-") for i in range(n_chunks))
+    return StoredRow(info, tuple(range(n_tokens)), None, chunks, (n_tokens // 2,) * n_chunks)
+
+
+def key(name: str) -> bytes:
+    return name.encode().ljust(32, b".")
+
+
+def feed(index: ClusterIndex, replica: str, node: str, log: EventLog) -> bool:
+    return index.observe(replica, node, {"events": log.report(), "in_flight": 0})
+
+
+def expected(log: EventLog) -> tuple[frozenset[tuple[bytes, str]], frozenset[str], int]:
+    snap = decode_snapshot(log.snapshot())
+    return (
+        frozenset((r.key, r.tier) for r in snap.rows),
+        frozenset(live.chain_end for live in snap.live),
+        snap.seq,
+    )
+
+
+def test_a_report_applies_rows_chunks_links_and_live_slots() -> None:
+    log = EventLog(PLACES, slots=2)
+    index = ClusterIndex()
+    log.row_stored(row("k1"))
+    log.served(("h1",), key("k1"), 100)
+    assert feed(index, "a", "n1", log) is False
+    assert index.facts_of("a") == expected(log)
+    assert index.sizes()["chunks"] == 2
+    # A follow-up's chain runs through h1: the live slot and the linked row in RAM.
+    assert index.reach(("h1", "h2", "h3"), None, {"a": "n1", "b": "n1"}) == {
+        "a": {"live": 100, "memory": 100}
+    }
+    # Two more conversations finish on a two-slot replica: h1's slot is reused.
+    log.served(("x1",), None, 40)
+    log.served(("y1",), None, 50)
+    log.row_dropped(row("k1"), bytes_kept=False)
+    feed(index, "a", "n1", log)
+    assert index.facts_of("a") == expected(log)
+    assert index.reach(("h1", "h2"), None, {"a": "n1"}) == {}
+    assert index.sizes()["chunks"] == 0
+
+
+def test_node_and_cluster_copies_serve_the_replicas_that_can_read_them() -> None:
+    logs = {r: EventLog(PLACES) for r in "abc"}
+    nodes = {"a": "n1", "b": "n1", "c": "n2"}
+    index = ClusterIndex()
+    logs["a"].row_stored(row("own"))
+    logs["a"].row_stored(row("disk", "disk", 300))
+    logs["a"].row_stored(row("s3", "s3", 500))
+    for r, log in logs.items():
+        feed(index, r, nodes[r], log)
+    reach = {k: index.reach((), key(k), nodes) for k in ("own", "disk", "s3")}
+    assert reach["own"] == {"a": {"memory": 100}}
+    assert reach["disk"] == {"a": {"local": 300}, "b": {"local": 300}}  # node n1's directory
+    assert reach["s3"] == {r: {"remote": 500} for r in "abc"}
+    # a dies: its own RAM goes with it; the node's directory and the bucket keep their rows.
+    alive = {"b": "n1", "c": "n2"}
+    index.retain(alive)
+    assert index.reach((), key("own"), alive) == {}
+    assert index.reach((), key("disk"), alive) == {"b": {"local": 300}}
+    assert index.reach((), key("s3"), alive) == {"b": {"remote": 500}, "c": {"remote": 500}}
+    # c adopts the bucket's row, then evicts it: the object is deleted for everyone.
+    logs["c"].row_stored(row("s3", "s3", 500))
+    logs["c"].row_dropped(row("s3", "s3", 500), bytes_kept=False)
+    feed(index, "c", "n2", logs["c"])
+    assert index.reach((), key("s3"), alive) == {}
+    # b forgets the node's row on a TTL lapse: it is only forgotten, its bytes stay.
+    logs["b"].row_stored(row("disk", "disk", 300))
+    logs["b"].row_dropped(row("disk", "disk", 300), bytes_kept=True)
+    feed(index, "b", "n1", logs["b"])
+    assert index.reach((), key("disk"), alive) == {"b": {"local": 300}}
+
+
+def test_served_notes_count_before_the_replicas_events_arrive() -> None:
+    index = ClusterIndex()
+    index.retain({"a": "n1", "b": "n2"})
+    index.note_served("b", ("h1",), key("k"), 80)
+    assert index.reach(("h1", "h2"), None, {"a": "n1", "b": "n2"}) == {"b": {"live": 80}}
+    log = EventLog(PLACES)
+    log.row_stored(row("k", n_tokens=80))
+    log.served(("h1",), key("k"), 80)
+    feed(index, "b", "n2", log)  # the same facts again, from the replica: no double count
+    assert index.reach(("h1",), None, {"b": "n2"}) == {"b": {"live": 80, "memory": 80}}
+    assert index.held("b") == 2
+
+
+def test_a_gap_wants_a_snapshot_and_a_replay_changes_nothing() -> None:
+    log = EventLog(PLACES, window=1)
+    index = ClusterIndex()
+    log.row_stored(row("k1"))
+    first = log.report()
+    assert index.observe("a", "n1", {"events": first}) is False
+    log.row_stored(row("k2"))
+    log.report()  # lost on the way
+    log.row_stored(row("k3"))
+    assert feed(index, "a", "n1", log) is True  # k2's event is missing: nothing applied
+    assert index.wanted() == ["a"]
+    assert index.facts_of("a") == (frozenset({(key("k1"), "ram")}), frozenset(), 1)
+    assert index.load_snapshot("a", log.snapshot())
+    assert index.wanted() == [] and index.facts_of("a") == expected(log)
+    assert index.observe("a", "n1", {"events": first}) is False  # replayed: old news
+    assert index.facts_of("a") == expected(log)
+
+
+def test_unreadable_reports_and_stale_snapshots_are_refused() -> None:
+    index = ClusterIndex()
+    assert index.observe("a", "n1", {"events": {"epoch": "e", "seq": 1, "events": [(1, ("?",))]}})
+    assert index.wanted() == ["a"]
+    assert not index.load_snapshot("a", {"epoch": "e"})  # no seq
+    old = EventLog(PLACES, epoch="old")
+    new = EventLog(PLACES, epoch="new")
+    new.row_stored(row("k"))
+    feed(index, "a", "n1", new)
+    assert not index.load_snapshot("a", old.snapshot())  # another process's state
+    assert index.facts_of("a") == expected(new)
+
+
+class Sim:
+    """Replicas doing random cache work; their reports reach the router late, twice or not
+    at all; the router asks for snapshots when it sees a gap, and they arrive late too."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.nodes = {"a": "n1", "b": "n1", "c": "n2"}
+        self.logs = {r: EventLog(PLACES, slots=2, window=2) for r in self.nodes}
+        self.held: dict[str, dict[bytes, StoredRow]] = {r: {} for r in self.nodes}
+        self.sent: list[tuple[str, dict[str, object]]] = []
+        self.pending: list[tuple[str, dict[str, object]]] = []  # snapshots on their way
+        self.index = ClusterIndex()
+        self.n = 0
+
+    def work(self, replica: str) -> None:
+        log, held = self.logs[replica], self.held[replica]
+        op = self.rng.random()
+        if op < 0.45 or not held:
+            self.n += 1
+            r = row(
+                f"{replica}{self.n}", self.rng.choice(list(PLACES)), self.rng.randrange(50, 900)
+            )
+            held[r.info.key] = r
+            log.row_stored(r)
+        elif op < 0.75:
+            r = held.pop(self.rng.choice(list(held)))
+            log.row_dropped(r, bytes_kept=self.rng.random() < 0.3)
+        else:
+            end = f"h{self.rng.randrange(30)}"
+            log.served((end,), self.rng.choice([*held, None]), self.rng.randrange(10, 500))
+
+    def deliver(self) -> None:
+        for replica in self.nodes:
+            report = {"events": self.logs[replica].report()}
+            self.sent.append((replica, report))
+            if self.rng.random() < 0.5:  # lost
+                continue
+            self.observe(replica, report)
+        if self.sent and self.rng.random() < 0.3:  # an old one, again
+            self.observe(*self.rng.choice(self.sent))
+        while self.pending and self.rng.random() < 0.6:
+            self.index.load_snapshot(*self.pending.pop(0))
+
+    def observe(self, replica: str, report: dict[str, object]) -> None:
+        if self.index.observe(replica, self.nodes[replica], report):
+            # Taken now, arriving later (after more events, maybe after another restart).
+            self.pending.append((replica, self.logs[replica].snapshot()))
+
+    def settle(self) -> None:
+        """No more loss: every replica's next report, and snapshots for every gap."""
+        self.pending.clear()
+        for _ in range(3):
+            for replica in self.nodes:
+                self.observe(replica, {"events": self.logs[replica].report()})
+            for replica in self.index.wanted():
+                assert self.index.load_snapshot(replica, self.logs[replica].snapshot())
+        for replica, log in self.logs.items():
+            assert self.index.facts_of(replica) == expected(log), replica
+        assert self.index.wanted() == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lost_and_replayed_events_router_and_replica_restarts_converge(seed: int) -> None:
+    sim = Sim(seed)
+    for step in range(120):
+        for replica in sim.nodes:
+            for _ in range(sim.rng.randrange(4)):
+                sim.work(replica)
+        sim.deliver()
+        if step == 40:
+            sim.index = ClusterIndex()  # the router restarts: it knows nothing
+            sim.pending.clear()
+        if step == 70:  # replica c restarts: a new process, a new epoch, an empty RAM tier
+            sim.logs["c"] = EventLog(PLACES, slots=2, window=2)
+            sim.held["c"] = {}
+    sim.settle()
+    assert all(r["resyncs"] > 0 for r in sim.index.describe()["replicas"])  # type: ignore[index,union-attr,attr-defined]
+    # What the index says each replica could serve equals what their logs add up to.
+    fresh = ClusterIndex()
+    for replica, log in sim.logs.items():
+        fresh.observe(replica, sim.nodes[replica], {})
+        fresh.load_snapshot(replica, log.snapshot())
+    # Live slots match exactly (links are bounded hints, order-dependent: not compared).
+    for i in range(30):
+        got = sim.index.reach((f"h{i}",), None, sim.nodes)
+        want = fresh.reach((f"h{i}",), None, sim.nodes)
+        for replica in sim.nodes:
+            assert got.get(replica, {}).get("live") == want.get(replica, {}).get("live")
+    # Rows: replicas' own RAM matches exactly; shared stores may hold more: copies whose
+    # bytes were only forgotten stay readable (bounded), and a fresh index never saw them.
+    for k in [k for held in sim.held.values() for k in held]:
+        got = sim.index.reach((), k, sim.nodes)
+        want = fresh.reach((), k, sim.nodes)
+        for replica in sim.nodes:
+            g, w = got.get(replica, {}), want.get(replica, {})
+            for source in ("live", "memory"):
+                assert g.get(source) == w.get(source), (k, replica)
+            for source in ("local", "remote"):
+                assert g.get(source, 0) >= w.get(source, 0), (k, replica)

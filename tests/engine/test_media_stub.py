@@ -1,0 +1,163 @@
+"""Images in prompts on the stub backend: a span per image, decoded whole off a slot like any
+other, cached by the image's content (docs/internals.md, "Media spans")."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from tests.engine.conftest import LOW_GATES, make_engine, stub_config
+from tests.engine.mediakit import image_chat, png
+
+from kvwarm.backends.stub import StubBackend
+from kvwarm.cache.explain import MissReason
+from kvwarm.engine.api import Engine, ModelConfig
+from kvwarm.engine.types import GenerationOptions
+from kvwarm.errors import BackendError, InvalidRequestError
+from kvwarm.media import MediaError, MediaLimits
+
+GREEDY = GenerationOptions(max_tokens=8, temperature=0.0)
+
+
+def media_config(n_parallel: int = 1, **kw: object) -> ModelConfig:
+    return replace(stub_config(n_parallel, **kw), mmproj="stub-mmproj.gguf")  # type: ignore[arg-type]
+
+
+def test_an_image_is_a_span_of_its_content_and_the_reply_depends_on_it(engine: Engine) -> None:
+    model = engine.load_model(config=media_config())
+    prompt, text = model.chat_prompt(image_chat(png(1), "What is it?"))
+    (span,) = prompt.prompt.spans
+    assert span.length == 16 and span.kind == "image"
+    assert "<__media__>" in text and len(prompt.media) == 1
+    a = model.chat(image_chat(png(1), "What is it?"), options=GREEDY)
+    b = model.chat(image_chat(png(2), "What is it?"), options=GREEDY)
+    assert a.prompt_tokens == prompt.prompt.tokens
+    assert a.text != b.text  # the picture reached the model
+    again = model.chat(image_chat(png(1), "What is it?"), options=GREEDY)
+    assert again.text == a.text and again.stats.cache_hit == "exact"
+
+
+def test_the_same_image_shares_its_kv_across_conversations_and_a_pixel_does_not(
+    engine: Engine,
+) -> None:
+    model = engine.load_model(config=media_config())
+    first = model.chat(image_chat(png(1), "What is it?"), options=GREEDY)
+    span = model.chat_prompt(image_chat(png(1), "What is it?"))[0].prompt.spans[0]
+    model.evict()  # through the cache, not the slot's live KV
+    other = model.chat(image_chat(png(1), "Which colours?"), options=GREEDY)
+    assert other.stats.cached_tokens > span.end  # past the picture
+    model.evict()
+    poked = model.chat(image_chat(png(1, poke=True), "What is it?"), options=GREEDY)
+    assert poked.stats.cached_tokens <= span.start  # only what precedes the picture
+    assert poked.stats.reuse is not None
+    assert poked.stats.reuse.reason is MissReason.MEDIA_DIFFERS  # and says why
+    assert first.stats.cached_tokens == 0
+
+
+def test_a_cold_save_never_ends_inside_a_span() -> None:
+    """Capped at 70 tokens, the cold save of this prompt would end at 64, inside the image
+    (positions 62 to 78): it moves to the image's start, and no row ends inside the span."""
+    engine = make_engine(policy=replace(LOW_GATES, cold_max_tokens=70))
+    try:
+        model = engine.load_model(config=media_config())
+        chat = image_chat(png(3), "Why?")
+        (span,) = model.chat_prompt(chat)[0].prompt.spans
+        assert span.start < 64 < span.end
+        model.chat(chat, options=GREEDY)
+        engine.cache.flush()
+        lengths = {row.n_tokens for row in engine.cache.rows()}
+        assert span.start in lengths, (lengths, span)
+        assert not any(span.start < n < span.end for n in lengths), (lengths, span)
+    finally:
+        engine.close()
+
+
+def test_an_image_prompt_restores_after_a_restart(tmp_path: Path) -> None:
+    chat = image_chat(png(4), "What is it?")
+    first_engine = make_engine(tmp_path)
+    try:
+        model = first_engine.load_model(config=replace(media_config(), save_tier="disk"))
+        cold = model.chat(chat, options=GREEDY)
+        (span,) = model.chat_prompt(chat)[0].prompt.spans
+    finally:
+        first_engine.close()
+    second_engine = make_engine(tmp_path)
+    try:
+        backend = StubBackend()
+        cfg = replace(media_config(backend=backend), save_tier="disk")
+        model = second_engine.load_model(config=cfg)
+        warm = model.chat(chat, options=GREEDY)
+        assert warm.text == cold.text
+        assert warm.stats.cached_tokens >= span.end
+        assert model._projector is not None and model._projector.encoded == 0  # type: ignore[attr-defined]
+    finally:
+        second_engine.close()
+
+
+def test_other_slots_decode_while_a_span_is_encoded(engine: Engine) -> None:
+    backend = StubBackend()
+    backend.encode_gate = threading.Event()
+    model = engine.load_model(config=media_config(2, backend=backend))
+    held = model.stream_chat(image_chat(png(5), "What is it?"), options=GREEDY)
+    text = model.complete("A text prompt beside it, long enough. " * 3, GREEDY)
+    assert text.completion_tokens and not held.done  # answered while the image waits
+    backend.encode_gate.set()
+    assert held.result().completion_tokens
+
+
+def test_an_encode_that_fails_fails_its_request_alone(engine: Engine) -> None:
+    backend = StubBackend()
+    backend.encode_error = "the encoder broke"
+    model = engine.load_model(config=media_config(backend=backend))
+    with pytest.raises(BackendError, match="the encoder broke"):
+        model.chat(image_chat(png(6), "What is it?"), options=GREEDY)
+    assert model.complete("And text still works. " * 2, GREEDY).completion_tokens
+    assert model.status().active == 0
+
+
+def test_a_deterministic_restore_of_an_image_prompt_equals_a_cold_run(tmp_path: Path) -> None:
+    chat = image_chat(png(7), "What is it? " * 3)
+    outs = []
+    for _ in range(2):
+        eng = make_engine(tmp_path)
+        try:
+            cfg = media_config(deterministic=True, n_batch=16)
+            model = eng.load_model(config=replace(cfg, save_tier="disk"))
+            out = model.chat(chat, options=replace(GREEDY, logprobs=1))
+            outs.append(out)
+        finally:
+            eng.close()
+    cold, warm = outs
+    assert warm.stats.cached_tokens > 0
+    assert warm.tokens == cold.tokens and warm.logprobs == cold.logprobs
+
+
+def test_media_is_refused_clearly(engine: Engine) -> None:
+    text_only = engine.load_model("plain", config=stub_config())
+    with pytest.raises(InvalidRequestError, match="no multimodal projector") as info:
+        text_only.chat(image_chat(png(1), "?"), options=GREEDY)
+    assert info.value.param == "messages.1.content.1"
+    limits = MediaLimits(max_bytes=8192, max_pixels=32 * 32, max_items=1, formats=("png",))
+    model = engine.load_model("seeing", config=replace(media_config(), media=limits))
+    cases = {
+        "not a whole image": png(1, (16, 16))[:-40],  # truncated
+        "not an image of an allowed format": b"GIF89a" + bytes(100),
+        "above this server's limit of 1024": png(1, (40, 40)),  # pixels
+        "above this server's limit of 8192": png(1, (36, 36)) * 4,  # bytes
+        "is empty": b"",
+    }
+    for message, data in cases.items():
+        with pytest.raises(MediaError, match=message) as info:
+            model.chat(image_chat(data, "?"), options=GREEDY)
+        assert info.value.param == "messages.1.content.1", message
+    two = image_chat(png(1, (16, 16)), "?")
+    two[1]["content"] = [*two[1]["content"], {"type": "image", "image": png(2, (16, 16))}]  # type: ignore[misc]
+    with pytest.raises(MediaError, match="at most 1"):
+        model.chat(two, options=GREEDY)
+    with pytest.raises(InvalidRequestError, match="projector reads image"):
+        model.chat(
+            [{"role": "user", "content": [{"type": "audio", "audio": b"RIFF"}]}], options=GREEDY
+        )
+    assert model.status().active == 0

@@ -1,0 +1,162 @@
+"""Reranking on the real backend, with the tiny random-weight rerankers of
+``tests/tinymodels.write_reranker``: a ``qwen3`` decoder (rank pooling over a ``cls.output``
+head: p("yes")) and a ``bert`` cross-encoder (attention not causal, no KV cache).
+
+The reference is llama-server built from the same llama.cpp, run with ``--rerank`` on the same
+files: its scores are recorded in ``rerank_reference.json`` by ``bench/rerank_reference.py``
+(no llama-server in CI), and kvwarm's must equal them to 1e-5, order included, while it
+batches the documents in parallel sequences and, on the decoder, shares the prompt before the
+document between them (llama.cpp's numbers move by ~1e-6 with what shares a forward pass; a
+document scored alone, as the fixture's are, is bit-identical to llama-server's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tests.tinymodels import write_reranker
+
+from kvwarm.backends.base import ContextParams
+from kvwarm.engine.api import Engine, ModelConfig
+from kvwarm.engine.model import Model
+
+from .conftest import make_engine
+
+pytestmark = pytest.mark.model
+
+REFERENCE = json.loads((Path(__file__).parent / "rerank_reference.json").read_text())
+QUERY: str = REFERENCE["query"]
+DOCS: list[str] = REFERENCE["documents"]
+TOLERANCE = 1e-5
+
+
+def written(kind: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = write_reranker(tmp_path_factory.mktemp(kind) / f"{kind}.gguf", kind)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest == REFERENCE["models"][kind]["sha256"], (
+        f"the tiny {kind} is not the file the reference scored: run bench/rerank_reference.py"
+    )
+    return path
+
+
+@pytest.fixture(scope="module", params=["decoder", "encoder"])
+def reranker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return written(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return written("decoder", tmp_path_factory)
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    eng = make_engine()
+    yield eng
+    eng.close()
+
+
+def load(engine: Engine, path: Path, n_parallel: int = 4) -> Model:
+    config = ModelConfig(
+        context=ContextParams(n_ctx=512, n_batch=512, n_ubatch=512), n_parallel=n_parallel
+    )
+    return engine.load_model(path, model_id=path.stem, config=config)
+
+
+def by_index(model: Model, docs: list[str]) -> tuple[list[float], list[int]]:
+    """(scores in document order, the indices best first)."""
+    ranking = model.rerank(QUERY, docs)
+    scores = {r.index: r.relevance_score for r in ranking.results}
+    return [scores[i] for i in range(len(docs))], [r.index for r in ranking.results]
+
+
+def cold(path: Path, docs: list[str]) -> list[float]:
+    """Each document scored alone, by a model in an engine of its own (nothing shared)."""
+    out = []
+    for doc in docs:
+        eng = make_engine()
+        try:
+            (result,) = load(eng, path, n_parallel=1).rerank(QUERY, [doc]).results
+            out.append(result.relevance_score)
+        finally:
+            eng.close()
+    return out
+
+
+def test_scores_equal_llama_servers(engine: Engine, reranker: Path) -> None:
+    expected = REFERENCE["models"][reranker.stem]["scores"]
+    model = load(engine, reranker)
+    scores, order = by_index(model, DOCS)
+    worst = max(abs(a - b) for a, b in zip(scores, expected, strict=True))
+    assert worst <= TOLERANCE, (worst, scores, expected)
+    assert order == sorted(range(len(DOCS)), key=lambda i: -expected[i])
+
+
+def test_a_document_scored_alone_is_llama_servers_score(reranker: Path) -> None:
+    """The same forward passes as llama-server's one-slot run: the same bits."""
+    expected = REFERENCE["models"][reranker.stem]["scores"]
+    assert cold(reranker, DOCS[:3]) == expected[:3]
+
+
+def test_the_shared_prefix_scores_as_each_document_cold(engine: Engine, reranker: Path) -> None:
+    """Batched (and, on the decoder, over the query's prefix prefilled once and copied), each
+    score is the document's own scored cold; on the decoder the documents did share it."""
+    model = load(engine, reranker)
+    ranking = model.rerank(QUERY, DOCS)
+    scores = {r.index: r.relevance_score for r in ranking.results}
+    alone = cold(reranker, DOCS)
+    worst = max(abs(scores[i] - alone[i]) for i in range(len(DOCS)))
+    assert worst <= TOLERANCE, worst
+    if reranker.stem == "decoder":
+        assert ranking.cached_tokens >= (len(DOCS) - 1) * 40  # the template and the query
+    else:
+        assert ranking.cached_tokens == 0  # an encoder's pairs share nothing
+
+
+def test_the_prefix_restores_from_its_row(engine: Engine, decoder: Path) -> None:
+    """With the slots' KV evicted to the cache, the next rerank of the query restores the
+    prefix from its row (not prefilled again) and scores as cold."""
+    model = load(engine, decoder, n_parallel=2)
+    model.rerank(QUERY, DOCS[:2])
+    model.evict()
+    assert all(s.n_tokens == 0 for s in model.status().slots)
+    before = model.status().prefilled_tokens
+    ranking = model.rerank(QUERY, DOCS[2:5])
+    prompts = ranking.prompt_tokens
+    assert model.status().prefilled_tokens - before < prompts - 2 * 40
+    scores = {r.index: r.relevance_score for r in ranking.results}
+    alone = cold(decoder, DOCS[2:5])
+    assert max(abs(scores[i] - alone[i]) for i in range(3)) <= TOLERANCE
+
+
+def test_a_deterministic_reranker_scores_each_document_as_alone(
+    engine: Engine, reranker: Path
+) -> None:
+    """Deterministic: each document's passes alone, in a KV stream of its own, the prefix
+    shared at a multiple of n_batch: every score bit-identical to the document's alone."""
+
+    # An encoder's prompt must fit one batch; a decoder's prefix is shared at a multiple of it.
+    n_batch = 16 if reranker.stem == "decoder" else 64
+
+    def det(n_parallel: int) -> ModelConfig:
+        context = ContextParams(n_ctx=512, n_batch=n_batch, n_ubatch=n_batch)
+        return ModelConfig(context=context, n_parallel=n_parallel, deterministic=True)
+
+    model = engine.load_model(reranker, model_id="det", config=det(4))
+    ranking = model.rerank(QUERY, DOCS)
+    scores = {r.index: r.relevance_score for r in ranking.results}
+    alone = []
+    for doc in DOCS:
+        eng = make_engine()
+        try:
+            one = eng.load_model(reranker, model_id="one", config=det(1))
+            alone.append(one.rerank(QUERY, [doc]).results[0].relevance_score)
+        finally:
+            eng.close()
+    assert [scores[i] for i in range(len(DOCS))] == alone
+    if reranker.stem == "decoder":
+        assert ranking.cached_tokens > 0 and ranking.cached_tokens % 16 == 0

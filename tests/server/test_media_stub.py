@@ -1,0 +1,248 @@
+"""Images in chat requests on the stub backend: every chat-shaped API, the limits, the URL
+rule (docs/server.md, "Images and audio")."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from tests.engine.mediakit import png
+from tests.server.conftest import stub_settings, wait_ready
+
+from kvwarm.server import create_app
+from kvwarm.settings import ModelSpec
+
+MMPROJ = (("mmproj", Path("stub-audio-mmproj.gguf")),)  # reads images and audio
+
+
+def data_uri(data: bytes, kind: str = "image/png") -> str:
+    return f"data:{kind};base64,{base64.b64encode(data).decode()}"
+
+
+def chat_body(image_url: str, question: str = "What is it?") -> dict[str, object]:
+    return {
+        "model": "eye",
+        "max_tokens": 4,
+        "temperature": 0,
+        "messages": [
+            {"role": "system", "content": "You describe pictures briefly."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": question},
+                    {"type": "image_url", "image_url": {"url": image_url}},
+                ],
+            },
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    settings = stub_settings(
+        models=(
+            ModelSpec(path="stub-eye", id="eye", options=MMPROJ),
+            ModelSpec(path="stub-a", id="a"),
+        ),
+        media_max_items=2,
+        media_fetch_hosts=("127.0.0.1",),
+        max_body_bytes=1 << 20,
+    )
+    with TestClient(create_app(settings)) as test_client:
+        wait_ready(test_client.get)
+        yield test_client
+
+
+def test_an_image_url_part_is_seen_and_cached_by_content(client: TestClient) -> None:
+    first = client.post("/v1/chat/completions", json=chat_body(data_uri(png(1))))
+    assert first.status_code == 200, first.json()
+    other = client.post("/v1/chat/completions", json=chat_body(data_uri(png(2))))
+    assert other.json()["choices"][0]["message"] != first.json()["choices"][0]["message"]
+    # The same picture in another conversation: its KV is reused past the picture.
+    again = client.post("/v1/chat/completions", json=chat_body(data_uri(png(1)), "Colours?"))
+    cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 16 + 20, again.json()["usage"]
+
+
+def test_the_models_list_names_the_projector(client: TestClient) -> None:
+    models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    meta = models["eye"]["meta"]
+    assert meta["mmproj"] == "stub-audio-mmproj.gguf" and meta["media"] == ["image", "audio"]
+    assert meta["projector_bytes"] > 0
+    assert meta["weights_bytes"] == meta["size"] + meta["projector_bytes"]
+
+
+def test_anthropic_image_blocks_and_responses_input_image(client: TestClient) -> None:
+    picture = base64.b64encode(png(3)).decode()
+    msg = client.post(
+        "/v1/messages",
+        json={
+            "model": "eye",
+            "max_tokens": 4,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is it?"},
+                        {
+                            "type": "image",
+                            "source": {
+                                "type": "base64",
+                                "media_type": "image/png",
+                                "data": picture,
+                            },
+                        },
+                    ],
+                }
+            ],
+        },
+    )
+    assert msg.status_code == 200, msg.json()
+    usage = msg.json()["usage"]
+    total = sum(
+        usage[k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    )
+    assert total > 33 + 16, usage  # the text alone is 33 tokens; the picture 16 and its markers
+    resp = client.post(
+        "/v1/responses",
+        json={
+            "model": "eye",
+            "max_output_tokens": 4,
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What is it?"},
+                        {"type": "input_image", "image_url": data_uri(png(3))},
+                    ],
+                }
+            ],
+        },
+    )
+    assert resp.status_code == 200, resp.json()
+    bad = client.post(
+        "/v1/messages",
+        json={
+            "model": "eye",
+            "max_tokens": 4,
+            "system": "Be brief.",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": {"type": "base64", "data": "bm90IGFuIGltYWdl"}}
+                    ],
+                }
+            ],
+        },
+    )
+    assert bad.status_code == 400
+    assert "messages.0.content.0" in bad.json()["error"]["message"]  # as the client sent it
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": picture},
+    }
+    prefilled = client.post(
+        "/v1/messages",
+        json={
+            "model": "eye",
+            "max_tokens": 4,
+            "messages": [
+                {"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]},
+                {"role": "assistant", "content": "It is"},
+            ],
+        },
+    )
+    assert prefilled.status_code == 400 and "prefill" in prefilled.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("url", "code", "param"),
+    [
+        (data_uri(png(1)[:-30]), "invalid_media", "messages.1.content.1"),  # truncated
+        (data_uri(b"\x89PNG\r\n\x1a\n" + bytes(64)), "invalid_media", "messages.1.content.1"),
+        ("data:image/png;base64,@@@@", "invalid_media", "messages.1.content.1"),
+        ("https://example.com/cat.png", "media_fetch_refused", "messages.1.content.1"),
+        ("file:///etc/passwd", "unsupported_content", "messages.1.content.1"),
+    ],
+)
+def test_bad_images_are_a_400_naming_the_part(
+    client: TestClient, url: str, code: str, param: str
+) -> None:
+    response = client.post("/v1/chat/completions", json=chat_body(url))
+    assert response.status_code == 400, response.json()
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == (code, param), error
+    assert client.get("/health").status_code == 200
+
+
+def test_input_audio_parts(client: TestClient) -> None:
+    from tests.test_media import wav
+
+    tone = (np.sin(np.arange(8000) / 7) * 20000).astype("<i2")
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(tone)).decode()}}
+    body = {
+        "model": "eye",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hear:"}, part]}],
+    }
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.json()
+    assert response.json()["usage"]["prompt_tokens"] > 2 * 4  # half a second: 2 positions + marks
+    part["input_audio"] = {"data": base64.b64encode(b"RIFF....WAVEjunk").decode()}
+    bad = client.post("/v1/chat/completions", json=body)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_media"
+    assert bad.json()["error"]["param"] == "messages.0.content.1"
+
+
+def test_too_many_images_and_a_text_model_are_refused(client: TestClient) -> None:
+    body = chat_body(data_uri(png(1)))
+    parts = body["messages"][1]["content"]  # type: ignore[index]
+    parts += [{"type": "image_url", "image_url": {"url": data_uri(png(2))}}] * 2
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and "at most 2" in response.json()["error"]["message"]
+    text_model = client.post(
+        "/v1/chat/completions", json={**chat_body(data_uri(png(1))), "model": "a"}
+    )
+    assert text_model.status_code == 400
+    assert "no multimodal projector" in text_model.json()["error"]["message"]
+
+
+class _PngHandler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "https://example.com/cat.png")
+            self.end_headers()
+            return
+        body = png(1)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_an_allowed_host_is_fetched_once_without_redirects(client: TestClient) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PngHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        fetched = client.post("/v1/chat/completions", json=chat_body(f"{base}/cat.png"))
+        inline = client.post("/v1/chat/completions", json=chat_body(data_uri(png(1))))
+        assert fetched.status_code == 200, fetched.json()
+        assert fetched.json()["choices"] == inline.json()["choices"]  # the same pixels
+        moved = client.post("/v1/chat/completions", json=chat_body(f"{base}/moved"))
+        assert moved.status_code == 400 and "302" in moved.json()["error"]["message"]
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,165 @@
+"""``/v1/rerank`` (and ``/rerank``, ``/v2/rerank``) on the stub backend: shapes, the Jina and
+Cohere request forms, what ``/v1/models`` says a model can do, and every refusal a 400."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvwarm.server import create_app
+from kvwarm.settings import ModelSpec
+
+from .conftest import stub_settings, wait_ready
+from .test_api_stub import assert_error
+
+QUERY = "which animal purrs?"
+DOCS = ["cats purr when content", "dogs bark", "kittens purr too", "parrots talk"]
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    settings = stub_settings(
+        models=(
+            ModelSpec(path="stub-reranker.gguf", id="ranker"),
+            ModelSpec(path="stub-cross-encoder.gguf", id="cross"),
+            ModelSpec(path="stub-a", id="plain"),
+        ),
+        n_batch=256,
+        rerank_max_documents=8,
+    )
+    with TestClient(create_app(settings)) as test_client:
+        wait_ready(test_client.get)
+        yield test_client
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank", "/v2/rerank"])
+@pytest.mark.parametrize("model", ["ranker", "cross"])
+def test_rerank_shape(client: TestClient, path: str, model: str) -> None:
+    response = client.post(path, json={"model": model, "query": QUERY, "documents": DOCS})
+    assert response.status_code == 200, response.json()
+    body = response.json()
+    assert body["object"] == "list" and body["model"] == model
+    assert body["id"].startswith("rerank-")
+    results = body["results"]
+    assert sorted(r["index"] for r in results) == [0, 1, 2, 3]
+    scores = [r["relevance_score"] for r in results]
+    assert scores == sorted(scores, reverse=True)
+    assert all(set(r) == {"index", "relevance_score"} for r in results)
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == usage["total_tokens"] > 0
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
+
+
+def test_jina_documents_top_n_and_return_documents(client: TestClient) -> None:
+    """Documents as ``{"text": ...}`` (Jina, Cohere v1) rank as the same texts do; ``top_n``
+    keeps the best; ``return_documents`` puts each text in its result."""
+    plain = client.post("/v1/rerank", json={"model": "ranker", "query": QUERY, "documents": DOCS})
+    body = {
+        "model": "ranker",
+        "query": QUERY,
+        "documents": [{"text": d} for d in DOCS],
+        "top_n": 2,
+        "return_documents": True,
+    }
+    objects = client.post("/v1/rerank", json=body)
+    assert objects.status_code == 200, objects.json()
+    best = plain.json()["results"][:2]
+    got = objects.json()["results"]
+    assert [(r["index"], r["relevance_score"]) for r in got] == [
+        (r["index"], r["relevance_score"]) for r in best
+    ]
+    assert [r["document"] for r in got] == [{"text": DOCS[r["index"]]} for r in got]
+
+
+def test_cohere_v2_request(client: TestClient) -> None:
+    """Cohere v2's shape: texts and ``max_tokens_per_doc``, which cuts each document."""
+    cut = client.post(
+        "/v2/rerank",
+        json={"model": "ranker", "query": QUERY, "documents": DOCS, "max_tokens_per_doc": 4},
+    )
+    assert cut.status_code == 200, cut.json()
+    short = client.post(
+        "/v2/rerank", json={"model": "ranker", "query": QUERY, "documents": [d[:4] for d in DOCS]}
+    )
+    assert cut.json()["results"] == short.json()["results"]
+
+
+def test_models_say_what_each_can_do(client: TestClient) -> None:
+    data = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    assert data["ranker"]["capabilities"] == ["rerank"]
+    assert data["ranker"]["meta"]["pooling"] == "rank"
+    assert data["cross"]["capabilities"] == ["rerank"]
+    assert data["plain"]["capabilities"] == ["generate", "embed"]
+
+
+def test_refusals_are_400s(client: TestClient) -> None:
+    def rerank(**body: object) -> object:
+        return client.post("/v1/rerank", json={"model": "ranker", "query": QUERY, **body})
+
+    assert_error(rerank(documents=[]), 400, "invalid_value", "documents")
+    assert_error(rerank(documents=["d"] * 9), 400, "invalid_value", "documents")
+    assert_error(rerank(documents=["x" * 5000]), 400, "context_length_exceeded")
+    assert rerank(documents=DOCS, top_n=0).status_code == 400
+    missing = client.post("/v1/rerank", json={"model": "ranker", "documents": DOCS})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "query"
+    assert_error(
+        client.post("/v1/rerank", json={"model": "plain", "query": QUERY, "documents": DOCS}),
+        400,
+        "unsupported_by_model",
+        "model",
+    )
+    chat = {"model": "ranker", "messages": [{"role": "user", "content": "hi"}]}
+    assert_error(client.post("/v1/chat/completions", json=chat), 400, "unsupported_by_model")
+    streamed = client.post("/v1/chat/completions", json={**chat, "stream": True})
+    assert_error(streamed, 400, "unsupported_by_model")
+    completion = {"model": "ranker", "prompt": "hi"}
+    assert_error(client.post("/v1/completions", json=completion), 400, "unsupported_by_model")
+    embedding = {"model": "ranker", "input": "hi"}
+    assert_error(client.post("/v1/embeddings", json=embedding), 400, "unsupported_by_model")
+    # The server still serves: a refusal leaves nothing behind.
+    assert rerank(documents=DOCS).status_code == 200
+
+
+def test_documents_are_counted_before_validation_against_each_models_limit() -> None:
+    """More documents than any model may take is a 400 before the body is validated; a
+    ``[[models]]`` table's larger limit is its model's own (the global one bounds the rest)."""
+    settings = stub_settings(
+        models=(
+            ModelSpec(path="stub-reranker.gguf", id="small"),
+            ModelSpec(
+                path="stub-reranker.gguf", id="large", options=(("rerank_max_documents", 20),)
+            ),
+        ),
+        rerank_max_documents=8,
+    )
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+
+        def rerank(model: str, n: int) -> object:
+            docs = [f"doc {i}" for i in range(n)]
+            body = {"model": model, "query": QUERY, "documents": docs, "keep_alive": "5m"}
+            return client.post("/v1/rerank", json=body)
+
+        assert rerank("large", 12).status_code == 200
+        assert_error(rerank("small", 12), 400, "invalid_value", "documents")
+        refused = rerank("large", 21)
+        assert_error(refused, 400, "invalid_value", "documents")
+        assert "rerank_max_documents" in refused.json()["error"]["message"]
+
+
+def test_a_reranker_is_not_prewarmed_with_system_prompts(caplog: pytest.LogCaptureFixture) -> None:
+    """``--prewarm-system`` warms the models that chat; a reranker never does (no warning)."""
+    settings = stub_settings(
+        models=(
+            ModelSpec(path="stub-reranker.gguf", id="ranker"),
+            ModelSpec(path="stub-a", id="a"),
+        ),
+        prewarm_system=("You are the harbour's archivist.",),
+    )
+    with caplog.at_level("WARNING"), TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        body = {"model": "ranker", "query": QUERY, "documents": DOCS}
+        assert client.post("/v1/rerank", json=body).status_code == 200
+    assert not [r for r in caplog.records if "prewarm of a system prompt" in r.getMessage()]

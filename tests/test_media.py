@@ -1,0 +1,106 @@
+"""Decoding images and audio under limits (kvwarm.media): pixels and samples out, every bad
+file a MediaError naming its part, before anything reaches C."""
+
+from __future__ import annotations
+
+import io
+import struct
+import wave
+import zlib
+
+import numpy as np
+import pytest
+from tests.engine.mediakit import png
+
+from kvwarm.errors import MediaError
+from kvwarm.media import Audio, Image, MediaLimits, decode_audio, decode_data_uri, decode_image
+
+LIMITS = MediaLimits()
+
+
+def wav(samples: np.ndarray, rate: int = 16000, width: int = 2, channels: int = 1) -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(samples.tobytes())
+    return out.getvalue()
+
+
+def test_an_image_is_its_pixels_and_its_digest_names_them() -> None:
+    from PIL import Image as Pil
+
+    rgba = Pil.new("RGBA", (3, 2), (10, 20, 30, 0))
+    for fmt in ("PNG", "WEBP", "BMP", "GIF"):
+        out = io.BytesIO()
+        rgba.convert("RGB" if fmt in ("BMP", "GIF") else "RGBA").save(
+            out, format=fmt, lossless=True
+        )
+        img = decode_image(out.getvalue(), LIMITS, "part")
+        assert (img.width, img.height) == (3, 2) and len(img.rgb) == 18, fmt
+    a, b = decode_image(png(1), LIMITS, "a"), decode_image(png(1), LIMITS, "b")
+    assert a == b and a.digest == b.digest
+    assert decode_image(png(1, poke=True), LIMITS, "c").digest != a.digest
+    # The digest is of the pixels and size, not the file: the same pixels in other bytes.
+    assert Image(2, 1, bytes(6)).digest != Image(1, 2, bytes(6)).digest
+
+
+def test_hostile_images_are_refused_before_their_pixels_are_decoded() -> None:
+    # PNG headers claiming millions of pixels: refused from the header alone.
+    def bomb(side: int) -> bytes:
+        ihdr = b"IHDR" + struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+        return (
+            b"\x89PNG\r\n\x1a\n"
+            + struct.pack(">I", 13)
+            + ihdr
+            + struct.pack(">I", zlib.crc32(ihdr))
+            + b"\0\0\0\0IEND"
+            + struct.pack(">I", zlib.crc32(b"IEND"))
+        )
+
+    with pytest.raises(MediaError, match="above this server's limit") as info:
+        decode_image(bomb(4000), MediaLimits(max_pixels=1 << 20), "messages.0.content.1")
+    assert info.value.param == "messages.0.content.1"
+    with pytest.raises(MediaError, match="too large to decode"):  # past Pillow's own limit
+        decode_image(bomb(100_000), MediaLimits(max_pixels=1 << 40), "p")
+    for bad, needle in [
+        (png(1)[:2000], "not a whole image"),  # cut inside its pixels
+        (b"not an image at all", "not an image of an allowed format"),
+        (b"", "is empty"),
+    ]:
+        with pytest.raises(MediaError, match=needle):
+            decode_image(bad, LIMITS, "p")
+    with pytest.raises(MediaError, match="allowed format"):
+        decode_image(png(1), MediaLimits(formats=("jpeg",)), "p")
+
+
+def test_audio_of_every_common_wav_shape_becomes_float_mono() -> None:
+    tone = np.sin(np.arange(1600) / 10)
+    cases = [
+        wav((tone * 32767).astype("<i2")),
+        wav(((tone + 1) * 127.5).astype(np.uint8), width=1),
+        wav((tone * (2**31 - 1)).astype("<i4"), width=4),
+        wav(np.repeat((tone * 32767).astype("<i2"), 2), channels=2),
+    ]
+    for data in cases:
+        audio = decode_audio(data, LIMITS, "p", 16000)
+        got = np.frombuffer(audio.samples, "<f4")
+        assert got.shape == (1600,) and np.abs(got - tone).max() < 0.02
+    resampled = decode_audio(wav((tone * 32767).astype("<i2"), rate=8000), LIMITS, "p", 16000)
+    assert isinstance(resampled, Audio) and resampled.n_samples == 3200
+    with pytest.raises(MediaError, match=r"above this server's limit of 0\.05 s"):
+        decode_audio(cases[0], MediaLimits(max_audio_s=0.05), "p", 16000)
+    with pytest.raises(MediaError, match="not a WAV file"):
+        decode_audio(b"ID3" + bytes(100), LIMITS, "p", 16000)
+    with pytest.raises(MediaError, match="not a whole WAV file"):
+        decode_audio(cases[0][:30], LIMITS, "p", 16000)
+
+
+def test_data_uris_and_their_size_limit() -> None:
+    kind, data = decode_data_uri("data:image/png;base64,aGk=", "p", LIMITS)
+    assert (kind, data) == ("image/png", b"hi")
+    with pytest.raises(MediaError, match="not a base64 data: URI"):
+        decode_data_uri("data:image/png,hi", "p", LIMITS)
+    with pytest.raises(MediaError, match="over 4 bytes"):
+        decode_data_uri("data:;base64," + "aGVsbG8gd29ybGQ=", "p", MediaLimits(max_bytes=4))
