@@ -239,6 +239,7 @@ def run_config(
         cache_dir_shared=shared is not None,
         ram_quota_bytes=256 << 20,
         cluster_routing=policy,
+        cluster_save_wait_s=args.save_wait_s,
     )
     if args.backend == "stub":
         from tests.server.conftest import LOW_POLICY  # save rows of a stub's short prompts
@@ -272,14 +273,32 @@ def run_config(
         thread.start()
     try:
         wall = load(base_url, args, run)
-        ingress = cluster_view(base_url)["ingress"]
+        view = cluster_view(base_url)
+        ingress = view["ingress"]
     finally:
         from ray import serve
 
         serve.delete(deploy.APP_NAME)
     out = report(run, wall, killed[0] if killed else None)
     out["retried_by_ingress"] = ingress["retried"] if isinstance(ingress, dict) else None
+    out["finish_save_waits"] = durable_waits(view)
     return out
+
+
+def durable_waits(view: dict[str, object]) -> dict[str, float]:
+    """What waiting for each reply's finish row cost, over the live replicas (a killed one's
+    counts went with it): replies that waited, those whose row was late, mean and max ms."""
+    waited = late = 0
+    total = top = 0.0
+    replicas = view.get("replicas")
+    for replica in replicas if isinstance(replicas, list) else []:
+        durable = (replica.get("stats") or {}).get("durable") or {}
+        waited += int(durable.get("waited", 0))
+        late += int(durable.get("late", 0))
+        total += float(durable.get("wait_ms_mean", 0.0)) * int(durable.get("waited", 0))
+        top = max(top, float(durable.get("wait_ms_max", 0.0)))
+    mean = round(total / waited, 2) if waited else 0.0
+    return {"waited": waited, "late": late, "wait_ms_mean": mean, "wait_ms_max": top}
 
 
 def routing_cost() -> dict[str, object]:
@@ -307,6 +326,13 @@ def main() -> None:
     parser.add_argument("--decode-delay-s", type=float, default=0.02)
     parser.add_argument("--prefill-delay-s", type=float, default=0.0005)
     parser.add_argument("--port", type=int, default=0, help="0: a free one")
+    parser.add_argument(
+        "--save-wait-s",
+        type=float,
+        default=5.0,
+        help="cluster_save_wait_s: a reply ends once its finish row is in the shared tier "
+        "(0: it does not wait, the behaviour before)",
+    )
     parser.add_argument("--only", help="comma-separated configuration names")
     args = parser.parse_args()
     print("command: python " + shlex.join(sys.argv), flush=True)

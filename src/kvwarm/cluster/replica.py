@@ -9,6 +9,12 @@ tiers gain and lose, live slots, chain links; the whole state on ``snapshot``), 
 hashes of the requests it finished (bounded, most recent first, for the ``prefix`` policy),
 its node, process, load and recent time to first token: what ``routing`` decides by; the
 same call refreshes its load gauges in Ray's metrics (``gauges``).
+
+Durability: where the save tier is one other replicas read (``facts.place``: a node or a
+cluster scope), a reply's ``Finished`` goes out only once its finish row is published there,
+or ``cluster_save_wait_s`` passed (``DurableSaves``): the ingress ends the response on
+``Finished``, so a turn the client saw end survives this replica's death as a row another
+replica restores by its key.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from kvwarm.cluster.calls import (
@@ -36,6 +43,7 @@ from kvwarm.engine.ops import CALLS
 from kvwarm.errors import InvalidRequestError, KvwarmError, UnknownModelError
 from kvwarm.server import budget
 from kvwarm.settings import Settings, model_config
+from kvwarm.settings.cache import save_tier
 
 if TYPE_CHECKING:
     from kvwarm.engine.api import Model
@@ -63,6 +71,44 @@ def node_name() -> str | None:
     if not ray.is_initialized():
         return None
     return str(ray.get_runtime_context().get_node_id())
+
+
+class DurableSaves:
+    """Waits for a reply's finish row to be published in a tier other replicas read, before
+    the reply ends; counts the waits (``record_routing_stats``: ``durable``)."""
+
+    def __init__(self, settled: Callable[[bytes, float], bool], wait_s: float) -> None:
+        self._settled = settled
+        self.wait_s = wait_s  # 0: the save tier is this replica's own, or waiting is off
+        self.waited = 0  # replies that waited
+        self.late = 0  # ... whose row was not published in time (dropped, failed, slow)
+        self.wait_ms_total = 0.0
+        self.wait_ms_max = 0.0
+
+    async def wait(self, key: bytes | None) -> bool:
+        """Whether the row of ``key`` is published (True at once when nothing is waited for)."""
+        if key is None or self.wait_s <= 0:
+            return True
+        t0 = time.perf_counter()
+        ok = await asyncio.to_thread(self._settled, key, self.wait_s)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.waited += 1
+        self.wait_ms_total += ms
+        self.wait_ms_max = max(self.wait_ms_max, ms)
+        if not ok:
+            self.late += 1
+            log.info("finish row %s not published after %.0f ms", key.hex()[:16], ms)
+        return ok
+
+    def stats(self) -> dict[str, float]:
+        mean = self.wait_ms_total / self.waited if self.waited else 0.0
+        return {
+            "wait_s": self.wait_s,
+            "waited": self.waited,
+            "late": self.late,
+            "wait_ms_mean": round(mean, 3),
+            "wait_ms_max": round(self.wait_ms_max, 3),
+        }
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -100,6 +146,9 @@ class EngineReplica:
         slots = sum(m.info().n_parallel for m in self.models.values())
         self.events = EventLog(places, slots=slots)
         self.engine.cache.watch_rows(self.events)  # rows already indexed are told first
+        scope, _source = places.get(save_tier(settings), ("replica", "memory"))
+        wait_s = settings.cluster_save_wait_s if scope != "replica" else 0.0
+        self.durable = DurableSaves(self.engine.cache.settled, wait_s)
         self.node = node_name()
         self.gauges = ReplicaGauges()
         self.ttft_ms: float | None = None
@@ -141,6 +190,7 @@ class EngineReplica:
                 if not stream.done:  # cancelled by Ray (the client left), or a failed yield
                     stream.cancel()
             if done.stats.finish_reason != "cancelled":
+                await self.durable.wait(done.stats.key)
                 self.warm.add(call.chain)
                 n_tokens = done.stats.prompt_tokens + done.stats.completion_tokens
                 self.events.served(call.chain, done.stats.key, n_tokens)
@@ -193,6 +243,7 @@ class EngineReplica:
             "ttft_ms": self.ttft_ms,
             "models": sorted(self.models),
             "cache": self._cache_sizes(),
+            "durable": self.durable.stats(),
         }
 
     def _cache_sizes(self) -> dict[str, dict[str, float]]:

@@ -102,7 +102,14 @@ SERVER_POLICY = PolicyConfig(
 
 _REPEAT: dict[str, Any] = {"repeatable": True}
 # Settings only ``kvwarm cluster`` takes as flags (the environment and TOML accept them always).
-CLUSTER_ONLY = ("replicas", "ray_address", "node_ip", "cluster_routing", "cluster_busy_requests")
+CLUSTER_ONLY = (
+    "replicas",
+    "ray_address",
+    "node_ip",
+    "cluster_routing",
+    "cluster_busy_requests",
+    "cluster_save_wait_s",
+)
 
 
 class Settings(ModelSettings, ServingSettings):
@@ -356,6 +363,13 @@ class Settings(ModelSettings, ServingSettings):
         description="cluster: requests in flight at which a replica counts as busy and a "
         "conversation moves on (0: 2 x n_parallel)",
     )
+    cluster_save_wait_s: Float = Field(
+        default=5.0,
+        description="cluster: how long a replica waits for a reply's finish save to reach a "
+        "tier other replicas read (a shared or node directory, s3, redis) before the reply "
+        "ends (a non-streamed response, a stream's last event), so that a replica dying "
+        "after answering leaves the turn restorable elsewhere; 0: do not wait",
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -425,6 +439,8 @@ class Settings(ModelSettings, ServingSettings):
             raise ConfigError("keepalive_max_entries and keepalive_max_tokens must be >= 0")
         if self.replicas < 1 or self.cluster_busy_requests < 0:
             raise ConfigError("replicas must be >= 1 and cluster_busy_requests >= 0")
+        if self.cluster_save_wait_s < 0:
+            raise ConfigError("cluster_save_wait_s must be >= 0")
         if self.max_json_depth < 2:
             raise ConfigError("max_json_depth must be >= 2")
         for name in (
