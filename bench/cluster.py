@@ -77,6 +77,7 @@ class Run:
     turns: list[Turn] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: int = 0
+    killer: Killer | None = None
 
 
 def chat_turn(
@@ -131,6 +132,8 @@ def converse(http: httpx.Client, conv: int, args: argparse.Namespace, run: Run) 
         with run.lock:
             run.turns.append(turn)
             run.done += 1
+        if run.killer is not None and turn.ok:
+            run.killer.answered(run, turn)
         if reply is None:
             return
         messages = [*messages, {"role": "assistant", "content": reply}]
@@ -202,18 +205,25 @@ def cluster_view(base_url: str) -> dict[str, object]:
     return out
 
 
-def killer(base_url: str, run: Run, at: int, result: list[str]) -> None:
-    """When ``at`` turns are done, SIGKILL the replica serving the most conversations."""
-    while run.done < at:  # the load's own progress; a short poll
-        time.sleep(0.05)
-    with run.lock:
-        counts = collections.Counter(t.replica for t in run.turns if t.ok)
-    victim = counts.most_common(1)[0][0]
-    replicas = cluster_view(base_url)["replicas"]
-    assert isinstance(replicas, list)
-    pid = next(r["stats"]["pid"] for r in replicas if r["id"] == victim)
-    os.kill(pid, signal.SIGKILL)  # a replica of the cluster this bench started
-    result.append(victim)
+class Killer:
+    """SIGKILLs, once ``at`` turns are done, the replica that served the turn just answered,
+    the moment its response has ended: its finish save may still be under way then, which
+    is what a replica dying after answering risks (``cluster_save_wait_s``)."""
+
+    def __init__(self, base_url: str, at: int) -> None:
+        self.at = at
+        self.victim: str | None = None
+        self._lock = threading.Lock()
+        replicas = cluster_view(base_url)["replicas"]
+        assert isinstance(replicas, list)
+        self._pids = {r["id"]: r["stats"]["pid"] for r in replicas if r["health"] == "running"}
+
+    def answered(self, run: Run, turn: Turn) -> None:
+        with self._lock:
+            if self.victim is not None or run.done < self.at or turn.replica not in self._pids:
+                return
+            self.victim = turn.replica
+        os.kill(self._pids[turn.replica], signal.SIGKILL)  # a replica this bench started
 
 
 def run_config(
@@ -265,12 +275,8 @@ def run_config(
                 pass
             time.sleep(0.2)
     run = Run(name)
-    killed: list[str] = []
-    thread = None
     if kill:
-        at = args.conversations * args.turns * 2 // 5
-        thread = threading.Thread(target=killer, args=(base_url, run, at, killed), daemon=True)
-        thread.start()
+        run.killer = Killer(base_url, args.conversations * args.turns * 2 // 5)
     try:
         wall = load(base_url, args, run)
         view = cluster_view(base_url)
@@ -279,7 +285,7 @@ def run_config(
         from ray import serve
 
         serve.delete(deploy.APP_NAME)
-    out = report(run, wall, killed[0] if killed else None)
+    out = report(run, wall, run.killer.victim if run.killer is not None else None)
     out["retried_by_ingress"] = ingress["retried"] if isinstance(ingress, dict) else None
     out["finish_save_waits"] = durable_waits(view)
     return out

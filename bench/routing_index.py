@@ -7,10 +7,13 @@ Builds the cluster's index (``routing/index.py``) as replicas' cache events woul
 ``--chunks-per-row`` chunks in each replica's RAM tier, in its node's disk tier and in a tier
 all replicas share, each linked to a conversation's chain, until ``--chunks`` chunk
 references are indexed; then routes ``--requests`` requests (follow-ups of those
-conversations, one in three a new conversation) through ``reach`` and the ``events``
-policy's ``rank``, and the ingress's ``note_served`` after each. Prints the p50/p99/max of
-one decision (reach + rank) and of applying one report of events. Goal (issue 40): routing
-<= 1 ms p99 with 100,000 indexed chunks.
+conversations, one in three a new conversation over one of three system prompts) through
+``reach`` and the ``events`` policy's ``rank``, and the ingress's ``note_served`` after each.
+Rows' chunk keys are the cache's own for their tokens (a system prompt's chunk, then the
+conversation's), and every request carries its prompt's tokens, so ``reach`` walks the
+prompt's chunk keys in every store too (``--no-tokens``: rows and chains only, as before).
+Prints the p50/p99/max of one decision (reach + rank) and of applying one report of events.
+Goal (issue 40): routing <= 1 ms p99 with 100,000 indexed chunks.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import shlex
 import sys
 import time
 
+from kvwarm.cache.formats.chunkfmt import chunk_keys
 from kvwarm.cache.protocols import StoredRow
 from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TtlClass
 from kvwarm.cluster.eventlog import EventLog
@@ -51,13 +55,24 @@ def chain_of(conv: int, turns: int) -> tuple[str, ...]:
     return tuple(digest("chain", conv, i).hex()[:24] for i in range(turns))
 
 
+CHUNK = 256
+
+
+def tokens_of(conv: int, n: int) -> tuple[int, ...]:
+    """Conversation ``conv``'s first ``n`` tokens: its system prompt's chunk (one of three),
+    then its own."""
+    return tuple(range(conv % 3 * CHUNK, conv % 3 * CHUNK + CHUNK)) + tuple(
+        (conv * 7919 + i) % 50_000 + 1000 for i in range(n - CHUNK)
+    )
+
+
 def row(conv: int, turn: int, tier: str, per_row: int) -> StoredRow:
     key = digest("row", conv, turn)
-    n = 256 * per_row
+    n = CHUNK * per_row
     info = RowInfo(key, tier, 4096, n, 0, 0.0, 0.0, SaveReason.FINISH, TtlClass.SHORT, False, NS)
     # A conversation's rows share their leading chunks, as real ones do.
-    chunks = tuple(digest("chunk", conv, i) for i in range(per_row))
-    return StoredRow(info, (), None, chunks, (256,) * per_row)
+    lens = (CHUNK,) * per_row
+    return StoredRow(info, (), None, chunk_keys(NS, tokens_of(conv, n), lens), lens)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -74,6 +89,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8, help="chain units of a follow-up")
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--no-tokens", action="store_true", help="requests carry no tokens")
     args = parser.parse_args()
     print("command: python " + shlex.join(sys.argv), flush=True)
     rng = random.Random(args.seed)
@@ -101,13 +117,14 @@ def main() -> None:
         c = conv + i if new else rng.randrange(conv)
         chain = chain_of(c, args.turns)
         parent = None if new else digest("row", c, 0)
+        prompt = () if args.no_tokens else tokens_of(c, CHUNK * args.chunks_per_row + 64)
         started = time.perf_counter()
-        reach = index.reach(chain, parent, replicas)
+        reach = index.reach(chain, parent, replicas, tokens=prompt, namespace=NS)
         views = [
             ReplicaView(r, in_flight=rng.randrange(3), reach=reach.get(r, {}), slots=4)
             for r in replicas
         ]
-        decision = policy.rank(RouteRequest(chain, "m", parent), views)
+        decision = policy.rank(RouteRequest(chain, "m", parent, prompt, NS), views)
         decide.append((time.perf_counter() - started) * 1e6)
         index.note_served(decision.groups[0][0], chain, digest("row", c, 1), 4000)
     # Applying reports: 200 events (a busy replica's half second) each.

@@ -246,3 +246,77 @@ def test_lost_and_replayed_events_router_and_replica_restarts_converge(seed: int
                 assert g.get(source) == w.get(source), (k, replica)
             for source in ("local", "remote"):
                 assert g.get(source, 0) >= w.get(source, 0), (k, replica)
+
+
+# ------------------------------------------------------------------ a prompt's chunk keys
+
+SYSTEM_TOKENS = tuple(range(1000, 1040))  # a system prompt of 40 tokens
+
+
+def chunked(name: str, tokens: tuple[int, ...], lens: tuple[int, ...], **kw: int) -> StoredRow:
+    """A row whose chunk keys are the cache's own for ``tokens`` cut at ``lens``."""
+    from kvwarm.cache.formats.chunkfmt import chunk_keys
+
+    info = RowInfo(
+        key(name), "ram", 10, len(tokens), 0, 0.0, 0.0, SaveReason.FINISH, TtlClass.SHORT,
+        False, NS,
+    )  # fmt: skip
+    return StoredRow(info, tokens, None, chunk_keys(NS, tokens, lens, **kw), lens)
+
+
+def test_a_prompt_reaches_the_replica_holding_its_leading_chunks() -> None:
+    log_a, log_b = EventLog(PLACES, epoch="a"), EventLog(PLACES, epoch="b")
+    index = ClusterIndex()
+    # Conversation 1 on a: the system prompt, then its own turn; cut where the system
+    # prompt ends (the second conversation over it made that cut) and every 32 tokens.
+    conv1 = SYSTEM_TOKENS + tuple(range(60))
+    log_a.row_stored(chunked("c1", conv1, (40, 32, 28)))
+    feed(index, "a", "n1", log_a)
+    feed(index, "b", "n1", log_b)
+    running = {"a": "n1", "b": "n1"}
+    # A new conversation over the same system prompt: no chain, no parent row links it to
+    # anything; its tokens do: the 40 tokens of the system prompt's chunk are on a.
+    conv2 = SYSTEM_TOKENS + tuple(range(500, 530))
+    assert index.reach(("new",), None, running, tokens=conv2, namespace=NS) == {"a": {"memory": 40}}
+    # Conversation 1's follow-up: every chunk of its row, 100 tokens.
+    follow = conv1 + tuple(range(900, 920))
+    assert index.reach((), None, running, tokens=follow, namespace=NS) == {"a": {"memory": 100}}
+    # Keys are the namespace's: another model's (or salt's) prompt reaches nothing.
+    other = Namespace(b"g" * 32, 1, b"c" * 32)
+    assert index.reach((), None, running, tokens=follow, namespace=other) == {}
+    # Without tokens the index knows only rows and chains (as before).
+    assert index.reach(("new",), None, running) == {}
+    # The row's bytes go: its chunks and their steps leave the index.
+    log_a.row_dropped(chunked("c1", conv1, (40, 32, 28)), bytes_kept=False)
+    feed(index, "a", "n1", log_a)
+    assert index.reach((), None, running, tokens=follow, namespace=NS) == {}
+    assert index.sizes()["chunks"] == 0 and index.sizes()["chunk_steps"] == 0
+
+
+def test_chunks_past_a_rows_canonical_bits_and_on_a_node_tier_are_found() -> None:
+    log = EventLog(PLACES, epoch="a")
+    index = ClusterIndex()
+    conv = SYSTEM_TOKENS + tuple(range(90))  # 130 tokens: a reply decoded past 64 of them
+    stored = chunked("c1", conv, (40, 32, 32, 26), plain_to=64)  # salted from the third
+    disk = StoredRow(
+        RowInfo(
+            key("c1"), "disk", 10, len(conv), 0, 0.0, 0.0, SaveReason.FINISH, TtlClass.SHORT,
+            False, NS,
+        ),
+        conv, None, stored.chunks, stored.chunk_lens,
+    )  # fmt: skip
+    log.row_stored(disk)
+    feed(index, "a", "n1", log)
+    running = {"a": "n1", "b": "n1", "c": "n2"}
+    prompt = (*conv, 7, 8, 9)
+    # The node's directory serves both replicas of n1, all 130 tokens; c is on another node.
+    assert index.reach((), None, running, tokens=prompt, namespace=NS) == {
+        "a": {"local": 130},
+        "b": {"local": 130},
+    }
+    # A prompt that differs inside the third chunk gets the first two.
+    edited = (*conv[:80], 1, *conv[81:])
+    assert index.reach((), None, running, tokens=edited, namespace=NS) == {
+        "a": {"local": 72},
+        "b": {"local": 72},
+    }

@@ -104,6 +104,9 @@ def test_chat_carries_its_chain_names_the_replica_and_warms_it(
     reply = first.json()["choices"][0]["message"]["content"]
     turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
     assert calls.calls[-1].options.parent_key is None  # a new conversation has no parent
+    # The ingress tokenized the prompt (its vocabulary alone) as the replica does: the
+    # router keys its chunks from these.
+    assert calls.calls[-1].tokens == replica.models["a"].chat_tokens(turn1)[0]
     second = client.post("/v1/chat/completions", json={**body, "messages": turn2}).json()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     # The follow-up named the first turn's finish row, which any replica can look up by key.
@@ -149,6 +152,17 @@ def test_get_cluster_is_404_on_a_plain_server() -> None:
         wait_ready(plain.get)
         answer = plain.get("/cluster")
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_a_cluster"
+
+
+def test_a_completion_carries_its_prompts_tokens(
+    client: TestClient, calls: DirectCalls, replica: EngineReplica
+) -> None:
+    body = {"model": "a", "prompt": "Once upon a time", "max_tokens": 2}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert calls.calls[-1].tokens == tuple(replica.models["a"].tokenize("Once upon a time"))
+    ids = {"model": "a", "prompt": [5, 6, 7, 8], "max_tokens": 2}
+    assert client.post("/v1/completions", json=ids).status_code == 200
+    assert calls.calls[-1].tokens == (5, 6, 7, 8)
 
 
 def test_streamed_chat_and_completion(client: TestClient) -> None:

@@ -267,3 +267,33 @@ def test_address_names_the_cluster_to_join(monkeypatch: pytest.MonkeyPatch) -> N
     assert not deploy._loopback("10.0.0.5:6379") and not deploy._loopback("ray://127.0.0.1:1")
     assert deploy.proxy_location("127.0.0.1") == "HeadOnly"
     assert deploy.proxy_location("0.0.0.0") == "EveryNode"
+
+
+async def test_a_prompts_tokens_reach_the_replica_holding_its_chunks() -> None:
+    from kvwarm.cache.formats.chunkfmt import chunk_keys
+    from kvwarm.cache.formats.key import salted_namespace
+    from kvwarm.cluster.routing.facts import encode_namespace
+
+    tokens = tuple(range(100, 164))
+    salt = "tenant-1"
+    ns = salted_namespace(NS, salt.encode())
+    info = RowInfo(
+        b"r".ljust(32, b"."), "ram", 1, 48, 0, 0.0, 0.0, SaveReason.FINISH, TtlClass.SHORT,
+        False, ns,
+    )  # fmt: skip
+    lens = (32, 16)
+    row = StoredRow(info, tokens[:48], None, chunk_keys(ns, tokens[:48], lens), lens)
+    log_a, log_b = EventLog(places(), epoch="a"), EventLog(places(), epoch="b")
+    log_b.row_stored(row)
+    namespaces = {"m": encode_namespace(NS)}
+    a = FakeReplica("a", {"events": log_a.report(), "in_flight": 0, "namespaces": namespaces})
+    b = FakeReplica("b", {"events": log_b.report(), "in_flight": 0, "namespaces": namespaces})
+    r = router("events")
+    options = GenerationOptions(cache_salt=salt)
+    call = Generate("m", "chat", options, chain=("fresh",), tokens=tokens)
+    groups = await r.choose_replicas([a, b], FakePending([call]))  # type: ignore[arg-type]
+    assert [g[0].name for g in groups] == ["b", "a"]  # 48 tokens in b's RAM
+    # Another tenant's salt keys other chunks: nothing held, the least loaded (a, by id).
+    unsalted = Generate("m", "chat", GenerationOptions(), chain=("fresh",), tokens=tokens)
+    groups = await r.choose_replicas([a, b], FakePending([unsalted]))  # type: ignore[arg-type]
+    assert [g[0].name for g in groups] == ["a", "b"]

@@ -30,6 +30,9 @@ class Generate:
     tools: Sequence[Mapping[str, object]] | None = None
     prompt: str | tuple[int, ...] = ""
     avoid: tuple[str, ...] = ()  # replicas lost under an earlier attempt of this call
+    # The prompt's token ids as the ingress made them (routing only: the replica tokenizes
+    # again from ``messages``/``prompt``); () when the ingress has no tokenizer for it.
+    tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,7 +85,13 @@ class EventLog:
     def row_stored(self, row: StoredRow) -> None:
         scope, source = self._place(row.info.tier)
         fact = RowFact(
-            row.info.key, row.info.tier, scope, source, row.info.n_tokens, row.chunk_refs
+            row.info.key,
+            row.info.tier,
+            scope,
+            source,
+            row.info.n_tokens,
+            row.chunk_refs,
+            row.chunk_lens[: len(row.chunks)],
         )
         with self._lock:
             self._rows[fact.key] = fact

@@ -3,7 +3,8 @@ proxies for the engine deployment (``remote.RemoteModel``).
 
 Invariants: the routes, guard, errors, metrics and keep-alive are the server's own; only the
 state differs: ``IngressState`` loads no model, it asks a replica for each model's info and
-then serves it through the handle, and answers ``GET /cluster`` from the index of the
+then serves it through the handle (tokenizing each prompt for the router with the model's
+vocabulary alone, ``tokens.PromptTokens``), and answers ``GET /cluster`` from the index of the
 replicas' cache events it shares with the router in this process. Cache administration
 (``/cache/*`` except keep-alive) is per replica and answers 501 here. Every generation's
 response names the replica that served it in ``x-kvwarm-replica``.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Protocol
 
@@ -22,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvwarm.cluster.calls import Failed, Generate, ModelOp
 from kvwarm.cluster.remote import OpCall, RemoteModel, ResponseStream
 from kvwarm.cluster.routing import ClusterIndex
+from kvwarm.cluster.tokens import PromptTokens
 from kvwarm.engine.types import ModelInfo
 from kvwarm.server.app import create_app
 from kvwarm.server.errors import HTTPError
@@ -62,6 +65,8 @@ class IngressState(ServerState):
         super().__init__(settings)
         self.calls = calls
         self.index = index if index is not None else ClusterIndex()
+        self._tokenizers: dict[str, PromptTokens | None] = {}
+        self._tokenizers_lock = threading.Lock()
 
     def _load_all(self) -> None:
         for entry in self.entries.values():
@@ -89,9 +94,28 @@ class IngressState(ServerState):
         if isinstance(info, Failed):
             raise info.error
         assert isinstance(info, ModelInfo)
-        model = RemoteModel(info, self.calls.stream, op_call, _note_served, self.index)
+        tokenizer = self._tokenizer(model_id)
+        model = RemoteModel(info, self.calls.stream, op_call, _note_served, self.index, tokenizer)
         self._prewarm_systems(model, model_id)
         return model
+
+    def _tokenizer(self, model_id: str) -> PromptTokens | None:
+        """The model's vocabulary, loaded here once (``tokens.PromptTokens``), or None."""
+        with self._tokenizers_lock:
+            if model_id not in self._tokenizers:
+                spec = next((m for m in self.settings.models if m.model_id == model_id), None)
+                self._tokenizers[model_id] = (
+                    None if spec is None else PromptTokens.load(self.settings, spec)
+                )
+            return self._tokenizers[model_id]
+
+    def close(self) -> None:
+        super().close()
+        with self._tokenizers_lock:
+            for tokenizer in self._tokenizers.values():
+                if tokenizer is not None:
+                    tokenizer.close()
+            self._tokenizers.clear()
 
     is_cluster = True
 

@@ -44,6 +44,7 @@ from kvwarm.engine.types import (
 from kvwarm.errors import KvwarmError, ReplicaUnavailableError
 
 if TYPE_CHECKING:
+    from kvwarm.cluster.tokens import PromptTokens
     from kvwarm.engine.ops import Message
 
 log = logging.getLogger("kvwarm.cluster.remote")
@@ -274,8 +275,12 @@ class RemoteModel(ModelOps):
         op_call: OpCall,
         on_served: Callable[[str], None] = lambda _replica: None,
         facts: ServedFacts | None = None,
+        tokenizer: PromptTokens | None = None,
     ) -> None:
+        """``tokenizer``: the model's vocabulary at the ingress (``tokens.PromptTokens``), so
+        each generation carries its prompt's token ids for the router; None: it carries none."""
         self._info = info
+        self._tokenizer = tokenizer
         self._stream_call = stream_call
         self._op_call = op_call
         self._on_served = on_served
@@ -309,6 +314,9 @@ class RemoteModel(ModelOps):
             # The previous turn's row: found by exact key on any replica sharing its tier.
             opts = dataclasses.replace(opts, parent_key=parent)
         call = Generate(model_id=self.id, kind=kind, options=opts, **fields)  # type: ignore[arg-type]
+        tokens = self._prompt_tokens(call)
+        if tokens:
+            call = dataclasses.replace(call, tokens=tokens)
 
         def finished(replica: str | None, done: Completion) -> None:
             self._last_rows.remember(chain, done.stats.key)
@@ -323,6 +331,19 @@ class RemoteModel(ModelOps):
             self.retried += 1
 
         return RemoteStream(start, self._on_served, finished, on_retry=retried)
+
+    def _prompt_tokens(self, call: Generate) -> tuple[int, ...]:
+        """The call's prompt as token ids, for the router; () without a tokenizer or when
+        it fails here (the replica will say why, if the request is bad)."""
+        if self._tokenizer is None:
+            return ()
+        try:
+            if call.kind == "chat":
+                return self._tokenizer.chat(call.messages, call.tools)
+            return self._tokenizer.text(call.prompt, call.options)
+        except Exception as exc:
+            log.debug("prompt not tokenized at the ingress: %s", exc)
+            return ()
 
     def stream_chat(
         self,

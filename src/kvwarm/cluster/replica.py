@@ -38,7 +38,7 @@ from kvwarm.cluster.calls import (
 from kvwarm.cluster.eventlog import EventLog
 from kvwarm.cluster.gauges import ReplicaGauges
 from kvwarm.cluster.routing import WarmSet
-from kvwarm.cluster.routing.facts import place
+from kvwarm.cluster.routing.facts import encode_namespace, place
 from kvwarm.engine.ops import CALLS
 from kvwarm.errors import InvalidRequestError, KvwarmError, UnknownModelError
 from kvwarm.server import budget
@@ -244,6 +244,8 @@ class EngineReplica:
             "models": sorted(self.models),
             "cache": self._cache_sizes(),
             "durable": self.durable.stats(),
+            # Each model's cache namespace: the router keys a prompt's chunks in it.
+            "namespaces": {mid: encode_namespace(m.namespace()) for mid, m in self.models.items()},
         }
 
     def _cache_sizes(self) -> dict[str, dict[str, float]]:

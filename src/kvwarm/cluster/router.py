@@ -25,11 +25,13 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from kvwarm.cache.formats.key import salted_namespace
+from kvwarm.cache.types import Namespace
 from kvwarm.cluster.calls import Generate, ModelOp, SnapshotCall
 from kvwarm.cluster.routing import (
     AffinityTable,
@@ -40,6 +42,7 @@ from kvwarm.cluster.routing import (
     build_policy,
     index_for,
 )
+from kvwarm.cluster.routing.facts import decode_namespace
 from kvwarm.cluster.routing.index import index_name
 
 log = logging.getLogger("kvwarm.cluster.router")
@@ -56,10 +59,27 @@ def route_request(pending: PendingRequest | None) -> RouteRequest:
         return RouteRequest()
     call = pending.args[0]
     if isinstance(call, Generate):
-        return RouteRequest(call.chain, call.model_id, call.options.parent_key)
+        return RouteRequest(call.chain, call.model_id, call.options.parent_key, call.tokens)
     if isinstance(call, ModelOp):
         return RouteRequest(chain=call.chain, model_id=call.model_id)
     return RouteRequest()
+
+
+def request_namespace(call: Generate, replicas: Sequence[RunningReplica]) -> Namespace | None:
+    """The cache namespace ``call``'s prompt is keyed in: its model's, as the replicas report
+    it (``EngineReplica.record_routing_stats``), salted by its cache salt. None when no
+    replica reported it yet, or when the call names LoRA adapters of its own (their set is
+    folded into the namespace on the replica)."""
+    if call.options.lora is not None:
+        return None
+    for replica in replicas:
+        stats = replica.routing_stats or {}
+        namespaces = stats.get("namespaces")
+        raw = namespaces.get(call.model_id) if isinstance(namespaces, Mapping) else None
+        base = decode_namespace(raw)
+        if base is not None:
+            return salted_namespace(base, call.options.salt_bytes())
+    return None
 
 
 def request_chain(pending: PendingRequest | None) -> tuple[str, ...]:
@@ -206,7 +226,19 @@ class AffinityRouter(RequestRouter):
             self._ingest(replica)
         routed = self._table.warm_of(request.chain)
         running = {_rid(r): r.node_id for r in candidate_replicas}
-        reach = self._index.reach(request.chain, request.parent_key, running)
+        if request.tokens and pending_request is not None:
+            call = pending_request.args[0]
+            assert isinstance(call, Generate)
+            request = dataclasses.replace(
+                request, namespace=request_namespace(call, candidate_replicas)
+            )
+        reach = self._index.reach(
+            request.chain,
+            request.parent_key,
+            running,
+            tokens=request.tokens,
+            namespace=request.namespace,
+        )
         by_id: dict[str, RunningReplica] = {}
         views: list[ReplicaView] = []
         for replica in candidate_replicas:

@@ -57,6 +57,7 @@ __all__ = [
     "chunk_key",
     "chunk_keys",
     "head_size",
+    "own_parent",
     "parse",
     "parse_head",
     "recover_chain",
@@ -96,6 +97,11 @@ def chunk_key(ns: Namespace, parent: bytes, tokens: Sequence[int] | bytes) -> by
     h.update(parent)
     h.update(tokens if isinstance(tokens, bytes) else encode_tokens(tokens))
     return h.digest()
+
+
+def own_parent(parent: bytes, own: int) -> bytes:
+    """The parent a chunk past a row's canonical bits chains from (``chunk_chain``)."""
+    return hashlib.sha256(_BITS + parent + _U32.pack(own)).digest()
 
 
 def chunk_keys(
@@ -139,7 +145,7 @@ def chunk_chain(
     for n in lens:
         end += n
         if plain_to is not None and end > plain_to:
-            parent = hashlib.sha256(_BITS + parent + _U32.pack(own)).digest()
+            parent = own_parent(parent, own)
             plain_to = None  # the chain stays apart from here on
         h = hashlib.sha256(_DOMAIN)
         h.update(prefix)

@@ -30,6 +30,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvwarm.cache.types import Namespace
 from kvwarm.plugins import Plugins
 
 __all__ = [
@@ -78,6 +79,12 @@ class RouteRequest:
     chain: tuple[str, ...] = ()  # chained hashes of its prompt (``chains``); (): no prompt
     model_id: str | None = None  # the model it names (None: not a typed call)
     parent_key: bytes | None = None  # its previous turn's finish row, if the ingress knows it
+    # Its prompt's token ids, as the replicas will make them (the ingress tokenized it; ()
+    # when it could not), and the cache namespace they are keyed in (the model's, salted by
+    # the request's cache salt: from the replicas' reports; None: not known): with both,
+    # the index scores the chunks of the prompt each replica could restore.
+    tokens: tuple[int, ...] = ()
+    namespace: Namespace | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@ plain encoding they travel in. Pure: no Ray, no clock, no I/O.
 
 Facts (each an event when it changes):
 
-- ``RowFact``: a row (its key, token count and chunk keys) is in one of the replica's tiers;
+- ``RowFact``: a row (its key, token count, chunk keys and their lengths) is in one of the
+  replica's tiers;
   ``RowGone``: it left that tier, its bytes deleted or (``bytes_kept``) only forgotten by this
   replica (a shared tier's row after a TTL lapse, a copy left by a promotion).
 - ``Live``: a slot of the replica holds a conversation's KV (the chain end of the request it
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 from kvwarm.cache.protocols import TierCapabilities
+from kvwarm.cache.types import Namespace
 
 __all__ = [
     "SCOPES",
@@ -46,9 +48,11 @@ __all__ = [
     "Snapshot",
     "Source",
     "decode",
+    "decode_namespace",
     "decode_report",
     "decode_snapshot",
     "encode",
+    "encode_namespace",
     "place",
 ]
 
@@ -74,6 +78,9 @@ class RowFact:
     source: Source
     n_tokens: int
     chunks: tuple[bytes, ...] = ()
+    # How many tokens each of the first ``len(lens)`` chunks covers, in order (the chunks
+    # past them are a memory's rest: an iSWA window's, no prefix of the prompt).
+    lens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +141,10 @@ class Snapshot:
 
 def encode(fact: Fact) -> tuple[object, ...]:
     if isinstance(fact, RowFact):
-        return ("row", fact.key, fact.tier, fact.scope, fact.source, fact.n_tokens, fact.chunks)
+        return (
+            "row", fact.key, fact.tier, fact.scope, fact.source, fact.n_tokens, fact.chunks,
+            fact.lens,
+        )  # fmt: skip
     if isinstance(fact, RowGone):
         return ("gone", fact.key, fact.tier, fact.scope, fact.bytes_kept)
     if isinstance(fact, Live):
@@ -142,6 +152,26 @@ def encode(fact: Fact) -> tuple[object, ...]:
     if isinstance(fact, LiveGone):
         return ("unlive", fact.chain_end)
     return ("link", fact.chain_end, fact.key)
+
+
+def encode_namespace(ns: Namespace) -> tuple[bytes, int, bytes]:
+    """A model's cache namespace as a replica reports it (plain values)."""
+    return (ns.fingerprint, ns.quant, ns.ctx_hash)
+
+
+def decode_namespace(raw: object) -> Namespace | None:
+    """The namespace ``encode_namespace`` made; None for anything else (not reported yet,
+    or unreadable: the request is then routed without its chunks)."""
+    if not isinstance(raw, tuple | list) or len(raw) != 3:
+        return None
+    fingerprint, quant, ctx_hash = raw
+    if not (isinstance(fingerprint, bytes) and len(fingerprint) == 32):
+        return None
+    if not (isinstance(ctx_hash, bytes) and len(ctx_hash) == 32):
+        return None
+    if not isinstance(quant, int) or isinstance(quant, bool) or not 0 <= quant <= 255:
+        return None
+    return Namespace(fingerprint, quant, ctx_hash)
 
 
 def _bytes(value: object) -> bytes:
@@ -181,9 +211,11 @@ def decode(item: object) -> Fact:
     tag, *rest = item
     try:
         if tag == "row":
-            key, tier, scope, source, n, chunks = rest
-            if not isinstance(chunks, tuple | list):
-                raise ValueError("chunks must be a sequence")
+            key, tier, scope, source, n, chunks, lens = rest
+            if not isinstance(chunks, tuple | list) or not isinstance(lens, tuple | list):
+                raise ValueError("chunks and lens must be sequences")
+            if len(lens) > len(chunks) or not all(_int(n) > 0 for n in lens):
+                raise ValueError("lens must be positive, one per leading chunk")
             return RowFact(
                 _bytes(key),
                 _str(tier),
@@ -191,6 +223,7 @@ def decode(item: object) -> Fact:
                 _source(source),
                 _int(n),
                 tuple(_bytes(c) for c in chunks),
+                tuple(lens),
             )
         if tag == "gone":
             key, tier, scope, kept = rest

@@ -9,6 +9,13 @@ What it keeps:
   references its chunk keys, counted per store.
 - *Live slots*: per replica, the chain ends of the conversations its slots hold.
 - *Links*: chain end -> the row key its request saved (content facts, bounded).
+- *Chunk steps*, per store: after a chunk key (or the root), the lengths of the chunks that
+  follow it in the store's rows, counted. With the request's tokens and namespace, ``reach``
+  walks them (``_ChunkWalk``): from the root, the longest next chunk whose key, computed
+  from the prompt's tokens as the cache computes it (``cache/formats/chunkfmt.py``), the
+  store holds, and so on: the prefix of the prompt the store could serve in whole chunks,
+  whatever row or conversation saved them (another conversation over the same system
+  prompt, a row no chain links).
 
 Invariants:
 
@@ -36,6 +43,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvwarm.cache.formats.chunkfmt import ROOT_PARENT, chunk_key, own_parent
+from kvwarm.cache.formats.key import encode_tokens
+from kvwarm.cache.types import Namespace
 from kvwarm.cluster.routing.facts import (
     Fact,
     Link,
@@ -59,6 +69,10 @@ Reach = dict[str, int]  # tokens a replica could serve of a request, per source 
 LINKS = 262144
 UNVOUCHED = 65536
 DEAD_KEPT = 16  # dead replicas listed by ``describe``
+# Report fields ``describe`` leaves out: events are applied, the rest is the router's
+# (``warm``: chain hashes; ``namespaces``: bytes, read off the report where it routes).
+_NOT_DESCRIBED = ("events", "warm", "namespaces")
+STEP_TRIES = 8  # chunk lengths tried after one chunk (the longest that fit first)
 
 
 @dataclass(slots=True)
@@ -66,7 +80,50 @@ class _Copy:
     n_tokens: int
     source: Source
     chunks: tuple[bytes, ...]
+    lens: tuple[int, ...] = ()
     vouchers: set[str] = field(default_factory=set)
+
+
+class _ChunkWalk:
+    """The keys of one prompt's chunks as a walk asks for them: the key of the ``n`` tokens
+    at ``start`` after chunk ``prev``, chained plainly or (past a row's canonical bits, where
+    its chain is salted: ``chunkfmt.own_parent``) from ``prev`` salted; each computed once
+    per request, whatever store asks."""
+
+    def __init__(self, namespace: Namespace, tokens: Sequence[int]) -> None:
+        self._ns = namespace
+        self._encoded = memoryview(encode_tokens(tokens))
+        self.n_tokens = len(tokens)
+        self._keys: dict[tuple[bytes, int, int, bool], bytes] = {}
+
+    def key(self, prev: bytes, start: int, n: int, salted: bool) -> bytes:
+        memo = (prev, start, n, salted)
+        key = self._keys.get(memo)
+        if key is None:
+            parent = own_parent(prev, 0) if salted else prev
+            key = chunk_key(self._ns, parent, self._encoded[4 * start : 4 * (start + n)].tobytes())
+            self._keys[memo] = key
+        return key
+
+    def served(self, steps: Mapping[bytes, Mapping[int, int]], chunks: Mapping[bytes, int]) -> int:
+        """Tokens of the prompt a store with ``steps`` and ``chunks`` holds, in whole chunks
+        from the start (greedy: the longest next chunk held)."""
+        pos, prev = 0, ROOT_PARENT
+        while True:
+            after = steps.get(prev)
+            if not after:
+                return pos
+            fits = sorted((n for n in after if pos + n <= self.n_tokens), reverse=True)
+            for n in fits[:STEP_TRIES]:
+                key = self.key(prev, pos, n, False)
+                if key not in chunks:
+                    key = self.key(prev, pos, n, True)
+                    if key not in chunks:
+                        continue
+                pos, prev = pos + n, key
+                break
+            else:
+                return pos
 
 
 @dataclass(slots=True)
@@ -90,6 +147,8 @@ class ClusterIndex:
         self._dead: OrderedDict[str, _Replica] = OrderedDict()
         self._copies: dict[bytes, dict[Store, _Copy]] = {}
         self._chunks: dict[Store, dict[bytes, int]] = {}
+        self._steps: dict[Store, dict[bytes, dict[int, int]]] = {}
+        self._sources: dict[Store, Source] = {}
         self._live: dict[str, dict[str, int]] = {}  # chain end -> replica -> tokens
         self._links: OrderedDict[str, bytes] = OrderedDict()
         self._unvouched: OrderedDict[tuple[bytes, Store], None] = OrderedDict()
@@ -112,7 +171,7 @@ class ClusterIndex:
         raw = stats.get("events")
         with self._lock:
             state = self._replica(replica, node)
-            state.stats = {k: v for k, v in stats.items() if k not in ("events", "warm")}
+            state.stats = {k: v for k, v in stats.items() if k not in _NOT_DESCRIBED}
             state.reported_at = now
             if raw is None:
                 return False
@@ -193,12 +252,21 @@ class ClusterIndex:
     # ---------------------------------------------------------------- reading
 
     def reach(
-        self, chain: Sequence[str], parent_key: bytes | None, running: Mapping[str, str | None]
+        self,
+        chain: Sequence[str],
+        parent_key: bytes | None,
+        running: Mapping[str, str | None],
+        *,
+        tokens: Sequence[int] = (),
+        namespace: Namespace | None = None,
     ) -> dict[str, Reach]:
         """For each running replica (id -> node), the most tokens of this request it could
-        serve from each source: a live slot holding a prefix of ``chain``, or a row linked
-        to one of ``chain``'s prefixes (or ``parent_key``) in a store it can read. Replicas
-        with nothing are left out. Cost: one lookup per chain unit, then per copy found."""
+        serve from each source: a live slot holding a prefix of ``chain``, a row linked to
+        one of ``chain``'s prefixes (or ``parent_key``) in a store it can read, or (given the
+        prompt's ``tokens`` and ``namespace``) the run of the prompt's chunk keys from its
+        start that such a store holds. Replicas with nothing are left out. Cost: one lookup
+        per chain unit, then per copy found; with tokens, a walk per store of at most
+        ``STEP_TRIES`` x 2 hashes per chunk, each key hashed once per request."""
         out: dict[str, Reach] = {}
 
         def give(replica: str, source: str, n: int) -> None:
@@ -206,7 +274,26 @@ class ClusterIndex:
             if n > best.get(source, 0):
                 best[source] = n
 
+        def give_store(store: Store, source: str, n: int) -> None:
+            scope, owner, _ = store
+            if scope == "replica":
+                if owner in running:
+                    give(owner, source, n)
+            elif scope == "node":
+                for replica, node in running.items():
+                    if node == owner:
+                        give(replica, source, n)
+            else:
+                for replica in running:
+                    give(replica, source, n)
+
         with self._lock:
+            if tokens and namespace is not None and self._steps:
+                walk = _ChunkWalk(namespace, tokens)
+                for store, steps in self._steps.items():
+                    n = walk.served(steps, self._chunks.get(store, {}))
+                    if n:
+                        give_store(store, self._sources[store], n)
             keys: list[bytes] = [] if parent_key is None else [parent_key]
             for end in chain:
                 holders = self._live.get(end)
@@ -218,17 +305,8 @@ class ClusterIndex:
                 if key is not None:
                     keys.append(key)
             for key in dict.fromkeys(keys):
-                for (scope, owner, _), copy in self._copies.get(key, {}).items():
-                    if scope == "replica":
-                        if owner in running:
-                            give(owner, copy.source, copy.n_tokens)
-                    elif scope == "node":
-                        for replica, node in running.items():
-                            if node == owner:
-                                give(replica, copy.source, copy.n_tokens)
-                    else:
-                        for replica in running:
-                            give(replica, copy.source, copy.n_tokens)
+                for store, copy in self._copies.get(key, {}).items():
+                    give_store(store, copy.source, copy.n_tokens)
         return out
 
     def held(self, replica: str) -> int:
@@ -256,6 +334,7 @@ class ClusterIndex:
                 "rows": len(self._copies),
                 "copies": sum(len(c) for c in self._copies.values()),
                 "chunks": sum(len(c) for c in self._chunks.values()),
+                "chunk_steps": sum(len(s) for s in self._steps.values()),
                 "links": len(self._links),
                 "unvouched": len(self._unvouched),
             }
@@ -342,10 +421,16 @@ class ClusterIndex:
         copies = self._copies.setdefault(fact.key, {})
         copy = copies.get(store)
         if copy is None:
-            copy = copies[store] = _Copy(fact.n_tokens, fact.source, fact.chunks)
+            copy = copies[store] = _Copy(fact.n_tokens, fact.source, fact.chunks, fact.lens)
             refs = self._chunks.setdefault(store, {})
             for chunk in fact.chunks:
                 refs[chunk] = refs.get(chunk, 0) + 1
+            if fact.lens:
+                self._sources[store] = fact.source
+                steps = self._steps.setdefault(store, {})
+                for prev, n in zip((ROOT_PARENT, *fact.chunks), fact.lens, strict=False):
+                    after = steps.setdefault(prev, {})
+                    after[n] = after.get(n, 0) + 1
         copy.vouchers.add(replica)
         self._unvouched.pop((fact.key, store), None)
         state.vouches.add((fact.key, store))
@@ -388,6 +473,22 @@ class ClusterIndex:
                     refs.pop(chunk, None)
             if not refs:
                 del self._chunks[store]
+        steps = self._steps.get(store)
+        if steps is not None:
+            for prev, n in zip((ROOT_PARENT, *copy.chunks), copy.lens, strict=False):
+                after = steps.get(prev)
+                if after is None:
+                    continue
+                left = after.get(n, 0) - 1
+                if left > 0:
+                    after[n] = left
+                else:
+                    after.pop(n, None)
+                    if not after:
+                        del steps[prev]
+            if not steps:
+                del self._steps[store]
+                self._sources.pop(store, None)
 
     def _set_live(self, replica: str, state: _Replica, fact: Live) -> None:
         state.live.pop(fact.chain_end, None)
