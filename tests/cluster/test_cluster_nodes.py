@@ -7,8 +7,10 @@ Chat load over three system prompts; one replica killed with SIGKILL while reque
 it: every non-streamed request is answered (sent again elsewhere), a stream that was running
 ends with an error event, every follow-up of the dead replica's conversations restores its
 previous prompt from the shared directory on another replica, and Serve's new replica joins
-the index. Then the ingress (where the router and its index live) is killed: the new one's
-index converges to what every replica holds, from their snapshots.
+the index. A request that had started on a replica killed under it is sent again by the
+ingress itself (its ``retried`` count), not by Serve. Then the ingress (where the router and
+its index live) is killed: the new one's index converges to what every replica holds, from
+their snapshots.
 """
 
 from __future__ import annotations
@@ -206,6 +208,45 @@ def test_a_replica_killed_mid_load_loses_no_request_and_its_conversations_restor
     )
     dead = [r for r in view(cluster)["replicas"] if r["id"] == victim]
     assert dead and dead[0]["health"] == "dead"
+
+
+def test_a_request_running_on_a_killed_replica_is_sent_again_by_the_ingress(
+    cluster: Deployed,
+) -> None:
+    # One non-streamed request, long enough (100 tokens, 4 s) to be running when its
+    # replica dies: the replica itself reports it in flight, so it has started there (Serve
+    # no longer holds it to place elsewhere); only the ingress can send it again.
+    wait_until("three replicas", lambda: len(running(cluster)) == 3)
+    before = view(cluster)["ingress"]["retried"]
+    body = {
+        "model": "a",
+        "messages": [{"role": "user", "content": "A long answer, please."}],
+        "max_tokens": 100,
+        "temperature": 0,
+    }
+    answer: list[httpx.Response] = []
+    request = threading.Thread(
+        target=lambda: answer.append(cluster.http.post("/v1/chat/completions", json=body))
+    )
+    request.start()
+    serving: list[dict[str, Any]] = []
+
+    def running_it() -> bool:
+        serving[:] = [r for r in running(cluster) if r["stats"]["in_flight"] > 0]
+        return len(serving) == 1
+
+    wait_until("the request running on a replica", running_it, 30.0)
+    victim = serving[0]["id"]
+    os.kill(serving[0]["stats"]["pid"], signal.SIGKILL)  # a replica of our own cluster
+    request.join(120)
+    assert answer and answer[0].status_code == 200, answer and answer[0].text
+    assert answer[0].headers["x-kvwarm-replica"] != victim
+    assert len(answer[0].json()["choices"][0]["message"]["content"]) > 0
+    assert view(cluster)["ingress"]["retried"] == before + 1
+    wait_until(
+        "a new replica in the index",
+        lambda: len(running(cluster)) == 3 and victim not in {r["id"] for r in running(cluster)},
+    )
 
 
 def test_the_index_converges_after_the_router_restarts(cluster: Deployed) -> None:
