@@ -1,7 +1,9 @@
 """Chat load over kvwarm replicas on a Ray cluster of two nodes: the event-fed router
 (``events``) vs the text-prefix one (``prefix``) vs Ray Serve's default (power of two
 choices), each with and without a cache directory the nodes share, and once with a replica
-killed (SIGKILL) in the middle of the load.
+killed (SIGKILL) in the middle of the load: the replica that served the turn just answered,
+the moment that response ended (its finish save may still be under way: what
+``--save-wait-s``, the ``cluster_save_wait_s`` setting, guards; 0 shows the risk).
 
     python bench/cluster.py                                   # 2 local nodes, stub backend
     python bench/cluster.py --conversations 30 --turns 4 --replicas 3
