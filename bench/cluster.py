@@ -241,7 +241,7 @@ def run_config(
         host="127.0.0.1",
         port=args.port,
         backend=args.backend,
-        models=(ModelSpec(path=args.model, id="m"),) if args.backend == "stub" else (),
+        models=(ModelSpec(path=args.model or default_model(args.backend), id="m"),),
         n_ctx=args.n_ctx,
         n_parallel=1,
         n_threads=1,
@@ -309,6 +309,10 @@ def durable_waits(view: dict[str, object]) -> dict[str, float]:
     return {"waited": waited, "late": late, "wait_ms_mean": mean, "wait_ms_max": top}
 
 
+def default_model(backend: str) -> str | None:
+    return "stub-a" if backend == "stub" else None  # llama_cpp: the embedded SmolLM2
+
+
 def routing_cost() -> dict[str, object]:
     script = Path(__file__).with_name("routing_index.py")
     out = (
@@ -324,7 +328,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--address", help="join this Ray cluster (default: two local nodes)")
     parser.add_argument("--backend", default="stub", choices=["stub", "llama_cpp"])
-    parser.add_argument("--model", default="stub-a", help="the stub's model name")
+    parser.add_argument(
+        "--model", help="the model (default: the stub's stub-a, llama_cpp's embedded one)"
+    )
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--conversations", type=int, default=30)
     parser.add_argument("--turns", type=int, default=4)

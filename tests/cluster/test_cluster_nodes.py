@@ -29,6 +29,8 @@ import pytest
 from tests.cluster.conftest import Deployed, RayNodes, free_port
 from tests.cluster.test_cluster_live import stub_cluster_settings, wait_for_saves
 
+from kvwarm.cluster.chains import chat_chain
+
 pytestmark = pytest.mark.slow
 
 DECODE_DELAY_S = 0.04  # x MAX_TOKENS: each reply takes ~2.5 s, long enough to die during
@@ -214,16 +216,14 @@ def test_a_request_running_on_a_killed_replica_is_sent_again_by_the_ingress(
     cluster: Deployed,
 ) -> None:
     # One non-streamed request, long enough (100 tokens, 4 s) to be running when its
-    # replica dies: the replica itself reports it in flight, so it has started there (Serve
-    # no longer holds it to place elsewhere); only the ingress can send it again.
+    # replica dies. The replica itself reports the conversation running (its ``running``
+    # chain ends), so it has started there and Serve no longer holds it to place elsewhere:
+    # only the ingress can send it again.
     wait_until("three replicas", lambda: len(running(cluster)) == 3)
     before = view(cluster)["ingress"]["retried"]
-    body = {
-        "model": "a",
-        "messages": [{"role": "user", "content": "A long answer, please."}],
-        "max_tokens": 100,
-        "temperature": 0,
-    }
+    messages = [{"role": "user", "content": "A long answer, please, about the sea."}]
+    end = chat_chain("a", messages)[-1]
+    body = {"model": "a", "messages": messages, "max_tokens": 100, "temperature": 0}
     answer: list[httpx.Response] = []
     request = threading.Thread(
         target=lambda: answer.append(cluster.http.post("/v1/chat/completions", json=body))
@@ -232,7 +232,9 @@ def test_a_request_running_on_a_killed_replica_is_sent_again_by_the_ingress(
     serving: list[dict[str, Any]] = []
 
     def running_it() -> bool:
-        serving[:] = [r for r in running(cluster) if r["stats"]["in_flight"] > 0]
+        # A call through the router makes it read the replicas' latest reports.
+        cluster.http.post("/tokenize", json={"model": "a", "content": "x"})
+        serving[:] = [r for r in running(cluster) if end in (r["stats"].get("running") or [])]
         return len(serving) == 1
 
     wait_until("the request running on a replica", running_it, 30.0)

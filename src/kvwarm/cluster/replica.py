@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -153,6 +154,9 @@ class EngineReplica:
         self.gauges = ReplicaGauges()
         self.ttft_ms: float | None = None
         self.in_flight = 0
+        # The chain ends of the generations running here (``/cluster`` shows where each
+        # conversation's request runs now).
+        self.running: Counter[str] = Counter()
         log.info("replica %s ready: %s", self.replica_id, ", ".join(self.models))
 
     def _model(self, model_id: str) -> Model:
@@ -172,6 +176,9 @@ class EngineReplica:
     async def generate(self, call: Generate) -> AsyncIterator[StreamItem]:
         yield Served(self.replica_id)
         self.in_flight += 1
+        end = call.chain[-1] if call.chain else None
+        if end is not None:
+            self.running[end] += 1
         try:
             try:
                 # Tokenizing and templating run off the replica's event loop.
@@ -200,6 +207,10 @@ class EngineReplica:
             yield Finished(done)
         finally:
             self.in_flight -= 1
+            if end is not None:
+                self.running[end] -= 1
+                if self.running[end] <= 0:
+                    del self.running[end]
 
     async def call(self, op: ModelOp) -> object:
         """Anything but a generation; runs off the event loop. Errors come back as
@@ -238,6 +249,7 @@ class EngineReplica:
             "pid": os.getpid(),
             "slots": self.events.slots,
             "in_flight": self.in_flight,
+            "running": sorted(self.running),
             "queued": sum(s.queued for s in statuses),
             "free_slots": sum(s.free_slots for s in statuses),
             "ttft_ms": self.ttft_ms,
