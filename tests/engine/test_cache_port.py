@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import ast
 import threading
-from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -306,7 +306,9 @@ def test_a_finish_row_keeps_its_logits_only_when_it_is_the_prompt() -> None:
         engine.close()
     cold_engine = make_engine()
     try:
-        cold = cold_engine.load_model(config=stub_config()).complete(cont, replace(opts, max_tokens=3))
+        cold = cold_engine.load_model(config=stub_config()).complete(
+            cont, replace(opts, max_tokens=3)
+        )
     finally:
         cold_engine.close()
     assert again.completion_tokens == cold.completion_tokens
