@@ -54,6 +54,7 @@ __all__ = [
     "ChunkHead",
     "build_head",
     "chunk_chain",
+    "chunk_hasher",
     "chunk_key",
     "chunk_keys",
     "head_size",
@@ -92,11 +93,19 @@ class ChunkHead:
 
 def chunk_key(ns: Namespace, parent: bytes, tokens: Sequence[int] | bytes) -> bytes:
     """The key of the chunk holding ``tokens`` (or their u32 LE encoding) after ``parent``."""
-    h = hashlib.sha256(_DOMAIN)
-    h.update(namespace_prefix(ns))
+    h = chunk_hasher(ns)
     h.update(parent)
     h.update(tokens if isinstance(tokens, bytes) else encode_tokens(tokens))
     return h.digest()
+
+
+def chunk_hasher(ns: Namespace) -> hashlib._Hash:
+    """A hash of what every chunk key of ``ns`` starts with: ``chunk_key(ns, parent, t)`` is
+    ``h = chunk_hasher(ns).copy(); h.update(parent); h.update(t's u32 LE)``, with
+    ``h.digest()``, for a caller keying many chunks of one namespace."""
+    h = hashlib.sha256(_DOMAIN)
+    h.update(namespace_prefix(ns))
+    return h
 
 
 def own_parent(parent: bytes, own: int) -> bytes:

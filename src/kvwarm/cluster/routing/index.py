@@ -43,7 +43,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvwarm.cache.formats.chunkfmt import ROOT_PARENT, chunk_key, own_parent
+from kvwarm.cache.formats.chunkfmt import ROOT_PARENT, chunk_hasher, own_parent
 from kvwarm.cache.formats.key import encode_tokens
 from kvwarm.cache.types import Namespace
 from kvwarm.cluster.routing.facts import (
@@ -91,7 +91,7 @@ class _ChunkWalk:
     per request, whatever store asks."""
 
     def __init__(self, namespace: Namespace, tokens: Sequence[int]) -> None:
-        self._ns = namespace
+        self._base = chunk_hasher(namespace)
         self._encoded = memoryview(encode_tokens(tokens))
         self.n_tokens = len(tokens)
         self._keys: dict[tuple[bytes, int, int, bool], bytes] = {}
@@ -101,8 +101,10 @@ class _ChunkWalk:
         key = self._keys.get(memo)
         if key is None:
             parent = own_parent(prev, 0) if salted else prev
-            key = chunk_key(self._ns, parent, self._encoded[4 * start : 4 * (start + n)].tobytes())
-            self._keys[memo] = key
+            h = self._base.copy()
+            h.update(parent)
+            h.update(self._encoded[4 * start : 4 * (start + n)])
+            key = self._keys[memo] = h.digest()
         return key
 
     def served(self, steps: Mapping[bytes, Mapping[int, int]], chunks: Mapping[bytes, int]) -> int:
