@@ -134,8 +134,8 @@ def converse(http: httpx.Client, conv: int, args: argparse.Namespace, run: Run) 
         with run.lock:
             run.turns.append(turn)
             run.done += 1
-        if run.killer is not None and turn.ok:
-            run.killer.answered(run, turn)
+        if run.killer is not None and turn.ok and t < args.turns - 1:
+            run.killer.answered(run, turn)  # a turn with a follow-up to come
         if reply is None:
             return
         messages = [*messages, {"role": "assistant", "content": reply}]
@@ -208,9 +208,10 @@ def cluster_view(base_url: str) -> dict[str, object]:
 
 
 class Killer:
-    """SIGKILLs, once ``at`` turns are done, the replica that served the turn just answered,
-    the moment its response has ended: its finish save may still be under way then, which
-    is what a replica dying after answering risks (``cluster_save_wait_s``)."""
+    """SIGKILLs, once ``at`` turns are done, the replica that served the turn just answered
+    (one its conversation follows up), the moment its response has ended: its finish save
+    may still be under way then, which is what a replica dying after answering risks
+    (``cluster_save_wait_s``)."""
 
     def __init__(self, base_url: str, at: int) -> None:
         self.at = at
