@@ -236,6 +236,10 @@ def test_cluster_settings_are_flags_of_kvwarm_cluster_only() -> None:
     assert load_settings(settings_flags(routed), {}).cluster_routing == "mine"  # checked by deploy
     opened = parser.parse_args(["cluster", "--node-ip", "10.0.0.5"])
     assert load_settings(settings_flags(opened), {}).node_ip == "10.0.0.5"
+    assert s.cluster_save_wait_s == 5.0
+    waits = parser.parse_args(["cluster", "--cluster-save-wait-s", "0.5"])
+    assert load_settings(settings_flags(waits), {}).cluster_save_wait_s == 0.5
+    assert load_settings({}, {"KVWARM_CLUSTER_SAVE_WAIT_S": "0"}).cluster_save_wait_s == 0.0
     assert load_settings({}, {"KVWARM_REPLICAS": "5"}).replicas == 5  # env works for both
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--replicas", "3"])  # not a serve flag
@@ -243,5 +247,9 @@ def test_cluster_settings_are_flags_of_kvwarm_cluster_only() -> None:
         parser.parse_args(["serve", "--node-ip", "10.0.0.5"])
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--cluster-routing", "prefix"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--cluster-save-wait-s", "1"])
+    with pytest.raises(ConfigError, match="cluster_save_wait_s"):
+        load_settings({}, {"KVWARM_CLUSTER_SAVE_WAIT_S": "-1"})
     with pytest.raises(ConfigError, match="replicas"):
         load_settings({}, {"KVWARM_REPLICAS": "0"})

@@ -1,10 +1,10 @@
 """``kvwarm cluster``: the OpenAI-compatible server over several engine replicas on Ray Serve.
 
 Invariant: the same settings as ``serve`` (flags, ``KVWARM_*`` env, TOML), plus ``--replicas``,
-``--ray-address``, ``--node-ip``, ``--cluster-routing`` (checked before Ray starts) and
-``--cluster-busy-requests``; a local Ray listens on 127.0.0.1 only unless ``--node-ip`` opens
-it; it runs until SIGINT/SIGTERM, then removes the application (and stops Ray if it started
-it).
+``--ray-address``, ``--node-ip``, ``--cluster-routing`` (checked before Ray starts),
+``--cluster-busy-requests`` and ``--cluster-save-wait-s``; a local Ray listens on 127.0.0.1
+only unless ``--node-ip`` opens it; it runs until SIGINT/SIGTERM, then removes the
+application (and stops Ray if it started it).
 """
 
 from __future__ import annotations
