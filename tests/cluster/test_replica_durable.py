@@ -75,8 +75,11 @@ def test_a_reply_ends_only_once_its_finish_row_is_in_a_shared_tier(
 
         monkeypatch.setattr(core, "store_row", slow_store)
         settled = replica.durable._settled
+        seen_running: list[object] = []
 
         def waiting(key: bytes, timeout_s: float) -> bool:
+            # Still in flight: the replica says which conversation runs here (/cluster).
+            seen_running.append(replica.record_routing_stats()["running"])
             go.set()
             return settled(key, timeout_s)
 
@@ -84,6 +87,8 @@ def test_a_reply_ends_only_once_its_finish_row_is_in_a_shared_tier(
         key = _drive(replica, go, order)
         assert key is not None
         assert order == ["published", "finished"]
+        assert seen_running == [[chat_chain("a", MESSAGES)[-1]]]
+        assert replica.record_routing_stats()["running"] == []
         assert replica.engine.cache.lookup_exact(key) is not None
         durable = replica.record_routing_stats()["durable"]
         assert isinstance(durable, dict)
