@@ -264,9 +264,10 @@ def run_config(
         end = time.monotonic() + 300
         while time.monotonic() < end:  # readiness poll, bounded
             try:
-                if (
-                    http.get("/health").status_code == 200
-                    and sum(
+                # Ray's default router feeds no index: /cluster lists no replica then.
+                if http.get("/health").status_code == 200 and (
+                    router == "default"
+                    or sum(
                         1
                         for r in http.get("/cluster").json()["replicas"]
                         if r["health"] == "running" and r["stats"].get("pid")
@@ -296,7 +297,8 @@ def run_config(
 
 def durable_waits(view: dict[str, object]) -> dict[str, float]:
     """What waiting for each reply's finish row cost, over the live replicas (a killed one's
-    counts went with it): replies that waited, those whose row was late, mean and max ms."""
+    counts went with it): replies that waited, those whose row was late, mean and max ms.
+    Under Ray's default router /cluster lists no replica (no index is fed): all 0 then."""
     waited = late = 0
     total = top = 0.0
     replicas = view.get("replicas")
