@@ -25,6 +25,10 @@ def data_uri(data: bytes, kind: str = "image/png") -> str:
     return f"data:{kind};base64,{base64.b64encode(data).decode()}"
 
 
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
 def chat_body(image_url: str, question: str = "What is it?") -> dict[str, object]:
     return {
         "model": "eye",
@@ -159,7 +163,57 @@ def test_anthropic_image_blocks_and_responses_input_image(client: TestClient) ->
             ],
         },
     )
-    assert prefilled.status_code == 400 and "prefill" in prefilled.json()["error"]["message"]
+    assert prefilled.status_code == 200, prefilled.json()
+
+
+def test_an_anthropic_prefill_after_an_image_continues_it(client: TestClient) -> None:
+    """A trailing assistant message after an image: the reply continues it (it is appended
+    after the picture's span and the generation prompt), and a second request with the same
+    picture restores past the span."""
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": b64(png(8))},
+    }
+
+    def ask(prefill: str) -> dict[str, object]:
+        body = {
+            "model": "eye",
+            "max_tokens": 4,
+            "temperature": 0,
+            "messages": [
+                {"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]},
+                {"role": "assistant", "content": prefill},
+            ],
+        }
+        out = client.post("/v1/messages", json=body)
+        assert out.status_code == 200, out.json()
+        reply: dict[str, object] = out.json()
+        return reply
+
+    plain = ask("It is")
+    other = ask("It is not")
+    # The prefill reached the model: on the stub the reply depends on every prompt token.
+    assert plain["content"] != other["content"]
+    usage = other["usage"]
+    assert isinstance(usage, dict)
+    # The second request restored the picture's span and the text up to where they differ.
+    assert usage["cache_read_input_tokens"] > 16, usage
+    count = client.post(
+        "/v1/messages/count_tokens",
+        json={
+            "model": "eye",
+            "messages": [
+                {"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]},
+                {"role": "assistant", "content": "It is not"},
+            ],
+        },
+    )
+    assert count.status_code == 200, count.json()
+    prompt = sum(
+        int(usage[k])
+        for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    )
+    assert count.json()["input_tokens"] == prompt
 
 
 @pytest.mark.parametrize(

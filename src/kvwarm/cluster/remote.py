@@ -330,10 +330,13 @@ class RemoteModel(ModelOps):
         *,
         tools: Sequence[Mapping[str, object]] | None = None,
         options: GenerationOptions | None = None,
+        prefill: str = "",
     ) -> RemoteStream:
         salt = options.cache_salt if options else None
         chain = chains.chat_chain(self.id, messages, cache_salt=salt, tools=tools)
-        return self._generate("chat", options, messages=list(messages), tools=tools, chain=chain)
+        return self._generate(
+            "chat", options, messages=list(messages), tools=tools, prefill=prefill, chain=chain
+        )
 
     def _text(
         self, kind: GenerateKind, prompt: str | Sequence[int], options: GenerationOptions | None
@@ -407,6 +410,7 @@ class RemoteModel(ModelOps):
     detokenize = _forward(ModelCalls.detokenize)
     apply_chat_template = _forward(ModelCalls.apply_chat_template)
     chat_tokens = _forward(ModelCalls.chat_tokens)
+    count_chat_tokens = _forward(ModelCalls.count_chat_tokens)
     infill_tokens = _forward(ModelCalls.infill_tokens)
     embed = _forward(ModelCalls.embed)
     rerank = _forward(ModelCalls.rerank)

@@ -115,7 +115,9 @@ class EngineReplica:
     def _start(self, call: Generate) -> CompletionStream:
         model = self._model(call.model_id)
         if call.kind == "chat":
-            return model.stream_chat(call.messages, tools=call.tools, options=call.options)
+            return model.stream_chat(
+                call.messages, tools=call.tools, options=call.options, prefill=call.prefill
+            )
         if call.kind == "text":
             return model.stream(call.prompt, call.options)
         return model.submit(call.prompt, call.options)

@@ -97,6 +97,17 @@ class ModelCalls(Protocol):
         """The prompt tokens of a chat and its rendered text."""
         ...
 
+    def count_chat_tokens(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        prefill: str = "",
+    ) -> int:
+        """The length of the prompt ``stream_chat`` would send: its images' and audio's
+        positions counted, as ``chat_tokens`` (ids only) cannot."""
+        ...
+
     def infill_tokens(
         self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
     ) -> list[int]:
@@ -152,7 +163,10 @@ class ModelStreams(Protocol):
         *,
         tools: Sequence[Mapping[str, object]] | None = None,
         options: GenerationOptions | None = None,
-    ) -> OpStream: ...
+        prefill: str = "",
+    ) -> OpStream:
+        """``prefill``: text the reply continues (Anthropic's trailing assistant message)."""
+        ...
 
     def streams(
         self,
