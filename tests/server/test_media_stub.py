@@ -300,3 +300,33 @@ def test_an_allowed_host_is_fetched_once_without_redirects(client: TestClient) -
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_prewarmed_chat_with_an_image_is_restored_past_it_and_kept_warm(
+    client: TestClient,
+) -> None:
+    """``/cache/prewarm`` takes a chat's image parts (cached by content, as a chat's): a later
+    chat that starts with the same messages restores past the picture, and keep-alive
+    re-warms the chat from its messages (ids alone cannot carry a picture)."""
+    head = chat_body(data_uri(png(9)), "Remember this picture.")["messages"]
+    assert isinstance(head, list)
+    warm = client.post("/cache/prewarm", json={"model": "eye", "messages": head})
+    assert warm.status_code == 200, warm.json()
+    n_warm = warm.json()["prompt_tokens"]
+    assert n_warm > 16 and warm.json()["keep_alive"] is True
+    follow = [*head, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "?"}]
+    body = {"model": "eye", "max_tokens": 2, "messages": follow}
+    usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+    # All of the prewarmed prefix, the picture's 16 positions among them.
+    assert usage["prompt_tokens_details"]["cached_tokens"] == n_warm, (usage, n_warm)
+    state = client.app.state.kvwarm  # type: ignore[attr-defined]
+    (entry,) = [e for e in state.keepalive.entries() if e.model_id == "eye"]
+    warms = entry.warms
+    entry.last_warm -= 1e9  # due now
+    assert state.keepalive.tick(state.ready_model) >= 1
+    assert entry.warms == warms + 1 and entry.failures == 0
+    fetched = client.post(
+        "/cache/prewarm",
+        json={"model": "eye", "messages": chat_body("https://example.com/a.png")["messages"]},
+    )
+    assert fetched.status_code == 400 and fetched.json()["error"]["code"] == "media_fetch_refused"

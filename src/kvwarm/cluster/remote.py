@@ -432,6 +432,24 @@ class RemoteModel(ModelOps):
         assert isinstance(out, CompletionStats)
         return out
 
+    def prewarm_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        ttl_class: TtlClass = TtlClass.LONG,
+        cache_salt: str | None = None,
+    ) -> CompletionStats:
+        out = self._op(
+            "prewarm_chat",
+            (messages,),
+            {"tools": tools, "ttl_class": ttl_class, "cache_salt": cache_salt},
+            # Where a chat that starts with these messages will be routed.
+            chains.chat_chain(self.id, messages, cache_salt=cache_salt, tools=tools),
+        )
+        assert isinstance(out, CompletionStats)
+        return out
+
 
 def _plain(value: _V) -> _V:
     """``value`` with every sequence but a string (or a dataclass) made a list, recursively,

@@ -168,7 +168,7 @@ class EngineReplica:
             raise InvalidRequestError(f"a replica has no operation {op.op!r}")
         model = self._model(op.model_id)
         result = getattr(model, op.op)(*op.args, **op.kwargs)
-        if op.op == "prewarm":
+        if op.op in ("prewarm", "prewarm_chat"):
             self.warm.add(op.chain)
             key = getattr(result, "key", None)
             self.events.served(op.chain, key if isinstance(key, bytes) else None, 0)

@@ -530,6 +530,20 @@ class Model:
         stream = self._submit(ids, opts, text, kind="prewarm", ttl=ttl_class, fragments=False)
         return stream.result().stats
 
+    def prewarm_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        ttl_class: TtlClass = TtlClass.LONG,
+        cache_salt: str | None = None,
+    ) -> CompletionStats:
+        """Prefill and save the prompt every chat that starts with ``messages`` begins with
+        (rendered without a generation prompt), its images and audio included: a later chat
+        with the same messages first, the same pictures among them, restores past them."""
+        prompt, _ = self.chat_prompt(messages, tools=tools, add_generation_prompt=False)
+        return self.prewarm(prompt, ttl_class=ttl_class, cache_salt=cache_salt)
+
     def _prompt_tokens(
         self, prompt: PromptInput, opts: GenerationOptions
     ) -> tuple[MediaPrompt, str]:

@@ -125,6 +125,18 @@ class ModelCalls(Protocol):
         """Prefill ``prompt`` and save it, generating nothing."""
         ...
 
+    def prewarm_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        ttl_class: TtlClass = TtlClass.LONG,
+        cache_salt: str | None = None,
+    ) -> CompletionStats:
+        """Prefill the prompt every chat that starts with ``messages`` begins with (no
+        generation prompt), its images and audio included, and save it."""
+        ...
+
     def embed(
         self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool = True
     ) -> list[list[float]]:

@@ -23,6 +23,8 @@ from kvwarm.engine.types import CompletionStats, ModelStatus
 from kvwarm.server import tenancy
 from kvwarm.server.budget import cache_shares
 from kvwarm.server.errors import HTTPError, error_body
+from kvwarm.server.keepalive import ChatPrefix
+from kvwarm.server.media import fetch_images
 from kvwarm.server.schemas import (
     DetokenizeRequest,
     EvictRequest,
@@ -284,30 +286,27 @@ async def cache_prewarm(request: Request) -> Response:
         known = len(req.prompt) if isinstance(req.prompt, list) else 0
         state.keepalive.check_room(model.id, req.prompt or "", known, cache_salt=salt)
 
-    def work() -> tuple[str | tuple[int, ...], CompletionStats]:
-        prompt: str | tuple[int, ...]
-        if req.messages is not None:
-            tools = openai_tools(req.tools) if req.tools else None
-            # The tokens Model.stream_chat builds for a chat that starts with these messages.
-            prompt, _ = model.chat_tokens(
-                template_messages(req.messages, native=tools is not None),
-                tools=tools,
-                add_generation_prompt=False,
-            )
-        else:
-            assert req.prompt is not None
-            prompt = req.prompt
-        stats = model.prewarm(prompt, ttl_class=ttl, add_special=add_special, cache_salt=salt)
-        return prompt, stats
+    # Images given by an http(s) URL: fetched if their host is allowed, as a chat's are.
+    messages = None if req.messages is None else await fetch_images(req.messages, state.settings)
 
-    add_special = req.messages is None
+    def work() -> tuple[str | list[int] | ChatPrefix, CompletionStats]:
+        if messages is not None:
+            tools = openai_tools(req.tools) if req.tools else None
+            # The prompt Model.stream_chat builds for a chat that starts with these messages,
+            # their images and audio included (each span cached by its content).
+            chat = template_messages(messages, native=tools is not None)
+            stats = model.prewarm_chat(chat, tools=tools, ttl_class=ttl, cache_salt=salt)
+            return ChatPrefix.of(chat, tools), stats
+        assert req.prompt is not None
+        stats = model.prewarm(req.prompt, ttl_class=ttl, add_special=True, cache_salt=salt)
+        return req.prompt, stats
+
     prompt, stats = await run_in_threadpool(work)
     if req.keep_alive:
         state.keepalive.register(
             model.id,
             prompt,
             ttl,
-            add_special=add_special,
             n_tokens=stats.prompt_tokens,
             cache_salt=salt,
         )
