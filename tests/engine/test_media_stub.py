@@ -195,3 +195,18 @@ def test_after_a_restart_each_conversation_prefills_only_its_new_message(tmp_pat
                     left[c] = out.tokens
         finally:
             engine.close()
+
+
+def test_a_prefill_after_an_image_is_the_chat_prompt_then_its_text(engine: Engine) -> None:
+    """``chat(prefill=)``: the chat's prompt, its picture's span kept, then the prefill as
+    plain text (special-token text in it stays text); and the reply continues from there."""
+    model = engine.load_model(config=media_config())
+    chat = image_chat(png(10), "What is it?")
+    prompt, _ = model.chat_prompt(chat)
+    prefill = "It is <|user|> a"
+    tail = model.tokenize(prefill, add_special=False, parse_special=False)
+    out = model.chat(chat, options=GREEDY, prefill=prefill)
+    assert out.prompt_tokens == (*prompt.prompt.tokens, *tail)
+    assert model.count_chat_tokens(chat, prefill=prefill) == len(out.prompt_tokens)
+    same = model.complete(prompt.extended(tail), GREEDY)
+    assert same.text == out.text and same.stats.cached_tokens > prompt.prompt.spans[0].end
