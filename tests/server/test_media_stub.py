@@ -325,6 +325,10 @@ def test_a_prewarmed_chat_with_an_image_is_restored_past_it_and_kept_warm(
     entry.last_warm -= 1e9  # due now
     assert state.keepalive.tick(state.ready_model) >= 1
     assert entry.warms == warms + 1 and entry.failures == 0
+    # The same chat again is the same entry (keyed by its messages), not a second one.
+    again = client.post("/cache/prewarm", json={"model": "eye", "messages": head})
+    assert again.status_code == 200 and again.json()["cached_tokens"] == n_warm
+    assert len([e for e in state.keepalive.entries() if e.model_id == "eye"]) == 1
     fetched = client.post(
         "/cache/prewarm",
         json={"model": "eye", "messages": chat_body("https://example.com/a.png")["messages"]},

@@ -282,26 +282,30 @@ async def cache_prewarm(request: Request) -> Response:
     salt = tenancy.prewarm_salt(
         request, req.cache_salt, state.settings, tenant_key=req.tenant_key, shared=req.shared
     )
-    if req.keep_alive:  # refuse before the prefill, not after it
-        known = len(req.prompt) if isinstance(req.prompt, list) else 0
-        state.keepalive.check_room(model.id, req.prompt or "", known, cache_salt=salt)
-
-    # Images given by an http(s) URL: fetched if their host is allowed, as a chat's are.
-    messages = None if req.messages is None else await fetch_images(req.messages, state.settings)
-
-    def work() -> tuple[str | list[int] | ChatPrefix, CompletionStats]:
-        if messages is not None:
-            tools = openai_tools(req.tools) if req.tools else None
-            # The prompt Model.stream_chat builds for a chat that starts with these messages,
-            # their images and audio included (each span cached by its content).
-            chat = template_messages(messages, native=tools is not None)
-            stats = model.prewarm_chat(chat, tools=tools, ttl_class=ttl, cache_salt=salt)
-            return ChatPrefix.of(chat, tools), stats
+    # What keep-alive would hold: the prompt, or a chat as its messages (images given by an
+    # http(s) URL fetched first, if their host is allowed, as a chat's are), whose images and
+    # audio its ids alone could not prefill again.
+    prompt: str | list[int] | ChatPrefix
+    tools = openai_tools(req.tools) if req.tools else None
+    if req.messages is not None:
+        messages = await fetch_images(req.messages, state.settings)
+        prompt = ChatPrefix.of(template_messages(messages, native=tools is not None), tools)
+    else:
         assert req.prompt is not None
-        stats = model.prewarm(req.prompt, ttl_class=ttl, add_special=True, cache_salt=salt)
-        return req.prompt, stats
+        prompt = req.prompt
+    if req.keep_alive:  # refuse before the prefill, not after it
+        known = len(prompt) if isinstance(prompt, list) else 0
+        state.keepalive.check_room(model.id, prompt, known, cache_salt=salt)
 
-    prompt, stats = await run_in_threadpool(work)
+    def work() -> CompletionStats:
+        if isinstance(prompt, ChatPrefix):
+            # The prompt Model.stream_chat builds for a chat that starts with these messages,
+            # their images and audio included (each span cached by its content), as
+            # keep-alive will re-warm it.
+            return prompt.prewarm(model, ttl, salt)
+        return model.prewarm(prompt, ttl_class=ttl, add_special=True, cache_salt=salt)
+
+    stats = await run_in_threadpool(work)
     if req.keep_alive:
         state.keepalive.register(
             model.id,
