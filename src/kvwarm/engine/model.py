@@ -466,10 +466,13 @@ class Model:
         *,
         tools: Sequence[Mapping[str, object]] | None = None,
         options: GenerationOptions | None = None,
+        prefill: str = "",
         **overrides: Unpack[GenerationOverrides],
     ) -> Completion:
+        """A chat's reply. ``prefill``: text the reply continues and does not repeat
+        (Anthropic's trailing assistant message), as ``stream_chat`` places it."""
         opts = merge_options(options, overrides)
-        prompt, text = self.chat_prompt(messages, tools=tools)
+        prompt, text = self._prefilled_chat(messages, tools, prefill)
         return self._submit(prompt, opts, text, fragments=False).result()
 
     def stream_chat(
@@ -478,11 +481,27 @@ class Model:
         *,
         tools: Sequence[Mapping[str, object]] | None = None,
         options: GenerationOptions | None = None,
+        prefill: str = "",
         **overrides: Unpack[GenerationOverrides],
     ) -> CompletionStream:
+        """A chat's reply as it is generated. ``prefill``: text the reply continues (its
+        fragments and text do not repeat it), placed after the template's generation prompt
+        as plain text (special-token text in it stays text); the chat may show images."""
         opts = merge_options(options, overrides)
-        prompt, text = self.chat_prompt(messages, tools=tools)
+        prompt, text = self._prefilled_chat(messages, tools, prefill)
         return self._submit(prompt, opts, text)
+
+    def _prefilled_chat(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, object]] | None,
+        prefill: str,
+    ) -> tuple[MediaPrompt, str]:
+        prompt, text = self.chat_prompt(messages, tools=tools)
+        if not prefill:
+            return prompt, text
+        tail = self._bmodel.tokenize(prefill, add_special=False, parse_special=False)
+        return prompt.extended(tail), text + prefill
 
     def prewarm(
         self,
@@ -510,6 +529,20 @@ class Model:
             ids, text = MediaPrompt(Prompt.text(check_tokens(prompt, self.facts.n_vocab))), ""
         stream = self._submit(ids, opts, text, kind="prewarm", ttl=ttl_class, fragments=False)
         return stream.result().stats
+
+    def prewarm_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        ttl_class: TtlClass = TtlClass.LONG,
+        cache_salt: str | None = None,
+    ) -> CompletionStats:
+        """Prefill and save the prompt every chat that starts with ``messages`` begins with
+        (rendered without a generation prompt), its images and audio included: a later chat
+        with the same messages first, the same pictures among them, restores past them."""
+        prompt, _ = self.chat_prompt(messages, tools=tools, add_generation_prompt=False)
+        return self.prewarm(prompt, ttl_class=ttl_class, cache_salt=cache_salt)
 
     def _prompt_tokens(
         self, prompt: PromptInput, opts: GenerationOptions
@@ -581,6 +614,17 @@ class Model:
                 param="messages",
             )
         return prompt.prompt.tokens, text
+
+    def count_chat_tokens(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        prefill: str = "",
+    ) -> int:
+        """The length of the prompt ``stream_chat`` would send, its media's spans counted."""
+        prompt, _ = self._prefilled_chat(messages, tools, prefill)
+        return len(prompt.prompt.tokens)
 
     def chat_prompt(
         self,
