@@ -73,7 +73,7 @@ def held(model: Model, seq: int = 0) -> int:
 # ---- the output is plain decoding's -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["ngram-simple", "ngram-map-k"])
+@pytest.mark.parametrize("kind", ["ngram-simple", "ngram-map-k", "ngram-mod"])
 def test_greedy_output_is_plain_decodings(engine: Engine, kind: str) -> None:
     model = engine.load_model(config=spec_config(spec_type=kind))
     plain, spec = both(model, PROMPT, GREEDY)
@@ -239,7 +239,7 @@ def test_request_switch_and_draft_cap(engine: Engine) -> None:
         == 0
     )
     with pytest.raises(InvalidRequestError) as bad:
-        model.complete(PROMPT, GREEDY, spec_type="ngram-mod")
+        model.complete(PROMPT, GREEDY, spec_type="ngram-cache")
     assert bad.value.param == "spec_type"
     with pytest.raises(InvalidRequestError) as bad:
         model.complete(PROMPT, GREEDY, spec_draft_max=49)

@@ -103,7 +103,7 @@ def test_llama_server_request_names_switch_it_per_request(client: TestClient) ->
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("spec_type", "ngram-mod"), ("speculative.type", "draft"), ("spec_draft_max", 49)],
+    [("spec_type", "ngram-cache"), ("speculative.type", "draft"), ("spec_draft_max", 49)],
 )
 def test_bad_values_are_400s_naming_the_field(
     client: TestClient, field: str, value: object

@@ -21,8 +21,10 @@ FinishReason = Literal["stop", "length", "cancelled"]
 #: that mean the same (``engine/worker/drafts.py``): "none" (plain decoding), "ngram-simple"
 #: (the latest earlier occurrence of the last n tokens in the request's own prompt and reply
 #: proposes what followed it), "ngram-map-k" (the same lookup, with each n-gram's drafts capped
-#: by how many of its last draft were accepted).
-SpecType = Literal["none", "ngram-simple", "ngram-map-k"]
+#: by how many of its last draft were accepted), "ngram-mod" (each drafted token is what followed
+#: the latest earlier occurrence of the n tokens before it, the draft included, so a draft
+#: may pass from one occurrence to another).
+SpecType = Literal["none", "ngram-simple", "ngram-map-k", "ngram-mod"]
 SPEC_TYPES: tuple[str, ...] = get_args(SpecType)
 #: Most tokens one draft may hold (a verify pass is one more than its draft). On the CPU a
 #: pass of up to 63 tokens computes each row as a one-token pass would (flash attention on;

@@ -176,7 +176,7 @@ class ModelSettings(BaseSettings):
     spec_type: SpecTypeName = Field(
         default="none",
         description="speculative decoding from n-grams of each request's own prompt and reply: "
-        "none, ngram-simple or ngram-map-k (llama-server's names); exact, off in "
+        "none, ngram-simple, ngram-map-k or ngram-mod (llama-server's names); exact, off in "
         "deterministic mode; a request may choose its own (spec_type)",
     )
     spec_ngram_n: Int = Field(
