@@ -243,7 +243,9 @@ def test_speculative_decoding_settings_globally_per_model_and_checked(tmp_path: 
     s = load_settings({"config": str(config)}, ENV)
     code, chat = (model_config(s, spec) for spec in s.models)
     assert (code.spec_type, code.spec_draft_max, chat.spec_type) == ("ngram-simple", 32, "none")
-    with pytest.raises(ConfigError, match="expected one of none, ngram-simple, ngram-map-k, ngram-mod"):
+    with pytest.raises(
+        ConfigError, match="expected one of none, ngram-simple, ngram-map-k, ngram-mod"
+    ):
         load_settings(_flags("--spec-type", "ngram-cache"), ENV)
     with pytest.raises(ConfigError, match=r"spec_draft_max must be in \[0, 48\]"):
         load_settings(_flags("--spec-type", "ngram-simple", "--spec-draft-max", "49"), ENV)

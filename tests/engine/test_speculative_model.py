@@ -6,6 +6,7 @@ Short prompts: prefill is ~200 tokens/s on 2 cores."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from kvwarm.engine.api import ModelConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.engine.worker.drafts import Cost, PassCost
+from kvwarm.errors import ConfigError
 
 pytestmark = pytest.mark.model
 
@@ -113,3 +115,65 @@ def test_sliding_window_model_speculates_inside_its_window_exactly(gemma_path: s
     assert len(plain.prompt_tokens) < 512 < len(plain.tokens)  # the reply crosses the window
     assert spec.completion_tokens == plain.completion_tokens
     assert spec.stats.accepted_tokens > 0
+
+
+# ---- a draft model (--draft-model) -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafted() -> Iterator[Model]:
+    """SmolLM2 drafting for itself: the same vocabulary, so its drafts are mostly accepted."""
+    import kvwarm.embedded
+
+    path = str(kvwarm.embedded.default_model_path())
+    with make_engine() as engine:
+        config = ModelConfig(
+            context=ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2),
+            draft_model=path,
+            spec_draft_max=8,
+        )
+        yield engine.load_model(path, config=config)
+
+
+def test_draft_model_greedy_reply_is_plain_decodings(drafted: Model) -> None:
+    info = drafted.info()
+    assert info.spec_type == "draft" and info.draft_model is not None
+    opts = GenerationOptions(max_tokens=40, temperature=0.0)
+    plain = drafted.chat(MESSAGES, options=opts, spec_type="none", cache_salt="plain")
+    spec = drafted.chat(MESSAGES, options=opts, cache_salt="draft")
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.accepted_tokens >= 10  # the draft model is the model: it guesses well
+
+
+def test_draft_model_prompt_kv_is_restored_from_the_cache(drafted: Model) -> None:
+    """The draft context's prompt KV is saved under the draft model's own namespace, and a
+    later request's first draft restores it instead of prefilling the prompt again."""
+    draft = drafted._draft
+    assert draft is not None
+    opts = GenerationOptions(max_tokens=8, temperature=0.0)
+    messages = [{"role": "user", "content": f"Repeat this code, please:\n\n{CODE}"}]
+    first = drafted.chat(messages, options=opts, cache_salt="restore")
+    drafted._worker.call(lambda: draft.reset(0)).result()  # the draft context forgets it
+    assert drafted._engine.cache.flush()
+    prefilled, restored = draft.prefilled_tokens, draft.restored_tokens
+    again = drafted.chat(messages, options=opts, cache_salt="restore")
+    assert again.completion_tokens == first.completion_tokens
+    assert draft.restored_tokens - restored >= len(first.prompt_tokens) - 1
+    assert draft.prefilled_tokens - prefilled <= 1
+    # Another tenant's salt is another draft namespace: nothing of it is restored.
+    drafted._worker.call(lambda: draft.reset(0)).result()
+    restored = draft.restored_tokens
+    drafted.chat(messages, options=opts, cache_salt="someone else")
+    assert draft.restored_tokens == restored
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tmp_path: Path) -> None:
+    from tests.tinymodels import write_tiny_model
+
+    other = write_tiny_model(tmp_path / "mamba.gguf", "mamba")  # 128 tokens
+    config = ModelConfig(
+        context=ContextParams(n_ctx=256, n_batch=32, n_ubatch=32, n_threads=2),
+        draft_model=str(other),
+    )
+    with make_engine() as engine, pytest.raises(ConfigError, match="vocabulary"):
+        engine.load_model(config=config)

@@ -23,8 +23,9 @@ FinishReason = Literal["stop", "length", "cancelled"]
 #: proposes what followed it), "ngram-map-k" (the same lookup, with each n-gram's drafts capped
 #: by how many of its last draft were accepted), "ngram-mod" (each drafted token is what followed
 #: the latest earlier occurrence of the n tokens before it, the draft included, so a draft
-#: may pass from one occurrence to another).
-SpecType = Literal["none", "ngram-simple", "ngram-map-k", "ngram-mod"]
+#: may pass from one occurrence to another), "draft" (a draft model's greedy tokens: the model's
+#: ``draft_model``, ``engine/worker/draftmodel.py``).
+SpecType = Literal["none", "ngram-simple", "ngram-map-k", "ngram-mod", "draft"]
 SPEC_TYPES: tuple[str, ...] = get_args(SpecType)
 #: Most tokens one draft may hold (a verify pass is one more than its draft). On the CPU a
 #: pass of up to 63 tokens computes each row as a one-token pass would (flash attention on;
@@ -415,6 +416,8 @@ class ModelInfo:
     #: that cannot roll back, deterministic mode).
     spec_type: str = "none"
     speculation: str = "on"
+    #: The draft model's GGUF (``ModelConfig.draft_model``; None: none).
+    draft_model: str | None = None
     #: Its multimodal projector (``--mmproj``): the file, what it reads ("image", "audio";
     #: empty: text only) and what it holds in memory (weights and compute buffers).
     mmproj: str | None = None

@@ -179,6 +179,13 @@ class ModelSettings(BaseSettings):
         "none, ngram-simple, ngram-map-k or ngram-mod (llama-server's names); exact, off in "
         "deterministic mode; a request may choose its own (spec_type)",
     )
+    draft_model: OptPath = Field(
+        default=None,
+        description="draft model GGUF for speculative decoding (llama-server's --model-draft): "
+        "same vocabulary as the model (checked at load), its greedy tokens are drafts, its "
+        "prompt KV cached like the model's; spec_type becomes draft unless set",
+        json_schema_extra=_flags("-md", "--model-draft"),
+    )
     spec_ngram_n: Int = Field(
         default=4,
         description="speculative decoding: how many tokens an n-gram lookup matches",
@@ -391,6 +398,9 @@ def check_models(settings: Settings) -> None:
             backend = spec.backend or settings.backend
             if cfg.mmproj is not None and backend != "stub" and not Path(cfg.mmproj).is_file():
                 raise ConfigError(f"mmproj: no projector file at {cfg.mmproj}")
+            draft = cfg.draft_model
+            if draft is not None and backend != "stub" and not Path(draft).is_file():
+                raise ConfigError(f"draft_model: no GGUF at {draft}")
             template = _value(settings, spec, "chat_template")
             if template is not None:
                 resolve_template(template)
@@ -404,6 +414,7 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
 
     context, params = hardware_params(settings, spec)
     mmproj = _value(settings, spec, "mmproj")
+    draft = _value(settings, spec, "draft_model")
     return ModelConfig(
         backend=spec.backend,
         context=context,
@@ -421,6 +432,7 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
         spec_type=_value(settings, spec, "spec_type"),
         spec_ngram_n=_value(settings, spec, "spec_ngram_n"),
         spec_draft_max=_value(settings, spec, "spec_draft_max"),
+        draft_model=None if draft is None else str(Path(draft).expanduser()),
         # Loaded off (scale 0): the model serves itself; a request names an adapter to use it.
         lora=tuple(
             LoraSpec(str(Path(path).expanduser()), name)
