@@ -24,7 +24,7 @@ from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.engine.worker.drafts import Cost, PassCost
-from kvwarm.errors import InvalidRequestError, StateRestoreError
+from kvwarm.errors import ConfigError, InvalidRequestError, StateRestoreError
 from kvwarm.memory import MemoryKindName
 
 PASSAGE = "The quick brown fox jumps over the lazy dog while the cat sleeps on the mat. "
@@ -429,3 +429,32 @@ def test_drafts_from_the_namespaces_rows_and_no_other(engine: Engine) -> None:
     other = model.complete(prompt, opts, cache_salt="tenant-b")
     assert other.completion_tokens == first.completion_tokens  # the same model, the same reply
     assert other.stats.drafted_tokens == 0  # but nothing of tenant-a's rows
+
+
+# ---- a draft model ------------------------------------------------------------------------------
+
+
+def test_a_draft_model_drafts_and_the_output_is_plain_decodings(engine: Engine) -> None:
+    """The stub drafting for itself (the same vocabulary): its greedy tokens are drafts, the
+    reply is plain decoding's; a request may still choose n-grams or none."""
+    model = engine.load_model(
+        config=replace(spec_config(), spec_type="none", draft_model="draft-stub.gguf")
+    )
+    assert model.info().spec_type == "draft"  # a draft model drafts unless told otherwise
+    assert model.info().draft_model == "draft-stub.gguf"
+    plain, spec = both(model, PROMPT, GREEDY)
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.accepted_tokens > 20
+    draft = model._draft
+    assert draft is not None and len(draft.held[0]) > len(spec.prompt_tokens)  # it decoded
+    ngram = model.complete(PROMPT, GREEDY, spec_type="ngram-simple")
+    assert ngram.completion_tokens == plain.completion_tokens
+
+
+def test_draft_needs_a_draft_model(engine: Engine) -> None:
+    model = engine.load_model(config=spec_config())
+    with pytest.raises(InvalidRequestError) as bad:
+        model.complete(PROMPT, GREEDY, spec_type="draft")
+    assert bad.value.param == "spec_type"
+    with pytest.raises(ConfigError, match="needs a draft_model"):
+        engine.load_model(config=replace(spec_config(), spec_type="draft"))
