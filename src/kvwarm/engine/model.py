@@ -252,11 +252,8 @@ class Model:
                     bmodel,
                     ctx,
                     namespace,
-                    self._engine.cache,
                     n_seq=cfg.n_parallel,
-                    save_tier=self.save_tier,
                     quant_bits=bmodel.facts.quant_bits,
-                    fingerprint_mode=self.fingerprint_mode,
                     path=str(path),
                     n_ctx_slot=ran.n_ctx,
                 )

@@ -26,20 +26,15 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import numpy as np
 
 from kvwarm.backends.base import BackendContext, BackendModel, BatchToken
-from kvwarm.cache.api import CacheApi
+from kvwarm.cache.api import LoadedRow
 from kvwarm.cache.formats.key import salted_namespace
-from kvwarm.cache.types import (
-    FingerprintMode,
-    Namespace,
-    SaveReason,
-    SaveRequest,
-    TierName,
-    TtlClass,
-)
+from kvwarm.cache.types import Namespace, PrefixMatch
 from kvwarm.engine.worker.drafts import Cost
 from kvwarm.errors import ConfigError, KvwarmError, StateRestoreError
 
@@ -75,6 +70,21 @@ def check_vocab(target: BackendModel, draft: BackendModel, draft_path: str) -> N
             )
 
 
+class DraftStore(Protocol):
+    """The draft context's rows in the cache, through the worker's cache port
+    (``CachePort.draft_prefix`` and its siblings)."""
+
+    def draft_prefix(
+        self, ns: Namespace, tokens: Sequence[int], min_shared: int
+    ) -> PrefixMatch | None: ...
+
+    def open_draft_row(self, key: bytes) -> AbstractContextManager[LoadedRow]: ...
+
+    def save_draft(
+        self, ns: Namespace, tokens: Sequence[int], payload: bytes, n_ctx_slot: int, quant_bits: int
+    ) -> None: ...
+
+
 class DraftModel:
     """The draft model's context and what each slot's sequence of it holds."""
 
@@ -83,22 +93,16 @@ class DraftModel:
         model: BackendModel,
         ctx: BackendContext,
         namespace: Namespace,
-        cache: CacheApi,
         *,
         n_seq: int,
-        save_tier: TierName,
         quant_bits: int,
-        fingerprint_mode: FingerprintMode,
         path: str,
         n_ctx_slot: int,
     ) -> None:
         self.model = model
         self.ctx = ctx
         self.namespace = namespace  # unsalted
-        self.cache = cache
-        self.save_tier: TierName = save_tier
         self.quant_bits = quant_bits
-        self.fingerprint_mode = fingerprint_mode
         self.path = path
         self.n_ctx_slot = n_ctx_slot
         self.held: list[list[int]] = [[] for _ in range(n_seq)]
@@ -110,20 +114,32 @@ class DraftModel:
         return salted_namespace(self.namespace, salt)
 
     def propose(
-        self, seq: int, ns: Namespace, text: Sequence[int], prompt_len: int, limit: int
+        self,
+        store: DraftStore,
+        seq: int,
+        ns: Namespace,
+        text: Sequence[int],
+        prompt_len: int,
+        limit: int,
     ) -> list[int]:
         """Up to ``limit`` greedy tokens of the draft model after ``text`` (a request's prompt
         of ``prompt_len`` tokens and its reply so far, whose last token is about to be
         decoded by the target). ``KvwarmError`` on a failure of the draft context (the
         sequence is then cleared)."""
         try:
-            return self._propose(seq, ns, text, prompt_len, limit)
+            return self._propose(store, seq, ns, text, prompt_len, limit)
         except KvwarmError:
             self.reset(seq)
             raise
 
     def _propose(
-        self, seq: int, ns: Namespace, text: Sequence[int], prompt_len: int, limit: int
+        self,
+        store: DraftStore,
+        seq: int,
+        ns: Namespace,
+        text: Sequence[int],
+        prompt_len: int,
+        limit: int,
     ) -> list[int]:
         ctx, held = self.ctx, self.held[seq]
         n = len(text) - 1  # positions the sequence must hold before text[n] is decoded
@@ -136,13 +152,13 @@ class DraftModel:
         if common < len(held):
             self._trim(seq, common)
         if common < prompt_len <= n:
-            common = self._restore(seq, ns, text[:prompt_len], common)
+            common = self._restore(store, seq, ns, text[:prompt_len], common)
         if common < n:
             ctx.prefill(seq, text[common:n], common)
             held.extend(text[common:n])
             self.prefilled_tokens += n - common
             if common < prompt_len <= n and prompt_len - common >= SAVE_MIN:
-                self._save(seq, ns, text[:prompt_len], prompt_len)
+                self._save(store, seq, ns, text[:prompt_len])
         draft: list[int] = []
         token, pos = text[n], n
         while True:
@@ -169,14 +185,16 @@ class DraftModel:
             )
         del held[keep:]
 
-    def _restore(self, seq: int, ns: Namespace, prompt: Sequence[int], common: int) -> int:
+    def _restore(
+        self, store: DraftStore, seq: int, ns: Namespace, prompt: Sequence[int], common: int
+    ) -> int:
         """Restore the longest cached prefix of ``prompt`` in ``ns`` into ``seq`` if it is
         longer than the ``common`` tokens held; how many tokens the sequence holds now."""
-        match = self.cache.longest_prefix(ns, prompt, min_shared=common + 1)
+        match = store.draft_prefix(ns, prompt, common + 1)
         if match is None or match.n_shared <= common:
             return common
         try:
-            with self.cache.open_row(match.row.key) as row:
+            with store.open_draft_row(match.row.key) as row:
                 if row.chunks or not row.payload:
                     return common  # not a whole row of this module's: prefill instead
                 held = self.held[seq]
@@ -192,25 +210,13 @@ class DraftModel:
         self.restored_tokens += keep
         return keep
 
-    def _save(self, seq: int, ns: Namespace, prompt: Sequence[int], n: int) -> None:
+    def _save(self, store: DraftStore, seq: int, ns: Namespace, prompt: Sequence[int]) -> None:
         try:
             payload = self.ctx.kv_pack(seq)
         except KvwarmError as exc:
             log.info("draft model: packing its prompt KV failed (%s); not saved", exc)
             return
-        self.cache.save(
-            SaveRequest(
-                namespace=ns,
-                tokens=tuple(prompt[:n]),
-                payload=payload,
-                reason=SaveReason.COLD,
-                tier=self.save_tier,
-                ttl_class=TtlClass.SHORT,
-                context_size=self.n_ctx_slot,
-                quant_bits=self.quant_bits,
-                fingerprint_mode=self.fingerprint_mode,
-            )
-        )
+        store.save_draft(ns, prompt, payload, self.n_ctx_slot, self.quant_bits)
 
     def reset(self, seq: int) -> None:
         """Empty ``seq`` (after a failure: whatever it held is forgotten)."""
@@ -228,12 +234,21 @@ class DraftModel:
 class ModelDrafter:
     """One request's drafts from the draft model (``drafts.Drafter``'s interface)."""
 
-    __slots__ = ("accepted", "draft_max", "drafted", "model", "ns", "prompt", "seq", "stopped")
+    __slots__ = (
+        "accepted", "draft_max", "drafted", "model", "ns", "prompt", "seq", "stopped", "store"
+    )  # fmt: skip
 
     def __init__(
-        self, model: DraftModel, seq: int, ns: Namespace, prompt: Sequence[int], draft_max: int
+        self,
+        model: DraftModel,
+        store: DraftStore,
+        seq: int,
+        ns: Namespace,
+        prompt: Sequence[int],
+        draft_max: int,
     ) -> None:
         self.model = model
+        self.store = store
         self.seq = seq
         self.ns = ns
         self.prompt = list(prompt)
@@ -248,7 +263,7 @@ class ModelDrafter:
             return []
         try:
             return self.model.propose(
-                self.seq, self.ns, [*self.prompt, *generated], len(self.prompt), limit
+                self.store, self.seq, self.ns, [*self.prompt, *generated], len(self.prompt), limit
             )
         except KvwarmError as exc:
             log.warning(

@@ -171,7 +171,7 @@ class Tick:
             if draft is None:
                 return None  # refused at submission; a model without one decodes plainly
             ns = draft.namespace_for(act.req.options.salt_bytes())
-            return ModelDrafter(draft, seq, ns, act.req.prompt_tokens, draft_max)
+            return ModelDrafter(draft, self.port, seq, ns, act.req.prompt_tokens, draft_max)
         rows = self.port.drafts(cfg.spec_ngram_n)
         ns = act.namespace  # the salted one: drafts come from this tenant's rows only
         rows.refresh(ns)
