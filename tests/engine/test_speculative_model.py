@@ -137,7 +137,7 @@ def drafted() -> Iterator[Model]:
 
 def test_draft_model_greedy_reply_is_plain_decodings(drafted: Model) -> None:
     info = drafted.info()
-    assert info.spec_type == "draft" and info.draft_model is not None
+    assert info.spec_type == "draft-simple" and info.draft_model is not None
     opts = GenerationOptions(max_tokens=40, temperature=0.0)
     plain = drafted.chat(MESSAGES, options=opts, spec_type="none", cache_salt="plain")
     spec = drafted.chat(MESSAGES, options=opts, cache_salt="draft")

@@ -440,7 +440,7 @@ def test_a_draft_model_drafts_and_the_output_is_plain_decodings(engine: Engine) 
     model = engine.load_model(
         config=replace(spec_config(), spec_type="none", draft_model="draft-stub.gguf")
     )
-    assert model.info().spec_type == "draft"  # a draft model drafts unless told otherwise
+    assert model.info().spec_type == "draft-simple"  # a draft model drafts unless told otherwise
     assert model.info().draft_model == "draft-stub.gguf"
     plain, spec = both(model, PROMPT, GREEDY)
     assert spec.completion_tokens == plain.completion_tokens
@@ -454,7 +454,7 @@ def test_a_draft_model_drafts_and_the_output_is_plain_decodings(engine: Engine) 
 def test_draft_needs_a_draft_model(engine: Engine) -> None:
     model = engine.load_model(config=spec_config())
     with pytest.raises(InvalidRequestError) as bad:
-        model.complete(PROMPT, GREEDY, spec_type="draft")
+        model.complete(PROMPT, GREEDY, spec_type="draft-simple")
     assert bad.value.param == "spec_type"
     with pytest.raises(ConfigError, match="needs a draft_model"):
-        engine.load_model(config=replace(spec_config(), spec_type="draft"))
+        engine.load_model(config=replace(spec_config(), spec_type="draft-simple"))

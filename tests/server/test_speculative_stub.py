@@ -106,7 +106,7 @@ def test_llama_server_request_names_switch_it_per_request(client: TestClient) ->
     [
         ("spec_type", "ngram-cache"),
         ("speculative.type", "ngram-map-k4v"),
-        ("spec_type", "draft"),  # a name, but this model has no draft model
+        ("spec_type", "draft-simple"),  # a name, but this model has no draft model
         ("spec_draft_max", 49),
     ],
 )

@@ -80,7 +80,7 @@ class ModelConfig:
     spec_ngram_n: int = 4
     spec_draft_max: int = 32
     #: ``--draft-model``: a smaller GGUF of the same vocabulary whose greedy tokens are drafts
-    #: (``spec_type`` "draft", the default when one is given), with a context of its own
+    #: (``spec_type`` "draft-simple", the default when one is given), with a context of its own
     #: (``engine/worker/draftmodel.py``). None: none.
     draft_model: str | None = None
     #: LoRA adapters loaded with the model (``AdapterError`` fails the load: one that does not
@@ -124,8 +124,8 @@ class ModelConfig:
             raise ConfigError(
                 f"spec_type must be one of {', '.join(SPEC_TYPES)}; got {self.spec_type!r}"
             )
-        if self.spec_type == "draft" and self.draft_model is None:
-            raise ConfigError("spec_type 'draft' needs a draft_model")
+        if self.spec_type == "draft-simple" and self.draft_model is None:
+            raise ConfigError("spec_type 'draft-simple' needs a draft_model")
         if self.draft_model is not None and self.mmproj is not None:
             raise ConfigError("a draft_model cannot draft for a model with an mmproj")
         if self.speculative and self.context.flash_attn == "off":

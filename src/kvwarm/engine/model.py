@@ -110,7 +110,9 @@ class Model:
         progress: Callable[[float], bool] | None,
     ) -> None:
         if cfg.draft_model is not None and cfg.spec_type == "none":
-            cfg = replace(cfg, spec_type="draft")  # a draft model drafts unless told otherwise
+            cfg = replace(
+                cfg, spec_type="draft-simple"
+            )  # a draft model drafts unless told otherwise
         self._engine = engine
         self.id = model_id
         self.path = path

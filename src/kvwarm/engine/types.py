@@ -23,9 +23,9 @@ FinishReason = Literal["stop", "length", "cancelled"]
 #: proposes what followed it), "ngram-map-k" (the same lookup, with each n-gram's drafts capped
 #: by how many of its last draft were accepted), "ngram-mod" (each drafted token is what followed
 #: the latest earlier occurrence of the n tokens before it, the draft included, so a draft
-#: may pass from one occurrence to another), "draft" (a draft model's greedy tokens: the model's
-#: ``draft_model``, ``engine/worker/draftmodel.py``).
-SpecType = Literal["none", "ngram-simple", "ngram-map-k", "ngram-mod", "draft"]
+#: may pass from one occurrence to another), "draft-simple" (a draft model's greedy tokens: the
+#: model's ``draft_model``, ``engine/worker/draftmodel.py``).
+SpecType = Literal["none", "ngram-simple", "ngram-map-k", "ngram-mod", "draft-simple"]
 SPEC_TYPES: tuple[str, ...] = get_args(SpecType)
 #: Most tokens one draft may hold (a verify pass is one more than its draft). On the CPU a
 #: pass of up to 63 tokens computes each row as a one-token pass would (flash attention on;

@@ -175,15 +175,16 @@ class ModelSettings(BaseSettings):
     )
     spec_type: SpecTypeName = Field(
         default="none",
-        description="speculative decoding from n-grams of each request's own prompt and reply: "
-        "none, ngram-simple, ngram-map-k or ngram-mod (llama-server's names); exact, off in "
-        "deterministic mode; a request may choose its own (spec_type)",
+        description="speculative decoding from n-grams of each request's own prompt and reply "
+        "(ngram-simple, ngram-map-k, ngram-mod) or from the draft model (draft-simple), "
+        "llama-server's names, or none; exact, off in deterministic mode; a request may choose "
+        "its own (spec_type)",
     )
     draft_model: OptPath = Field(
         default=None,
         description="draft model GGUF for speculative decoding (llama-server's --model-draft): "
         "same vocabulary as the model (checked at load), its greedy tokens are drafts, its "
-        "prompt KV cached like the model's; spec_type becomes draft unless set",
+        "prompt KV cached like the model's; spec_type becomes draft-simple unless set",
         json_schema_extra=_flags("-md", "--model-draft"),
     )
     spec_ngram_n: Int = Field(

@@ -1,4 +1,4 @@
-"""Drafts from a draft model (``--draft-model``, ``spec_type`` "draft"): a smaller model of
+"""Drafts from a draft model (``--draft-model``, ``spec_type`` "draft-simple"): a smaller model of
 the same vocabulary decodes its own copy of each speculating slot's text, in a context of its
 own, and proposes its greedy tokens; the target verifies them as any draft (``sampling``),
 so the output is the target's whatever the draft model says.

@@ -166,7 +166,7 @@ class Tick:
             return None
         if self.rt.memory.lookahead(0) == 0:
             return None
-        if kind == "draft":
+        if kind == "draft-simple":
             draft = self.rt.draft
             if draft is None:
                 return None  # refused at submission; a model without one decodes plainly
