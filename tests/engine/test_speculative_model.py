@@ -15,7 +15,7 @@ from tests.engine.conftest import make_engine
 from kvwarm.backends.base import BatchToken, ContextParams
 from kvwarm.engine.api import ModelConfig
 from kvwarm.engine.model import Model
-from kvwarm.engine.types import GenerationOptions
+from kvwarm.engine.types import MAX_DRAFT_TOKENS, GenerationOptions
 from kvwarm.engine.worker.drafts import Cost, PassCost
 from kvwarm.errors import ConfigError
 
@@ -75,20 +75,21 @@ def test_a_verify_pass_row_is_a_one_token_pass(model: Model) -> None:
     ctx = bmodel.new_context(params)
     try:
         n = len(prompt)
-        follow = [prompt[i % n] for i in range(40)]
+        rows_max = MAX_DRAFT_TOKENS + 1  # the longest verify pass of one sequence
+        follow = [prompt[i % n] for i in range(rows_max)]
         ctx.prefill(0, prompt, 0)
         one = []
         for i, token in enumerate(follow):
             ctx.decode([BatchToken(token, n + i, 0, True)])
             one.append(np.frombuffer(ctx.logits(0), np.float32).copy())
         ctx.seq_rm(0, n, -1)
-        ctx.decode([BatchToken(t, n + i, 0, True) for i, t in enumerate(follow[:33])])
-        rows = [np.frombuffer(ctx.logits(i), np.float32).copy() for i in range(33)]
+        ctx.decode([BatchToken(t, n + i, 0, True) for i, t in enumerate(follow)])
+        rows = [np.frombuffer(ctx.logits(i), np.float32).copy() for i in range(rows_max)]
         ctx.seq_rm(0, n + 5, -1)  # keep 5, as a verify pass that accepted 4 drafts would
         for i, token in enumerate(follow[5:20], start=5):
             ctx.decode([BatchToken(token, n + i, 0, True)])
             rows[i] = np.frombuffer(ctx.logits(0), np.float32).copy()
-        for i in range(20):
+        for i in range(rows_max):
             assert np.array_equal(rows[i], one[i]), f"position {n + i} differs"
     finally:
         ctx.close()

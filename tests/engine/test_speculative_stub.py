@@ -242,7 +242,7 @@ def test_request_switch_and_draft_cap(engine: Engine) -> None:
         model.complete(PROMPT, GREEDY, spec_type="ngram-cache")
     assert bad.value.param == "spec_type"
     with pytest.raises(InvalidRequestError) as bad:
-        model.complete(PROMPT, GREEDY, spec_draft_max=49)
+        model.complete(PROMPT, GREEDY, spec_draft_max=63)
     assert bad.value.param == "spec_draft_max"
 
 

@@ -107,7 +107,7 @@ def test_llama_server_request_names_switch_it_per_request(client: TestClient) ->
         ("spec_type", "ngram-cache"),
         ("speculative.type", "ngram-map-k4v"),
         ("spec_type", "draft-simple"),  # a name, but this model has no draft model
-        ("spec_draft_max", 49),
+        ("spec_draft_max", 63),
     ],
 )
 def test_bad_values_are_400s_naming_the_field(

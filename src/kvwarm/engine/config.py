@@ -78,7 +78,7 @@ class ModelConfig:
     #: lookups match, and the most tokens one draft may hold. Off in deterministic mode.
     spec_type: SpecType = "none"
     spec_ngram_n: int = 4
-    spec_draft_max: int = 32
+    spec_draft_max: int = 48
     #: ``--draft-model``: a smaller GGUF of the same vocabulary whose greedy tokens are drafts
     #: (``spec_type`` "draft-simple", the default when one is given), with a context of its own
     #: (``engine/worker/draftmodel.py``). None: none.

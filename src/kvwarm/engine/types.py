@@ -28,9 +28,10 @@ FinishReason = Literal["stop", "length", "cancelled"]
 SpecType = Literal["none", "ngram-simple", "ngram-map-k", "ngram-mod", "draft-simple"]
 SPEC_TYPES: tuple[str, ...] = get_args(SpecType)
 #: Most tokens one draft may hold (a verify pass is one more than its draft). On the CPU a
-#: pass of up to 63 tokens computes each row as a one-token pass would (flash attention on;
-#: measured; 64 and more run another kernel), so 48 keeps a margin.
-MAX_DRAFT_TOKENS = 48
+#: pass of up to 63 tokens of one sequence computes each row as a one-token pass would (flash
+#: attention on; measured, ``tests/engine/test_speculative_model.py``; 64 and more run another
+#: kernel).
+MAX_DRAFT_TOKENS = 62
 
 _SAMPLER = SamplingParams()
 

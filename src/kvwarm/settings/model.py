@@ -192,8 +192,8 @@ class ModelSettings(BaseSettings):
         description="speculative decoding: how many tokens an n-gram lookup matches",
     )
     spec_draft_max: Int = Field(
-        default=32,
-        description="speculative decoding: the most tokens one draft holds (at most 48; "
+        default=48,
+        description="speculative decoding: the most tokens one draft holds (at most 62; "
         "each draft is sized to the acceptance seen and what a pass costs)",
         json_schema_extra=_flags("--spec-draft-n-max"),
     )

@@ -51,7 +51,7 @@ class WorkerConfig:
     #: False where the model cannot (deterministic mode: see ``ModelInfo.speculation``).
     spec_type: SpecType = "none"
     spec_ngram_n: int = 4
-    spec_draft_max: int = 32
+    spec_draft_max: int = 48
     speculates: bool = True
 
 
