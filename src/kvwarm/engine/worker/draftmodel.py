@@ -35,7 +35,7 @@ from kvwarm.backends.base import BackendContext, BackendModel, BatchToken
 from kvwarm.cache.api import LoadedRow
 from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.cache.types import Namespace, PrefixMatch
-from kvwarm.engine.worker.drafts import Cost
+from kvwarm.engine.worker.drafts import Cost, DraftBudget
 from kvwarm.errors import ConfigError, KvwarmError, StateRestoreError
 
 log = logging.getLogger(__name__)
@@ -234,9 +234,7 @@ class DraftModel:
 class ModelDrafter:
     """One request's drafts from the draft model (``drafts.Drafter``'s interface)."""
 
-    __slots__ = (
-        "accepted", "draft_max", "drafted", "model", "ns", "prompt", "seq", "stopped", "store"
-    )  # fmt: skip
+    __slots__ = ("budget", "draft_max", "model", "ns", "prompt", "seq", "stopped", "store")
 
     def __init__(
         self,
@@ -254,12 +252,16 @@ class ModelDrafter:
         self.prompt = list(prompt)
         self.draft_max = draft_max
         self.stopped = False  # the draft model failed: this request decodes plainly
-        self.drafted = 0
-        self.accepted = 0
+        #: How long a draft is worth, from the acceptance seen (as an n-gram draft's): a
+        #: request whose drafts keep failing stops asking the draft model at all.
+        self.budget = DraftBudget()
 
     def propose(self, generated: Sequence[int], limit: int, cost: Cost) -> list[int]:
-        limit = min(limit, self.draft_max)
+        """Up to ``limit`` tokens of the draft model's (fewer where the acceptance seen makes
+        a long draft not worth its pass; none after a failure of the draft model)."""
+        limit = self.budget.length(min(limit, self.draft_max), cost)
         if self.stopped or limit <= 0:
+            self.budget.skipped()
             return []
         try:
             return self.model.propose(
@@ -273,5 +275,4 @@ class ModelDrafter:
             return []
 
     def verified(self, drafted: int, accepted: int) -> None:
-        self.drafted += drafted
-        self.accepted += accepted
+        self.budget.verified(drafted, accepted)
