@@ -43,12 +43,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from kvwarm.backends.base import ContextParams
 from kvwarm.backends.llama import LlamaBackend, LlamaContext
 from kvwarm.backends.stub import StubBackend
 from kvwarm.cache import Cache, CacheConfig, TierConfig
-from kvwarm.cache.protocols import Tier
+from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
 from kvwarm.cache.types import Namespace, SaveReason, SaveRequest
 from kvwarm.embedded import default_model_path
 from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
@@ -182,6 +183,8 @@ def tier_configs(root: Path) -> Iterator[list[tuple[str, TierConfig | None, Tier
                 return S3Tier(moto.config(moto.new_bucket()), 1 << 34)
 
             made.append(("s3", None, s3_tier))
+            if S3_RTT_S > 0:
+                made.append((f"s3+{S3_RTT_S * 1e3:.0f}ms", None, _delayed_s3(moto)))
             yield made
     except ImportError:
         yield made
@@ -189,6 +192,38 @@ def tier_configs(root: Path) -> Iterator[list[tuple[str, TierConfig | None, Tier
         if server is not None:
             server.stop()
         shutil.rmtree(shm, ignore_errors=True)
+
+
+#: ``--s3-rtt-ms``: a round trip added to each GET of the "s3+rtt" tier. The moto server
+#: answers a GET with ~1-3 ms of Python on this machine's own cores, so several GETs cost
+#: about their sum; a real object store answers in tens of ms, concurrently (the cache's
+#: remote pool), so there a row costs about its round trips, not its GETs.
+S3_RTT_S = 0.0
+
+
+def _delayed_s3(moto: Any) -> TierMaker:
+    from kvwarm.cache.tiers.s3 import S3Tier
+
+    class DelayedS3(S3Tier):
+        """An s3 tier whose every read waits one round trip first (sleeping, so concurrent
+        reads overlap as they do against a remote store)."""
+
+        def load(self, row: StoredRow, buffer: bytearray | None = None) -> RowBytes:
+            time.sleep(S3_RTT_S)
+            return super().load(row, buffer)
+
+        def load_meta(self, row: StoredRow) -> RowBytes:
+            time.sleep(S3_RTT_S)
+            return super().load_meta(row)
+
+        def load_chunk(self, key: bytes, buffer: memoryview | None = None) -> memoryview:
+            time.sleep(S3_RTT_S)
+            return super().load_chunk(key, buffer)
+
+    def make() -> Tier:
+        return DelayedS3(moto.config(moto.new_bucket()), 1 << 34)
+
+    return make
 
 
 def restores(
@@ -367,7 +402,15 @@ def main() -> None:
         help="restore variants to time against the blob, comma-separated: chunks (the "
         "engine's in-place restore), joined (into the reused JoinBuffer), fresh",
     )
+    parser.add_argument(
+        "--s3-rtt-ms",
+        type=float,
+        default=20.0,
+        help="also time an s3 tier whose GETs each wait this long first (0: not)",
+    )
     args = parser.parse_args()
+    global S3_RTT_S
+    S3_RTT_S = args.s3_rtt_ms / 1e3
     root = args.root or Path(tempfile.mkdtemp(prefix="kvwarm-bench-chunks-"))
     if args.window_model is not None and args.only in (None, "window"):
         times, added, size = window_restores(args.window_model, args.reps, root, args.threads)

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 from botocore.exceptions import ResponseStreamingError
+from tests.cache.chunkkit import blob, chunked_request, join
 from tests.cache.facadekit import FakeClock
 from tests.cache.fakebook import FakeBook
 from tests.cache.tierkit import NS, request
@@ -17,6 +18,7 @@ from tests.s3kit import MotoServer, object_names
 
 from kvwarm.cache import Cache, CacheConfig, TierConfig
 from kvwarm.cache.formats.kvc import parse
+from kvwarm.cache.protocols import RowBytes, StoredRow
 from kvwarm.cache.tiers.s3 import S3Tier
 from kvwarm.cache.tiers.s3client import S3Client
 from kvwarm.errors import CacheFormatError, CacheNetworkError
@@ -303,3 +305,39 @@ def test_sweeps_do_not_read_rows_the_ttl_forgot_again(moto_server: MotoServer) -
         assert faulty.gets == gets  # listing only: no object read again
         assert cache.lookup_exact(key) is not None  # discovery still finds it
         assert [r.key for r in cache.rows()] == [key]
+
+
+class _ManifestAfterChunks(S3Tier):
+    """An s3 tier whose manifest read waits (bounded) until a chunk read has begun, and says
+    whether one had."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.chunk_started = threading.Event()
+        self.overlapped: list[bool] = []
+
+    def load(self, row: StoredRow, buffer: bytearray | None = None) -> RowBytes:
+        self.overlapped.append(self.chunk_started.wait(timeout=5.0))
+        return super().load(row, buffer)
+
+    def load_chunk(self, key: bytes, buffer: memoryview | None = None) -> memoryview:
+        self.chunk_started.set()
+        return super().load_chunk(key, buffer)
+
+
+def test_a_remote_rows_chunk_reads_start_before_its_manifest_is_read(
+    moto_server: MotoServer,
+) -> None:
+    # Issue 38: a row read from a remote store cost two round trips, its manifest's and then
+    # its chunks'; the index names the chunks, so both go at once.
+    s3 = moto_server.config(moto_server.new_bucket())
+    tier = _ManifestAfterChunks(s3, 1 << 30)
+    cfg = CacheConfig(tiers=(TierConfig("s3", 1 << 30, s3=s3),), chunk_tokens=256)
+    tokens = tuple(range(1000, 1600))
+    with Cache(cfg, tiers=[tier], background=False) as cache:
+        key = cache.save(chunked_request(NS, tokens, tier="s3"), sync=True)
+        assert key is not None
+        with cache.open_row(key, from_token=0) as row:
+            assert len(row.chunks) == 3
+            assert join(row.chunks) == blob(tokens)
+    assert tier.overlapped == [True]

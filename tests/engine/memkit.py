@@ -14,6 +14,29 @@ from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import Completion, GenerationOptions
 
+#: A system prompt the Gemma 3 270M tests build their prompts on.
+GEMMA_SYSTEM = (
+    "You are the archivist of a small coastal town. You answer questions about its history, "
+    "its harbour, its lighthouse and the families who kept it, in plain words. "
+)
+
+
+def exact_policy(n_batch: int, *, min_tokens: int = 16, cold_min_tokens: int = 64) -> PolicyConfig:
+    """A save policy for exactness tests: cold saves at aligned ``n_batch`` boundaries, no
+    continued saves, and every checkpoint, however close to the state below it (the gap that
+    skips some is tested on the stub)."""
+    return PolicyConfig(
+        min_tokens=min_tokens,
+        cold_min_tokens=cold_min_tokens,
+        cold_max_tokens=100_000,
+        continued_interval=10_000,
+        boundary_trim_tokens=0,
+        boundary_align_tokens=n_batch,
+        session_resume_wait_ms=5000,
+        evict_save_timeout_ms=30_000,
+        checkpoint_gap_tokens=0,
+    )
+
 
 def engine(
     tmp: Path | None, policy: PolicyConfig, *, ram: int = 256 << 20, chunk_tokens: int = 256

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -275,3 +276,39 @@ def test_a_state_that_cannot_be_packed_is_a_dropped_save_not_a_failed_request(
         assert again.stats.completion_tokens == 4 and again.stats.cached_tokens > 0
     finally:
         engine.close()
+
+
+def test_a_finish_row_keeps_its_logits_only_when_it_is_the_prompt() -> None:
+    # Issue 38: every finish save stored its final logits (1 MiB a row on Gemma 3's 262k
+    # vocabulary), which only a prompt ending at the reply can use; no chat turn sends one.
+    policy = PolicyConfig(min_tokens=4, cold_min_tokens=10**6, cold_max_tokens=10**6)
+    engine = make_engine(policy=policy)
+    try:
+        model = engine.load_model(config=stub_config())
+        opts = GenerationOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
+        prompt = [1 + i % 200 for i in range(40)]
+        replied = model.complete(prompt, opts)
+        one = model.complete([7 + i % 90 for i in range(40)], replace(opts, max_tokens=1))
+        engine.cache.flush()
+        rows = {r.key: r for r in engine.cache.rows()}
+        assert replied.stats.key is not None and one.stats.key is not None
+        long_row = rows[replied.stats.key]
+        assert long_row.n_tokens == len(prompt) + 5  # the last sampled token was not decoded
+        assert not long_row.has_logits
+        assert rows[one.stats.key].has_logits  # the row is the prompt: its repeat decodes nothing
+        # The continuation prompt (prompt + reply) still restores all but its last token and
+        # samples what a cold run samples.
+        cont = list(prompt) + list(replied.completion_tokens[:-1])
+        assert engine.cache.key_for(long_row.namespace, cont) == long_row.key
+        again = model.complete(cont, replace(opts, max_tokens=3))
+        assert again.stats.cached_tokens == len(cont) - 1
+    finally:
+        engine.close()
+    cold_engine = make_engine()
+    try:
+        cold = cold_engine.load_model(config=stub_config()).complete(
+            cont, replace(opts, max_tokens=3)
+        )
+    finally:
+        cold_engine.close()
+    assert again.completion_tokens == cold.completion_tokens

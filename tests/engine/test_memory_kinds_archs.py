@@ -16,7 +16,6 @@ from tests.tinymodels import write_tiny_model
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import ContextParams
-from kvwarm.cache.types import PolicyConfig
 from kvwarm.engine.api import Engine
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import Completion, GenerationOptions
@@ -26,19 +25,7 @@ pytestmark = pytest.mark.model
 
 N_BATCH = 32
 OPTS = GenerationOptions(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
-POLICY = PolicyConfig(
-    min_tokens=8,
-    cold_min_tokens=16,
-    cold_max_tokens=100_000,
-    continued_interval=10_000,
-    boundary_trim_tokens=0,
-    boundary_align_tokens=N_BATCH,
-    session_resume_wait_ms=5000,
-    evict_save_timeout_ms=30_000,
-    # Every checkpoint, however close to the state below it: these tests are about their
-    # exactness (the gap that skips some is tested on the stub).
-    checkpoint_gap_tokens=0,
-)
+POLICY = memkit.exact_policy(N_BATCH, min_tokens=8, cold_min_tokens=16)
 ARCHS = {"mamba": "recurrent", "lfm2": "hybrid"}
 
 

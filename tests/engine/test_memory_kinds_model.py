@@ -17,7 +17,6 @@ import pytest
 from tests.engine import memkit
 from tests.engine.memkit import same
 
-from kvwarm.cache.types import PolicyConfig
 from kvwarm.engine.api import Engine
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import Completion, GenerationOptions
@@ -26,23 +25,8 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 N_BATCH = 256
 OPTS = GenerationOptions(max_tokens=8, temperature=0.0, logprobs=2)
-POLICY = PolicyConfig(
-    min_tokens=16,
-    cold_min_tokens=64,
-    cold_max_tokens=100_000,
-    continued_interval=10_000,
-    boundary_trim_tokens=0,
-    boundary_align_tokens=N_BATCH,
-    session_resume_wait_ms=5000,
-    evict_save_timeout_ms=30_000,
-    # Every checkpoint, however close to the state below it: these tests are about their
-    # exactness (the gap that skips some is tested on the stub).
-    checkpoint_gap_tokens=0,
-)
-SYSTEM = (
-    "You are the archivist of a small coastal town. You answer questions about its history, "
-    "its harbour, its lighthouse and the families who kept it, in plain words. "
-)
+POLICY = memkit.exact_policy(N_BATCH)
+SYSTEM = memkit.GEMMA_SYSTEM
 
 
 def engine(tmp: Path | None) -> Engine:

@@ -19,7 +19,7 @@ from tests.engine.memkit import same
 from kvwarm.backends import kv_chunk
 from kvwarm.buffers import u8
 from kvwarm.cache.formats import chunkfmt, kvc
-from kvwarm.cache.types import CacheConfig, PolicyConfig, TierConfig
+from kvwarm.cache.types import CacheConfig, TierConfig
 from kvwarm.engine.api import Engine, EngineConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import Completion, GenerationOptions
@@ -28,21 +28,8 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 N_BATCH = 256
 OPTS = GenerationOptions(max_tokens=4, temperature=0.0, logprobs=2)
-POLICY = PolicyConfig(
-    min_tokens=16,
-    cold_min_tokens=64,
-    cold_max_tokens=100_000,
-    continued_interval=10_000,
-    boundary_trim_tokens=0,
-    boundary_align_tokens=N_BATCH,
-    session_resume_wait_ms=5000,
-    evict_save_timeout_ms=30_000,
-    checkpoint_gap_tokens=0,
-)
-SYSTEM = (
-    "You are the archivist of a small coastal town. You answer questions about its history, "
-    "its harbour, its lighthouse and the families who kept it, in plain words. "
-)
+POLICY = memkit.exact_policy(N_BATCH)
+SYSTEM = memkit.GEMMA_SYSTEM
 
 
 def _engine(tiers: Sequence[TierConfig]) -> Engine:

@@ -48,7 +48,7 @@ from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.index.index import Index
 from kvwarm.cache.protocols import RowEvents, Tier, TierCapabilities
 from kvwarm.cache.store.core import CacheCore, ScratchBuffers
-from kvwarm.cache.store.reads import RowReads
+from kvwarm.cache.store.reads import READ_PARALLEL, RowReads
 from kvwarm.cache.store.saves import Saves
 from kvwarm.cache.store.writer import WriterPool
 from kvwarm.cache.tiers.registry import TierOptions, build_tier
@@ -142,8 +142,14 @@ class Cache:
             self._remote_pool = ThreadPoolExecutor(
                 max_workers=self.config.probe_parallel, thread_name_prefix="kvwarm-probe"
             )
+        # A row's chunk GETs go at once, up to READ_PARALLEL (a probe's bound is its own).
+        self._read_pool = (
+            ThreadPoolExecutor(max_workers=READ_PARALLEL, thread_name_prefix="kvwarm-read")
+            if remote
+            else None
+        )
         self._shared = SharedTiers(self._core, self.config, self._remote_pool)
-        self._reads = RowReads(self._core, self._scratch, self._remote_pool, self._shared.promote)
+        self._reads = RowReads(self._core, self._scratch, self._read_pool, self._shared.promote)
         self._saves = Saves(
             self._core, self.config, self._writer, self._history, lambda: self._closed
         )
@@ -410,8 +416,9 @@ class Cache:
                     log.exception("%s: close failed", tier.name)
 
     def _shutdown_remote_pool(self) -> None:
-        if self._remote_pool is not None:
-            self._remote_pool.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._remote_pool, self._read_pool):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> Cache:
         return self

@@ -67,6 +67,16 @@ class CachePort:
         probes = probe_lengths(len(prompt), rt.cfg.policy, rt.cfg.n_batch, turn_ends=turn_ends)
         match = rt.cache.longest_prefix(ns, prompt, probe_lengths=probes)
         whole = [] if rt.memory.trimmable else rt.cache.whole_prefixes(ns, prompt)
+        n = len(prompt)
+        if match is not None and match.n_shared == n and match.row.n_tokens > n and not whole:
+            # Every row under the prompt shares all of it, and the lookup names the smallest;
+            # a row of exactly the prompt (a prompt's end, a prewarm) is the one whose final
+            # logits serve it with no decode: finish rows past it keep none
+            # (``finish_keeps_logits``), and are often the smaller.
+            key = rt.cache.key_for(ns, prompt)
+            exact = rt.cache.lookup_exact(key) if rt.cache.has(key) else None
+            if exact is not None and exact.has_logits:
+                whole = [PrefixMatch(exact, n)]
         rt.cache.record_latency("lookup", time.perf_counter() - t0)
         return match, whole
 
@@ -176,6 +186,20 @@ class CachePort:
         ):
             return None, False
         return self.hold(slot, act.namespace)
+
+    @staticmethod
+    def finish_keeps_logits(slot: Slot) -> bool:
+        """Whether the finish save stores its final logits: only when its row is the prompt
+        itself (a prewarm, ``max_tokens`` 0, a one-token reply), which the same prompt sent
+        again restores with no decode at all. A row that holds reply tokens too serves a
+        prompt equal to prompt + reply with its logits, which no chat turn sends (the next
+        turn adds the template's tokens after the reply); without them such a prompt keeps
+        all but its last token and decodes that one. Final logits are 4 bytes a vocabulary
+        entry (1 MiB a row on a 262k vocabulary, more than a 1,000-token Gemma 3 270M row's
+        KV), so storing them on every finish save multiplied a chat's cache size
+        (``docs/internals.md``, "What a row stores")."""
+        act = slot.active
+        return act is not None and len(slot.kv_tokens) <= len(act.req.prompt_tokens)
 
     def finished(self, slot: Slot, held: bool, logits: bytes | None) -> None:
         """The reply has gone out: pack and hand over the finish save ``finishing`` held."""

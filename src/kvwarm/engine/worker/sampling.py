@@ -41,14 +41,14 @@ class Sampling:
         assert act is not None
         if self._used_up(slot):
             # max_tokens (0 for a prewarm-style request) or the slot's window is used up.
-            self.outcomes.finish(slot, "length", self._logits_bytes(row, stored))
+            self.outcomes.finish(slot, "length", self._logits_bytes(slot, row, stored))
             return
         token = self._sample(act, row, stored)
         reason = self._route(act, token)
         if reason is None:
             act.pending = token
             return
-        self.outcomes.finish(slot, reason, self._logits_bytes(row, stored))
+        self.outcomes.finish(slot, reason, self._logits_bytes(slot, row, stored))
 
     def on_verify(self, slot: Slot, first: int, draft: list[int]) -> None:
         """Speculative decoding: batch rows ``first .. first + len(draft)`` hold the logits
@@ -98,7 +98,7 @@ class Sampling:
             act.drafter.verified(len(draft), matched)
         self.outcomes.port.decoded(slot)
         if reason is not None:
-            self.outcomes.finish(slot, reason, self._logits_bytes(first + last, None))
+            self.outcomes.finish(slot, reason, self._logits_bytes(slot, first + last, None))
 
     def _trim(self, slot: Slot, keep: int, top: int) -> None:
         """Remove the cells of positions ``keep .. top`` from the slot's sequence, and check
@@ -162,7 +162,11 @@ class Sampling:
             return "length"
         return None
 
-    def _logits_bytes(self, row: int | None, stored: bytes | None) -> bytes | None:
+    def _logits_bytes(self, slot: Slot, row: int | None, stored: bytes | None) -> bytes | None:
+        """The final logits the finish save stores, if its row is one that keeps them
+        (``CachePort.finish_keeps_logits``); None otherwise, and then nothing is copied."""
+        if not self.outcomes.port.finish_keeps_logits(slot):
+            return None
         if stored is not None:
             return stored
         if row is None:
