@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -458,3 +458,35 @@ def test_draft_needs_a_draft_model(engine: Engine) -> None:
     assert bad.value.param == "spec_type"
     with pytest.raises(ConfigError, match="needs a draft_model"):
         engine.load_model(config=replace(spec_config(), spec_type="draft-simple"))
+
+
+def test_draft_model_catches_up_a_chunk_a_tick_and_restores_its_prompt(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt is prefilled into the draft context one n_batch chunk per tick (no draft
+    meanwhile, the slot decodes plainly), saved whole under the draft namespace, and a later
+    request of the same prompt restores it rather than prefilling it again."""
+    config = replace(spec_config(), spec_type="none", draft_model="draft-stub.gguf")
+    model = engine.load_model(config=config)
+    draft = model._draft
+    assert draft is not None
+    chunks: list[int] = []
+    prefill = draft.ctx.prefill
+
+    def counted(seq: int, tokens: Sequence[int], start: int) -> None:
+        chunks.append(len(tokens))
+        prefill(seq, tokens, start)
+
+    monkeypatch.setattr(draft.ctx, "prefill", counted)
+    first = model.complete(PROMPT, GREEDY)
+    assert len(first.prompt_tokens) > 2 * 64  # three chunks of n_batch 64
+    assert chunks[:3] == [64, 64, len(first.prompt_tokens) - 128]
+    assert draft.prefilled_tokens >= len(first.prompt_tokens)
+    assert first.stats.accepted_tokens > 0
+    model._worker.call(lambda: draft.reset(0)).result()
+    assert engine.cache.flush()
+    prefilled = draft.prefilled_tokens
+    again = model.complete(PROMPT, GREEDY)
+    assert again.completion_tokens == first.completion_tokens
+    assert draft.restored_tokens >= len(first.prompt_tokens)
+    assert draft.prefilled_tokens - prefilled < 64  # only what the reply added

@@ -6,7 +6,8 @@ so the output is the target's whatever the draft model says.
 - ``DraftModel``: the draft model's context, one sequence per slot (the slot's ``seq``),
   and what each holds (``held``). A draft brings the sequence to the request's text minus its
   last token (keeping the longest common prefix of what it held: a rejected draft's cells,
-  or another request's, are removed), decodes that last token and then its own greedy
+  or another request's, are removed; a prefill runs one ``n_batch`` chunk per tick, with no
+  draft until it has caught up), decodes that last token and then its own greedy
   tokens one at a time, each while the draft model gives it at least ``P_MIN`` (llama-server's
   ``--draft-p-min``), at most the draft's limit.
 - Its own cache namespace (the draft model's fingerprint, its context's hash, the request's
@@ -106,6 +107,9 @@ class DraftModel:
         self.path = path
         self.n_ctx_slot = n_ctx_slot
         self.held: list[list[int]] = [[] for _ in range(n_seq)]
+        #: seq -> where its prefill of the current prompt began (restored up to there): a
+        #: prompt prefilled from there on by ``SAVE_MIN`` tokens or more is saved.
+        self._catching: dict[int, int] = {}
         #: Prompt tokens restored from the cache rather than prefilled (stats, tests).
         self.restored_tokens = 0
         self.prefilled_tokens = 0
@@ -121,13 +125,14 @@ class DraftModel:
         text: Sequence[int],
         prompt_len: int,
         limit: int,
+        first: bool = False,
     ) -> list[int]:
         """Up to ``limit`` greedy tokens of the draft model after ``text`` (a request's prompt
         of ``prompt_len`` tokens and its reply so far, whose last token is about to be
-        decoded by the target). ``KvwarmError`` on a failure of the draft context (the
-        sequence is then cleared)."""
+        decoded by the target; ``first``: the request's first draft). ``KvwarmError`` on a
+        failure of the draft context (the sequence is then cleared)."""
         try:
-            return self._propose(store, seq, ns, text, prompt_len, limit)
+            return self._propose(store, seq, ns, text, prompt_len, limit, first)
         except KvwarmError:
             self.reset(seq)
             raise
@@ -140,6 +145,7 @@ class DraftModel:
         text: Sequence[int],
         prompt_len: int,
         limit: int,
+        first: bool = False,
     ) -> list[int]:
         ctx, held = self.ctx, self.held[seq]
         n = len(text) - 1  # positions the sequence must hold before text[n] is decoded
@@ -153,12 +159,21 @@ class DraftModel:
             self._trim(seq, common)
         if common < prompt_len <= n:
             common = self._restore(store, seq, ns, text[:prompt_len], common)
+            if first:
+                self._catching[seq] = common
         if common < n:
-            ctx.prefill(seq, text[common:n], common)
-            held.extend(text[common:n])
-            self.prefilled_tokens += n - common
-            if common < prompt_len <= n and prompt_len - common >= SAVE_MIN:
+            # One chunk a tick (the other slots' passes wait for this one): no draft until the
+            # sequence has caught up; a chunk ends at the prompt's end, for its save.
+            end = min(n, common + ctx.n_batch)
+            if common < prompt_len < end:
+                end = prompt_len
+            ctx.prefill(seq, text[common:end], common)
+            held.extend(text[common:end])
+            self.prefilled_tokens += end - common
+            if end == prompt_len and prompt_len - self._catching.pop(seq, 0) >= SAVE_MIN:
                 self._save(store, seq, ns, text[:prompt_len])
+            if end < n:
+                return []
         draft: list[int] = []
         token, pos = text[n], n
         while True:
@@ -221,6 +236,7 @@ class DraftModel:
     def reset(self, seq: int) -> None:
         """Empty ``seq`` (after a failure: whatever it held is forgotten)."""
         self.held[seq].clear()
+        self._catching.pop(seq, None)
         try:
             self.ctx.seq_rm(seq, 0, -1)
         except KvwarmError:
@@ -234,7 +250,9 @@ class DraftModel:
 class ModelDrafter:
     """One request's drafts from the draft model (``drafts.Drafter``'s interface)."""
 
-    __slots__ = ("budget", "draft_max", "model", "ns", "prompt", "seq", "stopped", "store")
+    __slots__ = (
+        "asked", "budget", "draft_max", "model", "ns", "prompt", "seq", "stopped", "store"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -255,6 +273,7 @@ class ModelDrafter:
         #: How long a draft is worth, from the acceptance seen (as an n-gram draft's): a
         #: request whose drafts keep failing stops asking the draft model at all.
         self.budget = DraftBudget()
+        self.asked = False  # the draft model was asked for a draft of this request
 
     def propose(self, generated: Sequence[int], limit: int, cost: Cost) -> list[int]:
         """Up to ``limit`` tokens of the draft model's (fewer where the acceptance seen makes
@@ -264,8 +283,15 @@ class ModelDrafter:
             self.budget.skipped()
             return []
         try:
+            first, self.asked = not self.asked, True
             return self.model.propose(
-                self.store, self.seq, self.ns, [*self.prompt, *generated], len(self.prompt), limit
+                self.store,
+                self.seq,
+                self.ns,
+                [*self.prompt, *generated],
+                len(self.prompt),
+                limit,
+                first,
             )
         except KvwarmError as exc:
             log.warning(
