@@ -490,3 +490,9 @@ def test_draft_model_catches_up_a_chunk_a_tick_and_restores_its_prompt(
     assert again.completion_tokens == first.completion_tokens
     assert draft.restored_tokens >= len(first.prompt_tokens)
     assert draft.prefilled_tokens - prefilled < 64  # only what the reply added
+    # Another tenant in the same slot: neither the live draft KV nor the cached row is its.
+    prefilled, restored = draft.prefilled_tokens, draft.restored_tokens
+    other = model.complete(PROMPT, GREEDY, cache_salt="another tenant")
+    assert other.completion_tokens == first.completion_tokens
+    assert draft.restored_tokens == restored
+    assert draft.prefilled_tokens - prefilled >= len(first.prompt_tokens)

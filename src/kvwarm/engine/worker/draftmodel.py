@@ -14,6 +14,8 @@ so the output is the target's whatever the draft model says.
   salt folded in like the target's): the first draft of a request restores the longest
   cached prefix of its prompt into the draft context instead of prefilling it again, and a
   prompt it had to prefill (``SAVE_MIN`` tokens or more) is saved there, whole.
+- A sequence's KV is reused by a later request in the same slot only under the same salted
+  namespace (another tenant's request starts from what the cache holds for its own).
 - ``ModelDrafter``: one request's drafts (the ``Drafter`` interface of ``drafts``).
 
 Invariants: worker thread only; ``held[seq]`` lists exactly what the draft context's
@@ -110,6 +112,8 @@ class DraftModel:
         #: seq -> where its prefill of the current prompt began (restored up to there): a
         #: prompt prefilled from there on by ``SAVE_MIN`` tokens or more is saved.
         self._catching: dict[int, int] = {}
+        #: seq -> the (salted) draft namespace of the request its KV was computed for.
+        self._owner: dict[int, Namespace] = {}
         #: Prompt tokens restored from the cache rather than prefilled (stats, tests).
         self.restored_tokens = 0
         self.prefilled_tokens = 0
@@ -152,9 +156,11 @@ class DraftModel:
         if n < 0 or limit <= 0 or len(text) + limit > self.n_ctx_slot:
             return []
         common = 0
-        top = min(len(held), n)
-        while common < top and held[common] == text[common]:
-            common += 1
+        if self._owner.get(seq) == ns:  # another tenant's KV is never reused, even its prefix
+            top = min(len(held), n)
+            while common < top and held[common] == text[common]:
+                common += 1
+        self._owner[seq] = ns
         if common < len(held):
             self._trim(seq, common)
         if common < prompt_len <= n:
