@@ -229,7 +229,7 @@ def test_aliases_from_flags_env_and_toml(tmp_path: Path) -> None:
 def test_speculative_decoding_settings_globally_per_model_and_checked(tmp_path: Path) -> None:
     s = load_settings(_flags("--spec-type", "ngram-map-k", "--spec-ngram-n", "3"), ENV)
     cfg = model_config(s, s.models[0])
-    assert (cfg.spec_type, cfg.spec_ngram_n, cfg.spec_draft_max) == ("ngram-map-k", 3, 32)
+    assert (cfg.spec_type, cfg.spec_ngram_n, cfg.spec_draft_max) == ("ngram-map-k", 3, 48)
     s = load_settings(
         _flags("--spec-draft-n-max", "8"), {**ENV, "KVWARM_SPEC_TYPE": "ngram-simple"}
     )
@@ -243,9 +243,31 @@ def test_speculative_decoding_settings_globally_per_model_and_checked(tmp_path: 
     s = load_settings({"config": str(config)}, ENV)
     code, chat = (model_config(s, spec) for spec in s.models)
     assert (code.spec_type, code.spec_draft_max, chat.spec_type) == ("ngram-simple", 32, "none")
-    with pytest.raises(ConfigError, match="expected one of none, ngram-simple, ngram-map-k"):
-        load_settings(_flags("--spec-type", "ngram-mod"), ENV)
-    with pytest.raises(ConfigError, match=r"spec_draft_max must be in \[0, 48\]"):
-        load_settings(_flags("--spec-type", "ngram-simple", "--spec-draft-max", "49"), ENV)
+    with pytest.raises(
+        ConfigError, match="expected one of none, ngram-simple, ngram-map-k, ngram-mod"
+    ):
+        load_settings(_flags("--spec-type", "ngram-cache"), ENV)
+    with pytest.raises(ConfigError, match=r"spec_draft_max must be in \[0, 62\]"):
+        load_settings(_flags("--spec-type", "ngram-simple", "--spec-draft-max", "63"), ENV)
     with pytest.raises(ConfigError, match="speculative decoding needs flash attention"):
         load_settings(_flags("--spec-type", "ngram-simple", "-fa", "off"), ENV)
+
+
+def test_draft_model_globally_per_model_and_checked(tmp_path: Path) -> None:
+    draft = tmp_path / "draft.gguf"
+    draft.write_bytes(b"GGUF")
+    s = load_settings(_flags("-md", str(draft)), ENV)
+    assert model_config(s, s.models[0]).draft_model == str(draft)
+    s = load_settings(_flags(), {**ENV, "KVWARM_DRAFT_MODEL": str(draft)})
+    assert model_config(s, s.models[0]).draft_model == str(draft)
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[[models]]\nid = "code"\npath = "/m/code.gguf"\ndraft_model = "{draft}"\n'
+        '[[models]]\nid = "chat"\npath = "/m/chat.gguf"\n'
+    )
+    s = load_settings({"config": str(config), "backend": "stub"}, ENV)
+    assert [model_config(s, m).draft_model for m in s.models] == [str(draft), None]
+    with pytest.raises(ConfigError, match="draft_model: no GGUF"):
+        load_settings(_flags("--draft-model", str(tmp_path / "missing.gguf")), ENV).check()
+    with pytest.raises(ConfigError, match="needs a draft_model"):
+        load_settings(_flags("--spec-type", "draft-simple"), ENV).check()

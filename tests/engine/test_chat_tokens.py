@@ -65,10 +65,12 @@ def test_real_model_markup_is_still_special(model: BackendModel) -> None:
 
 
 def test_ordinary_chats_tokenize_as_the_whole_render_did(model: BackendModel) -> None:
+    """As llama-server: the render tokenized whole, the tokenizer adding its BOS where the
+    model wants one (the stub does; SmolLM2 does not)."""
     messages = [SYSTEM, {"role": "user", "content": "Name a colour, please."}]
     tokens, text = chat_tokens(model, messages)
     assert text == model.apply_chat_template(messages)
-    assert list(tokens) == model.tokenize(text, add_special=False, parse_special=True)
+    assert list(tokens) == model.tokenize(text, add_special=True, parse_special=True)
 
 
 def test_a_turn_is_a_prefix_of_the_next(model: BackendModel) -> None:
@@ -102,15 +104,15 @@ class _StrippingTemplate:
     def apply_chat_template(self, messages: Sequence[Mapping[str, object]], **kw: object) -> str:
         return self._model.apply_chat_template(messages, template=self.TEMPLATE)
 
-    def tokenize(self, text: str, **kw: bool) -> list[int]:
-        return self._model.tokenize(text, **kw)
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._model, name)
 
 
 def test_a_content_rewriting_template_falls_back_safely(model: BackendModel) -> None:
     wrapped = _StrippingTemplate(model)
     tokens, text = chat_tokens(wrapped, [{"role": "user", "content": "  hi  "}])  # type: ignore[arg-type]
     assert text.endswith("|>hi")
-    assert list(tokens) == model.tokenize(text, add_special=False, parse_special=True)
+    assert list(tokens) == model.tokenize(text, add_special=True, parse_special=True)
     special, _ = specials(model)[0]
     with pytest.raises(InvalidRequestError) as info:
         chat_tokens(wrapped, [{"role": "user", "content": f" {special} "}])  # type: ignore[arg-type]
@@ -121,3 +123,41 @@ def test_lone_surrogates_name_the_message(model: BackendModel) -> None:
     with pytest.raises(InvalidRequestError) as info:
         chat_tokens(model, [SYSTEM, {"role": "user", "content": "hi \ud800"}])
     assert info.value.param == "messages.1.content"
+
+
+# llama-server (the pinned build, ``--jinja --chat-template-file``) on Gemma 3 270M, whose
+# vocabulary wants BOS, for SYSTEM_THEN_USER: its chat's prompt tokens, read back through
+# ``/apply-template`` and ``/tokenize`` with ``add_special`` (which is how it tokenizes a chat;
+# each equals the ``prompt_tokens`` of a ``/v1/chat/completions`` of the same messages). It
+# takes one BOS text off the render's start and lets the tokenizer add one.
+SYSTEM_THEN_USER = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a colour."},
+]
+TURNS = (
+    "<start_of_turn>user\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+TEXT = [105, 2364, 107, 3912, 8652, 236761, 106, 107, 105, 2364, 107, 1567, 496, 10348, 236761]
+LLAMA_SERVER_GEMMA = {
+    # The template writes BOS: one, as before.
+    "{{ bos_token }}{% for m in messages %}" + TURNS: [2, *TEXT, 106, 107, 105, 4368, 107],
+    # It writes BOS twice: llama-server keeps the second.
+    "{{ bos_token }}{{ bos_token }}{% for m in messages %}" + TURNS: [
+        2, 2, *TEXT, 106, 107, 105, 4368, 107,
+    ],
+    # It writes none: the tokenizer's BOS leads (kvwarm added none before).
+    "{% for m in messages %}" + TURNS: [2, *TEXT, 106, 107, 105, 4368, 107],
+}  # fmt: skip
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("template", list(LLAMA_SERVER_GEMMA))
+def test_bos_is_placed_as_llama_server_places_it(template: str, gemma_path: str) -> None:
+    gemma = get_backend("llama_cpp").load_model(gemma_path, ModelParams(vocab_only=True))
+    try:
+        assert gemma.facts.add_bos and gemma.facts.bos == 2
+        tokens, _ = chat_tokens(gemma, SYSTEM_THEN_USER, template=template)
+        assert list(tokens) == LLAMA_SERVER_GEMMA[template]
+    finally:
+        gemma.close()

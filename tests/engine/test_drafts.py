@@ -11,6 +11,7 @@ from kvwarm.engine.worker.drafts import (
     NgramIndex,
     PassCost,
     RowDrafts,
+    match_prior,
 )
 
 
@@ -117,6 +118,10 @@ def _ns(salt: bytes) -> Namespace:
     return Namespace(b"f" * 32, 1, salt.ljust(32, b"\0"))
 
 
+def _cont(drafts: RowDrafts, ns: Namespace, tail: tuple[int, ...], limit: int) -> list[int]:
+    return drafts.continuation(ns, tail, limit)[0]
+
+
 def _drafts(cache: _Rows, **kw: object) -> RowDrafts:
     return RowDrafts(cache.rows_of, cache.row_tokens, 2, **kw)  # type: ignore[arg-type]
 
@@ -128,12 +133,12 @@ def test_row_drafts_come_from_the_namespace_alone() -> None:
     cache.add(b, [1, 2, 9, 9, 9])
     drafts = _drafts(cache)
     drafts.refresh(a)
-    assert drafts.continuation(a, (2, 3), 8) == [4, 5, 6]
-    assert drafts.continuation(b, (2, 3), 8) == []  # b's index was never made
+    assert _cont(drafts, a, (2, 3), 8) == [4, 5, 6]
+    assert _cont(drafts, b, (2, 3), 8) == []  # b's index was never made
     drafts.refresh(b)
-    assert drafts.continuation(b, (1, 2), 8) == [9, 9, 9]
-    assert drafts.continuation(a, (1, 2), 2) == [3, 4]
-    assert drafts.continuation(a, (9, 9), 8) == []
+    assert _cont(drafts, b, (1, 2), 8) == [9, 9, 9]
+    assert _cont(drafts, a, (1, 2), 2) == [3, 4]
+    assert _cont(drafts, a, (9, 9), 8) == []
 
 
 def test_row_drafts_stay_bounded_and_refresh_at_most_once_a_second() -> None:
@@ -151,29 +156,29 @@ def test_row_drafts_stay_bounded_and_refresh_at_most_once_a_second() -> None:
     now[0] = 2.0
     drafts.refresh(a)
     assert cache.listed == 2 and drafts.tokens == 60
-    assert drafts.continuation(a, (200, 201), 4) == []
+    assert _cont(drafts, a, (200, 201), 4) == []
     cache.add(b, list(range(300, 360)))
     drafts.refresh(b)  # b is drafted from now: a, least recent, is dropped whole
-    assert drafts.tokens == 60 and drafts.continuation(a, (100, 101), 4) == []
-    assert drafts.continuation(b, (300, 301), 2) == [302, 303]
+    assert drafts.tokens == 60 and _cont(drafts, a, (100, 101), 4) == []
+    assert _cont(drafts, b, (300, 301), 2) == [302, 303]
     drafts.saved(b, [7, 8, 9])
-    assert drafts.continuation(b, (7, 8), 2) == [9]
+    assert _cont(drafts, b, (7, 8), 2) == [9]
     drafts.saved(a, [7, 8, 9])  # a is not indexed (nobody drafts from it): ignored
-    assert drafts.continuation(a, (7, 8), 2) == []
+    assert _cont(drafts, a, (7, 8), 2) == []
 
 
 def test_drafter_asks_elsewhere_only_when_its_own_text_has_no_match() -> None:
     asked: list[tuple[int, ...]] = []
 
-    def elsewhere(tail: tuple[int, ...], limit: int) -> list[int]:
+    def elsewhere(tail: tuple[int, ...], limit: int) -> tuple[list[int], int]:
         asked.append(tail)
-        return [42, 43][:limit]
+        return [42, 43][:limit], 32
 
     drafter = Drafter("ngram-simple", 2, 8, [1, 2, 3, 1, 2], elsewhere)
     assert drafter.propose([], 8, Cost(0.0, 0.01))[:1] == [3]  # its own prompt has [1, 2] earlier
     assert asked == []
     assert drafter.propose([7], 8, Cost(0.0, 0.01))[:1] == [42]
-    assert asked == [(2, 7)]
+    assert asked == [(1, 2, 3, 1, 2, 7)]  # its last tokens, up to MATCH_MAX
 
 
 def test_a_draft_stops_before_a_media_span() -> None:
@@ -187,5 +192,52 @@ def test_a_draft_stops_before_a_media_span() -> None:
     prompt = [5, 6, 7, *image, 8, 5, 6]
     draft = Drafter("ngram-simple", 2, 16, prompt).propose([], 16, Cost(0.0, 0.01))
     assert draft == [7]  # what followed [5, 6], up to the picture
-    rows = Drafter("ngram-simple", 2, 16, [1, 2], lambda tail, limit: [9, *image][:limit])
+    rows = Drafter("ngram-simple", 2, 16, [1, 2], lambda tail, limit: ([9, *image][:limit], 32))
     assert rows.propose([], 16, Cost(0.0, 0.01)) == [9]
+
+
+def test_match_length_counts_back_from_both_ends() -> None:
+    index = NgramIndex(2, [9, 1, 2, 3, 4, 8, 7, 1, 2, 3, 4])
+    start = index.lookup()
+    assert start == 3  # [3, 4] at 3
+    assert index.match_length(start) == 4  # [1, 2, 3, 4] before both; 9 and 7 differ
+
+
+def test_a_short_match_is_no_copy_on_a_cpu_a_long_one_is() -> None:
+    """A chat repeats common phrases: a 4-token match is not worth a CPU's verify pass (it
+    would mostly fail), a 24-token one is; a GPU's cheap pass tries both."""
+    cpu, gpu = Cost(1.0, 0.4), Cost(0.0, 0.02)
+    phrase = [11, 12, 13, 14]
+    short = [1, 2, *phrase, 3, 4, 5, 6, 7, 8, 9, 10, 21, *phrase]
+    assert Drafter("ngram-simple", 4, 32, short).propose([], 32, cpu) == []
+    assert Drafter("ngram-simple", 4, 32, short).propose([], 32, gpu) != []
+    passage = list(range(100, 124))
+    long = [1, 2, *passage, 3, 4, 5, 6, 7, 8, *passage]
+    drafter = Drafter("ngram-simple", 4, 32, long)
+    assert drafter.propose([], 32, cpu)[:3] == [3, 4, 5]
+    assert match_prior(4) < 0.8 < 0.95 < match_prior(32)
+
+
+def test_ngram_mod_chains_each_token_from_the_n_before_it() -> None:
+    """ngram-simple copies one earlier occurrence up to the text's end; ngram-mod looks up
+    each drafted token from the n tokens before it, so it goes on around a repeated
+    pattern, and passes from one occurrence to a later one."""
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    gpu = Cost(0.0, 0.02)
+    assert Drafter("ngram-simple", 2, 10, prompt).propose([], 10, gpu) == [3, 4, 1, 2]
+    assert Drafter("ngram-mod", 2, 10, prompt).propose([], 10, gpu) == [3, 4, 1, 2] * 2 + [3, 4]
+    # [5, 6] was last followed by 7, but [6, 7] by 9 at its latest occurrence: mod follows it.
+    hops = [5, 6, 7, 8, 0, 6, 7, 9, 0, 5, 6]
+    assert Drafter("ngram-simple", 2, 4, hops).propose([], 4, gpu) == [7, 8, 0, 6]
+    assert Drafter("ngram-mod", 2, 4, hops).propose([], 4, gpu) == [7, 9, 0, 5]
+
+
+def test_row_drafts_say_how_long_the_match_is() -> None:
+    cache = _Rows()
+    a = _ns(b"a")
+    cache.add(a, [1, 2, 3, 4, 5, 6])
+    drafts = _drafts(cache)
+    drafts.refresh(a)
+    assert drafts.continuation(a, (9, 2, 3, 4), 8) == ([5, 6], 3)
+    assert drafts.continuation(a, (1, 2, 3, 4), 1) == ([5], 4)
+    assert drafts.continuation(a, (3,), 8) == ([], 0)  # shorter than n

@@ -17,6 +17,8 @@ from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.errors import BackendError, InvalidRequestError
 from kvwarm.media import MediaError, MediaLimits
+from kvwarm.settings import SERVER_POLICY
+from kvwarm.tokens import common_prefix
 
 GREEDY = GenerationOptions(max_tokens=8, temperature=0.0)
 
@@ -161,3 +163,50 @@ def test_media_is_refused_clearly(engine: Engine) -> None:
             [{"role": "user", "content": [{"type": "audio", "audio": b"RIFF"}]}], options=GREEDY
         )
     assert model.status().active == 0
+
+
+def test_after_a_restart_each_conversation_prefills_only_its_new_message(tmp_path: Path) -> None:
+    """bench/media.py's load on the stub (issue 36): three conversations about pictures (the
+    first and third the same) share one slot; after a restart, each one's next turn restores
+    all that its previous turn left (prompt and reply, the picture's span among them) from the
+    disk tier and prefills only the new message."""
+    system = "You describe pictures. " * 8
+    histories = [
+        image_chat(png(seed), f"Conversation {c}: what is it?", system=system)
+        for c, seed in enumerate((11, 12, 11))
+    ]
+    left: list[tuple[int, ...]] = [(), (), ()]  # each conversation's last prompt and reply
+    for turns in (3, 1):  # then a restart
+        engine = make_engine(tmp_path, policy=SERVER_POLICY)  # what kvwarm serve saves
+        try:
+            model = engine.load_model(config=replace(media_config(), save_tier="disk"))
+            for _ in range(turns):
+                for c, history in enumerate(histories):
+                    if left[c]:
+                        history.append({"role": "user", "content": f"And then? ({c})"})
+                    prompt = model.chat_prompt(history)[0].prompt
+                    out = model.chat(history, options=GREEDY)
+                    history.append({"role": "assistant", "content": out.text})
+                    if turns == 1:
+                        # (A reply's last token is sampled, never decoded: no KV holds it.)
+                        said = common_prefix(left[c][:-1], prompt.tokens)
+                        assert prompt.spans[0].end < said < len(prompt.tokens), (c, said)
+                        assert out.stats.cached_tokens == said, (c, out.stats)
+                    left[c] = out.tokens
+        finally:
+            engine.close()
+
+
+def test_a_prefill_after_an_image_is_the_chat_prompt_then_its_text(engine: Engine) -> None:
+    """``chat(prefill=)``: the chat's prompt, its picture's span kept, then the prefill as
+    plain text (special-token text in it stays text); and the reply continues from there."""
+    model = engine.load_model(config=media_config())
+    chat = image_chat(png(10), "What is it?")
+    prompt, _ = model.chat_prompt(chat)
+    prefill = "It is <|user|> a"
+    tail = model.tokenize(prefill, add_special=False, parse_special=False)
+    out = model.chat(chat, options=GREEDY, prefill=prefill)
+    assert out.prompt_tokens == (*prompt.prompt.tokens, *tail)
+    assert model.count_chat_tokens(chat, prefill=prefill) == len(out.prompt_tokens)
+    same = model.complete(prompt.extended(tail), GREEDY)
+    assert same.text == out.text and same.stats.cached_tokens > prompt.prompt.spans[0].end

@@ -6,6 +6,7 @@ Short prompts: prefill is ~200 tokens/s on 2 cores."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +15,9 @@ from tests.engine.conftest import make_engine
 from kvwarm.backends.base import BatchToken, ContextParams
 from kvwarm.engine.api import ModelConfig
 from kvwarm.engine.model import Model
-from kvwarm.engine.types import GenerationOptions
+from kvwarm.engine.types import MAX_DRAFT_TOKENS, GenerationOptions
 from kvwarm.engine.worker.drafts import Cost, PassCost
+from kvwarm.errors import ConfigError
 
 pytestmark = pytest.mark.model
 
@@ -73,20 +75,21 @@ def test_a_verify_pass_row_is_a_one_token_pass(model: Model) -> None:
     ctx = bmodel.new_context(params)
     try:
         n = len(prompt)
-        follow = [prompt[i % n] for i in range(40)]
+        rows_max = MAX_DRAFT_TOKENS + 1  # the longest verify pass of one sequence
+        follow = [prompt[i % n] for i in range(rows_max)]
         ctx.prefill(0, prompt, 0)
         one = []
         for i, token in enumerate(follow):
             ctx.decode([BatchToken(token, n + i, 0, True)])
             one.append(np.frombuffer(ctx.logits(0), np.float32).copy())
         ctx.seq_rm(0, n, -1)
-        ctx.decode([BatchToken(t, n + i, 0, True) for i, t in enumerate(follow[:33])])
-        rows = [np.frombuffer(ctx.logits(i), np.float32).copy() for i in range(33)]
+        ctx.decode([BatchToken(t, n + i, 0, True) for i, t in enumerate(follow)])
+        rows = [np.frombuffer(ctx.logits(i), np.float32).copy() for i in range(rows_max)]
         ctx.seq_rm(0, n + 5, -1)  # keep 5, as a verify pass that accepted 4 drafts would
         for i, token in enumerate(follow[5:20], start=5):
             ctx.decode([BatchToken(token, n + i, 0, True)])
             rows[i] = np.frombuffer(ctx.logits(0), np.float32).copy()
-        for i in range(20):
+        for i in range(rows_max):
             assert np.array_equal(rows[i], one[i]), f"position {n + i} differs"
     finally:
         ctx.close()
@@ -113,3 +116,65 @@ def test_sliding_window_model_speculates_inside_its_window_exactly(gemma_path: s
     assert len(plain.prompt_tokens) < 512 < len(plain.tokens)  # the reply crosses the window
     assert spec.completion_tokens == plain.completion_tokens
     assert spec.stats.accepted_tokens > 0
+
+
+# ---- a draft model (--draft-model) -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafted() -> Iterator[Model]:
+    """SmolLM2 drafting for itself: the same vocabulary, so its drafts are mostly accepted."""
+    import kvwarm.embedded
+
+    path = str(kvwarm.embedded.default_model_path())
+    with make_engine() as engine:
+        config = ModelConfig(
+            context=ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2),
+            draft_model=path,
+            spec_draft_max=8,
+        )
+        yield engine.load_model(path, config=config)
+
+
+def test_draft_model_greedy_reply_is_plain_decodings(drafted: Model) -> None:
+    info = drafted.info()
+    assert info.spec_type == "draft-simple" and info.draft_model is not None
+    opts = GenerationOptions(max_tokens=40, temperature=0.0)
+    plain = drafted.chat(MESSAGES, options=opts, spec_type="none", cache_salt="plain")
+    spec = drafted.chat(MESSAGES, options=opts, cache_salt="draft")
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.accepted_tokens >= 10  # the draft model is the model: it guesses well
+
+
+def test_draft_model_prompt_kv_is_restored_from_the_cache(drafted: Model) -> None:
+    """The draft context's prompt KV is saved under the draft model's own namespace, and a
+    later request's first draft restores it instead of prefilling the prompt again."""
+    draft = drafted._draft
+    assert draft is not None
+    opts = GenerationOptions(max_tokens=8, temperature=0.0)
+    messages = [{"role": "user", "content": f"Repeat this code, please:\n\n{CODE}"}]
+    first = drafted.chat(messages, options=opts, cache_salt="restore")
+    drafted._worker.call(lambda: draft.reset(0)).result()  # the draft context forgets it
+    assert drafted._engine.cache.flush()
+    prefilled, restored = draft.prefilled_tokens, draft.restored_tokens
+    again = drafted.chat(messages, options=opts, cache_salt="restore")
+    assert again.completion_tokens == first.completion_tokens
+    assert draft.restored_tokens - restored >= len(first.prompt_tokens) - 1
+    assert draft.prefilled_tokens - prefilled <= 1
+    # Another tenant's salt is another draft namespace: nothing of it is restored.
+    drafted._worker.call(lambda: draft.reset(0)).result()
+    restored = draft.restored_tokens
+    drafted.chat(messages, options=opts, cache_salt="someone else")
+    assert draft.restored_tokens == restored
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tmp_path: Path) -> None:
+    from tests.tinymodels import write_tiny_model
+
+    other = write_tiny_model(tmp_path / "mamba.gguf", "mamba")  # 128 tokens
+    config = ModelConfig(
+        context=ContextParams(n_ctx=256, n_batch=32, n_ubatch=32, n_threads=2),
+        draft_model=str(other),
+    )
+    with make_engine() as engine, pytest.raises(ConfigError, match="vocabulary"):
+        engine.load_model(config=config)

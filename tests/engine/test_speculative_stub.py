@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -24,7 +24,7 @@ from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.engine.worker.drafts import Cost, PassCost
-from kvwarm.errors import InvalidRequestError, StateRestoreError
+from kvwarm.errors import ConfigError, InvalidRequestError, StateRestoreError
 from kvwarm.memory import MemoryKindName
 
 PASSAGE = "The quick brown fox jumps over the lazy dog while the cat sleeps on the mat. "
@@ -73,7 +73,7 @@ def held(model: Model, seq: int = 0) -> int:
 # ---- the output is plain decoding's -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["ngram-simple", "ngram-map-k"])
+@pytest.mark.parametrize("kind", ["ngram-simple", "ngram-map-k", "ngram-mod"])
 def test_greedy_output_is_plain_decodings(engine: Engine, kind: str) -> None:
     model = engine.load_model(config=spec_config(spec_type=kind))
     plain, spec = both(model, PROMPT, GREEDY)
@@ -239,10 +239,10 @@ def test_request_switch_and_draft_cap(engine: Engine) -> None:
         == 0
     )
     with pytest.raises(InvalidRequestError) as bad:
-        model.complete(PROMPT, GREEDY, spec_type="ngram-mod")
+        model.complete(PROMPT, GREEDY, spec_type="ngram-cache")
     assert bad.value.param == "spec_type"
     with pytest.raises(InvalidRequestError) as bad:
-        model.complete(PROMPT, GREEDY, spec_draft_max=49)
+        model.complete(PROMPT, GREEDY, spec_draft_max=63)
     assert bad.value.param == "spec_draft_max"
 
 
@@ -429,3 +429,70 @@ def test_drafts_from_the_namespaces_rows_and_no_other(engine: Engine) -> None:
     other = model.complete(prompt, opts, cache_salt="tenant-b")
     assert other.completion_tokens == first.completion_tokens  # the same model, the same reply
     assert other.stats.drafted_tokens == 0  # but nothing of tenant-a's rows
+
+
+# ---- a draft model ------------------------------------------------------------------------------
+
+
+def test_a_draft_model_drafts_and_the_output_is_plain_decodings(engine: Engine) -> None:
+    """The stub drafting for itself (the same vocabulary): its greedy tokens are drafts, the
+    reply is plain decoding's; a request may still choose n-grams or none."""
+    model = engine.load_model(
+        config=replace(spec_config(), spec_type="none", draft_model="draft-stub.gguf")
+    )
+    assert model.info().spec_type == "draft-simple"  # a draft model drafts unless told otherwise
+    assert model.info().draft_model == "draft-stub.gguf"
+    plain, spec = both(model, PROMPT, GREEDY)
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.accepted_tokens > 20
+    draft = model._draft
+    assert draft is not None and len(draft.held[0]) > len(spec.prompt_tokens)  # it decoded
+    ngram = model.complete(PROMPT, GREEDY, spec_type="ngram-simple")
+    assert ngram.completion_tokens == plain.completion_tokens
+
+
+def test_draft_needs_a_draft_model(engine: Engine) -> None:
+    model = engine.load_model(config=spec_config())
+    with pytest.raises(InvalidRequestError) as bad:
+        model.complete(PROMPT, GREEDY, spec_type="draft-simple")
+    assert bad.value.param == "spec_type"
+    with pytest.raises(ConfigError, match="needs a draft_model"):
+        engine.load_model(config=replace(spec_config(), spec_type="draft-simple"))
+
+
+def test_draft_model_catches_up_a_chunk_a_tick_and_restores_its_prompt(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt is prefilled into the draft context one n_batch chunk per tick (no draft
+    meanwhile, the slot decodes plainly), saved whole under the draft namespace, and a later
+    request of the same prompt restores it rather than prefilling it again."""
+    config = replace(spec_config(), spec_type="none", draft_model="draft-stub.gguf")
+    model = engine.load_model(config=config)
+    draft = model._draft
+    assert draft is not None
+    chunks: list[int] = []
+    prefill = draft.ctx.prefill
+
+    def counted(seq: int, tokens: Sequence[int], start: int) -> None:
+        chunks.append(len(tokens))
+        prefill(seq, tokens, start)
+
+    monkeypatch.setattr(draft.ctx, "prefill", counted)
+    first = model.complete(PROMPT, GREEDY)
+    assert len(first.prompt_tokens) > 2 * 64  # three chunks of n_batch 64
+    assert chunks[:3] == [64, 64, len(first.prompt_tokens) - 128]
+    assert draft.prefilled_tokens >= len(first.prompt_tokens)
+    assert first.stats.accepted_tokens > 0
+    model._worker.call(lambda: draft.reset(0)).result()
+    assert engine.cache.flush()
+    prefilled = draft.prefilled_tokens
+    again = model.complete(PROMPT, GREEDY)
+    assert again.completion_tokens == first.completion_tokens
+    assert draft.restored_tokens >= len(first.prompt_tokens)
+    assert draft.prefilled_tokens - prefilled < 64  # only what the reply added
+    # Another tenant in the same slot: neither the live draft KV nor the cached row is its.
+    prefilled, restored = draft.prefilled_tokens, draft.restored_tokens
+    other = model.complete(PROMPT, GREEDY, cache_salt="another tenant")
+    assert other.completion_tokens == first.completion_tokens
+    assert draft.restored_tokens == restored
+    assert draft.prefilled_tokens - prefilled >= len(first.prompt_tokens)

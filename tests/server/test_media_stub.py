@@ -25,6 +25,10 @@ def data_uri(data: bytes, kind: str = "image/png") -> str:
     return f"data:{kind};base64,{base64.b64encode(data).decode()}"
 
 
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
 def chat_body(image_url: str, question: str = "What is it?") -> dict[str, object]:
     return {
         "model": "eye",
@@ -159,7 +163,57 @@ def test_anthropic_image_blocks_and_responses_input_image(client: TestClient) ->
             ],
         },
     )
-    assert prefilled.status_code == 400 and "prefill" in prefilled.json()["error"]["message"]
+    assert prefilled.status_code == 200, prefilled.json()
+
+
+def test_an_anthropic_prefill_after_an_image_continues_it(client: TestClient) -> None:
+    """A trailing assistant message after an image: the reply continues it (it is appended
+    after the picture's span and the generation prompt), and a second request with the same
+    picture restores past the span."""
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": b64(png(8))},
+    }
+
+    def ask(prefill: str) -> dict[str, object]:
+        body = {
+            "model": "eye",
+            "max_tokens": 4,
+            "temperature": 0,
+            "messages": [
+                {"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]},
+                {"role": "assistant", "content": prefill},
+            ],
+        }
+        out = client.post("/v1/messages", json=body)
+        assert out.status_code == 200, out.json()
+        reply: dict[str, object] = out.json()
+        return reply
+
+    plain = ask("It is")
+    other = ask("It is not")
+    # The prefill reached the model: on the stub the reply depends on every prompt token.
+    assert plain["content"] != other["content"]
+    usage = other["usage"]
+    assert isinstance(usage, dict)
+    # The second request restored the picture's span and the text up to where they differ.
+    assert usage["cache_read_input_tokens"] > 16, usage
+    count = client.post(
+        "/v1/messages/count_tokens",
+        json={
+            "model": "eye",
+            "messages": [
+                {"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]},
+                {"role": "assistant", "content": "It is not"},
+            ],
+        },
+    )
+    assert count.status_code == 200, count.json()
+    prompt = sum(
+        int(usage[k])
+        for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    )
+    assert count.json()["input_tokens"] == prompt
 
 
 @pytest.mark.parametrize(
@@ -246,3 +300,37 @@ def test_an_allowed_host_is_fetched_once_without_redirects(client: TestClient) -
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_prewarmed_chat_with_an_image_is_restored_past_it_and_kept_warm(
+    client: TestClient,
+) -> None:
+    """``/cache/prewarm`` takes a chat's image parts (cached by content, as a chat's): a later
+    chat that starts with the same messages restores past the picture, and keep-alive
+    re-warms the chat from its messages (ids alone cannot carry a picture)."""
+    head = chat_body(data_uri(png(9)), "Remember this picture.")["messages"]
+    assert isinstance(head, list)
+    warm = client.post("/cache/prewarm", json={"model": "eye", "messages": head})
+    assert warm.status_code == 200, warm.json()
+    n_warm = warm.json()["prompt_tokens"]
+    assert n_warm > 16 and warm.json()["keep_alive"] is True
+    follow = [*head, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "?"}]
+    body = {"model": "eye", "max_tokens": 2, "messages": follow}
+    usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+    # All of the prewarmed prefix, the picture's 16 positions among them.
+    assert usage["prompt_tokens_details"]["cached_tokens"] == n_warm, (usage, n_warm)
+    state = client.app.state.kvwarm  # type: ignore[attr-defined]
+    (entry,) = [e for e in state.keepalive.entries() if e.model_id == "eye"]
+    warms = entry.warms
+    entry.last_warm -= 1e9  # due now
+    assert state.keepalive.tick(state.ready_model) >= 1
+    assert entry.warms == warms + 1 and entry.failures == 0
+    # The same chat again is the same entry (keyed by its messages), not a second one.
+    again = client.post("/cache/prewarm", json={"model": "eye", "messages": head})
+    assert again.status_code == 200 and again.json()["cached_tokens"] == n_warm
+    assert len([e for e in state.keepalive.entries() if e.model_id == "eye"]) == 1
+    fetched = client.post(
+        "/cache/prewarm",
+        json={"model": "eye", "messages": chat_body("https://example.com/a.png")["messages"]},
+    )
+    assert fetched.status_code == 400 and fetched.json()["error"]["code"] == "media_fetch_refused"

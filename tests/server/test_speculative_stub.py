@@ -103,7 +103,12 @@ def test_llama_server_request_names_switch_it_per_request(client: TestClient) ->
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("spec_type", "ngram-mod"), ("speculative.type", "draft"), ("spec_draft_max", 49)],
+    [
+        ("spec_type", "ngram-cache"),
+        ("speculative.type", "ngram-map-k4v"),
+        ("spec_type", "draft-simple"),  # a name, but this model has no draft model
+        ("spec_draft_max", 63),
+    ],
 )
 def test_bad_values_are_400s_naming_the_field(
     client: TestClient, field: str, value: object
@@ -116,5 +121,9 @@ def test_bad_values_are_400s_naming_the_field(
 
 def test_models_say_whether_and_how_they_speculate(client: TestClient) -> None:
     data = {m["id"]: m["meta"] for m in client.get("/v1/models").json()["data"]}
-    assert data["spec"]["speculative"] == {"type": "ngram-simple", "available": "on"}
-    assert data["plain"]["speculative"] == {"type": "none", "available": "on"}
+    assert data["spec"]["speculative"] == {
+        "type": "ngram-simple",
+        "available": "on",
+        "draft_model": None,
+    }
+    assert data["plain"]["speculative"] == {"type": "none", "available": "on", "draft_model": None}

@@ -19,7 +19,7 @@ from kvwarm.server import create_app
 
 from .conftest import LiveServer, stub_settings, wait_ready
 
-MESSAGES = [{"role": "user", "content": "tell me a long story"}]
+MESSAGES = [{"role": "user", "content": "tell me a very long story"}]
 # Each API's streaming request for a long reply: greedy, whose stub reply (a function of the
 # prompt) runs past its 150 tokens before a "!" would end it (checked below).
 GREEDY = {"temperature": 0}

@@ -29,6 +29,7 @@ class Generate:
     messages: Sequence[Mapping[str, object]] = ()
     tools: Sequence[Mapping[str, object]] | None = None
     prompt: str | tuple[int, ...] = ""
+    prefill: str = ""  # chat: text the reply continues (``ModelStreams.stream_chat``)
     avoid: tuple[str, ...] = ()  # replicas lost under an earlier attempt of this call
     # The prompt's token ids as the ingress made them (routing only: the replica tokenizes
     # again from ``messages``/``prompt``); () when the ingress has no tokenizer for it.

@@ -351,10 +351,13 @@ class RemoteModel(ModelOps):
         *,
         tools: Sequence[Mapping[str, object]] | None = None,
         options: GenerationOptions | None = None,
+        prefill: str = "",
     ) -> RemoteStream:
         salt = options.cache_salt if options else None
         chain = chains.chat_chain(self.id, messages, cache_salt=salt, tools=tools)
-        return self._generate("chat", options, messages=list(messages), tools=tools, chain=chain)
+        return self._generate(
+            "chat", options, messages=list(messages), tools=tools, prefill=prefill, chain=chain
+        )
 
     def _text(
         self, kind: GenerateKind, prompt: str | Sequence[int], options: GenerationOptions | None
@@ -428,6 +431,7 @@ class RemoteModel(ModelOps):
     detokenize = _forward(ModelCalls.detokenize)
     apply_chat_template = _forward(ModelCalls.apply_chat_template)
     chat_tokens = _forward(ModelCalls.chat_tokens)
+    count_chat_tokens = _forward(ModelCalls.count_chat_tokens)
     infill_tokens = _forward(ModelCalls.infill_tokens)
     embed = _forward(ModelCalls.embed)
     rerank = _forward(ModelCalls.rerank)
@@ -445,6 +449,24 @@ class RemoteModel(ModelOps):
             (prompt,),
             {"ttl_class": ttl_class, "add_special": add_special, "cache_salt": cache_salt},
             chains.text_chain(self.id, prompt, cache_salt=cache_salt),
+        )
+        assert isinstance(out, CompletionStats)
+        return out
+
+    def prewarm_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        ttl_class: TtlClass = TtlClass.LONG,
+        cache_salt: str | None = None,
+    ) -> CompletionStats:
+        out = self._op(
+            "prewarm_chat",
+            (messages,),
+            {"tools": tools, "ttl_class": ttl_class, "cache_salt": cache_salt},
+            # Where a chat that starts with these messages will be routed.
+            chains.chat_chain(self.id, messages, cache_salt=cache_salt, tools=tools),
         )
         assert isinstance(out, CompletionStats)
         return out

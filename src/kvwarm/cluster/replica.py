@@ -168,7 +168,9 @@ class EngineReplica:
     def _start(self, call: Generate) -> CompletionStream:
         model = self._model(call.model_id)
         if call.kind == "chat":
-            return model.stream_chat(call.messages, tools=call.tools, options=call.options)
+            return model.stream_chat(
+                call.messages, tools=call.tools, options=call.options, prefill=call.prefill
+            )
         if call.kind == "text":
             return model.stream(call.prompt, call.options)
         return model.submit(call.prompt, call.options)
@@ -227,7 +229,7 @@ class EngineReplica:
             raise InvalidRequestError(f"a replica has no operation {op.op!r}")
         model = self._model(op.model_id)
         result = getattr(model, op.op)(*op.args, **op.kwargs)
-        if op.op == "prewarm":
+        if op.op in ("prewarm", "prewarm_chat"):
             self.warm.add(op.chain)
             key = getattr(result, "key", None)
             self.events.served(op.chain, key if isinstance(key, bytes) else None, 0)

@@ -78,10 +78,19 @@ class ModelConfig:
     #: lookups match, and the most tokens one draft may hold. Off in deterministic mode.
     spec_type: SpecType = "none"
     spec_ngram_n: int = 4
-    spec_draft_max: int = 32
+    spec_draft_max: int = 48
+    #: ``--draft-model``: a smaller GGUF of the same vocabulary whose greedy tokens are drafts
+    #: (``spec_type`` "draft-simple", the default when one is given), with a context of its own
+    #: (``engine/worker/draftmodel.py``). None: none.
+    draft_model: str | None = None
     #: LoRA adapters loaded with the model (``AdapterError`` fails the load: one that does not
     #: fit the model's architecture or tensor shapes).
     lora: tuple[LoraSpec, ...] = ()
+
+    @property
+    def speculative(self) -> bool:
+        """Whether requests of this model speculate unless they choose otherwise."""
+        return self.spec_type != "none" or self.draft_model is not None
 
     def validate(self) -> None:
         self.context.validate()
@@ -115,7 +124,11 @@ class ModelConfig:
             raise ConfigError(
                 f"spec_type must be one of {', '.join(SPEC_TYPES)}; got {self.spec_type!r}"
             )
-        if self.spec_type != "none" and self.context.flash_attn == "off":
+        if self.spec_type == "draft-simple" and self.draft_model is None:
+            raise ConfigError("spec_type 'draft-simple' needs a draft_model")
+        if self.draft_model is not None and self.mmproj is not None:
+            raise ConfigError("a draft_model cannot draft for a model with an mmproj")
+        if self.speculative and self.context.flash_attn == "off":
             # Measured (docs/internals.md, "Speculative decoding"): without flash attention a
             # verify pass's rows differ from one-token passes' and greedy replies changed.
             raise ConfigError(
@@ -190,6 +203,7 @@ class ModelOptions(TypedDict, total=False):
     spec_type: SpecType
     spec_ngram_n: int
     spec_draft_max: int
+    draft_model: str | None
     lora: tuple[LoraSpec, ...]
 
 

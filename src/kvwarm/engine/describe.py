@@ -46,6 +46,7 @@ def model_info(
     projector: ProjectorFacts | None = None,
     capabilities: tuple[Capability, ...] = ("generate", "embed"),
     pooling: str = "mean",
+    draft_model: str | None = None,
 ) -> ModelInfo:
     """The model's description; ``fingerprint`` is the effective one (adapters folded in)."""
     return ModelInfo(
@@ -82,6 +83,7 @@ def model_info(
         capabilities=capabilities,
         pooling=pooling,
         spec_type=cfg.spec_type,
+        draft_model=draft_model,
         speculation=speculation(
             cfg, MemoryKind(facts.memory_kind, facts.n_swa, cfg.context.swa_full)
         ),

@@ -10,6 +10,7 @@ slots (``docs/architecture.md``, "Engine").
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -69,9 +70,16 @@ from kvwarm.engine.types import (
     Reranking,
 )
 from kvwarm.engine.worker.batching import strategy
+from kvwarm.engine.worker.draftmodel import DraftModel, check_vocab
 from kvwarm.engine.worker.loop import Worker, WorkerConfig
 from kvwarm.engine.worker.runtime import LoraChoice
-from kvwarm.errors import AdapterError, CapabilityError, EngineClosedError, InvalidRequestError
+from kvwarm.errors import (
+    AdapterError,
+    CapabilityError,
+    ConfigError,
+    EngineClosedError,
+    InvalidRequestError,
+)
 from kvwarm.tokens import Prompt
 
 if TYPE_CHECKING:
@@ -101,6 +109,10 @@ class Model:
         policy: PolicyConfig,
         progress: Callable[[float], bool] | None,
     ) -> None:
+        if cfg.draft_model is not None and cfg.spec_type == "none":
+            cfg = replace(
+                cfg, spec_type="draft-simple"
+            )  # a draft model drafts unless told otherwise
         self._engine = engine
         self.id = model_id
         self.path = path
@@ -116,8 +128,9 @@ class Model:
         params = replace(cfg.model_params, progress=phases.weights())
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
         self._projector: Projector | None = None
+        self._draft: DraftModel | None = None
         ran = self._bmodel.context_params(
-            cfg.context, deterministic=cfg.deterministic, speculative=cfg.spec_type != "none"
+            cfg.context, deterministic=cfg.deterministic, speculative=cfg.speculative
         )
         facts = self._bmodel.facts
         #: How it pools: the setting's, else the GGUF's, else the context's (mean).
@@ -135,10 +148,14 @@ class Model:
         try:
             if cfg.mmproj is not None:
                 self._projector = self._load_projector(cfg.mmproj)
+            if cfg.draft_model is not None:
+                self._draft = self._load_draft(cfg.draft_model)
             self._start_worker()
         except BaseException:
             if self._projector is not None:
                 self._projector.close()
+            if self._draft is not None:
+                self._draft.close()
             self._bmodel.close()
             raise
         self._adapters = Adapters(self._bmodel, self._worker, self._refresh_namespace)
@@ -205,6 +222,50 @@ class Model:
         )
         return projector
 
+    def _load_draft(self, draft_path: str) -> DraftModel:
+        """The ``--draft-model``: its weights (``ConfigError`` unless it has this model's
+        vocabulary), a context of its own with one sequence per slot, and its own cache
+        namespace (its fingerprint, its context's hash)."""
+        cfg = self.config
+        path = Path(draft_path).expanduser()
+        bmodel = self.backend.load_model(str(path), replace(cfg.model_params, progress=None))
+        try:
+            check_vocab(self._bmodel, bmodel, str(path))
+            ran = bmodel.context_params(
+                replace(cfg.context, embeddings=False), deterministic=False, speculative=True
+            )
+            total = replace(
+                ran, n_ctx=ran.n_ctx * cfg.n_parallel, n_seq_max=cfg.n_parallel, kv_unified=True
+            )
+            ctx = bmodel.new_context(total)
+            try:
+                if not ctx.memory.trimmable:
+                    raise ConfigError(
+                        f"draft model {path}: its {ctx.memory.describe()} memory cannot roll "
+                        "a rejected draft back"
+                    )
+                fingerprint = model_fingerprint(path, self.fingerprint_mode, None)
+                # Its own namespace even where the draft model is the model itself: the draft
+                # context's rows are whole blobs of its prompts, never mixed with the model's.
+                ctx_hash = hashlib.sha256(b"kvwarm draft context\0" + ran.kv_hash()).digest()
+                namespace = Namespace(fingerprint, bmodel.facts.file_type & 0xFF, ctx_hash)
+                log.info("model %s drafts with %s", self.id, path.name)
+                return DraftModel(
+                    bmodel,
+                    ctx,
+                    namespace,
+                    n_seq=cfg.n_parallel,
+                    quant_bits=bmodel.facts.quant_bits,
+                    path=str(path),
+                    n_ctx_slot=ran.n_ctx,
+                )
+            except BaseException:
+                ctx.close()
+                raise
+        except BaseException:
+            bmodel.close()
+            raise
+
     def _start_worker(self) -> None:
         cfg = self.config
         self.facts = facts = self._bmodel.facts
@@ -247,6 +308,7 @@ class Model:
             self.namespace,
             self._resolve_lora,
             projector=self._projector,
+            draft=self._draft,
         )
 
     def _free_after_failed_load(self) -> None:
@@ -309,6 +371,7 @@ class Model:
             projector=None if self._projector is None else self._projector.facts,
             capabilities=self.capabilities,
             pooling=self.pooling,
+            draft_model=None if self._draft is None else self._draft.path,
         )
 
     @property
@@ -466,10 +529,13 @@ class Model:
         *,
         tools: Sequence[Mapping[str, object]] | None = None,
         options: GenerationOptions | None = None,
+        prefill: str = "",
         **overrides: Unpack[GenerationOverrides],
     ) -> Completion:
+        """A chat's reply. ``prefill``: text the reply continues and does not repeat
+        (Anthropic's trailing assistant message), as ``stream_chat`` places it."""
         opts = merge_options(options, overrides)
-        prompt, text = self.chat_prompt(messages, tools=tools)
+        prompt, text = self._prefilled_chat(messages, tools, prefill)
         return self._submit(prompt, opts, text, fragments=False).result()
 
     def stream_chat(
@@ -478,11 +544,27 @@ class Model:
         *,
         tools: Sequence[Mapping[str, object]] | None = None,
         options: GenerationOptions | None = None,
+        prefill: str = "",
         **overrides: Unpack[GenerationOverrides],
     ) -> CompletionStream:
+        """A chat's reply as it is generated. ``prefill``: text the reply continues (its
+        fragments and text do not repeat it), placed after the template's generation prompt
+        as plain text (special-token text in it stays text); the chat may show images."""
         opts = merge_options(options, overrides)
-        prompt, text = self.chat_prompt(messages, tools=tools)
+        prompt, text = self._prefilled_chat(messages, tools, prefill)
         return self._submit(prompt, opts, text)
+
+    def _prefilled_chat(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, object]] | None,
+        prefill: str,
+    ) -> tuple[MediaPrompt, str]:
+        prompt, text = self.chat_prompt(messages, tools=tools)
+        if not prefill:
+            return prompt, text
+        tail = self._bmodel.tokenize(prefill, add_special=False, parse_special=False)
+        return prompt.extended(tail), text + prefill
 
     def prewarm(
         self,
@@ -510,6 +592,20 @@ class Model:
             ids, text = MediaPrompt(Prompt.text(check_tokens(prompt, self.facts.n_vocab))), ""
         stream = self._submit(ids, opts, text, kind="prewarm", ttl=ttl_class, fragments=False)
         return stream.result().stats
+
+    def prewarm_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        ttl_class: TtlClass = TtlClass.LONG,
+        cache_salt: str | None = None,
+    ) -> CompletionStats:
+        """Prefill and save the prompt every chat that starts with ``messages`` begins with
+        (rendered without a generation prompt), its images and audio included: a later chat
+        with the same messages first, the same pictures among them, restores past them."""
+        prompt, _ = self.chat_prompt(messages, tools=tools, add_generation_prompt=False)
+        return self.prewarm(prompt, ttl_class=ttl_class, cache_salt=cache_salt)
 
     def _prompt_tokens(
         self, prompt: PromptInput, opts: GenerationOptions
@@ -581,6 +677,17 @@ class Model:
                 param="messages",
             )
         return prompt.prompt.tokens, text
+
+    def count_chat_tokens(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        prefill: str = "",
+    ) -> int:
+        """The length of the prompt ``stream_chat`` would send, its media's spans counted."""
+        prompt, _ = self._prefilled_chat(messages, tools, prefill)
+        return len(prompt.prompt.tokens)
 
     def chat_prompt(
         self,
@@ -746,6 +853,8 @@ class Model:
         self._adapters.close()
         if self._projector is not None:
             self._projector.close()
+        if self._draft is not None:
+            self._draft.close()
         self._bmodel.close()
 
 

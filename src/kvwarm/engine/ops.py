@@ -97,6 +97,17 @@ class ModelCalls(Protocol):
         """The prompt tokens of a chat and its rendered text."""
         ...
 
+    def count_chat_tokens(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        prefill: str = "",
+    ) -> int:
+        """The length of the prompt ``stream_chat`` would send: its images' and audio's
+        positions counted, as ``chat_tokens`` (ids only) cannot."""
+        ...
+
     def infill_tokens(
         self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
     ) -> list[int]:
@@ -112,6 +123,18 @@ class ModelCalls(Protocol):
         cache_salt: str | None = None,
     ) -> CompletionStats:
         """Prefill ``prompt`` and save it, generating nothing."""
+        ...
+
+    def prewarm_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        ttl_class: TtlClass = TtlClass.LONG,
+        cache_salt: str | None = None,
+    ) -> CompletionStats:
+        """Prefill the prompt every chat that starts with ``messages`` begins with (no
+        generation prompt), its images and audio included, and save it."""
         ...
 
     def embed(
@@ -152,7 +175,10 @@ class ModelStreams(Protocol):
         *,
         tools: Sequence[Mapping[str, object]] | None = None,
         options: GenerationOptions | None = None,
-    ) -> OpStream: ...
+        prefill: str = "",
+    ) -> OpStream:
+        """``prefill``: text the reply continues (Anthropic's trailing assistant message)."""
+        ...
 
     def streams(
         self,

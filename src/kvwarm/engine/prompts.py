@@ -9,6 +9,10 @@ Invariants:
   render is split at the sentinels; markup segments and content segments are tokenized
   separately and concatenated. The text reported is the render with the real contents, and it
   equals the template's own rendering (checked; see below).
+- BOS and EOS as llama-server places them (``common_chat_templates_apply``, then tokenizing
+  with ``add_special``): where the vocabulary adds BOS (EOS), one BOS (EOS) text is taken off
+  the render's start (end) and the id put there, so the prompt has exactly the one the model
+  wants whether or not the template writes it.
 - Prefix stability: each segment's tokens depend only on that segment, and a message's segments
   do not change when later messages are appended, so turn N's prompt tokens stay a prefix of
   turn N+1's (the cache's multi-turn hits rely on it).
@@ -200,13 +204,22 @@ def chat_prompt(
     rendered = model.apply_chat_template(
         marked, tools=tools, add_generation_prompt=add_generation_prompt, template=template
     )
+    shown_text = text
+    bos, eos = _added_specials(model)
+    # As llama-server (common_chat_templates_apply, then tokenizing with add_special): a
+    # model that wants BOS (EOS) gets exactly one from the tokenizer, whether the template
+    # writes it or not, so its text is taken off the render's start (end) first.
+    if bos is not None:
+        text, rendered = _strip_start(text, bos[1]), _strip_start(rendered, bos[1])
+    if eos is not None:
+        text, rendered = _strip_end(text, eos[1]), _strip_end(rendered, eos[1])
     pieces = re.split(f"\ue000{tag}:([0-9]+)\ue001", rendered)
     # re.split alternates markup and captured content indices: m0, i0, m1, i1, ..., mN.
     spliced = "".join(p if k % 2 == 0 else contents[int(p)] for k, p in enumerate(pieces))
-    parts: list[Sequence[int] | tuple[bytes, int, str]] = []
+    parts: list[Sequence[int] | tuple[bytes, int, str]] = [] if bos is None else [[bos[0]]]
     placed: list[SpanMedia] = []
     seen: list[int] = []
-    shown = re.sub(f"\ue000{tag}:m[0-9]+\ue001", MEDIA_MARKER, text)
+    shown = re.sub(f"\ue000{tag}:m[0-9]+\ue001", MEDIA_MARKER, shown_text)
 
     def add(piece: str, *, special: bool) -> None:
         for k, bit in enumerate(re.split(f"\ue000{tag}:m([0-9]+)\ue001", piece)):
@@ -247,7 +260,30 @@ def chat_prompt(
             "(it drops or repeats message content)",
             param="messages",
         )
+    if eos is not None:
+        parts.append([eos[0]])
     return MediaPrompt(Prompt.build(parts), tuple(placed)), shown
+
+
+def _added_specials(model: BackendModel) -> tuple[tuple[int, str] | None, tuple[int, str] | None]:
+    """The BOS and EOS (id, text) the model's tokenizer adds to a text (its ``add_bos`` and
+    ``add_eos`` metadata); None where it adds none."""
+    facts = model.facts
+
+    def special(token: int | None, added: bool) -> tuple[int, str] | None:
+        if token is None or not added:
+            return None
+        return token, model.token_to_piece(token, special=True).decode("utf-8", "replace")
+
+    return special(facts.bos, facts.add_bos), special(facts.eos, facts.add_eos)
+
+
+def _strip_start(text: str, piece: str) -> str:
+    return text[len(piece) :] if piece and text.startswith(piece) else text
+
+
+def _strip_end(text: str, piece: str) -> str:
+    return text[: -len(piece)] if piece and text.endswith(piece) else text
 
 
 def _unmarked(content: str, tag: str) -> str:

@@ -75,6 +75,12 @@ class Submitter:
         prompt = given.prompt
         check_length(prompt.tokens, self.config.context.n_ctx)
         self.check_lora(opts.lora)
+        if opts.spec_type == "draft-simple" and self.config.draft_model is None:
+            raise InvalidRequestError(
+                "spec_type 'draft-simple' needs a draft model, and this model has none "
+                "(load it with --draft-model)",
+                param="spec_type",
+            )
         if prompt.spans:
             self._check_spans(given, opts)
         grammar = opts.grammar

@@ -21,13 +21,17 @@ FinishReason = Literal["stop", "length", "cancelled"]
 #: that mean the same (``engine/worker/drafts.py``): "none" (plain decoding), "ngram-simple"
 #: (the latest earlier occurrence of the last n tokens in the request's own prompt and reply
 #: proposes what followed it), "ngram-map-k" (the same lookup, with each n-gram's drafts capped
-#: by how many of its last draft were accepted).
-SpecType = Literal["none", "ngram-simple", "ngram-map-k"]
+#: by how many of its last draft were accepted), "ngram-mod" (each drafted token is what followed
+#: the latest earlier occurrence of the n tokens before it, the draft included, so a draft
+#: may pass from one occurrence to another), "draft-simple" (a draft model's greedy tokens: the
+#: model's ``draft_model``, ``engine/worker/draftmodel.py``).
+SpecType = Literal["none", "ngram-simple", "ngram-map-k", "ngram-mod", "draft-simple"]
 SPEC_TYPES: tuple[str, ...] = get_args(SpecType)
 #: Most tokens one draft may hold (a verify pass is one more than its draft). On the CPU a
-#: pass of up to 63 tokens computes each row as a one-token pass would (flash attention on;
-#: measured; 64 and more run another kernel), so 48 keeps a margin.
-MAX_DRAFT_TOKENS = 48
+#: pass of up to 63 tokens of one sequence computes each row as a one-token pass would (flash
+#: attention on; measured, ``tests/engine/test_speculative_model.py``; 64 and more run another
+#: kernel).
+MAX_DRAFT_TOKENS = 62
 
 _SAMPLER = SamplingParams()
 
@@ -413,6 +417,8 @@ class ModelInfo:
     #: that cannot roll back, deterministic mode).
     spec_type: str = "none"
     speculation: str = "on"
+    #: The draft model's GGUF (``ModelConfig.draft_model``; None: none).
+    draft_model: str | None = None
     #: Its multimodal projector (``--mmproj``): the file, what it reads ("image", "audio";
     #: empty: text only) and what it holds in memory (weights and compute buffers).
     mmproj: str | None = None

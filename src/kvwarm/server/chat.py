@@ -95,24 +95,9 @@ def submit(
 ) -> Callable[[], ServedStream]:
     """The blocking call that starts the generation (run it through ``start_stream``).
     ``prefill``: text the reply must continue (Anthropic's trailing assistant message); it is
-    appended to the prompt as plain text after the template's generation prompt."""
-    if not prefill:
-        return lambda: model.stream_chat(chat.messages, tools=chat.tools, options=opts)
-    if any(isinstance(m.get("content"), list) for m in chat.messages):
-        # The prefill is appended to the prompt's ids, which cannot carry an image's pixels.
-        raise HTTPError(
-            400,
-            "a trailing assistant message (a prefill) is not supported with images yet",
-            code="unsupported_content",
-            param="messages",
-        )
-
-    def start() -> ServedStream:
-        tokens, _ = model.chat_tokens(chat.messages, tools=chat.tools)
-        tail = model.tokenize(prefill, add_special=False, parse_special=False)
-        return model.stream([*tokens, *tail], opts)
-
-    return start
+    appended to the prompt as plain text after the template's generation prompt, after any
+    images the chat shows (``Model.stream_chat``)."""
+    return lambda: model.stream_chat(chat.messages, tools=chat.tools, options=opts, prefill=prefill)
 
 
 def with_parent(opts: GenerationOptions, key: bytes | None) -> GenerationOptions:

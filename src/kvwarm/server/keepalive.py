@@ -15,10 +15,11 @@ drive ``tick`` without waiting.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,11 +27,36 @@ from kvwarm.cache.types import TtlClass
 from kvwarm.errors import KeepAliveFullError, KvwarmError
 
 if TYPE_CHECKING:
+    from kvwarm.engine.types import CompletionStats
     from kvwarm.server.served import ServedModel
 
 log = logging.getLogger("kvwarm.server.keepalive")
 
-Prompt = str | tuple[int, ...]
+
+@dataclass(frozen=True, slots=True)
+class ChatPrefix:
+    """A chat prewarmed by its messages (``ModelCalls.prewarm_chat``): its images and audio
+    are in the prompt only as content, so it is re-warmed from the messages, not from ids.
+    Canonical JSON: equal chats are one entry."""
+
+    messages: str
+    tools: str = "null"
+
+    @classmethod
+    def of(
+        cls, messages: Sequence[Mapping[str, object]], tools: Sequence[Mapping[str, object]] | None
+    ) -> ChatPrefix:
+        return cls(json.dumps(list(messages), sort_keys=True), json.dumps(tools, sort_keys=True))
+
+    def prewarm(
+        self, model: ServedModel, ttl_class: TtlClass, cache_salt: str | None
+    ) -> CompletionStats:
+        messages = json.loads(self.messages)
+        tools = json.loads(self.tools)
+        return model.prewarm_chat(messages, tools=tools, ttl_class=ttl_class, cache_salt=cache_salt)
+
+
+Prompt = str | tuple[int, ...] | ChatPrefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +114,7 @@ class KeepAlive:
     def check_room(
         self,
         model_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | ChatPrefix,
         n_tokens: int = 0,
         *,
         cache_salt: str | None = None,
@@ -103,7 +129,7 @@ class KeepAlive:
     def register(
         self,
         model_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | ChatPrefix,
         ttl_class: TtlClass,
         *,
         add_special: bool = True,
@@ -196,14 +222,17 @@ class KeepAlive:
             model = resolve(entry.model_id)
             if model is None:
                 continue
-            prompt = entry.prompt if isinstance(entry.prompt, str) else list(entry.prompt)
             try:
-                model.prewarm(
-                    prompt,
-                    ttl_class=entry.ttl_class,
-                    add_special=entry.add_special,
-                    cache_salt=entry.cache_salt,
-                )
+                if isinstance(entry.prompt, ChatPrefix):
+                    entry.prompt.prewarm(model, entry.ttl_class, entry.cache_salt)
+                else:
+                    prompt = entry.prompt if isinstance(entry.prompt, str) else list(entry.prompt)
+                    model.prewarm(
+                        prompt,
+                        ttl_class=entry.ttl_class,
+                        add_special=entry.add_special,
+                        cache_salt=entry.cache_salt,
+                    )
             except KvwarmError as exc:
                 entry.failures += 1
                 log.warning("keep-alive re-warm for %s failed: %s", entry.model_id, exc)
@@ -217,5 +246,5 @@ class KeepAlive:
         return done
 
 
-def _key_prompt(prompt: str | Sequence[int]) -> Prompt:
-    return prompt if isinstance(prompt, str) else tuple(prompt)
+def _key_prompt(prompt: str | Sequence[int] | ChatPrefix) -> Prompt:
+    return prompt if isinstance(prompt, str | ChatPrefix) else tuple(prompt)

@@ -175,17 +175,25 @@ class ModelSettings(BaseSettings):
     )
     spec_type: SpecTypeName = Field(
         default="none",
-        description="speculative decoding from n-grams of each request's own prompt and reply: "
-        "none, ngram-simple or ngram-map-k (llama-server's names); exact, off in "
-        "deterministic mode; a request may choose its own (spec_type)",
+        description="speculative decoding from n-grams of each request's own prompt and reply "
+        "(ngram-simple, ngram-map-k, ngram-mod) or from the draft model (draft-simple), "
+        "llama-server's names, or none; exact, off in deterministic mode; a request may choose "
+        "its own (spec_type)",
+    )
+    draft_model: OptPath = Field(
+        default=None,
+        description="draft model GGUF for speculative decoding (llama-server's --model-draft): "
+        "same vocabulary as the model (checked at load), its greedy tokens are drafts, its "
+        "prompt KV cached like the model's; spec_type becomes draft-simple unless set",
+        json_schema_extra=_flags("-md", "--model-draft"),
     )
     spec_ngram_n: Int = Field(
         default=4,
         description="speculative decoding: how many tokens an n-gram lookup matches",
     )
     spec_draft_max: Int = Field(
-        default=32,
-        description="speculative decoding: the most tokens one draft holds (at most 48; "
+        default=48,
+        description="speculative decoding: the most tokens one draft holds (at most 62; "
         "each draft is sized to the acceptance seen and what a pass costs)",
         json_schema_extra=_flags("--spec-draft-n-max"),
     )
@@ -391,6 +399,9 @@ def check_models(settings: Settings) -> None:
             backend = spec.backend or settings.backend
             if cfg.mmproj is not None and backend != "stub" and not Path(cfg.mmproj).is_file():
                 raise ConfigError(f"mmproj: no projector file at {cfg.mmproj}")
+            draft = cfg.draft_model
+            if draft is not None and backend != "stub" and not Path(draft).is_file():
+                raise ConfigError(f"draft_model: no GGUF at {draft}")
             template = _value(settings, spec, "chat_template")
             if template is not None:
                 resolve_template(template)
@@ -404,6 +415,7 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
 
     context, params = hardware_params(settings, spec)
     mmproj = _value(settings, spec, "mmproj")
+    draft = _value(settings, spec, "draft_model")
     return ModelConfig(
         backend=spec.backend,
         context=context,
@@ -421,6 +433,7 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
         spec_type=_value(settings, spec, "spec_type"),
         spec_ngram_n=_value(settings, spec, "spec_ngram_n"),
         spec_draft_max=_value(settings, spec, "spec_draft_max"),
+        draft_model=None if draft is None else str(Path(draft).expanduser()),
         # Loaded off (scale 0): the model serves itself; a request names an adapter to use it.
         lora=tuple(
             LoraSpec(str(Path(path).expanduser()), name)

@@ -221,6 +221,37 @@ class CachePort:
             self.rt.row_drafts = RowDrafts(cache.rows, cache.row_tokens, n)
         return self.rt.row_drafts
 
+    # ---- the draft model's rows (``draftmodel``: its own namespace, whole blobs) ----------
+
+    def draft_prefix(
+        self, ns: Namespace, tokens: Sequence[int], min_shared: int
+    ) -> PrefixMatch | None:
+        """The draft context's cached row sharing the longest prefix with ``tokens``."""
+        return self.rt.cache.longest_prefix(ns, tokens, min_shared=min_shared)
+
+    def open_draft_row(self, key: bytes) -> AbstractContextManager[LoadedRow]:
+        return self.rt.cache.open_row(key)
+
+    def save_draft(
+        self, ns: Namespace, tokens: Sequence[int], payload: bytes, n_ctx_slot: int, quant_bits: int
+    ) -> None:
+        """Save the draft context's KV of a prompt, whole (async; a full writer pool drops
+        it, as any async save)."""
+        cfg = self.rt.cfg
+        self.rt.cache.save(
+            SaveRequest(
+                namespace=ns,
+                tokens=tuple(tokens),
+                payload=payload,
+                reason=SaveReason.COLD,
+                tier=cfg.save_tier,
+                ttl_class=TtlClass.SHORT,
+                context_size=n_ctx_slot,
+                quant_bits=quant_bits,
+                fingerprint_mode=cfg.fingerprint_mode,
+            )
+        )
+
     def evicting(self, reason: SaveReason, *, release: bool) -> int:
         """Live KV is about to go (evict, shutdown): sync-save every idle slot's."""
         return self.save_idle_slots(reason, release=release)

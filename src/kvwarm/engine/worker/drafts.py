@@ -43,15 +43,23 @@ from kvwarm.cache.types import Namespace, RowInfo
 from kvwarm.engine.types import SpecType
 from kvwarm.tokens import is_span_id
 
-#: A request's second source of drafts: ``(last n tokens, limit)`` to what followed them
-#: elsewhere (``RowDrafts.continuation`` of its namespace), at most ``limit`` tokens.
-Elsewhere = Callable[[tuple[int, ...], int], list[int]]
+#: A request's second source of drafts: ``(its last tokens, limit)`` to what followed their
+#: last ``n`` elsewhere (``RowDrafts.continuation`` of its namespace), at most ``limit`` tokens,
+#: and how many of the last tokens matched there.
+Elsewhere = Callable[[tuple[int, ...], int], tuple[list[int], int]]
 
-#: Per-token acceptance a new request starts from: 0.9, worth 4 tokens of evidence. Optimistic,
-#: as an n-gram match of a request's own text mostly is a copy; wrong, it is corrected within
-#: a pass or two, and a request whose matches fail stops drafting.
-_PRIOR_ACCEPTED = 3.6
-_PRIOR_REJECTED = 0.4
+#: Most tokens a match is followed backwards (``match_length``): enough to tell a copy from a
+#: common phrase.
+MATCH_MAX = 64
+#: What the per-token acceptance starts from, before this request's verify passes say more, is
+#: ``match_prior`` of how long the match is, worth ``_PRIOR_WEIGHT`` tokens of evidence. A
+#: match of a few tokens is mostly a common phrase (a chat: "of the", ", and the"), not a copy:
+#: 4 tokens give 0.73, too little to pay for a CPU's verify pass; 12 give 0.89 and 32 give 0.96,
+#: which do. Inside a copy the evidence of its accepted drafts outweighs the prior, so a draft
+#: resumes right after a changed word.
+_PRIOR_WEIGHT = 4.0
+#: The acceptance a plain budget (no match length known) assumes: that of a 13-token match.
+DEFAULT_PRIOR = 0.9
 #: How much one verify pass's evidence fades at the next (a half-life of about 3 passes), so
 #: a request that leaves a copied passage stops drafting within a few passes, and one that
 #: enters another starts again.
@@ -92,6 +100,27 @@ class NgramIndex:
         self._indexed = max(self._indexed, size - 1)
         return starts.get(tuple(toks[size - n :]))
 
+    def next_after(self, key: tuple[int, ...]) -> int | None:
+        """The token that followed the latest earlier occurrence of ``key`` (``n`` tokens;
+        n-grams ending before the list's last token are indexed by ``lookup``)."""
+        start = self._starts.get(key)
+        return None if start is None else self.tokens[start + self.n]
+
+    def match_length(self, start: int) -> int:
+        """How many tokens the occurrence at ``start`` and the list's tail have in common,
+        counted back from their ends (at least ``n``, at most ``MATCH_MAX``)."""
+        toks = self.tokens
+        a, b = start - 1, len(toks) - self.n - 1
+        length = self.n
+        while a >= 0 and length < MATCH_MAX and toks[a] == toks[b]:
+            a, b, length = a - 1, b - 1, length + 1
+        return length
+
+
+def match_prior(length: int) -> float:
+    """The per-token acceptance a draft from a match of ``length`` tokens starts from."""
+    return length / (length + 1.5)
+
 
 class DraftBudget:
     """How many tokens a draft is worth, from the acceptance this request has seen."""
@@ -102,16 +131,16 @@ class DraftBudget:
         self.accepted = 0.0
         self.rejected = 0.0
 
-    @property
-    def acceptance(self) -> float:
-        """The estimated chance that a drafted token is accepted (given its predecessors were)."""
-        acc = self.accepted + _PRIOR_ACCEPTED
-        return acc / (acc + self.rejected + _PRIOR_REJECTED)
+    def acceptance(self, prior: float = DEFAULT_PRIOR) -> float:
+        """The estimated chance that a drafted token is accepted (given its predecessors were),
+        from this request's evidence over ``prior`` (``match_prior``)."""
+        acc = self.accepted + _PRIOR_WEIGHT * prior
+        return acc / (self.accepted + self.rejected + _PRIOR_WEIGHT)
 
-    def length(self, limit: int, cost: Cost) -> int:
+    def length(self, limit: int, cost: Cost, prior: float = DEFAULT_PRIOR) -> int:
         """The draft length in ``[0, limit]`` with the most expected tokens per unit of pass
         cost (``Cost``: in one-token passes)."""
-        a = self.acceptance
+        a = self.acceptance(prior)
         best_k, best = 0, 1.0
         gain, p = 1.0, 1.0
         for k in range(1, limit + 1):
@@ -172,14 +201,19 @@ class Drafter:
         limit = min(limit, self.draft_max)
         if limit <= 0:
             return []
-        toks, n = self.index.tokens, self.index.n
-        start = self.index.lookup()
+        index = self.index
+        toks, n = index.tokens, index.n
+        start = index.lookup()
         if start is not None:
-            source = toks[start + n : start + n + limit]
+            matched = index.match_length(start)
+            if self.kind == "ngram-mod":
+                source = self._chain(start, limit)
+            else:
+                source = toks[start + n : start + n + limit]
         elif self.elsewhere is not None and len(toks) >= n:
-            source = self.elsewhere(tuple(toks[len(toks) - n :]), limit)
+            source, matched = self.elsewhere(tuple(toks[-MATCH_MAX:]), limit)
         else:
-            source = []
+            return []
         # A media span's positions are no token: a draft stops before one (a prompt's or a
         # row's span ids would otherwise be proposed as tokens, which no vocabulary has).
         source = list(itertools.takewhile(lambda t: not is_span_id(t), source))
@@ -190,12 +224,28 @@ class Drafter:
         if self.kind == "ngram-map-k":
             key = tuple(toks[len(toks) - n :])
             limit = min(limit, self._caps.get(key, limit))
-        k = self.budget.length(limit, cost)
+        k = self.budget.length(limit, cost, match_prior(matched))
         if k == 0:
             self.budget.skipped()
             return []
         self._last_key = key
         return source[:k]
+
+    def _chain(self, start: int, limit: int) -> list[int]:
+        """ngram-mod: each drafted token is what followed the latest earlier occurrence of the
+        ``n`` tokens before it (the request's text, then the draft so far), so a draft may
+        pass from one earlier occurrence to another, and go on past the text's end."""
+        index = self.index
+        toks, n = index.tokens, index.n
+        draft = [toks[start + n]]
+        window = toks[len(toks) - n + 1 :] + draft
+        while len(draft) < limit:
+            token = index.next_after(tuple(window[len(window) - n :]))
+            if token is None:
+                break
+            draft.append(token)
+            window.append(token)
+        return draft
 
     def verified(self, drafted: int, accepted: int) -> None:
         """The draft ``propose`` made was verified: ``accepted`` of its ``drafted`` tokens
@@ -311,18 +361,27 @@ class RowDrafts:
             if ns != keep:
                 total -= self._spaces.pop(ns).tokens
 
-    def continuation(self, ns: Namespace, tail: tuple[int, ...], limit: int) -> list[int]:
-        """What followed ``tail`` (``n`` tokens) in a row of ``ns``: at most ``limit`` tokens."""
+    def continuation(
+        self, ns: Namespace, tail: tuple[int, ...], limit: int
+    ) -> tuple[list[int], int]:
+        """What followed the last ``n`` tokens of ``tail`` in a row of ``ns`` (at most
+        ``limit`` tokens), and how many of ``tail``'s last tokens that row has there too
+        (``NgramIndex.match_length``); ``([], 0)`` when no row has them."""
         space = self._spaces.get(ns)
-        if space is None or len(tail) != self.n:
-            return []
-        packed = space.starts.get(hash(tail))
+        n = self.n
+        if space is None or len(tail) < n:
+            return [], 0
+        key = tail[len(tail) - n :]
+        packed = space.starts.get(hash(key))
         if packed is None:
-            return []
+            return [], 0
         seq, start = space.seqs[packed >> 32], packed & 0xFFFF_FFFF
-        if seq[start : start + self.n] != tail:
-            return []  # another n-gram with the same hash
-        return list(seq[start + self.n : start + self.n + limit])
+        if seq[start : start + n] != key:
+            return [], 0  # another n-gram with the same hash
+        a, b, matched = start - 1, len(tail) - n - 1, n
+        while a >= 0 and b >= 0 and seq[a] == tail[b]:
+            a, b, matched = a - 1, b - 1, matched + 1
+        return list(seq[start + n : start + n + limit]), matched
 
 
 @dataclass(frozen=True, slots=True)

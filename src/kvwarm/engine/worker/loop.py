@@ -41,6 +41,7 @@ from kvwarm.engine.request import Failed, Request
 from kvwarm.engine.types import SlotStatus
 from kvwarm.engine.worker.admission import Admission
 from kvwarm.engine.worker.cacheport import CachePort
+from kvwarm.engine.worker.draftmodel import DraftModel
 from kvwarm.engine.worker.encoder import Encoder
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
@@ -75,6 +76,7 @@ class Worker:
         resolve: Resolver | None = None,
         *,
         projector: Projector | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         self.name = name
         self.cfg = config
@@ -83,6 +85,7 @@ class Worker:
         self._iteration_since: float | None = None
         slots = [Slot(seq=i) for i in range(config.n_parallel)]
         self.rt = Runtime(name, model, ctx, cache, config, namespace, slots, resolve)
+        self.rt.draft = draft
         self._cond = threading.Condition()
         if projector is not None:
             self.rt.encoder = Encoder(name, projector, self._wake)

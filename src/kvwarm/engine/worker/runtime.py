@@ -17,6 +17,7 @@ from kvwarm.cache.api import CacheApi
 from kvwarm.cache.types import FingerprintMode, Namespace, PolicyConfig, TierName
 from kvwarm.engine.types import CompletionStats, SlotStatus, SpecType
 from kvwarm.engine.worker.batching import BatchStrategy
+from kvwarm.engine.worker.draftmodel import DraftModel
 from kvwarm.engine.worker.drafts import PassCost, RowDrafts
 from kvwarm.engine.worker.encoder import Encoder
 from kvwarm.engine.worker.joinbuf import JoinBuffer
@@ -50,7 +51,7 @@ class WorkerConfig:
     #: False where the model cannot (deterministic mode: see ``ModelInfo.speculation``).
     spec_type: SpecType = "none"
     spec_ngram_n: int = 4
-    spec_draft_max: int = 32
+    spec_draft_max: int = 48
     speculates: bool = True
 
 
@@ -102,6 +103,7 @@ class Runtime:
     encoder: Encoder | None = None
     pass_cost: PassCost = field(default_factory=PassCost)  # what a draft token costs a pass
     row_drafts: RowDrafts | None = None  # drafts from cached rows (made on first use)
+    draft: DraftModel | None = None  # the draft model (``draft_model``), if any
     _eog: tuple[int, ...] | None = None
 
     def adapter_set(self, choice: LoraChoice | None) -> tuple[AdapterSet, Namespace]:

@@ -19,6 +19,7 @@ from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Request
 from kvwarm.engine.text import TextAssembler
 from kvwarm.engine.types import CacheHitKind, SlotPhase, SlotStatus, TokenLogprob
+from kvwarm.engine.worker.draftmodel import ModelDrafter
 from kvwarm.engine.worker.drafts import Drafter
 
 Phase = SlotPhase
@@ -51,7 +52,7 @@ class Active:
     #: Speculative decoding (``engine/worker/drafts.py``): the request's drafter (None: it
     #: decodes plainly; decided on its first generating tick, once ``spec_decided``), the
     #: draft going into this tick's pass after ``pending``, and the tokens drafted and accepted.
-    drafter: Drafter | None = None
+    drafter: Drafter | ModelDrafter | None = None
     spec_decided: bool = False
     draft: list[int] = field(default_factory=list)
     drafted: int = 0

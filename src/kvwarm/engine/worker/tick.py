@@ -30,6 +30,7 @@ from kvwarm.backends.base import AdapterSet, BatchToken
 from kvwarm.engine.types import SpecType
 from kvwarm.engine.worker.batching import Chunk, PrefillWant, isolate
 from kvwarm.engine.worker.cacheport import CachePort
+from kvwarm.engine.worker.draftmodel import ModelDrafter
 from kvwarm.engine.worker.drafts import Drafter
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes
@@ -129,7 +130,7 @@ class Tick:
             act.draft = []
             if not act.spec_decided:
                 act.spec_decided = True
-                act.drafter = self._drafter(act)
+                act.drafter = self._drafter(act, slot.seq)
             if act.drafter is None or room <= 0:
                 continue
             n = len(slot.kv_tokens)
@@ -151,7 +152,7 @@ class Tick:
             total += len(act.draft)
         return total
 
-    def _drafter(self, act: Active) -> Drafter | None:
+    def _drafter(self, act: Active, seq: int) -> Drafter | ModelDrafter | None:
         """The request's drafter, or None where it decodes plainly: its own ``spec_type``
         or else the model's is "none", it is deterministic (a verify pass is a batch of
         another shape than a one-token decode, so its logits differ in the last bits), or
@@ -165,6 +166,12 @@ class Tick:
             return None
         if self.rt.memory.lookahead(0) == 0:
             return None
+        if kind == "draft-simple":
+            draft = self.rt.draft
+            if draft is None:
+                return None  # refused at submission; a model without one decodes plainly
+            ns = draft.namespace_for(act.req.options.salt_bytes())
+            return ModelDrafter(draft, self.port, seq, ns, act.req.prompt_tokens, draft_max)
         rows = self.port.drafts(cfg.spec_ngram_n)
         ns = act.namespace  # the salted one: drafts come from this tenant's rows only
         rows.refresh(ns)

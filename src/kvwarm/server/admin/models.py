@@ -86,7 +86,11 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             "pooling": info.pooling,
             # Speculative decoding: the requests' default draft source, and whether (or where)
             # this model can speculate at all ("on", "on while ...", "off: why").
-            "speculative": {"type": info.spec_type, "available": info.speculation},
+            "speculative": {
+                "type": info.spec_type,
+                "available": info.speculation,
+                "draft_model": info.draft_model,
+            },
             # Its multimodal projector (--mmproj): what it reads, what it holds.
             "mmproj": info.mmproj,
             "media": list(info.media),

@@ -23,6 +23,8 @@ from kvwarm.engine.types import CompletionStats, ModelStatus
 from kvwarm.server import tenancy
 from kvwarm.server.budget import cache_shares
 from kvwarm.server.errors import HTTPError, error_body
+from kvwarm.server.keepalive import ChatPrefix
+from kvwarm.server.media import fetch_images
 from kvwarm.server.schemas import (
     DetokenizeRequest,
     EvictRequest,
@@ -280,34 +282,35 @@ async def cache_prewarm(request: Request) -> Response:
     salt = tenancy.prewarm_salt(
         request, req.cache_salt, state.settings, tenant_key=req.tenant_key, shared=req.shared
     )
+    # What keep-alive would hold: the prompt, or a chat as its messages (images given by an
+    # http(s) URL fetched first, if their host is allowed, as a chat's are), whose images and
+    # audio its ids alone could not prefill again.
+    prompt: str | list[int] | ChatPrefix
+    tools = openai_tools(req.tools) if req.tools else None
+    if req.messages is not None:
+        messages = await fetch_images(req.messages, state.settings)
+        prompt = ChatPrefix.of(template_messages(messages, native=tools is not None), tools)
+    else:
+        assert req.prompt is not None
+        prompt = req.prompt
     if req.keep_alive:  # refuse before the prefill, not after it
-        known = len(req.prompt) if isinstance(req.prompt, list) else 0
-        state.keepalive.check_room(model.id, req.prompt or "", known, cache_salt=salt)
+        known = len(prompt) if isinstance(prompt, list) else 0
+        state.keepalive.check_room(model.id, prompt, known, cache_salt=salt)
 
-    def work() -> tuple[str | tuple[int, ...], CompletionStats]:
-        prompt: str | tuple[int, ...]
-        if req.messages is not None:
-            tools = openai_tools(req.tools) if req.tools else None
-            # The tokens Model.stream_chat builds for a chat that starts with these messages.
-            prompt, _ = model.chat_tokens(
-                template_messages(req.messages, native=tools is not None),
-                tools=tools,
-                add_generation_prompt=False,
-            )
-        else:
-            assert req.prompt is not None
-            prompt = req.prompt
-        stats = model.prewarm(prompt, ttl_class=ttl, add_special=add_special, cache_salt=salt)
-        return prompt, stats
+    def work() -> CompletionStats:
+        if isinstance(prompt, ChatPrefix):
+            # The prompt Model.stream_chat builds for a chat that starts with these messages,
+            # their images and audio included (each span cached by its content), as
+            # keep-alive will re-warm it.
+            return prompt.prewarm(model, ttl, salt)
+        return model.prewarm(prompt, ttl_class=ttl, add_special=True, cache_salt=salt)
 
-    add_special = req.messages is None
-    prompt, stats = await run_in_threadpool(work)
+    stats = await run_in_threadpool(work)
     if req.keep_alive:
         state.keepalive.register(
             model.id,
             prompt,
             ttl,
-            add_special=add_special,
             n_tokens=stats.prompt_tokens,
             cache_salt=salt,
         )

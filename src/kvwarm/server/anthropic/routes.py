@@ -95,8 +95,6 @@ async def count_tokens(request: Request) -> Response:
     plan, prefill = await _plan(model, req, state.settings)
 
     def count() -> int:
-        tokens, _ = model.chat_tokens(plan.messages, tools=plan.tools)
-        tail = model.tokenize(prefill, add_special=False) if prefill else []
-        return len(tokens) + len(tail)
+        return model.count_chat_tokens(plan.messages, tools=plan.tools, prefill=prefill)
 
     return JSONResponse({"input_tokens": await run_in_threadpool(count)})

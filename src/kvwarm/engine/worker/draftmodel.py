@@ -1,0 +1,310 @@
+"""Drafts from a draft model (``--draft-model``, ``spec_type`` "draft-simple"): a smaller model of
+the same vocabulary decodes its own copy of each speculating slot's text, in a context of its
+own, and proposes its greedy tokens; the target verifies them as any draft (``sampling``),
+so the output is the target's whatever the draft model says.
+
+- ``DraftModel``: the draft model's context, one sequence per slot (the slot's ``seq``),
+  and what each holds (``held``). A draft brings the sequence to the request's text minus its
+  last token (keeping the longest common prefix of what it held: a rejected draft's cells,
+  or another request's, are removed; a prefill runs one ``n_batch`` chunk per tick, with no
+  draft until it has caught up), decodes that last token and then its own greedy
+  tokens one at a time, each while the draft model gives it at least ``P_MIN`` (llama-server's
+  ``--draft-p-min``), at most the draft's limit.
+- Its own cache namespace (the draft model's fingerprint, its context's hash, the request's
+  salt folded in like the target's): the first draft of a request restores the longest
+  cached prefix of its prompt into the draft context instead of prefilling it again, and a
+  prompt it had to prefill (``SAVE_MIN`` tokens or more) is saved there, whole.
+- A sequence's KV is reused by a later request in the same slot only under the same salted
+  namespace (another tenant's request starts from what the cache holds for its own).
+- ``ModelDrafter``: one request's drafts (the ``Drafter`` interface of ``drafts``).
+
+Invariants: worker thread only; ``held[seq]`` lists exactly what the draft context's
+sequence holds (a failure clears both); a draft model's failure is logged and ends that
+request's drafting, never the request; the tenant rule holds (a request restores only rows
+of its own salted draft namespace).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import numpy as np
+
+from kvwarm.backends.base import BackendContext, BackendModel, BatchToken
+from kvwarm.cache.api import LoadedRow
+from kvwarm.cache.formats.key import salted_namespace
+from kvwarm.cache.types import Namespace, PrefixMatch
+from kvwarm.engine.worker.drafts import Cost, DraftBudget
+from kvwarm.errors import ConfigError, KvwarmError, StateRestoreError
+
+log = logging.getLogger(__name__)
+
+#: A draft token the draft model gives less than this probability ends the draft
+#: (llama-server's ``--draft-p-min`` default).
+P_MIN = 0.75
+#: A prompt the draft context had to prefill this many tokens of is saved to the cache.
+SAVE_MIN = 32
+#: Token pieces compared per call when checking two vocabularies (all of them, in runs).
+_VOCAB_RUN = 4096
+
+
+def check_vocab(target: BackendModel, draft: BackendModel, draft_path: str) -> None:
+    """``ConfigError`` unless ``draft`` has ``target``'s vocabulary: the same size, the same
+    bytes for every token, the same end-of-generation tokens (a draft token is a target token
+    id, so a draft of another vocabulary would propose other words under the same ids)."""
+    n = target.facts.n_vocab
+    if draft.facts.n_vocab != n:
+        raise ConfigError(
+            f"draft model {draft_path} has {draft.facts.n_vocab} tokens, the model {n}: "
+            "a draft model needs the model's vocabulary"
+        )
+    for token in range(n):
+        same = target.token_to_piece(token, special=True) == draft.token_to_piece(
+            token, special=True
+        ) and target.is_eog(token) == draft.is_eog(token)
+        if not same:
+            raise ConfigError(
+                f"draft model {draft_path}: token {token} differs from the model's: a draft "
+                "model needs the model's vocabulary"
+            )
+
+
+class DraftStore(Protocol):
+    """The draft context's rows in the cache, through the worker's cache port
+    (``CachePort.draft_prefix`` and its siblings)."""
+
+    def draft_prefix(
+        self, ns: Namespace, tokens: Sequence[int], min_shared: int
+    ) -> PrefixMatch | None: ...
+
+    def open_draft_row(self, key: bytes) -> AbstractContextManager[LoadedRow]: ...
+
+    def save_draft(
+        self, ns: Namespace, tokens: Sequence[int], payload: bytes, n_ctx_slot: int, quant_bits: int
+    ) -> None: ...
+
+
+class DraftModel:
+    """The draft model's context and what each slot's sequence of it holds."""
+
+    def __init__(
+        self,
+        model: BackendModel,
+        ctx: BackendContext,
+        namespace: Namespace,
+        *,
+        n_seq: int,
+        quant_bits: int,
+        path: str,
+        n_ctx_slot: int,
+    ) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.namespace = namespace  # unsalted
+        self.quant_bits = quant_bits
+        self.path = path
+        self.n_ctx_slot = n_ctx_slot
+        self.held: list[list[int]] = [[] for _ in range(n_seq)]
+        #: seq -> where its prefill of the current prompt began (restored up to there): a
+        #: prompt prefilled from there on by ``SAVE_MIN`` tokens or more is saved.
+        self._catching: dict[int, int] = {}
+        #: seq -> the (salted) draft namespace of the request its KV was computed for.
+        self._owner: dict[int, Namespace] = {}
+        #: Prompt tokens restored from the cache rather than prefilled (stats, tests).
+        self.restored_tokens = 0
+        self.prefilled_tokens = 0
+
+    def namespace_for(self, salt: bytes | None) -> Namespace:
+        return salted_namespace(self.namespace, salt)
+
+    def propose(
+        self,
+        store: DraftStore,
+        seq: int,
+        ns: Namespace,
+        text: Sequence[int],
+        prompt_len: int,
+        limit: int,
+        first: bool = False,
+    ) -> list[int]:
+        """Up to ``limit`` greedy tokens of the draft model after ``text`` (a request's prompt
+        of ``prompt_len`` tokens and its reply so far, whose last token is about to be
+        decoded by the target; ``first``: the request's first draft). ``KvwarmError`` on a
+        failure of the draft context (the sequence is then cleared)."""
+        try:
+            return self._propose(store, seq, ns, text, prompt_len, limit, first)
+        except KvwarmError:
+            self.reset(seq)
+            raise
+
+    def _propose(
+        self,
+        store: DraftStore,
+        seq: int,
+        ns: Namespace,
+        text: Sequence[int],
+        prompt_len: int,
+        limit: int,
+        first: bool = False,
+    ) -> list[int]:
+        ctx, held = self.ctx, self.held[seq]
+        n = len(text) - 1  # positions the sequence must hold before text[n] is decoded
+        if n < 0 or limit <= 0 or len(text) + limit > self.n_ctx_slot:
+            return []
+        common = 0
+        if self._owner.get(seq) == ns:  # another tenant's KV is never reused, even its prefix
+            top = min(len(held), n)
+            while common < top and held[common] == text[common]:
+                common += 1
+        self._owner[seq] = ns
+        if common < len(held):
+            self._trim(seq, common)
+        if common < prompt_len <= n:
+            common = self._restore(store, seq, ns, text[:prompt_len], common)
+            if first:
+                self._catching[seq] = common
+        if common < n:
+            # One chunk a tick (the other slots' passes wait for this one): no draft until the
+            # sequence has caught up; a chunk ends at the prompt's end, for its save.
+            end = min(n, common + ctx.n_batch)
+            if common < prompt_len < end:
+                end = prompt_len
+            ctx.prefill(seq, text[common:end], common)
+            held.extend(text[common:end])
+            self.prefilled_tokens += end - common
+            if end == prompt_len and prompt_len - self._catching.pop(seq, 0) >= SAVE_MIN:
+                self._save(store, seq, ns, text[:prompt_len])
+            if end < n:
+                return []
+        draft: list[int] = []
+        token, pos = text[n], n
+        while True:
+            ctx.decode([BatchToken(token, pos, seq, True)])
+            held.append(token)
+            row = np.frombuffer(ctx.logits(0), dtype=np.float32)
+            best = int(row.argmax())
+            top_logit = float(row[best])
+            p = 1.0 / float(np.exp(row - top_logit).sum())
+            if not math.isfinite(p) or p < P_MIN:
+                break
+            draft.append(best)
+            if len(draft) >= limit or self.model.is_eog(best):
+                break
+            token, pos = best, pos + 1
+        return draft
+
+    def _trim(self, seq: int, keep: int) -> None:
+        ctx, held = self.ctx, self.held[seq]
+        ctx.seq_rm(seq, keep, -1)
+        if ctx.seq_pos_max(seq) != keep - 1:
+            raise StateRestoreError(
+                f"the draft context's seq {seq} kept positions past {keep} after a removal"
+            )
+        del held[keep:]
+
+    def _restore(
+        self, store: DraftStore, seq: int, ns: Namespace, prompt: Sequence[int], common: int
+    ) -> int:
+        """Restore the longest cached prefix of ``prompt`` in ``ns`` into ``seq`` if it is
+        longer than the ``common`` tokens held; how many tokens the sequence holds now."""
+        match = store.draft_prefix(ns, prompt, common + 1)
+        if match is None or match.n_shared <= common:
+            return common
+        try:
+            with store.open_draft_row(match.row.key) as row:
+                if row.chunks or not row.payload:
+                    return common  # not a whole row of this module's: prefill instead
+                held = self.held[seq]
+                held.clear()  # kv_unpack clears the sequence first
+                got = self.ctx.kv_unpack(seq, row.payload)
+                held.extend(row.tokens[:got])
+        except KvwarmError as exc:
+            log.info("draft model: restoring a cached prefix failed (%s); prefilling", exc)
+            self.reset(seq)
+            return 0
+        keep = min(match.n_shared, len(self.held[seq]))
+        self._trim(seq, keep)
+        self.restored_tokens += keep
+        return keep
+
+    def _save(self, store: DraftStore, seq: int, ns: Namespace, prompt: Sequence[int]) -> None:
+        try:
+            payload = self.ctx.kv_pack(seq)
+        except KvwarmError as exc:
+            log.info("draft model: packing its prompt KV failed (%s); not saved", exc)
+            return
+        store.save_draft(ns, prompt, payload, self.n_ctx_slot, self.quant_bits)
+
+    def reset(self, seq: int) -> None:
+        """Empty ``seq`` (after a failure: whatever it held is forgotten)."""
+        self.held[seq].clear()
+        self._catching.pop(seq, None)
+        try:
+            self.ctx.seq_rm(seq, 0, -1)
+        except KvwarmError:
+            log.warning("draft model: clearing seq %d failed", seq, exc_info=True)
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
+
+
+class ModelDrafter:
+    """One request's drafts from the draft model (``drafts.Drafter``'s interface)."""
+
+    __slots__ = (
+        "asked", "budget", "draft_max", "model", "ns", "prompt", "seq", "stopped", "store"
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        model: DraftModel,
+        store: DraftStore,
+        seq: int,
+        ns: Namespace,
+        prompt: Sequence[int],
+        draft_max: int,
+    ) -> None:
+        self.model = model
+        self.store = store
+        self.seq = seq
+        self.ns = ns
+        self.prompt = list(prompt)
+        self.draft_max = draft_max
+        self.stopped = False  # the draft model failed: this request decodes plainly
+        #: How long a draft is worth, from the acceptance seen (as an n-gram draft's): a
+        #: request whose drafts keep failing stops asking the draft model at all.
+        self.budget = DraftBudget()
+        self.asked = False  # the draft model was asked for a draft of this request
+
+    def propose(self, generated: Sequence[int], limit: int, cost: Cost) -> list[int]:
+        """Up to ``limit`` tokens of the draft model's (fewer where the acceptance seen makes
+        a long draft not worth its pass; none after a failure of the draft model)."""
+        limit = self.budget.length(min(limit, self.draft_max), cost)
+        if self.stopped or limit <= 0:
+            self.budget.skipped()
+            return []
+        try:
+            first, self.asked = not self.asked, True
+            return self.model.propose(
+                self.store,
+                self.seq,
+                self.ns,
+                [*self.prompt, *generated],
+                len(self.prompt),
+                limit,
+                first,
+            )
+        except KvwarmError as exc:
+            log.warning(
+                "draft model %s failed (%s): this request decodes plainly", self.model.path, exc
+            )
+            self.stopped = True
+            return []
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        self.budget.verified(drafted, accepted)
