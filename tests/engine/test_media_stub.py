@@ -12,11 +12,12 @@ from tests.engine.conftest import LOW_GATES, make_engine, stub_config
 from tests.engine.mediakit import image_chat, png
 
 from kvwarm.backends.stub import StubBackend
+from kvwarm.backends.stub.projector import StubProjector
 from kvwarm.cache.explain import MissReason
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.errors import BackendError, InvalidRequestError
-from kvwarm.media import MediaError, MediaLimits
+from kvwarm.media import Media, MediaError, MediaLimits
 from kvwarm.settings import SERVER_POLICY
 from kvwarm.tokens import common_prefix
 
@@ -107,6 +108,28 @@ def test_other_slots_decode_while_a_span_is_encoded(engine: Engine) -> None:
     assert text.completion_tokens and not held.done  # answered while the image waits
     backend.encode_gate.set()
     assert held.result().completion_tokens
+
+
+def test_no_thread_that_encoded_a_span_outlives_its_encode(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # llama.cpp's OpenMP keeps a pool of threads for every thread that ran a parallel region
+    # until it exits; a long-lived encoder thread's pool outnumbered the 2 CPUs and libgomp
+    # then throttled the worker's barriers: every later decode ~1.6x slower (the encoder's
+    # docstring). Each encode now runs on a thread that ends with it.
+    ran_on: list[threading.Thread] = []
+    original = StubProjector.encode
+
+    def encode(self: StubProjector, media: Media, index: int) -> bytes:
+        ran_on.append(threading.current_thread())
+        return original(self, media, index)
+
+    monkeypatch.setattr(StubProjector, "encode", encode)
+    model = engine.load_model(config=media_config())
+    for seed in (11, 12):
+        assert model.chat(image_chat(png(seed), "What is it?"), options=GREEDY).completion_tokens
+    assert len(ran_on) == 2 and ran_on[0] is not ran_on[1]
+    assert not any(thread.is_alive() for thread in ran_on)
 
 
 def test_an_encode_that_fails_fails_its_request_alone(engine: Engine) -> None:
