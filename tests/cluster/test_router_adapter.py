@@ -5,6 +5,7 @@ them the right inputs and remembers where it sent each chain."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
@@ -102,6 +103,28 @@ async def test_its_own_routes_count_before_any_report() -> None:
     r.on_replica_actor_died(b.replica_id)
     moved = await r.choose_replicas([a], follow_up)  # type: ignore[arg-type]
     assert [[x.name for x in g] for g in moved] == [["a"]]
+
+
+async def test_its_own_route_counts_the_prompt_tokens_it_sent() -> None:
+    r = router("events")
+    a, b = FakeReplica("a"), FakeReplica("b")
+    first = chat("hello")
+    first.args[0] = dataclasses.replace(first.args[0], tokens=tuple(range(300)))
+    r.on_request_routed(first, b.replica_id, None)  # type: ignore[arg-type]
+    follow_up = chat("hello", "more")
+    follow_up.args[0] = dataclasses.replace(follow_up.args[0], tokens=tuple(range(340)))
+    views: list[ReplicaView] = []
+    policy = r._policy  # type: ignore[attr-defined]
+    rank = policy.rank
+
+    def spy(request: RouteRequest, seen: Sequence[ReplicaView]) -> Decision:
+        views.extend(seen)
+        return rank(request, seen)
+
+    policy.rank = spy
+    groups = await r.choose_replicas([a, b], follow_up)  # type: ignore[arg-type]
+    assert groups[0][0].name == "b"
+    assert {v.id.split("#")[-1]: v.routed_tokens for v in views} == {"a": 0, "b": 300}
 
 
 async def test_busy_replica_reported_in_flight_is_passed_over() -> None:

@@ -137,3 +137,16 @@ def test_a_chain_this_router_sent_counts_until_the_replica_reports_it() -> None:
 
 def test_no_replicas_no_groups() -> None:
     assert rank([]) == Decision([], 0)
+
+
+def test_the_replica_a_conversation_was_sent_to_outranks_shared_prompt_chunks_elsewhere() -> None:
+    # Issue 40 (seen in the live two-node test): b's report shows the system prompt's 250
+    # tokens in RAM (another conversation's); a's report of this conversation is still on its
+    # way, but the router sent its 300-token previous turn there. Counted as chain units
+    # (2 x 64 = 128) it lost to b's 237.5 and the conversation moved off its live slot.
+    a = ReplicaView("a", routed=frozenset({"h1", "h2"}), routed_tokens=300)
+    b = view("b", {"memory": 250})
+    assert order(rank([b, a])) == ["a", "b"]
+    # Without the routed prompt's tokens (the ingress could not tokenize it) units count.
+    units_only = ReplicaView("a", routed=frozenset({"h1", "h2"}))
+    assert order(rank([b, units_only])) == ["b", "a"]

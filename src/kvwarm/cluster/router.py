@@ -249,6 +249,7 @@ class AffinityRouter(RequestRouter):
                 dataclasses.replace(
                     view,
                     routed=frozenset(held) if held else view.routed,
+                    routed_tokens=self._table.tokens_of(request.chain, held) if held else 0,
                     reach=reach.get(rid, {}),
                 )
             )
@@ -259,9 +260,9 @@ class AffinityRouter(RequestRouter):
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: object
     ) -> None:
         self._ensure_state()
-        chain = request_chain(pending_request)
-        if chain:
-            self._table.record(chain, replica_id.to_full_id_str())
+        request = route_request(pending_request)
+        if request.chain:
+            self._table.record(request.chain, replica_id.to_full_id_str(), len(request.tokens))
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

@@ -95,6 +95,9 @@ class ReplicaView:
     in_flight: int = 0
     warm: AbstractSet[str] = field(default_factory=frozenset)  # reported by the replica
     routed: AbstractSet[str] = field(default_factory=frozenset)  # sent there by this router
+    # Tokens of this request's prompt the router's own record places there: the longest
+    # earlier prompt of its chain it sent there (0: none, or not tokenized).
+    routed_tokens: int = 0
     ttft_ms: float | None = None  # recent time to first token, None if not reported yet
     held: int = 0  # chain hashes it holds (reported and routed): how many conversations
     # Everything the replica last reported (``EngineReplica.record_routing_stats``): a policy

@@ -13,7 +13,10 @@ its own or shared with the node's other replicas), ``remote`` (a tier every repl
 s3, redis, a directory all nodes mount). Weights (``RoutingConfig``; 1.0, 0.95, 0.8, 0.6 by
 default) rank the sources by what a restore from them costs against a prefill; a prefix only
 this router's record places on ``r`` (sent there, not yet reported) counts
-``routed_unit_tokens`` a chain unit at the ``live`` weight. ``load_tokens`` (128) is what one
+``routed_unit_tokens`` a chain unit at the ``live`` weight, or, where the ingress tokenized
+the prompt it extends, that prompt's tokens (``ReplicaView.routed_tokens``): the chunk keys
+other replicas reported for a shared system prompt never outrank the replica a conversation
+was just sent to while its report is on the way. ``load_tokens`` (128) is what one
 request in flight per slot costs, in tokens of prefill.
 
 Invariants (``base.py``'s, plus): slow replicas (time to first token over ``slow_factor`` x
@@ -56,7 +59,9 @@ class EventsPolicy:
         if view.routed:
             units = match_length(request.chain, view.routed)
             best = max(best, units * self.config.routed_unit_tokens * self.config.weight_live)
-        return best
+        # The earlier prompt of this conversation the router sent there, in tokens: its
+        # slot (or RAM) holds it before the replica's next report says so.
+        return max(best, view.routed_tokens * self.config.weight_live)
 
     def score(self, request: RouteRequest, view: ReplicaView) -> float:
         load = view.in_flight / max(1, view.slots)

@@ -46,17 +46,26 @@ class AffinityTable:
         self.capacity = capacity
         self._owner: OrderedDict[str, str] = OrderedDict()
         self._counts: dict[str, int] = {}
+        #: A routed prompt's token count, under its chain's last hash (where the ingress
+        #: tokenized it): its follow-up extends that prompt, so its replica holds at least
+        #: that many of the follow-up's tokens before any report says so.
+        self._tokens: dict[str, int] = {}
 
     def _drop(self, h: str) -> None:
         owner = self._owner.pop(h)
         self._counts[owner] -= 1
+        self._tokens.pop(h, None)
 
-    def record(self, chain: Iterable[str], replica_id: str) -> None:
+    def record(self, chain: Sequence[str], replica_id: str, tokens: int = 0) -> None:
+        """``chain`` was sent to ``replica_id``; ``tokens``: its prompt's token count (0: not
+        known)."""
         for h in chain:
             if h in self._owner:
                 self._drop(h)
             self._owner[h] = replica_id
             self._counts[replica_id] = self._counts.get(replica_id, 0) + 1
+        if tokens and chain:
+            self._tokens[chain[-1]] = tokens
         while len(self._owner) > self.capacity:
             self._drop(next(iter(self._owner)))
 
@@ -77,6 +86,12 @@ class AffinityTable:
             if owner is not None:
                 out.setdefault(owner, set()).add(h)
         return out
+
+    def tokens_of(self, chain: Sequence[str], held: Iterable[str]) -> int:
+        """The token count of the longest prompt this table sent whose chain's last hash is
+        among ``held`` (a replica's hashes of ``chain``); 0 when none was counted."""
+        known = [self._tokens.get(h, 0) for h in held]
+        return max(known, default=0)
 
     def __len__(self) -> int:
         return len(self._owner)
