@@ -64,6 +64,10 @@ class _Job:
     needs_idle: bool
 
 
+#: How long the loop's thread waits with nothing to do before it leaves (``_start_thread``).
+IDLE_EXIT_S = 0.05
+
+
 class Worker:
     def __init__(
         self,
@@ -109,8 +113,28 @@ class Worker:
         self._exited = False  # the thread has left _run (under _cond)
         self._on_exit: list[Callable[[], object]] = []
         self.rt.publish()
-        self._thread = threading.Thread(target=self._run, name=f"kvwarm-{name}", daemon=True)
-        self._thread.start()
+        self._running = False  # a thread is in _run (under _cond)
+        self._threads = 0  # threads started, for names and tests
+        with self._cond:
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        """Start the loop's thread unless one runs or the worker has ended (under _cond).
+
+        The thread leaves ``_run`` after ``IDLE_EXIT_S`` with nothing to do, and the next
+        request, job or stop starts another. llama.cpp's passes run on OpenMP, and libgomp
+        keeps a pool of threads for every thread that ran a pass until that thread exits;
+        once the threads it manages outnumber the CPUs it cuts every barrier's spinning
+        short, so an idle model's long-lived worker slowed every other model's passes
+        (``docs/internals.md``, "OpenMP thread pools")."""
+        if self._running or self._exited:
+            return
+        self._running = True
+        self._threads += 1
+        name = (
+            f"kvwarm-{self.name}" if self._threads == 1 else f"kvwarm-{self.name}-{self._threads}"
+        )
+        threading.Thread(target=self._run, name=name, daemon=True).start()
 
     # ---- called from other threads -------------------------------------------------------
 
@@ -126,6 +150,7 @@ class Worker:
                 )
             self._queue.append(req)
             self._queue.extend(more)
+            self._start_thread()
             self._cond.notify_all()
 
     def call(self, fn: Callable[[], T], *, needs_idle: bool = False) -> Future[T]:
@@ -136,6 +161,7 @@ class Worker:
             if self._closing:
                 raise EngineClosedError(f"model {self.name!r} is shut down")
             self._jobs.append(_Job(fn, fut, needs_idle))  # type: ignore[arg-type]
+            self._start_thread()
             self._cond.notify_all()
         return fut
 
@@ -184,6 +210,7 @@ class Worker:
                 pending_stop = False
                 self._closing = True
                 self._shutdown_save = shutdown_save
+                self._start_thread()  # an idle worker's thread has left: one to close it
                 self._cond.notify_all()
         if not pending_stop:
             for req in list(self._queue):
@@ -214,11 +241,15 @@ class Worker:
     # ---- the loop -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        idle = False  # left for want of work: the worker goes on, a later thread resumes it
         try:
             while True:
                 with self._cond:
                     while not self._has_work() and not self._closing:
-                        self._cond.wait()
+                        woken = self._cond.wait(IDLE_EXIT_S)
+                        if not woken and not self._has_work() and not self._closing:
+                            self._running, idle = False, True
+                            return
                     closing = self._closing
                 if closing:
                     self._drain_on_close()
@@ -246,19 +277,24 @@ class Worker:
             self._fail_on_death(exc)
             raise
         finally:
-            self.rt.join_buf.release()  # the restore buffer (tens of MiB) goes with the worker
-            if self.rt.encoder is not None:
-                self.rt.encoder.close()
-            self.rt.publish()
-            with self._cond:
-                self._exited = True
-                on_exit, self._on_exit = self._on_exit, []
-            self._closed.set()
-            for fn in on_exit:
-                try:
-                    fn()
-                except Exception:
-                    log.exception("worker %s: cleanup after exit failed", self.name)
+            if not idle:
+                self._end()
+
+    def _end(self) -> None:
+        """The worker's end, on its last thread (stopped, or dead)."""
+        self.rt.join_buf.release()  # the restore buffer (tens of MiB) goes with the worker
+        if self.rt.encoder is not None:
+            self.rt.encoder.close()
+        self.rt.publish()
+        with self._cond:
+            self._exited = True
+            on_exit, self._on_exit = self._on_exit, []
+        self._closed.set()
+        for fn in on_exit:
+            try:
+                fn()
+            except Exception:
+                log.exception("worker %s: cleanup after exit failed", self.name)
 
     def _wake(self) -> None:
         """An encode finished (any thread): the loop may be waiting for it."""
