@@ -163,6 +163,7 @@ def test_a_worker_that_dies_mid_tick_answers_every_request_with_an_error() -> No
         assert model.worker_failure() is not None
         with pytest.raises(EngineClosedError):
             model.complete("Again.", max_tokens=2)
+        assert worker._thread is not None
         worker._thread.join(10)
     finally:
         backend.gate.set()
@@ -208,6 +209,7 @@ def test_a_close_whose_finish_fails_still_answers_the_queue_and_saves() -> None:
         for req in (running._req, queued._req):
             assert isinstance(_final(req), Failed)
         assert saves, "the shutdown save never ran"
+        assert worker._thread is not None
         worker._thread.join(10)
     finally:
         eng.close()

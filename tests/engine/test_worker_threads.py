@@ -1,8 +1,10 @@
-"""The worker's loop thread leaves when its model has nothing to do and the next request,
-job or stop starts another (``engine/worker/loop.py``, ``_start_thread``): llama.cpp's
-OpenMP keeps a pool of threads for every thread that ran a pass, and an idle model's
-long-lived worker kept its pool, which slowed every other model's passes ~1.7x on 2 cores
-(``docs/internals.md``, "OpenMP thread pools"). Stub backend: the thread mechanics."""
+"""While other models' workers share the process, a worker's loop thread leaves when its
+model has nothing to do and the next request, job or stop starts another
+(``engine/worker/loop.py``, ``_start_thread``): llama.cpp's OpenMP keeps a pool of threads
+for every thread that ran a pass, and an idle model's long-lived worker kept its pool, which
+slowed every other model's passes ~1.7x on 2 cores (``docs/internals.md``, "OpenMP thread
+pools"). A lone model's thread stays: a new thread's first pass costs ~10 ms more. Stub
+backend: the thread mechanics."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def test_an_idle_models_thread_leaves_and_its_next_request_starts_another(
     engine = make_engine()
     try:
         model = engine.load_model(config=stub_config(), model_id="idle")
+        engine.load_model(config=stub_config(), model_id="other")
         first = model.complete("A first prompt for the idle model.", OPTS)
         threads = _loop_threads("idle")
         assert len(threads) <= 1
@@ -58,8 +61,23 @@ def test_a_job_on_an_idle_worker_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_engine()
     try:
         model = engine.load_model(config=stub_config(), model_id="jobs")
+        engine.load_model(config=stub_config(), model_id="other")
         assert _gone(_loop_threads("jobs"))
         ran_on = model._worker.call(threading.current_thread).result(timeout=10.0)
         assert ran_on.name.startswith("kvwarm-jobs") and ran_on is not threading.current_thread()
+    finally:
+        engine.close()
+
+
+def test_a_lone_models_thread_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop, "IDLE_EXIT_S", 0.01)
+    engine = make_engine()
+    try:
+        model = engine.load_model(config=stub_config(), model_id="lone")
+        model.complete("A prompt for the only model.", OPTS)
+        worker = model._worker
+        with worker._cond:  # twenty idle periods: it would have left in the first
+            left = worker._cond.wait_for(lambda: not worker._running, timeout=0.2)
+        assert not left and worker._threads == 1
     finally:
         engine.close()

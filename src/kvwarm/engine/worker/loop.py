@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -64,8 +65,19 @@ class _Job:
     needs_idle: bool
 
 
-#: How long the loop's thread waits with nothing to do before it leaves (``_start_thread``).
-IDLE_EXIT_S = 0.05
+#: How long the loop's thread waits with nothing to do before it leaves, when other models'
+#: workers share the process (``_start_thread``).
+IDLE_EXIT_S = 0.25
+#: The workers of this process that have not ended: with one, its thread stays (a new thread's
+#: first pass costs ~10 ms more than a warm one's: SmolLM2, a cached 2-token request, 26 ms
+#: against 16); with more, an idle one's leaves.
+_WORKERS: weakref.WeakSet[Worker] = weakref.WeakSet()
+_WORKERS_LOCK = threading.Lock()
+
+
+def _others_alive(worker: Worker) -> bool:
+    with _WORKERS_LOCK:
+        return any(w is not worker for w in _WORKERS)
 
 
 class Worker:
@@ -113,20 +125,24 @@ class Worker:
         self._exited = False  # the thread has left _run (under _cond)
         self._on_exit: list[Callable[[], object]] = []
         self.rt.publish()
+        with _WORKERS_LOCK:
+            _WORKERS.add(self)
         self._running = False  # a thread is in _run (under _cond)
         self._threads = 0  # threads started, for names and tests
+        self._thread: threading.Thread | None = None  # the latest one
         with self._cond:
             self._start_thread()
 
     def _start_thread(self) -> None:
         """Start the loop's thread unless one runs or the worker has ended (under _cond).
 
-        The thread leaves ``_run`` after ``IDLE_EXIT_S`` with nothing to do, and the next
-        request, job or stop starts another. llama.cpp's passes run on OpenMP, and libgomp
-        keeps a pool of threads for every thread that ran a pass until that thread exits;
-        once the threads it manages outnumber the CPUs it cuts every barrier's spinning
-        short, so an idle model's long-lived worker slowed every other model's passes
-        (``docs/internals.md``, "OpenMP thread pools")."""
+        The thread leaves ``_run`` after ``IDLE_EXIT_S`` with nothing to do while other
+        models' workers share the process, and the next request, job or stop starts
+        another. llama.cpp's passes run on OpenMP, and libgomp keeps a pool of threads for
+        every thread that ran a pass until that thread exits; once the threads it manages
+        outnumber the CPUs it cuts every barrier's spinning short, so an idle model's
+        long-lived worker slowed every other model's passes (``docs/internals.md``, "OpenMP
+        thread pools")."""
         if self._running or self._exited:
             return
         self._running = True
@@ -134,7 +150,8 @@ class Worker:
         name = (
             f"kvwarm-{self.name}" if self._threads == 1 else f"kvwarm-{self.name}-{self._threads}"
         )
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     # ---- called from other threads -------------------------------------------------------
 
@@ -247,7 +264,9 @@ class Worker:
                 with self._cond:
                     while not self._has_work() and not self._closing:
                         woken = self._cond.wait(IDLE_EXIT_S)
-                        if not woken and not self._has_work() and not self._closing:
+                        if woken or self._has_work() or self._closing:
+                            continue
+                        if _others_alive(self):
                             self._running, idle = False, True
                             return
                     closing = self._closing
@@ -282,6 +301,8 @@ class Worker:
 
     def _end(self) -> None:
         """The worker's end, on its last thread (stopped, or dead)."""
+        with _WORKERS_LOCK:
+            _WORKERS.discard(self)
         self.rt.join_buf.release()  # the restore buffer (tens of MiB) goes with the worker
         if self.rt.encoder is not None:
             self.rt.encoder.close()
