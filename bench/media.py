@@ -38,7 +38,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -54,7 +53,7 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(ROOT))
-from multiturn import LORE, free_port, post, wait_ready  # noqa: E402
+from multiturn import LORE, free_port, post, stop_server, wait_ready  # noqa: E402
 from peer import llama_server  # noqa: E402
 
 CONVERSATIONS = 3
@@ -109,12 +108,7 @@ class Server:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_server(self.proc)
             self.proc = None
 
     def sched_s(self) -> tuple[float, float]:

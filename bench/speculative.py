@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from multiturn import free_port, post, wait_ready
+from multiturn import free_port, post, stop_server, wait_ready
 from peer import llama_server
 
 FUNCTION = '''def merge_sorted(left, right):
@@ -152,13 +152,8 @@ class Server:
         wait_ready(f"http://127.0.0.1:{self.port}/health", self.proc)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_server(self.proc, 30)
 
     def complete(self, prompt: str, max_tokens: int) -> tuple[str, float, int, int, int]:
         """(text, decode seconds, completion tokens, drafted, accepted), by the server's own
