@@ -36,15 +36,20 @@ class Metadata:
     values: dict[str, str | int]
 
 
+def unpack_from_file(f: BinaryIO, fmt: str) -> tuple[int, ...]:
+    """The ``struct`` format ``fmt`` read at ``f``'s position; ``ValueError`` at the file's end."""
+    n = struct.calcsize(fmt)
+    raw = f.read(n)
+    if len(raw) != n:
+        raise ValueError("truncated header")
+    return struct.unpack(fmt, raw)
+
+
 def read_metadata(f: BinaryIO, size: int, keys: Collection[str]) -> Metadata:
     """Walk ``f``'s GGUF header (v2 or v3) from its start; ``ValueError`` if it is not one."""
 
     def read(fmt: str) -> tuple[int, ...]:
-        n = struct.calcsize(fmt)
-        raw = f.read(n)
-        if len(raw) != n:
-            raise ValueError("truncated header")
-        return struct.unpack(fmt, raw)
+        return unpack_from_file(f, fmt)
 
     def read_string() -> bytes:
         (n,) = read("<Q")

@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 from kvwarm.cache.types import FingerprintMode
 from kvwarm.errors import ConfigError, ModelLoadError
-from kvwarm.gguf_meta import read_metadata
+from kvwarm.gguf_meta import read_metadata, unpack_from_file
 
 _CHUNK = 4 << 20
 
@@ -120,11 +120,7 @@ def _gguf_layout(f: BinaryIO, size: int) -> tuple[int, int]:
     """(offset of tensor data, byte length of the first tensor) of a GGUF v2/v3 file."""
 
     def read(fmt: str) -> tuple[int, ...]:
-        n = struct.calcsize(fmt)
-        raw = f.read(n)
-        if len(raw) != n:
-            raise ValueError("truncated header")
-        return struct.unpack(fmt, raw)
+        return unpack_from_file(f, fmt)
 
     meta = read_metadata(f, size, ("general.alignment",))
     alignment = int(meta.values.get("general.alignment", 32))
