@@ -357,28 +357,37 @@ def _sections(data: U8, structure: Structure, n_cells: int, head: int = HEAD.siz
     return views
 
 
+@functools.lru_cache(maxsize=64)
+def _shape_runs(structure: Structure) -> tuple[tuple[int, int], ...]:
+    """``[i, j)`` of each run of consecutive sections of one shape (type, groups, unit)."""
+    sections = structure.sections
+    out: list[tuple[int, int]] = []
+    i = 0
+    while i < len(sections):
+        j = i + 1
+        while j < len(sections) and sections[j] == sections[i]:
+            j += 1
+        out.append((i, j))
+        i = j
+    return tuple(out)
+
+
 def _runs(data: U8, structure: Structure, n_cells: int, offsets: Sequence[int]) -> list[U8]:
     """The sections of ``n_cells`` cells starting at ``offsets`` in ``data``, as runs of
-    consecutive sections of one shape at one spacing, each a ``(sections, groups, n_cells,
+    consecutive sections of one shape (``_shape_runs``), each a ``(sections, groups, n_cells,
     unit)`` view: copying a chunk into a joined blob is then one numpy assignment a run (two
     for a model whose layers are alike: K's and V's), not one a layer (a window of nine chunks
     over 15 layers took 270 of them, most of ``join_rest``'s time). Two blobs of one
-    structure split into runs alike whatever their cell counts, since a run breaks only where
-    the shape changes or a layer's spacing does, and the spacing grows with the cells alike."""
-    sections = structure.sections
+    structure split into the same runs whatever their cell counts; within a run the sections
+    lie at one spacing (each holds ``n_cells`` cells of one size), which is checked."""
     out: list[U8] = []
-    i = 0
-    while i < len(sections):
-        first = sections[i]
-        j = i + 1
-        step = offsets[j] - offsets[i] if j < len(sections) else 0
-        while j < len(sections) and sections[j] == first and offsets[j] - offsets[j - 1] == step:
-            j += 1
-        if j == i + 1:
-            step = 0
+    for i, j in _shape_runs(structure):
+        first = structure.sections[i]
         size = first.groups * n_cells * first.unit
+        step = offsets[i + 1] - offsets[i] if j - i > 1 else 0
         end = offsets[j - 1] + size
-        if offsets[i] < 0 or end > data.size or (j - i > 1 and step < size):
+        even = all(offsets[k + 1] - offsets[k] == step for k in range(i, j - 1))
+        if offsets[i] < 0 or end > data.size or not even or (j - i > 1 and step < size):
             raise StateRestoreError(
                 f"KV sections [{offsets[i]}, {end}) overlap or run past their {data.size} bytes"
             )
@@ -390,7 +399,6 @@ def _runs(data: U8, structure: Structure, n_cells: int, offsets: Sequence[int]) 
                 writeable=data.flags.writeable,
             )
         )
-        i = j
     return out
 
 
