@@ -176,9 +176,10 @@ def test_a_close_whose_finish_fails_still_answers_the_queue_and_saves() -> None:
     finish save) escaped, and the dying thread ran the same drain again, which raised again,
     so the queued request was never answered (its caller waited for ever) and the shutdown
     save of the slots' live KV never ran."""
+    backend = GatedBackend()
     eng = make_engine()
     try:
-        model = eng.load_model(config=stub_config())
+        model = eng.load_model(config=stub_config(backend=backend))  # type: ignore[arg-type]
         worker = model._worker
         saves: list[object] = []
         save = worker.save_idle_slots
@@ -201,9 +202,13 @@ def test_a_close_whose_finish_fails_still_answers_the_queue_and_saves() -> None:
             worker.outcomes.finish = broken_finish  # type: ignore[method-assign]
 
         running = model.stream(PROMPT, max_tokens=400, temperature=0.0, ignore_eos=True)
-        next(iter(running))  # it holds the one slot: what is submitted next stays queued
+        # Its prompt is prefilled and the worker waits inside its next forward pass: it holds
+        # the one slot (what is submitted next stays queued), and it cannot finish its 400
+        # tokens before the job below runs, which is between that pass and the next.
+        backend.gate.step(2)
         held = worker.call(hold_until_closing)
         queued = model.stream(PROMPT, max_tokens=2, temperature=0.0)
+        backend.gate.set()
         held.result(10)
         unloading[0].join(10)
         for req in (running._req, queued._req):
@@ -212,6 +217,7 @@ def test_a_close_whose_finish_fails_still_answers_the_queue_and_saves() -> None:
         assert worker._thread is not None
         worker._thread.join(10)
     finally:
+        backend.gate.set()
         eng.close()
 
 
