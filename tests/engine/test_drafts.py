@@ -80,6 +80,23 @@ def test_pass_cost_fits_its_fixed_and_per_token_parts_from_pairs_of_passes() -> 
     assert cost.cost == PassCost.PRIOR
 
 
+def test_pass_cost_baseline_is_not_inflated_by_a_new_contexts_slow_first_passes() -> None:
+    # A fresh context's first one-token passes, as measured: several times slower than the
+    # rest. Against their median a verify pass would look nearly free (the old baseline fit
+    # 0.1 per token here); against a low quantile it costs what it does.
+    cost = PassCost(clock=lambda: 0.0)
+    for seconds in (0.8, 0.12, 0.07):
+        cost.observe(1, 0, seconds)
+    cost.observe(1, 8, 0.4)  # too few plain passes to compare with: no sample
+    assert cost.cost == PassCost.PRIOR
+    for seconds in (0.03, 0.010, 0.010, 0.010):
+        cost.observe(1, 0, seconds)
+    for k in (4, 8, 16, 32) * 3:
+        cost.observe(1, k, 0.010 * (1.4 + 0.3 * k))
+    fit = cost.cost
+    assert abs(fit.per_token - 0.3) < 0.03 and abs(fit.fixed - 0.4) < 0.2
+
+
 class _Rows:
     """What ``RowDrafts`` asks of a cache: a namespace's rows and their tokens."""
 

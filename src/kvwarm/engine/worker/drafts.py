@@ -388,8 +388,9 @@ class RowDrafts:
 class Cost:
     """What a pass that verifies a draft of ``k`` tokens costs, in one-token passes:
     ``1 + fixed + per_token * k``. On a CPU the first drafted token costs most (a one-token
-    pass multiplies a vector, any other a matrix): SmolLM2 on 2 cores, measured, 1.0 and
-    0.4; a GPU's are near 0."""
+    pass multiplies a vector, any other a matrix): SmolLM2 on 2 cores with flash attention,
+    measured (the fastest of 9 passes each, k = 1 .. 48): about 0.4 and 0.3; a GPU's are
+    near 0."""
 
     fixed: float
     per_token: float
@@ -399,9 +400,14 @@ class Cost:
 
 
 class PassCost:
-    """``Cost``, measured: each pass that verified a draft, against the median of the latest
-    plain passes of as many slots (run moments before, under the same load: another
-    process's load cancels out), gives a sample ``(k, t / t_plain)``. The line through the
+    """``Cost``, measured: each pass that verified a draft, against the lower quartile of the
+    latest plain passes of as many slots (run moments before, under the same load: another
+    process's load cancels out), gives a sample ``(k, t / t_plain)``. A stall only ever makes
+    a pass slower, and a new context's first passes are several times slower than the rest
+    (measured: 870 ms against 8 ms), so the baseline is a low quantile, not the median, and
+    takes at least ``_MIN_PLAIN`` passes: a baseline inflated by them would make every draft
+    look nearly free (a fit of 0.02 one-token passes per token against a true 0.3 on 2 CPU
+    cores), and a chat then drafts at every common phrase. The line through the
     samples of the last ``_WINDOW_S`` seconds and two points of the prior is fitted robustly
     (Theil-Sen: the median of pairwise slopes, then the median intercept), so a pass stalled
     by another process moves it little; a few samples move it a little, many all the way; and
@@ -411,6 +417,7 @@ class PassCost:
     #: What a pass costs until passes have been timed: a CPU-like guess.
     PRIOR = Cost(0.5, 0.3)
     _KEEP = 31  # recent plain passes per slot count; recent samples
+    _MIN_PLAIN = 3  # plain passes of as many slots a sample needs
     _WINDOW_S = 120.0
     _PRIOR_AT = (1, 16)  # the prior's two pseudo-samples
     _MAX_FIXED, _MAX_PER_TOKEN = 4.0, 2.0
@@ -435,8 +442,8 @@ class PassCost:
                 plain = self._plain[slots] = deque(maxlen=self._KEEP)
             plain.append(seconds)
             return
-        if plain:
-            ratio = seconds / statistics.median(plain)
+        if plain is not None and len(plain) >= self._MIN_PLAIN:
+            ratio = seconds / sorted(plain)[len(plain) // 4]
             self._samples.append((self._clock(), drafted, ratio))
             self._fitted_at = None
 
