@@ -243,10 +243,13 @@ def test_speculative_decoding_settings_globally_per_model_and_checked(tmp_path: 
     s = load_settings({"config": str(config)}, ENV)
     code, chat = (model_config(s, spec) for spec in s.models)
     assert (code.spec_type, code.spec_draft_max, chat.spec_type) == ("ngram-simple", 32, "none")
+    for name in ("ngram-map-k4v", "ngram-cache"):
+        s = load_settings(_flags("--spec-type", name), ENV)
+        assert model_config(s, s.models[0]).spec_type == name
     with pytest.raises(
-        ConfigError, match="expected one of none, ngram-simple, ngram-map-k, ngram-mod"
+        ConfigError, match="expected one of none, ngram-simple, ngram-map-k, ngram-map-k4v"
     ):
-        load_settings(_flags("--spec-type", "ngram-cache"), ENV)
+        load_settings(_flags("--spec-type", "draft-eagle3"), ENV)
     with pytest.raises(ConfigError, match=r"spec_draft_max must be in \[0, 62\]"):
         load_settings(_flags("--spec-type", "ngram-simple", "--spec-draft-max", "63"), ENV)
     with pytest.raises(ConfigError, match="speculative decoding needs flash attention"):

@@ -3,6 +3,9 @@ the draft budget, ngram-map-k's caps, the pass cost's fit."""
 
 from __future__ import annotations
 
+import pytest
+
+import kvwarm.engine.worker.drafts as drafts_module
 from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TtlClass
 from kvwarm.engine.worker.drafts import (
     Cost,
@@ -258,3 +261,80 @@ def test_row_drafts_say_how_long_the_match_is() -> None:
     assert drafts.continuation(a, (9, 2, 3, 4), 8) == ([5, 6], 3)
     assert drafts.continuation(a, (1, 2, 3, 4), 1) == ([5], 4)
     assert drafts.continuation(a, (3,), 8) == ([], 0)  # shorter than n
+
+
+def test_ngram_map_k4v_drafts_a_continuation_only_where_it_dominates() -> None:
+    """llama-server's ngram-map-k4v: the continuations (m = draft_max tokens) of the last n
+    tokens are counted, and the most frequent one is drafted only when it followed at least
+    twice as often as all the others together; ngram-simple drafts the latest one."""
+    gpu = Cost(0.0, 0.02)
+    two_to_one = [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5, 9, 1, 2, 6, 7, 8, 9, 9, 1, 2]
+    assert Drafter("ngram-simple", 2, 3, two_to_one).propose([], 3, gpu) == [6, 7, 8]
+    k4v = Drafter("ngram-map-k4v", 2, 3, two_to_one)
+    assert k4v.propose([], 3, gpu) == [3, 4, 5]
+    k4v.verified(3, 0)  # rejected outright: that value's next draft holds one token
+    assert k4v.propose([], 3, gpu) == [3]
+    two_to_two = [*two_to_one[:-2], 1, 2, 6, 7, 8, 9, 1, 2]
+    assert Drafter("ngram-map-k4v", 2, 3, two_to_two).propose([], 3, gpu) == []
+    # A fifth distinct value is never counted (llama.cpp keeps four per key): eight times
+    # [5, 5, 5] after four others is no draft; after three others it dominates.
+    fives = [v for _ in range(8) for v in (1, 2, 5, 5, 5, 0)]
+    for others, drafted in (4, []), (3, [5, 5, 5]):
+        firsts = [v for w in range(10, 10 + others) for v in (1, 2, w, w, w, 0)]
+        k4v = Drafter("ngram-map-k4v", 2, 3, [*firsts, *fives, 1, 2])
+        assert k4v.propose([], 3, gpu) == drafted
+    # A key whose continuation runs up to the text's end is not counted yet.
+    assert Drafter("ngram-map-k4v", 2, 3, [1, 2, 3, 1, 2]).propose([], 3, gpu) == []
+    assert Drafter("ngram-map-k4v", 2, 3, [1, 2, 3, 4, 1, 2]).propose([], 3, gpu) == [3, 4, 1]
+
+
+def test_ngram_cache_drafts_each_token_from_next_token_counts() -> None:
+    """llama-server's ngram-cache: each drafted token is the most frequent follower of the
+    longest last 4-, 3-, 2- or 1-gram whose counts pass its thresholds; the request's own
+    text under lax ones, its tenant's rows under strict ones."""
+    gpu = Cost(0.0, 0.02)
+    # Only the 1-gram [7] was seen before, followed by 8 both times: drafted, where an
+    # n-gram lookup of n = 4 has nothing.
+    text = [7, 8, 3, 7, 8, 4, 5, 7]
+    assert Drafter("ngram-cache", 4, 8, text).propose([], 1, gpu) == [8]
+    assert Drafter("ngram-simple", 4, 8, text).propose([], 1, gpu) == []
+    # [7] followed once: a 1-gram needs two samples.
+    assert Drafter("ngram-cache", 4, 8, [7, 8, 5, 7]).propose([], 1, gpu) == []
+    # A copy goes on token by token, the draft's own tokens included in each n-gram.
+    copy = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3]
+    assert Drafter("ngram-cache", 4, 8, copy).propose([], 4, gpu) == [4, 5, 6, 9]
+    # The rows: a 4-gram seen once is enough in the request's own text, not in the rows
+    # (strict: two samples, 66%).
+    rows: dict[tuple[int, ...], dict[int, int]] = {(40, 41, 42, 43): {44: 1}}
+    own = [40, 41, 42, 43]
+    assert Drafter("ngram-cache", 4, 8, own, row_counts=rows.get).propose([], 1, gpu) == []
+    rows[(40, 41, 42, 43)] = {44: 2, 45: 1}
+    assert Drafter("ngram-cache", 4, 8, own, row_counts=rows.get).propose([], 1, gpu) == [44]
+    rows[(40, 41, 42, 43)] = {44: 2, 45: 2}  # 50%: not enough
+    assert Drafter("ngram-cache", 4, 8, own, row_counts=rows.get).propose([], 1, gpu) == []
+
+
+def test_row_counts_come_from_the_namespace_alone_and_stay_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache = _Rows()
+    a, b = _ns(b"a"), _ns(b"b")
+    cache.add(a, [1, 2, 3, 1, 2, 3])
+    cache.add(b, [1, 2, 9])
+    drafts = _drafts(cache)
+    drafts.refresh(a)
+    assert drafts.counts(a, (1, 2)) == {3: 2}
+    assert drafts.counts(a, (3,)) == {1: 1}
+    assert drafts.counts(b, (1, 2)) is None  # b was never drafted from
+    drafts.refresh(b)
+    assert drafts.counts(b, (1, 2)) == {9: 1}
+    assert drafts.counts(a, (1, 2)) == {3: 2}  # b's row is not in a's counts
+    drafts.saved(a, [1, 2, 3, 7, 8])  # a reply this worker saved: counted at the next look
+    assert drafts.counts(a, (1, 2)) == {3: 3}
+    # All namespaces' counts together hold at most COUNT_TOKENS_MAX tokens: counting b's
+    # longer row drops a's counts (made again on a's next look, within the bound).
+    monkeypatch.setattr(drafts_module, "COUNT_TOKENS_MAX", 12)
+    drafts.saved(b, [5, 6, 7, 8, 5, 6, 7, 8])
+    assert drafts.counts(b, (5, 6)) == {7: 2}
+    assert drafts.counts(a, (1, 2)) == {3: 3}
+    assert drafts.counts(b, (5, 6)) == {7: 2}

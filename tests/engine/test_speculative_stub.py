@@ -73,7 +73,9 @@ def held(model: Model, seq: int = 0) -> int:
 # ---- the output is plain decoding's -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["ngram-simple", "ngram-map-k", "ngram-mod"])
+@pytest.mark.parametrize(
+    "kind", ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"]
+)
 def test_greedy_output_is_plain_decodings(engine: Engine, kind: str) -> None:
     model = engine.load_model(config=spec_config(spec_type=kind))
     plain, spec = both(model, PROMPT, GREEDY)
@@ -239,7 +241,7 @@ def test_request_switch_and_draft_cap(engine: Engine) -> None:
         == 0
     )
     with pytest.raises(InvalidRequestError) as bad:
-        model.complete(PROMPT, GREEDY, spec_type="ngram-cache")
+        model.complete(PROMPT, GREEDY, spec_type="draft-eagle3")
     assert bad.value.param == "spec_type"
     with pytest.raises(InvalidRequestError) as bad:
         model.complete(PROMPT, GREEDY, spec_draft_max=63)

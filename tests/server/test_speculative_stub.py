@@ -104,8 +104,8 @@ def test_llama_server_request_names_switch_it_per_request(client: TestClient) ->
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("spec_type", "ngram-cache"),
-        ("speculative.type", "ngram-map-k4v"),
+        ("spec_type", "draft-eagle3"),  # llama-server's, not kvwarm's
+        ("speculative.type", "draft-mtp"),
         ("spec_type", "draft-simple"),  # a name, but this model has no draft model
         ("spec_draft_max", 63),
     ],

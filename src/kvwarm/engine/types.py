@@ -23,9 +23,21 @@ FinishReason = Literal["stop", "length", "cancelled"]
 #: proposes what followed it), "ngram-map-k" (the same lookup, with each n-gram's drafts capped
 #: by how many of its last draft were accepted), "ngram-mod" (each drafted token is what followed
 #: the latest earlier occurrence of the n tokens before it, the draft included, so a draft
-#: may pass from one occurrence to another), "draft-simple" (a draft model's greedy tokens: the
-#: model's ``draft_model``, ``engine/worker/draftmodel.py``).
-SpecType = Literal["none", "ngram-simple", "ngram-map-k", "ngram-mod", "draft-simple"]
+#: may pass from one occurrence to another), "ngram-map-k4v" (the continuations of the last n
+#: tokens are counted, up to 4 distinct ones, and the most frequent is drafted when it is at
+#: least twice as frequent as the others together), "ngram-cache" (each drafted token the most
+#: frequent follower of the last 4, 3, 2 or 1 tokens, counted in the request's text, else in
+#: its tenant's cached rows under stricter thresholds), "draft-simple" (a draft model's greedy
+#: tokens: the model's ``draft_model``, ``engine/worker/draftmodel.py``).
+SpecType = Literal[
+    "none",
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+    "draft-simple",
+]
 SPEC_TYPES: tuple[str, ...] = get_args(SpecType)
 #: Most tokens one draft may hold (a verify pass is one more than its draft). On the CPU a
 #: pass of up to 63 tokens of one sequence computes each row as a one-token pass would (flash

@@ -94,8 +94,9 @@ class SamplingFields(_Body):
     spec_type: SpecType | None = Field(
         default=None,
         validation_alias=AliasChoices("spec_type", "speculative.type"),
-        description="speculative decoding: none, ngram-simple, ngram-map-k, ngram-mod or "
-        "draft-simple (default: the model's spec_type); a speed hint, the output is the same",
+        description="speculative decoding: none, ngram-simple, ngram-map-k, ngram-map-k4v, "
+        "ngram-mod, ngram-cache or draft-simple (default: the model's spec_type); a speed "
+        "hint, the output is the same",
     )
     spec_draft_max: int | None = Field(
         default=None,

@@ -176,7 +176,8 @@ class ModelSettings(BaseSettings):
     spec_type: SpecTypeName = Field(
         default="none",
         description="speculative decoding from n-grams of each request's own prompt and reply "
-        "(ngram-simple, ngram-map-k, ngram-mod) or from the draft model (draft-simple), "
+        "(ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache) or from the draft "
+        "model (draft-simple), "
         "llama-server's names, or none; exact, off in deterministic mode; a request may choose "
         "its own (spec_type)",
     )

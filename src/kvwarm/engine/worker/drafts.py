@@ -72,14 +72,16 @@ _IDLE_FADE = 0.95
 class NgramIndex:
     """Where each ``n``-gram of a growing token list last occurred."""
 
-    __slots__ = ("_indexed", "_starts", "n", "tokens")
+    __slots__ = ("_every", "_indexed", "_starts", "n", "tokens")
 
-    def __init__(self, n: int, tokens: Sequence[int] = ()) -> None:
+    def __init__(self, n: int, tokens: Sequence[int] = (), *, every: bool = False) -> None:
         if n < 1:
             raise ValueError("an n-gram has at least one token")
         self.n = n
         self.tokens: list[int] = list(tokens)
         self._starts: dict[tuple[int, ...], int] = {}
+        #: With ``every``: each n-gram's starts, ascending (``occurrences``).
+        self._every: dict[tuple[int, ...], list[int]] | None = {} if every else None
         self._indexed = 0  # n-grams ending before this position are in _starts
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -95,10 +97,21 @@ class NgramIndex:
         starts = self._starts
         # Index every n-gram ending before the last token: the tail's own occurrence is not
         # an earlier one.
+        every = self._every
         for end in range(max(self._indexed, n - 1), size - 1):
-            starts[tuple(toks[end - n + 1 : end + 1])] = end - n + 1
+            key = tuple(toks[end - n + 1 : end + 1])
+            starts[key] = end - n + 1
+            if every is not None:
+                every.setdefault(key, []).append(end - n + 1)
         self._indexed = max(self._indexed, size - 1)
         return starts.get(tuple(toks[size - n :]))
+
+    def occurrences(self, key: tuple[int, ...]) -> Sequence[int]:
+        """Every earlier start of ``key``, ascending (an index made with ``every``; n-grams
+        ending before the list's last token are indexed by ``lookup``)."""
+        if self._every is None:
+            raise ValueError("this index keeps only each n-gram's latest start")
+        return self._every.get(key, ())
 
     def next_after(self, key: tuple[int, ...]) -> int | None:
         """The token that followed the latest earlier occurrence of ``key`` (``n`` tokens;
@@ -115,6 +128,60 @@ class NgramIndex:
         while a >= 0 and length < MATCH_MAX and toks[a] == toks[b]:
             a, b, length = a - 1, b - 1, length + 1
         return length
+
+
+#: ngram-cache (llama.cpp's ``common/ngram-cache``): the n-gram sizes whose next-token counts
+#: draft, longest first, and per size (1 .. 4) the samples and the share of them the most
+#: frequent next token needs: lax for the request's own text, strict for its tenant's cached
+#: rows (llama.cpp's context and dynamic caches; its thresholds).
+CACHE_NGRAM_MAX = 4
+_LAX = ((2, 66), (2, 50), (1, 50), (1, 50))
+_STRICT = ((4, 75), (3, 66), (2, 66), (2, 66))
+#: A next-token count of an n-gram (``NgramCounts``): token -> times it followed.
+Counts = dict[int, int]
+#: Most tokens of one namespace's rows counted for ngram-cache, and of all namespaces'
+#: together (an n-gram's counts cost about 300 bytes, four per token: ~40 MB).
+COUNT_TOKENS_MAX = 1 << 15
+
+
+class NgramCounts:
+    """How often each token followed each 1- to 4-gram of a growing token list (llama.cpp's
+    ``common_ngram_cache``)."""
+
+    __slots__ = ("_fed", "counts")
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[int, ...], Counts] = {}
+        self._fed = 0  # tokens whose predecessors are counted
+
+    def update(self, tokens: Sequence[int]) -> None:
+        """Count the tokens of ``tokens`` (the same list, grown) not yet counted."""
+        counts = self.counts
+        for i in range(max(self._fed, 1), len(tokens)):
+            token = tokens[i]
+            for size in range(1, min(CACHE_NGRAM_MAX, i) + 1):
+                part = counts.setdefault(tuple(tokens[i - size : i]), {})
+                part[token] = part.get(token, 0) + 1
+        self._fed = max(self._fed, len(tokens))
+
+
+def pick_next(
+    counts: Callable[[tuple[int, ...]], Counts | None],
+    text: Sequence[int],
+    thresholds: tuple[tuple[int, int], ...],
+) -> tuple[int, int] | None:
+    """ngram-cache's next token after ``text``: the most frequent follower of its longest
+    last n-gram (4 down to 1) whose counts pass ``thresholds``, and that n-gram's size."""
+    for size in range(min(CACHE_NGRAM_MAX, len(text)), 0, -1):
+        part = counts(tuple(text[len(text) - size :]))
+        if not part:
+            continue
+        token, best = max(part.items(), key=lambda item: item[1])
+        total = sum(part.values())
+        need, percent = thresholds[size - 1]
+        if total >= need and 100 * best >= percent * total:
+            return token, size
+    return None
 
 
 def match_prior(length: int) -> float:
@@ -164,11 +231,26 @@ class DraftBudget:
         self.rejected *= _IDLE_FADE
 
 
+@dataclass(slots=True, eq=False)
+class _KeyValues:
+    """ngram-map-k4v: the continuations (values) counted after one key n-gram."""
+
+    counted: int = 0  # the key's occurrences counted so far
+    #: value (its ``m`` tokens) -> [times it followed the key, its latest start, draft cap]
+    values: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+
+#: ngram-map-k4v: most distinct values counted per key (llama.cpp's
+#: ``COMMON_NGRAM_MAX_VALUES``); a fifth is not counted.
+K4V_VALUES = 4
+
+
 class Drafter:
-    """One request's drafts (``SpecType`` "ngram-simple" or "ngram-map-k")."""
+    """One request's drafts, by its n-gram ``SpecType``."""
 
     __slots__ = (
-        "_caps", "_fed", "_last_key", "budget", "draft_max", "elsewhere", "index", "kind"
+        "_caps", "_counts", "_fed", "_last_key", "_last_value", "_row_counts", "_values", "budget",
+        "draft_max", "elsewhere", "index", "kind",
     )  # fmt: skip
 
     def __init__(
@@ -178,23 +260,30 @@ class Drafter:
         draft_max: int,
         prompt: Sequence[int],
         elsewhere: Elsewhere | None = None,
+        row_counts: Callable[[tuple[int, ...]], Counts | None] | None = None,
     ) -> None:
-        if kind == "none":
-            raise ValueError("a drafter needs a draft source")
+        if kind in ("none", "draft-simple"):
+            raise ValueError("an n-gram drafter needs an n-gram draft source")
         self.kind = kind
         self.draft_max = draft_max
         #: Asked when the request's own text has no match (the cached rows of its namespace).
         self.elsewhere = elsewhere
-        self.index = NgramIndex(n, prompt)
+        self.index = NgramIndex(n, prompt, every=kind == "ngram-map-k4v")
         self.budget = DraftBudget()
         self._fed = 0  # generated tokens already in the index
         self._caps: dict[tuple[int, ...], int] = {}  # ngram-map-k: key -> next draft's cap
         self._last_key: tuple[int, ...] | None = None
+        #: ngram-map-k4v: key -> its values; the value a draft came from (with its key).
+        self._values: dict[tuple[int, ...], _KeyValues] = {}
+        self._last_value: list[int] | None = None
+        #: ngram-cache: the request's own next-token counts, and its tenant's rows' (strict).
+        self._counts = NgramCounts() if kind == "ngram-cache" else None
+        self._row_counts = row_counts
 
     def propose(self, generated: Sequence[int], limit: int, cost: Cost) -> list[int]:
         """A draft of at most ``limit`` tokens to follow ``generated`` (the reply so far, its
         last token the one about to be decoded); empty when nothing is worth drafting."""
-        self._last_key = None
+        self._last_key = self._last_value = None
         if len(generated) > self._fed:
             self.index.extend(generated[self._fed :])
             self._fed = len(generated)
@@ -204,10 +293,14 @@ class Drafter:
         index = self.index
         toks, n = index.tokens, index.n
         start = index.lookup()
-        if start is not None:
+        if self.kind == "ngram-cache":
+            source, matched = self._from_counts(start, limit)
+        elif start is not None:
             matched = index.match_length(start)
             if self.kind == "ngram-mod":
                 source = self._chain(start, limit)
+            elif self.kind == "ngram-map-k4v":
+                source, matched = self._dominant(limit)
             else:
                 source = toks[start + n : start + n + limit]
         elif self.elsewhere is not None and len(toks) >= n:
@@ -218,6 +311,7 @@ class Drafter:
         # row's span ids would otherwise be proposed as tokens, which no vocabulary has).
         source = list(itertools.takewhile(lambda t: not is_span_id(t), source))
         if not source:
+            self._last_value = None
             return []
         limit = len(source)
         key: tuple[int, ...] | None = None
@@ -227,9 +321,69 @@ class Drafter:
         k = self.budget.length(limit, cost, match_prior(matched))
         if k == 0:
             self.budget.skipped()
+            self._last_value = None
             return []
         self._last_key = key
         return source[:k]
+
+    def _dominant(self, limit: int) -> tuple[list[int], int]:
+        """ngram-map-k4v: the continuation of the text's last ``n`` tokens that followed them
+        most often, when it did at least twice as often as all the others together (llama.cpp's
+        rule), at most one token more than were accepted of its last draft; and how long the
+        match at its latest occurrence is. A value is the ``draft_max`` tokens after an
+        occurrence, counted once they all precede the text's last token; at most
+        ``K4V_VALUES`` distinct ones per key."""
+        index = self.index
+        toks, n, m = index.tokens, index.n, self.draft_max
+        key = tuple(toks[len(toks) - n :])
+        stats = self._values.get(key)
+        if stats is None:
+            stats = self._values[key] = _KeyValues()
+        starts = index.occurrences(key)
+        while stats.counted < len(starts) and starts[stats.counted] + n + m < len(toks):
+            start = starts[stats.counted]
+            stats.counted += 1
+            value = tuple(toks[start + n : start + n + m])
+            seen = stats.values.get(value)
+            if seen is not None:
+                seen[0] += 1
+                seen[1] = start
+            elif len(stats.values) < K4V_VALUES:
+                stats.values[value] = [1, start, m]
+        if not stats.values:
+            return [], 0
+        best = max(stats.values.values(), key=lambda seen: seen[0])
+        others = sum(seen[0] for seen in stats.values.values()) - best[0]
+        if others > 0 and best[0] < 2 * others:
+            return [], 0  # no continuation dominates: no draft
+        self._last_value = best
+        start = best[1]
+        return toks[start + n : start + n + min(limit, best[2])], index.match_length(start)
+
+    def _from_counts(self, start: int | None, limit: int) -> tuple[list[int], int]:
+        """ngram-cache: each drafted token the most frequent follower of the last 4, 3, 2 or
+        1 tokens (the draft's included) in the request's own text, else in its tenant's
+        cached rows under stricter thresholds (``pick_next``); and the match length its
+        acceptance starts from: the request's own match (as ngram-simple's) when it has one,
+        else the size of the n-gram that drafted the first token."""
+        counts = self._counts
+        assert counts is not None
+        toks = self.index.tokens
+        counts.update(toks)
+        window = toks[len(toks) - CACHE_NGRAM_MAX :]
+        draft: list[int] = []
+        first = 0
+        while len(draft) < limit:
+            got = pick_next(counts.counts.get, window, _LAX)
+            if got is None and self._row_counts is not None:
+                got = pick_next(self._row_counts, window, _STRICT)
+            if got is None:
+                break
+            draft.append(got[0])
+            first = first or got[1]
+            window = [*window, got[0]][-CACHE_NGRAM_MAX:]
+        matched = self.index.match_length(start) if start is not None else first
+        return draft, max(matched, first)
 
     def _chain(self, start: int, limit: int) -> list[int]:
         """ngram-mod: each drafted token is what followed the latest earlier occurrence of the
@@ -254,6 +408,9 @@ class Drafter:
         if self._last_key is not None:
             self._caps[self._last_key] = accepted + 1
             self._last_key = None
+        if self._last_value is not None:
+            self._last_value[2] = accepted + 1
+            self._last_value = None
 
 
 #: Most tokens of cached rows one worker indexes for drafts, over all namespaces. An indexed
@@ -273,6 +430,11 @@ class _Rows:
     starts: dict[int, int] = field(default_factory=dict)
     tokens: int = 0
     refreshed: float = float("-inf")
+    #: ngram-cache: the next-token counts of the rows' 1- to 4-grams (``RowDrafts.counts``),
+    #: made on first use; how many of ``seqs`` are in them, and their tokens.
+    counts: dict[tuple[int, ...], Counts] | None = None
+    counted: int = 0
+    counted_tokens: int = 0
 
 
 class RowDrafts:
@@ -360,6 +522,39 @@ class RowDrafts:
                 return
             if ns != keep:
                 total -= self._spaces.pop(ns).tokens
+
+    def counts(self, ns: Namespace, ngram: tuple[int, ...]) -> Counts | None:
+        """ngram-cache: how often each token followed ``ngram`` (1 to 4 tokens) in the rows of
+        ``ns`` (None: never). The counts are made on a namespace's first such lookup and
+        take in its rows indexed since, at most ``COUNT_TOKENS_MAX`` tokens of them; all
+        namespaces' together stay within that too, the least recently drafted from dropped
+        first."""
+        space = self._spaces.get(ns)
+        if space is None:
+            return None
+        if space.counts is None or space.counted < len(space.seqs):
+            self._count(ns, space)
+        assert space.counts is not None
+        return space.counts.get(ngram)
+
+    def _count(self, ns: Namespace, space: _Rows) -> None:
+        if space.counts is None:
+            space.counts, space.counted, space.counted_tokens = {}, 0, 0
+        for seq in space.seqs[space.counted :]:
+            space.counted += 1
+            if space.counted_tokens + len(seq) > COUNT_TOKENS_MAX:
+                continue
+            space.counted_tokens += len(seq)
+            counter = NgramCounts()
+            counter.counts = space.counts
+            counter.update(seq)
+        total = sum(s.counted_tokens for s in self._spaces.values())
+        for other_ns, other in self._spaces.items():  # least recently drafted from first
+            if total <= COUNT_TOKENS_MAX:
+                break
+            if other_ns != ns and other.counts is not None:
+                total -= other.counted_tokens
+                other.counts, other.counted, other.counted_tokens = None, 0, 0
 
     def continuation(
         self, ns: Namespace, tail: tuple[int, ...], limit: int

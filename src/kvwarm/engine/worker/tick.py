@@ -181,6 +181,7 @@ class Tick:
             draft_max,
             act.req.prompt_tokens,
             lambda tail, limit: rows.continuation(ns, tail, limit),
+            lambda ngram: rows.counts(ns, ngram),
         )
 
     def _batch(
