@@ -56,6 +56,17 @@ def test_greedy_reply_is_plain_decodings(model: Model) -> None:
     assert model.info().flash_attn == "auto"  # llama.cpp's auto: flash attention on
 
 
+@pytest.mark.parametrize("kind", ["ngram-map-k4v", "ngram-cache"])
+def test_greedy_reply_is_plain_decodings_by_counted_ngrams(model: Model, kind: str) -> None:
+    """The two types that draft from counts (a key's continuations; next tokens of 1- to
+    4-grams), chosen per request: the same reply, much of it from drafts."""
+    opts = GenerationOptions(max_tokens=48, temperature=0.0)
+    plain = model.chat(MESSAGES, options=opts, spec_type="none", cache_salt=f"plain-{kind}")
+    spec = model.chat(MESSAGES, options=opts, spec_type=kind, cache_salt=kind)
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.accepted_tokens >= 8
+
+
 def test_seeded_reply_and_logprobs_are_plain_decodings(model: Model) -> None:
     opts = GenerationOptions(max_tokens=32, temperature=0.8, seed=11, logprobs=2)
     plain = model.chat(MESSAGES, options=opts, spec_type="none", cache_salt="plain-s")
