@@ -8,13 +8,13 @@ Loads (issue 39), greedy, each a chat rendered once with the GGUF's template and
 text to every server's ``/v1/completions``: three that copy (return a function with one rename;
 answer a question by quoting a passage; rewrite a JSON document with one key changed) and a plain
 chat that copies nothing. Servers: kvwarm plain (its defaults: flash attention off on the CPU),
-kvwarm plain with flash attention on (what a speculating kvwarm runs), kvwarm ``--spec-type ngram-
-simple``, ``ngram-map-k``, ``ngram-mod``, ``ngram-map-k4v`` and ``ngram-cache`` and with ``--draft-
-model``, llama-server plain, with each n-gram ``--spec-type`` (its defaults: n 12, m 48; ``ngram-
-mod`` n 24; ``ngram-cache`` 8 tokens a draft, no lookup cache files, so its context counts alone)
-and with ``--model-draft`` (the draft model: ``--draft-model``, by default the model itself, which
-tests the path but cannot be faster on a CPU). Each request goes to every server in turn (the order
-rotating per request), so a drift in the machine's speed falls on all alike; each load runs
+kvwarm plain with flash attention on (what a speculating kvwarm runs), kvwarm ``--spec-type
+ngram-simple``, ``ngram-map-k``, ``ngram-mod``, ``ngram-map-k4v`` and ``ngram-cache`` and with
+``--draft-model``, llama-server plain, with each n-gram ``--spec-type`` (its defaults: n 12, m 48;
+``ngram-mod`` n 24; ``ngram-cache`` 8 tokens a draft, no lookup cache files, so its context counts
+alone) and with ``--model-draft`` (the draft model: ``--draft-model``, by default the model itself,
+which tests the path but cannot be faster on a CPU). Each request goes to every server in turn (the
+order rotating per request), so a drift in the machine's speed falls on all alike; each load runs
 ``--rounds`` times, each round's prompt beginning with its own "Request N." (so no server drafts
 from a reply it gave before; ``--repeat`` sends the same prompts every round, and kvwarm then
 drafts from its cached rows, llama-server's ``ngram-mod`` from its shared pool).
