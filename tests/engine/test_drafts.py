@@ -26,6 +26,19 @@ def test_ngram_index_finds_the_latest_earlier_occurrence() -> None:
     assert NgramIndex(3, [1, 2]).lookup() is None
 
 
+def test_ngram_index_prefers_the_occurrence_matching_more_of_the_tail() -> None:
+    """"over 2,900 ... over 2,300": the reply quoting the first must not be drafted the
+    second's continuation just because it is the later one."""
+    text = [9, 1, 2, 3, 7, 7, 8, 1, 2, 3, 5, 5, 9, 1, 2, 3]
+    index = NgramIndex(3, text)
+    assert index.lookup() == 1  # [9, 1, 2, 3] matches at 0; the later [1, 2, 3] only 3
+    assert index.occurrences((1, 2, 3)) == [1, 7]
+    gpu = Cost(0.0, 0.02)
+    assert Drafter("ngram-simple", 3, 4, text).propose([], 4, gpu) == [7, 7, 8, 1]
+    tie = [1, 2, 3, 7, 1, 2, 3, 5, 1, 2, 3]
+    assert NgramIndex(3, tie).lookup() == 4  # equally long matches: the latest
+
+
 def test_budget_drafts_nothing_when_nothing_pays() -> None:
     gpu, cpu = Cost(0.0, 0.02), Cost(1.0, 0.4)
     budget = DraftBudget()

@@ -48,6 +48,8 @@ from kvwarm.tokens import is_span_id
 #: and how many of the last tokens matched there.
 Elsewhere = Callable[[tuple[int, ...], int], tuple[list[int], int]]
 
+#: How many of an n-gram's latest occurrences ``NgramIndex.lookup`` compares.
+CANDIDATES = 8
 #: Most tokens a match is followed backwards (``match_length``): enough to tell a copy from a
 #: common phrase.
 MATCH_MAX = 64
@@ -72,24 +74,29 @@ _IDLE_FADE = 0.95
 class NgramIndex:
     """Where each ``n``-gram of a growing token list last occurred."""
 
-    __slots__ = ("_every", "_indexed", "_starts", "n", "tokens")
+    __slots__ = ("_indexed", "_starts", "n", "tokens")
 
-    def __init__(self, n: int, tokens: Sequence[int] = (), *, every: bool = False) -> None:
+    def __init__(self, n: int, tokens: Sequence[int] = ()) -> None:
         if n < 1:
             raise ValueError("an n-gram has at least one token")
         self.n = n
         self.tokens: list[int] = list(tokens)
-        self._starts: dict[tuple[int, ...], int] = {}
-        #: With ``every``: each n-gram's starts, ascending (``occurrences``).
-        self._every: dict[tuple[int, ...], list[int]] | None = {} if every else None
+        self._starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its starts, ascending
         self._indexed = 0  # n-grams ending before this position are in _starts
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(tokens)
 
     def lookup(self) -> int | None:
-        """Where the latest earlier occurrence of the list's last ``n`` tokens starts (None:
-        there is none). What followed it begins at ``start + n``, at most the last token."""
+        """Where the earlier occurrence of the list's last ``n`` tokens that matches the most
+        of the tail starts (``match_length``; of the latest ``CANDIDATES`` occurrences, the
+        latest among the longest), None if there is none. What followed it begins at
+        ``start + n``, at most the last token.
+
+        The longest match, not simply the latest: a passage's "over 2,900 ... over 2,300"
+        has the 4-gram "over 2," twice, and a reply quoting its first half would otherwise
+        be drafted the second's continuation (measured on the quote load: two of a reply's
+        drafts rejected outright, each costing a verify pass)."""
         toks, n = self.tokens, self.n
         size = len(toks)
         if size <= n:
@@ -97,27 +104,26 @@ class NgramIndex:
         starts = self._starts
         # Index every n-gram ending before the last token: the tail's own occurrence is not
         # an earlier one.
-        every = self._every
         for end in range(max(self._indexed, n - 1), size - 1):
-            key = tuple(toks[end - n + 1 : end + 1])
-            starts[key] = end - n + 1
-            if every is not None:
-                every.setdefault(key, []).append(end - n + 1)
+            starts.setdefault(tuple(toks[end - n + 1 : end + 1]), []).append(end - n + 1)
         self._indexed = max(self._indexed, size - 1)
-        return starts.get(tuple(toks[size - n :]))
+        found = starts.get(tuple(toks[size - n :]))
+        if not found:
+            return None
+        if len(found) == 1:
+            return found[0]
+        return max(found[-CANDIDATES:], key=lambda start: (self.match_length(start), start))
 
     def occurrences(self, key: tuple[int, ...]) -> Sequence[int]:
-        """Every earlier start of ``key``, ascending (an index made with ``every``; n-grams
-        ending before the list's last token are indexed by ``lookup``)."""
-        if self._every is None:
-            raise ValueError("this index keeps only each n-gram's latest start")
-        return self._every.get(key, ())
+        """Every earlier start of ``key``, ascending (n-grams ending before the list's last
+        token are indexed by ``lookup``)."""
+        return self._starts.get(key, ())
 
     def next_after(self, key: tuple[int, ...]) -> int | None:
         """The token that followed the latest earlier occurrence of ``key`` (``n`` tokens;
         n-grams ending before the list's last token are indexed by ``lookup``)."""
-        start = self._starts.get(key)
-        return None if start is None else self.tokens[start + self.n]
+        found = self._starts.get(key)
+        return self.tokens[found[-1] + self.n] if found else None
 
     def match_length(self, start: int) -> int:
         """How many tokens the occurrence at ``start`` and the list's tail have in common,
@@ -268,7 +274,7 @@ class Drafter:
         self.draft_max = draft_max
         #: Asked when the request's own text has no match (the cached rows of its namespace).
         self.elsewhere = elsewhere
-        self.index = NgramIndex(n, prompt, every=kind == "ngram-map-k4v")
+        self.index = NgramIndex(n, prompt)
         self.budget = DraftBudget()
         self._fed = 0  # generated tokens already in the index
         self._caps: dict[tuple[int, ...], int] = {}  # ngram-map-k: key -> next draft's cap
