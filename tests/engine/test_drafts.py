@@ -27,7 +27,7 @@ def test_ngram_index_finds_the_latest_earlier_occurrence() -> None:
 
 
 def test_ngram_index_prefers_the_occurrence_matching_more_of_the_tail() -> None:
-    """"over 2,900 ... over 2,300": the reply quoting the first must not be drafted the
+    """ "over 2,900 ... over 2,300": the reply quoting the first must not be drafted the
     second's continuation just because it is the later one."""
     text = [9, 1, 2, 3, 7, 7, 8, 1, 2, 3, 5, 5, 9, 1, 2, 3]
     index = NgramIndex(3, text)
