@@ -7,13 +7,17 @@ exactly as plain decoding would, and the draft is kept up to its first token tha
 what was sampled (``sampling.Sampling.on_verify``). So a draft is only a guess: a wrong one
 costs the extra positions of one pass, never a different output. Here:
 
-- ``NgramIndex``: where each n-gram of a growing token list last occurred, one dict entry per
+- ``NgramIndex``: where each n-gram of a growing token list occurred, one list item per
   position (built once per request from its prompt, then a few entries per generated token).
 - ``Drafter``: one request's drafts, by its ``SpecType``. "ngram-simple" proposes what followed
-  the latest earlier occurrence of the last ``n`` tokens (llama-server's ``ngram-simple``, which
-  scans backwards for the same thing); "ngram-map-k" does the same lookup but caps each n-gram's
-  next draft at one more token than were accepted of its last (llama-server's ``ngram-map-k``
-  caps it at exactly that many, which mutes a key for good once one draft of it fails).
+  an earlier occurrence of the last ``n`` tokens, the one matching most of the text before
+  them (llama-server's ``ngram-simple`` scans backwards for the latest); "ngram-map-k" does
+  the same lookup but caps each n-gram's next draft at one more token than were accepted of
+  its last (llama-server's ``ngram-map-k`` caps it at exactly that many, which mutes a key for
+  good once one draft of it fails);
+  "ngram-mod" chains each token from the n before it; "ngram-map-k4v" drafts a key's most
+  frequent continuation where it dominates; "ngram-cache" drafts each token from next-token
+  counts of the last 1- to 4-grams (``NgramCounts``), the request's, then its tenant's rows'.
 - ``DraftBudget``: how long a draft is worth making. With a per-token acceptance ``a`` (counted
   from this request's verify passes, older ones weighing less) a draft of ``k`` yields
   ``1 + a + ... + a**k`` tokens for a pass that costs ``1 + f + c*k`` one-token passes, so
@@ -26,8 +30,9 @@ costs the extra positions of one pass, never a different output. Here:
   not another process's load.
 
 Invariants: nothing here touches the context or the sampler; a drafter reads only its own
-request's tokens (the tenant rule: ``docs/architecture.md``, "Tenants"); its memory is one dict
-entry per token of the request and is freed with the request.
+request's tokens and its own tenant's rows (the tenant rule: ``docs/architecture.md``,
+"Tenants"); its memory is a few dict entries per token of the request and is freed with the
+request.
 """
 
 from __future__ import annotations
