@@ -81,6 +81,15 @@ def test_tokenize_round_trip(model: BackendModel) -> None:
         assert with_bos == tokens
 
 
+def test_vocabulary_is_every_tokens_piece_and_the_end_of_generation_tokens(
+    model: BackendModel,
+) -> None:
+    pieces, eog = model.vocabulary()
+    n = model.facts.n_vocab
+    assert pieces == tuple(model.token_to_piece(t, special=True) for t in range(n))
+    assert eog == {t for t in range(n) if model.is_eog(t)} and model.facts.eos in eog
+
+
 def test_special_tokens_parse_only_on_request(model: BackendModel) -> None:
     eos = model.facts.eos
     assert eos is not None

@@ -3,10 +3,13 @@ the draft budget, ngram-map-k's caps, the pass cost's fit."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 import kvwarm.engine.worker.drafts as drafts_module
 from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TtlClass
+from kvwarm.engine.worker.draftmodel import check_vocab
 from kvwarm.engine.worker.drafts import (
     Cost,
     DraftBudget,
@@ -16,6 +19,7 @@ from kvwarm.engine.worker.drafts import (
     RowDrafts,
     match_prior,
 )
+from kvwarm.errors import ConfigError
 
 
 def test_ngram_index_finds_the_latest_earlier_occurrence() -> None:
@@ -351,3 +355,32 @@ def test_row_counts_come_from_the_namespace_alone_and_stay_bounded(
     assert drafts.counts(b, (5, 6)) == {7: 2}
     assert drafts.counts(a, (1, 2)) == {3: 3}
     assert drafts.counts(b, (5, 6)) == {7: 2}
+
+
+class _Vocab:
+    """What ``check_vocab`` reads of a model: its size and its vocabulary, in one call."""
+
+    def __init__(self, pieces: list[bytes], eog: set[int]) -> None:
+        self.facts = SimpleNamespace(n_vocab=len(pieces))
+        self._vocab = (tuple(pieces), frozenset(eog))
+
+    def vocabulary(self) -> tuple[tuple[bytes, ...], frozenset[int]]:
+        return self._vocab
+
+    def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
+        raise AssertionError("one call a token: Gemma's 262k tokens took 2.3 s")
+
+
+def test_a_draft_vocabulary_is_compared_whole_and_the_first_difference_named() -> None:
+    pieces = [b"a", b"b", b"c", b"</s>"]
+    same = _Vocab(pieces, {3})
+    check_vocab(same, _Vocab(list(pieces), {3}), "d.gguf")  # type: ignore[arg-type]
+    for other, token in (
+        (_Vocab([b"a", b"B", b"c", b"</s>"], {3}), 1),
+        (_Vocab(pieces, {2, 3}), 2),
+        (_Vocab([*pieces, b"x"], {3}), "has 5 tokens, the model 4"),
+    ):
+        with pytest.raises(
+            ConfigError, match=f"token {token} " if isinstance(token, int) else token
+        ):
+            check_vocab(same, other, "d.gguf")  # type: ignore[arg-type]

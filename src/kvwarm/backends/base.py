@@ -502,6 +502,12 @@ class BackendModel(Protocol):
         """End-of-generation token (EOS, EOT, …)."""
         ...
 
+    def vocabulary(self) -> tuple[tuple[bytes, ...], frozenset[int]]:
+        """Every token's bytes (``token_to_piece(t, special=True)``, in id order) and the
+        end-of-generation tokens, read in one pass: what a draft model's vocabulary is
+        compared by (``engine/worker/draftmodel.py``)."""
+        ...
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, object]],

@@ -47,6 +47,7 @@ from kvwarm.backends.llama.projector import LlamaProjector
 from kvwarm.backends.llama.sampler import LlamaSampler
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import (
+    BackendError,
     InvalidRequestError,
     ModelLoadError,
     ModelNotFoundError,
@@ -315,6 +316,30 @@ class LlamaModel:
         _checks.check_tokens([token], self._n_vocab)
         with self._life.using():
             return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+
+    def vocabulary(self) -> tuple[tuple[bytes, ...], frozenset[int]]:
+        # One buffer, one lock, two plain calls a token: Gemma 3's 262,144 tokens in ~0.3 s,
+        # where token_to_piece and is_eog per token took ~1 s a model (measured).
+        lib, vocab = self._lib, self._vocab
+        to_piece, eog_of = lib.llama_token_to_piece, lib.llama_vocab_is_eog
+        capacity = 256
+        buf = ctypes.create_string_buffer(capacity)
+        pieces: list[bytes] = []
+        eog: list[int] = []
+        with self._life.using():
+            for token in range(self._n_vocab):
+                n = int(to_piece(vocab, token, buf, capacity, 0, True))
+                if n < 0:  # longer than the buffer: asked again with room for it
+                    big = ctypes.create_string_buffer(-n)
+                    n = int(to_piece(vocab, token, big, -n, 0, True))
+                    if n < 0:
+                        raise BackendError(f"token {token}'s piece could not be read")
+                    pieces.append(big.raw[:n])
+                else:
+                    pieces.append(ctypes.string_at(buf, n))
+                if eog_of(vocab, token):
+                    eog.append(token)
+        return tuple(pieces), frozenset(eog)
 
     def apply_chat_template(
         self,

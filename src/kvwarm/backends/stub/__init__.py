@@ -290,6 +290,10 @@ class StubModel:
             _checks.check_tokens([token], N_VOCAB)
             return token == EOS
 
+    def vocabulary(self) -> tuple[tuple[bytes, ...], frozenset[int]]:
+        with self._life.using():
+            return tuple(self._piece(t, True) for t in range(N_VOCAB)), frozenset({EOS})
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, object]],

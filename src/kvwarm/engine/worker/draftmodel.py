@@ -48,8 +48,6 @@ log = logging.getLogger(__name__)
 P_MIN = 0.75
 #: A prompt the draft context had to prefill this many tokens of is saved to the cache.
 SAVE_MIN = 32
-#: Token pieces compared per call when checking two vocabularies (all of them, in runs).
-_VOCAB_RUN = 4096
 
 
 def check_vocab(target: BackendModel, draft: BackendModel, draft_path: str) -> None:
@@ -62,15 +60,14 @@ def check_vocab(target: BackendModel, draft: BackendModel, draft_path: str) -> N
             f"draft model {draft_path} has {draft.facts.n_vocab} tokens, the model {n}: "
             "a draft model needs the model's vocabulary"
         )
-    for token in range(n):
-        same = target.token_to_piece(token, special=True) == draft.token_to_piece(
-            token, special=True
-        ) and target.is_eog(token) == draft.is_eog(token)
-        if not same:
-            raise ConfigError(
-                f"draft model {draft_path}: token {token} differs from the model's: a draft "
-                "model needs the model's vocabulary"
-            )
+    (pieces, eog), (draft_pieces, draft_eog) = target.vocabulary(), draft.vocabulary()
+    if pieces == draft_pieces and eog == draft_eog:
+        return
+    token = min([t for t in range(n) if pieces[t] != draft_pieces[t]] + sorted(eog ^ draft_eog))
+    raise ConfigError(
+        f"draft model {draft_path}: token {token} differs from the model's: a draft "
+        "model needs the model's vocabulary"
+    )
 
 
 class DraftStore(Protocol):
