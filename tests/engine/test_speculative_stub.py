@@ -488,9 +488,15 @@ def test_draft_model_catches_up_a_chunk_a_tick_and_restores_its_prompt(
     model._worker.call(lambda: draft.reset(0)).result()
     assert engine.cache.flush()
     prefilled = draft.prefilled_tokens
+    before = engine.cache.counters()
     again = model.complete(PROMPT, GREEDY)
     assert again.completion_tokens == first.completion_tokens
     assert draft.restored_tokens >= len(first.prompt_tokens)
+    # The draft context's restore is counted apart from the request's own hit.
+    after = engine.cache.counters()
+    hits = ("hits_exact", "hits_resume", "hits_longest_prefix")
+    assert sum(after[k] - before[k] for k in hits) == 1
+    assert after["hits_draft_prefix"] - before["hits_draft_prefix"] >= 1
     assert draft.prefilled_tokens - prefilled < 64  # only what the reply added
     # Another tenant in the same slot: neither the live draft KV nor the cached row is its.
     prefilled, restored = draft.prefilled_tokens, draft.restored_tokens

@@ -105,10 +105,12 @@ class CacheApi(Protocol):
         *,
         min_shared: int = 1,
         probe_lengths: Sequence[int] = (),
+        counter: str = "hits_longest_prefix",
     ) -> PrefixMatch | None:
         """The row of ``namespace`` sharing the longest prefix with ``tokens`` (ties: fewest
         bytes). Cost grows with ``len(tokens)``, not with the number of rows. Counts
-        ``hits_longest_prefix`` on a hit.
+        ``counter`` on a hit: ``hits_longest_prefix`` for a request's own lookup,
+        ``hits_draft_prefix`` for a draft model's context (not a request's hit).
 
         ``probe_lengths``: prefix lengths whose keys shared tiers are asked for when the index
         offers nothing that long (``savegates.probe_lengths``): rows another process published

@@ -6,7 +6,8 @@ so contention costs nanoseconds; nothing here does I/O or calls back into other 
 
 Names in the snapshot:
 
-- plain counters: ``hits_exact``, ``hits_resume``, ``hits_longest_prefix``, ``misses``,
+- plain counters: ``hits_exact``, ``hits_resume``, ``hits_longest_prefix``,
+  ``hits_draft_prefix``, ``misses``,
   ``saves_<reason>`` (one per ``SaveReason``), ``saves_dropped``, ``save_failures``,
   ``evictions``, ``evicted_bytes``, ``hits_shared``, ``probes``, ``probe_rounds``,
   ``promotions``, ``promotions_dropped``, ``store_errors``, ``chunks_written``,
@@ -29,6 +30,9 @@ BASE_COUNTERS: tuple[str, ...] = (
     "hits_exact",
     "hits_resume",
     "hits_longest_prefix",
+    # a draft model's context restoring its prompt's KV (engine/worker/draftmodel.py): not a
+    # request's hit, so not in the three above
+    "hits_draft_prefix",
     "misses",
     *(f"saves_{r.name.lower()}" for r in SaveReason),
     "saves_dropped",

@@ -231,6 +231,7 @@ class Cache:
         *,
         min_shared: int = 1,
         probe_lengths: Sequence[int] = (),
+        counter: str = "hits_longest_prefix",
     ) -> PrefixMatch | None:
         # Latency is not recorded here: the engine times its whole lookup step as "lookup"
         # (record_latency), and counting it twice would double the reported total.
@@ -239,7 +240,7 @@ class Cache:
         if probe_lengths and self._shared.discover(namespace, tokens, probe_lengths, floor):
             match = self._index.longest(namespace, tokens, min_shared)
         if match is not None:
-            self._counters.incr("hits_longest_prefix")
+            self._counters.incr(counter)
         return match
 
     def whole_prefixes(

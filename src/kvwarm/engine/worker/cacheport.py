@@ -226,8 +226,11 @@ class CachePort:
     def draft_prefix(
         self, ns: Namespace, tokens: Sequence[int], min_shared: int
     ) -> PrefixMatch | None:
-        """The draft context's cached row sharing the longest prefix with ``tokens``."""
-        return self.rt.cache.longest_prefix(ns, tokens, min_shared=min_shared)
+        """The draft context's cached row sharing the longest prefix with ``tokens`` (a hit
+        counts as ``hits_draft_prefix``, not as a request's)."""
+        return self.rt.cache.longest_prefix(
+            ns, tokens, min_shared=min_shared, counter="hits_draft_prefix"
+        )
 
     def open_draft_row(self, key: bytes) -> AbstractContextManager[LoadedRow]:
         return self.rt.cache.open_row(key)
