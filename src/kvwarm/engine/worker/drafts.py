@@ -615,8 +615,10 @@ class PassCost:
     look nearly free (a fit of 0.02 one-token passes per token against a true 0.3 on 2 CPU
     cores), and a chat then drafts at every common phrase. The line through the
     samples of the last ``_WINDOW_S`` seconds and two points of the prior is fitted robustly
-    (Theil-Sen: the median of pairwise slopes, then the median intercept), so a pass stalled
-    by another process moves it little; a few samples move it a little, many all the way; and
+    (Theil-Sen: the median of pairwise slopes, then the lower quartile of the intercepts:
+    stalls only add, and with the median a host busy half the time fitted a fixed part of 3
+    and more against a true 0.4, which drafts nothing short), so a pass stalled by another
+    process moves it little; a few samples move it a little, many all the way; and
     with no recent sample (a cost estimated so high that nothing was drafted) the prior comes
     back, drafts are tried again and measured afresh."""
 
@@ -674,7 +676,8 @@ class PassCost:
             if x2 != x1
         ]
         per_token = statistics.median(slopes)
-        fixed = statistics.median(y - per_token * x for x, y in points)
+        intercepts = sorted(y - per_token * x for x, y in points)
+        fixed = intercepts[len(intercepts) // 4]
         return Cost(
             min(self._MAX_FIXED, max(0.0, fixed)),
             min(self._MAX_PER_TOKEN, max(0.002, per_token)),
