@@ -419,6 +419,12 @@ def _geometry(structure: Structure, n_cells: int, kind: int) -> _Geometry:
     return _Geometry(n_cells, meta_at, tuple(runs), size)
 
 
+@functools.lru_cache(maxsize=512)
+def _item(size: int) -> np.dtype[np.void]:
+    """The numpy type of one opaque item of ``size`` bytes (made once per size)."""
+    return np.dtype((np.void, size))
+
+
 def _place(
     dst: U8, target: _Geometry, at: int, src: U8, source: _Geometry, skip: int, n: int
 ) -> None:
@@ -429,12 +435,14 @@ def _place(
     (a 64-cell chunk of a window of transposed V is 3,840 rows of 128 bytes), instead of
     iterating every row through its general iterator. Both views are bounds-checked by
     numpy against their buffers."""
+    if n == 0:
+        return
     if src.size < source.size:
         raise StateRestoreError(f"KV chunk body is {src.size} bytes; its cells need {source.size}")
     if not 0 <= skip <= skip + n <= source.n_cells or not 0 <= at <= at + n <= target.n_cells:
         raise StateRestoreError(f"KV cells [{skip}, {skip + n}) do not fit their bodies")
     for t, s in zip(target.runs, source.runs, strict=True):
-        item = np.dtype((np.void, n * s.unit))
+        item = _item(n * s.unit)
         shape = (s.count, s.groups)
         into = np.ndarray(
             shape,
