@@ -48,7 +48,7 @@ from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.index.index import Index
 from kvwarm.cache.protocols import RowEvents, Tier, TierCapabilities
 from kvwarm.cache.store.core import CacheCore, ScratchBuffers
-from kvwarm.cache.store.reads import READ_PARALLEL, RowReads
+from kvwarm.cache.store.reads import LOCAL_READ_HELPERS, READ_PARALLEL, RowReads
 from kvwarm.cache.store.saves import Saves
 from kvwarm.cache.store.writer import WriterPool
 from kvwarm.cache.tiers.registry import TierOptions, build_tier
@@ -148,8 +148,24 @@ class Cache:
             if remote
             else None
         )
+        # A local row's chunk files are read by the restoring thread and helpers together.
+        local_files = any(
+            t.capabilities.local and t.capabilities.persistent for t in self._tiers.values()
+        )
+        self._local_read_pool = (
+            ThreadPoolExecutor(max_workers=LOCAL_READ_HELPERS, thread_name_prefix="kvwarm-readl")
+            if local_files and LOCAL_READ_HELPERS
+            else None
+        )
         self._shared = SharedTiers(self._core, self.config, self._remote_pool)
-        self._reads = RowReads(self._core, self._scratch, self._read_pool, self._shared.promote)
+        self._reads = RowReads(
+            self._core,
+            self._scratch,
+            self._read_pool,
+            self._shared.promote,
+            self._local_read_pool,
+            LOCAL_READ_HELPERS,
+        )
         self._saves = Saves(
             self._core, self.config, self._writer, self._history, lambda: self._closed
         )
@@ -417,7 +433,7 @@ class Cache:
                     log.exception("%s: close failed", tier.name)
 
     def _shutdown_remote_pool(self) -> None:
-        for pool in (self._remote_pool, self._read_pool):
+        for pool in (self._remote_pool, self._read_pool, self._local_read_pool):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
 

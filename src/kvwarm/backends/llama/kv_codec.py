@@ -46,6 +46,7 @@ import functools
 import itertools
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import overload
 
 import numpy as np
@@ -152,17 +153,15 @@ class LlamaKvCodec:
         dst, result = join_target(structure.blob_size(n_cells, CACHE_HEAD), out)
         for at, piece in _skeleton(views[0].descriptor, structure, n_cells, CACHE_HEAD):
             dst.data[at : at + len(piece)] = piece
-        targets = _runs(dst, structure, n_cells, structure.offsets(n_cells, CACHE_HEAD))
+        target = _geometry(structure, n_cells, _CACHE)
         meta = dst[CACHE_HEAD : CACHE_HEAD + n_cells * CELL]
         for view in views:
             skip = max(0, first - view.start)  # cells of a wider chunk before the window
             a, b = view.start + skip - first, view.end - first
-            meta_at, offsets = _body_offsets(view, structure)
-            lo = meta_at + skip * CELL
+            source = _geometry(structure, view.n_cells, _body_kind(view))
+            lo = source.meta_at + skip * CELL
             meta[a * CELL : b * CELL] = view.body[lo : lo + (b - a) * CELL]
-            sources = _runs(view.body, structure, view.n_cells, offsets)
-            for source, target in zip(sources, targets, strict=True):
-                target[:, :, a:b, :] = source[:, :, skip:, :]
+            _place(dst, target, a, view.body, source, skip, b - a)
         return result
 
     def _two_caches(self, data: U8) -> tuple[BlobLayout, BlobLayout]:
@@ -227,16 +226,14 @@ class LlamaKvCodec:
         views, structure, n_cells = checked
         dst, result = join_target(structure.blob_size(n_cells), out)
         _write_skeleton(dst, views[0].descriptor, structure, n_cells)
-        targets = _runs(dst, structure, n_cells, structure.offsets(n_cells))
+        target = _geometry(structure, n_cells, _BLOB)
         meta = dst[HEAD.size : HEAD.size + n_cells * CELL]
         for view in views:
             a, b = view.start, view.end
-            meta_at, offsets = _body_offsets(view, structure)
+            source = _geometry(structure, b - a, _body_kind(view))
+            meta_at = source.meta_at
             meta[a * CELL : b * CELL] = view.body[meta_at : meta_at + (b - a) * CELL]
-            for source, target in zip(
-                _runs(view.body, structure, b - a, offsets), targets, strict=True
-            ):
-                target[:, :, a:b, :] = source
+            _place(dst, target, a, view.body, source, 0, b - a)
         return result
 
     def blobs(self, chunks: Sequence[Buffer], start: int = 0) -> list[U8] | None:
@@ -357,57 +354,110 @@ def _sections(data: U8, structure: Structure, n_cells: int, head: int = HEAD.siz
     return views
 
 
-@functools.lru_cache(maxsize=64)
-def _shape_runs(structure: Structure) -> tuple[tuple[int, int], ...]:
-    """``[i, j)`` of each run of consecutive sections of one shape (type, groups, unit)."""
+#: Where a body's cells lie: a blob (``HEAD``, then metadata and sections with headers), a
+#: window cache in a joined blob (``CACHE_HEAD``, likewise), or a headless chunk body
+#: (metadata, then every section's cells: a window chunk or a chunk of the first format).
+_BLOB, _CACHE, _CELLS = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """Consecutive sections of one shape in a body of ``n`` cells: ``count`` sections of
+    ``groups`` rows of ``n`` cells of ``unit`` bytes, the first at ``offset``, each ``step``
+    bytes after the one before."""
+
+    offset: int
+    step: int
+    count: int
+    groups: int
+    unit: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    """Where a body of ``n_cells`` cells of one structure holds its metadata and its runs."""
+
+    n_cells: int
+    meta_at: int
+    runs: tuple[_Run, ...]
+    size: int
+
+
+def _body_kind(view: kv_chunk.ChunkView) -> int:
+    return _BLOB if view.flags & kv_chunk.FLAG_BLOB else _CELLS
+
+
+@functools.lru_cache(maxsize=256)
+def _geometry(structure: Structure, n_cells: int, kind: int) -> _Geometry:
+    """A body's runs of consecutive sections of one shape (type, groups, unit), computed once
+    per structure, cell count and kind (every chunk of a grid has one of a few counts).
+    Within a run the sections lie at one spacing, each holding ``n_cells`` cells; this is
+    checked, so runs never overlap."""
+    if kind == _CELLS:
+        meta_at, offsets = 0, _cell_offsets(structure, n_cells)
+        size = n_cells * structure.cell_bytes
+    else:
+        head = HEAD.size if kind == _BLOB else CACHE_HEAD
+        meta_at, offsets = head, structure.offsets(n_cells, head)
+        size = structure.blob_size(n_cells, head)
     sections = structure.sections
-    out: list[tuple[int, int]] = []
+    runs: list[_Run] = []
     i = 0
     while i < len(sections):
         j = i + 1
         while j < len(sections) and sections[j] == sections[i]:
             j += 1
-        out.append((i, j))
+        first = sections[i]
+        span = first.groups * n_cells * first.unit
+        step = offsets[i + 1] - offsets[i] if j - i > 1 else span
+        if step < span or any(offsets[k + 1] - offsets[k] != step for k in range(i, j - 1)):
+            raise StateRestoreError("KV sections of one shape overlap or are unevenly spaced")
+        if offsets[j - 1] + span > size:
+            raise StateRestoreError(f"KV sections run past their {size} bytes")
+        runs.append(_Run(offsets[i], step, j - i, first.groups, first.unit))
         i = j
-    return tuple(out)
+    return _Geometry(n_cells, meta_at, tuple(runs), size)
 
 
-def _runs(data: U8, structure: Structure, n_cells: int, offsets: Sequence[int]) -> list[U8]:
-    """The sections of ``n_cells`` cells starting at ``offsets`` in ``data``, as runs of
-    consecutive sections of one shape (``_shape_runs``), each a ``(sections, groups, n_cells,
-    unit)`` view: copying a chunk into a joined blob is then one numpy assignment a run (two
-    for a model whose layers are alike: K's and V's), not one a layer (a window of nine chunks
-    over 15 layers took 270 of them, most of ``join_rest``'s time). Two blobs of one
-    structure split into the same runs whatever their cell counts; within a run the sections
-    lie at one spacing (each holds ``n_cells`` cells of one size), which is checked."""
-    out: list[U8] = []
-    for i, j in _shape_runs(structure):
-        first = structure.sections[i]
-        size = first.groups * n_cells * first.unit
-        step = offsets[i + 1] - offsets[i] if j - i > 1 else 0
-        end = offsets[j - 1] + size
-        even = all(offsets[k + 1] - offsets[k] == step for k in range(i, j - 1))
-        if offsets[i] < 0 or end > data.size or not even or (j - i > 1 and step < size):
-            raise StateRestoreError(
-                f"KV sections [{offsets[i]}, {end}) overlap or run past their {data.size} bytes"
-            )
-        out.append(
-            np.lib.stride_tricks.as_strided(
-                data[offsets[i] : end],
-                shape=(j - i, first.groups, n_cells, first.unit),
-                strides=(step, n_cells * first.unit, first.unit, 1),
-                writeable=data.flags.writeable,
-            )
+@functools.lru_cache(maxsize=512)
+def _item(size: int) -> np.dtype[np.void]:
+    """The numpy type of one opaque item of ``size`` bytes (made once per size)."""
+    return np.dtype((np.void, size))
+
+
+def _place(
+    dst: U8, target: _Geometry, at: int, src: U8, source: _Geometry, skip: int, n: int
+) -> None:
+    """Copy cells ``[skip, skip + n)`` of every section of ``src`` to cells ``[at, at + n)``
+    of the same section in ``dst``: one numpy assignment a run. Each section row's ``n``
+    cells are contiguous on both sides, so they are viewed as one item of ``n * unit``
+    bytes: numpy then copies a row with one ``memcpy`` from a C loop over the run's rows
+    (a 64-cell chunk of a window of transposed V is 3,840 rows of 128 bytes), instead of
+    iterating every row through its general iterator. Both views are bounds-checked by
+    numpy against their buffers."""
+    if n == 0:
+        return
+    if src.size < source.size:
+        raise StateRestoreError(f"KV chunk body is {src.size} bytes; its cells need {source.size}")
+    if not 0 <= skip <= skip + n <= source.n_cells or not 0 <= at <= at + n <= target.n_cells:
+        raise StateRestoreError(f"KV cells [{skip}, {skip + n}) do not fit their bodies")
+    for t, s in zip(target.runs, source.runs, strict=True):
+        item = _item(n * s.unit)
+        shape = (s.count, s.groups)
+        into = np.ndarray(
+            shape,
+            item,
+            buffer=dst,
+            offset=t.offset + at * t.unit,
+            strides=(t.step, target.n_cells * t.unit),
         )
-    return out
-
-
-def _body_offsets(view: kv_chunk.ChunkView, structure: Structure) -> tuple[int, list[int]]:
-    """Where a checked chunk body's metadata and each section's cells start."""
-    n = view.n_cells
-    if view.flags & kv_chunk.FLAG_BLOB:
-        return HEAD.size, structure.offsets(n)
-    return 0, _cell_offsets(structure, n)
+        into[...] = np.ndarray(
+            shape,
+            item,
+            buffer=src,
+            offset=s.offset + skip * s.unit,
+            strides=(s.step, source.n_cells * s.unit),
+        )
 
 
 def _cell_offsets(structure: Structure, n: int) -> list[int]:

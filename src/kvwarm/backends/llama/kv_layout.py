@@ -78,8 +78,16 @@ class Structure:
     #: Bytes per cell: metadata plus every section's share (derived from ``sections``).
     cell_bytes: int = field(init=False, compare=False)
 
+    #: The hash, computed once: structures key the codec's per-structure caches, and hashing
+    #: every section again on each lookup cost more than the lookups saved.
+    _hash: int = field(init=False, compare=False, repr=False)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "cell_bytes", CELL + sum(s.cell_bytes for s in self.sections))
+        object.__setattr__(self, "_hash", hash((self.v_trans, self.n_layer, self.sections)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def offsets(self, n_cells: int, head: int = HEAD.size) -> list[int]:
         """Where each section's cells start in a blob of ``n_cells`` cells (``head``: the

@@ -277,6 +277,15 @@ def parse_head(buf: Buffer, *, size: int | None = None) -> ChunkHead:
 
 
 def _parse_head(mv: memoryview, size: int | None) -> ChunkHead:
+    count, offset, plen, pcrc, key, parent, ns_b = _check_head(mv, size)
+    ns = Namespace(fingerprint=bytes(ns_b[:32]), quant=ns_b[32], ctx_hash=bytes(ns_b[33:]))
+    tokens = struct.unpack_from(f"<{count}I", mv, _HEAD.size)
+    return ChunkHead(key, parent, ns, tokens, offset, plen, pcrc)
+
+
+def _check_head(mv: memoryview, size: int | None) -> tuple[int, int, int, int, bytes, bytes, bytes]:
+    """The head's fields, every one checked (CRC, key replay, lengths): its token count,
+    payload offset, length and CRC, key, parent and namespace bytes."""
     total = mv.nbytes if size is None else size
     if mv.nbytes < _HEAD.size:
         raise _bad(f"{mv.nbytes} bytes is shorter than its head")
@@ -295,21 +304,29 @@ def _parse_head(mv: memoryview, size: int | None) -> ChunkHead:
     (crc,) = _U32.unpack_from(mv, offset - 4)
     if crc32c(mv[: offset - 4]) != crc:
         raise _bad("head CRC32C mismatch")
-    ns = Namespace(fingerprint=bytes(ns_b[:32]), quant=ns_b[32], ctx_hash=bytes(ns_b[33:]))
-    token_bytes = bytes(mv[_HEAD.size : offset - 4])
-    if chunk_key(ns, parent, token_bytes) != key:
+    # ``chunk_key`` replayed from the head's own bytes: the namespace as recorded is exactly
+    # what ``namespace_prefix`` hashes (fixed-length digests and a quant byte).
+    h = hashlib.sha256(_DOMAIN)
+    h.update(ns_b)
+    h.update(parent)
+    h.update(mv[_HEAD.size : offset - 4])
+    if h.digest() != key:
         raise _bad("key does not replay from namespace, parent and tokens")
-    tokens = struct.unpack(f"<{count}I", token_bytes)
-    return ChunkHead(key, parent, ns, tokens, offset, plen, pcrc)
+    return count, offset, plen, pcrc, key, parent, ns_b
 
 
 def parse(buf: Buffer, expected_key: bytes) -> memoryview:
     """The payload of a whole chunk object (a view of ``buf``), after checking everything."""
     mv = memoryview(buf).cast("B")
-    head = parse_head(mv)
-    if head.key != expected_key:
+    try:  # the restore path: the head checked as ``parse_head`` does, no tokens decoded
+        _, offset, _, payload_crc, key, _, _ = _check_head(mv, None)
+    except CacheFormatError:
+        raise
+    except (struct.error, ValueError, TypeError, IndexError) as exc:
+        raise _bad(f"{type(exc).__name__}: {exc}") from None
+    if key != expected_key:
         raise _bad("object is for another key")
-    payload = mv[head.payload_offset :]
-    if crc32c(payload) != head.payload_crc:
+    payload = mv[offset:]
+    if crc32c(payload) != payload_crc:
         raise _bad("payload CRC32C mismatch")
     return payload

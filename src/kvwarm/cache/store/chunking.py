@@ -33,6 +33,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
 from kvwarm.cache.counters import Counters
@@ -454,18 +455,76 @@ def load_chunks(
     keys: Sequence[bytes],
     arena: bytearray | None = None,
     sizes: Sequence[int | None] = (),
+    helper: Executor | None = None,
+    helpers: int = 1,
 ) -> list[memoryview]:
     """The verified payloads of ``keys``, in order (``CacheKeyError``/``CacheFormatError``
     from the first that is missing or bad). With ``arena`` and every chunk's stored size,
-    chunk ``i`` is read into its own slice of the arena (the tier may decline)."""
+    chunk ``i`` is read into its own slice of the arena (the tier may decline).
+
+    With ``helper`` (a local tier's read threads), the chunks are shared out between the
+    caller and up to ``helpers`` tasks on it, each taking the next unread chunk: a file read
+    and its CRC32C release the GIL, so on two free cores a 13-chunk row reads in about half
+    the time. The caller never waits for a task that has not started (a busy pool: it reads
+    every chunk itself), only for the one chunk each started task is reading."""
     if arena is None or len(sizes) != len(keys) or None in sizes:
-        return [tier.load_chunk(k) for k in keys]
-    out: list[memoryview] = []
-    whole = memoryview(arena)
-    at = 0
-    for key, size in zip(keys, sizes, strict=True):
-        assert size is not None
-        out.append(tier.load_chunk(key, whole[at : at + size]))
-        at += size
-    whole.release()
-    return out
+        into: list[memoryview | None] = [None] * len(keys)
+    else:
+        whole = memoryview(arena)
+        into, at = [], 0
+        for size in sizes:
+            assert size is not None
+            into.append(whole[at : at + size])
+            at += size
+        whole.release()
+    if helper is None or len(keys) < 2:
+        return [tier.load_chunk(k, b) for k, b in zip(keys, into, strict=True)]
+    return _load_shared(tier, keys, into, helper, helpers)
+
+
+def _load_shared(
+    tier: Tier,
+    keys: Sequence[bytes],
+    into: Sequence[memoryview | None],
+    helper: Executor,
+    helpers: int,
+) -> list[memoryview]:
+    """``load_chunks`` by the caller and up to ``helpers`` tasks, each taking the next
+    chunk."""
+    out: list[memoryview | None] = [None] * len(keys)
+    errors: dict[int, BaseException] = {}
+    lock = threading.Lock()
+    taken = 0
+
+    def work() -> None:
+        nonlocal taken
+        while True:
+            with lock:
+                i = taken
+                if i >= len(keys) or errors:
+                    return
+                taken += 1
+            try:
+                out[i] = tier.load_chunk(keys[i], into[i])
+            except BaseException as exc:  # re-raised by the caller below, in key order
+                with lock:
+                    errors[i] = exc
+                return
+
+    futures = []
+    for _ in range(min(helpers, len(keys) - 1)):
+        try:
+            futures.append(helper.submit(work))
+        except RuntimeError:  # the pool is shut down (the cache is closing): read alone
+            break
+    try:
+        work()
+    finally:
+        for future in futures:
+            if not future.cancel():  # started: it holds at most one chunk, wait for it
+                future.result()
+    if errors:
+        raise errors[min(errors)]
+    views = [view for view in out if view is not None]
+    assert len(views) == len(keys), "every chunk read or an error raised"
+    return views

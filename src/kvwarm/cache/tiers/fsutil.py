@@ -258,16 +258,26 @@ def open_regular(dir_fd: int, name: str, flags: int) -> int:
     """Open the regular file ``name`` below ``dir_fd`` without following a link.
     ``CacheFormatError`` if it is a symlink or not a regular file; other ``OSError``s
     (``FileNotFoundError`` included) pass through."""
+    return _open_regular(dir_fd, name, flags)[0]
+
+
+def _open_regular(dir_fd: int, name: str, flags: int) -> tuple[int, int]:
+    """``open_regular``, and the file's size from the same ``fstat``."""
     try:
         fd = os.open(name, flags | _FILE_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise CacheFormatError(f"{name} is a symbolic link; not following it") from None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise CacheFormatError(f"{name} is not a regular file")
-    return fd
+    return fd, st.st_size
 
 
 def read_file(dir_fd: int, name: str, scratch: bytearray | None) -> tuple[memoryview, bytearray]:
@@ -311,16 +321,20 @@ def read_head(dir_fd: int, name: str, end: int | None) -> tuple[bytes, int]:
 
 
 def read_exact(dir_fd: int, name: str, into: memoryview) -> memoryview | None:
-    """The whole file read into ``into`` if it is exactly ``len(into)`` bytes, else None."""
-    with open(open_regular(dir_fd, name, os.O_RDONLY), "rb", buffering=0) as f:
-        if os.fstat(f.fileno()).st_size != into.nbytes:
+    """The whole file read into ``into`` if it is exactly ``len(into)`` bytes, else None
+    (the restore path of every chunk: one open, one ``fstat``, one read, no file object)."""
+    fd, size = _open_regular(dir_fd, name, os.O_RDONLY)
+    try:
+        if size != into.nbytes:
             return None
         got = 0
-        while got < into.nbytes:
-            n = f.readinto(into[got:])
+        while got < size:
+            n = os.preadv(fd, [into[got:]], got)
             if not n:
                 raise CacheFormatError(f"{name} shrank while being read")
             got += n
+    finally:
+        os.close(fd)
     return into
 
 
