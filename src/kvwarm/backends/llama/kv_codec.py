@@ -149,19 +149,18 @@ class LlamaKvCodec:
         self, chunks: Sequence[Buffer], first: int, out: WritableBuffer | None = None
     ) -> bytearray | memoryview:
         views, structure, end = self._checked_rest(chunks, first)
-        n_cells = end - first
-        dst, result = join_target(structure.blob_size(n_cells, CACHE_HEAD), out)
-        for at, piece in _skeleton(views[0].descriptor, structure, n_cells, CACHE_HEAD):
-            dst.data[at : at + len(piece)] = piece
-        target = _geometry(structure, n_cells, _CACHE)
-        meta = dst[CACHE_HEAD : CACHE_HEAD + n_cells * CELL]
-        for view in views:
-            skip = max(0, first - view.start)  # cells of a wider chunk before the window
-            a, b = view.start + skip - first, view.end - first
-            source = _geometry(structure, view.n_cells, _body_kind(view))
-            lo = source.meta_at + skip * CELL
-            meta[a * CELL : b * CELL] = view.body[lo : lo + (b - a) * CELL]
-            _place(dst, target, a, view.body, source, skip, b - a)
+        spans = tuple((view.start, view.n_cells, view.flags) for view in views)
+        plan = _rest_plan(views[0].descriptor, structure, first, spans)
+        dst, result = join_target(plan.size, out)
+        dst[: plan.head.size] = plan.head
+        dst[plan.header_at] = plan.headers
+        for view, copies in zip(views, plan.copies, strict=True):
+            body = view.body
+            for c in copies:
+                into = np.ndarray(c.shape, c.item, buffer=dst, offset=c.into, strides=c.into_strides)
+                into[...] = np.ndarray(
+                    c.shape, c.item, buffer=body, offset=c.source, strides=c.source_strides
+                )
         return result
 
     def _two_caches(self, data: U8) -> tuple[BlobLayout, BlobLayout]:
@@ -458,6 +457,87 @@ def _place(
             offset=s.offset + skip * s.unit,
             strides=(s.step, source.n_cells * s.unit),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    """One run of a chunk copied into a joined window: ``shape`` items of type ``item`` (a
+    section row's cells, as in ``_place``), at ``into`` with ``into_strides`` in the window
+    and at ``source`` with ``source_strides`` in the chunk's body."""
+
+    shape: tuple[int, int]
+    item: np.dtype[np.void]
+    into: int
+    into_strides: tuple[int, int]
+    source: int
+    source_strides: tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _RestPlan:
+    """How ``join_rest`` writes one window from chunks of one geometry: its size, the bytes
+    before its first section (cache head, the cells' canonical metadata, v_trans and layer
+    count), where the section headers go and their bytes, and each chunk's copies."""
+
+    size: int
+    head: U8
+    header_at: npt.NDArray[np.intp]
+    headers: U8
+    copies: tuple[tuple[_Copy, ...], ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _rest_plan(
+    descriptor: bytes, structure: Structure, first: int, spans: tuple[tuple[int, int, int], ...]
+) -> _RestPlan:
+    """The plan of a window from ``first`` joined from chunks of ``spans`` (each chunk's
+    start, cell count and flags, already checked to tile the positions: ``_checked_rest``).
+    Computed once per geometry: consecutive restores of a conversation, and every row of one
+    length, join the same one, so a restore builds only its numpy views. The metadata is
+    written from its canonical form, which ``_check_body`` found in every chunk."""
+    end = spans[-1][0] + spans[-1][1]
+    n_cells = end - first
+    target = _geometry(structure, n_cells, _CACHE)
+    pieces = _skeleton(descriptor, structure, n_cells, CACHE_HEAD)
+    head = pieces[0][1] + _canonical_meta(first, n_cells) + pieces[1][1]
+    headers = pieces[2:]
+    header_at = np.concatenate([np.arange(at, at + len(piece)) for at, piece in headers])
+    header_at.flags.writeable = False
+    copies = []
+    for start, cells, flags in spans:
+        skip = max(0, first - start)  # cells of a wider chunk before the window
+        a, n = start + skip - first, cells - skip  # where in the window, how many
+        kind = _BLOB if flags & kv_chunk.FLAG_BLOB else _CELLS
+        source = _geometry(structure, cells, kind)
+        if not 0 <= skip <= skip + n <= source.n_cells or not 0 <= a <= a + n <= n_cells:
+            raise StateRestoreError(f"KV cells [{skip}, {skip + n}) do not fit their bodies")
+        copies.append(
+            tuple(
+                _Copy(
+                    (s.count, s.groups),
+                    _item(n * s.unit),
+                    t.offset + a * t.unit,
+                    (t.step, n_cells * t.unit),
+                    s.offset + skip * s.unit,
+                    (s.step, cells * s.unit),
+                )
+                for t, s in zip(target.runs, source.runs, strict=True)
+                if n
+            )
+        )
+    return _RestPlan(
+        target.size,
+        _frozen(head),
+        header_at,
+        _frozen(b"".join(piece for _, piece in headers)),
+        tuple(copies),
+    )
+
+
+def _frozen(data: bytes) -> U8:
+    view = np.frombuffer(data, dtype=np.uint8)
+    view.flags.writeable = False
+    return view
 
 
 def _cell_offsets(structure: Structure, n: int) -> list[int]:
