@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -140,3 +140,34 @@ def join_target(size: int, out: bytearray | memoryview | None) -> tuple[U8, byte
         )
     head = view[:size]
     return np.frombuffer(head, dtype=np.uint8), head
+
+
+class Held(np.ndarray[Any, np.dtype[np.uint8]]):
+    """Immutable bytes a process holds for readers (the ``ram`` tier's chunks), as a read-only
+    uint8 array, with ``memo``: what a reader derived from these bytes once (a codec's parse
+    and checks of a chunk's envelope), kept for the next read of the same object.
+
+    ``held`` makes one over a ``bytes`` object, which no one can change, and numpy refuses to
+    make the array writable again, so a memo stays true for the object's whole life. A memo
+    must not reference the ``Held`` itself (that would be a reference cycle: the bytes would
+    wait for the garbage collector instead of going when the tier drops them)."""
+
+    memo: dict[object, object]
+
+
+def held(data: bytes) -> Held:
+    """``data`` as a ``Held`` with an empty memo (no copy)."""
+    out = np.frombuffer(data, dtype=np.uint8).view(Held)
+    out.memo = {}
+    return out
+
+
+def held_of(chunk: object) -> Held | None:
+    """The ``Held`` a buffer views (a ``memoryview`` of one), else None."""
+    if isinstance(chunk, memoryview):
+        obj = chunk.obj
+        if type(obj) is Held:
+            return obj
+    elif type(chunk) is Held:
+        return chunk
+    return None

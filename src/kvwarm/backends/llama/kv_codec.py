@@ -66,7 +66,7 @@ from kvwarm.backends.llama.kv_layout import (
     parse_second_cache,
 )
 from kvwarm.backends.llama.native import GGML_TYPES
-from kvwarm.buffers import U8, fresh_bytes, join_target, u8
+from kvwarm.buffers import U8, Held, fresh_bytes, held_of, join_target, u8
 from kvwarm.errors import StateRestoreError
 
 _TYPE_NAMES = {code: name for name, code in GGML_TYPES.items()}
@@ -183,7 +183,7 @@ class LlamaKvCodec:
     ) -> tuple[list[kv_chunk.ChunkView], Structure, int]:
         """Rest chunks' views, layout and end position, every one checked: they tile
         positions in order from the first one's start, which holds ``first``."""
-        views = [kv_chunk.parse(u8(c, "KV chunk"), kv_chunk.CODEC_LLAMA) for c in chunks]
+        views, todo = _parse_all(chunks)
         if not views:
             raise StateRestoreError("a window needs at least one chunk")
         if any(view.flags != kv_chunk.FLAG_REST for view in views):
@@ -196,8 +196,7 @@ class LlamaKvCodec:
         end = kv_chunk.check_sequence(views, views[0].start)
         structure = parse_descriptor(views[0].descriptor)
         self._check(structure, "KV window chunk")
-        for i, view in enumerate(views):
-            _check_body(view, structure, i)
+        _check_bodies(views, todo, structure)
         return views, structure, end
 
     def _first_cache(self, data: U8) -> BlobLayout:
@@ -257,7 +256,7 @@ class LlamaKvCodec:
     ) -> tuple[list[kv_chunk.ChunkView], Structure, int] | None:
         """The chunks' views, layout and end position, every one checked; None for no
         chunks."""
-        views = [kv_chunk.parse(u8(c, "KV chunk"), kv_chunk.CODEC_LLAMA) for c in chunks]
+        views, todo = _parse_all(chunks)
         if not views:
             return None
         if any(view.flags & kv_chunk.FLAG_REST for view in views):
@@ -265,8 +264,7 @@ class LlamaKvCodec:
         n_cells = kv_chunk.check_sequence(views, start)
         structure = parse_descriptor(views[0].descriptor)
         self._check(structure, "KV chunk")
-        for i, view in enumerate(views):
-            _check_body(view, structure, i)
+        _check_bodies(views, todo, structure)
         return views, structure, n_cells
 
     def chunk_range(self, chunk: Buffer) -> tuple[int, int]:
@@ -548,6 +546,47 @@ def _cell_offsets(structure: Structure, n: int) -> list[int]:
         offsets.append(at)
         at += n * section.cell_bytes
     return offsets
+
+
+#: The key of this codec's entry in a held chunk's memo (``buffers.Held``).
+_MEMO = "llama-kv-chunk"
+
+
+def _parse_all(
+    chunks: Sequence[Buffer],
+) -> tuple[list[kv_chunk.ChunkView], list[tuple[int, Held | None]]]:
+    """Each chunk's envelope, parsed and checked (``kv_chunk.parse``), and the chunks whose
+    bodies are still to check (``_check_bodies``), each with the ``Held`` it views when it is
+    one (the ``ram`` tier's). A held chunk whose memo says it passed both checks before is
+    not checked again: its bytes cannot have changed, so the memo's fields are rebuilt into
+    a view of this buffer."""
+    views, todo = [], []
+    for i, chunk in enumerate(chunks):
+        data = u8(chunk, "KV chunk")
+        held = held_of(chunk)
+        memo = None if held is None else held.memo.get(_MEMO)
+        if isinstance(memo, tuple):
+            start, n_cells, descriptor, flags, body_at = memo
+            views.append(kv_chunk.ChunkView(start, n_cells, descriptor, data[body_at:], flags))
+        else:
+            views.append(kv_chunk.parse(data, kv_chunk.CODEC_LLAMA))
+            todo.append((i, held))
+    return views, todo
+
+
+def _check_bodies(
+    views: Sequence[kv_chunk.ChunkView],
+    todo: Sequence[tuple[int, Held | None]],
+    structure: Structure,
+) -> None:
+    """``_check_body`` for each chunk of ``todo``; a held chunk that passes is remembered (its
+    envelope's fields, with no reference to its bytes: ``buffers.Held``)."""
+    for i, held in todo:
+        view = views[i]
+        _check_body(view, structure, i)
+        if held is not None:
+            body_at = held.nbytes - view.body.size
+            held.memo[_MEMO] = (view.start, view.n_cells, view.descriptor, view.flags, body_at)
 
 
 def _check_body(view: kv_chunk.ChunkView, structure: Structure, i: int) -> None:

@@ -4,7 +4,10 @@ Invariant: a row is visible to ``load``/``probe`` only between a successful ``bo
 the end of ``store``, and stays only if ``book.publish`` accepted it -- the publish protocol
 every tier runs (``common.publish_row``), so the index sees uniform semantics. Payloads are kept as
 handed over (no copy) and loaded as zero-copy views. There is no CRC here: the bytes never
-leave process memory, so nothing outside the process can damage them.
+leave process memory, so nothing outside the process can damage them. Chunks are held as
+``buffers.Held`` (read-only views of immutable bytes, with a memo): a codec parses and checks a
+chunk's envelope on its first restore and remembers it, so later restores of the same chunk
+skip those checks (a file tier's chunks are checked on every read).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from kvwarm.buffers import Held, held
 from kvwarm.cache.formats.kvc import KvcFields
 from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCapabilities
 from kvwarm.cache.tiers.common import publish_row, row_info
@@ -72,7 +76,9 @@ class RamTier:
         self._name = name
         self._lock = threading.Lock()
         self._rows: dict[bytes, _Entry] = {}
-        self._chunks: dict[bytes, bytes] = {}  # chunk key -> payload
+        # chunk key -> payload, held with a memo: a codec parses and checks a chunk's
+        # envelope on its first restore only (the bytes are immutable: ``buffers.Held``).
+        self._chunks: dict[bytes, Held] = {}
 
     @property
     def name(self) -> TierName:
@@ -173,7 +179,8 @@ class RamTier:
 
     def store_chunk(self, key: bytes, head: bytes, payload: bytes) -> int:
         with self._lock:
-            self._chunks.setdefault(key, payload)
+            if key not in self._chunks:
+                self._chunks[key] = held(payload if type(payload) is bytes else bytes(payload))
         return len(payload)
 
     def load_chunk(self, key: bytes, buffer: memoryview | None = None) -> memoryview:
@@ -189,7 +196,7 @@ class RamTier:
 
     def scan_chunks(self) -> Iterator[tuple[bytes, int]]:
         with self._lock:
-            return iter([(k, len(v)) for k, v in self._chunks.items()])
+            return iter([(k, v.nbytes) for k, v in self._chunks.items()])
 
     def close(self) -> None:
         with self._lock:
