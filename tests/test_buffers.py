@@ -65,3 +65,30 @@ def test_cache_read_arena_is_reused_while_rows_grow_by_a_turn() -> None:
     assert bigger is not None and len(bigger) == int((1 << 20) * _buffers.GROWTH)
     scratch.reclaim_arena(bigger, ())
     assert scratch.take_arena((1 << 20) + 8192) is bigger  # no allocation this turn
+
+
+def test_held_bytes_stay_immutable_and_are_found_through_their_views() -> None:
+    """A memo on a ``Held`` is only sound if its bytes can never change."""
+    data = bytes(range(16))
+    kept = _buffers.held(data)
+    assert kept.tobytes() == data and kept.memo == {}
+    assert memoryview(kept).readonly
+    with pytest.raises(ValueError):
+        kept.flags.writeable = True
+    assert _buffers.held_of(memoryview(kept)) is kept
+    assert _buffers.held_of(kept) is kept
+    assert _buffers.held_of(memoryview(data)) is None
+    assert _buffers.held_of(np.frombuffer(data, dtype=np.uint8)) is None
+
+
+def test_the_ram_tier_hands_out_its_chunks_held() -> None:
+    from kvwarm.cache.tiers.ram import RamTier
+
+    tier = RamTier(1 << 20)
+    assert tier.store_chunk(b"k", b"head", b"chunk bytes") == 11
+    view = tier.load_chunk(b"k")
+    assert bytes(view) == b"chunk bytes"
+    assert _buffers.held_of(view) is not None
+    assert list(tier.scan_chunks()) == [(b"k", 11)]
+    view.release()  # a lease releases its views: the held chunk stays
+    assert bytes(tier.load_chunk(b"k")) == b"chunk bytes"

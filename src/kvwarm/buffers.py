@@ -165,7 +165,7 @@ def held(data: bytes) -> Held:
 def held_of(chunk: object) -> Held | None:
     """The ``Held`` a buffer views (a ``memoryview`` of one), else None."""
     if isinstance(chunk, memoryview):
-        obj = chunk.obj
+        obj: object = chunk.obj
         if type(obj) is Held:
             return obj
     elif type(chunk) is Held:

@@ -11,6 +11,7 @@ import pytest
 
 from kvwarm.backends import get_backend, kv_chunk
 from kvwarm.backends.base import BackendContext, BackendModel, ContextParams
+from kvwarm.backends.llama.kv_codec import _rest_plan
 from kvwarm.backends.stub import StubBackend
 from kvwarm.buffers import u8
 from kvwarm.errors import JoinBufferTooSmallError, StateRestoreError
@@ -144,9 +145,11 @@ def test_a_window_of_other_tokens_poisons_what_is_decoded_beside_it(
     assert answers[0] != answers[1]
 
 
-@pytest.mark.model
-@pytest.mark.slow
-def test_gemmas_window_is_cut_and_joined_back_and_restores(gemma_path: str) -> None:
+@pytest.fixture(scope="module")
+def gemma(gemma_path: str) -> Iterator[tuple[BackendContext, bytes, bytes]]:
+    """Gemma 3 270M's context and two states: the first 520 tokens' (``lower``) and all 530's,
+    computed with the same passes (the lower one alone as the 530 are below), so their
+    shared cells have the same bits."""
     model = get_backend("llama_cpp").load_model(gemma_path)
     params = model.context_params(
         ContextParams(n_ctx=1280, n_batch=128, n_ubatch=128, n_seq_max=2, n_threads=2),
@@ -155,29 +158,63 @@ def test_gemmas_window_is_cut_and_joined_back_and_restores(gemma_path: str) -> N
     ctx = model.new_context(params)
     try:
         tokens = model.tokenize("The harbour keeper wrote down every ship. " * 70)[:530]
-        # A lower window (the first 520 tokens'), computed alone as the 530 are below:
-        # the same passes give the same bits.
         ctx.prefill(0, tokens[:520], 0)
         lower = ctx.kv_pack(0)
         ctx.seq_rm(0, 0, -1)
         ctx.prefill(0, tokens, 0)
-        blob = ctx.kv_pack(0)
-        codec = ctx.kv_codec
-        first, end = codec.rest_span(blob)
-        assert (first, end) == (530 - 512, 530)  # Gemma 3 270M's window: 512 positions
-        main = codec.split(blob, [0, 256, 512, 530])
-        rest = codec.split_rest(blob, [first, 32, 256, 512, 530])
-        joined = bytes(codec.join(main)) + bytes(codec.join_rest(rest, first))
-        assert joined == blob
-        # A wider first chunk from that lower window is read from 18.
-        wide = codec.split_rest(lower, [8, 32])
-        assert bytes(codec.join_rest([*wide, *rest[1:]], first)) == bytes(codec.rest(blob))
-        assert ctx.kv_unpack(1, joined) == 530
-        again = ctx.kv_pack(1)  # seq 1's: the same cells, under its own sequence id
-        rejoined = bytes(codec.join(codec.split(again, [0, 530])))
-        assert (
-            rejoined + bytes(codec.join_rest(codec.split_rest(again, [first, 530]), first)) == blob
-        )
+        yield ctx, lower, ctx.kv_pack(0)
     finally:
         ctx.close()
         model.close()
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_gemmas_window_is_cut_and_joined_back_and_restores(
+    gemma: tuple[BackendContext, bytes, bytes],
+) -> None:
+    ctx, lower, blob = gemma
+    codec = ctx.kv_codec
+    first, end = codec.rest_span(blob)
+    assert (first, end) == (530 - 512, 530)  # Gemma 3 270M's window: 512 positions
+    main = codec.split(blob, [0, 256, 512, 530])
+    rest = codec.split_rest(blob, [first, 32, 256, 512, 530])
+    joined = bytes(codec.join(main)) + bytes(codec.join_rest(rest, first))
+    assert joined == blob
+    # A wider first chunk from that lower window is read from 18.
+    wide = codec.split_rest(lower, [8, 32])
+    assert bytes(codec.join_rest([*wide, *rest[1:]], first)) == bytes(codec.rest(blob))
+    ctx.seq_rm(1, 0, -1)
+    assert ctx.kv_unpack(1, joined) == 530
+    again = ctx.kv_pack(1)  # seq 1's: the same cells, under its own sequence id
+    rejoined = bytes(codec.join(codec.split(again, [0, 530])))
+    assert rejoined + bytes(codec.join_rest(codec.split_rest(again, [first, 530]), first)) == blob
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_window_join_plan_serves_only_its_own_geometry(
+    gemma: tuple[BackendContext, bytes, bytes],
+) -> None:
+    """``join_rest`` keeps one plan per window geometry (first position, chunk spans): the
+    same geometry reuses it, any other gets its own, and every join writes every byte (the
+    output buffer is filled with junk before each)."""
+    ctx, lower, blob = gemma
+    codec = ctx.kv_codec
+    first, low_first = codec.rest_span(blob)[0], codec.rest_span(lower)[0]
+    want, want_low = bytes(codec.rest(blob)), bytes(codec.rest(lower))
+    fine = codec.split_rest(blob, [first, 32, 256, 512, 530])
+    cases = [
+        (fine, first, want),
+        (codec.split_rest(blob, [first, 100, 530]), first, want),  # other cuts
+        (codec.split_rest(lower, [low_first, 64, 520]), low_first, want_low),  # shorter
+        ([*codec.split_rest(lower, [8, 32]), *fine[1:]], first, want),  # a wider first chunk
+    ]
+    out = bytearray(len(want) + 64)
+    _rest_plan.cache_clear()
+    for round_ in range(2):
+        for chunks, start, expected in cases:
+            out[:] = b"\xa5" * len(out)
+            assert bytes(codec.join_rest(chunks, start, out=out)) == expected
+        assert _rest_plan.cache_info().misses == len(cases), round_  # one plan per geometry
+    assert _rest_plan.cache_info().hits == len(cases)

@@ -20,7 +20,7 @@ from kvwarm.backends.base import BackendContext, BatchToken, ContextParams, Flas
 from kvwarm.backends.kv_chunk import header_size
 from kvwarm.backends.llama import LlamaBackend, LlamaModel
 from kvwarm.backends.llama.kv_layout import CELL, HEAD, parse_blob, parse_descriptor
-from kvwarm.buffers import u8
+from kvwarm.buffers import held, u8
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import ConfigError, InvalidRequestError, StateRestoreError
 
@@ -444,3 +444,41 @@ def test_a_tail_restored_onto_live_kv_is_the_whole_rows_state(
         assert not streams.restores_tails  # a stream per sequence: seq_cp copies whole streams
     finally:
         streams.close()
+
+
+def test_held_chunks_are_checked_once_and_other_buffers_on_every_join(
+    llama: LlamaModel, short: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``ram`` tier's chunks (``buffers.Held``: immutable) are parsed and checked on
+    their first join only; any other buffer on every join, and a held chunk that fails a
+    check is not remembered (refused again)."""
+    ctx = llama.new_context(_params("off", "f16", "f16"))
+    try:
+        ctx.prefill(0, short[:12], 0)
+        blob = ctx.kv_pack(0)
+        chunks = ctx.kv_split(blob, [0, 4, 12])
+        parses: list[int] = []
+        real = kv_chunk.parse
+
+        def counted(chunk: np.ndarray, codec: int) -> kv_chunk.ChunkView:
+            parses.append(codec)
+            return real(chunk, codec)
+
+        monkeypatch.setattr(kv_chunk, "parse", counted)
+        kept = [held(c) for c in chunks]
+        for _ in range(3):
+            assert bytes(ctx.kv_join([memoryview(h) for h in kept])) == blob
+        assert len(parses) == 2  # once per held chunk
+        for _ in range(2):
+            assert bytes(ctx.kv_join(chunks)) == blob
+        assert len(parses) == 6  # bytes: every time
+        bad = bytearray(chunks[1])
+        body = kv_chunk.parse(u8(bytes(bad)), kv_chunk.CODEC_LLAMA).body.size
+        bad[len(bad) - body + HEAD.size] ^= 1  # the first cell's position: not in the CRC
+        spoilt = held(bytes(bad))
+        for _ in range(2):
+            with pytest.raises(StateRestoreError, match="metadata"):
+                ctx.kv_join([memoryview(kept[0]), memoryview(spoilt)])
+        assert spoilt.memo == {}
+    finally:
+        ctx.close()

@@ -148,7 +148,7 @@ class LlamaKvCodec:
     def join_rest(
         self, chunks: Sequence[Buffer], first: int, out: WritableBuffer | None = None
     ) -> bytearray | memoryview:
-        views, structure, end = self._checked_rest(chunks, first)
+        views, structure, _ = self._checked_rest(chunks, first)
         spans = tuple((view.start, view.n_cells, view.flags) for view in views)
         plan = _rest_plan(views[0].descriptor, structure, first, spans)
         dst, result = join_target(plan.size, out)
@@ -157,8 +157,8 @@ class LlamaKvCodec:
         for view, copies in zip(views, plan.copies, strict=True):
             body = view.body
             for c in copies:
-                into = np.ndarray(c.shape, c.item, buffer=dst, offset=c.into, strides=c.into_strides)
-                into[...] = np.ndarray(
+                at = np.ndarray(c.shape, c.item, buffer=dst, offset=c.into, strides=c.into_strides)
+                at[...] = np.ndarray(
                     c.shape, c.item, buffer=body, offset=c.source, strides=c.source_strides
                 )
         return result

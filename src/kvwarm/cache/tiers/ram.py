@@ -188,7 +188,7 @@ class RamTier:
             payload = self._chunks.get(key)
         if payload is None:
             raise CacheKeyError(f"ram tier holds no chunk {key.hex()}")
-        return memoryview(payload)
+        return payload.data  # a view whose ``obj`` is the held chunk
 
     def delete_chunk(self, key: bytes) -> None:
         with self._lock:
