@@ -196,9 +196,9 @@ def test_gemmas_window_is_cut_and_joined_back_and_restores(
 def test_a_window_join_plan_serves_only_its_own_geometry(
     gemma: tuple[BackendContext, bytes, bytes],
 ) -> None:
-    """``join_rest`` keeps one plan per window geometry (first position, chunk spans): the
-    same geometry reuses it, any other gets its own, and every join writes every byte (the
-    output buffer is filled with junk before each)."""
+    """``join_rest`` keeps one plan per window geometry (chunk spans relative to the window's
+    start): the same geometry reuses it, wherever the window starts, any other gets its own,
+    and every join writes every byte (the output buffer is filled with junk before each)."""
     ctx, lower, blob = gemma
     codec = ctx.kv_codec
     first, low_first = codec.rest_span(blob)[0], codec.rest_span(lower)[0]
@@ -209,6 +209,9 @@ def test_a_window_join_plan_serves_only_its_own_geometry(
         (codec.split_rest(blob, [first, 100, 530]), first, want),  # other cuts
         (codec.split_rest(lower, [low_first, 64, 520]), low_first, want_low),  # shorter
         ([*codec.split_rest(lower, [8, 32]), *fine[1:]], first, want),  # a wider first chunk
+        (codec.split_rest(blob, [first, 82, 530]), first, want),
+        # The same geometry 10 positions lower: the same plan, other positions.
+        (codec.split_rest(lower, [low_first, 72, 520]), low_first, want_low),
     ]
     out = bytearray(len(want) + 64)
     _rest_plan.cache_clear()
@@ -216,5 +219,5 @@ def test_a_window_join_plan_serves_only_its_own_geometry(
         for chunks, start, expected in cases:
             out[:] = b"\xa5" * len(out)
             assert bytes(codec.join_rest(chunks, start, out=out)) == expected
-        assert _rest_plan.cache_info().misses == len(cases), round_  # one plan per geometry
-    assert _rest_plan.cache_info().hits == len(cases)
+        assert _rest_plan.cache_info().misses == len(cases) - 1, round_  # one per geometry
+    assert _rest_plan.cache_info().hits == len(cases) + 1

@@ -149,10 +149,13 @@ class LlamaKvCodec:
         self, chunks: Sequence[Buffer], first: int, out: WritableBuffer | None = None
     ) -> bytearray | memoryview:
         views, structure, _ = self._checked_rest(chunks, first)
-        spans = tuple((view.start, view.n_cells, view.flags) for view in views)
-        plan = _rest_plan(views[0].descriptor, structure, first, spans)
+        # Spans relative to the window: rows whose ends lie alike on the chunk grid share one.
+        spans = tuple((view.start - first, view.n_cells, view.flags) for view in views)
+        plan = _rest_plan(views[0].descriptor, structure, spans)
         dst, result = join_target(plan.size, out)
         dst[: plan.head.size] = plan.head
+        positions = dst[CACHE_HEAD : CACHE_HEAD + plan.n_cells * CELL].view("<i4")[::3]
+        np.add(positions, first, out=positions)  # the head holds positions from 0
         dst[plan.header_at] = plan.headers
         for view, copies in zip(views, plan.copies, strict=True):
             body = view.body
@@ -473,10 +476,12 @@ class _Copy:
 
 @dataclass(frozen=True, slots=True)
 class _RestPlan:
-    """How ``join_rest`` writes one window from chunks of one geometry: its size, the bytes
-    before its first section (cache head, the cells' canonical metadata, v_trans and layer
-    count), where the section headers go and their bytes, and each chunk's copies."""
+    """How ``join_rest`` writes a window of ``n_cells`` cells from chunks of one geometry:
+    its size, the bytes before its first section (cache head, the cells' canonical metadata
+    with positions from 0, v_trans and layer count), where the section headers go and their
+    bytes, and each chunk's copies."""
 
+    n_cells: int
     size: int
     head: U8
     header_at: npt.NDArray[np.intp]
@@ -484,27 +489,28 @@ class _RestPlan:
     copies: tuple[tuple[_Copy, ...], ...]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _rest_plan(
-    descriptor: bytes, structure: Structure, first: int, spans: tuple[tuple[int, int, int], ...]
+    descriptor: bytes, structure: Structure, spans: tuple[tuple[int, int, int], ...]
 ) -> _RestPlan:
-    """The plan of a window from ``first`` joined from chunks of ``spans`` (each chunk's
-    start, cell count and flags, already checked to tile the positions: ``_checked_rest``).
-    Computed once per geometry: consecutive restores of a conversation, and every row of one
-    length, join the same one, so a restore builds only its numpy views. The metadata is
-    written from its canonical form, which ``_check_body`` found in every chunk."""
-    end = spans[-1][0] + spans[-1][1]
-    n_cells = end - first
+    """The plan of a window joined from chunks of ``spans`` (each chunk's start relative to
+    the window's first position, cell count and flags, already checked to tile the
+    positions: ``_checked_rest``). Computed once per geometry, which does not depend on
+    where the window starts: a window is ``n_swa`` cells once a prompt is longer, and
+    chunks lie on a grid, so every row whose end falls at the same place in a grid step
+    joins the same plan, and a restore builds only its numpy views. The metadata is
+    written in its canonical form, which ``_check_body`` found in every chunk."""
+    n_cells = spans[-1][0] + spans[-1][1]
     target = _geometry(structure, n_cells, _CACHE)
     pieces = _skeleton(descriptor, structure, n_cells, CACHE_HEAD)
-    head = pieces[0][1] + _canonical_meta(first, n_cells) + pieces[1][1]
+    head = pieces[0][1] + _canonical_meta(0, n_cells) + pieces[1][1]
     headers = pieces[2:]
     header_at = np.concatenate([np.arange(at, at + len(piece)) for at, piece in headers])
     header_at.flags.writeable = False
     copies = []
     for start, cells, flags in spans:
-        skip = max(0, first - start)  # cells of a wider chunk before the window
-        a, n = start + skip - first, cells - skip  # where in the window, how many
+        skip = max(0, -start)  # cells of a wider chunk before the window
+        a, n = start + skip, cells - skip  # where in the window, how many
         kind = _BLOB if flags & kv_chunk.FLAG_BLOB else _CELLS
         source = _geometry(structure, cells, kind)
         if not 0 <= skip <= skip + n <= source.n_cells or not 0 <= a <= a + n <= n_cells:
@@ -524,6 +530,7 @@ def _rest_plan(
             )
         )
     return _RestPlan(
+        n_cells,
         target.size,
         _frozen(head),
         header_at,
