@@ -12,12 +12,14 @@ import kvwarm.engine.worker.drafts as drafts_module
 from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TtlClass
 from kvwarm.engine.worker.draftmodel import check_vocab
 from kvwarm.engine.worker.drafts import (
+    CopyEnds,
     Cost,
     DraftBudget,
     Drafter,
     NgramIndex,
     PassCost,
     RowDrafts,
+    SentenceEnds,
     match_prior,
 )
 from kvwarm.errors import ConfigError
@@ -273,6 +275,94 @@ def test_a_short_match_is_no_copy_on_a_cpu_a_long_one_is() -> None:
     drafter = Drafter("ngram-simple", 4, 32, long)
     assert drafter.propose([], 32, cpu)[:3] == [3, 4, 5]
     assert match_prior(4) < 0.8 < 0.95 < match_prior(32)
+
+
+#: Pieces of a toy vocabulary: 2 ends a sentence before a space, 5 whatever follows.
+PIECES = [
+    *(f"w{i}".encode() for i in range(2)),
+    b".",  # 2
+    b" It",  # 3
+    b"3",  # 4
+    b".\n",  # 5
+    b"5",  # 6
+    b"?",  # 7
+    *(f" w{i}".encode() for i in range(8, 40)),
+]
+
+
+def test_a_sentence_ends_at_its_punctuation_before_a_space_or_with_its_own() -> None:
+    ends = SentenceEnds(PIECES)
+    assert ends.breaks(1, [2, 3, 8]) == [1]  # "." then " It": " It" is a new sentence's
+    assert ends.breaks(2, [3, 8]) == [0]  # the sentence ended with the token before the draft
+    assert ends.breaks(4, [2, 6]) == []  # "3.5" is a number
+    assert ends.breaks(5, [6, 7, 6]) == [0]  # ".\n" ends one whatever follows
+    assert ends.breaks(7, [1]) == []  # "?" then "w1": no space, no end
+
+
+def _learned(crossed: bool, times: int) -> CopyEnds:
+    ends = CopyEnds()
+    for _ in range(times):
+        ends.observe(crossed)
+    return ends
+
+
+#: Twenty words, a sentence end, " It" and ten words more; a reply that quotes the first 16.
+PASSAGE = [*range(10, 30), 2, 3, *range(30, 40)]
+QUOTING = ([8, 9, *PASSAGE, 0, 1], PASSAGE[:16])
+
+
+def test_a_copy_learned_to_end_at_sentence_ends_is_drafted_up_to_one() -> None:
+    """A reply that quotes one sentence of a passage ends there; drafting the passage on
+    wastes a CPU pass's worth of tokens per reply. Copies that stopped at sentence ends make
+    the draft stop there; copies that went on make it go on."""
+    cpu = Cost(0.4, 0.3)
+    prompt, reply = QUOTING
+    ends = SentenceEnds(PIECES)
+    plain = Drafter("ngram-simple", 4, 48, prompt).propose(reply, 48, cpu)
+    assert plain == [26, 27, 28, 29, 2, 3, 30]  # past the sentence end
+    stops = _learned(False, 4)
+    drafter = Drafter("ngram-simple", 4, 48, prompt, sentence_ends=ends, copy_ends=stops)
+    assert drafter.propose(reply, 48, cpu) == [26, 27, 28, 29, 2]  # up to the "." only
+    fresh = Drafter("ngram-simple", 4, 48, prompt, sentence_ends=ends, copy_ends=CopyEnds())
+    assert fresh.propose(reply, 48, cpu) == [26, 27, 28, 29, 2]  # the prior: one in two
+    goes_on = _learned(True, 30)
+    drafter = Drafter("ngram-simple", 4, 48, prompt, sentence_ends=ends, copy_ends=goes_on)
+    assert drafter.propose(reply, 48, cpu) == plain
+
+
+def test_copy_ends_learn_from_what_the_model_sampled_at_a_sentence_end() -> None:
+    cpu = Cost(0.4, 0.3)
+    prompt, reply = QUOTING
+    ends = SentenceEnds(PIECES)
+    learned = _learned(False, 4)
+    before = learned.through
+    drafter = Drafter("ngram-simple", 4, 48, prompt, sentence_ends=ends, copy_ends=learned)
+    draft = drafter.propose(reply, 48, cpu)
+    assert draft[-1] == 2  # stopped right at the sentence end ...
+    drafter.verified(len(draft), len(draft), 3)  # ... and the model went on with " It"
+    assert learned.through > before
+    went_on = learned.through
+    draft = drafter.propose(reply, 48, cpu)
+    drafter.verified(len(draft), len(draft), 0)  # the reply ended there (an end token)
+    assert learned.through < went_on
+    ended = learned.through
+    draft = drafter.propose(reply, 48, cpu)
+    drafter.verified(len(draft), 2)  # a word differed before the end: nothing learned
+    assert learned.through == ended
+    # A draft past a sentence end: kept up to the end and not after it is a stop.
+    learned = _learned(True, 30)
+    crossing = Drafter("ngram-simple", 4, 48, prompt, sentence_ends=ends, copy_ends=learned)
+    draft = crossing.propose(reply, 48, cpu)
+    at = draft.index(3)
+    went_on = learned.through
+    crossing.verified(len(draft), at)
+    assert learned.through < went_on
+    learned = _learned(True, 30)
+    crossing = Drafter("ngram-simple", 4, 48, prompt, sentence_ends=ends, copy_ends=learned)
+    went_on = learned.through
+    assert crossing.propose(reply, 48, cpu) == draft
+    crossing.verified(len(draft), at + 1)  # " It" kept: the copy went on
+    assert learned.through > went_on
 
 
 def test_ngram_mod_chains_each_token_from_the_n_before_it() -> None:

@@ -505,7 +505,8 @@ class BackendModel(Protocol):
     def vocabulary(self) -> tuple[tuple[bytes, ...], frozenset[int]]:
         """Every token's bytes (``token_to_piece(t, special=True)``, in id order) and the
         end-of-generation tokens, read in one pass: what a draft model's vocabulary is
-        compared by (``engine/worker/draftmodel.py``)."""
+        compared by (``engine/worker/draftmodel.py``), and where n-gram drafts cross
+        sentence ends (``drafts.SentenceEnds``)."""
         ...
 
     def apply_chat_template(

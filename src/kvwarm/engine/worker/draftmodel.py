@@ -303,5 +303,5 @@ class ModelDrafter:
             self.stopped = True
             return []
 
-    def verified(self, drafted: int, accepted: int) -> None:
+    def verified(self, drafted: int, accepted: int, after: int | None = None) -> None:
         self.budget.verified(drafted, accepted)

@@ -24,6 +24,9 @@ costs the extra positions of one pass, never a different output. Here:
   the ``k`` that maximises their ratio is drafted; ``k = 0`` (plain decoding) whenever no
   length pays. That is how a prompt with nothing to copy costs what plain decoding does: no
   match, no draft; matches that keep failing drive ``a`` down until drafting stops.
+- ``SentenceEnds``, ``CopyEnds``: where a draft crosses a sentence end, and how often this
+  model's copies went on past one (a reply that quotes one sentence ends there; a draft that
+  runs on wastes its tail), learned from verify passes and weighed into ``DraftBudget``.
 - ``PassCost``: ``f`` and ``c`` (``Cost``), measured: each verify pass against the plain
   passes just before it, so the trade-off follows the hardware (a GPU verifies 16 tokens for
   little more than one; a CPU pays for the first drafted token what a whole pass costs) and
@@ -215,14 +218,23 @@ class DraftBudget:
         acc = self.accepted + _PRIOR_WEIGHT * prior
         return acc / (self.accepted + self.rejected + _PRIOR_WEIGHT)
 
-    def length(self, limit: int, cost: Cost, prior: float = DEFAULT_PRIOR) -> int:
+    def length(
+        self,
+        limit: int,
+        cost: Cost,
+        prior: float = DEFAULT_PRIOR,
+        breaks: Sequence[int] = (),
+        through: float = 1.0,
+    ) -> int:
         """The draft length in ``[0, limit]`` with the most expected tokens per unit of pass
-        cost (``Cost``: in one-token passes)."""
+        cost (``Cost``: in one-token passes). ``breaks``: the draft positions (0-based) that
+        follow a sentence end, where a copy goes on only with probability ``through``
+        (``CopyEnds``)."""
         a = self.acceptance(prior)
         best_k, best = 0, 1.0
         gain, p = 1.0, 1.0
         for k in range(1, limit + 1):
-            p *= a
+            p *= a * through if k - 1 in breaks else a
             gain += p
             value = gain / cost.of(k)
             if value > best:
@@ -240,6 +252,70 @@ class DraftBudget:
         """A match was found but not drafted: the evidence fades toward the prior."""
         self.accepted *= _IDLE_FADE
         self.rejected *= _IDLE_FADE
+
+
+#: What a piece ends with (trailing whitespace aside) when it ends a sentence.
+_SENTENCE_END = (b".", b"!", b"?")
+
+
+class SentenceEnds:
+    """Where a draft crosses a sentence end, from the model's token pieces: after a token
+    whose piece ends in ``.``, ``!`` or ``?`` when that piece ends in whitespace or the next
+    token's piece starts with it ("kilometres." then " It"; not "3." then "5", nor "e.g" then
+    ".,"). A quoted passage goes on past its sentence ends, but a reply that quotes one
+    sentence ends at one: those are where a copy stops (``CopyEnds``)."""
+
+    __slots__ = ("_ended", "_ends", "_opens")
+
+    def __init__(self, pieces: Sequence[bytes]) -> None:
+        ends: list[int] = []
+        ended: list[int] = []
+        opens: list[int] = []
+        for token, piece in enumerate(pieces):
+            if piece.rstrip().endswith(_SENTENCE_END):
+                (ended if piece[-1:].isspace() else ends).append(token)
+            if piece[:1].isspace():
+                opens.append(token)
+        self._ends = frozenset(ends)  # a sentence end if the next piece opens with a space
+        self._ended = frozenset(ended)  # a sentence end whatever follows
+        self._opens = frozenset(opens)
+
+    def breaks(self, last: int, draft: Sequence[int]) -> list[int]:
+        """The positions in ``draft`` (0-based) of tokens right after a sentence end;
+        ``last`` is the token before the draft."""
+        out = []
+        before = last
+        for i, token in enumerate(draft):
+            if before in self._ended or (before in self._ends and token in self._opens):
+                out.append(i)
+            before = token
+        return out
+
+
+class CopyEnds:
+    """How often a copy that reached a sentence end went on past it, over one model's verify
+    passes: a Beta(1, 1) prior (one half) and the outcomes seen, older ones weighing less
+    (``_COPY_FADE``), so a load whose replies each quote a sentence learns within a reply or
+    two to stop its drafts there, and one that copies whole passages learns to go on."""
+
+    __slots__ = ("crossed", "stopped")
+
+    def __init__(self) -> None:
+        self.crossed = 0.0
+        self.stopped = 0.0
+
+    @property
+    def through(self) -> float:
+        """The chance that a copy goes on past a sentence end it has reached."""
+        return (self.crossed + 1.0) / (self.crossed + self.stopped + 2.0)
+
+    def observe(self, crossed: bool) -> None:
+        self.crossed = self.crossed * _COPY_FADE + (1.0 if crossed else 0.0)
+        self.stopped = self.stopped * _COPY_FADE + (0.0 if crossed else 1.0)
+
+
+#: How much one sentence end's outcome fades at the next (a memory of about 30).
+_COPY_FADE = 0.97
 
 
 @dataclass(slots=True, eq=False)
@@ -260,8 +336,9 @@ class Drafter:
     """One request's drafts, by its n-gram ``SpecType``."""
 
     __slots__ = (
-        "_caps", "_counts", "_fed", "_last_key", "_last_value", "_row_counts", "_values", "budget",
-        "draft_max", "elsewhere", "index", "kind",
+        "_breaks", "_caps", "_counts", "_cut", "_fed", "_last_key", "_last_value", "_row_counts",
+        "_values", "budget", "copy_ends", "draft_max", "elsewhere", "index", "kind",
+        "sentence_ends",
     )  # fmt: skip
 
     def __init__(
@@ -272,6 +349,8 @@ class Drafter:
         prompt: Sequence[int],
         elsewhere: Elsewhere | None = None,
         row_counts: Callable[[tuple[int, ...]], Counts | None] | None = None,
+        sentence_ends: SentenceEnds | None = None,
+        copy_ends: CopyEnds | None = None,
     ) -> None:
         if kind in ("none", "draft-simple"):
             raise ValueError("an n-gram drafter needs an n-gram draft source")
@@ -290,11 +369,20 @@ class Drafter:
         #: ngram-cache: the request's own next-token counts, and its tenant's rows' (strict).
         self._counts = NgramCounts() if kind == "ngram-cache" else None
         self._row_counts = row_counts
+        #: Where drafts cross sentence ends, and how often the model's copies went on past
+        #: one (shared by the model's requests); the last draft's crossings.
+        self.sentence_ends = sentence_ends
+        self.copy_ends = copy_ends
+        self._breaks: list[int] = []
+        #: The token the copy would have gone on with, where the last draft stopped right at a
+        #: sentence end: what the model samples after that draft says whether it did.
+        self._cut: int | None = None
 
     def propose(self, generated: Sequence[int], limit: int, cost: Cost) -> list[int]:
         """A draft of at most ``limit`` tokens to follow ``generated`` (the reply so far, its
         last token the one about to be decoded); empty when nothing is worth drafting."""
         self._last_key = self._last_value = None
+        self._breaks, self._cut = [], None
         if len(generated) > self._fed:
             self.index.extend(generated[self._fed :])
             self._fed = len(generated)
@@ -329,12 +417,19 @@ class Drafter:
         if self.kind == "ngram-map-k":
             key = tuple(toks[len(toks) - n :])
             limit = min(limit, self._caps.get(key, limit))
-        k = self.budget.length(limit, cost, match_prior(matched))
+        breaks: list[int] = []
+        through = 1.0
+        if self.sentence_ends is not None and self.copy_ends is not None and toks:
+            breaks = self.sentence_ends.breaks(toks[-1], source[:limit])
+            through = self.copy_ends.through
+        k = self.budget.length(limit, cost, match_prior(matched), breaks, through)
         if k == 0:
             self.budget.skipped()
             self._last_value = None
             return []
         self._last_key = key
+        self._breaks = [i for i in breaks if i < k]
+        self._cut = source[k] if k in breaks else None
         return source[:k]
 
     def _dominant(self, limit: int) -> tuple[list[int], int]:
@@ -412,10 +507,20 @@ class Drafter:
             window.append(token)
         return draft
 
-    def verified(self, drafted: int, accepted: int) -> None:
+    def verified(self, drafted: int, accepted: int, after: int | None = None) -> None:
         """The draft ``propose`` made was verified: ``accepted`` of its ``drafted`` tokens
-        were what the model sampled."""
+        were what the model sampled, and ``after`` the token it sampled after them all (None
+        where it sampled none: a draft token differed, or the request ran out of room)."""
         self.budget.verified(drafted, accepted)
+        if self.copy_ends is not None:
+            # Each sentence end the model's text reached: did the copy go on past it?
+            for i in self._breaks:
+                if accepted < i:
+                    break
+                self.copy_ends.observe(accepted > i)
+            if self._cut is not None and accepted == drafted and after is not None:
+                self.copy_ends.observe(after == self._cut)  # drafted up to the end, not past
+            self._breaks, self._cut = [], None
         if self._last_key is not None:
             self._caps[self._last_key] = accepted + 1
             self._last_key = None

@@ -18,7 +18,7 @@ from kvwarm.cache.types import FingerprintMode, Namespace, PolicyConfig, TierNam
 from kvwarm.engine.types import CompletionStats, SlotStatus, SpecType
 from kvwarm.engine.worker.batching import BatchStrategy
 from kvwarm.engine.worker.draftmodel import DraftModel
-from kvwarm.engine.worker.drafts import PassCost, RowDrafts
+from kvwarm.engine.worker.drafts import CopyEnds, PassCost, RowDrafts, SentenceEnds
 from kvwarm.engine.worker.encoder import Encoder
 from kvwarm.engine.worker.joinbuf import JoinBuffer
 from kvwarm.engine.worker.slots import Slot
@@ -103,6 +103,10 @@ class Runtime:
     encoder: Encoder | None = None
     pass_cost: PassCost = field(default_factory=PassCost)  # what a draft token costs a pass
     row_drafts: RowDrafts | None = None  # drafts from cached rows (made on first use)
+    #: Where n-gram drafts cross sentence ends (from the vocabulary, made on first use), and
+    #: how often this model's copies went on past one.
+    sentence_ends: SentenceEnds | None = None
+    copy_ends: CopyEnds = field(default_factory=CopyEnds)
     draft: DraftModel | None = None  # the draft model (``draft_model``), if any
     _eog: tuple[int, ...] | None = None
 

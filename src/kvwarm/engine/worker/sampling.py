@@ -74,11 +74,14 @@ class Sampling:
         reason: FinishReason | None = None
         matched = 0  # draft tokens equal to what was sampled, in order
         last = len(draft)  # the last row sampled
+        after: int | None = None  # the token sampled after the whole draft
         for i in range(len(draft) + 1):
             if self._used_up(slot, n + i + 1):
                 reason, last = "length", i
                 break
             token = self._sample(act, first + i, None)
+            if i == len(draft):
+                after = token
             same = i < len(draft) and token == draft[i]
             matched += same
             reason = self._route(act, token)
@@ -95,7 +98,7 @@ class Sampling:
         act.accepted += matched
         rt.stats.verify_passes += 1
         if act.drafter is not None:
-            act.drafter.verified(len(draft), matched)
+            act.drafter.verified(len(draft), matched, after)
         self.outcomes.port.decoded(slot)
         if reason is not None:
             self.outcomes.finish(slot, reason, self._logits_bytes(slot, first + last, None))
