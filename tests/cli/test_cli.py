@@ -359,7 +359,11 @@ def test_cluster_serves_through_ray_then_stops_on_sigterm(
     )  # fmt: skip
     try:
         base = f"http://127.0.0.1:{port}"
-        assert _wait_healthy(proc, base, 240), "the cluster did not become ready"
+        if not _wait_healthy(proc, base, 240):
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=120)
+            code = proc.returncode
+            pytest.fail(f"the cluster did not become ready (exit {code}):\n{err[-6000:]}")
         body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
         response = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
