@@ -93,9 +93,16 @@ class ChunkHead:
 
 def chunk_key(ns: Namespace, parent: bytes, tokens: Sequence[int] | bytes) -> bytes:
     """The key of the chunk holding ``tokens`` (or their u32 LE encoding) after ``parent``."""
-    h = chunk_hasher(ns)
+    token_bytes = tokens if isinstance(tokens, bytes) else encode_tokens(tokens)
+    return _key_of(namespace_prefix(ns), parent, token_bytes)
+
+
+def _key_of(prefix: Buffer, parent: Buffer, token_bytes: Buffer) -> bytes:
+    """``chunk_key`` from a namespace's prefix bytes (``namespace_prefix``: a chunk's head
+    records exactly these), its parent and its tokens' u32 LE encoding."""
+    h = _prefix_hasher(prefix)
     h.update(parent)
-    h.update(tokens if isinstance(tokens, bytes) else encode_tokens(tokens))
+    h.update(token_bytes)
     return h.digest()
 
 
@@ -103,8 +110,12 @@ def chunk_hasher(ns: Namespace) -> hashlib._Hash:
     """A hash of what every chunk key of ``ns`` starts with: ``chunk_key(ns, parent, t)`` is
     ``h = chunk_hasher(ns).copy(); h.update(parent); h.update(t's u32 LE)``, with
     ``h.digest()``, for a caller keying many chunks of one namespace."""
+    return _prefix_hasher(namespace_prefix(ns))
+
+
+def _prefix_hasher(prefix: Buffer) -> hashlib._Hash:
     h = hashlib.sha256(_DOMAIN)
-    h.update(namespace_prefix(ns))
+    h.update(prefix)
     return h
 
 
@@ -268,24 +279,30 @@ def _bad(msg: str) -> CacheFormatError:
 def parse_head(buf: Buffer, *, size: int | None = None) -> ChunkHead:
     """The head of a chunk object (``buf`` may hold just the head; ``size`` is then the whole
     object's size). Checks the head CRC, the key and the payload length; not the payload."""
+    mv, count, offset, plen, pcrc, key, parent, ns_b = _check_head(buf, size)
+    ns = Namespace(fingerprint=bytes(ns_b[:32]), quant=ns_b[32], ctx_hash=bytes(ns_b[33:]))
+    tokens = struct.unpack_from(f"<{count}I", mv, _HEAD.size)  # in bounds: checked
+    return ChunkHead(key, parent, ns, tokens, offset, plen, pcrc)
+
+
+def _check_head(
+    buf: Buffer, size: int | None
+) -> tuple[memoryview, int, int, int, int, bytes, bytes, bytes]:
+    """The object as bytes and its head's fields, every one checked (CRC, key replay,
+    lengths): its token count, payload offset, length and CRC, key, parent and namespace
+    bytes. ``CacheFormatError`` for anything wrong, whatever part of the head it trips over."""
     try:
-        return _parse_head(memoryview(buf).cast("B"), size)
+        mv = memoryview(buf).cast("B")
+        return (mv, *_head_fields(mv, size))
     except CacheFormatError:
         raise
     except (struct.error, ValueError, TypeError, IndexError) as exc:
         raise _bad(f"{type(exc).__name__}: {exc}") from None
 
 
-def _parse_head(mv: memoryview, size: int | None) -> ChunkHead:
-    count, offset, plen, pcrc, key, parent, ns_b = _check_head(mv, size)
-    ns = Namespace(fingerprint=bytes(ns_b[:32]), quant=ns_b[32], ctx_hash=bytes(ns_b[33:]))
-    tokens = struct.unpack_from(f"<{count}I", mv, _HEAD.size)
-    return ChunkHead(key, parent, ns, tokens, offset, plen, pcrc)
-
-
-def _check_head(mv: memoryview, size: int | None) -> tuple[int, int, int, int, bytes, bytes, bytes]:
-    """The head's fields, every one checked (CRC, key replay, lengths): its token count,
-    payload offset, length and CRC, key, parent and namespace bytes."""
+def _head_fields(
+    mv: memoryview, size: int | None
+) -> tuple[int, int, int, int, bytes, bytes, bytes]:
     total = mv.nbytes if size is None else size
     if mv.nbytes < _HEAD.size:
         raise _bad(f"{mv.nbytes} bytes is shorter than its head")
@@ -306,24 +323,15 @@ def _check_head(mv: memoryview, size: int | None) -> tuple[int, int, int, int, b
         raise _bad("head CRC32C mismatch")
     # ``chunk_key`` replayed from the head's own bytes: the namespace as recorded is exactly
     # what ``namespace_prefix`` hashes (fixed-length digests and a quant byte).
-    h = hashlib.sha256(_DOMAIN)
-    h.update(ns_b)
-    h.update(parent)
-    h.update(mv[_HEAD.size : offset - 4])
-    if h.digest() != key:
+    if _key_of(ns_b, parent, mv[_HEAD.size : offset - 4]) != key:
         raise _bad("key does not replay from namespace, parent and tokens")
     return count, offset, plen, pcrc, key, parent, ns_b
 
 
 def parse(buf: Buffer, expected_key: bytes) -> memoryview:
     """The payload of a whole chunk object (a view of ``buf``), after checking everything."""
-    mv = memoryview(buf).cast("B")
-    try:  # the restore path: the head checked as ``parse_head`` does, no tokens decoded
-        _, offset, _, payload_crc, key, _, _ = _check_head(mv, None)
-    except CacheFormatError:
-        raise
-    except (struct.error, ValueError, TypeError, IndexError) as exc:
-        raise _bad(f"{type(exc).__name__}: {exc}") from None
+    # The restore path: the head checked as ``parse_head`` does, no tokens decoded.
+    mv, _, offset, _, payload_crc, key, _, _ = _check_head(buf, None)
     if key != expected_key:
         raise _bad("object is for another key")
     payload = mv[offset:]
