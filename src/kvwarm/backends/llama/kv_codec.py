@@ -158,12 +158,7 @@ class LlamaKvCodec:
         np.add(positions, first, out=positions)  # the head holds positions from 0
         dst[plan.header_at] = plan.headers
         for view, copies in zip(views, plan.copies, strict=True):
-            body = view.body
-            for c in copies:
-                at = np.ndarray(c.shape, c.item, buffer=dst, offset=c.into, strides=c.into_strides)
-                at[...] = np.ndarray(
-                    c.shape, c.item, buffer=body, offset=c.source, strides=c.source_strides
-                )
+            _apply(dst, view.body, copies)
         return result
 
     def _two_caches(self, data: U8) -> tuple[BlobLayout, BlobLayout]:
@@ -231,7 +226,7 @@ class LlamaKvCodec:
         meta = dst[HEAD.size : HEAD.size + n_cells * CELL]
         for view in views:
             a, b = view.start, view.end
-            source = _geometry(structure, b - a, _body_kind(view))
+            source = _geometry(structure, b - a, _body_kind(view.flags))
             meta_at = source.meta_at
             meta[a * CELL : b * CELL] = view.body[meta_at : meta_at + (b - a) * CELL]
             _place(dst, target, a, view.body, source, 0, b - a)
@@ -383,8 +378,9 @@ class _Geometry:
     size: int
 
 
-def _body_kind(view: kv_chunk.ChunkView) -> int:
-    return _BLOB if view.flags & kv_chunk.FLAG_BLOB else _CELLS
+def _body_kind(flags: int) -> int:
+    """Where a chunk body with ``flags`` holds its cells: ``_BLOB`` or ``_CELLS``."""
+    return _BLOB if flags & kv_chunk.FLAG_BLOB else _CELLS
 
 
 @functools.lru_cache(maxsize=256)
@@ -429,35 +425,10 @@ def _place(
     dst: U8, target: _Geometry, at: int, src: U8, source: _Geometry, skip: int, n: int
 ) -> None:
     """Copy cells ``[skip, skip + n)`` of every section of ``src`` to cells ``[at, at + n)``
-    of the same section in ``dst``: one numpy assignment a run. Each section row's ``n``
-    cells are contiguous on both sides, so they are viewed as one item of ``n * unit``
-    bytes: numpy then copies a row with one ``memcpy`` from a C loop over the run's rows
-    (a 64-cell chunk of a window of transposed V is 3,840 rows of 128 bytes), instead of
-    iterating every row through its general iterator. Both views are bounds-checked by
-    numpy against their buffers."""
-    if n == 0:
-        return
+    of the same section in ``dst`` (``_copies``, then ``_apply``)."""
     if src.size < source.size:
         raise StateRestoreError(f"KV chunk body is {src.size} bytes; its cells need {source.size}")
-    if not 0 <= skip <= skip + n <= source.n_cells or not 0 <= at <= at + n <= target.n_cells:
-        raise StateRestoreError(f"KV cells [{skip}, {skip + n}) do not fit their bodies")
-    for t, s in zip(target.runs, source.runs, strict=True):
-        item = _item(n * s.unit)
-        shape = (s.count, s.groups)
-        into = np.ndarray(
-            shape,
-            item,
-            buffer=dst,
-            offset=t.offset + at * t.unit,
-            strides=(t.step, target.n_cells * t.unit),
-        )
-        into[...] = np.ndarray(
-            shape,
-            item,
-            buffer=src,
-            offset=s.offset + skip * s.unit,
-            strides=(s.step, source.n_cells * s.unit),
-        )
+    _apply(dst, src, _copies(target, at, source, skip, n))
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,6 +443,39 @@ class _Copy:
     into_strides: tuple[int, int]
     source: int
     source_strides: tuple[int, int]
+
+
+def _copies(target: _Geometry, at: int, source: _Geometry, skip: int, n: int) -> tuple[_Copy, ...]:
+    """How cells ``[skip, skip + n)`` of every section of a ``source`` body go to cells
+    ``[at, at + n)`` of the same section of a ``target`` body: one copy a run. Each section
+    row's ``n`` cells are contiguous on both sides, so they are viewed as one item of
+    ``n * unit`` bytes: numpy then copies a row with one ``memcpy`` from a C loop over the
+    run's rows (a 64-cell chunk of a window of transposed V is 3,840 rows of 128 bytes),
+    instead of iterating every row through its general iterator."""
+    if not 0 <= skip <= skip + n <= source.n_cells or not 0 <= at <= at + n <= target.n_cells:
+        raise StateRestoreError(f"KV cells [{skip}, {skip + n}) do not fit their bodies")
+    if n == 0:
+        return ()
+    return tuple(
+        _Copy(
+            (s.count, s.groups),
+            _item(n * s.unit),
+            t.offset + at * t.unit,
+            (t.step, target.n_cells * t.unit),
+            s.offset + skip * s.unit,
+            (s.step, source.n_cells * s.unit),
+        )
+        for t, s in zip(target.runs, source.runs, strict=True)
+    )
+
+
+def _apply(dst: U8, src: U8, copies: Sequence[_Copy]) -> None:
+    """Make ``copies`` from ``src`` into ``dst`` (both views bounds-checked by numpy against
+    their buffers)."""
+    for c in copies:
+        into = np.ndarray(c.shape, c.item, buffer=dst, offset=c.into, strides=c.into_strides)
+        frm = np.ndarray(c.shape, c.item, buffer=src, offset=c.source, strides=c.source_strides)
+        into[...] = frm
 
 
 @dataclass(frozen=True, slots=True)
@@ -511,24 +515,7 @@ def _rest_plan(
     for start, cells, flags in spans:
         skip = max(0, -start)  # cells of a wider chunk before the window
         a, n = start + skip, cells - skip  # where in the window, how many
-        kind = _BLOB if flags & kv_chunk.FLAG_BLOB else _CELLS
-        source = _geometry(structure, cells, kind)
-        if not 0 <= skip <= skip + n <= source.n_cells or not 0 <= a <= a + n <= n_cells:
-            raise StateRestoreError(f"KV cells [{skip}, {skip + n}) do not fit their bodies")
-        copies.append(
-            tuple(
-                _Copy(
-                    (s.count, s.groups),
-                    _item(n * s.unit),
-                    t.offset + a * t.unit,
-                    (t.step, n_cells * t.unit),
-                    s.offset + skip * s.unit,
-                    (s.step, cells * s.unit),
-                )
-                for t, s in zip(target.runs, source.runs, strict=True)
-                if n
-            )
-        )
+        copies.append(_copies(target, a, _geometry(structure, cells, _body_kind(flags)), skip, n))
     return _RestPlan(
         n_cells,
         target.size,
