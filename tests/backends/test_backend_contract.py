@@ -21,6 +21,7 @@ from kvwarm.errors import (
     ConfigError,
     HandleClosedError,
     InvalidRequestError,
+    NoLogitsError,
     StateRestoreError,
 )
 
@@ -234,6 +235,45 @@ def test_greedy_sample_logits_is_argmax(model: BackendModel, ctx: BackendContext
         assert sampler.sample(ctx, -1) == int(np.argmax(np.frombuffer(logits, np.float32)))
     finally:
         sampler.close()
+
+
+def test_argmax_rows_are_what_sample_picks_row_by_row(
+    model: BackendModel, ctx: BackendContext
+) -> None:
+    """A verify pass's rows in one call (``argmax_rows``): for plain greedy, with or without
+    logit biases, each row's token is exactly ``sample``'s; other samplers answer None (they
+    go row by row); ``logits_block`` is the rows one after another, and refuses rows that
+    asked for no logits."""
+    tokens = model.tokenize(TEXT)
+    ctx.prefill(0, tokens[:-5], 0)
+    n = len(tokens) - 5
+    ctx.decode([BatchToken(t, n + i, 0, logits=i != 1) for i, t in enumerate(tokens[-5:])])
+    rows = [np.frombuffer(ctx.logits(i), np.float32) for i in (2, 3, 4)]
+    block = np.frombuffer(ctx.logits_block(2, 3), np.float32)
+    assert np.array_equal(block, np.concatenate(rows))
+    with pytest.raises(NoLogitsError):
+        ctx.logits_block(0, 3)  # row 1 asked for none
+    with pytest.raises(NoLogitsError):
+        ctx.logits_block(3, 3)  # past the last row
+    best = [int(np.argmax(r)) for r in rows]
+    second = int(np.argsort(rows[0])[-2])
+    for bias in ((), ((best[0], -1e9),), ((second, 1e9),), ((best[1], -5.0), (second, 3.0))):
+        sampler = model.new_sampler(SamplingParams(temperature=0, logit_bias=bias))
+        try:
+            expected = [sampler.sample(ctx, i) for i in (2, 3, 4)]
+            assert sampler.argmax_rows(ctx, 2, 3) == expected, bias
+            assert expected == best or bias
+        finally:
+            sampler.close()
+    for params in (
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=0, repeat_penalty=1.3),
+    ):
+        sampler = model.new_sampler(params)
+        try:
+            assert sampler.argmax_rows(ctx, 2, 3) is None
+        finally:
+            sampler.close()
 
 
 def test_grammar_yes_no(model: BackendModel, ctx: BackendContext) -> None:

@@ -24,7 +24,7 @@ from kvwarm.backends.base import (
 )
 from kvwarm.backends.llama import LlamaBackend, LlamaModel
 from kvwarm.embedded import default_model_path
-from kvwarm.errors import ModelLoadError, ModelNotFoundError, StateRestoreError
+from kvwarm.errors import BackendError, ModelLoadError, ModelNotFoundError, StateRestoreError
 
 pytestmark = pytest.mark.model
 
@@ -285,3 +285,43 @@ def test_greedy_fast_path_picks_what_the_native_chain_picks(
             assert fast.sample(lctx, 0) == expected
             assert fast.sample_logits(bytes(lctx.logits(0))) == expected
         fast.close()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logit_bias=((5, 2.0), (6, -1.0))),
+        SamplingParams(temperature=0.8, seed=3),
+        SamplingParams(temperature=0, repeat_penalty=1.2),
+        SamplingParams(temperature=0.8, seed=3, grammar='root ::= "yes" | "no"'),
+    ],
+    ids=["greedy", "greedy-biased", "sampled", "greedy-penalised", "grammar"],
+)
+@pytest.mark.parametrize("where", ["low", "last"])
+def test_one_nan_logit_fails_every_sampler(
+    llama: LlamaModel, lctx: BackendContext, tokens: list[int], params: SamplingParams, where: str
+) -> None:
+    """One NaN anywhere in a row (not only where the maximum is, and not only a row all NaN
+    as an overflowing adapter makes) is found by each sampler's one pass over it (plain
+    greedy: its argmax, which numpy points at the first NaN; the others: a max): the sample
+    fails with ``BackendError``, from the context's row and from stored logits alike, and a
+    verify pass's batched argmax marks that row (-1) and only that one."""
+    lctx.prefill(0, tokens[:12], 0)
+    lctx.decode([BatchToken(t, 12 + i, 0, logits=True) for i, t in enumerate(tokens[12:15])])
+    row = np.frombuffer(lctx.logits(1), dtype=np.float32)
+    assert row.flags.writeable  # llama.cpp's own buffer, poked here as an overflow would
+    at = int(row.argmin()) if where == "low" else row.size - 1
+    row[at] = np.nan
+    sampler = llama.new_sampler(params)
+    try:
+        with pytest.raises(BackendError, match="NaN logits"):
+            sampler.sample(lctx, 1)
+        with pytest.raises(BackendError, match="NaN logits"):
+            sampler.sample_logits(row.tobytes())
+        rows = sampler.argmax_rows(lctx, 0, 3)
+        if rows is not None:
+            assert rows[1] == -1 and rows[0] >= 0 and rows[2] >= 0
+            assert [rows[0], rows[2]] == [sampler.sample(lctx, 0), sampler.sample(lctx, 2)]
+    finally:
+        sampler.close()

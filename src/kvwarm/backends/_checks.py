@@ -70,31 +70,34 @@ def check_batch(
         )
     next_pos: dict[int, int] = {}
     for item in batch:
-        check_seq(item.seq, n_seq_max)
-        _check_int(item.token, "tokens")
-        _check_int(item.pos, "pos")
-        if not 0 <= item.token < n_vocab:
-            raise InvalidRequestError(
-                f"token id {item.token} outside [0, {n_vocab})", param="tokens"
-            )
-        if item.pos < 0:
-            raise InvalidRequestError(f"negative position {item.pos}", param="pos")
-        if item.pos >= n_ctx:
+        seq, token, pos = item.seq, item.token, item.pos
+        # Plain ints (every value the engine makes) take the short way; anything else is
+        # checked in full, with the same errors.
+        if type(seq) is not int or not 0 <= seq < n_seq_max:
+            check_seq(seq, n_seq_max)
+        if type(token) is not int:
+            _check_int(token, "tokens")
+        if type(pos) is not int:
+            _check_int(pos, "pos")
+        if not 0 <= token < n_vocab:
+            raise InvalidRequestError(f"token id {token} outside [0, {n_vocab})", param="tokens")
+        if pos < 0:
+            raise InvalidRequestError(f"negative position {pos}", param="pos")
+        if pos >= n_ctx:
             raise ContextOverflowError(
-                f"position {item.pos} is beyond the context window (n_ctx={n_ctx})",
-                n_tokens=item.pos + 1,
+                f"position {pos} is beyond the context window (n_ctx={n_ctx})",
+                n_tokens=pos + 1,
                 n_ctx=n_ctx,
             )
-        expected = next_pos.get(item.seq)
+        expected = next_pos.get(seq)
         if expected is None:
-            expected = pos_max(item.seq) + 1
-        if item.pos != expected:
+            expected = pos_max(seq) + 1
+        if pos != expected:
             raise InvalidRequestError(
-                f"seq {item.seq}: position {item.pos} does not continue the sequence "
-                f"(expected {expected})",
+                f"seq {seq}: position {pos} does not continue the sequence (expected {expected})",
                 param="pos",
             )
-        next_pos[item.seq] = item.pos + 1
+        next_pos[seq] = pos + 1
 
 
 def check_prefill(

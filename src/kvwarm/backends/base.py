@@ -194,6 +194,12 @@ class Sampler(Protocol):
         """Sample from the logits of batch row ``index`` (-1: last) and accept the token."""
         ...
 
+    def argmax_rows(self, ctx: BackendContext, first: int, count: int) -> list[int] | None:
+        """Where sampling is a stateless argmax (plain greedy): the tokens ``sample`` would
+        return for batch rows ``first .. first + count - 1``, all at once (a verify pass's
+        rows); None where each row must go through ``sample`` in turn."""
+        ...
+
     def sample_logits(self, logits: bytes | memoryview) -> int:
         """Sample from raw float32 logits (n_vocab of them) and accept the token.
 
@@ -354,6 +360,12 @@ class BackendContext(Protocol):
 
     def logits(self, index: int = -1) -> memoryview:
         """float32 logits (n_vocab) of batch row ``index``; ``NoLogitsError`` if none."""
+        ...
+
+    def logits_block(self, first: int, count: int) -> memoryview:
+        """float32 logits of the ``count`` consecutive batch rows from ``first`` (a verify
+        pass's), row after row (``count * n_vocab``); ``NoLogitsError`` unless the last
+        decode asked for logits at every one of them."""
         ...
 
     def kv_pack(self, seq: int) -> bytes:

@@ -119,15 +119,17 @@ class ContextFront(ABC, Generic[M, A]):
 
     def decode(self, batch: Sequence[BatchToken]) -> None:
         with self._life.using():
+            params = self._params
             _checks.check_batch(
                 batch,
-                n_batch=self._params.n_batch,
+                n_batch=params.n_batch,
                 n_ctx=self._n_ctx,
                 n_vocab=self._n_vocab,
-                n_seq_max=self._params.n_seq_max,
+                n_seq_max=params.n_seq_max,
                 pos_max=self._pos_max,
             )
-            self._check_whole(len(batch))
+            if not self._causal:
+                self._check_whole(len(batch))
             self._decode(batch)
 
     def prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
@@ -194,6 +196,29 @@ class ContextFront(ABC, Generic[M, A]):
             self._views.append(view)
             # The protocol's plain ``memoryview``; its format is "f" (len == n_vocab).
             return cast(memoryview, view)
+
+    def logits_block(self, first: int, count: int) -> memoryview:
+        with self._life.using():
+            rows = self._rows
+            try:
+                j = rows.index(first) if count > 0 else -1
+            except ValueError:
+                j = -1
+            if j < 0 or rows[j : j + count] != list(range(first, first + count)):
+                raise NoLogitsError(
+                    f"no logits for all of batch rows {first}..{first + count - 1} "
+                    "(decode with logits first)"
+                )
+            view = self._logits_block(j, first, count)
+            self._views.append(view)
+            return cast(memoryview, view)
+
+    def _logits_block(self, out: int, first: int, count: int) -> memoryview[float]:
+        """The logits of batch rows ``first ..`` (``count``, all with logits; ``out``: the
+        first one's index among the rows that have them) as one view. By default a copy of
+        the rows; a backend whose rows lie one after another overrides it with a view."""
+        block = b"".join(bytes(self._logits(first + i)) for i in range(count))
+        return memoryview(block).cast("f")
 
     def _row(self, index: int) -> int:
         """The batch row holding the logits of the caller's ``index`` (-1: the last);

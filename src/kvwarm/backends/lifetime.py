@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from types import TracebackType
 
 from kvwarm.errors import HandleClosedError
 
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class Lifetime:
     """Lock, closed flag and dependent count of one native (or fake) resource."""
 
-    __slots__ = ("_closed", "_deps", "_free", "_freed", "_lock", "kind")
+    __slots__ = ("_closed", "_deps", "_free", "_freed", "_guard", "_lock", "kind")
 
     def __init__(self, kind: str, free: Callable[[], None]) -> None:
         self.kind = kind
@@ -39,6 +39,7 @@ class Lifetime:
         self._closed = False
         self._freed = False
         self._deps = 0
+        self._guard = _Using(self)
 
     @property
     def closed(self) -> bool:
@@ -56,11 +57,12 @@ class Lifetime:
         if self._closed:
             raise HandleClosedError(f"{self.kind} is closed")
 
-    @contextmanager
-    def using(self) -> Iterator[None]:
-        with self._lock:
-            self.check()
-            yield
+    def using(self) -> _Using:
+        """``with lifetime.using(): ...``: hold the lock, and raise ``HandleClosedError``
+        if the handle is closed. One guard object per lifetime, re-entered as the lock is
+        (it keeps no state of its own): a decode step enters several, and a generator-based
+        context manager cost ~1 us each where this costs a third of that."""
+        return self._guard
 
     def acquire(self) -> None:
         """Register a dependent; fails if the handle is already closed."""
@@ -91,3 +93,27 @@ class Lifetime:
         if self._closed and self._deps == 0 and not self._freed:
             self._freed = True
             self._free()
+
+
+class _Using:
+    """``Lifetime.using()``'s context manager: the lock, then the closed check."""
+
+    __slots__ = ("_life", "_lock")
+
+    def __init__(self, life: Lifetime) -> None:
+        self._life = life
+        self._lock = life._lock
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        if self._life._closed:
+            self._lock.release()
+            raise HandleClosedError(f"{self._life.kind} is closed")
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._lock.release()

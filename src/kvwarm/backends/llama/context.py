@@ -111,6 +111,8 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         # llama.cpp rounds n_ctx up (to 256); positions are bounded by what was asked for.
         n_ctx = min(params.n_ctx, int(lib.llama_n_ctx_seq(ptr)), int(lib.llama_n_ctx(ptr)))
         self._batch = lib.llama_batch_init(params.n_batch, 0, params.n_seq_max)
+        self._logits_at = _native.logits_at()
+        self._row_type = ctypes.c_float * model.n_vocab  # one row of logits
         #: The batch media spans' embeddings go through, made on first use (``decode_embd``).
         self._embd_batch: Any = None
         n_embd_inp = int(lib.llama_model_n_embd_inp(model.native))
@@ -164,19 +166,26 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
     def _decode(self, batch: Sequence[BatchToken]) -> None:
         # A pooling context outputs every position (llama.cpp overrides, and warns, if asked
         # for fewer); the rows asked for stay the ones ``logits`` answers for.
-        every = self._params.embeddings
+        every = 1 if self._params.embeddings else 0
         b = self._batch
-        for i, item in enumerate(batch):
-            b.token[i] = item.token
-            b.pos[i] = item.pos
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = item.seq
-            b.logits[i] = 1 if item.logits or every else 0
+        # One pass; the batch's arrays fetched once (each attribute read makes a pointer).
+        token, pos, n_seq_id, seq_id, logits = b.token, b.pos, b.n_seq_id, b.seq_id, b.logits
         starts: dict[int, int] = {}
-        for item in batch:
-            starts.setdefault(item.seq, item.pos)
+        rows: list[int] = []
+        for i, item in enumerate(batch):
+            token[i] = item.token
+            pos[i] = item.pos
+            n_seq_id[i] = 1
+            seq_id[i][0] = item.seq
+            if item.logits:
+                logits[i] = 1
+                rows.append(i)
+            else:
+                logits[i] = every
+            if item.seq not in starts:
+                starts[item.seq] = item.pos
         self._run(len(batch), starts)
-        self._rows = [i for i, item in enumerate(batch) if item.logits]
+        self._rows = rows
 
     def _prefill(self, seq: int, tokens: Sequence[int], start_pos: int) -> None:
         toks = list(tokens)
@@ -262,10 +271,21 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         raise BackendError(f"llama_decode failed with code {rc}")
 
     def _logits(self, row: int) -> memoryview[float]:
-        ptr = self._lib.llama_get_logits_ith(self._ptr, row)
-        if not ptr:
+        address = self._logits_at(self._ptr, row)
+        if not address:
             raise NoLogitsError(f"llama.cpp has no logits for batch row {row}")
-        array = ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float * self._n_vocab)).contents
+        return memoryview(self._row_type.from_address(address)).cast("B").cast("f")
+
+    def _logits_block(self, out: int, first: int, count: int) -> memoryview[float]:
+        # llama.h: the logits of the rows that asked for them are stored contiguously, in
+        # batch order; both ends are checked against that before one view spans them.
+        start = self._logits_at(self._ptr, first)
+        end = self._logits_at(self._ptr, first + count - 1)
+        if not start or not end:
+            raise NoLogitsError(f"llama.cpp has no logits for batch rows {first}..")
+        if end - start != (count - 1) * self._n_vocab * 4:
+            raise NoLogitsError(f"batch rows {first}.. do not hold their logits contiguously")
+        array = (ctypes.c_float * (count * self._n_vocab)).from_address(start)
         return memoryview(array).cast("B").cast("f")
 
     def sample_with(self, chain: object, index: int) -> int:

@@ -144,6 +144,24 @@ def lib() -> ModuleType:
     return _LIB
 
 
+#: ``llama_get_logits_ith`` returning the address as an int (``c_void_p``): the binding's
+#: ``POINTER(c_float)`` result costs a pointer object and a ``ctypes.cast`` a call, and a
+#: logits row is read once a generated token.
+_LogitsAt = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)
+_LOGITS_AT: Callable[[object, int], int | None] | None = None
+
+
+def logits_at() -> Callable[[object, int], int | None]:
+    """``llama_get_logits_ith(ctx, i)`` as an address (None: no logits there)."""
+    global _LOGITS_AT
+    if _LOGITS_AT is None:
+        address = ctypes.cast(lib().llama_get_logits_ith, ctypes.c_void_p).value
+        if not address:
+            raise ModelLoadError("llama-cpp-python has no llama_get_logits_ith")
+        _LOGITS_AT = cast("Callable[[object, int], int | None]", _LogitsAt(address))
+    return _LOGITS_AT
+
+
 _MTMD_ROUTED = False
 
 

@@ -10,13 +10,15 @@ Invariants:
   (hence allowed) token is accepted. llama.cpp aborts on accepting a disallowed token or an
   end-of-generation token mid-grammar, so ``accept()`` feeds the chain (penalty history) only.
 - Without a grammar, ``sample`` is ``llama_sampler_sample`` on a row the context has verified.
+- NaN logits fail the sample with ``BackendError`` on every path: plain greedy finds them in
+  its argmax (numpy returns a row's first NaN), the others in one max over the row.
 """
 
 from __future__ import annotations
 
 import ctypes
 import secrets
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -27,6 +29,7 @@ from kvwarm.errors import BackendError, GrammarError, InvalidRequestError, NoLog
 from kvwarm.unicode import encode_utf8
 
 if TYPE_CHECKING:
+    from kvwarm.backends.llama.context import LlamaContext
     from kvwarm.backends.llama.model import LlamaModel
 
 # Mirrors llama_token_data {int32 id; float logit; float p;} (12 bytes, no padding).
@@ -48,6 +51,7 @@ class LlamaSampler:
         self._n_vocab = model.n_vocab
         self._seed = params.seed if params.seed is not None else secrets.randbits(32)
         self._candidates: np.ndarray[tuple[int], np.dtype[np.void]] | None = None
+        self._ctx: LlamaContext | None = None  # the last context checked (``_context``)
         model.lifetime.acquire()
         self._chain: object = None
         self._grammar: object = None
@@ -153,27 +157,60 @@ class LlamaSampler:
     # -- Sampler protocol ---------------------------------------------------------------------
 
     def sample(self, ctx: BackendContext, index: int) -> int:
-        from kvwarm.backends.llama.context import LlamaContext
-
         with self._life.using():
-            if not isinstance(ctx, LlamaContext) or ctx.model is not self._model:
-                raise InvalidRequestError("the context belongs to another model")
-            row = _usable(np.frombuffer(ctx.logits(index), dtype=np.float32))
+            llama = self._context(ctx)
+            row = np.frombuffer(llama.logits(index), dtype=np.float32)
             if self._argmax_only:
                 return self._argmax(row)
+            _finite_or_inf(row)
             if self._grammar is None:
-                token = ctx.sample_with(self._chain, index)
+                token = llama.sample_with(self._chain, index)
                 if not 0 <= token < self._n_vocab:
                     raise NoLogitsError(f"llama_sampler_sample returned token {token}")
                 return token
             return self._choose(row)
 
+    def argmax_rows(self, ctx: BackendContext, first: int, count: int) -> list[int] | None:
+        """Plain greedy's tokens for batch rows ``first .. first + count - 1`` at once (one
+        numpy pass over a 2-D view: a verify pass's rows), each exactly what ``sample`` would
+        return for its row; -1 for a row with NaN logits (``sample`` raises there, and only
+        a row the caller reaches fails it). None for any other sampler, whose rows must be
+        sampled one by one, in order, through its state."""
+        if not self._argmax_only:
+            return None
+        with self._life.using():
+            block = self._context(ctx).logits_block(first, count)
+            rows = np.frombuffer(block, dtype=np.float32).reshape(count, self._n_vocab)
+            # argmax returns a row's first NaN where it has one: one gather finds them all.
+            best = rows.argmax(axis=1)
+            nan = np.isnan(rows[np.arange(count), best])
+            if self._bias_idx.size:
+                biased = rows.copy()
+                biased[:, self._bias_idx] += self._bias_val
+                best = biased.argmax(axis=1)
+            best[nan] = -1
+            return cast(list[int], best.tolist())
+
+    def _context(self, ctx: BackendContext) -> LlamaContext:
+        """``ctx``, checked to be a llama.cpp context of this sampler's model (once: the
+        last one checked is remembered, and a context's model never changes)."""
+        bound = self._ctx
+        if bound is not None and ctx is bound:
+            return bound
+        from kvwarm.backends.llama.context import LlamaContext
+
+        if not isinstance(ctx, LlamaContext) or ctx.model is not self._model:
+            raise InvalidRequestError("the context belongs to another model")
+        self._ctx = ctx
+        return ctx
+
     def sample_logits(self, logits: bytes | memoryview) -> int:
         with self._life.using():
-            row = _usable(_checks.logits_row(logits, self._n_vocab))
+            row = _checks.logits_row(logits, self._n_vocab)
             if self._argmax_only:
                 # A row's stored logits (an exact hit): no 262k-entry candidate array either.
                 return self._argmax(row)
+            _finite_or_inf(row)
             return self._choose(row)
 
     def accept(self, token: int) -> None:
@@ -196,8 +233,12 @@ class LlamaSampler:
     # -- internals ----------------------------------------------------------------------------
 
     def _argmax(self, row: np.ndarray[tuple[int], np.dtype[np.float32]]) -> int:
-        """Plain greedy: the first maximum, after the logit biases (as the chain applies them)."""
+        """Plain greedy: the first maximum, after the logit biases (as the chain applies them).
+        numpy's argmax returns the index of the first NaN where there is one, so one pass
+        both picks the token and finds NaN logits (``BackendError``)."""
         best = int(row.argmax())
+        if row[best] != row[best]:
+            raise BackendError(_NAN)
         if not self._bias_idx.size or (self._bias_nonpositive and best not in self._bias_set):
             # Lowering other tokens cannot displace an unbiased maximum.
             return best
@@ -260,15 +301,16 @@ class LlamaSampler:
         self._model.lifetime.release()
 
 
-def _usable(
-    row: np.ndarray[tuple[int], np.dtype[np.float32]],
-) -> np.ndarray[tuple[int], np.dtype[np.float32]]:
-    """``row``, unless the model computed NaN logits (weights or an adapter that overflow: a
-    LoRA scale of 1e30 does it): every sampler would then pick an arbitrary token and report
-    NaN logprobs, so the request fails instead (~10 us a token over a 49k vocabulary)."""
-    if np.isnan(row).any():
-        raise BackendError(
-            "the model computed NaN logits, so no token can be sampled: its weights or its "
-            "adapters overflow (is a LoRA scale far too large?)"
-        )
-    return row
+_NAN = (
+    "the model computed NaN logits, so no token can be sampled: its weights or its "
+    "adapters overflow (is a LoRA scale far too large?)"
+)
+
+
+def _finite_or_inf(row: np.ndarray[tuple[int], np.dtype[np.float32]]) -> None:
+    """``BackendError`` if the model computed NaN logits (weights or an adapter that overflow:
+    a LoRA scale of 1e30 does it): every sampler would then pick an arbitrary token and report
+    NaN logprobs, so the request fails instead. One reduction: a max is NaN where any value
+    is (plain greedy needs not even that: ``_argmax``)."""
+    if np.isnan(row.max()):
+        raise BackendError(_NAN)

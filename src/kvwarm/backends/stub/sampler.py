@@ -124,6 +124,19 @@ class StubSampler:
         with self._life.using():
             return self._choose(np.frombuffer(ctx.logits(index), dtype=np.float32))
 
+    def argmax_rows(self, ctx: BackendContext, first: int, count: int) -> list[int] | None:
+        p = self._params
+        if not p.greedy or self._grammar is not None or p.repeat_penalty != 1.0:
+            return None
+        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            return None
+        with self._life.using():
+            block = np.frombuffer(ctx.logits_block(first, count), dtype=np.float32)
+            rows = block.reshape(count, self._n_vocab)
+            # Row by row through ``_choose``, as ``sample`` does (the history it keeps
+            # changes nothing without penalties): what the engine's batched path must equal.
+            return [self._choose(row) for row in rows]
+
     def sample_logits(self, logits: bytes | memoryview) -> int:
         with self._life.using():
             return self._choose(_checks.logits_row(logits, self._n_vocab))

@@ -75,11 +75,17 @@ class Sampling:
         matched = 0  # draft tokens equal to what was sampled, in order
         last = len(draft)  # the last row sampled
         after: int | None = None  # the token sampled after the whole draft
+        # Plain greedy: every row's argmax in one pass (each what ``_sample`` would pick;
+        # -1 where its row holds NaN, which ``_sample`` then refuses if that row is reached).
+        best = act.sampler.argmax_rows(rt.ctx, first, len(draft) + 1)
         for i in range(len(draft) + 1):
             if self._used_up(slot, n + i + 1):
                 reason, last = "length", i
                 break
-            token = self._sample(act, first + i, None)
+            if best is None or best[i] < 0:
+                token = self._sample(act, first + i, None)
+            else:
+                token = self._logprob(act, first + i, best[i])
             if i == len(draft):
                 after = token
             same = i < len(draft) and token == draft[i]
@@ -127,6 +133,14 @@ class Sampling:
         assert act is not None
         live = len(slot.kv_tokens) if live is None else live
         return len(act.generated) >= act.req.options.max_tokens or live >= self.rt.cfg.n_ctx_slot
+
+    def _logprob(self, act: Active, row: int, token: int) -> int:
+        """``token``, sampled from batch row ``row`` already, with its logprob if asked for."""
+        top_n = act.req.options.logprobs
+        if top_n is not None:
+            logits = np.frombuffer(self.rt.ctx.logits(row), dtype=np.float32).copy()
+            act.logprobs.append(token_logprob(self.rt.model, logits, token, top_n))
+        return token
 
     def _sample(self, act: Active, row: int | None, stored: bytes | None) -> int:
         """The next token from batch row ``row`` (or stored logits), with its logprob."""
