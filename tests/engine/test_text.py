@@ -75,3 +75,27 @@ def test_piece_text_round_trips_and_never_invents_replacements(piece: bytes) -> 
     text = piece_text(piece)
     assert piece_bytes(text) == piece
     assert "\ufffd" not in text or "\ufffd".encode() in piece
+
+
+def test_ascii_pieces_skip_the_decoder_but_not_a_pending_character() -> None:
+    """An ASCII piece is decoded directly unless the decoder holds part of a character; the
+    text is what one incremental UTF-8 decoder (errors="replace") gives for every split,
+    held-over bytes included (an ASCII byte right after a cut character ends it as U+FFFD)."""
+    import codecs
+    import random
+
+    rng = random.Random(7)
+    alphabet = [b"a", b" ", b"\xc3", b"\xa9", b"\xf0", b"\x9f", b"\x98", b"\x80", b"\xff", b"z"]
+    for _ in range(300):
+        pieces = [b"".join(rng.choices(alphabet, k=rng.randint(0, 3))) for _ in range(8)]
+        ref = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        expected = "".join(ref.decode(p) for p in pieces)
+        asm = TextAssembler(())
+        out = "".join(asm.feed(p) for p in pieces)
+        assert out + asm.finish() == expected, pieces
+    asm = TextAssembler(())
+    assert [asm.feed(p) for p in (b"a", b"\xf0\x9f", b"\x98", b"\x80", b"b")] == [
+        "a", "", "", "\U0001f600", "b"
+    ]  # fmt: skip
+    asm = TextAssembler(())
+    assert asm.feed(b"\xc3") + asm.feed(b"a") == "\ufffda"

@@ -16,6 +16,7 @@ import codecs
 class TextAssembler:
     def __init__(self, stop: tuple[str, ...]) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = False  # whether the decoder holds bytes of an unfinished character
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=0)
         self._text = ""  # everything decoded so far (before any stop cut)
@@ -27,7 +28,12 @@ class TextAssembler:
         """Add one token's bytes; return the text that is now safe to emit."""
         if self.stopped:
             return ""
-        self._text += self._decoder.decode(piece)
+        if self._pending or not piece.isascii():
+            # Part of a character may be held over from a token to the next.
+            self._text += self._decoder.decode(piece)
+            self._pending = bool(self._decoder.getstate()[0])
+        else:
+            self._text += piece.decode("ascii")  # what the decoder gives, without its frames
         if self._stop:
             # Search only where a new match can start: from the emitted point minus the
             # longest stop length (a stop may straddle earlier, held-back text).
@@ -48,6 +54,7 @@ class TextAssembler:
         """End of generation: release held-back text. Bytes of an unfinished character are
         dropped: the character was cut, and U+FFFD in its place would be invented text."""
         self._decoder.reset()
+        self._pending = False
         return self._flush_to(len(self._text))
 
     @property

@@ -29,11 +29,17 @@ from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.slots import Active, Slot
 from kvwarm.errors import KvwarmError, StateRestoreError
 
+_UNSEEN = b"\0unseen"  # no piece is this object: a miss in ``Sampling._pieces``
+
 
 class Sampling:
     def __init__(self, rt: Runtime, outcomes: Outcomes) -> None:
         self.rt = rt
         self.outcomes = outcomes
+        #: Each sampled token's piece, None for an end-of-generation token: one lookup a
+        #: token where the model's ``is_eog`` and ``token_to_piece`` were two calls (right
+        #: after a forward pass, every function first touched costs microseconds).
+        self._pieces: dict[int, bytes | None] = {}
 
     def on_logits(self, slot: Slot, row: int | None, stored: bytes | None) -> None:
         """Sample the next token from batch row ``row`` (or stored logits) and route it."""
@@ -165,11 +171,15 @@ class Sampling:
         """Send ``token`` on its way; why the request ends with it, if it does (an
         end-of-generation token is not part of the reply; the one that reaches ``max_tokens``
         is, but is never decoded)."""
-        rt = self.rt
-        if rt.model.is_eog(token):
+        piece = self._pieces.get(token, _UNSEEN)
+        if piece is _UNSEEN:
+            model = self.rt.model
+            piece = None if model.is_eog(token) else model.token_to_piece(token)
+            self._pieces[token] = piece
+        if piece is None:
             return "stop"
         act.generated.append(token)
-        fragment = act.assembler.feed(rt.model.token_to_piece(token))
+        fragment = act.assembler.feed(piece)
         if fragment and act.req.fragments:
             # A token whose text is held back keeps its logprob until text goes out with it.
             act.req.channel.put(Fragment(fragment, act.unsent_logprobs()))
