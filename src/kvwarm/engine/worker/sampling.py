@@ -81,14 +81,12 @@ class Sampling:
         matched = 0  # draft tokens equal to what was sampled, in order
         last = len(draft)  # the last row sampled
         after: int | None = None  # the token sampled after the whole draft
-        # Plain greedy: every row's argmax in one pass (each what ``_sample`` would pick;
-        # -1 where its row holds NaN, which ``_sample`` then refuses if that row is reached).
-        best = act.sampler.argmax_rows(rt.ctx, first, len(draft) + 1)
+        best = self._greedy_rows(act, first, draft)
         for i in range(len(draft) + 1):
             if self._used_up(slot, n + i + 1):
                 reason, last = "length", i
                 break
-            if best is None or best[i] < 0:
+            if best is None or i >= len(best) or best[i] < 0:
                 token = self._sample(act, first + i, None)
             else:
                 token = self._logprob(act, first + i, best[i])
@@ -114,6 +112,20 @@ class Sampling:
         self.outcomes.port.decoded(slot)
         if reason is not None:
             self.outcomes.finish(slot, reason, self._logits_bytes(slot, first + last, None))
+
+    def _greedy_rows(self, act: Active, first: int, draft: list[int]) -> list[int] | None:
+        """Plain greedy's tokens for a verify pass's rows, as far as they can be needed: the
+        first row's, and only if it is the draft's first token every other row's, in one
+        numpy pass (each what ``_sample`` would pick; -1 where a row holds NaN, which
+        ``_sample`` then refuses if that row is reached). None: not plain greedy, each row is
+        sampled in turn. A row's logits are ~200 KB to ~1 MB read from memory: a draft
+        rejected at once reads one row, not all of them."""
+        ctx, sampler = self.rt.ctx, act.sampler
+        head = sampler.argmax_rows(ctx, first, 1)
+        if head is None or not draft or head[0] != draft[0]:
+            return head
+        rest = sampler.argmax_rows(ctx, first + 1, len(draft))
+        return None if rest is None else head + rest
 
     def _trim(self, slot: Slot, keep: int, top: int) -> None:
         """Remove the cells of positions ``keep .. top`` from the slot's sequence, and check
