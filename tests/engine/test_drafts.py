@@ -494,3 +494,32 @@ def test_a_draft_vocabulary_is_compared_whole_and_the_first_difference_named() -
             ConfigError, match=f"token {token} " if isinstance(token, int) else token
         ):
             check_vocab(same, other, "d.gguf")  # type: ignore[arg-type]
+
+
+def test_pass_cost_fit_in_numpy_is_the_pairwise_theil_sen_fit() -> None:
+    """The fit every verify pass redoes runs in numpy; it must be the same numbers as the
+    Theil-Sen fit spelled out pair by pair (median slope, lower-quartile intercept)."""
+    import statistics
+
+    def pairwise(c: PassCost) -> Cost:
+        points = [(k, c.PRIOR.of(k) - 1.0) for k in c._PRIOR_AT]
+        points += [(k, r - 1.0) for _, k, r in c._samples]
+        slopes = [
+            (y2 - y1) / (x2 - x1)
+            for i, (x1, y1) in enumerate(points)
+            for x2, y2 in points[i + 1 :]
+            if x2 != x1
+        ]
+        per_token = statistics.median(slopes)
+        fixed = sorted(y - per_token * x for x, y in points)[len(points) // 4]
+        return Cost(min(4.0, max(0.0, fixed)), min(2.0, max(0.002, per_token)))
+
+    rng = random.Random(1)
+    for _ in range(300):
+        cost = PassCost(clock=lambda: 0.0)
+        for _ in range(3):
+            cost.observe(1, 0, 0.006)
+        for _ in range(rng.randint(0, 40)):
+            k = rng.choice([1, 2, 3, 16, rng.randint(1, 48)])
+            cost.observe(1, k, 0.006 * (1 + rng.random() * rng.choice([1, 5, 50])))
+        assert cost.cost == pairwise(cost)
