@@ -101,7 +101,10 @@ class Tick:
                 if act is not None:
                     act.draft = []  # this slot does not decode this tick
         alone: tuple[int, ...] = ()
-        if not self.rt.ctx.params.kv_unified:
+        if (
+            len(plan.decode_slots) + len(plan.shared_chunks) > 1
+            and not self.rt.ctx.params.kv_unified
+        ):
             det = {
                 i
                 for i, slot in enumerate(self.rt.slots)
@@ -220,8 +223,11 @@ class Tick:
         return batch, rows
 
     def _run_call(self, decode_slots: Sequence[int], chunks: Sequence[Chunk]) -> None:
-        groups = self._by_adapters(decode_slots, chunks)
-        if len(groups) > 1:
+        # One slot's work is one group (the common decode step skips the grouping).
+        if (
+            len(decode_slots) + len(chunks) > 1
+            and len(groups := self._by_adapters(decode_slots, chunks)) > 1
+        ):
             for group_slots, group_chunks in groups:
                 self._run_call(group_slots, group_chunks)
             return
