@@ -7,8 +7,10 @@
 Loads (issue 39), greedy, each a chat rendered once with the GGUF's template and sent as the same
 text to every server's ``/v1/completions``: three that copy (return a function with one rename;
 answer a question by quoting a passage; rewrite a JSON document with one key changed) and a plain
-chat that copies nothing. Servers: kvwarm plain (its defaults: flash attention off on the CPU),
-kvwarm plain with flash attention on (what a speculating kvwarm runs), kvwarm ``--spec-type
+chat that copies nothing. ``rename-base`` is the rename as a raw completion (the start of a document
+that goes on with the renamed function), for a base model such as Gemma 3 270M. Servers: kvwarm
+plain (its defaults: flash attention off on the CPU), kvwarm plain with flash attention on (what a
+speculating kvwarm runs), kvwarm ``--spec-type
 ngram-simple``, ``ngram-map-k``, ``ngram-mod``, ``ngram-map-k4v`` and ``ngram-cache`` and with
 ``--draft-model``, llama-server plain, with each n-gram ``--spec-type`` (its defaults: n 12, m 48;
 ``ngram-mod`` n 24; ``ngram-cache`` 8 tokens a draft, no lookup cache files, so its context counts
@@ -87,6 +89,15 @@ LOADS: dict[str, str] = {
     "json": 'Rewrite this JSON document with the key "city" renamed to "town". Output only '
     "the JSON.\n\n" + json.dumps(DOCUMENT, indent=2),
     "chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+#: Loads sent as raw completions, for a base model (no chat turn): the prompt is the start of
+#: a document whose natural continuation copies. Gemma 3 270M on PyPI is a base model; it
+#: copies the function with its new name this way, where a chat-tuned 135M model would not.
+RAW_LOADS: dict[str, str] = {
+    "rename-base": "Original:\n\n```python\n"
+    + FUNCTION
+    + "```\n\nThe same function, renamed from merge_sorted to merge_lists:\n\n```python\n"
+    "def merge_lists(",
 }
 SERVERS = (
     "kvwarm",
@@ -216,7 +227,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--servers", default=",".join(SERVERS))
-    parser.add_argument("--loads", default=",".join(LOADS))
+    parser.add_argument(
+        "--loads",
+        default=",".join(LOADS),
+        help=f"comma-separated, of {', '.join(LOADS)} (chat turns) and {', '.join(RAW_LOADS)} "
+        "(a raw completion, for a base model such as Gemma 3 270M)",
+    )
     parser.add_argument(
         "--repeat",
         action="store_true",
@@ -235,11 +251,18 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown servers {sorted(unknown)}; known: {', '.join(SERVERS)}")
     chosen = [name for name in args.loads.split(",") if name]
-    rounds = [
-        {name: render(model, LOADS[name] if args.repeat else f"Request {r + 1}. {LOADS[name]}")
-         for name in chosen}
-        for r in range(args.rounds)
-    ]  # fmt: skip
+    unknown = set(chosen) - set(LOADS) - set(RAW_LOADS)
+    if unknown:
+        raise SystemExit(
+            f"unknown loads {sorted(unknown)}; known: {', '.join([*LOADS, *RAW_LOADS])}"
+        )
+
+    def prompt_of(name: str, r: int) -> str:
+        if name in RAW_LOADS:
+            return RAW_LOADS[name] if args.repeat else f"# Request {r + 1}.\n{RAW_LOADS[name]}"
+        return render(model, LOADS[name] if args.repeat else f"Request {r + 1}. {LOADS[name]}")
+
+    rounds = [{name: prompt_of(name, r) for name in chosen} for r in range(args.rounds)]
     loads = rounds[0]
     print(f"model {model}; before: {machine_load()}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="kvwarm-spec-bench-"))
@@ -274,7 +297,7 @@ def main() -> None:
     # server of the same numerics (kvwarm-fa for kvwarm's speculation: the chat goal's
     # "no slower than plain" at the same flash-attention setting; llama for llama-server's).
     print(
-        f"{'load':8} {'server':20} {'tok/s':>8} {'x ' + base_name:>10} {'x plain':>8} "
+        f"{'load':11} {'server':20} {'tok/s':>8} {'x ' + base_name:>10} {'x plain':>8} "
         f"{'acc/draft':>11}  text"
     )
 
@@ -292,7 +315,7 @@ def main() -> None:
             drafted = sum(r[3] for r in rs)
             accepted = sum(r[4] for r in rs)
             print(
-                f"{load:8} {name:20} {speed:8.1f} {speed / base_speed:10.2f} {speed / plain:8.2f} "
+                f"{load:11} {name:20} {speed:8.1f} {speed / base_speed:10.2f} {speed / plain:8.2f} "
                 f"{accepted:5}/{drafted:<5}  {'same as' if same else 'DIFFERS from'}"
                 f" {same_as[name]} ({rs[0][2]} tokens)"
             )

@@ -1,7 +1,9 @@
 """A live S3-compatible server (moto) on 127.0.0.1 for the s3 tier's tests, and helpers.
 
 ``MotoServer`` runs moto's real HTTP server on a free port of 127.0.0.1 in a thread of the
-test process (other processes reach it over HTTP like any S3 endpoint) and stops it after.
+test process (other processes reach it over HTTP like any S3 endpoint) and stops it after;
+``MotoServer(own_process=True)`` runs it in a child process instead, so its Python does not
+share the caller's GIL (benchmarks: a remote store's work is not the client's).
 Credentials are dummies set in the environment, so the tier finds them through boto3's
 normal chain, as it would in production.
 """
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -39,20 +43,58 @@ def aws_env() -> Iterator[None]:
                 os.environ[k] = v
 
 
+#: The child of ``MotoServer(own_process=True)``: serves on a free port, prints it, and
+#: stops when its stdin closes (so it never outlives the parent).
+_CHILD = (
+    "import sys\n"
+    "from moto.server import ThreadedMotoServer\n"
+    "s = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)\n"
+    "s.start()\n"
+    "print(s.get_host_and_port()[1], flush=True)\n"
+    "sys.stdin.read()\n"
+    "s.stop()\n"
+)
+
+
 class MotoServer:
-    def __init__(self) -> None:
+    def __init__(self, *, own_process: bool = False) -> None:
         from moto.server import ThreadedMotoServer
 
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._server.start()
-        host, port = self._server.get_host_and_port()
+        self._server: ThreadedMotoServer | None = None
+        self._child: subprocess.Popen[str] | None = None
+        if own_process:
+            self._child = subprocess.Popen(
+                [sys.executable, "-c", _CHILD],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert self._child.stdout is not None
+            line = self._child.stdout.readline()
+            if not line.strip().isdigit():
+                self._child.kill()
+                raise RuntimeError(f"moto's child process did not start: {line!r}")
+            host, port = "127.0.0.1", int(line)
+        else:
+            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+            self._server.start()
+            host, port = self._server.get_host_and_port()
         self.endpoint = f"http://{host}:{port}"
         self.running = True
 
     def stop(self) -> None:
         if self.running:
             self.running = False
-            self._server.stop()
+            if self._server is not None:
+                self._server.stop()
+            if self._child is not None:
+                assert self._child.stdin is not None
+                self._child.stdin.close()
+                try:
+                    self._child.wait(10)
+                except subprocess.TimeoutExpired:
+                    self._child.kill()
+                    self._child.wait()
 
     def client(self) -> S3Client:
         import boto3
