@@ -291,14 +291,20 @@ def _time_restores(
 
 
 def window_restores(
-    path: str, reps: int, root: Path, threads: int | None
+    path: str, reps: int, root: Path, threads: int | None, flash_attn: str = "auto"
 ) -> tuple[dict[str, dict[str, float]], dict[str, int], int]:
     """Scenario 5: per tier, median ms to restore a 1,000-token sliding-window state stored
     as version 3 (window whole) and version 4 (window in chunks); the tier bytes a second
     checkpoint 40 tokens later adds in each format; the blob's size."""
     model = LlamaBackend().load_model(path)
     params = model.context_params(
-        ContextParams(n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=threads),
+        ContextParams(
+            n_ctx=2048,
+            n_batch=512,
+            n_ubatch=512,
+            n_threads=threads,
+            flash_attn=flash_attn,  # type: ignore[arg-type]
+        ),
         deterministic=False,
     )
     ctx = model.new_context(params)
@@ -403,6 +409,12 @@ def main() -> None:
         "--window-model", default=None, help="a sliding-window GGUF for scenario 5 (Gemma 3)"
     )
     parser.add_argument(
+        "--flash-attn",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="scenario 5's context (auto: off on a CPU, so V is stored transposed; on: by cell)",
+    )
+    parser.add_argument(
         "--variants",
         default="chunks",
         help="restore variants to time against the blob, comma-separated: chunks (the "
@@ -419,7 +431,9 @@ def main() -> None:
     S3_RTT_S = args.s3_rtt_ms / 1e3
     root = args.root or Path(tempfile.mkdtemp(prefix="kvwarm-bench-chunks-"))
     if args.window_model is not None and args.only in (None, "window"):
-        times, added, size = window_restores(args.window_model, args.reps, root, args.threads)
+        times, added, size = window_restores(
+            args.window_model, args.reps, root, args.threads, args.flash_attn
+        )
         print(f"5. a 1,000-token sliding-window row ({size / 2**20:.1f} MiB), median ms to "
               "restore (and the restoring process's CPU ms, all threads, median;\n"
               "   the s3 tiers' moto server runs in its own process); bytes a checkpoint "

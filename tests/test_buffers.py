@@ -79,6 +79,12 @@ def test_held_bytes_stay_immutable_and_are_found_through_their_views() -> None:
     assert _buffers.held_of(kept) is kept
     assert _buffers.held_of(memoryview(data)) is None
     assert _buffers.held_of(np.frombuffer(data, dtype=np.uint8)) is None
+    # A part of it is not it: its memo describes all of its bytes.
+    assert _buffers.held_of(memoryview(kept)[1:]) is None
+    assert _buffers.held_of(kept[1:]) is None
+    plain = kept.plain  # what a memo may keep views of: the same bytes, not the Held
+    assert type(plain) is np.ndarray and not plain.flags.writeable
+    assert plain.ctypes.data == kept.ctypes.data and plain.tobytes() == data
 
 
 def test_the_ram_tier_hands_out_its_chunks_held() -> None:

@@ -150,9 +150,18 @@ class Held(np.ndarray[Any, np.dtype[np.uint8]]):
     ``held`` makes one over a ``bytes`` object, which no one can change, and numpy refuses to
     make the array writable again, so a memo stays true for the object's whole life. A memo
     must not reference the ``Held`` itself (that would be a reference cycle: the bytes would
-    wait for the garbage collector instead of going when the tier drops them)."""
+    wait for the garbage collector instead of going when the tier drops them); views of
+    ``plain`` are fine."""
 
     memo: dict[object, object]
+
+    @property
+    def plain(self) -> U8:
+        """A plain read-only array over the same bytes, which does not reference this
+        ``Held``: what a memo may keep views of (a codec's views of a chunk's runs)."""
+        base = self.base
+        assert type(base) is np.ndarray and not base.flags.writeable, "made by held()"
+        return cast(U8, base)
 
 
 def held(data: bytes) -> Held:
@@ -163,11 +172,14 @@ def held(data: bytes) -> Held:
 
 
 def held_of(chunk: object) -> Held | None:
-    """The ``Held`` a buffer views (a ``memoryview`` of one), else None."""
+    """The ``Held`` a buffer is or views whole (a ``memoryview`` of all of one), else None:
+    a memo describes all of its bytes, so a view of a part of them (a slice of the
+    ``memoryview``, or of the array: numpy makes that a ``Held`` without a memo) is not
+    one."""
     if isinstance(chunk, memoryview):
         obj: object = chunk.obj
-        if type(obj) is Held:
+        if type(obj) is Held and chunk.nbytes == obj.nbytes:
             return obj
-    elif type(chunk) is Held:
+    elif type(chunk) is Held and hasattr(chunk, "memo"):
         return chunk
     return None

@@ -5,15 +5,19 @@ on the stub's window model and on Gemma 3 270M (n_swa 512, marked ``model``)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from kvwarm.backends import get_backend, kv_chunk
 from kvwarm.backends.base import BackendContext, BackendModel, ContextParams
-from kvwarm.backends.llama.kv_codec import _rest_plan
+from kvwarm.backends.llama import kv_codec as llama_kv_codec
+from kvwarm.backends.llama.kv_codec import _MEMO, _Known, _rest_plan
 from kvwarm.backends.stub import StubBackend
-from kvwarm.buffers import u8
+from kvwarm.buffers import Held, held, u8
 from kvwarm.errors import JoinBufferTooSmallError, StateRestoreError
 
 N_SWA = 24
@@ -221,3 +225,79 @@ def test_a_window_join_plan_serves_only_its_own_geometry(
             assert bytes(codec.join_rest(chunks, start, out=out)) == expected
         assert _rest_plan.cache_info().misses == len(cases) - 1, round_  # one per geometry
     assert _rest_plan.cache_info().hits == len(cases) + 1
+
+
+def _known(chunk: Held) -> _Known:
+    memo = chunk.memo[_MEMO]
+    assert isinstance(memo, _Known)
+    return memo
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_held_chunks_keep_their_copies_sources_and_still_join_every_byte(
+    gemma: tuple[BackendContext, bytes, bytes],
+) -> None:
+    """The ram tier's chunks (``buffers.Held``) keep what their first join made (``_Known``:
+    the checked view and the source views of their copies), and later joins reuse it: both
+    caches still come out byte for byte (the output is junk before each join), a wider first
+    chunk's skipped cells included, and the memo holds nothing that keeps its chunk alive."""
+    ctx, lower, blob = gemma
+    codec = ctx.kv_codec
+    first = codec.rest_span(blob)[0]
+    want_main, want_rest = bytes(codec.join(codec.split(blob, [0, 530]))), bytes(codec.rest(blob))
+    main = [held(c) for c in codec.split(blob, [0, 256, 512, 530])]
+    fine = [held(c) for c in codec.split_rest(blob, [first, 64, 128, 192, 256, 512, 530])]
+    wide = held(codec.split_rest(lower, [8, 64])[0])  # from 8: its first 10 cells skipped
+    cases = [(fine, first), ([wide, *fine[1:]], first)]
+    out = bytearray(len(want_main) + len(want_rest) + 64)
+    made = []
+    for round_ in range(3):
+        out[:] = b"\xa5" * len(out)
+        assert bytes(codec.join([memoryview(c) for c in main], out=out)) == want_main, round_
+        for chunks, start in cases:
+            out[:] = b"\xa5" * len(out)
+            joined = codec.join_rest([memoryview(c) for c in chunks], start, out=out)
+            assert bytes(joined) == want_rest, round_
+        now = [_known(c).made for c in (*main, *fine)]
+        assert all(m is not None for m in now)
+        if made:  # made on the first join, never again
+            assert all(m is n for m, n in zip(made, now, strict=True)), round_
+        made = now
+    assert _known(wide).made is None  # read from its middle: its views are made per join
+
+    # Nothing in the memo refers to the chunk: the tier dropping it frees it at once.
+    gone = held(codec.split_rest(blob, [first, 530])[0])
+    codec.join_rest([memoryview(gone)], first, out=out)
+    memo = _known(gone)
+    ref = weakref.ref(gone)
+    gc.disable()
+    try:
+        del gone
+        assert ref() is None
+    finally:
+        gc.enable()
+    assert memo.made is not None  # its views keep the bytes, not the Held
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_copy_that_fails_is_a_restore_error(
+    gemma: tuple[BackendContext, bytes, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No copy of a join should fail (views of one shape and type, bounds-checked when made);
+    if one did, the join raises ``StateRestoreError`` (the engine's restore is then a miss and
+    prefills cold), not numpy's error."""
+    ctx, _, blob = gemma
+    codec = ctx.kv_codec
+    first = codec.rest_span(blob)[0]
+    chunks = codec.split_rest(blob, [first, 64, 530])
+
+    def misshapen(body: np.ndarray, copies: object) -> tuple[np.ndarray, ...]:
+        return (np.zeros((1, 1, 3), dtype=np.uint8),) * 2
+
+    monkeypatch.setattr(llama_kv_codec, "_sources", misshapen)
+    with pytest.raises(StateRestoreError, match="copying KV cells failed"):
+        codec.join_rest(chunks, first)
+    with pytest.raises(StateRestoreError, match="copying KV cells failed"):
+        codec.join(codec.split(blob, [0, 256, 530]))

@@ -67,7 +67,7 @@ from kvwarm.backends.llama.kv_layout import (
 )
 from kvwarm.backends.llama.native import GGML_TYPES
 from kvwarm.buffers import U8, Held, fresh_bytes, held_of, join_target, u8
-from kvwarm.errors import StateRestoreError
+from kvwarm.errors import KvwarmError, StateRestoreError
 
 _TYPE_NAMES = {code: name for name, code in GGML_TYPES.items()}
 _SECTION_HEAD = 12
@@ -136,7 +136,7 @@ class LlamaKvCodec:
         return [self._cut(window, sources, a, b, rest=True) for a, b in itertools.pairwise(cuts)]
 
     def rest_size(self, chunks: Sequence[Buffer], first: int) -> int:
-        _, structure, end = self._checked_rest(chunks, first)
+        _, _, structure, end = self._checked_rest(chunks, first)
         return structure.blob_size(end - first, CACHE_HEAD)
 
     @overload
@@ -148,7 +148,7 @@ class LlamaKvCodec:
     def join_rest(
         self, chunks: Sequence[Buffer], first: int, out: WritableBuffer | None = None
     ) -> bytearray | memoryview:
-        views, structure, _ = self._checked_rest(chunks, first)
+        views, known, structure, _ = self._checked_rest(chunks, first)
         # Spans relative to the window: rows whose ends lie alike on the chunk grid share one.
         spans = tuple((view.start - first, view.n_cells, view.flags) for view in views)
         plan = _rest_plan(views[0].descriptor, structure, spans)
@@ -157,8 +157,10 @@ class LlamaKvCodec:
         positions = dst[CACHE_HEAD : CACHE_HEAD + plan.n_cells * CELL].view("<i4")[::3]
         np.add(positions, first, out=positions)  # the head holds positions from 0
         dst[plan.header_at] = plan.headers
-        for view, copies in zip(views, plan.copies, strict=True):
-            _apply(dst, view.body, copies)
+        pairs: list[tuple[U8, U8]] = []
+        for view, memo, copies, whole in zip(views, known, plan.copies, plan.wholes, strict=True):
+            _pairs(pairs, dst, view.body, copies, memo, whole)
+        _copy_all(pairs)
         return result
 
     def _two_caches(self, data: U8) -> tuple[BlobLayout, BlobLayout]:
@@ -178,10 +180,11 @@ class LlamaKvCodec:
 
     def _checked_rest(
         self, chunks: Sequence[Buffer], first: int
-    ) -> tuple[list[kv_chunk.ChunkView], Structure, int]:
-        """Rest chunks' views, layout and end position, every one checked: they tile
-        positions in order from the first one's start, which holds ``first``."""
-        views, todo = _parse_all(chunks)
+    ) -> tuple[list[kv_chunk.ChunkView], list[_Known | None], Structure, int]:
+        """Rest chunks' views, their memos (``_Known``: held chunks only), layout and end
+        position, every one checked: they tile positions in order from the first one's start,
+        which holds ``first``."""
+        views, known, todo = _parse_all(chunks)
         if not views:
             raise StateRestoreError("a window needs at least one chunk")
         if any(view.flags != kv_chunk.FLAG_REST for view in views):
@@ -194,8 +197,8 @@ class LlamaKvCodec:
         end = kv_chunk.check_sequence(views, views[0].start)
         structure = parse_descriptor(views[0].descriptor)
         self._check(structure, "KV window chunk")
-        _check_bodies(views, todo, structure)
-        return views, structure, end
+        _check_bodies(views, known, todo, structure)
+        return views, known, structure, end
 
     def _first_cache(self, data: U8) -> BlobLayout:
         """The blob's layout (a two-part blob's first cache, which must hold positions from 0:
@@ -219,17 +222,24 @@ class LlamaKvCodec:
             dst, result = join_target(HEAD.size, out)
             HEAD.pack_into(dst.data, 0, IO_MAGIC, 0, 1, 0)
             return result
-        views, structure, n_cells = checked
+        views, known, structure, n_cells = checked
         dst, result = join_target(structure.blob_size(n_cells), out)
         _write_skeleton(dst, views[0].descriptor, structure, n_cells)
         target = _geometry(structure, n_cells, _BLOB)
         meta = dst[HEAD.size : HEAD.size + n_cells * CELL]
-        for view in views:
+        pairs: list[tuple[U8, U8]] = []
+        for view, memo in zip(views, known, strict=True):
             a, b = view.start, view.end
             source = _geometry(structure, b - a, _body_kind(view.flags))
             meta_at = source.meta_at
             meta[a * CELL : b * CELL] = view.body[meta_at : meta_at + (b - a) * CELL]
-            _place(dst, target, a, view.body, source, 0, b - a)
+            if view.body.size < source.size:
+                raise StateRestoreError(
+                    f"KV chunk body is {view.body.size} bytes; its cells need {source.size}"
+                )
+            copies = _copies(target, a, source, 0, b - a)
+            _pairs(pairs, dst, view.body, copies, memo, source)
+        _copy_all(pairs)
         return result
 
     def blobs(self, chunks: Sequence[Buffer], start: int = 0) -> list[U8] | None:
@@ -247,14 +257,14 @@ class LlamaKvCodec:
 
     def joined_size(self, chunks: Sequence[Buffer]) -> int:
         checked = self._checked(chunks)
-        return HEAD.size if checked is None else checked[1].blob_size(checked[2])
+        return HEAD.size if checked is None else checked[2].blob_size(checked[3])
 
     def _checked(
         self, chunks: Sequence[Buffer], start: int = 0
-    ) -> tuple[list[kv_chunk.ChunkView], Structure, int] | None:
-        """The chunks' views, layout and end position, every one checked; None for no
-        chunks."""
-        views, todo = _parse_all(chunks)
+    ) -> tuple[list[kv_chunk.ChunkView], list[_Known | None], Structure, int] | None:
+        """The chunks' views, their memos (``_Known``: held chunks only), layout and end
+        position, every one checked; None for no chunks."""
+        views, known, todo = _parse_all(chunks)
         if not views:
             return None
         if any(view.flags & kv_chunk.FLAG_REST for view in views):
@@ -262,8 +272,8 @@ class LlamaKvCodec:
         n_cells = kv_chunk.check_sequence(views, start)
         structure = parse_descriptor(views[0].descriptor)
         self._check(structure, "KV chunk")
-        _check_bodies(views, todo, structure)
-        return views, structure, n_cells
+        _check_bodies(views, known, todo, structure)
+        return views, known, structure, n_cells
 
     def chunk_range(self, chunk: Buffer) -> tuple[int, int]:
         view = kv_chunk.parse(u8(chunk, "KV chunk"), kv_chunk.CODEC_LLAMA)
@@ -421,21 +431,11 @@ def _item(size: int) -> np.dtype[np.void]:
     return np.dtype((np.void, size))
 
 
-def _place(
-    dst: U8, target: _Geometry, at: int, src: U8, source: _Geometry, skip: int, n: int
-) -> None:
-    """Copy cells ``[skip, skip + n)`` of every section of ``src`` to cells ``[at, at + n)``
-    of the same section in ``dst`` (``_copies``, then ``_apply``)."""
-    if src.size < source.size:
-        raise StateRestoreError(f"KV chunk body is {src.size} bytes; its cells need {source.size}")
-    _apply(dst, src, _copies(target, at, source, skip, n))
-
-
 @dataclass(frozen=True, slots=True)
 class _Copy:
-    """One run of a chunk copied into a joined window: ``shape`` items of type ``item`` (a
-    section row's cells, as in ``_place``), at ``into`` with ``into_strides`` in the window
-    and at ``source`` with ``source_strides`` in the chunk's body."""
+    """One run of a chunk copied into a joined blob or window: ``shape`` items of type
+    ``item``, at ``into`` with ``into_strides`` in the target and at ``source`` with
+    ``source_strides`` in the chunk's body."""
 
     shape: tuple[int, int]
     item: np.dtype[np.void]
@@ -449,9 +449,10 @@ def _copies(target: _Geometry, at: int, source: _Geometry, skip: int, n: int) ->
     """How cells ``[skip, skip + n)`` of every section of a ``source`` body go to cells
     ``[at, at + n)`` of the same section of a ``target`` body: one copy a run. Each section
     row's ``n`` cells are contiguous on both sides, so they are viewed as one item of
-    ``n * unit`` bytes: numpy then copies a row with one ``memcpy`` from a C loop over the
+    ``n * unit`` bytes: numpy then copies a row with one ``memcpy`` from its C loop over the
     run's rows (a 64-cell chunk of a window of transposed V is 3,840 rows of 128 bytes),
-    instead of iterating every row through its general iterator."""
+    instead of iterating every row through its general iterator. The source side depends
+    only on the source geometry, ``skip`` and ``n`` (``_Known`` keeps a held chunk's)."""
     if not 0 <= skip <= skip + n <= source.n_cells or not 0 <= at <= at + n <= target.n_cells:
         raise StateRestoreError(f"KV cells [{skip}, {skip + n}) do not fit their bodies")
     if n == 0:
@@ -469,13 +470,62 @@ def _copies(target: _Geometry, at: int, source: _Geometry, skip: int, n: int) ->
     )
 
 
-def _apply(dst: U8, src: U8, copies: Sequence[_Copy]) -> None:
-    """Make ``copies`` from ``src`` into ``dst`` (both views bounds-checked by numpy against
-    their buffers)."""
-    for c in copies:
+class _Known:
+    """A held chunk's memo (``buffers.Held``), made when its first join checked it: its
+    envelope's view, its body a view of ``Held.plain`` (a memo must not reference the
+    ``Held``), and ``made``: the source views of its whole body's copies (``_copies`` with
+    ``skip`` 0) with the geometry they were made for, so a later join makes only the target
+    views. ``made`` is replaced whole, never changed in place: workers may join one held chunk
+    at once (their views are equal anyway: one chunk has one geometry)."""
+
+    __slots__ = ("made", "view")
+
+    def __init__(self, view: kv_chunk.ChunkView) -> None:
+        self.view = view
+        self.made: tuple[_Geometry, tuple[U8, ...]] | None = None
+
+
+def _pairs(
+    pairs: list[tuple[U8, U8]],
+    dst: U8,
+    body: U8,
+    copies: Sequence[_Copy],
+    known: _Known | None,
+    whole: _Geometry | None,
+) -> None:
+    """Append ``copies`` from ``body`` into ``dst`` as (target, source) views, each
+    bounds-checked by numpy against its buffer. ``whole``: the body's geometry when the
+    copies take all its cells (``skip`` 0), whose source views a held chunk (``known``)
+    keeps."""
+    if known is not None and whole is not None:
+        made = known.made
+        if made is None or made[0] is not whole:
+            made = known.made = (whole, _sources(known.view.body, copies))
+        sources = made[1]
+    else:
+        sources = _sources(body, copies)
+    for c, frm in zip(copies, sources, strict=True):
         into = np.ndarray(c.shape, c.item, buffer=dst, offset=c.into, strides=c.into_strides)
-        frm = np.ndarray(c.shape, c.item, buffer=src, offset=c.source, strides=c.source_strides)
-        into[...] = frm
+        pairs.append((into, frm))
+
+
+def _sources(body: U8, copies: Sequence[_Copy]) -> tuple[U8, ...]:
+    return tuple(
+        np.ndarray(c.shape, c.item, buffer=body, offset=c.source, strides=c.source_strides)
+        for c in copies
+    )
+
+
+def _copy_all(pairs: Sequence[tuple[U8, U8]]) -> None:
+    """Make every (target, source) copy of a join; one that fails (none should: views of
+    one shape and type) is a ``StateRestoreError``, so the restore is a miss."""
+    try:
+        for into, frm in pairs:
+            into[...] = frm
+    except KvwarmError:
+        raise
+    except Exception as exc:
+        raise StateRestoreError(f"copying KV cells failed: {exc!r}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -483,7 +533,7 @@ class _RestPlan:
     """How ``join_rest`` writes a window of ``n_cells`` cells from chunks of one geometry:
     its size, the bytes before its first section (cache head, the cells' canonical metadata
     with positions from 0, v_trans and layer count), where the section headers go and their
-    bytes, and each chunk's copies."""
+    bytes, and each chunk's copies and geometry."""
 
     n_cells: int
     size: int
@@ -491,6 +541,9 @@ class _RestPlan:
     header_at: npt.NDArray[np.intp]
     headers: U8
     copies: tuple[tuple[_Copy, ...], ...]
+    #: Each chunk's geometry where its copies take all its cells (``_pairs``'s ``whole``);
+    #: None for a wider first chunk.
+    wholes: tuple[_Geometry | None, ...]
 
 
 @functools.lru_cache(maxsize=256)
@@ -511,11 +564,13 @@ def _rest_plan(
     headers = pieces[2:]
     header_at = np.concatenate([np.arange(at, at + len(piece)) for at, piece in headers])
     header_at.flags.writeable = False
-    copies = []
+    copies, wholes = [], []
     for start, cells, flags in spans:
         skip = max(0, -start)  # cells of a wider chunk before the window
         a, n = start + skip, cells - skip  # where in the window, how many
-        copies.append(_copies(target, a, _geometry(structure, cells, _body_kind(flags)), skip, n))
+        source = _geometry(structure, cells, _body_kind(flags))
+        copies.append(_copies(target, a, source, skip, n))
+        wholes.append(None if skip else source)
     return _RestPlan(
         n_cells,
         target.size,
@@ -523,6 +578,7 @@ def _rest_plan(
         header_at,
         _frozen(b"".join(piece for _, piece in headers)),
         tuple(copies),
+        tuple(wholes),
     )
 
 
@@ -548,39 +604,47 @@ _MEMO = "llama-kv-chunk"
 
 def _parse_all(
     chunks: Sequence[Buffer],
-) -> tuple[list[kv_chunk.ChunkView], list[tuple[int, Held | None]]]:
-    """Each chunk's envelope, parsed and checked (``kv_chunk.parse``), and the chunks whose
-    bodies are still to check (``_check_bodies``), each with the ``Held`` it views when it is
-    one (the ``ram`` tier's). A held chunk whose memo says it passed both checks before is
-    not checked again: its bytes cannot have changed, so the memo's fields are rebuilt into
-    a view of this buffer."""
-    views, todo = [], []
+) -> tuple[list[kv_chunk.ChunkView], list[_Known | None], list[tuple[int, Held | None]]]:
+    """Each chunk's envelope, parsed and checked (``kv_chunk.parse``), each held chunk's
+    memo (``_Known``; None for the others) and the chunks whose bodies are still to check
+    (``_check_bodies``), each with the ``Held`` it views when it is one (the ``ram`` tier's).
+    A held chunk whose memo says it passed both checks before is not checked again: its
+    bytes cannot have changed, so the memo's view of them is used as it is."""
+    views: list[kv_chunk.ChunkView] = []
+    known: list[_Known | None] = []
+    todo: list[tuple[int, Held | None]] = []
     for i, chunk in enumerate(chunks):
-        data = u8(chunk, "KV chunk")
         held = held_of(chunk)
         memo = None if held is None else held.memo.get(_MEMO)
-        if isinstance(memo, tuple):
-            start, n_cells, descriptor, flags, body_at = memo
-            views.append(kv_chunk.ChunkView(start, n_cells, descriptor, data[body_at:], flags))
+        if isinstance(memo, _Known):
+            views.append(memo.view)
+            known.append(memo)
         else:
-            views.append(kv_chunk.parse(data, kv_chunk.CODEC_LLAMA))
+            views.append(kv_chunk.parse(u8(chunk, "KV chunk"), kv_chunk.CODEC_LLAMA))
+            known.append(None)
             todo.append((i, held))
-    return views, todo
+    return views, known, todo
 
 
 def _check_bodies(
-    views: Sequence[kv_chunk.ChunkView],
+    views: list[kv_chunk.ChunkView],
+    known: list[_Known | None],
     todo: Sequence[tuple[int, Held | None]],
     structure: Structure,
 ) -> None:
-    """``_check_body`` for each chunk of ``todo``; a held chunk that passes is remembered (its
-    envelope's fields, with no reference to its bytes: ``buffers.Held``)."""
+    """``_check_body`` for each chunk of ``todo``; a held chunk that passes is remembered
+    (``_Known``: a view of ``Held.plain``, no reference to the ``Held``), and its view and
+    memo in ``views`` and ``known`` become the remembered ones."""
     for i, held in todo:
         view = views[i]
         _check_body(view, structure, i)
         if held is not None:
-            body_at = held.nbytes - view.body.size
-            held.memo[_MEMO] = (view.start, view.n_cells, view.descriptor, view.flags, body_at)
+            body = held.plain[held.nbytes - view.body.size :]
+            memo = _Known(
+                kv_chunk.ChunkView(view.start, view.n_cells, view.descriptor, body, view.flags)
+            )
+            held.memo[_MEMO] = memo
+            views[i], known[i] = memo.view, memo
 
 
 def _check_body(view: kv_chunk.ChunkView, structure: Structure, i: int) -> None:
