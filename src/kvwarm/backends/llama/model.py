@@ -133,10 +133,6 @@ class LlamaModel:
             lib.llama_model_free(ptr)
             raise ModelLoadError(f"{path!r} has no vocabulary")
         self._n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
-        #: Per-token answers of ``token_to_piece`` (not special) and ``is_eog``, filled as
-        #: tokens are asked for (at most n_vocab entries each).
-        self._pieces: dict[int, bytes] = {}
-        self._eog: dict[int, bool] = {}
         self._facts = self._read_facts(path)
         self._life = Lifetime("model", self._free)
 
@@ -303,14 +299,6 @@ class LlamaModel:
         raise InvalidRequestError("detokenized text too long", param="tokens")
 
     def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
-        # A generated token's piece is asked for once a token: the vocabulary never changes,
-        # so each is looked up natively once and then served from ``_pieces`` (only ids
-        # that passed the check are keys; the closed check stays).
-        if not special and type(token) is int:
-            piece = self._pieces.get(token)
-            if piece is not None:
-                self._life.check()
-                return piece
         _checks.check_tokens([token], self._n_vocab)
         capacity = 32
         with self._life.using():
@@ -320,24 +308,14 @@ class LlamaModel:
                     self._lib.llama_token_to_piece(self._vocab, token, buf, capacity, 0, special)
                 )
                 if n >= 0:
-                    piece = buf.raw[:n]
-                    if not special:
-                        self._pieces[int(token)] = piece
-                    return piece
+                    return buf.raw[:n]
                 capacity = -n
         raise InvalidRequestError(f"token {token} has an oversized piece", param="tokens")
 
     def is_eog(self, token: int) -> bool:
-        if type(token) is int:  # as ``token_to_piece``: once natively, then ``_eog``
-            eog = self._eog.get(token)
-            if eog is not None:
-                self._life.check()
-                return eog
         _checks.check_tokens([token], self._n_vocab)
         with self._life.using():
-            eog = bool(self._lib.llama_vocab_is_eog(self._vocab, token))
-        self._eog[int(token)] = eog
-        return eog
+            return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
 
     def vocabulary(self) -> tuple[tuple[bytes, ...], frozenset[int]]:
         # One buffer, one lock, two plain calls a token: Gemma 3's 262,144 tokens in ~0.3 s,
