@@ -325,3 +325,27 @@ def test_one_nan_logit_fails_every_sampler(
             assert [rows[0], rows[2]] == [sampler.sample(lctx, 0), sampler.sample(lctx, 2)]
     finally:
         sampler.close()
+
+
+@pytest.mark.parametrize("banned", ["first", "second"])
+def test_a_banned_token_stays_banned_where_its_logit_is_infinite(
+    llama: LlamaModel, lctx: BackendContext, tokens: list[int], banned: str
+) -> None:
+    """A bias of -inf bans a token (``ignore_eos`` bans the end-of-generation ones that way).
+    Where the model's logit for it is +inf too (an overflow short of NaN), their sum is NaN,
+    and an argmax lands on it: plain greedy, row by row (``sample``, ``sample_logits``) and
+    a verify pass's rows at once (``argmax_rows``), must all pick the other +inf token."""
+    lctx.prefill(0, tokens[:12], 0)
+    lctx.decode([BatchToken(t, 12 + i, 0, logits=True) for i, t in enumerate(tokens[12:15])])
+    row = np.frombuffer(lctx.logits(1), dtype=np.float32)
+    low, high = 10, 20
+    row[low] = row[high] = np.inf  # llama.cpp's own buffer, poked as an overflow would
+    ban, keep = (low, high) if banned == "first" else (high, low)
+    sampler = llama.new_sampler(SamplingParams(temperature=0, logit_bias=((ban, -np.inf),)))
+    try:
+        assert sampler.sample(lctx, 1) == keep
+        assert sampler.sample_logits(row.tobytes()) == keep
+        rows = sampler.argmax_rows(lctx, 0, 3)
+        assert rows is not None and rows[1] == keep
+    finally:
+        sampler.close()

@@ -21,6 +21,7 @@ import secrets
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
@@ -75,8 +76,13 @@ class LlamaSampler:
             and params.presence_penalty == 0.0
         )
         self._bias_idx = np.array([t for t, _ in params.logit_bias], dtype=np.int64)
-        self._bias_val = np.array([b for _, b in params.logit_bias], dtype=np.float32)
         self._bias_set = frozenset(t for t, _ in params.logit_bias)
+        # Added biases, and banned tokens (-inf), which are set rather than added: a +inf
+        # logit plus -inf is NaN, and an argmax picks a NaN, so the banned token would win.
+        added = [(t, b) for t, b in params.logit_bias if b != -np.inf]
+        self._add_idx = np.array([t for t, _ in added], dtype=np.int64)
+        self._add_val = np.array([b for _, b in added], dtype=np.float32)
+        self._ban_idx = np.array([t for t, b in params.logit_bias if b == -np.inf], dtype=np.int64)
         self._bias_nonpositive = all(b <= 0 for _, b in params.logit_bias)
 
     def _build_grammar(self, params: SamplingParams) -> object:
@@ -185,9 +191,7 @@ class LlamaSampler:
             best = rows.argmax(axis=1)
             nan = np.isnan(rows[np.arange(count), best])
             if self._bias_idx.size:
-                biased = rows.copy()
-                biased[:, self._bias_idx] += self._bias_val
-                best = biased.argmax(axis=1)
+                best = self._biased(rows).argmax(axis=1)
             best[nan] = -1
             return cast(list[int], best.tolist())
 
@@ -242,9 +246,15 @@ class LlamaSampler:
         if not self._bias_idx.size or (self._bias_nonpositive and best not in self._bias_set):
             # Lowering other tokens cannot displace an unbiased maximum.
             return best
-        biased = row.copy()
-        biased[self._bias_idx] += self._bias_val
-        return int(biased.argmax())
+        return int(self._biased(row).argmax())
+
+    def _biased(self, rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """A copy of ``rows`` (one row, or a verify pass's rows) with the logit biases
+        added, and each banned token -inf whatever its logit, +inf included."""
+        biased = rows.copy()
+        biased[..., self._add_idx] += self._add_val
+        biased[..., self._ban_idx] = -np.inf
+        return biased
 
     def _choose(self, logits: np.ndarray[tuple[int], np.dtype[np.float32]]) -> int:
         """Grammar → chain over an explicit candidate array; accept the chosen token."""
