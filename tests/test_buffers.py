@@ -82,6 +82,13 @@ def test_held_bytes_stay_immutable_and_are_found_through_their_views() -> None:
     # A part of it is not it: its memo describes all of its bytes.
     assert _buffers.held_of(memoryview(kept)[1:]) is None
     assert _buffers.held_of(kept[1:]) is None
+    # A view of a memo-less copy of its bytes (a numpy slice, even of all of them) or of
+    # its bytes in another order is not it either: a codec would read ``memo`` off the one
+    # or use the memo's view of the bytes in place of the other's.
+    assert _buffers.held_of(memoryview(kept[1:])) is None
+    assert _buffers.held_of(memoryview(kept[:])) is None
+    assert _buffers.held_of(memoryview(kept)[::-1]) is None
+    assert _buffers.held_of(memoryview(kept)[::1]) is kept
     plain = kept.plain  # what a memo may keep views of: the same bytes, not the Held
     assert type(plain) is np.ndarray and not plain.flags.writeable
     assert plain.ctypes.data == kept.ctypes.data and plain.tobytes() == data

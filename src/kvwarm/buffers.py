@@ -178,7 +178,12 @@ def held_of(chunk: object) -> Held | None:
     one."""
     if isinstance(chunk, memoryview):
         obj: object = chunk.obj
-        if type(obj) is Held and chunk.nbytes == obj.nbytes:
+        if (
+            type(obj) is Held
+            and chunk.nbytes == obj.nbytes
+            and chunk.c_contiguous  # its bytes in their order (not ``[::-1]``)
+            and hasattr(obj, "memo")  # not a numpy slice's memo-less ``Held``
+        ):
             return obj
     elif type(chunk) is Held and hasattr(chunk, "memo"):
         return chunk

@@ -301,3 +301,12 @@ def test_a_copy_that_fails_is_a_restore_error(
         codec.join_rest(chunks, first)
     with pytest.raises(StateRestoreError, match="copying KV cells failed"):
         codec.join(codec.split(blob, [0, 256, 530]))
+
+
+def test_a_view_of_a_memoless_part_of_a_held_chunk_is_parsed_as_any_buffer() -> None:
+    """A numpy slice of a ``Held`` is a ``Held`` with no memo: a view of it is read as any
+    buffer (its envelope parsed and refused here), not asked for a memo it lacks."""
+    chunk = held(b"\0" * 64)
+    for view in (memoryview(chunk[:]), memoryview(chunk[8:]), memoryview(chunk)[::-1]):
+        with pytest.raises(StateRestoreError):
+            llama_kv_codec._parse_all([view])
