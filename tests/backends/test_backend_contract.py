@@ -255,6 +255,14 @@ def test_argmax_rows_are_what_sample_picks_row_by_row(
         ctx.logits_block(0, 3)  # row 1 asked for none
     with pytest.raises(NoLogitsError):
         ctx.logits_block(3, 3)  # past the last row
+    with pytest.raises(NoLogitsError):
+        ctx.logits_block(2, 10**12)  # refused, not a list of 10**12 rows to compare
+    with pytest.raises(NoLogitsError):
+        ctx.logits_block(2, 0)
+    for first, count in ((2.0, 3), (2, 3.0), (True, 2), ("2", 3), (None, 3)):
+        with pytest.raises(InvalidRequestError):
+            ctx.logits_block(first, count)  # type: ignore[arg-type]
+    assert bytes(ctx.logits_block(np.int64(2), np.int32(3))) == block.tobytes()  # type: ignore[arg-type]
     best = [int(np.argmax(r)) for r in rows]
     second = int(np.argsort(rows[0])[-2])
     for bias in ((), ((best[0], -1e9),), ((second, 1e9),), ((best[1], -5.0), (second, 3.0))):

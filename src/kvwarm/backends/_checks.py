@@ -204,6 +204,24 @@ def aligned_chunks(start_pos: int, n_tokens: int, n_batch: int) -> Iterator[tupl
         offset += length
 
 
+def resolve_block(first: int, count: int, rows: Sequence[int]) -> int:
+    """Where batch rows ``first .. first + count - 1`` begin among ``rows`` (the rows of the
+    last decode that asked for logits, in order), if every one of them is there; -1 if not
+    (the caller raises ``NoLogitsError``). ``first`` and ``count`` must be integers."""
+    _check_int(first, "first")
+    _check_int(count, "count")
+    if count < 1:
+        return -1
+    try:
+        j = rows.index(first)
+    except ValueError:
+        return -1
+    # ``rows`` only grows: both ends in place means every row between them is too.
+    if j + count > len(rows) or rows[j + count - 1] != first + count - 1:
+        return -1
+    return j
+
+
 def resolve_row(index: int, rows: Sequence[int]) -> int:
     """Map a caller's row ``index`` (-1: last row with logits) to a batch row holding logits.
 

@@ -199,12 +199,8 @@ class ContextFront(ABC, Generic[M, A]):
 
     def logits_block(self, first: int, count: int) -> memoryview:
         with self._life.using():
-            rows = self._rows
-            try:
-                j = rows.index(first) if count > 0 else -1
-            except ValueError:
-                j = -1
-            if j < 0 or rows[j : j + count] != list(range(first, first + count)):
+            j = _checks.resolve_block(first, count, self._rows)
+            if j < 0:
                 raise NoLogitsError(
                     f"no logits for all of batch rows {first}..{first + count - 1} "
                     "(decode with logits first)"
