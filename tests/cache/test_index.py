@@ -111,7 +111,10 @@ def test_a_check_in_of_a_removed_copy_leaves_the_next_copy_pinned() -> None:
     assert idx.adopt(r)
     old = idx.lease(key)
     assert old is not None
-    assert idx.remove(key) is not None  # e.g. a failed read elsewhere, or ``delete``
+    removed = idx.remove(key)  # e.g. a failed read elsewhere, or ``delete``
+    assert removed is not None
+    assert not idx.adopt(r)  # its file is still being deleted
+    idx.retired([removed])
     assert idx.adopt(r)  # published again
     new = idx.lease(key)
     assert new is not None and new[1] != old[1]

@@ -21,7 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from kvwarm.cache.types import TierName
@@ -219,6 +219,12 @@ class ChunkRefs:
         c = self._chunks.get((tier, key))
         return 0 if c is None else self._maybe_free(tier, key, c)
 
-    def take_freed(self) -> list[FreedChunk]:
-        freed, self._freed = self._freed, []
+    def take_freed(self, held: Collection[tuple[TierName, bytes]] = ()) -> list[FreedChunk]:
+        """The freed chunks, but for those to be deleted that ``held`` names (tier, key):
+        they stay freed, for a later call."""
+        if not held:
+            freed, self._freed = self._freed, []
+            return freed
+        freed = [c for c in self._freed if c.keep or (c.tier, c.key) not in held]
+        self._freed = [c for c in self._freed if not c.keep and (c.tier, c.key) in held]
         return freed

@@ -31,7 +31,10 @@ Invariants:
   writing or reusing them; a chunk is freed only when neither holds it, and a save that needs
   a chunk being deleted waits for the delete before writing it again.
 - Nothing here does I/O. Methods that retire rows return the ``StoredRow``s so the caller
-  (the facade) deletes their bytes outside the lock.
+  (the facade) deletes their bytes outside the lock; until it says their manifests are gone
+  (``retired``) such a row is *retiring*: no adopt or reservation indexes its key again (its
+  file is about to go), and the chunks it names are not handed out for deletion (a manifest
+  goes before its chunks, whichever thread retires them).
 
 Implements ``protocols.ReservationBook`` for the tiers. See docs/architecture.md.
 """
@@ -92,6 +95,9 @@ class Index:
         # Bytes promised to saves not yet published, per tier (``hold_room``): counted with
         # the tier's own, so saves in flight together cannot overshoot its quota.
         self._room: dict[TierName, int] = {}
+        # Rows forgotten for their bytes to be deleted, by key, until ``retired``: their
+        # manifests are still in their tiers.
+        self._retiring: dict[bytes, StoredRow] = {}
 
     # ----------------------------------------------------------------- lock-free reads
 
@@ -181,7 +187,9 @@ class Index:
 
     def reserve(self, key: bytes, tier: TierName) -> int | None:
         with self._lock:
-            if key in self._rows:
+            # A retiring row's file is still under this key: the publish would take it for a
+            # row another writer published, and the retire delete it under the new entry.
+            if key in self._rows or key in self._retiring:
                 return None
             return self._res.reserve(key, tier)
 
@@ -212,8 +220,8 @@ class Index:
 
     def adopt(self, row: StoredRow) -> bool:
         with self._lock:
-            if row.info.key in self._rows:
-                return False
+            if row.info.key in self._rows or row.info.key in self._retiring:
+                return False  # indexed, or its bytes are being deleted (``_retiring``)
             if len(row.tokens) != row.info.n_tokens:
                 log.warning(
                     "not adopting %s: token count disagrees with header", row.info.key.hex()
@@ -275,9 +283,13 @@ class Index:
     # ----------------------------------------------------------------- retire
 
     def remove(self, key: bytes) -> StoredRow | None:
-        """Drop a row even if checked out (corrupt, or deleted on purpose)."""
+        """Drop a row even if checked out (corrupt, or deleted on purpose); the caller
+        deletes its bytes, then calls ``retired``."""
         with self._lock:
-            return self._rows.remove(key)
+            row = self._rows.remove(key)
+            if row is not None:
+                self._to_retire([row])
+            return row
 
     def forget(self, key: bytes, tier: TierName) -> StoredRow | None:
         """Drop the row of ``key`` if it lives in ``tier``, even if checked out, leaving its
@@ -355,6 +367,7 @@ class Index:
                 self._rows.remove(i.key, keep_chunk_bytes=i.tier in forget_only) for i in victims
             ]
             gone = [r for r in removed if r is not None]
+            self._to_retire([r for r in gone if r.info.tier not in forget_only])
             for r in gone:
                 self._remember(r, MissReason.EXPIRED, TTL_NAMES[r.info.ttl_class])
             return gone
@@ -379,7 +392,7 @@ class Index:
                     continue
                 if row.memory in STATE_KINDS and not self._rows.refcount(other):
                     victims.append(other)
-            gone = [r for r in map(self._rows.remove, victims) if r is not None]
+            gone = self._to_retire([r for r in map(self._rows.remove, victims) if r is not None])
             for r in gone:
                 self._remember(r, MissReason.EVICTED, "retention")
             return gone
@@ -400,10 +413,24 @@ class Index:
 
     def _evict(self, n_bytes: int, tiers: Iterable[TierName] | None) -> list[StoredRow]:
         names = list(self._rows.usage() if tiers is None else dict.fromkeys(tiers))
-        evicted = self._rows.evict(n_bytes, names)
+        evicted = self._to_retire(self._rows.evict(n_bytes, names))
         for r in evicted:
             self._remember(r, MissReason.EVICTED, self._eviction_name)
         return evicted
+
+    def _to_retire(self, rows: list[StoredRow]) -> list[StoredRow]:
+        """Mark ``rows`` (just removed, their bytes to be deleted) retiring until ``retired``."""
+        for row in rows:
+            self._retiring[row.info.key] = row
+        return rows
+
+    def retired(self, rows: Iterable[StoredRow]) -> None:
+        """The manifests of ``rows`` are deleted (or failed to be: nothing more will try):
+        their keys may be indexed again, and the chunks only they named may now go."""
+        with self._lock:
+            for row in rows:
+                if self._retiring.get(row.info.key) is row:
+                    del self._retiring[row.info.key]
 
     def _remember(self, row: StoredRow, reason: MissReason, detail: str) -> None:
         info = row.info
@@ -455,9 +482,12 @@ class Index:
             return self._rows.stored(key) if info is not None and info.tier == tier else None
 
     def take_freed_chunks(self) -> list[FreedChunk]:
-        """Chunks no row names any more, for the caller to delete (then ``chunk_deleted``)."""
+        """Chunks no row names any more, for the caller to delete (then ``chunk_deleted``),
+        but for those a retiring row names: they wait until its manifest is gone (``retired``),
+        whichever thread retires it, so no manifest ever names a deleted chunk."""
         with self._lock:
-            return self._rows.chunks.take_freed()
+            held = {(r.info.tier, k) for r in self._retiring.values() for k in r.chunk_refs}
+            return self._rows.chunks.take_freed(held)
 
     def chunk_deleted(self, chunk: FreedChunk) -> None:
         with self._lock:

@@ -203,15 +203,23 @@ class CacheCore:
     def retire(self, rows: Sequence[StoredRow], *, count: bool = False) -> EvictResult:
         """Delete the bytes of rows the index already forgot, then of the chunks no row
         names any more (manifests first: a crash in between leaves orphans, never a
-        manifest without its chunks). A chunk of a tier that is not local is only
+        manifest without its chunks; a chunk another retire's row names waits for that
+        retire, ``Index.take_freed_chunks``). A chunk of a tier that is not local is only
         forgotten: rows of other processes we never indexed may name it."""
         freed = 0
-        for row in rows:
-            freed += row.info.size
-            try:
-                self.tiers[row.info.tier].delete(row.info.key)
-            except CacheError as exc:
-                log.warning("%s: deleting %s failed: %s", row.info.tier, row.info.key.hex(), exc)
+        try:
+            for row in rows:
+                freed += row.info.size
+                try:
+                    self.tiers[row.info.tier].delete(row.info.key)
+                except CacheError as exc:
+                    log.warning(
+                        "%s: deleting %s failed: %s", row.info.tier, row.info.key.hex(), exc
+                    )
+        finally:
+            # Their manifests are gone: the chunks they named may go (the index held them
+            # back from every retire until now), and their keys may be indexed again.
+            self.index.retired(rows)
         sole: dict[TierName, bool] = {}
         for chunk in self.index.take_freed_chunks():
             try:
