@@ -523,3 +523,28 @@ def test_pass_cost_fit_in_numpy_is_the_pairwise_theil_sen_fit() -> None:
             k = rng.choice([1, 2, 3, 16, rng.randint(1, 48)])
             cost.observe(1, k, 0.006 * (1 + rng.random() * rng.choice([1, 5, 50])))
         assert cost.cost == pairwise(cost)
+
+
+def test_row_drafts_remember_only_the_keys_of_rows_the_cache_still_holds() -> None:
+    """A namespace drafted from for the life of a server, whose rows the cache keeps replacing
+    (new replies saved, old rows evicted): what its index remembers of the rows it looked at
+    stays bounded by the rows listed now (found by review: every key ever listed was kept, up
+    to 64 more a second, for as long as the namespace was drafted from)."""
+    cache = _Rows()
+    a = _ns(b"a")
+    now = [0.0]
+    drafts = _drafts(cache, max_tokens=100, clock=lambda: now[0])
+    for i in range(300):
+        cache.rows.clear()  # the cache evicted the earlier rows
+        cache.rows[i.to_bytes(4, "big")] = (a, tuple(range(1000 + 10 * i, 1010 + 10 * i)))
+        now[0] += 2.0
+        drafts.refresh(a)
+        assert drafts.tokens <= 100
+    assert len(drafts._spaces[a].keys) == 1
+    # A row kept out by the bound is still not read again while the cache lists it.
+    listed = cache.listed
+    cache.rows[b"long"] = (a, tuple(range(5000, 5200)))  # more than the bound takes
+    for _ in range(3):
+        now[0] += 2.0
+        drafts.refresh(a)
+    assert cache.listed == listed + 3 and drafts._spaces[a].keys == set(cache.rows)

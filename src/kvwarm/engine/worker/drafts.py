@@ -542,6 +542,8 @@ class _Rows:
     """One namespace's index: its rows' token sequences and where each n-gram occurs."""
 
     seqs: list[tuple[int, ...]] = field(default_factory=list)
+    #: The keys of the cache's rows of it already looked at (indexed or not): only those
+    #: the cache still lists.
     keys: set[bytes] = field(default_factory=set)
     #: hash of an n-gram -> (index into ``seqs``) << 32 | its start; checked on use.
     starts: dict[int, int] = field(default_factory=dict)
@@ -600,7 +602,11 @@ class RowDrafts:
             space = self._spaces[ns] = _Rows()
         self._spaces.move_to_end(ns)
         space.refreshed = now
-        infos = [info for info in self._rows(ns) if info.key not in space.keys]
+        listed = self._rows(ns)
+        # Only the keys of rows the cache still holds are remembered (their tokens may stay
+        # indexed): the set of every key ever seen grew for the life of a busy namespace.
+        space.keys.intersection_update(info.key for info in listed)
+        infos = [info for info in listed if info.key not in space.keys]
         infos.sort(key=lambda info: info.created, reverse=True)
         fresh = sorted(infos[:_ROWS_PER_REFRESH], key=lambda info: info.n_tokens, reverse=True)
         for info in fresh:
