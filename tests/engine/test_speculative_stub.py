@@ -26,6 +26,7 @@ from kvwarm.engine.types import GenerationOptions
 from kvwarm.engine.worker.drafts import Cost, PassCost
 from kvwarm.errors import ConfigError, InvalidRequestError, StateRestoreError
 from kvwarm.memory import MemoryKindName
+from kvwarm.server.budget import memory_of
 
 PASSAGE = "The quick brown fox jumps over the lazy dog while the cat sleeps on the mat. "
 PROMPT = f"Copy this: {PASSAGE}{PASSAGE}Again: The quick"
@@ -504,3 +505,25 @@ def test_draft_model_catches_up_a_chunk_a_tick_and_restores_its_prompt(
     assert other.completion_tokens == first.completion_tokens
     assert draft.restored_tokens == restored
     assert draft.prefilled_tokens - prefilled >= len(first.prompt_tokens)
+
+
+def test_a_draft_models_memory_counts_with_the_model(engine: Engine) -> None:
+    """The draft model's weights and its context are memory the model holds: in ``info()``,
+    hence in ``/v1/models`` and the memory budget (found by review: neither was counted, so
+    a budget sized the RAM tier as if they took nothing)."""
+    plain = engine.load_model("plain", config=spec_config())
+    drafted = engine.load_model(
+        "drafted", config=replace(spec_config(), draft_model="draft-stub.gguf")
+    )
+    draft = drafted._draft
+    assert draft is not None
+    mine, other = drafted.info(), plain.info()
+    assert other.draft_bytes == 0
+    assert mine.draft_bytes == draft.model.facts.size_bytes > 0
+    extra = draft.ctx.memory_bytes
+    assert extra.kv_bytes > 0
+    assert mine.kv_bytes == other.kv_bytes + extra.kv_bytes
+    assert mine.context_bytes == other.context_bytes + extra.total_bytes
+    held = memory_of("drafted", drafted)
+    assert held.weights_bytes == mine.size_bytes + mine.draft_bytes
+    assert held.context_bytes == mine.context_bytes
