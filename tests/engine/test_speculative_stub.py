@@ -180,6 +180,26 @@ def test_stop_string_inside_an_accepted_draft(engine: Engine) -> None:
     assert held(model) == len(again.prompt_tokens) + len(again.completion_tokens) - 1
 
 
+def test_end_of_generation_inside_an_accepted_draft(engine: Engine) -> None:
+    """The stub ends a reply after "!": the draft copies past it, the reply ends there as
+    plain decoding's does, and the sequence holds nothing of the draft after it."""
+    model = engine.load_model(config=spec_config())
+    prompt = "Say: abcdefgh! ijklm. Again: abcd"
+    past = []
+    for opts in (GREEDY, SAMPLED):
+        plain = model.complete(prompt, opts, spec_type="none", logprobs=1)
+        plain_held = held(model)
+        model.evict()
+        spec = model.complete(prompt, opts, logprobs=1)
+        assert spec.completion_tokens == plain.completion_tokens and spec.text == "efgh!"
+        assert spec.logprobs == plain.logprobs and spec.stats.finish_reason == "stop"
+        assert spec.stats.accepted_tokens > 0
+        past.append(spec.stats.drafted_tokens > spec.stats.accepted_tokens)
+        assert held(model) == plain_held
+        model.evict()
+    assert any(past)  # a draft ran on past "!" (later ones learn to stop there: CopyEnds)
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 7, 23])
 def test_max_tokens_mid_draft(engine: Engine, max_tokens: int) -> None:
     model = engine.load_model(config=spec_config())
@@ -355,6 +375,36 @@ def test_several_slots_verify_their_drafts_in_one_pass(engine: Engine) -> None:
         and all(t.logits for t in batch)
     ]
     assert both_drafting, "no pass verified two slots' drafts together"
+
+
+def test_a_slot_prefills_beside_verify_passes(engine: Engine) -> None:
+    """A prompt prefilled in the same passes as another slot's drafts: every reply (and its
+    logprobs) is what the same request decodes alone."""
+    long_prompt = f"Other: {PASSAGE * 6}Again: The quick"
+    third = f"Third {PROMPT}"
+    wanted = [(PROMPT, GREEDY), (long_prompt, SAMPLED), (third, SAMPLED)]
+    alone = []
+    for prompt, opts in wanted:
+        with make_engine() as other:
+            plain = other.load_model(config=spec_config(n_parallel=3))
+            alone.append(plain.complete(prompt, opts, spec_type="none", logprobs=2))
+    model = engine.load_model(config=spec_config(n_parallel=3))
+    batches: list[list[BatchToken]] = []
+    rt = model._worker.rt
+    rt.ctx = _Spy(rt.ctx, batches)  # type: ignore[assignment]
+    first = model.stream(PROMPT, GREEDY, logprobs=2)
+    next(iter(first))  # it generates before the others are admitted
+    streams = [first, *(model.stream(p, o, logprobs=2) for p, o in wanted[1:])]
+    for stream, plain in zip(streams, alone, strict=True):
+        done = stream.result()
+        assert done.completion_tokens == plain.completion_tokens
+        assert done.logprobs == plain.logprobs
+    mixed = [
+        batch
+        for batch in batches
+        if any(not t.logits for t in batch) and sum(1 for t in batch if t.logits) > 2
+    ]
+    assert mixed, "no pass prefilled a prompt beside a verify pass"
 
 
 def test_cancel_while_speculating() -> None:
