@@ -211,13 +211,23 @@ def test_row_drafts_stay_bounded_and_refresh_at_most_once_a_second() -> None:
     drafts = _drafts(cache, max_tokens=100, clock=lambda: now[0])
     drafts.refresh(a)
     assert drafts.tokens == 60
-    cache.add(a, list(range(200, 260)))  # would pass the bound: not taken in
+    cache.add(a, list(range(200, 260)))  # past the bound: taken in, the oldest rows dropped
     drafts.refresh(a)  # too soon: the cache is not even asked
     assert cache.listed == 1
     now[0] = 2.0
     drafts.refresh(a)
     assert cache.listed == 2 and drafts.tokens == 60
-    assert _cont(drafts, a, (200, 201), 4) == []
+    assert _cont(drafts, a, (200, 201), 4) == [202, 203, 204, 205]
+    assert _cont(drafts, a, (100, 101), 4) == []
+    drafts.saved(a, list(range(400, 420)))  # fits beside it
+    assert drafts.tokens == 80 and _cont(drafts, a, (200, 201), 1) == [202]
+    # Does not: the index is rebuilt from its newest rows, up to half the bound with it.
+    drafts.saved(a, list(range(500, 530)))
+    assert drafts.tokens == 50 and _cont(drafts, a, (200, 201), 1) == []
+    assert _cont(drafts, a, (400, 401), 1) == [402] and _cont(drafts, a, (500, 501), 1) == [502]
+    drafts.saved(a, list(range(600, 701)))  # larger than the whole bound: not indexed
+    assert drafts.tokens == 50 and _cont(drafts, a, (600, 601), 1) == []
+    now[0] = 4.0
     cache.add(b, list(range(300, 360)))
     drafts.refresh(b)  # b is drafted from now: a, least recent, is dropped whole
     assert drafts.tokens == 60 and _cont(drafts, a, (100, 101), 4) == []
