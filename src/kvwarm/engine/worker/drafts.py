@@ -655,8 +655,7 @@ class RowDrafts:
         are dropped if it would not: the index is rebuilt from its newest rows, up to half
         the bound less the new row (so a busy namespace goes on learning its newest replies,
         at the cost of one rebuild, ~16 ms for 65,000 tokens, per half a bound of new rows).
-        False for a row
-        larger than the whole bound."""
+        False for a row larger than the whole bound."""
         if need > self.max_tokens:
             return False
         if space.tokens + need <= self.max_tokens:
