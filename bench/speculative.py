@@ -17,9 +17,10 @@ ngram-simple``, ``ngram-map-k``, ``ngram-mod``, ``ngram-map-k4v`` and ``ngram-ca
 alone) and with ``--model-draft`` (the draft model: ``--draft-model``, by default the model itself,
 which tests the path but cannot be faster on a CPU). Each request goes to every server in turn (the
 order rotating per request), so a drift in the machine's speed falls on all alike; each load runs
-``--rounds`` times, each round's prompt beginning with its own "Request N." (so no server drafts
-from a reply it gave before; ``--repeat`` sends the same prompts every round, and kvwarm then
-drafts from its cached rows, llama-server's ``ngram-mod`` from its shared pool).
+``--rounds`` times, each round's prompt beginning with its own "Request N." (so no prompt is one a
+server saw before, though kvwarm's cached rows and llama-server's ``ngram-mod`` pool hold the
+earlier rounds' replies; ``--repeat`` sends the same prompts every round). ``--base-tree DIR``
+adds ``kvwarm-spec-base``: ``kvwarm-spec`` run from another source tree (an A/B in one run).
 
 Prints per load and server the median decode speed by the server's own ``timings`` (kvwarm's
 ``generation_ms``, llama-server's ``predicted_ms``: decode only, not the prompt), the ratio to
@@ -119,6 +120,7 @@ SERVERS = (
 #: kvwarm's server name -> its --spec-type
 KVWARM_SPEC = {
     "kvwarm-spec": "ngram-simple",
+    "kvwarm-spec-base": "ngram-simple",
     "kvwarm-spec-map-k": "ngram-map-k",
     "kvwarm-spec-mod": "ngram-mod",
     "kvwarm-spec-map-k4v": "ngram-map-k4v",
@@ -133,6 +135,8 @@ class Server:
     threads: int
     work: Path
     draft: Path
+    #: Another kvwarm source tree to run (``--base-tree``: the ``kvwarm-spec-base`` server).
+    tree: Path | None = None
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -165,7 +169,8 @@ class Server:
     def start(self) -> None:
         print(f"{self.name}: {' '.join(self.command())}", flush=True)
         log = open(self.work / f"{self.name}.log", "wb")  # noqa: SIM115 (the child owns it)
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        env = None if self.tree is None else {**os.environ, "PYTHONPATH": str(self.tree / "src")}
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
         wait_ready(f"http://127.0.0.1:{self.port}/health", self.proc)
 
     def stop(self) -> None:
@@ -224,6 +229,13 @@ def main() -> None:
         "--draft-model", type=Path, default=None, help="draft model GGUF (default: the model)"
     )
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--base-tree",
+        type=Path,
+        default=None,
+        help="the kvwarm-spec-base server's source tree (kvwarm-spec from another commit, "
+        "for an A/B in one run)",
+    )
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--servers", default=",".join(SERVERS))
@@ -247,9 +259,11 @@ def main() -> None:
     model = args.model or kvwarm.embedded.default_model_path()
     draft = args.draft_model or model
     names = [n for n in args.servers.split(",") if n]
-    unknown = set(names) - set(SERVERS)
+    unknown = set(names) - {*SERVERS, "kvwarm-spec-base"}
     if unknown:
         raise SystemExit(f"unknown servers {sorted(unknown)}; known: {', '.join(SERVERS)}")
+    if "kvwarm-spec-base" in names and args.base_tree is None:
+        raise SystemExit("the kvwarm-spec-base server needs --base-tree")
     chosen = [name for name in args.loads.split(",") if name]
     unknown = set(chosen) - set(LOADS) - set(RAW_LOADS)
     if unknown:
@@ -266,7 +280,13 @@ def main() -> None:
     loads = rounds[0]
     print(f"model {model}; before: {machine_load()}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="kvwarm-spec-bench-"))
-    servers = [Server(name, model, args.threads, work, draft) for name in names]
+    servers = [
+        Server(
+            name, model, args.threads, work, draft,
+            tree=args.base_tree if name == "kvwarm-spec-base" else None,
+        )
+        for name in names
+    ]  # fmt: skip
     # (load, server) -> per round: (text, decode s, tokens, drafted, accepted)
     runs: dict[tuple[str, str], list[tuple[str, float, int, int, int]]] = {}
     try:

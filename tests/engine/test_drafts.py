@@ -4,6 +4,7 @@ the draft budget, ngram-map-k's caps, the pass cost's fit."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ import kvwarm.engine.worker.drafts as drafts_module
 from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TtlClass
 from kvwarm.engine.worker.draftmodel import check_vocab
 from kvwarm.engine.worker.drafts import (
+    ROW_UNSURE_MAX,
     CopyEnds,
     Cost,
     DraftBudget,
@@ -209,13 +211,23 @@ def test_row_drafts_stay_bounded_and_refresh_at_most_once_a_second() -> None:
     drafts = _drafts(cache, max_tokens=100, clock=lambda: now[0])
     drafts.refresh(a)
     assert drafts.tokens == 60
-    cache.add(a, list(range(200, 260)))  # would pass the bound: not taken in
+    cache.add(a, list(range(200, 260)))  # past the bound: taken in, the oldest rows dropped
     drafts.refresh(a)  # too soon: the cache is not even asked
     assert cache.listed == 1
     now[0] = 2.0
     drafts.refresh(a)
     assert cache.listed == 2 and drafts.tokens == 60
-    assert _cont(drafts, a, (200, 201), 4) == []
+    assert _cont(drafts, a, (200, 201), 4) == [202, 203, 204, 205]
+    assert _cont(drafts, a, (100, 101), 4) == []
+    drafts.saved(a, list(range(400, 420)))  # fits beside it
+    assert drafts.tokens == 80 and _cont(drafts, a, (200, 201), 1) == [202]
+    # Does not: the index is rebuilt from its newest rows, up to half the bound with it.
+    drafts.saved(a, list(range(500, 530)))
+    assert drafts.tokens == 50 and _cont(drafts, a, (200, 201), 1) == []
+    assert _cont(drafts, a, (400, 401), 1) == [402] and _cont(drafts, a, (500, 501), 1) == [502]
+    drafts.saved(a, list(range(600, 701)))  # larger than the whole bound: not indexed
+    assert drafts.tokens == 50 and _cont(drafts, a, (600, 601), 1) == []
+    now[0] = 4.0
     cache.add(b, list(range(300, 360)))
     drafts.refresh(b)  # b is drafted from now: a, least recent, is dropped whole
     assert drafts.tokens == 60 and _cont(drafts, a, (100, 101), 4) == []
@@ -229,15 +241,15 @@ def test_row_drafts_stay_bounded_and_refresh_at_most_once_a_second() -> None:
 def test_drafter_asks_elsewhere_only_when_its_own_text_has_no_match() -> None:
     asked: list[tuple[int, ...]] = []
 
-    def elsewhere(tail: tuple[int, ...], limit: int) -> tuple[list[int], int]:
-        asked.append(tail)
-        return [42, 43][:limit], 32
+    def elsewhere(text: Sequence[int], limit: int) -> tuple[list[int], int, bool]:
+        asked.append(tuple(text))
+        return [42, 43][:limit], 32, False
 
     drafter = Drafter("ngram-simple", 2, 8, [1, 2, 3, 1, 2], elsewhere)
     assert drafter.propose([], 8, Cost(0.0, 0.01))[:1] == [3]  # its own prompt has [1, 2] earlier
     assert asked == []
     assert drafter.propose([7], 8, Cost(0.0, 0.01))[:1] == [42]
-    assert asked == [(1, 2, 3, 1, 2, 7)]  # its last tokens, up to MATCH_MAX
+    assert asked == [(1, 2, 3, 1, 2, 7)]  # its whole text
 
 
 def test_a_draft_stops_before_a_media_span() -> None:
@@ -251,7 +263,9 @@ def test_a_draft_stops_before_a_media_span() -> None:
     prompt = [5, 6, 7, *image, 8, 5, 6]
     draft = Drafter("ngram-simple", 2, 16, prompt).propose([], 16, Cost(0.0, 0.01))
     assert draft == [7]  # what followed [5, 6], up to the picture
-    rows = Drafter("ngram-simple", 2, 16, [1, 2], lambda tail, limit: ([9, *image][:limit], 32))
+    rows = Drafter(
+        "ngram-simple", 2, 16, [1, 2], lambda text, limit: ([9, *image][:limit], 32, False)
+    )
     assert rows.propose([], 16, Cost(0.0, 0.01)) == [9]
 
 
@@ -385,9 +399,41 @@ def test_row_drafts_say_how_long_the_match_is() -> None:
     cache.add(a, [1, 2, 3, 4, 5, 6])
     drafts = _drafts(cache)
     drafts.refresh(a)
-    assert drafts.continuation(a, (9, 2, 3, 4), 8) == ([5, 6], 3)
-    assert drafts.continuation(a, (1, 2, 3, 4), 1) == ([5], 4)
-    assert drafts.continuation(a, (3,), 8) == ([], 0)  # shorter than n
+    assert drafts.continuation(a, (9, 2, 3, 4), 8) == ([5, 6], 3, False)
+    # The row begins with all of this text: a retry of the same request.
+    assert drafts.continuation(a, (1, 2, 3, 4), 1) == ([5], 4, True)
+    assert drafts.continuation(a, (3,), 8) == ([], 0, False)  # shorter than n
+    assert drafts.continuation(a, [0, 1, 2, 3, 4], 8) == ([5, 6], 4, False)  # not from its start
+
+
+def test_a_row_draft_that_copies_nothing_of_the_request_is_drafted_a_few_tokens_at_a_time() -> None:
+    """Another request's reply (a cached row's) that this request's own text does not hold is
+    followed only while the model happens to write the same: such a draft is capped at
+    ``ROW_UNSURE_MAX`` tokens, however long the row goes on and however cheap a pass (a chat's
+    second story began as the first and then went its own way). A row whose continuation
+    copies the request's own text (a JSON document, a quoted passage), or that holds the whole
+    request (a retry), is drafted as far as the budget says."""
+    free = Cost(0.0, 1e-4)
+    prompt = list(range(1, 40))
+    story = list(range(100, 140))  # 40 tokens no request's own text holds
+    ctx, copy = list(range(200, 240)), list(range(300, 330))
+    cache = _Rows()
+    ns = _ns(b"a")
+    cache.add(ns, [9, *prompt, *story])  # another request's prompt and reply
+    cache.add(ns, [*ctx, *copy, 7])  # a reply copying what a later request holds
+    drafts = _drafts(cache)
+    drafts.refresh(ns)
+
+    def drafter(own: list[int]) -> Drafter:
+        return Drafter(
+            "ngram-simple", 2, 62, own, lambda text, limit: drafts.continuation(ns, text, limit)
+        )
+
+    assert drafter(prompt).propose([], 62, free) == story[:ROW_UNSURE_MAX]
+    # The row's continuation where this request holds those tokens itself: not capped.
+    assert drafter([*copy, *ctx]).propose([], 62, free) == [*copy, 7]
+    # A retry: the row begins with the request's whole text.
+    assert drafter([9, *prompt]).propose([], 62, free) == story
 
 
 def test_ngram_map_k4v_drafts_a_continuation_only_where_it_dominates() -> None:
@@ -523,3 +569,28 @@ def test_pass_cost_fit_in_numpy_is_the_pairwise_theil_sen_fit() -> None:
             k = rng.choice([1, 2, 3, 16, rng.randint(1, 48)])
             cost.observe(1, k, 0.006 * (1 + rng.random() * rng.choice([1, 5, 50])))
         assert cost.cost == pairwise(cost)
+
+
+def test_row_drafts_remember_only_the_keys_of_rows_the_cache_still_holds() -> None:
+    """A namespace drafted from for the life of a server, whose rows the cache keeps replacing
+    (new replies saved, old rows evicted): what its index remembers of the rows it looked at
+    stays bounded by the rows listed now (found by review: every key ever listed was kept, up
+    to 64 more a second, for as long as the namespace was drafted from)."""
+    cache = _Rows()
+    a = _ns(b"a")
+    now = [0.0]
+    drafts = _drafts(cache, max_tokens=100, clock=lambda: now[0])
+    for i in range(300):
+        cache.rows.clear()  # the cache evicted the earlier rows
+        cache.rows[i.to_bytes(4, "big")] = (a, tuple(range(1000 + 10 * i, 1010 + 10 * i)))
+        now[0] += 2.0
+        drafts.refresh(a)
+        assert drafts.tokens <= 100
+    assert len(drafts._spaces[a].keys) == 1
+    # A row kept out by the bound is still not read again while the cache lists it.
+    listed = cache.listed
+    cache.rows[b"long"] = (a, tuple(range(5000, 5200)))  # more than the bound takes
+    for _ in range(3):
+        now[0] += 2.0
+        drafts.refresh(a)
+    assert cache.listed == listed + 3 and drafts._spaces[a].keys == set(cache.rows)

@@ -26,6 +26,7 @@ from kvwarm.engine.types import GenerationOptions
 from kvwarm.engine.worker.drafts import Cost, PassCost
 from kvwarm.errors import ConfigError, InvalidRequestError, StateRestoreError
 from kvwarm.memory import MemoryKindName
+from kvwarm.server.budget import memory_of
 
 PASSAGE = "The quick brown fox jumps over the lazy dog while the cat sleeps on the mat. "
 PROMPT = f"Copy this: {PASSAGE}{PASSAGE}Again: The quick"
@@ -177,6 +178,26 @@ def test_stop_string_inside_an_accepted_draft(engine: Engine) -> None:
     # The sequence holds the prompt and the reply's decoded tokens, no draft past the stop.
     again = model.complete(PROMPT, GREEDY, stop=[stop])
     assert held(model) == len(again.prompt_tokens) + len(again.completion_tokens) - 1
+
+
+def test_end_of_generation_inside_an_accepted_draft(engine: Engine) -> None:
+    """The stub ends a reply after "!": the draft copies past it, the reply ends there as
+    plain decoding's does, and the sequence holds nothing of the draft after it."""
+    model = engine.load_model(config=spec_config())
+    prompt = "Say: abcdefgh! ijklm. Again: abcd"
+    past = []
+    for opts in (GREEDY, SAMPLED):
+        plain = model.complete(prompt, opts, spec_type="none", logprobs=1)
+        plain_held = held(model)
+        model.evict()
+        spec = model.complete(prompt, opts, logprobs=1)
+        assert spec.completion_tokens == plain.completion_tokens and spec.text == "efgh!"
+        assert spec.logprobs == plain.logprobs and spec.stats.finish_reason == "stop"
+        assert spec.stats.accepted_tokens > 0
+        past.append(spec.stats.drafted_tokens > spec.stats.accepted_tokens)
+        assert held(model) == plain_held
+        model.evict()
+    assert any(past)  # a draft ran on past "!" (later ones learn to stop there: CopyEnds)
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 7, 23])
@@ -356,6 +377,36 @@ def test_several_slots_verify_their_drafts_in_one_pass(engine: Engine) -> None:
     assert both_drafting, "no pass verified two slots' drafts together"
 
 
+def test_a_slot_prefills_beside_verify_passes(engine: Engine) -> None:
+    """A prompt prefilled in the same passes as another slot's drafts: every reply (and its
+    logprobs) is what the same request decodes alone."""
+    long_prompt = f"Other: {PASSAGE * 6}Again: The quick"
+    third = f"Third {PROMPT}"
+    wanted = [(PROMPT, GREEDY), (long_prompt, SAMPLED), (third, SAMPLED)]
+    alone = []
+    for prompt, opts in wanted:
+        with make_engine() as other:
+            plain = other.load_model(config=spec_config(n_parallel=3))
+            alone.append(plain.complete(prompt, opts, spec_type="none", logprobs=2))
+    model = engine.load_model(config=spec_config(n_parallel=3))
+    batches: list[list[BatchToken]] = []
+    rt = model._worker.rt
+    rt.ctx = _Spy(rt.ctx, batches)  # type: ignore[assignment]
+    first = model.stream(PROMPT, GREEDY, logprobs=2)
+    next(iter(first))  # it generates before the others are admitted
+    streams = [first, *(model.stream(p, o, logprobs=2) for p, o in wanted[1:])]
+    for stream, plain in zip(streams, alone, strict=True):
+        done = stream.result()
+        assert done.completion_tokens == plain.completion_tokens
+        assert done.logprobs == plain.logprobs
+    mixed = [
+        batch
+        for batch in batches
+        if any(not t.logits for t in batch) and sum(1 for t in batch if t.logits) > 2
+    ]
+    assert mixed, "no pass prefilled a prompt beside a verify pass"
+
+
 def test_cancel_while_speculating() -> None:
     with make_engine() as eng:
         gated = GatedBackend()
@@ -504,3 +555,25 @@ def test_draft_model_catches_up_a_chunk_a_tick_and_restores_its_prompt(
     assert other.completion_tokens == first.completion_tokens
     assert draft.restored_tokens == restored
     assert draft.prefilled_tokens - prefilled >= len(first.prompt_tokens)
+
+
+def test_a_draft_models_memory_counts_with_the_model(engine: Engine) -> None:
+    """The draft model's weights and its context are memory the model holds: in ``info()``,
+    hence in ``/v1/models`` and the memory budget (found by review: neither was counted, so
+    a budget sized the RAM tier as if they took nothing)."""
+    plain = engine.load_model("plain", config=spec_config())
+    drafted = engine.load_model(
+        "drafted", config=replace(spec_config(), draft_model="draft-stub.gguf")
+    )
+    draft = drafted._draft
+    assert draft is not None
+    mine, other = drafted.info(), plain.info()
+    assert other.draft_bytes == 0
+    assert mine.draft_bytes == draft.model.facts.size_bytes > 0
+    extra = draft.ctx.memory_bytes
+    assert extra.kv_bytes > 0
+    assert mine.kv_bytes == other.kv_bytes + extra.kv_bytes
+    assert mine.context_bytes == other.context_bytes + extra.total_bytes
+    held = memory_of("drafted", drafted)
+    assert held.weights_bytes == mine.size_bytes + mine.draft_bytes
+    assert held.context_bytes == mine.context_bytes

@@ -47,6 +47,7 @@ def model_info(
     capabilities: tuple[Capability, ...] = ("generate", "embed"),
     pooling: str = "mean",
     draft_model: str | None = None,
+    draft_bytes: int = 0,
 ) -> ModelInfo:
     """The model's description; ``fingerprint`` is the effective one (adapters folded in)."""
     return ModelInfo(
@@ -84,6 +85,7 @@ def model_info(
         pooling=pooling,
         spec_type=cfg.spec_type,
         draft_model=draft_model,
+        draft_bytes=draft_bytes,
         speculation=speculation(
             cfg, MemoryKind(facts.memory_kind, facts.n_swa, cfg.context.swa_full)
         ),

@@ -372,6 +372,7 @@ class Model:
             capabilities=self.capabilities,
             pooling=self.pooling,
             draft_model=None if self._draft is None else self._draft.path,
+            draft_bytes=0 if self._draft is None else self._draft.model.facts.size_bytes,
         )
 
     @property
@@ -395,11 +396,15 @@ class Model:
         )
 
     def _context_memory(self) -> ContextMemory:
-        """The generation context's buffers and the embedding context's, once it exists."""
+        """The generation context's buffers, the embedding context's once it exists, and the
+        draft model's (``--draft-model``: a context of ``n_ctx`` cells per slot of its own)."""
         embedder = getattr(self, "_embedder", None)  # None while the model loads
-        gen = self._ctx.memory_bytes
-        emb = embedder.memory_bytes() if embedder is not None else ContextMemory()
-        return ContextMemory(gen.kv_bytes + emb.kv_bytes, gen.other_bytes + emb.other_bytes)
+        parts = [self._ctx.memory_bytes]
+        if embedder is not None:
+            parts.append(embedder.memory_bytes())
+        if self._draft is not None:
+            parts.append(self._draft.ctx.memory_bytes)
+        return ContextMemory(sum(p.kv_bytes for p in parts), sum(p.other_bytes for p in parts))
 
     def stalled_for(self) -> float:
         """Seconds the worker's current iteration has run without ticking (0.0 when idle)."""

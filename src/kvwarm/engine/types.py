@@ -429,8 +429,10 @@ class ModelInfo:
     #: that cannot roll back, deterministic mode).
     spec_type: str = "none"
     speculation: str = "on"
-    #: The draft model's GGUF (``ModelConfig.draft_model``; None: none).
+    #: The draft model's GGUF (``ModelConfig.draft_model``; None: none) and its weights (its
+    #: context's buffers count in ``kv_bytes`` and ``context_bytes``).
     draft_model: str | None = None
+    draft_bytes: int = 0
     #: Its multimodal projector (``--mmproj``): the file, what it reads ("image", "audio";
     #: empty: text only) and what it holds in memory (weights and compute buffers).
     mmproj: str | None = None

@@ -193,9 +193,10 @@ def cache_shares(
 
 def memory_of(model_id: str, model: ServedModel) -> ModelMemory:
     """What a loaded model holds, from its ``info()``: its projector's weights and buffers
-    count with its weights."""
+    and its draft model's weights count with its weights (the draft model's context with
+    its contexts)."""
     info = model.info()
-    weights = info.size_bytes + info.projector_bytes
+    weights = info.size_bytes + info.projector_bytes + info.draft_bytes
     return ModelMemory(model_id, weights, info.kv_bytes, info.context_bytes)
 
 

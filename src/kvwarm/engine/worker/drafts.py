@@ -52,10 +52,11 @@ from kvwarm.cache.types import Namespace, RowInfo
 from kvwarm.engine.types import SpecType
 from kvwarm.tokens import is_span_id
 
-#: A request's second source of drafts: ``(its last tokens, limit)`` to what followed their
-#: last ``n`` elsewhere (``RowDrafts.continuation`` of its namespace), at most ``limit`` tokens,
-#: and how many of the last tokens matched there.
-Elsewhere = Callable[[tuple[int, ...], int], tuple[list[int], int]]
+#: A request's second source of drafts: ``(its text, limit)`` to what followed its last ``n``
+#: tokens elsewhere (``RowDrafts.continuation`` of its namespace), at most ``limit`` tokens;
+#: how many of its last tokens matched there (at most ``MATCH_MAX``); and whether that text
+#: holds all of the request's (a retry of the same request).
+Elsewhere = Callable[[Sequence[int], int], tuple[list[int], int, bool]]
 
 #: How many of an n-gram's latest occurrences ``NgramIndex.lookup`` compares.
 CANDIDATES = 8
@@ -78,6 +79,15 @@ _FADE = 0.8
 #: How much the evidence fades at each match not drafted (a low acceptance then drifts back
 #: to the prior, so a request whose early matches failed tries again later).
 _IDLE_FADE = 0.95
+#: Most tokens a draft from a cached row takes when it is no copy of the request's own text
+#: (``Drafter._copies_own``) and the row is not a retry of the whole request: another request's
+#: reply, which this one follows only as long as the model happens to write the same (a chat's
+#: second story began as the first for 20 tokens; the 25-token draft after them was rejected
+#: outright, ~12 passes' worth of a 96-token reply on 2 CPU cores). Its drafts still grow with
+#: what they keep, 8 tokens at a time.
+ROW_UNSURE_MAX = 8
+#: How many of a row draft's first tokens ``Drafter._copies_own`` checks.
+_OWN_CHECK = 16
 
 
 class NgramIndex:
@@ -404,7 +414,9 @@ class Drafter:
             else:
                 source = toks[start + n : start + n + limit]
         elif self.elsewhere is not None and len(toks) >= n:
-            source, matched = self.elsewhere(tuple(toks[-MATCH_MAX:]), limit)
+            source, matched, whole = self.elsewhere(toks, limit)
+            if not whole and len(source) > ROW_UNSURE_MAX and not self._copies_own(source):
+                source = source[:ROW_UNSURE_MAX]
         else:
             return []
         # A media span's positions are no token: a draft stops before one (a prompt's or a
@@ -432,6 +444,18 @@ class Drafter:
         self._breaks = [i for i in breaks if i < k]
         self._cut = source[k] if k in breaks else None
         return source[:k]
+
+    def _copies_own(self, draft: Sequence[int]) -> bool:
+        """Whether at least half of the n-grams that end in the first ``_OWN_CHECK`` tokens of
+        ``draft`` (a cached row's continuation) occur in the request's own text: the row's
+        reply copies what this request also holds (a JSON document, a quoted passage), so the
+        model, copying it here too, likely goes on as the row did."""
+        index = self.index
+        n = index.n
+        window = [*index.tokens[len(index.tokens) - n + 1 :], *draft[:_OWN_CHECK]]
+        grams = len(window) - n + 1
+        found = sum(1 for i in range(grams) if index.occurrences(tuple(window[i : i + n])))
+        return 2 * found >= grams
 
     def _dominant(self, limit: int) -> tuple[list[int], int]:
         """ngram-map-k4v: the continuation of the text's last ``n`` tokens that followed them
@@ -542,6 +566,8 @@ class _Rows:
     """One namespace's index: its rows' token sequences and where each n-gram occurs."""
 
     seqs: list[tuple[int, ...]] = field(default_factory=list)
+    #: The keys of the cache's rows of it already looked at (indexed or not): only those
+    #: the cache still lists.
     keys: set[bytes] = field(default_factory=set)
     #: hash of an n-gram -> (index into ``seqs``) << 32 | its start; checked on use.
     starts: dict[int, int] = field(default_factory=dict)
@@ -600,13 +626,17 @@ class RowDrafts:
             space = self._spaces[ns] = _Rows()
         self._spaces.move_to_end(ns)
         space.refreshed = now
-        infos = [info for info in self._rows(ns) if info.key not in space.keys]
+        listed = self._rows(ns)
+        # Only the keys of rows the cache still holds are remembered (their tokens may stay
+        # indexed): the set of every key ever seen grew for the life of a busy namespace.
+        space.keys.intersection_update(info.key for info in listed)
+        infos = [info for info in listed if info.key not in space.keys]
         infos.sort(key=lambda info: info.created, reverse=True)
         fresh = sorted(infos[:_ROWS_PER_REFRESH], key=lambda info: info.n_tokens, reverse=True)
         for info in fresh:
             space.keys.add(info.key)
             tokens = self._row_tokens(info.key)
-            if tokens is None or space.tokens + len(tokens) > self.max_tokens:
+            if tokens is None or not self._make_room(space, len(tokens)):
                 continue
             self._add(space, tokens)
         self._bound(keep=ns)
@@ -615,9 +645,33 @@ class RowDrafts:
         """This worker saved a row of ``tokens`` under ``ns`` (a finish save: a reply is in
         it): indexed at once, before the save is even published."""
         space = self._spaces.get(ns)
-        if space is None or space.tokens + len(tokens) > self.max_tokens:
+        if space is None or not self._make_room(space, len(tokens)):
             return  # a namespace nobody drafts from yet is listed from the cache when one does
         self._add(space, tuple(tokens))
+        self._bound(keep=ns)
+
+    def _make_room(self, space: _Rows, need: int) -> bool:
+        """Whether a row of ``need`` tokens fits the namespace's index, once its oldest rows
+        are dropped if it would not: the index is rebuilt from its newest rows, up to half
+        the bound less the new row (so a busy namespace goes on learning its newest replies,
+        at the cost of one rebuild, ~16 ms for 65,000 tokens, per half a bound of new rows).
+        False for a row larger than the whole bound."""
+        if need > self.max_tokens:
+            return False
+        if space.tokens + need <= self.max_tokens:
+            return True
+        kept: list[tuple[int, ...]] = []
+        room = self.max_tokens // 2 - need
+        for seq in reversed(space.seqs):
+            if len(seq) > room:
+                break
+            kept.append(seq)
+            room -= len(seq)
+        space.seqs, space.starts, space.tokens = [], {}, 0
+        space.counts, space.counted, space.counted_tokens = None, 0, 0
+        for seq in reversed(kept):
+            self._add(space, seq)
+        return True
 
     def _add(self, space: _Rows, tokens: tuple[int, ...]) -> None:
         n, starts = self.n, space.starts
@@ -674,26 +728,29 @@ class RowDrafts:
                 other.counts, other.counted, other.counted_tokens = None, 0, 0
 
     def continuation(
-        self, ns: Namespace, tail: tuple[int, ...], limit: int
-    ) -> tuple[list[int], int]:
-        """What followed the last ``n`` tokens of ``tail`` in a row of ``ns`` (at most
-        ``limit`` tokens), and how many of ``tail``'s last tokens that row has there too
-        (``NgramIndex.match_length``); ``([], 0)`` when no row has them."""
+        self, ns: Namespace, text: Sequence[int], limit: int
+    ) -> tuple[list[int], int, bool]:
+        """What followed the last ``n`` tokens of ``text`` (a request's prompt and reply so
+        far) in a row of ``ns`` (at most ``limit`` tokens); how many of ``text``'s last tokens
+        that row has there too (``NgramIndex.match_length``, at most ``MATCH_MAX``); and
+        whether the row begins with all of ``text`` (a retry of the same request).
+        ``([], 0, False)`` when no row has them."""
         space = self._spaces.get(ns)
         n = self.n
-        if space is None or len(tail) < n:
-            return [], 0
-        key = tail[len(tail) - n :]
+        if space is None or len(text) < n:
+            return [], 0, False
+        key = tuple(text[len(text) - n :])
         packed = space.starts.get(hash(key))
         if packed is None:
-            return [], 0
+            return [], 0, False
         seq, start = space.seqs[packed >> 32], packed & 0xFFFF_FFFF
         if seq[start : start + n] != key:
-            return [], 0  # another n-gram with the same hash
-        a, b, matched = start - 1, len(tail) - n - 1, n
-        while a >= 0 and b >= 0 and seq[a] == tail[b]:
+            return [], 0, False  # another n-gram with the same hash
+        a, b, matched = start - 1, len(text) - n - 1, n
+        while a >= 0 and b >= 0 and matched < MATCH_MAX and seq[a] == text[b]:
             a, b, matched = a - 1, b - 1, matched + 1
-        return list(seq[start + n : start + n + limit]), matched
+        whole = start == len(text) - n and seq[: len(text)] == tuple(text)
+        return list(seq[start + n : start + n + limit]), matched, whole
 
 
 @dataclass(frozen=True, slots=True)

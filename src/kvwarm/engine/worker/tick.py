@@ -185,7 +185,7 @@ class Tick:
             cfg.spec_ngram_n,
             draft_max,
             act.req.prompt_tokens,
-            lambda tail, limit: rows.continuation(ns, tail, limit),
+            lambda text, limit: rows.continuation(ns, text, limit),
             lambda ngram: rows.counts(ns, ngram),
             self.rt.sentence_ends,
             self.rt.copy_ends,

@@ -68,8 +68,9 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             "n_parallel": info.n_parallel,
             "size": info.size_bytes,
             # What it holds in memory (the memory budget's terms, server/budget.py): the
-            # projector's weights and buffers count with the model's weights.
-            "weights_bytes": info.size_bytes + info.projector_bytes,
+            # projector's weights and buffers and the draft model's weights count with the
+            # model's weights (the draft model's context in context_bytes).
+            "weights_bytes": info.size_bytes + info.projector_bytes + info.draft_bytes,
             "kv_bytes": info.kv_bytes,
             "context_bytes": info.context_bytes,
             "description": info.description,
@@ -95,6 +96,8 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             "mmproj": info.mmproj,
             "media": list(info.media),
             "projector_bytes": info.projector_bytes,
+            # Its draft model's weights (--draft-model; its context is in context_bytes).
+            "draft_bytes": info.draft_bytes,
         }
     elif entry.error:
         item["error"] = entry.error
