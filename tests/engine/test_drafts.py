@@ -14,6 +14,7 @@ from kvwarm.cache.types import Namespace, RowInfo, SaveReason, TtlClass
 from kvwarm.engine.worker.draftmodel import check_vocab
 from kvwarm.engine.worker.drafts import (
     ROW_UNSURE_MAX,
+    TRUST_CONTEXT,
     CopyEnds,
     Cost,
     DraftBudget,
@@ -21,6 +22,7 @@ from kvwarm.engine.worker.drafts import (
     NgramIndex,
     PassCost,
     RowDrafts,
+    RowTrust,
     SentenceEnds,
     match_prior,
 )
@@ -594,3 +596,55 @@ def test_row_drafts_remember_only_the_keys_of_rows_the_cache_still_holds() -> No
         now[0] += 2.0
         drafts.refresh(a)
     assert cache.listed == listed + 3 and drafts._spaces[a].keys == set(cache.rows)
+
+
+def test_a_row_reply_to_the_same_material_is_drafted_whole_while_such_drafts_hold() -> None:
+    """A cached row whose context matches the request's last ``TRUST_CONTEXT`` tokens or more
+    and whose continuation copies the request's own text is an earlier reply to the same
+    material: on a CPU's pass cost (a drafted token ~0.4 of a pass, the first ~1.3) it is drafted
+    in one pass rather than ramped up over four, while ``RowTrust`` says such drafts hold; one
+    that fails takes the trust away (the next ramps from the match length), and drafts that
+    hold give it back."""
+    cpu = Cost(0.9, 0.42)
+    doc = list(range(300, 360))  # the material: 60 tokens both requests hold
+    ctx = list(range(200, 200 + TRUST_CONTEXT + 4))  # the same place: the last 28 tokens
+    reply = [7, *doc]  # the earlier request's reply copies the material
+    cache = _Rows()
+    ns = _ns(b"a")
+    cache.add(ns, [9, *doc, *ctx, *reply])
+    drafts = _drafts(cache)
+    drafts.refresh(ns)
+    trust = RowTrust()
+
+    def drafter() -> Drafter:
+        return Drafter(
+            "ngram-simple",
+            2,
+            62,
+            [8, *doc, *ctx],
+            lambda text, limit: drafts.continuation(ns, text, limit),
+            row_trust=trust,
+        )
+
+    assert trust.trusted
+    first = drafter()
+    whole = first.propose([], 62, cpu)
+    assert len(whole) >= 40 and whole == reply[: len(whole)]
+    first.verified(len(whole), 3)  # the model went another way after 3 tokens
+    assert not trust.trusted
+    ramped = drafter().propose([], 62, cpu)
+    assert 0 < len(ramped) < 30 and ramped == reply[: len(ramped)]
+    held = drafter()
+    held.propose([], 62, cpu)
+    held.verified(len(ramped), len(ramped))  # an untrusted one that held counts too
+    assert trust.trusted
+    # A row with less of the request's context matching is not trusted, whatever the record.
+    short = Drafter(
+        "ngram-simple",
+        2,
+        62,
+        [8, *doc, *ctx[-TRUST_CONTEXT + 4 :]],
+        lambda text, limit: drafts.continuation(ns, text, limit),
+        row_trust=trust,
+    )
+    assert len(short.propose([], 62, cpu)) < 30

@@ -18,7 +18,7 @@ from kvwarm.cache.types import FingerprintMode, Namespace, PolicyConfig, TierNam
 from kvwarm.engine.types import CompletionStats, SlotStatus, SpecType
 from kvwarm.engine.worker.batching import BatchStrategy
 from kvwarm.engine.worker.draftmodel import DraftModel
-from kvwarm.engine.worker.drafts import CopyEnds, PassCost, RowDrafts, SentenceEnds
+from kvwarm.engine.worker.drafts import CopyEnds, PassCost, RowDrafts, RowTrust, SentenceEnds
 from kvwarm.engine.worker.encoder import Encoder
 from kvwarm.engine.worker.joinbuf import JoinBuffer
 from kvwarm.engine.worker.slots import Slot
@@ -107,6 +107,7 @@ class Runtime:
     #: how often this model's copies went on past one.
     sentence_ends: SentenceEnds | None = None
     copy_ends: CopyEnds = field(default_factory=CopyEnds)
+    row_trust: RowTrust = field(default_factory=RowTrust)  # trusted row drafts held?
     draft: DraftModel | None = None  # the draft model (``draft_model``), if any
     _eog: tuple[int, ...] | None = None
 

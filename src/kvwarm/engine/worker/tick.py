@@ -189,6 +189,7 @@ class Tick:
             lambda ngram: rows.counts(ns, ngram),
             self.rt.sentence_ends,
             self.rt.copy_ends,
+            self.rt.row_trust,
         )
 
     def _batch(
