@@ -68,6 +68,19 @@ def test_budget_drafts_nothing_when_nothing_pays() -> None:
     assert budget.length(32, cpu) >= 16
 
 
+def test_a_draft_near_the_requests_end_goes_to_it_where_the_rest_would_cost_a_pass() -> None:
+    """Where the request stops ``limit`` tokens on (its max_tokens), a draft a few tokens
+    short of that leaves them to a pass of their own, which a CPU pays for nearly whole: the
+    budget drafts to the end when that costs less per token than the two passes."""
+    cpu = Cost(0.9, 0.42)
+    budget = DraftBudget()
+    assert budget.length(30, cpu, 0.99) == 24  # alone, the pass's ratio peaks 6 short
+    assert budget.length(30, cpu, 0.99, end=True) == 30
+    # Far from the end, the end is for a later pass; with little likely kept, it stays away.
+    assert budget.length(40, cpu, 0.99, end=True) == 24
+    assert budget.length(40, cpu, 0.95, end=True) == budget.length(40, cpu, 0.95) == 10
+
+
 def test_map_k_caps_a_key_by_its_last_acceptance() -> None:
     prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6]
     drafter = Drafter("ngram-map-k", 2, 16, prompt)

@@ -278,10 +278,14 @@ class ModelDrafter:
         self.budget = DraftBudget()
         self.asked = False  # the draft model was asked for a draft of this request
 
-    def propose(self, generated: Sequence[int], limit: int, cost: Cost) -> list[int]:
+    def propose(
+        self, generated: Sequence[int], limit: int, cost: Cost, *, end: bool = False
+    ) -> list[int]:
         """Up to ``limit`` tokens of the draft model's (fewer where the acceptance seen makes
-        a long draft not worth its pass; none after a failure of the draft model)."""
-        limit = self.budget.length(min(limit, self.draft_max), cost)
+        a long draft not worth its pass; none after a failure of the draft model). ``end``
+        as for an n-gram draft (``DraftBudget.length``)."""
+        end = end and limit <= self.draft_max
+        limit = self.budget.length(min(limit, self.draft_max), cost, end=end)
         if self.stopped or limit <= 0:
             self.budget.skipped()
             return []

@@ -97,7 +97,7 @@ TRUST_CONTEXT = 24
 #: The per-token acceptance a trusted row draft starts from: enough for a CPU's budget to draft
 #: a reply's 48 tokens in one pass (with ``Cost(0.9, 0.42)``, 0.977, a 64-token match's, drafts
 #: ~17 and ramps up over four passes).
-TRUSTED_PRIOR = 0.9985
+TRUSTED_PRIOR = 0.9995
 
 
 class NgramIndex:
@@ -246,22 +246,32 @@ class DraftBudget:
         prior: float = DEFAULT_PRIOR,
         breaks: Sequence[int] = (),
         through: float = 1.0,
+        end: bool = False,
     ) -> int:
         """The draft length in ``[0, limit]`` with the most expected tokens per unit of pass
         cost (``Cost``: in one-token passes). ``breaks``: the draft positions (0-based) that
         follow a sentence end, where a copy goes on only with probability ``through``
-        (``CopyEnds``)."""
+        (``CopyEnds``). ``end``: the request stops ``limit`` tokens after this pass's first
+        (its ``max_tokens``, its window), so a draft a few tokens short of it leaves them to a
+        pass of their own: it is drafted to the end where that costs less per token than this
+        pass and that one together."""
         a = self.acceptance(prior)
-        best_k, best = 0, 1.0
+        best_k, best, best_gain, best_p = 0, 1.0, 1.0, 1.0
         gain, p = 1.0, 1.0
         for k in range(1, limit + 1):
             p *= a * through if k - 1 in breaks else a
             gain += p
             value = gain / cost.of(k)
             if value > best:
-                best_k, best = k, value
+                best_k, best, best_gain, best_p = k, value, gain, p
             elif p < 1e-3:
                 break  # the gain has stopped growing; the cost has not
+        if end and 0 < best_k < limit and k == limit:
+            # This pass and, if it is kept whole, one more for the last limit - best_k tokens.
+            rest = limit - best_k
+            two = (best_gain + best_p * rest) / (cost.of(best_k) + best_p * cost.of(rest - 1))
+            if gain / cost.of(limit) >= two:
+                return limit
         return best_k
 
     def verified(self, drafted: int, accepted: int) -> None:
@@ -429,9 +439,13 @@ class Drafter:
         self.row_trust = row_trust
         self._trusting = False
 
-    def propose(self, generated: Sequence[int], limit: int, cost: Cost) -> list[int]:
+    def propose(
+        self, generated: Sequence[int], limit: int, cost: Cost, *, end: bool = False
+    ) -> list[int]:
         """A draft of at most ``limit`` tokens to follow ``generated`` (the reply so far, its
-        last token the one about to be decoded); empty when nothing is worth drafting."""
+        last token the one about to be decoded); empty when nothing is worth drafting.
+        ``end``: the request stops ``limit`` tokens after the one about to be decoded
+        (``DraftBudget.length``)."""
         self._last_key = self._last_value = None
         self._breaks, self._cut = [], None
         self._trusting = False
@@ -439,7 +453,8 @@ class Drafter:
         if len(generated) > self._fed:
             self.index.extend(generated[self._fed :])
             self._fed = len(generated)
-        limit = min(limit, self.draft_max)
+        if limit > self.draft_max:
+            limit, end = self.draft_max, False
         if limit <= 0:
             return []
         index = self.index
@@ -455,6 +470,9 @@ class Drafter:
                 source, matched = self._dominant(limit)
             else:
                 source = toks[start + n : start + n + limit]
+                further = self._further(source, limit)
+                if further is not None:
+                    source, prior, self._trusting = further, TRUSTED_PRIOR, True
         elif self.elsewhere is not None and len(toks) >= n:
             source, matched, whole = self.elsewhere(toks, limit)
             if whole or self._copies_own(source):
@@ -471,10 +489,12 @@ class Drafter:
         if not source:
             self._last_value = None
             return []
+        end = end and len(source) >= limit
         limit = len(source)
         key: tuple[int, ...] | None = None
         if self.kind == "ngram-map-k":
             key = tuple(toks[len(toks) - n :])
+            end = end and self._caps.get(key, limit) >= limit
             limit = min(limit, self._caps.get(key, limit))
         breaks: list[int] = []
         through = 1.0
@@ -483,7 +503,7 @@ class Drafter:
             through = self.copy_ends.through
         if prior is None:
             prior = match_prior(matched)
-        k = self.budget.length(limit, cost, prior, breaks, through)
+        k = self.budget.length(limit, cost, prior, breaks, through, end)
         if k == 0:
             self.budget.skipped()
             self._last_value = None
@@ -493,6 +513,20 @@ class Drafter:
         self._breaks = [i for i in breaks if i < k]
         self._cut = source[k] if k in breaks else None
         return source[:k]
+
+    def _further(self, own: Sequence[int], limit: int) -> list[int] | None:
+        """Where the request's own text runs out before ``limit`` (its draft ``own`` copies
+        the end of what it holds: a document's last lines), a trusted row's continuation that
+        begins with ``own`` and goes on (an earlier reply to the same material, which went on
+        past it: the JSON's closing lines); None where there is none, or rows are not trusted
+        now."""
+        trust = self.row_trust
+        if self.elsewhere is None or trust is None or not trust.trusted or len(own) >= limit:
+            return None
+        rows, matched, whole = self.elsewhere(self.index.tokens, limit)
+        if len(rows) <= len(own) or matched < TRUST_CONTEXT or rows[: len(own)] != list(own):
+            return None
+        return rows if whole or self._copies_own(rows) else None
 
     def _copies_own(self, draft: Sequence[int]) -> bool:
         """Whether at least half of the n-grams that end in the first ``_OWN_CHECK`` tokens of

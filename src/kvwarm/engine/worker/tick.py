@@ -140,17 +140,17 @@ class Tick:
             # Rows n .. n + k must stay inside the slot's window and the token budget (the
             # pending token is the first of them), and a memory that cannot roll back far
             # limits how far past n the pass may go.
-            limit = min(
-                room,
-                rt.cfg.n_ctx_slot - 1 - n,
-                act.req.options.max_tokens - len(act.generated) - 1,
+            end = min(
+                rt.cfg.n_ctx_slot - 1 - n, act.req.options.max_tokens - len(act.generated) - 1
             )
+            limit = min(room, end)
             ahead = rt.memory.lookahead(n)
             if ahead is not None:
                 limit = min(limit, ahead - 1)
             if limit <= 0:
                 continue
-            act.draft = act.drafter.propose(act.generated, limit, cost)
+            # ``end``: the request stops right after these rows (its max_tokens, its window).
+            act.draft = act.drafter.propose(act.generated, limit, cost, end=limit == end)
             room -= len(act.draft)
             total += len(act.draft)
         return total
