@@ -12,10 +12,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import cast
 
 from kvwarm.errors import GrammarError
@@ -64,8 +65,28 @@ def _converter_module() -> ModuleType:
             module = importlib.util.module_from_spec(file_spec)
             sys.modules[_MODULE_NAME] = module
             file_spec.loader.exec_module(module)
+            _fix_literal_escapes(module)
             return module
     raise GrammarError("llama-cpp-python ships no llama_grammar.py; cannot convert JSON schemas")
+
+
+def _dumps_unicode(value: object, **kwargs: object) -> str:
+    return json.dumps(value, ensure_ascii=False, **kwargs)  # type: ignore[arg-type]
+
+
+def _fix_literal_escapes(module: ModuleType) -> None:
+    """The converter writes a ``const``/``enum`` value or a property name as the GBNF literal
+    of its JSON text, escaping ``"``, CR and LF but not the backslash that JSON text holds
+    for every ``"``, ``\\`` and control character: ``say "hi"`` ended the literal early (a
+    grammar refused, or a crafted value's own grammar), ``C:\\dir`` forced invalid JSON with
+    a lone backslash (found by review). Escape the backslash too, as llama.cpp's own
+    converters do, and write non-ASCII characters as themselves rather than ``\\u`` escapes
+    a model would have to spell out (llama-server's converter does the same)."""
+    setattr(module, "GRAMMAR_LITERAL_ESCAPE_RE", re.compile(r'[\r\n"\\]'))  # noqa: B010
+    escapes = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
+    setattr(module, "GRAMMAR_LITERAL_ESCAPES", escapes)  # noqa: B010
+    # Only the converter's own ``json.dumps`` calls (values and property names) see this.
+    setattr(module, "json", SimpleNamespace(loads=json.loads, dumps=_dumps_unicode))  # noqa: B010
 
 
 def schema_to_gbnf(schema: Mapping[str, object] | str) -> str:
