@@ -50,6 +50,61 @@ def _check_repeats(schema: object) -> None:
             todo.extend(node)
 
 
+def _check_patterns(schema: object) -> None:
+    """``GrammarError`` for a ``pattern`` the converter cannot read (walked without
+    recursion). It tokenizes a pattern as ``_pattern_problem`` does, and looped for ever on a
+    ``]`` or ``}`` outside a class or a quantifier (``^a]$``; ``^[^]]$``, whose class it closes
+    at the first ``]``), pinning a thread and a core per request (found by review); a
+    quantifier builds one grammar item per repeat, so it is bounded as ``minLength`` is.
+    Every ``pattern`` string is checked, even one inside a ``const`` value: a map of
+    properties may name one ``const``, so data cannot be told from schemas by key here."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            pattern = node.get("pattern")
+            if isinstance(pattern, str) and (problem := _pattern_problem(pattern)) is not None:
+                raise GrammarError(
+                    f"JSON schema pattern {pattern[:80]!r}: {problem}", param="json_schema"
+                )
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+
+
+def _pattern_problem(pattern: str) -> str | None:
+    """Why the converter cannot read ``pattern`` (its own tokenizing: an escape is two
+    characters, a class runs to the first unescaped ``]``, a quantifier to the first ``}``),
+    or None; what it refuses itself (unbalanced groups, ...) is left to it."""
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+        elif c == "[":
+            i += 1
+            while i < n and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+            i += 1
+        elif c == "{":
+            end = pattern.find("}", i)
+            if end < 0:
+                return None
+            for part in pattern[i + 1 : end].split(","):
+                bound = part.strip()
+                if bound.isascii() and bound.isdigit() and int(bound) > MAX_SCHEMA_REPEATS:
+                    return (
+                        f"a quantifier of {bound} is more than the {MAX_SCHEMA_REPEATS} "
+                        "repeats a grammar is built for"
+                    )
+            i = end + 1
+        elif c in "]}":
+            return f"an unmatched {c!r} at {i} (write \\{c} for the character itself)"
+        else:
+            i += 1
+    return None
+
+
 @functools.cache
 def _converter_module() -> ModuleType:
     spec = importlib.util.find_spec("llama_cpp")
@@ -102,6 +157,7 @@ def schema_to_gbnf(schema: Mapping[str, object] | str) -> str:
     except (ValueError, RecursionError):
         parsed = None  # the converter says what is wrong with it
     _check_repeats(parsed)
+    _check_patterns(parsed)
     convert = cast(Callable[[str], object], _converter_module().json_schema_to_gbnf)
     try:
         grammar = convert(text)
