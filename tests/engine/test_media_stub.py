@@ -15,11 +15,12 @@ from kvwarm.backends.stub import StubBackend
 from kvwarm.backends.stub.projector import StubProjector
 from kvwarm.cache.explain import MissReason
 from kvwarm.engine.api import Engine, ModelConfig
+from kvwarm.engine.prompts import MediaPrompt
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.errors import BackendError, InvalidRequestError
 from kvwarm.media import Media, MediaError, MediaLimits
 from kvwarm.settings import SERVER_POLICY
-from kvwarm.tokens import common_prefix
+from kvwarm.tokens import Prompt, common_prefix
 
 GREEDY = GenerationOptions(max_tokens=8, temperature=0.0)
 
@@ -233,3 +234,35 @@ def test_a_prefill_after_an_image_is_the_chat_prompt_then_its_text(engine: Engin
     assert model.count_chat_tokens(chat, prefill=prefill) == len(out.prompt_tokens)
     same = model.complete(prompt.extended(tail), GREEDY)
     assert same.text == out.text and same.stats.cached_tokens > prompt.prompt.spans[0].end
+
+
+def test_a_media_prompt_whose_spans_do_not_name_its_media_is_refused(engine: Engine) -> None:
+    """A span's ids are the cache's name for its content: a ``MediaPrompt`` whose span names
+    one picture while carrying another's pixels was decoded and saved, and a later chat
+    showing the first picture restored the second one's KV. Refused now, whatever part
+    disagrees: the digest, the ids, the length the projector's layout gives."""
+    model = engine.load_model(config=media_config())
+    a, _ = model.chat_prompt(image_chat(png(1), "What is it?"))
+    b, _ = model.chat_prompt(image_chat(png(2), "What is it?"))
+    (span,) = a.prompt.spans
+    opts = replace(GREEDY, max_tokens=2)
+    tokens = list(a.prompt.tokens)
+    tokens[span.end - 1] = 5  # a text id inside the span
+    short = Prompt.build(
+        [a.prompt.tokens[: span.start], (span.digest, span.length - 1, "image"), [5, 6]]
+    )
+    forged = {
+        "names another image": MediaPrompt(a.prompt, b.media),
+        "do not hold its span ids": MediaPrompt(Prompt(tuple(tokens), a.prompt.spans), a.media),
+        "has 15 positions; this model's projector lays that image out in 16": MediaPrompt(
+            short, a.media
+        ),
+    }
+    for needle, prompt in forged.items():
+        with pytest.raises(InvalidRequestError, match=needle) as info:
+            model.complete(prompt, options=opts)
+        assert info.value.param == "prompt"
+    honest = model.complete(a, options=opts)
+    again = model.chat(image_chat(png(1), "What is it?"), options=opts)
+    assert again.tokens == honest.tokens and again.stats.cache_hit == "exact"
+    assert model.complete(a.extended([5, 6]), options=opts).stats.cached_tokens >= span.end
