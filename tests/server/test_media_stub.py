@@ -166,6 +166,29 @@ def test_anthropic_image_blocks_and_responses_input_image(client: TestClient) ->
     assert prefilled.status_code == 200, prefilled.json()
 
 
+def test_an_anthropic_image_is_read_by_its_content_whatever_its_media_type(
+    client: TestClient,
+) -> None:
+    """Without ``source.media_type`` (the schema's default) a valid PNG was a 400 "not a base64
+    data: URI": the block became ``data:image/*;base64,...``, which no data: URI parser takes.
+    The bytes decide, as for every other API's images."""
+
+    def ask(source: dict[str, object]) -> int:
+        image = {"type": "image", "source": {"type": "base64", "data": b64(png(4)), **source}}
+        body = {
+            "model": "eye",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": [image, {"type": "text", "text": "?"}]}],
+        }
+        out = client.post("/v1/messages", json=body)
+        assert out.status_code in (200, 400), out.json()
+        return out.status_code
+
+    assert ask({}) == 200
+    assert ask({"media_type": "png"}) == 200
+    assert ask({"media_type": "image/png"}) == 200
+
+
 def test_an_anthropic_prefill_after_an_image_continues_it(client: TestClient) -> None:
     """A trailing assistant message after an image: the reply continues it (it is appended
     after the picture's span and the generation prompt), and a second request with the same
