@@ -266,3 +266,33 @@ def test_a_media_prompt_whose_spans_do_not_name_its_media_is_refused(engine: Eng
     again = model.chat(image_chat(png(1), "What is it?"), options=opts)
     assert again.tokens == honest.tokens and again.stats.cache_hit == "exact"
     assert model.complete(a.extended([5, 6]), options=opts).stats.cached_tokens >= span.end
+
+
+def test_a_cancelled_request_leaves_no_encode_behind(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Encodes run one at a time, in order: a request cancelled (a client gone) while its
+    first picture was being encoded left its others queued, and they were encoded for
+    nobody while every later request's pictures waited behind them (seconds each on a CPU)."""
+    backend = StubBackend()
+    backend.encode_gate = threading.Event()
+    started = threading.Event()
+    original = StubProjector.encode
+
+    def encode(self: StubProjector, media: Media, index: int) -> bytes:
+        started.set()
+        return original(self, media, index)
+
+    monkeypatch.setattr(StubProjector, "encode", encode)
+    model = engine.load_model(config=media_config(backend=backend))
+    chat = image_chat(png(21), "What is it?")
+    more = [{"type": "image", "image": png(seed)} for seed in (22, 23, 24)]
+    chat[1]["content"] = [*chat[1]["content"], *more]  # type: ignore[misc]
+    held = model.stream_chat(chat, options=GREEDY)
+    assert started.wait(30)  # admitted: its four encodes are queued, the first one running
+    held.cancel()
+    assert held.result().stats.finish_reason == "cancelled"
+    backend.encode_gate.set()
+    # Encodes run in order: this one's ends after whatever the cancelled request left.
+    assert model.chat(image_chat(png(25), "What is it?"), options=GREEDY).completion_tokens
+    assert model._projector.encoded == 2  # type: ignore[union-attr]
