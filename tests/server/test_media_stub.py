@@ -277,6 +277,12 @@ def test_input_audio_parts(client: TestClient) -> None:
     bad = client.post("/v1/chat/completions", json=body)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_media"
     assert bad.json()["error"]["param"] == "messages.0.content.1"
+    # The bytes decide: a format no data: URI carries was "not a base64 data: URI".
+    part["input_audio"] = {"data": base64.b64encode(wav(tone)).decode(), "format": "x wav"}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    part["input_audio"] = {"data": base64.b64encode(b"ID3" + bytes(64)).decode(), "format": "mp3"}
+    mp3 = client.post("/v1/chat/completions", json=body).json()["error"]
+    assert mp3["code"] == "invalid_media" and "not a WAV file" in mp3["message"], mp3
 
 
 def test_too_many_images_and_a_text_model_are_refused(client: TestClient) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import http.client
 import logging
+import re
 import time
 import urllib.error
 import urllib.request
@@ -86,7 +87,11 @@ def engine_parts(parts: Sequence[ContentPart], where: str) -> str | list[Part]:
                 )
             data = part.input_audio.data
             if not data.startswith("data:"):
-                data = f"data:audio/{part.input_audio.format or 'wav'};base64,{data}"
+                # The bytes decide what the clip is (kvwarm.media): a format a data: URI
+                # cannot carry ("mp3 ") is left out of it, never a "not a data: URI" 400.
+                fmt = part.input_audio.format or "wav"
+                fmt = fmt if re.fullmatch(r"[\w.+-]+", fmt) else "wav"
+                data = f"data:audio/{fmt};base64,{data}"
             items.append({"type": "audio", "audio": data, "param": at})
         else:
             raise HTTPError(
