@@ -13,7 +13,15 @@ import pytest
 from tests.engine.mediakit import png
 
 from kvwarm.errors import MediaError
-from kvwarm.media import Audio, Image, MediaLimits, decode_audio, decode_data_uri, decode_image
+from kvwarm.media import (
+    Audio,
+    Image,
+    MediaLimits,
+    decode_audio,
+    decode_data_uri,
+    decode_image,
+    load_media,
+)
 
 LIMITS = MediaLimits()
 
@@ -26,6 +34,15 @@ def wav(samples: np.ndarray, rate: int = 16000, width: int = 2, channels: int = 
         w.setframerate(rate)
         w.writeframes(samples.tobytes())
     return out.getvalue()
+
+
+def float_wav(samples: np.ndarray, rate: int = 16000) -> bytes:
+    """A mono IEEE-float (format 3) WAV file, which ``wave`` cannot write."""
+    data = samples.astype("<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, 4 * rate, 4, 32)
+    body = b"WAVEfmt " + struct.pack("<I", len(fmt)) + fmt
+    body += b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
 def test_an_image_is_its_pixels_and_its_digest_names_them() -> None:
@@ -95,6 +112,51 @@ def test_audio_of_every_common_wav_shape_becomes_float_mono() -> None:
         decode_audio(b"ID3" + bytes(100), LIMITS, "p", 16000)
     with pytest.raises(MediaError, match="not a whole WAV file"):
         decode_audio(cases[0][:30], LIMITS, "p", 16000)
+
+
+def test_a_16_bit_grey_png_is_read_as_llama_cpp_reads_it() -> None:
+    """Pillow opens a 16-bit greyscale PNG as mode I;16, whose conversion to RGB clips every
+    value above 255 (a picture all but white); llama.cpp's loader keeps each value's high
+    byte, as Pillow itself does for 16-bit colour PNGs."""
+    from PIL import Image as Pil
+
+    grey = (np.arange(48 * 40, dtype=np.uint16).reshape(40, 48) * 34).astype(np.uint16)
+    out = io.BytesIO()
+    Pil.fromarray(grey).save(out, format="PNG")
+    img = decode_image(out.getvalue(), LIMITS, "p")
+    got = np.frombuffer(img.rgb, np.uint8).reshape(40, 48, 3)
+    expected = (grey >> 8).astype(np.uint8)
+    for channel in range(3):
+        assert np.array_equal(got[:, :, channel], expected)
+
+
+def test_audio_mtmd_cannot_take_is_refused() -> None:
+    """A clip of one sample reached a GGML_ASSERT in mtmd_tokenize (it asserts more than one
+    sample) and aborted the process; samples that are not finite numbers gave the model NaN
+    embeddings and a reply of nothing real."""
+    with pytest.raises(MediaError, match="too short") as info:
+        decode_audio(wav(np.array([1000], "<i2")), LIMITS, "messages.0.content.1", 16000)
+    assert info.value.param == "messages.0.content.1"
+    with pytest.raises(MediaError, match="too short"):  # one sample once resampled
+        decode_audio(wav(np.array([1000], "<i2"), rate=44100), LIMITS, "p", 16000)
+    assert decode_audio(wav(np.array([1, 2], "<i2")), LIMITS, "p", 16000).n_samples == 2
+    for bad in (np.nan, np.inf, -np.inf):
+        samples = np.array([0.1, bad, 0.2], "<f4")
+        with pytest.raises(MediaError, match="not finite"):
+            decode_audio(float_wav(samples), LIMITS, "p", 16000)
+    fine = decode_audio(float_wav(np.array([0.1, -0.5, 0.2])), LIMITS, "p", 16000)
+    assert np.allclose(np.frombuffer(fine.samples, "<f4"), [0.1, -0.5, 0.2])
+    # The Python API's decoded clips: the same rules, and the projector's rate (mtmd reads
+    # samples at its own: a clip at another rate was heard slowed or sped up).
+    with pytest.raises(MediaError, match="too short"):
+        load_media(Audio(bytes(4), 16000), "audio", LIMITS, "p", sample_rate=16000)
+    with pytest.raises(MediaError, match="not finite"):
+        load_media(Audio(np.array([0, np.nan], "<f4").tobytes(), 16000), "audio", LIMITS, "p")
+    tone = np.sin(np.arange(800) / 10).astype("<f4")
+    clip = Audio(tone.tobytes(), 8000)
+    heard = load_media(clip, "audio", LIMITS, "p", sample_rate=16000)
+    assert isinstance(heard, Audio) and (heard.sample_rate, heard.n_samples) == (16000, 1600)
+    assert load_media(heard, "audio", LIMITS, "p", sample_rate=16000) is heard
 
 
 def test_data_uris_and_their_size_limit() -> None:

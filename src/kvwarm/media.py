@@ -28,16 +28,20 @@ import wave
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from kvwarm.errors import MediaError
 
+if TYPE_CHECKING:
+    from PIL.Image import Image as PilPicture
+
 __all__ = [
     "AUDIO_FORMATS",
     "IMAGE_FORMATS",
+    "MIN_AUDIO_SAMPLES",
     "Audio",
     "Image",
     "Media",
@@ -56,6 +60,8 @@ MediaKind = Literal["image", "audio"]
 IMAGE_FORMATS = ("png", "jpeg", "webp", "gif", "bmp")
 #: The audio formats ``decode_audio`` reads.
 AUDIO_FORMATS = ("wav",)
+#: The fewest samples a clip may have: mtmd asserts (GGML_ASSERT, an abort) more than one.
+MIN_AUDIO_SAMPLES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,8 +197,7 @@ def decode_image(data: bytes, limits: MediaLimits, where: str) -> Image:
                         param=where,
                     )
                 img.load()  # decodes every byte now: a truncated file fails here
-                rgb = img.convert("RGB")
-                pixels = rgb.tobytes()
+                pixels = _rgb(img)
     except MediaError:
         raise
     except UnidentifiedImageError as exc:
@@ -204,6 +209,18 @@ def decode_image(data: bytes, limits: MediaLimits, where: str) -> Image:
     except (OSError, SyntaxError, ValueError, EOFError, struct.error, MemoryError) as exc:
         raise MediaError(f"{where} is not a whole image: {exc}", param=where) from exc
     return Image(width, height, pixels)
+
+
+def _rgb(img: PilPicture) -> bytes:
+    """``img``'s pixels as RGB bytes. A 16-bit greyscale PNG (Pillow's mode ``I;16``, or
+    ``I``) keeps each value's high byte, as llama.cpp's loader (stb_image) and Pillow's own
+    16-bit colour modes do: Pillow's conversion of those modes to RGB clips every value above
+    255, a picture all but white."""
+    if img.mode.startswith("I"):
+        wide = np.asarray(img, dtype=np.int64)
+        grey = (np.clip(wide, 0, 0xFFFF) >> 8).astype(np.uint8)
+        return np.repeat(grey[:, :, None], 3, axis=2).tobytes()
+    return img.convert("RGB").tobytes()
 
 
 def decode_audio(data: bytes, limits: MediaLimits, where: str, sample_rate: int) -> Audio:
@@ -229,10 +246,29 @@ def decode_audio(data: bytes, limits: MediaLimits, where: str, sample_rate: int)
             param=where,
         )
     mono = samples[: frames * channels].reshape(frames, channels).mean(axis=1, dtype=np.float64)
+    return _clip_at(mono, rate, sample_rate, where)
+
+
+def _clip_at(mono: npt.NDArray[np.floating], rate: int, sample_rate: int, where: str) -> Audio:
+    """The clip of samples ``mono`` (at ``rate``) at ``sample_rate``, resampled linearly;
+    ``MediaError`` for one mtmd cannot take: a single sample (mtmd_tokenize asserts more, a
+    GGML_ASSERT that aborts the process) or samples that are not finite numbers (NaN or
+    infinite floats, or float64 ones past float32's range: the projector's embeddings would
+    be NaN, and the reply nothing real)."""
     if rate != sample_rate:
-        n_out = max(1, round(frames * sample_rate / rate))
-        mono = np.interp(np.arange(n_out) * (rate / sample_rate), np.arange(frames), mono)
-    return Audio(np.asarray(mono, dtype="<f4").tobytes(), sample_rate)
+        n_out = max(1, round(mono.size * sample_rate / rate))
+        mono = np.interp(np.arange(n_out) * (rate / sample_rate), np.arange(mono.size), mono)
+    if mono.size < MIN_AUDIO_SAMPLES:
+        raise MediaError(
+            f"{where} is too short: {mono.size} sample at {sample_rate} Hz (at least "
+            f"{MIN_AUDIO_SAMPLES})",
+            param=where,
+        )
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.asarray(mono, dtype="<f4")
+    if not np.isfinite(out).all():
+        raise MediaError(f"{where} holds samples that are not finite numbers", param=where)
+    return Audio(out.tobytes(), sample_rate)
 
 
 def _read_wav(data: bytes) -> tuple[npt.NDArray[np.float64], int, int]:
@@ -340,11 +376,16 @@ def load_media(
     *,
     sample_rate: int = 16000,
 ) -> Media:
-    """The Python API's media: decoded ``Image``/``Audio`` as given, else encoded bytes, a
-    path to a file, or a base64 ``data:`` URI, decoded under ``limits``."""
+    """The Python API's media: a decoded ``Image`` as given, a decoded ``Audio`` at
+    ``sample_rate`` (resampled from another rate: mtmd reads samples at its own), else
+    encoded bytes, a path to a file, or a base64 ``data:`` URI, decoded under ``limits``."""
     if isinstance(value, Image | Audio):
         if value.kind != kind:
             raise MediaError(f"{where} is {value.kind}, not {kind}", param=where)
+        if isinstance(value, Audio):
+            samples = np.frombuffer(value.samples, dtype="<f4")
+            clip = _clip_at(samples, value.sample_rate, sample_rate, where)
+            return value if clip == value else clip
         return value
     if isinstance(value, bytes | bytearray | memoryview):
         data = bytes(value)

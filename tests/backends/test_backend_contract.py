@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from tests.backends.conftest import SMALL
+from tests.backends.conftest import SMALL, running
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import (
@@ -518,3 +518,24 @@ def test_a_vanishing_temperature_samples_the_argmax(
         assert [sampler.sample_logits(logits.tobytes()) for _ in range(3)] == [100] * 3
     finally:
         sampler.close()
+
+
+def test_a_causal_span_longer_than_a_ubatch_is_decoded_whole(model: BackendModel) -> None:
+    """A span attending causally (an audio clip on most projectors) may fill ``n_batch``; the
+    llama.cpp context's batch for embeddings held one ubatch of rows, and such a span was
+    copied past its end (``--n-batch 1024`` with a 750-position clip: a segfault). One that
+    attends both ways must still fit a ubatch, and is refused otherwise."""
+    params = dataclasses.replace(running(model), n_batch=64, n_ubatch=32)
+    context = model.new_context(params)
+    try:
+        width = model.facts.n_embd
+        embd = np.random.default_rng(3).standard_normal(48 * width).astype("<f4") * 0.1
+        context.decode_embd(0, 0, embd.tobytes(), 48, non_causal=False, logits=True)
+        assert context.seq_pos_max(0) == 47
+        assert np.isfinite(np.frombuffer(context.logits(-1), np.float32)).all()
+        with pytest.raises(InvalidRequestError, match="does not fit one pass"):
+            context.decode_embd(1, 0, embd.tobytes(), 48, non_causal=True)
+        context.prefill(0, [5, 6], 48)  # the sequence goes on after it
+        assert context.seq_pos_max(0) == 49
+    finally:
+        context.close()

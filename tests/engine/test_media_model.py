@@ -11,16 +11,19 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tests import media_reference as ref
 from tests.engine.conftest import make_engine
 from tests.engine.mediakit import poke
 from tests.tinymodels import PROJ_TOKENS, write_tiny_audio_projector, write_tiny_projector
 
-from kvwarm.backends.base import ContextParams
+from kvwarm.backends import get_backend
+from kvwarm.backends.base import ContextParams, ProjectorParams
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.errors import InvalidRequestError, ModelLoadError
+from kvwarm.errors import InvalidRequestError, MediaError, ModelLoadError
+from kvwarm.media import Audio
 
 pytestmark = pytest.mark.model
 
@@ -139,3 +142,36 @@ def test_a_projector_for_another_model_is_refused_at_load(
     """Gemma's 640-wide projector on SmolLM2 (576): refused before any request."""
     with pytest.raises(ModelLoadError):
         engine.load_model(config=config(projectors["gemma"]))
+
+
+def test_audio_mtmd_cannot_take_is_a_media_error_never_an_abort(
+    tmp_path: Path, engine: Engine
+) -> None:
+    """A clip of one sample reached ``GGML_ASSERT(buf.size() > sizeof(float))`` in
+    mtmd_tokenize and aborted the process; float samples of 1e30 (finite) gave NaN embeddings
+    and a reply of nothing real. Both are refused (the projector's own checks, under the
+    decoder's), and the model goes on serving."""
+    proj = write_tiny_audio_projector(tmp_path / "mmproj-audio.gguf", 576)
+    bmodel = get_backend("llama_cpp").load_model(str(ref.model_path("smollm2")))
+    try:
+        projector = bmodel.load_projector(str(proj), ProjectorParams(1, False))
+        try:
+            one = Audio(bytes(4), 16000)
+            with pytest.raises(MediaError, match="too short"):
+                projector.layout(one)
+            with pytest.raises(MediaError, match="too short"):
+                projector.encode(one, 0)
+            loud = Audio(np.full(1600, 1e30, "<f4").tobytes(), 16000)
+            with pytest.raises(MediaError, match="not finite"):
+                projector.encode(loud, 0)
+        finally:
+            projector.close()
+    finally:
+        bmodel.close()
+    cfg = config(proj, n_ctx=2048, n_batch=1024, n_ubatch=1024)
+    model = engine.load_model(str(ref.model_path("smollm2")), config=cfg)
+    clip = [{"role": "user", "content": [{"type": "audio", "audio": loud}]}]
+    with pytest.raises(MediaError, match="embeddings of this audio are not finite"):
+        model.chat(clip, options=replace(GREEDY, max_tokens=1))
+    assert model.status().active == 0
+    assert model.complete("Hello", options=replace(GREEDY, max_tokens=1)).stats.prompt_tokens

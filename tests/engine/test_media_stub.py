@@ -15,11 +15,12 @@ from kvwarm.backends.stub import StubBackend
 from kvwarm.backends.stub.projector import StubProjector
 from kvwarm.cache.explain import MissReason
 from kvwarm.engine.api import Engine, ModelConfig
+from kvwarm.engine.prompts import MediaPrompt
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.errors import BackendError, InvalidRequestError
 from kvwarm.media import Media, MediaError, MediaLimits
 from kvwarm.settings import SERVER_POLICY
-from kvwarm.tokens import common_prefix
+from kvwarm.tokens import Prompt, common_prefix
 
 GREEDY = GenerationOptions(max_tokens=8, temperature=0.0)
 
@@ -233,3 +234,65 @@ def test_a_prefill_after_an_image_is_the_chat_prompt_then_its_text(engine: Engin
     assert model.count_chat_tokens(chat, prefill=prefill) == len(out.prompt_tokens)
     same = model.complete(prompt.extended(tail), GREEDY)
     assert same.text == out.text and same.stats.cached_tokens > prompt.prompt.spans[0].end
+
+
+def test_a_media_prompt_whose_spans_do_not_name_its_media_is_refused(engine: Engine) -> None:
+    """A span's ids are the cache's name for its content: a ``MediaPrompt`` whose span names
+    one picture while carrying another's pixels was decoded and saved, and a later chat
+    showing the first picture restored the second one's KV. Refused now, whatever part
+    disagrees: the digest, the ids, the length the projector's layout gives."""
+    model = engine.load_model(config=media_config())
+    a, _ = model.chat_prompt(image_chat(png(1), "What is it?"))
+    b, _ = model.chat_prompt(image_chat(png(2), "What is it?"))
+    (span,) = a.prompt.spans
+    opts = replace(GREEDY, max_tokens=2)
+    tokens = list(a.prompt.tokens)
+    tokens[span.end - 1] = 5  # a text id inside the span
+    short = Prompt.build(
+        [a.prompt.tokens[: span.start], (span.digest, span.length - 1, "image"), [5, 6]]
+    )
+    forged = {
+        "names another image": MediaPrompt(a.prompt, b.media),
+        "do not hold its span ids": MediaPrompt(Prompt(tuple(tokens), a.prompt.spans), a.media),
+        "has 15 positions; this model's projector lays that image out in 16": MediaPrompt(
+            short, a.media
+        ),
+    }
+    for needle, prompt in forged.items():
+        with pytest.raises(InvalidRequestError, match=needle) as info:
+            model.complete(prompt, options=opts)
+        assert info.value.param == "prompt"
+    honest = model.complete(a, options=opts)
+    again = model.chat(image_chat(png(1), "What is it?"), options=opts)
+    assert again.tokens == honest.tokens and again.stats.cache_hit == "exact"
+    assert model.complete(a.extended([5, 6]), options=opts).stats.cached_tokens >= span.end
+
+
+def test_a_cancelled_request_leaves_no_encode_behind(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Encodes run one at a time, in order: a request cancelled (a client gone) while its
+    first picture was being encoded left its others queued, and they were encoded for
+    nobody while every later request's pictures waited behind them (seconds each on a CPU)."""
+    backend = StubBackend()
+    backend.encode_gate = threading.Event()
+    started = threading.Event()
+    original = StubProjector.encode
+
+    def encode(self: StubProjector, media: Media, index: int) -> bytes:
+        started.set()
+        return original(self, media, index)
+
+    monkeypatch.setattr(StubProjector, "encode", encode)
+    model = engine.load_model(config=media_config(backend=backend))
+    chat = image_chat(png(21), "What is it?")
+    more = [{"type": "image", "image": png(seed)} for seed in (22, 23, 24)]
+    chat[1]["content"] = [*chat[1]["content"], *more]  # type: ignore[misc]
+    held = model.stream_chat(chat, options=GREEDY)
+    assert started.wait(30)  # admitted: its four encodes are queued, the first one running
+    held.cancel()
+    assert held.result().stats.finish_reason == "cancelled"
+    backend.encode_gate.set()
+    # Encodes run in order: this one's ends after whatever the cancelled request left.
+    assert model.chat(image_chat(png(25), "What is it?"), options=GREEDY).completion_tokens
+    assert model._projector.encoded == 2  # type: ignore[union-attr]

@@ -484,6 +484,27 @@ def test_drafts_from_the_namespaces_rows_and_no_other(engine: Engine) -> None:
     assert other.stats.drafted_tokens == 0  # but nothing of tenant-a's rows
 
 
+def test_only_a_greedy_request_trusts_an_earlier_reply(engine: Engine) -> None:
+    """A retried request's cached reply is drafted as near-certain (``RowTrust``) only where
+    the request samples greedily: a sampled one keeps each draft token only with its
+    probability, so its drafts neither lean on nor teach the trust."""
+    model = engine.load_model(config=spec_config(backend=StubBackend()))
+    trust = model._worker.rt.row_trust
+    prompt = "Tell me about the harbour, the lighthouse and the keeper's family."
+    first = model.complete(prompt, replace(GREEDY, max_tokens=40))
+    assert first.stats.key is not None
+    assert engine.cache.lookup_exact_or_wait(first.stats.key, 30.0) is not None
+    model.evict()
+    # Barely sampled: it follows the earlier reply, drafts from it, and keeps most drafts.
+    sampled = model.complete(prompt, replace(GREEDY, max_tokens=40, temperature=0.05, seed=7))
+    assert sampled.stats.drafted_tokens > 0  # it drafted from the row, untrusted
+    assert (trust.yes, trust.no) == (0.0, 0.0)
+    model.evict()
+    again = model.complete(prompt, replace(GREEDY, max_tokens=40))
+    assert again.completion_tokens == first.completion_tokens
+    assert trust.yes > 0  # a greedy retry: trusted, and its whole draft held
+
+
 # ---- a draft model ------------------------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import http.server
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from fastapi.testclient import TestClient
 from tests.engine.mediakit import png
 from tests.server.conftest import stub_settings, wait_ready
 
-from kvwarm.server import create_app
+from kvwarm.server import create_app, media
 from kvwarm.settings import ModelSpec
 
 MMPROJ = (("mmproj", Path("stub-audio-mmproj.gguf")),)  # reads images and audio
@@ -166,6 +167,29 @@ def test_anthropic_image_blocks_and_responses_input_image(client: TestClient) ->
     assert prefilled.status_code == 200, prefilled.json()
 
 
+def test_an_anthropic_image_is_read_by_its_content_whatever_its_media_type(
+    client: TestClient,
+) -> None:
+    """Without ``source.media_type`` (the schema's default) a valid PNG was a 400 "not a base64
+    data: URI": the block became ``data:image/*;base64,...``, which no data: URI parser takes.
+    The bytes decide, as for every other API's images."""
+
+    def ask(source: dict[str, object]) -> int:
+        image = {"type": "image", "source": {"type": "base64", "data": b64(png(4)), **source}}
+        body = {
+            "model": "eye",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": [image, {"type": "text", "text": "?"}]}],
+        }
+        out = client.post("/v1/messages", json=body)
+        assert out.status_code in (200, 400), out.json()
+        return out.status_code
+
+    assert ask({}) == 200
+    assert ask({"media_type": "png"}) == 200
+    assert ask({"media_type": "image/png"}) == 200
+
+
 def test_an_anthropic_prefill_after_an_image_continues_it(client: TestClient) -> None:
     """A trailing assistant message after an image: the reply continues it (it is appended
     after the picture's span and the generation prompt), and a second request with the same
@@ -253,6 +277,12 @@ def test_input_audio_parts(client: TestClient) -> None:
     bad = client.post("/v1/chat/completions", json=body)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_media"
     assert bad.json()["error"]["param"] == "messages.0.content.1"
+    # The bytes decide: a format no data: URI carries was "not a base64 data: URI".
+    part["input_audio"] = {"data": base64.b64encode(wav(tone)).decode(), "format": "x wav"}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    part["input_audio"] = {"data": base64.b64encode(b"ID3" + bytes(64)).decode(), "format": "mp3"}
+    mp3 = client.post("/v1/chat/completions", json=body).json()["error"]
+    assert mp3["code"] == "invalid_media" and "not a WAV file" in mp3["message"], mp3
 
 
 def test_too_many_images_and_a_text_model_are_refused(client: TestClient) -> None:
@@ -279,6 +309,15 @@ class _PngHandler(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        if self.path == "/short":  # fewer bytes than its Content-Length, then closed
+            self.wfile.write(body[: len(body) // 2])
+            return
+        if self.path == "/slow":  # a few bytes at a time: never a read timeout
+            for at in range(0, len(body), 64):
+                self.wfile.write(body[at : at + 64])
+                self.wfile.flush()
+                time.sleep(0.05)
+            return
         self.wfile.write(body)
 
     def log_message(self, *args: object) -> None:
@@ -297,6 +336,34 @@ def test_an_allowed_host_is_fetched_once_without_redirects(client: TestClient) -
         assert fetched.json()["choices"] == inline.json()["choices"]  # the same pixels
         moved = client.post("/v1/chat/completions", json=chat_body(f"{base}/moved"))
         assert moved.status_code == 400 and "302" in moved.json()["error"]["message"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_fetch_that_fails_or_drags_on_is_a_400(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host that sent fewer bytes than its Content-Length (http.client's IncompleteRead),
+    or a URL http.client cannot parse (a port that is no number: InvalidURL), raised out of
+    the fetch as a 500; a host trickling its bytes never tripped the per-read timeout and
+    held the request for as long as it liked, where the docs promise 10 s."""
+    monkeypatch.setattr(media, "FETCH_TIMEOUT_S", 0.5)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PngHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        for url, needle in [
+            (f"{base}/short", "cannot fetch"),
+            ("http://127.0.0.1:port/cat.png", "cannot fetch"),
+            (f"{base}/slow", "0.5 s"),
+        ]:
+            response = client.post("/v1/chat/completions", json=chat_body(url))
+            assert response.status_code == 400, (url, response.json())
+            error = response.json()["error"]
+            assert error["code"] == "invalid_media" and needle in error["message"], error
+        assert client.get("/health").status_code == 200
     finally:
         server.shutdown()
         server.server_close()

@@ -25,6 +25,7 @@ from kvwarm.backends.base import (
     Backend,
     BackendModel,
     ContextMemory,
+    MediaSpan,
     PoolingType,
     Projector,
     ProjectorParams,
@@ -54,6 +55,7 @@ from kvwarm.engine.prompts import (
     check_chat_size,
     fim_tokens,
     longest_piece,
+    span_digest,
 )
 from kvwarm.engine.request import RequestKind, check_tokens
 from kvwarm.engine.rerank import Ranker, RerankLimits
@@ -80,7 +82,7 @@ from kvwarm.errors import (
     EngineClosedError,
     InvalidRequestError,
 )
-from kvwarm.tokens import Prompt
+from kvwarm.tokens import Prompt, span_ids
 
 if TYPE_CHECKING:
     from kvwarm.engine.engine import Engine
@@ -654,10 +656,36 @@ class Model:
                 "prompt and its media, as Model.chat_prompt builds it) or chat messages",
                 param="prompt",
             )
-        for span, shown in zip(prompt.spans, mp.media, strict=True):
+        layouts: dict[bytes, list[int]] = {}
+        for i, (span, shown) in enumerate(zip(prompt.spans, mp.media, strict=True)):
             if span.kind not in projector.facts.kinds or shown.media.kind != span.kind:
                 raise InvalidRequestError(
                     f"a {span.kind} span this model's projector cannot decode", param="prompt"
+                )
+            # The span's ids are the cache's name for its content: ids naming other content
+            # than the media decoded there would save that KV under the other's name.
+            if span.digest != span_digest(shown.media, shown.index):
+                raise InvalidRequestError(
+                    f"span {i} names another {span.kind} than the one the prompt carries for "
+                    "it (its digest is not span_digest of that media)",
+                    param="prompt",
+                )
+            if prompt.tokens[span.start : span.end] != span_ids(span.digest, span.length):
+                raise InvalidRequestError(
+                    f"span {i}'s positions do not hold its span ids (kvwarm.tokens.span_ids)",
+                    param="prompt",
+                )
+            lengths = layouts.get(shown.media.digest)
+            if lengths is None:
+                pieces = projector.layout(shown.media)
+                lengths = [p.n_tokens for p in pieces if isinstance(p, MediaSpan)]
+                layouts[shown.media.digest] = lengths
+            if shown.index >= len(lengths) or lengths[shown.index] != span.length:
+                laid = lengths[shown.index] if shown.index < len(lengths) else 0
+                raise InvalidRequestError(
+                    f"span {i} has {span.length} positions; this model's projector lays that "
+                    f"{span.kind} out in {laid}",
+                    param="prompt",
                 )
         return mp
 

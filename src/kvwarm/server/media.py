@@ -15,7 +15,10 @@ Invariants:
 from __future__ import annotations
 
 import base64
+import http.client
 import logging
+import re
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -84,7 +87,11 @@ def engine_parts(parts: Sequence[ContentPart], where: str) -> str | list[Part]:
                 )
             data = part.input_audio.data
             if not data.startswith("data:"):
-                data = f"data:audio/{part.input_audio.format or 'wav'};base64,{data}"
+                # The bytes decide what the clip is (kvwarm.media): a format a data: URI
+                # cannot carry ("mp3 ") is left out of it, never a "not a data: URI" 400.
+                fmt = part.input_audio.format or "wav"
+                fmt = fmt if re.fullmatch(r"[\w.+-]+", fmt) else "wav"
+                data = f"data:audio/{fmt};base64,{data}"
             items.append({"type": "audio", "audio": data, "param": at})
         else:
             raise HTTPError(
@@ -156,15 +163,46 @@ def _fetch(url: str, where: str, settings: Settings) -> bytes:
     limit = settings.media_max_bytes
     opener = urllib.request.build_opener(_NoRedirects)
     request = urllib.request.Request(url, headers={"User-Agent": "kvwarm"})
+    # FETCH_TIMEOUT_S bounds the whole fetch, not only each read: a host trickling its bytes
+    # never trips a read's timeout. (The last read may take up to that long once more.)
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
     try:
         with opener.open(request, timeout=FETCH_TIMEOUT_S) as response:
             if response.status != 200:
                 raise MediaError(f"{where}: {url} answered {response.status}", param=where)
-            data: bytes = response.read(limit + 1)
+            announced = response.length
+            if announced is not None and announced > limit:
+                raise MediaError(
+                    f"{where}: {url} is over {limit} bytes (setting media_max_bytes)",
+                    param=where,
+                )
+            parts: list[bytes] = []
+            got = 0
+            while got <= limit:
+                if time.monotonic() > deadline:
+                    raise MediaError(
+                        f"{where}: {url} took longer than {FETCH_TIMEOUT_S:g} s to send the image",
+                        param=where,
+                    )
+                part = response.read1(min(1 << 16, limit + 1 - got))
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+            if announced is not None and got < announced <= limit:
+                raise MediaError(
+                    f"{where}: cannot fetch {url}: it sent {got} of the {announced} bytes "
+                    "it announced",
+                    param=where,
+                )
+            data = b"".join(parts)
     except urllib.error.HTTPError as exc:
         raise MediaError(f"{where}: {url} answered {exc.code}", param=where) from exc
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise MediaError(f"{where}: cannot fetch {url}: {exc}", param=where) from exc
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
+        # HTTPException: a response cut short (IncompleteRead), a malformed one, a URL
+        # http.client cannot parse (InvalidURL): none of them an OSError.
+        why = str(exc) or repr(exc)
+        raise MediaError(f"{where}: cannot fetch {url}: {why}", param=where) from exc
     if len(data) > limit:
         raise MediaError(
             f"{where}: {url} is over {limit} bytes (setting media_max_bytes)", param=where

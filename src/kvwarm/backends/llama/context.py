@@ -224,8 +224,12 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
     ) -> None:
         lib = self._lib
         if self._embd_batch is None:
-            n = min(self._params.n_ubatch, self._params.n_batch)
-            self._embd_batch = lib.llama_batch_init(n, self._n_embd_inp, 1)
+            # As many rows as a span may have (``check_embd``): a causal one fills up to
+            # n_batch (llama_decode splits it into ubatches). One ubatch of rows, as this was,
+            # had a longer causal span copied past the batch's end (a segfault).
+            self._embd_batch = lib.llama_batch_init(self._params.n_batch, self._n_embd_inp, 1)
+        if n_tokens > self._params.n_batch:
+            raise BackendError(f"a span of {n_tokens} positions exceeds the embedding batch")
         b = self._embd_batch
         src = np.frombuffer(embd, dtype=np.uint8)
         ctypes.memmove(b.embd, src.ctypes.data, src.nbytes)

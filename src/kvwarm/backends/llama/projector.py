@@ -33,8 +33,8 @@ import numpy as np
 from kvwarm.backends.base import LayoutPiece, MediaSpan, ProjectorFacts, ProjectorParams
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.backends.llama import native as _native
-from kvwarm.errors import BackendError, InvalidRequestError, ModelLoadError
-from kvwarm.media import Audio, Image, Media, MediaKind
+from kvwarm.errors import BackendError, InvalidRequestError, MediaError, ModelLoadError
+from kvwarm.media import MIN_AUDIO_SAMPLES, Audio, Image, Media, MediaKind
 from kvwarm.models_dir import check_gguf_magic
 
 if TYPE_CHECKING:
@@ -213,7 +213,16 @@ class LlamaProjector:
                 if not ptr:
                     raise BackendError("the projector returned no embeddings")
                 width = self._facts.n_embd
-                return bytes(np.ctypeslib.as_array(ptr, shape=(n * width,)).astype("<f4"))
+                embd = np.ctypeslib.as_array(ptr, shape=(n * width,)).astype("<f4")
+        if not np.isfinite(embd).all():
+            # Finite input can still overflow (float samples of 1e30 do): NaN embeddings
+            # would give NaN logits, and a reply of nothing real.
+            raise MediaError(
+                f"the projector's embeddings of this {media.kind} are not finite numbers "
+                "(its values overflow the encoder)",
+                param="messages",
+            )
+        return embd.tobytes()
 
     @contextmanager
     def _chunks(
@@ -227,6 +236,13 @@ class LlamaProjector:
                 data = (ctypes.c_uint8 * len(media.rgb)).from_buffer_copy(media.rgb)
             bitmap = mt.mtmd_bitmap_init(media.width, media.height, data)
         else:
+            if media.n_samples < MIN_AUDIO_SAMPLES:
+                # mtmd_tokenize asserts more than one sample: a GGML_ASSERT, an abort.
+                raise MediaError(
+                    f"an audio clip of {media.n_samples} sample is too short (at least "
+                    f"{MIN_AUDIO_SAMPLES})",
+                    param="messages",
+                )
             if not placeholder:
                 data = (ctypes.c_float * media.n_samples).from_buffer_copy(media.samples)
             bitmap = mt.mtmd_bitmap_init_from_audio(media.n_samples, data)

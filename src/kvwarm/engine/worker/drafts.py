@@ -323,55 +323,59 @@ class SentenceEnds:
         return out
 
 
-class CopyEnds:
-    """How often a copy that reached a sentence end went on past it, over one model's verify
-    passes: a Beta(1, 1) prior (one half) and the outcomes seen, older ones weighing less
-    (``_COPY_FADE``), so a load whose replies each quote a sentence learns within a reply or
-    two to stop its drafts there, and one that copies whole passages learns to go on."""
+class FadedOdds:
+    """Two outcomes counted over one model's verify passes, each count fading by
+    ``_COPY_FADE`` at the next outcome (a memory of about 30), over a Beta(1, 1) prior: the
+    chance of the first outcome starts at one half and follows what the model's requests
+    keep doing."""
 
-    __slots__ = ("crossed", "stopped")
+    __slots__ = ("no", "yes")
 
     def __init__(self) -> None:
-        self.crossed = 0.0
-        self.stopped = 0.0
+        self.yes = 0.0
+        self.no = 0.0
+
+    @property
+    def chance(self) -> float:
+        return (self.yes + 1.0) / (self.yes + self.no + 2.0)
+
+    def observe(self, yes: bool) -> None:
+        self.yes = self.yes * _COPY_FADE + (1.0 if yes else 0.0)
+        self.no = self.no * _COPY_FADE + (0.0 if yes else 1.0)
+
+
+#: How much one outcome fades at the next (``FadedOdds``).
+_COPY_FADE = 0.97
+
+
+class CopyEnds(FadedOdds):
+    """How often a copy that reached a sentence end went on past it, over one model's verify
+    passes (``FadedOdds``), so a load whose replies each quote a sentence learns within a
+    reply or two to stop its drafts there, and one that copies whole passages learns to go
+    on."""
+
+    __slots__ = ()
 
     @property
     def through(self) -> float:
         """The chance that a copy goes on past a sentence end it has reached."""
-        return (self.crossed + 1.0) / (self.crossed + self.stopped + 2.0)
-
-    def observe(self, crossed: bool) -> None:
-        self.crossed = self.crossed * _COPY_FADE + (1.0 if crossed else 0.0)
-        self.stopped = self.stopped * _COPY_FADE + (0.0 if crossed else 1.0)
+        return self.chance
 
 
-#: How much one sentence end's outcome fades at the next (a memory of about 30).
-_COPY_FADE = 0.97
-
-
-class RowTrust:
+class RowTrust(FadedOdds):
     """How often a row draft that may be trusted (``TRUST_CONTEXT``) was kept whole, over one
-    model's verify passes: a Beta(1, 1) prior and the outcomes seen, older ones weighing less
-    (``_COPY_FADE``). Such drafts are trusted (``TRUSTED_PRIOR``) while at least half hold: a
-    load that asks again of the same material (a JSON document rewritten, a passage quoted)
-    drafts an earlier reply whole from the first, and one whose requests change what they
-    ask of it (another key to rename, before the same document) stops after a draft or two
-    that failed, its row drafts then ramping with their evidence like any other's, whose
-    outcomes still count here."""
+    model's verify passes (``FadedOdds``). Such drafts are trusted (``TRUSTED_PRIOR``) while
+    at least half hold: a load that asks again of the same material (a JSON document
+    rewritten, a passage quoted) drafts an earlier reply whole from the first, and one whose
+    requests change what they ask of it (another key to rename, before the same document)
+    stops after a draft or two that failed, its row drafts then ramping with their evidence
+    like any other's, whose outcomes still count here."""
 
-    __slots__ = ("failed", "held")
-
-    def __init__(self) -> None:
-        self.held = 0.0
-        self.failed = 0.0
+    __slots__ = ()
 
     @property
     def trusted(self) -> bool:
-        return self.held >= self.failed
-
-    def observe(self, held: bool) -> None:
-        self.held = self.held * _COPY_FADE + (1.0 if held else 0.0)
-        self.failed = self.failed * _COPY_FADE + (0.0 if held else 1.0)
+        return self.chance >= 0.5
 
 
 @dataclass(slots=True, eq=False)

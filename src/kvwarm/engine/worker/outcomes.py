@@ -15,7 +15,7 @@ from kvwarm.engine.request import Done, Failed, Fragment, Request
 from kvwarm.engine.types import Completion, CompletionStats, FinishReason
 from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.runtime import Runtime
-from kvwarm.engine.worker.slots import Slot
+from kvwarm.engine.worker.slots import Active, Slot
 from kvwarm.errors import KvwarmError
 
 
@@ -29,6 +29,7 @@ class Outcomes:
     ) -> None:
         act = slot.active
         assert act is not None
+        _drop_encodes(act)
         for waiting in self._take_forks(slot):
             self.finish(waiting, "cancelled", None)
         now = time.perf_counter()
@@ -93,6 +94,7 @@ class Outcomes:
         act = slot.active
         if act is None:
             return
+        _drop_encodes(act)
         for waiting in self._take_forks(slot):
             self.fail(waiting, exc)
         slot.active = None
@@ -140,3 +142,12 @@ class Outcomes:
         )
         for one in req.group:
             one.answer(Done(Completion("", req.prompt_tokens, (), stats)))
+
+
+def _drop_encodes(act: Active) -> None:
+    """The encodes of ``act``'s spans that have not started are cancelled as it ends: encodes
+    run one at a time, in order, so a cancelled or failed request's queued pictures would be
+    encoded for nobody while every later request's waited behind them."""
+    for future in act.encodes.values():
+        future.cancel()
+    act.encodes.clear()

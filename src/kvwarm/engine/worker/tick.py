@@ -26,7 +26,7 @@ from typing import Literal, cast
 import numpy as np
 
 from kvwarm.alignment import canonical_after_chunk
-from kvwarm.backends.base import AdapterSet, BatchToken
+from kvwarm.backends.base import GREEDY_BELOW, AdapterSet, BatchToken
 from kvwarm.engine.types import SpecType
 from kvwarm.engine.worker.batching import Chunk, PrefillWant, isolate
 from kvwarm.engine.worker.cacheport import CachePort
@@ -189,7 +189,10 @@ class Tick:
             lambda ngram: rows.counts(ns, ngram),
             self.rt.sentence_ends,
             self.rt.copy_ends,
-            self.rt.row_trust,
+            # An earlier reply repeats token for token only where a request samples greedily:
+            # a sampled one keeps a draft token with its probability, so a whole reply drafted
+            # at once would mostly be rejected (and would teach the trust nothing about copies).
+            self.rt.row_trust if opts.temperature < GREEDY_BELOW else None,
         )
 
     def _batch(

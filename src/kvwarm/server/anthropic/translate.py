@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import AsyncIterator, Sequence
 
@@ -84,6 +85,9 @@ def _texts(blocks: Sequence[TextBlock | ImageBlock | MediaBlock], where: str, se
     return sep.join(parts)
 
 
+_MEDIA_TYPE = re.compile(r"[\w.+-]+/[\w.+-]+")
+
+
 def _image(block: ImageBlock, where: str) -> ContentPart:
     """An image block as an OpenAI ``image_url`` part (a data: URI, or the URL the server
     fetches only from an allowed host), naming where it was."""
@@ -91,7 +95,11 @@ def _image(block: ImageBlock, where: str) -> ContentPart:
     if source.type == "base64":
         if not source.data:
             raise HTTPError(400, f"{where}: an image block needs source.data", param=where)
-        kind = source.media_type or "image/*"
+        # The bytes decide what the image is (kvwarm.media sniffs them, as for every API's
+        # images); a type the data: URI cannot carry (none, "png") is left out of it.
+        kind = source.media_type or ""
+        if not _MEDIA_TYPE.fullmatch(kind):
+            kind = "application/octet-stream"
         url = f"data:{kind};base64,{source.data}"
     else:
         if not source.url:
