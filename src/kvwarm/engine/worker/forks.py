@@ -21,11 +21,10 @@ from kvwarm.backends.base import AdapterSet, Sampler
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Prefilled, Request
 from kvwarm.engine.text import TextAssembler
-from kvwarm.engine.worker.outcomes import Outcomes
+from kvwarm.engine.worker.outcomes import Outcomes, unexpected
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.sampling import Sampling
 from kvwarm.engine.worker.slots import Active, Slot
-from kvwarm.errors import KvwarmError
 
 
 class Forks:
@@ -88,8 +87,8 @@ class Forks:
                 continue
             try:
                 self.sampling.on_logits(member, row, stored)
-            except KvwarmError as exc:  # one choice's failure is its own
-                self.outcomes.fail(member, exc)
+            except Exception as exc:  # one choice's failure is its own
+                self.outcomes.fail(member, unexpected(exc, self.rt.name))
 
     def _share(self, slot: Slot) -> list[Slot]:
         act = slot.active

@@ -9,6 +9,7 @@ they are cancelled or failed alike, never left waiting.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from kvwarm.engine.request import Done, Failed, Fragment, Request
@@ -16,7 +17,21 @@ from kvwarm.engine.types import Completion, CompletionStats, FinishReason
 from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.slots import Active, Slot
-from kvwarm.errors import KvwarmError
+from kvwarm.errors import BackendError, KvwarmError
+
+log = logging.getLogger(__name__)
+
+
+def unexpected(exc: Exception, name: str) -> KvwarmError:
+    """``exc`` as the typed error a request fails with: itself if a ``KvwarmError``, else
+    (a bug, logged with its traceback) a ``BackendError`` naming it. One slot's step that
+    raises fails that slot's request only, never the others' (``loop.py``)."""
+    if isinstance(exc, KvwarmError):
+        return exc
+    log.error("worker %s: unexpected error in one slot's step", name, exc_info=exc)
+    err = BackendError(f"the worker failed this request: {exc!r}")
+    err.__cause__ = exc
+    return err
 
 
 class Outcomes:

@@ -33,7 +33,7 @@ from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.draftmodel import ModelDrafter
 from kvwarm.engine.worker.drafts import Drafter, SentenceEnds
 from kvwarm.engine.worker.forks import Forks
-from kvwarm.engine.worker.outcomes import Outcomes
+from kvwarm.engine.worker.outcomes import Outcomes, unexpected
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.sampling import token_logprob
 from kvwarm.engine.worker.slots import Active, Slot
@@ -94,6 +94,7 @@ class Tick:
     def _run_plan(self, decoding: list[int], prefilling: list[PrefillWant]) -> None:
         cfg = self.rt.cfg
         drafted = self._draft(decoding)
+        decoding = [i for i in decoding if self.rt.slots[i].active is not None]
         plan = cfg.strategy.plan(decoding, prefilling, cfg.n_batch, cfg.n_ubatch, drafted)
         if drafted:
             for i in set(decoding) - set(plan.decode_slots):
@@ -125,35 +126,43 @@ class Tick:
         rt = self.rt
         room = rt.cfg.n_batch - len(decoding)
         total = 0
-        cost = rt.pass_cost.cost
         for i in decoding:
             slot = rt.slots[i]
             act = slot.active
             assert act is not None
             act.draft = []
-            if not act.spec_decided:
-                act.spec_decided = True
-                act.drafter = self._drafter(act, slot.seq)
-            if act.drafter is None or room <= 0:
+            try:
+                if not act.spec_decided:
+                    act.spec_decided = True
+                    act.drafter = self._drafter(act, slot.seq)
+                if act.drafter is None or room <= 0:
+                    continue
+                drafted = self._propose(slot, act, room)
+            except Exception as exc:  # this slot's drafter: its request fails, no other
+                self.outcomes.fail(slot, unexpected(exc, self.rt.name))
                 continue
-            n = len(slot.kv_tokens)
-            # Rows n .. n + k must stay inside the slot's window and the token budget (the
-            # pending token is the first of them), and a memory that cannot roll back far
-            # limits how far past n the pass may go.
-            end = min(
-                rt.cfg.n_ctx_slot - 1 - n, act.req.options.max_tokens - len(act.generated) - 1
-            )
-            limit = min(room, end)
-            ahead = rt.memory.lookahead(n)
-            if ahead is not None:
-                limit = min(limit, ahead - 1)
-            if limit <= 0:
-                continue
-            # ``end``: the request stops right after these rows (its max_tokens, its window).
-            act.draft = act.drafter.propose(act.generated, limit, cost, end=limit == end)
-            room -= len(act.draft)
-            total += len(act.draft)
+            room -= drafted
+            total += drafted
         return total
+
+    def _propose(self, slot: Slot, act: Active, room: int) -> int:
+        """Give ``act`` (its drafter made) a draft within ``room`` tokens; how many it holds."""
+        rt = self.rt
+        assert act.drafter is not None
+        n = len(slot.kv_tokens)
+        # Rows n .. n + k must stay inside the slot's window and the token budget (the
+        # pending token is the first of them), and a memory that cannot roll back far
+        # limits how far past n the pass may go.
+        end = min(rt.cfg.n_ctx_slot - 1 - n, act.req.options.max_tokens - len(act.generated) - 1)
+        limit = min(room, end)
+        ahead = rt.memory.lookahead(n)
+        if ahead is not None:
+            limit = min(limit, ahead - 1)
+        if limit <= 0:
+            return 0
+        # ``end``: the request stops right after these rows (its max_tokens, its window).
+        act.draft = act.drafter.propose(act.generated, limit, rt.pass_cost.cost, end=limit == end)
+        return len(act.draft)
 
     def _drafter(self, act: Active, seq: int) -> Drafter | ModelDrafter | None:
         """The request's drafter, or None where it decodes plainly: its own ``spec_type``
@@ -268,8 +277,8 @@ class Tick:
                     self._after_decode(slot, row)
                 else:
                     self._after_chunk(slot, row, done)
-            except KvwarmError as exc:
-                self.outcomes.fail(slot, exc)
+            except Exception as exc:  # this slot's step: its request fails, no other
+                self.outcomes.fail(slot, unexpected(exc, self.rt.name))
 
     def _run_span(self, slot: Slot, index: int, span: Span) -> None:
         """Decode one media span of ``slot``'s prompt whole, in a call of its own."""
@@ -292,8 +301,8 @@ class Tick:
                 logits=last,
             )
             self._after_chunk(slot, span.length - 1, Chunk(slot.seq, span.start, span.end))
-        except KvwarmError as exc:
-            self.outcomes.fail(slot, exc)
+        except Exception as exc:
+            self.outcomes.fail(slot, unexpected(exc, self.rt.name))
 
     def _by_adapters(
         self, decode_slots: Sequence[int], chunks: Sequence[Chunk]

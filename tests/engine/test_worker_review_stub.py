@@ -1,0 +1,157 @@
+"""Cancellation and failure paths of the worker's scheduling, checked in review
+(engine/worker), on the stub: its KV poisons wrongly reused cells, so a slot left dirty
+shows in a later request's text."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from tests.engine.conftest import GatedBackend, make_engine, stub_config
+
+from kvwarm.engine.types import GenerationOptions
+from kvwarm.errors import BackendError
+
+PROMPT = "The system prompt says: be brief and kind. Question: what is a cache? " * 2
+SAMPLED = GenerationOptions(max_tokens=8, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+
+
+def _alone(n: int) -> list[str]:
+    with make_engine() as eng:
+        model = eng.load_model(config=stub_config(n_parallel=3))
+        return [model.complete(PROMPT, SAMPLED, seed=7 + i).text for i in range(n)]
+
+
+def test_cancelling_the_first_choice_between_prefill_chunks_frees_every_slot_clean() -> None:
+    alone = _alone(3)
+    with make_engine() as eng:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(n_parallel=3, backend=backend))  # type: ignore[arg-type]
+        assert len(model.tokenize(PROMPT)) > 2 * 16  # several chunks of n_batch 16
+        first, *forks = model.streams(PROMPT, SAMPLED, n=3)
+        backend.gate.step(1)  # one chunk in
+        first.cancel()
+        backend.gate.set()
+        assert first.result().stats.finish_reason == "cancelled"
+        assert [f.result().stats.finish_reason for f in forks] == ["cancelled", "cancelled"]
+        assert model.status().active == 0
+        again = [s.result().text for s in model.streams(PROMPT, SAMPLED, n=3)]
+        assert again == alone
+
+
+def test_a_fork_cancelled_while_it_waits_leaves_the_others_as_alone() -> None:
+    alone = _alone(3)
+    with make_engine() as eng:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(n_parallel=3, backend=backend))  # type: ignore[arg-type]
+        first, second, third = model.streams(PROMPT, SAMPLED, n=3)
+        backend.gate.step(1)
+        second.cancel()
+        backend.gate.set()
+        assert second.result().stats.finish_reason == "cancelled"
+        assert [first.result().text, third.result().text] == [alone[0], alone[2]]
+        assert model.status().active == 0
+        again = [s.result().text for s in model.streams(PROMPT, SAMPLED, n=3)]
+        assert again == alone
+
+
+def test_cancelling_the_first_choice_after_the_fork_leaves_the_forks_running() -> None:
+    alone = _alone(3)
+    with make_engine() as eng:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(n_parallel=3, backend=backend))  # type: ignore[arg-type]
+        n_chunks = -(-len(model.tokenize(PROMPT)) // 16)
+        first, *forks = model.streams(PROMPT, SAMPLED, n=3)
+        backend.gate.step(n_chunks + 1)  # prefilled, forked, one decode
+        first.cancel()
+        backend.gate.set()
+        assert first.result().stats.finish_reason == "cancelled"
+        assert [f.result().text for f in forks] == alone[1:]
+        again = [s.result().text for s in model.streams(PROMPT, SAMPLED, n=3)]
+        assert again == alone
+
+
+def test_an_unexpected_error_in_one_slots_step_fails_that_request_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slot's own step (its draft, its sampling, its stop check, its saves) raising
+    something other than a ``KvwarmError`` escaped the tick, and the loop then failed every
+    active request; only the slot whose step raised may fail (``loop.py``: "any failure is
+    confined to the requests it touches")."""
+    from kvwarm.engine.worker.drafts import Drafter
+
+    def broken(self: Drafter, *args: object, **kwargs: object) -> list[int]:
+        raise RuntimeError("a drafter bug")
+
+    monkeypatch.setattr(Drafter, "propose", broken)
+    greedy = GenerationOptions(max_tokens=8, temperature=0.0)
+    with make_engine() as eng:
+        model = eng.load_model(config=stub_config(n_parallel=2))
+        alone = model.complete("another prompt entirely", greedy).text
+    with make_engine() as eng:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(n_parallel=2, backend=backend))  # type: ignore[arg-type]
+        plain = model.stream("another prompt entirely", greedy, spec_type="none")
+        drafting = model.stream(PROMPT, greedy, spec_type="ngram-simple")
+        backend.gate.set()
+        with pytest.raises(BackendError, match="a drafter bug"):
+            drafting.result()
+        assert plain.result().text == alone
+        assert model.status().active == 0
+        assert model.complete(PROMPT, greedy, spec_type="none").text  # the worker goes on
+
+
+def _raising_on_call(monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
+    """``token_logprob`` (only requests asking for logprobs call it) raises on its nth call."""
+    from kvwarm.engine.worker import sampling
+
+    real, calls = sampling.token_logprob, [0]
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == nth:
+            raise RuntimeError("a sampling bug")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sampling, "token_logprob", flaky)
+
+
+@pytest.mark.timeout(60)
+def test_an_unexpected_error_in_one_decode_fails_that_request_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    greedy = GenerationOptions(max_tokens=8, temperature=0.0)
+    with make_engine() as eng:
+        alone = eng.load_model(config=stub_config()).complete("another prompt", greedy).text
+    _raising_on_call(monkeypatch, 3)  # the third generated token's logprob
+    with make_engine() as eng:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(n_parallel=2, backend=backend))  # type: ignore[arg-type]
+        scored = model.stream(PROMPT, greedy, logprobs=1)
+        plain = model.stream("another prompt", greedy)
+        backend.gate.set()
+        with pytest.raises(BackendError, match="a sampling bug"):
+            scored.result()
+        assert plain.result().text == alone
+        assert model.status().active == 0
+
+
+@pytest.mark.timeout(60)
+def test_an_unexpected_error_in_one_choices_first_token_leaves_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The forks sample their first tokens in turn; one raising left the later ones in
+    ``generate`` with no token to decode: their slots busy for ever."""
+    opts = replace(SAMPLED, logprobs=1)
+    with make_engine() as eng:
+        model = eng.load_model(config=stub_config(n_parallel=3))
+        alone = [model.complete(PROMPT, opts, seed=7 + i).text for i in range(3)]
+    _raising_on_call(monkeypatch, 2)  # the second fork's first token (forks sample first)
+    with make_engine() as eng:
+        model = eng.load_model(config=stub_config(n_parallel=3))
+        first, second, third = model.streams(PROMPT, opts, n=3)
+        with pytest.raises(BackendError, match="a sampling bug"):
+            third.result()
+        assert [first.result().text, second.result().text] == alone[:2]
+        assert model.status().active == 0
