@@ -155,3 +155,41 @@ def test_an_unexpected_error_in_one_choices_first_token_leaves_the_others(
             third.result()
         assert [first.result().text, second.result().text] == alone[:2]
         assert model.status().active == 0
+
+
+def test_a_queue_head_that_cannot_be_seated_does_not_spin_the_loop_during_an_encode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The only active slot waits for its image's encode; an n = 2 group queued behind it
+    cannot be seated (one slot free). The loop went round without pause for the whole
+    encode (seconds on a CPU, a core taken from the encode itself) because a queue and a
+    free slot counted as work."""
+    import threading
+
+    from tests.engine.mediakit import image_chat, png
+    from tests.engine.test_media_stub import media_config
+
+    from kvwarm.backends.stub import StubBackend
+    from kvwarm.engine.worker.tick import Tick
+
+    rounds, spun = [0], threading.Event()
+    run = Tick.run
+
+    def counted(self: Tick) -> Any:
+        rounds[0] += 1
+        if rounds[0] > 500:
+            spun.set()
+        return run(self)
+
+    monkeypatch.setattr(Tick, "run", counted)
+    backend = StubBackend()
+    backend.encode_gate = threading.Event()
+    with make_engine() as eng:
+        model = eng.load_model(config=media_config(2, backend=backend))
+        held = model.stream_chat(image_chat(png(5), "What is it?"), options=SAMPLED)
+        group = model.streams(PROMPT, SAMPLED, n=2)
+        spinning = spun.wait(1.0)  # a spinning loop passes 500 rounds in milliseconds
+        backend.encode_gate.set()
+        assert held.result().completion_tokens
+        assert all(s.result().completion_tokens for s in group)
+        assert not spinning, f"{rounds[0]} rounds while one encode ran"

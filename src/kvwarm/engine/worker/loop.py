@@ -327,11 +327,26 @@ class Worker:
         sleep until an encode finishes or anything else happens (a request, a job, a cancel,
         a close: each notifies), instead of spinning the loop."""
         with self._cond:
-            if self._closing or self._jobs or self._cancelled_or_encoded():
+            if self._closing or self._cancelled_or_encoded():
                 return
-            if self._queue and any(s.active is None for s in self.slots):
+            # Only what could run now ends the wait: a job behind one that needs idle slots,
+            # or a queue whose head cannot be seated (its n > 1 wants more free slots, its
+            # ``after`` is unanswered, a job needs idle), spun the loop for the whole encode
+            # (found by review).
+            if self._jobs and not self._jobs[0].needs_idle:
+                return
+            if self._admissible():
                 return
             self._cond.wait()
+
+    def _admissible(self) -> bool:
+        """Whether ``_admit`` could seat the queue's head now (under _cond)."""
+        if not self._queue or self._blocked_by_idle_job():
+            return False
+        head = self._queue[0]
+        free = sum(1 for s in self.slots if s.active is None)
+        after = head.after
+        return len(head.group) <= free and (after is None or after.answered)
 
     def _cancelled_or_encoded(self) -> bool:
         for slot in self.slots:
