@@ -193,3 +193,46 @@ def test_a_queue_head_that_cannot_be_seated_does_not_spin_the_loop_during_an_enc
         assert held.result().completion_tokens
         assert all(s.result().completion_tokens for s in group)
         assert not spinning, f"{rounds[0]} rounds while one encode ran"
+
+
+def test_drafts_leave_room_for_a_waiting_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts are made before the plan; a speculating request's drafts took the whole pass's
+    room and a prompt admitted beside it (decode_first) prefilled nothing until that request
+    had generated its last token."""
+    from tests.engine.test_speculative_stub import PROMPT as COPY_ME
+    from tests.engine.test_speculative_stub import copier
+
+    from kvwarm.engine.worker.drafts import Cost, PassCost
+    from kvwarm.engine.worker.forks import Forks
+    from kvwarm.engine.worker.outcomes import Outcomes
+
+    monkeypatch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+    events: list[tuple[str, int]] = []
+    prefilled, finish = Forks.prefilled, Outcomes.finish
+
+    def on_prefilled(self: Forks, slot: Any, *args: Any) -> None:
+        events.append(("prefilled", len(slot.active.req.prompt_tokens)))
+        prefilled(self, slot, *args)
+
+    def on_finish(self: Outcomes, slot: Any, *args: Any, **kwargs: Any) -> None:
+        events.append(("finished", len(slot.active.req.prompt_tokens)))
+        finish(self, slot, *args, **kwargs)
+
+    monkeypatch.setattr(Forks, "prefilled", on_prefilled)
+    monkeypatch.setattr(Outcomes, "finish", on_finish)
+    with make_engine() as eng:
+        backend = GatedBackend()
+        backend._stub = copier()  # copies, so its drafts are accepted
+        config = replace(stub_config(2, backend=backend, n_batch=16), spec_type="ngram-simple")  # type: ignore[arg-type]
+        model = eng.load_model(config=config)
+        copying = model.stream(COPY_ME, GenerationOptions(max_tokens=120, temperature=0.0))
+        n_chunks = -(-len(copying.prompt_tokens) // 16)
+        backend.gate.step(n_chunks + 1)  # prefilled, and generating (and drafting)
+        late = model.stream("word " * 8, GenerationOptions(max_tokens=2, temperature=0.0))
+        backend.gate.set()
+        done = copying.result()
+        late.result()
+    assert done.stats.drafted_tokens > 0
+    n_late = len(late.prompt_tokens)
+    n_copy = len(done.prompt_tokens)
+    assert events.index(("prefilled", n_late)) < events.index(("finished", n_copy)), events

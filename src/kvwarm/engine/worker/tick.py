@@ -93,7 +93,7 @@ class Tick:
 
     def _run_plan(self, decoding: list[int], prefilling: list[PrefillWant]) -> None:
         cfg = self.rt.cfg
-        drafted = self._draft(decoding)
+        drafted = self._draft(decoding, prefilling=bool(prefilling))
         decoding = [i for i in decoding if self.rt.slots[i].active is not None]
         plan = cfg.strategy.plan(decoding, prefilling, cfg.n_batch, cfg.n_ubatch, drafted)
         if drafted:
@@ -120,11 +120,16 @@ class Tick:
         for chunk in plan.isolated_chunks:
             self._run_call((), (chunk,))
 
-    def _draft(self, decoding: Sequence[int]) -> int:
+    def _draft(self, decoding: Sequence[int], *, prefilling: bool = False) -> int:
         """Give each generating slot that speculates a draft to verify with its next token;
-        the number of drafted tokens (all of them fit one pass beside one token per slot)."""
+        the number of drafted tokens (all of them fit one pass beside one token per slot).
+        While a prompt waits to be prefilled, drafts take at most half the pass's room left
+        after the slots' tokens: the strategy fills the rest with prefill, which drafts that
+        took it all starved until the speculating requests ended (found by review)."""
         rt = self.rt
         room = rt.cfg.n_batch - len(decoding)
+        if prefilling:
+            room //= 2
         total = 0
         for i in decoding:
             slot = rt.slots[i]
