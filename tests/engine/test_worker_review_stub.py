@@ -236,3 +236,37 @@ def test_drafts_leave_room_for_a_waiting_prefill(monkeypatch: pytest.MonkeyPatch
     n_late = len(late.prompt_tokens)
     n_copy = len(done.prompt_tokens)
     assert events.index(("prefilled", n_late)) < events.index(("finished", n_copy)), events
+
+
+def test_a_cancelled_requests_failing_finish_save_fails_no_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request cancelled mid-generation is finished (and finish-saved) at the top of the
+    tick, outside the per-slot containment: its save raising failed every active request."""
+    from kvwarm.engine.worker.cacheport import CachePort
+    from kvwarm.errors import CacheIOError
+
+    finished = CachePort.finished
+
+    def refusing(self: CachePort, slot: Any, *args: Any) -> None:
+        act = slot.active
+        if act is not None and act.req.cancelled.is_set():
+            raise CacheIOError("the tier refused the save")
+        finished(self, slot, *args)
+
+    monkeypatch.setattr(CachePort, "finished", refusing)
+    greedy = GenerationOptions(max_tokens=40, temperature=0.0)
+    with make_engine() as eng:
+        alone = eng.load_model(config=stub_config()).complete("another prompt", greedy).text
+    with make_engine() as eng:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(n_parallel=2, backend=backend))  # type: ignore[arg-type]
+        doomed = model.stream(PROMPT, replace(greedy, max_tokens=50))
+        plain = model.stream("another prompt", greedy)
+        backend.gate.step(12)  # both prefilled, generating
+        assert not plain.done
+        doomed.cancel()
+        backend.gate.set()
+        assert doomed.result().stats.finish_reason == "cancelled"  # answered before the save
+        assert plain.result().text == alone
+        assert model.status().active == 0

@@ -63,7 +63,10 @@ class Tick:
             if act is None:
                 continue
             if act.req.cancelled.is_set():
-                self.outcomes.finish(slot, "cancelled", None)
+                try:
+                    self.outcomes.finish(slot, "cancelled", None)
+                except Exception as exc:  # its finish save: this slot's alone
+                    self.outcomes.fail(slot, unexpected(exc, self.rt.name))
                 continue
             if slot.phase == "generate" and act.pending is not None:
                 decoding.append(i)
