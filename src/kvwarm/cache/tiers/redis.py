@@ -186,13 +186,15 @@ class RedisStore:
                 name = key[len(base) :]
                 pipe.strlen(key)
                 pipe.hget(self._meta(name), "t")
-            answers: list[Any] = pipe.execute() if keys else []
+            # One answer per command, an error in place (another client's hash under one of
+            # our names): that key is skipped, not the whole listing.
+            answers: list[Any] = pipe.execute(raise_on_error=False) if keys else []
             out = []
             for i, key in enumerate(keys):
                 size, stamp = answers[2 * i], answers[2 * i + 1]
-                # No stamp (written by hand): as young as can be, so it is never swept.
-                age = float(stamp) if stamp is not None else float("inf")
-                out.append((key[len(base) :], int(size), age))
+                if not isinstance(size, int):
+                    continue  # not a string: junk, not an object of ours
+                out.append((key[len(base) :], size, _stamp(stamp)))
             return out
 
         return self._call("list", scan)
@@ -214,7 +216,26 @@ class RedisStore:
 
 
 def _decoded(meta: Mapping[bytes, bytes]) -> dict[str, str]:
-    return {bytes(k).decode(): bytes(v).decode() for k, v in meta.items() if k != b"t"}
+    """The hit fields as text; a field another client wrote that is not UTF-8 is dropped
+    (hit counts are a hint: a row is never refused for its metadata)."""
+    out = {}
+    for k, v in meta.items():
+        try:
+            name, value = bytes(k).decode(), bytes(v).decode()
+        except UnicodeDecodeError:
+            continue
+        if name != "t":
+            out[name] = value
+    return out
+
+
+def _stamp(stamp: object) -> float:
+    """A creation time from the metadata hash; none, or not a number (written by hand, or an
+    error in its place): as young as can be, so it is never swept."""
+    try:
+        return float(stamp) if isinstance(stamp, (bytes, str)) else float("inf")
+    except ValueError:
+        return float("inf")
 
 
 def _glob_escape(text: str) -> str:
