@@ -223,7 +223,7 @@ class Quarantines(Protocol):
 
     def set_aside(self, name: str) -> bool:
         """Move ``name`` aside (or delete it); False if it may only be reported (a store
-        several hosts share). Errors are logged, never raised."""
+        several hosts share) or could not be moved. Errors are logged, never raised."""
         ...
 
     def quarantined(self) -> tuple[int, int]:
