@@ -4,12 +4,14 @@ a hit without hit counts, a listing skips what it cannot size, never an untyped 
 
 from __future__ import annotations
 
+import pytest
 import redis
 from tests.rediskit import RedisServer
 
 from kvwarm.cache.tiers.layout import name_for
 from kvwarm.cache.tiers.objects import ObjectTier
 from kvwarm.cache.tiers.redis import RedisStore
+from kvwarm.errors import ConfigError
 
 
 def _tier(url: str) -> ObjectTier:
@@ -50,3 +52,11 @@ def test_a_foreign_stamp_or_type_does_not_stop_a_listing(redis_server: RedisServ
     assert ("chunks/" + "22" * 32 + ".kvk") in listed
     client.close()
     store.close()
+
+
+@pytest.mark.parametrize("option", ["decode_responses=true", "decode_responses=0"])
+def test_url_options_that_decode_replies_are_refused(option: str) -> None:
+    """redis-py passes unknown URL options to the client: ``decode_responses`` would turn every
+    reply into text and every get into a TypeError; refused when the tier is built."""
+    with pytest.raises(ConfigError, match="decode"):
+        RedisStore(f"redis://127.0.0.1:1/0?{option}")

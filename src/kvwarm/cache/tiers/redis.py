@@ -73,6 +73,10 @@ class RedisStore:
             raise ConfigError(f"redis tier URL {shown!r}: {exc}") from None
         if timeout <= 0 or self._down_for_s < 0:
             raise ConfigError(f"redis tier URL {shown!r}: timeout_s must be > 0, down_for_s >= 0")
+        if any(k == "decode_responses" for k, _ in rest):
+            # redis-py hands unknown URL options to the client as strings: any value would
+            # decode every reply to text, and every get would fail on it.
+            raise ConfigError(f"redis tier URL {shown!r}: decode_responses is not an option here")
         plain = urlunsplit(parts._replace(query=urlencode(rest)))
         try:
             port = parts.port or 6379
