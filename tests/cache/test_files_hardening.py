@@ -376,3 +376,21 @@ def grp_entry(name: str, gid: int, members: list[str]) -> object:
     import grp
 
     return grp.struct_group((name, "x", gid, members))
+
+
+def test_a_quarantine_that_cannot_be_used_does_not_stop_the_scan(tmp_path: Path) -> None:
+    """``set_aside`` promises to log, never raise: a ``quarantine/`` left sticky (refused as a
+    shared directory) used to raise ``UnsafeCacheDirError`` out of the startup scan."""
+    root = tmp_path / "rows"
+    tier = FileTier("disk", root, 1 << 20)
+    good, r = request((1, 2, 3))
+    assert tier.store(good, r, FakeBook()) is not None
+    bad, _ = request((9, 9))
+    tier.path_for(bad).write_bytes(b"garbage")
+    os.mkdir(root / "quarantine", 0o700)
+    os.chmod(root / "quarantine", 0o1700)
+    assert [row.info.key for row in tier.scan()] == [good]
+    assert tier.path_for(bad).exists()  # left in place, reported
+    assert [why for _, why in tier.problems()] != []
+    assert _mode(root / "quarantine") == 0o1700  # a refused directory is never changed
+    tier.close()

@@ -247,8 +247,9 @@ class FileStore:
     def set_aside(self, name: str) -> bool:
         if self._multi_host:
             return False
-        filescan.set_aside(self._dir, _file(name), quarantine=self._quarantine, tier=self._tier)
-        return True
+        return filescan.set_aside(
+            self._dir, _file(name), quarantine=self._quarantine, tier=self._tier
+        )
 
     def quarantined(self) -> tuple[int, int]:
         return filescan.quarantined(self._dir, str(self._root))

@@ -10,7 +10,8 @@ Invariants:
 - With ``remove=False`` (``repair=False``: ``kvwarm cache verify``) no temp file is removed;
   each is reported.
 - ``set_aside`` moves an invalid file to ``quarantine/`` (or deletes it), never a directory
-  named like a cache file, so ``kvwarm cache verify`` later counts what the scans fixed.
+  named like a cache file, so ``kvwarm cache verify`` later counts what the scans fixed; a
+  file it cannot move (``quarantine/`` unusable) is left and reported, the scan goes on.
 - One bad file never stops a scan: every error is confined to its file.
 """
 
@@ -31,6 +32,7 @@ from kvwarm.cache.tiers.layout import (
     TMP_SUFFIX,
     tmp_owner_pid,
 )
+from kvwarm.errors import UnsafeCacheDirError
 
 __all__ = ["quarantined", "reap_temps", "set_aside"]
 
@@ -97,12 +99,14 @@ def quarantined(dir_fd: int, where: str) -> tuple[int, int]:
     return rows, sum(1 for n in names if n.endswith(CHUNK_SUFFIX))
 
 
-def set_aside(dir_fd: int, name: str, *, quarantine: bool, tier: str) -> None:
+def set_aside(dir_fd: int, name: str, *, quarantine: bool, tier: str) -> bool:
     """Move the invalid file ``name`` into ``quarantine/`` (or delete it); a directory named
-    like a cache file is left alone. Errors are logged, never raised."""
+    like a cache file is left alone. Errors are logged, never raised: False when the file is
+    still there (``quarantine/`` unusable, e.g. refused as not private), for the caller to
+    report."""
     try:
         if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-            return  # e.g. a directory named like a row: not ours to remove
+            return True  # e.g. a directory named like a row: not ours to remove
         if quarantine:
             qdir = open_private_subdir(dir_fd, QUARANTINE)
             try:
@@ -113,8 +117,10 @@ def set_aside(dir_fd: int, name: str, *, quarantine: bool, tier: str) -> None:
             os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass  # removed by someone else meanwhile
-    except OSError as exc:
+    except (OSError, UnsafeCacheDirError) as exc:
         log.error("%s: cannot remove invalid file %s: %s", tier, name, exc)
+        return False
+    return True
 
 
 def _pid_alive(pid: int) -> bool:

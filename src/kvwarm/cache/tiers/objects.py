@@ -223,7 +223,7 @@ class Quarantines(Protocol):
 
     def set_aside(self, name: str) -> bool:
         """Move ``name`` aside (or delete it); False if it may only be reported (a store
-        several hosts share). Errors are logged, never raised."""
+        several hosts share) or could not be moved. Errors are logged, never raised."""
         ...
 
     def quarantined(self) -> tuple[int, int]:
@@ -608,4 +608,5 @@ def chunk_name(key: bytes) -> str:
 
 def _int_meta(meta: Mapping[str, str], name: str) -> int | None:
     value = meta.get(name)
-    return int(value) if value is not None and value.isdigit() else None
+    # ASCII only: "²".isdigit() is True, yet int() refuses it (a foreign value, not a crash).
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None

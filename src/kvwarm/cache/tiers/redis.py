@@ -73,6 +73,10 @@ class RedisStore:
             raise ConfigError(f"redis tier URL {shown!r}: {exc}") from None
         if timeout <= 0 or self._down_for_s < 0:
             raise ConfigError(f"redis tier URL {shown!r}: timeout_s must be > 0, down_for_s >= 0")
+        if any(k == "decode_responses" for k, _ in rest):
+            # redis-py hands unknown URL options to the client as strings: any value would
+            # decode every reply to text, and every get would fail on it.
+            raise ConfigError(f"redis tier URL {shown!r}: decode_responses is not an option here")
         plain = urlunsplit(parts._replace(query=urlencode(rest)))
         try:
             port = parts.port or 6379
@@ -186,13 +190,15 @@ class RedisStore:
                 name = key[len(base) :]
                 pipe.strlen(key)
                 pipe.hget(self._meta(name), "t")
-            answers: list[Any] = pipe.execute() if keys else []
+            # One answer per command, an error in place (another client's hash under one of
+            # our names): that key is skipped, not the whole listing.
+            answers: list[Any] = pipe.execute(raise_on_error=False) if keys else []
             out = []
             for i, key in enumerate(keys):
                 size, stamp = answers[2 * i], answers[2 * i + 1]
-                # No stamp (written by hand): as young as can be, so it is never swept.
-                age = float(stamp) if stamp is not None else float("inf")
-                out.append((key[len(base) :], int(size), age))
+                if not isinstance(size, int):
+                    continue  # not a string: junk, not an object of ours
+                out.append((key[len(base) :], size, _stamp(stamp)))
             return out
 
         return self._call("list", scan)
@@ -214,7 +220,26 @@ class RedisStore:
 
 
 def _decoded(meta: Mapping[bytes, bytes]) -> dict[str, str]:
-    return {bytes(k).decode(): bytes(v).decode() for k, v in meta.items() if k != b"t"}
+    """The hit fields as text; a field another client wrote that is not UTF-8 is dropped
+    (hit counts are a hint: a row is never refused for its metadata)."""
+    out = {}
+    for k, v in meta.items():
+        try:
+            name, value = bytes(k).decode(), bytes(v).decode()
+        except UnicodeDecodeError:
+            continue
+        if name != "t":
+            out[name] = value
+    return out
+
+
+def _stamp(stamp: object) -> float:
+    """A creation time from the metadata hash; none, or not a number (written by hand, or an
+    error in its place): as young as can be, so it is never swept."""
+    try:
+        return float(stamp) if isinstance(stamp, (bytes, str)) else float("inf")
+    except ValueError:
+        return float("inf")
 
 
 def _glob_escape(text: str) -> str:

@@ -2,9 +2,10 @@
 
 Invariants:
 - Every call goes through ``S3Wire.call``, so no botocore exception leaves this module: a
-  missing object is ``CacheKeyError``, a store that cannot be reached, times out or answers
-  5xx (after botocore's bounded retries) is ``CacheNetworkError``, anything else the store
-  refuses (403, no such bucket, bad credentials) is ``CacheIOError``; a lost publish race
+  missing object is ``CacheKeyError``, a store that cannot be reached, times out, throttles
+  (429, SlowDown) or answers 5xx (after botocore's bounded retries) is ``CacheNetworkError``,
+  anything else the store refuses (403, no such bucket, bad credentials, 501 not
+  implemented) is ``CacheIOError``; a lost publish race
   (412) is ``PublishRaceLost``, a signal to the tier, not an error.
 - After a network fault the wire is *down* for ``down_for_s``: calls fail at once with
   ``CacheNetworkError`` instead of waiting out another timeout, so a dead store costs each
@@ -45,9 +46,28 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Codes an S3-compatible store uses for "try again later": treated like a dead connection.
+# Throttling (botocore's own throttling codes, and HTTP 429 whatever the code) is one too.
 _RETRYABLE_CODES = frozenset(
-    ("SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError", "RequestTimeTooSkewed")
+    (
+        "SlowDown",
+        "RequestTimeout",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeTooSkewed",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestThrottledException",
+        "TooManyRequests",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+    )
 )
+# 5xx answers that are a refusal, not an outage: the store does not implement the request
+# (e.g. a conditional PUT); marking the store down would fail its reads too.
+_REFUSED_5XX = frozenset(("NotImplemented",))
 _MISSING_CODES = frozenset(("NoSuchKey", "404", "NotFound"))
 
 
@@ -144,7 +164,9 @@ class S3Wire:
                 # A ranged read past the object's end: it is empty or shorter than any row's
                 # or chunk's head, so junk (replaced by a publish), not a store failure.
                 return CacheFormatError(f"{where}: object shorter than its head")
-            if status >= 500 or code in _RETRYABLE_CODES:
+            if code in _REFUSED_5XX or status == 501:
+                return CacheIOError(f"{where}: store does not implement it ({status} {code})")
+            if status >= 500 or status == 429 or code in _RETRYABLE_CODES:
                 return CacheNetworkError(f"{where}: store answered {status} {code}")
             return CacheIOError(f"{where}: store refused ({status} {code}): {exc}")
         if isinstance(

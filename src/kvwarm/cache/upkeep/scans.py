@@ -34,7 +34,7 @@ from kvwarm.cache.protocols import SetsAside, StoredRow, Tier
 from kvwarm.cache.store.core import CacheCore
 from kvwarm.cache.types import EvictResult
 from kvwarm.cache.upkeep.sharedgc import SharedSweep
-from kvwarm.errors import CacheError, CacheFormatError, CacheKeyError
+from kvwarm.errors import CacheError, CacheFormatError, CacheIOError, CacheKeyError
 
 __all__ = ["CacheUpkeep"]
 
@@ -164,6 +164,10 @@ class CacheUpkeep:
                 bad.append((stored.location or info.key.hex(), str(exc)))
                 if repair:
                     failed.append((tier, info.key, exc))
+            except CacheIOError as exc:
+                # Could not be read at all (EIO, EACCES, a store down): reported, the verify
+                # goes on to the other rows, and nothing is repaired on an I/O failure.
+                bad.append((stored.location or info.key.hex(), f"unreadable: {exc}"))
             finally:
                 self._core.index.checkin(info.key, gen)
         for tier, key, error in failed:  # as a failed read: deleted if local, else forgotten
