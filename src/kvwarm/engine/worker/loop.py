@@ -341,12 +341,20 @@ class Worker:
 
     def _admissible(self) -> bool:
         """Whether ``_admit`` could seat the queue's head now (under _cond)."""
-        if not self._queue or self._blocked_by_idle_job():
+        if self._blocked_by_idle_job():
             return False
-        head = self._queue[0]
-        free = sum(1 for s in self.slots if s.active is None)
-        after = head.after
-        return len(head.group) <= free and (after is None or after.answered)
+        return self._head_fits(sum(1 for s in self.slots if s.active is None))
+
+    def _head_fits(self, free: int) -> bool:
+        """Whether the queue's head may be seated in ``free`` slots now (under _cond). n > 1
+        waits at the head of the queue (FIFO) until all its slots are free; Model refuses an
+        n above n_parallel, so it never waits for ever. A request ``after`` another waits
+        there until that one is answered: it is ahead in the queue or in a slot, so it is
+        answered in time."""
+        if not self._queue or len(self._queue[0].group) > free:
+            return False
+        after = self._queue[0].after
+        return after is None or after.answered
 
     def _cancelled_or_encoded(self) -> bool:
         for slot in self.slots:
@@ -398,16 +406,10 @@ class Worker:
             if not free:
                 return seated
             with self._cond:
-                # n > 1 waits at the head of the queue (FIFO) until all its slots are free;
-                # Model refuses an n above n_parallel, so it never waits for ever. A request
-                # ``after`` another waits there until that one is answered: it is ahead in
-                # the queue or in a slot, so it is answered in time.
-                if not self._queue or len(self._queue[0].group) > len(free):
-                    return seated
-                after = self._queue[0].after
-                if after is not None and not after.answered:
+                if not self._head_fits(len(free)):
                     return seated
                 req = self._queue.popleft()
+                after = req.after
             if req.cancelled.is_set() or (after is not None and not after.finished):
                 self.outcomes.ended_like(req, after)
                 continue
