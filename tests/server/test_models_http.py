@@ -112,6 +112,34 @@ def test_models_dir_is_listed_and_loaded_on_first_use(dir_client: TestClient) ->
     assert "linked" not in _states(dir_client)
 
 
+def test_a_projector_or_part_swapped_for_a_symlink_after_the_scan_is_refused(
+    tmp_path: Path,
+) -> None:
+    # Found by review: the model file was checked at load time, but its projector and the
+    # other parts of a split model (opened by name beside it) were followed through a link.
+    d = tmp_path / "models"
+    d.mkdir()
+    outside = tmp_path / "secret.gguf"
+    outside.write_bytes(b"GGUF not in the directory")
+    for name in (
+        "eye.gguf",
+        "mmproj-eye.gguf",
+        "big-00001-of-00002.gguf",
+        "big-00002-of-00002.gguf",
+    ):
+        (d / name).write_bytes(b"GGUF stub")
+    with TestClient(create_app(stub_settings(models=(), models_dir=d))) as client:
+        wait_ready(client.get)
+        assert _states(client) == {"big": "available", "eye": "available"}
+        for name in ("mmproj-eye.gguf", "big-00002-of-00002.gguf"):
+            (d / name).unlink()
+            os.symlink(outside, d / name)
+        for model in ("eye", "big"):
+            refused = client.post("/v1/completions", json={**BODY, "model": model})
+            assert _code(refused) == (503, "model_load_failed"), refused.json()
+            assert "symlinks are refused" in refused.json()["error"]["message"]
+
+
 def test_new_files_appear_without_a_restart(dir_client: TestClient, models: Path) -> None:
     (models / "gamma.gguf").write_bytes(b"GGUF new")
     assert _states(dir_client)["gamma"] == "available"
