@@ -140,6 +140,28 @@ def test_a_projector_or_part_swapped_for_a_symlink_after_the_scan_is_refused(
             assert "symlinks are refused" in refused.json()["error"]["message"]
 
 
+def test_a_load_by_path_never_takes_the_name_of_an_alias_or_an_adapter(tmp_path: Path) -> None:
+    # Found by review: a path loaded under the id "gpt-4o-mini" (an alias of "a") or "sql" (a
+    # LoRA adapter) took every request naming it, and /v1/models listed the name twice.
+    weights = tmp_path / "other.gguf"
+    weights.write_bytes(b"GGUF other")
+    adapter = tmp_path / "sql.gguf"
+    adapter.write_bytes(b"stub adapter: sql")
+    settings = stub_settings(
+        aliases=(("gpt-4o-mini", "a"),), lora=(("sql", str(adapter)),), admin_key="adm"
+    )
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        for name in ("gpt-4o-mini", "sql"):
+            body = {"path": str(weights), "id": name}
+            refused = client.post("/admin/models/load", json=body, headers=ADMIN)
+            assert _code(refused) == (409, "model_exists"), refused.json()
+            answer = client.post("/v1/completions", json={**BODY, "model": name})
+            assert answer.status_code == 200 and answer.json()["model"] in ("a", "sql")
+        names = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert sorted(names) == ["a", "b", "gpt-4o-mini", "sql"]
+
+
 def test_new_files_appear_without_a_restart(dir_client: TestClient, models: Path) -> None:
     (models / "gamma.gguf").write_bytes(b"GGUF new")
     assert _states(dir_client)["gamma"] == "available"

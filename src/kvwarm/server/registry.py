@@ -514,6 +514,12 @@ class ModelRegistry:
 
     def _admin_entry(self, path: Path, model_id: str | None) -> ModelEntry:
         mid = model_id or model_id_for(path)
+        if mid in self.aliases or mid in self.adapter_models:
+            # Found by review: an entry of that id took every request naming the alias or
+            # adapter (the config refuses such a clash; a load must too).
+            raise ModelExistsError(
+                f"{mid!r} names an alias or a LoRA adapter of this server: give another id"
+            )
         entry = self.entries.get(mid)
         if entry is None:
             spec = ModelSpec(path=str(path), id=mid)
