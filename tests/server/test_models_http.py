@@ -162,6 +162,33 @@ def test_a_load_by_path_never_takes_the_name_of_an_alias_or_an_adapter(tmp_path:
         assert sorted(names) == ["a", "b", "gpt-4o-mini", "sql"]
 
 
+def test_a_models_dir_file_never_takes_the_name_of_an_alias_or_an_adapter(
+    tmp_path: Path,
+) -> None:
+    # Found by review: "gpt-4o-mini.gguf" or "sql.gguf" dropped into models_dir became a model
+    # of that id, which took every request naming the alias or the adapter.
+    d = tmp_path / "models"
+    d.mkdir()
+    adapter = tmp_path / "sql.gguf"
+    adapter.write_bytes(b"stub adapter: sql")
+    settings = stub_settings(
+        models=(ModelSpec(path="stub-a", id="a"),),
+        models_dir=d,
+        aliases=(("gpt-4o-mini", "a"),),
+        lora=(("sql", str(adapter)),),
+    )
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        for name in ("gpt-4o-mini.gguf", "sql.gguf", "c.gguf"):
+            (d / name).write_bytes(b"GGUF stub")
+        names = sorted(m["id"] for m in client.get("/v1/models").json()["data"])
+        assert names == ["a", "c", "gpt-4o-mini", "sql"]
+        for name in ("gpt-4o-mini", "sql"):
+            answer = client.post("/v1/completions", json={**BODY, "model": name})
+            assert answer.status_code == 200 and answer.json()["model"] in ("a", "sql")
+        assert _states(client)["a"] == "ready"
+
+
 def test_new_files_appear_without_a_restart(dir_client: TestClient, models: Path) -> None:
     (models / "gamma.gguf").write_bytes(b"GGUF new")
     assert _states(dir_client)["gamma"] == "available"
