@@ -37,7 +37,7 @@ from kvwarm.server.admin import models as admin_models
 from kvwarm.server.admin import routes as admin_routes
 from kvwarm.server.anthropic import routes as anthropic_routes
 from kvwarm.server.errors import ERROR_RESPONSES, HTTPError, error_response, shaped_body
-from kvwarm.server.guard import Guard, send_json
+from kvwarm.server.guard import Guard, exposure_warnings, send_json
 from kvwarm.server.openai import chat as openai_chat
 from kvwarm.server.openai import completions as openai_completions
 from kvwarm.server.openai import embeddings as openai_embeddings
@@ -123,6 +123,8 @@ def create_app(
     one whose models are proxies for engine replicas). ``on_fatal(reason)`` is called (from the
     loader thread) if no model can be served at all."""
     settings.check()
+    for warning in exposure_warnings(settings):
+        log.warning("%s", warning)
     state = state if state is not None else ServerState(settings, on_fatal)
 
     @asynccontextmanager
