@@ -31,8 +31,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm._version import __version__
 from kvwarm.errors import KvwarmError
+from kvwarm.server import apidocs, webui
 from kvwarm.server import rerank as rerank_routes
-from kvwarm.server import webui
 from kvwarm.server.admin import models as admin_models
 from kvwarm.server.admin import routes as admin_routes
 from kvwarm.server.anthropic import routes as anthropic_routes
@@ -139,8 +139,9 @@ def create_app(
         title="kvwarm",
         version=__version__,
         lifespan=lifespan,
-        docs_url="/docs",  # Swagger UI; its script and style come from a CDN
+        docs_url=None,  # /docs is apidocs' (with a CSP), when api_docs is on
         redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
         openapi_url="/openapi.json",
         responses=ERROR_RESPONSES,
     )
@@ -148,6 +149,8 @@ def create_app(
     app.state.kvwarm = state
     for router in ROUTERS:
         app.include_router(router)
+    if settings.api_docs:
+        app.include_router(apidocs.router("/openapi.json", app.title))
     app.include_router(webui.router())
     _add_error_handlers(app)
     _add_middleware(app, state, settings)

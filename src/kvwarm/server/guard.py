@@ -46,7 +46,7 @@ ADMIN_PREFIXES: tuple[str, ...] = ("/cache/", "/admin/", "/cluster")
 #: Admin operations outside those prefixes, by (method, path): llama-server's route that sets
 #: what every later request of a model runs under (``server/lora.py``).
 ADMIN_ROUTES = frozenset({("POST", "/lora-adapters")})
-OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/"})
+OPEN_PATHS = frozenset({"/health", "/docs", "/openapi.json", "/"})
 OPEN_PREFIXES: tuple[str, ...] = ("/ui/",)  # the web page's static files (webui.py)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})

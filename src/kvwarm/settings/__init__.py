@@ -266,6 +266,13 @@ class Settings(ModelSettings, ServingSettings):
         default=False,
         description="derive a cache salt from the bearer token, so each API key is a tenant",
     )
+    # /docs (server/apidocs.py) runs Swagger UI's script from a CDN, and keys are typed there.
+    api_docs: Bool = Field(
+        default=True,
+        description="serve the Swagger UI page at /docs (its script comes from a CDN); "
+        "--no-api-docs: none (/openapi.json stays)",
+        json_schema_extra={"negatable": True},
+    )
     # Browser defence (server/guard.py): a page elsewhere must not drive a local server.
     allowed_origins: StrTuple = Field(
         default=(),
