@@ -7,6 +7,7 @@ import base64
 import http.server
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -505,6 +506,75 @@ def test_a_listed_name_is_connected_to_the_address_looked_up(
     assert media._fetch(url, "image", _settings(f"images.test:{png_port}")) == png(1)
     assert images_test.count("images.test") == 1
     assert _PngHandler.hosts == [f"images.test:{png_port}"]
+
+
+def _self_signed(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A certificate for ``name`` (and its key), signed by itself."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+@pytest.mark.parametrize("served_name", ["images.test", "other.test"])
+def test_https_to_the_address_looked_up_checks_the_certificate_of_the_name(
+    images_test: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    served_name: str,
+) -> None:
+    """The socket goes to the pinned address, while TLS sends the URL's name (SNI) and checks
+    the certificate against it: a server whose certificate is another name's is refused."""
+    cert, key = _self_signed(tmp_path, served_name)
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PngHandler)
+    server.socket = server_tls.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    trusting = ssl.create_default_context(cafile=str(cert))
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: trusting)
+    try:
+        port = server.server_address[1]
+        url = f"https://images.test:{port}/cat.png"
+        settings = _settings(f"images.test:{port}")
+        if served_name == "images.test":
+            assert media._fetch(url, "image", settings) == png(1)
+        else:
+            with pytest.raises(MediaError):
+                media._fetch(url, "image", settings)
+        assert images_test.count("images.test") == 1
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_refused_connection_is_not_told_to_the_client(caplog: pytest.LogCaptureFixture) -> None:
