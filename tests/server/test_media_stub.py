@@ -430,6 +430,7 @@ def test_any_host_is_only_a_public_one_on_a_web_port(
     url = f"http://127.0.0.1:{png_port}/cat.png"
     assert media._fetch(url, "image", _settings(f"127.0.0.1:{png_port}")) == png(1)
     assert _refused_code(url, _settings("*")) == "media_fetch_refused"  # the port
+    assert _refused_code("http://example.com:0/a.png", _settings("*")) == "media_fetch_refused"
     # On a port it allows (the test server's), loopback is refused for being loopback.
     monkeypatch.setattr(media, "WEB_PORTS", frozenset({80, 443, png_port}))
     assert _refused_code(url, _settings("*")) == "media_fetch_refused"

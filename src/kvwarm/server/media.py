@@ -197,22 +197,25 @@ def _resolve(host: str, port: int) -> list[tuple[int, str]]:
     return [(family, str(sockaddr[0])) for family, _, _, _, sockaddr in found]
 
 
-def _connector(addresses: Sequence[str]) -> Callable[..., socket.socket]:
+def _connector(addresses: Sequence[str], deadline: float) -> Callable[..., socket.socket]:
     """``http.client``'s ``_create_connection`` for addresses already checked: the socket goes
     to one of them whatever the name resolves to by now (no second lookup a rebinding DNS
     server could answer differently), while the Host header and TLS's server name stay the
-    URL's host."""
+    URL's host. All the tries end by ``deadline`` (``time.monotonic``)."""
 
     def connect(
         address: tuple[str, int], timeout: float | None = None, source: object = None
     ) -> socket.socket:
         error: OSError | None = None
         for ip in addresses:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             try:
-                return socket.create_connection((ip, address[1]), timeout)
+                return socket.create_connection((ip, address[1]), min(left, timeout or left))
             except OSError as exc:
                 error = exc
-        raise error or OSError(f"no address for {address[0]}")
+        raise error or TimeoutError(f"no connection to {address[0]} in time")
 
     return connect
 
@@ -236,9 +239,10 @@ def _target(url: str, where: str, settings: Settings) -> tuple[str, int, list[st
         )
     host = (split.hostname or "").lower()
     try:
-        port = split.port or (443 if split.scheme == "https" else 80)
+        given = split.port  # ":0" is port 0, never the scheme's default
     except ValueError:
         raise _refused(where, f"{url!r} has no valid port") from None
+    port = given if given is not None else 443 if split.scheme == "https" else 80
     rules = settings.media_fetch_rules()
     if not host:
         raise _refused(where, f"{url!r} names no host")
@@ -300,13 +304,14 @@ def _get(url: str, host: str, port: int, addresses: Sequence[str], limit: int) -
         )
     else:
         connection = http.client.HTTPConnection(host, port, timeout=FETCH_TIMEOUT_S)
-    connection._create_connection = _connector(addresses)  # type: ignore[attr-defined]
+    # FETCH_TIMEOUT_S bounds the whole fetch (connecting included), not only each read: a
+    # host trickling its bytes never trips a read's timeout. (The last read may take up to
+    # that long once more.)
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
+    connection._create_connection = _connector(addresses, deadline)  # type: ignore[attr-defined]
     target = split.path or "/"
     if split.query:
         target += "?" + split.query
-    # FETCH_TIMEOUT_S bounds the whole fetch, not only each read: a host trickling its bytes
-    # never trips a read's timeout. (The last read may take up to that long once more.)
-    deadline = time.monotonic() + FETCH_TIMEOUT_S
     try:
         # One request, its answer taken as it is: a redirect is never followed.
         connection.request("GET", target, headers={"User-Agent": "kvwarm"})
