@@ -20,6 +20,7 @@ from kvwarm.cluster.replica import EngineReplica
 from kvwarm.cluster.routing import ClusterIndex
 from kvwarm.errors import InvalidRequestError
 from kvwarm.server.app import create_app
+from kvwarm.settings import ModelSpec
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence, always politely."}
 
@@ -360,5 +361,23 @@ def test_startup_prompts_reach_the_api_key_tenant_through_the_replicas() -> None
             )
             assert response.status_code == 200, response.text
             assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    finally:
+        body.engine.close()
+
+
+def test_fill_in_the_middle_of_a_token_prompt_through_the_ingress() -> None:
+    """A token-id prompt with a ``suffix`` is detokenized by a replica: off the event loop,
+    where a blocking handle call may run (under Ray ``.result()`` on the loop is refused,
+    here ``asyncio.run``: both were a 503 before). Found by review."""
+    settings = stub_settings(models=(ModelSpec(path="stub-fim", id="coder"),))
+    body = EngineReplica(settings, replica_id="replica-fim")
+    try:
+        with TestClient(create_ingress_app(settings, DirectCalls(body))) as c:
+            wait_ready(c.get)
+            request = {"model": "coder", "prompt": [100, 101, 102], "suffix": "\n", "max_tokens": 2}
+            response = c.post("/v1/completions", json=request)
+            assert response.status_code == 200, response.text
+            # BOS, FIM_PRE, the prefix's three bytes, FIM_SUF, the suffix's byte, FIM_MID.
+            assert response.json()["usage"]["prompt_tokens"] == 1 + 1 + 3 + 1 + 1 + 1
     finally:
         body.engine.close()
