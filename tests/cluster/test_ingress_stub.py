@@ -381,3 +381,29 @@ def test_fill_in_the_middle_of_a_token_prompt_through_the_ingress() -> None:
             assert response.json()["usage"]["prompt_tokens"] == 1 + 1 + 3 + 1 + 1 + 1
     finally:
         body.engine.close()
+
+
+class LostOnTemplate(DirectCalls):
+    """Ops reach a replica that is lost while rendering a template (``apply_chat_template``,
+    which the ingress asks to learn whether a model renders tools natively)."""
+
+    def op(self, op: ModelOp) -> object:
+        if op.op == "apply_chat_template":
+            raise ActorDiedError()
+        return super().op(op)
+
+
+def test_a_replica_lost_while_probing_the_template_for_tools_is_a_503(
+    replica: EngineReplica,
+) -> None:
+    # Not "the template renders no tools": that would run the request with the tools
+    # emulated in the prompt, a different prompt than the model's own. Found by review.
+    calls = LostOnTemplate(replica)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    with TestClient(create_ingress_app(stub_settings(), calls)) as c:
+        wait_ready(c.get)
+        body = {"model": "a", "messages": [SYSTEM], "max_tokens": 3, "tools": [tool]}
+        response = c.post("/v1/chat/completions", json=body)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "replica_unavailable"
+    assert calls.calls == []  # nothing generated with a prompt the model would not render
