@@ -4,13 +4,17 @@ name, with plain arguments; an operation declared there and forgotten here fails
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
+
 import pytest
 
-from kvwarm.cluster.calls import Failed, Generate, ModelOp
+from kvwarm.cluster.calls import Failed, Finished, Generate, ModelOp, Served
+from kvwarm.cluster.chains import chat_chain, text_chain
 from kvwarm.cluster.remote import RemoteModel, ResponseStream
 from kvwarm.engine.ops import CALLS, OPS, ModelOps
 from kvwarm.engine.prompts import ExtraFile
-from kvwarm.engine.types import ModelInfo
+from kvwarm.engine.types import Completion, CompletionStats, GenerationOptions, ModelInfo
 from kvwarm.errors import FimNotSupportedError
 
 
@@ -84,3 +88,65 @@ def test_a_replica_error_is_raised_as_itself() -> None:
     model, _ = _remote(answer=Failed(FimNotSupportedError("no FIM tokens")))
     with pytest.raises(FimNotSupportedError):
         model.infill_tokens("a", "b")
+
+
+class Scripted:
+    """A replica's generation as the handle streams it, from a script of items."""
+
+    def __init__(self, items: list[object]) -> None:
+        self._items = iter(items)
+
+    def __anext__(self) -> Awaitable[object]:
+        async def step() -> object:
+            for item in self._items:
+                return item
+            raise StopAsyncIteration
+
+        return step()
+
+    def cancel(self) -> None:
+        pass
+
+
+def _finished(key: bytes) -> Finished:
+    stats = CompletionStats(
+        prompt_tokens=8,
+        cached_tokens=0,
+        completion_tokens=2,
+        prefill_ms=0.0,
+        generation_ms=0.0,
+        queue_ms=0.0,
+        cache_hit="cold",
+        finish_reason="stop",
+        key=key,
+    )
+    return Finished(Completion("yo", (), (), stats))
+
+
+def test_a_conversation_under_other_lora_adapters_is_another_chain() -> None:
+    """Rows and live KV never cross adapter sets, so neither may the chain a request is
+    routed by, nor the previous turn's row it names as ``parent_key``: the same messages
+    under an adapter and under the plain model were one chain (found by review)."""
+    sent: list[Generate] = []
+
+    def stream(call: Generate) -> ResponseStream:
+        sent.append(call)
+        return Scripted([Served("r1"), _finished(bytes([len(sent)]) * 32)])
+
+    info = ModelInfo("m", "stub", "stub", 512, 64, 2, 100, 512, 8, 0, "", "00", "fast", "ram", True)
+    model = RemoteModel(info, stream, Recorder())
+    turn1 = [{"role": "user", "content": "hi"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}]
+    adapter = GenerationOptions(lora=((1, 1.0),))
+    plain = GenerationOptions(lora=())  # a model with adapters, none on for this request
+    asyncio.run(model.stream_chat(turn1, options=adapter).aresult())
+    asyncio.run(model.stream_chat(turn2, options=plain).aresult())
+    assert sent[1].chain[0] != sent[0].chain[0]
+    assert sent[1].options.parent_key is None  # not the adapter's row
+    asyncio.run(model.stream_chat(turn2, options=adapter).aresult())
+    assert sent[2].chain[0] == sent[0].chain[0]
+    assert sent[2].options.parent_key == bytes([1]) * 32
+    # No adapter on (an empty set, or scale 0) is the plain model's chain, as its rows are.
+    assert chat_chain("m", turn1, lora=()) == chat_chain("m", turn1)
+    assert chat_chain("m", turn1, lora=((1, 0.0),)) == chat_chain("m", turn1)
+    assert text_chain("m", "x" * 600, lora=((2, 0.5),)) != text_chain("m", "x" * 600)

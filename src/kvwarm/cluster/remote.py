@@ -266,7 +266,7 @@ class RemoteModel(ModelOps):
 
     ``on_served`` is told which replica served each generation (the ingress puts it in a
     response header). Chains are computed here, in the ingress, from the request's messages
-    or prompt, its cache salt and its tools."""
+    or prompt, its cache salt, its tools and its LoRA adapters."""
 
     def __init__(
         self,
@@ -354,7 +354,8 @@ class RemoteModel(ModelOps):
         prefill: str = "",
     ) -> RemoteStream:
         salt = options.cache_salt if options else None
-        chain = chains.chat_chain(self.id, messages, cache_salt=salt, tools=tools)
+        lora = options.lora if options else None
+        chain = chains.chat_chain(self.id, messages, cache_salt=salt, tools=tools, lora=lora)
         return self._generate(
             "chat", options, messages=list(messages), tools=tools, prefill=prefill, chain=chain
         )
@@ -363,7 +364,8 @@ class RemoteModel(ModelOps):
         self, kind: GenerateKind, prompt: str | Sequence[int], options: GenerationOptions | None
     ) -> RemoteStream:
         salt = options.cache_salt if options else None
-        chain = chains.text_chain(self.id, prompt, cache_salt=salt)
+        lora = options.lora if options else None
+        chain = chains.text_chain(self.id, prompt, cache_salt=salt, lora=lora)
         value = prompt if isinstance(prompt, str) else tuple(prompt)
         return self._generate(kind, options, prompt=value, chain=chain)
 
