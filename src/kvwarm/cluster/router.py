@@ -68,9 +68,11 @@ def route_request(pending: PendingRequest | None) -> RouteRequest:
 def request_namespace(call: Generate, replicas: Sequence[RunningReplica]) -> Namespace | None:
     """The cache namespace ``call``'s prompt is keyed in: its model's, as the replicas report
     it (``EngineReplica.record_routing_stats``), salted by its cache salt. None when no
-    replica reported it yet, or when the call names LoRA adapters of its own (their set is
-    folded into the namespace on the replica)."""
-    if call.options.lora is not None:
+    replica reported it yet, or when the call runs under LoRA adapters (their set is folded
+    into the namespace on the replica); an empty set, or adapters at scale 0, is the plain
+    model's namespace (what the server sends for a plain request of a model with adapters,
+    whose own set it keeps empty: ``server/lora.py``)."""
+    if any(scale != 0.0 for _, scale in call.options.lora or ()):
         return None
     for replica in replicas:
         stats = replica.routing_stats or {}
