@@ -116,6 +116,24 @@ def test_served_notes_count_before_the_replicas_events_arrive() -> None:
     assert index.held("b") == 2
 
 
+def test_a_served_note_arriving_after_its_replica_died_does_not_revive_it() -> None:
+    # The ingress reads a reply's end after Ray told the router its replica died (a kill just
+    # as the reply ended): the note must not list the dead replica as running again, with a
+    # live slot, until the next change of replicas. Found by review.
+    index = ClusterIndex()
+    index.retain({"a": "n1", "b": "n1"})
+    index.died("b")
+    index.note_served("b", ("h1",), key("k"), 80)
+    health = {r["id"]: r["health"] for r in index.describe()["replicas"]}  # type: ignore[index, union-attr]
+    assert health == {"a": "running", "b": "dead"}
+    assert index.held("b") == 0
+    # Its row is a fact wherever it is: a replica reading the shared copy finds it by the link.
+    log = EventLog(PLACES)
+    log.row_stored(row("k", "disk", 80))
+    feed(index, "a", "n1", log)
+    assert index.reach(("h1",), None, {"a": "n1"}) == {"a": {"local": 80}}
+
+
 def test_a_gap_wants_a_snapshot_and_a_replay_changes_nothing() -> None:
     log = EventLog(PLACES, window=1)
     index = ClusterIndex()

@@ -223,13 +223,17 @@ class ClusterIndex:
         self, replica: str, chain: Sequence[str], key: bytes | None, n_tokens: int
     ) -> None:
         """The ingress saw ``replica`` finish a request with ``chain`` (before the replica's
-        events say so): its slot holds the conversation, its finish row is ``key``."""
+        events say so): its slot holds the conversation, its finish row is ``key``. A
+        replica already known dead (the reply's end read after Ray said so) holds no slot:
+        only the link, a fact about the row wherever it is, is kept."""
         if not chain:
             return
         with self._lock:
-            state = self._replica(replica, None)
             if key is not None:
                 self._link(chain[-1], key)
+            if replica in self._dead:
+                return
+            state = self._replica(replica, None)
             self._set_live(replica, state, Live(chain[-1], key, n_tokens))
 
     def retain(self, running: Mapping[str, str | None]) -> None:
