@@ -8,10 +8,11 @@ import asyncio
 from collections.abc import Awaitable
 
 import pytest
+from ray.exceptions import ActorUnavailableError
 
 from kvwarm.cluster.calls import Failed, Finished, Generate, ModelOp, Served
 from kvwarm.cluster.chains import chat_chain, text_chain
-from kvwarm.cluster.remote import RemoteModel, ResponseStream
+from kvwarm.cluster.remote import RemoteModel, RemoteStream, ResponseStream
 from kvwarm.engine.ops import CALLS, OPS, ModelOps
 from kvwarm.engine.prompts import ExtraFile
 from kvwarm.engine.types import Completion, CompletionStats, GenerationOptions, ModelInfo
@@ -150,3 +151,40 @@ def test_a_conversation_under_other_lora_adapters_is_another_chain() -> None:
     assert chat_chain("m", turn1, lora=()) == chat_chain("m", turn1)
     assert chat_chain("m", turn1, lora=((1, 0.0),)) == chat_chain("m", turn1)
     assert text_chain("m", "x" * 600, lora=((2, 0.5),)) != text_chain("m", "x" * 600)
+
+
+class Unreachable(Scripted):
+    """A replica Ray says is unavailable (it may still be running the call)."""
+
+    def __init__(self) -> None:
+        super().__init__([Served("r-lost")])
+        self.cancelled = False
+        self._served = False
+
+    def __anext__(self) -> Awaitable[object]:
+        if self._served:
+            raise ActorUnavailableError("unreachable", None)
+        self._served = True
+        return super().__anext__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_call_sent_again_cancels_the_attempt_it_gave_up() -> None:
+    """An unreachable replica may still be generating: sending the call elsewhere must not
+    leave it running to ``max_tokens`` in a slot nobody reads (found by review)."""
+    attempts: list[ResponseStream] = []
+
+    def start(avoid: tuple[str, ...]) -> ResponseStream:
+        response: ResponseStream = (
+            Unreachable() if not attempts else Scripted([Served("r2"), _finished(b"k" * 32)])
+        )
+        attempts.append(response)
+        return response
+
+    stream = RemoteStream(start, lambda _replica: None)
+    done = asyncio.run(stream.aresult())
+    assert done.text == "yo" and stream.lost == ["r-lost"]
+    first = attempts[0]
+    assert isinstance(first, Unreachable) and first.cancelled

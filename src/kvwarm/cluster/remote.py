@@ -177,6 +177,11 @@ class RemoteStream:
         self.replica_id = None
         self.attempts += 1
         self._on_retry()
+        # A replica Ray calls unavailable may still be running it: no slot for nobody.
+        try:
+            self._response.cancel()
+        except Exception as cancel_exc:  # a dead replica's call: nothing left to cancel
+            log.debug("the lost call was not cancelled: %s", cancel_exc)
         self._response = self._start(tuple(dict.fromkeys(r for r in self.lost if r is not None)))
         return True
 
