@@ -333,3 +333,26 @@ async def test_a_prompts_tokens_reach_the_replica_holding_its_chunks() -> None:
         [a, b], FakePending([dataclasses.replace(call, options=adapted)])
     )  # type: ignore[arg-type]
     assert [g[0].name for g in groups] == ["a", "b"]
+
+
+def test_an_application_that_fails_to_deploy_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Serve raises a bare RuntimeError when the application fails to deploy (a replica
+    whose model cannot load); ``kvwarm cluster`` said so with a traceback. Found by review."""
+    from ray import serve
+
+    from kvwarm.cli import main
+    from kvwarm.cluster import deploy
+
+    def failed(*_a: object, **_k: object) -> None:
+        raise RuntimeError("Deploying application kvwarm failed: ModelNotFoundError: no file")
+
+    monkeypatch.setattr(deploy, "start_ray", lambda *_a, **_k: None)
+    monkeypatch.setattr(deploy, "shutdown", lambda **_k: None)
+    monkeypatch.setattr(deploy, "alive_nodes", lambda: 1)
+    monkeypatch.setattr(serve, "start", lambda **_k: None)
+    monkeypatch.setattr(serve, "run", failed)
+    assert main(["cluster", "--backend", "stub", "--model", "a=stub-a"]) == 1
+    err = capsys.readouterr().err
+    assert "the application did not start" in err and "ModelNotFoundError: no file" in err

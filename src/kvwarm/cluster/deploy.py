@@ -40,6 +40,7 @@ from kvwarm.cluster.remote import ResponseStream
 from kvwarm.cluster.replica import EngineReplica
 from kvwarm.cluster.routing import RoutingConfig, check_policy, index_for
 from kvwarm.cluster.routing.index import index_name
+from kvwarm.errors import KvwarmError
 from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.cluster")
@@ -201,15 +202,19 @@ def run(
     stats_period_s: float = STATS_PERIOD_S,
 ) -> DeploymentHandle[EngineReplica]:
     """Deploy on the current Ray cluster (``start_ray`` first) and wait until it is healthy;
-    the HTTP proxy listens on ``settings.host:settings.port``."""
+    the HTTP proxy listens on ``settings.host:settings.port``. ``KvwarmError`` with Serve's
+    reason when the application fails to deploy (a replica that cannot load its model)."""
     serve.start(
         proxy_location=proxy_location(settings.host),
         http_options={"host": settings.host, "port": settings.port},
     )
     app = build_app(settings, router=router, stats_period_s=stats_period_s, nodes=alive_nodes())
-    handle: DeploymentHandle[EngineReplica] = serve.run(
-        app, name=APP_NAME, route_prefix="/", blocking=False
-    )
+    try:
+        handle: DeploymentHandle[EngineReplica] = serve.run(
+            app, name=APP_NAME, route_prefix="/", blocking=False
+        )
+    except RuntimeError as exc:  # DEPLOY_FAILED: a replica's constructor error is in its message
+        raise KvwarmError(f"kvwarm cluster: the application did not start: {exc}") from exc
     log.info(
         "kvwarm cluster: %d replica(s), %s router, http://%s:%d",
         settings.replicas,
