@@ -356,3 +356,36 @@ def test_an_application_that_fails_to_deploy_is_a_clear_error(
     assert main(["cluster", "--backend", "stub", "--model", "a=stub-a"]) == 1
     err = capsys.readouterr().err
     assert "the application did not start" in err and "ModelNotFoundError: no file" in err
+
+
+class _FakeHandle:
+    """What ``HandleCalls`` reads of the engine deployment's handle (no call is made)."""
+
+    call = None
+    generate = None
+
+    def options(self, **_kw: object) -> _FakeHandle:
+        return self
+
+
+def test_the_ingress_meets_its_routers_index_under_any_application_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``serve run kvwarm.cluster.serve_app:app`` names the application "default" (a
+    RayService, its own name): the router keys its index by that name, and the ingress,
+    keying it by "kvwarm", fed and read another, so ``/cluster`` listed no replica and the
+    served notes reached no router. Found by review."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from kvwarm.cluster import deploy
+
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(app_name="llm"))
+    body = deploy.Ingress(Settings(backend="stub"), _FakeHandle())  # type: ignore[arg-type]
+    app = body.__serve_build_asgi_app__()
+    state = app.state.kvwarm  # type: ignore[attr-defined]
+    engine = DeploymentID(name=deploy.ENGINE, app_name="llm")
+    r = AffinityRouter(deployment_id=engine, handle_source=DeploymentHandleSource.UNKNOWN)
+    r.initialize_state(policy="events")
+    assert state.index is r.index

@@ -30,6 +30,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
@@ -75,9 +76,19 @@ class Ingress:
         self._engine = engine
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        # The index the engine deployment's router in this process feeds (``router.py``).
-        index = index_for(index_name(APP_NAME, ENGINE))
+        # The index the engine deployment's router in this process feeds (``router.py``),
+        # keyed by this application's name: "kvwarm" from ``run``, but ``serve run`` names it
+        # "default" and a RayService its own.
+        index = index_for(index_name(_application_name(), ENGINE))
         return create_ingress_app(self._settings, HandleCalls(self._engine), index)
+
+
+def _application_name() -> str:
+    """The Serve application this replica belongs to (``APP_NAME`` outside a replica)."""
+    try:
+        return str(serve.get_replica_context().app_name)
+    except RayServeException:  # not in a replica (tests build the app directly)
+        return APP_NAME
 
 
 def _deployment(cls: type, **options: Any) -> Deployment:
