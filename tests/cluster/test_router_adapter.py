@@ -389,3 +389,35 @@ def test_the_ingress_meets_its_routers_index_under_any_application_name(
     r = AffinityRouter(deployment_id=engine, handle_source=DeploymentHandleSource.UNKNOWN)
     r.initialize_state(policy="events")
     assert state.index is r.index
+
+
+def test_a_stop_signal_while_the_application_deploys_stops_kvwarm_cluster(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Serve waits for the application to run with no deadline (replicas that cannot be
+    placed, a model loading for minutes): SIGTERM or Ctrl-C then only marked the stop, and
+    the process went on waiting, unstoppable but by SIGKILL. Found by review."""
+    import os
+    import signal
+    import threading
+
+    from ray import serve
+
+    from kvwarm.cli import main
+    from kvwarm.cluster import deploy
+
+    removed: list[bool] = []
+
+    def deploying(*_a: object, **_k: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # a stop asked while Serve waits
+        threading.Event().wait(5.0)  # Serve's own wait for RUNNING, interruptible
+        raise AssertionError("the stop signal did not end the deploy's wait")
+
+    monkeypatch.setattr(deploy, "start_ray", lambda *_a, **_k: None)
+    monkeypatch.setattr(deploy, "shutdown", lambda **_k: removed.append(True))
+    monkeypatch.setattr(deploy, "alive_nodes", lambda: 1)
+    monkeypatch.setattr(serve, "start", lambda **_k: None)
+    monkeypatch.setattr(serve, "run", deploying)
+    assert main(["cluster", "--backend", "stub", "--model", "a=stub-a"]) == 0
+    assert removed == [True]  # the application (and an own Ray) removed on the way out
+    assert "kvwarm cluster: http://" not in capsys.readouterr().out
