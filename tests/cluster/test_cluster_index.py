@@ -134,6 +134,27 @@ def test_a_served_note_arriving_after_its_replica_died_does_not_revive_it() -> N
     assert index.reach(("h1",), None, {"a": "n1"}) == {"a": {"local": 80}}
 
 
+def test_a_snapshot_keeps_the_shared_copies_no_replica_vouches_for() -> None:
+    # A snapshot replaced what its replica vouched for by dropping all of it first: its own
+    # shared copies passed through the bounded set of unvouched ones and pushed out copies
+    # a dead replica left, whose bytes are still there to restore. Found by review.
+    index = ClusterIndex(unvouched=2)
+    index.retain({"d": "n1", "a": "n1"})
+    dead = EventLog(PLACES, epoch="d")
+    for name in ("k1", "k2"):
+        dead.row_stored(row(name, "disk", 100))
+    feed(index, "d", "n1", dead)
+    log = EventLog(PLACES, epoch="a")
+    log.row_stored(row("k3", "disk", 100))
+    feed(index, "a", "n1", log)
+    index.died("d")  # k1, k2: unvouched now, their bytes in n1's directory
+    assert index.load_snapshot("a", log.snapshot())
+    alive = {"a": "n1"}
+    for name in ("k1", "k2", "k3"):
+        assert index.reach((), key(name), alive) == {"a": {"local": 100}}, name
+    assert index.sizes()["unvouched"] == 2
+
+
 def test_a_gap_wants_a_snapshot_and_a_replay_changes_nothing() -> None:
     log = EventLog(PLACES, window=1)
     index = ClusterIndex()

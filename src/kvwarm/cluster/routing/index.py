@@ -527,7 +527,15 @@ class ClusterIndex:
         state.vouches.clear()
 
     def _load(self, replica: str, state: _Replica, snap: Snapshot) -> None:
-        self._drop_facts(replica, state)
+        # Only what the snapshot no longer holds is dropped: a copy it still vouches for
+        # never passes through the bounded unvouched set, where it would push out a copy
+        # no replica vouches for (a dead one's, its bytes still there).
+        held = {(row.key, self._store(replica, state, row.scope, row.tier)) for row in snap.rows}
+        for key, store in list(state.vouches):
+            if (key, store) not in held:
+                self._drop_copy(replica, state, key, store, bytes_kept=True)
+        for end in list(state.live):
+            self._unset_live(replica, state, end)
         state.epoch, state.seq, state.slots = snap.epoch, snap.seq, snap.slots
         for row in snap.rows:
             self._add_copy(replica, state, row)
