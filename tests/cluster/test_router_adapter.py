@@ -105,6 +105,20 @@ async def test_its_own_routes_count_before_any_report() -> None:
     assert [[x.name for x in g] for g in moved] == [["a"]]
 
 
+async def test_a_replica_that_leaves_loses_its_routes_and_a_stats_change_keeps_them() -> None:
+    # Ray updates the replicas on every change of a replica's routing stats: the table is
+    # scanned for routes to forget only when the set of replicas changed.
+    r = router()
+    a, b = FakeReplica("a"), FakeReplica("b")
+    r.update_replicas([a, b])  # type: ignore[list-item]
+    r.on_request_routed(chat("hello"), b.replica_id, None)  # type: ignore[arg-type]
+    b.routing_stats = {"in_flight": 1}
+    r.update_replicas([a, b])  # type: ignore[list-item]
+    assert r._table.count(full_id(b)) == 1  # type: ignore[attr-defined]
+    r.update_replicas([a])  # type: ignore[list-item]
+    assert r._table.count(full_id(b)) == 0  # type: ignore[attr-defined]
+
+
 async def test_its_own_route_counts_the_prompt_tokens_it_sent() -> None:
     r = router("events")
     a, b = FakeReplica("a"), FakeReplica("b")
