@@ -6,7 +6,9 @@ the server maps exception *types* to HTTP statuses, never message text.
 
     KvwarmError
     ├── ConfigError            (also ValueError)  bad settings, caught at construction
-    │   └── UnsafeCacheDirError                   a cache directory other users can write
+    │   ├── UnsafeCacheDirError                   a cache directory other users can write
+    │   └── CacheDirMissingError                  a read-only open of a cache directory
+    │                                             that does not exist (never created)
     ├── InvalidRequestError    (also ValueError)  bad per-request options or inputs
     │   ├── ContextOverflowError                  prompt (+ generation) exceeds n_ctx
     │   ├── GrammarError                          GBNF / JSON schema that does not compile
@@ -51,6 +53,16 @@ class ConfigError(KvwarmError, ValueError):
 class UnsafeCacheDirError(ConfigError):
     """A cache directory is writable by other users and not ours to fix (we refuse it: anyone
     who can write it can swap rows, or plant links that make us write elsewhere)."""
+
+
+class CacheDirMissingError(ConfigError):
+    """A file tier opened read-only (``kvwarm cache stats``, ``ls``, ``verify``) whose
+    directory does not exist: an inspection creates nothing. ``tier`` and ``path`` name it."""
+
+    def __init__(self, message: str, *, tier: str, path: str) -> None:
+        super().__init__(message)
+        self.tier = tier
+        self.path = path
 
 
 class InvalidRequestError(KvwarmError, ValueError):

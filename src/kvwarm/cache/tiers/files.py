@@ -22,7 +22,8 @@ Invariants:
 - Hit counts and last-used times are the header's hit fields, rewritten in place without a
   sync (``set_meta``): outside every CRC, an eviction hint.
 - With ``repair=False`` nothing in the directory is moved or deleted by a scan, and the tier
-  does not register as a co-tenant.
+  does not register as a co-tenant; nor is the directory created or its mode (or its
+  parent's) tightened: a missing root is ``CacheDirMissingError``.
 - Every process that opens a local directory for writing registers in it (``cotenants.py``):
   once another one has, ``cotenanted()`` says our chunk refcounts no longer cover every row.
 - A directory shared by several hosts (``shared_dir``: NFS, CephFS) is not local (hits are
@@ -60,7 +61,13 @@ from kvwarm.cache.tiers.objects import CHUNK_DIR, META_HITS, META_LAST_USED, Got
 from kvwarm.cache.tiers.publish import PUBLISH_STEPS, FilePut, Publisher, StepHook
 from kvwarm.cache.tiers.registry import registered_tiers, tier_spec
 from kvwarm.cache.types import TierName
-from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError, ConfigError
+from kvwarm.errors import (
+    CacheDirMissingError,
+    CacheFormatError,
+    CacheIOError,
+    CacheKeyError,
+    ConfigError,
+)
 
 __all__ = [
     "FILE_CAPABILITIES",
@@ -92,6 +99,7 @@ class FileStore:
         stale_tmp_s: float = 3600.0,
         multi_host: bool = False,
         register: bool = True,
+        create: bool = True,
         on_step: StepHook | None = None,
     ) -> None:
         self._tier = tier
@@ -102,7 +110,15 @@ class FileStore:
         self._publisher = Publisher(tier, on_step)
         self._lock = threading.Lock()  # guards closing the directory fd
         try:
-            self._dir = open_private_dir(root)
+            self._dir = open_private_dir(root, create=create)
+        except FileNotFoundError:
+            if create:
+                raise ConfigError(f"cannot create cache root {root}") from None
+            raise CacheDirMissingError(
+                f"{tier}: cache directory {root} does not exist (not created: opened read-only)",
+                tier=tier,
+                path=str(root),
+            ) from None
         except NotADirectoryError:
             raise ConfigError(f"cache root {root} is not a directory") from None
         except OSError as exc:
@@ -313,6 +329,7 @@ class FileTier(ObjectTier):
             stale_tmp_s=stale_tmp_s,
             multi_host=shared_dir,
             register=repair and not shared_dir,
+            create=repair,
             on_step=on_step,
         )
         capabilities = SHARED_DIR_CAPABILITIES if shared_dir else FILE_CAPABILITIES
