@@ -41,6 +41,8 @@ the server maps exception *types* to HTTP statuses, never message text.
 
 from __future__ import annotations
 
+import errno as _errno
+
 
 class KvwarmError(Exception):
     """Root of every error kvwarm raises on purpose."""
@@ -199,11 +201,21 @@ class CacheFormatError(CacheError):
 
 class CacheIOError(CacheError):
     """The file system refused a cache operation; nothing was published. ``errno`` is the
-    underlying OS error number (ENOSPC, EIO, ...) when there was one."""
+    underlying OS error number (ENOSPC, EIO, ...) when there was one. It says nothing about
+    the bytes of the file it was reading: a scan leaves such a file where it is."""
 
     def __init__(self, message: str, *, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
+
+    @property
+    def exhausted(self) -> bool:
+        """This process ran out of a resource (file descriptors, memory): every other file
+        would fail the same way, so a scan stops rather than go on file by file."""
+        return self.errno in _EXHAUSTED
+
+
+_EXHAUSTED = frozenset((_errno.EMFILE, _errno.ENFILE, _errno.ENOMEM, _errno.ENOBUFS))
 
 
 class CacheNetworkError(CacheIOError):

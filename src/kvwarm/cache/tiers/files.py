@@ -17,8 +17,10 @@ Invariants:
   ``chunks/<hex>.kvk`` is the file ``<hex>.kvk`` beside the rows.
 - Every name is resolved against the root's directory fd, without following links, and the
   root is private (``fsutil``): a row swapped for a symlink is reported bad, never written
-  through. Loads read into a buffer (no mmap). A file that cannot be opened or read is
-  ``CacheFormatError`` to a probe or a scan (unusable), ``CacheIOError`` to a load.
+  through. Loads read into a buffer (no mmap). A link, or a name that is not a regular file,
+  is ``CacheFormatError`` (unusable: a scan sets it aside); a file that cannot be opened or
+  read (EMFILE, ENOMEM, EIO, EACCES) is ``CacheIOError`` to a probe, a scan and a load alike:
+  it proves nothing about its bytes, so it is left where it is.
 - Hit counts and last-used times are the header's hit fields, rewritten in place without a
   sync (``set_meta``): outside every CRC, an eviction hint.
 - With ``repair=False`` nothing in the directory is moved or deleted by a scan, and the tier
@@ -37,6 +39,7 @@ See docs/architecture.md (the cache) for how the tiers and the index fit togethe
 from __future__ import annotations
 
 import builtins
+import errno
 import logging
 import os
 import threading
@@ -200,7 +203,11 @@ class FileStore:
         except FileNotFoundError:
             raise CacheKeyError(f"{self._tier} holds no {name}") from None
         except OSError as exc:
-            raise CacheFormatError(f"{name} is unreadable: {exc}") from exc
+            if exc.errno == errno.ENXIO:  # a socket or a device where a file should be
+                raise CacheFormatError(f"{name} is not a file: {exc}") from exc
+            # EMFILE, ENOMEM, EIO, EACCES...: a failure of ours (or of the disk), not proof
+            # that the bytes are bad: a scan leaves the file where it is.
+            raise self._load_error(name, exc) from exc
 
     def _load_error(self, name: str, exc: OSError) -> CacheKeyError | CacheIOError:
         if isinstance(exc, FileNotFoundError):
