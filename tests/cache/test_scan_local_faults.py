@@ -81,9 +81,16 @@ def test_a_row_that_cannot_be_read_is_left_in_place_and_reported(
     assert [(where, why.split(":")[0]) for where, why in report.bad] == [
         (str(root / victim), "unreadable")
     ]
+    # A rescan passes over the file it cannot read and adopts those after it.
+    late = next(t for t in map(run, range(30_000, 10**6, 10_000)) if row_name(t) > victim)
+    with Cache(config(root), background=False) as cache:
+        with Cache(config(root), background=False) as other:  # another process's save
+            assert other.save(chunked_request(NS, late, tier="disk"), sync=True)
+        assert cache.rescan() == 1
+        assert cache_key(NS, late) in {r.key for r in cache.rows()}
     monkeypatch.undo()  # the disk answers again: the next start adopts it
     with Cache(config(root), background=False) as cache:
-        assert len(cache.rows()) == 3
+        assert len(cache.rows()) == 4
 
 
 def test_a_chunk_that_cannot_be_read_costs_no_file(

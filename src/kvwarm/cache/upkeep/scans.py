@@ -205,7 +205,14 @@ class CacheUpkeep:
                     index = self._core.index
                     if key in index or index.in_flight(key) or key in self._core.forgotten:
                         continue
-                    row = tier.probe(key)
+                    try:
+                        row = tier.probe(key)
+                    except CacheIOError as exc:
+                        if not tier.capabilities.local or exc.exhausted:
+                            raise  # a store down, or no descriptors: every key would fail
+                        # One local file that cannot be read (EIO, EACCES): the others can.
+                        log.info("%s: rescan cannot read %s: %s", tier.name, key.hex(), exc)
+                        continue
                     if row is not None and self._core.adopt(tier, row):
                         adopted += 1
             except CacheError as exc:  # e.g. the s3 store is down: try again next sweep
