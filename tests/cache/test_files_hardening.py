@@ -344,6 +344,35 @@ def test_an_ancestor_reached_through_our_link_is_checked_where_it_leads(tmp_path
         FileTier("disk", tmp_path / "ours" / "cache" / "rows", 1 << 20)
 
 
+def test_our_link_as_the_root_into_a_directory_of_another_user_is_refused(
+    tmp_path: Path,
+) -> None:
+    # Found by review: --cache-dir ~/cache with rows -> /srv/theirs/rows (ours, in a directory
+    # a stranger owns). The stranger swaps their rows for a link to a directory of ours, which
+    # the tier then tightened to 0700 and whose *.tmp and *.kvc its scans would clean.
+    _needs_root()
+    victim = _victim_dir(tmp_path)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "rows").symlink_to(victim)
+    os.chown(theirs, STRANGER, STRANGER)
+    theirs.chmod(0o755)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "rows").symlink_to(theirs / "rows")
+    with pytest.raises(UnsafeCacheDirError, match=f"{theirs}.*belongs to uid {STRANGER}"):
+        tier = FileTier("disk", tmp_path / "cache" / "rows", 1 << 20)
+        list(tier.scan())
+    assert _untouched(victim)
+    # A world-writable directory on the way is refused as it would be above any root.
+    open_dir = tmp_path / "open"
+    (open_dir / "rows").mkdir(parents=True)
+    open_dir.chmod(0o777)
+    (tmp_path / "cache" / "open").symlink_to(open_dir / "rows")
+    with pytest.raises(UnsafeCacheDirError, match="writable by every user"):
+        FileTier("disk", tmp_path / "cache" / "open", 1 << 20)
+    assert _mode(open_dir) == 0o777
+
+
 def test_a_world_writable_ancestor_is_refused_and_left_as_it_is(tmp_path: Path) -> None:
     # Ours (root's), but anyone may rename what is in it: refused, not tightened (it is not
     # the cache's directory to change).

@@ -15,6 +15,8 @@ The cache directory is not trusted to be what we left there. Invariants:
   the root, e.g. for a link to a directory of ours that the scans would then clean.
 - A root that is itself a symlink is followed only if it is ours (or root's): one another
   user planted in a sticky directory (``/dev/shm/kvwarm`` made before we ran) is refused.
+  Where it leads is checked as the way to a root is (below): every directory above the
+  directory it names, and every link met on the way, must be one no other user can replace.
 - Every other ancestor, from ``/`` down to the parent's parent, and every symlink met on the
   way there, must be one no other user can replace (``_guard_ancestors``, as ssh's
   StrictModes checks a key's path): owned by root or us, and writable by no one else unless
@@ -89,6 +91,11 @@ def open_private_dir(path: Path, *, create: bool = True) -> int:
     _guard_ancestors(path)
     _guard_parent(path.parent, tighten=create)
     _guard_link(path)
+    if os.path.islink(path):
+        # Our own link, followed: the directories it leads through up to the one it names
+        # are checked as ancestors (found by review: a link into a directory another user
+        # owns was accepted, and they could swap its target for a directory of ours).
+        _guard_ancestors(path, through_root=True)
     fd = os.open(path, _DIR_FLAGS)
     try:
         _make_private(fd, str(path), tighten=create)
@@ -115,14 +122,17 @@ def _guard_link(path: Path) -> None:
 _MAX_LINKS = 40
 
 
-def _guard_ancestors(root: Path) -> None:
+def _guard_ancestors(root: Path, *, through_root: bool = False) -> None:
     """Refuse ``root`` when a directory above its parent, or a symlink on the way to the
     parent, could be replaced by another user (``UnsafeCacheDirError``). The path is walked
     from ``/`` a name at a time as the kernel resolves it, links followed (their target's
     directories are checked in turn), so what is checked is what the open will traverse. The
-    parent itself is ``_guard_parent``'s (ours and too open: tightened; that rule stays)."""
+    parent itself is ``_guard_parent``'s (ours and too open: tightened; that rule stays).
+    ``through_root``: walk the root's own name too (a link of ours), so that every directory
+    above the one it finally names is checked, that one's parent included."""
     start = root if root.is_absolute() else Path.cwd() / root  # ".." kept: the kernel's
-    pending = list(reversed(PurePosixPath(start).parent.parts[1:]))
+    walked = PurePosixPath(start) if through_root else PurePosixPath(start).parent
+    pending = list(reversed(walked.parts[1:]))
     here = PurePosixPath("/")
     links = 0
     _check_ancestor(here, os.lstat(here), root)
