@@ -4,7 +4,9 @@ Invariant: never loads ``libllama`` — ``llama_cpp/llama_grammar.py`` uses only
 library, so it is loaded from its file without executing ``llama_cpp/__init__`` (which would
 dlopen the native library). Cache-only and stub processes can therefore convert schemas too.
 Every failure, including malformed JSON and unsupported ``$ref``s, is a ``GrammarError``;
-remote ``$ref``s are never fetched.
+remote ``$ref``s are never fetched. The converter's visit of each node is extended
+(``_fix_visits``): what it would let the model write against the schema, or drop unsaid, is
+either enforced here (patterns over JSON text, numeric bounds) or refused with a 400.
 """
 
 from __future__ import annotations
