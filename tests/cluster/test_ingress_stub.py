@@ -223,6 +223,11 @@ def test_cache_administration_is_per_replica(client: TestClient) -> None:
     response = client.get("/cache/stats")
     assert response.status_code == 501
     assert response.json()["error"]["code"] == "not_supported_in_cluster"
+    # The slots too: the ingress has none, and an empty list said the replicas had none
+    # (found by review).
+    slots = client.get("/cache/slots")
+    assert slots.status_code == 501, slots.text
+    assert slots.json()["error"]["code"] == "not_supported_in_cluster"
 
 
 def test_a_dead_replica_is_a_503(replica: EngineReplica) -> None:
