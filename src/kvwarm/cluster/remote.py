@@ -177,7 +177,8 @@ class RemoteStream:
         self.replica_id = None
         self.attempts += 1
         self._on_retry()
-        # A replica Ray calls unavailable may still be running it: no slot for nobody.
+        # A replica Ray calls unavailable may still be running it: cancel it there rather
+        # than leave it holding a slot whose text nobody reads.
         try:
             self._response.cancel()
         except Exception as cancel_exc:  # a dead replica's call: nothing left to cancel

@@ -113,7 +113,7 @@ class DurableSaves:
 
 
 def _cancel_started(starting: asyncio.Future[CompletionStream]) -> None:
-    """Cancel the stream a start left behind by its cancelled call made (if it made one)."""
+    """Cancel the stream a start made after its call was cancelled (if it made one)."""
     if not starting.cancelled() and starting.exception() is None:
         starting.result().cancel()
 
