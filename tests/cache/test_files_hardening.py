@@ -15,7 +15,7 @@ from tests.cache.tierkit import request
 from kvwarm.cache import Cache, CacheConfig, TierConfig
 from kvwarm.cache.tiers import fsutil
 from kvwarm.cache.tiers.files import FileTier
-from kvwarm.errors import CacheFormatError, UnsafeCacheDirError
+from kvwarm.errors import CacheDirMissingError, CacheFormatError, UnsafeCacheDirError
 
 
 def _mode(p: Path) -> int:
@@ -117,6 +117,31 @@ def test_a_0777_cache_dir_around_the_root_loses_its_write_bits(tmp_path: Path) -
     cache_dir.chmod(0o777)
     FileTier("disk", cache_dir / "rows", 1 << 20)
     assert (_mode(cache_dir), _mode(cache_dir / "rows")) == (0o755, 0o700)
+
+
+def test_a_read_only_open_creates_nothing(tmp_path: Path) -> None:
+    """``repair=False`` (``kvwarm cache stats | ls | verify``) used to create the missing root
+    and its parents: an inspection changed the disk."""
+    root = tmp_path / "a" / "rows"
+    with pytest.raises(CacheDirMissingError, match="does not exist") as caught:
+        FileTier("disk", root, 1 << 20, repair=False)
+    assert (caught.value.tier, caught.value.path) == ("disk", str(root))
+    assert not (tmp_path / "a").exists()
+    config = CacheConfig(tiers=(TierConfig("ram", 1 << 20), TierConfig("disk", 1 << 20, root)))
+    with pytest.raises(CacheDirMissingError):
+        Cache(config, repair=False, background=False)
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_read_only_open_tightens_no_mode(tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    (cache_dir / "rows").mkdir(parents=True)
+    cache_dir.chmod(0o777)
+    (cache_dir / "rows").chmod(0o755)
+    tier = FileTier("disk", cache_dir / "rows", 1 << 20, repair=False)
+    assert list(tier.scan()) == []
+    tier.close()
+    assert (_mode(cache_dir), _mode(cache_dir / "rows")) == (0o777, 0o755)
 
 
 def test_a_sticky_parent_is_left_alone(tmp_path: Path) -> None:

@@ -24,6 +24,9 @@ The cache directory is not trusted to be what we left there. Invariants:
   own private group (a group named as we are, of no other member). Those are refused, never
   changed: they are not the cache's to tighten.
 - All of these are checked before the root is opened, so a refused root is never changed.
+- A read-only open (``create=False``: ``kvwarm cache stats``, ``ls``, ``verify``) creates and
+  tightens nothing: a missing root is ``FileNotFoundError``, and a root or parent that is ours
+  but too open is only logged (the refusals above still hold).
 - A root with the sticky bit (``/dev/shm`` or ``/tmp`` given as the directory itself) is a
   directory many users share: refused, never tightened (as root it would lock them out).
 - Every file below a root is opened relative to the root's directory fd with ``O_NOFOLLOW``
@@ -66,12 +69,15 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def open_private_dir(path: Path) -> int:
+def open_private_dir(path: Path, *, create: bool = True) -> int:
     """Create ``path`` and its missing parents 0700, open it and make sure it is private.
-    Returns a directory fd the caller owns."""
+    Returns a directory fd the caller owns. With ``create=False`` nothing is created or
+    chmodded: a missing ``path`` raises ``FileNotFoundError``."""
+    if not create and not os.path.lexists(path):
+        raise FileNotFoundError(errno.ENOENT, "no such directory", str(path))
     missing: list[Path] = []
     p = path
-    while not os.path.lexists(p) and p != p.parent:
+    while create and not os.path.lexists(p) and p != p.parent:
         missing.append(p)
         p = p.parent
     for d in reversed(missing):
@@ -83,7 +89,7 @@ def open_private_dir(path: Path) -> int:
     # Before the root is opened (and perhaps tightened): a root someone else could have
     # swapped is refused untouched.
     _guard_ancestors(path)
-    _guard_parent(path.parent)
+    _guard_parent(path.parent, tighten=create)
     _guard_link(path)
     if os.path.islink(path):
         # Our own link, followed: the directories it leads through up to the one it names
@@ -92,7 +98,7 @@ def open_private_dir(path: Path) -> int:
         _guard_ancestors(path, through_root=True)
     fd = os.open(path, _DIR_FLAGS)
     try:
-        _make_private(fd, str(path))
+        _make_private(fd, str(path), tighten=create)
     except BaseException:
         os.close(fd)
         raise
@@ -195,7 +201,7 @@ def _own_private_group(gid: int) -> bool:
     return group.gr_name == me and set(group.gr_mem) <= {me}
 
 
-def _guard_parent(parent: Path) -> None:
+def _guard_parent(parent: Path, *, tighten: bool = True) -> None:
     fd = os.open(parent, _DIR_FLAGS)
     try:
         st = os.fstat(fd)
@@ -212,6 +218,14 @@ def _guard_parent(parent: Path) -> None:
                 "owner could replace the cache directory in it. Use a directory we own."
             )
         if not others_write:
+            return
+        if not tighten:
+            log.warning(
+                "%s is mode %o: others could replace the cache directory in it (left as it is: "
+                "opened read-only)",
+                parent,
+                mode,
+            )
             return
         log.warning(
             "%s was mode %o: others could replace the cache directory in it; now %o",
@@ -240,7 +254,7 @@ def open_private_subdir(dir_fd: int, name: str) -> int:
     return fd
 
 
-def _make_private(fd: int, where: str) -> None:
+def _make_private(fd: int, where: str, *, tighten: bool = True) -> None:
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
         raise UnsafeCacheDirError(
@@ -254,7 +268,13 @@ def _make_private(fd: int, where: str) -> None:
             f"cache directory {where} is a shared directory (mode {stat.S_IMODE(st.st_mode):o}, "
             f"sticky); use a directory of its own below it, e.g. {where.rstrip('/')}/kvwarm"
         )
-    if stat.S_IMODE(st.st_mode) & 0o077:
+    if stat.S_IMODE(st.st_mode) & 0o077 and not tighten:
+        log.warning(
+            "cache directory %s is mode %o (left as it is: opened read-only)",
+            where,
+            stat.S_IMODE(st.st_mode),
+        )
+    elif stat.S_IMODE(st.st_mode) & 0o077:
         log.warning(
             "cache directory %s was mode %o; tightening it to %o",
             where,
