@@ -113,7 +113,11 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         causal = bool(lib.llama_get_causal_attn(ptr))
         facts = model.facts
         self._memory = MemoryKind(facts.memory_kind, facts.n_swa, params.swa_full)
-        self._n_embd = int(lib.llama_model_n_embd(model.native))
+        #: The width of an output embedding (pooled or per token): the model's
+        #: ``embedding_length_out`` where it has one (LFM2's dense projection), which is what
+        #: llama.cpp stores per output. Found by review: n_embd was read, past the stored
+        #: floats, where it was smaller.
+        self._n_embd = int(lib.llama_model_n_embd_out(model.native))
         #: Whether a cell's metadata in a blob is the plain 12 bytes ``kv_layout`` reads: not
         #: with M-RoPE (its 2-D position) or PLE heads (the token), which add llama.cpp's
         #: ``llama_kv_cell_ext``; a restore then checks its cells (``kv_layout.check_cells``).
