@@ -115,6 +115,20 @@ def case_over_long_prompt(backend: str) -> None:
     expect(ContextOverflowError, lambda: ctx.decode([BatchToken(tokens[0], P.n_ctx, 1, True)]))
 
 
+def case_batch_past_n_ctx(backend: str) -> None:
+    """llama.cpp clamps a causal context's n_batch to its n_ctx and asserts on a larger batch:
+    two sequences of 16 tokens each in a context of n_ctx 16, n_batch 64 aborted it."""
+    model = load(backend)
+    ctx = model.new_context(ContextParams(n_ctx=16, n_batch=64, n_ubatch=64, n_seq_max=2,
+                                          n_threads=2))  # fmt: skip
+    tokens = (model.tokenize(PROMPT) * 2)[:16]
+    batch = [BatchToken(t, i, seq, logits=False) for seq in (0, 1) for i, t in enumerate(tokens)]
+    expect(InvalidRequestError, lambda: ctx.decode(batch))
+    assert ctx.seq_pos_max(0) == ctx.seq_pos_max(1) == -1
+    ctx.decode(batch[:16])  # one sequence's 16 fit
+    assert ctx.seq_pos_max(0) == 15
+
+
 def case_no_logits(backend: str) -> None:
     model = load(backend)
     ctx = model.new_context(P)

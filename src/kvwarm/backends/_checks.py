@@ -66,7 +66,9 @@ def check_batch(
         raise InvalidRequestError("empty decode batch", param="batch")
     if len(batch) > n_batch:
         raise InvalidRequestError(
-            f"batch of {len(batch)} tokens exceeds n_batch={n_batch}", param="batch"
+            f"batch of {len(batch)} tokens exceeds the {n_batch} one decode may hold "
+            "(n_batch, and no more than n_ctx for a causal model)",
+            param="batch",
         )
     next_pos: dict[int, int] = {}
     for item in batch:
