@@ -64,6 +64,8 @@ _POOLING_NAMES: dict[str, PoolingType] = {
     "0": "none", "1": "mean", "2": "cls", "3": "last", "4": "rank",
 }  # fmt: skip
 _MAX_TEXT = 2**31 - 1
+#: ``llama_vocab_type`` of a model without a vocabulary (LLAMA_VOCAB_TYPE_NONE).
+_VOCAB_NONE = 0
 
 
 class LlamaBackend:
@@ -129,9 +131,12 @@ class LlamaModel:
             raise ModelLoadError(f"llama.cpp could not load {path!r}")
         self._ptr: object = ptr
         self._vocab: object = lib.llama_model_get_vocab(ptr)
-        if not self._vocab:
+        # A "no vocab" model (tokenizer "none": an audio decoder's) loads, but llama.cpp
+        # GGML_ASSERTs in every tokenize and token_to_piece of it: found by review, the first
+        # prompt sent to one an engine had loaded aborted the process.
+        if not self._vocab or int(lib.llama_vocab_type(self._vocab)) == _VOCAB_NONE:
             lib.llama_model_free(ptr)
-            raise ModelLoadError(f"{path!r} has no vocabulary")
+            raise ModelLoadError(f"{path!r} has no vocabulary: it cannot read or write text")
         self._n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
         self._facts = self._read_facts(path)
         self._life = Lifetime("model", self._free)
