@@ -237,6 +237,16 @@ def case_bad_grammar(backend: str) -> None:
     )
 
 
+def case_deep_grammar(backend: str) -> None:
+    """llama.cpp's grammar parser recurses once per nested group: 200,000 of them overflowed
+    its stack (a segfault) when a sampler was made outside the engine's request checks."""
+    model = load(backend)
+    deep = "root ::= " + "(" * 200_000 + '"a"' + ")" * 200_000
+    expect(GrammarError, lambda: model.new_sampler(SamplingParams(temperature=0, grammar=deep)))
+    nested = "root ::= " + "(" * 50 + '"a"' + ")" * 50  # what llama.cpp parses still compiles
+    model.new_sampler(SamplingParams(temperature=0, grammar=nested)).close()
+
+
 def case_grammar_then_accept(backend: str) -> None:
     # accept() feeds penalty history only: a token the grammar forbids must not reach it.
     model = load(backend)
