@@ -141,7 +141,7 @@ class LlamaModel:
         # Kept on the instance too (the callback, the tensor-split array), in case llama.cpp
         # ever reads them after load returns.
         self._native_params = native
-        ptr = lib.llama_model_load_from_file(path.encode(), native.struct)
+        ptr = lib.llama_model_load_from_file(os.fsencode(path), native.struct)
         if not ptr:
             if failure:
                 raise ModelLoadError(f"loading {path!r} failed in the progress callback") from (
