@@ -16,6 +16,7 @@ from kvwarm.errors import MediaError
 from kvwarm.media import (
     Audio,
     Image,
+    MediaBudget,
     MediaLimits,
     decode_audio,
     decode_data_uri,
@@ -90,6 +91,40 @@ def test_hostile_images_are_refused_before_their_pixels_are_decoded() -> None:
             decode_image(bad, LIMITS, "p")
     with pytest.raises(MediaError, match="allowed format"):
         decode_image(png(1), MediaLimits(formats=("jpeg",)), "p")
+
+
+def test_a_requests_media_are_bounded_together_before_they_are_decoded() -> None:
+    """Found by review: media were bounded per item only, so one request of 16 images of 32M
+    pixels decoded ~1.5 GB. ``max_request_bytes`` bounds them together."""
+    limits = MediaLimits(max_request_bytes=2 * 3 * 64 * 64 + 100)
+    budget = MediaBudget(limits)
+    decode_image(png(1), limits, "m.0", budget)
+    decode_image(png(2), limits, "m.1", budget)
+    assert budget.used == 2 * 3 * 64 * 64
+    with pytest.raises(MediaError, match="media_max_request_bytes") as info:
+        decode_image(png(3), limits, "m.2", budget)
+    assert info.value.param == "m.2" and budget.used == 2 * 3 * 64 * 64
+    # Refused from its header: a PNG that claims 4000x4000 pixels and holds none is past the
+    # budget, not "not a whole image" (which decoding it would have found).
+    ihdr = b"IHDR" + struct.pack(">IIBBBBB", 4000, 4000, 8, 2, 0, 0, 0)
+    claim = (
+        b"\x89PNG\r\n\x1a\n"
+        + struct.pack(">I", 13)
+        + ihdr
+        + struct.pack(">I", zlib.crc32(ihdr))
+        + b"\0\0\0\0IEND"
+        + struct.pack(">I", zlib.crc32(b"IEND"))
+    )
+    with pytest.raises(MediaError, match=r"4000x4000 pixels.*media_max_request_bytes"):
+        decode_image(claim, limits, "m.3", MediaBudget(limits))
+    # A clip counts its samples at the rate it is resampled to, before it is resampled.
+    clip = wav(np.zeros(8000, dtype="<i2"), rate=8000)  # 1 s: 16000 samples at 16 kHz
+    audio_limits = MediaLimits(max_request_bytes=4 * 16000 + 4 * 8000)
+    budget = MediaBudget(audio_limits)
+    assert load_media(clip, "audio", audio_limits, "a.0", budget=budget).n_samples == 16000
+    with pytest.raises(MediaError, match=r"1\.0 s of audio.*media_max_request_bytes"):
+        load_media(clip, "audio", audio_limits, "a.1", budget=budget)
+    assert budget.used == 4 * 16000
 
 
 def test_audio_of_every_common_wav_shape_becomes_float_mono() -> None:

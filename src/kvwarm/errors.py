@@ -6,7 +6,9 @@ the server maps exception *types* to HTTP statuses, never message text.
 
     KvwarmError
     ├── ConfigError            (also ValueError)  bad settings, caught at construction
-    │   └── UnsafeCacheDirError                   a cache directory other users can write
+    │   ├── UnsafeCacheDirError                   a cache directory other users can write
+    │   └── CacheDirMissingError                  a read-only open of a cache directory
+    │                                             that does not exist (never created)
     ├── InvalidRequestError    (also ValueError)  bad per-request options or inputs
     │   ├── ContextOverflowError                  prompt (+ generation) exceeds n_ctx
     │   ├── GrammarError                          GBNF / JSON schema that does not compile
@@ -39,6 +41,8 @@ the server maps exception *types* to HTTP statuses, never message text.
 
 from __future__ import annotations
 
+import errno as _errno
+
 
 class KvwarmError(Exception):
     """Root of every error kvwarm raises on purpose."""
@@ -51,6 +55,16 @@ class ConfigError(KvwarmError, ValueError):
 class UnsafeCacheDirError(ConfigError):
     """A cache directory is writable by other users and not ours to fix (we refuse it: anyone
     who can write it can swap rows, or plant links that make us write elsewhere)."""
+
+
+class CacheDirMissingError(ConfigError):
+    """A file tier opened read-only (``kvwarm cache stats``, ``ls``, ``verify``) whose
+    directory does not exist: an inspection creates nothing. ``tier`` and ``path`` name it."""
+
+    def __init__(self, message: str, *, tier: str, path: str) -> None:
+        super().__init__(message)
+        self.tier = tier
+        self.path = path
 
 
 class InvalidRequestError(KvwarmError, ValueError):
@@ -187,11 +201,21 @@ class CacheFormatError(CacheError):
 
 class CacheIOError(CacheError):
     """The file system refused a cache operation; nothing was published. ``errno`` is the
-    underlying OS error number (ENOSPC, EIO, ...) when there was one."""
+    underlying OS error number (ENOSPC, EIO, ...) when there was one. It says nothing about
+    the bytes of the file it was reading: a scan leaves such a file where it is."""
 
     def __init__(self, message: str, *, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
+
+    @property
+    def exhausted(self) -> bool:
+        """This process ran out of a resource (file descriptors, memory): every other file
+        would fail the same way, so a scan stops rather than go on file by file."""
+        return self.errno in _EXHAUSTED
+
+
+_EXHAUSTED = frozenset((_errno.EMFILE, _errno.ENFILE, _errno.ENOMEM, _errno.ENOBUFS))
 
 
 class CacheNetworkError(CacheIOError):

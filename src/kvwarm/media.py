@@ -4,8 +4,10 @@ A client's file (PNG, JPEG, WAV ...) is never handed to llama.cpp: ``decode_imag
 into raw RGB pixels with Pillow and ``decode_audio`` a WAV file into float32 mono samples, each
 under ``MediaLimits`` (bytes, pixels, seconds, formats), so a truncated, oversized or hostile
 file is a ``MediaError`` (a 400 naming the part) and a decompression bomb is refused from its
-header, before its pixels are decoded. The projector (``mtmd``) then gets those pixels or
-samples (``mtmd_bitmap_init``), never the file.
+header, before its pixels are decoded. What one request's media take decoded, all items
+together, is bounded too (``max_request_bytes``, counted by a ``MediaBudget``): an image past it
+is refused from its header, a clip from its frame count, before their samples are made. The
+projector (``mtmd``) then gets those pixels or samples (``mtmd_bitmap_init``), never the file.
 
 Each decoded item carries its ``digest``: a sha-256 of its kind, size and content (pixels or
 samples), the identity its prompt span is cached under (``kvwarm.tokens.span_ids``). Two files
@@ -45,6 +47,7 @@ __all__ = [
     "Audio",
     "Image",
     "Media",
+    "MediaBudget",
     "MediaError",
     "MediaKind",
     "MediaLimits",
@@ -69,20 +72,24 @@ class MediaLimits:
     """What a request's media may be. ``max_bytes`` bounds each encoded file, ``max_pixels``
     each image's width x height (read from its header, before it is decoded: a decompression
     bomb never allocates), ``max_audio_s`` each clip's length, ``max_items`` the media of one
-    request; ``formats`` the image and audio formats allowed (``IMAGE_FORMATS``,
-    ``AUDIO_FORMATS``)."""
+    request, ``max_request_bytes`` what they take decoded, together (RGB pixels, 3 bytes
+    each; float32 samples, 4 bytes each); ``formats`` the image and audio formats allowed
+    (``IMAGE_FORMATS``, ``AUDIO_FORMATS``)."""
 
     max_bytes: int = 20 << 20
     max_pixels: int = 32 << 20
     max_audio_s: float = 600.0
     max_items: int = 16
     formats: tuple[str, ...] = (*IMAGE_FORMATS, *AUDIO_FORMATS)
+    max_request_bytes: int = 256 << 20
 
     def validate(self) -> None:
         from kvwarm.errors import ConfigError
 
         if self.max_bytes < 1 or self.max_pixels < 1 or self.max_items < 0:
             raise ConfigError("media limits must be positive (max_items may be 0: no media)")
+        if self.max_request_bytes < 1:
+            raise ConfigError("media_max_request_bytes must be >= 1")
         if not self.max_audio_s > 0:
             raise ConfigError("media_max_audio_s must be > 0")
         unknown = sorted(set(self.formats) - set(IMAGE_FORMATS) - set(AUDIO_FORMATS))
@@ -157,6 +164,27 @@ class Audio:
 Media = Image | Audio
 
 
+class MediaBudget:
+    """The decoded bytes one request's media may still take (``max_request_bytes``). Not
+    thread-safe: one request's media are read on one thread, in order."""
+
+    def __init__(self, limits: MediaLimits) -> None:
+        self.limit = limits.max_request_bytes
+        self.used = 0
+
+    def take(self, n: int, where: str, what: str) -> None:
+        """Count ``n`` more decoded bytes for ``where`` (``what`` it is, for the message);
+        ``MediaError`` if they do not fit, before they are decoded."""
+        if self.used + n > self.limit:
+            raise MediaError(
+                f"{where} ({what}) takes {n} bytes decoded; with the {self.used} this "
+                f"request's earlier media take, that is above this server's limit of "
+                f"{self.limit} per request (setting media_max_request_bytes)",
+                param=where,
+            )
+        self.used += n
+
+
 def _check_size(data: bytes, limits: MediaLimits, where: str) -> None:
     if not data:
         raise MediaError(f"{where} is empty", param=where)
@@ -168,10 +196,13 @@ def _check_size(data: bytes, limits: MediaLimits, where: str) -> None:
         )
 
 
-def decode_image(data: bytes, limits: MediaLimits, where: str) -> Image:
+def decode_image(
+    data: bytes, limits: MediaLimits, where: str, budget: MediaBudget | None = None
+) -> Image:
     """The RGB pixels of an encoded image; ``MediaError`` naming ``where`` for anything that is
     not a whole image of an allowed format within the limits. Pillow reads the header first:
-    an image over ``max_pixels`` is refused before its pixels are decoded. Alpha is dropped and
+    an image over ``max_pixels``, or past what ``budget`` (its request's) has left, is refused
+    before its pixels are decoded. Alpha is dropped and
     a palette expanded (as llama.cpp's own loader does), an animation gives its first frame."""
     _check_size(data, limits, where)
     import warnings
@@ -196,6 +227,8 @@ def decode_image(data: bytes, limits: MediaLimits, where: str) -> Image:
                         f"{limits.max_pixels} (setting media_max_pixels)",
                         param=where,
                     )
+                if budget is not None:
+                    budget.take(3 * width * height, where, f"{width}x{height} pixels")
                 img.load()  # decodes every byte now: a truncated file fails here
                 pixels = _rgb(img)
     except MediaError:
@@ -223,10 +256,17 @@ def _rgb(img: PilPicture) -> bytes:
     return img.convert("RGB").tobytes()
 
 
-def decode_audio(data: bytes, limits: MediaLimits, where: str, sample_rate: int) -> Audio:
+def decode_audio(
+    data: bytes,
+    limits: MediaLimits,
+    where: str,
+    sample_rate: int,
+    budget: MediaBudget | None = None,
+) -> Audio:
     """float32 mono samples at ``sample_rate`` (the projector's) of a WAV file of integer or
     float PCM: channels are averaged, other rates resampled linearly. ``MediaError`` naming
-    ``where`` for anything else."""
+    ``where`` for anything else, and for a clip past what ``budget`` has left (counted from
+    its frame count, before it is mixed and resampled)."""
     _check_size(data, limits, where)
     if "wav" not in limits.formats:
         raise MediaError(f"{where}: this server accepts no audio", param=where)
@@ -245,6 +285,9 @@ def decode_audio(data: bytes, limits: MediaLimits, where: str, sample_rate: int)
             f"{limits.max_audio_s:g} s (setting media_max_audio_s)",
             param=where,
         )
+    if budget is not None:
+        out = frames if rate == sample_rate else max(1, round(frames * sample_rate / rate))
+        budget.take(4 * out, where, f"{frames / rate:.1f} s of audio")
     mono = samples[: frames * channels].reshape(frames, channels).mean(axis=1, dtype=np.float64)
     return _clip_at(mono, rate, sample_rate, where)
 
@@ -375,10 +418,12 @@ def load_media(
     where: str,
     *,
     sample_rate: int = 16000,
+    budget: MediaBudget | None = None,
 ) -> Media:
     """The Python API's media: a decoded ``Image`` as given, a decoded ``Audio`` at
     ``sample_rate`` (resampled from another rate: mtmd reads samples at its own), else
-    encoded bytes, a path to a file, or a base64 ``data:`` URI, decoded under ``limits``."""
+    encoded bytes, a path to a file, or a base64 ``data:`` URI, decoded under ``limits``
+    and counted against ``budget`` (its request's; what the caller decoded is its own)."""
     if isinstance(value, Image | Audio):
         if value.kind != kind:
             raise MediaError(f"{where} is {value.kind}, not {kind}", param=where)
@@ -409,8 +454,8 @@ def load_media(
             param=where,
         )
     if kind == "image":
-        return decode_image(data, limits, where)
-    return decode_audio(data, limits, where, sample_rate)
+        return decode_image(data, limits, where, budget)
+    return decode_audio(data, limits, where, sample_rate, budget)
 
 
 def media_kinds(items: Sequence[Media]) -> list[str]:

@@ -11,7 +11,8 @@ Invariant: a listed model is a regular file (never a symlink) directly inside th
 named ``*.gguf``; a model split into parts (``x-00001-of-00003.gguf``) is listed once, as its
 first part, under the name without the part suffix. ``checked_path`` refuses, at load time, a
 file that has since become a symlink or moved out of the directory, so a name can only ever
-open a file the directory holds. (Loads by path are an admin's, and are not restricted here.)
+open a file the directory holds: the model, every other part of a split one (``parts``) and
+its projector are each checked so. (Loads by path are an admin's, and are not restricted here.)
 """
 
 from __future__ import annotations
@@ -95,6 +96,17 @@ def checked_path(directory: Path, path: Path) -> Path:
     if path.resolve().parent != directory.resolve():
         raise ModelLoadError(f"{path} is outside models_dir {directory}")
     return path
+
+
+def parts(path: Path) -> list[Path]:
+    """The other parts of the split model whose first part is ``path`` (llama.cpp opens them
+    by name, beside it); none for a model in one file."""
+    stem = path.name[: -len(".gguf")] if path.name.lower().endswith(".gguf") else path.name
+    match = re.match(r"^(?P<stem>.+)-00001-of-(?P<n>\d{5})$", stem)
+    if match is None:
+        return []
+    n = int(match["n"])
+    return [path.with_name(f"{match['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(2, n + 1)]
 
 
 GGUF_MAGIC = b"GGUF"

@@ -15,7 +15,7 @@ from tests.cache.tierkit import request
 from kvwarm.cache import Cache, CacheConfig, TierConfig
 from kvwarm.cache.tiers import fsutil
 from kvwarm.cache.tiers.files import FileTier
-from kvwarm.errors import CacheFormatError, UnsafeCacheDirError
+from kvwarm.errors import CacheDirMissingError, CacheFormatError, UnsafeCacheDirError
 
 
 def _mode(p: Path) -> int:
@@ -117,6 +117,31 @@ def test_a_0777_cache_dir_around_the_root_loses_its_write_bits(tmp_path: Path) -
     cache_dir.chmod(0o777)
     FileTier("disk", cache_dir / "rows", 1 << 20)
     assert (_mode(cache_dir), _mode(cache_dir / "rows")) == (0o755, 0o700)
+
+
+def test_a_read_only_open_creates_nothing(tmp_path: Path) -> None:
+    """``repair=False`` (``kvwarm cache stats | ls | verify``) used to create the missing root
+    and its parents: an inspection changed the disk."""
+    root = tmp_path / "a" / "rows"
+    with pytest.raises(CacheDirMissingError, match="does not exist") as caught:
+        FileTier("disk", root, 1 << 20, repair=False)
+    assert (caught.value.tier, caught.value.path) == ("disk", str(root))
+    assert not (tmp_path / "a").exists()
+    config = CacheConfig(tiers=(TierConfig("ram", 1 << 20), TierConfig("disk", 1 << 20, root)))
+    with pytest.raises(CacheDirMissingError):
+        Cache(config, repair=False, background=False)
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_read_only_open_tightens_no_mode(tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    (cache_dir / "rows").mkdir(parents=True)
+    cache_dir.chmod(0o777)
+    (cache_dir / "rows").chmod(0o755)
+    tier = FileTier("disk", cache_dir / "rows", 1 << 20, repair=False)
+    assert list(tier.scan()) == []
+    tier.close()
+    assert (_mode(cache_dir), _mode(cache_dir / "rows")) == (0o777, 0o755)
 
 
 def test_a_sticky_parent_is_left_alone(tmp_path: Path) -> None:
@@ -317,6 +342,35 @@ def test_an_ancestor_reached_through_our_link_is_checked_where_it_leads(tmp_path
     (tmp_path / "ours").symlink_to(theirs)
     with pytest.raises(UnsafeCacheDirError, match=f"{theirs}.*belongs to uid {STRANGER}"):
         FileTier("disk", tmp_path / "ours" / "cache" / "rows", 1 << 20)
+
+
+def test_our_link_as_the_root_into_a_directory_of_another_user_is_refused(
+    tmp_path: Path,
+) -> None:
+    # Found by review: --cache-dir ~/cache with rows -> /srv/theirs/rows (ours, in a directory
+    # a stranger owns). The stranger swaps their rows for a link to a directory of ours, which
+    # the tier then tightened to 0700 and whose *.tmp and *.kvc its scans would clean.
+    _needs_root()
+    victim = _victim_dir(tmp_path)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "rows").symlink_to(victim)
+    os.chown(theirs, STRANGER, STRANGER)
+    theirs.chmod(0o755)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "rows").symlink_to(theirs / "rows")
+    with pytest.raises(UnsafeCacheDirError, match=f"{theirs}.*belongs to uid {STRANGER}"):
+        tier = FileTier("disk", tmp_path / "cache" / "rows", 1 << 20)
+        list(tier.scan())
+    assert _untouched(victim)
+    # A world-writable directory on the way is refused as it would be above any root.
+    open_dir = tmp_path / "open"
+    (open_dir / "rows").mkdir(parents=True)
+    open_dir.chmod(0o777)
+    (tmp_path / "cache" / "open").symlink_to(open_dir / "rows")
+    with pytest.raises(UnsafeCacheDirError, match="writable by every user"):
+        FileTier("disk", tmp_path / "cache" / "open", 1 << 20)
+    assert _mode(open_dir) == 0o777
 
 
 def test_a_world_writable_ancestor_is_refused_and_left_as_it_is(tmp_path: Path) -> None:

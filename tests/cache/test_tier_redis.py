@@ -4,6 +4,7 @@ URL spellings of the built-in stores. The tier contract itself is ``test_tiers.p
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from kvwarm.cache.tiers.objects import REMOTE_CAPABILITIES, ObjectTier
 from kvwarm.cache.tiers.ram import RamTier
 from kvwarm.cache.tiers.registry import TierOptions, build_tier
 from kvwarm.cache.tiers.s3 import s3_config_from_url
-from kvwarm.errors import CacheNetworkError, ConfigError
+from kvwarm.errors import CacheIOError, CacheNetworkError, ConfigError
 
 
 def _config(url: str) -> CacheConfig:
@@ -47,6 +48,65 @@ def test_a_dead_redis_is_a_network_error_then_skipped(tmp_path: Path) -> None:
     with pytest.raises(CacheNetworkError, match="marked down"):
         tier.probe(b"\x01" * 32)  # fails at once now, without another connection attempt
     tier.close()
+
+
+@pytest.fixture
+def acl_users(redis_server: RedisServer) -> Iterator[Callable[[str, str], str]]:
+    """``add(name, rules)``: an ACL user of the session's server (password "right"), removed
+    after; returns a tier URL logging in as that user with the password "right"."""
+    import redis
+
+    admin = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    made: list[str] = []
+
+    def add(name: str, rules: str) -> str:
+        admin.execute_command("ACL", "SETUSER", name, "reset", "on", ">right", *rules.split())
+        made.append(name)
+        return redis_server.url().replace("redis://", f"redis://{name}:right@", 1)
+
+    yield add
+    for name in made:
+        admin.execute_command("ACL", "DELUSER", name)
+    admin.close()
+
+
+def test_a_wrong_password_is_a_refusal_not_an_outage(
+    acl_users: Callable[[str, str], str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: redis-py makes a refused AUTH a ConnectionError, so a wrong password
+    was a network fault that marked the store down, to be retried as if the network were."""
+    url = acl_users("kvtest", "~* &* +@all").replace(":right@", ":wrong@", 1)
+    tier = build_tier(TierConfig("shared", 1, url=url + "&down_for_s=60"), TierOptions())
+    with caplog.at_level("ERROR", logger="kvwarm.cache.tiers.redis"):
+        for _ in range(3):  # each call asks the server again: nothing is marked down
+            with pytest.raises(CacheIOError, match="refused our credentials") as info:
+                tier.probe(b"\x01" * 32)
+            assert not isinstance(info.value, CacheNetworkError)
+            assert "marked down" not in str(info.value) and "wrong" not in str(info.value)
+    errors = [r for r in caplog.records if "credentials" in r.getMessage()]
+    assert len(errors) == 1  # logged once, clearly, not per call
+    tier.close()
+
+
+def test_a_command_the_user_may_not_run_is_a_refusal(
+    acl_users: Callable[[str, str], str],
+) -> None:
+    url = acl_users("kvping", "~* +ping")
+    tier = build_tier(TierConfig("shared", 1, url=url + "&down_for_s=60"), TierOptions())
+    for _ in range(2):
+        with pytest.raises(CacheIOError, match="does not let this user run it") as info:
+            tier.probe(b"\x01" * 32)
+        assert not isinstance(info.value, CacheNetworkError)
+    tier.close()
+
+
+def test_a_cache_over_a_redis_that_refuses_us_misses_and_goes_on(
+    acl_users: Callable[[str, str], str],
+) -> None:
+    url = acl_users("kvtest2", "~* &* +@all").replace(":right@", ":wrong@", 1)
+    with Cache(_config(url), background=False) as cache:
+        assert cache.lookup_exact(cache.key_for(NS, (5,) * 8)) is None
+        assert cache.counters()["store_errors"] >= 1
 
 
 def test_the_built_in_stores_by_url(tmp_path: Path) -> None:

@@ -261,7 +261,12 @@ def test_cache_verify_counts_what_the_startup_scan_fixed_and_exits_0(
     result = kvwarm(env_no_model, "cache", "verify", "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert report == {"checked": 1, "bad": [], "quarantined": {"rows": 4, "chunks": 2}}
+    assert report == {
+        "checked": 1,
+        "bad": [],
+        "quarantined": {"rows": 4, "chunks": 2},
+        "missing_dirs": [],
+    }
     text = kvwarm(env_no_model, "cache", "verify")
     assert text.returncode == 0, text.stdout + text.stderr
     assert "checked 1 rows: 0 bad" in text.stdout
@@ -450,6 +455,35 @@ def test_cache_stats_gives_stored_and_logical_bytes_per_memory_kind(
     assert kinds["swa"]["logical_bytes"] > 2 * kinds["swa"]["bytes"]  # windows stored once
     text = kvwarm(env_dir, "cache", "stats")
     assert text.returncode == 0 and "memory swa" in text.stdout and "memory full" in text.stdout
+
+
+def test_read_only_cache_commands_create_and_chmod_nothing(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """``stats``, ``ls`` and ``verify`` change nothing (operations.md): they used to create a
+    missing cache directory, and tighten an existing one and its parent."""
+    missing = tmp_path / "nowhere" / "kv"
+    env_missing = {**env, "KVWARM_MODELS": "/nonexistent/model.gguf"}
+    env_missing["KVWARM_CACHE_DIR"] = str(missing)
+    for action in ("stats", "ls", "verify"):
+        result = kvwarm(env_missing, "cache", action, "--json")
+        no_traceback(result)
+        assert result.returncode == 0, result.stderr
+        assert f"{missing / 'rows'} does not exist" in result.stderr
+        assert not (tmp_path / "nowhere").exists()
+        if action != "ls":
+            assert json.loads(result.stdout)["missing_dirs"] == [str(missing / "rows")]
+    assert json.loads(kvwarm(env_missing, "cache", "ls", "--json").stdout) == []
+    opened = tmp_path / "open"
+    (opened / "rows").mkdir(parents=True)
+    opened.chmod(0o777)
+    (opened / "rows").chmod(0o755)
+    env_open = {**env_missing, "KVWARM_CACHE_DIR": str(opened)}
+    for action in ("stats", "ls", "verify"):
+        result = kvwarm(env_open, "cache", action)
+        assert result.returncode == 0, result.stderr
+    modes = [os.stat(p).st_mode & 0o777 for p in (opened, opened / "rows")]
+    assert modes == [0o777, 0o755]
 
 
 # A stub whose every forward pass takes two minutes: a worker stuck in native code.

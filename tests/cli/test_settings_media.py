@@ -29,6 +29,7 @@ def test_mmproj_and_media_limits_from_flag_env_and_toml(tmp_path: Path) -> None:
         _flags(
             "--mmproj", str(proj), "--media-max-items", "3", "--media-format", "png",
             "--media-format", "jpeg", "--media-max-bytes", "1M",
+            "--media-max-request-bytes", "64M",
         ),
         ENV,
     )  # fmt: skip
@@ -36,7 +37,7 @@ def test_mmproj_and_media_limits_from_flag_env_and_toml(tmp_path: Path) -> None:
     assert cfg.mmproj == str(proj)
     assert cfg.media == MediaLimits(
         max_bytes=1 << 20, max_pixels=16 << 20, max_audio_s=300.0, max_items=3,
-        formats=("png", "jpeg"),
+        formats=("png", "jpeg"), max_request_bytes=64 << 20,
     )  # fmt: skip
     env = load_settings({}, {**ENV, "KVWARM_MMPROJ": str(proj)})
     assert model_config(env, env.models[0]).mmproj == str(proj)

@@ -116,6 +116,45 @@ def test_served_notes_count_before_the_replicas_events_arrive() -> None:
     assert index.held("b") == 2
 
 
+def test_a_served_note_arriving_after_its_replica_died_does_not_revive_it() -> None:
+    # The ingress reads a reply's end after Ray told the router its replica died (a kill just
+    # as the reply ended): the note must not list the dead replica as running again, with a
+    # live slot, until the next change of replicas. Found by review.
+    index = ClusterIndex()
+    index.retain({"a": "n1", "b": "n1"})
+    index.died("b")
+    index.note_served("b", ("h1",), key("k"), 80)
+    health = {r["id"]: r["health"] for r in index.describe()["replicas"]}  # type: ignore[index, union-attr]
+    assert health == {"a": "running", "b": "dead"}
+    assert index.held("b") == 0
+    # Its row is a fact wherever it is: a replica reading the shared copy finds it by the link.
+    log = EventLog(PLACES)
+    log.row_stored(row("k", "disk", 80))
+    feed(index, "a", "n1", log)
+    assert index.reach(("h1",), None, {"a": "n1"}) == {"a": {"local": 80}}
+
+
+def test_a_snapshot_keeps_the_shared_copies_no_replica_vouches_for() -> None:
+    # A snapshot replaced what its replica vouched for by dropping all of it first: its own
+    # shared copies passed through the bounded set of unvouched ones and pushed out copies
+    # a dead replica left, whose bytes are still there to restore. Found by review.
+    index = ClusterIndex(unvouched=2)
+    index.retain({"d": "n1", "a": "n1"})
+    dead = EventLog(PLACES, epoch="d")
+    for name in ("k1", "k2"):
+        dead.row_stored(row(name, "disk", 100))
+    feed(index, "d", "n1", dead)
+    log = EventLog(PLACES, epoch="a")
+    log.row_stored(row("k3", "disk", 100))
+    feed(index, "a", "n1", log)
+    index.died("d")  # k1, k2: unvouched now, their bytes in n1's directory
+    assert index.load_snapshot("a", log.snapshot())
+    alive = {"a": "n1"}
+    for name in ("k1", "k2", "k3"):
+        assert index.reach((), key(name), alive) == {"a": {"local": 100}}, name
+    assert index.sizes()["unvouched"] == 2
+
+
 def test_a_gap_wants_a_snapshot_and_a_replay_changes_nothing() -> None:
     log = EventLog(PLACES, window=1)
     index = ClusterIndex()

@@ -20,6 +20,7 @@ from kvwarm.cluster.replica import EngineReplica
 from kvwarm.cluster.routing import ClusterIndex
 from kvwarm.errors import InvalidRequestError
 from kvwarm.server.app import create_app
+from kvwarm.settings import ModelSpec
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence, always politely."}
 
@@ -222,6 +223,11 @@ def test_cache_administration_is_per_replica(client: TestClient) -> None:
     response = client.get("/cache/stats")
     assert response.status_code == 501
     assert response.json()["error"]["code"] == "not_supported_in_cluster"
+    # The slots too: the ingress has none, and an empty list said the replicas had none
+    # (found by review).
+    slots = client.get("/cache/slots")
+    assert slots.status_code == 501, slots.text
+    assert slots.json()["error"]["code"] == "not_supported_in_cluster"
 
 
 def test_a_dead_replica_is_a_503(replica: EngineReplica) -> None:
@@ -362,3 +368,47 @@ def test_startup_prompts_reach_the_api_key_tenant_through_the_replicas() -> None
             assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
     finally:
         body.engine.close()
+
+
+def test_fill_in_the_middle_of_a_token_prompt_through_the_ingress() -> None:
+    """A token-id prompt with a ``suffix`` is detokenized by a replica: off the event loop,
+    where a blocking handle call may run (under Ray ``.result()`` on the loop is refused,
+    here ``asyncio.run``: both were a 503 before). Found by review."""
+    settings = stub_settings(models=(ModelSpec(path="stub-fim", id="coder"),))
+    body = EngineReplica(settings, replica_id="replica-fim")
+    try:
+        with TestClient(create_ingress_app(settings, DirectCalls(body))) as c:
+            wait_ready(c.get)
+            request = {"model": "coder", "prompt": [100, 101, 102], "suffix": "\n", "max_tokens": 2}
+            response = c.post("/v1/completions", json=request)
+            assert response.status_code == 200, response.text
+            # BOS, FIM_PRE, the prefix's three bytes, FIM_SUF, the suffix's byte, FIM_MID.
+            assert response.json()["usage"]["prompt_tokens"] == 1 + 1 + 3 + 1 + 1 + 1
+    finally:
+        body.engine.close()
+
+
+class LostOnTemplate(DirectCalls):
+    """Ops reach a replica that is lost while rendering a template (``apply_chat_template``,
+    which the ingress asks to learn whether a model renders tools natively)."""
+
+    def op(self, op: ModelOp) -> object:
+        if op.op == "apply_chat_template":
+            raise ActorDiedError()
+        return super().op(op)
+
+
+def test_a_replica_lost_while_probing_the_template_for_tools_is_a_503(
+    replica: EngineReplica,
+) -> None:
+    # Not "the template renders no tools": that would run the request with the tools
+    # emulated in the prompt, a different prompt than the model's own. Found by review.
+    calls = LostOnTemplate(replica)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    with TestClient(create_ingress_app(stub_settings(), calls)) as c:
+        wait_ready(c.get)
+        body = {"model": "a", "messages": [SYSTEM], "max_tokens": 3, "tools": [tool]}
+        response = c.post("/v1/chat/completions", json=body)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "replica_unavailable"
+    assert calls.calls == []  # nothing generated with a prompt the model would not render

@@ -6,6 +6,7 @@ follow-ups whose previous turn's save died with its replica, still being written
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from kvwarm.cache.types import SaveReason, SaveRequest
 from kvwarm.cluster.calls import Finished, Generate
 from kvwarm.cluster.chains import chat_chain
 from kvwarm.cluster.replica import EngineReplica
+from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.errors import ConfigError
 
@@ -118,3 +120,48 @@ def test_a_replica_of_its_own_tier_alone_or_told_not_to_does_not_wait(tmp_path: 
 def test_a_negative_wait_is_refused() -> None:
     with pytest.raises(ConfigError, match="cluster_save_wait_s"):
         stub_settings(cluster_save_wait_s=-1.0).check()
+
+
+def test_a_call_cancelled_while_its_generation_starts_cancels_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client left (Ray cancels the replica's call) while the generation was being
+    started off the loop (tokenizing, a parent_key wait, admission): the stream that start
+    makes must not run unobserved to ``max_tokens`` in a slot (found by review)."""
+    monkeypatch.setenv("KVWARM_STUB_DECODE_DELAY_S", "0.05")  # 200 tokens: 10 s uncancelled
+    replica = EngineReplica(stub_settings(), replica_id="r1")
+    entered, release, made = threading.Event(), threading.Event(), threading.Event()
+    started: list[object] = []
+    start = replica._start
+
+    def held_start(call: Generate) -> object:
+        entered.set()
+        release.wait(10)
+        stream = start(call)
+        started.append(stream)
+        made.set()
+        return stream
+
+    monkeypatch.setattr(replica, "_start", held_start)
+    long = dataclasses.replace(_call(), options=GenerationOptions(max_tokens=200, ignore_eos=True))
+
+    async def run() -> str:
+        gen = replica.generate(long)
+        await gen.__anext__()  # Served
+        pending = asyncio.ensure_future(gen.__anext__())
+        await asyncio.to_thread(entered.wait, 10)
+        pending.cancel()  # the client left
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        release.set()
+        assert await asyncio.to_thread(made.wait, 10)
+        stream = started[0]
+        assert isinstance(stream, CompletionStream)
+        done = await asyncio.wait_for(stream.aresult(), 5.0)
+        return done.stats.finish_reason
+
+    try:
+        assert asyncio.run(run()) == "cancelled"
+        assert replica.in_flight == 0 and not replica.running
+    finally:
+        replica.engine.close()

@@ -105,6 +105,20 @@ async def test_its_own_routes_count_before_any_report() -> None:
     assert [[x.name for x in g] for g in moved] == [["a"]]
 
 
+async def test_a_replica_that_leaves_loses_its_routes_and_a_stats_change_keeps_them() -> None:
+    # Ray updates the replicas on every change of a replica's routing stats: the table is
+    # scanned for routes to forget only when the set of replicas changed.
+    r = router()
+    a, b = FakeReplica("a"), FakeReplica("b")
+    r.update_replicas([a, b])  # type: ignore[list-item]
+    r.on_request_routed(chat("hello"), b.replica_id, None)  # type: ignore[arg-type]
+    b.routing_stats = {"in_flight": 1}
+    r.update_replicas([a, b])  # type: ignore[list-item]
+    assert r._table.count(full_id(b)) == 1  # type: ignore[attr-defined]
+    r.update_replicas([a])  # type: ignore[list-item]
+    assert r._table.count(full_id(b)) == 0  # type: ignore[attr-defined]
+
+
 async def test_its_own_route_counts_the_prompt_tokens_it_sent() -> None:
     r = router("events")
     a, b = FakeReplica("a"), FakeReplica("b")
@@ -320,3 +334,104 @@ async def test_a_prompts_tokens_reach_the_replica_holding_its_chunks() -> None:
     unsalted = Generate("m", "chat", GenerationOptions(), chain=("fresh",), tokens=tokens)
     groups = await r.choose_replicas([a, b], FakePending([unsalted]))  # type: ignore[arg-type]
     assert [g[0].name for g in groups] == ["a", "b"]
+    # A model with LoRA adapters: a request under none of them (an empty set, as the server
+    # sends for its plain requests, or scale 0) is keyed in the plain namespace, so it is
+    # walked too; one under an adapter is not (its namespace folds the adapter on the
+    # replica). Every request of such a model was left to rows and chains (found by review).
+    for lora in ((), ((1, 0.0),)):
+        plain = Generate("m", "chat", dataclasses.replace(options, lora=lora), tokens=tokens)
+        groups = await r.choose_replicas([a, b], FakePending([plain]))  # type: ignore[arg-type]
+        assert [g[0].name for g in groups] == ["b", "a"], lora
+    adapted = dataclasses.replace(options, lora=((1, 1.0),))
+    groups = await r.choose_replicas(
+        [a, b], FakePending([dataclasses.replace(call, options=adapted)])
+    )  # type: ignore[arg-type]
+    assert [g[0].name for g in groups] == ["a", "b"]
+
+
+def test_an_application_that_fails_to_deploy_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Serve raises a bare RuntimeError when the application fails to deploy (a replica
+    whose model cannot load); ``kvwarm cluster`` said so with a traceback. Found by review."""
+    from ray import serve
+
+    from kvwarm.cli import main
+    from kvwarm.cluster import deploy
+
+    def failed(*_a: object, **_k: object) -> None:
+        raise RuntimeError("Deploying application kvwarm failed: ModelNotFoundError: no file")
+
+    monkeypatch.setattr(deploy, "start_ray", lambda *_a, **_k: None)
+    monkeypatch.setattr(deploy, "shutdown", lambda **_k: None)
+    monkeypatch.setattr(deploy, "alive_nodes", lambda: 1)
+    monkeypatch.setattr(serve, "start", lambda **_k: None)
+    monkeypatch.setattr(serve, "run", failed)
+    assert main(["cluster", "--backend", "stub", "--model", "a=stub-a"]) == 1
+    err = capsys.readouterr().err
+    assert "the application did not start" in err and "ModelNotFoundError: no file" in err
+
+
+class _FakeHandle:
+    """What ``HandleCalls`` reads of the engine deployment's handle (no call is made)."""
+
+    call = None
+    generate = None
+
+    def options(self, **_kw: object) -> _FakeHandle:
+        return self
+
+
+def test_the_ingress_meets_its_routers_index_under_any_application_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``serve run kvwarm.cluster.serve_app:app`` names the application "default" (a
+    RayService, its own name): the router keys its index by that name, and the ingress,
+    keying it by "kvwarm", fed and read another, so ``/cluster`` listed no replica and the
+    served notes reached no router. Found by review."""
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from kvwarm.cluster import deploy
+
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(app_name="llm"))
+    body = deploy.Ingress(Settings(backend="stub"), _FakeHandle())  # type: ignore[arg-type]
+    app = body.__serve_build_asgi_app__()
+    state = app.state.kvwarm  # type: ignore[attr-defined]
+    engine = DeploymentID(name=deploy.ENGINE, app_name="llm")
+    r = AffinityRouter(deployment_id=engine, handle_source=DeploymentHandleSource.UNKNOWN)
+    r.initialize_state(policy="events")
+    assert state.index is r.index
+
+
+def test_a_stop_signal_while_the_application_deploys_stops_kvwarm_cluster(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Serve waits for the application to run with no deadline (replicas that cannot be
+    placed, a model loading for minutes): SIGTERM or Ctrl-C then only marked the stop, and
+    the process went on waiting, unstoppable but by SIGKILL. Found by review."""
+    import os
+    import signal
+    import threading
+
+    from ray import serve
+
+    from kvwarm.cli import main
+    from kvwarm.cluster import deploy
+
+    removed: list[bool] = []
+
+    def deploying(*_a: object, **_k: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # a stop asked while Serve waits
+        threading.Event().wait(5.0)  # Serve's own wait for RUNNING, interruptible
+        raise AssertionError("the stop signal did not end the deploy's wait")
+
+    monkeypatch.setattr(deploy, "start_ray", lambda *_a, **_k: None)
+    monkeypatch.setattr(deploy, "shutdown", lambda **_k: removed.append(True))
+    monkeypatch.setattr(deploy, "alive_nodes", lambda: 1)
+    monkeypatch.setattr(serve, "start", lambda **_k: None)
+    monkeypatch.setattr(serve, "run", deploying)
+    assert main(["cluster", "--backend", "stub", "--model", "a=stub-a"]) == 0
+    assert removed == [True]  # the application (and an own Ray) removed on the way out
+    assert "kvwarm cluster: http://" not in capsys.readouterr().out

@@ -182,6 +182,12 @@ def test_media_is_refused_clearly(engine: Engine) -> None:
     two[1]["content"] = [*two[1]["content"], {"type": "image", "image": png(2, (16, 16))}]  # type: ignore[misc]
     with pytest.raises(MediaError, match="at most 1"):
         model.chat(two, options=GREEDY)
+    # Per request, whatever each item's own limits: two 16x16 images take 1536 bytes decoded.
+    bounded = replace(limits, max_items=2, max_request_bytes=1000)
+    narrow = engine.load_model("narrow", config=replace(media_config(), media=bounded))
+    with pytest.raises(MediaError, match="media_max_request_bytes") as info:
+        narrow.chat(two, options=GREEDY)
+    assert info.value.param == "messages.1.content.3"
     with pytest.raises(InvalidRequestError, match="projector reads image"):
         model.chat(
             [{"role": "user", "content": [{"type": "audio", "audio": b"RIFF"}]}], options=GREEDY

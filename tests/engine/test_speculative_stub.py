@@ -588,6 +588,28 @@ def test_draft_model_catches_up_a_chunk_a_tick_and_restores_its_prompt(
     assert draft.prefilled_tokens - prefilled >= len(first.prompt_tokens)
 
 
+@pytest.mark.parametrize("why", ["deterministic", "recurrent"])
+def test_a_model_that_cannot_speculate_loads_no_draft_model(
+    engine: Engine, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: a deterministic model (or one whose memory cannot roll a draft back)
+    loaded its ``--draft-model`` too, weights and context, for drafts it never asks for."""
+    config = replace(spec_config(), draft_model="draft-stub.gguf")
+    if why == "deterministic":
+        config = replace(config, deterministic=True)
+    else:
+        config = spec_config(backend=copier(memory_kind="recurrent"), draft_model="draft-stub.gguf")
+    with caplog.at_level("WARNING", logger="kvwarm.engine.model"):
+        model = engine.load_model(config=config)
+    assert model._draft is None
+    info = model.info()
+    assert (info.draft_model, info.draft_bytes) == (None, 0)
+    assert info.speculation.startswith("off: ")
+    assert info.speculation.endswith("; the draft model draft-stub.gguf was not loaded")
+    assert "not loading the draft model draft-stub.gguf" in caplog.text
+    assert model.complete(PROMPT, GREEDY).stats.drafted_tokens == 0
+
+
 def test_a_draft_models_memory_counts_with_the_model(engine: Engine) -> None:
     """The draft model's weights and its context are memory the model holds: in ``info()``,
     hence in ``/v1/models`` and the memory budget (found by review: neither was counted, so

@@ -112,6 +112,83 @@ def test_models_dir_is_listed_and_loaded_on_first_use(dir_client: TestClient) ->
     assert "linked" not in _states(dir_client)
 
 
+def test_a_projector_or_part_swapped_for_a_symlink_after_the_scan_is_refused(
+    tmp_path: Path,
+) -> None:
+    # Found by review: the model file was checked at load time, but its projector and the
+    # other parts of a split model (opened by name beside it) were followed through a link.
+    d = tmp_path / "models"
+    d.mkdir()
+    outside = tmp_path / "secret.gguf"
+    outside.write_bytes(b"GGUF not in the directory")
+    for name in (
+        "eye.gguf",
+        "mmproj-eye.gguf",
+        "big-00001-of-00002.gguf",
+        "big-00002-of-00002.gguf",
+    ):
+        (d / name).write_bytes(b"GGUF stub")
+    with TestClient(create_app(stub_settings(models=(), models_dir=d))) as client:
+        wait_ready(client.get)
+        assert _states(client) == {"big": "available", "eye": "available"}
+        for name in ("mmproj-eye.gguf", "big-00002-of-00002.gguf"):
+            (d / name).unlink()
+            os.symlink(outside, d / name)
+        for model in ("eye", "big"):
+            refused = client.post("/v1/completions", json={**BODY, "model": model})
+            assert _code(refused) == (503, "model_load_failed"), refused.json()
+            assert "symlinks are refused" in refused.json()["error"]["message"]
+
+
+def test_a_load_by_path_never_takes_the_name_of_an_alias_or_an_adapter(tmp_path: Path) -> None:
+    # Found by review: a path loaded under the id "gpt-4o-mini" (an alias of "a") or "sql" (a
+    # LoRA adapter) took every request naming it, and /v1/models listed the name twice.
+    weights = tmp_path / "other.gguf"
+    weights.write_bytes(b"GGUF other")
+    adapter = tmp_path / "sql.gguf"
+    adapter.write_bytes(b"stub adapter: sql")
+    settings = stub_settings(
+        aliases=(("gpt-4o-mini", "a"),), lora=(("sql", str(adapter)),), admin_key="adm"
+    )
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        for name in ("gpt-4o-mini", "sql"):
+            body = {"path": str(weights), "id": name}
+            refused = client.post("/admin/models/load", json=body, headers=ADMIN)
+            assert _code(refused) == (409, "model_exists"), refused.json()
+            answer = client.post("/v1/completions", json={**BODY, "model": name})
+            assert answer.status_code == 200 and answer.json()["model"] in ("a", "sql")
+        names = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert sorted(names) == ["a", "b", "gpt-4o-mini", "sql"]
+
+
+def test_a_models_dir_file_never_takes_the_name_of_an_alias_or_an_adapter(
+    tmp_path: Path,
+) -> None:
+    # Found by review: "gpt-4o-mini.gguf" or "sql.gguf" dropped into models_dir became a model
+    # of that id, which took every request naming the alias or the adapter.
+    d = tmp_path / "models"
+    d.mkdir()
+    adapter = tmp_path / "sql.gguf"
+    adapter.write_bytes(b"stub adapter: sql")
+    settings = stub_settings(
+        models=(ModelSpec(path="stub-a", id="a"),),
+        models_dir=d,
+        aliases=(("gpt-4o-mini", "a"),),
+        lora=(("sql", str(adapter)),),
+    )
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        for name in ("gpt-4o-mini.gguf", "sql.gguf", "c.gguf"):
+            (d / name).write_bytes(b"GGUF stub")
+        names = sorted(m["id"] for m in client.get("/v1/models").json()["data"])
+        assert names == ["a", "c", "gpt-4o-mini", "sql"]
+        for name in ("gpt-4o-mini", "sql"):
+            answer = client.post("/v1/completions", json={**BODY, "model": name})
+            assert answer.status_code == 200 and answer.json()["model"] in ("a", "sql")
+        assert _states(client)["a"] == "ready"
+
+
 def test_new_files_appear_without_a_restart(dir_client: TestClient, models: Path) -> None:
     (models / "gamma.gguf").write_bytes(b"GGUF new")
     assert _states(dir_client)["gamma"] == "available"

@@ -127,3 +127,17 @@ def test_models_say_whether_and_how_they_speculate(client: TestClient) -> None:
         "draft_model": None,
     }
     assert data["plain"]["speculative"] == {"type": "none", "available": "on", "draft_model": None}
+
+
+def test_a_deterministic_model_says_its_draft_model_is_not_loaded() -> None:
+    """Deterministic: speculation is off, so the draft model is not loaded (found by review:
+    it was, its weights and context taken for drafts never asked for)."""
+    spec = ModelSpec(path="stub-copy", id="exact", options=(("draft_model", "draft-stub.gguf"),))
+    settings = stub_settings(models=(spec,), deterministic=True)
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        [meta] = [m["meta"] for m in client.get("/v1/models").json()["data"]]
+    assert meta["speculative"]["draft_model"] is None and meta["draft_bytes"] == 0
+    available = meta["speculative"]["available"]
+    assert available.startswith("off: deterministic mode")
+    assert available.endswith("; the draft model draft-stub.gguf was not loaded")

@@ -4,7 +4,9 @@ Invariant: never loads ``libllama`` — ``llama_cpp/llama_grammar.py`` uses only
 library, so it is loaded from its file without executing ``llama_cpp/__init__`` (which would
 dlopen the native library). Cache-only and stub processes can therefore convert schemas too.
 Every failure, including malformed JSON and unsupported ``$ref``s, is a ``GrammarError``;
-remote ``$ref``s are never fetched.
+remote ``$ref``s are never fetched. The converter's visit of each node is extended
+(``_fix_visits``): what it would let the model write against the schema, or drop unsaid, is
+either enforced here (patterns over JSON text, numeric bounds) or refused with a 400.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -121,6 +124,7 @@ def _converter_module() -> ModuleType:
             sys.modules[_MODULE_NAME] = module
             file_spec.loader.exec_module(module)
             _fix_literal_escapes(module)
+            _fix_visits(module)
             return module
     raise GrammarError("llama-cpp-python ships no llama_grammar.py; cannot convert JSON schemas")
 
@@ -144,6 +148,247 @@ def _fix_literal_escapes(module: ModuleType) -> None:
     setattr(module, "json", SimpleNamespace(loads=json.loads, dumps=_dumps_unicode))  # noqa: B010
 
 
+#: Every JSON type: the items of an array schema that names none (``{"minItems": 2}``).
+_ANY_TYPE = ["object", "array", "string", "number", "boolean", "null"]
+#: Keywords that make the converter read a node as something else than its ``type`` says.
+_SHAPED = ("$ref", "oneOf", "anyOf", "const", "enum")
+#: The bounds of a number (draft 6 on: ``exclusive*`` are numbers; draft 4: booleans).
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+#: Integers the converter's ``integral-part`` can write: 16 digits at most.
+_MAX_DIGITS = 16
+
+
+def _fail(message: str) -> GrammarError:
+    return GrammarError(f"JSON schema {message}", param="json_schema")
+
+
+def _fix_visits(module: ModuleType) -> None:
+    """What kvwarm adds to the converter's ``visit`` of each schema node, where the converter
+    would let the model write what the schema forbids, or dropped a constraint unsaid (found
+    by review):
+
+    - a ``pattern`` becomes a rule over the string's JSON text (``json_pattern``): the
+      converter's let the model write a raw ``"``, a lone backslash or a raw newline;
+    - an ``integer``'s and a ``number``'s ``minimum``/``maximum``/``exclusive*`` are
+      enforced (the converter ignored them); a bounded number is written without an
+      exponent, and near a fractional bound some values are left out (``_number_rule``);
+    - ``"type": [a, b]`` keeps the node's other keywords for each type (the converter kept
+      only the type: ``["string", "null"]`` lost its ``maxLength`` or ``pattern``);
+    - ``minLength``/``maxLength``/``minItems``/``maxItems`` must be non-negative integers,
+      an array's counts hold without ``items``, and a string's length beside a ``pattern``
+      or a ``format`` (which the converter let win) is refused rather than dropped."""
+    from kvwarm.backends.json_pattern import pattern_rule
+
+    converter = module.SchemaConverter
+    visit = converter.visit
+    reserved = module.RESERVED_NAMES
+
+    def visit_node(self: object, schema: object, name: str) -> object:
+        if isinstance(schema, dict):
+            schema = _checked_node(schema)
+            kind = schema.get("type")
+            shaped = any(k in schema for k in _SHAPED)
+            if kind in ("integer", "number") and not shaped and any(k in schema for k in _BOUNDS):
+                rule_name = name + "-" if name in reserved else name or "root"
+                add_rule = cast(Callable[[str, str], str], self._add_rule)  # type: ignore[attr-defined]
+                rule = _integer_rule(schema) if kind == "integer" else _number_rule(schema)
+                return add_rule(rule_name, rule + " space")
+        return visit(self, schema, name)
+
+    def visit_pattern(self: object, pattern: object, name: str) -> str:
+        if not isinstance(pattern, str):
+            raise _fail("pattern must be a string")
+        add_rule = cast(Callable[[str, str], str], self._add_rule)  # type: ignore[attr-defined]
+        return pattern_rule(pattern, name, add_rule, MAX_SCHEMA_REPEATS)
+
+    setattr(converter, "visit", visit_node)  # noqa: B010
+    setattr(converter, "_visit_pattern", visit_pattern)  # noqa: B010
+
+
+def _checked_node(schema: dict[str, object]) -> dict[str, object]:
+    """``schema`` as the converter should read it (see ``_fix_visits``), or ``GrammarError``."""
+    for key in _REPEAT_KEYS:
+        if key in schema:
+            value = schema[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise _fail(f"{key} must be a non-negative integer, got {value!r}")
+    kind = schema.get("type")
+    if isinstance(kind, list) and not any(k in schema for k in ("$ref", "oneOf", "anyOf")):
+        if not kind or not all(isinstance(t, str) for t in kind):
+            raise _fail(f"type must be a string or a non-empty list of strings, got {kind!r}")
+        rest = {k: v for k, v in schema.items() if k != "type"}
+        return {"anyOf": [{**rest, "type": t} for t in kind]}
+    if any(k in schema for k in _SHAPED):
+        return schema
+    stringy = kind == "string" or (
+        kind is None
+        and not any(
+            k in schema
+            for k in ("properties", "additionalProperties", "allOf", "items", "prefixItems")
+        )
+    )
+    if stringy and ("pattern" in schema or "format" in schema):
+        lengths = [k for k in ("minLength", "maxLength") if k in schema]
+        if lengths and ("pattern" in schema or schema.get("format") in _SHAPED_FORMATS):
+            shape = "pattern" if "pattern" in schema else f"format {schema['format']}"
+            raise _fail(
+                f"{' and '.join(lengths)} beside a {shape} are not enforced by the grammar: "
+                "put the length in the pattern (e.g. ^.{2,5}$) or leave it out"
+            )
+    counted = "minItems" in schema or "maxItems" in schema
+    if kind == "array" and counted and "items" not in schema and "prefixItems" not in schema:
+        return {**schema, "items": {"type": _ANY_TYPE}}
+    return schema
+
+
+#: The string formats the converter writes with a rule of their own (a fixed shape).
+_SHAPED_FORMATS = ("date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5")
+
+
+def _bound(schema: Mapping[str, object], key: str) -> float | None:
+    value = schema.get(key)
+    if value is None or (key.startswith("exclusive") and isinstance(value, bool)):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _fail(f"{key} must be a number, got {value!r}")
+    return value
+
+
+def _integer_rule(schema: Mapping[str, object]) -> str:
+    """GBNF of the integers (as the converter writes them: no leading zeros, at most
+    ``_MAX_DIGITS`` digits) within ``schema``'s bounds; ``GrammarError`` if there are none.
+    A fractional bound is rounded inwards; draft 4's boolean ``exclusive*`` make their
+    ``minimum``/``maximum`` exclusive; where both kinds are given, both hold."""
+    top = 10**_MAX_DIGITS - 1
+    lo, hi = -top, top
+    minimum, maximum = _bound(schema, "minimum"), _bound(schema, "maximum")
+    if minimum is not None:
+        lo = max(lo, math.floor(minimum) + 1 if schema.get("exclusiveMinimum") is True
+                 else math.ceil(minimum))  # fmt: skip
+    if maximum is not None:
+        hi = min(hi, math.ceil(maximum) - 1 if schema.get("exclusiveMaximum") is True
+                 else math.floor(maximum))  # fmt: skip
+    if (above := _bound(schema, "exclusiveMinimum")) is not None:
+        lo = max(lo, math.floor(above) + 1)
+    if (below := _bound(schema, "exclusiveMaximum")) is not None:
+        hi = min(hi, math.ceil(below) - 1)
+    if lo > hi:
+        raise _fail(f"integer bounds admit no integer the grammar can write ({lo} > {hi})")
+    alts = []
+    if lo < 0:
+        alts.append('"-" ' + _magnitudes(max(1, -hi), -lo))
+    if hi >= 0:
+        alts.append(_magnitudes(max(0, lo), hi))
+    return "(" + " | ".join(alts) + ")"
+
+
+def _limits(schema: Mapping[str, object]) -> tuple[tuple[float, bool] | None, ...]:
+    """The tightest (bound, inclusive) below and above, or None where there is none."""
+    lows: list[tuple[float, bool]] = []
+    highs: list[tuple[float, bool]] = []
+    if (minimum := _bound(schema, "minimum")) is not None:
+        lows.append((minimum, schema.get("exclusiveMinimum") is not True))
+    if (maximum := _bound(schema, "maximum")) is not None:
+        highs.append((maximum, schema.get("exclusiveMaximum") is not True))
+    if (above := _bound(schema, "exclusiveMinimum")) is not None:
+        lows.append((above, False))
+    if (below := _bound(schema, "exclusiveMaximum")) is not None:
+        highs.append((below, False))
+    # The larger low wins, exclusive on a tie; the smaller high, exclusive on a tie.
+    low = max(lows, key=lambda b: (b[0], not b[1])) if lows else None
+    high = min(highs, key=lambda b: (b[0], b[1])) if highs else None
+    return low, high
+
+
+def _number_rule(schema: Mapping[str, object]) -> str:
+    """GBNF of numbers within ``schema``'s bounds, written as the converter writes a number
+    but without an exponent. Exact, except near a fractional bound: of the values whose
+    integer part is the bound's, only those the integer part alone settles are kept (with
+    ``maximum`` 1.5, 1 and 1.0 but not 1.2; with ``minimum`` 0.5, from 1 up): never a value
+    outside the bounds. ``GrammarError`` if nothing is left."""
+    low, high = _limits(schema)
+    alts = []
+    # x >= 0, written without a sign: its magnitude is x.
+    pos_low = (0.0, True) if low is None or low[0] < 0 else low
+    reaches_zero = high is None or high[0] > 0 or (high[0] == 0 and high[1])
+    if reaches_zero and (part := _magnitude_rule(pos_low, high)) is not None:
+        alts.append(part)
+    # x < 0, written "-" and its magnitude m = -x > 0: x >= low is m <= -low.
+    if low is None or low[0] < 0:
+        neg_low = (0.0, False) if high is None or high[0] >= 0 else (-high[0], high[1])
+        neg_high = None if low is None else (-low[0], low[1])
+        if (part := _magnitude_rule(neg_low, neg_high)) is not None:
+            alts.append('"-" ' + part)
+    if not alts:
+        raise _fail("number bounds admit no number the grammar can write")
+    return "(" + " | ".join(alts) + ")"
+
+
+def _magnitude_rule(low: tuple[float, bool], high: tuple[float, bool] | None) -> str | None:
+    """GBNF of unsigned decimals (``I`` or ``I.F``) between ``low`` and ``high`` (each
+    (bound, inclusive), ``low`` >= 0), or None if it writes none of them."""
+    top = 10**_MAX_DIGITS - 1
+    frac = '("." [0-9]{1,16})?'
+    zeros = '("." "0"{1,16})?'
+    nonzero = '"." "0"{0,15} [1-9] [0-9]{0,15}'
+    (lo, lo_in), (hi, hi_in) = low, (high if high is not None else (float(top) + 1, False))
+    alts = []
+    # Any fraction: lo <= I (I > lo if lo is excluded) and I + 1 <= hi.
+    any_lo = math.ceil(lo) if lo_in else math.floor(lo) + 1
+    any_hi = min(top, math.floor(hi) - 1)  # x < I + 1 <= floor(hi) <= hi
+    if any_lo <= any_hi:
+        alts.append(f"{_magnitudes(any_lo, any_hi)} {frac}")
+    # The integers themselves (and I.0...): lo <= I <= hi, ends as their inclusivity says.
+    int_lo = any_lo
+    int_hi = min(top, math.floor(hi) if hi_in or hi != math.floor(hi) else math.floor(hi) - 1)
+    if int_lo <= int_hi:
+        alts.append(f"{_magnitudes(int_lo, int_hi)} {zeros}")
+    # An excluded integer low with a fraction that is not all zeros: past low, below low + 1
+    # (an included one is among the integer parts above already).
+    if not lo_in and lo == math.floor(lo) and lo + 1 <= hi and lo <= top:
+        alts.append(f'"{int(lo)}" {nonzero}')
+    return None if not alts else "(" + " | ".join(alts) + ")"
+
+
+def _magnitudes(lo: int, hi: int) -> str:
+    """GBNF of the decimal numerals of ``lo`` to ``hi`` (0 <= lo <= hi), no leading zeros."""
+    alts = []
+    full: list[int] = []  # lengths of 2+ digits wholly inside: one alternative for them all
+    for digits in range(len(str(lo)), len(str(hi)) + 1):
+        first = 0 if digits == 1 else 10 ** (digits - 1)
+        if digits > 1 and lo <= first and 10**digits - 1 <= hi:
+            full.append(digits)
+            continue
+        alts.extend(_same_length(str(max(lo, first)), str(min(hi, 10**digits - 1))))
+    if full:
+        low, high = full[0] - 1, full[-1] - 1
+        alts.append(f"[1-9] [0-9]{{{low}}}" if low == high else f"[1-9] [0-9]{{{low},{high}}}")
+    return alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
+
+
+def _same_length(lo: str, hi: str) -> list[str]:
+    """Alternatives matching the numerals ``lo`` to ``hi``, both of one length."""
+    if lo == hi:
+        return [f'"{lo}"']
+    n = len(lo) - 1
+    rest = "" if n == 0 else (" [0-9]" if n == 1 else f" [0-9]{{{n}}}")
+    if lo[1:] == "0" * n and hi[1:] == "9" * n:
+        return [_digit_class(lo[0], hi[0]) + rest]
+    if lo[0] == hi[0]:
+        tail = _same_length(lo[1:], hi[1:])
+        inner = tail[0] if len(tail) == 1 else "(" + " | ".join(tail) + ")"
+        return [f'"{lo[0]}" {inner}']
+    out = _same_length(lo, lo[0] + "9" * n)
+    if int(lo[0]) + 1 <= int(hi[0]) - 1:
+        out.append(_digit_class(str(int(lo[0]) + 1), str(int(hi[0]) - 1)) + rest)
+    out.extend(_same_length(hi[0] + "0" * n, hi))
+    return out
+
+
+def _digit_class(lo: str, hi: str) -> str:
+    return f"[{lo}]" if lo == hi else f"[{lo}-{hi}]"
+
+
 def schema_to_gbnf(schema: Mapping[str, object] | str) -> str:
     """GBNF whose language is the JSON documents valid under ``schema``."""
     try:
@@ -161,6 +406,8 @@ def schema_to_gbnf(schema: Mapping[str, object] | str) -> str:
     convert = cast(Callable[[str], object], _converter_module().json_schema_to_gbnf)
     try:
         grammar = convert(text)
+    except GrammarError:
+        raise  # kvwarm's own checks of a node (``_fix_visits``): already saying what is wrong
     except RecursionError as exc:
         raise GrammarError("JSON schema nests too deeply", param="json_schema") from exc
     except Exception as exc:  # the third-party converter raises assorted types

@@ -21,7 +21,8 @@ Invariants:
   failed or dropped), so ``lookup_exact_or_wait`` never waits for a save that cannot come.
 - No tier I/O happens under the index lock.
 - With ``repair=False`` (``kvwarm cache verify`` without ``--repair``) opening the cache and
-  verifying it move and delete nothing: no quarantine, no temp-file reaping, no quota
+  verifying it create, move and delete nothing (a missing file tier's directory is
+  ``CacheDirMissingError``): no quarantine, no temp-file reaping, no quota
   enforcement, no sweeper; every bad file is reported instead.
 - A row's prompt text reaches a tier only with ``CacheConfig.store_prompt_text``; otherwise
   ``save`` blanks it, whoever built the request.
@@ -125,7 +126,15 @@ class Cache:
             )
         if tiers is None:
             options = TierOptions(repair=repair)
-            tiers = [build_tier(tc, options) for tc in self.config.tiers]
+            built: list[Tier] = []
+            try:
+                for tc in self.config.tiers:
+                    built.append(build_tier(tc, options))
+            except BaseException:
+                for tier in built:  # a later tier refused: the earlier ones hold fds
+                    tier.close()
+                raise
+            tiers = built
         self._tiers: dict[TierName, Tier] = {tier.name: tier for tier in tiers}
         self._closed = False
         self._scratch = ScratchBuffers()

@@ -3,7 +3,9 @@
 Invariant: these commands open the cache alone (pure Python, no llama.cpp), over the same tier
 directories the server uses, so they work on a machine without a model. ``verify`` reports
 every bad file (CRC, truncation, garbage, interrupted temp files) and exits 1 if there is one;
-it moves and deletes nothing unless given ``--repair``. What a server's startup scan already
+it moves and deletes nothing unless given ``--repair``. ``stats``, ``ls`` and ``verify`` create
+nothing and tighten no mode: a missing tier directory is reported (stderr; ``missing_dirs`` in
+``--json``) and counts as empty, exit 0. What a server's startup scan already
 set aside (``quarantine/``: damaged rows and chunks, manifests whose chunks were gone) is
 reported as fixed, and alone does not make it exit 1.
 """
@@ -74,11 +76,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 @contextmanager
-def open_cache(settings: Settings, *, repair: bool = True) -> Iterator[CacheApi]:
-    from kvwarm.cache import Cache
+def open_cache(
+    settings: Settings, *, repair: bool = True, missing: list[str] | None = None
+) -> Iterator[CacheApi]:
+    """The configured cache. A read-only open (``repair=False``) runs no sweeper and creates
+    nothing: a file tier whose directory does not exist is left out, reported on stderr and
+    appended to ``missing``, and the others are opened as they are."""
+    from kvwarm.cache import Cache, TierConfig
+    from kvwarm.errors import CacheDirMissingError
 
-    # A read-only open (repair=False) runs no sweeper: nothing may change under inspection.
-    cache = Cache(settings.cache_config(), repair=repair, background=repair)
+    config = settings.cache_config()
+    while True:
+        try:
+            cache = Cache(config, repair=repair, background=repair)
+            break
+        except CacheDirMissingError as exc:
+            print(f"kvwarm: {exc}; nothing is cached there", file=sys.stderr)
+            if missing is not None:
+                missing.append(exc.path)
+            tiers = tuple(t for t in config.tiers if t.name != exc.tier)
+            config = dataclasses.replace(config, tiers=tiers or (TierConfig("ram", 1 << 30),))
     try:
         yield cache
     finally:
@@ -95,8 +112,10 @@ def _size(n: float) -> str:
 
 def run_stats(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    # An inspection: moves, deletes and registers nothing (a running server's directory).
-    with open_cache(settings, repair=False) as cache:
+    # An inspection: creates, moves, deletes and registers nothing (a running server's
+    # directory, or one that does not exist yet).
+    missing: list[str] = []
+    with open_cache(settings, repair=False, missing=missing) as cache:
         counters = dict(cache.counters())
         rows = cache.rows()
         tiers = cache.tier_names()
@@ -105,7 +124,8 @@ def run_stats(args: argparse.Namespace) -> int:
     total = summary(counters, rows, tiers)
     cache_dir = str(settings.cache_dir) if settings.cache_dir else None
     if args.json:
-        print(json.dumps({**total, "cache_dir": cache_dir, "counters": counters}, indent=2))
+        out = {**total, "cache_dir": cache_dir, "missing_dirs": missing, "counters": counters}
+        print(json.dumps(out, indent=2))
         return 0
     per = total["tiers"]
     assert isinstance(per, dict)
@@ -142,7 +162,7 @@ def _num(value: object) -> float:
 
 def run_ls(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    # An inspection: moves, deletes and registers nothing (a running server's directory).
+    # An inspection: creates, moves, deletes and registers nothing.
     with open_cache(settings, repair=False) as cache:
         rows = sorted(cache.rows(), key=lambda r: r.last_used, reverse=True)
     if args.limit > 0:
@@ -202,7 +222,8 @@ def run_gc(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     settings = settings_from(args)
-    with open_cache(settings, repair=False) as cache:
+    missing: list[str] = []
+    with open_cache(settings, repair=False, missing=missing) as cache:
         report = cache.verify()
     if report.bad and args.repair:
         # A repairing open quarantines what the scan rejects; its verify drops CRC failures.
@@ -212,7 +233,8 @@ def run_verify(args: argparse.Namespace) -> int:
     fixed = {"rows": report.quarantined_rows, "chunks": report.quarantined_chunks}
     if args.json:
         bad = [{"row": where, "reason": why} for where, why in report.bad]
-        print(json.dumps({"checked": report.checked, "bad": bad, "quarantined": fixed}))
+        out = {"checked": report.checked, "bad": bad, "quarantined": fixed}
+        print(json.dumps({**out, "missing_dirs": missing}))
     else:
         print(f"checked {report.checked} rows: {len(report.bad)} bad")
         if report.quarantined_rows or report.quarantined_chunks:

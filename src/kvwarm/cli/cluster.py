@@ -3,8 +3,8 @@
 Invariant: the same settings as ``serve`` (flags, ``KVWARM_*`` env, TOML), plus ``--replicas``,
 ``--ray-address``, ``--node-ip``, ``--cluster-routing`` (checked before Ray starts),
 ``--cluster-busy-requests`` and ``--cluster-save-wait-s``; a local Ray listens on 127.0.0.1
-only unless ``--node-ip`` opens it; it runs until SIGINT/SIGTERM, then removes the
-application (and stops Ray if it started it).
+only unless ``--node-ip`` opens it; it runs until SIGINT/SIGTERM (one during the deploy too),
+then removes the application (and stops Ray if it started it).
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.set_defaults(run=run)
 
 
+class _StoppedDeployingError(Exception):
+    """A stop signal while the application deploys (raised by the handler, in the main
+    thread, out of Serve's wait)."""
+
+
 def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     try:
@@ -41,15 +46,25 @@ def run(args: argparse.Namespace) -> int:
     deploy.routing_config(settings)  # an unknown routing policy fails before Ray starts
     deploy.start_ray(settings.ray_address, node_ip=settings.node_ip)
     stop = threading.Event()
+    deploying = True
+
+    def on_stop(*_: object) -> None:
+        stop.set()
+        if deploying:  # Serve waits for the application with no deadline: leave that wait
+            raise _StoppedDeployingError
+
     # After ray.init: Ray installs its own SIGTERM handler in the driver (a stack dump and an
     # abort); a requested shutdown must remove the application and exit 0 instead.
     try:
-        with stop_signals(lambda *_: stop.set()):
+        with stop_signals(on_stop):
             deploy.run(settings)
+            deploying = False
             print(
                 f"kvwarm cluster: http://{settings.host}:{settings.port} (Ctrl-C stops)", flush=True
             )
             stop.wait()
+    except _StoppedDeployingError:
+        pass  # stopped before the application ran: remove what was deployed
     finally:
         deploy.shutdown(owned=not settings.ray_address)
     return 0

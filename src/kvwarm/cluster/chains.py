@@ -1,9 +1,10 @@
 """Chained hashes of a conversation at message boundaries: what a router matches prefixes by.
 
 Invariant: ``chain[i]`` is a digest of ``chain[i-1]`` and the i-th unit (a chat message, or a
-fixed-size block of a text prompt), seeded by the model, the cache salt and the tools. So equal
-``chain[i]`` means an equal conversation up to unit i under the same tenant and template
-inputs: a replica that served a request with ``chain[:k]`` has that prefix's KV (or had it).
+fixed-size block of a text prompt), seeded by the model, the cache salt, the tools and the LoRA
+adapters the request runs under (none: the model's plain namespace). So equal ``chain[i]``
+means an equal conversation up to unit i under the same tenant, template inputs and adapters:
+a replica that served a request with ``chain[:k]`` has that prefix's KV (or had it).
 The ingress computes chains; replicas report the ones they served; ``routing`` compares them.
 Hashes are routing hints, never cache keys: a collision costs a less warm replica, nothing else.
 """
@@ -15,6 +16,9 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+
+# A request's LoRA adapters, as ``GenerationOptions.lora`` names them: (handle, scale) pairs.
+Lora = Sequence[tuple[int, float]]
 
 # A text prompt has no message boundaries: it is cut into blocks of this many characters
 # (chat turns are usually longer, so a block is about one turn's granularity).
@@ -31,8 +35,14 @@ def _digest(previous: bytes, unit: bytes) -> bytes:
     return h.digest()
 
 
-def _seed(model_id: str, cache_salt: str | None, extra: object) -> bytes:
-    head = json.dumps([model_id, cache_salt, extra], sort_keys=True, default=str)
+def _seed(model_id: str, cache_salt: str | None, extra: object, lora: Lora | None) -> bytes:
+    # Adapters at scale 0 are no adapters (``engine/adapters.py``): with none left the seed is
+    # the plain model's, as its rows' namespace is.
+    adapters = sorted((int(h), float(s)) for h, s in lora or () if s != 0.0)
+    fields: list[object] = [model_id, cache_salt, extra]
+    if adapters:
+        fields.append(adapters)
+    head = json.dumps(fields, sort_keys=True, default=str)
     return _digest(b"kvwarm-chain-v1", head.encode())
 
 
@@ -51,6 +61,7 @@ def chat_chain(
     *,
     cache_salt: str | None = None,
     tools: Sequence[Mapping[str, object]] | None = None,
+    lora: Lora | None = None,
 ) -> tuple[str, ...]:
     """One hash per message after the head: ``h1 = H(seed, m1)``, ``h2 = H(h1, m2)`` ...
 
@@ -63,7 +74,7 @@ def chat_chain(
         n_head += 1
     head = [_canonical(m) for m in messages[:n_head]]
     units = [_canonical(m).encode() for m in messages[n_head:]]
-    return _chain(_seed(model_id, cache_salt, [head, list(tools or ())]), units)
+    return _chain(_seed(model_id, cache_salt, [head, list(tools or ())], lora), units)
 
 
 def _canonical(message: Mapping[str, object]) -> str:
@@ -79,6 +90,7 @@ def text_chain(
     *,
     cache_salt: str | None = None,
     block: int = TEXT_BLOCK_CHARS,
+    lora: Lora | None = None,
 ) -> tuple[str, ...]:
     """One hash per whole block of a text prompt (or of token ids, ``block // 4`` a block);
     the partial last block is left out, since the next request rarely repeats it."""
@@ -87,7 +99,7 @@ def text_chain(
     else:
         data, size, kind = b"".join(t.to_bytes(4, "little") for t in prompt), block, "tokens"
     units = [data[i : i + size] for i in range(0, len(data) - size + 1, size)]
-    return _chain(_seed(model_id, cache_salt, kind), units)
+    return _chain(_seed(model_id, cache_salt, kind, lora), units)
 
 
 class LastRows:

@@ -30,6 +30,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
@@ -40,6 +41,7 @@ from kvwarm.cluster.remote import ResponseStream
 from kvwarm.cluster.replica import EngineReplica
 from kvwarm.cluster.routing import RoutingConfig, check_policy, index_for
 from kvwarm.cluster.routing.index import index_name
+from kvwarm.errors import KvwarmError
 from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.cluster")
@@ -74,9 +76,19 @@ class Ingress:
         self._engine = engine
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
-        # The index the engine deployment's router in this process feeds (``router.py``).
-        index = index_for(index_name(APP_NAME, ENGINE))
+        # The index the engine deployment's router in this process feeds (``router.py``),
+        # keyed by this application's name: "kvwarm" from ``run``, but ``serve run`` names it
+        # "default" and a RayService its own.
+        index = index_for(index_name(_application_name(), ENGINE))
         return create_ingress_app(self._settings, HandleCalls(self._engine), index)
+
+
+def _application_name() -> str:
+    """The Serve application this replica belongs to (``APP_NAME`` outside a replica)."""
+    try:
+        return str(serve.get_replica_context().app_name)
+    except RayServeException:  # not in a replica (tests build the app directly)
+        return APP_NAME
 
 
 def _deployment(cls: type, **options: Any) -> Deployment:
@@ -201,15 +213,19 @@ def run(
     stats_period_s: float = STATS_PERIOD_S,
 ) -> DeploymentHandle[EngineReplica]:
     """Deploy on the current Ray cluster (``start_ray`` first) and wait until it is healthy;
-    the HTTP proxy listens on ``settings.host:settings.port``."""
+    the HTTP proxy listens on ``settings.host:settings.port``. ``KvwarmError`` with Serve's
+    reason when the application fails to deploy (a replica that cannot load its model)."""
     serve.start(
         proxy_location=proxy_location(settings.host),
         http_options={"host": settings.host, "port": settings.port},
     )
     app = build_app(settings, router=router, stats_period_s=stats_period_s, nodes=alive_nodes())
-    handle: DeploymentHandle[EngineReplica] = serve.run(
-        app, name=APP_NAME, route_prefix="/", blocking=False
-    )
+    try:
+        handle: DeploymentHandle[EngineReplica] = serve.run(
+            app, name=APP_NAME, route_prefix="/", blocking=False
+        )
+    except RuntimeError as exc:  # DEPLOY_FAILED: a replica's constructor error is in its message
+        raise KvwarmError(f"kvwarm cluster: the application did not start: {exc}") from exc
     log.info(
         "kvwarm cluster: %d replica(s), %s router, http://%s:%d",
         settings.replicas,

@@ -177,6 +177,12 @@ class RemoteStream:
         self.replica_id = None
         self.attempts += 1
         self._on_retry()
+        # A replica Ray calls unavailable may still be running it: cancel it there rather
+        # than leave it holding a slot whose text nobody reads.
+        try:
+            self._response.cancel()
+        except Exception as cancel_exc:  # a dead replica's call: nothing left to cancel
+            log.debug("the lost call was not cancelled: %s", cancel_exc)
         self._response = self._start(tuple(dict.fromkeys(r for r in self.lost if r is not None)))
         return True
 
@@ -266,7 +272,7 @@ class RemoteModel(ModelOps):
 
     ``on_served`` is told which replica served each generation (the ingress puts it in a
     response header). Chains are computed here, in the ingress, from the request's messages
-    or prompt, its cache salt and its tools."""
+    or prompt, its cache salt, its tools and its LoRA adapters."""
 
     def __init__(
         self,
@@ -354,7 +360,8 @@ class RemoteModel(ModelOps):
         prefill: str = "",
     ) -> RemoteStream:
         salt = options.cache_salt if options else None
-        chain = chains.chat_chain(self.id, messages, cache_salt=salt, tools=tools)
+        lora = options.lora if options else None
+        chain = chains.chat_chain(self.id, messages, cache_salt=salt, tools=tools, lora=lora)
         return self._generate(
             "chat", options, messages=list(messages), tools=tools, prefill=prefill, chain=chain
         )
@@ -363,7 +370,8 @@ class RemoteModel(ModelOps):
         self, kind: GenerateKind, prompt: str | Sequence[int], options: GenerationOptions | None
     ) -> RemoteStream:
         salt = options.cache_salt if options else None
-        chain = chains.text_chain(self.id, prompt, cache_salt=salt)
+        lora = options.lora if options else None
+        chain = chains.text_chain(self.id, prompt, cache_salt=salt, lora=lora)
         value = prompt if isinstance(prompt, str) else tuple(prompt)
         return self._generate(kind, options, prompt=value, chain=chain)
 

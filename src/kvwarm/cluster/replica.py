@@ -112,6 +112,12 @@ class DurableSaves:
         }
 
 
+def _cancel_started(starting: asyncio.Future[CompletionStream]) -> None:
+    """Cancel the stream a start made after its call was cancelled (if it made one)."""
+    if not starting.cancelled() and starting.exception() is None:
+        starting.result().cancel()
+
+
 def _portable(exc: BaseException) -> BaseException:
     """An error the ingress can unpickle and map by type (``server/errors.py``)."""
     return exc if isinstance(exc, KvwarmError) else KvwarmError(f"{type(exc).__name__}: {exc}")
@@ -182,9 +188,15 @@ class EngineReplica:
         if end is not None:
             self.running[end] += 1
         try:
+            # Tokenizing, templating and a parent_key wait run off the replica's event loop.
+            # Ray cancels this call when the client leaves: the stream the thread goes on to
+            # start is then cancelled once it exists, never left to run unread.
+            starting = asyncio.ensure_future(asyncio.to_thread(self._start, call))
             try:
-                # Tokenizing and templating run off the replica's event loop.
-                stream = await asyncio.to_thread(self._start, call)
+                stream = await asyncio.shield(starting)
+            except asyncio.CancelledError:
+                starting.add_done_callback(_cancel_started)
+                raise
             except Exception as exc:
                 yield Failed(_portable(exc))
                 return

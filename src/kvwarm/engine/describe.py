@@ -49,7 +49,12 @@ def model_info(
     draft_model: str | None = None,
     draft_bytes: int = 0,
 ) -> ModelInfo:
-    """The model's description; ``fingerprint`` is the effective one (adapters folded in)."""
+    """The model's description; ``fingerprint`` is the effective one (adapters folded in).
+    ``draft_model``: the draft model loaded, None where none is (a configured one is not
+    loaded where speculation is off, and ``speculation`` says so)."""
+    spec = speculation(cfg, MemoryKind(facts.memory_kind, facts.n_swa, cfg.context.swa_full))
+    if cfg.draft_model is not None and draft_model is None:
+        spec += f"; the draft model {Path(cfg.draft_model).name} was not loaded"
     return ModelInfo(
         id=model_id,
         path=str(path),
@@ -86,9 +91,7 @@ def model_info(
         spec_type=cfg.spec_type,
         draft_model=draft_model,
         draft_bytes=draft_bytes,
-        speculation=speculation(
-            cfg, MemoryKind(facts.memory_kind, facts.n_swa, cfg.context.swa_full)
-        ),
+        speculation=spec,
     )
 
 

@@ -150,8 +150,6 @@ class Model:
         try:
             if cfg.mmproj is not None:
                 self._projector = self._load_projector(cfg.mmproj)
-            if cfg.draft_model is not None:
-                self._draft = self._load_draft(cfg.draft_model)
             self._start_worker()
         except BaseException:
             if self._projector is not None:
@@ -283,6 +281,22 @@ class Model:
             kv_unified=not (cfg.deterministic and cfg.n_parallel > 1),
         )
         self._ctx = self._bmodel.new_context(total)
+        spec = speculation(cfg, self._ctx.memory)
+        if cfg.draft_model is not None:
+            if spec.startswith("off"):
+                # Its weights and its context would take memory for drafts never asked for.
+                log.warning(
+                    "model %s: not loading the draft model %s: speculation is %s",
+                    self.id,
+                    Path(cfg.draft_model).name,
+                    spec,
+                )
+            else:
+                try:
+                    self._draft = self._load_draft(cfg.draft_model)
+                except BaseException:
+                    self._ctx.close()
+                    raise
         self._ctx_hash = cfg.context.kv_hash()
         self._namespace = Namespace(self._fingerprint, facts.file_type & 0xFF, self._ctx_hash)
         self._worker = Worker(
@@ -305,7 +319,7 @@ class Model:
                 spec_type=cfg.spec_type,
                 spec_ngram_n=cfg.spec_ngram_n,
                 spec_draft_max=cfg.spec_draft_max,
-                speculates=not speculation(cfg, self._ctx.memory).startswith("off"),
+                speculates=not spec.startswith("off"),
             ),
             self.namespace,
             self._resolve_lora,

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from kvwarm.backends.base import BackendModel, MediaSpan, Projector
 from kvwarm.errors import ContextOverflowError, FimNotSupportedError, InvalidRequestError
-from kvwarm.media import Media, MediaError, MediaKind, MediaLimits, load_media
+from kvwarm.media import Media, MediaBudget, MediaError, MediaKind, MediaLimits, load_media
 from kvwarm.tokens import Prompt
 from kvwarm.unicode import find_lone_surrogate
 
@@ -305,6 +305,7 @@ def _media_parts(
     or clip (decoded, in ``found``) replaced by a private sentinel ``\ue000{tag}:m{n}\ue001``."""
     out: list[Message] = []
     found: list[Media] = []
+    budget = None if media is None else MediaBudget(media.limits)
     for i, message in enumerate(messages):
         content = message.get("content")
         if not isinstance(content, list | tuple):
@@ -334,13 +335,18 @@ def _media_parts(
                     param=where,
                 )
             text.append(f"\ue000{tag}:m{len(found)}\ue001")
-            found.append(_read_part(part, kind, where, media, len(found)))
+            found.append(_read_part(part, kind, where, media, len(found), budget))
         out.append({**message, "content": "".join(text)})
     return out, found
 
 
 def _read_part(
-    part: Mapping[str, object], kind: str, where: str, media: ChatMedia | None, count: int
+    part: Mapping[str, object],
+    kind: str,
+    where: str,
+    media: ChatMedia | None,
+    count: int,
+    budget: MediaBudget | None,
 ) -> Media:
     medium, key = _MEDIA_TYPES[kind]
     projector = None if media is None else media.projector
@@ -383,6 +389,7 @@ def _read_part(
         media.limits,
         where,
         sample_rate=projector.facts.audio_sample_rate or 16000,
+        budget=budget,
     )
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from starlette.concurrency import run_in_threadpool
 
 from kvwarm.engine.types import Completion, GenerationOptions
+from kvwarm.errors import ReplicaUnavailableError
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import Generation
 from kvwarm.server.media import fetch_images
@@ -48,6 +49,8 @@ def renders_tools(model: ServedModel, tools: Sequence[Tool]) -> bool:
     probe: list[dict[str, object]] = [{"role": "user", "content": "hi"}]
     try:
         with_tools = model.apply_chat_template(probe, tools=openai_tools(tools))
+    except ReplicaUnavailableError:
+        raise  # a cluster lost the replica asked: no answer about the template
     except Exception:  # a template that chokes on tools does not support them
         return False
     without = model.apply_chat_template(probe)

@@ -152,8 +152,14 @@ class ModelRegistry:
         #: given): the server's reaper thread waits on it (``next_due``, ``reap_idle``).
         self.reaper_wake = threading.Event()
         self.models_dir = settings.models_dir
-        self._rescan()
         self.aliases: dict[str, str] = dict(settings.aliases)
+        # vLLM's served LoRA adapters: an adapter's name runs on its model (server/lora.py).
+        self.adapter_models: dict[str, str] = {
+            name: spec.model_id
+            for spec in settings.models
+            for name, _ in model_lora(settings, spec)
+        }
+        self._rescan()
         for alias, target in self.aliases.items():
             if alias in self.entries:
                 raise ConfigError(f"alias {alias!r} is also the id of a model")
@@ -162,12 +168,6 @@ class ModelRegistry:
                     f"alias {alias}={target}: no model {target!r} "
                     f"(models: {', '.join(self.entries) or 'none'})"
                 )
-        # vLLM's served LoRA adapters: an adapter's name runs on its model (server/lora.py).
-        self.adapter_models: dict[str, str] = {
-            name: spec.model_id
-            for spec in settings.models
-            for name, _ in model_lora(settings, spec)
-        }
         first = settings.models[0].model_id if settings.models else None
         self.default_id = first
 
@@ -180,7 +180,10 @@ class ModelRegistry:
         found = models_dir.scan(self.models_dir)
         for model_id, path in found.items():
             entry = self.entries.get(model_id)
-            if entry is None:
+            if model_id in self.aliases or model_id in self.adapter_models:
+                # Found by review: a file named as an alias or an adapter took its requests.
+                log.debug("models_dir file %s is shadowed by the alias or adapter", path.name)
+            elif entry is None:
                 projector = models_dir.projector_for(self.models_dir, path, len(found))
                 options = () if projector is None else (("mmproj", projector),)
                 spec = ModelSpec(path=str(path), id=model_id, options=options)
@@ -514,6 +517,12 @@ class ModelRegistry:
 
     def _admin_entry(self, path: Path, model_id: str | None) -> ModelEntry:
         mid = model_id or model_id_for(path)
+        if mid in self.aliases or mid in self.adapter_models:
+            # Found by review: an entry of that id took every request naming the alias or
+            # adapter (the config refuses such a clash; a load must too).
+            raise ModelExistsError(
+                f"{mid!r} names an alias or a LoRA adapter of this server: give another id"
+            )
         entry = self.entries.get(mid)
         if entry is None:
             spec = ModelSpec(path=str(path), id=mid)

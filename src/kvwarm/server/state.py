@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
+from kvwarm import models_dir
 from kvwarm.cache.types import TtlClass
 from kvwarm.errors import KvwarmError, MemoryBudgetError, ModelLoadError, ServerShuttingDownError
-from kvwarm.models_dir import checked_path
 from kvwarm.server import budget, tenancy
 from kvwarm.server.budget import ModelMemory
 from kvwarm.server.errors import HTTPError
@@ -175,7 +175,12 @@ class ServerState:
         log.info("loading model %s (%s)", entry.id, entry.spec.path or "default")
         path = entry.spec.path
         if entry.source == "models_dir" and self.settings.models_dir is not None and path:
-            path = str(checked_path(self.settings.models_dir, Path(path)))
+            path = str(models_dir.checked_path(self.settings.models_dir, Path(path)))
+            # What else the name opens, checked as the model is (found by review: a projector
+            # or a part swapped for a symlink after the scan was followed).
+            projector = dict(entry.spec.options).get("mmproj")
+            for other in (*models_dir.parts(Path(path)), *([projector] if projector else [])):
+                models_dir.checked_path(self.settings.models_dir, Path(str(other)))
         model = engine.load_model(
             path,
             model_id=entry.id,

@@ -292,6 +292,11 @@ class Settings(ModelSettings, ServingSettings):
         "it is decoded",
     )
     media_max_items: Int = Field(default=8, description="most images and audio clips per request")
+    media_max_request_bytes: Size = Field(
+        default=256 << 20,
+        description="most bytes one request's images and audio clips take decoded, together "
+        "(3 per pixel, 4 per sample); an item past it is refused before it is decoded",
+    )
     media_max_audio_s: Float = Field(default=300.0, description="longest audio clip, seconds")
     media_formats: StrTuple = Field(
         default=("png", "jpeg", "webp", "gif", "bmp", "wav"),
@@ -402,6 +407,7 @@ class Settings(ModelSettings, ServingSettings):
             max_pixels=self.media_max_pixels,
             max_audio_s=self.media_max_audio_s,
             max_items=self.media_max_items,
+            max_request_bytes=self.media_max_request_bytes,
             formats=tuple(f.lower() for f in self.media_formats),
         )
 

@@ -17,12 +17,15 @@ Invariants:
   ``chunks/<hex>.kvk`` is the file ``<hex>.kvk`` beside the rows.
 - Every name is resolved against the root's directory fd, without following links, and the
   root is private (``fsutil``): a row swapped for a symlink is reported bad, never written
-  through. Loads read into a buffer (no mmap). A file that cannot be opened or read is
-  ``CacheFormatError`` to a probe or a scan (unusable), ``CacheIOError`` to a load.
+  through. Loads read into a buffer (no mmap). A link, or a name that is not a regular file,
+  is ``CacheFormatError`` (unusable: a scan sets it aside); a file that cannot be opened or
+  read (EMFILE, ENOMEM, EIO, EACCES) is ``CacheIOError`` to a probe, a scan and a load alike:
+  it proves nothing about its bytes, so it is left where it is.
 - Hit counts and last-used times are the header's hit fields, rewritten in place without a
   sync (``set_meta``): outside every CRC, an eviction hint.
 - With ``repair=False`` nothing in the directory is moved or deleted by a scan, and the tier
-  does not register as a co-tenant.
+  does not register as a co-tenant; nor is the directory created or its mode (or its
+  parent's) tightened: a missing root is ``CacheDirMissingError``.
 - Every process that opens a local directory for writing registers in it (``cotenants.py``):
   once another one has, ``cotenanted()`` says our chunk refcounts no longer cover every row.
 - A directory shared by several hosts (``shared_dir``: NFS, CephFS) is not local (hits are
@@ -36,6 +39,7 @@ See docs/architecture.md (the cache) for how the tiers and the index fit togethe
 from __future__ import annotations
 
 import builtins
+import errno
 import logging
 import os
 import threading
@@ -60,7 +64,13 @@ from kvwarm.cache.tiers.objects import CHUNK_DIR, META_HITS, META_LAST_USED, Got
 from kvwarm.cache.tiers.publish import PUBLISH_STEPS, FilePut, Publisher, StepHook
 from kvwarm.cache.tiers.registry import registered_tiers, tier_spec
 from kvwarm.cache.types import TierName
-from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError, ConfigError
+from kvwarm.errors import (
+    CacheDirMissingError,
+    CacheFormatError,
+    CacheIOError,
+    CacheKeyError,
+    ConfigError,
+)
 
 __all__ = [
     "FILE_CAPABILITIES",
@@ -92,6 +102,7 @@ class FileStore:
         stale_tmp_s: float = 3600.0,
         multi_host: bool = False,
         register: bool = True,
+        create: bool = True,
         on_step: StepHook | None = None,
     ) -> None:
         self._tier = tier
@@ -102,7 +113,15 @@ class FileStore:
         self._publisher = Publisher(tier, on_step)
         self._lock = threading.Lock()  # guards closing the directory fd
         try:
-            self._dir = open_private_dir(root)
+            self._dir = open_private_dir(root, create=create)
+        except FileNotFoundError:
+            if create:
+                raise ConfigError(f"cannot create cache root {root}") from None
+            raise CacheDirMissingError(
+                f"{tier}: cache directory {root} does not exist (not created: opened read-only)",
+                tier=tier,
+                path=str(root),
+            ) from None
         except NotADirectoryError:
             raise ConfigError(f"cache root {root} is not a directory") from None
         except OSError as exc:
@@ -184,7 +203,11 @@ class FileStore:
         except FileNotFoundError:
             raise CacheKeyError(f"{self._tier} holds no {name}") from None
         except OSError as exc:
-            raise CacheFormatError(f"{name} is unreadable: {exc}") from exc
+            if exc.errno == errno.ENXIO:  # a socket or a device where a file should be
+                raise CacheFormatError(f"{name} is not a file: {exc}") from exc
+            # EMFILE, ENOMEM, EIO, EACCES...: a failure of ours (or of the disk), not proof
+            # that the bytes are bad: a scan leaves the file where it is.
+            raise self._load_error(name, exc) from exc
 
     def _load_error(self, name: str, exc: OSError) -> CacheKeyError | CacheIOError:
         if isinstance(exc, FileNotFoundError):
@@ -313,6 +336,7 @@ class FileTier(ObjectTier):
             stale_tmp_s=stale_tmp_s,
             multi_host=shared_dir,
             register=repair and not shared_dir,
+            create=repair,
             on_step=on_step,
         )
         capabilities = SHARED_DIR_CAPABILITIES if shared_dir else FILE_CAPABILITIES

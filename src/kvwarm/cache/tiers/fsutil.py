@@ -15,6 +15,8 @@ The cache directory is not trusted to be what we left there. Invariants:
   the root, e.g. for a link to a directory of ours that the scans would then clean.
 - A root that is itself a symlink is followed only if it is ours (or root's): one another
   user planted in a sticky directory (``/dev/shm/kvwarm`` made before we ran) is refused.
+  Where it leads is checked as the way to a root is (below): every directory above the
+  directory it names, and every link met on the way, must be one no other user can replace.
 - Every other ancestor, from ``/`` down to the parent's parent, and every symlink met on the
   way there, must be one no other user can replace (``_guard_ancestors``, as ssh's
   StrictModes checks a key's path): owned by root or us, and writable by no one else unless
@@ -22,6 +24,9 @@ The cache directory is not trusted to be what we left there. Invariants:
   own private group (a group named as we are, of no other member). Those are refused, never
   changed: they are not the cache's to tighten.
 - All of these are checked before the root is opened, so a refused root is never changed.
+- A read-only open (``create=False``: ``kvwarm cache stats``, ``ls``, ``verify``) creates and
+  tightens nothing: a missing root is ``FileNotFoundError``, and a root or parent that is ours
+  but too open is only logged (the refusals above still hold).
 - A root with the sticky bit (``/dev/shm`` or ``/tmp`` given as the directory itself) is a
   directory many users share: refused, never tightened (as root it would lock them out).
 - Every file below a root is opened relative to the root's directory fd with ``O_NOFOLLOW``
@@ -64,12 +69,15 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def open_private_dir(path: Path) -> int:
+def open_private_dir(path: Path, *, create: bool = True) -> int:
     """Create ``path`` and its missing parents 0700, open it and make sure it is private.
-    Returns a directory fd the caller owns."""
+    Returns a directory fd the caller owns. With ``create=False`` nothing is created or
+    chmodded: a missing ``path`` raises ``FileNotFoundError``."""
+    if not create and not os.path.lexists(path):
+        raise FileNotFoundError(errno.ENOENT, "no such directory", str(path))
     missing: list[Path] = []
     p = path
-    while not os.path.lexists(p) and p != p.parent:
+    while create and not os.path.lexists(p) and p != p.parent:
         missing.append(p)
         p = p.parent
     for d in reversed(missing):
@@ -81,11 +89,16 @@ def open_private_dir(path: Path) -> int:
     # Before the root is opened (and perhaps tightened): a root someone else could have
     # swapped is refused untouched.
     _guard_ancestors(path)
-    _guard_parent(path.parent)
+    _guard_parent(path.parent, tighten=create)
     _guard_link(path)
+    if os.path.islink(path):
+        # Our own link, followed: the directories it leads through up to the one it names
+        # are checked as ancestors (found by review: a link into a directory another user
+        # owns was accepted, and they could swap its target for a directory of ours).
+        _guard_ancestors(path, through_root=True)
     fd = os.open(path, _DIR_FLAGS)
     try:
-        _make_private(fd, str(path))
+        _make_private(fd, str(path), tighten=create)
     except BaseException:
         os.close(fd)
         raise
@@ -109,14 +122,17 @@ def _guard_link(path: Path) -> None:
 _MAX_LINKS = 40
 
 
-def _guard_ancestors(root: Path) -> None:
+def _guard_ancestors(root: Path, *, through_root: bool = False) -> None:
     """Refuse ``root`` when a directory above its parent, or a symlink on the way to the
     parent, could be replaced by another user (``UnsafeCacheDirError``). The path is walked
     from ``/`` a name at a time as the kernel resolves it, links followed (their target's
     directories are checked in turn), so what is checked is what the open will traverse. The
-    parent itself is ``_guard_parent``'s (ours and too open: tightened; that rule stays)."""
+    parent itself is ``_guard_parent``'s (ours and too open: tightened; that rule stays).
+    ``through_root``: walk the root's own name too (a link of ours), so that every directory
+    above the one it finally names is checked, that one's parent included."""
     start = root if root.is_absolute() else Path.cwd() / root  # ".." kept: the kernel's
-    pending = list(reversed(PurePosixPath(start).parent.parts[1:]))
+    walked = PurePosixPath(start) if through_root else PurePosixPath(start).parent
+    pending = list(reversed(walked.parts[1:]))
     here = PurePosixPath("/")
     links = 0
     _check_ancestor(here, os.lstat(here), root)
@@ -185,7 +201,7 @@ def _own_private_group(gid: int) -> bool:
     return group.gr_name == me and set(group.gr_mem) <= {me}
 
 
-def _guard_parent(parent: Path) -> None:
+def _guard_parent(parent: Path, *, tighten: bool = True) -> None:
     fd = os.open(parent, _DIR_FLAGS)
     try:
         st = os.fstat(fd)
@@ -202,6 +218,14 @@ def _guard_parent(parent: Path) -> None:
                 "owner could replace the cache directory in it. Use a directory we own."
             )
         if not others_write:
+            return
+        if not tighten:
+            log.warning(
+                "%s is mode %o: others could replace the cache directory in it (left as it is: "
+                "opened read-only)",
+                parent,
+                mode,
+            )
             return
         log.warning(
             "%s was mode %o: others could replace the cache directory in it; now %o",
@@ -230,7 +254,7 @@ def open_private_subdir(dir_fd: int, name: str) -> int:
     return fd
 
 
-def _make_private(fd: int, where: str) -> None:
+def _make_private(fd: int, where: str, *, tighten: bool = True) -> None:
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
         raise UnsafeCacheDirError(
@@ -244,7 +268,13 @@ def _make_private(fd: int, where: str) -> None:
             f"cache directory {where} is a shared directory (mode {stat.S_IMODE(st.st_mode):o}, "
             f"sticky); use a directory of its own below it, e.g. {where.rstrip('/')}/kvwarm"
         )
-    if stat.S_IMODE(st.st_mode) & 0o077:
+    if stat.S_IMODE(st.st_mode) & 0o077 and not tighten:
+        log.warning(
+            "cache directory %s is mode %o (left as it is: opened read-only)",
+            where,
+            stat.S_IMODE(st.st_mode),
+        )
+    elif stat.S_IMODE(st.st_mode) & 0o077:
         log.warning(
             "cache directory %s was mode %o; tightening it to %o",
             where,

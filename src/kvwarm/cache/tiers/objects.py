@@ -21,7 +21,10 @@ Invariants:
   is *adopted* if its metadata parses as this key, replaced (delete, put again) if it is junk.
 - The startup scan only reports what it cannot read, unless the store ``Quarantines`` and the
   tier repairs: an object it cannot read may be another host's row, and a store several hosts
-  share refuses to set it aside. Something that vanished since the listing is skipped.
+  share refuses to set it aside. Something that vanished since the listing is skipped. Only
+  an object whose bytes are bad (``CacheFormatError``) is set aside: a read that failed
+  (``CacheIOError``: EIO, EMFILE, ENOMEM on our side) leaves it in place, reported; out of
+  descriptors or memory (``CacheIOError.exhausted``) the scan stops there.
 - Hit counts and last-used times are user metadata outside the KVC bytes' CRCs (a file keeps
   them in its header's hit fields, an object store beside the object).
 - Chunks are ``chunks/<hex>.kvk`` objects, content-addressed and put once; one already there
@@ -495,7 +498,9 @@ class ObjectTier:
             else:
                 named.append((name, key))
         if self._local is not None:
-            found: Iterator[StoredRow | str | None] = (self._examine(n, k) for n, k in named)
+            found: Iterator[StoredRow | str | CacheIOError | None] = (
+                self._examine_local(n, k) for n, k in named
+            )
         else:
             pool = ThreadPoolExecutor(_SCAN_PARALLEL, thread_name_prefix="kvwarm-obj-scan")
             with pool:
@@ -503,8 +508,28 @@ class ObjectTier:
         for (name, _), row in zip(named, found, strict=True):
             if isinstance(row, str):
                 self._reject(name, row, problems)
+            elif isinstance(row, CacheIOError):
+                self._unreadable(name, row, problems)
             elif row is not None:
                 yield row
+
+    def _examine_local(self, name: str, key: bytes) -> StoredRow | str | CacheIOError | None:
+        """``_examine`` of a local store, with a read that failed (EIO, EACCES: a fault that
+        says nothing of the bytes) returned, for the scan to leave the file and go on; a
+        process out of descriptors or memory raises, stopping the scan (each other file
+        would fail alike), and the files it had not reached are left as they are."""
+        try:
+            return self._examine(name, key)
+        except CacheIOError as exc:
+            if exc.exhausted:
+                raise
+            return exc
+
+    def _unreadable(self, name: str, exc: CacheIOError, problems: list[tuple[str, str]]) -> None:
+        """A file a scan could not read: left where it is (never set aside: nothing proves
+        its bytes bad), reported, and found again by a later scan or rescan."""
+        log.warning("%s: cannot read %s, leaving it: %s", self._name, name, exc)
+        problems.append((self._store.location(name), f"unreadable: {exc}"))
 
     def _reject(self, name: str, why: str, problems: list[tuple[str, str]]) -> None:
         """Set ``name`` aside if the tier repairs and the store can, else report it."""
@@ -582,7 +607,13 @@ class ObjectTier:
             return
         for name in self._store.names(CHUNK_DIR):
             chunk = layout.chunk_key_of(name[len(CHUNK_DIR) :])
-            head = None if chunk is None else self._chunk_head(chunk)
+            try:
+                head = None if chunk is None else self._chunk_head(chunk)
+            except CacheIOError as exc:  # as ``_examine_local``: left, or the scan stops
+                if exc.exhausted:
+                    raise
+                self._unreadable(name, exc, problems)
+                continue
             if chunk is not None and head is not None:
                 yield chunk, head.payload_offset + head.payload_length
             else:

@@ -10,7 +10,11 @@ Invariants:
   the creation time is set in the same transaction (``HSETNX``, never overwritten).
 - Every call is bounded by the socket timeouts; a connection fault or timeout is
   ``CacheNetworkError`` and trips the remote stores' ``objects.Breaker`` (down for
-  ``down_for_s``); any other refusal is ``CacheIOError``.
+  ``down_for_s``); any other refusal is ``CacheIOError``. Credentials the server refuses
+  (``WRONGPASS``, ``NOAUTH``: redis-py's ``AuthenticationError``, a ``ConnectionError``) or a
+  command the user may not run (``NOPERM``) are a refusal, as s3's 403 is: ``CacheIOError``,
+  logged as an ERROR once until a call succeeds, never a trip of the breaker (the network is
+  fine; waiting will not fix a password).
 - The ``redis`` package is imported only when a tier is built (the ``kvwarm[redis]`` extra).
 """
 
@@ -92,6 +96,7 @@ class RedisStore:
         self._errors = redis_client.exceptions
         self._set_meta = self._client.register_script(_SET_META)
         self._breaker = Breaker(self.label, self._down_for_s)
+        self._refusal_logged = False  # an auth refusal logged since the last call that worked
 
     @property
     def label(self) -> str:
@@ -115,7 +120,15 @@ class RedisStore:
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         self._breaker.check()
         try:
-            return fn()
+            result = fn()
+        except (
+            # Before ConnectionError: redis-py makes a refused AUTH one of those.
+            self._errors.AuthenticationError,
+            self._errors.AuthorizationError,
+            self._errors.AuthenticationWrongNumberOfArgsError,
+            self._errors.NoPermissionError,
+        ) as exc:
+            raise self._refused(what, exc) from exc
         except (self._errors.ConnectionError, self._errors.TimeoutError, OSError) as exc:
             err = CacheNetworkError(f"{self.label}: {what}: {type(exc).__name__}: {exc}")
             self._breaker.trip(err)
@@ -129,6 +142,22 @@ class RedisStore:
             raise CacheIOError(f"{self.label}: {what}: {type(exc).__name__}: {exc}") from exc
         except self._errors.RedisError as exc:
             raise CacheIOError(f"{self.label}: {what}: {type(exc).__name__}: {exc}") from exc
+        self._refusal_logged = False
+        return result
+
+    def _refused(self, what: str, exc: Exception) -> CacheIOError:
+        """The server refused our credentials or a command to our user: a configuration
+        error of the tier URL (or of the server's ACL), reported as a refusal."""
+        name = type(exc).__name__
+        if isinstance(exc, self._errors.NoPermissionError | self._errors.AuthorizationError):
+            why = "the server does not let this user run it (check the user's ACL)"
+        else:
+            why = "the server refused our credentials (check the user and password in the URL)"
+        err = CacheIOError(f"{self.label}: {what}: {why}: {name}: {exc}")
+        if not self._refusal_logged:
+            self._refusal_logged = True
+            log.error("%s; the tier answers nothing until this is fixed", err)
+        return err
 
     # ---- ObjectStore ---------------------------------------------------------------------
 

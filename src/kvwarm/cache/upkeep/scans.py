@@ -14,6 +14,9 @@ Invariants:
   (a damaged one is set aside), and a manifest naming one that is neither indexed nor on disk
   with a valid head is quarantined, so a damaged chunk costs its rows at startup, not at
   their next read (``_adopt_scanned``).
+- Only bytes proven bad are set aside: a read that failed on our side (``CacheIOError``:
+  EIO, EACCES; EMFILE or ENOMEM stop the scan) leaves the row or chunk where it is, logged
+  and reported, for a later scan.
 - An orphan (a writer linked its file and vanished) is adopted if its tier vouches for the
   bytes, and deleted only if they are unusable and no row of its key is indexed.
 - TTL expiry deletes bytes only in local tiers; an expired row of a remote shared tier is
@@ -73,6 +76,16 @@ class CacheUpkeep:
                 except ValueError as exc:
                     log.warning("%s: skipping %s: %s", tier.name, row.info.key.hex(), exc)
                     self._scan_problems.append((row.location or row.info.key.hex(), str(exc)))
+                except CacheIOError as exc:
+                    if exc.exhausted:
+                        raise  # every other row would fail alike: the scan stops, below
+                    # A chunk it names could not be read: nothing proves the row bad, so it
+                    # is neither set aside nor adopted now (a rescan finds it again).
+                    where = row.location or row.info.key.hex()
+                    log.warning(
+                        "%s: cannot read a chunk of %s, leaving it: %s", tier.name, where, exc
+                    )
+                    self._scan_problems.append((where, f"unreadable: {exc}"))
         except CacheError as exc:  # e.g. an s3 store down at start: its rows come by probing
             self._core.counters.incr("store_errors")
             log.warning("%s: scan stopped early: %s", tier.name, exc)
@@ -192,7 +205,14 @@ class CacheUpkeep:
                     index = self._core.index
                     if key in index or index.in_flight(key) or key in self._core.forgotten:
                         continue
-                    row = tier.probe(key)
+                    try:
+                        row = tier.probe(key)
+                    except CacheIOError as exc:
+                        if not tier.capabilities.local or exc.exhausted:
+                            raise  # a store down, or no descriptors: every key would fail
+                        # One local file that cannot be read (EIO, EACCES): the others can.
+                        log.info("%s: rescan cannot read %s: %s", tier.name, key.hex(), exc)
+                        continue
                     if row is not None and self._core.adopt(tier, row):
                         adopted += 1
             except CacheError as exc:  # e.g. the s3 store is down: try again next sweep

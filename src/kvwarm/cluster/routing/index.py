@@ -223,13 +223,17 @@ class ClusterIndex:
         self, replica: str, chain: Sequence[str], key: bytes | None, n_tokens: int
     ) -> None:
         """The ingress saw ``replica`` finish a request with ``chain`` (before the replica's
-        events say so): its slot holds the conversation, its finish row is ``key``."""
+        events say so): its slot holds the conversation, its finish row is ``key``. A
+        replica already known dead (the reply's end read after Ray said so) holds no slot:
+        only the link, a fact about the row wherever it is, is kept."""
         if not chain:
             return
         with self._lock:
-            state = self._replica(replica, None)
             if key is not None:
                 self._link(chain[-1], key)
+            if replica in self._dead:
+                return
+            state = self._replica(replica, None)
             self._set_live(replica, state, Live(chain[-1], key, n_tokens))
 
     def retain(self, running: Mapping[str, str | None]) -> None:
@@ -523,7 +527,15 @@ class ClusterIndex:
         state.vouches.clear()
 
     def _load(self, replica: str, state: _Replica, snap: Snapshot) -> None:
-        self._drop_facts(replica, state)
+        # Only what the snapshot no longer holds is dropped: a copy it still vouches for
+        # never passes through the bounded unvouched set, where it would push out a copy
+        # no replica vouches for (a dead one's, its bytes still there).
+        held = {(row.key, self._store(replica, state, row.scope, row.tier)) for row in snap.rows}
+        for key, store in list(state.vouches):
+            if (key, store) not in held:
+                self._drop_copy(replica, state, key, store, bytes_kept=True)
+        for end in list(state.live):
+            self._unset_live(replica, state, end)
         state.epoch, state.seq, state.slots = snap.epoch, snap.seq, snap.slots
         for row in snap.rows:
             self._add_copy(replica, state, row)

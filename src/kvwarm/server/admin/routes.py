@@ -212,8 +212,12 @@ async def cache_stats(request: Request) -> Response:
 @router.get("/cache/slots")
 async def cache_slots(request: Request) -> Response:
     """Each ready model's counters and its slots: what each holds, as its worker last
-    published it (``Model.status``; no call reaches the worker thread)."""
-    statuses = server_state(request).metrics_snapshot().statuses
+    published it (``Model.status``; no call reaches the worker thread). A cluster's
+    ingress has no slots: 501, each replica answers for its own."""
+    state = server_state(request)
+    if state.is_cluster:
+        state.require_engine()  # 501 there: not an empty list, which would say "no slots"
+    statuses = state.metrics_snapshot().statuses
     return JSONResponse({"object": "list", "data": [_model_status(s) for s in statuses]})
 
 

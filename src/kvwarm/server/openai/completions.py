@@ -65,7 +65,10 @@ async def _fim_prompts(model: ServedModel, prompts: list[Prompt], suffix: str) -
     """Each prompt as the prefix of a fill-in-the-middle prompt ending at ``suffix``."""
     out: list[Prompt] = []
     for prompt in prompts:
-        prefix = prompt if isinstance(prompt, str) else model.detokenize(prompt)
+        # Off the loop: a cluster's model answers through a blocking replica call.
+        prefix = (
+            prompt if isinstance(prompt, str) else await run_in_threadpool(model.detokenize, prompt)
+        )
         out.append(await run_in_threadpool(model.infill_tokens, prefix, suffix))
     return out
 

@@ -1,0 +1,244 @@
+"""What a JSON schema's grammar lets the model write is what the schema allows (found by
+review): llama-cpp-python's converter translated a ``pattern`` character for character (a raw
+``"`` or newline, a lone backslash: invalid JSON), ignored an integer's bounds, dropped a
+nullable type's keywords and an array's counts without ``items``, and crashed (or said
+nothing) on badly typed counts. Each grammar is read here as a regular expression
+(``gbnfkit``) and asked, text by text, what it accepts."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from tests.backends.gbnfkit import accepts
+
+from kvwarm.backends.grammar import schema_to_gbnf
+from kvwarm.errors import GrammarError
+
+SAMPLES = [
+    "", "a", "ab", "abc", 'a"b', '"', "\\", "a\\b", "a\nb", "\t", "\x01", "\x7f", "é", "日本",
+    "😀", "123", "12a", "a1", "--", "x-y", "{}", "[a]", "a.b", " ", "AbC_9", "\b", "\x0c",
+]  # fmt: skip
+
+PATTERNS = [
+    "^a$", '^a"b$', "^.$", "^.*$", "^.+$", "^[^a]$", "^[^a]*$", '^["a]+$', "^[a-c]+$",
+    "^\\d+$", "^\\D$", "^\\w+$", "^\\W$", "^\\s$", "^\\S+$", "^a\\\\b$", "^a\\nb$", "^\\x22$",
+    "^\\u00e9$", "^(ab|c)+$", "^(?:a|)b$", "^a{2,3}$", "^[\\]a]$", "^a|b$", "b", "^a", "c$",
+    "^[\\\\\"]$", "^[^\\s]*$", "^\\{x\\}$", "^\\.$", "^a?b*c+$", "^[-a]$", "^[a-]$",
+    "^\\t$", "^[\\t\\n]+$", "^$",
+]  # fmt: skip
+
+
+def _python(pattern: str) -> str:
+    """The pattern as Python's ``re`` reads it the way ECMA-262 does: ``.`` leaves out every
+    line terminator, not only the newline."""
+    return re.sub(r"(?<!\\)\.", lambda _: "[^\\n\\r\\u2028\\u2029]", pattern)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_pattern_accepts_exactly_the_json_of_the_strings_it_matches(pattern: str) -> None:
+    grammar = schema_to_gbnf({"type": "string", "pattern": pattern})
+    rx = re.compile(_python(pattern), re.ASCII)  # ECMA's \d, \w: ASCII (no Unicode space here)
+    for value in SAMPLES:
+        text = json.dumps(value, ensure_ascii=False)
+        assert accepts(grammar, text) == bool(rx.search(value)), (pattern, value, grammar)
+
+
+@pytest.mark.parametrize("pattern", ["^.*$", "^[^a]*$", '^a"b$', "^a\\\\b$", "^a\\nb$", "b"])
+def test_a_pattern_never_accepts_text_that_is_not_its_json(pattern: str) -> None:
+    """The texts the converter's grammars let through: a raw quote, a lone backslash, a raw
+    control character."""
+    grammar = schema_to_gbnf({"type": "string", "pattern": pattern})
+    for text in ['"a"b"', '"a\\b"', '"a\nb"', '"\\"', '"\x01"', '"\\x"', '"b\\"']:
+        if accepts(grammar, text):
+            assert isinstance(json.loads(text), str), (pattern, text)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "why"),
+    [
+        ("^(?=a)a$", "lookarounds"),
+        ("^(a)\\1$", "escape \\1"),
+        ("^\\bx$", "escape \\b"),
+        ("^a^b$", "anchor"),
+        ("^(a", "unbalanced"),
+        ("^a)$", "unbalanced"),
+        ("^*$", "nothing to repeat"),
+        ("^a**$", "after a quantifier"),
+        ("^[b-a]$", "out of order"),
+        ("^a{3,2}$", "out of order"),
+        ("^[^\\s\\S]$", "matches no character"),
+        ("^\\x4$", "hex digits"),
+        ("^[a$", "unterminated class"),
+    ],
+)
+def test_a_pattern_the_grammar_cannot_hold_is_refused(pattern: str, why: str) -> None:
+    with pytest.raises(GrammarError, match=re.escape(why)) as info:
+        schema_to_gbnf({"type": "string", "pattern": pattern})
+    assert info.value.param == "json_schema"
+
+
+BOUNDS = [
+    ({"minimum": 0}, 0, None),
+    ({"minimum": -17}, -17, None),
+    ({"maximum": 42}, None, 42),
+    ({"maximum": -3}, None, -3),
+    ({"minimum": -120, "maximum": 7}, -120, 7),
+    ({"minimum": 5, "maximum": 5}, 5, 5),
+    ({"minimum": 9, "maximum": 101}, 9, 101),
+    ({"exclusiveMinimum": 0, "exclusiveMaximum": 100}, 1, 99),
+    ({"minimum": 0.5, "maximum": 9.5}, 1, 9),
+    ({"exclusiveMinimum": 2.5, "maximum": 30}, 3, 30),
+    ({"minimum": 3, "exclusiveMinimum": True, "maximum": 8, "exclusiveMaximum": True}, 4, 7),
+    ({"minimum": 0, "exclusiveMinimum": 10}, 11, None),
+]
+
+
+@pytest.mark.parametrize(("bounds", "lo", "hi"), BOUNDS)
+def test_an_integer_holds_to_its_bounds(
+    bounds: dict[str, object], lo: int | None, hi: int | None
+) -> None:
+    grammar = schema_to_gbnf({"type": "integer", **bounds})
+    for x in [*range(-150, 150), 999, 1000, 12345, -999, -1000, 10**15, -(10**15)]:
+        inside = (lo is None or x >= lo) and (hi is None or x <= hi)
+        assert accepts(grammar, str(x)) == inside, (bounds, x)
+    for text in ["01", "-0", "+1", "1.0", "", "-"]:
+        assert not accepts(grammar, text), (bounds, text)
+
+
+NUMBER_BOUNDS = [
+    {"minimum": 0, "maximum": 1},
+    {"exclusiveMinimum": 0},
+    {"minimum": -2.5, "maximum": 3.25},
+    {"exclusiveMinimum": -1, "exclusiveMaximum": 1},
+    {"maximum": -0.5},
+    {"minimum": 10, "exclusiveMaximum": 12},
+    {"minimum": 0.5, "exclusiveMinimum": True},
+]
+NUMBERS = [
+    "0", "1", "-1", "0.5", "1.0", "1.5", "0.0", "-0.5", "2", "-2", "-2.5", "-3", "3.25", "3.3",
+    "10", "11.99", "12", "12.0", "0.25", "-0.25", "100", "-100", "0.00001", "1.00",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("bounds", NUMBER_BOUNDS)
+def test_a_number_holds_to_its_bounds(bounds: dict[str, object]) -> None:
+    """Never a value outside them (the converter ignored them: llama-server wrote
+    5000000000000198.9999999999999999E+0 for minimum 0, maximum 1); every integer inside,
+    and the decimals whose integer part settles it."""
+    grammar = schema_to_gbnf({"type": "number", **bounds})
+
+    def inside(x: float) -> bool:
+        checks = {
+            "minimum": lambda b: x > b if bounds.get("exclusiveMinimum") is True else x >= b,
+            "maximum": lambda b: x < b if bounds.get("exclusiveMaximum") is True else x <= b,
+            "exclusiveMinimum": lambda b: isinstance(b, bool) or x > b,
+            "exclusiveMaximum": lambda b: isinstance(b, bool) or x < b,
+        }
+        return all(checks[k](v) for k, v in bounds.items())
+
+    for text in NUMBERS:
+        if accepts(grammar, text):
+            assert inside(float(text)), (bounds, text)
+        elif inside(float(text)) and float(text) == int(float(text)):
+            raise AssertionError(f"{bounds}: an integer inside refused: {text}")
+    assert not accepts(grammar, "1e0") and not accepts(grammar, "")
+
+
+def test_a_unit_interval_and_a_positive_number_keep_their_fractions() -> None:
+    unit = schema_to_gbnf({"type": "number", "minimum": 0, "maximum": 1})
+    assert [accepts(unit, t) for t in ["0.7", "1", "1.0", "1.5", "-0.1"]] == [1, 1, 1, 0, 0]
+    positive = schema_to_gbnf({"type": "number", "exclusiveMinimum": 0})
+    assert [accepts(positive, t) for t in ["0.001", "7.5", "0", "0.0", "-1"]] == [1, 1, 0, 0, 0]
+
+
+def test_an_integer_within_a_nullable_type_keeps_its_bounds_and_a_string_its_length() -> None:
+    grammar = schema_to_gbnf({"type": ["integer", "null"], "minimum": 1, "maximum": 3})
+    assert [accepts(grammar, t) for t in ["0", "1", "3", "4", "null"]] == [0, 1, 1, 0, 1]
+    grammar = schema_to_gbnf({"type": ["string", "null"], "maxLength": 2})
+    assert [accepts(grammar, t) for t in ['"ab"', '"abc"', "null"]] == [1, 0, 1]
+    grammar = schema_to_gbnf({"type": ["string", "null"], "pattern": "^x+$"})
+    assert [accepts(grammar, t) for t in ['"xx"', '"y"', "null"]] == [1, 0, 1]
+
+
+def test_an_array_holds_to_its_counts_without_items() -> None:
+    grammar = schema_to_gbnf({"type": "array", "minItems": 2, "maxItems": 3})
+    accepted = [accepts(grammar, t) for t in ["[]", "[1]", "[1,2]", "[1,2,3]", "[1,2,3,4]"]]
+    assert accepted == [False, False, True, True, False]
+
+
+@pytest.mark.parametrize(
+    ("schema", "why"),
+    [
+        ({"type": "string", "minLength": "3"}, "minLength must be a non-negative integer"),
+        ({"type": "string", "maxLength": 2.5}, "maxLength must be a non-negative integer"),
+        ({"type": "string", "minLength": -1}, "minLength must be a non-negative integer"),
+        ({"type": "array", "minItems": True}, "minItems must be a non-negative integer"),
+        ({"type": "string", "pattern": "^a+$", "minLength": 2}, "beside a pattern"),
+        ({"type": "string", "format": "date", "maxLength": 4}, "beside a format date"),
+        ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "admit no number"),
+        ({"type": "number", "maximum": float("nan")}, "maximum must be a number"),
+        ({"type": "integer", "minimum": "0"}, "minimum must be a number"),
+        ({"type": "integer", "minimum": 5, "maximum": 4}, "admit no integer"),
+        ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "admit no integer"),
+        ({"type": "string", "pattern": 5}, "pattern must be a string"),
+    ],
+)
+def test_a_constraint_the_grammar_would_not_hold_is_refused(
+    schema: dict[str, object], why: str
+) -> None:
+    with pytest.raises(GrammarError, match=re.escape(why)) as info:
+        schema_to_gbnf(schema)
+    assert info.value.param == "json_schema"
+
+
+LLAMA_SCHEMAS = [
+    {"type": "string", "pattern": '^[^a]{1,6}"x$'},
+    {"type": "string", "pattern": "^.+$"},
+    {"type": "string", "pattern": "^\\u00e9\\\\[\\d\\s]*$"},
+    {"type": "string", "pattern": "b"},
+    {"type": "integer", "minimum": -120, "maximum": 7},
+    {"type": ["integer", "null"], "exclusiveMinimum": 10},
+    {"type": "number", "minimum": -2.5, "maximum": 3.25},
+    {"type": "array", "minItems": 1, "maxItems": 2},
+]
+
+
+@pytest.mark.model
+def test_llama_cpp_reads_these_grammars_and_holds_the_model_to_them() -> None:
+    """The grammars parse in llama.cpp (its classes' ``\\U`` escapes, ``{m,n}``), and what
+    the real model writes under a pattern's is a JSON string the pattern matches."""
+    from kvwarm.backends import get_backend
+    from kvwarm.backends.base import BatchToken, ContextParams, SamplingParams
+    from kvwarm.embedded import default_model_path
+
+    small = ContextParams(n_ctx=256, n_batch=32, n_ubatch=32, n_seq_max=1, n_threads=2)
+
+    model = get_backend("llama_cpp").load_model(str(default_model_path()))
+    try:
+        for schema in LLAMA_SCHEMAS:
+            model.new_sampler(SamplingParams(grammar=schema_to_gbnf(schema))).close()
+        ctx = model.new_context(model.context_params(small, deterministic=False))
+        try:
+            pattern = '^[^a]{1,6}"x$'
+            grammar = schema_to_gbnf({"type": "string", "pattern": pattern})
+            prompt = model.tokenize('Write a quote: "')
+            ctx.prefill(0, prompt, 0)
+            sampler = model.new_sampler(SamplingParams(temperature=0.9, seed=3, grammar=grammar))
+            out: list[int] = []
+            try:
+                for _ in range(64):
+                    token = sampler.sample(ctx, -1)
+                    if model.is_eog(token):
+                        break
+                    out.append(token)
+                    ctx.decode([BatchToken(token, len(prompt) + len(out) - 1, 0, logits=True)])
+            finally:
+                sampler.close()
+            text = model.detokenize(out).strip()
+            assert re.search(pattern, json.loads(text)), text
+        finally:
+            ctx.close()
+    finally:
+        model.close()
