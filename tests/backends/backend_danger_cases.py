@@ -129,6 +129,15 @@ def case_batch_past_n_ctx(backend: str) -> None:
     assert ctx.seq_pos_max(0) == 15
 
 
+def case_embed_with_rank_pooling(backend: str) -> None:
+    """A rank-pooled sequence keeps its classifier outputs alone (n_cls_out floats): embed()
+    read n_embd floats from there, past their end (found by review)."""
+    model = load(backend)
+    ctx = model.new_context(ContextParams(n_ctx=64, n_batch=32, n_ubatch=32, n_threads=2,
+                                          embeddings=True, pooling="rank"))  # fmt: skip
+    expect(InvalidRequestError, lambda: ctx.embed(model.tokenize(PROMPT)[:8]))
+
+
 def case_no_logits(backend: str) -> None:
     model = load(backend)
     ctx = model.new_context(P)

@@ -323,6 +323,14 @@ class ContextFront(ABC, Generic[M, A]):
                 raise InvalidRequestError(
                     "this context was not created with embeddings=True", param="input"
                 )
+            if self._params.pooling == "rank":
+                # Found by review: llama.cpp keeps a rank-pooled sequence's classifier outputs
+                # alone (n_cls_out floats), and n_embd were read from there, past their end.
+                raise InvalidRequestError(
+                    "a context pooling by rank scores its sequences (pooled); it has no "
+                    "embedding to return",
+                    param="input",
+                )
             if not tokens:
                 raise InvalidRequestError("cannot embed zero tokens", param="input")
             # Pooling needs the whole sequence in one ubatch.
