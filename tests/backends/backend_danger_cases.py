@@ -138,6 +138,20 @@ def case_embed_with_rank_pooling(backend: str) -> None:
     expect(InvalidRequestError, lambda: ctx.embed(model.tokenize(PROMPT)[:8]))
 
 
+def case_positions_past_int32(backend: str) -> None:
+    """llama_pos is an int32 and ctypes wraps a larger value silently: seq_rm(seq, 2**32)
+    removed the whole sequence, seq_cp(..., p1=2**32 + 3) copied 3 positions (found by
+    review)."""
+    model = load(backend)
+    ctx = model.new_context(P)
+    tokens = model.tokenize(PROMPT)[:8]
+    ctx.prefill(0, tokens, 0)
+    expect(InvalidRequestError, lambda: ctx.seq_rm(0, 2**32, -1))
+    expect(InvalidRequestError, lambda: ctx.seq_cp(0, 1, 0, 2**32 + 3))
+    expect(InvalidRequestError, lambda: ctx.seq_rm(0, 1.5, -1))  # type: ignore[arg-type]
+    assert ctx.seq_pos_max(0) == len(tokens) - 1 and ctx.seq_pos_max(1) == -1
+
+
 def case_no_logits(backend: str) -> None:
     model = load(backend)
     ctx = model.new_context(P)
