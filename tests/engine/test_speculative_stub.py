@@ -525,6 +525,16 @@ def test_a_draft_model_drafts_and_the_output_is_plain_decodings(engine: Engine) 
     assert ngram.completion_tokens == plain.completion_tokens
 
 
+def test_a_model_with_a_draft_model_describes_itself_while_it_unloads(engine: Engine) -> None:
+    """``/v1/models`` lists a model while it unloads (its native state already freed): its
+    info must not read the closed draft model (found by review: HandleClosedError)."""
+    model = engine.load_model(config=replace(spec_config(), draft_model="draft-stub.gguf"))
+    before = model.info()
+    assert before.draft_bytes > 0
+    model.unload()
+    assert model.info().draft_bytes == before.draft_bytes
+
+
 def test_draft_needs_a_draft_model(engine: Engine) -> None:
     model = engine.load_model(config=spec_config())
     with pytest.raises(InvalidRequestError) as bad:

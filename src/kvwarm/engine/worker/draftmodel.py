@@ -100,6 +100,10 @@ class DraftModel:
         n_ctx_slot: int,
     ) -> None:
         self.model = model
+        #: Its weights' size, read now: ``ModelInfo`` reports it after an unload has closed
+        #: the model too (found by review: ``/v1/models`` listing a model while it unloaded
+        #: failed with ``HandleClosedError``).
+        self.size_bytes = model.facts.size_bytes
         self.ctx = ctx
         self.namespace = namespace  # unsalted
         self.quant_bits = quant_bits
