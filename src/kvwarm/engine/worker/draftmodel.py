@@ -80,6 +80,8 @@ class DraftStore(Protocol):
 
     def open_draft_row(self, key: bytes) -> AbstractContextManager[LoadedRow]: ...
 
+    def draft_restored(self) -> None: ...
+
     def save_draft(
         self, ns: Namespace, tokens: Sequence[int], payload: bytes, n_ctx_slot: int, quant_bits: int
     ) -> None: ...
@@ -230,6 +232,8 @@ class DraftModel:
         keep = min(match.n_shared, len(self.held[seq]))
         self._trim(seq, keep)
         self.restored_tokens += keep
+        if keep > 0:
+            store.draft_restored()  # counted only once a row's KV is in (not at the lookup)
         return keep
 
     def _save(self, store: DraftStore, seq: int, ns: Namespace, prompt: Sequence[int]) -> None:
