@@ -487,3 +487,28 @@ def test_a_prompt_value_runs_as_its_tokens_and_media_is_refused_clearly(engine: 
     with pytest.raises(InvalidRequestError):
         model.complete(Prompt.text([*tokens, 10**9]), GREEDY)  # not this vocabulary's id
     assert model.status().active == 0
+
+
+def test_parent_key_finds_the_previous_turn_another_process_saved(tmp_path: Path) -> None:
+    """A replica that never saw the conversation: the previous turn's row is only in the
+    shared directory, where another process (here another engine) published it; the wait for
+    ``parent_key`` looks there, so the whole previous turn is restored, not just what the
+    prefix probes happen to ask for."""
+    from tests.engine.conftest import LOW_GATES
+
+    from kvwarm.cache.types import CacheConfig, TierConfig
+
+    def engine() -> Engine:
+        tier = TierConfig("disk", 256 << 20, tmp_path / "shared", shared=True)
+        return Engine(EngineConfig(cache=CacheConfig(tiers=(tier,)), policy=LOW_GATES))
+
+    with engine() as one, engine() as other:
+        first_model = one.load_model(config=stub_config())
+        first = first_model.complete(PROMPT, GREEDY)
+        assert first.stats.key is not None
+        one.cache.flush()  # published in the shared directory
+        model = other.load_model(config=stub_config())
+        follow = list(first.tokens) + model.tokenize(" ok?", add_special=False)
+        opts = GenerationOptions(max_tokens=4, temperature=0.0, parent_key=first.stats.key)
+        second = model.complete(follow, opts)
+        assert second.stats.cached_tokens >= len(first.tokens) - 1
