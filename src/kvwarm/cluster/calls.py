@@ -46,6 +46,9 @@ class ModelOp:
     args: tuple[object, ...] = ()
     kwargs: Mapping[str, object] = field(default_factory=dict)
     chain: tuple[str, ...] = ()  # prewarm: where the prefix should live
+    # Seconds the ingress waits for the answer (routing included) before it cancels the call
+    # and answers ``ReplicaTimeoutError``; None: no deadline.
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

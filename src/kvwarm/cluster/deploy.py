@@ -41,7 +41,7 @@ from kvwarm.cluster.remote import ResponseStream
 from kvwarm.cluster.replica import EngineReplica
 from kvwarm.cluster.routing import RoutingConfig, check_policy, index_for
 from kvwarm.cluster.routing.index import index_name
-from kvwarm.errors import KvwarmError
+from kvwarm.errors import KvwarmError, ReplicaTimeoutError
 from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.cluster")
@@ -64,7 +64,16 @@ class HandleCalls:
         return cast(ResponseStream, self._stream.remote(call))
 
     def op(self, op: ModelOp) -> object:
-        return self._op.remote(op).result()
+        """The op's answer, within its deadline: a replica that is alive but stuck (or a queue
+        that never reaches one) must not hold an ingress thread for good."""
+        response = self._op.remote(op)
+        try:
+            return response.result(timeout_s=op.timeout_s)
+        except TimeoutError:  # Ray's GetTimeoutError is one too
+            response.cancel()  # type: ignore[no-untyped-call]
+            raise ReplicaTimeoutError(
+                f"no replica answered {op.op} for {op.model_id} within {op.timeout_s:g} s"
+            ) from None
 
 
 class Ingress:

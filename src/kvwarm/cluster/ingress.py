@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm.cluster.calls import Failed, Generate, ModelOp
-from kvwarm.cluster.remote import OpCall, RemoteModel, ResponseStream
+from kvwarm.cluster.remote import OpCall, OpDeadlines, RemoteModel, ResponseStream
 from kvwarm.cluster.routing import ClusterIndex
 from kvwarm.cluster.tokens import PromptTokens
 from kvwarm.engine.types import ModelInfo
@@ -55,7 +55,10 @@ class Calls(Protocol):
 
     def stream(self, call: Generate) -> ResponseStream: ...
 
-    def op(self, op: ModelOp) -> object: ...
+    def op(self, op: ModelOp) -> object:
+        """The op's answer; ``ReplicaTimeoutError`` (the call cancelled) once ``op.timeout_s``
+        passed without one."""
+        ...
 
 
 class IngressState(ServerState):
@@ -90,12 +93,15 @@ class IngressState(ServerState):
 
     def _attach(self, model_id: str) -> RemoteModel:
         op_call: OpCall = self.calls.op
-        info = op_call(ModelOp(model_id, "info"))
+        deadlines = OpDeadlines.of(self.settings)
+        info = op_call(ModelOp(model_id, "info", timeout_s=deadlines("info")))
         if isinstance(info, Failed):
             raise info.error
         assert isinstance(info, ModelInfo)
         tokenizer = self._tokenizer(model_id)
-        model = RemoteModel(info, self.calls.stream, op_call, _note_served, self.index, tokenizer)
+        model = RemoteModel(
+            info, self.calls.stream, op_call, _note_served, self.index, tokenizer, deadlines
+        )
         self._prewarm_systems(model, model_id)
         return model
 

@@ -46,11 +46,15 @@ from kvwarm.errors import KvwarmError, ReplicaUnavailableError
 if TYPE_CHECKING:
     from kvwarm.cluster.tokens import PromptTokens
     from kvwarm.engine.ops import Message
+    from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.cluster.remote")
 
 # A generation whose replica is lost before any text came back is sent again this many times.
 CALL_RETRIES = 2
+# The calls that run the model (a prefill or more): their deadline is ``request_timeout_s``,
+# a generation's; the others (tokenize, templates, info) take ``cluster_call_timeout_s``.
+MODEL_PASS_OPS: frozenset[OpName] = frozenset({"embed", "rerank", "prewarm", "prewarm_chat"})
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -84,6 +88,21 @@ class ServedFacts(Protocol):
     def note_served(
         self, replica: str, chain: Sequence[str], key: bytes | None, n_tokens: int
     ) -> None: ...
+
+
+class OpDeadlines:
+    """Each non-generation call's deadline in seconds (None: none), from the settings."""
+
+    def __init__(self, call_timeout_s: float = 0.0, model_pass_timeout_s: float = 0.0) -> None:
+        self._call = call_timeout_s or None
+        self._model_pass = model_pass_timeout_s or None
+
+    @classmethod
+    def of(cls, settings: Settings) -> OpDeadlines:
+        return cls(settings.cluster_call_timeout_s, settings.request_timeout_s)
+
+    def __call__(self, op: OpName) -> float | None:
+        return self._model_pass if op in MODEL_PASS_OPS else self._call
 
 
 def _cancelled(prompt_tokens: int = 0) -> Completion:
@@ -282,10 +301,13 @@ class RemoteModel(ModelOps):
         on_served: Callable[[str], None] = lambda _replica: None,
         facts: ServedFacts | None = None,
         tokenizer: PromptTokens | None = None,
+        deadlines: OpDeadlines | None = None,
     ) -> None:
         """``tokenizer``: the model's vocabulary at the ingress (``tokens.PromptTokens``), so
-        each generation carries its prompt's token ids for the router; None: it carries none."""
+        each generation carries its prompt's token ids for the router; None: it carries none.
+        ``deadlines``: each call's deadline (``OpDeadlines``; None: no deadline)."""
         self._info = info
+        self._deadlines = deadlines or OpDeadlines()
         self._tokenizer = tokenizer
         self._stream_call = stream_call
         self._op_call = op_call
@@ -421,7 +443,14 @@ class RemoteModel(ModelOps):
         kwargs: Mapping[str, object],
         chain: tuple[str, ...] = (),
     ) -> object:
-        call = ModelOp(self.id, op, tuple(_plain(a) for a in args), _plain(dict(kwargs)), chain)
+        call = ModelOp(
+            self.id,
+            op,
+            tuple(_plain(a) for a in args),
+            _plain(dict(kwargs)),
+            chain,
+            timeout_s=self._deadlines(op),
+        )
         try:
             result = self._op_call(call)
         except KvwarmError:
