@@ -39,7 +39,7 @@ from kvwarm.cluster.ingress import create_ingress_app
 from kvwarm.cluster.loopback import LOOPBACK, keep_ray_on_loopback, keep_replica_grpc_on_loopback
 from kvwarm.cluster.remote import ResponseStream
 from kvwarm.cluster.replica import EngineReplica
-from kvwarm.cluster.routing import RoutingConfig, check_policy, index_for
+from kvwarm.cluster.routing import ClusterIndex, RoutingConfig, check_policy, index_for
 from kvwarm.cluster.routing.index import index_name
 from kvwarm.errors import KvwarmError, ReplicaTimeoutError
 from kvwarm.settings import Settings
@@ -54,11 +54,18 @@ STATS_PERIOD_S = 0.5  # replicas report warm chains this often (the router also 
 
 
 class HandleCalls:
-    """``ingress.Calls`` over the engine deployment's handle."""
+    """``ingress.Calls`` over the engine deployment's handle; the running replicas are those
+    the router in this process last told ``index`` of (none known without one)."""
 
-    def __init__(self, handle: DeploymentHandle[EngineReplica]) -> None:
+    def __init__(
+        self, handle: DeploymentHandle[EngineReplica], index: ClusterIndex | None = None
+    ) -> None:
         self._stream = handle.options(stream=True).generate
         self._op = handle.call
+        self._index = index
+
+    def replicas(self) -> list[str]:
+        return self._index.running() if self._index is not None else []
 
     def stream(self, call: Generate) -> ResponseStream:
         return cast(ResponseStream, self._stream.remote(call))
@@ -89,7 +96,7 @@ class Ingress:
         # keyed by this application's name: "kvwarm" from ``run``, but ``serve run`` names it
         # "default" and a RayService its own.
         index = index_for(index_name(_application_name(), ENGINE))
-        return create_ingress_app(self._settings, HandleCalls(self._engine), index)
+        return create_ingress_app(self._settings, HandleCalls(self._engine, index), index)
 
 
 def _application_name() -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Protocol
 
@@ -51,7 +52,11 @@ def _note_served(replica_id: str) -> None:
 
 
 class Calls(Protocol):
-    """The two ways the ingress reaches the engine deployment (``deploy.handle_calls``)."""
+    """The ways the ingress reaches the engine deployment (``deploy.HandleCalls``)."""
+
+    def replicas(self) -> Sequence[str]:
+        """The ids of the replicas running now (a prewarm goes to each); empty if unknown."""
+        ...
 
     def stream(self, call: Generate) -> ResponseStream: ...
 
@@ -100,7 +105,14 @@ class IngressState(ServerState):
         assert isinstance(info, ModelInfo)
         tokenizer = self._tokenizer(model_id)
         model = RemoteModel(
-            info, self.calls.stream, op_call, _note_served, self.index, tokenizer, deadlines
+            info,
+            self.calls.stream,
+            op_call,
+            _note_served,
+            self.index,
+            tokenizer,
+            deadlines,
+            replicas=self.calls.replicas,
         )
         self._prewarm_systems(model, model_id)
         return model

@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 from kvwarm.cache.types import TtlClass
@@ -302,12 +303,16 @@ class RemoteModel(ModelOps):
         facts: ServedFacts | None = None,
         tokenizer: PromptTokens | None = None,
         deadlines: OpDeadlines | None = None,
+        *,
+        replicas: Callable[[], Sequence[str]] = tuple,
     ) -> None:
         """``tokenizer``: the model's vocabulary at the ingress (``tokens.PromptTokens``), so
         each generation carries its prompt's token ids for the router; None: it carries none.
-        ``deadlines``: each call's deadline (``OpDeadlines``; None: no deadline)."""
+        ``deadlines``: each call's deadline (``OpDeadlines``; None: no deadline).
+        ``replicas``: the ids of the replicas running now, each of which a prewarm warms."""
         self._info = info
         self._deadlines = deadlines or OpDeadlines()
+        self._replicas = replicas
         self._tokenizer = tokenizer
         self._stream_call = stream_call
         self._op_call = op_call
@@ -442,6 +447,7 @@ class RemoteModel(ModelOps):
         args: tuple[object, ...],
         kwargs: Mapping[str, object],
         chain: tuple[str, ...] = (),
+        replica: str | None = None,
     ) -> object:
         call = ModelOp(
             self.id,
@@ -450,6 +456,7 @@ class RemoteModel(ModelOps):
             _plain(dict(kwargs)),
             chain,
             timeout_s=self._deadlines(op),
+            replica=replica,
         )
         try:
             result = self._op_call(call)
@@ -460,6 +467,38 @@ class RemoteModel(ModelOps):
         if isinstance(result, Failed):
             raise result.error
         return result
+
+    def _op_everywhere(
+        self,
+        op: OpName,
+        args: tuple[object, ...],
+        kwargs: Mapping[str, object],
+        chain: tuple[str, ...],
+    ) -> object:
+        """``op`` on every running replica at once (a prewarm: each replica's RAM gets the
+        prefix, so a conversation finds it warm wherever it is routed); the first replica's
+        answer. A replica that fails is logged and passed over; if all fail, the first
+        error. No replica known (no router in this process): one call, routed by ``chain``."""
+        replicas = list(dict.fromkeys(self._replicas()))
+        if not replicas:
+            return self._op(op, args, kwargs, chain)
+
+        def one(replica: str) -> object:
+            try:
+                return self._op(op, args, kwargs, chain, replica)
+            except Exception as exc:
+                return _Error(exc)
+
+        with ThreadPoolExecutor(len(replicas), thread_name_prefix="kvwarm-fanout") as pool:
+            results = list(pool.map(one, replicas))
+        errors = [r.error for r in results if isinstance(r, _Error)]
+        for replica, result in zip(replicas, results, strict=True):
+            if isinstance(result, _Error) and len(errors) < len(results):
+                log.warning("%s on replica %s failed: %s", op, replica, result.error)
+        answers = [r for r in results if not isinstance(r, _Error)]
+        if not answers:
+            raise errors[0]
+        return answers[0]
 
     # The non-streaming operations of ``engine.ops.ModelCalls``, forwarded by name; the
     # replica dispatches by name too. ``info`` (kept from start-up) and ``prewarm`` (which
@@ -481,7 +520,7 @@ class RemoteModel(ModelOps):
         add_special: bool = True,
         cache_salt: str | None = None,
     ) -> CompletionStats:
-        out = self._op(
+        out = self._op_everywhere(
             "prewarm",
             (prompt,),
             {"ttl_class": ttl_class, "add_special": add_special, "cache_salt": cache_salt},
@@ -498,7 +537,7 @@ class RemoteModel(ModelOps):
         ttl_class: TtlClass = TtlClass.LONG,
         cache_salt: str | None = None,
     ) -> CompletionStats:
-        out = self._op(
+        out = self._op_everywhere(
             "prewarm_chat",
             (messages,),
             {"tools": tools, "ttl_class": ttl_class, "cache_salt": cache_salt},
@@ -507,6 +546,11 @@ class RemoteModel(ModelOps):
         )
         assert isinstance(out, CompletionStats)
         return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Error:
+    error: BaseException
 
 
 def _plain(value: _V) -> _V:

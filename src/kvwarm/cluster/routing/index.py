@@ -250,6 +250,11 @@ class ClusterIndex:
             if replica in self._replicas:
                 self._bury(replica)
 
+    def running(self) -> list[str]:
+        """The replicas Ray runs now, as the router last told (sorted ids)."""
+        with self._lock:
+            return sorted(self._replicas)
+
     def wanted(self) -> list[str]:
         """Replicas whose snapshot is wanted (a gap in their events)."""
         with self._lock:
