@@ -35,7 +35,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
 from kvwarm.cluster.calls import Generate, ModelOp
-from kvwarm.cluster.ingress import create_ingress_app
+from kvwarm.cluster.ingress import create_ingress_app, max_in_flight
 from kvwarm.cluster.loopback import LOOPBACK, keep_ray_on_loopback, keep_replica_grpc_on_loopback
 from kvwarm.cluster.remote import ResponseStream
 from kvwarm.cluster.replica import EngineReplica
@@ -119,6 +119,18 @@ def routing_config(settings: Settings) -> RoutingConfig:
     return RoutingConfig(policy=settings.cluster_routing, busy_requests=busy)
 
 
+def ingress_max_ongoing(settings: Settings) -> int:
+    """Ray's cap on the HTTP requests the ingress holds at once. The ingress only parses and
+    waits on replicas; it answers 429 past each model's ``ingress.max_in_flight``, so it must
+    be let hold more than those (all models' generations, and room for the requests it turns
+    away and for the other routes): a request past this cap would wait in Serve's proxy
+    instead, with no answer."""
+    per_model = [
+        max_in_flight(settings, spec.n_parallel or settings.n_parallel) for spec in settings.models
+    ]
+    return 2 * max(sum(per_model), 1) + 64
+
+
 def build_app(
     settings: Settings,
     *,
@@ -163,8 +175,7 @@ def build_app(
         ingress_class,
         name=INGRESS,
         ray_actor_options={"num_cpus": 0},
-        # The ingress only parses and waits on replicas: let it hold every request they can.
-        max_ongoing_requests=settings.replicas * (settings.n_parallel + settings.max_queue),
+        max_ongoing_requests=ingress_max_ongoing(settings),
     )
     app: Application = ingress.bind(settings, engine.bind(settings))
     return app

@@ -113,6 +113,7 @@ class IngressState(ServerState):
             tokenizer,
             deadlines,
             replicas=self.calls.replicas,
+            max_in_flight=max_in_flight(self.settings, info.n_parallel),
         )
         self._prewarm_systems(model, model_id)
         return model
@@ -160,6 +161,14 @@ class IngressState(ServerState):
             states={e.id: e.state for e in self.entries.values()},
             keepalive_prefixes=len(self.keepalive.entries()),
         )
+
+
+def max_in_flight(settings: Settings, n_parallel: int) -> int:
+    """The generations of one model the ingress holds at once before it answers 429
+    ``queue_full``: what the replicas would hold as ``kvwarm serve`` each (their slots plus
+    ``max_queue`` waiting). Ray lets only ``max(8, 4 x n_parallel)`` calls reach a replica and
+    keeps the rest in its own queue, without bound, so the replicas' own queues never fill."""
+    return settings.replicas * (n_parallel + settings.max_queue)
 
 
 def _node_id() -> str | None:

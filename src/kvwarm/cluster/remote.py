@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar, cast
@@ -42,7 +44,7 @@ from kvwarm.engine.types import (
     ModelStatus,
     TokenLogprob,
 )
-from kvwarm.errors import KvwarmError, ReplicaUnavailableError
+from kvwarm.errors import KvwarmError, QueueFullError, ReplicaUnavailableError
 
 if TYPE_CHECKING:
     from kvwarm.cluster.tokens import PromptTokens
@@ -158,7 +160,12 @@ class RemoteStream:
         *,
         retries: int = CALL_RETRIES,
         on_retry: Callable[[], None] = lambda: None,
+        on_end: Callable[[], None] = lambda: None,
     ) -> None:
+        """``on_end``: called once when the stream ends (done, failed or cancelled), or when
+        it is dropped unfinished (the ingress's admission count, ``RemoteModel``)."""
+        self._on_end = on_end
+        weakref.finalize(self, on_end)  # a stream dropped unread still frees its place
         self._start = start
         self._response = start(())
         self._on_served = on_served
@@ -181,6 +188,7 @@ class RemoteStream:
         if not self.done and not self._cancelled:
             self._cancelled = True
             self._response.cancel()
+        self._on_end()
 
     def _retry(self, exc: BaseException) -> bool:
         """Send the call again after ``exc`` if it may be: True if it was."""
@@ -211,6 +219,14 @@ class RemoteStream:
         return self._items(forwarded=True)
 
     async def _items(self, *, forwarded: bool) -> AsyncIterator[str]:
+        try:
+            async for text in self._read(forwarded=forwarded):
+                yield text
+        finally:
+            if self.done or self._cancelled:
+                self._on_end()
+
+    async def _read(self, *, forwarded: bool) -> AsyncIterator[str]:
         while not self.done:
             try:
                 item = await self._response.__anext__()
@@ -305,14 +321,20 @@ class RemoteModel(ModelOps):
         deadlines: OpDeadlines | None = None,
         *,
         replicas: Callable[[], Sequence[str]] = tuple,
+        max_in_flight: int = 0,
     ) -> None:
         """``tokenizer``: the model's vocabulary at the ingress (``tokens.PromptTokens``), so
         each generation carries its prompt's token ids for the router; None: it carries none.
         ``deadlines``: each call's deadline (``OpDeadlines``; None: no deadline).
-        ``replicas``: the ids of the replicas running now, each of which a prewarm warms."""
+        ``replicas``: the ids of the replicas running now, each of which a prewarm warms.
+        ``max_in_flight``: generations of this model the ingress holds at once (running or
+        waiting, anywhere); one more is a ``QueueFullError`` (429). 0: no bound."""
         self._info = info
         self._deadlines = deadlines or OpDeadlines()
         self._replicas = replicas
+        self._max_in_flight = max_in_flight
+        self._admission = threading.Lock()
+        self.in_flight = 0  # generations admitted and not ended
         self._tokenizer = tokenizer
         self._stream_call = stream_call
         self._op_call = op_call
@@ -335,8 +357,54 @@ class RemoteModel(ModelOps):
 
     # --- generation ------------------------------------------------------------------------
 
+    def _admit(self, n: int = 1) -> list[Callable[[], None]]:
+        """Room for ``n`` more generations, all or none (``QueueFullError``): one release
+        each (idempotent), called when its stream ends."""
+        with self._admission:
+            limit = self._max_in_flight
+            if limit and self.in_flight + n > limit:
+                raise QueueFullError(
+                    f"model {self.id}: {self.in_flight} requests in flight across the replicas "
+                    f"(at most {limit}); try again later"
+                )
+            self.in_flight += n
+        return [self._release_once() for _ in range(n)]
+
+    def _release_once(self) -> Callable[[], None]:
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._admission:
+                if not released:
+                    released = True
+                    self.in_flight -= 1
+
+        return release
+
     def _generate(
-        self, kind: GenerateKind, options: GenerationOptions | None, **fields: object
+        self,
+        kind: GenerateKind,
+        options: GenerationOptions | None,
+        release: Callable[[], None] | None = None,
+        **fields: object,
+    ) -> RemoteStream:
+        """One generation's stream; ``release``: its admission (``_admit``), else one is
+        taken here. The admission is given back if the stream is not made."""
+        if release is None:
+            (release,) = self._admit()
+        try:
+            return self._new_stream(kind, options, release, **fields)
+        except BaseException:
+            release()
+            raise
+
+    def _new_stream(
+        self,
+        kind: GenerateKind,
+        options: GenerationOptions | None,
+        release: Callable[[], None],
+        **fields: object,
     ) -> RemoteStream:
         opts = options or GenerationOptions()
         opts.validate()  # a bad option is a 400 here, before any replica is bothered
@@ -363,7 +431,7 @@ class RemoteModel(ModelOps):
         def retried() -> None:
             self.retried += 1
 
-        return RemoteStream(start, self._on_served, finished, on_retry=retried)
+        return RemoteStream(start, self._on_served, finished, on_retry=retried, on_end=release)
 
     def _prompt_tokens(self, call: Generate) -> tuple[int, ...]:
         """The call's prompt as token ids, for the router; () without a tokenizer or when
@@ -386,21 +454,60 @@ class RemoteModel(ModelOps):
         options: GenerationOptions | None = None,
         prefill: str = "",
     ) -> RemoteStream:
+        return self._chat(messages, tools, options, prefill)
+
+    def _chat(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, object]] | None,
+        options: GenerationOptions | None,
+        prefill: str = "",
+        release: Callable[[], None] | None = None,
+    ) -> RemoteStream:
         salt = options.cache_salt if options else None
         lora = options.lora if options else None
         chain = chains.chat_chain(self.id, messages, cache_salt=salt, tools=tools, lora=lora)
         return self._generate(
-            "chat", options, messages=list(messages), tools=tools, prefill=prefill, chain=chain
+            "chat",
+            options,
+            release,
+            messages=list(messages),
+            tools=tools,
+            prefill=prefill,
+            chain=chain,
         )
 
     def _text(
-        self, kind: GenerateKind, prompt: str | Sequence[int], options: GenerationOptions | None
+        self,
+        kind: GenerateKind,
+        prompt: str | Sequence[int],
+        options: GenerationOptions | None,
+        release: Callable[[], None] | None = None,
     ) -> RemoteStream:
         salt = options.cache_salt if options else None
         lora = options.lora if options else None
         chain = chains.text_chain(self.id, prompt, cache_salt=salt, lora=lora)
         value = prompt if isinstance(prompt, str) else tuple(prompt)
-        return self._generate(kind, options, prompt=value, chain=chain)
+        return self._generate(kind, options, release, prompt=value, chain=chain)
+
+    def _each(
+        self,
+        choices: Sequence[GenerationOptions],
+        make: Callable[[GenerationOptions, Callable[[], None]], RemoteStream],
+    ) -> list[RemoteStream]:
+        """One stream per choice, admitted together: all of them or a ``QueueFullError``."""
+        releases = self._admit(len(choices))
+        streams: list[RemoteStream] = []
+        try:
+            for opts, release in zip(choices, releases, strict=True):
+                streams.append(make(opts, release))
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            for release in releases:
+                release()
+            raise
+        return streams
 
     def stream(
         self, prompt: str | Sequence[int], options: GenerationOptions | None = None
@@ -425,7 +532,7 @@ class RemoteModel(ModelOps):
     ) -> list[RemoteStream]:
         choices = choice_options(options or GenerationOptions(), n, self._info.n_parallel)
         kind: GenerateKind = "text" if fragments else "text_quiet"
-        return [self._text(kind, prompt, opts) for opts in choices]
+        return self._each(choices, lambda opts, release: self._text(kind, prompt, opts, release))
 
     def chat_streams(
         self,
@@ -437,7 +544,9 @@ class RemoteModel(ModelOps):
         fragments: bool = True,
     ) -> list[RemoteStream]:
         choices = choice_options(options or GenerationOptions(), n, self._info.n_parallel)
-        return [self.stream_chat(messages, tools=tools, options=opts) for opts in choices]
+        return self._each(
+            choices, lambda opts, release: self._chat(messages, tools, opts, release=release)
+        )
 
     # --- everything else: one blocking call each (the routes call these on the thread pool) -
 
