@@ -80,3 +80,84 @@ def test_explain_prints_one_line_for_people(
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("prompt: ")
     assert lines[1].startswith("new_tokens: the rest of the prompt was never cached (found ")
+
+
+@pytest.fixture
+def tenant_cache(tmp_path: Path) -> Path:
+    """A cache directory a server with ``cache_salt_from_auth`` wrote a request of the key
+    ``sk-alice`` into: its rows are in that tenant's namespace alone."""
+    from fastapi.testclient import TestClient
+    from tests.server.conftest import wait_ready
+
+    from kvwarm.server import create_app
+    from kvwarm.settings import ModelSpec, Settings
+
+    settings = Settings(
+        backend="stub",
+        models=(ModelSpec(path="stub-a"),),
+        cache_dir=tmp_path / "c",
+        api_key="sk-alice",
+        cache_salt_from_auth=True,
+        allowed_hosts=("testserver",),
+    )
+    body = {"model": "stub-a", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        headers = {"Authorization": "Bearer sk-alice"}
+        response = client.post("/v1/completions", json=body, headers=headers)
+        assert response.status_code == 200, response.json()
+    return tmp_path / "c"
+
+
+def test_explain_names_an_api_key_tenants_namespace(
+    tenant_cache: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tenant's namespace is ``key:<digest>``: ``--salt`` could not name it (found by
+    review). The key comes from the environment or standard input, never from argv."""
+    n = len(PROMPT.encode()) + 1
+    plain = explain(capsys, tenant_cache, PROMPT + "and more")
+    assert plain["rows_in_namespace"] == 0 and plain["reason"] == "other_namespace"
+    monkeypatch.setenv("ALICE_KEY", "sk-alice")
+    alice = explain(capsys, tenant_cache, "--tenant-key-env", "ALICE_KEY", PROMPT + "and more")
+    assert alice["reason"] == "new_tokens" and alice["reused_tokens"] == n
+    assert isinstance(alice["rows_in_namespace"], int) and alice["rows_in_namespace"] >= 1
+    tenant = alice["tenant_id"]
+    assert isinstance(tenant, str) and len(tenant) == 64 and "sk-alice" not in json.dumps(alice)
+    by_id = explain(capsys, tenant_cache, "--tenant-id", tenant, PROMPT + "and more")
+    assert by_id["reused_tokens"] == n
+    # A salt partitions the tenant further: a namespace of its own, empty here.
+    salted = explain(capsys, tenant_cache, "--tenant-id", tenant, "--salt", "s", PROMPT)
+    assert salted["rows_in_namespace"] == 0
+    anonymous = explain(capsys, tenant_cache, "--anonymous", "--salt", "s", PROMPT)
+    assert anonymous["rows_in_namespace"] == 0
+
+
+def test_explain_reads_a_tenant_key_from_stdin(
+    tenant_cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+    import sys
+
+    class _Stdin:
+        buffer = io.BytesIO(b"sk-alice\n")
+
+    monkeypatch.setattr(sys, "stdin", _Stdin())
+    out = explain(capsys, tenant_cache, "--tenant-key-stdin", PROMPT + "and more")
+    assert out["reused_tokens"] == len(PROMPT.encode()) + 1
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--tenant-id", "abc"), "64 hex digits"),
+        (("--tenant-key-env", "KVWARM_TEST_UNSET_KEY"), "no API key in environment"),
+    ],
+)
+def test_bad_tenant_options_are_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: tuple[str, ...], needle: str
+) -> None:
+    argv = ["cache", "explain", "--backend", "stub", "--model", "stub-a"]
+    assert main([*argv, "--cache-dir", str(tmp_path / "c"), *args, PROMPT]) == 1
+    assert needle in capsys.readouterr().err

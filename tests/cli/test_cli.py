@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -362,13 +363,18 @@ def test_cluster_serves_through_ray_then_stops_on_sigterm(
         [sys.executable, "-m", "kvwarm", *args, "--cache-dir", "none"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    banner = f"kvwarm cluster: http://127.0.0.1:{port}"
+    out, err = _Lines(proc.stdout, banner), _Lines(proc.stderr)
     try:
         base = f"http://127.0.0.1:{port}"
-        if not _wait_healthy(proc, base, 240):
+        # Serve's proxy may answer before its deploy returns; a stop then (as the command
+        # promises) stops it unannounced, so the request waits for the banner, which says the
+        # deploy returned.
+        if not _wait_healthy(proc, base, 240) or not out.seen.wait(240):
             proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=120)
+            proc.wait(timeout=120)
             code = proc.returncode
-            pytest.fail(f"the cluster did not become ready (exit {code}):\n{err[-6000:]}")
+            pytest.fail(f"the cluster did not become ready (exit {code}):\n{err.text()[-6000:]}")
         body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
         response = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
@@ -376,11 +382,34 @@ def test_cluster_serves_through_ray_then_stops_on_sigterm(
         assert response.headers["x-kvwarm-replica"].startswith("SERVE_REPLICA::kvwarm#engine#")
     finally:
         proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
+        out.thread.join(30)
+        err.thread.join(30)
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert proc.returncode == 0, stderr
-    assert f"kvwarm cluster: http://127.0.0.1:{port}" in stdout
-    assert "Traceback" not in stderr
+    assert proc.returncode == 0, err.text()
+    assert banner in out.text()
+    assert "Traceback" not in err.text()
+
+
+class _Lines:
+    """A child's pipe read to its end on a thread of its own; ``seen`` is set once a line
+    holds ``wanted``."""
+
+    def __init__(self, pipe: IO[str] | None, wanted: str | None = None) -> None:
+        assert pipe is not None
+        self.lines: list[str] = []
+        self.seen = threading.Event()
+        self.thread = threading.Thread(target=self._read, args=(pipe, wanted), daemon=True)
+        self.thread.start()
+
+    def _read(self, pipe: IO[str], wanted: str | None) -> None:
+        for line in pipe:
+            self.lines.append(line)
+            if wanted is not None and wanted in line:
+                self.seen.set()
+
+    def text(self) -> str:
+        return "".join(self.lines)
 
 
 def test_cache_gc_shared_sweeps_unreferenced_chunks_of_a_shared_dir(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import httpx
@@ -190,3 +191,32 @@ def test_two_host_headers_are_a_400_whatever_the_parser() -> None:
     )
     scope["headers"] = scope["headers"][:1]
     assert guard.refusal(scope) is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        ({}, []),
+        ({"host": "::1"}, []),
+        ({"host": "localhost"}, []),
+        ({"allowed_hosts": ("*",)}, ["DNS-rebinding defence is off"]),
+        ({"host": "0.0.0.0"}, ["listening on 0.0.0.0", "with no api_key", "admin endpoints"]),
+        ({"host": "192.168.1.5", "admin_key": "a"}, ["listening on 192.168.1.5"]),
+        ({"host": "0.0.0.0", "api_key": "k"}, []),
+        (
+            {"host": "::", "allowed_hosts": ("*",)},
+            ["DNS-rebinding defence is off", "listening on ::"],
+        ),
+    ],
+)
+def test_startup_warns_of_defences_switched_off(
+    overrides: dict[str, object], needles: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--allowed-host '*'`` (no DNS-rebinding defence) and a non-loopback address without
+    ``--api-key`` (anyone on the network may use the server) were silent (found by review)."""
+    with caplog.at_level(logging.WARNING, logger="kvwarm.server"):
+        create_app(stub_settings(**{"allowed_hosts": (), **overrides}))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == len({"rebinding" if "DNS" in n else "key" for n in needles})
+    for needle in needles:
+        assert any(needle in w for w in warnings), (needle, warnings)

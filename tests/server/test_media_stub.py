@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import base64
 import http.server
+import logging
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -16,8 +20,11 @@ from fastapi.testclient import TestClient
 from tests.engine.mediakit import png
 from tests.server.conftest import stub_settings, wait_ready
 
+from kvwarm.errors import ConfigError
+from kvwarm.media import MediaError
 from kvwarm.server import create_app, media
-from kvwarm.settings import ModelSpec
+from kvwarm.server.errors import HTTPError
+from kvwarm.settings import ModelSpec, Settings
 
 MMPROJ = (("mmproj", Path("stub-audio-mmproj.gguf")),)  # reads images and audio
 
@@ -48,15 +55,57 @@ def chat_body(image_url: str, question: str = "What is it?") -> dict[str, object
     }
 
 
+class _PngHandler(http.server.BaseHTTPRequestHandler):
+    hosts: ClassVar[list[str]] = []  # the Host header of each request, in order
+
+    def do_GET(self) -> None:
+        self.hosts.append(self.headers.get("Host", ""))
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "https://example.com/cat.png")
+            self.end_headers()
+            return
+        body = png(1)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.path == "/short":  # fewer bytes than its Content-Length, then closed
+            self.wfile.write(body[: len(body) // 2])
+            return
+        if self.path == "/slow":  # a few bytes at a time: never a read timeout
+            for at in range(0, len(body), 64):
+                self.wfile.write(body[at : at + 64])
+                self.wfile.flush()
+                time.sleep(0.05)
+            return
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def client() -> Iterator[TestClient]:
+def png_port() -> Iterator[int]:
+    """A port on 127.0.0.1 serving PNGs (_PngHandler)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PngHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def client(png_port: int) -> Iterator[TestClient]:
     settings = stub_settings(
         models=(
             ModelSpec(path="stub-eye", id="eye", options=MMPROJ),
             ModelSpec(path="stub-a", id="a"),
         ),
         media_max_items=2,
-        media_fetch_hosts=("127.0.0.1",),
+        media_fetch_hosts=(f"127.0.0.1:{png_port}",),
         max_body_bytes=1 << 20,
     )
     with TestClient(create_app(settings)) as test_client:
@@ -298,75 +347,270 @@ def test_too_many_images_and_a_text_model_are_refused(client: TestClient) -> Non
     assert "no multimodal projector" in text_model.json()["error"]["message"]
 
 
-class _PngHandler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        if self.path == "/moved":
-            self.send_response(302)
-            self.send_header("Location", "https://example.com/cat.png")
-            self.end_headers()
-            return
-        body = png(1)
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if self.path == "/short":  # fewer bytes than its Content-Length, then closed
-            self.wfile.write(body[: len(body) // 2])
-            return
-        if self.path == "/slow":  # a few bytes at a time: never a read timeout
-            for at in range(0, len(body), 64):
-                self.wfile.write(body[at : at + 64])
-                self.wfile.flush()
-                time.sleep(0.05)
-            return
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-def test_an_allowed_host_is_fetched_once_without_redirects(client: TestClient) -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PngHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        base = f"http://127.0.0.1:{server.server_address[1]}"
-        fetched = client.post("/v1/chat/completions", json=chat_body(f"{base}/cat.png"))
-        inline = client.post("/v1/chat/completions", json=chat_body(data_uri(png(1))))
-        assert fetched.status_code == 200, fetched.json()
-        assert fetched.json()["choices"] == inline.json()["choices"]  # the same pixels
-        moved = client.post("/v1/chat/completions", json=chat_body(f"{base}/moved"))
-        assert moved.status_code == 400 and "302" in moved.json()["error"]["message"]
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def test_a_fetch_that_fails_or_drags_on_is_a_400(
-    client: TestClient, monkeypatch: pytest.MonkeyPatch
+def test_an_allowed_host_is_fetched_once_without_redirects(
+    client: TestClient, png_port: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A host that sent fewer bytes than its Content-Length (http.client's IncompleteRead),
-    or a URL http.client cannot parse (a port that is no number: InvalidURL), raised out of
-    the fetch as a 500; a host trickling its bytes never tripped the per-read timeout and
-    held the request for as long as it liked, where the docs promise 10 s."""
+    base = f"http://127.0.0.1:{png_port}"
+    fetched = client.post("/v1/chat/completions", json=chat_body(f"{base}/cat.png"))
+    inline = client.post("/v1/chat/completions", json=chat_body(data_uri(png(1))))
+    assert fetched.status_code == 200, fetched.json()
+    assert fetched.json()["choices"] == inline.json()["choices"]  # the same pixels
+    with caplog.at_level(logging.INFO, logger="kvwarm.server.media"):
+        moved = client.post("/v1/chat/completions", json=chat_body(f"{base}/moved"))
+    assert moved.status_code == 400
+    error = moved.json()["error"]
+    assert error["code"] == "invalid_media", error
+    assert error["message"] == f"messages.1.content.1: could not fetch the image at {base}/moved"
+    assert "answered 302" in caplog.text  # why: in the log, not in the answer
+
+
+def test_a_fetch_that_fails_or_drags_on_is_a_400_that_says_no_more(
+    client: TestClient,
+    png_port: int,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A host that sent fewer bytes than its Content-Length (http.client's IncompleteRead)
+    raised out of the fetch as a 500; a host trickling its bytes never tripped the per-read
+    timeout and held the request for as long as it liked, where the docs promise 10 s. Both
+    are a 400 that says only that the image could not be fetched (found by review: the
+    error's details, "connection refused" among them, let a client map ports): the log says
+    why."""
     monkeypatch.setattr(media, "FETCH_TIMEOUT_S", 0.5)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PngHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    base = f"http://127.0.0.1:{png_port}"
+    for url, why in [(f"{base}/short", "bytes it announced"), (f"{base}/slow", "0.5 s")]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvwarm.server.media"):
+            response = client.post("/v1/chat/completions", json=chat_body(url))
+        assert response.status_code == 400, (url, response.json())
+        error = response.json()["error"]
+        assert error["code"] == "invalid_media", error
+        assert error["message"] == f"messages.1.content.1: could not fetch the image at {url}"
+        assert why in caplog.text, caplog.text
+    # A port that is no number: refused as a URL, before anything is fetched.
+    for bad_url in ("http://127.0.0.1:port/cat.png", "http://[::1/cat.png"):
+        bad = client.post("/v1/chat/completions", json=chat_body(bad_url))
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "media_fetch_refused"
+    assert client.get("/health").status_code == 200
+
+
+def test_a_listed_host_is_fetched_only_on_its_port(client: TestClient) -> None:
+    """Listing a host let a client fetch from it on any port (found by review): a host listed
+    with a port is fetched on that port alone, one listed bare on 80 and 443."""
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PngHandler)
+    thread = threading.Thread(target=other.serve_forever, daemon=True)
     thread.start()
     try:
-        base = f"http://127.0.0.1:{server.server_address[1]}"
-        for url, needle in [
-            (f"{base}/short", "cannot fetch"),
-            ("http://127.0.0.1:port/cat.png", "cannot fetch"),
-            (f"{base}/slow", "0.5 s"),
-        ]:
-            response = client.post("/v1/chat/completions", json=chat_body(url))
-            assert response.status_code == 400, (url, response.json())
-            error = response.json()["error"]
-            assert error["code"] == "invalid_media" and needle in error["message"], error
-        assert client.get("/health").status_code == 200
+        url = f"http://127.0.0.1:{other.server_address[1]}/cat.png"
+        response = client.post("/v1/chat/completions", json=chat_body(url))
+        assert response.status_code == 400, response.json()
+        error = response.json()["error"]
+        assert error["code"] == "media_fetch_refused" and "on port" in error["message"]
+    finally:
+        other.shutdown()
+        other.server_close()
+
+
+def _settings(*hosts: str) -> Settings:
+    return Settings(media_fetch_hosts=hosts)
+
+
+def _refused_code(url: str, settings: Settings) -> str:
+    with pytest.raises((HTTPError, MediaError)) as caught:
+        media._fetch(url, "image", settings)
+    exc = caught.value
+    return exc.code if isinstance(exc, HTTPError) else "invalid_media"  # type: ignore[return-value]
+
+
+def test_any_host_is_only_a_public_one_on_a_web_port(
+    png_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``*`` fetched from loopback, the LAN and the cloud's metadata address, on any port
+    (found by review): it now allows ports 80 and 443 only, and an address that is public."""
+    url = f"http://127.0.0.1:{png_port}/cat.png"
+    assert media._fetch(url, "image", _settings(f"127.0.0.1:{png_port}")) == png(1)
+    assert _refused_code(url, _settings("*")) == "media_fetch_refused"  # the port
+    assert _refused_code("http://example.com:0/a.png", _settings("*")) == "media_fetch_refused"
+    # On a port it allows (the test server's), loopback is refused for being loopback.
+    monkeypatch.setattr(media, "WEB_PORTS", frozenset({80, 443, png_port}))
+    assert _refused_code(url, _settings("*")) == "media_fetch_refused"
+    mapped = f"http://[::ffff:127.0.0.1]:{png_port}/cat.png"
+    assert _refused_code(mapped, _settings("*")) == "media_fetch_refused"
+    # The operator's own entry still wins over '*' for that host and port.
+    assert media._fetch(url, "image", _settings("*", f"127.0.0.1:{png_port}")) == png(1)
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1", "127.1.2.3", "0.0.0.0", "10.1.2.3", "172.16.0.1", "192.168.1.1",
+        "169.254.169.254", "100.64.0.1", "224.0.0.1", "240.0.0.1", "255.255.255.255",
+        "[::1]", "[::]", "[fe80::1]", "[fd00::1]", "[ff02::1]", "[::ffff:10.0.0.1]",
+        "[::ffff:169.254.169.254]", "[64:ff9b::7f00:1]", "[2002:a9fe:a9fe::]",
+    ],
+)  # fmt: skip
+def test_any_host_refuses_addresses_that_are_not_public(host: str) -> None:
+    assert _refused_code(f"http://{host}/latest/meta-data/", _settings("*")) == (
+        "media_fetch_refused"
+    )
+
+
+def test_unsafe_reason_passes_public_addresses() -> None:
+    for address in ("93.184.216.34", "2606:4700::1", "64:ff9b::5db8:d822", "2002:5db8:d822::"):
+        assert media._unsafe_reason(address) is None, address
+
+
+@pytest.fixture
+def images_test(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The name ``images.test`` resolves to ``127.0.0.1`` once, then to nothing: a second
+    lookup (one a rebinding DNS server could answer differently) fails the fetch. Returns the
+    names looked up."""
+    lookups: list[str] = []
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: object, *args: object, **kwargs: object) -> object:
+        lookups.append(str(host))
+        if host == "images.test":
+            if lookups.count("images.test") > 1:
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+            host = "127.0.0.1"
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return lookups
+
+
+def test_a_name_resolving_to_loopback_is_refused_under_any_host(
+    images_test: list[str],
+    png_port: int,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(media, "WEB_PORTS", frozenset({80, 443, png_port}))
+    url = f"http://images.test:{png_port}/cat.png"
+    with (
+        caplog.at_level(logging.WARNING, logger="kvwarm.server.media"),
+        pytest.raises(MediaError) as caught,
+    ):
+        media._fetch(url, "image", _settings("*"))
+    assert str(caught.value) == f"image: could not fetch the image at {url}"
+    assert "127.0.0.1 is a loopback address" in caplog.text  # logged, not answered
+
+
+def test_a_listed_name_is_connected_to_the_address_looked_up(
+    images_test: list[str], png_port: int
+) -> None:
+    """The name is looked up once and the socket goes to that address, so DNS cannot change
+    between the check and the connection; the Host header is still the URL's name."""
+    _PngHandler.hosts.clear()
+    url = f"http://images.test:{png_port}/cat.png"
+    assert media._fetch(url, "image", _settings(f"images.test:{png_port}")) == png(1)
+    assert images_test.count("images.test") == 1
+    assert _PngHandler.hosts == [f"images.test:{png_port}"]
+
+
+def _self_signed(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A certificate for ``name`` (and its key), signed by itself."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+@pytest.mark.parametrize("served_name", ["images.test", "other.test"])
+def test_https_to_the_address_looked_up_checks_the_certificate_of_the_name(
+    images_test: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    served_name: str,
+) -> None:
+    """The socket goes to the pinned address, while TLS sends the URL's name (SNI) and checks
+    the certificate against it: a server whose certificate is another name's is refused."""
+    cert, key = _self_signed(tmp_path, served_name)
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PngHandler)
+    server.socket = server_tls.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    trusting = ssl.create_default_context(cafile=str(cert))
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: trusting)
+    try:
+        port = server.server_address[1]
+        url = f"https://images.test:{port}/cat.png"
+        settings = _settings(f"images.test:{port}")
+        if served_name == "images.test":
+            assert media._fetch(url, "image", settings) == png(1)
+        else:
+            with pytest.raises(MediaError):
+                media._fetch(url, "image", settings)
+        assert images_test.count("images.test") == 1
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_refused_connection_is_not_told_to_the_client(caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        url = f"http://127.0.0.1:{port}/cat.png"
+        with (
+            caplog.at_level(logging.INFO, logger="kvwarm.server.media"),
+            pytest.raises(MediaError) as caught,
+        ):
+            media._fetch(url, "image", _settings(f"127.0.0.1:{port}"))
+    assert str(caught.value) == f"image: could not fetch the image at {url}"
+    assert "refused" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("entry", "rule"),
+    [
+        ("Example.com", ("example.com", None)),
+        ("example.com:8080", ("example.com", 8080)),
+        ("[::1]:8080", ("::1", 8080)),
+        ("[::1]", ("::1", None)),
+        ("::1", ("::1", None)),
+        ("*", ("*", None)),
+    ],
+)
+def test_media_fetch_host_entries(entry: str, rule: tuple[str, int | None]) -> None:
+    assert _settings(entry).media_fetch_rules() == (rule,)
+
+
+@pytest.mark.parametrize("entry", ["example.com:http", "example.com:0", "[::1", ":80", "a/b"])
+def test_a_bad_media_fetch_host_entry_is_a_config_error(entry: str) -> None:
+    with pytest.raises(ConfigError, match="media_fetch_hosts"):
+        _settings(entry).check()
 
 
 def test_a_prewarmed_chat_with_an_image_is_restored_past_it_and_kept_warm(

@@ -86,15 +86,25 @@ def test_stream_events_in_order_end_with_the_stored_response(client: TestClient)
 def test_previous_response_id_restores_the_conversation(client: TestClient) -> None:
     first = client.post("/v1/responses", json={**BASE, "input": "Name a colour, fox."}).json()
     follow = {**BASE, "input": "And another one?", "previous_response_id": first["id"]}
-    before = client.get("/cache/stats").json()["counters"].get("hits_resume", 0)
+    before = client.get("/cache/stats").json()["counters"]
     second = client.post("/v1/responses", json=follow).json()
     assert second["previous_response_id"] == first["id"]
     cached = second["usage"]["input_tokens_details"]["cached_tokens"]
     # The whole first prompt (and its reply) came from the cache, not a prefill.
     assert cached >= first["usage"]["input_tokens"]
     assert second["usage"]["input_tokens"] > cached
-    after = client.get("/cache/stats").json()["counters"].get("hits_resume", 0)
-    assert after == before + 1  # the previous reply's finish row was asked for by key
+    after = client.get("/cache/stats").json()["counters"]
+    # One hit, of the lookup that restored the prefix; the wait for the previous reply's
+    # finish row counted one more (found by review).
+    assert after["hits_resume"] == before["hits_resume"] + 1
+    assert after["hits_longest_prefix"] == before["hits_longest_prefix"]
+    # Reading a row's metadata is no hit either (it counted as hits_resume).
+    key = client.get("/cache/rows").json()["data"][0]["key"]
+    assert client.get(f"/cache/rows/{key}").status_code == 200
+    again = client.get("/cache/stats").json()["counters"]
+    assert {k: again[k] for k in again if k.startswith("hits_")} == {
+        k: after[k] for k in after if k.startswith("hits_")
+    }
     # A chain: the third turn builds on the second, which holds the first.
     third = client.post(
         "/v1/responses", json={**follow, "input": "Thanks.", "previous_response_id": second["id"]}

@@ -94,8 +94,9 @@ class CacheApi(Protocol):
         ...
 
     def lookup_exact_or_wait(self, key: bytes, timeout_s: float) -> RowInfo | None:
-        """Like ``lookup_exact`` but, if a save of ``key`` is in flight, waits up to
-        ``timeout_s`` for it to publish. Counts ``hits_resume`` on a hit."""
+        """The row of ``key``, waiting up to ``timeout_s`` for a save of it in flight to
+        publish. Counts nothing: reading a row's metadata is no hit (only a request's lookup
+        is, ``longest_prefix``)."""
         ...
 
     def longest_prefix(
@@ -110,6 +111,7 @@ class CacheApi(Protocol):
         """The row of ``namespace`` sharing the longest prefix with ``tokens`` (ties: fewest
         bytes). Cost grows with ``len(tokens)``, not with the number of rows. Counts
         ``counter`` on a hit: ``hits_longest_prefix`` for a request's own lookup,
+        ``hits_resume`` for that of a request naming its previous turn (``parent_key``),
         ``hits_draft_prefix`` for a draft model's context (not a request's hit).
 
         ``probe_lengths``: prefix lengths whose keys shared tiers are asked for when the index

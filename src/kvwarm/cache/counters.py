@@ -7,7 +7,9 @@ so contention costs nanoseconds; nothing here does I/O or calls back into other 
 Names in the snapshot:
 
 - plain counters: ``hits_exact``, ``hits_resume``, ``hits_longest_prefix``,
-  ``hits_draft_prefix``, ``misses``,
+  ``hits_draft_prefix``, ``misses``, (a request's lookup counts one hit: ``hits_resume`` when
+  it named its previous turn, ``parent_key``, else ``hits_longest_prefix``; reading a row's
+  metadata or waiting for its save counts none),
   ``saves_<reason>`` (one per ``SaveReason``), ``saves_dropped``, ``save_failures``,
   ``evictions``, ``evicted_bytes``, ``hits_shared``, ``probes``, ``probe_rounds``,
   ``promotions``, ``promotions_dropped``, ``store_errors``, ``chunks_written``,

@@ -242,11 +242,10 @@ class Cache:
         return self._index.wait_for(key, timeout_s) is not None
 
     def lookup_exact_or_wait(self, key: bytes, timeout_s: float) -> RowInfo | None:
+        # A read of the row's metadata (GET /cache/rows/{key}), not a restore: counts nothing.
         info = self._index.wait_for(key, timeout_s)
         if info is None:
             info = self._core.probe(key)
-        if info is not None:
-            self._counters.incr("hits_resume")
         return info
 
     def longest_prefix(

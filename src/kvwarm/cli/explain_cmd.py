@@ -11,6 +11,10 @@ Differences from a live server, by nature: no slot holds live KV here, and this 
 remembers no eviction (``MissHistory`` is per process), so a row evicted by the server reads
 as ``no_prefix`` or ``new_tokens``. As the operator's tool it looks in *every* namespace of the
 cache (other models, adapter sets, contexts and salts), which the server never tells a client.
+
+A tenant of a server with ``cache_salt_from_auth`` (``--tenant-key-env``, ``--tenant-key-stdin``,
+``--tenant-id``, ``--anonymous``) is named as the server names it (``kvwarm.tenants``); a key
+is never taken from the command line.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,6 +52,32 @@ def register(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "'prompt'; its 'cache_salt' unless --salt is given",
     )
     parser.add_argument("--salt", default=None, help="the request's cache salt")
+    tenant = parser.add_argument_group(
+        "tenant (a server with cache_salt_from_auth: each API key's requests run in a scope "
+        "of their own, and --salt partitions it further); never give a key on the command line"
+    )
+    who = tenant.add_mutually_exclusive_group()
+    who.add_argument(
+        "--tenant-key-env",
+        metavar="VAR",
+        help="the tenant's API key is in environment variable VAR",
+    )
+    who.add_argument(
+        "--tenant-key-stdin",
+        action="store_true",
+        help="read the tenant's API key from the first line of standard input",
+    )
+    who.add_argument(
+        "--tenant-id",
+        metavar="HEX",
+        help="the tenant's id (the key's digest, 64 hex digits, as the JSON output's "
+        "'tenant_id' gives it): no key needed",
+    )
+    who.add_argument(
+        "--anonymous",
+        action="store_true",
+        help="a request presenting no key (its --salt is scoped as anonymous)",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     add_settings(parser, MODEL_SETTINGS)
     parser.set_defaults(run=run_explain)
@@ -71,6 +103,7 @@ def run_explain(args: argparse.Namespace) -> int:
     from kvwarm.engine.worker.explain import explain_prompt
     from kvwarm.memory import MemoryKind
     from kvwarm.settings.model import model_config
+    from kvwarm.tenants import scoped_by_id
 
     settings = settings_from(args)
     body = _read_body(args.body) if args.body is not None else {}
@@ -86,6 +119,9 @@ def run_explain(args: argparse.Namespace) -> int:
     salt = args.salt if args.salt is not None else body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
+    tenant = _tenant(args)
+    if tenant is not None or args.anonymous:
+        salt = scoped_by_id(salt, tenant)
     bmodel = backend.load_model(str(path), dataclasses.replace(cfg.model_params, vocab_only=True))
     try:
         facts = bmodel.facts
@@ -116,6 +152,7 @@ def run_explain(args: argparse.Namespace) -> int:
         report = dataclasses.replace(report, detail="context or salt")
     if args.json:
         out = {
+            **({} if tenant is None else {"tenant_id": tenant}),
             "prompt_tokens": len(tokens),
             "rows_in_namespace": n_rows,
             "namespaces": len(spaces),
@@ -126,6 +163,31 @@ def run_explain(args: argparse.Namespace) -> int:
     print(f"prompt: {len(tokens)} tokens; {n_rows} rows in its namespace ({len(spaces)} in all)")
     print(describe(report))
     return 0
+
+
+def _tenant(args: argparse.Namespace) -> str | None:
+    """The tenant id the tenant options name (None: none given). A key is read from the
+    environment or standard input, never from the command line (where ``ps`` and the shell's
+    history show it), and as the server reads a header's bytes: UTF-8, any other bytes kept."""
+    from kvwarm.tenants import is_tenant_id, tenant_id
+
+    if args.tenant_id is not None:
+        value = str(args.tenant_id).strip().lower()
+        if not is_tenant_id(value):
+            raise InvalidRequestError("--tenant-id must be 64 hex digits", param="tenant_id")
+        return value
+    if args.tenant_key_env is not None:
+        raw = os.fsencode(os.environ.get(args.tenant_key_env, ""))
+        where = f"environment variable {args.tenant_key_env}"
+    elif args.tenant_key_stdin:
+        raw = sys.stdin.buffer.readline().rstrip(b"\r\n")
+        where = "standard input"
+    else:
+        return None
+    key = raw.decode("utf-8", "surrogateescape")
+    if not key:
+        raise InvalidRequestError(f"no API key in {where}", param="tenant_key")
+    return tenant_id(key)
 
 
 def _tokens(

@@ -31,13 +31,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm._version import __version__
 from kvwarm.errors import KvwarmError
+from kvwarm.server import apidocs, webui
 from kvwarm.server import rerank as rerank_routes
-from kvwarm.server import webui
 from kvwarm.server.admin import models as admin_models
 from kvwarm.server.admin import routes as admin_routes
 from kvwarm.server.anthropic import routes as anthropic_routes
 from kvwarm.server.errors import ERROR_RESPONSES, HTTPError, error_response, shaped_body
-from kvwarm.server.guard import Guard, send_json
+from kvwarm.server.guard import Guard, exposure_warnings, send_json
 from kvwarm.server.openai import chat as openai_chat
 from kvwarm.server.openai import completions as openai_completions
 from kvwarm.server.openai import embeddings as openai_embeddings
@@ -123,6 +123,8 @@ def create_app(
     one whose models are proxies for engine replicas). ``on_fatal(reason)`` is called (from the
     loader thread) if no model can be served at all."""
     settings.check()
+    for warning in exposure_warnings(settings):
+        log.warning("%s", warning)
     state = state if state is not None else ServerState(settings, on_fatal)
 
     @asynccontextmanager
@@ -137,8 +139,9 @@ def create_app(
         title="kvwarm",
         version=__version__,
         lifespan=lifespan,
-        docs_url="/docs",  # Swagger UI; its script and style come from a CDN
+        docs_url=None,  # /docs is apidocs' (with a CSP), when api_docs is on
         redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
         openapi_url="/openapi.json",
         responses=ERROR_RESPONSES,
     )
@@ -146,6 +149,8 @@ def create_app(
     app.state.kvwarm = state
     for router in ROUTERS:
         app.include_router(router)
+    if settings.api_docs:
+        app.include_router(apidocs.router("/openapi.json", app.title))
     app.include_router(webui.router())
     _add_error_handlers(app)
     _add_middleware(app, state, settings)

@@ -27,6 +27,7 @@ Invariants, checked in this order before any route runs:
    button and the web page's key dialog then send the key with every call they make.
 
 Refusals are OpenAI-shaped errors, answered by the app's outer middleware before any route.
+Settings that switch a defence off are said at startup, as WARNINGs (``exposure_warnings``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ ADMIN_PREFIXES: tuple[str, ...] = ("/cache/", "/admin/", "/cluster")
 #: Admin operations outside those prefixes, by (method, path): llama-server's route that sets
 #: what every later request of a model runs under (``server/lora.py``).
 ADMIN_ROUTES = frozenset({("POST", "/lora-adapters")})
-OPEN_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/"})
+OPEN_PATHS = frozenset({"/health", "/docs", "/openapi.json", "/"})
 OPEN_PREFIXES: tuple[str, ...] = ("/ui/",)  # the web page's static files (webui.py)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -142,6 +143,37 @@ class Guard:
         if self.api_key and not open_path and not keyed:
             return 401, "invalid or missing API key", "invalid_api_key"
         return None
+
+
+def exposure_warnings(settings: Settings) -> list[str]:
+    """What ``settings`` leave open that a default server does not, one sentence each: said
+    at startup as WARNINGs (``create_app``), so an operator who switched a defence off by a
+    flag copied from elsewhere hears of it."""
+    out: list[str] = []
+    if "*" in settings.allowed_hosts:
+        out.append(
+            "allowed_hosts '*' accepts any Host header: the DNS-rebinding defence is off, so a "
+            "web page can drive this server through a name it points at this address; list "
+            "the names clients use (--allowed-host) instead"
+        )
+    if not settings.api_key and not _is_loopback(settings.host):
+        out.append(
+            f"listening on {settings.host}, not a loopback address, with no api_key: anyone "
+            "who can reach it may use every model"
+            + ("" if settings.admin_key else " and the admin endpoints (/cache/*, /admin/*)")
+            + "; set --api-key (and --admin-key), or listen on 127.0.0.1"
+        )
+    return out
+
+
+def _is_loopback(host: str) -> bool:
+    name = host_name(host)
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # a name: whatever it resolves to, it is not known to be loopback
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:

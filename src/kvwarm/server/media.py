@@ -7,21 +7,30 @@ Invariants:
   bytes; ``input_audio``), each carrying the path of the part as the client sent it, which a
   ``MediaError`` about it names (``engine/prompts.py`` decodes them under the limits).
 - A local server fetches nothing a web page asks for: an ``http(s)`` image URL is a 400 unless
-  its host is listed in ``media_fetch_hosts``; a listed one is fetched once, without redirects,
-  within ``media_max_bytes`` and a timeout, and goes on as bytes. Nothing else is fetched
-  (``file:`` and every other scheme are refused).
+  its host and port are allowed by ``media_fetch_hosts``: a listed host (on 80/443, or the
+  port its entry names) wherever it resolves, or under ``*`` any host on 80/443 whose every
+  address is public (no loopback, private, link-local, cloud metadata..., nor an IPv6 form
+  carrying one). The socket goes to an address that was checked (no second DNS lookup to
+  rebind), with the URL's host in ``Host`` and TLS's server name. An allowed URL is fetched
+  once, without redirects, within ``media_max_bytes`` and a timeout, and goes on as bytes.
+  Nothing else is fetched (``file:`` and every other scheme are refused), and no environment
+  proxy is used (the check must be of the address connected to).
+- A fetch that fails tells the client only that (``invalid_media``, "could not fetch the
+  image at <url>"); why (refused connection, timeout, status, what a name resolved to) is
+  logged, so a client cannot map the server's network through error messages.
 """
 
 from __future__ import annotations
 
 import base64
 import http.client
+import ipaddress
 import logging
 import re
+import socket
+import ssl
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 from starlette.concurrency import run_in_threadpool
@@ -105,8 +114,8 @@ def engine_parts(parts: Sequence[ContentPart], where: str) -> str | list[Part]:
 
 
 async def fetch_images(messages: Sequence[ChatMessage], settings: Settings) -> list[ChatMessage]:
-    """``messages`` with each image given by an http(s) URL fetched (its host must be in
-    ``media_fetch_hosts``) and put in as a data: URI; 400 for any other URL."""
+    """``messages`` with each image given by an http(s) URL fetched (``media_fetch_hosts``
+    must allow it, ``_target``) and put in as a data: URI; 400 for any other URL."""
     out: list[ChatMessage] = []
     for i, message in enumerate(messages):
         content = message.content
@@ -135,77 +144,200 @@ async def fetch_images(messages: Sequence[ChatMessage], settings: Settings) -> l
     return out
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args: object, **kwargs: object) -> None:
-        return None  # a redirect is the answer, never followed to another host
+#: The ports a host may be fetched on when its ``media_fetch_hosts`` entry names none.
+WEB_PORTS = frozenset({80, 443})
+#: NAT64's well-known prefix (RFC 6052): its last 32 bits are the IPv4 address reached.
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
-def _fetch(url: str, where: str, settings: Settings) -> bytes:
-    split = urlsplit(url)
+def _refused(where: str, message: str) -> HTTPError:
+    return HTTPError(400, f"{where}: {message}", param=where, code="media_fetch_refused")
+
+
+class _FetchError(Exception):
+    """Why a fetch failed, for the log only: the client is told no more than that it did
+    (a message saying "connection refused" or "timed out" lets a client map ports)."""
+
+
+def _unsafe_reason(address: str) -> str | None:
+    """Why a ``*`` fetch must not connect to ``address`` (None: a public address). IPv6 forms
+    that carry an IPv4 address (mapped, NAT64, 6to4) are judged by that address."""
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(
+        address.split("%", 1)[0]
+    )
+    if isinstance(ip, ipaddress.IPv6Address):
+        inner = ip.ipv4_mapped or ip.sixtofour
+        if inner is None and ip in _NAT64:
+            inner = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if inner is not None:
+            why = _unsafe_reason(str(inner))
+            return None if why is None else f"{why} (carried in {ip})"
+    for name in (
+        "loopback", "link_local", "private", "multicast", "reserved", "unspecified",
+        "site_local",
+    ):  # fmt: skip
+        if getattr(ip, f"is_{name}", False):
+            return f"{ip} is a {name.replace('_', '-')} address"
+    if not ip.is_global:
+        return f"{ip} is not a public address"
+    return None
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _resolve(host: str, port: int) -> list[tuple[int, str]]:
+    """(family, address) of every address ``host`` resolves to, for TCP (tests replace it)."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [(family, str(sockaddr[0])) for family, _, _, _, sockaddr in found]
+
+
+def _connector(addresses: Sequence[str], deadline: float) -> Callable[..., socket.socket]:
+    """``http.client``'s ``_create_connection`` for addresses already checked: the socket goes
+    to one of them whatever the name resolves to by now (no second lookup a rebinding DNS
+    server could answer differently), while the Host header and TLS's server name stay the
+    URL's host. All the tries end by ``deadline`` (``time.monotonic``)."""
+
+    def connect(
+        address: tuple[str, int], timeout: float | None = None, source: object = None
+    ) -> socket.socket:
+        error: OSError | None = None
+        for ip in addresses:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                return socket.create_connection((ip, address[1]), min(left, timeout or left))
+            except OSError as exc:
+                error = exc
+        raise error or TimeoutError(f"no connection to {address[0]} in time")
+
+    return connect
+
+
+def _target(url: str, where: str, settings: Settings) -> tuple[str, int, list[str]]:
+    """(host, port, addresses to connect to) of an allowed URL, else the 400 that refuses it.
+    A host:port ``media_fetch_hosts`` lists (a bare host: on 80 or 443) is the operator's
+    choice, connected to wherever it resolves; under ``*``, any other host on 80 or 443 is
+    fetched only if every address it resolves to is public."""
+    try:
+        split = urlsplit(url)
+    except ValueError:  # "http://[::1/": an IPv6 host not closed
+        raise _refused(where, f"{url!r} is not a valid URL") from None
     if split.scheme not in ("http", "https"):
         raise HTTPError(
             400,
             f"{where}: an image is a base64 data: URI (or an http(s) URL from a host the "
-            "server's media_fetch_hosts lists), not a {split.scheme or 'bare'} URL",
+            f"server's media_fetch_hosts lists), not a {split.scheme or 'bare'} URL",
             param=where,
             code="unsupported_content",
         )
     host = (split.hostname or "").lower()
-    allowed = {h.lower() for h in settings.media_fetch_hosts}
-    if not host or (host not in allowed and "*" not in allowed):
-        raise HTTPError(
-            400,
-            f"{where}: this server does not fetch images from {host or url!r}: send the image "
-            "as a base64 data: URI, or list the host in media_fetch_hosts",
-            param=where,
-            code="media_fetch_refused",
-        )
-    limit = settings.media_max_bytes
-    opener = urllib.request.build_opener(_NoRedirects)
-    request = urllib.request.Request(url, headers={"User-Agent": "kvwarm"})
-    # FETCH_TIMEOUT_S bounds the whole fetch, not only each read: a host trickling its bytes
-    # never trips a read's timeout. (The last read may take up to that long once more.)
-    deadline = time.monotonic() + FETCH_TIMEOUT_S
     try:
-        with opener.open(request, timeout=FETCH_TIMEOUT_S) as response:
-            if response.status != 200:
-                raise MediaError(f"{where}: {url} answered {response.status}", param=where)
-            announced = response.length
-            if announced is not None and announced > limit:
-                raise MediaError(
-                    f"{where}: {url} is over {limit} bytes (setting media_max_bytes)",
-                    param=where,
-                )
-            parts: list[bytes] = []
-            got = 0
-            while got <= limit:
-                if time.monotonic() > deadline:
-                    raise MediaError(
-                        f"{where}: {url} took longer than {FETCH_TIMEOUT_S:g} s to send the image",
-                        param=where,
-                    )
-                part = response.read1(min(1 << 16, limit + 1 - got))
-                if not part:
-                    break
-                parts.append(part)
-                got += len(part)
-            if announced is not None and got < announced <= limit:
-                raise MediaError(
-                    f"{where}: cannot fetch {url}: it sent {got} of the {announced} bytes "
-                    "it announced",
-                    param=where,
-                )
-            data = b"".join(parts)
-    except urllib.error.HTTPError as exc:
-        raise MediaError(f"{where}: {url} answered {exc.code}", param=where) from exc
-    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
-        # HTTPException: a response cut short (IncompleteRead), a malformed one, a URL
-        # http.client cannot parse (InvalidURL): none of them an OSError.
-        why = str(exc) or repr(exc)
-        raise MediaError(f"{where}: cannot fetch {url}: {why}", param=where) from exc
-    if len(data) > limit:
-        raise MediaError(
-            f"{where}: {url} is over {limit} bytes (setting media_max_bytes)", param=where
+        given = split.port  # ":0" is port 0, never the scheme's default
+    except ValueError:
+        raise _refused(where, f"{url!r} has no valid port") from None
+    port = given if given is not None else 443 if split.scheme == "https" else 80
+    rules = settings.media_fetch_rules()
+    if not host:
+        raise _refused(where, f"{url!r} names no host")
+    listed = any(h == host and (port == p if p else port in WEB_PORTS) for h, p in rules)
+    anywhere = any(h == "*" and (port == p if p else port in WEB_PORTS) for h, p in rules)
+    if not listed and not anywhere:
+        known = any(h in (host, "*") for h, _ in rules)
+        raise _refused(
+            where,
+            f"this server does not fetch images from {host!r}"
+            + (f" on port {port}" if known else "")
+            + ": send the image as a base64 data: URI, or list the host (host:port for a port "
+            "other than 80 or 443) in media_fetch_hosts",
         )
+    literal_refused = None if listed or not _is_ip(host) else _unsafe_reason(host)
+    if literal_refused is not None:
+        log.warning("refused to fetch an image from %s: %s", url, literal_refused)
+        raise _refused(where, f"this server does not fetch images from {host!r}: not public")
+    try:
+        found = _resolve(host, port)
+    except (OSError, UnicodeError) as exc:
+        raise _FetchError(f"cannot resolve {host}: {exc}") from exc
+    addresses = [address for _, address in found]
+    if not addresses:
+        raise _FetchError(f"{host} resolves to no address")
+    if not listed:
+        for address in addresses:
+            refused = _unsafe_reason(address)
+            if refused is not None:
+                # Not told to the client: what a name resolves to is the server's network's.
+                log.warning(
+                    "refused to fetch an image from %s: %s resolves to %s", url, host, refused
+                )
+                raise _FetchError(f"{host} resolves to a non-public address")
+    return host, port, addresses
+
+
+def _fetch(url: str, where: str, settings: Settings) -> bytes:
+    """The image at ``url`` (``_target`` decides whether it may be fetched), fetched once,
+    without redirects, within ``media_max_bytes`` and ``FETCH_TIMEOUT_S``. A failure is a 400
+    ``invalid_media`` saying only that it could not be fetched; why goes to the log."""
+    try:
+        host, port, addresses = _target(url, where, settings)
+        data = _get(url, host, port, addresses, settings.media_max_bytes)
+    except _FetchError as exc:
+        log.info("could not fetch the image at %s: %s", url, exc)
+        raise MediaError(f"{where}: could not fetch the image at {url}", param=where) from None
     log.info("fetched an image of %d bytes from %s", len(data), host)
     return data
+
+
+def _get(url: str, host: str, port: int, addresses: Sequence[str], limit: int) -> bytes:
+    split = urlsplit(url)
+    connection: http.client.HTTPConnection
+    if split.scheme == "https":
+        context = ssl.create_default_context()
+        connection = http.client.HTTPSConnection(
+            host, port, timeout=FETCH_TIMEOUT_S, context=context
+        )
+    else:
+        connection = http.client.HTTPConnection(host, port, timeout=FETCH_TIMEOUT_S)
+    # FETCH_TIMEOUT_S bounds the whole fetch (connecting included), not only each read: a
+    # host trickling its bytes never trips a read's timeout. (The last read may take up to
+    # that long once more.)
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
+    connection._create_connection = _connector(addresses, deadline)  # type: ignore[attr-defined]
+    target = split.path or "/"
+    if split.query:
+        target += "?" + split.query
+    try:
+        # One request, its answer taken as it is: a redirect is never followed.
+        connection.request("GET", target, headers={"User-Agent": "kvwarm"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise _FetchError(f"it answered {response.status}")
+        announced = response.length
+        if announced is not None and announced > limit:
+            raise _FetchError(f"it announced {announced} bytes, over media_max_bytes ({limit})")
+        parts: list[bytes] = []
+        got = 0
+        while got <= limit:
+            if time.monotonic() > deadline:
+                raise _FetchError(f"it took longer than {FETCH_TIMEOUT_S:g} s")
+            part = response.read1(min(1 << 16, limit + 1 - got))
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        if announced is not None and got < announced <= limit:
+            raise _FetchError(f"it sent {got} of the {announced} bytes it announced")
+        if got > limit:
+            raise _FetchError(f"it is over media_max_bytes ({limit})")
+        return b"".join(parts)
+    except (http.client.HTTPException, OSError, ValueError) as exc:
+        # HTTPException: a response cut short (IncompleteRead) or malformed: no OSError.
+        raise _FetchError(str(exc) or repr(exc)) from exc
+    finally:
+        connection.close()

@@ -26,6 +26,8 @@ Rules, in order (``docs/architecture.md``, "Tenants"):
    unsalted namespace and, with the setting and ``--api-key`` on, that key's scope too
    (``system_salts``).
 
+The tenant's id and scope are ``kvwarm.tenants`` (``kvwarm cache explain`` uses them too).
+
 Invariant: the salt returned is a pure function of (body salt, header, token, setting), and
 distinct (tenant, explicit salt) pairs give distinct salts (the digest has a fixed length and
 each scope its own prefix).
@@ -33,19 +35,29 @@ each scope its own prefix).
 
 from __future__ import annotations
 
-import hashlib
-
 from starlette.requests import Request
 
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.guard import presented_key
 from kvwarm.settings import Settings
+from kvwarm.tenants import scoped, tenant_id
+
+__all__ = [
+    "HEADER",
+    "MAX_SALT_CHARS",
+    "cache_salt",
+    "explicit_salt",
+    "openapi_header",
+    "prewarm_salt",
+    "scoped",
+    "system_salts",
+    "tenant_id",
+]
 
 HEADER = "x-cache-salt"
 #: Longest explicit salt a client may send; the engine's own bound is larger, leaving room for
 #: the tenant scope prepended here.
 MAX_SALT_CHARS = 256
-_TENANT_DOMAIN = b"kvwarm-tenant-v1\x00"
 
 
 def openapi_header() -> dict[str, object]:
@@ -59,11 +71,6 @@ def openapi_header() -> dict[str, object]:
         "schema": {"type": "string", "maxLength": MAX_SALT_CHARS},
     }
     return {"parameters": [header]}
-
-
-def tenant_id(token: str) -> str:
-    """A stable, one-way id of an API key (hex sha256, domain-separated)."""
-    return hashlib.sha256(_TENANT_DOMAIN + token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def explicit_salt(request: Request, body_salt: str | None) -> str | None:
@@ -98,14 +105,6 @@ def cache_salt(request: Request, body_salt: str | None, settings: Settings) -> s
     if not settings.cache_salt_from_auth:
         return salt
     return scoped(salt, presented_key(request.headers))
-
-
-def scoped(salt: str | None, token: str | None) -> str | None:
-    """``salt`` in the scope of the tenant ``token`` names (``cache_salt_from_auth`` on)."""
-    if token:
-        scope = "key:" + tenant_id(token)
-        return scope if salt is None else f"{scope}:{salt}"
-    return None if salt is None else f"anon:{salt}"
 
 
 def prewarm_salt(

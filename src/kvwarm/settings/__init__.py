@@ -267,6 +267,13 @@ class Settings(ModelSettings, ServingSettings):
         default=False,
         description="derive a cache salt from the bearer token, so each API key is a tenant",
     )
+    # /docs (server/apidocs.py) runs Swagger UI's script from a CDN, and keys are typed there.
+    api_docs: Bool = Field(
+        default=True,
+        description="serve the Swagger UI page at /docs (its script comes from a CDN); "
+        "--no-api-docs: none (/openapi.json stays)",
+        json_schema_extra={"negatable": True},
+    )
     # Browser defence (server/guard.py): a page elsewhere must not drive a local server.
     allowed_origins: StrTuple = Field(
         default=(),
@@ -307,8 +314,9 @@ class Settings(ModelSettings, ServingSettings):
     # A local server must not fetch whatever URL a web page puts in a request.
     media_fetch_hosts: StrTuple = Field(
         default=(),
-        description="host an image_url may be fetched from over http(s) (repeatable; none: "
-        "only data: URIs)",
+        description="host an image_url may be fetched from over http(s), on ports 80/443 or "
+        "the one named (host:port); '*': any host whose addresses are all public (repeatable; "
+        "none: only data: URIs)",
         json_schema_extra={"flag": "--media-fetch-host", **_REPEAT},
     )
     max_json_depth: Int = Field(
@@ -420,6 +428,33 @@ class Settings(ModelSettings, ServingSettings):
             formats=tuple(f.lower() for f in self.media_formats),
         )
 
+    def media_fetch_rules(self) -> tuple[tuple[str, int | None], ...]:
+        """``media_fetch_hosts`` as (host, port or None for 80/443) pairs, the host lower-cased
+        without IPv6 brackets (``*``: any public host); raises ``ConfigError`` for an entry
+        that is not ``host``, ``host:port``, ``[ipv6]``, ``[ipv6]:port`` or ``*``."""
+        rules: list[tuple[str, int | None]] = []
+        for entry in self.media_fetch_hosts:
+            value = entry.strip().lower()
+            host, port = value, ""
+            if value.startswith("["):
+                host, _, rest = value[1:].partition("]")
+                if rest and not rest.startswith(":"):
+                    host = ""
+                port = rest[1:]
+            elif value.count(":") == 1:
+                host, _, port = value.partition(":")
+            if (
+                not host
+                or "/" in host
+                or (port and not (port.isdigit() and 0 < int(port) < 65536))
+                or (value.startswith("[") and not value[1:].partition("]")[1])
+            ):
+                raise ConfigError(
+                    f"media_fetch_hosts: {entry!r} is not a host, host:port, [ipv6]:port or '*'"
+                )
+            rules.append((host, int(port) if port else None))
+        return tuple(rules)
+
     def check(self) -> None:
         """Range and cross-setting rules; raises ``ConfigError``."""
         for field_name in type(self).model_fields:
@@ -473,6 +508,7 @@ class Settings(ModelSettings, ServingSettings):
         if self.cache_eviction not in registered_policies():
             known = ", ".join(registered_policies())
             raise ConfigError(f"cache_eviction must be one of {known}, got {self.cache_eviction!r}")
+        self.media_fetch_rules()
         settings_cache.check(self)
         check_models(self)  # the model list, aliases and every model's parameters
 

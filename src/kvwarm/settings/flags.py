@@ -2,9 +2,9 @@
 
 Invariant: a setting's flag and environment variable are functions of its field alone (its
 name and its ``json_schema_extra``: ``flag``, ``env``, ``aliases``, ``repeatable``,
-``switch``), so a new field gets both with no code here (``kvwarm.settings``, "Adding a
-setting"). Unset flags never reach the parsed namespace, so they never override the
-environment or the config file.
+``switch``, ``negatable``: a ``--no-<name>`` flag besides, setting it false), so a new field
+gets both with no code here (``kvwarm.settings``, "Adding a setting"). Unset flags never
+reach the parsed namespace, so they never override the environment or the config file.
 """
 
 from __future__ import annotations
@@ -62,6 +62,15 @@ def add_arguments(
                 help=help_text,
             )
             continue
+        if extra.get("negatable"):  # --no-<name>: false, beside --<name> VALUE
+            target.add_argument(
+                "--no-" + flags[0].removeprefix("--"),
+                dest=name,
+                action="store_const",
+                const="false",
+                default=argparse.SUPPRESS,
+                help=f"set {flags[0].removeprefix('--')} false",
+            )
         target.add_argument(
             *flags,
             dest=name,

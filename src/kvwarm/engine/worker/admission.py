@@ -146,7 +146,7 @@ class Admission:
         ends = [i for i, t in enumerate(prompt) if t in eog]  # where earlier chat turns ended
         # A state that cannot be trimmed is of use only whole: the longest row that is all a
         # prefix of the prompt is a candidate beside the one sharing the most (kvwarm.memory).
-        match, whole = port.lookup(ns, prompt, ends)
+        match, whole = port.lookup(ns, prompt, ends, resumed=req.options.parent_key is not None)
         mem = rt.memory
         if req.options.prompt_logprobs is not None:
             match, whole = None, []  # every position's logits are needed: prefill from start

@@ -56,16 +56,24 @@ class CachePort:
         return salted_namespace(base, salt)
 
     def lookup(
-        self, ns: Namespace, prompt: Sequence[int], turn_ends: Sequence[int]
+        self,
+        ns: Namespace,
+        prompt: Sequence[int],
+        turn_ends: Sequence[int],
+        *,
+        resumed: bool = False,
     ) -> tuple[PrefixMatch | None, list[PrefixMatch]]:
         """The row sharing the most with ``prompt`` and, for a memory that cannot be trimmed
         (of use only whole), the rows that are all a prefix of it. Shared tiers (s3, a shared
         directory) are probed for the prefixes another process could have saved: the cold
-        save's and the turn ends' (``savegates.probe_lengths``), bounded by the cache."""
+        save's and the turn ends' (``savegates.probe_lengths``), bounded by the cache. A hit
+        counts as ``hits_resume`` for a request that named its previous turn (``resumed``: a
+        ``parent_key``), else ``hits_longest_prefix``: one hit per request either way."""
         rt = self.rt
         t0 = time.perf_counter()
         probes = probe_lengths(len(prompt), rt.cfg.policy, rt.cfg.n_batch, turn_ends=turn_ends)
-        match = rt.cache.longest_prefix(ns, prompt, probe_lengths=probes)
+        counter = "hits_resume" if resumed else "hits_longest_prefix"
+        match = rt.cache.longest_prefix(ns, prompt, probe_lengths=probes, counter=counter)
         whole = [] if rt.memory.trimmable else rt.cache.whole_prefixes(ns, prompt)
         n = len(prompt)
         if match is not None and match.n_shared == n and match.row.n_tokens > n and not whole:

@@ -1,0 +1,66 @@
+"""``/docs`` (server/apidocs.py): Swagger UI under a Content-Security-Policy that lets it run
+only its own CDN files and bootstrap, and ``api_docs = false`` to serve no page at all."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+from tests.server.conftest import stub_settings
+
+from kvwarm.server import apidocs, create_app
+from kvwarm.settings import add_settings_arguments, load_settings, settings_flags
+
+
+def _directives(policy: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for part in policy.split(";"):
+        name, *values = part.split()
+        out[name] = values
+    return out
+
+
+def test_the_docs_page_runs_only_its_cdn_files_and_its_own_bootstrap() -> None:
+    """/docs loaded Swagger UI's script from a CDN under no CSP, on the page where users type
+    their keys (found by review)."""
+    with TestClient(create_app(stub_settings())) as client:
+        page = client.get("/docs")
+    assert page.status_code == 200 and "swagger-ui" in page.text
+    csp = _directives(page.headers["content-security-policy"])
+    assert csp["default-src"] == ["'none'"]
+    assert csp["frame-ancestors"] == ["'none'"] and csp["connect-src"] == ["'self'"]
+    assert page.headers["x-frame-options"] == "DENY"
+    scripts = csp["script-src"]
+    assert "'unsafe-inline'" not in scripts and "'unsafe-eval'" not in scripts
+    # Every script the page loads is named whole, every inline one by its hash, and no more.
+    sources = re.findall(r'<script src="([^"]+)"', page.text)
+    inline = re.findall(r"<script>(.*?)</script>", page.text, re.DOTALL)
+    assert sources == [apidocs.SCRIPT_URL] and len(inline) == 1
+    digest = base64.b64encode(hashlib.sha256(inline[0].encode()).digest()).decode()
+    assert sorted(scripts) == sorted(["'self'", apidocs.SCRIPT_URL, f"'sha256-{digest}'"])
+    styles = re.findall(r'rel="stylesheet" href="([^"]+)"', page.text)
+    assert styles == [apidocs.STYLE_URL] and apidocs.STYLE_URL in csp["style-src"]
+    assert "validatorUrl" in inline[0] and "null" in inline[0]  # no schema URL to swagger.io
+    assert client.get("/openapi.json").status_code == 200
+
+
+def test_api_docs_off_serves_no_page_but_keeps_the_schema() -> None:
+    with TestClient(create_app(stub_settings(api_docs=False))) as client:
+        assert client.get("/docs").status_code == 404
+        assert client.get("/docs/oauth2-redirect").status_code == 404
+        assert client.get("/openapi.json").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [((), True), (("--no-api-docs",), False), (("--api-docs", "false"), False)],
+)
+def test_no_api_docs_flag(argv: tuple[str, ...], expected: bool) -> None:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    flags = settings_flags(parser.parse_args(list(argv)))
+    assert load_settings(flags, {"KVWARM_CONFIG": ""}).api_docs is expected
