@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +18,7 @@ from tests.server.conftest import stub_settings, wait_ready
 from kvwarm.cluster.calls import Generate, ModelOp
 from kvwarm.cluster.ingress import create_ingress_app
 from kvwarm.cluster.replica import EngineReplica
+from kvwarm.cluster.routing import ClusterIndex
 from kvwarm.errors import InvalidRequestError
 
 PROMPT = "You are a terse assistant. Answer in one word whenever you can."
@@ -70,6 +72,63 @@ def test_prewarm_system_warms_every_replica(replicas: list[EngineReplica]) -> No
         assert sorted(prewarms) == sorted([("prewarm", "replica-1"), ("prewarm", "replica-2")] * 2)
         for replica in replicas:
             assert _ram_rows(replica) >= 2, replica.replica_id  # both models' prefix rows
+
+
+class IndexedReplicas(TwoReplicas):
+    """The running replicas as the router tells them to the index (``HandleCalls``);
+    ``moved`` is set once the ingress prewarms or waits for replicas, whichever is first."""
+
+    def __init__(self, replicas: list[EngineReplica], index: ClusterIndex) -> None:
+        super().__init__(replicas)
+        self.index = index
+        self.moved = threading.Event()
+
+    def replicas(self) -> list[str]:
+        return self.index.running()
+
+    def op(self, op: ModelOp) -> object:
+        if op.op.startswith("prewarm"):
+            self.moved.set()
+        return super().op(op)
+
+
+class WatchedIndex(ClusterIndex):
+    def __init__(self, moved: threading.Event) -> None:
+        super().__init__()
+        self.moved = moved
+
+    def wait_running(self, n: int, timeout_s: float | None) -> list[str]:
+        self.moved.set()
+        return super().wait_running(n, timeout_s)
+
+
+def test_at_start_up_the_prewarm_waits_for_every_replica_to_run(
+    replicas: list[EngineReplica],
+) -> None:
+    # Under Ray the ingress may start while a replica still loads: the router knows one.
+    moved = threading.Event()
+    index = WatchedIndex(moved)
+    index.retain({"replica-1": None})
+    calls = IndexedReplicas(replicas, index)
+    calls.moved = moved
+    settings = SETTINGS.replace(replicas=2, cluster_call_timeout_s=120.0)
+    with TestClient(create_ingress_app(settings, calls, index)) as client:
+        assert moved.wait(60)  # the ingress prewarmed already, or waits for replicas
+        index.retain({"replica-1": None, "replica-2": None})  # the second one is up
+        wait_ready(client.get)
+    # Both models' prompt on both replicas.
+    warmed = sorted(r for op, r in calls.ran if op == "prewarm")
+    assert warmed == ["replica-1", "replica-1", "replica-2", "replica-2"], calls.ran
+
+
+def test_the_wait_for_replicas_is_bounded(replicas: list[EngineReplica]) -> None:
+    index = ClusterIndex()
+    index.retain({"replica-1": None})
+    calls = IndexedReplicas(replicas, index)
+    settings = SETTINGS.replace(replicas=2, cluster_call_timeout_s=0.2)
+    with TestClient(create_ingress_app(settings, calls, index)) as client:
+        wait_ready(client.get)  # the replica that never came is not waited for
+    assert _ram_rows(replicas[0]) >= 2 and _ram_rows(replicas[1]) == 0
 
 
 def test_a_replica_that_fails_its_prewarm_leaves_the_others_warm(

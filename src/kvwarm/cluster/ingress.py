@@ -118,6 +118,23 @@ class IngressState(ServerState):
         self._prewarm_systems(model, model_id)
         return model
 
+    def _prewarm_systems(self, model: ServedModel, model_id: str) -> None:
+        """``--prewarm-system`` on every replica: at start-up some may still be loading, so
+        once the router knows any, wait (``cluster_call_timeout_s`` at most) until it knows
+        ``replicas`` of them; a prewarm goes to each replica running then."""
+        if self.settings.prewarm_system and self.index.running():
+            wanted = self.settings.replicas
+            running = self.index.wait_running(wanted, self.settings.cluster_call_timeout_s or None)
+            if len(running) < wanted:
+                log.warning(
+                    "model %s: prewarming %d of %d replicas (the others are not running yet; "
+                    "the keep-alive warms them at its next re-warm)",
+                    model_id,
+                    len(running),
+                    wanted,
+                )
+        super()._prewarm_systems(model, model_id)
+
     def _tokenizer(self, model_id: str) -> PromptTokens | None:
         """The model's vocabulary, loaded here once (``tokens.PromptTokens``), or None."""
         with self._tokenizers_lock:
