@@ -7,7 +7,8 @@ then serves it through the handle (tokenizing each prompt for the router with th
 vocabulary alone, ``tokens.PromptTokens``), and answers ``GET /cluster`` from the index of the
 replicas' cache events it shares with the router in this process. Cache administration
 (``/cache/*`` except keep-alive) is per replica and answers 501 here. Every generation's
-response names the replica that served it in ``x-kvwarm-replica``.
+response names the replica that served it in ``x-kvwarm-replica``. Load is shed here, not in
+the replicas (Ray queues past its per-replica cap without bound): ``max_in_flight`` per model.
 """
 
 from __future__ import annotations

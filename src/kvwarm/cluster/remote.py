@@ -10,6 +10,9 @@ turn's row key as ``parent_key`` (``chains.LastRows``), so whichever replica ser
 restore that row from a shared tier by exact key. What a replica finished (its chain, its
 finish row, its tokens) is noted in the cluster's index (``ServedFacts``) before the response
 ends, so the client's next turn finds its replica whatever the replica's events say yet.
+Every other call carries its deadline (``OpDeadlines``); a prewarm goes to every running
+replica; a model's generations in flight are bounded (``max_in_flight``: past it a
+``QueueFullError``, admitted when the stream is made and given back when it ends).
 """
 
 from __future__ import annotations
