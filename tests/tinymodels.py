@@ -53,14 +53,17 @@ def _arch_keys(w: Any, arch: str) -> None:
     w.add_uint32(k + "ssm.time_step_rank", 8)
 
 
-def _metadata(path: Path, arch: str, keys: Callable[[Any, str], None]) -> None:
+def _metadata(
+    path: Path, arch: str, keys: Callable[[Any, str], None], tokenizer: str = "test"
+) -> None:
     """A metadata-only GGUF: ``keys`` adds the architecture's (``vocab_size`` N_VOCAB), then
-    a dummy ``test`` tokenizer of N_VOCAB tokens."""
+    a dummy ``tokenizer`` (llama.cpp's ``test`` one, or ``none``: no vocabulary) of N_VOCAB
+    tokens."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
     keys(w, arch)
-    w.add_string("tokenizer.ggml.model", "test")
+    w.add_string("tokenizer.ggml.model", tokenizer)
     w.add_array("tokenizer.ggml.tokens", [f"tok_{i}" for i in range(N_VOCAB)])
     w.add_array("tokenizer.ggml.scores", [0.0] * N_VOCAB)
     w.write_header_to_file()
@@ -80,6 +83,7 @@ def write_tiny_model(
     seed: int = 7,
     stdev: float = 0.1,
     keys: Callable[[Any, str], None] | None = None,
+    tokenizer: str = "test",
 ) -> Path:
     """A complete random-weight GGUF of ``arch`` ("mamba" or "lfm2") at ``path``; with
     ``keys`` (adding the architecture's metadata to a ``gguf.GGUFWriter``, like
@@ -106,7 +110,7 @@ def write_tiny_model(
     ]  # fmt: skip
 
     meta = path.with_suffix(".meta.gguf")
-    _metadata(meta, arch, keys or _arch_keys)
+    _metadata(meta, arch, keys or _arch_keys, tokenizer)
 
     def fill(tensor: Any, _ud: Any) -> None:
         name = ggml_base.ggml_get_name(tensor).decode()

@@ -115,6 +115,43 @@ def case_over_long_prompt(backend: str) -> None:
     expect(ContextOverflowError, lambda: ctx.decode([BatchToken(tokens[0], P.n_ctx, 1, True)]))
 
 
+def case_batch_past_n_ctx(backend: str) -> None:
+    """llama.cpp clamps a causal context's n_batch to its n_ctx and asserts on a larger batch:
+    two sequences of 16 tokens each in a context of n_ctx 16, n_batch 64 aborted it."""
+    model = load(backend)
+    ctx = model.new_context(ContextParams(n_ctx=16, n_batch=64, n_ubatch=64, n_seq_max=2,
+                                          n_threads=2))  # fmt: skip
+    tokens = (model.tokenize(PROMPT) * 2)[:16]
+    batch = [BatchToken(t, i, seq, logits=False) for seq in (0, 1) for i, t in enumerate(tokens)]
+    expect(InvalidRequestError, lambda: ctx.decode(batch))
+    assert ctx.seq_pos_max(0) == ctx.seq_pos_max(1) == -1
+    ctx.decode(batch[:16])  # one sequence's 16 fit
+    assert ctx.seq_pos_max(0) == 15
+
+
+def case_embed_with_rank_pooling(backend: str) -> None:
+    """A rank-pooled sequence keeps its classifier outputs alone (n_cls_out floats): embed()
+    read n_embd floats from there, past their end (found by review)."""
+    model = load(backend)
+    ctx = model.new_context(ContextParams(n_ctx=64, n_batch=32, n_ubatch=32, n_threads=2,
+                                          embeddings=True, pooling="rank"))  # fmt: skip
+    expect(InvalidRequestError, lambda: ctx.embed(model.tokenize(PROMPT)[:8]))
+
+
+def case_positions_past_int32(backend: str) -> None:
+    """llama_pos is an int32 and ctypes wraps a larger value silently: seq_rm(seq, 2**32)
+    removed the whole sequence, seq_cp(..., p1=2**32 + 3) copied 3 positions (found by
+    review)."""
+    model = load(backend)
+    ctx = model.new_context(P)
+    tokens = model.tokenize(PROMPT)[:8]
+    ctx.prefill(0, tokens, 0)
+    expect(InvalidRequestError, lambda: ctx.seq_rm(0, 2**32, -1))
+    expect(InvalidRequestError, lambda: ctx.seq_cp(0, 1, 0, 2**32 + 3))
+    expect(InvalidRequestError, lambda: ctx.seq_rm(0, 1.5, -1))  # type: ignore[arg-type]
+    assert ctx.seq_pos_max(0) == len(tokens) - 1 and ctx.seq_pos_max(1) == -1
+
+
 def case_no_logits(backend: str) -> None:
     model = load(backend)
     ctx = model.new_context(P)
@@ -221,6 +258,16 @@ def case_bad_grammar(backend: str) -> None:
         GrammarError,
         lambda: model.new_sampler(SamplingParams(grammar='root ::= "x"', grammar_root="root\0x")),
     )
+
+
+def case_deep_grammar(backend: str) -> None:
+    """llama.cpp's grammar parser recurses once per nested group: 200,000 of them overflowed
+    its stack (a segfault) when a sampler was made outside the engine's request checks."""
+    model = load(backend)
+    deep = "root ::= " + "(" * 200_000 + '"a"' + ")" * 200_000
+    expect(GrammarError, lambda: model.new_sampler(SamplingParams(temperature=0, grammar=deep)))
+    nested = "root ::= " + "(" * 50 + '"a"' + ")" * 50  # what llama.cpp parses still compiles
+    model.new_sampler(SamplingParams(temperature=0, grammar=nested)).close()
 
 
 def case_grammar_then_accept(backend: str) -> None:

@@ -191,3 +191,15 @@ def test_auto_flash_attention_is_off_where_attention_runs_on_the_cpu() -> None:
             det = GenerationOptions(max_tokens=1, deterministic=True)
             with pytest.raises(InvalidRequestError, match="without flash attention"):
                 model.complete("The capital of France is", det)
+
+
+@pytest.mark.parametrize("field", ["n_ctx", "n_batch", "n_ubatch"])
+def test_sizes_past_int32_are_refused(field: str) -> None:
+    """llama.cpp takes them as 32-bit ints and ctypes wraps a larger value silently: n_batch
+    2**32 + 64 made a context of 64 that the first long prefill wrote past (found by review)."""
+    big = 2**32 + 64
+    sizes = {"n_ctx": 256, "n_batch": 64, "n_ubatch": 64}
+    sizes.update({field: big} if field != "n_ubatch" else {"n_batch": big, "n_ubatch": big})
+    with pytest.raises(ConfigError, match="must be <= 2147483647"):
+        ContextParams(**sizes).validate()
+    ContextParams(n_ctx=2**31 - 1, n_batch=2**31 - 1, n_ubatch=64).validate()

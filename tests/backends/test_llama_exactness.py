@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -236,13 +237,19 @@ def test_vocab_only_model_tokenizes_but_has_no_context() -> None:
 
 
 def test_native_log_lines_reach_python_logging(
-    lctx: BackendContext, caplog: pytest.LogCaptureFixture
+    llama: LlamaModel, lctx: BackendContext, caplog: pytest.LogCaptureFixture
 ) -> None:
+    toks = llama.tokenize("log lines")
+    lctx.prefill(0, toks, 0)
+    blob = bytearray(lctx.kv_pack(0))
+    # Layer 0's K type (after the cells, v_trans and n_layer) made f32: llama.cpp logs why
+    # it refuses it (the cells themselves pass kvwarm's checks and reach llama.cpp).
+    struct.pack_into("<i", blob, 16 + 12 * len(toks) + 8, 0)
     with (
         caplog.at_level(logging.WARNING, logger="kvwarm.llama_cpp"),
         pytest.raises(StateRestoreError),
     ):
-        lctx.kv_unpack(0, b"\0" * 64)
+        lctx.kv_unpack(0, bytes(blob))
     assert any(r.name == "kvwarm.llama_cpp" for r in caplog.records)
 
 

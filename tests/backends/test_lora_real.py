@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -295,3 +296,19 @@ def test_an_adapter_of_other_dimensions_is_refused_saying_why(
         assert still.completion_tokens  # the model still serves
     finally:
         eng.close()
+
+
+def test_files_at_paths_that_are_not_utf8_load(tmp_path: Path, lora_path: Path) -> None:
+    """A Linux path is bytes: one that is not UTF-8 arrives as a str with surrogates
+    (``os.fsdecode``), and ``str.encode()`` raised UnicodeEncodeError for it, so the model or
+    adapter at such a path could not be loaded (found by review); ``os.fsencode`` gives back
+    the bytes."""
+    model_link = os.fsdecode(os.fsencode(tmp_path) + b"/model-\xff.gguf")
+    adapter_link = os.fsdecode(os.fsencode(tmp_path) + b"/adapter-\xfe.gguf")
+    os.symlink(default_model_path(), model_link)
+    os.symlink(lora_path, adapter_link)
+    model = get_backend("llama_cpp").load_model(model_link)
+    try:
+        model.load_adapter(adapter_link).close()
+    finally:
+        model.close()

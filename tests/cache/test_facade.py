@@ -40,7 +40,8 @@ def test_save_lookup_open_roundtrip(cache: Cache) -> None:
     assert cache._index.refcount(key) == 0
     assert cache.lookup_exact(key).hits == 1  # type: ignore[union-attr]
     c = cache.counters()
-    assert c["hits_exact"] == 2 and c["saves_cold"] == 1
+    # A lookup is no request's hit (the engine counts what served one: record_hit).
+    assert c["hits_exact"] == 0 and c["saves_cold"] == 1
     assert c["tier_ram_bytes"] == 300 and c["tier_ram_rows"] == 1
     assert c["tier_ram_quota_bytes"] == 10_000
     assert c["latency_load_count"] == 1 and c["latency_save_count"] == 1
@@ -54,7 +55,19 @@ def test_longest_prefix_any_length_and_namespaces(cache: Cache) -> None:
     assert m is not None and m.n_shared == 73 and m.row.size == 500
     assert cache.longest_prefix(NS, q, min_shared=74) is None
     assert cache.longest_prefix(NS, (5, 6)) is None
-    assert cache.counters()["hits_longest_prefix"] == 1
+    assert cache.counters()["hits_longest_prefix"] == 0  # a lookup counts no hit
+
+
+def test_record_hit_counts_only_hit_counters(cache: Cache) -> None:
+    cache.record_hit("hits_live")
+    cache.record_hit("hits_draft_prefix")
+    cache.record_miss()
+    c = cache.counters()
+    assert (c["hits_live"], c["hits_draft_prefix"], c["misses"]) == (1, 1, 1)
+    for name in ("misses", "saves_cold", "hits_shared", "hits_typo"):
+        with pytest.raises(ValueError, match="not a hit counter"):
+            cache.record_hit(name)
+    assert cache.counters()["misses"] == 1 and "hits_typo" not in cache.counters()
 
 
 def test_unknown_key_and_unconfigured_tier(cache: Cache) -> None:

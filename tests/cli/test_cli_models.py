@@ -60,7 +60,8 @@ def test_bad_model_settings_exit_2_before_anything_loads(
 
 def _interrupted_temp_file(env: dict[str, str]) -> Path:
     """A leftover temp file: a repairing open (``cache gc``) removes it and logs that at INFO."""
-    assert kvwarm(env, "cache", "stats").returncode == 0  # creates the directories
+    # A repairing open creates the directories (the read-only ``stats`` creates nothing).
+    assert kvwarm(env, "cache", "gc").returncode == 0
     rows = Path(env["XDG_CACHE_HOME"]) / "kvwarm" / "rows"
     # pid 999999999 is above any pid_max: a writer that is gone, so its file is reaped.
     tmp = rows / f"{'ab' * 32}.kvc.999999999.2.3.tmp"

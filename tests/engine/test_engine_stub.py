@@ -45,7 +45,7 @@ def test_repeat_prompt_is_served_from_cache_with_same_output(engine: Engine) -> 
     assert second.text == first.text
     assert second.stats.cache_hit == "exact"
     assert second.stats.cached_tokens >= second.stats.prompt_tokens - 1
-    assert engine.cache.counters()["hits_longest_prefix"] >= 1
+    assert engine.cache.counters()["hits_exact"] == 1  # a row holding the whole prompt
 
 
 def test_live_slot_kv_is_reused_without_the_cache(engine: Engine) -> None:
@@ -333,7 +333,7 @@ def test_evict_saves_and_releases_live_kv(engine: Engine) -> None:
     # The live KV is released: the next identical request restores from the evict row.
     again = model.complete(PROMPT, GREEDY)
     assert again.stats.cache_hit == "exact"
-    assert engine.cache.counters()["hits_longest_prefix"] >= 1
+    assert engine.cache.counters()["hits_exact"] == 1
     assert model.evict() == 1 or engine.cache.rows()  # evicting again is harmless
 
 

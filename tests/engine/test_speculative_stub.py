@@ -525,6 +525,16 @@ def test_a_draft_model_drafts_and_the_output_is_plain_decodings(engine: Engine) 
     assert ngram.completion_tokens == plain.completion_tokens
 
 
+def test_a_model_with_a_draft_model_describes_itself_while_it_unloads(engine: Engine) -> None:
+    """``/v1/models`` lists a model while it unloads (its native state already freed): its
+    info must not read the closed draft model (found by review: HandleClosedError)."""
+    model = engine.load_model(config=replace(spec_config(), draft_model="draft-stub.gguf"))
+    before = model.info()
+    assert before.draft_bytes > 0
+    model.unload()
+    assert model.info().draft_bytes == before.draft_bytes
+
+
 def test_draft_needs_a_draft_model(engine: Engine) -> None:
     model = engine.load_model(config=spec_config())
     with pytest.raises(InvalidRequestError) as bad:
@@ -566,8 +576,15 @@ def test_draft_model_catches_up_a_chunk_a_tick_and_restores_its_prompt(
     assert draft.restored_tokens >= len(first.prompt_tokens)
     # The draft context's restore is counted apart from the request's own hit.
     after = engine.cache.counters()
-    hits = ("hits_exact", "hits_resume", "hits_longest_prefix")
-    assert sum(after[k] - before[k] for k in hits) == 1
+    # The main context's prompt is the slot's live KV: one live hit, no row restored.
+    outcomes = ("hits_exact", "hits_resume", "hits_longest_prefix", "hits_live", "misses")
+    assert {k: after[k] - before[k] for k in outcomes} == {
+        "hits_exact": 0,
+        "hits_resume": 0,
+        "hits_longest_prefix": 0,
+        "hits_live": 1,
+        "misses": 0,
+    }
     assert after["hits_draft_prefix"] - before["hits_draft_prefix"] >= 1
     assert draft.prefilled_tokens - prefilled < 64  # only what the reply added
     # Another tenant in the same slot: neither the live draft KV nor the cached row is its.

@@ -36,7 +36,13 @@ def _setup(tmp_path: Path) -> tuple[FileTier, FakeBook, dict[str, str]]:
 
 
 def _fails_cleanly(
-    tmp_path: Path, tier: FileTier, book: FakeBook, before: dict[str, str], code: int
+    tmp_path: Path,
+    tier: FileTier,
+    book: FakeBook,
+    before: dict[str, str],
+    code: int,
+    *,
+    probe_fails: bool = False,
 ) -> None:
     key, req = request((99, 98, 97), payload=b"x" * 100_000)
     with pytest.raises(CacheIOError) as info:
@@ -46,7 +52,11 @@ def _fails_cleanly(
     assert not book.reservations and key not in book.published
     assert book.calls[-1] == "abandon"
     assert _digest(tmp_path) == before  # no tmp, no new row, old rows untouched
-    assert tier.probe(key) is None
+    if not probe_fails:
+        assert tier.probe(key) is None
+    else:  # it cannot open the file either: it cannot say, which is no "there is none"
+        with pytest.raises(CacheIOError):
+            tier.probe(key)
 
 
 class _Failing:
@@ -106,7 +116,7 @@ def test_dir_fsync_failure_unlinks_our_row(tmp_path: Path, monkeypatch: pytest.M
 def test_open_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tier, book, before = _setup(tmp_path)
     monkeypatch.setattr(files_mod.os, "open", _Failing(errno.EACCES))
-    _fails_cleanly(tmp_path, tier, book, before, errno.EACCES)
+    _fails_cleanly(tmp_path, tier, book, before, errno.EACCES, probe_fails=True)
 
 
 def _unshare_works() -> bool:

@@ -578,6 +578,79 @@ def test_https_to_the_address_looked_up_checks_the_certificate_of_the_name(
         server.server_close()
 
 
+class _SlowResolver:
+    """``socket.getaddrinfo`` for ``slow.test`` blocks until ``release`` is set (then fails,
+    as a resolver that gave up); other names resolve as usual. Records the threads that
+    looked it up, so the teardown can wait for them."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.real = socket.getaddrinfo
+
+    def __call__(self, host: object, *args: object, **kwargs: object) -> object:
+        if host != "slow.test":
+            return self.real(host, *args, **kwargs)  # type: ignore[arg-type]
+        self.threads.append(threading.current_thread())
+        self.release.wait(60)  # bounded only so a broken test cannot hang the run for ever
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+
+@pytest.fixture
+def slow_resolver(monkeypatch: pytest.MonkeyPatch) -> Iterator[_SlowResolver]:
+    resolver = _SlowResolver()
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    monkeypatch.setattr(media, "FETCH_TIMEOUT_S", 0.3)
+    try:
+        yield resolver
+    finally:
+        resolver.release.set()
+        for thread in resolver.threads:
+            if thread is not threading.current_thread():  # the old code looked up inline
+                thread.join(10)
+
+
+def test_a_slow_name_lookup_ends_within_the_fetch_deadline(
+    slow_resolver: _SlowResolver, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The name was looked up outside the fetch's 10 s (found by review): a resolver that
+    does not answer held the request for as long as the system resolver's own timeouts. It
+    is now looked up on a thread of its own and given up on at the deadline, with the same
+    short 400 as any failed fetch; why is logged."""
+    url = "http://slow.test/cat.png"
+    began = time.monotonic()
+    with (
+        caplog.at_level(logging.INFO, logger="kvwarm.server.media"),
+        pytest.raises(MediaError) as caught,
+    ):
+        media._fetch(url, "image", _settings("slow.test"))
+    assert time.monotonic() - began < 5  # the deadline (0.3 s here), not the resolver's
+    assert str(caught.value) == f"image: could not fetch the image at {url}"  # invalid_media
+    assert "cannot resolve slow.test in 0.3 s" in caplog.text
+    assert len(slow_resolver.threads) == 1 and not slow_resolver.release.is_set()
+
+
+def test_lookups_a_slow_resolver_holds_are_bounded(
+    slow_resolver: _SlowResolver, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lookup given up on still runs (getaddrinfo cannot be cancelled); fetches past
+    ``RESOLVE_THREADS`` of them wait for one to end, until their own deadline, and start no
+    thread of their own."""
+    monkeypatch.setattr(media, "_resolving", threading.BoundedSemaphore(1))
+    url = "http://slow.test/cat.png"
+    for _ in range(2):
+        with caplog.at_level(logging.INFO, logger="kvwarm.server.media"), pytest.raises(MediaError):
+            media._fetch(url, "image", _settings("slow.test"))
+    assert len(slow_resolver.threads) == 1  # the second fetch found no free lookup
+    assert "lookups still running" in caplog.text
+    slow_resolver.release.set()
+    slow_resolver.threads[0].join(10)
+    # The slot is free again once the stuck lookup ended: a name that resolves is fetched.
+    assert media._resolve_by("127.0.0.1", 80, time.monotonic() + 10) == [
+        (socket.AF_INET, "127.0.0.1")
+    ]
+
+
 def test_a_refused_connection_is_not_told_to_the_client(caplog: pytest.LogCaptureFixture) -> None:
     with socket.socket() as closed:  # bound, never listening: connections are refused
         closed.bind(("127.0.0.1", 0))

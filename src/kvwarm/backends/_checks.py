@@ -41,7 +41,19 @@ def check_tokens(tokens: Sequence[int], n_vocab: int) -> None:
         raise InvalidRequestError(f"token id {bad} outside [0, {n_vocab})", param="tokens")
 
 
+#: llama_pos is an int32: ctypes wraps a larger position silently (found by review:
+#: seq_rm(seq, 2**32) removed the whole sequence instead of nothing).
+_POS_MAX = 2**31 - 1
+
+
 def check_range(p0: int, p1: int) -> None:
+    _check_int(p0, "p0")
+    _check_int(p1, "p1")
+    for name, value in (("p0", p0), ("p1", p1)):
+        if value > _POS_MAX:
+            raise InvalidRequestError(
+                f"{name} {value} is past the largest position ({_POS_MAX})", param=name
+            )
     if p0 < 0:
         raise InvalidRequestError(f"p0 must be >= 0, got {p0}", param="p0")
     if p1 >= 0 and p1 < p0:
@@ -66,7 +78,9 @@ def check_batch(
         raise InvalidRequestError("empty decode batch", param="batch")
     if len(batch) > n_batch:
         raise InvalidRequestError(
-            f"batch of {len(batch)} tokens exceeds n_batch={n_batch}", param="batch"
+            f"batch of {len(batch)} tokens exceeds the {n_batch} one decode may hold "
+            "(n_batch, and no more than n_ctx for a causal model)",
+            param="batch",
         )
     next_pos: dict[int, int] = {}
     for item in batch:

@@ -8,7 +8,8 @@ Invariants:
 
 - Every argument is checked before a backend sees it, the same way for every backend: seq ids,
   position ranges, batches (sizes, token ids, positions that continue each sequence, positions
-  < ``n_ctx``), prefills, embedding inputs, logits rows that were requested, adapters (this
+  < ``n_ctx``; at most ``n_batch`` tokens, and no more than ``n_ctx`` for a causal model, as
+  llama.cpp clamps it), prefills, embedding inputs, logits rows that were requested, adapters (this
   model's, finite scales). So the stub refuses exactly what llama.cpp's context refuses, with
   the same error types and messages, and no argument reaches a llama.cpp ``GGML_ASSERT``.
 - Every public method runs inside ``Lifetime.using()`` (``kv_split``/``kv_join`` only check
@@ -89,6 +90,10 @@ class ContextFront(ABC, Generic[M, A]):
         self._rows: list[int] = []  # batch rows of the last decode that asked for logits
         self._views: list[memoryview[float]] = []
         self._adapters: list[tuple[A, float]] = []
+        #: The most tokens one decode may hold: llama.cpp clamps a causal context's n_batch to
+        #: its n_ctx and GGML_ASSERTs on a larger batch (found by review: n_ctx 16, n_batch 64
+        #: and two sequences' 16 tokens each aborted the process).
+        self._max_batch = min(params.n_batch, params.n_ctx) if causal else params.n_batch
         self._life = Lifetime("context", self._free)
 
     @property
@@ -122,7 +127,7 @@ class ContextFront(ABC, Generic[M, A]):
             params = self._params
             _checks.check_batch(
                 batch,
-                n_batch=params.n_batch,
+                n_batch=self._max_batch,
                 n_ctx=self._n_ctx,
                 n_vocab=self._n_vocab,
                 n_seq_max=params.n_seq_max,
@@ -317,6 +322,14 @@ class ContextFront(ABC, Generic[M, A]):
             if not self._params.embeddings:
                 raise InvalidRequestError(
                     "this context was not created with embeddings=True", param="input"
+                )
+            if self._params.pooling == "rank":
+                # Found by review: llama.cpp keeps a rank-pooled sequence's classifier outputs
+                # alone (n_cls_out floats), and n_embd were read from there, past their end.
+                raise InvalidRequestError(
+                    "a context pooling by rank scores its sequences (pooled); it has no "
+                    "embedding to return",
+                    param="input",
                 )
             if not tokens:
                 raise InvalidRequestError("cannot embed zero tokens", param="input")

@@ -34,6 +34,7 @@ __all__ = [
     "MAX_GRAMMAR_WIDTH",
     "check_grammar_cost",
     "cheap_grammar",
+    "check_grammar_depth",
     "grammar_depth",
     "grammar_ways",
     "grammar_widths",
@@ -316,13 +317,11 @@ def _check_length(text: str) -> None:
         )
 
 
-def check_grammar_cost(
-    text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS, width_limit: int = MAX_GRAMMAR_WIDTH
-) -> None:
-    """``GrammarError`` (a 400) for a grammar longer than ``MAX_GRAMMAR_BYTES`` or nesting
-    deeper than ``MAX_GRAMMAR_DEPTH``, or naming the first rule whose ambiguity passes
-    ``limit`` or that opens more than ``width_limit`` alternatives at once."""
-    _check_length(text)
+def check_grammar_depth(text: str) -> None:
+    """``GrammarError`` for a grammar nesting deeper than ``MAX_GRAMMAR_DEPTH``: llama.cpp's
+    parser recurses once per group on the calling thread's stack, and a grammar nesting
+    200,000 deep overflowed it (a segfault). Every backend's sampler checks it, whoever
+    calls it (found by review: only the engine's requests were checked)."""
     depth = grammar_depth(text)
     if depth > MAX_GRAMMAR_DEPTH:
         raise GrammarError(
@@ -330,6 +329,16 @@ def check_grammar_cost(
             "can parse (a JSON schema's maxLength or maxItems nests one per optional repeat)",
             param="grammar",
         )
+
+
+def check_grammar_cost(
+    text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS, width_limit: int = MAX_GRAMMAR_WIDTH
+) -> None:
+    """``GrammarError`` (a 400) for a grammar longer than ``MAX_GRAMMAR_BYTES`` or nesting
+    deeper than ``MAX_GRAMMAR_DEPTH``, or naming the first rule whose ambiguity passes
+    ``limit`` or that opens more than ``width_limit`` alternatives at once."""
+    _check_length(text)
+    check_grammar_depth(text)
     try:
         rules = _parse(text)
         ways, order = _ways(rules, limit)

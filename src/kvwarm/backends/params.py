@@ -155,6 +155,12 @@ class ContextParams:
             raise ConfigError("n_batch and n_ubatch must be >= 1")
         if self.n_ubatch > self.n_batch:
             raise ConfigError(f"n_ubatch ({self.n_ubatch}) must be <= n_batch ({self.n_batch})")
+        for name in ("n_ctx", "n_batch"):
+            # Found by review: llama.cpp's structs, positions and llama_batch_init take 32-bit
+            # ints, and ctypes wraps a larger value silently: n_batch 2**32 + 64 made a context
+            # of 64 and a batch the first prefill wrote past (a segfault).
+            if getattr(self, name) > _INT32_MAX:
+                raise ConfigError(f"{name} must be <= {_INT32_MAX}, got {getattr(self, name)}")
         if not 1 <= self.n_seq_max <= 256:
             raise ConfigError(f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
         for name in ("n_threads", "n_threads_batch"):

@@ -85,7 +85,8 @@ class CacheApi(Protocol):
     def release(self, key: bytes) -> None: ...
 
     def lookup_exact(self, key: bytes) -> RowInfo | None:
-        """Counts ``hits_exact`` on a hit."""
+        """The published row of ``key`` (shared tiers probed for it). Counts nothing: a
+        lookup is no hit (``record_hit``)."""
         ...
 
     def settled(self, key: bytes, timeout_s: float) -> bool:
@@ -95,8 +96,7 @@ class CacheApi(Protocol):
 
     def lookup_exact_or_wait(self, key: bytes, timeout_s: float) -> RowInfo | None:
         """The row of ``key``, waiting up to ``timeout_s`` for a save of it in flight to
-        publish. Counts nothing: reading a row's metadata is no hit (only a request's lookup
-        is, ``longest_prefix``)."""
+        publish. Counts nothing: reading a row's metadata is no hit (``record_hit``)."""
         ...
 
     def longest_prefix(
@@ -106,13 +106,10 @@ class CacheApi(Protocol):
         *,
         min_shared: int = 1,
         probe_lengths: Sequence[int] = (),
-        counter: str = "hits_longest_prefix",
     ) -> PrefixMatch | None:
         """The row of ``namespace`` sharing the longest prefix with ``tokens`` (ties: fewest
-        bytes). Cost grows with ``len(tokens)``, not with the number of rows. Counts
-        ``counter`` on a hit: ``hits_longest_prefix`` for a request's own lookup,
-        ``hits_resume`` for that of a request naming its previous turn (``parent_key``),
-        ``hits_draft_prefix`` for a draft model's context (not a request's hit).
+        bytes). Cost grows with ``len(tokens)``, not with the number of rows. Counts no hit:
+        what the caller then restores from it, if anything, is counted by ``record_hit``.
 
         ``probe_lengths``: prefix lengths whose keys shared tiers are asked for when the index
         offers nothing that long (``savegates.probe_lengths``): rows another process published
@@ -177,7 +174,16 @@ class CacheApi(Protocol):
         finished; True if that happened in time."""
         ...
 
-    def record_miss(self) -> None: ...
+    def record_hit(self, counter: str) -> None:
+        """Count one hit of the kind that served a prefix (``counters.HIT_COUNTERS``:
+        ``hits_exact``, ``hits_resume``, ``hits_longest_prefix``, ``hits_live``,
+        ``hits_draft_prefix``); any other name is a ``ValueError``. The engine counts a
+        request's one outcome once its prompt's KV is in its slot (``CachePort.counted``)."""
+        ...
+
+    def record_miss(self) -> None:
+        """Count a request that reused no KV (``misses``)."""
+        ...
 
     def record_latency(self, name: str, seconds: float) -> None:
         """Add to a latency total (``pack``, ``unpack``, …) reported in ``counters()``."""
@@ -207,8 +213,9 @@ class CacheApi(Protocol):
         ...
 
     def counters(self) -> Mapping[str, float]:
-        """One snapshot: hits by kind, misses, saves by reason, saves_dropped, evictions,
-        per-tier bytes/rows/quota (``tier_<name>_bytes`` …), latency totals."""
+        """One snapshot: request outcomes (hits by kind, misses), saves by reason,
+        saves_dropped, evictions, per-tier bytes/rows/quota (``tier_<name>_bytes`` …),
+        latency totals."""
         ...
 
     def verify(self, *, repair: bool = False) -> VerifyReport:

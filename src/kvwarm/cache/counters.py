@@ -6,10 +6,14 @@ so contention costs nanoseconds; nothing here does I/O or calls back into other 
 
 Names in the snapshot:
 
-- plain counters: ``hits_exact``, ``hits_resume``, ``hits_longest_prefix``,
-  ``hits_draft_prefix``, ``misses``, (a request's lookup counts one hit: ``hits_resume`` when
-  it named its previous turn, ``parent_key``, else ``hits_longest_prefix``; reading a row's
-  metadata or waiting for its save counts none),
+- plain counters: ``hits_exact``, ``hits_resume``, ``hits_longest_prefix``, ``hits_live``,
+  ``misses`` (``REQUEST_OUTCOMES``: each request a worker seats counts exactly one of them, for
+  what served its prompt's prefix once it was in the slot: a row restored, holding all of the
+  prompt (``hits_exact``) or part of it (``hits_longest_prefix``), or for a request that named
+  its previous turn (``parent_key``: ``hits_resume``); a slot's live KV kept or copied, nothing
+  read from the cache (``hits_live``); nothing (``misses``, a refused or failed restore
+  included). Lookups, probes, reads of a row's metadata and waits for a save count none),
+  ``hits_draft_prefix`` (a draft model's context restoring a row: not a request's outcome),
   ``saves_<reason>`` (one per ``SaveReason``), ``saves_dropped``, ``save_failures``,
   ``evictions``, ``evicted_bytes``, ``hits_shared``, ``probes``, ``probe_rounds``,
   ``promotions``, ``promotions_dropped``, ``store_errors``, ``chunks_written``,
@@ -26,16 +30,24 @@ import threading
 
 from kvwarm.cache.types import SaveReason
 
-__all__ = ["BASE_COUNTERS", "LATENCY_NAMES", "Counters"]
+__all__ = ["BASE_COUNTERS", "HIT_COUNTERS", "LATENCY_NAMES", "REQUEST_OUTCOMES", "Counters"]
+
+#: A request's one outcome (the engine counts it once the request is seated: what served its
+#: prompt's prefix, not what a lookup found).
+REQUEST_OUTCOMES: tuple[str, ...] = (
+    "hits_exact",  # a row restored that holds the whole prompt
+    "hits_resume",  # a row restored for a request naming its previous turn (parent_key)
+    "hits_longest_prefix",  # a row restored that holds part of the prompt
+    "hits_live",  # a slot's live KV kept or copied (no cache read)
+    "misses",  # nothing reused: no source, or its restore refused or failed
+)
+#: What ``CacheApi.record_hit`` counts: a request's hits, and a draft model's context
+#: restoring its prompt's KV (engine/worker/draftmodel.py), which is not a request's.
+HIT_COUNTERS: tuple[str, ...] = (*REQUEST_OUTCOMES[:-1], "hits_draft_prefix")
 
 BASE_COUNTERS: tuple[str, ...] = (
-    "hits_exact",
-    "hits_resume",
-    "hits_longest_prefix",
-    # a draft model's context restoring its prompt's KV (engine/worker/draftmodel.py): not a
-    # request's hit, so not in the three above
+    *REQUEST_OUTCOMES,
     "hits_draft_prefix",
-    "misses",
     *(f"saves_{r.name.lower()}" for r in SaveReason),
     "saves_dropped",
     "save_failures",

@@ -42,7 +42,7 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 
 from kvwarm.cache.api import LoadedRow, VerifyReport
-from kvwarm.cache.counters import Counters
+from kvwarm.cache.counters import HIT_COUNTERS, Counters
 from kvwarm.cache.eviction import build_policy
 from kvwarm.cache.explain import MissHistory, MissReason, ReuseReport
 from kvwarm.cache.formats.key import cache_key
@@ -229,11 +229,10 @@ class Cache:
         self._saves.release(key)
 
     def lookup_exact(self, key: bytes) -> RowInfo | None:
+        # A lookup, not a restore: counts nothing (the engine counts what served a request).
         info = self._index.get(key)
         if info is None:
             info = self._core.probe(key)
-        if info is not None:
-            self._counters.incr("hits_exact")
         return info
 
     def settled(self, key: bytes, timeout_s: float) -> bool:
@@ -255,16 +254,15 @@ class Cache:
         *,
         min_shared: int = 1,
         probe_lengths: Sequence[int] = (),
-        counter: str = "hits_longest_prefix",
     ) -> PrefixMatch | None:
         # Latency is not recorded here: the engine times its whole lookup step as "lookup"
-        # (record_latency), and counting it twice would double the reported total.
+        # (record_latency), and counting it twice would double the reported total. No hit is
+        # counted either: the row found may go unused (live KV serves the prompt, the restore
+        # fails), so the engine counts what served the request (record_hit, record_miss).
         match = self._index.longest(namespace, tokens, min_shared)
         floor = max(min_shared - 1, 0 if match is None else match.n_shared)
         if probe_lengths and self._shared.discover(namespace, tokens, probe_lengths, floor):
             match = self._index.longest(namespace, tokens, min_shared)
-        if match is not None:
-            self._counters.incr(counter)
         return match
 
     def whole_prefixes(
@@ -370,6 +368,11 @@ class Cache:
         return self._index.tokens(key)
 
     # ------------------------------------------------------------------ counting
+
+    def record_hit(self, counter: str) -> None:
+        if counter not in HIT_COUNTERS:
+            raise ValueError(f"not a hit counter: {counter!r} (one of {', '.join(HIT_COUNTERS)})")
+        self._counters.incr(counter)
 
     def record_miss(self) -> None:
         self._core.record_miss()

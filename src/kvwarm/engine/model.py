@@ -388,7 +388,7 @@ class Model:
             capabilities=self.capabilities,
             pooling=self.pooling,
             draft_model=None if self._draft is None else self._draft.path,
-            draft_bytes=0 if self._draft is None else self._draft.model.facts.size_bytes,
+            draft_bytes=0 if self._draft is None else self._draft.size_bytes,
         )
 
     @property

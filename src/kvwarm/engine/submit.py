@@ -117,8 +117,8 @@ class Submitter:
             # Wait here, on the caller's thread, for an in-flight save of the previous turn;
             # once published, the worker's prefix lookup finds it. Never stalls other slots.
             # That lookup is confined to the request's (salted) namespace, so another salt's
-            # key is waited for at most and never restored. The wait counts nothing: the
-            # lookup counts the hit (hits_resume) if the request's prefix is found.
+            # key is waited for at most and never restored. The wait counts nothing: a row
+            # restored for the request counts as hits_resume once it is seated.
             self.cache.settled(opts.parent_key, self.policy.session_resume_wait_ms / 1e3)
 
         def request(options: GenerationOptions, others: tuple[Request, ...] = ()) -> Request:

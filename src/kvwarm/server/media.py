@@ -12,7 +12,8 @@ Invariants:
   address is public (no loopback, private, link-local, cloud metadata..., nor an IPv6 form
   carrying one). The socket goes to an address that was checked (no second DNS lookup to
   rebind), with the URL's host in ``Host`` and TLS's server name. An allowed URL is fetched
-  once, without redirects, within ``media_max_bytes`` and a timeout, and goes on as bytes.
+  once, without redirects, within ``media_max_bytes`` and one deadline (``FETCH_TIMEOUT_S``,
+  from the name's lookup to the last byte), and goes on as bytes.
   Nothing else is fetched (``file:`` and every other scheme are refused), and no environment
   proxy is used (the check must be of the address connected to).
 - A fetch that fails tells the client only that (``invalid_media``, "could not fetch the
@@ -29,8 +30,10 @@ import logging
 import re
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from urllib.parse import urlsplit
 
 from starlette.concurrency import run_in_threadpool
@@ -42,7 +45,14 @@ from kvwarm.settings import Settings
 
 log = logging.getLogger(__name__)
 
+#: A fetch's whole deadline: the name's lookup, connecting, the request and every read.
 FETCH_TIMEOUT_S = 10.0
+#: Name lookups running at once. Each runs on a daemon thread of its own, waited for until
+#: the fetch's deadline: ``getaddrinfo`` cannot be cancelled, so a lookup a slow resolver
+#: holds outlives the fetch that gave up on it (until the resolver's own timeout), and this
+#: bounds how many such threads clients can pile up.
+RESOLVE_THREADS = 16
+_resolving = threading.BoundedSemaphore(RESOLVE_THREADS)
 
 Part = dict[str, object]
 
@@ -197,6 +207,37 @@ def _resolve(host: str, port: int) -> list[tuple[int, str]]:
     return [(family, str(sockaddr[0])) for family, _, _, _, sockaddr in found]
 
 
+def _resolve_by(host: str, port: int, deadline: float) -> list[tuple[int, str]]:
+    """``_resolve`` on a thread of its own, waited for until ``deadline``
+    (``time.monotonic``): the system resolver's own timeouts (seconds a try, a few tries a
+    nameserver) are not the fetch's. A lookup that cannot start or end in time, or fails, is
+    a ``_FetchError``."""
+    left = deadline - time.monotonic()
+    if left <= 0 or not _resolving.acquire(timeout=left):
+        raise _FetchError(f"cannot resolve {host}: {RESOLVE_THREADS} lookups still running")
+    found: Future[list[tuple[int, str]]] = Future()
+
+    def lookup() -> None:
+        try:
+            found.set_result(_resolve(host, port))
+        except BaseException as exc:  # handed to the waiter, whatever it is
+            found.set_exception(exc)
+        finally:
+            _resolving.release()
+
+    try:
+        threading.Thread(target=lookup, name="kvwarm-media-resolve", daemon=True).start()
+    except BaseException:
+        _resolving.release()
+        raise
+    try:
+        return found.result(timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise _FetchError(f"cannot resolve {host} in {FETCH_TIMEOUT_S:g} s") from None
+    except (OSError, UnicodeError) as exc:
+        raise _FetchError(f"cannot resolve {host}: {exc}") from exc
+
+
 def _connector(addresses: Sequence[str], deadline: float) -> Callable[..., socket.socket]:
     """``http.client``'s ``_create_connection`` for addresses already checked: the socket goes
     to one of them whatever the name resolves to by now (no second lookup a rebinding DNS
@@ -220,8 +261,11 @@ def _connector(addresses: Sequence[str], deadline: float) -> Callable[..., socke
     return connect
 
 
-def _target(url: str, where: str, settings: Settings) -> tuple[str, int, list[str]]:
+def _target(
+    url: str, where: str, settings: Settings, deadline: float
+) -> tuple[str, int, list[str]]:
     """(host, port, addresses to connect to) of an allowed URL, else the 400 that refuses it.
+    The name is looked up by ``deadline`` (``_resolve_by``).
     A host:port ``media_fetch_hosts`` lists (a bare host: on 80 or 443) is the operator's
     choice, connected to wherever it resolves; under ``*``, any other host on 80 or 443 is
     fetched only if every address it resolves to is public."""
@@ -261,10 +305,7 @@ def _target(url: str, where: str, settings: Settings) -> tuple[str, int, list[st
     if literal_refused is not None:
         log.warning("refused to fetch an image from %s: %s", url, literal_refused)
         raise _refused(where, f"this server does not fetch images from {host!r}: not public")
-    try:
-        found = _resolve(host, port)
-    except (OSError, UnicodeError) as exc:
-        raise _FetchError(f"cannot resolve {host}: {exc}") from exc
+    found = _resolve_by(host, port, deadline)
     addresses = [address for _, address in found]
     if not addresses:
         raise _FetchError(f"{host} resolves to no address")
@@ -282,11 +323,13 @@ def _target(url: str, where: str, settings: Settings) -> tuple[str, int, list[st
 
 def _fetch(url: str, where: str, settings: Settings) -> bytes:
     """The image at ``url`` (``_target`` decides whether it may be fetched), fetched once,
-    without redirects, within ``media_max_bytes`` and ``FETCH_TIMEOUT_S``. A failure is a 400
-    ``invalid_media`` saying only that it could not be fetched; why goes to the log."""
+    without redirects, within ``media_max_bytes`` and ``FETCH_TIMEOUT_S`` (one deadline for
+    the name's lookup, connecting and reading). A failure is a 400 ``invalid_media`` saying
+    only that it could not be fetched; why goes to the log."""
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
     try:
-        host, port, addresses = _target(url, where, settings)
-        data = _get(url, host, port, addresses, settings.media_max_bytes)
+        host, port, addresses = _target(url, where, settings, deadline)
+        data = _get(url, host, port, addresses, settings.media_max_bytes, deadline)
     except _FetchError as exc:
         log.info("could not fetch the image at %s: %s", url, exc)
         raise MediaError(f"{where}: could not fetch the image at {url}", param=where) from None
@@ -294,7 +337,9 @@ def _fetch(url: str, where: str, settings: Settings) -> bytes:
     return data
 
 
-def _get(url: str, host: str, port: int, addresses: Sequence[str], limit: int) -> bytes:
+def _get(
+    url: str, host: str, port: int, addresses: Sequence[str], limit: int, deadline: float
+) -> bytes:
     split = urlsplit(url)
     connection: http.client.HTTPConnection
     if split.scheme == "https":
@@ -304,10 +349,9 @@ def _get(url: str, host: str, port: int, addresses: Sequence[str], limit: int) -
         )
     else:
         connection = http.client.HTTPConnection(host, port, timeout=FETCH_TIMEOUT_S)
-    # FETCH_TIMEOUT_S bounds the whole fetch (connecting included), not only each read: a
-    # host trickling its bytes never trips a read's timeout. (The last read may take up to
-    # that long once more.)
-    deadline = time.monotonic() + FETCH_TIMEOUT_S
+    # The deadline bounds the whole fetch (the name's lookup and connecting included), not
+    # only each read: a host trickling its bytes never trips a read's timeout. (The last
+    # read may take up to FETCH_TIMEOUT_S once more.)
     connection._create_connection = _connector(addresses, deadline)  # type: ignore[attr-defined]
     target = split.path or "/"
     if split.query:

@@ -7,6 +7,7 @@ and is freed before it. Its digest is of the file's bytes, folded into the cache
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,7 @@ class LlamaAdapter:
         model.lifetime.acquire()
         try:
             with model.lifetime.using(), _native.captured_log() as lines:
-                ptr = lib.llama_adapter_lora_init(model.native, path.encode())
+                ptr = lib.llama_adapter_lora_init(model.native, os.fsencode(path))
         except BaseException:
             model.lifetime.release()
             raise

@@ -13,7 +13,9 @@ Invariants:
   at the next decode and at close (``ContextFront``), so a stale view raises ``ValueError``
   instead of reading freed memory (unless the caller re-exported it, e.g. into numpy).
 - ``kv_pack`` / ``kv_unpack`` / ``kv_unpack_chunks`` keep the invariants of ``_kv_state`` (one
-  copy out, none in; a blob that does not restore leaves the sequence empty). ``kv_split`` /
+  copy out, none in; a blob that does not restore leaves the sequence empty); a whole blob's
+  cells are checked first (``kv_layout.check_cells``: none llama.cpp could not remove again,
+  no recurrent state it would assert on). ``kv_split`` /
   ``kv_join`` are the pure ``LlamaKvCodec``: they take no lock and touch no native state.
 - The native context has one sequence more than ``params.n_seq_max`` when llama.cpp allows it:
   the scratch sequence ``kv_unpack_chunks`` restores chunks through. No caller can name it
@@ -63,6 +65,10 @@ if TYPE_CHECKING:
     from kvwarm.backends.llama.model import LlamaModel
 
 
+#: llama_rope_type values whose KV cells carry a 2-D position (M-RoPE, interleaved M-RoPE).
+_EXT_ROPE = (8, 40)
+
+
 class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
     """``BackendContext`` over ``llama_init_from_model``; one thread drives it."""
 
@@ -107,7 +113,17 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         causal = bool(lib.llama_get_causal_attn(ptr))
         facts = model.facts
         self._memory = MemoryKind(facts.memory_kind, facts.n_swa, params.swa_full)
-        self._n_embd = int(lib.llama_model_n_embd(model.native))
+        #: The width of an output embedding (pooled or per token): the model's
+        #: ``embedding_length_out`` where it has one (LFM2's dense projection), which is what
+        #: llama.cpp stores per output. Found by review: n_embd was read, past the stored
+        #: floats, where it was smaller.
+        self._n_embd = int(lib.llama_model_n_embd_out(model.native))
+        #: Whether a cell's metadata in a blob is the plain 12 bytes ``kv_layout`` reads: not
+        #: with M-RoPE (its 2-D position) or PLE heads (the token), which add llama.cpp's
+        #: ``llama_kv_cell_ext``; a restore then checks its cells (``kv_layout.check_cells``).
+        rope = int(lib.llama_model_rope_type(model.native))
+        ple = any(key.endswith(".ple.heads_per_ngram") for key in facts.metadata)
+        self._plain_cells = rope not in _EXT_ROPE and not ple
         # llama.cpp rounds n_ctx up (to 256); positions are bounded by what was asked for.
         n_ctx = min(params.n_ctx, int(lib.llama_n_ctx_seq(ptr)), int(lib.llama_n_ctx(ptr)))
         self._batch = lib.llama_batch_init(params.n_batch, 0, params.n_seq_max)
@@ -312,8 +328,20 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         return tail, start
 
     def _kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
-        if self._streams:
-            data = kv_layout.widen(u8(data), self._memory.kv_caches, self._streams)
+        memory = self._memory
+        try:
+            if self._plain_cells:
+                kv_layout.check_cells(
+                    u8(data),
+                    caches=memory.kv_caches,
+                    recurrent=memory.kind in ("recurrent", "hybrid"),
+                    n_ctx=self._n_ctx,
+                )
+            if self._streams:
+                data = kv_layout.widen(u8(data), memory.kv_caches, self._streams)
+        except StateRestoreError:
+            self._forget(seq, 0)  # refused here as by llama.cpp: the sequence is left empty
+            raise
         return _kv_state.unpack(
             self._lib,
             self._ptr,

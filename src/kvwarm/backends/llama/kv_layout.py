@@ -242,6 +242,63 @@ def _cell_order(meta: U8, n_cells: int) -> tuple[int, npt.NDArray[np.intp] | Non
     return first, order
 
 
+# --- Cells a whole blob restores ------------------------------------------------------------
+
+
+def check_cells(blob: U8, *, caches: int, recurrent: bool, n_ctx: int) -> None:
+    """``StateRestoreError`` unless every cell a one-stream ``blob`` would restore is one that
+    llama.cpp can hold and remove again: each of its first ``caches`` KV caches one sequence's
+    consecutive positions inside ``[0, n_ctx)``, and (``recurrent``: a recurrent or hybrid
+    memory) the recurrent state after them at most one cell, at a position inside it.
+
+    ``llama_state_seq_set_data`` checks none of this (found by review): it restored a cell at a
+    negative position or at INT32_MAX, which ``llama_memory_seq_rm`` (its range clamped to
+    ``[0, INT32_MAX)``) can never remove, so a failed restore left the sequence holding it for
+    good; and a recurrent state of two cells was a ``GGML_ASSERT`` (an abort) in its restore."""
+    raw = blob.data
+    size = blob.size
+    if size < 8 or _U32.unpack_from(raw, 0)[0] != IO_MAGIC:
+        raise StateRestoreError("KV blob has no llama.cpp state header")
+    at = 8
+    for cache in range(caches):
+        if at + 8 > size:
+            raise StateRestoreError(f"KV blob ends before KV cache {cache}")
+        n_stream, n_cells = struct.unpack_from("<II", raw, at)
+        if n_stream != 1:
+            raise StateRestoreError(f"KV cache {cache} of the blob has {n_stream} streams")
+        at += 8
+        if not n_cells:
+            continue
+        length = _stream_bytes(blob, at, n_cells)
+        first, _ = _cell_order(blob[at : at + n_cells * CELL], n_cells)
+        if first + n_cells > n_ctx:
+            raise StateRestoreError(
+                f"KV cache {cache} of the blob holds positions up to {first + n_cells - 1}, "
+                f"beyond the context (n_ctx={n_ctx})"
+            )
+        at += length
+    if not recurrent:
+        return
+    if at + 4 > size:
+        raise StateRestoreError("KV blob ends before its recurrent state")
+    (n_cells,) = _U32.unpack_from(raw, at)
+    if n_cells > 1:
+        raise StateRestoreError(f"a sequence's recurrent state is one cell, not {n_cells}")
+    if n_cells:
+        if at + 12 > size:
+            raise StateRestoreError("KV blob ends inside its recurrent state's cell")
+        pos, n_seq_id = _REC_CELL.unpack_from(raw, at + 4)
+        if not 0 <= pos < n_ctx or n_seq_id != 0:
+            raise StateRestoreError(
+                f"the blob's recurrent state is at position {pos} (n_ctx={n_ctx}) with "
+                f"{n_seq_id} sequence ids"
+            )
+
+
+#: A recurrent state's cell in a sequence's blob: i32 pos, u32 n_seq_id (0: the sequence's).
+_REC_CELL = struct.Struct("<iI")
+
+
 # --- Streams --------------------------------------------------------------------------------
 #
 # A context with per-sequence KV streams (``kv_unified=False``: deterministic mode) writes, for

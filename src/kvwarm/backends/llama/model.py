@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import (
@@ -64,6 +65,28 @@ _POOLING_NAMES: dict[str, PoolingType] = {
     "0": "none", "1": "mean", "2": "cls", "3": "last", "4": "rank",
 }  # fmt: skip
 _MAX_TEXT = 2**31 - 1
+#: ``llama_vocab_type`` values: no vocabulary, and the tokenizers that add special tokens.
+_VOCAB_NONE, _VOCAB_SPM, _VOCAB_BPE, _VOCAB_WPM, _VOCAB_UGM = 0, 1, 2, 3, 4
+
+
+def _missing_specials(lib: Any, vocab: object, n_vocab: int) -> str:
+    """The special tokens llama.cpp's tokenizer adds to a prompt (``add_special``) that this
+    vocabulary lacks, as "BOS", "BOS and SEP"...; "" if none. llama.cpp GGML_ASSERTs on such a
+    token in every tokenize (found by review: a T5 tokenizer whose GGUF says
+    ``add_bos_token`` aborted the process on its first prompt); one out of range would make
+    every prompt a token id the model refuses."""
+    kind = int(lib.llama_vocab_type(vocab))
+    bos, eos, sep = (int(f(vocab)) for f in (lib.llama_vocab_bos, lib.llama_vocab_eos,
+                                               lib.llama_vocab_sep))  # fmt: skip
+    needed: list[tuple[str, int]] = []
+    if kind == _VOCAB_WPM:  # BERT's: [CLS] ... [SEP], whatever its add_* flags say
+        needed = [("BOS", bos), ("SEP", sep)]
+    elif kind in (_VOCAB_SPM, _VOCAB_BPE, _VOCAB_UGM):
+        if lib.llama_vocab_get_add_bos(vocab):
+            needed.append(("BOS", bos))
+        if lib.llama_vocab_get_add_eos(vocab):
+            needed.append(("EOS", eos))
+    return " and ".join(name for name, token in needed if not 0 <= token < n_vocab)
 
 
 class LlamaBackend:
@@ -118,7 +141,7 @@ class LlamaModel:
         # Kept on the instance too (the callback, the tensor-split array), in case llama.cpp
         # ever reads them after load returns.
         self._native_params = native
-        ptr = lib.llama_model_load_from_file(path.encode(), native.struct)
+        ptr = lib.llama_model_load_from_file(os.fsencode(path), native.struct)
         if not ptr:
             if failure:
                 raise ModelLoadError(f"loading {path!r} failed in the progress callback") from (
@@ -129,10 +152,20 @@ class LlamaModel:
             raise ModelLoadError(f"llama.cpp could not load {path!r}")
         self._ptr: object = ptr
         self._vocab: object = lib.llama_model_get_vocab(ptr)
-        if not self._vocab:
+        # A "no vocab" model (tokenizer "none": an audio decoder's) loads, but llama.cpp
+        # GGML_ASSERTs in every tokenize and token_to_piece of it: found by review, the first
+        # prompt sent to one an engine had loaded aborted the process.
+        if not self._vocab or int(lib.llama_vocab_type(self._vocab)) == _VOCAB_NONE:
             lib.llama_model_free(ptr)
-            raise ModelLoadError(f"{path!r} has no vocabulary")
+            raise ModelLoadError(f"{path!r} has no vocabulary: it cannot read or write text")
         self._n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
+        missing = _missing_specials(lib, self._vocab, self._n_vocab)
+        if missing:
+            lib.llama_model_free(ptr)
+            raise ModelLoadError(
+                f"{path!r}: its vocabulary adds {missing} to every prompt but has no such "
+                "token (check the GGUF's tokenizer.ggml.*_token_id and add_*_token keys)"
+            )
         self._facts = self._read_facts(path)
         self._life = Lifetime("model", self._free)
 

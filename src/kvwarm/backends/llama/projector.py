@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -85,7 +86,7 @@ class LlamaProjector:
         model.lifetime.acquire()
         try:
             with model.lifetime.using(), _native.captured_log() as lines:
-                ptr = mt.mtmd_init_from_file(path.encode(), model.native, cp)
+                ptr = mt.mtmd_init_from_file(os.fsencode(path), model.native, cp)
             if not ptr:
                 detail = next((ln.strip() for ln in reversed(lines) if "error" in ln), "")
                 raise ModelLoadError(

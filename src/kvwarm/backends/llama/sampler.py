@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
+from kvwarm.backends.grammar_cost import check_grammar_depth
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import BackendError, GrammarError, InvalidRequestError, NoLogitsError
 from kvwarm.unicode import encode_utf8
@@ -91,6 +92,7 @@ class LlamaSampler:
         if "\0" in params.grammar or "\0" in params.grammar_root:
             # A C string ends at the first NUL: llama.cpp would compile the grammar's head only.
             raise GrammarError("the grammar contains a NUL character", param="grammar")
+        check_grammar_depth(params.grammar)  # deeper, llama.cpp's parser overflows its stack
         lib = self._lib
         grammar = lib.llama_sampler_init_grammar(
             self._model.vocab,

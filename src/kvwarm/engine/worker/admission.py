@@ -146,7 +146,7 @@ class Admission:
         ends = [i for i, t in enumerate(prompt) if t in eog]  # where earlier chat turns ended
         # A state that cannot be trimmed is of use only whole: the longest row that is all a
         # prefix of the prompt is a candidate beside the one sharing the most (kvwarm.memory).
-        match, whole = port.lookup(ns, prompt, ends, resumed=req.options.parent_key is not None)
+        match, whole = port.lookup(ns, prompt, ends)
         mem = rt.memory
         if req.options.prompt_logprobs is not None:
             match, whole = None, []  # every position's logits are needed: prefill from start
@@ -283,12 +283,14 @@ class Admission:
         hit: CacheHitKind
         if keep == 0:
             hit = "cold"
-            if plan.kind in ("none", "row"):
-                self.port.missed()
         elif plan.shared >= n:
             hit = "exact"
         else:
             hit = "partial"
+        # The request's one outcome, for what served it (the lookup counted nothing).
+        self.port.counted(
+            plan.kind, keep, whole=hit == "exact", resumed=req.options.parent_key is not None
+        )
         saved = self.port.saved_below(
             ns, req.prompt_tokens, keep, restored=plan.kind == "row",
             resume_points=planned.resume, deterministic=req.deterministic,

@@ -31,6 +31,7 @@ from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, 
 from kvwarm.engine.request import RequestKind
 from kvwarm.engine.worker.drafts import RowDrafts
 from kvwarm.engine.worker.explain import Found, explain, same_tenant
+from kvwarm.engine.worker.planner import SourceKind
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.savegates import (
     cold_save_length,
@@ -60,20 +61,17 @@ class CachePort:
         ns: Namespace,
         prompt: Sequence[int],
         turn_ends: Sequence[int],
-        *,
-        resumed: bool = False,
     ) -> tuple[PrefixMatch | None, list[PrefixMatch]]:
         """The row sharing the most with ``prompt`` and, for a memory that cannot be trimmed
         (of use only whole), the rows that are all a prefix of it. Shared tiers (s3, a shared
         directory) are probed for the prefixes another process could have saved: the cold
-        save's and the turn ends' (``savegates.probe_lengths``), bounded by the cache. A hit
-        counts as ``hits_resume`` for a request that named its previous turn (``resumed``: a
-        ``parent_key``), else ``hits_longest_prefix``: one hit per request either way."""
+        save's and the turn ends' (``savegates.probe_lengths``), bounded by the cache. Counts
+        nothing: what the request then reuses is counted once it is in its slot
+        (``counted``)."""
         rt = self.rt
         t0 = time.perf_counter()
         probes = probe_lengths(len(prompt), rt.cfg.policy, rt.cfg.n_batch, turn_ends=turn_ends)
-        counter = "hits_resume" if resumed else "hits_longest_prefix"
-        match = rt.cache.longest_prefix(ns, prompt, probe_lengths=probes, counter=counter)
+        match = rt.cache.longest_prefix(ns, prompt, probe_lengths=probes)
         whole = [] if rt.memory.trimmable else rt.cache.whole_prefixes(ns, prompt)
         n = len(prompt)
         if match is not None and match.n_shared == n and match.row.n_tokens > n and not whole:
@@ -105,9 +103,25 @@ class CachePort:
         """Row ``key``, leased while the context is open (``CacheApi.open_row``)."""
         return self.rt.cache.open_row(key, chunks=chunks, payload=payload, from_token=from_token)
 
-    def missed(self) -> None:
-        """A request found nothing to reuse."""
-        self.rt.cache.record_miss()
+    def counted(self, source: SourceKind, keep: int, *, whole: bool, resumed: bool) -> None:
+        """Count a seated request's one outcome (``counters.REQUEST_OUTCOMES``): what served
+        its prompt's first ``keep`` tokens, ``source`` being the plan's kind. A row restored
+        is ``hits_resume`` for a request that named its previous turn (``resumed``: a
+        ``parent_key``), else ``hits_exact`` when it holds the ``whole`` prompt (the request's
+        ``cache_hit`` "exact") and ``hits_longest_prefix`` when it holds part of it; a slot's
+        live KV kept or copied (its stored logits read from a row or not) is ``hits_live``;
+        ``keep`` 0 is ``misses``, whatever was planned (a restore or copy refused, a row gone
+        or unreadable). The lookup counted nothing, so a row found and left unused is no
+        hit."""
+        cache = self.rt.cache
+        if keep == 0:
+            cache.record_miss()
+        elif source in ("self", "copy"):
+            cache.record_hit("hits_live")
+        elif resumed:
+            cache.record_hit("hits_resume")
+        else:
+            cache.record_hit("hits_exact" if whole else "hits_longest_prefix")
 
     def restored(self, seconds: float, whole_s: float) -> None:
         """A row's KV went into a slot in ``seconds`` (the ``unpack`` latency: joined and
@@ -234,11 +248,14 @@ class CachePort:
     def draft_prefix(
         self, ns: Namespace, tokens: Sequence[int], min_shared: int
     ) -> PrefixMatch | None:
-        """The draft context's cached row sharing the longest prefix with ``tokens`` (a hit
-        counts as ``hits_draft_prefix``, not as a request's)."""
-        return self.rt.cache.longest_prefix(
-            ns, tokens, min_shared=min_shared, counter="hits_draft_prefix"
-        )
+        """The draft context's cached row sharing the longest prefix with ``tokens``. Counts
+        nothing: a restore of it counts (``draft_restored``)."""
+        return self.rt.cache.longest_prefix(ns, tokens, min_shared=min_shared)
+
+    def draft_restored(self) -> None:
+        """The draft context restored a row's KV: ``hits_draft_prefix``, not a request's
+        outcome (that is its main context's, ``counted``)."""
+        self.rt.cache.record_hit("hits_draft_prefix")
 
     def open_draft_row(self, key: bytes) -> AbstractContextManager[LoadedRow]:
         return self.rt.cache.open_row(key)

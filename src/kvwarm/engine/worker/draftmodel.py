@@ -80,6 +80,8 @@ class DraftStore(Protocol):
 
     def open_draft_row(self, key: bytes) -> AbstractContextManager[LoadedRow]: ...
 
+    def draft_restored(self) -> None: ...
+
     def save_draft(
         self, ns: Namespace, tokens: Sequence[int], payload: bytes, n_ctx_slot: int, quant_bits: int
     ) -> None: ...
@@ -100,6 +102,10 @@ class DraftModel:
         n_ctx_slot: int,
     ) -> None:
         self.model = model
+        #: Its weights' size, read now: ``ModelInfo`` reports it after an unload has closed
+        #: the model too (found by review: ``/v1/models`` listing a model while it unloaded
+        #: failed with ``HandleClosedError``).
+        self.size_bytes = model.facts.size_bytes
         self.ctx = ctx
         self.namespace = namespace  # unsalted
         self.quant_bits = quant_bits
@@ -226,6 +232,8 @@ class DraftModel:
         keep = min(match.n_shared, len(self.held[seq]))
         self._trim(seq, keep)
         self.restored_tokens += keep
+        if keep > 0:
+            store.draft_restored()  # counted only once a row's KV is in (not at the lookup)
         return keep
 
     def _save(self, store: DraftStore, seq: int, ns: Namespace, prompt: Sequence[int]) -> None:

@@ -11,9 +11,16 @@ import { el, fmtAgo, fmtBytes, fmtInt, fmtMs, fmtPercent, table } from "./format
 const POLL_MS = 2000;
 const ROW_LIMIT = 200;
 
-/** Lookup hit rate from the cache's counters: hits / (hits + misses). */
+/**
+ * Hit rate from the cache's request outcomes (each request counts one): requests that reused
+ * KV, a row's or a slot's live KV, over all of them.
+ */
 export function lookupHitRate(counters) {
-  const hits = (counters.hits_exact || 0) + (counters.hits_resume || 0) + (counters.hits_longest_prefix || 0);
+  const hits =
+    (counters.hits_exact || 0) +
+    (counters.hits_resume || 0) +
+    (counters.hits_longest_prefix || 0) +
+    (counters.hits_live || 0);
   const total = hits + (counters.misses || 0);
   return total > 0 ? hits / total : Number.NaN;
 }
