@@ -30,6 +30,7 @@ the server maps exception *types* to HTTP statuses, never message text.
     │   └── AdapterError                          LoRA adapter load / attach failure
     ├── EngineClosedError                         request to an engine or model that shut down
     ├── ReplicaUnavailableError                   a cluster replica died or was unreachable
+    │   └── ReplicaTimeoutError                   ... or did not answer a call in time
     ├── QueueFullError                            admission refused: too many queued requests
     ├── KeepAliveFullError                        keep-alive holds as many prefixes as allowed
     └── CacheError
@@ -172,6 +173,11 @@ class EngineClosedError(KvwarmError):
 
 class ReplicaUnavailableError(KvwarmError):
     """A cluster replica died or could not be reached while serving the request."""
+
+
+class ReplicaTimeoutError(ReplicaUnavailableError):
+    """A cluster replica did not answer a call within its deadline (``cluster_call_timeout_s``,
+    or ``request_timeout_s`` for a call that runs the model); the call was cancelled there."""
 
 
 class RequestTimeoutError(KvwarmError):

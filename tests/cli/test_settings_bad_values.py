@@ -17,7 +17,7 @@ import pytest
 from tests.cli.test_cli import clean_env
 
 from kvwarm.errors import ConfigError
-from kvwarm.settings import load_settings
+from kvwarm.settings import Settings, env_var, load_settings
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
@@ -41,7 +41,7 @@ def test_unknown_log_level_is_refused_by_load_settings() -> None:
 
 @pytest.mark.parametrize("name", ["model_idle_unload_s", "keepalive_interval_s"])
 def test_nan_seconds_are_refused(name: str) -> None:
-    with pytest.raises(ConfigError, match=name):
+    with pytest.raises(ConfigError, match=name.replace("_", "[-_]")):
         load_settings({name: "nan"}, {})
 
 
@@ -49,3 +49,96 @@ def test_nan_seconds_are_refused(name: str) -> None:
 def test_negative_seconds_are_refused_not_read_as_off(name: str) -> None:
     with pytest.raises(ConfigError, match=f"{name} must be >= 0"):
         load_settings({name: -1.0}, {})
+
+
+# --- every number setting, from every source, must be finite (found by review) -------------
+# request_timeout_s = nan meant no deadline at all and cluster_save_wait_s = nan no wait;
+# the check ran after the sources were merged, so the error did not say where the value came
+# from, and sizes, tier URLs and the s3 timeouts (without a bucket) were not checked at all.
+
+FLOAT_SETTINGS = sorted(
+    name for name, field in Settings.model_fields.items() if field.annotation is float
+)
+
+
+def test_the_float_settings_are_the_ones_the_review_named() -> None:
+    assert {"request_timeout_s", "cluster_save_wait_s", "keepalive_interval_s"} <= set(
+        FLOAT_SETTINGS
+    )
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400"])
+@pytest.mark.parametrize("name", FLOAT_SETTINGS)
+@pytest.mark.parametrize("source", ["flag", "environment", "config file"])
+def test_a_float_setting_that_is_not_finite_names_its_source_and_setting(
+    tmp_path: Path, source: str, name: str, value: str
+) -> None:
+    flags: dict[str, object] = {}
+    env = {"XDG_CONFIG_HOME": str(tmp_path)}
+    label = name
+    if source == "flag":
+        flags[name] = value
+        label = "--" + name.replace("_", "-")
+    elif source == "environment":
+        env[env_var(name)] = value
+    else:
+        config = tmp_path / "kvwarm.toml"
+        # TOML spells them nan, inf, -inf; 1e400 is a float literal too large for a double.
+        config.write_text(f"{name} = {value}\n")
+        flags["config"] = str(config)
+    with pytest.raises(ConfigError, match=f"{source} setting {label}: expected a finite"):
+        load_settings(flags, env)
+
+
+@pytest.mark.parametrize("name", ["rope_freq_base", "yarn_ext_factor"])
+def test_a_per_model_float_that_is_not_finite_is_refused(tmp_path: Path, name: str) -> None:
+    config = tmp_path / "kvwarm.toml"
+    config.write_text(f'[[models]]\npath = "default"\n{name} = nan\n')
+    with pytest.raises(ConfigError, match=f"{name}: expected a finite number"):
+        load_settings({"config": str(config)}, {"XDG_CONFIG_HOME": str(tmp_path)})
+
+
+@pytest.mark.parametrize("value", ["9" * 400, "1" * 30 + "T", "9223372036854775808"])
+def test_a_size_past_int64_is_a_config_error_not_an_overflow(value: str) -> None:
+    with pytest.raises(ConfigError, match="environment setting ram_quota_bytes: must be at most"):
+        load_settings({}, {"KVWARM_RAM_QUOTA_BYTES": value})
+
+
+@pytest.mark.parametrize("name", ["s3_connect_timeout_s", "s3_read_timeout_s"])
+def test_s3_timeouts_are_checked_without_a_bucket(name: str) -> None:
+    with pytest.raises(ConfigError, match="must be > 0"):
+        load_settings({name: "-1"}, {})
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["connect_timeout_s=nan", "read_timeout_s=inf", "read_timeout_s=-1", "down_for_s=nan"],
+)
+def test_an_s3_tier_url_option_must_be_finite(query: str) -> None:
+    from kvwarm.cache.tiers.s3 import s3_config_from_url
+
+    with pytest.raises(ConfigError, match=query.split("=", maxsplit=1)[0]):
+        s3_config_from_url(f"s3://bucket/prefix/?{query}")
+
+
+@pytest.mark.parametrize("query", ["timeout_s=nan", "down_for_s=inf", "down_for_s=nan"])
+def test_a_redis_tier_url_option_must_be_finite(query: str) -> None:
+    pytest.importorskip("redis")
+    from kvwarm.cache.tiers.redis import RedisStore
+
+    with pytest.raises(ConfigError, match="finite"):
+        RedisStore(f"redis://127.0.0.1:1/0?{query}")  # refused before any connection
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [("serve", "--request-timeout-s"), ("cluster", "--cluster-save-wait-s")],
+)
+def test_the_cli_refuses_a_nan_deadline(tmp_path: Path, command: str, flag: str) -> None:
+    args = [sys.executable, "-m", "kvwarm", command, flag, "nan", "--port", "0"]
+    result = subprocess.run(
+        args, capture_output=True, text=True, env=clean_env(tmp_path), timeout=120, check=False
+    )
+    assert "Traceback" not in result.stderr, result.stderr[-600:]
+    assert result.returncode == 2, (result.returncode, result.stderr[-600:])
+    assert f"flag setting {flag}: expected a finite number" in result.stderr, result.stderr

@@ -186,3 +186,26 @@ def test_real_model_conversations_and_failover_through_the_shared_tier(
             assert convs.cached[conv][-1] >= convs.prompt[conv][-2], (conv, convs.cached[conv])
     finally:
         deployed.stop()
+
+
+def test_prewarm_system_is_warm_in_every_replicas_ram(ray_port: int) -> None:
+    # Found by review: the prewarm was one call, routed to one replica.
+    prompt = "You are a terse assistant. Answer every question in one short sentence."
+    deployed = Deployed(stub_cluster_settings(prewarm_system=(prompt,)), ray_port)
+    try:
+        deployed.wait_ready()
+        end = time.monotonic() + 60
+        rows: dict[str, float] = {}
+        while time.monotonic() < end:  # bounded: replicas report every 0.5 s
+            replicas = deployed.http.get("/cluster").json()["replicas"]
+            rows = {
+                r["id"]: r.get("stats", {}).get("cache", {}).get("ram", {}).get("rows", 0)
+                for r in replicas
+                if r["health"] == "running"
+            }
+            if len(rows) == 2 and all(n >= 1 for n in rows.values()):
+                break
+            time.sleep(0.2)
+        assert len(rows) == 2 and all(n >= 1 for n in rows.values()), rows
+    finally:
+        deployed.stop()

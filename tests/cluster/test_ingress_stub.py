@@ -62,6 +62,9 @@ class DirectCalls:
     def op(self, op: ModelOp) -> object:
         return pickle.loads(pickle.dumps(asyncio.run(self.replica.call(op))))
 
+    def replicas(self) -> list[str]:
+        return [self.replica.replica_id]
+
 
 async def _dies() -> AsyncIterator[object]:
     raise RuntimeError("ActorDiedError: the replica's process died")

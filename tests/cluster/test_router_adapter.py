@@ -280,6 +280,21 @@ async def test_a_snapshot_call_goes_to_its_replica_only() -> None:
     assert await r.choose_replicas([a, b], gone) == [[]]  # type: ignore[arg-type]
 
 
+async def test_a_prewarm_fanned_out_goes_to_its_replica_only() -> None:
+    # A prewarm is sent to each running replica (found by review: one replica only was
+    # warmed); the router puts each call on the replica it names, and the ingress learns
+    # which replicas run from the index the router feeds.
+    a, b = FakeReplica("a"), FakeReplica("b")
+    r = router("events")
+    r.update_replicas([a, b])  # type: ignore[list-item]
+    assert r.index.running() == sorted([full_id(a), full_id(b)])
+    call = FakePending([ModelOp("m", "prewarm", ("hi",), replica=full_id(b))])
+    groups = await r.choose_replicas([a, b], call)  # type: ignore[arg-type]
+    assert [[x.name for x in g] for g in groups] == [["b"]]
+    r.update_replicas([a])  # type: ignore[list-item]
+    assert r.index.running() == [full_id(a)]
+
+
 def test_a_follow_up_carries_its_parent_row_to_the_policy() -> None:
     options = GenerationOptions(parent_key=b"p" * 32)
     call = Generate("m", "chat", options, chain=("x",))

@@ -11,13 +11,14 @@ from collections.abc import Collection
 
 from kvwarm.cache.eviction.base import registered_policies
 from kvwarm.cache.tiers.registry import check_name, registered_tiers, tier_spec, url_scheme
-from kvwarm.cache.types import CacheConfig, PolicyConfig, PressureConfig, TierConfig
+from kvwarm.cache.types import CacheConfig, PolicyConfig, PressureConfig, S3Config, TierConfig
 from kvwarm.errors import ConfigError
 
 __all__ = [
     "validate_cache_config",
     "validate_policy",
     "validate_pressure_config",
+    "validate_s3_config",
     "validate_tier_config",
 ]
 
@@ -59,6 +60,17 @@ def validate_policy(policy: PolicyConfig) -> None:
         )
 
 
+def validate_s3_config(cfg: S3Config, obj: str = "s3") -> None:
+    """``ConfigError`` for a timeout that is not a finite number > 0 (botocore refuses <= 0
+    only once it connects; nan it takes, and waits for ever), too few attempts, or an outage
+    pause that is not finite and >= 0 (``inf``: the store skipped for good after one fault)."""
+    for name in ("connect_timeout_s", "read_timeout_s"):
+        if _need_number(obj, name, getattr(cfg, name), minimum=0.0) <= 0:
+            raise ConfigError(f"{obj}.{name} must be > 0, got {getattr(cfg, name)}")
+    _need_int(obj, "max_attempts", cfg.max_attempts, minimum=1)
+    _need_number(obj, "down_for_s", cfg.down_for_s, minimum=0.0)
+
+
 def validate_tier_config(tier: TierConfig) -> None:
     if tier.url is not None:
         check_name(tier.name)
@@ -76,6 +88,8 @@ def validate_tier_config(tier: TierConfig) -> None:
         raise ConfigError(f"tier {tier.name} is a file tier and needs a root directory")
     if tier.shared and not spec.needs_root:
         raise ConfigError(f"tier {tier.name}: only a file tier's directory can be marked shared")
+    if tier.s3 is not None:
+        validate_s3_config(tier.s3, f"tier {tier.name}")
 
 
 def validate_pressure_config(cfg: PressureConfig, configured: Collection[str] = ()) -> None:

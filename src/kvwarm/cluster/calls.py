@@ -1,6 +1,7 @@
 """What the ingress sends an engine replica, and what comes back: plain picklable values.
 
-Invariants: every call names its model (a ``SnapshotCall`` names its replica instead); a
+Invariants: every call names its model (a ``SnapshotCall`` names its replica instead, a
+``ModelOp`` may name one too); a
 ``Generate`` carries the request's ``chain`` (``chains``) so the router can place it without
 the body; a replica answers a ``Generate`` with
 a ``Served`` marker first (which replica, so the ingress can say), then text fragments, then
@@ -46,6 +47,12 @@ class ModelOp:
     args: tuple[object, ...] = ()
     kwargs: Mapping[str, object] = field(default_factory=dict)
     chain: tuple[str, ...] = ()  # prewarm: where the prefix should live
+    # Seconds the ingress waits for the answer (routing included) before it cancels the call
+    # and answers ``ReplicaTimeoutError``; None: no deadline.
+    timeout_s: float | None = None
+    # The replica to run on, by id (a prewarm goes to every replica, one call each): the
+    # router routes it there only and that replica refuses it if it is another; None: any.
+    replica: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,13 +35,13 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
 from kvwarm.cluster.calls import Generate, ModelOp
-from kvwarm.cluster.ingress import create_ingress_app
+from kvwarm.cluster.ingress import create_ingress_app, max_in_flight
 from kvwarm.cluster.loopback import LOOPBACK, keep_ray_on_loopback, keep_replica_grpc_on_loopback
 from kvwarm.cluster.remote import ResponseStream
 from kvwarm.cluster.replica import EngineReplica
-from kvwarm.cluster.routing import RoutingConfig, check_policy, index_for
+from kvwarm.cluster.routing import ClusterIndex, RoutingConfig, check_policy, index_for
 from kvwarm.cluster.routing.index import index_name
-from kvwarm.errors import KvwarmError
+from kvwarm.errors import KvwarmError, ReplicaTimeoutError
 from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.cluster")
@@ -54,17 +54,33 @@ STATS_PERIOD_S = 0.5  # replicas report warm chains this often (the router also 
 
 
 class HandleCalls:
-    """``ingress.Calls`` over the engine deployment's handle."""
+    """``ingress.Calls`` over the engine deployment's handle; the running replicas are those
+    the router in this process last told ``index`` of (none known without one)."""
 
-    def __init__(self, handle: DeploymentHandle[EngineReplica]) -> None:
+    def __init__(
+        self, handle: DeploymentHandle[EngineReplica], index: ClusterIndex | None = None
+    ) -> None:
         self._stream = handle.options(stream=True).generate
         self._op = handle.call
+        self._index = index
+
+    def replicas(self) -> list[str]:
+        return self._index.running() if self._index is not None else []
 
     def stream(self, call: Generate) -> ResponseStream:
         return cast(ResponseStream, self._stream.remote(call))
 
     def op(self, op: ModelOp) -> object:
-        return self._op.remote(op).result()
+        """The op's answer, within its deadline: a replica that is alive but stuck (or a queue
+        that never reaches one) must not hold an ingress thread for good."""
+        response = self._op.remote(op)
+        try:
+            return response.result(timeout_s=op.timeout_s)
+        except TimeoutError:  # Ray's GetTimeoutError is one too
+            response.cancel()  # type: ignore[no-untyped-call]
+            raise ReplicaTimeoutError(
+                f"no replica answered {op.op} for {op.model_id} within {op.timeout_s:g} s"
+            ) from None
 
 
 class Ingress:
@@ -80,7 +96,7 @@ class Ingress:
         # keyed by this application's name: "kvwarm" from ``run``, but ``serve run`` names it
         # "default" and a RayService its own.
         index = index_for(index_name(_application_name(), ENGINE))
-        return create_ingress_app(self._settings, HandleCalls(self._engine), index)
+        return create_ingress_app(self._settings, HandleCalls(self._engine, index), index)
 
 
 def _application_name() -> str:
@@ -101,6 +117,18 @@ def routing_config(settings: Settings) -> RoutingConfig:
     check_policy(settings.cluster_routing)
     busy = settings.cluster_busy_requests or 2 * settings.n_parallel
     return RoutingConfig(policy=settings.cluster_routing, busy_requests=busy)
+
+
+def ingress_max_ongoing(settings: Settings) -> int:
+    """Ray's cap on the HTTP requests the ingress holds at once. The ingress only parses and
+    waits on replicas; it answers 429 past each model's ``ingress.max_in_flight``, so it must
+    be let hold more than those (all models' generations, and room for the requests it turns
+    away and for the other routes): a request past this cap would wait in Serve's proxy
+    instead, with no answer."""
+    per_model = [
+        max_in_flight(settings, spec.n_parallel or settings.n_parallel) for spec in settings.models
+    ]
+    return 2 * max(sum(per_model), 1) + 64
 
 
 def build_app(
@@ -147,8 +175,7 @@ def build_app(
         ingress_class,
         name=INGRESS,
         ray_actor_options={"num_cpus": 0},
-        # The ingress only parses and waits on replicas: let it hold every request they can.
-        max_ongoing_requests=settings.replicas * (settings.n_parallel + settings.max_queue),
+        max_ongoing_requests=ingress_max_ongoing(settings),
     )
     app: Application = ingress.bind(settings, engine.bind(settings))
     return app

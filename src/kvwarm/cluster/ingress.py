@@ -7,7 +7,8 @@ then serves it through the handle (tokenizing each prompt for the router with th
 vocabulary alone, ``tokens.PromptTokens``), and answers ``GET /cluster`` from the index of the
 replicas' cache events it shares with the router in this process. Cache administration
 (``/cache/*`` except keep-alive) is per replica and answers 501 here. Every generation's
-response names the replica that served it in ``x-kvwarm-replica``.
+response names the replica that served it in ``x-kvwarm-replica``. Load is shed here, not in
+the replicas (Ray queues past its per-replica cap without bound): ``max_in_flight`` per model.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Protocol
 
@@ -22,7 +24,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm.cluster.calls import Failed, Generate, ModelOp
-from kvwarm.cluster.remote import OpCall, RemoteModel, ResponseStream
+from kvwarm.cluster.remote import OpCall, OpDeadlines, RemoteModel, ResponseStream
 from kvwarm.cluster.routing import ClusterIndex
 from kvwarm.cluster.tokens import PromptTokens
 from kvwarm.engine.types import ModelInfo
@@ -51,11 +53,18 @@ def _note_served(replica_id: str) -> None:
 
 
 class Calls(Protocol):
-    """The two ways the ingress reaches the engine deployment (``deploy.handle_calls``)."""
+    """The ways the ingress reaches the engine deployment (``deploy.HandleCalls``)."""
+
+    def replicas(self) -> Sequence[str]:
+        """The ids of the replicas running now (a prewarm goes to each); empty if unknown."""
+        ...
 
     def stream(self, call: Generate) -> ResponseStream: ...
 
-    def op(self, op: ModelOp) -> object: ...
+    def op(self, op: ModelOp) -> object:
+        """The op's answer; ``ReplicaTimeoutError`` (the call cancelled) once ``op.timeout_s``
+        passed without one."""
+        ...
 
 
 class IngressState(ServerState):
@@ -90,14 +99,42 @@ class IngressState(ServerState):
 
     def _attach(self, model_id: str) -> RemoteModel:
         op_call: OpCall = self.calls.op
-        info = op_call(ModelOp(model_id, "info"))
+        deadlines = OpDeadlines.of(self.settings)
+        info = op_call(ModelOp(model_id, "info", timeout_s=deadlines("info")))
         if isinstance(info, Failed):
             raise info.error
         assert isinstance(info, ModelInfo)
         tokenizer = self._tokenizer(model_id)
-        model = RemoteModel(info, self.calls.stream, op_call, _note_served, self.index, tokenizer)
+        model = RemoteModel(
+            info,
+            self.calls.stream,
+            op_call,
+            _note_served,
+            self.index,
+            tokenizer,
+            deadlines,
+            replicas=self.calls.replicas,
+            max_in_flight=max_in_flight(self.settings, info.n_parallel),
+        )
         self._prewarm_systems(model, model_id)
         return model
+
+    def _prewarm_systems(self, model: ServedModel, model_id: str) -> None:
+        """``--prewarm-system`` on every replica: at start-up some may still be loading, so
+        once the router knows any, wait (``cluster_call_timeout_s`` at most) until it knows
+        ``replicas`` of them; a prewarm goes to each replica running then."""
+        if self.settings.prewarm_system and self.index.running():
+            wanted = self.settings.replicas
+            running = self.index.wait_running(wanted, self.settings.cluster_call_timeout_s or None)
+            if len(running) < wanted:
+                log.warning(
+                    "model %s: prewarming %d of %d replicas (the others are not running yet; "
+                    "the keep-alive warms them at its next re-warm)",
+                    model_id,
+                    len(running),
+                    wanted,
+                )
+        super()._prewarm_systems(model, model_id)
 
     def _tokenizer(self, model_id: str) -> PromptTokens | None:
         """The model's vocabulary, loaded here once (``tokens.PromptTokens``), or None."""
@@ -142,6 +179,14 @@ class IngressState(ServerState):
             states={e.id: e.state for e in self.entries.values()},
             keepalive_prefixes=len(self.keepalive.entries()),
         )
+
+
+def max_in_flight(settings: Settings, n_parallel: int) -> int:
+    """The generations of one model the ingress holds at once before it answers 429
+    ``queue_full``: what the replicas would hold as ``kvwarm serve`` each (their slots plus
+    ``max_queue`` waiting). Ray lets only ``max(8, 4 x n_parallel)`` calls reach a replica and
+    keeps the rest in its own queue, without bound, so the replicas' own queues never fill."""
+    return settings.replicas * (n_parallel + settings.max_queue)
 
 
 def _node_id() -> str | None:

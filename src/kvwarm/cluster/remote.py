@@ -10,6 +10,9 @@ turn's row key as ``parent_key`` (``chains.LastRows``), so whichever replica ser
 restore that row from a shared tier by exact key. What a replica finished (its chain, its
 finish row, its tokens) is noted in the cluster's index (``ServedFacts``) before the response
 ends, so the client's next turn finds its replica whatever the replica's events say yet.
+Every other call carries its deadline (``OpDeadlines``); a prewarm goes to every running
+replica; a model's generations in flight are bounded (``max_in_flight``: past it a
+``QueueFullError``, admitted when the stream is made and given back when it ends).
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 from kvwarm.cache.types import TtlClass
@@ -41,16 +47,20 @@ from kvwarm.engine.types import (
     ModelStatus,
     TokenLogprob,
 )
-from kvwarm.errors import KvwarmError, ReplicaUnavailableError
+from kvwarm.errors import KvwarmError, QueueFullError, ReplicaUnavailableError
 
 if TYPE_CHECKING:
     from kvwarm.cluster.tokens import PromptTokens
     from kvwarm.engine.ops import Message
+    from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.cluster.remote")
 
 # A generation whose replica is lost before any text came back is sent again this many times.
 CALL_RETRIES = 2
+# The calls that run the model (a prefill or more): their deadline is ``request_timeout_s``,
+# a generation's; the others (tokenize, templates, info) take ``cluster_call_timeout_s``.
+MODEL_PASS_OPS: frozenset[OpName] = frozenset({"embed", "rerank", "prewarm", "prewarm_chat"})
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -84,6 +94,21 @@ class ServedFacts(Protocol):
     def note_served(
         self, replica: str, chain: Sequence[str], key: bytes | None, n_tokens: int
     ) -> None: ...
+
+
+class OpDeadlines:
+    """Each non-generation call's deadline in seconds (None: none), from the settings."""
+
+    def __init__(self, call_timeout_s: float = 0.0, model_pass_timeout_s: float = 0.0) -> None:
+        self._call = call_timeout_s or None
+        self._model_pass = model_pass_timeout_s or None
+
+    @classmethod
+    def of(cls, settings: Settings) -> OpDeadlines:
+        return cls(settings.cluster_call_timeout_s, settings.request_timeout_s)
+
+    def __call__(self, op: OpName) -> float | None:
+        return self._model_pass if op in MODEL_PASS_OPS else self._call
 
 
 def _cancelled(prompt_tokens: int = 0) -> Completion:
@@ -138,7 +163,12 @@ class RemoteStream:
         *,
         retries: int = CALL_RETRIES,
         on_retry: Callable[[], None] = lambda: None,
+        on_end: Callable[[], None] = lambda: None,
     ) -> None:
+        """``on_end``: called once when the stream ends (done, failed or cancelled), or when
+        it is dropped unfinished (the ingress's admission count, ``RemoteModel``)."""
+        self._on_end = on_end
+        weakref.finalize(self, on_end)  # a stream dropped unread still frees its place
         self._start = start
         self._response = start(())
         self._on_served = on_served
@@ -161,6 +191,7 @@ class RemoteStream:
         if not self.done and not self._cancelled:
             self._cancelled = True
             self._response.cancel()
+        self._on_end()
 
     def _retry(self, exc: BaseException) -> bool:
         """Send the call again after ``exc`` if it may be: True if it was."""
@@ -191,6 +222,14 @@ class RemoteStream:
         return self._items(forwarded=True)
 
     async def _items(self, *, forwarded: bool) -> AsyncIterator[str]:
+        try:
+            async for text in self._read(forwarded=forwarded):
+                yield text
+        finally:
+            if self.done or self._cancelled:
+                self._on_end()
+
+    async def _read(self, *, forwarded: bool) -> AsyncIterator[str]:
         while not self.done:
             try:
                 item = await self._response.__anext__()
@@ -282,10 +321,23 @@ class RemoteModel(ModelOps):
         on_served: Callable[[str], None] = lambda _replica: None,
         facts: ServedFacts | None = None,
         tokenizer: PromptTokens | None = None,
+        deadlines: OpDeadlines | None = None,
+        *,
+        replicas: Callable[[], Sequence[str]] = tuple,
+        max_in_flight: int = 0,
     ) -> None:
         """``tokenizer``: the model's vocabulary at the ingress (``tokens.PromptTokens``), so
-        each generation carries its prompt's token ids for the router; None: it carries none."""
+        each generation carries its prompt's token ids for the router; None: it carries none.
+        ``deadlines``: each call's deadline (``OpDeadlines``; None: no deadline).
+        ``replicas``: the ids of the replicas running now, each of which a prewarm warms.
+        ``max_in_flight``: generations of this model the ingress holds at once (running or
+        waiting, anywhere); one more is a ``QueueFullError`` (429). 0: no bound."""
         self._info = info
+        self._deadlines = deadlines or OpDeadlines()
+        self._replicas = replicas
+        self._max_in_flight = max_in_flight
+        self._admission = threading.Lock()
+        self.in_flight = 0  # generations admitted and not ended
         self._tokenizer = tokenizer
         self._stream_call = stream_call
         self._op_call = op_call
@@ -308,8 +360,54 @@ class RemoteModel(ModelOps):
 
     # --- generation ------------------------------------------------------------------------
 
+    def _admit(self, n: int = 1) -> list[Callable[[], None]]:
+        """Room for ``n`` more generations, all or none (``QueueFullError``): one release
+        each (idempotent), called when its stream ends."""
+        with self._admission:
+            limit = self._max_in_flight
+            if limit and self.in_flight + n > limit:
+                raise QueueFullError(
+                    f"model {self.id}: {self.in_flight} requests in flight across the replicas "
+                    f"(at most {limit}); try again later"
+                )
+            self.in_flight += n
+        return [self._release_once() for _ in range(n)]
+
+    def _release_once(self) -> Callable[[], None]:
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._admission:
+                if not released:
+                    released = True
+                    self.in_flight -= 1
+
+        return release
+
     def _generate(
-        self, kind: GenerateKind, options: GenerationOptions | None, **fields: object
+        self,
+        kind: GenerateKind,
+        options: GenerationOptions | None,
+        release: Callable[[], None] | None = None,
+        **fields: object,
+    ) -> RemoteStream:
+        """One generation's stream; ``release``: its admission (``_admit``), else one is
+        taken here. The admission is given back if the stream is not made."""
+        if release is None:
+            (release,) = self._admit()
+        try:
+            return self._new_stream(kind, options, release, **fields)
+        except BaseException:
+            release()
+            raise
+
+    def _new_stream(
+        self,
+        kind: GenerateKind,
+        options: GenerationOptions | None,
+        release: Callable[[], None],
+        **fields: object,
     ) -> RemoteStream:
         opts = options or GenerationOptions()
         opts.validate()  # a bad option is a 400 here, before any replica is bothered
@@ -336,7 +434,7 @@ class RemoteModel(ModelOps):
         def retried() -> None:
             self.retried += 1
 
-        return RemoteStream(start, self._on_served, finished, on_retry=retried)
+        return RemoteStream(start, self._on_served, finished, on_retry=retried, on_end=release)
 
     def _prompt_tokens(self, call: Generate) -> tuple[int, ...]:
         """The call's prompt as token ids, for the router; () without a tokenizer or when
@@ -359,21 +457,60 @@ class RemoteModel(ModelOps):
         options: GenerationOptions | None = None,
         prefill: str = "",
     ) -> RemoteStream:
+        return self._chat(messages, tools, options, prefill)
+
+    def _chat(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, object]] | None,
+        options: GenerationOptions | None,
+        prefill: str = "",
+        release: Callable[[], None] | None = None,
+    ) -> RemoteStream:
         salt = options.cache_salt if options else None
         lora = options.lora if options else None
         chain = chains.chat_chain(self.id, messages, cache_salt=salt, tools=tools, lora=lora)
         return self._generate(
-            "chat", options, messages=list(messages), tools=tools, prefill=prefill, chain=chain
+            "chat",
+            options,
+            release,
+            messages=list(messages),
+            tools=tools,
+            prefill=prefill,
+            chain=chain,
         )
 
     def _text(
-        self, kind: GenerateKind, prompt: str | Sequence[int], options: GenerationOptions | None
+        self,
+        kind: GenerateKind,
+        prompt: str | Sequence[int],
+        options: GenerationOptions | None,
+        release: Callable[[], None] | None = None,
     ) -> RemoteStream:
         salt = options.cache_salt if options else None
         lora = options.lora if options else None
         chain = chains.text_chain(self.id, prompt, cache_salt=salt, lora=lora)
         value = prompt if isinstance(prompt, str) else tuple(prompt)
-        return self._generate(kind, options, prompt=value, chain=chain)
+        return self._generate(kind, options, release, prompt=value, chain=chain)
+
+    def _each(
+        self,
+        choices: Sequence[GenerationOptions],
+        make: Callable[[GenerationOptions, Callable[[], None]], RemoteStream],
+    ) -> list[RemoteStream]:
+        """One stream per choice, admitted together: all of them or a ``QueueFullError``."""
+        releases = self._admit(len(choices))
+        streams: list[RemoteStream] = []
+        try:
+            for opts, release in zip(choices, releases, strict=True):
+                streams.append(make(opts, release))
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            for release in releases:
+                release()
+            raise
+        return streams
 
     def stream(
         self, prompt: str | Sequence[int], options: GenerationOptions | None = None
@@ -398,7 +535,7 @@ class RemoteModel(ModelOps):
     ) -> list[RemoteStream]:
         choices = choice_options(options or GenerationOptions(), n, self._info.n_parallel)
         kind: GenerateKind = "text" if fragments else "text_quiet"
-        return [self._text(kind, prompt, opts) for opts in choices]
+        return self._each(choices, lambda opts, release: self._text(kind, prompt, opts, release))
 
     def chat_streams(
         self,
@@ -410,7 +547,9 @@ class RemoteModel(ModelOps):
         fragments: bool = True,
     ) -> list[RemoteStream]:
         choices = choice_options(options or GenerationOptions(), n, self._info.n_parallel)
-        return [self.stream_chat(messages, tools=tools, options=opts) for opts in choices]
+        return self._each(
+            choices, lambda opts, release: self._chat(messages, tools, opts, release=release)
+        )
 
     # --- everything else: one blocking call each (the routes call these on the thread pool) -
 
@@ -420,8 +559,17 @@ class RemoteModel(ModelOps):
         args: tuple[object, ...],
         kwargs: Mapping[str, object],
         chain: tuple[str, ...] = (),
+        replica: str | None = None,
     ) -> object:
-        call = ModelOp(self.id, op, tuple(_plain(a) for a in args), _plain(dict(kwargs)), chain)
+        call = ModelOp(
+            self.id,
+            op,
+            tuple(_plain(a) for a in args),
+            _plain(dict(kwargs)),
+            chain,
+            timeout_s=self._deadlines(op),
+            replica=replica,
+        )
         try:
             result = self._op_call(call)
         except KvwarmError:
@@ -431,6 +579,38 @@ class RemoteModel(ModelOps):
         if isinstance(result, Failed):
             raise result.error
         return result
+
+    def _op_everywhere(
+        self,
+        op: OpName,
+        args: tuple[object, ...],
+        kwargs: Mapping[str, object],
+        chain: tuple[str, ...],
+    ) -> object:
+        """``op`` on every running replica at once (a prewarm: each replica's RAM gets the
+        prefix, so a conversation finds it warm wherever it is routed); the first replica's
+        answer. A replica that fails is logged and passed over; if all fail, the first
+        error. No replica known (no router in this process): one call, routed by ``chain``."""
+        replicas = list(dict.fromkeys(self._replicas()))
+        if not replicas:
+            return self._op(op, args, kwargs, chain)
+
+        def one(replica: str) -> object:
+            try:
+                return self._op(op, args, kwargs, chain, replica)
+            except Exception as exc:
+                return _Error(exc)
+
+        with ThreadPoolExecutor(len(replicas), thread_name_prefix="kvwarm-fanout") as pool:
+            results = list(pool.map(one, replicas))
+        errors = [r.error for r in results if isinstance(r, _Error)]
+        for replica, result in zip(replicas, results, strict=True):
+            if isinstance(result, _Error) and len(errors) < len(results):
+                log.warning("%s on replica %s failed: %s", op, replica, result.error)
+        answers = [r for r in results if not isinstance(r, _Error)]
+        if not answers:
+            raise errors[0]
+        return answers[0]
 
     # The non-streaming operations of ``engine.ops.ModelCalls``, forwarded by name; the
     # replica dispatches by name too. ``info`` (kept from start-up) and ``prewarm`` (which
@@ -452,7 +632,7 @@ class RemoteModel(ModelOps):
         add_special: bool = True,
         cache_salt: str | None = None,
     ) -> CompletionStats:
-        out = self._op(
+        out = self._op_everywhere(
             "prewarm",
             (prompt,),
             {"ttl_class": ttl_class, "add_special": add_special, "cache_salt": cache_salt},
@@ -469,7 +649,7 @@ class RemoteModel(ModelOps):
         ttl_class: TtlClass = TtlClass.LONG,
         cache_salt: str | None = None,
     ) -> CompletionStats:
-        out = self._op(
+        out = self._op_everywhere(
             "prewarm_chat",
             (messages,),
             {"tools": tools, "ttl_class": ttl_class, "cache_salt": cache_salt},
@@ -478,6 +658,11 @@ class RemoteModel(ModelOps):
         )
         assert isinstance(out, CompletionStats)
         return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Error:
+    error: BaseException
 
 
 def _plain(value: _V) -> _V:

@@ -239,6 +239,8 @@ class EngineReplica:
         new operation declared there needs nothing here."""
         if op.op not in CALLS:
             raise InvalidRequestError(f"a replica has no operation {op.op!r}")
+        if op.replica is not None and op.replica != self.replica_id:  # the router routes it here
+            raise InvalidRequestError(f"{op.op} for {op.replica} asked of {self.replica_id}")
         model = self._model(op.model_id)
         result = getattr(model, op.op)(*op.args, **op.kwargs)
         if op.op in ("prewarm", "prewarm_chat"):

@@ -220,6 +220,8 @@ class AffinityRouter(RequestRouter):
             target = pending_request.args[0]
             if isinstance(target, SnapshotCall):
                 return [[r for r in candidate_replicas if _rid(r) == target.replica_id]]
+            if isinstance(target, ModelOp) and target.replica is not None:  # a fan-out's call
+                return [[r for r in candidate_replicas if _rid(r) == target.replica]]
             if isinstance(target, Generate) and target.avoid:
                 # A retry after its replica was lost: anywhere else (Ray may not know yet).
                 others = [r for r in candidate_replicas if _rid(r) not in target.avoid]

@@ -12,6 +12,10 @@ translate into these types and render ``ChatReply`` in their own shapes; OpenAI 
 from __future__ import annotations
 
 import dataclasses
+import json
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -44,17 +48,42 @@ class ChatReply:
     calls: list[ToolCall]
 
 
+# Answers of ``renders_tools`` per model object (a reloaded model is a new object, so its
+# answers start afresh) and tool set: two template renders a request with tools, which under
+# ``kvwarm cluster`` are two replica round trips, are paid once per tool set (an agent sends
+# the same tools every turn).
+_PROBED: weakref.WeakKeyDictionary[ServedModel, OrderedDict[str, bool]] = (
+    weakref.WeakKeyDictionary()
+)
+_PROBED_LOCK = threading.Lock()
+PROBED_TOOL_SETS = 64  # per model, least recently used first out
+
+
 def renders_tools(model: ServedModel, tools: Sequence[Tool]) -> bool:
-    """Whether the model's template shows the tools it is given (native tool support)."""
+    """Whether the model's template shows the tools it is given (native tool support);
+    remembered per model and tool set."""
+    defs = openai_tools(tools)
+    key = json.dumps(defs, sort_keys=True, separators=(",", ":"))
+    with _PROBED_LOCK:
+        known = _PROBED.get(model)
+        if known is not None and key in known:
+            known.move_to_end(key)
+            return known[key]
     probe: list[dict[str, object]] = [{"role": "user", "content": "hi"}]
     try:
-        with_tools = model.apply_chat_template(probe, tools=openai_tools(tools))
+        with_tools = model.apply_chat_template(probe, tools=defs)
     except ReplicaUnavailableError:
         raise  # a cluster lost the replica asked: no answer about the template
     except Exception:  # a template that chokes on tools does not support them
-        return False
+        return False  # not remembered: the error may not be the template's
     without = model.apply_chat_template(probe)
-    return any(t.function.name in with_tools and t.function.name not in without for t in tools)
+    answer = any(t.function.name in with_tools and t.function.name not in without for t in tools)
+    with _PROBED_LOCK:
+        known = _PROBED.setdefault(model, OrderedDict())
+        known[key] = answer
+        while len(known) > PROBED_TOOL_SETS:
+            known.popitem(last=False)
+    return answer
 
 
 async def plan(

@@ -99,6 +99,7 @@ _KINDS: dict[type[BaseException], ErrorKind] = {
     e.QueueFullError: ErrorKind(429, "rate_limit_error", "queue_full"),
     e.KeepAliveFullError: ErrorKind(409, _INVALID, "keepalive_full"),
     e.EngineClosedError: ErrorKind(503, "service_unavailable", "engine_closed"),
+    e.ReplicaTimeoutError: ErrorKind(504, "service_unavailable", "replica_timeout"),
     e.ReplicaUnavailableError: ErrorKind(503, "service_unavailable", "replica_unavailable"),
     e.ModelLoadError: ErrorKind(500, _SERVER, "model_load_failed"),
     e.AdapterError: ErrorKind(400, _INVALID, "adapter_error"),

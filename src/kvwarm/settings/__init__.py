@@ -108,6 +108,7 @@ CLUSTER_ONLY = (
     "node_ip",
     "cluster_routing",
     "cluster_busy_requests",
+    "cluster_call_timeout_s",
     "cluster_save_wait_s",
 )
 
@@ -376,6 +377,14 @@ class Settings(ModelSettings, ServingSettings):
         description="cluster: requests in flight at which a replica counts as busy and a "
         "conversation moves on (0: 2 x n_parallel)",
     )
+    cluster_call_timeout_s: Float = Field(
+        default=30.0,
+        description="cluster: seconds the ingress waits for a replica's answer to a call that "
+        "is not a generation and runs no model pass (tokenize, detokenize, chat template, "
+        "token counts, model info); embeddings, rerank and prewarms take request_timeout_s. "
+        "Past it the call is cancelled on its replica and answered 504 replica_timeout "
+        "(0: no deadline)",
+    )
     cluster_save_wait_s: Float = Field(
         default=5.0,
         description="cluster: how long a replica waits for a reply's finish save to reach a "
@@ -480,8 +489,9 @@ class Settings(ModelSettings, ServingSettings):
             raise ConfigError("keepalive_max_entries and keepalive_max_tokens must be >= 0")
         if self.replicas < 1 or self.cluster_busy_requests < 0:
             raise ConfigError("replicas must be >= 1 and cluster_busy_requests >= 0")
-        if self.cluster_save_wait_s < 0:
-            raise ConfigError("cluster_save_wait_s must be >= 0")
+        for name in ("cluster_save_wait_s", "cluster_call_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
         if self.max_json_depth < 2:
             raise ConfigError("max_json_depth must be >= 2")
         for name in (

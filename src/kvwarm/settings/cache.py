@@ -106,6 +106,11 @@ def check(s: Settings) -> None:
         raise ConfigError("save_tier is ram_file but no shm_dir is set")
     if tier == "s3" and s.s3_bucket is None:
         raise ConfigError("save_tier is s3 but no s3_bucket is set")
+    # Checked with or without a bucket: a bad value must not wait for the day one is set.
+    if s.s3_connect_timeout_s <= 0 or s.s3_read_timeout_s <= 0:
+        raise ConfigError("s3_connect_timeout_s and s3_read_timeout_s must be > 0")
+    if s.s3_max_attempts < 1:
+        raise ConfigError("s3_max_attempts must be >= 1")
     names = [t.name for t in cache_config(s).tiers]
     if tier not in names:
         raise ConfigError(f"save_tier {tier} is not a configured tier ({', '.join(names)})")
@@ -115,7 +120,3 @@ def check(s: Settings) -> None:
         raise ConfigError("s3_bucket must not be empty")
     if s.s3_prefix and not s.s3_prefix.endswith("/"):
         raise ConfigError(f"s3_prefix must end with '/', got {s.s3_prefix!r}")
-    if s.s3_connect_timeout_s <= 0 or s.s3_read_timeout_s <= 0:
-        raise ConfigError("s3_connect_timeout_s and s3_read_timeout_s must be > 0")
-    if s.s3_max_attempts < 1:
-        raise ConfigError("s3_max_attempts must be >= 1")

@@ -10,6 +10,7 @@ the ``BeforeValidator`` does the lenient parsing, pydantic then checks the resul
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from kvwarm.engine.types import SPEC_TYPES, SpecType
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+MAX_SIZE = (1 << 63) - 1  # what an int64 (a C size, a file offset) holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +87,17 @@ def as_int(value: object) -> int:
 
 
 def as_float(value: object) -> float:
+    """A finite number: ``nan`` passes every ``< 0`` check (a deadline of nan seconds is no
+    deadline, a wait of nan a busy loop) and ``inf`` overflows where seconds are converted."""
     if isinstance(value, bool):
         raise ValueError("expected a number, got a boolean")
-    if isinstance(value, int | float):
-        return float(value)
-    return float(as_str(value).strip())
+    try:
+        number = float(value) if isinstance(value, int | float) else float(as_str(value).strip())
+    except OverflowError:  # an int past a float's range
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return number
 
 
 def as_bool(value: object) -> bool:
@@ -108,11 +116,16 @@ def as_size(value: object) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
             raise ValueError("must be >= 0")
+        if value > MAX_SIZE:
+            raise ValueError(f"must be at most {MAX_SIZE} bytes (8E), got {value}")
         return value
     match = _SIZE.match(as_str(value))
     if match is None:
         raise ValueError(f"expected a size like 512M or 20G, got {value!r}")
-    return int(float(match.group(1)) * _SCALE[match.group(2).lower()])
+    size = float(match.group(1)) * _SCALE[match.group(2).lower()]
+    if not size <= MAX_SIZE:  # inf too: int(inf) raised OverflowError, a traceback
+        raise ValueError(f"must be at most {MAX_SIZE} bytes (8E), got {value!r}")
+    return int(size)
 
 
 def as_opt_int(value: object) -> int | None:

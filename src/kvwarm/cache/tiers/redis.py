@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -75,8 +76,14 @@ class RedisStore:
             self._down_for_s = float(ours.get("down_for_s", "5"))
         except ValueError as exc:
             raise ConfigError(f"redis tier URL {shown!r}: {exc}") from None
-        if timeout <= 0 or self._down_for_s < 0:
-            raise ConfigError(f"redis tier URL {shown!r}: timeout_s must be > 0, down_for_s >= 0")
+        # nan passes both comparisons (a socket refuses it on connect); inf down_for_s would
+        # skip the store for good after one fault.
+        finite = math.isfinite(timeout) and math.isfinite(self._down_for_s)
+        if not finite or timeout <= 0 or self._down_for_s < 0:
+            raise ConfigError(
+                f"redis tier URL {shown!r}: timeout_s must be finite and > 0, down_for_s "
+                "finite and >= 0"
+            )
         if any(k == "decode_responses" for k, _ in rest):
             # redis-py hands unknown URL options to the client as strings: any value would
             # decode every reply to text, and every get would fail on it.

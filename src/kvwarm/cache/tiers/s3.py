@@ -28,6 +28,7 @@ from kvwarm.cache.tiers.s3client import (
     read_body,
 )
 from kvwarm.cache.types import S3Config, TierName
+from kvwarm.cache.validate import validate_s3_config
 from kvwarm.errors import ConfigError
 
 __all__ = ["S3_CAPABILITIES", "S3Store", "S3Tier"]
@@ -191,7 +192,7 @@ def s3_config_from_url(url: str) -> S3Config:
         raise ConfigError(f"s3 tier URL {url!r}: unknown options {', '.join(sorted(unknown))}")
     prefix = parts.path.lstrip("/")
     try:
-        return S3Config(
+        cfg = S3Config(
             bucket=parts.netloc,
             prefix=prefix if not prefix or prefix.endswith("/") else prefix + "/",
             endpoint_url=query.get("endpoint"),
@@ -203,3 +204,8 @@ def s3_config_from_url(url: str) -> S3Config:
         )
     except ValueError as exc:
         raise ConfigError(f"s3 tier URL {url!r}: {exc}") from None
+    try:
+        validate_s3_config(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"s3 tier URL {url!r}: {exc}") from None
+    return cfg

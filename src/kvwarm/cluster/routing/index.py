@@ -145,6 +145,7 @@ class _Replica:
 class ClusterIndex:
     def __init__(self, *, links: int = LINKS, unvouched: int = UNVOUCHED) -> None:
         self._lock = threading.Lock()
+        self._replicas_changed = threading.Condition(self._lock)
         self._replicas: dict[str, _Replica] = {}
         self._dead: OrderedDict[str, _Replica] = OrderedDict()
         self._copies: dict[bytes, dict[Store, _Copy]] = {}
@@ -244,11 +245,23 @@ class ClusterIndex:
                 self._bury(replica)
             for replica, node in running.items():
                 self._replica(replica, node)
+            self._replicas_changed.notify_all()
 
     def died(self, replica: str) -> None:
         with self._lock:
             if replica in self._replicas:
                 self._bury(replica)
+
+    def running(self) -> list[str]:
+        """The replicas Ray runs now, as the router last told (sorted ids)."""
+        with self._lock:
+            return sorted(self._replicas)
+
+    def wait_running(self, n: int, timeout_s: float | None) -> list[str]:
+        """``running()`` once it names ``n`` replicas, or when ``timeout_s`` passed."""
+        with self._replicas_changed:
+            self._replicas_changed.wait_for(lambda: len(self._replicas) >= n, timeout_s)
+            return sorted(self._replicas)
 
     def wanted(self) -> list[str]:
         """Replicas whose snapshot is wanted (a gap in their events)."""
