@@ -7,7 +7,9 @@ it moves and deletes nothing unless given ``--repair``. ``stats``, ``ls`` and ``
 nothing and tighten no mode: a missing tier directory is reported (stderr; ``missing_dirs`` in
 ``--json``) and counts as empty, exit 0. What a server's startup scan already
 set aside (``quarantine/``: damaged rows and chunks, manifests whose chunks were gone) is
-reported as fixed, and alone does not make it exit 1.
+reported as fixed, and alone does not make it exit 1. ``stats`` reports what the tiers hold,
+never the event counters (hits, misses, saves): those count what the opening process did, and
+this one served nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -38,7 +40,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     actions = cache.add_subparsers(dest="action", metavar="ACTION", required=True)
     for name, help_text, run in (
-        ("stats", "counters, rows and bytes per tier", run_stats),
+        ("stats", "rows, tokens and bytes per tier and memory kind", run_stats),
         ("ls", "list rows, most recently used first", run_ls),
         ("gc", "remove expired rows and stale reservations now", run_gc),
         ("verify", "check every row; exit 1 if any file is bad", run_verify),
@@ -110,13 +112,28 @@ def _size(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+# What ``stats`` reports of ``Cache.counters()``: the levels, read from the tiers. The others
+# (hits, misses, saves, latencies ...) count events of the process that opened the cache, here
+# this command, which serves nothing: they would read 0 beside a server that counted thousands.
+_LEVEL_PREFIXES = ("tier_", "memory_")
+_LEVELS = frozenset({"rows", "reservations"})
+EVENTS_NOTE = (
+    "kvwarm: requests, hits, misses and saves are counted by the server using this cache "
+    "(GET /cache/stats, /metrics), not here"
+)
+
+
+def _levels(counters: Mapping[str, float]) -> dict[str, float]:
+    return {k: v for k, v in counters.items() if k.startswith(_LEVEL_PREFIXES) or k in _LEVELS}
+
+
 def run_stats(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     # An inspection: creates, moves, deletes and registers nothing (a running server's
     # directory, or one that does not exist yet).
     missing: list[str] = []
     with open_cache(settings, repair=False, missing=missing) as cache:
-        counters = dict(cache.counters())
+        counters = _levels(cache.counters())
         rows = cache.rows()
         tiers = cache.tier_names()
     # The same summary /cache/stats answers (kvwarm.cache.sizes): physical bytes (each chunk
@@ -152,6 +169,7 @@ def run_stats(args: argparse.Namespace) -> int:
         )
     for key in sorted(counters):
         print(f"{key} {counters[key]:g}")
+    print(EVENTS_NOTE, file=sys.stderr)
     return 0
 
 
