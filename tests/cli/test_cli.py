@@ -95,6 +95,27 @@ def test_help_on_every_command(env: dict[str, str], command: list[str]) -> None:
     assert result.stdout.startswith("usage: kvwarm")
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--max-tokens", "-1"], "--max-tokens: max_tokens must be >= 0"),
+        (["--temperature", "nan"], "--temperature: temperature must be a finite number"),
+        (["--stop", ""], "--stop: "),
+    ],
+)
+def test_a_sampling_flag_out_of_range_is_a_usage_error(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2 as for a flag that is not a number (found by review: it was 1, a failure). The
+    check runs before any model loads."""
+    from kvwarm.cli import main
+
+    argv = ["complete", "--backend", "stub", "--model", "stub-a", "--cache-dir", "none"]
+    assert main([*argv, *flags, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvwarm: error: {said}") and err.count("\n") == 1, err
+
+
 def test_usage_errors_exit_2(env: dict[str, str]) -> None:
     assert kvwarm(env).returncode == 2
     assert kvwarm(env, "frobnicate").returncode == 2
