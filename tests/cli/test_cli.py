@@ -116,6 +116,20 @@ def test_a_sampling_flag_out_of_range_is_a_usage_error(
     assert err.startswith(f"kvwarm: error: {said}") and err.count("\n") == 1, err
 
 
+def test_cache_ls_refuses_a_negative_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--limit -3`` listed every row without a word (found by review); 0 still means all."""
+    from kvwarm.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["cache", "ls", "--limit", "-3", "--cache-dir", str(tmp_path)])
+    assert exited.value.code == 2
+    assert "argument --limit: must be 0 (all) or more, got -3" in capsys.readouterr().err
+    assert main(["cache", "ls", "--json", "--limit", "0", "--cache-dir", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+
+
 def test_usage_errors_exit_2(env: dict[str, str]) -> None:
     assert kvwarm(env).returncode == 2
     assert kvwarm(env, "frobnicate").returncode == 2

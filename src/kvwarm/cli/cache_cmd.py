@@ -48,7 +48,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         parser = actions.add_parser(name, help=help_text, description=help_text)
         parser.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "ls":
-            parser.add_argument("--limit", type=int, default=0, metavar="N", help="at most N rows")
+            parser.add_argument(
+                "--limit", type=_count, default=0, metavar="N", help="at most N rows (0: all)"
+            )
         if name == "gc":
             parser.add_argument(
                 "--shared",
@@ -75,6 +77,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from kvwarm.cli import explain_cmd
 
     explain_cmd.register(actions)
+
+
+def _count(text: str) -> int:
+    """A flag's count, 0 or more: a negative one was taken for \"all\" without a word."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (all) or more, got {value}")
+    return value
 
 
 @contextmanager
