@@ -130,6 +130,22 @@ def test_cache_ls_refuses_a_negative_limit(
     assert json.loads(capsys.readouterr().out) == []
 
 
+def test_serve_on_a_taken_port_exits_1_with_one_line(env: dict[str, str]) -> None:
+    """uvicorn exits 3 when it cannot bind and says why only in its log (found by review: the
+    CLI's failure status is 1, and its last line said nothing)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        result = kvwarm(env, "serve", "--port", port, "--backend", "stub", "--model", "stub-a",
+                        "--cache-dir", "none", timeout=120)  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    no_traceback(result)
+    assert "address already in use" in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"kvwarm: error: cannot serve on 127.0.0.1:{port} (the reason is logged above)"
+
+
 def test_usage_errors_exit_2(env: dict[str, str]) -> None:
     assert kvwarm(env).returncode == 2
     assert kvwarm(env, "frobnicate").returncode == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -72,8 +73,19 @@ def run(args: argparse.Namespace) -> int:
     # Slow clients are dropped and connections capped (server/connections.py).
     # Its shutdown ends streams still running with an error event (ServerState.drain).
     server = _Server(uvicorn_config(app, settings), drain=app.state.kvwarm.drain)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:
+        # uvicorn logs why it could not start (the port is taken, the host does not resolve)
+        # and exits 3 (found by review): the CLI's failure is 1, with one line of its own.
+        if server.started:
+            raise
+        print(
+            f"kvwarm: error: cannot serve on {settings.host}:{settings.port} "
+            "(the reason is logged above)",
+            file=sys.stderr,
+        )
+        return 1
     if fatal:
         raise ModelLoadError(f"no model could be loaded: {fatal[0]}")
-    # uvicorn reports a failed startup (e.g. the port is taken) only through its log.
     return 0 if server.started else 1
