@@ -292,6 +292,14 @@ def test_a_declined_admin_key_is_not_asked_again_and_the_keys_button_sets_it(
                 "['kvwarm.apiKey', 'kvwarm.adminKey'].map(k => sessionStorage.getItem(k))"
             )
             assert stored == ["sesame", "root"]
+            # The hit rate counts requests (each one outcome), not lookups (found by review:
+            # the chart still named its series "lookups" after the counters were reworked).
+            chart = "() => document.getElementById('chart-hits').getAttribute('aria-label')"
+            wait_for(page, f"() => ({chart})().includes(' %')")
+            assert page.evaluate(chart).startswith("Hit rate over time: requests ")
+            assert page.inner_text("#chart-hits + figcaption").startswith(
+                "Hit rate: requests that reused KV, prompt tokens"
+            )
             assert console.errors == []
     finally:
         live.stop()

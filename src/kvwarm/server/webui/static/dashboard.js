@@ -67,7 +67,7 @@ export class Dashboard {
     hits.dataset.title = "Hit rate over time";
     saved.dataset.title = "Prefill time saved over time";
     this.hitChart = new LineChart(hits, [
-      { name: "lookups", colorVar: "--accent" },
+      { name: "requests", colorVar: "--accent" },
       { name: "prompt tokens", colorVar: "--cached" },
     ], { fixedMax: 100, unit: " %" });
     this.savedChart = new LineChart(saved, [{ name: "saved", colorVar: "--cached" }], {
