@@ -496,6 +496,13 @@ def test_evict_with_a_repeated_tier_forgets_no_file(tmp_path: Path) -> None:
         assert not list(tmp_path.rglob("*.kvc"))
 
 
+def test_evict_from_a_tier_not_configured_is_a_400(client: TestClient) -> None:
+    """A typo'd tier freed nothing and answered 200 with 0 rows (found by review)."""
+    response = client.post("/cache/evict", json={"bytes": 1 << 40, "tiers": ["ram", "dsik"]})
+    assert_error(response, 400, "invalid_value", "tiers")
+    assert "'dsik'" in response.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("limit", ["\u00b2", "9" * 5000, "-1", "abc"])
 def test_cache_rows_bad_limit_is_a_400_naming_it(client: TestClient, limit: str) -> None:
     assert_error(client.get("/cache/rows", params={"limit": limit}), 400, "invalid_type", "limit")
