@@ -146,6 +146,34 @@ def test_serve_on_a_taken_port_exits_1_with_one_line(env: dict[str, str]) -> Non
     assert last == f"kvwarm: error: cannot serve on 127.0.0.1:{port} (the reason is logged above)"
 
 
+def test_serve_help_names_every_route_family(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvwarm serve --help`` listed the routes it serves, and missed /v1/messages,
+    /v1/responses, the rerank routes, /infill and /lora-adapters (found by review). Every
+    route of /openapi.json must be named, by its family (/v1/NAME, /admin/NAME, /cache/*)."""
+    from fastapi.testclient import TestClient
+    from tests.server.conftest import stub_settings
+
+    from kvwarm.cli import main
+    from kvwarm.server import create_app
+
+    monkeypatch.setenv("COLUMNS", "10000")  # argparse breaks lines after a hyphen
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = capsys.readouterr().out
+
+    def family(path: str) -> str:
+        parts = path.split("/")
+        if parts[1] == "cache":
+            return "/cache/*"
+        return "/".join(parts[:3] if parts[1] in ("v1", "v2", "admin") else parts[:2])
+
+    paths = TestClient(create_app(stub_settings())).get("/openapi.json").json()["paths"]
+    families = {family(p) for p in paths} - {"/cluster"}  # kvwarm cluster's alone
+    assert {f for f in families if f not in text} == set()
+
+
 def test_usage_errors_exit_2(env: dict[str, str]) -> None:
     assert kvwarm(env).returncode == 2
     assert kvwarm(env, "frobnicate").returncode == 2

@@ -24,11 +24,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, "
-        "/health, /metrics, /tokenize, /detokenize, /cache/* (stats, rows, slots, prewarm, "
-        "evict, gc, verify), /admin/models/load|unload and a web page at / (a chat and a live "
-        "cache dashboard). Defaults: the embedded model, a disk cache tier under the user cache "
-        "directory.",
+        description="Serve the OpenAI API (/v1/completions, /v1/chat/completions, "
+        "/v1/responses, /v1/embeddings, /v1/rerank, /v1/models), Anthropic's (/v1/messages), "
+        "llama-server's /tokenize, /detokenize, /infill, /rerank, /v2/rerank and "
+        "/lora-adapters, /health, /metrics, /cache/* (stats, rows, slots, prewarm, keepalive, "
+        "evict, gc, verify), /admin/models/load|unload and a web page at / (a chat, the models "
+        "and a live cache dashboard). Defaults: the embedded model, a disk cache tier under "
+        "the user cache directory.",
     )
     add_settings(parser)
     parser.set_defaults(run=run)
