@@ -174,6 +174,18 @@ def test_serve_help_names_every_route_family(
     assert {f for f in families if f not in text} == set()
 
 
+def test_admin_key_help_names_every_admin_route() -> None:
+    """--admin-key's help named /cache/* and /admin/* only (found by review): POST
+    /lora-adapters and /cluster need the key too (server/guard.py)."""
+    from kvwarm.server.guard import ADMIN_PREFIXES, ADMIN_ROUTES
+    from kvwarm.settings import Settings
+
+    text = Settings.model_fields["admin_key"].description or ""
+    named = [p.rstrip("/") + ("/*" if p.endswith("/") else "") for p in ADMIN_PREFIXES]
+    named += [f"{method} {path}" for method, path in sorted(ADMIN_ROUTES)]
+    assert [n for n in named if n not in text] == []
+
+
 def test_usage_errors_exit_2(env: dict[str, str]) -> None:
     assert kvwarm(env).returncode == 2
     assert kvwarm(env, "frobnicate").returncode == 2
