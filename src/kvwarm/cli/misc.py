@@ -20,6 +20,7 @@ from kvwarm.embedded import (
     embedded_model_path,
     model_id_for,
 )
+from kvwarm.errors import ConfigError
 from kvwarm.models_dir import scan
 
 
@@ -98,6 +99,8 @@ def run_models(args: argparse.Namespace) -> int:
         for model_id, path in scan(settings.models_dir).items():
             add(model_id, path, "models_dir")
     for directory in args.scan:
+        if not directory.expanduser().is_dir():  # a typo listed nothing, without a word
+            raise ConfigError(f"--scan {directory}: not a directory")
         for path in sorted(directory.expanduser().glob("**/*.gguf")):
             add(model_id_for(path), path, f"scan {directory}")
     if args.json:
