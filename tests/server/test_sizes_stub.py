@@ -112,3 +112,21 @@ def test_cache_stats_reports_no_request_counters_of_its_own(
     out = capsys.readouterr()
     assert "misses" not in out.out and "hits_exact" not in out.out
     assert "tier_disk_rows" in out.out and "counted by the server" in out.err
+
+
+def test_cache_stats_lists_a_tier_whose_directory_is_missing_as_empty(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """operations.md: a missing tier directory is "counted as empty". ``cache stats`` dropped
+    the tier from its listing instead (found by review: ``tiers`` had no ``disk`` at all, and
+    the server's /cache/stats lists every configured tier), so a script reading
+    ``tiers.disk`` failed exactly when the cache was empty."""
+    missing = tmp_path / "never-served"
+    assert main(["cache", "stats", "--json", "--cache-dir", str(missing)]) == 0
+    out = capsys.readouterr()
+    stats = json.loads(out.out)
+    assert list(stats["tiers"]) == ["ram", "disk"]  # the server's order
+    disk = stats["tiers"]["disk"]
+    assert (disk["rows"], disk["bytes"], disk["quota_bytes"]) == (0, 0, 20 << 30)
+    assert stats["missing_dirs"] == [str(missing / "rows")] and "does not exist" in out.err
+    assert not missing.exists()

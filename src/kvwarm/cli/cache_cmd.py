@@ -148,17 +148,21 @@ def run_stats(args: argparse.Namespace) -> int:
     with open_cache(settings, repair=False, missing=missing) as cache:
         counters = _levels(cache.counters())
         rows = cache.rows()
-        tiers = cache.tier_names()
     # The same summary /cache/stats answers (kvwarm.cache.sizes): physical bytes (each chunk
-    # once; a file tier's files' apparent sizes), logical bytes (what the rows restore).
-    total = summary(counters, rows, tiers)
+    # once; a file tier's files' apparent sizes), logical bytes (what the rows restore). Over
+    # the configured tiers, as the server lists them: one whose directory does not exist (left
+    # out of the open) is listed empty, with its quota, not dropped.
+    configured = settings.cache_config().tiers
+    total = summary(counters, rows, [t.name for t in configured])
+    per = total["tiers"]
+    assert isinstance(per, dict)
+    for tier in configured:
+        per[tier.name]["quota_bytes"] = per[tier.name]["quota_bytes"] or tier.quota_bytes
     cache_dir = str(settings.cache_dir) if settings.cache_dir else None
     if args.json:
         out = {**total, "cache_dir": cache_dir, "missing_dirs": missing, "counters": counters}
         print(json.dumps(out, indent=2))
         return 0
-    per = total["tiers"]
-    assert isinstance(per, dict)
     print(f"cache dir: {cache_dir or '(none: RAM only)'}")
     print(
         f"rows: {total['rows']}  stored: {_size(_num(total['bytes']))}  "
