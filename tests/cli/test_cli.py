@@ -395,6 +395,24 @@ def test_bench_runs_the_script_and_passes_its_exit_code(
     assert bench_script() == SRC.parent / "bench" / "cold_warm.py"
 
 
+def test_bench_passes_the_scripts_options_without_a_double_dash(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Its help says the arguments after 'bench' go to the script, whose arguments are all
+    options: ``kvwarm bench --lengths 128`` was a usage error (found by review)."""
+    script = tmp_path / "fake_bench.py"
+    script.write_text("import sys\nprint('args', sys.argv[1:])\n")
+    ran = kvwarm(env, "bench", "--script", str(script), "--lengths", "128", "--matrix-only")
+    assert ran.returncode == 0, ran.stderr
+    assert "args ['--lengths', '128', '--matrix-only']" in ran.stdout
+    equals = kvwarm(env, "bench", f"--script={script}", "--matrix-only")
+    assert "args ['--matrix-only']" in equals.stdout
+    its_help = kvwarm(env, "bench", "--script", str(script), "--", "--help")
+    assert "args ['--help']" in its_help.stdout
+    own = kvwarm(env, "bench", "--help")  # kvwarm's own help of the command
+    assert own.returncode == 0 and own.stdout.startswith("usage: kvwarm bench")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

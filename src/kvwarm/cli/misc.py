@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "bench",
         help="run the cold/warm benchmark (bench/cold_warm.py)",
         description="Run bench/cold_warm.py from the source checkout with this Python; "
-        "arguments after 'bench' are passed to it.",
+        "arguments after 'bench' (and --script PATH) are passed to it, options included: "
+        "kvwarm bench --lengths 512 1024 --matrix-only (its own help: kvwarm bench -- --help).",
     )
     bench.add_argument("--script", type=Path, default=None, help="benchmark script to run")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
