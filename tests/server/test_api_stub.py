@@ -226,6 +226,8 @@ def test_models_health_tokenize_detokenize(client: TestClient) -> None:
     assert [m["id"] for m in models["data"]] == ["a", "b"]
     assert all(m["object"] == "model" and m["status"] == "ready" for m in models["data"])
     assert client.get("/health").json()["status"] == "ok"
+    head = client.head("/health")  # a load balancer's health check
+    assert head.status_code == 200 and head.content == b""
     tokens = client.post("/tokenize", json={"model": "b", "content": "hey"}).json()["tokens"]
     assert client.post("/detokenize", json={"model": "b", "tokens": tokens}).json()["content"] == (
         "hey"
