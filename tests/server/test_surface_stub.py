@@ -94,6 +94,45 @@ def test_retrieve_model_and_unknown_is_openai_404(client: OpenAI) -> None:
     assert body["code"] == "model_not_found" and body["param"] == "model"
 
 
+def test_null_optional_fields_mean_their_defaults(client: OpenAI, http: httpx.Client) -> None:
+    # OpenAI's spec declares these nullable and the SDK sends null for a None argument: each
+    # was a 400 ("n: Input should be a valid integer") before.
+    chat = client.chat.completions.create(
+        model="a",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=2,
+        n=None,
+        stream=None,
+        extra_body={"parallel_tool_calls": None},
+    )
+    assert len(chat.choices) == 1 and chat.choices[0].message.content is not None
+    text = client.completions.create(
+        model="a", prompt=PROMPT, max_tokens=2, n=None, echo=None, stream=None
+    )
+    assert len(text.choices) == 1 and not text.choices[0].text.startswith(PROMPT)
+    resp = client.responses.create(
+        model="a",
+        input="hi",
+        max_output_tokens=2,
+        store=None,
+        stream=None,
+        parallel_tool_calls=None,
+    )
+    assert resp.parallel_tool_calls is True
+    assert client.responses.retrieve(resp.id).id == resp.id  # store's default: stored
+    body = {"model": "a", "input": "hi", "encoding_format": None}
+    embedded = http.post("/v1/embeddings", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert embedded.status_code == 200, embedded.text
+    assert isinstance(embedded.json()["data"][0]["embedding"], list)  # the default: floats
+    # A required field stays required.
+    missing = http.post(
+        "/v1/chat/completions",
+        json={"model": "a", "messages": None},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
+
+
 # --- keys, CORS, docs ------------------------------------------------------------------------
 
 

@@ -8,12 +8,21 @@ UTF-16 surrogate anywhere in a body is a 400 naming its path (``kvwarm.unicode``
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
@@ -45,7 +54,37 @@ def _salt_field() -> Any:
     )
 
 
-class _Body(BaseModel):
+@functools.cache
+def _defaulted_names(model: type[BaseModel]) -> frozenset[str]:
+    """The body keys (names and aliases) of ``model``'s fields that have a non-null default."""
+    names: set[str] = set()
+    for name, field in model.model_fields.items():
+        if field.is_required() or field.get_default(call_default_factory=True) is None:
+            continue
+        names.add(name)
+        if field.alias:
+            names.add(field.alias)
+        alias = field.validation_alias
+        choices = alias.choices if isinstance(alias, AliasChoices) else [alias]
+        names.update(c for c in choices if isinstance(c, str))
+    return frozenset(names)
+
+
+class NullMeansDefault(BaseModel):
+    """A body whose optional fields take ``null`` as "not given". OpenAI's API declares them
+    nullable (``"n": null``, ``"stream": null``, ``"store": null``...) and clients built on
+    its spec send that (a 400 for it would refuse a valid request)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        defaulted = _defaulted_names(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+class _Body(NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
 
 

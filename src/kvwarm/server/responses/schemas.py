@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, Tag
 
-from kvwarm.server.schemas import keep_alive_field
+from kvwarm.server.schemas import NullMeansDefault, keep_alive_field
 from kvwarm.server.tenancy import MAX_SALT_CHARS
 
 
-class _Body(BaseModel):
+class _Body(NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
 
 
