@@ -133,6 +133,28 @@ def test_null_optional_fields_mean_their_defaults(client: OpenAI, http: httpx.Cl
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
 
 
+def test_an_assistant_refusal_part_is_its_text(client: OpenAI) -> None:
+    # OpenAI's assistant content holds text and refusal parts; a refusal part was a 400
+    # ("content part of type 'refusal' is not supported").
+    def reply_to(assistant: list[dict[str, str]]) -> str | None:
+        done = client.chat.completions.create(
+            model="a",
+            messages=[
+                {"role": "user", "content": "Tell me a secret"},
+                {"role": "assistant", "content": assistant},  # type: ignore[typeddict-item]
+                {"role": "user", "content": "Why not?"},
+            ],
+            max_tokens=4,
+            temperature=0,
+        )
+        return done.choices[0].message.content
+
+    refused = reply_to(
+        [{"type": "text", "text": "No: "}, {"type": "refusal", "refusal": "I can't share that."}]
+    )
+    assert refused == reply_to([{"type": "text", "text": "No: I can't share that."}])
+
+
 # --- keys, CORS, docs ------------------------------------------------------------------------
 
 

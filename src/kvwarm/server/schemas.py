@@ -210,6 +210,7 @@ class ContentPart(_Body):
 
     type: str
     text: str | None = None
+    refusal: str | None = None  # an assistant's ``refusal`` part: its text, as said
     image_url: ImageUrl | str | None = None
     input_audio: InputAudio | None = None
     #: Where the part was in the request as the client sent it (another API's body
