@@ -284,6 +284,42 @@ def test_n_streamed_interleaves_choices_by_index(client: OpenAI) -> None:
     assert plain.usage is not None and plain.usage.prompt_tokens == usage.prompt_tokens
 
 
+def test_a_list_of_prompts_streams_every_choice(client: OpenAI) -> None:
+    # OpenAI streams a list of prompts (choice j of prompt i: index i * n + j); this was a
+    # 400 ("streaming supports one prompt per request").
+    body = {"model": "a", "prompt": [PROMPT, "Other words"], "max_tokens": 4, "n": 2, **SAMPLED}
+    whole = client.completions.create(**body)  # type: ignore[call-overload]
+    chunks = list(
+        client.completions.create(**body, stream=True, stream_options={"include_usage": True})  # type: ignore[call-overload]
+    )
+    texts: dict[int, str] = {}
+    finished: dict[int, str | None] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        if choice.finish_reason is not None:
+            finished[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert set(texts) == {0, 1, 2, 3} and finished == {
+        c.index: c.finish_reason for c in whole.choices
+    }
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage is not None and whole.usage is not None
+    assert usage.prompt_tokens == whole.usage.prompt_tokens == len(PROMPT) + len("Other words") + 2
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_later_prompt_that_fails_ends_the_stream_with_an_error(client: OpenAI) -> None:
+    stream = client.completions.create(
+        model="a", prompt=[PROMPT, "x" * 3000], max_tokens=2, stream=True
+    )
+    seen: list[int] = []
+    with pytest.raises(openai.APIError, match="context"):
+        for chunk in stream:
+            seen += [c.index for c in chunk.choices]
+    assert seen and set(seen) == {0}  # the first prompt's choice came whole, then the error
+
+
 def test_n_above_n_parallel_is_a_clear_400(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="a", prompt=PROMPT, max_tokens=2, n=5)
