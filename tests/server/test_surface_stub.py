@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from anthropic import Anthropic
 from openai import OpenAI
 
 from kvwarm.settings import ModelSpec
@@ -153,6 +154,34 @@ def test_an_assistant_refusal_part_is_its_text(client: OpenAI) -> None:
         [{"type": "text", "text": "No: "}, {"type": "refusal", "refusal": "I can't share that."}]
     )
     assert refused == reply_to([{"type": "text", "text": "No: I can't share that."}])
+
+
+def test_top_p_zero_is_in_range_and_keeps_the_likeliest_token(
+    client: OpenAI, live: LiveServer
+) -> None:
+    # OpenAI's, Anthropic's and the Responses API's top_p range is [0, 1]; 0 was a 400
+    # ("top_p must be in (0, 1]"). It keeps the likeliest token: the greedy reply.
+    def chat(**sampling: float) -> str | None:
+        done = client.chat.completions.create(
+            model="a",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=5,
+            seed=3,
+            **sampling,  # type: ignore[arg-type]
+        )
+        return done.choices[0].message.content
+
+    assert chat(temperature=1.0, top_p=0) == chat(temperature=0)
+    resp = client.responses.create(model="a", input="hi", max_output_tokens=2, top_p=0)
+    assert resp.status == "incomplete" and resp.top_p == 0
+    claude = Anthropic(base_url=live.base_url, api_key=KEY, max_retries=0)
+    message = claude.messages.create(
+        model="a",
+        max_tokens=2,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_body={"top_p": 0},  # this SDK has no sampling arguments any more
+    )
+    assert message.stop_reason == "max_tokens"
 
 
 # --- keys, CORS, docs ------------------------------------------------------------------------
