@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import httpx
 import openai
+import pydantic
 import pytest
 from anthropic import Anthropic
 from openai import OpenAI
@@ -454,6 +455,41 @@ def test_tool_call_streams_argument_fragments(client: OpenAI) -> None:
     arguments = "".join(d.function.arguments or "" for d in rest if d.function)
     assert json.loads(arguments) == {"city": "Oslo"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_forced_call_to_a_tool_with_nested_models_is_served(
+    client: OpenAI, live: LiveServer
+) -> None:
+    # pydantic (openai.pydantic_function_tool, Anthropic input schemas from models) writes
+    # nested models as "$ref": "#/$defs/...": relative to the parameters, which the forced
+    # call's schema wraps; those refs stopped resolving and the request was a 400.
+    class Place(pydantic.BaseModel):
+        city: str
+
+    class Trip(pydantic.BaseModel):
+        start: Place
+        stops: list[Place]
+
+    tool = openai.pydantic_function_tool(Trip)
+    assert "$defs" in tool["function"]["parameters"]
+    for choice in ("required", {"type": "function", "function": {"name": "Trip"}}):
+        done = client.chat.completions.create(
+            model="a",
+            messages=[{"role": "user", "content": "Plan a trip"}],
+            tools=[tool, WEATHER],  # type: ignore[list-item]
+            tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=4,
+        )
+        assert done.choices[0].finish_reason == "length"
+    claude = Anthropic(base_url=live.base_url, api_key=KEY, max_retries=0)
+    message = claude.messages.create(
+        model="a",
+        max_tokens=4,
+        messages=[{"role": "user", "content": "Plan a trip"}],
+        tools=[{"name": "Trip", "input_schema": Trip.model_json_schema()}],
+        tool_choice={"type": "any"},
+    )
+    assert message.stop_reason == "max_tokens"
 
 
 def test_a_call_cut_by_max_tokens_finishes_with_length_streamed_or_not(client: OpenAI) -> None:
