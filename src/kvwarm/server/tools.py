@@ -203,7 +203,7 @@ def forced_call_schema(tools: Sequence[Tool]) -> dict[str, object]:
                 "required": ["name", "arguments"],
             }
         )
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema: dict[str, object] = variants[0] if len(variants) == 1 else {"anyOf": variants}
     return {**schema, "$defs": defs} if defs else schema
 
 
