@@ -202,7 +202,7 @@ def test_cors_preflight_and_headers_for_an_allowed_origin(http: httpx.Client) ->
         headers={
             "Origin": ORIGIN,
             "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "content-type,x-api-key",
+            "Access-Control-Request-Headers": "content-type,x-api-key,authorization",
         },
     )
     assert preflight.status_code == 200
@@ -215,6 +215,32 @@ def test_cors_preflight_and_headers_for_an_allowed_origin(http: httpx.Client) ->
     refused = http.get("/v1/models", headers={"Origin": ORIGIN})
     assert refused.status_code == 401
     assert refused.headers["access-control-allow-origin"] == ORIGIN
+
+
+# What the official JS clients send from a browser (openai-node's and anthropic-sdk-typescript's
+# platform headers, and Anthropic's browser opt-in): a preflight naming them was a 400.
+JS_CLIENT_HEADERS = (
+    "authorization,content-type,x-api-key,anthropic-version,anthropic-beta,"
+    "anthropic-dangerous-direct-browser-access,openai-organization,openai-project,"
+    "x-stainless-arch,x-stainless-lang,x-stainless-os,x-stainless-package-version,"
+    "x-stainless-retry-count,x-stainless-runtime,x-stainless-runtime-version,x-stainless-timeout"
+)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+def test_cors_preflight_of_the_js_clients_headers_is_allowed(http: httpx.Client, path: str) -> None:
+    preflight = http.options(
+        path,
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": JS_CLIENT_HEADERS,
+        },
+    )
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    allowed = {h.strip() for h in preflight.headers["access-control-allow-headers"].split(",")}
+    assert set(JS_CLIENT_HEADERS.split(",")) <= {h.lower() for h in allowed}
 
 
 def test_cors_refuses_other_origins(http: httpx.Client) -> None:
