@@ -121,6 +121,12 @@ def test_null_optional_fields_mean_their_defaults(client: OpenAI, http: httpx.Cl
         parallel_tool_calls=None,
     )
     assert resp.parallel_tool_calls is True
+    typed_null = client.responses.create(
+        model="a",
+        input=[{"type": None, "role": "user", "content": "hi"}],  # type: ignore[list-item]
+        max_output_tokens=2,
+    )
+    assert typed_null.status == "incomplete"
     assert client.responses.retrieve(resp.id).id == resp.id  # store's default: stored
     body = {"model": "a", "input": "hi", "encoding_format": None}
     embedded = http.post("/v1/embeddings", json=body, headers={"Authorization": f"Bearer {KEY}"})

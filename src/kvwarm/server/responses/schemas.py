@@ -97,7 +97,7 @@ class ItemReference(_Body):
 
 def _item_type(value: object) -> str:
     if isinstance(value, dict):
-        kind = value.get("type", "message")
+        kind = value.get("type") or "message"  # absent or null: an "easy" input message
         return kind if isinstance(kind, str) else ""
     return str(getattr(value, "type", ""))
 
