@@ -524,6 +524,53 @@ def test_a_forced_call_to_a_tool_with_nested_models_is_served(
     assert message.stop_reason == "max_tokens"
 
 
+def test_allowed_tools_limit_which_tools_a_reply_may_call(client: OpenAI) -> None:
+    # OpenAI's allowed_tools tool_choice (chat and Responses) was a 400 ("tool_choice: Input
+    # should be 'none', 'auto' or 'required'"). A call to a tool outside the allowed set is
+    # not a call (it stays text); one inside it is.
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    grammar = "root ::= " + json.dumps(call)
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+
+    def reply(allowed: str) -> openai.types.chat.ChatCompletionMessage:
+        choice = {
+            "type": "allowed_tools",
+            "allowed_tools": {
+                "mode": "auto",
+                "tools": [{"type": "function", "function": {"name": allowed}}],
+            },
+        }
+        done = client.chat.completions.create(
+            model="a",
+            messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            tools=[WEATHER, other],  # type: ignore[list-item]
+            tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=100,
+            extra_body={"grammar": grammar},
+        )
+        return done.choices[0].message
+
+    allowed = reply("get_weather")
+    assert allowed.tool_calls and allowed.tool_calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    refused = reply("get_time")
+    assert not refused.tool_calls and refused.content == call
+    with pytest.raises(openai.BadRequestError) as caught:
+        reply("no_such_tool")
+    assert caught.value.param == "tool_choice.allowed_tools.tools.0"
+    resp = client.responses.create(
+        model="a",
+        input="What time is it?",
+        tools=[{"type": "function", "name": "get_time", "parameters": {}, "strict": False}],
+        tool_choice={
+            "type": "allowed_tools",
+            "mode": "required",
+            "tools": [{"type": "function", "name": "get_time"}],
+        },
+        max_output_tokens=4,
+    )
+    assert resp.tool_choice.type == "allowed_tools"  # type: ignore[union-attr]
+
+
 def test_a_call_cut_by_max_tokens_finishes_with_length_streamed_or_not(client: OpenAI) -> None:
     # The reply stops (max_tokens) after the call's name, inside its arguments: no call was
     # made, and a stream says so as the plain response does ("length"), not "tool_calls".

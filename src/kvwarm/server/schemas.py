@@ -18,8 +18,10 @@ from pydantic import (
     AliasChoices,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     PrivateAttr,
+    Tag,
     ValidationError,
     model_validator,
 )
@@ -257,11 +259,49 @@ class NamedToolChoice(_Body):
     function: NamedToolChoiceFunction
 
 
+class AllowedTools(_Body):
+    mode: Literal["auto", "required"]
+    # Tool references, as OpenAI writes them: {"type": "function", "function": {"name"}}
+    # (chat) or {"type": "function", "name"} (Responses).
+    tools: list[dict[str, object]] = Field(min_length=1)
+
+    def names(self, param: str) -> list[str]:
+        """The function names the references give; 400 for one that names none."""
+        out: list[str] = []
+        for i, ref in enumerate(self.tools):
+            fn = ref.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else ref.get("name")
+            if not isinstance(name, str) or not name:
+                raise HTTPError(400, f"{param}.{i} names no function", param=f"{param}.{i}")
+            out.append(name)
+        return out
+
+
+class AllowedToolsChoice(_Body):
+    """OpenAI's ``allowed_tools`` choice: calls only to these tools, optionally forced."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+def _choice_type(value: object) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if isinstance(kind, str) else None
+
+
+#: A ``tool_choice`` object, told apart by its ``type`` (so an error names the right one).
+ToolChoiceObject = Annotated[
+    Annotated[NamedToolChoice, Tag("function")]
+    | Annotated[AllowedToolsChoice, Tag("allowed_tools")],
+    Discriminator(_choice_type),
+]
+
+
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool = True  # False: a reply makes at most one tool call
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None

@@ -126,6 +126,14 @@ class FunctionChoice(_Body):
     name: str = Field(min_length=1)
 
 
+class AllowedToolsChoice(_Body):
+    """OpenAI's ``allowed_tools`` choice, as the Responses API writes it (flat)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, object]] = Field(min_length=1)
+
+
 class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
@@ -143,7 +151,9 @@ class ResponsesRequest(_Body):
     input: str | list[InputItem]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    tool_choice: (
+        Literal["none", "auto", "required"] | FunctionChoice | AllowedToolsChoice | None
+    ) = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
