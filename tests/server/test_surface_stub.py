@@ -411,6 +411,47 @@ def test_chat_logprobs_streamed_equal_the_plain_ones(client: OpenAI) -> None:
     assert all(c.choices[0].logprobs is not None for c in with_text)
 
 
+def test_logprobs_are_the_replys_tokens_without_its_end(client: OpenAI) -> None:
+    # The end-of-generation token is no part of the reply (nor of completion_tokens), but its
+    # logprob was: a last entry with empty text and no bytes.
+    grammar = {"grammar": "root ::= " + json.dumps("hé!")}  # the stub then ends: EOS
+    chat = client.chat.completions.create(
+        model="a",
+        messages=MESSAGES,
+        max_tokens=20,
+        logprobs=True,
+        extra_body=grammar,  # type: ignore[arg-type]
+    )
+    choice = chat.choices[0]
+    assert choice.finish_reason == "stop" and choice.logprobs and choice.logprobs.content
+    entries = choice.logprobs.content
+    assert chat.usage is not None and len(entries) == chat.usage.completion_tokens
+    assert bytes(b for e in entries for b in e.bytes or []).decode() == choice.message.content
+    streamed = list(
+        client.chat.completions.create(
+            model="a",
+            messages=MESSAGES,
+            max_tokens=20,
+            logprobs=True,
+            stream=True,
+            extra_body=grammar,  # type: ignore[arg-type]
+        )
+    )
+    tokens = [
+        e.token
+        for c in streamed
+        if c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]
+    assert tokens == [e.token for e in entries]
+    text = client.completions.create(
+        model="a", prompt=PROMPT, max_tokens=20, logprobs=1, extra_body=grammar
+    )
+    lp = text.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and text.usage is not None
+    assert len(lp.tokens) == text.usage.completion_tokens and "" not in lp.tokens
+
+
 def test_completion_logprobs_streamed(client: OpenAI) -> None:
     common = {"model": "a", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 1}
     plain = client.completions.create(**common)  # type: ignore[call-overload]
