@@ -133,4 +133,4 @@ def _check(worker: object) -> None:
         if act is not None:
             assert not act.req.answered, "a slot held by an answered request"
     for req in list(worker._queue):
-        assert not req.answered, "an answered request still queued"
+        assert not any(r.answered for r in req.group), "an answered request still queued"
