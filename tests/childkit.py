@@ -28,3 +28,25 @@ def run_child(
         check=False,
     )
     return done, [line for line in done.stdout.splitlines() if line.startswith(prefixes)]
+
+
+def assert_case_ok(*args: str, timeout: float = 180) -> None:
+    """Run ``python *args`` from the checkout's root, its ``src`` and root first on the path:
+    it must exit 0 with ``CASE-OK`` as its last line (a crash in llama.cpp fails the test with
+    the exit status and the ends of both outputs, not the test run)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+    detail = (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
+    assert proc.returncode == 0, detail
+    assert proc.stdout.rstrip().endswith("CASE-OK"), detail

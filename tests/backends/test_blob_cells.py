@@ -9,21 +9,16 @@ process, so an abort fails one test instead of the run.
 
 from __future__ import annotations
 
-import os
 import struct
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.childkit import assert_case_ok
 from tests.tinymodels import write_tiny_model
 
 from kvwarm.backends.llama.kv_layout import IO_MAGIC, check_cells
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import StateRestoreError
-
-ROOT = Path(__file__).resolve().parents[2]
 
 #: Run in the child: load ``PATH``, pack seq 0, restore ``patch(blob)`` into seq 1; the restore
 #: must fail typed and leave seq 1 empty and usable.
@@ -53,22 +48,7 @@ print("CASE-OK")
 
 
 def _run(path: str, patch: str) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD.format(patch=patch), path],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        check=False,
-    )
-    detail = (
-        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-2000:]}"
-    )
-    assert proc.returncode == 0, detail
-    assert proc.stdout.rstrip().endswith("CASE-OK"), detail
+    assert_case_ok("-c", _CHILD.format(patch=patch), path)
 
 
 @pytest.mark.model

@@ -12,13 +12,10 @@ The engine runs in a child process, so an abort fails one test instead of the ru
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.childkit import assert_case_ok
 from tests.tinymodels import _arch_keys, write_tiny_model
 
 from kvwarm.backends.llama import LlamaBackend
@@ -26,7 +23,6 @@ from kvwarm.errors import ModelLoadError
 
 pytestmark = pytest.mark.model
 
-ROOT = Path(__file__).resolve().parents[2]
 
 _ENGINE = """
 import sys
@@ -72,19 +68,4 @@ def test_the_backend_refuses_it(case: tuple[str, str]) -> None:
 
 
 def test_an_engine_load_is_a_typed_error(case: tuple[str, str]) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", _ENGINE, case[0]],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        check=False,
-    )
-    detail = (
-        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-2000:]}"
-    )
-    assert proc.returncode == 0, detail
-    assert proc.stdout.rstrip().endswith("CASE-OK"), detail
+    assert_case_ok("-c", _ENGINE, case[0])

@@ -10,7 +10,9 @@ from tests.cache.facadekit import NS, NS2, FakeClock, GatedTier, req
 
 from kvwarm.cache import Cache, CacheConfig, PressureConfig, SaveReason, TierConfig, TtlClass
 from kvwarm.cache.api import CacheApi
+from kvwarm.cache.tiers.registry import check_name
 from kvwarm.errors import CacheFormatError, CacheKeyError, ConfigError, InvalidRequestError
+from kvwarm.settings.types import as_tier
 
 
 @pytest.fixture
@@ -287,6 +289,17 @@ def test_bad_config_fails_at_construction(tmp_path: object) -> None:
         Cache(CacheConfig(writer_threads=0))
     with pytest.raises(ConfigError):
         Cache(CacheConfig(pressure=PressureConfig(high_watermark=0.5, low_watermark=0.6)))
+
+
+@pytest.mark.parametrize("name", ["disqué", "ram²", "my-tier", ""])
+def test_a_tier_name_must_be_ascii_letters_digits_and_underscores(name: str) -> None:
+    """Names appear in /metrics, whose tier pattern is ASCII (found by review: "disqué"
+    passed str.isalnum() and its sizes were exposed as mangled counters)."""
+    with pytest.raises(ConfigError, match="tier names"):
+        check_name(name)
+    if name:  # save_tier's parser (settings) says the same
+        with pytest.raises(ValueError, match="tier name"):
+            as_tier(name)
 
 
 def test_pressure_scheduler_evicts_through_facade() -> None:

@@ -159,5 +159,14 @@ def test_bad_tenant_options_are_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: tuple[str, ...], needle: str
 ) -> None:
     argv = ["cache", "explain", "--backend", "stub", "--model", "stub-a"]
-    assert main([*argv, "--cache-dir", str(tmp_path / "c"), *args, PROMPT]) == 1
+    # Usage errors: exit 2, as the CLI's other bad options.
+    assert main([*argv, "--cache-dir", str(tmp_path / "c"), *args, PROMPT]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_explain_without_a_prompt_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["cache", "explain", "--backend", "stub", "--model", "stub-a"]
+    assert main([*argv, "--cache-dir", str(tmp_path / "c")]) == 2
+    assert "give a prompt or --body" in capsys.readouterr().err

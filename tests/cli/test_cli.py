@@ -95,6 +95,97 @@ def test_help_on_every_command(env: dict[str, str], command: list[str]) -> None:
     assert result.stdout.startswith("usage: kvwarm")
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--max-tokens", "-1"], "--max-tokens: max_tokens must be >= 0"),
+        (["--temperature", "nan"], "--temperature: temperature must be a finite number"),
+        (["--stop", ""], "--stop: "),
+    ],
+)
+def test_a_sampling_flag_out_of_range_is_a_usage_error(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2 as for a flag that is not a number (found by review: it was 1, a failure). The
+    check runs before any model loads."""
+    from kvwarm.cli import main
+
+    argv = ["complete", "--backend", "stub", "--model", "stub-a", "--cache-dir", "none"]
+    assert main([*argv, *flags, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvwarm: error: {said}") and err.count("\n") == 1, err
+
+
+def test_cache_ls_refuses_a_negative_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--limit -3`` listed every row without a word (found by review); 0 still means all."""
+    from kvwarm.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["cache", "ls", "--limit", "-3", "--cache-dir", str(tmp_path)])
+    assert exited.value.code == 2
+    assert "argument --limit: must be 0 (all) or more, got -3" in capsys.readouterr().err
+    assert main(["cache", "ls", "--json", "--limit", "0", "--cache-dir", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+
+
+def test_serve_on_a_taken_port_exits_1_with_one_line(env: dict[str, str]) -> None:
+    """uvicorn exits 3 when it cannot bind and says why only in its log (found by review: the
+    CLI's failure status is 1, and its last line said nothing)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        result = kvwarm(env, "serve", "--port", port, "--backend", "stub", "--model", "stub-a",
+                        "--cache-dir", "none", timeout=120)  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    no_traceback(result)
+    assert "address already in use" in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"kvwarm: error: cannot serve on 127.0.0.1:{port} (the reason is logged above)"
+
+
+def test_serve_help_names_every_route_family(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvwarm serve --help`` listed the routes it serves, and missed /v1/messages,
+    /v1/responses, the rerank routes, /infill and /lora-adapters (found by review). Every
+    route of /openapi.json must be named, by its family (/v1/NAME, /admin/NAME, /cache/*)."""
+    from fastapi.testclient import TestClient
+    from tests.server.conftest import stub_settings
+
+    from kvwarm.cli import main
+    from kvwarm.server import create_app
+
+    monkeypatch.setenv("COLUMNS", "10000")  # argparse breaks lines after a hyphen
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = capsys.readouterr().out
+
+    def family(path: str) -> str:
+        parts = path.split("/")
+        if parts[1] == "cache":
+            return "/cache/*"
+        return "/".join(parts[:3] if parts[1] in ("v1", "v2", "admin") else parts[:2])
+
+    paths = TestClient(create_app(stub_settings())).get("/openapi.json").json()["paths"]
+    families = {family(p) for p in paths} - {"/cluster"}  # kvwarm cluster's alone
+    assert {f for f in families if f not in text} == set()
+
+
+def test_admin_key_help_names_every_admin_route() -> None:
+    """--admin-key's help named /cache/* and /admin/* only (found by review): POST
+    /lora-adapters and /cluster need the key too (server/guard.py)."""
+    from kvwarm.server.guard import ADMIN_PREFIXES, ADMIN_ROUTES
+    from kvwarm.settings import Settings
+
+    text = Settings.model_fields["admin_key"].description or ""
+    named = [p.rstrip("/") + ("/*" if p.endswith("/") else "") for p in ADMIN_PREFIXES]
+    named += [f"{method} {path}" for method, path in sorted(ADMIN_ROUTES)]
+    assert [n for n in named if n not in text] == []
+
+
 def test_usage_errors_exit_2(env: dict[str, str]) -> None:
     assert kvwarm(env).returncode == 2
     assert kvwarm(env, "frobnicate").returncode == 2
@@ -302,6 +393,24 @@ def test_bench_runs_the_script_and_passes_its_exit_code(
     missing = kvwarm(env, "bench", "--script", str(tmp_path / "nope.py"))
     assert missing.returncode == 1 and "not found" in missing.stderr
     assert bench_script() == SRC.parent / "bench" / "cold_warm.py"
+
+
+def test_bench_passes_the_scripts_options_without_a_double_dash(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Its help says the arguments after 'bench' go to the script, whose arguments are all
+    options: ``kvwarm bench --lengths 128`` was a usage error (found by review)."""
+    script = tmp_path / "fake_bench.py"
+    script.write_text("import sys\nprint('args', sys.argv[1:])\n")
+    ran = kvwarm(env, "bench", "--script", str(script), "--lengths", "128", "--matrix-only")
+    assert ran.returncode == 0, ran.stderr
+    assert "args ['--lengths', '128', '--matrix-only']" in ran.stdout
+    equals = kvwarm(env, "bench", f"--script={script}", "--matrix-only")
+    assert "args ['--matrix-only']" in equals.stdout
+    its_help = kvwarm(env, "bench", "--script", str(script), "--", "--help")
+    assert "args ['--help']" in its_help.stdout
+    own = kvwarm(env, "bench", "--help")  # kvwarm's own help of the command
+    assert own.returncode == 0 and own.stdout.startswith("usage: kvwarm bench")
 
 
 def _free_port() -> int:

@@ -5,6 +5,7 @@ bar and llama.cpp's log lines (the real model where it matters)."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import re
@@ -150,3 +151,19 @@ def test_the_load_bar_reaches_100_percent_with_log_lines_above_it(env: dict[str,
     assert percents == sorted(percents)
     warning = [f for f in frames if "is more than the 8192 tokens it was trained on" in f]
     assert warning and all("%|" not in f for f in warning), warning
+
+
+def test_models_scan_of_a_missing_directory_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvwarm models --scan DIR`` with a typo'd DIR listed nothing from it and exited 0
+    (found by review)."""
+    from kvwarm.cli import main
+
+    missing = tmp_path / "no-such-dir"
+    assert main(["models", "--scan", str(missing)]) == 2
+    assert capsys.readouterr().err == f"kvwarm: error: --scan {missing}: not a directory\n"
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert main(["models", "--json", "--scan", str(tmp_path)]) == 0
+    listed = [m for m in json.loads(capsys.readouterr().out) if m["source"].startswith("scan")]
+    assert [m["id"] for m in listed] == ["m"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import anthropic as sdk
+import pytest
 from fastapi.testclient import TestClient
 
 from kvwarm.engine.types import Completion, CompletionStats
@@ -247,6 +249,46 @@ def test_forced_call_stream_has_no_text_block_and_max_tokens_maps() -> None:
     assert names[:3] == ["content_block_start", "ping", "content_block_delta"]
     cut = anthropic.message("m", "a", _reply("abc", [], finish="length"))
     assert cut["stop_reason"] == "max_tokens"
+
+
+def test_structured_output_format_reaches_the_grammar(client: TestClient) -> None:
+    # Anthropic's structured outputs (output_config.format; the beta's output_format) were
+    # ignored: a reply asked to be JSON of a schema came back as free text. A pattern the
+    # grammar cannot hold is a 400 naming it, which shows the schema is applied.
+    claude = sdk.Anthropic(
+        base_url="http://testserver", api_key="k", http_client=client, max_retries=0
+    )
+    ask: list[sdk.types.MessageParam] = [{"role": "user", "content": "A word?"}]
+    unholdable = {"type": "json_schema", "schema": {"type": "string", "pattern": "(?=a)b"}}
+    with pytest.raises(sdk.BadRequestError) as caught:
+        claude.messages.create(
+            model="a",
+            max_tokens=8,
+            messages=ask,
+            output_config={"format": unholdable},  # type: ignore[typeddict-item]
+        )
+    assert "lookarounds" in caught.value.message
+    with pytest.raises(sdk.BadRequestError):
+        claude.messages.create(
+            model="a", max_tokens=8, messages=ask, extra_body={"output_format": unholdable}
+        )
+    fine = {"type": "json_schema", "schema": {"type": "object"}}
+    done = claude.messages.create(
+        model="a",
+        max_tokens=8,
+        messages=ask,
+        output_config={"format": fine},  # type: ignore[typeddict-item]
+    )
+    assert done.stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(sdk.BadRequestError):  # a forced call and a JSON reply: not both
+        claude.messages.create(
+            model="a",
+            max_tokens=8,
+            messages=ask,
+            tools=[{"name": "f", "input_schema": {"type": "object"}}],
+            tool_choice={"type": "any"},
+            output_config={"format": fine},  # type: ignore[typeddict-item]
+        )
 
 
 def test_errors_are_anthropic_shaped(client: TestClient) -> None:

@@ -226,6 +226,8 @@ def test_models_health_tokenize_detokenize(client: TestClient) -> None:
     assert [m["id"] for m in models["data"]] == ["a", "b"]
     assert all(m["object"] == "model" and m["status"] == "ready" for m in models["data"])
     assert client.get("/health").json()["status"] == "ok"
+    head = client.head("/health")  # a load balancer's health check
+    assert head.status_code == 200 and head.content == b""
     tokens = client.post("/tokenize", json={"model": "b", "content": "hey"}).json()["tokens"]
     assert client.post("/detokenize", json={"model": "b", "tokens": tokens}).json()["content"] == (
         "hey"
@@ -494,6 +496,13 @@ def test_evict_with_a_repeated_tier_forgets_no_file(tmp_path: Path) -> None:
         assert evicted.json()["rows"] == rows
         assert c.get("/cache/stats").json()["rows"] == 0
         assert not list(tmp_path.rglob("*.kvc"))
+
+
+def test_evict_from_a_tier_not_configured_is_a_400(client: TestClient) -> None:
+    """A typo'd tier freed nothing and answered 200 with 0 rows (found by review)."""
+    response = client.post("/cache/evict", json={"bytes": 1 << 40, "tiers": ["ram", "dsik"]})
+    assert_error(response, 400, "invalid_value", "tiers")
+    assert "'dsik'" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("limit", ["\u00b2", "9" * 5000, "-1", "abc"])

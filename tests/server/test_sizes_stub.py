@@ -84,3 +84,49 @@ def test_sizes_agree_with_the_files_on_disk(
     assert {k: (r["bytes"], r["exclusive_bytes"]) for k, r in listed.items()} == {
         k: (r["bytes"], r["exclusive_bytes"]) for k, r in rows.items()
     }
+
+
+def test_cache_stats_reports_no_request_counters_of_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvwarm cache stats`` printed ``Cache.counters()`` whole (found by review): the hits,
+    misses and saves of its own read-only open, all 0 beside a server that counted them. It
+    reports the levels the tiers hold, which equal the server's."""
+    settings = stub_settings(cache_dir=tmp_path, save_tier="disk")
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        body = {"model": "a", "prompt": SYSTEM, "max_tokens": 2}
+        for _ in range(2):
+            assert client.post("/v1/completions", json=body).status_code == 200
+        assert client.app.state.kvwarm.require_engine().cache.flush()
+        served = client.get("/cache/stats").json()["counters"]
+    assert served["misses"] + served["hits_live"] + served["hits_exact"] == 2
+    capsys.readouterr()
+    assert main(["cache", "stats", "--json", "--cache-dir", str(tmp_path)]) == 0
+    cli = json.loads(capsys.readouterr().out)["counters"]
+    events = ("misses", "hits_exact", "hits_live", "saves_finish", "latency_save_count")
+    assert not set(events) & set(cli), cli
+    assert cli["tier_disk_rows"] == served["tier_disk_rows"] >= 1
+    assert cli["tier_disk_bytes"] == served["tier_disk_bytes"]
+    assert main(["cache", "stats", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert "misses" not in out.out and "hits_exact" not in out.out
+    assert "tier_disk_rows" in out.out and "counted by the server" in out.err
+
+
+def test_cache_stats_lists_a_tier_whose_directory_is_missing_as_empty(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """operations.md: a missing tier directory is "counted as empty". ``cache stats`` dropped
+    the tier from its listing instead (found by review: ``tiers`` had no ``disk`` at all, and
+    the server's /cache/stats lists every configured tier), so a script reading
+    ``tiers.disk`` failed exactly when the cache was empty."""
+    missing = tmp_path / "never-served"
+    assert main(["cache", "stats", "--json", "--cache-dir", str(missing)]) == 0
+    out = capsys.readouterr()
+    stats = json.loads(out.out)
+    assert list(stats["tiers"]) == ["ram", "disk"]  # the server's order
+    disk = stats["tiers"]["disk"]
+    assert (disk["rows"], disk["bytes"], disk["quota_bytes"]) == (0, 0, 20 << 30)
+    assert stats["missing_dirs"] == [str(missing / "rows")] and "does not exist" in out.err
+    assert not missing.exists()

@@ -9,7 +9,9 @@ from collections.abc import Iterator
 
 import httpx
 import openai
+import pydantic
 import pytest
+from anthropic import Anthropic
 from openai import OpenAI
 
 from kvwarm.settings import ModelSpec
@@ -94,6 +96,101 @@ def test_retrieve_model_and_unknown_is_openai_404(client: OpenAI) -> None:
     assert body["code"] == "model_not_found" and body["param"] == "model"
 
 
+def test_null_optional_fields_mean_their_defaults(client: OpenAI, http: httpx.Client) -> None:
+    # OpenAI's spec declares these nullable and the SDK sends null for a None argument: each
+    # was a 400 ("n: Input should be a valid integer") before.
+    chat = client.chat.completions.create(
+        model="a",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=2,
+        n=None,
+        stream=None,
+        extra_body={"parallel_tool_calls": None},
+    )
+    assert len(chat.choices) == 1 and chat.choices[0].message.content is not None
+    text = client.completions.create(
+        model="a", prompt=PROMPT, max_tokens=2, n=None, echo=None, stream=None
+    )
+    assert len(text.choices) == 1 and not text.choices[0].text.startswith(PROMPT)
+    resp = client.responses.create(
+        model="a",
+        input="hi",
+        max_output_tokens=2,
+        store=None,
+        stream=None,
+        parallel_tool_calls=None,
+    )
+    assert resp.parallel_tool_calls is True
+    typed_null = client.responses.create(
+        model="a",
+        input=[{"type": None, "role": "user", "content": "hi"}],  # type: ignore[list-item]
+        max_output_tokens=2,
+    )
+    assert typed_null.status in ("incomplete", "completed")  # served: no 400
+    assert client.responses.retrieve(resp.id).id == resp.id  # store's default: stored
+    body = {"model": "a", "input": "hi", "encoding_format": None}
+    embedded = http.post("/v1/embeddings", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert embedded.status_code == 200, embedded.text
+    assert isinstance(embedded.json()["data"][0]["embedding"], list)  # the default: floats
+    # A required field stays required.
+    missing = http.post(
+        "/v1/chat/completions",
+        json={"model": "a", "messages": None},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
+
+
+def test_an_assistant_refusal_part_is_its_text(client: OpenAI) -> None:
+    # OpenAI's assistant content holds text and refusal parts; a refusal part was a 400
+    # ("content part of type 'refusal' is not supported").
+    def reply_to(assistant: list[dict[str, str]]) -> str | None:
+        done = client.chat.completions.create(
+            model="a",
+            messages=[
+                {"role": "user", "content": "Tell me a secret"},
+                {"role": "assistant", "content": assistant},  # type: ignore[typeddict-item]
+                {"role": "user", "content": "Why not?"},
+            ],
+            max_tokens=4,
+            temperature=0,
+        )
+        return done.choices[0].message.content
+
+    refused = reply_to(
+        [{"type": "text", "text": "No: "}, {"type": "refusal", "refusal": "I can't share that."}]
+    )
+    assert refused == reply_to([{"type": "text", "text": "No: I can't share that."}])
+
+
+def test_top_p_zero_is_in_range_and_keeps_the_likeliest_token(
+    client: OpenAI, live: LiveServer
+) -> None:
+    # OpenAI's, Anthropic's and the Responses API's top_p range is [0, 1]; 0 was a 400
+    # ("top_p must be in (0, 1]"). It keeps the likeliest token: the greedy reply.
+    def chat(**sampling: float) -> str | None:
+        done = client.chat.completions.create(
+            model="a",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=5,
+            seed=3,
+            **sampling,  # type: ignore[arg-type]
+        )
+        return done.choices[0].message.content
+
+    assert chat(temperature=1.0, top_p=0) == chat(temperature=0)
+    resp = client.responses.create(model="a", input="hi", max_output_tokens=2, top_p=0)
+    assert resp.status == "incomplete" and resp.top_p == 0
+    claude = Anthropic(base_url=live.base_url, api_key=KEY, max_retries=0)
+    message = claude.messages.create(
+        model="a",
+        max_tokens=2,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_body={"top_p": 0},  # this SDK has no sampling arguments any more
+    )
+    assert message.stop_reason == "max_tokens"
+
+
 # --- keys, CORS, docs ------------------------------------------------------------------------
 
 
@@ -111,7 +208,7 @@ def test_cors_preflight_and_headers_for_an_allowed_origin(http: httpx.Client) ->
         headers={
             "Origin": ORIGIN,
             "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "content-type,x-api-key",
+            "Access-Control-Request-Headers": "content-type,x-api-key,authorization",
         },
     )
     assert preflight.status_code == 200
@@ -124,6 +221,32 @@ def test_cors_preflight_and_headers_for_an_allowed_origin(http: httpx.Client) ->
     refused = http.get("/v1/models", headers={"Origin": ORIGIN})
     assert refused.status_code == 401
     assert refused.headers["access-control-allow-origin"] == ORIGIN
+
+
+# What the official JS clients send from a browser (openai-node's and anthropic-sdk-typescript's
+# platform headers, and Anthropic's browser opt-in): a preflight naming them was a 400.
+JS_CLIENT_HEADERS = (
+    "authorization,content-type,x-api-key,anthropic-version,anthropic-beta,"
+    "anthropic-dangerous-direct-browser-access,openai-organization,openai-project,"
+    "x-stainless-arch,x-stainless-lang,x-stainless-os,x-stainless-package-version,"
+    "x-stainless-retry-count,x-stainless-runtime,x-stainless-runtime-version,x-stainless-timeout"
+)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+def test_cors_preflight_of_the_js_clients_headers_is_allowed(http: httpx.Client, path: str) -> None:
+    preflight = http.options(
+        path,
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": JS_CLIENT_HEADERS,
+        },
+    )
+    assert preflight.status_code == 200, preflight.text
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    allowed = {h.strip() for h in preflight.headers["access-control-allow-headers"].split(",")}
+    assert set(JS_CLIENT_HEADERS.split(",")) <= {h.lower() for h in allowed}
 
 
 def test_cors_refuses_other_origins(http: httpx.Client) -> None:
@@ -223,6 +346,42 @@ def test_n_streamed_interleaves_choices_by_index(client: OpenAI) -> None:
     assert plain.usage is not None and plain.usage.prompt_tokens == usage.prompt_tokens
 
 
+def test_a_list_of_prompts_streams_every_choice(client: OpenAI) -> None:
+    # OpenAI streams a list of prompts (choice j of prompt i: index i * n + j); this was a
+    # 400 ("streaming supports one prompt per request").
+    body = {"model": "a", "prompt": [PROMPT, "Other words"], "max_tokens": 4, "n": 2, **SAMPLED}
+    whole = client.completions.create(**body)  # type: ignore[call-overload]
+    chunks = list(
+        client.completions.create(**body, stream=True, stream_options={"include_usage": True})  # type: ignore[call-overload]
+    )
+    texts: dict[int, str] = {}
+    finished: dict[int, str | None] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        if choice.finish_reason is not None:
+            finished[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert set(texts) == {0, 1, 2, 3} and finished == {
+        c.index: c.finish_reason for c in whole.choices
+    }
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage is not None and whole.usage is not None
+    assert usage.prompt_tokens == whole.usage.prompt_tokens == len(PROMPT) + len("Other words") + 2
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_later_prompt_that_fails_ends_the_stream_with_an_error(client: OpenAI) -> None:
+    stream = client.completions.create(
+        model="a", prompt=[PROMPT, "x" * 3000], max_tokens=2, stream=True
+    )
+    seen: list[int] = []
+    with pytest.raises(openai.APIError, match="context"):
+        for chunk in stream:
+            seen += [c.index for c in chunk.choices]
+    assert seen and set(seen) == {0}  # the first prompt's choice came whole, then the error
+
+
 def test_n_above_n_parallel_is_a_clear_400(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="a", prompt=PROMPT, max_tokens=2, n=5)
@@ -250,6 +409,47 @@ def test_chat_logprobs_streamed_equal_the_plain_ones(client: OpenAI) -> None:
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in expected]
     with_text = [c for c in chunks if c.choices and c.choices[0].delta.content]
     assert all(c.choices[0].logprobs is not None for c in with_text)
+
+
+def test_logprobs_are_the_replys_tokens_without_its_end(client: OpenAI) -> None:
+    # The end-of-generation token is no part of the reply (nor of completion_tokens), but its
+    # logprob was: a last entry with empty text and no bytes.
+    grammar = {"grammar": "root ::= " + json.dumps("hé!")}  # the stub then ends: EOS
+    chat = client.chat.completions.create(
+        model="a",
+        messages=MESSAGES,
+        max_tokens=20,
+        logprobs=True,
+        extra_body=grammar,  # type: ignore[arg-type]
+    )
+    choice = chat.choices[0]
+    assert choice.finish_reason == "stop" and choice.logprobs and choice.logprobs.content
+    entries = choice.logprobs.content
+    assert chat.usage is not None and len(entries) == chat.usage.completion_tokens
+    assert bytes(b for e in entries for b in e.bytes or []).decode() == choice.message.content
+    streamed = list(
+        client.chat.completions.create(
+            model="a",
+            messages=MESSAGES,
+            max_tokens=20,
+            logprobs=True,
+            stream=True,
+            extra_body=grammar,  # type: ignore[arg-type]
+        )
+    )
+    tokens = [
+        e.token
+        for c in streamed
+        if c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]
+    assert tokens == [e.token for e in entries]
+    text = client.completions.create(
+        model="a", prompt=PROMPT, max_tokens=20, logprobs=1, extra_body=grammar
+    )
+    lp = text.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and text.usage is not None
+    assert len(lp.tokens) == text.usage.completion_tokens and "" not in lp.tokens
 
 
 def test_completion_logprobs_streamed(client: OpenAI) -> None:
@@ -328,6 +528,90 @@ def test_tool_call_streams_argument_fragments(client: OpenAI) -> None:
     arguments = "".join(d.function.arguments or "" for d in rest if d.function)
     assert json.loads(arguments) == {"city": "Oslo"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_forced_call_to_a_tool_with_nested_models_is_served(
+    client: OpenAI, live: LiveServer
+) -> None:
+    # pydantic (openai.pydantic_function_tool, Anthropic input schemas from models) writes
+    # nested models as "$ref": "#/$defs/...": relative to the parameters, which the forced
+    # call's schema wraps; those refs stopped resolving and the request was a 400.
+    class Place(pydantic.BaseModel):
+        city: str
+
+    class Trip(pydantic.BaseModel):
+        start: Place
+        stops: list[Place]
+
+    tool = openai.pydantic_function_tool(Trip)
+    assert "$defs" in tool["function"]["parameters"]
+    for choice in ("required", {"type": "function", "function": {"name": "Trip"}}):
+        done = client.chat.completions.create(
+            model="a",
+            messages=[{"role": "user", "content": "Plan a trip"}],
+            tools=[tool, WEATHER],  # type: ignore[list-item]
+            tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=4,
+            temperature=0,
+        )
+        assert done.choices[0].finish_reason in ("length", "stop")  # served: no 400
+    claude = Anthropic(base_url=live.base_url, api_key=KEY, max_retries=0)
+    message = claude.messages.create(
+        model="a",
+        max_tokens=4,
+        messages=[{"role": "user", "content": "Plan a trip"}],
+        tools=[{"name": "Trip", "input_schema": Trip.model_json_schema()}],
+        tool_choice={"type": "any"},
+        extra_body={"temperature": 0},
+    )
+    assert message.stop_reason in ("max_tokens", "end_turn")
+
+
+def test_allowed_tools_limit_which_tools_a_reply_may_call(client: OpenAI) -> None:
+    # OpenAI's allowed_tools tool_choice (chat and Responses) was a 400 ("tool_choice: Input
+    # should be 'none', 'auto' or 'required'"). A call to a tool outside the allowed set is
+    # not a call (it stays text); one inside it is.
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    grammar = "root ::= " + json.dumps(call)
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+
+    def reply(allowed: str) -> openai.types.chat.ChatCompletionMessage:
+        choice = {
+            "type": "allowed_tools",
+            "allowed_tools": {
+                "mode": "auto",
+                "tools": [{"type": "function", "function": {"name": allowed}}],
+            },
+        }
+        done = client.chat.completions.create(
+            model="a",
+            messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            tools=[WEATHER, other],  # type: ignore[list-item]
+            tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=100,
+            extra_body={"grammar": grammar},
+        )
+        return done.choices[0].message
+
+    allowed = reply("get_weather")
+    assert allowed.tool_calls and allowed.tool_calls[0].function.name == "get_weather"  # type: ignore[union-attr]
+    refused = reply("get_time")
+    assert not refused.tool_calls and refused.content == call
+    with pytest.raises(openai.BadRequestError) as caught:
+        reply("no_such_tool")
+    assert caught.value.param == "tool_choice.allowed_tools.tools.0"
+    resp = client.responses.create(
+        model="a",
+        input="What time is it?",
+        tools=[{"type": "function", "name": "get_time", "parameters": {}, "strict": False}],
+        tool_choice={
+            "type": "allowed_tools",
+            "mode": "required",
+            "tools": [{"type": "function", "name": "get_time"}],
+        },
+        max_output_tokens=4,
+    )
+    assert resp.tool_choice.type == "allowed_tools"  # type: ignore[union-attr]
 
 
 def test_a_call_cut_by_max_tokens_finishes_with_length_streamed_or_not(client: OpenAI) -> None:

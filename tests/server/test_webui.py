@@ -247,3 +247,38 @@ def test_the_cluster_panel_draws_what_get_cluster_says(tmp_path: Path) -> None:
     assert texts[6] == "35 ms" and texts[7] == "ram 3" and texts[10] == "1"
     assert texts[12] == "1 min ago"
     assert out["note"].startswith("routing: events; index: 0 rows")
+
+
+def test_the_dashboard_hit_rate_is_the_request_outcomes_of_cache_stats(
+    client: TestClient, tmp_path: Path
+) -> None:
+    """``dashboard.js``'s hit rate over a live ``/cache/stats`` body (run in Node): requests
+    that reused KV over all requests, every outcome counter of ``REQUEST_OUTCOMES`` in it
+    (``hits_live`` too), so a new outcome cannot be left out of the page silently."""
+    from kvwarm.cache.counters import REQUEST_OUTCOMES
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node on the PATH to run the page's modules")
+    body = {"model": "a", "prompt": "Hit rates count requests, not lookups.", "max_tokens": 2}
+    for _ in range(2):  # a miss, then the slot's live KV
+        assert client.post("/v1/completions", json=body).status_code == 200
+    counters = client.get("/cache/stats").json()["counters"]
+    hits = sum(counters[k] for k in REQUEST_OUTCOMES if k != "misses")
+    assert counters["hits_live"] >= 1 and counters["misses"] >= 1
+    script = tmp_path / "rate.mjs"
+    module = json.dumps((STATIC / "dashboard.js").as_uri())
+    script.write_text(
+        f"import {{ lookupHitRate }} from {module};\n"
+        f"const c = {json.dumps(counters)};\n"
+        "const one = (k) => lookupHitRate({...c, [k]: c[k] + 1});\n"
+        f"console.log(JSON.stringify({{rate: lookupHitRate(c), "
+        f"bumped: {json.dumps(list(REQUEST_OUTCOMES))}.map(one)}}));\n"
+    )
+    run = subprocess.run([node, str(script)], capture_output=True, check=True, text=True)
+    out = json.loads(run.stdout)
+    total = hits + counters["misses"]
+    assert out["rate"] == pytest.approx(hits / total)
+    # One more of each outcome moves the rate as a hit or a miss would.
+    expected = [(hits + (k != "misses")) / (total + 1) for k in REQUEST_OUTCOMES]
+    assert out["bumped"] == pytest.approx(expected)

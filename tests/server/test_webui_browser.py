@@ -254,6 +254,57 @@ def test_keys_are_asked_once_per_session(browser: Browser, tmp_path: Path) -> No
         live.stop()
 
 
+def test_a_declined_admin_key_is_not_asked_again_and_the_keys_button_sets_it(
+    browser: Browser, tmp_path: Path
+) -> None:
+    """With both keys set, cancelling the dashboard's admin key prompt leaves a status that
+    says to use the Keys button (found by review: the prompt came back at every 2 s poll), and
+    that button asks for the admin key too (it asked for the API key alone, so the admin key
+    could not be set with it)."""
+    live = LiveServer(stub_settings(api_key="sesame", admin_key="root")).start()
+    try:
+        page, console = open_page(browser, live.base_url + "/#cache")
+        with screenshot_on_failure(page, tmp_path / "declined.png"):
+            page.wait_for_selector("#key-dialog[open]")
+            assert page.inner_text("#key-label") == "API key"
+            page.keyboard.type("sesame")
+            page.keyboard.press("Enter")
+            wait_for(page, "() => document.getElementById('key-label').textContent === 'Admin key'")
+            page.wait_for_selector("#key-dialog[open]")
+            page.click("#key-cancel")
+            status = "document.getElementById('dash-status').textContent"
+            wait_for(page, f"() => {status}.endsWith('(use the Keys button)')")
+            first = page.evaluate(status)
+            # The next polls run (their status carries the time) and ask nothing.
+            wait_for(page, f"s => {status} !== s", first, timeout=10_000)
+            assert not page.is_visible("#key-dialog")
+            assert page.evaluate(status).endswith("(use the Keys button)")
+            page.click("#key-button")
+            page.wait_for_selector("#key-dialog[open]")
+            assert page.inner_text("#key-label") == "API key"
+            page.click("#key-cancel")  # keeps the stored API key
+            wait_for(page, "() => document.getElementById('key-label').textContent === 'Admin key'")
+            page.wait_for_selector("#key-dialog[open]")
+            page.keyboard.type("root")
+            page.keyboard.press("Enter")
+            wait_for(page, "() => document.getElementById('stat-rows').dataset.value === '0'")
+            stored = page.evaluate(
+                "['kvwarm.apiKey', 'kvwarm.adminKey'].map(k => sessionStorage.getItem(k))"
+            )
+            assert stored == ["sesame", "root"]
+            # The hit rate counts requests (each one outcome), not lookups (found by review:
+            # the chart still named its series "lookups" after the counters were reworked).
+            chart = "() => document.getElementById('chart-hits').getAttribute('aria-label')"
+            wait_for(page, f"() => ({chart})().includes(' %')")
+            assert page.evaluate(chart).startswith("Hit rate over time: requests ")
+            assert page.inner_text("#chart-hits + figcaption").startswith(
+                "Hit rate: requests that reused KV, prompt tokens"
+            )
+            assert console.errors == []
+    finally:
+        live.stop()
+
+
 def test_the_models_view_loads_unloads_and_shows_memory(browser: Browser, tmp_path: Path) -> None:
     """The Models tab (stub models: fast): each model's status, when it unloads (pinned:
     never), its memory with its cache share, and Load/Unload buttons that work from the

@@ -69,6 +69,7 @@ from kvwarm.cache.upkeep.scans import CacheUpkeep
 from kvwarm.cache.upkeep.shared import SharedTiers
 from kvwarm.cache.upkeep.sharedgc import SharedSweep, SweepStep
 from kvwarm.cache.validate import validate_cache_config
+from kvwarm.errors import InvalidRequestError
 
 __all__ = ["Cache"]
 
@@ -337,6 +338,13 @@ class Cache:
     # ------------------------------------------------------------------ removing
 
     def evict_bytes(self, n_bytes: int, tiers: Sequence[TierName] | None = None) -> EvictResult:
+        # A tier not configured here (a typo) freed nothing and said so as "0 rows": refused.
+        unknown = [t for t in tiers or () if t not in self._tiers]
+        if unknown:
+            raise InvalidRequestError(
+                f"no tier {unknown[0]!r} in this cache (its tiers: {', '.join(self._tiers)})",
+                param="tiers",
+            )
         return self._core.retire(self._index.evict(n_bytes, tiers), count=True)
 
     def delete(self, key: bytes) -> bool:

@@ -36,9 +36,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bench_argv(argv: list[str]) -> list[str]:
+    """``kvwarm bench [--script PATH] ARGS...``: ARGS are the script's, its options included.
+    argparse's REMAINDER takes them only after a positional, so ``kvwarm bench --lengths 128``
+    was refused as an unknown option (found by review); a ``--`` is put before them."""
+    rest = argv[1:]
+    head: list[str] = []
+    if rest[:1] == ["--script"] and len(rest) >= 2:
+        head, rest = rest[:2], rest[2:]
+    elif rest[:1] and rest[0].startswith("--script="):
+        head, rest = rest[:1], rest[1:]
+    if not rest or rest[0] in ("-h", "--help", "--"):
+        return argv
+    return ["bench", *head, "--", *rest]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["bench"]:
+        given = _bench_argv(given)
+    args = parser.parse_args(given)
     try:
         code: int = args.run(args)
     except ConfigError as exc:

@@ -7,7 +7,9 @@ it moves and deletes nothing unless given ``--repair``. ``stats``, ``ls`` and ``
 nothing and tighten no mode: a missing tier directory is reported (stderr; ``missing_dirs`` in
 ``--json``) and counts as empty, exit 0. What a server's startup scan already
 set aside (``quarantine/``: damaged rows and chunks, manifests whose chunks were gone) is
-reported as fixed, and alone does not make it exit 1.
+reported as fixed, and alone does not make it exit 1. ``stats`` reports what the tiers hold,
+never the event counters (hits, misses, saves): those count what the opening process did, and
+this one served nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -38,7 +40,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     actions = cache.add_subparsers(dest="action", metavar="ACTION", required=True)
     for name, help_text, run in (
-        ("stats", "counters, rows and bytes per tier", run_stats),
+        ("stats", "rows, tokens and bytes per tier and memory kind", run_stats),
         ("ls", "list rows, most recently used first", run_ls),
         ("gc", "remove expired rows and stale reservations now", run_gc),
         ("verify", "check every row; exit 1 if any file is bad", run_verify),
@@ -46,7 +48,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         parser = actions.add_parser(name, help=help_text, description=help_text)
         parser.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "ls":
-            parser.add_argument("--limit", type=int, default=0, metavar="N", help="at most N rows")
+            parser.add_argument(
+                "--limit", type=_count, default=0, metavar="N", help="at most N rows (0: all)"
+            )
         if name == "gc":
             parser.add_argument(
                 "--shared",
@@ -73,6 +77,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from kvwarm.cli import explain_cmd
 
     explain_cmd.register(actions)
+
+
+def _count(text: str) -> int:
+    """A flag's count, 0 or more: a negative one was taken for \"all\" without a word."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (all) or more, got {value}")
+    return value
 
 
 @contextmanager
@@ -110,25 +125,44 @@ def _size(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+# What ``stats`` reports of ``Cache.counters()``: the levels, read from the tiers. The others
+# (hits, misses, saves, latencies ...) count events of the process that opened the cache, here
+# this command, which serves nothing: they would read 0 beside a server that counted thousands.
+_LEVEL_PREFIXES = ("tier_", "memory_")
+_LEVELS = frozenset({"rows", "reservations"})
+EVENTS_NOTE = (
+    "kvwarm: requests, hits, misses and saves are counted by the server using this cache "
+    "(GET /cache/stats, /metrics), not here"
+)
+
+
+def _levels(counters: Mapping[str, float]) -> dict[str, float]:
+    return {k: v for k, v in counters.items() if k.startswith(_LEVEL_PREFIXES) or k in _LEVELS}
+
+
 def run_stats(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     # An inspection: creates, moves, deletes and registers nothing (a running server's
     # directory, or one that does not exist yet).
     missing: list[str] = []
     with open_cache(settings, repair=False, missing=missing) as cache:
-        counters = dict(cache.counters())
+        counters = _levels(cache.counters())
         rows = cache.rows()
-        tiers = cache.tier_names()
     # The same summary /cache/stats answers (kvwarm.cache.sizes): physical bytes (each chunk
-    # once; a file tier's files' apparent sizes), logical bytes (what the rows restore).
-    total = summary(counters, rows, tiers)
+    # once; a file tier's files' apparent sizes), logical bytes (what the rows restore). Over
+    # the configured tiers, as the server lists them: one whose directory does not exist (left
+    # out of the open) is listed empty, with its quota, not dropped.
+    configured = settings.cache_config().tiers
+    total = summary(counters, rows, [t.name for t in configured])
+    per = total["tiers"]
+    assert isinstance(per, dict)
+    for tier in configured:
+        per[tier.name]["quota_bytes"] = per[tier.name]["quota_bytes"] or tier.quota_bytes
     cache_dir = str(settings.cache_dir) if settings.cache_dir else None
     if args.json:
         out = {**total, "cache_dir": cache_dir, "missing_dirs": missing, "counters": counters}
         print(json.dumps(out, indent=2))
         return 0
-    per = total["tiers"]
-    assert isinstance(per, dict)
     print(f"cache dir: {cache_dir or '(none: RAM only)'}")
     print(
         f"rows: {total['rows']}  stored: {_size(_num(total['bytes']))}  "
@@ -152,6 +186,7 @@ def run_stats(args: argparse.Namespace) -> int:
         )
     for key in sorted(counters):
         print(f"{key} {counters[key]:g}")
+    print(EVENTS_NOTE, file=sys.stderr)
     return 0
 
 

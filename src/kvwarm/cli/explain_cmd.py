@@ -108,7 +108,7 @@ def run_explain(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     body = _read_body(args.body) if args.body is not None else {}
     if (args.prompt is None) == (not body):
-        raise InvalidRequestError("give a prompt or --body FILE (one of them)")
+        raise ConfigError("give a prompt or --body FILE (one of them)")
     if not settings.models:
         raise ConfigError("no model to explain against: give --model")
     spec = settings.models[0]
@@ -174,7 +174,7 @@ def _tenant(args: argparse.Namespace) -> str | None:
     if args.tenant_id is not None:
         value = str(args.tenant_id).strip().lower()
         if not is_tenant_id(value):
-            raise InvalidRequestError("--tenant-id must be 64 hex digits", param="tenant_id")
+            raise ConfigError("--tenant-id must be 64 hex digits")
         return value
     if args.tenant_key_env is not None:
         raw = os.fsencode(os.environ.get(args.tenant_key_env, ""))
@@ -186,7 +186,7 @@ def _tenant(args: argparse.Namespace) -> str | None:
         return None
     key = raw.decode("utf-8", "surrogateescape")
     if not key:
-        raise InvalidRequestError(f"no API key in {where}", param="tenant_key")
+        raise ConfigError(f"no API key in {where}")
     return tenant_id(key)
 
 

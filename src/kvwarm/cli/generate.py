@@ -15,6 +15,7 @@ from typing import TextIO
 
 from kvwarm.cli.common import MODEL_SETTINGS, add_settings, loaded_model, settings_from
 from kvwarm.engine.types import Completion, GenerationOptions
+from kvwarm.errors import ConfigError, InvalidRequestError
 
 
 def _add_sampling(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -56,13 +57,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _options(args: argparse.Namespace) -> GenerationOptions:
+    """The sampling flags; a value out of range is a usage error (exit 2), as a flag that is
+    not a number is, not a failure (exit 1)."""
     opts = GenerationOptions(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
         stop=tuple(args.stop),
     )
-    opts.validate()
+    try:
+        opts.validate()
+    except InvalidRequestError as exc:
+        flag = f"--{exc.param.replace('_', '-')}: " if exc.param else ""
+        raise ConfigError(f"{flag}{exc}") from None
     return opts
 
 

@@ -20,6 +20,7 @@ from kvwarm.embedded import (
     embedded_model_path,
     model_id_for,
 )
+from kvwarm.errors import ConfigError
 from kvwarm.models_dir import scan
 
 
@@ -28,7 +29,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "bench",
         help="run the cold/warm benchmark (bench/cold_warm.py)",
         description="Run bench/cold_warm.py from the source checkout with this Python; "
-        "arguments after 'bench' are passed to it.",
+        "arguments after 'bench' (and --script PATH) are passed to it, options included: "
+        "kvwarm bench --lengths 512 1024 --matrix-only (its own help: kvwarm bench -- --help).",
     )
     bench.add_argument("--script", type=Path, default=None, help="benchmark script to run")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -98,6 +100,8 @@ def run_models(args: argparse.Namespace) -> int:
         for model_id, path in scan(settings.models_dir).items():
             add(model_id, path, "models_dir")
     for directory in args.scan:
+        if not directory.expanduser().is_dir():  # a typo listed nothing, without a word
+            raise ConfigError(f"--scan {directory}: not a directory")
         for path in sorted(directory.expanduser().glob("**/*.gguf")):
             add(model_id_for(path), path, f"scan {directory}")
     if args.json:

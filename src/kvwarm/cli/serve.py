@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -23,11 +24,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, "
-        "/health, /metrics, /tokenize, /detokenize, /cache/* (stats, rows, slots, prewarm, "
-        "evict, gc, verify), /admin/models/load|unload and a web page at / (a chat and a live "
-        "cache dashboard). Defaults: the embedded model, a disk cache tier under the user cache "
-        "directory.",
+        description="Serve the OpenAI API (/v1/completions, /v1/chat/completions, "
+        "/v1/responses, /v1/embeddings, /v1/rerank, /v1/models), Anthropic's (/v1/messages), "
+        "llama-server's /tokenize, /detokenize, /infill, /rerank, /v2/rerank and "
+        "/lora-adapters, /health, /metrics, /cache/* (stats, rows, slots, prewarm, keepalive, "
+        "evict, gc, verify), /admin/models/load|unload and a web page at / (a chat, the models "
+        "and a live cache dashboard). Defaults: the embedded model, a disk cache tier under "
+        "the user cache directory.",
     )
     add_settings(parser)
     parser.set_defaults(run=run)
@@ -72,8 +75,19 @@ def run(args: argparse.Namespace) -> int:
     # Slow clients are dropped and connections capped (server/connections.py).
     # Its shutdown ends streams still running with an error event (ServerState.drain).
     server = _Server(uvicorn_config(app, settings), drain=app.state.kvwarm.drain)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:
+        # uvicorn logs why it could not start (the port is taken, the host does not resolve)
+        # and exits 3 (found by review): the CLI's failure is 1, with one line of its own.
+        if server.started:
+            raise
+        print(
+            f"kvwarm: error: cannot serve on {settings.host}:{settings.port} "
+            "(the reason is logged above)",
+            file=sys.stderr,
+        )
+        return 1
     if fatal:
         raise ModelLoadError(f"no model could be loaded: {fatal[0]}")
-    # uvicorn reports a failed startup (e.g. the port is taken) only through its log.
     return 0 if server.started else 1

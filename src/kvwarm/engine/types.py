@@ -148,8 +148,9 @@ class GenerationOptions:
         if self.top_k > _INT32_MAX:
             # A C int in llama.cpp: ctypes would keep its low 32 bits (2**32 + 1 is top_k=1).
             raise InvalidRequestError(f"top_k must be <= {_INT32_MAX}", param="top_k")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
+        # 0 is in OpenAI's and Anthropic's range: llama.cpp's top-p keeps at least one token.
+        if not 0.0 <= self.top_p <= 1.0:
+            raise InvalidRequestError("top_p must be in [0, 1]", param="top_p")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
         if not _MIN_REPEAT_PENALTY <= self.repeat_penalty <= 10.0:

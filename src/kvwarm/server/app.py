@@ -212,13 +212,11 @@ def _add_middleware(app: FastAPI, state: ServerState, settings: Settings) -> Non
             _Cors,
             allow_origins=list(settings.allowed_origins),
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=[
-                "authorization",
-                "content-type",
-                "x-api-key",
-                "x-cache-salt",
-                "anthropic-version",  # sent by Anthropic's clients with every request
-            ],
+            # Any header a page of an allowed origin asks for: the official JS clients send
+            # their own on every request (x-stainless-*, anthropic-version, anthropic-beta,
+            # anthropic-dangerous-direct-browser-access, openai-organization...), and a
+            # preflight naming one header outside a fixed list was refused whole.
+            allow_headers=["*"],
         )
 
 

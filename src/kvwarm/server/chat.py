@@ -27,7 +27,14 @@ from kvwarm.errors import ReplicaUnavailableError
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import Generation
 from kvwarm.server.media import fetch_images
-from kvwarm.server.schemas import ChatMessage, NamedToolChoice, SamplingFields, Tool, parse_body
+from kvwarm.server.schemas import (
+    AllowedToolsChoice,
+    ChatMessage,
+    NamedToolChoice,
+    SamplingFields,
+    Tool,
+    parse_body,
+)
 from kvwarm.server.tool_stream import ToolStream
 from kvwarm.server.tools import ChatPlan, ToolCall, openai_tools, plan_chat
 
@@ -35,7 +42,7 @@ if TYPE_CHECKING:
     from kvwarm.server.served import ServedModel, ServedStream
     from kvwarm.settings import Settings
 
-ToolChoice = str | NamedToolChoice | None
+ToolChoice = str | NamedToolChoice | AllowedToolsChoice | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +107,28 @@ async def plan(
     http(s) URL is fetched if its host is allowed, else refused (``server/media.py``)."""
     if settings is not None:
         messages = await fetch_images(messages, settings)
+    if isinstance(tool_choice, AllowedToolsChoice):
+        tools, tool_choice = allowed_tools(tools, tool_choice)
     native = False
     if tools and tool_choice != "none":
         native = await run_in_threadpool(renders_tools, model, tools)
     return plan_chat(messages, tools, tool_choice, renders_tools=native, parallel=parallel)
+
+
+def allowed_tools(
+    tools: Sequence[Tool] | None, choice: AllowedToolsChoice
+) -> tuple[list[Tool], str]:
+    """The tools an ``allowed_tools`` choice lets the reply call, and its mode ("auto": calls
+    to them or text; "required": a call to one of them); naming an undeclared tool is a 400."""
+    param = "tool_choice.allowed_tools.tools"
+    names = choice.allowed_tools.names(param)
+    declared = {t.function.name for t in tools or ()}
+    for i, name in enumerate(names):
+        if name not in declared:
+            raise HTTPError(
+                400, f"tool_choice allows {name!r}, which is not in tools", param=f"{param}.{i}"
+            )
+    return [t for t in tools or () if t.function.name in names], choice.allowed_tools.mode
 
 
 def sampling_fields(

@@ -61,9 +61,19 @@ def has_media(part: ContentPart) -> bool:
     return part.type in ("image_url", "input_audio", "image", "audio")
 
 
+def _refusal_as_text(part: ContentPart) -> ContentPart:
+    if part.type != "refusal" or part.refusal is None:
+        return part
+    text = ContentPart(type="text", text=part.refusal)
+    text._where = part._where
+    return text
+
+
 def engine_parts(parts: Sequence[ContentPart], where: str) -> str | list[Part]:
     """A content list as the engine takes it: its text joined when it holds no media, else
-    one engine part per part, each naming where the client put it."""
+    one engine part per part, each naming where the client put it. An assistant's ``refusal``
+    part (OpenAI's assistant content holds text and refusal parts) is the text it said."""
+    parts = [_refusal_as_text(p) for p in parts]
     if not any(has_media(p) for p in parts):
         out: list[str] = []
         for j, part in enumerate(parts):

@@ -148,7 +148,7 @@ _MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
     (
         "kvwarm_cached_tokens_total",
         "counter",
-        "prompt tokens restored from cache",
+        "prompt tokens reused (restored from the cache or kept in a slot's live KV)",
         "cached_tokens",
         1,
     ),

@@ -8,12 +8,23 @@ UTF-16 surrogate anywhere in a body is a 400 naming its path (``kvwarm.unicode``
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
@@ -45,7 +56,37 @@ def _salt_field() -> Any:
     )
 
 
-class _Body(BaseModel):
+@functools.cache
+def _defaulted_names(model: type[BaseModel]) -> frozenset[str]:
+    """The body keys (names and aliases) of ``model``'s fields that have a non-null default."""
+    names: set[str] = set()
+    for name, field in model.model_fields.items():
+        if field.is_required() or field.get_default(call_default_factory=True) is None:
+            continue
+        names.add(name)
+        if field.alias:
+            names.add(field.alias)
+        alias = field.validation_alias
+        choices = alias.choices if isinstance(alias, AliasChoices) else [alias]
+        names.update(c for c in choices if isinstance(c, str))
+    return frozenset(names)
+
+
+class NullMeansDefault(BaseModel):
+    """A body whose optional fields take ``null`` as "not given". OpenAI's API declares them
+    nullable (``"n": null``, ``"stream": null``, ``"store": null``...) and clients built on
+    its spec send that (a 400 for it would refuse a valid request)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        defaulted = _defaulted_names(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+class _Body(NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
 
 
@@ -171,6 +212,7 @@ class ContentPart(_Body):
 
     type: str
     text: str | None = None
+    refusal: str | None = None  # an assistant's ``refusal`` part: its text, as said
     image_url: ImageUrl | str | None = None
     input_audio: InputAudio | None = None
     #: Where the part was in the request as the client sent it (another API's body
@@ -217,11 +259,49 @@ class NamedToolChoice(_Body):
     function: NamedToolChoiceFunction
 
 
+class AllowedTools(_Body):
+    mode: Literal["auto", "required"]
+    # Tool references, as OpenAI writes them: {"type": "function", "function": {"name"}}
+    # (chat) or {"type": "function", "name"} (Responses).
+    tools: list[dict[str, object]] = Field(min_length=1)
+
+    def names(self, param: str) -> list[str]:
+        """The function names the references give; 400 for one that names none."""
+        out: list[str] = []
+        for i, ref in enumerate(self.tools):
+            fn = ref.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else ref.get("name")
+            if not isinstance(name, str) or not name:
+                raise HTTPError(400, f"{param}.{i} names no function", param=f"{param}.{i}")
+            out.append(name)
+        return out
+
+
+class AllowedToolsChoice(_Body):
+    """OpenAI's ``allowed_tools`` choice: calls only to these tools, optionally forced."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+def _choice_type(value: object) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if isinstance(kind, str) else None
+
+
+#: A ``tool_choice`` object, told apart by its ``type`` (so an error names the right one).
+ToolChoiceObject = Annotated[
+    Annotated[NamedToolChoice, Tag("function")]
+    | Annotated[AllowedToolsChoice, Tag("allowed_tools")],
+    Discriminator(_choice_type),
+]
+
+
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool = True  # False: a reply makes at most one tool call
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None

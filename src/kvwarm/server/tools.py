@@ -157,20 +157,54 @@ def tools_system_prompt(tools: Sequence[Tool]) -> str:
     )
 
 
+#: Keywords whose values are data, not schemas: a ``$ref`` string in them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased(node: object, root: str) -> object:
+    """``node`` with its document-local ``$ref``s (``#``, ``#/...``) pointing below ``root``
+    (a JSON pointer of the place the schema now lies in a larger document)."""
+    if isinstance(node, list):
+        return [_rebased(item, root) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, object] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, root)
+    return out
+
+
+def _has_local_ref(node: object) -> bool:
+    text = json.dumps(node)
+    return '"$ref": "#' in text
+
+
 def forced_call_schema(tools: Sequence[Tool]) -> dict[str, object]:
-    """A schema whose instances are exactly the calls of ``tools``."""
-    variants: list[dict[str, object]] = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-        }
-        for t in tools
-    ]
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+    """A schema whose instances are exactly the calls of ``tools``. A tool's parameters that
+    refer into themselves (``"$ref": "#/$defs/..."``, as pydantic writes nested models) keep
+    resolving: they are copied under the wrapper's ``$defs`` and their references rebased
+    there, since the wrapper, not the parameters, is the document's root now."""
+    variants: list[dict[str, object]] = []
+    defs: dict[str, object] = {}
+    for i, tool in enumerate(tools):
+        parameters: object = tool.function.parameters or {"type": "object"}
+        if _has_local_ref(parameters):
+            parameters = _rebased(parameters, f"#/$defs/kvwarm-tool-{i}")
+            defs[f"kvwarm-tool-{i}"] = parameters
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
+                "required": ["name", "arguments"],
+            }
+        )
+    schema: dict[str, object] = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def plan_chat(

@@ -260,7 +260,8 @@ class Settings(ModelSettings, ServingSettings):
     )
     admin_key: OptStr = Field(
         default=None,
-        description="bearer token required on admin endpoints (/cache/*, /admin/*); default: none",
+        description="bearer token required on admin endpoints (/cache/*, /admin/*, /cluster, "
+        "POST /lora-adapters); default: none",
     )
     # Tenants (server/tenancy.py): each key presented gets its own cache namespace.
     cache_salt_from_auth: Bool = Field(

@@ -158,7 +158,7 @@ def as_tier(value: object) -> TierName | None:
     text = as_opt_str(value)
     if text is None:
         return None
-    if not text.replace("_", "").isalnum():
+    if not text.isascii() or not text.replace("_", "").isalnum():
         raise ValueError(f"expected a tier name like ram, disk or s3, got {text!r}")
     return text
 

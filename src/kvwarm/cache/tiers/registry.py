@@ -132,7 +132,9 @@ def build_tier(config: TierConfig, options: TierOptions) -> Tier:
 
 
 def check_name(name: str) -> None:
-    if not name or not name.replace("_", "").isalnum():
+    # ASCII only: str.isalnum() takes "disqué" or "²", which /metrics's tier pattern does not
+    # match, so such a tier's sizes were exposed as counters of a mangled name, unlabelled.
+    if not name or not name.isascii() or not name.replace("_", "").isalnum():
         raise ConfigError(f"tier names are [A-Za-z0-9_]+ (they appear in metric names): {name!r}")
 
 

@@ -181,14 +181,19 @@ class Sampling:
 
     def _route(self, act: Active, token: int) -> FinishReason | None:
         """Send ``token`` on its way; why the request ends with it, if it does (an
-        end-of-generation token is not part of the reply; the one that reaches ``max_tokens``
-        is, but is never decoded)."""
+        end-of-generation token is not part of the reply, nor is its logprob; the one that
+        reaches ``max_tokens`` is, but is never decoded)."""
         piece = self._pieces.get(token, _UNSEEN)
         if piece is _UNSEEN:
             model = self.rt.model
             piece = None if model.is_eog(token) else model.token_to_piece(token)
             self._pieces[token] = piece
         if piece is None:
+            # Its logprob goes with it: a reply's logprobs are those of its tokens, as many as
+            # completion_tokens counts (the end was an entry with empty text before).
+            ended = len(act.logprobs) > len(act.generated) and act.logprobs[-1].token == token
+            if ended:
+                act.logprobs.pop()
             return "stop"
         act.generated.append(token)
         fragment = act.assembler.feed(piece)

@@ -41,10 +41,11 @@ from kvwarm.server.tools import openai_tools, template_messages
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> Response:
     """200 once startup loading is over and some model can be served ("degraded" if some
-    failed: requests naming those get a 503 with the reason); 503 before, or if none can."""
+    failed: requests naming those get a 503 with the reason); 503 before, or if none can.
+    ``HEAD`` too: the health check of many load balancers."""
     state = server_state(request)
     # A model whose worker thread died refuses every request (found by review: /health said
     # ok meanwhile): it is failed from here on; with no other model left, the server is down.

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from kvwarm.server import chat, convert, tenancy
 from kvwarm.server.anthropic import translate as anthropic
 from kvwarm.server.anthropic.schemas import CountTokensRequest, MessagesRequest
+from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import SSE_HEADERS, Generation, named_sse, start_stream
 from kvwarm.server.schemas import check_count, json_body, parse_body, read_json
 from kvwarm.server.served import ServedModel
@@ -50,6 +51,13 @@ async def messages(request: Request) -> Response:
     req = parse_body(body, MessagesRequest)
     model, lora = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
     plan, prefill = await _plan(model, req, state.settings)
+    schema = anthropic.output_schema(req)
+    if plan.json_schema is not None and schema is not None:
+        raise HTTPError(
+            400,
+            "tool_choice any/tool cannot be combined with an output format",
+            param="output_config.format",
+        )
     fields = chat.sampling_fields(
         max_tokens=req.max_tokens,
         param="max_tokens",
@@ -63,7 +71,7 @@ async def messages(request: Request) -> Response:
         fields,
         default_max_tokens=state.settings.default_max_tokens,
         max_tokens_limit=state.settings.max_tokens_limit,
-        json_schema=plan.json_schema,
+        json_schema=plan.json_schema or schema,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
         lora=lora,
     )

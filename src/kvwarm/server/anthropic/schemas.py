@@ -4,7 +4,9 @@ Invariant: as for the OpenAI bodies (``schemas.py``), unknown fields are ignored
 of the wrong type is a 400 naming it. Content blocks are told apart by their ``type``; blocks
 kvwarm cannot use (documents) parse, so that the conversion can refuse them with a clear
 message, and thinking blocks of earlier turns parse and are dropped. Image blocks (base64, or a
-URL the server may fetch) reach a model with a projector (``--mmproj``).
+URL the server may fetch) reach a model with a projector (``--mmproj``). A structured-output
+format (``output_config.format``, the beta's ``output_format``) constrains the reply as chat's
+``response_format`` does.
 """
 
 from __future__ import annotations
@@ -100,6 +102,17 @@ class ToolChoice(_Body):
     disable_parallel_tool_use: bool = False
 
 
+class JsonOutputFormat(_Body):
+    """Structured output: the reply is JSON matching ``schema`` (a grammar constrains it)."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, object] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: JsonOutputFormat | None = None
+
+
 class Metadata(_Body):
     user_id: str | None = None
 
@@ -120,6 +133,9 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=0, le=_INT32_MAX)  # a C int in llama.cpp
     metadata: Metadata | None = None
+    # Structured outputs: ``output_config.format``, or the beta's top-level ``output_format``.
+    output_config: OutputConfig | None = None
+    output_format: JsonOutputFormat | None = None
     stream: bool = False
     # kvwarm's extension, as on the OpenAI bodies (server/tenancy.py); X-Cache-Salt works too.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)

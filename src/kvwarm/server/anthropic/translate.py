@@ -30,6 +30,7 @@ from kvwarm.server.anthropic.schemas import (
     ImageBlock,
     MediaBlock,
     Message,
+    MessagesRequest,
     TextBlock,
     ToolChoice,
     ToolDef,
@@ -196,6 +197,13 @@ def to_chat(req: CountTokensRequest) -> tuple[list[ChatMessage], str]:
             continue
         out.append(turn)
     return out, prefill
+
+
+def output_schema(req: MessagesRequest) -> dict[str, object] | None:
+    """The JSON schema a structured-output request asks for (None: free text)."""
+    if req.output_config is not None and req.output_config.format is not None:
+        return req.output_config.format.schema_
+    return req.output_format.schema_ if req.output_format is not None else None
 
 
 def tools(defs: Sequence[ToolDef] | None) -> list[Tool] | None:

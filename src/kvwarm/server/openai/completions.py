@@ -11,7 +11,7 @@ null logprob, as OpenAI does. A ``suffix`` or an ``/infill`` on a model without 
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
@@ -103,8 +103,6 @@ async def completions(request: Request) -> Response:
         req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
     )
     prompts = _prompts(req.prompt)
-    if req.stream and len(prompts) > 1:
-        raise HTTPError(400, "streaming supports one prompt per request", param="prompt")
     if req.suffix is not None:
         if req.echo:
             raise HTTPError(400, "echo cannot be combined with suffix", param="echo")
@@ -122,7 +120,7 @@ async def completions(request: Request) -> Response:
     )
     ids = convert.ResponseIds("cmpl", state.lora.reply_name(req.model, model))
     if req.stream:
-        return await _streamed(request, model, req, prompts[0], opts, ids)
+        return await _streamed(request, model, req, prompts, opts, ids)
     choices: list[dict[str, object]] = []
     all_stats = []
     for p_index, prompt in enumerate(prompts):
@@ -158,56 +156,92 @@ async def _streamed(
     request: Request,
     model: ServedModel,
     req: CompletionRequest,
-    prompt: Prompt,
+    prompts: list[Prompt],
     opts: GenerationOptions,
     ids: convert.ResponseIds,
 ) -> Response:
+    """The choices of each prompt in turn, as OpenAI streams a list of prompts: choice ``j``
+    of prompt ``i`` is index ``i * n + j``; the usage chunk counts every prompt. Errors
+    before the first prompt's first fragment are a status; a later prompt's, an error event."""
     state = server_state(request)
-    submit = functools.partial(model.streams, prompt, opts, n=req.n)
-    group = await Choices.start(request, submit, "completion", model.id, state)
-    await group.open_streaming()
+
+    def start(prompt: Prompt) -> Awaitable[Choices]:
+        submit = functools.partial(model.streams, prompt, opts, n=req.n)
+        return Choices.start(request, submit, "completion", model.id, state)
+
+    current = [await start(prompts[0])]  # the group streaming now, closed however it ends
+    await current[0].open_streaming()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     async def events() -> AsyncIterator[dict[str, object]]:
-        text = await _echo_text(model, req, prompt)
-        offsets = [convert.TextOffsets() for _ in group.gens]
-        for j, gen in enumerate(group.gens):
-            if text:
-                lp = None
-                if req.logprobs is not None:
-                    stream = gen.stream
-                    part = await _prompt_part(model, stream.prompt_tokens, stream.prompt_logprobs)
-                    lp = convert.completion_logprobs((), offsets[j], part)
-                yield convert.text_chunk(
-                    ids, text, None, index=j, logprobs=lp, with_usage=include_usage
-                )
-        fed = [False for _ in group.gens]  # whether choice j's fragments carried logprobs
-        async for j, fragment in group.merged():
-            if fragment is None:
-                done = await group.gens[j].result()
-                last = None
-                if req.logprobs is not None and not fed[j] and done.logprobs:
-                    # Fragments without logprobs (a cluster replica): they come with the end.
-                    last = convert.completion_logprobs(done.logprobs, offsets[j])
-                reason = convert.finish_reason(done.stats)
-                yield convert.text_chunk(
-                    ids, "", reason, index=j, logprobs=last, with_usage=include_usage
-                )
-                continue
-            lp = None
-            if req.logprobs is not None:
-                fed[j] = fed[j] or bool(fragment.logprobs)
-                lp = convert.completion_logprobs(fragment.logprobs, offsets[j])
-            yield convert.text_chunk(
-                ids, fragment.text, None, index=j, logprobs=lp, with_usage=include_usage
-            )
+        all_stats = []
+        for p_index, prompt in enumerate(prompts):
+            if p_index:
+                current[0].close()
+                current[0] = await start(prompt)
+                await current[0].open_streaming()
+            group = current[0]
+            async for chunk in _prompt_chunks(model, req, prompt, group, ids, p_index):
+                yield chunk
+            if group.disconnected:
+                return
+            all_stats.append(group_stats([r.stats for r in await group.results()]))
         if include_usage:
-            stats = group_stats([r.stats for r in await group.results()])
-            yield convert.usage_chunk(ids, "text_completion", stats)
+            yield convert.usage_chunk(ids, "text_completion", convert.sum_stats(all_stats))
+
+    def close() -> None:
+        current[0].close()  # the group streaming when the response ends (the earlier: closed)
 
     return StreamingResponse(
-        sse(events(), group.close), media_type="text/event-stream", headers=SSE_HEADERS
+        sse(events(), close),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
     )
+
+
+async def _prompt_chunks(
+    model: ServedModel,
+    req: CompletionRequest,
+    prompt: Prompt,
+    group: Choices,
+    ids: convert.ResponseIds,
+    p_index: int,
+) -> AsyncIterator[dict[str, object]]:
+    """The chunks of one prompt's choices, interleaved as their fragments arrive."""
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    base = p_index * req.n
+    text = await _echo_text(model, req, prompt)
+    offsets = [convert.TextOffsets() for _ in group.gens]
+    for j, gen in enumerate(group.gens):
+        if text:
+            lp = None
+            if req.logprobs is not None:
+                stream = gen.stream
+                part = await _prompt_part(model, stream.prompt_tokens, stream.prompt_logprobs)
+                lp = convert.completion_logprobs((), offsets[j], part)
+            yield convert.text_chunk(
+                ids, text, None, index=base + j, logprobs=lp, with_usage=include_usage
+            )
+    fed = [False for _ in group.gens]  # whether choice j's fragments carried logprobs
+    async for j, fragment in group.merged():
+        if fragment is None:
+            done = await group.gens[j].result()
+            last = None
+            if req.logprobs is not None and not fed[j] and done.logprobs:
+                # Fragments without logprobs (a cluster replica): they come with the end.
+                last = convert.completion_logprobs(done.logprobs, offsets[j])
+            reason = convert.finish_reason(done.stats)
+            yield convert.text_chunk(
+                ids, "", reason, index=base + j, logprobs=last, with_usage=include_usage
+            )
+            continue
+        lp = None
+        if req.logprobs is not None:
+            fed[j] = fed[j] or bool(fragment.logprobs)
+            lp = convert.completion_logprobs(fragment.logprobs, offsets[j])
+        yield convert.text_chunk(
+            ids, fragment.text, None, index=base + j, logprobs=lp, with_usage=include_usage
+        )
 
 
 # --- /infill (llama-server) ------------------------------------------------------------------

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, Tag
 
-from kvwarm.server.schemas import keep_alive_field
+from kvwarm.server.schemas import NullMeansDefault, keep_alive_field
 from kvwarm.server.tenancy import MAX_SALT_CHARS
 
 
-class _Body(BaseModel):
+class _Body(NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
 
 
@@ -97,7 +97,7 @@ class ItemReference(_Body):
 
 def _item_type(value: object) -> str:
     if isinstance(value, dict):
-        kind = value.get("type", "message")
+        kind = value.get("type") or "message"  # absent or null: an "easy" input message
         return kind if isinstance(kind, str) else ""
     return str(getattr(value, "type", ""))
 
@@ -126,6 +126,14 @@ class FunctionChoice(_Body):
     name: str = Field(min_length=1)
 
 
+class AllowedToolsChoice(_Body):
+    """OpenAI's ``allowed_tools`` choice, as the Responses API writes it (flat)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, object]] = Field(min_length=1)
+
+
 class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
@@ -143,7 +151,9 @@ class ResponsesRequest(_Body):
     input: str | list[InputItem]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    tool_choice: (
+        Literal["none", "auto", "required"] | FunctionChoice | AllowedToolsChoice | None
+    ) = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None

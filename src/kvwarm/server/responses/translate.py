@@ -25,6 +25,7 @@ from kvwarm.server.chat import ToolChoice as ChatToolChoice
 from kvwarm.server.errors import HTTPError, kind_of
 from kvwarm.server.generate import Event
 from kvwarm.server.responses.schemas import (
+    AllowedToolsChoice,
     AudioPart,
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -40,6 +41,7 @@ from kvwarm.server.responses.schemas import (
     TextConfig,
 )
 from kvwarm.server.schemas import (
+    AllowedTools,
     ChatMessage,
     FunctionCall,
     FunctionDef,
@@ -50,6 +52,7 @@ from kvwarm.server.schemas import (
     Tool,
     ToolCallIn,
 )
+from kvwarm.server.schemas import AllowedToolsChoice as ChatAllowedToolsChoice
 from kvwarm.server.schemas import ContentPart as ChatPart
 from kvwarm.server.tools import ToolCall
 
@@ -176,9 +179,12 @@ def tools(defs: Sequence[FunctionTool] | None) -> list[Tool] | None:
     return out
 
 
-def tool_choice(choice: str | FunctionChoice | None) -> ChatToolChoice:
+def tool_choice(choice: str | FunctionChoice | AllowedToolsChoice | None) -> ChatToolChoice:
     if isinstance(choice, FunctionChoice):
         return NamedToolChoice(function=NamedToolChoiceFunction(name=choice.name))
+    if isinstance(choice, AllowedToolsChoice):
+        allowed = AllowedTools(mode=choice.mode, tools=choice.tools)
+        return ChatAllowedToolsChoice(type="allowed_tools", allowed_tools=allowed)
     return choice
 
 
@@ -271,7 +277,7 @@ class ResponseShape:
                 else {"type": "text"}
             },
             "tool_choice": choice.model_dump()
-            if isinstance(choice, FunctionChoice)
+            if isinstance(choice, FunctionChoice | AllowedToolsChoice)
             else (choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
             "truncation": "disabled",

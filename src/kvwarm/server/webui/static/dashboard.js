@@ -67,7 +67,7 @@ export class Dashboard {
     hits.dataset.title = "Hit rate over time";
     saved.dataset.title = "Prefill time saved over time";
     this.hitChart = new LineChart(hits, [
-      { name: "lookups", colorVar: "--accent" },
+      { name: "requests", colorVar: "--accent" },
       { name: "prompt tokens", colorVar: "--cached" },
     ], { fixedMax: 100, unit: " %" });
     this.savedChart = new LineChart(saved, [{ name: "saved", colorVar: "--cached" }], {
@@ -75,12 +75,14 @@ export class Dashboard {
       format: (s) => (s === 0 ? "0" : s >= 1 ? `${Number(s.toPrecision(3))} s` : `${Number((s * 1000).toPrecision(2))} ms`),
     });
     this.visible = false;
+    this.declined = false; // a key prompt was declined or refused: ask again only when the tab is shown
     this.timer = null;
     this.busy = false;
     window.addEventListener("resize", () => this.redrawCharts());
   }
 
   show(visible) {
+    if (visible && !this.visible) this.declined = false;
     this.visible = visible;
     if (visible) {
       this.redrawCharts();
@@ -104,7 +106,9 @@ export class Dashboard {
       if (document.hidden) return; // a background tab costs the server nothing
       // In the background, never prompt: only poll when a key is at hand (or none is needed).
       if (!this.visible && missingKey("/cache/stats")) return;
-      const options = { interactive: this.visible };
+      // Once the person declined a key (or gave a refused one), polling goes on without
+      // asking again every 2 s: the status says to use the Keys button.
+      const options = { interactive: this.visible && !this.declined };
       // Only `kvwarm cluster` answers /cluster (/ui/config.json says so): a plain server's
       // 404 would be a console error on every page.
       if (server.cluster && this.isCluster !== false && (await this.pollCluster(options))) return;
@@ -116,8 +120,10 @@ export class Dashboard {
       this.render(stats, slots.data, rows ? rows.data : null);
       this.setStatus(`Updated ${new Date().toLocaleTimeString()}; every ${POLL_MS / 1000} s.`);
     } catch (error) {
-      const message = error instanceof ApiError && error.status === 401 ? `${error.message} (use the Keys button)` : error.message;
-      this.setStatus(`Cannot read the cache: ${message}`, true);
+      const unauthorized = error instanceof ApiError && error.status === 401;
+      if (unauthorized) this.declined = true;
+      const message = unauthorized ? `${error.message} (use the Keys button)` : error.message;
+      this.setStatus(`${new Date().toLocaleTimeString()}: cannot read the cache: ${message}`, true);
     } finally {
       this.busy = false;
       this.schedule();

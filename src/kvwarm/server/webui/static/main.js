@@ -88,10 +88,18 @@ function setupViews(dashboard, models, chat) {
 async function main() {
   const keys = new KeyDialog();
   setKeyPrompt((kind, reason) => keys.ask(kind, reason));
+  // Each key this server wants, in turn (Cancel skips one): with both set, the dashboard and
+  // the Load/Unload buttons need the admin key, which the API key prompt alone cannot set.
   document.getElementById("key-button").addEventListener("click", async () => {
-    const kind = server.adminKey && !server.apiKey ? "admin" : "api";
-    const entered = await keys.ask(kind, "Set the key this page sends (the admin key also works for chat).");
-    if (entered) storeKey(kind, entered);
+    const kinds = [server.apiKey && "api", server.adminKey && "admin"].filter(Boolean);
+    for (const kind of kinds.length ? kinds : ["api"]) {
+      const reason =
+        kind === "admin"
+          ? "Set the admin key this page sends for the cache dashboard and model loading (it also works for chat)."
+          : "Set the API key this page sends.";
+      const entered = await keys.ask(kind, reason);
+      if (entered) storeKey(kind, entered);
+    }
   });
 
   const chat = new Chat(document.getElementById("view-chat"));
