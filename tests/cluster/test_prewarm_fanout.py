@@ -156,3 +156,38 @@ def test_a_replica_refuses_an_op_meant_for_another(replicas: list[EngineReplica]
     op = ModelOp("a", "tokenize", ("hi",), replica="replica-2")
     failed = asyncio.run(replicas[0].call(op))
     assert isinstance(getattr(failed, "error", None), InvalidRequestError)
+
+
+def _joins_done(client: TestClient) -> None:
+    """Every join prewarm submitted so far has run (one worker: FIFO)."""
+    client.app.state.kvwarm._joins.submit(lambda: None).result(60)  # type: ignore[attr-defined]
+
+
+def test_a_replica_that_starts_later_gets_the_kept_prefixes_at_once(
+    replicas: list[EngineReplica], caplog: pytest.LogCaptureFixture
+) -> None:
+    # A replacement after a death, a scale-up: found by review, it got the pinned prefixes
+    # only at the keep-alive's next re-warm (never with keepalive_interval_s=0).
+    index = ClusterIndex()
+    index.retain({"replica-1": None})
+    calls = IndexedReplicas(replicas, index)
+    settings = SETTINGS.replace(keepalive_interval_s=0.0)
+    with TestClient(create_ingress_app(settings, calls, index)) as client:
+        wait_ready(client.get)
+        assert _ram_rows(replicas[1]) == 0
+        before = len(calls.ran)
+        index.retain({"replica-1": None, "replica-2": None})  # the router learns it runs
+        _joins_done(client)
+        assert sorted(calls.ran[before:]) == [("prewarm", "replica-2")] * 2  # a and b, there
+        assert _ram_rows(replicas[1]) >= 2
+        index.retain({"replica-1": None, "replica-2": None})  # known already: once only
+        index.observe("replica-2", None, {})
+        _joins_done(client)
+        assert len(calls.ran) == before + 2
+        # A replica whose prewarm fails is logged and passed over.
+        calls.by_id["replica-3"] = replicas[0]
+        calls.broken = {"replica-3"}
+        index.retain({"replica-1": None, "replica-2": None, "replica-3": None})
+        _joins_done(client)
+        assert client.get("/health").json()["status"] == "ok"
+    assert "on new replica replica-3 failed" in caplog.text

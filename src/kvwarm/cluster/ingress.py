@@ -13,10 +13,12 @@ the replicas (Ray queues past its per-replica cap without bound): ``max_in_fligh
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Protocol
 
@@ -30,6 +32,7 @@ from kvwarm.cluster.tokens import PromptTokens
 from kvwarm.engine.types import ModelInfo
 from kvwarm.server.app import create_app
 from kvwarm.server.errors import HTTPError
+from kvwarm.server.keepalive import ChatPrefix
 from kvwarm.server.metrics import Snapshot
 from kvwarm.server.state import ServerState
 from kvwarm.settings import Settings
@@ -76,6 +79,55 @@ class IngressState(ServerState):
         self.index = index if index is not None else ClusterIndex()
         self._tokenizers: dict[str, PromptTokens | None] = {}
         self._tokenizers_lock = threading.Lock()
+        # A replica that starts later (a replacement, a scale-up) gets the kept prefixes at
+        # once, not at the keep-alive's next re-warm: one at a time, off the router's loop.
+        self._joins = ThreadPoolExecutor(1, thread_name_prefix="kvwarm-join-prewarm")
+        self._stop_joins = self.index.on_joined(self._replica_joined)
+
+    def _replica_joined(self, replica: str) -> None:
+        if not self._closing.is_set():
+            self._joins.submit(self._warm_joined, replica)
+
+    def _warm_joined(self, replica: str) -> None:
+        """Prewarm every kept prefix (``--prewarm-system``'s, the keep-alive's) of a ready
+        model on ``replica``, once, best effort: a failure is logged and the keep-alive's
+        re-warm still comes. A model not ready yet warms every running replica as it is
+        attached (``_prewarm_systems``)."""
+        warmed = 0
+        for entry in self.keepalive.entries():
+            if self._closing.is_set():
+                return
+            model = self.ready_model(entry.model_id)
+            if not isinstance(model, RemoteModel):
+                continue
+            try:
+                if isinstance(entry.prompt, ChatPrefix):
+                    model.prewarm_chat(
+                        json.loads(entry.prompt.messages),
+                        tools=json.loads(entry.prompt.tools),
+                        ttl_class=entry.ttl_class,
+                        cache_salt=entry.cache_salt,
+                        on=replica,
+                    )
+                else:
+                    prompt = entry.prompt if isinstance(entry.prompt, str) else list(entry.prompt)
+                    model.prewarm(
+                        prompt,
+                        ttl_class=entry.ttl_class,
+                        add_special=entry.add_special,
+                        cache_salt=entry.cache_salt,
+                        on=replica,
+                    )
+                warmed += 1
+            except Exception as exc:  # best effort: the keep-alive re-warms it later
+                log.warning(
+                    "prewarm of a kept prefix of %s on new replica %s failed: %s",
+                    entry.model_id,
+                    replica,
+                    exc,
+                )
+        if warmed:
+            log.info("prewarmed %d kept prefix(es) on new replica %s", warmed, replica)
 
     def _load_all(self) -> None:
         for entry in self.entries.values():
@@ -129,7 +181,7 @@ class IngressState(ServerState):
             if len(running) < wanted:
                 log.warning(
                     "model %s: prewarming %d of %d replicas (the others are not running yet; "
-                    "the keep-alive warms them at its next re-warm)",
+                    "each is prewarmed as the router learns it runs)",
                     model_id,
                     len(running),
                     wanted,
@@ -147,7 +199,9 @@ class IngressState(ServerState):
             return self._tokenizers[model_id]
 
     def close(self) -> None:
+        self._stop_joins()
         super().close()
+        self._joins.shutdown(wait=False, cancel_futures=True)
         with self._tokenizers_lock:
             for tokenizer in self._tokenizers.values():
                 if tokenizer is not None:

@@ -586,12 +586,14 @@ class RemoteModel(ModelOps):
         args: tuple[object, ...],
         kwargs: Mapping[str, object],
         chain: tuple[str, ...],
+        only: str | None = None,
     ) -> object:
         """``op`` on every running replica at once (a prewarm: each replica's RAM gets the
-        prefix, so a conversation finds it warm wherever it is routed); the first replica's
-        answer. A replica that fails is logged and passed over; if all fail, the first
-        error. No replica known (no router in this process): one call, routed by ``chain``."""
-        replicas = list(dict.fromkeys(self._replicas()))
+        prefix, so a conversation finds it warm wherever it is routed), or on replica ``only``
+        alone; the first replica's answer. A replica that fails is logged and passed over; if
+        all fail, the first error. No replica known (no router in this process): one call,
+        routed by ``chain``."""
+        replicas = [only] if only is not None else list(dict.fromkeys(self._replicas()))
         if not replicas:
             return self._op(op, args, kwargs, chain)
 
@@ -631,12 +633,15 @@ class RemoteModel(ModelOps):
         ttl_class: TtlClass = TtlClass.LONG,
         add_special: bool = True,
         cache_salt: str | None = None,
+        on: str | None = None,
     ) -> CompletionStats:
+        """On every running replica, or on replica ``on`` alone (one that just joined)."""
         out = self._op_everywhere(
             "prewarm",
             (prompt,),
             {"ttl_class": ttl_class, "add_special": add_special, "cache_salt": cache_salt},
             chains.text_chain(self.id, prompt, cache_salt=cache_salt),
+            on,
         )
         assert isinstance(out, CompletionStats)
         return out
@@ -648,13 +653,16 @@ class RemoteModel(ModelOps):
         tools: Sequence[Mapping[str, object]] | None = None,
         ttl_class: TtlClass = TtlClass.LONG,
         cache_salt: str | None = None,
+        on: str | None = None,
     ) -> CompletionStats:
+        """On every running replica, or on replica ``on`` alone (one that just joined)."""
         out = self._op_everywhere(
             "prewarm_chat",
             (messages,),
             {"tools": tools, "ttl_class": ttl_class, "cache_salt": cache_salt},
             # Where a chat that starts with these messages will be routed.
             chains.chat_chain(self.id, messages, cache_salt=cache_salt, tools=tools),
+            on,
         )
         assert isinstance(out, CompletionStats)
         return out

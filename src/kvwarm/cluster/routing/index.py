@@ -33,6 +33,9 @@ Invariants:
 - Thread-safe (one lock): the router applies reports and reads ``reach`` on its loop while
   the ingress notes what replicas served on its own threads. Pure otherwise: no clock, no
   I/O (callers pass ``now``).
+- A replica first known as running (told by the router, or its first report) is announced
+  once to the ``on_joined`` listeners, after the lock is released (the ingress prewarms the
+  kept prefixes there); a listener must not block.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvwarm.cache.formats.chunkfmt import ROOT_PARENT, chunk_hasher, own_parent
@@ -158,6 +161,36 @@ class ClusterIndex:
         self._wanted: set[str] = set()
         self._link_capacity = links
         self._unvouched_capacity = unvouched
+        self._joined: list[str] = []  # replicas first known, not yet announced
+        self._listeners: list[Callable[[str], None]] = []
+
+    def on_joined(self, listener: Callable[[str], None]) -> Callable[[], None]:
+        """Call ``listener(replica)`` (on the caller's thread, outside the lock; it must not
+        block) for each replica this index learns runs from now on, once per replica (again
+        only if it was known dead meanwhile). Returns what stops it."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def stop() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return stop
+
+    def _announce(self) -> None:
+        """Tell the listeners of the replicas ``_replica`` first knew (call unlocked)."""
+        if not self._joined:  # the common case, without the lock (a list's truth is atomic)
+            return
+        with self._lock:
+            joined, self._joined = self._joined, []
+            listeners = list(self._listeners)
+        for replica in joined:
+            for listener in listeners:
+                try:
+                    listener(replica)
+                except Exception:  # a listener's bug never stops the router
+                    log.exception("a listener of replica %s joining failed", replica)
 
     # ---------------------------------------------------------------- feeding
 
@@ -170,7 +203,14 @@ class ClusterIndex:
     ) -> bool:
         """Apply the events of ``stats["events"]`` (a routing-stats report) from ``replica``
         on ``node``. True if the replica's snapshot is wanted (a gap, or a bad report)."""
-        stats = stats or {}
+        try:
+            return self._observe(replica, node, stats or {}, now)
+        finally:
+            self._announce()
+
+    def _observe(
+        self, replica: str, node: str | None, stats: Mapping[str, object], now: float | None
+    ) -> bool:
         raw = stats.get("events")
         with self._lock:
             state = self._replica(replica, node)
@@ -236,6 +276,7 @@ class ClusterIndex:
                 return
             state = self._replica(replica, None)
             self._set_live(replica, state, Live(chain[-1], key, n_tokens))
+        self._announce()
 
     def retain(self, running: Mapping[str, str | None]) -> None:
         """Ray's running replicas (id -> node): the others are dead; their own copies and
@@ -246,6 +287,7 @@ class ClusterIndex:
             for replica, node in running.items():
                 self._replica(replica, node)
             self._replicas_changed.notify_all()
+        self._announce()
 
     def died(self, replica: str) -> None:
         with self._lock:
@@ -402,6 +444,7 @@ class ClusterIndex:
         if state is None:
             state = self._replicas[replica] = _Replica(node=node)
             self._dead.pop(replica, None)
+            self._joined.append(replica)
         elif node is not None and state.node != node:
             if state.node is not None:  # a replica does not move: drop what it said before
                 self._drop_facts(replica, state)
