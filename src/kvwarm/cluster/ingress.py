@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm.cluster.calls import Failed, Generate, ModelOp
-from kvwarm.cluster.remote import OpCall, OpDeadlines, RemoteModel, ResponseStream
+from kvwarm.cluster.remote import ModelMemory, OpCall, OpDeadlines, RemoteModel, ResponseStream
 from kvwarm.cluster.routing import ClusterIndex
 from kvwarm.cluster.tokens import PromptTokens
 from kvwarm.engine.types import ModelInfo
@@ -79,6 +79,9 @@ class IngressState(ServerState):
         self.index = index if index is not None else ClusterIndex()
         self._tokenizers: dict[str, PromptTokens | None] = {}
         self._tokenizers_lock = threading.Lock()
+        # Per model id, kept across detach and reattach (``ModelMemory``); guarded by
+        # ``_tokenizers_lock``.
+        self._memories: dict[str, ModelMemory] = {}
         # A replica that starts later (a replacement, a scale-up) gets the kept prefixes at
         # once, not at the keep-alive's next re-warm: one at a time, off the router's loop.
         self._joins = ThreadPoolExecutor(1, thread_name_prefix="kvwarm-join-prewarm")
@@ -157,6 +160,7 @@ class IngressState(ServerState):
             raise info.error
         assert isinstance(info, ModelInfo)
         tokenizer = self._tokenizer(model_id)
+        memory = self._memory(model_id, info)
         model = RemoteModel(
             info,
             self.calls.stream,
@@ -167,6 +171,7 @@ class IngressState(ServerState):
             deadlines,
             replicas=self.calls.replicas,
             max_in_flight=max_in_flight(self.settings, info.n_parallel),
+            memory=memory,
         )
         self._prewarm_systems(model, model_id)
         return model
@@ -187,6 +192,29 @@ class IngressState(ServerState):
                     wanted,
                 )
         super()._prewarm_systems(model, model_id)
+
+    def _memory(self, model_id: str, info: ModelInfo) -> ModelMemory:
+        """What an earlier attach of ``model_id`` remembered, if its file and configuration
+        are the same now (a model detached by an idle or admin unload and attached again);
+        else a fresh memory: rows of another model are never a parent."""
+        spec = next((m for m in self.settings.models if m.model_id == model_id), None)
+        identity = (
+            info.path,
+            info.fingerprint,
+            info.fingerprint_mode,
+            info.chat_template_name,
+            info.adapters,
+            info.n_ctx,
+            info.memory,
+            spec,
+        )
+        with self._tokenizers_lock:
+            memory = self._memories.get(model_id)
+            if memory is None or memory.identity != identity:
+                if memory is not None:
+                    log.info("model %s changed: its conversations' last rows are dropped", model_id)
+                memory = self._memories[model_id] = ModelMemory(identity)
+            return memory
 
     def _tokenizer(self, model_id: str) -> PromptTokens | None:
         """The model's vocabulary, loaded here once (``tokens.PromptTokens``), or None."""
@@ -211,9 +239,8 @@ class IngressState(ServerState):
     is_cluster = True
 
     def cluster_view(self) -> dict[str, object]:
-        retried = sum(
-            e.model.retried for e in self.entries.values() if isinstance(e.model, RemoteModel)
-        )
+        with self._tokenizers_lock:  # detached models' retries too
+            retried = sum(m.retried for m in self._memories.values())
         ingress = {"pid": os.getpid(), "node": _node_id(), "retried": retried}
         return {
             "routing": self.settings.cluster_routing,

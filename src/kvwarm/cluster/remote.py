@@ -306,6 +306,20 @@ def _forward(
     return forward
 
 
+class ModelMemory:
+    """What the ingress remembers of one model across its detach and reattach (an idle or
+    an admin unload only detaches it; the replicas keep it loaded): each conversation's last
+    row (``chains.LastRows``, bounded), the ``parent_key`` of its next turn, and how many
+    generations were sent again. ``identity``: what makes its rows its own (file, weights
+    fingerprint, template, adapters, configuration); the ingress drops the memory when a
+    reattached model's differs, since rows of another model are never a parent."""
+
+    def __init__(self, identity: object = None, capacity: int = 65536) -> None:
+        self.identity = identity
+        self.last_rows = chains.LastRows(capacity)
+        self.retried = 0  # generations sent again after their replica was lost
+
+
 class RemoteModel(ModelOps):
     """A model served by the engine deployment; ``engine.ops.ModelOps`` for the routes.
 
@@ -325,13 +339,16 @@ class RemoteModel(ModelOps):
         *,
         replicas: Callable[[], Sequence[str]] = tuple,
         max_in_flight: int = 0,
+        memory: ModelMemory | None = None,
     ) -> None:
         """``tokenizer``: the model's vocabulary at the ingress (``tokens.PromptTokens``), so
         each generation carries its prompt's token ids for the router; None: it carries none.
         ``deadlines``: each call's deadline (``OpDeadlines``; None: no deadline).
         ``replicas``: the ids of the replicas running now, each of which a prewarm warms.
         ``max_in_flight``: generations of this model the ingress holds at once (running or
-        waiting, anywhere); one more is a ``QueueFullError`` (429). 0: no bound."""
+        waiting, anywhere); one more is a ``QueueFullError`` (429). 0: no bound.
+        ``memory``: what an earlier attach of this model remembered (``ModelMemory``); a
+        fresh one when None."""
         self._info = info
         self._deadlines = deadlines or OpDeadlines()
         self._replicas = replicas
@@ -343,8 +360,14 @@ class RemoteModel(ModelOps):
         self._op_call = op_call
         self._on_served = on_served
         self._facts = facts
-        self._last_rows = chains.LastRows()
-        self.retried = 0  # generations sent again after their replica was lost
+        self.memory = memory if memory is not None else ModelMemory()
+        self._last_rows = self.memory.last_rows
+
+    @property
+    def retried(self) -> int:
+        """Generations sent again after their replica was lost (since this model's memory
+        began: across detaches)."""
+        return self.memory.retried
 
     @property
     def id(self) -> str:
@@ -432,7 +455,7 @@ class RemoteModel(ModelOps):
             return self._stream_call(dataclasses.replace(call, avoid=avoid) if avoid else call)
 
         def retried() -> None:
-            self.retried += 1
+            self.memory.retried += 1
 
         return RemoteStream(start, self._on_served, finished, on_retry=retried, on_end=release)
 
