@@ -23,9 +23,10 @@ Invariants:
   snapshot; a report whose events do not continue the last one applied (a gap: reports
   missed, a router restart) applies nothing and marks the replica *wanted*: the router
   fetches its snapshot (``load_snapshot``), which replaces everything the replica vouched
-  for. A new epoch (a restarted replica) drops the old epoch's facts first. So lost or
-  replayed events converge: replaying an applied event changes nothing, a missed one ends
-  in a snapshot.
+  for, in batches (the lock released between them; what a reader may see meanwhile: there).
+  A new epoch (a restarted replica) drops the old epoch's facts first. So lost or replayed
+  events converge: replaying an applied event changes nothing, a missed one ends in a
+  snapshot.
 - A copy whose bytes were deleted (``RowGone`` without ``bytes_kept``) leaves its store for
   every replica. A copy in a shared store that no replica vouches for any more (forgotten on
   a TTL, its replica dead) stays, since its bytes do, until deleted or pushed out by newer
@@ -42,9 +43,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvwarm.cache.formats.chunkfmt import ROOT_PARENT, chunk_hasher, own_parent
 from kvwarm.cache.formats.key import encode_tokens
@@ -57,7 +60,6 @@ from kvwarm.cluster.routing.facts import (
     RowFact,
     RowGone,
     Scope,
-    Snapshot,
     Source,
     decode_report,
     decode_snapshot,
@@ -76,6 +78,35 @@ DEAD_KEPT = 16  # dead replicas listed by ``describe``
 # (``warm``: chain hashes; ``namespaces``: bytes, read off the report where it routes).
 _NOT_DESCRIBED = ("events", "warm", "namespaces")
 STEP_TRIES = 8  # chunk lengths tried after one chunk (the longest that fit first)
+# A snapshot is applied in batches of about this many chunk references (a row counts its
+# chunks plus one), the lock released in between: a few ms each (``load_snapshot``).
+LOAD_BATCH = 4096
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Load:
+    """A snapshot being applied (``load_snapshot``): compared by identity."""
+
+    epoch: str
+
+
+def _let_others_in() -> None:
+    """Between a snapshot's batches, the lock released: the threads waiting for it run
+    (a bare release and take again would mostly keep it, with the GIL)."""
+    time.sleep(0)
+
+
+def _batches(items: Sequence[_T], cost: Callable[[_T], int]) -> Iterator[Sequence[_T]]:
+    start, spent = 0, 0
+    for i, item in enumerate(items):
+        spent += cost(item)
+        if spent >= LOAD_BATCH:
+            yield items[start : i + 1]
+            start, spent = i + 1, 0
+    if start < len(items):
+        yield items[start:]
 
 
 @dataclass(slots=True)
@@ -159,6 +190,7 @@ class ClusterIndex:
         self._links: OrderedDict[str, bytes] = OrderedDict()
         self._unvouched: OrderedDict[tuple[bytes, Store], None] = OrderedDict()
         self._wanted: set[str] = set()
+        self._loading: dict[str, _Load] = {}  # replicas whose snapshot is being applied
         self._link_capacity = links
         self._unvouched_capacity = unvouched
         self._joined: list[str] = []  # replicas first known, not yet announced
@@ -223,6 +255,11 @@ class ClusterIndex:
             except ValueError as exc:
                 log.warning("replica %s: unreadable cache events (%s): resync", replica, exc)
                 return self._want(replica, state)
+            load = self._loading.get(replica)
+            if load is not None:
+                if report.epoch == load.epoch:
+                    return False  # applied after its snapshot: the next report has them again
+                del self._loading[replica]  # restarted meanwhile: the snapshot is of the past
             state.slots = report.slots
             if report.epoch != state.epoch:
                 if state.epoch is not None:
@@ -241,7 +278,20 @@ class ClusterIndex:
 
     def load_snapshot(self, replica: str, raw: object) -> bool:
         """Replace what ``replica`` vouches for with its snapshot. False if it is unreadable,
-        of another epoch than its reports now are, or older than what was applied."""
+        of another epoch than its reports now are, older than what was applied, or overtaken
+        while it loaded (the replica died or restarted, another snapshot came).
+
+        Applied in batches of about ``LOAD_BATCH`` chunk references, the lock released in
+        between, so a large snapshot never holds up the router's reads or the ingress's
+        served notes for long (at 20k rows x 16 chunks the whole load held it ~0.3 s).
+        Meanwhile a reader sees the replica's old facts, less those the snapshot no longer
+        holds, plus a growing part of the snapshot's rows: facts the replica held before the
+        load or holds now, never one from neither, so it can only under-rate the replica
+        (route a prefix it holds elsewhere), as it did while the gap was unresolved; its
+        links come after its rows (links are facts about a row wherever it is); its live
+        slots and sequence number change last, in one batch. Its events are not
+        applied while it loads (the next report's window carries them again after the
+        snapshot's ``seq``); a report of a new epoch ends the load."""
         try:
             snap = decode_snapshot(raw)
         except ValueError as exc:
@@ -255,10 +305,53 @@ class ClusterIndex:
                 return False  # its reports speak of another process now: ask again
             if snap.epoch == state.epoch and snap.seq < state.seq and replica not in self._wanted:
                 return False  # older than what the events already told
-            self._load(replica, state, snap)
+            # Only what the snapshot no longer holds is dropped: a copy it still vouches for
+            # never passes through the bounded unvouched set, where it would push out a copy
+            # no replica vouches for (a dead one's, its bytes still there).
+            held = {(r.key, self._store(replica, state, r.scope, r.tier)) for r in snap.rows}
+            stale = [vouch for vouch in state.vouches if vouch not in held]
+            old_live = list(state.live)
+            load = self._loading[replica] = _Load(snap.epoch)
+        for batch in _batches(stale, lambda _vouch: 1):
+            with self._lock:
+                if not self._still_loading(replica, state, load):
+                    return False
+                for key, store in batch:
+                    self._drop_copy(replica, state, key, store, bytes_kept=True)
+            _let_others_in()
+        for rows in _batches(snap.rows, lambda row: 1 + len(row.chunks)):
+            with self._lock:
+                if not self._still_loading(replica, state, load):
+                    return False
+                for row in rows:
+                    self._add_copy(replica, state, row)
+            _let_others_in()
+        for links in _batches(snap.links, lambda _link: 1):  # facts of rows wherever they are
+            with self._lock:
+                if not self._still_loading(replica, state, load):
+                    return False
+                for link in links:
+                    self._link(link.chain_end, link.key)
+            _let_others_in()
+        with self._lock:
+            if not self._still_loading(replica, state, load):
+                return False
+            del self._loading[replica]
+            # Slots the ingress noted while it loaded are newer than the snapshot's.
+            noted = [(end, state.live[end]) for end in state.live if end not in old_live]
+            for end in old_live:
+                self._unset_live(replica, state, end)
+            state.epoch, state.seq, state.slots = snap.epoch, snap.seq, snap.slots
+            for live in snap.live:
+                self._set_live(replica, state, live)
+            for end, (row_key, n_tokens) in noted:
+                self._set_live(replica, state, Live(end, row_key, n_tokens))
             self._wanted.discard(replica)
             state.resyncs += 1
             return True
+
+    def _still_loading(self, replica: str, state: _Replica, load: _Load) -> bool:
+        return self._replicas.get(replica) is state and self._loading.get(replica) is load
 
     def note_served(
         self, replica: str, chain: Sequence[str], key: bytes | None, n_tokens: int
@@ -582,28 +675,11 @@ class ClusterIndex:
             self._unset_live(replica, state, end)
         state.vouches.clear()
 
-    def _load(self, replica: str, state: _Replica, snap: Snapshot) -> None:
-        # Only what the snapshot no longer holds is dropped: a copy it still vouches for
-        # never passes through the bounded unvouched set, where it would push out a copy
-        # no replica vouches for (a dead one's, its bytes still there).
-        held = {(row.key, self._store(replica, state, row.scope, row.tier)) for row in snap.rows}
-        for key, store in list(state.vouches):
-            if (key, store) not in held:
-                self._drop_copy(replica, state, key, store, bytes_kept=True)
-        for end in list(state.live):
-            self._unset_live(replica, state, end)
-        state.epoch, state.seq, state.slots = snap.epoch, snap.seq, snap.slots
-        for row in snap.rows:
-            self._add_copy(replica, state, row)
-        for link in snap.links:
-            self._link(link.chain_end, link.key)
-        for live in snap.live:
-            self._set_live(replica, state, live)
-
     def _bury(self, replica: str) -> None:
         state = self._replicas.pop(replica)
         self._drop_facts(replica, state)
         self._wanted.discard(replica)
+        self._loading.pop(replica, None)
         self._dead[replica] = state
         while len(self._dead) > DEAD_KEPT:
             self._dead.popitem(last=False)
