@@ -62,6 +62,8 @@ class Active:
     adapters: AdapterSet = ()
     #: The embeddings of the prompt's spans it did not restore, being encoded (by span index).
     encodes: dict[int, Future[bytes]] = field(default_factory=dict)
+    #: Ticks in a row it wanted prefill room and got none (``batching.PrefillWant.waited``).
+    prefill_waited: int = 0
 
     def unsent_logprobs(self) -> tuple[TokenLogprob, ...]:
         """The logprobs not yet sent with a fragment; marks them sent."""
