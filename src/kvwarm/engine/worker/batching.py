@@ -121,8 +121,6 @@ def _fill(
             continue
         take = min(size, budget - used)
         if take <= 0:
-            if want.aged:
-                break
             continue
         shared.append(Chunk(want.slot, want.start, want.start + take))
         used += take
