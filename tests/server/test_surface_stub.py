@@ -13,6 +13,8 @@ import pydantic
 import pytest
 from anthropic import Anthropic
 from openai import OpenAI
+from openai.types.chat import ChatCompletionChunk
+from openai.types.chat.chat_completion_chunk import ChoiceDeltaToolCall
 
 from kvwarm.settings import ModelSpec
 
@@ -500,7 +502,16 @@ def test_echo_with_prompt_logprobs(client: OpenAI) -> None:
 # --- tool calls streamed ---------------------------------------------------------------------
 
 
-def test_tool_call_streams_argument_fragments(client: OpenAI) -> None:
+def _tool_deltas(chunks: list[ChatCompletionChunk]) -> list[ChoiceDeltaToolCall]:
+    return [
+        call
+        for c in chunks
+        if c.choices and c.choices[0].delta.tool_calls
+        for call in c.choices[0].delta.tool_calls
+    ]
+
+
+def test_tool_call_streams_once_it_parses(client: OpenAI) -> None:
     # The stub enforces literal grammars: that stands in for a model that answers with a call.
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     grammar = "root ::= " + '"' + call.replace('"', '\\"') + '"'
@@ -515,19 +526,38 @@ def test_tool_call_streams_argument_fragments(client: OpenAI) -> None:
             extra_body={"grammar": grammar},
         )
     )
-    deltas = [
-        call
-        for c in chunks
-        if c.choices and c.choices[0].delta.tool_calls
-        for call in c.choices[0].delta.tool_calls
-    ]
-    first, *rest = deltas
+    (first,) = _tool_deltas(chunks)
     assert first.id and first.type == "function" and first.function is not None
-    assert first.function.name == "get_weather" and first.function.arguments == ""
-    assert len(rest) > 1 and all(d.id is None and d.index == 0 for d in rest)
-    arguments = "".join(d.function.arguments or "" for d in rest if d.function)
-    assert json.loads(arguments) == {"city": "Oslo"}
+    assert first.function.name == "get_weather"
+    assert json.loads(first.function.arguments or "") == {"city": "Oslo"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo",}}</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": {"city": Oslo}}</tool_call>',
+    ],
+)
+def test_a_call_that_does_not_parse_is_content_streamed_or_not(client: OpenAI, call: str) -> None:
+    # Before: the stream sent the call's header and argument deltas, then finished "stop" with
+    # the text as content, while the plain reply had no call: a client held half a call.
+    body = {
+        "model": "a",
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [WEATHER],
+        "max_tokens": 100,
+        "temperature": 0,
+        "extra_body": {"grammar": "root ::= " + json.dumps(call)},
+    }
+    whole = client.chat.completions.create(**body).choices[0]  # type: ignore[call-overload]
+    assert whole.finish_reason == "stop" and not whole.message.tool_calls
+    chunks = list(client.chat.completions.create(**body, stream=True))  # type: ignore[call-overload]
+    assert _tool_deltas(chunks) == []
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == whole.message.content == call
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_a_forced_call_to_a_tool_with_nested_models_is_served(
@@ -633,6 +663,7 @@ def test_a_call_cut_by_max_tokens_finishes_with_length_streamed_or_not(client: O
     chunks = list(client.chat.completions.create(**body, stream=True))  # type: ignore[call-overload]
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == whole.message.content == call[:cut]
+    assert _tool_deltas(chunks) == []  # nothing of a call that was never made
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
