@@ -667,6 +667,44 @@ def test_a_call_cut_by_max_tokens_finishes_with_length_streamed_or_not(client: O
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+# --- Responses input items ------------------------------------------------------------------
+
+
+def test_input_items_list_a_stored_responses_input(client: OpenAI) -> None:
+    # responses.input_items.list was a 404: the route did not exist.
+    resp = client.responses.create(
+        model="a",
+        input=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"role": "user", "content": [{"type": "input_text", "text": "And tomorrow?"}]},
+        ],
+        max_output_tokens=2,
+    )
+    listed = client.responses.input_items.list(resp.id, order="asc")
+    kinds = [item.type for item in listed.data]
+    assert kinds == ["message", "function_call", "function_call_output", "message"]
+    first = listed.data[0]
+    assert first.type == "message" and first.role == "user"
+    assert first.content[0].type == "input_text" and first.content[0].text == "Weather in Oslo?"
+    assert listed.data[1].type == "function_call" and listed.data[1].call_id == "c1"
+    ids = [item.id for item in listed.data]
+    assert all(ids) and len(set(ids)) == 4
+    assert listed.first_id == ids[0] and listed.last_id == ids[-1] and not listed.has_more
+    newest = client.responses.input_items.list(resp.id, limit=3)  # desc by default, as OpenAI's
+    assert [item.id for item in newest.data] == ids[::-1][:3] and newest.has_more
+    rest = client.responses.input_items.list(resp.id, limit=3, after=newest.last_id)
+    assert [item.id for item in rest.data] == ids[:1] and not rest.has_more
+    paged = [item.id for item in client.responses.input_items.list(resp.id, limit=1, order="asc")]
+    assert paged == ids  # the SDK's auto-paging follows has_more / after
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.input_items.list(resp.id, limit=0)
+    assert caught.value.param == "limit"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_no_such_response")
+
+
 # --- suffix and /infill ----------------------------------------------------------------------
 
 
