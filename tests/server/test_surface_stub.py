@@ -454,6 +454,42 @@ def test_logprobs_are_the_replys_tokens_without_its_end(client: OpenAI) -> None:
     assert len(lp.tokens) == text.usage.completion_tokens and "" not in lp.tokens
 
 
+def test_logprobs_hold_no_stop_sequence(client: OpenAI) -> None:
+    # The stop sequence is not in the returned text (OpenAI's docs) and so not in its
+    # logprobs: content "aaa" came with the logprobs of "a a a b c" (a stream sent "b" while
+    # its text was held back as a possible stop). completion_tokens still counts the stop's
+    # tokens: they were generated (docs/server.md).
+    common = {
+        "model": "a",
+        "max_tokens": 20,
+        "stop": ["bc"],
+        "extra_body": {"grammar": 'root ::= "aaabcd"'},
+    }
+    chat = client.chat.completions.create(messages=MESSAGES, logprobs=True, **common)  # type: ignore[call-overload]
+    choice = chat.choices[0]
+    assert choice.message.content == "aaa" and choice.finish_reason == "stop"
+    assert choice.logprobs and [e.token for e in choice.logprobs.content or []] == ["a"] * 3
+    assert chat.usage is not None and chat.usage.completion_tokens == 5  # "aaabc" generated
+    streamed = list(
+        client.chat.completions.create(messages=MESSAGES, logprobs=True, stream=True, **common)  # type: ignore[call-overload]
+    )
+    tokens = [
+        e.token
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]
+    assert tokens == ["a"] * 3
+    text = client.completions.create(prompt=PROMPT, logprobs=1, **common)  # type: ignore[call-overload]
+    lp = text.choices[0].logprobs
+    assert text.choices[0].text == "aaa" and lp is not None
+    assert lp.tokens == ["a"] * 3 and lp.text_offset == [0, 1, 2]
+    chunks = list(client.completions.create(prompt=PROMPT, logprobs=1, stream=True, **common))  # type: ignore[call-overload]
+    assert [
+        t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []
+    ] == ["a"] * 3
+
+
 def test_completion_logprobs_streamed(client: OpenAI) -> None:
     common = {"model": "a", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 1}
     plain = client.completions.create(**common)  # type: ignore[call-overload]

@@ -63,10 +63,12 @@ class Active:
     #: The embeddings of the prompt's spans it did not restore, being encoded (by span index).
     encodes: dict[int, Future[bytes]] = field(default_factory=dict)
 
-    def unsent_logprobs(self) -> tuple[TokenLogprob, ...]:
-        """The logprobs not yet sent with a fragment; marks them sent."""
-        out = tuple(self.logprobs[self.logprobs_sent :])
-        self.logprobs_sent = len(self.logprobs)
+    def unsent_logprobs(self, upto: int | None = None) -> tuple[TokenLogprob, ...]:
+        """The logprobs not yet sent with a fragment (of the first ``upto`` tokens: those
+        whose text went out); marks them sent."""
+        end = len(self.logprobs) if upto is None else min(upto, len(self.logprobs))
+        out = tuple(self.logprobs[self.logprobs_sent : end])
+        self.logprobs_sent = max(self.logprobs_sent, end)
         return out
 
     @property
