@@ -165,3 +165,37 @@ def test_a_retired_row_may_be_saved_again_once_its_bytes_are_gone(tmp_path: Path
             restored = join(row.chunks) + join_rest(row.rest_chunks, row.rest_from)
         assert restored == blob(tokens) + window_cells(tokens, 500, 600)
         _consistent(cache, root)
+
+
+def test_a_row_whose_manifest_cannot_be_deleted_stays_indexed_with_its_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An eviction whose delete of a manifest fails (EIO, EACCES): the row is still stored.
+    It was forgotten, its bytes counted freed, and the chunks only it named deleted, so its
+    file stayed, uncounted against the quota until a restart, naming chunks that were gone
+    (against the publish order). Now it stays indexed with its chunks, and a later eviction,
+    once the delete works, retires it as any other."""
+    import errno
+
+    from kvwarm.errors import CacheIOError
+
+    root = tmp_path / "kvc"
+    with _cache(root) as cache:
+        key = _save(cache, chunked_request(NS, TOKENS[:512], tier="disk"))
+        tier = type(cache._tiers["disk"])
+
+        def refuse(self: object, k: bytes) -> None:
+            raise CacheIOError(f"disk: deleting {k.hex()} failed", errno=errno.EACCES)
+
+        monkeypatch.setattr(tier, "delete", refuse)
+        result = cache.evict_bytes(1 << 40, ["disk"])
+        assert (result.rows, result.bytes) == (0, 0)
+        assert cache.lookup_exact(key) is not None
+        _consistent(cache, root)
+        with cache.open_row(key) as row:
+            assert join(row.chunks) == blob(TOKENS[:512])
+        monkeypatch.undo()
+        assert cache.evict_bytes(1 << 40, ["disk"]).rows == 1
+        assert cache.lookup_exact(key) is None
+        assert not list(root.glob("*.kvc")) and not list(root.glob("*.kvk"))
+        assert cache.counters()["tier_disk_bytes"] == 0

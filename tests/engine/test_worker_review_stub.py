@@ -270,3 +270,27 @@ def test_a_cancelled_requests_failing_finish_save_fails_no_other(
         assert doomed.result().stats.finish_reason == "cancelled"  # answered before the save
         assert plain.result().text == alone
         assert model.status().active == 0
+
+
+def test_a_fork_cancelled_while_its_group_is_queued_is_answered_at_once_and_needs_no_slot() -> None:
+    """``Worker.cancel`` answers a queued request at once, but a fork of a queued ``n > 1``
+    group is not in the queue itself: it stayed unanswered until the whole group was seated,
+    and the group still waited for a free slot for it (found by review)."""
+    alone = _alone(1)
+    with make_engine() as eng:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(n_parallel=2, backend=backend))  # type: ignore[arg-type]
+        busy = model.stream("another prompt", GenerationOptions(max_tokens=30, temperature=0.0))
+        backend.gate.step(1)  # seated and prefilling: one slot is left
+        first, second = model.streams(PROMPT, SAMPLED, n=2)
+        assert model.status().queued == 1
+        second.cancel()
+        assert second.request.answered  # at once, while its group is still queued
+        assert second.result().stats.finish_reason == "cancelled"
+        # The first choice alone fits the free slot: it runs beside the busy request.
+        backend.gate.step(3)
+        assert model.status().active == 2
+        backend.gate.set()
+        assert first.result().text == alone[0]
+        busy.result()
+        assert model.status().active == 0

@@ -80,6 +80,27 @@ def test_failures_and_unready_models_are_skipped_and_retried() -> None:
     assert [e.model_id for e in keep.entries()] == ["loading"]
 
 
+class Buggy(FakeModel):
+    def prewarm(self, prompt: str | Sequence[int], **kwargs: object) -> None:
+        raise RuntimeError("a bug, not a KvwarmError")
+
+
+def test_an_unexpected_error_fails_that_entry_only_and_keeps_the_loop_alive() -> None:
+    """A re-warm raising anything but a KvwarmError escaped ``tick``: the entries after it
+    were not re-warmed, and the server's keep-alive thread (``_keepalive_loop``, no handler)
+    died, silently ending every re-warm for the rest of the process (found by review)."""
+    clock = Clock()
+    keep = KeepAlive((10.0, 10.0, 10.0), 0.5, clock)
+    keep.register("buggy", "p", TtlClass.SHORT)
+    keep.register("good", "q", TtlClass.SHORT)
+    good = FakeModel()
+    clock.now += 5
+    assert keep.tick({"buggy": Buggy(), "good": good}.get) == 1  # type: ignore[arg-type]
+    assert good.calls == [("q", TtlClass.SHORT, True)]
+    (entry,) = [e for e in keep.entries() if e.model_id == "buggy"]
+    assert entry.failures == 1 and entry.warms == 1
+
+
 def test_limits_refuse_past_the_entry_and_token_caps_but_not_pinned() -> None:
     keep = KeepAlive((10.0,) * 3, 0.5, Clock(), KeepAliveLimits(2, 100, 0))
     keep.register("m", "a", TtlClass.SHORT, n_tokens=40)

@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvwarm.engine.types import Completion, GenerationOptions
 from kvwarm.errors import ReplicaUnavailableError
+from kvwarm.server import convert
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import Generation
 from kvwarm.server.media import fetch_images
@@ -132,18 +133,14 @@ def allowed_tools(
 
 
 def sampling_fields(
-    *, max_tokens: int | None, param: str, limit: int, **knobs: object
+    *, max_tokens: int | None, param: str, limit: int, over_limit: str, **knobs: object
 ) -> SamplingFields:
     """The OpenAI sampling fields standing for another API's request. ``max_tokens`` is checked
-    against the server's limit here, so the error names the field the client sent (``param``)."""
-    if max_tokens is not None and max_tokens > limit:
-        raise HTTPError(
-            400,
-            f"{param} is {max_tokens}, above this server's limit of {limit} "
-            "(setting max_tokens_limit)",
-            param=param,
-            code="invalid_value",
-        )
+    against the server's limit here, so an error names the field the client sent (``param``);
+    capped to it when ``over_limit`` is "cap" (``convert.length_within``)."""
+    convert.length_within(max_tokens, param, limit, over_limit)
+    if max_tokens is not None:
+        max_tokens = min(max_tokens, limit)
     return parse_body({"max_tokens": max_tokens, **knobs}, SamplingFields)
 
 

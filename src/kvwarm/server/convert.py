@@ -53,6 +53,7 @@ def options(
     *,
     default_max_tokens: int,
     max_tokens_limit: int,
+    over_limit: str,
     max_tokens: int | None = None,
     json_schema: Mapping[str, object] | None = None,
     logprobs: int | None = None,
@@ -62,7 +63,8 @@ def options(
     names: Mapping[str, str] | None = None,
 ) -> GenerationOptions:
     """``req``'s engine options; ``cache_salt`` is the one ``server.tenancy`` resolved (the
-    body's field is only one of its inputs), ``lora`` the adapters ``server.lora`` chose.
+    body's field is only one of its inputs), ``lora`` the adapters ``server.lora`` chose;
+    ``over_limit``: what a length above ``max_tokens_limit`` gets (``length_within``).
     ``names``: the client's name of a field another API spells otherwise (Anthropic's
     ``stop_sequences`` for ``stop``), so an error about it names what the client sent."""
     stop: tuple[str, ...] = ()
@@ -78,10 +80,12 @@ def options(
             bias = {int(token): float(value) for token, value in req.logit_bias.items()}
         except ValueError:
             raise HTTPError(400, "logit_bias keys must be token ids", param="logit_bias") from None
-    _check_max_tokens(req, max_tokens_limit)
+    for param in ("max_tokens", "max_completion_tokens"):  # each length field the client sent
+        length_within(getattr(req, param, None), param, max_tokens_limit, over_limit)
     chosen = max_tokens if max_tokens is not None else req.max_tokens
+    chosen = default_max_tokens if chosen is None else chosen
     overrides: dict[str, object] = {
-        "max_tokens": default_max_tokens if chosen is None else chosen,
+        "max_tokens": min(chosen, max_tokens_limit),
         "stop": stop,
         # llama.cpp seeds are 32-bit (and -1 wraps to its "random" seed, as in its server).
         "seed": None if req.seed is None else req.seed & 0xFFFFFFFF,
@@ -120,19 +124,20 @@ def _rename(exc: InvalidRequestError, names: Mapping[str, str]) -> None:
     exc.param = sent
 
 
-def _check_max_tokens(req: SamplingFields, limit: int) -> None:
-    """Every length field the client sent (``max_tokens``, chat's ``max_completion_tokens``)
-    is within the server's ``max_tokens_limit``; over it is a 400, not a silent clamp."""
-    for param in ("max_tokens", "max_completion_tokens"):
-        value = getattr(req, param, None)
-        if isinstance(value, int) and value > limit:
-            raise HTTPError(
-                400,
-                f"{param} is {value}, above this server's limit of {limit} "
-                "(setting max_tokens_limit)",
-                param=param,
-                code="invalid_value",
-            )
+def length_within(value: object, param: str, limit: int, over_limit: str) -> None:
+    """A length field the client sent (``param``) above the server's ``max_tokens_limit``: a
+    400 naming it with ``over_limit`` "refuse"; with "cap" (the default, as llama-server's
+    ``-n`` caps ``n_predict``) the request is served up to the limit, its reply ending as at
+    its own ``max_tokens`` (finish reason ``length``): clients that ask for a model's whole
+    output budget (Claude Code's 32,000) are served."""
+    if isinstance(value, int) and value > limit and over_limit == "refuse":
+        raise HTTPError(
+            400,
+            f"{param} is {value}, above this server's limit of {limit} "
+            "(setting max_tokens_limit; max_tokens_over_limit = cap serves it up to the limit)",
+            param=param,
+            code="invalid_value",
+        )
 
 
 def usage(stats: CompletionStats) -> Json:

@@ -6,10 +6,10 @@ kept. What is kept is bounded, because every entry costs a background prefill pe
 at most ``max_entries`` entries and ``max_tokens`` tokens in all (``register`` refuses more with
 ``KeepAliveFullError``), and an entry not registered again for ``max_age_s`` seconds is dropped
 (0: never). Pinned entries (the operator's ``prewarm_system`` prompts) never age out and are
-not refused. Re-warming is best effort (a failure is logged and retried next tick) and never
-retries in a loop. An entry re-warms under the cache salt it was prewarmed with, and the same
-prompt under two salts is two entries (``server.tenancy``). The clock is injectable so tests
-drive ``tick`` without waiting.
+not refused. Re-warming is best effort (a failure, of any kind, is logged and retried next tick;
+it fails only its entry) and never retries in a loop. An entry re-warms under the cache salt it
+was prewarmed with, and the same prompt under two salts is two entries (``server.tenancy``).
+The clock is injectable so tests drive ``tick`` without waiting.
 """
 
 from __future__ import annotations
@@ -236,6 +236,10 @@ class KeepAlive:
             except KvwarmError as exc:
                 entry.failures += 1
                 log.warning("keep-alive re-warm for %s failed: %s", entry.model_id, exc)
+                continue
+            except Exception:  # a bug: this entry's failure, never the loop's end
+                entry.failures += 1
+                log.exception("keep-alive re-warm for %s failed unexpectedly", entry.model_id)
                 continue
             with self._lock:
                 entry.last_warm = self._clock()

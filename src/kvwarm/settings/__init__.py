@@ -218,9 +218,16 @@ class Settings(ModelSettings, ServingSettings):
     )
     max_body_bytes: Size = Field(default=8 << 20, description="largest accepted request body")
     default_max_tokens: Int = Field(default=512, description="max_tokens when a request gives none")
-    # A request asking for more is a 400: one request must not hold a slot for a whole window.
+    # One request must not hold a slot for a whole window: a request asking for more is served
+    # up to the limit (as llama-server's -n caps n_predict; the reply then ends as at its own
+    # max_tokens) or, with max_tokens_over_limit = "refuse", a 400.
     max_tokens_limit: Int = Field(
-        default=4096, description="largest max_tokens a request may ask for (more: 400)"
+        default=4096, description="largest max_tokens a request is served (more: capped or 400)"
+    )
+    max_tokens_over_limit: Str = Field(
+        default="cap",
+        description="a request asking for more than max_tokens_limit: cap (served up to the "
+        "limit) or refuse (400)",
     )
     keepalive_interval_s: Float = Field(
         default=60.0, description="seconds between keep-alive re-warms (0: off)"
@@ -478,6 +485,10 @@ class Settings(ModelSettings, ServingSettings):
             raise ConfigError("default_max_tokens must be >= 0")
         if self.max_tokens_limit < max(1, self.default_max_tokens):
             raise ConfigError("max_tokens_limit must be >= 1 and >= default_max_tokens")
+        if self.max_tokens_over_limit not in ("cap", "refuse"):
+            raise ConfigError(
+                f"max_tokens_over_limit must be cap or refuse, got {self.max_tokens_over_limit!r}"
+            )
         # Durations: 0 turns the timeouts off; a negative value must not do so silently.
         for name in (
             "keepalive_interval_s", "keepalive_max_age_s", "request_timeout_s", "worker_stall_s"

@@ -115,11 +115,14 @@ class ChunkRefs:
                 self._logical[tier] = self._logical.get(tier, 0) + c.size
 
     def _revive(self, tier: TierName, key: bytes, c: _Chunk) -> None:
-        """A chunk freed only to be forgotten (its bytes stay) and named again before anyone
-        took it (a row adopted back after a failed promotion) is alive again, as before."""
+        """A freed chunk named again before anyone took it (to delete or to forget) is alive
+        again, as before: a row adopted back after a failed promotion (its bytes only to be
+        forgotten), or a row whose manifest could not be deleted, indexed again
+        (``Index.unretire``; its chunks were held back from deletion meanwhile). One already
+        taken stays dying: its deleter has it."""
         for i, freed in enumerate(self._freed):
             if freed.tier == tier and freed.key == key:
-                if freed.keep and c.size is not None:
+                if c.size is not None:
                     del self._freed[i]
                     c.dying = False
                     self._add(tier, c.size, 1, 0)

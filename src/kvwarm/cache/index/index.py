@@ -432,6 +432,20 @@ class Index:
                 if self._retiring.get(row.info.key) is row:
                     del self._retiring[row.info.key]
 
+    def unretire(self, rows: Iterable[StoredRow]) -> None:
+        """The manifests of ``rows`` could not be deleted: they are still stored, so they are
+        indexed again, under the same lock that ends their retiring, so no chunk they name
+        is taken for deletion in between (``RowTable.insert`` names them again)."""
+        with self._lock:
+            for row in rows:
+                key = row.info.key
+                if self._retiring.get(key) is row:
+                    del self._retiring[key]
+                    if key not in self._rows:
+                        self._rows.insert(row)
+                        self.history.republished(key)
+            self._inflight.wake()
+
     def _remember(self, row: StoredRow, reason: MissReason, detail: str) -> None:
         info = row.info
         self.history.gone(info.namespace, info.key, row.tokens, reason, info.tier, detail)

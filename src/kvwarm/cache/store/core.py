@@ -200,26 +200,43 @@ class CacheCore:
         snap["reservations"] = float(self.index.pending_reservations())
         return snap
 
-    def retire(self, rows: Sequence[StoredRow], *, count: bool = False) -> EvictResult:
+    def retire(
+        self, rows: Sequence[StoredRow], *, count: bool = False, bad: bool = False
+    ) -> EvictResult:
         """Delete the bytes of rows the index already forgot, then of the chunks no row
         names any more (manifests first: a crash in between leaves orphans, never a
         manifest without its chunks; a chunk another retire's row names waits for that
         retire, ``Index.take_freed_chunks``). A chunk of a tier that is not local is only
-        forgotten: rows of other processes we never indexed may name it."""
+        forgotten: rows of other processes we never indexed may name it.
+
+        A row whose manifest cannot be deleted (EIO, EACCES) is still stored: it is indexed
+        again (``Index.unretire``), its bytes counted and its chunks kept, and a later
+        eviction tries again; forgotten, its file would stay uncounted against the quota
+        until a restart, naming chunks this retire deleted. ``bad``: rows dropped as
+        unreadable, forgotten whatever their delete does (never read again)."""
         freed = 0
+        kept: list[StoredRow] = []
         try:
             for row in rows:
-                freed += row.info.size
                 try:
                     self.tiers[row.info.tier].delete(row.info.key)
+                    freed += row.info.size
                 except CacheError as exc:
                     log.warning(
-                        "%s: deleting %s failed: %s", row.info.tier, row.info.key.hex(), exc
+                        "%s: deleting %s failed%s: %s",
+                        row.info.tier,
+                        row.info.key.hex(),
+                        "" if bad else " (it stays indexed, to be retired again)",
+                        exc,
                     )
+                    if not bad:
+                        kept.append(row)
         finally:
             # Their manifests are gone: the chunks they named may go (the index held them
             # back from every retire until now), and their keys may be indexed again.
-            self.index.retired(rows)
+            self.index.retired([r for r in rows if all(r is not k for k in kept)])
+            self.index.unretire(kept)
+        rows = [r for r in rows if all(r is not k for k in kept)]
         sole: dict[TierName, bool] = {}
         for chunk in self.index.take_freed_chunks():
             try:
@@ -260,7 +277,7 @@ class CacheCore:
             removed = self.index.remove(key)
             if removed is not None:
                 self.remember_unreadable(removed, detail)
-            self.retire([r for r in (removed,) if r is not None])
+            self.retire([r for r in (removed,) if r is not None], bad=True)
             return
         self.counters.incr("shared_rows_forgotten")
         if tier.name not in self._warned_unreadable:  # one line per tier; the count says more

@@ -183,19 +183,31 @@ class Worker:
         return fut
 
     def cancel(self, req: Request) -> None:
-        """Cancel ``req``: answered here at once if still queued (even while the worker is
-        inside a forward pass), else observed by the worker between tokens."""
+        """Cancel ``req``: answered here at once if still queued, or a fork of a queued group
+        (even while the worker is inside a forward pass), else observed by the worker between
+        tokens."""
         req.cancelled.set()
         with self._cond:
             try:
                 self._queue.remove(req)
             except ValueError:
-                queued = False
+                queued = self._drop_queued_fork(req)
             else:
                 queued = True
             self._cond.notify_all()
         if queued:
             self.outcomes.cancelled_unstarted(req)
+
+    def _drop_queued_fork(self, req: Request) -> bool:
+        """Take ``req`` out of the queued ``n > 1`` group it is a fork of, if any (under
+        _cond): the group is seated without it and waits for no slot of its (found by review:
+        a cancelled fork stayed unanswered until its group was seated, and the group still
+        waited for a free slot for it)."""
+        for queued in self._queue:
+            if any(f is req for f in queued.forks):
+                queued.forks = tuple(f for f in queued.forks if f is not req)
+                return True
+        return False
 
     @property
     def queued(self) -> int:

@@ -88,6 +88,7 @@ async def chat_completions(request: Request) -> Response:
         req,
         default_max_tokens=state.settings.default_max_tokens,
         max_tokens_limit=state.settings.max_tokens_limit,
+        over_limit=state.settings.max_tokens_over_limit,
         # OpenAI's (and vLLM's) rule: max_completion_tokens wins over the legacy max_tokens.
         max_tokens=(
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -112,6 +112,7 @@ async def completions(request: Request) -> Response:
         req,
         default_max_tokens=state.settings.default_max_tokens,
         max_tokens_limit=state.settings.max_tokens_limit,
+        over_limit=state.settings.max_tokens_over_limit,
         json_schema=convert.response_schema(req.response_format),
         logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if echo_lp else None,
@@ -260,12 +261,8 @@ async def infill(request: Request) -> Response:
     )
     if req.n != 1:
         raise HTTPError(400, "/infill makes one completion (n=1)", param="n")
-    limit = state.settings.max_tokens_limit
-    if req.n_predict is not None and req.n_predict > limit:
-        raise HTTPError(
-            400, f"n_predict is {req.n_predict}, above this server's limit of {limit}",
-            param="n_predict",
-        )  # fmt: skip
+    limit, over_limit = state.settings.max_tokens_limit, state.settings.max_tokens_over_limit
+    convert.length_within(req.n_predict, "n_predict", limit, over_limit)
     extra = [ExtraFile(c.text, c.filename) for c in req.input_extra]
     tokens = await run_in_threadpool(
         functools.partial(
@@ -276,6 +273,7 @@ async def infill(request: Request) -> Response:
         req,
         default_max_tokens=state.settings.default_max_tokens,
         max_tokens_limit=limit,
+        over_limit=over_limit,
         max_tokens=req.n_predict if req.n_predict is not None and req.n_predict >= 0 else None,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
         lora=lora,

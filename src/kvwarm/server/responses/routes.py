@@ -127,6 +127,7 @@ async def create_response(request: Request) -> Response:
         max_tokens=req.max_output_tokens,
         param="max_output_tokens",
         limit=state.settings.max_tokens_limit,
+        over_limit=state.settings.max_tokens_over_limit,
         temperature=req.temperature,
         top_p=req.top_p,
     )
@@ -134,6 +135,7 @@ async def create_response(request: Request) -> Response:
         fields,
         default_max_tokens=state.settings.default_max_tokens,
         max_tokens_limit=state.settings.max_tokens_limit,
+        over_limit=state.settings.max_tokens_over_limit,
         json_schema=plan.json_schema or schema,
         cache_salt=salt,
         lora=lora,
