@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvwarm.engine.worker.batching import (
+    AGING_TICKS,
     Balanced,
     Chunk,
     DecodeFirst,
@@ -9,6 +12,7 @@ from kvwarm.engine.worker.batching import (
     TickPlan,
     isolate,
     strategy,
+    waited_after,
 )
 
 
@@ -70,3 +74,74 @@ def test_a_short_prompt_is_not_starved_by_a_long_one_beside_it() -> None:
         assert Chunk(2, 0, 5) in plan.shared_chunks
         assert Chunk(1, 0, 16 - 5 - len(plan.decode_slots)) in plan.shared_chunks
     assert Balanced().plan([0], wants, n_batch=16, n_ubatch=16).shared_chunks == (Chunk(2, 0, 5),)
+
+
+def _starve(
+    plan: Callable[[list[PrefillWant]], TickPlan],
+    long: int,
+    short: int,
+    *,
+    whole: bool = False,
+    ticks: int = 2000,
+) -> int | None:
+    """A pure simulation: slot 0 prefills a ``long``-token prompt while slots 1-3 are refilled
+    with ``short``-token prompts that end with their prefill (1 token generated from its
+    last logits). The tick at which the long prompt is prefilled, or None."""
+    pos = [0, 0, 0, 0]
+    size = [long, short, short, short]
+    waited = [0, 0, 0, 0]
+    for tick in range(1, ticks + 1):
+        wants = [
+            PrefillWant(i, pos[i], size[i], False, whole=whole, waited=waited[i])
+            for i in range(4)
+            if pos[i] < size[i]
+        ]
+        p = plan(wants)
+        for i, w in waited_after(p, wants).items():
+            waited[i] = w
+        for c in (*p.shared_chunks, *p.isolated_chunks):
+            assert c.start == pos[c.slot]
+            pos[c.slot] = c.end
+        if pos[0] >= long:
+            return tick
+        for i in (1, 2, 3):
+            if pos[i] >= size[i]:
+                pos[i], waited[i] = 0, 0  # the next short prompt is seated
+    return None
+
+
+def test_a_long_prompt_is_not_starved_by_short_prompts_arriving_beside_it() -> None:
+    """Fewest tokens left first alone starved a seated long prompt while shorter ones kept
+    arriving in the other slots: under balanced it got nothing in 2,000 ticks, under
+    decode_first it stalled at 1,612 of 4,096, and a whole prompt never fit. Now one passed
+    over for AGING_TICKS ticks goes first: at most about AGING_TICKS ticks per chunk (plus,
+    under balanced, a turn for each other slot that has waited as long)."""
+    chunks = 4096 // 512
+    bound = chunks * (AGING_TICKS + 4)
+    cases: list[tuple[str, Callable[[list[PrefillWant]], TickPlan], int, bool]] = [
+        ("balanced", lambda w: Balanced().plan([], w, 512, 512), 100, False),
+        ("decode_first", lambda w: DecodeFirst().plan([], w, 512, 512), 1000, False),
+        ("prefill_first", lambda w: PrefillFirst().plan([], w, 512, 512), 1000, False),
+    ]
+    for name, plan, short, whole in cases:
+        done = _starve(plan, 4096, short, whole=whole)
+        assert done is not None and done <= bound, (name, done)
+    # An encoder's prompt runs whole in one ubatch: 400 tokens never fit beside two of 200.
+    whole_plan = lambda w: DecodeFirst().plan([], w, 512, 512)  # noqa: E731
+    done = _starve(whole_plan, 400, 200, whole=True)
+    assert done is not None and done <= AGING_TICKS + 4, done
+
+
+def test_aging_keeps_fewest_left_first_until_a_prompt_has_waited() -> None:
+    wants = [PrefillWant(1, 0, 4000, False, waited=AGING_TICKS - 1), PrefillWant(2, 0, 5, False)]
+    assert Balanced().plan([], wants, 16, 16).shared_chunks == (Chunk(2, 0, 5),)
+    aged = [PrefillWant(1, 0, 4000, False, waited=AGING_TICKS), PrefillWant(2, 0, 5, False)]
+    assert Balanced().plan([], aged, 16, 16).shared_chunks == (Chunk(1, 0, 16),)
+    p = Balanced().plan([], wants, 16, 16)
+    assert waited_after(p, wants) == {1: AGING_TICKS, 2: 0}
+    # A whole prompt that has waited keeps the room: nothing smaller is placed after it.
+    whole = [
+        PrefillWant(1, 0, 12, False, whole=True, waited=AGING_TICKS),
+        PrefillWant(2, 0, 3, False, whole=True),
+    ]
+    assert DecodeFirst().plan([0, 3, 4, 5, 6, 7], whole, 16, 16).shared_chunks == ()

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from tests.engine.conftest import GatedBackend, make_engine, stub_config
+from collections.abc import Sequence
 
+import pytest
+from tests.engine.conftest import GatedBackend, _GatedContext, make_engine, stub_config
+
+from kvwarm.backends.base import BatchToken
 from kvwarm.engine.api import Engine
 from kvwarm.engine.types import GenerationOptions
+from kvwarm.engine.worker.batching import AGING_TICKS
 
 OPTS = GenerationOptions(max_tokens=10, temperature=0.0)
 SYSTEM = "Shared system prompt for every agent in this test. " * 2
@@ -165,5 +170,41 @@ def test_slot_statuses_are_published_without_reaching_the_worker() -> None:
         held = max(s.n_tokens for s in after)
         assert held >= n_prompt + done.stats.completion_tokens - 1
         assert all(s.prompt_tokens == 0 and s.generated == 0 for s in after)
+    finally:
+        eng.close()
+
+
+def test_a_seated_long_prompt_is_prefilled_while_short_prompts_keep_arriving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Balanced gives one prefill chunk a tick to the prompt with the fewest tokens left, so
+    a long prompt seated beside a stream of short ones got no chunk until the last short one
+    had gone (its last chunk in the run's last pass). The tick now counts the ticks each
+    prompt was passed over (``Active.prefill_waited``), and one passed over for AGING_TICKS
+    goes first (found by review)."""
+    passes: list[list[tuple[int, int]]] = []
+    decode = _GatedContext.decode
+
+    def recording(self: _GatedContext, batch: Sequence[BatchToken]) -> None:
+        passes.append([(t.seq, t.pos) for t in batch])
+        decode(self, batch)
+
+    monkeypatch.setattr(_GatedContext, "decode", recording)
+    eng = make_engine()
+    try:
+        backend = GatedBackend()
+        cfg = stub_config(n_parallel=2, backend=backend, strategy="balanced")  # type: ignore[arg-type]
+        model = eng.load_model(config=cfg)
+        one = GenerationOptions(max_tokens=1, temperature=0.0)
+        long = model.submit("x" * 150, one)  # queued first, so seated first
+        shorts = [model.submit(f"short {i}", one) for i in range(120)]
+        backend.gate.set()  # every request is queued before the first pass runs
+        long.result()
+        for s in shorts:
+            s.result()
+        n_long = len(long.prompt_tokens)
+        last = max(i for i, p in enumerate(passes) if any(pos == n_long - 1 for _, pos in p))
+        chunks = -(-n_long // 16)  # n_batch 16
+        assert last <= chunks * (AGING_TICKS + 2) < len(passes) - 20, (last, len(passes))
     finally:
         eng.close()

@@ -99,3 +99,26 @@ def test_ascii_pieces_skip_the_decoder_but_not_a_pending_character() -> None:
     ]  # fmt: skip
     asm = TextAssembler(())
     assert asm.feed(b"\xc3") + asm.feed(b"a") == "\ufffda"
+
+
+def test_begun_counts_the_tokens_of_the_returned_text() -> None:
+    # The logprobs a reply keeps after a stop: the tokens whose text starts before the stop,
+    # one holding the text's end and the stop's start included; none of the stop alone.
+    asm = TextAssembler(("STOP",))
+    for piece in (b"ab", b"cS", b"TO", b"P!"):
+        asm.feed(piece)
+    assert asm.stopped and asm.text == "abc" and asm.begun() == 2
+    # A character split across tokens: both start where it does, neither counts before it
+    # goes out.
+    asm = TextAssembler(())
+    asm.feed("é".encode()[:1])
+    assert asm.begun() == 0
+    asm.feed("é".encode()[1:])
+    assert asm.begun() == 2
+    # Held back as a possible stop: not begun until released.
+    asm = TextAssembler(("xy",))
+    asm.feed(b"a")
+    asm.feed(b"x")
+    assert asm.begun() == 1
+    asm.feed(b"z")
+    assert asm.begun() == 2

@@ -330,6 +330,17 @@ def test_errors_are_anthropic_shaped(client: TestClient) -> None:
     assert other.status_code == 404 and "type" not in other.json()
 
 
+def test_stop_sequence_errors_name_stop_sequences(client: TestClient) -> None:
+    # They named "stop", OpenAI's field, which an Anthropic request does not have.
+    claude = sdk.Anthropic(base_url="http://testserver", api_key="-", http_client=client)
+    with pytest.raises(sdk.BadRequestError) as caught:
+        claude.messages.create(model="a", max_tokens=2, messages=[USER], stop_sequences=["s"] * 17)  # type: ignore[list-item]
+    body = caught.value.body
+    assert isinstance(body, dict)
+    message = body["error"]["message"]
+    assert message.startswith("stop_sequences ") and "at most 16" in message, message
+
+
 def test_x_api_key_authenticates() -> None:
     with TestClient(create_app(stub_settings(api_key="sesame"))) as secured:
         wait_ready(secured.get)

@@ -4,12 +4,19 @@ tokens, age), listed and removable through the app (all driven by a fake clock).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import pairwise
 
 import pytest
 from fastapi.testclient import TestClient
 
 from kvwarm.cache.types import TtlClass
-from kvwarm.errors import BackendError, KeepAliveFullError
+from kvwarm.errors import (
+    BackendError,
+    ContextOverflowError,
+    KeepAliveFullError,
+    KvwarmError,
+    UnknownModelError,
+)
 from kvwarm.server import create_app
 from kvwarm.server.keepalive import KeepAlive, KeepAliveLimits, entry_id
 
@@ -17,10 +24,12 @@ from .conftest import stub_settings, wait_ready
 
 
 class FakeModel:
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, error: KvwarmError | None = None) -> None:
         self.calls: list[tuple[str | Sequence[int], TtlClass, bool]] = []
         self.salts: list[str | None] = []
         self.fail = fail
+        self.error = error
+        self.tries = 0
 
     def prewarm(
         self,
@@ -30,8 +39,9 @@ class FakeModel:
         add_special: bool,
         cache_salt: str | None = None,
     ) -> None:
+        self.tries += 1
         if self.fail:
-            raise BackendError("boom")
+            raise self.error or BackendError("boom")
         self.calls.append((prompt, ttl_class, add_special))
         self.salts.append(cache_salt)
 
@@ -75,9 +85,70 @@ def test_failures_and_unready_models_are_skipped_and_retried() -> None:
     assert keep.tick({"broken": broken}.get) == 0  # type: ignore[arg-type]
     (entry,) = [e for e in keep.entries() if e.model_id == "broken"]
     assert entry.failures == 1 and entry.warms == 1
-    assert len(keep.due()) == 2  # still due: retried on the next tick
+    clock.now += 60  # the keep-alive interval: retried on the next tick
+    assert len(keep.due()) == 2
     keep.forget("broken")
     assert [e.model_id for e in keep.entries()] == ["loading"]
+
+
+def _tries_at(keep: KeepAlive, clock: Clock, model: FakeModel, until: float) -> list[float]:
+    """Tick every 10 s (the interval) until ``until``: the times ``model`` was tried."""
+    seen: list[float] = []
+    while clock.now < until:
+        clock.now += 10
+        before = model.tries
+        keep.tick({"m": model}.get)  # type: ignore[arg-type]
+        if model.tries > before:
+            seen.append(clock.now - 1000)
+    return seen
+
+
+def test_a_failing_entry_backs_off_exponentially_up_to_its_period_and_resets() -> None:
+    """A re-warm that kept failing was retried every tick for ever (pinned) or for a day,
+    a warning each time (found by review). Now the wait doubles from the interval, capped at
+    the entry's re-warm period, and a success resets it."""
+    clock = Clock()
+    # TTL 1000 s, stale at 0.5: a period of 500 s; the server ticks every 10 s.
+    keep = KeepAlive((1000.0,) * 3, 0.5, clock, KeepAliveLimits(10, 1000, 0), interval_s=10)
+    model = FakeModel(fail=True)
+    entry = keep.register("m", "p", TtlClass.SHORT, pinned=True)
+    tries = _tries_at(keep, clock, model, 1000 + 500 + 10 + 20 + 40 + 80 + 160 + 320 + 500 * 2)
+    waits = [b - a for a, b in pairwise(tries)]
+    assert tries[0] == 500 and waits == [10, 20, 40, 80, 160, 320, 500, 500]
+    assert entry.failing == entry.failures == 9 and keep.entries() == [entry]
+    model.fail = False
+    clock.now += 500
+    assert keep.tick({"m": model}.get) == 1  # type: ignore[arg-type]
+    assert entry.failing == 0 and entry.failures == 9 and entry.warms == 2
+    model.fail = True
+    start = clock.now - 1000
+    tries = _tries_at(keep, clock, model, clock.now + 500 + 30)
+    assert [t - start for t in tries] == [500, 510, 530]  # back to the interval
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ContextOverflowError("too long"), UnknownModelError("gone")],
+    ids=["context_overflow", "unknown_model"],
+)
+def test_a_permanent_failure_drops_an_unpinned_entry_but_not_a_pinned_one(
+    error: KvwarmError, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    keep = KeepAlive((100.0,) * 3, 0.5, clock, interval_s=10)
+    model = FakeModel(fail=True, error=error)
+    keep.register("m", "p", TtlClass.SHORT)
+    pinned = keep.register("m", "sys", TtlClass.SHORT, pinned=True)
+    clock.now += 50
+    with caplog.at_level("WARNING", logger="kvwarm.server.keepalive"):
+        assert keep.tick({"m": model}.get) == 0  # type: ignore[arg-type]
+    assert keep.entries() == [pinned] and model.tries == 2
+    assert sum("dropped" in r.getMessage() for r in caplog.records) == 1
+    clock.now += 10
+    assert keep.tick({"m": model}.get) == 0  # type: ignore[arg-type]
+    assert model.tries == 3 and pinned.failing == 2  # the pinned one retries, backed off
+    clock.now += 10
+    assert keep.tick({"m": model}.get) == 0 and model.tries == 3  # type: ignore[arg-type]
 
 
 class Buggy(FakeModel):

@@ -718,3 +718,51 @@ def test_a_prewarmed_chat_with_an_image_is_restored_past_it_and_kept_warm(
         json={"model": "eye", "messages": chat_body("https://example.com/a.png")["messages"]},
     )
     assert fetched.status_code == 400 and fetched.json()["error"]["code"] == "media_fetch_refused"
+
+
+def test_an_anthropic_tool_result_may_hold_images(client: TestClient) -> None:
+    """Claude Code sends the image file a tool read as an image block inside the tool_result:
+    that was a 400 ("an image in a tool result is not supported"). The image reaches the
+    model as any other image does; a model without a projector gives the same 400 as for one
+    in a user turn."""
+    from anthropic import Anthropic, BadRequestError
+
+    claude = Anthropic(base_url="http://testserver", api_key="-", http_client=client)
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": b64(png(5))},
+    }
+
+    def ask(model: str, content: list[dict[str, object]]) -> int:
+        reply = claude.messages.create(
+            model=model,
+            max_tokens=2,
+            tools=[{"name": "read", "input_schema": {"type": "object"}}],
+            messages=[
+                {"role": "user", "content": "Show me cat.png"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "toolu_1", "name": "read", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "toolu_1", "content": content}  # type: ignore[list-item, typeddict-item]
+                    ],
+                },
+            ],
+        )
+        usage = reply.usage
+        return (
+            usage.input_tokens
+            + (usage.cache_read_input_tokens or 0)
+            + (usage.cache_creation_input_tokens or 0)
+        )
+
+    text = {"type": "text", "text": "cat.png:"}
+    with_image = ask("eye", [text, image])
+    assert with_image >= ask("eye", [text]) + 16  # the picture's span is in the prompt
+    with pytest.raises(BadRequestError) as caught:
+        ask("a", [text, image])
+    message = str(caught.value)
+    assert "messages.2.content.0.content.1" in message and "no multimodal projector" in message

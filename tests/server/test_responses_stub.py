@@ -302,7 +302,13 @@ def test_follow_ups_stay_in_their_namespace_and_tenant() -> None:
         assert_error(
             secured.delete(f"/v1/responses/{rid}", headers=admin), 404, "response_not_found"
         )
+        items = f"/v1/responses/{rid}/input_items"
+        assert_error(secured.get(items, headers=admin), 404, "response_not_found")
         assert secured.get(f"/v1/responses/{rid}", headers=user).status_code == 200
+        assert (
+            secured.get(items, headers=user).json()["data"][0]["content"][0]["text"]
+            == (BASE["input"])
+        )
 
 
 @pytest.mark.parametrize("from_auth", [False, True])

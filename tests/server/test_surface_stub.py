@@ -13,6 +13,8 @@ import pydantic
 import pytest
 from anthropic import Anthropic
 from openai import OpenAI
+from openai.types.chat import ChatCompletionChunk
+from openai.types.chat.chat_completion_chunk import ChoiceDeltaToolCall
 
 from kvwarm.settings import ModelSpec
 
@@ -452,6 +454,42 @@ def test_logprobs_are_the_replys_tokens_without_its_end(client: OpenAI) -> None:
     assert len(lp.tokens) == text.usage.completion_tokens and "" not in lp.tokens
 
 
+def test_logprobs_hold_no_stop_sequence(client: OpenAI) -> None:
+    # The stop sequence is not in the returned text (OpenAI's docs) and so not in its
+    # logprobs: content "aaa" came with the logprobs of "a a a b c" (a stream sent "b" while
+    # its text was held back as a possible stop). completion_tokens still counts the stop's
+    # tokens: they were generated (docs/server.md).
+    common = {
+        "model": "a",
+        "max_tokens": 20,
+        "stop": ["bc"],
+        "extra_body": {"grammar": 'root ::= "aaabcd"'},
+    }
+    chat = client.chat.completions.create(messages=MESSAGES, logprobs=True, **common)  # type: ignore[call-overload]
+    choice = chat.choices[0]
+    assert choice.message.content == "aaa" and choice.finish_reason == "stop"
+    assert choice.logprobs and [e.token for e in choice.logprobs.content or []] == ["a"] * 3
+    assert chat.usage is not None and chat.usage.completion_tokens == 5  # "aaabc" generated
+    streamed = list(
+        client.chat.completions.create(messages=MESSAGES, logprobs=True, stream=True, **common)  # type: ignore[call-overload]
+    )
+    tokens = [
+        e.token
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]
+    assert tokens == ["a"] * 3
+    text = client.completions.create(prompt=PROMPT, logprobs=1, **common)  # type: ignore[call-overload]
+    lp = text.choices[0].logprobs
+    assert text.choices[0].text == "aaa" and lp is not None
+    assert lp.tokens == ["a"] * 3 and lp.text_offset == [0, 1, 2]
+    chunks = list(client.completions.create(prompt=PROMPT, logprobs=1, stream=True, **common))  # type: ignore[call-overload]
+    assert [
+        t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []
+    ] == ["a"] * 3
+
+
 def test_completion_logprobs_streamed(client: OpenAI) -> None:
     common = {"model": "a", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 1}
     plain = client.completions.create(**common)  # type: ignore[call-overload]
@@ -500,7 +538,16 @@ def test_echo_with_prompt_logprobs(client: OpenAI) -> None:
 # --- tool calls streamed ---------------------------------------------------------------------
 
 
-def test_tool_call_streams_argument_fragments(client: OpenAI) -> None:
+def _tool_deltas(chunks: list[ChatCompletionChunk]) -> list[ChoiceDeltaToolCall]:
+    return [
+        call
+        for c in chunks
+        if c.choices and c.choices[0].delta.tool_calls
+        for call in c.choices[0].delta.tool_calls
+    ]
+
+
+def test_tool_call_streams_once_it_parses(client: OpenAI) -> None:
     # The stub enforces literal grammars: that stands in for a model that answers with a call.
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     grammar = "root ::= " + '"' + call.replace('"', '\\"') + '"'
@@ -515,19 +562,38 @@ def test_tool_call_streams_argument_fragments(client: OpenAI) -> None:
             extra_body={"grammar": grammar},
         )
     )
-    deltas = [
-        call
-        for c in chunks
-        if c.choices and c.choices[0].delta.tool_calls
-        for call in c.choices[0].delta.tool_calls
-    ]
-    first, *rest = deltas
+    (first,) = _tool_deltas(chunks)
     assert first.id and first.type == "function" and first.function is not None
-    assert first.function.name == "get_weather" and first.function.arguments == ""
-    assert len(rest) > 1 and all(d.id is None and d.index == 0 for d in rest)
-    arguments = "".join(d.function.arguments or "" for d in rest if d.function)
-    assert json.loads(arguments) == {"city": "Oslo"}
+    assert first.function.name == "get_weather"
+    assert json.loads(first.function.arguments or "") == {"city": "Oslo"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo",}}</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": {"city": Oslo}}</tool_call>',
+    ],
+)
+def test_a_call_that_does_not_parse_is_content_streamed_or_not(client: OpenAI, call: str) -> None:
+    # Before: the stream sent the call's header and argument deltas, then finished "stop" with
+    # the text as content, while the plain reply had no call: a client held half a call.
+    body = {
+        "model": "a",
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [WEATHER],
+        "max_tokens": 100,
+        "temperature": 0,
+        "extra_body": {"grammar": "root ::= " + json.dumps(call)},
+    }
+    whole = client.chat.completions.create(**body).choices[0]  # type: ignore[call-overload]
+    assert whole.finish_reason == "stop" and not whole.message.tool_calls
+    chunks = list(client.chat.completions.create(**body, stream=True))  # type: ignore[call-overload]
+    assert _tool_deltas(chunks) == []
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == whole.message.content == call
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_a_forced_call_to_a_tool_with_nested_models_is_served(
@@ -633,7 +699,46 @@ def test_a_call_cut_by_max_tokens_finishes_with_length_streamed_or_not(client: O
     chunks = list(client.chat.completions.create(**body, stream=True))  # type: ignore[call-overload]
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == whole.message.content == call[:cut]
+    assert _tool_deltas(chunks) == []  # nothing of a call that was never made
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+# --- Responses input items ------------------------------------------------------------------
+
+
+def test_input_items_list_a_stored_responses_input(client: OpenAI) -> None:
+    # responses.input_items.list was a 404: the route did not exist.
+    resp = client.responses.create(
+        model="a",
+        input=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"role": "user", "content": [{"type": "input_text", "text": "And tomorrow?"}]},
+        ],
+        max_output_tokens=2,
+    )
+    listed = client.responses.input_items.list(resp.id, order="asc")
+    kinds = [item.type for item in listed.data]
+    assert kinds == ["message", "function_call", "function_call_output", "message"]
+    first = listed.data[0]
+    assert first.type == "message" and first.role == "user"
+    assert first.content[0].type == "input_text" and first.content[0].text == "Weather in Oslo?"
+    assert listed.data[1].type == "function_call" and listed.data[1].call_id == "c1"
+    ids = [item.id for item in listed.data]
+    assert all(ids) and len(set(ids)) == 4
+    assert listed.first_id == ids[0] and listed.last_id == ids[-1] and not listed.has_more
+    newest = client.responses.input_items.list(resp.id, limit=3)  # desc by default, as OpenAI's
+    assert [item.id for item in newest.data] == ids[::-1][:3] and newest.has_more
+    rest = client.responses.input_items.list(resp.id, limit=3, after=newest.last_id)
+    assert [item.id for item in rest.data] == ids[:1] and not rest.has_more
+    paged = [item.id for item in client.responses.input_items.list(resp.id, limit=1, order="asc")]
+    assert paged == ids  # the SDK's auto-paging follows has_more / after
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.input_items.list(resp.id, limit=0)
+    assert caught.value.param == "limit"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_no_such_response")
 
 
 # --- suffix and /infill ----------------------------------------------------------------------

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvwarm.server.tool_stream import ToolStream, scan_calls
+from kvwarm.server.tool_stream import ToolStream
 
 NAMES = frozenset({"get_weather", "get_time"})
 
@@ -42,22 +42,21 @@ def _chars(text: str) -> list[str]:
     return list(text)
 
 
-def test_hermes_call_streams_header_then_argument_fragments() -> None:
+def test_hermes_call_goes_out_whole_once_it_parses() -> None:
     reply = (
         "Sure. <tool_call>\n"
         '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'
     )
-    content, deltas = _run(_chars(reply))
-    assert content == "Sure. "
-    header = deltas[0]
-    assert header["function"] == {"name": "get_weather", "arguments": ""} and "id" in header
-    fragments = [d for d in deltas[1:] if "id" not in d]
-    assert len(fragments) > 5  # one per arriving piece of the arguments, not one at the end
-    assert "".join(str(d["function"]["arguments"]) for d in fragments) == (  # type: ignore[index]
-        '{"city": "Oslo", "days": 3}'
-    )
-    ((_, name, args),) = _assemble(deltas)
-    assert name == "get_weather" and args == {"city": "Oslo", "days": 3}
+    stream = ToolStream(NAMES, forced=False)
+    closed = reply.index("}}") + 2  # the call's JSON is complete here
+    early = [d for ch in reply[: closed - 1] for d in stream.feed(ch)[1]]
+    assert early == []  # nothing of the call before it is known to parse
+    (header,) = stream.feed(reply[closed - 1 : closed])[1]
+    assert header["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 3}'}
+    assert [d for ch in reply[closed:] for d in stream.feed(ch)[1]] == []
+    rest, calls, any_call = stream.finish()
+    assert rest == ""  # "Sure. " went out as it came
+    assert calls == [] and any_call
 
 
 @pytest.mark.parametrize(
@@ -69,12 +68,29 @@ def test_hermes_call_streams_header_then_argument_fragments() -> None:
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}',
     ],
 )
-def test_formats_stream_incrementally(reply: str) -> None:
-    content, deltas = _run(_chars(reply), forced=reply.startswith("{"))
-    assert content == ""
-    assert len(deltas) > 2
-    ((_, name, args),) = _assemble(deltas)
+def test_other_formats_are_sent_by_finish(reply: str) -> None:
+    # A later marker or value could still make these content: only the whole reply decides.
+    stream = ToolStream(NAMES, forced=reply.startswith("{"))
+    assert all(stream.feed(ch) == ("", []) for ch in reply)
+    rest, calls, any_call = stream.finish()
+    assert rest == "" and any_call
+    ((_, name, args),) = _assemble(calls)
     assert name == "get_weather" and args == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo",}}</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": {"city": NaN}}</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": "{city}"}</tool_call>',
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}} {"not": "a call"}',
+    ],
+)
+def test_a_call_that_never_parses_is_content_and_no_delta(reply: str) -> None:
+    # Before: the header and argument fragments went out, then the reply finished as content.
+    content, deltas = _run(_chars(reply))
+    assert deltas == [] and content == reply
 
 
 def test_two_calls_keep_their_indexes() -> None:
@@ -90,7 +106,7 @@ def test_two_calls_keep_their_indexes() -> None:
     assert {d["index"] for d in deltas} == {0, 1}
 
 
-def test_string_arguments_are_sent_whole_at_the_end() -> None:
+def test_string_arguments_are_sent_parsed() -> None:
     reply = (
         '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
     )
@@ -103,11 +119,6 @@ def test_undeclared_tool_is_content_and_never_streamed() -> None:
     reply = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
     content, deltas = _run(_chars(reply))
     assert deltas == [] and content == reply
-
-
-def test_scan_sees_a_partial_call() -> None:
-    (call,) = scan_calls('<tool_call>{"name": "get_weather", "arguments": {"city": "Os')
-    assert call.name == "get_weather" and call.args_start > 0 and call.args_end == -1
 
 
 def test_shows_text_but_holds_back_a_call() -> None:
@@ -126,11 +137,11 @@ def test_releases_a_false_alarm_at_the_end() -> None:
 
 
 def test_a_call_cut_off_before_its_arguments_close_is_not_a_call() -> None:
-    # max_tokens ends the reply inside its call: the header went out, but the reply is no
-    # call, so the finish reason is the non-streamed one ("length"), not "tool_calls".
+    # max_tokens ends the reply inside its call: no call, so nothing of one went out, and the
+    # finish reason is the non-streamed one ("length"), not "tool_calls".
     stream = ToolStream(NAMES, forced=False)
     _, deltas = stream.feed('<tool_call>{"name": "get_weather", "arguments": {"ci')
-    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert deltas == []
     rest, calls, any_call = stream.finish()
     assert calls == [] and not any_call
     assert rest == '<tool_call>{"name": "get_weather", "arguments": {"ci'

@@ -44,9 +44,11 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class Fragment:
-    """Text that is now safe to show, with the logprobs of the tokens generated since the
-    last fragment (empty unless logprobs were asked for). The text may be empty when a token's
-    text is still held back (a partial character or stop string) but its logprob is not."""
+    """Text that is now safe to show, with the logprobs of the tokens whose text begins in it
+    (or in held-back text before it) since the last fragment (empty unless logprobs were asked
+    for); a token whose text is still held back (a partial character, a possible stop string)
+    keeps its logprob for a later fragment. The last fragment may have empty text and carry
+    the logprobs still unsent (tokens of a character a ``max_tokens`` cut left incomplete)."""
 
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()

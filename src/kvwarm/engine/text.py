@@ -4,12 +4,16 @@ back until they can no longer match.
 Invariants: the concatenation of every fragment ``TextAssembler`` emits equals the final text;
 no emitted fragment contains (part of) a stop sequence that ends the completion; the bytes of a
 character left incomplete when generation ends (a ``max_tokens`` cut mid-emoji) are dropped,
-never emitted as U+FFFD. A logprob token whose bytes are not whole UTF-8 is named with
-``piece_text``'s ``bytes:\\xNN`` form, which ``piece_bytes`` inverts exactly.
+never emitted as U+FFFD. ``begun`` counts the tokens whose text starts in what was emitted:
+the tokens a fragment's logprobs may cover (after a stop, exactly those of the returned text,
+a token that holds the text's end and the stop's start included). A logprob token whose bytes
+are not whole UTF-8 is named with ``piece_text``'s ``bytes:\\xNN`` form, which
+``piece_bytes`` inverts exactly.
 """
 
 from __future__ import annotations
 
+import bisect
 import codecs
 
 
@@ -23,11 +27,19 @@ class TextAssembler:
         self._emitted = 0  # chars of _text already handed out
         self.stopped = False
         self.matched: str | None = None  # the stop sequence that ended the text, if any
+        self._starts: list[int] = []  # per token fed: where its text starts in _text
+
+    def begun(self) -> int:
+        """How many of the tokens fed have text that starts in what was emitted so far
+        (a token completing a character split across tokens starts where that character
+        does)."""
+        return bisect.bisect_left(self._starts, self._emitted)
 
     def feed(self, piece: bytes) -> str:
         """Add one token's bytes; return the text that is now safe to emit."""
         if self.stopped:
             return ""
+        self._starts.append(len(self._text))
         if self._pending or not piece.isascii():
             # Part of a character may be held over from a token to the next.
             self._text += self._decoder.decode(piece)

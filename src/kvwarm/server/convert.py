@@ -22,6 +22,7 @@ from kvwarm.engine.types import (
     GenerationOptions,
     TokenLogprob,
 )
+from kvwarm.errors import InvalidRequestError
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.schemas import ResponseFormat, SamplingFields
 from kvwarm.server.tools import ToolCall
@@ -59,10 +60,13 @@ def options(
     prompt_logprobs: int | None = None,
     cache_salt: str | None = None,
     lora: tuple[tuple[int, float], ...] | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> GenerationOptions:
     """``req``'s engine options; ``cache_salt`` is the one ``server.tenancy`` resolved (the
     body's field is only one of its inputs), ``lora`` the adapters ``server.lora`` chose;
-    ``over_limit``: what a length above ``max_tokens_limit`` gets (``length_within``)."""
+    ``over_limit``: what a length above ``max_tokens_limit`` gets (``length_within``).
+    ``names``: the client's name of a field another API spells otherwise (Anthropic's
+    ``stop_sequences`` for ``stop``), so an error about it names what the client sent."""
     stop: tuple[str, ...] = ()
     if isinstance(req.stop, str):
         stop = (req.stop,) if req.stop else ()
@@ -101,8 +105,23 @@ def options(
         if value is not None:
             overrides[name] = value
     opts = dataclasses.replace(GenerationOptions(), **overrides)  # type: ignore[arg-type]
-    opts.validate()
+    try:
+        opts.validate()
+    except InvalidRequestError as exc:
+        _rename(exc, names or {})
+        raise
     return opts
+
+
+def _rename(exc: InvalidRequestError, names: Mapping[str, str]) -> None:
+    """Make ``exc`` name its field as the client spelled it (its message starts with it)."""
+    sent = names.get(exc.param or "")
+    if sent is None or exc.param is None:
+        return
+    message = str(exc)
+    if message.startswith(exc.param + " "):
+        exc.args = (sent + message[len(exc.param) :],)
+    exc.param = sent
 
 
 def length_within(value: object, param: str, limit: int, over_limit: str) -> None:

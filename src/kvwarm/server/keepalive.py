@@ -6,9 +6,15 @@ kept. What is kept is bounded, because every entry costs a background prefill pe
 at most ``max_entries`` entries and ``max_tokens`` tokens in all (``register`` refuses more with
 ``KeepAliveFullError``), and an entry not registered again for ``max_age_s`` seconds is dropped
 (0: never). Pinned entries (the operator's ``prewarm_system`` prompts) never age out and are
-not refused. Re-warming is best effort (a failure, of any kind, is logged and retried next tick;
-it fails only its entry) and never retries in a loop. An entry re-warms under the cache salt it
-was prewarmed with, and the same prompt under two salts is two entries (``server.tenancy``).
+not refused. Re-warming is best effort: a failure, of any kind, fails only its entry, is logged
+and retried with exponential backoff (the keep-alive interval after the first consecutive
+failure, doubling after each next one, at most the entry's re-warm period: its TTL's
+``stale_fraction``; a success resets it), so a prefix that keeps failing costs a prefill and a
+warning per period, not per tick. A failure of a permanent kind (``PERMANENT``: the prompt is
+invalid or too long for the model's context, the model no longer exists) drops an unpinned
+entry with one log line; a pinned entry keeps retrying with backoff. An entry re-warms under
+the cache salt it was prewarmed with, and the same prompt under two salts is two entries
+(``server.tenancy``).
 The clock is injectable so tests drive ``tick`` without waiting.
 """
 
@@ -24,13 +30,27 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvwarm.cache.types import TtlClass
-from kvwarm.errors import KeepAliveFullError, KvwarmError
+from kvwarm.errors import (
+    InvalidRequestError,
+    KeepAliveFullError,
+    KvwarmError,
+    ModelNotFoundError,
+    UnknownModelError,
+)
 
 if TYPE_CHECKING:
     from kvwarm.engine.types import CompletionStats
     from kvwarm.server.served import ServedModel
 
 log = logging.getLogger("kvwarm.server.keepalive")
+
+#: Re-warm failures that retrying cannot mend (``ContextOverflowError`` is an
+#: ``InvalidRequestError``): an unpinned entry is dropped on the first.
+PERMANENT: tuple[type[KvwarmError], ...] = (
+    InvalidRequestError,
+    ModelNotFoundError,
+    UnknownModelError,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +95,8 @@ class Prewarmed:
     add_special: bool = True  # False for rendered chat text (the template carries BOS)
     warms: int = 1
     failures: int = 0
+    failing: int = 0  # consecutive failures since the last success (the backoff's exponent)
+    retry_at: float = 0.0  # after a failure: not tried again before this (clock time)
     n_tokens: int = 0
     registered: float = 0.0  # when last (re-)registered: the age that max_age_s bounds
     pinned: bool = False
@@ -103,8 +125,10 @@ class KeepAlive:
         stale_fraction: float,
         clock: Callable[[], float] = time.monotonic,
         limits: KeepAliveLimits | None = None,
+        interval_s: float = 60.0,
     ) -> None:
         self._ttl = tuple(ttl_seconds)
+        self._interval = interval_s  # the server's tick: the backoff's first step
         self._fraction = stale_fraction
         self._clock = clock
         self.limits = limits or KeepAliveLimits()
@@ -212,8 +236,49 @@ class KeepAlive:
             return [
                 e
                 for e in self._entries.values()
-                if now - e.last_warm >= self._fraction * self._ttl[int(e.ttl_class)]
+                if now - e.last_warm >= self._period(e) and now >= e.retry_at
             ]
+
+    def _period(self, entry: Prewarmed) -> float:
+        return self._fraction * self._ttl[int(entry.ttl_class)]
+
+    def _failed(self, entry: Prewarmed, exc: BaseException, *, unexpected: bool = False) -> None:
+        """Count a failed re-warm of ``entry``: back it off, or drop it (one log line) when
+        the failure is permanent and the entry is not pinned."""
+        now = self._clock()
+        with self._lock:
+            entry.failures += 1
+            entry.failing += 1
+            if isinstance(exc, PERMANENT) and not entry.pinned:
+                key = (entry.model_id, entry.cache_salt, entry.prompt)
+                if self._entries.get(key) is entry:
+                    del self._entries[key]
+                log.warning(
+                    "keep-alive dropped %s (model %s): its re-warm cannot succeed: %s",
+                    entry.id,
+                    entry.model_id,
+                    exc,
+                )
+                return
+            delay = min(self._interval * 2 ** min(entry.failing - 1, 32), self._period(entry))
+            entry.retry_at = now + delay
+        if unexpected:
+            log.error(
+                "keep-alive re-warm of %s (model %s) failed unexpectedly; retrying in %.0f s",
+                entry.id,
+                entry.model_id,
+                delay,
+                exc_info=exc,
+            )
+        else:
+            log.warning(
+                "keep-alive re-warm of %s (model %s) failed (%d in a row); retrying in %.0f s: %s",
+                entry.id,
+                entry.model_id,
+                entry.failing,
+                delay,
+                exc,
+            )
 
     def tick(self, resolve: Callable[[str], ServedModel | None]) -> int:
         """Re-warm every due entry whose model is ready; the number re-warmed."""
@@ -234,16 +299,15 @@ class KeepAlive:
                         cache_salt=entry.cache_salt,
                     )
             except KvwarmError as exc:
-                entry.failures += 1
-                log.warning("keep-alive re-warm for %s failed: %s", entry.model_id, exc)
+                self._failed(entry, exc)
                 continue
-            except Exception:  # a bug: this entry's failure, never the loop's end
-                entry.failures += 1
-                log.exception("keep-alive re-warm for %s failed unexpectedly", entry.model_id)
+            except Exception as exc:  # a bug: this entry's failure, never the loop's end
+                self._failed(entry, exc, unexpected=True)
                 continue
             with self._lock:
                 entry.last_warm = self._clock()
                 entry.warms += 1
+                entry.failing, entry.retry_at = 0, 0.0
             done += 1
         if done:
             log.info("keep-alive re-warmed %d prefix(es)", done)

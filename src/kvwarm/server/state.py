@@ -70,7 +70,12 @@ class ServerState:
             settings.keepalive_max_tokens,
             settings.keepalive_max_age_s,
         )
-        self.keepalive = KeepAlive(ttl, settings.keepalive_stale_fraction, limits=limits)
+        self.keepalive = KeepAlive(
+            ttl,
+            settings.keepalive_stale_fraction,
+            limits=limits,
+            interval_s=settings.keepalive_interval_s,
+        )
         # Responses API objects kept for previous_response_id (bounded, in memory).
         self.responses = ResponseStore()
         self._closing = threading.Event()

@@ -137,6 +137,10 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
             if native:
                 if message.tool_call_id:
                     item["tool_call_id"] = message.tool_call_id
+            elif isinstance(text, list):  # a result with images: they stay parts, in place
+                opening = {"type": "text", "text": "<tool_response>\n"}
+                closing = {"type": "text", "text": "\n</tool_response>"}
+                item = {"role": "user", "content": [opening, *text, closing]}
             else:
                 item = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
         out.append(item)

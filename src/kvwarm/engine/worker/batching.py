@@ -7,6 +7,15 @@ whose attention is not causal) is never cut either, and shares a call only withi
 if it does not fit what is left, it waits for the next tick. A generating slot's draft
 (speculative decoding, ``drafted`` tokens in all) travels with its next token: what the
 decoding slots put in the call counts against the budget before any prefill chunk does.
+
+Order: the prompts with the fewest tokens left to prefill get room first, so a short prompt
+beside a long one gets its first token soon, except that a prompt passed over for
+``AGING_TICKS`` ticks in a row (``PrefillWant.waited``, kept by the tick through
+``waited_after``) goes before them all: under ``balanced`` it takes the tick's one chunk, and
+a ``whole`` prompt that does not fit keeps the room (nothing is placed after it) until it
+does. Without that, shorter prompts arriving in the other slots could keep a seated long
+prompt from any prefill forever; with it, a seated prompt waits at most about
+``AGING_TICKS`` ticks per chunk.
 """
 
 from __future__ import annotations
@@ -19,6 +28,9 @@ from kvwarm.alignment import chunk_end
 
 StrategyName = Literal["decode_first", "prefill_first", "balanced"]
 
+#: Ticks in a row a prompt may want prefill room and get none before it goes first.
+AGING_TICKS = 8
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillWant:
@@ -29,6 +41,12 @@ class PrefillWant:
     #: Prefilled whole, in one ubatch with whatever shares its call (an encoder: every
     #: position attends to every other, and llama.cpp asserts the call fits one ubatch).
     whole: bool = False
+    #: Ticks in a row it wanted prefill room and got none (``waited_after``).
+    waited: int = 0
+
+    @property
+    def aged(self) -> bool:
+        return self.waited >= AGING_TICKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +84,20 @@ def _fill(
 ) -> tuple[list[Chunk], list[Chunk], int]:
     shared: list[Chunk] = []
     isolated: list[Chunk] = []
+
     # The fewest tokens left to prefill first (found by review: in slot order, a long prompt
     # in a lower slot took the whole budget every tick, and a short prompt beside it got its
     # first token only once the long one was prefilled, seconds to minutes later). A long
     # prompt still gets what the short ones leave: a few tokens each, then they decode.
-    for want in sorted(prefilling, key=lambda w: (w.stop - w.start, w.slot)):
+    # Except that one passed over for AGING_TICKS ticks goes first (the longest waiting
+    # first): shorter prompts arriving in the other slots starved it with no bound (found
+    # by review).
+    def order(w: PrefillWant) -> tuple[int, int, int, int]:
+        return (
+            (0, -w.waited, w.stop - w.start, w.slot) if w.aged else (1, 0, w.stop - w.start, w.slot)
+        )
+
+    for want in sorted(prefilling, key=order):
         if max_chunks is not None and len(shared) + len(isolated) >= max_chunks:
             break
         end = chunk_end(want.start, want.stop, n_batch)
@@ -80,6 +107,8 @@ def _fill(
             if used + size <= min(budget, n_ubatch):
                 shared.append(Chunk(want.slot, want.start, end))
                 used += size
+            elif want.aged:
+                break  # keep the room for it: nothing smaller goes ahead of it
             continue
         if want.deterministic:
             # Mixing keeps numerics only if llama.cpp will not split the call differently
@@ -146,6 +175,13 @@ class Balanced:
             prefilling, n_batch, len(decoding) + drafted, n_batch, n_ubatch, max_chunks=1
         )
         return TickPlan(tuple(decoding), tuple(shared), tuple(isolated))
+
+
+def waited_after(plan: TickPlan, prefilling: Sequence[PrefillWant]) -> dict[int, int]:
+    """Each wanting slot's ``PrefillWant.waited`` for the next tick: 0 where ``plan`` gives
+    it a chunk, one more than now where it gets none."""
+    served = {c.slot for c in (*plan.shared_chunks, *plan.isolated_chunks)}
+    return {w.slot: 0 if w.slot in served else w.waited + 1 for w in prefilling}
 
 
 def isolate(plan: TickPlan, deterministic: set[int]) -> tuple[TickPlan, tuple[int, ...]]:

@@ -197,9 +197,14 @@ class Sampling:
             return "stop"
         act.generated.append(token)
         fragment = act.assembler.feed(piece)
+        begun = act.assembler.begun()
+        if act.assembler.stopped:
+            # The stop sequence is no part of the reply: nor are the logprobs of the tokens
+            # that only spell it (completion_tokens still counts them: they were generated).
+            del act.logprobs[begun:]
         if fragment and act.req.fragments:
             # A token whose text is held back keeps its logprob until text goes out with it.
-            act.req.channel.put(Fragment(fragment, act.unsent_logprobs()))
+            act.req.channel.put(Fragment(fragment, act.unsent_logprobs(begun)))
         if act.assembler.stopped:
             return "stop"
         if len(act.generated) >= act.req.options.max_tokens:

@@ -62,11 +62,15 @@ class Active:
     adapters: AdapterSet = ()
     #: The embeddings of the prompt's spans it did not restore, being encoded (by span index).
     encodes: dict[int, Future[bytes]] = field(default_factory=dict)
+    #: Ticks in a row it wanted prefill room and got none (``batching.PrefillWant.waited``).
+    prefill_waited: int = 0
 
-    def unsent_logprobs(self) -> tuple[TokenLogprob, ...]:
-        """The logprobs not yet sent with a fragment; marks them sent."""
-        out = tuple(self.logprobs[self.logprobs_sent :])
-        self.logprobs_sent = len(self.logprobs)
+    def unsent_logprobs(self, upto: int | None = None) -> tuple[TokenLogprob, ...]:
+        """The logprobs not yet sent with a fragment (of the first ``upto`` tokens: those
+        whose text went out); marks them sent."""
+        end = len(self.logprobs) if upto is None else min(upto, len(self.logprobs))
+        out = tuple(self.logprobs[self.logprobs_sent : end])
+        self.logprobs_sent = max(self.logprobs_sent, end)
         return out
 
     @property

@@ -28,7 +28,7 @@ import numpy as np
 from kvwarm.alignment import canonical_after_chunk
 from kvwarm.backends.base import GREEDY_BELOW, AdapterSet, BatchToken
 from kvwarm.engine.types import SpecType
-from kvwarm.engine.worker.batching import Chunk, PrefillWant, isolate
+from kvwarm.engine.worker.batching import Chunk, PrefillWant, isolate, waited_after
 from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.draftmodel import ModelDrafter
 from kvwarm.engine.worker.drafts import Drafter, SentenceEnds
@@ -84,7 +84,12 @@ class Tick:
                     stop = min(stop, due[1].start)
                 prefilling.append(
                     PrefillWant(
-                        i, act.prefill_pos, stop, act.deterministic, whole=self.rt.cfg.whole
+                        i,
+                        act.prefill_pos,
+                        stop,
+                        act.deterministic,
+                        whole=self.rt.cfg.whole,
+                        waited=act.prefill_waited,
                     )
                 )
         for slot, index, span in spans:
@@ -99,6 +104,10 @@ class Tick:
         drafted = self._draft(decoding, prefilling=bool(prefilling))
         decoding = [i for i in decoding if self.rt.slots[i].active is not None]
         plan = cfg.strategy.plan(decoding, prefilling, cfg.n_batch, cfg.n_ubatch, drafted)
+        for i, waited in waited_after(plan, prefilling).items():
+            act = self.rt.slots[i].active
+            if act is not None:
+                act.prefill_waited = waited
         if drafted:
             for i in set(decoding) - set(plan.decode_slots):
                 act = self.rt.slots[i].active

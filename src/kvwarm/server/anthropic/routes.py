@@ -76,6 +76,7 @@ async def messages(request: Request) -> Response:
         json_schema=plan.json_schema or schema,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
         lora=lora,
+        names={"stop": "stop_sequences"},
     )
     stream = await start_stream(chat.submit(model, plan, opts, prefill))
     gen = Generation(request, stream, "messages", model.id, state)

@@ -70,20 +70,8 @@ def _unsupported(block: MediaBlock, where: str) -> HTTPError:
     )
 
 
-def _texts(blocks: Sequence[TextBlock | ImageBlock | MediaBlock], where: str, sep: str) -> str:
-    parts: list[str] = []
-    for block in blocks:
-        if isinstance(block, MediaBlock):
-            raise _unsupported(block, where)
-        if isinstance(block, ImageBlock):
-            raise HTTPError(
-                400,
-                f"{where}: an image in a tool result is not supported (put it in the user turn)",
-                code="unsupported_content",
-                param=where,
-            )
-        parts.append(block.text)
-    return sep.join(parts)
+def _texts(blocks: Sequence[TextBlock], sep: str) -> str:
+    return sep.join(block.text for block in blocks)
 
 
 _MEDIA_TYPE = re.compile(r"[\w.+-]+/[\w.+-]+")
@@ -118,6 +106,30 @@ def _user_content(parts: list[ContentPart]) -> str | list[ContentPart]:
     return parts
 
 
+def _tool_result(block: ToolResultBlock, where: str) -> str | list[ContentPart]:
+    """A tool result's content: a string, or its text blocks (one a line) and images in order
+    (Claude Code sends the image file it read); an error's text says it is one."""
+    result = block.content
+    prefix = "Error: " if block.is_error else ""
+    if isinstance(result, str):
+        return prefix + result
+    parts: list[ContentPart] = [ContentPart(type="text", text=prefix)] if prefix else []
+    after_text = False  # text blocks are one a line, as a string result joins them
+    for i, item in enumerate(result):
+        at = f"{where}.content.{i}"
+        if isinstance(item, MediaBlock):
+            raise _unsupported(item, at)
+        if isinstance(item, ImageBlock):
+            parts.append(_image(item, at))
+            after_text = False
+            continue
+        parts.append(ContentPart(type="text", text=("\n" if after_text else "") + item.text))
+        after_text = True
+    if all(p.type == "text" for p in parts):
+        return "".join(p.text or "" for p in parts)
+    return parts
+
+
 def _user(message: Message, where: str) -> list[ChatMessage]:
     """A user turn: its tool results become tool messages, its text and images a user message,
     in order."""
@@ -135,9 +147,7 @@ def _user(message: Message, where: str) -> list[ChatMessage]:
             if parts:
                 out.append(ChatMessage(role="user", content=_user_content(parts)))
                 parts = []
-            result = block.content
-            body = result if isinstance(result, str) else _texts(result, at, "\n")
-            body = f"Error: {body}" if block.is_error else body
+            body = _tool_result(block, at)
             out.append(ChatMessage(role="tool", content=body, tool_call_id=block.tool_use_id))
         elif isinstance(block, MediaBlock):
             raise _unsupported(block, at)
@@ -178,7 +188,7 @@ def to_chat(req: CountTokensRequest) -> tuple[list[ChatMessage], str]:
     out: list[ChatMessage] = []
     if req.system:
         system = req.system
-        text = system if isinstance(system, str) else _texts(system, "system", "\n")
+        text = system if isinstance(system, str) else _texts(system, "\n")
         out.append(ChatMessage(role="system", content=text))
     prefill = ""
     last = len(req.messages) - 1

@@ -1,4 +1,5 @@
-"""The OpenAI Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
+"""The OpenAI Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items``.
 
 Invariants: a request is translated (``server/responses/translate.py``) and runs the chat path every
 chat-shaped API shares (``server/chat.py``). A follow-up naming ``previous_response_id``
@@ -32,6 +33,8 @@ from kvwarm.settings import Settings
 
 router = APIRouter()
 
+Json = dict[str, object]
+
 
 def _not_found(response_id: str, param: str | None = None) -> HTTPError:
     code = "previous_response_not_found" if param else "response_not_found"
@@ -60,6 +63,7 @@ class _Turn:
     history: list[ChatMessage]
     cache_salt: str | None
     owner: str | None
+    input_items: tuple[Json, ...]
 
     def keep(
         self, state: ServerState, shape: responses.ResponseShape, reply: chat.ChatReply, text: str
@@ -69,7 +73,14 @@ class _Turn:
             turns = (*self.history, responses.reply_turn(reply, text))
             key = reply.done.stats.key
             stored = StoredResponse(
-                shape.id, shape.model_id, turns, key, body, self.cache_salt, self.owner
+                shape.id,
+                shape.model_id,
+                turns,
+                key,
+                body,
+                self.cache_salt,
+                self.owner,
+                self.input_items,
             )
             state.responses.put(stored)
         return body
@@ -134,7 +145,9 @@ async def create_response(request: Request) -> Response:
     gen = Generation(request, stream, "responses", model.id, state)
     # An adapter's name, when one was asked for: a follow-up naming no model stays on it.
     shape = responses.ResponseShape(req, state.lora.reply_name(requested, model))
-    turn = _Turn(history, salt, _owner(request, state.settings))
+    given = body.get("input") if isinstance(body, dict) else None
+    items = tuple(responses.input_items(given)) if req.store else ()
+    turn = _Turn(history, salt, _owner(request, state.settings), items)
     if not req.stream:
         reply = await chat.whole_reply(gen, plan)
         if req.store:
@@ -167,3 +180,59 @@ async def delete_response(request: Request, response_id: str) -> Response:
     _lookup(request, response_id)
     server_state(request).responses.delete(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+_MAX_LIST_LIMIT = 100
+
+
+def _list_limit(raw: str | None) -> int:
+    if raw is None:
+        return 20
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= _MAX_LIST_LIMIT:
+        raise HTTPError(
+            400, f"limit must be an integer from 1 to {_MAX_LIST_LIMIT}, not {raw!r}", param="limit"
+        )
+    return limit
+
+
+def _cursor(items: list[Json], param: str, value: str | None) -> int | None:
+    """The position of the item ``value`` names (``after``/``before``); a 400 if none does."""
+    if value is None:
+        return None
+    for at, item in enumerate(items):
+        if item.get("id") == value:
+            return at
+    raise HTTPError(400, f"{param}: no input item of this response has id {value!r}", param=param)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(request: Request, response_id: str) -> Response:
+    """OpenAI's ``responses.input_items.list``: the stored request's input items, a page at a
+    time (``order`` desc by default, ``limit`` 1-100, default 20, ``after``/``before`` item
+    ids), for the tenant that made the response only."""
+    found = _lookup(request, response_id)
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise HTTPError(400, f"order must be 'asc' or 'desc', not {order!r}", param="order")
+    limit = _list_limit(query.get("limit"))
+    items = list(found.input_items)
+    if order == "desc":
+        items.reverse()
+    after = _cursor(items, "after", query.get("after"))
+    before = _cursor(items, "before", query.get("before"))
+    window = items[(after + 1 if after is not None else 0) : before]
+    page = window[:limit]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(window) > limit,
+        }
+    )

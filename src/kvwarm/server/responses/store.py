@@ -1,4 +1,5 @@
-"""Stored responses, for ``previous_response_id`` and ``GET /v1/responses/{id}``.
+"""Stored responses, for ``previous_response_id``, ``GET /v1/responses/{id}`` and its
+``input_items``.
 
 Invariants: the store is in memory and bounded (``max_items`` responses and roughly
 ``max_chars`` characters of conversation and body together); past either bound the least
@@ -32,11 +33,12 @@ class StoredResponse:
     body: Json  # the response object as it was returned
     cache_salt: str | None = None  # the namespace it ran in: its owner's follow-up continues there
     owner: str | None = None  # the tenant that made it (``tenancy``); no one else sees it
+    input_items: tuple[Json, ...] = ()  # this request's input, as items with ids
 
     def size(self) -> int:
         """Approximate footprint in characters (what the store's budget counts)."""
         turns = sum(len(m.model_dump_json()) for m in self.conversation)
-        return turns + len(json.dumps(self.body))
+        return turns + len(json.dumps(self.body)) + len(json.dumps(self.input_items))
 
 
 class ResponseStore:

@@ -144,6 +144,40 @@ def to_history(given: str | Sequence[InputItem]) -> list[ChatMessage]:
     return out
 
 
+_ITEM_ID_PREFIX = {
+    "message": "msg_",
+    "function_call": "fc_",
+    "function_call_output": "fco_",
+    "reasoning": "rs_",
+}
+
+
+def input_items(given: object) -> list[Json]:
+    """A request's ``input`` (already validated by ``ResponsesRequest``) as the items
+    ``GET /v1/responses/{id}/input_items`` lists: each with an ``id`` (the client's, else a new
+    one), a message's text content as ``input_text`` parts (``output_text`` for an assistant's),
+    in the order sent."""
+    raw = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    out: list[Json] = []
+    for value in raw if isinstance(raw, list) else []:
+        if not isinstance(value, dict):
+            continue
+        item: Json = dict(value)
+        kind = item.get("type") or "message"
+        item["type"] = kind
+        if kind == "message":
+            content = item.get("content")
+            if isinstance(content, str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": content}]
+            item.setdefault("status", "completed")
+        if not isinstance(item.get("id"), str) or not item["id"]:
+            prefix = _ITEM_ID_PREFIX.get(str(kind), "item_")
+            item["id"] = prefix + secrets.token_hex(16)
+        out.append(item)
+    return out
+
+
 def with_instructions(
     instructions: str | None, history: Sequence[ChatMessage]
 ) -> list[ChatMessage]:
