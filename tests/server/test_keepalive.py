@@ -45,6 +45,9 @@ class FakeModel:
         self.calls.append((prompt, ttl_class, add_special))
         self.salts.append(cache_salt)
 
+    def prewarm_chat(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("these entries are prompts, not chats")
+
 
 class Clock:
     def __init__(self) -> None:

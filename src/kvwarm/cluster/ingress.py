@@ -13,7 +13,7 @@ the replicas (Ray queues past its per-replica cap without bound): ``max_in_fligh
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import os
 import threading
@@ -32,7 +32,6 @@ from kvwarm.cluster.tokens import PromptTokens
 from kvwarm.engine.types import ModelInfo
 from kvwarm.server.app import create_app
 from kvwarm.server.errors import HTTPError
-from kvwarm.server.keepalive import ChatPrefix
 from kvwarm.server.metrics import Snapshot
 from kvwarm.server.state import ServerState
 from kvwarm.settings import Settings
@@ -104,23 +103,10 @@ class IngressState(ServerState):
             if not isinstance(model, RemoteModel):
                 continue
             try:
-                if isinstance(entry.prompt, ChatPrefix):
-                    model.prewarm_chat(
-                        json.loads(entry.prompt.messages),
-                        tools=json.loads(entry.prompt.tools),
-                        ttl_class=entry.ttl_class,
-                        cache_salt=entry.cache_salt,
-                        on=replica,
-                    )
-                else:
-                    prompt = entry.prompt if isinstance(entry.prompt, str) else list(entry.prompt)
-                    model.prewarm(
-                        prompt,
-                        ttl_class=entry.ttl_class,
-                        add_special=entry.add_special,
-                        cache_salt=entry.cache_salt,
-                        on=replica,
-                    )
+                entry.warm(
+                    functools.partial(model.prewarm, on=replica),
+                    functools.partial(model.prewarm_chat, on=replica),
+                )
                 warmed += 1
             except Exception as exc:  # best effort: the keep-alive re-warms it later
                 log.warning(

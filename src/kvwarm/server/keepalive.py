@@ -107,6 +107,29 @@ class Prewarmed:
         """A stable id for the listing and ``DELETE``: a hash of what identifies the entry."""
         return entry_id(self.model_id, self.prompt, self.cache_salt)
 
+    def warm(
+        self,
+        prewarm: Callable[..., CompletionStats],
+        prewarm_chat: Callable[..., CompletionStats],
+    ) -> CompletionStats:
+        """Prefill the entry's prompt again through a model's ``prewarm`` (a prompt) or
+        ``prewarm_chat`` (a chat: its images and audio too), under its TTL class and salt;
+        the cluster's ingress passes them bound to one replica (``on``)."""
+        if isinstance(self.prompt, ChatPrefix):
+            return prewarm_chat(
+                json.loads(self.prompt.messages),
+                tools=json.loads(self.prompt.tools),
+                ttl_class=self.ttl_class,
+                cache_salt=self.cache_salt,
+            )
+        prompt = self.prompt if isinstance(self.prompt, str) else list(self.prompt)
+        return prewarm(
+            prompt,
+            ttl_class=self.ttl_class,
+            add_special=self.add_special,
+            cache_salt=self.cache_salt,
+        )
+
 
 def entry_id(model_id: str, prompt: Prompt, cache_salt: str | None = None) -> str:
     # Unsalted entries keep the ids they always had.
@@ -288,16 +311,7 @@ class KeepAlive:
             if model is None:
                 continue
             try:
-                if isinstance(entry.prompt, ChatPrefix):
-                    entry.prompt.prewarm(model, entry.ttl_class, entry.cache_salt)
-                else:
-                    prompt = entry.prompt if isinstance(entry.prompt, str) else list(entry.prompt)
-                    model.prewarm(
-                        prompt,
-                        ttl_class=entry.ttl_class,
-                        add_special=entry.add_special,
-                        cache_salt=entry.cache_salt,
-                    )
+                entry.warm(model.prewarm, model.prewarm_chat)
             except KvwarmError as exc:
                 self._failed(entry, exc)
                 continue
