@@ -267,3 +267,15 @@ def test_entries_rewarm_under_their_own_salt_and_one_prompt_per_salt_is_kept() -
     assert len(model.salts) == 2 and set(model.salts) == {"alice", None}
     assert keep.remove(alice.id) == 1
     assert [e.cache_salt for e in keep.entries()] == [None]
+
+
+def test_the_listing_shows_an_entry_backing_off(app_clock: tuple[TestClient, Clock]) -> None:
+    """An operator sees which kept prefixes are failing and when each is tried next."""
+    client, clock = app_clock
+    assert client.post("/cache/prewarm", json={"prompt": "kept " * 8}).status_code == 200
+    (entry,) = client.app.state.kvwarm.keepalive.entries()  # type: ignore[attr-defined]
+    fresh = client.get("/cache/keepalive").json()["data"][0]
+    assert (fresh["failing"], fresh["retry_in_s"]) == (0, None)
+    entry.failing, entry.failures, entry.retry_at = 3, 3, clock.now + 40
+    listed = client.get("/cache/keepalive").json()["data"][0]
+    assert (listed["failing"], listed["failures"], listed["retry_in_s"]) == (3, 3, 40)

@@ -345,6 +345,9 @@ async def keepalive_list(request: Request) -> Response:
             "n_tokens": e.n_tokens,
             "warms": e.warms,
             "failures": e.failures,
+            "failing": e.failing,  # failures in a row: the backoff's exponent
+            # While it backs off: seconds before its next re-warm is tried.
+            "retry_in_s": round(max(0.0, e.retry_at - now), 3) if e.failing else None,
             "pinned": e.pinned,
             "salted": e.cache_salt is not None,  # the salt itself is a tenant's secret
             "age_s": round(now - e.registered, 3),
