@@ -137,10 +137,8 @@ def sampling_fields(
 ) -> SamplingFields:
     """The OpenAI sampling fields standing for another API's request. ``max_tokens`` is checked
     against the server's limit here, so an error names the field the client sent (``param``);
-    capped to it when ``over_limit`` is "cap" (``convert.length_within``)."""
+    with ``over_limit`` "cap", ``convert.options`` caps it as every request's."""
     convert.length_within(max_tokens, param, limit, over_limit)
-    if max_tokens is not None:
-        max_tokens = min(max_tokens, limit)
     return parse_body({"max_tokens": max_tokens, **knobs}, SamplingFields)
 
 
