@@ -261,17 +261,11 @@ def _integer_rule(schema: Mapping[str, object]) -> str:
     ``minimum``/``maximum`` exclusive; where both kinds are given, both hold."""
     top = 10**_MAX_DIGITS - 1
     lo, hi = -top, top
-    minimum, maximum = _bound(schema, "minimum"), _bound(schema, "maximum")
-    if minimum is not None:
-        lo = max(lo, math.floor(minimum) + 1 if schema.get("exclusiveMinimum") is True
-                 else math.ceil(minimum))  # fmt: skip
-    if maximum is not None:
-        hi = min(hi, math.ceil(maximum) - 1 if schema.get("exclusiveMaximum") is True
-                 else math.floor(maximum))  # fmt: skip
-    if (above := _bound(schema, "exclusiveMinimum")) is not None:
-        lo = max(lo, math.floor(above) + 1)
-    if (below := _bound(schema, "exclusiveMaximum")) is not None:
-        hi = min(hi, math.ceil(below) - 1)
+    low, high = _limits(schema)  # the tightest bound each side (an integer's is the same)
+    if low is not None:
+        lo = max(lo, math.ceil(low[0]) if low[1] else math.floor(low[0]) + 1)
+    if high is not None:
+        hi = min(hi, math.floor(high[0]) if high[1] else math.ceil(high[0]) - 1)
     if lo > hi:
         raise _fail(f"integer bounds admit no integer the grammar can write ({lo} > {hi})")
     alts = []
