@@ -314,6 +314,36 @@ def test_n_completions_and_chat(client: OpenAI) -> None:
     assert all(c.message.role == "assistant" for c in chat.choices)
 
 
+def test_best_of_returns_the_candidates_with_the_best_mean_logprob(client: OpenAI) -> None:
+    """``best_of`` was accepted and ignored: one candidate was made and returned. Its
+    candidates are the choices ``n=best_of`` makes (choice ``i`` seeded ``seed + i``)."""
+    common = {"model": "a", "prompt": PROMPT, "max_tokens": 6, **SAMPLED}
+    every = client.completions.create(**common, n=4, logprobs=0)  # type: ignore[call-overload]
+
+    def mean(choice: object) -> float:
+        lp = getattr(choice, "logprobs", None)
+        assert lp is not None and lp.token_logprobs
+        return sum(lp.token_logprobs) / len(lp.token_logprobs)
+
+    ranked = sorted(every.choices, key=lambda c: (-mean(c), c.index))
+    assert ranked[0].index != 0  # else the old code's lone candidate would pass by chance
+    best = client.completions.create(**common, best_of=4)  # type: ignore[call-overload]
+    (choice,) = best.choices
+    assert choice.index == 0 and choice.text == ranked[0].text
+    assert choice.logprobs is None  # ranking needed them; the client did not ask
+    # Usage counts every candidate, as OpenAI's does; the prompt once.
+    assert best.usage is not None and every.usage is not None
+    assert best.usage.completion_tokens == every.usage.completion_tokens
+    assert best.usage.prompt_tokens == every.usage.prompt_tokens
+    two = client.completions.create(**common, n=2, best_of=4, logprobs=1)  # type: ignore[call-overload]
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in two.choices] == [c.text for c in ranked[:2]]
+    assert all(c.logprobs and c.logprobs.top_logprobs for c in two.choices)
+    # best_of equal to n is n: streamed too.
+    chunks = list(client.completions.create(**common, n=2, best_of=2, stream=True))  # type: ignore[call-overload]
+    assert {c.choices[0].index for c in chunks} == {0, 1}
+
+
 def test_n_streamed_interleaves_choices_by_index(client: OpenAI) -> None:
     chunks = list(
         client.chat.completions.create(

@@ -142,7 +142,7 @@ async def create_response(request: Request) -> Response:
     )
     opts = chat.with_parent(opts, previous.key if previous else None)
     stream = await start_stream(chat.submit(model, plan, opts))
-    gen = Generation(request, stream, "responses", model.id, state)
+    gen = Generation(request, stream, "responses", model.id, state, user=req.user)
     # An adapter's name, when one was asked for: a follow-up naming no model stays on it.
     shape = responses.ResponseShape(req, state.lora.reply_name(requested, model))
     given = body.get("input") if isinstance(body, dict) else None
