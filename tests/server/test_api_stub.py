@@ -546,7 +546,8 @@ def test_evict_from_a_tier_not_configured_is_a_400(client: TestClient) -> None:
     assert "'dsik'" in response.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("limit", ["\u00b2", "9" * 5000, "-1", "abc"])
+# 0 too: it meant "no rows" here and "all rows" in `kvwarm cache ls`; both refuse it now.
+@pytest.mark.parametrize("limit", ["\u00b2", "9" * 5000, "-1", "abc", "0"])
 def test_cache_rows_bad_limit_is_a_400_naming_it(client: TestClient, limit: str) -> None:
     assert_error(client.get("/cache/rows", params={"limit": limit}), 400, "invalid_type", "limit")
 
