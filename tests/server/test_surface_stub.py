@@ -771,6 +771,32 @@ def test_input_items_list_a_stored_responses_input(client: OpenAI) -> None:
         client.responses.input_items.list("resp_no_such_response")
 
 
+def test_input_items_of_a_follow_up_hold_the_earlier_turns(client: OpenAI) -> None:
+    """As OpenAI's: the items used to generate a response, which after ``previous_response_id``
+    are the earlier turns' inputs and outputs, then its own (they listed its own alone)."""
+    first = client.responses.create(model="a", input="Weather in Oslo?", max_output_tokens=2)
+    second = client.responses.create(
+        model="a", input="And tomorrow?", previous_response_id=first.id, max_output_tokens=2
+    )
+    third = client.responses.create(
+        model="a", input="And Bergen?", previous_response_id=second.id, max_output_tokens=2
+    )
+    listed = list(client.responses.input_items.list(third.id, order="asc"))
+    assert [(i.type, getattr(i, "role", None)) for i in listed] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    assert [listed[1].id, listed[3].id] == [first.output[0].id, second.output[0].id]
+    texts = [i.content[0].text for i in listed if i.type == "message"]
+    assert texts[0::2] == ["Weather in Oslo?", "And tomorrow?", "And Bergen?"]
+    assert texts[1::2] == [first.output_text, second.output_text]
+    own = client.responses.input_items.list(first.id)
+    assert [i.id for i in own] == [listed[0].id]  # the first turn lists its own input alone
+
+
 # --- suffix and /infill ----------------------------------------------------------------------
 
 
