@@ -293,6 +293,43 @@ def test_docs_and_openapi_served_without_a_key(http: httpx.Client) -> None:
     assert http.get("/docs", headers={"Host": "evil.example"}).status_code == 421
 
 
+def test_models_in_the_shape_of_each_sdk(client: OpenAI, live: LiveServer) -> None:
+    """Anthropic's ``models.list()``/``retrieve()`` got OpenAI's items: ``display_name``,
+    ``created_at`` and ``type`` were None (found by review). A request carrying
+    ``anthropic-version`` (every Anthropic SDK sends it) gets Anthropic's shape and paging;
+    OpenAI's clients keep theirs."""
+    import anthropic
+
+    claude = Anthropic(base_url=live.base_url, api_key=KEY, max_retries=0)
+    openai_ids = [m.id for m in client.models.list()]
+    assert openai_ids[:2] == ["a", "coder"]
+    listed = claude.models.list()
+    assert [m.id for m in listed.data] == openai_ids and listed.has_more is False
+    for info in listed.data:
+        assert info.type == "model" and info.display_name == info.id
+        assert info.lifecycle == "active" and info.capabilities is None
+        assert info.created_at.tzinfo is not None and info.created_at.year >= 2024
+    loaded = {m.id: m for m in listed.data}["a"]
+    assert loaded.max_input_tokens == 1024 and loaded.max_tokens == 1024  # n_ctx; the cap 4096
+    # Anthropic's paging, which the SDK follows by itself: limit, after_id, before_id.
+    assert [m.id for m in claude.models.list(limit=1)] == openai_ids
+    first = claude.models.list(limit=1)
+    assert [m.id for m in first.data] == ["a"] and first.has_more and first.last_id == "a"
+    before = claude.models.list(before_id="coder", limit=5)
+    assert [m.id for m in before.data] == ["a"] and before.has_more is False
+    with pytest.raises(anthropic.BadRequestError):
+        claude.models.list(after_id="no-such-model")
+    retrieved = claude.models.retrieve("coder")
+    assert retrieved.id == "coder" and retrieved.display_name == "coder"
+    assert retrieved.type == "model" and retrieved.created_at == loaded.created_at
+    with pytest.raises(anthropic.NotFoundError):
+        claude.models.retrieve("no-such-model")
+    # OpenAI's shape is unchanged: its fields, and kvwarm's capabilities list.
+    model = client.models.retrieve("a")
+    assert model.object == "model" and model.owned_by == "kvwarm"
+    assert (model.model_extra or {})["capabilities"] == ["generate", "embed"]
+
+
 # --- n > 1 -----------------------------------------------------------------------------------
 
 
