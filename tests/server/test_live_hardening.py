@@ -130,6 +130,33 @@ def test_best_of_is_served(http: httpx.Client) -> None:
     assert done["usage"]["completion_tokens"] == 9  # three candidates of three tokens
 
 
+def test_the_legacy_completion_fields_run_natively(http: httpx.Client) -> None:
+    """OpenAI's legacy completions fields together on the real model (``suffix``: a 400 on a
+    model without FIM tokens, test_live_openai_surface.py): ``echo`` with ``logprobs`` up to
+    OpenAI's 5, a ``stop`` list, ``logit_bias``, ``seed``, ``user``."""
+    body = {
+        "prompt": "Hello",
+        "max_tokens": 3,
+        "echo": True,
+        "logprobs": 5,
+        "stop": ["\n\n", "###"],
+        "logit_bias": {"1": -5},
+        "seed": 3,
+        "temperature": 0.5,
+        "user": "contract-suite",
+    }
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    assert choice["text"].startswith("Hello")
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) > 1  # the prompt's, then more
+    assert all(1 <= len(top) <= 5 for top in lp["top_logprobs"][1:])
+    # echo with max_tokens 0 scores the prompt alone.
+    scored = http.post("/v1/completions", json={**body, "max_tokens": 0}).json()
+    assert scored["choices"][0]["text"] == "Hello" and scored["usage"]["completion_tokens"] == 0
+
+
 def test_reported_penalty_reproducer(http: httpx.Client) -> None:
     body = {"prompt": "Hello", "max_tokens": 4, "presence_penalty": 0.6}
     response = http.post("/v1/completions", json=body)
