@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.backends.lora_fixture import make_lora
+from tests.backends.lora_fixture import make_lora, make_odd_lora
 from tests.engine.conftest import make_engine
 
 from kvwarm.backends import get_backend
@@ -312,3 +312,37 @@ def test_files_at_paths_that_are_not_utf8_load(tmp_path: Path, lora_path: Path) 
         model.load_adapter(adapter_link).close()
     finally:
         model.close()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "outer", "which", "match"),
+    [
+        (np.int32, 1, "lora_a", "ggml type"),
+        (np.int8, 1, "lora_a", "ggml type"),
+        (np.float64, 1, "lora_a", "ggml type"),
+        (np.float32, 2, "lora_a", r"has shape 576x4x2; it must be a matrix"),
+        (np.float32, 3, "lora_b", r"has shape 4x576x3; it must be a matrix"),
+    ],
+)
+def test_an_adapter_llama_cpp_takes_but_cannot_run_is_refused_at_load(
+    bmodel: BackendModel,
+    tmp_path: Path,
+    dtype: type[np.generic],
+    outer: int,
+    which: str,
+    match: str,
+) -> None:
+    """Found by review: llama.cpp checks only a LoRA tensor's first two dimensions and not its
+    type, so these loaded and attached, and the first decode under them killed the process
+    (i32/i8/f64: SIGSEGV in the CPU matmul; a third dimension: ``GGML_ASSERT(ggml_can_mul_mat
+    (a, b))``). They are refused before llama.cpp sees them, and the model still serves."""
+    odd = make_odd_lora(
+        default_model_path(), tmp_path / "odd.gguf", dtype=dtype, outer=outer, which=which
+    )
+    with pytest.raises(AdapterError, match=match):
+        bmodel.load_adapter(str(odd))
+    ctx = bmodel.new_context(CTX)
+    try:
+        assert np.isfinite(np.frombuffer(last_logits(bmodel, ctx), dtype=np.float32)).all()
+    finally:
+        ctx.close()
