@@ -54,6 +54,7 @@ def make_lora(
     alpha: float | None = None,
     f16: bool = False,
     misfit: int = 0,
+    invocation: Sequence[int] = (),
 ) -> Path:
     """Write a LoRA adapter GGUF for ``base_model_path`` to ``out_path`` and return it.
 
@@ -61,7 +62,8 @@ def make_lora(
     ``scale_hint`` times a typical weight's (for a unit ``scale`` at attach time). ``alpha``
     defaults to ``rank`` (effective multiplier 1). Deterministic for a given ``seed``.
     ``misfit``: widen each ``lora_a`` by that many inputs, so the adapter is one made for a
-    model of other dimensions (llama.cpp refuses it: "has incorrect shape").
+    model of other dimensions (llama.cpp refuses it: "has incorrect shape"). ``invocation``:
+    make it an activated LoRA (aLoRA: ``adapter.alora.invocation_tokens``).
     """
     arch, shapes = _read_base(str(base_model_path))
     if arch != "llama":
@@ -74,6 +76,13 @@ def make_lora(
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    if invocation:
+        writer.add_key_value(
+            "adapter.alora.invocation_tokens",
+            list(invocation),
+            gguf.GGUFValueType.ARRAY,
+            sub_type=gguf.GGUFValueType.UINT32,
+        )
     n = 0
     for layer in layers:
         for target in TARGETS:

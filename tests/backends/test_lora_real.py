@@ -346,3 +346,16 @@ def test_an_adapter_llama_cpp_takes_but_cannot_run_is_refused_at_load(
         assert np.isfinite(np.frombuffer(last_logits(bmodel, ctx), dtype=np.float32)).all()
     finally:
         ctx.close()
+
+
+def test_an_activated_lora_is_refused_not_run_over_whole_prompts(
+    bmodel: BackendModel, tmp_path: Path
+) -> None:
+    """Found by review: an aLoRA (``adapter.alora.invocation_tokens``) acts only from its
+    invocation tokens on in llama-server; kvwarm loaded it as a plain LoRA and ran it over
+    whole prompts, silently another model than the adapter's. It is refused, and freed."""
+    alora = make_lora(default_model_path(), tmp_path / "alora.gguf", invocation=(504, 3575))
+    with pytest.raises(AdapterError, match="activated LoRA"):
+        bmodel.load_adapter(str(alora))
+    plain = make_lora(default_model_path(), tmp_path / "plain.gguf")
+    bmodel.load_adapter(str(plain)).close()

@@ -55,6 +55,17 @@ class LlamaAdapter:
                 f"adapter {path!r} does not fit this model{_why(lines)} (an adapter must be "
                 "made for this model's architecture and tensor shapes)"
             )
+        if int(lib.llama_adapter_get_alora_n_invocation_tokens(ptr)) > 0:
+            # Found by review: an activated LoRA is trained to act only from its invocation
+            # tokens on (llama-server finds them in each prompt); kvwarm would run it over
+            # whole prompts, silently not the adapter it is.
+            lib.llama_adapter_lora_free(ptr)
+            model.lifetime.release()
+            raise AdapterError(
+                f"adapter {path!r} is an activated LoRA (aLoRA: adapter.alora.invocation_tokens), "
+                "which kvwarm does not run: it would apply it to whole prompts, not from its "
+                "invocation tokens on"
+            )
         self._ptr: object = ptr
         self._lib = lib
         self._life = Lifetime("adapter", self._free)
