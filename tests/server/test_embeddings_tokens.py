@@ -44,3 +44,16 @@ def test_dimensions_shorten_to_a_unit_vector_and_out_of_range_is_a_400(client: T
         response = client.post("/v1/embeddings", json={**body, "dimensions": bad})
         assert response.status_code == 400, response.json()
         assert response.json()["error"]["param"] == "dimensions"
+
+
+@pytest.mark.parametrize("ids", [[True], [[True, 2]], [2.0], [[1.0, 2]]])
+def test_token_ids_are_json_integers_only(client: TestClient, ids: list[object]) -> None:
+    """Found by review: pydantic's lax ``int`` took ``true`` as token 1 and ``2.0`` as token 2,
+    so ``"input": [true]`` embedded token 1 (and a completion's prompt ran it): a 400 now, as
+    OpenAI answers, naming the field."""
+    for path, field in (("/v1/embeddings", "input"), ("/v1/completions", "prompt")):
+        r = client.post(path, json={"model": "a", field: ids, "max_tokens": 1})
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"].startswith(field), r.text
+    r = client.post("/detokenize", json={"model": "a", "tokens": ids})
+    assert r.status_code == 400, r.text

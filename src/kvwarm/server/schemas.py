@@ -21,6 +21,7 @@ from pydantic import (
     Discriminator,
     Field,
     PrivateAttr,
+    StrictInt,
     Tag,
     ValidationError,
     model_validator,
@@ -88,6 +89,11 @@ class NullMeansDefault(BaseModel):
 
 class _Body(NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
+
+
+#: A token id in a body: a JSON integer only. Found by review: pydantic's lax ``int`` took
+#: ``true`` as token 1 and ``2.0`` as token 2 (``"input": [true]`` embedded token 1).
+TokenIds = list[StrictInt]
 
 
 class StreamOptions(_Body):
@@ -178,7 +184,7 @@ class ResponseFormat(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | TokenIds | list[TokenIds]
     suffix: str | None = None  # fill-in-the-middle: the text after the completion
     # OpenAI's: this many candidates per prompt (n at least; the model's n_parallel caps it,
     # as it caps n), the n with the highest mean logprob per token returned; not streamed.
@@ -326,7 +332,7 @@ class ChatRequest(SamplingFields):
 class EmbeddingRequest(_Body):
     model: str | None = None
     keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"
     # OpenAI's shortened embeddings: the first ``dimensions`` values, scaled to unit length.
     dimensions: int | None = Field(default=None, ge=1)
@@ -366,7 +372,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
 
 class PrewarmRequest(_Body):
