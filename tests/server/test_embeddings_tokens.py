@@ -57,3 +57,13 @@ def test_token_ids_are_json_integers_only(client: TestClient, ids: list[object])
         assert r.json()["error"]["param"].startswith(field), r.text
     r = client.post("/detokenize", json={"model": "a", "tokens": ids})
     assert r.status_code == 400, r.text
+
+
+def test_an_input_over_the_context_is_a_400_naming_input(client: TestClient) -> None:
+    """An input longer than the context is refused whole (not cut), as
+    ``context_length_exceeded``; found by review: its ``param`` was ``prompt``, a field
+    embeddings do not have."""
+    r = client.post("/v1/embeddings", json={"model": "b", "input": [[1, 2], [1] * 300]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "input", error

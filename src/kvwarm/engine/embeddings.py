@@ -146,6 +146,7 @@ class Embedder:
                     f"input has {len(toks)} tokens; the embedding context holds {limit}",
                     n_tokens=len(toks),
                     n_ctx=limit,
+                    param="input",  # found by review: it named "prompt", a field embeddings lack
                 )
             token_lists.append(toks)
         return token_lists
