@@ -67,3 +67,15 @@ def test_an_input_over_the_context_is_a_400_naming_input(client: TestClient) -> 
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["code"] == "context_length_exceeded" and error["param"] == "input", error
+
+
+@pytest.mark.parametrize("empty", ["", [""], ["hey", ""], [[]], [[1, 2], []]])
+def test_an_empty_input_is_a_400_whatever_the_tokenizer_adds(
+    client: TestClient, empty: object
+) -> None:
+    """Found by review: on a model that adds a BOS (the stub does, as Gemma), ``""`` embedded
+    that BOS alone, a vector of nothing, where a model without one (SmolLM2) answered 400;
+    OpenAI refuses an empty input."""
+    r = client.post("/v1/embeddings", json={"model": "a", "input": empty})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input", r.text

@@ -139,7 +139,9 @@ class Embedder:
                     "(one tokenized input is [[1, 2, 3]])",
                     param="input",
                 )
-            if not toks:
+            # An empty text too, whatever the tokenizer adds: found by review, "" embedded a
+            # lone BOS on a model that adds one (a vector of nothing) and was a 400 elsewhere.
+            if not toks or (isinstance(item, str) and not item):
                 raise InvalidRequestError("cannot embed an empty input", param="input")
             if len(toks) > limit:
                 raise ContextOverflowError(
