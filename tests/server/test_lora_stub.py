@@ -182,6 +182,30 @@ def test_an_adapter_name_cannot_embed(client: TestClient) -> None:
     assert response.status_code == 400 and "adapter" in response.json()["error"]["message"]
 
 
+def test_embeddings_run_under_the_global_scales(client: TestClient) -> None:
+    """As llama-server embeds under its global LoRA scales (``POST /lora-adapters``), every
+    later request of the model runs under them, embeddings included. Found by review: the
+    embeddings route dropped the scales, so it embedded the base model alone while the
+    docs said every later request ran under them. (The stub's vectors are salted by the
+    adapters attached, as its logits are.)"""
+
+    def embed() -> list[float]:
+        response = client.post("/v1/embeddings", json={"model": "a", "input": "hello"})
+        assert response.status_code == 200, response.text
+        return response.json()["data"][0]["embedding"]  # type: ignore[no-any-return]
+
+    base = embed()
+    try:
+        assert client.post("/lora-adapters", json=[{"id": 1, "scale": 1.0}]).status_code == 200
+        pirate = embed()
+        assert pirate != base
+        assert client.post("/lora-adapters", json=[{"id": 0, "scale": 1.0}]).status_code == 200
+        assert embed() not in (base, pirate)
+    finally:
+        assert client.post("/lora-adapters", json=[]).status_code == 200
+    assert embed() == base
+
+
 def test_setting_scales_needs_the_admin_key_and_a_trusted_page(adapters: tuple[Path, Path]) -> None:
     settings = stub_settings(
         lora=(("sql", str(adapters[0])),), api_key="user-key", admin_key="admin-key"
