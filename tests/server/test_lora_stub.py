@@ -206,6 +206,19 @@ def test_embeddings_run_under_the_global_scales(client: TestClient) -> None:
     assert embed() == base
 
 
+def test_an_adapter_name_cannot_prewarm(client: TestClient) -> None:
+    """Found by review: ``/cache/prewarm`` with an adapter's name answered 200 and filled its
+    model's own rows, which a request naming the adapter (a namespace of its own) never
+    restores: it then ran cold. A 400 now, and nothing is kept alive for it."""
+    prompt = PROMPT + " (prewarm)"
+    kept = client.get("/cache/keepalive").json()["data"]
+    response = client.post("/cache/prewarm", json={"model": "sql", "prompt": prompt})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "model"
+    assert "adapter" in response.json()["error"]["message"]
+    assert client.get("/cache/keepalive").json()["data"] == kept
+
+
 def test_setting_scales_needs_the_admin_key_and_a_trusted_page(adapters: tuple[Path, Path]) -> None:
     settings = stub_settings(
         lora=(("sql", str(adapters[0])),), api_key="user-key", admin_key="admin-key"
