@@ -359,3 +359,33 @@ def test_an_activated_lora_is_refused_not_run_over_whole_prompts(
         bmodel.load_adapter(str(alora))
     plain = make_lora(default_model_path(), tmp_path / "plain.gguf")
     bmodel.load_adapter(str(plain)).close()
+
+
+def test_requests_of_different_sets_side_by_side_give_what_each_gives_alone(
+    lora_path: Path,
+) -> None:
+    """llama.cpp applies adapters to a whole context, not per sequence: kvwarm runs slots of
+    different sets in passes of their own (``Runtime.use_adapters`` before each). On the real
+    model, a request under the adapter and one without, decoding at once in two slots (not
+    deterministic mode, which gives each slot passes of its own anyway), each give the greedy
+    tokens they give alone; with the two sets in one pass, one of them ran under the other's
+    adapters (checked by disabling the split: the adapted reply came out as another)."""
+    eng = make_engine()
+    try:
+        model = eng.load_model(
+            config=ModelConfig(
+                context=ContextParams(n_ctx=128, n_batch=16, n_ubatch=16, n_threads=2),
+                n_parallel=2,
+            )
+        )
+        info = model.load_adapter(lora_path, 0.0)
+        opts = GenerationOptions(max_tokens=6, temperature=0.0)
+        under = GenerationOptions(max_tokens=6, temperature=0.0, lora=((info.handle, 1.0),))
+        prompts = ("The capital of France is", "The capital of Spain is")
+        together = [model.submit(prompts[0], opts), model.submit(prompts[1], under)]
+        plain, adapted = (s.result() for s in together)
+        assert model.complete(prompts[0], opts).completion_tokens == plain.completion_tokens
+        assert model.complete(prompts[1], under).completion_tokens == adapted.completion_tokens
+        assert model.complete(prompts[1], opts).completion_tokens != adapted.completion_tokens
+    finally:
+        eng.close()
