@@ -389,3 +389,27 @@ def test_requests_of_different_sets_side_by_side_give_what_each_gives_alone(
         assert model.complete(prompts[1], opts).completion_tokens != adapted.completion_tokens
     finally:
         eng.close()
+
+
+def test_an_adapter_file_replaced_while_it_loads_is_refused(
+    bmodel: BackendModel, lora_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adapter's digest is folded into the cache namespace; found by review: a file
+    replaced after the digest was taken and before llama.cpp read it loaded the other
+    adapter under the first one's namespace (its KV later restored for the wrong adapter)."""
+    from kvwarm.backends.llama import adapter as adapter_module
+
+    path = tmp_path / "swapped.gguf"
+    path.write_bytes(lora_path.read_bytes())
+    other = make_lora(default_model_path(), tmp_path / "other.gguf", seed=7)
+    checked = adapter_module._check_tensors
+
+    def swap_then_check(p: str, metadata: object) -> None:
+        os.replace(other, path)  # between the digest and llama.cpp's read
+        checked(p, metadata)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(adapter_module, "_check_tensors", swap_then_check)
+    with pytest.raises(AdapterError, match="changed while it was loading"):
+        bmodel.load_adapter(str(path))
+    monkeypatch.undo()
+    bmodel.load_adapter(str(path)).close()  # loads once it holds still

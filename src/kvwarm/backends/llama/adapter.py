@@ -31,6 +31,7 @@ class LlamaAdapter:
         if "\0" in path or not Path(path).is_file():
             raise AdapterError(f"no adapter file at {path!r}")
         try:
+            before = _identity(path)
             digest = hashlib.sha256()
             with open(path, "rb") as fh:
                 for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -55,6 +56,17 @@ class LlamaAdapter:
                 f"adapter {path!r} does not fit this model{_why(lines)} (an adapter must be "
                 "made for this model's architecture and tensor shapes)"
             )
+        try:
+            changed = _identity(path) != before
+        except OSError:
+            changed = True
+        if changed:
+            # Found by review: the digest names the bytes the namespace is folded from; a file
+            # replaced between the digest and llama.cpp's read gave KV of one adapter under
+            # the other's namespace, restored later for the adapter it does not belong to.
+            lib.llama_adapter_lora_free(ptr)
+            model.lifetime.release()
+            raise AdapterError(f"adapter {path!r} changed while it was loading; load it again")
         if int(lib.llama_adapter_get_alora_n_invocation_tokens(ptr)) > 0:
             # Found by review: an activated LoRA is trained to act only from its invocation
             # tokens on (llama-server finds them in each prompt); kvwarm would run it over
@@ -93,6 +105,12 @@ class LlamaAdapter:
         self._lib.llama_adapter_lora_free(self._ptr)
         self._ptr = None
         self.model.lifetime.release()
+
+
+def _identity(path: str) -> tuple[int, int, int, int]:
+    """What changes when a file is rewritten or replaced: device, inode, size, mtime."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _why(lines: list[str]) -> str:
