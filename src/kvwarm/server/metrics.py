@@ -28,7 +28,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from kvwarm.cache.types import MEMORY_SERIES, TIER_SERIES
+from kvwarm.cache.types import MEMORY_SERIES, TIER_SERIES, TIER_TOTALS
 from kvwarm.engine.types import ModelStatus
 from kvwarm.server.budget import MemoryPlan
 
@@ -36,9 +36,11 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _BAD_NAME = re.compile(r"[^a-zA-Z0-9_]")
 # tier_<any tier name>_<series>: the name is whatever was configured (the shortest that leaves
 # a known series, so ram_file_bytes is tier ram_file, series bytes).
+# Levels are gauges (kvwarm_cache_tier_<series>), running totals counters
+# (kvwarm_cache_tier_<series>_total: restores, their bytes and seconds).
 _TIER_KEY = re.compile(
     r"^tier_([A-Za-z0-9_]+?)_("
-    + "|".join(sorted(map(re.escape, TIER_SERIES), key=len, reverse=True))
+    + "|".join(sorted(map(re.escape, (*TIER_SERIES, *TIER_TOTALS)), key=len, reverse=True))
     + r")$"
 )
 # memory_<kind>_<series>: what the rows of one memory kind store and restore.
@@ -102,11 +104,27 @@ class _Static(Collector):
         return self._metrics
 
 
+_TIER_TOTALS_HELP = {
+    "restores": "rows a tier restored into a request's slot (not its hits: rows opened)",
+    "restored_bytes": "KV bytes a tier's restores read",
+    "restore_seconds": "time a tier's restores took, from opening the row to its KV in the slot",
+}
+assert set(_TIER_TOTALS_HELP) == set(TIER_TOTALS)
+
+
 def add_cache(out: Families, counters: Mapping[str, float]) -> None:
     for key in sorted(counters):
         value = float(counters[key])
         tier = _TIER_KEY.match(key)
-        if tier is not None:
+        if tier is not None and tier.group(2) in TIER_TOTALS:
+            out.add(
+                f"kvwarm_cache_tier_{tier.group(2)}_total",
+                "counter",
+                _TIER_TOTALS_HELP[tier.group(2)],
+                value,
+                tier=tier.group(1),
+            )
+        elif tier is not None:
             out.add(
                 f"kvwarm_cache_tier_{tier.group(2)}",
                 "gauge",

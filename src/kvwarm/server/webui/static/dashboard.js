@@ -13,7 +13,8 @@ const ROW_LIMIT = 200;
 
 /**
  * Hit rate from the cache's request outcomes (each request counts one): requests that reused
- * KV, a row's or a slot's live KV, over all of them.
+ * KV, a row's or a slot's live KV, over all those served (hits and misses; a request that
+ * failed before it was seated, `admission_failures`, was not served and is in neither).
  */
 export function lookupHitRate(counters) {
   const hits =
