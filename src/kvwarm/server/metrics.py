@@ -204,13 +204,32 @@ _MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
 )
 
 
-def add_models(out: Families, states: Mapping[str, str], statuses: Iterable[ModelStatus]) -> None:
+def add_models(
+    out: Families,
+    states: Mapping[str, str],
+    statuses: Iterable[ModelStatus],
+    totals: Mapping[str, Mapping[str, float]] | None = None,
+) -> None:
+    """Each model's state, its loaded instance's levels (``statuses``) and its running totals:
+    ``totals`` (``server/totals.py``: over every load of it, so a counter never goes down when
+    a model unloads or loads again), or without them the loaded instances' own counts."""
+    statuses = list(statuses)
+    if totals is None:
+        totals = {s.id: {attr: float(getattr(s, attr)) for attr in _TOTAL_ATTRS} for s in statuses}
     for model_id, state in states.items():
         out.add("kvwarm_model_ready", "gauge", "1 if the model is ready", state == "ready",
                 model=model_id)  # fmt: skip
     for s in statuses:
         for name, kind, help_text, attr, scale in _MODEL_SERIES:
-            out.add(name, kind, help_text, float(getattr(s, attr)) * scale, model=s.id)
+            if kind != "counter":
+                out.add(name, kind, help_text, float(getattr(s, attr)) * scale, model=s.id)
+    for model_id, counts in totals.items():
+        for name, kind, help_text, attr, scale in _MODEL_SERIES:
+            if kind == "counter":
+                out.add(name, kind, help_text, counts.get(attr, 0.0) * scale, model=model_id)
+
+
+_TOTAL_ATTRS = tuple(attr for _, kind, _, attr, _ in _MODEL_SERIES if kind == "counter")
 
 
 def add_memory(out: Families, plan: MemoryPlan) -> None:
@@ -241,6 +260,9 @@ class Snapshot:
     keepalive_prefixes: int = 0
     stalled_s: Mapping[str, float] = field(default_factory=dict)
     memory: MemoryPlan | None = None  # the memory budget's plan (server/budget.py)
+    #: Per model id, its running totals over the server's lifetime (server/totals.py); None:
+    #: the statuses' own counts.
+    totals: Mapping[str, Mapping[str, float]] | None = None
 
 
 class SnapshotCollector(Collector):
@@ -256,7 +278,7 @@ class SnapshotCollector(Collector):
         snap = self._read()
         out = Families()
         add_cache(out, snap.cache)
-        add_models(out, snap.states, snap.statuses)
+        add_models(out, snap.states, snap.statuses, snap.totals)
         for model_id, age in snap.stalled_s.items():
             out.add("kvwarm_worker_stalled_seconds", "gauge",
                     "seconds the worker's current iteration has run without ticking (0 idle)",
