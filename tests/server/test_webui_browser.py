@@ -400,7 +400,7 @@ def test_the_dashboard_keeps_its_totals_when_models_unload_and_shows_restores_an
     browser: Browser, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Stub models (fast). Found by review: the tokens served from the cache and the time
-    saved came from the loaded models only, so they went to "–" once every model that served
+    saved came from the loaded models only, so they went blank once every model that served
     had unloaded; the tier table had no restores (its hits are rows opened, for LFU); the
     quota meter measured against the configured quota, not the one the free space on the
     disk tier's filesystem allows."""
