@@ -434,11 +434,14 @@ def test_the_dashboard_keeps_its_totals_when_models_unload_and_shows_restores_an
             assert stat(page, "stat-saved") > 0
             row = "#tiers tr[data-tier='{}']"
             for tier, n in restored.items():
-                assert page.get_attribute(row.format(tier) + " td.restores", "data-value") == str(n)
+                cell = page.locator(row.format(tier) + " td.restores")
+                assert cell.get_attribute("data-value") == str(n)
+                assert cell.inner_text().split()[0] == str(n)
+                assert cell.inner_text().endswith(" ms")  # its bytes, their average time
             quota = page.locator(row.format("disk") + " td.quota")
             used = stats["tiers"]["disk"]["bytes"]
             assert quota.get_attribute("data-value") == str(used + free)
-            assert quota.inner_text().endswith("(of 1.0 GiB)")
+            assert quota.inner_text().split() == ["3.0", "MiB", "of", "1.0", "GiB"]
             meter = page.locator(row.format("disk") + " meter")
             assert meter.get_attribute("max") == str(used + free)
             assert console.errors == []
