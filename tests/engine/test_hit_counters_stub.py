@@ -2,8 +2,9 @@
 exactly one outcome (``counters.REQUEST_OUTCOMES``), for what served its prompt's prefix once
 it was in its slot, never for what a lookup found: a row restored (``hits_exact``,
 ``hits_longest_prefix``, ``hits_resume``), a slot's live KV (``hits_live``), or nothing
-(``misses``, a refused or failed restore included). Lookups, metadata reads and waits count
-nothing."""
+(``misses``, a refused or failed restore included); a request that failed before it was
+seated counts ``admission_failures``. Lookups, metadata reads and waits count nothing. Each
+row restore is also counted for the tier it came from."""
 
 from __future__ import annotations
 
