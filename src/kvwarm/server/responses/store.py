@@ -9,13 +9,15 @@ responses once it holds as many as any other tenant, never another's below that:
 ``t`` tenants keeps its ``1/t`` share, its most recent responses, whatever the others send,
 while a store one tenant uses alone (no keys: every owner is None) is one LRU, as before.
 A tenant is a key (``cache_salt_from_auth``), so this holds between keys a gateway issues;
-a client free to present made-up keys is as many tenants as it likes. A stored response holds its whole conversation (without
-``instructions``, which OpenAI does not carry over) and the key of its reply's finish row, so a
-follow-up re-renders the conversation and resumes from that row (its prompt is restored, not
-prefilled), in the cache namespace (salt) it ran in when a key's tenant asks (without one, in
-the salt the follow-up presents). The routes show a response only to the
-tenant that made it (``owner``; ``server/tenancy.py``). Losing an entry loses only the ability
-to refer to it: the cache rows stay.
+a client free to present made-up keys is as many tenants as it likes.
+
+A stored response holds its whole conversation (without ``instructions``, which OpenAI does
+not carry over) and the key of its reply's finish row, so a follow-up re-renders the
+conversation and resumes from that row (its prompt is restored, not prefilled), in the cache
+namespace (salt) it ran in when a key's tenant asks (without one, in the salt the follow-up
+presents). The routes show a response only to the tenant that made it (``owner``;
+``server/tenancy.py``). Losing an entry loses only the ability to refer to it: the cache rows
+stay.
 """
 
 from __future__ import annotations
