@@ -43,6 +43,7 @@ from kvwarm.cluster.routing import ClusterIndex, RoutingConfig, check_policy, in
 from kvwarm.cluster.routing.index import index_name
 from kvwarm.errors import KvwarmError, ReplicaTimeoutError
 from kvwarm.settings import Settings
+from kvwarm.settings.model import max_queue
 
 log = logging.getLogger("kvwarm.cluster")
 
@@ -126,7 +127,8 @@ def ingress_max_ongoing(settings: Settings) -> int:
     away and for the other routes): a request past this cap would wait in Serve's proxy
     instead, with no answer."""
     per_model = [
-        max_in_flight(settings, spec.n_parallel or settings.n_parallel) for spec in settings.models
+        max_in_flight(settings, spec.n_parallel or settings.n_parallel, max_queue(settings, spec))
+        for spec in settings.models
     ]
     return 2 * max(sum(per_model), 1) + 64
 

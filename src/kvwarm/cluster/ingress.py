@@ -35,6 +35,7 @@ from kvwarm.server.errors import HTTPError
 from kvwarm.server.metrics import Snapshot
 from kvwarm.server.state import ServerState
 from kvwarm.settings import Settings
+from kvwarm.settings.model import max_queue as model_max_queue
 
 if TYPE_CHECKING:
     from kvwarm.engine.api import Engine
@@ -147,6 +148,12 @@ class IngressState(ServerState):
         assert isinstance(info, ModelInfo)
         tokenizer = self._tokenizer(model_id)
         memory = self._memory(model_id, info)
+        spec = next((m for m in self.settings.models if m.model_id == model_id), None)
+        queue = model_max_queue(self.settings, spec)
+
+        def bound() -> int:  # at each admission: the replicas running then
+            return max_in_flight(self.settings, info.n_parallel, queue, len(self.calls.replicas()))
+
         model = RemoteModel(
             info,
             self.calls.stream,
@@ -156,7 +163,7 @@ class IngressState(ServerState):
             tokenizer,
             deadlines,
             replicas=self.calls.replicas,
-            max_in_flight=max_in_flight(self.settings, info.n_parallel),
+            max_in_flight=bound,
             memory=memory,
         )
         self._prewarm_systems(model, model_id)
@@ -248,12 +255,18 @@ class IngressState(ServerState):
         )
 
 
-def max_in_flight(settings: Settings, n_parallel: int) -> int:
+def max_in_flight(
+    settings: Settings, n_parallel: int, max_queue: int | None = None, running: int = 0
+) -> int:
     """The generations of one model the ingress holds at once before it answers 429
-    ``queue_full``: what the replicas would hold as ``kvwarm serve`` each (their slots plus
-    ``max_queue`` waiting). Ray lets only ``max(8, 4 x n_parallel)`` calls reach a replica and
-    keeps the rest in its own queue, without bound, so the replicas' own queues never fill."""
-    return settings.replicas * (n_parallel + settings.max_queue)
+    ``queue_full``: what the replicas running now would hold as ``kvwarm serve`` each (their
+    ``n_parallel`` slots plus the model's ``max_queue`` waiting; None: the global one). Ray
+    lets only ``max(8, 4 x n_parallel)`` calls reach a replica and keeps the rest in its own
+    queue, without bound, so the replicas' own queues never fill. ``running``: the replicas
+    the router knows run (``Calls.replicas``); 0 (none known yet, or no router in this
+    process) counts ``--replicas``, as at the largest this bound is sized for."""
+    queue = settings.max_queue if max_queue is None else max_queue
+    return (running or settings.replicas) * (n_parallel + queue)
 
 
 def _node_id() -> str | None:
