@@ -143,9 +143,12 @@ def build_app(
 ) -> Application:
     """The Serve application: ``ingress`` in front of ``settings.replicas`` engine replicas,
     routed by the ``cluster_routing`` policy. ``router="default"`` keeps Ray's own (power of
-    two choices), for comparison. With ``nodes`` (the cluster's, when more than one) no node
-    runs more than its share of the replicas (``ceil(replicas / nodes)``): Serve's own spread
-    is best effort, and replicas reserving no CPU may all land on one node."""
+    two choices), for comparison: it feeds no index, so the ingress knows no replica running
+    (a prewarm is one call, a 429 bound counts ``--replicas``), and it cannot send a call to a
+    given replica, so a prewarm cannot fan out (``docs/cluster.md``). With ``nodes`` (the
+    cluster's, when more than one) no node runs more than its share of the replicas
+    (``ceil(replicas / nodes)``): Serve's own spread is best effort, and replicas reserving no
+    CPU may all land on one node."""
     options: dict[str, object] = {"num_cpus": 0, **(actor_options or {})}
     spread: dict[str, Any] = {}
     if nodes is not None and nodes > 1:
