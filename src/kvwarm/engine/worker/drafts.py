@@ -738,10 +738,11 @@ class RowDrafts:
         infos = [info for info in listed if info.key not in space.keys]
         infos.sort(key=lambda info: info.created, reverse=True)
         fresh = sorted(infos[:_ROWS_PER_REFRESH], key=lambda info: info.n_tokens, reverse=True)
+        cap = self._cap(space)  # only this namespace grows meanwhile: the others' stay
         for info in fresh:
             space.keys.add(info.key)
             tokens = self._row_tokens(info.key)
-            if tokens is None or not self._make_room(space, len(tokens)):
+            if tokens is None or not self._make_room(space, len(tokens), cap):
                 continue
             self._add(space, tokens)
         self._bound(keep=ns)
@@ -750,7 +751,7 @@ class RowDrafts:
         """This worker saved a row of ``tokens`` under ``ns`` (a finish save: a reply is in
         it): indexed at once, before the save is even published."""
         space = self._spaces.get(ns)
-        if space is None or not self._make_room(space, len(tokens)):
+        if space is None or not self._make_room(space, len(tokens), self._cap(space)):
             return  # a namespace nobody drafts from yet is listed from the cache when one does
         self._add(space, tuple(tokens))
         self._bound(keep=ns)
@@ -772,13 +773,12 @@ class RowDrafts:
         share = self.max_tokens // len(held.keys() | {space.tenant})
         return max(share, self.max_tokens - others)
 
-    def _make_room(self, space: _Rows, need: int) -> bool:
-        """Whether a row of ``need`` tokens fits the namespace's index (``_cap``), once its
-        oldest rows are dropped if it would not: the index is rebuilt from its newest rows,
-        up to half its cap less the new row (so a busy namespace goes on learning its newest
-        replies, at the cost of one rebuild, ~16 ms for 65,000 tokens, per half a bound of
-        new rows). False for a row larger than the cap."""
-        cap = self._cap(space)
+    def _make_room(self, space: _Rows, need: int, cap: int) -> bool:
+        """Whether a row of ``need`` tokens fits the namespace's index within ``cap``
+        (``_cap``), once its oldest rows are dropped if it would not: the index is rebuilt
+        from its newest rows, up to half its cap less the new row (so a busy namespace goes
+        on learning its newest replies, at the cost of one rebuild, ~16 ms for 65,000 tokens,
+        per half a bound of new rows). False for a row larger than the cap."""
         if need > cap:
             return False
         if space.tokens + need <= cap:
@@ -817,6 +817,8 @@ class RowDrafts:
         drafted from least recently (never ``keep``, the one a request drafts from now), or,
         its only one, its newest rows within its share."""
         while self.tokens > self.max_tokens:
+            for ns in [ns for ns, s in self._spaces.items() if not s.tokens and ns != keep]:
+                del self._spaces[ns]  # nothing indexed: listed again when drafted from
             held = self._held()
             share = self.max_tokens // len(held)
             for tenant in sorted(held, key=held.__getitem__, reverse=True):
