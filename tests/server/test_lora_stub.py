@@ -150,6 +150,11 @@ def test_global_scales_change_what_the_base_name_runs_under(client: TestClient) 
         ({"lora": [{"id": 0, "scale": 1.0, "x": 1}]}, "lora.0.x"),
         ({"lora": {"id": 0}}, "lora"),
         ({"model": "b", "lora": [{"id": 0, "scale": 1.0}]}, "lora"),
+        # JSON numbers only (found by review: true was id 1 or scale 1.0, "0.5" a scale).
+        ({"lora": [{"id": True, "scale": 1.0}]}, "lora.0.id"),
+        ({"lora": [{"id": 1.0, "scale": 1.0}]}, "lora.0.id"),
+        ({"lora": [{"id": 0, "scale": True}]}, "lora.0.scale"),
+        ({"lora": [{"id": 0, "scale": "0.5"}]}, "lora.0.scale"),
     ],
 )
 def test_a_bad_lora_list_is_a_400(client: TestClient, body: dict[str, object], param: str) -> None:
@@ -165,7 +170,15 @@ def test_a_bad_lora_list_is_a_400(client: TestClient, body: dict[str, object], p
 
 @pytest.mark.parametrize(
     "body",
-    [{"id": 0, "scale": 1.0}, [{"id": 5, "scale": 1.0}], [{"id": 0, "scale": "HUGE"}], ["x"]],
+    [
+        {"id": 0, "scale": 1.0},
+        [{"id": 5, "scale": 1.0}],
+        [{"id": 0, "scale": "HUGE"}],
+        ["x"],
+        [{"id": 1, "scale": True}],
+        [{"id": True, "scale": 1}],
+        [{"id": 0, "scale": "1"}],
+    ],
 )
 def test_a_bad_scales_body_is_a_400_and_changes_nothing(client: TestClient, body: object) -> None:
     response = client.post(

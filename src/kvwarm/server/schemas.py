@@ -21,6 +21,7 @@ from pydantic import (
     Discriminator,
     Field,
     PrivateAttr,
+    Strict,
     StrictInt,
     Tag,
     ValidationError,
@@ -91,6 +92,9 @@ class _Body(NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
 
 
+#: A number in a body: a JSON number only (an integer is taken as a float; true and "1" are not).
+StrictNumber = Annotated[float, Strict()]
+
 #: A token id in a body: a JSON integer only. Found by review: pydantic's lax ``int`` took
 #: ``true`` as token 1 and ``2.0`` as token 2 (``"input": [true]`` embedded token 1).
 TokenIds = list[StrictInt]
@@ -105,8 +109,10 @@ class LoraItem(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    id: int = Field(ge=0, le=_INT32_MAX)
-    scale: float = 0.0  # llama-server's default: an id listed without a scale stays off
+    # JSON numbers only (found by review: lax types took true as id 1 and scale 1.0, "0.5"
+    # as a scale).
+    id: StrictInt = Field(ge=0, le=_INT32_MAX)
+    scale: StrictNumber = 0.0  # llama-server's default: an id listed without a scale stays off
 
 
 def lora_pairs(items: list[LoraItem] | None) -> list[tuple[int, float]] | None:
