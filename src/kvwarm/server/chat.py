@@ -37,7 +37,15 @@ from kvwarm.server.schemas import (
     parse_body,
 )
 from kvwarm.server.tool_stream import ToolStream
-from kvwarm.server.tools import ChatPlan, ToolCall, openai_tools, plan_chat
+from kvwarm.server.tools import (
+    ChatPlan,
+    Part,
+    ToolCall,
+    calls_of,
+    content_of,
+    openai_tools,
+    plan_chat,
+)
 
 if TYPE_CHECKING:
     from kvwarm.server.served import ServedModel, ServedStream
@@ -48,12 +56,19 @@ ToolChoice = str | NamedToolChoice | AllowedToolsChoice | None
 
 @dataclass(frozen=True, slots=True)
 class ChatReply:
-    """A finished reply: its visible ``content`` (for a stream, what was not yet sent) and the
-    tool calls it made."""
+    """A finished reply: its texts and tool calls in the order the model wrote them."""
 
     done: Completion
-    content: str
-    calls: list[ToolCall]
+    parts: list[Part]
+
+    @property
+    def content(self) -> str:
+        """The reply's texts as one (OpenAI's ``content``; ``tools.content_of``)."""
+        return content_of(self.parts)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return calls_of(self.parts)
 
 
 # Answers of ``renders_tools`` per model object (a reloaded model is a new object, so its
@@ -158,23 +173,23 @@ def with_parent(opts: GenerationOptions, key: bytes | None) -> GenerationOptions
 
 
 async def whole_reply(gen: Generation, chat: ChatPlan) -> ChatReply:
-    """Wait for the reply and split it into content and calls (non-streamed requests)."""
+    """Wait for the reply and split it into texts and calls (non-streamed requests)."""
     async with gen:
         done = await gen.result()
-    content, calls = chat.split(done.text)
-    return ChatReply(done, content, calls)
+    return ChatReply(done, chat.parts(done.text))
 
 
-async def streamed_reply(gen: Generation, chat: ChatPlan) -> AsyncIterator[str | ChatReply]:
-    """Text that is safe to show as it comes (a possible tool call is held back), then one
-    ``ChatReply`` whose ``content`` is the text not yet yielded. ``gen`` must be opened
+async def streamed_reply(gen: Generation, chat: ChatPlan) -> AsyncIterator[Part | ChatReply]:
+    """The reply's parts as they become safe to send (text pieces as they come, a possible
+    tool call held back until it parses: ``tool_stream``), then one ``ChatReply``, the whole
+    reply, whose calls have the ids they were sent with. ``gen`` must be opened
     (``Generation.open_streaming``)."""
     held = ToolStream(chat.names, forced=chat.forced, single=chat.single)
     async for fragment in gen.fragments():
-        text, _ = held.feed(fragment.text)  # calls are reported whole, at the end
-        if text:
-            yield text
+        for part in held.feed(fragment.text):
+            yield part
     done = await gen.result()
-    rest, _, _ = held.finish()
-    _, calls = chat.split(done.text)
-    yield ChatReply(done, rest, calls)
+    rest, parts = held.finish()
+    for part in rest:
+        yield part
+    yield ChatReply(done, parts)

@@ -56,6 +56,10 @@ class ToolCall:
         return out
 
 
+#: A reply is texts and calls, in the order the model wrote them.
+Part = str | ToolCall
+
+
 @dataclass(frozen=True, slots=True)
 class ChatPlan:
     """What to render and how to decode: ``tools`` go to the template (native support) or are
@@ -68,11 +72,15 @@ class ChatPlan:
     forced: bool  # tool_choice required / named: the whole reply is one call
     single: bool = False  # parallel calls turned off: a reply makes at most one call
 
+    def parts(self, text: str) -> list[Part]:
+        """A whole reply as its texts and calls in order (``reply_parts``), keeping only the
+        first call when parallel calls are off."""
+        return reply_parts(text, self.names, single=self.single)
+
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
-        """A whole reply as (content, calls): ``parse_tool_calls``, keeping only the first
-        call when parallel calls are off."""
-        content, calls = parse_tool_calls(text, self.names)
-        return content, calls[:1] if self.single else calls
+        """A whole reply as (content, calls): every text of it joined, and its calls."""
+        parts = self.parts(text)
+        return content_of(parts), calls_of(parts)
 
 
 def _content(message: ChatMessage, index: int) -> str | list[dict[str, object]]:
@@ -281,56 +289,125 @@ def _as_call(obj: object, names: frozenset[str]) -> ToolCall | None:
     return ToolCall(_new_id(), name, json.dumps(args))
 
 
-def _json_values(text: str) -> list[object]:
-    """Every JSON value in ``text`` (one, a list, or several side by side)."""
+_SEPARATORS = " \t\r\n;,"
+
+
+def _json_run(text: str, pos: int = 0) -> tuple[list[object], int]:
+    """The JSON values side by side in ``text`` from ``pos`` (a list's items one by one), and
+    where the last one ends: a run stops at the first text that is not a JSON value."""
     decoder = STRICT_DECODER
     values: list[object] = []
-    pos = 0
-    text = text.strip()
-    while pos < len(text):
+    end = pos
+    while True:
+        while pos < len(text) and text[pos] in _SEPARATORS:
+            pos += 1
+        if pos >= len(text):
+            break
         try:
-            value, end = decoder.raw_decode(text, pos)
+            value, pos = decoder.raw_decode(text, pos)
         # Model output may nest without bound, hold NaN or an integer of 4,300+ digits.
         except (ValueError, RecursionError):
             break
         values.extend(value if isinstance(value, list) else [value])
+        end = pos
+    return values, end
+
+
+def _calls_of(values: Sequence[object], names: frozenset[str]) -> list[ToolCall]:
+    """The calls ``values`` are, all of them, or none: a value that is no call of a declared
+    tool makes the whole run content."""
+    calls = [c for v in values if (c := _as_call(v, names))]
+    return calls if values and len(calls) == len(values) else []
+
+
+#: A call found in a reply: where its text starts and ends, and the calls it makes.
+Span = tuple[int, int, list[ToolCall]]
+
+
+def _call_spans(text: str, names: frozenset[str]) -> list[Span]:
+    """Where ``text`` makes calls, in order. ``<tool_call>`` blocks (the parser's first choice:
+    any other marker in a reply that has one is text) each stand alone; a block that is not
+    wholly calls of declared tools stays text."""
+    spans: list[Span] = []
+    if "<tool_call>" in text:
+        for match in _TOOL_CALL_BLOCK.finditer(text):
+            body = match.group(1)
+            values, end = _json_run(body)
+            if end == len(body) and (calls := _calls_of(values, names)):
+                spans.append((match.start(), match.end(), calls))
+        return spans
+    if "<function=" in text:
+        for match in _FUNCTION_TAG.finditer(text):
+            name, body = match.group(1), match.group(2)
+            values, end = _json_run(body)
+            if end != len(body) or len(values) > 1:
+                continue
+            call = _as_call({"name": name, "arguments": values[0] if values else {}}, names)
+            if call is not None:
+                spans.append((match.start(), match.end(), [call]))
+        return spans
+    for marker in ("[TOOL_CALLS]", "<|python_tag|>"):
+        if marker in text:
+            start = text.index(marker)
+            values, end = _json_run(text, start + len(marker))
+            calls = _calls_of(values, names)
+            return [(start, end, calls)] if calls else []
+    stripped = text.lstrip()
+    if stripped.startswith(("{", "[")):  # a reply that is a bare call (a forced call's shape)
+        values, end = _json_run(text)
+        calls = _calls_of(values, names)
+        return [(0, end, calls)] if calls else []
+    return []
+
+
+def reply_parts(text: str, names: frozenset[str], *, single: bool = False) -> list[Part]:
+    """A whole reply as its text and calls, in order. Without a call the reply is one text,
+    as it came; with calls, the text around them is kept (none of it is dropped), stripped
+    where it touches a call, and text that is only whitespace goes. ``single``: parallel
+    calls are off, only the first call is kept (the text after later ones too)."""
+    spans = _call_spans(text, names) if names else []
+    if not spans:
+        return [text] if text else []
+    parts: list[Part] = []
+    pos = 0
+    for start, end, calls in spans:
+        before = text[pos:start]
+        before = before.rstrip() if pos == 0 else before.strip()
+        if before:
+            parts.append(before)
+        parts.extend(calls)
         pos = end
-        while pos < len(text) and text[pos] in " \t\r\n;,":
-            pos += 1
-    return values
+    after = text[pos:].strip()
+    if after:
+        parts.append(after)
+    if single:  # the later calls go; the texts they stood between join as the calls' do
+        first = next(i for i, p in enumerate(parts) if isinstance(p, ToolCall))
+        kept = parts[: first + 1]
+        for part in parts[first + 1 :]:
+            if isinstance(part, str):
+                if isinstance(kept[-1], str):
+                    kept[-1] += TEXT_SEPARATOR + part
+                else:
+                    kept.append(part)
+        parts = kept
+    return parts
+
+
+#: What joins a reply's texts into the one ``content`` string OpenAI's chat (and Responses'
+#: one message item) has: the calls stood between them.
+TEXT_SEPARATOR = "\n\n"
+
+
+def content_of(parts: Sequence[Part]) -> str:
+    return TEXT_SEPARATOR.join(p for p in parts if isinstance(p, str))
+
+
+def calls_of(parts: Sequence[Part]) -> list[ToolCall]:
+    return [p for p in parts if isinstance(p, ToolCall)]
 
 
 def parse_tool_calls(text: str, names: frozenset[str]) -> tuple[str, list[ToolCall]]:
-    """Split a reply into (content, calls). With no recognised call the text is all content."""
-    if not names:
-        return text, []
-    calls: list[ToolCall] = []
-    start = len(text)
-    if "<tool_call>" in text:
-        start = text.index("<tool_call>")
-        for block in _TOOL_CALL_BLOCK.findall(text):
-            calls += [c for v in _json_values(block) if (c := _as_call(v, names))]
-    elif "<function=" in text:
-        start = text.index("<function=")
-        for name, body in _FUNCTION_TAG.findall(text):
-            args = _json_values(body)
-            call = _as_call({"name": name, "arguments": args[0] if args else {}}, names)
-            calls += [call] if call else []
-    else:
-        for marker in ("[TOOL_CALLS]", "<|python_tag|>"):
-            if marker in text:
-                start = text.index(marker)
-                body = text[start + len(marker) :]
-                calls += [c for v in _json_values(body) if (c := _as_call(v, names))]
-                break
-        else:
-            stripped = text.strip()
-            if stripped.startswith(("{", "[")):
-                values = _json_values(stripped)
-                found = [c for v in values if (c := _as_call(v, names))]
-                if found and len(found) == len(values):
-                    return "", found
-            return text, []
-    if not calls:
-        return text, []
-    return text[:start].strip(), calls
+    """Split a reply into (content, calls). With no recognised call the text is all content;
+    with calls, the content is every text around them (``reply_parts``, ``content_of``)."""
+    parts = reply_parts(text, names)
+    return content_of(parts), calls_of(parts)

@@ -1,0 +1,150 @@
+"""Tool calls end to end through the official SDKs and their stream accumulators (openai's
+``chat.completions.stream`` and ``responses.stream``, anthropic's ``messages.stream``): every
+reply and stream parses, and a streamed reply is the non-streamed one (stub backend; the stub
+enforces literal grammars, which stand in for a model's reply)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+
+import anthropic
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from kvwarm.engine.types import GenerationOptions
+from kvwarm.server import convert
+
+W = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+T = '{"name": "get_time", "arguments": {}}'
+#: Text before, between and after two calls.
+REPLY = f"Sure.\n<tool_call>{W}</tool_call>\n<tool_call>{T}</tool_call>\nI asked both."
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+ASK = "Weather and time in Oslo?"
+
+
+@pytest.fixture
+def reply(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Every generation's output is ``REPLY`` (the Anthropic and Responses bodies have no
+    grammar field of their own)."""
+    options = convert.options
+    grammar = "root ::= " + json.dumps(REPLY)
+
+    def with_grammar(*args: object, **kwargs: object) -> GenerationOptions:
+        opts = options(*args, **kwargs)  # type: ignore[arg-type]
+        return dataclasses.replace(opts, grammar=grammar, max_tokens=400)
+
+    monkeypatch.setattr(convert, "options", with_grammar)
+    yield REPLY
+
+
+def _openai(client: TestClient) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url="http://testserver/v1", api_key="k", http_client=client, max_retries=0
+    )
+
+
+def _claude(client: TestClient) -> anthropic.Anthropic:
+    return anthropic.Anthropic(
+        base_url="http://testserver", api_key="k", http_client=client, max_retries=0
+    )
+
+
+def test_chat_keeps_text_after_calls_streamed_or_not(client: TestClient, reply: str) -> None:
+    # Before: "I asked both." was dropped, streamed or not.
+    oai = _openai(client)
+    tools: list[openai.types.chat.ChatCompletionToolParam] = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": CITY}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {}}},
+    ]
+    ask: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": ASK}]
+    whole = oai.chat.completions.create(model="a", messages=ask, tools=tools)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Sure.\n\nI asked both."
+    calls = choice.message.tool_calls or []
+    names = [(c.function.name, json.loads(c.function.arguments)) for c in calls]  # type: ignore[union-attr]
+    assert names == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert len({c.id for c in calls}) == 2
+    with oai.chat.completions.stream(model="a", messages=ask, tools=tools) as stream:
+        chunks = list(stream)
+        final = stream.get_final_completion()
+    streamed = final.choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert streamed.message.content == choice.message.content
+    got = [
+        (c.function.name, json.loads(c.function.arguments))
+        for c in streamed.message.tool_calls or []
+    ]
+    assert got == names
+    sent = [
+        c.id
+        for e in chunks
+        if e.type == "chunk"
+        for ch in e.chunk.choices
+        for c in ch.delta.tool_calls or ()
+        if c.id
+    ]
+    assert sent == [c.id for c in streamed.message.tool_calls or []]
+    # Text after a call went out after it, as the model wrote it.
+    kinds = [
+        "call" if ch.delta.tool_calls else "text"
+        for e in chunks
+        if e.type == "chunk"
+        for ch in e.chunk.choices
+        if ch.delta.content or ch.delta.tool_calls
+    ]
+    assert kinds[0] == "text" and kinds[-1] == "text" and kinds.count("call") == 2
+
+
+def test_messages_keep_text_blocks_and_tool_use_in_order(client: TestClient, reply: str) -> None:
+    claude = _claude(client)
+    tools: list[anthropic.types.ToolParam] = [
+        {"name": "get_weather", "input_schema": CITY},
+        {"name": "get_time", "input_schema": {"type": "object"}},
+    ]
+    ask: list[anthropic.types.MessageParam] = [{"role": "user", "content": ASK}]
+    whole = claude.messages.create(model="a", max_tokens=400, messages=ask, tools=tools)
+    assert whole.stop_reason == "tool_use"
+
+    def shape(blocks: list[anthropic.types.ContentBlock]) -> list[object]:
+        return [
+            b.text if b.type == "text" else (b.name, b.input)  # type: ignore[union-attr]
+            for b in blocks
+        ]
+
+    expected = ["Sure.", ("get_weather", {"city": "Oslo"}), ("get_time", {}), "I asked both."]
+    assert shape(whole.content) == expected
+    with claude.messages.stream(model="a", max_tokens=400, messages=ask, tools=tools) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and shape(final.content) == expected
+    started = [
+        e.content_block.id
+        for e in events
+        if e.type == "content_block_start" and e.content_block.type == "tool_use"
+    ]
+    ids = [b.id for b in final.content if b.type == "tool_use"]
+    assert started == ids and len(set(ids)) == 2
+    assert final.usage.output_tokens > 0
+
+
+def test_responses_keep_text_after_calls(client: TestClient, reply: str) -> None:
+    oai = _openai(client)
+    tools: list[openai.types.responses.FunctionToolParam] = [
+        {"type": "function", "name": "get_weather", "parameters": CITY, "strict": False},
+        {"type": "function", "name": "get_time", "parameters": {}, "strict": False},
+    ]
+    whole = oai.responses.create(model="a", input=ASK, tools=tools, store=False)
+    assert whole.output_text == "Sure.\n\nI asked both."
+    calls = [(i.name, json.loads(i.arguments)) for i in whole.output if i.type == "function_call"]
+    assert calls == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    with oai.responses.stream(model="a", input=ASK, tools=tools, store=False) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert final.output_text == whole.output_text
+    got = [(i.name, json.loads(i.arguments)) for i in final.output if i.type == "function_call"]
+    assert got == calls
