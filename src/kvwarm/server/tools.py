@@ -219,6 +219,31 @@ def forced_call_schema(tools: Sequence[Tool]) -> dict[str, object]:
     return {**schema, "$defs": defs} if defs else schema
 
 
+def check_tools(tools: Sequence[Tool]) -> None:
+    """400s for tool definitions a reply's calls could not be told apart by (two of one name)
+    or whose arguments would be no object (parameters of another ``type``: OpenAI's and
+    Anthropic's rule; a call's arguments, an Anthropic ``tool_use`` input, are an object)."""
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if name in seen:
+            raise HTTPError(
+                400,
+                f"tools.{i}: the name {name!r} is taken by tools.{seen[name]}; tool names must "
+                "be unique",
+                param=f"tools.{i}",
+            )
+        seen[name] = i
+        kind = (tool.function.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise HTTPError(
+                400,
+                f"tools.{i}: the parameters of {name!r} must be a JSON schema of type 'object', "
+                f"not {kind!r}",
+                param=f"tools.{i}",
+            )
+
+
 def plan_chat(
     messages: Sequence[ChatMessage],
     tools: Sequence[Tool] | None,
@@ -241,6 +266,7 @@ def plan_chat(
         raise HTTPError(
             400, f"tool_choice {choice}, but the request has no tools", param="tool_choice"
         )
+    check_tools(tools or ())
     if not tools or tool_choice == "none":
         return ChatPlan(template_messages(messages, native=False), None, None, frozenset(), False)
     chosen = list(tools)
