@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from kvwarm.backends.chat_template import render_chat
 from kvwarm.server.schemas import ChatMessage, NamedToolChoice, Tool
 from kvwarm.server.tools import parse_tool_calls, plan_chat, template_messages
 
@@ -105,3 +106,43 @@ def test_history_with_calls_round_trips_through_non_native_templates() -> None:
     calls = native[0]["tool_calls"]
     assert isinstance(calls, list) and calls[0]["function"]["arguments"] == {"city": "Oslo"}
     assert native[1]["tool_call_id"] == "c1"
+
+
+# The check Gemma's and Mistral's templates make: user and assistant turns alternate.
+ALTERNATING = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+)
+
+
+def test_emulated_tool_results_are_one_user_turn_with_the_text_after_them() -> None:
+    # An agent's turn after two parallel calls: both results, then (Anthropic: the same user
+    # turn) a line of text. Before, a template without tool support saw three user turns in
+    # a row, and one that wants roles to alternate refused the request with a 400.
+    msgs = [
+        ChatMessage(role="user", content="Weather in Oslo and Rome?"),
+        ChatMessage.model_validate(
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "a", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+                    {"id": "b", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+                ],
+            }
+        ),
+        ChatMessage(role="tool", content="rainy", tool_call_id="a"),
+        ChatMessage(role="tool", content="sunny", tool_call_id="b"),
+        ChatMessage(role="user", content="Thanks. Which is warmer?"),
+    ]
+    plain = template_messages(msgs, native=False)
+    assert [m["role"] for m in plain] == ["user", "assistant", "user"]
+    assert plain[2]["content"] == (
+        "<tool_response>\nrainy\n</tool_response>\n<tool_response>\nsunny\n</tool_response>"
+        "\nThanks. Which is warmer?"
+    )
+    text = render_chat(ALTERNATING, plain, bos_token="", eos_token="")
+    assert "rainy" in text and "sunny" in text and "warmer" in text
+    # Native templates get the tool messages as they are.
+    assert [m["role"] for m in template_messages(msgs, native=True)][2:] == ["tool", "tool", "user"]

@@ -151,8 +151,31 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
                 item = {"role": "user", "content": [opening, *text, closing]}
             else:
                 item = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
+            if out and out[-1]["role"] == "user" and not native:
+                out[-1] = _joined(out[-1], item)  # one turn of results, as Hermes templates do
+                continue
+        elif out and role == "user" and not native and index and _is_result(messages[index - 1]):
+            out[-1] = _joined(out[-1], item)
+            continue
         out.append(item)
     return out
+
+
+def _is_result(message: ChatMessage) -> bool:
+    return message.role in ("tool", "function")
+
+
+def _joined(first: Message, second: Message) -> Message:
+    """Two user turns as one (a template that wants roles to alternate, as Gemma's and
+    Mistral's do, refuses two in a row): their texts, or parts, one after the other."""
+    a, b = first["content"], second["content"]
+    if isinstance(a, str) and isinstance(b, str):
+        return {"role": "user", "content": f"{a}\n{b}"}
+    return {"role": "user", "content": [*_parts(a), {"type": "text", "text": "\n"}, *_parts(b)]}
+
+
+def _parts(content: object) -> list[object]:
+    return list(content) if isinstance(content, list) else [{"type": "text", "text": content}]
 
 
 def openai_tools(tools: Sequence[Tool]) -> list[Message]:
