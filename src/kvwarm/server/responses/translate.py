@@ -61,18 +61,6 @@ from kvwarm.server.tools import ToolCall
 Json = dict[str, object]
 
 
-def _text(content: str | Sequence[object], where: str) -> str:
-    out = _content(content, where)
-    if not isinstance(out, str):
-        raise HTTPError(
-            400,
-            f"{where}: images and audio belong in a message, not here",
-            code="unsupported_content",
-            param=where,
-        )
-    return out
-
-
 def _content(content: str | Sequence[object], where: str) -> str | list[ChatPart]:
     """A message's content: its text, or (with images or audio) chat content parts, each
     naming where it was."""
@@ -131,8 +119,10 @@ def to_history(given: str | Sequence[InputItem]) -> list[ChatMessage]:
             else:
                 out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputItem):
-            text = _text(item.output, f"{where}.output")
-            out.append(ChatMessage(role="tool", content=text, tool_call_id=item.call_id))
+            # Text, or text and images in order (OpenAI's function_call_output may hold an
+            # image, as chat's tool messages and Anthropic's tool_result blocks may).
+            output = _content(item.output, f"{where}.output")
+            out.append(ChatMessage(role="tool", content=output, tool_call_id=item.call_id))
         elif isinstance(item, ItemReference):
             raise HTTPError(
                 400,
