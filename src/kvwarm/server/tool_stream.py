@@ -64,6 +64,7 @@ class ToolStream:
         self._single = single
         self._text = ""
         self._sent: list[Part] = []  # the parts sent so far (the last text maybe in part)
+        self._parsed = 0  # how much of the reply the parts sent were parsed from
         # Everything from here on waits for ``finish`` (None: nothing is held so far). A forced
         # reply is all call: it shows nothing.
         self._hold: int | None = 0 if names and forced else None
@@ -78,8 +79,9 @@ class ToolStream:
             self._sent.append(fragment)
             return [fragment] if fragment else []
         settled = self._settled()
-        if settled is None:
-            return []
+        if settled is None or settled == self._parsed:
+            return []  # nothing new settled (say, a call's arguments still coming)
+        self._parsed = settled
         parts = reply_parts(self._text[:settled], self._names, single=self._single)
         if parts and isinstance(parts[-1], str):  # a text may go on: its end waits
             parts[-1] = parts[-1].rstrip()
