@@ -148,3 +148,32 @@ def test_responses_keep_text_after_calls(client: TestClient, reply: str) -> None
     assert final.output_text == whole.output_text
     got = [(i.name, json.loads(i.arguments)) for i in final.output if i.type == "function_call"]
     assert got == calls
+
+
+def test_a_reply_sent_back_is_the_same_turn_on_every_api() -> None:
+    # Anthropic's text and tool_use blocks of a reply, sent back as the assistant turn, join
+    # their texts as chat's content does: both APIs render one prompt for one conversation.
+    from kvwarm.server.anthropic.schemas import CountTokensRequest
+    from kvwarm.server.anthropic.translate import to_chat
+    from kvwarm.server.tools import parse_tool_calls
+
+    content, _ = parse_tool_calls(REPLY, frozenset({"get_weather", "get_time"}))
+    blocks = [
+        {"type": "text", "text": "Sure."},
+        {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}},
+        {"type": "tool_use", "id": "t2", "name": "get_time", "input": {}},
+        {"type": "text", "text": "I asked"},
+        {"type": "text", "text": " both."},
+    ]
+    req = CountTokensRequest.model_validate(
+        {
+            "model": "a",
+            "messages": [
+                {"role": "user", "content": ASK},
+                {"role": "assistant", "content": blocks},
+                {"role": "user", "content": "And?"},
+            ],
+        }
+    )
+    turns, _ = to_chat(req)
+    assert turns[1].content == content == "Sure.\n\nI asked both."

@@ -55,7 +55,7 @@ from kvwarm.server.schemas import (
     Tool,
     ToolCallIn,
 )
-from kvwarm.server.tools import ToolCall
+from kvwarm.server.tools import TEXT_SEPARATOR, ToolCall
 
 Json = dict[str, object]
 
@@ -166,11 +166,16 @@ def _assistant(message: Message, where: str) -> ChatMessage:
         return ChatMessage(role="assistant", content=message.content)
     text: list[str] = []
     calls: list[ToolCallIn] = []
+    after_call = False
     for i, block in enumerate(message.content):
         at = f"{where}.content.{i}"
         if isinstance(block, TextBlock):
-            text.append(block.text)
+            # Texts a call stood between join as a reply's do (``tools.content_of``), so a
+            # reply sent back renders as the same turn on every API.
+            text.append((TEXT_SEPARATOR if text and after_call else "") + block.text)
+            after_call = False
         elif isinstance(block, ToolUseBlock):
+            after_call = True
             call = FunctionCall(name=block.name, arguments=dict(block.input))
             calls.append(ToolCallIn(id=block.id, function=call))
         elif isinstance(block, MediaBlock | ImageBlock):
