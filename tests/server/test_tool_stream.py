@@ -212,6 +212,10 @@ AFTER_CALLS = {
     ],
     f"{W}\nWaiting for it.": ["get_weather", "Waiting for it."],
     f"  Leading. <tool_call>{W}</tool_call>": ["  Leading.", "get_weather"],
+    # A block never closed: its call, then the text after it.
+    f"<tool_call>\n{W}\nI will wait.": ["get_weather", "I will wait."],
+    f"<tool_call>{W}</tool_call> x": ["get_weather", "x"],
+    f"<tool_call>{W} x</tool_call>": [f"<tool_call>{W} x</tool_call>"],  # closed: all or none
     "no calls at all \n": ["no calls at all \n"],
 }
 

@@ -382,8 +382,12 @@ def _call_spans(text: str, names: frozenset[str]) -> list[Span]:
         for match in _TOOL_CALL_BLOCK.finditer(text):
             body = match.group(1)
             values, end = _json_run(body)
-            if end == len(body) and (calls := _calls_of(values, names)):
+            if not (calls := _calls_of(values, names)):
+                continue
+            if end == len(body):
                 spans.append((match.start(), match.end(), calls))
+            elif not match.group(0).endswith("</tool_call>"):  # never closed: text follows
+                spans.append((match.start(), match.start(1) + end, calls))
         return spans
     if "<function=" in text:
         for match in _FUNCTION_TAG.finditer(text):
