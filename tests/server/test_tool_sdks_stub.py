@@ -177,3 +177,57 @@ def test_a_reply_sent_back_is_the_same_turn_on_every_api() -> None:
     )
     turns, _ = to_chat(req)
     assert turns[1].content == content == "Sure.\n\nI asked both."
+
+
+@pytest.fixture
+def bare_call(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Every generation's output is one bare JSON call, as a forced call's grammar makes it."""
+    options = convert.options
+    grammar = "root ::= " + json.dumps(W)
+
+    def with_grammar(*args: object, **kwargs: object) -> GenerationOptions:
+        opts = options(*args, **kwargs)  # type: ignore[arg-type]
+        return dataclasses.replace(opts, grammar=grammar, json_schema=None, max_tokens=400)
+
+    monkeypatch.setattr(convert, "options", with_grammar)
+    yield W
+
+
+def test_forced_calls_stream_through_every_sdk_helper(client: TestClient, bare_call: str) -> None:
+    oai, claude = _openai(client), _claude(client)
+    chat_tools: list[openai.types.chat.ChatCompletionToolParam] = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+    ]
+    ask: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": ASK}]
+    with oai.chat.completions.stream(
+        model="a", messages=ask, tools=chat_tools, tool_choice="required"
+    ) as stream:
+        done = stream.get_final_completion().choices[0]
+    assert done.finish_reason == "tool_calls" and done.message.content is None
+    (call,) = done.message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}  # type: ignore[union-attr]
+    with claude.messages.stream(
+        model="a",
+        max_tokens=400,
+        messages=[{"role": "user", "content": ASK}],
+        tools=[{"name": "get_weather", "input_schema": CITY}],
+        tool_choice={"type": "any"},
+    ) as claude_stream:
+        message = claude_stream.get_final_message()
+    assert message.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "input", None)) for b in message.content] == [
+        ("tool_use", {"city": "Oslo"})
+    ]
+    with oai.responses.stream(
+        model="a",
+        input=ASK,
+        tools=[{"type": "function", "name": "get_weather", "parameters": CITY, "strict": False}],
+        tool_choice="required",
+        store=False,
+    ) as responses_stream:
+        response = responses_stream.get_final_response()
+    assert [(i.type, getattr(i, "name", None)) for i in response.output] == [
+        ("function_call", "get_weather")
+    ]
+    assert response.output_text == ""

@@ -140,7 +140,9 @@ async def _events(
         for _ in range(n)
     ]
     for index in range(n):
-        role: dict[str, object] = {"role": "assistant", "content": ""}
+        # With tools, a reply may be calls alone, whose content is null (as llama-server's
+        # first chunk, and OpenAI's for calls): a client's accumulated stream is the reply.
+        role: dict[str, object] = {"role": "assistant", "content": None if plan.names else ""}
         yield convert.chat_chunk(ids, role, index=index, with_usage=include_usage)
     async for index, fragment in choices.merged():
         if fragment is None:
