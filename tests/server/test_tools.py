@@ -146,3 +146,12 @@ def test_emulated_tool_results_are_one_user_turn_with_the_text_after_them() -> N
     assert "rainy" in text and "sunny" in text and "warmer" in text
     # Native templates get the tool messages as they are.
     assert [m["role"] for m in template_messages(msgs, native=True)][2:] == ["tool", "tool", "user"]
+
+
+def test_null_arguments_are_an_empty_object() -> None:
+    # A model calling a tool of no parameters may write "arguments": null: that was the
+    # call's arguments "null", and Anthropic's tool_use input {"arguments": null}.
+    _, calls = parse_tool_calls(
+        '<tool_call>{"name": "get_weather", "arguments": null}</tool_call>', NAMES
+    )
+    assert [c.arguments for c in calls] == ["{}"]

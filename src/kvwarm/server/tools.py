@@ -329,7 +329,9 @@ def _as_call(obj: object, names: frozenset[str]) -> ToolCall | None:
     name = obj.get("name")
     if not isinstance(name, str) or name not in names:
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
+    args = obj.get("arguments", obj.get("parameters"))
+    if args is None:  # no arguments, or null: a call of a tool that takes none
+        args = {}
     if isinstance(args, str):
         try:
             args = strict_loads(args)
