@@ -49,7 +49,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         parser.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "ls":
             parser.add_argument(
-                "--limit", type=_count, default=0, metavar="N", help="at most N rows (0: all)"
+                "--limit",
+                type=_count,
+                default=None,
+                metavar="N",
+                help="at most N rows, 1 or more (default: all)",
             )
         if name == "gc":
             parser.add_argument(
@@ -80,13 +84,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _count(text: str) -> int:
-    """A flag's count, 0 or more: a negative one was taken for \"all\" without a word."""
+    """A flag's count, 1 or more, as ``GET /cache/rows?limit=`` takes it: a negative one was
+    taken for "all" without a word, and 0, which meant "all" here and "none" there, is refused
+    by both (leave the flag out for every row)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (all) or more, got {value}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be 1 or more (leave --limit out for every row), got {value}"
+        )
     return value
 
 
@@ -200,7 +208,7 @@ def run_ls(args: argparse.Namespace) -> int:
     # An inspection: creates, moves, deletes and registers nothing.
     with open_cache(settings, repair=False) as cache:
         rows = sorted(cache.rows(), key=lambda r: r.last_used, reverse=True)
-    if args.limit > 0:
+    if args.limit is not None:
         rows = rows[: args.limit]
     if args.json:
         items = [

@@ -149,6 +149,11 @@ class SamplingFields(_Body):
     # llama-server's: the adapters this request runs under (others off); server/lora.py.
     lora: list[LoraItem] | None = Field(default=None, max_length=64)
     keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
+    user: str | None = Field(
+        default=None,
+        description="the end user this request is for (OpenAI's): named in the server's "
+        "request log line; it changes nothing in the reply",
+    )
 
 
 def check_sampling(req: SamplingFields) -> None:
@@ -175,6 +180,9 @@ class ResponseFormat(_Body):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     suffix: str | None = None  # fill-in-the-middle: the text after the completion
+    # OpenAI's: this many candidates per prompt (n at least; the model's n_parallel caps it,
+    # as it caps n), the n with the highest mean logprob per token returned; not streamed.
+    best_of: int | None = Field(default=None, ge=1, le=64)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     response_format: ResponseFormat | None = None
@@ -310,6 +318,9 @@ class ChatRequest(SamplingFields):
     # on it would get text where it expects a call.
     functions: list[object] | None = None
     function_call: object | None = None
+    # The legacy completions' best_of, which OpenAI's chat API does not have: read only to
+    # refuse it (a client sending it would get n choices, none chosen from more).
+    best_of: object | None = None
 
 
 class EmbeddingRequest(_Body):

@@ -236,7 +236,11 @@ async def cache_rows(
     request: Request,
     # Validated by pydantic (ASCII digits, bounded): str.isdigit() accepts "²", which int()
     # then refuses, and a 5,000-digit number passes int()'s limit. Either is a 400, not a 500.
-    limit: Annotated[int | None, Query(ge=0, le=1 << 31, description="most rows to list")] = None,
+    # 1 or more, as `kvwarm cache ls --limit`: 0 meant "none" here and "all" there.
+    limit: Annotated[
+        int | None,
+        Query(ge=1, le=1 << 31, description="most rows to list, 1 or more (default: all)"),
+    ] = None,
 ) -> Response:
     state = server_state(request)
     cache = state.require_engine().cache

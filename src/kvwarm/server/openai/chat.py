@@ -64,6 +64,13 @@ async def chat_completions(request: Request) -> Response:
                 "use tools and tool_choice",
                 param=legacy,
             )
+    if req.best_of is not None:
+        raise HTTPError(
+            400,
+            "best_of is a /v1/completions parameter; chat completions have no best_of "
+            "(as OpenAI's): ask for n choices",
+            param="best_of",
+        )
     if req.top_logprobs and not req.logprobs:
         # OpenAI's rule; the request would otherwise get no logprobs at all, silently.
         raise HTTPError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -107,6 +114,7 @@ async def chat_completions(request: Request) -> Response:
         "chat",
         model.id,
         state,
+        user=req.user,
     )
     ids = convert.ResponseIds("chatcmpl", state.lora.reply_name(req.model, model))
     if not req.stream:

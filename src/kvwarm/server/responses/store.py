@@ -33,7 +33,9 @@ class StoredResponse:
     body: Json  # the response object as it was returned
     cache_salt: str | None = None  # the namespace it ran in: its owner's follow-up continues there
     owner: str | None = None  # the tenant that made it (``tenancy``); no one else sees it
-    input_items: tuple[Json, ...] = ()  # this request's input, as items with ids
+    # Its input, as items with ids: after previous_response_id, the earlier turns' input and
+    # output items first (what OpenAI's input_items lists).
+    input_items: tuple[Json, ...] = ()
 
     def size(self) -> int:
         """Approximate footprint in characters (what the store's budget counts)."""
