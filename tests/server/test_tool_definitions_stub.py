@@ -54,3 +54,16 @@ def test_parameters_that_are_no_object_schema_are_a_400(client: TestClient, api:
 def test_distinct_object_tools_are_served(client: TestClient, api: str) -> None:
     response = _post(client, api, [("f", OBJECT), ("g", {}), ("h", {"properties": {}})])
     assert getattr(response, "status_code", None) == 200
+
+
+def test_duplicates_are_found_among_tools_allowed_tools_leaves_out(client: TestClient) -> None:
+    tools = [{"type": "function", "function": {"name": n, "parameters": OBJECT}} for n in "ffg"]
+    choice = {
+        "type": "allowed_tools",
+        "allowed_tools": {
+            "mode": "auto",
+            "tools": [{"type": "function", "function": {"name": "g"}}],
+        },
+    }
+    body = {"model": "a", "messages": HI, "tools": tools, "tool_choice": choice, "max_tokens": 2}
+    assert "unique" in _error(client.post("/v1/chat/completions", json=body))

@@ -42,6 +42,7 @@ from kvwarm.server.tools import (
     Part,
     ToolCall,
     calls_of,
+    check_tools,
     content_of,
     openai_tools,
     plan_chat,
@@ -123,6 +124,7 @@ async def plan(
     http(s) URL is fetched if its host is allowed, else refused (``server/media.py``)."""
     if settings is not None:
         messages = await fetch_images(messages, settings)
+    check_tools(tools or ())  # every tool declared, before allowed_tools picks some
     if isinstance(tool_choice, AllowedToolsChoice):
         tools, tool_choice = allowed_tools(tools, tool_choice)
     native = False
