@@ -212,6 +212,9 @@ AFTER_CALLS = {
     ],
     f"{W}\nWaiting for it.": ["get_weather", "Waiting for it."],
     f"  Leading. <tool_call>{W}</tool_call>": ["  Leading.", "get_weather"],
+    # Mistral's newer format (Small 3.2, Devstral): name[CALL_ID]id[ARGS]{...}, one by one.
+    '[TOOL_CALLS]get_weather[CALL_ID]123456789[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time'
+    "[ARGS]{}\nAsked.": ["get_weather", "get_time", "Asked."],
     # A block never closed: its call, then the text after it.
     f"<tool_call>\n{W}\nI will wait.": ["get_weather", "I will wait."],
     f"<tool_call>{W}</tool_call> x": ["get_weather", "x"],

@@ -29,6 +29,8 @@ WEATHER = Tool.model_validate(
         '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
         '<function=get_weather>{"city": "Paris"}</function>',
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',  # Mistral Small 3.2, Devstral
+        '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS] {"city": "Paris"}',
         '{"name": "get_weather", "arguments": {"city": "Paris"}}',
         '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',
     ],

@@ -5,7 +5,8 @@ Invariants:
 - A template that renders the ``tools`` it is given (the tool names appear in its output) gets
   them natively; any other template gets a Hermes-style system prompt describing them, so tools
   work with every model. Either way the reply is parsed by the same tolerant parser, which knows
-  the common formats (``<tool_call>`` JSON, Mistral ``[TOOL_CALLS]``, Llama ``<|python_tag|>`` and
+  the common formats (``<tool_call>`` JSON, Mistral ``[TOOL_CALLS]`` (a JSON list, or
+  ``name[ARGS]{...}``), Llama ``<|python_tag|>`` and
   ``<function=…>``, and a reply that is a bare ``{"name", "arguments"}`` object).
 - A call is only reported for a tool the request declared; anything else stays content.
 - ``tool_choice`` "required" or a named function constrains decoding with a JSON schema, so the
@@ -401,6 +402,8 @@ def _call_spans(text: str, names: frozenset[str]) -> list[Span]:
             if call is not None:
                 spans.append((match.start(), match.end(), [call]))
         return spans
+    if (start := text.find("[TOOL_CALLS]")) >= 0 and _MISTRAL_CALL.match(text, start):
+        return _mistral_spans(text, start, names)
     for marker in ("[TOOL_CALLS]", "<|python_tag|>"):
         if marker in text:
             start = text.index(marker)
@@ -413,6 +416,34 @@ def _call_spans(text: str, names: frozenset[str]) -> list[Span]:
         calls = _calls_of(values, names)
         return [(0, end, calls)] if calls else []
     return []
+
+
+#: Mistral's newer format (Mistral Small 3.2, Devstral, Magistral): a call is
+#: ``[TOOL_CALLS]name[ARGS]{...}``, or ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}``.
+_MISTRAL_CALL = re.compile(r"\[TOOL_CALLS\]([\w.\-]+)(?:\[CALL_ID\][\w\-]*)?\[ARGS\]")
+
+
+def _mistral_spans(text: str, start: int, names: frozenset[str]) -> list[Span]:
+    """The calls of Mistral's ``[TOOL_CALLS]name[ARGS]{...}`` format from ``start``, one after
+    another; all of them, or none when one is no call of a declared tool."""
+    spans: list[Span] = []
+    pos = start
+    while match := _MISTRAL_CALL.match(text, pos):
+        at = match.end()
+        while at < len(text) and text[at] in " \t\r\n":
+            at += 1
+        try:
+            arguments, end = STRICT_DECODER.raw_decode(text, at)
+        except (ValueError, RecursionError):  # not JSON, NaN, 4,300+ digits, too deep
+            return []
+        call = _as_call({"name": match.group(1), "arguments": arguments}, names)
+        if call is None:
+            return []
+        spans.append((match.start(), end, [call]))
+        pos = end
+        while pos < len(text) and text[pos] in " \t\r\n":
+            pos += 1
+    return spans
 
 
 def reply_parts(text: str, names: frozenset[str], *, single: bool = False) -> list[Part]:
