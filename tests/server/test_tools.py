@@ -8,7 +8,7 @@ import pytest
 
 from kvwarm.backends.chat_template import render_chat
 from kvwarm.server.schemas import ChatMessage, NamedToolChoice, Tool
-from kvwarm.server.tools import parse_tool_calls, plan_chat, template_messages
+from kvwarm.server.tools import parse_tool_calls, plan_chat, template_id, template_messages
 
 NAMES = frozenset({"get_weather"})
 WEATHER = Tool.model_validate(
@@ -107,7 +107,7 @@ def test_history_with_calls_round_trips_through_non_native_templates() -> None:
     native = template_messages(msgs, native=True)
     calls = native[0]["tool_calls"]
     assert isinstance(calls, list) and calls[0]["function"]["arguments"] == {"city": "Oslo"}
-    assert native[1]["tool_call_id"] == "c1"
+    assert native[1]["tool_call_id"] == calls[0]["id"] == template_id("c1")
 
 
 # The check Gemma's and Mistral's templates make: user and assistant turns alternate.
@@ -157,3 +157,35 @@ def test_null_arguments_are_an_empty_object() -> None:
         '<tool_call>{"name": "get_weather", "arguments": null}</tool_call>', NAMES
     )
     assert [c.arguments for c in calls] == ["{}"]
+
+
+# The check of Mistral's templates (Nemo, Small 3.2): a call's id is 9 letters and digits.
+MISTRAL_IDS = (
+    "{% for m in messages %}{% for c in m.get('tool_calls') or [] %}"
+    "{% if c.id|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric "
+    "strings with length 9!') }}{% endif %}[CALL_ID]{{ c.id }}{% endfor %}"
+    "{% if m.role == 'tool' %}{% if m.tool_call_id|length != 9 %}{{ raise_exception('Tool "
+    "call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[TOOL_RESULTS]{{ m.tool_call_id }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("call_id", ["call_9f2c1d0e3b4a5f6e7d8c9b0a", "toolu_01AbC", "a1b2c3d4e"])
+def test_native_templates_see_call_ids_mistral_templates_accept(call_id: str) -> None:
+    # Before: our ids ("call_" and 24 hex digits) and Anthropic's reached the template as they
+    # were, and Mistral's templates refused every agent turn after a call with a 400.
+    msgs = [
+        ChatMessage(role="user", content="Weather?"),
+        ChatMessage.model_validate(
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": call_id, "function": {"name": "get_weather"}}],
+            }
+        ),
+        ChatMessage(role="tool", content="rainy", tool_call_id=call_id),
+    ]
+    native = template_messages(msgs, native=True)
+    text = render_chat(MISTRAL_IDS, native, bos_token="", eos_token="")
+    shown = template_id(call_id)
+    assert text == f"[CALL_ID]{shown}[TOOL_RESULTS]{shown}"
+    assert shown == call_id if len(call_id) == 9 else len(shown) == 9 and shown.isalnum()

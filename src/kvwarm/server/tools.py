@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -110,6 +111,18 @@ def _call_text(name: str, arguments: object) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
+_TEMPLATE_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def template_id(call_id: str) -> str:
+    """A call's id as a native template sees it. Mistral's templates refuse any id but 9
+    letters and digits (theirs), so any other (``call_…``, Anthropic's ``toolu_…``) is shown as
+    9 hex digits of its hash: the same for a call and its result, on every turn."""
+    if _TEMPLATE_ID.fullmatch(call_id):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
 def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[Message]:
     """OpenAI messages as chat-template input. Non-native templates see tool calls and tool
     results as text in the Hermes format, so history round-trips through any template."""
@@ -128,7 +141,7 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
             if native:
                 item["tool_calls"] = [
                     {
-                        "id": call.id or f"call_{i}",
+                        "id": template_id(call.id or f"call_{i}"),
                         "type": "function",
                         "function": {"name": name, "arguments": args},
                     }
@@ -145,7 +158,7 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
         if role == "tool":
             if native:
                 if message.tool_call_id:
-                    item["tool_call_id"] = message.tool_call_id
+                    item["tool_call_id"] = template_id(message.tool_call_id)
             elif isinstance(text, list):  # a result with images: they stay parts, in place
                 opening = {"type": "text", "text": "<tool_response>\n"}
                 closing = {"type": "text", "text": "\n</tool_response>"}
