@@ -183,8 +183,10 @@ async def cluster(request: Request) -> Response:
 @router.get("/cache/stats")
 async def cache_stats(request: Request) -> Response:
     """Rows and bytes per tier (``cache.sizes.summary``: physical ``bytes``, each chunk once,
-    ``logical_bytes``, ``dedup_ratio``), the counters they come from, the keep-alive entries
-    and what the models and tiers take of memory (``memory``)."""
+    ``logical_bytes``, ``dedup_ratio``, the effective quota, restores), the counters they come
+    from, the keep-alive entries, what the models and tiers take of memory (``memory``) and
+    each model's running totals over the server's lifetime (``model_totals``: its unloads
+    included, ``server/totals.py``)."""
     state = server_state(request)
     cache = state.require_engine().cache
     counters = await run_in_threadpool(cache.counters)
@@ -197,6 +199,10 @@ async def cache_stats(request: Request) -> Response:
             **summary(counters, rows, cache.tier_names()),
             "memory": state.memory.report(stored, shares),
             "quotas": _tier_quotas(counters),
+            "model_totals": {
+                model_id: {k: round(v, 3) if k.endswith("_ms") else int(v) for k, v in t.items()}
+                for model_id, t in state.model_totals().items()
+            },
             "keep_alive": [
                 {
                     "model": e.model_id,
