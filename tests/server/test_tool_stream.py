@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from kvwarm.server.tool_stream import ContentJoin, ToolStream, call_delta
 from kvwarm.server.tools import Part, ToolCall, content_of, parse_tool_calls, reply_parts
@@ -262,3 +265,56 @@ def test_text_after_a_call_keeps_its_place() -> None:
     text = f"A<tool_call>{W}</tool_call>B<tool_call>{T}</tool_call>C"
     single = reply_parts(text, NAMES, single=True)
     assert [p if isinstance(p, str) else p.name for p in single] == ["A", "get_weather", "B\n\nC"]
+
+
+PIECES = [
+    "Sure.",
+    " ",
+    "\n",
+    "Done",
+    "<tool_call>",
+    "</tool_call>",
+    W,
+    T,
+    '{"name": "rm_rf", "arguments": {}}',
+    "[TOOL_CALLS]",
+    "get_weather[ARGS]",
+    "<|python_tag|>",
+    "<function=get_time>",
+    "</function>",
+    "{",
+    "}",
+    "[",
+    "<tool",
+    ";",
+]
+
+
+@hypothesis.settings(max_examples=400, deadline=None, derandomize=True)
+@hypothesis.given(
+    pieces=st.lists(st.sampled_from(PIECES), max_size=12),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12),
+    single=st.booleans(),
+)
+def test_any_reply_streams_as_the_whole_reply(
+    pieces: list[str], cuts: list[int], single: bool
+) -> None:
+    # The stream's invariant over replies made of markers, calls, JSON and text in any order,
+    # cut into fragments anywhere: what goes out is the whole reply's content and calls.
+    reply = "".join(pieces)
+    bounds = sorted({0, len(reply), *(c for c in cuts if c < len(reply))})
+    fragments = [reply[a:b] for a, b in itertools.pairwise(bounds)]
+    parts = reply_parts(reply, NAMES, single=single)
+    stream = ToolStream(NAMES, forced=False, single=single)
+    client = Client()
+    for fragment in fragments:
+        client.take(stream.feed(fragment))
+    rest, whole = stream.finish()
+    client.take(rest)
+    assert client.content == content_of(parts)
+    assert [(n, a) for _, n, a in _assemble(client.deltas)] == [
+        (p.name, json.loads(p.arguments)) for p in parts if isinstance(p, ToolCall)
+    ]
+    assert [p if isinstance(p, str) else p.name for p in whole] == [
+        p if isinstance(p, str) else p.name for p in parts
+    ]

@@ -99,11 +99,11 @@ class ToolStream:
         if not self._sent and text.lstrip().startswith(("{", "[")):
             self._hold = 0  # may be a bare JSON call: the whole reply decides
             return None
-        for marker in _MARKERS[1:]:  # before any <tool_call>, these decide only at the end
-            at = head.find(marker)
-            if at >= 0:
-                self._hold = at
-                return at
+        # Before any <tool_call>, the other formats decide only at the end: from the first.
+        found = [at for marker in _MARKERS[1:] if (at := head.find(marker)) >= 0]
+        if found:
+            self._hold = min(found)
+            return self._hold
         if first < 0:
             return _tail_cut(text, _MARKERS)
         pos = 0
