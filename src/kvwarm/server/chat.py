@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from starlette.concurrency import run_in_threadpool
 
 from kvwarm.engine.types import Completion, GenerationOptions
-from kvwarm.errors import ReplicaUnavailableError
+from kvwarm.errors import InvalidRequestError, ReplicaUnavailableError
 from kvwarm.server import convert
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import Generation
@@ -110,6 +110,33 @@ def renders_tools(model: ServedModel, tools: Sequence[Tool]) -> bool:
     return answer
 
 
+_SYSTEM_PROBE = "\0system"  # the key of ``accepts_system``'s answer among a model's tool sets
+
+
+def accepts_system(model: ServedModel) -> bool:
+    """Whether the model's template takes a system message (Gemma 2's, Mistral's first ones
+    refuse it): where emulated tools are described. Remembered per model."""
+    with _PROBED_LOCK:
+        known = _PROBED.get(model)
+        if known is not None and _SYSTEM_PROBE in known:
+            return known[_SYSTEM_PROBE]
+    probe: list[dict[str, object]] = [
+        {"role": "system", "content": "hi"},
+        {"role": "user", "content": "hi"},
+    ]
+    try:
+        model.apply_chat_template(probe)
+    except ReplicaUnavailableError:
+        raise  # a cluster lost the replica asked: no answer about the template
+    except InvalidRequestError:  # the template refused it
+        answer = False
+    else:
+        answer = True
+    with _PROBED_LOCK:
+        _PROBED.setdefault(model, OrderedDict())[_SYSTEM_PROBE] = answer
+    return answer
+
+
 async def plan(
     model: ServedModel,
     messages: Sequence[ChatMessage],
@@ -127,10 +154,14 @@ async def plan(
     check_tools(tools or ())  # every tool declared, before allowed_tools picks some
     if isinstance(tool_choice, AllowedToolsChoice):
         tools, tool_choice = allowed_tools(tools, tool_choice)
-    native = False
+    native, system = False, True
     if tools and tool_choice != "none":
         native = await run_in_threadpool(renders_tools, model, tools)
-    return plan_chat(messages, tools, tool_choice, renders_tools=native, parallel=parallel)
+        if not native:
+            system = await run_in_threadpool(accepts_system, model)
+    return plan_chat(
+        messages, tools, tool_choice, renders_tools=native, parallel=parallel, system=system
+    )
 
 
 def allowed_tools(

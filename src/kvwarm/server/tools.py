@@ -288,10 +288,12 @@ def plan_chat(
     *,
     renders_tools: bool,
     parallel: bool = True,
+    system: bool = True,
 ) -> ChatPlan:
     """Decide how tools reach the model. ``renders_tools``: the template shows tools natively.
     ``parallel`` False (OpenAI's ``parallel_tool_calls``, Anthropic's
-    ``disable_parallel_tool_use``): a reply makes at most one call.
+    ``disable_parallel_tool_use``): a reply makes at most one call. ``system`` False: the
+    template takes no system message, so described tools open the first user message.
     A forced call (``required``, a named function) with no tools is a 400, as in OpenAI's API:
     the reply could not be the call the client asked for."""
     if not tools and (tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)):
@@ -325,6 +327,13 @@ def plan_chat(
     prompt = tools_system_prompt(chosen)
     if rendered and rendered[0]["role"] == "system":
         rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{prompt}"}
+    elif not system and (first := next((m for m in rendered if m["role"] == "user"), None)):
+        content = first["content"]
+        first["content"] = (
+            [{"type": "text", "text": f"{prompt}\n\n"}, *content]
+            if isinstance(content, list)
+            else f"{prompt}\n\n{content}"
+        )
     else:
         rendered.insert(0, {"role": "system", "content": prompt})
     return ChatPlan(rendered, None, schema, names, forced, not parallel)
