@@ -210,6 +210,18 @@ class Cotenanted(Protocol):
 
 
 @runtime_checkable
+class SyncsDeletes(Protocol):
+    """A tier whose deletes reach the disk only once synced (file tiers: the directory's
+    fsync). A power loss, unlike kill -9, may keep any unsynced unlink and lose another, so a
+    retire syncs its manifests' unlinks before it deletes a chunk they named: else a manifest
+    could come back naming a chunk that did not."""
+
+    def sync_deletes(self) -> None:
+        """Make every delete so far durable; ``CacheIOError`` if that fails."""
+        ...
+
+
+@runtime_checkable
 class SetsAside(Protocol):
     """A tier whose startup scan quarantines what it rejects (file tiers): the cache asks it
     to set aside a manifest whose chunks are gone, and ``verify`` counts what was set aside."""

@@ -33,7 +33,7 @@ from kvwarm.buffers import grown
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.explain import MissReason
 from kvwarm.cache.index.index import Index
-from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, Tier
+from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, SyncsDeletes, Tier
 from kvwarm.cache.store.chunking import HoldRoom, store_row
 from kvwarm.cache.store.quota import QuotaCaps
 from kvwarm.cache.store.writer import WriterPool
@@ -213,7 +213,8 @@ class CacheCore:
         self, rows: Sequence[StoredRow], *, count: bool = False, bad: bool = False
     ) -> EvictResult:
         """Delete the bytes of rows the index already forgot, then of the chunks no row
-        names any more (manifests first: a crash in between leaves orphans, never a
+        names any more (manifests first, their unlinks made durable before a chunk's
+        (``SyncsDeletes``): a crash or a power loss in between leaves orphans, never a
         manifest without its chunks; a chunk another retire's row names waits for that
         retire, ``Index.take_freed_chunks``). A chunk of a tier that is not local is only
         forgotten: rows of other processes we never indexed may name it.
@@ -247,12 +248,16 @@ class CacheCore:
             self.index.unretire(kept)
         rows = [r for r in rows if all(r is not k for k in kept)]
         sole: dict[TierName, bool] = {}
+        synced: set[TierName] = set()
         for chunk in self.index.take_freed_chunks():
             try:
                 if chunk.tier not in sole:
                     sole[chunk.tier] = self.sole_user(self.tiers[chunk.tier])
                 # Another process's row may name it: only ``gc_shared`` may delete it.
                 if not chunk.keep and sole[chunk.tier]:
+                    if chunk.tier not in synced:
+                        synced.add(chunk.tier)
+                        self.sync_deletes(self.tiers[chunk.tier])
                     freed += chunk.size
                     self.tiers[chunk.tier].delete_chunk(chunk.key)
             except CacheError as exc:
@@ -263,6 +268,19 @@ class CacheCore:
             self.counters.incr("evictions", len(rows))
             self.counters.incr("evicted_bytes", freed)
         return EvictResult(len(rows), freed)
+
+    @staticmethod
+    def sync_deletes(tier: Tier) -> None:
+        """Before chunks are deleted (a retire, a sweep): make the unlinks of the manifests
+        that named them durable (``SyncsDeletes``), so no power loss keeps a manifest and
+        loses its chunk. A
+        failed sync is logged and the chunks deleted all the same (kept, they would be
+        uncounted files until a restart); the scan sets aside a manifest that lost a chunk."""
+        if isinstance(tier, SyncsDeletes):
+            try:
+                tier.sync_deletes()
+            except CacheError as exc:
+                log.warning("%s: syncing deletes failed: %s", tier.name, exc)
 
     @staticmethod
     def sole_user(tier: Tier) -> bool:

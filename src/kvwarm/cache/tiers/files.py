@@ -246,6 +246,15 @@ class FileStore:
         except OSError as exc:
             raise CacheIOError(f"{self._tier}: deleting {name} failed", errno=exc.errno) from exc
 
+    def sync_deletes(self) -> None:
+        """The directory's fsync: the unlinks so far (and links) are durable."""
+        try:
+            os.fsync(self._dir)
+        except OSError as exc:
+            raise CacheIOError(
+                f"{self._tier}: syncing {self._root} failed: {exc}", errno=exc.errno
+            ) from exc
+
     def set_meta(self, name: str, meta: Mapping[str, str]) -> None:
         """The row's header hit fields, rewritten in place (no sync); a file too short to
         hold them is left alone (never extend a stranger)."""
@@ -360,6 +369,11 @@ class FileTier(ObjectTier):
         """Bytes an unprivileged writer may still put on the root's filesystem
         (``quota.FilesystemSpace``: the quota is capped by what the tier holds plus this)."""
         return self._files.filesystem_free_bytes()
+
+    def sync_deletes(self) -> None:
+        """``protocols.SyncsDeletes``: the directory's fsync, so the manifests a retire
+        unlinked stay gone through a power loss before it unlinks their chunks."""
+        self._files.sync_deletes()
 
     def cotenanted(self) -> bool:
         """Whether another process has used this directory since we opened it (or we cannot

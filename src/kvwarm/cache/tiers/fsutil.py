@@ -3,7 +3,9 @@
 The cache directory is not trusted to be what we left there. Invariants:
 
 - Every directory we create (the tier root, its missing parents, ``quarantine``) is made mode
-  0700 explicitly, whatever the umask.
+  0700 explicitly, whatever the umask; the root and its missing parents are made durable
+  (each one's parent fsync'ed) before the root is opened, so a power loss cannot take a
+  directory whose saves were acknowledged.
 - A tier root owned by another user is refused (``UnsafeCacheDirError``): its owner can always
   write it, so could swap a row for a link. A root that is ours but open to the group or the
   world is tightened to 0700 (and logged), since whoever made it so meant it to be ours.
@@ -86,6 +88,9 @@ def open_private_dir(path: Path, *, create: bool = True) -> int:
         except FileExistsError:
             continue  # another process made it meanwhile; the root is checked below
         os.chmod(d, PRIVATE_DIR_MODE, follow_symlinks=False)  # the umask may have cut bits
+        # Its name durable before any row in it is acknowledged: a power loss must not take
+        # the directory and every save below it (the saves fsync only the root itself).
+        _sync_dir(d.parent)
     # Before the root is opened (and perhaps tightened): a root someone else could have
     # swapped is refused untouched.
     _guard_ancestors(path)
@@ -103,6 +108,19 @@ def open_private_dir(path: Path, *, create: bool = True) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _sync_dir(path: Path) -> None:
+    """fsync directory ``path``, so the names made in it are durable; a file system that
+    cannot sync a directory (EINVAL) is left as it is."""
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _trusted(uid: int) -> bool:

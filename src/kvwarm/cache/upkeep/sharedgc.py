@@ -20,6 +20,8 @@ Invariants:
   of that tier then deletes nothing and says so (``SweepResult.refused``).
 - A chunk this process has pinned or referenced (a save in progress, a row it indexes) is
   never deleted, whatever the listings say.
+- Before the first chunk is deleted the store's deletes are synced (``SyncsDeletes``: a
+  directory's fsync), so a power loss cannot bring back a deleted manifest without its chunks.
 - Nothing runs under the index lock; no sleep: ``on_step`` (tests) sees each step.
 
 Residual window: a manifest published after the second listing that reuses an old chunk the
@@ -142,6 +144,8 @@ class SharedSweep:
             if t_list - mtime < grace_s:
                 young += 1
                 continue
+            if not deleted:  # the unlinks of the manifests that named it stay done
+                self._core.sync_deletes(tier)
             tier.delete_chunk(key)
             self._core.index.chunk_swept(tier.name, key)
             deleted += 1
