@@ -41,6 +41,7 @@ from tests.faults.crash_child import OPS, QUOTA, ROWS, config, restored
 from tests.faults.test_kill9 import child_env
 
 from kvwarm.cache import Cache
+from kvwarm.cache.tiers.cotenants import PROCS
 from kvwarm.cache.tiers.layout import CHUNK_SUFFIX, ROW_SUFFIX, TMP_SUFFIX
 
 CHILD = Path(__file__).with_name("crash_child.py")
@@ -184,6 +185,8 @@ def _check_whole(cache: Cache, root: Path, tier: str, where: str) -> None:
     tier's byte count is its files'."""
     keys, files, counted = _state(cache, root, tier)
     assert not [n for n in files if n.endswith(TMP_SUFFIX)], f"{where}: {files}"
+    strays = [n for n in os.listdir(root / PROCS) if not n.endswith(".lock")]
+    assert not strays, f"{where}: left in {PROCS}/: {strays}"
     on_disk = {n[: -len(CHUNK_SUFFIX)] for n in files if n.endswith(CHUNK_SUFFIX)}
     for key in keys:
         assert restored(cache, key) == ROWS[key].expected(), f"{where}: {key.hex()}"
@@ -193,3 +196,15 @@ def _check_whole(cache: Cache, root: Path, tier: str, where: str) -> None:
         assert not missing, f"{where}: {key.hex()} names missing chunks {missing}"
     data = sum(s for n, s in files.items() if n.endswith((ROW_SUFFIX, CHUNK_SUFFIX)))
     assert counted == data, f"{where}: counted {counted} bytes, {data} on disk"
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_kill9_while_registering_leaves_no_stray_file(tier: str, root: Path) -> None:
+    """Killed between creating its registration and renaming it to its listed name (the
+    script's one rename), a process left ``procs/<pid>-<hex>.lock.new`` that no opener
+    removed (found by this harness)."""
+    run = _run(root, tier, "rename", "1", "before")
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    assert [n for n in os.listdir(root / PROCS) if n.endswith(".new")]
+    with Cache(config(root, tier, BIG), background=False) as cache:
+        _check_whole(cache, root, tier, f"{tier}: killed registering")

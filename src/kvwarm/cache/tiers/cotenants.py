@@ -14,7 +14,9 @@ any entry but ours (a live process's, locked; or a finished one's, unlocked) mea
 process has used the directory since we opened it, rows we never indexed included. Files
 left at open time belong to processes that are gone; their rows were on disk before our
 startup scan and are indexed by it, so those files are removed then. A clean close leaves
-its file (unlocked) for the others to see, and a later opener removes it.
+its file (unlocked) for the others to see, and a later opener removes it. A registration
+killed before its rename to its listed name leaves ``<pid>-<random>.lock.new``: an opener
+removes it once that pid is gone (found by the crash harness: it stayed forever).
 
 Invariants: every name is opened below the private directory fd without following links; a
 registration holds one descriptor (its lock file); nothing blocks (``LOCK_NB``); ``seen()`` is
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 
 PROCS = "procs"
 _SUFFIX = ".lock"
+_FRESH = ".lock.new"  # a registration before its rename to its listed name
 _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -53,7 +56,7 @@ class Cotenants:
         try:
             # Locked before it gets its listed name: an opener removing finished processes'
             # files never sees ours unlocked.
-            fresh = self._name + ".new"
+            fresh = self._name + _FRESH
             fd = os.open(fresh, os.O_CREAT | os.O_EXCL | os.O_RDWR | _FLAGS, 0o600,
                          dir_fd=procs)  # fmt: skip
             self._fd = fd
@@ -99,11 +102,16 @@ class Cotenants:
         ``remove_finished``: finished processes' files are removed then)."""
         count = 0
         try:
-            names = [e.name for e in os.scandir(procs) if e.name.endswith(_SUFFIX)]
+            listed = [e.name for e in os.scandir(procs)]
         except OSError as exc:
             log.warning("%s: cannot list %s (assuming other processes): %s", self._where,
                         PROCS, exc)  # fmt: skip
             return 1
+        names = [n for n in listed if n.endswith(_SUFFIX)]
+        if remove_finished:
+            for name in listed:
+                if name.endswith(_FRESH) and _dead(name) and not _held(procs, name):
+                    unlink_quiet(procs, name)  # a registration killed before its rename
         for name in names:
             if name == self._name:
                 continue
@@ -122,6 +130,20 @@ class Cotenants:
             if self._fd is not None:
                 os.close(self._fd)  # closing drops the flock
                 self._fd = None
+
+
+def _dead(name: str) -> bool:
+    """Whether the process whose pid starts ``name`` is gone (unknown: it is not)."""
+    pid = name.partition("-")[0]
+    if not pid.isascii() or not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):  # EPERM: alive, another user's; a pid out of range
+        return False
+    return False
 
 
 def _held(dir_fd: int, name: str) -> bool:
