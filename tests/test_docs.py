@@ -1,10 +1,16 @@
 """The README and ``docs/`` pages: every relative link points to a file that exists, and every
 ``#anchor`` to a heading of that page (GitHub's slugs), so moving text between pages cannot
-leave a dead link behind."""
+leave a dead link behind. What the pages name exists: each ``make`` target, each flag of a
+``kvwarm`` command line (on that command), each ``--flag`` (kvwarm's, a bench script's or
+another tool's on a short list), each ``KVWARM_*`` variable; and ``/metrics`` exports exactly
+the metric names the pages list, so a renamed or new metric cannot go undocumented."""
 
 from __future__ import annotations
 
+import argparse
 import re
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -68,3 +74,178 @@ def test_the_readme_is_a_front_door() -> None:
     linked = {Path(t.partition("#")[0]).name for t in links(ROOT / "README.md")}
     for page in ("server", "configuration", "cache", "cluster", "operations", "architecture"):
         assert f"{page}.md" in linked, page
+
+
+# ---- what the pages name exists ---------------------------------------------------------------
+
+INLINE = re.compile(r"`([^`\n]+)`")
+FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*(?![\w-])")
+# Other tools' flags the pages name: sglang-router's, `ray start`'s, llama-server's, pip's.
+FOREIGN_FLAGS = {
+    "--worker-urls", "--policy", "--cache-threshold", "--balance-abs-threshold",
+    "--balance-rel-threshold", "--node-ip-address", "--head", "--block", "--address", "--port",
+    "--draft-p-min", "--poll", "--rerank", "--no-deps", "--no-cache-dir", "--force-reinstall",
+}  # fmt: skip
+
+
+def text_of(page: Path) -> str:
+    return page.read_text()
+
+
+def code_lines(page: Path) -> Iterator[str]:
+    """Each line of the page's fenced blocks (continuations joined) and each inline code span."""
+    text = text_of(page)
+    for block in FENCE.findall(text):
+        yield from block.replace("\\\n", " ").splitlines()[1:-1]
+    yield from INLINE.findall(FENCE.sub("", text))
+
+
+def parsers() -> dict[tuple[str, ...], argparse.ArgumentParser]:
+    """Every ``kvwarm`` (sub)command's parser, by its words: ("cache", "ls")."""
+    from kvwarm.cli import build_parser
+
+    out: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+
+    def walk(words: tuple[str, ...], parser: argparse.ArgumentParser) -> None:
+        out[words] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk((*words, name), sub)
+
+    walk((), build_parser())
+    return out
+
+
+def options(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for action in parser._actions for s in action.option_strings}
+
+
+def test_every_make_target_named_exists() -> None:
+    targets = set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), re.M))
+    missing = [
+        f"{page.name}: make {name}"
+        for page in PAGES
+        for line in code_lines(page)
+        for name in re.findall(r"(?:^|[;&|(]\s*)make ([a-z][\w-]*)", line)
+        if name not in targets
+    ]
+    assert not missing, missing
+
+
+def test_every_kvwarm_command_line_parses_its_flags() -> None:
+    """``kvwarm serve --n-ctx 2048``: ``serve`` takes ``--n-ctx``. ``kvwarm bench``'s arguments
+    are its script's, checked below."""
+    known = parsers()
+    wrong = []
+    for page in PAGES:
+        for line in code_lines(page):
+            for match in re.finditer(r"(?:^|[;&|(]\s*|\$ )kvwarm ([^#|&;`]*)", line):
+                words = match.group(1).split()
+                path: tuple[str, ...] = ()
+                while words and (*path, words[0]) in known:
+                    path, words = (*path, words[0]), words[1:]
+                if not path:
+                    continue  # prose: "kvwarm caches ..."
+                if path == ("bench",):
+                    continue
+                have = options(known[path])
+                for word in words:
+                    flag = word.split("=", 1)[0].strip("[]")
+                    if re.fullmatch(r"--?[a-z][a-z0-9-]*", flag) and flag not in have:
+                        wrong.append(f"{page.name}: kvwarm {' '.join(path)} has no {flag}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_flag_named_exists() -> None:
+    """A ``--flag`` anywhere in the pages is kvwarm's, a bench script's or on FOREIGN_FLAGS."""
+    ours = set().union(*(options(p) for p in parsers().values()))
+    bench = "\n".join(p.read_text() for p in (ROOT / "bench").glob("*.py"))
+    unknown = sorted(
+        {
+            f"{page.name}: {flag}"
+            for page in PAGES
+            for line in code_lines(page)
+            for flag in FLAG.findall(line)
+            if flag not in ours and flag not in FOREIGN_FLAGS and f'"{flag}"' not in bench
+        }
+    )
+    assert not unknown, unknown
+
+
+def test_every_kvwarm_variable_named_exists() -> None:
+    """``KVWARM_X`` is a setting's variable (``kvwarm.settings.env_var``), ``KVWARM_CONFIG``, or
+    one the code reads by that literal name (``KVWARM_MODEL``, the tests' and benches')."""
+    from kvwarm.settings import CONFIG_ENV, Settings, env_var
+
+    code = "\n".join(
+        p.read_text()
+        for folder in ("src", "bench", "tests")
+        for p in (ROOT / folder).rglob("*.py")
+        if p.name != "test_docs.py"
+    )
+    known = {env_var(name) for name in Settings.model_fields} | {CONFIG_ENV}
+    unknown = sorted(
+        {
+            f"{page.name}: {name}"
+            for page in PAGES
+            for name in re.findall(r"\bKVWARM_[A-Z0-9_]+", text_of(page))
+            if name not in known and f'"{name}"' not in code
+        }
+    )
+    assert not unknown, unknown
+
+
+def documented_metrics() -> set[str]:
+    return {
+        name.rstrip("_")
+        for page in PAGES
+        for name in re.findall(r"\bkvwarm_[a-z0-9_]+", text_of(page))
+        if not name.startswith("kvwarm_bench")
+    }
+
+
+def test_metrics_exported_are_the_documented_ones(tmp_path: Path) -> None:
+    """Scrape a stub server that saved and restored a row on disk (so the tier, memory-kind
+    and restore series exist) and compare its metric names with the pages' both ways."""
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvwarm.cache.types import PolicyConfig
+    from kvwarm.server import create_app
+    from kvwarm.settings import ModelSpec, Settings
+
+    settings = Settings(
+        backend="stub",
+        models=(ModelSpec(path="stub-a", id="a"),),
+        cache_dir=tmp_path / "cache",
+        n_ctx=512,
+        n_batch=16,
+        policy=PolicyConfig(min_tokens=16, cold_min_tokens=16, boundary_align_tokens=16),
+        keepalive_interval_s=0,
+        allowed_hosts=("testserver",),
+    )
+    body = {"model": "a", "prompt": "a b c d e f g h " * 8, "max_tokens": 2}
+    with TestClient(create_app(settings)) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:  # readiness, bounded
+            assert time.monotonic() < deadline, "the stub model did not load"
+            time.sleep(0.02)
+        first = client.post("/v1/completions", json=body)
+        assert first.status_code == 200, first.text
+        key = first.json()["timings"]["cache_key"]
+        assert key, first.json()["timings"]
+        assert client.get(f"/cache/rows/{key}", params={"wait_ms": 30000}).status_code == 200
+        again = client.post("/v1/completions", json=body)
+        assert again.json()["timings"]["cached_tokens"] > 0, again.json()["timings"]
+        text = client.get("/metrics").text
+    exported = {
+        sample.name
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.name.endswith("_created")
+    }
+    assert {"kvwarm_cache_memory_bytes", "kvwarm_cache_tier_restores_total"} <= exported
+    documented = documented_metrics()
+    assert not exported - documented, f"not in docs/: {sorted(exported - documented)}"
+    assert not documented - exported, f"not exported: {sorted(documented - exported)}"
