@@ -249,3 +249,35 @@ def test_metrics_exported_are_the_documented_ones(tmp_path: Path) -> None:
     documented = documented_metrics()
     assert not exported - documented, f"not in docs/: {sorted(exported - documented)}"
     assert not documented - exported, f"not exported: {sorted(documented - exported)}"
+
+
+# Inline `name = value` spans that are no setting: formulas in formats.md and internals.md, and
+# Ray Serve's own option.
+NOT_SETTINGS = {"first", "k", "chunk_key", "max_replicas_per_node"}
+
+
+def test_every_setting_named_in_toml_exists() -> None:
+    """Each key of a ``toml`` block, at top level or in a ``[[models]]`` table, and each
+    inline ``name = value`` span names a setting (``kvwarm.settings``)."""
+    import tomllib
+
+    from kvwarm.settings import ModelSettings, Settings
+    from kvwarm.settings.types import ModelSpec
+
+    top = set(Settings.model_fields)
+    per_model = set(ModelSettings.model_fields) | {
+        f for f in ModelSpec.__dataclass_fields__ if f != "options"
+    }
+    unknown = []
+    for page in PAGES:
+        text = text_of(page)
+        for block in re.findall(r"^```toml\n(.*?)^```", text, re.S | re.M):
+            data = tomllib.loads(block)
+            data = data.get("kvwarm", data)
+            unknown += [f"{page.name}: {k}" for k in data if k not in top]
+            for table in data.get("models", []):
+                unknown += [f"{page.name}: [[models]] {k}" for k in table if k not in per_model]
+        for name in re.findall(r"`([a-z_][a-z0-9_]*) = [^`]*`", FENCE.sub("", text)):
+            if name not in top | per_model | NOT_SETTINGS:
+                unknown.append(f"{page.name}: {name}")
+    assert not unknown, unknown
