@@ -281,3 +281,28 @@ def test_every_setting_named_in_toml_exists() -> None:
             if name not in top | per_model | NOT_SETTINGS:
                 unknown.append(f"{page.name}: {name}")
     assert not unknown, unknown
+
+
+def test_every_file_named_exists() -> None:
+    """A path in backticks (`tests/server/test_metrics.py`, `server/keepalive.py`,
+    `routing/facts.py`) names a file of the repository: from its root, from ``src/`` or
+    ``src/kvwarm/``, or as the tail of a path under them (a page's own context)."""
+    files = [
+        p.relative_to(ROOT).as_posix()
+        for top in ("src", "tests", "bench", "docs")
+        for p in (ROOT / top).rglob("*")
+        if p.is_file()
+    ]
+    path = re.compile(
+        r"(?<![\w./-])((?:[\w.-]+/)+[\w.-]+\.(?:py|md|toml|json|js|html|css))(?![\w/])"
+    )
+    missing = sorted(
+        {
+            f"{page.name}: {name}"
+            for page in PAGES
+            for span in INLINE.findall(text_of(page))
+            for name in path.findall(span)
+            if not (ROOT / name).exists() and not any(f.endswith("/" + name) for f in files)
+        }
+    )
+    assert not missing, missing
