@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -306,3 +307,47 @@ def test_every_file_named_exists() -> None:
         }
     )
     assert not missing, missing
+
+
+def test_every_route_named_exists() -> None:
+    """A path the pages name under one of the server's top-level segments (`/v1/...`,
+    `/cache/...`, `curl localhost:8000/...`) is a route of ``create_app`` (or a family of
+    routes: `/cache/*`, `/admin/models`), and `GET`/`POST`/`DELETE` before it is a method the
+    route takes. `{param}` and UPPER-CASE placeholders match any segment."""
+    from kvwarm.server import create_app
+    from kvwarm.settings import ModelSpec, Settings
+
+    app = create_app(Settings(backend="stub", models=(ModelSpec(path="stub-a"),), cache_dir=None))
+    methods: dict[str, set[str]] = {"/": {"get"}, "/docs": {"get"}, "/openapi.json": {"get"}}
+    with warnings.catch_warnings():  # FastAPI's note on /health's GET and HEAD sharing an id
+        warnings.simplefilter("ignore", UserWarning)
+        paths = app.openapi()["paths"]
+    for path, item in paths.items():
+        methods.setdefault(path, set()).update(item)
+    tops = {path.split("/")[1] for path in methods if path != "/"}
+    patterns = {
+        path: re.compile(
+            "^"
+            + "/".join("[^/]+" if s.startswith("{") else re.escape(s) for s in path.split("/"))
+            + "$"
+        )
+        for path in methods
+    }
+    named = re.compile(r"(?:\b(GET|POST|DELETE|HEAD)\s+)?(?:localhost:8000)?(/[\w.{}/-]*)")
+    wrong = []
+    for page in PAGES:
+        for line in code_lines(page):
+            for method, raw in named.findall(line):
+                path = raw.rstrip("/.") or "/"
+                if path.split("/")[1] not in tops or not (
+                    line.startswith(raw) or "localhost:8000" in line or method
+                ):
+                    continue
+                concrete = re.sub(r"\{[^}/]+\}|\b[A-Z][A-Z_]+\b", "X", path)
+                hits = [p for p, rx in patterns.items() if rx.match(concrete)]
+                family = any(p.startswith(path + "/") for p in methods)
+                if not hits and not family:
+                    wrong.append(f"{page.name}: {method} {path}".replace(":  ", ": "))
+                elif method and hits and not any(method.lower() in methods[p] for p in hits):
+                    wrong.append(f"{page.name}: {method} {path} (takes {sorted(methods[hits[0]])})")
+    assert not wrong, "\n".join(sorted(set(wrong)))
