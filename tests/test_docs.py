@@ -2,8 +2,9 @@
 ``#anchor`` to a heading of that page (GitHub's slugs), so moving text between pages cannot
 leave a dead link behind. What the pages name exists: each ``make`` target, each flag of a
 ``kvwarm`` command line (on that command), each ``--flag`` (kvwarm's, a bench script's or
-another tool's on a short list), each ``KVWARM_*`` variable; and ``/metrics`` exports exactly
-the metric names the pages list, so a renamed or new metric cannot go undocumented."""
+another tool's on a short list), each ``KVWARM_*`` variable, each key of a TOML example, each
+file named in backticks and each server route (with its method); and ``/metrics`` exports
+exactly the metric names the pages list, so a renamed or new metric cannot go undocumented."""
 
 from __future__ import annotations
 
