@@ -192,7 +192,8 @@ def test_items_become_chat_turns() -> None:
 
 def _reply(text: str, calls: list[ToolCall], finish: str = "stop") -> ChatReply:
     stats = CompletionStats(10, 4, 3, 1.0, 1.0, 0.0, "partial", finish, None)  # type: ignore[arg-type]
-    return ChatReply(Completion(text, (1,) * 10, (2,) * 3, stats), text, calls)
+    parts: list[str | ToolCall] = [text] if text else []
+    return ChatReply(Completion(text, (1,) * 10, (2,) * 3, stats), [*parts, *calls])
 
 
 def test_function_call_output_and_events() -> None:
@@ -239,7 +240,8 @@ def test_text_then_call_events_number_items_in_output_order() -> None:
     shape = responses.ResponseShape(ResponsesRequest.model_validate({"input": "hi"}), "a")
     events = responses.ResponseEvents(shape)
     call = ToolCall("call_x", "f", "{}")
-    seq = [*events.start(), *events.delta("Let me "), *events.finish(_reply("look.", [call]))]
+    seq = [*events.start(), *events.part("Let me "), *events.part("look."), *events.part(call)]
+    seq += events.finish(_reply("Let me look.", [call]))
     added = [d for n, d in seq if n == "response.output_item.added"]
     assert [(d["output_index"], d["item"]["type"]) for d in added] == [  # type: ignore[index]
         (0, "message"),
