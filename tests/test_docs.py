@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -352,3 +353,47 @@ def test_every_route_named_exists() -> None:
                 elif method and hits and not any(method.lower() in methods[p] for p in hits):
                     wrong.append(f"{page.name}: {method} {path} (takes {sorted(methods[hits[0]])})")
     assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def test_the_client_examples_run() -> None:
+    """The README's and server.md's examples with the official `openai` and `anthropic`
+    clients run as written against a server (the stub backend under the embedded model's
+    name), and say what their text says: asked again, `cached_tokens` grows, and a Responses
+    follow-up restores its previous turn (its `instructions` resent: they are not carried
+    over, and without them it restored a handful of tokens)."""
+    import contextlib
+    import io
+
+    from tests.server.conftest import LiveServer, stub_settings
+
+    from kvwarm.settings import ModelSpec
+
+    blocks = [
+        (page.name, block)
+        for page in (ROOT / "README.md", ROOT / "docs" / "server.md")
+        for block in re.findall(r"^```python\n(.*?)^```", text_of(page), re.S | re.M)
+        if "OpenAI(" in block or "Anthropic(" in block or "client.responses" in block
+    ]
+    assert len(blocks) >= 3, [name for name, _ in blocks]
+    model = ModelSpec(path="stub-a", id="smollm2-135m-instruct")
+    server = LiveServer(stub_settings(models=(model,), allowed_hosts=())).start()
+    try:
+        ns: dict[str, Any] = {}
+        runs: list[tuple[str, dict[str, Any]]] = []
+        with contextlib.redirect_stdout(io.StringIO()):
+            for name, block in blocks + blocks[:2]:  # the first two again: "ask again"
+                code = block.replace("http://127.0.0.1:8000", server.base_url)
+                exec(compile(code, name, "exec"), ns)
+                runs.append((name, dict(ns)))
+    finally:
+        server.stop()
+    chat = [run for _, run in runs if "r" in run and hasattr(run["r"], "choices")]
+    claude = [run for _, run in runs if "m" in run]
+    first, again = (
+        run["r"].usage.prompt_tokens_details.cached_tokens for run in (chat[0], chat[-1])
+    )
+    assert again > first, (first, again)
+    first, again = (run["m"].usage.cache_read_input_tokens for run in (claude[0], claude[-1]))
+    assert again > first, (first, again)
+    r1, r2 = ns["r1"], ns["r2"]
+    assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens
