@@ -9,6 +9,7 @@ exactly the metric names the pages list, so a renamed or new metric cannot go un
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import time
 import warnings
@@ -81,6 +82,7 @@ def test_the_readme_is_a_front_door() -> None:
 
 # ---- what the pages name exists ---------------------------------------------------------------
 
+JSON_HEADERS = {"content-type": "application/json"}
 INLINE = re.compile(r"`([^`\n]+)`")
 FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*(?![\w-])")
 # Other tools' flags the pages name: sglang-router's, `ray start`'s, llama-server's, pip's.
@@ -397,3 +399,73 @@ def test_the_client_examples_run() -> None:
     assert again > first, (first, again)
     r1, r2 = ns["r1"], ns["r2"]
     assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens
+
+
+def curl_examples() -> Iterator[tuple[str, str, str, str | None, object]]:
+    """Each ``curl`` of an ``sh`` block: (page, method, path and query, body, the response
+    shown after it as ``# {...}`` comment lines, or None)."""
+    for page in PAGES:
+        for block in re.findall(r"^```sh\n(.*?)^```", text_of(page), re.S | re.M):
+            command: list[str] = []
+            shown: list[str] = []
+            for line in [*block.splitlines(), "#"]:
+                if line.startswith("# ") and command and (shown or line.startswith("# {")):
+                    shown.append(line[2:])
+                elif line.startswith(("curl", "#")):
+                    if command:
+                        text = "\n".join(command)
+                        method = re.search(r"-X (\w+)", text)
+                        path = re.search(r"localhost:8000(/[^\s']*)", text)
+                        body = re.search(r"-d '(.*?)'", text, re.S)
+                        assert path, text
+                        yield (
+                            page.name,
+                            method.group(1) if method else ("POST" if body else "GET"),
+                            path.group(1),
+                            body.group(1) if body else None,
+                            json.loads(" ".join(shown)) if shown else None,
+                        )
+                    command, shown = ([line] if line.startswith("curl") else []), []
+                elif command:
+                    command.append(line)
+
+
+def shape(value: object) -> object:
+    """A JSON value's keys, recursively (a list by its first item), without the values."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    return None
+
+
+def test_the_curl_examples_answer_as_shown(tmp_path: Path) -> None:
+    """Every ``curl`` of an ``sh`` block (but one naming a placeholder, `KEY`) is answered 200
+    by a stub server under the example's model names, and where the page shows the response,
+    with one of that shape (the same fields, nested alike)."""
+    from fastapi.testclient import TestClient
+    from tests.server.conftest import stub_settings, wait_ready
+
+    from kvwarm.server import create_app
+    from kvwarm.settings import ModelSpec
+
+    examples = list(curl_examples())
+    shown = {path for _, _, path, _, response in examples if response is not None}
+    assert shown >= {"/v1/rerank", "/cache/prewarm"}, shown
+    models = (
+        ModelSpec(path="stub-a", id="smollm2-135m-instruct"),
+        ModelSpec(path="stub-reranker.gguf", id="qwen3-reranker"),
+    )
+    wrong = []
+    settings = stub_settings(models=models, cache_dir=tmp_path / "cache")
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        for page, method, path, body, response in examples:
+            if re.search(r"\b[A-Z]{2,}\b", path):
+                continue
+            answer = client.request(method, path, content=body, headers=JSON_HEADERS)
+            if answer.status_code != 200 or (
+                response is not None and shape(answer.json()) != shape(response)
+            ):
+                wrong.append(f"{page}: {method} {path}: {answer.status_code} {answer.text}")
+    assert not wrong, "\n".join(wrong)
