@@ -4,7 +4,9 @@ leave a dead link behind. What the pages name exists: each ``make`` target, each
 ``kvwarm`` command line (on that command), each ``--flag`` (kvwarm's, a bench script's or
 another tool's on a short list), each ``KVWARM_*`` variable, each key of a TOML example, each
 file named in backticks and each server route (with its method); and ``/metrics`` exports
-exactly the metric names the pages list, so a renamed or new metric cannot go undocumented."""
+exactly the metric names the pages list, so a renamed or new metric cannot go undocumented.
+The examples run: the `openai`/`anthropic` client snippets and every `curl` of an `sh` block,
+against a stub server, with the responses the pages show."""
 
 from __future__ import annotations
 
