@@ -648,6 +648,8 @@ class Drafter:
 #: token costs about 130 bytes (a dict entry, its keys, the row's token tuple): ~17 MB.
 ROW_TOKENS_MAX = 1 << 17
 _ROWS_PER_REFRESH = 64  # rows a namespace's index takes in at most, per refresh
+#: No tenant (``RowDrafts._bound``: ``keep`` holds nothing); None is the keyless one.
+_NO_TENANT = object()
 _REFRESH_S = 1.0  # a namespace's rows are listed at most this often
 
 
@@ -815,23 +817,63 @@ class RowDrafts:
     def _bound(self, keep: Namespace) -> None:
         """Back within ``max_tokens``, taking from the tenant holding the most: its namespace
         drafted from least recently (never ``keep``, the one a request drafts from now), or,
-        its only one, its newest rows within its share."""
-        while self.tokens > self.max_tokens:
-            for ns in [ns for ns, s in self._spaces.items() if not s.tokens and ns != keep]:
-                del self._spaces[ns]  # nothing indexed: listed again when drafted from
-            held = self._held()
+        its only one, its newest rows within its share. The namespaces are read once, not
+        once a namespace dropped (found by review: ~6 s of the worker's thread to drop 2,000
+        of one tenant's 4,000 namespaces for another's refresh)."""
+        total = self.tokens
+        if total <= self.max_tokens:
+            return
+        for ns in [ns for ns, s in self._spaces.items() if not s.tokens and ns != keep]:
+            del self._spaces[ns]  # nothing indexed: listed again when drafted from
+        held: dict[str | None, int] = {}
+        # Per tenant, its namespaces but ``keep`` holding any, drafted from least recently first.
+        droppable: dict[str | None, deque[Namespace]] = {}
+        order: dict[Namespace, int] = {}  # a tie goes to the tenant of the least recent
+        for ns, space in self._spaces.items():
+            if space.tokens:
+                order[ns] = len(order)
+                held[space.tenant] = held.get(space.tenant, 0) + space.tokens
+                if ns != keep:
+                    droppable.setdefault(space.tenant, deque()).append(ns)
+        kept = self._spaces.get(keep)
+        keep_tenant = kept.tenant if kept is not None and kept.tokens else _NO_TENANT
+
+        def rank(tenant: str | None) -> tuple[int, int]:
+            mine = droppable.get(tenant)
+            first = [order[mine[0]]] if mine else []
+            if tenant == keep_tenant:
+                first.append(order[keep])
+            return -held[tenant], min(first)
+
+        emptied: list[Namespace] = []  # rebuilt to nothing: dropped if more must go
+        while total > self.max_tokens:
+            for ns in emptied:
+                del self._spaces[ns]
+            emptied.clear()
             share = self.max_tokens // len(held)
-            for tenant in sorted(held, key=held.__getitem__, reverse=True):
+            for tenant in sorted(held, key=rank):
                 if held[tenant] <= share:
                     return  # nobody is over its share (the bound is met once shares are)
-                mine = [ns for ns, s in self._spaces.items() if s.tenant == tenant and s.tokens]
-                others = [ns for ns in mine if ns != keep]
-                if len(mine) > 1 and others:
-                    del self._spaces[others[0]]
-                    break
-                if others:
-                    self._rebuild(self._spaces[others[0]], share)
-                    break
+                others = droppable.get(tenant)
+                if not others:
+                    continue  # only ``keep``: its cap (``_make_room``) bounds it
+                victim = others[0]
+                space = self._spaces[victim]
+                before, after = space.tokens, 0
+                if len(others) > 1 or tenant == keep_tenant:
+                    others.popleft()
+                    del self._spaces[victim]
+                else:  # its only one: its newest rows within its share
+                    self._rebuild(space, share)
+                    after = space.tokens
+                    if not after:
+                        emptied.append(others.popleft())
+                freed = before - after
+                held[tenant] -= freed
+                total -= freed
+                if not held[tenant]:
+                    del held[tenant]
+                break
             else:
                 return  # only ``keep`` is over: its cap (``_make_room``) bounds it
 
