@@ -22,27 +22,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvwarm.engine.types import ModelStatus
+from kvwarm.server.metrics import MODEL_TOTALS, model_totals_of
 from kvwarm.server.served import ServedModel
 
 __all__ = ["TOTALS", "ModelTotals", "TotalsSnapshot", "totals_of"]
 
-#: The ``ModelStatus`` fields that are running totals (the others are levels: queue, slots).
-TOTALS: tuple[str, ...] = (
-    "requests",
-    "prompt_tokens",
-    "cached_tokens",
-    "prefilled_tokens",
-    "completion_tokens",
-    "drafted_tokens",
-    "accepted_tokens",
-    "verify_passes",
-    "prefill_ms",
-    "generation_ms",
-)
-
-
-def totals_of(status: ModelStatus) -> dict[str, float]:
-    return {name: float(getattr(status, name)) for name in TOTALS}
+#: The ``ModelStatus`` fields that are running totals: those ``/metrics`` exports as counters.
+TOTALS = MODEL_TOTALS
+totals_of = model_totals_of
 
 
 @dataclass(frozen=True, slots=True)
