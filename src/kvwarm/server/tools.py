@@ -123,10 +123,33 @@ def template_id(call_id: str) -> str:
     return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
+class _TemplateIds:
+    """One conversation's call ids as a native template sees them (``template_id``), two
+    different ids never shown as one: the first to take 9 characters keeps them, a later id
+    they would also stand for gets others (of its hash and a count). Given in the order the
+    conversation names them, so a longer conversation shows its start's ids as before."""
+
+    def __init__(self) -> None:
+        self._shown: dict[str, str] = {}
+        self._taken: set[str] = set()
+
+    def __call__(self, call_id: str) -> str:
+        if (known := self._shown.get(call_id)) is not None:
+            return known
+        shown, n = template_id(call_id), 0
+        while shown in self._taken:
+            n += 1
+            shown = hashlib.sha256(f"{n}:{call_id}".encode()).hexdigest()[:9]
+        self._shown[call_id] = shown
+        self._taken.add(shown)
+        return shown
+
+
 def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[Message]:
     """OpenAI messages as chat-template input. Non-native templates see tool calls and tool
     results as text in the Hermes format, so history round-trips through any template."""
     out: list[Message] = []
+    ids = _TemplateIds()
     for index, message in enumerate(messages):
         role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
         text = _content(message, index)
@@ -141,7 +164,7 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
             if native:
                 item["tool_calls"] = [
                     {
-                        "id": template_id(call.id or f"call_{i}"),
+                        "id": ids(call.id or f"call_{i}"),
                         "type": "function",
                         "function": {"name": name, "arguments": args},
                     }
@@ -158,7 +181,7 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
         if role == "tool":
             if native:
                 if message.tool_call_id:
-                    item["tool_call_id"] = template_id(message.tool_call_id)
+                    item["tool_call_id"] = ids(message.tool_call_id)
             elif isinstance(text, list):  # a result with images: they stay parts, in place
                 opening = {"type": "text", "text": "<tool_response>\n"}
                 closing = {"type": "text", "text": "\n</tool_response>"}
