@@ -316,7 +316,8 @@ def plan_chat(
     """Decide how tools reach the model. ``renders_tools``: the template shows tools natively.
     ``parallel`` False (OpenAI's ``parallel_tool_calls``, Anthropic's
     ``disable_parallel_tool_use``): a reply makes at most one call. ``system`` False: the
-    template takes no system message, so described tools open the first user message.
+    template does not show a system message (refuses or drops it), so described tools open
+    the first user message.
     A forced call (``required``, a named function) with no tools is a 400, as in OpenAI's API:
     the reply could not be the call the client asked for."""
     if not tools and (tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)):
@@ -348,7 +349,7 @@ def plan_chat(
         return ChatPlan(rendered, openai_tools(chosen), schema, names, forced, not parallel)
     rendered = template_messages(messages, native=False)
     prompt = tools_system_prompt(chosen)
-    if rendered and rendered[0]["role"] == "system":
+    if system and rendered and rendered[0]["role"] == "system":
         rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{prompt}"}
     elif not system and (first := next((m for m in rendered if m["role"] == "user"), None)):
         content = first["content"]
