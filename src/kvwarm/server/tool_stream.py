@@ -95,7 +95,12 @@ class ToolStream:
         return any(isinstance(p, ToolCall) for p in self._sent)
 
     def feed(self, fragment: str) -> list[Part]:
-        self._text += fragment
+        # The reply's one reference in a local: CPython grows it in place, where
+        # ``self._text += fragment`` copied the whole reply per token.
+        text, self._text = self._text, ""
+        text += fragment
+        self._text = text
+        del text
         if not self._names:  # nothing to parse: the text as it comes
             return [fragment] if fragment else []
         settled = self._settled()
