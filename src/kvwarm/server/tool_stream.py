@@ -107,15 +107,17 @@ class ToolStream:
         if settled is None or settled <= self._parsed:
             return []  # nothing new settled (say, a call's arguments still coming)
         parsed, self._parsed = self._parsed, settled
-        if self._upto is not None and self._text.find(_STABLE_MARKER, parsed, settled) < 0:
-            # A text goes on, no block in between: its new end, less trailing whitespace.
-            piece = self._text[self._upto : settled].rstrip()
-            if not piece:
-                return []
-            self._upto += len(piece)
-            self._tail.append(piece)
-            return [piece]
-        return self._reparse(settled)
+        if self._text.find(_STABLE_MARKER, parsed, settled) >= 0:
+            return self._reparse(settled)  # a block closed: it may be a call
+        if self._upto is None:  # no text goes on: one starts, unless this is whitespace
+            return self._reparse(settled) if self._text[parsed:settled].strip() else []
+        # A text goes on: its new end, less trailing whitespace.
+        piece = self._text[self._upto : settled].rstrip()
+        if not piece:
+            return []
+        self._upto += len(piece)
+        self._tail.append(piece)
+        return [piece]
 
     def _settled(self) -> int | None:
         """How much of the reply so far no later text can reparse (None: nothing new)."""
