@@ -24,14 +24,14 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictInt
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.registry import ModelEntry
-from kvwarm.server.schemas import json_body, parse_body, read_json
+from kvwarm.server.schemas import StrictNumber, json_body, parse_body, read_json
 from kvwarm.server.state import ServerState, server_state
 
 router = APIRouter()
@@ -334,8 +334,10 @@ async def unload_model(request: Request) -> Response:
 class LoraScale(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    id: int = Field(ge=0, le=(1 << 31) - 1, description="the adapter's id (GET /lora-adapters)")
-    scale: float = Field(default=0.0, description="its global scale (0: off)")
+    id: StrictInt = Field(
+        ge=0, le=(1 << 31) - 1, description="the adapter's id (GET /lora-adapters)"
+    )
+    scale: StrictNumber = Field(default=0.0, description="its global scale (0: off)")
 
 
 class LoraScales(RootModel[list[LoraScale]]):

@@ -290,6 +290,19 @@ async def cache_prewarm(request: Request) -> Response:
     (``tenant_key``, ``shared``: ``server.tenancy``)."""
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), PrewarmRequest)
+    base = None if req.model is None else state.lora.base_of(req.model)
+    if base is not None:
+        # Found by review: an adapter's name resolved to its model and the prefix was
+        # prewarmed (and kept alive) in the model's own rows, which requests naming the
+        # adapter never use (each adapter set is a namespace of its own): a 200 that did
+        # nothing for them.
+        raise HTTPError(
+            400,
+            f"{req.model!r} is a LoRA adapter: prewarm fills the rows of its model, {base!r}, "
+            "without adapters, which requests for the adapter do not use",
+            param="model",
+            code="invalid_value",
+        )
     model = await state.acquire(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")
