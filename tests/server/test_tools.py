@@ -217,3 +217,17 @@ def test_two_call_ids_are_never_shown_to_a_template_as_one() -> None:
     assert [m["tool_call_id"] for m in native if m["role"] == "tool"] == shown
     # The start of a conversation is shown as before when it grows (the cache's prefix).
     assert template_messages(msgs[:3], native=True) == native[:3]
+
+
+def test_calls_without_ids_are_told_apart() -> None:
+    # Before: a call with no id was shown as "call_<its place in the turn>", so the first
+    # call of every turn had one id, and the model saw each turn answer the same call.
+    def call() -> ChatMessage:
+        return ChatMessage.model_validate(
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}
+        )
+
+    msgs = [ChatMessage(role="user", content="go"), call(), call()]
+    native = template_messages(msgs, native=True)
+    first, second = (m["tool_calls"][0]["id"] for m in native[1:])  # type: ignore[index]
+    assert first != second

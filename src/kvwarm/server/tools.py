@@ -164,7 +164,7 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
             if native:
                 item["tool_calls"] = [
                     {
-                        "id": ids(call.id or f"call_{i}"),
+                        "id": ids(call.id or f"call_{index}_{i}"),
                         "type": "function",
                         "function": {"name": name, "arguments": args},
                     }
