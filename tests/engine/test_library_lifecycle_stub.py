@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
+from pathlib import Path
 
 from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
@@ -114,3 +117,37 @@ def test_a_kept_stream_is_never_cancelled_and_forks_keep_their_group() -> None:
         assert [_final(r).finish_reason for r in reqs] == ["cancelled", "cancelled"]
     finally:
         eng.close()
+
+
+_UNCLOSED = """
+import sys
+from pathlib import Path
+from tests.engine.conftest import LOW_GATES, stub_config
+from kvwarm import CacheConfig, Engine, EngineConfig, TierConfig
+disk = TierConfig("disk", 1 << 30, Path(sys.argv[1]))
+engine = Engine(EngineConfig(cache=CacheConfig(tiers=(disk,)), policy=LOW_GATES))
+model = engine.load_model(config=stub_config())
+out = model.complete(sys.argv[2], max_tokens=4, temperature=0.0)
+print(out.stats.cache_hit, out.stats.cached_tokens)
+"""
+
+
+def test_an_engine_never_closed_is_closed_at_exit(tmp_path: Path) -> None:
+    """A program that ends without ``engine.close()`` keeps what it computed: its saves still
+    queued and its slots' live KV reach the disk tier, and the next run restores from them
+    (nothing was on disk before: the next run prefilled cold)."""
+    prompt = "a prompt long enough to be worth a row on disk, " * 4
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", _UNCLOSED, str(tmp_path / "disk"), prompt],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        assert done.returncode == 0, done.stderr
+        hit, cached = done.stdout.split()
+        runs.append((hit, int(cached)))
+    assert runs[0] == ("cold", 0)
+    assert runs[1][0] != "cold" and runs[1][1] > 0, runs

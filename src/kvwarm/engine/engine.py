@@ -2,15 +2,18 @@
 
 Invariants: a model id is loaded at most once per engine (the id is reserved while it loads);
 unloading a model never touches the cache's rows (a reload finds them again); closing the
-engine unloads every model with bounded shutdown saves before closing a cache it owns
-(``docs/architecture.md``, "Engine").
+engine unloads every model with bounded shutdown saves before closing a cache it owns; an
+engine still open when the interpreter exits is closed then (``docs/architecture.md``,
+"Engine").
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Unpack
 
@@ -45,6 +48,7 @@ class Engine:
         self._models: dict[str, Model] = {}
         self._lock = threading.Lock()
         self._closed = False
+        _OPEN.add(self)
 
     def load_model(
         self,
@@ -132,6 +136,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         for model in [m for m in list(self._models.values()) if m is not _LOADING]:
             try:
                 model.unload(timeout_s=timeout_s)
@@ -148,3 +153,20 @@ class Engine:
 
 
 _LOADING: Model = object.__new__(Model)  # placeholder reserving an id during a load
+
+#: Engines not closed yet. Found by review: a program that never called ``close()`` (the
+#: README's own ten lines, or one that raised) lost every save still in the writers' queues
+#: at exit, and the shutdown saves of its slots' live KV: a disk tier was left empty, so the
+#: next run prefilled everything again.
+_OPEN: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """At interpreter exit (after non-daemon threads ended), close every engine still open,
+    as ``close()`` does: its slots' live KV saved, the pending saves written."""
+    for engine in list(_OPEN):
+        try:
+            engine.close()
+        except Exception:
+            log.exception("closing an engine at exit failed")
