@@ -51,7 +51,13 @@ from kvwarm.settings.model import (
     model_config,
     parse_field,
 )
-from kvwarm.settings.sources import read_env, read_toml, user_cache_dir, user_config_file
+from kvwarm.settings.sources import (
+    read_env,
+    read_toml,
+    unknown_env,
+    user_cache_dir,
+    user_config_file,
+)
 from kvwarm.settings.types import (
     Bool,
     Float,
@@ -578,6 +584,7 @@ def load_settings(
     """
     flags = dict(flags or {})
     env = os.environ if env is None else env
+    unknown_env(env, {env_var(name) for name in Settings.model_fields} | {CONFIG_ENV}, ENV_PREFIX)
     explicit = flags.pop("config", None) or env.get(CONFIG_ENV)
     file_values: dict[str, object] = {}
     if explicit:
