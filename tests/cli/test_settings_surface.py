@@ -55,3 +55,28 @@ def test_every_setting_is_still_read_from_its_variable(tmp_path: Path) -> None:
     config.write_text("n_parallel = 2\n")
     settings = load_settings({}, {"KVWARM_N_CTX": "2048", "KVWARM_CONFIG": str(config)})
     assert (settings.n_ctx, settings.n_parallel) == (2048, 2)
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("n_ctx = 4096.5", "config file setting n_ctx: expected an integer, got 4096.5"),
+        ('n_ctx = "lots"', "config file setting n_ctx: expected an integer, got 'lots'"),
+        ("port = nan", "config file setting port: expected an integer, got nan"),
+        ('request_timeout_s = "soon"', "request_timeout_s: expected a number, got 'soon'"),
+        ("request_timeout_s = [1]", "request_timeout_s: expected a number, got [1]"),
+        ("deterministic = 1", "deterministic: expected a boolean, got 1"),
+        ("ram_quota_bytes = 1.5", "ram_quota_bytes: expected a size like 512M or 20G, got 1.5"),
+        ("flash_attn = 1", "flash_attn: expected one of auto, on, off, got 1"),
+    ],
+)
+def test_a_value_of_the_wrong_type_says_what_the_setting_takes(
+    tmp_path: Path, toml: str, message: str
+) -> None:
+    """They said "expected a string, got float" (of an integer setting) or Python's "invalid
+    literal for int() with base 10"."""
+    config = tmp_path / "kvwarm.toml"
+    config.write_text(toml + "\n")
+    with pytest.raises(ConfigError) as caught:
+        load_settings({"config": str(config)}, {})
+    assert message in str(caught.value)
