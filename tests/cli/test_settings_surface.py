@@ -80,3 +80,16 @@ def test_a_value_of_the_wrong_type_says_what_the_setting_takes(
     with pytest.raises(ConfigError) as caught:
         load_settings({"config": str(config)}, {})
     assert message in str(caught.value)
+
+
+def test_a_models_dir_that_does_not_exist_is_refused_at_start(tmp_path: Path) -> None:
+    """The server started with it, logged a warning and served no model at all."""
+    missing = tmp_path / "modles"
+    with pytest.raises(ConfigError, match=f"models_dir {missing} does not exist"):
+        load_settings({"models_dir": str(missing)}, {})
+    afile = tmp_path / "a.gguf"
+    afile.write_bytes(b"GGUF")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        load_settings({}, {"KVWARM_MODELS_DIR": str(afile)})
+    (tmp_path / "models").mkdir()
+    assert load_settings({"models_dir": str(tmp_path / "models")}, {}).models == ()

@@ -383,6 +383,11 @@ def check_models(settings: Settings) -> None:
     validated as the backends will (``ConfigError``)."""
     if not settings.models and settings.models_dir is None:
         raise ConfigError("at least one model (or a models_dir) is required")
+    models_dir = settings.models_dir
+    if models_dir is not None and not models_dir.expanduser().is_dir():
+        # Found by review: the server started, logged one warning and served no model.
+        what = "is not a directory" if models_dir.expanduser().exists() else "does not exist"
+        raise ConfigError(f"models_dir {models_dir} {what}")
     ids = [m.model_id for m in settings.models]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
