@@ -93,3 +93,20 @@ def test_a_models_dir_that_does_not_exist_is_refused_at_start(tmp_path: Path) ->
         load_settings({}, {"KVWARM_MODELS_DIR": str(afile)})
     (tmp_path / "models").mkdir()
     assert load_settings({"models_dir": str(tmp_path / "models")}, {}).models == ()
+
+
+def test_a_rule_broken_names_where_each_value_came_from(tmp_path: Path) -> None:
+    """A range or cross-setting rule named no source: a wrong value had to be hunted down in
+    the config file, the environment and the flags."""
+    config = tmp_path / "kvwarm.toml"
+    config.write_text("n_ctx = 0\n")
+    with pytest.raises(ConfigError) as caught:
+        load_settings({}, {"KVWARM_CONFIG": str(config)})
+    assert str(caught.value) == f"n_ctx must be >= 1 (n_ctx from config file {config})"
+    with pytest.raises(ConfigError, match=r"\(replicas from KVWARM_REPLICAS\)$"):
+        load_settings({}, {"KVWARM_REPLICAS": "0"})
+    with pytest.raises(ConfigError, match=r"got 384 \(cache_chunk_tokens from --cache-chunk-tok"):
+        load_settings({"cache_chunk_tokens": "384"}, {})
+    # The last source wins, and is the one named.
+    with pytest.raises(ConfigError, match=r"\(n_threads from --n-threads\)$"):
+        load_settings({"n_threads": "-1"}, {"KVWARM_N_THREADS": "2"})

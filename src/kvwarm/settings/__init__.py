@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -587,13 +588,17 @@ def load_settings(
     unknown_env(env, {env_var(name) for name in Settings.model_fields} | {CONFIG_ENV}, ENV_PREFIX)
     explicit = flags.pop("config", None) or env.get(CONFIG_ENV)
     file_values: dict[str, object] = {}
+    config_file: Path | None = None
     if explicit:
-        file_values = read_toml(Path(str(explicit)).expanduser(), set(Settings.model_fields))
+        config_file = Path(str(explicit)).expanduser()
     elif (default_file := user_config_file(env)).is_file():
-        file_values = read_toml(default_file, set(Settings.model_fields))
+        config_file = default_file
+    if config_file is not None:
+        file_values = read_toml(config_file, set(Settings.model_fields))
     defaults = base or Settings(cache_dir=user_cache_dir(env))
     values: dict[str, object] = {}
     policy: dict[str, int] = {}
+    origin: dict[str, str] = {}  # where each given setting's value came from, the last source
     sources = (
         ("config file", file_values),
         ("environment", read_env(env, Settings, ENV_PREFIX)),
@@ -602,6 +607,12 @@ def load_settings(
     for source, raw in sources:
         for name, value in raw.items():
             parsed = _parse(name, value, source)
+            if source == "config file":
+                origin[name] = f"config file {config_file}"
+            elif source == "environment":
+                origin[name] = env_var(name)
+            else:
+                origin[name] = _flag(name)
             if name == "policy":
                 assert isinstance(parsed, dict)
                 policy.update(parsed)
@@ -613,5 +624,24 @@ def load_settings(
         # A models directory given alone serves that directory, not also the default model.
         values["models"] = ()
     settings = defaults.replace(**values)
-    settings.check()
+    try:
+        settings.check()
+    except ConfigError as exc:
+        raise _with_origin(exc, origin) from exc
     return settings
+
+
+def _with_origin(exc: ConfigError, origin: Mapping[str, str]) -> ConfigError:
+    """``exc`` with where the settings it names were given: a range or cross-setting rule
+    (``Settings.check``) is broken by values that may come from any source. Found by review:
+    "n_ctx must be >= 1" named no source, so a wrong value in a config file, the environment
+    or a flag had to be hunted down."""
+    message = str(exc)
+    named = [
+        f"{name} from {where}"
+        for name, where in origin.items()
+        if re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", message)
+    ]
+    if not named or type(exc) is not ConfigError:
+        return exc
+    return ConfigError(f"{message} ({'; '.join(named)})")
