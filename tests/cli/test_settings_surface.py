@@ -110,3 +110,20 @@ def test_a_rule_broken_names_where_each_value_came_from(tmp_path: Path) -> None:
     # The last source wins, and is the one named.
     with pytest.raises(ConfigError, match=r"\(n_threads from --n-threads\)$"):
         load_settings({"n_threads": "-1"}, {"KVWARM_N_THREADS": "2"})
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        # The engine refused it once the server had started (exit status 1).
+        ({"tiers": ["disk=file:///tmp/elsewhere?quota=1G"]}, "tiers: tier disk configured twice"),
+        ({"tiers": ["a=ram://?quota=1M", "a=ram://?quota=2M"]}, "tiers: tier a configured twice"),
+        ({"tiers": ["nothing"]}, "tiers: a tier is NAME=URL"),
+        # "media limits must be positive" named none of them.
+        ({"media_max_bytes": "0"}, "media_max_bytes must be >= 1, got 0"),
+        ({"media_max_items": "-1"}, "media_max_items must be >= 0, got -1"),
+    ],
+)
+def test_tier_and_media_errors_name_their_setting(flags: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(flags, {})

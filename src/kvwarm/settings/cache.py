@@ -73,7 +73,9 @@ def url_tier(spec: str) -> TierConfig:
     name, sep, url = spec.partition("=")
     name, url = name.strip(), url.strip()
     if not sep or not name or "://" not in url:
-        raise ConfigError(f"a tier is NAME=URL (e.g. shared=redis://host:6379/0), got {spec!r}")
+        raise ConfigError(
+            f"tiers: a tier is NAME=URL (e.g. shared=redis://host:6379/0), got {spec!r}"
+        )
     parts = urlsplit(url)
     query = parse_qsl(parts.query)
     quota = [v for k, v in query if k == "quota"]
@@ -112,6 +114,13 @@ def check(s: Settings) -> None:
     if s.s3_max_attempts < 1:
         raise ConfigError("s3_max_attempts must be >= 1")
     names = [t.name for t in cache_config(s).tiers]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        # Found by review: the engine refused it only once the server had started (exit 1).
+        raise ConfigError(
+            f"tiers: tier {', '.join(twice)} configured twice (the built-in tiers are ram, "
+            "disk with cache_dir, ram_file with shm_dir, s3 with s3_bucket; name another one)"
+        )
     if tier not in names:
         raise ConfigError(f"save_tier {tier} is not a configured tier ({', '.join(names)})")
     if s.s3_bucket is None:
