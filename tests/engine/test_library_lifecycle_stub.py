@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
+from kvwarm import Engine
 from kvwarm.engine.request import Done, Request
+from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.types import CompletionStats, GenerationOptions
+from kvwarm.errors import ConfigError, InvalidRequestError
 
 LONG = GenerationOptions(max_tokens=200, temperature=0.0, stop=(), ignore_eos=True)
 
@@ -77,12 +82,12 @@ def test_an_async_stream_left_with_break_is_cancelled() -> None:
         req = stream.request
         backend.gate.step(3)
 
-        async def read_one() -> None:
-            async for piece in stream:
+        async def read_one(one: CompletionStream) -> None:
+            async for piece in one:
                 assert piece
                 break
 
-        asyncio.run(read_one())  # the loop's shutdown closes the abandoned async generator
+        asyncio.run(read_one(stream))  # the loop's shutdown closes the abandoned generator
         del stream
         gc.collect()
         backend.gate.set()
@@ -144,6 +149,7 @@ def test_an_engine_never_closed_is_closed_at_exit(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             timeout=120,
+            check=False,
             cwd=Path(__file__).resolve().parents[2],
         )
         assert done.returncode == 0, done.stderr
@@ -151,3 +157,55 @@ def test_an_engine_never_closed_is_closed_at_exit(tmp_path: Path) -> None:
         runs.append((hit, int(cached)))
     assert runs[0] == ("cold", 0)
     assert runs[1][0] != "cold" and runs[1][1] > 0, runs
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"n_ctx": "4096"}, "n_ctx must be an integer, got '4096'"),  # TypeError: '<'
+        ({"n_batch": "64"}, "n_batch must be an integer, got '64'"),  # ValueError: int()
+        ({"deterministic": "no"}, "deterministic must be True or False, got 'no'"),  # loaded!
+        ({"n_parallel": 2.0}, "n_parallel must be an integer, got 2.0"),
+        ({"use_mmap": 1}, "use_mmap must be True or False, got 1"),
+        ({"tensor_split": [1, 1]}, "tensor_split must be a tuple, got"),
+        ({"lora": ["a.gguf"]}, "lora must be a tuple, got"),
+    ],
+)
+def test_a_load_option_of_the_wrong_type_is_a_config_error(
+    options: dict[str, object], message: str
+) -> None:
+    eng = make_engine()
+    try:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            eng.load_model(backend="stub", **options)  # type: ignore[arg-type]
+        assert eng.list_models() == []
+    finally:
+        eng.close()
+
+
+def test_the_library_entry_points_refuse_what_they_do_not_take() -> None:
+    """Each was an AttributeError or a TypeError from deep inside, or worse, accepted."""
+    with pytest.raises(ConfigError, match="config must be an EngineConfig"):
+        Engine("engine.toml")  # type: ignore[arg-type]
+    eng = make_engine()
+    try:
+        with pytest.raises(ConfigError, match="model_id must be a string"):
+            eng.load_model(backend="stub", model_id=5)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="path must be a file path"):
+            eng.load_model(5, backend="stub")  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="config must be a ModelConfig"):
+            eng.load_model(backend="stub", config={"n_ctx": 512})  # type: ignore[arg-type]
+        model = eng.load_model(config=stub_config())
+        with pytest.raises(InvalidRequestError, match="options must be a GenerationOptions"):
+            model.complete("hi", "max_tokens=4")  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="stop must be a string or a list"):
+            model.complete("hi", stop=5)  # type: ignore[typeddict-item]
+        with pytest.raises(InvalidRequestError, match="messages must be a list of messages"):
+            model.chat("hello")  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="message 0 must be a mapping with a"):
+            model.chat([{"content": "who am I?"}])
+        with pytest.raises(InvalidRequestError, match=r"ttl_class must be a kvwarm\.TtlClass"):
+            model.prewarm("a prompt", ttl_class="long")  # type: ignore[arg-type]
+        assert model.status().requests == 0  # nothing reached the worker
+    finally:
+        eng.close()

@@ -41,6 +41,8 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, cache: Cache | None = None) -> None:
         """``cache``: use this (already built) cache instead of one from ``config.cache``;
         the caller keeps ownership and closes it."""
+        if config is not None and not isinstance(config, EngineConfig):
+            raise ConfigError(f"config must be an EngineConfig, not {type(config).__name__}")
         self.config = config or EngineConfig()
         validate_policy(self.config.policy)
         self._owns_cache = cache is None
@@ -64,6 +66,12 @@ class Engine:
         ``options`` are flat keywords (``n_ctx=``, ``n_gpu_layers=``, ``n_parallel=`` …) that
         replace the matching fields of ``config``; see ``ModelOptions``.
         """
+        if config is not None and not isinstance(config, ModelConfig):
+            raise ConfigError(f"config must be a ModelConfig, not {type(config).__name__}")
+        if model_id is not None and not isinstance(model_id, str):
+            raise ConfigError(f"model_id must be a string, got {model_id!r}")
+        if path is not None and not isinstance(path, str | os.PathLike):
+            raise ConfigError(f"path must be a file path, got {path!r}")
         cfg = with_options(config or ModelConfig(), options)
         cfg.validate()
         if self._closed:

@@ -599,6 +599,12 @@ class Model:
         ``cache_salt`` the row serves only requests with the same salt."""
         self._check_ready()
         self._require("generate")
+        if not isinstance(ttl_class, TtlClass):
+            raise InvalidRequestError(
+                f"ttl_class must be a kvwarm.TtlClass ({', '.join(TtlClass.__members__)}), "
+                f"got {ttl_class!r}",
+                param="ttl_class",
+            )
         opts = GenerationOptions(
             max_tokens=0, temperature=0.0, add_special=add_special, cache_salt=cache_salt
         )
