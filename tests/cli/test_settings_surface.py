@@ -4,13 +4,20 @@ takes."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 from pathlib import Path
 
 import pytest
 
 from kvwarm.errors import ConfigError
-from kvwarm.settings import load_settings
+from kvwarm.settings import (
+    Settings,
+    add_settings_arguments,
+    default_text,
+    load_settings,
+    settings_reference,
+)
 
 
 @pytest.mark.parametrize(
@@ -127,3 +134,27 @@ def test_a_rule_broken_names_where_each_value_came_from(tmp_path: Path) -> None:
 def test_tier_and_media_errors_name_their_setting(flags: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_settings(flags, {})
+
+
+def test_configuration_md_lists_every_setting_with_its_default() -> None:
+    """Ten settings (fingerprint_mode, ram_quota_bytes, default_max_tokens, the keep-alive
+    bounds, worker_stall_s, allowed_hosts ...) were documented nowhere but in --help."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    table = settings_reference()
+    assert table in docs, (
+        "docs/configuration.md's 'Every setting' table is not the code's: paste "
+        "kvwarm.settings.settings_reference() there"
+    )
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == list(Settings.model_fields)
+    assert "| `n_ctx` | `--n-ctx` | 4096 |" in table
+    assert "| `ram_quota_bytes` | `--ram-quota-bytes` | 1G |" in table
+
+
+def test_help_shows_each_default() -> None:
+    """``kvwarm serve --help`` showed no default at all."""
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    for name in ("n_ctx", "ram_quota_bytes", "keepalive_max_entries", "flash_attn"):
+        assert f"($KVWARM_{name.upper()}; default: {default_text(name)})" in text, name

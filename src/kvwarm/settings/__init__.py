@@ -44,7 +44,7 @@ from kvwarm.cache.types import CacheConfig, PolicyConfig, S3Config, TierName
 from kvwarm.errors import ConfigError
 from kvwarm.media import MediaLimits
 from kvwarm.settings import cache as settings_cache
-from kvwarm.settings.flags import add_arguments, env_name, flag_name
+from kvwarm.settings.flags import add_arguments, env_name, field_extra, flag_name
 from kvwarm.settings.model import (
     ModelSettings,
     ServingSettings,
@@ -83,10 +83,12 @@ __all__ = [
     "ModelSpec",
     "Settings",
     "add_settings_arguments",
+    "default_text",
     "env_var",
     "load_settings",
     "model_config",
     "settings_flags",
+    "settings_reference",
     "user_cache_dir",
     "user_config_file",
 ]
@@ -554,6 +556,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, names: Sequence[str]
         per_model=ModelSettings,
         env_prefix=ENV_PREFIX,
         config_env=CONFIG_ENV,
+        default=default_text,
     )
 
 
@@ -645,3 +648,65 @@ def _with_origin(exc: ConfigError, origin: Mapping[str, str]) -> ConfigError:
     if not named or type(exc) is not ConfigError:
         return exc
     return ConfigError(f"{message} ({'; '.join(named)})")
+
+
+# --- the reference table of docs/configuration.md -----------------------------------------------
+
+
+def default_text(name: str) -> str:
+    """The default of setting ``name`` as ``--help`` and docs/configuration.md show it."""
+    field = Settings.model_fields[name]
+    if name == "models":
+        return "the embedded model"
+    if name == "log_level":  # kvwarm.cli.common: the one-shot commands are quiet
+        return "info for serve and cluster, warning for the other commands"
+    if name == "cache_dir":
+        return "$XDG_CACHE_HOME/kvwarm, else ~/.cache/kvwarm"
+    if name == "policy":
+        changed = [
+            f"{f.name}={getattr(SERVER_POLICY, f.name)}"
+            for f in dataclasses.fields(PolicyConfig)
+            if getattr(SERVER_POLICY, f.name) != getattr(PolicyConfig(), f.name)
+        ]
+        return ", ".join(changed) + " (cache.md)"
+    value = field.default
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return " ".join(map(str, value))
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, int) and _is_size(name) and value:
+        for suffix, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+            if value % scale == 0:
+                return f"{value // scale}{suffix}"
+    return str(value)
+
+
+def _is_size(name: str) -> bool:
+    from kvwarm.settings.types import as_size
+
+    return any(getattr(m, "func", None) is as_size for m in Settings.model_fields[name].metadata)
+
+
+def settings_reference() -> str:
+    """Every setting as a Markdown table: its TOML key, flag, default and description; the
+    section "Every setting" of docs/configuration.md is this text (``tests/cli``)."""
+    rows = [
+        "| Setting (TOML key) | Flag | Default | What it does |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, field in Settings.model_fields.items():
+        flags = [_flag(name), *field_extra(Settings, name).get("aliases", ())]
+        if name == "api_docs":
+            flags.append("--no-api-docs")
+        where = " (per model)" if name in ModelSettings.model_fields else ""
+        what = (field.description or "").replace("|", "\\|")
+        cluster = " (`kvwarm cluster` only)" if name in CLUSTER_ONLY else ""
+        rows.append(
+            f"| `{name}`{where} | {', '.join(f'`{f}`' for f in flags)}{cluster} | "
+            f"{default_text(name)} | {what} |"
+        )
+    return "\n".join(rows) + "\n"
