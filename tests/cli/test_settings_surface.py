@@ -5,19 +5,25 @@ takes."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvwarm.errors import ConfigError
 from kvwarm.settings import (
     Settings,
     add_settings_arguments,
     default_text,
+    env_var,
     load_settings,
     settings_reference,
 )
+from kvwarm.settings.flags import field_extra
 
 
 @pytest.mark.parametrize(
@@ -158,3 +164,87 @@ def test_help_shows_each_default() -> None:
     text = " ".join(parser.format_help().split())
     for name in ("n_ctx", "ram_quota_bytes", "keepalive_max_entries", "flash_attn"):
         assert f"($KVWARM_{name.upper()}; default: {default_text(name)})" in text, name
+
+
+# --- a property test over the loader ------------------------------------------------------------
+
+_NAMES = sorted(Settings.model_fields)
+_SCALARS = st.one_of(
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.booleans(),
+    st.sampled_from(["0", "1", "-1", "4096", "1G", "nan", "all", "none", "on", "a=b", "x=/y"]),
+)
+_TOML_VALUES = st.one_of(_SCALARS, st.lists(_SCALARS, max_size=3))
+_TEXT = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+    max_size=12,
+) | st.sampled_from(["0", "2", "-5", "4096", "512M", "nan", "inf", "true", "auto", "a=b"])
+
+
+def _toml(value: object) -> str:
+    """``value`` written as TOML (json's string escapes are TOML's basic-string escapes)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return ("-inf" if value < 0 else "inf") if math.isinf(value) else repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    file=st.dictionaries(st.sampled_from(_NAMES), _TOML_VALUES, max_size=3),
+    env=st.dictionaries(st.sampled_from(_NAMES), _TEXT, max_size=3),
+    flags=st.dictionaries(st.sampled_from(_NAMES), _TEXT, max_size=3),
+)
+def test_any_values_from_any_source_load_or_are_a_config_error(
+    tmp_path_factory: pytest.TempPathFactory,
+    file: dict[str, object],
+    env: dict[str, str],
+    flags: dict[str, str],
+) -> None:
+    """Whatever a file, the environment and the flags hold, ``load_settings`` returns settings
+    or raises ``ConfigError``: never another exception (a traceback at start)."""
+    config = tmp_path_factory.mktemp("cfg") / "kvwarm.toml"
+    config.write_text("".join(f"{name} = {_toml(value)}\n" for name, value in file.items()))
+    environ = {env_var(name): value for name, value in env.items()}
+    environ["KVWARM_CONFIG"] = str(config)
+    environ["XDG_CACHE_HOME"] = str(config.parent / "cache")
+    given_flags: dict[str, object] = {
+        name: [value] if field_extra(Settings, name).get("repeatable") else value
+        for name, value in flags.items()
+    }
+    try:
+        loaded = load_settings(given_flags, environ)
+    except ConfigError:
+        return
+    loaded.cache_config()  # what serve builds from it next
+    loaded.media_limits()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    file=st.none() | st.integers(16, 1 << 20),
+    env=st.none() | st.integers(16, 1 << 20),
+    flag=st.none() | st.integers(16, 1 << 20),
+)
+def test_precedence_is_flag_then_environment_then_file_then_default(
+    tmp_path_factory: pytest.TempPathFactory, file: int | None, env: int | None, flag: int | None
+) -> None:
+    config = tmp_path_factory.mktemp("cfg") / "kvwarm.toml"
+    config.write_text("" if file is None else f"n_ctx = {file}\nport = {file % 65536}\n")
+    environ = {"KVWARM_CONFIG": str(config)}
+    if env is not None:
+        environ["KVWARM_N_CTX"] = str(env)
+    flags = {} if flag is None else {"n_ctx": str(flag)}
+    loaded = load_settings(flags, environ)
+    expected = next((v for v in (flag, env, file) if v is not None), Settings().n_ctx)
+    assert loaded.n_ctx == expected
+    assert loaded.port == (8000 if file is None else file % 65536)  # untouched by the others
