@@ -17,7 +17,7 @@ from kvwarm import Engine
 from kvwarm.engine.request import Done, Request
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.types import CompletionStats, GenerationOptions
-from kvwarm.errors import ConfigError, InvalidRequestError
+from kvwarm.errors import ConfigError, EngineClosedError, InvalidRequestError
 
 LONG = GenerationOptions(max_tokens=200, temperature=0.0, stop=(), ignore_eos=True)
 
@@ -209,3 +209,32 @@ def test_the_library_entry_points_refuse_what_they_do_not_take() -> None:
         assert model.status().requests == 0  # nothing reached the worker
     finally:
         eng.close()
+
+
+def test_every_operation_of_a_closed_model_is_engine_closed(tmp_path: Path) -> None:
+    """``unload()`` twice is a no-op, and every call after it is ``EngineClosedError``, as
+    ``complete`` is: ``apply_chat_template`` raised ``HandleClosedError`` (the backend's), and
+    the adapter calls reached the backend or the stopped worker."""
+    eng = make_engine()
+    model = eng.load_model(config=stub_config())
+    adapter = tmp_path / "adapter.gguf"
+    adapter.write_bytes(b"GGUF")
+    model.unload()
+    model.unload()
+    eng.close()
+    eng.close()
+    hi = [{"role": "user", "content": "hi"}]
+    calls = {
+        "complete": lambda: model.complete("hi"),
+        "apply_chat_template": lambda: model.apply_chat_template(hi),
+        "load_adapter": lambda: model.load_adapter(adapter),
+        "set_adapter_scale": lambda: model.set_adapter_scale(1, 0.5),
+        "detach_adapter": lambda: model.detach_adapter(1),
+        "evict": model.evict,
+    }
+    for name, call in calls.items():
+        with pytest.raises(EngineClosedError, match="model 'stub' is closed"):
+            call()
+        assert name
+    with pytest.raises(EngineClosedError):
+        eng.load_model(config=stub_config())

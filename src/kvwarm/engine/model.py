@@ -456,6 +456,7 @@ class Model:
         tools: Sequence[Mapping[str, object]] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
+        self._check_ready()
         return self._bmodel.apply_chat_template(
             messages,
             tools=tools,
@@ -852,12 +853,15 @@ class Model:
     ) -> AdapterInfo:
         """Load a LoRA adapter and attach it at ``scale`` to the model's own set (0: loaded,
         off except for requests that name it in ``GenerationOptions.lora``)."""
+        self._check_ready()
         return self._adapters.load(path, scale, name=name)
 
     def set_adapter_scale(self, handle: int, scale: float) -> AdapterInfo:
+        self._check_ready()
         return self._adapters.set_scale(handle, scale)
 
     def detach_adapter(self, handle: int) -> None:
+        self._check_ready()
         self._adapters.detach(handle)
 
     def list_adapters(self) -> list[AdapterInfo]:
@@ -869,6 +873,7 @@ class Model:
         """Synchronously save every idle slot's live KV (reason ``evict``), then release what
         a row now holds (KV whose save failed stays live: the only copy). Returns the number
         of rows saved."""
+        self._check_ready()
         return self._worker.call(
             lambda: self._worker.save_idle_slots(SaveReason.EVICT, release=True)
         ).result()
