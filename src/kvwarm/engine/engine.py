@@ -51,6 +51,13 @@ class Engine:
         self._lock = threading.Lock()
         self._closed = False
         _OPEN.add(self)
+        # Each loaded model's teardown (``Model.teardown``: no reference to the model), run by
+        # the finalizer if this engine is dropped unclosed (its models with it: each holds it).
+        self._teardowns: dict[str, Callable[[float], bool]] = {}
+        self._finalizer = weakref.finalize(
+            self, _dropped, self._teardowns, self.cache if self._owns_cache else None
+        )
+        self._finalizer.atexit = False  # at exit, _close_open_engines closes what is open
 
     def load_model(
         self,
@@ -95,6 +102,7 @@ class Engine:
             closed = self._closed
             if not closed:
                 self._models[mid] = model
+                self._teardowns[mid] = model.teardown()
         if closed:  # the engine closed while this model loaded: do not leak it
             model.unload()
             raise EngineClosedError("engine was closed while the model loaded")
@@ -132,6 +140,7 @@ class Engine:
     def _forget(self, model_id: str) -> None:
         with self._lock:
             self._models.pop(model_id, None)
+            self._teardowns.pop(model_id, None)
 
     def status(self) -> dict[str, object]:
         return {
@@ -145,6 +154,7 @@ class Engine:
             return
         self._closed = True
         _OPEN.discard(self)
+        self._finalizer.detach()
         for model in [m for m in list(self._models.values()) if m is not _LOADING]:
             try:
                 model.unload(timeout_s=timeout_s)
@@ -169,12 +179,48 @@ _LOADING: Model = object.__new__(Model)  # placeholder reserving an id during a 
 _OPEN: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
+#: Threads closing engines that were dropped unclosed (``_dropped``), joined at exit.
+_DROPPING: set[threading.Thread] = set()
+_DROPPING_LOCK = threading.Lock()
+
+
+def _dropped(teardowns: dict[str, Callable[[float], bool]], cache: Cache | None) -> None:
+    """An engine nobody holds was never closed (its models are gone with it: each holds its
+    engine): stop their workers, free their native state and close the cache it owned, as
+    ``close()`` does. In a thread of its own: the collector may run this on one of those
+    workers' threads, which the teardown waits for."""
+    log.info("an engine was dropped without close(): closing it (%d models)", len(teardowns))
+
+    def close() -> None:
+        try:
+            for teardown in list(teardowns.values()):
+                try:
+                    teardown(30.0)
+                except Exception:
+                    log.exception("unloading a model of a dropped engine failed")
+            if cache is not None:
+                cache.close(30.0)
+        finally:
+            with _DROPPING_LOCK:
+                _DROPPING.discard(threading.current_thread())
+
+    thread = threading.Thread(target=close, name="kvwarm-dropped-engine", daemon=True)
+    with _DROPPING_LOCK:
+        _DROPPING.add(thread)
+    thread.start()
+
+
 @atexit.register
 def _close_open_engines() -> None:
     """At interpreter exit (after non-daemon threads ended), close every engine still open,
-    as ``close()`` does: its slots' live KV saved, the pending saves written."""
+    as ``close()`` does: its slots' live KV saved, the pending saves written; and wait for
+    those dropped unclosed to finish closing."""
     for engine in list(_OPEN):
         try:
             engine.close()
         except Exception:
             log.exception("closing an engine at exit failed")
+    with _DROPPING_LOCK:
+        dropping = list(_DROPPING)
+    for thread in dropping:
+        thread.join(60.0)

@@ -30,6 +30,7 @@ class CompletionStream:
         self._req = request
         self._on_cancel = on_cancel
         self._head = head
+        self._owner: object = None  # the model, kept alive while its stream is (``keep``)
         # Found by review: a stream left half-read (``for piece in model.stream(...): break``)
         # went on generating to max_tokens, holding its slot. Only the request's event is set
         # here: a finalizer runs on whatever thread collects the stream, possibly the worker
@@ -39,6 +40,13 @@ class CompletionStream:
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self._prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+
+    def keep(self, owner: object) -> CompletionStream:
+        """Hold ``owner`` (the model) while this stream lives: a model, and the engine it
+        holds, dropped by everyone else is closed when collected, and must not be while a
+        stream of it is still read (``Engine``)."""
+        self._owner = owner
+        return self
 
     @property
     def prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
