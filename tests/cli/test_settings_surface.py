@@ -248,3 +248,13 @@ def test_precedence_is_flag_then_environment_then_file_then_default(
     expected = next((v for v in (flag, env, file) if v is not None), Settings().n_ctx)
     assert loaded.n_ctx == expected
     assert loaded.port == (8000 if file is None else file % 65536)  # untouched by the others
+
+
+@pytest.mark.parametrize("name", ["cache_dir", "shm_dir"])
+def test_a_cache_directory_that_is_a_file_is_refused_at_start(tmp_path: Path, name: str) -> None:
+    """The engine refused it only once the server had started (exit status 1)."""
+    afile = tmp_path / "rows"
+    afile.write_text("")
+    with pytest.raises(ConfigError, match=f"{name} {afile} is not a directory"):
+        load_settings({name: str(afile)}, {})
+    assert getattr(load_settings({name: str(tmp_path / "new")}, {}), name) == tmp_path / "new"

@@ -10,6 +10,7 @@ scheme picks it (``cache/tiers/registry.py``). See docs/architecture.md ("The ca
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -101,6 +102,13 @@ def check(s: Settings) -> None:
             f"cache_state_history must be -1 (keep every state) or more, got "
             f"{s.cache_state_history}"
         )
+    for name in ("cache_dir", "shm_dir"):
+        # Found by review: a file here stopped the engine only once the server had started
+        # ("cache root /etc/passwd/rows is not a directory", exit status 1). One that does not
+        # exist yet is created.
+        root: Path | None = getattr(s, name)
+        if root is not None and root.expanduser().exists() and not root.expanduser().is_dir():
+            raise ConfigError(f"{name} {root} is not a directory")
     tier = save_tier(s)
     if tier == "disk" and s.cache_dir is None:
         raise ConfigError("save_tier is disk but the disk tier is off (cache_dir none)")
