@@ -258,3 +258,13 @@ def test_a_cache_directory_that_is_a_file_is_refused_at_start(tmp_path: Path, na
     with pytest.raises(ConfigError, match=f"{name} {afile} is not a directory"):
         load_settings({name: str(afile)}, {})
     assert getattr(load_settings({name: str(tmp_path / "new")}, {}), name) == tmp_path / "new"
+
+
+def test_an_unknown_backend_is_refused_at_start(tmp_path: Path) -> None:
+    """The server started, then could load no model (exit status 1)."""
+    with pytest.raises(ConfigError, match=r"backend 'llama' is not one of llama_cpp, stub"):
+        load_settings({}, {"KVWARM_BACKEND": "llama"})
+    config = tmp_path / "kvwarm.toml"
+    config.write_text('[[models]]\nid = "m"\npath = "m.gguf"\nbackend = "sub"\n')
+    with pytest.raises(ConfigError, match=r"model m: backend 'sub' is not one of"):
+        load_settings({"config": str(config)}, {})

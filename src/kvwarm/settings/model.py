@@ -398,6 +398,14 @@ def check_models(settings: Settings) -> None:
     if settings.model_idle_unload_s < 0 or settings.max_loaded_models < 0:
         raise ConfigError("model_idle_unload_s and max_loaded_models must be >= 0")
     check_lora(settings)
+    from kvwarm.backends import BACKEND_NAMES
+
+    for spec in settings.models:
+        backend = spec.backend or settings.backend
+        if backend not in BACKEND_NAMES:
+            # Found by review: the server started and then could load no model (exit 1).
+            which = f"model {spec.model_id}: backend" if spec.backend else "backend"
+            raise ConfigError(f"{which} {backend!r} is not one of {', '.join(BACKEND_NAMES)}")
     for spec in settings.models:
         try:
             cfg = model_config(settings, spec)
