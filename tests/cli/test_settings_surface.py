@@ -268,3 +268,13 @@ def test_an_unknown_backend_is_refused_at_start(tmp_path: Path) -> None:
     config.write_text('[[models]]\nid = "m"\npath = "m.gguf"\nbackend = "sub"\n')
     with pytest.raises(ConfigError, match=r"model m: backend 'sub' is not one of"):
         load_settings({"config": str(config)}, {})
+
+
+@pytest.mark.parametrize("name", ["api_key", "admin_key"])
+@pytest.mark.parametrize("value", ["", "   "])
+def test_an_empty_key_is_refused_not_read_as_no_key(name: str, value: str) -> None:
+    """``KVWARM_API_KEY=`` (a secret never filled in) served every model with no key."""
+    with pytest.raises(ConfigError, match=f"environment setting {name}: is empty"):
+        load_settings({}, {env_var(name): value})
+    assert getattr(load_settings({}, {env_var(name): "s3cret"}), name) == "s3cret"
+    assert getattr(load_settings({}, {}), name) is None

@@ -63,6 +63,7 @@ from kvwarm.settings.types import (
     Bool,
     Float,
     Int,
+    Key,
     Models,
     ModelSpec,
     OptPath,
@@ -260,7 +261,7 @@ class Settings(ModelSettings, ServingSettings):
         description="system prompt to prewarm at startup (repeatable)",
         json_schema_extra=_REPEAT,
     )
-    api_key: OptStr = Field(
+    api_key: Key = Field(
         default=None,
         description="require this key on every API request (Authorization: Bearer, or x-api-key)",
     )
@@ -274,7 +275,7 @@ class Settings(ModelSettings, ServingSettings):
         description="/health is degraded, naming the model, when its worker has not ticked "
         "for this many seconds (0: never)",
     )
-    admin_key: OptStr = Field(
+    admin_key: Key = Field(
         default=None,
         description="bearer token required on admin endpoints (/cache/*, /admin/*, /cluster, "
         "POST /lora-adapters); default: none",

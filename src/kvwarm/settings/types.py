@@ -162,6 +162,21 @@ def as_opt_str(value: object) -> str | None:
     return text or None
 
 
+def as_key(value: object) -> str | None:
+    """A secret the server checks (``api_key``, ``admin_key``): unset (None), or a string of
+    something. Found by review: an empty value (``KVWARM_API_KEY=`` from a secret that was
+    not filled in) read as unset like any other optional string, and the server then served
+    every model with no key at all, silently."""
+    if value is None:
+        return None
+    if not as_str(value).strip():
+        raise ValueError(
+            "is empty: a key of no characters would let anyone in; give the key, or leave "
+            "the setting out to serve without one"
+        )
+    return str(value)
+
+
 def as_opt_path(value: object) -> Path | None:
     if value is None:
         return None
@@ -389,6 +404,7 @@ Bool = Annotated[bool, BeforeValidator(as_bool)]
 Size = Annotated[int, BeforeValidator(as_size)]
 OptInt = Annotated[int | None, BeforeValidator(as_opt_int)]
 OptStr = Annotated[str | None, BeforeValidator(as_opt_str)]
+Key = Annotated[str | None, BeforeValidator(as_key)]
 OptPath = Annotated[Path | None, BeforeValidator(as_opt_path)]
 OptTier = Annotated[TierName | None, BeforeValidator(as_tier)]
 StrTuple = Annotated[tuple[str, ...], BeforeValidator(as_str_tuple), NoDecode]
