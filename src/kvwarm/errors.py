@@ -118,8 +118,10 @@ class InvalidRequestError(KvwarmError, ValueError):
 class ContextOverflowError(InvalidRequestError):
     """The prompt (plus requested generation) does not fit the context window."""
 
-    def __init__(self, message: str, *, n_tokens: int = 0, n_ctx: int = 0) -> None:
-        super().__init__(message, param="prompt")
+    def __init__(
+        self, message: str, *, n_tokens: int = 0, n_ctx: int = 0, param: str = "prompt"
+    ) -> None:
+        super().__init__(message, param=param)
         self.n_tokens = n_tokens
         self.n_ctx = n_ctx
 

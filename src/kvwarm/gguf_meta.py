@@ -3,7 +3,9 @@
 Used where a file must be judged before anything native opens it: the model fingerprint's
 ``gguf_chunked`` mode (``engine/fingerprint.py``: where the tensor table and data start) and
 the settings' check that a configured LoRA adapter is an adapter made for its model's
-architecture (``settings/model.py``). Imports nothing of kvwarm.
+architecture (``settings/model.py``), and the shapes and types of a LoRA adapter's tensors,
+which llama.cpp does not check before its graph asserts on them (``read_tensors``,
+``backends/llama/adapter.py``). Imports nothing of kvwarm.
 
 Invariant: only the values of the keys asked for are decoded (strings and unsigned ints);
 every other value is skipped by its declared size, and a size that points past the file's end
@@ -23,6 +25,8 @@ MAGIC = b"GGUF"
 # Byte sizes of fixed-size GGUF metadata value types (uint8 … float64, bool).
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _UINT32, _STRING, _ARRAY = 4, 8, 9
+#: ggml's GGML_MAX_DIMS: a tensor of more dimensions is no GGUF llama.cpp reads.
+_MAX_DIMS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,3 +113,45 @@ def metadata_of(path: str | os.PathLike[str], keys: Collection[str]) -> dict[str
     p = Path(path)
     with p.open("rb") as f:
         return read_metadata(f, p.stat().st_size, keys).values
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One entry of a GGUF tensor table: ``shape`` in ggml's order (``ne[0]`` first),
+    ``ggml_type`` ggml's type id."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+
+
+def read_tensors(f: BinaryIO, size: int, n_tensors: int) -> list[TensorInfo]:
+    """The tensor table at ``f``'s position (where ``read_metadata`` leaves it); ``ValueError``
+    for a table that is not one (a count, name or dimension count past what the file holds)."""
+    if n_tensors > size:
+        raise ValueError("tensor count beyond file")
+    out: list[TensorInfo] = []
+    for _ in range(n_tensors):
+        (n,) = unpack_from_file(f, "<Q")
+        if n > size:
+            raise ValueError("tensor name beyond file")
+        raw = f.read(n)
+        if len(raw) != n:
+            raise ValueError("truncated tensor table")
+        (n_dims,) = unpack_from_file(f, "<I")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ValueError(f"tensor {raw[:64]!r} has {n_dims} dimensions")
+        shape = unpack_from_file(f, f"<{n_dims}Q")
+        ggml_type, _offset = unpack_from_file(f, "<IQ")
+        out.append(TensorInfo(raw.decode("utf-8", "replace"), tuple(shape), ggml_type))
+    return out
+
+
+def tensors_of(path: str | os.PathLike[str]) -> list[TensorInfo]:
+    """The tensor table of the GGUF file at ``path``; ``ValueError`` if it is not one,
+    ``OSError`` if it cannot be read."""
+    p = Path(path)
+    with p.open("rb") as f:
+        size = p.stat().st_size
+        meta = read_metadata(f, size, ())
+        return read_tensors(f, size, meta.n_tensors)

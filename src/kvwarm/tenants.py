@@ -27,6 +27,16 @@ def is_tenant_id(value: str) -> bool:
     return _TENANT_ID.fullmatch(value) is not None
 
 
+def tenant_of(salt: str | None) -> str | None:
+    """The tenant whose scope a resolved salt is (``scoped``): the tenant id of a
+    ``key:<tenant id>[:<salt>]`` salt, else None (no key presented: the one shared tenant).
+    What per-tenant bounds count by (``engine/worker/drafts.py``, ``RowDrafts``)."""
+    if salt is None or not salt.startswith("key:"):
+        return None
+    tenant = salt[4:].partition(":")[0]
+    return tenant if is_tenant_id(tenant) else None
+
+
 def scoped(salt: str | None, token: str | None) -> str | None:
     """``salt`` in the scope of the tenant ``token`` names (``cache_salt_from_auth`` on)."""
     return scoped_by_id(salt, tenant_id(token) if token else None)

@@ -54,6 +54,7 @@ def make_lora(
     alpha: float | None = None,
     f16: bool = False,
     misfit: int = 0,
+    invocation: Sequence[int] = (),
 ) -> Path:
     """Write a LoRA adapter GGUF for ``base_model_path`` to ``out_path`` and return it.
 
@@ -61,7 +62,8 @@ def make_lora(
     ``scale_hint`` times a typical weight's (for a unit ``scale`` at attach time). ``alpha``
     defaults to ``rank`` (effective multiplier 1). Deterministic for a given ``seed``.
     ``misfit``: widen each ``lora_a`` by that many inputs, so the adapter is one made for a
-    model of other dimensions (llama.cpp refuses it: "has incorrect shape").
+    model of other dimensions (llama.cpp refuses it: "has incorrect shape"). ``invocation``:
+    make it an activated LoRA (aLoRA: ``adapter.alora.invocation_tokens``).
     """
     arch, shapes = _read_base(str(base_model_path))
     if arch != "llama":
@@ -74,6 +76,13 @@ def make_lora(
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    if invocation:
+        writer.add_key_value(
+            "adapter.alora.invocation_tokens",
+            list(invocation),
+            gguf.GGUFValueType.ARRAY,
+            sub_type=gguf.GGUFValueType.UINT32,
+        )
     n = 0
     for layer in layers:
         for target in TARGETS:
@@ -91,6 +100,43 @@ def make_lora(
             n += 1
     if n == 0:
         raise ValueError("no layers to adapt")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def make_odd_lora(
+    base_model_path: str | Path,
+    out_path: str | Path,
+    *,
+    dtype: type[np.generic] = np.float32,
+    outer: int = 1,
+    which: str = "lora_a",
+) -> Path:
+    """An adapter llama.cpp's loader takes (names, first two dimensions right) that no forward
+    pass can run: one pair for ``blk.0.attn_q.weight`` of numpy type ``dtype`` (an integer
+    type, f64), or with ``which`` (``lora_a`` or ``lora_b``) given a third dimension of
+    ``outer``. Under llama.cpp alone the first decode under it aborts or crashes."""
+    arch, shapes = _read_base(str(base_model_path))
+    name = "blk.0.attn_q.weight"
+    n_in, n_out = shapes[name]
+    rank = 4
+    a = np.ones((rank, n_in), dtype=dtype)
+    b = np.ones((n_out, rank), dtype=dtype)
+    if outer > 1:
+        if which == "lora_a":
+            a = np.ones((outer, rank, n_in), dtype=dtype)
+        else:
+            b = np.ones((outer, n_out, rank), dtype=dtype)
+    out = Path(out_path)
+    writer = gguf.GGUFWriter(str(out), arch=arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(rank))
+    writer.add_tensor(f"{name}.lora_a", a)
+    writer.add_tensor(f"{name}.lora_b", b)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

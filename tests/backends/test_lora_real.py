@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.backends.lora_fixture import make_lora
+from tests.backends.lora_fixture import make_lora, make_odd_lora
 from tests.engine.conftest import make_engine
 
 from kvwarm.backends import get_backend
@@ -312,3 +312,104 @@ def test_files_at_paths_that_are_not_utf8_load(tmp_path: Path, lora_path: Path) 
         model.load_adapter(adapter_link).close()
     finally:
         model.close()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "outer", "which", "match"),
+    [
+        (np.int32, 1, "lora_a", "ggml type"),
+        (np.int8, 1, "lora_a", "ggml type"),
+        (np.float64, 1, "lora_a", "ggml type"),
+        (np.float32, 2, "lora_a", r"has shape 576x4x2; it must be a matrix"),
+        (np.float32, 3, "lora_b", r"has shape 4x576x3; it must be a matrix"),
+    ],
+)
+def test_an_adapter_llama_cpp_takes_but_cannot_run_is_refused_at_load(
+    bmodel: BackendModel,
+    tmp_path: Path,
+    dtype: type[np.generic],
+    outer: int,
+    which: str,
+    match: str,
+) -> None:
+    """Found by review: llama.cpp checks only a LoRA tensor's first two dimensions and not its
+    type, so these loaded and attached, and the first decode under them killed the process
+    (i32/i8/f64: SIGSEGV in the CPU matmul; a third dimension: ``GGML_ASSERT(ggml_can_mul_mat
+    (a, b))``). They are refused before llama.cpp sees them, and the model still serves."""
+    odd = make_odd_lora(
+        default_model_path(), tmp_path / "odd.gguf", dtype=dtype, outer=outer, which=which
+    )
+    with pytest.raises(AdapterError, match=match):
+        bmodel.load_adapter(str(odd))
+    ctx = bmodel.new_context(CTX)
+    try:
+        assert np.isfinite(np.frombuffer(last_logits(bmodel, ctx), dtype=np.float32)).all()
+    finally:
+        ctx.close()
+
+
+def test_an_activated_lora_is_refused_not_run_over_whole_prompts(
+    bmodel: BackendModel, tmp_path: Path
+) -> None:
+    """Found by review: an aLoRA (``adapter.alora.invocation_tokens``) acts only from its
+    invocation tokens on in llama-server; kvwarm loaded it as a plain LoRA and ran it over
+    whole prompts, silently another model than the adapter's. It is refused, and freed."""
+    alora = make_lora(default_model_path(), tmp_path / "alora.gguf", invocation=(504, 3575))
+    with pytest.raises(AdapterError, match="activated LoRA"):
+        bmodel.load_adapter(str(alora))
+    plain = make_lora(default_model_path(), tmp_path / "plain.gguf")
+    bmodel.load_adapter(str(plain)).close()
+
+
+def test_requests_of_different_sets_side_by_side_give_what_each_gives_alone(
+    lora_path: Path,
+) -> None:
+    """llama.cpp applies adapters to a whole context, not per sequence: kvwarm runs slots of
+    different sets in passes of their own (``Runtime.use_adapters`` before each). On the real
+    model, a request under the adapter and one without, decoding at once in two slots (not
+    deterministic mode, which gives each slot passes of its own anyway), each give the greedy
+    tokens they give alone; with the two sets in one pass, one of them ran under the other's
+    adapters (checked by disabling the split: the adapted reply came out as another)."""
+    eng = make_engine()
+    try:
+        model = eng.load_model(
+            config=ModelConfig(
+                context=ContextParams(n_ctx=128, n_batch=16, n_ubatch=16, n_threads=2),
+                n_parallel=2,
+            )
+        )
+        info = model.load_adapter(lora_path, 0.0)
+        opts = GenerationOptions(max_tokens=6, temperature=0.0)
+        under = GenerationOptions(max_tokens=6, temperature=0.0, lora=((info.handle, 1.0),))
+        prompts = ("The capital of France is", "The capital of Spain is")
+        together = [model.submit(prompts[0], opts), model.submit(prompts[1], under)]
+        plain, adapted = (s.result() for s in together)
+        assert model.complete(prompts[0], opts).completion_tokens == plain.completion_tokens
+        assert model.complete(prompts[1], under).completion_tokens == adapted.completion_tokens
+        assert model.complete(prompts[1], opts).completion_tokens != adapted.completion_tokens
+    finally:
+        eng.close()
+
+
+def test_an_adapter_file_replaced_while_it_loads_is_refused(
+    bmodel: BackendModel, lora_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adapter's digest is folded into the cache namespace; found by review: a file
+    replaced after the digest was taken and before llama.cpp read it loaded the other
+    adapter under the first one's namespace (its KV later restored for the wrong adapter)."""
+    from kvwarm.backends.llama import adapter as adapter_module
+
+    path = tmp_path / "swapped.gguf"
+    path.write_bytes(lora_path.read_bytes())
+    other = make_lora(default_model_path(), tmp_path / "other.gguf", seed=7)
+    checked = adapter_module._check_tensors
+
+    def swap_then_check(p: str, metadata: object) -> None:
+        os.replace(other, path)  # between the digest and llama.cpp's read
+        checked(p, metadata)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(adapter_module, "_check_tensors", swap_then_check)
+    with pytest.raises(AdapterError, match="changed while it was loading"):
+        bmodel.load_adapter(str(path))
+    monkeypatch.undo()
+    bmodel.load_adapter(str(path)).close()  # loads once it holds still

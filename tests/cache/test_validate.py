@@ -19,6 +19,25 @@ from kvwarm.errors import ConfigError
         (CacheConfig(tiers=(TierConfig("ram", 1, Path("/tmp/x")),)), "no root"),
         (CacheConfig(tiers=(TierConfig("disk", 1),)), "needs a root"),
         (CacheConfig(tiers=(TierConfig("ram", 1), TierConfig("ram", 2))), "twice"),
+        # Their counters would clash: a's quota_bytes is a_quota's bytes (a series twice).
+        (
+            CacheConfig(
+                tiers=(
+                    TierConfig("a", 1, url="file:///tmp/kv-a"),
+                    TierConfig("a_quota", 1, url="file:///tmp/kv-b"),
+                )
+            ),
+            "tiers a and a_quota: both would report a counter tier_a_quota_bytes",
+        ),
+        (
+            CacheConfig(
+                tiers=(
+                    TierConfig("x_restored", 1, url="file:///tmp/kv-a"),
+                    TierConfig("x", 1, url="file:///tmp/kv-b"),
+                )
+            ),
+            "tier_x_restored_bytes",
+        ),
         (
             CacheConfig(
                 tiers=(

@@ -116,17 +116,23 @@ def test_a_sampling_flag_out_of_range_is_a_usage_error(
     assert err.startswith(f"kvwarm: error: {said}") and err.count("\n") == 1, err
 
 
-def test_cache_ls_refuses_a_negative_limit(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("limit", ["-3", "0"])
+def test_cache_ls_refuses_a_limit_below_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], limit: str
 ) -> None:
-    """``--limit -3`` listed every row without a word (found by review); 0 still means all."""
+    """``--limit -3`` listed every row without a word (found by review); ``--limit 0`` meant
+    all rows, where ``GET /cache/rows?limit=0`` meant none: both refuse it now, saying how
+    to list every row."""
     from kvwarm.cli import main
 
     with pytest.raises(SystemExit) as exited:
-        main(["cache", "ls", "--limit", "-3", "--cache-dir", str(tmp_path)])
+        main(["cache", "ls", "--limit", limit, "--cache-dir", str(tmp_path)])
     assert exited.value.code == 2
-    assert "argument --limit: must be 0 (all) or more, got -3" in capsys.readouterr().err
-    assert main(["cache", "ls", "--json", "--limit", "0", "--cache-dir", str(tmp_path)]) == 0
+    said = f"argument --limit: must be 1 or more (leave --limit out for every row), got {limit}"
+    assert said in capsys.readouterr().err
+    assert main(["cache", "ls", "--json", "--cache-dir", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    assert main(["cache", "ls", "--json", "--limit", "1", "--cache-dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out) == []
 
 

@@ -3,11 +3,15 @@
 so a replica's own queue never filled and no request was ever refused; the extra ones waited
 until ``request_timeout_s``. The ingress now holds at most ``replicas x (n_parallel +
 max_queue)`` generations of a model; one more is the same 429 ``queue_full``, with
-Retry-After, that a single server gives. No Ray: a replica body behind direct calls, and
-streams parked (admitted, never answered) to fill the ingress."""
+Retry-After, that a single server gives. The replicas counted are those running (found by
+review: ``--replicas`` was counted, so with one of two replicas dead the ingress let twice
+what the live one holds wait in Ray's queue), and ``max_queue`` is the model's own. No Ray: a
+replica body behind direct calls, and streams parked (admitted, never answered) to fill the
+ingress."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Iterator
 
 import pytest
@@ -21,6 +25,7 @@ from kvwarm.cluster.ingress import create_ingress_app, max_in_flight
 from kvwarm.cluster.remote import RemoteModel
 from kvwarm.cluster.replica import EngineReplica
 from kvwarm.errors import QueueFullError
+from kvwarm.settings.model import max_queue, model_config
 
 # Two replicas of two slots and one queued request each: six generations at once.
 SETTINGS = stub_settings(replicas=2, n_parallel=2, max_queue=1)
@@ -48,6 +53,11 @@ class ParkingCalls(DirectCalls):
     def __init__(self, replica: EngineReplica) -> None:
         super().__init__(replica)
         self.parked: list[Generate] = []
+        # What the router knows runs (one body serves both: the bound only counts them).
+        self.running = ["replica-1", "replica-2"]
+
+    def replicas(self) -> list[str]:
+        return list(self.running)
 
     def stream(self, call: Generate) -> DirectStream | Parked:  # type: ignore[override]
         if not self.park:
@@ -104,6 +114,43 @@ def test_a_request_past_the_replicas_capacity_is_a_429_with_retry_after(
     for stream in parked[1:]:
         stream.cancel()
     assert model.in_flight == 0
+
+
+def test_the_bound_follows_the_replicas_running(client: TestClient, calls: ParkingCalls) -> None:
+    model = _model(client)
+    calls.park = True
+    calls.running = ["replica-1"]  # the other died: what one replica holds, 2 + 1
+    held = [model.stream("hello") for _ in range(3)]
+    with pytest.raises(QueueFullError, match="at most 3"):
+        model.stream("hello")
+    calls.running = ["replica-1", "replica-2", "replica-3"]  # a replacement and one more
+    held += [model.stream("hello") for _ in range(6)]
+    with pytest.raises(QueueFullError, match="at most 9"):
+        model.stream("hello")
+    calls.running = []  # none known (no router in this process): --replicas counts
+    with pytest.raises(QueueFullError, match="at most 6"):
+        model.stream("hello")
+    for stream in held:
+        stream.cancel()
+    assert model.in_flight == 0
+
+
+def test_a_models_own_max_queue_sizes_its_bound(replica: EngineReplica) -> None:
+    spec = dataclasses.replace(SETTINGS.models[0], options=(("max_queue", 4),))
+    settings = SETTINGS.replace(models=(spec, SETTINGS.models[1]))
+    assert max_queue(settings, spec) == 4 and max_queue(settings, settings.models[1]) == 1
+    assert model_config(settings, spec).max_queue == 4  # a replica queues as many
+    calls = ParkingCalls(replica)
+    with TestClient(create_ingress_app(settings, calls)) as client:
+        wait_ready(client.get)
+        model = _model(client)
+        calls.park = True
+        held = [model.stream("hello") for _ in range(12)]  # 2 x (2 + 4)
+        with pytest.raises(QueueFullError, match="at most 12"):
+            model.stream("hello")
+        for stream in held:
+            stream.cancel()
+    assert ingress_max_ongoing(settings) >= 12 + max_in_flight(settings, 2)
 
 
 def test_n_choices_are_admitted_all_or_none(client: TestClient, calls: ParkingCalls) -> None:

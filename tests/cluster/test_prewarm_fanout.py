@@ -191,3 +191,45 @@ def test_a_replica_that_starts_later_gets_the_kept_prefixes_at_once(
         _joins_done(client)
         assert client.get("/health").json()["status"] == "ok"
     assert "on new replica replica-3 failed" in caplog.text
+
+
+class JoinsMidAttach(IndexedReplicas):
+    """Replica 2 starts while model a is being attached, just after its fan-out read the
+    running replicas (at its first prewarm), and the ingress has seen it join before the
+    attach goes on."""
+
+    state: object = None
+
+    def op(self, op: ModelOp) -> object:
+        if op.op == "prewarm" and "replica-2" not in self.index.running():
+            self.index.retain({"replica-1": None, "replica-2": None})
+            self.state._joins.submit(lambda: None).result(60)  # type: ignore[attr-defined]
+        return super().op(op)
+
+
+def test_a_replica_that_joins_during_an_attach_is_warmed_once_attached(
+    replicas: list[EngineReplica],
+) -> None:
+    # Found by review: it missed both paths, the attach's fan-out (which read the running
+    # replicas before it joined) and the join's (the model was not ready yet).
+    index = ClusterIndex()
+    index.retain({"replica-1": None})
+    calls = JoinsMidAttach(replicas, index)
+    app = create_ingress_app(SETTINGS.replace(keepalive_interval_s=0.0), calls, index)
+    calls.state = app.state.kvwarm
+    with TestClient(app) as client:
+        wait_ready(client.get)
+        _joins_done(client)
+        # Each model's prompt once on each replica: a's on replica 2 after its attach.
+        warmed = sorted(r for op, r in calls.ran if op == "prewarm")
+        assert warmed == ["replica-1", "replica-1", "replica-2", "replica-2"], calls.ran
+        assert _ram_rows(replicas[1]) >= 2
+        # The index announces a replica just after it runs: an announce the fan-out beat
+        # warms nothing twice; a later one (it came back after being thought dead) does.
+        state = client.app.state.kvwarm  # type: ignore[attr-defined]
+        state._fanned["a"].add("replica-1")
+        before = len(calls.ran)
+        state._warm_joined("replica-1")
+        assert [r for _, r in calls.ran[before:]] == ["replica-1"]  # b's only
+        state._warm_joined("replica-1")
+        assert [r for _, r in calls.ran[before:]] == ["replica-1"] * 3

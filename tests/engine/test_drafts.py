@@ -27,6 +27,7 @@ from kvwarm.engine.worker.drafts import (
     match_prior,
 )
 from kvwarm.errors import ConfigError
+from kvwarm.tenants import scoped, tenant_id, tenant_of
 
 
 def test_ngram_index_finds_the_latest_earlier_occurrence() -> None:
@@ -251,6 +252,45 @@ def test_row_drafts_stay_bounded_and_refresh_at_most_once_a_second() -> None:
     assert _cont(drafts, b, (7, 8), 2) == [9]
     drafts.saved(a, [7, 8, 9])  # a is not indexed (nobody drafts from it): ignored
     assert _cont(drafts, a, (7, 8), 2) == []
+
+
+def test_one_tenants_rows_never_take_another_tenant_below_its_share() -> None:
+    # Found by review: the bound was global, so one tenant drafting from a busy namespace (or
+    # from many) dropped every other tenant's index whole.
+    cache = _Rows()
+    quiet, busy = _ns(b"q"), _ns(b"f")
+    now = [0.0]
+    for i in range(3):
+        cache.add(quiet, list(range(1000 * i, 1000 * i + 30)))
+    drafts = _drafts(cache, max_tokens=120, clock=lambda: now[0])
+    drafts.refresh(quiet, "q")
+    assert drafts.held("q") == 90  # alone: all of the bound is its
+    for i in range(10):
+        cache.add(busy, list(range(10_000 + 100 * i, 10_000 + 100 * i + 30)))
+    drafts.refresh(busy, "f")
+    assert drafts.held("f") <= 60 and drafts.held("q") == 60  # its newest rows, its half
+    assert drafts.tokens <= 120
+    kept = [i for i in range(3) if _cont(drafts, quiet, (1000 * i, 1000 * i + 1), 1)]
+    assert len(kept) == 2  # two of its rows: it drafts from them still
+    for i in range(50):  # a flood of replies and of other namespaces of the same tenant
+        drafts.saved(busy, list(range(20_000 + 100 * i, 20_000 + 100 * i + 25)))
+        other = _ns(bytes([i + 1]) + b"f")
+        cache.add(other, list(range(30_000 + 100 * i, 30_000 + 100 * i + 40)))
+        drafts.refresh(other, "f")
+        assert drafts.held("q") == 60 and drafts.tokens <= 120, i
+    assert kept == [i for i in range(3) if _cont(drafts, quiet, (1000 * i, 1000 * i + 1), 1)]
+    # A share is a floor, not a ceiling: a tenant grows into the room the others leave.
+    drafts = _drafts(cache, max_tokens=150, clock=lambda: now[0])
+    drafts.refresh(_ns(b"\x01f"), "f")  # one row of 40
+    drafts.refresh(quiet, "q")
+    assert drafts.held("q") == 90 and drafts.held("f") == 40  # 90 > its share of 75
+
+
+def test_a_namespaces_tenant_is_its_salts_key() -> None:
+    tenant = tenant_id("k")
+    assert tenant_of(scoped("s", "k")) == tenant == tenant_of(scoped(None, "k"))
+    assert tenant_of(scoped("s", None)) is None and tenant_of(None) is None
+    assert tenant_of("plain salt") is None and tenant_of("key:notanid") is None
 
 
 def test_drafter_asks_elsewhere_only_when_its_own_text_has_no_match() -> None:

@@ -2,24 +2,26 @@
 exactly one outcome (``counters.REQUEST_OUTCOMES``), for what served its prompt's prefix once
 it was in its slot, never for what a lookup found: a row restored (``hits_exact``,
 ``hits_longest_prefix``, ``hits_resume``), a slot's live KV (``hits_live``), or nothing
-(``misses``, a refused or failed restore included). Lookups, metadata reads and waits count
-nothing."""
+(``misses``, a refused or failed restore included); a request that failed before it was
+seated counts ``admission_failures``. Lookups, metadata reads and waits count nothing. Each
+row restore is also counted for the tier it came from."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.engine.conftest import GatedBackend, make_engine, stub_config
+from tests.engine.conftest import LOW_GATES, GatedBackend, make_engine, stub_config
 
 from kvwarm.cache.counters import REQUEST_OUTCOMES
-from kvwarm.cache.types import Namespace, PrefixMatch
-from kvwarm.engine.api import Engine
+from kvwarm.cache.types import CacheConfig, Namespace, PrefixMatch, TierConfig
+from kvwarm.engine.api import Engine, EngineConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import Completion, GenerationOptions
-from kvwarm.errors import StateRestoreError
+from kvwarm.errors import BackendError, StateRestoreError
 
 GREEDY = GenerationOptions(max_tokens=6, temperature=0.0)
 PROMPT = "The system prompt says: be brief and kind. Question: what is a cache?"
@@ -248,3 +250,97 @@ def test_every_request_counts_exactly_one_outcome(engine: Engine) -> None:
             model.evict()
     after = outcomes(engine)
     assert sum(changed(before, after).values()) == len(prompts)
+
+
+def test_a_request_failing_before_it_is_seated_counts_one_admission_failure(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a request whose admission failed before it was seated (here its
+    sampler refused) was answered with the error and counted no outcome, so the outcomes no
+    longer added up to the requests. It counts ``admission_failures``: it was never served,
+    so it is neither a hit nor a miss."""
+    model = engine.load_model(config=stub_config())
+    counted(engine, model, PROMPT)
+    rt = model._worker.rt
+
+    def refuse(params: object) -> object:
+        raise BackendError("sampler refused on purpose")
+
+    monkeypatch.setattr(rt.model, "new_sampler", refuse)
+    before = outcomes(engine)
+    with pytest.raises(BackendError, match="on purpose"):
+        model.complete(PROMPT + " Again.", GREEDY)
+    assert changed(before, outcomes(engine)) == {"admission_failures": 1}
+    monkeypatch.undo()
+    # The worker and its slot are fine: the next request is served and counted as usual.
+    _, delta = counted(engine, model, PROMPT + " Again.")
+    assert sum(delta.values()) == 1 and "admission_failures" not in delta
+
+
+def test_a_request_failing_once_seated_counts_its_outcome_once(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure after its outcome was counted (its checkpoints cannot be planned) fails the
+    request, and counts no admission failure on top of the outcome."""
+    model = engine.load_model(config=stub_config())
+    port = model._worker.port
+
+    def broken(*args: object, **kw: object) -> object:
+        raise BackendError("no checkpoints on purpose")
+
+    monkeypatch.setattr(port, "saved_below", broken)
+    before = outcomes(engine)
+    with pytest.raises(BackendError, match="on purpose"):
+        model.complete(PROMPT, GREEDY)
+    assert changed(before, outcomes(engine)) == {"misses": 1}
+
+
+def test_each_restore_is_counted_for_the_tier_it_came_from(tmp_path: Path) -> None:
+    """Per-tier restores (found by review: an operator could not see how many restores each
+    tier served, nor how long they took; a tier's ``hits`` count its rows opened, which LFU
+    reads): ``tier_<name>_restores``, ``_restored_bytes`` and ``_restore_seconds``, the
+    ``restore`` latency split by tier. A slot's live KV restores nothing."""
+    eng = Engine(
+        EngineConfig(
+            cache=CacheConfig(
+                tiers=(TierConfig("ram", 64 << 20), TierConfig("disk", 64 << 20, tmp_path))
+            ),
+            policy=LOW_GATES,
+        )
+    )
+    try:
+        on_disk = eng.load_model(config=replace(stub_config(), save_tier="disk"))
+        in_ram = eng.load_model(model_id="ram-model", config=stub_config())
+
+        zero = eng.cache.counters()
+        assert zero["tier_ram_restores"] == zero["tier_disk_restores"] == 0  # listed at 0
+        # One model's rows go to disk, the other's to RAM (the same stub: other prompts).
+        other = "Entirely different words, for a row of their own in RAM."
+        for model, prompt in ((on_disk, PROMPT), (in_ram, other)):
+            counted(eng, model, prompt)
+            model.evict()
+        before = eng.cache.counters()
+        _, delta = counted(eng, on_disk, PROMPT)
+        assert delta == {"hits_exact": 1}
+        after = eng.cache.counters()
+        assert after["tier_disk_restores"] - before["tier_disk_restores"] == 1
+        assert after["tier_ram_restores"] == before["tier_ram_restores"]
+        assert after["tier_disk_restored_bytes"] > before["tier_disk_restored_bytes"]
+        assert after["tier_disk_restore_seconds"] > before["tier_disk_restore_seconds"]
+        _, delta = counted(eng, in_ram, other)
+        assert delta == {"hits_exact": 1}
+        final = eng.cache.counters()
+        assert final["tier_ram_restores"] - after["tier_ram_restores"] == 1
+        # The restore latency is their sum; live KV (the slot kept it) adds to neither.
+        _, delta = counted(eng, in_ram, other + " More.")
+        assert delta == {"hits_live": 1}
+        last = eng.cache.counters()
+        for key in ("count", "seconds"):
+            series = "restores" if key == "count" else "restore_seconds"
+            split = sum(last[f"tier_{t}_{series}"] for t in ("ram", "disk"))
+            assert split == pytest.approx(last[f"latency_restore_{key}"])
+        assert last["tier_ram_restores"] == final["tier_ram_restores"]
+        # A tier's hits (rows opened, for LFU) are another count, and stay what they were.
+        assert sum(r.hits for r in eng.cache.rows() if r.tier == "disk") >= 1
+    finally:
+        eng.close()

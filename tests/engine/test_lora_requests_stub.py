@@ -233,3 +233,42 @@ def test_a_configured_adapter_that_fails_fails_the_load_and_frees_it(
     assert engine.list_models() == []
     model: Model = engine.load_model(model_id="m", config=stub_config())  # the id is free again
     assert model.complete(PROMPT, GREEDY).text
+
+
+def test_a_scale_past_the_bound_is_refused_before_the_context_sees_it(
+    engine: Engine, adapter_files: tuple[Path, Path]
+) -> None:
+    """Found by review: 1e39 is finite, so it passed the scale check, reached the context
+    (inf as a float32) and only then failed the namespace with a ValueError: the model ran
+    under a scale that neither its listing nor its cache namespace had."""
+    model = engine.load_model(config=stub_config())
+    info = model.load_adapter(adapter_files[0], scale=1.0, name="a")
+    before = model.complete(PROMPT, GREEDY).text
+    with pytest.raises(InvalidRequestError, match="float32"):
+        model.set_adapter_scale(info.handle, 1e39)
+    with pytest.raises(InvalidRequestError, match="float32"):
+        model.load_adapter(adapter_files[1], scale=-1e39, name="b")
+    assert [(a.handle, a.scale) for a in model.list_adapters()] == [(info.handle, 1.0)]
+    after = model.complete(PROMPT, GenerationOptions(max_tokens=6, temperature=0.0, seed=1))
+    assert after.text == before
+
+
+def test_an_embedding_may_name_its_own_set(
+    engine: Engine, adapter_files: tuple[Path, Path]
+) -> None:
+    """``Model.embed(lora=...)``: the set to embed under, as a request's own (the server
+    passes its global scales); None: the model's own set. An unknown handle or a bad scale is
+    refused before anything runs."""
+    model = engine.load_model(config=stub_config())
+    info = model.load_adapter(adapter_files[0], scale=0.0, name="a")
+    base = model.embed(["hello"])
+    named = model.embed(["hello"], lora=((info.handle, 1.0),))
+    assert named != base
+    assert model.embed(["hello"], lora=()) == base
+    model.set_adapter_scale(info.handle, 1.0)
+    assert model.embed(["hello"]) == named  # the model's own set, now on
+    assert model.embed(["hello"], lora=()) == base
+    with pytest.raises(AdapterError):
+        model.embed(["hello"], lora=((info.handle + 5, 1.0),))
+    with pytest.raises(InvalidRequestError):
+        model.embed(["hello"], lora=((info.handle, float("nan")),))

@@ -27,6 +27,7 @@ from kvwarm.engine.worker.drafts import Cost, PassCost
 from kvwarm.errors import ConfigError, InvalidRequestError, StateRestoreError
 from kvwarm.memory import MemoryKindName
 from kvwarm.server.budget import memory_of
+from kvwarm.tenants import scoped, tenant_id
 
 PASSAGE = "The quick brown fox jumps over the lazy dog while the cat sleeps on the mat. "
 PROMPT = f"Copy this: {PASSAGE}{PASSAGE}Again: The quick"
@@ -482,6 +483,13 @@ def test_drafts_from_the_namespaces_rows_and_no_other(engine: Engine) -> None:
     other = model.complete(prompt, opts, cache_salt="tenant-b")
     assert other.completion_tokens == first.completion_tokens  # the same model, the same reply
     assert other.stats.drafted_tokens == 0  # but nothing of tenant-a's rows
+    # A key's salt (``tenants.scoped``) names the tenant whose share of the index it counts
+    # in; the salts above are no key's, the shared tenant's.
+    keyed = scoped("s", "a key")
+    model.complete(prompt, replace(opts, max_tokens=4), cache_salt=keyed)
+    rows = model._worker.rt.row_drafts  # type: ignore[attr-defined]
+    assert rows is not None and rows.held(tenant_id("a key")) > 0
+    assert rows.held(None) > 0
 
 
 def test_only_a_greedy_request_trusts_an_earlier_reply(engine: Engine) -> None:

@@ -193,7 +193,8 @@ def _reply(text: str, calls: list[ToolCall], finish: str = "stop") -> ChatReply:
         finish_reason=finish,  # type: ignore[arg-type]
         key=b"k" * 32,
     )
-    return ChatReply(Completion(text, (1,) * 10, (2,) * 3, stats), text, calls)
+    parts: list[str | ToolCall] = [text] if text else []
+    return ChatReply(Completion(text, (1,) * 10, (2,) * 3, stats), [*parts, *calls])
 
 
 def test_tool_use_reply_blocks_and_stream_events() -> None:
@@ -213,7 +214,8 @@ def test_tool_use_reply_blocks_and_stream_events() -> None:
         "cache_creation_input_tokens": 6,
     }
     events = anthropic.MessageEvents("msg_1", "a")
-    seq = [events.start(), *events.text("Let me"), *events.finish(_reply(" look.", [call]))]
+    seq = [events.start(), *events.text("Let me"), *events.text(" look."), *events.call(call)]
+    seq += events.finish(_reply("Let me look.", [call]))
     names = [n for n, _ in seq]
     assert names == [
         "message_start",
@@ -245,7 +247,7 @@ def test_tool_use_reply_blocks_and_stream_events() -> None:
 def test_forced_call_stream_has_no_text_block_and_max_tokens_maps() -> None:
     events = anthropic.MessageEvents("m", "a")
     call = ToolCall("call_x", "f", "{}")
-    names = [n for n, _ in events.finish(_reply("", [call]))]
+    names = [n for n, _ in [*events.call(call), *events.finish(_reply("", [call]))]]
     assert names[:3] == ["content_block_start", "ping", "content_block_delta"]
     cut = anthropic.message("m", "a", _reply("abc", [], finish="length"))
     assert cut["stop_reason"] == "max_tokens"

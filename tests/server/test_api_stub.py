@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import logging
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -325,6 +326,12 @@ def test_unknown_model_is_404(client: TestClient) -> None:
         ({"model": "a", "prompt": "x", "temperature": -1}, "invalid_value", "temperature"),
         ({"model": "a", "prompt": "x", "n": 9}, "invalid_value", "n"),  # > n_parallel
         ({"model": "a", "prompt": "x", "n": 0}, "invalid_type", "n"),
+        # best_of: candidates the n are chosen from (OpenAI's rules), bounded as n is.
+        ({"model": "a", "prompt": "x", "n": 3, "best_of": 2}, "invalid_value", "best_of"),
+        ({"model": "a", "prompt": "x", "best_of": 2, "stream": True}, "invalid_value", "best_of"),
+        ({"model": "a", "prompt": "x", "best_of": 9}, "invalid_value", "best_of"),  # n_parallel
+        ({"model": "a", "prompt": "x", "best_of": 65}, "invalid_type", "best_of"),
+        ({"model": "a", "prompt": "x", "best_of": 0}, "invalid_type", "best_of"),
         ({"model": "a", "prompt": "x", "grammar": "no root here"}, "invalid_grammar", None),
         ({"model": "a", "prompt": []}, None, "prompt"),
         ({"model": "a", "prompt": "x", "logit_bias": {"abc": 1}}, None, "logit_bias"),
@@ -370,6 +377,40 @@ def test_bad_chat_requests_are_400(client: TestClient) -> None:
     for legacy, value in (("functions", [function]), ("function_call", {"name": "f"})):
         old_style = {"model": "a", "messages": hi, legacy: value}
         assert_error(client.post("/v1/chat/completions", json=old_style), 400, None, legacy)
+    # best_of belongs to the legacy completions API (as at OpenAI): refused, not ignored.
+    best = {"model": "a", "messages": hi, "n": 1, "best_of": 3}
+    assert_error(client.post("/v1/chat/completions", json=best), 400, None, "best_of")
+
+
+def test_the_end_user_a_request_names_is_in_its_log_line(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """OpenAI's ``user`` (and Anthropic's ``metadata.user_id``) was accepted and went nowhere;
+    it is what lets an operator tell whose requests these were. Quoted as JSON, cut to 64
+    characters: a newline in it cannot forge a log line."""
+    hi = [{"role": "user", "content": "hi"}]
+    bodies = [
+        ("/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 1, "user": "ann\nfake"}),
+        ("/v1/chat/completions", {"model": "a", "messages": hi, "max_tokens": 1, "user": "bo"}),
+        (
+            "/v1/messages",
+            {"model": "a", "messages": hi, "max_tokens": 1, "metadata": {"user_id": "cy"}},
+        ),
+        ("/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 1, "user": "d" * 100}),
+    ]
+    for path, body in bodies:
+        with caplog.at_level(logging.INFO, logger="kvwarm.server.requests"):
+            caplog.clear()
+            assert client.post(path, json=body).status_code == 200
+        (line,) = [r.getMessage() for r in caplog.records if r.name == "kvwarm.server.requests"]
+        assert "\n" not in line
+        said = body.get("user") or "cy"
+        assert isinstance(said, str)
+        assert line.endswith(' user="' + said[:64].replace("\n", "\\n") + '"'), line
+    with caplog.at_level(logging.INFO, logger="kvwarm.server.requests"):
+        caplog.clear()
+        client.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 1})
+    assert "user=" not in caplog.records[-1].getMessage()
 
 
 def test_stream_options_need_a_stream(client: TestClient) -> None:
@@ -505,7 +546,8 @@ def test_evict_from_a_tier_not_configured_is_a_400(client: TestClient) -> None:
     assert "'dsik'" in response.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("limit", ["\u00b2", "9" * 5000, "-1", "abc"])
+# 0 too: it meant "no rows" here and "all rows" in `kvwarm cache ls`; both refuse it now.
+@pytest.mark.parametrize("limit", ["\u00b2", "9" * 5000, "-1", "abc", "0"])
 def test_cache_rows_bad_limit_is_a_400_naming_it(client: TestClient, limit: str) -> None:
     assert_error(client.get("/cache/rows", params={"limit": limit}), 400, "invalid_type", "limit")
 

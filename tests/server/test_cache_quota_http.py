@@ -34,3 +34,9 @@ def test_stats_say_when_the_filesystem_caps_a_quota(
         "quota_capped_by_filesystem": True,
     }
     assert stats["quotas"]["ram"]["quota_capped_by_filesystem"] is False
+    # The per-tier summary the dashboard and kvwarm cache stats read says the same.
+    tier = stats["tiers"]["disk"]
+    assert tier["quota_bytes"] == 1 << 30
+    assert tier["effective_quota_bytes"] == used + free and tier["quota_capped_by_filesystem"]
+    ram = stats["tiers"]["ram"]
+    assert ram["effective_quota_bytes"] == ram["quota_bytes"]

@@ -44,3 +44,38 @@ def test_dimensions_shorten_to_a_unit_vector_and_out_of_range_is_a_400(client: T
         response = client.post("/v1/embeddings", json={**body, "dimensions": bad})
         assert response.status_code == 400, response.json()
         assert response.json()["error"]["param"] == "dimensions"
+
+
+@pytest.mark.parametrize("ids", [[True], [[True, 2]], [2.0], [[1.0, 2]]])
+def test_token_ids_are_json_integers_only(client: TestClient, ids: list[object]) -> None:
+    """Found by review: pydantic's lax ``int`` took ``true`` as token 1 and ``2.0`` as token 2,
+    so ``"input": [true]`` embedded token 1 (and a completion's prompt ran it): a 400 now, as
+    OpenAI answers, naming the field."""
+    for path, field in (("/v1/embeddings", "input"), ("/v1/completions", "prompt")):
+        r = client.post(path, json={"model": "a", field: ids, "max_tokens": 1})
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"].startswith(field), r.text
+    r = client.post("/detokenize", json={"model": "a", "tokens": ids})
+    assert r.status_code == 400, r.text
+
+
+def test_an_input_over_the_context_is_a_400_naming_input(client: TestClient) -> None:
+    """An input longer than the context is refused whole (not cut), as
+    ``context_length_exceeded``; found by review: its ``param`` was ``prompt``, a field
+    embeddings do not have."""
+    r = client.post("/v1/embeddings", json={"model": "b", "input": [[1, 2], [1] * 300]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "input", error
+
+
+@pytest.mark.parametrize("empty", ["", [""], ["hey", ""], [[]], [[1, 2], []]])
+def test_an_empty_input_is_a_400_whatever_the_tokenizer_adds(
+    client: TestClient, empty: object
+) -> None:
+    """Found by review: on a model that adds a BOS (the stub does, as Gemma), ``""`` embedded
+    that BOS alone, a vector of nothing, where a model without one (SmolLM2) answered 400;
+    OpenAI refuses an empty input."""
+    r = client.post("/v1/embeddings", json={"model": "a", "input": empty})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input", r.text

@@ -76,6 +76,8 @@ NOT_SAMPLING = {"model", "max_tokens", "stream", "stream_options", "n", "cache_s
 # Which adapter set runs (tests/server/test_lora_live.py, on the real model) and how long the
 # model stays loaded after the request (tests/server/test_keep_alive_stub.py): not sampling.
 NOT_SAMPLING |= {"lora", "keep_alive"}
+# The end user a request names: its log line says it (tests/server/test_api_stub.py).
+NOT_SAMPLING |= {"user"}
 
 
 def test_every_api_sampling_option_has_a_case() -> None:
@@ -88,6 +90,7 @@ def test_every_api_sampling_option_has_a_case() -> None:
         "logprobs",
         "echo",
         "response_format",
+        "best_of",  # live: test_best_of_is_served below
     }
     assert set(ChatRequest.model_fields) - set(SamplingFields.model_fields) == {
         "messages",
@@ -100,6 +103,7 @@ def test_every_api_sampling_option_has_a_case() -> None:
         "parallel_tool_calls",  # live: test_live_openai.py, the named tool choice
         "functions",  # refused (400): test_api_stub.py, bad chat requests
         "function_call",
+        "best_of",  # refused (400) on chat: a completions parameter
     }
 
 
@@ -112,6 +116,45 @@ def test_each_sampling_option_is_served(http: httpx.Client, option: str) -> None
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, option: value}
     response = http.post("/v1/chat/completions", json=chat)
     assert response.status_code == 200, response.text
+
+
+def test_best_of_is_served(http: httpx.Client) -> None:
+    """Completions' ``best_of`` on the native sampler: candidates forked from one prefill, the
+    best returned, every candidate's tokens counted."""
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0.9, "seed": 2, "ignore_eos": True}
+    response = http.post("/v1/completions", json={**body, "best_of": 3, "logprobs": 1})
+    assert response.status_code == 200, response.text
+    done = response.json()
+    (choice,) = done["choices"]
+    assert len(choice["logprobs"]["token_logprobs"]) == 3
+    assert done["usage"]["completion_tokens"] == 9  # three candidates of three tokens
+
+
+def test_the_legacy_completion_fields_run_natively(http: httpx.Client) -> None:
+    """OpenAI's legacy completions fields together on the real model (``suffix``: a 400 on a
+    model without FIM tokens, test_live_openai_surface.py): ``echo`` with ``logprobs`` up to
+    OpenAI's 5, a ``stop`` list, ``logit_bias``, ``seed``, ``user``."""
+    body = {
+        "prompt": "Hello",
+        "max_tokens": 3,
+        "echo": True,
+        "logprobs": 5,
+        "stop": ["\n\n", "###"],
+        "logit_bias": {"1": -5},
+        "seed": 3,
+        "temperature": 0.5,
+        "user": "contract-suite",
+    }
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    assert choice["text"].startswith("Hello")
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) > 1  # the prompt's, then more
+    assert all(1 <= len(top) <= 5 for top in lp["top_logprobs"][1:])
+    # echo with max_tokens 0 scores the prompt alone.
+    scored = http.post("/v1/completions", json={**body, "max_tokens": 0}).json()
+    assert scored["choices"][0]["text"] == "Hello" and scored["usage"]["completion_tokens"] == 0
 
 
 def test_reported_penalty_reproducer(http: httpx.Client) -> None:

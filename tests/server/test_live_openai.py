@@ -179,6 +179,28 @@ def test_embeddings(client: OpenAI) -> None:
     assert plain.data[0].embedding == pytest.approx(result.data[0].embedding, abs=1e-6)
 
 
+def test_embeddings_inputs_through_the_sdk(client: OpenAI) -> None:
+    """The four input forms OpenAI takes, through the SDK (base64 by default, decoded by it):
+    a text, texts, token ids, lists of token ids; ``dimensions``; an empty input and one past
+    the context are 400s naming ``input``."""
+    text = client.embeddings.create(model=MODEL, input="hello world")
+    assert text.usage.prompt_tokens == 2  # SmolLM2 adds no BOS
+    tokens = [28120, 905]  # "hello world" in SmolLM2's vocabulary (no BOS)
+    as_ids = client.embeddings.create(model=MODEL, input=tokens)
+    assert as_ids.data[0].embedding == pytest.approx(text.data[0].embedding, abs=1e-6)
+    lists = client.embeddings.create(model=MODEL, input=[tokens, tokens[:1]])
+    assert len(lists.data) == 2 and lists.usage.prompt_tokens == 3
+    short = client.embeddings.create(model=MODEL, input="hello world", dimensions=8)
+    assert len(short.data[0].embedding) == 8
+    assert sum(v * v for v in short.data[0].embedding) == pytest.approx(1.0, abs=1e-5)
+    for bad, code in (("", "invalid_value"), ("word " * 1100, "context_length_exceeded")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.embeddings.create(model=MODEL, input=bad)
+        body = info.value.body
+        assert isinstance(body, dict) and body.get("param") == "input", body
+        assert body.get("code") == code, body
+
+
 def test_unknown_model_is_a_not_found_error(client: OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])

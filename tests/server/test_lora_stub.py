@@ -150,6 +150,11 @@ def test_global_scales_change_what_the_base_name_runs_under(client: TestClient) 
         ({"lora": [{"id": 0, "scale": 1.0, "x": 1}]}, "lora.0.x"),
         ({"lora": {"id": 0}}, "lora"),
         ({"model": "b", "lora": [{"id": 0, "scale": 1.0}]}, "lora"),
+        # JSON numbers only (found by review: true was id 1 or scale 1.0, "0.5" a scale).
+        ({"lora": [{"id": True, "scale": 1.0}]}, "lora.0.id"),
+        ({"lora": [{"id": 1.0, "scale": 1.0}]}, "lora.0.id"),
+        ({"lora": [{"id": 0, "scale": True}]}, "lora.0.scale"),
+        ({"lora": [{"id": 0, "scale": "0.5"}]}, "lora.0.scale"),
     ],
 )
 def test_a_bad_lora_list_is_a_400(client: TestClient, body: dict[str, object], param: str) -> None:
@@ -165,7 +170,15 @@ def test_a_bad_lora_list_is_a_400(client: TestClient, body: dict[str, object], p
 
 @pytest.mark.parametrize(
     "body",
-    [{"id": 0, "scale": 1.0}, [{"id": 5, "scale": 1.0}], [{"id": 0, "scale": "HUGE"}], ["x"]],
+    [
+        {"id": 0, "scale": 1.0},
+        [{"id": 5, "scale": 1.0}],
+        [{"id": 0, "scale": "HUGE"}],
+        ["x"],
+        [{"id": 1, "scale": True}],
+        [{"id": True, "scale": 1}],
+        [{"id": 0, "scale": "1"}],
+    ],
 )
 def test_a_bad_scales_body_is_a_400_and_changes_nothing(client: TestClient, body: object) -> None:
     response = client.post(
@@ -180,6 +193,43 @@ def test_a_bad_scales_body_is_a_400_and_changes_nothing(client: TestClient, body
 def test_an_adapter_name_cannot_embed(client: TestClient) -> None:
     response = client.post("/v1/embeddings", json={"model": "sql", "input": "hello"})
     assert response.status_code == 400 and "adapter" in response.json()["error"]["message"]
+
+
+def test_embeddings_run_under_the_global_scales(client: TestClient) -> None:
+    """As llama-server embeds under its global LoRA scales (``POST /lora-adapters``), every
+    later request of the model runs under them, embeddings included. Found by review: the
+    embeddings route dropped the scales, so it embedded the base model alone while the
+    docs said every later request ran under them. (The stub's vectors are salted by the
+    adapters attached, as its logits are.)"""
+
+    def embed() -> list[float]:
+        response = client.post("/v1/embeddings", json={"model": "a", "input": "hello"})
+        assert response.status_code == 200, response.text
+        return response.json()["data"][0]["embedding"]  # type: ignore[no-any-return]
+
+    base = embed()
+    try:
+        assert client.post("/lora-adapters", json=[{"id": 1, "scale": 1.0}]).status_code == 200
+        pirate = embed()
+        assert pirate != base
+        assert client.post("/lora-adapters", json=[{"id": 0, "scale": 1.0}]).status_code == 200
+        assert embed() not in (base, pirate)
+    finally:
+        assert client.post("/lora-adapters", json=[]).status_code == 200
+    assert embed() == base
+
+
+def test_an_adapter_name_cannot_prewarm(client: TestClient) -> None:
+    """Found by review: ``/cache/prewarm`` with an adapter's name answered 200 and filled its
+    model's own rows, which a request naming the adapter (a namespace of its own) never
+    restores: it then ran cold. A 400 now, and nothing is kept alive for it."""
+    prompt = PROMPT + " (prewarm)"
+    kept = client.get("/cache/keepalive").json()["data"]
+    response = client.post("/cache/prewarm", json={"model": "sql", "prompt": prompt})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "model"
+    assert "adapter" in response.json()["error"]["message"]
+    assert client.get("/cache/keepalive").json()["data"] == kept
 
 
 def test_setting_scales_needs_the_admin_key_and_a_trusted_page(adapters: tuple[Path, Path]) -> None:

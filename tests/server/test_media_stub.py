@@ -766,3 +766,39 @@ def test_an_anthropic_tool_result_may_hold_images(client: TestClient) -> None:
         ask("a", [text, image])
     message = str(caught.value)
     assert "messages.2.content.0.content.1" in message and "no multimodal projector" in message
+
+
+def test_a_responses_function_call_output_may_hold_images(client: TestClient) -> None:
+    """OpenAI's function_call_output may be a list of input_text and input_image parts (as
+    chat's tool messages and Anthropic's tool_result blocks may hold images): that was a 400
+    ("images and audio belong in a message, not here")."""
+
+    def ask(model: str, output: list[dict[str, object]]) -> tuple[int, dict[str, object]]:
+        response = client.post(
+            "/v1/responses",
+            json={
+                "model": model,
+                "store": False,
+                "max_output_tokens": 2,
+                "tools": [{"type": "function", "name": "read", "parameters": {"type": "object"}}],
+                "input": [
+                    {"role": "user", "content": "Show me cat.png"},
+                    {"type": "function_call", "call_id": "c1", "name": "read", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c1", "output": output},
+                ],
+            },
+        )
+        return response.status_code, response.json()
+
+    text = {"type": "input_text", "text": "cat.png:"}
+    image = {"type": "input_image", "image_url": data_uri(png(6))}
+    status, body = ask("eye", [text, image])
+    assert status == 200, body
+    _, plain = ask("eye", [text])
+    usage, plain_usage = body["usage"], plain["usage"]
+    assert isinstance(usage, dict) and isinstance(plain_usage, dict)
+    assert usage["input_tokens"] >= plain_usage["input_tokens"] + 16  # the picture's span
+    status, body = ask("a", [text, image])
+    error = body["error"]
+    assert status == 400 and isinstance(error, dict)
+    assert error["param"] == "input.2.output.1" and "no multimodal projector" in error["message"]

@@ -192,7 +192,8 @@ def test_items_become_chat_turns() -> None:
 
 def _reply(text: str, calls: list[ToolCall], finish: str = "stop") -> ChatReply:
     stats = CompletionStats(10, 4, 3, 1.0, 1.0, 0.0, "partial", finish, None)  # type: ignore[arg-type]
-    return ChatReply(Completion(text, (1,) * 10, (2,) * 3, stats), text, calls)
+    parts: list[str | ToolCall] = [text] if text else []
+    return ChatReply(Completion(text, (1,) * 10, (2,) * 3, stats), [*parts, *calls])
 
 
 def test_function_call_output_and_events() -> None:
@@ -239,7 +240,8 @@ def test_text_then_call_events_number_items_in_output_order() -> None:
     shape = responses.ResponseShape(ResponsesRequest.model_validate({"input": "hi"}), "a")
     events = responses.ResponseEvents(shape)
     call = ToolCall("call_x", "f", "{}")
-    seq = [*events.start(), *events.delta("Let me "), *events.finish(_reply("look.", [call]))]
+    seq = [*events.start(), *events.part("Let me "), *events.part("look."), *events.part(call)]
+    seq += events.finish(_reply("Let me look.", [call]))
     added = [d for n, d in seq if n == "response.output_item.added"]
     assert [(d["output_index"], d["item"]["type"]) for d in added] == [  # type: ignore[index]
         (0, "message"),
@@ -272,6 +274,51 @@ def test_store_is_bounded_and_keeps_the_newest() -> None:
     assert small.get("r0") is None and small.get("r1") is not None
     small.put(item(2, "y" * 1000))  # alone over budget: still kept, so a follow-up works
     assert len(small) == 1 and small.get("r2") is not None
+
+
+def _owned(i: int, owner: str | None, text: str = "x") -> StoredResponse:
+    turns = (ChatMessage(role="user", content=text),)
+    return StoredResponse(f"{owner}-{i}", "a", turns, None, {"id": i}, owner=owner)
+
+
+def test_one_tenants_flood_evicts_its_own_responses_not_anothers() -> None:
+    # Found by review: the store's bound was global, so a tenant sending many responses
+    # pushed every other tenant's out (a follow-up to them was then a 404).
+    store = ResponseStore(max_items=8, max_chars=10**6)
+    for i in range(3):
+        store.put(_owned(i, "quiet"))
+    for i in range(100):
+        store.put(_owned(i, "flood"))
+    assert [store.get(f"quiet-{i}") is not None for i in range(3)] == [True] * 3
+    assert store.held("flood") == (5, store.held("flood")[1])
+    assert store.get("flood-99") is not None and store.get("flood-94") is None
+    # A tenant holding more than its share gives back down to it, its oldest first: two
+    # tenants each keep half, their most recent responses.
+    for i in range(3, 8):
+        store.put(_owned(i, "quiet"))
+    assert store.held("quiet")[0] == 4 and store.held("flood")[0] == 4
+    assert store.get("quiet-7") is not None and store.get("quiet-3") is None
+    for i in range(100, 200):
+        store.put(_owned(i, "flood"))
+    assert store.held("quiet")[0] == 4 and store.get("quiet-4") is not None
+
+
+def test_the_character_bound_takes_from_the_tenant_holding_the_most_characters() -> None:
+    store = ResponseStore(max_items=100, max_chars=2000)
+    store.put(_owned(0, "quiet", "q" * 300))
+    for i in range(50):
+        store.put(_owned(i, "flood", "f" * 200))
+    assert store.get("quiet-0") is not None
+    assert store.held("flood")[1] <= 2000 - store.held("quiet")[1]
+    # Without keys every response is one tenant's (None): one LRU over them all, as before.
+    single = ResponseStore(max_items=3, max_chars=10**6)
+    for i in range(5):
+        single.put(_owned(i, None))
+    single.get("None-2")
+    single.put(_owned(5, None))
+    assert [single.get(f"None-{i}") is not None for i in range(6)] == [
+        False, False, True, False, True, True,
+    ]  # fmt: skip
 
 
 def test_follow_ups_stay_in_their_namespace_and_tenant() -> None:

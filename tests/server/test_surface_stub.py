@@ -293,6 +293,43 @@ def test_docs_and_openapi_served_without_a_key(http: httpx.Client) -> None:
     assert http.get("/docs", headers={"Host": "evil.example"}).status_code == 421
 
 
+def test_models_in_the_shape_of_each_sdk(client: OpenAI, live: LiveServer) -> None:
+    """Anthropic's ``models.list()``/``retrieve()`` got OpenAI's items: ``display_name``,
+    ``created_at`` and ``type`` were None (found by review). A request carrying
+    ``anthropic-version`` (every Anthropic SDK sends it) gets Anthropic's shape and paging;
+    OpenAI's clients keep theirs."""
+    import anthropic
+
+    claude = Anthropic(base_url=live.base_url, api_key=KEY, max_retries=0)
+    openai_ids = [m.id for m in client.models.list()]
+    assert openai_ids[:2] == ["a", "coder"]
+    listed = claude.models.list()
+    assert [m.id for m in listed.data] == openai_ids and listed.has_more is False
+    for info in listed.data:
+        assert info.type == "model" and info.display_name == info.id
+        assert info.lifecycle == "active" and info.capabilities is None
+        assert info.created_at.tzinfo is not None and info.created_at.year >= 2024
+    loaded = {m.id: m for m in listed.data}["a"]
+    assert loaded.max_input_tokens == 1024 and loaded.max_tokens == 1024  # n_ctx; the cap 4096
+    # Anthropic's paging, which the SDK follows by itself: limit, after_id, before_id.
+    assert [m.id for m in claude.models.list(limit=1)] == openai_ids
+    first = claude.models.list(limit=1)
+    assert [m.id for m in first.data] == ["a"] and first.has_more and first.last_id == "a"
+    before = claude.models.list(before_id="coder", limit=5)
+    assert [m.id for m in before.data] == ["a"] and before.has_more is False
+    with pytest.raises(anthropic.BadRequestError):
+        claude.models.list(after_id="no-such-model")
+    retrieved = claude.models.retrieve("coder")
+    assert retrieved.id == "coder" and retrieved.display_name == "coder"
+    assert retrieved.type == "model" and retrieved.created_at == loaded.created_at
+    with pytest.raises(anthropic.NotFoundError):
+        claude.models.retrieve("no-such-model")
+    # OpenAI's shape is unchanged: its fields, and kvwarm's capabilities list.
+    model = client.models.retrieve("a")
+    assert model.object == "model" and model.owned_by == "kvwarm"
+    assert (model.model_extra or {})["capabilities"] == ["generate", "embed"]
+
+
 # --- n > 1 -----------------------------------------------------------------------------------
 
 
@@ -312,6 +349,36 @@ def test_n_completions_and_chat(client: OpenAI) -> None:
     )
     assert [c.index for c in chat.choices] == [0, 1]
     assert all(c.message.role == "assistant" for c in chat.choices)
+
+
+def test_best_of_returns_the_candidates_with_the_best_mean_logprob(client: OpenAI) -> None:
+    """``best_of`` was accepted and ignored: one candidate was made and returned. Its
+    candidates are the choices ``n=best_of`` makes (choice ``i`` seeded ``seed + i``)."""
+    common = {"model": "a", "prompt": PROMPT, "max_tokens": 6, **SAMPLED}
+    every = client.completions.create(**common, n=4, logprobs=0)  # type: ignore[call-overload]
+
+    def mean(choice: object) -> float:
+        lp = getattr(choice, "logprobs", None)
+        assert lp is not None and lp.token_logprobs
+        return sum(lp.token_logprobs) / len(lp.token_logprobs)
+
+    ranked = sorted(every.choices, key=lambda c: (-mean(c), c.index))
+    assert ranked[0].index != 0  # else the old code's lone candidate would pass by chance
+    best = client.completions.create(**common, best_of=4)  # type: ignore[call-overload]
+    (choice,) = best.choices
+    assert choice.index == 0 and choice.text == ranked[0].text
+    assert choice.logprobs is None  # ranking needed them; the client did not ask
+    # Usage counts every candidate, as OpenAI's does; the prompt once.
+    assert best.usage is not None and every.usage is not None
+    assert best.usage.completion_tokens == every.usage.completion_tokens
+    assert best.usage.prompt_tokens == every.usage.prompt_tokens
+    two = client.completions.create(**common, n=2, best_of=4, logprobs=1)  # type: ignore[call-overload]
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in two.choices] == [c.text for c in ranked[:2]]
+    assert all(c.logprobs and c.logprobs.top_logprobs for c in two.choices)
+    # best_of equal to n is n: streamed too.
+    chunks = list(client.completions.create(**common, n=2, best_of=2, stream=True))  # type: ignore[call-overload]
+    assert {c.choices[0].index for c in chunks} == {0, 1}
 
 
 def test_n_streamed_interleaves_choices_by_index(client: OpenAI) -> None:
@@ -739,6 +806,32 @@ def test_input_items_list_a_stored_responses_input(client: OpenAI) -> None:
     assert caught.value.param == "limit"
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_no_such_response")
+
+
+def test_input_items_of_a_follow_up_hold_the_earlier_turns(client: OpenAI) -> None:
+    """As OpenAI's: the items used to generate a response, which after ``previous_response_id``
+    are the earlier turns' inputs and outputs, then its own (they listed its own alone)."""
+    first = client.responses.create(model="a", input="Weather in Oslo?", max_output_tokens=2)
+    second = client.responses.create(
+        model="a", input="And tomorrow?", previous_response_id=first.id, max_output_tokens=2
+    )
+    third = client.responses.create(
+        model="a", input="And Bergen?", previous_response_id=second.id, max_output_tokens=2
+    )
+    listed = list(client.responses.input_items.list(third.id, order="asc"))
+    assert [(i.type, getattr(i, "role", None)) for i in listed] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    assert [listed[1].id, listed[3].id] == [first.output[0].id, second.output[0].id]
+    texts = [i.content[0].text for i in listed if i.type == "message"]
+    assert texts[0::2] == ["Weather in Oslo?", "And tomorrow?", "And Bergen?"]
+    assert texts[1::2] == [first.output_text, second.output_text]
+    own = client.responses.input_items.list(first.id)
+    assert [i.id for i in own] == [listed[0].id]  # the first turn lists its own input alone
 
 
 # --- suffix and /infill ----------------------------------------------------------------------

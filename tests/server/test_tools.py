@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from kvwarm.backends.chat_template import render_chat
 from kvwarm.server.schemas import ChatMessage, NamedToolChoice, Tool
-from kvwarm.server.tools import parse_tool_calls, plan_chat, template_messages
+from kvwarm.server.tools import parse_tool_calls, plan_chat, template_id, template_messages
 
 NAMES = frozenset({"get_weather"})
 WEATHER = Tool.model_validate(
@@ -28,6 +29,8 @@ WEATHER = Tool.model_validate(
         '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
         '<function=get_weather>{"city": "Paris"}</function>',
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',  # Mistral Small 3.2, Devstral
+        '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS] {"city": "Paris"}',
         '{"name": "get_weather", "arguments": {"city": "Paris"}}',
         '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',
     ],
@@ -104,4 +107,85 @@ def test_history_with_calls_round_trips_through_non_native_templates() -> None:
     native = template_messages(msgs, native=True)
     calls = native[0]["tool_calls"]
     assert isinstance(calls, list) and calls[0]["function"]["arguments"] == {"city": "Oslo"}
-    assert native[1]["tool_call_id"] == "c1"
+    assert native[1]["tool_call_id"] == calls[0]["id"] == template_id("c1")
+
+
+# The check Gemma's and Mistral's templates make: user and assistant turns alternate.
+ALTERNATING = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+)
+
+
+def test_emulated_tool_results_are_one_user_turn_with_the_text_after_them() -> None:
+    # An agent's turn after two parallel calls: both results, then (Anthropic: the same user
+    # turn) a line of text. Before, a template without tool support saw three user turns in
+    # a row, and one that wants roles to alternate refused the request with a 400.
+    msgs = [
+        ChatMessage(role="user", content="Weather in Oslo and Rome?"),
+        ChatMessage.model_validate(
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "a", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+                    {"id": "b", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+                ],
+            }
+        ),
+        ChatMessage(role="tool", content="rainy", tool_call_id="a"),
+        ChatMessage(role="tool", content="sunny", tool_call_id="b"),
+        ChatMessage(role="user", content="Thanks. Which is warmer?"),
+    ]
+    plain = template_messages(msgs, native=False)
+    assert [m["role"] for m in plain] == ["user", "assistant", "user"]
+    assert plain[2]["content"] == (
+        "<tool_response>\nrainy\n</tool_response>\n<tool_response>\nsunny\n</tool_response>"
+        "\nThanks. Which is warmer?"
+    )
+    text = render_chat(ALTERNATING, plain, bos_token="", eos_token="")
+    assert "rainy" in text and "sunny" in text and "warmer" in text
+    # Native templates get the tool messages as they are.
+    assert [m["role"] for m in template_messages(msgs, native=True)][2:] == ["tool", "tool", "user"]
+
+
+def test_null_arguments_are_an_empty_object() -> None:
+    # A model calling a tool of no parameters may write "arguments": null: that was the
+    # call's arguments "null", and Anthropic's tool_use input {"arguments": null}.
+    _, calls = parse_tool_calls(
+        '<tool_call>{"name": "get_weather", "arguments": null}</tool_call>', NAMES
+    )
+    assert [c.arguments for c in calls] == ["{}"]
+
+
+# The check of Mistral's templates (Nemo, Small 3.2): a call's id is 9 letters and digits.
+MISTRAL_IDS = (
+    "{% for m in messages %}{% for c in m.get('tool_calls') or [] %}"
+    "{% if c.id|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric "
+    "strings with length 9!') }}{% endif %}[CALL_ID]{{ c.id }}{% endfor %}"
+    "{% if m.role == 'tool' %}{% if m.tool_call_id|length != 9 %}{{ raise_exception('Tool "
+    "call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[TOOL_RESULTS]{{ m.tool_call_id }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("call_id", ["call_9f2c1d0e3b4a5f6e7d8c9b0a", "toolu_01AbC", "a1b2c3d4e"])
+def test_native_templates_see_call_ids_mistral_templates_accept(call_id: str) -> None:
+    # Before: our ids ("call_" and 24 hex digits) and Anthropic's reached the template as they
+    # were, and Mistral's templates refused every agent turn after a call with a 400.
+    msgs = [
+        ChatMessage(role="user", content="Weather?"),
+        ChatMessage.model_validate(
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": call_id, "function": {"name": "get_weather"}}],
+            }
+        ),
+        ChatMessage(role="tool", content="rainy", tool_call_id=call_id),
+    ]
+    native = template_messages(msgs, native=True)
+    text = render_chat(MISTRAL_IDS, native, bos_token="", eos_token="")
+    shown = template_id(call_id)
+    assert text == f"[CALL_ID]{shown}[TOOL_RESULTS]{shown}"
+    assert shown == call_id if len(call_id) == 9 else len(shown) == 9 and shown.isalnum()

@@ -253,9 +253,10 @@ def test_the_dashboard_hit_rate_is_the_request_outcomes_of_cache_stats(
     client: TestClient, tmp_path: Path
 ) -> None:
     """``dashboard.js``'s hit rate over a live ``/cache/stats`` body (run in Node): requests
-    that reused KV over all requests, every outcome counter of ``REQUEST_OUTCOMES`` in it
-    (``hits_live`` too), so a new outcome cannot be left out of the page silently."""
-    from kvwarm.cache.counters import REQUEST_OUTCOMES
+    that reused KV over all requests served, every hit of ``REQUEST_HITS`` in it
+    (``hits_live`` too), so a new outcome cannot be left out of the page silently; a request
+    that failed before it was seated (``admission_failures``) was not served: neither."""
+    from kvwarm.cache.counters import REQUEST_HITS, REQUEST_OUTCOMES
 
     node = shutil.which("node")
     if node is None:
@@ -264,7 +265,7 @@ def test_the_dashboard_hit_rate_is_the_request_outcomes_of_cache_stats(
     for _ in range(2):  # a miss, then the slot's live KV
         assert client.post("/v1/completions", json=body).status_code == 200
     counters = client.get("/cache/stats").json()["counters"]
-    hits = sum(counters[k] for k in REQUEST_OUTCOMES if k != "misses")
+    hits = sum(counters[k] for k in REQUEST_HITS)
     assert counters["hits_live"] >= 1 and counters["misses"] >= 1
     script = tmp_path / "rate.mjs"
     module = json.dumps((STATIC / "dashboard.js").as_uri())
@@ -279,6 +280,10 @@ def test_the_dashboard_hit_rate_is_the_request_outcomes_of_cache_stats(
     out = json.loads(run.stdout)
     total = hits + counters["misses"]
     assert out["rate"] == pytest.approx(hits / total)
-    # One more of each outcome moves the rate as a hit or a miss would.
-    expected = [(hits + (k != "misses")) / (total + 1) for k in REQUEST_OUTCOMES]
+    # One more of each outcome moves the rate as a hit or a miss would, or not at all.
+    assert set(REQUEST_OUTCOMES) == {*REQUEST_HITS, "misses", "admission_failures"}
+    expected = [
+        hits / total if k == "admission_failures" else (hits + (k != "misses")) / (total + 1)
+        for k in REQUEST_OUTCOMES
+    ]
     assert out["bumped"] == pytest.approx(expected)

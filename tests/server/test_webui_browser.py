@@ -394,3 +394,56 @@ def test_an_image_attached_to_a_turn_stays_in_the_conversation(
         # The image went again with the conversation, and came from the cache with it.
         assert second["cachedTokens"] >= first["promptTokens"], (first, second)
         assert console.errors == []
+
+
+def test_the_dashboard_keeps_its_totals_when_models_unload_and_shows_restores_and_quotas(
+    browser: Browser, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stub models (fast). Found by review: the tokens served from the cache and the time
+    saved came from the loaded models only, so they went blank once every model that served
+    had unloaded; the tier table had no restores (its hits are rows opened, for LFU); the
+    quota meter measured against the configured quota, not the one the free space on the
+    disk tier's filesystem allows."""
+    from types import SimpleNamespace
+
+    free = 3 << 20
+    monkeypatch.setattr(
+        os, "statvfs", lambda path: SimpleNamespace(f_bavail=free // 4096, f_frsize=4096)
+    )
+    settings = stub_settings(cache_dir=tmp_path / "cache", disk_quota_bytes=1 << 30)
+    live = LiveServer(settings).start()
+    try:
+        with httpx.Client(base_url=live.base_url, timeout=60) as http:
+            body = {"model": "a", "prompt": "A lighthouse keeper and a cat " * 4, "max_tokens": 4}
+            unload = {"model": "a"}
+            assert http.post("/v1/completions", json=body).status_code == 200
+            assert http.post("/admin/models/unload", json=unload).status_code == 200
+            # Loaded again: its prompt comes from a tier (a restore), then it unloads again.
+            assert http.post("/v1/completions", json=body).status_code == 200
+            assert http.post("/admin/models/unload", json=unload).status_code == 200
+            stats = http.get("/cache/stats").json()
+        restored = {t: v["restores"] for t, v in stats["tiers"].items() if v["restores"]}
+        assert restored, stats["tiers"]
+        page, console = open_page(browser, live.base_url + "/")
+        with screenshot_on_failure(page, tmp_path / "totals.png"):
+            page.wait_for_selector("body[data-ready='true']")
+            show_dashboard(page)
+            wait_for(page, "() => document.getElementById('stat-rows').dataset.value > 0")
+            # Model a is gone; what it served from the cache still counts.
+            assert stat(page, "stat-token-rate") > 0
+            assert stat(page, "stat-saved") > 0
+            row = "#tiers tr[data-tier='{}']"
+            for tier, n in restored.items():
+                cell = page.locator(row.format(tier) + " td.restores")
+                assert cell.get_attribute("data-value") == str(n)
+                assert cell.inner_text().split()[0] == str(n)
+                assert cell.inner_text().endswith(" ms")  # its bytes, their average time
+            quota = page.locator(row.format("disk") + " td.quota")
+            used = stats["tiers"]["disk"]["bytes"]
+            assert quota.get_attribute("data-value") == str(used + free)
+            assert quota.inner_text().split() == ["3.0", "MiB", "of", "1.0", "GiB"]
+            meter = page.locator(row.format("disk") + " meter")
+            assert meter.get_attribute("max") == str(used + free)
+            assert console.errors == []
+    finally:
+        live.stop()

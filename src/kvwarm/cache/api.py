@@ -185,6 +185,18 @@ class CacheApi(Protocol):
         """Count a request that reused no KV (``misses``)."""
         ...
 
+    def record_admission_failure(self) -> None:
+        """Count a request that failed before it was seated (``admission_failures``): its
+        one outcome, neither a hit nor a miss."""
+        ...
+
+    def record_restore(self, tier: TierName, nbytes: int, seconds: float) -> None:
+        """A row of ``tier`` restored into a request's slot: ``nbytes`` read for it,
+        ``seconds`` from opening the row to its KV in the slot. Counted per tier
+        (``tier_<name>_restores``, ``_restored_bytes``, ``_restore_seconds``) and as the
+        ``restore`` latency. Not a tier's ``hits`` (rows opened, which LFU reads)."""
+        ...
+
     def record_latency(self, name: str, seconds: float) -> None:
         """Add to a latency total (``pack``, ``unpack``, …) reported in ``counters()``."""
         ...

@@ -385,6 +385,12 @@ class Cache:
     def record_miss(self) -> None:
         self._core.record_miss()
 
+    def record_admission_failure(self) -> None:
+        self._core.record_admission_failure()
+
+    def record_restore(self, tier: TierName, nbytes: int, seconds: float) -> None:
+        self._core.record_restore(tier, nbytes, seconds)
+
     def record_latency(self, name: str, seconds: float) -> None:
         self._core.record_latency(name, seconds)
 

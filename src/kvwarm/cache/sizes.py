@@ -46,8 +46,12 @@ def summary(
 ) -> dict[str, object]:
     """Totals and per-tier sizes of a cache: ``rows``, ``bytes`` (physical), ``logical_bytes``,
     ``chunks``, ``dedup_ratio``, ``tokens`` and ``tiers`` (every configured tier, in order:
-    rows, chunks, bytes, logical bytes, ratio, quota, tokens, hits, rows per TTL class). Row
-    counts and bytes come from ``counters`` (one snapshot); tokens and hits from ``rows``."""
+    rows, chunks, bytes, logical bytes, ratio, quota, effective quota and whether the room on
+    its filesystem capped it (``cache/store/quota.py``), tokens, hits, rows per TTL class;
+    and where ``counters`` has them, a server's, its restores, their bytes and seconds). Row
+    counts and bytes come from ``counters`` (one snapshot); tokens and hits from ``rows``:
+    a tier's ``hits`` are its rows' use counts (rows opened, which LFU eviction reads), its
+    ``restores`` the rows it restored into a slot."""
     per: dict[str, dict[str, object]] = {}
     tokens: Counter[str] = Counter()
     hits: Counter[str] = Counter()
@@ -63,13 +67,22 @@ def summary(
             for k in ("rows", "chunks", "bytes", "logical_bytes", "quota_bytes")
         }
         total.update({k: v for k, v in level.items() if k != "quota_bytes"})
+        effective = counters.get(f"tier_{name}_effective_quota_bytes")
         per[name] = {
             **level,
+            "effective_quota_bytes": level["quota_bytes"] if effective is None else int(effective),
+            "quota_capped_by_filesystem": bool(
+                counters.get(f"tier_{name}_quota_capped_by_filesystem", 0.0)
+            ),
             "dedup_ratio": _ratio(level["logical_bytes"], level["bytes"]),
             "tokens": tokens[name],
             "hits": hits[name],
             "ttl_classes": dict(ttl.get(name, {})),
         }
+        if f"tier_{name}_restores" in counters:  # a server's counts (not kvwarm cache stats')
+            per[name]["restores"] = int(counters[f"tier_{name}_restores"])
+            per[name]["restored_bytes"] = int(counters[f"tier_{name}_restored_bytes"])
+            per[name]["restore_seconds"] = round(counters[f"tier_{name}_restore_seconds"], 6)
     return {
         "rows": len(rows),
         "bytes": total["bytes"],

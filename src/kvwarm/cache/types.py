@@ -26,7 +26,7 @@ RestSpan = Callable[[bytes | bytearray | memoryview], tuple[int, int]]
 # Packs a sequence's positions from ``start`` on (a backend's ``kv_pack_tail``): ``(blob,
 # first)``, ``first`` being ``start`` or 0 where the backend packed the whole sequence.
 Packer = Callable[[int], tuple[bytes, int]]
-# The per-tier counters the cache reports, as ``tier_<name>_<series>`` (``Cache.counters``).
+# The per-tier levels the cache reports, as ``tier_<name>_<series>`` (``Cache.counters``).
 TIER_SERIES: tuple[str, ...] = (
     "bytes",
     "logical_bytes",
@@ -37,6 +37,10 @@ TIER_SERIES: tuple[str, ...] = (
     "effective_quota_bytes",
     "quota_capped_by_filesystem",
 )
+# The per-tier running totals the cache reports, as ``tier_<name>_<series>``: the rows each
+# tier restored into a request's slot (``CacheApi.record_restore``), the bytes read for them
+# and the seconds they took, from opening the row to its KV in the slot.
+TIER_TOTALS: tuple[str, ...] = ("restores", "restored_bytes", "restore_seconds")
 
 
 # The per-memory-kind levels the cache reports, as ``memory_<kind>_<series>`` (``kind`` one of

@@ -11,7 +11,15 @@ from collections.abc import Collection
 
 from kvwarm.cache.eviction.base import registered_policies
 from kvwarm.cache.tiers.registry import check_name, registered_tiers, tier_spec, url_scheme
-from kvwarm.cache.types import CacheConfig, PolicyConfig, PressureConfig, S3Config, TierConfig
+from kvwarm.cache.types import (
+    TIER_SERIES,
+    TIER_TOTALS,
+    CacheConfig,
+    PolicyConfig,
+    PressureConfig,
+    S3Config,
+    TierConfig,
+)
 from kvwarm.errors import ConfigError
 
 __all__ = [
@@ -114,6 +122,20 @@ def validate_pressure_config(cfg: PressureConfig, configured: Collection[str] = 
             raise ConfigError(f"pressure.evict_tiers names unknown tier {name!r}")
 
 
+def _check_counter_names(name: str, others: Collection[str]) -> None:
+    """A tier's counters are named ``tier_<name>_<series>``: two tiers whose names would give
+    one name to two of them (``a``'s ``quota_bytes`` and ``a_quota``'s ``bytes``) would
+    report one value for both, and ``/metrics`` a series twice (found by review)."""
+    series = (*TIER_SERIES, *TIER_TOTALS)
+    mine = {f"{name}_{s}" for s in series}
+    for other in others:
+        clash = sorted(mine & {f"{other}_{s}" for s in series})
+        if clash:
+            raise ConfigError(
+                f"tiers {other} and {name}: both would report a counter tier_{clash[0]}; rename one"
+            )
+
+
 def validate_cache_config(cfg: CacheConfig) -> None:
     """``ConfigError`` for any inconsistency in a ``CacheConfig``; called by ``Cache``."""
     if not cfg.tiers:
@@ -124,6 +146,7 @@ def validate_cache_config(cfg: CacheConfig) -> None:
         validate_tier_config(tier)
         if tier.name in seen:
             raise ConfigError(f"tier {tier.name} configured twice")
+        _check_counter_names(tier.name, seen)
         seen.add(tier.name)
         if tier.root is not None:
             root = str(tier.root)

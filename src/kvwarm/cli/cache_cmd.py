@@ -19,12 +19,12 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from kvwarm.cache.sizes import row_sizes, summary
-from kvwarm.cache.types import DEFAULT_GRACE_S
+from kvwarm.cache.types import DEFAULT_GRACE_S, TIER_TOTALS, TierConfig
 from kvwarm.cli.common import CACHE_SETTINGS, add_settings, settings_from
 from kvwarm.settings import Settings
 
@@ -49,7 +49,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         parser.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "ls":
             parser.add_argument(
-                "--limit", type=_count, default=0, metavar="N", help="at most N rows (0: all)"
+                "--limit",
+                type=_count,
+                default=None,
+                metavar="N",
+                help="at most N rows, 1 or more (default: all)",
             )
         if name == "gc":
             parser.add_argument(
@@ -80,13 +84,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _count(text: str) -> int:
-    """A flag's count, 0 or more: a negative one was taken for \"all\" without a word."""
+    """A flag's count, 1 or more, as ``GET /cache/rows?limit=`` takes it: a negative one was
+    taken for "all" without a word, and 0, which meant "all" here and "none" there, is refused
+    by both (leave the flag out for every row)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (all) or more, got {value}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be 1 or more (leave --limit out for every row), got {value}"
+        )
     return value
 
 
@@ -136,8 +144,16 @@ EVENTS_NOTE = (
 )
 
 
+# Per-tier counts of events (restores ...): this command's, always 0.
+_TIER_TOTALS = tuple(f"_{series}" for series in TIER_TOTALS)
+
+
 def _levels(counters: Mapping[str, float]) -> dict[str, float]:
-    return {k: v for k, v in counters.items() if k.startswith(_LEVEL_PREFIXES) or k in _LEVELS}
+    return {
+        k: v
+        for k, v in counters.items()
+        if (k.startswith(_LEVEL_PREFIXES) and not k.endswith(_TIER_TOTALS)) or k in _LEVELS
+    }
 
 
 def run_stats(args: argparse.Namespace) -> int:
@@ -156,8 +172,12 @@ def run_stats(args: argparse.Namespace) -> int:
     total = summary(counters, rows, [t.name for t in configured])
     per = total["tiers"]
     assert isinstance(per, dict)
+    unopened = _missing_tiers(counters, configured)
     for tier in configured:
-        per[tier.name]["quota_bytes"] = per[tier.name]["quota_bytes"] or tier.quota_bytes
+        if tier.name in unopened:  # its configured quota, capped by nothing known
+            per[tier.name]["quota_bytes"] = per[tier.name]["effective_quota_bytes"] = (
+                tier.quota_bytes
+            )
     cache_dir = str(settings.cache_dir) if settings.cache_dir else None
     if args.json:
         out = {**total, "cache_dir": cache_dir, "missing_dirs": missing, "counters": counters}
@@ -174,7 +194,7 @@ def run_stats(args: argparse.Namespace) -> int:
         print(
             f"  {tier:<9} {level['rows']:>6} rows {level['chunks']:>7} chunks  "
             f"{_size(level['bytes']):>10} stored  {_size(level['logical_bytes']):>10} logical  "
-            f"{level['dedup_ratio']:.2f}x  quota {_size(level['quota_bytes'])}"
+            f"{level['dedup_ratio']:.2f}x  quota {_quota(level)}"
         )
     kinds = total["memory_kinds"]
     assert isinstance(kinds, dict)
@@ -190,6 +210,20 @@ def run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _missing_tiers(counters: Mapping[str, float], configured: Sequence[TierConfig]) -> set[str]:
+    """The configured tiers the open left out (their directory does not exist)."""
+    return {t.name for t in configured if f"tier_{t.name}_quota_bytes" not in counters}
+
+
+def _quota(level: Mapping[str, object]) -> str:
+    """A tier's quota as ``stats`` prints it: the effective one, and the configured one
+    beside it when the room on its filesystem caps it."""
+    quota, effective = _num(level["quota_bytes"]), _num(level["effective_quota_bytes"])
+    if effective == quota:
+        return _size(quota)
+    return f"{_size(effective)} (configured {_size(quota)}, capped by the free space)"
+
+
 def _num(value: object) -> float:
     assert isinstance(value, int | float)
     return float(value)
@@ -200,7 +234,7 @@ def run_ls(args: argparse.Namespace) -> int:
     # An inspection: creates, moves, deletes and registers nothing.
     with open_cache(settings, repair=False) as cache:
         rows = sorted(cache.rows(), key=lambda r: r.last_used, reverse=True)
-    if args.limit > 0:
+    if args.limit is not None:
         rows = rows[: args.limit]
     if args.json:
         items = [

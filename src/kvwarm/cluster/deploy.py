@@ -43,6 +43,7 @@ from kvwarm.cluster.routing import ClusterIndex, RoutingConfig, check_policy, in
 from kvwarm.cluster.routing.index import index_name
 from kvwarm.errors import KvwarmError, ReplicaTimeoutError
 from kvwarm.settings import Settings
+from kvwarm.settings.model import max_queue
 
 log = logging.getLogger("kvwarm.cluster")
 
@@ -126,7 +127,8 @@ def ingress_max_ongoing(settings: Settings) -> int:
     away and for the other routes): a request past this cap would wait in Serve's proxy
     instead, with no answer."""
     per_model = [
-        max_in_flight(settings, spec.n_parallel or settings.n_parallel) for spec in settings.models
+        max_in_flight(settings, spec.n_parallel or settings.n_parallel, max_queue(settings, spec))
+        for spec in settings.models
     ]
     return 2 * max(sum(per_model), 1) + 64
 
@@ -141,9 +143,12 @@ def build_app(
 ) -> Application:
     """The Serve application: ``ingress`` in front of ``settings.replicas`` engine replicas,
     routed by the ``cluster_routing`` policy. ``router="default"`` keeps Ray's own (power of
-    two choices), for comparison. With ``nodes`` (the cluster's, when more than one) no node
-    runs more than its share of the replicas (``ceil(replicas / nodes)``): Serve's own spread
-    is best effort, and replicas reserving no CPU may all land on one node."""
+    two choices), for comparison: it feeds no index, so the ingress knows no replica running
+    (a prewarm is one call, a 429 bound counts ``--replicas``), and it cannot send a call to a
+    given replica, so a prewarm cannot fan out (``docs/cluster.md``). With ``nodes`` (the
+    cluster's, when more than one) no node runs more than its share of the replicas
+    (``ceil(replicas / nodes)``): Serve's own spread is best effort, and replicas reserving no
+    CPU may all land on one node."""
     options: dict[str, object] = {"num_cpus": 0, **(actor_options or {})}
     spread: dict[str, Any] = {}
     if nodes is not None and nodes > 1:

@@ -8,7 +8,10 @@ vocabulary alone, ``tokens.PromptTokens``), and answers ``GET /cluster`` from th
 replicas' cache events it shares with the router in this process. Cache administration
 (``/cache/*`` except keep-alive) is per replica and answers 501 here. Every generation's
 response names the replica that served it in ``x-kvwarm-replica``. Load is shed here, not in
-the replicas (Ray queues past its per-replica cap without bound): ``max_in_flight`` per model.
+the replicas (Ray queues past its per-replica cap without bound): ``max_in_flight`` per model,
+by the replicas running and the model's ``max_queue``. A prewarm goes to every replica
+running; one that joins later gets the kept prefixes, once, when the router's index learns it
+runs or, during a model's attach, once that is done (``_warm_joined``, ``_attach``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Protocol
@@ -35,6 +38,7 @@ from kvwarm.server.errors import HTTPError
 from kvwarm.server.metrics import Snapshot
 from kvwarm.server.state import ServerState
 from kvwarm.settings import Settings
+from kvwarm.settings.model import max_queue as model_max_queue
 
 if TYPE_CHECKING:
     from kvwarm.engine.api import Engine
@@ -84,23 +88,67 @@ class IngressState(ServerState):
         # A replica that starts later (a replacement, a scale-up) gets the kept prefixes at
         # once, not at the keep-alive's next re-warm: one at a time, off the router's loop.
         self._joins = ThreadPoolExecutor(1, thread_name_prefix="kvwarm-join-prewarm")
+        # A replica that joins while a model is being attached: after the attach's fan-out
+        # read the running replicas, before the model is ready. Guarded by ``_attach_lock``:
+        # per model id being attached, the replicas that joined meanwhile (warmed when it is
+        # attached); per model id, the replicas its last attach's fan-out read (warmed by it)
+        # and the model it built (ready a moment later); the replicas whose join was handled.
+        self._attach_lock = threading.Lock()
+        self._attaching: dict[str, set[str]] = {}
+        self._handled: set[str] = set()
+        self._fanned: dict[str, set[str]] = {}
+        self._attached: dict[str, RemoteModel] = {}
         self._stop_joins = self.index.on_joined(self._replica_joined)
+        with self._attach_lock:  # those running already were announced before we listened
+            self._handled.update(self.index.running())
 
     def _replica_joined(self, replica: str) -> None:
         if not self._closing.is_set():
             self._joins.submit(self._warm_joined, replica)
 
     def _warm_joined(self, replica: str) -> None:
-        """Prewarm every kept prefix (``--prewarm-system``'s, the keep-alive's) of a ready
-        model on ``replica``, once, best effort: a failure is logged and the keep-alive's
-        re-warm still comes. A model not ready yet warms every running replica as it is
-        attached (``_prewarm_systems``)."""
+        """Prewarm every kept prefix (``--prewarm-system``'s, the keep-alive's) of each model
+        on ``replica``, once, best effort: a failure is logged and the keep-alive's re-warm
+        still comes. A model being attached warms it once attached (``_attach``), unless its
+        fan-out reached it; a model not attached warms every running replica when it is."""
+        with self._attach_lock:
+            self._handled.add(replica)
+            for joined in self._attaching.values():
+                joined.add(replica)
+        warmed = 0
+        for model_id in dict.fromkeys(e.model_id for e in self.keepalive.entries()):
+            model = self._joinable(model_id, replica)
+            if model is not None:
+                warmed += self._warm_on(model, model_id, replica)
+        if warmed:
+            log.info("prewarmed %d kept prefix(es) on new replica %s", warmed, replica)
+
+    def _joinable(self, model_id: str, replica: str) -> RemoteModel | None:
+        """The model whose kept prefixes a replica that just joined gets now: the ready one,
+        or the one an attach just built (not ready yet); None while it is being attached
+        (``_attach`` warms the replica then) or if its attach's fan-out reached the replica
+        (the index announces a replica just after it runs, so the fan-out may read it
+        before its join is handled here)."""
+        with self._attach_lock:
+            if model_id in self._attaching:
+                return None
+            fanned = self._fanned.get(model_id, set())
+            if replica in fanned:
+                fanned.discard(replica)  # a later join of it is a return: warm it then
+                return None
+            model = self.ready_model(model_id)
+            entry = self.entries.get(model_id)
+            if model is None and entry is not None and entry.state == "loading":
+                model = self._attached.get(model_id)
+        return model if isinstance(model, RemoteModel) else None
+
+    def _warm_on(self, model: RemoteModel, model_id: str, replica: str) -> int:
+        """Every kept prefix of ``model_id`` on ``replica`` alone; how many were warmed."""
         warmed = 0
         for entry in self.keepalive.entries():
             if self._closing.is_set():
-                return
-            model = self.ready_model(entry.model_id)
-            if not isinstance(model, RemoteModel):
+                break
+            if entry.model_id != model_id:
                 continue
             try:
                 entry.warm(
@@ -111,12 +159,11 @@ class IngressState(ServerState):
             except Exception as exc:  # best effort: the keep-alive re-warms it later
                 log.warning(
                     "prewarm of a kept prefix of %s on new replica %s failed: %s",
-                    entry.model_id,
+                    model_id,
                     replica,
                     exc,
                 )
-        if warmed:
-            log.info("prewarmed %d kept prefix(es) on new replica %s", warmed, replica)
+        return warmed
 
     def _load_all(self) -> None:
         for entry in self.entries.values():
@@ -139,6 +186,41 @@ class IngressState(ServerState):
         return self._attach(entry.id)
 
     def _attach(self, model_id: str) -> RemoteModel:
+        """The model the replicas serve, as a ``RemoteModel``, its ``--prewarm-system``
+        prompts warm on every running replica; a replica that joined meanwhile, after the
+        fan-out read the running ones, gets every kept prefix of it once it is attached."""
+        with self._attach_lock:
+            self._attaching[model_id] = set()
+            self._fanned.pop(model_id, None)
+            self._attached.pop(model_id, None)
+        fan_out = _FanOut(self.calls.replicas)
+        try:
+            model = self._attach_model(model_id, fan_out)
+        except BaseException:
+            with self._attach_lock:
+                self._attaching.pop(model_id, None)
+                fan_out.stop()
+            raise
+        # One step: a replica joining from here on is warmed by ``_warm_joined``.
+        with self._attach_lock:
+            joined = self._attaching.pop(model_id)
+            read = fan_out.stop()
+            missed = sorted(joined - read)
+            # The fan-out's replicas whose join is still to be handled: that join warms
+            # nothing of this model again.
+            self._fanned[model_id] = read - self._handled
+            self._attached[model_id] = model
+        warmed = sum(self._warm_on(model, model_id, replica) for replica in missed)
+        if missed:
+            log.info(
+                "model %s: prewarmed %d kept prefix(es) on %s, which joined as it was attached",
+                model_id,
+                warmed,
+                ", ".join(missed),
+            )
+        return model
+
+    def _attach_model(self, model_id: str, fan_out: _FanOut) -> RemoteModel:
         op_call: OpCall = self.calls.op
         deadlines = OpDeadlines.of(self.settings)
         info = op_call(ModelOp(model_id, "info", timeout_s=deadlines("info")))
@@ -147,6 +229,12 @@ class IngressState(ServerState):
         assert isinstance(info, ModelInfo)
         tokenizer = self._tokenizer(model_id)
         memory = self._memory(model_id, info)
+        spec = next((m for m in self.settings.models if m.model_id == model_id), None)
+        queue = model_max_queue(self.settings, spec)
+
+        def bound() -> int:  # at each admission: the replicas running then
+            return max_in_flight(self.settings, info.n_parallel, queue, len(self.calls.replicas()))
+
         model = RemoteModel(
             info,
             self.calls.stream,
@@ -155,8 +243,8 @@ class IngressState(ServerState):
             self.index,
             tokenizer,
             deadlines,
-            replicas=self.calls.replicas,
-            max_in_flight=max_in_flight(self.settings, info.n_parallel),
+            replicas=fan_out.replicas,
+            max_in_flight=bound,
             memory=memory,
         )
         self._prewarm_systems(model, model_id)
@@ -201,6 +289,14 @@ class IngressState(ServerState):
                     log.info("model %s changed: its conversations' last rows are dropped", model_id)
                 memory = self._memories[model_id] = ModelMemory(identity)
             return memory
+
+    def _unload_one(self, entry: ModelEntry) -> None:
+        """Detach (the replicas keep the model loaded): a replica joining now warms nothing of
+        it; the next attach warms every running replica."""
+        with self._attach_lock:
+            self._attached.pop(entry.id, None)
+            self._fanned.pop(entry.id, None)
+        super()._unload_one(entry)
 
     def _tokenizer(self, model_id: str) -> PromptTokens | None:
         """The model's vocabulary, loaded here once (``tokens.PromptTokens``), or None."""
@@ -248,12 +344,40 @@ class IngressState(ServerState):
         )
 
 
-def max_in_flight(settings: Settings, n_parallel: int) -> int:
+class _FanOut:
+    """The running replicas as a model's prewarms read them, noting which while its attach
+    runs (``stop``: the replicas its start-up fan-out reached)."""
+
+    def __init__(self, running: Callable[[], Sequence[str]]) -> None:
+        self._running = running
+        self._read: set[str] | None = set()
+        self._lock = threading.Lock()
+
+    def replicas(self) -> Sequence[str]:
+        running = self._running()
+        with self._lock:
+            if self._read is not None:
+                self._read.update(running)
+        return running
+
+    def stop(self) -> set[str]:
+        with self._lock:
+            read, self._read = self._read or set(), None
+        return read
+
+
+def max_in_flight(
+    settings: Settings, n_parallel: int, max_queue: int | None = None, running: int = 0
+) -> int:
     """The generations of one model the ingress holds at once before it answers 429
-    ``queue_full``: what the replicas would hold as ``kvwarm serve`` each (their slots plus
-    ``max_queue`` waiting). Ray lets only ``max(8, 4 x n_parallel)`` calls reach a replica and
-    keeps the rest in its own queue, without bound, so the replicas' own queues never fill."""
-    return settings.replicas * (n_parallel + settings.max_queue)
+    ``queue_full``: what the replicas running now would hold as ``kvwarm serve`` each (their
+    ``n_parallel`` slots plus the model's ``max_queue`` waiting; None: the global one). Ray
+    lets only ``max(8, 4 x n_parallel)`` calls reach a replica and keeps the rest in its own
+    queue, without bound, so the replicas' own queues never fill. ``running``: the replicas
+    the router knows run (``Calls.replicas``); 0 (none known yet, or no router in this
+    process) counts ``--replicas``, as at the largest this bound is sized for."""
+    queue = settings.max_queue if max_queue is None else max_queue
+    return (running or settings.replicas) * (n_parallel + queue)
 
 
 def _node_id() -> str | None:

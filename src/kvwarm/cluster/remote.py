@@ -338,7 +338,7 @@ class RemoteModel(ModelOps):
         deadlines: OpDeadlines | None = None,
         *,
         replicas: Callable[[], Sequence[str]] = tuple,
-        max_in_flight: int = 0,
+        max_in_flight: int | Callable[[], int] = 0,
         memory: ModelMemory | None = None,
     ) -> None:
         """``tokenizer``: the model's vocabulary at the ingress (``tokens.PromptTokens``), so
@@ -346,13 +346,14 @@ class RemoteModel(ModelOps):
         ``deadlines``: each call's deadline (``OpDeadlines``; None: no deadline).
         ``replicas``: the ids of the replicas running now, each of which a prewarm warms.
         ``max_in_flight``: generations of this model the ingress holds at once (running or
-        waiting, anywhere); one more is a ``QueueFullError`` (429). 0: no bound.
+        waiting, anywhere); one more is a ``QueueFullError`` (429). 0: no bound. A function
+        is asked at each admission (the bound follows the replicas running).
         ``memory``: what an earlier attach of this model remembered (``ModelMemory``); a
         fresh one when None."""
         self._info = info
         self._deadlines = deadlines or OpDeadlines()
         self._replicas = replicas
-        self._max_in_flight = max_in_flight
+        self._max_in_flight = max_in_flight if callable(max_in_flight) else lambda: max_in_flight
         self._admission = threading.Lock()
         self.in_flight = 0  # generations admitted and not ended
         self._tokenizer = tokenizer
@@ -387,7 +388,7 @@ class RemoteModel(ModelOps):
         """Room for ``n`` more generations, all or none (``QueueFullError``): one release
         each (idempotent), called when its stream ends."""
         with self._admission:
-            limit = self._max_in_flight
+            limit = self._max_in_flight()
             if limit and self.in_flight + n > limit:
                 raise QueueFullError(
                     f"model {self.id}: {self.in_flight} requests in flight across the replicas "

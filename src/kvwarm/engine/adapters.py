@@ -170,6 +170,10 @@ class Adapters:
         self._worker.call(run, needs_idle=True).result()
 
 
+#: The largest finite float32: llama.cpp takes a scale as a C float.
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _scale(scale: object) -> float:
     """``scale`` as a finite float. Found by review: ``float(scale)`` ran after the native
     load, so a scale that was no number (``"x"``, ``None``, ``2**2000``) raised a ``ValueError``
@@ -182,4 +186,12 @@ def _scale(scale: object) -> float:
         value = math.inf
     if not math.isfinite(value):
         raise InvalidRequestError(f"adapter scale {scale!r} is not finite", param="scale")
+    # Found by review: a finite scale past float32's range (1e39) reached the context (inf
+    # there) before the namespace refused it with a ValueError, so the model ran under a
+    # scale that neither its listing nor its cache namespace had.
+    if abs(value) > _FLOAT32_MAX:
+        raise InvalidRequestError(
+            f"adapter scale {scale!r} is beyond float32's range (llama.cpp's scale is a float)",
+            param="scale",
+        )
     return value

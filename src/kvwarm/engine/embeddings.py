@@ -6,8 +6,9 @@ caller's thread before any job is queued (``docs/architecture.md``, "Engine"). A
 embedded in pieces of about ``n_batch`` tokens, one job each, queued one after the other, so
 the model's other requests get a tick between any two pieces (issue 41: 20,000 inputs as one
 job held a concurrent chat for 168 s), as a batch of completion prompts shares the model.
-Before each embedding job the context takes the LoRA set the generation context has
-(``Adapters.applied``): a model with an adapter attached embeds with it, as it generates with
+Before each embedding job the context takes the LoRA set the embedding runs under
+(``Adapters.resolve``): the one it names (the server's global scales, as llama-server embeds),
+else the model's own, so a model with an adapter attached embeds with it, as it generates with
 it.
 
 The embedding context is sized to the inputs it has embedded (found by review): pooling needs a
@@ -33,6 +34,7 @@ from kvwarm.backends.base import (
 )
 from kvwarm.engine.request import check_tokens
 from kvwarm.engine.worker.loop import Worker
+from kvwarm.engine.worker.runtime import LoraChoice
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
 
 #: The smallest embedding context, in tokens (llama.cpp pads a context to 256 cells anyway).
@@ -69,9 +71,10 @@ class Embedder:
         bmodel: BackendModel,
         params: ContextParams,
         worker: Worker,
-        adapters: Callable[[], AdapterSet] = tuple,
+        adapters: Callable[[LoraChoice | None], AdapterSet] = lambda _: (),
     ) -> None:
-        """``adapters`` returns the LoRA set to embed with (called on the worker thread)."""
+        """``adapters`` resolves an embedding's LoRA choice to the set to embed with (called on
+        the worker thread; None: the model's own)."""
         self._bmodel = bmodel
         self._params = params
         self._worker = worker
@@ -80,7 +83,11 @@ class Embedder:
         self._ctx_adapters: AdapterSet = ()  # the set the embedding context has natively
 
     def embed(
-        self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool
+        self,
+        inputs: str | Sequence[str | Sequence[int]],
+        *,
+        normalize: bool,
+        lora: LoraChoice | None = None,
     ) -> list[list[float]]:
         """One vector per input: text (tokenized with BOS) or token ids, used as given."""
         token_lists = self._tokens(inputs)
@@ -105,7 +112,7 @@ class Embedder:
                     )
                 )
                 self._ctx, self._ctx_adapters = ctx, ()
-            wanted = self._adapters()
+            wanted = self._adapters(lora)
             if wanted != self._ctx_adapters:
                 ctx.set_adapters(wanted)
                 self._ctx_adapters = wanted
@@ -139,13 +146,16 @@ class Embedder:
                     "(one tokenized input is [[1, 2, 3]])",
                     param="input",
                 )
-            if not toks:
+            # An empty text too, whatever the tokenizer adds: found by review, "" embedded a
+            # lone BOS on a model that adds one (a vector of nothing) and was a 400 elsewhere.
+            if not toks or (isinstance(item, str) and not item):
                 raise InvalidRequestError("cannot embed an empty input", param="input")
             if len(toks) > limit:
                 raise ContextOverflowError(
                     f"input has {len(toks)} tokens; the embedding context holds {limit}",
                     n_tokens=len(toks),
                     n_ctx=limit,
+                    param="input",  # found by review: it named "prompt", a field embeddings lack
                 )
             token_lists.append(toks)
         return token_lists

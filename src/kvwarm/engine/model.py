@@ -72,6 +72,7 @@ from kvwarm.engine.types import (
     ModelInfo,
     ModelStatus,
     Reranking,
+    check_lora,
 )
 from kvwarm.engine.worker.batching import strategy
 from kvwarm.engine.worker.draftmodel import DraftModel, check_vocab
@@ -176,7 +177,7 @@ class Model:
             self._bmodel,
             replace(cfg.context, pooling=self.pooling),
             self._worker,
-            adapters=self._adapters.applied,
+            adapters=self._adapters.resolve,
         )
         ctx = cfg.context
         self._ranker = Ranker(
@@ -814,13 +815,20 @@ class Model:
     # ---- embeddings ---------------------------------------------------------------------
 
     def embed(
-        self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool = True
+        self,
+        inputs: str | Sequence[str | Sequence[int]],
+        *,
+        normalize: bool = True,
+        lora: LoraChoice | None = None,
     ) -> list[list[float]]:
         """One pooled vector per input. An input is text (tokenized with BOS) or token ids,
-        used exactly as given: ids are never detokenized and tokenized again."""
+        used exactly as given: ids are never detokenized and tokenized again. ``lora``: the
+        adapters to embed under, as ``GenerationOptions.lora`` (None: the model's own set)."""
         self._check_ready()
         self._require("embed")
-        return self._embedder.embed(inputs, normalize=normalize)
+        check_lora(lora)
+        self._adapters.check(lora)
+        return self._embedder.embed(inputs, normalize=normalize, lora=lora)
 
     # ---- reranking ----------------------------------------------------------------------
 

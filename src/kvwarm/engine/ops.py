@@ -138,9 +138,14 @@ class ModelCalls(Protocol):
         ...
 
     def embed(
-        self, inputs: str | Sequence[str | Sequence[int]], *, normalize: bool = True
+        self,
+        inputs: str | Sequence[str | Sequence[int]],
+        *,
+        normalize: bool = True,
+        lora: tuple[tuple[int, float], ...] | None = None,
     ) -> list[list[float]]:
-        """One pooled vector per input (text or token ids)."""
+        """One pooled vector per input (text or token ids), under the LoRA set ``lora``
+        ((handle, scale) pairs; None: the model's own)."""
         ...
 
     def rerank(

@@ -255,29 +255,7 @@ class GenerationOptions:
         encode_utf8(salt, param="cache_salt")
 
     def _check_lora(self) -> None:
-        from kvwarm.errors import InvalidRequestError
-
-        if self.lora is None:
-            return
-        if not isinstance(self.lora, tuple | list):
-            raise InvalidRequestError("lora must be a list of (handle, scale)", param="lora")
-        seen: set[int] = set()
-        for item in self.lora:
-            if not isinstance(item, tuple | list) or len(item) != 2:
-                raise InvalidRequestError("lora must be a list of (handle, scale)", param="lora")
-            handle, scale = item
-            if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
-                raise InvalidRequestError(f"lora handle {handle!r} is not an id", param="lora")
-            if handle in seen:
-                raise InvalidRequestError(f"lora lists adapter {handle} twice", param="lora")
-            seen.add(handle)
-            if isinstance(scale, bool) or not isinstance(scale, int | float):
-                raise InvalidRequestError(f"lora scale {scale!r} is not a number", param="lora")
-            if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
-                raise InvalidRequestError(
-                    f"lora scale {scale!r} must be finite and within +-{MAX_LORA_SCALE:g}",
-                    param="lora",
-                )
+        check_lora(self.lora)
 
     def salt_bytes(self) -> bytes | None:
         """The salt as the cache folds it into a namespace (``cache.key.salted_namespace``)."""
@@ -500,3 +478,32 @@ class ModelStatus:
     def kv_cache_usage(self) -> float:
         """Share of the context's cells in use, 0..1 (what vLLM calls kv_cache_usage_perc)."""
         return self.kv_cells_used / self.kv_cells if self.kv_cells else 0.0
+
+
+def check_lora(lora: object) -> None:
+    """``InvalidRequestError`` unless ``lora`` is None or (handle, scale) pairs: each handle
+    once, each scale finite and within ``MAX_LORA_SCALE`` (``GenerationOptions.lora``, the
+    ``lora`` of ``Model.embed``)."""
+    from kvwarm.errors import InvalidRequestError
+
+    if lora is None:
+        return
+    if not isinstance(lora, tuple | list):
+        raise InvalidRequestError("lora must be a list of (handle, scale)", param="lora")
+    seen: set[int] = set()
+    for item in lora:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise InvalidRequestError("lora must be a list of (handle, scale)", param="lora")
+        handle, scale = item
+        if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
+            raise InvalidRequestError(f"lora handle {handle!r} is not an id", param="lora")
+        if handle in seen:
+            raise InvalidRequestError(f"lora lists adapter {handle} twice", param="lora")
+        seen.add(handle)
+        if isinstance(scale, bool) or not isinstance(scale, int | float):
+            raise InvalidRequestError(f"lora scale {scale!r} is not a number", param="lora")
+        if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
+            raise InvalidRequestError(
+                f"lora scale {scale!r} must be finite and within +-{MAX_LORA_SCALE:g}",
+                param="lora",
+            )

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from starlette.concurrency import run_in_threadpool
 
 from kvwarm.engine.types import Completion, GenerationOptions
-from kvwarm.errors import ReplicaUnavailableError
+from kvwarm.errors import InvalidRequestError, ReplicaUnavailableError
 from kvwarm.server import convert
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import Generation
@@ -37,7 +37,16 @@ from kvwarm.server.schemas import (
     parse_body,
 )
 from kvwarm.server.tool_stream import ToolStream
-from kvwarm.server.tools import ChatPlan, ToolCall, openai_tools, plan_chat
+from kvwarm.server.tools import (
+    ChatPlan,
+    Part,
+    ToolCall,
+    calls_of,
+    check_tools,
+    content_of,
+    openai_tools,
+    plan_chat,
+)
 
 if TYPE_CHECKING:
     from kvwarm.server.served import ServedModel, ServedStream
@@ -48,12 +57,19 @@ ToolChoice = str | NamedToolChoice | AllowedToolsChoice | None
 
 @dataclass(frozen=True, slots=True)
 class ChatReply:
-    """A finished reply: its visible ``content`` (for a stream, what was not yet sent) and the
-    tool calls it made."""
+    """A finished reply: its texts and tool calls in the order the model wrote them."""
 
     done: Completion
-    content: str
-    calls: list[ToolCall]
+    parts: list[Part]
+
+    @property
+    def content(self) -> str:
+        """The reply's texts as one (OpenAI's ``content``; ``tools.content_of``)."""
+        return content_of(self.parts)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return calls_of(self.parts)
 
 
 # Answers of ``renders_tools`` per model object (a reloaded model is a new object, so its
@@ -94,6 +110,33 @@ def renders_tools(model: ServedModel, tools: Sequence[Tool]) -> bool:
     return answer
 
 
+_SYSTEM_PROBE = "\0system"  # the key of ``accepts_system``'s answer among a model's tool sets
+
+
+def accepts_system(model: ServedModel) -> bool:
+    """Whether the model's template takes a system message (Gemma 2's, Mistral's first ones
+    refuse it): where emulated tools are described. Remembered per model."""
+    with _PROBED_LOCK:
+        known = _PROBED.get(model)
+        if known is not None and _SYSTEM_PROBE in known:
+            return known[_SYSTEM_PROBE]
+    probe: list[dict[str, object]] = [
+        {"role": "system", "content": "hi"},
+        {"role": "user", "content": "hi"},
+    ]
+    try:
+        model.apply_chat_template(probe)
+    except ReplicaUnavailableError:
+        raise  # a cluster lost the replica asked: no answer about the template
+    except InvalidRequestError:  # the template refused it
+        answer = False
+    else:
+        answer = True
+    with _PROBED_LOCK:
+        _PROBED.setdefault(model, OrderedDict())[_SYSTEM_PROBE] = answer
+    return answer
+
+
 async def plan(
     model: ServedModel,
     messages: Sequence[ChatMessage],
@@ -108,12 +151,17 @@ async def plan(
     http(s) URL is fetched if its host is allowed, else refused (``server/media.py``)."""
     if settings is not None:
         messages = await fetch_images(messages, settings)
+    check_tools(tools or ())  # every tool declared, before allowed_tools picks some
     if isinstance(tool_choice, AllowedToolsChoice):
         tools, tool_choice = allowed_tools(tools, tool_choice)
-    native = False
+    native, system = False, True
     if tools and tool_choice != "none":
         native = await run_in_threadpool(renders_tools, model, tools)
-    return plan_chat(messages, tools, tool_choice, renders_tools=native, parallel=parallel)
+        if not native:
+            system = await run_in_threadpool(accepts_system, model)
+    return plan_chat(
+        messages, tools, tool_choice, renders_tools=native, parallel=parallel, system=system
+    )
 
 
 def allowed_tools(
@@ -158,23 +206,23 @@ def with_parent(opts: GenerationOptions, key: bytes | None) -> GenerationOptions
 
 
 async def whole_reply(gen: Generation, chat: ChatPlan) -> ChatReply:
-    """Wait for the reply and split it into content and calls (non-streamed requests)."""
+    """Wait for the reply and split it into texts and calls (non-streamed requests)."""
     async with gen:
         done = await gen.result()
-    content, calls = chat.split(done.text)
-    return ChatReply(done, content, calls)
+    return ChatReply(done, chat.parts(done.text))
 
 
-async def streamed_reply(gen: Generation, chat: ChatPlan) -> AsyncIterator[str | ChatReply]:
-    """Text that is safe to show as it comes (a possible tool call is held back), then one
-    ``ChatReply`` whose ``content`` is the text not yet yielded. ``gen`` must be opened
+async def streamed_reply(gen: Generation, chat: ChatPlan) -> AsyncIterator[Part | ChatReply]:
+    """The reply's parts as they become safe to send (text pieces as they come, a possible
+    tool call held back until it parses: ``tool_stream``), then one ``ChatReply``, the whole
+    reply, whose calls have the ids they were sent with. ``gen`` must be opened
     (``Generation.open_streaming``)."""
     held = ToolStream(chat.names, forced=chat.forced, single=chat.single)
     async for fragment in gen.fragments():
-        text, _ = held.feed(fragment.text)  # calls are reported whole, at the end
-        if text:
-            yield text
+        for part in held.feed(fragment.text):
+            yield part
     done = await gen.result()
-    rest, _, _ = held.finish()
-    _, calls = chat.split(done.text)
-    yield ChatReply(done, rest, calls)
+    rest, parts = held.finish()
+    for part in rest:
+        yield part
+    yield ChatReply(done, parts)

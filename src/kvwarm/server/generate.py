@@ -9,7 +9,9 @@ Invariants:
 - A streamed response is *primed* before any header is sent: errors the engine raises before the
   first fragment (context overflow, a bad grammar) become proper 4xx responses, not a 200 stream
   carrying an error.
-- Every finished generation logs exactly one line on ``kvwarm.server.requests``.
+- Every finished generation logs exactly one line on ``kvwarm.server.requests``, naming the end
+  user the request said it came for (OpenAI's ``user``, Anthropic's ``metadata.user_id``), if
+  it said one.
 - A generation the server ends (its deadline, ``request_timeout_s``; the end of shutdown's
   graceful wait, ``ServerState.drain``) raises that error from ``fragments()``/``result()``,
   so a stream ends with an error event in its API's shape (``sse``, ``named_sse``), never
@@ -86,9 +88,12 @@ class Generation:
         state: ServerState,
         *,
         watch: bool = True,
+        user: str | None = None,
     ) -> None:
-        """``watch=False``: the caller watches for the disconnect (one watcher per request)."""
+        """``watch=False``: the caller watches for the disconnect (one watcher per request).
+        ``user``: the end user the request names (its log line says it)."""
         self.stream = stream
+        self.user = user
         self._watch_disconnect = watch
         self.endpoint = endpoint
         self.model_id = model_id
@@ -227,7 +232,7 @@ class Generation:
         )
         if done.stats.reuse is not None:
             self._state.counters.record_cache_reason(self.model_id, done.stats.reuse.reason.value)
-        log_request(self.endpoint, self.model_id, done, self.started, self.disconnected)
+        log_request(self.endpoint, self.model_id, done, self.started, self.disconnected, self.user)
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -238,13 +243,25 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
+#: The most characters of a request's ``user`` its log line shows.
+USER_LOG_CHARS = 64
+
+
 def log_request(
-    endpoint: str, model_id: str, done: Completion, started: float, disconnected: bool = False
+    endpoint: str,
+    model_id: str,
+    done: Completion,
+    started: float,
+    disconnected: bool = False,
+    user: str | None = None,
 ) -> None:
     s = done.stats
+    # As JSON: quoted, a newline or a quote in it escaped, so it can never forge a line or a
+    # field of its own; cut to USER_LOG_CHARS.
+    who = "" if user is None else f" user={json.dumps(user[:USER_LOG_CHARS])}"
     request_log.info(
         "%s model=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d finish=%s "
-        "cache=%s reason=%s found=%d prefill_ms=%.1f ms=%.1f%s",
+        "cache=%s reason=%s found=%d prefill_ms=%.1f ms=%.1f%s%s",
         endpoint,
         model_id,
         s.prompt_tokens,
@@ -257,6 +274,7 @@ def log_request(
         s.prefill_ms,
         (time.perf_counter() - started) * 1000,
         " client_disconnected" if disconnected else "",
+        who,
     )
 
 

@@ -28,7 +28,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from kvwarm.cache.types import MEMORY_SERIES, TIER_SERIES
+from kvwarm.cache.types import MEMORY_SERIES, TIER_SERIES, TIER_TOTALS
 from kvwarm.engine.types import ModelStatus
 from kvwarm.server.budget import MemoryPlan
 
@@ -36,9 +36,11 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _BAD_NAME = re.compile(r"[^a-zA-Z0-9_]")
 # tier_<any tier name>_<series>: the name is whatever was configured (the shortest that leaves
 # a known series, so ram_file_bytes is tier ram_file, series bytes).
+# Levels are gauges (kvwarm_cache_tier_<series>), running totals counters
+# (kvwarm_cache_tier_<series>_total: restores, their bytes and seconds).
 _TIER_KEY = re.compile(
     r"^tier_([A-Za-z0-9_]+?)_("
-    + "|".join(sorted(map(re.escape, TIER_SERIES), key=len, reverse=True))
+    + "|".join(sorted(map(re.escape, (*TIER_SERIES, *TIER_TOTALS)), key=len, reverse=True))
     + r")$"
 )
 # memory_<kind>_<series>: what the rows of one memory kind store and restore.
@@ -102,11 +104,27 @@ class _Static(Collector):
         return self._metrics
 
 
+_TIER_TOTALS_HELP = {
+    "restores": "rows a tier restored into a request's slot (not its hits: rows opened)",
+    "restored_bytes": "KV bytes a tier's restores read",
+    "restore_seconds": "time a tier's restores took, from opening the row to its KV in the slot",
+}
+assert set(_TIER_TOTALS_HELP) == set(TIER_TOTALS)
+
+
 def add_cache(out: Families, counters: Mapping[str, float]) -> None:
     for key in sorted(counters):
         value = float(counters[key])
         tier = _TIER_KEY.match(key)
-        if tier is not None:
+        if tier is not None and tier.group(2) in TIER_TOTALS:
+            out.add(
+                f"kvwarm_cache_tier_{tier.group(2)}_total",
+                "counter",
+                _TIER_TOTALS_HELP[tier.group(2)],
+                value,
+                tier=tier.group(1),
+            )
+        elif tier is not None:
             out.add(
                 f"kvwarm_cache_tier_{tier.group(2)}",
                 "gauge",
@@ -186,13 +204,32 @@ _MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
 )
 
 
-def add_models(out: Families, states: Mapping[str, str], statuses: Iterable[ModelStatus]) -> None:
+def add_models(
+    out: Families,
+    states: Mapping[str, str],
+    statuses: Iterable[ModelStatus],
+    totals: Mapping[str, Mapping[str, float]] | None = None,
+) -> None:
+    """Each model's state, its loaded instance's levels (``statuses``) and its running totals:
+    ``totals`` (``server/totals.py``: over every load of it, so a counter never goes down when
+    a model unloads or loads again), or without them the loaded instances' own counts."""
+    statuses = list(statuses)
+    if totals is None:
+        totals = {s.id: {attr: float(getattr(s, attr)) for attr in _TOTAL_ATTRS} for s in statuses}
     for model_id, state in states.items():
         out.add("kvwarm_model_ready", "gauge", "1 if the model is ready", state == "ready",
                 model=model_id)  # fmt: skip
     for s in statuses:
         for name, kind, help_text, attr, scale in _MODEL_SERIES:
-            out.add(name, kind, help_text, float(getattr(s, attr)) * scale, model=s.id)
+            if kind != "counter":
+                out.add(name, kind, help_text, float(getattr(s, attr)) * scale, model=s.id)
+    for model_id, counts in totals.items():
+        for name, kind, help_text, attr, scale in _MODEL_SERIES:
+            if kind == "counter":
+                out.add(name, kind, help_text, counts.get(attr, 0.0) * scale, model=model_id)
+
+
+_TOTAL_ATTRS = tuple(attr for _, kind, _, attr, _ in _MODEL_SERIES if kind == "counter")
 
 
 def add_memory(out: Families, plan: MemoryPlan) -> None:
@@ -223,6 +260,9 @@ class Snapshot:
     keepalive_prefixes: int = 0
     stalled_s: Mapping[str, float] = field(default_factory=dict)
     memory: MemoryPlan | None = None  # the memory budget's plan (server/budget.py)
+    #: Per model id, its running totals over the server's lifetime (server/totals.py); None:
+    #: the statuses' own counts.
+    totals: Mapping[str, Mapping[str, float]] | None = None
 
 
 class SnapshotCollector(Collector):
@@ -238,7 +278,7 @@ class SnapshotCollector(Collector):
         snap = self._read()
         out = Families()
         add_cache(out, snap.cache)
-        add_models(out, snap.states, snap.statuses)
+        add_models(out, snap.states, snap.statuses, snap.totals)
         for model_id, age in snap.stalled_s.items():
             out.add("kvwarm_worker_stalled_seconds", "gauge",
                     "seconds the worker's current iteration has run without ticking (0 idle)",

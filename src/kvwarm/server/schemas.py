@@ -21,6 +21,8 @@ from pydantic import (
     Discriminator,
     Field,
     PrivateAttr,
+    Strict,
+    StrictInt,
     Tag,
     ValidationError,
     model_validator,
@@ -90,6 +92,14 @@ class _Body(NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
 
 
+#: A number in a body: a JSON number only (an integer is taken as a float; true and "1" are not).
+StrictNumber = Annotated[float, Strict()]
+
+#: A token id in a body: a JSON integer only. Found by review: pydantic's lax ``int`` took
+#: ``true`` as token 1 and ``2.0`` as token 2 (``"input": [true]`` embedded token 1).
+TokenIds = list[StrictInt]
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
@@ -99,8 +109,10 @@ class LoraItem(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    id: int = Field(ge=0, le=_INT32_MAX)
-    scale: float = 0.0  # llama-server's default: an id listed without a scale stays off
+    # JSON numbers only (found by review: lax types took true as id 1 and scale 1.0, "0.5"
+    # as a scale).
+    id: StrictInt = Field(ge=0, le=_INT32_MAX)
+    scale: StrictNumber = 0.0  # llama-server's default: an id listed without a scale stays off
 
 
 def lora_pairs(items: list[LoraItem] | None) -> list[tuple[int, float]] | None:
@@ -149,6 +161,11 @@ class SamplingFields(_Body):
     # llama-server's: the adapters this request runs under (others off); server/lora.py.
     lora: list[LoraItem] | None = Field(default=None, max_length=64)
     keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
+    user: str | None = Field(
+        default=None,
+        description="the end user this request is for (OpenAI's): named in the server's "
+        "request log line; it changes nothing in the reply",
+    )
 
 
 def check_sampling(req: SamplingFields) -> None:
@@ -173,8 +190,11 @@ class ResponseFormat(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | TokenIds | list[TokenIds]
     suffix: str | None = None  # fill-in-the-middle: the text after the completion
+    # OpenAI's: this many candidates per prompt (n at least; the model's n_parallel caps it,
+    # as it caps n), the n with the highest mean logprob per token returned; not streamed.
+    best_of: int | None = Field(default=None, ge=1, le=64)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     response_format: ResponseFormat | None = None
@@ -310,12 +330,15 @@ class ChatRequest(SamplingFields):
     # on it would get text where it expects a call.
     functions: list[object] | None = None
     function_call: object | None = None
+    # The legacy completions' best_of, which OpenAI's chat API does not have: read only to
+    # refuse it (a client sending it would get n choices, none chosen from more).
+    best_of: object | None = None
 
 
 class EmbeddingRequest(_Body):
     model: str | None = None
     keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"
     # OpenAI's shortened embeddings: the first ``dimensions`` values, scaled to unit length.
     dimensions: int | None = Field(default=None, ge=1)
@@ -355,7 +378,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
 
 class PrewarmRequest(_Body):

@@ -32,6 +32,7 @@ from kvwarm.server.metrics import ServerMetrics, Snapshot
 from kvwarm.server.registry import ModelEntry, ModelRegistry, keep_alive_seconds
 from kvwarm.server.responses.store import ResponseStore
 from kvwarm.server.served import stalled_for
+from kvwarm.server.totals import ModelTotals
 from kvwarm.settings import Settings, model_config
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class ServerState:
         self.default_id = self.registry.default_id
         # Set once the engine exists (or failed to): on-demand loads wait for it.
         self._engine_known = threading.Event()
+        # Each model's running totals over the server's lifetime, its unloads included.
+        self.totals = ModelTotals()
         # Counts requests and finished generations; reads the engine at scrape time.
         self.counters = ServerMetrics(self.metrics_snapshot)
         # Strong references to fire-and-forget tasks (the loop keeps only weak ones).
@@ -204,7 +207,12 @@ class ServerState:
     def _unload_one(self, entry: ModelEntry) -> None:
         engine = self.engine
         if engine is not None and entry.model is not None:
-            engine.unload_model(entry.id)
+            try:
+                engine.unload_model(entry.id)
+            finally:
+                # Its counts live on in the server's totals: its worker has stopped (or died),
+                # so they are final, and the registry forgets the model next.
+                self.totals.retire(entry.id, entry.model)
             with self._budget_lock:
                 self._admitted.pop(entry.id, None)
                 self._apply_plan(engine, self._plan(self._admitted.values()))
@@ -348,14 +356,21 @@ class ServerState:
         """What ``/metrics`` reports of the engine; snapshots only, no worker lock."""
         engine = self.engine
         entries = list(self.entries.values())  # a snapshot: a rescan may add entries meanwhile
+        models = self.totals.snapshot(_loaded(entries))
         return Snapshot(
             memory=self.memory,
             cache=engine.cache.counters() if engine is not None else {},
             states={e.id: e.state for e in entries},
-            statuses=[e.model.status() for e in entries if e.model is not None],
+            statuses=models.statuses,
+            totals=models.totals,
             keepalive_prefixes=len(self.keepalive.entries()),
             stalled_s={e.id: stalled_for(e.model) for e in entries if e.model is not None},
         )
+
+    def model_totals(self) -> dict[str, dict[str, float]]:
+        """Per model id, its running totals over the server's lifetime (``server/totals.py``):
+        every load of it, the loaded one's live counts included."""
+        return self.totals.snapshot(_loaded(list(self.entries.values()))).totals
 
     def cache_owners(self) -> dict[str, frozenset[bytes]]:
         """Each loaded model's cache fingerprints (``Model.cache_fingerprints``): which rows
@@ -420,6 +435,10 @@ class ServerState:
                 headers={"Retry-After": "1"},
             )
         return engine
+
+
+def _loaded(entries: Iterable[ModelEntry]) -> list[tuple[str, ServedModel]]:
+    return [(e.id, e.model) for e in entries if e.model is not None]
 
 
 def server_state(request: Request) -> ServerState:

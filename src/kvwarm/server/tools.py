@@ -5,7 +5,8 @@ Invariants:
 - A template that renders the ``tools`` it is given (the tool names appear in its output) gets
   them natively; any other template gets a Hermes-style system prompt describing them, so tools
   work with every model. Either way the reply is parsed by the same tolerant parser, which knows
-  the common formats (``<tool_call>`` JSON, Mistral ``[TOOL_CALLS]``, Llama ``<|python_tag|>`` and
+  the common formats (``<tool_call>`` JSON, Mistral ``[TOOL_CALLS]`` (a JSON list, or
+  ``name[ARGS]{...}``), Llama ``<|python_tag|>`` and
   ``<function=…>``, and a reply that is a bare ``{"name", "arguments"}`` object).
 - A call is only reported for a tool the request declared; anything else stays content.
 - ``tool_choice`` "required" or a named function constrains decoding with a JSON schema, so the
@@ -14,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -56,6 +58,10 @@ class ToolCall:
         return out
 
 
+#: A reply is texts and calls, in the order the model wrote them.
+Part = str | ToolCall
+
+
 @dataclass(frozen=True, slots=True)
 class ChatPlan:
     """What to render and how to decode: ``tools`` go to the template (native support) or are
@@ -68,11 +74,15 @@ class ChatPlan:
     forced: bool  # tool_choice required / named: the whole reply is one call
     single: bool = False  # parallel calls turned off: a reply makes at most one call
 
+    def parts(self, text: str) -> list[Part]:
+        """A whole reply as its texts and calls in order (``reply_parts``), keeping only the
+        first call when parallel calls are off."""
+        return reply_parts(text, self.names, single=self.single)
+
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
-        """A whole reply as (content, calls): ``parse_tool_calls``, keeping only the first
-        call when parallel calls are off."""
-        content, calls = parse_tool_calls(text, self.names)
-        return content, calls[:1] if self.single else calls
+        """A whole reply as (content, calls): every text of it joined, and its calls."""
+        parts = self.parts(text)
+        return content_of(parts), calls_of(parts)
 
 
 def _content(message: ChatMessage, index: int) -> str | list[dict[str, object]]:
@@ -101,6 +111,18 @@ def _call_text(name: str, arguments: object) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
+_TEMPLATE_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def template_id(call_id: str) -> str:
+    """A call's id as a native template sees it. Mistral's templates refuse any id but 9
+    letters and digits (theirs), so any other (``call_…``, Anthropic's ``toolu_…``) is shown as
+    9 hex digits of its hash: the same for a call and its result, on every turn."""
+    if _TEMPLATE_ID.fullmatch(call_id):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
 def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[Message]:
     """OpenAI messages as chat-template input. Non-native templates see tool calls and tool
     results as text in the Hermes format, so history round-trips through any template."""
@@ -119,7 +141,7 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
             if native:
                 item["tool_calls"] = [
                     {
-                        "id": call.id or f"call_{i}",
+                        "id": template_id(call.id or f"call_{i}"),
                         "type": "function",
                         "function": {"name": name, "arguments": args},
                     }
@@ -136,15 +158,38 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
         if role == "tool":
             if native:
                 if message.tool_call_id:
-                    item["tool_call_id"] = message.tool_call_id
+                    item["tool_call_id"] = template_id(message.tool_call_id)
             elif isinstance(text, list):  # a result with images: they stay parts, in place
                 opening = {"type": "text", "text": "<tool_response>\n"}
                 closing = {"type": "text", "text": "\n</tool_response>"}
                 item = {"role": "user", "content": [opening, *text, closing]}
             else:
                 item = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
+            if out and out[-1]["role"] == "user" and not native:
+                out[-1] = _joined(out[-1], item)  # one turn of results, as Hermes templates do
+                continue
+        elif out and role == "user" and not native and index and _is_result(messages[index - 1]):
+            out[-1] = _joined(out[-1], item)
+            continue
         out.append(item)
     return out
+
+
+def _is_result(message: ChatMessage) -> bool:
+    return message.role in ("tool", "function")
+
+
+def _joined(first: Message, second: Message) -> Message:
+    """Two user turns as one (a template that wants roles to alternate, as Gemma's and
+    Mistral's do, refuses two in a row): their texts, or parts, one after the other."""
+    a, b = first["content"], second["content"]
+    if isinstance(a, str) and isinstance(b, str):
+        return {"role": "user", "content": f"{a}\n{b}"}
+    return {"role": "user", "content": [*_parts(a), {"type": "text", "text": "\n"}, *_parts(b)]}
+
+
+def _parts(content: object) -> list[object]:
+    return list(content) if isinstance(content, list) else [{"type": "text", "text": content}]
 
 
 def openai_tools(tools: Sequence[Tool]) -> list[Message]:
@@ -211,6 +256,31 @@ def forced_call_schema(tools: Sequence[Tool]) -> dict[str, object]:
     return {**schema, "$defs": defs} if defs else schema
 
 
+def check_tools(tools: Sequence[Tool]) -> None:
+    """400s for tool definitions a reply's calls could not be told apart by (two of one name)
+    or whose arguments would be no object (parameters of another ``type``: OpenAI's and
+    Anthropic's rule; a call's arguments, an Anthropic ``tool_use`` input, are an object)."""
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if name in seen:
+            raise HTTPError(
+                400,
+                f"tools.{i}: the name {name!r} is taken by tools.{seen[name]}; tool names must "
+                "be unique",
+                param=f"tools.{i}",
+            )
+        seen[name] = i
+        kind = (tool.function.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise HTTPError(
+                400,
+                f"tools.{i}: the parameters of {name!r} must be a JSON schema of type 'object', "
+                f"not {kind!r}",
+                param=f"tools.{i}",
+            )
+
+
 def plan_chat(
     messages: Sequence[ChatMessage],
     tools: Sequence[Tool] | None,
@@ -218,10 +288,12 @@ def plan_chat(
     *,
     renders_tools: bool,
     parallel: bool = True,
+    system: bool = True,
 ) -> ChatPlan:
     """Decide how tools reach the model. ``renders_tools``: the template shows tools natively.
     ``parallel`` False (OpenAI's ``parallel_tool_calls``, Anthropic's
-    ``disable_parallel_tool_use``): a reply makes at most one call.
+    ``disable_parallel_tool_use``): a reply makes at most one call. ``system`` False: the
+    template takes no system message, so described tools open the first user message.
     A forced call (``required``, a named function) with no tools is a 400, as in OpenAI's API:
     the reply could not be the call the client asked for."""
     if not tools and (tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)):
@@ -233,6 +305,7 @@ def plan_chat(
         raise HTTPError(
             400, f"tool_choice {choice}, but the request has no tools", param="tool_choice"
         )
+    check_tools(tools or ())
     if not tools or tool_choice == "none":
         return ChatPlan(template_messages(messages, native=False), None, None, frozenset(), False)
     chosen = list(tools)
@@ -254,6 +327,13 @@ def plan_chat(
     prompt = tools_system_prompt(chosen)
     if rendered and rendered[0]["role"] == "system":
         rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{prompt}"}
+    elif not system and (first := next((m for m in rendered if m["role"] == "user"), None)):
+        content = first["content"]
+        first["content"] = (
+            [{"type": "text", "text": f"{prompt}\n\n"}, *content]
+            if isinstance(content, list)
+            else f"{prompt}\n\n{content}"
+        )
     else:
         rendered.insert(0, {"role": "system", "content": prompt})
     return ChatPlan(rendered, None, schema, names, forced, not parallel)
@@ -272,7 +352,9 @@ def _as_call(obj: object, names: frozenset[str]) -> ToolCall | None:
     name = obj.get("name")
     if not isinstance(name, str) or name not in names:
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
+    args = obj.get("arguments", obj.get("parameters"))
+    if args is None:  # no arguments, or null: a call of a tool that takes none
+        args = {}
     if isinstance(args, str):
         try:
             args = strict_loads(args)
@@ -281,56 +363,159 @@ def _as_call(obj: object, names: frozenset[str]) -> ToolCall | None:
     return ToolCall(_new_id(), name, json.dumps(args))
 
 
-def _json_values(text: str) -> list[object]:
-    """Every JSON value in ``text`` (one, a list, or several side by side)."""
+_SEPARATORS = " \t\r\n;,"
+
+
+def _json_run(text: str, pos: int = 0) -> tuple[list[object], int]:
+    """The JSON values side by side in ``text`` from ``pos`` (a list's items one by one), and
+    where the last one ends: a run stops at the first text that is not a JSON value."""
     decoder = STRICT_DECODER
     values: list[object] = []
-    pos = 0
-    text = text.strip()
-    while pos < len(text):
+    end = pos
+    while True:
+        while pos < len(text) and text[pos] in _SEPARATORS:
+            pos += 1
+        if pos >= len(text):
+            break
         try:
-            value, end = decoder.raw_decode(text, pos)
+            value, pos = decoder.raw_decode(text, pos)
         # Model output may nest without bound, hold NaN or an integer of 4,300+ digits.
         except (ValueError, RecursionError):
             break
         values.extend(value if isinstance(value, list) else [value])
+        end = pos
+    return values, end
+
+
+def _calls_of(values: Sequence[object], names: frozenset[str]) -> list[ToolCall]:
+    """The calls ``values`` are, all of them, or none: a value that is no call of a declared
+    tool makes the whole run content."""
+    calls = [c for v in values if (c := _as_call(v, names))]
+    return calls if values and len(calls) == len(values) else []
+
+
+#: A call found in a reply: where its text starts and ends, and the calls it makes.
+Span = tuple[int, int, list[ToolCall]]
+
+
+def _call_spans(text: str, names: frozenset[str]) -> list[Span]:
+    """Where ``text`` makes calls, in order. ``<tool_call>`` blocks (the parser's first choice:
+    any other marker in a reply that has one is text) each stand alone; a block that is not
+    wholly calls of declared tools stays text."""
+    spans: list[Span] = []
+    if "<tool_call>" in text:
+        for match in _TOOL_CALL_BLOCK.finditer(text):
+            body = match.group(1)
+            values, end = _json_run(body)
+            if not (calls := _calls_of(values, names)):
+                continue
+            if end == len(body):
+                spans.append((match.start(), match.end(), calls))
+            elif not match.group(0).endswith("</tool_call>"):  # never closed: text follows
+                spans.append((match.start(), match.start(1) + end, calls))
+        return spans
+    if "<function=" in text:
+        for match in _FUNCTION_TAG.finditer(text):
+            name, body = match.group(1), match.group(2)
+            values, end = _json_run(body)
+            if end != len(body) or len(values) > 1:
+                continue
+            call = _as_call({"name": name, "arguments": values[0] if values else {}}, names)
+            if call is not None:
+                spans.append((match.start(), match.end(), [call]))
+        return spans
+    if (start := text.find("[TOOL_CALLS]")) >= 0 and _MISTRAL_CALL.match(text, start):
+        return _mistral_spans(text, start, names)
+    for marker in ("[TOOL_CALLS]", "<|python_tag|>"):
+        if marker in text:
+            start = text.index(marker)
+            values, end = _json_run(text, start + len(marker))
+            calls = _calls_of(values, names)
+            return [(start, end, calls)] if calls else []
+    stripped = text.lstrip()
+    if stripped.startswith(("{", "[")):  # a reply that is a bare call (a forced call's shape)
+        values, end = _json_run(text)
+        calls = _calls_of(values, names)
+        return [(0, end, calls)] if calls else []
+    return []
+
+
+#: Mistral's newer format (Mistral Small 3.2, Devstral, Magistral): a call is
+#: ``[TOOL_CALLS]name[ARGS]{...}``, or ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}``.
+_MISTRAL_CALL = re.compile(r"\[TOOL_CALLS\]([\w.\-]+)(?:\[CALL_ID\][\w\-]*)?\[ARGS\]")
+
+
+def _mistral_spans(text: str, start: int, names: frozenset[str]) -> list[Span]:
+    """The calls of Mistral's ``[TOOL_CALLS]name[ARGS]{...}`` format from ``start``, one after
+    another; all of them, or none when one is no call of a declared tool."""
+    spans: list[Span] = []
+    pos = start
+    while match := _MISTRAL_CALL.match(text, pos):
+        at = match.end()
+        while at < len(text) and text[at] in " \t\r\n":
+            at += 1
+        try:
+            arguments, end = STRICT_DECODER.raw_decode(text, at)
+        except (ValueError, RecursionError):  # not JSON, NaN, 4,300+ digits, too deep
+            return []
+        call = _as_call({"name": match.group(1), "arguments": arguments}, names)
+        if call is None:
+            return []
+        spans.append((match.start(), end, [call]))
         pos = end
-        while pos < len(text) and text[pos] in " \t\r\n;,":
+        while pos < len(text) and text[pos] in " \t\r\n":
             pos += 1
-    return values
+    return spans
+
+
+def reply_parts(text: str, names: frozenset[str], *, single: bool = False) -> list[Part]:
+    """A whole reply as its text and calls, in order. Without a call the reply is one text,
+    as it came; with calls, the text around them is kept (none of it is dropped), stripped
+    where it touches a call, and text that is only whitespace goes. ``single``: parallel
+    calls are off, only the first call is kept (the text after later ones too)."""
+    spans = _call_spans(text, names) if names else []
+    if not spans:
+        return [text] if text else []
+    parts: list[Part] = []
+    pos = 0
+    for start, end, calls in spans:
+        before = text[pos:start]
+        before = before.rstrip() if pos == 0 else before.strip()
+        if before:
+            parts.append(before)
+        parts.extend(calls)
+        pos = end
+    after = text[pos:].strip()
+    if after:
+        parts.append(after)
+    if single:  # the later calls go; the texts they stood between join as the calls' do
+        first = next(i for i, p in enumerate(parts) if isinstance(p, ToolCall))
+        kept = parts[: first + 1]
+        for part in parts[first + 1 :]:
+            if isinstance(part, str):
+                if isinstance(kept[-1], str):
+                    kept[-1] += TEXT_SEPARATOR + part
+                else:
+                    kept.append(part)
+        parts = kept
+    return parts
+
+
+#: What joins a reply's texts into the one ``content`` string OpenAI's chat (and Responses'
+#: one message item) has: the calls stood between them.
+TEXT_SEPARATOR = "\n\n"
+
+
+def content_of(parts: Sequence[Part]) -> str:
+    return TEXT_SEPARATOR.join(p for p in parts if isinstance(p, str))
+
+
+def calls_of(parts: Sequence[Part]) -> list[ToolCall]:
+    return [p for p in parts if isinstance(p, ToolCall)]
 
 
 def parse_tool_calls(text: str, names: frozenset[str]) -> tuple[str, list[ToolCall]]:
-    """Split a reply into (content, calls). With no recognised call the text is all content."""
-    if not names:
-        return text, []
-    calls: list[ToolCall] = []
-    start = len(text)
-    if "<tool_call>" in text:
-        start = text.index("<tool_call>")
-        for block in _TOOL_CALL_BLOCK.findall(text):
-            calls += [c for v in _json_values(block) if (c := _as_call(v, names))]
-    elif "<function=" in text:
-        start = text.index("<function=")
-        for name, body in _FUNCTION_TAG.findall(text):
-            args = _json_values(body)
-            call = _as_call({"name": name, "arguments": args[0] if args else {}}, names)
-            calls += [call] if call else []
-    else:
-        for marker in ("[TOOL_CALLS]", "<|python_tag|>"):
-            if marker in text:
-                start = text.index(marker)
-                body = text[start + len(marker) :]
-                calls += [c for v in _json_values(body) if (c := _as_call(v, names))]
-                break
-        else:
-            stripped = text.strip()
-            if stripped.startswith(("{", "[")):
-                values = _json_values(stripped)
-                found = [c for v in values if (c := _as_call(v, names))]
-                if found and len(found) == len(values):
-                    return "", found
-            return text, []
-    if not calls:
-        return text, []
-    return text[:start].strip(), calls
+    """Split a reply into (content, calls). With no recognised call the text is all content;
+    with calls, the content is every text around them (``reply_parts``, ``content_of``)."""
+    parts = reply_parts(text, names)
+    return content_of(parts), calls_of(parts)

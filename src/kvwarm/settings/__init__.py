@@ -153,7 +153,6 @@ class Settings(ModelSettings, ServingSettings):
     fingerprint_mode: Str = Field(
         default="safe", description="model fingerprint: safe, gguf_chunked or fast_unsafe"
     )
-    max_queue: Int = Field(default=256, description="queued requests per model before 429")
     # None disables the disk tier (RAM only; nothing survives a restart).
     cache_dir: OptPath = Field(
         default_factory=user_cache_dir,

@@ -198,6 +198,11 @@ class ModelSettings(BaseSettings):
         "each draft is sized to the acceptance seen and what a pass costs)",
         json_schema_extra=_flags("--spec-draft-n-max"),
     )
+    max_queue: Int = Field(
+        default=256,
+        description="queued requests per model before 429 (in a [[models]] table: that "
+        "model's; under kvwarm cluster it sizes the ingress's bound too)",
+    )
     # Ollama's and LM Studio's users pin the model they work with: it stays loaded.
     pinned: Bool = Field(
         default=False,
@@ -292,6 +297,12 @@ def model_options(values: Mapping[str, object], model: str) -> tuple[tuple[str, 
 
 def _value(settings: ModelSettings, spec: ModelSpec, name: str) -> Any:
     return dict(spec.options).get(name, getattr(settings, name))
+
+
+def max_queue(settings: Settings, spec: ModelSpec | None) -> int:
+    """``spec``'s ``max_queue``: its ``[[models]]`` table's, else the global one (``spec``
+    None: a model the settings do not name)."""
+    return int(settings.max_queue if spec is None else _value(settings, spec, "max_queue"))
 
 
 def is_pinned(settings: Settings, spec: ModelSpec) -> bool:
@@ -439,7 +450,7 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
         save_tier=settings.effective_save_tier(),
         fingerprint_mode=settings.fingerprint_mode,
         deterministic=settings.deterministic,
-        max_queue=settings.max_queue,
+        max_queue=_value(settings, spec, "max_queue"),
         chat_template=_value(settings, spec, "chat_template"),
         pooling=_value(settings, spec, "pooling"),
         rerank_max_documents=_value(settings, spec, "rerank_max_documents"),

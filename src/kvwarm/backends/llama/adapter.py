@@ -2,15 +2,20 @@
 
 Invariant: an adapter is one of its model's dependents (``_lifetime``): it holds the model open
 and is freed before it. Its digest is of the file's bytes, folded into the cache namespace.
+Its tensors' types and outer dimensions are checked before llama.cpp loads it
+(``_check_tensors``): llama.cpp checks only the first two dimensions, and a tensor it takes
+but cannot multiply aborts or crashes the process at the first forward pass.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvwarm import gguf_meta
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.backends.llama import native as _native
 from kvwarm.errors import AdapterError
@@ -26,12 +31,14 @@ class LlamaAdapter:
         if "\0" in path or not Path(path).is_file():
             raise AdapterError(f"no adapter file at {path!r}")
         try:
+            before = _identity(path)
             digest = hashlib.sha256()
             with open(path, "rb") as fh:
                 for chunk in iter(lambda: fh.read(1 << 20), b""):
                     digest.update(chunk)
         except OSError as exc:
             raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
+        _check_tensors(path, model.facts.metadata)
         self._path = path
         self._sha256 = digest.digest()
         self.model = model
@@ -48,6 +55,28 @@ class LlamaAdapter:
             raise AdapterError(
                 f"adapter {path!r} does not fit this model{_why(lines)} (an adapter must be "
                 "made for this model's architecture and tensor shapes)"
+            )
+        try:
+            changed = _identity(path) != before
+        except OSError:
+            changed = True
+        if changed:
+            # Found by review: the digest names the bytes the namespace is folded from; a file
+            # replaced between the digest and llama.cpp's read gave KV of one adapter under
+            # the other's namespace, restored later for the adapter it does not belong to.
+            lib.llama_adapter_lora_free(ptr)
+            model.lifetime.release()
+            raise AdapterError(f"adapter {path!r} changed while it was loading; load it again")
+        if int(lib.llama_adapter_get_alora_n_invocation_tokens(ptr)) > 0:
+            # Found by review: an activated LoRA is trained to act only from its invocation
+            # tokens on (llama-server finds them in each prompt); kvwarm would run it over
+            # whole prompts, silently not the adapter it is.
+            lib.llama_adapter_lora_free(ptr)
+            model.lifetime.release()
+            raise AdapterError(
+                f"adapter {path!r} is an activated LoRA (aLoRA: adapter.alora.invocation_tokens), "
+                "which kvwarm does not run: it would apply it to whole prompts, not from its "
+                "invocation tokens on"
             )
         self._ptr: object = ptr
         self._lib = lib
@@ -78,6 +107,12 @@ class LlamaAdapter:
         self.model.lifetime.release()
 
 
+def _identity(path: str) -> tuple[int, int, int, int]:
+    """What changes when a file is rewritten or replaced: device, inode, size, mtime."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _why(lines: list[str]) -> str:
     """llama.cpp's reason for refusing an adapter, from its log ("model arch and LoRA arch
     mismatch", "tensor 'blk.0.attn_q.weight' has incorrect shape ..."): the line that says
@@ -87,3 +122,53 @@ def _why(lines: list[str]) -> str:
         if "failed to apply lora adapter:" in text:
             return ": " + text.split("failed to apply lora adapter:", 1)[1].strip()
     return ""
+
+
+#: ggml type ids a LoRA tensor may have: those ``convert_lora_to_gguf.py`` writes, which every
+#: backend multiplies. Found by review: an adapter of i8, i16, i32 or f64 tensors loaded, and
+#: the first forward pass under it crashed the process (SIGSEGV in the CPU backend's matmul).
+_LORA_TYPES = {0: "f32", 1: "f16", 8: "q8_0", 30: "bf16"}
+
+
+def _check_tensors(path: str, metadata: Mapping[str, str]) -> None:
+    """``AdapterError`` for an adapter llama.cpp would load but could not run: a LoRA tensor
+    of a type no matmul takes, or of dimensions past the two llama.cpp checks that the
+    weight it adapts lacks. Found by review: an adapter whose ``lora_a`` was ``[n_in, rank,
+    2]`` loaded and attached, and the first decode under it died on
+    ``GGML_ASSERT(ggml_can_mul_mat(a, b))``. A mixture-of-experts weight (``*_exps``) is one
+    matrix per expert, so its LoRA tensors have the model's expert count as third dimension;
+    every other LoRA tensor is a matrix. Tensors llama.cpp skips (norms) are not checked."""
+    try:
+        tensors = gguf_meta.tensors_of(path)
+    except ValueError as exc:
+        raise AdapterError(
+            f"adapter {path!r} is not a GGUF file llama.cpp can read: {exc}"
+        ) from exc
+    except OSError as exc:
+        raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
+    arch = metadata.get("general.architecture", "")
+    experts = metadata.get(f"{arch}.expert_count", "")
+    for tensor in tensors:
+        if not tensor.name.endswith((".lora_a", ".lora_b")):
+            continue  # llama.cpp skips norms and refuses any other name itself
+        if tensor.ggml_type not in _LORA_TYPES:
+            raise AdapterError(
+                f"adapter {path!r}: LoRA tensor {tensor.name!r} is of ggml type "
+                f"{tensor.ggml_type}; a LoRA tensor is {', '.join(_LORA_TYPES.values())} "
+                "(as convert_lora_to_gguf.py writes them)"
+            )
+        outer = list(tensor.shape[2:])
+        while outer and outer[-1] == 1:
+            outer.pop()
+        wanted = [int(experts)] if "_exps." in tensor.name and experts.isdigit() else []
+        if outer != wanted:
+            shape = "x".join(map(str, tensor.shape))
+            what = (
+                f"one matrix for each of the model's {wanted[0]} experts"
+                if wanted
+                else "a matrix (two dimensions)"
+            )
+            raise AdapterError(
+                f"adapter {path!r}: LoRA tensor {tensor.name!r} has shape {shape}; it must be "
+                f"{what} (hint: maybe wrong base model?)"
+            )

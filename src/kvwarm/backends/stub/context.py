@@ -417,6 +417,8 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
             [np.random.default_rng(t * 7919 + 17).standard_normal(N_EMBD) for t in tokens]
         )
         vec = vecs.mean(axis=0)
+        if self._salt:  # the adapters attached change the vector, as they change logits
+            vec = vec + 0.5 * np.random.default_rng(self._salt).standard_normal(N_EMBD)
         if normalize:
             norm = math.sqrt(float(np.dot(vec, vec)))
             vec = vec / norm if norm > 0 else vec

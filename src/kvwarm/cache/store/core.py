@@ -38,6 +38,7 @@ from kvwarm.cache.store.chunking import HoldRoom, store_row
 from kvwarm.cache.store.quota import QuotaCaps
 from kvwarm.cache.store.writer import WriterPool
 from kvwarm.cache.types import (
+    TIER_TOTALS,
     EvictResult,
     RowInfo,
     SaveRequest,
@@ -172,6 +173,12 @@ class CacheCore:
     def record_miss(self) -> None:
         self.counters.incr("misses")
 
+    def record_admission_failure(self) -> None:
+        self.counters.incr("admission_failures")
+
+    def record_restore(self, tier: TierName, nbytes: int, seconds: float) -> None:
+        self.counters.record_restore(tier, nbytes, seconds)
+
     def record_latency(self, name: str, seconds: float) -> None:
         self.counters.record_latency(name, seconds)
 
@@ -190,6 +197,8 @@ class CacheCore:
             effective, capped = self.quota_caps.effective(tier, int(size.physical_bytes))
             snap[f"tier_{name}_effective_quota_bytes"] = float(effective)
             snap[f"tier_{name}_quota_capped_by_filesystem"] = float(capped)
+            for series in TIER_TOTALS:  # every tier's, at 0 before its first restore
+                snap.setdefault(f"tier_{name}_{series}", 0.0)
         for kind, size in self.index.memory_sizes().items():
             snap[f"memory_{kind}_bytes"] = float(size.physical_bytes)
             snap[f"memory_{kind}_logical_bytes"] = float(size.logical_bytes)

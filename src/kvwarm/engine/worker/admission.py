@@ -93,7 +93,9 @@ class Admission:
         self.port = port
 
     def admit(self, req: Request, free: Sequence[Slot]) -> None:
-        """Seat ``req`` in one of the ``free`` slots; on any failure, answer it instead."""
+        """Seat ``req`` in one of the ``free`` slots; on any failure, answer it instead. Either
+        way it counts one outcome: ``seat`` counts what served it, first thing; a failure
+        before that counts ``admission_failures`` (the counters count each request once)."""
         try:
             planned = self.look_up(req, free)
             samplers: list[Sampler] = []
@@ -108,8 +110,13 @@ class Admission:
                     made.close()
                 self.rt.reset_seq(planned.slot)
                 raise
-            self.seat(req, planned, restored, samplers, free)
         except Exception as exc:
+            self.port.admission_failed()
+            self._failed(req, exc)
+            return
+        try:
+            self.seat(req, planned, restored, samplers, free)
+        except Exception as exc:  # counted already: seat counts before anything can fail
             self._failed(req, exc)
 
     def _failed(self, req: Request, exc: Exception) -> None:
@@ -275,11 +282,6 @@ class Admission:
         slot, plan, ns = planned.slot, planned.plan, planned.namespace
         keep = restored.keep
         n = len(req.prompt_tokens)
-        sampler, fork_samplers = samplers[0], samplers[1:]
-        fork_slots = self.forks.pick(slot, free, len(req.forks))
-        self.forks.seat(
-            fork_slots, list(zip(req.forks, fork_samplers, strict=True)), ns, planned.adapters
-        )
         hit: CacheHitKind
         if keep == 0:
             hit = "cold"
@@ -287,9 +289,15 @@ class Admission:
             hit = "exact"
         else:
             hit = "partial"
-        # The request's one outcome, for what served it (the lookup counted nothing).
+        # The request's one outcome, for what served it (the lookup counted nothing); first,
+        # so a failure below is not counted again as an admission failure (``admit``).
         self.port.counted(
             plan.kind, keep, whole=hit == "exact", resumed=req.options.parent_key is not None
+        )
+        sampler, fork_samplers = samplers[0], samplers[1:]
+        fork_slots = self.forks.pick(slot, free, len(req.forks))
+        self.forks.seat(
+            fork_slots, list(zip(req.forks, fork_samplers, strict=True)), ns, planned.adapters
         )
         saved = self.port.saved_below(
             ns, req.prompt_tokens, keep, restored=plan.kind == "row",
@@ -420,7 +428,7 @@ class Admission:
                 n_restored = self._restore_whole(slot, row)
             if n_restored is not None:
                 done = time.perf_counter()
-                self.port.restored(done - t0, done - opened)
+                self.port.restored(row, done - t0, done - opened)
                 slot.kv_tokens[:] = row.tokens[:n_restored]
                 keep, use_logits = trim_restored(
                     keep,

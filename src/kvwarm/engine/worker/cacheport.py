@@ -123,12 +123,19 @@ class CachePort:
         else:
             cache.record_hit("hits_exact" if whole else "hits_longest_prefix")
 
-    def restored(self, seconds: float, whole_s: float) -> None:
-        """A row's KV went into a slot in ``seconds`` (the ``unpack`` latency: joined and
-        unpacked), ``whole_s`` from opening the row (the ``restore`` latency: its file and its
-        chunks read and verified too)."""
-        self.rt.cache.record_latency("unpack", seconds)
-        self.rt.cache.record_latency("restore", whole_s)
+    def admission_failed(self) -> None:
+        """Count the one outcome of a request that failed before it was seated (before
+        ``counted``): ``admission_failures``, neither a hit nor a miss: it was never served."""
+        self.rt.cache.record_admission_failure()
+
+    def restored(self, row: LoadedRow, seconds: float, whole_s: float) -> None:
+        """``row``'s KV went into a slot in ``seconds`` (the ``unpack`` latency: joined and
+        unpacked), ``whole_s`` from opening the row (the ``restore`` latency, per tier too:
+        its file and the chunks read, verified and restored)."""
+        cache = self.rt.cache
+        cache.record_latency("unpack", seconds)
+        nbytes = row.payload.nbytes + sum(c.nbytes for c in (*row.chunks, *row.rest_chunks))
+        cache.record_restore(row.info.tier, nbytes, whole_s)
 
     def explain(
         self,

@@ -655,6 +655,9 @@ _REFRESH_S = 1.0  # a namespace's rows are listed at most this often
 class _Rows:
     """One namespace's index: its rows' token sequences and where each n-gram occurs."""
 
+    #: Whose rows they are (``tenants.tenant_of`` its salt; None: no key's, the shared
+    #: tenant): the bound is shared fairly between tenants.
+    tenant: str | None = None
     seqs: list[tuple[int, ...]] = field(default_factory=list)
     #: The keys of the cache's rows of it already looked at (indexed or not): only those
     #: the cache still lists.
@@ -677,8 +680,15 @@ class RowDrafts:
     the cache salt, so a request drafts from its own tenant's rows only
     (``docs/architecture.md``, "Tenants"); drafts change no token either way.
 
-    Bounded: ``max_tokens`` tokens indexed over all namespaces, the namespace drafted from
-    least recently dropped whole first; a namespace takes in at most ``_ROWS_PER_REFRESH``
+    Bounded: ``max_tokens`` tokens indexed over all namespaces, shared fairly between
+    tenants (a namespace's tenant is its salt's key, ``tenants.tenant_of``; every namespace
+    without one is one tenant's, None's): past the bound what goes is the tenant's holding
+    the most, its namespace drafted from least recently dropped whole, or, its only one,
+    rebuilt from its newest rows within its share (``max_tokens`` over the tenants indexed);
+    and a namespace grows at most to its share or to what the other tenants leave, whichever
+    is more. So one tenant's flood of rows or namespaces never takes another below its share,
+    while a worker with one tenant (no keys) drops the namespace drafted from least recently,
+    as a plain LRU. A namespace takes in at most ``_ROWS_PER_REFRESH``
     rows per refresh (its newest), at most once per ``_REFRESH_S``, the longest first (a row
     that is a prefix of one indexed adds no n-gram and is not kept). Tokens come from the
     cache's index (``CacheApi.row_tokens``, through the worker's cache port): no tier is read;
@@ -705,15 +715,20 @@ class RowDrafts:
         """Tokens indexed, over all namespaces."""
         return sum(space.tokens for space in self._spaces.values())
 
-    def refresh(self, ns: Namespace) -> None:
-        """Take in the namespace's rows not yet indexed (rate-limited)."""
+    def held(self, tenant: str | None) -> int:
+        """Tokens indexed of ``tenant``'s namespaces."""
+        return sum(s.tokens for s in self._spaces.values() if s.tenant == tenant)
+
+    def refresh(self, ns: Namespace, tenant: str | None = None) -> None:
+        """Take in the namespace's rows not yet indexed (rate-limited). ``tenant``: whose
+        namespace it is (``tenants.tenant_of`` the salt folded into it)."""
         space = self._spaces.get(ns)
         now = self._clock()
         if space is not None and now - space.refreshed < _REFRESH_S:
             self._spaces.move_to_end(ns)
             return
         if space is None:
-            space = self._spaces[ns] = _Rows()
+            space = self._spaces[ns] = _Rows(tenant)
         self._spaces.move_to_end(ns)
         space.refreshed = now
         listed = self._rows(ns)
@@ -723,10 +738,11 @@ class RowDrafts:
         infos = [info for info in listed if info.key not in space.keys]
         infos.sort(key=lambda info: info.created, reverse=True)
         fresh = sorted(infos[:_ROWS_PER_REFRESH], key=lambda info: info.n_tokens, reverse=True)
+        cap = self._cap(space)  # only this namespace grows meanwhile: the others' stay
         for info in fresh:
             space.keys.add(info.key)
             tokens = self._row_tokens(info.key)
-            if tokens is None or not self._make_room(space, len(tokens)):
+            if tokens is None or not self._make_room(space, len(tokens), cap):
                 continue
             self._add(space, tokens)
         self._bound(keep=ns)
@@ -735,23 +751,44 @@ class RowDrafts:
         """This worker saved a row of ``tokens`` under ``ns`` (a finish save: a reply is in
         it): indexed at once, before the save is even published."""
         space = self._spaces.get(ns)
-        if space is None or not self._make_room(space, len(tokens)):
+        if space is None or not self._make_room(space, len(tokens), self._cap(space)):
             return  # a namespace nobody drafts from yet is listed from the cache when one does
         self._add(space, tuple(tokens))
         self._bound(keep=ns)
 
-    def _make_room(self, space: _Rows, need: int) -> bool:
-        """Whether a row of ``need`` tokens fits the namespace's index, once its oldest rows
-        are dropped if it would not: the index is rebuilt from its newest rows, up to half
-        the bound less the new row (so a busy namespace goes on learning its newest replies,
-        at the cost of one rebuild, ~16 ms for 65,000 tokens, per half a bound of new rows).
-        False for a row larger than the whole bound."""
-        if need > self.max_tokens:
+    def _held(self) -> dict[str | None, int]:
+        """Tokens indexed per tenant, of the tenants holding any."""
+        held: dict[str | None, int] = {}
+        for space in self._spaces.values():
+            if space.tokens:
+                held[space.tenant] = held.get(space.tenant, 0) + space.tokens
+        return held
+
+    def _cap(self, space: _Rows) -> int:
+        """The most tokens ``space`` may hold: its tenant's share of the bound (the bound
+        over the tenants indexed, itself included), or what the other tenants leave of it
+        if that is more (the whole bound for a worker's only tenant)."""
+        held = self._held()
+        others = sum(t for tenant, t in held.items() if tenant != space.tenant)
+        share = self.max_tokens // len(held.keys() | {space.tenant})
+        return max(share, self.max_tokens - others)
+
+    def _make_room(self, space: _Rows, need: int, cap: int) -> bool:
+        """Whether a row of ``need`` tokens fits the namespace's index within ``cap``
+        (``_cap``), once its oldest rows are dropped if it would not: the index is rebuilt
+        from its newest rows, up to half its cap less the new row (so a busy namespace goes
+        on learning its newest replies, at the cost of one rebuild, ~16 ms for 65,000 tokens,
+        per half a bound of new rows). False for a row larger than the cap."""
+        if need > cap:
             return False
-        if space.tokens + need <= self.max_tokens:
+        if space.tokens + need <= cap:
             return True
+        self._rebuild(space, cap // 2 - need)
+        return True
+
+    def _rebuild(self, space: _Rows, room: int) -> None:
+        """Keep only ``space``'s newest rows that fit ``room`` tokens."""
         kept: list[tuple[int, ...]] = []
-        room = self.max_tokens // 2 - need
         for seq in reversed(space.seqs):
             if len(seq) > room:
                 break
@@ -761,7 +798,6 @@ class RowDrafts:
         space.counts, space.counted, space.counted_tokens = None, 0, 0
         for seq in reversed(kept):
             self._add(space, seq)
-        return True
 
     def _add(self, space: _Rows, tokens: tuple[int, ...]) -> None:
         n, starts = self.n, space.starts
@@ -777,12 +813,27 @@ class RowDrafts:
             space.tokens += len(tokens)
 
     def _bound(self, keep: Namespace) -> None:
-        total = self.tokens
-        for ns in list(self._spaces):
-            if total <= self.max_tokens:
-                return
-            if ns != keep:
-                total -= self._spaces.pop(ns).tokens
+        """Back within ``max_tokens``, taking from the tenant holding the most: its namespace
+        drafted from least recently (never ``keep``, the one a request drafts from now), or,
+        its only one, its newest rows within its share."""
+        while self.tokens > self.max_tokens:
+            for ns in [ns for ns, s in self._spaces.items() if not s.tokens and ns != keep]:
+                del self._spaces[ns]  # nothing indexed: listed again when drafted from
+            held = self._held()
+            share = self.max_tokens // len(held)
+            for tenant in sorted(held, key=held.__getitem__, reverse=True):
+                if held[tenant] <= share:
+                    return  # nobody is over its share (the bound is met once shares are)
+                mine = [ns for ns, s in self._spaces.items() if s.tenant == tenant and s.tokens]
+                others = [ns for ns in mine if ns != keep]
+                if len(mine) > 1 and others:
+                    del self._spaces[others[0]]
+                    break
+                if others:
+                    self._rebuild(self._spaces[others[0]], share)
+                    break
+            else:
+                return  # only ``keep`` is over: its cap (``_make_room``) bounds it
 
     def counts(self, ns: Namespace, ngram: tuple[int, ...]) -> Counts | None:
         """ngram-cache: how often each token followed ``ngram`` (1 to 4 tokens) in the rows of

@@ -38,6 +38,7 @@ from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.sampling import token_logprob
 from kvwarm.engine.worker.slots import Active, Slot
 from kvwarm.errors import BackendError, KvwarmError
+from kvwarm.tenants import tenant_of
 from kvwarm.tokens import Span
 
 TickResult = Literal["ran", "idle", "waiting"]
@@ -203,7 +204,7 @@ class Tick:
             return ModelDrafter(draft, self.port, seq, ns, act.req.prompt_tokens, draft_max)
         rows = self.port.drafts(cfg.spec_ngram_n)
         ns = act.namespace  # the salted one: drafts come from this tenant's rows only
-        rows.refresh(ns)
+        rows.refresh(ns, tenant_of(opts.cache_salt))  # its tenant's share of the index
         if self.rt.sentence_ends is None:  # once per model: its pieces (Gemma 3's in ~0.3 s)
             self.rt.sentence_ends = SentenceEnds(self.rt.model.vocabulary()[0])
         return Drafter(

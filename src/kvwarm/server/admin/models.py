@@ -2,6 +2,12 @@
 LoRA adapters served as models), the admin endpoints that load and unload them, and
 llama-server's ``GET``/``POST /lora-adapters`` (``server/lora.py``).
 
+``/v1/models`` and ``/v1/models/{id}`` answer in OpenAI's shape, or in Anthropic's to a request
+with an ``anthropic-version`` header (every Anthropic SDK sends one): its ``type``,
+``display_name``, ``created_at`` and ``lifecycle``, paged by ``limit`` (default 20) and
+``after_id``/``before_id``. The two shapes differ where a field would clash: Anthropic's
+``capabilities`` is an object of its own, so kvwarm's list of them is OpenAI-shaped only.
+
 Invariants: ``/admin/*`` sits behind the admin key (or the API key) exactly as ``/cache/*`` does
 (``server/guard.py``), and, being POSTs, behind the Origin and Host checks. Loading a file by
 *path* reads any file the server can read, so it is refused unless a key is configured at all;
@@ -13,17 +19,19 @@ from __future__ import annotations
 
 import math
 import time
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictInt
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.registry import ModelEntry
-from kvwarm.server.schemas import json_body, parse_body, read_json
+from kvwarm.server.schemas import StrictNumber, json_body, parse_body, read_json
 from kvwarm.server.state import ServerState, server_state
 
 router = APIRouter()
@@ -119,8 +127,104 @@ def residency(state: ServerState, entry: ModelEntry) -> dict[str, object]:
     }
 
 
+def for_anthropic(request: Request) -> bool:
+    """Whether the client speaks Anthropic's API: its SDKs send ``anthropic-version`` always."""
+    return "anthropic-version" in request.headers
+
+
+#: OpenAI's fields, and kvwarm's list of ``capabilities``, which Anthropic's (an object of
+#: supports) would contradict: left out of Anthropic's shape.
+_NOT_ANTHROPIC = frozenset({"object", "created", "owned_by", "capabilities"})
+
+
+def anthropic_item(state: ServerState, item: dict[str, object]) -> dict[str, object]:
+    """An OpenAI-shaped model item in Anthropic's shape (``anthropic.types.ModelInfo``), with
+    kvwarm's own fields after Anthropic's. ``created_at`` is the server's start, as OpenAI's
+    ``created`` is (Anthropic's is a release date, "an epoch value if unknown")."""
+    meta = item.get("meta")
+    n_ctx = meta.get("n_ctx") if isinstance(meta, dict) else None
+    limit = state.settings.max_tokens_limit
+    started = datetime.fromtimestamp(int(state.started), UTC)
+    head: dict[str, object] = {
+        "type": "model",
+        "id": item["id"],
+        "display_name": item["id"],
+        "created_at": started.isoformat().replace("+00:00", "Z"),
+        "lifecycle": "active",
+        # Known once loaded: its context, and the most a reply may ask for within it.
+        "max_input_tokens": n_ctx if isinstance(n_ctx, int) else None,
+        "max_tokens": min(limit, n_ctx) if isinstance(n_ctx, int) else limit,
+    }
+    return head | {k: v for k, v in item.items() if k not in _NOT_ANTHROPIC and k not in head}
+
+
+_MAX_PAGE = 1000  # Anthropic's bound on a list's limit
+
+
+def _page(
+    data: list[dict[str, object]],
+    anthropic: bool,
+    limit: int | None,
+    after: str | None,
+    before: str | None,
+) -> dict[str, object]:
+    """``data`` as one list page: Anthropic's ``limit`` (default 20 for an Anthropic client,
+    every model otherwise) and ``after_id``/``before_id`` cursors, with ``has_more``,
+    ``first_id`` and ``last_id`` (OpenAI's clients ignore them)."""
+    if limit is None:
+        limit = 20 if anthropic else len(data)
+    if after is not None and before is not None:
+        raise HTTPError(
+            400, "give after_id or before_id, not both", param="before_id", code="invalid_value"
+        )
+    ids = [item["id"] for item in data]
+
+    def at(param: str, value: str) -> int:
+        if value not in ids:
+            raise HTTPError(
+                400, f"{param}: no model has id {value!r}", param=param, code="invalid_value"
+            )
+        return ids.index(value)
+
+    if before is not None:
+        end = at("before_id", before)
+        start = max(0, end - limit)
+        more = start > 0
+    else:
+        start = at("after_id", after) + 1 if after is not None else 0
+        end = min(len(data), start + limit)
+        more = end < len(data)
+    page = data[start:end]
+    listed: dict[str, object] = {} if anthropic else {"object": "list"}
+    return listed | {
+        "data": page,
+        "has_more": more,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+    }
+
+
 @router.get("/v1/models")
-async def list_models(request: Request) -> Response:
+async def list_models(
+    request: Request,
+    limit: Annotated[
+        int | None,
+        Query(
+            ge=1,
+            le=_MAX_PAGE,
+            description="most models to list (Anthropic's; default: 20 for an Anthropic "
+            "client, all otherwise)",
+        ),
+    ] = None,
+    after_id: Annotated[
+        str | None, Query(description="list the models after this one (Anthropic's cursor)")
+    ] = None,
+    before_id: Annotated[
+        str | None, Query(description="list the models before this one (Anthropic's cursor)")
+    ] = None,
+) -> Response:
+    """Every model the server knows, in OpenAI's shape or, for an Anthropic client, in
+    Anthropic's (a page at a time)."""
     state = server_state(request)
     state.registry.rescan()  # new files in models_dir appear (one listdir, under the lock)
     data = [model_item(state, entry) for entry in list(state.entries.values())]
@@ -133,7 +237,10 @@ async def list_models(request: Request) -> Response:
         for adapter in state.lora.by_name.values()
         if adapter.model in state.entries
     ]
-    return JSONResponse({"object": "list", "data": data})
+    anthropic = for_anthropic(request)
+    if anthropic:
+        data = [anthropic_item(state, item) for item in data]
+    return JSONResponse(_page(data, anthropic, limit, after_id, before_id))
 
 
 def adapter_item(state: ServerState, name: str) -> dict[str, object]:
@@ -156,12 +263,17 @@ def adapter_item(state: ServerState, name: str) -> dict[str, object]:
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(request: Request, model_id: str) -> Response:
-    """One model (an id or an alias), as OpenAI's ``models.retrieve`` returns it; 404
-    ``model_not_found``."""
+    """One model (an id or an alias), as OpenAI's ``models.retrieve`` returns it, or
+    Anthropic's for an Anthropic client; 404 ``model_not_found``."""
     state = server_state(request)
     registry = state.registry
+    anthropic = for_anthropic(request)
+
+    def shaped(item: dict[str, object]) -> dict[str, object]:
+        return anthropic_item(state, item) if anthropic else item
+
     if model_id in state.lora.by_name and model_id not in state.entries:
-        return JSONResponse(adapter_item(state, model_id))
+        return JSONResponse(shaped(adapter_item(state, model_id)))
     target = registry.aliases.get(model_id, model_id)
     registry.rescan()  # new files of models_dir; models whose worker died show failed
     entry = state.entries.get(target)
@@ -171,7 +283,7 @@ async def retrieve_model(request: Request, model_id: str) -> Response:
         )
     item = model_item(state, entry)
     return JSONResponse(
-        item if target == model_id else {**item, "id": model_id, "alias_of": target}
+        shaped(item if target == model_id else {**item, "id": model_id, "alias_of": target})
     )
 
 
@@ -222,8 +334,10 @@ async def unload_model(request: Request) -> Response:
 class LoraScale(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    id: int = Field(ge=0, le=(1 << 31) - 1, description="the adapter's id (GET /lora-adapters)")
-    scale: float = Field(default=0.0, description="its global scale (0: off)")
+    id: StrictInt = Field(
+        ge=0, le=(1 << 31) - 1, description="the adapter's id (GET /lora-adapters)"
+    )
+    scale: StrictNumber = Field(default=0.0, description="its global scale (0: off)")
 
 
 class LoraScales(RootModel[list[LoraScale]]):

@@ -183,8 +183,10 @@ async def cluster(request: Request) -> Response:
 @router.get("/cache/stats")
 async def cache_stats(request: Request) -> Response:
     """Rows and bytes per tier (``cache.sizes.summary``: physical ``bytes``, each chunk once,
-    ``logical_bytes``, ``dedup_ratio``), the counters they come from, the keep-alive entries
-    and what the models and tiers take of memory (``memory``)."""
+    ``logical_bytes``, ``dedup_ratio``, the effective quota, restores), the counters they come
+    from, the keep-alive entries, what the models and tiers take of memory (``memory``) and
+    each model's running totals over the server's lifetime (``model_totals``: its unloads
+    included, ``server/totals.py``)."""
     state = server_state(request)
     cache = state.require_engine().cache
     counters = await run_in_threadpool(cache.counters)
@@ -197,6 +199,10 @@ async def cache_stats(request: Request) -> Response:
             **summary(counters, rows, cache.tier_names()),
             "memory": state.memory.report(stored, shares),
             "quotas": _tier_quotas(counters),
+            "model_totals": {
+                model_id: {k: round(v, 3) if k.endswith("_ms") else int(v) for k, v in t.items()}
+                for model_id, t in state.model_totals().items()
+            },
             "keep_alive": [
                 {
                     "model": e.model_id,
@@ -236,7 +242,11 @@ async def cache_rows(
     request: Request,
     # Validated by pydantic (ASCII digits, bounded): str.isdigit() accepts "²", which int()
     # then refuses, and a 5,000-digit number passes int()'s limit. Either is a 400, not a 500.
-    limit: Annotated[int | None, Query(ge=0, le=1 << 31, description="most rows to list")] = None,
+    # 1 or more, as `kvwarm cache ls --limit`: 0 meant "none" here and "all" there.
+    limit: Annotated[
+        int | None,
+        Query(ge=1, le=1 << 31, description="most rows to list, 1 or more (default: all)"),
+    ] = None,
 ) -> Response:
     state = server_state(request)
     cache = state.require_engine().cache
@@ -280,6 +290,19 @@ async def cache_prewarm(request: Request) -> Response:
     (``tenant_key``, ``shared``: ``server.tenancy``)."""
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), PrewarmRequest)
+    base = None if req.model is None else state.lora.base_of(req.model)
+    if base is not None:
+        # Found by review: an adapter's name resolved to its model and the prefix was
+        # prewarmed (and kept alive) in the model's own rows, which requests naming the
+        # adapter never use (each adapter set is a namespace of its own): a 200 that did
+        # nothing for them.
+        raise HTTPError(
+            400,
+            f"{req.model!r} is a LoRA adapter: prewarm fills the rows of its model, {base!r}, "
+            "without adapters, which requests for the adapter do not use",
+            param="model",
+            code="invalid_value",
+        )
     model = await state.acquire(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")

@@ -79,7 +79,8 @@ async def messages(request: Request) -> Response:
         names={"stop": "stop_sequences"},
     )
     stream = await start_stream(chat.submit(model, plan, opts, prefill))
-    gen = Generation(request, stream, "messages", model.id, state)
+    user = req.metadata.user_id if req.metadata is not None else None
+    gen = Generation(request, stream, "messages", model.id, state, user=user)
     msg_id = anthropic.new_id("msg")
     name = state.lora.reply_name(req.model, model)
     if not req.stream:

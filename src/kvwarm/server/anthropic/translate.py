@@ -14,6 +14,9 @@ Invariants:
   ``content_block_start`` / ``content_block_delta`` (``text_delta`` or ``input_json_delta``) /
   ``content_block_stop``, one ``ping`` after the first block opens, ``message_delta`` (stop
   reason and the whole usage; ``message_start`` knows only the prompt's size), ``message_stop``.
+- A reply's ``text`` and ``tool_use`` blocks are in the order the model wrote them (text
+  after a call is a block of its own), streamed or not: a streamed ``tool_use`` block goes out
+  whole once its call parses (``tool_stream``).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from kvwarm.server.schemas import (
     Tool,
     ToolCallIn,
 )
-from kvwarm.server.tools import ToolCall
+from kvwarm.server.tools import TEXT_SEPARATOR, ToolCall
 
 Json = dict[str, object]
 
@@ -163,11 +166,16 @@ def _assistant(message: Message, where: str) -> ChatMessage:
         return ChatMessage(role="assistant", content=message.content)
     text: list[str] = []
     calls: list[ToolCallIn] = []
+    after_call = False
     for i, block in enumerate(message.content):
         at = f"{where}.content.{i}"
         if isinstance(block, TextBlock):
-            text.append(block.text)
+            # Texts a call stood between join as a reply's do (``tools.content_of``), so a
+            # reply sent back renders as the same turn on every API.
+            text.append((TEXT_SEPARATOR if text and after_call else "") + block.text)
+            after_call = False
         elif isinstance(block, ToolUseBlock):
+            after_call = True
             call = FunctionCall(name=block.name, arguments=dict(block.input))
             calls.append(ToolCallIn(id=block.id, function=call))
         elif isinstance(block, MediaBlock | ImageBlock):
@@ -292,10 +300,9 @@ def _input_json(call: ToolCall) -> str:
 
 
 def message(msg_id: str, model_id: str, reply: ChatReply) -> Json:
-    content: list[Json] = []
-    if reply.content:
-        content.append({"type": "text", "text": reply.content})
-    content += [tool_use(c) for c in reply.calls]
+    content: list[Json] = [
+        {"type": "text", "text": p} if isinstance(p, str) else tool_use(p) for p in reply.parts
+    ]
     reason, sequence = stop_reason(reply)
     return {
         "id": msg_id,
@@ -365,15 +372,25 @@ class MessageEvents:
         events.append(self._delta({"type": "text_delta", "text": text}))
         return events
 
-    def finish(self, reply: ChatReply) -> list[Event]:
-        events = self.text(reply.content) if reply.content else []
+    def call(self, call: ToolCall) -> list[Event]:
+        """A ``tool_use`` block, whole; it closes the text block before it."""
+        events: list[Event] = []
         if self._text_open:
+            self._text_open = False
             events.append(self._stop())
-        for call in reply.calls:
-            events += self._open(tool_use(call, with_input=False))
-            events.append(
-                self._delta({"type": "input_json_delta", "partial_json": _input_json(call)})
-            )
+        events += self._open(tool_use(call, with_input=False))
+        events.append(self._delta({"type": "input_json_delta", "partial_json": _input_json(call)}))
+        events.append(self._stop())
+        return events
+
+    def part(self, part: str | ToolCall) -> list[Event]:
+        return self.text(part) if isinstance(part, str) else self.call(part)
+
+    def finish(self, reply: ChatReply) -> list[Event]:
+        """The end of a reply whose parts were all sent (``part``)."""
+        events: list[Event] = []
+        if self._text_open:
+            self._text_open = False
             events.append(self._stop())
         if not self._pinged:
             self._pinged = True
@@ -386,11 +403,11 @@ class MessageEvents:
 
 
 async def stream_events(
-    events: MessageEvents, replies: AsyncIterator[str | ChatReply]
+    events: MessageEvents, replies: AsyncIterator[str | ToolCall | ChatReply]
 ) -> AsyncIterator[Event]:
     yield events.start()
     async for item in replies:
-        for event in events.text(item) if isinstance(item, str) else events.finish(item):
+        for event in events.finish(item) if isinstance(item, ChatReply) else events.part(item):
             yield event
 
 

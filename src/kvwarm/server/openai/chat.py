@@ -11,7 +11,8 @@ Invariants: the content deltas, concatenated, are the content a non-streamed res
 the logprobs of every generated token go out exactly once, with the content they belong to (a
 token whose text is held back, by the engine or by the tool-call filter, sends its logprob
 with the text that follows it, or with the last chunk); tool calls go out as the tool-call
-filter (``tool_stream``) reports them.
+filter (``tool_stream``) reports them, in the order the model wrote them: text after a call
+is content too, joined as the non-streamed ``content`` joins it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from kvwarm.server.schemas import (
     read_json,
 )
 from kvwarm.server.state import server_state
-from kvwarm.server.tool_stream import ToolStream
-from kvwarm.server.tools import ChatPlan
+from kvwarm.server.tool_stream import ContentJoin, ToolStream, call_delta
+from kvwarm.server.tools import ChatPlan, Part, ToolCall
 
 router = APIRouter()
 
@@ -63,6 +64,13 @@ async def chat_completions(request: Request) -> Response:
                 "use tools and tool_choice",
                 param=legacy,
             )
+    if req.best_of is not None:
+        raise HTTPError(
+            400,
+            "best_of is a /v1/completions parameter; chat completions have no best_of "
+            "(as OpenAI's): ask for n choices",
+            param="best_of",
+        )
     if req.top_logprobs and not req.logprobs:
         # OpenAI's rule; the request would otherwise get no logprobs at all, silently.
         raise HTTPError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -106,6 +114,7 @@ async def chat_completions(request: Request) -> Response:
         "chat",
         model.id,
         state,
+        user=req.user,
     )
     ids = convert.ResponseIds("chatcmpl", state.lora.reply_name(req.model, model))
     if not req.stream:
@@ -139,7 +148,9 @@ async def _events(
         for _ in range(n)
     ]
     for index in range(n):
-        role: dict[str, object] = {"role": "assistant", "content": ""}
+        # With tools, a reply may be calls alone, whose content is null (as llama-server's
+        # first chunk, and OpenAI's for calls): a client's accumulated stream is the reply.
+        role: dict[str, object] = {"role": "assistant", "content": None if plan.names else ""}
         yield convert.chat_chunk(ids, role, index=index, with_usage=include_usage)
     async for index, fragment in choices.merged():
         if fragment is None:
@@ -174,6 +185,8 @@ class ChatChoiceStream:
         self, names: frozenset[str], *, forced: bool, logprobs: bool, single: bool = False
     ) -> None:
         self._tools = ToolStream(names, forced=forced, single=single)
+        self._content = ContentJoin()
+        self._calls = 0
         self._want_logprobs = logprobs
         self._pending: list[TokenLogprob] = []
         self._fed_logprobs = False
@@ -181,20 +194,24 @@ class ChatChoiceStream:
     def feed(self, fragment: Fragment) -> list[Delta]:
         self._pending.extend(fragment.logprobs)
         self._fed_logprobs = self._fed_logprobs or bool(fragment.logprobs)
+        return self._deltas(self._tools.feed(fragment.text))
+
+    def _deltas(self, parts: list[Part]) -> list[Delta]:
+        """The deltas of ``parts``, in order: content (with the logprobs held so far), calls."""
         out: list[Delta] = []
-        text, calls = self._tools.feed(fragment.text)
-        if text:
-            out.append(Delta({"content": text}, self._take_logprobs()))
-        out.extend(Delta({"tool_calls": [call]}) for call in calls)
+        for part in parts:
+            text = self._content(part)
+            if text:
+                out.append(Delta({"content": text}, self._take_logprobs()))
+            if isinstance(part, ToolCall):
+                out.append(Delta({"tool_calls": [call_delta(self._calls, part)]}))
+                self._calls += 1
         return out
 
     def finish(self, done: Completion) -> list[Delta]:
-        out: list[Delta] = []
-        rest, calls, any_call = self._tools.finish()
-        if rest:
-            out.append(Delta({"content": rest}, self._take_logprobs()))
-        out.extend(Delta({"tool_calls": [call]}) for call in calls)
-        reason = convert.finish_reason(done.stats, any_call)
+        rest, _ = self._tools.finish()
+        out = self._deltas(rest)
+        reason = convert.finish_reason(done.stats, self._tools.any_call)
         if not self._fed_logprobs and done.logprobs:
             # A stream whose fragments carry no logprobs (a cluster replica streams text only):
             # the completion's logprobs go out with the last chunk.

@@ -3,13 +3,15 @@ for a disconnect once, consumed together or interleaved as their fragments arriv
 
 Invariants: a disconnect cancels every choice at once; leaving a ``Choices`` by any path
 cancels the choices that have not finished (each ``Generation`` collects and logs its own);
-usage counts the prompt once (the engine prefilled it once) and the completions of all choices.
+usage counts the prompt once (the engine prefilled it once) and the completions of all choices
+(with ``best_of``, of every candidate, returned or not).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -38,10 +40,13 @@ class Choices:
         endpoint: str,
         model_id: str,
         state: ServerState,
+        *,
+        user: str | None = None,
     ) -> None:
         self._request = request
         self.gens = [
-            Generation(request, s, endpoint, model_id, state, watch=False) for s in streams
+            Generation(request, s, endpoint, model_id, state, watch=False, user=user)
+            for s in streams
         ]
         self.disconnected = False
         self._watcher: asyncio.Task[None] | None = None
@@ -54,10 +59,12 @@ class Choices:
         endpoint: str,
         model_id: str,
         state: ServerState,
+        *,
+        user: str | None = None,
     ) -> Choices:
         """Queue the choices off the event loop (``start_stream``'s cancellation rule)."""
         streams = await start_stream(submit)
-        return cls(request, streams, endpoint, model_id, state)
+        return cls(request, streams, endpoint, model_id, state, user=user)
 
     async def __aenter__(self) -> Choices:
         self._watcher = asyncio.create_task(self._watch())
@@ -123,6 +130,22 @@ class Choices:
         finally:
             for task in tasks:
                 task.cancel()
+
+
+def mean_logprob(done: Completion) -> float:
+    """A candidate's score for ``best_of``: the mean logprob of its reply's tokens (those its
+    ``logprobs`` hold: no end-of-generation token, no stop sequence's); -inf for an empty reply,
+    which has no token to score."""
+    if not done.logprobs:
+        return -math.inf
+    return math.fsum(t.logprob for t in done.logprobs) / len(done.logprobs)
+
+
+def best_of(results: Sequence[Completion], n: int) -> list[Completion]:
+    """OpenAI's ``best_of``: the ``n`` candidates with the highest mean logprob per token,
+    best first (a tie keeps the candidates' order). Each needs its logprobs (``logprobs=0``)."""
+    ranked = sorted(range(len(results)), key=lambda i: (-mean_logprob(results[i]), i))
+    return [results[i] for i in ranked[:n]]
 
 
 def group_stats(all_stats: Sequence[CompletionStats]) -> CompletionStats:

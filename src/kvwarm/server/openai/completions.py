@@ -1,10 +1,12 @@
-"""``/v1/completions`` (``n`` choices, ``echo`` with prompt logprobs, ``suffix``) and
-llama-server's ``/infill``.
+"""``/v1/completions`` (``n`` choices, ``best_of`` candidates, ``echo`` with prompt logprobs,
+``suffix``) and llama-server's ``/infill``.
 
 Invariants: as every route (``server/generate.py``: the event loop never blocks on the engine).
 Choice ``j`` of prompt ``i`` has index ``i * n + j``. ``echo`` with ``logprobs`` prefills the
 prompt with logits at every position (no KV reuse) and reports the first prompt token with a
-null logprob, as OpenAI does. A ``suffix`` or an ``/infill`` on a model without FIM tokens is a
+null logprob, as OpenAI does. ``best_of`` generates that many choices (forks, as ``n``'s) and
+returns the ``n`` with the highest mean logprob per token, best first; usage counts every
+candidate. A ``suffix`` or an ``/infill`` on a model without FIM tokens is a
 400 ``fim_not_supported`` (``engine/prompts.py``).
 """
 
@@ -24,7 +26,7 @@ from kvwarm.engine.types import Completion, GenerationOptions, TokenLogprob
 from kvwarm.server import convert, tenancy
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import SSE_HEADERS, sse
-from kvwarm.server.openai.choices import Choices, group_stats
+from kvwarm.server.openai.choices import Choices, best_of, group_stats
 from kvwarm.server.schemas import (
     CompletionRequest,
     InfillRequest,
@@ -99,9 +101,11 @@ async def completions(request: Request) -> Response:
     check_count(body, "prompt", state.settings.max_completion_prompts, "max_completion_prompts")
     req = parse_body(body, CompletionRequest)
     check_sampling(req)
+    _check_best_of(req)
     model, lora = await state.acquire_generation(
         req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
     )
+    candidates = await _candidates(model, req)
     prompts = _prompts(req.prompt)
     if req.suffix is not None:
         if req.echo:
@@ -114,7 +118,8 @@ async def completions(request: Request) -> Response:
         max_tokens_limit=state.settings.max_tokens_limit,
         over_limit=state.settings.max_tokens_over_limit,
         json_schema=convert.response_schema(req.response_format),
-        logprobs=req.logprobs,
+        # best_of ranks its candidates by their tokens' logprobs: the chosen ones' at least.
+        logprobs=0 if req.logprobs is None and candidates > req.n else req.logprobs,
         prompt_logprobs=req.logprobs if echo_lp else None,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
         lora=lora,
@@ -125,14 +130,15 @@ async def completions(request: Request) -> Response:
     choices: list[dict[str, object]] = []
     all_stats = []
     for p_index, prompt in enumerate(prompts):
-        submit = functools.partial(model.streams, prompt, opts, n=req.n, fragments=False)
-        group = await Choices.start(request, submit, "completion", model.id, state)
+        submit = functools.partial(model.streams, prompt, opts, n=candidates, fragments=False)
+        group = await Choices.start(request, submit, "completion", model.id, state, user=req.user)
         async with group:
             results = await group.results()
         if group.disconnected:
             break
         text = await _echo_text(model, req, prompt)
-        for j, done in enumerate(results):
+        kept = best_of(results, req.n) if candidates > req.n else results
+        for j, done in enumerate(kept):
             lp = None
             if req.logprobs is not None:
                 part = None
@@ -153,6 +159,45 @@ async def completions(request: Request) -> Response:
     return JSONResponse(body)
 
 
+def _check_best_of(req: CompletionRequest) -> None:
+    """``best_of``'s rules a body alone breaks: fewer than ``n``; more than ``n``, streamed."""
+    if req.best_of is None:
+        return
+    if req.best_of < req.n:
+        raise HTTPError(
+            400,
+            f"best_of ({req.best_of}) must be at least n ({req.n}): it is how many candidates "
+            "the n returned are chosen from",
+            param="best_of",
+            code="invalid_value",
+        )
+    if req.stream and req.best_of > req.n:
+        raise HTTPError(
+            400,
+            "best_of cannot be streamed: the best candidates are known only once all have finished",
+            param="best_of",
+            code="invalid_value",
+        )
+
+
+async def _candidates(model: ServedModel, req: CompletionRequest) -> int:
+    """How many choices to generate per prompt: ``best_of`` (checked by ``_check_best_of``;
+    within the model's slots, as ``n`` is) when it is more than ``n``, else ``n``."""
+    if req.best_of is None or req.best_of <= req.n:
+        return req.n
+    # Off the loop: a cluster's model answers through a blocking replica call.
+    slots = (await run_in_threadpool(model.info)).n_parallel
+    if req.best_of > slots:
+        raise HTTPError(
+            400,
+            f"best_of must be at most {slots} (this model's n_parallel slots: one per "
+            f"candidate); got {req.best_of}",
+            param="best_of",
+            code="invalid_value",
+        )
+    return req.best_of
+
+
 async def _streamed(
     request: Request,
     model: ServedModel,
@@ -168,7 +213,7 @@ async def _streamed(
 
     def start(prompt: Prompt) -> Awaitable[Choices]:
         submit = functools.partial(model.streams, prompt, opts, n=req.n)
-        return Choices.start(request, submit, "completion", model.id, state)
+        return Choices.start(request, submit, "completion", model.id, state, user=req.user)
 
     current = [await start(prompts[0])]  # the group streaming now, closed however it ends
     await current[0].open_streaming()
@@ -279,7 +324,7 @@ async def infill(request: Request) -> Response:
         lora=lora,
     )
     submit = functools.partial(model.streams, tokens, opts, n=1, fragments=req.stream)
-    group = await Choices.start(request, submit, "infill", model.id, state)
+    group = await Choices.start(request, submit, "infill", model.id, state, user=req.user)
     if not req.stream:
         async with group:
             (done,) = await group.results()

@@ -40,7 +40,9 @@ async def embeddings(request: Request) -> Response:
             param="model",
             code="invalid_value",
         )
-    model, _ = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
+    # The model's global LoRA scales (POST /lora-adapters), as llama-server embeds under them;
+    # found by review: they were dropped here, so embeddings ran the base model alone.
+    model, lora = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
     raw = req.input
     # Token ids go to the model as they are: no detokenize / re-tokenize round trip.
     items: list[str | list[int]]
@@ -54,7 +56,7 @@ async def embeddings(request: Request) -> Response:
         raise HTTPError(400, "input must not be empty", param="input")
 
     def work() -> tuple[list[list[float]], int]:
-        vectors = model.embed(items)
+        vectors = model.embed(items, lora=lora)
         # The embedding context is created (or grown) on use: count it against the budget.
         state.remeasure(model.id, model)
         n_tokens = sum(len(model.tokenize(x)) if isinstance(x, str) else len(x) for x in items)

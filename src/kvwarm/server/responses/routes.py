@@ -142,11 +142,16 @@ async def create_response(request: Request) -> Response:
     )
     opts = chat.with_parent(opts, previous.key if previous else None)
     stream = await start_stream(chat.submit(model, plan, opts))
-    gen = Generation(request, stream, "responses", model.id, state)
+    gen = Generation(request, stream, "responses", model.id, state, user=req.user)
     # An adapter's name, when one was asked for: a follow-up naming no model stays on it.
     shape = responses.ResponseShape(req, state.lora.reply_name(requested, model))
     given = body.get("input") if isinstance(body, dict) else None
-    items = tuple(responses.input_items(given)) if req.store else ()
+    items: tuple[Json, ...] = ()
+    if req.store:
+        # As OpenAI's: the items used to generate this response, so a follow-up's list holds
+        # the earlier turns too (their inputs and outputs), then its own input.
+        earlier = (*previous.input_items, *_output_items(previous.body)) if previous else ()
+        items = (*earlier, *responses.input_items(given))
     turn = _Turn(history, salt, _owner(request, state.settings), items)
     if not req.stream:
         reply = await chat.whole_reply(gen, plan)
@@ -168,6 +173,12 @@ async def create_response(request: Request) -> Response:
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )
+
+
+def _output_items(body: Json) -> list[Json]:
+    """A stored response's ``output`` items (each with its ``id``)."""
+    output = body.get("output")
+    return [item for item in output if isinstance(item, dict)] if isinstance(output, list) else []
 
 
 @router.get("/v1/responses/{response_id}")
@@ -211,7 +222,8 @@ def _cursor(items: list[Json], param: str, value: str | None) -> int | None:
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def list_input_items(request: Request, response_id: str) -> Response:
-    """OpenAI's ``responses.input_items.list``: the stored request's input items, a page at a
+    """OpenAI's ``responses.input_items.list``: the items used to generate the response (after
+    ``previous_response_id``, the earlier turns' inputs and outputs first), a page at a
     time (``order`` desc by default, ``limit`` 1-100, default 20, ``after``/``before`` item
     ids), for the tenant that made the response only."""
     found = _lookup(request, response_id)

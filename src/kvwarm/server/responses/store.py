@@ -2,14 +2,22 @@
 ``input_items``.
 
 Invariants: the store is in memory and bounded (``max_items`` responses and roughly
-``max_chars`` characters of conversation and body together); past either bound the least
-recently used response goes first. A stored response holds its whole conversation (without
-``instructions``, which OpenAI does not carry over) and the key of its reply's finish row, so a
-follow-up re-renders the conversation and resumes from that row (its prompt is restored, not
-prefilled), in the cache namespace (salt) it ran in when a key's tenant asks (without one, in
-the salt the follow-up presents). The routes show a response only to the
-tenant that made it (``owner``; ``server/tenancy.py``). Losing an entry loses only the ability
-to refer to it: the cache rows stay.
+``max_chars`` characters of conversation and body together); past either bound a response
+goes, the least recently used of the tenant (``owner``) that holds the most of what is over
+(responses, or characters), the tenant adding on a tie. So one tenant's flood evicts its own
+responses once it holds as many as any other tenant, never another's below that: each of
+``t`` tenants keeps its ``1/t`` share, its most recent responses, whatever the others send,
+while a store one tenant uses alone (no keys: every owner is None) is one LRU, as before.
+A tenant is a key (``cache_salt_from_auth``), so this holds between keys a gateway issues;
+a client free to present made-up keys is as many tenants as it likes.
+
+A stored response holds its whole conversation (without ``instructions``, which OpenAI does
+not carry over) and the key of its reply's finish row, so a follow-up re-renders the
+conversation and resumes from that row (its prompt is restored, not prefilled), in the cache
+namespace (salt) it ran in when a key's tenant asks (without one, in the salt the follow-up
+presents). The routes show a response only to the tenant that made it (``owner``;
+``server/tenancy.py``). Losing an entry loses only the ability to refer to it: the cache rows
+stay.
 """
 
 from __future__ import annotations
@@ -33,12 +41,22 @@ class StoredResponse:
     body: Json  # the response object as it was returned
     cache_salt: str | None = None  # the namespace it ran in: its owner's follow-up continues there
     owner: str | None = None  # the tenant that made it (``tenancy``); no one else sees it
-    input_items: tuple[Json, ...] = ()  # this request's input, as items with ids
+    # Its input, as items with ids: after previous_response_id, the earlier turns' input and
+    # output items first (what OpenAI's input_items lists).
+    input_items: tuple[Json, ...] = ()
 
     def size(self) -> int:
         """Approximate footprint in characters (what the store's budget counts)."""
         turns = sum(len(m.model_dump_json()) for m in self.conversation)
         return turns + len(json.dumps(self.body)) + len(json.dumps(self.input_items))
+
+
+@dataclass(slots=True, eq=False)
+class _Tenant:
+    """One owner's responses, least recently used first, and their characters."""
+
+    ids: OrderedDict[str, int]  # response id -> its size
+    chars: int = 0
 
 
 class ResponseStore:
@@ -47,33 +65,60 @@ class ResponseStore:
             raise ValueError("a response store holds at least one item and one character")
         self.max_items = max_items
         self.max_chars = max_chars
-        self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
+        self._items: dict[str, StoredResponse] = {}
+        self._tenants: dict[str | None, _Tenant] = {}
         self._chars = 0
         self._lock = threading.Lock()  # handlers run on the loop, but tests and tools may not
 
     def __len__(self) -> int:
         return len(self._items)
 
+    def held(self, owner: str | None) -> tuple[int, int]:
+        """The responses and characters ``owner`` holds."""
+        with self._lock:
+            tenant = self._tenants.get(owner)
+            return (0, 0) if tenant is None else (len(tenant.ids), tenant.chars)
+
     def put(self, item: StoredResponse) -> None:
         size = item.size()
         with self._lock:
             self._drop(item.id)
-            self._items[item.id] = (item, size)
+            self._items[item.id] = item
+            tenant = self._tenants.get(item.owner)
+            if tenant is None:
+                tenant = self._tenants[item.owner] = _Tenant(OrderedDict())
+            tenant.ids[item.id] = size
+            tenant.chars += size
             self._chars += size
-            # Never evict the entry just added: a follow-up to it must work.
-            while len(self._items) > 1 and (
-                len(self._items) > self.max_items or self._chars > self.max_chars
-            ):
-                oldest = next(iter(self._items))
-                self._drop(oldest)
+            while len(self._items) > self.max_items or self._chars > self.max_chars:
+                by_chars = len(self._items) <= self.max_items
+                victim = self._victim(item, by_chars)
+                if victim is None:
+                    break  # only the entry just added: kept, so a follow-up to it works
+                self._drop(victim)
+
+    def _victim(self, added: StoredResponse, by_chars: bool) -> str | None:
+        """The response to evict: the least recently used of the tenant holding the most
+        (characters when only ``max_chars`` is over, else responses; the adder on a tie),
+        never ``added`` itself."""
+        best: tuple[int, bool] | None = None
+        found: str | None = None
+        for owner, tenant in self._tenants.items():
+            oldest = next(iter(tenant.ids))
+            if oldest == added.id:  # its only one (the entry just added is its newest)
+                continue
+            rank = (tenant.chars if by_chars else len(tenant.ids), owner == added.owner)
+            if best is None or rank > best:
+                best, found = rank, oldest
+        return found
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
             found = self._items.get(response_id)
             if found is None:
                 return None
-            self._items.move_to_end(response_id)
-            return found[0]
+            self._tenants[found.owner].ids.move_to_end(response_id)
+            return found
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
@@ -83,5 +128,10 @@ class ResponseStore:
         found = self._items.pop(response_id, None)
         if found is None:
             return False
-        self._chars -= found[1]
+        tenant = self._tenants[found.owner]
+        size = tenant.ids.pop(response_id)
+        tenant.chars -= size
+        self._chars -= size
+        if not tenant.ids:
+            del self._tenants[found.owner]
         return True

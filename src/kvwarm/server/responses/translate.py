@@ -5,8 +5,9 @@ Invariants:
 - Input (a string, or message / function_call / function_call_output items) becomes the same
   ``ChatMessage`` list an OpenAI chat request would; ``instructions`` lead it as the system
   message and, as in OpenAI's API, are not carried into a follow-up.
-- A reply's output is one ``message`` item (when it has text, or when it has nothing else),
-  then one ``function_call`` item per call; a stream emits exactly these items, with the same
+- A reply's output is one ``message`` item (when it has text, or when it has nothing else:
+  all its text, text after a call too, joined as chat's ``content``), then one
+  ``function_call`` item per call; a stream emits exactly these items, with the same
   ids, before ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut
   the reply) carries the same object a non-streamed request returns.
 - ``usage.input_tokens_details.cached_tokens`` counts the prompt tokens the cache restored.
@@ -54,21 +55,10 @@ from kvwarm.server.schemas import (
 )
 from kvwarm.server.schemas import AllowedToolsChoice as ChatAllowedToolsChoice
 from kvwarm.server.schemas import ContentPart as ChatPart
+from kvwarm.server.tool_stream import ContentJoin
 from kvwarm.server.tools import ToolCall
 
 Json = dict[str, object]
-
-
-def _text(content: str | Sequence[object], where: str) -> str:
-    out = _content(content, where)
-    if not isinstance(out, str):
-        raise HTTPError(
-            400,
-            f"{where}: images and audio belong in a message, not here",
-            code="unsupported_content",
-            param=where,
-        )
-    return out
 
 
 def _content(content: str | Sequence[object], where: str) -> str | list[ChatPart]:
@@ -129,8 +119,10 @@ def to_history(given: str | Sequence[InputItem]) -> list[ChatMessage]:
             else:
                 out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputItem):
-            text = _text(item.output, f"{where}.output")
-            out.append(ChatMessage(role="tool", content=text, tool_call_id=item.call_id))
+            # Text, or text and images in order (OpenAI's function_call_output may hold an
+            # image, as chat's tool messages and Anthropic's tool_result blocks may).
+            output = _content(item.output, f"{where}.output")
+            out.append(ChatMessage(role="tool", content=output, tool_call_id=item.call_id))
         elif isinstance(item, ItemReference):
             raise HTTPError(
                 400,
@@ -344,6 +336,7 @@ class ResponseEvents:
         self._seq = -1
         self._message_open = False
         self._index = -1  # output_index of the item last opened
+        self._join = ContentJoin()
 
     def _event(self, kind: str, **fields: object) -> Event:
         self._seq += 1
@@ -377,11 +370,18 @@ class ResponseEvents:
             )
         return events
 
+    def part(self, part: str | ToolCall) -> list[Event]:
+        """A streamed part of the reply: text goes into the message item (joined as
+        ``ChatReply.content`` joins it); calls wait for ``finish``, after the message item."""
+        text = self._join(part)
+        return self.delta(text) if text else []
+
     def finish(self, reply: ChatReply) -> list[Event]:
+        """The end of a reply whose texts were all sent (``part``)."""
         self.reply = reply
         events: list[Event] = []
-        if reply.content or not reply.calls:
-            events += self.delta(reply.content)
+        if not reply.calls:
+            events += self.delta("")  # a reply of no text still has its message item
         if self._message_open:
             part = {"type": "output_text", "text": self.text, "annotations": []}
             item = self.shape.message_item(self.text, _item_status(reply))
@@ -440,10 +440,10 @@ class ResponseEvents:
 
 
 async def stream_events(
-    events: ResponseEvents, replies: AsyncIterator[str | ChatReply]
+    events: ResponseEvents, replies: AsyncIterator[str | ToolCall | ChatReply]
 ) -> AsyncIterator[Event]:
     for event in events.start():
         yield event
     async for item in replies:
-        for event in events.delta(item) if isinstance(item, str) else events.finish(item):
+        for event in events.finish(item) if isinstance(item, ChatReply) else events.part(item):
             yield event

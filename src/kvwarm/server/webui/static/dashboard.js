@@ -13,7 +13,8 @@ const ROW_LIMIT = 200;
 
 /**
  * Hit rate from the cache's request outcomes (each request counts one): requests that reused
- * KV, a row's or a slot's live KV, over all of them.
+ * KV, a row's or a slot's live KV, over all those served (hits and misses; a request that
+ * failed before it was seated, `admission_failures`, was not served and is in neither).
  */
 export function lookupHitRate(counters) {
   const hits =
@@ -28,7 +29,9 @@ export function lookupHitRate(counters) {
 /**
  * Prompt tokens served from the cache, and prefill time they saved: each model's cached tokens
  * times the time its prefilled tokens took on average (an estimate: prefill_ms also holds the
- * restores, so it leans high on a very warm server).
+ * restores, so it leans high on a very warm server). `models`: /cache/stats's `model_totals`
+ * (each model's counts over the server's lifetime, every load of it: the figures stay when a
+ * model unloads), or any list of objects with the same counts.
  */
 export function savings(models) {
   let prompt = 0;
@@ -45,7 +48,9 @@ export function savings(models) {
 
 /**
  * Per-tier sizes, in the server's tier order: /cache/stats's `tiers` (every configured tier:
- * rows, chunks, bytes stored, logical bytes, dedup ratio, quota, tokens, hits, TTL classes).
+ * rows, chunks, bytes stored, logical bytes, dedup ratio, quota and effective quota, tokens,
+ * hits (rows opened: what LFU eviction counts), restores with their bytes and seconds, TTL
+ * classes).
  */
 export function tierLevels(tierStats) {
   return new Map(Object.entries(tierStats || {}));
@@ -154,7 +159,8 @@ export class Dashboard {
 
   render(stats, models, rows) {
     const c = stats.counters;
-    const { tokenRate, savedMs } = savings(models);
+    // Over the server's lifetime (every load of each model), not the loaded models alone.
+    const { tokenRate, savedMs } = savings(stats.model_totals ? Object.values(stats.model_totals) : models);
     const hitRate = lookupHitRate(c);
     setStat("stat-rows", stats.rows, fmtInt);
     setStat("stat-tokens", stats.tokens, fmtInt);
@@ -186,9 +192,13 @@ export class Dashboard {
   renderTiers(tierStats) {
     const rows = [];
     for (const [name, level] of tierLevels(tierStats)) {
-      const quota = level.quota_bytes || 0;
+      // The quota the tier can use: the configured one, capped by the room on its filesystem.
+      const configured = level.quota_bytes || 0;
+      const quota = level.effective_quota_bytes ?? configured;
       const used = level.bytes || 0;
       const meter = el("meter", { min: "0", max: String(quota || 1), value: String(used), "aria-label": `${name} quota use` });
+      const capped = quota !== configured;
+      const restores = level.restores || 0;
       const ttl = Object.entries(level.ttl_classes || {}).map(([k, n]) => `${k} ${n}`).join(", ");
       rows.push(
         el(
@@ -198,12 +208,27 @@ export class Dashboard {
           el("td", { class: "num", text: fmtInt(level.rows || 0) }),
           el("td", { class: "num", text: fmtInt(level.tokens || 0) }),
           el("td", { class: "num", text: fmtInt(level.hits || 0) }),
+          el(
+            "td",
+            { class: "num restores", data: { value: String(restores) } },
+            fmtInt(restores),
+            restores ? el("span", { class: "sub hint", text: `${fmtBytes(level.restored_bytes || 0)}, ${fmtRestoreMs((level.restore_seconds * 1000) / restores)}` }) : null,
+          ),
           el("td", { class: "num", text: fmtInt(level.chunks || 0) }),
           el("td", { class: "num", text: fmtBytes(used) }),
           el("td", { class: "num", text: fmtBytes(level.logical_bytes || 0) }),
           el("td", { class: "num", text: used ? `${(level.dedup_ratio || 0).toFixed(2)}x` : "–" }),
           el("td", { text: ttl || "–" }),
-          el("td", { class: "num", text: fmtBytes(quota) }),
+          el(
+            "td",
+            {
+              class: "num quota",
+              data: { value: String(quota), configured: String(configured) },
+              title: capped ? `configured ${fmtBytes(configured)}; the free space on its filesystem allows ${fmtBytes(quota)}` : undefined,
+            },
+            fmtBytes(quota),
+            capped ? el("span", { class: "sub hint", text: `of ${fmtBytes(configured)}` }) : null,
+          ),
           el("td", {}, meter, ` ${quota ? fmtPercent(used / quota) : "–"}`),
         ),
       );
@@ -271,6 +296,11 @@ export class Dashboard {
     );
     this.rows.replaceChildren(...(parts.length ? parts : [el("p", { class: "hint", text: "No rows yet: chat a little." })]));
   }
+}
+
+/** A restore's time: they often take under a millisecond, which fmtMs rounds to 0. */
+function fmtRestoreMs(ms) {
+  return ms < 10 ? `${ms.toFixed(2)} ms` : fmtMs(ms);
 }
 
 function setStat(id, value, format) {

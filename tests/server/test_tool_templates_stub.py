@@ -1,0 +1,68 @@
+"""Emulated tools under templates that refuse a system message (Gemma 2's, Mistral's first
+ones raise "System role not supported"): the tools' description opens the first user message
+instead of a system message kvwarm added itself. Before, every request with tools was a 400
+on such a model (stub backend, the template given by ``chat_template``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvwarm.server import create_app
+
+from .conftest import stub_settings, wait_ready
+
+# Gemma 2's checks: no system role, user and model turns alternating.
+NO_SYSTEM = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}<start_of_turn>{{ message['role'] }}\n{{ message['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    template = tmp_path_factory.mktemp("template") / "gemma2.jinja"
+    template.write_text(NO_SYSTEM)
+    with TestClient(create_app(stub_settings(chat_template=str(template)))) as test_client:
+        wait_ready(test_client.get)
+        yield test_client
+
+
+def _prompt_tokens(client: TestClient, body: dict[str, object]) -> int:
+    response = client.post("/v1/chat/completions", json={"model": "a", "max_tokens": 1, **body})
+    assert response.status_code == 200, response.json()
+    usage = response.json()["usage"]
+    assert isinstance(usage, dict)
+    return int(usage["prompt_tokens"])
+
+
+def test_tools_are_described_in_the_first_user_turn(client: TestClient) -> None:
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    plain = _prompt_tokens(client, {"messages": ask})
+    described = _prompt_tokens(client, {"messages": ask, "tools": [WEATHER]})
+    assert described > plain + 20  # the description is in the prompt
+    # An agent's next turn: the call and its result, still user and model alternating.
+    history = [
+        *ask,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{}"},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "rainy"},
+    ]
+    assert _prompt_tokens(client, {"messages": history, "tools": [WEATHER]}) > described
