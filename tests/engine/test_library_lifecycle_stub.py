@@ -19,7 +19,12 @@ from kvwarm.engine import engine as engine_module
 from kvwarm.engine.request import Done, Request
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.types import CompletionStats, GenerationOptions
-from kvwarm.errors import ConfigError, EngineClosedError, InvalidRequestError
+from kvwarm.errors import (
+    ConfigError,
+    EngineClosedError,
+    InvalidRequestError,
+    ModelExistsError,
+)
 
 LONG = GenerationOptions(max_tokens=200, temperature=0.0, stop=(), ignore_eos=True)
 
@@ -280,3 +285,14 @@ def test_a_stream_keeps_its_model_and_engine_while_it_is_read() -> None:
     gc.collect()
     backend.gate.set()
     assert stream.result().stats.finish_reason == "length"
+
+
+def test_loading_a_model_id_twice_says_what_to_do() -> None:
+    """A second ``kvwarm.load_model()`` of the same file said only that the id was taken."""
+    eng = make_engine()
+    try:
+        eng.load_model(config=stub_config())
+        with pytest.raises(ModelExistsError, match="give this one another model_id="):
+            eng.load_model(config=stub_config())
+    finally:
+        eng.close()

@@ -121,7 +121,10 @@ class Engine:
         """Hold ``model_id`` while its model loads outside the lock."""
         with self._lock:
             if model_id in self._models:
-                raise ModelExistsError(f"a model with id {model_id!r} is already loaded")
+                raise ModelExistsError(
+                    f"a model with id {model_id!r} is already loaded in this engine: give this "
+                    "one another model_id=, or use the loaded one (engine.get_model)"
+                )
             self._models[model_id] = _LOADING
 
     def get_model(self, model_id: str) -> Model:
