@@ -296,3 +296,12 @@ def test_loading_a_model_id_twice_says_what_to_do() -> None:
             eng.load_model(config=stub_config())
     finally:
         eng.close()
+
+
+def test_a_model_is_a_context_manager() -> None:
+    with make_engine() as eng:
+        with eng.load_model(config=stub_config()) as model:
+            assert model.complete("hi", max_tokens=2).stats.completion_tokens == 2
+        assert eng.list_models() == []
+        with pytest.raises(EngineClosedError):
+            model.complete("hi")

@@ -908,6 +908,13 @@ class Model:
             self._state = "closed"
             self._engine._forget(self.id)
 
+    def __enter__(self) -> Model:
+        """``with engine.load_model(...) as model:`` unloads it at the block's end."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.unload()
+
     def teardown(self) -> Callable[[float], bool]:
         """What ``unload`` does to the worker and the native state, given a time limit, as a
         function that holds no reference to this model: an engine dropped unclosed runs it
