@@ -174,8 +174,8 @@ def test_an_engine_never_closed_is_closed_at_exit(tmp_path: Path) -> None:
         ({"deterministic": "no"}, "deterministic must be True or False, got 'no'"),  # loaded!
         ({"n_parallel": 2.0}, "n_parallel must be an integer, got 2.0"),
         ({"use_mmap": 1}, "use_mmap must be True or False, got 1"),
-        ({"tensor_split": [1, 1]}, "tensor_split must be a tuple, got"),
-        ({"lora": ["a.gguf"]}, "lora must be a tuple, got"),
+        ({"tensor_split": "1,1"}, "tensor_split must be a tuple, got '1,1'"),
+        ({"lora": "a.gguf"}, "lora must be a tuple, got 'a.gguf'"),
     ],
 )
 def test_a_load_option_of_the_wrong_type_is_a_config_error(
@@ -186,6 +186,15 @@ def test_a_load_option_of_the_wrong_type_is_a_config_error(
         with pytest.raises(ConfigError, match=re.escape(message)):
             eng.load_model(backend="stub", **options)  # type: ignore[arg-type]
         assert eng.list_models() == []
+    finally:
+        eng.close()
+
+
+def test_list_options_are_taken_as_llama_cpp_takes_them() -> None:
+    eng = make_engine()
+    try:
+        model = eng.load_model(backend="stub", tensor_split=[3, 1])  # type: ignore[arg-type]
+        assert model.config.model_params.tensor_split == (3, 1)
     finally:
         eng.close()
 

@@ -218,7 +218,9 @@ def with_options(cfg: ModelConfig, options: ModelOptions) -> ModelConfig:
     if not options:
         return cfg
     groups: dict[str, dict[str, object]] = {"context": {}, "model_params": {}, "": {}}
-    for name, value in options.items():
+    for name, given in options.items():
+        # A list, as llama_cpp.Llama takes it: the config's fields are (hashable) tuples.
+        value = tuple(given) if isinstance(given, list) else given
         if name in _CONTEXT_FIELDS:
             groups["context"][name] = value
         elif name in _MODEL_FIELDS:
