@@ -15,7 +15,9 @@ Invariants:
 - No manifest is published before every chunk it names is durable in its tier: chunks are
   stored (each through the tier's crash-safe ``store_chunk``) before ``tier.store`` of the
   manifest begins, and stay pinned until it ends, so no eviction frees them in between.
-- A chunk the index knows is stored in the tier is never written again.
+- A chunk the index knows is stored in the tier is never written again; in a tier other
+  processes sweep, it is touched before the manifest (``_refresh``) and written again (or the
+  save dropped) if it is gone: the index's knowledge of a shared tier may be stale.
 - Cut points only decide how much is shared, never what a row holds: keys are content
   addresses, so any plan restores the same bytes.
 - A row shorter than one chunk is stored whole (no split, no copy), and so is a blob the
@@ -32,6 +34,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
@@ -45,7 +48,7 @@ from kvwarm.cache.formats.chunkfmt import (
     rest_cuts,
 )
 from kvwarm.cache.index.index import Index
-from kvwarm.cache.protocols import StoredRow, Tier
+from kvwarm.cache.protocols import ChunkAges, StoredRow, Tier
 from kvwarm.cache.types import Namespace, RestChunks, SaveRequest
 from kvwarm.errors import CacheError, CacheFormatError, CacheIOError, KvwarmError
 from kvwarm.tokens import common_prefix
@@ -146,12 +149,15 @@ def store_row(
     counters: Counters | None = None,
     wait_s: float = 30.0,
     hold: HoldRoom | None = None,
+    refresh: bool = False,
 ) -> StoredRow | None:
     """Store ``request`` in ``tier`` as a manifest over chunks when it comes with a splitter
     and holds at least one full chunk, else whole. Returns the published row, or None.
     ``hold``: called with the bytes about to enter the tier (the chunks it lacks and the
     manifest, or the whole row) before any is written; it raises to refuse them and returns
-    what gives the room back once the row is stored or failed."""
+    what gives the room back once the row is stored or failed. ``refresh``: other processes
+    sweep the tier's chunks (``sharedgc.py``), so before the manifest every chunk it names
+    that this save did not write in the last ``REFRESH_AFTER_S`` is touched (``_refresh``)."""
     split, ns, tokens = request.split, request.namespace, request.tokens
     lens = request.chunk_lens
     lead = request.payload_from  # the payload is a tail: chunks before it must be stored
@@ -214,16 +220,37 @@ def store_row(
         )
         size += sum(len(part) for _, part in rest_parts)
         give_back = hold(size) if hold is not None else _nothing
+        written: dict[bytes, float] = {}  # when (monotonic) this save wrote each chunk
         try:
             for i, part in enumerate(parts, start=first):
                 if keys[i] in need:
                     _write_chunk(tier, index, counters, ns, keys[i], chain[i][0], tokens[
                         bounds[i] : bounds[i + 1]], part)  # fmt: skip
+                    written[keys[i]] = time.monotonic()
             if rest is not None:
                 rest_bounds = rest.bounds()
                 for i, part in rest_parts:
                     _write_chunk(tier, index, counters, ns, rest.keys[i], rest.parents[i],
                                  tokens[rest_bounds[i] : rest_bounds[i + 1]], part)  # fmt: skip
+                    written[rest.keys[i]] = time.monotonic()
+            if refresh and isinstance(tier, ChunkAges):
+                lost = _refresh(tier, pinned, written)
+                for i, k in enumerate(keys):
+                    if k in lost and bounds[i] >= lead:  # swept elsewhere; its bytes are here
+                        index.chunk_lost(tier.name, k)
+                        [part] = split(request.payload, bounds[i : i + 2])
+                        _write_chunk(tier, index, counters, ns, k, chain[i][0], tokens[
+                            bounds[i] : bounds[i + 1]], part)  # fmt: skip
+                        lost.discard(k)
+                if lost:
+                    for gone in lost:
+                        index.chunk_lost(tier.name, gone)
+                    raise CacheError(
+                        f"{tier.name}: {len(lost)} chunk(s) of {key.hex()} (e.g. "
+                        f"{next(iter(lost)).hex()}) left the tier (another process swept "
+                        "them) and this save holds no bytes of theirs: dropped; the next "
+                        "save writes them"
+                    )
             if counters is not None:
                 counters.incr("chunks_reused", len(pinned) - len(need))
             manifest = replace(
@@ -389,6 +416,29 @@ def _cut_rest(
     if len(parts) != len(keys) - first:
         raise ValueError(f"rest splitter returned {len(parts)} parts for {len(keys) - first}")
     return [(i, part) for i, part in enumerate(parts, start=first) if keys[i] in need]
+
+
+#: A chunk this save wrote (or found already there, which touches it) longer ago than this
+#: is touched again before the manifest: a sweep's grace period (``gc_shared``, default an
+#: hour) must exceed it plus the clock skew between the sweeping host and the store.
+REFRESH_AFTER_S = 60.0
+
+
+def _refresh(tier: ChunkAges, keys: Sequence[bytes], written: dict[bytes, float]) -> set[bytes]:
+    """Touch each chunk of ``keys`` this save did not write within ``REFRESH_AFTER_S``: one
+    another process published, or this process's index knows from an earlier row, may be
+    old and unreferenced in the store right now (its manifests evicted elsewhere), and a
+    sweep deletes old unreferenced chunks. Touched, it is young until the manifest names
+    it. The chunks found gone."""
+    lost: set[bytes] = set()
+    now = time.monotonic()
+    for key in dict.fromkeys(keys):
+        at = written.get(key)
+        if at is not None and now - at < REFRESH_AFTER_S:
+            continue
+        if not tier.touch_chunk(key):
+            lost.add(key)
+    return lost
 
 
 def _write_chunk(

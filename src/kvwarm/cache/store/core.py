@@ -359,10 +359,12 @@ class CacheCore:
         other tiers' quotas are enforced after each store."""
         counters = self.counters if count_chunks else None
         hold = None if tier.capabilities.persistent else self._holder(tier)
+        refresh = tier.capabilities.shared and not self.sole_user(tier)
         try:
             return store_row(
-                key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold
-            )
+                key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold,
+                refresh=refresh,
+            )  # fmt: skip
         except CacheIOError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
@@ -383,7 +385,10 @@ class CacheCore:
                 key.hex(),
             )
         self.counters.incr("saves_retried_after_enospc")
-        return store_row(key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold)
+        return store_row(
+            key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold,
+            refresh=refresh,
+        )  # fmt: skip
 
     def _holder(self, tier: Tier) -> HoldRoom:
         """Room in ``tier`` for a save's new bytes, evicting in policy order; a save that

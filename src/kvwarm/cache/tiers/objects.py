@@ -28,7 +28,8 @@ Invariants:
 - Hit counts and last-used times are user metadata outside the KVC bytes' CRCs (a file keeps
   them in its header's hit fields, an object store beside the object).
 - Chunks are ``chunks/<hex>.kvk`` objects, content-addressed and put once; one already there
-  is kept if its head is valid, replaced if not (``common.commit_chunk``); the payload CRC
+  is kept (and touched: its age restarts, as a sweep sees it) if its head is valid, replaced
+  if not (``common.commit_chunk``); the payload CRC
   is checked on load (``chunkfmt.parse``), the head at scan where the store can set aside.
 - Network faults surface as ``CacheNetworkError`` from the store; nothing here retries.
 See docs/architecture.md (the cache).
@@ -168,6 +169,16 @@ class ObjectStore(Protocol):
 
     def set_meta(self, name: str, meta: Mapping[str, str]) -> None:
         """Replace ``name``'s user metadata. ``CacheKeyError`` if it is gone."""
+        ...
+
+    def touch(self, name: str) -> bool:
+        """Set ``name``'s last-modified time to now (the store's clock where it stamps
+        times), bytes unchanged; its user metadata may be dropped (only chunks, which have
+        none, are touched). False if it is gone."""
+        ...
+
+    def age(self, name: str) -> float | None:
+        """``name``'s last-modified epoch seconds (``inf`` if unknown); None if it is gone."""
         ...
 
     def close(self) -> None: ...
@@ -560,7 +571,9 @@ class ObjectTier:
                 self._name,
                 key,
                 put.link,
-                lambda: self._chunk_head(key) is not None,
+                # Kept: touched, as young as one just written (another process may have
+                # orphaned it long ago, and a sweep's grace protects only young chunks).
+                lambda: self._chunk_head(key) is not None and self._store.touch(name),
                 lambda: self._store.delete(name),
             )
             put.settle(False)
@@ -618,6 +631,12 @@ class ObjectTier:
                 yield chunk, head.payload_offset + head.payload_length
             else:
                 self._reject(name, "invalid chunk", problems)
+
+    def chunk_age(self, key: bytes) -> float | None:
+        return self._store.age(chunk_name(key))
+
+    def touch_chunk(self, key: bytes) -> bool:
+        return self._store.touch(chunk_name(key))
 
     def chunk_ages(self) -> Iterator[tuple[bytes, int, float]]:
         for name, size, mtime in self._store.list(CHUNK_DIR):

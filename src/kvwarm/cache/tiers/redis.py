@@ -7,7 +7,8 @@ Configured by URL: ``redis://[user:password@]host:port/db?prefix=kvwarm/&timeout
 Invariants:
 - Object ``name`` is the string ``<prefix>o:<name>``; its metadata (creation time ``t``, hit
   fields) the hash ``<prefix>m:<name>``. ``SET NX`` makes a put visible whole or not at all;
-  the creation time is set in the same transaction (``HSETNX``, never overwritten).
+  the same script replaces the hash with one stamped by the server's clock (``TIME``), so a
+  hash left by an object redis evicted never ages the new one; ``touch`` restamps it.
 - Every call is bounded by the socket timeouts; a connection fault or timeout is
   ``CacheNetworkError`` and trips the remote stores' ``objects.Breaker`` (down for
   ``down_for_s``); any other refusal is ``CacheIOError``. Credentials the server refuses
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -52,6 +52,33 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[2], unpack(ARGV))
 return 1
 """
+# The server's clock, as seconds: one clock for every writer, whatever their hosts' skew.
+_NOW = """
+local function now()
+  local t = redis.call('TIME')
+  return t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+end
+"""
+# Create the object if absent, with a fresh metadata hash stamped now: a hash left behind by
+# an object redis evicted (maxmemory) must not lend its old stamp (nor hits) to the new one.
+_PUT = (
+    _NOW
+    + """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX') then return 0 end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 't', now())
+return 1
+"""
+)
+# Restamp an object that exists (a chunk a save reuses).
+_TOUCH = (
+    _NOW
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], 't', now())
+return 1
+"""
+)
 
 
 class RedisStore:
@@ -102,6 +129,8 @@ class RedisStore:
             raise ConfigError(f"redis tier URL {shown!r}: the client refused it") from None
         self._errors = redis_client.exceptions
         self._set_meta = self._client.register_script(_SET_META)
+        self._put = self._client.register_script(_PUT)
+        self._touch = self._client.register_script(_TOUCH)
         self._breaker = Breaker(self.label, self._down_for_s)
         self._refusal_logged = False  # an auth refusal logged since the last call that worked
 
@@ -169,14 +198,22 @@ class RedisStore:
     # ---- ObjectStore ---------------------------------------------------------------------
 
     def put_if_absent(self, name: str, body: bytes) -> bool:
-        def put() -> bool:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.set(self._obj(name), body, nx=True)
-            pipe.hsetnx(self._meta(name), "t", str(time.time()))
-            created, _ = pipe.execute()
-            return bool(created)
+        keys = [self._obj(name), self._meta(name)]
+        return bool(self._call(f"put {name}", lambda: self._put(keys=keys, args=[body])))
 
-        return self._call(f"put {name}", put)
+    def touch(self, name: str) -> bool:
+        keys = [self._obj(name), self._meta(name)]
+        return bool(self._call(f"touch {name}", lambda: self._touch(keys=keys)))
+
+    def age(self, name: str) -> float | None:
+        def age() -> float | None:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.exists(self._obj(name))
+            pipe.hget(self._meta(name), "t")
+            exists, stamp = pipe.execute()
+            return _stamp(stamp) if exists else None
+
+        return self._call(f"age {name}", age)
 
     def get(self, name: str, end: int | None = None) -> Got:
         def get() -> Got:

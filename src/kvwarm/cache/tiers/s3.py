@@ -29,7 +29,7 @@ from kvwarm.cache.tiers.s3client import (
 )
 from kvwarm.cache.types import S3Config, TierName
 from kvwarm.cache.validate import validate_s3_config
-from kvwarm.errors import ConfigError
+from kvwarm.errors import CacheKeyError, ConfigError
 
 __all__ = ["S3_CAPABILITIES", "S3Store", "S3Tier"]
 
@@ -124,6 +124,38 @@ class S3Store:
                 MetadataDirective="REPLACE",
             ),
         )
+
+    def touch(self, name: str) -> bool:
+        """A copy onto itself (server-side, the bytes never leave the store): S3 stamps a
+        new ``LastModified``; the user metadata is replaced by none."""
+        key = self._key(name)
+        source = {"Bucket": self._cfg.bucket, "Key": key}
+        try:
+            self.wire.call(
+                f"touch {key}",
+                lambda: self.wire.client.copy_object(
+                    Bucket=self._cfg.bucket,
+                    Key=key,
+                    CopySource=source,
+                    Metadata={},
+                    MetadataDirective="REPLACE",
+                ),
+            )
+        except CacheKeyError:
+            return False
+        return True
+
+    def age(self, name: str) -> float | None:
+        key = self._key(name)
+        try:
+            resp = self.wire.call(
+                f"head {key}",
+                lambda: self.wire.client.head_object(Bucket=self._cfg.bucket, Key=key),
+            )
+        except CacheKeyError:
+            return None
+        stamp = resp.get("LastModified")
+        return stamp.timestamp() if hasattr(stamp, "timestamp") else float("inf")
 
     def close(self) -> None:
         close = getattr(self.wire.client, "close", None)

@@ -20,10 +20,15 @@ Invariants:
   of that tier then deletes nothing and says so (``SweepResult.refused``).
 - A chunk this process has pinned or referenced (a save in progress, a row it indexes) is
   never deleted, whatever the listings say.
+- A save reusing a chunk it did not just write touches it before its manifest
+  (``chunking._refresh``; a chunk already there when it writes one is touched too), and the
+  sweep asks each chunk's age again right before deleting it: a chunk a manifest about to
+  be published names is young when the delete would come.
 - Nothing runs under the index lock; no sleep: ``on_step`` (tests) sees each step.
 
-Residual window: a manifest published after the second listing that reuses an old chunk the
-sweep is deleting loses it; the row then reads as a miss (forgotten, never a wrong restore).
+Residual window: a save that touches a chunk between the sweep's last look at its age and
+its delete (one round trip) publishes a manifest naming a deleted chunk; the row then reads
+as a miss (forgotten, never a wrong restore), and a later save of its key replaces it.
 See docs/architecture.md ("Shared tiers") and docs/internals.md ("Chunk garbage collection").
 """
 
@@ -116,8 +121,9 @@ class SharedSweep:
         on_step: SweepStep | None,
     ) -> SweepResult:
         step: SweepStep = on_step if on_step is not None else (lambda _s, _t: None)
+        shift = 0.0 if now is None else now - time.time()  # ``now``: the clock, moved
         listed = list(ages.chunk_ages())  # first: any chunk written after this is not swept
-        t_list = time.time() if now is None else now
+        t_list = time.time() + shift
         step("chunks_listed", tier.name)
         marked: set[bytes] = set()
         seen: set[bytes] = set()
@@ -140,6 +146,15 @@ class SharedSweep:
             if key in marked or self._core.index.chunk_in_use(tier.name, key):
                 continue
             if t_list - mtime < grace_s:
+                young += 1
+                continue
+            # Asked again right before the delete: a save reusing the chunk touched it since
+            # the listing (``chunking._refresh``) and will publish a manifest naming it.
+            mtime_now = ages.chunk_age(key)
+            if mtime_now is None:
+                self._core.index.chunk_swept(tier.name, key)  # another sweep was first
+                continue
+            if time.time() + shift - mtime_now < grace_s:
                 young += 1
                 continue
             tier.delete_chunk(key)
