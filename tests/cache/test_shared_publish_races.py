@@ -23,6 +23,7 @@ from kvwarm.cache.tiers.objects import CHUNK_DIR, ObjectTier
 from kvwarm.cache.tiers.redis import RedisStore
 from kvwarm.cache.tiers.registry import TierOptions, build_tier
 from kvwarm.cache.tiers.s3 import S3Store
+from kvwarm.errors import CacheKeyError
 
 C = 16
 R1 = tuple(range(64))
@@ -164,3 +165,27 @@ def test_a_chunk_swept_while_a_slow_save_uploads_the_next_is_written_again(
         assert a.save(chunked_request(NS, R1, tier=remote.name), sync=True)
         with Cache(_config(remote), background=False) as reader:
             assert _restores(reader, R1)
+
+
+def test_a_save_replaces_a_manifest_naming_a_gone_chunk(remote: TierConfig) -> None:
+    """A manifest whose chunk vanished (swept, evicted) is a miss for everyone. A replica
+    cutting the row differently (another ``chunk_tokens``) saves the key again: its manifest
+    must replace the broken one, not adopt it, or the key misses for good."""
+    with Cache(_config(remote), background=False) as a:
+        assert a.save(chunked_request(NS, R1, tier=remote.name), sync=True)
+        stored = a._index.stored_in(cache_key(NS, R1), remote.name)
+        assert stored is not None
+        a._tiers[remote.name].delete_chunk(stored.chunks[-1])
+    other = CacheConfig(tiers=(remote,), chunk_tokens=C // 2)
+    with Cache(other, background=False) as b:
+        assert not b.rows() or not _restores_or_miss(b, R1)
+        assert b.save(chunked_request(NS, R1, tier=remote.name), sync=True)
+    with Cache(_config(remote), background=False) as reader:
+        assert _restores(reader, R1)
+
+
+def _restores_or_miss(cache: Cache, tokens: tuple[int, ...]) -> bool:
+    try:
+        return _restores(cache, tokens)
+    except CacheKeyError:
+        return False

@@ -18,7 +18,8 @@ Invariants:
 - Publish once (``common.publish_row``): the row is staged (``StagesPuts``; else nothing is
   staged), ``book.check``'ed, then put with put-if-absent; a store makes a put visible whole
   or not at all. "Already there" means another writer published the key first: its object
-  is *adopted* if its metadata parses as this key, replaced (delete, put again) if it is junk.
+  is *adopted* if its metadata parses as this key and every chunk it names is there,
+  replaced (delete, put again) if it is junk or names a chunk that is gone.
 - The startup scan only reports what it cannot read, unless the store ``Quarantines`` and the
   tier repairs: an object it cannot read may be another host's row, and a store several hosts
   share refuses to set it aside. Something that vanished since the listing is skipped. Only
@@ -291,7 +292,22 @@ class _Staged:
         return self._put.link()
 
     def existing(self) -> StoredRow | None:
-        return self._tier.probe(self._key)
+        """The row there, unless it names a chunk that is gone (swept by another process,
+        evicted by redis): such a manifest is a miss for everyone, so ours replaces it
+        rather than being adopted into one -- else the key would miss for good."""
+        row = self._tier.probe(self._key)
+        if row is None:
+            return None
+        gone = next((k for k in row.chunk_refs if self._tier.chunk_age(k) is None), None)
+        if gone is not None:
+            log.info(
+                "%s: the row in the way of %s names a chunk that is gone (%s): replacing it",
+                self._tier.name,
+                self._key.hex(),
+                gone.hex(),
+            )
+            return None
+        return row
 
     def clear(self) -> None:
         self._tier.delete(self._key)
