@@ -59,6 +59,9 @@ class FaultyClient:
     def copy_object(self, **kw: object) -> Mapping[str, object]:
         return self.inner.copy_object(**kw)
 
+    def head_object(self, **kw: object) -> Mapping[str, object]:
+        return self.inner.head_object(**kw)
+
     def list_objects_v2(self, **kw: object) -> Mapping[str, object]:
         return self.inner.list_objects_v2(**kw)
 
@@ -341,3 +344,40 @@ def test_a_remote_rows_chunk_reads_start_before_its_manifest_is_read(
             assert len(row.chunks) == 3
             assert join(row.chunks) == blob(tokens)
     assert tier.overlapped == [True]
+
+
+class _ConflictFirst(FaultyClient):
+    """Each name's first conditional PUT answers 409 ConditionalRequestConflict."""
+
+    def __init__(self, inner: S3Client) -> None:
+        super().__init__(inner)
+        self.conflicted: set[str] = set()
+
+    def put_object(self, **kw: object) -> Mapping[str, object]:
+        from botocore.exceptions import ClientError
+
+        name = str(kw["Key"])
+        if name not in self.conflicted:
+            self.conflicted.add(name)
+            error = {"Code": "ConditionalRequestConflict", "Message": "a put is in flight"}
+            meta = {"HTTPStatusCode": 409}
+            raise ClientError({"Error": error, "ResponseMetadata": meta}, "PutObject")
+        return super().put_object(**kw)
+
+
+def test_a_conflicting_conditional_put_is_a_lost_race_not_a_failed_save(
+    moto_server: MotoServer,
+) -> None:
+    """S3 answers 409 ConditionalRequestConflict to a conditional PUT while another of the
+    same name is in flight: the tier looks at what is there, as after a 412, and the save
+    (its chunks and its manifest) still publishes."""
+    s3 = moto_server.config(moto_server.new_bucket())
+    client = _ConflictFirst(moto_server.client())
+    tier = S3Tier(s3, 1 << 30, client=client)
+    cfg = CacheConfig(tiers=(TierConfig("s3", 1 << 30, s3=s3),), chunk_tokens=16)
+    tokens = tuple(range(64))
+    with Cache(cfg, tiers=[tier], background=False) as cache:
+        key = cache.save(chunked_request(NS, tokens, tier="s3"), sync=True)
+        assert key is not None and len(client.conflicted) == 5  # 4 chunks, the manifest
+        with cache.open_row(key) as row:
+            assert join(row.chunks) == blob(tokens)
