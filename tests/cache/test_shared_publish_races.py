@@ -189,3 +189,22 @@ def _restores_or_miss(cache: Cache, tokens: tuple[int, ...]) -> bool:
         return _restores(cache, tokens)
     except CacheKeyError:
         return False
+
+
+def test_a_sweep_marks_the_manifest_in_the_store_not_a_stale_indexed_copy(
+    remote: TierConfig,
+) -> None:
+    """The sweeper indexes R1 (cut in 16-token chunks); another replica evicts it, and a third,
+    cutting 8 tokens at a time, publishes R1 again. The sweep must mark the chunks of the
+    manifest now in the store, not of the copy its index still holds."""
+    cfg = _config(remote)
+    with Cache(cfg, background=False) as sweeper:
+        assert sweeper.save(chunked_request(NS, R1, tier=remote.name), sync=True)
+        with Cache(cfg, background=False) as evicter:
+            assert evicter.evict_bytes(1 << 40, [remote.name]).rows == 1
+        finer = CacheConfig(tiers=(remote,), chunk_tokens=C // 2)
+        with Cache(finer, background=False) as writer:
+            assert writer.save(chunked_request(NS, R1, tier=remote.name), sync=True)
+        sweeper.gc_shared(grace_s=3600.0, now=time.time() + LATER)
+    with Cache(cfg, background=False) as reader:
+        assert _restores(reader, R1)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 
 from kvwarm.cache.protocols import ChunkAges, Tier
 from kvwarm.cache.store.core import CacheCore
@@ -127,10 +127,11 @@ class SharedSweep:
         step("chunks_listed", tier.name)
         marked: set[bytes] = set()
         seen: set[bytes] = set()
-        bad = self._mark(tier, tier.stored_keys(), seen, marked)
+        bad = self._mark(tier, dict(ages.row_sizes()), seen, marked)
         step("manifests_marked", tier.name)
         # Manifests published since the first listing may reuse old chunks: mark them too.
-        bad |= self._mark(tier, (k for k in tier.stored_keys() if k not in seen), seen, marked)
+        again = {k: n for k, n in ages.row_sizes() if k not in seen}
+        bad |= self._mark(tier, again, seen, marked)
         bad &= set(tier.stored_keys())  # gone meanwhile: it names nothing any more
         if bad:
             log.warning(
@@ -166,14 +167,18 @@ class SharedSweep:
         return SweepResult(tier.name, len(listed), len(seen), deleted, freed, young)
 
     def _mark(
-        self, tier: Tier, keys: Iterable[bytes], seen: set[bytes], marked: set[bytes]
+        self, tier: Tier, sizes: Mapping[bytes, int], seen: set[bytes], marked: set[bytes]
     ) -> set[bytes]:
-        """Mark the chunks of each manifest; the keys whose manifest could not be read."""
+        """Mark the chunks of each manifest listed (key: its size); the keys whose manifest
+        could not be read."""
         bad: set[bytes] = set()
-        for key in keys:
+        for key, size in sizes.items():
             seen.add(key)
-            stored = self._core.index.stored_in(key, tier.name)  # manifests are immutable
-            if stored is None:
+            # The index's copy, if it is of the same size: a manifest is immutable, but its
+            # key may have been evicted and published again since, by a replica cutting it
+            # otherwise (another ``chunk_tokens``): then its chunks are not the copy's.
+            stored = self._core.index.stored_in(key, tier.name)
+            if stored is None or stored.info.size != size:
                 stored = tier.probe(key)
             if stored is None:
                 bad.add(key)
