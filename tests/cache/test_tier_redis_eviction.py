@@ -105,3 +105,23 @@ def test_a_chunk_written_again_after_redis_evicted_it_is_young(own_redis: RedisS
     assert math.isfinite(age) and abs(time.time() - age) < 600
     tier.close()
     admin.close()
+
+
+def test_a_full_redis_that_evicts_nothing_drops_saves_and_still_serves(
+    own_redis: RedisServer,
+) -> None:
+    """``noeviction`` (or a ``volatile-*`` policy: kvwarm sets no TTLs) answers OOM to writes
+    once full: each save is dropped, counted, and the rows already there still restore."""
+    url = own_redis.url()
+    admin = redis.Redis(host="127.0.0.1", port=own_redis.port)
+    first, *rest = _rows(4)
+    with Cache(_config(url), background=False) as cache:
+        assert cache.save(chunked_request(NS, first, tier="shared"), sync=True)
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", str(int(admin.info("memory")["used_memory"]) - 1024))
+        for tokens in rest:
+            assert cache.save(chunked_request(NS, tokens, tier="shared"), sync=True) is None
+        assert cache.counters()["save_failures"] == len(rest)
+        assert _restore(cache, first)
+        admin.config_set("maxmemory", "0")
+    admin.close()
