@@ -5,7 +5,10 @@ believes unreferenced (``gc_shared``): the manifest must never name a deleted ch
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -208,3 +211,52 @@ def test_a_sweep_marks_the_manifest_in_the_store_not_a_stale_indexed_copy(
         sweeper.gc_shared(grace_s=3600.0, now=time.time() + LATER)
     with Cache(cfg, background=False) as reader:
         assert _restores(reader, R1)
+
+
+CHILD = Path(__file__).with_name("replica_child.py")
+
+
+@pytest.mark.parametrize("kind", ["s3", "redis"])
+def test_replicas_in_processes_publishing_the_same_rows_at_once(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """Three processes save the same chunked rows (sharing chunks) at once, twice over: every
+    conditional put race ends in one object adopted by the others, no save fails, and every
+    row restores exactly."""
+    from tests.cache.replica_child import ROWS, tier_of
+
+    where: dict[str, object]
+    if kind == "s3":
+        request.getfixturevalue("moto_server")  # credentials in the environment meanwhile
+        server = MotoServer(own_process=True)  # its own GIL: requests really overlap
+        request.addfinalizer(server.stop)
+        bucket = server.new_bucket()
+        where = {"s3": {"bucket": bucket, "prefix": "rows/", "endpoint": server.endpoint}}
+    else:
+        redis_server: RedisServer = request.getfixturevalue("redis_server")
+        where = {"redis": redis_server.url()}
+    children = [
+        subprocess.Popen(
+            [sys.executable, str(CHILD), json.dumps(where), "2"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        for _ in range(3)
+    ]
+    for child in children:
+        assert child.stdin is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+    reports = []
+    for child in children:
+        out, _ = child.communicate(timeout=300)
+        assert child.returncode == 0
+        reports.append(json.loads(out.splitlines()[-1]))
+    assert [r["failed"] for r in reports] == [0, 0, 0]
+    assert sum(r["counters"].get("save_failures", 0) for r in reports) == 0
+    tier = tier_of(where)
+    with Cache(CacheConfig(tiers=(tier,), chunk_tokens=C), background=False) as reader:
+        for tokens in ROWS:
+            assert _restores(reader, tokens)
