@@ -98,10 +98,15 @@ def _restores(cache: Cache, tokens: tuple[int, ...]) -> bool:
         return join(row.chunks) == blob(tokens)
 
 
-def test_a_chunk_another_replica_swept_is_written_again_not_named(remote: TierConfig) -> None:
+def test_a_chunk_another_replica_swept_is_written_again_not_named(
+    remote: TierConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A indexes R1; B evicts R1 (its manifest goes, its chunks are only forgotten) and sweeps
-    them. A's index still counts them stored: its save of R2, which shares three, must not
-    publish a manifest naming chunks that are gone."""
+    them, hours later. A's index still counts them stored: its save of R2, which shares
+    three, must not publish a manifest naming chunks that are gone."""
+    from kvwarm.cache.store import chunking
+
+    monkeypatch.setattr(chunking, "REFRESH_AFTER_S", 0.0, raising=False)  # hours later
     cfg = _config(remote)
     with Cache(cfg, background=False) as a:
         assert a.save(chunked_request(NS, R1, tier=remote.name), sync=True)

@@ -125,3 +125,25 @@ def test_a_full_redis_that_evicts_nothing_drops_saves_and_still_serves(
         assert _restore(cache, first)
         admin.config_set("maxmemory", "0")
     admin.close()
+
+
+def test_the_replica_that_wrote_a_chunk_redis_evicted_writes_it_again(
+    own_redis: RedisServer,
+) -> None:
+    """The writer itself misses on a row whose shared chunk redis evicted a moment after it
+    wrote it (no sweep's grace applies to redis's own eviction): its next save of the row
+    must find the chunk gone and write it again, though it wrote it recently."""
+    url = own_redis.url()
+    admin = redis.Redis(host="127.0.0.1", port=own_redis.port)
+    rows = _rows(3)
+    with Cache(_config(url), background=False) as cache:
+        for tokens in rows:
+            assert cache.save(chunked_request(NS, tokens, tier="shared"), sync=True)
+        stored = cache._index.stored_in(cache_key(NS, rows[0]), "shared")
+        assert stored is not None
+        prefix = url.split("prefix=")[1]
+        assert admin.delete(f"{prefix}o:{CHUNK_DIR}{stored.chunks[0].hex()}.kvk") == 1
+        assert not _restore(cache, rows[0])
+        assert cache.save(chunked_request(NS, rows[0], tier="shared"), sync=True)
+        assert _restore(cache, rows[0])
+    admin.close()

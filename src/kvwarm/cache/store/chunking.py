@@ -35,7 +35,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
@@ -56,7 +56,7 @@ from kvwarm.tokens import common_prefix
 #: Room for bytes about to enter a tier: raises to refuse, returns what gives it back.
 HoldRoom = Callable[[int], Callable[[], None]]
 
-__all__ = ["PlanBook", "load_chunks", "pack_request", "plan_lens", "store_row"]
+__all__ = ["Freshness", "PlanBook", "load_chunks", "pack_request", "plan_lens", "store_row"]
 
 log = logging.getLogger(__name__)
 
@@ -149,15 +149,16 @@ def store_row(
     counters: Counters | None = None,
     wait_s: float = 30.0,
     hold: HoldRoom | None = None,
-    refresh: bool = False,
+    fresh: Freshness | None = None,
 ) -> StoredRow | None:
     """Store ``request`` in ``tier`` as a manifest over chunks when it comes with a splitter
     and holds at least one full chunk, else whole. Returns the published row, or None.
     ``hold``: called with the bytes about to enter the tier (the chunks it lacks and the
     manifest, or the whole row) before any is written; it raises to refuse them and returns
-    what gives the room back once the row is stored or failed. ``refresh``: other processes
-    sweep the tier's chunks (``sharedgc.py``), so before the manifest every chunk it names
-    that this save did not write in the last ``REFRESH_AFTER_S`` is touched (``_refresh``)."""
+    what gives the room back once the row is stored or failed. ``fresh``: given where other
+    processes sweep the tier's chunks (``sharedgc.py``): before the manifest, every chunk it
+    names that this process has not written or touched in the last ``REFRESH_AFTER_S`` is
+    touched (``_refresh``)."""
     split, ns, tokens = request.split, request.namespace, request.tokens
     lens = request.chunk_lens
     lead = request.payload_from  # the payload is a tail: chunks before it must be stored
@@ -220,27 +221,29 @@ def store_row(
         )
         size += sum(len(part) for _, part in rest_parts)
         give_back = hold(size) if hold is not None else _nothing
-        written: dict[bytes, float] = {}  # when (monotonic) this save wrote each chunk
         try:
             for i, part in enumerate(parts, start=first):
                 if keys[i] in need:
                     _write_chunk(tier, index, counters, ns, keys[i], chain[i][0], tokens[
                         bounds[i] : bounds[i + 1]], part)  # fmt: skip
-                    written[keys[i]] = time.monotonic()
+                    if fresh is not None:
+                        fresh.note(tier.name, keys[i])
             if rest is not None:
                 rest_bounds = rest.bounds()
                 for i, part in rest_parts:
                     _write_chunk(tier, index, counters, ns, rest.keys[i], rest.parents[i],
                                  tokens[rest_bounds[i] : rest_bounds[i + 1]], part)  # fmt: skip
-                    written[rest.keys[i]] = time.monotonic()
-            if refresh and isinstance(tier, ChunkAges):
-                lost = _refresh(tier, pinned, written)
+                    if fresh is not None:
+                        fresh.note(tier.name, rest.keys[i])
+            if fresh is not None and isinstance(tier, ChunkAges):
+                lost = _refresh(tier, tier.name, pinned, fresh)
                 for i, k in enumerate(keys):
                     if k in lost and bounds[i] >= lead:  # swept elsewhere; its bytes are here
                         index.chunk_lost(tier.name, k)
                         [part] = split(request.payload, bounds[i : i + 2])
                         _write_chunk(tier, index, counters, ns, k, chain[i][0], tokens[
                             bounds[i] : bounds[i + 1]], part)  # fmt: skip
+                        fresh.note(tier.name, k)
                         lost.discard(k)
                 if lost:
                     for gone in lost:
@@ -418,25 +421,58 @@ def _cut_rest(
     return [(i, part) for i, part in enumerate(parts, start=first) if keys[i] in need]
 
 
-#: A chunk this save wrote (or found already there, which touches it) longer ago than this
-#: is touched again before the manifest: a sweep's grace period (``gc_shared``, default an
-#: hour) must exceed it plus the clock skew between the sweeping host and the store.
-REFRESH_AFTER_S = 60.0
+#: A chunk this process wrote or touched (a chunk found already there when written is
+#: touched) longer ago than this is touched again before a manifest naming it: a sweep's
+#: grace period (``gc_shared``, default an hour) must exceed it plus one chunk's upload plus
+#: the clock skew between the sweeping host and the store.
+REFRESH_AFTER_S = 300.0
 
 
-def _refresh(tier: ChunkAges, keys: Sequence[bytes], written: dict[bytes, float]) -> set[bytes]:
-    """Touch each chunk of ``keys`` this save did not write within ``REFRESH_AFTER_S``: one
-    another process published, or this process's index knows from an earlier row, may be
-    old and unreferenced in the store right now (its manifests evicted elsewhere), and a
-    sweep deletes old unreferenced chunks. Touched, it is young until the manifest names
-    it. The chunks found gone."""
+class Freshness:
+    """When (monotonic) this process last wrote or touched each chunk of the tiers others
+    sweep, so a conversation's saves a turn apart touch its chunks once per
+    ``REFRESH_AFTER_S``, not once per save. Thread-safe; pruned of stale entries as it
+    grows."""
+
+    PRUNE_AT = 1 << 16
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._at: dict[tuple[str, bytes], float] = {}
+
+    def note(self, tier: str, key: bytes) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._at[(tier, key)] = now
+            if len(self._at) > self.PRUNE_AT:
+                self._at = {k: t for k, t in self._at.items() if now - t < REFRESH_AFTER_S}
+
+    def forget(self, tier: str, keys: Iterable[bytes]) -> None:
+        """A row naming ``keys`` failed to read (a chunk may be gone: evicted by redis, or
+        deleted by hand): the next save naming them touches them, so finds out."""
+        with self._lock:
+            for key in keys:
+                self._at.pop((tier, key), None)
+
+    def recent(self, tier: str, key: bytes) -> bool:
+        with self._lock:
+            at = self._at.get((tier, key))
+        return at is not None and time.monotonic() - at < REFRESH_AFTER_S
+
+
+def _refresh(tier: ChunkAges, name: str, keys: Sequence[bytes], fresh: Freshness) -> set[bytes]:
+    """Touch each chunk of ``keys`` this process has not written or touched within
+    ``REFRESH_AFTER_S``: one another process published, or this process's index knows from
+    an earlier row, may be old and unreferenced in the store right now (its manifests
+    evicted elsewhere), and a sweep deletes old unreferenced chunks. Touched, it is young
+    until the manifest names it. The chunks found gone."""
     lost: set[bytes] = set()
-    now = time.monotonic()
     for key in dict.fromkeys(keys):
-        at = written.get(key)
-        if at is not None and now - at < REFRESH_AFTER_S:
+        if fresh.recent(name, key):
             continue
-        if not tier.touch_chunk(key):
+        if tier.touch_chunk(key):
+            fresh.note(name, key)
+        else:
             lost.add(key)
     return lost
 
