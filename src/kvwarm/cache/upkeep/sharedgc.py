@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from kvwarm.cache.protocols import ChunkAges, Tier
+from kvwarm.cache.store.chunking import REFRESH_AFTER_S
 from kvwarm.cache.store.core import CacheCore
 from kvwarm.cache.types import DEFAULT_GRACE_S, SweepResult, TierName
 from kvwarm.errors import CacheError, ConfigError
@@ -97,6 +98,13 @@ class SharedSweep:
             # NaN compares false with every age: no chunk would count as young, and the
             # chunks of saves in flight (what the grace protects) would be deleted.
             raise ConfigError(f"grace_s must be a finite number >= 0, got {grace_s}")
+        if grace_s < REFRESH_AFTER_S:
+            log.warning(
+                "chunk sweep with a grace of %.0fs, under the %.0fs a replica may go without "
+                "touching a chunk it reuses: a save in progress elsewhere may lose chunks",
+                grace_s,
+                REFRESH_AFTER_S,
+            )
         results = []
         for tier in self._core.tiers.values():
             if not tier.capabilities.shared or self._core.sole_user(tier):
