@@ -1,11 +1,23 @@
 """The README and ``docs/`` pages: every relative link points to a file that exists, and every
 ``#anchor`` to a heading of that page (GitHub's slugs), so moving text between pages cannot
-leave a dead link behind."""
+leave a dead link behind. What the pages name exists: each ``make`` target, each flag of a
+``kvwarm`` command line (on that command), each ``--flag`` (kvwarm's, a bench script's or
+another tool's on a short list), each ``KVWARM_*`` variable, each key of a TOML example, each
+file named in backticks and each server route (with its method); and ``/metrics`` exports
+exactly the metric names the pages list, so a renamed or new metric cannot go undocumented.
+The examples run: the `openai`/`anthropic` client snippets and every `curl` of an `sh` block,
+against a stub server, with the responses the pages show."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
+import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,3 +80,394 @@ def test_the_readme_is_a_front_door() -> None:
     linked = {Path(t.partition("#")[0]).name for t in links(ROOT / "README.md")}
     for page in ("server", "configuration", "cache", "cluster", "operations", "architecture"):
         assert f"{page}.md" in linked, page
+
+
+# ---- what the pages name exists ---------------------------------------------------------------
+
+JSON_HEADERS = {"content-type": "application/json"}
+INLINE = re.compile(r"`([^`\n]+)`")
+FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*(?![\w-])")
+# Other tools' flags the pages name: sglang-router's, `ray start`'s, llama-server's, pip's.
+FOREIGN_FLAGS = {
+    "--worker-urls", "--policy", "--cache-threshold", "--balance-abs-threshold",
+    "--balance-rel-threshold", "--node-ip-address", "--head", "--block", "--address", "--port",
+    "--draft-p-min", "--poll", "--rerank", "--no-deps", "--no-cache-dir", "--force-reinstall",
+}  # fmt: skip
+
+
+def text_of(page: Path) -> str:
+    return page.read_text()
+
+
+def code_lines(page: Path) -> Iterator[str]:
+    """Each line of the page's fenced blocks (continuations joined) and each inline code span."""
+    text = text_of(page)
+    for block in FENCE.findall(text):
+        yield from block.replace("\\\n", " ").splitlines()[1:-1]
+    yield from INLINE.findall(FENCE.sub("", text))
+
+
+def parsers() -> dict[tuple[str, ...], argparse.ArgumentParser]:
+    """Every ``kvwarm`` (sub)command's parser, by its words: ("cache", "ls")."""
+    from kvwarm.cli import build_parser
+
+    out: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+
+    def walk(words: tuple[str, ...], parser: argparse.ArgumentParser) -> None:
+        out[words] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk((*words, name), sub)
+
+    walk((), build_parser())
+    return out
+
+
+def options(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for action in parser._actions for s in action.option_strings}
+
+
+def test_every_make_target_named_exists() -> None:
+    targets = set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), re.M))
+    missing = [
+        f"{page.name}: make {name}"
+        for page in PAGES
+        for line in code_lines(page)
+        for name in re.findall(r"(?:^|[;&|(]\s*)make ([a-z][\w-]*)", line)
+        if name not in targets
+    ]
+    assert not missing, missing
+
+
+def test_every_kvwarm_command_line_parses_its_flags() -> None:
+    """``kvwarm serve --n-ctx 2048``: ``serve`` takes ``--n-ctx``. ``kvwarm bench``'s arguments
+    are its script's, checked below."""
+    known = parsers()
+    wrong = []
+    for page in PAGES:
+        for line in code_lines(page):
+            for match in re.finditer(r"(?:^|[;&|(]\s*|\$ )kvwarm ([^#|&;`]*)", line):
+                words = match.group(1).split()
+                path: tuple[str, ...] = ()
+                while words and (*path, words[0]) in known:
+                    path, words = (*path, words[0]), words[1:]
+                if not path:
+                    continue  # prose: "kvwarm caches ..."
+                if path == ("bench",):
+                    continue
+                have = options(known[path])
+                for word in words:
+                    flag = word.split("=", 1)[0].strip("[]")
+                    if re.fullmatch(r"--?[a-z][a-z0-9-]*", flag) and flag not in have:
+                        wrong.append(f"{page.name}: kvwarm {' '.join(path)} has no {flag}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_flag_named_exists() -> None:
+    """A ``--flag`` anywhere in the pages is kvwarm's, a bench script's or on FOREIGN_FLAGS."""
+    ours = set().union(*(options(p) for p in parsers().values()))
+    bench = "\n".join(p.read_text() for p in (ROOT / "bench").glob("*.py"))
+    unknown = sorted(
+        {
+            f"{page.name}: {flag}"
+            for page in PAGES
+            for line in code_lines(page)
+            for flag in FLAG.findall(line)
+            if flag not in ours and flag not in FOREIGN_FLAGS and f'"{flag}"' not in bench
+        }
+    )
+    assert not unknown, unknown
+
+
+def test_every_kvwarm_variable_named_exists() -> None:
+    """``KVWARM_X`` is a setting's variable (``kvwarm.settings.env_var``), ``KVWARM_CONFIG``, or
+    one the code reads by that literal name (``KVWARM_MODEL``, the tests' and benches')."""
+    from kvwarm.settings import CONFIG_ENV, Settings, env_var
+
+    code = "\n".join(
+        p.read_text()
+        for folder in ("src", "bench", "tests")
+        for p in (ROOT / folder).rglob("*.py")
+        if p.name != "test_docs.py"
+    )
+    known = {env_var(name) for name in Settings.model_fields} | {CONFIG_ENV}
+    unknown = sorted(
+        {
+            f"{page.name}: {name}"
+            for page in PAGES
+            for name in re.findall(r"\bKVWARM_[A-Z0-9_]+", text_of(page))
+            if name not in known and f'"{name}"' not in code
+        }
+    )
+    assert not unknown, unknown
+
+
+def documented_metrics() -> set[str]:
+    return {
+        name.rstrip("_")
+        for page in PAGES
+        for name in re.findall(r"\bkvwarm_[a-z0-9_]+", text_of(page))
+        if not name.startswith("kvwarm_bench")
+    }
+
+
+def test_metrics_exported_are_the_documented_ones(tmp_path: Path) -> None:
+    """Scrape a stub server that saved and restored a row on disk (so the tier, memory-kind
+    and restore series exist) and compare its metric names with the pages' both ways."""
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvwarm.cache.types import PolicyConfig
+    from kvwarm.server import create_app
+    from kvwarm.settings import ModelSpec, Settings
+
+    settings = Settings(
+        backend="stub",
+        models=(ModelSpec(path="stub-a", id="a"),),
+        cache_dir=tmp_path / "cache",
+        n_ctx=512,
+        n_batch=16,
+        policy=PolicyConfig(min_tokens=16, cold_min_tokens=16, boundary_align_tokens=16),
+        keepalive_interval_s=0,
+        allowed_hosts=("testserver",),
+    )
+    body = {"model": "a", "prompt": "a b c d e f g h " * 8, "max_tokens": 2}
+    with TestClient(create_app(settings)) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:  # readiness, bounded
+            assert time.monotonic() < deadline, "the stub model did not load"
+            time.sleep(0.02)
+        first = client.post("/v1/completions", json=body)
+        assert first.status_code == 200, first.text
+        key = first.json()["timings"]["cache_key"]
+        assert key, first.json()["timings"]
+        assert client.get(f"/cache/rows/{key}", params={"wait_ms": 30000}).status_code == 200
+        again = client.post("/v1/completions", json=body)
+        assert again.json()["timings"]["cached_tokens"] > 0, again.json()["timings"]
+        text = client.get("/metrics").text
+    exported = {
+        sample.name
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.name.endswith("_created")
+    }
+    assert {"kvwarm_cache_memory_bytes", "kvwarm_cache_tier_restores_total"} <= exported
+    documented = documented_metrics()
+    assert not exported - documented, f"not in docs/: {sorted(exported - documented)}"
+    assert not documented - exported, f"not exported: {sorted(documented - exported)}"
+
+
+# Inline `name = value` spans that are no setting: formulas in formats.md and internals.md, and
+# Ray Serve's own option.
+NOT_SETTINGS = {"first", "k", "chunk_key", "max_replicas_per_node"}
+
+
+def test_every_setting_named_in_toml_exists() -> None:
+    """Each key of a ``toml`` block, at top level or in a ``[[models]]`` table, and each
+    inline ``name = value`` span names a setting (``kvwarm.settings``)."""
+    import tomllib
+
+    from kvwarm.settings import ModelSettings, Settings
+    from kvwarm.settings.types import ModelSpec
+
+    top = set(Settings.model_fields)
+    per_model = set(ModelSettings.model_fields) | {
+        f for f in ModelSpec.__dataclass_fields__ if f != "options"
+    }
+    unknown = []
+    for page in PAGES:
+        text = text_of(page)
+        for block in re.findall(r"^```toml\n(.*?)^```", text, re.S | re.M):
+            data = tomllib.loads(block)
+            data = data.get("kvwarm", data)
+            unknown += [f"{page.name}: {k}" for k in data if k not in top]
+            for table in data.get("models", []):
+                unknown += [f"{page.name}: [[models]] {k}" for k in table if k not in per_model]
+        for name in re.findall(r"`([a-z_][a-z0-9_]*) = [^`]*`", FENCE.sub("", text)):
+            if name not in top | per_model | NOT_SETTINGS:
+                unknown.append(f"{page.name}: {name}")
+    assert not unknown, unknown
+
+
+def test_every_file_named_exists() -> None:
+    """A path in backticks (`tests/server/test_metrics.py`, `server/keepalive.py`,
+    `routing/facts.py`) names a file of the repository: from its root, from ``src/`` or
+    ``src/kvwarm/``, or as the tail of a path under them (a page's own context)."""
+    files = [
+        p.relative_to(ROOT).as_posix()
+        for top in ("src", "tests", "bench", "docs")
+        for p in (ROOT / top).rglob("*")
+        if p.is_file()
+    ]
+    path = re.compile(
+        r"(?<![\w./-])((?:[\w.-]+/)+[\w.-]+\.(?:py|md|toml|json|js|html|css))(?![\w/])"
+    )
+    missing = sorted(
+        {
+            f"{page.name}: {name}"
+            for page in PAGES
+            for span in INLINE.findall(text_of(page))
+            for name in path.findall(span)
+            if not (ROOT / name).exists() and not any(f.endswith("/" + name) for f in files)
+        }
+    )
+    assert not missing, missing
+
+
+def test_every_route_named_exists() -> None:
+    """A path the pages name under one of the server's top-level segments (`/v1/...`,
+    `/cache/...`, `curl localhost:8000/...`) is a route of ``create_app`` (or a family of
+    routes: `/cache/*`, `/admin/models`), and `GET`/`POST`/`DELETE` before it is a method the
+    route takes. `{param}` and UPPER-CASE placeholders match any segment."""
+    from kvwarm.server import create_app
+    from kvwarm.settings import ModelSpec, Settings
+
+    app = create_app(Settings(backend="stub", models=(ModelSpec(path="stub-a"),), cache_dir=None))
+    methods: dict[str, set[str]] = {"/": {"get"}, "/docs": {"get"}, "/openapi.json": {"get"}}
+    with warnings.catch_warnings():  # FastAPI's note on /health's GET and HEAD sharing an id
+        warnings.simplefilter("ignore", UserWarning)
+        paths = app.openapi()["paths"]
+    for path, item in paths.items():
+        methods.setdefault(path, set()).update(item)
+    tops = {path.split("/")[1] for path in methods if path != "/"}
+    patterns = {
+        path: re.compile(
+            "^"
+            + "/".join("[^/]+" if s.startswith("{") else re.escape(s) for s in path.split("/"))
+            + "$"
+        )
+        for path in methods
+    }
+    named = re.compile(r"(?:\b(GET|POST|DELETE|HEAD)\s+)?(?:localhost:8000)?(/[\w.{}/-]*)")
+    wrong = []
+    for page in PAGES:
+        for line in code_lines(page):
+            for method, raw in named.findall(line):
+                path = raw.rstrip("/.") or "/"
+                if path.split("/")[1] not in tops or not (
+                    line.startswith(raw) or "localhost:8000" in line or method
+                ):
+                    continue
+                concrete = re.sub(r"\{[^}/]+\}|\b[A-Z][A-Z_]+\b", "X", path)
+                hits = [p for p, rx in patterns.items() if rx.match(concrete)]
+                family = any(p.startswith(path + "/") for p in methods)
+                if not hits and not family:
+                    wrong.append(f"{page.name}: {method} {path}".replace(":  ", ": "))
+                elif method and hits and not any(method.lower() in methods[p] for p in hits):
+                    wrong.append(f"{page.name}: {method} {path} (takes {sorted(methods[hits[0]])})")
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def test_the_client_examples_run() -> None:
+    """The README's and server.md's examples with the official `openai` and `anthropic`
+    clients run as written against a server (the stub backend under the embedded model's
+    name), and say what their text says: asked again, `cached_tokens` grows, and a Responses
+    follow-up restores its previous turn (its `instructions` resent: they are not carried
+    over, and without them it restored a handful of tokens)."""
+    import contextlib
+    import io
+
+    from tests.server.conftest import LiveServer, stub_settings
+
+    from kvwarm.settings import ModelSpec
+
+    blocks = [
+        (page.name, block)
+        for page in (ROOT / "README.md", ROOT / "docs" / "server.md")
+        for block in re.findall(r"^```python\n(.*?)^```", text_of(page), re.S | re.M)
+        if "OpenAI(" in block or "Anthropic(" in block or "client.responses" in block
+    ]
+    assert len(blocks) >= 3, [name for name, _ in blocks]
+    model = ModelSpec(path="stub-a", id="smollm2-135m-instruct")
+    server = LiveServer(stub_settings(models=(model,), allowed_hosts=())).start()
+    try:
+        ns: dict[str, Any] = {}
+        runs: list[tuple[str, dict[str, Any]]] = []
+        with contextlib.redirect_stdout(io.StringIO()):
+            for name, block in blocks + blocks[:2]:  # the first two again: "ask again"
+                code = block.replace("http://127.0.0.1:8000", server.base_url)
+                exec(compile(code, name, "exec"), ns)
+                runs.append((name, dict(ns)))
+    finally:
+        server.stop()
+    chat = [run for _, run in runs if "r" in run and hasattr(run["r"], "choices")]
+    claude = [run for _, run in runs if "m" in run]
+    first, again = (
+        run["r"].usage.prompt_tokens_details.cached_tokens for run in (chat[0], chat[-1])
+    )
+    assert again > first, (first, again)
+    first, again = (run["m"].usage.cache_read_input_tokens for run in (claude[0], claude[-1]))
+    assert again > first, (first, again)
+    r1, r2 = ns["r1"], ns["r2"]
+    assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens
+
+
+def curl_examples() -> Iterator[tuple[str, str, str, str | None, object]]:
+    """Each ``curl`` of an ``sh`` block: (page, method, path and query, body, the response
+    shown after it as ``# {...}`` comment lines, or None)."""
+    for page in PAGES:
+        for block in re.findall(r"^```sh\n(.*?)^```", text_of(page), re.S | re.M):
+            command: list[str] = []
+            shown: list[str] = []
+            for line in [*block.splitlines(), "#"]:
+                if line.startswith("# ") and command and (shown or line.startswith("# {")):
+                    shown.append(line[2:])
+                elif line.startswith(("curl", "#")):
+                    if command:
+                        text = "\n".join(command)
+                        method = re.search(r"-X (\w+)", text)
+                        path = re.search(r"localhost:8000(/[^\s']*)", text)
+                        body = re.search(r"-d '(.*?)'", text, re.S)
+                        assert path, text
+                        yield (
+                            page.name,
+                            method.group(1) if method else ("POST" if body else "GET"),
+                            path.group(1),
+                            body.group(1) if body else None,
+                            json.loads(" ".join(shown)) if shown else None,
+                        )
+                    command, shown = ([line] if line.startswith("curl") else []), []
+                elif command:
+                    command.append(line)
+
+
+def shape(value: object) -> object:
+    """A JSON value's keys, recursively (a list by its first item), without the values."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    return None
+
+
+def test_the_curl_examples_answer_as_shown(tmp_path: Path) -> None:
+    """Every ``curl`` of an ``sh`` block (but one naming a placeholder, `KEY`) is answered 200
+    by a stub server under the example's model names, and where the page shows the response,
+    with one of that shape (the same fields, nested alike)."""
+    from fastapi.testclient import TestClient
+    from tests.server.conftest import stub_settings, wait_ready
+
+    from kvwarm.server import create_app
+    from kvwarm.settings import ModelSpec
+
+    examples = list(curl_examples())
+    shown = {path for _, _, path, _, response in examples if response is not None}
+    assert shown >= {"/v1/rerank", "/cache/prewarm"}, shown
+    models = (
+        ModelSpec(path="stub-a", id="smollm2-135m-instruct"),
+        ModelSpec(path="stub-reranker.gguf", id="qwen3-reranker"),
+    )
+    wrong = []
+    settings = stub_settings(models=models, cache_dir=tmp_path / "cache")
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        for page, method, path, body, response in examples:
+            if re.search(r"\b[A-Z]{2,}\b", path):
+                continue
+            answer = client.request(method, path, content=body, headers=JSON_HEADERS)
+            if answer.status_code != 200 or (
+                response is not None and shape(answer.json()) != shape(response)
+            ):
+                wrong.append(f"{page}: {method} {path}: {answer.status_code} {answer.text}")
+    assert not wrong, "\n".join(wrong)

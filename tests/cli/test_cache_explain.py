@@ -78,7 +78,12 @@ def test_explain_prints_one_line_for_people(
     argv = ["cache", "explain", "--backend", "stub", "--model", "stub-a"]
     assert main([*argv, "--cache-dir", str(cache), PROMPT + "x"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("prompt: ")
+    n_rows = explain(capsys, cache, PROMPT + "x")["rows_in_namespace"]
+    tokens = len(PROMPT.encode()) + 2  # one a byte, and BOS
+    # The namespaces counted as such: "(1 in all)" after "N rows" read as one row in all.
+    assert lines[0] == (
+        f"prompt: {tokens} tokens; {n_rows} rows in its namespace (1 namespace in the cache)"
+    )
     assert lines[1].startswith("new_tokens: the rest of the prompt was never cached (found ")
 
 

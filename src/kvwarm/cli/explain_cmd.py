@@ -160,7 +160,9 @@ def run_explain(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=2))
         return 0
-    print(f"prompt: {len(tokens)} tokens; {n_rows} rows in its namespace ({len(spaces)} in all)")
+    # "(1 in all)" after a row count read as one row in all, beside "4 rows in its namespace".
+    spaces_text = f"{len(spaces)} namespace{'' if len(spaces) == 1 else 's'} in the cache"
+    print(f"prompt: {len(tokens)} tokens; {n_rows} rows in its namespace ({spaces_text})")
     print(describe(report))
     return 0
 
