@@ -147,3 +147,20 @@ def test_the_replica_that_wrote_a_chunk_redis_evicted_writes_it_again(
         assert cache.save(chunked_request(NS, rows[0], tier="shared"), sync=True)
         assert _restore(cache, rows[0])
     admin.close()
+
+
+def test_a_writer_whose_clock_lags_stamps_its_chunks_with_the_servers_time(
+    own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunk ages come from one clock, the server's: a replica whose clock runs two hours
+    behind must not stamp the chunks it writes as two hours old (a sweep elsewhere would
+    delete them before their manifest)."""
+    tier = build_tier(TierConfig("shared", 1 << 30, url=own_redis.url()), TierOptions())
+    assert isinstance(tier, ObjectTier)
+    real = time.time()
+    with monkeypatch.context() as m:
+        m.setattr(time, "time", lambda: real - 7200)
+        assert tier.objects.put_if_absent(f"{CHUNK_DIR}{'ab' * 32}.kvk", b"bytes")
+    [(_, _, age)] = list(tier.chunk_ages())
+    assert abs(age - real) < 600
+    tier.close()
