@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from kvwarm.cache.types import CacheConfig, PolicyConfig, PressureConfig, TierConfig
+from kvwarm.cache.types import (
+    TIER_SERIES,
+    TIER_TOTALS,
+    CacheConfig,
+    PolicyConfig,
+    PressureConfig,
+    TierConfig,
+)
 from kvwarm.cache.validate import validate_cache_config, validate_policy
 from kvwarm.errors import ConfigError
 
@@ -38,6 +45,17 @@ from kvwarm.errors import ConfigError
             ),
             "tier_x_restored_bytes",
         ),
+        # Alone too: /metrics read x_restored's bytes as tier x's restored_bytes, a_quota's as
+        # a's quota_bytes (the shortest name leaving a known series; found by review).
+        (
+            CacheConfig(tiers=(TierConfig("x_restored", 1, url="file:///tmp/kv-a"),)),
+            "tier x_restored: its counter tier_x_restored_bytes would read as tier x's "
+            "restored_bytes",
+        ),
+        (
+            CacheConfig(tiers=(TierConfig("hot_effective", 1, url="file:///tmp/kv-a"),)),
+            "would read as tier hot's effective_quota_bytes",
+        ),
         (
             CacheConfig(
                 tiers=(
@@ -66,6 +84,26 @@ def test_bad_cache_configs(cfg: CacheConfig, needle: str) -> None:
     with pytest.raises(ConfigError) as ei:
         validate_cache_config(cfg)
     assert needle in str(ei.value)
+
+
+def test_an_accepted_tier_names_its_own_counters_in_metrics() -> None:
+    """Every name the check lets through reads back, in ``/metrics``, as its own tier's."""
+    from kvwarm.server.metrics import _TIER_KEY
+
+    for name in ("restored", "disk", "s3_eu", "ram_2", "quota", "bytes"):
+        validate_cache_config(CacheConfig(tiers=(TierConfig(name, 1, url="file:///tmp/kv"),)))
+        for series in (*TIER_SERIES, *TIER_TOTALS):
+            parsed = _TIER_KEY.match(f"tier_{name}_{series}")
+            assert parsed is not None and parsed.groups() == (name, series)
+
+
+def test_stats_keeps_a_tier_named_restored_bytes() -> None:
+    """``kvwarm cache stats`` drops the tiers' restore counts (a server's), by their exact
+    names: a suffix dropped tier ``restored``'s ``tier_restored_bytes`` too (found by review)."""
+    from kvwarm.cli.cache_cmd import _levels
+
+    counters = {"tier_restored_bytes": 5.0, "tier_restored_restores": 0.0, "hits_exact": 1.0}
+    assert _levels(counters, ["restored"]) == {"tier_restored_bytes": 5.0}
 
 
 def test_default_configs_are_valid() -> None:

@@ -127,11 +127,42 @@ def test_the_bound_follows_the_replicas_running(client: TestClient, calls: Parki
     held += [model.stream("hello") for _ in range(6)]
     with pytest.raises(QueueFullError, match="at most 9"):
         model.stream("hello")
-    calls.running = []  # none known (no router in this process): --replicas counts
-    with pytest.raises(QueueFullError, match="at most 6"):
-        model.stream("hello")
     for stream in held:
         stream.cancel()
+    assert model.in_flight == 0
+
+
+def test_with_every_replica_dead_the_bound_is_one_replicas(
+    client: TestClient, calls: ParkingCalls
+) -> None:
+    """The router reported replicas, then none (all died): what the first replacement will
+    serve waits, as with one alive; --replicas' worth, twice that, did (found by review)."""
+    model = _model(client)
+    calls.park = True
+    held = [model.stream("hello") for _ in range(6)]  # two running: 2 x (2 + 1)
+    for stream in held[3:]:
+        stream.cancel()
+    calls.running = []
+    with pytest.raises(QueueFullError, match="at most 3"):
+        model.stream("hello")
+    for stream in held[:3]:
+        stream.cancel()
+    assert model.in_flight == 0
+
+
+def test_no_replica_ever_reported_counts_the_replicas_asked_for(replica: EngineReplica) -> None:
+    """No router in this process (Ray's own), or none reported yet: --replicas counts."""
+    calls = ParkingCalls(replica)
+    calls.running = []
+    with TestClient(create_ingress_app(SETTINGS, calls)) as client:
+        wait_ready(client.get)
+        model = _model(client)
+        calls.park = True
+        held = [model.stream("hello") for _ in range(6)]
+        with pytest.raises(QueueFullError, match="at most 6"):
+            model.stream("hello")
+        for stream in held:
+            stream.cancel()
     assert model.in_flight == 0
 
 

@@ -233,7 +233,7 @@ def test_prewarm_keepalive_is_bounded_listed_removable_and_expires(
     third = client.post("/cache/prewarm", json={"model": "a", "prompt": "one too many"})
     assert third.status_code == 409, third.json()
     assert third.json()["error"]["code"] == "keepalive_full"
-    ok = client.post("/cache/prewarm", json={"prompt": "not kept", "keep_alive": False})
+    ok = client.post("/cache/prewarm", json={"prompt": "not kept " * 10, "keep_alive": False})
     assert ok.status_code == 200
     listing = client.get("/cache/keepalive").json()
     assert listing["limits"] == {"max_entries": 2, "max_tokens": 10_000, "max_age_s": 600}
@@ -242,14 +242,32 @@ def test_prewarm_keepalive_is_bounded_listed_removable_and_expires(
     assert client.delete(f"/cache/keepalive/{first['id']}").json() == {"deleted": 1}
     assert client.delete(f"/cache/keepalive/{first['id']}").status_code == 404
     assert [e["id"] for e in client.get("/cache/keepalive").json()["data"]] == [second["id"]]
-    assert client.post("/cache/prewarm", json={"prompt": "room again"}).status_code == 200
+    assert client.post("/cache/prewarm", json={"prompt": "room again " * 8}).status_code == 200
     clock.now += 599
     assert len(client.get("/cache/keepalive").json()["data"]) == 2
     clock.now += 1  # 600 s after their prewarm: dropped
     assert client.get("/cache/keepalive").json()["data"] == []
-    assert client.post("/cache/prewarm", json={"prompt": "x y z"}).status_code == 200
+    assert client.post("/cache/prewarm", json={"prompt": "x y z " * 12}).status_code == 200
     assert client.delete("/cache/keepalive").json() == {"deleted": 1}
     assert client.get("/cache/stats").json()["keep_alive"] == []
+
+
+def test_a_prewarm_shorter_than_min_tokens_is_a_400_and_is_not_kept_alive(
+    app_clock: tuple[TestClient, Clock],
+) -> None:
+    """No row under min_tokens is saved or looked up: such a prewarm was prefilled, answered
+    200 with no key, and its keep-alive entry prefilled it again every period for nothing."""
+    client, _ = app_clock
+    short = client.post("/cache/prewarm", json={"prompt": "too short"})
+    assert short.status_code == 400, short.json()
+    error = short.json()["error"]
+    assert error["param"] == "prompt" and "rows are at least min_tokens" in error["message"]
+    chat = client.post("/cache/prewarm", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt"
+    assert client.get("/cache/keepalive").json()["data"] == []
+    long = client.post("/cache/prewarm", json={"prompt": "long enough " * 8})
+    assert long.status_code == 200 and long.json()["key"] is not None
+    assert len(client.get("/cache/keepalive").json()["data"]) == 1
 
 
 def test_entries_rewarm_under_their_own_salt_and_one_prompt_per_salt_is_kept() -> None:

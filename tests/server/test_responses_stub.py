@@ -321,6 +321,22 @@ def test_the_character_bound_takes_from_the_tenant_holding_the_most_characters()
     ]  # fmt: skip
 
 
+def test_a_response_larger_than_the_bound_takes_no_other_tenants_with_it() -> None:
+    """Found by review: one tenant's response larger than the whole character bound (a long
+    chain of big inputs: each stored response holds its conversation and its input items)
+    evicted every other tenant's responses, theirs being all that could go. It is kept, as
+    the entry just added always is, alone over the bound; the next put takes it first."""
+    store = ResponseStore(max_items=100, max_chars=3000)
+    for i in range(3):
+        store.put(_owned(i, "quiet", "q" * 300))
+    store.put(_owned(0, "big", "b" * 5000))
+    assert [store.get(f"quiet-{i}") is not None for i in range(3)] == [True] * 3
+    assert store.get("big-0") is not None
+    store.put(_owned(3, "quiet", "q" * 300))
+    assert store.get("big-0") is None and store.get("quiet-3") is not None
+    assert store.held("quiet")[1] <= 3000
+
+
 def test_follow_ups_stay_in_their_namespace_and_tenant() -> None:
     settings = stub_settings(api_key="user", admin_key="root", cache_salt_from_auth=True)
     user = {"authorization": "Bearer user"}

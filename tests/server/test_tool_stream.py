@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 
 import hypothesis
 import pytest
@@ -318,3 +319,96 @@ def test_any_reply_streams_as_the_whole_reply(
     assert [p if isinstance(p, str) else p.name for p in whole] == [
         p if isinstance(p, str) else p.name for p in parts
     ]
+
+
+@hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+@hypothesis.given(
+    pieces=st.lists(st.sampled_from(PIECES), max_size=24),
+    single=st.booleans(),
+    by_char=st.booleans(),
+)
+def test_the_parts_sent_are_the_whole_replys_parts(
+    pieces: list[str], single: bool, by_char: bool
+) -> None:
+    # The stream parses a reply from its last call on and sends a text's new end as it is
+    # (the work per fragment is the fragment's): the parts it sends, pieces of a text joined,
+    # are the whole reply's, part for part, and it never finds them to differ (log.error).
+    reply = "".join(pieces)
+    stream = ToolStream(NAMES, forced=False, single=single)
+    sent: list[Part] = []
+    errors: list[str] = []
+    handler = _Errors(errors)
+    logging.getLogger("kvwarm.server.tool_stream").addHandler(handler)
+    try:
+        for fragment in _chars(reply) if by_char else pieces:
+            for part in [*stream.feed(fragment)]:
+                _join(sent, part)
+        rest, whole = stream.finish()
+    finally:
+        logging.getLogger("kvwarm.server.tool_stream").removeHandler(handler)
+    for part in rest:
+        _join(sent, part)
+    expected = reply_parts(reply, NAMES, single=single)
+    assert [p if isinstance(p, str) else p.name for p in sent] == [
+        p if isinstance(p, str) else p.name for p in expected
+    ]
+    assert sent == whole
+    assert errors == []
+
+
+class _Errors(logging.Handler):
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.ERROR)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
+
+
+def _join(sent: list[Part], part: Part) -> None:
+    """A part sent, as a client puts the stream together: a text piece goes on the text sent
+    last (a text after a call starts a new one)."""
+    if isinstance(part, str) and sent and isinstance(sent[-1], str):
+        sent[-1] += part
+    else:
+        sent.append(part)
+
+
+def _count(monkeypatch: pytest.MonkeyPatch, module: object, name: str, calls: list[str]) -> None:
+    real = getattr(module, name, None)
+    if real is None:
+        return
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+
+def test_a_long_reply_is_not_parsed_again_per_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before, every token re-parsed the whole reply so far (every call in it again, with
+    # fresh ids): a 5,000-token reply with a call every 100 tokens took ~100 µs a token,
+    # growing with the reply. Now a reply is parsed again only where a block closes or a
+    # text starts, and from its last call on.
+    import kvwarm.server.tool_stream as tool_stream
+    import kvwarm.server.tools as tools
+
+    parses: list[str] = []
+    for name in ("reply_parts", "parts_of_spans"):
+        _count(monkeypatch, tool_stream, name, parses)
+    made: list[str] = []
+    _count(monkeypatch, tools, "_as_call", made)
+    stream = ToolStream(NAMES, forced=False)
+    for _ in range(2000):  # plain text with tools declared
+        stream.feed(" word")
+    assert len(parses) <= 3, len(parses)
+    parses.clear()
+    for _ in range(20):  # twenty calls, each followed by a hundred tokens of text
+        stream.feed(f"<tool_call>{W}</tool_call>")
+        for _ in range(100):
+            stream.feed(" and")
+    _, whole = stream.finish()
+    assert sum(isinstance(p, ToolCall) for p in whole) == 20
+    assert len(made) <= 2 * 20, len(made)  # each call parsed once as it closes (+ finish)
+    assert len(parses) <= 4 * 20, len(parses)

@@ -6,6 +6,7 @@ on such a model (stub backend, the template given by ``chat_template``)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -66,3 +67,30 @@ def test_tools_are_described_in_the_first_user_turn(client: TestClient) -> None:
         {"role": "tool", "tool_call_id": "c1", "content": "rainy"},
     ]
     assert _prompt_tokens(client, {"messages": history, "tools": [WEATHER]}) > described
+
+
+# A template that renders user and assistant turns and drops any other without a word.
+DROPS_SYSTEM = (
+    "{% for message in messages %}{% if message['role'] in ('user', 'assistant') %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.mark.parametrize("own_system", [False, True])
+def test_tools_reach_a_template_that_drops_system_messages(
+    tmp_path: Path, own_system: bool
+) -> None:
+    # Before: the probe asked only whether the template raised on a system message; one that
+    # drops it was told it takes one, and the tools' description went where the model never
+    # saw it (the reply's calls were parsed, but the model did not know the tools).
+    template = tmp_path / "drops.jinja"
+    template.write_text(DROPS_SYSTEM)
+    ask: list[dict[str, object]] = [{"role": "user", "content": "Weather in Oslo?"}]
+    if own_system:
+        ask.insert(0, {"role": "system", "content": "Be brief."})
+    with TestClient(create_app(stub_settings(chat_template=str(template)))) as client:
+        wait_ready(client.get)
+        plain = _prompt_tokens(client, {"messages": ask})
+        described = _prompt_tokens(client, {"messages": ask, "tools": [WEATHER]})
+    assert described > plain + 20  # the description is in the prompt

@@ -189,3 +189,45 @@ def test_native_templates_see_call_ids_mistral_templates_accept(call_id: str) ->
     shown = template_id(call_id)
     assert text == f"[CALL_ID]{shown}[TOOL_RESULTS]{shown}"
     assert shown == call_id if len(call_id) == 9 else len(shown) == 9 and shown.isalnum()
+
+
+def test_two_call_ids_are_never_shown_to_a_template_as_one() -> None:
+    # Before: an id of 9 letters and digits went to the template as it was, any other as 9
+    # hex digits of its hash, so "call_a" and an id that was those 9 digits (or two ids
+    # whose hashes start alike) were one id to the model, and it could not tell whose result
+    # was whose.
+    clash = template_id("call_a")
+
+    def call(call_id: str) -> ChatMessage:
+        return ChatMessage.model_validate(
+            {"role": "assistant", "tool_calls": [{"id": call_id, "function": {"name": "f"}}]}
+        )
+
+    msgs = [
+        ChatMessage(role="user", content="go"),
+        call("call_a"),
+        ChatMessage(role="tool", content="first", tool_call_id="call_a"),
+        call(clash),
+        ChatMessage(role="tool", content="second", tool_call_id=clash),
+    ]
+    native = template_messages(msgs, native=True)
+    shown = [m["tool_calls"][0]["id"] for m in native if "tool_calls" in m]  # type: ignore[index]
+    assert shown[0] == clash and shown[1] != clash
+    assert len(shown[1]) == 9 and shown[1].isalnum()
+    assert [m["tool_call_id"] for m in native if m["role"] == "tool"] == shown
+    # The start of a conversation is shown as before when it grows (the cache's prefix).
+    assert template_messages(msgs[:3], native=True) == native[:3]
+
+
+def test_calls_without_ids_are_told_apart() -> None:
+    # Before: a call with no id was shown as "call_<its place in the turn>", so the first
+    # call of every turn had one id, and the model saw each turn answer the same call.
+    def call() -> ChatMessage:
+        return ChatMessage.model_validate(
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}
+        )
+
+    msgs = [ChatMessage(role="user", content="go"), call(), call()]
+    native = template_messages(msgs, native=True)
+    first, second = (m["tool_calls"][0]["id"] for m in native[1:])  # type: ignore[index]
+    assert first != second

@@ -134,6 +134,17 @@ def _check_counter_names(name: str, others: Collection[str]) -> None:
             raise ConfigError(
                 f"tiers {other} and {name}: both would report a counter tier_{clash[0]}; rename one"
             )
+    # Alone, too: ``/metrics`` reads ``tier_<name>_<series>`` as the shortest name that leaves
+    # a known series, so ``x_restored``'s ``bytes`` read as tier ``x``'s ``restored_bytes``
+    # (a counter, under another tier's label; found by review).
+    for own in series:
+        longer = [s for s in series if len(s) > len(own) and f"{name}_{own}".endswith(f"_{s}")]
+        if longer:
+            reads_as = f"{name}_{own}"[: -len(longer[0]) - 1]
+            raise ConfigError(
+                f"tier {name}: its counter tier_{name}_{own} would read as tier {reads_as}'s "
+                f"{longer[0]}; rename it"
+            )
 
 
 def validate_cache_config(cfg: CacheConfig) -> None:

@@ -144,15 +144,15 @@ EVENTS_NOTE = (
 )
 
 
-# Per-tier counts of events (restores ...): this command's, always 0.
-_TIER_TOTALS = tuple(f"_{series}" for series in TIER_TOTALS)
-
-
-def _levels(counters: Mapping[str, float]) -> dict[str, float]:
+def _levels(counters: Mapping[str, float], tiers: Sequence[str]) -> dict[str, float]:
+    """The levels of ``counters``, less the tiers' counts of events (restores ...): this
+    command's, always 0. By their exact names: a suffix also took a tier named ``restored``'s
+    ``tier_restored_bytes`` for one (found by review)."""
+    totals = {f"tier_{tier}_{series}" for tier in tiers for series in TIER_TOTALS}
     return {
         k: v
         for k, v in counters.items()
-        if (k.startswith(_LEVEL_PREFIXES) and not k.endswith(_TIER_TOTALS)) or k in _LEVELS
+        if (k.startswith(_LEVEL_PREFIXES) and k not in totals) or k in _LEVELS
     }
 
 
@@ -162,7 +162,7 @@ def run_stats(args: argparse.Namespace) -> int:
     # directory, or one that does not exist yet).
     missing: list[str] = []
     with open_cache(settings, repair=False, missing=missing) as cache:
-        counters = _levels(cache.counters())
+        counters = _levels(cache.counters(), cache.tier_names())
         rows = cache.rows()
     # The same summary /cache/stats answers (kvwarm.cache.sizes): physical bytes (each chunk
     # once; a file tier's files' apparent sizes), logical bytes (what the rows restore). Over

@@ -98,6 +98,8 @@ class IngressState(ServerState):
         self._handled: set[str] = set()
         self._fanned: dict[str, set[str]] = {}
         self._attached: dict[str, RemoteModel] = {}
+        # Whether the router has reported a replica running yet (``_running_count``).
+        self._seen_running = False
         self._stop_joins = self.index.on_joined(self._replica_joined)
         with self._attach_lock:  # those running already were announced before we listened
             self._handled.update(self.index.running())
@@ -233,7 +235,7 @@ class IngressState(ServerState):
         queue = model_max_queue(self.settings, spec)
 
         def bound() -> int:  # at each admission: the replicas running then
-            return max_in_flight(self.settings, info.n_parallel, queue, len(self.calls.replicas()))
+            return max_in_flight(self.settings, info.n_parallel, queue, self._running_count())
 
         model = RemoteModel(
             info,
@@ -249,6 +251,15 @@ class IngressState(ServerState):
         )
         self._prewarm_systems(model, model_id)
         return model
+
+    def _running_count(self) -> int | None:
+        """How many replicas the router reports running; None until it has reported one (at
+        start-up, or with Ray's own router, which reports none). Once it has, 0 is that
+        none runs now (all died), not that it is unknown."""
+        running = len(self.calls.replicas())
+        if running:
+            self._seen_running = True
+        return running if self._seen_running else None
 
     def _prewarm_systems(self, model: ServedModel, model_id: str) -> None:
         """``--prewarm-system`` on every replica: at start-up some may still be loading, so
@@ -367,17 +378,22 @@ class _FanOut:
 
 
 def max_in_flight(
-    settings: Settings, n_parallel: int, max_queue: int | None = None, running: int = 0
+    settings: Settings, n_parallel: int, max_queue: int | None = None, running: int | None = None
 ) -> int:
     """The generations of one model the ingress holds at once before it answers 429
     ``queue_full``: what the replicas running now would hold as ``kvwarm serve`` each (their
     ``n_parallel`` slots plus the model's ``max_queue`` waiting; None: the global one). Ray
     lets only ``max(8, 4 x n_parallel)`` calls reach a replica and keeps the rest in its own
     queue, without bound, so the replicas' own queues never fill. ``running``: the replicas
-    the router knows run (``Calls.replicas``); 0 (none known yet, or no router in this
-    process) counts ``--replicas``, as at the largest this bound is sized for."""
+    the router reports running (``Calls.replicas``); None (none reported yet, or no router in
+    this process) counts ``--replicas``, as at the largest this bound is sized for. 0 (every
+    replica the router knew died) counts one: what the first replacement will serve, never
+    more than the live replicas allowed (found by review: 0 counted ``--replicas``, so with
+    every replica dead the ingress let in more than with one alive, all of it waiting in Ray's
+    queue for a replacement)."""
     queue = settings.max_queue if max_queue is None else max_queue
-    return (running or settings.replicas) * (n_parallel + queue)
+    replicas = settings.replicas if running is None else max(running, 1)
+    return replicas * (n_parallel + queue)
 
 
 def _node_id() -> str | None:

@@ -622,6 +622,16 @@ class Model:
             ids, text = self._checked(prompt), ""
         else:
             ids, text = MediaPrompt(Prompt.text(check_tokens(prompt, self.facts.n_vocab))), ""
+        n = len(ids.prompt)
+        if n < self.policy.min_tokens:
+            # Found by review: a prefix under min_tokens was prefilled and no row saved (no
+            # save writes one, and no lookup probes one), answered like a success: a
+            # keep-alive entry then prefilled it again every period for nothing.
+            raise InvalidRequestError(
+                f"a prewarm of {n} tokens saves nothing: rows are at least min_tokens "
+                f"({self.policy.min_tokens}) long",
+                param="prompt",
+            )
         stream = self._submit(ids, opts, text, kind="prewarm", ttl=ttl_class, fragments=False)
         return stream.result().stats
 

@@ -111,27 +111,30 @@ def renders_tools(model: ServedModel, tools: Sequence[Tool]) -> bool:
 
 
 _SYSTEM_PROBE = "\0system"  # the key of ``accepts_system``'s answer among a model's tool sets
+_SYSTEM_TEXT = "kvwarm-system-probe"
 
 
 def accepts_system(model: ServedModel) -> bool:
-    """Whether the model's template takes a system message (Gemma 2's, Mistral's first ones
-    refuse it): where emulated tools are described. Remembered per model."""
+    """Whether the model's template shows a system message: Gemma 2's, Mistral's first ones
+    refuse it, some drop it without a word; where emulated tools are described. Remembered
+    per model."""
     with _PROBED_LOCK:
         known = _PROBED.get(model)
         if known is not None and _SYSTEM_PROBE in known:
+            known.move_to_end(_SYSTEM_PROBE)  # among the tool sets, last out
             return known[_SYSTEM_PROBE]
     probe: list[dict[str, object]] = [
-        {"role": "system", "content": "hi"},
+        {"role": "system", "content": _SYSTEM_TEXT},
         {"role": "user", "content": "hi"},
     ]
     try:
-        model.apply_chat_template(probe)
+        rendered = model.apply_chat_template(probe)
     except ReplicaUnavailableError:
         raise  # a cluster lost the replica asked: no answer about the template
     except InvalidRequestError:  # the template refused it
         answer = False
     else:
-        answer = True
+        answer = _SYSTEM_TEXT in rendered  # a template may drop it
     with _PROBED_LOCK:
         _PROBED.setdefault(model, OrderedDict())[_SYSTEM_PROBE] = answer
     return answer

@@ -215,7 +215,7 @@ def add_models(
     a model unloads or loads again), or without them the loaded instances' own counts."""
     statuses = list(statuses)
     if totals is None:
-        totals = {s.id: {attr: float(getattr(s, attr)) for attr in _TOTAL_ATTRS} for s in statuses}
+        totals = {s.id: model_totals_of(s) for s in statuses}
     for model_id, state in states.items():
         out.add("kvwarm_model_ready", "gauge", "1 if the model is ready", state == "ready",
                 model=model_id)  # fmt: skip
@@ -229,7 +229,16 @@ def add_models(
                 out.add(name, kind, help_text, counts.get(attr, 0.0) * scale, model=model_id)
 
 
-_TOTAL_ATTRS = tuple(attr for _, kind, _, attr, _ in _MODEL_SERIES if kind == "counter")
+#: The ``ModelStatus`` fields that are running totals, the model's counters here (the others
+#: are levels: queue, slots); ``server/totals.py`` keeps them over every load of a model.
+MODEL_TOTALS: tuple[str, ...] = tuple(
+    attr for _, kind, _, attr, _ in _MODEL_SERIES if kind == "counter"
+)
+
+
+def model_totals_of(status: ModelStatus) -> dict[str, float]:
+    """``status``'s running totals (``MODEL_TOTALS``)."""
+    return {name: float(getattr(status, name)) for name in MODEL_TOTALS}
 
 
 def add_memory(out: Families, plan: MemoryPlan) -> None:

@@ -123,10 +123,33 @@ def template_id(call_id: str) -> str:
     return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
+class _TemplateIds:
+    """One conversation's call ids as a native template sees them (``template_id``), two
+    different ids never shown as one: the first to take 9 characters keeps them, a later id
+    they would also stand for gets others (of its hash and a count). Given in the order the
+    conversation names them, so a longer conversation shows its start's ids as before."""
+
+    def __init__(self) -> None:
+        self._shown: dict[str, str] = {}
+        self._taken: set[str] = set()
+
+    def __call__(self, call_id: str) -> str:
+        if (known := self._shown.get(call_id)) is not None:
+            return known
+        shown, n = template_id(call_id), 0
+        while shown in self._taken:
+            n += 1
+            shown = hashlib.sha256(f"{n}:{call_id}".encode()).hexdigest()[:9]
+        self._shown[call_id] = shown
+        self._taken.add(shown)
+        return shown
+
+
 def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[Message]:
     """OpenAI messages as chat-template input. Non-native templates see tool calls and tool
     results as text in the Hermes format, so history round-trips through any template."""
     out: list[Message] = []
+    ids = _TemplateIds()
     for index, message in enumerate(messages):
         role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
         text = _content(message, index)
@@ -141,7 +164,7 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
             if native:
                 item["tool_calls"] = [
                     {
-                        "id": template_id(call.id or f"call_{i}"),
+                        "id": ids(call.id or f"call_{index}_{i}"),
                         "type": "function",
                         "function": {"name": name, "arguments": args},
                     }
@@ -158,7 +181,7 @@ def template_messages(messages: Sequence[ChatMessage], *, native: bool) -> list[
         if role == "tool":
             if native:
                 if message.tool_call_id:
-                    item["tool_call_id"] = template_id(message.tool_call_id)
+                    item["tool_call_id"] = ids(message.tool_call_id)
             elif isinstance(text, list):  # a result with images: they stay parts, in place
                 opening = {"type": "text", "text": "<tool_response>\n"}
                 closing = {"type": "text", "text": "\n</tool_response>"}
@@ -293,7 +316,8 @@ def plan_chat(
     """Decide how tools reach the model. ``renders_tools``: the template shows tools natively.
     ``parallel`` False (OpenAI's ``parallel_tool_calls``, Anthropic's
     ``disable_parallel_tool_use``): a reply makes at most one call. ``system`` False: the
-    template takes no system message, so described tools open the first user message.
+    template does not show a system message (refuses or drops it), so described tools open
+    the first user message.
     A forced call (``required``, a named function) with no tools is a 400, as in OpenAI's API:
     the reply could not be the call the client asked for."""
     if not tools and (tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)):
@@ -325,7 +349,7 @@ def plan_chat(
         return ChatPlan(rendered, openai_tools(chosen), schema, names, forced, not parallel)
     rendered = template_messages(messages, native=False)
     prompt = tools_system_prompt(chosen)
-    if rendered and rendered[0]["role"] == "system":
+    if system and rendered and rendered[0]["role"] == "system":
         rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{prompt}"}
     elif not system and (first := next((m for m in rendered if m["role"] == "user"), None)):
         content = first["content"]
@@ -398,22 +422,33 @@ def _calls_of(values: Sequence[object], names: frozenset[str]) -> list[ToolCall]
 Span = tuple[int, int, list[ToolCall]]
 
 
+def block_spans(
+    text: str, names: frozenset[str], pos: int = 0, endpos: int | None = None
+) -> list[Span]:
+    """The calls of the ``<tool_call>`` blocks in ``text[pos:endpos]``, in order (positions
+    in ``text``). Each block stands alone: one that is not wholly calls of declared tools is
+    text; one never closed (the end of the text) is its calls, then text."""
+    spans: list[Span] = []
+    end_at = len(text) if endpos is None else endpos
+    for match in _TOOL_CALL_BLOCK.finditer(text, pos, end_at):
+        body = match.group(1)
+        values, end = _json_run(body)
+        if not (calls := _calls_of(values, names)):
+            continue
+        if end == len(body):
+            spans.append((match.start(), match.end(), calls))
+        elif not match.group(0).endswith("</tool_call>"):  # never closed: text follows
+            spans.append((match.start(), match.start(1) + end, calls))
+    return spans
+
+
 def _call_spans(text: str, names: frozenset[str]) -> list[Span]:
     """Where ``text`` makes calls, in order. ``<tool_call>`` blocks (the parser's first choice:
     any other marker in a reply that has one is text) each stand alone; a block that is not
     wholly calls of declared tools stays text."""
     spans: list[Span] = []
     if "<tool_call>" in text:
-        for match in _TOOL_CALL_BLOCK.finditer(text):
-            body = match.group(1)
-            values, end = _json_run(body)
-            if not (calls := _calls_of(values, names)):
-                continue
-            if end == len(body):
-                spans.append((match.start(), match.end(), calls))
-            elif not match.group(0).endswith("</tool_call>"):  # never closed: text follows
-                spans.append((match.start(), match.start(1) + end, calls))
-        return spans
+        return block_spans(text, names)
     if "<function=" in text:
         for match in _FUNCTION_TAG.finditer(text):
             name, body = match.group(1), match.group(2)
@@ -474,21 +509,41 @@ def reply_parts(text: str, names: frozenset[str], *, single: bool = False) -> li
     where it touches a call, and text that is only whitespace goes. ``single``: parallel
     calls are off, only the first call is kept (the text after later ones too)."""
     spans = _call_spans(text, names) if names else []
-    if not spans:
-        return [text] if text else []
+    return parts_of_spans(text, spans, single=single)
+
+
+def parts_of_spans(
+    text: str,
+    spans: Sequence[Span],
+    *,
+    start: int = 0,
+    end: int | None = None,
+    after_call: bool = False,
+    single: bool = False,
+) -> list[Part]:
+    """``text[start:end]`` as its texts and the calls of ``spans`` (found in it), in order
+    (``reply_parts``' rule). ``after_call``: a call of the reply comes right before ``start``
+    (so the first text is stripped where it touches it; with ``single``, every later call
+    goes and the texts join): a stream parses a reply from its last call on this way."""
+    stop = len(text) if end is None else end
+    if not spans and not after_call:
+        return [text[start:stop]] if stop > start else []
     parts: list[Part] = []
-    pos = 0
-    for start, end, calls in spans:
-        before = text[pos:start]
-        before = before.rstrip() if pos == 0 else before.strip()
+    pos = start
+    for begin, finish, calls in spans:
+        before = text[pos:begin]
+        before = before.rstrip() if pos == start and not after_call else before.strip()
         if before:
             parts.append(before)
         parts.extend(calls)
-        pos = end
-    after = text[pos:].strip()
+        pos = finish
+    after = text[pos:stop].strip()
     if after:
         parts.append(after)
-    if single:  # the later calls go; the texts they stood between join as the calls' do
+    if single and after_call:  # the first call came before: later ones go, texts join
+        texts = [p for p in parts if isinstance(p, str)]
+        return [TEXT_SEPARATOR.join(texts)] if texts else []
+    if single and spans:  # the later calls go; the texts they stood between join as calls' do
         first = next(i for i, p in enumerate(parts) if isinstance(p, ToolCall))
         kept = parts[: first + 1]
         for part in parts[first + 1 :]:

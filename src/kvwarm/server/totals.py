@@ -18,31 +18,18 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvwarm.engine.types import ModelStatus
+from kvwarm.server.metrics import MODEL_TOTALS, model_totals_of
 from kvwarm.server.served import ServedModel
 
 __all__ = ["TOTALS", "ModelTotals", "TotalsSnapshot", "totals_of"]
 
-#: The ``ModelStatus`` fields that are running totals (the others are levels: queue, slots).
-TOTALS: tuple[str, ...] = (
-    "requests",
-    "prompt_tokens",
-    "cached_tokens",
-    "prefilled_tokens",
-    "completion_tokens",
-    "drafted_tokens",
-    "accepted_tokens",
-    "verify_passes",
-    "prefill_ms",
-    "generation_ms",
-)
-
-
-def totals_of(status: ModelStatus) -> dict[str, float]:
-    return {name: float(getattr(status, name)) for name in TOTALS}
+#: The ``ModelStatus`` fields that are running totals: those ``/metrics`` exports as counters.
+TOTALS = MODEL_TOTALS
+totals_of = model_totals_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +45,17 @@ class ModelTotals:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._done: dict[str, dict[str, float]] = {}
-        # Per model id, the last instance folded in (weakly: an unloaded model is not kept).
-        self._retired: dict[str, Callable[[], object | None]] = {}
+        # Every instance folded in, not only each id's last: a reading may list an instance
+        # that unloaded after the reading listed it and before it took the lock, and
+        # another instance of its id may have loaded and unloaded meanwhile (found by review:
+        # only the last was remembered, so the earlier one was counted live on top of its
+        # folded counts). Weakly: an unloaded model is not kept alive by this.
+        self._retired: weakref.WeakSet[ServedModel] = weakref.WeakSet()
+        # Per model id, the last instance folded in that cannot be weakly referred to.
+        self._retired_held: dict[str, ServedModel] = {}
 
     def _is_retired(self, model_id: str, model: ServedModel) -> bool:
-        ref = self._retired.get(model_id)
-        return ref is not None and ref() is model
+        return model in self._retired or self._retired_held.get(model_id) is model
 
     def retire(self, model_id: str, model: ServedModel) -> None:
         """``model`` (loaded as ``model_id``) has unloaded: fold its final counts in, once."""
@@ -74,13 +66,9 @@ class ModelTotals:
             for name, value in totals_of(model.status()).items():
                 done[name] += value
             try:
-                self._retired[model_id] = weakref.ref(model)
+                self._retired.add(model)
             except TypeError:  # not weakly referable: held until the next instance retires
-
-                def held(model: ServedModel = model) -> ServedModel:
-                    return model
-
-                self._retired[model_id] = held
+                self._retired_held[model_id] = model
 
     def snapshot(self, loaded: Iterable[tuple[str, ServedModel]]) -> TotalsSnapshot:
         """The ``loaded`` instances' statuses (those not folded in yet) and every model id's

@@ -4,9 +4,11 @@
 Invariants: the store is in memory and bounded (``max_items`` responses and roughly
 ``max_chars`` characters of conversation and body together); past either bound a response
 goes, the least recently used of the tenant (``owner``) that holds the most of what is over
-(responses, or characters), the tenant adding on a tie. So one tenant's flood evicts its own
-responses once it holds as many as any other tenant, never another's below that: each of
-``t`` tenants keeps its ``1/t`` share, its most recent responses, whatever the others send,
+(responses, or characters), of those holding more than their share, the tenant adding on a
+tie. So one tenant's flood evicts its own responses once it holds as many as any other
+tenant, never another's below that: each of ``t`` tenants keeps its ``1/t`` share, its most
+recent responses, whatever the others send (a response larger than the bound by itself
+included: it stays, alone over the bound, until the next put),
 while a store one tenant uses alone (no keys: every owner is None) is one LRU, as before.
 A tenant is a key (``cache_salt_from_auth``), so this holds between keys a gateway issues;
 a client free to present made-up keys is as many tenants as it likes.
@@ -94,20 +96,31 @@ class ResponseStore:
                 by_chars = len(self._items) <= self.max_items
                 victim = self._victim(item, by_chars)
                 if victim is None:
-                    break  # only the entry just added: kept, so a follow-up to it works
+                    # Only the entry just added holds more than its share: kept, so a
+                    # follow-up to it works, and no other tenant goes below its share.
+                    break
                 self._drop(victim)
 
     def _victim(self, added: StoredResponse, by_chars: bool) -> str | None:
         """The response to evict: the least recently used of the tenant holding the most
-        (characters when only ``max_chars`` is over, else responses; the adder on a tie),
-        never ``added`` itself."""
+        (characters when only ``max_chars`` is over, else responses; the adder on a tie) of
+        those holding more than their share of the bound, never ``added`` itself. Found by
+        review: a response larger than the whole character bound took every other tenant's
+        responses with it (theirs were all that could go); it is the one over now, by itself.
+        Counting responses, some tenant always holds more than its share when the store is
+        over, so that bound always holds."""
+        bound = self.max_chars if by_chars else self.max_items
+        share = bound // len(self._tenants)
         best: tuple[int, bool] | None = None
         found: str | None = None
         for owner, tenant in self._tenants.items():
             oldest = next(iter(tenant.ids))
             if oldest == added.id:  # its only one (the entry just added is its newest)
                 continue
-            rank = (tenant.chars if by_chars else len(tenant.ids), owner == added.owner)
+            held = tenant.chars if by_chars else len(tenant.ids)
+            if held <= share:
+                continue  # within its share: another tenant's responses never take it below
+            rank = (held, owner == added.owner)
             if best is None or rank > best:
                 best, found = rank, oldest
         return found

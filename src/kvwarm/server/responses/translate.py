@@ -331,12 +331,20 @@ class ResponseEvents:
 
     def __init__(self, shape: ResponseShape) -> None:
         self.shape = shape
-        self.text = ""  # every text delta sent so far
+        self._deltas: list[str] = []  # every text delta sent so far (joined once: ``text``)
         self.reply: ChatReply | None = None  # set once the reply has finished
         self._seq = -1
         self._message_open = False
         self._index = -1  # output_index of the item last opened
         self._join = ContentJoin()
+
+    @property
+    def text(self) -> str:
+        """Every text delta sent so far. Kept as a list and joined when read (at the end of
+        the reply): ``str +=`` on an attribute copied the whole text at every token."""
+        if len(self._deltas) > 1:
+            self._deltas[:] = ["".join(self._deltas)]
+        return self._deltas[0] if self._deltas else ""
 
     def _event(self, kind: str, **fields: object) -> Event:
         self._seq += 1
@@ -364,7 +372,7 @@ class ResponseEvents:
             empty = {"type": "output_text", "text": "", "annotations": []}
             events.append(self._event("response.content_part.added", **self._part(), part=empty))
         if text:
-            self.text += text
+            self._deltas.append(text)
             events.append(
                 self._event("response.output_text.delta", **self._part(), delta=text, logprobs=[])
             )
