@@ -1,7 +1,8 @@
 """The Python examples of the README and docs/python.md run as written (found by the library
 review: tests/test_docs.py checks links only, so an example could drift from the API). The
-README's ten lines run on the embedded model, in a process of their own; the placeholder
-``model.gguf`` of its last line becomes the embedded model's file."""
+README's ten lines run on the embedded model, in a process of their own; its placeholders
+become real: ``model.gguf`` the embedded model's file, ``system_prompt`` a prompt long enough
+to be saved (``min_tokens``, 512 by default)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def test_the_readmes_ten_lines_run() -> None:
     assert ten.count('"model.gguf"') == 1
     code = ten.replace('"model.gguf"', repr(str(default_model_path())) + ', model_id="big"')
     code = code.replace("n_ctx=4096", "n_ctx=512")  # a second model: keep its memory small
+    code = 'system_prompt = "You are a terse assistant. " * 120\n' + code
     done = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
