@@ -17,6 +17,7 @@ from tests.cache.tierkit import NS, request
 from tests.s3kit import MotoServer, object_names
 
 from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.formats.kvc import parse
 from kvwarm.cache.protocols import RowBytes, StoredRow
 from kvwarm.cache.tiers.s3 import S3Tier
@@ -58,6 +59,9 @@ class FaultyClient:
 
     def copy_object(self, **kw: object) -> Mapping[str, object]:
         return self.inner.copy_object(**kw)
+
+    def head_object(self, **kw: object) -> Mapping[str, object]:
+        return self.inner.head_object(**kw)
 
     def list_objects_v2(self, **kw: object) -> Mapping[str, object]:
         return self.inner.list_objects_v2(**kw)
@@ -341,3 +345,73 @@ def test_a_remote_rows_chunk_reads_start_before_its_manifest_is_read(
             assert len(row.chunks) == 3
             assert join(row.chunks) == blob(tokens)
     assert tier.overlapped == [True]
+
+
+class _ConflictFirst(FaultyClient):
+    """Each name's first conditional PUT answers 409 ConditionalRequestConflict."""
+
+    def __init__(self, inner: S3Client) -> None:
+        super().__init__(inner)
+        self.conflicted: set[str] = set()
+
+    def put_object(self, **kw: object) -> Mapping[str, object]:
+        from botocore.exceptions import ClientError
+
+        name = str(kw["Key"])
+        if name not in self.conflicted:
+            self.conflicted.add(name)
+            error = {"Code": "ConditionalRequestConflict", "Message": "a put is in flight"}
+            meta = {"HTTPStatusCode": 409}
+            raise ClientError({"Error": error, "ResponseMetadata": meta}, "PutObject")
+        return super().put_object(**kw)
+
+
+def test_a_conflicting_conditional_put_is_a_lost_race_not_a_failed_save(
+    moto_server: MotoServer,
+) -> None:
+    """S3 answers 409 ConditionalRequestConflict to a conditional PUT while another of the
+    same name is in flight: the tier looks at what is there, as after a 412, and the save
+    (its chunks and its manifest) still publishes."""
+    s3 = moto_server.config(moto_server.new_bucket())
+    client = _ConflictFirst(moto_server.client())
+    tier = S3Tier(s3, 1 << 30, client=client)
+    cfg = CacheConfig(tiers=(TierConfig("s3", 1 << 30, s3=s3),), chunk_tokens=16)
+    tokens = tuple(range(64))
+    with Cache(cfg, tiers=[tier], background=False) as cache:
+        key = cache.save(chunked_request(NS, tokens, tier="s3"), sync=True)
+        assert key is not None and len(client.conflicted) == 5  # 4 chunks, the manifest
+        with cache.open_row(key) as row:
+            assert join(row.chunks) == blob(tokens)
+
+
+class _NoSelfCopy(FaultyClient):
+    """An S3-compatible store (or a bucket policy) that refuses a copy onto itself."""
+
+    def copy_object(self, **kw: object) -> Mapping[str, object]:
+        from botocore.exceptions import ClientError
+
+        error = {"Code": "InvalidRequest", "Message": "copy onto itself"}
+        meta = {"HTTPStatusCode": 400}
+        raise ClientError({"Error": error, "ResponseMetadata": meta}, "CopyObject")
+
+
+def test_a_store_refusing_a_copy_onto_itself_still_takes_saves_reusing_chunks(
+    moto_server: MotoServer,
+) -> None:
+    """Touching a reused chunk is a copy onto itself; a store that refuses it only has the
+    chunk checked to be there: saves go on, and a chunk that is gone is still found out."""
+    s3 = moto_server.config(moto_server.new_bucket())
+    tier = S3Tier(s3, 1 << 30, client=_NoSelfCopy(moto_server.client()))
+    cfg = CacheConfig(tiers=(TierConfig("s3", 1 << 30, s3=s3),), chunk_tokens=16)
+    first, second = tuple(range(64)), tuple(range(48)) + (7,) * 16
+    with Cache(cfg, tiers=[tier], background=False) as cache:
+        assert cache.save(chunked_request(NS, first, tier="s3"), sync=True)
+        stored = cache._index.stored_in(cache_key(NS, first), "s3")
+        assert stored is not None
+        assert tier.touch_chunk(stored.chunks[0])
+        tier.delete_chunk(stored.chunks[-1])
+        assert not tier.touch_chunk(stored.chunks[-1])
+        key = cache.save(chunked_request(NS, second, tier="s3"), sync=True)  # reuses three
+        assert key is not None
+        with cache.open_row(key) as row:
+            assert join(row.chunks) == blob(second)

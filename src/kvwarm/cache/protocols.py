@@ -242,9 +242,25 @@ class SetsAside(Protocol):
 @runtime_checkable
 class ChunkAges(Protocol):
     """A tier whose chunks can be listed with their ages, for the shared-tier chunk sweep
-    (``cache/upkeep/sharedgc.py``): file tiers and s3."""
+    (``cache/upkeep/sharedgc.py``): file tiers, s3 and redis."""
 
     def chunk_ages(self) -> Iterator[tuple[bytes, int, float]]:
         """(key, stored bytes, last-modified time in seconds since the epoch) of every chunk
         stored right now, listed cheaply (no chunk is read)."""
+        ...
+
+    def row_sizes(self) -> Iterator[tuple[bytes, int]]:
+        """(key, stored bytes) of every row (manifest) stored right now, listed (none read)."""
+        ...
+
+    def chunk_age(self, key: bytes) -> float | None:
+        """Chunk ``key``'s last-modified time now (one request, no read); None if it is
+        gone. The sweep asks again just before it deletes: a publish may have refreshed it
+        (``touch_chunk``) since the listing."""
+        ...
+
+    def touch_chunk(self, key: bytes) -> bool:
+        """Refresh chunk ``key``'s last-modified time to now, its bytes unchanged; False if
+        it is gone. A save reusing a chunk it did not just write does this before its
+        manifest, so a sweep's grace period covers the chunk until the manifest names it."""
         ...

@@ -201,6 +201,14 @@ class ChunkRefs:
         c = self._chunks.get((tier, key))
         return c is not None and bool(c.refs or c.pins or c.dying)
 
+    def lost(self, tier: TierName, key: bytes) -> None:
+        """Its bytes are gone (another process swept them): not stored, however used."""
+        c = self._chunks.get((tier, key))
+        if c is None or c.size is None or c.dying:
+            return
+        self._add(tier, -c.size, -1, -c.size * c.refs)
+        c.size = None
+
     def forget_unused(self, tier: TierName, key: bytes) -> None:
         """Its bytes are gone (swept by ``gc_shared``); only an unused chunk is forgotten."""
         c = self._chunks.get((tier, key))

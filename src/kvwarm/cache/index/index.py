@@ -484,6 +484,12 @@ class Index:
         with self._lock:
             return self._rows.chunks.in_use(tier, key)
 
+    def chunk_lost(self, tier: TierName, key: bytes) -> None:
+        """Another process deleted the chunk (a save found it gone): not stored any more,
+        whoever names or pins it; a save may write it again."""
+        with self._lock:
+            self._rows.chunks.lost(tier, key)
+
     def chunk_swept(self, tier: TierName, key: bytes) -> None:
         """The shared-tier sweep deleted an unreferenced chunk: stop counting it stored."""
         with self._lock:

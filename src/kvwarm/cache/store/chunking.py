@@ -15,7 +15,9 @@ Invariants:
 - No manifest is published before every chunk it names is durable in its tier: chunks are
   stored (each through the tier's crash-safe ``store_chunk``) before ``tier.store`` of the
   manifest begins, and stay pinned until it ends, so no eviction frees them in between.
-- A chunk the index knows is stored in the tier is never written again.
+- A chunk the index knows is stored in the tier is never written again; in a tier other
+  processes sweep, it is touched before the manifest (``_refresh``) and written again (or the
+  save dropped) if it is gone: the index's knowledge of a shared tier may be stale.
 - Cut points only decide how much is shared, never what a row holds: keys are content
   addresses, so any plan restores the same bytes.
 - A row shorter than one chunk is stored whole (no split, no copy), and so is a blob the
@@ -32,7 +34,8 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
@@ -45,7 +48,7 @@ from kvwarm.cache.formats.chunkfmt import (
     rest_cuts,
 )
 from kvwarm.cache.index.index import Index
-from kvwarm.cache.protocols import StoredRow, Tier
+from kvwarm.cache.protocols import ChunkAges, StoredRow, Tier
 from kvwarm.cache.types import Namespace, RestChunks, SaveRequest
 from kvwarm.errors import CacheError, CacheFormatError, CacheIOError, KvwarmError
 from kvwarm.tokens import common_prefix
@@ -53,7 +56,7 @@ from kvwarm.tokens import common_prefix
 #: Room for bytes about to enter a tier: raises to refuse, returns what gives it back.
 HoldRoom = Callable[[int], Callable[[], None]]
 
-__all__ = ["PlanBook", "load_chunks", "pack_request", "plan_lens", "store_row"]
+__all__ = ["Freshness", "PlanBook", "load_chunks", "pack_request", "plan_lens", "store_row"]
 
 log = logging.getLogger(__name__)
 
@@ -146,12 +149,16 @@ def store_row(
     counters: Counters | None = None,
     wait_s: float = 30.0,
     hold: HoldRoom | None = None,
+    fresh: Freshness | None = None,
 ) -> StoredRow | None:
     """Store ``request`` in ``tier`` as a manifest over chunks when it comes with a splitter
     and holds at least one full chunk, else whole. Returns the published row, or None.
     ``hold``: called with the bytes about to enter the tier (the chunks it lacks and the
     manifest, or the whole row) before any is written; it raises to refuse them and returns
-    what gives the room back once the row is stored or failed."""
+    what gives the room back once the row is stored or failed. ``fresh``: given where other
+    processes sweep the tier's chunks (``sharedgc.py``): before the manifest, every chunk it
+    names that this process has not written or touched in the last ``REFRESH_AFTER_S`` is
+    touched (``_refresh``)."""
     split, ns, tokens = request.split, request.namespace, request.tokens
     lens = request.chunk_lens
     lead = request.payload_from  # the payload is a tail: chunks before it must be stored
@@ -219,11 +226,34 @@ def store_row(
                 if keys[i] in need:
                     _write_chunk(tier, index, counters, ns, keys[i], chain[i][0], tokens[
                         bounds[i] : bounds[i + 1]], part)  # fmt: skip
+                    if fresh is not None:
+                        fresh.note(tier.name, keys[i])
             if rest is not None:
                 rest_bounds = rest.bounds()
                 for i, part in rest_parts:
                     _write_chunk(tier, index, counters, ns, rest.keys[i], rest.parents[i],
                                  tokens[rest_bounds[i] : rest_bounds[i + 1]], part)  # fmt: skip
+                    if fresh is not None:
+                        fresh.note(tier.name, rest.keys[i])
+            if fresh is not None and isinstance(tier, ChunkAges):
+                lost = _refresh(tier, tier.name, pinned, fresh)
+                for i, k in enumerate(keys):
+                    if k in lost and bounds[i] >= lead:  # swept elsewhere; its bytes are here
+                        index.chunk_lost(tier.name, k)
+                        [part] = split(request.payload, bounds[i : i + 2])
+                        _write_chunk(tier, index, counters, ns, k, chain[i][0], tokens[
+                            bounds[i] : bounds[i + 1]], part)  # fmt: skip
+                        fresh.note(tier.name, k)
+                        lost.discard(k)
+                if lost:
+                    for gone in lost:
+                        index.chunk_lost(tier.name, gone)
+                    raise CacheError(
+                        f"{tier.name}: {len(lost)} chunk(s) of {key.hex()} (e.g. "
+                        f"{next(iter(lost)).hex()}) left the tier (another process swept "
+                        "them) and this save holds no bytes of theirs: dropped; the next "
+                        "save writes them"
+                    )
             if counters is not None:
                 counters.incr("chunks_reused", len(pinned) - len(need))
             manifest = replace(
@@ -389,6 +419,62 @@ def _cut_rest(
     if len(parts) != len(keys) - first:
         raise ValueError(f"rest splitter returned {len(parts)} parts for {len(keys) - first}")
     return [(i, part) for i, part in enumerate(parts, start=first) if keys[i] in need]
+
+
+#: A chunk this process wrote or touched (a chunk found already there when written is
+#: touched) longer ago than this is touched again before a manifest naming it: a sweep's
+#: grace period (``gc_shared``, default an hour) must exceed it plus one chunk's upload plus
+#: the clock skew between the sweeping host and the store.
+REFRESH_AFTER_S = 300.0
+
+
+class Freshness:
+    """When (monotonic) this process last wrote or touched each chunk of the tiers others
+    sweep, so a conversation's saves a turn apart touch its chunks once per
+    ``REFRESH_AFTER_S``, not once per save. Thread-safe; pruned of stale entries as it
+    grows."""
+
+    PRUNE_AT = 1 << 16
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._at: dict[tuple[str, bytes], float] = {}
+
+    def note(self, tier: str, key: bytes) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._at[(tier, key)] = now
+            if len(self._at) > self.PRUNE_AT:
+                self._at = {k: t for k, t in self._at.items() if now - t < REFRESH_AFTER_S}
+
+    def forget(self, tier: str, keys: Iterable[bytes]) -> None:
+        """A row naming ``keys`` failed to read (a chunk may be gone: evicted by redis, or
+        deleted by hand): the next save naming them touches them, so finds out."""
+        with self._lock:
+            for key in keys:
+                self._at.pop((tier, key), None)
+
+    def recent(self, tier: str, key: bytes) -> bool:
+        with self._lock:
+            at = self._at.get((tier, key))
+        return at is not None and time.monotonic() - at < REFRESH_AFTER_S
+
+
+def _refresh(tier: ChunkAges, name: str, keys: Sequence[bytes], fresh: Freshness) -> set[bytes]:
+    """Touch each chunk of ``keys`` this process has not written or touched within
+    ``REFRESH_AFTER_S``: one another process published, or this process's index knows from
+    an earlier row, may be old and unreferenced in the store right now (its manifests
+    evicted elsewhere), and a sweep deletes old unreferenced chunks. Touched, it is young
+    until the manifest names it. The chunks found gone."""
+    lost: set[bytes] = set()
+    for key in dict.fromkeys(keys):
+        if fresh.recent(name, key):
+            continue
+        if tier.touch_chunk(key):
+            fresh.note(name, key)
+        else:
+            lost.add(key)
+    return lost
 
 
 def _write_chunk(

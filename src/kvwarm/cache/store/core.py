@@ -34,7 +34,7 @@ from kvwarm.cache.counters import Counters
 from kvwarm.cache.explain import MissReason
 from kvwarm.cache.index.index import Index
 from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, SyncsDeletes, Tier
-from kvwarm.cache.store.chunking import HoldRoom, store_row
+from kvwarm.cache.store.chunking import Freshness, HoldRoom, store_row
 from kvwarm.cache.store.quota import QuotaCaps
 from kvwarm.cache.store.writer import WriterPool
 from kvwarm.cache.types import (
@@ -127,6 +127,7 @@ class CacheCore:
         self.forgotten: set[bytes] = set()  # remote shared rows forgotten on purpose: the
         # rescans skip them, only discovery adopts them again
         self._warned_unreadable: set[TierName] = set()
+        self.fresh = Freshness()  # chunks of swept tiers this process wrote or touched, when
 
     def shared_tiers(self) -> list[Tier]:
         """Tiers other processes may publish into: worth probing on a miss."""
@@ -320,6 +321,7 @@ class CacheCore:
             log.info("%s: forgetting unreadable shared row %s: %s", tier.name, key.hex(), exc)
         row = self.index.forget(key, tier.name)
         if row is not None:
+            self.fresh.forget(tier.name, row.chunk_refs)
             self.remember_unreadable(row, detail)
             self.forgotten.add(key)  # the rescans skip it; only discovery adopts it again
             self.retire([])  # its chunks: forgotten, never deleted (see ``retire``)
@@ -377,10 +379,13 @@ class CacheCore:
         other tiers' quotas are enforced after each store."""
         counters = self.counters if count_chunks else None
         hold = None if tier.capabilities.persistent else self._holder(tier)
+        # Other processes sweep its chunks: reused ones are touched before a manifest.
+        fresh = self.fresh if tier.capabilities.shared and not self.sole_user(tier) else None
         try:
             return store_row(
-                key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold
-            )
+                key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold,
+                fresh=fresh,
+            )  # fmt: skip
         except CacheIOError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
@@ -401,7 +406,10 @@ class CacheCore:
                 key.hex(),
             )
         self.counters.incr("saves_retried_after_enospc")
-        return store_row(key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold)
+        return store_row(
+            key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold,
+            fresh=fresh,
+        )  # fmt: skip
 
     def _holder(self, tier: Tier) -> HoldRoom:
         """Room in ``tier`` for a save's new bytes, evicting in policy order; a save that

@@ -255,6 +255,27 @@ class FileStore:
                 f"{self._tier}: syncing {self._root} failed: {exc}", errno=exc.errno
             ) from exc
 
+    def touch(self, name: str) -> bool:
+        """Its mtime set to now; a file another user owns and we may not write (a directory
+        replicas of several uids share) is only checked to be there."""
+        try:
+            os.utime(_file(name), dir_fd=self._dir, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except PermissionError:
+            return self.age(name) is not None
+        except OSError as exc:
+            raise CacheIOError(f"{self._tier}: cannot touch {name}: {exc}") from exc
+        return True
+
+    def age(self, name: str) -> float | None:
+        try:
+            return os.stat(_file(name), dir_fd=self._dir, follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CacheIOError(f"{self._tier}: cannot stat {name}: {exc}") from exc
+
     def set_meta(self, name: str, meta: Mapping[str, str]) -> None:
         """The row's header hit fields, rewritten in place (no sync); a file too short to
         hold them is left alone (never extend a stranger)."""

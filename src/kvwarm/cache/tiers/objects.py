@@ -18,7 +18,8 @@ Invariants:
 - Publish once (``common.publish_row``): the row is staged (``StagesPuts``; else nothing is
   staged), ``book.check``'ed, then put with put-if-absent; a store makes a put visible whole
   or not at all. "Already there" means another writer published the key first: its object
-  is *adopted* if its metadata parses as this key, replaced (delete, put again) if it is junk.
+  is *adopted* if its metadata parses as this key and every chunk it names is there,
+  replaced (delete, put again) if it is junk or names a chunk that is gone.
 - The startup scan only reports what it cannot read, unless the store ``Quarantines`` and the
   tier repairs: an object it cannot read may be another host's row, and a store several hosts
   share refuses to set it aside. Something that vanished since the listing is skipped. Only
@@ -28,7 +29,8 @@ Invariants:
 - Hit counts and last-used times are user metadata outside the KVC bytes' CRCs (a file keeps
   them in its header's hit fields, an object store beside the object).
 - Chunks are ``chunks/<hex>.kvk`` objects, content-addressed and put once; one already there
-  is kept if its head is valid, replaced if not (``common.commit_chunk``); the payload CRC
+  is kept (and touched: its age restarts, as a sweep sees it) if its head is valid, replaced
+  if not (``common.commit_chunk``); the payload CRC
   is checked on load (``chunkfmt.parse``), the head at scan where the store can set aside.
 - Network faults surface as ``CacheNetworkError`` from the store; nothing here retries.
 See docs/architecture.md (the cache).
@@ -170,6 +172,16 @@ class ObjectStore(Protocol):
         """Replace ``name``'s user metadata. ``CacheKeyError`` if it is gone."""
         ...
 
+    def touch(self, name: str) -> bool:
+        """Set ``name``'s last-modified time to now (the store's clock where it stamps
+        times), bytes unchanged; its user metadata may be dropped (only chunks, which have
+        none, are touched). False if it is gone."""
+        ...
+
+    def age(self, name: str) -> float | None:
+        """``name``'s last-modified epoch seconds (``inf`` if unknown); None if it is gone."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -280,7 +292,22 @@ class _Staged:
         return self._put.link()
 
     def existing(self) -> StoredRow | None:
-        return self._tier.probe(self._key)
+        """The row there, unless it names a chunk that is gone (swept by another process,
+        evicted by redis): such a manifest is a miss for everyone, so ours replaces it
+        rather than being adopted into one -- else the key would miss for good."""
+        row = self._tier.probe(self._key)
+        if row is None:
+            return None
+        gone = next((k for k in row.chunk_refs if self._tier.chunk_age(k) is None), None)
+        if gone is not None:
+            log.info(
+                "%s: the row in the way of %s names a chunk that is gone (%s): replacing it",
+                self._tier.name,
+                self._key.hex(),
+                gone.hex(),
+            )
+            return None
+        return row
 
     def clear(self) -> None:
         self._tier.delete(self._key)
@@ -560,7 +587,9 @@ class ObjectTier:
                 self._name,
                 key,
                 put.link,
-                lambda: self._chunk_head(key) is not None,
+                # Kept: touched, as young as one just written (another process may have
+                # orphaned it long ago, and a sweep's grace protects only young chunks).
+                lambda: self._chunk_head(key) is not None and self._store.touch(name),
                 lambda: self._store.delete(name),
             )
             put.settle(False)
@@ -618,6 +647,18 @@ class ObjectTier:
                 yield chunk, head.payload_offset + head.payload_length
             else:
                 self._reject(name, "invalid chunk", problems)
+
+    def row_sizes(self) -> Iterator[tuple[bytes, int]]:
+        for name, size, _ in self._store.list(""):
+            key = key_of(name) if name.endswith(ROW_SUFFIX) else None
+            if key is not None:
+                yield key, size
+
+    def chunk_age(self, key: bytes) -> float | None:
+        return self._store.age(chunk_name(key))
+
+    def touch_chunk(self, key: bytes) -> bool:
+        return self._store.touch(chunk_name(key))
 
     def chunk_ages(self) -> Iterator[tuple[bytes, int, float]]:
         for name, size, mtime in self._store.list(CHUNK_DIR):

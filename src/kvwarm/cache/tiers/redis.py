@@ -7,7 +7,10 @@ Configured by URL: ``redis://[user:password@]host:port/db?prefix=kvwarm/&timeout
 Invariants:
 - Object ``name`` is the string ``<prefix>o:<name>``; its metadata (creation time ``t``, hit
   fields) the hash ``<prefix>m:<name>``. ``SET NX`` makes a put visible whole or not at all;
-  the creation time is set in the same transaction (``HSETNX``, never overwritten).
+  the same script replaces the hash with one stamped by the server's clock (``TIME``), so a
+  hash left by an object redis evicted never ages the new one; ``touch`` restamps it.
+- Reads run as a script or a plain pipeline, never in ``MULTI``: over ``maxmemory`` redis
+  refuses every command queued in a transaction, and a full redis must still serve reads.
 - Every call is bounded by the socket timeouts; a connection fault or timeout is
   ``CacheNetworkError`` and trips the remote stores' ``objects.Breaker`` (down for
   ``down_for_s``); any other refusal is ``CacheIOError``. Credentials the server refuses
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -52,6 +54,47 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[2], unpack(ARGV))
 return 1
 """
+# A read, atomic without MULTI: redis refuses every command queued in a transaction while it
+# is over ``maxmemory`` (noeviction, or a volatile-* policy with no TTL to evict), which made
+# a full redis refuse all reads; a script that writes nothing still runs then. ARGV[1]: the
+# last byte wanted, or empty for all. Nil if the object is gone.
+_GET = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local data
+if ARGV[1] == '' then
+  data = redis.call('GET', KEYS[1])
+else
+  data = redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[1]))
+end
+return {data, redis.call('STRLEN', KEYS[1]), redis.call('HGETALL', KEYS[2])}
+"""
+# The server's clock, as seconds: one clock for every writer, whatever their hosts' skew.
+_NOW = """
+local function now()
+  local t = redis.call('TIME')
+  return t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+end
+"""
+# Create the object if absent, with a fresh metadata hash stamped now: a hash left behind by
+# an object redis evicted (maxmemory) must not lend its old stamp (nor hits) to the new one.
+_PUT = (
+    _NOW
+    + """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX') then return 0 end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 't', now())
+return 1
+"""
+)
+# Restamp an object that exists (a chunk a save reuses).
+_TOUCH = (
+    _NOW
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], 't', now())
+return 1
+"""
+)
 
 
 class RedisStore:
@@ -102,6 +145,9 @@ class RedisStore:
             raise ConfigError(f"redis tier URL {shown!r}: the client refused it") from None
         self._errors = redis_client.exceptions
         self._set_meta = self._client.register_script(_SET_META)
+        self._put = self._client.register_script(_PUT)
+        self._get = self._client.register_script(_GET)
+        self._touch = self._client.register_script(_TOUCH)
         self._breaker = Breaker(self.label, self._down_for_s)
         self._refusal_logged = False  # an auth refusal logged since the last call that worked
 
@@ -169,32 +215,33 @@ class RedisStore:
     # ---- ObjectStore ---------------------------------------------------------------------
 
     def put_if_absent(self, name: str, body: bytes) -> bool:
-        def put() -> bool:
-            pipe = self._client.pipeline(transaction=True)
-            pipe.set(self._obj(name), body, nx=True)
-            pipe.hsetnx(self._meta(name), "t", str(time.time()))
-            created, _ = pipe.execute()
-            return bool(created)
+        keys = [self._obj(name), self._meta(name)]
+        return bool(self._call(f"put {name}", lambda: self._put(keys=keys, args=[body])))
 
-        return self._call(f"put {name}", put)
+    def touch(self, name: str) -> bool:
+        keys = [self._obj(name), self._meta(name)]
+        return bool(self._call(f"touch {name}", lambda: self._touch(keys=keys)))
+
+    def age(self, name: str) -> float | None:
+        def age() -> float | None:
+            pipe = self._client.pipeline(transaction=False)  # reads: allowed when full
+            pipe.exists(self._obj(name))
+            pipe.hget(self._meta(name), "t")
+            exists, stamp = pipe.execute()
+            return _stamp(stamp) if exists else None
+
+        return self._call(f"age {name}", age)
 
     def get(self, name: str, end: int | None = None) -> Got:
-        def get() -> Got:
-            pipe = self._client.pipeline(transaction=True)
-            obj = self._obj(name)
-            pipe.exists(obj)
-            if end is None:
-                pipe.get(obj)
-            else:
-                pipe.getrange(obj, 0, end - 1)
-            pipe.strlen(obj)
-            pipe.hgetall(self._meta(name))
-            exists, data, size, meta = pipe.execute()
-            if not exists:
-                raise CacheKeyError(f"{self.label}: no object {name}")
-            return Got(bytes(data or b""), int(size), _decoded(meta))
-
-        return self._call(f"get {name}", get)
+        keys = [self._obj(name), self._meta(name)]
+        last = "" if end is None else str(end - 1)
+        found: object = self._call(f"get {name}", lambda: self._get(keys=keys, args=[last]))
+        if found is None:
+            raise CacheKeyError(f"{self.label}: no object {name}")
+        assert isinstance(found, list) and len(found) == 3
+        data, size, flat = found
+        meta = dict(zip(flat[::2], flat[1::2], strict=True))
+        return Got(bytes(data or b""), int(size), _decoded(meta))
 
     def get_range(self, name: str, start: int, end: int) -> bytes:
         obj = self._obj(name)

@@ -14,6 +14,7 @@ See docs/architecture.md ("Shared tiers").
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -29,11 +30,14 @@ from kvwarm.cache.tiers.s3client import (
 )
 from kvwarm.cache.types import S3Config, TierName
 from kvwarm.cache.validate import validate_s3_config
-from kvwarm.errors import ConfigError
+from kvwarm.errors import CacheIOError, CacheKeyError, CacheNetworkError, ConfigError
 
 __all__ = ["S3_CAPABILITIES", "S3Store", "S3Tier"]
 
 S3_CAPABILITIES = REMOTE_CAPABILITIES
+
+
+log = logging.getLogger(__name__)
 
 
 class S3Store:
@@ -42,6 +46,7 @@ class S3Store:
     def __init__(self, config: S3Config, wire: S3Wire) -> None:
         self._cfg = config
         self.wire = wire
+        self._touch_refused = False  # warned that the store refuses a copy onto itself
 
     @property
     def label(self) -> str:
@@ -124,6 +129,50 @@ class S3Store:
                 MetadataDirective="REPLACE",
             ),
         )
+
+    def touch(self, name: str) -> bool:
+        """A copy onto itself (server-side, the bytes never leave the store): S3 stamps a
+        new ``LastModified``; the user metadata is replaced by none. A store that refuses
+        the copy (an S3-compatible one, a policy without it) leaves the time as it is: the
+        object is only checked to be there (warned once; the sweep's grace must then cover
+        the chunk's whole life, as before touches)."""
+        key = self._key(name)
+        source = {"Bucket": self._cfg.bucket, "Key": key}
+        try:
+            self.wire.call(
+                f"touch {key}",
+                lambda: self.wire.client.copy_object(
+                    Bucket=self._cfg.bucket,
+                    Key=key,
+                    CopySource=source,
+                    Metadata={},
+                    MetadataDirective="REPLACE",
+                ),
+            )
+        except CacheKeyError:
+            return False
+        except CacheNetworkError:
+            raise
+        except CacheIOError as exc:
+            if not self._touch_refused:
+                self._touch_refused = True
+                log.warning(
+                    "%s: cannot restamp chunks (%s); only checking they exist", self.label, exc
+                )
+            return self.age(name) is not None
+        return True
+
+    def age(self, name: str) -> float | None:
+        key = self._key(name)
+        try:
+            resp = self.wire.call(
+                f"head {key}",
+                lambda: self.wire.client.head_object(Bucket=self._cfg.bucket, Key=key),
+            )
+        except CacheKeyError:
+            return None
+        stamp = resp.get("LastModified")
+        return stamp.timestamp() if hasattr(stamp, "timestamp") else float("inf")
 
     def close(self) -> None:
         close = getattr(self.wire.client, "close", None)

@@ -6,7 +6,8 @@ Invariants:
   (429, SlowDown) or answers 5xx (after botocore's bounded retries) is ``CacheNetworkError``,
   anything else the store refuses (403, no such bucket, bad credentials, 501 not
   implemented) is ``CacheIOError``; a lost publish race
-  (412) is ``PublishRaceLost``, a signal to the tier, not an error.
+  (412, or 409 ConditionalRequestConflict) is ``PublishRaceLost``, a signal to the tier,
+  not an error.
 - After a network fault the wire is *down* for ``down_for_s``: calls fail at once with
   ``CacheNetworkError`` instead of waiting out another timeout, so a dead store costs each
   lookup nothing and the process one timeout per interval (``docs/architecture.md``,
@@ -69,6 +70,10 @@ _RETRYABLE_CODES = frozenset(
 # (e.g. a conditional PUT); marking the store down would fail its reads too.
 _REFUSED_5XX = frozenset(("NotImplemented",))
 _MISSING_CODES = frozenset(("NoSuchKey", "404", "NotFound"))
+# A conditional put that lost: 412, or 409 ConditionalRequestConflict (AWS: another
+# conditional write of the name was in flight; its outcome is unknown yet). Either way the
+# tier looks at what is there (adopt, or clear and put again), as for any lost race.
+_RACE_CODES = frozenset(("PreconditionFailed", "ConditionalRequestConflict"))
 
 
 class PublishRaceLost(Exception):  # noqa: N818 - a signal between wire and tier, not an error
@@ -93,6 +98,8 @@ class S3Client(Protocol):
     def delete_object(self, **kwargs: object) -> Mapping[str, object]: ...
 
     def copy_object(self, **kwargs: object) -> Mapping[str, object]: ...
+
+    def head_object(self, **kwargs: object) -> Mapping[str, object]: ...
 
     def list_objects_v2(self, **kwargs: object) -> Mapping[str, object]: ...
 
@@ -154,7 +161,7 @@ class S3Wire:
             meta = exc.response.get("ResponseMetadata", {})
             status = int(meta.get("HTTPStatusCode", 0) or 0)
             code = str(exc.response.get("Error", {}).get("Code", ""))
-            if code == "PreconditionFailed" or status == 412:
+            if code in _RACE_CODES or status == 412:
                 return PublishRaceLost(where)
             if code == "NoSuchBucket":  # a configuration error, not a missing row
                 return CacheIOError(f"{where}: no such bucket")

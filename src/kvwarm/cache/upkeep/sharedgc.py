@@ -20,12 +20,17 @@ Invariants:
   of that tier then deletes nothing and says so (``SweepResult.refused``).
 - A chunk this process has pinned or referenced (a save in progress, a row it indexes) is
   never deleted, whatever the listings say.
+- A save reusing a chunk it did not just write touches it before its manifest
+  (``chunking._refresh``; a chunk already there when it writes one is touched too), and the
+  sweep asks each chunk's age again right before deleting it: a chunk a manifest about to
+  be published names is young when the delete would come.
 - Before the first chunk is deleted the store's deletes are synced (``SyncsDeletes``: a
   directory's fsync), so a power loss cannot bring back a deleted manifest without its chunks.
 - Nothing runs under the index lock; no sleep: ``on_step`` (tests) sees each step.
 
-Residual window: a manifest published after the second listing that reuses an old chunk the
-sweep is deleting loses it; the row then reads as a miss (forgotten, never a wrong restore).
+Residual window: a save that touches a chunk between the sweep's last look at its age and
+its delete (one round trip) publishes a manifest naming a deleted chunk; the row then reads
+as a miss (forgotten, never a wrong restore), and a later save of its key replaces it.
 See docs/architecture.md ("Shared tiers") and docs/internals.md ("Chunk garbage collection").
 """
 
@@ -34,9 +39,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 
 from kvwarm.cache.protocols import ChunkAges, Tier
+from kvwarm.cache.store.chunking import REFRESH_AFTER_S
 from kvwarm.cache.store.core import CacheCore
 from kvwarm.cache.types import DEFAULT_GRACE_S, SweepResult, TierName
 from kvwarm.errors import CacheError, ConfigError
@@ -94,6 +100,13 @@ class SharedSweep:
             # NaN compares false with every age: no chunk would count as young, and the
             # chunks of saves in flight (what the grace protects) would be deleted.
             raise ConfigError(f"grace_s must be a finite number >= 0, got {grace_s}")
+        if grace_s < REFRESH_AFTER_S:
+            log.warning(
+                "chunk sweep with a grace of %.0fs, under the %.0fs a replica may go without "
+                "touching a chunk it reuses: a save in progress elsewhere may lose chunks",
+                grace_s,
+                REFRESH_AFTER_S,
+            )
         results = []
         for tier in self._core.tiers.values():
             if not tier.capabilities.shared or self._core.sole_user(tier):
@@ -118,15 +131,17 @@ class SharedSweep:
         on_step: SweepStep | None,
     ) -> SweepResult:
         step: SweepStep = on_step if on_step is not None else (lambda _s, _t: None)
+        shift = 0.0 if now is None else now - time.time()  # ``now``: the clock, moved
         listed = list(ages.chunk_ages())  # first: any chunk written after this is not swept
-        t_list = time.time() if now is None else now
+        t_list = time.time() + shift
         step("chunks_listed", tier.name)
         marked: set[bytes] = set()
         seen: set[bytes] = set()
-        bad = self._mark(tier, tier.stored_keys(), seen, marked)
+        bad = self._mark(tier, dict(ages.row_sizes()), seen, marked)
         step("manifests_marked", tier.name)
         # Manifests published since the first listing may reuse old chunks: mark them too.
-        bad |= self._mark(tier, (k for k in tier.stored_keys() if k not in seen), seen, marked)
+        again = {k: n for k, n in ages.row_sizes() if k not in seen}
+        bad |= self._mark(tier, again, seen, marked)
         bad &= set(tier.stored_keys())  # gone meanwhile: it names nothing any more
         if bad:
             log.warning(
@@ -144,6 +159,15 @@ class SharedSweep:
             if t_list - mtime < grace_s:
                 young += 1
                 continue
+            # Asked again right before the delete: a save reusing the chunk touched it since
+            # the listing (``chunking._refresh``) and will publish a manifest naming it.
+            mtime_now = ages.chunk_age(key)
+            if mtime_now is None:
+                self._core.index.chunk_swept(tier.name, key)  # another sweep was first
+                continue
+            if time.time() + shift - mtime_now < grace_s:
+                young += 1
+                continue
             if not deleted:  # the unlinks of the manifests that named it stay done
                 self._core.sync_deletes(tier)
             tier.delete_chunk(key)
@@ -155,14 +179,18 @@ class SharedSweep:
         return SweepResult(tier.name, len(listed), len(seen), deleted, freed, young)
 
     def _mark(
-        self, tier: Tier, keys: Iterable[bytes], seen: set[bytes], marked: set[bytes]
+        self, tier: Tier, sizes: Mapping[bytes, int], seen: set[bytes], marked: set[bytes]
     ) -> set[bytes]:
-        """Mark the chunks of each manifest; the keys whose manifest could not be read."""
+        """Mark the chunks of each manifest listed (key: its size); the keys whose manifest
+        could not be read."""
         bad: set[bytes] = set()
-        for key in keys:
+        for key, size in sizes.items():
             seen.add(key)
-            stored = self._core.index.stored_in(key, tier.name)  # manifests are immutable
-            if stored is None:
+            # The index's copy, if it is of the same size: a manifest is immutable, but its
+            # key may have been evicted and published again since, by a replica cutting it
+            # otherwise (another ``chunk_tokens``): then its chunks are not the copy's.
+            stored = self._core.index.stored_in(key, tier.name)
+            if stored is None or stored.info.size != size:
                 stored = tier.probe(key)
             if stored is None:
                 bad.add(key)
