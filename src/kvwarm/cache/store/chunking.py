@@ -432,20 +432,25 @@ class Freshness:
     """When (monotonic) this process last wrote or touched each chunk of the tiers others
     sweep, so a conversation's saves a turn apart touch its chunks once per
     ``REFRESH_AFTER_S``, not once per save. Thread-safe; pruned of stale entries as it
-    grows."""
+    grows, so it holds at most twice the chunks noted within ``REFRESH_AFTER_S`` (or
+    ``PRUNE_AT``), and a prune comes only after the table has doubled since the last one:
+    a process noting more than ``PRUNE_AT`` chunks within ``REFRESH_AFTER_S`` rebuilt the
+    whole table at every note (found by review)."""
 
     PRUNE_AT = 1 << 16
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._at: dict[tuple[str, bytes], float] = {}
+        self._prune_at = self.PRUNE_AT
 
     def note(self, tier: str, key: bytes) -> None:
         now = time.monotonic()
         with self._lock:
             self._at[(tier, key)] = now
-            if len(self._at) > self.PRUNE_AT:
+            if len(self._at) > self._prune_at:
                 self._at = {k: t for k, t in self._at.items() if now - t < REFRESH_AFTER_S}
+                self._prune_at = max(self.PRUNE_AT, 2 * len(self._at))
 
     def forget(self, tier: str, keys: Iterable[bytes]) -> None:
         """A row naming ``keys`` failed to read (a chunk may be gone: evicted by redis, or
