@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 from kvwarm import errors
 from kvwarm._version import __version__
 from kvwarm.errors import *  # noqa: F403
-from kvwarm.errors import KvwarmError
 
 if TYPE_CHECKING:
     from kvwarm.backends.base import ContextParams, ModelParams
@@ -33,6 +32,7 @@ if TYPE_CHECKING:
     from kvwarm.engine.api import (
         Engine,
         EngineConfig,
+        LoraSpec,
         Model,
         ModelConfig,
         ModelOptions,
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         unload_model,
     )
     from kvwarm.engine.options import GenerationOverrides
+    from kvwarm.engine.prompts import MediaPrompt
     from kvwarm.engine.stream import CompletionStream
     from kvwarm.engine.types import Completion, CompletionStats, GenerationOptions
     from kvwarm.tokens import Prompt, Span
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "Engine": "kvwarm.engine.api",
     "EngineConfig": "kvwarm.engine.api",
+    "LoraSpec": "kvwarm.engine.api",
+    "MediaPrompt": "kvwarm.engine.prompts",
     "Model": "kvwarm.engine.api",
     "ModelConfig": "kvwarm.engine.api",
     "ModelOptions": "kvwarm.engine.api",
@@ -93,7 +96,8 @@ __all__ = [
     "EngineConfig",
     "GenerationOptions",
     "GenerationOverrides",
-    "KvwarmError",
+    "LoraSpec",
+    "MediaPrompt",
     "MissReason",
     "Model",
     "ModelConfig",
@@ -112,3 +116,7 @@ __all__ = [
     "load_model",
     "unload_model",
 ]
+# Every error class, as ``from kvwarm.errors import *`` above brings them (found by review:
+# ``from kvwarm import *`` gave KvwarmError alone, and the docs catch ConfigError,
+# InvalidRequestError and EngineClosedError by these names).
+__all__ += errors.__all__

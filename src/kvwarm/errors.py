@@ -44,6 +44,45 @@ from __future__ import annotations
 
 import errno as _errno
 
+__all__ = [
+    "AdapterError",
+    "BackendError",
+    "CacheDirMissingError",
+    "CacheError",
+    "CacheFormatError",
+    "CacheIOError",
+    "CacheKeyError",
+    "CacheNetworkError",
+    "CapabilityError",
+    "ConfigError",
+    "ContextOverflowError",
+    "EngineClosedError",
+    "FimNotSupportedError",
+    "GrammarError",
+    "HandleClosedError",
+    "InvalidRequestError",
+    "JoinBufferTooSmallError",
+    "KeepAliveFullError",
+    "KvwarmError",
+    "MediaError",
+    "MemoryBudgetError",
+    "ModelBusyError",
+    "ModelCapacityError",
+    "ModelExistsError",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "NoLogitsError",
+    "NotAModelError",
+    "QueueFullError",
+    "ReplicaTimeoutError",
+    "ReplicaUnavailableError",
+    "RequestTimeoutError",
+    "ServerShuttingDownError",
+    "StateRestoreError",
+    "UnknownModelError",
+    "UnsafeCacheDirError",
+]
+
 
 class KvwarmError(Exception):
     """Root of every error kvwarm raises on purpose."""

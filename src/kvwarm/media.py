@@ -86,8 +86,15 @@ class MediaLimits:
     def validate(self) -> None:
         from kvwarm.errors import ConfigError
 
-        if self.max_bytes < 1 or self.max_pixels < 1 or self.max_items < 0:
-            raise ConfigError("media limits must be positive (max_items may be 0: no media)")
+        # Each named as its setting (media_<field>; found by review: "media limits must be
+        # positive" named none of the three).
+        for name, value, least in (
+            ("media_max_bytes", self.max_bytes, 1),
+            ("media_max_pixels", self.max_pixels, 1),
+            ("media_max_items", self.max_items, 0),
+        ):
+            if value < least:
+                raise ConfigError(f"{name} must be >= {least}, got {value}")
         if self.max_request_bytes < 1:
             raise ConfigError("media_max_request_bytes must be >= 1")
         if not self.max_audio_s > 0:
@@ -95,7 +102,7 @@ class MediaLimits:
         unknown = sorted(set(self.formats) - set(IMAGE_FORMATS) - set(AUDIO_FORMATS))
         if unknown:
             raise ConfigError(
-                f"unknown media formats {', '.join(unknown)} (known: "
+                f"media_formats: unknown formats {', '.join(unknown)} (known: "
                 f"{', '.join((*IMAGE_FORMATS, *AUDIO_FORMATS))})"
             )
 

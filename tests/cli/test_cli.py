@@ -199,8 +199,8 @@ def test_usage_errors_exit_2(env: dict[str, str]) -> None:
     assert bad_flag.returncode == 2
     bad_value = kvwarm(env, "complete", "--n-ctx", "lots", "x")
     assert bad_value.returncode == 2
-    assert bad_value.stderr.strip() == "kvwarm: error: flag setting --n-ctx: " + (
-        "invalid literal for int() with base 10: 'lots'"
+    assert bad_value.stderr.strip() == (
+        "kvwarm: error: flag setting --n-ctx: expected an integer, got 'lots'"
     )
     bad_env = kvwarm({**env, "KVWARM_PORT": "eighty"}, "cache", "stats")
     assert bad_env.returncode == 2 and "port" in bad_env.stderr

@@ -185,7 +185,7 @@ def test_replace_validates_and_keeps_the_rest() -> None:
     base = Settings(port=9, cache_dir=None)
     changed = base.replace(n_ctx=512, api_key="k")
     assert (changed.port, changed.n_ctx, changed.api_key, base.api_key) == (9, 512, "k", None)
-    with pytest.raises(ValueError, match="invalid literal"):
+    with pytest.raises(ValueError, match="expected an integer, got 'lots'"):
         base.replace(n_ctx="lots")
 
 

@@ -53,9 +53,9 @@ def test_mmproj_and_media_limits_from_flag_env_and_toml(tmp_path: Path) -> None:
 def test_bad_media_settings_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="mmproj: no projector file"):
         load_settings(_flags("--mmproj", str(tmp_path / "missing.gguf")), ENV).check()
-    with pytest.raises(ConfigError, match="unknown media formats tiff"):
+    with pytest.raises(ConfigError, match="media_formats: unknown formats tiff"):
         load_settings(_flags("--media-format", "tiff"), ENV).check()
-    with pytest.raises(ConfigError, match="positive"):
+    with pytest.raises(ConfigError, match="media_max_pixels must be >= 1, got 0"):
         load_settings(_flags("--media-max-pixels", "0"), ENV).check()
 
 

@@ -4,9 +4,11 @@ sampling defaults, backend-located model files, and embeddings of token ids (stu
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 from tests.engine.conftest import make_engine
@@ -106,3 +108,23 @@ def test_embed_uses_token_ids_as_given() -> None:
             model.embed([[]])
     finally:
         eng.close()
+
+
+def test_every_error_class_and_every_name_the_docs_use_is_exported() -> None:
+    """``from kvwarm import *`` gave ``KvwarmError`` alone of the errors, and ``LoraSpec``
+    and ``MediaPrompt``, which docs/python.md has a program use, were in no ``kvwarm``
+    namespace at all (found by review)."""
+    star: dict[str, object] = {}
+    exec("from kvwarm import *", star)
+    errors = [
+        name
+        for name, value in vars(kvwarm.errors).items()
+        if isinstance(value, type) and issubclass(value, kvwarm.KvwarmError)
+    ]
+    assert errors and [name for name in errors if name not in star] == []
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "python.md").read_text() + (root / "README.md").read_text()
+    imported = re.findall(r"from kvwarm import \(?([\w\s,]+)\)?", text)
+    named = {n.strip() for group in imported for n in group.split(",") if n.strip()}
+    named |= set(re.findall(r"`(LoraSpec|MediaPrompt)\b", text))
+    assert named and [name for name in sorted(named) if name not in star] == []

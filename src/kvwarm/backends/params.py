@@ -7,12 +7,16 @@ versions wrote, so existing cache rows keep their keys.
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
 import hashlib
 import json
 import math
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Literal, get_args
+from typing import Literal, get_args, get_origin
 
 KvType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
 #: How a context pools a sequence's outputs: ``rank`` scores it with the model's classifier head
@@ -72,6 +76,7 @@ class ModelParams:
     def validate(self) -> None:
         from kvwarm.errors import ConfigError
 
+        check_field_types(self)
         if isinstance(self.n_gpu_layers, bool) or not isinstance(self.n_gpu_layers, int):
             raise ConfigError(f"n_gpu_layers must be an integer, got {self.n_gpu_layers!r}")
         # int32 in llama.cpp's struct: ctypes would wrap a larger value silently.
@@ -149,6 +154,7 @@ class ContextParams:
     def validate(self) -> None:
         from kvwarm.errors import ConfigError
 
+        check_field_types(self)
         if self.n_ctx < 16:
             raise ConfigError(f"n_ctx must be >= 16, got {self.n_ctx}")
         if self.n_batch < 1 or self.n_ubatch < 1:
@@ -240,6 +246,72 @@ class ContextParams:
                 fields.pop(name)
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(b"kvwarm-ctx-v1\0" + blob).digest()
+
+
+def check_field_types(obj: object) -> None:
+    """``ConfigError`` naming the first field of the dataclass ``obj`` whose value is not of
+    its declared type (an integer field holds an int and not a bool, a ``Literal`` one of its
+    values, a tuple its items' type). Found by review: ``load_model(n_ctx="4096")`` raised
+    ``TypeError: '<' not supported``, ``deterministic="no"`` loaded a deterministic model (a
+    string is true), ``n_batch="64"`` a ``ValueError`` from ``int()``."""
+    from kvwarm.errors import ConfigError
+
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        hint = hints[f.name]
+        if _conforms(value, hint) is False:
+            raise ConfigError(f"{f.name} must be {_describe(hint)}, got {value!r}")
+
+
+def _conforms(value: object, hint: object) -> bool | None:
+    """Whether ``value`` is of type ``hint``; None where this cannot tell (a protocol)."""
+    origin = get_origin(hint)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if origin is Literal:
+        return any(type(value) is type(a) and value == a for a in get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        seen = [_conforms(value, arg) for arg in get_args(hint)]
+        return True if True in seen else (None if None in seen else False)
+    if origin is tuple:
+        args = get_args(hint)
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            seen = [_conforms(item, args[0]) for item in value]
+            return False if False in seen else (None if None in seen else True)
+        return None
+    if origin is collections.abc.Callable:
+        return callable(value)
+    if isinstance(hint, type):
+        try:
+            return isinstance(value, hint)
+        except TypeError:  # a protocol that is not runtime-checkable
+            return None
+    return None
+
+
+def _describe(hint: object) -> str:
+    names = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}
+    if hint in names:
+        return names[hint]
+    if hint is type(None):
+        return "None"
+    origin = get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, get_args(hint)))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in get_args(hint))
+    if origin is tuple:
+        return "a tuple"
+    return getattr(hint, "__name__", str(hint))
 
 
 def _one_of(name: str, value: object, allowed: Sequence[str]) -> None:

@@ -21,6 +21,7 @@ from kvwarm.backends.base import (
     RopeScaling,
     SplitMode,
 )
+from kvwarm.backends.params import check_field_types
 from kvwarm.cache.types import CacheConfig, PolicyConfig, TierName
 from kvwarm.cache.validate import validate_policy
 from kvwarm.engine.fingerprint import parse_mode
@@ -93,6 +94,7 @@ class ModelConfig:
         return self.spec_type != "none" or self.draft_model is not None
 
     def validate(self) -> None:
+        check_field_types(self)
         self.context.validate()
         self.media.validate()
         self.model_params.validate()
@@ -216,7 +218,9 @@ def with_options(cfg: ModelConfig, options: ModelOptions) -> ModelConfig:
     if not options:
         return cfg
     groups: dict[str, dict[str, object]] = {"context": {}, "model_params": {}, "": {}}
-    for name, value in options.items():
+    for name, given in options.items():
+        # A list, as llama_cpp.Llama takes it: the config's fields are (hashable) tuples.
+        value = tuple(given) if isinstance(given, list) else given
         if name in _CONTEXT_FIELDS:
             groups["context"][name] = value
         elif name in _MODEL_FIELDS:
@@ -226,8 +230,9 @@ def with_options(cfg: ModelConfig, options: ModelOptions) -> ModelConfig:
         else:
             raise ConfigError(f"unknown model option {name!r}")
     ctx = groups["context"]
-    if "n_batch" in ctx and "n_ubatch" not in ctx:
-        ctx["n_ubatch"] = min(cfg.context.n_ubatch, int(ctx["n_batch"]))  # type: ignore[call-overload]
+    n_batch = ctx.get("n_batch")
+    if isinstance(n_batch, int) and "n_ubatch" not in ctx:  # anything else: validate says
+        ctx["n_ubatch"] = min(cfg.context.n_ubatch, n_batch)
     return replace(
         cfg,
         context=replace(cfg.context, **ctx),  # type: ignore[arg-type]

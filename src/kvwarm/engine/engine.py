@@ -2,15 +2,18 @@
 
 Invariants: a model id is loaded at most once per engine (the id is reserved while it loads);
 unloading a model never touches the cache's rows (a reload finds them again); closing the
-engine unloads every model with bounded shutdown saves before closing a cache it owns
-(``docs/architecture.md``, "Engine").
+engine unloads every model with bounded shutdown saves before closing a cache it owns; an
+engine still open when the interpreter exits is closed then (``docs/architecture.md``,
+"Engine").
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Unpack
 
@@ -38,6 +41,8 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, cache: Cache | None = None) -> None:
         """``cache``: use this (already built) cache instead of one from ``config.cache``;
         the caller keeps ownership and closes it."""
+        if config is not None and not isinstance(config, EngineConfig):
+            raise ConfigError(f"config must be an EngineConfig, not {type(config).__name__}")
         self.config = config or EngineConfig()
         validate_policy(self.config.policy)
         self._owns_cache = cache is None
@@ -45,6 +50,14 @@ class Engine:
         self._models: dict[str, Model] = {}
         self._lock = threading.Lock()
         self._closed = False
+        _OPEN.add(self)
+        # Each loaded model's teardown (``Model.teardown``: no reference to the model), run by
+        # the finalizer if this engine is dropped unclosed (its models with it: each holds it).
+        self._teardowns: dict[str, Callable[[float], bool]] = {}
+        self._finalizer = weakref.finalize(
+            self, _dropped, self._teardowns, self.cache if self._owns_cache else None
+        )
+        self._finalizer.atexit = False  # at exit, _close_open_engines closes what is open
 
     def load_model(
         self,
@@ -60,6 +73,12 @@ class Engine:
         ``options`` are flat keywords (``n_ctx=``, ``n_gpu_layers=``, ``n_parallel=`` …) that
         replace the matching fields of ``config``; see ``ModelOptions``.
         """
+        if config is not None and not isinstance(config, ModelConfig):
+            raise ConfigError(f"config must be a ModelConfig, not {type(config).__name__}")
+        if model_id is not None and not isinstance(model_id, str):
+            raise ConfigError(f"model_id must be a string, got {model_id!r}")
+        if path is not None and not isinstance(path, str | os.PathLike):
+            raise ConfigError(f"path must be a file path, got {path!r}")
         cfg = with_options(config or ModelConfig(), options)
         cfg.validate()
         if self._closed:
@@ -83,6 +102,7 @@ class Engine:
             closed = self._closed
             if not closed:
                 self._models[mid] = model
+                self._teardowns[mid] = model.teardown()
         if closed:  # the engine closed while this model loaded: do not leak it
             model.unload()
             raise EngineClosedError("engine was closed while the model loaded")
@@ -101,7 +121,10 @@ class Engine:
         """Hold ``model_id`` while its model loads outside the lock."""
         with self._lock:
             if model_id in self._models:
-                raise ModelExistsError(f"a model with id {model_id!r} is already loaded")
+                raise ModelExistsError(
+                    f"a model with id {model_id!r} is already loaded in this engine: give this "
+                    "one another model_id=, or use the loaded one (engine.get_model)"
+                )
             self._models[model_id] = _LOADING
 
     def get_model(self, model_id: str) -> Model:
@@ -120,6 +143,7 @@ class Engine:
     def _forget(self, model_id: str) -> None:
         with self._lock:
             self._models.pop(model_id, None)
+            self._teardowns.pop(model_id, None)
 
     def status(self) -> dict[str, object]:
         return {
@@ -132,6 +156,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
+        self._finalizer.detach()
         for model in [m for m in list(self._models.values()) if m is not _LOADING]:
             try:
                 model.unload(timeout_s=timeout_s)
@@ -148,3 +174,56 @@ class Engine:
 
 
 _LOADING: Model = object.__new__(Model)  # placeholder reserving an id during a load
+
+#: Engines not closed yet. Found by review: a program that never called ``close()`` (the
+#: README's own ten lines, or one that raised) lost every save still in the writers' queues
+#: at exit, and the shutdown saves of its slots' live KV: a disk tier was left empty, so the
+#: next run prefilled everything again.
+_OPEN: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+#: Threads closing engines that were dropped unclosed (``_dropped``), joined at exit.
+_DROPPING: set[threading.Thread] = set()
+_DROPPING_LOCK = threading.Lock()
+
+
+def _dropped(teardowns: dict[str, Callable[[float], bool]], cache: Cache | None) -> None:
+    """An engine nobody holds was never closed (its models are gone with it: each holds its
+    engine): stop their workers, free their native state and close the cache it owned, as
+    ``close()`` does. In a thread of its own: the collector may run this on one of those
+    workers' threads, which the teardown waits for."""
+    log.info("an engine was dropped without close(): closing it (%d models)", len(teardowns))
+
+    def close() -> None:
+        try:
+            for teardown in list(teardowns.values()):
+                try:
+                    teardown(30.0)
+                except Exception:
+                    log.exception("unloading a model of a dropped engine failed")
+            if cache is not None:
+                cache.close(30.0)
+        finally:
+            with _DROPPING_LOCK:
+                _DROPPING.discard(threading.current_thread())
+
+    thread = threading.Thread(target=close, name="kvwarm-dropped-engine", daemon=True)
+    with _DROPPING_LOCK:
+        _DROPPING.add(thread)
+    thread.start()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """At interpreter exit (after non-daemon threads ended), close every engine still open,
+    as ``close()`` does: its slots' live KV saved, the pending saves written; and wait for
+    those dropped unclosed to finish closing."""
+    for engine in list(_OPEN):
+        try:
+            engine.close()
+        except Exception:
+            log.exception("closing an engine at exit failed")
+    with _DROPPING_LOCK:
+        dropping = list(_DROPPING)
+    for thread in dropping:
+        thread.join(60.0)

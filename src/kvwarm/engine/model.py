@@ -10,14 +10,16 @@ slots (``docs/architecture.md``, "Engine").
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Unpack
+from typing import TYPE_CHECKING, Protocol, Unpack
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import (
@@ -159,7 +161,7 @@ class Model:
                 self._draft.close()
             self._bmodel.close()
             raise
-        self._adapters = Adapters(self._bmodel, self._worker, self._refresh_namespace)
+        self._adapters = Adapters(self._bmodel, self._worker, self._links.refresh)
         self._seen: dict[bytes, None] = {}  # fingerprints of requests' own adapter sets
         self._seen_lock = threading.Lock()
         self._submitter = Submitter(
@@ -300,6 +302,7 @@ class Model:
                     raise
         self._ctx_hash = cfg.context.kv_hash()
         self._namespace = Namespace(self._fingerprint, facts.file_type & 0xFF, self._ctx_hash)
+        self._links = _Links(self)
         self._worker = Worker(
             self.id,
             self._bmodel,
@@ -322,8 +325,8 @@ class Model:
                 spec_draft_max=cfg.spec_draft_max,
                 speculates=not spec.startswith("off"),
             ),
-            self.namespace,
-            self._resolve_lora,
+            self._links.namespace,
+            self._links.resolve,
             projector=self._projector,
             draft=self._draft,
         )
@@ -457,6 +460,7 @@ class Model:
         tools: Sequence[Mapping[str, object]] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
+        self._check_ready()
         return self._bmodel.apply_chat_template(
             messages,
             tools=tools,
@@ -600,6 +604,12 @@ class Model:
         ``cache_salt`` the row serves only requests with the same salt."""
         self._check_ready()
         self._require("generate")
+        if not isinstance(ttl_class, TtlClass):
+            raise InvalidRequestError(
+                f"ttl_class must be a kvwarm.TtlClass ({', '.join(TtlClass.__members__)}), "
+                f"got {ttl_class!r}",
+                param="ttl_class",
+            )
         opts = GenerationOptions(
             max_tokens=0, temperature=0.0, add_special=add_special, cache_salt=cache_salt
         )
@@ -781,7 +791,7 @@ class Model:
     ) -> list[CompletionStream]:
         self._check_ready()
         self._require("generate")
-        return self._submitter.group(prompt, opts, text, n, fragments)
+        return [s.keep(self) for s in self._submitter.group(prompt, opts, text, n, fragments)]
 
     def infill_tokens(
         self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
@@ -809,7 +819,8 @@ class Model:
     ) -> CompletionStream:
         self._check_ready()
         self._require("generate")
-        return self._submitter.one(prompt, opts, text, kind, ttl, fragments=fragments)
+        stream = self._submitter.one(prompt, opts, text, kind, ttl, fragments=fragments)
+        return stream.keep(self)
 
     # ---- embeddings ---------------------------------------------------------------------
 
@@ -864,12 +875,15 @@ class Model:
     ) -> AdapterInfo:
         """Load a LoRA adapter and attach it at ``scale`` to the model's own set (0: loaded,
         off except for requests that name it in ``GenerationOptions.lora``)."""
+        self._check_ready()
         return self._adapters.load(path, scale, name=name)
 
     def set_adapter_scale(self, handle: int, scale: float) -> AdapterInfo:
+        self._check_ready()
         return self._adapters.set_scale(handle, scale)
 
     def detach_adapter(self, handle: int) -> None:
+        self._check_ready()
         self._adapters.detach(handle)
 
     def list_adapters(self) -> list[AdapterInfo]:
@@ -881,6 +895,7 @@ class Model:
         """Synchronously save every idle slot's live KV (reason ``evict``), then release what
         a row now holds (KV whose save failed stays live: the only copy). Returns the number
         of rows saved."""
+        self._check_ready()
         return self._worker.call(
             lambda: self._worker.save_idle_slots(SaveReason.EVICT, release=True)
         ).result()
@@ -891,36 +906,100 @@ class Model:
             return
         self._state = "unloading"
         limit = timeout_s if timeout_s is not None else self.policy.evict_save_timeout_ms / 1e3
-        stopped = self._worker.stop(
-            lambda: self._worker.save_idle_slots(SaveReason.SHUTDOWN, release=True), limit
-        )
         try:
-            if stopped:
-                self._free_native()
-            else:
-                # The worker is still inside a tick: it may hold a numpy array over the
-                # context's logits, which llama_free would unmap under it. It frees the native
-                # state itself when it ends.
+            if not _teardown(self._worker, self._native(), limit):
                 log.warning(
                     "model %s: the worker did not stop within %.1f s; its native state is "
                     "freed when it does",
                     self.id,
                     limit,
                 )
-                self._worker.after_exit(self._free_native)
         finally:
             self._state = "closed"
             self._engine._forget(self.id)
 
+    def __enter__(self) -> Model:
+        """``with engine.load_model(...) as model:`` unloads it at the block's end."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.unload()
+
+    def teardown(self) -> Callable[[float], bool]:
+        """What ``unload`` does to the worker and the native state, given a time limit, as a
+        function that holds no reference to this model: an engine dropped unclosed runs it
+        (``Engine``'s finalizer)."""
+        return functools.partial(_teardown, self._worker, self._native())
+
+    def _native(self) -> tuple[_Closable, ...]:
+        """What holds native state, in the order it is freed (the model itself last)."""
+        return (
+            self._embedder,
+            self._ctx,
+            self._adapters,
+            *((self._projector,) if self._projector is not None else ()),
+            *((self._draft,) if self._draft is not None else ()),
+            self._bmodel,
+        )
+
     def _free_native(self) -> None:
-        self._embedder.close()
-        self._ctx.close()
-        self._adapters.close()
-        if self._projector is not None:
-            self._projector.close()
-        if self._draft is not None:
-            self._draft.close()
-        self._bmodel.close()
+        _close_all(self._native())
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def _close_all(parts: Sequence[_Closable]) -> None:
+    for part in parts:
+        part.close()
+
+
+def _teardown(worker: Worker, parts: Sequence[_Closable], timeout_s: float) -> bool:
+    """Stop ``worker`` (cancelling its requests, saving its idle slots' live KV) and free
+    ``parts``; whether the worker stopped within ``timeout_s``. If it did not, it is still
+    inside a tick and may hold a numpy array over the context's logits, which llama_free
+    would unmap under it: it frees them itself when it ends."""
+    stopped = worker.stop(
+        lambda: worker.save_idle_slots(SaveReason.SHUTDOWN, release=True), timeout_s
+    )
+    free = functools.partial(_close_all, parts)
+    if stopped:
+        free()
+    else:
+        worker.after_exit(free)
+    return stopped
+
+
+class _Links:
+    """The model as its worker and its adapter set call back into it (its namespace, a
+    request's adapter set, a change of its own set), through a weak reference. Found by
+    review: the worker's thread held the model through bound methods, so an engine dropped
+    without ``close()`` kept its models' threads and native memory for the process's life
+    (~120 MiB a SmolLM2 engine). The namespace last seen stays for the worker's shutdown
+    saves, which run after the model is gone."""
+
+    def __init__(self, model: Model) -> None:
+        self._model = weakref.ref(model)
+        self._last: Namespace = model._namespace
+
+    def namespace(self) -> Namespace:
+        model = self._model()
+        if model is not None:
+            self._last = model.namespace()
+        return self._last
+
+    def resolve(self, choice: LoraChoice | None) -> tuple[AdapterSet, Namespace]:
+        model = self._model()
+        if model is None:
+            raise EngineClosedError("the model was dropped")
+        return model._resolve_lora(choice)
+
+    def refresh(self, adapters: Sequence[tuple[bytes, float]]) -> None:
+        model = self._model()
+        if model is not None:
+            model._refresh_namespace(adapters)
+            self._last = model.namespace()
 
 
 if TYPE_CHECKING:

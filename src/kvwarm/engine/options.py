@@ -47,6 +47,13 @@ class GenerationOverrides(TypedDict, total=False):
 def merge_options(
     options: GenerationOptions | None, overrides: Mapping[str, object]
 ) -> GenerationOptions:
+    if options is not None and not isinstance(options, GenerationOptions):
+        # Found by review: an AttributeError ('str' object has no attribute 'validate').
+        raise InvalidRequestError(
+            f"options must be a GenerationOptions, not {type(options).__name__} (or pass "
+            "each option as a keyword: max_tokens=64)",
+            param="options",
+        )
     opts = options or GenerationOptions()
     if overrides:
         fields = set(GenerationOptions.__dataclass_fields__)

@@ -130,7 +130,22 @@ def check_chat_size(
     found before the template renders them (rendering and tokenizing a 3 MB chat took seconds
     only to be refused then, issue 41). Sound: a character is at least one byte and a token
     stands for at most ``longest_piece()`` bytes (asked only for a chat long enough to need
-    it), so more than ``n_ctx * longest_piece()`` characters are more than ``n_ctx`` tokens."""
+    it), so more than ``n_ctx * longest_piece()`` characters are more than ``n_ctx`` tokens.
+    Messages are a list of mappings each with a string ``role`` (``InvalidRequestError``:
+    found by review, ``model.chat("hi")`` was an ``AttributeError`` and a message without a
+    role rendered as one of role ``None``)."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise InvalidRequestError(
+            "messages must be a list of messages ({'role': 'user', 'content': 'hi'}), not "
+            f"{type(messages).__name__}",
+            param="messages",
+        )
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise InvalidRequestError(
+                f"message {i} must be a mapping with a string 'role', got {message!r:.80}",
+                param="messages",
+            )
     chars = content_chars(messages)
     if chars <= n_ctx:
         return

@@ -2,11 +2,14 @@
 
 Invariant: every stream ends, exactly once, with either a ``Completion`` (also after
 ``cancel()``, with ``finish_reason == "cancelled"``) or the exception that failed it. The
-fragments' logprobs, concatenated, are the completion's logprobs.
+fragments' logprobs, concatenated, are the completion's logprobs. A stream nobody holds any
+more (a ``for`` loop left with ``break``, a stream dropped unread) cancels its request, so an
+abandoned generation frees its slot instead of running to ``max_tokens``.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from kvwarm.engine.request import Done, Event, Failed, Fragment, Prefilled, Request
@@ -15,13 +18,35 @@ from kvwarm.engine.types import Completion, TokenLogprob
 
 class CompletionStream:
     def __init__(
-        self, request: Request, on_cancel: Callable[[Request], None] | None = None
+        self,
+        request: Request,
+        on_cancel: Callable[[Request], None] | None = None,
+        *,
+        head: CompletionStream | None = None,
     ) -> None:
+        """``head``: the stream of the first choice of an ``n > 1`` group this stream is a
+        fork of; held so that it is abandoned (cancelling the whole group) only once every
+        choice's stream is."""
         self._req = request
         self._on_cancel = on_cancel
+        self._head = head
+        self._owner: object = None  # the model, kept alive while its stream is (``keep``)
+        # Found by review: a stream left half-read (``for piece in model.stream(...): break``)
+        # went on generating to max_tokens, holding its slot. Only the request's event is set
+        # here: a finalizer runs on whatever thread collects the stream, possibly the worker
+        # inside its own lock, so it takes none (the worker drops a cancelled request at
+        # admission and ends a running one between tokens).
+        weakref.finalize(self, _abandoned, request).atexit = False
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self._prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+
+    def keep(self, owner: object) -> CompletionStream:
+        """Hold ``owner`` (the model) while this stream lives: a model, and the engine it
+        holds, dropped by everyone else is closed when collected, and must not be while a
+        stream of it is still read (``Engine``)."""
+        self._owner = owner
+        return self
 
     @property
     def prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
@@ -101,3 +126,9 @@ class CompletionStream:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+def _abandoned(request: Request) -> None:
+    """The stream of ``request`` was collected: nobody can read its reply any more."""
+    if not request.answered:
+        request.cancelled.set()

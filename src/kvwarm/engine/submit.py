@@ -58,7 +58,9 @@ class Submitter:
         """``n`` choices of one prompt, prefilled once."""
         choices = choice_options(opts, n, self.config.n_parallel)
         first = self.one(prompt, choices[0], text, fragments=fragments, forks=choices[1:])
-        return [first] + [CompletionStream(f, self.worker.cancel) for f in first.request.forks]
+        return [first] + [
+            CompletionStream(f, self.worker.cancel, head=first) for f in first.request.forks
+        ]
 
     def one(
         self,

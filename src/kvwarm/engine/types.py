@@ -201,6 +201,9 @@ class GenerationOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise InvalidRequestError(f"{name} must be a number", param=name)
+        if not isinstance(self.stop, tuple | list):
+            # Found by review: stop=5 was a TypeError (object of type 'int' has no len()).
+            raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
         if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
             raise InvalidRequestError("logit_bias must map token ids to biases", param="logit_bias")
         for token, bias in (self.logit_bias or {}).items():

@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from kvwarm.cache.types import CacheConfig, PolicyConfig, S3Config, TierName
 from kvwarm.errors import ConfigError
 from kvwarm.media import MediaLimits
 from kvwarm.settings import cache as settings_cache
-from kvwarm.settings.flags import add_arguments, env_name, flag_name
+from kvwarm.settings.flags import add_arguments, env_name, field_extra, flag_name
 from kvwarm.settings.model import (
     ModelSettings,
     ServingSettings,
@@ -51,11 +52,18 @@ from kvwarm.settings.model import (
     model_config,
     parse_field,
 )
-from kvwarm.settings.sources import read_env, read_toml, user_cache_dir, user_config_file
+from kvwarm.settings.sources import (
+    read_env,
+    read_toml,
+    unknown_env,
+    user_cache_dir,
+    user_config_file,
+)
 from kvwarm.settings.types import (
     Bool,
     Float,
     Int,
+    Key,
     Models,
     ModelSpec,
     OptPath,
@@ -76,10 +84,12 @@ __all__ = [
     "ModelSpec",
     "Settings",
     "add_settings_arguments",
+    "default_text",
     "env_var",
     "load_settings",
     "model_config",
     "settings_flags",
+    "settings_reference",
     "user_cache_dir",
     "user_config_file",
 ]
@@ -250,7 +260,7 @@ class Settings(ModelSettings, ServingSettings):
         description="system prompt to prewarm at startup (repeatable)",
         json_schema_extra=_REPEAT,
     )
-    api_key: OptStr = Field(
+    api_key: Key = Field(
         default=None,
         description="require this key on every API request (Authorization: Bearer, or x-api-key)",
     )
@@ -264,7 +274,7 @@ class Settings(ModelSettings, ServingSettings):
         description="/health is degraded, naming the model, when its worker has not ticked "
         "for this many seconds (0: never)",
     )
-    admin_key: OptStr = Field(
+    admin_key: Key = Field(
         default=None,
         description="bearer token required on admin endpoints (/cache/*, /admin/*, /cluster, "
         "POST /lora-adapters); default: none",
@@ -546,6 +556,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, names: Sequence[str]
         per_model=ModelSettings,
         env_prefix=ENV_PREFIX,
         config_env=CONFIG_ENV,
+        default=default_text,
     )
 
 
@@ -577,15 +588,20 @@ def load_settings(
     """
     flags = dict(flags or {})
     env = os.environ if env is None else env
+    unknown_env(env, {env_var(name) for name in Settings.model_fields} | {CONFIG_ENV}, ENV_PREFIX)
     explicit = flags.pop("config", None) or env.get(CONFIG_ENV)
     file_values: dict[str, object] = {}
+    config_file: Path | None = None
     if explicit:
-        file_values = read_toml(Path(str(explicit)).expanduser(), set(Settings.model_fields))
+        config_file = Path(str(explicit)).expanduser()
     elif (default_file := user_config_file(env)).is_file():
-        file_values = read_toml(default_file, set(Settings.model_fields))
+        config_file = default_file
+    if config_file is not None:
+        file_values = read_toml(config_file, set(Settings.model_fields))
     defaults = base or Settings(cache_dir=user_cache_dir(env))
     values: dict[str, object] = {}
     policy: dict[str, int] = {}
+    origin: dict[str, str] = {}  # where each given setting's value came from, the last source
     sources = (
         ("config file", file_values),
         ("environment", read_env(env, Settings, ENV_PREFIX)),
@@ -594,6 +610,12 @@ def load_settings(
     for source, raw in sources:
         for name, value in raw.items():
             parsed = _parse(name, value, source)
+            if source == "config file":
+                origin[name] = f"config file {config_file}"
+            elif source == "environment":
+                origin[name] = env_var(name)
+            else:
+                origin[name] = _flag(name)
             if name == "policy":
                 assert isinstance(parsed, dict)
                 policy.update(parsed)
@@ -605,5 +627,86 @@ def load_settings(
         # A models directory given alone serves that directory, not also the default model.
         values["models"] = ()
     settings = defaults.replace(**values)
-    settings.check()
+    try:
+        settings.check()
+    except ConfigError as exc:
+        raise _with_origin(exc, origin) from exc
     return settings
+
+
+def _with_origin(exc: ConfigError, origin: Mapping[str, str]) -> ConfigError:
+    """``exc`` with where the settings it names were given: a range or cross-setting rule
+    (``Settings.check``) is broken by values that may come from any source. Found by review:
+    "n_ctx must be >= 1" named no source, so a wrong value in a config file, the environment
+    or a flag had to be hunted down."""
+    message = str(exc)
+    named = [
+        f"{name} from {where}"
+        for name, where in origin.items()
+        if re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", message)
+    ]
+    if not named or type(exc) is not ConfigError:
+        return exc
+    return ConfigError(f"{message} ({'; '.join(named)})")
+
+
+# --- the reference table of docs/configuration.md -----------------------------------------------
+
+
+def default_text(name: str) -> str:
+    """The default of setting ``name`` as ``--help`` and docs/configuration.md show it."""
+    field = Settings.model_fields[name]
+    if name == "models":
+        return "the embedded model"
+    if name == "log_level":  # kvwarm.cli.common: the one-shot commands are quiet
+        return "info for serve and cluster, warning for the other commands"
+    if name == "cache_dir":
+        return "$XDG_CACHE_HOME/kvwarm, else ~/.cache/kvwarm"
+    if name == "policy":
+        changed = [
+            f"{f.name}={getattr(SERVER_POLICY, f.name)}"
+            for f in dataclasses.fields(PolicyConfig)
+            if getattr(SERVER_POLICY, f.name) != getattr(PolicyConfig(), f.name)
+        ]
+        return ", ".join(changed) + " (cache.md)"
+    value = field.default
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return " ".join(map(str, value))
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, int) and _is_size(name) and value:
+        for suffix, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+            if value % scale == 0:
+                return f"{value // scale}{suffix}"
+    return str(value)
+
+
+def _is_size(name: str) -> bool:
+    from kvwarm.settings.types import as_size
+
+    return any(getattr(m, "func", None) is as_size for m in Settings.model_fields[name].metadata)
+
+
+def settings_reference() -> str:
+    """Every setting as a Markdown table: its TOML key, flag, default and description; the
+    section "Every setting" of docs/configuration.md is this text (``tests/cli``)."""
+    rows = [
+        "| Setting (TOML key) | Flag | Default | What it does |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, field in Settings.model_fields.items():
+        flags = [_flag(name), *field_extra(Settings, name).get("aliases", ())]
+        if name == "api_docs":
+            flags.append("--no-api-docs")
+        where = " (per model)" if name in ModelSettings.model_fields else ""
+        what = (field.description or "").replace("|", "\\|")
+        cluster = " (`kvwarm cluster` only)" if name in CLUSTER_ONLY else ""
+        rows.append(
+            f"| `{name}`{where} | {', '.join(f'`{f}`' for f in flags)}{cluster} | "
+            f"{default_text(name)} | {what} |"
+        )
+    return "\n".join(rows) + "\n"

@@ -10,6 +10,7 @@ scheme picks it (``cache/tiers/registry.py``). See docs/architecture.md ("The ca
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -73,7 +74,9 @@ def url_tier(spec: str) -> TierConfig:
     name, sep, url = spec.partition("=")
     name, url = name.strip(), url.strip()
     if not sep or not name or "://" not in url:
-        raise ConfigError(f"a tier is NAME=URL (e.g. shared=redis://host:6379/0), got {spec!r}")
+        raise ConfigError(
+            f"tiers: a tier is NAME=URL (e.g. shared=redis://host:6379/0), got {spec!r}"
+        )
     parts = urlsplit(url)
     query = parse_qsl(parts.query)
     quota = [v for k, v in query if k == "quota"]
@@ -99,6 +102,13 @@ def check(s: Settings) -> None:
             f"cache_state_history must be -1 (keep every state) or more, got "
             f"{s.cache_state_history}"
         )
+    for name in ("cache_dir", "shm_dir"):
+        # Found by review: a file here stopped the engine only once the server had started
+        # ("cache root /etc/passwd/rows is not a directory", exit status 1). One that does not
+        # exist yet is created.
+        root: Path | None = getattr(s, name)
+        if root is not None and root.expanduser().exists() and not root.expanduser().is_dir():
+            raise ConfigError(f"{name} {root} is not a directory")
     tier = save_tier(s)
     if tier == "disk" and s.cache_dir is None:
         raise ConfigError("save_tier is disk but the disk tier is off (cache_dir none)")
@@ -112,6 +122,13 @@ def check(s: Settings) -> None:
     if s.s3_max_attempts < 1:
         raise ConfigError("s3_max_attempts must be >= 1")
     names = [t.name for t in cache_config(s).tiers]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        # Found by review: the engine refused it only once the server had started (exit 1).
+        raise ConfigError(
+            f"tiers: tier {', '.join(twice)} configured twice (the built-in tiers are ram, "
+            "disk with cache_dir, ram_file with shm_dir, s3 with s3_bucket; name another one)"
+        )
     if tier not in names:
         raise ConfigError(f"save_tier {tier} is not a configured tier ({', '.join(names)})")
     if s.s3_bucket is None:

@@ -10,7 +10,7 @@ reach the parsed namespace, so they never override the environment or the config
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic_settings import BaseSettings
@@ -37,9 +37,11 @@ def add_arguments(
     per_model: type[BaseSettings],
     env_prefix: str,
     config_env: str,
+    default: Callable[[str], str] | None = None,
 ) -> None:
     """Add ``--config`` and the flags of ``names`` (fields of ``cls``); those declared by
-    ``per_model`` get a group of their own in ``--help``."""
+    ``per_model`` get a group of their own in ``--help``, each with its default as
+    ``default(name)`` tells it (found by review: ``--help`` showed no defaults)."""
     group = parser.add_argument_group("settings (flags > KVWARM_* env > config file)")
     group.add_argument(
         "--config", default=argparse.SUPPRESS, metavar="PATH", help=f"TOML file (${config_env})"
@@ -49,7 +51,10 @@ def add_arguments(
     )
     for name in names:
         extra = field_extra(cls, name)
-        help_text = f"{cls.model_fields[name].description} (${env_name(cls, name, env_prefix)})"
+        shown = "" if default is None else f"; default: {default(name)}".replace("%", "%%")
+        help_text = (
+            f"{cls.model_fields[name].description} (${env_name(cls, name, env_prefix)}{shown})"
+        )
         target = model_group if name in per_model.model_fields else group
         flags = (flag_name(cls, name), *extra.get("aliases", ()))
         if extra.get("switch"):  # presence means true

@@ -394,6 +394,11 @@ def check_models(settings: Settings) -> None:
     validated as the backends will (``ConfigError``)."""
     if not settings.models and settings.models_dir is None:
         raise ConfigError("at least one model (or a models_dir) is required")
+    models_dir = settings.models_dir
+    if models_dir is not None and not models_dir.expanduser().is_dir():
+        # Found by review: the server started, logged one warning and served no model.
+        what = "is not a directory" if models_dir.expanduser().exists() else "does not exist"
+        raise ConfigError(f"models_dir {models_dir} {what}")
     ids = [m.model_id for m in settings.models]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
@@ -404,6 +409,14 @@ def check_models(settings: Settings) -> None:
     if settings.model_idle_unload_s < 0 or settings.max_loaded_models < 0:
         raise ConfigError("model_idle_unload_s and max_loaded_models must be >= 0")
     check_lora(settings)
+    from kvwarm.backends import BACKEND_NAMES
+
+    for spec in settings.models:
+        backend = spec.backend or settings.backend
+        if backend not in BACKEND_NAMES:
+            # Found by review: the server started and then could load no model (exit 1).
+            which = f"model {spec.model_id}: backend" if spec.backend else "backend"
+            raise ConfigError(f"{which} {backend!r} is not one of {', '.join(BACKEND_NAMES)}")
     for spec in settings.models:
         try:
             cfg = model_config(settings, spec)

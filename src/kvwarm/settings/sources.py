@@ -3,20 +3,40 @@ XDG directories.
 
 Invariant: each reader returns raw values keyed by setting name, for settings the class
 declares; nothing is parsed here (``kvwarm.settings`` parses each value alone, so an error
-names its source). An unknown key in the config file is a ``ConfigError``; unrelated
-environment variables are ignored.
+names its source). An unknown key in the config file is a ``ConfigError``; so is a
+``KVWARM_*`` variable that is a setting's name misspelled (``unknown_env``), and any other
+``KVWARM_*`` variable kvwarm does not read is logged: a typo never silently does nothing.
+Variables without the prefix are other programs'.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from pydantic_settings import BaseSettings, EnvSettingsSource
 
 from kvwarm.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: ``KVWARM_*`` variables read elsewhere than the settings: the default model, the stub
+#: backend's delays (``kvwarm.backends.stub``), the test suite's (``docs/operations.md``,
+#: with every ``KVWARM_TEST_*``).
+OTHER_ENV = frozenset(
+    (
+        "KVWARM_MODEL",
+        "KVWARM_STUB_PREFILL_DELAY_S",
+        "KVWARM_STUB_DECODE_DELAY_S",
+        "KVWARM_GEMMA",
+        "KVWARM_LLAMA_SERVER",
+        "KVWARM_CHROMIUM",
+    )
+)
 
 
 def user_cache_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -86,3 +106,22 @@ def read_env(
     if policy:
         out["policy"] = policy
     return out
+
+
+def unknown_env(env: Mapping[str, str], known: Collection[str], prefix: str) -> None:
+    """Refuse a ``<PREFIX>*`` variable that names no setting but is close to one (a typo:
+    ``KVWARM_N_CTXX``), and log any other that kvwarm does not read. ``known``: the
+    settings' variables, upper case; ``<PREFIX>POLICY_<KEY>`` is checked with the policy."""
+    names = set(known) | OTHER_ENV
+    for var in sorted(env):
+        name = var.upper()
+        if not name.startswith(prefix) or name in names:
+            continue
+        if name.startswith((prefix + "POLICY_", prefix + "TEST_")):
+            continue
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
+        if close:
+            raise ConfigError(
+                f"environment variable {var} is not a kvwarm setting; did you mean {close[0]}?"
+            )
+        log.warning("environment variable %s is not a kvwarm setting; ignored", var)

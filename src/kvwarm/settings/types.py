@@ -78,12 +78,26 @@ def as_str(value: object) -> str:
     return value
 
 
+def _text(value: object, expected: str) -> str:
+    """``value``, a string: the form of a setting of another type in a flag or variable.
+    Found by review: these types said "expected a string, got float" of ``n_ctx = 4096.5`` in
+    a TOML file, and Python's own "invalid literal for int() with base 10" of ``abc``; each
+    now says what it takes and shows what it got."""
+    if not isinstance(value, str):
+        raise ValueError(f"expected {expected}, got {value!r}")
+    return value
+
+
 def as_int(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError("expected an integer, got a boolean")
     if isinstance(value, int):
         return value
-    return int(as_str(value).strip())
+    text = _text(value, "an integer")
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"expected an integer, got {value!r}") from None
 
 
 def as_float(value: object) -> float:
@@ -92,7 +106,14 @@ def as_float(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a number, got a boolean")
     try:
-        number = float(value) if isinstance(value, int | float) else float(as_str(value).strip())
+        if isinstance(value, int | float):
+            number = float(value)
+        else:
+            text = _text(value, "a number").strip()
+            try:
+                number = float(text)
+            except ValueError:
+                raise ValueError(f"expected a number, got {value!r}") from None
     except OverflowError:  # an int past a float's range
         number = math.inf
     if not math.isfinite(number):
@@ -103,7 +124,7 @@ def as_float(value: object) -> float:
 def as_bool(value: object) -> bool:
     if isinstance(value, bool):
         return value
-    text = as_str(value).strip().lower()
+    text = _text(value, "a boolean").strip().lower()
     if text in ("1", "true", "yes", "on"):
         return True
     if text in ("0", "false", "no", "off", ""):
@@ -119,7 +140,7 @@ def as_size(value: object) -> int:
         if value > MAX_SIZE:
             raise ValueError(f"must be at most {MAX_SIZE} bytes (8E), got {value}")
         return value
-    match = _SIZE.match(as_str(value))
+    match = _SIZE.match(_text(value, "a size like 512M or 20G"))
     if match is None:
         raise ValueError(f"expected a size like 512M or 20G, got {value!r}")
     size = float(match.group(1)) * _SCALE[match.group(2).lower()]
@@ -139,6 +160,21 @@ def as_opt_str(value: object) -> str | None:
         return None
     text = as_str(value)
     return text or None
+
+
+def as_key(value: object) -> str | None:
+    """A secret the server checks (``api_key``, ``admin_key``): unset (None), or a string of
+    something. Found by review: an empty value (``KVWARM_API_KEY=`` from a secret that was
+    not filled in) read as unset like any other optional string, and the server then served
+    every model with no key at all, silently."""
+    if value is None:
+        return None
+    if not as_str(value).strip():
+        raise ValueError(
+            "is empty: a key of no characters would let anyone in; give the key, or leave "
+            "the setting out to serve without one"
+        )
+    return str(value)
 
 
 def as_opt_path(value: object) -> Path | None:
@@ -229,7 +265,7 @@ def choice(
     def parse(value: object) -> str:
         if isinstance(value, bool) and synonyms is not None:
             value = "true" if value else "false"
-        text = as_str(value).strip().lower()
+        text = _text(value, f"one of {', '.join(allowed)}").strip().lower()
         text = (synonyms or {}).get(text, text)
         if text not in allowed:
             raise ValueError(f"expected one of {', '.join(allowed)}, got {value!r}")
@@ -368,6 +404,7 @@ Bool = Annotated[bool, BeforeValidator(as_bool)]
 Size = Annotated[int, BeforeValidator(as_size)]
 OptInt = Annotated[int | None, BeforeValidator(as_opt_int)]
 OptStr = Annotated[str | None, BeforeValidator(as_opt_str)]
+Key = Annotated[str | None, BeforeValidator(as_key)]
 OptPath = Annotated[Path | None, BeforeValidator(as_opt_path)]
 OptTier = Annotated[TierName | None, BeforeValidator(as_tier)]
 StrTuple = Annotated[tuple[str, ...], BeforeValidator(as_str_tuple), NoDecode]
