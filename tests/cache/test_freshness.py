@@ -4,6 +4,8 @@ at every note."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from kvwarm.cache.store import chunking
@@ -50,3 +52,36 @@ def test_stale_entries_are_pruned_so_the_table_stays_bounded(clock: _Clock) -> N
         assert len(fresh._at) <= 2 * 100 + 1
     assert fresh.recent("s3", (9_999).to_bytes(8, "little"))
     assert not fresh.recent("s3", (0).to_bytes(8, "little"))
+
+
+class _RemoteTouches:
+    """A tier whose touches wait for ``together`` of them to be in flight at once (a barrier
+    with a timeout: touches made one after another break it), and report which chunks are
+    there."""
+
+    def __init__(self, together: int, gone: set[bytes]) -> None:
+        self._barrier = threading.Barrier(together, timeout=10.0)
+        self._gone = gone
+        self.touched: list[bytes] = []
+        self._lock = threading.Lock()
+
+    def touch_chunk(self, key: bytes) -> bool:
+        self._barrier.wait()
+        with self._lock:
+            self.touched.append(key)
+        return key not in self._gone
+
+
+def test_many_touches_due_at_one_save_go_out_together() -> None:
+    """A long conversation saved after a pause has a touch due for each of its chunks; on s3
+    each is a CopyObject round trip, and made one after another they held the writer thread
+    for seconds (found by review). They go out together; chunks found gone are reported and
+    the others noted fresh."""
+    keys = [bytes([i]) * 32 for i in range(4)]
+    tier = _RemoteTouches(together=4, gone={keys[2]})
+    fresh = Freshness()
+    lost = chunking._refresh(tier, "s3", [*keys, keys[0]], fresh)  # type: ignore[arg-type]
+    assert lost == {keys[2]}
+    assert sorted(tier.touched) == sorted(keys)  # each once, though named twice
+    assert [fresh.recent("s3", k) for k in keys] == [True, True, False, True]
+    assert chunking._refresh(tier, "s3", [keys[0], keys[1]], fresh) == set()  # none due

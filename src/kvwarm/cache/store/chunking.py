@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from kvwarm.cache.counters import Counters
@@ -471,15 +471,39 @@ def _refresh(tier: ChunkAges, name: str, keys: Sequence[bytes], fresh: Freshness
     an earlier row, may be old and unreferenced in the store right now (its manifests
     evicted elsewhere), and a sweep deletes old unreferenced chunks. Touched, it is young
     until the manifest names it. The chunks found gone."""
+    due = [key for key in dict.fromkeys(keys) if not fresh.recent(name, key)]
+    # A remote touch is a round trip (s3: a CopyObject): a long conversation saved after a
+    # pause has a hundred due, which one after another held the writer thread for seconds
+    # and filled its queue (found by review). Several go to a pool of their own (not the
+    # read pools: restores must not wait behind them); the first failure still raises.
+    found = (
+        list(_touch_pool().map(tier.touch_chunk, due))
+        if len(due) > TOUCH_ALONE
+        else [tier.touch_chunk(key) for key in due]
+    )
     lost: set[bytes] = set()
-    for key in dict.fromkeys(keys):
-        if fresh.recent(name, key):
-            continue
-        if tier.touch_chunk(key):
+    for key, there in zip(due, found, strict=True):
+        if there:
             fresh.note(name, key)
         else:
             lost.add(key)
     return lost
+
+
+#: Touches due at one save up to which they are made one after another on the saving thread
+#: (a local tier's are syscalls; a chat's next turn within ``REFRESH_AFTER_S`` has none).
+TOUCH_ALONE = 2
+_TOUCH_WORKERS = 8
+_touch_lock = threading.Lock()
+_touch_executor: ThreadPoolExecutor | None = None
+
+
+def _touch_pool() -> ThreadPoolExecutor:
+    global _touch_executor
+    with _touch_lock:
+        if _touch_executor is None:
+            _touch_executor = ThreadPoolExecutor(_TOUCH_WORKERS, thread_name_prefix="kvwarm-touch")
+        return _touch_executor
 
 
 def _write_chunk(
