@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -27,6 +28,11 @@ _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 1
 _UINT32, _STRING, _ARRAY = 4, 8, 9
 #: ggml's GGML_MAX_DIMS: a tensor of more dimensions is no GGUF llama.cpp reads.
 _MAX_DIMS = 4
+#: ggml's GGML_MAX_NAME: llama.cpp's GGUF reader refuses a tensor name this long or longer.
+_MAX_NAME = 64
+#: The fewest bytes a tensor table entry takes: name length, dimension count, one
+#: dimension, type, offset.
+_MIN_TENSOR_ENTRY = 8 + 4 + 8 + 4 + 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,33 +131,37 @@ class TensorInfo:
     ggml_type: int
 
 
-def read_tensors(f: BinaryIO, size: int, n_tensors: int) -> list[TensorInfo]:
-    """The tensor table at ``f``'s position (where ``read_metadata`` leaves it); ``ValueError``
-    for a table that is not one (a count, name or dimension count past what the file holds)."""
-    if n_tensors > size:
-        raise ValueError("tensor count beyond file")
-    out: list[TensorInfo] = []
+def read_tensors(f: BinaryIO, size: int, n_tensors: int) -> Iterator[TensorInfo]:
+    """The tensor table at ``f``'s position (where ``read_metadata`` leaves it), one entry at
+    a time as it is read, so a table of millions of entries is never held at once;
+    ``ValueError`` for a table that is not one: a count of more entries than the rest of the
+    file could hold, a name of ``GGML_MAX_NAME`` bytes or more (llama.cpp refuses those
+    too; a length up to the file's size had it read that many bytes into one string), a
+    dimension count llama.cpp does not take, or a table cut short."""
+    if n_tensors > max(0, size - f.tell()) // _MIN_TENSOR_ENTRY:
+        raise ValueError(f"tensor count {n_tensors} beyond file")
     for _ in range(n_tensors):
         (n,) = unpack_from_file(f, "<Q")
-        if n > size:
-            raise ValueError("tensor name beyond file")
+        if n >= _MAX_NAME:
+            raise ValueError(f"tensor name of {n} bytes (llama.cpp takes under {_MAX_NAME})")
         raw = f.read(n)
         if len(raw) != n:
             raise ValueError("truncated tensor table")
         (n_dims,) = unpack_from_file(f, "<I")
         if not 1 <= n_dims <= _MAX_DIMS:
-            raise ValueError(f"tensor {raw[:64]!r} has {n_dims} dimensions")
+            raise ValueError(f"tensor {raw!r} has {n_dims} dimensions")
         shape = unpack_from_file(f, f"<{n_dims}Q")
         ggml_type, _offset = unpack_from_file(f, "<IQ")
-        out.append(TensorInfo(raw.decode("utf-8", "replace"), tuple(shape), ggml_type))
-    return out
+        yield TensorInfo(raw.decode("utf-8", "replace"), tuple(shape), ggml_type)
 
 
-def tensors_of(path: str | os.PathLike[str]) -> list[TensorInfo]:
-    """The tensor table of the GGUF file at ``path``; ``ValueError`` if it is not one,
+@contextmanager
+def tensors_of(path: str | os.PathLike[str]) -> Iterator[Iterator[TensorInfo]]:
+    """The tensor table of the GGUF file at ``path``, read as it is iterated (within the
+    ``with``); ``ValueError`` (at the header or while iterating) if it is not one,
     ``OSError`` if it cannot be read."""
     p = Path(path)
     with p.open("rb") as f:
         size = p.stat().st_size
         meta = read_metadata(f, size, ())
-        return read_tensors(f, size, meta.n_tensors)
+        yield read_tensors(f, size, meta.n_tensors)

@@ -265,3 +265,35 @@ def test_replicas_in_processes_publishing_the_same_rows_at_once(
     with Cache(CacheConfig(tiers=(tier,), chunk_tokens=C), background=False) as reader:
         for tokens in ROWS:
             assert _restores(reader, tokens)
+
+
+def test_adopting_a_row_cut_alike_asks_after_no_chunk(
+    remote: TierConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica whose publish finds its key taken by a row naming the chunks its own
+    manifest names (replicas cutting alike) adopts it without a request per chunk: the save
+    has just written or touched them. The merged code asked each chunk's age (a HEAD per
+    chunk on s3) on every such save; a chunk only the row there names is still asked."""
+    asked: list[bytes] = []
+    age = ObjectTier.chunk_age
+
+    def counted(self: ObjectTier, key: bytes) -> float | None:
+        asked.append(key)
+        return age(self, key)
+
+    monkeypatch.setattr(ObjectTier, "chunk_age", counted)
+    with (
+        Cache(_config(remote), background=False) as a,
+        Cache(_config(remote), background=False) as b,
+    ):
+        assert a.save(chunked_request(NS, R1, tier=remote.name), sync=True)
+        assert b.save(chunked_request(NS, R1, tier=remote.name), sync=True)
+        assert asked == []
+        assert _restores(b, R1)
+    # Cut otherwise: the row there names chunks this save's manifest does not.
+    other = CacheConfig(tiers=(remote,), chunk_tokens=C // 2)
+    with Cache(_config(remote), background=False) as c, Cache(other, background=False) as d:
+        assert c.save(chunked_request(NS, R2, tier=remote.name), sync=True)
+        assert d.save(chunked_request(NS, R2, tier=remote.name), sync=True)
+        assert asked, "the chunks only the row there names were not checked"
+        assert _restores(d, R2)

@@ -1,6 +1,8 @@
 """Speculative decoding on the real embedded model (llama.cpp): the verify pass's rows are a
-one-token pass's logits (flash attention on), so greedy and seeded replies, and their logprobs,
-are plain decoding's, token for token, while drafts copied from the prompt are accepted.
+one-token pass's logits (flash attention on) while the KV view is under 512 cells, so greedy
+and seeded replies, and their logprobs, are plain decoding's, token for token, while drafts
+copied from the prompt are accepted; past 512 cells they are not (llama.cpp's split-KV
+kernel for one-token passes).
 Short prompts: prefill is ~200 tokens/s on 2 cores."""
 
 from __future__ import annotations
@@ -102,6 +104,36 @@ def test_a_verify_pass_row_is_a_one_token_pass(model: Model) -> None:
             rows[i] = np.frombuffer(ctx.logits(0), np.float32).copy()
         for i in range(rows_max):
             assert np.array_equal(rows[i], one[i]), f"position {n + i} differs"
+    finally:
+        ctx.close()
+
+
+def test_past_512_cells_a_one_token_pass_is_not_a_verify_row(model: Model) -> None:
+    """Where exactness ends (``docs/internals.md``, "Speculative decoding"): once the KV view
+    holds 512 cells, a one-token pass on two threads takes llama.cpp's split-KV attention,
+    which no pass of several rows takes, so a verify row's logits are no longer a one-token
+    pass's. Below 512 cells they are (the test above). If this starts failing, llama.cpp
+    changed the kernel and speculation may be exact again at any length: say so in the docs."""
+    bmodel = model._bmodel
+    params = ContextParams(n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2, flash_attn="on")
+    ctx = bmodel.new_context(params)
+    try:
+        prompt = (bmodel.tokenize(CODE) * 20)[:300]  # 300 cells in use: a view of 512
+        follow = [prompt[i] for i in range(3)]
+        n = len(prompt)
+        ctx.prefill(0, prompt, 0)
+        ctx.decode([BatchToken(follow[0], n, 0, True)])
+        one = np.frombuffer(ctx.logits(0), np.float32).copy()
+        ctx.seq_rm(0, n, -1)
+        ctx.decode([BatchToken(t, n + i, 0, True) for i, t in enumerate(follow)])
+        row = np.frombuffer(ctx.logits(0), np.float32).copy()
+        assert not np.array_equal(one, row)
+        ctx.seq_rm(0, 200, -1)  # 200 cells: a view of 256, where the two agree again
+        ctx.decode([BatchToken(follow[0], 200, 0, True)])
+        one = np.frombuffer(ctx.logits(0), np.float32).copy()
+        ctx.seq_rm(0, 200, -1)
+        ctx.decode([BatchToken(t, 200 + i, 0, True) for i, t in enumerate(follow)])
+        assert np.array_equal(one, np.frombuffer(ctx.logits(0), np.float32))
     finally:
         ctx.close()
 

@@ -138,37 +138,42 @@ def _check_tensors(path: str, metadata: Mapping[str, str]) -> None:
     ``GGML_ASSERT(ggml_can_mul_mat(a, b))``. A mixture-of-experts weight (``*_exps``) is one
     matrix per expert, so its LoRA tensors have the model's expert count as third dimension;
     every other LoRA tensor is a matrix. Tensors llama.cpp skips (norms) are not checked."""
+    arch = metadata.get("general.architecture", "")
+    experts = metadata.get(f"{arch}.expert_count", "")
     try:
-        tensors = gguf_meta.tensors_of(path)
+        with gguf_meta.tensors_of(path) as tensors:
+            for tensor in tensors:
+                _check_tensor(path, tensor, experts)
     except ValueError as exc:
         raise AdapterError(
             f"adapter {path!r} is not a GGUF file llama.cpp can read: {exc}"
         ) from exc
     except OSError as exc:
         raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
-    arch = metadata.get("general.architecture", "")
-    experts = metadata.get(f"{arch}.expert_count", "")
-    for tensor in tensors:
-        if not tensor.name.endswith((".lora_a", ".lora_b")):
-            continue  # llama.cpp skips norms and refuses any other name itself
-        if tensor.ggml_type not in _LORA_TYPES:
-            raise AdapterError(
-                f"adapter {path!r}: LoRA tensor {tensor.name!r} is of ggml type "
-                f"{tensor.ggml_type}; a LoRA tensor is {', '.join(_LORA_TYPES.values())} "
-                "(as convert_lora_to_gguf.py writes them)"
-            )
-        outer = list(tensor.shape[2:])
-        while outer and outer[-1] == 1:
-            outer.pop()
-        wanted = [int(experts)] if "_exps." in tensor.name and experts.isdigit() else []
-        if outer != wanted:
-            shape = "x".join(map(str, tensor.shape))
-            what = (
-                f"one matrix for each of the model's {wanted[0]} experts"
-                if wanted
-                else "a matrix (two dimensions)"
-            )
-            raise AdapterError(
-                f"adapter {path!r}: LoRA tensor {tensor.name!r} has shape {shape}; it must be "
-                f"{what} (hint: maybe wrong base model?)"
-            )
+
+
+def _check_tensor(path: str, tensor: gguf_meta.TensorInfo, experts: str) -> None:
+    """``_check_tensors`` for one tensor of the table (read as it is checked)."""
+    if not tensor.name.endswith((".lora_a", ".lora_b")):
+        return  # llama.cpp skips norms and refuses any other name itself
+    if tensor.ggml_type not in _LORA_TYPES:
+        raise AdapterError(
+            f"adapter {path!r}: LoRA tensor {tensor.name!r} is of ggml type "
+            f"{tensor.ggml_type}; a LoRA tensor is {', '.join(_LORA_TYPES.values())} "
+            "(as convert_lora_to_gguf.py writes them)"
+        )
+    outer = list(tensor.shape[2:])
+    while outer and outer[-1] == 1:
+        outer.pop()
+    wanted = [int(experts)] if "_exps." in tensor.name and experts.isdigit() else []
+    if outer != wanted:
+        shape = "x".join(map(str, tensor.shape))
+        what = (
+            f"one matrix for each of the model's {wanted[0]} experts"
+            if wanted
+            else "a matrix (two dimensions)"
+        )
+        raise AdapterError(
+            f"adapter {path!r}: LoRA tensor {tensor.name!r} has shape {shape}; it must be "
+            f"{what} (hint: maybe wrong base model?)"
+        )

@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from kvwarm.cache.counters import Counters
@@ -432,20 +432,25 @@ class Freshness:
     """When (monotonic) this process last wrote or touched each chunk of the tiers others
     sweep, so a conversation's saves a turn apart touch its chunks once per
     ``REFRESH_AFTER_S``, not once per save. Thread-safe; pruned of stale entries as it
-    grows."""
+    grows, so it holds at most twice the chunks noted within ``REFRESH_AFTER_S`` (or
+    ``PRUNE_AT``), and a prune comes only after the table has doubled since the last one:
+    a process noting more than ``PRUNE_AT`` chunks within ``REFRESH_AFTER_S`` rebuilt the
+    whole table at every note (found by review)."""
 
     PRUNE_AT = 1 << 16
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._at: dict[tuple[str, bytes], float] = {}
+        self._prune_at = self.PRUNE_AT
 
     def note(self, tier: str, key: bytes) -> None:
         now = time.monotonic()
         with self._lock:
             self._at[(tier, key)] = now
-            if len(self._at) > self.PRUNE_AT:
+            if len(self._at) > self._prune_at:
                 self._at = {k: t for k, t in self._at.items() if now - t < REFRESH_AFTER_S}
+                self._prune_at = max(self.PRUNE_AT, 2 * len(self._at))
 
     def forget(self, tier: str, keys: Iterable[bytes]) -> None:
         """A row naming ``keys`` failed to read (a chunk may be gone: evicted by redis, or
@@ -466,15 +471,39 @@ def _refresh(tier: ChunkAges, name: str, keys: Sequence[bytes], fresh: Freshness
     an earlier row, may be old and unreferenced in the store right now (its manifests
     evicted elsewhere), and a sweep deletes old unreferenced chunks. Touched, it is young
     until the manifest names it. The chunks found gone."""
+    due = [key for key in dict.fromkeys(keys) if not fresh.recent(name, key)]
+    # A remote touch is a round trip (s3: a CopyObject): a long conversation saved after a
+    # pause has a hundred due, which one after another held the writer thread for seconds
+    # and filled its queue (found by review). Several go to a pool of their own (not the
+    # read pools: restores must not wait behind them); the first failure still raises.
+    found = (
+        list(_touch_pool().map(tier.touch_chunk, due))
+        if len(due) > TOUCH_ALONE
+        else [tier.touch_chunk(key) for key in due]
+    )
     lost: set[bytes] = set()
-    for key in dict.fromkeys(keys):
-        if fresh.recent(name, key):
-            continue
-        if tier.touch_chunk(key):
+    for key, there in zip(due, found, strict=True):
+        if there:
             fresh.note(name, key)
         else:
             lost.add(key)
     return lost
+
+
+#: Touches due at one save up to which they are made one after another on the saving thread
+#: (a local tier's are syscalls; a chat's next turn within ``REFRESH_AFTER_S`` has none).
+TOUCH_ALONE = 2
+_TOUCH_WORKERS = 8
+_touch_lock = threading.Lock()
+_touch_executor: ThreadPoolExecutor | None = None
+
+
+def _touch_pool() -> ThreadPoolExecutor:
+    global _touch_executor
+    with _touch_lock:
+        if _touch_executor is None:
+            _touch_executor = ThreadPoolExecutor(_TOUCH_WORKERS, thread_name_prefix="kvwarm-touch")
+        return _touch_executor
 
 
 def _write_chunk(

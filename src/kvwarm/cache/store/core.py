@@ -27,12 +27,13 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from kvwarm.buffers import grown
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.explain import MissReason
-from kvwarm.cache.index.index import Index
+from kvwarm.cache.index.index import STATE_KINDS, Index
 from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, SyncsDeletes, Tier
 from kvwarm.cache.store.chunking import Freshness, HoldRoom, store_row
 from kvwarm.cache.store.quota import QuotaCaps
@@ -128,6 +129,8 @@ class CacheCore:
         # rescans skip them, only discovery adopts them again
         self._warned_unreadable: set[TierName] = set()
         self.fresh = Freshness()  # chunks of swept tiers this process wrote or touched, when
+        # When a save last found each local tier this process's alone (``swept_elsewhere``).
+        self._sole_at: dict[TierName, float] = {}
 
     def shared_tiers(self) -> list[Tier]:
         """Tiers other processes may publish into: worth probing on a miss."""
@@ -336,6 +339,35 @@ class CacheCore:
         set_quota(quota_bytes)
         self.enforce_quota(tier)
 
+    #: A save asks whether a local tier is still this process's alone at most this often
+    #: (``swept_elsewhere``): the answer lists the directory's registry of processes
+    #: (``cotenants.py``: an open, two getdents, ten syscalls, ~10 us), which every save to
+    #: a local disk or ram_file tier did once reused chunks came to be touched (found by
+    #: review: mergerev2). Once another process is seen the answer is sticky, and free.
+    SOLE_RECHECK_S = 1.0
+
+    def swept_elsewhere(self, tier: Tier) -> bool:
+        """Whether another process may sweep ``tier``'s chunks, so a save touches those it
+        reuses (``chunking.Freshness``). For a local tier found this process's alone, the
+        answer may be up to ``SOLE_RECHECK_S`` old. While this process is alone every chunk
+        its index holds is named by a manifest of its own, which a sweep spares; a save in
+        that second names a swept chunk only if a process that registered within it has
+        also evicted those manifests and swept their chunks, and that row then reads as a
+        miss (forgotten), never a wrong restore. ``retire`` still asks afresh before it
+        deletes a chunk."""
+        if not tier.capabilities.shared:
+            return False
+        if not tier.capabilities.local:
+            return True
+        now = time.monotonic()
+        at = self._sole_at.get(tier.name)
+        if at is not None and now - at < self.SOLE_RECHECK_S:
+            return False
+        if not self.sole_user(tier):
+            return True
+        self._sole_at[tier.name] = now
+        return False
+
     def remember_unreadable(self, row: StoredRow, detail: str) -> None:
         info = row.info
         self.index.history.gone(
@@ -346,8 +378,12 @@ class CacheCore:
         """A recurrent or hybrid model's state was just published in ``tier``: retire the
         states of its conversation it makes needless (``Index.retention_victims``). Only in
         a local tier this process alone writes: elsewhere another process's conversations
-        may extend a row this index does not know to be shared."""
-        if keep < 0 or not tier.capabilities.local or not self.sole_user(tier):
+        may extend a row this index does not know to be shared. A row of any other memory
+        has no states to retire: asked first, so a save of one does not list a local
+        tier's registry of processes (``sole_user``) for nothing (found by review)."""
+        if keep < 0 or row.info.memory not in STATE_KINDS:
+            return
+        if not tier.capabilities.local or not self.sole_user(tier):
             return
         victims = self.index.retention_victims(row.info.key, keep)
         if victims:
@@ -380,7 +416,7 @@ class CacheCore:
         counters = self.counters if count_chunks else None
         hold = None if tier.capabilities.persistent else self._holder(tier)
         # Other processes sweep its chunks: reused ones are touched before a manifest.
-        fresh = self.fresh if tier.capabilities.shared and not self.sole_user(tier) else None
+        fresh = self.fresh if self.swept_elsewhere(tier) else None
         try:
             return store_row(
                 key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold,
