@@ -127,3 +127,31 @@ def test_check_cells_refuses(
 ) -> None:
     with pytest.raises(StateRestoreError):
         check_cells(blob, caches=caches, recurrent=recurrent, n_ctx=16)
+
+
+def _layers(positions: list[int], units: list[int], *, v_trans: bool = False) -> bytes:
+    """One KV cache of ``positions``' cells and a layer per unit: K rows of ``unit`` bytes,
+    and V rows alike or (``v_trans``) ``unit`` elements of 2 bytes per cell."""
+    n = len(positions)
+    meta = b"".join(struct.pack("<iIi", p, 1, 0) for p in positions)
+    k = b"".join(struct.pack("<iQ", 1, u) + bytes(u * n) for u in units)
+    if v_trans:
+        v = b"".join(struct.pack("<iII", 1, 2, u) + bytes(2 * u * n) for u in units)
+    else:
+        v = b"".join(struct.pack("<iQ", 1, u) + bytes(u * n) for u in units)
+    return struct.pack("<II", 1, n) + meta + struct.pack("<II", int(v_trans), len(units)) + k + v
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+@pytest.mark.parametrize("units", [[4, 4, 4], [4, 8, 4], [8, 4, 4, 4]])
+def test_check_cells_finds_the_second_cache_behind_layers_of_any_shapes(
+    units: list[int], v_trans: bool
+) -> None:
+    """Sections of one shape are checked together, any other layout section by section: both
+    must find where the first cache ends, or the second's cells go unchecked."""
+    first = _layers([0, 1, 2], units, v_trans=v_trans)
+    check_cells(_blob(first, _cache([1, 2])), caches=2, recurrent=False, n_ctx=16)
+    with pytest.raises(StateRestoreError):
+        check_cells(_blob(first, _cache([-5, -4])), caches=2, recurrent=False, n_ctx=16)
+    with pytest.raises(StateRestoreError, match="ends inside"):
+        check_cells(_blob(first[:-1]), caches=1, recurrent=False, n_ctx=16)

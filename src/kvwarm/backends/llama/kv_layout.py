@@ -269,8 +269,10 @@ def check_cells(blob: U8, *, caches: int, recurrent: bool, n_ctx: int) -> None:
         at += 8
         if not n_cells:
             continue
-        length = _stream_bytes(blob, at, n_cells)
+        if at + n_cells * CELL > size:
+            raise StateRestoreError(f"KV blob of {size} bytes cannot hold {n_cells} cells")
         first, _ = _cell_order(blob[at : at + n_cells * CELL], n_cells)
+        length = _stream_bytes(blob, at, n_cells, meta_checked=True)
         if first + n_cells > n_ctx:
             raise StateRestoreError(
                 f"KV cache {cache} of the blob holds positions up to {first + n_cells - 1}, "
@@ -358,25 +360,51 @@ def _restream(blob: U8, caches: int, n_stream: int, *, from_streams: int | None)
     return b"".join(parts)
 
 
-def _stream_bytes(blob: U8, at: int, n_cells: int) -> int:
-    """The length of one stream's cells (metadata, then every K and V section) from ``at``."""
+def _stream_bytes(blob: U8, at: int, n_cells: int, *, meta_checked: bool = False) -> int:
+    """The length of one stream's cells (metadata, then every K and V section) from ``at``;
+    ``meta_checked``: the caller has found the cells one sequence's (``_cell_order``)."""
     raw = blob.data
     size = blob.size
     end = at + n_cells * CELL
     if end + _PAIR.size > size:
         raise StateRestoreError(f"KV blob of {size} bytes cannot hold {n_cells} cells")
     meta = blob[at:end].view("<i4").reshape(n_cells, 3)
-    if not np.all(meta[:, 1] == 1) or not np.all(meta[:, 2] == meta[0, 2]):
+    if not meta_checked and (not np.all(meta[:, 1] == 1) or not np.all(meta[:, 2] == meta[0, 2])):
         raise StateRestoreError("KV blob cells are not one sequence's (or carry extra data)")
     v_trans, n_layer = _PAIR.unpack_from(raw, end)
     if v_trans not in (0, 1) or not 1 <= n_layer <= MAX_LAYERS:
         raise StateRestoreError(f"KV blob has v_trans={v_trans}, n_layer={n_layer}")
     end += _PAIR.size
-    for i in range(2 * n_layer):
-        if end + _SECTION_HEAD > size:
-            raise StateRestoreError(f"KV blob ends inside the header of section {i}")
-        section = _section(raw, end, i, transposed=v_trans == 1 and i >= n_layer)
-        end += _SECTION_HEAD + n_cells * section.cell_bytes
-        if end > size:
-            raise StateRestoreError(f"KV blob ends inside section {i}")
+    for first in (0, n_layer):  # the K sections, then the V sections
+        trans = v_trans == 1 and first > 0
+        end = _sections_end(blob, end, first, n_layer, n_cells, transposed=trans)
     return end - at
+
+
+def _sections_end(
+    blob: U8, at: int, first: int, count: int, n_cells: int, *, transposed: bool
+) -> int:
+    """Where ``count`` sections of ``n_cells`` cells from ``at`` end (sections ``first..``),
+    every header read and checked. Sections of one shape, as a model's layers mostly are, are
+    checked together: their headers, one section's length apart, all equal to the first's
+    (which is checked as any); a walk of one Python step a section cost ~1 us each, 36 of
+    every Gemma restore's ~47 us in this check. Any other layout is walked section by
+    section, with each section's own error."""
+    raw = blob.data
+    size = blob.size
+    if count > 1 and at + _SECTION_HEAD <= size:
+        head = _section(raw, at, first, transposed=transposed)
+        step = _SECTION_HEAD + n_cells * head.cell_bytes
+        if at + count * step <= size:
+            # numpy checks these strides against the buffer's length
+            heads = np.ndarray((count, _SECTION_HEAD), np.uint8, raw, at, (step, 1))
+            if bool((heads == heads[0]).all()):
+                return at + count * step
+    for i in range(first, first + count):
+        if at + _SECTION_HEAD > size:
+            raise StateRestoreError(f"KV blob ends inside the header of section {i}")
+        section = _section(raw, at, i, transposed=transposed)
+        at += _SECTION_HEAD + n_cells * section.cell_bytes
+        if at > size:
+            raise StateRestoreError(f"KV blob ends inside section {i}")
+    return at
