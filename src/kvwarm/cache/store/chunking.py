@@ -225,16 +225,13 @@ def store_row(
             for i, part in enumerate(parts, start=first):
                 if keys[i] in need:
                     _write_chunk(tier, index, counters, ns, keys[i], chain[i][0], tokens[
-                        bounds[i] : bounds[i + 1]], part)  # fmt: skip
-                    if fresh is not None:
-                        fresh.note(tier.name, keys[i])
+                        bounds[i] : bounds[i + 1]], part, fresh)  # fmt: skip
             if rest is not None:
                 rest_bounds = rest.bounds()
                 for i, part in rest_parts:
+                    span = tokens[rest_bounds[i] : rest_bounds[i + 1]]
                     _write_chunk(tier, index, counters, ns, rest.keys[i], rest.parents[i],
-                                 tokens[rest_bounds[i] : rest_bounds[i + 1]], part)  # fmt: skip
-                    if fresh is not None:
-                        fresh.note(tier.name, rest.keys[i])
+                                 span, part, fresh)  # fmt: skip
             if fresh is not None and isinstance(tier, ChunkAges):
                 lost = _refresh(tier, tier.name, pinned, fresh)
                 for i, k in enumerate(keys):
@@ -242,8 +239,7 @@ def store_row(
                         index.chunk_lost(tier.name, k)
                         [part] = split(request.payload, bounds[i : i + 2])
                         _write_chunk(tier, index, counters, ns, k, chain[i][0], tokens[
-                            bounds[i] : bounds[i + 1]], part)  # fmt: skip
-                        fresh.note(tier.name, k)
+                            bounds[i] : bounds[i + 1]], part, fresh)  # fmt: skip
                         lost.discard(k)
                 if lost:
                     for gone in lost:
@@ -515,13 +511,17 @@ def _write_chunk(
     parent: bytes,
     tokens: Sequence[int],
     part: bytes,
+    fresh: Freshness | None,
 ) -> None:
-    """One chunk of ``tokens`` after ``parent`` through the tier's publish, under ``key``."""
+    """One chunk of ``tokens`` after ``parent`` through the tier's publish, under ``key``;
+    noted in ``fresh`` (a tier others sweep) as written now."""
     made, head = build_head(ns, parent, tokens, part)
     if made != key:  # the plan and the head disagree: a bug, never a mislabelled chunk
         raise ValueError(f"chunk {key.hex()} would be stored under {made.hex()}")
     stored = tier.store_chunk(key, head, part)
     index.chunk_stored(tier.name, key, stored)
+    if fresh is not None:
+        fresh.note(tier.name, key)
     if counters is not None:
         counters.incr("chunks_written")
         counters.incr("chunk_bytes_written", stored)

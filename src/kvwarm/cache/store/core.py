@@ -248,9 +248,10 @@ class CacheCore:
         finally:
             # Their manifests are gone: the chunks they named may go (the index held them
             # back from every retire until now), and their keys may be indexed again.
-            self.index.retired([r for r in rows if all(r is not k for k in kept)])
+            held = {id(k) for k in kept}
+            rows = [r for r in rows if id(r) not in held]
+            self.index.retired(rows)
             self.index.unretire(kept)
-        rows = [r for r in rows if all(r is not k for k in kept)]
         sole: dict[TierName, bool] = {}
         synced: set[TierName] = set()
         for chunk in self.index.take_freed_chunks():

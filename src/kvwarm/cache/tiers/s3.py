@@ -117,10 +117,15 @@ class S3Store:
         )
 
     def set_meta(self, name: str, meta: Mapping[str, str]) -> None:
+        self._copy_onto_itself(name, meta, "set metadata")
+
+    def _copy_onto_itself(self, name: str, meta: Mapping[str, str], what: str) -> None:
+        """A server-side copy of ``name`` onto itself with ``meta`` as its user metadata:
+        the bytes never leave the store, and S3 stamps a new ``LastModified``."""
         key = self._key(name)
         source = {"Bucket": self._cfg.bucket, "Key": key}
         self.wire.call(
-            f"set metadata {key}",
+            f"{what} {key}",
             lambda: self.wire.client.copy_object(
                 Bucket=self._cfg.bucket,
                 Key=key,
@@ -136,19 +141,8 @@ class S3Store:
         the copy (an S3-compatible one, a policy without it) leaves the time as it is: the
         object is only checked to be there (warned once; the sweep's grace must then cover
         the chunk's whole life, as before touches)."""
-        key = self._key(name)
-        source = {"Bucket": self._cfg.bucket, "Key": key}
         try:
-            self.wire.call(
-                f"touch {key}",
-                lambda: self.wire.client.copy_object(
-                    Bucket=self._cfg.bucket,
-                    Key=key,
-                    CopySource=source,
-                    Metadata={},
-                    MetadataDirective="REPLACE",
-                ),
-            )
+            self._copy_onto_itself(name, {}, "touch")
         except CacheKeyError:
             return False
         except CacheNetworkError:
