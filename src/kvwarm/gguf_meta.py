@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +119,108 @@ def metadata_of(path: str | os.PathLike[str], keys: Collection[str]) -> dict[str
     p = Path(path)
     with p.open("rb") as f:
         return read_metadata(f, p.stat().st_size, keys).values
+
+
+#: ``struct`` formats of the fixed-size GGUF value types, for the values ``read_values`` decodes.
+_SCALAR_FORMATS = {
+    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
+}  # fmt: skip
+
+#: What ``read_values`` gives for a value: a number, a string's bytes, or an array of either.
+Value = int | float | bool | bytes | list[int] | list[float] | list[bool] | list[bytes]
+
+
+def read_values(
+    f: BinaryIO, size: int, wanted: Callable[[str], bool]
+) -> tuple[Metadata, dict[str, Value]]:
+    """Walk ``f``'s GGUF header as ``read_metadata`` does, decoding the value of every key
+    ``wanted`` says yes to, whatever its type (strings as bytes, arrays as lists; an array
+    of arrays is skipped); every other value is skipped by its declared size. ``ValueError``
+    if it is not a GGUF header (a length past the file's end included). Bounded by the
+    file: no string or array longer than the file is read."""
+
+    def read(fmt: str) -> tuple[int, ...]:
+        return unpack_from_file(f, fmt)
+
+    def read_string() -> bytes:
+        (n,) = read("<Q")
+        if n > size:
+            raise ValueError("string length beyond file")
+        raw = f.read(n)
+        if len(raw) != n:
+            raise ValueError("truncated header")
+        return raw
+
+    def read_value(vtype: int) -> Value | None:
+        if vtype in _SCALAR_FORMATS:
+            return read("<" + _SCALAR_FORMATS[vtype])[0]
+        if vtype == _STRING:
+            return read_string()
+        if vtype != _ARRAY:
+            raise ValueError(f"unknown metadata type {vtype}")
+        (etype,) = read("<I")
+        (count,) = read("<Q")
+        if etype in _SCALAR_FORMATS:
+            width = _SCALAR_SIZES[etype]
+            if width * count > size:
+                raise ValueError("array beyond file")
+            raw = f.read(width * count)
+            if len(raw) != width * count:
+                raise ValueError("truncated header")
+            return list(struct.unpack(f"<{count}{_SCALAR_FORMATS[etype]}", raw))
+        if etype == _STRING:
+            if count * 8 > size:
+                raise ValueError("array beyond file")
+            return [read_string() for _ in range(count)]
+        if count > size:
+            raise ValueError("array beyond file")
+        for _ in range(count):
+            skip_value(etype)
+        return None
+
+    def skip_value(vtype: int) -> None:
+        if vtype in _SCALAR_SIZES:
+            f.seek(_SCALAR_SIZES[vtype], os.SEEK_CUR)
+        elif vtype == _STRING:
+            f.seek(_string_length(), os.SEEK_CUR)
+        elif vtype == _ARRAY:
+            (etype,) = read("<I")
+            (count,) = read("<Q")
+            if etype in _SCALAR_SIZES:
+                if _SCALAR_SIZES[etype] * count > size:
+                    raise ValueError("array beyond file")
+                f.seek(_SCALAR_SIZES[etype] * count, os.SEEK_CUR)
+            else:
+                if count > size:
+                    raise ValueError("array beyond file")
+                for _ in range(count):
+                    skip_value(etype)
+        else:
+            raise ValueError(f"unknown metadata type {vtype}")
+
+    def _string_length() -> int:
+        (n,) = read("<Q")
+        if n > size:
+            raise ValueError("string length beyond file")
+        return int(n)
+
+    if f.read(4) != MAGIC:
+        raise ValueError("bad magic")
+    (version,) = read("<I")
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported")
+    n_tensors, n_kv = read("<QQ")
+    values: dict[str, Value] = {}
+    for _ in range(n_kv):
+        key = read_string().decode("utf-8", "replace")
+        (vtype,) = read("<I")
+        if wanted(key):
+            value = read_value(vtype)
+            if value is not None:
+                values[key] = value
+        else:
+            skip_value(vtype)
+    return Metadata(version, n_tensors, {}), values
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from kvwarm.backends.base import (
 )
 from kvwarm.backends.chat_template import render_chat
 from kvwarm.backends.lifetime import Lifetime
+from kvwarm.backends.llama import model_file
 from kvwarm.backends.llama import native as _native
 from kvwarm.backends.llama import params as llama_params
 from kvwarm.backends.llama.adapter import LlamaAdapter
@@ -132,6 +133,7 @@ class LlamaModel:
         if not Path(path).is_file():
             raise ModelNotFoundError(f"no model file at {path!r}")
         check_gguf_magic(path)  # before llama.cpp parses it (issue 23)
+        model_file.check_path(path)  # metadata llama.cpp would abort the process on
         lib = _native.lib()
         self._lib = lib
         self._params = params
