@@ -125,6 +125,10 @@ class Model:
         self.policy = policy
         self.save_tier: TierName = save_tier
         self._state: ModelState = "loading"
+        # Held through unload(): a second caller returns once the model is closed, not while
+        # the first is still saving and freeing it (found by review: Engine.close then closed
+        # the cache under this model's shutdown saves). Re-entrant for a callback inside it.
+        self._unload_lock = threading.RLock()
         mode = parse_mode(cfg.fingerprint_mode)
         self.fingerprint_mode = mode
         self.backend = get_backend(backend_spec) if isinstance(backend_spec, str) else backend_spec
@@ -901,22 +905,25 @@ class Model:
         ).result()
 
     def unload(self, timeout_s: float | None = None) -> None:
-        """Cancel queued and running requests, save live KV (bounded), free native state."""
-        if self._state in ("unloading", "closed"):
-            return
-        self._state = "unloading"
-        limit = timeout_s if timeout_s is not None else self.policy.evict_save_timeout_ms / 1e3
-        try:
-            if not _teardown(self._worker, self._native(), limit):
-                log.warning(
-                    "model %s: the worker did not stop within %.1f s; its native state is "
-                    "freed when it does",
-                    self.id,
-                    limit,
-                )
-        finally:
-            self._state = "closed"
-            self._engine._forget(self.id)
+        """Cancel queued and running requests, save live KV (bounded), free native state.
+        Idempotent and thread-safe: a call while another thread unloads the model returns
+        once that unload has finished."""
+        with self._unload_lock:
+            if self._state in ("unloading", "closed"):
+                return
+            self._state = "unloading"
+            limit = timeout_s if timeout_s is not None else self.policy.evict_save_timeout_ms / 1e3
+            try:
+                if not _teardown(self._worker, self._native(), limit):
+                    log.warning(
+                        "model %s: the worker did not stop within %.1f s; its native state is "
+                        "freed when it does",
+                        self.id,
+                        limit,
+                    )
+            finally:
+                self._state = "closed"
+                self._engine._forget(self.id)
 
     def __enter__(self) -> Model:
         """``with engine.load_model(...) as model:`` unloads it at the block's end."""
