@@ -90,6 +90,14 @@ def _missing_specials(lib: Any, vocab: object, n_vocab: int) -> str:
     return " and ".join(name for name, token in needed if not 0 <= token < n_vocab)
 
 
+def _text_capacity(n_tokens: int) -> int:
+    """The first buffer detokenize offers for ``n_tokens``: ~8 bytes a token, never past
+    what llama_detokenize's int32 length takes. Found by review: ``n * 8 + 16`` passed
+    2**31 from ~268M tokens and ctypes wrapped it negative; a text longer than the cap is
+    llama.cpp's INT32_MIN answer, a typed error."""
+    return min(n_tokens * 8 + 16, _MAX_TEXT)
+
+
 class LlamaBackend:
     """Factory of llama.cpp models (``name == 'llama_cpp'``)."""
 
@@ -312,11 +320,16 @@ class LlamaModel:
     def detokenize(
         self, tokens: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False
     ) -> str:
+        if len(tokens) > _MAX_TEXT:
+            # llama_detokenize takes the count as an int32, which ctypes would wrap.
+            raise InvalidRequestError(
+                f"{len(tokens)} tokens are more than one detokenize takes", param="tokens"
+            )
         _checks.check_tokens(tokens, self._n_vocab)
         if not tokens:
             return ""
         arr = (ctypes.c_int32 * len(tokens))(*tokens)
-        capacity = len(tokens) * 8 + 16
+        capacity = _text_capacity(len(tokens))
         with self._life.using():
             for _ in range(3):
                 buf = ctypes.create_string_buffer(capacity)
