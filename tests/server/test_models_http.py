@@ -7,11 +7,14 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from kvwarm.engine.engine import Engine
+from kvwarm.engine.model import Model
 from kvwarm.errors import ConfigError
 from kvwarm.server import create_app
 from kvwarm.settings import ModelSpec
@@ -138,6 +141,38 @@ def test_a_projector_or_part_swapped_for_a_symlink_after_the_scan_is_refused(
             refused = client.post("/v1/completions", json={**BODY, "model": model})
             assert _code(refused) == (503, "model_load_failed"), refused.json()
             assert "symlinks are refused" in refused.json()["error"]["message"]
+
+
+def test_a_file_swapped_for_a_symlink_after_the_check_is_not_what_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by review: the model, its parts and its projector were checked, then opened by
+    # name (by llama.cpp) later; a symlink swapped in between was followed out of the
+    # directory. Now each is opened once, without following links, and read through that.
+    d = tmp_path / "models"
+    d.mkdir()
+    outside = tmp_path / "secret.gguf"
+    outside.write_bytes(b"GGUF not in the directory")
+    for name in ("eye.gguf", "mmproj-eye.gguf"):
+        (d / name).write_bytes(b"GGUF stub " + name.encode())
+    real_load = Engine.load_model
+    read: dict[str, bytes] = {}
+
+    def swap_then_load(self: Engine, path: object = None, **kw: Any) -> Model:
+        for name in ("eye.gguf", "mmproj-eye.gguf"):  # after the check, before the open
+            (d / name).unlink()
+            os.symlink(outside, d / name)
+        read["model"] = Path(str(path)).read_bytes()
+        read["projector"] = Path(str(kw["config"].mmproj)).read_bytes()
+        return real_load(self, path, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Engine, "load_model", swap_then_load)
+    with TestClient(create_app(stub_settings(models=(), models_dir=d))) as client:
+        wait_ready(client.get)
+        assert client.post("/v1/completions", json={**BODY, "model": "eye"}).status_code == 200
+        shown = client.get("/v1/models/eye").json()
+    assert read == {"model": b"GGUF stub eye.gguf", "projector": b"GGUF stub mmproj-eye.gguf"}
+    assert shown["meta"]["path"] == str(d / "eye.gguf")  # shown by its name in the directory
 
 
 def test_a_load_by_path_never_takes_the_name_of_an_alias_or_an_adapter(tmp_path: Path) -> None:
