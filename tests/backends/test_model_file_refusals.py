@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from tests.childkit import assert_case_ok
-from tests.tinymodels import N_VOCAB, write_reranker
+from tests.tinymodels import N_VOCAB, write_reranker, write_tiny_projector
 
 from kvwarm.backends.llama import model_file
 from kvwarm.errors import ModelLoadError
@@ -162,3 +162,57 @@ print("CASE-OK")
 @pytest.mark.model
 def test_an_engine_load_of_each_is_a_typed_error(hostile: dict[str, Path]) -> None:
     assert_case_ok("-c", _ENGINE, *(str(hostile[name]) for name in sorted(CASES)), timeout=300)
+
+
+#: Projectors: name: (byte edits, what the refusal says). Each aborted mtmd's load (its
+#: encoder graph, built at load).
+PROJECTOR_CASES = {
+    "image-smaller-than-a-patch": ((("clip.vision.image_size", 0),), "smaller than one patch"),
+    "no-heads": ((("clip.vision.attention.head_count", 0),), "does not divide"),
+    "heads-not-dividing-the-width": (
+        (("clip.vision.attention.head_count", 3),), "does not divide",
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hostile_projectors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    directory = tmp_path_factory.mktemp("projectors")
+    out = {}
+    for name, (edits, _) in PROJECTOR_CASES.items():
+        path = write_tiny_projector(directory / f"{name}.gguf", 576)  # SmolLM2's width
+        for key, value in edits:
+            _patch_u32(path, key, value)
+        out[name] = path
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(PROJECTOR_CASES))
+def test_the_check_refuses_the_projector(hostile_projectors: dict[str, Path], name: str) -> None:
+    with pytest.raises(ModelLoadError, match=PROJECTOR_CASES[name][1]):
+        model_file.check_path(hostile_projectors[name])
+
+
+_PROJECTOR = """
+import sys
+from kvwarm.backends.base import ProjectorParams
+from kvwarm.backends.llama import LlamaBackend
+from kvwarm.embedded import default_model_path
+from kvwarm.errors import ModelLoadError
+model = LlamaBackend().load_model(str(default_model_path()))
+for path in sys.argv[1:]:
+    print("loading", path, flush=True)
+    try:
+        model.load_projector(path, ProjectorParams()).close()
+    except ModelLoadError as exc:
+        print("refused:", exc, flush=True)
+        continue
+    raise SystemExit(f"{path} loaded")
+print("CASE-OK")
+"""
+
+
+@pytest.mark.model
+def test_a_projector_load_of_each_is_a_typed_error(hostile_projectors: dict[str, Path]) -> None:
+    paths = [str(hostile_projectors[name]) for name in sorted(PROJECTOR_CASES)]
+    assert_case_ok("-c", _PROJECTOR, *paths, timeout=300)

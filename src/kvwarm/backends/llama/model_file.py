@@ -9,6 +9,11 @@ llama.cpp (0.3.36), found by loading hostile files in a child process
 (``tests/backends/test_model_file_refusals.py``); the rule is llama.cpp's own condition, so
 every file it loads without aborting still passes.
 
+Projectors (``general.architecture`` ``clip``) get the few generic rules of ``_clip_problem``.
+Not covered, known: clip.cpp has per-projector-type asserts on its own keys and reads many
+tensors as optional and then dereferences them (a ``gemma3`` projector relabelled ``mlp``
+crashed the process, SIGSEGV, at load); mirroring every type is not done here.
+
 Invariant: ``check`` reads only the key/value section, bounded by the file's size
 (``gguf_meta.read_values``), and raises ``ModelLoadError`` naming the key at fault.
 """
@@ -117,7 +122,7 @@ def check(f: BinaryIO, size: int, name: str) -> None:
         return  # gguf.cpp refuses what this walk cannot read: its refusal, not an abort
     problem = _problem(values)
     if problem:
-        raise ModelLoadError(f"{name} is a model llama.cpp cannot load safely: {problem}")
+        raise ModelLoadError(f"{name} is a GGUF file llama.cpp cannot load safely: {problem}")
 
 
 def check_path(path: str | os.PathLike[str]) -> None:
@@ -151,9 +156,29 @@ def _text(value: object) -> str | None:
 
 def _problem(values: dict[str, gguf_meta.Value]) -> str:
     arch = _text(values.get("general.architecture"))
-    if arch is None or arch == "clip":
-        return ""  # no model llama.cpp would build (a projector is mtmd's)
+    if arch is None:
+        return ""  # no model llama.cpp would build: it refuses the file itself
+    if arch == "clip":
+        return _clip_problem(values)
     return _hparams_problem(arch, values) or _vocab_problem(values)
+
+
+def _clip_problem(values: dict[str, gguf_meta.Value]) -> str:
+    """A projector (mtmd's ``clip.cpp``) whose encoder graph asserts when mtmd builds it at
+    load: heads that do not divide the encoder's width (a reshape), an image smaller than
+    one patch (a convolution of no output). Only these generic rules: clip.cpp's checks of
+    each projector type's own keys and tensors are not mirrored (see the module doc)."""
+    for tower in ("vision", "audio"):
+        k = f"clip.{tower}."
+        n_embd = _int(values.get(k + "embedding_length"))
+        n_head = _int(values.get(k + "attention.head_count"))
+        if n_embd and n_head is not None and (n_head == 0 or n_embd % n_head):
+            return f"{k}attention.head_count ({n_head}) does not divide its width ({n_embd})"
+    image = _int(values.get("clip.vision.image_size"))
+    patch = _int(values.get("clip.vision.patch_size"))
+    if image is not None and patch and image < patch:
+        return f"clip.vision.image_size ({image}) is smaller than one patch ({patch})"
+    return ""
 
 
 def _hparams_problem(arch: str, values: dict[str, gguf_meta.Value]) -> str:
