@@ -313,7 +313,18 @@ class LlamaModel:
                 if n == _INT32_MIN:
                     raise InvalidRequestError("tokenization overflowed int32", param="prompt")
                 if n >= 0:
-                    return list(buf[:n])
+                    tokens = list(buf[:n])
+                    if tokens and not 0 <= min(tokens) <= max(tokens) < self._n_vocab:
+                        # Found by review: an RWKV vocabulary without a token for some text
+                        # gave -1 (LLAMA_TOKEN_NULL) for it, refused later as "token id -1",
+                        # a token the caller never sent.
+                        bad = next(t for t in tokens if not 0 <= t < self._n_vocab)
+                        raise InvalidRequestError(
+                            f"this model's tokenizer cannot spell the text (it gave token "
+                            f"{bad}, outside its vocabulary of {self._n_vocab})",
+                            param="prompt",
+                        )
+                    return tokens
                 capacity = -n
         raise InvalidRequestError("tokenizer kept asking for a larger buffer", param="prompt")
 
