@@ -20,9 +20,9 @@ Invariant: ``check`` reads only the key/value section, bounded by the file's siz
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Sequence
-from typing import BinaryIO
 
 from kvwarm import gguf_meta
 from kvwarm.errors import ModelLoadError
@@ -108,16 +108,31 @@ _BYTE = 6
 _HUNYUAN_ZEROED = frozenset({"hunyuan_vl", "hunyuan-dense"})
 
 
+#: The keys the rules read: these whole, and any architecture's keys ending so.
+_KEYS = frozenset({
+    "general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type", "clip.vision.image_size", "clip.vision.patch_size",
+    *(f"clip.{tower}.{key}" for tower in ("vision", "audio")
+      for key in ("embedding_length", "attention.head_count")),
+})  # fmt: skip
+_ARCH_KEYS = frozenset({
+    "block_count", "nextn_predict_layers", "expert_count", "expert_used_count",
+    "expert_group_count", "expert_group_used_count", "rope.scaling.type",
+    "rope.dimension_count", "attention.key_length", "embedding_length",
+    "attention.head_count", "posnet.block_count", "convnext.block_count",
+})  # fmt: skip
+
+
 def _wanted(key: str) -> bool:
-    return key.startswith(("general.", "tokenizer.ggml.")) or "." in key
+    return key in _KEYS or key.partition(".")[2] in _ARCH_KEYS
 
 
-def check(f: BinaryIO, size: int, name: str) -> None:
-    """``ModelLoadError`` if the model GGUF open in ``f`` (at its start, ``size`` bytes) is
-    one the pinned llama.cpp would abort the process on; nothing for a file that is not a
-    GGUF at all (llama.cpp refuses those itself). ``name`` is what the error calls it."""
+def check(buf: gguf_meta.Buffer, name: str) -> None:
+    """``ModelLoadError`` if the GGUF whose bytes are ``buf`` is one the pinned llama.cpp
+    would abort the process on; nothing for a file that is not a GGUF at all (llama.cpp
+    refuses those itself). ``name`` is what the error calls it."""
     try:
-        _, values = gguf_meta.read_values(f, size, _wanted)
+        values = gguf_meta.read_values(buf, _wanted)
     except ValueError:
         return  # gguf.cpp refuses what this walk cannot read: its refusal, not an abort
     problem = _problem(values)
@@ -126,12 +141,15 @@ def check(f: BinaryIO, size: int, name: str) -> None:
 
 
 def check_path(path: str | os.PathLike[str]) -> None:
-    """``check`` of the file at ``path``; a file that cannot be read is left to llama.cpp."""
+    """``check`` of the file at ``path`` (mapped, not read); a file that cannot be read is
+    left to llama.cpp."""
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            check(f, size, repr(os.fspath(path)))
-    except OSError:
+            if os.fstat(f.fileno()).st_size == 0:
+                return
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                check(buf, repr(os.fspath(path)))
+    except (OSError, ValueError):
         return
 
 
@@ -262,29 +280,32 @@ def _vocab_problem(values: dict[str, gguf_meta.Value]) -> str:
     """``llama_vocab::load``'s aborts (``llama-vocab.cpp``), and the SPM tokenizer's."""
     model = _text(values.get("tokenizer.ggml.model"))
     tokens = values.get("tokenizer.ggml.tokens")
-    if model is None or not isinstance(tokens, list):
+    if model is None or not isinstance(tokens, list) or not tokens:
         return ""
-    words = [t for t in tokens if isinstance(t, bytes)]
-    if len(words) != len(tokens):
+    if not isinstance(tokens[0], bytes):
         return ""  # not an array of strings: llama.cpp refuses it
+    words = tokens  # read_values gives arrays of one type
     # llama.cpp names an empty token "[EMPTY_i]" and then asserts every name is unique.
-    names = [w or b"[EMPTY_%d]" % i for i, w in enumerate(words)]
-    if len(set(names)) != len(names):
+    if b"" in words:
+        words = [w or b"[EMPTY_%d]" % i for i, w in enumerate(words)]
+    names = set(words)
+    if len(names) != len(words):
         seen: set[bytes] = set()
         dup = b""
-        for dup in names:
+        for dup in words:
             if dup in seen:
                 break
             seen.add(dup)
         return f"tokenizer.ggml.tokens holds {dup!r} twice (every token must be unique)"
-    types = _ints(values.get("tokenizer.ggml.token_type")) or []
-    if model in _NO_BYTE_TOKENS and _BYTE in types[: len(words)]:
-        return (
-            f"token {types.index(_BYTE)} is typed BYTE (tokenizer.ggml.token_type 6), which a "
-            f"{model!r} vocabulary cannot have"
-        )
+    if model in _NO_BYTE_TOKENS:
+        types = _ints(values.get("tokenizer.ggml.token_type")) or []
+        if _BYTE in types[: len(words)]:
+            return (
+                f"token {types.index(_BYTE)} is typed BYTE (tokenizer.ggml.token_type 6), "
+                f"which a {model!r} vocabulary cannot have"
+            )
     if model == "llama":
-        return _spm_bytes_problem(set(names))
+        return _spm_bytes_problem(names)
     return ""
 
 
