@@ -136,7 +136,17 @@ Buffer = bytes | bytearray | memoryview | mmap.mmap
 _U64 = struct.Struct("<Q")
 
 
-def read_values(buf: Buffer, wanted: Callable[[str], bool]) -> dict[str, Value]:
+@dataclass(frozen=True, slots=True)
+class Values:
+    """What ``read_values`` found: the values decoded, and where the tensor table starts and
+    how many entries it has (``read_tensors`` reads it from there)."""
+
+    values: dict[str, Value]
+    n_tensors: int
+    tensors_at: int
+
+
+def read_values(buf: Buffer, wanted: Callable[[str], bool]) -> Values:
     """The GGUF header (v2 or v3) at the start of ``buf`` (the file's bytes, or an ``mmap``
     of them) walked as ``read_metadata`` walks a file, decoding the value of every key
     ``wanted`` says yes to, whatever its type (strings as bytes, arrays as lists; an array
@@ -224,7 +234,7 @@ def read_values(buf: Buffer, wanted: Callable[[str], bool]) -> dict[str, Value]:
         (version,) = take("<I")
         if version < 2:
             raise ValueError(f"GGUF version {version} is not supported")
-        _n_tensors, n_kv = take("<QQ")
+        n_tensors, n_kv = take("<QQ")
         values: dict[str, Value] = {}
         for _ in range(n_kv):
             key = string().decode("utf-8", "replace")
@@ -233,7 +243,7 @@ def read_values(buf: Buffer, wanted: Callable[[str], bool]) -> dict[str, Value]:
             got = value(vtype, keep)
             if keep and got is not None:
                 values[key] = got
-        return values
+        return Values(values, n_tensors, pos)
     finally:
         view.release()  # an mmap cannot close while a view of it lives
 

@@ -35,6 +35,21 @@ def _patch_u32(path: Path, key: str, value: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def _retype_first_tensor(path: Path, ggml_type: int) -> None:
+    """Give the tensor table's first entry (token_embd.weight, f32) another type of the same
+    size in place."""
+    from kvwarm import gguf_meta
+
+    data = bytearray(path.read_bytes())
+    with path.open("rb") as f:
+        gguf_meta.read_metadata(f, len(data), ())
+        at = f.tell()
+    (n,) = struct.unpack_from("<Q", data, at)
+    (n_dims,) = struct.unpack_from("<I", data, at + 8 + n)
+    struct.pack_into("<I", data, at + 8 + n + 4 + 8 * n_dims, ggml_type)
+    path.write_bytes(bytes(data))
+
+
 def _vocab(
     model: str,
     tokens: list[str],
@@ -94,6 +109,7 @@ CASES: dict[str, tuple[Callable[[Any], int] | None, Callable[[Path], None] | Non
     "rope-narrower-than-head": (
         _keys(lambda w: w.add_uint32("qwen3.rope.dimension_count", 8)), None, "must equal",
     ),
+    "i32-weights": (None, lambda path: _retype_first_tensor(path, 26), "of type i32"),
     "duplicate-tokens": (_vocab("test", ["x"] * N_VOCAB), None, "twice"),
     "empty-token-named-like-another": (
         _vocab("test", ["", "[EMPTY_0]", *_TEST_TOKENS[2:]]), None, "EMPTY_0",

@@ -20,9 +20,11 @@ Invariant: ``check`` reads only the key/value section, bounded by the file's siz
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 from collections.abc import Sequence
+from typing import BinaryIO, cast
 
 from kvwarm import gguf_meta
 from kvwarm.errors import ModelLoadError
@@ -132,10 +134,10 @@ def check(buf: gguf_meta.Buffer, name: str) -> None:
     would abort the process on; nothing for a file that is not a GGUF at all (llama.cpp
     refuses those itself). ``name`` is what the error calls it."""
     try:
-        values = gguf_meta.read_values(buf, _wanted)
+        found = gguf_meta.read_values(buf, _wanted)
+        problem = _problem(found.values) or _tensors_problem(buf, found)
     except ValueError:
         return  # gguf.cpp refuses what this walk cannot read: its refusal, not an abort
-    problem = _problem(values)
     if problem:
         raise ModelLoadError(f"{name} is a GGUF file llama.cpp cannot load safely: {problem}")
 
@@ -151,6 +153,27 @@ def check_path(path: str | os.PathLike[str]) -> None:
                 check(buf, repr(os.fspath(path)))
     except (OSError, ValueError):
         return
+
+
+#: ggml's integer and f64 types (I8, I16, I32, I64, F64): no model weight is one, and no op
+#: of a model's graph takes one as its weight. Found by review: a model whose token
+#: embeddings were typed I32 (the same bytes as F32) loaded, and building its first context
+#: aborted (GGML_ASSERT in the backend scheduler).
+_NOT_WEIGHT_TYPES = {24: "i8", 25: "i16", 26: "i32", 27: "i64", 28: "f64"}
+
+
+def _tensors_problem(buf: gguf_meta.Buffer, found: gguf_meta.Values) -> str:
+    """A model (not a projector) tensor of a type no weight has, from the tensor table."""
+    if _text(found.values.get("general.architecture")) in (None, "clip"):
+        return ""
+    # An mmap reads as a file does (read, seek, tell); bytes are wrapped as one.
+    reader = cast(BinaryIO, buf) if isinstance(buf, mmap.mmap) else io.BytesIO(bytes(buf))
+    reader.seek(found.tensors_at)
+    for tensor in gguf_meta.read_tensors(reader, len(buf), found.n_tensors):
+        kind = _NOT_WEIGHT_TYPES.get(tensor.ggml_type)
+        if kind is not None:
+            return f"tensor {tensor.name!r} is of type {kind}, which no model weight is"
+    return ""
 
 
 def _int(value: object) -> int | None:
