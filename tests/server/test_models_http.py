@@ -172,7 +172,9 @@ def test_a_file_swapped_for_a_symlink_after_the_check_is_not_what_loads(
         assert client.post("/v1/completions", json={**BODY, "model": "eye"}).status_code == 200
         shown = client.get("/v1/models/eye").json()
     assert read == {"model": b"GGUF stub eye.gguf", "projector": b"GGUF stub mmproj-eye.gguf"}
-    assert shown["meta"]["path"] == str(d / "eye.gguf")  # shown by its name in the directory
+    # Shown by their names in the directory, not the paths they were read through.
+    assert shown["meta"]["path"] == str(d / "eye.gguf")
+    assert shown["meta"]["mmproj"] == str(d / "mmproj-eye.gguf")
 
 
 def test_a_load_by_path_never_takes_the_name_of_an_alias_or_an_adapter(tmp_path: Path) -> None:

@@ -152,6 +152,9 @@ class Model:
             if not facts.causal:
                 ran = replace(ran, n_ubatch=ran.n_batch)
         self.config = cfg = replace(cfg, context=ran)
+        #: The projector's file as ``info()`` shows it (the server's models_dir loads read it
+        #: through another path, ``models_dir.pinned``, and set its name here).
+        self.mmproj_path: str | None = cfg.mmproj
         self.chat_template_name, self._template = self._chat_template(cfg.chat_template)
         self._longest_lock = threading.Lock()
         self._longest: int | None = None  # bytes of the longest token (a chat's size bound)
@@ -397,7 +400,13 @@ class Model:
             adapters=self.list_adapters(),
             chat_template_name=self.chat_template_name,
             context_memory=self._context_memory(),
-            projector=None if self._projector is None else self._projector.facts,
+            projector=(
+                None
+                if self._projector is None
+                else replace(
+                    self._projector.facts, path=self.mmproj_path or self._projector.facts.path
+                )
+            ),
             capabilities=self.capabilities,
             pooling=self.pooling,
             draft_model=None if self._draft is None else self._draft.path,

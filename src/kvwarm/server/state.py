@@ -185,7 +185,9 @@ class ServerState:
         log.info("loading model %s (%s)", entry.id, entry.spec.path or "default")
         path = entry.spec.path
         config = model_config(self.settings, entry.spec)
-        named: Path | None = None  # the models_dir file, when it is read through another path
+        # The models_dir files, when they are read through other paths (``pinned``).
+        named: Path | None = None
+        named_projector: str | None = None
         with ExitStack() as stack:
             if entry.source == "models_dir" and self.settings.models_dir is not None and path:
                 directory = self.settings.models_dir
@@ -203,15 +205,17 @@ class ServerState:
                 opened = stack.enter_context(models_dir.pinned(directory, files))
                 named, path = Path(path), str(opened[Path(path)])
                 if projector:
-                    config = replace(config, mmproj=str(opened[Path(str(projector))]))
+                    named_projector = str(projector)
+                    config = replace(config, mmproj=str(opened[Path(named_projector)]))
             model = engine.load_model(
                 path,
                 model_id=entry.id,
                 config=config,
                 progress=lambda _fraction: not self._closing.is_set(),
             )
-        if named is not None:
-            model.path = named  # what it shows is the file's name, not the path it was read by
+        if named is not None:  # what it shows is the file's name, not the path it was read by
+            model.path = named
+            model.mmproj_path = named_projector
         try:
             self._admit_evicting(engine, entry, model)
         except KvwarmError:
