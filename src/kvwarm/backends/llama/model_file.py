@@ -14,8 +14,10 @@ Not covered, known: clip.cpp has per-projector-type asserts on its own keys and 
 tensors as optional and then dereferences them (a ``gemma3`` projector relabelled ``mlp``
 crashed the process, SIGSEGV, at load); mirroring every type is not done here.
 
-Invariant: ``check`` reads only the key/value section, bounded by the file's size
-(``gguf_meta.read_values``), and raises ``ModelLoadError`` naming the key at fault.
+Invariant: ``check`` reads only the key/value section and the tensor table, bounded by the
+file's size (``gguf_meta.read_values``, ``read_tensors``; an mmap, never a copy of the file),
+and raises ``ModelLoadError`` naming the key or tensor at fault. What it cannot read is left
+to llama.cpp's own refusal.
 """
 
 from __future__ import annotations
