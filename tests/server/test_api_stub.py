@@ -235,6 +235,11 @@ def test_models_health_tokenize_detokenize(client: TestClient) -> None:
     )
     pieces = client.post("/tokenize", json={"content": "hey", "with_pieces": True}).json()
     assert [p["piece"] for p in pieces["tokens"]][-3:] == ["h", "e", "y"]
+    # As llama-server: a special token's piece is its text, and a piece that is not UTF-8
+    # alone is its bytes' values (found by review: "" and U+FFFD, each token detokenized).
+    pieces = client.post("/tokenize", json={"content": "é", "with_pieces": True}).json()
+    assert pieces["tokens"][1:] == [{"id": 198, "piece": [0xC3]}, {"id": 172, "piece": [0xA9]}]
+    assert pieces["tokens"][0]["piece"] == "<s>"
 
 
 def test_embeddings_float_and_base64(client: TestClient) -> None:

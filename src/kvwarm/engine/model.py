@@ -453,6 +453,11 @@ class Model:
         self._check_ready()
         return self._bmodel.detokenize(tokens)
 
+    def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
+        self._check_ready()
+        bmodel = self._bmodel
+        return [bmodel.token_to_piece(t, special=True) for t in tokens]
+
     def apply_chat_template(
         self,
         messages: Sequence[Message],

@@ -79,6 +79,12 @@ class ModelCalls(Protocol):
 
     def detokenize(self, tokens: Sequence[int]) -> str: ...
 
+    def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
+        """Each token's bytes as its vocabulary writes it, a special token's text included
+        and no leading space taken off (llama.cpp's ``common_token_to_piece``: what
+        llama-server's ``/tokenize`` pieces show)."""
+        ...
+
     def apply_chat_template(
         self,
         messages: Sequence[Message],
