@@ -855,6 +855,7 @@ class Model:
         top_n: int | None = None,
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
+        timeout_s: float | None = None,
     ) -> Reranking:
         """The ``documents`` by relevance to ``query``, best first, at most ``top_n`` (a
         reranker only: ``CapabilityError`` otherwise). Each document is scored in a slot of
@@ -862,7 +863,8 @@ class Model:
         before the document (instruction and query), prefilled once (``engine/rerank.py``).
         ``max_tokens_per_doc`` cuts each document to that many tokens (Cohere's). A
         document whose prompt does not fit ``n_ctx`` is ``ContextOverflowError``, or cut to
-        fit with ``rerank_truncate``."""
+        fit with ``rerank_truncate``. Past ``timeout_s`` seconds (None: no deadline) the
+        documents not yet scored are cancelled and ``RequestTimeoutError`` is raised."""
         self._check_ready()
         self._require("rerank")
         return self._ranker.rerank(
@@ -871,6 +873,7 @@ class Model:
             top_n=top_n,
             max_tokens_per_doc=max_tokens_per_doc,
             cache_salt=cache_salt,
+            timeout_s=timeout_s,
         )
 
     # ---- adapters -----------------------------------------------------------------------

@@ -162,8 +162,10 @@ class ModelCalls(Protocol):
         top_n: int | None = None,
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
+        timeout_s: float | None = None,
     ) -> Reranking:
-        """The documents by relevance to ``query``, best first (a reranker only)."""
+        """The documents by relevance to ``query``, best first (a reranker only); past
+        ``timeout_s`` the documents not yet scored are cancelled (``RequestTimeoutError``)."""
         ...
 
 
