@@ -451,12 +451,12 @@ class Model:
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         self._check_ready()
-        return self._bmodel.detokenize(tokens)
+        return self._bmodel.detokenize(_token_ids(tokens))
 
     def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
         self._check_ready()
         bmodel = self._bmodel
-        return [bmodel.token_to_piece(t, special=True) for t in tokens]
+        return [bmodel.token_to_piece(t, special=True) for t in _token_ids(tokens)]
 
     def apply_chat_template(
         self,
@@ -1012,3 +1012,14 @@ class _Links:
 
 if TYPE_CHECKING:
     _IMPLEMENTS: type[ModelOps] = Model  # every operation of ``engine.ops``, in-process
+
+
+def _token_ids(tokens: object) -> list[int]:
+    """``tokens`` as a list to check, or ``InvalidRequestError``. Found by review, as for a
+    prompt: ``detokenize(None)`` raised TypeError, a generator ValueError (it was read twice),
+    and bytes were taken for token ids."""
+    if isinstance(tokens, str | bytes | bytearray) or not isinstance(tokens, Sequence):
+        raise InvalidRequestError(
+            f"tokens must be a list of token ids, not {type(tokens).__name__}", param="tokens"
+        )
+    return list(tokens)
