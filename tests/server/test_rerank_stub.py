@@ -100,7 +100,12 @@ def test_refusals_are_400s(client: TestClient) -> None:
 
     assert_error(rerank(documents=[]), 400, "invalid_value", "documents")
     assert_error(rerank(documents=["d"] * 9), 400, "invalid_value", "documents")
-    assert_error(rerank(documents=["x" * 5000]), 400, "context_length_exceeded")
+    # Found by review: both named "prompt", a field a rerank does not have.
+    assert_error(rerank(documents=["x" * 5000]), 400, "context_length_exceeded", "documents")
+    long_query = client.post(
+        "/v1/rerank", json={"model": "ranker", "query": "x" * 5000, "documents": DOCS}
+    )
+    assert_error(long_query, 400, "context_length_exceeded", "query")
     assert rerank(documents=DOCS, top_n=0).status_code == 400
     missing = client.post("/v1/rerank", json={"model": "ranker", "documents": DOCS})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "query"

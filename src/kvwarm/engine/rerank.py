@@ -172,6 +172,8 @@ class Ranker:
                 f"tokens; a document's prompt may have {self._limits.limit}",
                 n_tokens=len(empty[0]) + len(empty[2]),
                 n_ctx=self._limits.limit,
+                # Found by review: it named "prompt", a field a rerank does not have.
+                param="query",
             )
         prompts = []
         for i, doc in enumerate(docs):
@@ -187,6 +189,7 @@ class Ranker:
                         f"{self._limits.limit} (set rerank_truncate to cut such documents)",
                         n_tokens=n,
                         n_ctx=self._limits.limit,
+                        param="documents",  # found by review: "prompt", no rerank field
                     )
                 body = body[:room]
             prompt = (*head, *body, *tail)
