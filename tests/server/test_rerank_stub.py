@@ -107,6 +107,12 @@ def test_refusals_are_400s(client: TestClient) -> None:
     )
     assert_error(long_query, 400, "context_length_exceeded", "query")
     assert rerank(documents=DOCS, top_n=0).status_code == 400
+    # JSON integers only (found by review: true was top_n 1, "2" was 2).
+    for field in ("top_n", "max_tokens_per_doc"):
+        for bad in (True, "2", 2.5):
+            refused = rerank(documents=DOCS, **{field: bad})
+            assert refused.status_code == 400, (field, bad, refused.json())
+            assert refused.json()["error"]["param"] == field
     missing = client.post("/v1/rerank", json={"model": "ranker", "documents": DOCS})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "query"
     assert_error(
