@@ -116,8 +116,8 @@ def _special_texts(
     joined to the echoed text and every later ``text_offset`` fell short. A token the
     tokenizer added (BOS) is in no text: it stays "". Token ids are echoed as they
     detokenize, special tokens left out: nothing to do."""
-    if not isinstance(prompt, str) or not parse_special:
-        return {}
+    if not isinstance(prompt, str) or not parse_special or not tokens:
+        return {}  # (no tokens: a cluster's stream, which carries none)
     bare = model.tokenize(prompt, add_special=False, parse_special=True)
     if not bare:
         return {}
