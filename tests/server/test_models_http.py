@@ -350,3 +350,15 @@ def test_an_alias_to_an_unknown_model_stops_the_start() -> None:
         create_app(stub_settings(aliases=(("gpt-4o", "nope"),)))
     with pytest.raises(ConfigError, match="already model ids"):
         create_app(stub_settings(aliases=(("a", "b"),)))
+
+
+def test_a_load_by_a_path_no_stat_can_answer_is_a_404(tmp_path: Path) -> None:
+    # Found by review: is_file raised for a name too long (ENAMETOOLONG), and the load was a
+    # 500 internal_error; a NUL byte was already a 404.
+    with TestClient(create_app(stub_settings(admin_key="adm"))) as client:
+        wait_ready(client.get)
+        for path in (str(tmp_path / ("a" * 300)), "/tmp/a\x00b"):
+            refused = client.post("/admin/models/load", json={"path": path}, headers=ADMIN)
+            assert _code(refused) == (404, "model_not_found"), refused.json()
+            assert refused.json()["error"]["param"] == "path"
+        assert client.get("/health").status_code == 200

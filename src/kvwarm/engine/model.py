@@ -470,7 +470,12 @@ class Model:
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         self._check_ready()
-        return self._bmodel.detokenize(tokens)
+        return self._bmodel.detokenize(_token_ids(tokens))
+
+    def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
+        self._check_ready()
+        bmodel = self._bmodel
+        return [bmodel.token_to_piece(t, special=True) for t in _token_ids(tokens)]
 
     def apply_chat_template(
         self,
@@ -869,6 +874,7 @@ class Model:
         top_n: int | None = None,
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
+        timeout_s: float | None = None,
     ) -> Reranking:
         """The ``documents`` by relevance to ``query``, best first, at most ``top_n`` (a
         reranker only: ``CapabilityError`` otherwise). Each document is scored in a slot of
@@ -876,7 +882,8 @@ class Model:
         before the document (instruction and query), prefilled once (``engine/rerank.py``).
         ``max_tokens_per_doc`` cuts each document to that many tokens (Cohere's). A
         document whose prompt does not fit ``n_ctx`` is ``ContextOverflowError``, or cut to
-        fit with ``rerank_truncate``."""
+        fit with ``rerank_truncate``. Past ``timeout_s`` seconds (None: no deadline) the
+        documents not yet scored are cancelled and ``RequestTimeoutError`` is raised."""
         self._check_ready()
         self._require("rerank")
         return self._ranker.rerank(
@@ -885,6 +892,7 @@ class Model:
             top_n=top_n,
             max_tokens_per_doc=max_tokens_per_doc,
             cache_salt=cache_salt,
+            timeout_s=timeout_s,
         )
 
     # ---- adapters -----------------------------------------------------------------------
@@ -1026,3 +1034,14 @@ class _Links:
 
 if TYPE_CHECKING:
     _IMPLEMENTS: type[ModelOps] = Model  # every operation of ``engine.ops``, in-process
+
+
+def _token_ids(tokens: object) -> list[int]:
+    """``tokens`` as a list to check, or ``InvalidRequestError``. Found by review, as for a
+    prompt: ``detokenize(None)`` raised TypeError, a generator ValueError (it was read twice),
+    and bytes were taken for token ids."""
+    if isinstance(tokens, str | bytes | bytearray) or not isinstance(tokens, Sequence):
+        raise InvalidRequestError(
+            f"tokens must be a list of token ids, not {type(tokens).__name__}", param="tokens"
+        )
+    return list(tokens)

@@ -120,7 +120,13 @@ class LlamaBackend:
     def locate(self, path: str | os.PathLike[str] | None) -> Path:
         """``path``, or ``$KVWARM_MODEL`` / the embedded model; it must be a file."""
         resolved = default_model_path() if path is None else Path(path).expanduser()
-        if not resolved.is_file():
+        try:
+            found = resolved.is_file()
+        except (OSError, ValueError) as exc:
+            # Found by review: a name too long, a directory not searchable or a NUL byte
+            # raised from is_file, a traceback where a typed error belongs.
+            raise ModelNotFoundError(f"model file not found: {str(resolved)!r}: {exc}") from exc
+        if not found:
             raise ModelNotFoundError(f"model file not found: {resolved}")
         return resolved
 
