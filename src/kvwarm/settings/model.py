@@ -179,8 +179,10 @@ class ModelSettings(BaseSettings):
         description="speculative decoding from n-grams of each request's own prompt and reply "
         "(ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache) or from the draft "
         "model (draft-simple), "
-        "llama-server's names, or none; exact, off in deterministic mode; a request may choose "
-        "its own (spec_type)",
+        "llama-server's names, or none; greedy replies are plain decoding's where /v1/models' "
+        "meta.speculative.exact says (f16 KV on the CPU: while the context uses at most 256 KV "
+        "cells; q8_0 or bf16 KV: at any length); off in deterministic mode; a request may "
+        "choose its own (spec_type)",
     )
     draft_model: OptPath = Field(
         default=None,
