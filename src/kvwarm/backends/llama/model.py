@@ -22,6 +22,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -167,6 +168,8 @@ class LlamaModel:
                 "token (check the GGUF's tokenizer.ggml.*_token_id and add_*_token keys)"
             )
         self._facts = self._read_facts(path)
+        self._byte_tokens: tuple[int | None, ...] | None = None
+        self._byte_lock = threading.Lock()
         self._life = Lifetime("model", self._free)
 
     # -- facts --------------------------------------------------------------------------------
@@ -373,6 +376,20 @@ class LlamaModel:
                 if eog_of(vocab, token):
                     eog.append(token)
         return tuple(pieces), frozenset(eog)
+
+    def byte_tokens(self) -> tuple[int | None, ...]:
+        """For each byte value, a token whose piece is that byte alone (None where none is,
+        end-of-generation tokens left out): how a lazy grammar is given the text its trigger
+        came in (``backends/lazy_grammar.py``). Read once a model, on the first call."""
+        with self._byte_lock:
+            if self._byte_tokens is None:
+                pieces, eog = self.vocabulary()
+                table: list[int | None] = [None] * 256
+                for token, piece in enumerate(pieces):
+                    if len(piece) == 1 and table[piece[0]] is None and token not in eog:
+                        table[piece[0]] = token
+                self._byte_tokens = tuple(table)
+            return self._byte_tokens
 
     def apply_chat_template(
         self,
