@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -38,6 +39,7 @@ from kvwarm.server.schemas import (
 )
 from kvwarm.server.tool_stream import ToolStream
 from kvwarm.server.tools import (
+    CallFormat,
     ChatPlan,
     Part,
     ToolCall,
@@ -140,6 +142,57 @@ def accepts_system(model: ServedModel) -> bool:
     return answer
 
 
+_CALLS_PROBE = "\0calls"  # the key of ``call_format``'s answer among a model's tool sets
+_PROBE_TOOL: dict[str, object] = {
+    "type": "function",
+    "function": {
+        "name": "kvwarm_probe",
+        "description": "a probe of how the template writes a call",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+    },
+}
+_PROBE_CALL: list[dict[str, object]] = [
+    {"role": "user", "content": "hi"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "kvwprobe1",
+                "type": "function",
+                "function": {"name": "kvwarm_probe", "arguments": {"q": "x"}},
+            }
+        ],
+    },
+]
+_HERMES_CALL = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"kvwarm_probe"')
+
+
+def call_format(model: ServedModel) -> CallFormat | None:
+    """The format a template that renders tools writes a call in, where a lazy grammar can
+    hold it (``tools.LazyCalls``), as the template shows a call in the history; None for
+    any other (Mistral's ``[TOOL_CALLS]``, Llama's bare JSON: no grammar), or a template that
+    refuses the probe. Remembered per model."""
+    with _PROBED_LOCK:
+        known = _PROBED.get(model)
+        if known is not None and _CALLS_PROBE in known:
+            known.move_to_end(_CALLS_PROBE)
+            return "hermes" if known[_CALLS_PROBE] else None
+    try:
+        rendered = model.apply_chat_template(
+            _PROBE_CALL, tools=[_PROBE_TOOL], add_generation_prompt=False
+        )
+    except ReplicaUnavailableError:
+        raise  # a cluster lost the replica asked: no answer about the template
+    except Exception:  # a template that chokes on a call in the history: no grammar
+        answer = False
+    else:
+        answer = _HERMES_CALL.search(rendered) is not None
+    with _PROBED_LOCK:
+        _PROBED.setdefault(model, OrderedDict())[_CALLS_PROBE] = answer
+    return "hermes" if answer else None
+
+
 async def plan(
     model: ServedModel,
     messages: Sequence[ChatMessage],
@@ -157,13 +210,21 @@ async def plan(
     check_tools(tools or ())  # every tool declared, before allowed_tools picks some
     if isinstance(tool_choice, AllowedToolsChoice):
         tools, tool_choice = allowed_tools(tools, tool_choice)
-    native, system = False, True
+    native, system, calls = False, True, None
     if tools and tool_choice != "none":
         native = await run_in_threadpool(renders_tools, model, tools)
         if not native:
             system = await run_in_threadpool(accepts_system, model)
+        elif tool_choice in (None, "auto"):
+            calls = await run_in_threadpool(call_format, model)
     return plan_chat(
-        messages, tools, tool_choice, renders_tools=native, parallel=parallel, system=system
+        messages,
+        tools,
+        tool_choice,
+        renders_tools=native,
+        parallel=parallel,
+        system=system,
+        native_format=calls,
     )
 
 

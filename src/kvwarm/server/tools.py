@@ -11,6 +11,10 @@ Invariants:
 - A call is only reported for a tool the request declared; anything else stays content.
 - ``tool_choice`` "required" or a named function constrains decoding with a JSON schema, so the
   reply *is* a call; "none" hides the tools from the model entirely.
+- ``tool_choice`` "auto" holds a call to the same schema once the model starts one, where its
+  format has an opener a grammar can start at (``LazyCalls``: ``<tool_call>``, the described
+  format's and Hermes/Qwen templates'); the text around calls stays free. Other formats'
+  calls are as the model writes them.
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ import re
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
+from kvwarm.backends.base import json_schema_to_grammar
+from kvwarm.errors import GrammarError
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.media import engine_parts
 from kvwarm.server.schemas import (
@@ -61,6 +68,57 @@ class ToolCall:
 #: A reply is texts and calls, in the order the model wrote them.
 Part = str | ToolCall
 
+#: The call formats a lazy grammar holds (``LazyCalls``): "hermes" is a ``<tool_call>`` block
+#: of ``{"name", "arguments"}`` JSON (the described tools' format; Hermes, Qwen templates).
+CallFormat = Literal["hermes"]
+
+#: A grammar's rules of its own beside the JSON schema's (whose names the converter takes
+#: from the schema: never "kvwarm-call-...").
+_HERMES_RULES = (
+    'root ::= "<tool_call>" kvwarm-call-space kvwarm-call-json kvwarm-call-space "</tool_call>"\n'
+    "kvwarm-call-space ::= [ \\t\\r\\n]{0,4}\n"
+)
+_ROOT_RULE = re.compile(r"^root ::= ", re.MULTILINE)
+_GBNF_NOISE = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*')
+_ROOT_NAME = re.compile(r"(?<![A-Za-z0-9-])root(?![A-Za-z0-9-])")
+
+
+@dataclass(frozen=True, slots=True)
+class CallGrammar:
+    """A lazy grammar (``GenerationOptions.grammar_triggers``): ``grammar`` holds from one of
+    ``triggers`` on; ``once``: the reply ends after the call (parallel calls off)."""
+
+    grammar: str
+    triggers: tuple[str, ...]
+    once: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LazyCalls:
+    """``tool_choice`` auto's calls in ``format``, held to ``tools``' schemas once one starts.
+    The grammar is built only when a request is decoded with it (not to count tokens)."""
+
+    tools: tuple[Tool, ...]
+    format: CallFormat
+    once: bool
+
+    def grammar(self) -> CallGrammar:
+        """``GrammarError`` (a 400) for a schema the grammar cannot hold, as for a forced
+        call's."""
+        return CallGrammar(hermes_call_grammar(self.tools), ("<tool_call>",), self.once)
+
+
+def hermes_call_grammar(tools: Sequence[Tool]) -> str:
+    """GBNF of one ``<tool_call>`` block calling one of ``tools`` with arguments its schema
+    admits (the JSON ``forced_call_schema`` describes, a little whitespace around it)."""
+    json_rules = json_schema_to_grammar(forced_call_schema(tools))
+    if len(_ROOT_RULE.findall(json_rules)) != 1:
+        raise GrammarError("the tools' schemas gave a grammar without one root", param="tools")
+    renamed = _ROOT_RULE.sub("kvwarm-call-json ::= ", json_rules)
+    if _ROOT_NAME.search(_GBNF_NOISE.sub(" ", renamed)):  # a rule the schema named "root"
+        raise GrammarError("a tool's schema names a rule 'root'", param="tools")
+    return _HERMES_RULES + renamed
+
 
 @dataclass(frozen=True, slots=True)
 class ChatPlan:
@@ -73,6 +131,7 @@ class ChatPlan:
     names: frozenset[str]  # the tools a call may name; empty: do not parse calls
     forced: bool  # tool_choice required / named: the whole reply is one call
     single: bool = False  # parallel calls turned off: a reply makes at most one call
+    lazy: LazyCalls | None = None  # tool_choice auto: a call held to its schema once started
 
     def parts(self, text: str) -> list[Part]:
         """A whole reply as its texts and calls in order (``reply_parts``), keeping only the
@@ -312,8 +371,11 @@ def plan_chat(
     renders_tools: bool,
     parallel: bool = True,
     system: bool = True,
+    native_format: CallFormat | None = None,
 ) -> ChatPlan:
-    """Decide how tools reach the model. ``renders_tools``: the template shows tools natively.
+    """Decide how tools reach the model. ``renders_tools``: the template shows tools natively;
+    ``native_format``: the format its calls take, where a lazy grammar can hold them (None:
+    under tool_choice auto they are as the model writes them).
     ``parallel`` False (OpenAI's ``parallel_tool_calls``, Anthropic's
     ``disable_parallel_tool_use``): a reply makes at most one call. ``system`` False: the
     template does not show a system message (refuses or drops it), so described tools open
@@ -344,9 +406,15 @@ def plan_chat(
     forced = tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)
     schema = forced_call_schema(chosen) if forced else None
     names = frozenset(t.function.name for t in chosen)
+    calls_format = native_format if renders_tools else "hermes"
+    lazy = (
+        LazyCalls(tuple(chosen), calls_format, not parallel)
+        if not forced and calls_format is not None
+        else None
+    )
     if renders_tools:
         rendered = template_messages(messages, native=True)
-        return ChatPlan(rendered, openai_tools(chosen), schema, names, forced, not parallel)
+        return ChatPlan(rendered, openai_tools(chosen), schema, names, forced, not parallel, lazy)
     rendered = template_messages(messages, native=False)
     prompt = tools_system_prompt(chosen)
     if system and rendered and rendered[0]["role"] == "system":
@@ -360,7 +428,7 @@ def plan_chat(
         )
     else:
         rendered.insert(0, {"role": "system", "content": prompt})
-    return ChatPlan(rendered, None, schema, names, forced, not parallel)
+    return ChatPlan(rendered, None, schema, names, forced, not parallel, lazy)
 
 
 def _new_id() -> str:

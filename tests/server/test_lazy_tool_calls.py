@@ -1,0 +1,221 @@
+"""tool_choice auto's lazy grammar (``tools.LazyCalls``): which plans get one, what its grammar
+admits (read without a model, ``gbnfkit``), which templates' call formats it holds (the
+``call_format`` probe), and how it reaches the engine's options (``convert.options``). The
+grammar's effect on a real model: ``test_live_openai.py``; on the samplers:
+``tests/backends/test_lazy_grammar.py``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+import pytest
+from fastapi.testclient import TestClient
+from tests.backends.gbnfkit import accepts
+
+from kvwarm.backends.chat_template import render_chat
+from kvwarm.engine.types import GenerationOptions
+from kvwarm.errors import GrammarError
+from kvwarm.server import convert
+from kvwarm.server.chat import call_format
+from kvwarm.server.schemas import AllowedToolsChoice, ChatMessage, ChatRequest, Tool
+from kvwarm.server.tools import hermes_call_grammar, plan_chat
+
+WEATHER = Tool.model_validate(
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "location": {"type": "string"},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["location", "days"],
+                "additionalProperties": False,
+            },
+        },
+    }
+)
+CLOCK = Tool.model_validate({"type": "function", "function": {"name": "now"}})
+ASK = [ChatMessage(role="user", content="Weather in Paris?")]
+
+
+def _block(name: str, arguments: object, *, around: str = "") -> str:
+    call = json.dumps({"name": name, "arguments": arguments})
+    return f"<tool_call>{around}{call}{around}</tool_call>"
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        (_block("get_weather", {"location": "Paris", "days": 3}, around="\n"), True),
+        (_block("now", {}), True),
+        (_block("get_weather", {"location": "Paris", "days": "3"}), False),
+        (_block("get_weather", {"city": "Paris", "days": 3}), False),
+        (_block("get_weather", {"location": "Paris"}), False),
+        (_block("get_weather", {"location": "Paris", "days": 9}), False),
+        (_block("rm_rf", {}), False),
+        (_block("now", {}).removesuffix("</tool_call>"), False),  # the block is closed
+        (_block("now", {}) + " more", False),  # then the reply is free: no more of the grammar
+    ],
+)
+def test_the_hermes_grammar_admits_calls_of_the_tools_with_valid_arguments(
+    text: str, ok: bool
+) -> None:
+    assert accepts(hermes_call_grammar([WEATHER, CLOCK]), text) is ok
+
+
+def test_auto_plans_a_lazy_call_grammar_for_the_formats_it_holds() -> None:
+    described = plan_chat(ASK, [WEATHER], "auto", renders_tools=False)
+    assert described.lazy is not None and described.lazy.format == "hermes"
+    assert not described.lazy.once and described.json_schema is None
+    single = plan_chat(ASK, [WEATHER], None, renders_tools=False, parallel=False)
+    assert single.lazy is not None and single.lazy.once  # parallel calls off: one, then the end
+    native = plan_chat(ASK, [WEATHER], "auto", renders_tools=True, native_format="hermes")
+    assert native.lazy is not None
+    # A native format kvwarm has no grammar for: the calls are as the model writes them.
+    assert plan_chat(ASK, [WEATHER], "auto", renders_tools=True).lazy is None
+    # Forced calls have their whole-reply schema; none, no tools.
+    assert plan_chat(ASK, [WEATHER], "required", renders_tools=False).lazy is None
+    assert plan_chat(ASK, [WEATHER], "none", renders_tools=False).lazy is None
+    assert plan_chat(ASK, None, "auto", renders_tools=False).lazy is None
+
+
+def test_allowed_tools_in_auto_mode_hold_only_the_allowed_ones() -> None:
+    from kvwarm.server.chat import allowed_tools
+
+    allowed = {"mode": "auto", "tools": [{"type": "function", "function": {"name": "now"}}]}
+    choice = AllowedToolsChoice.model_validate({"type": "allowed_tools", "allowed_tools": allowed})
+    tools, mode = allowed_tools([WEATHER, CLOCK], choice)
+    lazy = plan_chat(ASK, tools, mode, renders_tools=False).lazy
+    assert lazy is not None
+    grammar = lazy.grammar().grammar
+    assert accepts(grammar, '<tool_call>{"name": "now", "arguments": {}}</tool_call>')
+    weather = (
+        '<tool_call>{"name": "get_weather", "arguments": {"location": "X", "days": 1}}</tool_call>'
+    )
+    assert not accepts(grammar, weather)
+
+
+def _options(
+    body: Mapping[str, object], lazy_tools: Sequence[Tool] = (WEATHER,)
+) -> GenerationOptions:
+    req = ChatRequest.model_validate({"model": "a", "messages": [{"role": "user"}], **body})
+    plan = plan_chat(ASK, list(lazy_tools), "auto", renders_tools=False)
+    return convert.options(
+        req,
+        default_max_tokens=16,
+        max_tokens_limit=64,
+        over_limit="error",
+        json_schema=convert.response_schema(req.response_format),
+        calls=plan.lazy,
+    )
+
+
+def test_the_lazy_grammar_reaches_the_options_unless_the_reply_is_constrained_whole() -> None:
+    opts = _options({})
+    assert opts.grammar_triggers == ("<tool_call>",) and not opts.grammar_once
+    assert str(opts.grammar).startswith('root ::= "<tool_call>"')
+    # The client's own grammar, or a response format, constrains the whole reply: it wins.
+    own = _options({"grammar": 'root ::= "x"'})
+    assert own.grammar == 'root ::= "x"' and own.grammar_triggers == ()
+    fmt = _options({"response_format": {"type": "json_object"}})
+    assert fmt.grammar is None and fmt.grammar_triggers == ()
+
+
+def test_a_schema_the_grammar_cannot_hold_is_the_same_error_as_a_forced_calls() -> None:
+    remote = Tool.model_validate(
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"x": {"$ref": "https://example.com/x.json"}},
+                },
+            },
+        }
+    )
+    with pytest.raises(GrammarError):
+        _options({}, [remote])
+
+
+QWEN_LIKE = (
+    "{% for m in messages %}{% if m.tool_calls %}<|im_start|>assistant"
+    "{% for c in m.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+)
+MISTRAL_LIKE = (
+    "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS]["
+    "{% for c in m.tool_calls %}"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+    "{% endfor %}]</s>{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}"
+)
+REFUSES = "{{ raise_exception('no calls here') }}"
+
+
+class _Template:
+    """What ``call_format`` asks of a model: its template rendered."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        return render_chat(
+            self.source,
+            messages,
+            bos_token="",
+            eos_token="",
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+        )
+
+
+@pytest.mark.parametrize(
+    ("source", "found"), [(QWEN_LIKE, "hermes"), (MISTRAL_LIKE, None), (REFUSES, None)]
+)
+def test_a_native_templates_call_format_is_read_from_a_call_it_renders(
+    source: str, found: str | None
+) -> None:
+    model = _Template(source)
+    assert call_format(model) == found  # type: ignore[arg-type]
+    assert call_format(model) == found  # type: ignore[arg-type]  # remembered
+
+
+def test_auto_and_required_refuse_a_schema_the_grammar_cannot_hold_alike(
+    client: TestClient,
+) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"$ref": "https://example.com/x.json"}},
+            },
+        },
+    }
+    body = {"model": "a", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    errors = []
+    for choice in ("required", "auto"):
+        response = client.post("/v1/chat/completions", json={**body, "tool_choice": choice})
+        assert response.status_code == 400, response.json()
+        errors.append(response.json()["error"]["code"])
+    assert errors == ["invalid_grammar", "invalid_grammar"]
+    # Counting a request's tokens decodes nothing: no grammar is built for it.
+    anthropic = {
+        "model": "a",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "f", "input_schema": tool["function"]["parameters"]}],  # type: ignore[index]
+    }
+    assert client.post("/v1/messages/count_tokens", json=anthropic).status_code == 200
