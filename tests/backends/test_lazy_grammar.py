@@ -76,15 +76,28 @@ class Driver:
         return self.model.tokenize(text, add_special=False)
 
 
-@pytest.fixture
-def driver(model: BackendModel, request: pytest.FixtureRequest) -> Iterator[Driver]:
-    once = bool(getattr(request, "param", False))
+def _driver(model: BackendModel, temperature: float, once: bool = False) -> Iterator[Driver]:
     params = SamplingParams(
-        temperature=0.0, grammar=GRAMMAR, grammar_triggers=("<tc>",), grammar_once=once
+        temperature=temperature,
+        seed=5,
+        grammar=GRAMMAR,
+        grammar_triggers=("<tc>",),
+        grammar_once=once,
     )
     sampler = model.new_sampler(params)
     yield Driver(model, sampler)
     sampler.close()
+
+
+# Greedy free text is an argmax (llama.cpp's backend), sampled text goes through the chain.
+@pytest.fixture(params=[0.0, 0.7], ids=["greedy", "sampled"])
+def driver(model: BackendModel, request: pytest.FixtureRequest) -> Iterator[Driver]:
+    yield from _driver(model, request.param)
+
+
+@pytest.fixture(params=[0.0, 0.7], ids=["greedy", "sampled"])
+def once(model: BackendModel, request: pytest.FixtureRequest) -> Iterator[Driver]:
+    yield from _driver(model, request.param, once=True)
 
 
 def _hold_to_the_end(d: Driver) -> None:
@@ -108,12 +121,11 @@ def test_free_until_the_trigger_then_held_then_free_again(driver: Driver) -> Non
     _hold_to_the_end(driver)
 
 
-@pytest.mark.parametrize("driver", [True], indirect=True, ids=["once"])
-def test_once_ends_the_reply_after_the_grammar(driver: Driver) -> None:
-    driver.say("Hi <tc>")
-    _hold_to_the_end(driver)
-    (wanted,) = driver.tokens("x")
-    assert driver.model.is_eog(driver.want(wanted))
+def test_once_ends_the_reply_after_the_grammar(once: Driver) -> None:
+    once.say("Hi <tc>")
+    _hold_to_the_end(once)
+    (wanted,) = once.tokens("x")
+    assert once.model.is_eog(once.want(wanted))
 
 
 def test_reset_lets_go(driver: Driver) -> None:
@@ -137,16 +149,12 @@ def test_a_trigger_whose_token_carries_refused_text_leaves_the_reply_free() -> N
     try:
         pieces, _ = model.vocabulary()
         dot = pieces.index(b">.")
-        params = SamplingParams(temperature=0.0, grammar=GRAMMAR, grammar_triggers=("<tc>",))
-        sampler = model.new_sampler(params)
-        d = Driver(model, sampler)
-        try:
-            d.say("Hi <tc")
-            assert d.want(dot) == dot
-            d.say(" x")  # free: the grammar did not start
-            d.say(" <tc>")  # the next trigger starts it
-            _hold_to_the_end(d)
-        finally:
-            sampler.close()
+        for temperature in (0.0, 0.7):
+            for d in _driver(model, temperature):
+                d.say("Hi <tc")
+                assert d.want(dot) == dot
+                d.say(" x")  # free: the grammar did not start
+                d.say(" <tc>")  # the next trigger starts it
+                _hold_to_the_end(d)
     finally:
         model.close()

@@ -83,13 +83,14 @@ class LlamaSampler:
         # Plain greedy (no grammar, no penalties) is an argmax: numpy over the zero-copy logits
         # row is ~8x cheaper than llama_sampler_sample building a 49k-entry candidate array.
         # Both pick the first maximum; biases are added first, as in the chain.
-        self._argmax_only = (
+        # So is a lazy grammar's free text (``_free_argmax``); its rows still go one by one.
+        self._free_argmax = (
             params.greedy
-            and params.grammar is None
             and params.repeat_penalty == 1.0
             and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0
         )
+        self._argmax_only = self._free_argmax and params.grammar is None
         self._bias_idx = np.array([t for t, _ in params.logit_bias], dtype=np.int64)
         self._bias_set = frozenset(t for t, _ in params.logit_bias)
         # Added biases, and banned tokens (-inf), which are set rather than added: a +inf
@@ -184,13 +185,14 @@ class LlamaSampler:
             row = np.frombuffer(llama.logits(index), dtype=np.float32)
             if self._argmax_only:
                 return self._argmax(row)
+            if self._free_argmax and not self._holding:
+                return self._watch_for_trigger(self._argmax(row))
             _finite_or_inf(row)
             if self._grammar is None or not self._holding:
                 token = llama.sample_with(self._chain, index)
                 if not 0 <= token < self._n_vocab:
                     raise NoLogitsError(f"llama_sampler_sample returned token {token}")
-                self._watch_for_trigger(token)
-                return token
+                return self._watch_for_trigger(token)
             return self._choose(row)
 
     def argmax_rows(self, ctx: BackendContext, first: int, count: int) -> list[int] | None:
@@ -231,6 +233,8 @@ class LlamaSampler:
             if self._argmax_only:
                 # A row's stored logits (an exact hit): no 262k-entry candidate array either.
                 return self._argmax(row)
+            if self._free_argmax and not self._holding:
+                return self._watch_for_trigger(self._argmax(row))
             _finite_or_inf(row)
             return self._choose(row)
 
@@ -323,9 +327,7 @@ class LlamaSampler:
         if held:
             lib.llama_sampler_accept(self._grammar, token)
         lib.llama_sampler_accept(self._chain, token)
-        if not held:
-            self._watch_for_trigger(token)
-        return token
+        return token if held else self._watch_for_trigger(token)
 
     # -- a lazy grammar -----------------------------------------------------------------------
 
@@ -340,21 +342,23 @@ class LlamaSampler:
         self._watch.clear()
         self._holding = False
 
-    def _watch_for_trigger(self, token: int) -> None:
-        """A free token of a lazy grammar's reply: the grammar starts where it completes a
-        trigger, if the grammar accepts the text from the trigger on."""
+    def _watch_for_trigger(self, token: int) -> int:
+        """``token``, a free one of a lazy grammar's reply (or of a reply without a grammar):
+        the grammar starts where it completes a trigger, if the grammar accepts the text from
+        the trigger on."""
         watch = self._watch
         if watch is None or self._model.is_eog(token):
-            return
+            return token
         start = watch.feed(self._model.token_to_piece(token, special=True))
         if start is None:
-            return
+            return token
         if self._start_with(start):
             self._holding = True
         else:
             log.debug("a lazy grammar refused its start %r: the reply stays free", start[:64])
             self._lib.llama_sampler_reset(self._grammar)
             watch.clear()
+        return token
 
     def _start_with(self, text: bytes) -> bool:
         """Feed ``text`` to the (reset) grammar a byte at a time, each byte's token checked by
