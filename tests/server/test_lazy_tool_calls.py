@@ -100,10 +100,10 @@ def test_allowed_tools_in_auto_mode_hold_only_the_allowed_ones() -> None:
 
 
 def _options(
-    body: Mapping[str, object], lazy_tools: Sequence[Tool] = (WEATHER,)
+    body: Mapping[str, object], lazy_tools: Sequence[Tool] = (WEATHER,), *, once: bool = False
 ) -> GenerationOptions:
     req = ChatRequest.model_validate({"model": "a", "messages": [{"role": "user"}], **body})
-    plan = plan_chat(ASK, list(lazy_tools), "auto", renders_tools=False)
+    plan = plan_chat(ASK, list(lazy_tools), "auto", renders_tools=False, parallel=not once)
     return convert.options(
         req,
         default_max_tokens=16,
@@ -121,6 +121,9 @@ def test_the_lazy_grammar_reaches_the_options_unless_the_reply_is_constrained_wh
     # The client's own grammar, or a response format, constrains the whole reply: it wins.
     own = _options({"grammar": 'root ::= "x"'})
     assert own.grammar == 'root ::= "x"' and own.grammar_triggers == ()
+    # Parallel calls off: the reply ends after its call, unless it may not end (ignore_eos).
+    assert _options({}, once=True).grammar_once
+    assert not _options({"ignore_eos": True}, once=True).grammar_once
     fmt = _options({"response_format": {"type": "json_object"}})
     assert fmt.grammar is None and fmt.grammar_triggers == ()
 

@@ -108,7 +108,8 @@ def options(
         overrides |= {
             "grammar": held.grammar,
             "grammar_triggers": held.triggers,
-            "grammar_once": held.once,
+            # A reply that may not end (ignore_eos) is free again after its call instead.
+            "grammar_once": held.once and not req.ignore_eos,
         }
     for name in SAMPLING_OPTIONS:
         value = getattr(req, name)
