@@ -76,11 +76,13 @@ class Driver:
         return self.model.tokenize(text, add_special=False)
 
 
-def _driver(model: BackendModel, temperature: float, once: bool = False) -> Iterator[Driver]:
+def _driver(
+    model: BackendModel, temperature: float, once: bool = False, grammar: str = GRAMMAR
+) -> Iterator[Driver]:
     params = SamplingParams(
         temperature=temperature,
         seed=5,
-        grammar=GRAMMAR,
+        grammar=grammar,
         grammar_triggers=("<tc>",),
         grammar_once=once,
     )
@@ -119,6 +121,20 @@ def test_free_until_the_trigger_then_held_then_free_again(driver: Driver) -> Non
     driver.say(" bye x")  # complete: free again
     driver.say("<tc>")  # a second call starts it again
     _hold_to_the_end(driver)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "sampled"])
+def test_a_grammar_that_could_go_on_lets_go_where_it_could_end(
+    model: BackendModel, temperature: float
+) -> None:
+    """A call's grammar may end in optional space (a JSON value's ``space``): it is complete
+    where it admits end-of-generation, so the next call's opener can follow at once."""
+    tail = 'root ::= "<tc>{1}</tc>" | "<tc>{1}</tc> " | "<tc>{2}</tc>" | "<tc>{2}</tc> "'
+    for d in _driver(model, temperature, grammar=tail):
+        d.say("Hi <tc>")
+        _hold_to_the_end(d)
+        d.say("<tc>")  # not a space: free, and the opener of the next call
+        _hold_to_the_end(d)
 
 
 def test_once_ends_the_reply_after_the_grammar(once: Driver) -> None:

@@ -19,7 +19,7 @@ from kvwarm.errors import GrammarError
 from kvwarm.server import convert
 from kvwarm.server.chat import call_format
 from kvwarm.server.schemas import AllowedToolsChoice, ChatMessage, ChatRequest, Tool
-from kvwarm.server.tools import hermes_call_grammar, plan_chat
+from kvwarm.server.tools import call_grammar, parse_tool_calls, plan_chat
 
 WEATHER = Tool.model_validate(
     {
@@ -64,7 +64,67 @@ def _block(name: str, arguments: object, *, around: str = "") -> str:
 def test_the_hermes_grammar_admits_calls_of_the_tools_with_valid_arguments(
     text: str, ok: bool
 ) -> None:
-    assert accepts(hermes_call_grammar([WEATHER, CLOCK]), text) is ok
+    assert accepts(call_grammar("hermes", [WEATHER, CLOCK]), text) is ok
+
+
+def _listed(*calls: tuple[str, object, str | None], space: str = "") -> str:
+    items = [
+        {"name": name, "arguments": args, **({"id": id_} if id_ else {})}
+        for name, args, id_ in calls
+    ]
+    return "[TOOL_CALLS]" + space + json.dumps(items)
+
+
+PARIS = {"location": "Paris", "days": 3}
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        (_listed(("get_weather", PARIS, None)), True),
+        (_listed(("get_weather", PARIS, "a1B2c3D4e"), ("now", {}, None), space=" "), True),
+        (_listed(("get_weather", PARIS, "short")), False),  # an id is 9 letters and digits
+        (_listed(("get_weather", {"location": "Paris"}, None)), False),
+        (_listed(("rm_rf", {}, None)), False),
+        ("[TOOL_CALLS][]", False),
+    ],
+)
+def test_the_mistral_list_grammar(text: str, ok: bool) -> None:
+    assert accepts(call_grammar("mistral-list", [WEATHER, CLOCK]), text) is ok
+
+
+def test_the_mistral_list_grammar_holds_one_call_with_parallel_calls_off() -> None:
+    grammar = call_grammar("mistral-list", [WEATHER, CLOCK], once=True)
+    assert accepts(grammar, _listed(("now", {}, None)))
+    assert not accepts(grammar, _listed(("now", {}, None), ("now", {}, None)))
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        ('[TOOL_CALLS]get_weather[ARGS]{"location": "Paris", "days": 3}', True),
+        ("[TOOL_CALLS]now[CALL_ID]a1B2c3D4e[ARGS]{}", True),
+        ('[TOOL_CALLS]get_weather[ARGS]{"location": "Paris", "days": 30}', False),
+        ("[TOOL_CALLS]get_time[ARGS]{}", False),
+        ("[TOOL_CALLS]now[CALL_ID]abc[ARGS]{}", False),
+    ],
+)
+def test_the_mistral_args_grammar(text: str, ok: bool) -> None:
+    assert accepts(call_grammar("mistral-args", [WEATHER, CLOCK]), text) is ok
+
+
+def test_each_held_format_parses_back_to_its_calls() -> None:
+    """What a grammar admits, the reply parser reads as the same calls."""
+    names = frozenset({"get_weather", "now"})
+    for text in (
+        _block("get_weather", PARIS),
+        _listed(("get_weather", PARIS, "a1B2c3D4e")),
+        '[TOOL_CALLS]get_weather[ARGS]{"location": "Paris", "days": 3}',
+    ):
+        content, calls = parse_tool_calls(text, names)
+        assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_weather", PARIS)
+        ], text
 
 
 def test_auto_plans_a_lazy_call_grammar_for_the_formats_it_holds() -> None:
@@ -77,6 +137,12 @@ def test_auto_plans_a_lazy_call_grammar_for_the_formats_it_holds() -> None:
     assert native.lazy is not None
     # A native format kvwarm has no grammar for: the calls are as the model writes them.
     assert plan_chat(ASK, [WEATHER], "auto", renders_tools=True).lazy is None
+    # Mistral's name[ARGS] format with a name its parser could not read back: none either.
+    odd = Tool.model_validate({"type": "function", "function": {"name": "get weather"}})
+    args = plan_chat(ASK, [WEATHER], "auto", renders_tools=True, native_format="mistral-args")
+    assert args.lazy is not None and args.lazy.grammar().triggers == ("[TOOL_CALLS]",)
+    odd_plan = plan_chat(ASK, [odd], "auto", renders_tools=True, native_format="mistral-args")
+    assert odd_plan.lazy is None
     # Forced calls have their whole-reply schema; none, no tools.
     assert plan_chat(ASK, [WEATHER], "required", renders_tools=False).lazy is None
     assert plan_chat(ASK, [WEATHER], "none", renders_tools=False).lazy is None
@@ -152,11 +218,23 @@ QWEN_LIKE = (
     "\n</tool_call>{% endfor %}<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n"
     "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
 )
-MISTRAL_LIKE = (
+# Mistral Nemo's way: the function as JSON, its last brace cut for the id.
+MISTRAL_LIST = (
     "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS]["
-    "{% for c in m.tool_calls %}"
-    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
-    "{% endfor %}]</s>{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}"
+    "{% for c in m.tool_calls %}{% set out = c.function | tojson %}"
+    '{{ out[:-1] }}, "id": "{{ c.id }}"}{% endfor %}]</s>'
+    "{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}"
+)
+# Mistral Small 3.2's way.
+MISTRAL_ARGS = (
+    "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}"
+    "</s>{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}"
+)
+LLAMA3_LIKE = (
+    "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
 )
 REFUSES = "{{ raise_exception('no calls here') }}"
 
@@ -185,7 +263,14 @@ class _Template:
 
 
 @pytest.mark.parametrize(
-    ("source", "found"), [(QWEN_LIKE, "hermes"), (MISTRAL_LIKE, None), (REFUSES, None)]
+    ("source", "found"),
+    [
+        (QWEN_LIKE, "hermes"),
+        (MISTRAL_LIST, "mistral-list"),
+        (MISTRAL_ARGS, "mistral-args"),
+        (LLAMA3_LIKE, None),
+        (REFUSES, None),
+    ],
 )
 def test_a_native_templates_call_format_is_read_from_a_call_it_renders(
     source: str, found: str | None

@@ -12,9 +12,10 @@ Invariants (``SamplingParams.grammar_triggers``; both backends' samplers keep th
   (``llama_sampler_init_grammar_lazy_patterns``) replays that text unchecked and its
   ``std::runtime_error`` ends the process (measured: ``Sure <tool_call>.`` with SmolLM2),
   which is why the laziness lives here, over an ordinary grammar.
-- Once the grammar is complete (it admits only end-of-generation), the reply is free again,
-  searched for the next trigger (more text, another call), unless ``grammar_once``: then
-  only end-of-generation may follow, as under a whole-reply grammar.
+- Once the grammar's text is complete (it admits end-of-generation, even where it could
+  also go on: a trailing space), the reply is free again, searched for the next trigger
+  (more text, another call), unless ``grammar_once``: then the grammar holds to the end, as
+  a whole-reply grammar does.
 """
 
 from __future__ import annotations

@@ -142,7 +142,10 @@ def accepts_system(model: ServedModel) -> bool:
     return answer
 
 
-_CALLS_PROBE = "\0calls"  # the key of ``call_format``'s answer among a model's tool sets
+# ``call_format``'s answer per model object (a tuple: None is an answer too).
+_PROBED_FORMATS: weakref.WeakKeyDictionary[ServedModel, tuple[CallFormat | None]] = (
+    weakref.WeakKeyDictionary()
+)
 _PROBE_TOOL: dict[str, object] = {
     "type": "function",
     "function": {
@@ -165,19 +168,24 @@ _PROBE_CALL: list[dict[str, object]] = [
         ],
     },
 ]
-_HERMES_CALL = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"kvwarm_probe"')
+#: How each format held (``tools.CallFormat``) shows the probe's call.
+_SHOWN: tuple[tuple[CallFormat, re.Pattern[str]], ...] = (
+    ("hermes", re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"kvwarm_probe"')),
+    # Any key order: a sandboxed template's ``tojson`` sorts them ("arguments" first).
+    ("mistral-list", re.compile(r'\[TOOL_CALLS\]\s*\[\s*\{[^\]]*"name"\s*:\s*"kvwarm_probe"')),
+    ("mistral-args", re.compile(r"\[TOOL_CALLS\]kvwarm_probe(?:\[CALL_ID\]\w*)?\[ARGS\]")),
+)
 
 
 def call_format(model: ServedModel) -> CallFormat | None:
     """The format a template that renders tools writes a call in, where a lazy grammar can
     hold it (``tools.LazyCalls``), as the template shows a call in the history; None for
-    any other (Mistral's ``[TOOL_CALLS]``, Llama's bare JSON: no grammar), or a template that
+    any other (Llama's bare JSON: no opener to start a grammar at), or a template that
     refuses the probe. Remembered per model."""
     with _PROBED_LOCK:
-        known = _PROBED.get(model)
-        if known is not None and _CALLS_PROBE in known:
-            known.move_to_end(_CALLS_PROBE)
-            return "hermes" if known[_CALLS_PROBE] else None
+        known = _PROBED_FORMATS.get(model)
+        if known is not None:
+            return known[0]
     try:
         rendered = model.apply_chat_template(
             _PROBE_CALL, tools=[_PROBE_TOOL], add_generation_prompt=False
@@ -185,12 +193,12 @@ def call_format(model: ServedModel) -> CallFormat | None:
     except ReplicaUnavailableError:
         raise  # a cluster lost the replica asked: no answer about the template
     except Exception:  # a template that chokes on a call in the history: no grammar
-        answer = False
+        answer: CallFormat | None = None
     else:
-        answer = _HERMES_CALL.search(rendered) is not None
+        answer = next((fmt for fmt, shown in _SHOWN if shown.search(rendered)), None)
     with _PROBED_LOCK:
-        _PROBED.setdefault(model, OrderedDict())[_CALLS_PROBE] = answer
-    return "hermes" if answer else None
+        _PROBED_FORMATS[model] = (answer,)
+    return answer
 
 
 async def plan(

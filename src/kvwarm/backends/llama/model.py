@@ -168,7 +168,7 @@ class LlamaModel:
                 "token (check the GGUF's tokenizer.ggml.*_token_id and add_*_token keys)"
             )
         self._facts = self._read_facts(path)
-        self._byte_tokens: tuple[int | None, ...] | None = None
+        self._grammar_tokens: tuple[tuple[int | None, ...], tuple[int, ...]] | None = None
         self._byte_lock = threading.Lock()
         self._life = Lifetime("model", self._free)
 
@@ -377,19 +377,20 @@ class LlamaModel:
                     eog.append(token)
         return tuple(pieces), frozenset(eog)
 
-    def byte_tokens(self) -> tuple[int | None, ...]:
-        """For each byte value, a token whose piece is that byte alone (None where none is,
-        end-of-generation tokens left out): how a lazy grammar is given the text its trigger
-        came in (``backends/lazy_grammar.py``). Read once a model, on the first call."""
+    def grammar_tokens(self) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
+        """What a lazy grammar (``backends/lazy_grammar.py``) needs of the vocabulary: for
+        each byte value a token whose piece is that byte alone (None where none is; how the
+        grammar is given the text its trigger came in), and the end-of-generation tokens (a
+        grammar that admits one is complete). Read once a model, on the first call."""
         with self._byte_lock:
-            if self._byte_tokens is None:
+            if self._grammar_tokens is None:
                 pieces, eog = self.vocabulary()
                 table: list[int | None] = [None] * 256
                 for token, piece in enumerate(pieces):
                     if len(piece) == 1 and table[piece[0]] is None and token not in eog:
                         table[piece[0]] = token
-                self._byte_tokens = tuple(table)
-            return self._byte_tokens
+                self._grammar_tokens = (tuple(table), tuple(sorted(eog)))
+            return self._grammar_tokens
 
     def apply_chat_template(
         self,

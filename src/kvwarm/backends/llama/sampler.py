@@ -14,7 +14,8 @@ Invariants:
   (``backends/lazy_grammar.py``): until then the reply is sampled as without one; the text a
   trigger came in is given to the grammar a byte at a time, each byte checked by the grammar
   before it is accepted, so a refused start leaves the reply free, never aborts the process;
-  once the grammar admits only end-of-generation it lets go (unless ``grammar_once``).
+  once the grammar admits end-of-generation (its text is complete) it lets go (unless
+  ``grammar_once``).
 - NaN logits fail the sample with ``BackendError`` on every path: plain greedy finds them in
   its argmax (numpy returns a row's first NaN), the others in one max over the row.
 """
@@ -59,7 +60,8 @@ class LlamaSampler:
         #: Whether the grammar holds now: always for a whole-reply grammar, from a trigger on
         #: for a lazy one.
         self._holding = self._watch is None
-        self._bytes = model.byte_tokens() if self._watch is not None else ()
+        self._bytes, eog = model.grammar_tokens() if self._watch is not None else ((), ())
+        self._eog = np.array(eog, dtype=np.int64)
         lib = model._lib
         self._lib = lib
         self._model = model
@@ -303,14 +305,9 @@ class LlamaSampler:
         held = self._grammar is not None and self._holding
         if held:
             lib.llama_sampler_apply(self._grammar, ref)
-            finite = np.isfinite(self._view(arr)["logit"])
-            if not finite.any():
+            if not np.isfinite(self._view(arr)["logit"]).any():
                 raise GrammarError("the grammar admits no further token", param="grammar")
-            if (
-                self._watch is not None
-                and not self._params.grammar_once
-                and self._done(arr, finite)
-            ):
+            if self._watch is not None and not self._params.grammar_once and self._done(arr):
                 # A lazy grammar's text is complete: it lets go, and this token is free.
                 self._let_go()
                 held = False
@@ -331,10 +328,11 @@ class LlamaSampler:
 
     # -- a lazy grammar -----------------------------------------------------------------------
 
-    def _done(self, arr: object, finite: npt.NDArray[np.bool_]) -> bool:
-        """Whether the grammar admits only end-of-generation tokens (its text is complete)."""
-        ids = self._view(arr)["id"][finite]
-        return ids.size <= _FEW and all(self._model.is_eog(int(t)) for t in ids)
+    def _done(self, arr: object) -> bool:
+        """Whether the grammar's text is complete: it admits an end-of-generation token (the
+        candidates are in id order, the grammar only masks them)."""
+        logits = self._view(arr)["logit"]
+        return bool(self._eog.size) and bool(np.isfinite(logits[self._eog]).any())
 
     def _let_go(self) -> None:
         assert self._watch is not None
@@ -405,10 +403,6 @@ class LlamaSampler:
         self._free_native()
         self._model.lifetime.release()
 
-
-#: More tokens admitted than this: the grammar's text is not complete (a vocabulary has a
-#: handful of end-of-generation tokens).
-_FEW = 64
 
 _NAN = (
     "the model computed NaN logits, so no token can be sampled: its weights or its "

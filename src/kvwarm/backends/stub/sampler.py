@@ -7,7 +7,7 @@ rule of string-literal alternatives (``root ::= "yes" | "no"``) — any other gr
 unconstrained, which is enough for engine plumbing tests and is stated here so nobody relies on
 the stub for grammar semantics. A lazy grammar (``grammar_triggers``) keeps llama.cpp's
 backend's rules (``backends/lazy_grammar.py``): free until a trigger, whose text a literal
-grammar must accept to start, letting go once only end-of-generation is admitted.
+grammar must accept to start, letting go once it admits end-of-generation (complete).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class StubSampler:
             if (
                 self._watch is not None
                 and not self._params.grammar_once
-                and all(self._is_eog(int(t)) for t in admitted)
+                and any(self._is_eog(int(t)) for t in admitted)
             ):
                 grammar.reset()  # complete: a lazy grammar lets go, and this token is free
                 self._watch.clear()
