@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol, Unpack
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import (
+    EXACT_AT_ANY_LENGTH,
     AdapterSet,
     Backend,
     BackendModel,
@@ -285,6 +286,10 @@ class Model:
         )
         self._ctx = self._bmodel.new_context(total)
         spec = speculation(cfg, self._ctx.memory)
+        #: Where a greedy speculative reply is plain decoding's (None: it cannot speculate).
+        self._spec_exact = None if spec.startswith("off") else self._bmodel.verify_exactness(total)
+        if cfg.spec_type != "none" and self._spec_exact not in (None, EXACT_AT_ANY_LENGTH):
+            log.info("model %s: speculation is exact %s", self.id, self._spec_exact)
         if cfg.draft_model is not None:
             if spec.startswith("off"):
                 # Its weights and its context would take memory for drafts never asked for.
@@ -393,6 +398,7 @@ class Model:
             pooling=self.pooling,
             draft_model=None if self._draft is None else self._draft.path,
             draft_bytes=0 if self._draft is None else self._draft.size_bytes,
+            spec_exact=self._spec_exact,
         )
 
     @property

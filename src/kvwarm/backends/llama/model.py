@@ -30,6 +30,7 @@ from typing import Any
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import (
+    EXACT_AT_ANY_LENGTH,
     QUANTIZED_KV_TYPES,
     ContextParams,
     FimTokens,
@@ -66,6 +67,17 @@ _POOLING_NAMES: dict[str, PoolingType] = {
     "0": "none", "1": "mean", "2": "cls", "3": "last", "4": "rank",
 }  # fmt: skip
 _MAX_TEXT = 2**31 - 1
+
+#: llama.cpp's CPU flash attention (ggml-cpu ``ops.cpp``) computes a one-token pass over a KV
+#: view of ``_SPLIT_KV_CELLS`` cells or more with its split-KV kernel (each thread attends over
+#: its share of the cells; the partial sums are combined after), which no pass of two or more
+#: rows takes, so a verify row is then not what a one-token pass computes. The view is the
+#: cells up to the highest one in use, rounded up to ``_KV_VIEW_PAD``. The kernel runs only for
+#: K and V of one type among f16 and f32 (f32 is cast to f16 first, ``llama-graph.cpp``);
+#: quantised or bf16 KV attends row by row in every pass (measured: ``docs/internals.md``).
+_SPLIT_KV_CELLS = 512
+_KV_VIEW_PAD = 256
+_SPLIT_KV_TYPES = frozenset({"f16", "f32"})
 #: ``llama_vocab_type`` values: no vocabulary, and the tokenizers that add special tokens.
 _VOCAB_NONE, _VOCAB_SPM, _VOCAB_BPE, _VOCAB_WPM, _VOCAB_UGM = 0, 1, 2, 3, 4
 
@@ -444,6 +456,21 @@ class LlamaModel:
         if self._params.n_gpu_layers != 0 and bool(self._lib.llama_supports_gpu_offload()):
             return params
         return replace(params, flash_attn="off")
+
+    def verify_exactness(self, params: ContextParams) -> str:
+        if self._params.n_gpu_layers != 0 and bool(self._lib.llama_supports_gpu_offload()):
+            return "not measured on a GPU (its kernels change with the number of rows in a pass)"
+        if params.flash_attn == "off":
+            return "no: without flash attention a verify row differs from a one-token pass"
+        if params.type_k not in _SPLIT_KV_TYPES or params.type_v not in _SPLIT_KV_TYPES:
+            return EXACT_AT_ANY_LENGTH
+        threads = params.n_threads or _native.default_threads()
+        if threads == 1 or params.n_ctx <= _KV_VIEW_PAD:
+            return EXACT_AT_ANY_LENGTH  # one thread's split is the whole view; a view < 512
+        return (
+            f"while the context uses at most {_SPLIT_KV_CELLS - _KV_VIEW_PAD} KV cells "
+            f"(f16 KV on {threads} CPU threads; q8_0 or bf16 KV is exact at any length)"
+        )
 
     def new_context(self, params: ContextParams) -> LlamaContext:
         params.validate()

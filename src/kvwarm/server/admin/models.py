@@ -98,6 +98,8 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             "speculative": {
                 "type": info.spec_type,
                 "available": info.speculation,
+                # Where a greedy reply is plain decoding's ("at any length", "while ...").
+                "exact": info.speculation_exact,
                 "draft_model": info.draft_model,
             },
             # Its multimodal projector (--mmproj): what it reads, what it holds.
