@@ -12,7 +12,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvwarm.backends.base import BackendModel, Sampler, SamplingParams
+from kvwarm.backends.base import (
+    BackendContext,
+    BackendModel,
+    BatchToken,
+    Sampler,
+    SamplingParams,
+)
 from kvwarm.backends.lazy_grammar import TriggerWatch, trigger_watch
 from kvwarm.errors import InvalidRequestError
 
@@ -142,6 +148,22 @@ def test_once_ends_the_reply_after_the_grammar(once: Driver) -> None:
     _hold_to_the_end(once)
     (wanted,) = once.tokens("x")
     assert once.model.is_eog(once.want(wanted))
+
+
+def test_rows_are_sampled_one_by_one(model: BackendModel, ctx: BackendContext) -> None:
+    """A verify pass's rows go through the sampler in order (its state moves with each),
+    never as one batch of argmaxes, even where the grammar would not be enforced."""
+    tokens = model.tokenize("Hi there, how are you today?")
+    ctx.prefill(0, tokens[:-3], 0)
+    n = len(tokens) - 3
+    ctx.decode([BatchToken(t, n + i, 0, logits=True) for i, t in enumerate(tokens[-3:])])
+    for grammar in (GRAMMAR, 'root ::= "<tc>" [a-z]+'):
+        params = SamplingParams(temperature=0.0, grammar=grammar, grammar_triggers=("<tc>",))
+        sampler = model.new_sampler(params)
+        try:
+            assert sampler.argmax_rows(ctx, 0, 3) is None
+        finally:
+            sampler.close()
 
 
 def test_reset_lets_go(driver: Driver) -> None:

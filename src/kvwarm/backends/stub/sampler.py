@@ -143,6 +143,8 @@ class StubSampler:
         p = self._params
         if not p.greedy or self._grammar is not None or p.repeat_penalty != 1.0:
             return None
+        if self._watch is not None:  # a lazy grammar's state moves with each row sampled
+            return None
         if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
             return None
         with self._life.using():
