@@ -225,6 +225,16 @@ def test_auto_tool_calls_are_held_to_their_schema_once_started(client: OpenAI) -
     (only,) = message.tool_calls or []
     assert _valid_weather_call(only.function.name, only.function.arguments)
     assert not message.content and one.choices[0].finish_reason == "tool_calls"
+    # The same prompt a third time: its KV came from the cache, the grammar changed nothing.
+    details = one.usage.prompt_tokens_details if one.usage else None
+    assert details is not None and details.cached_tokens
+    # A stop string inside the held call ends the reply there, as any stop does: the block
+    # is cut before its close, its JSON whole, so it is still the call.
+    stopped = client.chat.completions.create(  # type: ignore[call-overload]
+        **common, temperature=0, max_tokens=60, stop=["</tool_call>"]
+    )
+    (cut,) = stopped.choices[0].message.tool_calls or []
+    assert _valid_weather_call(cut.function.name, cut.function.arguments)
 
 
 def test_embeddings(client: OpenAI) -> None:
