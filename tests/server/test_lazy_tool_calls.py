@@ -307,3 +307,38 @@ def test_auto_and_required_refuse_a_schema_the_grammar_cannot_hold_alike(
         "tools": [{"name": "f", "input_schema": tool["function"]["parameters"]}],  # type: ignore[index]
     }
     assert client.post("/v1/messages/count_tokens", json=anthropic).status_code == 200
+
+
+def test_every_chat_api_decodes_auto_calls_under_the_lazy_grammar(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenAI chat, Anthropic messages, OpenAI responses: each request's engine options carry
+    the call grammar, started by ``<tool_call>`` (the stub's template describes tools)."""
+    seen: list[GenerationOptions] = []
+    options = convert.options
+
+    def recorded(*args: object, **kwargs: object) -> GenerationOptions:
+        opts = options(*args, **kwargs)  # type: ignore[arg-type]
+        seen.append(opts)
+        return opts
+
+    monkeypatch.setattr(convert, "options", recorded)
+    params = WEATHER.function.parameters
+    ask = [{"role": "user", "content": "Weather?"}]
+    bodies = {
+        "/v1/chat/completions": {"messages": ask, "tools": [WEATHER.model_dump()]},
+        "/v1/messages": {
+            "messages": ask,
+            "tools": [{"name": "get_weather", "input_schema": params}],
+            "max_tokens": 4,
+        },
+        "/v1/responses": {
+            "input": "Weather?",
+            "tools": [{"type": "function", "name": "get_weather", "parameters": params}],
+        },
+    }
+    for route, body in bodies.items():
+        response = client.post(route, json={"model": "a", **body})
+        assert response.status_code == 200, (route, response.json())
+    assert [o.grammar_triggers for o in seen] == [("<tool_call>",)] * 3
+    assert all(accepts(str(o.grammar), _block("get_weather", PARIS)) for o in seen)
