@@ -196,3 +196,23 @@ def test_a_trigger_whose_token_carries_refused_text_leaves_the_reply_free() -> N
                 _hold_to_the_end(d)
     finally:
         model.close()
+
+
+@pytest.mark.model
+def test_a_sentencepiece_vocabulary_holds_and_lets_go_too(gemma_path: str) -> None:
+    """Gemma's vocabulary spells single bytes with its byte-fallback tokens (``<0x3C>``): the
+    trigger's text reaches the grammar through them as through SmolLM2's byte-level ones."""
+    from kvwarm.backends import get_backend
+
+    model = get_backend("llama_cpp").load_model(gemma_path)
+    try:
+        single, eog = model.grammar_tokens()  # type: ignore[attr-defined]
+        assert all(token is not None for token in single) and eog
+        for temperature in (0.0, 0.7):
+            for d in _driver(model, temperature):
+                d.say("Hi x <tc>")
+                _hold_to_the_end(d)
+                d.say(" bye x<tc>")
+                _hold_to_the_end(d)
+    finally:
+        model.close()
