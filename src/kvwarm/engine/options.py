@@ -30,6 +30,8 @@ class GenerationOverrides(TypedDict, total=False):
     seed: int | None
     grammar: str | None
     json_schema: Mapping[str, object] | None
+    grammar_triggers: tuple[str, ...]
+    grammar_once: bool
     parent_key: bytes | None
     deterministic: bool | None
     add_special: bool

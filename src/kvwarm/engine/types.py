@@ -103,6 +103,12 @@ class GenerationOptions:
     seed: int | None = _SAMPLER.seed
     grammar: str | None = None
     json_schema: Mapping[str, object] | None = None
+    #: A lazy ``grammar`` (llama-server's ``grammar_lazy``): the reply is free until one of
+    #: these words appears in it, then the grammar, whose text starts with that word, holds;
+    #: once complete the reply is free again until the next one (a tool call's grammar: text
+    #: and more calls may follow), or with ``grammar_once`` it ends there.
+    grammar_triggers: tuple[str, ...] = ()
+    grammar_once: bool = False
     parent_key: bytes | None = None
     deterministic: bool | None = None  # None: the model's default
     add_special: bool = True  # prepend BOS etc. when tokenizing a text prompt
@@ -168,6 +174,7 @@ class GenerationOptions:
         if self.grammar is not None and self.json_schema is not None:
             raise InvalidRequestError("give grammar or json_schema, not both", param="grammar")
         self._check_text()
+        self._check_triggers()
         self._check_salt()
         self._check_lora()
         if self.parent_key is not None and len(self.parent_key) != 32:
@@ -226,6 +233,30 @@ class GenerationOptions:
                 "json_schema contains a lone UTF-16 surrogate", param="json_schema"
             )
 
+    def _check_triggers(self) -> None:
+        from kvwarm.backends.lazy_grammar import trigger_watch
+        from kvwarm.errors import InvalidRequestError
+
+        triggers = self.grammar_triggers
+        if not isinstance(triggers, tuple | list) or not all(isinstance(t, str) for t in triggers):
+            raise InvalidRequestError(
+                "grammar_triggers must be a list of strings", param="grammar_triggers"
+            )
+        if not isinstance(self.grammar_once, bool):
+            raise InvalidRequestError("grammar_once must be true or false", param="grammar_once")
+        if self.json_schema is not None and triggers:
+            raise InvalidRequestError(
+                "grammar_triggers start a grammar (GBNF), not a json_schema",
+                param="grammar_triggers",
+            )
+        trigger_watch(
+            SamplingParams(
+                grammar=self.grammar,
+                grammar_triggers=tuple(triggers),
+                grammar_once=self.grammar_once,
+            )
+        )
+
     def _check_spec(self) -> None:
         from kvwarm.errors import InvalidRequestError
 
@@ -271,6 +302,8 @@ class GenerationOptions:
             logit_bias=tuple(sorted(bias.items())),
             seed=sampler_seed(self.seed),
             grammar=grammar,
+            grammar_triggers=tuple(self.grammar_triggers),
+            grammar_once=self.grammar_once,
             **knobs,
         )
 
