@@ -40,6 +40,7 @@ class GenerationOverrides(TypedDict, total=False):
     prompt_logprobs: int | None
     logit_bias: Mapping[int, float] | None
     ignore_eos: bool
+    preserved_tokens: tuple[str, ...]
     cache_salt: str | None
     spec_type: str | None
     spec_draft_max: int | None

@@ -62,6 +62,7 @@ def options(
     lora: tuple[tuple[int, float], ...] | None = None,
     names: Mapping[str, str] | None = None,
     calls: CallGrammar | None = None,
+    preserved: tuple[str, ...] = (),
 ) -> GenerationOptions:
     """``req``'s engine options; ``cache_salt`` is the one ``server.tenancy`` resolved (the
     body's field is only one of its inputs), ``lora`` the adapters ``server.lora`` chose;
@@ -69,7 +70,8 @@ def options(
     ``names``: the client's name of a field another API spells otherwise (Anthropic's
     ``stop_sequences`` for ``stop``), so an error about it names what the client sent.
     ``calls``: tool_choice auto's call grammar (``chat.call_grammar``), unless the request
-    constrains the whole reply itself (``grammar``, a response format)."""
+    constrains the whole reply itself (``grammar``, a response format). ``preserved``: the
+    special tokens whose text the reply keeps (``ChatPlan.preserved``: tool-call markers)."""
     stop: tuple[str, ...] = ()
     if isinstance(req.stop, str):
         stop = (req.stop,) if req.stop else ()
@@ -102,6 +104,7 @@ def options(
         "spec_type": req.spec_type,
         "spec_draft_max": req.spec_draft_max,
         "lora": lora,
+        "preserved_tokens": preserved,
     }
     if calls is not None and json_schema is None and req.grammar is None:
         overrides |= {

@@ -81,6 +81,21 @@ _OPENERS: dict[CallFormat, str] = {
     "mistral-list": "[TOOL_CALLS]",
     "mistral-args": "[TOOL_CALLS]",
 }
+#: The texts the parser reads calls by. A model's vocabulary may hold one as a control token
+#: (Mistral's ``[TOOL_CALLS]``, ``[ARGS]``, ``[CALL_ID]``; Llama 3's ``<|python_tag|>``; some
+#: Hermes-style ``<tool_call>``), whose text a reply leaves out unless it is preserved
+#: (``GenerationOptions.preserved_tokens``, llama-server's ``preserved_tokens``): a request
+#: whose calls are parsed keeps every one of them in the text the parser reads.
+CALL_MARKERS: tuple[str, ...] = (
+    "<tool_call>",
+    "</tool_call>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "<|python_tag|>",
+    "<function=",
+    "</function>",
+)
 #: The rules a call grammar adds around the schemas' (``_call_grammar`` checks that no
 #: schema's rule has one of these names).
 _SPACE = "kvwarm-call-space ::= [ \\t\\r\\n]{0,4}"
@@ -170,6 +185,12 @@ class ChatPlan:
     forced: bool  # tool_choice required / named: the whole reply is one call
     single: bool = False  # parallel calls turned off: a reply makes at most one call
     lazy: LazyCalls | None = None  # tool_choice auto: a call held to its schema once started
+
+    @property
+    def preserved(self) -> tuple[str, ...]:
+        """The special tokens the reply's text keeps (``CALL_MARKERS``) where its calls are
+        parsed: the parser must see a call's markers, whatever tokens they are."""
+        return CALL_MARKERS if self.names else ()
 
     def parts(self, text: str) -> list[Part]:
         """A whole reply as its texts and calls in order (``reply_parts``), keeping only the

@@ -106,6 +106,7 @@ async def chat_completions(request: Request) -> Response:
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
         lora=lora,
         calls=await chat.call_grammar(plan, whole=schema is not None or req.grammar is not None),
+        preserved=plan.preserved,
     )
     choices = await Choices.start(
         request,
