@@ -5,7 +5,10 @@ Hermes-style ones ``<tool_call>``: a reply's text left them out, so a call came 
 (``get_weather{"q": "x"}``). Here tiny models whose vocabularies hold them as control tokens
 and whose greedy choice is fixed (``tests.tinymodels.write_marker_model``) write calls through
 the real backend, under every chat-shaped API, whole and streamed; the markers are the
-parser's, never the client's content, and other special tokens stay out of the text."""
+parser's, never the client's content, and other special tokens stay out of the text.
+Before, a reply that was only a call whose body is JSON (Hermes' block, Nemo's list, a
+``<|python_tag|>`` call) was still found, as a bare JSON reply; Mistral's ``name[ARGS]{...}``
+and any call after text were not."""
 
 from __future__ import annotations
 
@@ -32,6 +35,16 @@ MISTRAL = (
     "[ARGS]{{ c.function.arguments | tojson }}{% endfor %}{% else %}{{ m['content'] }}"
     "{% endif %}{{ eos_token }}{% endif %}{% endfor %}"
 )
+#: Mistral Nemo's: the calls as one JSON list after [TOOL_CALLS].
+NEMO = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% if loop.last and tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]"
+    "{% endif %}[INST]{{ m['content'] }}[/INST]{% elif m['role'] == 'assistant' %}"
+    "{% if m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}, '
+    '"id": "{{ c.id }}"}{% if not loop.last %}, {% endif %}{% endfor %}]'
+    "{% else %}{{ m['content'] }}{% endif %}{{ eos_token }}{% endif %}{% endfor %}"
+)
 #: Hermes' shape: tools in the system turn, a call as a <tool_call> block of JSON.
 HERMES = (
     "{% if tools %}[INST]{{ tools | tojson }}[/INST]{% endif %}{% for m in messages %}"
@@ -46,6 +59,7 @@ LLAMA = "{% for m in messages %}[INST]{{ m['content'] }}[/INST]{% endfor %}"
 MODELS = {
     "mistral": (MISTRAL, ("[TOOL_CALLS]", "[ARGS]")),
     "mistral-id": (MISTRAL, ("[TOOL_CALLS]", "[CALL_ID]", "[ARGS]")),
+    "nemo": (NEMO, ("[TOOL_CALLS]",)),
     "hermes": (HERMES, ("<tool_call>", "</tool_call>")),
     "llama": (LLAMA, ("<|python_tag|>",)),
 }
@@ -91,7 +105,7 @@ def _chat(model: str, **extra: object) -> dict[str, object]:
         "tools": TOOLS,
         "parallel_tool_calls": False,
         "temperature": 0,
-        "max_tokens": 64,
+        "max_tokens": 128,
     }
     return body | extra
 
@@ -211,6 +225,7 @@ AFTER_TEXT = {
     "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"q": "x"}}\n</tool_call>',
     "llama": '<|python_tag|>{"name": "get_weather", "parameters": {"q": "x"}}',
     "mistral": '[TOOL_CALLS]get_weather[ARGS]{"q": "x"}',
+    "nemo": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"q": "x"}}]',
 }
 
 
