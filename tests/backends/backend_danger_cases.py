@@ -157,10 +157,13 @@ def case_sampler_ints_past_int32(backend: str) -> None:
     low 32 bits, so top_k=2**32 + 1 sampled as top-1, silently (found by review)."""
     model = load(backend)
     expect(InvalidRequestError, lambda: model.new_sampler(SamplingParams(top_k=2**32 + 1)))
+    # Below INT32_MIN wraps as well: -(2**32) + 1 was top_k=1 in C (found by review).
+    expect(InvalidRequestError, lambda: model.new_sampler(SamplingParams(top_k=-(2**32) + 1)))
     expect(InvalidRequestError, lambda: model.new_sampler(SamplingParams(repeat_last_n=2**32)))
     expect(InvalidRequestError, lambda: model.new_sampler(SamplingParams(repeat_last_n=-2)))
     expect(InvalidRequestError, lambda: model.new_sampler(SamplingParams(seed=2**32)))
     model.new_sampler(SamplingParams(top_k=2**31 - 1, seed=2**32 - 1)).close()
+    model.new_sampler(SamplingParams(top_k=-(2**31))).close()  # <= 0: top-k off
 
 
 def case_no_logits(backend: str) -> None:

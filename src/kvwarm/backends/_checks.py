@@ -260,8 +260,11 @@ def check_sampling(params: SamplingParams) -> None:
     reached them unchecked)."""
     _check_int(params.top_k, "top_k")
     _check_int(params.repeat_last_n, "repeat_last_n")
-    if params.top_k > _INT32_MAX:
-        raise InvalidRequestError(f"top_k must be <= {_INT32_MAX}", param="top_k")
+    if not -_INT32_MAX - 1 <= params.top_k <= _INT32_MAX:
+        # Below INT32_MIN wraps too (found by review: top_k=-(2**32) + 1 sampled as top-1).
+        raise InvalidRequestError(
+            f"top_k must be in [{-_INT32_MAX - 1}, {_INT32_MAX}] (<= 0: off)", param="top_k"
+        )
     if not -1 <= params.repeat_last_n <= _INT32_MAX:
         raise InvalidRequestError(
             f"repeat_last_n must be in [-1, {_INT32_MAX}]", param="repeat_last_n"
