@@ -131,7 +131,7 @@ def test_read_values_decodes_what_is_wanted_and_skips_the_rest() -> None:
     data = _with_kvs(
         _kv(b"x.block_count", 4, struct.pack("<I", 7)),
         _kv(b"tokenizer.ggml.tokens", 9, strings),
-        _kv(b"skipped", 9, struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 0, 3) + b"abc"),
+        _kv(b"skipped", 9, struct.pack("<IQ", 0, 3) + b"abc"),
         _kv(b"x.scale", 6, struct.pack("<f", 0.5)),
     )
     got = gguf_meta.read_values(data, lambda key: key != "skipped")
@@ -151,3 +151,21 @@ def test_read_values_decodes_what_is_wanted_and_skips_the_rest() -> None:
 def test_read_values_refuses_lengths_past_the_end(kv: bytes) -> None:
     with pytest.raises(ValueError):
         gguf_meta.read_values(_with_kvs(kv), lambda _key: True)
+
+
+def _nested(depth: int) -> bytes:
+    """A key whose value is an array of arrays, ``depth`` deep, holding no uint32 at last."""
+    payload = struct.pack("<IQ", 9, 1) * depth + struct.pack("<IQ", 4, 0)
+    return _with_kvs(_kv(b"a", 9, payload)) + b"\0" * 64
+
+
+@pytest.mark.parametrize("depth", [1, 5000])
+def test_an_array_of_arrays_is_refused_as_gguf_cpp_does(depth: int) -> None:
+    """gguf.cpp refuses an array of arrays ("invalid GGUF type"); both walks say so with a
+    ValueError. Found by review: they recursed into each level, and 5000 levels (60 KB of
+    file) raised RecursionError, which reached Engine.load_model's caller as it was."""
+    data = _nested(depth)
+    with pytest.raises(ValueError, match="array of arrays"):
+        gguf_meta.read_values(data, lambda _key: True)
+    with pytest.raises(ValueError, match="array of arrays"):
+        gguf_meta.read_metadata(io.BytesIO(data), len(data), ("a",))

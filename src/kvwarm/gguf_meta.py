@@ -11,7 +11,8 @@ kvwarm.
 
 Invariant: only the values of the keys asked for are decoded (strings and unsigned ints);
 every other value is skipped by its declared size, and a size that points past the file's end
-is a ``ValueError``, never a read of gigabytes.
+is a ``ValueError``, never a read of gigabytes; so is an array of arrays, which gguf.cpp
+refuses (the walk never recurses).
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ class Metadata:
     version: int
     n_tensors: int
     values: dict[str, str | int]
+
+
+#: An array whose elements are arrays: gguf.cpp refuses the file ("invalid GGUF type"), and
+#: walking one by recursion ended in a RecursionError (found by review: a key of arrays nested
+#: a few thousand deep made loading the file a traceback, not a ``ModelLoadError``).
+_NESTED = "an array of arrays (gguf.cpp refuses them)"
 
 
 def unpack_from_file(f: BinaryIO, fmt: str) -> tuple[int, ...]:
@@ -88,6 +95,8 @@ def read_metadata(f: BinaryIO, size: int, keys: Collection[str]) -> Metadata:
                 if _SCALAR_SIZES[etype] * count > size:
                     raise ValueError("array beyond file")
                 f.seek(_SCALAR_SIZES[etype] * count, os.SEEK_CUR)
+            elif etype == _ARRAY:
+                raise ValueError(_NESTED)
             else:
                 if count > size:
                     raise ValueError("array beyond file")
@@ -149,9 +158,9 @@ class Values:
 def read_values(buf: Buffer, wanted: Callable[[str], bool]) -> Values:
     """The GGUF header (v2 or v3) at the start of ``buf`` (the file's bytes, or an ``mmap``
     of them) walked as ``read_metadata`` walks a file, decoding the value of every key
-    ``wanted`` says yes to, whatever its type (strings as bytes, arrays as lists; an array
-    of arrays is skipped); every other value is skipped by its declared size. ``ValueError``
-    if it is not a GGUF header (a length past the end included). Offsets into one buffer,
+    ``wanted`` says yes to, whatever its type (strings as bytes, arrays as lists); every
+    other value is skipped by its declared size. ``ValueError`` if it is not a GGUF header
+    (a length past the end, an array of arrays included). Offsets into one buffer,
     not reads of a file: a vocabulary of 262,144 strings is walked in ~0.1 s."""
     view = memoryview(buf)
     size = len(view)
@@ -219,6 +228,8 @@ def read_values(buf: Buffer, wanted: Callable[[str], bool]) -> Values:
                 skip(width * count)
                 return None
             return list(take(f"<{count}{_SCALAR_FORMATS[etype]}"))
+        if etype == _ARRAY:
+            raise ValueError(_NESTED)
         if count > size - pos:  # every element takes a byte at least
             raise ValueError("array beyond file")
         if etype == _STRING and keep:

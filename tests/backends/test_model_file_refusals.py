@@ -180,6 +180,39 @@ def test_an_engine_load_of_each_is_a_typed_error(hostile: dict[str, Path]) -> No
     assert_case_ok("-c", _ENGINE, *(str(hostile[name]) for name in sorted(CASES)), timeout=300)
 
 
+def _deeply_nested(path: Path, depth: int = 5000) -> Path:
+    """A GGUF whose one key is an array of arrays ``depth`` deep (gguf.cpp refuses any
+    array of arrays)."""
+    kv = struct.pack("<Q", 1) + b"a" + struct.pack("<I", 9)
+    kv += struct.pack("<IQ", 9, 1) * depth + struct.pack("<IQ", 4, 0)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + kv + b"\0" * 64)
+    return path
+
+
+def test_arrays_nested_deep_are_left_to_gguf_cpp_s_refusal(tmp_path: Path) -> None:
+    """Found by review: the check's walk recursed into each level of an array of arrays,
+    and 5000 levels raised RecursionError out of LlamaModel's load, no ModelLoadError; the
+    chunked fingerprint's walk (read_metadata) did the same. Now the check leaves the file
+    to gguf.cpp, which refuses it, and the fingerprint refuses it."""
+    from kvwarm.cache.types import FingerprintMode
+    from kvwarm.engine.fingerprint import fingerprint
+
+    path = _deeply_nested(tmp_path / "nested.gguf")
+    model_file.check_path(path)  # gguf.cpp's refusal, not an abort: nothing to say here
+    with pytest.raises(ModelLoadError, match="array of arrays"):
+        fingerprint(path, FingerprintMode.GGUF_CHUNKED)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("mode", ["safe", "gguf_chunked"])
+def test_an_engine_load_of_deeply_nested_arrays_is_a_typed_error(tmp_path: Path, mode: str) -> None:
+    import kvwarm
+
+    path = _deeply_nested(tmp_path / "nested.gguf")
+    with kvwarm.Engine() as engine, pytest.raises(ModelLoadError):
+        engine.load_model(path, fingerprint_mode=mode)
+
+
 #: Projectors: name: (byte edits, what the refusal says). Each aborted mtmd's load (its
 #: encoder graph, built at load).
 PROJECTOR_CASES = {
