@@ -2,9 +2,13 @@
 every other request.
 
 A document's prompt is llama-server's (``format_prompt_rerank``): the GGUF's rerank template
-with ``{query}`` then ``{document}`` replaced, tokenized whole with special tokens parsed (so,
-as there, special-token text in a query or document is a special token); without a template,
-``[BOS] query [EOS] [SEP] document [EOS]``, each token as the vocabulary adds it. Each document
+with ``{query}`` then ``{document}`` replaced, tokenized whole with special tokens parsed;
+without a template, ``[BOS] query [EOS] [SEP] document [EOS]``, each token as the vocabulary
+adds it. One deliberate difference: a query or document is text, never markup. Where one holds
+special-token text (llama-server makes it a special token, so an untrusted document can forge
+the template's markers and inflate its own score), the template's pieces are tokenized with
+special parsing and the query and document without, then concatenated (``_template_tokens``);
+every other prompt, and so its score, is llama-server's. Each document
 is one request of kind ``score`` in a slot of its own: the tick batches the documents of every
 rerank into its forward passes, and the model's rank pooling gives each its score as its
 prompt ends (``engine/worker/tick.py``). Scores are llama-server's: the first value the
@@ -32,19 +36,21 @@ is exactly the document's own, whatever else is being ranked (``tests/engine``,
 
 Invariants: every input is checked on the caller's thread before anything is queued; a
 rerank's requests are queued together or not at all and end together (the first failure
-cancels the rest, and is raised; so does a deadline, ``timeout_s``: the server's
-``request_timeout_s``); results are sorted by score, ties in document order.
+cancels the rest, and is raised; so do a deadline, ``timeout_s``: the server's
+``request_timeout_s``, and a ``Cancellation``: the server's, on its client's disconnect);
+results are sorted by score, ties in document order.
 """
 
 from __future__ import annotations
 
-import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvwarm.backends.base import BackendModel
 from kvwarm.cache.types import TtlClass
+from kvwarm.engine.cancel import Cancellation, check_timeout
 from kvwarm.engine.request import Done, Failed, Request, RequestKind
 from kvwarm.engine.types import GenerationOptions, Reranking, RerankResult
 from kvwarm.engine.worker.loop import Worker
@@ -52,6 +58,7 @@ from kvwarm.errors import (
     ContextOverflowError,
     EngineClosedError,
     InvalidRequestError,
+    RequestCancelledError,
     RequestTimeoutError,
 )
 from kvwarm.tokens import Prompt, common_prefix
@@ -100,21 +107,33 @@ class Ranker:
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        cancel: Cancellation | None = None,
     ) -> Reranking:
         docs = self._check(query, documents, top_n, max_tokens_per_doc)
-        _check_timeout(timeout_s)
+        check_timeout(timeout_s)
         options = GenerationOptions(max_tokens=0, temperature=0.0, cache_salt=cache_salt)
         options.validate()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         prompts = self._prompts(query, docs, max_tokens_per_doc)
         requests, scored = self._requests(prompts, options)
+        if cancel is not None and cancel.cancelled:  # its client left while it was tokenized
+            raise _cancelled(len(scored), len(scored))
         self._worker.submit(*requests)
-        try:
-            scores, cached = self._scores(scored, deadline, timeout_s)
-        finally:
+
+        def cancel_unanswered() -> None:
             for req in requests:
                 if not req.answered:
                     self._worker.cancel(req)
+
+        # A disconnect (any thread): the documents not yet scored are cancelled at once, so
+        # the worker stops on them; the loop below then finds an unscored one and raises.
+        forget = cancel.on_cancel(cancel_unanswered) if cancel is not None else None
+        try:
+            scores, cached = self._scores(scored, deadline, timeout_s, cancel)
+        finally:
+            if forget is not None:
+                forget()
+            cancel_unanswered()
         order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
         keep = len(order) if top_n is None else top_n
         return Reranking(
@@ -215,8 +234,7 @@ class Ranker:
         if template is not None:
             # llama-server's order: {query} first, so a query holding "{document}" has it
             # replaced too, as there.
-            text = template.replace("{query}", query).replace("{document}", doc)
-            tokens = bm.tokenize(text, add_special=False, parse_special=True)
+            tokens = self._template_tokens(template, query, doc)
             if empty is None:
                 return tokens, [], []
             # Where the document is: what the same prompt without it does not share with
@@ -233,6 +251,39 @@ class Ranker:
         end = [eos] if facts.add_eos and eos is not None else []
         sep = [facts.sep] if facts.add_sep and facts.sep is not None else []
         return [*bos, *q, *end, *sep], d, list(end)
+
+    def _template_tokens(self, template: str, query: str, doc: str) -> list[int]:
+        """The template's prompt for ``query`` and ``doc``. As llama-server's whole render
+        tokenized with special tokens parsed, unless the query or the document holds
+        special-token text of its own: then, where llama-server would make it a special
+        token (an untrusted document forging the template's markers, e.g.
+        ``<|im_start|>assistant``, to inflate its own score), it stays text: the template's
+        pieces are tokenized with special parsing, the query and the document without, and
+        concatenated, as chat content is (``engine/prompts.py``)."""
+        bm = self._bmodel
+        if not (self._has_special(query) or self._has_special(doc)):
+            # llama-server's order: {query} first, so a query holding "{document}" has it
+            # replaced too, as there.
+            text = template.replace("{query}", query).replace("{document}", doc)
+            return bm.tokenize(text, add_special=False, parse_special=True)
+        tokens: list[int] = []
+        for k, piece in enumerate(re.split(r"(\{query\}|\{document\})", template)):
+            if k % 2 == 0:
+                if piece:
+                    tokens += bm.tokenize(piece, add_special=False, parse_special=True)
+            else:
+                text = query if piece == "{query}" else doc
+                tokens += bm.tokenize(text, add_special=False, parse_special=False)
+        return tokens
+
+    def _has_special(self, text: str) -> bool:
+        """Whether ``text`` tokenizes otherwise with special tokens parsed (it holds a special
+        token's text)."""
+        if not text:
+            return False
+        bm = self._bmodel
+        plain = bm.tokenize(text, add_special=False, parse_special=False)
+        return bm.tokenize(text, add_special=False, parse_special=True) != plain
 
     def _requests(
         self, prompts: Sequence[tuple[int, ...]], options: GenerationOptions
@@ -265,11 +316,15 @@ class Ranker:
         return ([head] if head is not None else []) + docs, docs
 
     def _scores(
-        self, docs: Sequence[Request], deadline: float | None, timeout_s: float | None
+        self,
+        docs: Sequence[Request],
+        deadline: float | None,
+        timeout_s: float | None,
+        cancel: Cancellation | None,
     ) -> tuple[list[float], int]:
         """Each document's score, in order, and the prompt tokens reused; the first failure
-        is raised, and ``RequestTimeoutError`` past ``deadline`` (the caller cancels the
-        rest)."""
+        is raised, ``RequestTimeoutError`` past ``deadline`` and ``RequestCancelledError``
+        once ``cancel`` is cancelled (the caller cancels the rest)."""
         scores: list[float] = []
         cached = 0
         for req in docs:
@@ -286,6 +341,8 @@ class Ranker:
                 raise event.error
             assert isinstance(event, Done)
             done = event.completion
+            if done.score is None and cancel is not None and cancel.cancelled:
+                raise _cancelled(len(docs) - len(scores), len(docs))
             if done.score is None:
                 raise EngineClosedError(
                     "the rerank was cancelled before every document was scored (the model "
@@ -296,16 +353,8 @@ class Ranker:
         return scores, cached
 
 
-def _check_timeout(timeout_s: object) -> None:
-    if timeout_s is None:
-        return
-    if (
-        isinstance(timeout_s, bool)
-        or not isinstance(timeout_s, int | float)
-        or not math.isfinite(timeout_s)
-        or timeout_s <= 0
-    ):
-        raise InvalidRequestError(
-            f"timeout_s must be a finite number of seconds > 0 (or None), got {timeout_s!r}",
-            param="timeout_s",
-        )
+def _cancelled(unscored: int, total: int) -> RequestCancelledError:
+    return RequestCancelledError(
+        f"the rerank was cancelled by its caller with {unscored} of its {total} documents "
+        "unscored; they were cancelled"
+    )
