@@ -250,12 +250,15 @@ async def run_cancellable(request: Request, work: Callable[[Cancellation], _T]) 
 
     async def watch() -> None:
         await wait_disconnect(request)
-        log.info("%s: the client left; cancelling its work", request.url.path)
         cancel.cancel()
+        log.info("%s: the client left; its work was cancelled", request.url.path)
 
     watcher = asyncio.create_task(watch())
     try:
         return await run_in_threadpool(work, cancel)
+    except asyncio.CancelledError:  # the handler itself is cancelled: nobody waits either
+        cancel.cancel()
+        raise
     finally:
         watcher.cancel()
 
