@@ -184,7 +184,9 @@ class Ranker:
     ) -> list[tuple[int, ...]]:
         """Each document's prompt, cut to ``max_tokens_per_doc`` document tokens and to the
         limit (``rerank_truncate``), or refused."""
-        empty = self._parts(query, "")
+        # Whether the query holds special-token text: asked once, not once per document.
+        marked = self._has_special(query)
+        empty = self._parts(query, "", marked)
         if len(empty[0]) + len(empty[2]) > self._limits.limit:
             raise ContextOverflowError(
                 f"the rerank prompt without a document has {len(empty[0]) + len(empty[2])} "
@@ -196,7 +198,7 @@ class Ranker:
             )
         prompts = []
         for i, doc in enumerate(docs):
-            head, body, tail = self._parts(query, doc, empty)
+            head, body, tail = self._parts(query, doc, marked, empty)
             if max_tokens_per_doc is not None:
                 body = body[:max_tokens_per_doc]
             room = self._limits.limit - len(head) - len(tail)
@@ -225,16 +227,16 @@ class Ranker:
         self,
         query: str,
         doc: str,
+        marked: bool,
         empty: tuple[list[int], list[int], list[int]] | None = None,
     ) -> tuple[list[int], list[int], list[int]]:
-        """A document's prompt as (before the document, the document, after it)."""
+        """A document's prompt as (before the document, the document, after it); ``marked``:
+        the query holds special-token text (``_template_tokens``)."""
         bm = self._bmodel
         facts = bm.facts
         template = facts.rerank_template
         if template is not None:
-            # llama-server's order: {query} first, so a query holding "{document}" has it
-            # replaced too, as there.
-            tokens = self._template_tokens(template, query, doc)
+            tokens = self._template_tokens(template, query, doc, marked)
             if empty is None:
                 return tokens, [], []
             # Where the document is: what the same prompt without it does not share with
@@ -252,16 +254,20 @@ class Ranker:
         sep = [facts.sep] if facts.add_sep and facts.sep is not None else []
         return [*bos, *q, *end, *sep], d, list(end)
 
-    def _template_tokens(self, template: str, query: str, doc: str) -> list[int]:
+    def _template_tokens(
+        self, template: str, query: str, doc: str, query_marked: bool
+    ) -> list[int]:
         """The template's prompt for ``query`` and ``doc``. As llama-server's whole render
         tokenized with special tokens parsed, unless the query or the document holds
         special-token text of its own: then, where llama-server would make it a special
         token (an untrusted document forging the template's markers, e.g.
         ``<|im_start|>assistant``, to inflate its own score), it stays text: the template's
         pieces are tokenized with special parsing, the query and the document without, and
-        concatenated, as chat content is (``engine/prompts.py``)."""
+        concatenated, as chat content is (``engine/prompts.py``). Not caught: special-token
+        text that only the query's or document's edge and the template's text beside it
+        spell together (no template places a partial marker beside a placeholder)."""
         bm = self._bmodel
-        if not (self._has_special(query) or self._has_special(doc)):
+        if not (query_marked or self._has_special(doc)):
             # llama-server's order: {query} first, so a query holding "{document}" has it
             # replaced too, as there.
             text = template.replace("{query}", query).replace("{document}", doc)
