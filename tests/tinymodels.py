@@ -395,3 +395,104 @@ def write_reranker(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# --- A chat model whose tool-call markers are control tokens (``write_marker_model``) ---
+
+#: Its vocabulary: SentencePiece's <unk>, BOS, EOS, a token per byte, then special tokens.
+MARKER_BYTES = [f"<0x{i:02X}>" for i in range(256)]
+MARKER_SPECIALS = (
+    "[INST]",
+    "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "<|python_tag|>",
+    "<tool_call>",
+    "</tool_call>",
+)
+
+
+def write_marker_model(
+    path: Path,
+    template: str,
+    favourites: tuple[str, ...],
+    *,
+    n_embd: int = N_EMBD,
+    n_layer: int = N_LAYER,
+    n_head: int = N_HEAD,
+) -> Path:
+    """A ``llama`` model of an SPM vocabulary (bytes, and ``MARKER_SPECIALS`` typed CONTROL,
+    as Mistral's, Llama 3's markers are) with chat ``template``, whose greedy choice is the
+    same order of preference at every position: ``favourites`` first (token texts, in order),
+    then EOS, then every other token by id (whitespace last). So, free, it writes
+    ``favourites[0]`` and, held by a grammar, the first token the grammar allows: a call
+    grammar's markers as their control tokens, its text spelled byte by byte.
+
+    How: its layers add nothing (attention and FFN outputs are zero), so the last position's
+    state is its token's embedding, whose first component is 1 for every token; the final
+    norm keeps only that component, positive; the output matrix's first column is each
+    token's preference."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>", *MARKER_BYTES, *MARKER_SPECIALS]
+    types = [2, 3, 3] + [6] * 256 + [3] * len(MARKER_SPECIALS)
+    n_vocab = len(tokens)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("tokenizer.ggml.model", "llama")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.scores", [0.0] * n_vocab)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_string("tokenizer.chat_template", template)
+    k = "llama."
+    head = n_embd // n_head
+    n_ff = 2 * n_embd
+    w.add_uint32(k + "context_length", N_CTX)
+    w.add_uint32(k + "embedding_length", n_embd)
+    w.add_uint32(k + "block_count", n_layer)
+    w.add_uint32(k + "feed_forward_length", n_ff)
+    w.add_uint32(k + "attention.head_count", n_head)
+    w.add_uint32(k + "attention.head_count_kv", n_head)
+    w.add_uint32(k + "rope.dimension_count", head)
+    w.add_float32(k + "attention.layer_norm_rms_epsilon", 1e-5)
+
+    order = [tokens.index(t) for t in favourites] + [2]
+    whitespace = [3 + b for b in b" \t\r\n"]
+    order += [t for t in range(n_vocab) if t not in order and t not in whitespace]
+    order += whitespace
+    preference = np.zeros(n_vocab, np.float32)
+    preference[order] = -np.arange(n_vocab, dtype=np.float32) / n_vocab  # first: 0, best
+
+    rng = np.random.default_rng(5)
+    embd = rng.normal(0.0, 0.1, (n_vocab, n_embd)).astype(np.float32)
+    embd[:, 0] = 1.0
+    out = np.zeros((n_vocab, n_embd), np.float32)
+    out[:, 0] = preference
+    only_first = np.zeros(n_embd, np.float32)
+    only_first[0] = 1.0
+    w.add_tensor("token_embd.weight", embd)
+    w.add_tensor("output_norm.weight", only_first)
+    w.add_tensor("output.weight", out)
+    for il in range(n_layer):
+        b = f"blk.{il}."
+        w.add_tensor(b + "attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(b + "ffn_norm.weight", np.ones(n_embd, np.float32))
+        for name in ("attn_q", "attn_k", "attn_v"):
+            w.add_tensor(
+                b + name + ".weight", rng.normal(0.0, 0.1, (n_embd, n_embd)).astype(np.float32)
+            )
+        w.add_tensor(b + "attn_output.weight", np.zeros((n_embd, n_embd), np.float32))
+        w.add_tensor(b + "ffn_gate.weight", rng.normal(0.0, 0.1, (n_ff, n_embd)).astype(np.float32))
+        w.add_tensor(b + "ffn_up.weight", rng.normal(0.0, 0.1, (n_ff, n_embd)).astype(np.float32))
+        w.add_tensor(b + "ffn_down.weight", np.zeros((n_embd, n_ff), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
