@@ -34,6 +34,8 @@ def test_an_embedding_past_its_deadline_is_dropped_and_raised() -> None:
         for bad in (0, -1.0, float("nan"), float("inf"), True, "1"):
             with pytest.raises(InvalidRequestError, match="timeout_s"):
                 model.embed(INPUTS, timeout_s=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="cancel must be a Cancellation"):
+            model.embed(INPUTS, cancel=threading.Event())  # type: ignore[arg-type]
     finally:
         backend.gate.set()
         eng.close()

@@ -36,7 +36,7 @@ from kvwarm.cluster.calls import (
     ModelOp,
     Served,
 )
-from kvwarm.engine.cancel import Cancellation
+from kvwarm.engine.cancel import Cancellation, check_cancel
 from kvwarm.engine.ops import ModelCalls, ModelOps, OpName
 from kvwarm.engine.request import Fragment
 from kvwarm.engine.submit import choice_options
@@ -304,8 +304,7 @@ def _forward(
         # A caller's Cancellation stays here: it cancels the call (and so the replica's
         # work), it does not cross to the replica (which makes its own).
         sent = dict(kwargs)
-        cancel = sent.pop("cancel", None)
-        assert cancel is None or isinstance(cancel, Cancellation)
+        cancel = check_cancel(sent.pop("cancel", None))
         return cast(_R, self._op(name, args, sent, cancel=cancel))
 
     forward.__name__ = forward.__qualname__ = name

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from kvwarm.errors import InvalidRequestError
 
-__all__ = ["Cancellation", "check_timeout"]
+__all__ = ["Cancellation", "check_cancel", "check_timeout"]
 
 
 def check_timeout(timeout_s: object) -> None:
@@ -40,6 +40,16 @@ def check_timeout(timeout_s: object) -> None:
             f"timeout_s must be a finite number of seconds > 0 (or None), got {timeout_s!r}",
             param="timeout_s",
         )
+
+
+def check_cancel(cancel: object) -> Cancellation | None:
+    """``cancel``, which must be None or a ``Cancellation`` (``InvalidRequestError``)."""
+    if cancel is not None and not isinstance(cancel, Cancellation):
+        raise InvalidRequestError(
+            f"cancel must be a Cancellation (or None), not {type(cancel).__name__}",
+            param="cancel",
+        )
+    return cancel
 
 
 class Cancellation:

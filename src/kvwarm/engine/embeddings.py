@@ -6,7 +6,9 @@ caller's thread before any job is queued (``docs/architecture.md``, "Engine"). A
 embedded in pieces of about ``n_batch`` tokens, one job each, queued one after the other, so
 the model's other requests get a tick between any two pieces (issue 41: 20,000 inputs as one
 job held a concurrent chat for 168 s), as a batch of completion prompts shares the model.
-Before each embedding job the context takes the LoRA set the embedding runs under
+Past its deadline (``timeout_s``: the server's ``request_timeout_s``) or once its caller
+cancels it (``engine.cancel``: the server's, on a disconnect), the pieces not yet begun are
+never run. Before each embedding job the context takes the LoRA set the embedding runs under
 (``Adapters.resolve``): the one it names (the server's global scales, as llama-server embeds),
 else the model's own, so a model with an adapter attached embeds with it, as it generates with
 it.
@@ -34,7 +36,7 @@ from kvwarm.backends.base import (
     ContextMemory,
     ContextParams,
 )
-from kvwarm.engine.cancel import Cancellation, check_timeout
+from kvwarm.engine.cancel import Cancellation, check_cancel, check_timeout
 from kvwarm.engine.request import check_tokens
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.engine.worker.runtime import LoraChoice
@@ -104,6 +106,7 @@ class Embedder:
         (``RequestCancelledError``), the pieces not yet embedded are dropped from the queue
         (one the worker has begun ends first, in the background)."""
         check_timeout(timeout_s)
+        check_cancel(cancel)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         token_lists = self._tokens(inputs)
         limit = self._params.n_ctx
@@ -134,13 +137,12 @@ class Embedder:
             return [ctx.embed(toks, normalize=normalize) for toks in piece]
 
         vectors: list[list[float]] = []
-        runs = list(pieces(token_lists, self._params.n_batch))
 
         def unembedded(why: str) -> str:
             left = len(token_lists) - len(vectors)
             return f"{why} with {left} of its {len(token_lists)} inputs not embedded"
 
-        for piece in runs:
+        for piece in pieces(token_lists, self._params.n_batch):
             # One piece at a time: the next is queued once this one is done, after the
             # worker's next tick, never ahead of the other requests' tokens.
             if cancel is not None and cancel.cancelled:

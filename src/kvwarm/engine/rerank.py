@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from kvwarm.backends.base import BackendModel
 from kvwarm.cache.types import TtlClass
-from kvwarm.engine.cancel import Cancellation, check_timeout
+from kvwarm.engine.cancel import Cancellation, check_cancel, check_timeout
 from kvwarm.engine.request import Done, Failed, Request, RequestKind
 from kvwarm.engine.types import GenerationOptions, Reranking, RerankResult
 from kvwarm.engine.worker.loop import Worker
@@ -111,6 +111,7 @@ class Ranker:
     ) -> Reranking:
         docs = self._check(query, documents, top_n, max_tokens_per_doc)
         check_timeout(timeout_s)
+        check_cancel(cancel)
         options = GenerationOptions(max_tokens=0, temperature=0.0, cache_salt=cache_salt)
         options.validate()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
