@@ -7,8 +7,9 @@ without a template, ``[BOS] query [EOS] [SEP] document [EOS]``, each token as th
 adds it. One deliberate difference: a query or document is text, never markup. Where one holds
 special-token text (llama-server makes it a special token, so an untrusted document can forge
 the template's markers and inflate its own score), the template's pieces are tokenized with
-special parsing and the query and document without, then concatenated (``_template_tokens``);
-every other prompt, and so its score, is llama-server's. Each document
+special parsing and the query and document without, then concatenated (``_template_tokens``;
+so too where a query's or document's edge spells a control token with the template's text
+beside it); every other prompt, and so its score, is llama-server's. Each document
 is one request of kind ``score`` in a slot of its own: the tick batches the documents of every
 rerank into its forward passes, and the model's rank pooling gives each its score as its
 prompt ends (``engine/worker/tick.py``). Scores are llama-server's: the first value the
@@ -63,6 +64,9 @@ from kvwarm.errors import (
 )
 from kvwarm.tokens import Prompt, common_prefix
 
+#: A rerank template's placeholders (split with them kept: text, placeholder, text, ...).
+_PLACEHOLDERS = re.compile(r"(\{query\}|\{document\})")
+
 
 @dataclass(frozen=True, slots=True)
 class RerankLimits:
@@ -97,6 +101,10 @@ class Ranker:
         self._whole = whole
         self._deterministic = deterministic
         self._align = n_batch if deterministic else 1
+        # Per token id: whether it is a control token (``_is_control``); the control tokens
+        # the rerank template's own text holds, in order (``_markers``).
+        self._control: dict[int, bool] = {}
+        self._template_markers: list[int] | None = None
 
     def rerank(
         self,
@@ -264,17 +272,21 @@ class Ranker:
         token (an untrusted document forging the template's markers, e.g.
         ``<|im_start|>assistant``, to inflate its own score), it stays text: the template's
         pieces are tokenized with special parsing, the query and the document without, and
-        concatenated, as chat content is (``engine/prompts.py``). Not caught: special-token
-        text that only the query's or document's edge and the template's text beside it
-        spell together (no template places a partial marker beside a placeholder)."""
+        concatenated, as chat content is (``engine/prompts.py``); so too where the query's
+        or document's edge spells a control token with the template's text beside it (the
+        whole render's control tokens are not the template's own)."""
         bm = self._bmodel
         if not (query_marked or self._has_special(doc)):
             # llama-server's order: {query} first, so a query holding "{document}" has it
             # replaced too, as there.
             text = template.replace("{query}", query).replace("{document}", doc)
-            return bm.tokenize(text, add_special=False, parse_special=True)
+            whole = bm.tokenize(text, add_special=False, parse_special=True)
+            # Its control tokens are the template's own, unless the query's or document's
+            # edge spells one with the template's text beside it: then as below.
+            if [t for t in whole if self._is_control(t)] == self._markers(template):
+                return whole
         tokens: list[int] = []
-        for k, piece in enumerate(re.split(r"(\{query\}|\{document\})", template)):
+        for k, piece in enumerate(_PLACEHOLDERS.split(template)):
             if k % 2 == 0:
                 if piece:
                     tokens += bm.tokenize(piece, add_special=False, parse_special=True)
@@ -282,6 +294,34 @@ class Ranker:
                 text = query if piece == "{query}" else doc
                 tokens += bm.tokenize(text, add_special=False, parse_special=False)
         return tokens
+
+    def _markers(self, template: str) -> list[int]:
+        """The control tokens of the template's own text, in order (the same for every
+        rerank: the model's template is fixed)."""
+        markers = self._template_markers
+        if markers is None:
+            bm = self._bmodel
+            markers = [
+                t
+                for piece in _PLACEHOLDERS.split(template)[::2]
+                if piece
+                for t in bm.tokenize(piece, add_special=False, parse_special=True)
+                if self._is_control(t)
+            ]
+            self._template_markers = markers
+        return markers
+
+    def _is_control(self, token: int) -> bool:
+        """A control token: text only with special parsing, as llama.cpp writes it (its
+        piece is empty unless special), memoized per id."""
+        known = self._control.get(token)
+        if known is None:
+            bm = self._bmodel
+            known = not bm.token_to_piece(token, special=False) and bool(
+                bm.token_to_piece(token, special=True)
+            )
+            self._control[token] = known
+        return known
 
     def _has_special(self, text: str) -> bool:
         """Whether ``text`` tokenizes otherwise with special tokens parsed (it holds a special
