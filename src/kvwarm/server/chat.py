@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import threading
 import weakref
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 from starlette.concurrency import run_in_threadpool
 
 from kvwarm.engine.types import Completion, GenerationOptions
-from kvwarm.errors import InvalidRequestError, ReplicaUnavailableError
+from kvwarm.errors import GrammarError, InvalidRequestError, ReplicaUnavailableError
 from kvwarm.server import convert
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import Generation
@@ -54,6 +55,8 @@ from kvwarm.server.tools import (
 if TYPE_CHECKING:
     from kvwarm.server.served import ServedModel, ServedStream
     from kvwarm.settings import Settings
+
+log = logging.getLogger(__name__)
 
 ToolChoice = str | NamedToolChoice | AllowedToolsChoice | None
 
@@ -240,10 +243,20 @@ async def plan(
 async def call_grammar(plan: ChatPlan, *, whole: bool) -> CallGrammar | None:
     """tool_choice auto's call grammar (``plan.lazy``), built off the event loop (a tool's
     100,000-value ``enum`` takes ~0.2 s to convert); None where its calls are not held or the
-    request constrains its ``whole`` reply itself (its own grammar, a response format)."""
-    if plan.lazy is None or whole:
+    request constrains its ``whole`` reply itself (its own grammar, a response format), and
+    where a tool's schema is one the grammar cannot hold: then the calls are as the model
+    writes them, as in a format without a grammar. Found by review: such a request was a
+    400 (``invalid_grammar``), though under auto nothing must be constrained, OpenAI and
+    llama-server answer it, and kvwarm did before auto's calls were held; a forced call
+    (``required``, a named tool), which must be, is still the 400."""
+    lazy = plan.lazy
+    if lazy is None or whole:
         return None
-    return await run_in_threadpool(plan.lazy.grammar)
+    try:
+        return await run_in_threadpool(lazy.grammar)
+    except GrammarError as exc:
+        log.info("tool_choice auto: the calls are not held by a grammar: %s", exc)
+        return None
 
 
 def allowed_tools(

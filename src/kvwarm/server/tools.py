@@ -124,8 +124,8 @@ class LazyCalls:
     once: bool
 
     def grammar(self) -> CallGrammar:
-        """``GrammarError`` (a 400) for a schema the grammar cannot hold, as for a forced
-        call's."""
+        """``GrammarError`` for a schema the grammar cannot hold, as for a forced call's
+        (``chat.call_grammar`` then leaves auto's calls free: no grammar, not a 400)."""
         grammar = call_grammar(self.format, self.tools, once=self.once)
         return CallGrammar(grammar, (_OPENERS[self.format],), self.once)
 
