@@ -243,6 +243,15 @@ LLAMA3_LIKE = (
     '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
     "{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
 )
+# Llama 3.1's official template's way, or a functionary-style Llama 3.1 one's.
+FUNCTION_TAG = (
+    "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<function={{ c.function.name }}>{{ c.function.arguments | tojson }}</function>"
+    "{% endfor %}<|eom_id|>{% else %}{{ m.content }}{% endif %}{% endfor %}"
+)
+# Tools as the sandbox's tojson writes them (sorted: "name" then "parameters", as a call's), no
+# call: not Llama's format.
+TOOLS_ONLY = "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"
 REFUSES = "{{ raise_exception('no calls here') }}"
 
 
@@ -275,7 +284,9 @@ class _Template:
         (QWEN_LIKE, "hermes"),
         (MISTRAL_LIST, "mistral-list"),
         (MISTRAL_ARGS, "mistral-args"),
-        (LLAMA3_LIKE, None),
+        (LLAMA3_LIKE, "llama3-json"),
+        (FUNCTION_TAG, "function-tag"),
+        (TOOLS_ONLY, None),
         (REFUSES, None),
     ],
 )
