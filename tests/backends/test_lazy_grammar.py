@@ -245,18 +245,21 @@ def test_a_start_pattern_matches_only_the_replys_start() -> None:
     assert only.feed(b'{"a"') is None
 
 
+def _starts(*patterns: str, grammar: str | None = BARE, words: int = 0) -> SamplingParams:
+    return SamplingParams(
+        grammar=grammar, grammar_triggers=("a",) * words, grammar_start_patterns=patterns
+    )
+
+
 @pytest.mark.parametrize(
     ("params", "param"),
     [
-        (SamplingParams(grammar_start_patterns=(START,)), "grammar_start_patterns"),
-        (SamplingParams(grammar=BARE, grammar_start_patterns=("",)), "grammar_start_patterns"),
-        (SamplingParams(grammar=BARE, grammar_start_patterns=("(",)), "grammar_start_patterns"),
-        (SamplingParams(grammar=BARE, grammar_start_patterns=("x" * 129,)), "grammar_start_patterns"),
-        (
-            SamplingParams(grammar=BARE, grammar_triggers=("a",) * 8, grammar_start_patterns=("a",) * 9),
-            "grammar_triggers",
-        ),
-        (SamplingParams(grammar=BARE, grammar_start_patterns=("\udc00",)), "grammar_start_patterns"),
+        (_starts(START, grammar=None), "grammar_start_patterns"),
+        (_starts(""), "grammar_start_patterns"),
+        (_starts("("), "grammar_start_patterns"),  # no regular expression
+        (_starts("x" * 129), "grammar_start_patterns"),
+        (_starts(*("a",) * 9, words=8), "grammar_triggers"),  # 17 in all
+        (_starts("\udc00"), "grammar_start_patterns"),
     ],
 )
 def test_bad_start_patterns_are_invalid_requests(

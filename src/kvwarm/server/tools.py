@@ -176,7 +176,7 @@ def call_grammar(fmt: CallFormat, tools: Sequence[Tool], *, once: bool = False) 
     rules, names = schemas_to_rules(parameters, "kvwarm-args")
     if fmt == "function-tag":
         tags = " | ".join(
-            f'{_literal(tool.function.name + ">")} kvwarm-call-space {args}'
+            f"{_literal(tool.function.name + '>')} kvwarm-call-space {args}"
             for tool, args in zip(tools, names, strict=True)
         )
         root = f'"<function=" ({tags}) kvwarm-call-space "</function>"'
