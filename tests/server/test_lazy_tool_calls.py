@@ -319,6 +319,12 @@ FUNCTION_TAG = (
     "<function={{ c.function.name }}>{{ c.function.arguments | tojson }}</function>"
     "{% endfor %}<|eom_id|>{% else %}{{ m.content }}{% endif %}{% endfor %}"
 )
+# Functionary v3.1's way: the tag joined to tojson's Markup, which escapes it in the sandbox.
+FUNCTIONARY = (
+    "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "{{ '<function=' + c.function.name + '>' + c.function.arguments | tojson + '</function>' }}"
+    "{% endfor %}<|eom_id|>{% else %}{{ m.content }}{% endif %}{% endfor %}"
+)
 # Tools as the sandbox's tojson writes them (sorted: "name" then "parameters", as a call's), no
 # call: not Llama's format.
 TOOLS_ONLY = "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -356,6 +362,7 @@ class _Template:
         (MISTRAL_ARGS, "mistral-args"),
         (LLAMA3_LIKE, "llama3-json"),
         (FUNCTION_TAG, "function-tag"),
+        (FUNCTIONARY, "function-tag"),
         (TOOLS_ONLY, None),
         (REFUSES, None),
     ],

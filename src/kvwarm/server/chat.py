@@ -175,7 +175,9 @@ _SHOWN: tuple[tuple[CallFormat, re.Pattern[str]], ...] = (
     # Any key order: a sandboxed template's ``tojson`` sorts them ("arguments" first).
     ("mistral-list", re.compile(r'\[TOOL_CALLS\]\s*\[\s*\{[^\]]*"name"\s*:\s*"kvwarm_probe"')),
     ("mistral-args", re.compile(r"\[TOOL_CALLS\]kvwarm_probe(?:\[CALL_ID\]\w*)?\[ARGS\]")),
-    ("function-tag", re.compile(r"<function=kvwarm_probe>")),
+    # Functionary v3.1's template joins its tag to ``tojson``'s Markup, so the sandbox shows
+    # it HTML-escaped (``&lt;function=...&gt;``); the model writes the tag itself.
+    ("function-tag", re.compile(r"(?:<|&lt;)function=kvwarm_probe(?:>|&gt;)")),
     # Last: the formats above show the same object. The call's arguments, not the tool's
     # own definition (which a sorted ``tojson`` also writes as "name" then "parameters").
     (
