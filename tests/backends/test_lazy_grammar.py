@@ -158,12 +158,14 @@ def test_rows_are_sampled_one_by_one(model: BackendModel, ctx: BackendContext) -
     n = len(tokens) - 3
     ctx.decode([BatchToken(t, n + i, 0, logits=True) for i, t in enumerate(tokens[-3:])])
     for grammar in (GRAMMAR, 'root ::= "<tc>" [a-z]+'):
-        params = SamplingParams(temperature=0.0, grammar=grammar, grammar_triggers=("<tc>",))
-        sampler = model.new_sampler(params)
-        try:
-            assert sampler.argmax_rows(ctx, 0, 3) is None
-        finally:
-            sampler.close()
+        words = SamplingParams(temperature=0.0, grammar=grammar, grammar_triggers=("<tc>",))
+        at_start = SamplingParams(temperature=0.0, grammar=grammar, grammar_start_patterns=("<",))
+        for params in (words, at_start):
+            sampler = model.new_sampler(params)
+            try:
+                assert sampler.argmax_rows(ctx, 0, 3) is None
+            finally:
+                sampler.close()
 
 
 def test_reset_lets_go(driver: Driver) -> None:
