@@ -158,6 +158,19 @@ def test_the_function_tag_grammar(text: str, ok: bool) -> None:
     assert accepts(call_grammar("function-tag", [WEATHER, CLOCK]), text) is ok
 
 
+def test_the_llama3_json_grammar_holds_a_name_as_the_model_writes_it() -> None:
+    """A name beyond ASCII as itself (JSON's escape is no model's habit), one with a quote
+    escaped as JSON must."""
+    odd = [
+        Tool.model_validate({"type": "function", "function": {"name": name}})
+        for name in ("météo", 'say"hi')
+    ]
+    grammar = call_grammar("llama3-json", odd)
+    assert accepts(grammar, '{"name": "météo", "parameters": {}}')
+    assert accepts(grammar, '{"name": "say\\"hi", "parameters": {}}')
+    assert not accepts(grammar, '{"name": "m\\u00e9t\\u00e9o", "parameters": {}}')
+
+
 def test_the_llama3_json_calls_start_at_the_replys_start_or_the_python_tag() -> None:
     """The reply that begins as a call (llama.cpp's PATTERN_FULL trigger for Llama 3.x) is
     matched by the start pattern; one that begins otherwise, or a tool's JSON later, is not."""

@@ -182,20 +182,30 @@ def call_grammar(fmt: CallFormat, tools: Sequence[Tool], *, once: bool = False) 
         root = f'"<function=" ({tags}) kvwarm-call-space "</function>"'
         return _call_grammar(root, [_SPACE], rules)
     if fmt == "llama3-json":
-        ws = "kvwarm-json-space"
         objects = " | ".join(
-            f'"{{" {ws} ("\\"type\\"" {ws} ":" {ws} "\\"function\\"" {ws} "," {ws})? '
-            f'"\\"name\\"" {ws} ":" {ws} {_literal(json.dumps(tool.function.name))} {ws} '
-            f'"," {ws} ("\\"parameters\\"" | "\\"arguments\\"") {ws} ":" {ws} {args} {ws} "}}"'
-            for tool, args in zip(tools, names, strict=True)
+            _llama_object(tool.function.name, args) for tool, args in zip(tools, names, strict=True)
         )
-        root = f'("<|python_tag|>" {ws})? ({objects})'
+        root = f'("<|python_tag|>" kvwarm-json-space)? ({objects})'
         return _call_grammar(root, [_JSON_SPACE], rules)
     alternatives = " | ".join(
         f'{_literal(tool.function.name)} ("[CALL_ID]" kvwarm-call-id)? "[ARGS]" {args}'
         for tool, args in zip(tools, names, strict=True)
     )
     return _call_grammar(f'"[TOOL_CALLS]" ({alternatives})', [_CALL_ID], rules)
+
+
+def _llama_object(name: str, args: str) -> str:
+    """GBNF of Llama 3.x's call object of tool ``name`` whose arguments are rule ``args``:
+    ``"name"`` first (after an optional ``"type": "function"``), then ``"parameters"`` (or
+    ``"arguments"``); the name as the model writes it, not ASCII-escaped."""
+    ws = "kvwarm-json-space"
+    quoted = _literal(json.dumps(name, ensure_ascii=False))
+    kind = f'"\\"type\\"" {ws} ":" {ws} "\\"function\\"" {ws} "," {ws}'
+    key = '("\\"parameters\\"" | "\\"arguments\\"")'
+    return (
+        f'"{{" {ws} ({kind})? "\\"name\\"" {ws} ":" {ws} {quoted} {ws} "," {ws} '
+        f'{key} {ws} ":" {ws} {args} {ws} "}}"'
+    )
 
 
 def _literal(text: str) -> str:
