@@ -313,3 +313,21 @@ def test_a_reply_that_begins_as_a_call_is_held_one_of_text_stays_free(
         d.text = b""
         d.say("{")
         _hold_bare(d)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "sampled"])
+def test_a_start_the_grammar_refuses_leaves_the_reply_free(
+    model: BackendModel, temperature: float
+) -> None:
+    """The pattern matches text the grammar refuses (``{3``): the reply goes on free, never
+    aborts, and its start is past (a call that begins later is the model's own)."""
+    params = SamplingParams(
+        temperature=temperature, seed=5, grammar=BARE, grammar_start_patterns=(r"(\{\d)",)
+    )
+    sampler = model.new_sampler(params)
+    try:
+        d = Driver(model, sampler)
+        d.say("{3")
+        d.say("} then {1}x")  # all free
+    finally:
+        sampler.close()
