@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -420,6 +420,8 @@ def write_marker_model(
     template: str,
     favourites: tuple[str, ...],
     *,
+    extra: tuple[str, ...] = (),
+    after: Mapping[str, str] | None = None,
     n_embd: int = N_EMBD,
     n_layer: int = N_LAYER,
     n_head: int = N_HEAD,
@@ -434,11 +436,19 @@ def write_marker_model(
     How: its layers add nothing (attention and FFN outputs are zero), so the last position's
     state is its token's embedding, whose first component is 1 for every token; the final
     norm keeps only that component, positive; the output matrix's first column is each
-    token's preference."""
+    token's preference.
+
+    ``extra``: ordinary tokens of several characters (a space in one is SentencePiece's
+    ``▁``), which only the model writes (a prompt never merges into them). ``after``: a token
+    the model writes first right after another, whatever else it prefers (``{"A": "B"}``: B
+    follows A; ``</s>`` ends the reply), so a reply can be a short fixed sequence: one more
+    state component per pair, 1 for A's embedding only, kept by the norm, and B's output
+    weight on it above the whole range of preferences."""
     import gguf
 
-    tokens = ["<unk>", "<s>", "</s>", *MARKER_BYTES, *MARKER_SPECIALS]
-    types = [2, 3, 3] + [6] * 256 + [3] * len(MARKER_SPECIALS)
+    extra = tuple(t.replace(" ", "\u2581") for t in extra)
+    tokens = ["<unk>", "<s>", "</s>", *MARKER_BYTES, *MARKER_SPECIALS, *extra]
+    types = [2, 3, 3] + [6] * 256 + [3] * len(MARKER_SPECIALS) + [1] * len(extra)
     n_vocab = len(tokens)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_string("tokenizer.ggml.model", "llama")
@@ -462,7 +472,10 @@ def write_marker_model(
     w.add_uint32(k + "rope.dimension_count", head)
     w.add_float32(k + "attention.layer_norm_rms_epsilon", 1e-5)
 
-    order = [tokens.index(t) for t in favourites] + [2]
+    def index(text: str) -> int:
+        return tokens.index(text.replace(" ", "\u2581"))
+
+    order = [index(t) for t in favourites] + [2]
     whitespace = [3 + b for b in b" \t\r\n"]
     order += [t for t in range(n_vocab) if t not in order and t not in whitespace]
     order += whitespace
@@ -476,6 +489,14 @@ def write_marker_model(
     out[:, 0] = preference
     only_first = np.zeros(n_embd, np.float32)
     only_first[0] = 1.0
+    pairs = list((after or {}).items())
+    if len(pairs) >= n_embd:
+        raise ValueError(f"at most {n_embd - 1} pairs in after")
+    embd[:, 1 : len(pairs) + 1] = 0.0
+    for slot, (first, then) in enumerate(pairs, start=1):
+        embd[index(first), slot] = 1.0
+        out[index(then), slot] = 2.0
+        only_first[slot] = 1.0
     w.add_tensor("token_embd.weight", embd)
     w.add_tensor("output_norm.weight", only_first)
     w.add_tensor("output.weight", out)

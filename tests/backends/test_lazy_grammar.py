@@ -158,12 +158,14 @@ def test_rows_are_sampled_one_by_one(model: BackendModel, ctx: BackendContext) -
     n = len(tokens) - 3
     ctx.decode([BatchToken(t, n + i, 0, logits=True) for i, t in enumerate(tokens[-3:])])
     for grammar in (GRAMMAR, 'root ::= "<tc>" [a-z]+'):
-        params = SamplingParams(temperature=0.0, grammar=grammar, grammar_triggers=("<tc>",))
-        sampler = model.new_sampler(params)
-        try:
-            assert sampler.argmax_rows(ctx, 0, 3) is None
-        finally:
-            sampler.close()
+        words = SamplingParams(temperature=0.0, grammar=grammar, grammar_triggers=("<tc>",))
+        at_start = SamplingParams(temperature=0.0, grammar=grammar, grammar_start_patterns=("<",))
+        for params in (words, at_start):
+            sampler = model.new_sampler(params)
+            try:
+                assert sampler.argmax_rows(ctx, 0, 3) is None
+            finally:
+                sampler.close()
 
 
 def test_reset_lets_go(driver: Driver) -> None:
@@ -216,3 +218,116 @@ def test_a_sentencepiece_vocabulary_holds_and_lets_go_too(gemma_path: str) -> No
                 _hold_to_the_end(d)
     finally:
         model.close()
+
+
+# -- start patterns (a format without an opener: Llama 3.x's bare-JSON call) ----------------
+
+BARE = 'root ::= "<tc>{1}</tc>" | "<tc>{2}</tc>" | "{1}" | "{2}"'
+START = r"\s*(\{)"
+
+
+def test_a_start_pattern_matches_only_the_replys_start() -> None:
+    import re
+
+    watch = TriggerWatch((b"<tc>",), (re.compile(START.encode()),))
+    assert watch.feed(b" \n") is None
+    assert watch.feed(b"{1") == b"{1"  # from the pattern's group on
+    watch.clear()  # held, then let go: the reply's start is past
+    assert watch.feed(b"{") is None
+    assert watch.feed(b"<tc>") == b"<tc>"  # the words are still looked for
+    watch.restart()  # a new reply
+    assert watch.feed(b"Hi {") is None  # ordinary text: free, and the start is past
+    assert watch.feed(b"{") is None
+    watch.restart()
+    assert watch.feed(b" " * 200) is None  # looked for in the first 128 bytes only
+    assert watch.feed(b"{") is None
+    only = TriggerWatch((), (re.compile(rb'(\{"a")'),))
+    assert only.feed(b'{"') is None
+    assert only.feed(b'a"}') == b'{"a"}'
+    assert only.feed(b'{"a"') is None
+
+
+def _starts(*patterns: str, grammar: str | None = BARE, words: int = 0) -> SamplingParams:
+    return SamplingParams(
+        grammar=grammar, grammar_triggers=("a",) * words, grammar_start_patterns=patterns
+    )
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        (_starts(START, grammar=None), "grammar_start_patterns"),
+        (_starts(""), "grammar_start_patterns"),
+        (_starts("("), "grammar_start_patterns"),  # no regular expression
+        (_starts("x" * 129), "grammar_start_patterns"),
+        (_starts(*("a",) * 9, words=8), "grammar_triggers"),  # 17 in all
+        (_starts("\udc00"), "grammar_start_patterns"),
+    ],
+)
+def test_bad_start_patterns_are_invalid_requests(
+    model: BackendModel, params: SamplingParams, param: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        trigger_watch(params)
+    assert info.value.param == param
+    with pytest.raises(InvalidRequestError):
+        model.new_sampler(params).close()
+
+
+def _bare(model: BackendModel, temperature: float) -> Iterator[Driver]:
+    params = SamplingParams(
+        temperature=temperature,
+        seed=5,
+        grammar=BARE,
+        grammar_triggers=("<tc>",),
+        grammar_start_patterns=(START,),
+    )
+    sampler = model.new_sampler(params)
+    yield Driver(model, sampler)
+    sampler.close()
+
+
+def _hold_bare(d: Driver) -> None:
+    (refused,) = d.tokens("x")
+    assert d.want(refused) != refused
+    for _ in range(16):
+        if d.text.endswith(b"}"):
+            break
+        d.want(refused, others=1.0)
+    assert d.text.lstrip().startswith((b"{1}", b"{2}")), d.text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "sampled"])
+def test_a_reply_that_begins_as_a_call_is_held_one_of_text_stays_free(
+    model: BackendModel, temperature: float
+) -> None:
+    for d in _bare(model, temperature):
+        d.say(" {")
+        _hold_bare(d)
+        d.say(" then {x} free")  # complete: free, and no longer at the reply's start
+        d.say(" <tc>")  # a word trigger still starts it
+        assert d.want(d.tokens("x")[0]) != d.tokens("x")[0]
+    for d in _bare(model, temperature):
+        d.say("Hi {x}")  # a reply of text: free, a brace later in it too
+        d.sampler.reset()  # a new reply: its start is looked at again
+        d.text = b""
+        d.say("{")
+        _hold_bare(d)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "sampled"])
+def test_a_start_the_grammar_refuses_leaves_the_reply_free(
+    model: BackendModel, temperature: float
+) -> None:
+    """The pattern matches text the grammar refuses (``{3``): the reply goes on free, never
+    aborts, and its start is past (a call that begins later is the model's own)."""
+    params = SamplingParams(
+        temperature=temperature, seed=5, grammar=BARE, grammar_start_patterns=(r"(\{\d)",)
+    )
+    sampler = model.new_sampler(params)
+    try:
+        d = Driver(model, sampler)
+        d.say("{3")
+        d.say("} then {1}x")  # all free
+    finally:
+        sampler.close()

@@ -137,6 +137,11 @@ def test_no_choice_of_n_lands_on_the_random_seed() -> None:
         ({"grammar": 'root ::= "x"', "grammar_triggers": (5,)}, "grammar_triggers"),
         ({"grammar": 'root ::= "x"', "grammar_triggers": ("\udc00",)}, "grammar_triggers"),
         ({"grammar": 'root ::= "x"', "grammar_once": True}, "grammar_once"),
+        ({"grammar_start_patterns": ("x",)}, "grammar_start_patterns"),  # no grammar
+        ({"json_schema": {}, "grammar_start_patterns": ("{",)}, "grammar_start_patterns"),
+        ({"grammar": 'root ::= "x"', "grammar_start_patterns": "x"}, "grammar_start_patterns"),
+        ({"grammar": 'root ::= "x"', "grammar_start_patterns": (1,)}, "grammar_start_patterns"),
+        ({"grammar": 'root ::= "x"', "grammar_start_patterns": ("[",)}, "grammar_start_patterns"),
         (
             {"grammar": 'root ::= "x"', "grammar_triggers": ("x",), "grammar_once": 1},
             "grammar_once",
@@ -155,3 +160,6 @@ def test_lazy_grammar_options_reach_the_sampler() -> None:
     options.validate()
     params = options.sampling(options.grammar)
     assert params.grammar_triggers == ("x",) and params.grammar_once
+    starts = GenerationOptions(grammar='root ::= "x"', grammar_start_patterns=["x"])  # type: ignore[arg-type]
+    starts.validate()
+    assert starts.sampling(starts.grammar).grammar_start_patterns == ("x",)

@@ -120,6 +120,75 @@ def test_the_mistral_args_grammar(text: str, ok: bool) -> None:
     assert accepts(call_grammar("mistral-args", [WEATHER, CLOCK]), text) is ok
 
 
+def _llama(name: str, arguments: object, *, key: str = "parameters", tag: str = "") -> str:
+    return tag + json.dumps({"name": name, key: arguments})
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        (_llama("get_weather", PARIS), True),
+        (_llama("now", {}, key="arguments"), True),
+        (_llama("now", {}, tag="<|python_tag|>"), True),
+        ('{"type": "function", "name": "now", "parameters": {}}', True),
+        ('{\n    "name": "now",\n    "parameters": {}\n}', True),
+        (_llama("get_weather", {"location": "Paris", "days": 30}), False),
+        (_llama("get_weather", {"location": "Paris"}), False),
+        (_llama("rm_rf", {}), False),
+        ('{"parameters": {}, "name": "now"}', False),  # Llama's order: the name first
+        (_llama("now", {}) + " more", False),  # then the reply is free
+    ],
+)
+def test_the_llama3_json_grammar(text: str, ok: bool) -> None:
+    assert accepts(call_grammar("llama3-json", [WEATHER, CLOCK]), text) is ok
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        ('<function=get_weather>{"location": "Paris", "days": 3}</function>', True),
+        ("<function=now>\n{}\n</function>", True),
+        ('<function=get_weather>{"location": "Paris", "days": 0}</function>', False),
+        ("<function=rm_rf>{}</function>", False),
+        ("<function=now>{}", False),  # closed
+        ("<function=now>{}</function> more", False),
+    ],
+)
+def test_the_function_tag_grammar(text: str, ok: bool) -> None:
+    assert accepts(call_grammar("function-tag", [WEATHER, CLOCK]), text) is ok
+
+
+def test_the_llama3_json_grammar_holds_a_name_as_the_model_writes_it() -> None:
+    """A name beyond ASCII as itself (JSON's escape is no model's habit), one with a quote
+    escaped as JSON must."""
+    odd = [
+        Tool.model_validate({"type": "function", "function": {"name": name}})
+        for name in ("météo", 'say"hi')
+    ]
+    grammar = call_grammar("llama3-json", odd)
+    assert accepts(grammar, '{"name": "météo", "parameters": {}}')
+    assert accepts(grammar, '{"name": "say\\"hi", "parameters": {}}')
+    assert not accepts(grammar, '{"name": "m\\u00e9t\\u00e9o", "parameters": {}}')
+
+
+def test_the_llama3_json_calls_start_at_the_replys_start_or_the_python_tag() -> None:
+    """The reply that begins as a call (llama.cpp's PATTERN_FULL trigger for Llama 3.x) is
+    matched by the start pattern; one that begins otherwise, or a tool's JSON later, is not."""
+    import re
+
+    held = LazyCalls((WEATHER,), "llama3-json", once=False).grammar()
+    assert held.triggers == ("<|python_tag|>",)
+    (start,) = held.starts
+    pattern = re.compile(start.encode())
+    for reply in (b'{"name"', b' \n{ "name"', b'{"type": "function", "name"'):
+        match = pattern.match(reply)
+        assert match is not None and reply[match.start(1) :].startswith(b"{"), reply
+    for reply in (b'{"answer": 1, "name"', b'Sure: {"name"', b"[{", b'{"nam'):
+        assert pattern.match(reply) is None, reply
+    tag = LazyCalls((WEATHER,), "function-tag", once=True).grammar()
+    assert tag.triggers == ("<function=",) and tag.starts == () and tag.once
+
+
 def test_each_held_format_parses_back_to_its_calls() -> None:
     """What a grammar admits, the reply parser reads as the same calls."""
     names = frozenset({"get_weather", "now"})
@@ -127,6 +196,9 @@ def test_each_held_format_parses_back_to_its_calls() -> None:
         _block("get_weather", PARIS),
         _listed(("get_weather", PARIS, "a1B2c3D4e")),
         '[TOOL_CALLS]get_weather[ARGS]{"location": "Paris", "days": 3}',
+        _llama("get_weather", PARIS),
+        _llama("get_weather", PARIS, key="arguments", tag="<|python_tag|>"),
+        '<function=get_weather>{"location": "Paris", "days": 3}</function>',
     ):
         content, calls = parse_tool_calls(text, names)
         assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
@@ -150,6 +222,10 @@ def test_auto_plans_a_lazy_call_grammar_for_the_formats_it_holds() -> None:
     assert args.lazy is not None and args.lazy.grammar().triggers == ("[TOOL_CALLS]",)
     odd_plan = plan_chat(ASK, [odd], "auto", renders_tools=True, native_format="mistral-args")
     assert odd_plan.lazy is None
+    tag = plan_chat(ASK, [odd], "auto", renders_tools=True, native_format="function-tag")
+    assert tag.lazy is None  # <function=get weather> neither
+    llama = plan_chat(ASK, [odd], "auto", renders_tools=True, native_format="llama3-json")
+    assert llama.lazy is not None  # a JSON string holds any name
     # Forced calls have their whole-reply schema; none, no tools.
     assert plan_chat(ASK, [WEATHER], "required", renders_tools=False).lazy is None
     assert plan_chat(ASK, [WEATHER], "none", renders_tools=False).lazy is None
@@ -199,6 +275,13 @@ def test_the_lazy_grammar_reaches_the_options_unless_the_reply_is_constrained_wh
     assert not _options({"ignore_eos": True}, once=True).grammar_once
     fmt = _options({"response_format": {"type": "json_object"}})
     assert fmt.grammar is None and fmt.grammar_triggers == ()
+    assert fmt.grammar_start_patterns == () and opts.grammar_start_patterns == ()
+    req = ChatRequest.model_validate({"model": "a", "messages": [{"role": "user"}]})
+    llama = LazyCalls((WEATHER,), "llama3-json", once=False).grammar()
+    held = convert.options(
+        req, default_max_tokens=16, max_tokens_limit=64, over_limit="error", calls=llama
+    )
+    assert held.grammar_start_patterns == llama.starts and held.grammar == llama.grammar
 
 
 def test_a_schema_the_grammar_cannot_hold_is_the_same_error_as_a_forced_calls() -> None:
@@ -243,6 +326,21 @@ LLAMA3_LIKE = (
     '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
     "{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
 )
+# Llama 3.1's official template's way, or a functionary-style Llama 3.1 one's.
+FUNCTION_TAG = (
+    "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<function={{ c.function.name }}>{{ c.function.arguments | tojson }}</function>"
+    "{% endfor %}<|eom_id|>{% else %}{{ m.content }}{% endif %}{% endfor %}"
+)
+# Functionary v3.1's way: the tag joined to tojson's Markup, which escapes it in the sandbox.
+FUNCTIONARY = (
+    "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "{{ '<function=' + c.function.name + '>' + c.function.arguments | tojson + '</function>' }}"
+    "{% endfor %}<|eom_id|>{% else %}{{ m.content }}{% endif %}{% endfor %}"
+)
+# Tools as the sandbox's tojson writes them (sorted: "name" then "parameters", as a call's), no
+# call: not Llama's format.
+TOOLS_ONLY = "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"
 REFUSES = "{{ raise_exception('no calls here') }}"
 
 
@@ -275,7 +373,10 @@ class _Template:
         (QWEN_LIKE, "hermes"),
         (MISTRAL_LIST, "mistral-list"),
         (MISTRAL_ARGS, "mistral-args"),
-        (LLAMA3_LIKE, None),
+        (LLAMA3_LIKE, "llama3-json"),
+        (FUNCTION_TAG, "function-tag"),
+        (FUNCTIONARY, "function-tag"),
+        (TOOLS_ONLY, None),
         (REFUSES, None),
     ],
 )

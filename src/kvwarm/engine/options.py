@@ -31,6 +31,7 @@ class GenerationOverrides(TypedDict, total=False):
     grammar: str | None
     json_schema: Mapping[str, object] | None
     grammar_triggers: tuple[str, ...]
+    grammar_start_patterns: tuple[str, ...]
     grammar_once: bool
     parent_key: bytes | None
     deterministic: bool | None

@@ -112,6 +112,10 @@ class GenerationOptions:
     #: once complete the reply is free again until the next one (a tool call's grammar: text
     #: and more calls may follow), or with ``grammar_once`` it ends there.
     grammar_triggers: tuple[str, ...] = ()
+    #: Regular expressions the lazy grammar also starts at, matched against the reply's text
+    #: from its start (llama-server's ``PATTERN_FULL`` triggers: Llama 3.x's bare-JSON call);
+    #: the grammar's text starts at the pattern's first group (its whole match without one).
+    grammar_start_patterns: tuple[str, ...] = ()
     grammar_once: bool = False
     parent_key: bytes | None = None
     deterministic: bool | None = None  # None: the model's default
@@ -250,21 +254,22 @@ class GenerationOptions:
         from kvwarm.errors import InvalidRequestError
 
         triggers = self.grammar_triggers
-        if not isinstance(triggers, tuple | list) or not all(isinstance(t, str) for t in triggers):
-            raise InvalidRequestError(
-                "grammar_triggers must be a list of strings", param="grammar_triggers"
-            )
+        starts = self.grammar_start_patterns
+        for name, value in (("grammar_triggers", triggers), ("grammar_start_patterns", starts)):
+            if not isinstance(value, tuple | list) or not all(isinstance(t, str) for t in value):
+                raise InvalidRequestError(f"{name} must be a list of strings", param=name)
         if not isinstance(self.grammar_once, bool):
             raise InvalidRequestError("grammar_once must be true or false", param="grammar_once")
-        if self.json_schema is not None and triggers:
+        if self.json_schema is not None and (triggers or starts):
+            name = "grammar_triggers" if triggers else "grammar_start_patterns"
             raise InvalidRequestError(
-                "grammar_triggers start a grammar (GBNF), not a json_schema",
-                param="grammar_triggers",
+                f"{name} start a grammar (GBNF), not a json_schema", param=name
             )
         trigger_watch(
             SamplingParams(
                 grammar=self.grammar,
                 grammar_triggers=tuple(triggers),
+                grammar_start_patterns=tuple(starts),
                 grammar_once=self.grammar_once,
             )
         )
@@ -333,6 +338,7 @@ class GenerationOptions:
             seed=sampler_seed(self.seed),
             grammar=grammar,
             grammar_triggers=tuple(self.grammar_triggers),
+            grammar_start_patterns=tuple(self.grammar_start_patterns),
             grammar_once=self.grammar_once,
             **knobs,
         )

@@ -178,14 +178,22 @@ _SHOWN: tuple[tuple[CallFormat, re.Pattern[str]], ...] = (
     # Any key order: a sandboxed template's ``tojson`` sorts them ("arguments" first).
     ("mistral-list", re.compile(r'\[TOOL_CALLS\]\s*\[\s*\{[^\]]*"name"\s*:\s*"kvwarm_probe"')),
     ("mistral-args", re.compile(r"\[TOOL_CALLS\]kvwarm_probe(?:\[CALL_ID\]\w*)?\[ARGS\]")),
+    # Functionary v3.1's template joins its tag to ``tojson``'s Markup, so the sandbox shows
+    # it HTML-escaped (``&lt;function=...&gt;``); the model writes the tag itself.
+    ("function-tag", re.compile(r"(?:<|&lt;)function=kvwarm_probe(?:>|&gt;)")),
+    # Last: the formats above show the same object. The call's arguments, not the tool's
+    # own definition (which a sorted ``tojson`` also writes as "name" then "parameters").
+    (
+        "llama3-json",
+        re.compile(r'"name"\s*:\s*"kvwarm_probe"\s*,\s*"parameters"\s*:\s*\{\s*"q"\s*:\s*"x"'),
+    ),
 )
 
 
 def call_format(model: ServedModel) -> CallFormat | None:
     """The format a template that renders tools writes a call in, where a lazy grammar can
     hold it (``tools.LazyCalls``), as the template shows a call in the history; None for
-    any other (Llama's bare JSON: no opener to start a grammar at), or a template that
-    refuses the probe. Remembered per model."""
+    any other, or a template that refuses the probe. Remembered per model."""
     with _PROBED_LOCK:
         known = _PROBED_FORMATS.get(model)
         if known is not None:

@@ -110,6 +110,7 @@ def options(
         overrides |= {
             "grammar": calls.grammar,
             "grammar_triggers": calls.triggers,
+            "grammar_start_patterns": calls.starts,
             # A reply that may not end (ignore_eos) is free again after its call instead.
             "grammar_once": calls.once and not req.ignore_eos,
         }

@@ -13,8 +13,10 @@ Invariants:
   reply *is* a call; "none" hides the tools from the model entirely.
 - ``tool_choice`` "auto" holds a call to the same schema once the model starts one, where its
   format has an opener a grammar can start at (``LazyCalls``: ``<tool_call>``, the described
-  format's and Hermes/Qwen templates'; Mistral's ``[TOOL_CALLS]``); the text around calls
-  stays free. Other formats' calls are as the model writes them.
+  format's and Hermes/Qwen templates'; Mistral's ``[TOOL_CALLS]``; ``<function=name>``;
+  Llama 3.x's ``<|python_tag|>``), or, for Llama 3.x's bare-JSON call, where the reply
+  begins as one (``{"name"`` at its start); the text around calls stays free. Other formats'
+  calls are as the model writes them.
 """
 
 from __future__ import annotations
@@ -73,14 +75,33 @@ Part = str | ToolCall
 #: format; Hermes, Qwen templates); "mistral-list", ``[TOOL_CALLS]`` and a JSON list of such
 #: calls, each with an optional 9-character ``id`` (Mistral 7B v0.3, Nemo);
 #: "mistral-args", ``[TOOL_CALLS]name[ARGS]{...}`` with an optional ``[CALL_ID]id`` before
-#: ``[ARGS]`` (Mistral Small 3.2, Devstral, Magistral), one opener per call.
-CallFormat = Literal["hermes", "mistral-list", "mistral-args"]
-CALL_FORMATS: tuple[CallFormat, ...] = ("hermes", "mistral-list", "mistral-args")
+#: ``[ARGS]`` (Mistral Small 3.2, Devstral, Magistral), one opener per call;
+#: "function-tag", ``<function=name>{...}</function>`` (Llama 3.1 templates of functionary's
+#: style); "llama3-json", Llama 3.x's ``{"name": ..., "parameters": {...}}``, the whole reply
+#: (no opener: held when the reply begins as one, ``LLAMA3_START``) or after
+#: ``<|python_tag|>``.
+CallFormat = Literal["hermes", "mistral-list", "mistral-args", "function-tag", "llama3-json"]
+CALL_FORMATS: tuple[CallFormat, ...] = (
+    "hermes",
+    "mistral-list",
+    "mistral-args",
+    "function-tag",
+    "llama3-json",
+)
 _OPENERS: dict[CallFormat, str] = {
     "hermes": "<tool_call>",
     "mistral-list": "[TOOL_CALLS]",
     "mistral-args": "[TOOL_CALLS]",
+    "function-tag": "<function=",
+    "llama3-json": "<|python_tag|>",
 }
+#: Where a reply begins as a Llama 3.x bare-JSON call (llama.cpp's ``PATTERN_FULL`` trigger for
+#: it): an object whose first key is ``"name"`` (after an optional ``"type": "function"``).
+#: The grammar holds from the ``{`` on; a reply that begins otherwise stays free.
+LLAMA3_START = r'\s*(\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name")'
+#: The formats whose grammar names each tool in GBNF of its own: a name the format's parser
+#: cannot read back gets no grammar.
+_NAMED_FORMATS: frozenset[CallFormat] = frozenset({"mistral-args", "function-tag"})
 #: The texts the parser reads calls by. A model's vocabulary may hold one as a control token
 #: (Mistral's ``[TOOL_CALLS]``, ``[ARGS]``, ``[CALL_ID]``; Llama 3's ``<|python_tag|>``; some
 #: Hermes-style ``<tool_call>``), whose text a reply leaves out unless it is preserved
@@ -100,6 +121,8 @@ CALL_MARKERS: tuple[str, ...] = (
 #: schema's rule has one of these names).
 _SPACE = "kvwarm-call-space ::= [ \\t\\r\\n]{0,4}"
 _CALL_ID = "kvwarm-call-id ::= [a-zA-Z0-9]{9}"
+#: JSON's whitespace between a call object's tokens, a pretty-printer's indent included.
+_JSON_SPACE = "kvwarm-json-space ::= [ \\t\\r\\n]{0,20}"
 _RULE_NAME = re.compile(r"^([A-Za-z0-9-]+) ::=", re.MULTILINE)
 _MISTRAL_NAME = re.compile(r"[\w.\-]+")
 
@@ -112,6 +135,7 @@ class CallGrammar:
     grammar: str
     triggers: tuple[str, ...]
     once: bool
+    starts: tuple[str, ...] = ()  # ``GenerationOptions.grammar_start_patterns``
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +151,8 @@ class LazyCalls:
         """``GrammarError`` for a schema the grammar cannot hold, as for a forced call's
         (``chat.call_grammar`` then leaves auto's calls free: no grammar, not a 400)."""
         grammar = call_grammar(self.format, self.tools, once=self.once)
-        return CallGrammar(grammar, (_OPENERS[self.format],), self.once)
+        starts = (LLAMA3_START,) if self.format == "llama3-json" else ()
+        return CallGrammar(grammar, (_OPENERS[self.format],), self.once, starts)
 
 
 def call_grammar(fmt: CallFormat, tools: Sequence[Tool], *, once: bool = False) -> str:
@@ -149,11 +174,38 @@ def call_grammar(fmt: CallFormat, tools: Sequence[Tool], *, once: bool = False) 
         return _call_grammar(f'"[TOOL_CALLS]" kvwarm-call-space {calls}', [_SPACE], rules)
     parameters = [tool.function.parameters or {"type": "object"} for tool in tools]
     rules, names = schemas_to_rules(parameters, "kvwarm-args")
+    if fmt == "function-tag":
+        tags = " | ".join(
+            f"{_literal(tool.function.name + '>')} kvwarm-call-space {args}"
+            for tool, args in zip(tools, names, strict=True)
+        )
+        root = f'"<function=" ({tags}) kvwarm-call-space "</function>"'
+        return _call_grammar(root, [_SPACE], rules)
+    if fmt == "llama3-json":
+        objects = " | ".join(
+            _llama_object(tool.function.name, args) for tool, args in zip(tools, names, strict=True)
+        )
+        root = f'("<|python_tag|>" kvwarm-json-space)? ({objects})'
+        return _call_grammar(root, [_JSON_SPACE], rules)
     alternatives = " | ".join(
         f'{_literal(tool.function.name)} ("[CALL_ID]" kvwarm-call-id)? "[ARGS]" {args}'
         for tool, args in zip(tools, names, strict=True)
     )
     return _call_grammar(f'"[TOOL_CALLS]" ({alternatives})', [_CALL_ID], rules)
+
+
+def _llama_object(name: str, args: str) -> str:
+    """GBNF of Llama 3.x's call object of tool ``name`` whose arguments are rule ``args``:
+    ``"name"`` first (after an optional ``"type": "function"``), then ``"parameters"`` (or
+    ``"arguments"``); the name as the model writes it, not ASCII-escaped."""
+    ws = "kvwarm-json-space"
+    quoted = _literal(json.dumps(name, ensure_ascii=False))
+    kind = f'"\\"type\\"" {ws} ":" {ws} "\\"function\\"" {ws} "," {ws}'
+    key = '("\\"parameters\\"" | "\\"arguments\\"")'
+    return (
+        f'"{{" {ws} ({kind})? "\\"name\\"" {ws} ":" {ws} {quoted} {ws} "," {ws} '
+        f'{key} {ws} ":" {ws} {args} {ws} "}}"'
+    )
 
 
 def _literal(text: str) -> str:
@@ -474,7 +526,7 @@ def plan_chat(
     schema = forced_call_schema(chosen) if forced else None
     names = frozenset(t.function.name for t in chosen)
     calls_format = native_format if renders_tools else "hermes"
-    if calls_format == "mistral-args" and not all(
+    if calls_format in _NAMED_FORMATS and not all(
         _MISTRAL_NAME.fullmatch(t.function.name) for t in chosen
     ):
         calls_format = None  # a name the format's parser cannot read back: no grammar

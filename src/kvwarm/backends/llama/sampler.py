@@ -253,7 +253,7 @@ class LlamaSampler:
             if self._grammar is not None:
                 self._lib.llama_sampler_reset(self._grammar)
             if self._watch is not None:
-                self._watch.clear()
+                self._watch.restart()
                 self._holding = False
 
     def close(self) -> None:

@@ -173,7 +173,7 @@ class StubSampler:
             if self._grammar is not None:
                 self._grammar.reset()
             if self._watch is not None:
-                self._watch.clear()
+                self._watch.restart()
                 self._holding = False
 
     def close(self) -> None:
