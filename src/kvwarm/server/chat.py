@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
 
+from kvwarm.backends.grammar_cost import cheap_grammar
 from kvwarm.engine.types import Completion, GenerationOptions
 from kvwarm.errors import GrammarError, InvalidRequestError, ReplicaUnavailableError
 from kvwarm.server import convert
@@ -260,8 +261,15 @@ async def call_grammar(plan: ChatPlan, *, whole: bool) -> CallGrammar | None:
     lazy = plan.lazy
     if lazy is None or whole:
         return None
+
+    def checked() -> CallGrammar:
+        calls = lazy.grammar()
+        # Within the bounds every grammar is held to (``engine/submit.py``: too ambiguous, too
+        # wide, too long), here, where past them means no grammar rather than a 400.
+        return dataclasses.replace(calls, grammar=cheap_grammar(calls.grammar))
+
     try:
-        return await run_in_threadpool(lazy.grammar)
+        return await run_in_threadpool(checked)
     except GrammarError as exc:
         log.info("tool_choice auto: the calls are not held by a grammar: %s", exc)
         return None
