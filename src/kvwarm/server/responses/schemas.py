@@ -163,6 +163,10 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
+    # OpenAI's: the output text's logprobs come with include "message.output_text.logprobs"
+    # (or top_logprobs), each with top_logprobs alternatives (0-20).
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     user: str | None = None
     # kvwarm's extension, as on the OpenAI bodies (server/tenancy.py); X-Cache-Salt works too.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
