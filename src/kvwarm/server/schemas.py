@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (
     AliasChoices,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -95,6 +96,18 @@ class _Body(NullMeansDefault):
 #: A number in a body: a JSON number only (an integer is taken as a float; true and "1" are not).
 StrictNumber = Annotated[float, Strict()]
 
+
+def _json_number(value: Any) -> Any:
+    if isinstance(value, bool | str):
+        raise ValueError("must be a JSON number, not a boolean or a string")
+    return value
+
+
+#: A count or a sampler's integer in a body: a JSON number (an integral float such as 3.0 is
+#: taken, as llama-server takes it; true and "3" are not). Found by review: pydantic's lax
+#: ``int`` read ``"top_k": true`` as 1 and ``"max_tokens": "5"`` as 5.
+JsonInt = Annotated[int, BeforeValidator(_json_number)]
+
 #: A token id in a body: a JSON integer only. Found by review: pydantic's lax ``int`` took
 #: ``true`` as token 1 and ``2.0`` as token 2 (``"input": [true]`` embedded token 1).
 TokenIds = list[StrictInt]
@@ -123,23 +136,24 @@ class SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = Field(default=None, le=_INT32_MAX)  # a C int in llama.cpp
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    # JSON numbers only (found by review: "temperature": true sampled at 1.0, "0.5" at 0.5).
+    max_tokens: JsonInt | None = Field(default=None, ge=0)
+    temperature: StrictNumber | None = None
+    top_p: StrictNumber | None = None
+    top_k: JsonInt | None = Field(default=None, le=_INT32_MAX)  # a C int in llama.cpp
+    min_p: StrictNumber | None = None
+    repeat_penalty: StrictNumber | None = None
+    frequency_penalty: StrictNumber | None = None
+    presence_penalty: StrictNumber | None = None
     # Any 64-bit seed is accepted; the samplers take it modulo 2**32 (convert.options).
-    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
+    seed: JsonInt | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Choices per prompt, prefilled once; the model's n_parallel caps it (a 400 above).
-    n: int = Field(default=1, ge=1, le=64)
+    n: JsonInt = Field(default=1, ge=1, le=64)
     grammar: str | None = None  # llama.cpp extension: a GBNF grammar
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    logit_bias: dict[str, StrictNumber] | None = None  # token id (a string) -> bias in [-100, 100]
     ignore_eos: bool = False  # llama.cpp extension: never stop on an end-of-generation token
     cache_salt: str | None = _salt_field()  # vLLM's field (server/tenancy.py)
     # Speculative decoding for this request (engine/worker/drafts.py); llama-server's
@@ -194,8 +208,8 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None  # fill-in-the-middle: the text after the completion
     # OpenAI's: this many candidates per prompt (n at least; the model's n_parallel caps it,
     # as it caps n), the n with the highest mean logprob per token returned; not streamed.
-    best_of: int | None = Field(default=None, ge=1, le=64)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: JsonInt | None = Field(default=None, ge=1, le=64)
+    logprobs: JsonInt | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     response_format: ResponseFormat | None = None
 
@@ -319,13 +333,13 @@ ToolChoiceObject = Annotated[
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: JsonInt | None = Field(default=None, ge=0)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool = True  # False: a reply makes at most one tool call
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=20)
     # OpenAI's deprecated function calling, read only to refuse it: ignored, a client relying
     # on it would get text where it expects a call.
     functions: list[object] | None = None

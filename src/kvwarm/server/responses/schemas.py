@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
-from kvwarm.server.schemas import NullMeansDefault, keep_alive_field
+from kvwarm.server.schemas import JsonInt, NullMeansDefault, StrictNumber, keep_alive_field
 from kvwarm.server.tenancy import MAX_SALT_CHARS
 
 
@@ -154,9 +154,9 @@ class ResponsesRequest(_Body):
     tool_choice: (
         Literal["none", "auto", "required"] | FunctionChoice | AllowedToolsChoice | None
     ) = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    max_output_tokens: JsonInt | None = Field(default=None, ge=1)
+    temperature: StrictNumber | None = None
+    top_p: StrictNumber | None = None
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
@@ -166,7 +166,7 @@ class ResponsesRequest(_Body):
     # OpenAI's: the output text's logprobs come with include "message.output_text.logprobs"
     # (or top_logprobs), each with top_logprobs alternatives (0-20).
     include: list[str] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=20)
     user: str | None = None
     # kvwarm's extension, as on the OpenAI bodies (server/tenancy.py); X-Cache-Salt works too.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
