@@ -337,6 +337,16 @@ def test_unknown_model_is_404(client: TestClient) -> None:
         ({"model": "a", "prompt": "x", "logit_bias": {"abc": 1}}, None, "logit_bias"),
         ({"model": "a", "prompt": "x", "logit_bias": {"5": 500}}, None, "logit_bias"),
         ({"model": "a", "prompt": "x", "logit_bias": {"99999999": 1}}, None, "logit_bias"),
+        # Python's int() read these as token ids 10, 7 and 3 (found by review).
+        ({"model": "a", "prompt": "x", "logit_bias": {"1_0": 1}}, None, "logit_bias"),
+        ({"model": "a", "prompt": "x", "logit_bias": {" 7 ": 1}}, None, "logit_bias"),
+        ({"model": "a", "prompt": "x", "logit_bias": {"\u0663": 1}}, None, "logit_bias"),
+        ({"model": "a", "prompt": "x", "logit_bias": {"-1": 1}}, None, "logit_bias"),
+        (
+            {"model": "a", "prompt": "x", "logit_bias": {"99999999999999999999": 1}},
+            None,
+            "logit_bias",
+        ),
     ],
 )
 def test_bad_completion_requests_are_400(
