@@ -401,6 +401,24 @@ def test_penalties_change_the_choice(model: BackendModel, ctx: BackendContext) -
             sampler.close()
 
 
+def test_logit_bias_comes_before_the_penalties(model: BackendModel) -> None:
+    # llama-server's chain (and the stub's) adds the biases to the raw logits, then
+    # penalises; kvwarm's llama.cpp chain penalised first, so with repeat_penalty a biased
+    # token scored otherwise than on llama-server and on the stub (found by review). Token
+    # a: logit 2.0, biased -1.5, seen once, repeat_penalty 2: bias first 0.5 / 2 = 0.25,
+    # above token b's 0.0; penalty first 2.0 / 2 - 1.5 = -0.5, below it.
+    a, b = 5, 7
+    row = np.full(model.facts.n_vocab, -10.0, dtype=np.float32)
+    row[a], row[b] = 2.0, 0.0
+    params = SamplingParams(temperature=0, repeat_penalty=2.0, logit_bias=((a, -1.5),))
+    sampler = model.new_sampler(params)
+    try:
+        sampler.accept(a)
+        assert sampler.sample_logits(row.tobytes()) == a
+    finally:
+        sampler.close()
+
+
 def test_lone_surrogates_are_invalid_requests(model: BackendModel) -> None:
     for parse_special in (False, True):
         with pytest.raises(InvalidRequestError) as info:

@@ -2,9 +2,10 @@
 
 Invariants:
 
-- The chain (penalties → top-k → top-p → min-p → temperature → seeded dist, or greedy) and the
-  optional grammar sampler are each freed exactly once, when the sampler closes; the sampler
-  holds its model (``acquire``) because both reference the model's vocabulary.
+- The chain (logit biases → penalties → top-k → top-p → min-p → temperature → seeded dist, or
+  greedy: llama-server's order) and the optional grammar sampler are each freed exactly once,
+  when the sampler closes; the sampler holds its model (``acquire``) because both reference
+  the model's vocabulary.
 - The grammar never sees a token it rejected: with a grammar, candidates are built in Python,
   the grammar masks them, ``GrammarError`` is raised if nothing is left, and only the chosen
   (hence allowed) token is accepted. llama.cpp aborts on accepting a disallowed token or an
@@ -111,6 +112,10 @@ class LlamaSampler:
         if not chain:
             raise NoLogitsError("llama.cpp could not allocate a sampler chain")
         self._chain = chain  # owned from here on, so _free_native frees it on a later failure
+        if params.logit_bias:
+            # First, on the raw logits, as llama-server's chain (and the stub's) adds them: a
+            # penalty then scales the biased logit (found by review: it came after them).
+            self._add(self._logit_bias(params.logit_bias))
         last_n = params.repeat_last_n if params.repeat_last_n >= 0 else self._model_ctx_train()
         if last_n and (
             params.repeat_penalty != 1.0
@@ -125,8 +130,6 @@ class LlamaSampler:
                     params.presence_penalty,
                 )
             )  # fmt: skip
-        if params.logit_bias:
-            self._add(self._logit_bias(params.logit_bias))
         if params.greedy:
             self._add(lib.llama_sampler_init_greedy())
             return chain

@@ -1,7 +1,8 @@
 """The stub backend's sampler: the llama.cpp chain re-done in numpy over the stub's logits.
 
 Invariants: deterministic for a given seed (``seed=None`` draws one from the OS); the chain
-order matches llama.cpp's (penalties → top-k → top-p → min-p → temperature → draw); a grammar
+order matches llama.cpp's (logit biases → penalties → top-k → top-p → min-p → temperature →
+draw); a grammar
 is checked for a ``root`` rule (``GrammarError`` otherwise) and *enforced* only when it is one
 rule of string-literal alternatives (``root ::= "yes" | "no"``) — any other grammar is accepted
 unconstrained, which is enough for engine plumbing tests and is stated here so nobody relies on
