@@ -142,6 +142,8 @@ class SamplingFields(_Body):
     top_p: StrictNumber | None = None
     top_k: JsonInt | None = Field(default=None, le=_INT32_MAX)  # a C int in llama.cpp
     min_p: StrictNumber | None = None
+    # llama-server's locally typical sampling (found by review: ignored, as an unknown field).
+    typical_p: StrictNumber | None = None
     repeat_penalty: StrictNumber | None = None
     frequency_penalty: StrictNumber | None = None
     presence_penalty: StrictNumber | None = None

@@ -2,10 +2,10 @@
 
 Invariants:
 
-- The chain (logit biases → penalties → top-k → top-p → min-p → temperature → seeded dist, or
-  greedy: llama-server's order) and the optional grammar sampler are each freed exactly once,
-  when the sampler closes; the sampler holds its model (``acquire``) because both reference
-  the model's vocabulary.
+- The chain (logit biases → penalties → top-k → typical → top-p → min-p → temperature →
+  seeded dist, or greedy: llama-server's order) and the optional grammar sampler are each
+  freed exactly once, when the sampler closes; the sampler holds its model (``acquire``)
+  because both reference the model's vocabulary.
 - The grammar never sees a token it rejected: with a grammar, candidates are built in Python,
   the grammar masks them, ``GrammarError`` is raised if nothing is left, and only the chosen
   (hence allowed) token is accepted. llama.cpp aborts on accepting a disallowed token or an
@@ -135,6 +135,8 @@ class LlamaSampler:
             return chain
         if params.top_k > 0:
             self._add(lib.llama_sampler_init_top_k(params.top_k))
+        if params.typical_p < 1.0:
+            self._add(lib.llama_sampler_init_typical(params.typical_p, 1))
         if params.top_p < 1.0:
             self._add(lib.llama_sampler_init_top_p(params.top_p, 1))
         if params.min_p > 0.0:

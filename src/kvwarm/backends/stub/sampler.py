@@ -1,8 +1,8 @@
 """The stub backend's sampler: the llama.cpp chain re-done in numpy over the stub's logits.
 
 Invariants: deterministic for a given seed (``seed=None`` draws one from the OS); the chain
-order matches llama.cpp's (logit biases → penalties → top-k → top-p → min-p → temperature →
-draw); a grammar
+order matches llama.cpp's (logit biases → penalties → top-k → typical → top-p → min-p →
+temperature → draw); a grammar
 is checked for a ``root`` rule (``GrammarError`` otherwise) and *enforced* only when it is one
 rule of string-literal alternatives (``root ::= "yes" | "no"``) — any other grammar is accepted
 unconstrained, which is enough for engine plumbing tests and is stated here so nobody relies on
@@ -206,6 +206,17 @@ class StubSampler:
             order = order[: p.top_k]
         kept = logits[order]
         probs = _softmax(kept)
+        if p.typical_p < 1.0:
+            # llama.cpp's: the tokens whose surprise is nearest the entropy, until their
+            # probabilities reach typical_p (at least one kept), then back in logit order.
+            with np.errstate(divide="ignore", invalid="ignore"):
+                surprise = -np.log(probs)
+                entropy = float(np.nansum(probs * surprise))
+            near = np.argsort(np.abs(surprise - entropy), kind="stable")
+            cut = int(np.searchsorted(np.cumsum(probs[near]), p.typical_p, side="right") + 1)
+            keep = np.sort(near[:cut])
+            order, kept = order[keep], kept[keep]
+            probs = _softmax(kept)
         if p.top_p < 1.0:
             cut = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
             order, kept = order[:cut], kept[:cut]
