@@ -270,6 +270,23 @@ def case_deep_grammar(backend: str) -> None:
     model.new_sampler(SamplingParams(temperature=0, grammar=nested)).close()
 
 
+def case_token_level_grammar(backend: str) -> None:
+    """llama.cpp's grammar admitted a token spanning a literal's end and a negated token
+    element (``"a" !<[28]>``: SmolLM2's ``anto``), then threw on accepting it: a C++
+    exception through the C API, which aborted the process (found by review). Token-level
+    elements are refused; a ``<`` in a literal, a class or a comment is text."""
+    model = load(backend)
+    for grammar in (
+        'root ::= "a" !<[28]>',
+        "root ::= <[28]>",
+        'root ::= "x" <|im_end|>',
+        'root ::= ("a" | !<[1]>)*',
+    ):
+        expect(GrammarError, lambda g=grammar: model.new_sampler(SamplingParams(grammar=g)))
+    text = 'root ::= "<[28]>" [<>] # <not a token>\n'
+    model.new_sampler(SamplingParams(temperature=0, grammar=text)).close()
+
+
 def case_grammar_then_accept(backend: str) -> None:
     # accept() feeds penalty history only: a token the grammar forbids must not reach it.
     model = load(backend)

@@ -35,6 +35,7 @@ __all__ = [
     "check_grammar_cost",
     "cheap_grammar",
     "check_grammar_depth",
+    "check_grammar_elements",
     "grammar_depth",
     "grammar_ways",
     "grammar_widths",
@@ -331,6 +332,43 @@ def check_grammar_depth(text: str) -> None:
         )
 
 
+def token_element_at(text: str) -> int | None:
+    """Where ``text`` has its first token-level element (``<[id]>``, ``<name>``, negated
+    ``!<...>``: the only GBNF syntax with a ``<`` outside literals, classes and comments), or
+    None; a linear scan like ``grammar_depth``."""
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in '"[':
+            try:
+                i = _quoted(text, i, "]" if c == "[" else '"')
+            except _UnparsableError:
+                return None  # unterminated: llama.cpp's parser reports it
+            continue
+        if c == "#":
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif c == "<":
+            return i
+        i += 1
+    return None
+
+
+def check_grammar_elements(text: str) -> None:
+    """``GrammarError`` for a grammar with token-level elements. llama.cpp's grammar lets a
+    token through that spans a literal's end and a negated token (``root ::= "a" !<[28]>``
+    admits the token ``anto``) and then throws on accepting it, a C++ exception that no C
+    caller can catch: the process aborted (found by review; llama-server, in C++, answers
+    500). Every backend's sampler refuses them, as it refuses a grammar too deep."""
+    at = token_element_at(text)
+    if at is not None:
+        raise GrammarError(
+            f"token-level grammar elements (<[id]>, <token>, !<...>; here at character {at}) "
+            "are not supported: write the text as a literal",
+            param="grammar",
+        )
+
+
 def check_grammar_cost(
     text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS, width_limit: int = MAX_GRAMMAR_WIDTH
 ) -> None:
@@ -339,6 +377,7 @@ def check_grammar_cost(
     ``limit`` or that opens more than ``width_limit`` alternatives at once."""
     _check_length(text)
     check_grammar_depth(text)
+    check_grammar_elements(text)
     try:
         rules = _parse(text)
         ways, order = _ways(rules, limit)

@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
-from kvwarm.backends.grammar_cost import check_grammar_depth
+from kvwarm.backends.grammar_cost import check_grammar_depth, check_grammar_elements
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import BackendError, GrammarError, InvalidRequestError, NoLogitsError
 from kvwarm.unicode import encode_utf8
@@ -94,6 +94,7 @@ class LlamaSampler:
             # A C string ends at the first NUL: llama.cpp would compile the grammar's head only.
             raise GrammarError("the grammar contains a NUL character", param="grammar")
         check_grammar_depth(params.grammar)  # deeper, llama.cpp's parser overflows its stack
+        check_grammar_elements(params.grammar)  # llama.cpp can abort the process on them
         lib = self._lib
         grammar = lib.llama_sampler_init_grammar(
             self._model.vocab,
