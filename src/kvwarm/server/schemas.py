@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, validated, extras ignored).
 
 Invariant: unknown fields are ignored (clients send vendor extensions), but a known field of the
-wrong type is a 400 naming the field. Bodies are parsed from bytes we read ourselves
+wrong type is a 400 naming the field: every body model is a ``JsonBody``, validated strictly (no
+``true`` for 1, no ``"3"`` for 3, no ``1`` for true). Bodies are parsed from bytes we read ourselves
 (``read_json``), so oversized and malformed bodies get OpenAI-shaped errors too, and a lone
 UTF-16 surrogate anywhere in a body is a 400 naming its path (``kvwarm.unicode``).
 """
@@ -75,7 +76,27 @@ def _defaulted_names(model: type[BaseModel]) -> frozenset[str]:
     return frozenset(names)
 
 
-class NullMeansDefault(BaseModel):
+class JsonBody(BaseModel):
+    """A request body, or a part of one, as JSON writes it: pydantic's strict mode, so a known
+    field of the wrong type is a 400 naming it rather than a value read into it. Found by
+    review: lax types read ``"n": true`` as 1, ``"echo": "yes"`` as true, ``"best_of": "2"``
+    as 2. The rule, for every body the server takes:
+
+    - a boolean is a JSON boolean; a string a JSON string; a number (``float``) a JSON number,
+      an integer taken as a float;
+    - an integer is a JSON integer; a count or setting (``JsonInt``: token counts, ``n``,
+      ``top_k``, ``seed``, ``dimensions``, ``top_n``, ``bytes``...) also takes an integral float
+      such as 3.0, as llama-server reads its integers; an id (``TokenIds``, a LoRA adapter's
+      ``id``) is a JSON integer only, as llama-server reads a prompt's token ids.
+
+    Deliberate exceptions are typed ``object`` (read only to be refused by name, as chat's
+    ``functions`` and ``best_of``). Unknown fields are ignored (``extra="ignore"``) unless a
+    body says otherwise (the admin bodies forbid them)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class NullMeansDefault(JsonBody):
     """A body whose optional fields take ``null`` as "not given". OpenAI's API declares them
     nullable (``"n": null``, ``"stream": null``, ``"store": null``...) and clients built on
     its spec send that (a 400 for it would refuse a valid request)."""
@@ -90,7 +111,7 @@ class NullMeansDefault(BaseModel):
 
 
 class _Body(NullMeansDefault):
-    model_config = ConfigDict(extra="ignore")
+    """An OpenAI-style body (or part): strict (``JsonBody``), ``null`` as "not given"."""
 
 
 #: A number in a body: a JSON number only (an integer is taken as a float; true and "1" are not).
@@ -105,8 +126,9 @@ def _json_number(value: Any) -> Any:
 
 #: A count or a sampler's integer in a body: a JSON number (an integral float such as 3.0 is
 #: taken, as llama-server takes it; true and "3" are not). Found by review: pydantic's lax
-#: ``int`` read ``"top_k": true`` as 1 and ``"max_tokens": "5"`` as 5.
-JsonInt = Annotated[int, BeforeValidator(_json_number)]
+#: ``int`` read ``"top_k": true`` as 1 and ``"max_tokens": "5"`` as 5. ``Strict(False)``: the
+#: bodies are strict (``JsonBody``), which alone would refuse 3.0.
+JsonInt = Annotated[int, Strict(False), BeforeValidator(_json_number)]
 
 #: A token id in a body: a JSON integer only. Found by review: pydantic's lax ``int`` took
 #: ``true`` as token 1 and ``2.0`` as token 2 (``"input": [true]`` embedded token 1).
@@ -117,7 +139,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class LoraItem(BaseModel):
+class LoraItem(JsonBody):
     """llama-server's per-request adapter: its id (``GET /lora-adapters``) and scale."""
 
     model_config = ConfigDict(extra="forbid")
@@ -167,7 +189,7 @@ class SamplingFields(_Body):
         "ngram-mod, ngram-cache or draft-simple (default: the model's spec_type); a speed "
         "hint, the output is the same",
     )
-    spec_draft_max: int | None = Field(
+    spec_draft_max: JsonInt | None = Field(
         default=None,
         ge=0,
         le=MAX_DRAFT_TOKENS,
@@ -229,7 +251,7 @@ class InfillRequest(SamplingFields):
     input_suffix: str = ""
     input_extra: list[ExtraChunk] = Field(default_factory=list)
     prompt: str = ""
-    n_predict: int | None = Field(default=None, ge=-1)  # llama-server's max_tokens; -1: default
+    n_predict: JsonInt | None = Field(default=None, ge=-1)  # llama-server's max_tokens; -1: default
 
 
 class ImageUrl(_Body):
@@ -320,7 +342,8 @@ class AllowedToolsChoice(_Body):
     allowed_tools: AllowedTools
 
 
-def _choice_type(value: object) -> str | None:
+def choice_type(value: object) -> str | None:
+    """A ``tool_choice`` object's ``type`` (its union's discriminator)."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return kind if isinstance(kind, str) else None
 
@@ -329,7 +352,7 @@ def _choice_type(value: object) -> str | None:
 ToolChoiceObject = Annotated[
     Annotated[NamedToolChoice, Tag("function")]
     | Annotated[AllowedToolsChoice, Tag("allowed_tools")],
-    Discriminator(_choice_type),
+    Discriminator(choice_type),
 ]
 
 
@@ -357,7 +380,7 @@ class EmbeddingRequest(_Body):
     input: str | list[str] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"
     # OpenAI's shortened embeddings: the first ``dimensions`` values, scaled to unit length.
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: JsonInt | None = Field(default=None, ge=1)
 
 
 class RerankDocument(_Body):
@@ -374,11 +397,13 @@ class RerankRequest(_Body):
     keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
     query: str
     documents: list[str | RerankDocument]
-    top_n: int | None = Field(default=None, ge=1, description="return the best n (default: all)")
+    top_n: JsonInt | None = Field(
+        default=None, ge=1, description="return the best n (default: all)"
+    )
     return_documents: bool = Field(
         default=False, description="put each result's document in the answer"
     )
-    max_tokens_per_doc: int | None = Field(
+    max_tokens_per_doc: JsonInt | None = Field(
         default=None, ge=1, description="cut each document to this many tokens (Cohere v2)"
     )
     cache_salt: str | None = _salt_field()
@@ -419,7 +444,7 @@ class PrewarmRequest(_Body):
 
 
 class EvictRequest(_Body):
-    bytes: int = Field(ge=0)
+    bytes: JsonInt = Field(ge=0)
     # Tier names as configured (any store may be configured by URL under any name).
     tiers: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_]{1,64}$")]] | None = None
 

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from kvwarm.server.schemas import JsonInt, StrictNumber, keep_alive_field
+from kvwarm.server.schemas import JsonBody, JsonInt, StrictNumber, keep_alive_field
 from kvwarm.server.tenancy import MAX_SALT_CHARS
 
 _INT32_MAX = (1 << 31) - 1
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Body(JsonBody):
+    """An Anthropic body (or part): strict types, unknown fields ignored (``JsonBody``)."""
 
 
 class TextBlock(_Body):
