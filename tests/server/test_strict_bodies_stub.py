@@ -501,3 +501,39 @@ def test_a_wrong_typed_field_is_a_400_naming_it(
     error = response.json()["error"]
     if "param" in error:  # OpenAI's shape; Anthropic's has the message alone
         assert error["param"] == message.split(":", 1)[0]
+
+
+#: Where an integer is an id (a prompt's token ids, a LoRA adapter's): a JSON integer only.
+ID_FIELDS = {"prompt", "input", "tokens"}
+
+
+def _integers() -> list[Any]:
+    cases: list[Any] = []
+    for route, (_, bodies) in BODIES.items():
+        for b, body in enumerate(bodies):
+            for path, value in _leaves(body):
+                if isinstance(value, int) and not isinstance(value, bool):
+                    is_id = path[-1] == "id" or (
+                        path[0] in ID_FIELDS and all(isinstance(p, int) for p in path[1:])
+                    )
+                    name = ".".join(map(str, path))
+                    cases.append(pytest.param(route, b, path, is_id, id=f"{route}:{name}"))
+    return cases
+
+
+@pytest.mark.parametrize(("route", "b", "path", "is_id"), _integers())
+def test_an_integral_float_is_a_count_not_an_id(
+    client: TestClient, route: str, b: int, path: tuple[str | int, ...], is_id: bool
+) -> None:
+    """A count or setting takes 3.0 for 3, as llama-server reads its integers (3.5 is a 400
+    above); an id is a JSON integer only, as llama-server reads a prompt's token ids."""
+    body = BODIES[route][1][b]
+    value = body
+    for part in path:
+        value = value[part]
+    response = client.post(route, json=_with(body, path, float(value)))
+    if is_id:
+        assert response.status_code == 400, response.text
+        assert str(path[-1] if path[-1] == "id" else path[0]) in _message(response)
+    else:
+        assert response.status_code == 200, response.text
