@@ -1,10 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, validated, extras ignored).
 
 Invariant: unknown fields are ignored (clients send vendor extensions), but a known field of the
-wrong type is a 400 naming the field: every body model is a ``JsonBody``, validated strictly (no
-``true`` for 1, no ``"3"`` for 3, no ``1`` for true). Bodies are parsed from bytes we read ourselves
-(``read_json``), so oversized and malformed bodies get OpenAI-shaped errors too, and a lone
-UTF-16 surrogate anywhere in a body is a 400 naming its path (``kvwarm.unicode``).
+wrong type is a 400 naming the field: every body model is a ``JsonBody``, validated strictly
+(no ``true`` for 1, no ``"3"`` for 3, no ``1`` for true). Bodies are parsed from bytes we read
+ourselves (``read_json``), so oversized and malformed bodies get OpenAI-shaped errors too, and a
+lone UTF-16 surrogate anywhere in a body is a 400 naming its path (``kvwarm.unicode``).
 """
 
 from __future__ import annotations
@@ -89,9 +89,10 @@ class JsonBody(BaseModel):
       such as 3.0, as llama-server reads its integers; an id (``TokenIds``, a LoRA adapter's
       ``id``) is a JSON integer only, as llama-server reads a prompt's token ids.
 
-    Deliberate exceptions are typed ``object`` (read only to be refused by name, as chat's
-    ``functions`` and ``best_of``). Unknown fields are ignored (``extra="ignore"``) unless a
-    body says otherwise (the admin bodies forbid them)."""
+    Deliberate exceptions: free-form values are any JSON (``dict[str, object]``: a tool's
+    JSON schema, a tool call's input), and fields read only to be refused by name are typed
+    ``object`` (chat's ``functions`` and ``best_of``). Unknown fields are ignored
+    (``extra="ignore"``) unless a body says otherwise (the admin bodies forbid them)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
