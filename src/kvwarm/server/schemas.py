@@ -374,11 +374,15 @@ class RerankRequest(_Body):
     keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
     query: str
     documents: list[str | RerankDocument]
-    top_n: int | None = Field(default=None, ge=1, description="return the best n (default: all)")
+    # JSON integers only, as the engine takes them (found by review: pydantic's lax int took
+    # true as top_n 1, which Model.rerank itself refuses, and "2" as 2).
+    top_n: StrictInt | None = Field(
+        default=None, ge=1, description="return the best n (default: all)"
+    )
     return_documents: bool = Field(
         default=False, description="put each result's document in the answer"
     )
-    max_tokens_per_doc: int | None = Field(
+    max_tokens_per_doc: StrictInt | None = Field(
         default=None, ge=1, description="cut each document to this many tokens (Cohere v2)"
     )
     cache_salt: str | None = _salt_field()
