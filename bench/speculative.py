@@ -21,6 +21,8 @@ order rotating per request), so a drift in the machine's speed falls on all alik
 server saw before, though kvwarm's cached rows and llama-server's ``ngram-mod`` pool hold the
 earlier rounds' replies; ``--repeat`` sends the same prompts every round). ``--base-tree DIR``
 adds ``kvwarm-spec-base``: ``kvwarm-spec`` run from another source tree (an A/B in one run).
+``--kv-type T`` runs every server with K and V cells of type ``T`` (q8_0, bf16: where kvwarm's
+greedy speculation is plain decoding's at any length, not only under 512 KV cells).
 
 Prints per load and server the median decode speed by the server's own ``timings`` (kvwarm's
 ``generation_ms``, llama-server's ``predicted_ms``: decode only, not the prompt), the ratio to
@@ -137,6 +139,8 @@ class Server:
     draft: Path
     #: Another kvwarm source tree to run (``--base-tree``: the ``kvwarm-spec-base`` server).
     tree: Path | None = None
+    #: Every server's K and V cell type (``--kv-type``; None: each server's default, f16).
+    kv_type: str | None = None
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -151,6 +155,8 @@ class Server:
                 extra = ["--flash-attn", "on"]
             if self.name == "kvwarm-draft":
                 extra = ["--draft-model", str(self.draft)]
+            if self.kv_type is not None:
+                extra += ["--cache-type-k", self.kv_type, "--cache-type-v", self.kv_type]
             return [
                 sys.executable, "-m", "kvwarm", "serve", "--host", "127.0.0.1",
                 "--port", str(self.port), "--model", f"m={self.model}", "--n-ctx", "4096",
@@ -160,6 +166,8 @@ class Server:
         extra = ["--spec-type", self.name.removeprefix("llama-")] if self.name != "llama" else []
         if self.name == "llama-draft":
             extra = ["--model-draft", str(self.draft), "--spec-type", "draft-simple"]
+        if self.kv_type is not None:
+            extra += ["-ctk", self.kv_type, "-ctv", self.kv_type]
         return [
             str(llama_server()), "--host", "127.0.0.1", "--port", str(self.port),
             "-m", str(self.model), "-c", "4096", "-t", str(self.threads),
@@ -238,6 +246,12 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--kv-type",
+        default=None,
+        help="every server's K and V cell type (q8_0, bf16 ...; kvwarm's speculation is exact "
+        "at any length with a type other than f16/f32)",
+    )
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument(
         "--loads",
@@ -284,6 +298,7 @@ def main() -> None:
         Server(
             name, model, args.threads, work, draft,
             tree=args.base_tree if name == "kvwarm-spec-base" else None,
+            kv_type=args.kv_type,
         )
         for name in names
     ]  # fmt: skip

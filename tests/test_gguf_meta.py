@@ -114,3 +114,40 @@ def test_a_long_table_is_never_held_whole(tmp_path: Path) -> None:
         tracemalloc.stop()
     assert seen == n
     assert peak < 2 << 20, peak
+
+
+def _kv(key: bytes, vtype: int, payload: bytes) -> bytes:
+    return struct.pack("<Q", len(key)) + key + struct.pack("<I", vtype) + payload
+
+
+def _with_kvs(*kvs: bytes) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(kvs)
+
+
+def test_read_values_decodes_what_is_wanted_and_skips_the_rest() -> None:
+    strings = struct.pack("<IQ", 8, 2) + b"".join(
+        struct.pack("<Q", len(s)) + s for s in (b"a", b"")
+    )
+    data = _with_kvs(
+        _kv(b"x.block_count", 4, struct.pack("<I", 7)),
+        _kv(b"tokenizer.ggml.tokens", 9, strings),
+        _kv(b"skipped", 9, struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 0, 3) + b"abc"),
+        _kv(b"x.scale", 6, struct.pack("<f", 0.5)),
+    )
+    got = gguf_meta.read_values(data, lambda key: key != "skipped")
+    assert (got.n_tensors, got.tensors_at) == (0, len(data))
+    assert got.values == {"x.block_count": 7, "tokenizer.ggml.tokens": [b"a", b""], "x.scale": 0.5}
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [
+        _kv(b"s", 8, struct.pack("<Q", 1 << 40)),  # a string longer than the file
+        _kv(b"a", 9, struct.pack("<IQ", 8, 1 << 40)),  # more strings than bytes left
+        _kv(b"n", 9, struct.pack("<IQ", 4, 1 << 60)),  # an array of uint32 past the end
+        _kv(b"t", 99, b""),  # no such type
+    ],
+)
+def test_read_values_refuses_lengths_past_the_end(kv: bytes) -> None:
+    with pytest.raises(ValueError):
+        gguf_meta.read_values(_with_kvs(kv), lambda _key: True)

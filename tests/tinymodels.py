@@ -304,18 +304,21 @@ def write_reranker(
     dtype: Any = np.float32,
     tokenizer: Callable[[Any], int] | None = None,
     template: str | None = QWEN3_RERANK_TEMPLATE,
+    split_max_tensors: int = 0,
 ) -> Path:
     """A random-weight reranker at ``path``: ``kind`` "decoder" (``qwen3`` with pooling rank,
     labels yes/no and a ``cls.output`` head: scores are p("yes")) or "encoder" (a ``bert``
     cross-encoder: attention not causal, ``cls`` and ``cls.output`` heads, one raw score).
     ``tokenizer`` adds the vocabulary's keys and returns its size (default: ``test``, with
-    BOS/EOS/SEP for the encoder); ``template`` is the decoder's rerank prompt. Deterministic:
-    the same arguments write the same bytes."""
+    BOS/EOS/SEP for the encoder); ``template`` is the decoder's rerank prompt. With
+    ``split_max_tensors``, a model split into parts of that many tensors, named as
+    llama.cpp's gguf-split names them (``NAME-00001-of-0000N.gguf`` beside ``path``).
+    Deterministic: the same arguments write the same bytes."""
     import gguf
 
     decoder = kind == "decoder"
     arch = "qwen3" if decoder else "bert"
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     n_vocab = test_tokenizer(w, specials=not decoder) if tokenizer is None else tokenizer(w)
     n_ff = 4 * n_embd
     head = n_embd // n_head

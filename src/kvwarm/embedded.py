@@ -46,10 +46,28 @@ def model_id_for(path: str | Path | None) -> str:
         return EMBEDDED_MODEL_ID
     resolved = Path(path).expanduser()
     embedded = embedded_model_path()
-    if embedded is not None and resolved.is_file() and resolved.resolve() == embedded.resolve():
+    if embedded is not None and _same_file(resolved, embedded):
         return EMBEDDED_MODEL_ID
     name = resolved.name
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+def is_file(path: Path) -> bool:
+    """``path.is_file()``, False for a path no ``stat`` can answer. Found by review: a name
+    too long, a directory not searchable or a NUL byte raised from ``is_file``, and the
+    commands naming such a model stopped with a traceback (exit status 1)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _same_file(path: Path, other: Path) -> bool:
+    """Whether ``path`` is the file ``other`` (False for a path no ``stat`` can answer)."""
+    try:
+        return is_file(path) and path.resolve() == other.resolve()
+    except (OSError, ValueError):
+        return False
 
 
 def default_model_path() -> Path:
@@ -57,7 +75,7 @@ def default_model_path() -> Path:
     override = os.environ.get(MODEL_ENV)
     if override:
         path = Path(override).expanduser()
-        if not path.is_file():
+        if not is_file(path):
             raise ModelNotFoundError(f"{MODEL_ENV}={override!r} is not a file; {INSTALL_HINT}")
         return path
     embedded = embedded_model_path()

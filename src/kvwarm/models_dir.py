@@ -12,7 +12,11 @@ named ``*.gguf``; a model split into parts (``x-00001-of-00003.gguf``) is listed
 first part, under the name without the part suffix. ``checked_path`` refuses, at load time, a
 file that has since become a symlink or moved out of the directory, so a name can only ever
 open a file the directory holds: the model, every other part of a split one (``parts``) and
-its projector are each checked so. (Loads by path are an admin's, and are not restricted here.)
+its projector are each checked so. ``pinned`` then opens each of them once, without following
+a symlink, and llama.cpp reads the files so opened, through paths that name the open files
+(``/proc/self/fd/N``), never the directory's names again: a file swapped for a symlink between
+the check and llama.cpp's open (found by review) is not what it reads. (Loads by path are an
+admin's, and are not restricted here.)
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import stat
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from kvwarm.errors import ModelLoadError, NotAModelError
@@ -96,6 +104,57 @@ def checked_path(directory: Path, path: Path) -> Path:
     if path.resolve().parent != directory.resolve():
         raise ModelLoadError(f"{path} is outside models_dir {directory}")
     return path
+
+
+#: Where this system names an open file descriptor as a path (Linux; ``/dev/fd`` elsewhere).
+_FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+
+
+@contextmanager
+def pinned(directory: Path, paths: Sequence[Path]) -> Iterator[dict[Path, Path]]:
+    """Each of ``paths`` (files directly inside ``directory``) opened now, relative to the
+    directory and without following a symlink, and ``{path: a path to the opened file}``
+    for the ``with`` block: a private directory of links, each of the file's own name (a
+    split model's first part finds its other parts beside it by name), to the open
+    descriptor. Whatever the directory's names point to later, these paths read the files
+    opened here. ``ModelLoadError`` for a name that is gone, a symlink or not a regular
+    file; everything is closed and removed at the block's end."""
+    with ExitStack() as stack:
+        try:
+            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ModelLoadError(f"cannot open models_dir {directory}: {exc.strerror}") from exc
+        stack.callback(os.close, dir_fd)
+        links = Path(tempfile.mkdtemp(prefix="kvwarm-pinned-"))  # 0700, this process's
+        stack.callback(shutil.rmtree, links, True)
+        out: dict[Path, Path] = {}
+        for path in paths:
+            fd = _open_inside(dir_fd, directory, path)
+            stack.callback(os.close, fd)
+            link = links / path.name
+            os.symlink(f"{_FD_DIR}/{fd}", link)
+            out[path] = link
+        yield out
+
+
+def _open_inside(dir_fd: int, directory: Path, path: Path) -> int:
+    """``path``'s file, opened by its name in the directory open as ``dir_fd``; never
+    through a symlink (``O_NOFOLLOW``), never blocking on a FIFO (``O_NONBLOCK``)."""
+    if path.parent.resolve() != directory.resolve() or path.name in ("", ".", ".."):
+        raise ModelLoadError(f"{path} is outside models_dir {directory}")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path.name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise ModelLoadError(
+                f"{path.name} in models_dir is not a regular file (symlinks are refused)"
+            ) from exc
+        raise ModelLoadError(f"{path.name} is no longer in models_dir: {exc.strerror}") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ModelLoadError(f"{path.name} in models_dir is not a regular file")
+    return fd
 
 
 def parts(path: Path) -> list[Path]:

@@ -152,6 +152,17 @@ def case_positions_past_int32(backend: str) -> None:
     assert ctx.seq_pos_max(0) == len(tokens) - 1 and ctx.seq_pos_max(1) == -1
 
 
+def case_sampler_ints_past_int32(backend: str) -> None:
+    """top_k and repeat_last_n are C int32s, the seed a uint32: ctypes kept a larger value's
+    low 32 bits, so top_k=2**32 + 1 sampled as top-1, silently (found by review)."""
+    model = load(backend)
+    expect(InvalidRequestError, lambda: model.new_sampler(SamplingParams(top_k=2**32 + 1)))
+    expect(InvalidRequestError, lambda: model.new_sampler(SamplingParams(repeat_last_n=2**32)))
+    expect(InvalidRequestError, lambda: model.new_sampler(SamplingParams(repeat_last_n=-2)))
+    expect(InvalidRequestError, lambda: model.new_sampler(SamplingParams(seed=2**32)))
+    model.new_sampler(SamplingParams(top_k=2**31 - 1, seed=2**32 - 1)).close()
+
+
 def case_no_logits(backend: str) -> None:
     model = load(backend)
     ctx = model.new_context(P)

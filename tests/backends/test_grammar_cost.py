@@ -161,6 +161,47 @@ def test_repeating_what_can_be_empty_is_bounded(case: str) -> None:
     assert "'(" not in str(info.value)  # names a rule of the grammar, not a group
 
 
+# Found by review: an unbounded repeat of a part that is itself an unbounded repetition lets a
+# token's bytes split among the repeats in many ways, and llama.cpp follows each for every token
+# a broad class admits: ([^a]+)+ 0.2 s a token on SmolLM2, [^a]{1,}{1,}{2}* 33 s (one request
+# stalled its model's every request). llama.cpp reads x{1,}{1,} as (x{1,}){1,}.
+NESTED_REPEATS = {
+    "group": 'root ::= ([^a]+)+ "b"',
+    "stacked_operators": "root ::= [^a]{1,}{1,}",
+    "fuzzed": "root ::= [^a] {1,} {1,} {2} * [a-c]",
+    "through_a_rule": "root ::= x+\nx ::= [a]+",
+    "written_as_recursion": "root ::= x+\nx ::= [a] x | [a]",
+    "beside_optionals": 'root ::= (x* y?)*\nx ::= "a"\ny ::= "b"',
+    "bounded_inside": "root ::= (([^a]+){2})*",
+    "schema_pattern": schema_to_gbnf({"type": "string", "pattern": "^(\\w+\\s?)+$"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NESTED_REPEATS))
+def test_an_unbounded_repeat_of_a_repetition_is_refused(case: str) -> None:
+    with pytest.raises(GrammarError, match="itself an unbounded repetition") as info:
+        check_grammar_cost(NESTED_REPEATS[case])
+    assert info.value.param == "grammar"
+    assert "'(" not in str(info.value)  # names a rule of the grammar, not a group
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        # Bounded on one side, or delimited by a fixed text: a few ms a token.
+        "root ::= ([a]{1,3})+",
+        "root ::= ([^a]+){2}",
+        "root ::= [a]{0,3}{2}",
+        'root ::= ("," [^a]+)*',
+        'root ::= (line "\\n")*\nline ::= [^\\n]*',
+        schema_to_gbnf({"type": "string", "pattern": "^[a-z]+(-[a-z]+)*$"}),
+        schema_to_gbnf({"type": "string", "pattern": "^(\\d{1,3}\\.){3}\\d{1,3}$"}),
+    ],
+)
+def test_bounded_or_delimited_repeats_pass(grammar: str) -> None:
+    check_grammar_cost(grammar)
+
+
 @pytest.mark.parametrize(
     "grammar",
     [

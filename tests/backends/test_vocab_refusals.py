@@ -12,6 +12,7 @@ The engine runs in a child process, so an abort fails one test instead of the ru
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from tests.childkit import assert_case_ok
 from tests.tinymodels import _arch_keys, write_tiny_model
 
 from kvwarm.backends.llama import LlamaBackend
-from kvwarm.errors import ModelLoadError
+from kvwarm.errors import InvalidRequestError, ModelLoadError
 
 pytestmark = pytest.mark.model
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.model
 _ENGINE = """
 import sys
 import kvwarm
-from kvwarm.errors import ModelLoadError
+from kvwarm.errors import InvalidRequestError, ModelLoadError
 with kvwarm.Engine() as engine:
     try:
         model = engine.load_model(sys.argv[1])
@@ -69,3 +70,24 @@ def test_the_backend_refuses_it(case: tuple[str, str]) -> None:
 
 def test_an_engine_load_is_a_typed_error(case: tuple[str, str]) -> None:
     assert_case_ok("-c", _ENGINE, case[0])
+
+
+def test_a_text_the_tokenizer_cannot_spell_is_a_typed_error(tmp_path: Path) -> None:
+    """An RWKV vocabulary of no token for "hello" tokenized it as -1 (LLAMA_TOKEN_NULL), which
+    went on as a prompt token (found by review): the tokenize itself now says why."""
+    from tests.tinymodels import N_VOCAB, write_reranker
+
+    def rwkv(w: Any) -> int:
+        w.add_string("tokenizer.ggml.model", "rwkv")
+        w.add_array("tokenizer.ggml.tokens", [f"tok_{i}" for i in range(N_VOCAB)])
+        w.add_array("tokenizer.ggml.token_type", [1] * N_VOCAB)
+        return N_VOCAB
+
+    path = write_reranker(tmp_path / "rwkv.gguf", "decoder", template=None, tokenizer=rwkv)
+    model = LlamaBackend().load_model(str(path))
+    try:
+        with pytest.raises(InvalidRequestError, match="cannot spell the text"):
+            model.tokenize("hello")
+        assert model.tokenize("tok_1", add_special=False) == [1]
+    finally:
+        model.close()

@@ -253,6 +253,27 @@ def test_chat_repl_streams_and_reports_cache_use_per_turn(env: dict[str, str]) -
     assert len([line for line in result.stdout.splitlines() if line.strip()]) >= 1
 
 
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_refused_chat_turn_is_reported_and_the_chat_goes_on(env: dict[str, str]) -> None:
+    """Found by review: a turn the model refused (here one longer than the context) ended the
+    chat with exit status 1, the conversation lost. It is reported and left out of the
+    conversation; the next turn is answered, and the exit status still says one failed."""
+    too_long = "word " * 1500  # past the fixture's 1,024-token context
+    result = kvwarm(
+        env,
+        "chat", "--max-tokens", "3", "--temperature", "0",
+        stdin=f"Hello!\n{too_long}\nWhat is two plus two?\n",
+    )  # fmt: skip
+    no_traceback(result)
+    assert result.returncode == 1, result.stderr
+    assert "context holds 1024" in result.stderr and "not sent" in result.stderr
+    turns = re.findall(r"\[turn (\d): cached (\d+)/(\d+) prompt tokens", result.stderr)
+    assert [t[0] for t in turns] == ["1", "2"], result.stderr
+    # The refused message is not part of the conversation the second turn sends.
+    assert int(turns[1][2]) < 200, turns
+
+
 # --- cache maintenance (the model fills the cache; the commands run without it) -----------
 
 

@@ -142,3 +142,47 @@ def test_the_cli_refuses_a_nan_deadline(tmp_path: Path, command: str, flag: str)
     assert "Traceback" not in result.stderr, result.stderr[-600:]
     assert result.returncode == 2, (result.returncode, result.stderr[-600:])
     assert f"flag setting {flag}: expected a finite number" in result.stderr, result.stderr
+
+
+# --- paths no stat can answer (found by review) --------------------------------------------
+# Path.exists / is_dir / is_file raise for a name too long, a directory not searchable or a
+# NUL byte (a TOML string may hold one): every command given such a cache_dir, shm_dir,
+# models_dir, mmproj, --scan or model path stopped with an OSError's traceback, exit status 1.
+
+
+def _unstattable(tmp_path: Path) -> Path:
+    return tmp_path / ("a" * 300)  # one component past NAME_MAX: ENAMETOOLONG
+
+
+@pytest.mark.parametrize("name", ["cache_dir", "shm_dir", "models_dir"])
+def test_a_directory_no_stat_can_answer_is_a_config_error(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ConfigError, match=rf"{name} .*name too long \({name} from --"):
+        load_settings({name: str(_unstattable(tmp_path))}, {})
+
+
+def test_a_nul_byte_in_a_configured_path_is_a_config_error(tmp_path: Path) -> None:
+    config = tmp_path / "kvwarm.toml"
+    config.write_text('cache_dir = "/tmp/a\\u0000b"\n')
+    with pytest.raises(ConfigError, match=r"cache_dir .*null byte"):
+        load_settings({"config": str(config)}, {})
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (["cache", "stats", "--cache-dir", "{long}"], 2, "cache_dir"),
+        (["models", "--scan", "{long}"], 2, "--scan"),
+        (["complete", "hi", "--model", "{long}"], 1, "model file not found"),
+    ],
+)
+def test_the_cli_answers_an_unstattable_path_in_one_line(
+    tmp_path: Path, args: list[str], code: int, says: str
+) -> None:
+    long = str(_unstattable(tmp_path))
+    argv = [sys.executable, "-m", "kvwarm", *(a.replace("{long}", long) for a in args)]
+    result = subprocess.run(
+        argv, capture_output=True, text=True, env=clean_env(tmp_path), timeout=120, check=False
+    )
+    assert "Traceback" not in result.stderr, result.stderr[-800:]
+    assert result.returncode == code, (result.returncode, result.stderr[-800:])
+    assert says in result.stderr, result.stderr

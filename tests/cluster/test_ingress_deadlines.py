@@ -163,6 +163,7 @@ def _remote(deadlines: OpDeadlines) -> tuple[RemoteModel, list[ModelOp]]:
 CALLERS: dict[str, Callable[[RemoteModel], object]] = {
     "tokenize": lambda m: m.tokenize("x"),
     "detokenize": lambda m: m.detokenize([1]),
+    "token_pieces": lambda m: m.token_pieces([1]),
     "apply_chat_template": lambda m: m.apply_chat_template([{"role": "user", "content": "x"}]),
     "chat_tokens": lambda m: m.chat_tokens([{"role": "user", "content": "x"}]),
     "count_chat_tokens": lambda m: m.count_chat_tokens([{"role": "user", "content": "x"}]),

@@ -279,6 +279,18 @@ def test_embed_refuses_what_is_neither_text_nor_token_ids(engine: Engine, inputs
         model.embed(inputs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("tokens", [None, 5, b"ab", "ab", (t for t in [100]), [True], [1.0]])
+def test_detokenize_refuses_what_is_not_a_list_of_token_ids(engine: Engine, tokens: object) -> None:
+    """Found by review, as for a prompt: None raised TypeError, a generator ValueError (read
+    twice, once by the check), and bytes or a text were read as token ids."""
+    model = engine.load_model(config=stub_config())
+    for call in (model.detokenize, model.token_pieces):
+        with pytest.raises(InvalidRequestError):
+            call(tokens)  # type: ignore[arg-type]
+    assert model.detokenize((100, 101)) == "ab"
+    assert model.token_pieces([100, 1]) == [b"a", b"<s>"]
+
+
 def test_adapter_changes_the_namespace_and_rows_never_cross(engine: Engine, tmp_path: Path) -> None:
     model = engine.load_model(config=stub_config())
     base_fp = model.info().fingerprint

@@ -26,6 +26,7 @@ from kvwarm.errors import (
     ContextOverflowError,
     EngineClosedError,
     InvalidRequestError,
+    RequestTimeoutError,
 )
 
 from .conftest import make_engine
@@ -330,6 +331,37 @@ def test_unloading_mid_rerank_is_an_error_not_a_partial_answer() -> None:
     unloading.join(60)
     eng.close()
     assert len(failure) == 1 and isinstance(failure[0], EngineClosedError), failure
+
+
+def test_a_rerank_past_its_deadline_is_cancelled_and_raised() -> None:
+    """Found by review: a rerank had no deadline (``request_timeout_s`` bounded generations
+    only), so one of many long documents held the model's queue for as long as it took, its
+    client long gone. Past ``timeout_s`` the documents not yet scored are cancelled, the
+    caller gets ``RequestTimeoutError`` and the model serves the next request."""
+    backend = RecordingBackend()
+    backend.gate = threading.Event()  # the worker's first pass waits until the deadline passed
+    eng = make_engine()
+    try:
+        model = eng.load_model(
+            "stub-reranker.gguf", model_id="r", config=config(2, backend=backend)
+        )
+        before = model.status().prefilled_tokens
+        with pytest.raises(RequestTimeoutError, match="deadline"):
+            model.rerank(QUERY, DOCS, timeout_s=0.05)
+        backend.gate.set()
+        (one,) = model.rerank(QUERY, DOCS[:1]).results
+        assert one.relevance_score == cold_scores("stub-reranker.gguf", DOCS[:1])[0]
+        prompts = [prompt(model, QUERY, d) for d in DOCS]
+        # The timed-out rerank's documents were never prefilled: at most its shared prefix
+        # (the pass held at the gate) and the next rerank's one document.
+        spent = model.status().prefilled_tokens - before
+        assert spent <= 2 * len(prompts[0]) < sum(len(p) for p in prompts), spent
+        for bad in (0, -1.0, float("nan"), float("inf"), True):
+            with pytest.raises(InvalidRequestError, match="timeout_s"):
+                model.rerank(QUERY, DOCS, timeout_s=bad)
+    finally:
+        backend.gate.set()
+        eng.close()
 
 
 def test_a_model_setting_is_validated() -> None:

@@ -8,6 +8,7 @@ Short prompts: prefill is ~200 tokens/s on 2 cores."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +137,91 @@ def test_past_512_cells_a_one_token_pass_is_not_a_verify_row(model: Model) -> No
         assert np.array_equal(one, np.frombuffer(ctx.logits(0), np.float32))
     finally:
         ctx.close()
+
+
+def test_where_speculation_is_exact_is_reported(model: Model) -> None:
+    """``verify_exactness`` says what the two tests above and the one below measure: f16 or
+    f32 KV (f32 is cast to f16 for flash attention) on two threads is exact only while the
+    view is under 512 cells; quantised or bf16 K or V, one thread, or a context too small for
+    such a view never takes the split-KV kernel."""
+    bmodel = model._bmodel
+    base = ContextParams(n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2, flash_attn="on")
+    within = "while the context uses at most 256 KV cells"
+    assert bmodel.verify_exactness(base).startswith(within)
+    assert "2 CPU threads" in bmodel.verify_exactness(base)
+    assert bmodel.verify_exactness(replace(base, type_k="f32", type_v="f16")).startswith(within)
+    for k, v in [("q8_0", "q8_0"), ("bf16", "bf16"), ("f16", "q8_0"), ("q4_0", "f16")]:
+        assert bmodel.verify_exactness(replace(base, type_k=k, type_v=v)) == "at any length"
+    assert bmodel.verify_exactness(replace(base, n_threads=1)) == "at any length"
+    assert bmodel.verify_exactness(replace(base, n_ctx=256)) == "at any length"
+    assert bmodel.verify_exactness(replace(base, flash_attn="off")).startswith("no:")
+    assert (model.info().speculation_exact or "").startswith(within)  # the fixture's: n_ctx 512
+
+
+@pytest.mark.parametrize(
+    ("type_k", "type_v"), [("q8_0", "q8_0"), ("bf16", "bf16"), ("f16", "q8_0")]
+)
+def test_past_512_cells_quantised_kv_keeps_every_verify_row_a_one_token_pass(
+    model: Model, type_k: str, type_v: str
+) -> None:
+    """The way to exactness at any length on the CPU: KV of a type the split-KV (and the tiled)
+    kernel does not take is attended row by row in every pass, so past 512 cells each row of
+    the longest verify pass is still a one-token pass's logits, and so is what follows a trim."""
+    bmodel = model._bmodel
+    params = ContextParams(
+        n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=2, flash_attn="on",
+        type_k=type_k, type_v=type_v,
+    )  # fmt: skip
+    assert bmodel.verify_exactness(params) == "at any length"
+    ctx = bmodel.new_context(params)
+    try:
+        prompt = (bmodel.tokenize(CODE) * 20)[:300]  # 300 cells in use: a view of 512
+        n = len(prompt)
+        rows_max = MAX_DRAFT_TOKENS + 1
+        follow = [prompt[i] for i in range(rows_max)]
+        ctx.prefill(0, prompt, 0)
+        one = []
+        for i, token in enumerate(follow):
+            ctx.decode([BatchToken(token, n + i, 0, True)])
+            one.append(np.frombuffer(ctx.logits(0), np.float32).copy())
+        ctx.seq_rm(0, n, -1)
+        ctx.decode([BatchToken(t, n + i, 0, True) for i, t in enumerate(follow)])
+        rows = [np.frombuffer(ctx.logits(i), np.float32).copy() for i in range(rows_max)]
+        ctx.seq_rm(0, n + 5, -1)
+        for i, token in enumerate(follow[5:12], start=5):
+            ctx.decode([BatchToken(token, n + i, 0, True)])
+            rows[i] = np.frombuffer(ctx.logits(0), np.float32).copy()
+        for i in range(rows_max):
+            assert np.array_equal(rows[i], one[i]), f"position {n + i} differs"
+    finally:
+        ctx.close()
+
+
+def test_greedy_reply_past_512_cells_is_plain_decodings_with_q8_0_kv() -> None:
+    """End to end where f16 KV is not exact (3 of 6 such replies differed, docs/internals.md):
+    a prompt of over 256 tokens, so every pass sees a view of 512 cells or more, with q8_0 KV.
+    The model reports it exact at any length, and the copy is drafted and plain decoding's."""
+    functions = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(14))
+    messages = [{"role": "user", "content": f"Repeat this code exactly:\n\n{functions}"}]
+    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
+        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+        config = ModelConfig(
+            context=ContextParams(
+                n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=2, type_k="q8_0", type_v="q8_0"
+            ),
+            spec_type="ngram-simple",
+            spec_ngram_n=3,
+            spec_draft_max=32,
+        )
+        model = engine.load_model(config=config)
+        assert model.info().speculation_exact == "at any length"
+        opts = GenerationOptions(max_tokens=64, temperature=0.0)
+        plain = model.chat(messages, options=opts, spec_type="none", cache_salt="plain")
+        spec = model.chat(messages, options=opts, cache_salt="spec")
+    assert len(plain.prompt_tokens) > 256
+    assert spec.completion_tokens == plain.completion_tokens
+    assert "return x * 1 + 1" in spec.text
+    assert spec.stats.accepted_tokens >= 16
 
 
 def test_sliding_window_model_speculates_inside_its_window_exactly(gemma_path: str) -> None:

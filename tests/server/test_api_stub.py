@@ -195,6 +195,31 @@ def test_logprobs_in_chat_and_completions(client: TestClient) -> None:
     assert lp["text_offset"][0] == 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_echoed_special_token_has_its_text(client: TestClient, stream: bool) -> None:
+    """Found by review: with echo and logprobs, a special token the prompt's text holds
+    ("</s>" here) had the token text "", so the tokens no longer joined to the echoed text and
+    each later text_offset fell short; the BOS the tokenizer adds stays "" (no text has it)."""
+    prompt = "ab</s>cd"
+    body = {"model": "a", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    body |= {"echo": True, "logprobs": 1, "stream": stream}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = [c["choices"][0] for c in sse_events(response.text) if c.get("choices")]
+        text = "".join(c["text"] for c in chunks)
+        tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    else:
+        choice = response.json()["choices"][0]
+        text, tokens = choice["text"], choice["logprobs"]["tokens"]
+        offsets = choice["logprobs"]["text_offset"]
+    assert text.startswith(prompt)
+    assert tokens[:6] == ["", "a", "b", "</s>", "c", "d"]
+    assert "".join(tokens) == text
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+
 def test_response_formats_compile(client: TestClient) -> None:
     # The stub does not enforce JSON grammars; this checks the schema -> grammar plumbing.
     base = {"model": "a", "messages": [{"role": "user", "content": "JSON!"}], "max_tokens": 4}
@@ -235,6 +260,11 @@ def test_models_health_tokenize_detokenize(client: TestClient) -> None:
     )
     pieces = client.post("/tokenize", json={"content": "hey", "with_pieces": True}).json()
     assert [p["piece"] for p in pieces["tokens"]][-3:] == ["h", "e", "y"]
+    # As llama-server: a special token's piece is its text, and a piece that is not UTF-8
+    # alone is its bytes' values (found by review: "" and U+FFFD, each token detokenized).
+    pieces = client.post("/tokenize", json={"content": "é", "with_pieces": True}).json()
+    assert pieces["tokens"][1:] == [{"id": 198, "piece": [0xC3]}, {"id": 172, "piece": [0xA9]}]
+    assert pieces["tokens"][0]["piece"] == "<s>"
 
 
 def test_embeddings_float_and_base64(client: TestClient) -> None:

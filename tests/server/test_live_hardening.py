@@ -298,3 +298,36 @@ def test_a_billion_max_tokens_is_capped(http: httpx.Client) -> None:
     response = http.post("/v1/chat/completions", json=chat)
     assert response.status_code == 200, response.text
     assert 0 < response.json()["usage"]["completion_tokens"] <= 4096
+
+
+# --- 6. /tokenize's pieces are llama-server's -------------------------------------------------
+
+# llama-server (the pinned llama.cpp's, on this model) answered this, with_pieces, for
+# "héllo 🐱 <|im_start|>user" (add_special false, parse_special true: its defaults).
+PIECES_CONTENT = "héllo 🐱 <|im_start|>user"
+LLAMA_SERVER_PIECES = [
+    {"id": 88, "piece": "h"},
+    {"id": 2756, "piece": "é"},
+    {"id": 31394, "piece": "llo"},
+    {"id": 15107, "piece": [32, 240, 159]},
+    {"id": 234, "piece": [144]},
+    {"id": 126, "piece": [177]},
+    {"id": 216, "piece": " "},
+    {"id": 1, "piece": "<|im_start|>"},
+    {"id": 4093, "piece": "user"},
+]
+
+
+def test_pieces_are_llama_servers(http: httpx.Client) -> None:
+    """Found by review: each piece was its token detokenized alone, so the three tokens of the
+    cat's four bytes were each U+FFFD (llama-server: their bytes, as numbers) and a special
+    token's piece was "" (llama-server: its text)."""
+    body = {
+        "content": PIECES_CONTENT,
+        "with_pieces": True,
+        "add_special": False,
+        "parse_special": True,
+    }
+    response = http.post("/tokenize", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["tokens"] == LLAMA_SERVER_PIECES

@@ -7,11 +7,14 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from kvwarm.engine.engine import Engine
+from kvwarm.engine.model import Model
 from kvwarm.errors import ConfigError
 from kvwarm.server import create_app
 from kvwarm.settings import ModelSpec
@@ -138,6 +141,40 @@ def test_a_projector_or_part_swapped_for_a_symlink_after_the_scan_is_refused(
             refused = client.post("/v1/completions", json={**BODY, "model": model})
             assert _code(refused) == (503, "model_load_failed"), refused.json()
             assert "symlinks are refused" in refused.json()["error"]["message"]
+
+
+def test_a_file_swapped_for_a_symlink_after_the_check_is_not_what_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by review: the model, its parts and its projector were checked, then opened by
+    # name (by llama.cpp) later; a symlink swapped in between was followed out of the
+    # directory. Now each is opened once, without following links, and read through that.
+    d = tmp_path / "models"
+    d.mkdir()
+    outside = tmp_path / "secret.gguf"
+    outside.write_bytes(b"GGUF not in the directory")
+    for name in ("eye.gguf", "mmproj-eye.gguf"):
+        (d / name).write_bytes(b"GGUF stub " + name.encode())
+    real_load = Engine.load_model
+    read: dict[str, bytes] = {}
+
+    def swap_then_load(self: Engine, path: object = None, **kw: Any) -> Model:
+        for name in ("eye.gguf", "mmproj-eye.gguf"):  # after the check, before the open
+            (d / name).unlink()
+            os.symlink(outside, d / name)
+        read["model"] = Path(str(path)).read_bytes()
+        read["projector"] = Path(str(kw["config"].mmproj)).read_bytes()
+        return real_load(self, path, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Engine, "load_model", swap_then_load)
+    with TestClient(create_app(stub_settings(models=(), models_dir=d))) as client:
+        wait_ready(client.get)
+        assert client.post("/v1/completions", json={**BODY, "model": "eye"}).status_code == 200
+        shown = client.get("/v1/models/eye").json()
+    assert read == {"model": b"GGUF stub eye.gguf", "projector": b"GGUF stub mmproj-eye.gguf"}
+    # Shown by their names in the directory, not the paths they were read through.
+    assert shown["meta"]["path"] == str(d / "eye.gguf")
+    assert shown["meta"]["mmproj"] == str(d / "mmproj-eye.gguf")
 
 
 def test_a_load_by_path_never_takes_the_name_of_an_alias_or_an_adapter(tmp_path: Path) -> None:
@@ -313,3 +350,15 @@ def test_an_alias_to_an_unknown_model_stops_the_start() -> None:
         create_app(stub_settings(aliases=(("gpt-4o", "nope"),)))
     with pytest.raises(ConfigError, match="already model ids"):
         create_app(stub_settings(aliases=(("a", "b"),)))
+
+
+def test_a_load_by_a_path_no_stat_can_answer_is_a_404(tmp_path: Path) -> None:
+    # Found by review: is_file raised for a name too long (ENAMETOOLONG), and the load was a
+    # 500 internal_error; a NUL byte was already a 404.
+    with TestClient(create_app(stub_settings(admin_key="adm"))) as client:
+        wait_ready(client.get)
+        for path in (str(tmp_path / ("a" * 300)), "/tmp/a\x00b"):
+            refused = client.post("/admin/models/load", json={"path": path}, headers=ADMIN)
+            assert _code(refused) == (404, "model_not_found"), refused.json()
+            assert refused.json()["error"]["param"] == "path"
+        assert client.get("/health").status_code == 200

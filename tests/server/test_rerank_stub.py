@@ -100,8 +100,19 @@ def test_refusals_are_400s(client: TestClient) -> None:
 
     assert_error(rerank(documents=[]), 400, "invalid_value", "documents")
     assert_error(rerank(documents=["d"] * 9), 400, "invalid_value", "documents")
-    assert_error(rerank(documents=["x" * 5000]), 400, "context_length_exceeded")
+    # Found by review: both named "prompt", a field a rerank does not have.
+    assert_error(rerank(documents=["x" * 5000]), 400, "context_length_exceeded", "documents")
+    long_query = client.post(
+        "/v1/rerank", json={"model": "ranker", "query": "x" * 5000, "documents": DOCS}
+    )
+    assert_error(long_query, 400, "context_length_exceeded", "query")
     assert rerank(documents=DOCS, top_n=0).status_code == 400
+    # JSON integers only (found by review: true was top_n 1, "2" was 2).
+    for field in ("top_n", "max_tokens_per_doc"):
+        for bad in (True, "2", 2.5):
+            refused = rerank(documents=DOCS, **{field: bad})
+            assert refused.status_code == 400, (field, bad, refused.json())
+            assert refused.json()["error"]["param"] == field
     missing = client.post("/v1/rerank", json={"model": "ranker", "documents": DOCS})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "query"
     assert_error(
@@ -163,3 +174,30 @@ def test_a_reranker_is_not_prewarmed_with_system_prompts(caplog: pytest.LogCaptu
         body = {"model": "ranker", "query": QUERY, "documents": DOCS}
         assert client.post("/v1/rerank", json=body).status_code == 200
     assert not [r for r in caplog.records if "prewarm of a system prompt" in r.getMessage()]
+
+
+@pytest.mark.parametrize(("setting", "passed"), [(7.5, 7.5), (0.0, None)])
+def test_a_rerank_runs_under_request_timeout_s(
+    monkeypatch: pytest.MonkeyPatch, setting: float, passed: float | None
+) -> None:
+    """Found by review: a rerank had no deadline, so a long one held its model's queue for
+    as long as it took, its client long gone. It runs under ``request_timeout_s`` (0: none),
+    past which its documents are cancelled (``tests/engine/test_rerank_stub.py``)."""
+    from kvwarm.engine.model import Model
+
+    seen: list[object] = []
+    original = Model.rerank
+
+    def recording(self: Model, *args: object, **kwargs: object) -> object:
+        seen.append(kwargs.get("timeout_s"))
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Model, "rerank", recording)
+    settings = stub_settings(
+        models=(ModelSpec(path="stub-reranker.gguf", id="ranker"),), request_timeout_s=setting
+    )
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        body = {"model": "ranker", "query": QUERY, "documents": DOCS}
+        assert client.post("/v1/rerank", json=body).status_code == 200
+    assert seen == [passed]

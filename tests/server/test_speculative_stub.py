@@ -124,9 +124,15 @@ def test_models_say_whether_and_how_they_speculate(client: TestClient) -> None:
     assert data["spec"]["speculative"] == {
         "type": "ngram-simple",
         "available": "on",
+        "exact": "at any length",  # the stub's logits are a function of the prefix alone
         "draft_model": None,
     }
-    assert data["plain"]["speculative"] == {"type": "none", "available": "on", "draft_model": None}
+    assert data["plain"]["speculative"] == {
+        "type": "none",
+        "available": "on",
+        "exact": "at any length",
+        "draft_model": None,
+    }
 
 
 def test_a_deterministic_model_says_its_draft_model_is_not_loaded() -> None:
@@ -139,5 +145,6 @@ def test_a_deterministic_model_says_its_draft_model_is_not_loaded() -> None:
         [meta] = [m["meta"] for m in client.get("/v1/models").json()["data"]]
     assert meta["speculative"]["draft_model"] is None and meta["draft_bytes"] == 0
     available = meta["speculative"]["available"]
+    assert meta["speculative"]["exact"] is None  # it cannot speculate
     assert available.startswith("off: deterministic mode")
     assert available.endswith("; the draft model draft-stub.gguf was not loaded")

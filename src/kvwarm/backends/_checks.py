@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwarm.alignment import chunk_end
-from kvwarm.backends.base import BatchToken
+from kvwarm.backends.base import BatchToken, SamplingParams
 from kvwarm.errors import ContextOverflowError, InvalidRequestError
 
 
@@ -247,3 +247,26 @@ def resolve_row(index: int, rows: Sequence[int]) -> int:
     if index == -1:
         return rows[-1]
     return index if index in rows else -1
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """The integers of ``params`` that llama.cpp takes as C ints fit them: ``top_k`` and
+    ``repeat_last_n`` (int32) and ``seed`` (uint32). Found by review: ctypes kept a larger
+    value's low 32 bits, so ``top_k=2**32 + 1`` sampled as top-1 and ``repeat_last_n=2**32``
+    as no penalty window, silently (the engine's options bound them; a backend's caller
+    reached them unchecked)."""
+    _check_int(params.top_k, "top_k")
+    _check_int(params.repeat_last_n, "repeat_last_n")
+    if params.top_k > _INT32_MAX:
+        raise InvalidRequestError(f"top_k must be <= {_INT32_MAX}", param="top_k")
+    if not -1 <= params.repeat_last_n <= _INT32_MAX:
+        raise InvalidRequestError(
+            f"repeat_last_n must be in [-1, {_INT32_MAX}]", param="repeat_last_n"
+        )
+    if params.seed is not None:
+        _check_int(params.seed, "seed")
+        if not 0 <= params.seed < 2**32:
+            raise InvalidRequestError("seed must be in [0, 2**32)", param="seed")

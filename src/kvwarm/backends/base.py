@@ -492,6 +492,11 @@ class BackendContext(Protocol):
     def close(self) -> None: ...
 
 
+#: ``BackendModel.verify_exactness`` where a verify pass's rows equal one-token passes' however
+#: long the context grows.
+EXACT_AT_ANY_LENGTH = "at any length"
+
+
 @runtime_checkable
 class BackendModel(Protocol):
     """Loaded weights and vocabulary. Thread-safe except for the contexts it creates."""
@@ -541,6 +546,14 @@ class BackendModel(Protocol):
         (``flash_attn="auto"`` resolved where the backend chooses: both need attention whose
         numerics do not depend on the batch). The engine creates its contexts and hashes its
         cache keys from these, so a key names what ran."""
+        ...
+
+    def verify_exactness(self, params: ContextParams) -> str:
+        """Where a verify pass's rows are bit for bit what one-token passes compute, in a
+        context run with ``params`` (``context_params``' result, its ``n_ctx`` every slot's
+        cells): ``EXACT_AT_ANY_LENGTH``, or while what holds (``"while ..."``), or
+        ``"not measured ..."``. Greedy speculative decoding is plain decoding's reply only
+        there (``docs/internals.md``, "Numerics")."""
         ...
 
     def new_context(self, params: ContextParams) -> BackendContext: ...

@@ -171,13 +171,13 @@ def _parse_expr(text: str, i: int, rules: dict[str, _Expr]) -> tuple[_Expr, int]
             i += 1
             alts[-1].append(("term", False, _ONCE))
         elif c in "*+?":
-            _repeat(alts[-1], {"*": (0, -1), "+": (1, -1), "?": (0, 1)}[c])
+            _repeat(alts[-1], {"*": (0, -1), "+": (1, -1), "?": (0, 1)}[c], rules)
             i += 1
         elif c == "{":
             j = text.find("}", i)
             if j < 0:
                 raise _UnparsableError
-            _repeat(alts[-1], _counts(text[i + 1 : j]))
+            _repeat(alts[-1], _counts(text[i + 1 : j]), rules)
             i = j + 1
         else:
             m = _NAME.match(text, i)
@@ -216,11 +216,16 @@ def _parse(text: str) -> dict[str, _Expr]:
     return rules
 
 
-def _repeat(alt: _Alt, counts: tuple[int, int]) -> None:
+def _repeat(alt: _Alt, counts: tuple[int, int], rules: dict[str, _Expr]) -> None:
     """Give the alternative's last item the postfix operator's counts (llama.cpp refuses an
-    operator with nothing before it, or after another)."""
+    operator with nothing before it). An operator after another repeats what the first
+    made, as llama.cpp reads it: ``x{1,}{2}`` is ``(x{1,}){2}``, a group of its own here."""
     if alt:
-        kind, val, _ = alt[-1]
+        kind, val, reps = alt[-1]
+        if reps != _ONCE:
+            name = f"({len(rules)}"
+            rules[name] = [[(kind, val, reps)]]
+            kind, val = "ref", name
         alt[-1] = (kind, val, counts)
 
 
@@ -392,6 +397,15 @@ def check_grammar_cost(
                 "make the repeated part non-empty (x{0,n})",
                 param="grammar",
             )
+    nested = _nested_repeat(rules)
+    if nested is not None:
+        raise GrammarError(
+            f"grammar rule {nested!r} repeats without bound a part that is itself an "
+            "unbounded repetition (as in (x+)+ or x{1,}{1,}): a text splits among the "
+            "repeats in many ways, which would stall the model; repeat the inner part once "
+            "(x+)",
+            param="grammar",
+        )
     for name in order:
         if ways[name] > limit and not name.startswith("("):  # a group: its rule is named
             raise GrammarError(
@@ -408,6 +422,62 @@ def check_grammar_cost(
                 "stall the model); factor common prefixes out of its alternatives or split it",
                 param="grammar",
             )
+
+
+def _nested_repeat(rules: dict[str, _Expr]) -> str | None:
+    """The first rule (a group reported as the rule it stands in) that repeats without bound
+    a part made of nothing but an unbounded repetition: ``(x+)+``, ``x{1,}{1,}``,
+    ``(x* y?)*``, ``x+`` where ``x ::= [a]+`` or ``x ::= [a] x | [a]``. llama.cpp's grammar
+    engine follows every way a token's bytes split among the repeats, for each token of the
+    vocabulary a broad class lets through: ``([^a]+)+`` cost 0.2 s a token on SmolLM2,
+    ``[^a]{1,}{1,}{2}*`` 33 s, stalling every request of the model (found by review).
+    Bounded repeats (``(x{1,3})+``, ``([^a]+){2}``: a few ms) and a repeat whose part has a
+    fixed text besides (``("," item)*``) pass."""
+    nullable = _nullable(rules)
+    memo: dict[str, bool] = {}
+
+    def unbounded(kind: str, val: object, reps: tuple[int, int], seen: frozenset[str]) -> bool:
+        return reps[1] < 0 or (kind == "ref" and bare(str(val), seen))
+
+    def bare(name: str, seen: frozenset[str]) -> bool:
+        """Whether some alternative of ``name`` is an unbounded repetition among parts that
+        can all be empty (or ends referring back: a repetition written as recursion)."""
+        if name in memo:
+            return memo[name]
+        expr = rules.get(name)
+        if expr is None or name in seen:
+            return name in seen
+        seen = seen | {name}
+        found = False
+        for alt in expr:
+            solid = [
+                item for item in alt if not (item[2][0] == 0 or _empty(item[0], item[1], nullable))
+            ]
+            # One part that cannot be empty, or none (x* y?): an unbounded one repeats.
+            if len(solid) <= 1 and any(unbounded(*item, seen) for item in solid or alt):
+                found = True
+                break
+            if alt and alt[-1][0] == "ref" and str(alt[-1][1]) in seen:
+                found = True
+                break
+        memo[name] = found
+        return found
+
+    owner: dict[str, str] = {}  # a group's rule: the named rule it stands in
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, _ in alt:
+                if kind == "ref" and str(val).startswith("("):
+                    owner.setdefault(str(val), name)
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, (_, high) in alt:
+                if kind == "ref" and high < 0 and bare(str(val), frozenset()):
+                    named = name
+                    while named.startswith("(") and named in owner:
+                        named = owner[named]
+                    return named
+    return None
 
 
 def _nullable(rules: dict[str, _Expr]) -> set[str]:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable
-from typing import TextIO
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, TextIO
 
 from kvwarm.cli.common import MODEL_SETTINGS, add_settings, loaded_model, settings_from
 from kvwarm.engine.types import Completion, GenerationOptions
 from kvwarm.errors import ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvwarm.engine.model import Model
 
 
 def _add_sampling(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -120,6 +123,7 @@ def run_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     system: str | None = args.system
     history: list[dict[str, object]] = []
+    refused = 0  # turns the model refused (each reported, dropped from the conversation)
     with loaded_model(settings) as model:
         if interactive:
             print(f"chatting with {model.id}; /reset, /system TEXT, /exit", file=sys.stderr)
@@ -144,15 +148,25 @@ def run_chat(args: argparse.Namespace) -> int:
                 history.clear()
                 print("(system prompt set; conversation reset)", file=sys.stderr)
                 continue
-            turn += 1
             history.append({"role": "user", "content": text})
             messages = ([{"role": "system", "content": system}] if system else []) + history
-            stream = model.stream_chat(messages, options=opts)
             try:
-                _stream_to(sys.stdout, stream)
-            finally:
-                stream.cancel()
-            done = stream.result()
+                done = _turn(model, messages, opts)
+            except InvalidRequestError as exc:
+                # Found by review: a turn the model refuses (the conversation has outgrown
+                # the context, text that is not valid Unicode) ended the chat, its
+                # conversation lost. It is reported and left out; the chat goes on, and the
+                # exit status says a turn failed.
+                history.pop()
+                refused += 1
+                print(
+                    f"kvwarm: error: {exc} (not sent: the conversation is as it was; "
+                    "/reset starts afresh)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                continue
+            turn += 1
             sys.stdout.write("\n")
             sys.stdout.flush()
             history.append({"role": "assistant", "content": done.text})
@@ -165,4 +179,16 @@ def run_chat(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    return 0
+    return 1 if refused else 0
+
+
+def _turn(
+    model: Model, messages: Sequence[Mapping[str, object]], opts: GenerationOptions
+) -> Completion:
+    """One reply, streamed to stdout."""
+    stream = model.stream_chat(messages, options=opts)
+    try:
+        _stream_to(sys.stdout, stream)
+    finally:
+        stream.cancel()
+    return stream.result()

@@ -18,10 +18,12 @@ from kvwarm.embedded import (
     INSTALL_HINT,
     MODEL_ENV,
     embedded_model_path,
+    is_file,
     model_id_for,
 )
 from kvwarm.errors import ConfigError
 from kvwarm.models_dir import scan
+from kvwarm.settings.types import path_kind
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -78,7 +80,7 @@ def run_models(args: argparse.Namespace) -> int:
     found: list[dict[str, object]] = []
 
     def add(model_id: str, path: Path | None, source: str) -> None:
-        exists = path is not None and path.is_file()
+        exists = path is not None and is_file(path)
         found.append(
             {
                 "id": model_id,
@@ -100,7 +102,7 @@ def run_models(args: argparse.Namespace) -> int:
         for model_id, path in scan(settings.models_dir).items():
             add(model_id, path, "models_dir")
     for directory in args.scan:
-        if not directory.expanduser().is_dir():  # a typo listed nothing, without a word
+        if path_kind(directory, "--scan") != "dir":  # a typo listed nothing, without a word
             raise ConfigError(f"--scan {directory}: not a directory")
         for path in sorted(directory.expanduser().glob("**/*.gguf")):
             add(model_id_for(path), path, f"scan {directory}")

@@ -643,6 +643,7 @@ class RemoteModel(ModelOps):
     # carries its chain, so the router places the prefix) are the explicit ones above/below.
     tokenize = _forward(ModelCalls.tokenize)
     detokenize = _forward(ModelCalls.detokenize)
+    token_pieces = _forward(ModelCalls.token_pieces)
     apply_chat_template = _forward(ModelCalls.apply_chat_template)
     chat_tokens = _forward(ModelCalls.chat_tokens)
     count_chat_tokens = _forward(ModelCalls.count_chat_tokens)

@@ -48,6 +48,7 @@ def model_info(
     pooling: str = "mean",
     draft_model: str | None = None,
     draft_bytes: int = 0,
+    spec_exact: str | None = None,
 ) -> ModelInfo:
     """The model's description; ``fingerprint`` is the effective one (adapters folded in).
     ``draft_model``: the draft model loaded, None where none is (a configured one is not
@@ -92,6 +93,7 @@ def model_info(
         draft_model=draft_model,
         draft_bytes=draft_bytes,
         speculation=spec,
+        speculation_exact=spec_exact,
     )
 
 

@@ -50,6 +50,11 @@ class Engine:
         self._models: dict[str, Model] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # Held for the whole of close(): a second caller waits for the first to finish (found
+        # by review: it returned at once, or unloaded the same models and closed the cache
+        # under the first one's shutdown saves). Re-entrant: a close() from inside close()
+        # (a callback it runs) returns at once.
+        self._close_lock = threading.RLock()
         _OPEN.add(self)
         # Each loaded model's teardown (``Model.teardown``: no reference to the model), run by
         # the finalizer if this engine is dropped unclosed (its models with it: each holds it).
@@ -152,19 +157,23 @@ class Engine:
         }
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Unload every model (bounded shutdown saves), then drain and close the cache."""
-        if self._closed:
-            return
-        self._closed = True
-        _OPEN.discard(self)
-        self._finalizer.detach()
-        for model in [m for m in list(self._models.values()) if m is not _LOADING]:
-            try:
-                model.unload(timeout_s=timeout_s)
-            except Exception:
-                log.exception("error unloading %s", model.id)
-        if self._owns_cache:
-            self.cache.close(timeout_s)
+        """Unload every model (bounded shutdown saves), then drain and close the cache.
+        Idempotent and thread-safe: a call while another thread is closing the engine returns
+        once that close has finished."""
+        with self._close_lock:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+            _OPEN.discard(self)
+            self._finalizer.detach()
+            for model in [m for m in list(self._models.values()) if m is not _LOADING]:
+                try:
+                    model.unload(timeout_s=timeout_s)
+                except Exception:
+                    log.exception("error unloading %s", model.id)
+            if self._owns_cache:
+                self.cache.close(timeout_s)
 
     def __enter__(self) -> Engine:
         return self

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol, Unpack
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import (
+    EXACT_AT_ANY_LENGTH,
     AdapterSet,
     Backend,
     BackendModel,
@@ -125,6 +126,10 @@ class Model:
         self.policy = policy
         self.save_tier: TierName = save_tier
         self._state: ModelState = "loading"
+        # Held through unload(): a second caller returns once the model is closed, not while
+        # the first is still saving and freeing it (found by review: Engine.close then closed
+        # the cache under this model's shutdown saves). Re-entrant for a callback inside it.
+        self._unload_lock = threading.RLock()
         mode = parse_mode(cfg.fingerprint_mode)
         self.fingerprint_mode = mode
         self.backend = get_backend(backend_spec) if isinstance(backend_spec, str) else backend_spec
@@ -147,6 +152,9 @@ class Model:
             if not facts.causal:
                 ran = replace(ran, n_ubatch=ran.n_batch)
         self.config = cfg = replace(cfg, context=ran)
+        #: The projector's file as ``info()`` shows it (the server's models_dir loads read it
+        #: through another path, ``models_dir.pinned``, and set its name here).
+        self.mmproj_path: str | None = cfg.mmproj
         self.chat_template_name, self._template = self._chat_template(cfg.chat_template)
         self._longest_lock = threading.Lock()
         self._longest: int | None = None  # bytes of the longest token (a chat's size bound)
@@ -285,6 +293,10 @@ class Model:
         )
         self._ctx = self._bmodel.new_context(total)
         spec = speculation(cfg, self._ctx.memory)
+        #: Where a greedy speculative reply is plain decoding's (None: it cannot speculate).
+        self._spec_exact = None if spec.startswith("off") else self._bmodel.verify_exactness(total)
+        if cfg.spec_type != "none" and self._spec_exact not in (None, EXACT_AT_ANY_LENGTH):
+            log.info("model %s: speculation is exact %s", self.id, self._spec_exact)
         if cfg.draft_model is not None:
             if spec.startswith("off"):
                 # Its weights and its context would take memory for drafts never asked for.
@@ -388,11 +400,18 @@ class Model:
             adapters=self.list_adapters(),
             chat_template_name=self.chat_template_name,
             context_memory=self._context_memory(),
-            projector=None if self._projector is None else self._projector.facts,
+            projector=(
+                None
+                if self._projector is None
+                else replace(
+                    self._projector.facts, path=self.mmproj_path or self._projector.facts.path
+                )
+            ),
             capabilities=self.capabilities,
             pooling=self.pooling,
             draft_model=None if self._draft is None else self._draft.path,
             draft_bytes=0 if self._draft is None else self._draft.size_bytes,
+            spec_exact=self._spec_exact,
         )
 
     @property
@@ -451,7 +470,12 @@ class Model:
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         self._check_ready()
-        return self._bmodel.detokenize(tokens)
+        return self._bmodel.detokenize(_token_ids(tokens))
+
+    def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
+        self._check_ready()
+        bmodel = self._bmodel
+        return [bmodel.token_to_piece(t, special=True) for t in _token_ids(tokens)]
 
     def apply_chat_template(
         self,
@@ -850,6 +874,7 @@ class Model:
         top_n: int | None = None,
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
+        timeout_s: float | None = None,
     ) -> Reranking:
         """The ``documents`` by relevance to ``query``, best first, at most ``top_n`` (a
         reranker only: ``CapabilityError`` otherwise). Each document is scored in a slot of
@@ -857,7 +882,8 @@ class Model:
         before the document (instruction and query), prefilled once (``engine/rerank.py``).
         ``max_tokens_per_doc`` cuts each document to that many tokens (Cohere's). A
         document whose prompt does not fit ``n_ctx`` is ``ContextOverflowError``, or cut to
-        fit with ``rerank_truncate``."""
+        fit with ``rerank_truncate``. Past ``timeout_s`` seconds (None: no deadline) the
+        documents not yet scored are cancelled and ``RequestTimeoutError`` is raised."""
         self._check_ready()
         self._require("rerank")
         return self._ranker.rerank(
@@ -866,6 +892,7 @@ class Model:
             top_n=top_n,
             max_tokens_per_doc=max_tokens_per_doc,
             cache_salt=cache_salt,
+            timeout_s=timeout_s,
         )
 
     # ---- adapters -----------------------------------------------------------------------
@@ -901,22 +928,25 @@ class Model:
         ).result()
 
     def unload(self, timeout_s: float | None = None) -> None:
-        """Cancel queued and running requests, save live KV (bounded), free native state."""
-        if self._state in ("unloading", "closed"):
-            return
-        self._state = "unloading"
-        limit = timeout_s if timeout_s is not None else self.policy.evict_save_timeout_ms / 1e3
-        try:
-            if not _teardown(self._worker, self._native(), limit):
-                log.warning(
-                    "model %s: the worker did not stop within %.1f s; its native state is "
-                    "freed when it does",
-                    self.id,
-                    limit,
-                )
-        finally:
-            self._state = "closed"
-            self._engine._forget(self.id)
+        """Cancel queued and running requests, save live KV (bounded), free native state.
+        Idempotent and thread-safe: a call while another thread unloads the model returns
+        once that unload has finished."""
+        with self._unload_lock:
+            if self._state in ("unloading", "closed"):
+                return
+            self._state = "unloading"
+            limit = timeout_s if timeout_s is not None else self.policy.evict_save_timeout_ms / 1e3
+            try:
+                if not _teardown(self._worker, self._native(), limit):
+                    log.warning(
+                        "model %s: the worker did not stop within %.1f s; its native state is "
+                        "freed when it does",
+                        self.id,
+                        limit,
+                    )
+            finally:
+                self._state = "closed"
+                self._engine._forget(self.id)
 
     def __enter__(self) -> Model:
         """``with engine.load_model(...) as model:`` unloads it at the block's end."""
@@ -1004,3 +1034,14 @@ class _Links:
 
 if TYPE_CHECKING:
     _IMPLEMENTS: type[ModelOps] = Model  # every operation of ``engine.ops``, in-process
+
+
+def _token_ids(tokens: object) -> list[int]:
+    """``tokens`` as a list to check, or ``InvalidRequestError``. Found by review, as for a
+    prompt: ``detokenize(None)`` raised TypeError, a generator ValueError (it was read twice),
+    and bytes were taken for token ids."""
+    if isinstance(tokens, str | bytes | bytearray) or not isinstance(tokens, Sequence):
+        raise InvalidRequestError(
+            f"tokens must be a list of token ids, not {type(tokens).__name__}", param="tokens"
+        )
+    return list(tokens)

@@ -79,6 +79,12 @@ class ModelCalls(Protocol):
 
     def detokenize(self, tokens: Sequence[int]) -> str: ...
 
+    def token_pieces(self, tokens: Sequence[int]) -> list[bytes]:
+        """Each token's bytes as its vocabulary writes it, a special token's text included
+        and no leading space taken off (llama.cpp's ``common_token_to_piece``: what
+        llama-server's ``/tokenize`` pieces show)."""
+        ...
+
     def apply_chat_template(
         self,
         messages: Sequence[Message],
@@ -156,8 +162,10 @@ class ModelCalls(Protocol):
         top_n: int | None = None,
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
+        timeout_s: float | None = None,
     ) -> Reranking:
-        """The documents by relevance to ``query``, best first (a reranker only)."""
+        """The documents by relevance to ``query``, best first (a reranker only); past
+        ``timeout_s`` the documents not yet scored are cancelled (``RequestTimeoutError``)."""
         ...
 
 

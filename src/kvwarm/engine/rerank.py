@@ -24,7 +24,7 @@ Numerics: a document scored alone is bit-identical to llama-server's score of it
 attention, batch size and KV types: ``-np 1``). Scored beside others, a document's last bits
 move with what shares its forward pass, in llama.cpp itself: measured on a 576-wide f16 model,
 llama-server's own ``-np 8`` scores differ from its ``-np 1`` ones by up to 6e-5, kvwarm's
-batched ones by up to 1.5e-4; on the tests' f32 models both stay within 5e-6. A deterministic
+batched ones by up to 1.5e-4; on the tests' f32 models both by up to 2e-5. A deterministic
 model (``deterministic``) runs each document's passes alone, in a KV stream of its own, and
 shares the prefix only at a multiple of ``n_batch`` (``kvwarm.alignment``): then every score
 is exactly the document's own, whatever else is being ranked (``tests/engine``,
@@ -32,11 +32,14 @@ is exactly the document's own, whatever else is being ranked (``tests/engine``,
 
 Invariants: every input is checked on the caller's thread before anything is queued; a
 rerank's requests are queued together or not at all and end together (the first failure
-cancels the rest, and is raised); results are sorted by score, ties in document order.
+cancels the rest, and is raised; so does a deadline, ``timeout_s``: the server's
+``request_timeout_s``); results are sorted by score, ties in document order.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,7 +48,12 @@ from kvwarm.cache.types import TtlClass
 from kvwarm.engine.request import Done, Failed, Request, RequestKind
 from kvwarm.engine.types import GenerationOptions, Reranking, RerankResult
 from kvwarm.engine.worker.loop import Worker
-from kvwarm.errors import ContextOverflowError, EngineClosedError, InvalidRequestError
+from kvwarm.errors import (
+    ContextOverflowError,
+    EngineClosedError,
+    InvalidRequestError,
+    RequestTimeoutError,
+)
 from kvwarm.tokens import Prompt, common_prefix
 
 
@@ -91,15 +99,18 @@ class Ranker:
         top_n: int | None = None,
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
+        timeout_s: float | None = None,
     ) -> Reranking:
         docs = self._check(query, documents, top_n, max_tokens_per_doc)
+        _check_timeout(timeout_s)
         options = GenerationOptions(max_tokens=0, temperature=0.0, cache_salt=cache_salt)
         options.validate()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         prompts = self._prompts(query, docs, max_tokens_per_doc)
         requests, scored = self._requests(prompts, options)
         self._worker.submit(*requests)
         try:
-            scores, cached = self._scores(scored)
+            scores, cached = self._scores(scored, deadline, timeout_s)
         finally:
             for req in requests:
                 if not req.answered:
@@ -161,6 +172,8 @@ class Ranker:
                 f"tokens; a document's prompt may have {self._limits.limit}",
                 n_tokens=len(empty[0]) + len(empty[2]),
                 n_ctx=self._limits.limit,
+                # Found by review: it named "prompt", a field a rerank does not have.
+                param="query",
             )
         prompts = []
         for i, doc in enumerate(docs):
@@ -176,6 +189,7 @@ class Ranker:
                         f"{self._limits.limit} (set rerank_truncate to cut such documents)",
                         n_tokens=n,
                         n_ctx=self._limits.limit,
+                        param="documents",  # found by review: "prompt", no rerank field
                     )
                 body = body[:room]
             prompt = (*head, *body, *tail)
@@ -250,13 +264,24 @@ class Ranker:
         docs = [request(p, "score", head, head is None and i == 0) for i, p in enumerate(prompts)]
         return ([head] if head is not None else []) + docs, docs
 
-    def _scores(self, docs: Sequence[Request]) -> tuple[list[float], int]:
+    def _scores(
+        self, docs: Sequence[Request], deadline: float | None, timeout_s: float | None
+    ) -> tuple[list[float], int]:
         """Each document's score, in order, and the prompt tokens reused; the first failure
-        is raised (the caller cancels the rest)."""
+        is raised, and ``RequestTimeoutError`` past ``deadline`` (the caller cancels the
+        rest)."""
         scores: list[float] = []
         cached = 0
         for req in docs:
-            event = req.channel.get()
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                event = req.channel.get(wait)
+            except TimeoutError:
+                raise RequestTimeoutError(
+                    f"the rerank ran past its deadline ({timeout_s:g} s: request_timeout_s) "
+                    f"with {len(docs) - len(scores)} of its {len(docs)} documents unscored; "
+                    "they were cancelled"
+                ) from None
             if isinstance(event, Failed):
                 raise event.error
             assert isinstance(event, Done)
@@ -269,3 +294,18 @@ class Ranker:
             scores.append(done.score)
             cached += done.stats.cached_tokens
         return scores, cached
+
+
+def _check_timeout(timeout_s: object) -> None:
+    if timeout_s is None:
+        return
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not math.isfinite(timeout_s)
+        or timeout_s <= 0
+    ):
+        raise InvalidRequestError(
+            f"timeout_s must be a finite number of seconds > 0 (or None), got {timeout_s!r}",
+            param="timeout_s",
+        )

@@ -415,6 +415,10 @@ class ModelInfo:
     #: that cannot roll back, deterministic mode).
     spec_type: str = "none"
     speculation: str = "on"
+    #: Where a greedy speculative reply is token for token plain decoding's
+    #: (``BackendModel.verify_exactness``: "at any length", "while ..."); None where the model
+    #: cannot speculate.
+    speculation_exact: str | None = None
     #: The draft model's GGUF (``ModelConfig.draft_model``; None: none) and its weights (its
     #: context's buffers count in ``kv_bytes`` and ``context_bytes``).
     draft_model: str | None = None

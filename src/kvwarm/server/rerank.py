@@ -68,6 +68,10 @@ async def rerank(request: Request) -> Response:
             top_n=req.top_n,
             max_tokens_per_doc=req.max_tokens_per_doc,
             cache_salt=salt,
+            # A generation's deadline (found by review: a rerank had none, so one of a
+            # thousand long documents held the model's queue as long as it took, its client
+            # long gone; under kvwarm cluster the replica went on after the ingress gave up).
+            timeout_s=state.settings.request_timeout_s or None,
         )
 
     ranking = await run_in_threadpool(work)

@@ -398,6 +398,8 @@ class RerankRequest(_Body):
     keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
     query: str
     documents: list[str | RerankDocument]
+    # Counts (found by review: pydantic's lax int took true as top_n 1, which Model.rerank
+    # itself refuses, and "2" as 2); an integral 2.0 is taken, as for every count (JsonBody).
     top_n: JsonInt | None = Field(
         default=None, ge=1, description="return the best n (default: all)"
     )

@@ -15,6 +15,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -182,19 +184,38 @@ class ServerState:
         started = time.perf_counter()
         log.info("loading model %s (%s)", entry.id, entry.spec.path or "default")
         path = entry.spec.path
-        if entry.source == "models_dir" and self.settings.models_dir is not None and path:
-            path = str(models_dir.checked_path(self.settings.models_dir, Path(path)))
-            # What else the name opens, checked as the model is (found by review: a projector
-            # or a part swapped for a symlink after the scan was followed).
-            projector = dict(entry.spec.options).get("mmproj")
-            for other in (*models_dir.parts(Path(path)), *([projector] if projector else [])):
-                models_dir.checked_path(self.settings.models_dir, Path(str(other)))
-        model = engine.load_model(
-            path,
-            model_id=entry.id,
-            config=model_config(self.settings, entry.spec),
-            progress=lambda _fraction: not self._closing.is_set(),
-        )
+        config = model_config(self.settings, entry.spec)
+        # The models_dir files, when they are read through other paths (``pinned``).
+        named: Path | None = None
+        named_projector: str | None = None
+        with ExitStack() as stack:
+            if entry.source == "models_dir" and self.settings.models_dir is not None and path:
+                directory = self.settings.models_dir
+                path = str(models_dir.checked_path(directory, Path(path)))
+                # What else the name opens, checked as the model is (found by review: a
+                # projector or a part swapped for a symlink after the scan was followed), then
+                # all opened once: llama.cpp reads those files, whatever the names point to
+                # by the time it opens them (found by review: a symlink swapped in after the
+                # check was followed).
+                projector = dict(entry.spec.options).get("mmproj")
+                others = [*models_dir.parts(Path(path)), *([projector] if projector else [])]
+                for other in others:
+                    models_dir.checked_path(directory, Path(str(other)))
+                files = [Path(path), *(Path(str(o)) for o in others)]
+                opened = stack.enter_context(models_dir.pinned(directory, files))
+                named, path = Path(path), str(opened[Path(path)])
+                if projector:
+                    named_projector = str(projector)
+                    config = replace(config, mmproj=str(opened[Path(named_projector)]))
+            model = engine.load_model(
+                path,
+                model_id=entry.id,
+                config=config,
+                progress=lambda _fraction: not self._closing.is_set(),
+            )
+        if named is not None:  # what it shows is the file's name, not the path it was read by
+            model.path = named
+            model.mmproj_path = named_projector
         try:
             self._admit_evicting(engine, entry, model)
         except KvwarmError:

@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvwarm.cache.types import CacheConfig, S3Config, TierConfig, TierName
 from kvwarm.errors import ConfigError
+from kvwarm.settings.types import path_kind
 
 if TYPE_CHECKING:
     from kvwarm.settings import Settings
@@ -107,7 +108,7 @@ def check(s: Settings) -> None:
         # ("cache root /etc/passwd/rows is not a directory", exit status 1). One that does not
         # exist yet is created.
         root: Path | None = getattr(s, name)
-        if root is not None and root.expanduser().exists() and not root.expanduser().is_dir():
+        if root is not None and path_kind(root, name) not in ("dir", "missing"):
             raise ConfigError(f"{name} {root} is not a directory")
     tier = save_tier(s)
     if tier == "disk" and s.cache_dir is None:

@@ -42,6 +42,7 @@ from kvwarm.settings.types import (
     SpecTypeName,
     SplitModeName,
     TensorSplit,
+    path_kind,
 )
 
 if TYPE_CHECKING:
@@ -178,8 +179,10 @@ class ModelSettings(BaseSettings):
         description="speculative decoding from n-grams of each request's own prompt and reply "
         "(ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache) or from the draft "
         "model (draft-simple), "
-        "llama-server's names, or none; exact, off in deterministic mode; a request may choose "
-        "its own (spec_type)",
+        "llama-server's names, or none; greedy replies are plain decoding's where /v1/models' "
+        "meta.speculative.exact says (f16 KV on the CPU: while the context uses at most 256 KV "
+        "cells; q8_0 or bf16 KV: at any length); off in deterministic mode; a request may "
+        "choose its own (spec_type)",
     )
     draft_model: OptPath = Field(
         default=None,
@@ -368,7 +371,7 @@ def _check_adapter_file(name: str, path: str, spec: ModelSpec) -> None:
 
     label = f"LoRA adapter {name} ({path})"
     file = Path(path).expanduser()
-    if not file.is_file():
+    if path_kind(file, label) != "file":
         raise ConfigError(f"{label}: no such file")
     try:
         meta = metadata_of(file, _ADAPTER_KEYS)
@@ -395,9 +398,10 @@ def check_models(settings: Settings) -> None:
     if not settings.models and settings.models_dir is None:
         raise ConfigError("at least one model (or a models_dir) is required")
     models_dir = settings.models_dir
-    if models_dir is not None and not models_dir.expanduser().is_dir():
+    kind = None if models_dir is None else path_kind(models_dir, "models_dir")
+    if kind is not None and kind != "dir":
         # Found by review: the server started, logged one warning and served no model.
-        what = "is not a directory" if models_dir.expanduser().exists() else "does not exist"
+        what = "does not exist" if kind == "missing" else "is not a directory"
         raise ConfigError(f"models_dir {models_dir} {what}")
     ids = [m.model_id for m in settings.models]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
@@ -422,10 +426,19 @@ def check_models(settings: Settings) -> None:
             cfg = model_config(settings, spec)
             cfg.validate()  # its context and model params included
             backend = spec.backend or settings.backend
-            if cfg.mmproj is not None and backend != "stub" and not Path(cfg.mmproj).is_file():
+            mmproj = cfg.mmproj
+            if (
+                mmproj is not None
+                and backend != "stub"
+                and path_kind(Path(mmproj), "mmproj") != "file"
+            ):
                 raise ConfigError(f"mmproj: no projector file at {cfg.mmproj}")
             draft = cfg.draft_model
-            if draft is not None and backend != "stub" and not Path(draft).is_file():
+            if (
+                draft is not None
+                and backend != "stub"
+                and path_kind(Path(draft), "draft_model") != "file"
+            ):
                 raise ConfigError(f"draft_model: no GGUF at {draft}")
             template = _value(settings, spec, "chat_template")
             if template is not None:

@@ -10,12 +10,14 @@ the ``BeforeValidator`` does the lenient parsing, pydantic then checks the resul
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import re
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator
 from pydantic_settings import NoDecode
@@ -36,10 +38,32 @@ from kvwarm.backends.base import (
 from kvwarm.cache.types import PolicyConfig, TierName
 from kvwarm.embedded import model_id_for
 from kvwarm.engine.types import SPEC_TYPES, SpecType
+from kvwarm.errors import ConfigError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 MAX_SIZE = (1 << 63) - 1  # what an int64 (a C size, a file offset) holds
+
+PathKind = Literal["file", "dir", "other", "missing"]
+
+
+def path_kind(path: Path, setting: str) -> PathKind:
+    """What ``path`` (``~`` expanded) is, as the settings' checks ask it: ``missing`` where
+    no such file is (a component not a directory included, as ``Path.exists`` says). A path
+    no ``stat`` can answer is a ``ConfigError`` naming ``setting``: found by review,
+    ``Path.exists``/``is_dir`` raise for a name too long, a directory not searchable or a NUL
+    byte (a TOML string), and every command stopped with a traceback and exit status 1."""
+    try:
+        mode = path.expanduser().stat().st_mode
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return "missing"
+        raise ConfigError(f"{setting} {path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:  # a NUL byte
+        raise ConfigError(f"{setting} {str(path)!r}: {exc}") from exc
+    if stat.S_ISDIR(mode):
+        return "dir"
+    return "file" if stat.S_ISREG(mode) else "other"
 
 
 @dataclass(frozen=True, slots=True)

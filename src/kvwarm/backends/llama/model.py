@@ -29,6 +29,7 @@ from typing import Any
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import (
+    EXACT_AT_ANY_LENGTH,
     QUANTIZED_KV_TYPES,
     ContextParams,
     FimTokens,
@@ -40,6 +41,7 @@ from kvwarm.backends.base import (
 )
 from kvwarm.backends.chat_template import render_chat
 from kvwarm.backends.lifetime import Lifetime
+from kvwarm.backends.llama import model_file
 from kvwarm.backends.llama import native as _native
 from kvwarm.backends.llama import params as llama_params
 from kvwarm.backends.llama.adapter import LlamaAdapter
@@ -65,6 +67,17 @@ _POOLING_NAMES: dict[str, PoolingType] = {
     "0": "none", "1": "mean", "2": "cls", "3": "last", "4": "rank",
 }  # fmt: skip
 _MAX_TEXT = 2**31 - 1
+
+#: llama.cpp's CPU flash attention (ggml-cpu ``ops.cpp``) computes a one-token pass over a KV
+#: view of ``_SPLIT_KV_CELLS`` cells or more with its split-KV kernel (each thread attends over
+#: its share of the cells; the partial sums are combined after), which no pass of two or more
+#: rows takes, so a verify row is then not what a one-token pass computes. The view is the
+#: cells up to the highest one in use, rounded up to ``_KV_VIEW_PAD``. The kernel runs only for
+#: K and V of one type among f16 and f32 (f32 is cast to f16 first, ``llama-graph.cpp``);
+#: quantised or bf16 KV attends row by row in every pass (measured: ``docs/internals.md``).
+_SPLIT_KV_CELLS = 512
+_KV_VIEW_PAD = 256
+_SPLIT_KV_TYPES = frozenset({"f16", "f32"})
 #: ``llama_vocab_type`` values: no vocabulary, and the tokenizers that add special tokens.
 _VOCAB_NONE, _VOCAB_SPM, _VOCAB_BPE, _VOCAB_WPM, _VOCAB_UGM = 0, 1, 2, 3, 4
 
@@ -89,6 +102,14 @@ def _missing_specials(lib: Any, vocab: object, n_vocab: int) -> str:
     return " and ".join(name for name, token in needed if not 0 <= token < n_vocab)
 
 
+def _text_capacity(n_tokens: int) -> int:
+    """The first buffer detokenize offers for ``n_tokens``: ~8 bytes a token, never past
+    what llama_detokenize's int32 length takes. Found by review: ``n * 8 + 16`` passed
+    2**31 from ~268M tokens and ctypes wrapped it negative; a text longer than the cap is
+    llama.cpp's INT32_MIN answer, a typed error."""
+    return min(n_tokens * 8 + 16, _MAX_TEXT)
+
+
 class LlamaBackend:
     """Factory of llama.cpp models (``name == 'llama_cpp'``)."""
 
@@ -99,7 +120,13 @@ class LlamaBackend:
     def locate(self, path: str | os.PathLike[str] | None) -> Path:
         """``path``, or ``$KVWARM_MODEL`` / the embedded model; it must be a file."""
         resolved = default_model_path() if path is None else Path(path).expanduser()
-        if not resolved.is_file():
+        try:
+            found = resolved.is_file()
+        except (OSError, ValueError) as exc:
+            # Found by review: a name too long, a directory not searchable or a NUL byte
+            # raised from is_file, a traceback where a typed error belongs.
+            raise ModelNotFoundError(f"model file not found: {str(resolved)!r}: {exc}") from exc
+        if not found:
             raise ModelNotFoundError(f"model file not found: {resolved}")
         return resolved
 
@@ -132,6 +159,7 @@ class LlamaModel:
         if not Path(path).is_file():
             raise ModelNotFoundError(f"no model file at {path!r}")
         check_gguf_magic(path)  # before llama.cpp parses it (issue 23)
+        model_file.check_path(path)  # metadata llama.cpp would abort the process on
         lib = _native.lib()
         self._lib = lib
         self._params = params
@@ -303,18 +331,34 @@ class LlamaModel:
                 if n == _INT32_MIN:
                     raise InvalidRequestError("tokenization overflowed int32", param="prompt")
                 if n >= 0:
-                    return list(buf[:n])
+                    tokens = list(buf[:n])
+                    if tokens and not 0 <= min(tokens) <= max(tokens) < self._n_vocab:
+                        # Found by review: an RWKV vocabulary without a token for some text
+                        # gave -1 (LLAMA_TOKEN_NULL) for it, refused later as "token id -1",
+                        # a token the caller never sent.
+                        bad = next(t for t in tokens if not 0 <= t < self._n_vocab)
+                        raise InvalidRequestError(
+                            f"this model's tokenizer cannot spell the text (it gave token "
+                            f"{bad}, outside its vocabulary of {self._n_vocab})",
+                            param="prompt",
+                        )
+                    return tokens
                 capacity = -n
         raise InvalidRequestError("tokenizer kept asking for a larger buffer", param="prompt")
 
     def detokenize(
         self, tokens: Sequence[int], *, remove_special: bool = False, unparse_special: bool = False
     ) -> str:
+        if len(tokens) > _MAX_TEXT:
+            # llama_detokenize takes the count as an int32, which ctypes would wrap.
+            raise InvalidRequestError(
+                f"{len(tokens)} tokens are more than one detokenize takes", param="tokens"
+            )
         _checks.check_tokens(tokens, self._n_vocab)
         if not tokens:
             return ""
         arr = (ctypes.c_int32 * len(tokens))(*tokens)
-        capacity = len(tokens) * 8 + 16
+        capacity = _text_capacity(len(tokens))
         with self._life.using():
             for _ in range(3):
                 buf = ctypes.create_string_buffer(capacity)
@@ -426,6 +470,21 @@ class LlamaModel:
         if self._params.n_gpu_layers != 0 and bool(self._lib.llama_supports_gpu_offload()):
             return params
         return replace(params, flash_attn="off")
+
+    def verify_exactness(self, params: ContextParams) -> str:
+        if self._params.n_gpu_layers != 0 and bool(self._lib.llama_supports_gpu_offload()):
+            return "not measured on a GPU (its kernels change with the number of rows in a pass)"
+        if params.flash_attn == "off":
+            return "no: without flash attention a verify row differs from a one-token pass"
+        if params.type_k not in _SPLIT_KV_TYPES or params.type_v not in _SPLIT_KV_TYPES:
+            return EXACT_AT_ANY_LENGTH
+        threads = params.n_threads or _native.default_threads()
+        if threads == 1 or params.n_ctx <= _KV_VIEW_PAD:
+            return EXACT_AT_ANY_LENGTH  # one thread's split is the whole view; a view < 512
+        return (
+            f"while the context uses at most {_SPLIT_KV_CELLS - _KV_VIEW_PAD} KV cells "
+            f"(f16 KV on {threads} CPU threads; q8_0 or bf16 KV is exact at any length)"
+        )
 
     def new_context(self, params: ContextParams) -> LlamaContext:
         params.validate()

@@ -33,6 +33,7 @@ import numpy as np
 
 from kvwarm.backends.base import LayoutPiece, MediaSpan, ProjectorFacts, ProjectorParams
 from kvwarm.backends.lifetime import Lifetime
+from kvwarm.backends.llama import model_file
 from kvwarm.backends.llama import native as _native
 from kvwarm.errors import BackendError, InvalidRequestError, MediaError, ModelLoadError
 from kvwarm.media import MIN_AUDIO_SAMPLES, Audio, Image, Media, MediaKind
@@ -72,6 +73,7 @@ class LlamaProjector:
             check_gguf_magic(path)
         except InvalidRequestError as exc:
             raise ModelLoadError(f"the projector {path!r} is not a GGUF file") from exc
+        model_file.check_path(path)  # keys mtmd's encoder graph would abort the process on
         mt = _mtmd()
         self._mt = mt
         self._model = model

@@ -45,8 +45,7 @@ class LlamaSampler:
     def __init__(self, model: LlamaModel, params: SamplingParams) -> None:
         if params.grammar is not None and not params.grammar.strip():
             raise GrammarError("empty grammar", param="grammar")
-        if params.repeat_last_n < -1:
-            raise InvalidRequestError("repeat_last_n must be >= -1", param="repeat_last_n")
+        _checks.check_sampling(params)
         lib = model._lib
         self._lib = lib
         self._model = model

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import (
+    EXACT_AT_ANY_LENGTH,
     ContextParams,
     FimTokens,
     ModelFacts,
@@ -316,6 +317,9 @@ class StubModel:
         self, params: ContextParams, *, deterministic: bool, speculative: bool = False
     ) -> ContextParams:
         return params  # no attention kernels to choose between
+
+    def verify_exactness(self, params: ContextParams) -> str:
+        return EXACT_AT_ANY_LENGTH  # its logits are a function of the prefix alone
 
     def new_context(self, params: ContextParams) -> StubContext:
         params.validate()

@@ -105,6 +105,7 @@ class StubSampler:
         is_eog: Callable[[int], bool],
         on_free: Callable[[], None],
     ) -> None:
+        _checks.check_sampling(params)
         self._params = params
         self._n_vocab = n_vocab
         self._piece = piece

@@ -29,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvwarm.embedded import is_file
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.registry import ModelEntry
 from kvwarm.server.schemas import JsonBody, StrictNumber, json_body, parse_body, read_json
@@ -98,6 +99,8 @@ def model_item(state: ServerState, entry: ModelEntry) -> dict[str, object]:
             "speculative": {
                 "type": info.spec_type,
                 "available": info.speculation,
+                # Where a greedy reply is plain decoding's ("at any length", "while ...").
+                "exact": info.speculation_exact,
                 "draft_model": info.draft_model,
             },
             # Its multimodal projector (--mmproj): what it reads, what it holds.
@@ -307,7 +310,9 @@ async def load_model(request: Request) -> Response:
                 param="path",
             )
         path = Path(req.path).expanduser()
-        if not path.is_file():  # a typo is the caller's to fix, not a load to retry (503)
+        # A typo is the caller's to fix, not a load to retry (503); and so is a path no stat
+        # can answer (a name too long, a directory not searchable: found by review, a 500).
+        if not is_file(path):
             raise HTTPError(
                 404, f"no model file at {req.path!r}", param="path", code="model_not_found"
             )

@@ -119,10 +119,21 @@ async def tokenize(request: Request) -> Response:
     )
     if not req.with_pieces:
         return JSONResponse({"tokens": tokens})
-    pieces = await run_in_threadpool(lambda: [model.detokenize([t]) for t in tokens])
+    # Found by review: each piece was the token detokenized alone, so a special token's was
+    # "" and a byte of a character split over tokens was U+FFFD, and it cost one call (a
+    # replica round trip in a cluster) per token. As llama-server: the token's bytes, as
+    # text where they are UTF-8, else as the list of their values.
+    pieces = await run_in_threadpool(model.token_pieces, tokens)
     return JSONResponse(
-        {"tokens": [{"id": t, "piece": p} for t, p in zip(tokens, pieces, strict=True)]}
+        {"tokens": [{"id": t, "piece": _piece(p)} for t, p in zip(tokens, pieces, strict=True)]}
     )
+
+
+def _piece(data: bytes) -> str | list[int]:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
 
 
 @router.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))

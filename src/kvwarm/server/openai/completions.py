@@ -12,6 +12,7 @@ candidate. A ``suffix`` or an ``/infill`` on a model without FIM tokens is a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvwarm.engine.prompts import ExtraFile
+from kvwarm.engine.text import piece_text as text_of
 from kvwarm.engine.types import Completion, GenerationOptions, TokenLogprob
 from kvwarm.server import convert, tenancy
 from kvwarm.server.errors import HTTPError
@@ -84,11 +86,47 @@ async def _echo_text(model: ServedModel, req: CompletionRequest, prompt: Prompt)
 
 
 async def _prompt_part(
-    model: ServedModel, tokens: Sequence[int], rest: Sequence[TokenLogprob] | None
+    model: ServedModel,
+    prompt: Prompt,
+    parse_special: bool,
+    tokens: Sequence[int],
+    rest: Sequence[TokenLogprob] | None,
 ) -> convert.PromptLogprobs:
-    """An echoed prompt's logprobs: the first token (text only), then the engine's."""
+    """An echoed prompt's logprobs: the first token (text only), then the engine's; a special
+    token the prompt's text holds has that text (``_special_texts``)."""
     first = await run_in_threadpool(model.detokenize, list(tokens[:1]))
-    return convert.PromptLogprobs(first, tuple(rest or ()))
+    texts = [first, *(t.text for t in rest or ())]
+    special = await run_in_threadpool(_special_texts, model, prompt, parse_special, tokens)
+    for at, text in special.items():
+        if at < len(texts) and not texts[at]:
+            texts[at] = text
+    kept = tuple(
+        t if t.text == text else dataclasses.replace(t, text=text)
+        for t, text in zip(rest or (), texts[1:], strict=False)
+    )
+    return convert.PromptLogprobs(texts[0], kept)
+
+
+def _special_texts(
+    model: ServedModel, prompt: Prompt, parse_special: bool, tokens: Sequence[int]
+) -> dict[int, str]:
+    """Position -> text of each special token an echoed text prompt holds as its text. Found
+    by review: a token's text is its piece without special tokens' (they are no text of a
+    reply), so "<|im_start|>" echoed as written had the token text "", the tokens no longer
+    joined to the echoed text and every later ``text_offset`` fell short. A token the
+    tokenizer added (BOS) is in no text: it stays "". Token ids are echoed as they
+    detokenize, special tokens left out: nothing to do."""
+    if not isinstance(prompt, str) or not parse_special or not tokens:
+        return {}  # (no tokens: a cluster's stream, which carries none)
+    bare = model.tokenize(prompt, add_special=False, parse_special=True)
+    if not bare:
+        return {}
+    # The prompt's own tokens, after at most a BOS the tokenizer added.
+    start = next((k for k in (0, 1) if list(tokens[k : k + len(bare)]) == bare), None)
+    if start is None:
+        return {}
+    pieces = model.token_pieces(bare)
+    return {start + i: text_of(piece) for i, piece in enumerate(pieces) if piece}
 
 
 @router.post(
@@ -143,7 +181,9 @@ async def completions(request: Request) -> Response:
             if req.logprobs is not None:
                 part = None
                 if echo_lp:
-                    part = await _prompt_part(model, done.prompt_tokens, done.prompt_logprobs)
+                    part = await _prompt_part(
+                        model, prompt, opts.parse_special, done.prompt_tokens, done.prompt_logprobs
+                    )
                 lp = convert.completion_logprobs(done.logprobs, convert.TextOffsets(), part)
             choices.append(convert.text_choice(p_index * req.n + j, text + done.text, done, lp))
         all_stats.append(group_stats([r.stats for r in results]))
@@ -227,7 +267,8 @@ async def _streamed(
                 current[0] = await start(prompt)
                 await current[0].open_streaming()
             group = current[0]
-            async for chunk in _prompt_chunks(model, req, prompt, group, ids, p_index):
+            chunks = _prompt_chunks(model, req, opts, prompt, group, ids, p_index)
+            async for chunk in chunks:
                 yield chunk
             if group.disconnected:
                 return
@@ -248,6 +289,7 @@ async def _streamed(
 async def _prompt_chunks(
     model: ServedModel,
     req: CompletionRequest,
+    opts: GenerationOptions,
     prompt: Prompt,
     group: Choices,
     ids: convert.ResponseIds,
@@ -263,7 +305,9 @@ async def _prompt_chunks(
             lp = None
             if req.logprobs is not None:
                 stream = gen.stream
-                part = await _prompt_part(model, stream.prompt_tokens, stream.prompt_logprobs)
+                part = await _prompt_part(
+                    model, prompt, opts.parse_special, stream.prompt_tokens, stream.prompt_logprobs
+                )
                 lp = convert.completion_logprobs((), offsets[j], part)
             yield convert.text_chunk(
                 ids, text, None, index=base + j, logprobs=lp, with_usage=include_usage

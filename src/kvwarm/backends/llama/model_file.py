@@ -1,0 +1,350 @@
+"""A model GGUF's metadata checked in Python before llama.cpp loads it.
+
+llama.cpp's GGUF reader (``gguf.cpp``) refuses a malformed file (lengths past its end, tensor
+offsets, sizes, types and dimensions out of range: measured, a refusal, not an abort), but its
+model loader then asserts on metadata the reader accepted: a ``GGML_ASSERT`` or an uncaught C++
+exception kills the whole process, the server with every model it serves, for one file put in
+``models_dir`` and named in a request. Each rule below is one such abort of the pinned
+llama.cpp (0.3.36), found by loading hostile files in a child process
+(``tests/backends/test_model_file_refusals.py``); the rule is llama.cpp's own condition, so
+every file it loads without aborting still passes.
+
+Projectors (``general.architecture`` ``clip``) get the few generic rules of ``_clip_problem``.
+Not covered, known: clip.cpp has per-projector-type asserts on its own keys and reads many
+tensors as optional and then dereferences them (a ``gemma3`` projector relabelled ``mlp``
+crashed the process, SIGSEGV, at load); mirroring every type is not done here.
+
+Invariant: ``check`` reads only the key/value section and the tensor table, bounded by the
+file's size (``gguf_meta.read_values``, ``read_tensors``; an mmap, never a copy of the file),
+and raises ``ModelLoadError`` naming the key or tensor at fault. What it cannot read is left
+to llama.cpp's own refusal.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+from collections.abc import Sequence
+from typing import BinaryIO, cast
+
+from kvwarm import gguf_meta
+from kvwarm.errors import ModelLoadError
+
+#: llama.cpp's LLAMA_MAX_LAYERS and LLAMA_MAX_EXPERTS (``llama-hparams.h``).
+MAX_LAYERS = 512
+MAX_EXPERTS = 1024
+#: ``llama_rope_scaling_type_from_string``'s names; any other GGML_ASSERTs at load.
+ROPE_SCALING_TYPES = frozenset({"none", "linear", "yarn", "longrope"})
+#: Architectures whose graph asserts ``n_embd_head == n_rot`` (``src/models/*.cpp``), checked
+#: when the first context is created: the model loads, and the engine's context creation
+#: (at load) aborts. Listed from the pinned source.
+ROPE_WHOLE_HEAD = frozenset(
+    [
+        "apertus",
+        "arcee",
+        "arctic",
+        "baichuan",
+        "chameleon",
+        "codeshell",
+        "cogvlm",
+        "cohere2moe",
+        "dbrx",
+        "deci",
+        "deepseek",
+        "dots1",
+        "dream",
+        "ernie4_5",
+        "ernie4_5-moe",
+        "exaone",
+        "exaone-moe",
+        "exaone4",
+        "falcon",
+        "granite",
+        "granite_swa",
+        "graniteswitch",
+        "grok",
+        "grovemoe",
+        "hunyuan-moe",
+        "hunyuan_vl",
+        "hy_v3",
+        "internlm2",
+        "jais2",
+        "llada",
+        "llada-moe",
+        "llama",
+        "llama4",
+        "maincoder",
+        "mellum",
+        "minimax-01",
+        "minimax-m2",
+        "mistral3",
+        "nemotron",
+        "olmo",
+        "olmo2",
+        "olmoe",
+        "orion",
+        "paddleocr",
+        "pangu-embedded",
+        "plamo",
+        "pockettts",
+        "qwen2",
+        "qwen2moe",
+        "qwen2vl",
+        "qwen3",
+        "qwen3moe",
+        "qwen3vl",
+        "qwen3vlmoe",
+        "rnd1",
+        "seed_oss",
+        "smallthinker",
+        "smollm3",
+        "starcoder2",
+        "talkie",
+        "xverse",
+    ]
+)
+#: Tokenizers (``tokenizer.ggml.model``) whose token_to_piece GGML_ABORTs on a token typed
+#: BYTE (6): llama.cpp reads a byte's value only in SPM, UGM and BPE vocabularies, and a WPM
+#: vocabulary's pieces are all made at load.
+_NO_BYTE_TOKENS = frozenset({"bert", "rwkv", "plamo2"})
+_BYTE = 6
+_HUNYUAN_ZEROED = frozenset({"hunyuan_vl", "hunyuan-dense"})
+
+
+#: The keys the rules read: these whole, and any architecture's keys ending so.
+_KEYS = frozenset({
+    "general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type", "clip.vision.image_size", "clip.vision.patch_size",
+    *(f"clip.{tower}.{key}" for tower in ("vision", "audio")
+      for key in ("embedding_length", "attention.head_count")),
+})  # fmt: skip
+_ARCH_KEYS = frozenset({
+    "block_count", "nextn_predict_layers", "expert_count", "expert_used_count",
+    "expert_group_count", "expert_group_used_count", "rope.scaling.type",
+    "rope.dimension_count", "attention.key_length", "embedding_length",
+    "attention.head_count", "posnet.block_count", "convnext.block_count",
+})  # fmt: skip
+
+
+def _wanted(key: str) -> bool:
+    return key in _KEYS or key.partition(".")[2] in _ARCH_KEYS
+
+
+def check(buf: gguf_meta.Buffer, name: str) -> None:
+    """``ModelLoadError`` if the GGUF whose bytes are ``buf`` is one the pinned llama.cpp
+    would abort the process on; nothing for a file that is not a GGUF at all (llama.cpp
+    refuses those itself). ``name`` is what the error calls it."""
+    try:
+        found = gguf_meta.read_values(buf, _wanted)
+        problem = _problem(found.values) or _tensors_problem(buf, found)
+    except ValueError:
+        return  # gguf.cpp refuses what this walk cannot read: its refusal, not an abort
+    if problem:
+        raise ModelLoadError(f"{name} is a GGUF file llama.cpp cannot load safely: {problem}")
+
+
+def check_path(path: str | os.PathLike[str]) -> None:
+    """``check`` of the file at ``path`` (mapped, not read); a file that cannot be read is
+    left to llama.cpp."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                check(buf, repr(os.fspath(path)))
+    except (OSError, ValueError):
+        return
+
+
+#: ggml's integer and f64 types (I8, I16, I32, I64, F64): no model weight is one, and no op
+#: of a model's graph takes one as its weight. Found by review: a model whose token
+#: embeddings were typed I32 (the same bytes as F32) loaded, and building its first context
+#: aborted (GGML_ASSERT in the backend scheduler).
+_NOT_WEIGHT_TYPES = {24: "i8", 25: "i16", 26: "i32", 27: "i64", 28: "f64"}
+
+
+def _tensors_problem(buf: gguf_meta.Buffer, found: gguf_meta.Values) -> str:
+    """A model (not a projector) tensor of a type no weight has, from the tensor table."""
+    if _text(found.values.get("general.architecture")) in (None, "clip"):
+        return ""
+    # An mmap reads as a file does (read, seek, tell); bytes are wrapped as one.
+    reader = cast(BinaryIO, buf) if isinstance(buf, mmap.mmap) else io.BytesIO(bytes(buf))
+    reader.seek(found.tensors_at)
+    for tensor in gguf_meta.read_tensors(reader, len(buf), found.n_tensors):
+        kind = _NOT_WEIGHT_TYPES.get(tensor.ggml_type)
+        if kind is not None:
+            return f"tensor {tensor.name!r} is of type {kind}, which no model weight is"
+    return ""
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _ints(value: object) -> list[int] | None:
+    """A scalar or an array of ints as a list; None for anything else."""
+    one = _int(value)
+    if one is not None:
+        return [one]
+    if isinstance(value, list):
+        many = [_int(v) for v in value]
+        return None if None in many else [v for v in many if v is not None]
+    return None
+
+
+def _text(value: object) -> str | None:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else None
+
+
+def _problem(values: dict[str, gguf_meta.Value]) -> str:
+    arch = _text(values.get("general.architecture"))
+    if arch is None:
+        return ""  # no model llama.cpp would build: it refuses the file itself
+    if arch == "clip":
+        return _clip_problem(values)
+    return _hparams_problem(arch, values) or _vocab_problem(values)
+
+
+def _clip_problem(values: dict[str, gguf_meta.Value]) -> str:
+    """A projector (mtmd's ``clip.cpp``) whose encoder graph asserts when mtmd builds it at
+    load: heads that do not divide the encoder's width (a reshape), an image smaller than
+    one patch (a convolution of no output). Only these generic rules: clip.cpp's checks of
+    each projector type's own keys and tensors are not mirrored (see the module doc)."""
+    for tower in ("vision", "audio"):
+        k = f"clip.{tower}."
+        n_embd = _int(values.get(k + "embedding_length"))
+        n_head = _int(values.get(k + "attention.head_count"))
+        if n_embd and n_head is not None and (n_head == 0 or n_embd % n_head):
+            return f"{k}attention.head_count ({n_head}) does not divide its width ({n_embd})"
+    image = _int(values.get("clip.vision.image_size"))
+    patch = _int(values.get("clip.vision.patch_size"))
+    if image is not None and patch and image < patch:
+        return f"clip.vision.image_size ({image}) is smaller than one patch ({patch})"
+    return ""
+
+
+def _hparams_problem(arch: str, values: dict[str, gguf_meta.Value]) -> str:
+    """``load_hparams``'s GGML_ASSERTs (``llama-model.cpp``)."""
+    k = arch + "."
+    n_layer = _int(values.get(k + "block_count"))
+    if n_layer is None:
+        return ""  # required: llama.cpp refuses a model without it, or of another type
+    if not 1 <= n_layer <= MAX_LAYERS:
+        return f"{k}block_count is {n_layer}; llama.cpp takes 1 to {MAX_LAYERS} layers"
+    nextn = _int(values.get(k + "nextn_predict_layers")) or 0
+    if nextn > n_layer:
+        return f"{k}nextn_predict_layers ({nextn}) is more than its {n_layer} layers"
+    for sub in ("posnet", "convnext"):
+        n = _int(values.get(f"{k}{sub}.block_count")) if arch == "wavtokenizer-dec" else None
+        if n is not None and n > n_layer:
+            return f"{k}{sub}.block_count ({n}) is more than its {n_layer} layers"
+    if problem := _experts_problem(arch, values, n_layer):
+        return problem
+    scaling = _text(values.get(k + "rope.scaling.type"))
+    if scaling is not None and scaling not in ROPE_SCALING_TYPES:
+        return (
+            f"{k}rope.scaling.type is {scaling!r}; llama.cpp knows "
+            f"{', '.join(sorted(ROPE_SCALING_TYPES))}"
+        )
+    return _rope_problem(arch, values)
+
+
+def _experts_problem(arch: str, values: dict[str, gguf_meta.Value], n_layer: int) -> str:
+    k = arch + "."
+    n_expert = _int(values.get(k + "expert_count")) or 0
+    used_raw = values.get(k + "expert_used_count")
+    used = _ints(used_raw) if used_raw is not None else [0]
+    if used is None or (isinstance(used_raw, list) and len(used) != n_layer):
+        return ""  # of a type or length llama.cpp refuses itself
+    groups = _int(values.get(k + "expert_group_count")) or 0
+    group_used = _int(values.get(k + "expert_group_used_count")) or 0
+    if arch in _HUNYUAN_ZEROED and n_expert <= 1:
+        return ""  # llama.cpp sets both to 0 for these
+    used_max = max(used, default=0)
+    why = ""
+    if n_expert > MAX_EXPERTS:
+        why = f"expert_count is {n_expert}, over llama.cpp's {MAX_EXPERTS}"
+    elif used_max > n_expert:
+        why = f"expert_used_count ({used_max}) is more than expert_count ({n_expert})"
+    elif n_expert > 0 and used_max == 0:
+        why = f"expert_count is {n_expert} but expert_used_count is 0"
+    elif n_expert > 0 and groups >= n_expert:
+        why = f"expert_group_count ({groups}) is not less than expert_count ({n_expert})"
+    elif n_expert > 0 and groups > 1 and n_expert % groups:
+        why = f"expert_count ({n_expert}) is not a multiple of expert_group_count ({groups})"
+    elif n_expert > 0 and groups > 1 and not 0 < group_used < groups:
+        why = f"expert_group_used_count ({group_used}) is not in 1 to {groups - 1}"
+    elif n_expert == 0 and groups:
+        why = f"expert_group_count is {groups} on a model without experts"
+    return f"{k}{why}" if why else ""
+
+
+def _rope_problem(arch: str, values: dict[str, gguf_meta.Value]) -> str:
+    """A rotary width the graph asserts on when the first context is built."""
+    k = arch + "."
+    n_rot = _int(values.get(k + "rope.dimension_count"))
+    if n_rot is None:
+        return ""
+    head_k = _int(values.get(k + "attention.key_length"))
+    if head_k is None:
+        n_embd = _int(values.get(k + "embedding_length"))
+        heads = _ints(values.get(k + "attention.head_count"))
+        if n_embd is None or not heads or heads[0] <= 0:
+            return ""
+        head_k = n_embd // heads[0]
+    if n_rot > head_k or (arch in ROPE_WHOLE_HEAD and n_rot != head_k):
+        return (
+            f"{k}rope.dimension_count is {n_rot} but a head is {head_k} wide "
+            f"({'must equal it' if arch in ROPE_WHOLE_HEAD else 'at most that'} for {arch})"
+        )
+    return ""
+
+
+def _vocab_problem(values: dict[str, gguf_meta.Value]) -> str:
+    """``llama_vocab::load``'s aborts (``llama-vocab.cpp``), and the SPM tokenizer's."""
+    model = _text(values.get("tokenizer.ggml.model"))
+    tokens = values.get("tokenizer.ggml.tokens")
+    if model is None or not isinstance(tokens, list) or not tokens:
+        return ""
+    if not isinstance(tokens[0], bytes):
+        return ""  # not an array of strings: llama.cpp refuses it
+    words = tokens  # read_values gives arrays of one type
+    # llama.cpp names an empty token "[EMPTY_i]" and then asserts every name is unique.
+    if b"" in words:
+        words = [w or b"[EMPTY_%d]" % i for i, w in enumerate(words)]
+    names = set(words)
+    if len(names) != len(words):
+        seen: set[bytes] = set()
+        dup = b""
+        for dup in words:
+            if dup in seen:
+                break
+            seen.add(dup)
+        return f"tokenizer.ggml.tokens holds {dup!r} twice (every token must be unique)"
+    if model in _NO_BYTE_TOKENS:
+        types = _ints(values.get("tokenizer.ggml.token_type")) or []
+        if _BYTE in types[: len(words)]:
+            return (
+                f"token {types.index(_BYTE)} is typed BYTE (tokenizer.ggml.token_type 6), "
+                f"which a {model!r} vocabulary cannot have"
+            )
+    if model == "llama":
+        return _spm_bytes_problem(names)
+    return ""
+
+
+def _spm_bytes_problem(names: set[bytes]) -> str:
+    """An SPM vocabulary spells a character it has no token for as its UTF-8 bytes, each the
+    token ``<0xXX>`` (upper-case hex) or the byte itself; llama.cpp throws, uncaught, for a
+    byte that has neither, in the first tokenize of such a character."""
+    missing: Sequence[int] = [
+        b for b in range(256) if b"<0x%02X>" % b not in names and bytes([b]) not in names
+    ]
+    if missing:
+        return (
+            f"its SPM vocabulary ('llama') has no token for byte 0x{missing[0]:02X} (neither "
+            f"<0x{missing[0]:02X}> nor the byte itself; {len(missing)} bytes lack one): a "
+            "prompt with a character it cannot spell would abort"
+        )
+    return ""
