@@ -12,7 +12,7 @@ depth, is then sent with values of the wrong JSON type, one at a time.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from fastapi.testclient import TestClient
@@ -29,6 +29,7 @@ from kvwarm.server.schemas import (
     EmbeddingRequest,
     EvictRequest,
     InfillRequest,
+    JsonBody,
     PrewarmRequest,
     RerankRequest,
     TokenizeRequest,
@@ -457,6 +458,38 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     with TestClient(create_app(settings)) as test_client:
         wait_ready(test_client.get)
         yield test_client
+
+
+#: Routes that take another's body (the same model).
+SAME_BODY = {"/rerank": "/v1/rerank", "/v2/rerank": "/v1/rerank"}
+
+
+def test_every_json_body_is_here_and_strict(client: TestClient) -> None:
+    """Every route that declares a JSON body has cases here, and every model of every body,
+    at any depth, is a ``JsonBody`` (strict): a route or a part of a body added later is held
+    to the rule too."""
+    paths = client.get("/openapi.json").json()["paths"]
+    with_body = {path for path, ops in paths.items() for op in ops.values() if "requestBody" in op}
+    assert with_body == set(BODIES) | set(SAME_BODY)
+    seen: set[type[BaseModel]] = set()
+    todo: list[type[BaseModel]] = [model for model, _ in BODIES.values()]
+    while todo:
+        model = todo.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        assert issubclass(model, JsonBody) and model.model_config.get("strict"), model
+        for field in model.model_fields.values():
+            todo.extend(_models_in(field.annotation))
+    assert len(seen) > 40  # the walk reached the bodies' parts
+
+
+def _models_in(annotation: object) -> Iterator[type[BaseModel]]:
+    """The models a field's type names, inside lists, unions and ``Annotated``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation
+    for arg in get_args(annotation):
+        yield from _models_in(arg)
 
 
 @pytest.mark.parametrize("route", list(BODIES))
