@@ -400,3 +400,36 @@ def test_llama_cpp_follows_a_factored_100k_enum_at_a_few_ms_a_token() -> None:
         assert not drive('"v1234')[0]  # a prefix: the grammar does not let it end
     finally:
         model.close()
+
+
+@pytest.mark.model
+def test_a_grammar_step_past_its_budget_fails_the_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``check_grammar_cost`` does not weigh (a grammar fuzz found ``x ::= [^a]{1,} root
+    .+`` under ``root ::= x{1,} ...``: 0.9, 2.1, 4.7 s a token, growing) is bounded at run
+    time: a token whose grammar step takes longer than the budget fails the request. With a
+    budget of 0 any grammar step passes it; the sampler still closes cleanly."""
+    from kvwarm.backends import get_backend
+    from kvwarm.backends.base import SamplingParams
+    from kvwarm.backends.llama import sampler as llama_sampler
+    from kvwarm.embedded import default_model_path
+
+    model = get_backend("llama_cpp").load_model(str(default_model_path()))
+    try:
+        row = bytes(4 * model.facts.n_vocab)
+        params = SamplingParams(temperature=0, grammar='root ::= "yes" | "no"')
+        fine = model.new_sampler(params)
+        try:
+            piece = model.token_to_piece(fine.sample_logits(row))
+            assert piece and (b"yes".startswith(piece) or b"no".startswith(piece))
+        finally:
+            fine.close()
+        monkeypatch.setattr(llama_sampler, "GRAMMAR_TOKEN_BUDGET_S", 0.0)
+        slow = model.new_sampler(params)
+        try:
+            with pytest.raises(GrammarError, match="to weigh one token") as info:
+                slow.sample_logits(row)
+            assert info.value.param == "grammar"
+        finally:
+            slow.close()
+    finally:
+        model.close()
