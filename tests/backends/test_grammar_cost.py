@@ -173,6 +173,8 @@ NESTED_REPEATS = {
     "written_as_recursion": "root ::= x+\nx ::= [a] x | [a]",
     "beside_optionals": 'root ::= (x* y?)*\nx ::= "a"\ny ::= "b"',
     "bounded_inside": "root ::= (([^a]+){2})*",
+    # A part that can end with more of itself: minutes for one token, in one grammar step.
+    "ending_with_itself": "root ::= [^a] root {1,} {0,2}",
     "schema_pattern": schema_to_gbnf({"type": "string", "pattern": "^(\\w+\\s?)+$"}),
 }
 

@@ -430,7 +430,9 @@ def _nested_repeat(rules: dict[str, _Expr]) -> str | None:
     ``(x* y?)*``, ``x+`` where ``x ::= [a]+`` or ``x ::= [a] x | [a]``. llama.cpp's grammar
     engine follows every way a token's bytes split among the repeats, for each token of the
     vocabulary a broad class lets through: ``([^a]+)+`` cost 0.2 s a token on SmolLM2,
-    ``[^a]{1,}{1,}{2}*`` 33 s, stalling every request of the model (found by review).
+    ``[^a]{1,}{1,}{2}*`` 33 s, stalling every request of the model (found by review). So is
+    an unbounded repeat of a part that can end with more of itself (``x+`` where ``x ::= [^a]
+    x{1,}{0,2}``: minutes for one token).
     Bounded repeats (``(x{1,3})+``, ``([^a]+){2}``: a few ms) and a repeat whose part has a
     fixed text besides (``("," item)*``) pass."""
     nullable = _nullable(rules)
@@ -463,6 +465,29 @@ def _nested_repeat(rules: dict[str, _Expr]) -> str | None:
         memo[name] = found
         return found
 
+    # The rules each rule can end with (its alternatives' last parts, and those before them
+    # while they can be empty): a rule reaching itself so ends with more of itself, as
+    # ``root ::= [^a] root{1,}{0,2}``, whose unbounded repeat took minutes for one token.
+    tails: dict[str, set[str]] = {name: set() for name in rules}
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, (low, _) in reversed(alt):
+                if kind == "ref":
+                    tails[name].add(str(val))
+                if low > 0 and not _empty(kind, val, nullable):
+                    break
+
+    def ends_with_itself(name: str) -> bool:
+        todo, seen = list(tails.get(name, ())), set[str]()
+        while todo:
+            here = todo.pop()
+            if here == name:
+                return True
+            if here not in seen:
+                seen.add(here)
+                todo.extend(tails.get(here, ()))
+        return False
+
     owner: dict[str, str] = {}  # a group's rule: the named rule it stands in
     for name, expr in rules.items():
         for alt in expr:
@@ -472,7 +497,11 @@ def _nested_repeat(rules: dict[str, _Expr]) -> str | None:
     for name, expr in rules.items():
         for alt in expr:
             for kind, val, (_, high) in alt:
-                if kind == "ref" and high < 0 and bare(str(val), frozenset()):
+                if (
+                    kind == "ref"
+                    and high < 0
+                    and (bare(str(val), frozenset()) or ends_with_itself(str(val)))
+                ):
                     named = name
                     while named.startswith("(") and named in owner:
                         named = owner[named]
