@@ -179,6 +179,20 @@ NESTED_REPEATS = {
 }
 
 
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'root ::= y root "b" | "a"\ny ::= "x"?',  # llama.cpp's compile never returned
+        'root ::= y root "\\xc3" "ab"?\ny ::= "\\n"{0,2}',  # the fuzz's
+        'root ::= x | "a"\nx ::= ([ ]*) root "b"',
+    ],
+)
+def test_left_recursion_through_what_can_be_empty_is_refused(grammar: str) -> None:
+    with pytest.raises(GrammarError, match="can begin with itself") as info:
+        check_grammar_cost(grammar)
+    assert "'root'" in str(info.value) and info.value.param == "grammar"
+
+
 @pytest.mark.parametrize("case", sorted(NESTED_REPEATS))
 def test_an_unbounded_repeat_of_a_repetition_is_refused(case: str) -> None:
     with pytest.raises(GrammarError, match="itself an unbounded repetition") as info:

@@ -28,7 +28,11 @@ import numpy.typing as npt
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
-from kvwarm.backends.grammar_cost import check_grammar_depth, check_grammar_elements
+from kvwarm.backends.grammar_cost import (
+    check_grammar_depth,
+    check_grammar_elements,
+    check_left_recursion,
+)
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import BackendError, GrammarError, InvalidRequestError, NoLogitsError
 from kvwarm.unicode import encode_utf8
@@ -102,6 +106,7 @@ class LlamaSampler:
             raise GrammarError("the grammar contains a NUL character", param="grammar")
         check_grammar_depth(params.grammar)  # deeper, llama.cpp's parser overflows its stack
         check_grammar_elements(params.grammar)  # llama.cpp can abort the process on them
+        check_left_recursion(params.grammar)  # llama.cpp's compile can loop for ever on one
         lib = self._lib
         grammar = lib.llama_sampler_init_grammar(
             self._model.vocab,
