@@ -298,6 +298,16 @@ def case_token_level_grammar(backend: str) -> None:
     model.new_sampler(SamplingParams(temperature=0, grammar=text)).close()
 
 
+def case_left_recursion_through_an_empty_rule(backend: str) -> None:
+    """llama.cpp refuses ``y? root`` at the start of ``root`` but not ``y root`` where ``y``
+    can match nothing: its grammar compile never returned (found by review)."""
+    model = load(backend)
+    for grammar in ('root ::= y root "b" | "a"\ny ::= "x"?', 'root ::= (y) root | "a"\ny ::= ""'):
+        expect(GrammarError, lambda g=grammar: model.new_sampler(SamplingParams(grammar=g)))
+    fine = 'root ::= y "b" root | "a"\ny ::= "x"?'  # the recursion after a part: not left
+    model.new_sampler(SamplingParams(temperature=0, grammar=fine)).close()
+
+
 def case_grammar_then_accept(backend: str) -> None:
     # accept() feeds penalty history only: a token the grammar forbids must not reach it.
     model = load(backend)

@@ -36,6 +36,7 @@ __all__ = [
     "cheap_grammar",
     "check_grammar_depth",
     "check_grammar_elements",
+    "check_left_recursion",
     "grammar_depth",
     "grammar_ways",
     "grammar_widths",
@@ -374,6 +375,50 @@ def check_grammar_elements(text: str) -> None:
         )
 
 
+def check_left_recursion(text: str) -> None:
+    """``GrammarError`` for a rule that can begin with itself after parts that can all be
+    empty (``root ::= y root "b" | "a"`` with ``y ::= "x"?``): llama.cpp refuses a
+    left recursion it sees (``y? root``) but not one through a rule that can match
+    nothing, and its grammar compile then never returned, taking its model's worker with it
+    (found by a grammar fuzz in review). Every backend's sampler checks it; a grammar this
+    parser cannot read is left to llama.cpp's."""
+    try:
+        rules = _parse(text)
+    except (_UnparsableError, RecursionError):
+        return
+    nullable = _nullable(rules)
+    heads: dict[str, set[str]] = {name: set() for name in rules}
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, (low, _) in alt:
+                if kind == "ref":
+                    heads[name].add(str(val))
+                if low > 0 and not _empty(kind, val, nullable):
+                    break
+    owner: dict[str, str] = {}
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, _ in alt:
+                if kind == "ref" and str(val).startswith("("):
+                    owner.setdefault(str(val), name)
+    for name in rules:
+        todo, seen = list(heads[name]), set[str]()
+        while todo:
+            here = todo.pop()
+            if here == name:
+                named = name
+                while named.startswith("(") and named in owner:
+                    named = owner[named]
+                raise GrammarError(
+                    f"grammar rule {named!r} can begin with itself (left recursion, here "
+                    "after parts that can match nothing): write the repetition with * or +",
+                    param="grammar",
+                )
+            if here not in seen:
+                seen.add(here)
+                todo.extend(heads.get(here, ()))
+
+
 def check_grammar_cost(
     text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS, width_limit: int = MAX_GRAMMAR_WIDTH
 ) -> None:
@@ -383,6 +428,7 @@ def check_grammar_cost(
     _check_length(text)
     check_grammar_depth(text)
     check_grammar_elements(text)
+    check_left_recursion(text)
     try:
         rules = _parse(text)
         ways, order = _ways(rules, limit)
@@ -430,7 +476,9 @@ def _nested_repeat(rules: dict[str, _Expr]) -> str | None:
     ``(x* y?)*``, ``x+`` where ``x ::= [a]+`` or ``x ::= [a] x | [a]``. llama.cpp's grammar
     engine follows every way a token's bytes split among the repeats, for each token of the
     vocabulary a broad class lets through: ``([^a]+)+`` cost 0.2 s a token on SmolLM2,
-    ``[^a]{1,}{1,}{2}*`` 33 s, stalling every request of the model (found by review).
+    ``[^a]{1,}{1,}{2}*`` 33 s, stalling every request of the model (found by review). So is
+    an unbounded repeat of a part that can end with more of itself (``x+`` where ``x ::= [^a]
+    x{1,}{0,2}``: minutes for one token).
     Bounded repeats (``(x{1,3})+``, ``([^a]+){2}``: a few ms) and a repeat whose part has a
     fixed text besides (``("," item)*``) pass."""
     nullable = _nullable(rules)
@@ -463,6 +511,29 @@ def _nested_repeat(rules: dict[str, _Expr]) -> str | None:
         memo[name] = found
         return found
 
+    # The rules each rule can end with (its alternatives' last parts, and those before them
+    # while they can be empty): a rule reaching itself so ends with more of itself, as
+    # ``root ::= [^a] root{1,}{0,2}``, whose unbounded repeat took minutes for one token.
+    tails: dict[str, set[str]] = {name: set() for name in rules}
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, (low, _) in reversed(alt):
+                if kind == "ref":
+                    tails[name].add(str(val))
+                if low > 0 and not _empty(kind, val, nullable):
+                    break
+
+    def ends_with_itself(name: str) -> bool:
+        todo, seen = list(tails.get(name, ())), set[str]()
+        while todo:
+            here = todo.pop()
+            if here == name:
+                return True
+            if here not in seen:
+                seen.add(here)
+                todo.extend(tails.get(here, ()))
+        return False
+
     owner: dict[str, str] = {}  # a group's rule: the named rule it stands in
     for name, expr in rules.items():
         for alt in expr:
@@ -472,7 +543,11 @@ def _nested_repeat(rules: dict[str, _Expr]) -> str | None:
     for name, expr in rules.items():
         for alt in expr:
             for kind, val, (_, high) in alt:
-                if kind == "ref" and high < 0 and bare(str(val), frozenset()):
+                if (
+                    kind == "ref"
+                    and high < 0
+                    and (bare(str(val), frozenset()) or ends_with_itself(str(val)))
+                ):
                     named = name
                     while named.startswith("(") and named in owner:
                         named = owner[named]

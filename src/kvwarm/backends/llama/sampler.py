@@ -11,6 +11,7 @@ Invariants:
   (hence allowed) token is accepted. llama.cpp aborts on accepting a disallowed token or an
   end-of-generation token mid-grammar, so ``accept()`` feeds the chain (penalty history) only.
 - Without a grammar, ``sample`` is ``llama_sampler_sample`` on a row the context has verified.
+- A grammar step slower than ``GRAMMAR_TOKEN_BUDGET_S`` fails the sample (``GrammarError``).
 - NaN logits fail the sample with ``BackendError`` on every path: plain greedy finds them in
   its argmax (numpy returns a row's first NaN), the others in one max over the row.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import secrets
+import time
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -26,7 +28,11 @@ import numpy.typing as npt
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
-from kvwarm.backends.grammar_cost import check_grammar_depth, check_grammar_elements
+from kvwarm.backends.grammar_cost import (
+    check_grammar_depth,
+    check_grammar_elements,
+    check_left_recursion,
+)
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import BackendError, GrammarError, InvalidRequestError, NoLogitsError
 from kvwarm.unicode import encode_utf8
@@ -34,6 +40,12 @@ from kvwarm.unicode import encode_utf8
 if TYPE_CHECKING:
     from kvwarm.backends.llama.context import LlamaContext
     from kvwarm.backends.llama.model import LlamaModel
+
+#: The most one token's grammar step may take (``llama_sampler_apply`` of the grammar over
+#: the vocabulary; a few ms for any grammar ``grammar_cost`` lets through). Past it the request
+#: fails: an ambiguous grammar's cost grows with every token, and its model's other requests
+#: wait on each of them.
+GRAMMAR_TOKEN_BUDGET_S = 2.0
 
 # Mirrors llama_token_data {int32 id; float logit; float p;} (12 bytes, no padding).
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
@@ -94,6 +106,7 @@ class LlamaSampler:
             raise GrammarError("the grammar contains a NUL character", param="grammar")
         check_grammar_depth(params.grammar)  # deeper, llama.cpp's parser overflows its stack
         check_grammar_elements(params.grammar)  # llama.cpp can abort the process on them
+        check_left_recursion(params.grammar)  # llama.cpp's compile can loop for ever on one
         lib = self._lib
         grammar = lib.llama_sampler_init_grammar(
             self._model.vocab,
@@ -280,7 +293,18 @@ class LlamaSampler:
         )
         ref = ctypes.byref(arr)
         if self._grammar is not None:
+            start = time.perf_counter()
             lib.llama_sampler_apply(self._grammar, ref)
+            spent = time.perf_counter() - start
+            if spent > GRAMMAR_TOKEN_BUDGET_S:
+                # A grammar ambiguous in a way ``grammar_cost`` does not weigh: its next
+                # tokens would cost more (found by a grammar fuzz in review: 0.9, 2.1, 4.7 s).
+                raise GrammarError(
+                    f"the grammar took {spent:.1f} s to weigh one token, more than the "
+                    f"{GRAMMAR_TOKEN_BUDGET_S:g} s allowed: it is too ambiguous for llama.cpp's "
+                    "grammar engine (repeats of repeats, recursion inside repeats); simplify it",
+                    param="grammar",
+                )
             if not np.isfinite(self._view(arr)["logit"]).any():
                 raise GrammarError("the grammar admits no further token", param="grammar")
         lib.llama_sampler_apply(self._chain, ref)

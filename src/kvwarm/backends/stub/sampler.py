@@ -23,7 +23,11 @@ import numpy.typing as npt
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
-from kvwarm.backends.grammar_cost import check_grammar_depth, check_grammar_elements
+from kvwarm.backends.grammar_cost import (
+    check_grammar_depth,
+    check_grammar_elements,
+    check_left_recursion,
+)
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import GrammarError, InvalidRequestError, NoLogitsError
 from kvwarm.unicode import encode_utf8
@@ -50,6 +54,7 @@ class LiteralGrammar:
             raise GrammarError("the grammar contains a NUL character", param="grammar")
         check_grammar_depth(grammar)  # as llama.cpp's sampler refuses it
         check_grammar_elements(grammar)
+        check_left_recursion(grammar)
         if not any(head.match(line) for line in rules):
             raise GrammarError(f"grammar has no {root!r} rule", param="grammar")
         _check_references(grammar)
