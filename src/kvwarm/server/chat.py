@@ -172,14 +172,15 @@ _PROBE_CALL: list[dict[str, object]] = [
 #: How each format held (``tools.CallFormat``) shows the probe's call.
 _SHOWN: tuple[tuple[CallFormat, re.Pattern[str]], ...] = (
     ("hermes", re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"kvwarm_probe"')),
-    # Any key order: a sandboxed template's ``tojson`` sorts them ("arguments" first).
+    # Any key order: a template may write "arguments" first (``tojson(sort_keys=true)``).
     ("mistral-list", re.compile(r'\[TOOL_CALLS\]\s*\[\s*\{[^\]]*"name"\s*:\s*"kvwarm_probe"')),
     ("mistral-args", re.compile(r"\[TOOL_CALLS\]kvwarm_probe(?:\[CALL_ID\]\w*)?\[ARGS\]")),
-    # Functionary v3.1's template joins its tag to ``tojson``'s Markup, so the sandbox shows
-    # it HTML-escaped (``&lt;function=...&gt;``); the model writes the tag itself.
+    # Functionary v3.1's template joins its tag to ``tojson``'s result: jinja2's own filter
+    # returned Markup and HTML-escaped it (``&lt;function=...&gt;``); ours, Hugging Face's, does
+    # not, and either form is read. The model writes the tag itself.
     ("function-tag", re.compile(r"(?:<|&lt;)function=kvwarm_probe(?:>|&gt;)")),
     # Last: the formats above show the same object. The call's arguments, not the tool's
-    # own definition (which a sorted ``tojson`` also writes as "name" then "parameters").
+    # own definition (which ``tojson`` may also write as "name" then "parameters").
     (
         "llama3-json",
         re.compile(r'"name"\s*:\s*"kvwarm_probe"\s*,\s*"parameters"\s*:\s*\{\s*"q"\s*:\s*"x"'),
