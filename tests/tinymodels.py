@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -390,6 +390,128 @@ def write_reranker(
             vector(b + "ffn_down.bias", n_embd)
             vector(b + "layer_output_norm.weight", n_embd, ones=True)
             vector(b + "layer_output_norm.bias", n_embd)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# --- A chat model whose tool-call markers are control tokens (``write_marker_model``) ---
+
+#: Its vocabulary: SentencePiece's <unk>, BOS, EOS, a token per byte, then special tokens.
+MARKER_BYTES = [f"<0x{i:02X}>" for i in range(256)]
+MARKER_SPECIALS = (
+    "[INST]",
+    "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "<|python_tag|>",
+    "<tool_call>",
+    "</tool_call>",
+)
+
+
+def write_marker_model(
+    path: Path,
+    template: str,
+    favourites: tuple[str, ...],
+    *,
+    extra: tuple[str, ...] = (),
+    after: Mapping[str, str] | None = None,
+    n_embd: int = N_EMBD,
+    n_layer: int = N_LAYER,
+    n_head: int = N_HEAD,
+) -> Path:
+    """A ``llama`` model of an SPM vocabulary (bytes, and ``MARKER_SPECIALS`` typed CONTROL,
+    as Mistral's, Llama 3's markers are) with chat ``template``, whose greedy choice is the
+    same order of preference at every position: ``favourites`` first (token texts, in order),
+    then EOS, then every other token by id (whitespace last). So, free, it writes
+    ``favourites[0]`` and, held by a grammar, the first token the grammar allows: a call
+    grammar's markers as their control tokens, its text spelled byte by byte.
+
+    How: its layers add nothing (attention and FFN outputs are zero), so the last position's
+    state is its token's embedding, whose first component is 1 for every token; the final
+    norm keeps only that component, positive; the output matrix's first column is each
+    token's preference.
+
+    ``extra``: ordinary tokens of several characters (a space in one is SentencePiece's
+    ``▁``), which only the model writes (a prompt never merges into them). ``after``: a token
+    the model writes first right after another, whatever else it prefers (``{"A": "B"}``: B
+    follows A; ``</s>`` ends the reply), so a reply can be a short fixed sequence: one more
+    state component per pair, 1 for A's embedding only, kept by the norm, and B's output
+    weight on it above the whole range of preferences."""
+    import gguf
+
+    extra = tuple(t.replace(" ", "\u2581") for t in extra)
+    tokens = ["<unk>", "<s>", "</s>", *MARKER_BYTES, *MARKER_SPECIALS, *extra]
+    types = [2, 3, 3] + [6] * 256 + [3] * len(MARKER_SPECIALS) + [1] * len(extra)
+    n_vocab = len(tokens)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("tokenizer.ggml.model", "llama")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.scores", [0.0] * n_vocab)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_string("tokenizer.chat_template", template)
+    k = "llama."
+    head = n_embd // n_head
+    n_ff = 2 * n_embd
+    w.add_uint32(k + "context_length", N_CTX)
+    w.add_uint32(k + "embedding_length", n_embd)
+    w.add_uint32(k + "block_count", n_layer)
+    w.add_uint32(k + "feed_forward_length", n_ff)
+    w.add_uint32(k + "attention.head_count", n_head)
+    w.add_uint32(k + "attention.head_count_kv", n_head)
+    w.add_uint32(k + "rope.dimension_count", head)
+    w.add_float32(k + "attention.layer_norm_rms_epsilon", 1e-5)
+
+    def index(text: str) -> int:
+        return tokens.index(text.replace(" ", "\u2581"))
+
+    order = [index(t) for t in favourites] + [2]
+    whitespace = [3 + b for b in b" \t\r\n"]
+    order += [t for t in range(n_vocab) if t not in order and t not in whitespace]
+    order += whitespace
+    preference = np.zeros(n_vocab, np.float32)
+    preference[order] = -np.arange(n_vocab, dtype=np.float32) / n_vocab  # first: 0, best
+
+    rng = np.random.default_rng(5)
+    embd = rng.normal(0.0, 0.1, (n_vocab, n_embd)).astype(np.float32)
+    embd[:, 0] = 1.0
+    out = np.zeros((n_vocab, n_embd), np.float32)
+    out[:, 0] = preference
+    only_first = np.zeros(n_embd, np.float32)
+    only_first[0] = 1.0
+    pairs = list((after or {}).items())
+    if len(pairs) >= n_embd:
+        raise ValueError(f"at most {n_embd - 1} pairs in after")
+    embd[:, 1 : len(pairs) + 1] = 0.0
+    for slot, (first, then) in enumerate(pairs, start=1):
+        embd[index(first), slot] = 1.0
+        out[index(then), slot] = 2.0
+        only_first[slot] = 1.0
+    w.add_tensor("token_embd.weight", embd)
+    w.add_tensor("output_norm.weight", only_first)
+    w.add_tensor("output.weight", out)
+    for il in range(n_layer):
+        b = f"blk.{il}."
+        w.add_tensor(b + "attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(b + "ffn_norm.weight", np.ones(n_embd, np.float32))
+        for name in ("attn_q", "attn_k", "attn_v"):
+            w.add_tensor(
+                b + name + ".weight", rng.normal(0.0, 0.1, (n_embd, n_embd)).astype(np.float32)
+            )
+        w.add_tensor(b + "attn_output.weight", np.zeros((n_embd, n_embd), np.float32))
+        w.add_tensor(b + "ffn_gate.weight", rng.normal(0.0, 0.1, (n_ff, n_embd)).astype(np.float32))
+        w.add_tensor(b + "ffn_up.weight", rng.normal(0.0, 0.1, (n_ff, n_embd)).astype(np.float32))
+        w.add_tensor(b + "ffn_down.weight", np.zeros((n_embd, n_ff), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

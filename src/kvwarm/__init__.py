@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         load_model,
         unload_model,
     )
+    from kvwarm.engine.cancel import Cancellation
     from kvwarm.engine.options import GenerationOverrides
     from kvwarm.engine.prompts import MediaPrompt
     from kvwarm.engine.stream import CompletionStream
@@ -64,6 +65,7 @@ _LAZY = {
     "Completion": "kvwarm.engine.types",
     "CompletionStats": "kvwarm.engine.types",
     "CompletionStream": "kvwarm.engine.stream",
+    "Cancellation": "kvwarm.engine.cancel",
     "ContextParams": "kvwarm.backends.base",
     "ModelParams": "kvwarm.backends.base",
     "CacheConfig": "kvwarm.cache.types",
@@ -88,6 +90,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CacheConfig",
+    "Cancellation",
     "Completion",
     "CompletionStats",
     "CompletionStream",

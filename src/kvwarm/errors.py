@@ -76,6 +76,7 @@ __all__ = [
     "QueueFullError",
     "ReplicaTimeoutError",
     "ReplicaUnavailableError",
+    "RequestCancelledError",
     "RequestTimeoutError",
     "ServerShuttingDownError",
     "StateRestoreError",
@@ -223,6 +224,11 @@ class ReplicaTimeoutError(ReplicaUnavailableError):
 
 class RequestTimeoutError(KvwarmError):
     """A request ran past the server's deadline (``request_timeout_s``) and was ended."""
+
+
+class RequestCancelledError(KvwarmError):
+    """The caller cancelled the request (``engine.cancel.Cancellation``; the server: its client
+    went away) before it was answered; what it had not yet run was cancelled."""
 
 
 class ServerShuttingDownError(KvwarmError):

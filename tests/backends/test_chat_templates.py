@@ -61,3 +61,42 @@ def test_a_chosen_template_keeps_each_turn_a_prefix_of_the_next(name: str) -> No
             previous = tokens
     finally:
         eng.close()
+
+
+def test_tojson_is_hugging_faces() -> None:
+    """Templates are written for Hugging Face's renderer (found by review): jinja2's own
+    ``tojson`` sorted keys (a schema's properties out of the order the client wrote them),
+    escaped HTML (``it's <b>`` as ``it\\u0027s \\u003cb\\u003e``) and returned Markup, so a
+    string joined to it was escaped too (functionary's ``<function=`` as ``&lt;function=``)."""
+    tools = [{"name": "f", "description": "it's <b> & ü", "parameters": {"z": 1, "a": 2}}]
+    source = "{{ tools | tojson }}|{{ '<function=' + (tools[0].parameters | tojson) + '>' }}"
+    rendered = render_chat(source, [], bos_token="", eos_token="", tools=tools)
+    assert rendered == (
+        '[{"name": "f", "description": "it\'s <b> & ü", "parameters": {"z": 1, "a": 2}}]'
+        '|<function={"z": 1, "a": 2}>'
+    )
+    indented = render_chat(
+        "{{ tools[0].parameters | tojson(indent=2, sort_keys=true) }}",
+        [],
+        bos_token="",
+        eos_token="",
+        tools=tools,
+    )
+    assert indented == '{\n  "a": 2,\n  "z": 1\n}'
+
+
+def test_loop_controls_and_generation_blocks_render() -> None:
+    """Hugging Face's environment has ``{% break %}``/``{% continue %}`` and renders
+    ``{% generation %}`` blocks as their body; both were syntax errors here, so such a
+    model's every chat was a 400."""
+    source = (
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{% generation %}{{ m.content }};{% endgeneration %}{% endfor %}"
+    )
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "a"},
+        {"role": "user", "content": "b"},
+    ]
+    assert render_chat(source, messages, bos_token="", eos_token="") == "a;"

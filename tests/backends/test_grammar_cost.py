@@ -193,6 +193,20 @@ def test_left_recursion_through_what_can_be_empty_is_refused(grammar: str) -> No
     assert "'root'" in str(info.value) and info.value.param == "grammar"
 
 
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        "root ::= | [\\x00-\\x7f] root {2} [a-c]",  # the fuzz's: past a minute, one token
+        'root ::= x "b"\nx ::= | "a" x x',
+        'root ::= x\nx ::= | "a" (x "," x)',
+    ],
+)
+def test_an_empty_rule_using_itself_twice_is_refused(grammar: str) -> None:
+    with pytest.raises(GrammarError, match="uses itself more than once") as info:
+        check_grammar_cost(grammar)
+    assert info.value.param == "grammar" and "'(" not in str(info.value)
+
+
 @pytest.mark.parametrize("case", sorted(NESTED_REPEATS))
 def test_an_unbounded_repeat_of_a_repetition_is_refused(case: str) -> None:
     with pytest.raises(GrammarError, match="itself an unbounded repetition") as info:

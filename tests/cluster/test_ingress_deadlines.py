@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pickle
+import threading
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -18,14 +19,16 @@ from fastapi.testclient import TestClient
 from tests.cluster.test_ingress_stub import DirectStream
 from tests.server.conftest import stub_settings, wait_ready
 
+from kvwarm.cluster import replica as replica_module
 from kvwarm.cluster.calls import Generate, ModelOp
 from kvwarm.cluster.deploy import HandleCalls
 from kvwarm.cluster.ingress import create_ingress_app
 from kvwarm.cluster.remote import MODEL_PASS_OPS, OpDeadlines, RemoteModel
 from kvwarm.cluster.replica import EngineReplica
-from kvwarm.engine.ops import CALLS
+from kvwarm.engine.cancel import Cancellation
+from kvwarm.engine.ops import CALLS, CANCELLABLE
 from kvwarm.engine.types import ModelInfo
-from kvwarm.errors import ReplicaTimeoutError, ReplicaUnavailableError
+from kvwarm.errors import ReplicaTimeoutError, ReplicaUnavailableError, RequestCancelledError
 from kvwarm.server.errors import error_response
 
 
@@ -197,3 +200,103 @@ def test_a_replica_timeout_is_a_typed_504() -> None:
     error = ReplicaTimeoutError("no replica answered tokenize")
     assert isinstance(error, ReplicaUnavailableError)  # a tool probe re-raises it too
     assert error_response(error, "/v1/chat/completions").status_code == 504
+
+
+# --- a caller's cancellation (the route's, on its client's disconnect) -----------------------
+
+
+@pytest.mark.parametrize("op", sorted(CANCELLABLE))
+def test_a_cancellation_stays_at_the_ingress_and_cancels_the_call(op: str) -> None:
+    """The route's ``Cancellation`` does not cross to the replica (it could not: the replica
+    makes its own); it goes to the call, which it cancels. The deadline crosses."""
+    sent: list[tuple[ModelOp, Cancellation | None]] = []
+
+    def op_call(call: ModelOp, cancel: Cancellation | None = None) -> object:
+        sent.append((call, cancel))
+        return None
+
+    def no_stream(call: Generate) -> Any:
+        raise AssertionError("no generation expected")
+
+    info = ModelInfo("m", "stub", "stub", 512, 64, 2, 100, 512, 8, 0, "", "00", "fast", "ram", True)
+    model = RemoteModel(info, no_stream, op_call, deadlines=OpDeadlines.of(SETTINGS))
+    cancel = Cancellation()
+    with contextlib.suppress(AssertionError):  # the fake answers None, not the op's type
+        if op == "embed":
+            model.embed(["x"], timeout_s=9.0, cancel=cancel)
+        else:
+            model.rerank("q", ["d"], timeout_s=9.0, cancel=cancel)
+    ((call, given),) = sent
+    assert given is cancel and "cancel" not in call.kwargs and call.kwargs["timeout_s"] == 9.0
+
+
+class _HeldResponse:
+    """A call the replica is still running: ``result`` returns once it is cancelled, with
+    Ray's error for a cancelled call."""
+
+    def __init__(self) -> None:
+        self.waiting = threading.Event()
+        self.cancelled = threading.Event()
+
+    def result(self, timeout_s: float | None = None) -> object:
+        self.waiting.set()
+        assert self.cancelled.wait(60)
+        raise RuntimeError("RequestCancelledError: the request was cancelled")
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def test_a_cancelled_call_is_cancelled_on_its_replica() -> None:
+    response = _HeldResponse()
+    handle = SimpleNamespace(
+        call=SimpleNamespace(remote=lambda _op: response),
+        options=lambda **_o: SimpleNamespace(generate=None),
+    )
+    calls = HandleCalls(handle)  # type: ignore[arg-type]
+    cancel = Cancellation()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            calls.op(ModelOp("a", "embed", (["x"],), timeout_s=40.0), cancel)
+        except BaseException as exc:
+            failure.append(exc)
+
+    caller = threading.Thread(target=run)
+    caller.start()
+    assert response.waiting.wait(60)
+    cancel.cancel()
+    caller.join(60)
+    assert response.cancelled.is_set()
+    assert len(failure) == 1 and isinstance(failure[0], RequestCancelledError), failure
+
+
+def test_a_replica_cancels_an_embedding_when_its_call_is(
+    replica: EngineReplica, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray cancels a replica's call when the ingress does (its client left, its deadline
+    passed): the embedding or rerank the replica's thread runs is cancelled with it, not left
+    running for nobody."""
+    made: list[Cancellation] = []
+
+    class Recorded(Cancellation):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr(replica_module, "Cancellation", Recorded)
+
+    async def cancelled_call() -> None:
+        task = asyncio.ensure_future(replica.call(ModelOp("a", "embed", (["x"],))))
+        await asyncio.sleep(0)  # it has handed the embedding to its thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled_call())
+    (cancel,) = made
+    assert cancel.cancelled
+    # And an uncancelled call passes it to the model, which answers as before.
+    answer = asyncio.run(replica.call(ModelOp("a", "embed", (["x"],))))
+    assert isinstance(answer, list) and len(answer) == 1

@@ -18,6 +18,7 @@ from kvwarm.cluster.chains import chat_chain
 from kvwarm.cluster.ingress import create_ingress_app
 from kvwarm.cluster.replica import EngineReplica
 from kvwarm.cluster.routing import ClusterIndex
+from kvwarm.engine.cancel import Cancellation
 from kvwarm.errors import InvalidRequestError
 from kvwarm.server.app import create_app
 from kvwarm.settings import ModelSpec
@@ -51,6 +52,7 @@ class DirectCalls:
         self.replica = replica
         self.broken = broken
         self.calls: list[Generate] = []
+        self.cancels: list[Cancellation | None] = []  # each op's, from the route
 
     def stream(self, call: Generate) -> DirectStream:
         call = pickle.loads(pickle.dumps(call))
@@ -59,7 +61,8 @@ class DirectCalls:
             return DirectStream(_dies())
         return DirectStream(self.replica.generate(call))
 
-    def op(self, op: ModelOp) -> object:
+    def op(self, op: ModelOp, cancel: Cancellation | None = None) -> object:
+        self.cancels.append(cancel)
         return pickle.loads(pickle.dumps(asyncio.run(self.replica.call(op))))
 
     def replicas(self) -> list[str]:
@@ -395,10 +398,10 @@ class LostOnTemplate(DirectCalls):
     """Ops reach a replica that is lost while rendering a template (``apply_chat_template``,
     which the ingress asks to learn whether a model renders tools natively)."""
 
-    def op(self, op: ModelOp) -> object:
+    def op(self, op: ModelOp, cancel: Cancellation | None = None) -> object:
         if op.op == "apply_chat_template":
             raise ActorDiedError()
-        return super().op(op)
+        return super().op(op, cancel)
 
 
 def test_a_replica_lost_while_probing_the_template_for_tools_is_a_503(

@@ -125,3 +125,41 @@ def test_no_choice_of_n_lands_on_the_random_seed() -> None:
     assert seeds == [RANDOM_SEED - 1, 0, 1]
     assert all(o.seed == -1 for o in choice_options(GenerationOptions(seed=-1), 3, 4))
     assert [o.seed for o in choice_options(GenerationOptions(seed=5), 2, 4)] == [5, 6]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "param"),
+    [
+        ({"grammar_triggers": ("<tool_call>",)}, "grammar_triggers"),  # no grammar to start
+        ({"json_schema": {"type": "object"}, "grammar_triggers": ("{",)}, "grammar_triggers"),
+        ({"grammar": 'root ::= "x"', "grammar_triggers": ("",)}, "grammar_triggers"),
+        ({"grammar": 'root ::= "x"', "grammar_triggers": "x"}, "grammar_triggers"),
+        ({"grammar": 'root ::= "x"', "grammar_triggers": (5,)}, "grammar_triggers"),
+        ({"grammar": 'root ::= "x"', "grammar_triggers": ("\udc00",)}, "grammar_triggers"),
+        ({"grammar": 'root ::= "x"', "grammar_once": True}, "grammar_once"),
+        ({"grammar_start_patterns": ("x",)}, "grammar_start_patterns"),  # no grammar
+        ({"json_schema": {}, "grammar_start_patterns": ("{",)}, "grammar_start_patterns"),
+        ({"grammar": 'root ::= "x"', "grammar_start_patterns": "x"}, "grammar_start_patterns"),
+        ({"grammar": 'root ::= "x"', "grammar_start_patterns": (1,)}, "grammar_start_patterns"),
+        ({"grammar": 'root ::= "x"', "grammar_start_patterns": ("[",)}, "grammar_start_patterns"),
+        (
+            {"grammar": 'root ::= "x"', "grammar_triggers": ("x",), "grammar_once": 1},
+            "grammar_once",
+        ),
+    ],
+)
+def test_lazy_grammar_options_are_checked(overrides: dict[str, object], param: str) -> None:
+    options = dataclasses.replace(GenerationOptions(), **overrides)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError) as info:
+        options.validate()
+    assert info.value.param == param
+
+
+def test_lazy_grammar_options_reach_the_sampler() -> None:
+    options = GenerationOptions(grammar='root ::= "x"', grammar_triggers=["x"], grammar_once=True)  # type: ignore[arg-type]
+    options.validate()
+    params = options.sampling(options.grammar)
+    assert params.grammar_triggers == ("x",) and params.grammar_once
+    starts = GenerationOptions(grammar='root ::= "x"', grammar_start_patterns=["x"])  # type: ignore[arg-type]
+    starts.validate()
+    assert starts.sampling(starts.grammar).grammar_start_patterns == ("x",)

@@ -79,3 +79,33 @@ def test_an_empty_input_is_a_400_whatever_the_tokenizer_adds(
     r = client.post("/v1/embeddings", json={"model": "a", "input": empty})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "input", r.text
+
+
+@pytest.mark.parametrize(("setting", "passed"), [(7.5, 7.5), (0.0, None)])
+def test_an_embedding_runs_under_request_timeout_s(
+    monkeypatch: pytest.MonkeyPatch, setting: float, passed: float | None
+) -> None:
+    """Found by review: an embedding had no deadline, so one request of many long inputs held
+    its model's queue for as long as it took. It runs under ``request_timeout_s`` (0: none),
+    past which its inputs not yet embedded are dropped (``tests/engine/
+    test_embed_deadline_stub.py``), with a ``Cancellation`` its client's disconnect cancels
+    (``tests/server/test_disconnect_cancels_stub.py``)."""
+    from kvwarm.engine.cancel import Cancellation
+    from kvwarm.engine.model import Model
+    from kvwarm.server import create_app
+
+    from .conftest import stub_settings, wait_ready
+
+    seen: list[object] = []
+    original = Model.embed
+
+    def recording(self: Model, *args: object, **kwargs: object) -> object:
+        seen.append(kwargs.get("timeout_s"))
+        assert isinstance(kwargs.get("cancel"), Cancellation)
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Model, "embed", recording)
+    with TestClient(create_app(stub_settings(request_timeout_s=setting))) as client:
+        wait_ready(client.get)
+        assert client.post("/v1/embeddings", json={"model": "a", "input": "hey"}).is_success
+    assert seen == [passed]

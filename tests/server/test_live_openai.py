@@ -169,6 +169,74 @@ def test_named_tool_choice_returns_a_tool_call(client: OpenAI) -> None:
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
 
 
+WEATHER_DAYS = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "location": {"type": "string"},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["location", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _valid_weather_call(name: str, arguments: str) -> bool:
+    args = json.loads(arguments)
+    days = args.get("days")
+    return (
+        name == "get_weather"
+        and set(args) == {"location", "days"}
+        and isinstance(args["location"], str)
+        and type(days) is int
+        and 1 <= days <= 7
+    )
+
+
+def test_auto_tool_calls_are_held_to_their_schema_once_started(client: OpenAI) -> None:
+    """tool_choice auto: free text, until the model opens a ``<tool_call>``; from there the
+    call is held to the tool's schema, then the reply is free again. Unconstrained, SmolLM2
+    opens one here and writes Python in it (the reply was all content: ``<tool_call>``,
+    then a fenced ``def get_weather_Paris3(city_name: str)``)."""
+    ask = [{"role": "user", "content": "<tool_call> get_weather Paris 3 days"}]
+    common: dict[str, object] = {"model": MODEL, "messages": ask, "tools": [WEATHER_DAYS]}
+    done = client.chat.completions.create(**common, temperature=0, max_tokens=60)  # type: ignore[call-overload]
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls or []
+    assert _valid_weather_call(call.function.name, call.function.arguments), call
+    # Streamed: the call goes out whole, once its block closes.
+    stream = client.chat.completions.create(**common, temperature=0, max_tokens=60, stream=True)  # type: ignore[call-overload]
+    streamed = [tc for chunk in stream for tc in (chunk.choices[0].delta.tool_calls or [])]
+    (first,) = streamed
+    assert first.function is not None and first.function.name and first.function.arguments
+    assert _valid_weather_call(first.function.name, first.function.arguments)
+    # Parallel calls off: one call, and the reply ends with it (nothing after it).
+    one = client.chat.completions.create(  # type: ignore[call-overload]
+        **common, temperature=0, max_tokens=60, parallel_tool_calls=False
+    )
+    message = one.choices[0].message
+    (only,) = message.tool_calls or []
+    assert _valid_weather_call(only.function.name, only.function.arguments)
+    assert not message.content and one.choices[0].finish_reason == "tool_calls"
+    # The same prompt a third time: its KV came from the cache, the grammar changed nothing.
+    details = one.usage.prompt_tokens_details if one.usage else None
+    assert details is not None and details.cached_tokens
+    # A stop string inside the held call ends the reply there, as any stop does: the block
+    # is cut before its close, its JSON whole, so it is still the call.
+    stopped = client.chat.completions.create(  # type: ignore[call-overload]
+        **common, temperature=0, max_tokens=60, stop=["</tool_call>"]
+    )
+    (cut,) = stopped.choices[0].message.tool_calls or []
+    assert _valid_weather_call(cut.function.name, cut.function.arguments)
+
+
 def test_embeddings(client: OpenAI) -> None:
     # The client asks for base64 by default and decodes it; floats must arrive either way.
     result = client.embeddings.create(model=MODEL, input=["hello", "goodbye"])

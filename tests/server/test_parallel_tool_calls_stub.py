@@ -35,7 +35,10 @@ def forced(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     def with_grammar(*args: object, **kwargs: object) -> GenerationOptions:
         opts = options(*args, **kwargs)  # type: ignore[arg-type]
-        return dataclasses.replace(opts, grammar=GRAMMAR, max_tokens=200)
+        # The whole reply, not a lazy grammar from a trigger on (tool_choice auto's).
+        return dataclasses.replace(
+            opts, grammar=GRAMMAR, grammar_triggers=(), grammar_once=False, max_tokens=200
+        )
 
     monkeypatch.setattr(convert, "options", with_grammar)
     yield
@@ -157,7 +160,9 @@ def cut_short(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     def with_grammar(*args: object, **kwargs: object) -> GenerationOptions:
         opts = options(*args, **kwargs)  # type: ignore[arg-type]
-        return dataclasses.replace(opts, grammar=GRAMMAR, max_tokens=CUT)
+        return dataclasses.replace(
+            opts, grammar=GRAMMAR, grammar_triggers=(), grammar_once=False, max_tokens=CUT
+        )
 
     monkeypatch.setattr(convert, "options", with_grammar)
     yield

@@ -34,7 +34,9 @@ def reply(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
     def with_grammar(*args: object, **kwargs: object) -> GenerationOptions:
         opts = options(*args, **kwargs)  # type: ignore[arg-type]
-        return dataclasses.replace(opts, grammar=grammar, max_tokens=400)
+        return dataclasses.replace(
+            opts, grammar=grammar, grammar_triggers=(), grammar_once=False, max_tokens=400
+        )
 
     monkeypatch.setattr(convert, "options", with_grammar)
     yield REPLY
@@ -187,7 +189,14 @@ def bare_call(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
     def with_grammar(*args: object, **kwargs: object) -> GenerationOptions:
         opts = options(*args, **kwargs)  # type: ignore[arg-type]
-        return dataclasses.replace(opts, grammar=grammar, json_schema=None, max_tokens=400)
+        return dataclasses.replace(
+            opts,
+            grammar=grammar,
+            grammar_triggers=(),
+            grammar_once=False,
+            json_schema=None,
+            max_tokens=400,
+        )
 
     monkeypatch.setattr(convert, "options", with_grammar)
     yield W

@@ -8,7 +8,13 @@ import pytest
 
 from kvwarm.backends.chat_template import render_chat
 from kvwarm.server.schemas import ChatMessage, NamedToolChoice, Tool
-from kvwarm.server.tools import parse_tool_calls, plan_chat, template_id, template_messages
+from kvwarm.server.tools import (
+    CALL_MARKERS,
+    parse_tool_calls,
+    plan_chat,
+    template_id,
+    template_messages,
+)
 
 NAMES = frozenset({"get_weather"})
 WEATHER = Tool.model_validate(
@@ -231,3 +237,29 @@ def test_calls_without_ids_are_told_apart() -> None:
     native = template_messages(msgs, native=True)
     first, second = (m["tool_calls"][0]["id"] for m in native[1:])  # type: ignore[index]
     assert first != second
+
+
+@pytest.mark.parametrize("renders", [False, True])
+def test_a_plan_that_parses_calls_preserves_their_markers(renders: bool) -> None:
+    """Where calls are parsed, every marker the parser reads is kept in the reply's text (a
+    control token's otherwise is not: ``tests/server/test_preserved_markers_model.py``);
+    where nothing is parsed, none is."""
+    from kvwarm.server import convert
+    from kvwarm.server.schemas import SamplingFields
+
+    ask = [ChatMessage(role="user", content="hi")]
+    for choice, kept in [("auto", CALL_MARKERS), ("required", CALL_MARKERS), ("none", ())]:
+        plan = plan_chat(ask, [WEATHER], choice, renders_tools=renders)
+        assert plan.preserved == kept
+    assert plan_chat(ask, None, None, renders_tools=renders).preserved == ()
+    assert {"[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", "<tool_call>"} <= set(
+        CALL_MARKERS
+    )
+    opts = convert.options(
+        SamplingFields(),
+        default_max_tokens=8,
+        max_tokens_limit=8,
+        over_limit="cap",
+        preserved=CALL_MARKERS,
+    )
+    assert opts.preserved_tokens == CALL_MARKERS

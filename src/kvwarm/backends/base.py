@@ -115,6 +115,14 @@ class SamplingParams:
     seed: int | None = None
     grammar: str | None = None
     grammar_root: str = "root"
+    #: A lazy grammar (``backends/lazy_grammar.py``): the reply is free until one of these
+    #: words appears in it, then the grammar holds from that word on; once complete, the reply
+    #: is free again until the next one, or with ``grammar_once`` it ends there.
+    grammar_triggers: tuple[str, ...] = ()
+    #: Regular expressions a lazy grammar also starts at, matched at the reply's start only
+    #: (a format without an opener: Llama 3.x's bare-JSON call); see ``lazy_grammar``.
+    grammar_start_patterns: tuple[str, ...] = ()
+    grammar_once: bool = False
     # (token, bias) added to the raw logits before any other step; -inf bans a token.
     logit_bias: tuple[tuple[int, float], ...] = ()
 

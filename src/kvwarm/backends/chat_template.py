@@ -3,18 +3,27 @@
 Invariant: templates come from model files (untrusted), so they run in jinja2's
 ``ImmutableSandboxedEnvironment`` with the same globals HF/llama-cpp-python templates expect
 (``raise_exception``, ``strftime_now``, ``bos_token``, ``eos_token``, ``tools``,
-``add_generation_prompt``). Every failure — syntax, ``raise_exception``, sandbox violation,
+``add_generation_prompt``) and the same environment as Hugging Face's renderer, the reference
+templates are written for: its ``tojson`` (``json.dumps``: keys in their order, no HTML
+escaping; jinja2's own sorts keys and writes ``it's <b>`` as ``it\u0027s \u003cb\u003e``, and
+its result, being ``Markup``, escaped what a template joined to it: found by review), loop
+controls (``{% break %}``, ``{% continue %}``) and ``{% generation %}`` blocks (rendered as
+their body). Every failure — syntax, ``raise_exception``, sandbox violation,
 undefined access — becomes ``InvalidRequestError``; nothing else escapes.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import threading
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvwarm.errors import InvalidRequestError
@@ -38,13 +47,41 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """Hugging Face's ``tojson`` filter, option for option."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: Hugging Face marks the assistant's text with
+    it (for training masks); a prompt is its body."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance attribute)
+
+    def parse(self, parser: Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     # One shared immutable environment, built lazily on first use.
     global _ENV
     if _ENV is None:
         env = ImmutableSandboxedEnvironment(
-            loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True
+            loader=jinja2.BaseLoader(),
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, _Generation],
         )
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         _ENV = env

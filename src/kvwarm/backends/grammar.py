@@ -17,7 +17,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import cast
@@ -542,8 +542,9 @@ def _digit_class(lo: str, hi: str) -> str:
     return f"[{lo}]" if lo == hi else f"[{lo}-{hi}]"
 
 
-def schema_to_gbnf(schema: Mapping[str, object] | str) -> str:
-    """GBNF whose language is the JSON documents valid under ``schema``."""
+def _parsed(schema: Mapping[str, object] | str) -> tuple[str, object]:
+    """``schema`` as JSON text and as a value (None where the text is no JSON: the converter
+    says what is wrong with it), its repeats and patterns checked."""
     try:
         text = schema if isinstance(schema, str) else json.dumps(dict(schema))
     except RecursionError as exc:
@@ -551,14 +552,18 @@ def schema_to_gbnf(schema: Mapping[str, object] | str) -> str:
     except (TypeError, ValueError) as exc:
         raise GrammarError(f"JSON schema is not serialisable: {exc}", param="json_schema") from exc
     try:
-        parsed: object = json.loads(text) if isinstance(schema, str) else schema
+        parsed: object = json.loads(text)
     except (ValueError, RecursionError):
-        parsed = None  # the converter says what is wrong with it
+        parsed = None
     _check_repeats(parsed)
     _check_patterns(parsed)
-    convert = cast(Callable[[str], object], _converter_module().json_schema_to_gbnf)
+    return text, parsed
+
+
+def _converting(convert: Callable[[], str]) -> str:
+    """``convert()``'s grammar; the converter's failures as ``GrammarError``s."""
     try:
-        grammar = convert(text)
+        grammar = convert()
     except GrammarError:
         raise  # kvwarm's own checks of a node (``_fix_visits``): already saying what is wrong
     except RecursionError as exc:
@@ -568,3 +573,33 @@ def schema_to_gbnf(schema: Mapping[str, object] | str) -> str:
     if not isinstance(grammar, str) or not grammar.strip():
         raise GrammarError("JSON schema produced an empty grammar", param="json_schema")
     return grammar
+
+
+def schema_to_gbnf(schema: Mapping[str, object] | str) -> str:
+    """GBNF whose language is the JSON documents valid under ``schema``."""
+    text, _ = _parsed(schema)
+    convert = cast(Callable[[str], str], _converter_module().json_schema_to_gbnf)
+    return _converting(lambda: convert(text))
+
+
+def schemas_to_rules(schemas: Sequence[Mapping[str, object]], prefix: str) -> tuple[str, list[str]]:
+    """GBNF rules (no ``root``) for several schemas, and the name of each one's rule (the
+    JSON documents valid under it), each named from ``prefix`` and its index: a grammar
+    that puts them in a larger one (a tool call's format around each tool's arguments).
+    One converter writes them all, so the rules they share (``space``, ``string``) are
+    written once and two different ones of one name told apart; each schema's ``$ref``s
+    resolve within it."""
+    module = _converter_module()
+    converter = module.SchemaConverter(
+        prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
+    )
+    names: list[str] = []
+
+    def convert() -> str:
+        for i, schema in enumerate(schemas):
+            text, _ = _parsed(schema)
+            resolved = converter.resolve_refs(json.loads(text), f"kvwarm-schema-{i}")
+            names.append(str(converter.visit(resolved, f"{prefix}-{i}")))
+        return str(converter.format_grammar())
+
+    return _converting(convert), names

@@ -443,6 +443,14 @@ def check_grammar_cost(
                 "make the repeated part non-empty (x{0,n})",
                 param="grammar",
             )
+    twice = _empty_twice(rules)
+    if twice is not None:
+        raise GrammarError(
+            f"grammar rule {twice!r} can match nothing and uses itself more than once in a "
+            'sequence (as in x ::= | "a" x x): a text parses in exponentially many ways, '
+            "which would stall the model; make the rule non-empty or use it once",
+            param="grammar",
+        )
     nested = _nested_repeat(rules)
     if nested is not None:
         raise GrammarError(
@@ -552,6 +560,38 @@ def _nested_repeat(rules: dict[str, _Expr]) -> str | None:
                     while named.startswith("(") and named in owner:
                         named = owner[named]
                     return named
+    return None
+
+
+def _empty_twice(rules: dict[str, _Expr]) -> str | None:
+    """A rule that can match nothing and refers to itself more than once in one of its
+    alternatives (``root ::= | [a] root{2} "b"``): llama.cpp's first grammar step on one ran
+    past a minute (found by a grammar fuzz in review). Groups count as the rule they stand
+    in."""
+    nullable = _nullable(rules)
+    owner: dict[str, str] = {}
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, _ in alt:
+                if kind == "ref" and str(val).startswith("("):
+                    owner.setdefault(str(val), name)
+
+    def named(name: str) -> str:
+        while name.startswith("(") and name in owner:
+            name = owner[name]
+        return name
+
+    for name, expr in rules.items():
+        rule = named(name)
+        if rule not in nullable:
+            continue
+        for alt in expr:
+            uses = 0
+            for kind, val, (_, high) in alt:
+                if kind == "ref" and named(str(val)) == rule and not str(val).startswith("("):
+                    uses += 2 if high < 0 or high > 1 else 1
+            if uses > 1:
+                return rule
     return None
 
 

@@ -41,7 +41,8 @@ from kvwarm.cluster.remote import ResponseStream
 from kvwarm.cluster.replica import EngineReplica
 from kvwarm.cluster.routing import ClusterIndex, RoutingConfig, check_policy, index_for
 from kvwarm.cluster.routing.index import index_name
-from kvwarm.errors import KvwarmError, ReplicaTimeoutError
+from kvwarm.engine.cancel import Cancellation
+from kvwarm.errors import KvwarmError, ReplicaTimeoutError, RequestCancelledError
 from kvwarm.settings import Settings
 from kvwarm.settings.model import max_queue
 
@@ -71,17 +72,29 @@ class HandleCalls:
     def stream(self, call: Generate) -> ResponseStream:
         return cast(ResponseStream, self._stream.remote(call))
 
-    def op(self, op: ModelOp) -> object:
+    def op(self, op: ModelOp, cancel: Cancellation | None = None) -> object:
         """The op's answer, within its deadline: a replica that is alive but stuck (or a queue
-        that never reaches one) must not hold an ingress thread for good."""
+        that never reaches one) must not hold an ingress thread for good. ``cancel`` (the
+        route's, on its client's disconnect) cancels the call, and with it the replica's work
+        (``EngineReplica.call``): then ``RequestCancelledError``."""
         response = self._op.remote(op)
+        forget = cancel.on_cancel(response.cancel) if cancel is not None else None
         try:
             return response.result(timeout_s=op.timeout_s)
-        except TimeoutError:  # Ray's GetTimeoutError is one too
+        except Exception as exc:
+            if cancel is not None and cancel.cancelled:  # Ray's error for a cancelled call
+                raise RequestCancelledError(
+                    f"{op.op} for {op.model_id} was cancelled by its caller"
+                ) from exc
+            if not isinstance(exc, TimeoutError):  # Ray's GetTimeoutError is one
+                raise
             response.cancel()  # type: ignore[no-untyped-call]
             raise ReplicaTimeoutError(
                 f"no replica answered {op.op} for {op.model_id} within {op.timeout_s:g} s"
             ) from None
+        finally:
+            if forget is not None:
+                forget()
 
 
 class Ingress:

@@ -32,6 +32,7 @@ from kvwarm.cluster.calls import Failed, Generate, ModelOp
 from kvwarm.cluster.remote import ModelMemory, OpCall, OpDeadlines, RemoteModel, ResponseStream
 from kvwarm.cluster.routing import ClusterIndex
 from kvwarm.cluster.tokens import PromptTokens
+from kvwarm.engine.cancel import Cancellation
 from kvwarm.engine.types import ModelInfo
 from kvwarm.server.app import create_app
 from kvwarm.server.errors import HTTPError
@@ -67,9 +68,10 @@ class Calls(Protocol):
 
     def stream(self, call: Generate) -> ResponseStream: ...
 
-    def op(self, op: ModelOp) -> object:
+    def op(self, op: ModelOp, cancel: Cancellation | None = None) -> object:
         """The op's answer; ``ReplicaTimeoutError`` (the call cancelled) once ``op.timeout_s``
-        passed without one."""
+        passed without one; ``RequestCancelledError`` (the call cancelled) once ``cancel`` is
+        cancelled."""
         ...
 
 

@@ -36,6 +36,7 @@ from kvwarm.cluster.calls import (
     ModelOp,
     Served,
 )
+from kvwarm.engine.cancel import Cancellation, check_cancel
 from kvwarm.engine.ops import ModelCalls, ModelOps, OpName
 from kvwarm.engine.request import Fragment
 from kvwarm.engine.submit import choice_options
@@ -82,9 +83,10 @@ class StreamCall(Protocol):
 
 
 class OpCall(Protocol):
-    """``handle.call.remote(op).result()``."""
+    """``handle.call.remote(op).result()``; ``cancel``, when given, cancels the call on its
+    replica (``HandleCalls.op``)."""
 
-    def __call__(self, op: ModelOp) -> object: ...
+    def __call__(self, op: ModelOp, cancel: Cancellation | None = None) -> object: ...
 
 
 class ServedFacts(Protocol):
@@ -299,7 +301,11 @@ def _forward(
     name = declared.__name__
 
     def forward(self: RemoteModel, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        return cast(_R, self._op(name, args, kwargs))
+        # A caller's Cancellation stays here: it cancels the call (and so the replica's
+        # work), it does not cross to the replica (which makes its own).
+        sent = dict(kwargs)
+        cancel = check_cancel(sent.pop("cancel", None))
+        return cast(_R, self._op(name, args, sent, cancel=cancel))
 
     forward.__name__ = forward.__qualname__ = name
     forward.__doc__ = declared.__doc__
@@ -584,6 +590,8 @@ class RemoteModel(ModelOps):
         kwargs: Mapping[str, object],
         chain: tuple[str, ...] = (),
         replica: str | None = None,
+        *,
+        cancel: Cancellation | None = None,
     ) -> object:
         call = ModelOp(
             self.id,
@@ -595,7 +603,7 @@ class RemoteModel(ModelOps):
             replica=replica,
         )
         try:
-            result = self._op_call(call)
+            result = self._op_call(call) if cancel is None else self._op_call(call, cancel)
         except KvwarmError:
             raise
         except Exception as exc:

@@ -3,7 +3,8 @@
 Invariants: a replica is a plain ``Engine`` (the same settings, the same cache tiers as
 ``kvwarm serve``); Ray only constructs it and calls its methods. Every ``generate`` answers
 ``Served`` first, then fragments, then exactly one ``Finished`` or ``Failed`` (``calls``); a
-cancelled call (the client left) cancels the engine stream. A replica reports, through
+cancelled call (the client left) cancels the engine stream, or an embedding's or a rerank's
+remaining work (``engine.cancel``). A replica reports, through
 ``record_routing_stats``, the tail of its cache's event log (``eventlog.EventLog``: rows its
 tiers gain and lose, live slots, chain links; the whole state on ``snapshot``), the chain
 hashes of the requests it finished (bounded, most recent first, for the ``prefix`` policy),
@@ -20,6 +21,7 @@ replica restores by its key.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -40,7 +42,8 @@ from kvwarm.cluster.eventlog import EventLog
 from kvwarm.cluster.gauges import ReplicaGauges
 from kvwarm.cluster.routing import WarmSet
 from kvwarm.cluster.routing.facts import encode_namespace, place
-from kvwarm.engine.ops import CALLS
+from kvwarm.engine.cancel import Cancellation
+from kvwarm.engine.ops import CALLS, CANCELLABLE
 from kvwarm.errors import InvalidRequestError, KvwarmError, UnknownModelError
 from kvwarm.server import budget
 from kvwarm.settings import Settings, model_config
@@ -228,9 +231,17 @@ class EngineReplica:
 
     async def call(self, op: ModelOp) -> object:
         """Anything but a generation; runs off the event loop. Errors come back as
-        ``Failed`` (the ingress re-raises them)."""
+        ``Failed`` (the ingress re-raises them). Ray cancels this call when the ingress
+        does (its client left, or its deadline passed): an embedding's or a rerank's
+        remaining work is then cancelled too, not left running in the thread."""
+        cancel = Cancellation()
+        if op.op in CANCELLABLE:
+            op = dataclasses.replace(op, kwargs={**op.kwargs, "cancel": cancel})
         try:
             return await asyncio.to_thread(self._call, op)
+        except asyncio.CancelledError:
+            cancel.cancel()
+            raise
         except Exception as exc:
             return Failed(_portable(exc))
 

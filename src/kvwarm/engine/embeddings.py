@@ -6,7 +6,9 @@ caller's thread before any job is queued (``docs/architecture.md``, "Engine"). A
 embedded in pieces of about ``n_batch`` tokens, one job each, queued one after the other, so
 the model's other requests get a tick between any two pieces (issue 41: 20,000 inputs as one
 job held a concurrent chat for 168 s), as a batch of completion prompts shares the model.
-Before each embedding job the context takes the LoRA set the embedding runs under
+Past its deadline (``timeout_s``: the server's ``request_timeout_s``) or once its caller
+cancels it (``engine.cancel``: the server's, on a disconnect), the pieces not yet begun are
+never run. Before each embedding job the context takes the LoRA set the embedding runs under
 (``Adapters.resolve``): the one it names (the server's global scales, as llama-server embeds),
 else the model's own, so a model with an adapter attached embeds with it, as it generates with
 it.
@@ -22,7 +24,9 @@ longer input comes; ``memory_bytes`` reports what it holds (the model counts it 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import CancelledError
 from dataclasses import replace
 
 from kvwarm.backends.base import (
@@ -32,10 +36,16 @@ from kvwarm.backends.base import (
     ContextMemory,
     ContextParams,
 )
+from kvwarm.engine.cancel import Cancellation, check_cancel, check_timeout
 from kvwarm.engine.request import check_tokens
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.engine.worker.runtime import LoraChoice
-from kvwarm.errors import ContextOverflowError, InvalidRequestError
+from kvwarm.errors import (
+    ContextOverflowError,
+    InvalidRequestError,
+    RequestCancelledError,
+    RequestTimeoutError,
+)
 
 #: The smallest embedding context, in tokens (llama.cpp pads a context to 256 cells anyway).
 _MIN_TOKENS = 512
@@ -88,8 +98,16 @@ class Embedder:
         *,
         normalize: bool,
         lora: LoraChoice | None = None,
+        timeout_s: float | None = None,
+        cancel: Cancellation | None = None,
     ) -> list[list[float]]:
-        """One vector per input: text (tokenized with BOS) or token ids, used as given."""
+        """One vector per input: text (tokenized with BOS) or token ids, used as given. Past
+        ``timeout_s`` (``RequestTimeoutError``), or once ``cancel`` is cancelled
+        (``RequestCancelledError``), the pieces not yet embedded are dropped from the queue
+        (one the worker has begun ends first, in the background)."""
+        check_timeout(timeout_s)
+        check_cancel(cancel)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         token_lists = self._tokens(inputs)
         limit = self._params.n_ctx
 
@@ -119,10 +137,32 @@ class Embedder:
             return [ctx.embed(toks, normalize=normalize) for toks in piece]
 
         vectors: list[list[float]] = []
+
+        def unembedded(why: str) -> str:
+            left = len(token_lists) - len(vectors)
+            return f"{why} with {left} of its {len(token_lists)} inputs not embedded"
+
         for piece in pieces(token_lists, self._params.n_batch):
             # One piece at a time: the next is queued once this one is done, after the
             # worker's next tick, never ahead of the other requests' tokens.
-            vectors += self._worker.call(functools.partial(run, piece)).result()
+            if cancel is not None and cancel.cancelled:
+                raise RequestCancelledError(unembedded("the embedding was cancelled"))
+            job = self._worker.call(functools.partial(run, piece))
+            # A piece not yet begun is dropped from the worker's queue (Future.cancel).
+            forget = cancel.on_cancel(job.cancel) if cancel is not None else None
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                vectors += job.result(wait)
+            except CancelledError:
+                raise RequestCancelledError(unembedded("the embedding was cancelled")) from None
+            except TimeoutError:
+                job.cancel()
+                raise RequestTimeoutError(
+                    unembedded(f"the embedding ran past its deadline ({timeout_s:g} s)")
+                ) from None
+            finally:
+                if forget is not None:
+                    forget()
         return vectors
 
     def _tokens(self, inputs: str | Sequence[str | Sequence[int]]) -> list[list[int]]:

@@ -37,6 +37,7 @@ from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, 
 from kvwarm.cache.formats.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
 from kvwarm.engine.adapters import Adapters
+from kvwarm.engine.cancel import Cancellation
 from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.describe import (
     LoadProgress,
@@ -854,15 +855,22 @@ class Model:
         *,
         normalize: bool = True,
         lora: LoraChoice | None = None,
+        timeout_s: float | None = None,
+        cancel: Cancellation | None = None,
     ) -> list[list[float]]:
         """One pooled vector per input. An input is text (tokenized with BOS) or token ids,
         used exactly as given: ids are never detokenized and tokenized again. ``lora``: the
-        adapters to embed under, as ``GenerationOptions.lora`` (None: the model's own set)."""
+        adapters to embed under, as ``GenerationOptions.lora`` (None: the model's own set).
+        Past ``timeout_s`` seconds (None: no deadline) the inputs not yet embedded are
+        dropped and ``RequestTimeoutError`` is raised; once ``cancel`` is cancelled (from any
+        thread), ``RequestCancelledError``."""
         self._check_ready()
         self._require("embed")
         check_lora(lora)
         self._adapters.check(lora)
-        return self._embedder.embed(inputs, normalize=normalize, lora=lora)
+        return self._embedder.embed(
+            inputs, normalize=normalize, lora=lora, timeout_s=timeout_s, cancel=cancel
+        )
 
     # ---- reranking ----------------------------------------------------------------------
 
@@ -875,6 +883,7 @@ class Model:
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        cancel: Cancellation | None = None,
     ) -> Reranking:
         """The ``documents`` by relevance to ``query``, best first, at most ``top_n`` (a
         reranker only: ``CapabilityError`` otherwise). Each document is scored in a slot of
@@ -883,7 +892,8 @@ class Model:
         ``max_tokens_per_doc`` cuts each document to that many tokens (Cohere's). A
         document whose prompt does not fit ``n_ctx`` is ``ContextOverflowError``, or cut to
         fit with ``rerank_truncate``. Past ``timeout_s`` seconds (None: no deadline) the
-        documents not yet scored are cancelled and ``RequestTimeoutError`` is raised."""
+        documents not yet scored are cancelled and ``RequestTimeoutError`` is raised; once
+        ``cancel`` is cancelled (from any thread), ``RequestCancelledError``."""
         self._check_ready()
         self._require("rerank")
         return self._ranker.rerank(
@@ -893,6 +903,7 @@ class Model:
             max_tokens_per_doc=max_tokens_per_doc,
             cache_salt=cache_salt,
             timeout_s=timeout_s,
+            cancel=cancel,
         )
 
     # ---- adapters -----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from kvwarm.cache.types import TtlClass
 
 if TYPE_CHECKING:
+    from kvwarm.engine.cancel import Cancellation
     from kvwarm.engine.prompts import ExtraFile
     from kvwarm.engine.request import Fragment
     from kvwarm.engine.types import (
@@ -149,9 +150,13 @@ class ModelCalls(Protocol):
         *,
         normalize: bool = True,
         lora: tuple[tuple[int, float], ...] | None = None,
+        timeout_s: float | None = None,
+        cancel: Cancellation | None = None,
     ) -> list[list[float]]:
         """One pooled vector per input (text or token ids), under the LoRA set ``lora``
-        ((handle, scale) pairs; None: the model's own)."""
+        ((handle, scale) pairs; None: the model's own); past ``timeout_s`` the inputs not
+        yet embedded are dropped (``RequestTimeoutError``), and once ``cancel`` is
+        cancelled (``RequestCancelledError``)."""
         ...
 
     def rerank(
@@ -163,9 +168,11 @@ class ModelCalls(Protocol):
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        cancel: Cancellation | None = None,
     ) -> Reranking:
         """The documents by relevance to ``query``, best first (a reranker only); past
-        ``timeout_s`` the documents not yet scored are cancelled (``RequestTimeoutError``)."""
+        ``timeout_s`` the documents not yet scored are cancelled (``RequestTimeoutError``),
+        and once ``cancel`` is cancelled (``RequestCancelledError``)."""
         ...
 
 
@@ -231,6 +238,8 @@ def _operations(protocol: type) -> frozenset[str]:
 
 
 CALLS: frozenset[OpName] = _operations(ModelCalls)
+#: The calls that take a ``cancel`` (a ``Cancellation``): their caller can end them early.
+CANCELLABLE: frozenset[OpName] = frozenset({"embed", "rerank"})
 STREAMS: frozenset[str] = _operations(ModelStreams)
 OPS: Mapping[str, OpKind] = {
     **{name: "call" for name in sorted(CALLS)},

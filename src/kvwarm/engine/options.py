@@ -31,6 +31,9 @@ class GenerationOverrides(TypedDict, total=False):
     seed: int | None
     grammar: str | None
     json_schema: Mapping[str, object] | None
+    grammar_triggers: tuple[str, ...]
+    grammar_start_patterns: tuple[str, ...]
+    grammar_once: bool
     parent_key: bytes | None
     deterministic: bool | None
     add_special: bool
@@ -39,6 +42,7 @@ class GenerationOverrides(TypedDict, total=False):
     prompt_logprobs: int | None
     logit_bias: Mapping[int, float] | None
     ignore_eos: bool
+    preserved_tokens: tuple[str, ...]
     cache_salt: str | None
     spec_type: str | None
     spec_draft_max: int | None

@@ -89,6 +89,9 @@ class Request:
     #: Whether it counts against the queue's ``max_queue``: a rerank's documents ride on the
     #: rerank's first request, so one rerank is one queued request however many it scores.
     counted: bool = True
+    #: The tokens whose text its reply keeps although they are special
+    #: (``GenerationOptions.preserved_tokens``, resolved by ``engine/submit.py``).
+    preserved: frozenset[int] = frozenset()
     channel: Channel[Event] = field(default_factory=Channel)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)

@@ -2,9 +2,14 @@
 every other request.
 
 A document's prompt is llama-server's (``format_prompt_rerank``): the GGUF's rerank template
-with ``{query}`` then ``{document}`` replaced, tokenized whole with special tokens parsed (so,
-as there, special-token text in a query or document is a special token); without a template,
-``[BOS] query [EOS] [SEP] document [EOS]``, each token as the vocabulary adds it. Each document
+with ``{query}`` then ``{document}`` replaced, tokenized whole with special tokens parsed;
+without a template, ``[BOS] query [EOS] [SEP] document [EOS]``, each token as the vocabulary
+adds it. One deliberate difference: a query or document is text, never markup. Where one holds
+special-token text (llama-server makes it a special token, so an untrusted document can forge
+the template's markers and inflate its own score), the template's pieces are tokenized with
+special parsing and the query and document without, then concatenated (``_template_tokens``;
+so too where a query's or document's edge spells a control token with the template's text
+beside it); every other prompt, and so its score, is llama-server's. Each document
 is one request of kind ``score`` in a slot of its own: the tick batches the documents of every
 rerank into its forward passes, and the model's rank pooling gives each its score as its
 prompt ends (``engine/worker/tick.py``). Scores are llama-server's: the first value the
@@ -32,19 +37,21 @@ is exactly the document's own, whatever else is being ranked (``tests/engine``,
 
 Invariants: every input is checked on the caller's thread before anything is queued; a
 rerank's requests are queued together or not at all and end together (the first failure
-cancels the rest, and is raised; so does a deadline, ``timeout_s``: the server's
-``request_timeout_s``); results are sorted by score, ties in document order.
+cancels the rest, and is raised; so do a deadline, ``timeout_s``: the server's
+``request_timeout_s``, and a ``Cancellation``: the server's, on its client's disconnect);
+results are sorted by score, ties in document order.
 """
 
 from __future__ import annotations
 
-import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvwarm.backends.base import BackendModel
 from kvwarm.cache.types import TtlClass
+from kvwarm.engine.cancel import Cancellation, check_cancel, check_timeout
 from kvwarm.engine.request import Done, Failed, Request, RequestKind
 from kvwarm.engine.types import GenerationOptions, Reranking, RerankResult
 from kvwarm.engine.worker.loop import Worker
@@ -52,9 +59,13 @@ from kvwarm.errors import (
     ContextOverflowError,
     EngineClosedError,
     InvalidRequestError,
+    RequestCancelledError,
     RequestTimeoutError,
 )
 from kvwarm.tokens import Prompt, common_prefix
+
+#: A rerank template's placeholders (split with them kept: text, placeholder, text, ...).
+_PLACEHOLDERS = re.compile(r"(\{query\}|\{document\})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +101,10 @@ class Ranker:
         self._whole = whole
         self._deterministic = deterministic
         self._align = n_batch if deterministic else 1
+        # Per token id: whether it is a control token (``_is_control``); the control tokens
+        # the rerank template's own text holds, in order (``_markers``).
+        self._control: dict[int, bool] = {}
+        self._template_markers: list[int] | None = None
 
     def rerank(
         self,
@@ -100,21 +115,34 @@ class Ranker:
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        cancel: Cancellation | None = None,
     ) -> Reranking:
         docs = self._check(query, documents, top_n, max_tokens_per_doc)
-        _check_timeout(timeout_s)
+        check_timeout(timeout_s)
+        check_cancel(cancel)
         options = GenerationOptions(max_tokens=0, temperature=0.0, cache_salt=cache_salt)
         options.validate()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         prompts = self._prompts(query, docs, max_tokens_per_doc)
         requests, scored = self._requests(prompts, options)
+        if cancel is not None and cancel.cancelled:  # its client left while it was tokenized
+            raise _cancelled(len(scored), len(scored))
         self._worker.submit(*requests)
-        try:
-            scores, cached = self._scores(scored, deadline, timeout_s)
-        finally:
+
+        def cancel_unanswered() -> None:
             for req in requests:
                 if not req.answered:
                     self._worker.cancel(req)
+
+        # A disconnect (any thread): the documents not yet scored are cancelled at once, so
+        # the worker stops on them; the loop below then finds an unscored one and raises.
+        forget = cancel.on_cancel(cancel_unanswered) if cancel is not None else None
+        try:
+            scores, cached = self._scores(scored, deadline, timeout_s, cancel)
+        finally:
+            if forget is not None:
+                forget()
+            cancel_unanswered()
         order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
         keep = len(order) if top_n is None else top_n
         return Reranking(
@@ -165,7 +193,9 @@ class Ranker:
     ) -> list[tuple[int, ...]]:
         """Each document's prompt, cut to ``max_tokens_per_doc`` document tokens and to the
         limit (``rerank_truncate``), or refused."""
-        empty = self._parts(query, "")
+        # Whether the query holds special-token text: asked once, not once per document.
+        marked = self._has_special(query)
+        empty = self._parts(query, "", marked)
         if len(empty[0]) + len(empty[2]) > self._limits.limit:
             raise ContextOverflowError(
                 f"the rerank prompt without a document has {len(empty[0]) + len(empty[2])} "
@@ -177,7 +207,7 @@ class Ranker:
             )
         prompts = []
         for i, doc in enumerate(docs):
-            head, body, tail = self._parts(query, doc, empty)
+            head, body, tail = self._parts(query, doc, marked, empty)
             if max_tokens_per_doc is not None:
                 body = body[:max_tokens_per_doc]
             room = self._limits.limit - len(head) - len(tail)
@@ -206,17 +236,16 @@ class Ranker:
         self,
         query: str,
         doc: str,
+        marked: bool,
         empty: tuple[list[int], list[int], list[int]] | None = None,
     ) -> tuple[list[int], list[int], list[int]]:
-        """A document's prompt as (before the document, the document, after it)."""
+        """A document's prompt as (before the document, the document, after it); ``marked``:
+        the query holds special-token text (``_template_tokens``)."""
         bm = self._bmodel
         facts = bm.facts
         template = facts.rerank_template
         if template is not None:
-            # llama-server's order: {query} first, so a query holding "{document}" has it
-            # replaced too, as there.
-            text = template.replace("{query}", query).replace("{document}", doc)
-            tokens = bm.tokenize(text, add_special=False, parse_special=True)
+            tokens = self._template_tokens(template, query, doc, marked)
             if empty is None:
                 return tokens, [], []
             # Where the document is: what the same prompt without it does not share with
@@ -233,6 +262,75 @@ class Ranker:
         end = [eos] if facts.add_eos and eos is not None else []
         sep = [facts.sep] if facts.add_sep and facts.sep is not None else []
         return [*bos, *q, *end, *sep], d, list(end)
+
+    def _template_tokens(
+        self, template: str, query: str, doc: str, query_marked: bool
+    ) -> list[int]:
+        """The template's prompt for ``query`` and ``doc``. As llama-server's whole render
+        tokenized with special tokens parsed, unless the query or the document holds
+        special-token text of its own: then, where llama-server would make it a special
+        token (an untrusted document forging the template's markers, e.g.
+        ``<|im_start|>assistant``, to inflate its own score), it stays text: the template's
+        pieces are tokenized with special parsing, the query and the document without, and
+        concatenated, as chat content is (``engine/prompts.py``); so too where the query's
+        or document's edge spells a control token with the template's text beside it (the
+        whole render's control tokens are not the template's own)."""
+        bm = self._bmodel
+        if not (query_marked or self._has_special(doc)):
+            # llama-server's order: {query} first, so a query holding "{document}" has it
+            # replaced too, as there.
+            text = template.replace("{query}", query).replace("{document}", doc)
+            whole = bm.tokenize(text, add_special=False, parse_special=True)
+            # Its control tokens are the template's own, unless the query's or document's
+            # edge spells one with the template's text beside it: then as below.
+            if [t for t in whole if self._is_control(t)] == self._markers(template):
+                return whole
+        tokens: list[int] = []
+        for k, piece in enumerate(_PLACEHOLDERS.split(template)):
+            if k % 2 == 0:
+                if piece:
+                    tokens += bm.tokenize(piece, add_special=False, parse_special=True)
+            else:
+                text = query if piece == "{query}" else doc
+                tokens += bm.tokenize(text, add_special=False, parse_special=False)
+        return tokens
+
+    def _markers(self, template: str) -> list[int]:
+        """The control tokens of the template's own text, in order (the same for every
+        rerank: the model's template is fixed)."""
+        markers = self._template_markers
+        if markers is None:
+            bm = self._bmodel
+            markers = [
+                t
+                for piece in _PLACEHOLDERS.split(template)[::2]
+                if piece
+                for t in bm.tokenize(piece, add_special=False, parse_special=True)
+                if self._is_control(t)
+            ]
+            self._template_markers = markers
+        return markers
+
+    def _is_control(self, token: int) -> bool:
+        """A control token: text only with special parsing, as llama.cpp writes it (its
+        piece is empty unless special), memoized per id."""
+        known = self._control.get(token)
+        if known is None:
+            bm = self._bmodel
+            known = not bm.token_to_piece(token, special=False) and bool(
+                bm.token_to_piece(token, special=True)
+            )
+            self._control[token] = known
+        return known
+
+    def _has_special(self, text: str) -> bool:
+        """Whether ``text`` tokenizes otherwise with special tokens parsed (it holds a special
+        token's text)."""
+        if not text:
+            return False
+        bm = self._bmodel
+        plain = bm.tokenize(text, add_special=False, parse_special=False)
+        return bm.tokenize(text, add_special=False, parse_special=True) != plain
 
     def _requests(
         self, prompts: Sequence[tuple[int, ...]], options: GenerationOptions
@@ -265,11 +363,15 @@ class Ranker:
         return ([head] if head is not None else []) + docs, docs
 
     def _scores(
-        self, docs: Sequence[Request], deadline: float | None, timeout_s: float | None
+        self,
+        docs: Sequence[Request],
+        deadline: float | None,
+        timeout_s: float | None,
+        cancel: Cancellation | None,
     ) -> tuple[list[float], int]:
         """Each document's score, in order, and the prompt tokens reused; the first failure
-        is raised, and ``RequestTimeoutError`` past ``deadline`` (the caller cancels the
-        rest)."""
+        is raised, ``RequestTimeoutError`` past ``deadline`` and ``RequestCancelledError``
+        once ``cancel`` is cancelled (the caller cancels the rest)."""
         scores: list[float] = []
         cached = 0
         for req in docs:
@@ -286,6 +388,8 @@ class Ranker:
                 raise event.error
             assert isinstance(event, Done)
             done = event.completion
+            if done.score is None and cancel is not None and cancel.cancelled:
+                raise _cancelled(len(docs) - len(scores), len(docs))
             if done.score is None:
                 raise EngineClosedError(
                     "the rerank was cancelled before every document was scored (the model "
@@ -296,16 +400,8 @@ class Ranker:
         return scores, cached
 
 
-def _check_timeout(timeout_s: object) -> None:
-    if timeout_s is None:
-        return
-    if (
-        isinstance(timeout_s, bool)
-        or not isinstance(timeout_s, int | float)
-        or not math.isfinite(timeout_s)
-        or timeout_s <= 0
-    ):
-        raise InvalidRequestError(
-            f"timeout_s must be a finite number of seconds > 0 (or None), got {timeout_s!r}",
-            param="timeout_s",
-        )
+def _cancelled(unscored: int, total: int) -> RequestCancelledError:
+    return RequestCancelledError(
+        f"the rerank was cancelled by its caller with {unscored} of its {total} documents "
+        "unscored; they were cancelled"
+    )

@@ -40,6 +40,19 @@ def choice_options(opts: GenerationOptions, n: int, limit: int) -> list[Generati
     return [replace(opts, seed=(base + i) % RANDOM_SEED) for i in range(n)]
 
 
+def preserved_ids(bmodel: BackendModel, texts: Sequence[str]) -> frozenset[int]:
+    """The tokens a reply writes the text of although they are special: each of ``texts``
+    (``GenerationOptions.preserved_tokens``) that the vocabulary holds as one token, as
+    llama-server resolves its ``preserved_tokens``. A text of several tokens is plain text in
+    the reply anyway."""
+    kept: set[int] = set()
+    for text in texts:
+        ids = bmodel.tokenize(text, add_special=False, parse_special=True)
+        if len(ids) == 1:
+            kept.add(ids[0])
+    return frozenset(kept)
+
+
 @dataclass(frozen=True, slots=True)
 class Submitter:
     bmodel: BackendModel
@@ -127,6 +140,8 @@ class Submitter:
                 opts.parent_key, self.policy.session_resume_wait_ms / 1e3
             )
 
+        preserved = preserved_ids(self.bmodel, opts.preserved_tokens)
+
         def request(options: GenerationOptions, others: tuple[Request, ...] = ()) -> Request:
             return Request(
                 prompt=prompt,
@@ -139,6 +154,7 @@ class Submitter:
                 fragments=fragments,
                 forks=others,
                 media=given.media,
+                preserved=preserved,
             )
 
         req = request(opts, tuple(request(f) for f in forks))

@@ -86,6 +86,10 @@ _MIN_REPEAT_PENALTY = 1e-6
 #: Largest per-request LoRA scale magnitude: llama.cpp takes a float32, and a scale this large
 #: already overflows a model's activations (NaN logits, which fail the request, never the model).
 MAX_LORA_SCALE = 1e6
+#: ``GenerationOptions.preserved_tokens``: how many texts, and how long each (a token's text;
+#: each is tokenized once per request).
+MAX_PRESERVED_TOKENS = 64
+MAX_PRESERVED_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,16 @@ class GenerationOptions:
     seed: int | None = _SAMPLER.seed
     grammar: str | None = None
     json_schema: Mapping[str, object] | None = None
+    #: A lazy ``grammar`` (llama-server's ``grammar_lazy``): the reply is free until one of
+    #: these words appears in it, then the grammar, whose text starts with that word, holds;
+    #: once complete the reply is free again until the next one (a tool call's grammar: text
+    #: and more calls may follow), or with ``grammar_once`` it ends there.
+    grammar_triggers: tuple[str, ...] = ()
+    #: Regular expressions the lazy grammar also starts at, matched against the reply's text
+    #: from its start (llama-server's ``PATTERN_FULL`` triggers: Llama 3.x's bare-JSON call);
+    #: the grammar's text starts at the pattern's first group (its whole match without one).
+    grammar_start_patterns: tuple[str, ...] = ()
+    grammar_once: bool = False
     parent_key: bytes | None = None
     deterministic: bool | None = None  # None: the model's default
     add_special: bool = True  # prepend BOS etc. when tokenizing a text prompt
@@ -115,6 +129,13 @@ class GenerationOptions:
     prompt_logprobs: int | None = None
     logit_bias: Mapping[int, float] | None = None  # token id -> bias added to its logit
     ignore_eos: bool = False  # never sample end-of-generation tokens (benchmarks, fixed lengths)
+    #: Texts of special tokens that stay in the reply's text (llama-server's
+    #: ``preserved_tokens``): a control token's text is otherwise left out of it, as EOS's and
+    #: the template's markup are. Each text the vocabulary holds as one token is written into
+    #: the reply where that token is generated (the server's tool-call markers, such as
+    #: Mistral's ``[TOOL_CALLS]``, so its parser sees them); any other text is plain text
+    #: there anyway.
+    preserved_tokens: tuple[str, ...] = ()
     # Requests share cached rows and live KV only when they share a salt (None: the unsalted,
     # shared namespace). A tenant's secret: never logged, never written to a row file.
     cache_salt: str | None = None
@@ -172,6 +193,8 @@ class GenerationOptions:
         if self.grammar is not None and self.json_schema is not None:
             raise InvalidRequestError("give grammar or json_schema, not both", param="grammar")
         self._check_text()
+        self._check_triggers()
+        self._check_preserved()
         self._check_salt()
         self._check_lora()
         if self.parent_key is not None and len(self.parent_key) != 32:
@@ -230,6 +253,49 @@ class GenerationOptions:
                 "json_schema contains a lone UTF-16 surrogate", param="json_schema"
             )
 
+    def _check_triggers(self) -> None:
+        from kvwarm.backends.lazy_grammar import trigger_watch
+        from kvwarm.errors import InvalidRequestError
+
+        triggers = self.grammar_triggers
+        starts = self.grammar_start_patterns
+        for name, value in (("grammar_triggers", triggers), ("grammar_start_patterns", starts)):
+            if not isinstance(value, tuple | list) or not all(isinstance(t, str) for t in value):
+                raise InvalidRequestError(f"{name} must be a list of strings", param=name)
+        if not isinstance(self.grammar_once, bool):
+            raise InvalidRequestError("grammar_once must be true or false", param="grammar_once")
+        if self.json_schema is not None and (triggers or starts):
+            name = "grammar_triggers" if triggers else "grammar_start_patterns"
+            raise InvalidRequestError(
+                f"{name} start a grammar (GBNF), not a json_schema", param=name
+            )
+        trigger_watch(
+            SamplingParams(
+                grammar=self.grammar,
+                grammar_triggers=tuple(triggers),
+                grammar_start_patterns=tuple(starts),
+                grammar_once=self.grammar_once,
+            )
+        )
+
+    def _check_preserved(self) -> None:
+        from kvwarm.errors import InvalidRequestError
+        from kvwarm.unicode import encode_utf8
+
+        kept = self.preserved_tokens
+        if (
+            not isinstance(kept, tuple | list)
+            or len(kept) > MAX_PRESERVED_TOKENS
+            or not all(isinstance(t, str) and 0 < len(t) <= MAX_PRESERVED_CHARS for t in kept)
+        ):
+            raise InvalidRequestError(
+                f"preserved_tokens must be a list of at most {MAX_PRESERVED_TOKENS} non-empty "
+                f"strings of at most {MAX_PRESERVED_CHARS} characters",
+                param="preserved_tokens",
+            )
+        for text in kept:
+            encode_utf8(text, param="preserved_tokens")
+
     def _check_spec(self) -> None:
         from kvwarm.errors import InvalidRequestError
 
@@ -275,6 +341,9 @@ class GenerationOptions:
             logit_bias=tuple(sorted(bias.items())),
             seed=sampler_seed(self.seed),
             grammar=grammar,
+            grammar_triggers=tuple(self.grammar_triggers),
+            grammar_start_patterns=tuple(self.grammar_start_patterns),
+            grammar_once=self.grammar_once,
             **knobs,
         )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 import weakref
 from collections import OrderedDict
@@ -38,6 +39,8 @@ from kvwarm.server.schemas import (
 )
 from kvwarm.server.tool_stream import ToolStream
 from kvwarm.server.tools import (
+    CallFormat,
+    CallGrammar,
     ChatPlan,
     Part,
     ToolCall,
@@ -140,6 +143,74 @@ def accepts_system(model: ServedModel) -> bool:
     return answer
 
 
+# ``call_format``'s answer per model object (a tuple: None is an answer too).
+_PROBED_FORMATS: weakref.WeakKeyDictionary[ServedModel, tuple[CallFormat | None]] = (
+    weakref.WeakKeyDictionary()
+)
+_PROBE_TOOL: dict[str, object] = {
+    "type": "function",
+    "function": {
+        "name": "kvwarm_probe",
+        "description": "a probe of how the template writes a call",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+    },
+}
+_PROBE_CALL: list[dict[str, object]] = [
+    {"role": "user", "content": "hi"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "kvwprobe1",
+                "type": "function",
+                "function": {"name": "kvwarm_probe", "arguments": {"q": "x"}},
+            }
+        ],
+    },
+]
+#: How each format held (``tools.CallFormat``) shows the probe's call.
+_SHOWN: tuple[tuple[CallFormat, re.Pattern[str]], ...] = (
+    ("hermes", re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"kvwarm_probe"')),
+    # Any key order: a template may write "arguments" first (``tojson(sort_keys=true)``).
+    ("mistral-list", re.compile(r'\[TOOL_CALLS\]\s*\[\s*\{[^\]]*"name"\s*:\s*"kvwarm_probe"')),
+    ("mistral-args", re.compile(r"\[TOOL_CALLS\]kvwarm_probe(?:\[CALL_ID\]\w*)?\[ARGS\]")),
+    # Functionary v3.1's template joins its tag to ``tojson``'s result: jinja2's own filter
+    # returned Markup and HTML-escaped it (``&lt;function=...&gt;``); ours, Hugging Face's, does
+    # not, and either form is read. The model writes the tag itself.
+    ("function-tag", re.compile(r"(?:<|&lt;)function=kvwarm_probe(?:>|&gt;)")),
+    # Last: the formats above show the same object. The call's arguments, not the tool's
+    # own definition (which ``tojson`` may also write as "name" then "parameters").
+    (
+        "llama3-json",
+        re.compile(r'"name"\s*:\s*"kvwarm_probe"\s*,\s*"parameters"\s*:\s*\{\s*"q"\s*:\s*"x"'),
+    ),
+)
+
+
+def call_format(model: ServedModel) -> CallFormat | None:
+    """The format a template that renders tools writes a call in, where a lazy grammar can
+    hold it (``tools.LazyCalls``), as the template shows a call in the history; None for
+    any other, or a template that refuses the probe. Remembered per model."""
+    with _PROBED_LOCK:
+        known = _PROBED_FORMATS.get(model)
+        if known is not None:
+            return known[0]
+    try:
+        rendered = model.apply_chat_template(
+            _PROBE_CALL, tools=[_PROBE_TOOL], add_generation_prompt=False
+        )
+    except ReplicaUnavailableError:
+        raise  # a cluster lost the replica asked: no answer about the template
+    except Exception:  # a template that chokes on a call in the history: no grammar
+        answer: CallFormat | None = None
+    else:
+        answer = next((fmt for fmt, shown in _SHOWN if shown.search(rendered)), None)
+    with _PROBED_LOCK:
+        _PROBED_FORMATS[model] = (answer,)
+    return answer
+
+
 async def plan(
     model: ServedModel,
     messages: Sequence[ChatMessage],
@@ -157,14 +228,31 @@ async def plan(
     check_tools(tools or ())  # every tool declared, before allowed_tools picks some
     if isinstance(tool_choice, AllowedToolsChoice):
         tools, tool_choice = allowed_tools(tools, tool_choice)
-    native, system = False, True
+    native, system, calls = False, True, None
     if tools and tool_choice != "none":
         native = await run_in_threadpool(renders_tools, model, tools)
         if not native:
             system = await run_in_threadpool(accepts_system, model)
+        elif tool_choice in (None, "auto"):
+            calls = await run_in_threadpool(call_format, model)
     return plan_chat(
-        messages, tools, tool_choice, renders_tools=native, parallel=parallel, system=system
+        messages,
+        tools,
+        tool_choice,
+        renders_tools=native,
+        parallel=parallel,
+        system=system,
+        native_format=calls,
     )
+
+
+async def call_grammar(plan: ChatPlan, *, whole: bool) -> CallGrammar | None:
+    """tool_choice auto's call grammar (``plan.lazy``), built off the event loop (a tool's
+    100,000-value ``enum`` takes ~0.2 s to convert); None where its calls are not held or the
+    request constrains its ``whole`` reply itself (its own grammar, a response format)."""
+    if plan.lazy is None or whole:
+        return None
+    return await run_in_threadpool(plan.lazy.grammar)
 
 
 def allowed_tools(

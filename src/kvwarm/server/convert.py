@@ -26,7 +26,7 @@ from kvwarm.engine.types import (
 from kvwarm.errors import InvalidRequestError
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.schemas import ResponseFormat, SamplingFields
-from kvwarm.server.tools import ToolCall
+from kvwarm.server.tools import CallGrammar, ToolCall
 
 Json = dict[str, object]
 
@@ -64,12 +64,17 @@ def options(
     cache_salt: str | None = None,
     lora: tuple[tuple[int, float], ...] | None = None,
     names: Mapping[str, str] | None = None,
+    calls: CallGrammar | None = None,
+    preserved: tuple[str, ...] = (),
 ) -> GenerationOptions:
     """``req``'s engine options; ``cache_salt`` is the one ``server.tenancy`` resolved (the
     body's field is only one of its inputs), ``lora`` the adapters ``server.lora`` chose;
     ``over_limit``: what a length above ``max_tokens_limit`` gets (``length_within``).
     ``names``: the client's name of a field another API spells otherwise (Anthropic's
-    ``stop_sequences`` for ``stop``), so an error about it names what the client sent."""
+    ``stop_sequences`` for ``stop``), so an error about it names what the client sent.
+    ``calls``: tool_choice auto's call grammar (``chat.call_grammar``), unless the request
+    constrains the whole reply itself (``grammar``, a response format). ``preserved``: the
+    special tokens whose text the reply keeps (``ChatPlan.preserved``: tool-call markers)."""
     stop: tuple[str, ...] = ()
     if isinstance(req.stop, str):
         stop = (req.stop,) if req.stop else ()
@@ -108,7 +113,16 @@ def options(
         "spec_type": req.spec_type,
         "spec_draft_max": req.spec_draft_max,
         "lora": lora,
+        "preserved_tokens": preserved,
     }
+    if calls is not None and json_schema is None and req.grammar is None:
+        overrides |= {
+            "grammar": calls.grammar,
+            "grammar_triggers": calls.triggers,
+            "grammar_start_patterns": calls.starts,
+            # A reply that may not end (ignore_eos) is free again after its call instead.
+            "grammar_once": calls.once and not req.ignore_eos,
+        }
     for name in SAMPLING_OPTIONS:
         value = getattr(req, name)
         if value is not None:

@@ -83,6 +83,8 @@ _KINDS: dict[type[BaseException], ErrorKind] = {
     e.GrammarError: ErrorKind(400, _INVALID, "invalid_grammar"),
     e.NotAModelError: ErrorKind(400, _INVALID, "not_a_model"),
     e.RequestTimeoutError: ErrorKind(503, "service_unavailable", "request_timeout"),
+    # nginx's "client closed request": the client that asked is gone; nobody reads it.
+    e.RequestCancelledError: ErrorKind(499, _INVALID, "client_closed_request"),
     e.ServerShuttingDownError: ErrorKind(503, "service_unavailable", "shutting_down"),
     e.FimNotSupportedError: ErrorKind(400, _INVALID, "fim_not_supported"),
     e.MediaError: ErrorKind(400, _INVALID, "invalid_media"),

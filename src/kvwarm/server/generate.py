@@ -9,6 +9,8 @@ Invariants:
 - A streamed response is *primed* before any header is sent: errors the engine raises before the
   first fragment (context overflow, a bad grammar) become proper 4xx responses, not a 200 stream
   carrying an error.
+- A rerank or an embedding (a blocking call, ``run_cancellable``) is cancelled the same way
+  when its client leaves: the model drops its work not yet done.
 - Every finished generation logs exactly one line on ``kvwarm.server.requests``, naming the end
   user the request said it came for (OpenAI's ``user``, Anthropic's ``metadata.user_id``), if
   it said one.
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, TypeVar
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from kvwarm.engine.cancel import Cancellation
 from kvwarm.engine.request import Fragment
 from kvwarm.engine.types import Completion
 from kvwarm.errors import KvwarmError, RequestTimeoutError
@@ -233,6 +236,31 @@ class Generation:
         if done.stats.reuse is not None:
             self._state.counters.record_cache_reason(self.model_id, done.stats.reuse.reason.value)
         log_request(self.endpoint, self.model_id, done, self.started, self.disconnected, self.user)
+
+
+_T = TypeVar("_T")
+
+
+async def run_cancellable(request: Request, work: Callable[[Cancellation], _T]) -> _T:
+    """``work`` (a blocking model call: a rerank, an embedding) on the thread pool, given a
+    ``Cancellation`` that the client's disconnect cancels meanwhile, as a generation's stream
+    is cancelled: the model stops on it (found by review: a rerank or an embedding went on
+    for a client long gone; llama-server stops)."""
+    cancel = Cancellation()
+
+    async def watch() -> None:
+        await wait_disconnect(request)
+        cancel.cancel()
+        log.info("%s: the client left; its work was cancelled", request.url.path)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await run_in_threadpool(work, cancel)
+    except asyncio.CancelledError:  # the handler itself is cancelled: nobody waits either
+        cancel.cancel()
+        raise
+    finally:
+        watcher.cancel()
 
 
 async def wait_disconnect(request: Request) -> None:

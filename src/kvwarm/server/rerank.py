@@ -2,7 +2,8 @@
 llama-server serves it with ``--rerank``, on a model whose pooling is rank.
 
 Invariant: the handler never blocks the event loop: the rerank (tokenizing, then waiting for
-every document's score from the worker) runs in the thread pool, as ``/v1/embeddings`` does.
+every document's score from the worker) runs in the thread pool, as ``/v1/embeddings`` does,
+under ``request_timeout_s``; the client's disconnect cancels it (``run_cancellable``).
 The documents go through the model's queue, slots and batching like any request
 (``kvwarm.engine.rerank``); a model that is not a reranker answers 400 ``unsupported_by_model``.
 """
@@ -12,14 +13,14 @@ from __future__ import annotations
 import uuid
 
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvwarm.engine.cancel import Cancellation
 from kvwarm.engine.types import Reranking
 from kvwarm.server import tenancy
 from kvwarm.server.errors import HTTPError
-from kvwarm.server.generate import request_log
+from kvwarm.server.generate import request_log, run_cancellable
 from kvwarm.server.schemas import RerankRequest, check_count, json_body, parse_body, read_json
 from kvwarm.server.state import server_state
 from kvwarm.settings import Settings
@@ -61,7 +62,7 @@ async def rerank(request: Request) -> Response:
     texts = [d if isinstance(d, str) else d.text for d in req.documents]
     salt = tenancy.cache_salt(request, req.cache_salt, state.settings)
 
-    def work() -> Reranking:
+    def work(cancel: Cancellation) -> Reranking:
         return model.rerank(
             req.query,
             texts,
@@ -72,9 +73,10 @@ async def rerank(request: Request) -> Response:
             # thousand long documents held the model's queue as long as it took, its client
             # long gone; under kvwarm cluster the replica went on after the ingress gave up).
             timeout_s=state.settings.request_timeout_s or None,
+            cancel=cancel,  # the client's disconnect
         )
 
-    ranking = await run_in_threadpool(work)
+    ranking = await run_cancellable(request, work)
     results: list[dict[str, object]] = []
     for result in ranking.results:
         item: dict[str, object] = {

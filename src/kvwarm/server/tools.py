@@ -11,6 +11,12 @@ Invariants:
 - A call is only reported for a tool the request declared; anything else stays content.
 - ``tool_choice`` "required" or a named function constrains decoding with a JSON schema, so the
   reply *is* a call; "none" hides the tools from the model entirely.
+- ``tool_choice`` "auto" holds a call to the same schema once the model starts one, where its
+  format has an opener a grammar can start at (``LazyCalls``: ``<tool_call>``, the described
+  format's and Hermes/Qwen templates'; Mistral's ``[TOOL_CALLS]``; ``<function=name>``;
+  Llama 3.x's ``<|python_tag|>``), or, for Llama 3.x's bare-JSON call, where the reply
+  begins as one (``{"name"`` at its start); the text around calls stays free. Other formats'
+  calls are as the model writes them.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ import re
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
+from kvwarm.backends.grammar import schemas_to_rules
+from kvwarm.errors import GrammarError
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.media import engine_parts
 from kvwarm.server.schemas import (
@@ -61,6 +70,160 @@ class ToolCall:
 #: A reply is texts and calls, in the order the model wrote them.
 Part = str | ToolCall
 
+#: The call formats a lazy grammar holds (``LazyCalls``), each started by its opener:
+#: "hermes", a ``<tool_call>`` block of ``{"name", "arguments"}`` JSON (the described tools'
+#: format; Hermes, Qwen templates); "mistral-list", ``[TOOL_CALLS]`` and a JSON list of such
+#: calls, each with an optional 9-character ``id`` (Mistral 7B v0.3, Nemo);
+#: "mistral-args", ``[TOOL_CALLS]name[ARGS]{...}`` with an optional ``[CALL_ID]id`` before
+#: ``[ARGS]`` (Mistral Small 3.2, Devstral, Magistral), one opener per call;
+#: "function-tag", ``<function=name>{...}</function>`` (Llama 3.1 templates of functionary's
+#: style); "llama3-json", Llama 3.x's ``{"name": ..., "parameters": {...}}``, the whole reply
+#: (no opener: held when the reply begins as one, ``LLAMA3_START``) or after
+#: ``<|python_tag|>``.
+CallFormat = Literal["hermes", "mistral-list", "mistral-args", "function-tag", "llama3-json"]
+CALL_FORMATS: tuple[CallFormat, ...] = (
+    "hermes",
+    "mistral-list",
+    "mistral-args",
+    "function-tag",
+    "llama3-json",
+)
+_OPENERS: dict[CallFormat, str] = {
+    "hermes": "<tool_call>",
+    "mistral-list": "[TOOL_CALLS]",
+    "mistral-args": "[TOOL_CALLS]",
+    "function-tag": "<function=",
+    "llama3-json": "<|python_tag|>",
+}
+#: Where a reply begins as a Llama 3.x bare-JSON call (llama.cpp's ``PATTERN_FULL`` trigger for
+#: it): an object whose first key is ``"name"`` (after an optional ``"type": "function"``).
+#: The grammar holds from the ``{`` on; a reply that begins otherwise stays free.
+LLAMA3_START = r'\s*(\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name")'
+#: The formats whose grammar names each tool in GBNF of its own: a name the format's parser
+#: cannot read back gets no grammar.
+_NAMED_FORMATS: frozenset[CallFormat] = frozenset({"mistral-args", "function-tag"})
+#: The texts the parser reads calls by. A model's vocabulary may hold one as a control token
+#: (Mistral's ``[TOOL_CALLS]``, ``[ARGS]``, ``[CALL_ID]``; Llama 3's ``<|python_tag|>``; some
+#: Hermes-style ``<tool_call>``), whose text a reply leaves out unless it is preserved
+#: (``GenerationOptions.preserved_tokens``, llama-server's ``preserved_tokens``): a request
+#: whose calls are parsed keeps every one of them in the text the parser reads.
+CALL_MARKERS: tuple[str, ...] = (
+    "<tool_call>",
+    "</tool_call>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "[CALL_ID]",
+    "<|python_tag|>",
+    "<function=",
+    "</function>",
+)
+#: The rules a call grammar adds around the schemas' (``_call_grammar`` checks that no
+#: schema's rule has one of these names).
+_SPACE = "kvwarm-call-space ::= [ \\t\\r\\n]{0,4}"
+_CALL_ID = "kvwarm-call-id ::= [a-zA-Z0-9]{9}"
+#: JSON's whitespace between a call object's tokens, a pretty-printer's indent included.
+_JSON_SPACE = "kvwarm-json-space ::= [ \\t\\r\\n]{0,20}"
+_RULE_NAME = re.compile(r"^([A-Za-z0-9-]+) ::=", re.MULTILINE)
+_MISTRAL_NAME = re.compile(r"[\w.\-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class CallGrammar:
+    """A lazy grammar (``GenerationOptions.grammar_triggers``): ``grammar`` holds from one of
+    ``triggers`` on; ``once``: the reply ends after the call (parallel calls off)."""
+
+    grammar: str
+    triggers: tuple[str, ...]
+    once: bool
+    starts: tuple[str, ...] = ()  # ``GenerationOptions.grammar_start_patterns``
+
+
+@dataclass(frozen=True, slots=True)
+class LazyCalls:
+    """``tool_choice`` auto's calls in ``format``, held to ``tools``' schemas once one starts.
+    The grammar is built only when a request is decoded with it (not to count tokens)."""
+
+    tools: tuple[Tool, ...]
+    format: CallFormat
+    once: bool
+
+    def grammar(self) -> CallGrammar:
+        """``GrammarError`` (a 400) for a schema the grammar cannot hold, as for a forced
+        call's."""
+        grammar = call_grammar(self.format, self.tools, once=self.once)
+        starts = (LLAMA3_START,) if self.format == "llama3-json" else ()
+        return CallGrammar(grammar, (_OPENERS[self.format],), self.once, starts)
+
+
+def call_grammar(fmt: CallFormat, tools: Sequence[Tool], *, once: bool = False) -> str:
+    """GBNF of one call in ``fmt`` (from its opener to its end) of one of ``tools``, with
+    arguments its schema admits (``once``: a list format's list holds one call)."""
+    if fmt == "hermes":
+        rules, (call,) = schemas_to_rules([forced_call_schema(tools)], "kvwarm-call")
+        root = f'"<tool_call>" kvwarm-call-space {call} kvwarm-call-space "</tool_call>"'
+        return _call_grammar(root, [_SPACE], rules)
+    if fmt == "mistral-list":
+        schema = forced_call_schema(tools, with_id=True)
+        defs = schema.pop("$defs", None)
+        listed: dict[str, object] = {"type": "array", "items": schema, "minItems": 1}
+        if once:
+            listed["maxItems"] = 1
+        if defs is not None:
+            listed["$defs"] = defs
+        rules, (calls,) = schemas_to_rules([listed], "kvwarm-call")
+        return _call_grammar(f'"[TOOL_CALLS]" kvwarm-call-space {calls}', [_SPACE], rules)
+    parameters = [tool.function.parameters or {"type": "object"} for tool in tools]
+    rules, names = schemas_to_rules(parameters, "kvwarm-args")
+    if fmt == "function-tag":
+        tags = " | ".join(
+            f"{_literal(tool.function.name + '>')} kvwarm-call-space {args}"
+            for tool, args in zip(tools, names, strict=True)
+        )
+        root = f'"<function=" ({tags}) kvwarm-call-space "</function>"'
+        return _call_grammar(root, [_SPACE], rules)
+    if fmt == "llama3-json":
+        objects = " | ".join(
+            _llama_object(tool.function.name, args) for tool, args in zip(tools, names, strict=True)
+        )
+        root = f'("<|python_tag|>" kvwarm-json-space)? ({objects})'
+        return _call_grammar(root, [_JSON_SPACE], rules)
+    alternatives = " | ".join(
+        f'{_literal(tool.function.name)} ("[CALL_ID]" kvwarm-call-id)? "[ARGS]" {args}'
+        for tool, args in zip(tools, names, strict=True)
+    )
+    return _call_grammar(f'"[TOOL_CALLS]" ({alternatives})', [_CALL_ID], rules)
+
+
+def _llama_object(name: str, args: str) -> str:
+    """GBNF of Llama 3.x's call object of tool ``name`` whose arguments are rule ``args``:
+    ``"name"`` first (after an optional ``"type": "function"``), then ``"parameters"`` (or
+    ``"arguments"``); the name as the model writes it, not ASCII-escaped."""
+    ws = "kvwarm-json-space"
+    quoted = _literal(json.dumps(name, ensure_ascii=False))
+    kind = f'"\\"type\\"" {ws} ":" {ws} "\\"function\\"" {ws} "," {ws}'
+    key = '("\\"parameters\\"" | "\\"arguments\\"")'
+    return (
+        f'"{{" {ws} ({kind})? "\\"name\\"" {ws} ":" {ws} {quoted} {ws} "," {ws} '
+        f'{key} {ws} ":" {ws} {args} {ws} "}}"'
+    )
+
+
+def _literal(text: str) -> str:
+    """``text`` as a GBNF string literal (JSON's escapes are GBNF's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _call_grammar(root: str, own: Sequence[str], rules: str) -> str:
+    """``root`` and ``own`` rules beside the schemas' ``rules``, none of which may take a name
+    of ours (a ``$defs`` entry names a rule: one named ``root`` is a 400)."""
+    ours = {"root", *(rule.split(" ::=", 1)[0] for rule in own)}
+    if taken := ours & set(_RULE_NAME.findall(rules)):
+        raise GrammarError(
+            f"a tool's schema names a rule {sorted(taken)[0]!r}, which a call's grammar uses",
+            param="tools",
+        )
+    return "\n".join([f"root ::= {root}", *own, rules])
+
 
 @dataclass(frozen=True, slots=True)
 class ChatPlan:
@@ -73,6 +236,13 @@ class ChatPlan:
     names: frozenset[str]  # the tools a call may name; empty: do not parse calls
     forced: bool  # tool_choice required / named: the whole reply is one call
     single: bool = False  # parallel calls turned off: a reply makes at most one call
+    lazy: LazyCalls | None = None  # tool_choice auto: a call held to its schema once started
+
+    @property
+    def preserved(self) -> tuple[str, ...]:
+        """The special tokens the reply's text keeps (``CALL_MARKERS``) where its calls are
+        parsed: the parser must see a call's markers, whatever tokens they are."""
+        return CALL_MARKERS if self.names else ()
 
     def parts(self, text: str) -> list[Part]:
         """A whole reply as its texts and calls in order (``reply_parts``), keeping only the
@@ -256,11 +426,15 @@ def _has_local_ref(node: object) -> bool:
     return '"$ref": "#' in text
 
 
-def forced_call_schema(tools: Sequence[Tool]) -> dict[str, object]:
+_MISTRAL_ID: dict[str, object] = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
+
+
+def forced_call_schema(tools: Sequence[Tool], *, with_id: bool = False) -> dict[str, object]:
     """A schema whose instances are exactly the calls of ``tools``. A tool's parameters that
     refer into themselves (``"$ref": "#/$defs/..."``, as pydantic writes nested models) keep
     resolving: they are copied under the wrapper's ``$defs`` and their references rebased
-    there, since the wrapper, not the parameters, is the document's root now."""
+    there, since the wrapper, not the parameters, is the document's root now. ``with_id``:
+    a call may end with the 9-character ``id`` Mistral's list format gives it."""
     variants: list[dict[str, object]] = []
     defs: dict[str, object] = {}
     for i, tool in enumerate(tools):
@@ -271,7 +445,11 @@ def forced_call_schema(tools: Sequence[Tool]) -> dict[str, object]:
         variants.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
+                "properties": {
+                    "name": {"const": tool.function.name},
+                    "arguments": parameters,
+                    **({"id": _MISTRAL_ID} if with_id else {}),
+                },
                 "required": ["name", "arguments"],
             }
         )
@@ -312,8 +490,11 @@ def plan_chat(
     renders_tools: bool,
     parallel: bool = True,
     system: bool = True,
+    native_format: CallFormat | None = None,
 ) -> ChatPlan:
-    """Decide how tools reach the model. ``renders_tools``: the template shows tools natively.
+    """Decide how tools reach the model. ``renders_tools``: the template shows tools natively;
+    ``native_format``: the format its calls take, where a lazy grammar can hold them (None:
+    under tool_choice auto they are as the model writes them).
     ``parallel`` False (OpenAI's ``parallel_tool_calls``, Anthropic's
     ``disable_parallel_tool_use``): a reply makes at most one call. ``system`` False: the
     template does not show a system message (refuses or drops it), so described tools open
@@ -344,9 +525,19 @@ def plan_chat(
     forced = tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)
     schema = forced_call_schema(chosen) if forced else None
     names = frozenset(t.function.name for t in chosen)
+    calls_format = native_format if renders_tools else "hermes"
+    if calls_format in _NAMED_FORMATS and not all(
+        _MISTRAL_NAME.fullmatch(t.function.name) for t in chosen
+    ):
+        calls_format = None  # a name the format's parser cannot read back: no grammar
+    lazy = (
+        LazyCalls(tuple(chosen), calls_format, not parallel)
+        if not forced and calls_format is not None
+        else None
+    )
     if renders_tools:
         rendered = template_messages(messages, native=True)
-        return ChatPlan(rendered, openai_tools(chosen), schema, names, forced, not parallel)
+        return ChatPlan(rendered, openai_tools(chosen), schema, names, forced, not parallel, lazy)
     rendered = template_messages(messages, native=False)
     prompt = tools_system_prompt(chosen)
     if system and rendered and rendered[0]["role"] == "system":
@@ -360,7 +551,7 @@ def plan_chat(
         )
     else:
         rendered.insert(0, {"role": "system", "content": prompt})
-    return ChatPlan(rendered, None, schema, names, forced, not parallel)
+    return ChatPlan(rendered, None, schema, names, forced, not parallel, lazy)
 
 
 def _new_id() -> str:

@@ -266,8 +266,8 @@ class Settings(ModelSettings, ServingSettings):
     )
     request_timeout_s: Float = Field(
         default=600.0,
-        description="end any generation or rerank still running after this many seconds with "
-        "a request_timeout error (0: no deadline)",
+        description="end any generation, rerank or embedding still running after this many "
+        "seconds with a request_timeout error (0: no deadline)",
     )
     worker_stall_s: Float = Field(
         default=30.0,

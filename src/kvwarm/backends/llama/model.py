@@ -22,6 +22,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -195,6 +196,8 @@ class LlamaModel:
                 "token (check the GGUF's tokenizer.ggml.*_token_id and add_*_token keys)"
             )
         self._facts = self._read_facts(path)
+        self._grammar_tokens: tuple[tuple[int | None, ...], tuple[int, ...]] | None = None
+        self._byte_lock = threading.Lock()
         self._life = Lifetime("model", self._free)
 
     # -- facts --------------------------------------------------------------------------------
@@ -417,6 +420,21 @@ class LlamaModel:
                 if eog_of(vocab, token):
                     eog.append(token)
         return tuple(pieces), frozenset(eog)
+
+    def grammar_tokens(self) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
+        """What a lazy grammar (``backends/lazy_grammar.py``) needs of the vocabulary: for
+        each byte value a token whose piece is that byte alone (None where none is; how the
+        grammar is given the text its trigger came in), and the end-of-generation tokens (a
+        grammar that admits one is complete). Read once a model, on the first call."""
+        with self._byte_lock:
+            if self._grammar_tokens is None:
+                pieces, eog = self.vocabulary()
+                table: list[int | None] = [None] * 256
+                for token, piece in enumerate(pieces):
+                    if len(piece) == 1 and table[piece[0]] is None and token not in eog:
+                        table[piece[0]] = token
+                self._grammar_tokens = (tuple(table), tuple(sorted(eog)))
+            return self._grammar_tokens
 
     def apply_chat_template(
         self,

@@ -12,6 +12,12 @@ Invariants:
   end-of-generation token mid-grammar, so ``accept()`` feeds the chain (penalty history) only.
 - Without a grammar, ``sample`` is ``llama_sampler_sample`` on a row the context has verified.
 - A grammar step slower than ``GRAMMAR_TOKEN_BUDGET_S`` fails the sample (``GrammarError``).
+- A lazy grammar (``grammar_triggers``) is that same grammar, held only from a trigger on
+  (``backends/lazy_grammar.py``): until then the reply is sampled as without one; the text a
+  trigger came in is given to the grammar a byte at a time, each byte checked by the grammar
+  before it is accepted, so a refused start leaves the reply free, never aborts the process;
+  once the grammar admits end-of-generation (its text is complete) it lets go (unless
+  ``grammar_once``).
 - NaN logits fail the sample with ``BackendError`` on every path: plain greedy finds them in
   its argmax (numpy returns a row's first NaN), the others in one max over the row.
 """
@@ -19,9 +25,10 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +40,7 @@ from kvwarm.backends.grammar_cost import (
     check_grammar_elements,
     check_left_recursion,
 )
+from kvwarm.backends.lazy_grammar import trigger_watch
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import BackendError, GrammarError, InvalidRequestError, NoLogitsError
 from kvwarm.unicode import encode_utf8
@@ -40,6 +48,8 @@ from kvwarm.unicode import encode_utf8
 if TYPE_CHECKING:
     from kvwarm.backends.llama.context import LlamaContext
     from kvwarm.backends.llama.model import LlamaModel
+
+log = logging.getLogger(__name__)
 
 #: The most one token's grammar step may take (``llama_sampler_apply`` of the grammar over
 #: the vocabulary; a few ms for any grammar ``grammar_cost`` lets through). Past it the request
@@ -58,6 +68,12 @@ class LlamaSampler:
         if params.grammar is not None and not params.grammar.strip():
             raise GrammarError("empty grammar", param="grammar")
         _checks.check_sampling(params)
+        self._watch = trigger_watch(params)
+        #: Whether the grammar holds now: always for a whole-reply grammar, from a trigger on
+        #: for a lazy one.
+        self._holding = self._watch is None
+        self._bytes, eog = model.grammar_tokens() if self._watch is not None else ((), ())
+        self._eog = np.array(eog, dtype=np.int64)
         lib = model._lib
         self._lib = lib
         self._model = model
@@ -81,13 +97,14 @@ class LlamaSampler:
         # Plain greedy (no grammar, no penalties) is an argmax: numpy over the zero-copy logits
         # row is ~8x cheaper than llama_sampler_sample building a 49k-entry candidate array.
         # Both pick the first maximum; biases are added first, as in the chain.
-        self._argmax_only = (
+        # So is a lazy grammar's free text (``_free_argmax``); its rows still go one by one.
+        self._free_argmax = (
             params.greedy
-            and params.grammar is None
             and params.repeat_penalty == 1.0
             and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0
         )
+        self._argmax_only = self._free_argmax and params.grammar is None
         self._bias_idx = np.array([t for t, _ in params.logit_bias], dtype=np.int64)
         self._bias_set = frozenset(t for t, _ in params.logit_bias)
         # Added biases, and banned tokens (-inf), which are set rather than added: a +inf
@@ -188,12 +205,14 @@ class LlamaSampler:
             row = np.frombuffer(llama.logits(index), dtype=np.float32)
             if self._argmax_only:
                 return self._argmax(row)
+            if self._free_argmax and not self._holding:
+                return self._watch_for_trigger(self._argmax(row))
             _finite_or_inf(row)
-            if self._grammar is None:
+            if self._grammar is None or not self._holding:
                 token = llama.sample_with(self._chain, index)
                 if not 0 <= token < self._n_vocab:
                     raise NoLogitsError(f"llama_sampler_sample returned token {token}")
-                return token
+                return self._watch_for_trigger(token)
             return self._choose(row)
 
     def argmax_rows(self, ctx: BackendContext, first: int, count: int) -> list[int] | None:
@@ -234,6 +253,8 @@ class LlamaSampler:
             if self._argmax_only:
                 # A row's stored logits (an exact hit): no 262k-entry candidate array either.
                 return self._argmax(row)
+            if self._free_argmax and not self._holding:
+                return self._watch_for_trigger(self._argmax(row))
             _finite_or_inf(row)
             return self._choose(row)
 
@@ -250,6 +271,9 @@ class LlamaSampler:
             self._lib.llama_sampler_reset(self._chain)
             if self._grammar is not None:
                 self._lib.llama_sampler_reset(self._grammar)
+            if self._watch is not None:
+                self._watch.restart()
+                self._holding = False
 
     def close(self) -> None:
         self._life.close()
@@ -276,23 +300,28 @@ class LlamaSampler:
         biased[..., self._ban_idx] = -np.inf
         return biased
 
-    def _choose(self, logits: np.ndarray[tuple[int], np.dtype[np.float32]]) -> int:
-        """Grammar → chain over an explicit candidate array; accept the chosen token."""
-        lib = self._lib
+    def _candidates_of(self, logits: np.ndarray[tuple[int], np.dtype[np.float32]]) -> Any:
+        """Every token with its logit, as llama.cpp's samplers take them."""
         if self._candidates is None:
             self._candidates = np.zeros(self._n_vocab, dtype=_TOKEN_DATA)
         cand = self._candidates
         cand["id"] = np.arange(self._n_vocab, dtype=np.int32)
         cand["logit"] = logits
         cand["p"] = 0.0
-        arr = lib.llama_token_data_array(
-            data=ctypes.cast(ctypes.c_void_p(cand.ctypes.data), lib.llama_token_data_p),
+        return self._lib.llama_token_data_array(
+            data=ctypes.cast(ctypes.c_void_p(cand.ctypes.data), self._lib.llama_token_data_p),
             size=self._n_vocab,
             selected=-1,
             sorted=False,
         )
+
+    def _choose(self, logits: np.ndarray[tuple[int], np.dtype[np.float32]]) -> int:
+        """Grammar → chain over an explicit candidate array; accept the chosen token."""
+        lib = self._lib
+        arr = self._candidates_of(logits)
         ref = ctypes.byref(arr)
-        if self._grammar is not None:
+        held = self._grammar is not None and self._holding
+        if held:
             start = time.perf_counter()
             lib.llama_sampler_apply(self._grammar, ref)
             spent = time.perf_counter() - start
@@ -307,6 +336,12 @@ class LlamaSampler:
                 )
             if not np.isfinite(self._view(arr)["logit"]).any():
                 raise GrammarError("the grammar admits no further token", param="grammar")
+            if self._watch is not None and not self._params.grammar_once and self._done(arr):
+                # A lazy grammar's text is complete: it lets go, and this token is free.
+                self._let_go()
+                held = False
+                arr = self._candidates_of(logits)
+                ref = ctypes.byref(arr)
         lib.llama_sampler_apply(self._chain, ref)
         selected = int(arr.selected)
         view = self._view(arr)
@@ -315,10 +350,66 @@ class LlamaSampler:
         token = int(view["id"][selected])
         if not 0 <= token < self._n_vocab or not np.isfinite(view["logit"][selected]):
             raise GrammarError("the sampler chose a token the grammar forbids", param="grammar")
-        if self._grammar is not None:
+        if held:
             lib.llama_sampler_accept(self._grammar, token)
         lib.llama_sampler_accept(self._chain, token)
+        return token if held else self._watch_for_trigger(token)
+
+    # -- a lazy grammar -----------------------------------------------------------------------
+
+    def _done(self, arr: object) -> bool:
+        """Whether the grammar's text is complete: it admits an end-of-generation token (the
+        candidates are in id order, the grammar only masks them)."""
+        logits = self._view(arr)["logit"]
+        return bool(self._eog.size) and bool(np.isfinite(logits[self._eog]).any())
+
+    def _let_go(self) -> None:
+        assert self._watch is not None
+        self._lib.llama_sampler_reset(self._grammar)
+        self._watch.clear()
+        self._holding = False
+
+    def _watch_for_trigger(self, token: int) -> int:
+        """``token``, a free one of a lazy grammar's reply (or of a reply without a grammar):
+        the grammar starts where it completes a trigger, if the grammar accepts the text from
+        the trigger on."""
+        watch = self._watch
+        if watch is None or self._model.is_eog(token):
+            return token
+        start = watch.feed(self._model.token_to_piece(token, special=True))
+        if start is None:
+            return token
+        if self._start_with(start):
+            self._holding = True
+        else:
+            log.debug("a lazy grammar refused its start %r: the reply stays free", start[:64])
+            self._lib.llama_sampler_reset(self._grammar)
+            watch.clear()
         return token
+
+    def _start_with(self, text: bytes) -> bool:
+        """Feed ``text`` to the (reset) grammar a byte at a time, each byte's token checked by
+        the grammar before it is accepted (accepting a refused one aborts the process); False
+        at the first it refuses, or a byte no token spells alone."""
+        lib = self._lib
+        lib.llama_sampler_reset(self._grammar)
+        one = np.zeros(1, dtype=_TOKEN_DATA)
+        for byte in text:
+            token = self._bytes[byte]
+            if token is None:
+                return False
+            one["id"], one["logit"], one["p"] = token, 0.0, 0.0
+            arr = lib.llama_token_data_array(
+                data=ctypes.cast(ctypes.c_void_p(one.ctypes.data), lib.llama_token_data_p),
+                size=1,
+                selected=-1,
+                sorted=False,
+            )
+            lib.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+            if int(arr.size) != 1 or not np.isfinite(one["logit"][0]):
+                return False
+            lib.llama_sampler_accept(self._grammar, token)
+        return True
 
     def _view(self, arr: object) -> np.ndarray[tuple[int], np.dtype[np.void]]:
         """The candidates as they are now: samplers may move ``data`` and shrink ``size``."""

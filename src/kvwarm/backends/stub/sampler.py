@@ -6,7 +6,9 @@ temperature → draw); a grammar
 is checked for a ``root`` rule (``GrammarError`` otherwise) and *enforced* only when it is one
 rule of string-literal alternatives (``root ::= "yes" | "no"``) — any other grammar is accepted
 unconstrained, which is enough for engine plumbing tests and is stated here so nobody relies on
-the stub for grammar semantics.
+the stub for grammar semantics. A lazy grammar (``grammar_triggers``) keeps llama.cpp's
+backend's rules (``backends/lazy_grammar.py``): free until a trigger, whose text a literal
+grammar must accept to start, letting go once it admits end-of-generation (complete).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvwarm.backends.grammar_cost import (
     check_grammar_elements,
     check_left_recursion,
 )
+from kvwarm.backends.lazy_grammar import trigger_watch
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import GrammarError, InvalidRequestError, NoLogitsError
 from kvwarm.unicode import encode_utf8
@@ -80,6 +83,14 @@ class LiteralGrammar:
         if not is_eog:
             self.prefix += piece
 
+    def start(self, text: bytes) -> bool:
+        """Hold ``text`` already (a lazy grammar's start), if some alternative begins so."""
+        self.prefix = b""
+        if not any(alt.startswith(text) for alt in self.alternatives):
+            return False
+        self.prefix = text
+        return True
+
     def reset(self) -> None:
         self.prefix = b""
 
@@ -120,6 +131,8 @@ class StubSampler:
             if params.grammar is not None
             else None
         )
+        self._watch = trigger_watch(params)
+        self._holding = self._watch is None  # a lazy grammar holds from a trigger on
         self._seed = params.seed if params.seed is not None else secrets.randbits(32)
         self._rng = np.random.default_rng(self._seed)
         self._history: deque[int] = deque(maxlen=max(params.repeat_last_n, 0) or None)
@@ -137,6 +150,8 @@ class StubSampler:
     def argmax_rows(self, ctx: BackendContext, first: int, count: int) -> list[int] | None:
         p = self._params
         if not p.greedy or self._grammar is not None or p.repeat_penalty != 1.0:
+            return None
+        if self._watch is not None:  # a lazy grammar's state moves with each row sampled
             return None
         if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
             return None
@@ -164,6 +179,9 @@ class StubSampler:
             self._history.clear()
             if self._grammar is not None:
                 self._grammar.reset()
+            if self._watch is not None:
+                self._watch.restart()
+                self._holding = False
 
     def close(self) -> None:
         self._life.close()
@@ -177,16 +195,32 @@ class StubSampler:
         for token, bias in self._params.logit_bias:
             logits[token] += bias
         self._apply_penalties(logits)
-        if self._grammar is not None:
-            grammar = self._grammar
+        grammar = self._grammar if self._holding else None
+        if grammar is not None:
+            free = logits.copy()
             for tok in range(self._n_vocab):
                 if not grammar.allows(self._piece(tok), self._is_eog(tok)):
                     logits[tok] = -np.inf
             if not np.isfinite(logits).any():
                 raise GrammarError("the grammar admits no further token", param="grammar")
+            admitted = np.flatnonzero(np.isfinite(logits))
+            if (
+                self._watch is not None
+                and not self._params.grammar_once
+                and any(self._is_eog(int(t)) for t in admitted)
+            ):
+                grammar.reset()  # complete: a lazy grammar lets go, and this token is free
+                self._watch.clear()
+                self._holding, grammar, logits = False, None, free
         token = self._draw(logits)
-        if self._grammar is not None:
-            self._grammar.accept(self._piece(token), self._is_eog(token))
+        if grammar is not None:
+            grammar.accept(self._piece(token), self._is_eog(token))
+        elif self._watch is not None and not self._is_eog(token):
+            start = self._watch.feed(self._piece(token))
+            if start is not None and self._grammar is not None:
+                self._holding = self._grammar.start(start)
+                if not self._holding:
+                    self._watch.clear()
         self._remember(token)
         return token
 

@@ -6,6 +6,9 @@ hit), by the request's one sampler, so a speculative request samples what a plai
 an end-of-generation token, a stop string, ``max_tokens`` or a full window ends the request
 through ``Outcomes``; the token that reaches ``max_tokens`` is reported but never decoded; a
 verify pass leaves the sequence holding only the accepted draft (``docs/architecture.md``).
+A generated token's text is its piece, a control token's empty, except for the tokens its
+request preserves (``Request.preserved``: a tool call's markers), whose text it is; an
+end-of-generation token is never text.
 
 Log-probabilities of tokens from one position's logits, for generated and prompt tokens.
 
@@ -40,6 +43,9 @@ class Sampling:
         #: token where the model's ``is_eog`` and ``token_to_piece`` were two calls (right
         #: after a forward pass, every function first touched costs microseconds).
         self._pieces: dict[int, bytes | None] = {}
+        #: The pieces, special tokens' text included, of the tokens a request preserves
+        #: (``Request.preserved``).
+        self._kept: dict[int, bytes] = {}
 
     def on_logits(self, slot: Slot, row: int | None, stored: bytes | None) -> None:
         """Sample the next token from batch row ``row`` (or stored logits) and route it."""
@@ -188,6 +194,11 @@ class Sampling:
             model = self.rt.model
             piece = None if model.is_eog(token) else model.token_to_piece(token)
             self._pieces[token] = piece
+        if piece is not None and token in act.req.preserved:
+            # A special token the reply keeps (a tool call's marker): its text, not nothing.
+            piece = self._kept.get(token)
+            if piece is None:
+                piece = self._kept[token] = self.rt.model.token_to_piece(token, special=True)
         if piece is None:
             # Its logprob goes with it: a reply's logprobs are those of its tokens, as many as
             # completion_tokens counts (the end was an entry with empty text before).

@@ -88,6 +88,8 @@ async def messages(request: Request) -> Response:
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
         lora=lora,
         names={"stop": "stop_sequences"},
+        calls=await chat.call_grammar(plan, whole=schema is not None),
+        preserved=plan.preserved,
     )
     stream = await start_stream(chat.submit(model, plan, opts, prefill))
     user = req.metadata.user_id if req.metadata is not None else None

@@ -105,6 +105,8 @@ async def chat_completions(request: Request) -> Response:
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
         lora=lora,
+        calls=await chat.call_grammar(plan, whole=schema is not None or req.grammar is not None),
+        preserved=plan.preserved,
     )
     choices = await Choices.start(
         request,

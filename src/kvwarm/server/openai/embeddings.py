@@ -2,7 +2,8 @@
 
 Invariant: handlers never block the event loop on the engine: blocking calls (template
 rendering, tokenizing, embedding) run in the thread pool and generation is awaited through the
-engine's async stream. Each generation runs inside ``Choices`` so a disconnect cancels it.
+engine's async stream. An embedding runs under ``request_timeout_s`` (past it 503
+``request_timeout``) and the client's disconnect cancels it (``run_cancellable``).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import math
 import struct
 
 from fastapi import APIRouter
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvwarm.engine.cancel import Cancellation
 from kvwarm.server.errors import HTTPError
-from kvwarm.server.generate import request_log
+from kvwarm.server.generate import request_log, run_cancellable
 from kvwarm.server.schemas import EmbeddingRequest, check_count, json_body, parse_body, read_json
 from kvwarm.server.state import server_state
 
@@ -55,14 +56,19 @@ async def embeddings(request: Request) -> Response:
     if not items:
         raise HTTPError(400, "input must not be empty", param="input")
 
-    def work() -> tuple[list[list[float]], int]:
-        vectors = model.embed(items, lora=lora)
+    def work(cancel: Cancellation) -> tuple[list[list[float]], int]:
+        # Under a generation's deadline, and cancelled by the client's disconnect (found by
+        # review: one request of many long inputs held the model's queue as long as it took,
+        # its client long gone).
+        vectors = model.embed(
+            items, lora=lora, timeout_s=state.settings.request_timeout_s or None, cancel=cancel
+        )
         # The embedding context is created (or grown) on use: count it against the budget.
         state.remeasure(model.id, model)
         n_tokens = sum(len(model.tokenize(x)) if isinstance(x, str) else len(x) for x in items)
         return vectors, n_tokens
 
-    vectors, n_tokens = await run_in_threadpool(work)
+    vectors, n_tokens = await run_cancellable(request, work)
     data: list[dict[str, object]] = []
     for index, full in enumerate(vectors):
         vector = full if req.dimensions is None else _shortened(full, req.dimensions)

@@ -140,6 +140,8 @@ async def create_response(request: Request) -> Response:
         logprobs=responses.wanted_logprobs(req),
         cache_salt=salt,
         lora=lora,
+        calls=await chat.call_grammar(plan, whole=schema is not None),
+        preserved=plan.preserved,
     )
     opts = chat.with_parent(opts, previous.key if previous else None)
     stream = await start_stream(chat.submit(model, plan, opts))

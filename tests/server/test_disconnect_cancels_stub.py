@@ -1,0 +1,101 @@
+"""A client that goes away mid-rerank or mid-embedding cancels the work left, over a real
+connection to a server on 127.0.0.1 (found by review: the model went on scoring and
+embedding for nobody; llama-server stops). The stub's passes and embeddings are held at a
+gate: the request's first one is under way when the client leaves, and none of what it had
+not begun runs afterwards (its documents and inputs carry a byte nothing else has)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvwarm.backends.stub import StubBackend
+from kvwarm.backends.stub.vocab import OFFSET
+from kvwarm.engine.cancel import Cancellation
+from kvwarm.server import generate
+from kvwarm.settings import ModelSpec
+
+from ..engine.test_rerank_stub import RecordingBackend
+from .conftest import LiveServer, stub_settings
+
+MARK = OFFSET + ord("Z")  # only the work the client abandons holds this byte
+
+
+class _Watched(Cancellation):
+    """The server's Cancellation, telling the test when it was cancelled."""
+
+    cancelled_event = threading.Event()
+
+    def cancel(self) -> None:
+        super().cancel()
+        type(self).cancelled_event.set()
+
+
+@pytest.fixture
+def live(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LiveServer, RecordingBackend]]:
+    backend = RecordingBackend()
+    monkeypatch.setattr(StubBackend, "from_env", classmethod(lambda cls: backend))
+    monkeypatch.setattr(generate, "Cancellation", _Watched)
+    _Watched.cancelled_event.clear()
+    settings = stub_settings(
+        models=(
+            ModelSpec(path="stub-reranker.gguf", id="ranker"),
+            ModelSpec(path="stub-a", id="embedder"),
+        ),
+        allowed_hosts=(),
+        n_parallel=1,
+    )
+    server = LiveServer(settings).start()
+    backend.entered.clear()
+    backend.gate = threading.Event()
+    try:
+        yield server, backend
+    finally:
+        backend.gate.set()
+        server.stop()
+
+
+def _abandon(server: LiveServer, backend: RecordingBackend, path: str, body: object) -> None:
+    """Send ``body`` to ``path``, wait until its first pass is under way, hang up, wait until
+    the server cancelled the work, and let the passes go."""
+    assert backend.gate is not None
+    raw = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head + raw)
+        assert backend.entered.wait(60), "the request never reached the model"
+    assert _Watched.cancelled_event.wait(60), "the disconnect did not cancel the work"
+    backend.gate.set()
+
+
+def test_a_disconnect_cancels_a_rerank(live: tuple[LiveServer, RecordingBackend]) -> None:
+    server, backend = live
+    docs = [f"{c} ZZZZ ZZZZ" for c in "abcdef"]  # the shared prefix ends before any Z
+    _abandon(server, backend, "/v1/rerank", {"model": "ranker", "query": "q", "documents": docs})
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        # Behind the abandoned rerank in the model's queue: once it is answered, whatever
+        # of the other was going to run has.
+        probe = {"model": "ranker", "query": "q", "documents": ["plain"]}
+        assert http.post("/v1/rerank", json=probe).status_code == 200
+    decoded = [t.token for batch in backend.calls for t in batch]
+    assert decoded and MARK not in decoded
+
+
+def test_a_disconnect_cancels_an_embedding(live: tuple[LiveServer, RecordingBackend]) -> None:
+    server, backend = live
+    # n_batch 64: each input is a piece of its own; the first (no Z) is held at the gate.
+    inputs = ["first " * 8] + [f"{i} ZZZZ " * 6 for i in range(5)]
+    _abandon(server, backend, "/v1/embeddings", {"model": "embedder", "input": inputs})
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        probe = {"model": "embedder", "input": "plain"}
+        assert http.post("/v1/embeddings", json=probe).status_code == 200
+    assert len(backend.embedded) == 2, backend.embedded  # the held piece, then the probe
+    assert not any(MARK in tokens for tokens in backend.embedded)

@@ -1,0 +1,215 @@
+"""tool_choice auto holds Llama 3.x's calls to the tools' schemas (``tools.LazyCalls``,
+formats "llama3-json" and "function-tag"): a reply that begins as a bare-JSON call (no opener:
+the grammar's start pattern), a ``<|python_tag|>`` call, a ``<function=name>`` call, through
+the real backend under every chat-shaped API, whole and streamed.
+
+The models (``tests.tinymodels.write_marker_model``) write a fixed reply: a call's start, then
+arguments the schema refuses (``"q": "y"``, where it admits only ``"x"``), then the end. Before
+(no grammar for these formats), that call came back with ``{"q": "y"}``; held, the model's
+next choice is refused and it writes the first text the grammar admits, ``"x"``. A reply of
+ordinary text, a JSON object that is no call included, stays free."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from tests.tinymodels import write_marker_model
+
+from kvwarm.server import create_app
+from kvwarm.settings import ModelSpec, Settings
+
+from .conftest import LOW_POLICY, sse_events, wait_ready
+
+pytestmark = pytest.mark.model
+
+
+def _template(call: str) -> str:
+    """A Llama-3-style template: tools shown as JSON, a call as ``call`` writes it."""
+    return (
+        "{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
+        "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+        + call
+        + "{% endfor %}\n{% else %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+
+
+LLAMA3 = _template(
+    '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+)
+FUNCTION = _template(
+    "<function={{ c.function.name }}>{{ c.function.arguments | tojson }}</function>"
+)
+BARE_START = '{"name": "get_weather", "parameters": '
+BAD_ARGS = '{"q": "y"}}'
+BAD_CALL = '{"name": "get_weather", "parameters": {"q": "y"}}'
+NOT_A_CALL = '{"answer": 42}'
+#: name: (template, favourites, extra tokens, what follows what)
+MODELS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]] = {
+    "bare": (
+        LLAMA3,
+        (BARE_START,),
+        (BARE_START, BAD_ARGS),
+        {BARE_START: BAD_ARGS, BAD_ARGS: "</s>"},
+    ),
+    "python-tag": (
+        LLAMA3,
+        ("<|python_tag|>",),
+        (BAD_CALL,),
+        {"<|python_tag|>": BAD_CALL, BAD_CALL: "</s>"},
+    ),
+    "function": (
+        FUNCTION,
+        ("<function=get_weather>",),
+        ("<function=get_weather>", '{"q": "y"}</function>'),
+        {"<function=get_weather>": '{"q": "y"}</function>', '{"q": "y"}</function>': "</s>"},
+    ),
+    "text": (LLAMA3, (NOT_A_CALL,), (NOT_A_CALL,), {NOT_A_CALL: "</s>"}),
+}
+CALLS = sorted(set(MODELS) - {"text"})
+PARAMETERS = {
+    "type": "object",
+    "properties": {"q": {"const": "x"}},
+    "required": ["q"],
+    "additionalProperties": False,
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}]
+ASK = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    directory = tmp_path_factory.mktemp("lazyllama")
+    specs = tuple(
+        ModelSpec(
+            path=str(
+                write_marker_model(
+                    directory / f"{name}.gguf", template, favourites, extra=extra, after=after
+                )
+            ),
+            id=name,
+        )
+        for name, (template, favourites, extra, after) in MODELS.items()
+    )
+    settings = Settings(
+        models=specs,
+        cache_dir=None,
+        n_ctx=2048,  # a prompt is a token a byte: the tools' JSON is long
+        n_batch=512,
+        n_parallel=1,
+        policy=LOW_POLICY,
+        keepalive_interval_s=0,
+        default_max_tokens=64,
+        allowed_hosts=("testserver",),
+    )
+    with TestClient(create_app(settings)) as test_client:
+        wait_ready(test_client.get)
+        yield test_client
+
+
+def _chat(model: str, **extra: object) -> dict[str, object]:
+    body: dict[str, object] = {
+        "model": model,
+        "messages": ASK,
+        "tools": TOOLS,
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_tokens": 96,
+    }
+    return body | extra
+
+
+@pytest.mark.parametrize("model", CALLS)
+def test_a_chat_completions_call_is_held_to_the_schema(client: TestClient, model: str) -> None:
+    response = client.post("/v1/chat/completions", json=_chat(model))
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    message = choice["message"]
+    assert message["content"] in (None, ""), message
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"q": "x"}  # before: {"q": "y"}
+    assert choice["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("model", CALLS)
+def test_a_streamed_call_is_held_to_the_schema(client: TestClient, model: str) -> None:
+    response = client.post("/v1/chat/completions", json=_chat(model, stream=True))
+    assert response.status_code == 200, response.text
+    content, name, arguments = "", "", ""
+    for event in sse_events(response.text):
+        assert isinstance(event, dict)
+        for choice in event["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or ():
+                name += call["function"].get("name") or ""
+                arguments += call["function"].get("arguments") or ""
+    assert content.strip() == ""
+    assert name == "get_weather"
+    assert json.loads(arguments) == {"q": "x"}
+
+
+def test_a_reply_of_text_stays_free(client: TestClient) -> None:
+    """A JSON object that is no call, at the reply's start: the start pattern never matched,
+    the reply is the model's own."""
+    for stream in (False, True):
+        response = client.post("/v1/chat/completions", json=_chat("text", stream=stream))
+        assert response.status_code == 200, response.text
+        if stream:
+            events = [e for e in sse_events(response.text) if isinstance(e, dict)]
+            text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+            assert not any(c["delta"].get("tool_calls") for e in events for c in e["choices"])
+        else:
+            message = response.json()["choices"][0]["message"]
+            text = message["content"]
+            assert not message.get("tool_calls")
+        assert text == NOT_A_CALL
+
+
+@pytest.mark.parametrize("model", ["bare", "function"])
+def test_an_anthropic_tool_use_is_held_to_the_schema(client: TestClient, model: str) -> None:
+    body = {
+        "model": model,
+        "max_tokens": 96,
+        "temperature": 0,
+        "messages": ASK,
+        "tools": [{"name": "get_weather", "input_schema": PARAMETERS}],
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+    }
+    response = client.post("/v1/messages", json=body)
+    assert response.status_code == 200, response.text
+    message = response.json()
+    blocks = [b for b in message["content"] if b["type"] != "text" or b["text"].strip()]
+    assert [(b["type"], b.get("name"), b.get("input")) for b in blocks] == [
+        ("tool_use", "get_weather", {"q": "x"})
+    ]
+    assert message["stop_reason"] == "tool_use"
+    streamed = client.post("/v1/messages", json=body | {"stream": True})
+    assert streamed.status_code == 200, streamed.text
+    events = [
+        json.loads(line[6:]) for line in streamed.text.split("\n") if line.startswith("data: ")
+    ]
+    given = "".join(
+        e["delta"].get("partial_json", "") for e in events if e["type"] == "content_block_delta"
+    )
+    assert json.loads(given) == {"q": "x"}
+
+
+@pytest.mark.parametrize("model", ["bare", "python-tag"])
+def test_a_response_function_call_is_held_to_the_schema(client: TestClient, model: str) -> None:
+    body = {
+        "model": model,
+        "input": "hi",
+        "temperature": 0,
+        "max_output_tokens": 96,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": PARAMETERS}],
+        "parallel_tool_calls": False,
+    }
+    response = client.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    calls = [item for item in response.json()["output"] if item["type"] == "function_call"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"q": "x"})]
