@@ -284,6 +284,33 @@ def case_deep_grammar(backend: str) -> None:
     model.new_sampler(SamplingParams(temperature=0, grammar=nested)).close()
 
 
+def case_token_level_grammar(backend: str) -> None:
+    """llama.cpp's grammar admitted a token spanning a literal's end and a negated token
+    element (``"a" !<[28]>``: SmolLM2's ``anto``), then threw on accepting it: a C++
+    exception through the C API, which aborted the process (found by review). Token-level
+    elements are refused; a ``<`` in a literal, a class or a comment is text."""
+    model = load(backend)
+    for grammar in (
+        'root ::= "a" !<[28]>',
+        "root ::= <[28]>",
+        'root ::= "x" <|im_end|>',
+        'root ::= ("a" | !<[1]>)*',
+    ):
+        expect(GrammarError, lambda g=grammar: model.new_sampler(SamplingParams(grammar=g)))
+    text = 'root ::= "<[28]>" [<>] # <not a token>\n'
+    model.new_sampler(SamplingParams(temperature=0, grammar=text)).close()
+
+
+def case_left_recursion_through_an_empty_rule(backend: str) -> None:
+    """llama.cpp refuses ``y? root`` at the start of ``root`` but not ``y root`` where ``y``
+    can match nothing: its grammar compile never returned (found by review)."""
+    model = load(backend)
+    for grammar in ('root ::= y root "b" | "a"\ny ::= "x"?', 'root ::= (y) root | "a"\ny ::= ""'):
+        expect(GrammarError, lambda g=grammar: model.new_sampler(SamplingParams(grammar=g)))
+    fine = 'root ::= y "b" root | "a"\ny ::= "x"?'  # the recursion after a part: not left
+    model.new_sampler(SamplingParams(temperature=0, grammar=fine)).close()
+
+
 def case_grammar_then_accept(backend: str) -> None:
     # accept() feeds penalty history only: a token the grammar forbids must not reach it.
     model = load(backend)

@@ -313,6 +313,7 @@ OPTION_CASES: dict[str, dict[str, object]] = {
     "top_k": {"top_k": 5},
     "top_p": {"top_p": 0.5},
     "min_p": {"min_p": 0.2},
+    "typical_p": {"typical_p": 0.5},
     "repeat_penalty": {"repeat_penalty": 1.3},
     "repeat_last_n": {"repeat_last_n": -1, "repeat_penalty": 1.1},
     "frequency_penalty": {"frequency_penalty": 0.5},
@@ -413,6 +414,43 @@ def test_penalties_change_the_choice(model: BackendModel, ctx: BackendContext) -
             for _ in range(10):
                 sampler.accept(best)
             assert sampler.sample_logits(logits) != best, penalty
+        finally:
+            sampler.close()
+
+
+def test_logit_bias_comes_before_the_penalties(model: BackendModel) -> None:
+    # llama-server's chain (and the stub's) adds the biases to the raw logits, then
+    # penalises; kvwarm's llama.cpp chain penalised first, so with repeat_penalty a biased
+    # token scored otherwise than on llama-server and on the stub (found by review). Token
+    # a: logit 2.0, biased -1.5, seen once, repeat_penalty 2: bias first 0.5 / 2 = 0.25,
+    # above token b's 0.0; penalty first 2.0 / 2 - 1.5 = -0.5, below it.
+    a, b = 5, 7
+    row = np.full(model.facts.n_vocab, -10.0, dtype=np.float32)
+    row[a], row[b] = 2.0, 0.0
+    params = SamplingParams(temperature=0, repeat_penalty=2.0, logit_bias=((a, -1.5),))
+    sampler = model.new_sampler(params)
+    try:
+        sampler.accept(a)
+        assert sampler.sample_logits(row.tobytes()) == a
+    finally:
+        sampler.close()
+
+
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_typical_p_keeps_the_tokens_nearest_the_entropy(model: BackendModel, top_k: int) -> None:
+    # llama-server's typical_p was ignored (an unknown field; found by review). Four tokens of
+    # logits 2, 1, 0, -1 (p .644 .237 .087 .032, entropy .946 nats; surprises .44 1.44 2.44
+    # 3.44): the most typical is the second, whose .237 passes typical_p .2 alone. Every
+    # other token is -inf, as a grammar or a ban leaves them (probability 0: no NaN entropy).
+    row = np.full(model.facts.n_vocab, -np.inf, dtype=np.float32)
+    row[[11, 12, 13, 14]] = [2.0, 1.0, 0.0, -1.0]
+    for seed in range(5):
+        params = SamplingParams(
+            temperature=1.0, top_k=top_k, top_p=1.0, min_p=0.0, typical_p=0.2, seed=seed
+        )
+        sampler = model.new_sampler(params)
+        try:
+            assert sampler.sample_logits(row.tobytes()) == 12
         finally:
             sampler.close()
 

@@ -161,6 +161,77 @@ def test_repeating_what_can_be_empty_is_bounded(case: str) -> None:
     assert "'(" not in str(info.value)  # names a rule of the grammar, not a group
 
 
+# Found by review: an unbounded repeat of a part that is itself an unbounded repetition lets a
+# token's bytes split among the repeats in many ways, and llama.cpp follows each for every token
+# a broad class admits: ([^a]+)+ 0.2 s a token on SmolLM2, [^a]{1,}{1,}{2}* 33 s (one request
+# stalled its model's every request). llama.cpp reads x{1,}{1,} as (x{1,}){1,}.
+NESTED_REPEATS = {
+    "group": 'root ::= ([^a]+)+ "b"',
+    "stacked_operators": "root ::= [^a]{1,}{1,}",
+    "fuzzed": "root ::= [^a] {1,} {1,} {2} * [a-c]",
+    "through_a_rule": "root ::= x+\nx ::= [a]+",
+    "written_as_recursion": "root ::= x+\nx ::= [a] x | [a]",
+    "beside_optionals": 'root ::= (x* y?)*\nx ::= "a"\ny ::= "b"',
+    "bounded_inside": "root ::= (([^a]+){2})*",
+    # A part that can end with more of itself: minutes for one token, in one grammar step.
+    "ending_with_itself": "root ::= [^a] root {1,} {0,2}",
+    "schema_pattern": schema_to_gbnf({"type": "string", "pattern": "^(\\w+\\s?)+$"}),
+}
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'root ::= y root "b" | "a"\ny ::= "x"?',  # llama.cpp's compile never returned
+        'root ::= y root "\\xc3" "ab"?\ny ::= "\\n"{0,2}',  # the fuzz's
+        'root ::= x | "a"\nx ::= ([ ]*) root "b"',
+    ],
+)
+def test_left_recursion_through_what_can_be_empty_is_refused(grammar: str) -> None:
+    with pytest.raises(GrammarError, match="can begin with itself") as info:
+        check_grammar_cost(grammar)
+    assert "'root'" in str(info.value) and info.value.param == "grammar"
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        "root ::= | [\\x00-\\x7f] root {2} [a-c]",  # the fuzz's: past a minute, one token
+        'root ::= x "b"\nx ::= | "a" x x',
+        'root ::= x\nx ::= | "a" (x "," x)',
+    ],
+)
+def test_an_empty_rule_using_itself_twice_is_refused(grammar: str) -> None:
+    with pytest.raises(GrammarError, match="uses itself more than once") as info:
+        check_grammar_cost(grammar)
+    assert info.value.param == "grammar" and "'(" not in str(info.value)
+
+
+@pytest.mark.parametrize("case", sorted(NESTED_REPEATS))
+def test_an_unbounded_repeat_of_a_repetition_is_refused(case: str) -> None:
+    with pytest.raises(GrammarError, match="itself an unbounded repetition") as info:
+        check_grammar_cost(NESTED_REPEATS[case])
+    assert info.value.param == "grammar"
+    assert "'(" not in str(info.value)  # names a rule of the grammar, not a group
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        # Bounded on one side, or delimited by a fixed text: a few ms a token.
+        "root ::= ([a]{1,3})+",
+        "root ::= ([^a]+){2}",
+        "root ::= [a]{0,3}{2}",
+        'root ::= ("," [^a]+)*',
+        'root ::= (line "\\n")*\nline ::= [^\\n]*',
+        schema_to_gbnf({"type": "string", "pattern": "^[a-z]+(-[a-z]+)*$"}),
+        schema_to_gbnf({"type": "string", "pattern": "^(\\d{1,3}\\.){3}\\d{1,3}$"}),
+    ],
+)
+def test_bounded_or_delimited_repeats_pass(grammar: str) -> None:
+    check_grammar_cost(grammar)
+
+
 @pytest.mark.parametrize(
     "grammar",
     [
@@ -357,5 +428,38 @@ def test_llama_cpp_follows_a_factored_100k_enum_at_a_few_ms_a_token() -> None:
             assert seconds < 1.0, seconds  # unfactored, the first token alone: minutes
         assert not drive('"v100000"')[0]  # not a value
         assert not drive('"v1234')[0]  # a prefix: the grammar does not let it end
+    finally:
+        model.close()
+
+
+@pytest.mark.model
+def test_a_grammar_step_past_its_budget_fails_the_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``check_grammar_cost`` does not weigh (a grammar fuzz found ``x ::= [^a]{1,} root
+    .+`` under ``root ::= x{1,} ...``: 0.9, 2.1, 4.7 s a token, growing) is bounded at run
+    time: a token whose grammar step takes longer than the budget fails the request. With a
+    budget of 0 any grammar step passes it; the sampler still closes cleanly."""
+    from kvwarm.backends import get_backend
+    from kvwarm.backends.base import SamplingParams
+    from kvwarm.backends.llama import sampler as llama_sampler
+    from kvwarm.embedded import default_model_path
+
+    model = get_backend("llama_cpp").load_model(str(default_model_path()))
+    try:
+        row = bytes(4 * model.facts.n_vocab)
+        params = SamplingParams(temperature=0, grammar='root ::= "yes" | "no"')
+        fine = model.new_sampler(params)
+        try:
+            piece = model.token_to_piece(fine.sample_logits(row))
+            assert piece and (b"yes".startswith(piece) or b"no".startswith(piece))
+        finally:
+            fine.close()
+        monkeypatch.setattr(llama_sampler, "GRAMMAR_TOKEN_BUDGET_S", 0.0)
+        slow = model.new_sampler(params)
+        try:
+            with pytest.raises(GrammarError, match="to weigh one token") as info:
+                slow.sample_logits(row)
+            assert info.value.param == "grammar"
+        finally:
+            slow.close()
     finally:
         model.close()

@@ -183,6 +183,34 @@ def test_an_array_holds_to_its_counts_without_items() -> None:
         ({"type": "integer", "minimum": 5, "maximum": 4}, "admit no integer"),
         ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "admit no integer"),
         ({"type": "string", "pattern": 5}, "pattern must be a string"),
+        # Keywords the converter's reading of the node dropped unsaid (found by review).
+        ({"type": "object", "required": ["a"]}, "required beside type object"),
+        (
+            {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
+            "required names 'b', not among the properties",
+        ),
+        ({"type": "integer", "enum": [1, 5, 10], "minimum": 3}, "minimum beside enum"),
+        ({"const": "abc", "pattern": "^x$"}, "pattern beside const"),
+        ({"type": "string", "allOf": [{"minLength": 3}]}, "allOf beside type string"),
+        ({"anyOf": [{"type": "string"}, {"type": "null"}], "maxLength": 3}, "maxLength beside"),
+        (
+            {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}},
+            "patternProperties beside properties",
+        ),
+        ({"type": "object", "propertyNames": {"pattern": "^a"}}, "propertyNames beside type"),
+        (
+            {"properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}},
+            "dependentRequired beside properties",
+        ),
+        (
+            {"type": "array", "prefixItems": [{"type": "string"}], "items": {"type": "integer"}},
+            "prefixItems beside items",
+        ),
+        ({"type": "array", "prefixItems": [{"type": "string"}], "minItems": 2}, "minItems"),
+        (
+            {"allOf": [{"properties": {"a": {}}, "additionalProperties": False}]},
+            "allOf parts are merged by their properties only: additionalProperties",
+        ),
     ],
 )
 def test_a_constraint_the_grammar_would_not_hold_is_refused(
@@ -191,6 +219,38 @@ def test_a_constraint_the_grammar_would_not_hold_is_refused(
     with pytest.raises(GrammarError, match=re.escape(why)) as info:
         schema_to_gbnf(schema)
     assert info.value.param == "json_schema"
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        # What the grammar holds beside each reading, and pydantic's shapes, stay accepted.
+        {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}],
+         "minItems": 2, "maxItems": 2},
+        {"type": "array", "items": [{"type": "integer"}], "additionalItems": False},
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+         "unevaluatedProperties": False},
+        {"$defs": {"A": {"type": "integer"}}, "type": "object",
+         "properties": {"a": {"$ref": "#/$defs/A", "type": "integer", "description": "x"}}},
+        {"enum": ["a", "b"], "type": "string", "title": "E", "default": "a"},
+        {"anyOf": [{"type": "string", "maxLength": 3}, {"type": "null"}], "default": None},
+        {"type": "string", "format": "email", "maxLength": 30},
+        # Documented as not enforced, as in llama-server (docs/server.md): still served.
+        {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+        {"type": "integer", "multipleOf": 5},
+    ],
+)  # fmt: skip
+def test_keywords_the_grammar_holds_beside_a_reading_are_accepted(
+    schema: dict[str, object],
+) -> None:
+    assert schema_to_gbnf(schema)
+
+
+def test_a_tuple_holds_to_its_length() -> None:
+    grammar = schema_to_gbnf(
+        {"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 1, "maxItems": 1}
+    )
+    assert [accepts(grammar, t) for t in ["[]", "[1]", "[1,2]"]] == [0, 1, 0]
 
 
 LLAMA_SCHEMAS = [

@@ -293,6 +293,24 @@ def test_structured_output_format_reaches_the_grammar(client: TestClient) -> Non
         )
 
 
+def test_structured_output_with_a_prefill_is_refused(client: TestClient) -> None:
+    # The client reads prefill + reply as one text, but the grammar held the reply alone to
+    # the schema: SmolLM2 answered the prefill '{"name": "' with '{"name": "Marija"} ', a
+    # 200 whose JSON was invalid (found by review). Now a 400 naming the messages.
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+    prefill = {"role": "assistant", "content": '{"name": "'}
+    body = {**BASE, "messages": [USER, prefill]}
+    for format_field in (
+        {"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+        {"output_format": {"type": "json_schema", "schema": schema}},
+    ):
+        response = client.post("/v1/messages", json={**body, **format_field})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["type"] == "invalid_request_error"
+        assert "prefill" in response.json()["error"]["message"]
+    assert client.post("/v1/messages", json=body).status_code == 200  # a prefill alone is fine
+
+
 def test_errors_are_anthropic_shaped(client: TestClient) -> None:
     no_max = {k: v for k, v in BASE.items() if k != "max_tokens"}
     message = assert_anthropic_error(

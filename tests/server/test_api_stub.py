@@ -364,9 +364,20 @@ def test_unknown_model_is_404(client: TestClient) -> None:
         ({"model": "a", "prompt": "x", "best_of": 0}, "invalid_type", "best_of"),
         ({"model": "a", "prompt": "x", "grammar": "no root here"}, "invalid_grammar", None),
         ({"model": "a", "prompt": []}, None, "prompt"),
+        ({"model": "a", "prompt": "x", "typical_p": 1.5}, "invalid_value", "typical_p"),
         ({"model": "a", "prompt": "x", "logit_bias": {"abc": 1}}, None, "logit_bias"),
         ({"model": "a", "prompt": "x", "logit_bias": {"5": 500}}, None, "logit_bias"),
         ({"model": "a", "prompt": "x", "logit_bias": {"99999999": 1}}, None, "logit_bias"),
+        # Python's int() read these as token ids 10, 7 and 3 (found by review).
+        ({"model": "a", "prompt": "x", "logit_bias": {"1_0": 1}}, None, "logit_bias"),
+        ({"model": "a", "prompt": "x", "logit_bias": {" 7 ": 1}}, None, "logit_bias"),
+        ({"model": "a", "prompt": "x", "logit_bias": {"\u0663": 1}}, None, "logit_bias"),
+        ({"model": "a", "prompt": "x", "logit_bias": {"-1": 1}}, None, "logit_bias"),
+        (
+            {"model": "a", "prompt": "x", "logit_bias": {"99999999999999999999": 1}},
+            None,
+            "logit_bias",
+        ),
     ],
 )
 def test_bad_completion_requests_are_400(
@@ -376,6 +387,55 @@ def test_bad_completion_requests_are_400(
     assert response.status_code == 400, response.json()
     if code is not None:
         assert_error(response, 400, code, param)
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/completions", "temperature", True),
+        ("/v1/completions", "temperature", "0.5"),
+        ("/v1/completions", "top_p", "1"),
+        ("/v1/completions", "top_k", True),
+        ("/v1/completions", "max_tokens", True),
+        ("/v1/completions", "max_tokens", "3"),
+        ("/v1/completions", "seed", "7"),
+        ("/v1/completions", "n", True),
+        ("/v1/completions", "logprobs", True),
+        ("/v1/completions", "presence_penalty", False),
+        ("/v1/completions", "typical_p", "0.5"),
+        ("/v1/completions", "logit_bias", {"5": True}),
+        ("/v1/chat/completions", "top_logprobs", True),
+        ("/v1/chat/completions", "max_completion_tokens", "4"),
+        ("/v1/chat/completions", "frequency_penalty", "0.5"),
+        ("/v1/messages", "temperature", True),
+        ("/v1/messages", "top_k", "5"),
+        ("/v1/messages", "max_tokens", True),
+        ("/v1/responses", "temperature", "1"),
+        ("/v1/responses", "max_output_tokens", True),
+    ],
+)
+def test_sampling_numbers_are_json_numbers(
+    client: TestClient, path: str, field: str, value: object
+) -> None:
+    # pydantic's lax types read "temperature": true as 1.0, "0.5" as 0.5, "top_k": true as
+    # 1, "max_tokens": "3" as 3: a known field of the wrong type is a 400 naming it (this
+    # module's invariant; found by review).
+    text = {"model": "a", "max_tokens": 2, "temperature": 0}
+    bodies: dict[str, dict[str, object]] = {
+        "/v1/completions": {**text, "prompt": "x"},
+        "/v1/chat/completions": {**text, "messages": [{"role": "user", "content": "x"}]},
+        "/v1/messages": {**text, "messages": [{"role": "user", "content": "x"}]},
+        "/v1/responses": {"model": "a", "input": "x", "max_output_tokens": 2, "temperature": 0},
+    }
+    body = bodies[path]
+    if field == "top_logprobs":
+        body = {**body, "logprobs": True}
+    assert client.post(path, json=body).status_code == 200
+    response = client.post(path, json={**body, field: value})
+    assert response.status_code == 400, response.json()
+    assert field in str(response.json())
+    if field in ("max_tokens", "top_k", "n", "seed"):  # an integral float is still taken
+        assert client.post(path, json={**body, field: 2.0}).status_code == 200
 
 
 def test_bad_chat_requests_are_400(client: TestClient) -> None:

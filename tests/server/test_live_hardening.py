@@ -60,6 +60,7 @@ API_SAMPLING_CASES: dict[str, object] = {
     "top_p": 0.5,
     "top_k": 5,
     "min_p": 0.2,
+    "typical_p": 0.5,
     "repeat_penalty": 1.3,
     "frequency_penalty": 0.5,
     "presence_penalty": 0.6,

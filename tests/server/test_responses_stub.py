@@ -83,6 +83,34 @@ def test_stream_events_in_order_end_with_the_stored_response(client: TestClient)
     assert stored.status_code == 200 and stored.json() == final
 
 
+def test_logprobs_come_when_included_streamed_or_not(client: TestClient) -> None:
+    # include "message.output_text.logprobs" and top_logprobs were ignored: every output text
+    # said logprobs [] (streamed) or had none (found by review).
+    body = {**BASE, "include": [responses.LOGPROBS_INCLUDE], "top_logprobs": 2}
+    data = client.post("/v1/responses", json=body).json()
+    (part,) = data["output"][0]["content"]
+    entries = part["logprobs"]
+    assert "".join(e["token"] for e in entries) == part["text"]  # the stub's tokens are bytes
+    assert len(entries) <= data["usage"]["output_tokens"] and entries
+    for entry in entries:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] >= entry["logprob"]
+    alone = client.post("/v1/responses", json={**BASE, "top_logprobs": 0}).json()
+    assert [e["logprob"] for e in alone["output"][0]["content"][0]["logprobs"]] == [
+        e["logprob"] for e in entries
+    ]
+    with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as response:
+        events = named_events(response.read().decode())
+    deltas = [d for n, d in events if n == "response.output_text.delta"]
+    streamed = [e for d in deltas for e in d["logprobs"]]  # type: ignore[union-attr]
+    assert streamed == entries
+    (done,) = [d for n, d in events if n == "response.output_text.done"]
+    assert done["logprobs"] == entries
+    assert events[-1][1]["response"]["output"][0]["content"][0]["logprobs"] == entries  # type: ignore[index]
+    plain = client.post("/v1/responses", json=BASE).json()
+    assert "logprobs" not in plain["output"][0]["content"][0]  # not asked for: as before
+
+
 def test_previous_response_id_restores_the_conversation(client: TestClient) -> None:
     first = client.post("/v1/responses", json={**BASE, "input": "Name a colour, fox."}).json()
     follow = {**BASE, "input": "And another one?", "previous_response_id": first["id"]}

@@ -107,6 +107,7 @@ class SamplingParams:
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
+    typical_p: float = 1.0  # locally typical sampling (llama-server's typical_p); 1: off
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     frequency_penalty: float = 0.0

@@ -176,7 +176,10 @@ def _fix_visits(module: ModuleType) -> None:
       only the type: ``["string", "null"]`` lost its ``maxLength`` or ``pattern``);
     - ``minLength``/``maxLength``/``minItems``/``maxItems`` must be non-negative integers,
       an array's counts hold without ``items``, and a string's length beside a ``pattern``
-      or a ``format`` (which the converter let win) is refused rather than dropped."""
+      or a ``format`` (which the converter let win) is refused rather than dropped;
+    - any other keyword the converter's reading of a node would drop (``required`` naming no
+      listed property, bounds beside an ``enum``, keywords beside ``anyOf`` or ``$ref``,
+      ``patternProperties``...) is refused (``_check_enforced``)."""
     from kvwarm.backends.json_pattern import pattern_rule
 
     converter = module.SchemaConverter
@@ -207,6 +210,12 @@ def _fix_visits(module: ModuleType) -> None:
 
 def _checked_node(schema: dict[str, object]) -> dict[str, object]:
     """``schema`` as the converter should read it (see ``_fix_visits``), or ``GrammarError``."""
+    node = _shaped_node(schema)
+    _check_enforced(node)
+    return node
+
+
+def _shaped_node(schema: dict[str, object]) -> dict[str, object]:
     for key in _REPEAT_KEYS:
         if key in schema:
             value = schema[key]
@@ -239,6 +248,156 @@ def _checked_node(schema: dict[str, object]) -> dict[str, object]:
     if kind == "array" and counted and "items" not in schema and "prefixItems" not in schema:
         return {**schema, "items": {"type": _ANY_TYPE}}
     return schema
+
+
+#: The JSON Schema keywords that constrain a value, by the type they apply to (a keyword of
+#: another type's holds vacuously), except ``format`` (an annotation unless a validator is
+#: told otherwise) and those docs/server.md lists as not enforced, as in llama-server:
+#: ``multipleOf``, ``uniqueItems``, ``minProperties``, ``maxProperties``, ``not``,
+#: ``if``/``then``/``else``, ``contains`` (and its ``minContains``/``maxContains``).
+_OBJECT_KEYS = frozenset(
+    {
+        "properties", "required", "additionalProperties", "patternProperties",
+        "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
+        "unevaluatedProperties",
+    }
+)  # fmt: skip
+_ARRAY_KEYS = frozenset(
+    {"items", "prefixItems", "additionalItems", "unevaluatedItems", "minItems", "maxItems"}
+)
+_STRING_KEYS = frozenset({"minLength", "maxLength", "pattern"})
+_NUMBER_KEYS = frozenset(_BOUNDS)
+_ANY_KEYS = frozenset({"type", "enum", "const", "allOf", "anyOf", "oneOf", "$ref"})
+_KEYS_OF = {
+    "object": _OBJECT_KEYS,
+    "array": _ARRAY_KEYS,
+    "string": _STRING_KEYS,
+    "number": _NUMBER_KEYS,
+    "integer": _NUMBER_KEYS,
+    "boolean": frozenset(),
+    "null": frozenset(),
+}
+_ALL_KEYS = _ANY_KEYS | _OBJECT_KEYS | _ARRAY_KEYS | _STRING_KEYS | _NUMBER_KEYS
+
+
+def _check_enforced(schema: dict[str, object]) -> None:
+    """``GrammarError`` naming the keywords of ``schema`` that the converter's reading of
+    this node would drop unsaid (found by review): it reads a node one way, the first that
+    applies of ``$ref``, ``anyOf``/``oneOf``, ``const``, ``enum``, an object's properties,
+    ``allOf``, an array's items, a string's pattern, format or length, a bare type, and
+    ignores every other keyword there (``{"type": "object", "required": ["a"]}`` was any
+    object; ``{"enum": [1, 5], "minimum": 3}`` let the model write 1; ``{"type": "string",
+    "allOf": [...]}`` any string)."""
+    kind = schema.get("type")
+    held: set[str] = {"type"}
+    applies = _ALL_KEYS if not isinstance(kind, str) else _ANY_KEYS | _KEYS_OF.get(kind, _ALL_KEYS)
+    reading = f"type {kind}"
+    if "$ref" in schema:
+        held, applies, reading = {"type", "$ref"}, _ALL_KEYS, "$ref"
+    elif "oneOf" in schema or "anyOf" in schema:
+        # The converter takes one of the two lists: with both, the other is dropped.
+        reading = "oneOf" if schema.get("oneOf") else "anyOf"
+        held.add(reading)
+        applies = _ALL_KEYS - {"type"}
+    elif "const" in schema or "enum" in schema:
+        reading = "const" if "const" in schema else "enum"
+        held.add(reading)
+        applies = _ALL_KEYS - {"type"}
+    elif kind in (None, "object") and (
+        "properties" in schema
+        or ("additionalProperties" in schema and schema["additionalProperties"] is not True)
+    ):
+        held |= {"properties", "required", "additionalProperties"}
+        if schema.get("unevaluatedProperties") is False and not schema.get("additionalProperties"):
+            held.add("unevaluatedProperties")  # the converter writes listed properties only
+        applies, reading = _ANY_KEYS | _OBJECT_KEYS, "properties"
+        _check_required(schema)
+    elif kind in (None, "object") and "allOf" in schema:
+        held.add("allOf")
+        applies, reading = _ANY_KEYS | _OBJECT_KEYS, "allOf"
+        _check_all_of(schema["allOf"])
+    elif kind in (None, "array") and ("items" in schema or "prefixItems" in schema):
+        applies = _ANY_KEYS | _ARRAY_KEYS
+        reading = "items" if schema.get("items") else "prefixItems"
+        held |= _items_held(schema)
+    elif kind in (None, "string") and ("pattern" in schema or "format" in schema):
+        held |= {"pattern"}
+        applies = _ANY_KEYS | _STRING_KEYS
+        reading = "pattern" if "pattern" in schema else "format"
+        if "pattern" not in schema and schema.get("format") not in _SHAPED_FORMATS:
+            held |= {"minLength", "maxLength"}  # a plain string: the length branch
+    elif kind == "string":
+        held |= {"minLength", "maxLength"}
+    elif kind in ("integer", "number"):
+        held |= _NUMBER_KEYS
+    elif kind is None:
+        return  # no reading: the converter refuses the node itself (or reads {} as an object)
+    dropped = sorted(k for k in schema if k in applies and k not in held)
+    if dropped:
+        raise _fail(
+            f"{', '.join(dropped)} beside {reading}: not enforced by the grammar, which "
+            "reads such a node by that alone (leave it out, or move it into the schemas it "
+            "applies to)"
+        )
+
+
+def _check_required(schema: Mapping[str, object]) -> None:
+    """An object's ``required`` names a property the grammar writes: one not under
+    ``properties`` was never written (the converter writes only those as required)."""
+    required = schema.get("required", [])
+    properties = schema.get("properties", {})
+    if not isinstance(required, list) or not isinstance(properties, dict):
+        return  # the converter says what is wrong with it
+    missing = [name for name in required if name not in properties]
+    if missing:
+        raise _fail(
+            f"required names {', '.join(map(repr, missing))}, not among the properties: "
+            "the grammar writes only listed properties as required; give each a schema "
+            "under properties"
+        )
+
+
+def _check_all_of(parts: object) -> None:
+    """The converter merges ``allOf`` parts by their ``properties`` alone (each a required
+    property of the object, unless under an ``anyOf``); any other keyword of a part is
+    dropped."""
+    if not isinstance(parts, list):
+        return
+    for part in parts:
+        if not isinstance(part, dict):
+            continue
+        for one in part.get("anyOf", [part]) if isinstance(part.get("anyOf"), list) else [part]:
+            if not isinstance(one, dict) or "$ref" in one:
+                continue  # resolved by the converter; its own keywords are checked there
+            dropped = sorted(
+                k for k in one if k in _ALL_KEYS and k not in {"type", "properties", "required"}
+            )
+            if dropped or one.get("type", "object") != "object":
+                what = ", ".join(dropped) or f"type {one.get('type')}"
+                raise _fail(
+                    f"allOf parts are merged by their properties only: {what} in a part "
+                    "is not enforced by the grammar"
+                )
+
+
+def _items_held(schema: Mapping[str, object]) -> set[str]:
+    """The array keywords the converter holds: ``items`` as one schema, with the counts; or
+    a tuple (``prefixItems``, or draft 4's ``items`` list) of exactly its length, whose
+    counts hold only if they admit that length and whose extra items are never written."""
+    items = schema.get("items") or schema.get("prefixItems")
+    if not isinstance(items, list):
+        # One schema for every item; prefixItems beside it was dropped.
+        one = {"items", "minItems", "maxItems"}
+        return one if schema.get("items") else one | {"prefixItems"}
+    held = {"items", "prefixItems"} if not schema.get("items") else {"items"}
+    low, high = schema.get("minItems", 0), schema.get("maxItems")
+    if isinstance(low, int) and low <= len(items):
+        held.add("minItems")
+    if high is None or (isinstance(high, int) and high >= len(items)):
+        held.add("maxItems")
+    if schema.get("additionalItems") is False:
+        held.add("additionalItems")
+    return held
 
 
 #: The string formats the converter writes with a rule of their own (a fixed shape).

@@ -35,6 +35,8 @@ __all__ = [
     "check_grammar_cost",
     "cheap_grammar",
     "check_grammar_depth",
+    "check_grammar_elements",
+    "check_left_recursion",
     "grammar_depth",
     "grammar_ways",
     "grammar_widths",
@@ -170,13 +172,13 @@ def _parse_expr(text: str, i: int, rules: dict[str, _Expr]) -> tuple[_Expr, int]
             i += 1
             alts[-1].append(("term", False, _ONCE))
         elif c in "*+?":
-            _repeat(alts[-1], {"*": (0, -1), "+": (1, -1), "?": (0, 1)}[c])
+            _repeat(alts[-1], {"*": (0, -1), "+": (1, -1), "?": (0, 1)}[c], rules)
             i += 1
         elif c == "{":
             j = text.find("}", i)
             if j < 0:
                 raise _UnparsableError
-            _repeat(alts[-1], _counts(text[i + 1 : j]))
+            _repeat(alts[-1], _counts(text[i + 1 : j]), rules)
             i = j + 1
         else:
             m = _NAME.match(text, i)
@@ -215,11 +217,16 @@ def _parse(text: str) -> dict[str, _Expr]:
     return rules
 
 
-def _repeat(alt: _Alt, counts: tuple[int, int]) -> None:
+def _repeat(alt: _Alt, counts: tuple[int, int], rules: dict[str, _Expr]) -> None:
     """Give the alternative's last item the postfix operator's counts (llama.cpp refuses an
-    operator with nothing before it, or after another)."""
+    operator with nothing before it). An operator after another repeats what the first
+    made, as llama.cpp reads it: ``x{1,}{2}`` is ``(x{1,}){2}``, a group of its own here."""
     if alt:
-        kind, val, _ = alt[-1]
+        kind, val, reps = alt[-1]
+        if reps != _ONCE:
+            name = f"({len(rules)}"
+            rules[name] = [[(kind, val, reps)]]
+            kind, val = "ref", name
         alt[-1] = (kind, val, counts)
 
 
@@ -331,6 +338,87 @@ def check_grammar_depth(text: str) -> None:
         )
 
 
+def token_element_at(text: str) -> int | None:
+    """Where ``text`` has its first token-level element (``<[id]>``, ``<name>``, negated
+    ``!<...>``: the only GBNF syntax with a ``<`` outside literals, classes and comments), or
+    None; a linear scan like ``grammar_depth``."""
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in '"[':
+            try:
+                i = _quoted(text, i, "]" if c == "[" else '"')
+            except _UnparsableError:
+                return None  # unterminated: llama.cpp's parser reports it
+            continue
+        if c == "#":
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif c == "<":
+            return i
+        i += 1
+    return None
+
+
+def check_grammar_elements(text: str) -> None:
+    """``GrammarError`` for a grammar with token-level elements. llama.cpp's grammar lets a
+    token through that spans a literal's end and a negated token (``root ::= "a" !<[28]>``
+    admits the token ``anto``) and then throws on accepting it, a C++ exception that no C
+    caller can catch: the process aborted (found by review; llama-server, in C++, answers
+    500). Every backend's sampler refuses them, as it refuses a grammar too deep."""
+    at = token_element_at(text)
+    if at is not None:
+        raise GrammarError(
+            f"token-level grammar elements (<[id]>, <token>, !<...>; here at character {at}) "
+            "are not supported: write the text as a literal",
+            param="grammar",
+        )
+
+
+def check_left_recursion(text: str) -> None:
+    """``GrammarError`` for a rule that can begin with itself after parts that can all be
+    empty (``root ::= y root "b" | "a"`` with ``y ::= "x"?``): llama.cpp refuses a
+    left recursion it sees (``y? root``) but not one through a rule that can match
+    nothing, and its grammar compile then never returned, taking its model's worker with it
+    (found by a grammar fuzz in review). Every backend's sampler checks it; a grammar this
+    parser cannot read is left to llama.cpp's."""
+    try:
+        rules = _parse(text)
+    except (_UnparsableError, RecursionError):
+        return
+    nullable = _nullable(rules)
+    heads: dict[str, set[str]] = {name: set() for name in rules}
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, (low, _) in alt:
+                if kind == "ref":
+                    heads[name].add(str(val))
+                if low > 0 and not _empty(kind, val, nullable):
+                    break
+    owner: dict[str, str] = {}
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, _ in alt:
+                if kind == "ref" and str(val).startswith("("):
+                    owner.setdefault(str(val), name)
+    for name in rules:
+        todo, seen = list(heads[name]), set[str]()
+        while todo:
+            here = todo.pop()
+            if here == name:
+                named = name
+                while named.startswith("(") and named in owner:
+                    named = owner[named]
+                raise GrammarError(
+                    f"grammar rule {named!r} can begin with itself (left recursion, here "
+                    "after parts that can match nothing): write the repetition with * or +",
+                    param="grammar",
+                )
+            if here not in seen:
+                seen.add(here)
+                todo.extend(heads.get(here, ()))
+
+
 def check_grammar_cost(
     text: str, limit: int = DEFAULT_MAX_GRAMMAR_WAYS, width_limit: int = MAX_GRAMMAR_WIDTH
 ) -> None:
@@ -339,6 +427,8 @@ def check_grammar_cost(
     ``limit`` or that opens more than ``width_limit`` alternatives at once."""
     _check_length(text)
     check_grammar_depth(text)
+    check_grammar_elements(text)
+    check_left_recursion(text)
     try:
         rules = _parse(text)
         ways, order = _ways(rules, limit)
@@ -353,6 +443,23 @@ def check_grammar_cost(
                 "make the repeated part non-empty (x{0,n})",
                 param="grammar",
             )
+    twice = _empty_twice(rules)
+    if twice is not None:
+        raise GrammarError(
+            f"grammar rule {twice!r} can match nothing and uses itself more than once in a "
+            'sequence (as in x ::= | "a" x x): a text parses in exponentially many ways, '
+            "which would stall the model; make the rule non-empty or use it once",
+            param="grammar",
+        )
+    nested = _nested_repeat(rules)
+    if nested is not None:
+        raise GrammarError(
+            f"grammar rule {nested!r} repeats without bound a part that is itself an "
+            "unbounded repetition (as in (x+)+ or x{1,}{1,}): a text splits among the "
+            "repeats in many ways, which would stall the model; repeat the inner part once "
+            "(x+)",
+            param="grammar",
+        )
     for name in order:
         if ways[name] > limit and not name.startswith("("):  # a group: its rule is named
             raise GrammarError(
@@ -369,6 +476,123 @@ def check_grammar_cost(
                 "stall the model); factor common prefixes out of its alternatives or split it",
                 param="grammar",
             )
+
+
+def _nested_repeat(rules: dict[str, _Expr]) -> str | None:
+    """The first rule (a group reported as the rule it stands in) that repeats without bound
+    a part made of nothing but an unbounded repetition: ``(x+)+``, ``x{1,}{1,}``,
+    ``(x* y?)*``, ``x+`` where ``x ::= [a]+`` or ``x ::= [a] x | [a]``. llama.cpp's grammar
+    engine follows every way a token's bytes split among the repeats, for each token of the
+    vocabulary a broad class lets through: ``([^a]+)+`` cost 0.2 s a token on SmolLM2,
+    ``[^a]{1,}{1,}{2}*`` 33 s, stalling every request of the model (found by review). So is
+    an unbounded repeat of a part that can end with more of itself (``x+`` where ``x ::= [^a]
+    x{1,}{0,2}``: minutes for one token).
+    Bounded repeats (``(x{1,3})+``, ``([^a]+){2}``: a few ms) and a repeat whose part has a
+    fixed text besides (``("," item)*``) pass."""
+    nullable = _nullable(rules)
+    memo: dict[str, bool] = {}
+
+    def unbounded(kind: str, val: object, reps: tuple[int, int], seen: frozenset[str]) -> bool:
+        return reps[1] < 0 or (kind == "ref" and bare(str(val), seen))
+
+    def bare(name: str, seen: frozenset[str]) -> bool:
+        """Whether some alternative of ``name`` is an unbounded repetition among parts that
+        can all be empty (or ends referring back: a repetition written as recursion)."""
+        if name in memo:
+            return memo[name]
+        expr = rules.get(name)
+        if expr is None or name in seen:
+            return name in seen
+        seen = seen | {name}
+        found = False
+        for alt in expr:
+            solid = [
+                item for item in alt if not (item[2][0] == 0 or _empty(item[0], item[1], nullable))
+            ]
+            # One part that cannot be empty, or none (x* y?): an unbounded one repeats.
+            if len(solid) <= 1 and any(unbounded(*item, seen) for item in solid or alt):
+                found = True
+                break
+            if alt and alt[-1][0] == "ref" and str(alt[-1][1]) in seen:
+                found = True
+                break
+        memo[name] = found
+        return found
+
+    # The rules each rule can end with (its alternatives' last parts, and those before them
+    # while they can be empty): a rule reaching itself so ends with more of itself, as
+    # ``root ::= [^a] root{1,}{0,2}``, whose unbounded repeat took minutes for one token.
+    tails: dict[str, set[str]] = {name: set() for name in rules}
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, (low, _) in reversed(alt):
+                if kind == "ref":
+                    tails[name].add(str(val))
+                if low > 0 and not _empty(kind, val, nullable):
+                    break
+
+    def ends_with_itself(name: str) -> bool:
+        todo, seen = list(tails.get(name, ())), set[str]()
+        while todo:
+            here = todo.pop()
+            if here == name:
+                return True
+            if here not in seen:
+                seen.add(here)
+                todo.extend(tails.get(here, ()))
+        return False
+
+    owner: dict[str, str] = {}  # a group's rule: the named rule it stands in
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, _ in alt:
+                if kind == "ref" and str(val).startswith("("):
+                    owner.setdefault(str(val), name)
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, (_, high) in alt:
+                if (
+                    kind == "ref"
+                    and high < 0
+                    and (bare(str(val), frozenset()) or ends_with_itself(str(val)))
+                ):
+                    named = name
+                    while named.startswith("(") and named in owner:
+                        named = owner[named]
+                    return named
+    return None
+
+
+def _empty_twice(rules: dict[str, _Expr]) -> str | None:
+    """A rule that can match nothing and refers to itself more than once in one of its
+    alternatives (``root ::= | [a] root{2} "b"``): llama.cpp's first grammar step on one ran
+    past a minute (found by a grammar fuzz in review). Groups count as the rule they stand
+    in."""
+    nullable = _nullable(rules)
+    owner: dict[str, str] = {}
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, _ in alt:
+                if kind == "ref" and str(val).startswith("("):
+                    owner.setdefault(str(val), name)
+
+    def named(name: str) -> str:
+        while name.startswith("(") and name in owner:
+            name = owner[name]
+        return name
+
+    for name, expr in rules.items():
+        rule = named(name)
+        if rule not in nullable:
+            continue
+        for alt in expr:
+            uses = 0
+            for kind, val, (_, high) in alt:
+                if kind == "ref" and named(str(val)) == rule and not str(val).startswith("("):
+                    uses += 2 if high < 0 or high > 1 else 1
+            if uses > 1:
+                return rule
+    return None
 
 
 def _nullable(rules: dict[str, _Expr]) -> set[str]:

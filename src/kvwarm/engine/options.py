@@ -24,6 +24,7 @@ class GenerationOverrides(TypedDict, total=False):
     top_k: int
     top_p: float
     min_p: float
+    typical_p: float
     repeat_penalty: float
     frequency_penalty: float
     presence_penalty: float

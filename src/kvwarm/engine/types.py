@@ -58,6 +58,7 @@ SAMPLING_OPTIONS: tuple[str, ...] = (
     "top_k",
     "top_p",
     "min_p",
+    "typical_p",
     "repeat_penalty",
     "frequency_penalty",
     "presence_penalty",
@@ -101,6 +102,7 @@ class GenerationOptions:
     top_k: int = _SAMPLER.top_k
     top_p: float = _SAMPLER.top_p
     min_p: float = _SAMPLER.min_p
+    typical_p: float = _SAMPLER.typical_p
     repeat_penalty: float = _SAMPLER.repeat_penalty
     frequency_penalty: float = _SAMPLER.frequency_penalty
     presence_penalty: float = _SAMPLER.presence_penalty
@@ -174,6 +176,8 @@ class GenerationOptions:
             raise InvalidRequestError("top_p must be in [0, 1]", param="top_p")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError("min_p must be in [0, 1]", param="min_p")
+        if not 0.0 <= self.typical_p <= 1.0:
+            raise InvalidRequestError("typical_p must be in [0, 1]", param="typical_p")
         if not _MIN_REPEAT_PENALTY <= self.repeat_penalty <= 10.0:
             # llama.cpp divides a repeated token's float32 logit by it: a vanishing penalty made
             # the logit inf, which a grammar or stored-logits request then refused as a token

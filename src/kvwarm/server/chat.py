@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from starlette.concurrency import run_in_threadpool
 
 from kvwarm.backends.grammar_cost import cheap_grammar
-from kvwarm.engine.types import Completion, GenerationOptions
+from kvwarm.engine.types import Completion, GenerationOptions, TokenLogprob
 from kvwarm.errors import GrammarError, InvalidRequestError, ReplicaUnavailableError
 from kvwarm.server import convert
 from kvwarm.server.errors import HTTPError
@@ -324,13 +324,20 @@ async def whole_reply(gen: Generation, chat: ChatPlan) -> ChatReply:
     return ChatReply(done, chat.parts(done.text))
 
 
-async def streamed_reply(gen: Generation, chat: ChatPlan) -> AsyncIterator[Part | ChatReply]:
+async def streamed_reply(
+    gen: Generation,
+    chat: ChatPlan,
+    logprobs: Callable[[Sequence[TokenLogprob]], None] | None = None,
+) -> AsyncIterator[Part | ChatReply]:
     """The reply's parts as they become safe to send (text pieces as they come, a possible
     tool call held back until it parses: ``tool_stream``), then one ``ChatReply``, the whole
     reply, whose calls have the ids they were sent with. ``gen`` must be opened
-    (``Generation.open_streaming``)."""
+    (``Generation.open_streaming``). ``logprobs`` is handed each fragment's logprobs before
+    the parts of its text."""
     held = ToolStream(chat.names, forced=chat.forced, single=chat.single)
     async for fragment in gen.fragments():
+        if logprobs is not None and fragment.logprobs:
+            logprobs(fragment.logprobs)
         for part in held.feed(fragment.text):
             yield part
     done = await gen.result()

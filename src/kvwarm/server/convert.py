@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import re
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,8 @@ from kvwarm.server.schemas import ResponseFormat, SamplingFields
 from kvwarm.server.tools import CallGrammar, ToolCall
 
 Json = dict[str, object]
+
+_TOKEN_ID = re.compile(r"[0-9]{1,10}", re.ASCII)
 
 
 def new_id(prefix: str) -> str:
@@ -81,10 +84,16 @@ def options(
         raise HTTPError(400, "give grammar or response_format, not both", param="grammar")
     bias: dict[int, float] | None = None
     if req.logit_bias:
-        try:
-            bias = {int(token): float(value) for token, value in req.logit_bias.items()}
-        except ValueError:
-            raise HTTPError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+        # A key is a token id's decimal digits: Python's int() also read "1_0" as 10, " 7 "
+        # as 7 and "٣" (Arabic-Indic three) as 3 (found by review).
+        bad = [token for token in req.logit_bias if not _TOKEN_ID.fullmatch(token)]
+        if bad:
+            raise HTTPError(
+                400,
+                f"logit_bias keys must be token ids (decimal digits), not {bad[0]!r}",
+                param="logit_bias",
+            )
+        bias = {int(token): float(value) for token, value in req.logit_bias.items()}
     for param in ("max_tokens", "max_completion_tokens"):  # each length field the client sent
         length_within(getattr(req, param, None), param, max_tokens_limit, over_limit)
     chosen = max_tokens if max_tokens is not None else req.max_tokens

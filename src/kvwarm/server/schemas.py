@@ -1,9 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, validated, extras ignored).
 
 Invariant: unknown fields are ignored (clients send vendor extensions), but a known field of the
-wrong type is a 400 naming the field. Bodies are parsed from bytes we read ourselves
-(``read_json``), so oversized and malformed bodies get OpenAI-shaped errors too, and a lone
-UTF-16 surrogate anywhere in a body is a 400 naming its path (``kvwarm.unicode``).
+wrong type is a 400 naming the field: every body model is a ``JsonBody``, validated strictly
+(no ``true`` for 1, no ``"3"`` for 3, no ``1`` for true). Bodies are parsed from bytes we read
+ourselves (``read_json``), so oversized and malformed bodies get OpenAI-shaped errors too, and a
+lone UTF-16 surrogate anywhere in a body is a 400 naming its path (``kvwarm.unicode``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (
     AliasChoices,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -74,7 +76,28 @@ def _defaulted_names(model: type[BaseModel]) -> frozenset[str]:
     return frozenset(names)
 
 
-class NullMeansDefault(BaseModel):
+class JsonBody(BaseModel):
+    """A request body, or a part of one, as JSON writes it: pydantic's strict mode, so a known
+    field of the wrong type is a 400 naming it rather than a value read into it. Found by
+    review: lax types read ``"n": true`` as 1, ``"echo": "yes"`` as true, ``"best_of": "2"``
+    as 2. The rule, for every body the server takes:
+
+    - a boolean is a JSON boolean; a string a JSON string; a number (``float``) a JSON number,
+      an integer taken as a float;
+    - an integer is a JSON integer; a count or setting (``JsonInt``: token counts, ``n``,
+      ``top_k``, ``seed``, ``dimensions``, ``top_n``, ``bytes``...) also takes an integral float
+      such as 3.0, as llama-server reads its integers; an id (``TokenIds``, a LoRA adapter's
+      ``id``) is a JSON integer only, as llama-server reads a prompt's token ids.
+
+    Deliberate exceptions: free-form values are any JSON (``dict[str, object]``: a tool's
+    JSON schema, a tool call's input), and fields read only to be refused by name are typed
+    ``object`` (chat's ``functions`` and ``best_of``). Unknown fields are ignored
+    (``extra="ignore"``) unless a body says otherwise (the admin bodies forbid them)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class NullMeansDefault(JsonBody):
     """A body whose optional fields take ``null`` as "not given". OpenAI's API declares them
     nullable (``"n": null``, ``"stream": null``, ``"store": null``...) and clients built on
     its spec send that (a 400 for it would refuse a valid request)."""
@@ -89,11 +112,24 @@ class NullMeansDefault(BaseModel):
 
 
 class _Body(NullMeansDefault):
-    model_config = ConfigDict(extra="ignore")
+    """An OpenAI-style body (or part): strict (``JsonBody``), ``null`` as "not given"."""
 
 
 #: A number in a body: a JSON number only (an integer is taken as a float; true and "1" are not).
 StrictNumber = Annotated[float, Strict()]
+
+
+def _json_number(value: Any) -> Any:
+    if isinstance(value, bool | str):
+        raise ValueError("must be a JSON number, not a boolean or a string")
+    return value
+
+
+#: A count or a sampler's integer in a body: a JSON number (an integral float such as 3.0 is
+#: taken, as llama-server takes it; true and "3" are not). Found by review: pydantic's lax
+#: ``int`` read ``"top_k": true`` as 1 and ``"max_tokens": "5"`` as 5. ``Strict(False)``: the
+#: bodies are strict (``JsonBody``), which alone would refuse 3.0.
+JsonInt = Annotated[int, Strict(False), BeforeValidator(_json_number)]
 
 #: A token id in a body: a JSON integer only. Found by review: pydantic's lax ``int`` took
 #: ``true`` as token 1 and ``2.0`` as token 2 (``"input": [true]`` embedded token 1).
@@ -104,7 +140,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class LoraItem(BaseModel):
+class LoraItem(JsonBody):
     """llama-server's per-request adapter: its id (``GET /lora-adapters``) and scale."""
 
     model_config = ConfigDict(extra="forbid")
@@ -123,23 +159,26 @@ class SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = Field(default=None, le=_INT32_MAX)  # a C int in llama.cpp
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    # JSON numbers only (found by review: "temperature": true sampled at 1.0, "0.5" at 0.5).
+    max_tokens: JsonInt | None = Field(default=None, ge=0)
+    temperature: StrictNumber | None = None
+    top_p: StrictNumber | None = None
+    top_k: JsonInt | None = Field(default=None, le=_INT32_MAX)  # a C int in llama.cpp
+    min_p: StrictNumber | None = None
+    # llama-server's locally typical sampling (found by review: ignored, as an unknown field).
+    typical_p: StrictNumber | None = None
+    repeat_penalty: StrictNumber | None = None
+    frequency_penalty: StrictNumber | None = None
+    presence_penalty: StrictNumber | None = None
     # Any 64-bit seed is accepted; the samplers take it modulo 2**32 (convert.options).
-    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
+    seed: JsonInt | None = Field(default=None, ge=-(1 << 63), le=(1 << 64) - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Choices per prompt, prefilled once; the model's n_parallel caps it (a 400 above).
-    n: int = Field(default=1, ge=1, le=64)
+    n: JsonInt = Field(default=1, ge=1, le=64)
     grammar: str | None = None  # llama.cpp extension: a GBNF grammar
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    logit_bias: dict[str, StrictNumber] | None = None  # token id (a string) -> bias in [-100, 100]
     ignore_eos: bool = False  # llama.cpp extension: never stop on an end-of-generation token
     cache_salt: str | None = _salt_field()  # vLLM's field (server/tenancy.py)
     # Speculative decoding for this request (engine/worker/drafts.py); llama-server's
@@ -151,7 +190,7 @@ class SamplingFields(_Body):
         "ngram-mod, ngram-cache or draft-simple (default: the model's spec_type); a speed "
         "hint, the output is the same",
     )
-    spec_draft_max: int | None = Field(
+    spec_draft_max: JsonInt | None = Field(
         default=None,
         ge=0,
         le=MAX_DRAFT_TOKENS,
@@ -194,8 +233,8 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None  # fill-in-the-middle: the text after the completion
     # OpenAI's: this many candidates per prompt (n at least; the model's n_parallel caps it,
     # as it caps n), the n with the highest mean logprob per token returned; not streamed.
-    best_of: int | None = Field(default=None, ge=1, le=64)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: JsonInt | None = Field(default=None, ge=1, le=64)
+    logprobs: JsonInt | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     response_format: ResponseFormat | None = None
 
@@ -213,7 +252,7 @@ class InfillRequest(SamplingFields):
     input_suffix: str = ""
     input_extra: list[ExtraChunk] = Field(default_factory=list)
     prompt: str = ""
-    n_predict: int | None = Field(default=None, ge=-1)  # llama-server's max_tokens; -1: default
+    n_predict: JsonInt | None = Field(default=None, ge=-1)  # llama-server's max_tokens; -1: default
 
 
 class ImageUrl(_Body):
@@ -304,7 +343,8 @@ class AllowedToolsChoice(_Body):
     allowed_tools: AllowedTools
 
 
-def _choice_type(value: object) -> str | None:
+def choice_type(value: object) -> str | None:
+    """A ``tool_choice`` object's ``type`` (its union's discriminator)."""
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     return kind if isinstance(kind, str) else None
 
@@ -313,19 +353,19 @@ def _choice_type(value: object) -> str | None:
 ToolChoiceObject = Annotated[
     Annotated[NamedToolChoice, Tag("function")]
     | Annotated[AllowedToolsChoice, Tag("allowed_tools")],
-    Discriminator(_choice_type),
+    Discriminator(choice_type),
 ]
 
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: JsonInt | None = Field(default=None, ge=0)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
     parallel_tool_calls: bool = True  # False: a reply makes at most one tool call
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=20)
     # OpenAI's deprecated function calling, read only to refuse it: ignored, a client relying
     # on it would get text where it expects a call.
     functions: list[object] | None = None
@@ -341,7 +381,7 @@ class EmbeddingRequest(_Body):
     input: str | list[str] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"
     # OpenAI's shortened embeddings: the first ``dimensions`` values, scaled to unit length.
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: JsonInt | None = Field(default=None, ge=1)
 
 
 class RerankDocument(_Body):
@@ -358,15 +398,15 @@ class RerankRequest(_Body):
     keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
     query: str
     documents: list[str | RerankDocument]
-    # JSON integers only, as the engine takes them (found by review: pydantic's lax int took
-    # true as top_n 1, which Model.rerank itself refuses, and "2" as 2).
-    top_n: StrictInt | None = Field(
+    # Counts (found by review: pydantic's lax int took true as top_n 1, which Model.rerank
+    # itself refuses, and "2" as 2); an integral 2.0 is taken, as for every count (JsonBody).
+    top_n: JsonInt | None = Field(
         default=None, ge=1, description="return the best n (default: all)"
     )
     return_documents: bool = Field(
         default=False, description="put each result's document in the answer"
     )
-    max_tokens_per_doc: StrictInt | None = Field(
+    max_tokens_per_doc: JsonInt | None = Field(
         default=None, ge=1, description="cut each document to this many tokens (Cohere v2)"
     )
     cache_salt: str | None = _salt_field()
@@ -407,7 +447,7 @@ class PrewarmRequest(_Body):
 
 
 class EvictRequest(_Body):
-    bytes: int = Field(ge=0)
+    bytes: JsonInt = Field(ge=0)
     # Tier names as configured (any store may be configured by URL under any name).
     tiers: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_]{1,64}$")]] | None = None
 

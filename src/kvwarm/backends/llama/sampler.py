@@ -2,14 +2,16 @@
 
 Invariants:
 
-- The chain (penalties → top-k → top-p → min-p → temperature → seeded dist, or greedy) and the
-  optional grammar sampler are each freed exactly once, when the sampler closes; the sampler
-  holds its model (``acquire``) because both reference the model's vocabulary.
+- The chain (logit biases → penalties → top-k → typical → top-p → min-p → temperature →
+  seeded dist, or greedy: llama-server's order) and the optional grammar sampler are each
+  freed exactly once, when the sampler closes; the sampler holds its model (``acquire``)
+  because both reference the model's vocabulary.
 - The grammar never sees a token it rejected: with a grammar, candidates are built in Python,
   the grammar masks them, ``GrammarError`` is raised if nothing is left, and only the chosen
   (hence allowed) token is accepted. llama.cpp aborts on accepting a disallowed token or an
   end-of-generation token mid-grammar, so ``accept()`` feeds the chain (penalty history) only.
 - Without a grammar, ``sample`` is ``llama_sampler_sample`` on a row the context has verified.
+- A grammar step slower than ``GRAMMAR_TOKEN_BUDGET_S`` fails the sample (``GrammarError``).
 - A lazy grammar (``grammar_triggers``) is that same grammar, held only from a trigger on
   (``backends/lazy_grammar.py``): until then the reply is sampled as without one; the text a
   trigger came in is given to the grammar a byte at a time, each byte checked by the grammar
@@ -25,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import secrets
+import time
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -32,7 +35,11 @@ import numpy.typing as npt
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
-from kvwarm.backends.grammar_cost import check_grammar_depth
+from kvwarm.backends.grammar_cost import (
+    check_grammar_depth,
+    check_grammar_elements,
+    check_left_recursion,
+)
 from kvwarm.backends.lazy_grammar import trigger_watch
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import BackendError, GrammarError, InvalidRequestError, NoLogitsError
@@ -43,6 +50,12 @@ if TYPE_CHECKING:
     from kvwarm.backends.llama.model import LlamaModel
 
 log = logging.getLogger(__name__)
+
+#: The most one token's grammar step may take (``llama_sampler_apply`` of the grammar over
+#: the vocabulary; a few ms for any grammar ``grammar_cost`` lets through). Past it the request
+#: fails: an ambiguous grammar's cost grows with every token, and its model's other requests
+#: wait on each of them.
+GRAMMAR_TOKEN_BUDGET_S = 2.0
 
 # Mirrors llama_token_data {int32 id; float logit; float p;} (12 bytes, no padding).
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
@@ -109,6 +122,8 @@ class LlamaSampler:
             # A C string ends at the first NUL: llama.cpp would compile the grammar's head only.
             raise GrammarError("the grammar contains a NUL character", param="grammar")
         check_grammar_depth(params.grammar)  # deeper, llama.cpp's parser overflows its stack
+        check_grammar_elements(params.grammar)  # llama.cpp can abort the process on them
+        check_left_recursion(params.grammar)  # llama.cpp's compile can loop for ever on one
         lib = self._lib
         grammar = lib.llama_sampler_init_grammar(
             self._model.vocab,
@@ -127,6 +142,10 @@ class LlamaSampler:
         if not chain:
             raise NoLogitsError("llama.cpp could not allocate a sampler chain")
         self._chain = chain  # owned from here on, so _free_native frees it on a later failure
+        if params.logit_bias:
+            # First, on the raw logits, as llama-server's chain (and the stub's) adds them: a
+            # penalty then scales the biased logit (found by review: it came after them).
+            self._add(self._logit_bias(params.logit_bias))
         last_n = params.repeat_last_n if params.repeat_last_n >= 0 else self._model_ctx_train()
         if last_n and (
             params.repeat_penalty != 1.0
@@ -141,13 +160,13 @@ class LlamaSampler:
                     params.presence_penalty,
                 )
             )  # fmt: skip
-        if params.logit_bias:
-            self._add(self._logit_bias(params.logit_bias))
         if params.greedy:
             self._add(lib.llama_sampler_init_greedy())
             return chain
         if params.top_k > 0:
             self._add(lib.llama_sampler_init_top_k(params.top_k))
+        if params.typical_p < 1.0:
+            self._add(lib.llama_sampler_init_typical(params.typical_p, 1))
         if params.top_p < 1.0:
             self._add(lib.llama_sampler_init_top_p(params.top_p, 1))
         if params.min_p > 0.0:
@@ -303,7 +322,18 @@ class LlamaSampler:
         ref = ctypes.byref(arr)
         held = self._grammar is not None and self._holding
         if held:
+            start = time.perf_counter()
             lib.llama_sampler_apply(self._grammar, ref)
+            spent = time.perf_counter() - start
+            if spent > GRAMMAR_TOKEN_BUDGET_S:
+                # A grammar ambiguous in a way ``grammar_cost`` does not weigh: its next
+                # tokens would cost more (found by a grammar fuzz in review: 0.9, 2.1, 4.7 s).
+                raise GrammarError(
+                    f"the grammar took {spent:.1f} s to weigh one token, more than the "
+                    f"{GRAMMAR_TOKEN_BUDGET_S:g} s allowed: it is too ambiguous for llama.cpp's "
+                    "grammar engine (repeats of repeats, recursion inside repeats); simplify it",
+                    param="grammar",
+                )
             if not np.isfinite(self._view(arr)["logit"]).any():
                 raise GrammarError("the grammar admits no further token", param="grammar")
             if self._watch is not None and not self._params.grammar_once and self._done(arr):

@@ -1,7 +1,8 @@
 """The stub backend's sampler: the llama.cpp chain re-done in numpy over the stub's logits.
 
 Invariants: deterministic for a given seed (``seed=None`` draws one from the OS); the chain
-order matches llama.cpp's (penalties → top-k → top-p → min-p → temperature → draw); a grammar
+order matches llama.cpp's (logit biases → penalties → top-k → typical → top-p → min-p →
+temperature → draw); a grammar
 is checked for a ``root`` rule (``GrammarError`` otherwise) and *enforced* only when it is one
 rule of string-literal alternatives (``root ::= "yes" | "no"``) — any other grammar is accepted
 unconstrained, which is enough for engine plumbing tests and is stated here so nobody relies on
@@ -24,7 +25,11 @@ import numpy.typing as npt
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
-from kvwarm.backends.grammar_cost import check_grammar_depth
+from kvwarm.backends.grammar_cost import (
+    check_grammar_depth,
+    check_grammar_elements,
+    check_left_recursion,
+)
 from kvwarm.backends.lazy_grammar import trigger_watch
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import GrammarError, InvalidRequestError, NoLogitsError
@@ -51,6 +56,8 @@ class LiteralGrammar:
         if "\0" in grammar or "\0" in root:
             raise GrammarError("the grammar contains a NUL character", param="grammar")
         check_grammar_depth(grammar)  # as llama.cpp's sampler refuses it
+        check_grammar_elements(grammar)
+        check_left_recursion(grammar)
         if not any(head.match(line) for line in rules):
             raise GrammarError(f"grammar has no {root!r} rule", param="grammar")
         _check_references(grammar)
@@ -240,6 +247,17 @@ class StubSampler:
             order = order[: p.top_k]
         kept = logits[order]
         probs = _softmax(kept)
+        if p.typical_p < 1.0:
+            # llama.cpp's: the tokens whose surprise is nearest the entropy, until their
+            # probabilities reach typical_p (at least one kept), then back in logit order.
+            with np.errstate(divide="ignore", invalid="ignore"):
+                surprise = -np.log(probs)
+                entropy = float(np.nansum(probs * surprise))
+            near = np.argsort(np.abs(surprise - entropy), kind="stable")
+            cut = int(np.searchsorted(np.cumsum(probs[near]), p.typical_p, side="right") + 1)
+            keep = np.sort(near[:cut])
+            order, kept = order[keep], kept[keep]
+            probs = _softmax(kept)
         if p.top_p < 1.0:
             cut = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
             order, kept = order[:cut], kept[:cut]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictInt
+from pydantic import ConfigDict, Field, RootModel, StrictInt
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,13 +32,13 @@ from starlette.responses import JSONResponse, Response
 from kvwarm.embedded import is_file
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.registry import ModelEntry
-from kvwarm.server.schemas import StrictNumber, json_body, parse_body, read_json
+from kvwarm.server.schemas import JsonBody, StrictNumber, json_body, parse_body, read_json
 from kvwarm.server.state import ServerState, server_state
 
 router = APIRouter()
 
 
-class LoadRequest(BaseModel):
+class LoadRequest(JsonBody):
     model_config = ConfigDict(extra="forbid")
 
     name: str | None = Field(default=None, description="a model id, alias or models_dir name")
@@ -46,7 +46,7 @@ class LoadRequest(BaseModel):
     id: str | None = Field(default=None, description="the id to serve a path under")
 
 
-class UnloadRequest(BaseModel):
+class UnloadRequest(JsonBody):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="the model id (or alias) to unload")
@@ -336,7 +336,7 @@ async def unload_model(request: Request) -> Response:
 # --- llama-server's /lora-adapters ------------------------------------------------------------
 
 
-class LoraScale(BaseModel):
+class LoraScale(JsonBody):
     model_config = ConfigDict(extra="forbid")
 
     id: StrictInt = Field(
@@ -394,7 +394,7 @@ async def set_lora_adapters(request: Request, model: str | None = None) -> Respo
     return JSONResponse({"success": True})
 
 
-class _LoraScalesBody(BaseModel):
+class _LoraScalesBody(JsonBody):
     """``LoraScales`` under a key, so ``parse_body`` names the offending item's field."""
 
     model_config = ConfigDict(extra="forbid")

@@ -58,6 +58,17 @@ async def messages(request: Request) -> Response:
             "tool_choice any/tool cannot be combined with an output format",
             param="output_config.format",
         )
+    if schema is not None and prefill:
+        # The grammar holds the reply from its first token, but the client reads the
+        # prefill and the reply as one text: a JSON prefill was followed by a whole JSON
+        # document of its own (invalid JSON, silently; found by review). llama.cpp aborts
+        # on a grammar fed a token it refuses, so the prefill cannot be fed to it either.
+        raise HTTPError(
+            400,
+            "a trailing assistant message (a prefill) cannot be combined with an output "
+            "format: the format constrains the whole reply; drop the prefill",
+            param="messages",
+        )
     fields = chat.sampling_fields(
         max_tokens=req.max_tokens,
         param="max_tokens",

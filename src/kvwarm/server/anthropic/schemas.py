@@ -13,16 +13,16 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from kvwarm.server.schemas import keep_alive_field
+from kvwarm.server.schemas import JsonBody, JsonInt, StrictNumber, keep_alive_field
 from kvwarm.server.tenancy import MAX_SALT_CHARS
 
 _INT32_MAX = (1 << 31) - 1
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Body(JsonBody):
+    """An Anthropic body (or part): strict types, unknown fields ignored (``JsonBody``)."""
 
 
 class TextBlock(_Body):
@@ -126,12 +126,12 @@ class CountTokensRequest(_Body):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)  # required, as in Anthropic's API
+    max_tokens: JsonInt = Field(ge=1)  # required, as in Anthropic's API
     keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)
     stop_sequences: list[str] | None = None
-    temperature: float | None = Field(default=None, ge=0, le=1)  # Anthropic's range
-    top_p: float | None = Field(default=None, ge=0, le=1)
-    top_k: int | None = Field(default=None, ge=0, le=_INT32_MAX)  # a C int in llama.cpp
+    temperature: StrictNumber | None = Field(default=None, ge=0, le=1)  # Anthropic's range
+    top_p: StrictNumber | None = Field(default=None, ge=0, le=1)
+    top_k: JsonInt | None = Field(default=None, ge=0, le=_INT32_MAX)  # a C int in llama.cpp
     metadata: Metadata | None = None
     # Structured outputs: ``output_config.format``, or the beta's top-level ``output_format``.
     output_config: OutputConfig | None = None

@@ -137,6 +137,7 @@ async def create_response(request: Request) -> Response:
         max_tokens_limit=state.settings.max_tokens_limit,
         over_limit=state.settings.max_tokens_over_limit,
         json_schema=plan.json_schema or schema,
+        logprobs=responses.wanted_logprobs(req),
         cache_salt=salt,
         lora=lora,
         calls=await chat.call_grammar(plan, whole=schema is not None),
@@ -164,7 +165,8 @@ async def create_response(request: Request) -> Response:
     events = responses.ResponseEvents(shape)
 
     async def body_events() -> AsyncIterator[Event]:
-        async for name, data in responses.stream_events(events, chat.streamed_reply(gen, plan)):
+        replies = chat.streamed_reply(gen, plan, events.logprobs)
+        async for name, data in responses.stream_events(events, replies):
             if name in ("response.completed", "response.incomplete") and req.store:
                 assert events.reply is not None
                 turn.keep(state, shape, events.reply, events.text)

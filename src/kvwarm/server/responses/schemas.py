@@ -11,14 +11,21 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag
 
-from kvwarm.server.schemas import NullMeansDefault, keep_alive_field
+from kvwarm.server.schemas import (
+    JsonInt,
+    NullMeansDefault,
+    StrictNumber,
+    choice_type,
+    keep_alive_field,
+)
 from kvwarm.server.tenancy import MAX_SALT_CHARS
 
 
 class _Body(NullMeansDefault):
-    model_config = ConfigDict(extra="ignore")
+    """A Responses body (or part): strict types, unknown fields ignored, ``null`` as "not
+    given" (``NullMeansDefault``)."""
 
 
 class TextPart(_Body):
@@ -134,6 +141,16 @@ class AllowedToolsChoice(_Body):
     tools: list[dict[str, object]] = Field(min_length=1)
 
 
+#: A ``tool_choice`` object, told apart by its ``type``: an error names the field of the one
+#: meant (a plain union named the other's missing fields: ``{"type": "function", "name": 5}``
+#: was "tool_choice.AllowedToolsChoice.tools: Field required").
+ToolChoiceObject = Annotated[
+    Annotated[FunctionChoice, Tag("function")]
+    | Annotated[AllowedToolsChoice, Tag("allowed_tools")],
+    Discriminator(choice_type),
+]
+
+
 class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
@@ -151,18 +168,20 @@ class ResponsesRequest(_Body):
     input: str | list[InputItem]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: (
-        Literal["none", "auto", "required"] | FunctionChoice | AllowedToolsChoice | None
-    ) = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
+    max_output_tokens: JsonInt | None = Field(default=None, ge=1)
+    temperature: StrictNumber | None = None
+    top_p: StrictNumber | None = None
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
+    # OpenAI's: the output text's logprobs come with include "message.output_text.logprobs"
+    # (or top_logprobs), each with top_logprobs alternatives (0-20).
+    include: list[str] | None = None
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=20)
     user: str | None = None
     # kvwarm's extension, as on the OpenAI bodies (server/tenancy.py); X-Cache-Salt works too.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)

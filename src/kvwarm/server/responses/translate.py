@@ -11,6 +11,9 @@ Invariants:
   ids, before ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut
   the reply) carries the same object a non-streamed request returns.
 - ``usage.input_tokens_details.cached_tokens`` counts the prompt tokens the cache restored.
+- Asked for (``include`` "message.output_text.logprobs", or ``top_logprobs``), the output
+  text's ``logprobs`` are the reply's tokens' (as chat's ``logprobs.content``); a stream's
+  text deltas carry those of the tokens whose text they begin, its done events all of them.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from kvwarm.engine.types import CompletionStats
+from kvwarm.engine.types import CompletionStats, TokenLogprob
 from kvwarm.errors import KvwarmError
+from kvwarm.server import convert
 from kvwarm.server.chat import ChatReply
 from kvwarm.server.chat import ToolChoice as ChatToolChoice
 from kvwarm.server.errors import HTTPError, kind_of
@@ -247,6 +251,27 @@ def _call_item(call: ToolCall, *, done: bool) -> Json:
     }
 
 
+#: The ``include`` value that asks for the output text's logprobs.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def wanted_logprobs(req: ResponsesRequest) -> int | None:
+    """The alternatives per token a request's logprobs carry (None: no logprobs asked for).
+    Found by review: both fields were ignored, and every output text said ``logprobs: []``."""
+    if (req.include is None or LOGPROBS_INCLUDE not in req.include) and req.top_logprobs is None:
+        return None
+    return req.top_logprobs or 0
+
+
+def logprobs_json(items: Sequence[TokenLogprob] | None) -> list[Json]:
+    """Logprobs as an output text carries them (chat's ``logprobs.content`` entries)."""
+    shaped = convert.chat_logprobs(items or ())
+    assert shaped is not None
+    content = shaped["content"]
+    assert isinstance(content, list)
+    return content
+
+
 class ResponseShape:
     """One response's id, echo of its request, and its output as wire objects."""
 
@@ -256,11 +281,20 @@ class ResponseShape:
         self.created_at = int(time.time())
         self.model_id = model_id
         self._req = req
+        self.logprobs = wanted_logprobs(req) is not None
 
-    def message_item(self, text: str, status: str) -> Json:
+    def text_part(self, text: str, logprobs: Sequence[TokenLogprob] | None) -> Json:
+        part: Json = {"type": "output_text", "text": text, "annotations": []}
+        if self.logprobs:
+            part["logprobs"] = logprobs_json(logprobs)
+        return part
+
+    def message_item(
+        self, text: str, status: str, logprobs: Sequence[TokenLogprob] | None = None
+    ) -> Json:
         content: list[Json] = []
         if status != "in_progress":
-            content = [{"type": "output_text", "text": text, "annotations": []}]
+            content = [self.text_part(text, logprobs)]
         return {
             "type": "message",
             "id": self.message_id,
@@ -272,7 +306,7 @@ class ResponseShape:
     def output(self, reply: ChatReply, text: str) -> list[Json]:
         items: list[Json] = []
         if text or not reply.calls:
-            items.append(self.message_item(text, _item_status(reply)))
+            items.append(self.message_item(text, _item_status(reply), reply.done.logprobs))
         return items + [_call_item(c, done=True) for c in reply.calls]
 
     def body(self, status: str, output: list[Json], stats: CompletionStats | None = None) -> Json:
@@ -337,6 +371,12 @@ class ResponseEvents:
         self._message_open = False
         self._index = -1  # output_index of the item last opened
         self._join = ContentJoin()
+        self._logprobs: list[TokenLogprob] = []  # of tokens whose text no delta carried yet
+
+    def logprobs(self, items: Sequence[TokenLogprob]) -> None:
+        """A fragment's logprobs: the next text delta carries them."""
+        if self.shape.logprobs:
+            self._logprobs.extend(items)
 
     @property
     def text(self) -> str:
@@ -369,12 +409,13 @@ class ResponseEvents:
             events.append(
                 self._event("response.output_item.added", output_index=self._index, item=item)
             )
-            empty = {"type": "output_text", "text": "", "annotations": []}
+            empty = self.shape.text_part("", ())
             events.append(self._event("response.content_part.added", **self._part(), part=empty))
         if text:
             self._deltas.append(text)
+            sent, self._logprobs = logprobs_json(self._logprobs), []
             events.append(
-                self._event("response.output_text.delta", **self._part(), delta=text, logprobs=[])
+                self._event("response.output_text.delta", **self._part(), delta=text, logprobs=sent)
             )
         return events
 
@@ -391,11 +432,13 @@ class ResponseEvents:
         if not reply.calls:
             events += self.delta("")  # a reply of no text still has its message item
         if self._message_open:
-            part = {"type": "output_text", "text": self.text, "annotations": []}
-            item = self.shape.message_item(self.text, _item_status(reply))
+            lp = reply.done.logprobs
+            part = self.shape.text_part(self.text, lp)
+            item = self.shape.message_item(self.text, _item_status(reply), lp)
+            done_lp = logprobs_json(lp) if self.shape.logprobs else []
             events += [
                 self._event(
-                    "response.output_text.done", **self._part(), text=self.text, logprobs=[]
+                    "response.output_text.done", **self._part(), text=self.text, logprobs=done_lp
                 ),
                 self._event("response.content_part.done", **self._part(), part=part),
                 self._event("response.output_item.done", output_index=self._index, item=item),
