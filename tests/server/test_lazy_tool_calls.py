@@ -388,10 +388,18 @@ def test_a_native_templates_call_format_is_read_from_a_call_it_renders(
     assert call_format(model) == found  # type: ignore[arg-type]  # remembered
 
 
-#: Schemas a call's grammar cannot hold: a remote ``$ref`` (the converter refuses it), and
+#: Schemas a call's grammar cannot hold: a remote ``$ref`` (the converter refuses it), a
+#: ``required`` name with no property, and
 #: arrays of arrays of alternatives, whose grammar converts but is past ``cheap_grammar``'s
 #: ambiguity bound (more than 1,000,000 derivations: the 400 came from the engine's submit).
 _UNHELD: dict[str, dict[str, object]] = {
+    # A common slip in real tool definitions: a required property left undeclared (the
+    # converter would drop it: refused since samplerev, and so every auto request was a 400).
+    "required-undeclared": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city", "unit"],
+    },
     "remote-ref": {"type": "object", "properties": {"x": {"$ref": "https://example.com/x.json"}}},
     "too-ambiguous": {
         "type": "object",
