@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The most one token's grammar step may take (``llama_sampler_apply`` of the grammar over
+#: The most CPU time one token's grammar step may take (``llama_sampler_apply`` of the grammar over
 #: the vocabulary; a few ms for any grammar ``grammar_cost`` lets through). Past it the request
 #: fails: an ambiguous grammar's cost grows with every token, and its model's other requests
 #: wait on each of them.
@@ -322,9 +322,12 @@ class LlamaSampler:
         ref = ctypes.byref(arr)
         held = self._grammar is not None and self._holding
         if held:
-            start = time.perf_counter()
+            # This thread's CPU time, not the wall's: on a starved CPU (other models and
+            # processes decoding) a legitimate step must not read as a slow one (found by
+            # review). The grammar's work runs natively on this thread.
+            start = time.thread_time()
             lib.llama_sampler_apply(self._grammar, ref)
-            spent = time.perf_counter() - start
+            spent = time.thread_time() - start
             if spent > GRAMMAR_TOKEN_BUDGET_S:
                 # A grammar ambiguous in a way ``grammar_cost`` does not weigh: its next
                 # tokens would cost more (found by a grammar fuzz in review: 0.9, 2.1, 4.7 s).
