@@ -626,17 +626,19 @@ def test_read_only_cache_commands_create_and_chmod_nothing(
     env: dict[str, str], tmp_path: Path
 ) -> None:
     """``stats``, ``ls`` and ``verify`` change nothing (operations.md): they used to create a
-    missing cache directory, and tighten an existing one and its parent."""
-    missing = tmp_path / "nowhere" / "kv"
+    missing cache directory, and tighten an existing one and its parent. A cache directory
+    that exists without its ``rows/`` is an empty cache; ``gc`` leaves it so."""
+    missing = tmp_path / "kv"
+    missing.mkdir()
     env_missing = {**env, "KVWARM_MODELS": "/nonexistent/model.gguf"}
     env_missing["KVWARM_CACHE_DIR"] = str(missing)
-    for action in ("stats", "ls", "verify"):
+    for action in ("stats", "ls", "verify", "gc"):
         result = kvwarm(env_missing, "cache", action, "--json")
         no_traceback(result)
         assert result.returncode == 0, result.stderr
         assert f"{missing / 'rows'} does not exist" in result.stderr
-        assert not (tmp_path / "nowhere").exists()
-        if action != "ls":
+        assert list(missing.iterdir()) == []
+        if action in ("stats", "verify"):
             assert json.loads(result.stdout)["missing_dirs"] == [str(missing / "rows")]
     assert json.loads(kvwarm(env_missing, "cache", "ls", "--json").stdout) == []
     opened = tmp_path / "open"
@@ -649,6 +651,32 @@ def test_read_only_cache_commands_create_and_chmod_nothing(
         assert result.returncode == 0, result.stderr
     modes = [os.stat(p).st_mode & 0o777 for p in (opened, opened / "rows")]
     assert modes == [0o777, 0o755]
+
+
+def test_cache_commands_refuse_a_cache_dir_that_does_not_exist(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A maintenance command given a typo says so (exit 2, one line) and creates nothing:
+    ``gc`` used to create the mistyped directory, the others to report an empty cache."""
+    typo = tmp_path / "nowhere" / "kv"
+    env_typo = {**env, "KVWARM_MODELS": "/nonexistent/model.gguf"}
+    for action in ("gc", "stats", "ls", "verify", "explain"):
+        args = ["cache", action, "--cache-dir", str(typo)]
+        if action == "explain":
+            args.append("hello")
+        elif action == "verify":
+            args.append("--repair")
+        result = kvwarm(env_typo, *args)
+        no_traceback(result)
+        assert result.returncode == 2, (action, result.stderr)
+        assert result.stderr.strip() == (
+            f"kvwarm: error: cache_dir {typo} does not exist (kvwarm cache creates nothing; "
+            "kvwarm serve creates it)"
+        ), action
+        assert not (tmp_path / "nowhere").exists(), action
+    shm = kvwarm(env_typo, "cache", "gc", "--cache-dir", "none", "--shm-dir", str(typo))
+    assert shm.returncode == 2 and f"shm_dir {typo} does not exist" in shm.stderr
+    assert not (tmp_path / "nowhere").exists()
 
 
 # A stub whose every forward pass takes two minutes: a worker stuck in native code.

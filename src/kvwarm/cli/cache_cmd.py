@@ -3,9 +3,11 @@
 Invariant: these commands open the cache alone (pure Python, no llama.cpp), over the same tier
 directories the server uses, so they work on a machine without a model. ``verify`` reports
 every bad file (CRC, truncation, garbage, interrupted temp files) and exits 1 if there is one;
-it moves and deletes nothing unless given ``--repair``. ``stats``, ``ls`` and ``verify`` create
-nothing and tighten no mode: a missing tier directory is reported (stderr; ``missing_dirs`` in
-``--json``) and counts as empty, exit 0. What a server's startup scan already
+it moves and deletes nothing unless given ``--repair``. No command creates a directory: a
+configured ``cache_dir`` or ``shm_dir`` that does not exist (a typo) is a one-line error, exit 2.
+``stats``, ``ls`` and ``verify`` tighten no mode either; a missing tier directory under an
+existing one (``rows/``) is reported (stderr; ``missing_dirs`` in ``--json``) and counts as
+empty, exit 0. What a server's startup scan already
 set aside (``quarantine/``: damaged rows and chunks, manifests whose chunks were gone) is
 reported as fixed, and alone does not make it exit 1. ``stats`` reports what the tiers hold,
 never the event counters (hits, misses, saves): those count what the opening process did, and
@@ -108,7 +110,17 @@ def open_cache(
     from kvwarm.cache import Cache, TierConfig
     from kvwarm.errors import CacheDirMissingError
 
+    require_dirs(settings)
     config = settings.cache_config()
+    if repair:  # a repairing open would create a missing tier directory: leave it out
+        for tier in config.tiers:
+            if tier.root is not None and not tier.root.exists():
+                print(f"kvwarm: {tier.name}: cache directory {tier.root} does not exist "
+                      "(not created); nothing is cached there", file=sys.stderr)  # fmt: skip
+                if missing is not None:
+                    missing.append(str(tier.root))
+        tiers = tuple(t for t in config.tiers if t.root is None or t.root.exists())
+        config = dataclasses.replace(config, tiers=tiers or (TierConfig("ram", 1 << 30),))
     while True:
         try:
             cache = Cache(config, repair=repair, background=repair)
@@ -123,6 +135,20 @@ def open_cache(
         yield cache
     finally:
         cache.close()
+
+
+def require_dirs(settings: Settings) -> None:
+    """``ConfigError`` (exit 2) for a configured cache directory that does not exist: a
+    maintenance command given a typo (``--cache-dir /var/cache/kvwram``) says so, instead of
+    creating it (``gc``) or reporting an empty cache (``stats``). ``serve`` creates its own."""
+    from kvwarm.errors import ConfigError
+
+    for name, path in (("cache_dir", settings.cache_dir), ("shm_dir", settings.shm_dir)):
+        if path is not None and not path.exists():
+            raise ConfigError(
+                f"{name} {path} does not exist (kvwarm cache creates nothing; kvwarm serve "
+                "creates it)"
+            )
 
 
 def _size(n: float) -> str:

@@ -98,7 +98,7 @@ def run_explain(args: argparse.Namespace) -> int:
     from kvwarm.cache.explain import describe, reuse_json
     from kvwarm.cache.formats.key import salted_namespace
     from kvwarm.cache.types import Namespace
-    from kvwarm.cli.cache_cmd import open_cache
+    from kvwarm.cli.cache_cmd import open_cache, require_dirs
     from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
     from kvwarm.engine.worker.explain import explain_prompt
     from kvwarm.memory import MemoryKind
@@ -106,6 +106,7 @@ def run_explain(args: argparse.Namespace) -> int:
     from kvwarm.tenants import scoped_by_id
 
     settings = settings_from(args)
+    require_dirs(settings)  # before loading a model: a mistyped --cache-dir is the answer
     body = _read_body(args.body) if args.body is not None else {}
     if (args.prompt is None) == (not body):
         raise ConfigError("give a prompt or --body FILE (one of them)")
