@@ -267,6 +267,20 @@ def test_models_health_tokenize_detokenize(client: TestClient) -> None:
     assert pieces["tokens"][0]["piece"] == "<s>"
 
 
+def test_tokenize_answers_at_most_the_models_context(client: TestClient) -> None:
+    """Found by review: ``/tokenize`` had no bound, so an 8 MB body answered millions of
+    tokens (hundreds of MB of RSS). It answers at most the model's context, as a prompt."""
+    (meta,) = [m["meta"] for m in client.get("/v1/models").json()["data"] if m["id"] == "a"]
+    n_ctx = meta["n_ctx"]
+    fits = client.post("/tokenize", json={"model": "a", "content": "x" * (n_ctx - 1)})
+    assert len(fits.json()["tokens"]) == n_ctx  # BOS and one token a byte
+    for pieces in (False, True):
+        body = {"model": "a", "content": "x" * n_ctx, "with_pieces": pieces}
+        over = client.post("/tokenize", json=body)
+        assert_error(over, 400, "context_length_exceeded", "content")
+        assert f"content has {n_ctx + 1} tokens" in over.json()["error"]["message"]
+
+
 def test_embeddings_float_and_base64(client: TestClient) -> None:
     body = {"model": "a", "input": ["first", "second"]}
     data = client.post("/v1/embeddings", json=body).json()

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from kvwarm.cache.sizes import row_sizes, summary
 from kvwarm.cache.types import RowInfo, TtlClass
 from kvwarm.engine.types import CompletionStats, ModelStatus
+from kvwarm.errors import ContextOverflowError
 from kvwarm.server import tenancy
 from kvwarm.server.budget import cache_shares
 from kvwarm.server.errors import HTTPError, error_body
@@ -112,11 +113,26 @@ async def tokenize(request: Request) -> Response:
     state = server_state(request)
     req = parse_body(await read_json(request, state.settings), TokenizeRequest)
     model = await state.acquire(req.model)
-    tokens = await run_in_threadpool(
-        lambda: model.tokenize(
+
+    def bounded() -> list[int]:
+        # Found by review: unbounded, an 8 MB body answered millions of tokens (~260 MB of
+        # RSS, more with pieces). Bounded as a prompt is, by the model's context: no request
+        # can use more tokens than that, and the refusal still says how many there were.
+        tokens = model.tokenize(
             req.content, add_special=req.add_special, parse_special=req.parse_special
         )
-    )
+        n_ctx = model.info().n_ctx
+        if len(tokens) > n_ctx:
+            raise ContextOverflowError(
+                f"content has {len(tokens)} tokens; /tokenize answers at most this model's "
+                f"context, {n_ctx} tokens",
+                n_tokens=len(tokens),
+                n_ctx=n_ctx,
+                param="content",
+            )
+        return tokens
+
+    tokens = await run_in_threadpool(bounded)
     if not req.with_pieces:
         return JSONResponse({"tokens": tokens})
     # Found by review: each piece was the token detokenized alone, so a special token's was
