@@ -36,6 +36,21 @@ def test_a_trigger_is_found_across_pieces_and_returns_its_text_on() -> None:
     assert watch.feed(b"a[X]b<tc>") == b"[X]b<tc>"  # the earliest of two
 
 
+def test_a_refused_start_leaves_the_rest_of_its_text_searched() -> None:
+    """Found by review: after a start the grammar refused, the rest of that piece was not
+    searched, for a later trigger or for the start of one the next piece completes."""
+    watch = TriggerWatch((b"<tc>", b"[X]"))
+    start = watch.feed(b"Hi <tc>.[X]{")
+    assert start == b"<tc>.[X]{"
+    assert watch.refused(start) == b"[X]{"  # the next one, in the same piece
+    assert watch.refused(b"[X]{") is None
+    assert watch.feed(b"<tc>") == b"<tc>"
+    assert watch.refused(b"<tc>.<t") is None  # a trigger's start at the end is kept
+    assert watch.feed(b"c>{") == b"<tc>{"
+    assert watch.refused(b"<tc>{") is None
+    assert watch.feed(b"c>") is None  # nothing kept from a start with no trigger after it
+
+
 @pytest.mark.parametrize(
     ("params", "param"),
     [
@@ -83,13 +98,17 @@ class Driver:
 
 
 def _driver(
-    model: BackendModel, temperature: float, once: bool = False, grammar: str = GRAMMAR
+    model: BackendModel,
+    temperature: float,
+    once: bool = False,
+    grammar: str = GRAMMAR,
+    triggers: tuple[str, ...] = ("<tc>",),
 ) -> Iterator[Driver]:
     params = SamplingParams(
         temperature=temperature,
         seed=5,
         grammar=grammar,
-        grammar_triggers=("<tc>",),
+        grammar_triggers=triggers,
         grammar_once=once,
     )
     sampler = model.new_sampler(params)
@@ -176,6 +195,47 @@ def test_reset_lets_go(driver: Driver) -> None:
     driver.say("c> x")  # and the trigger's start was forgotten
     driver.say("<tc>")
     _hold_to_the_end(driver)
+
+
+def test_a_token_that_completes_a_refused_trigger_and_another_holds_from_the_other(
+    model: BackendModel,
+) -> None:
+    """``a`` after ``b`` completes two triggers: ``ba``, which the grammar refuses, and ``a``,
+    which it takes. The sampler tries the second (it left the reply free: found by review)."""
+    grammar = 'root ::= "a{1}" | "a{2}"'
+    for temperature in (0.0, 0.7):
+        for d in _driver(model, temperature, grammar=grammar, triggers=("ba", "a")):
+            d.say("Hi b")
+            (a,) = d.tokens("a")
+            assert d.want(a) == a
+            (x,) = d.tokens("x")
+            assert d.want(x) != x  # held
+            for _ in range(8):
+                if d.text.endswith(b"}"):
+                    break
+                d.want(x, others=1.0)
+            assert d.text.endswith((b"a{1}", b"a{2}")), d.text
+
+
+@pytest.mark.model
+def test_a_trigger_begun_after_a_refused_one_in_the_same_token_is_found() -> None:
+    """SmolLM2 writes ``><`` as one token: after ``<tc``, it completes ``<tc>`` (refused: the
+    grammar wants ``{`` next) and begins the next ``<tc>``, which ``tc>`` then completes."""
+    from kvwarm.backends import get_backend
+    from kvwarm.embedded import default_model_path
+
+    model = get_backend("llama_cpp").load_model(str(default_model_path()))
+    try:
+        pieces, _ = model.vocabulary()
+        both = pieces.index(b"><")
+        for temperature in (0.0, 0.7):
+            for d in _driver(model, temperature):
+                d.say("Hi <tc")
+                assert d.want(both) == both
+                d.say("tc>")  # completes the trigger begun in "><"
+                _hold_to_the_end(d)
+    finally:
+        model.close()
 
 
 @pytest.mark.model

@@ -8,7 +8,9 @@ Invariants (``SamplingParams.grammar_triggers``; both backends' samplers keep th
 - The token that completes a trigger may carry text after it (SmolLM2 writes ``>.`` as one
   token): the grammar is given the trigger and that text, and starts only if it accepts them
   all; otherwise the reply stays free (the call is then as unconstrained as without a lazy
-  grammar) and the search goes on after that token. llama.cpp's own lazy sampler
+  grammar) and the search goes on from the byte after the refused trigger's start: the rest
+  of that token's text may hold another trigger (tried in turn), or begin one the next token
+  completes (found by review: that text was dropped). llama.cpp's own lazy sampler
   (``llama_sampler_init_grammar_lazy_patterns``) replays that text unchecked and its
   ``std::runtime_error`` ends the process (measured: ``Sure <tool_call>.`` with SmolLM2),
   which is why the laziness lives here, over an ordinary grammar.
@@ -63,6 +65,10 @@ class TriggerWatch:
                     return self._head[match.start(1) if pattern.groups else 0 :]
             if len(self._head) > MAX_TRIGGER_BYTES:
                 self._heading, self._head = False, b""
+        return self._find(piece)
+
+    def _find(self, piece: bytes) -> bytes | None:
+        """The trigger search of ``feed``: the earliest trigger that ends in ``piece``."""
         if not self._triggers:
             return None
         text = self._tail + piece
@@ -76,6 +82,15 @@ class TriggerWatch:
             return text[min(starts) :]
         self._tail = text[-self._keep :] if self._keep else b""
         return None
+
+    def refused(self, start: bytes) -> bytes | None:
+        """The grammar refused ``start`` (what ``feed`` or this returned last): the reply's
+        start is past, and the rest of ``start``, from its second byte on, is searched as a
+        new piece. Returns the next text to try, as ``feed`` does; each is shorter, so a
+        caller's loop ends."""
+        self._tail = b""
+        self._heading, self._head = False, b""
+        return self._find(start[1:])
 
     def clear(self) -> None:
         """Search afresh from the next piece on (a grammar just started, was refused or let

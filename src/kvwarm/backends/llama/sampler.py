@@ -380,14 +380,13 @@ class LlamaSampler:
         if watch is None or self._model.is_eog(token):
             return token
         start = watch.feed(self._model.token_to_piece(token, special=True))
-        if start is None:
-            return token
-        if self._start_with(start):
-            self._holding = True
-        else:
+        while start is not None:
+            if self._start_with(start):
+                self._holding = True
+                break
             log.debug("a lazy grammar refused its start %r: the reply stays free", start[:64])
             self._lib.llama_sampler_reset(self._grammar)
-            watch.clear()
+            start = watch.refused(start)  # the token's text after it may hold another
         return token
 
     def _start_with(self, text: bytes) -> bool:

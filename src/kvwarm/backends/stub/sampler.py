@@ -217,10 +217,11 @@ class StubSampler:
             grammar.accept(self._piece(token), self._is_eog(token))
         elif self._watch is not None and not self._is_eog(token):
             start = self._watch.feed(self._piece(token))
-            if start is not None and self._grammar is not None:
+            while start is not None and self._grammar is not None:
                 self._holding = self._grammar.start(start)
-                if not self._holding:
-                    self._watch.clear()
+                if self._holding:
+                    break
+                start = self._watch.refused(start)  # the token's text after it may hold another
         self._remember(token)
         return token
 
