@@ -99,3 +99,50 @@ def test_a_disconnect_cancels_an_embedding(live: tuple[LiveServer, RecordingBack
         assert http.post("/v1/embeddings", json=probe).status_code == 200
     assert len(backend.embedded) == 2, backend.embedded  # the held piece, then the probe
     assert not any(MARK in tokens for tokens in backend.embedded)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/rerank", {"model": "ranker", "query": "q", "documents": ["a ZZZZ", "b ZZZZ"]}),
+        ("/v1/embeddings", {"model": "embedder", "input": ["first " * 8, "1 ZZZZ " * 6]}),
+    ],
+    ids=["rerank", "embedding"],
+)
+def test_shutdown_cancels_a_rerank_or_an_embedding_as_it_ends_generations(
+    live: tuple[LiveServer, RecordingBackend], path: str, body: dict[str, object]
+) -> None:
+    """Found by review: shutdown's drain (``ServerState.drain``, a second before uvicorn's
+    graceful wait ends) ended the generations still running but not a rerank or an
+    embedding, which went on until uvicorn cancelled its handler (then its thread was left
+    running into the engine's close). Now the drain cancels it too: its work not begun is
+    dropped, its answer is the generations' 503 ``shutting_down``, and one that starts after
+    the drain is refused at once, as a generation is."""
+    server, backend = live
+    assert backend.gate is not None
+    state = server.server.config.app.state.kvwarm
+    loop = server.server.servers[0].get_loop()
+    answers: list[httpx.Response] = []
+
+    def ask() -> None:
+        with httpx.Client(base_url=server.base_url, timeout=60) as http:
+            answers.append(http.post(path, json=body))
+
+    client = threading.Thread(target=ask)
+    try:
+        client.start()
+        assert backend.entered.wait(60), "the request never reached the model"
+        loop.call_soon_threadsafe(state.drain, 0.0)  # what shutdown calls, its delay passed
+        # Its first pass is still held: only the drain can have cancelled it.
+        assert _Watched.cancelled_event.wait(30), "the drain did not cancel the work"
+    finally:
+        backend.gate.set()
+        client.join(60)
+    (answer,) = answers
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "shutting_down"
+    decoded = [t.token for batch in backend.calls for t in batch]
+    assert MARK not in decoded and not any(MARK in tokens for tokens in backend.embedded)
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        later = http.post(path, json=body)
+    assert later.status_code == 503 and later.json()["error"]["code"] == "shutting_down"

@@ -10,7 +10,9 @@ Invariants:
   first fragment (context overflow, a bad grammar) become proper 4xx responses, not a 200 stream
   carrying an error.
 - A rerank or an embedding (a blocking call, ``run_cancellable``) is cancelled the same way
-  when its client leaves: the model drops its work not yet done.
+  when its client leaves: the model drops its work not yet done. Shutdown's end of the
+  graceful wait cancels it too, and it raises ``ServerShuttingDownError`` as a generation
+  does.
 - Every finished generation logs exactly one line on ``kvwarm.server.requests``, naming the end
   user the request said it came for (OpenAI's ``user``, Anthropic's ``metadata.user_id``), if
   it said one.
@@ -39,7 +41,7 @@ from starlette.requests import Request
 from kvwarm.engine.cancel import Cancellation
 from kvwarm.engine.request import Fragment
 from kvwarm.engine.types import Completion
-from kvwarm.errors import KvwarmError, RequestTimeoutError
+from kvwarm.errors import KvwarmError, RequestCancelledError, RequestTimeoutError
 from kvwarm.server.errors import error_body, kind_of
 
 if TYPE_CHECKING:
@@ -241,12 +243,34 @@ class Generation:
 _T = TypeVar("_T")
 
 
-async def run_cancellable(request: Request, work: Callable[[Cancellation], _T]) -> _T:
+class BlockingCall:
+    """A rerank's or an embedding's ``Cancellation``, as ``ServerState.blocking_calls``
+    holds it: the server's own reason to end it (``cut``) is what it then raises, not the
+    disconnect's."""
+
+    def __init__(self, cancel: Cancellation) -> None:
+        self.cancel = cancel
+        self.reason: KvwarmError | None = None
+
+    def cut(self, error: KvwarmError) -> None:
+        if self.reason is None and not self.cancel.cancelled:
+            self.reason = error
+            self.cancel.cancel()
+
+
+async def run_cancellable(
+    request: Request, state: ServerState, work: Callable[[Cancellation], _T]
+) -> _T:
     """``work`` (a blocking model call: a rerank, an embedding) on the thread pool, given a
     ``Cancellation`` that the client's disconnect cancels meanwhile, as a generation's stream
     is cancelled: the model stops on it (found by review: a rerank or an embedding went on
-    for a client long gone; llama-server stops)."""
+    for a client long gone; llama-server stops). Shutdown (``ServerState.drain``) cancels it
+    as it ends the generations, and its ``RequestCancelledError`` is then that error,
+    ``ServerShuttingDownError`` (found by review: it ran on until uvicorn cancelled its
+    handler at the end of the graceful wait, its thread still in the model as the engine
+    closed)."""
     cancel = Cancellation()
+    call = BlockingCall(cancel)
 
     async def watch() -> None:
         await wait_disconnect(request)
@@ -254,12 +278,20 @@ async def run_cancellable(request: Request, work: Callable[[Cancellation], _T]) 
         log.info("%s: the client left; its work was cancelled", request.url.path)
 
     watcher = asyncio.create_task(watch())
+    state.blocking_calls.add(call)
+    if state.draining is not None:  # started after shutdown ended the others
+        call.cut(state.draining)
     try:
         return await run_in_threadpool(work, cancel)
+    except RequestCancelledError:
+        if call.reason is not None:
+            raise call.reason from None
+        raise
     except asyncio.CancelledError:  # the handler itself is cancelled: nobody waits either
         cancel.cancel()
         raise
     finally:
+        state.blocking_calls.discard(call)
         watcher.cancel()
 
 

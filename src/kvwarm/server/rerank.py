@@ -76,7 +76,7 @@ async def rerank(request: Request) -> Response:
             cancel=cancel,  # the client's disconnect
         )
 
-    ranking = await run_cancellable(request, work)
+    ranking = await run_cancellable(request, state, work)
     results: list[dict[str, object]] = []
     for result in ranking.results:
         item: dict[str, object] = {

@@ -39,7 +39,7 @@ from kvwarm.settings import Settings, model_config
 
 if TYPE_CHECKING:
     from kvwarm.engine.api import Engine
-    from kvwarm.server.generate import Generation
+    from kvwarm.server.generate import BlockingCall, Generation
     from kvwarm.server.served import ServedModel
 
 log = logging.getLogger("kvwarm.server")
@@ -68,6 +68,9 @@ class ServerState:
         self.background: set[asyncio.Task[None]] = set()
         # Generations being served (event loop only), so shutdown can end them with an error.
         self.streams: set[Generation] = set()
+        # Reranks and embeddings being served (``run_cancellable``; event loop only): ended
+        # by shutdown as the generations are.
+        self.blocking_calls: set[BlockingCall] = set()
         self.draining: KvwarmError | None = None  # set once shutdown ended the streams
         ttl = settings.cache_config().ttl_seconds
         limits = KeepAliveLimits(
@@ -98,18 +101,28 @@ class ServerState:
         """Shutdown began (event loop): the generations still running ``after_s`` seconds
         from now, just before uvicorn's graceful wait ends and it cancels whatever is left,
         are ended with ``ServerShuttingDownError``, so each stream ends with an error event
-        in its API's shape instead of being cut mid-reply (issue 41); later ones at once."""
+        in its API's shape instead of being cut mid-reply (issue 41); later ones at once.
+        Reranks and embeddings still running are cancelled then too (their work not yet done
+        dropped, as at a disconnect) and answered 503 ``shutting_down`` (found by review:
+        they ran on until uvicorn cancelled their handlers, their threads still in the model
+        as the engine closed)."""
 
         def cut() -> None:
             error = ServerShuttingDownError(
                 "the server is shutting down; retry on another instance or later"
             )
             self.draining = error
-            streams = list(self.streams)
-            if streams:
-                log.warning("shutdown: ending %d generations still running", len(streams))
+            streams, calls = list(self.streams), list(self.blocking_calls)
+            if streams or calls:
+                log.warning(
+                    "shutdown: ending %d generations and %d reranks or embeddings still running",
+                    len(streams),
+                    len(calls),
+                )
             for gen in streams:
                 gen.cut(error)
+            for call in calls:
+                call.cut(error)
 
         asyncio.get_running_loop().call_later(max(0.0, after_s), cut)
 

@@ -68,7 +68,7 @@ async def embeddings(request: Request) -> Response:
         n_tokens = sum(len(model.tokenize(x)) if isinstance(x, str) else len(x) for x in items)
         return vectors, n_tokens
 
-    vectors, n_tokens = await run_cancellable(request, work)
+    vectors, n_tokens = await run_cancellable(request, state, work)
     data: list[dict[str, object]] = []
     for index, full in enumerate(vectors):
         vector = full if req.dimensions is None else _shortened(full, req.dimensions)
