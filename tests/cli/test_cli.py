@@ -663,7 +663,7 @@ def test_cache_commands_refuse_a_cache_dir_that_does_not_exist(
     for action in ("gc", "stats", "ls", "verify", "explain"):
         args = ["cache", action, "--cache-dir", str(typo)]
         if action == "explain":
-            args.append("hello")
+            args += ["--backend", "stub", "--model", "stub-a", "hello"]
         elif action == "verify":
             args.append("--repair")
         result = kvwarm(env_typo, *args)
@@ -677,6 +677,14 @@ def test_cache_commands_refuse_a_cache_dir_that_does_not_exist(
     shm = kvwarm(env_typo, "cache", "gc", "--cache-dir", "none", "--shm-dir", str(typo))
     assert shm.returncode == 2 and f"shm_dir {typo} does not exist" in shm.stderr
     assert not (tmp_path / "nowhere").exists()
+    # The default cache_dir, which nobody typed, is a cache not served yet: empty, uncreated.
+    default = Path(env_typo["XDG_CACHE_HOME"]) / "kvwarm"
+    assert not default.exists()
+    for action in ("gc", "stats"):
+        fresh = kvwarm(env_typo, "cache", action)
+        assert fresh.returncode == 0, fresh.stderr
+        assert f"{default / 'rows'} does not exist" in fresh.stderr
+    assert not default.exists()
 
 
 # A stub whose every forward pass takes two minutes: a worker stuck in native code.

@@ -121,12 +121,14 @@ def test_cache_stats_lists_a_tier_whose_directory_is_missing_as_empty(
     the tier from its listing instead (found by review: ``tiers`` had no ``disk`` at all, and
     the server's /cache/stats lists every configured tier), so a script reading
     ``tiers.disk`` failed exactly when the cache was empty."""
-    missing = tmp_path / "never-served"
-    assert main(["cache", "stats", "--json", "--cache-dir", str(missing)]) == 0
+    cache_dir = tmp_path / "never-served"
+    cache_dir.mkdir()  # a named one that does not exist is a typo: exit 2 (test_cli.py)
+    missing = cache_dir / "rows"
+    assert main(["cache", "stats", "--json", "--cache-dir", str(cache_dir)]) == 0
     out = capsys.readouterr()
     stats = json.loads(out.out)
     assert list(stats["tiers"]) == ["ram", "disk"]  # the server's order
     disk = stats["tiers"]["disk"]
     assert (disk["rows"], disk["bytes"], disk["quota_bytes"]) == (0, 0, 20 << 30)
-    assert stats["missing_dirs"] == [str(missing / "rows")] and "does not exist" in out.err
+    assert stats["missing_dirs"] == [str(missing)] and "does not exist" in out.err
     assert not missing.exists()

@@ -4,10 +4,11 @@ Invariant: these commands open the cache alone (pure Python, no llama.cpp), over
 directories the server uses, so they work on a machine without a model. ``verify`` reports
 every bad file (CRC, truncation, garbage, interrupted temp files) and exits 1 if there is one;
 it moves and deletes nothing unless given ``--repair``. No command creates a directory: a
-configured ``cache_dir`` or ``shm_dir`` that does not exist (a typo) is a one-line error, exit 2.
-``stats``, ``ls`` and ``verify`` tighten no mode either; a missing tier directory under an
-existing one (``rows/``) is reported (stderr; ``missing_dirs`` in ``--json``) and counts as
-empty, exit 0. What a server's startup scan already
+named ``cache_dir`` or ``shm_dir`` (flag, environment, config file) that does not exist (a
+typo) is a one-line error, exit 2. ``stats``, ``ls`` and ``verify`` tighten no mode either; a
+missing tier directory otherwise (``rows/`` under an existing one, or under the default
+``cache_dir`` not created yet) is reported (stderr; ``missing_dirs`` in ``--json``) and
+counts as empty, exit 0. What a server's startup scan already
 set aside (``quarantine/``: damaged rows and chunks, manifests whose chunks were gone) is
 reported as fixed, and alone does not make it exit 1. ``stats`` reports what the tiers hold,
 never the event counters (hits, misses, saves): those count what the opening process did, and
@@ -138,12 +139,15 @@ def open_cache(
 
 
 def require_dirs(settings: Settings) -> None:
-    """``ConfigError`` (exit 2) for a configured cache directory that does not exist: a
-    maintenance command given a typo (``--cache-dir /var/cache/kvwram``) says so, instead of
-    creating it (``gc``) or reporting an empty cache (``stats``). ``serve`` creates its own."""
+    """``ConfigError`` (exit 2) for a named cache directory that does not exist: a maintenance
+    command given a typo (``--cache-dir /var/cache/kvwram``) says so, instead of creating it
+    (``gc``) or reporting an empty cache (``stats``). ``serve`` creates its own. The default
+    ``cache_dir`` (``~/.cache/kvwarm``), which nobody typed, is a cache not served yet: empty."""
     from kvwarm.errors import ConfigError
+    from kvwarm.settings import user_cache_dir
 
-    for name, path in (("cache_dir", settings.cache_dir), ("shm_dir", settings.shm_dir)):
+    cache_dir = settings.cache_dir if settings.cache_dir != user_cache_dir() else None
+    for name, path in (("cache_dir", cache_dir), ("shm_dir", settings.shm_dir)):
         if path is not None and not path.exists():
             raise ConfigError(
                 f"{name} {path} does not exist (kvwarm cache creates nothing; kvwarm serve "

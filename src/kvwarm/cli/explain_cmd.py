@@ -106,7 +106,6 @@ def run_explain(args: argparse.Namespace) -> int:
     from kvwarm.tenants import scoped_by_id
 
     settings = settings_from(args)
-    require_dirs(settings)  # before loading a model: a mistyped --cache-dir is the answer
     body = _read_body(args.body) if args.body is not None else {}
     if (args.prompt is None) == (not body):
         raise ConfigError("give a prompt or --body FILE (one of them)")
@@ -123,6 +122,7 @@ def run_explain(args: argparse.Namespace) -> int:
     tenant = _tenant(args)
     if tenant is not None or args.anonymous:
         salt = scoped_by_id(salt, tenant)
+    require_dirs(settings)  # before loading a model: a mistyped --cache-dir is the answer
     bmodel = backend.load_model(str(path), dataclasses.replace(cfg.model_params, vocab_only=True))
     try:
         facts = bmodel.facts
