@@ -154,17 +154,29 @@ PROJ_IMAGE, PROJ_PATCH, PROJ_EMBD, PROJ_FF = 64, 8, 64, 128
 PROJ_TOKENS = (PROJ_IMAGE // PROJ_PATCH // 2) ** 2
 
 
-def write_tiny_projector(path: Path, n_embd_text: int, *, seed: int = 11) -> Path:
+def write_tiny_projector(
+    path: Path,
+    n_embd_text: int,
+    *,
+    seed: int = 11,
+    projector_type: str = "gemma3",
+    n_pos: int | None = None,
+    scale_factor: int = 2,
+    llava: bool = False,
+) -> Path:
     """A complete random-weight ``gemma3`` projector at ``path`` for a text model of width
     ``n_embd_text`` (640 Gemma 3 270M, 576 SmolLM2): what ``/work/shared/DESIGN.md`` measured
-    this llama.cpp to accept (~0.26 MB). The same arguments write the same bytes."""
+    this llama.cpp to accept (~0.26 MB). The same arguments write the same bytes. The
+    keywords write hostile variants: another ``projector_type`` label, ``n_pos`` position
+    embeddings instead of ``(image/patch)^2``, another ``scale_factor``; ``llava`` writes a
+    sound ``mlp`` (LLaVA) projector instead: the same encoder, a two-layer MLP head."""
     import gguf
 
     rng = np.random.default_rng(seed)
     e, ff, p = PROJ_EMBD, PROJ_FF, PROJ_PATCH
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_bool("clip.has_vision_encoder", True)
-    w.add_string("clip.projector_type", "gemma3")
+    w.add_string("clip.projector_type", "mlp" if llava else projector_type)
     w.add_uint32("clip.vision.embedding_length", e)
     w.add_uint32("clip.vision.feed_forward_length", ff)  # != e: or clip.cpp swaps up and down
     w.add_uint32("clip.vision.block_count", 2)
@@ -176,7 +188,7 @@ def write_tiny_projector(path: Path, n_embd_text: int, *, seed: int = 11) -> Pat
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
     w.add_bool("clip.use_gelu", True)
-    w.add_uint32("clip.vision.projector.scale_factor", 2)
+    w.add_uint32("clip.vision.projector.scale_factor", scale_factor)
     w.add_uint32("general.file_type", 1)
 
     def tensor(name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> None:
@@ -184,7 +196,7 @@ def write_tiny_projector(path: Path, n_embd_text: int, *, seed: int = 11) -> Pat
 
     tensor("v.patch_embd.weight", (e, 3, p, p), np.float16)
     tensor("v.patch_embd.bias", (e,))
-    tensor("v.position_embd.weight", ((PROJ_IMAGE // p) ** 2, e))
+    tensor("v.position_embd.weight", ((PROJ_IMAGE // p) ** 2 if n_pos is None else n_pos, e))
     for il in range(2):
         for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
             tensor(f"v.blk.{il}.{name}.weight", (e, e), np.float16)
@@ -198,8 +210,14 @@ def write_tiny_projector(path: Path, n_embd_text: int, *, seed: int = 11) -> Pat
         tensor(f"v.blk.{il}.ffn_down.bias", (e,))
     w.add_tensor("v.post_ln.weight", np.ones(e, np.float32))
     tensor("v.post_ln.bias", (e,))
-    w.add_tensor("mm.soft_emb_norm.weight", np.ones(e, np.float32))
-    tensor("mm.input_projection.weight", (e, n_embd_text), np.float16)
+    if llava:
+        tensor("mm.0.weight", (ff, e), np.float16)
+        tensor("mm.0.bias", (ff,))
+        tensor("mm.2.weight", (n_embd_text, ff), np.float16)
+        tensor("mm.2.bias", (n_embd_text,))
+    else:
+        w.add_tensor("mm.soft_emb_norm.weight", np.ones(e, np.float32))
+        tensor("mm.input_projection.weight", (e, n_embd_text), np.float16)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

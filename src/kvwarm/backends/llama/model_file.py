@@ -9,10 +9,14 @@ llama.cpp (0.3.36), found by loading hostile files in a child process
 (``tests/backends/test_model_file_refusals.py``); the rule is llama.cpp's own condition, so
 every file it loads without aborting still passes.
 
-Projectors (``general.architecture`` ``clip``) get the few generic rules of ``_clip_problem``.
-Not covered, known: clip.cpp has per-projector-type asserts on its own keys and reads many
-tensors as optional and then dereferences them (a ``gemma3`` projector relabelled ``mlp``
-crashed the process, SIGSEGV, at load); mirroring every type is not done here.
+Projectors (``general.architecture`` ``clip``) get the generic rules of ``_clip_problem``
+and, for the vision projector types ``gemma3`` and ``mlp`` (LLaVA; ``mlp_norm`` when it has
+``mm.3.weight``), ``_clip_tensors_problem``: the tensors clip.cpp loads as optional and its
+graph then dereferences (a ``gemma3`` projector relabelled ``mlp`` had no ``mm.0.weight``:
+SIGSEGV at load), a position embedding the encoder's input cannot take (GGML_ASSERT at load),
+and ``gemma3``'s pooling factor not dividing the patch grid (GGML_ASSERT at the first image).
+Not covered, known: every other projector type's own tensors and asserts (clip.cpp builds
+some 60 graphs), and the widths of the matrices each graph multiplies.
 
 Invariant: ``check`` reads only the key/value section and the tensor table, bounded by the
 file's size (``gguf_meta.read_values``, ``read_tensors``; an mmap, never a copy of the file),
@@ -116,6 +120,8 @@ _HUNYUAN_ZEROED = frozenset({"hunyuan_vl", "hunyuan-dense"})
 _KEYS = frozenset({
     "general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.tokens",
     "tokenizer.ggml.token_type", "clip.vision.image_size", "clip.vision.patch_size",
+    "clip.has_vision_encoder", "clip.projector_type", "clip.vision.projector_type",
+    "clip.vision.block_count", "clip.vision.projector.scale_factor",
     *(f"clip.{tower}.{key}" for tower in ("vision", "audio")
       for key in ("embedding_length", "attention.head_count")),
 })  # fmt: skip
@@ -165,13 +171,23 @@ _NOT_WEIGHT_TYPES = {24: "i8", 25: "i16", 26: "i32", 27: "i64", 28: "f64"}
 
 
 def _tensors_problem(buf: gguf_meta.Buffer, found: gguf_meta.Values) -> str:
-    """A model (not a projector) tensor of a type no weight has, from the tensor table."""
-    if _text(found.values.get("general.architecture")) in (None, "clip"):
+    """A model tensor of a type no weight has, or a projector's tensors its graph cannot
+    take, from the tensor table."""
+    arch = _text(found.values.get("general.architecture"))
+    if arch is None:
+        return ""
+    vit = _vision_vit_type(found.values) if arch == "clip" else None
+    if arch == "clip" and vit is None:
         return ""
     # An mmap reads as a file does (read, seek, tell); bytes are wrapped as one.
     reader = cast(BinaryIO, buf) if isinstance(buf, mmap.mmap) else io.BytesIO(bytes(buf))
     reader.seek(found.tensors_at)
-    for tensor in gguf_meta.read_tensors(reader, len(buf), found.n_tensors):
+    tensors = gguf_meta.read_tensors(reader, len(buf), found.n_tensors)
+    if vit is not None:
+        # Only the names the rules read: the table's other entries are not kept.
+        shapes = {t.name: t.shape for t in tensors if _clip_tensor_wanted(t.name)}
+        return _clip_tensors_problem(vit, found.values, shapes, found.n_tensors)
+    for tensor in tensors:
         kind = _NOT_WEIGHT_TYPES.get(tensor.ggml_type)
         if kind is not None:
             return f"tensor {tensor.name!r} is of type {kind}, which no model weight is"
@@ -209,8 +225,8 @@ def _problem(values: dict[str, gguf_meta.Value]) -> str:
 def _clip_problem(values: dict[str, gguf_meta.Value]) -> str:
     """A projector (mtmd's ``clip.cpp``) whose encoder graph asserts when mtmd builds it at
     load: heads that do not divide the encoder's width (a reshape), an image smaller than
-    one patch (a convolution of no output). Only these generic rules: clip.cpp's checks of
-    each projector type's own keys and tensors are not mirrored (see the module doc)."""
+    one patch (a convolution of no output); and ``gemma3``'s pooling factor, which must
+    divide the patch grid. The tensors are ``_clip_tensors_problem``'s."""
     for tower in ("vision", "audio"):
         k = f"clip.{tower}."
         n_embd = _int(values.get(k + "embedding_length"))
@@ -221,6 +237,104 @@ def _clip_problem(values: dict[str, gguf_meta.Value]) -> str:
     patch = _int(values.get("clip.vision.patch_size"))
     if image is not None and patch and image < patch:
         return f"clip.vision.image_size ({image}) is smaller than one patch ({patch})"
+    if image and patch and _vision_vit_type(values) == "gemma3":
+        # siglip.cpp pools the patch grid by the scale factor; a factor that does not divide
+        # it asserted when the first image's embeddings were read (GGML_ASSERT).
+        merge = _int(values.get("clip.vision.projector.scale_factor"))
+        merge = _GEMMA3_MERGE if merge is None else merge
+        grid = image // patch
+        if merge > 0 and grid % merge:
+            return (
+                f"clip.vision.projector.scale_factor ({merge}) does not divide the "
+                f"{grid}x{grid} patch grid (image_size {image} / patch_size {patch})"
+            )
+    return ""
+
+
+#: Vision projector types whose encoder is clip.cpp's standard ViT (``build_vit`` for
+#: ``gemma3``, ``clip_graph_llava`` for ``mlp``) and whose optional tensors are checked.
+_VIT_TYPES = frozenset({"gemma3", "mlp"})
+#: ``gemma3``'s pooling factor when the file does not say (clip.cpp's ``n_merge``).
+_GEMMA3_MERGE = 4
+
+
+def _vision_vit_type(values: dict[str, gguf_meta.Value]) -> str | None:
+    """The vision projector type, as mtmd reads it, if it is one of ``_VIT_TYPES``."""
+    if values.get("clip.has_vision_encoder") is not True:
+        return None
+    kind = _text(values.get("clip.projector_type")) or _text(
+        values.get("clip.vision.projector_type")
+    )
+    return kind if kind in _VIT_TYPES else None
+
+
+_CLIP_FIXED = frozenset({"v.patch_embd.weight", "v.position_embd.weight", "v.class_embd",
+                         *(f"mm.{i}.{part}" for i in range(5) for part in ("weight", "bias"))})  # fmt: skip
+_ATTN = ("attn_q", "attn_k", "attn_v", "attn_qkv")
+
+
+def _clip_tensor_wanted(name: str) -> bool:
+    """``_CLIP_FIXED`` and the vision layers' attention weights (``v.blk.N.attn_q.weight``)."""
+    if name in _CLIP_FIXED:
+        return True
+    parts = name.split(".")
+    return len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[3] in _ATTN and parts[4] == "weight"
+
+
+def _clip_tensors_problem(
+    kind: str,
+    values: dict[str, gguf_meta.Value],
+    shapes: dict[str, tuple[int, ...]],
+    n_tensors: int,
+) -> str:
+    """A ``gemma3`` or ``mlp`` projector's tensors that clip.cpp loads as optional and its
+    encoder graph, built at load, then uses: missing, a null pointer dereferenced (SIGSEGV);
+    a position embedding the patches cannot take, a GGML_ASSERT (``ggml_can_repeat`` of the
+    add, a row index past the table)."""
+    where = f"a {kind!r} projector"
+    if "v.patch_embd.weight" not in shapes:
+        return f"{where} needs tensor 'v.patch_embd.weight'"
+    n_layer = _int(values.get("clip.vision.block_count"))
+    if n_layer is not None and 0 <= n_layer <= n_tensors:  # more: clip.cpp refuses it
+        for il in range(n_layer):
+            names = [f"v.blk.{il}.{a}.weight" for a in _ATTN]
+            fused = kind == "gemma3" and names[3] in shapes  # llava's graph has no fused qkv
+            missing = [n for n in names[:3] if n not in shapes]
+            if missing and not fused:
+                return f"{where} needs tensor {missing[0]!r}"
+    n_embd = _int(values.get("clip.vision.embedding_length"))
+    image = _int(values.get("clip.vision.image_size"))
+    patch = _int(values.get("clip.vision.patch_size"))
+    if not (n_embd and n_embd > 0 and image and patch and patch > 0):
+        return ""  # clip.cpp refuses these itself
+    n_patches = (image // patch) ** 2
+    pos = shapes.get("v.position_embd.weight")
+    if kind == "gemma3":
+        if pos is not None:
+            ne = (*pos, 1, 1, 1)[:4]
+            if any(want % have if have else True for want, have in
+                   zip((n_embd, n_patches, 1, 1), ne, strict=True)):  # fmt: skip
+                return (
+                    f"v.position_embd.weight is {list(pos)}; the encoder adds it to "
+                    f"[{n_embd}, {n_patches}] patches ((image_size/patch_size)^2)"
+                )
+        return ""
+    # mlp: the graph reads position rows 0..n_pos-1 and adds them to the patches.
+    n_pos = n_patches + ("v.class_embd" in shapes)
+    if pos is None:
+        return f"{where} needs tensor 'v.position_embd.weight'"
+    ne = (*pos, 1, 1)[:2]
+    if len(pos) > 2 or ne[1] < n_pos or not ne[0] or n_embd % ne[0]:
+        return (
+            f"v.position_embd.weight is {list(pos)}; the encoder takes [{n_embd}, {n_pos}] "
+            "(a row per patch, and the class embedding's)"
+        )
+    mm = ("mm.0", "mm.1", "mm.3", "mm.4") if "mm.3.weight" in shapes else ("mm.0",)
+    if "mm.2.weight" in shapes and "mm.3.weight" not in shapes:
+        mm += ("mm.2",)
+    for name in (f"{m}.{part}" for m in mm for part in ("weight", "bias")):
+        if name not in shapes:
+            return f"{where} needs tensor {name!r}"
     return ""
 
 
