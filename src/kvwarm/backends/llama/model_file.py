@@ -122,6 +122,7 @@ _KEYS = frozenset({
     "tokenizer.ggml.token_type", "clip.vision.image_size", "clip.vision.patch_size",
     "clip.has_vision_encoder", "clip.projector_type", "clip.vision.projector_type",
     "clip.vision.block_count", "clip.vision.projector.scale_factor",
+    "clip.vision.feature_layer",
     *(f"clip.{tower}.{key}" for tower in ("vision", "audio")
       for key in ("embedding_length", "attention.head_count")),
 })  # fmt: skip
@@ -268,9 +269,12 @@ def _vision_vit_type(values: dict[str, gguf_meta.Value]) -> str | None:
     return kind if kind in _VIT_TYPES else None
 
 
-_CLIP_FIXED = frozenset({"v.patch_embd.weight", "v.position_embd.weight", "v.class_embd",
-                         *(f"mm.{i}.{part}" for i in range(5) for part in ("weight", "bias"))})  # fmt: skip
+_CLIP_FIXED = frozenset(
+    ["v.patch_embd.weight", "v.position_embd.weight", "v.class_embd"]
+    + [f"mm.{i}.{part}" for i in range(5) for part in ("weight", "bias")]
+)
 _ATTN = ("attn_q", "attn_k", "attn_v", "attn_qkv")
+_ATTN_WEIGHTS = [[a, "weight"] for a in _ATTN]
 
 
 def _clip_tensor_wanted(name: str) -> bool:
@@ -278,7 +282,7 @@ def _clip_tensor_wanted(name: str) -> bool:
     if name in _CLIP_FIXED:
         return True
     parts = name.split(".")
-    return len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[3] in _ATTN and parts[4] == "weight"
+    return len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[3:] in _ATTN_WEIGHTS
 
 
 def _clip_tensors_problem(
@@ -296,7 +300,11 @@ def _clip_tensors_problem(
         return f"{where} needs tensor 'v.patch_embd.weight'"
     n_layer = _int(values.get("clip.vision.block_count"))
     if n_layer is not None and 0 <= n_layer <= n_tensors:  # more: clip.cpp refuses it
-        for il in range(n_layer):
+        used = n_layer
+        if kind == "mlp":  # llava.cpp runs the layers up to the deepest feature layer
+            deepest = max(_ints(values.get("clip.vision.feature_layer")) or [], default=-1)
+            used = deepest if deepest >= 0 else n_layer - 1
+        for il in range(min(used, n_layer)):
             names = [f"v.blk.{il}.{a}.weight" for a in _ATTN]
             fused = kind == "gemma3" and names[3] in shapes  # llava's graph has no fused qkv
             missing = [n for n in names[:3] if n not in shapes]
@@ -329,9 +337,10 @@ def _clip_tensors_problem(
             f"v.position_embd.weight is {list(pos)}; the encoder takes [{n_embd}, {n_pos}] "
             "(a row per patch, and the class embedding's)"
         )
-    mm = ("mm.0", "mm.1", "mm.3", "mm.4") if "mm.3.weight" in shapes else ("mm.0",)
+    # mm.3.weight makes it clip.cpp's mlp_norm (Yi-type LLaVA); mm.2 is optional in mlp.
+    mm = ["mm.0", "mm.1", "mm.3", "mm.4"] if "mm.3.weight" in shapes else ["mm.0"]
     if "mm.2.weight" in shapes and "mm.3.weight" not in shapes:
-        mm += ("mm.2",)
+        mm.append("mm.2")
     for name in (f"{m}.{part}" for m in mm for part in ("weight", "bias")):
         if name not in shapes:
             return f"{where} needs tensor {name!r}"
