@@ -225,15 +225,17 @@ def write_tiny_projector(
     return path
 
 
-def write_tiny_audio_projector(path: Path, n_embd_text: int, *, seed: int = 13) -> Path:
+def write_tiny_audio_projector(
+    path: Path, n_embd_text: int, *, seed: int = 13, n_pos: int = 1500, k_bias: bool = False
+) -> Path:
     """A complete random-weight ``qwen2a`` audio projector (a one-layer Whisper encoder and a
     linear projection) for a text model of width ``n_embd_text``. llama.cpp pads audio to
     30 s windows: any clip up to 30 s is one span of 750 positions. The same arguments write
-    the same bytes."""
+    the same bytes. ``n_pos`` other than 1500 and ``k_bias`` write hostile variants."""
     import gguf
 
     rng = np.random.default_rng(seed)
-    e, ff, n_mel, n_pos = PROJ_EMBD, PROJ_FF, 128, 1500
+    e, ff, n_mel = PROJ_EMBD, PROJ_FF, 128
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_bool("clip.has_audio_encoder", True)
     w.add_string("clip.projector_type", "qwen2a")
@@ -256,7 +258,7 @@ def write_tiny_audio_projector(path: Path, n_embd_text: int, *, seed: int = 13) 
     tensor("a.position_embd.weight", (n_pos, e))
     for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
         tensor(f"a.blk.0.{name}.weight", (e, e), np.float16)
-        if name != "attn_k":  # Whisper's K has no bias
+        if name != "attn_k" or k_bias:  # Whisper's K has no bias
             tensor(f"a.blk.0.{name}.bias", (e,))
     for name in ("ln1", "ln2"):
         w.add_tensor(f"a.blk.0.{name}.weight", np.ones(e, np.float32))

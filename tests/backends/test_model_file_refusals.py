@@ -17,7 +17,12 @@ from typing import Any
 
 import pytest
 from tests.childkit import assert_case_ok
-from tests.tinymodels import N_VOCAB, write_reranker, write_tiny_projector
+from tests.tinymodels import (
+    N_VOCAB,
+    write_reranker,
+    write_tiny_audio_projector,
+    write_tiny_projector,
+)
 
 from kvwarm.backends.llama import model_file
 from kvwarm.errors import ModelLoadError
@@ -235,14 +240,23 @@ def _projector(*edits: tuple[str, int], **kw: Any) -> Callable[[Path], Path]:
     return build
 
 
+def _audio(**kw: Any) -> Callable[[Path], Path]:
+    return lambda path: write_tiny_audio_projector(path, 576, **kw)
+
+
 def _without(tensor: str, **kw: Any) -> Callable[[Path], Path]:
     return lambda path: _rename_tensor(_projector(**kw)(path), tensor, tensor[:-1] + "_")
+
+
+def _audio_without(tensor: str) -> Callable[[Path], Path]:
+    return lambda path: _rename_tensor(_audio()(path), tensor, tensor[:-1] + "_")
 
 
 #: Projectors: name: (how to write it, what the refusal says). Each crashed the process on
 #: the old code: mtmd's load (its encoder graph, built at load) aborted or, for a tensor
 #: clip.cpp loads as optional and its graph then uses, SIGSEGV; a scale factor not dividing
-#: the patch grid loaded and aborted at the first image.
+#: the patch grid loaded and aborted at the first image. ``qwen2a`` stands for the six audio
+#: types of whisper's encoder (ultravox, voxtral, glma, meralion, musicflamingo).
 PROJECTOR_CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "image-smaller-than-a-patch": (
         _projector(("clip.vision.image_size", 0)), "smaller than one patch",
@@ -274,6 +288,20 @@ PROJECTOR_CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
         _projector(llava=True, n_pos=63), "a row per patch",
     ),
     "mlp-without-mm0-bias": (_without("mm.0.bias", llava=True), "needs tensor 'mm.0.bias'"),
+    "qwen2a-without-position-embedding": (
+        _audio_without("a.position_embd.weight"), "needs tensor 'a.position_embd.weight'",
+    ),
+    "qwen2a-position-embedding-short": (_audio(n_pos=1499), "has 1499 positions"),
+    "qwen2a-with-a-k-bias": (_audio(k_bias=True), "cannot have tensor 'a.blk.0.attn_k.bias'"),
+    "qwen2a-without-ln1-bias": (
+        _audio_without("a.blk.0.ln1.bias"), "needs tensor 'a.blk.0.ln1.bias'",
+    ),
+    "qwen2a-without-q-bias": (
+        _audio_without("a.blk.0.attn_q.bias"), "needs tensor 'a.blk.0.attn_q.bias'",
+    ),
+    "qwen2a-without-attn-v": (
+        _audio_without("a.blk.0.attn_v.weight"), "needs tensor 'a.blk.0.attn_v.weight'",
+    ),
 }  # fmt: skip
 
 #: Projectors llama.cpp loads and encodes an image with, at the edges of the rules above (a
@@ -288,6 +316,8 @@ SOUND_PROJECTORS: dict[str, Callable[[Path], Path]] = {
     "mlp": _projector(llava=True),
     "mlp-position-embedding-long": _projector(llava=True, n_pos=65),
     "mlp-last-layer-without-attn-q": _without("v.blk.1.attn_q.weight", llava=True),
+    "qwen2a": _audio(),
+    "qwen2a-position-embedding-long": _audio(n_pos=1501),
 }
 
 
@@ -318,15 +348,17 @@ def test_the_check_passes_the_sound_projector(sound_projectors: dict[str, Path],
 
 
 _PROJECTOR = """
+import struct
 import sys
 from kvwarm.backends.base import ProjectorParams
 from kvwarm.backends.llama import LlamaBackend
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import ModelLoadError
-from kvwarm.media import Image
+from kvwarm.media import Audio, Image
 model = LlamaBackend().load_model(str(default_model_path()))
 sound = sys.argv[1] == "sound"
 image = Image(64, 64, bytes(range(256)) * 48)
+audio = Audio(struct.pack("<4f", 0.1, -0.2, 0.3, -0.1) * 4000, 16000)  # 1 s
 for path in sys.argv[2:]:
     print("loading", path, flush=True)
     try:
@@ -337,7 +369,8 @@ for path in sys.argv[2:]:
         print("refused:", exc, flush=True)
         continue
     # The first image: where a scale factor not dividing the patch grid aborted.
-    print("encoded", len(projector.encode(image, 0)), flush=True)
+    media = audio if "qwen2a" in path else image
+    print("encoded", len(projector.encode(media, 0)), flush=True)
     projector.close()
     if not sound:
         raise SystemExit(f"{path} loaded")

@@ -14,9 +14,13 @@ and, for the vision projector types ``gemma3`` and ``mlp`` (LLaVA; ``mlp_norm`` 
 ``mm.3.weight``), ``_clip_tensors_problem``: the tensors clip.cpp loads as optional and its
 graph then dereferences (a ``gemma3`` projector relabelled ``mlp`` had no ``mm.0.weight``:
 SIGSEGV at load), a position embedding the encoder's input cannot take (GGML_ASSERT at load),
-and ``gemma3``'s pooling factor not dividing the patch grid (GGML_ASSERT at the first image).
+and ``gemma3``'s pooling factor not dividing the patch grid (GGML_ASSERT at the first image);
+for the audio types of whisper's encoder (``qwen2a``, ``ultravox``, ``voxtral``, ``glma``,
+``meralion``, ``musicflamingo``), ``_whisper_tensors_problem``: the position embedding (missing:
+SIGSEGV; under 1500 rows: GGML_ASSERT) and the first layer's norms and biases it asserts.
 Not covered, known: every other projector type's own tensors and asserts (clip.cpp builds
-some 60 graphs), and the widths of the matrices each graph multiplies.
+some 60 graphs; tests can write only gemma3, mlp and qwen2a), each type's head tensors past
+those named (ultravox's, voxtral's...), and the widths of the matrices each graph multiplies.
 
 Invariant: ``check`` reads only the key/value section and the tensor table, bounded by the
 file's size (``gguf_meta.read_values``, ``read_tensors``; an mmap, never a copy of the file),
@@ -122,7 +126,8 @@ _KEYS = frozenset({
     "tokenizer.ggml.token_type", "clip.vision.image_size", "clip.vision.patch_size",
     "clip.has_vision_encoder", "clip.projector_type", "clip.vision.projector_type",
     "clip.vision.block_count", "clip.vision.projector.scale_factor",
-    "clip.vision.feature_layer",
+    "clip.vision.feature_layer", "clip.has_audio_encoder", "clip.audio.projector_type",
+    "clip.audio.block_count",
     *(f"clip.{tower}.{key}" for tower in ("vision", "audio")
       for key in ("embedding_length", "attention.head_count")),
 })  # fmt: skip
@@ -178,16 +183,22 @@ def _tensors_problem(buf: gguf_meta.Buffer, found: gguf_meta.Values) -> str:
     if arch is None:
         return ""
     vit = _vision_vit_type(found.values) if arch == "clip" else None
-    if arch == "clip" and vit is None:
+    whisper = _audio_whisper_type(found.values) if arch == "clip" else None
+    if arch == "clip" and vit is None and whisper is None:
         return ""
     # An mmap reads as a file does (read, seek, tell); bytes are wrapped as one.
     reader = cast(BinaryIO, buf) if isinstance(buf, mmap.mmap) else io.BytesIO(bytes(buf))
     reader.seek(found.tensors_at)
     tensors = gguf_meta.read_tensors(reader, len(buf), found.n_tensors)
-    if vit is not None:
+    if arch == "clip":
         # Only the names the rules read: the table's other entries are not kept.
         shapes = {t.name: t.shape for t in tensors if _clip_tensor_wanted(t.name)}
-        return _clip_tensors_problem(vit, found.values, shapes, found.n_tensors)
+        n = found.n_tensors
+        return (
+            (vit and _clip_tensors_problem(vit, found.values, shapes, n))
+            or (whisper and _whisper_tensors_problem(whisper, found.values, shapes, n))
+            or ""
+        )
     for tensor in tensors:
         kind = _NOT_WEIGHT_TYPES.get(tensor.ggml_type)
         if kind is not None:
@@ -269,20 +280,91 @@ def _vision_vit_type(values: dict[str, gguf_meta.Value]) -> str | None:
     return kind if kind in _VIT_TYPES else None
 
 
+#: The audio projector types whose encoder is ``clip_graph_whisper_enc``.
+_WHISPER_TYPES = frozenset({"ultravox", "voxtral", "qwen2a", "glma", "meralion", "musicflamingo"})
+#: Position embeddings whisper's encoder reads: half of the 3000 mel frames of the warmup
+#: (``warmup_audio_size``) and of every 30 s window these types pad audio to.
+_WHISPER_POSITIONS = 1500
+
+
+def _audio_whisper_type(values: dict[str, gguf_meta.Value]) -> str | None:
+    """The audio projector type, as mtmd reads it, if it is one of ``_WHISPER_TYPES``."""
+    if values.get("clip.has_audio_encoder") is not True:
+        return None
+    kind = _text(values.get("clip.projector_type")) or _text(
+        values.get("clip.audio.projector_type")
+    )
+    kind = "qwen2a" if kind == "qwen2.5o" else kind  # clip.cpp's legacy name, for audio
+    return kind if kind in _WHISPER_TYPES else None
+
+
 _CLIP_FIXED = frozenset(
-    ["v.patch_embd.weight", "v.position_embd.weight", "v.class_embd"]
+    ["v.patch_embd.weight", "v.position_embd.weight", "v.class_embd", "a.position_embd.weight"]
     + [f"mm.{i}.{part}" for i in range(5) for part in ("weight", "bias")]
 )
 _ATTN = ("attn_q", "attn_k", "attn_v", "attn_qkv")
-_ATTN_WEIGHTS = [[a, "weight"] for a in _ATTN]
+_LAYER_PARTS = frozenset([*_ATTN, "ln1", "ln2"])
 
 
 def _clip_tensor_wanted(name: str) -> bool:
-    """``_CLIP_FIXED`` and the vision layers' attention weights (``v.blk.N.attn_q.weight``)."""
+    """``_CLIP_FIXED`` and the encoder layers' attention and norm tensors
+    (``v.blk.N.attn_q.weight``, ``a.blk.N.ln1.bias``)."""
     if name in _CLIP_FIXED:
         return True
     parts = name.split(".")
-    return len(parts) == 5 and parts[:2] == ["v", "blk"] and parts[3:] in _ATTN_WEIGHTS
+    return (
+        len(parts) == 5
+        and parts[0] in ("v", "a")
+        and parts[1] == "blk"
+        and parts[3] in _LAYER_PARTS
+        and parts[4] in ("weight", "bias")
+    )
+
+
+def _attention_problem(
+    prefix: str, n_layers: int, shapes: dict[str, tuple[int, ...]], fused_ok: bool
+) -> str:
+    """The first of ``n_layers`` layers without its q, k and v weights (or, where the graph
+    takes one, a fused qkv weight): clip.cpp loads them as optional and multiplies by them."""
+    for il in range(n_layers):
+        names = [f"{prefix}.blk.{il}.{a}.weight" for a in _ATTN]
+        missing = [n for n in names[:3] if n not in shapes]
+        if missing and not (fused_ok and names[3] in shapes):
+            return missing[0]
+    return ""
+
+
+def _whisper_tensors_problem(
+    kind: str,
+    values: dict[str, gguf_meta.Value],
+    shapes: dict[str, tuple[int, ...]],
+    n_tensors: int,
+) -> str:
+    """An audio projector of a whisper-encoder type whose graph, built at load, crashes:
+    no position embedding (dereferenced: SIGSEGV), fewer than 1500 rows, or a first layer
+    without the norms and biases it asserts (GGML_ASSERT)."""
+    where = f"a {kind!r} projector"
+    pos = shapes.get("a.position_embd.weight")
+    if pos is None:
+        return f"{where} needs tensor 'a.position_embd.weight'"
+    rows = pos[1] if len(pos) > 1 else 1
+    if rows < _WHISPER_POSITIONS:
+        return (
+            f"a.position_embd.weight has {rows} positions; the audio encoder reads "
+            f"{_WHISPER_POSITIONS} (a 30 s window)"
+        )
+    n_layer = _int(values.get("clip.audio.block_count"))
+    if n_layer is None or not 1 <= n_layer <= n_tensors:
+        return ""  # clip.cpp refuses more layers than tensors: their weights are missing
+    first = "a.blk.0."
+    for part in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "attn_q.bias", "attn_v.bias"):
+        if first + part not in shapes:
+            return f"{where} needs tensor {first + part!r}"
+    if first + "attn_k.bias" in shapes:
+        return f"{where} cannot have tensor 'a.blk.0.attn_k.bias' (whisper's K has no bias)"
+    if missing := _attention_problem("a", n_layer, shapes, fused_ok=True):
+        return f"{where} needs tensor {missing!r}"
+    return ""
 
 
 def _clip_tensors_problem(
@@ -304,12 +386,10 @@ def _clip_tensors_problem(
         if kind == "mlp":  # llava.cpp runs the layers up to the deepest feature layer
             deepest = max(_ints(values.get("clip.vision.feature_layer")) or [], default=-1)
             used = deepest if deepest >= 0 else n_layer - 1
-        for il in range(min(used, n_layer)):
-            names = [f"v.blk.{il}.{a}.weight" for a in _ATTN]
-            fused = kind == "gemma3" and names[3] in shapes  # llava's graph has no fused qkv
-            missing = [n for n in names[:3] if n not in shapes]
-            if missing and not fused:
-                return f"{where} needs tensor {missing[0]!r}"
+        # llava's graph has no fused qkv
+        missing = _attention_problem("v", min(used, n_layer), shapes, kind == "gemma3")
+        if missing:
+            return f"{where} needs tensor {missing!r}"
     n_embd = _int(values.get("clip.vision.embedding_length"))
     image = _int(values.get("clip.vision.image_size"))
     patch = _int(values.get("clip.vision.patch_size"))
