@@ -13,6 +13,9 @@ little-endian (``docs/formats.md``, "KV state layout")::
 
 Cells are written in the order they sit in the KV buffer, which is position order unless
 several sequences interleaved their cells; ``order`` then says which cell holds each position.
+A model whose cells carry ``llama_kv_cell_ext`` (M-RoPE, PLE) writes 24 bytes of metadata a
+cell instead (``CellFormat``): ``check_cells`` and the stream rewrites read those; the rest of
+this module (the chunk codec's parsing) reads 12-byte cells only, and refuses such a blob.
 
 Every section is a 3-D view ``(groups, n_cells, unit)``: ``(1, n, row)`` for K and plain V,
 ``(n_embd, n, elem)`` for transposed V, so a token range is ``[:, a:b, :]`` in both cases.
