@@ -27,7 +27,8 @@ N_CTX = 512
 
 
 def _arch_keys(w: Any, arch: str) -> None:
-    """The sizes of the Mamba and LFM2 models the tests use."""
+    """The sizes of the Mamba, LFM2 and Qwen2-VL models the tests use (Qwen2-VL: the text
+    model, M-RoPE over 16 rotary pairs, whose KV cells carry ``llama_kv_cell_ext``)."""
     k = f"{arch}."
     w.add_uint32(k + "vocab_size", N_VOCAB)
     w.add_uint32(k + "context_length", N_CTX)
@@ -45,6 +46,9 @@ def _arch_keys(w: Any, arch: str) -> None:
     else:
         w.add_uint32(k + "attention.head_count", N_HEAD)
         w.add_uint32(k + "attention.head_count_kv", N_HEAD)
+    if arch == "qwen2vl":
+        w.add_array(k + "rope.dimension_sections", [4, 6, 6, 0])
+        w.add_float32(k + "rope.freq_base", 10000.0)
     w.add_float32(k + "attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32(k + "attention.layer_norm_epsilon", 1e-5)
     w.add_uint32(k + "ssm.conv_kernel", 4)
@@ -85,7 +89,7 @@ def write_tiny_model(
     keys: Callable[[Any, str], None] | None = None,
     tokenizer: str = "test",
 ) -> Path:
-    """A complete random-weight GGUF of ``arch`` ("mamba" or "lfm2") at ``path``; with
+    """A complete random-weight GGUF of ``arch`` ("mamba", "lfm2", "qwen2vl") at ``path``; with
     ``keys`` (adding the architecture's metadata to a ``gguf.GGUFWriter``, like
     ``_arch_keys``) any architecture and shape llama.cpp can build with a vocabulary of
     N_VOCAB (``bench/flash_attn.py``'s llama shapes)."""
