@@ -27,7 +27,8 @@ N_CTX = 512
 
 
 def _arch_keys(w: Any, arch: str) -> None:
-    """The sizes of the Mamba and LFM2 models the tests use."""
+    """The sizes of the Mamba, LFM2 and Qwen2-VL models the tests use (Qwen2-VL: the text
+    model, M-RoPE over 16 rotary pairs, whose KV cells carry ``llama_kv_cell_ext``)."""
     k = f"{arch}."
     w.add_uint32(k + "vocab_size", N_VOCAB)
     w.add_uint32(k + "context_length", N_CTX)
@@ -45,6 +46,9 @@ def _arch_keys(w: Any, arch: str) -> None:
     else:
         w.add_uint32(k + "attention.head_count", N_HEAD)
         w.add_uint32(k + "attention.head_count_kv", N_HEAD)
+    if arch == "qwen2vl":
+        w.add_array(k + "rope.dimension_sections", [4, 6, 6, 0])
+        w.add_float32(k + "rope.freq_base", 10000.0)
     w.add_float32(k + "attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32(k + "attention.layer_norm_epsilon", 1e-5)
     w.add_uint32(k + "ssm.conv_kernel", 4)
@@ -85,7 +89,7 @@ def write_tiny_model(
     keys: Callable[[Any, str], None] | None = None,
     tokenizer: str = "test",
 ) -> Path:
-    """A complete random-weight GGUF of ``arch`` ("mamba" or "lfm2") at ``path``; with
+    """A complete random-weight GGUF of ``arch`` ("mamba", "lfm2", "qwen2vl") at ``path``; with
     ``keys`` (adding the architecture's metadata to a ``gguf.GGUFWriter``, like
     ``_arch_keys``) any architecture and shape llama.cpp can build with a vocabulary of
     N_VOCAB (``bench/flash_attn.py``'s llama shapes)."""
@@ -154,17 +158,29 @@ PROJ_IMAGE, PROJ_PATCH, PROJ_EMBD, PROJ_FF = 64, 8, 64, 128
 PROJ_TOKENS = (PROJ_IMAGE // PROJ_PATCH // 2) ** 2
 
 
-def write_tiny_projector(path: Path, n_embd_text: int, *, seed: int = 11) -> Path:
+def write_tiny_projector(
+    path: Path,
+    n_embd_text: int,
+    *,
+    seed: int = 11,
+    projector_type: str = "gemma3",
+    n_pos: int | None = None,
+    scale_factor: int = 2,
+    llava: bool = False,
+) -> Path:
     """A complete random-weight ``gemma3`` projector at ``path`` for a text model of width
     ``n_embd_text`` (640 Gemma 3 270M, 576 SmolLM2): what ``/work/shared/DESIGN.md`` measured
-    this llama.cpp to accept (~0.26 MB). The same arguments write the same bytes."""
+    this llama.cpp to accept (~0.26 MB). The same arguments write the same bytes. The
+    keywords write hostile variants: another ``projector_type`` label, ``n_pos`` position
+    embeddings instead of ``(image/patch)^2``, another ``scale_factor``; ``llava`` writes a
+    sound ``mlp`` (LLaVA) projector instead: the same encoder, a two-layer MLP head."""
     import gguf
 
     rng = np.random.default_rng(seed)
     e, ff, p = PROJ_EMBD, PROJ_FF, PROJ_PATCH
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_bool("clip.has_vision_encoder", True)
-    w.add_string("clip.projector_type", "gemma3")
+    w.add_string("clip.projector_type", "mlp" if llava else projector_type)
     w.add_uint32("clip.vision.embedding_length", e)
     w.add_uint32("clip.vision.feed_forward_length", ff)  # != e: or clip.cpp swaps up and down
     w.add_uint32("clip.vision.block_count", 2)
@@ -176,7 +192,7 @@ def write_tiny_projector(path: Path, n_embd_text: int, *, seed: int = 11) -> Pat
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
     w.add_bool("clip.use_gelu", True)
-    w.add_uint32("clip.vision.projector.scale_factor", 2)
+    w.add_uint32("clip.vision.projector.scale_factor", scale_factor)
     w.add_uint32("general.file_type", 1)
 
     def tensor(name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> None:
@@ -184,7 +200,7 @@ def write_tiny_projector(path: Path, n_embd_text: int, *, seed: int = 11) -> Pat
 
     tensor("v.patch_embd.weight", (e, 3, p, p), np.float16)
     tensor("v.patch_embd.bias", (e,))
-    tensor("v.position_embd.weight", ((PROJ_IMAGE // p) ** 2, e))
+    tensor("v.position_embd.weight", ((PROJ_IMAGE // p) ** 2 if n_pos is None else n_pos, e))
     for il in range(2):
         for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
             tensor(f"v.blk.{il}.{name}.weight", (e, e), np.float16)
@@ -198,8 +214,14 @@ def write_tiny_projector(path: Path, n_embd_text: int, *, seed: int = 11) -> Pat
         tensor(f"v.blk.{il}.ffn_down.bias", (e,))
     w.add_tensor("v.post_ln.weight", np.ones(e, np.float32))
     tensor("v.post_ln.bias", (e,))
-    w.add_tensor("mm.soft_emb_norm.weight", np.ones(e, np.float32))
-    tensor("mm.input_projection.weight", (e, n_embd_text), np.float16)
+    if llava:
+        tensor("mm.0.weight", (ff, e), np.float16)
+        tensor("mm.0.bias", (ff,))
+        tensor("mm.2.weight", (n_embd_text, ff), np.float16)
+        tensor("mm.2.bias", (n_embd_text,))
+    else:
+        w.add_tensor("mm.soft_emb_norm.weight", np.ones(e, np.float32))
+        tensor("mm.input_projection.weight", (e, n_embd_text), np.float16)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -207,15 +229,17 @@ def write_tiny_projector(path: Path, n_embd_text: int, *, seed: int = 11) -> Pat
     return path
 
 
-def write_tiny_audio_projector(path: Path, n_embd_text: int, *, seed: int = 13) -> Path:
+def write_tiny_audio_projector(
+    path: Path, n_embd_text: int, *, seed: int = 13, n_pos: int = 1500, k_bias: bool = False
+) -> Path:
     """A complete random-weight ``qwen2a`` audio projector (a one-layer Whisper encoder and a
     linear projection) for a text model of width ``n_embd_text``. llama.cpp pads audio to
     30 s windows: any clip up to 30 s is one span of 750 positions. The same arguments write
-    the same bytes."""
+    the same bytes. ``n_pos`` other than 1500 and ``k_bias`` write hostile variants."""
     import gguf
 
     rng = np.random.default_rng(seed)
-    e, ff, n_mel, n_pos = PROJ_EMBD, PROJ_FF, 128, 1500
+    e, ff, n_mel = PROJ_EMBD, PROJ_FF, 128
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_bool("clip.has_audio_encoder", True)
     w.add_string("clip.projector_type", "qwen2a")
@@ -238,7 +262,7 @@ def write_tiny_audio_projector(path: Path, n_embd_text: int, *, seed: int = 13) 
     tensor("a.position_embd.weight", (n_pos, e))
     for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
         tensor(f"a.blk.0.{name}.weight", (e, e), np.float16)
-        if name != "attn_k":  # Whisper's K has no bias
+        if name != "attn_k" or k_bias:  # Whisper's K has no bias
             tensor(f"a.blk.0.{name}.bias", (e,))
     for name in ("ln1", "ln2"):
         w.add_tensor(f"a.blk.0.{name}.weight", np.ones(e, np.float32))

@@ -16,7 +16,14 @@ import pytest
 from tests.childkit import assert_case_ok
 from tests.tinymodels import write_tiny_model
 
-from kvwarm.backends.llama.kv_layout import IO_MAGIC, check_cells
+from kvwarm.backends.llama.kv_layout import (
+    IO_MAGIC,
+    PLAIN,
+    CellFormat,
+    check_cells,
+    one_stream,
+    widen,
+)
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import StateRestoreError
 
@@ -155,3 +162,164 @@ def test_check_cells_finds_the_second_cache_behind_layers_of_any_shapes(
         check_cells(_blob(first, _cache([-5, -4])), caches=2, recurrent=False, n_ctx=16)
     with pytest.raises(StateRestoreError, match="ends inside"):
         check_cells(_blob(first[:-1]), caches=1, recurrent=False, n_ctx=16)
+
+
+# --- Cells with llama_kv_cell_ext (M-RoPE, PLE) ---------------------------------------------
+#
+# Such a model writes 24 bytes a cell: i32 pos, u32 n_seq_id, i32 x, i32 y, i32 tok, i32 seq
+# id. The guard was skipped for them: a cell at a negative position or at INT32_MAX was
+# restored and stuck, and a 2-D position or a token no text cell holds was restored silently.
+
+MROPE = CellFormat(ext=True, mrope=True, n_vocab=128)
+PLE = CellFormat(ext=True, n_vocab=128)
+
+
+def _ext_cache(
+    positions: list[int],
+    *,
+    xy: list[int] | None = None,
+    toks: list[int] | None = None,
+    seqs: list[int] | None = None,
+) -> bytes:
+    """One KV cache of ext cells: ``x`` and ``y`` both ``xy`` (default: the positions),
+    tokens ``toks`` (default 5), sequence ids ``seqs`` (default 0); one layer of 2-byte rows."""
+    n = len(positions)
+    xy = positions if xy is None else xy
+    toks = [5] * n if toks is None else toks
+    seqs = [0] * n if seqs is None else seqs
+    meta = b"".join(
+        struct.pack("<iIiiii", p, 1, c, c, t, s)
+        for p, c, t, s in zip(positions, xy, toks, seqs, strict=True)
+    )
+    rows = struct.pack("<iQ", 1, 2) + bytes(2 * n)
+    return struct.pack("<II", 1, n) + meta + struct.pack("<II", 0, 1) + rows + rows
+
+
+def test_check_cells_accepts_ext_cells_as_llama_writes_text() -> None:
+    check_cells(_blob(_ext_cache([0, 1, 2])), caches=1, recurrent=False, n_ctx=16, cells=MROPE)
+    check_cells(
+        _blob(_ext_cache([2, 0, 1], toks=[0, 127, 9])),
+        caches=1,
+        recurrent=False,
+        n_ctx=16,
+        cells=MROPE,
+    )
+    ple = _blob(_ext_cache([0, 1, 2], xy=[0, 0, 0]))
+    check_cells(ple, caches=1, recurrent=False, n_ctx=16, cells=PLE)
+    # An iSWA model's two caches, both of ext cells.
+    two = _blob(_ext_cache([0, 1, 2]), _ext_cache([1, 2]))
+    check_cells(two, caches=2, recurrent=False, n_ctx=16, cells=MROPE)
+
+
+@pytest.mark.parametrize(
+    ("cache", "cells"),
+    [
+        (_ext_cache([0, -1, 2]), MROPE),
+        (_ext_cache([0, 1, 2**31 - 1]), MROPE),
+        (_ext_cache([0, 1, 1]), MROPE),
+        (_ext_cache([14, 15, 16]), MROPE),  # past n_ctx
+        (_ext_cache([0, 1, 2], seqs=[0, 0, 3]), MROPE),
+        (_ext_cache([0, 1, 2], xy=[0, 1, 5]), MROPE),  # a 2-D position no text cell has
+        (_ext_cache([0, 1, 2], xy=[0, 0, 0]), MROPE),
+        (_ext_cache([0, 1, 2]), PLE),  # PLE alone keeps no 2-D position
+        (_ext_cache([0, 1, 2], toks=[5, 128, 5]), MROPE),  # a token past the vocabulary
+        (_ext_cache([0, 1, 2], toks=[5, -1, 5]), PLE),
+        (_ext_cache([0, 1, 2]), PLAIN),  # ext cells read as plain ones do not add up
+        (_cache([0, 1, 2]), MROPE),  # and plain cells as ext ones
+        (_ext_cache([0, 1, 2])[:-3], MROPE),
+    ],
+)
+def test_check_cells_refuses_ext_cells(cache: bytes, cells: CellFormat) -> None:
+    with pytest.raises(StateRestoreError):
+        check_cells(_blob(cache), caches=1, recurrent=False, n_ctx=16, cells=cells)
+
+
+def test_check_cells_reads_an_ext_cells_own_2d_position_and_token() -> None:
+    """Its x and y are both checked, and its token, each on its own."""
+    base = bytearray(_blob(_ext_cache([0, 1, 2])).tobytes())
+    last = 16 + 24 * 2
+    for offset, value in [(8, 7), (12, 7), (16, 128), (20, 1)]:
+        blob = bytearray(base)
+        struct.pack_into("<i", blob, last + offset, value)
+        with pytest.raises(StateRestoreError):
+            check_cells(
+                np.frombuffer(bytes(blob), dtype=np.uint8),
+                caches=1,
+                recurrent=False,
+                n_ctx=16,
+                cells=MROPE,
+            )
+
+
+def test_streams_rewrite_ext_cells() -> None:
+    """A context of several streams (deterministic mode) packs and restores ext cells: they
+    were read as 12-byte cells, and every such pack was refused."""
+    cache = _ext_cache([0, 1, 2])
+    blob = _blob(cache)
+    wide = widen(blob, 1, 3, MROPE)
+    assert wide == struct.pack("<Ii", IO_MAGIC, 0) + struct.pack("<I", 3) + cache[4:] + bytes(8)
+    assert one_stream(np.frombuffer(wide, dtype=np.uint8), 1, MROPE) == blob.tobytes()
+    with pytest.raises(StateRestoreError):
+        one_stream(np.frombuffer(wide, dtype=np.uint8), 1)
+
+
+@pytest.fixture(scope="module")
+def qwen2vl(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Qwen2-VL text model: M-RoPE, so its cells carry ``llama_kv_cell_ext``."""
+    return str(write_tiny_model(tmp_path_factory.mktemp("qwen2vl") / "qwen2vl.gguf", "qwen2vl"))
+
+
+#: The last of the 7 cells the child packs: pos at +0, x +8, y +12, tok +16, seq id +20.
+_LAST = 16 + 24 * 6
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(
+    "patch",
+    [
+        # A cell no seq_rm removes, its 2-D position alike: restored and stuck on the old code.
+        *(
+            f"struct.pack_into('<iIii', blob, {_LAST}, {pos}, 1, {pos}, {pos})"
+            for pos in (-5, 2**31 - 1)
+        ),
+        f"struct.pack_into('<iIii', blob, {_LAST}, 5, 1, 5, 5)",  # position 5 twice, no 6
+        f"struct.pack_into('<i', blob, {_LAST} + 8, -7)",
+        f"struct.pack_into('<i', blob, {_LAST} + 12, 2**31 - 1)",
+        f"struct.pack_into('<i', blob, {_LAST} + 16, 10**9)",
+        f"struct.pack_into('<i', blob, {_LAST} + 20, 5)",
+    ],
+    ids=["negative", "int32-max", "duplicate", "x", "y", "token", "seq-id"],
+)
+def test_mrope_cells(qwen2vl: str, patch: str) -> None:
+    """Qwen2-VL: each crafted blob is refused typed, the sequence left empty and usable (on
+    the old code: restored, or refused with its stuck cell left in the sequence; none of these
+    aborts llama.cpp, which restores an ext cell as it is)."""
+    _run(qwen2vl, patch)
+
+
+_ROUND_TRIP = """
+import sys
+from kvwarm.backends import get_backend
+from kvwarm.backends.base import BatchToken, ContextParams
+m = get_backend("llama_cpp").load_model(sys.argv[1])
+for unified in (True, False):
+    ctx = m.new_context(ContextParams(
+        n_ctx=256, n_batch=32, n_ubatch=32, n_seq_max=2, n_threads=2, kv_unified=unified))
+    tokens = [5, 6, 7, 8, 9, 10, 11]
+    ctx.prefill(0, tokens, 0)
+    assert ctx.kv_unpack(1, ctx.kv_pack(0)) == len(tokens)
+    rows = []
+    for seq in (0, 1):
+        ctx.decode([BatchToken(12, len(tokens), seq, True)])
+        rows.append(bytes(ctx.logits(-1)))
+    assert rows[0] == rows[1], unified
+    ctx.close()
+print("CASE-OK")
+"""
+
+
+@pytest.mark.model
+def test_mrope_blob_round_trips(qwen2vl: str) -> None:
+    """A Qwen2-VL blob restores into another sequence, unified or one stream a sequence, and
+    the next token's logits are the packed sequence's."""
+    assert_case_ok("-c", _ROUND_TRIP, qwen2vl)

@@ -17,7 +17,12 @@ from typing import Any
 
 import pytest
 from tests.childkit import assert_case_ok
-from tests.tinymodels import N_VOCAB, write_reranker, write_tiny_projector
+from tests.tinymodels import (
+    N_VOCAB,
+    write_reranker,
+    write_tiny_audio_projector,
+    write_tiny_projector,
+)
 
 from kvwarm.backends.llama import model_file
 from kvwarm.errors import ModelLoadError
@@ -213,27 +218,122 @@ def test_an_engine_load_of_deeply_nested_arrays_is_a_typed_error(tmp_path: Path,
         engine.load_model(path, fingerprint_mode=mode)
 
 
-#: Projectors: name: (byte edits, what the refusal says). Each aborted mtmd's load (its
-#: encoder graph, built at load).
-PROJECTOR_CASES = {
-    "image-smaller-than-a-patch": ((("clip.vision.image_size", 0),), "smaller than one patch"),
-    "no-heads": ((("clip.vision.attention.head_count", 0),), "does not divide"),
+def _rename_tensor(path: Path, old: str, new: str) -> Path:
+    """Rename tensor ``old`` of the GGUF at ``path`` to ``new`` (same length) in place: the
+    tensor is then missing under its own name."""
+    assert len(old) == len(new)
+    data = bytearray(path.read_bytes())
+    needle = struct.pack("<Q", len(old)) + old.encode()
+    at = data.index(needle) + 8
+    data[at : at + len(old)] = new.encode()
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _projector(*edits: tuple[str, int], **kw: Any) -> Callable[[Path], Path]:
+    def build(path: Path) -> Path:
+        write_tiny_projector(path, 576, **kw)  # SmolLM2's width
+        for key, value in edits:
+            _patch_u32(path, key, value)
+        return path
+
+    return build
+
+
+def _audio(**kw: Any) -> Callable[[Path], Path]:
+    return lambda path: write_tiny_audio_projector(path, 576, **kw)
+
+
+def _without(tensor: str, **kw: Any) -> Callable[[Path], Path]:
+    return lambda path: _rename_tensor(_projector(**kw)(path), tensor, tensor[:-1] + "_")
+
+
+def _audio_without(tensor: str) -> Callable[[Path], Path]:
+    return lambda path: _rename_tensor(_audio()(path), tensor, tensor[:-1] + "_")
+
+
+#: Projectors: name: (how to write it, what the refusal says). Each crashed the process on
+#: the old code: mtmd's load (its encoder graph, built at load) aborted or, for a tensor
+#: clip.cpp loads as optional and its graph then uses, SIGSEGV; a scale factor not dividing
+#: the patch grid loaded and aborted at the first image. ``qwen2a`` stands for the six audio
+#: types of whisper's encoder (ultravox, voxtral, glma, meralion, musicflamingo).
+PROJECTOR_CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
+    "image-smaller-than-a-patch": (
+        _projector(("clip.vision.image_size", 0)), "smaller than one patch",
+    ),
+    "no-heads": (_projector(("clip.vision.attention.head_count", 0)), "does not divide"),
     "heads-not-dividing-the-width": (
-        (("clip.vision.attention.head_count", 3),), "does not divide",
+        _projector(("clip.vision.attention.head_count", 3)), "does not divide",
+    ),
+    "gemma3-relabelled-mlp": (_projector(projector_type="mlp"), "needs tensor 'mm.0.weight'"),
+    "gemma3-position-embedding-not-the-grid": (
+        _projector(n_pos=63), r"position_embd.weight is \[64, 63\]",
+    ),
+    "gemma3-scale-factor-not-dividing-the-grid": (
+        _projector(scale_factor=3), "does not divide the 8x8 patch grid",
+    ),
+    "gemma3-without-patch-embedding": (
+        _without("v.patch_embd.weight"), "needs tensor 'v.patch_embd.weight'",
+    ),
+    "gemma3-layer-without-attn-q": (
+        _without("v.blk.1.attn_q.weight"), "needs tensor 'v.blk.1.attn_q.weight'",
+    ),
+    "mlp-layer-without-attn-k": (
+        _without("v.blk.0.attn_k.weight", llava=True), "needs tensor 'v.blk.0.attn_k.weight'",
+    ),
+    "mlp-without-position-embedding": (
+        _without("v.position_embd.weight", llava=True), "needs tensor 'v.position_embd.weight'",
+    ),
+    "mlp-position-embedding-short": (
+        _projector(llava=True, n_pos=63), "a row per patch",
+    ),
+    "mlp-without-mm0-bias": (_without("mm.0.bias", llava=True), "needs tensor 'mm.0.bias'"),
+    "qwen2a-without-position-embedding": (
+        _audio_without("a.position_embd.weight"), "needs tensor 'a.position_embd.weight'",
+    ),
+    "qwen2a-position-embedding-short": (_audio(n_pos=1499), "has 1499 positions"),
+    "qwen2a-with-a-k-bias": (_audio(k_bias=True), "cannot have tensor 'a.blk.0.attn_k.bias'"),
+    "qwen2a-without-ln1-bias": (
+        _audio_without("a.blk.0.ln1.bias"), "needs tensor 'a.blk.0.ln1.bias'",
+    ),
+    "qwen2a-without-q-bias": (
+        _audio_without("a.blk.0.attn_q.bias"), "needs tensor 'a.blk.0.attn_q.bias'",
+    ),
+    "qwen2a-without-attn-v": (
+        _audio_without("a.blk.0.attn_v.weight"), "needs tensor 'a.blk.0.attn_v.weight'",
     ),
 }  # fmt: skip
+
+#: Projectors llama.cpp loads and encodes an image with, at the edges of the rules above (a
+#: position embedding that repeats over the patches, longer than they need, scale factors
+#: of 1 and of the whole grid, an mlp encoder's last layer, which llava.cpp does not run,
+#: without attention weights): the check passes them all.
+SOUND_PROJECTORS: dict[str, Callable[[Path], Path]] = {
+    "gemma3": _projector(),
+    "gemma3-one-position-row": _projector(n_pos=1),
+    "gemma3-scale-factor-1": _projector(scale_factor=1),
+    "gemma3-scale-factor-of-the-grid": _projector(scale_factor=8),
+    "mlp": _projector(llava=True),
+    "mlp-position-embedding-long": _projector(llava=True, n_pos=65),
+    "mlp-last-layer-without-attn-q": _without("v.blk.1.attn_q.weight", llava=True),
+    "qwen2a": _audio(),
+    "qwen2a-position-embedding-long": _audio(n_pos=1501),
+}
+
+
+def _write_all(directory: Path, builders: dict[str, Callable[[Path], Path]]) -> dict[str, Path]:
+    return {name: build(directory / f"{name}.gguf") for name, build in builders.items()}
 
 
 @pytest.fixture(scope="module")
 def hostile_projectors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    directory = tmp_path_factory.mktemp("projectors")
-    out = {}
-    for name, (edits, _) in PROJECTOR_CASES.items():
-        path = write_tiny_projector(directory / f"{name}.gguf", 576)  # SmolLM2's width
-        for key, value in edits:
-            _patch_u32(path, key, value)
-        out[name] = path
-    return out
+    builders = {name: build for name, (build, _) in PROJECTOR_CASES.items()}
+    return _write_all(tmp_path_factory.mktemp("projectors"), builders)
+
+
+@pytest.fixture(scope="module")
+def sound_projectors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return _write_all(tmp_path_factory.mktemp("sound-projectors"), SOUND_PROJECTORS)
 
 
 @pytest.mark.parametrize("name", sorted(PROJECTOR_CASES))
@@ -242,21 +342,38 @@ def test_the_check_refuses_the_projector(hostile_projectors: dict[str, Path], na
         model_file.check_path(hostile_projectors[name])
 
 
+@pytest.mark.parametrize("name", sorted(SOUND_PROJECTORS))
+def test_the_check_passes_the_sound_projector(sound_projectors: dict[str, Path], name: str) -> None:
+    model_file.check_path(sound_projectors[name])
+
+
 _PROJECTOR = """
+import struct
 import sys
 from kvwarm.backends.base import ProjectorParams
 from kvwarm.backends.llama import LlamaBackend
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import ModelLoadError
+from kvwarm.media import Audio, Image
 model = LlamaBackend().load_model(str(default_model_path()))
-for path in sys.argv[1:]:
+sound = sys.argv[1] == "sound"
+image = Image(64, 64, bytes(range(256)) * 48)
+audio = Audio(struct.pack("<4f", 0.1, -0.2, 0.3, -0.1) * 4000, 16000)  # 1 s
+for path in sys.argv[2:]:
     print("loading", path, flush=True)
     try:
-        model.load_projector(path, ProjectorParams()).close()
+        projector = model.load_projector(path, ProjectorParams())
     except ModelLoadError as exc:
+        if sound:
+            raise
         print("refused:", exc, flush=True)
         continue
-    raise SystemExit(f"{path} loaded")
+    # The first image: where a scale factor not dividing the patch grid aborted.
+    media = audio if "qwen2a" in path else image
+    print("encoded", len(projector.encode(media, 0)), flush=True)
+    projector.close()
+    if not sound:
+        raise SystemExit(f"{path} loaded")
 print("CASE-OK")
 """
 
@@ -264,4 +381,10 @@ print("CASE-OK")
 @pytest.mark.model
 def test_a_projector_load_of_each_is_a_typed_error(hostile_projectors: dict[str, Path]) -> None:
     paths = [str(hostile_projectors[name]) for name in sorted(PROJECTOR_CASES)]
-    assert_case_ok("-c", _PROJECTOR, *paths, timeout=300)
+    assert_case_ok("-c", _PROJECTOR, "hostile", *paths, timeout=300)
+
+
+@pytest.mark.model
+def test_the_sound_projectors_load_and_encode_an_image(sound_projectors: dict[str, Path]) -> None:
+    paths = [str(sound_projectors[name]) for name in sorted(SOUND_PROJECTORS)]
+    assert_case_ok("-c", _PROJECTOR, "sound", *paths, timeout=300)

@@ -204,3 +204,36 @@ def test_random_restores_equal_cold_runs(
     state (fewer and shorter: each restart loads the model)."""
     target, reference = randomised
     restorekit.run(target, seed, 16, tmp_path, reference)
+
+
+@pytest.fixture(scope="module")
+def qwen2vl(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Qwen2-VL text model: full attention under M-RoPE, whose KV cells carry
+    ``llama_kv_cell_ext`` (24 bytes a cell, which the chunk codec does not read)."""
+    return str(write_tiny_model(tmp_path_factory.mktemp("qwen2vl") / "qwen2vl.gguf", "qwen2vl"))
+
+
+@pytest.mark.parametrize(("det", "n_parallel"), [(True, 2), (False, 1)], ids=["streams", "unified"])
+def test_an_mrope_models_rows_are_stored_whole_and_restore(
+    qwen2vl: str, tmp_path: Path, det: bool, n_parallel: int
+) -> None:
+    """Its rows are stored whole and restored through ``kv_unpack``, whose cell check now
+    reads ext cells and must pass what llama.cpp wrote. Deterministic with two slots, one KV
+    stream a sequence: every pack was refused before, so nothing was ever saved."""
+    a = [*SYSTEM, *tokens(2, 15)]
+    eng = engine(tmp_path)
+    try:
+        model = load(eng, qwen2vl, det=det, n_parallel=n_parallel)
+        first = model.complete(a, OPTS)
+        eng.cache.flush()
+        rows = list(eng.cache.rows())
+        assert rows and all(r.logical_bytes <= r.size for r in rows)  # whole, no chunks
+        model.evict()
+        again = model.complete(a, OPTS)
+        # Deterministic: the aligned canonical prefix (3 x 32); else all but the last token.
+        assert again.stats.cached_tokens == (96 if det else len(a) - 1)
+        if det:
+            same(again, first)
+            same(first, cold(qwen2vl, a))
+    finally:
+        eng.close()

@@ -118,12 +118,15 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         #: llama.cpp stores per output. Found by review: n_embd was read, past the stored
         #: floats, where it was smaller.
         self._n_embd = int(lib.llama_model_n_embd_out(model.native))
-        #: Whether a cell's metadata in a blob is the plain 12 bytes ``kv_layout`` reads: not
-        #: with M-RoPE (its 2-D position) or PLE heads (the token), which add llama.cpp's
-        #: ``llama_kv_cell_ext``; a restore then checks its cells (``kv_layout.check_cells``).
+        #: What a cell's metadata in a blob carries: the plain 12 bytes, or with M-RoPE (its
+        #: 2-D position) or PLE heads (the token) llama.cpp's ``llama_kv_cell_ext`` too; a
+        #: restore checks the cells either way (``kv_layout.check_cells``), and the stream
+        #: rewrites (``one_stream``, ``widen``) walk them.
         rope = int(lib.llama_model_rope_type(model.native))
         ple = any(key.endswith(".ple.heads_per_ngram") for key in facts.metadata)
-        self._plain_cells = rope not in _EXT_ROPE and not ple
+        self._cells = kv_layout.CellFormat(
+            ext=rope in _EXT_ROPE or ple, mrope=rope in _EXT_ROPE, n_vocab=model.n_vocab
+        )
         # llama.cpp rounds n_ctx up (to 256); positions are bounded by what was asked for.
         n_ctx = min(params.n_ctx, int(lib.llama_n_ctx_seq(ptr)), int(lib.llama_n_ctx(ptr)))
         self._batch = lib.llama_batch_init(params.n_batch, 0, params.n_seq_max)
@@ -318,7 +321,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
     def _kv_pack(self, seq: int) -> bytes:
         blob = _kv_state.pack(self._lib, self._ptr, seq)
         if self._streams:
-            return kv_layout.one_stream(u8(blob), self._memory.kv_caches)
+            return kv_layout.one_stream(u8(blob), self._memory.kv_caches, self._cells)
         return blob
 
     def _kv_pack_tail(self, seq: int, start: int) -> tuple[bytes, int]:
@@ -330,15 +333,15 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
     def _kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         memory = self._memory
         try:
-            if self._plain_cells:
-                kv_layout.check_cells(
-                    u8(data),
-                    caches=memory.kv_caches,
-                    recurrent=memory.kind in ("recurrent", "hybrid"),
-                    n_ctx=self._n_ctx,
-                )
+            kv_layout.check_cells(
+                u8(data),
+                caches=memory.kv_caches,
+                recurrent=memory.kind in ("recurrent", "hybrid"),
+                n_ctx=self._n_ctx,
+                cells=self._cells,
+            )
             if self._streams:
-                data = kv_layout.widen(u8(data), memory.kv_caches, self._streams)
+                data = kv_layout.widen(u8(data), memory.kv_caches, self._streams, self._cells)
         except StateRestoreError:
             self._forget(seq, 0)  # refused here as by llama.cpp: the sequence is left empty
             raise

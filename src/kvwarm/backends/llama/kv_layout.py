@@ -13,6 +13,9 @@ little-endian (``docs/formats.md``, "KV state layout")::
 
 Cells are written in the order they sit in the KV buffer, which is position order unless
 several sequences interleaved their cells; ``order`` then says which cell holds each position.
+A model whose cells carry ``llama_kv_cell_ext`` (M-RoPE, PLE) writes 24 bytes of metadata a
+cell instead (``CellFormat``): ``check_cells`` and the stream rewrites read those; the rest of
+this module (the chunk codec's parsing) reads 12-byte cells only, and refuses such a blob.
 
 Every section is a 3-D view ``(groups, n_cells, unit)``: ``(1, n, row)`` for K and plain V,
 ``(n_embd, n, elem)`` for transposed V, so a token range is ``[:, a:b, :]`` in both cases.
@@ -53,6 +56,39 @@ _TRANS = struct.Struct("<iII")  # type, element bytes, n_embd
 _SECTION_HEAD = 12
 MAX_LAYERS = 4096
 MAX_ROW = 1 << 24
+
+#: ``llama_kv_cell_ext``: i32 x, i32 y (M-RoPE's 2-D position), i32 tok (the cell's token).
+CELL_EXT = 12
+
+
+@dataclass(frozen=True, slots=True)
+class CellFormat:
+    """What a model's KV cells carry in a blob, and what each may hold.
+
+    llama.cpp writes a cell's ``llama_kv_cell_ext`` between its ``n_seq_id`` and its sequence
+    id when the model needs it (``llama_kv_cache::has_cell_ext``: M-RoPE, whose rope types 8
+    and 40 keep a 2-D position, or PLE heads, which hash the tokens before each cell), and
+    restores it as it is. kvwarm only ever decodes text into such a model (an M-RoPE
+    projector is refused), and a text cell's ``x`` and ``y`` are its position under M-RoPE
+    (the batch broadcasts it to every rope section), 0 otherwise; its ``tok`` is the token
+    decoded there (or, for a PLE model's media span, an id of its vocabulary)."""
+
+    #: The cells carry ``llama_kv_cell_ext``.
+    ext: bool = False
+    #: M-RoPE: an ext cell's ``x`` and ``y`` are its position (else both 0).
+    mrope: bool = False
+    #: An ext cell's ``tok`` is below this (0: not checked).
+    n_vocab: int = 0
+
+    @property
+    def size(self) -> int:
+        """Bytes of one cell's metadata."""
+        return CELL + (CELL_EXT if self.ext else 0)
+
+
+#: The 12-byte cells of a model without ``llama_kv_cell_ext`` (the only ones ``parse_blob``
+#: and the chunk codec read).
+PLAIN = CellFormat()
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,37 +255,61 @@ def _parse_cache(blob: U8, at: int, *, positions: str, trailing: bool) -> BlobLa
     return BlobLayout(parse_descriptor(descriptor), descriptor, n_cells, order, first, at)
 
 
-def _cell_order(meta: U8, n_cells: int) -> tuple[int, npt.NDArray[np.intp] | None]:
+def _cell_order(
+    meta: U8, n_cells: int, cells: CellFormat = PLAIN
+) -> tuple[int, npt.NDArray[np.intp] | None]:
     """The first position, and which cell holds each position from it (None: position
-    order). Refuses anything but one sequence holding exactly ``first..first+n_cells-1``."""
-    cells = meta.view("<i4").reshape(n_cells, 3)
-    if not np.all(cells[:, 1] == 1):
+    order). Refuses anything but one sequence holding exactly ``first..first+n_cells-1``,
+    and ext cells (``cells.ext``) that do not hold what ``CellFormat`` says."""
+    table = meta.view("<i4").reshape(n_cells, cells.size // 4)
+    if not np.all(table[:, 1] == 1):
         raise StateRestoreError("KV blob cells belong to several sequences")
-    if not np.all(cells[:, 2] == cells[0, 2]):
+    if not np.all(table[:, -1] == table[0, -1]):
         raise StateRestoreError("KV blob cells name different sequence ids")
-    pos = cells[:, 0]
+    pos = table[:, 0]
     first = int(pos.min())
     want = np.arange(first, first + n_cells, dtype=pos.dtype)
     if first < 0:
         raise StateRestoreError(f"KV blob holds negative position {first}")
-    if np.array_equal(pos, want):
-        return first, None
-    order = np.argsort(pos, kind="stable")
-    if not np.array_equal(pos[order], want):
-        raise StateRestoreError(
-            f"KV blob cells are not exactly positions {first}..{first + n_cells - 1}"
-        )
+    order: npt.NDArray[np.intp] | None = None
+    if not np.array_equal(pos, want):
+        order = np.argsort(pos, kind="stable")
+        if not np.array_equal(pos[order], want):
+            raise StateRestoreError(
+                f"KV blob cells are not exactly positions {first}..{first + n_cells - 1}"
+            )
+    if cells.ext:
+        _check_ext(table, cells)
     return first, order
+
+
+def _check_ext(table: npt.NDArray[np.int32], cells: CellFormat) -> None:
+    """``StateRestoreError`` unless every ext cell of ``table`` (one row a cell: pos,
+    n_seq_id, x, y, tok, seq id) holds what ``cells`` says a text cell holds."""
+    pos, x, y, tok = table[:, 0], table[:, 2], table[:, 3], table[:, 4]
+    want = pos if cells.mrope else 0
+    if not (np.all(x == want) and np.all(y == want)):
+        raise StateRestoreError(
+            "KV blob cells carry a 2-D position that is not "
+            + ("their position" if cells.mrope else "0")
+        )
+    if cells.n_vocab and not np.all((tok >= 0) & (tok < cells.n_vocab)):
+        bad = int(tok[(tok < 0) | (tok >= cells.n_vocab)][0])
+        raise StateRestoreError(f"a KV blob cell holds token {bad} (n_vocab={cells.n_vocab})")
 
 
 # --- Cells a whole blob restores ------------------------------------------------------------
 
 
-def check_cells(blob: U8, *, caches: int, recurrent: bool, n_ctx: int) -> None:
+def check_cells(
+    blob: U8, *, caches: int, recurrent: bool, n_ctx: int, cells: CellFormat = PLAIN
+) -> None:
     """``StateRestoreError`` unless every cell a one-stream ``blob`` would restore is one that
     llama.cpp can hold and remove again: each of its first ``caches`` KV caches one sequence's
-    consecutive positions inside ``[0, n_ctx)``, and (``recurrent``: a recurrent or hybrid
-    memory) the recurrent state after them at most one cell, at a position inside it.
+    consecutive positions inside ``[0, n_ctx)`` (its cells as ``cells`` says: with
+    ``llama_kv_cell_ext``, that too as a text cell holds it), and (``recurrent``: a recurrent
+    or hybrid memory) the recurrent state after them at most one cell, at a position inside
+    it (a recurrent state's cells carry no ext).
 
     ``llama_state_seq_set_data`` checks none of this (found by review): it restored a cell at a
     negative position or at INT32_MAX, which ``llama_memory_seq_rm`` (its range clamped to
@@ -269,10 +329,10 @@ def check_cells(blob: U8, *, caches: int, recurrent: bool, n_ctx: int) -> None:
         at += 8
         if not n_cells:
             continue
-        if at + n_cells * CELL > size:
+        if at + n_cells * cells.size > size:
             raise StateRestoreError(f"KV blob of {size} bytes cannot hold {n_cells} cells")
-        first, _ = _cell_order(blob[at : at + n_cells * CELL], n_cells)
-        length = _stream_bytes(blob, at, n_cells, meta_checked=True)
+        first, _ = _cell_order(blob[at : at + n_cells * cells.size], n_cells, cells)
+        length = _stream_bytes(blob, at, n_cells, cells, meta_checked=True)
         if first + n_cells > n_ctx:
             raise StateRestoreError(
                 f"KV cache {cache} of the blob holds positions up to {first + n_cells - 1}, "
@@ -316,19 +376,21 @@ _REC_CELL = struct.Struct("<iI")
 _U32 = struct.Struct("<I")
 
 
-def one_stream(blob: U8, caches: int) -> bytes:
+def one_stream(blob: U8, caches: int, cells: CellFormat = PLAIN) -> bytes:
     """``blob`` (from a context of several streams) with each of its first ``caches`` KV caches
     rewritten as one stream; ``StateRestoreError`` unless it is exactly as described above."""
-    return _restream(blob, caches, 1, from_streams=None)
+    return _restream(blob, caches, 1, cells, from_streams=None)
 
 
-def widen(blob: U8, caches: int, n_stream: int) -> bytes:
+def widen(blob: U8, caches: int, n_stream: int, cells: CellFormat = PLAIN) -> bytes:
     """A one-stream ``blob`` rewritten for a context of ``n_stream`` streams: its cells in the
     first stream, the others empty."""
-    return _restream(blob, caches, n_stream, from_streams=1)
+    return _restream(blob, caches, n_stream, cells, from_streams=1)
 
 
-def _restream(blob: U8, caches: int, n_stream: int, *, from_streams: int | None) -> bytes:
+def _restream(
+    blob: U8, caches: int, n_stream: int, cells: CellFormat, *, from_streams: int | None
+) -> bytes:
     raw = blob.data
     size = blob.size
     if size < 8 or _U32.unpack_from(raw, 0)[0] != IO_MAGIC:
@@ -342,34 +404,37 @@ def _restream(blob: U8, caches: int, n_stream: int, *, from_streams: int | None)
         if have < 1 or (from_streams is not None and have != from_streams):
             raise StateRestoreError(f"KV cache {cache} of the blob has {have} streams")
         at += 4
-        cells: memoryview | None = None
+        held: memoryview | None = None
         for stream in range(have):
             if at + 4 > size:
                 raise StateRestoreError(f"KV blob ends before stream {stream} of cache {cache}")
             (n_cells,) = _U32.unpack_from(raw, at)
-            end = at + 4 + (_stream_bytes(blob, at + 4, n_cells) if n_cells else 0)
+            end = at + 4 + (_stream_bytes(blob, at + 4, n_cells, cells) if n_cells else 0)
             if n_cells:
-                if cells is not None:
+                if held is not None:
                     raise StateRestoreError(f"KV cache {cache} holds cells in two streams")
-                cells = raw[at:end]
+                held = raw[at:end]
             at = end
         parts.append(_U32.pack(n_stream))
-        parts.append(cells if cells is not None else _U32.pack(0))
+        parts.append(held if held is not None else _U32.pack(0))
         parts.append(bytes(4 * (n_stream - 1)))
     parts.append(raw[at:])
     return b"".join(parts)
 
 
-def _stream_bytes(blob: U8, at: int, n_cells: int, *, meta_checked: bool = False) -> int:
-    """The length of one stream's cells (metadata, then every K and V section) from ``at``;
-    ``meta_checked``: the caller has found the cells one sequence's (``_cell_order``)."""
+def _stream_bytes(
+    blob: U8, at: int, n_cells: int, cells: CellFormat = PLAIN, *, meta_checked: bool = False
+) -> int:
+    """The length of one stream's cells (metadata as ``cells`` says, then every K and V
+    section) from ``at``; ``meta_checked``: the caller has found the cells one sequence's
+    (``_cell_order``)."""
     raw = blob.data
     size = blob.size
-    end = at + n_cells * CELL
+    end = at + n_cells * cells.size
     if end + _PAIR.size > size:
         raise StateRestoreError(f"KV blob of {size} bytes cannot hold {n_cells} cells")
-    meta = blob[at:end].view("<i4").reshape(n_cells, 3)
-    if not meta_checked and (not np.all(meta[:, 1] == 1) or not np.all(meta[:, 2] == meta[0, 2])):
+    meta = blob[at:end].view("<i4").reshape(n_cells, cells.size // 4)
+    if not meta_checked and (not np.all(meta[:, 1] == 1) or not np.all(meta[:, -1] == meta[0, -1])):
         raise StateRestoreError("KV blob cells are not one sequence's (or carry extra data)")
     v_trans, n_layer = _PAIR.unpack_from(raw, end)
     if v_trans not in (0, 1) or not 1 <= n_layer <= MAX_LAYERS:

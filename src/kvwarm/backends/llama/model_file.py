@@ -9,10 +9,18 @@ llama.cpp (0.3.36), found by loading hostile files in a child process
 (``tests/backends/test_model_file_refusals.py``); the rule is llama.cpp's own condition, so
 every file it loads without aborting still passes.
 
-Projectors (``general.architecture`` ``clip``) get the few generic rules of ``_clip_problem``.
-Not covered, known: clip.cpp has per-projector-type asserts on its own keys and reads many
-tensors as optional and then dereferences them (a ``gemma3`` projector relabelled ``mlp``
-crashed the process, SIGSEGV, at load); mirroring every type is not done here.
+Projectors (``general.architecture`` ``clip``) get the generic rules of ``_clip_problem``
+and, for the vision projector types ``gemma3`` and ``mlp`` (LLaVA; ``mlp_norm`` when it has
+``mm.3.weight``), ``_clip_tensors_problem``: the tensors clip.cpp loads as optional and its
+graph then dereferences (a ``gemma3`` projector relabelled ``mlp`` had no ``mm.0.weight``:
+SIGSEGV at load), a position embedding the encoder's input cannot take (GGML_ASSERT at load),
+and ``gemma3``'s pooling factor not dividing the patch grid (GGML_ASSERT at the first image);
+for the audio types of whisper's encoder (``qwen2a``, ``ultravox``, ``voxtral``, ``glma``,
+``meralion``, ``musicflamingo``), ``_whisper_tensors_problem``: the position embedding (missing:
+SIGSEGV; under 1500 rows: GGML_ASSERT) and the first layer's norms and biases it asserts.
+Not covered, known: every other projector type's own tensors and asserts (clip.cpp builds
+some 60 graphs; tests can write only gemma3, mlp and qwen2a), each type's head tensors past
+those named (ultravox's, voxtral's...), and the widths of the matrices each graph multiplies.
 
 Invariant: ``check`` reads only the key/value section and the tensor table, bounded by the
 file's size (``gguf_meta.read_values``, ``read_tensors``; an mmap, never a copy of the file),
@@ -116,6 +124,10 @@ _HUNYUAN_ZEROED = frozenset({"hunyuan_vl", "hunyuan-dense"})
 _KEYS = frozenset({
     "general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.tokens",
     "tokenizer.ggml.token_type", "clip.vision.image_size", "clip.vision.patch_size",
+    "clip.has_vision_encoder", "clip.projector_type", "clip.vision.projector_type",
+    "clip.vision.block_count", "clip.vision.projector.scale_factor",
+    "clip.vision.feature_layer", "clip.has_audio_encoder", "clip.audio.projector_type",
+    "clip.audio.block_count",
     *(f"clip.{tower}.{key}" for tower in ("vision", "audio")
       for key in ("embedding_length", "attention.head_count")),
 })  # fmt: skip
@@ -165,13 +177,29 @@ _NOT_WEIGHT_TYPES = {24: "i8", 25: "i16", 26: "i32", 27: "i64", 28: "f64"}
 
 
 def _tensors_problem(buf: gguf_meta.Buffer, found: gguf_meta.Values) -> str:
-    """A model (not a projector) tensor of a type no weight has, from the tensor table."""
-    if _text(found.values.get("general.architecture")) in (None, "clip"):
+    """A model tensor of a type no weight has, or a projector's tensors its graph cannot
+    take, from the tensor table."""
+    arch = _text(found.values.get("general.architecture"))
+    if arch is None:
+        return ""
+    vit = _vision_vit_type(found.values) if arch == "clip" else None
+    whisper = _audio_whisper_type(found.values) if arch == "clip" else None
+    if arch == "clip" and vit is None and whisper is None:
         return ""
     # An mmap reads as a file does (read, seek, tell); bytes are wrapped as one.
     reader = cast(BinaryIO, buf) if isinstance(buf, mmap.mmap) else io.BytesIO(bytes(buf))
     reader.seek(found.tensors_at)
-    for tensor in gguf_meta.read_tensors(reader, len(buf), found.n_tensors):
+    tensors = gguf_meta.read_tensors(reader, len(buf), found.n_tensors)
+    if arch == "clip":
+        # Only the names the rules read: the table's other entries are not kept.
+        shapes = {t.name: t.shape for t in tensors if _clip_tensor_wanted(t.name)}
+        n = found.n_tensors
+        return (
+            (vit and _clip_tensors_problem(vit, found.values, shapes, n))
+            or (whisper and _whisper_tensors_problem(whisper, found.values, shapes, n))
+            or ""
+        )
+    for tensor in tensors:
         kind = _NOT_WEIGHT_TYPES.get(tensor.ggml_type)
         if kind is not None:
             return f"tensor {tensor.name!r} is of type {kind}, which no model weight is"
@@ -209,8 +237,8 @@ def _problem(values: dict[str, gguf_meta.Value]) -> str:
 def _clip_problem(values: dict[str, gguf_meta.Value]) -> str:
     """A projector (mtmd's ``clip.cpp``) whose encoder graph asserts when mtmd builds it at
     load: heads that do not divide the encoder's width (a reshape), an image smaller than
-    one patch (a convolution of no output). Only these generic rules: clip.cpp's checks of
-    each projector type's own keys and tensors are not mirrored (see the module doc)."""
+    one patch (a convolution of no output); and ``gemma3``'s pooling factor, which must
+    divide the patch grid. The tensors are ``_clip_tensors_problem``'s."""
     for tower in ("vision", "audio"):
         k = f"clip.{tower}."
         n_embd = _int(values.get(k + "embedding_length"))
@@ -221,6 +249,181 @@ def _clip_problem(values: dict[str, gguf_meta.Value]) -> str:
     patch = _int(values.get("clip.vision.patch_size"))
     if image is not None and patch and image < patch:
         return f"clip.vision.image_size ({image}) is smaller than one patch ({patch})"
+    if image and patch and _vision_vit_type(values) == "gemma3":
+        # siglip.cpp pools the patch grid by the scale factor; a factor that does not divide
+        # it asserted when the first image's embeddings were read (GGML_ASSERT).
+        merge = _int(values.get("clip.vision.projector.scale_factor"))
+        merge = _GEMMA3_MERGE if merge is None else merge
+        grid = image // patch
+        if merge > 0 and grid % merge:
+            return (
+                f"clip.vision.projector.scale_factor ({merge}) does not divide the "
+                f"{grid}x{grid} patch grid (image_size {image} / patch_size {patch})"
+            )
+    return ""
+
+
+#: Vision projector types whose encoder is clip.cpp's standard ViT (``build_vit`` for
+#: ``gemma3``, ``clip_graph_llava`` for ``mlp``) and whose optional tensors are checked.
+_VIT_TYPES = frozenset({"gemma3", "mlp"})
+#: ``gemma3``'s pooling factor when the file does not say (clip.cpp's ``n_merge``).
+_GEMMA3_MERGE = 4
+
+
+def _vision_vit_type(values: dict[str, gguf_meta.Value]) -> str | None:
+    """The vision projector type, as mtmd reads it, if it is one of ``_VIT_TYPES``."""
+    if values.get("clip.has_vision_encoder") is not True:
+        return None
+    kind = _text(values.get("clip.projector_type")) or _text(
+        values.get("clip.vision.projector_type")
+    )
+    return kind if kind in _VIT_TYPES else None
+
+
+#: The audio projector types whose encoder is ``clip_graph_whisper_enc``.
+_WHISPER_TYPES = frozenset({"ultravox", "voxtral", "qwen2a", "glma", "meralion", "musicflamingo"})
+#: Position embeddings whisper's encoder reads: half of the 3000 mel frames of the warmup
+#: (``warmup_audio_size``) and of every 30 s window these types pad audio to.
+_WHISPER_POSITIONS = 1500
+
+
+def _audio_whisper_type(values: dict[str, gguf_meta.Value]) -> str | None:
+    """The audio projector type, as mtmd reads it, if it is one of ``_WHISPER_TYPES``."""
+    if values.get("clip.has_audio_encoder") is not True:
+        return None
+    kind = _text(values.get("clip.projector_type")) or _text(
+        values.get("clip.audio.projector_type")
+    )
+    kind = "qwen2a" if kind == "qwen2.5o" else kind  # clip.cpp's legacy name, for audio
+    return kind if kind in _WHISPER_TYPES else None
+
+
+_CLIP_FIXED = frozenset(
+    ["v.patch_embd.weight", "v.position_embd.weight", "v.class_embd", "a.position_embd.weight"]
+    + [f"mm.{i}.{part}" for i in range(5) for part in ("weight", "bias")]
+)
+_ATTN = ("attn_q", "attn_k", "attn_v", "attn_qkv")
+_LAYER_PARTS = frozenset([*_ATTN, "ln1", "ln2"])
+
+
+def _clip_tensor_wanted(name: str) -> bool:
+    """``_CLIP_FIXED`` and the encoder layers' attention and norm tensors
+    (``v.blk.N.attn_q.weight``, ``a.blk.N.ln1.bias``)."""
+    if name in _CLIP_FIXED:
+        return True
+    parts = name.split(".")
+    return (
+        len(parts) == 5
+        and parts[0] in ("v", "a")
+        and parts[1] == "blk"
+        and parts[3] in _LAYER_PARTS
+        and parts[4] in ("weight", "bias")
+    )
+
+
+def _attention_problem(
+    prefix: str, n_layers: int, shapes: dict[str, tuple[int, ...]], fused_ok: bool
+) -> str:
+    """The first of ``n_layers`` layers without its q, k and v weights (or, where the graph
+    takes one, a fused qkv weight): clip.cpp loads them as optional and multiplies by them."""
+    for il in range(n_layers):
+        names = [f"{prefix}.blk.{il}.{a}.weight" for a in _ATTN]
+        missing = [n for n in names[:3] if n not in shapes]
+        if missing and not (fused_ok and names[3] in shapes):
+            return missing[0]
+    return ""
+
+
+def _whisper_tensors_problem(
+    kind: str,
+    values: dict[str, gguf_meta.Value],
+    shapes: dict[str, tuple[int, ...]],
+    n_tensors: int,
+) -> str:
+    """An audio projector of a whisper-encoder type whose graph, built at load, crashes:
+    no position embedding (dereferenced: SIGSEGV), fewer than 1500 rows, or a first layer
+    without the norms and biases it asserts (GGML_ASSERT)."""
+    where = f"a {kind!r} projector"
+    pos = shapes.get("a.position_embd.weight")
+    if pos is None:
+        return f"{where} needs tensor 'a.position_embd.weight'"
+    rows = pos[1] if len(pos) > 1 else 1
+    if rows < _WHISPER_POSITIONS:
+        return (
+            f"a.position_embd.weight has {rows} positions; the audio encoder reads "
+            f"{_WHISPER_POSITIONS} (a 30 s window)"
+        )
+    n_layer = _int(values.get("clip.audio.block_count"))
+    if n_layer is None or not 1 <= n_layer <= n_tensors:
+        return ""  # clip.cpp refuses more layers than tensors: their weights are missing
+    first = "a.blk.0."
+    for part in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "attn_q.bias", "attn_v.bias"):
+        if first + part not in shapes:
+            return f"{where} needs tensor {first + part!r}"
+    if first + "attn_k.bias" in shapes:
+        return f"{where} cannot have tensor 'a.blk.0.attn_k.bias' (whisper's K has no bias)"
+    if missing := _attention_problem("a", n_layer, shapes, fused_ok=True):
+        return f"{where} needs tensor {missing!r}"
+    return ""
+
+
+def _clip_tensors_problem(
+    kind: str,
+    values: dict[str, gguf_meta.Value],
+    shapes: dict[str, tuple[int, ...]],
+    n_tensors: int,
+) -> str:
+    """A ``gemma3`` or ``mlp`` projector's tensors that clip.cpp loads as optional and its
+    encoder graph, built at load, then uses: missing, a null pointer dereferenced (SIGSEGV);
+    a position embedding the patches cannot take, a GGML_ASSERT (``ggml_can_repeat`` of the
+    add, a row index past the table)."""
+    where = f"a {kind!r} projector"
+    if "v.patch_embd.weight" not in shapes:
+        return f"{where} needs tensor 'v.patch_embd.weight'"
+    n_layer = _int(values.get("clip.vision.block_count"))
+    if n_layer is not None and 0 <= n_layer <= n_tensors:  # more: clip.cpp refuses it
+        used = n_layer
+        if kind == "mlp":  # llava.cpp runs the layers up to the deepest feature layer
+            deepest = max(_ints(values.get("clip.vision.feature_layer")) or [], default=-1)
+            used = deepest if deepest >= 0 else n_layer - 1
+        # llava's graph has no fused qkv
+        missing = _attention_problem("v", min(used, n_layer), shapes, kind == "gemma3")
+        if missing:
+            return f"{where} needs tensor {missing!r}"
+    n_embd = _int(values.get("clip.vision.embedding_length"))
+    image = _int(values.get("clip.vision.image_size"))
+    patch = _int(values.get("clip.vision.patch_size"))
+    if not (n_embd and n_embd > 0 and image and patch and patch > 0):
+        return ""  # clip.cpp refuses these itself
+    n_patches = (image // patch) ** 2
+    pos = shapes.get("v.position_embd.weight")
+    if kind == "gemma3":
+        if pos is not None:
+            ne = (*pos, 1, 1, 1)[:4]
+            if any(want % have if have else True for want, have in
+                   zip((n_embd, n_patches, 1, 1), ne, strict=True)):  # fmt: skip
+                return (
+                    f"v.position_embd.weight is {list(pos)}; the encoder adds it to "
+                    f"[{n_embd}, {n_patches}] patches ((image_size/patch_size)^2)"
+                )
+        return ""
+    # mlp: the graph reads position rows 0..n_pos-1 and adds them to the patches.
+    n_pos = n_patches + ("v.class_embd" in shapes)
+    if pos is None:
+        return f"{where} needs tensor 'v.position_embd.weight'"
+    ne = (*pos, 1, 1)[:2]
+    if len(pos) > 2 or ne[1] < n_pos or not ne[0] or n_embd % ne[0]:
+        return (
+            f"v.position_embd.weight is {list(pos)}; the encoder takes [{n_embd}, {n_pos}] "
+            "(a row per patch, and the class embedding's)"
+        )
+    # mm.3.weight makes it clip.cpp's mlp_norm (Yi-type LLaVA); mm.2 is optional in mlp.
+    mm = ["mm.0", "mm.1", "mm.3", "mm.4"] if "mm.3.weight" in shapes else ["mm.0"]
+    if "mm.2.weight" in shapes and "mm.3.weight" not in shapes:
+        mm.append("mm.2")
+    for name in (f"{m}.{part}" for m in mm for part in ("weight", "bias")):
+        if name not in shapes:
+            return f"{where} needs tensor {name!r}"
     return ""
 
 
