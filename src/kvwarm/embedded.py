@@ -44,7 +44,7 @@ def model_id_for(path: str | Path | None) -> str:
     rule for the settings' model list and ``Engine.load_model``, so both name a model alike."""
     if path is None:
         return EMBEDDED_MODEL_ID
-    resolved = Path(path).expanduser()
+    resolved = Path(os.path.expanduser(path))
     embedded = embedded_model_path()
     if embedded is not None and _same_file(resolved, embedded):
         return EMBEDDED_MODEL_ID
@@ -74,7 +74,7 @@ def default_model_path() -> Path:
     """``$KVWARM_MODEL`` if set, else the embedded model; raises with an install hint otherwise."""
     override = os.environ.get(MODEL_ENV)
     if override:
-        path = Path(override).expanduser()
+        path = Path(os.path.expanduser(override))
         if not is_file(path):
             raise ModelNotFoundError(f"{MODEL_ENV}={override!r} is not a file; {INSTALL_HINT}")
         return path

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
@@ -192,7 +193,7 @@ def resolve_template(value: str) -> tuple[str, str]:
 
     if value in BUILTIN_TEMPLATES:
         return value, BUILTIN_TEMPLATES[value]
-    path = Path(value).expanduser()
+    path = Path(os.path.expanduser(value))
     if not path.is_file():
         names = ", ".join(sorted(BUILTIN_TEMPLATES))
         raise ConfigError(

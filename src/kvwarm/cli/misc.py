@@ -94,17 +94,17 @@ def run_models(args: argparse.Namespace) -> int:
     add(EMBEDDED_MODEL_ID, embedded_model_path(), "embedded")
     override = os.environ.get(MODEL_ENV)
     if override:
-        add(model_id_for(override), Path(override).expanduser(), f"${MODEL_ENV}")
+        add(model_id_for(override), Path(os.path.expanduser(override)), f"${MODEL_ENV}")
     for spec in settings.models:
         if spec.path is not None:
-            add(spec.model_id, Path(spec.path).expanduser(), "settings")
+            add(spec.model_id, Path(os.path.expanduser(spec.path)), "settings")
     if settings.models_dir is not None:
         for model_id, path in scan(settings.models_dir).items():
             add(model_id, path, "models_dir")
     for directory in args.scan:
         if path_kind(directory, "--scan") != "dir":  # a typo listed nothing, without a word
             raise ConfigError(f"--scan {directory}: not a directory")
-        for path in sorted(directory.expanduser().glob("**/*.gguf")):
+        for path in sorted(Path(os.path.expanduser(directory)).glob("**/*.gguf")):
             add(model_id_for(path), path, f"scan {directory}")
     if args.json:
         print(json.dumps(found, indent=2))

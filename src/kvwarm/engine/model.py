@@ -217,7 +217,7 @@ class Model:
     def _load_projector(self, mmproj: str) -> Projector:
         """The ``--mmproj`` projector, its fingerprint folded into the model's: an image's KV
         depends on the projector that encoded it."""
-        path = Path(mmproj).expanduser()
+        path = Path(os.path.expanduser(mmproj))
         threads = self.config.context.n_threads_batch or self.config.context.n_threads
         gpu = self.config.model_params.n_gpu_layers != 0
         projector = self._bmodel.load_projector(str(path), ProjectorParams(threads, gpu))
@@ -239,7 +239,7 @@ class Model:
         vocabulary), a context of its own with one sequence per slot, and its own cache
         namespace (its fingerprint, its context's hash)."""
         cfg = self.config
-        path = Path(draft_path).expanduser()
+        path = Path(os.path.expanduser(draft_path))
         bmodel = self.backend.load_model(str(path), replace(cfg.model_params, progress=None))
         try:
             check_vocab(self._bmodel, bmodel, str(path))

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -293,8 +294,8 @@ class ModelRegistry:
         left the entry failed and /health degraded)."""
         if self._settings.backend == "stub" or not entry.spec.path:
             return
-        if Path(entry.spec.path).expanduser().is_file():
-            models_dir.check_gguf_magic(Path(entry.spec.path).expanduser())
+        if Path(os.path.expanduser(entry.spec.path)).is_file():
+            models_dir.check_gguf_magic(Path(os.path.expanduser(entry.spec.path)))
 
     def _refuse_unready(self, entry: ModelEntry) -> None:
         if entry.state == "failed" and entry.died:

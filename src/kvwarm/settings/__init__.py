@@ -593,7 +593,7 @@ def load_settings(
     file_values: dict[str, object] = {}
     config_file: Path | None = None
     if explicit:
-        config_file = Path(str(explicit)).expanduser()
+        config_file = Path(os.path.expanduser(str(explicit)))
     elif (default_file := user_config_file(env)).is_file():
         config_file = default_file
     if config_file is not None:

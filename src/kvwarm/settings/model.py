@@ -14,6 +14,7 @@ values are ``ConfigError``s raised while settings load, before any native call
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
@@ -370,7 +371,7 @@ def _check_adapter_file(name: str, path: str, spec: ModelSpec) -> None:
     from kvwarm.gguf_meta import metadata_of
 
     label = f"LoRA adapter {name} ({path})"
-    file = Path(path).expanduser()
+    file = Path(os.path.expanduser(path))
     if path_kind(file, label) != "file":
         raise ConfigError(f"{label}: no such file")
     try:
@@ -379,7 +380,7 @@ def _check_adapter_file(name: str, path: str, spec: ModelSpec) -> None:
         raise ConfigError(f"{label}: not a readable GGUF file ({exc})") from exc
     if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
         raise ConfigError(f"{label}: not a LoRA adapter (a GGUF with adapter.type = lora)")
-    base = Path(spec.path).expanduser() if spec.path else default_model_path()
+    base = Path(os.path.expanduser(spec.path)) if spec.path else default_model_path()
     try:
         base_arch = metadata_of(base, ("general.architecture",)).get("general.architecture")
     except (OSError, ValueError):
@@ -471,10 +472,10 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
         spec_type=_value(settings, spec, "spec_type"),
         spec_ngram_n=_value(settings, spec, "spec_ngram_n"),
         spec_draft_max=_value(settings, spec, "spec_draft_max"),
-        draft_model=None if draft is None else str(Path(draft).expanduser()),
+        draft_model=None if draft is None else str(Path(os.path.expanduser(draft))),
         # Loaded off (scale 0): the model serves itself; a request names an adapter to use it.
         lora=tuple(
-            LoraSpec(str(Path(path).expanduser()), name)
+            LoraSpec(str(Path(os.path.expanduser(path))), name)
             for name, path in model_lora(settings, spec)
         ),
         mmproj=None if mmproj is None else str(mmproj),

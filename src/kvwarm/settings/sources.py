@@ -43,14 +43,14 @@ def user_cache_dir(env: Mapping[str, str] | None = None) -> Path:
     """``$XDG_CACHE_HOME/kvwarm``, else ``~/.cache/kvwarm``."""
     env = os.environ if env is None else env
     base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).expanduser() / "kvwarm"
+    return Path(os.path.expanduser(base)) / "kvwarm"
 
 
 def user_config_file(env: Mapping[str, str] | None = None) -> Path:
     """``$XDG_CONFIG_HOME/kvwarm/config.toml``, else ``~/.config/kvwarm/config.toml``."""
     env = os.environ if env is None else env
     base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base).expanduser() / "kvwarm" / "config.toml"
+    return Path(os.path.expanduser(base)) / "kvwarm" / "config.toml"
 
 
 def read_toml(path: Path, known: set[str]) -> dict[str, object]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import math
+import os
 import re
 import stat
 from collections.abc import Callable, Mapping
@@ -54,7 +55,7 @@ def path_kind(path: Path, setting: str) -> PathKind:
     ``Path.exists``/``is_dir`` raise for a name too long, a directory not searchable or a NUL
     byte (a TOML string), and every command stopped with a traceback and exit status 1."""
     try:
-        mode = path.expanduser().stat().st_mode
+        mode = Path(os.path.expanduser(path)).stat().st_mode
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
             return "missing"
@@ -209,7 +210,7 @@ def as_opt_path(value: object) -> Path | None:
     text = as_str(value).strip()
     if text.lower() in ("", "none", "off"):
         return None
-    return Path(text).expanduser()
+    return Path(os.path.expanduser(text))
 
 
 def as_tier(value: object) -> TierName | None:

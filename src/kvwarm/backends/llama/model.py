@@ -120,7 +120,7 @@ class LlamaBackend:
 
     def locate(self, path: str | os.PathLike[str] | None) -> Path:
         """``path``, or ``$KVWARM_MODEL`` / the embedded model; it must be a file."""
-        resolved = default_model_path() if path is None else Path(path).expanduser()
+        resolved = default_model_path() if path is None else Path(os.path.expanduser(path))
         try:
             found = resolved.is_file()
         except (OSError, ValueError) as exc:

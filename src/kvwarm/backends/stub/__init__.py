@@ -171,7 +171,7 @@ class StubBackend:
 
     def locate(self, path: str | os.PathLike[str] | None) -> Path:
         """Any name will do: a stub model needs no file (one that exists is fingerprinted)."""
-        return Path("stub.gguf") if path is None else Path(path).expanduser()
+        return Path("stub.gguf") if path is None else Path(os.path.expanduser(path))
 
     def load_model(self, path: str, params: ModelParams | None = None) -> StubModel:
         params = params or ModelParams()

@@ -18,6 +18,7 @@ Unloading a model with requests in flight is a 409 (``ModelBusyError``), never a
 from __future__ import annotations
 
 import math
+import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -309,7 +310,7 @@ async def load_model(request: Request) -> Response:
                 code="key_required",
                 param="path",
             )
-        path = Path(req.path).expanduser()
+        path = Path(os.path.expanduser(req.path))
         # A typo is the caller's to fix, not a load to retry (503); and so is a path no stat
         # can answer (a name too long, a directory not searchable: found by review, a 500).
         if not is_file(path):
