@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from tests.engine.conftest import make_engine
 
-from kvwarm.backends.base import BatchToken, ContextParams
+from kvwarm.backends.base import BackendContext, BatchToken, ContextParams
 from kvwarm.engine.api import ModelConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import MAX_DRAFT_TOKENS, GenerationOptions
@@ -79,6 +79,29 @@ def test_seeded_reply_and_logprobs_are_plain_decodings(model: Model) -> None:
     assert spec.stats.drafted_tokens > 0
 
 
+def _assert_verify_rows_are_one_token_passes(
+    ctx: BackendContext, prompt: list[int], follow: list[int], redo: int
+) -> None:
+    """After ``prompt``: each row of one pass of ``follow`` equals the one-token pass at its
+    position, and so does each of ``redo`` tokens decoded one by one after a trim that keeps
+    5 (as a verify pass that accepted 4 drafts would)."""
+    n = len(prompt)
+    ctx.prefill(0, prompt, 0)
+    one = []
+    for i, token in enumerate(follow):
+        ctx.decode([BatchToken(token, n + i, 0, True)])
+        one.append(np.frombuffer(ctx.logits(0), np.float32).copy())
+    ctx.seq_rm(0, n, -1)
+    ctx.decode([BatchToken(t, n + i, 0, True) for i, t in enumerate(follow)])
+    rows = [np.frombuffer(ctx.logits(i), np.float32).copy() for i in range(len(follow))]
+    ctx.seq_rm(0, n + 5, -1)
+    for i, token in enumerate(follow[5 : 5 + redo], start=5):
+        ctx.decode([BatchToken(token, n + i, 0, True)])
+        rows[i] = np.frombuffer(ctx.logits(0), np.float32).copy()
+    for i in range(len(follow)):
+        assert np.array_equal(rows[i], one[i]), f"position {n + i} differs"
+
+
 def test_a_verify_pass_row_is_a_one_token_pass(model: Model) -> None:
     """What exactness rests on (``docs/internals.md``, "Speculative decoding"): with flash
     attention, the logits of each row of a pass of up to 63 tokens of one sequence equal a
@@ -88,23 +111,9 @@ def test_a_verify_pass_row_is_a_one_token_pass(model: Model) -> None:
     params = ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2, flash_attn="on")
     ctx = bmodel.new_context(params)
     try:
-        n = len(prompt)
         rows_max = MAX_DRAFT_TOKENS + 1  # the longest verify pass of one sequence
-        follow = [prompt[i % n] for i in range(rows_max)]
-        ctx.prefill(0, prompt, 0)
-        one = []
-        for i, token in enumerate(follow):
-            ctx.decode([BatchToken(token, n + i, 0, True)])
-            one.append(np.frombuffer(ctx.logits(0), np.float32).copy())
-        ctx.seq_rm(0, n, -1)
-        ctx.decode([BatchToken(t, n + i, 0, True) for i, t in enumerate(follow)])
-        rows = [np.frombuffer(ctx.logits(i), np.float32).copy() for i in range(rows_max)]
-        ctx.seq_rm(0, n + 5, -1)  # keep 5, as a verify pass that accepted 4 drafts would
-        for i, token in enumerate(follow[5:20], start=5):
-            ctx.decode([BatchToken(token, n + i, 0, True)])
-            rows[i] = np.frombuffer(ctx.logits(0), np.float32).copy()
-        for i in range(rows_max):
-            assert np.array_equal(rows[i], one[i]), f"position {n + i} differs"
+        follow = [prompt[i % len(prompt)] for i in range(rows_max)]
+        _assert_verify_rows_are_one_token_passes(ctx, prompt, follow, redo=15)
     finally:
         ctx.close()
 
@@ -176,23 +185,8 @@ def test_past_512_cells_quantised_kv_keeps_every_verify_row_a_one_token_pass(
     ctx = bmodel.new_context(params)
     try:
         prompt = (bmodel.tokenize(CODE) * 20)[:300]  # 300 cells in use: a view of 512
-        n = len(prompt)
-        rows_max = MAX_DRAFT_TOKENS + 1
-        follow = [prompt[i] for i in range(rows_max)]
-        ctx.prefill(0, prompt, 0)
-        one = []
-        for i, token in enumerate(follow):
-            ctx.decode([BatchToken(token, n + i, 0, True)])
-            one.append(np.frombuffer(ctx.logits(0), np.float32).copy())
-        ctx.seq_rm(0, n, -1)
-        ctx.decode([BatchToken(t, n + i, 0, True) for i, t in enumerate(follow)])
-        rows = [np.frombuffer(ctx.logits(i), np.float32).copy() for i in range(rows_max)]
-        ctx.seq_rm(0, n + 5, -1)
-        for i, token in enumerate(follow[5:12], start=5):
-            ctx.decode([BatchToken(token, n + i, 0, True)])
-            rows[i] = np.frombuffer(ctx.logits(0), np.float32).copy()
-        for i in range(rows_max):
-            assert np.array_equal(rows[i], one[i]), f"position {n + i} differs"
+        follow = prompt[: MAX_DRAFT_TOKENS + 1]
+        _assert_verify_rows_are_one_token_passes(ctx, prompt, follow, redo=7)
     finally:
         ctx.close()
 

@@ -59,6 +59,40 @@ def wait_ready(get: object, deadline_s: float = 120.0) -> None:
     raise AssertionError("server did not become ready in time")
 
 
+def serve_tiny_models(specs: tuple[ModelSpec, ...]) -> Iterator[TestClient]:
+    """A TestClient over real tiny GGUFs (``tests.tinymodels``), one slot each, ready: a
+    prompt of these is a token a byte, so a tools' JSON needs a context of 2,048."""
+    settings = Settings(
+        models=specs,
+        cache_dir=None,
+        n_ctx=2048,
+        n_batch=512,
+        n_parallel=1,
+        policy=LOW_POLICY,
+        keepalive_interval_s=0,
+        default_max_tokens=64,
+        allowed_hosts=("testserver",),
+    )
+    with TestClient(create_app(settings)) as test_client:
+        wait_ready(test_client.get)
+        yield test_client
+
+
+def tool_chat(
+    model: str, messages: object, tools: object, max_tokens: int, **extra: object
+) -> dict[str, object]:
+    """A greedy chat completion's body with ``tools``, one call at most."""
+    body: dict[str, object] = {
+        "model": model,
+        "messages": messages,
+        "tools": tools,
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
+    return body | extra
+
+
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
     with TestClient(create_app(stub_settings())) as test_client:

@@ -19,10 +19,9 @@ import pytest
 from fastapi.testclient import TestClient
 from tests.tinymodels import write_marker_model
 
-from kvwarm.server import create_app
-from kvwarm.settings import ModelSpec, Settings
+from kvwarm.settings import ModelSpec
 
-from .conftest import LOW_POLICY, sse_events, wait_ready
+from .conftest import serve_tiny_models, sse_events, tool_chat
 
 pytestmark = pytest.mark.model
 
@@ -82,32 +81,11 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
         ModelSpec(path=str(write_marker_model(directory / f"{name}.gguf", *made)), id=name)
         for name, made in MODELS.items()
     )
-    settings = Settings(
-        models=specs,
-        cache_dir=None,
-        n_ctx=2048,  # a prompt is a token a byte: the tools' description is long
-        n_batch=512,
-        n_parallel=1,
-        policy=LOW_POLICY,
-        keepalive_interval_s=0,
-        default_max_tokens=64,
-        allowed_hosts=("testserver",),
-    )
-    with TestClient(create_app(settings)) as test_client:
-        wait_ready(test_client.get)
-        yield test_client
+    yield from serve_tiny_models(specs)
 
 
 def _chat(model: str, **extra: object) -> dict[str, object]:
-    body: dict[str, object] = {
-        "model": model,
-        "messages": ASK,
-        "tools": TOOLS,
-        "parallel_tool_calls": False,
-        "temperature": 0,
-        "max_tokens": 128,
-    }
-    return body | extra
+    return tool_chat(model, ASK, TOOLS, 128, **extra)
 
 
 #: The llama model has no call format a grammar holds: its request's own grammar writes the
