@@ -22,6 +22,7 @@ can descend (``MAX_GRAMMAR_DEPTH``).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 from kvwarm.backends.grammar_factor import factor_literal_rules
 from kvwarm.errors import GrammarError
@@ -109,10 +110,10 @@ def _quoted(text: str, i: int, close: str) -> int:
     raise _UnparsableError
 
 
-def grammar_depth(text: str) -> int:
-    """How deep ``text``'s parenthesised groups nest (literals, classes and comments
-    skipped); a linear scan that never recurses, whatever the input."""
-    depth = deepest = 0
+def _syntax(text: str) -> Iterator[tuple[int, str]]:
+    """``text``'s characters outside literals, classes and comments, with their indices, up to
+    an unterminated literal or class (llama.cpp's parser reports it); a linear scan that never
+    recurses, whatever the input."""
     i, n = 0, len(text)
     while i < n:
         c = text[i]
@@ -120,17 +121,26 @@ def grammar_depth(text: str) -> int:
             try:
                 i = _quoted(text, i, "]" if c == "[" else '"')
             except _UnparsableError:
-                break  # unterminated: llama.cpp's parser reports it
+                return
             continue
         if c == "#":
             j = text.find("\n", i)
             i = n if j < 0 else j
-        elif c == "(":
+        else:
+            yield i, c
+        i += 1
+
+
+def grammar_depth(text: str) -> int:
+    """How deep ``text``'s parenthesised groups nest (literals, classes and comments
+    skipped)."""
+    depth = deepest = 0
+    for _, c in _syntax(text):
+        if c == "(":
             depth += 1
             deepest = max(deepest, depth)
         elif c == ")":
             depth -= 1
-        i += 1
     return deepest
 
 
@@ -341,23 +351,8 @@ def check_grammar_depth(text: str) -> None:
 def token_element_at(text: str) -> int | None:
     """Where ``text`` has its first token-level element (``<[id]>``, ``<name>``, negated
     ``!<...>``: the only GBNF syntax with a ``<`` outside literals, classes and comments), or
-    None; a linear scan like ``grammar_depth``."""
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c in '"[':
-            try:
-                i = _quoted(text, i, "]" if c == "[" else '"')
-            except _UnparsableError:
-                return None  # unterminated: llama.cpp's parser reports it
-            continue
-        if c == "#":
-            j = text.find("\n", i)
-            i = n if j < 0 else j
-        elif c == "<":
-            return i
-        i += 1
-    return None
+    None."""
+    return next((i for i, c in _syntax(text) if c == "<"), None)
 
 
 def check_grammar_elements(text: str) -> None:
