@@ -6,7 +6,8 @@ computes a one-token pass over a KV view of 512 cells or more with its split-KV 
 kernel, which no pass of several rows takes, so exactness ends there; KV of another type
 (q8_0, bf16 ...) is attended row by row in every pass (docs/internals.md, "Numerics"). This
 script measures, per KV type (``--types``, K and V alike), on one model (the embedded SmolLM2
-unless ``--model``), flash attention on:
+unless ``--model``), flash attention on; a type ``K:V`` (``f16:q8_0``) gives K and V each
+their own:
 
 - ``prefill``: a cold prefill of ``--prompt`` tokens (ms);
 - ``pass@N``: the median one-token pass with ``N`` cells in use (``--at``; ms);
@@ -95,8 +96,8 @@ def main() -> None:
                 n_ubatch=512,
                 n_threads=args.threads,
                 flash_attn="on",
-                type_k=t,
-                type_v=t,
+                type_k=t.split(":")[0],
+                type_v=t.split(":")[-1],
             )
         )
         for t in types
@@ -131,7 +132,7 @@ def main() -> None:
             ratio = ms / (statistics.median(figures[first][name]) * 1e3)
             parts.append(f"{name} {ms:8.2f} ms ({ratio:.2f}x)")
         rows = f"rows {differing[t]}/{args.rows} differ at {min(points)} cells"
-        print(f"{t:5s} " + "  ".join(parts) + "  " + rows)
+        print(f"{t:9s} " + "  ".join(parts) + "  " + rows)
     print("command: " + shlex.join([sys.executable, *sys.argv]))
 
 
