@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from kvwarm.cache.tiers.objects import REMOTE_CAPABILITIES, Got, ObjectTier
 from kvwarm.cache.tiers.s3client import (
+    LeanGets,
     PublishRaceLost,
     S3Client,
     S3Wire,
@@ -73,12 +73,10 @@ class S3Store:
 
     def get(self, name: str, end: int | None = None) -> Got:
         key = self._key(name)
-        kwargs: dict[str, Any] = {"Bucket": self._cfg.bucket, "Key": key}
-        if end is not None:
-            kwargs["Range"] = f"bytes=0-{end - 1}"
+        byte_range = None if end is None else f"bytes=0-{end - 1}"
 
         def get() -> Got:
-            resp = self.wire.client.get_object(**kwargs)
+            resp = self.wire.get_object(self._cfg.bucket, key, byte_range)
             data = read_body(resp, f"{self.label}: get {key}")
             meta = resp.get("Metadata") or {}
             assert isinstance(meta, Mapping)
@@ -91,9 +89,7 @@ class S3Store:
         key = self._key(name)
 
         def get() -> bytes:
-            resp = self.wire.client.get_object(
-                Bucket=self._cfg.bucket, Key=key, Range=f"bytes={start}-{end - 1}"
-            )
+            resp = self.wire.get_object(self._cfg.bucket, key, f"bytes={start}-{end - 1}")
             return read_body(resp, f"{self.label}: get {key}")
 
         return self.wire.call(f"get {key}", get)
@@ -195,8 +191,12 @@ class S3Tier(ObjectTier):
         if quota_bytes < 0:
             raise ConfigError("s3 tier quota must be >= 0")
         label = f"{name} (s3://{config.bucket}/{config.prefix})"
+        # A client given (tests wrap one to inject faults) is called as it is; one built
+        # here GETs the lean way (s3client.LeanGets).
         raw = client if client is not None else make_client(config, max_connections)
-        self._s3 = S3Store(config, S3Wire(raw, label=label, down_for_s=config.down_for_s))
+        lean = LeanGets.of(raw) if client is None else None
+        wire = S3Wire(raw, label=label, down_for_s=config.down_for_s, lean=lean)
+        self._s3 = S3Store(config, wire)
         self._cfg = config
         super().__init__(self._s3, quota_bytes, name=name, repair=repair)
 

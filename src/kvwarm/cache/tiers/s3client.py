@@ -12,14 +12,22 @@ Invariants:
   ``CacheNetworkError`` instead of waiting out another timeout, so a dead store costs each
   lookup nothing and the process one timeout per interval (``docs/architecture.md``,
   "Shared tiers").
+- A GET of a tier-built client goes the lean way (``LeanGets``): signed by the client's own
+  signer and sent through its own HTTP session, with botocore's standard retry policy, so a
+  restore's dozen chunk GETs do not each pay botocore's whole request pipeline. What comes
+  back is typed exactly as a ``get_object`` answer would be.
 - boto3 is imported only here and only when a tier is built (the ``kvwarm[s3]`` extra).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Protocol, TypeVar, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, runtime_checkable
+from urllib.parse import urlsplit, urlunsplit
 
 from kvwarm.cache.tiers.objects import Breaker
 from kvwarm.cache.types import S3Config
@@ -32,6 +40,7 @@ from kvwarm.errors import (
 )
 
 __all__ = [
+    "LeanGets",
     "PublishRaceLost",
     "S3Body",
     "S3Client",
@@ -132,13 +141,31 @@ def make_client(cfg: S3Config, max_connections: int) -> S3Client:
 class S3Wire:
     """A client plus the translation of its errors and the down-for-a-while breaker."""
 
-    def __init__(self, client: S3Client, *, label: str, down_for_s: float) -> None:
+    def __init__(
+        self,
+        client: S3Client,
+        *,
+        label: str,
+        down_for_s: float,
+        lean: LeanGets | None = None,
+    ) -> None:
         self.client = client
+        self.lean = lean
         self._label = label
         self._breaker = Breaker(label, down_for_s)
 
     def is_down(self) -> bool:
         return self._breaker.is_down()
+
+    def get_object(self, bucket: str, key: str, byte_range: str | None) -> Mapping[str, object]:
+        """``get_object(Bucket=bucket, Key=key[, Range=byte_range])``, the lean way where
+        the wire has one (run it inside ``call``, like any client call)."""
+        if self.lean is not None:
+            return self.lean.get_object(self.client, bucket, key, byte_range)
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if byte_range is not None:
+            kwargs["Range"] = byte_range
+        return self.client.get_object(**kwargs)
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` (one or more client calls and body reads) with errors translated."""
@@ -183,6 +210,252 @@ class S3Wire:
         if isinstance(exc, bexc.BotoCoreError):
             return CacheIOError(f"{where}: {type(exc).__name__}: {exc}")
         return exc  # a programming error: not ours to disguise
+
+
+@dataclass(frozen=True)
+class _Route:
+    """Where and how one bucket's GETs go, as the client itself sent one: the URL up to the
+    key (endpoint, addressing style) and after it, and what it signed with."""
+
+    head: str
+    tail: str
+    region: str
+    signing_name: str
+    user_agent: str | None
+
+
+class _Body:
+    """A body already read whole (what ``read_body`` takes)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def read(self, amt: int | None = None) -> bytes:
+        data, self._data = self._data, b""
+        return data
+
+    def close(self) -> None:
+        self._data = b""
+
+
+# Signing context keys of a plain SigV4 request; any other (an identity cache, as S3
+# Express uses, request credentials, a SigV4a region set) leaves GETs to the client.
+_PLAIN_SIGNING = frozenset(("region", "signing_name", "disableDoubleEncoding"))
+_META = "x-amz-meta-"  # an object's user metadata, one header a name
+
+
+class LeanGets:
+    """GETs of a botocore S3 client without its per-call pipeline (parameter validation,
+    a dozen event hooks, endpoint rules, response parsing: ~0.5 ms of Python a GET, the
+    most of one small GET's client time).
+
+    A bucket's first GET goes through the client (``get_object``); a hook on the client's
+    own ``before-sign`` event records where it went (the resolved URL, so the endpoint and
+    addressing style are the client's) and what it signed with (region, signing name).
+    Later GETs build that URL, sign it with the client's own signer (``get_auth_instance``:
+    its credentials, refreshed as they expire, session token included) and send it through
+    the client's own HTTP session (its TLS verification, proxies, timeouts and pool).
+    What comes back is treated as the client treats it:
+    - 200/206: the body, its ``ContentLength``, ``ContentRange`` and user metadata, shaped
+      as ``get_object``'s answer (``read_body`` checks the length).
+    - An error answer is parsed by the client's protocol parser and raised as the
+      ``ClientError`` the client raises (``S3Wire`` types it: 404 a miss, and so on).
+    - botocore's standard retry policy, with the client's attempt count, decides retries
+      (throttling, 5xx, connection errors; the same jittered backoff). Its retry quota is
+      not shared: the wire's breaker stops calls after a network fault anyway.
+    - A redirect (3xx) or 400 (a region mismatch answers one) goes again through the
+      client, which follows it; the hook then records where it went.
+    Only SigV4 GETs of a client in standard retry mode go this way; anything else (another
+    signature version, S3 Express, a route the hook could not read) stays on the client.
+    """
+
+    def __init__(self, client: Any) -> None:
+        from botocore.parsers import create_parser
+        from botocore.retries import standard
+
+        self._signer = client._request_signer
+        self._http = client._endpoint.http_session
+        self._op = client.meta.service_model.operation_model("GetObject")
+        self._parser = create_parser(client.meta.service_model.protocol)
+        attempts = client.meta.config.retries.get("total_max_attempts")
+        detector = standard.ThrottlingErrorDetector(standard.RetryEventAdapter())
+        self._policy = standard.RetryPolicy(
+            retry_checker=standard.StandardRetryConditions(
+                max_attempts=attempts or standard.DEFAULT_MAX_ATTEMPTS
+            ),
+            retry_backoff=standard.ExponentialBackoff(
+                service_name="s3", throttling_detector=detector
+            ),
+        )
+        self._routes: dict[str, _Route] = {}
+        self._learning = threading.local()
+        client.meta.events.register(
+            "before-sign.s3.GetObject", self._learn, unique_id=f"kvwarm-lean-{id(self)}"
+        )
+
+    @classmethod
+    def of(cls, client: object) -> LeanGets | None:
+        """Lean GETs for ``client``, or None where it is not a botocore S3 client in standard
+        retry mode with the parts they use (a wrapper, another botocore)."""
+        try:
+            from botocore.client import BaseClient
+        except ImportError:
+            return None
+        if not isinstance(client, BaseClient):
+            return None
+        try:
+            if client.meta.service_model.service_name != "s3":
+                return None
+            if client.meta.config.retries.get("mode", "standard") != "standard":
+                return None
+            return cls(client)
+        except (AttributeError, KeyError, TypeError) as exc:
+            log.info("s3: GETs go through boto3's whole pipeline (%s)", exc)
+            return None
+
+    def routed(self, bucket: str) -> bool:
+        """Whether ``bucket``'s GETs go the lean way now."""
+        return bucket in self._routes
+
+    def get_object(
+        self, client: S3Client, bucket: str, key: str, byte_range: str | None
+    ) -> Mapping[str, object]:
+        route = self._routes.get(bucket)
+        if route is not None:
+            got = self._get(route, key, byte_range)
+            if got is not None:
+                return got
+            self._routes.pop(bucket, None)  # redirected: the client finds the way again
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if byte_range is not None:
+            kwargs["Range"] = byte_range
+        self._learning.want = (bucket, key)
+        try:
+            return client.get_object(**kwargs)
+        finally:
+            self._learning.want = None
+
+    def _learn(
+        self,
+        request: Any,
+        signing_name: str,
+        region_name: str,
+        signature_version: object,
+        **_: object,
+    ) -> None:
+        """``before-sign`` of the client's GetObject: record the route of a GET this object
+        sent (another thread's or caller's GETs are left alone)."""
+        from botocore.utils import percent_encode
+
+        want = getattr(self._learning, "want", None)
+        if want is None:
+            return
+        bucket, key = want
+        signing = request.context.get("signing") or {}
+        if signature_version != "s3v4" or not set(signing) <= _PLAIN_SIGNING:
+            self._routes.pop(bucket, None)
+            return
+        parts = urlsplit(request.url)
+        quoted = percent_encode(key, safe="/~")
+        if not parts.path.endswith(quoted):
+            self._routes.pop(bucket, None)
+            return
+        head = urlunsplit((parts.scheme, parts.netloc, parts.path[: -len(quoted)], "", ""))
+        self._routes[bucket] = _Route(
+            head=head,
+            tail=f"?{parts.query}" if parts.query else "",
+            region=str(signing.get("region") or region_name),
+            signing_name=str(signing.get("signing_name") or signing_name),
+            user_agent=request.headers.get("User-Agent"),
+        )
+
+    def _get(self, route: _Route, key: str, byte_range: str | None) -> Mapping[str, object] | None:
+        """One GET with retries: the answer, None to go through the client, or the
+        exception the client would raise."""
+        from botocore.awsrequest import AWSRequest
+        from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
+        from botocore.retries.standard import RetryContext
+        from botocore.utils import percent_encode
+
+        url = f"{route.head}{percent_encode(key, safe='/~')}{route.tail}"
+        headers: dict[str, str] = {}
+        if route.user_agent is not None:
+            headers["User-Agent"] = route.user_agent
+        if byte_range is not None:
+            headers["Range"] = byte_range
+        attempt = 1
+        while True:
+            # Signed afresh each attempt: a new date, the credentials as they are now.
+            request = AWSRequest("GET", url, headers=dict(headers), stream_output=True)
+            auth = self._signer.get_auth_instance(route.signing_name, route.region, "s3v4")
+            auth.add_auth(request)
+            response: Any = None
+            parsed: dict[str, Any] | None = None
+            caught: Exception | None = None
+            try:
+                response = self._http.send(request.prepare())
+            except (ConnectionError, HTTPClientError) as exc:
+                caught = exc
+            if response is not None:
+                status = response.status_code
+                if status in (200, 206):
+                    return _answer(response)
+                if 300 <= status < 400 or status == 400:
+                    response.raw.close()
+                    return None
+                body = _read(response)
+                parsed = self._parser.parse(
+                    {"status_code": status, "headers": response.headers, "body": body},
+                    self._op.output_shape,
+                )
+            context = RetryContext(
+                attempt_number=attempt,
+                operation_model=self._op,
+                parsed_response=parsed,
+                http_response=response,
+                caught_exception=caught,
+                request_context={},
+            )
+            if not self._policy.should_retry(context):
+                if caught is not None:
+                    raise caught
+                assert parsed is not None
+                raise ClientError(parsed, "GetObject")
+            time.sleep(self._policy.compute_retry_delay(context))
+            attempt += 1
+
+
+def _read(response: Any) -> bytes:
+    """A lean GET's whole body in one read (the client's own session sent it unread). A
+    connection that fails mid-body raises as botocore's body reads do (not retried, as the
+    client does not retry a body it already handed out)."""
+    from botocore.exceptions import ResponseStreamingError
+    from urllib3.exceptions import HTTPError
+
+    try:
+        data: bytes = response.raw.read()  # read to its end, urllib3 pools the connection
+    except (HTTPError, OSError) as exc:
+        response.raw.close()
+        raise ResponseStreamingError(error=exc) from exc
+    return data
+
+
+def _answer(response: Any) -> Mapping[str, object]:
+    """A lean GET's 200/206 shaped as ``get_object``'s answer."""
+    headers = response.headers
+    out: dict[str, object] = {"Body": _Body(_read(response))}
+    length = headers.get("Content-Length")
+    if length is not None and length.isdigit():
+        out["ContentLength"] = int(length)
+    content_range = headers.get("Content-Range")
+    if content_range is not None:
+        out["ContentRange"] = content_range
+    out["Metadata"] = {
+        name[len(_META) :]: value
+        for name, value in headers.items()
+        if name.lower().startswith(_META)
+    }
+    return out
 
 
 def read_body(response: Mapping[str, object], label: str) -> bytes:
