@@ -15,8 +15,9 @@ loads the model, prefills the tokens, saves the row to every tier (ram, ram_file
 restores it ``--reps`` times the engine's way (``open_row``, the chunks and the window or
 payload joined into a reused ``JoinBuffer``, ``kv_unpack``; what ``Admission._restore_whole``
 does in both trees), printing per tier the median wall ms and the restoring process's CPU
-ms. The trees' children alternate ``--rounds`` times (base, this, base, this...), so a drift
-of the machine's speed falls on both; the figures printed are the medians over rounds.
+ms (and, for s3, the moto process's CPU a restore: the store's share, which a client cannot
+shrink). The trees' children alternate ``--rounds`` times (base, this, base, this...), so a
+drift of the machine's speed falls on both; the figures printed are the medians over rounds.
 
 Usage (the base tree is a ``git archive`` of the commit before the change)::
 
@@ -119,6 +120,7 @@ def child(args: argparse.Namespace) -> None:
         assert key is not None, f"{name}: the save failed"
         walls: list[float] = []
         cpus: list[float] = []
+        store0 = _store_cpu(args.s3_pid) if name.startswith("s3") else None
         for _ in range(args.reps):
             ctx.seq_rm(0)
             c0 = time.process_time()
@@ -137,10 +139,15 @@ def child(args: argparse.Namespace) -> None:
             walls.append(time.perf_counter() - t0)
             cpus.append(time.process_time() - c0)
             assert restored == len(tokens), f"{name}: restored {restored} of {len(tokens)}"
+        store1 = _store_cpu(args.s3_pid) if store0 is not None else None
         out[name] = {
             "ms": statistics.median(walls) * 1e3,
             "cpu_ms": statistics.median(cpus) * 1e3,
             "chunks": pieces,
+            # moto's CPU a restore (its process's, mean over the reps; clock ticks)
+            "store_cpu_ms": None
+            if store0 is None or store1 is None
+            else (store1 - store0) / args.reps * 1e3,
         }
         cache.close()
     join_buf.release()
@@ -148,6 +155,17 @@ def child(args: argparse.Namespace) -> None:
     ctx.close()
     model.close()
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def _store_cpu(pid: int) -> float | None:
+    """The CPU seconds process ``pid`` (the moto server) has used, or None where /proc
+    cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _delay(store: Any, rtt_s: float) -> None:
@@ -181,6 +199,7 @@ def main() -> None:
     ap.add_argument("--root", default="", help=argparse.SUPPRESS)
     ap.add_argument("--shm", default="", help=argparse.SUPPRESS)
     ap.add_argument("--s3-endpoint", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--s3-pid", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -204,7 +223,7 @@ def main() -> None:
                         "--model", args.model, "--reps", str(args.reps),
                         "--tokens", str(args.tokens), "--flash-attn", args.flash_attn,
                         "--root", tmp, "--shm", shm, "--s3-endpoint", server.endpoint,
-                        "--s3-rtt-ms", str(args.s3_rtt_ms),
+                        "--s3-rtt-ms", str(args.s3_rtt_ms), "--s3-pid", str(server.pid),
                     ]  # fmt: skip
                     if args.threads is not None:
                         cmd += ["--threads", str(args.threads)]
@@ -233,6 +252,12 @@ def main() -> None:
     )
     print(f"  (s3+rtt: s3 with {args.s3_rtt_ms:g} ms slept before every GET)")
     for t in TIERS:
+        if t.startswith("s3"):
+            store = [
+                statistics.median(x[t].get("store_cpu_ms") or 0.0 for x in runs[label])
+                for label in ("base", "this")
+            ]
+            print(f"  {t:8s} moto's CPU a restore: base {store[0]:6.2f}   this {store[1]:6.2f}")
         b = statistics.median(x[t]["ms"] for x in runs["base"])
         n = statistics.median(x[t]["ms"] for x in runs["this"])
         bc = statistics.median(x[t]["cpu_ms"] for x in runs["base"])

@@ -82,6 +82,11 @@ class MotoServer:
         self.endpoint = f"http://{host}:{port}"
         self.running = True
 
+    @property
+    def pid(self) -> int | None:
+        """The server's own process (``own_process=True``), else None."""
+        return None if self._child is None else self._child.pid
+
     def stop(self) -> None:
         if self.running:
             self.running = False
