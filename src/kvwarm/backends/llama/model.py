@@ -56,6 +56,7 @@ from kvwarm.embedded import default_model_path
 from kvwarm.errors import (
     BackendError,
     InvalidRequestError,
+    KvwarmError,
     ModelLoadError,
     ModelNotFoundError,
 )
@@ -532,7 +533,11 @@ class LlamaModel:
             return "not measured on a GPU (its kernels change with the number of rows in a pass)"
         if params.flash_attn == "off":
             return "no: without flash attention a verify row differs from a one-token pass"
-        differ = self._probe_verify_rows(params)
+        try:
+            differ = self._probe_verify_rows(params)
+        except KvwarmError as e:  # a context or a pass refused: say so, keep the model
+            log.warning("%s: verify rows not probed: %s", self._facts.path, e)
+            return f"not measured: a probe of its verify rows failed ({e})"
         if differ:
             rows = sum(PROBE_ROWS)
             return (
