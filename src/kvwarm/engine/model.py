@@ -339,7 +339,8 @@ class Model:
         #: plain decoding's): ``BackendModel.verify_exactness``, asked (it may measure) only
         #: where nothing else turns speculation off; None elsewhere.
         self._verify_exactness: str | None = None
-        if not speculation(cfg, self._ctx.memory, None).startswith("off"):
+        generates = facts.causal and "generate" in self.capabilities
+        if generates and not speculation(cfg, self._ctx.memory, None).startswith("off"):
             self._verify_exactness = self._bmodel.verify_exactness(total)
         spec = speculation(cfg, self._ctx.memory, self._verify_exactness)
         self._log_speculation(spec)

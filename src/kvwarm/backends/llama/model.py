@@ -561,8 +561,9 @@ class LlamaModel:
         small context of ``params``' kind (``backends/verify_rows.py``): the matrix kernels
         llama.cpp picks by a pass's rows depend on the weights' types and the CPU, so no rule
         can say it. Under 256 cells: the attention kernels' own limit is ``verify_exactness``'
-        rule. One pass of 32 rows and one-token passes for each: a fraction of a second on a
-        small model, seconds on an 8B one on the CPU; only where the model may speculate."""
+        rule. Passes of ``PROBE_ROWS`` rows and a one-token pass for each row: a fraction of a
+        second on a small model, seconds on an 8B one on the CPU; only where the model may
+        speculate."""
         tokens = probe_tokens(
             lambda text: self.tokenize(text, add_special=False), self._facts.n_vocab
         )
