@@ -276,3 +276,27 @@ def test_a_redirect_goes_through_the_client(scripted: _Scripted) -> None:
     assert tier._s3.get("k.kvc").data == b"payload"
     assert [path for path, _ in scripted.seen] == ["/b/rows/k.kvc", "/b/rows/k.kvc"]
     assert _lean(tier).routed("b")
+
+
+def test_a_client_lean_gets_cannot_follow_stays_whole(scripted: _Scripted) -> None:
+    """Unsigned requests (another signature than SigV4) never take the lean way; a client in
+    another retry mode gets none (its retries would not be mirrored)."""
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    def client(**config: object) -> object:
+        return boto3.client(
+            "s3", endpoint_url=scripted.endpoint, region_name="us-east-1", config=Config(**config)
+        )
+
+    unsigned = client(signature_version=UNSIGNED)
+    lean = LeanGets.of(unsigned)
+    assert lean is not None
+    for _ in range(2):
+        got = lean.get_object(unsigned, "b", "k", None)  # type: ignore[arg-type]
+        assert got["Body"].read() == b"payload"  # type: ignore[attr-defined]
+        assert not lean.routed("b")
+    assert all("Authorization" not in headers for _, headers in scripted.seen)
+    assert LeanGets.of(client(retries={"mode": "legacy"})) is None
+    assert LeanGets.of(object()) is None
