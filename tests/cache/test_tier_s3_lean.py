@@ -268,6 +268,21 @@ def test_a_transient_failure_is_retried_and_the_get_succeeds(scripted: _Scripted
     assert not tier.wire.is_down()
 
 
+def test_an_error_whose_body_is_cut_is_retried(scripted: _Scripted) -> None:
+    """The client reads an error's body before answering, and a connection lost there is
+    one it retries."""
+    tier = _tier_at(scripted)
+    cut = replace(_error(503, "SlowDown"), cut_after=10)
+    scripted.script = [cut]
+    assert tier._s3.get("k.kvc").data == b"payload"
+    assert len(scripted.seen) == 2
+    scripted.seen.clear()
+    scripted.script = [cut, cut]
+    with pytest.raises(CacheNetworkError):
+        tier._s3.get("k.kvc")
+    assert len(scripted.seen) == 2
+
+
 def test_a_redirect_goes_through_the_client(scripted: _Scripted) -> None:
     """A 400 or 3xx (a region mismatch answers one) is the client's to follow; the lean way
     finds its route again from what the client sends."""

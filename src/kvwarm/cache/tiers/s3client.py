@@ -373,7 +373,12 @@ class LeanGets:
         """One GET with retries: the answer, None to go through the client, or the
         exception the client would raise."""
         from botocore.awsrequest import AWSRequest
-        from botocore.exceptions import ClientError, ConnectionError, HTTPClientError
+        from botocore.exceptions import (
+            ClientError,
+            ConnectionError,
+            HTTPClientError,
+            ResponseStreamingError,
+        )
         from botocore.retries.standard import RetryContext
         from botocore.utils import percent_encode
 
@@ -403,11 +408,15 @@ class LeanGets:
                 if 300 <= status < 400 or status == 400:
                     response.raw.close()
                     return None
-                body = _read(response)
-                parsed = self._parser.parse(
-                    {"status_code": status, "headers": response.headers, "body": body},
-                    self._op.output_shape,
-                )
+                try:  # an error's body is read before it is answered, as the client does
+                    body = _read(response)
+                except ResponseStreamingError as exc:
+                    response, caught = None, exc
+                else:
+                    parsed = self._parser.parse(
+                        {"status_code": status, "headers": response.headers, "body": body},
+                        self._op.output_shape,
+                    )
             context = RetryContext(
                 attempt_number=attempt,
                 operation_model=self._op,
