@@ -268,6 +268,45 @@ def test_concurrent_speculative_replies_are_plain_decodings_with_q8_0_kv() -> No
     assert sum(done.stats.accepted_tokens for done in spec) >= 40
 
 
+def test_n_choices_after_earlier_requests_are_plain_decodings_with_q8_0_kv() -> None:
+    """``n = 3`` in slots that held an earlier group's choices: every choice, speculating,
+    is the plain choice a fresh context gave (tokens and logprobs). Found by specrev's review:
+    a fork slot's old KV was cleared only once the first choice's prompt was prefilled, so its
+    cells were free below the prompt's and each choice's next tokens took them, out of
+    position order; plain decoding's choices then depended on what the slots held before, and
+    speculation's differed from them (8 of 9 choices over three groups)."""
+    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
+        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+        config = ModelConfig(
+            context=ContextParams(
+                n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=2, type_k="q8_0", type_v="q8_0"
+            ),
+            spec_type="ngram-simple",
+            spec_ngram_n=3,
+            spec_draft_max=32,
+            n_parallel=3,
+        )
+        model = engine.load_model(config=config)
+        for opts in (
+            GenerationOptions(max_tokens=40, temperature=0.0, logprobs=1),
+            GenerationOptions(max_tokens=40, temperature=0.7, seed=3, logprobs=1),
+        ):
+            fresh = [  # the first group of each: new salts, so every group prefills cold
+                s.result()
+                for s in model.chat_streams(
+                    MESSAGES, n=3, options=opts, spec_type="none", cache_salt=f"a{opts.seed}"
+                )
+            ]
+            spec = [
+                s.result()
+                for s in model.chat_streams(MESSAGES, n=3, options=opts, cache_salt=f"b{opts.seed}")
+            ]
+            for plain, drafted in zip(fresh, spec, strict=True):
+                assert drafted.completion_tokens == plain.completion_tokens
+                assert drafted.logprobs == plain.logprobs
+            assert all(done.stats.accepted_tokens > 0 for done in spec)
+
+
 def test_sliding_window_model_speculates_inside_its_window_exactly(gemma_path: str) -> None:
     """Gemma 3 270M (a 512-token window): drafts are verified while a pass stays inside the
     window and the model decodes plainly past it; the reply crosses it and is plain
