@@ -7,22 +7,24 @@
 Loads (issue 39), greedy, each a chat rendered once with the GGUF's template and sent as the same
 text to every server's ``/v1/completions``: three that copy (return a function with one rename;
 answer a question by quoting a passage; rewrite a JSON document with one key changed) and a plain
-chat that copies nothing. ``rename-base`` is the rename as a raw completion (the start of a document
-that goes on with the renamed function), for a base model such as Gemma 3 270M. Servers: kvwarm
-plain (its defaults: flash attention off on the CPU), kvwarm plain with flash attention on (what a
-speculating kvwarm runs), kvwarm ``--spec-type
-ngram-simple``, ``ngram-map-k``, ``ngram-mod``, ``ngram-map-k4v`` and ``ngram-cache`` and with
-``--draft-model``, llama-server plain, with each n-gram ``--spec-type`` (its defaults: n 12, m 48;
-``ngram-mod`` n 24; ``ngram-cache`` 8 tokens a draft, no lookup cache files, so its context counts
-alone) and with ``--model-draft`` (the draft model: ``--draft-model``, by default the model itself,
-which tests the path but cannot be faster on a CPU). Each request goes to every server in turn (the
-order rotating per request), so a drift in the machine's speed falls on all alike; each load runs
-``--rounds`` times, each round's prompt beginning with its own "Request N." (so no prompt is one a
-server saw before, though kvwarm's cached rows and llama-server's ``ngram-mod`` pool hold the
-earlier rounds' replies; ``--repeat`` sends the same prompts every round). ``--base-tree DIR``
-adds ``kvwarm-spec-base``: ``kvwarm-spec`` run from another source tree (an A/B in one run).
-``--kv-type T`` runs every server with K and V cells of type ``T`` (q8_0, bf16: where kvwarm's
-greedy speculation is plain decoding's at any length, not only under 512 KV cells).
+chat that copies nothing. ``rename-base`` is the rename as a raw completion (the start of a
+document that goes on with the renamed function), for a base model such as Gemma 3 270M. Servers:
+kvwarm plain (its defaults: flash attention off on the CPU, f16 KV), ``kvwarm-fa``: kvwarm plain as
+a speculating kvwarm runs (its server is ``kvwarm-spec``'s, each request ``spec_type`` none: flash
+attention on, and the KV cells a speculating model's ``auto`` gives, q8_0 on the CPU), kvwarm
+``--spec-type ngram-simple``, ``ngram-map-k``, ``ngram-mod``, ``ngram-map-k4v`` and ``ngram-cache``
+and with ``--draft-model``, llama-server plain, with each n-gram ``--spec-type`` (its defaults: n
+12, m 48; ``ngram-mod`` n 24; ``ngram-cache`` 8 tokens a draft, no lookup cache files, so its
+context counts alone) and with ``--model-draft`` (the draft model: ``--draft-model``, by default
+the model itself, which tests the path but cannot be faster on a CPU). Each request goes to every
+server in turn (the order rotating per request), so a drift in the machine's speed falls on all
+alike; each load runs ``--rounds`` times, each round's prompt beginning with its own "Request N."
+(so no prompt is one a server saw before, though kvwarm's cached rows and llama-server's
+``ngram-mod`` pool hold the earlier rounds' replies; ``--repeat`` sends the same prompts every
+round). ``--base-tree DIR`` adds ``kvwarm-spec-base``: ``kvwarm-spec`` run from another source tree
+(an A/B in one run). ``--kv-type T`` runs every server with K and V cells of type ``T`` (f16:
+kvwarm then does not speculate where it is not exact, so ``--spec-exact false`` with it speculates
+anyway).
 
 Prints per load and server the median decode speed by the server's own ``timings`` (kvwarm's
 ``generation_ms``, llama-server's ``predicted_ms``: decode only, not the prompt), the ratio to
@@ -141,6 +143,8 @@ class Server:
     tree: Path | None = None
     #: Every server's K and V cell type (``--kv-type``; None: each server's default, f16).
     kv_type: str | None = None
+    #: kvwarm's ``--spec-exact`` (``--spec-exact``; None: its default, true).
+    spec_exact: str | None = None
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -152,11 +156,17 @@ class Server:
         if self.kvwarm:
             extra = ["--spec-type", KVWARM_SPEC[self.name]] if self.name in KVWARM_SPEC else []
             if self.name == "kvwarm-fa":
-                extra = ["--flash-attn", "on"]
+                # kvwarm-spec's server with each request's spec_type none (below): the same
+                # flash attention and the same KV cells (a speculating model's ``auto`` cells
+                # are q8_0 on the CPU), so its replies are the plain replies of the same
+                # numerics.
+                extra = ["--spec-type", "ngram-simple"]
             if self.name == "kvwarm-draft":
                 extra = ["--draft-model", str(self.draft)]
             if self.kv_type is not None:
                 extra += ["--cache-type-k", self.kv_type, "--cache-type-v", self.kv_type]
+            if self.spec_exact is not None:
+                extra += ["--spec-exact", self.spec_exact]
             return [
                 sys.executable, "-m", "kvwarm", "serve", "--host", "127.0.0.1",
                 "--port", str(self.port), "--model", f"m={self.model}", "--n-ctx", "4096",
@@ -191,6 +201,8 @@ class Server:
         url = f"http://127.0.0.1:{self.port}"
         if self.kvwarm:
             body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            if self.name == "kvwarm-fa":
+                body["spec_type"] = "none"
             out = post(f"{url}/v1/completions", body)
             timings, usage = out["timings"], out["usage"]
             assert isinstance(timings, dict) and isinstance(usage, dict)
@@ -252,6 +264,13 @@ def main() -> None:
         help="every server's K and V cell type (q8_0, bf16 ...; kvwarm's speculation is exact "
         "at any length with a type other than f16/f32)",
     )
+    parser.add_argument(
+        "--spec-exact",
+        default=None,
+        choices=("true", "false"),
+        help="kvwarm's --spec-exact (false: speculate where a verify pass is not exact, e.g. "
+        "with --kv-type f16)",
+    )
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument(
         "--loads",
@@ -299,6 +318,7 @@ def main() -> None:
             name, model, args.threads, work, draft,
             tree=args.base_tree if name == "kvwarm-spec-base" else None,
             kv_type=args.kv_type,
+            spec_exact=args.spec_exact,
         )
         for name in names
     ]  # fmt: skip

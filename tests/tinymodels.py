@@ -88,11 +88,13 @@ def write_tiny_model(
     stdev: float = 0.1,
     keys: Callable[[Any, str], None] | None = None,
     tokenizer: str = "test",
+    ftype: int | None = None,
 ) -> Path:
     """A complete random-weight GGUF of ``arch`` ("mamba", "lfm2", "qwen2vl") at ``path``; with
     ``keys`` (adding the architecture's metadata to a ``gguf.GGUFWriter``, like
     ``_arch_keys``) any architecture and shape llama.cpp can build with a vocabulary of
-    N_VOCAB (``bench/flash_attn.py``'s llama shapes)."""
+    N_VOCAB (``bench/flash_attn.py``'s llama shapes). ``ftype``: a ``llama_ftype`` its
+    weights are then quantised to by llama.cpp (``LLAMA_FTYPE_MOSTLY_Q4_1``: 3)."""
     import llama_cpp
 
     from kvwarm.backends.llama import native
@@ -148,6 +150,17 @@ def write_tiny_model(
     finally:
         ggml_base.gguf_free(gctx)
         meta.unlink(missing_ok=True)
+    if ftype is not None:
+        whole = path.with_suffix(".f32.gguf")
+        path.rename(whole)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        rc = llama_cpp.llama_model_quantize(
+            str(whole).encode(), str(path).encode(), ctypes.byref(params)
+        )
+        whole.unlink()
+        if rc != 0:
+            raise RuntimeError(f"llama.cpp could not quantise {path} to ftype {ftype}: {rc}")
     return path
 
 

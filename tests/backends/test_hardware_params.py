@@ -160,10 +160,11 @@ def test_auto_flash_attention_is_off_where_attention_runs_on_the_cpu() -> None:
     cpu = LlamaBackend().load_model(path)
     try:
         assert cpu.context_params(auto, deterministic=False).flash_attn == default
-        q8 = replace(auto, type_v="q8_0")
+        q8 = replace(auto, type_k="f16", type_v="q8_0")
         assert cpu.context_params(q8, deterministic=False) == q8
         # Deterministic mode keeps it: restores are bit-identical to cold runs only with it.
-        assert cpu.context_params(auto, deterministic=True) == auto
+        f16 = replace(auto, type_k="f16", type_v="f16")
+        assert cpu.context_params(auto, deterministic=True) == f16
         for explicit in ("on", "off"):
             on_off = replace(auto, flash_attn=explicit)
             assert cpu.context_params(on_off, deterministic=False).flash_attn == explicit
@@ -182,6 +183,8 @@ def test_auto_flash_attention_is_off_where_attention_runs_on_the_cpu() -> None:
         model = engine.load_model(model_id="m", config=ModelConfig(context=ctx))
         assert model.config.context.flash_attn == model.info().flash_attn == default
         assert model.namespace().ctx_hash == replace(ctx, flash_attn=default).kv_hash()
+        # Unresolved ``auto`` cells hash as the f16 they run as: rows keep their keys.
+        assert replace(ctx, type_k="f16", type_v="f16").kv_hash() == ctx.kv_hash()
         if default == "off":
             assert model.namespace().ctx_hash != ctx.kv_hash()  # llama.cpp's auto: FA on
         first = model.complete("The capital of France is", max_tokens=4, temperature=0)

@@ -79,7 +79,7 @@ def test_long_flags_and_env_vars() -> None:
     # Defaults: CPU only, llama.cpp's own choices for the rest.
     context, params = _config(load_settings({}, ENV))
     assert (params.n_gpu_layers, params.split_mode, params.tensor_split) == (0, "layer", ())
-    assert (context.flash_attn, context.type_k, context.type_v) == ("auto", "f16", "f16")
+    assert (context.flash_attn, context.type_k, context.type_v) == ("auto", "auto", "auto")
     assert context.n_threads is None and context.rope_scaling is None
 
 
@@ -96,7 +96,7 @@ def test_per_model_values_in_the_toml_models_table_win_over_global_ones(tmp_path
     small_ctx, small = _config(s, 1)
     assert (big.n_gpu_layers, big.tensor_split, big_ctx.n_threads) == (-1, (3.0, 1.0), 3)
     assert (big_ctx.flash_attn, big_ctx.type_k, big_ctx.type_v) == ("on", "q4_0", "q8_0")
-    assert (small.n_gpu_layers, small_ctx.flash_attn, small_ctx.type_v) == (5, "auto", "f16")
+    assert (small.n_gpu_layers, small_ctx.flash_attn, small_ctx.type_v) == (5, "auto", "auto")
     assert small_ctx.type_k == "q4_0"
 
 

@@ -1,8 +1,9 @@
 """Speculative decoding on the real embedded model (llama.cpp): the verify pass's rows are a
-one-token pass's logits (flash attention on) while the KV view is under 512 cells, so greedy
-and seeded replies, and their logprobs, are plain decoding's, token for token, while drafts
-copied from the prompt are accepted; past 512 cells they are not (llama.cpp's split-KV
-kernel for one-token passes).
+one-token pass's logits (flash attention on), so greedy and seeded replies, and their
+logprobs, are plain decoding's, token for token, while drafts copied from the prompt are
+accepted. With f16 KV that holds only while the KV view is under 512 cells (llama.cpp's
+split-KV kernel for one-token passes), so a speculating model's ``auto`` cells are q8_0, and a
+model given f16 does not speculate unless ``spec_exact`` is false.
 Short prompts: prefill is ~200 tokens/s on 2 cores."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -164,7 +166,65 @@ def test_where_speculation_is_exact_is_reported(model: Model) -> None:
     assert bmodel.verify_exactness(replace(base, n_threads=1)) == "at any length"
     assert bmodel.verify_exactness(replace(base, n_ctx=256)) == "at any length"
     assert bmodel.verify_exactness(replace(base, flash_attn="off")).startswith("no:")
-    assert (model.info().speculation_exact or "").startswith(within)  # the fixture's: n_ctx 512
+    # The fixture left its cells ``auto``: a model that speculates gets q8_0, exact throughout.
+    info = model.info()
+    assert (info.type_k, info.type_v, info.speculation_exact) == ("q8_0", "q8_0", "at any length")
+
+
+def test_auto_kv_cells_are_the_exact_type_only_where_f16_would_not_be(model: Model) -> None:
+    """``context_params`` resolves ``auto`` cells: q8_0 where the model speculates on two CPU
+    threads with both cells of a split-KV type; f16 where it does not speculate, is
+    deterministic (it then never speculates), runs one thread, or a cell given already leaves
+    the split-KV kernel; a type given is never changed. Each result is exact at any length
+    wherever it speculates."""
+    bmodel = model._bmodel
+    base = ContextParams(n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2, flash_attn="on")
+
+    def cells(
+        params: ContextParams, speculative: bool = True, det: bool = False
+    ) -> tuple[str, str]:
+        ran = bmodel.context_params(params, deterministic=det, speculative=speculative)
+        if speculative and not det:
+            assert bmodel.verify_exactness(ran) == "at any length"
+        return ran.type_k, ran.type_v
+
+    assert cells(base) == ("q8_0", "q8_0")
+    assert cells(base, speculative=False) == ("f16", "f16")
+    assert cells(base, det=True) == ("f16", "f16")
+    assert cells(replace(base, n_threads=1)) == ("f16", "f16")
+    assert cells(replace(base, type_k="f16")) == ("f16", "q8_0")
+    assert cells(replace(base, type_v="f32")) == ("q8_0", "f32")
+    assert cells(replace(base, type_k="bf16")) == ("bf16", "f16")
+    given = replace(base, type_k="f16", type_v="f16")
+    assert bmodel.context_params(given, deterministic=False, speculative=True) == given
+
+
+def test_a_model_given_f16_kv_speculates_only_if_spec_exact_is_false() -> None:
+    """f16 cells given on two threads and 1,024 cells: a verify row could differ from a
+    one-token pass past 256 cells, so the model does not speculate (``/v1/models`` says why and
+    how to) and a copy-heavy request drafts nothing; ``spec_exact=False`` speculates there,
+    saying where it is exact."""
+    context = ContextParams(
+        n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=2, type_k="f16", type_v="f16"
+    )
+    opts = GenerationOptions(max_tokens=24, temperature=0.0)
+    with make_engine() as engine:
+        exact = engine.load_model(
+            model_id="exact", config=ModelConfig(context=context, spec_type="ngram-simple")
+        )
+        info = exact.info()
+        assert info.speculation.startswith("off: a verify pass's rows are one-token passes' only")
+        assert "type_k and type_v at auto" in info.speculation
+        assert info.speculation_exact is None
+        assert exact.chat(MESSAGES, options=opts).stats.drafted_tokens == 0
+        loose = engine.load_model(
+            model_id="loose",
+            config=ModelConfig(context=context, spec_type="ngram-simple", spec_exact=False),
+        )
+        info = loose.info()
+        assert info.speculation == "on"
+        assert (info.speculation_exact or "").startswith("while the context uses at most 256")
+        assert loose.chat(MESSAGES, options=opts).stats.drafted_tokens > 0
 
 
 @pytest.mark.parametrize(
@@ -307,27 +367,73 @@ def test_n_choices_after_earlier_requests_are_plain_decodings_with_q8_0_kv() -> 
             assert all(done.stats.accepted_tokens > 0 for done in spec)
 
 
-def test_sliding_window_model_speculates_inside_its_window_exactly(gemma_path: str) -> None:
-    """Gemma 3 270M (a 512-token window): drafts are verified while a pass stays inside the
-    window and the model decodes plainly past it; the reply crosses it and is plain
-    decoding's throughout."""
-    functions = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(18))
-    messages = [{"role": "user", "content": f"Repeat this code exactly:\n\n{functions}"}]
+def test_gemma_3_is_not_exact_and_does_not_speculate(gemma_path: str) -> None:
+    """Gemma 3 270M's Q5_0 weights take llamafile's tinyBLAS in passes of two rows or more and
+    ``vec_dot`` in one-token passes, so its verify rows differ from one-token passes at any
+    length and whatever the KV cells (13 of 16 rows at 100 cells, ``bench/kv_types.py``): the
+    load measures it and the model does not speculate; ``spec_exact=False`` speculates (only
+    inside its window), and says the model is not exact."""
+    context = ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2)
+    with make_engine() as engine:
+        config = ModelConfig(context=context, spec_type="ngram-simple", chat_template="gemma")
+        model = engine.load_model(gemma_path, config=config)
+        info = model.info()
+        assert info.speculation.startswith("off: a verify pass's rows differ from one-token")
+        assert info.speculation_exact is None
+        loose = engine.load_model(
+            gemma_path, model_id="loose", config=replace(config, spec_exact=False)
+        )
+        info = loose.info()
+        assert "512-token sliding window" in info.speculation
+        assert (info.speculation_exact or "").startswith("no: ")
+
+
+@pytest.fixture(scope="module")
+def tiny_swa(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random-weight Gemma 3 with a 32-token window, its weights Q4_1 (no tinyBLAS
+    kernel for several rows): a sliding-window model whose verify rows are exact."""
+    from tests.tinymodels import N_CTX, N_EMBD, N_HEAD, N_LAYER, N_VOCAB, write_tiny_model
+
+    def keys(w: Any, arch: str) -> None:
+        for key, value in {
+            "vocab_size": N_VOCAB, "context_length": N_CTX, "embedding_length": N_EMBD,
+            "block_count": N_LAYER, "feed_forward_length": 4 * N_EMBD,
+            "attention.head_count": N_HEAD, "attention.head_count_kv": N_HEAD,
+            "attention.key_length": 32, "attention.value_length": 32,
+            "attention.sliding_window": 32,
+        }.items():  # fmt: skip
+            w.add_uint32(f"{arch}.{key}", value)
+        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+        w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+
+    path = tmp_path_factory.mktemp("swa") / "gemma3-swa32.gguf"
+    return str(write_tiny_model(path, "gemma3", keys=keys, ftype=3))  # LLAMA_FTYPE_MOSTLY_Q4_1
+
+
+def test_sliding_window_model_speculates_inside_its_window_exactly(tiny_swa: str) -> None:
+    """A sliding-window model whose drafts come from its own cached reply to the same prompt
+    (a random-weight model copies nothing, and a draft model must roll back): drafts are
+    verified while a pass stays inside the 32-token window and the model decodes plainly
+    past it; the reply crosses the window and is plain decoding's throughout."""
+    opts = GenerationOptions(max_tokens=60, temperature=0.0, ignore_eos=True)
+    prompt = [(7 * i) % 100 + 3 for i in range(12)]
     with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
         patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
         config = ModelConfig(
-            context=ContextParams(n_ctx=1024, n_batch=256, n_ubatch=256, n_threads=2),
+            context=ContextParams(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2),
             spec_type="ngram-simple",
-            chat_template="gemma",
+            spec_draft_max=8,
         )
-        model = engine.load_model(gemma_path, config=config)
-        assert "512-token sliding window" in model.info().speculation
-        opts = GenerationOptions(max_tokens=160, temperature=0.0)
-        plain = model.chat(messages, options=opts, spec_type="none", cache_salt="plain")
-        spec = model.chat(messages, options=opts, cache_salt="spec")
-    assert len(plain.prompt_tokens) < 512 < len(plain.tokens)  # the reply crosses the window
+        model = engine.load_model(tiny_swa, config=config)
+        info = model.info()
+        assert "32-token sliding window" in info.speculation
+        assert info.speculation_exact == "at any length"
+        plain = model.complete(prompt, opts, spec_type="none")
+        assert engine.cache.flush()  # its row, whose reply the next request drafts from
+        spec = model.complete(prompt, opts)
+    assert len(prompt) < 32 < len(prompt) + len(plain.completion_tokens)
     assert spec.completion_tokens == plain.completion_tokens
-    assert spec.stats.accepted_tokens > 0
+    assert 0 < spec.stats.accepted_tokens <= 32 - len(prompt)  # drafts only inside the window
 
 
 # ---- a draft model (--draft-model) -----------------------------------------------------------

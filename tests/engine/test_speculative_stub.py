@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
-from kvwarm.backends.base import BatchToken, ContextParams
-from kvwarm.backends.stub import StubBackend
+from kvwarm.backends.base import BatchToken, ContextParams, ModelParams
+from kvwarm.backends.stub import StubBackend, StubModel
 from kvwarm.backends.stub.vocab import EOS
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.model import Model
@@ -448,6 +448,59 @@ def test_deterministic_mode_does_not_speculate(engine: Engine) -> None:
     relaxed = engine.load_model("relaxed", config=spec_config())
     assert relaxed.info().speculation == "on" and relaxed.info().spec_type == "ngram-simple"
     assert relaxed.complete(PROMPT, GREEDY, deterministic=True).stats.drafted_tokens == 0
+
+
+class _Inexact(StubBackend):
+    """A stub whose models report ``exactness`` for their verify rows, counting the asks."""
+
+    def __init__(self, exactness: str, **kw: object) -> None:
+        super().__init__(copy_bias=8.0, **kw)  # type: ignore[arg-type]
+        self.exactness, self.asked = exactness, 0
+
+    def load_model(self, path: str, params: ModelParams | None = None) -> StubModel:
+        model = super().load_model(path, params)
+        backend = self
+
+        def verify_exactness(p: ContextParams) -> str:
+            backend.asked += 1
+            return backend.exactness
+
+        model.verify_exactness = verify_exactness  # type: ignore[method-assign]
+        return model
+
+
+@pytest.mark.parametrize(
+    "exactness",
+    ["while the context uses at most 256 KV cells (f16 KV ...)", "no: 3 of 11 rows differed"],
+)
+def test_a_model_not_exact_at_any_length_speculates_only_with_spec_exact_false(
+    engine: Engine, exactness: str
+) -> None:
+    """Where a verify pass's rows are not one-token passes at any length, a greedy reply could
+    differ from plain decoding's: the model does not speculate (and says why) unless its
+    ``spec_exact`` is false, which speculates and says where it is exact."""
+    strict = _Inexact(exactness)
+    model = engine.load_model("strict", config=spec_config(backend=strict))
+    info = model.info()
+    assert info.speculation.startswith("off: a verify pass's rows ")
+    assert "spec_exact = false" in info.speculation
+    assert ("type_k and type_v at auto" in info.speculation) == exactness.startswith("while")
+    assert info.speculation_exact is None
+    assert model.complete(PROMPT, GREEDY).stats.drafted_tokens == 0
+    loose = _Inexact(exactness)
+    model = engine.load_model("loose", config=spec_config(backend=loose, spec_exact=False))
+    assert (model.info().speculation, model.info().speculation_exact) == ("on", exactness)
+    assert model.complete(PROMPT, GREEDY).stats.accepted_tokens > 0
+    assert strict.asked == loose.asked == 1
+
+
+def test_exactness_is_measured_only_where_a_model_could_speculate(engine: Engine) -> None:
+    """``verify_exactness`` may run passes to measure: a model that cannot speculate for
+    another reason (deterministic, a memory that cannot roll back) is not asked."""
+    for kw in ({"deterministic": True}, {}):
+        backend = _Inexact("at any length", **({} if kw else {"memory_kind": "recurrent"}))
+        engine.load_model(f"m{len(kw)}", config=spec_config(backend=backend, **kw))
+        assert backend.asked == 0
 
 
 @pytest.mark.parametrize("kind", ["recurrent", "hybrid"])

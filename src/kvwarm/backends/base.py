@@ -28,6 +28,7 @@ from kvwarm.backends.kv_codec import KvCodec
 
 # Parameters are the protocol's vocabulary; they live in params.py and are re-exported here.
 from kvwarm.backends.params import (
+    DEFAULT_KV_TYPE,
     FLASH_ATTN_MODES,
     KV_TYPES,
     POOLING_TYPES,
@@ -45,6 +46,7 @@ from kvwarm.backends.params import (
     SplitMode,
     WritableBuffer,
     check_tensor_split,
+    concrete_kv,
 )
 
 # The codec protocol lives beside its implementations' helpers; re-exported here.
@@ -60,6 +62,8 @@ __all__ = [
     "RopeScaling",
     "KV_TYPES",
     "QUANTIZED_KV_TYPES",
+    "concrete_kv",
+    "DEFAULT_KV_TYPE",
     "SPLIT_MODES",
     "FLASH_ATTN_MODES",
     "ROPE_SCALINGS",

@@ -18,7 +18,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args, get_origin
 
-KvType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+#: A KV cell type. ``auto`` is the backend's choice (``BackendModel.context_params``): f16,
+#: except where a model speculates and f16 would make a verify pass's rows differ from one-token
+#: passes (llama.cpp on the CPU: q8_0 there, ``docs/internals.md``, "Numerics"). A context
+#: created with ``auto`` unresolved runs f16 (``concrete_kv``), and hashes as f16.
+KvType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "auto"]
 #: How a context pools a sequence's outputs: ``rank`` scores it with the model's classifier head
 #: (a reranker: one value per label, ``ModelFacts.n_cls_out``).
 PoolingType = Literal["mean", "cls", "last", "none", "rank"]
@@ -30,6 +34,8 @@ FlashAttn = Literal["auto", "on", "off"]
 RopeScaling = Literal["none", "linear", "yarn", "longrope"]
 
 KV_TYPES: tuple[str, ...] = get_args(KvType)
+#: What ``auto`` is where nothing chose for it.
+DEFAULT_KV_TYPE: KvType = "f16"
 #: KV cell types that are block-quantised: llama.cpp stores V of these only with flash attention.
 QUANTIZED_KV_TYPES = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
 SPLIT_MODES: tuple[str, ...] = get_args(SplitMode)
@@ -117,7 +123,8 @@ class ContextParams:
     model's own value". ``flash_attn`` ``auto`` lets llama.cpp decide per device, unless the
     backend resolves it first (``BackendModel.context_params``: the engine's llama models run
     ``off`` on the CPU alone); a quantised V cache needs flash attention, so ``type_v``
-    q8_0/q4_0... with ``flash_attn='off'`` is refused.
+    q8_0/q4_0... with ``flash_attn='off'`` is refused. ``type_k``/``type_v`` ``auto`` are the
+    backend's choice in the same way (f16 unless the model speculates, ``KvType``).
     """
 
     n_ctx: int = 4096
@@ -126,8 +133,8 @@ class ContextParams:
     n_threads: int | None = None
     n_threads_batch: int | None = None
     n_seq_max: int = 1
-    type_k: KvType = "f16"
-    type_v: KvType = "f16"
+    type_k: KvType = "auto"
+    type_v: KvType = "auto"
     embeddings: bool = False
     pooling: PoolingType = "mean"
     seed: int = 0
@@ -241,11 +248,18 @@ class ContextParams:
             "pooling",
         ):
             fields.pop(excluded)
+        # ``auto`` unresolved runs, and so hashes, as f16.
+        fields["type_k"], fields["type_v"] = concrete_kv(self.type_k), concrete_kv(self.type_v)
         for name, default in _HASHED_IF_CHANGED.items():
             if fields[name] == default:
                 fields.pop(name)
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(b"kvwarm-ctx-v1\0" + blob).digest()
+
+
+def concrete_kv(name: KvType) -> KvType:
+    """The cell type a context runs for ``name``: ``auto`` left unresolved is f16."""
+    return DEFAULT_KV_TYPE if name == "auto" else name
 
 
 def check_field_types(obj: object) -> None:

@@ -80,6 +80,10 @@ class ModelConfig:
     spec_type: SpecType = "none"
     spec_ngram_n: int = 4
     spec_draft_max: int = 48
+    #: Speculate only where a verify pass's rows are bit for bit one-token passes, so that a
+    #: greedy reply is plain decoding's (``BackendModel.verify_exactness``: "at any length");
+    #: False also speculates where they may differ in their last bits (llama-server's way).
+    spec_exact: bool = True
     #: ``--draft-model``: a smaller GGUF of the same vocabulary whose greedy tokens are drafts
     #: (``spec_type`` "draft-simple", the default when one is given), with a context of its own
     #: (``engine/worker/draftmodel.py``). None: none.
@@ -205,6 +209,7 @@ class ModelOptions(TypedDict, total=False):
     spec_type: SpecType
     spec_ngram_n: int
     spec_draft_max: int
+    spec_exact: bool
     draft_model: str | None
     lora: tuple[LoraSpec, ...]
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from kvwarm.backends.base import ContextMemory, ModelFacts, ProjectorFacts
+from kvwarm.backends.base import EXACT_AT_ANY_LENGTH, ContextMemory, ModelFacts, ProjectorFacts
 from kvwarm.cache.types import FingerprintMode, TierName
 from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.types import AdapterInfo, Capability, ModelInfo, ModelStatus
@@ -48,12 +48,16 @@ def model_info(
     pooling: str = "mean",
     draft_model: str | None = None,
     draft_bytes: int = 0,
-    spec_exact: str | None = None,
+    verify_exactness: str | None = None,
 ) -> ModelInfo:
     """The model's description; ``fingerprint`` is the effective one (adapters folded in).
     ``draft_model``: the draft model loaded, None where none is (a configured one is not
-    loaded where speculation is off, and ``speculation`` says so)."""
-    spec = speculation(cfg, MemoryKind(facts.memory_kind, facts.n_swa, cfg.context.swa_full))
+    loaded where speculation is off, and ``speculation`` says so). ``verify_exactness``: the
+    backend's ``verify_exactness`` of the model's context (None: not asked, speculation being
+    off for another reason)."""
+    memory = MemoryKind(facts.memory_kind, facts.n_swa, cfg.context.swa_full)
+    spec = speculation(cfg, memory, verify_exactness)
+    spec_exact = None if spec.startswith("off") else verify_exactness
     if cfg.draft_model is not None and draft_model is None:
         spec += f"; the draft model {Path(cfg.draft_model).name} was not loaded"
     return ModelInfo(
@@ -97,9 +101,12 @@ def model_info(
     )
 
 
-def speculation(cfg: ModelConfig, memory: MemoryKind) -> str:
+def speculation(cfg: ModelConfig, memory: MemoryKind, exactness: str | None) -> str:
     """Whether requests of this model can speculate (``ModelInfo.speculation``): "on", "on
-    while a sequence is shorter than its window", or "off: " and why."""
+    while a sequence is shorter than its window", or "off: " and why. ``exactness``: where a
+    verify pass's rows are one-token passes (``BackendModel.verify_exactness``; None: not
+    known yet, so not a reason); short of "at any length", speculation is off unless
+    ``cfg.spec_exact`` is false. The other reasons come first: they need no measurement."""
     if cfg.deterministic:
         return (
             "off: deterministic mode (a verify pass is a batch of another shape than a "
@@ -111,11 +118,31 @@ def speculation(cfg: ModelConfig, memory: MemoryKind) -> str:
             "decoding's; set spec_type, or flash_attn on)"
         )
     ahead = memory.lookahead(0)
-    if ahead is None:
-        return "on"
     if ahead == 0:
         return f"off: a {memory.kind} memory cannot roll a rejected draft back"
+    if cfg.spec_exact and exactness not in (None, EXACT_AT_ANY_LENGTH):
+        remedy = _KV_REMEDY if exactness.startswith("while") else _REMEDY
+        return f"off: a verify pass's rows {_where(exactness)}, so a greedy {remedy}"
+    if ahead is None:
+        return "on"
     return f"on while a sequence is shorter than its {memory.n_swa}-token sliding window"
+
+
+_REMEDY = "reply could differ from plain decoding's (set spec_exact = false to speculate anyway)"
+_KV_REMEDY = (
+    "reply could differ from plain decoding's (with llama.cpp on the CPU: leave type_k and "
+    "type_v at auto, or set q8_0 or bf16; or set spec_exact = false)"
+)
+
+
+def _where(exactness: str) -> str:
+    """``verify_exactness``' answer short of "at any length", as what a verify pass's rows
+    are: "are one-token passes' only while ...", "are not known to be ... (not measured ...)"."""
+    if exactness.startswith("while"):
+        return f"are one-token passes' only {exactness}"
+    if exactness.startswith("no: "):
+        return f"differ from one-token passes ({exactness[4:]})"
+    return f"are not known to be one-token passes' ({exactness})"
 
 
 def model_status(model_id: str, state: ModelState, cfg: ModelConfig, worker: Worker) -> ModelStatus:

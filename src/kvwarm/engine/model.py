@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol, Unpack
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import (
+    DEFAULT_KV_TYPE,
     EXACT_AT_ANY_LENGTH,
     AdapterSet,
     Backend,
@@ -32,6 +33,7 @@ from kvwarm.backends.base import (
     PoolingType,
     Projector,
     ProjectorParams,
+    concrete_kv,
 )
 from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, resolve_template
 from kvwarm.cache.formats.key import effective_fingerprint
@@ -140,6 +142,8 @@ class Model:
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
         self._projector: Projector | None = None
         self._draft: DraftModel | None = None
+        #: The context as configured, before the backend resolved its ``auto`` values.
+        self._context_given = cfg.context
         ran = self._bmodel.context_params(
             cfg.context, deterministic=cfg.deterministic, speculative=cfg.speculative
         )
@@ -243,8 +247,18 @@ class Model:
         bmodel = self.backend.load_model(str(path), replace(cfg.model_params, progress=None))
         try:
             check_vocab(self._bmodel, bmodel, str(path))
+            # The cells this model's were given: a draft's verify rows are never compared, so
+            # ``auto`` is f16 there (the exact type costs a draft prefill 1.5x).
+            given = self._context_given
             ran = bmodel.context_params(
-                replace(cfg.context, embeddings=False), deterministic=False, speculative=True
+                replace(
+                    cfg.context,
+                    embeddings=False,
+                    type_k=concrete_kv(given.type_k),
+                    type_v=concrete_kv(given.type_v),
+                ),
+                deterministic=False,
+                speculative=True,
             )
             total = replace(
                 ran, n_ctx=ran.n_ctx * cfg.n_parallel, n_seq_max=cfg.n_parallel, kv_unified=True
@@ -278,6 +292,34 @@ class Model:
             bmodel.close()
             raise
 
+    def _log_speculation(self, spec: str) -> None:
+        """Say at load what speculation chose where the configuration did not say it."""
+        cfg, given = self.config, self._context_given
+        if not cfg.speculative:
+            return
+        if spec.startswith("off"):
+            log.warning("model %s: speculative decoding is %s", self.id, spec)
+            return
+        chosen = [
+            f"{name} {getattr(cfg.context, name)}"
+            for name in ("type_k", "type_v")
+            if getattr(given, name) == "auto" and getattr(cfg.context, name) != DEFAULT_KV_TYPE
+        ]
+        if chosen:
+            log.info(
+                "model %s speculates with KV cells %s (auto), with which a verify pass's rows "
+                "are one-token passes %s; set type_k and type_v to choose",
+                self.id,
+                " and ".join(chosen),
+                self._verify_exactness,
+            )
+        if self._verify_exactness not in (None, EXACT_AT_ANY_LENGTH):
+            log.warning(
+                "model %s: speculation is exact only %s (spec_exact = false)",
+                self.id,
+                self._verify_exactness,
+            )
+
     def _start_worker(self) -> None:
         cfg = self.config
         self.facts = facts = self._bmodel.facts
@@ -293,11 +335,15 @@ class Model:
             kv_unified=not (cfg.deterministic and cfg.n_parallel > 1),
         )
         self._ctx = self._bmodel.new_context(total)
-        spec = speculation(cfg, self._ctx.memory)
-        #: Where a greedy speculative reply is plain decoding's (None: it cannot speculate).
-        self._spec_exact = None if spec.startswith("off") else self._bmodel.verify_exactness(total)
-        if cfg.spec_type != "none" and self._spec_exact not in (None, EXACT_AT_ANY_LENGTH):
-            log.info("model %s: speculation is exact %s", self.id, self._spec_exact)
+        #: Where a verify pass's rows are one-token passes (and so a greedy speculative reply
+        #: plain decoding's): ``BackendModel.verify_exactness``, asked (it may measure) only
+        #: where nothing else turns speculation off; None elsewhere.
+        self._verify_exactness: str | None = None
+        generates = facts.causal and "generate" in self.capabilities
+        if generates and not speculation(cfg, self._ctx.memory, None).startswith("off"):
+            self._verify_exactness = self._bmodel.verify_exactness(total)
+        spec = speculation(cfg, self._ctx.memory, self._verify_exactness)
+        self._log_speculation(spec)
         if cfg.draft_model is not None:
             if spec.startswith("off"):
                 # Its weights and its context would take memory for drafts never asked for.
@@ -412,7 +458,7 @@ class Model:
             pooling=self.pooling,
             draft_model=None if self._draft is None else self._draft.path,
             draft_bytes=0 if self._draft is None else self._draft.size_bytes,
-            spec_exact=self._spec_exact,
+            verify_exactness=self._verify_exactness,
         )
 
     @property

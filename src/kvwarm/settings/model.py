@@ -98,13 +98,16 @@ class ModelSettings(BaseSettings):
         json_schema_extra=_flags("-fa"),
     )
     type_k: KvTypeName = Field(
-        default="f16",
-        description="KV cache cell type of K: f16, q8_0, q4_0 ... (rows are kept apart per type)",
+        default="auto",
+        description="KV cache cell type of K: auto, f16, q8_0, q4_0 ... (rows are kept apart per "
+        "type); auto: f16, or q8_0 in a model that speculates on the CPU (f16 there would make "
+        "greedy speculative replies differ from plain decoding's past 256 cells)",
         json_schema_extra={"flag": "--cache-type-k", **_flags("-ctk", "--type-k")},
     )
     type_v: KvTypeName = Field(
-        default="f16",
-        description="KV cache cell type of V: f16, q8_0, q4_0 ... (quantised: needs flash_attn)",
+        default="auto",
+        description="KV cache cell type of V: auto, f16, q8_0, q4_0 ... (quantised: needs "
+        "flash_attn); auto as type_k's",
         json_schema_extra={"flag": "--cache-type-v", **_flags("-ctv", "--type-v")},
     )
     chat_template: OptStr = Field(
@@ -180,10 +183,9 @@ class ModelSettings(BaseSettings):
         description="speculative decoding from n-grams of each request's own prompt and reply "
         "(ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache) or from the draft "
         "model (draft-simple), "
-        "llama-server's names, or none; greedy replies are plain decoding's where /v1/models' "
-        "meta.speculative.exact says (f16 KV on the CPU: while the context uses at most 256 KV "
-        "cells; q8_0 or bf16 KV: at any length); off in deterministic mode; a request may "
-        "choose its own (spec_type)",
+        "llama-server's names, or none; greedy replies are plain decoding's (its KV cells are "
+        "then q8_0 unless type_k/type_v say, see spec_exact); off in deterministic mode; a "
+        "request may choose its own (spec_type)",
     )
     draft_model: OptPath = Field(
         default=None,
@@ -201,6 +203,13 @@ class ModelSettings(BaseSettings):
         description="speculative decoding: the most tokens one draft holds (at most 62; "
         "each draft is sized to the acceptance seen and what a pass costs)",
         json_schema_extra=_flags("--spec-draft-n-max"),
+    )
+    spec_exact: Bool = Field(
+        default=True,
+        description="speculate only where a greedy reply stays bit for bit plain decoding's "
+        "(/v1/models' meta.speculative.exact: 'at any length'); false: also where a verify "
+        "pass's rows may differ from one-token passes in their last bits (llama-server's way: "
+        "f16 KV past 256 cells on the CPU, a GPU)",
     )
     max_queue: Int = Field(
         default=256,
@@ -472,6 +481,7 @@ def model_config(settings: Settings, spec: ModelSpec) -> ModelConfig:
         spec_type=_value(settings, spec, "spec_type"),
         spec_ngram_n=_value(settings, spec, "spec_ngram_n"),
         spec_draft_max=_value(settings, spec, "spec_draft_max"),
+        spec_exact=_value(settings, spec, "spec_exact"),
         draft_model=None if draft is None else str(Path(os.path.expanduser(draft))),
         # Loaded off (scale 0): the model serves itself; a request names an adapter to use it.
         lora=tuple(

@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwarm.backends import _checks
-from kvwarm.backends.base import BatchToken, Buffer, ContextMemory, ContextParams
+from kvwarm.backends.base import BatchToken, Buffer, ContextMemory, ContextParams, concrete_kv
 from kvwarm.backends.front import ContextFront
 from kvwarm.backends.llama import kv_layout
 from kvwarm.backends.llama import kv_state as _kv_state
@@ -136,8 +136,8 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         self._embd_batch: Any = None
         n_embd_inp = int(lib.llama_model_n_embd_inp(model.native))
         self._codec = LlamaKvCodec(
-            type_k=_native.GGML_TYPES[params.type_k],
-            type_v=_native.GGML_TYPES[params.type_v],
+            type_k=_native.GGML_TYPES[concrete_kv(params.type_k)],
+            type_v=_native.GGML_TYPES[concrete_kv(params.type_v)],
             n_layer=model.facts.n_layer,
             v_trans={"auto": None, "on": False, "off": True}[params.flash_attn],
             with_rest=self._memory.has_rest,

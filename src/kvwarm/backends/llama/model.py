@@ -34,11 +34,13 @@ from kvwarm.backends.base import (
     QUANTIZED_KV_TYPES,
     ContextParams,
     FimTokens,
+    KvType,
     ModelFacts,
     ModelParams,
     PoolingType,
     ProjectorParams,
     SamplingParams,
+    concrete_kv,
 )
 from kvwarm.backends.chat_template import render_chat
 from kvwarm.backends.lifetime import Lifetime
@@ -49,10 +51,12 @@ from kvwarm.backends.llama.adapter import LlamaAdapter
 from kvwarm.backends.llama.context import LlamaContext
 from kvwarm.backends.llama.projector import LlamaProjector
 from kvwarm.backends.llama.sampler import LlamaSampler
+from kvwarm.backends.verify_rows import PROBE_PROMPT, PROBE_ROWS, differing_rows, probe_tokens
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import (
     BackendError,
     InvalidRequestError,
+    KvwarmError,
     ModelLoadError,
     ModelNotFoundError,
 )
@@ -79,6 +83,11 @@ _MAX_TEXT = 2**31 - 1
 _SPLIT_KV_CELLS = 512
 _KV_VIEW_PAD = 256
 _SPLIT_KV_TYPES = frozenset({"f16", "f32"})
+#: The cell type ``auto`` becomes in a context that speculates where f16 would not be exact:
+#: of the types that leave the split-KV kernel, the cheapest (``bench/kv_types.py``: a cold
+#: prefill 1.5x f16's, a one-token pass 1.05-1.10x; bf16 1.58x and 1.14-1.25x), and half f16's
+#: bytes in memory and in every saved row.
+_EXACT_KV_TYPE: KvType = "q8_0"
 #: ``llama_vocab_type`` values: no vocabulary, and the tokenizers that add special tokens.
 _VOCAB_NONE, _VOCAB_SPM, _VOCAB_BPE, _VOCAB_WPM, _VOCAB_UGM = 0, 1, 2, 3, 4
 
@@ -474,6 +483,13 @@ class LlamaModel:
         pass's logits: measured, ``docs/internals.md``, "Speculative decoding"); elsewhere
         llama.cpp decides per device.
 
+        KV cell types ``auto`` become f16, except in a model that speculates on the CPU with
+        two or more threads, where f16 K and V would take the split-KV kernel in one-token
+        passes over 512 cells or more and no verify pass does, so a greedy speculative reply
+        would stop being plain decoding's there (``verify_exactness``): an ``auto`` cell is
+        then q8_0, with which every pass attends row by row (``_EXACT_KV_TYPE``). A type
+        given is kept as given.
+
         llama.cpp's own ``auto`` turns flash attention on whenever the device supports it,
         and its CPU kernel is the slower one for what a cache serves: decoding and short
         prefills over a long cached prefix. ``bench/flash_attn.py`` measured it off against
@@ -481,20 +497,56 @@ class LlamaModel:
         less time, 20-40-token prefills 18-63% less, a cold prefill 3-33% more (the real
         models 5-10%). Explicit ``on``/``off`` are kept as given.
         """
+        params = self._kv_cells(params, speculative=speculative and not deterministic)
         if params.flash_attn != "auto" or params.type_v in QUANTIZED_KV_TYPES:
             return params
         if deterministic or speculative:
             return params
-        if self._params.n_gpu_layers != 0 and bool(self._lib.llama_supports_gpu_offload()):
+        if self._offloaded():
             return params
         return replace(params, flash_attn="off")
 
+    def _offloaded(self) -> bool:
+        """Whether layers of this model run on a GPU."""
+        return self._params.n_gpu_layers != 0 and bool(self._lib.llama_supports_gpu_offload())
+
+    def _kv_cells(self, params: ContextParams, *, speculative: bool) -> ContextParams:
+        """``params`` with KV cell types ``auto`` resolved (``context_params``)."""
+        if "auto" not in (params.type_k, params.type_v):
+            return params
+        k, v = concrete_kv(params.type_k), concrete_kv(params.type_v)
+        threads = params.n_threads or _native.default_threads()
+        if (
+            speculative
+            and params.flash_attn != "off"
+            and not self._offloaded()
+            and threads > 1
+            and k in _SPLIT_KV_TYPES
+            and v in _SPLIT_KV_TYPES
+        ):
+            k = _EXACT_KV_TYPE if params.type_k == "auto" else k
+            v = _EXACT_KV_TYPE if params.type_v == "auto" else v
+        return replace(params, type_k=k, type_v=v)
+
     def verify_exactness(self, params: ContextParams) -> str:
-        if self._params.n_gpu_layers != 0 and bool(self._lib.llama_supports_gpu_offload()):
+        if self._offloaded():
             return "not measured on a GPU (its kernels change with the number of rows in a pass)"
         if params.flash_attn == "off":
             return "no: without flash attention a verify row differs from a one-token pass"
-        if params.type_k not in _SPLIT_KV_TYPES or params.type_v not in _SPLIT_KV_TYPES:
+        try:
+            differ = self._probe_verify_rows(params)
+        except KvwarmError as e:  # a context or a pass refused: say so, keep the model
+            log.warning("%s: verify rows not probed: %s", self._facts.path, e)
+            return f"not measured: a probe of its verify rows failed ({e})"
+        if differ:
+            rows = sum(PROBE_ROWS)
+            return (
+                f"no: {differ} of {rows} rows of verify passes differed from one-token passes "
+                "when measured at load (a matrix kernel llama.cpp takes for passes of several "
+                "rows, with weights of this model's types)"
+            )
+        k, v = concrete_kv(params.type_k), concrete_kv(params.type_v)
+        if k not in _SPLIT_KV_TYPES or v not in _SPLIT_KV_TYPES:
             return EXACT_AT_ANY_LENGTH
         threads = params.n_threads or _native.default_threads()
         if threads == 1 or params.n_ctx <= _KV_VIEW_PAD:
@@ -503,6 +555,27 @@ class LlamaModel:
             f"while the context uses at most {_SPLIT_KV_CELLS - _KV_VIEW_PAD} KV cells "
             f"(f16 KV on {threads} CPU threads; q8_0 or bf16 KV is exact at any length)"
         )
+
+    def _probe_verify_rows(self, params: ContextParams) -> int:
+        """Rows of short verify passes that differ from one-token passes, measured on a
+        small context of ``params``' kind (``backends/verify_rows.py``): the matrix kernels
+        llama.cpp picks by a pass's rows depend on the weights' types and the CPU, so no rule
+        can say it. Under 256 cells: the attention kernels' own limit is ``verify_exactness``'
+        rule. Passes of ``PROBE_ROWS`` rows and a one-token pass for each row: a fraction of a
+        second on a small model, seconds on an 8B one on the CPU; only where the model may
+        speculate."""
+        tokens = probe_tokens(
+            lambda text: self.tokenize(text, add_special=False), self._facts.n_vocab
+        )
+        small = replace(
+            params, n_ctx=128, n_batch=64, n_ubatch=64, n_seq_max=1, kv_unified=True,
+            embeddings=False,
+        )  # fmt: skip
+        ctx = self.new_context(small)
+        try:
+            return differing_rows(ctx, tokens[:PROBE_PROMPT], tokens[PROBE_PROMPT:], PROBE_ROWS)
+        finally:
+            ctx.close()
 
     def new_context(self, params: ContextParams) -> LlamaContext:
         params.validate()

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-from kvwarm.backends.base import ContextParams, ModelParams
+from kvwarm.backends.base import ContextParams, ModelParams, concrete_kv
 from kvwarm.backends.llama import native as _native
 from kvwarm.errors import ConfigError
 
@@ -91,8 +91,8 @@ def context_params(lib: ModuleType, params: ContextParams, *, scratch_seqs: int 
     threads = params.n_threads or _native.default_threads()
     cp.n_threads = threads
     cp.n_threads_batch = params.n_threads_batch or threads
-    cp.type_k = _native.GGML_TYPES[params.type_k]
-    cp.type_v = _native.GGML_TYPES[params.type_v]
+    cp.type_k = _native.GGML_TYPES[concrete_kv(params.type_k)]
+    cp.type_v = _native.GGML_TYPES[concrete_kv(params.type_v)]
     cp.flash_attn_type = FLASH_ATTN[params.flash_attn]
     cp.swa_full = params.swa_full
     cp.rope_scaling_type = ROPE_SCALING[params.rope_scaling]

@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from kvwarm.backends import _checks
@@ -36,6 +37,7 @@ from kvwarm.backends.base import (
     ProjectorParams,
     Sampler,
     SamplingParams,
+    concrete_kv,
 )
 from kvwarm.backends.chat_template import render_chat
 from kvwarm.backends.lifetime import Lifetime
@@ -316,7 +318,8 @@ class StubModel:
     def context_params(
         self, params: ContextParams, *, deterministic: bool, speculative: bool = False
     ) -> ContextParams:
-        return params  # no attention kernels to choose between
+        # No attention kernels to choose between: every cell type is exact; ``auto`` is f16.
+        return replace(params, type_k=concrete_kv(params.type_k), type_v=concrete_kv(params.type_v))
 
     def verify_exactness(self, params: ContextParams) -> str:
         return EXACT_AT_ANY_LENGTH  # its logits are a function of the prefix alone

@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwarm.backends import _checks
-from kvwarm.backends.base import BatchToken, Buffer, ContextMemory, ContextParams
+from kvwarm.backends.base import BatchToken, Buffer, ContextMemory, ContextParams, concrete_kv
 from kvwarm.backends.front import ContextFront
 from kvwarm.backends.stub.adapter import StubAdapter
 from kvwarm.backends.stub.kv_codec import (
@@ -92,7 +92,10 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
         self._windows: list[dict[int, _Cell]] = [{} for _ in range(params.n_seq_max)]
         self._row_logits: dict[int, npt.NDArray[np.float32]] = {}
         self._salt = 0
-        self._kv_types = (_KV_TYPES.index(params.type_k), _KV_TYPES.index(params.type_v))
+        self._kv_types = (
+            _KV_TYPES.index(concrete_kv(params.type_k)),
+            _KV_TYPES.index(concrete_kv(params.type_v)),
+        )
         backend = model.backend
         self._memory = MemoryKind(backend.memory_kind, backend.n_swa, params.swa_full)
         self._codec = StubKvCodec(
