@@ -20,7 +20,7 @@ from tests.engine.conftest import make_engine
 from kvwarm.backends.base import BackendContext, BatchToken, ContextParams
 from kvwarm.engine.api import ModelConfig
 from kvwarm.engine.model import Model
-from kvwarm.engine.types import MAX_DRAFT_TOKENS, GenerationOptions
+from kvwarm.engine.types import MAX_DRAFT_TOKENS, Completion, GenerationOptions
 from kvwarm.engine.worker.drafts import Cost, PassCost
 from kvwarm.errors import ConfigError
 
@@ -276,6 +276,95 @@ def test_greedy_reply_past_512_cells_is_plain_decodings_with_q8_0_kv() -> None:
     assert spec.completion_tokens == plain.completion_tokens
     assert "return x * 1 + 1" in spec.text
     assert spec.stats.accepted_tokens >= 16
+
+
+def test_concurrent_speculative_replies_are_plain_decodings_with_q8_0_kv() -> None:
+    """Three requests at once, each slot verifying its drafts while the others decode, in a
+    context whose slots already hold other requests' cells (cleared as these are seated): with
+    q8_0 KV every reply and its logprobs are that request's plain reply alone, bit for bit,
+    as they are for plain decoding at once (checked first). Found by specrev's review: two
+    verify passes in one call left the first one's rejected cells between the slots' cells,
+    the next pass put another slot's tokens there, below that slot's earlier cells, and
+    attention adds cells in cell order: one reply's logprobs differed from its 17th token on."""
+    texts = [
+        CODE,
+        '{"name": "Ada", "age": 36, "langs": ["en", "fr"], "city": "London", "job": "analyst"}',
+        "The harbour light turns every night at nine, and the keeper writes it down in a book.",
+    ]
+    chats = [[{"role": "user", "content": f"Repeat this exactly:\n\n{text}"}] for text in texts]
+    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
+        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+        config = ModelConfig(
+            context=ContextParams(
+                n_ctx=1536, n_batch=64, n_ubatch=64, n_threads=2, type_k="q8_0", type_v="q8_0"
+            ),
+            spec_type="ngram-simple",
+            spec_ngram_n=3,
+            spec_draft_max=32,
+            n_parallel=3,
+        )
+        model = engine.load_model(config=config)
+        opts = GenerationOptions(max_tokens=60, temperature=0.0, logprobs=0)
+
+        def at_once(kind: str, salt: str) -> list[Completion]:
+            streams = [
+                model.stream_chat(chat, options=opts, spec_type=kind, cache_salt=f"{salt}{i}")
+                for i, chat in enumerate(chats)
+            ]
+            return [stream.result() for stream in streams]
+
+        # Salts keep every request cold: each prefills its prompt and decodes its reply.
+        alone = [
+            model.chat(chat, options=opts, spec_type="none", cache_salt=f"alone{i}")
+            for i, chat in enumerate(chats)
+        ]
+        plain = at_once("none", "plain")
+        spec = at_once("ngram-simple", "spec")
+    for one, batched, drafted in zip(alone, plain, spec, strict=True):
+        assert batched.completion_tokens == one.completion_tokens
+        assert batched.logprobs == one.logprobs
+        assert drafted.completion_tokens == one.completion_tokens
+        assert drafted.logprobs == one.logprobs
+    assert sum(done.stats.accepted_tokens for done in spec) >= 40
+
+
+def test_n_choices_after_earlier_requests_are_plain_decodings_with_q8_0_kv() -> None:
+    """``n = 3`` in slots that held an earlier group's choices: every choice, speculating,
+    is the plain choice a fresh context gave (tokens and logprobs). Found by specrev's review:
+    a fork slot's old KV was cleared only once the first choice's prompt was prefilled, so its
+    cells were free below the prompt's and each choice's next tokens took them, out of
+    position order; plain decoding's choices then depended on what the slots held before, and
+    speculation's differed from them (8 of 9 choices over three groups)."""
+    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
+        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+        config = ModelConfig(
+            context=ContextParams(
+                n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=2, type_k="q8_0", type_v="q8_0"
+            ),
+            spec_type="ngram-simple",
+            spec_ngram_n=3,
+            spec_draft_max=32,
+            n_parallel=3,
+        )
+        model = engine.load_model(config=config)
+        for opts in (
+            GenerationOptions(max_tokens=40, temperature=0.0, logprobs=1),
+            GenerationOptions(max_tokens=40, temperature=0.7, seed=3, logprobs=1),
+        ):
+            fresh = [  # the first group of each: new salts, so every group prefills cold
+                s.result()
+                for s in model.chat_streams(
+                    MESSAGES, n=3, options=opts, spec_type="none", cache_salt=f"a{opts.seed}"
+                )
+            ]
+            spec = [
+                s.result()
+                for s in model.chat_streams(MESSAGES, n=3, options=opts, cache_salt=f"b{opts.seed}")
+            ]
+            for plain, drafted in zip(fresh, spec, strict=True):
+                assert drafted.completion_tokens == plain.completion_tokens
+                assert drafted.logprobs == plain.logprobs
+            assert all(done.stats.accepted_tokens > 0 for done in spec)
 
 
 def test_gemma_3_is_not_exact_and_does_not_speculate(gemma_path: str) -> None:

@@ -50,6 +50,13 @@ class Forks:
         """Seat each fork in its slot, waiting for the first choice's prompt KV."""
         now = time.perf_counter()
         for slot, (req, sampler) in zip(slots, forks, strict=True):
+            # Its KV goes now, before the first choice's prefill, which then fills the cells
+            # it frees in position order: freed after it, they were free cells below the
+            # prompt's, which every choice's next tokens took out of position order, and
+            # attention adds cells in cell order (docs/internals.md, "Cell order is
+            # numerics"): the choices' replies depended on what the slots held before, and
+            # with speculation differed from plain decoding's (found by specrev's review).
+            self.rt.reset_seq(slot)
             n = len(req.prompt_tokens)
             slot.active = Active(
                 req=req,

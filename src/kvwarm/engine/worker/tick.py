@@ -228,16 +228,14 @@ class Tick:
         """The call's tokens, and per slot: the batch row of its logits and its chunk."""
         batch: list[BatchToken] = []
         rows: list[tuple[Slot, int, Chunk | None]] = []
-        for i in decode_slots:
+        drafting = [i for i in decode_slots if self._drafting(i)]
+        for i in [i for i in decode_slots if i not in drafting]:
             slot = self.rt.slots[i]
             act = slot.active
             if act is None or act.pending is None:
                 continue
             rows.append((slot, len(batch), None))
-            n = len(slot.kv_tokens)
-            batch.append(BatchToken(act.pending, n, slot.seq, True))
-            for j, token in enumerate(act.draft):
-                batch.append(BatchToken(token, n + 1 + j, slot.seq, True))
+            batch.append(BatchToken(act.pending, len(slot.kv_tokens), slot.seq, True))
         for chunk in chunks:
             slot = self.rt.slots[chunk.slot]
             act = slot.active
@@ -251,7 +249,23 @@ class Tick:
                 wanted = every or (last and pos == chunk.end - 1)
                 batch.append(BatchToken(toks[pos], pos, slot.seq, wanted))
             rows.append((slot, len(batch) - 1, chunk))
+        # A verify pass last: its rejected draft's cells are then the top of the cells in use
+        # when they are removed, and the next pass fills them again (``_run_call``).
+        for i in drafting:
+            slot = self.rt.slots[i]
+            act = slot.active
+            assert act is not None and act.pending is not None
+            rows.append((slot, len(batch), None))
+            n = len(slot.kv_tokens)
+            batch.append(BatchToken(act.pending, n, slot.seq, True))
+            for j, token in enumerate(act.draft):
+                batch.append(BatchToken(token, n + 1 + j, slot.seq, True))
         return batch, rows
+
+    def _drafting(self, i: int) -> bool:
+        """Whether slot ``i`` verifies a draft in this tick's pass."""
+        act = self.rt.slots[i].active
+        return act is not None and act.pending is not None and bool(act.draft)
 
     def _run_call(self, decode_slots: Sequence[int], chunks: Sequence[Chunk]) -> None:
         # One slot's work is one group (the common decode step skips the grouping).
@@ -261,6 +275,19 @@ class Tick:
         ):
             for group_slots, group_chunks in groups:
                 self._run_call(group_slots, group_chunks)
+            return
+        drafting = [i for i in decode_slots if self._drafting(i)]
+        if len(drafting) > 1 and self.rt.ctx.params.kv_unified:
+            # One verify pass a call, its rows last (``_batch``), so that its rejected cells
+            # are the top of the cells in use when they are removed: in one unified KV buffer
+            # another slot's rows placed after them would otherwise take the freed cells in
+            # the next pass, below that slot's earlier cells, and attention adds cells in
+            # cell order (docs/internals.md, "Cell order is numerics"): its logits then
+            # differed from plain decoding's (found by specrev's review).
+            rest = set(drafting[1:])
+            self._run_call([i for i in decode_slots if i not in rest], chunks)
+            for i in drafting[1:]:
+                self._run_call((i,), ())
             return
         batch, rows = self._batch(decode_slots, chunks)
         if not batch:
