@@ -436,6 +436,44 @@ def test_sliding_window_model_speculates_inside_its_window_exactly(tiny_swa: str
     assert 0 < spec.stats.accepted_tokens <= 32 - len(prompt)  # drafts only inside the window
 
 
+def test_an_f32_adapters_requests_decode_plainly_and_an_f16_adapters_speculate(
+    tmp_path: Path,
+) -> None:
+    """LoRA products take kernels by a pass's rows too: with an f32 adapter attached, 9 of 11
+    probe rows differ from one-token passes on SmolLM2 (tinyBLAS's f32 kernel for several
+    rows), with an f16 one none. Each adapter is measured as it loads: a request under the
+    f32 one decodes plainly, one under the f16 one speculates, its reply plain decoding's."""
+    from tests.backends.lora_fixture import make_lora
+
+    import kvwarm.embedded
+
+    base = str(kvwarm.embedded.default_model_path())
+    f32 = make_lora(base, tmp_path / "f32.gguf", scale_hint=0.5)
+    f16 = make_lora(base, tmp_path / "f16.gguf", scale_hint=0.5, f16=True)
+    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
+        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+        config = ModelConfig(
+            context=ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2),
+            spec_type="ngram-simple",
+            spec_ngram_n=3,
+        )
+        model = engine.load_model(config=config)
+        handles = {
+            name: model.load_adapter(path, scale=0.0).handle
+            for name, path in (("f32", f32), ("f16", f16))
+        }
+        opts = GenerationOptions(max_tokens=32, temperature=0.0)
+        replies = {}
+        for name, handle in handles.items():
+            under = replace(opts, lora=((handle, 0.2),))  # the model still copies
+            plain = model.chat(MESSAGES, options=under, spec_type="none", cache_salt=name)
+            spec = model.chat(MESSAGES, options=under, cache_salt=name + "-spec")
+            assert spec.completion_tokens == plain.completion_tokens
+            replies[name] = spec
+    assert replies["f32"].stats.drafted_tokens == 0
+    assert replies["f16"].stats.accepted_tokens > 0
+
+
 # ---- a draft model (--draft-model) -----------------------------------------------------------
 
 

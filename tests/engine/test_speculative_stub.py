@@ -12,12 +12,13 @@ import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
-from kvwarm.backends.base import BatchToken, ContextParams, ModelParams
+from kvwarm.backends.base import AdapterSet, BatchToken, ContextParams, ModelParams
 from kvwarm.backends.stub import StubBackend, StubModel
 from kvwarm.backends.stub.vocab import EOS
 from kvwarm.engine.api import Engine, ModelConfig
@@ -451,19 +452,20 @@ def test_deterministic_mode_does_not_speculate(engine: Engine) -> None:
 
 
 class _Inexact(StubBackend):
-    """A stub whose models report ``exactness`` for their verify rows, counting the asks."""
+    """A stub whose models report ``exactness`` for their verify rows (``with_adapter``
+    where an adapter is attached), counting the asks."""
 
-    def __init__(self, exactness: str, **kw: object) -> None:
+    def __init__(self, exactness: str, with_adapter: str = "", **kw: object) -> None:
         super().__init__(copy_bias=8.0, **kw)  # type: ignore[arg-type]
-        self.exactness, self.asked = exactness, 0
+        self.exactness, self.with_adapter, self.asked = exactness, with_adapter, 0
 
     def load_model(self, path: str, params: ModelParams | None = None) -> StubModel:
         model = super().load_model(path, params)
         backend = self
 
-        def verify_exactness(p: ContextParams) -> str:
+        def verify_exactness(p: ContextParams, adapters: AdapterSet = ()) -> str:
             backend.asked += 1
-            return backend.exactness
+            return backend.with_adapter if adapters else backend.exactness
 
         model.verify_exactness = verify_exactness  # type: ignore[method-assign]
         return model
@@ -501,6 +503,44 @@ def test_exactness_is_measured_only_where_a_model_could_speculate(engine: Engine
         backend = _Inexact("at any length", **({} if kw else {"memory_kind": "recurrent"}))
         engine.load_model(f"m{len(kw)}", config=spec_config(backend=backend, **kw))
         assert backend.asked == 0
+
+
+def test_a_request_under_an_adapter_that_is_not_exact_decodes_plainly(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """Each adapter is measured as it loads (an f32 LoRA's products take tinyBLAS for several
+    rows on the CPU): a request whose set holds one that makes verify rows differ decodes
+    plainly, as does the model under it as its own set; one whose adapters are exact
+    speculates; ``spec_exact=False`` measures nothing and speculates under any."""
+    files = [tmp_path / name for name in ("exact.gguf", "inexact.gguf")]
+    for f in files:
+        f.write_bytes(f.name.encode())
+    backend = _Inexact("at any length", with_adapter="at any length")
+    model = engine.load_model("m", config=spec_config(backend=backend))
+    exact = model.load_adapter(files[0], scale=0.0).handle
+    backend.with_adapter = "no: 9 of 11 rows differed"
+    inexact = model.load_adapter(files[1], scale=0.0).handle
+    assert backend.asked == 3  # the model, then each adapter as it loaded
+
+    def drafted(handle: int) -> int:
+        opts = replace(GREEDY, lora=((handle, 1.0),))
+        plain = model.complete(PROMPT, replace(opts, spec_type="none"))
+        model.evict()
+        spec = model.complete(PROMPT, opts)
+        model.evict()
+        assert spec.completion_tokens == plain.completion_tokens
+        return spec.stats.accepted_tokens
+
+    assert drafted(exact) > 0
+    assert drafted(inexact) == 0
+    model.set_adapter_scale(inexact, 1.0)  # the model's own set now holds it
+    assert model.complete(PROMPT, GREEDY).stats.drafted_tokens == 0
+    loose_backend = _Inexact("at any length", with_adapter="no: 9 of 11 rows differed")
+    loose = engine.load_model("loose", config=spec_config(backend=loose_backend, spec_exact=False))
+    handle = loose.load_adapter(files[1], scale=0.0).handle
+    assert loose_backend.asked == 1  # the model alone
+    opts = replace(GREEDY, lora=((handle, 1.0),))
+    assert loose.complete(PROMPT, opts).stats.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("kind", ["recurrent", "hybrid"])

@@ -560,12 +560,13 @@ class BackendModel(Protocol):
         cache keys from these, so a key names what ran."""
         ...
 
-    def verify_exactness(self, params: ContextParams) -> str:
+    def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:
         """Where a verify pass's rows are bit for bit what one-token passes compute, in a
         context run with ``params`` (``context_params``' result, its ``n_ctx`` every slot's
         cells): ``EXACT_AT_ANY_LENGTH``, or while what holds (``"while ..."``), or
         ``"not measured ..."``. Greedy speculative decoding is plain decoding's reply only
-        there (``docs/internals.md``, "Numerics")."""
+        there (``docs/internals.md``, "Numerics"). ``adapters``: LoRA adapters attached (their
+        products take kernels by rows too: an f32 adapter's do on the CPU)."""
         ...
 
     def new_context(self, params: ContextParams) -> BackendContext: ...

@@ -16,6 +16,7 @@ of the native set and of the namespace, so it costs nothing and shares the base 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -23,11 +24,13 @@ from collections.abc import Callable, Sequence
 from numbers import Real
 from pathlib import Path
 
-from kvwarm.backends.base import Adapter, AdapterSet, BackendModel
+from kvwarm.backends.base import EXACT_AT_ANY_LENGTH, Adapter, AdapterSet, BackendModel
 from kvwarm.engine.types import AdapterInfo
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.engine.worker.runtime import LoraChoice
 from kvwarm.errors import AdapterError, InvalidRequestError
+
+log = logging.getLogger(__name__)
 
 
 class Adapters:
@@ -36,9 +39,17 @@ class Adapters:
         bmodel: BackendModel,
         worker: Worker,
         on_change: Callable[[Sequence[tuple[bytes, float]]], None],
+        exact: Callable[[Adapter], str] | None = None,
     ) -> None:
-        """``on_change`` receives (sha256, scale) of the new set, on the worker thread."""
+        """``on_change`` receives (sha256, scale) of the new set, on the worker thread.
+        ``exact``: where a verify pass with an adapter attached is one-token passes
+        (``BackendModel.verify_exactness``), asked of each adapter as it loads; None where
+        it does not matter (the model does not speculate, or may inexactly)."""
         self._bmodel = bmodel
+        self._exact = exact
+        #: Adapters (by identity) under which a verify pass is not exact: a request whose
+        #: set holds one decodes plainly (``exact_set``).
+        self._inexact: set[int] = set()
         self._worker = worker
         self._on_change = on_change
         self._adapters: dict[int, tuple[Adapter, float]] = {}
@@ -55,7 +66,21 @@ class Adapters:
         if not Path(path).is_file():
             raise AdapterError(f"adapter file not found: {path}")
         adapter = self._bmodel.load_adapter(str(path))
+        try:
+            where = EXACT_AT_ANY_LENGTH if self._exact is None else self._exact(adapter)
+        except BaseException:
+            adapter.close()
+            raise
+        if where != EXACT_AT_ANY_LENGTH:
+            log.warning(
+                "LoRA adapter %s: a verify pass with it is not exact at any length (%s); "
+                "requests under it decode plainly (spec_exact = false speculates)",
+                Path(path).name,
+                where,
+            )
         with self._lock:
+            if where != EXACT_AT_ANY_LENGTH:
+                self._inexact.add(id(adapter))
             handle = self._next
             self._next += 1
             self._adapters[handle] = (adapter, value)
@@ -66,9 +91,16 @@ class Adapters:
             with self._lock:
                 self._adapters.pop(handle, None)
                 self._names.pop(handle, None)
+                self._inexact.discard(id(adapter))
             adapter.close()
             raise
         return self._info(handle)
+
+    def exact_set(self, adapters: AdapterSet) -> bool:
+        """Whether a verify pass under ``adapters`` is exact wherever the model's is (each
+        adapter measured as it loaded); on the worker thread."""
+        with self._lock:
+            return not any(id(adapter) in self._inexact for adapter, _ in adapters)
 
     def set_scale(self, handle: int, scale: float) -> AdapterInfo:
         value = _scale(scale)
@@ -103,6 +135,7 @@ class Adapters:
             raise
         with self._lock:
             self._names.pop(handle, None)
+            self._inexact.discard(id(adapter))
         adapter.close()
 
     def list(self) -> list[AdapterInfo]:

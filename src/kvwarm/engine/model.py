@@ -25,6 +25,7 @@ from kvwarm.backends import get_backend
 from kvwarm.backends.base import (
     DEFAULT_KV_TYPE,
     EXACT_AT_ANY_LENGTH,
+    Adapter,
     AdapterSet,
     Backend,
     BackendModel,
@@ -174,7 +175,16 @@ class Model:
                 self._draft.close()
             self._bmodel.close()
             raise
-        self._adapters = Adapters(self._bmodel, self._worker, self._links.refresh)
+        # Each adapter is measured as it loads where it could make an exact model's verify
+        # passes differ (an f32 adapter's products take tinyBLAS for several rows).
+        exact: Callable[[Adapter], str] | None = None
+        if cfg.spec_exact and self._verify_exactness == EXACT_AT_ANY_LENGTH:
+            bmodel, running = self._bmodel, self._ctx.params
+            exact = lambda adapter: bmodel.verify_exactness(running, ((adapter, 1.0),))  # noqa: E731
+
+        self._adapters = Adapters(self._bmodel, self._worker, self._links.refresh, exact)
+        if exact is not None:
+            self._worker.rt.adapters_exact = self._adapters.exact_set
         self._seen: dict[bytes, None] = {}  # fingerprints of requests' own adapter sets
         self._seen_lock = threading.Lock()
         self._submitter = Submitter(

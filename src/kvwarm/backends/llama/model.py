@@ -32,6 +32,7 @@ from kvwarm.backends import _checks
 from kvwarm.backends.base import (
     EXACT_AT_ANY_LENGTH,
     QUANTIZED_KV_TYPES,
+    AdapterSet,
     ContextParams,
     FimTokens,
     KvType,
@@ -528,13 +529,13 @@ class LlamaModel:
             v = _EXACT_KV_TYPE if params.type_v == "auto" else v
         return replace(params, type_k=k, type_v=v)
 
-    def verify_exactness(self, params: ContextParams) -> str:
+    def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:
         if self._offloaded():
             return "not measured on a GPU (its kernels change with the number of rows in a pass)"
         if params.flash_attn == "off":
             return "no: without flash attention a verify row differs from a one-token pass"
         try:
-            differ = self._probe_verify_rows(params)
+            differ = self._probe_verify_rows(params, adapters)
         except KvwarmError as e:  # a context or a pass refused: say so, keep the model
             log.warning("%s: verify rows not probed: %s", self._facts.path, e)
             return f"not measured: a probe of its verify rows failed ({e})"
@@ -543,7 +544,9 @@ class LlamaModel:
             return (
                 f"no: {differ} of {rows} rows of verify passes differed from one-token passes "
                 "when measured at load (a matrix kernel llama.cpp takes for passes of several "
-                "rows, with weights of this model's types)"
+                "rows, with weights of "
+                + ("this adapter's or " if adapters else "")
+                + "this model's types)"
             )
         k, v = concrete_kv(params.type_k), concrete_kv(params.type_v)
         if k not in _SPLIT_KV_TYPES or v not in _SPLIT_KV_TYPES:
@@ -556,7 +559,7 @@ class LlamaModel:
             f"(f16 KV on {threads} CPU threads; q8_0 or bf16 KV is exact at any length)"
         )
 
-    def _probe_verify_rows(self, params: ContextParams) -> int:
+    def _probe_verify_rows(self, params: ContextParams, adapters: AdapterSet) -> int:
         """Rows of short verify passes that differ from one-token passes, measured on a
         small context of ``params``' kind (``backends/verify_rows.py``): the matrix kernels
         llama.cpp picks by a pass's rows depend on the weights' types and the CPU, so no rule
@@ -573,6 +576,8 @@ class LlamaModel:
         )  # fmt: skip
         ctx = self.new_context(small)
         try:
+            if adapters:
+                ctx.set_adapters(adapters)
             return differing_rows(ctx, tokens[:PROBE_PROMPT], tokens[PROBE_PROMPT:], PROBE_ROWS)
         finally:
             ctx.close()

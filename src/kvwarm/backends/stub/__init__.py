@@ -30,6 +30,7 @@ from pathlib import Path
 from kvwarm.backends import _checks
 from kvwarm.backends.base import (
     EXACT_AT_ANY_LENGTH,
+    AdapterSet,
     ContextParams,
     FimTokens,
     ModelFacts,
@@ -321,7 +322,7 @@ class StubModel:
         # No attention kernels to choose between: every cell type is exact; ``auto`` is f16.
         return replace(params, type_k=concrete_kv(params.type_k), type_v=concrete_kv(params.type_v))
 
-    def verify_exactness(self, params: ContextParams) -> str:
+    def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:
         return EXACT_AT_ANY_LENGTH  # its logits are a function of the prefix alone
 
     def new_context(self, params: ContextParams) -> StubContext:

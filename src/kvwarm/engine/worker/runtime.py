@@ -109,6 +109,9 @@ class Runtime:
     copy_ends: CopyEnds = field(default_factory=CopyEnds)
     row_trust: RowTrust = field(default_factory=RowTrust)  # trusted row drafts held?
     draft: DraftModel | None = None  # the draft model (``draft_model``), if any
+    #: Whether a verify pass under an adapter set is exact (``Adapters.exact_set``; None:
+    #: every set is, or the model may speculate inexactly).
+    adapters_exact: Callable[[AdapterSet], bool] | None = None
     _eog: tuple[int, ...] | None = None
 
     def adapter_set(self, choice: LoraChoice | None) -> tuple[AdapterSet, Namespace]:

@@ -187,13 +187,16 @@ class Tick:
         or else the model's is "none", it is deterministic (a verify pass is a batch of
         another shape than a one-token decode, so its logits differ in the last bits), or
         the model cannot speculate (``WorkerConfig.speculates``; a memory that cannot roll
-        back is found by ``lookahead`` per pass)."""
+        back is found by ``lookahead`` per pass), or an adapter of its set makes a verify
+        pass differ from one-token passes (``Runtime.adapters_exact``)."""
         cfg = self.rt.cfg
         opts = act.req.options
         kind = cfg.spec_type if opts.spec_type is None else opts.spec_type
         draft_max = cfg.spec_draft_max if opts.spec_draft_max is None else opts.spec_draft_max
         if kind == "none" or draft_max <= 0 or act.deterministic or not cfg.speculates:
             return None
+        if self.rt.adapters_exact is not None and not self.rt.adapters_exact(act.adapters):
+            return None  # an adapter whose products differ by a pass's rows (measured)
         if self.rt.memory.lookahead(0) == 0:
             return None
         if kind == "draft-simple":
