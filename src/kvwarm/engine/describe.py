@@ -130,8 +130,9 @@ def speculation(cfg: ModelConfig, memory: MemoryKind, exactness: str | None) -> 
 
 _REMEDY = "reply could differ from plain decoding's (set spec_exact = false to speculate anyway)"
 _KV_REMEDY = (
-    "reply could differ from plain decoding's (with llama.cpp on the CPU: leave type_k and "
-    "type_v at auto, or set q8_0 or bf16; or set spec_exact = false)"
+    "reply could differ from plain decoding's (with llama.cpp on the CPU: q8_0 or bf16 KV "
+    "cells, which a model with a spec_type gets by leaving type_k and type_v at auto; or set "
+    "spec_exact = false)"
 )
 
 
