@@ -165,6 +165,12 @@ def test_where_speculation_is_exact_is_reported(model: Model) -> None:
         assert bmodel.verify_exactness(replace(base, type_k=k, type_v=v)) == "at any length"
     assert bmodel.verify_exactness(replace(base, n_threads=1)) == "at any length"
     assert bmodel.verify_exactness(replace(base, n_ctx=256)) == "at any length"
+    # Several sequences: a prefill chunk beside a draft makes a pass of 64 rows or more,
+    # whose every row f16 cells attend with the tiled kernel.
+    several = replace(base, n_threads=1, n_seq_max=2)
+    assert bmodel.verify_exactness(several).startswith("while no pass holds 64 rows or more")
+    both = bmodel.verify_exactness(replace(base, n_seq_max=2))
+    assert both.startswith(within + " and no pass holds 64 rows or more")
     assert bmodel.verify_exactness(replace(base, flash_attn="off")).startswith("no:")
     # The fixture left its cells ``auto``: a model that speculates gets q8_0, exact throughout.
     info = model.info()
@@ -172,11 +178,10 @@ def test_where_speculation_is_exact_is_reported(model: Model) -> None:
 
 
 def test_auto_kv_cells_are_the_exact_type_only_where_f16_would_not_be(model: Model) -> None:
-    """``context_params`` resolves ``auto`` cells: q8_0 where the model speculates on two CPU
-    threads with both cells of a split-KV type; f16 where it does not speculate, is
-    deterministic (it then never speculates), runs one thread, or a cell given already leaves
-    the split-KV kernel; a type given is never changed. Each result is exact at any length
-    wherever it speculates."""
+    """``context_params`` resolves ``auto`` cells: q8_0 where the model speculates on the CPU
+    with both cells of a split-KV type; f16 where it does not speculate, is deterministic (it
+    then never speculates), or a cell given already leaves the split-KV and tiled kernels; a
+    type given is never changed. Each result is exact at any length wherever it speculates."""
     bmodel = model._bmodel
     base = ContextParams(n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2, flash_attn="on")
 
@@ -191,7 +196,7 @@ def test_auto_kv_cells_are_the_exact_type_only_where_f16_would_not_be(model: Mod
     assert cells(base) == ("q8_0", "q8_0")
     assert cells(base, speculative=False) == ("f16", "f16")
     assert cells(base, det=True) == ("f16", "f16")
-    assert cells(replace(base, n_threads=1)) == ("f16", "f16")
+    assert cells(replace(base, n_threads=1)) == ("q8_0", "q8_0")  # several slots' passes
     assert cells(replace(base, type_k="f16")) == ("f16", "q8_0")
     assert cells(replace(base, type_v="f32")) == ("q8_0", "f32")
     assert cells(replace(base, type_k="bf16")) == ("bf16", "f16")

@@ -83,6 +83,9 @@ _MAX_TEXT = 2**31 - 1
 #: quantised or bf16 KV attends row by row in every pass (measured: ``docs/internals.md``).
 _SPLIT_KV_CELLS = 512
 _KV_VIEW_PAD = 256
+#: Rows of a pass from which llama.cpp's CPU flash attention takes its tiled kernel for every
+#: row (``GGML_FA_TILE_Q``), for the same K and V types as the split-KV one.
+_TILED_ROWS = 64
 _SPLIT_KV_TYPES = frozenset({"f16", "f32"})
 #: The cell type ``auto`` becomes in a context that speculates where f16 would not be exact:
 #: of the types that leave the split-KV kernel, the cheapest (``bench/kv_types.py``: a cold
@@ -484,9 +487,10 @@ class LlamaModel:
         pass's logits: measured, ``docs/internals.md``, "Speculative decoding"); elsewhere
         llama.cpp decides per device.
 
-        KV cell types ``auto`` become f16, except in a model that speculates on the CPU with
-        two or more threads, where f16 K and V would take the split-KV kernel in one-token
-        passes over 512 cells or more and no verify pass does, so a greedy speculative reply
+        KV cell types ``auto`` become f16, except in a model that speculates on the CPU,
+        where f16 K and V would take the split-KV kernel in one-token passes over 512 cells
+        or more (two or more threads) and the tiled one in passes of 64 rows or more (a
+        prefill chunk beside a draft), and verify passes not, so a greedy speculative reply
         would stop being plain decoding's there (``verify_exactness``): an ``auto`` cell is
         then q8_0, with which every pass attends row by row (``_EXACT_KV_TYPE``). A type
         given is kept as given.
@@ -516,12 +520,10 @@ class LlamaModel:
         if "auto" not in (params.type_k, params.type_v):
             return params
         k, v = concrete_kv(params.type_k), concrete_kv(params.type_v)
-        threads = params.n_threads or _native.default_threads()
         if (
             speculative
             and params.flash_attn != "off"
             and not self._offloaded()
-            and threads > 1
             and k in _SPLIT_KV_TYPES
             and v in _SPLIT_KV_TYPES
         ):
@@ -552,11 +554,20 @@ class LlamaModel:
         if k not in _SPLIT_KV_TYPES or v not in _SPLIT_KV_TYPES:
             return EXACT_AT_ANY_LENGTH
         threads = params.n_threads or _native.default_threads()
-        if threads == 1 or params.n_ctx <= _KV_VIEW_PAD:
-            return EXACT_AT_ANY_LENGTH  # one thread's split is the whole view; a view < 512
+        # One thread's split is the whole view, and a context of 256 cells never has a view
+        # of 512; several sequences' passes can hold 64 rows or more (a prefill chunk beside
+        # a draft), which take the tiled kernel for every row (found by specrev's review).
+        short = threads == 1 or params.n_ctx <= _KV_VIEW_PAD
+        if short and params.n_seq_max == 1:
+            return EXACT_AT_ANY_LENGTH
+        where = (
+            [] if short else [f"the context uses at most {_SPLIT_KV_CELLS - _KV_VIEW_PAD} KV cells"]
+        )
+        if params.n_seq_max > 1:
+            where.append(f"no pass holds {_TILED_ROWS} rows or more")
         return (
-            f"while the context uses at most {_SPLIT_KV_CELLS - _KV_VIEW_PAD} KV cells "
-            f"(f16 KV on {threads} CPU threads; q8_0 or bf16 KV is exact at any length)"
+            f"while {' and '.join(where)} (f16 KV on {threads} CPU threads; q8_0 or bf16 KV "
+            "is exact at any length)"
         )
 
     def _probe_verify_rows(self, params: ContextParams, adapters: AdapterSet) -> int:
