@@ -315,3 +315,46 @@ def test_a_client_lean_gets_cannot_follow_stays_whole(scripted: _Scripted) -> No
     assert all("Authorization" not in headers for _, headers in scripted.seen)
     assert LeanGets.of(client(retries={"mode": "legacy"})) is None
     assert LeanGets.of(object()) is None
+
+
+def test_a_store_that_ignores_a_range_gives_the_bytes_asked_for(scripted: _Scripted) -> None:
+    """A store may answer a ranged GET 200 with the whole object (HTTP allows it; the client
+    hands that on as it came): the tier must still give bytes ``[start, end)``, not the
+    object from its first byte."""
+    tier = _tier_at(scripted)
+    assert tier._s3.get_range("k.kvc", 2, 5) == b"ylo"
+    head = tier._s3.get("k.kvc", 4)
+    assert (head.data, head.size) == (b"payl", len(b"payload"))
+    assert [h["Range"] for _, h in scripted.seen] == ["bytes=2-4", "bytes=0-3"]
+
+
+def test_a_range_answered_from_elsewhere_is_refused(scripted: _Scripted) -> None:
+    """A 206 whose Content-Range is not the range asked for is not those bytes."""
+    tier = _tier_at(scripted)
+    wrong = {"Content-Range": "bytes 0-2/7"}
+    scripted.script = [_Answer(206, b"pay", wrong)]
+    with pytest.raises(CacheIOError, match="'bytes 0-2/7'") as info:
+        tier._s3.get_range("k.kvc", 2, 5)
+    assert not isinstance(info.value, CacheNetworkError)
+
+
+def test_a_success_status_lean_gets_do_not_know_goes_through_the_client(
+    scripted: _Scripted,
+) -> None:
+    """botocore takes any status under 300 as the answer: the lean way must not make one it
+    does not read (a proxy's 203) into an error."""
+    tier = _tier_at(scripted)
+    scripted.script = [_Answer(203, b"payload")]
+    assert tier._s3.get("k.kvc").data == b"payload"
+    assert len(scripted.seen) == 2  # the lean GET's, then the client's
+
+
+def test_a_botocore_without_the_parts_lean_gets_use_keeps_its_client(
+    scripted: _Scripted, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A botocore without a name the lean way imports: its client GETs, nothing fails."""
+    from kvwarm.cache.tiers.s3client import make_client
+
+    client = make_client(S3Config(bucket="b", endpoint_url=scripted.endpoint), 4)
+    monkeypatch.delattr("botocore.parsers.create_parser")  # ImportError in a "from" import
+    assert LeanGets.of(client) is None

@@ -77,11 +77,14 @@ class S3Store:
 
         def get() -> Got:
             resp = self.wire.get_object(self._cfg.bucket, key, byte_range)
-            data = read_body(resp, f"{self.label}: get {key}")
+            where = f"{self.label}: get {key}"
+            data = read_body(resp, where)
             meta = resp.get("Metadata") or {}
             assert isinstance(meta, Mapping)
-            size = _total_size(resp, len(data)) if end is not None else len(data)
-            return Got(data, size, meta)
+            if end is None:
+                return Got(data, len(data), meta)
+            size = _total_size(resp, len(data))
+            return Got(_in_range(resp, data, 0, end, where), size, meta)
 
         return self.wire.call(f"get {key}", get)
 
@@ -90,7 +93,8 @@ class S3Store:
 
         def get() -> bytes:
             resp = self.wire.get_object(self._cfg.bucket, key, f"bytes={start}-{end - 1}")
-            return read_body(resp, f"{self.label}: get {key}")
+            where = f"{self.label}: get {key}"
+            return _in_range(resp, read_body(resp, where), start, end, where)
 
         return self.wire.call(f"get {key}", get)
 
@@ -210,6 +214,19 @@ class S3Tier(ObjectTier):
 
     def object_name(self, key: bytes) -> str:
         return f"{self._cfg.prefix}{key.hex()}.kvc"
+
+
+def _in_range(resp: Mapping[str, object], data: bytes, start: int, end: int, where: str) -> bytes:
+    """Bytes ``[start, end)`` of an answer to a GET of that range. A store may answer it
+    with the whole object (200, no Content-Range; HTTP allows it and boto3 hands it on as
+    it came): cut from that. A Content-Range that starts elsewhere is not those bytes."""
+    content_range = resp.get("ContentRange")
+    if not isinstance(content_range, str):
+        return data[start:end]
+    first = content_range.removeprefix("bytes ").split("-", 1)[0].strip()
+    if not first.isdigit() or int(first) != start:
+        raise CacheIOError(f"{where}: asked for bytes {start}- and got {content_range!r}")
+    return data[: end - start]
 
 
 def _total_size(resp: Mapping[str, object], got: int) -> int:

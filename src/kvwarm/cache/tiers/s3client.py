@@ -263,18 +263,29 @@ class LeanGets:
     - botocore's standard retry policy, with the client's attempt count, decides retries
       (throttling, 5xx, connection errors; the same jittered backoff). Its retry quota is
       not shared: the wire's breaker stops calls after a network fault anyway.
-    - A redirect (3xx) or 400 (a region mismatch answers one) goes again through the
-      client, which follows it; the hook then records where it went.
+    - A redirect (3xx) or 400 (a region mismatch answers one), or any other status under
+      400, goes again through the client, which follows it or hands it on; the hook then
+      records where it went.
+    - Every botocore name it uses is imported as it is built: a botocore without one
+      leaves GETs to the client (``of`` answers None).
     Only SigV4 GETs of a client in standard retry mode go this way; anything else (another
     signature version, S3 Express, a route the hook could not read) stays on the client.
     """
 
     def __init__(self, client: Any) -> None:
+        # Every botocore name the lean way uses is imported here, once, so a botocore without
+        # one leaves GETs to the client (``of``) instead of failing each GET.
+        from botocore.awsrequest import AWSRequest  # noqa: F401
+        from botocore.exceptions import ResponseStreamingError  # noqa: F401
         from botocore.parsers import create_parser
         from botocore.retries import standard
+        from botocore.retries.standard import RetryContext  # noqa: F401
+        from botocore.utils import percent_encode  # noqa: F401
 
         self._signer = client._request_signer
         self._http = client._endpoint.http_session
+        if not (callable(self._signer.get_auth_instance) and callable(self._http.send)):
+            raise TypeError("the client's signer or HTTP session is not botocore's")
         self._op = client.meta.service_model.operation_model("GetObject")
         self._parser = create_parser(client.meta.service_model.protocol)
         attempts = client.meta.config.retries.get("total_max_attempts")
@@ -309,7 +320,7 @@ class LeanGets:
             if client.meta.config.retries.get("mode", "standard") != "standard":
                 return None
             return cls(client)
-        except (AttributeError, KeyError, TypeError) as exc:
+        except (AttributeError, KeyError, TypeError, ImportError) as exc:
             log.info("s3: GETs go through boto3's whole pipeline (%s)", exc)
             return None
 
@@ -405,7 +416,9 @@ class LeanGets:
                 status = response.status_code
                 if status in (200, 206):
                     return _answer(response)
-                if 300 <= status < 400 or status == 400:
+                if status <= 400:
+                    # A redirect, a 400 (a region mismatch answers one), or another answer
+                    # botocore takes as success: the client's to follow or to hand on.
                     response.raw.close()
                     return None
                 try:  # an error's body is read before it is answered, as the client does
