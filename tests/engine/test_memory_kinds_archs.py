@@ -17,6 +17,7 @@ from tests.tinymodels import write_tiny_model
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import ContextParams
 from kvwarm.engine.api import Engine
+from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import Completion, GenerationOptions
 from kvwarm.errors import StateRestoreError
@@ -82,6 +83,24 @@ def test_the_kind_is_read_from_the_model(tiny: str) -> None:
     try:
         info = load(eng, tiny).info()
         assert info.memory == ARCHS[Path(tiny).stem]
+    finally:
+        eng.close()
+
+
+def test_a_spec_type_gives_no_exact_kv_cells_to_a_state_that_cannot_roll_back(tiny: str) -> None:
+    """``auto`` KV cells become q8_0 only in a model that speculates: a recurrent or hybrid
+    state cannot roll a rejected draft back, so with a ``spec_type`` it still runs (and
+    keys its rows) as f16, not paying q8_0's prefill for drafts it never verifies."""
+    eng = engine(None)
+    try:
+        cfg = ModelConfig(
+            context=ContextParams(n_ctx=256, n_batch=N_BATCH, n_ubatch=N_BATCH),
+            spec_type="ngram-simple",
+        )
+        model = eng.load_model(tiny, config=cfg)
+        assert model.info().speculation.startswith("off")
+        ran = model.config.context
+        assert (ran.type_k, ran.type_v) == ("f16", "f16")
     finally:
         eng.close()
 

@@ -61,7 +61,7 @@ from kvwarm.errors import (
     ModelLoadError,
     ModelNotFoundError,
 )
-from kvwarm.memory import MemoryKindName
+from kvwarm.memory import MemoryKind, MemoryKindName
 from kvwarm.models_dir import check_gguf_magic
 from kvwarm.unicode import encode_utf8
 
@@ -487,7 +487,8 @@ class LlamaModel:
         pass's logits: measured, ``docs/internals.md``, "Speculative decoding"); elsewhere
         llama.cpp decides per device.
 
-        KV cell types ``auto`` become f16, except in a model that speculates on the CPU,
+        KV cell types ``auto`` become f16, except in a model that speculates on the CPU
+        (a causal one whose state can roll a rejected draft back),
         where f16 K and V would take the split-KV kernel in one-token passes over 512 cells
         or more (two or more threads) and the tiled one in passes of 64 rows or more (a
         prefill chunk beside a draft), and verify passes not, so a greedy speculative reply
@@ -520,8 +521,14 @@ class LlamaModel:
         if "auto" not in (params.type_k, params.type_v):
             return params
         k, v = concrete_kv(params.type_k), concrete_kv(params.type_v)
+        facts = self._facts
+        # A state that cannot roll a rejected draft back (recurrent, hybrid) or an encoder
+        # never verifies a draft: q8_0 would cost its prefill 1.5x for nothing.
+        rolls_back = MemoryKind(facts.memory_kind, facts.n_swa, params.swa_full).lookahead(0)
         if (
             speculative
+            and facts.causal
+            and rolls_back != 0
             and params.flash_attn != "off"
             and not self._offloaded()
             and k in _SPLIT_KV_TYPES
