@@ -8,7 +8,9 @@ Short prompts: prefill is ~200 tokens/s on 2 cores."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -283,6 +285,29 @@ def test_greedy_reply_past_512_cells_is_plain_decodings_with_q8_0_kv() -> None:
     assert spec.stats.accepted_tokens >= 16
 
 
+def empty_slots(model: Model) -> None:
+    """On the worker thread: every slot's KV dropped, so the next prompts take the cells
+    from the first in order."""
+    for slot in model._worker.rt.slots:
+        model._worker.rt.reset_seq(slot)
+
+
+@contextmanager
+def three_q8_0_slots(n_ctx: int) -> Iterator[Model]:
+    """The embedded model in three slots of ``n_ctx`` cells each, q8_0 cells (exact at any
+    length), drafting generously (a GPU's trade-off) so drafts are long and many."""
+    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
+        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+        context = ContextParams(
+            n_ctx=n_ctx, n_batch=64, n_ubatch=64, n_threads=2, type_k="q8_0", type_v="q8_0"
+        )
+        config = ModelConfig(
+            context=context, spec_type="ngram-simple", spec_ngram_n=3, spec_draft_max=32,
+            n_parallel=3,
+        )  # fmt: skip
+        yield engine.load_model(config=config)
+
+
 def test_concurrent_speculative_replies_are_plain_decodings_with_q8_0_kv() -> None:
     """Three requests at once, each slot verifying its drafts while the others decode, in a
     context whose slots already hold other requests' cells (cleared as these are seated): with
@@ -297,32 +322,28 @@ def test_concurrent_speculative_replies_are_plain_decodings_with_q8_0_kv() -> No
         "The harbour light turns every night at nine, and the keeper writes it down in a book.",
     ]
     chats = [[{"role": "user", "content": f"Repeat this exactly:\n\n{text}"}] for text in texts]
-    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
-        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
-        config = ModelConfig(
-            context=ContextParams(
-                n_ctx=1536, n_batch=64, n_ubatch=64, n_threads=2, type_k="q8_0", type_v="q8_0"
-            ),
-            spec_type="ngram-simple",
-            spec_ngram_n=3,
-            spec_draft_max=32,
-            n_parallel=3,
-        )
-        model = engine.load_model(config=config)
+    with three_q8_0_slots(1536) as model:
         opts = GenerationOptions(max_tokens=60, temperature=0.0, logprobs=0)
 
         def at_once(kind: str, salt: str) -> list[Completion]:
+            # Every run from empty slots, admitted in one tick (the worker held until all are
+            # queued): a run's company and its cells' places are then the same every time.
+            gate = threading.Event()
+            held = model._worker.call(lambda: (empty_slots(model), gate.wait()))
             streams = [
                 model.stream_chat(chat, options=opts, spec_type=kind, cache_salt=f"{salt}{i}")
                 for i, chat in enumerate(chats)
             ]
+            gate.set()
+            held.result()
             return [stream.result() for stream in streams]
 
+        def by_itself(i: int, chat: list[dict[str, str]]) -> Completion:
+            model._worker.call(lambda: empty_slots(model)).result()
+            return model.chat(chat, options=opts, spec_type="none", cache_salt=f"alone{i}")
+
         # Salts keep every request cold: each prefills its prompt and decodes its reply.
-        alone = [
-            model.chat(chat, options=opts, spec_type="none", cache_salt=f"alone{i}")
-            for i, chat in enumerate(chats)
-        ]
+        alone = [by_itself(i, chat) for i, chat in enumerate(chats)]
         plain = at_once("none", "plain")
         spec = at_once("ngram-simple", "spec")
     for one, batched, drafted in zip(alone, plain, spec, strict=True):
@@ -340,18 +361,7 @@ def test_n_choices_after_earlier_requests_are_plain_decodings_with_q8_0_kv() -> 
     cells were free below the prompt's and each choice's next tokens took them, out of
     position order; plain decoding's choices then depended on what the slots held before, and
     speculation's differed from them (8 of 9 choices over three groups)."""
-    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
-        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
-        config = ModelConfig(
-            context=ContextParams(
-                n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=2, type_k="q8_0", type_v="q8_0"
-            ),
-            spec_type="ngram-simple",
-            spec_ngram_n=3,
-            spec_draft_max=32,
-            n_parallel=3,
-        )
-        model = engine.load_model(config=config)
+    with three_q8_0_slots(1024) as model:
         for opts in (
             GenerationOptions(max_tokens=40, temperature=0.0, logprobs=1),
             GenerationOptions(max_tokens=40, temperature=0.7, seed=3, logprobs=1),
