@@ -358,3 +358,18 @@ def test_a_botocore_without_the_parts_lean_gets_use_keeps_its_client(
     client = make_client(S3Config(bucket="b", endpoint_url=scripted.endpoint), 4)
     monkeypatch.delattr("botocore.parsers.create_parser")  # ImportError in a "from" import
     assert LeanGets.of(client) is None
+
+
+def test_an_endpoint_with_a_path_keeps_it_and_the_clients_user_agent(
+    scripted: _Scripted,
+) -> None:
+    """A gateway under a path (``http://host/gw``): lean GETs go where the client's went,
+    with the User-Agent it sent."""
+    cfg = S3Config(bucket="b", prefix="rows/", endpoint_url=f"{scripted.endpoint}/gw")
+    tier = S3Tier(replace(cfg, region="us-east-1"), 1 << 30)
+    assert tier._s3.get("first.kvc").data == b"payload"
+    assert _lean(tier).routed("b")
+    assert tier._s3.get("k.kvc").data == b"payload"
+    (client_path, client_headers), (lean_path, lean_headers) = scripted.seen
+    assert (client_path, lean_path) == ("/gw/b/rows/first.kvc", "/gw/b/rows/k.kvc")
+    assert lean_headers["User-Agent"] == client_headers["User-Agent"]
