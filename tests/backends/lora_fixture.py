@@ -53,6 +53,7 @@ def make_lora(
     layers: Sequence[int] = (0, 1, 2, 3),
     alpha: float | None = None,
     f16: bool = False,
+    q8_0: bool = False,
     misfit: int = 0,
     invocation: Sequence[int] = (),
 ) -> Path:
@@ -63,7 +64,9 @@ def make_lora(
     defaults to ``rank`` (effective multiplier 1). Deterministic for a given ``seed``.
     ``misfit``: widen each ``lora_a`` by that many inputs, so the adapter is one made for a
     model of other dimensions (llama.cpp refuses it: "has incorrect shape"). ``invocation``:
-    make it an activated LoRA (aLoRA: ``adapter.alora.invocation_tokens``).
+    make it an activated LoRA (aLoRA: ``adapter.alora.invocation_tokens``). ``q8_0``: its
+    tensors quantised to Q8_0 (``rank`` a multiple of 32: a row of ``lora_b`` is ``rank``
+    long).
     """
     arch, shapes = _read_base(str(base_model_path))
     if arch != "llama":
@@ -95,8 +98,13 @@ def make_lora(
             std = math.sqrt(scale_hint / math.sqrt(n_in) / math.sqrt(rank))
             a = rng.normal(0.0, std, size=(rank, n_in + misfit)).astype(dtype)
             b = rng.normal(0.0, std, size=(n_out, rank)).astype(dtype)
-            writer.add_tensor(f"{name}.lora_a", a)
-            writer.add_tensor(f"{name}.lora_b", b)
+            for part, values in (("lora_a", a), ("lora_b", b)):
+                if q8_0:
+                    q = gguf.GGMLQuantizationType.Q8_0
+                    packed = gguf.quants.quantize(values.astype(np.float32), q)
+                    writer.add_tensor(f"{name}.{part}", packed, raw_dtype=q)
+                else:
+                    writer.add_tensor(f"{name}.{part}", values)
             n += 1
     if n == 0:
         raise ValueError("no layers to adapt")

@@ -100,14 +100,15 @@ class ModelSettings(BaseSettings):
     type_k: KvTypeName = Field(
         default="auto",
         description="KV cache cell type of K: auto, f16, q8_0, q4_0 ... (rows are kept apart per "
-        "type); auto: f16, or q8_0 in a model that speculates on the CPU (f16 there would make "
-        "greedy speculative replies differ from plain decoding's past 256 cells)",
+        "type); auto: f16, or q8_0 in a model that speculates on the CPU (f16 K and V there "
+        "would make greedy speculative replies differ from plain decoding's past 256 cells)",
         json_schema_extra={"flag": "--cache-type-k", **_flags("-ctk", "--type-k")},
     )
     type_v: KvTypeName = Field(
         default="auto",
         description="KV cache cell type of V: auto, f16, q8_0, q4_0 ... (quantised: needs "
-        "flash_attn); auto as type_k's",
+        "flash_attn); auto: f16, or q8_0 beside a K set to f16 in a model that speculates on "
+        "the CPU",
         json_schema_extra={"flag": "--cache-type-v", **_flags("-ctv", "--type-v")},
     )
     chat_template: OptStr = Field(
@@ -183,7 +184,7 @@ class ModelSettings(BaseSettings):
         description="speculative decoding from n-grams of each request's own prompt and reply "
         "(ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache) or from the draft "
         "model (draft-simple), "
-        "llama-server's names, or none; greedy replies are plain decoding's (its KV cells are "
+        "llama-server's names, or none; greedy replies are plain decoding's (its K cells are "
         "then q8_0 unless type_k/type_v say, see spec_exact); off in deterministic mode; a "
         "request may choose its own (spec_type)",
     )

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvwarm import gguf_meta
 from kvwarm.backends.lifetime import Lifetime
+from kvwarm.backends.llama import model_file
 from kvwarm.backends.llama import native as _native
 from kvwarm.errors import AdapterError
 
@@ -39,6 +40,9 @@ class LlamaAdapter:
         except OSError as exc:
             raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
         _check_tensors(path, model.facts.metadata)
+        #: A weight of it multiplied by another kernel for several rows than for one ("" if
+        #: none): requests under it do not speculate (``LlamaModel.verify_exactness``).
+        self.row_kernels = model_file.several_row_kernels(path, adapter=True)
         self._path = path
         self._sha256 = digest.digest()
         self.model = model

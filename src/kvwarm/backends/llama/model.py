@@ -87,10 +87,13 @@ _KV_VIEW_PAD = 256
 #: row (``GGML_FA_TILE_Q``), for the same K and V types as the split-KV one.
 _TILED_ROWS = 64
 _SPLIT_KV_TYPES = frozenset({"f16", "f32"})
-#: The cell type ``auto`` becomes in a context that speculates where f16 would not be exact:
-#: of the types that leave the split-KV kernel, the cheapest (``bench/kv_types.py``: a cold
-#: prefill 1.5x f16's, a one-token pass 1.05-1.10x; bf16 1.58x and 1.14-1.25x), and half f16's
-#: bytes in memory and in every saved row.
+#: The cell type an ``auto`` K becomes in a context that speculates where f16 would not be
+#: exact (V stays f16: the kernels take K of f16 or f32 only, and the same type for V), or an
+#: ``auto`` V beside a K given f16/f32. Of the ways out of the split-KV and tiled kernels, a
+#: q8_0 K with an f16 V is the cheapest (``bench/kv_types.py``, SmolLM2: a cold prefill 1.20x
+#: f16's, a one-token pass 0.98-1.02x; q8_0 K and V 1.51x and 1.04-1.15x, since every query
+#: row dequantises each V row it adds; f16 K with q8_0 V 1.50x and 1.12-1.24x), at 75% of
+#: f16's bytes in memory and in every saved row.
 _EXACT_KV_TYPE: KvType = "q8_0"
 #: ``llama_vocab_type`` values: no vocabulary, and the tokenizers that add special tokens.
 _VOCAB_NONE, _VOCAB_SPM, _VOCAB_BPE, _VOCAB_WPM, _VOCAB_UGM = 0, 1, 2, 3, 4
@@ -174,6 +177,9 @@ class LlamaModel:
             raise ModelNotFoundError(f"no model file at {path!r}")
         check_gguf_magic(path)  # before llama.cpp parses it (issue 23)
         model_file.check_path(path)  # metadata llama.cpp would abort the process on
+        #: A weight multiplied by another kernel for several rows than for one ("" if none):
+        #: read here, where the file is the one that loads (``verify_exactness``).
+        self._row_kernels = model_file.several_row_kernels(path)
         lib = _native.lib()
         self._lib = lib
         self._params = params
@@ -492,9 +498,9 @@ class LlamaModel:
         where f16 K and V would take the split-KV kernel in one-token passes over 512 cells
         or more (two or more threads) and the tiled one in passes of 64 rows or more (a
         prefill chunk beside a draft), and verify passes not, so a greedy speculative reply
-        would stop being plain decoding's there (``verify_exactness``): an ``auto`` cell is
-        then q8_0, with which every pass attends row by row (``_EXACT_KV_TYPE``). A type
-        given is kept as given.
+        would stop being plain decoding's there (``verify_exactness``): an ``auto`` K is then
+        q8_0 (an ``auto`` V beside a K given f16: V q8_0), with which every pass attends row
+        by row (``_EXACT_KV_TYPE``). A type given is kept as given.
 
         llama.cpp's own ``auto`` turns flash attention on whenever the device supports it,
         and its CPU kernel is the slower one for what a cache serves: decoding and short
@@ -534,8 +540,10 @@ class LlamaModel:
             and k in _SPLIT_KV_TYPES
             and v in _SPLIT_KV_TYPES
         ):
-            k = _EXACT_KV_TYPE if params.type_k == "auto" else k
-            v = _EXACT_KV_TYPE if params.type_v == "auto" else v
+            if params.type_k == "auto":
+                k = _EXACT_KV_TYPE  # V stays f16 (or what was given): the cheapest way out
+            else:
+                v = _EXACT_KV_TYPE  # K was given f16 or f32: V of another type takes it out
         return replace(params, type_k=k, type_v=v)
 
     def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:
@@ -543,6 +551,16 @@ class LlamaModel:
             return "not measured on a GPU (its kernels change with the number of rows in a pass)"
         if params.flash_attn == "off":
             return "no: without flash attention a verify row differs from a one-token pass"
+        weight = self._row_kernels or next(
+            (a.row_kernels for a, _ in adapters if isinstance(a, LlamaAdapter) and a.row_kernels),
+            "",
+        )
+        if weight:
+            return (
+                f"no: {'an adapter' if not self._row_kernels else 'its'} weight {weight} is "
+                "multiplied with another kernel in a pass of several rows than in a one-token "
+                "pass (llamafile's tinyBLAS against vec_dot)"
+            )
         try:
             differ = self._probe_verify_rows(params, adapters)
         except KvwarmError as e:  # a context or a pass refused: say so, keep the model

@@ -551,3 +551,45 @@ def _spm_bytes_problem(names: set[bytes]) -> str:
             "prompt with a character it cannot spell would abort"
         )
     return ""
+
+
+# --- Weights multiplied by another kernel in passes of several rows than in one -------------
+
+#: ggml types whose matrix products llama.cpp's CPU backend computes with llamafile's tinyBLAS
+#: for two rows or more and with ``vec_dot`` for one (``ggml-cpu/llamafile/sgemm.cpp``: F32,
+#: F16, BF16, Q4_0, Q5_0, IQ4_NL; ``n < 2`` returns to ggml). The two sum in other orders:
+#: Gemma 3 270M's Q5_0 tensors made 13 of 16 verify rows differ from one-token passes, an F32
+#: or F16 LoRA adapter made up to 11 of 11 probe rows differ on SmolLM2, by the KV cells. Q8_0
+#: is tinyBLAS's too but sums as ``vec_dot`` does on this x86 CPU (SmolLM2's tied Q8_0 output:
+#: every logit of every verify row equal), so it is left to the load's probe.
+_ROW_KERNEL_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 6: "Q5_0", 20: "IQ4_NL"}
+#: Tensors read by row (``ggml_get_rows``), never multiplied: a lookup, not a matrix product.
+_LOOKUPS = ("token_embd.weight", "position_embd.weight", "token_types.weight")
+
+
+def several_row_kernels(path: str | os.PathLike[str], *, adapter: bool = False) -> str:
+    """The first matrix weight of the GGUF at ``path`` that llama.cpp multiplies with another
+    kernel in a pass of several rows than in a one-token pass, as "name (TYPE)"; "" if none
+    (``_ROW_KERNEL_TYPES``), or if the file cannot be read (the load's probe still runs).
+    A model's weights are its 2-D tensors other than row lookups (``token_embd`` is one only
+    where an ``output.weight`` exists: a tied output multiplies it); ``adapter``: a LoRA
+    adapter's, each of its 2-D tensors."""
+    try:
+        with gguf_meta.tensors_of(path) as tensors:
+            table = [t for t in tensors if len(t.shape) >= 2 and t.shape[1] > 1]
+    except (OSError, ValueError):
+        return ""
+    names = {t.name for t in table}
+    for t in table:
+        kind = _ROW_KERNEL_TYPES.get(t.ggml_type)
+        if kind is None:
+            continue
+        lookup = t.name in _LOOKUPS or t.name.endswith("_token_embd.weight")
+        if (
+            not adapter
+            and lookup
+            and not (t.name == "token_embd.weight" and "output.weight" not in names)
+        ):
+            continue
+        return f"{t.name} ({kind})"
+    return ""
