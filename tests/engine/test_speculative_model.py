@@ -20,7 +20,7 @@ import pytest
 from tests.engine.conftest import make_engine
 
 from kvwarm.backends.base import BackendContext, BatchToken, ContextParams
-from kvwarm.engine.api import ModelConfig
+from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import MAX_DRAFT_TOKENS, Completion, GenerationOptions
 from kvwarm.engine.worker.drafts import Cost, PassCost
@@ -37,19 +37,25 @@ CODE = (
 MESSAGES = [{"role": "user", "content": f"Repeat this code exactly:\n\n{CODE}"}]
 
 
+@contextmanager
+def generous_engine() -> Iterator[Engine]:
+    """An engine whose models draft generously (one more token costs 5% of a pass, a GPU's
+    trade-off), so long drafts and rejections are both verified whatever this CPU's timing."""
+    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
+        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+        yield engine
+
+
 @pytest.fixture(scope="module")
 def model() -> Iterator[Model]:
-    with pytest.MonkeyPatch.context() as patch:
-        # Draft generously (a GPU's trade-off) so long drafts and rejections are both verified.
-        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
-        with make_engine() as engine:
-            config = ModelConfig(
-                context=ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2),
-                spec_type="ngram-simple",
-                spec_ngram_n=3,
-                spec_draft_max=32,
-            )
-            yield engine.load_model(config=config)
+    with generous_engine() as engine:
+        config = ModelConfig(
+            context=ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2),
+            spec_type="ngram-simple",
+            spec_ngram_n=3,
+            spec_draft_max=32,
+        )
+        yield engine.load_model(config=config)
 
 
 def test_greedy_reply_is_plain_decodings(model: Model) -> None:
@@ -264,8 +270,7 @@ def test_greedy_reply_past_512_cells_is_plain_decodings_with_q8_0_kv() -> None:
     The model reports it exact at any length, and the copy is drafted and plain decoding's."""
     functions = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(14))
     messages = [{"role": "user", "content": f"Repeat this code exactly:\n\n{functions}"}]
-    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
-        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+    with generous_engine() as engine:
         config = ModelConfig(
             context=ContextParams(
                 n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=2, type_k="q8_0", type_v="q8_0"
@@ -296,8 +301,7 @@ def empty_slots(model: Model) -> None:
 def three_q8_0_slots(n_ctx: int) -> Iterator[Model]:
     """The embedded model in three slots of ``n_ctx`` cells each, q8_0 cells (exact at any
     length), drafting generously (a GPU's trade-off) so drafts are long and many."""
-    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
-        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+    with generous_engine() as engine:
         context = ContextParams(
             n_ctx=n_ctx, n_batch=64, n_ubatch=64, n_threads=2, type_k="q8_0", type_v="q8_0"
         )
@@ -432,8 +436,7 @@ def test_sliding_window_model_speculates_inside_its_window_exactly(tiny_swa: str
     past it; the reply crosses the window and is plain decoding's throughout."""
     opts = GenerationOptions(max_tokens=60, temperature=0.0, ignore_eos=True)
     prompt = [(7 * i) % 100 + 3 for i in range(12)]
-    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
-        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+    with generous_engine() as engine:
         config = ModelConfig(
             context=ContextParams(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2),
             spec_type="ngram-simple",
@@ -470,8 +473,7 @@ def test_f32_and_f16_adapters_requests_decode_plainly_and_a_q8_0_adapters_specul
         "f16": make_lora(base, tmp_path / "f16.gguf", scale_hint=0.5, f16=True),
         "q8_0": make_lora(base, tmp_path / "q8.gguf", scale_hint=0.5, q8_0=True, rank=32),
     }
-    with pytest.MonkeyPatch.context() as patch, make_engine() as engine:
-        patch.setattr(PassCost, "cost", property(lambda self: Cost(0.0, 0.05)))
+    with generous_engine() as engine:
         config = ModelConfig(
             context=ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2),
             spec_type="ngram-simple",
