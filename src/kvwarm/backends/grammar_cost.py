@@ -22,7 +22,7 @@ can descend (``MAX_GRAMMAR_DEPTH``).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kvwarm.backends.grammar_factor import factor_literal_rules
 from kvwarm.errors import GrammarError
@@ -381,6 +381,11 @@ def check_left_recursion(text: str) -> None:
         rules = _parse(text)
     except (_UnparsableError, RecursionError):
         return
+    _check_left_recursion(rules)
+
+
+def _check_left_recursion(rules: dict[str, _Expr]) -> None:
+    """``check_left_recursion`` of parsed rules."""
     nullable = _nullable(rules)
     heads: dict[str, set[str]] = {name: set() for name in rules}
     for name, expr in rules.items():
@@ -390,22 +395,14 @@ def check_left_recursion(text: str) -> None:
                     heads[name].add(str(val))
                 if low > 0 and not _empty(kind, val, nullable):
                     break
-    owner: dict[str, str] = {}
-    for name, expr in rules.items():
-        for alt in expr:
-            for kind, val, _ in alt:
-                if kind == "ref" and str(val).startswith("("):
-                    owner.setdefault(str(val), name)
+    named = _rule_of(rules)
     for name in rules:
         todo, seen = list(heads[name]), set[str]()
         while todo:
             here = todo.pop()
             if here == name:
-                named = name
-                while named.startswith("(") and named in owner:
-                    named = owner[named]
                 raise GrammarError(
-                    f"grammar rule {named!r} can begin with itself (left recursion, here "
+                    f"grammar rule {named(name)!r} can begin with itself (left recursion, here "
                     "after parts that can match nothing): write the repetition with * or +",
                     param="grammar",
                 )
@@ -423,9 +420,12 @@ def check_grammar_cost(
     _check_length(text)
     check_grammar_depth(text)
     check_grammar_elements(text)
-    check_left_recursion(text)
     try:
         rules = _parse(text)
+    except (_UnparsableError, RecursionError):
+        return
+    _check_left_recursion(rules)  # on the rules parsed once, not check_left_recursion's own
+    try:
         ways, order = _ways(rules, limit)
     except (_UnparsableError, RecursionError):
         return
@@ -564,18 +564,7 @@ def _empty_twice(rules: dict[str, _Expr]) -> str | None:
     past a minute (found by a grammar fuzz in review). Groups count as the rule they stand
     in."""
     nullable = _nullable(rules)
-    owner: dict[str, str] = {}
-    for name, expr in rules.items():
-        for alt in expr:
-            for kind, val, _ in alt:
-                if kind == "ref" and str(val).startswith("("):
-                    owner.setdefault(str(val), name)
-
-    def named(name: str) -> str:
-        while name.startswith("(") and name in owner:
-            name = owner[name]
-        return name
-
+    named = _rule_of(rules)
     for name, expr in rules.items():
         rule = named(name)
         if rule not in nullable:
@@ -588,6 +577,24 @@ def _empty_twice(rules: dict[str, _Expr]) -> str | None:
             if uses > 1:
                 return rule
     return None
+
+
+def _rule_of(rules: dict[str, _Expr]) -> Callable[[str], str]:
+    """The named rule a group (``(...)``, parsed as a rule of its own) stands in, for
+    messages and for counting a group's uses as its rule's; a named rule is itself."""
+    owner: dict[str, str] = {}
+    for name, expr in rules.items():
+        for alt in expr:
+            for kind, val, _ in alt:
+                if kind == "ref" and str(val).startswith("("):
+                    owner.setdefault(str(val), name)
+
+    def named(name: str) -> str:
+        while name.startswith("(") and name in owner:
+            name = owner[name]
+        return name
+
+    return named
 
 
 def _nullable(rules: dict[str, _Expr]) -> set[str]:
