@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -76,6 +77,78 @@ def serve_tiny_models(specs: tuple[ModelSpec, ...]) -> Iterator[TestClient]:
     with TestClient(create_app(settings)) as test_client:
         wait_ready(test_client.get)
         yield test_client
+
+
+#: A tool whose one valid call is ``get_weather({"q": "x"})``, and a prompt that asks nothing:
+#: tiny random-weight models are held to it by the tool-call grammar alone.
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"q": {"const": "x"}},
+    "required": ["q"],
+    "additionalProperties": False,
+}
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMETERS}}
+]
+ASK_HI = [{"role": "user", "content": "hi"}]
+
+
+def data_events(text: str) -> list[dict[str, Any]]:
+    """The JSON of each ``data:`` line of a streamed Anthropic or Responses reply."""
+    return [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ")]
+
+
+def anthropic_weather_call(client: TestClient, model: str, max_tokens: int) -> list[dict[str, Any]]:
+    """Ask ``model`` for the weather over ``/v1/messages`` with ``tool_choice`` auto, whole
+    and streamed: the whole message is exactly the call ``get_weather({"q": "x"})`` (text
+    blocks of whitespace aside) and stops for ``tool_use``, and the streamed call's input is
+    ``{"q": "x"}``. Returns the streamed events, for what a test checks beyond."""
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "messages": ASK_HI,
+        "tools": [{"name": "get_weather", "input_schema": WEATHER_PARAMETERS}],
+        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+    }
+    response = client.post("/v1/messages", json=body)
+    assert response.status_code == 200, response.text
+    message = response.json()
+    blocks = [b for b in message["content"] if b["type"] != "text" or b["text"].strip()]
+    assert [(b["type"], b.get("name"), b.get("input")) for b in blocks] == [
+        ("tool_use", "get_weather", {"q": "x"})
+    ]
+    assert message["stop_reason"] == "tool_use"
+    streamed = client.post("/v1/messages", json=body | {"stream": True})
+    assert streamed.status_code == 200, streamed.text
+    events = data_events(streamed.text)
+    given = "".join(
+        e["delta"].get("partial_json", "") for e in events if e["type"] == "content_block_delta"
+    )
+    assert json.loads(given) == {"q": "x"}
+    return events
+
+
+def responses_weather_call(
+    client: TestClient, model: str, max_output_tokens: int
+) -> tuple[dict[str, Any], list[object]]:
+    """Ask ``model`` for the weather over ``/v1/responses``, one call at most: its output's
+    function calls are exactly ``get_weather({"q": "x"})``. Returns the request's body and
+    the output, for what a test checks beyond."""
+    body: dict[str, Any] = {
+        "model": model,
+        "input": "hi",
+        "temperature": 0,
+        "max_output_tokens": max_output_tokens,
+        "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMETERS}],
+        "parallel_tool_calls": False,
+    }
+    response = client.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    output = response.json()["output"]
+    calls = [item for item in output if item["type"] == "function_call"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"q": "x"})]
+    return body, output
 
 
 def tool_chat(

@@ -20,7 +20,15 @@ from tests.tinymodels import write_marker_model
 
 from kvwarm.settings import ModelSpec
 
-from .conftest import serve_tiny_models, sse_events, tool_chat
+from .conftest import (
+    ASK_HI,
+    WEATHER_TOOLS,
+    anthropic_weather_call,
+    responses_weather_call,
+    serve_tiny_models,
+    sse_events,
+    tool_chat,
+)
 
 pytestmark = pytest.mark.model
 
@@ -69,14 +77,6 @@ MODELS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], dict[str, str]]] 
     "text": (LLAMA3, (NOT_A_CALL,), (NOT_A_CALL,), {NOT_A_CALL: "</s>"}),
 }
 CALLS = sorted(set(MODELS) - {"text"})
-PARAMETERS = {
-    "type": "object",
-    "properties": {"q": {"const": "x"}},
-    "required": ["q"],
-    "additionalProperties": False,
-}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}]
-ASK = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
 
 
 def _chat(model: str, **extra: object) -> dict[str, object]:
-    return tool_chat(model, ASK, TOOLS, 96, **extra)
+    return tool_chat(model, ASK_HI, WEATHER_TOOLS, 96, **extra)
 
 
 @pytest.mark.parametrize("model", CALLS)
@@ -150,44 +150,9 @@ def test_a_reply_of_text_stays_free(client: TestClient) -> None:
 
 @pytest.mark.parametrize("model", ["bare", "function"])
 def test_an_anthropic_tool_use_is_held_to_the_schema(client: TestClient, model: str) -> None:
-    body = {
-        "model": model,
-        "max_tokens": 96,
-        "temperature": 0,
-        "messages": ASK,
-        "tools": [{"name": "get_weather", "input_schema": PARAMETERS}],
-        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
-    }
-    response = client.post("/v1/messages", json=body)
-    assert response.status_code == 200, response.text
-    message = response.json()
-    blocks = [b for b in message["content"] if b["type"] != "text" or b["text"].strip()]
-    assert [(b["type"], b.get("name"), b.get("input")) for b in blocks] == [
-        ("tool_use", "get_weather", {"q": "x"})
-    ]
-    assert message["stop_reason"] == "tool_use"
-    streamed = client.post("/v1/messages", json=body | {"stream": True})
-    assert streamed.status_code == 200, streamed.text
-    events = [
-        json.loads(line[6:]) for line in streamed.text.split("\n") if line.startswith("data: ")
-    ]
-    given = "".join(
-        e["delta"].get("partial_json", "") for e in events if e["type"] == "content_block_delta"
-    )
-    assert json.loads(given) == {"q": "x"}
+    anthropic_weather_call(client, model, 96)
 
 
 @pytest.mark.parametrize("model", ["bare", "python-tag"])
 def test_a_response_function_call_is_held_to_the_schema(client: TestClient, model: str) -> None:
-    body = {
-        "model": model,
-        "input": "hi",
-        "temperature": 0,
-        "max_output_tokens": 96,
-        "tools": [{"type": "function", "name": "get_weather", "parameters": PARAMETERS}],
-        "parallel_tool_calls": False,
-    }
-    response = client.post("/v1/responses", json=body)
-    assert response.status_code == 200, response.text
-    calls = [item for item in response.json()["output"] if item["type"] == "function_call"]
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"q": "x"})]
+    responses_weather_call(client, model, 96)

@@ -21,7 +21,16 @@ from tests.tinymodels import write_marker_model
 
 from kvwarm.settings import ModelSpec
 
-from .conftest import serve_tiny_models, sse_events, tool_chat
+from .conftest import (
+    ASK_HI,
+    WEATHER_TOOLS,
+    anthropic_weather_call,
+    data_events,
+    responses_weather_call,
+    serve_tiny_models,
+    sse_events,
+    tool_chat,
+)
 
 pytestmark = pytest.mark.model
 
@@ -62,14 +71,6 @@ MODELS = {
     "hermes": (HERMES, ("<tool_call>", "</tool_call>")),
     "llama": (LLAMA, ("<|python_tag|>",)),
 }
-PARAMETERS = {
-    "type": "object",
-    "properties": {"q": {"const": "x"}},
-    "required": ["q"],
-    "additionalProperties": False,
-}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}]
-ASK = [{"role": "user", "content": "hi"}]
 MARKERS = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", "<tool_call>", "</tool_call>")
 SPECIALS = (*MARKERS, "[INST]", "[/INST]", "</s>", "<s>")
 
@@ -85,7 +86,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
 
 
 def _chat(model: str, **extra: object) -> dict[str, object]:
-    return tool_chat(model, ASK, TOOLS, 128, **extra)
+    return tool_chat(model, ASK_HI, WEATHER_TOOLS, 128, **extra)
 
 
 #: The llama model has no call format a grammar holds: its request's own grammar writes the
@@ -136,61 +137,23 @@ def test_a_streamed_chat_completion_sends_the_call_and_no_marker(
 
 @pytest.mark.parametrize("model", ["mistral", "hermes"])
 def test_an_anthropic_message_has_the_tool_use(client: TestClient, model: str) -> None:
-    body = {
-        "model": model,
-        "max_tokens": 64,
-        "temperature": 0,
-        "messages": ASK,
-        "tools": [{"name": "get_weather", "input_schema": PARAMETERS}],
-        "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
-    }
-    response = client.post("/v1/messages", json=body)
-    assert response.status_code == 200, response.text
-    message = response.json()
-    blocks = [b for b in message["content"] if b["type"] != "text" or b["text"].strip()]
-    assert [(b["type"], b.get("name"), b.get("input")) for b in blocks] == [
-        ("tool_use", "get_weather", {"q": "x"})
-    ]
-    assert message["stop_reason"] == "tool_use"
-    streamed = client.post("/v1/messages", json=body | {"stream": True})
-    assert streamed.status_code == 200, streamed.text
-    events = [
-        json.loads(line[6:]) for line in streamed.text.split("\n") if line.startswith("data: ")
-    ]
+    events = anthropic_weather_call(client, model, 64)
     text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
     assert not any(marker in text for marker in SPECIALS), text
     starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
     assert [b["name"] for b in starts if b["type"] == "tool_use"] == ["get_weather"]
-    given = "".join(
-        e["delta"].get("partial_json", "") for e in events if e["type"] == "content_block_delta"
-    )
-    assert json.loads(given) == {"q": "x"}
 
 
 @pytest.mark.parametrize("model", ["mistral", "hermes"])
 def test_a_response_has_the_function_call(client: TestClient, model: str) -> None:
-    body = {
-        "model": model,
-        "input": "hi",
-        "temperature": 0,
-        "max_output_tokens": 64,
-        "tools": [{"type": "function", "name": "get_weather", "parameters": PARAMETERS}],
-        "parallel_tool_calls": False,
-    }
-    response = client.post("/v1/responses", json=body)
-    assert response.status_code == 200, response.text
-    output = response.json()["output"]
-    calls = [item for item in output if item["type"] == "function_call"]
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"q": "x"})]
+    body, output = responses_weather_call(client, model, 64)
     for item in output:
         if item["type"] == "message":
             for part in item["content"]:
                 assert not any(marker in part.get("text", "") for marker in SPECIALS), part
     streamed = client.post("/v1/responses", json=body | {"stream": True})
     assert streamed.status_code == 200, streamed.text
-    events = [
-        json.loads(line[6:]) for line in streamed.text.split("\n") if line.startswith("data: ")
-    ]
+    events = data_events(streamed.text)
     text = "".join(e.get("delta", "") for e in events if e["type"] == "response.output_text.delta")
     assert not any(marker in text for marker in SPECIALS), text
     done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
@@ -239,7 +202,7 @@ def test_a_call_after_text_is_found_by_its_marker(
 def test_without_tools_a_control_token_stays_out_of_the_text(client: TestClient) -> None:
     """No tools, nothing parsed: the model's favourite control token is no text (as before,
     and as llama-server's), nor is any other special token."""
-    body = {"model": "mistral", "messages": ASK, "temperature": 0, "max_tokens": 4}
+    body = {"model": "mistral", "messages": ASK_HI, "temperature": 0, "max_tokens": 4}
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == ""
