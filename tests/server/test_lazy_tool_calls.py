@@ -428,14 +428,8 @@ _UNHELD: dict[str, dict[str, object]] = {
 }
 
 
-@pytest.mark.parametrize("unheld", sorted(_UNHELD))
-def test_a_schema_the_grammar_cannot_hold_is_a_400_when_forced_and_free_calls_under_auto(
-    client: TestClient, monkeypatch: pytest.MonkeyPatch, unheld: str
-) -> None:
-    """A forced call must be held: its schema's grammar failing is the 400. Under auto
-    nothing must be: found by review, such a request was the same 400 on every chat API,
-    where OpenAI and llama-server answer it and kvwarm did before auto's calls were held;
-    now its calls are as the model writes them (no grammar), as in a format without one."""
+def recorded_options(monkeypatch: pytest.MonkeyPatch) -> list[GenerationOptions]:
+    """The engine options each request is converted to from now on, in order."""
     seen: list[GenerationOptions] = []
     options = convert.options
 
@@ -445,6 +439,18 @@ def test_a_schema_the_grammar_cannot_hold_is_a_400_when_forced_and_free_calls_un
         return opts
 
     monkeypatch.setattr(convert, "options", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("unheld", sorted(_UNHELD))
+def test_a_schema_the_grammar_cannot_hold_is_a_400_when_forced_and_free_calls_under_auto(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, unheld: str
+) -> None:
+    """A forced call must be held: its schema's grammar failing is the 400. Under auto
+    nothing must be: found by review, such a request was the same 400 on every chat API,
+    where OpenAI and llama-server answer it and kvwarm did before auto's calls were held;
+    now its calls are as the model writes them (no grammar), as in a format without one."""
+    seen = recorded_options(monkeypatch)
     params = _UNHELD[unheld]
     tool = {"type": "function", "function": {"name": "f", "parameters": params}}
     ask = [{"role": "user", "content": "hi"}]
@@ -481,15 +487,7 @@ def test_every_chat_api_decodes_auto_calls_under_the_lazy_grammar(
 ) -> None:
     """OpenAI chat, Anthropic messages, OpenAI responses: each request's engine options carry
     the call grammar, started by ``<tool_call>`` (the stub's template describes tools)."""
-    seen: list[GenerationOptions] = []
-    options = convert.options
-
-    def recorded(*args: object, **kwargs: object) -> GenerationOptions:
-        opts = options(*args, **kwargs)  # type: ignore[arg-type]
-        seen.append(opts)
-        return opts
-
-    monkeypatch.setattr(convert, "options", recorded)
+    seen = recorded_options(monkeypatch)
     params = WEATHER.function.parameters
     ask = [{"role": "user", "content": "Weather?"}]
     bodies = {
