@@ -51,6 +51,15 @@ def test_a_refused_start_leaves_the_rest_of_its_text_searched() -> None:
     assert watch.feed(b"c>") is None  # nothing kept from a start with no trigger after it
 
 
+def assert_invalid(model: BackendModel, params: SamplingParams, param: str) -> None:
+    """``params`` are refused, naming ``param``, by the trigger watch and by the sampler."""
+    with pytest.raises(InvalidRequestError) as info:
+        trigger_watch(params)
+    assert info.value.param == param
+    with pytest.raises(InvalidRequestError):
+        model.new_sampler(params).close()
+
+
 @pytest.mark.parametrize(
     ("params", "param"),
     [
@@ -66,11 +75,7 @@ def test_a_refused_start_leaves_the_rest_of_its_text_searched() -> None:
 def test_bad_triggers_are_invalid_requests(
     model: BackendModel, params: SamplingParams, param: str
 ) -> None:
-    with pytest.raises(InvalidRequestError) as info:
-        trigger_watch(params)
-    assert info.value.param == param
-    with pytest.raises(InvalidRequestError):
-        model.new_sampler(params).close()
+    assert_invalid(model, params, param)
 
 
 class Driver:
@@ -327,11 +332,7 @@ def _starts(*patterns: str, grammar: str | None = BARE, words: int = 0) -> Sampl
 def test_bad_start_patterns_are_invalid_requests(
     model: BackendModel, params: SamplingParams, param: str
 ) -> None:
-    with pytest.raises(InvalidRequestError) as info:
-        trigger_watch(params)
-    assert info.value.param == param
-    with pytest.raises(InvalidRequestError):
-        model.new_sampler(params).close()
+    assert_invalid(model, params, param)
 
 
 def _bare(model: BackendModel, temperature: float) -> Iterator[Driver]:
