@@ -270,13 +270,19 @@ _VIT_TYPES = frozenset({"gemma3", "mlp"})
 _GEMMA3_MERGE = 4
 
 
+def _projector_type(values: dict[str, gguf_meta.Value], modality: str) -> str | None:
+    """The projector type of a ``modality`` ("vision", "audio") encoder, as mtmd reads it:
+    the file's common type, else the modality's own; None without such an encoder."""
+    if values.get(f"clip.has_{modality}_encoder") is not True:
+        return None
+    return _text(values.get("clip.projector_type")) or _text(
+        values.get(f"clip.{modality}.projector_type")
+    )
+
+
 def _vision_vit_type(values: dict[str, gguf_meta.Value]) -> str | None:
     """The vision projector type, as mtmd reads it, if it is one of ``_VIT_TYPES``."""
-    if values.get("clip.has_vision_encoder") is not True:
-        return None
-    kind = _text(values.get("clip.projector_type")) or _text(
-        values.get("clip.vision.projector_type")
-    )
+    kind = _projector_type(values, "vision")
     return kind if kind in _VIT_TYPES else None
 
 
@@ -289,11 +295,7 @@ _WHISPER_POSITIONS = 1500
 
 def _audio_whisper_type(values: dict[str, gguf_meta.Value]) -> str | None:
     """The audio projector type, as mtmd reads it, if it is one of ``_WHISPER_TYPES``."""
-    if values.get("clip.has_audio_encoder") is not True:
-        return None
-    kind = _text(values.get("clip.projector_type")) or _text(
-        values.get("clip.audio.projector_type")
-    )
+    kind = _projector_type(values, "audio")
     kind = "qwen2a" if kind == "qwen2.5o" else kind  # clip.cpp's legacy name, for audio
     return kind if kind in _WHISPER_TYPES else None
 
