@@ -34,29 +34,12 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 from kvwarm.backends.base import BackendContext, BatchToken, ContextParams
 from kvwarm.backends.llama import LlamaBackend
+from kvwarm.backends.verify_rows import differing_rows
 from kvwarm.embedded import default_model_path
 
 TEXT = "The keeper of the lighthouse wrote in his ledger every evening about the ships. " * 200
-
-
-def differing_rows(ctx: BackendContext, prompt: list[int], at: int, rows: int) -> int:
-    """Rows of one ``rows``-row pass after ``prompt[:at]`` that differ from one-token passes."""
-    follow = prompt[at : at + rows]
-    ctx.seq_rm(0, at, -1)
-    one = []
-    for i, token in enumerate(follow):
-        ctx.decode([BatchToken(token, at + i, 0, True)])
-        one.append(np.frombuffer(ctx.logits(0), np.float32).copy())
-    ctx.seq_rm(0, at, -1)
-    ctx.decode([BatchToken(t, at + i, 0, True) for i, t in enumerate(follow)])
-    return sum(
-        not np.array_equal(one[i], np.frombuffer(ctx.logits(i), np.float32))
-        for i in range(len(follow))
-    )
 
 
 def one_token_pass(ctx: BackendContext, at: int, reps: int) -> float:
@@ -117,10 +100,10 @@ def main() -> None:
             if r > 0:  # ``points`` descend: each trims what the last left
                 for name, seconds in {"prefill": prefill, **passes}.items():
                     figures[t].setdefault(name, []).append(seconds)
+    at = min(points)
     for t, ctx in contexts.items():
         ctx.seq_rm(0)
-        ctx.prefill(0, prompt[: args.prompt], 0)
-        differing[t] = differing_rows(ctx, prompt, min(points), args.rows)
+        differing[t] = differing_rows(ctx, prompt[:at], prompt[at : at + args.rows], (args.rows,))
         ctx.close()
     model.close()
     print(f"load average after: {os.getloadavg()[0]:.2f}")
