@@ -98,6 +98,21 @@ def data_events(text: str) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ")]
 
 
+def streamed_call(text: str) -> tuple[str, str, str]:
+    """A streamed chat completion's content, and its one tool call's name and arguments, each
+    joined from their deltas."""
+    content, name, arguments = "", "", ""
+    for event in sse_events(text):
+        assert isinstance(event, dict)
+        for choice in event["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or ():
+                name += call["function"].get("name") or ""
+                arguments += call["function"].get("arguments") or ""
+    return content, name, arguments
+
+
 def anthropic_weather_call(client: TestClient, model: str, max_tokens: int) -> list[dict[str, Any]]:
     """Ask ``model`` for the weather over ``/v1/messages`` with ``tool_choice`` auto, whole
     and streamed: the whole message is exactly the call ``get_weather({"q": "x"})`` (text

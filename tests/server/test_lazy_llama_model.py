@@ -27,6 +27,7 @@ from .conftest import (
     responses_weather_call,
     serve_tiny_models,
     sse_events,
+    streamed_call,
     tool_chat,
 )
 
@@ -117,15 +118,7 @@ def test_a_chat_completions_call_is_held_to_the_schema(client: TestClient, model
 def test_a_streamed_call_is_held_to_the_schema(client: TestClient, model: str) -> None:
     response = client.post("/v1/chat/completions", json=_chat(model, stream=True))
     assert response.status_code == 200, response.text
-    content, name, arguments = "", "", ""
-    for event in sse_events(response.text):
-        assert isinstance(event, dict)
-        for choice in event["choices"]:
-            delta = choice["delta"]
-            content += delta.get("content") or ""
-            for call in delta.get("tool_calls") or ():
-                name += call["function"].get("name") or ""
-                arguments += call["function"].get("arguments") or ""
+    content, name, arguments = streamed_call(response.text)
     assert content.strip() == ""
     assert name == "get_weather"
     assert json.loads(arguments) == {"q": "x"}

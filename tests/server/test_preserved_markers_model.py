@@ -29,6 +29,7 @@ from .conftest import (
     responses_weather_call,
     serve_tiny_models,
     sse_events,
+    streamed_call,
     tool_chat,
 )
 
@@ -120,15 +121,7 @@ def test_a_streamed_chat_completion_sends_the_call_and_no_marker(
 ) -> None:
     response = client.post("/v1/chat/completions", json=_request(model) | {"stream": True})
     assert response.status_code == 200, response.text
-    content, name, arguments = "", "", ""
-    for event in sse_events(response.text):
-        assert isinstance(event, dict)
-        for choice in event["choices"]:
-            delta = choice["delta"]
-            content += delta.get("content") or ""
-            for call in delta.get("tool_calls") or ():
-                name += call["function"].get("name") or ""
-                arguments += call["function"].get("arguments") or ""
+    content, name, arguments = streamed_call(response.text)
     assert not any(marker in content for marker in SPECIALS), content
     assert content.strip() == ""
     assert name == "get_weather"
