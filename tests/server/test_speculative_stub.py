@@ -1,6 +1,7 @@
 """Speculative decoding at the server's edges: the request fields (kvwarm's and llama-server's
-names), ``timings.draft_n``/``draft_n_accepted``, the ``/metrics`` counters and what
-``/v1/models`` says, on a stub model that copies (its path names ``copy``)."""
+names), ``timings.draft_n``/``draft_n_accepted`` and the decode clock (``predicted_*``), the
+``/metrics`` counters and what ``/v1/models`` says, on a stub model that copies (its path names
+``copy``)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,26 @@ def test_timings_and_metrics_count_drafts(client: TestClient) -> None:
         "kvwarm_spec_accepted_tokens_total", 0
     )
     assert after["kvwarm_spec_verify_passes_total"] > 0
+
+
+def test_timings_time_the_decode_steps_as_llama_server_does(client: TestClient) -> None:
+    """``predicted_n``/``predicted_ms``/``predicted_per_second``: tokens sampled, the time
+    from the first one's sampling to the last one's, and the tokens after the first a second
+    (the first comes from the prompt's pass), llama-server's clock, so that a comparison
+    times both alike; ``generation_ms`` holds more (the first sampling, the finish)."""
+    for model, salt, max_tokens in (("spec", "t1", 40), ("plain", "t2", 40), ("plain", "t3", 1)):
+        body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+        out = client.post("/v1/completions", json={**body, "cache_salt": salt}).json()
+        timings, tokens = out["timings"], out["usage"]["completion_tokens"]
+        ended = out["choices"][0]["finish_reason"] == "stop"
+        assert timings["predicted_n"] == tokens + (1 if ended else 0)
+        assert 0 <= timings["predicted_ms"] <= timings["generation_ms"]
+        steps = timings["predicted_n"] - 1
+        if steps == 0:
+            assert timings["predicted_per_second"] == 0
+        else:
+            rate = steps * 1e3 / timings["predicted_ms"]
+            assert timings["predicted_per_second"] == pytest.approx(rate, rel=1e-3, abs=1e-3)
 
 
 def test_streamed_chat_reports_drafts_in_its_usage_chunk(client: TestClient) -> None:

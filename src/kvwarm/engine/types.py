@@ -367,6 +367,23 @@ class CompletionStats:
     #: accepted (llama-server's ``draft_n`` and ``draft_n_accepted``); 0 and 0 without it.
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    #: Tokens sampled (an end-of-generation token included), and the milliseconds from the
+    #: first one's sampling to the last one's: the decode steps alone, what llama-server
+    #: times as ``predicted_n`` and ``predicted_ms`` (``generation_ms`` starts before the
+    #: first token is sampled and ends with the reply's finish). ``decode_steps``: the tokens
+    #: of that time, the first coming from the prompt's pass (``sampled_tokens - 1``; a sum of
+    #: them over a multi-prompt request's replies).
+    sampled_tokens: int = 0
+    decode_steps: int = 0
+    decode_ms: float = 0.0
+
+    @property
+    def decode_per_second(self) -> float:
+        """Tokens a second over the decode steps (llama-server's ``predicted_per_second``);
+        0 where no step was timed."""
+        if self.decode_steps <= 0 or self.decode_ms <= 0.0:
+            return 0.0
+        return self.decode_steps * 1e3 / self.decode_ms
 
     @property
     def ttft_ms(self) -> float:

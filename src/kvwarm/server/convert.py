@@ -186,6 +186,12 @@ def timings(stats: CompletionStats) -> Json:
         # Speculative decoding, under llama-server's names: tokens drafted, and accepted.
         "draft_n": stats.drafted_tokens,
         "draft_n_accepted": stats.accepted_tokens,
+        # The decode steps alone, as llama-server times them: tokens sampled (an end of
+        # generation included), ms from the first one's sampling to the last one's, and the
+        # tokens after the first a second over that time.
+        "predicted_n": stats.sampled_tokens,
+        "predicted_ms": round(stats.decode_ms, 3),
+        "predicted_per_second": round(stats.decode_per_second, 3),
     }
 
 
@@ -365,4 +371,7 @@ def sum_stats(all_stats: Sequence[CompletionStats]) -> CompletionStats:
         queue_ms=sum(s.queue_ms for s in all_stats),
         drafted_tokens=sum(s.drafted_tokens for s in all_stats),
         accepted_tokens=sum(s.accepted_tokens for s in all_stats),
+        sampled_tokens=sum(s.sampled_tokens for s in all_stats),
+        decode_steps=sum(s.decode_steps for s in all_stats),
+        decode_ms=sum(s.decode_ms for s in all_stats),
     )

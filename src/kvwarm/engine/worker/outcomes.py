@@ -70,6 +70,9 @@ class Outcomes:
             reuse=act.reuse,
             drafted_tokens=act.drafted,
             accepted_tokens=act.accepted,
+            sampled_tokens=act.sampled,
+            decode_steps=max(0, act.sampled - 1),
+            decode_ms=(act.last_sampled - act.first_sampled) * 1e3,
         )
         self.rt.stats.account(stats)
         completion = Completion(

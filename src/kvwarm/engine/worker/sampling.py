@@ -20,6 +20,7 @@ from the prompt or streamed.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -189,6 +190,11 @@ class Sampling:
         """Send ``token`` on its way; why the request ends with it, if it does (an
         end-of-generation token is not part of the reply, nor is its logprob; the one that
         reaches ``max_tokens`` is, but is never decoded)."""
+        now = time.perf_counter()
+        if not act.sampled:
+            act.first_sampled = now
+        act.last_sampled = now
+        act.sampled += 1
         piece = self._pieces.get(token, _UNSEEN)
         if piece is _UNSEEN:
             model = self.rt.model

@@ -41,6 +41,11 @@ class Active:
     hit_kind: CacheHitKind
     admitted: float
     prefill_done: float = 0.0
+    #: Tokens sampled (an end-of-generation one included) and when the first and the latest
+    #: were: the decode interval llama-server times (``CompletionStats.decode_ms``).
+    sampled: int = 0
+    first_sampled: float = 0.0
+    last_sampled: float = 0.0
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # sampled, not yet decoded
     logprobs: list[TokenLogprob] = field(default_factory=list)
