@@ -129,7 +129,9 @@ def run_explain(args: argparse.Namespace) -> int:
         tokens = _tokens(bmodel, args.prompt, body, cfg.chat_template)
         # The namespace the server hashed: its context as it ran (flash attention resolved).
         context = bmodel.context_params(
-            cfg.context, deterministic=cfg.deterministic, speculative=cfg.speculative
+            cfg.context,
+            deterministic=cfg.deterministic,
+            speculative=cfg.speculates_with(facts.pooling),
         )
     finally:
         bmodel.close()

@@ -97,6 +97,13 @@ class ModelConfig:
         """Whether requests of this model speculate unless they choose otherwise."""
         return self.spec_type != "none" or self.draft_model is not None
 
+    def speculates_with(self, gguf_pooling: PoolingType | None) -> bool:
+        """``speculative`` for a model whose GGUF pools as given: a reranker (pooling rank,
+        this config's or the GGUF's) never generates, so it never verifies a draft, and its
+        ``auto`` KV cells need not be the exact type (``BackendModel.context_params``)."""
+        pooling = self.pooling or gguf_pooling or self.context.pooling
+        return self.speculative and pooling != "rank"
+
     def validate(self) -> None:
         check_field_types(self)
         self.context.validate()

@@ -145,10 +145,12 @@ class Model:
         self._draft: DraftModel | None = None
         #: The context as configured, before the backend resolved its ``auto`` values.
         self._context_given = cfg.context
-        ran = self._bmodel.context_params(
-            cfg.context, deterministic=cfg.deterministic, speculative=cfg.speculative
-        )
         facts = self._bmodel.facts
+        ran = self._bmodel.context_params(
+            cfg.context,
+            deterministic=cfg.deterministic,
+            speculative=cfg.speculates_with(facts.pooling),
+        )
         #: How it pools: the setting's, else the GGUF's, else the context's (mean).
         self.pooling: PoolingType = cfg.pooling or facts.pooling or ran.pooling
         if self.pooling == "rank":
