@@ -26,8 +26,12 @@ round). ``--base-tree DIR`` adds ``kvwarm-spec-base``: ``kvwarm-spec`` run from 
 kvwarm then does not speculate where it is not exact, so ``--spec-exact false`` with it speculates
 anyway).
 
-Prints per load and server the median decode speed by the server's own ``timings`` (kvwarm's
-``generation_ms``, llama-server's ``predicted_ms``: decode only, not the prompt), the ratio to
+Prints per load and server the median decode speed by the server's own timings, on one clock:
+``predicted_n - 1`` tokens in ``predicted_ms`` (from the first token's sampling to the last one's;
+the first token comes from the prompt's pass), llama-server's own ``predicted_per_second``
+(measured 2026-11-29: kvwarm's ``generation_ms`` is within 0.3 ms of its ``predicted_ms``, so the
+earlier ``completion_tokens / generation_ms`` against ``predicted_n / predicted_ms`` counted the
+free first token on both sides alike; each speed is now 95/96 of what it was), the ratio to
 kvwarm plain, the drafts accepted/drafted, and whether the text is the plain text of the same
 numerics (greedy: it must be, everywhere): a speculating kvwarm's is kvwarm-fa's (flash
 attention on, as speculation runs it), llama-server's types' is llama-server plain's. Run it
@@ -195,9 +199,10 @@ class Server:
         if self.proc is not None:
             stop_server(self.proc, 30)
 
-    def complete(self, prompt: str, max_tokens: int) -> tuple[str, float, int, int, int]:
-        """(text, decode seconds, completion tokens, drafted, accepted), by the server's own
-        timings: kvwarm's ``/v1/completions``, llama-server's native ``/completion``."""
+    def complete(self, prompt: str, max_tokens: int) -> tuple[str, float, int, int, int, int]:
+        """(text, decode seconds, decode steps, drafted, accepted, completion tokens), by the
+        server's own timings (``predicted_ms``, ``predicted_n``: the same clock on both):
+        kvwarm's ``/v1/completions``, llama-server's native ``/completion``."""
         url = f"http://127.0.0.1:{self.port}"
         if self.kvwarm:
             body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
@@ -207,7 +212,7 @@ class Server:
             timings, usage = out["timings"], out["usage"]
             assert isinstance(timings, dict) and isinstance(usage, dict)
             text = str(out["choices"][0]["text"])  # type: ignore[index]
-            seconds, tokens = timings["generation_ms"] / 1e3, usage["completion_tokens"]
+            tokens = int(usage["completion_tokens"])
         else:
             body = {
                 "prompt": prompt, "n_predict": max_tokens, "temperature": 0,
@@ -217,9 +222,11 @@ class Server:
             timings = out["timings"]
             assert isinstance(timings, dict)
             text = str(out["content"])
-            seconds, tokens = timings["predicted_ms"] / 1e3, timings["predicted_n"]
+            tokens = int(timings["predicted_n"])
+        seconds, steps = timings["predicted_ms"] / 1e3, int(timings["predicted_n"]) - 1
         drafted = int(timings.get("draft_n", 0))
-        return text, float(seconds), int(tokens), drafted, int(timings.get("draft_n_accepted", 0))
+        accepted = int(timings.get("draft_n_accepted", 0))
+        return text, float(seconds), steps, drafted, accepted, tokens
 
 
 def render(model: Path, content: str) -> str:
@@ -323,7 +330,7 @@ def main() -> None:
         for name in names
     ]  # fmt: skip
     # (load, server) -> per round: (text, decode s, tokens, drafted, accepted)
-    runs: dict[tuple[str, str], list[tuple[str, float, int, int, int]]] = {}
+    runs: dict[tuple[str, str], list[tuple[str, float, int, int, int, int]]] = {}
     try:
         for server in servers:
             server.start()
@@ -372,7 +379,7 @@ def main() -> None:
             print(
                 f"{load:11} {name:20} {speed:8.1f} {speed / base_speed:10.2f} {speed / plain:8.2f} "
                 f"{accepted:5}/{drafted:<5}  {'same as' if same else 'DIFFERS from'}"
-                f" {same_as[name]} ({rs[0][2]} tokens)"
+                f" {same_as[name]} ({rs[0][5]} tokens)"
             )
     shutil.rmtree(work, ignore_errors=True)
 
