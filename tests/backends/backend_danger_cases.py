@@ -311,6 +311,23 @@ def case_left_recursion_through_an_empty_rule(backend: str) -> None:
     model.new_sampler(SamplingParams(temperature=0, grammar=fine)).close()
 
 
+def case_repeat_below_its_least(backend: str) -> None:
+    """llama.cpp's grammar parser counts ``{m,n}``'s optional repeats as ``n - m`` unsigned: on
+    ``{5,2}`` it added rules until the kernel killed the process (found by fuzzing the
+    server). Under a bound on the address space the old code died here at once (an uncaught
+    ``bad_alloc``) instead of taking the machine's memory with it."""
+    import resource
+
+    model = load(backend)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as statm:
+        used = int(statm.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (used + (2 << 30), hard))
+    for grammar in ('root ::= "a"{5,2}', 'root ::= ("a" | "b"){3, 0}'):
+        expect(GrammarError, lambda g=grammar: model.new_sampler(SamplingParams(grammar=g)))
+    model.new_sampler(SamplingParams(temperature=0, grammar='root ::= "a"{2,5}')).close()
+
+
 def case_grammar_then_accept(backend: str) -> None:
     # accept() feeds penalty history only: a token the grammar forbids must not reach it.
     model = load(backend)

@@ -196,6 +196,28 @@ def test_left_recursion_through_what_can_be_empty_is_refused(grammar: str) -> No
 @pytest.mark.parametrize(
     "grammar",
     [
+        'root ::= "a"{5,2}',  # the fuzz's: llama.cpp counted 2 - 5 optional repeats unsigned
+        'root ::= ("a" | "b") { 3 , 0 } "c"',
+        'root ::= x\nx ::= ( [a]{1500,1000} )',
+        'root ::= ("a"{2}\n  # a comment } here\n  {9 ,\n 8})',  # spaces and comments between
+    ],
+)
+def test_a_repetition_whose_most_is_below_its_least_is_refused(grammar: str) -> None:
+    with pytest.raises(GrammarError, match="most below its least") as info:
+        check_grammar_cost(grammar)
+    assert info.value.param == "grammar"
+
+
+@pytest.mark.parametrize(
+    "grammar", ['root ::= "a"{2,2} "{5,2}" [{}] # {5,2}\n', 'root ::= "a"{0,} "b"{3} "c"{1,2}']
+)
+def test_repetitions_in_order_and_braces_in_text_pass(grammar: str) -> None:
+    check_grammar_cost(grammar)
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
         "root ::= | [\\x00-\\x7f] root {2} [a-c]",  # the fuzz's: past a minute, one token
         'root ::= x "b"\nx ::= | "a" x x',
         'root ::= x\nx ::= | "a" (x "," x)',

@@ -37,6 +37,7 @@ __all__ = [
     "cheap_grammar",
     "check_grammar_depth",
     "check_grammar_elements",
+    "check_grammar_repeats",
     "check_left_recursion",
     "grammar_depth",
     "grammar_ways",
@@ -370,6 +371,45 @@ def check_grammar_elements(text: str) -> None:
         )
 
 
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def _repeat_counts(text: str, i: int) -> tuple[int, int | None] | None:
+    """The ``(min, max)`` of the ``{m}``, ``{m,}`` or ``{m,n}`` at ``i`` (max None: unbounded),
+    read as llama.cpp's parser reads it (spaces and comments may come between its parts), or
+    None where it is no such repetition (llama.cpp's parser reports that)."""
+    j = _skip(text, i + 1)
+    m = _DIGITS.match(text, j)
+    if m is None:
+        return None
+    low = int(m.group(0))
+    j = _skip(text, m.end())
+    if text.startswith("}", j):
+        return low, low
+    if not text.startswith(",", j):
+        return None
+    m = _DIGITS.match(text, _skip(text, j + 1))
+    return (low, None) if m is None else (low, int(m.group(0)))
+
+
+def check_grammar_repeats(text: str) -> None:
+    """``GrammarError`` for a repetition ``{m,n}`` whose most is below its least
+    (``root ::= "a"{5,2}``): llama.cpp's parser counts the optional repeats as ``n - m``
+    unsigned, so it wrapped to 2**64 and added rules until the process ran out of memory
+    (found by fuzzing: 4 minutes, then the kernel killed the server). Every backend's sampler
+    checks it, as it checks the depth."""
+    for i, c in _syntax(text):
+        if c != "{":
+            continue
+        counts = _repeat_counts(text, i)
+        if counts is not None and counts[1] is not None and counts[1] < counts[0]:
+            raise GrammarError(
+                f"grammar repetition {{{counts[0]},{counts[1]}}} (at character {i}) has its "
+                "most below its least",
+                param="grammar",
+            )
+
+
 def check_left_recursion(text: str) -> None:
     """``GrammarError`` for a rule that can begin with itself after parts that can all be
     empty (``root ::= y root "b" | "a"`` with ``y ::= "x"?``): llama.cpp refuses a
@@ -420,6 +460,7 @@ def check_grammar_cost(
     _check_length(text)
     check_grammar_depth(text)
     check_grammar_elements(text)
+    check_grammar_repeats(text)
     try:
         rules = _parse(text)
     except (_UnparsableError, RecursionError):

@@ -38,6 +38,7 @@ from kvwarm.backends.base import BackendContext, SamplingParams
 from kvwarm.backends.grammar_cost import (
     check_grammar_depth,
     check_grammar_elements,
+    check_grammar_repeats,
     check_left_recursion,
 )
 from kvwarm.backends.lazy_grammar import trigger_watch
@@ -123,6 +124,7 @@ class LlamaSampler:
             raise GrammarError("the grammar contains a NUL character", param="grammar")
         check_grammar_depth(params.grammar)  # deeper, llama.cpp's parser overflows its stack
         check_grammar_elements(params.grammar)  # llama.cpp can abort the process on them
+        check_grammar_repeats(params.grammar)  # {5,2}: llama.cpp builds rules until out of memory
         check_left_recursion(params.grammar)  # llama.cpp's compile can loop for ever on one
         lib = self._lib
         grammar = lib.llama_sampler_init_grammar(

@@ -28,6 +28,7 @@ from kvwarm.backends.base import BackendContext, SamplingParams
 from kvwarm.backends.grammar_cost import (
     check_grammar_depth,
     check_grammar_elements,
+    check_grammar_repeats,
     check_left_recursion,
 )
 from kvwarm.backends.lazy_grammar import trigger_watch
@@ -57,6 +58,7 @@ class LiteralGrammar:
             raise GrammarError("the grammar contains a NUL character", param="grammar")
         check_grammar_depth(grammar)  # as llama.cpp's sampler refuses it
         check_grammar_elements(grammar)
+        check_grammar_repeats(grammar)
         check_left_recursion(grammar)
         if not any(head.match(line) for line in rules):
             raise GrammarError(f"grammar has no {root!r} rule", param="grammar")
