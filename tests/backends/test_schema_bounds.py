@@ -183,6 +183,14 @@ def test_an_array_holds_to_its_counts_without_items() -> None:
         ({"type": "integer", "minimum": 5, "maximum": 4}, "admit no integer"),
         ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "admit no integer"),
         ({"type": "string", "pattern": 5}, "pattern must be a string"),
+        # Found by fuzzing: the converter wrote the least and dropped the most, and an empty
+        # list became "root ::= ", a reply of no JSON at all.
+        ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 is more than"),
+        ({"type": "array", "minItems": 3, "maxItems": 1, "items": {}}, "minItems 3 is more"),
+        ({"type": ["string", "null"], "minLength": 2, "maxLength": 1}, "no string can hold"),
+        ({"enum": []}, "enum is empty"),
+        ({"anyOf": []}, "anyOf is empty"),
+        ({"type": "object", "properties": {"a": {"oneOf": []}}}, "oneOf is empty"),
         # Keywords the converter's reading of the node dropped unsaid (found by review).
         ({"type": "object", "required": ["a"]}, "required beside type object"),
         (
@@ -246,6 +254,20 @@ def test_keywords_the_grammar_holds_beside_a_reading_are_accepted(
     assert schema_to_gbnf(schema)
 
 
+def test_a_property_named_by_the_empty_string_keeps_the_root_an_object() -> None:
+    """Found by fuzzing: the converter named a top-level property "" by its parent's name,
+    which is "root" at the top, so the grammar's root was that property's value (a string)
+    and never the object the schema asks for."""
+    grammar = schema_to_gbnf(
+        {"type": "object", "properties": {"": {"type": "string"}}, "required": [""]}
+    )
+    assert [accepts(grammar, t) for t in ['{"": "x"}', '"x"', "{}"]] == [1, 0, 0]
+    nested = schema_to_gbnf(
+        {"type": "object", "properties": {"": {"type": "object", "properties": {"": {}}}}}
+    )
+    assert [accepts(nested, t) for t in ['{"": {"": {}}}', "{}", '"x"', '{"": 1}']] == [1, 1, 0, 0]
+
+
 def test_a_tuple_holds_to_its_length() -> None:
     grammar = schema_to_gbnf(
         {"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 1, "maxItems": 1}
@@ -262,6 +284,7 @@ LLAMA_SCHEMAS = [
     {"type": ["integer", "null"], "exclusiveMinimum": 10},
     {"type": "number", "minimum": -2.5, "maximum": 3.25},
     {"type": "array", "minItems": 1, "maxItems": 2},
+    {"type": "object", "properties": {"": {"type": "string"}}, "required": [""]},  # rule -kv
 ]
 
 

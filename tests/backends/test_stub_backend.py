@@ -62,6 +62,10 @@ def test_literal_grammar_is_enforced_and_others_checked() -> None:
     assert out == [OFFSET + ord("o"), OFFSET + ord("k"), EOS]
     with pytest.raises(GrammarError):
         model.new_sampler(SamplingParams(grammar='root ::= item\nitem ::= "x" other'))
+    # Rule names as llama.cpp reads them (a JSON schema's property "" has the rule "-kv"):
+    # the stub refused them as undefined rules (found by fuzzing).
+    for names in ('root ::= -kv x_y 1\n-kv ::= "a"\nx_y ::= "b"\n1 ::= "c"',):
+        model.new_sampler(SamplingParams(grammar=names)).close()
 
 
 def test_the_environment_sets_a_stub_backends_pace(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -187,6 +187,19 @@ def _fix_visits(module: ModuleType) -> None:
     reserved = module.RESERVED_NAMES
 
     def visit_node(self: object, schema: object, name: str) -> object:
+        depth = getattr(self, "_kvwarm_depth", 0)
+        if depth and not name:
+            # Only a top-level property named "" is visited under no name below the root:
+            # the converter named its rule "root", so the grammar's root was that property's
+            # value, not the object (found by fuzzing).
+            name = "empty-key"
+        setattr(self, "_kvwarm_depth", depth + 1)  # noqa: B010
+        try:
+            return visit_checked(self, schema, name)
+        finally:
+            setattr(self, "_kvwarm_depth", depth)  # noqa: B010
+
+    def visit_checked(self: object, schema: object, name: str) -> object:
         if isinstance(schema, dict):
             schema = _checked_node(schema)
             kind = schema.get("type")
@@ -222,6 +235,15 @@ def _shaped_node(schema: dict[str, object]) -> dict[str, object]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise _fail(f"{key} must be a non-negative integer, got {value!r}")
     kind = schema.get("type")
+    for key in ("enum", "anyOf", "oneOf"):
+        if key in schema and schema[key] == []:
+            # The converter wrote "root ::= " for it: the model's reply was "", no JSON.
+            raise _fail(f"{key} is empty: no value can match it")
+    for low, high, of in (("minLength", "maxLength", "string"), ("minItems", "maxItems", "array")):
+        least, most = schema.get(low), schema.get(high)
+        if kind in (None, of) and isinstance(least, int) and isinstance(most, int) and most < least:
+            # The converter wrote the least and dropped the most (found by fuzzing).
+            raise _fail(f"{low} {least} is more than {high} {most}: no {of} can hold both")
     if isinstance(kind, list) and not any(k in schema for k in ("$ref", "oneOf", "anyOf")):
         if not kind or not all(isinstance(t, str) for t in kind):
             raise _fail(f"type must be a string or a non-empty list of strings, got {kind!r}")

@@ -97,9 +97,10 @@ class LiteralGrammar:
         self.prefix = b""
 
 
-_RULE_HEAD = re.compile(r"^\s*([A-Za-z0-9-]+)\s*::=", re.MULTILINE)
+# Rule names as llama.cpp's parser reads them: letters, digits, '-' and '_', in any order.
+_RULE_HEAD = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*::=", re.MULTILINE)
 _NOISE = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*')
-_IDENT = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
+_IDENT = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _check_references(grammar: str) -> None:
