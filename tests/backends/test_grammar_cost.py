@@ -198,7 +198,7 @@ def test_left_recursion_through_what_can_be_empty_is_refused(grammar: str) -> No
     [
         'root ::= "a"{5,2}',  # the fuzz's: llama.cpp counted 2 - 5 optional repeats unsigned
         'root ::= ("a" | "b") { 3 , 0 } "c"',
-        'root ::= x\nx ::= ( [a]{1500,1000} )',
+        "root ::= x\nx ::= ( [a]{1500,1000} )",
         'root ::= ("a"{2}\n  # a comment } here\n  {9 ,\n 8})',  # spaces and comments between
     ],
 )

@@ -189,6 +189,8 @@ def test_an_array_holds_to_its_counts_without_items() -> None:
         ({"type": "array", "minItems": 3, "maxItems": 1, "items": {}}, "minItems 3 is more"),
         ({"type": ["string", "null"], "minLength": 2, "maxLength": 1}, "no string can hold"),
         ({"enum": []}, "enum is empty"),
+        ({"type": "null", "enum": [1]}, "enum has no value of type null"),
+        ({"type": "string", "const": 3}, "const 3 is not of type string"),
         ({"anyOf": []}, "anyOf is empty"),
         ({"type": "object", "properties": {"a": {"oneOf": []}}}, "oneOf is empty"),
         # Keywords the converter's reading of the node dropped unsaid (found by review).
@@ -266,6 +268,15 @@ def test_a_property_named_by_the_empty_string_keeps_the_root_an_object() -> None
         {"type": "object", "properties": {"": {"type": "object", "properties": {"": {}}}}}
     )
     assert [accepts(nested, t) for t in ['{"": {"": {}}}', "{}", '"x"', '{"": 1}']] == [1, 1, 0, 0]
+
+
+def test_an_enum_holds_only_the_values_of_its_type() -> None:
+    """Found by fuzzing: the converter read an ``enum`` alone, so a value of another type than
+    the node's (no valid instance) was one the model could write."""
+    grammar = schema_to_gbnf({"type": "string", "enum": ["a", 1, None, {"x": 1}]})
+    assert [accepts(grammar, t) for t in ['"a"', "1", "null", '{"x": 1}']] == [1, 0, 0, 0]
+    nullable = schema_to_gbnf({"type": ["integer", "null"], "enum": [1, 1.5, None, True, "1"]})
+    assert [accepts(nullable, t) for t in ["1", "null", "1.5", "true", '"1"']] == [1, 1, 0, 0, 0]
 
 
 def test_a_tuple_holds_to_its_length() -> None:

@@ -244,6 +244,9 @@ def _shaped_node(schema: dict[str, object]) -> dict[str, object]:
         if kind in (None, of) and isinstance(least, int) and isinstance(most, int) and most < least:
             # The converter wrote the least and dropped the most (found by fuzzing).
             raise _fail(f"{low} {least} is more than {high} {most}: no {of} can hold both")
+    if ("enum" in schema or "const" in schema) and kind is not None:
+        schema = _typed_values(schema, kind)
+        kind = None
     if isinstance(kind, list) and not any(k in schema for k in ("$ref", "oneOf", "anyOf")):
         if not kind or not all(isinstance(t, str) for t in kind):
             raise _fail(f"type must be a string or a non-empty list of strings, got {kind!r}")
@@ -270,6 +273,35 @@ def _shaped_node(schema: dict[str, object]) -> dict[str, object]:
     if kind == "array" and counted and "items" not in schema and "prefixItems" not in schema:
         return {**schema, "items": {"type": _ANY_TYPE}}
     return schema
+
+
+def _of_type(value: object, kind: object) -> bool:
+    """Whether ``value`` (parsed JSON) is of the JSON Schema ``type`` named ``kind``."""
+    if kind == "integer":
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return number and float(value).is_integer()  # type: ignore[arg-type]
+    if kind == "number":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    kinds = {"string": str, "boolean": bool, "array": list, "object": dict}
+    return value is None if kind == "null" else isinstance(value, kinds.get(str(kind), ()))
+
+
+def _typed_values(schema: dict[str, object], kind: object) -> dict[str, object]:
+    """``schema`` with an ``enum`` kept to the values of its ``type`` (a value of another type
+    is no valid instance) and the type then left out, which the values settle: the converter
+    read the ``enum`` alone, so ``{"type": "string", "enum": ["a", 1]}`` let the model write
+    ``1`` (found by fuzzing). A ``const`` of another type, or no value left, is a 400."""
+    kinds = kind if isinstance(kind, list) else [kind]
+    rest = {k: v for k, v in schema.items() if k != "type"}
+    if "const" in schema and not any(_of_type(schema["const"], t) for t in kinds):
+        raise _fail(f"const {schema['const']!r} is not of type {kind}: no value can match it")
+    values = schema.get("enum")
+    if isinstance(values, list):
+        kept = [v for v in values if any(_of_type(v, t) for t in kinds)]
+        if not kept:
+            raise _fail(f"enum has no value of type {kind}: no value can match it")
+        rest["enum"] = kept
+    return rest
 
 
 #: The JSON Schema keywords that constrain a value, by the type they apply to (a keyword of

@@ -99,7 +99,8 @@ class LiteralGrammar:
 
 # Rule names as llama.cpp's parser reads them: letters, digits, '-' and '_', in any order.
 _RULE_HEAD = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*::=", re.MULTILINE)
-_NOISE = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*')
+# Literals, classes, comments and repetition counts ({0,4}): none of them names a rule.
+_NOISE = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*|\{[^}]*\}')
 _IDENT = re.compile(r"[A-Za-z0-9_-]+")
 
 
