@@ -191,6 +191,7 @@ def test_an_array_holds_to_its_counts_without_items() -> None:
         ({"enum": []}, "enum is empty"),
         ({"type": "null", "enum": [1]}, "enum has no value of type null"),
         ({"type": "string", "const": 3}, "const 3 is not of type string"),
+        ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "'a' is false"),
         ({"anyOf": []}, "anyOf is empty"),
         ({"type": "object", "properties": {"a": {"oneOf": []}}}, "oneOf is empty"),
         # Keywords the converter's reading of the node dropped unsaid (found by review).
@@ -248,6 +249,9 @@ def test_a_constraint_the_grammar_would_not_hold_is_refused(
         # Documented as not enforced, as in llama-server (docs/server.md): still served.
         {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
         {"type": "integer", "multipleOf": 5},
+        # Boolean schemas: true is any value (the converter failed on it, found by fuzzing).
+        {"type": "object", "properties": {"a": True}, "required": ["a"]},
+        {"type": "array", "items": True},
     ],
 )  # fmt: skip
 def test_keywords_the_grammar_holds_beside_a_reading_are_accepted(

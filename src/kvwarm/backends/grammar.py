@@ -200,6 +200,10 @@ def _fix_visits(module: ModuleType) -> None:
             setattr(self, "_kvwarm_depth", depth)  # noqa: B010
 
     def visit_checked(self: object, schema: object, name: str) -> object:
+        if schema is True:
+            schema = {}  # a boolean schema: true admits any value ...
+        elif schema is False:  # ... and false none (the converter failed on both, unsaid)
+            raise _fail(f"subschema {name or 'root'!r} is false: no value can match it")
         if isinstance(schema, dict):
             schema = _checked_node(schema)
             kind = schema.get("type")
