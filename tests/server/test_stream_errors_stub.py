@@ -5,17 +5,20 @@ says so (``length``, ``max_tokens``, ``incomplete``), streamed and plain."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from kvwarm.errors import GrammarError
 from kvwarm.server import create_app
+from kvwarm.server.generate import sse
 
 from .conftest import LiveServer, stub_settings, wait_ready
 
@@ -156,3 +159,21 @@ def test_a_stream_cut_by_the_shutdown_ends_with_an_error(api: str) -> None:
             live.stop()
     assert took < 5, took
     assert_ends_with_error(api, text, "shutting_down")
+
+
+def test_an_error_mid_stream_names_its_field_as_before_the_stream() -> None:
+    """Found by fuzzing: a grammar that admits no further token after the stream began ended
+    it with ``param`` null, where the same error before the first token is a 400 naming
+    ``grammar``."""
+
+    async def events() -> AsyncIterator[dict[str, object]]:
+        yield {"choices": []}
+        raise GrammarError("the grammar admits no further token", param="grammar")
+
+    async def lines() -> list[bytes]:
+        return [line async for line in sse(events(), lambda: None)]
+
+    got = asyncio.run(lines())
+    assert got[-1] == b"data: [DONE]\n\n"
+    error = json.loads(got[-2].decode()[len("data: ") :])["error"]
+    assert (error["code"], error["param"]) == ("invalid_grammar", "grammar")

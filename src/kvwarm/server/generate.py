@@ -41,7 +41,12 @@ from starlette.requests import Request
 from kvwarm.engine.cancel import Cancellation
 from kvwarm.engine.request import Fragment
 from kvwarm.engine.types import Completion
-from kvwarm.errors import KvwarmError, RequestCancelledError, RequestTimeoutError
+from kvwarm.errors import (
+    InvalidRequestError,
+    KvwarmError,
+    RequestCancelledError,
+    RequestTimeoutError,
+)
 from kvwarm.server.errors import error_body, kind_of
 
 if TYPE_CHECKING:
@@ -368,7 +373,9 @@ async def sse(
         except Exception as exc:
             err = _as_kvwarm(exc)
             kind = kind_of(err)
-            yield sse_line(dict(error_body(str(err), kind.type, kind.code)))
+            # The field at fault, as the same error before the stream began names it.
+            param = err.param if isinstance(err, InvalidRequestError) else None
+            yield sse_line(dict(error_body(str(err), kind.type, kind.code, param)))
         if done_line:
             yield b"data: [DONE]\n\n"
     finally:
