@@ -215,6 +215,19 @@ def test_repetitions_in_order_and_braces_in_text_pass(grammar: str) -> None:
     check_grammar_cost(grammar)
 
 
+def test_stub_server_answers_400_for_a_repeat_below_its_least() -> None:
+    """The server's answer to the fuzz's request (on llama.cpp it ran the process out of
+    memory: ``backend_danger_cases.case_repeat_below_its_least``), plain and streamed."""
+    with TestClient(create_app(stub_settings())) as client:
+        wait_ready(client.get)
+        body = {"model": "a", "prompt": "x", "max_tokens": 2, "grammar": 'root ::= "a"{5,2}'}
+        for extra in ({}, {"stream": True}):
+            response = client.post("/v1/completions", json=body | extra)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert (error["code"], error["param"]) == ("invalid_grammar", "grammar")
+
+
 @pytest.mark.parametrize(
     "grammar",
     [
