@@ -272,6 +272,16 @@ def test_a_property_named_by_the_empty_string_keeps_the_root_an_object() -> None
         {"type": "object", "properties": {"": {"type": "object", "properties": {"": {}}}}}
     )
     assert [accepts(nested, t) for t in ['{"": {"": {}}}', "{}", '"x"', '{"": 1}']] == [1, 1, 0, 0]
+    # A $defs entry named "" is visited under that name too (its $ref ends in "/").
+    ref = schema_to_gbnf(
+        {
+            "$defs": {"": {"type": "integer"}},
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/"}},
+            "required": ["a"],
+        }
+    )
+    assert [accepts(ref, t) for t in ['{"a": 1}', "1", '{"a": "x"}']] == [1, 0, 0]
 
 
 def test_an_enum_holds_only_the_values_of_its_type() -> None:
