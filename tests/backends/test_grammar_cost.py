@@ -215,6 +215,35 @@ def test_repetitions_in_order_and_braces_in_text_pass(grammar: str) -> None:
     check_grammar_cost(grammar)
 
 
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        "root ::= [\\U0011FFFF]",  # the fuzz's: SmolLM2 wrote 3 tokens of bytes, U+FFFD
+        'root ::= "a\\uDFFF"',
+        "root ::= [a\\uD800]",
+        "root ::= [\\uD800-\\uDFFF]",
+        "root ::= [a-\\U00110000]",
+    ],
+)
+def test_an_escape_naming_no_text_is_refused(grammar: str) -> None:
+    with pytest.raises(GrammarError, match="which no text holds") as info:
+        check_grammar_cost(grammar)
+    assert info.value.param == "grammar"
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        "root ::= [^\\uD800-\\uDFFF]",  # a negated class may leave out anything
+        "root ::= [\\u0000-\\uFFFF] [a-\\U0010FFFF]",  # a range with text at one end
+        'root ::= "\\\\uD800" # \\uD800\n',  # an escaped backslash, a comment
+        'root ::= "\\x41\\u00e9\\U0001F600" [\\]\\-]',
+    ],
+)
+def test_escapes_naming_text_pass(grammar: str) -> None:
+    check_grammar_cost(grammar)
+
+
 def test_stub_server_answers_400_for_a_repeat_below_its_least() -> None:
     """The server's answer to the fuzz's request (on llama.cpp it ran the process out of
     memory: ``backend_danger_cases.case_repeat_below_its_least``), plain and streamed."""

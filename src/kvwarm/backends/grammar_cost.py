@@ -36,6 +36,7 @@ __all__ = [
     "check_grammar_cost",
     "cheap_grammar",
     "check_grammar_depth",
+    "check_grammar_code_points",
     "check_grammar_elements",
     "check_grammar_repeats",
     "check_left_recursion",
@@ -410,6 +411,78 @@ def check_grammar_repeats(text: str) -> None:
             )
 
 
+_HEX_WIDTH = {"x": 2, "u": 4, "U": 8}
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _escaped_at(text: str, i: int) -> tuple[int | None, int]:
+    """The code point a ``\\x``, ``\\u`` or ``\\U`` escape at ``i`` names (None for any
+    other character, or an escape llama.cpp's parser reports itself), and where the next
+    character starts."""
+    if text[i] != "\\" or i + 1 >= len(text):
+        return None, i + 1
+    width = _HEX_WIDTH.get(text[i + 1])
+    digits = text[i + 2 : i + 2 + width] if width else ""
+    if width and len(digits) == width and set(digits) <= _HEX:
+        return int(digits, 16), i + 2 + width
+    return None, i + 2
+
+
+def _no_text(point: int | None) -> bool:
+    """Whether no UTF-8 text holds code point ``point``: a surrogate or one past U+10FFFF."""
+    return point is not None and (point > 0x10FFFF or 0xD800 <= point <= 0xDFFF)
+
+
+def _bad_code_point(text: str) -> tuple[int, int] | None:
+    """(where, which) of the first escape in a literal or class naming a code point no text
+    holds (a class's range needs one end that is text), or None."""
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "#":
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                at = i
+                point, i = _escaped_at(text, i)
+                if _no_text(point):
+                    return at, point  # type: ignore[return-value]
+        elif c == "[":
+            negated = text.startswith("[^", i)  # what it leaves out may be anything
+            i += 2 if negated else 1
+            while i < n and text[i] != "]":
+                at = i
+                point, i = _escaped_at(text, i)
+                if negated:
+                    continue
+                if text.startswith("-", i) and i + 1 < n and text[i + 1] != "]":
+                    last, i = _escaped_at(text, i + 1)
+                    ends = [p for p in (point, last) if p is not None]
+                    if any(p > 0x10FFFF for p in ends) or (
+                        len(ends) == 2 and all(_no_text(p) for p in ends)
+                    ):
+                        return at, max(ends)
+                elif _no_text(point):
+                    return at, point  # type: ignore[return-value]
+        i += 1
+    return None
+
+
+def check_grammar_code_points(text: str) -> None:
+    """``GrammarError`` for an escape in a literal or class naming a code point no UTF-8 text
+    holds (``"\\uD800"``, ``[\\U0011FFFF]``): llama.cpp compiled such a grammar and then let
+    the model write the bytes of that non-character, a reply of U+FFFD (found by fuzzing)."""
+    bad = _bad_code_point(text)
+    if bad is not None:
+        raise GrammarError(
+            f"grammar escape at character {bad[0]} names U+{bad[1]:04X}, which no text holds "
+            "(a surrogate, or past U+10FFFF)",
+            param="grammar",
+        )
+
+
 def check_left_recursion(text: str) -> None:
     """``GrammarError`` for a rule that can begin with itself after parts that can all be
     empty (``root ::= y root "b" | "a"`` with ``y ::= "x"?``): llama.cpp refuses a
@@ -461,6 +534,7 @@ def check_grammar_cost(
     check_grammar_depth(text)
     check_grammar_elements(text)
     check_grammar_repeats(text)
+    check_grammar_code_points(text)
     try:
         rules = _parse(text)
     except (_UnparsableError, RecursionError):

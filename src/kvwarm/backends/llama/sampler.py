@@ -36,6 +36,7 @@ import numpy.typing as npt
 from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
 from kvwarm.backends.grammar_cost import (
+    check_grammar_code_points,
     check_grammar_depth,
     check_grammar_elements,
     check_grammar_repeats,
@@ -125,6 +126,7 @@ class LlamaSampler:
         check_grammar_depth(params.grammar)  # deeper, llama.cpp's parser overflows its stack
         check_grammar_elements(params.grammar)  # llama.cpp can abort the process on them
         check_grammar_repeats(params.grammar)  # {5,2}: llama.cpp builds rules until out of memory
+        check_grammar_code_points(params.grammar)  # U+D800: llama.cpp writes its bytes
         check_left_recursion(params.grammar)  # llama.cpp's compile can loop for ever on one
         lib = self._lib
         grammar = lib.llama_sampler_init_grammar(

@@ -26,6 +26,7 @@ import numpy.typing as npt
 from kvwarm.backends import _checks
 from kvwarm.backends.base import BackendContext, SamplingParams
 from kvwarm.backends.grammar_cost import (
+    check_grammar_code_points,
     check_grammar_depth,
     check_grammar_elements,
     check_grammar_repeats,
@@ -59,6 +60,7 @@ class LiteralGrammar:
         check_grammar_depth(grammar)  # as llama.cpp's sampler refuses it
         check_grammar_elements(grammar)
         check_grammar_repeats(grammar)
+        check_grammar_code_points(grammar)
         check_left_recursion(grammar)
         if not any(head.match(line) for line in rules):
             raise GrammarError(f"grammar has no {root!r} rule", param="grammar")
