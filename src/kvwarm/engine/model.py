@@ -139,7 +139,8 @@ class Model:
         self.backend = get_backend(backend_spec) if isinstance(backend_spec, str) else backend_spec
         phases = LoadProgress(progress, mode, path.is_file())
         self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint, phases.hashing())
-        params = replace(cfg.model_params, progress=phases.weights())
+        # A speculating model's weights load where its verify rows can be exact.
+        params = replace(cfg.model_params, progress=phases.weights(), exact_rows=cfg.speculative)
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
         self._projector: Projector | None = None
         self._draft: DraftModel | None = None
