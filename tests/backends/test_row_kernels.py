@@ -8,6 +8,7 @@ llama GGUFs quantised by llama.cpp (``tests/tinymodels.py``), 512 wide so K-quan
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from pathlib import Path
@@ -85,8 +86,6 @@ for exact_rows in (False, True):
 
 
 def _exactness(path: Path, tiled: str | None) -> dict[str, str]:
-    import os
-
     env = dict(os.environ)
     env.pop("GGML_CPU_TILED_MM", None)
     if tiled is not None:
@@ -125,3 +124,47 @@ def test_a_speculating_model_gives_up_repacking_where_it_is_the_only_kernel_chan
     assert "(Q4_K), repacked" in off["EXACT False"]
     assert off["EXACT True"] == "at any length"
     assert off["PROBE True"] == "0"
+
+
+UNTILE = """
+import os, sys
+from kvwarm.backends.base import ContextParams, ModelParams
+from kvwarm.backends.llama import LlamaBackend
+params = ContextParams(n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2, flash_attn="on",
+                       type_k="q8_0", type_v="f16")
+backend = LlamaBackend()
+if sys.argv[2] == "context-first":  # another model's context before: ggml may have read it
+    other = backend.load_model(sys.argv[1])
+    other.new_context(params).close()
+model = backend.load_model(sys.argv[1], ModelParams(exact_rows=True))
+print("EXACT", model.verify_exactness(params))
+print("ENV", os.environ.get("GGML_CPU_TILED_MM"))
+"""
+
+
+@pytest.mark.skipif(not X86, reason="the tiled kernel is an x86 kernel")
+@pytest.mark.parametrize(
+    ("tiled", "order", "exact", "env"),
+    [
+        (None, "first", "at any length", "0"),  # turned off for the process, and exact
+        ("1", "first", "no: its weight", "1"),  # the user's choice is kept
+        (None, "context-first", "no: its weight", None),  # too late: ggml may have read it
+    ],
+)
+def test_a_speculating_k_quant_model_turns_the_tiled_kernel_off_while_it_still_can(
+    tiny: dict[int, Path], tiled: str | None, order: str, exact: str, env: str | None
+) -> None:
+    """The first model of a process that will verify drafts (``exact_rows``) with K-quant
+    weights sets ``GGML_CPU_TILED_MM=0`` where nobody set it (``native.untile_for_exact_rows``)
+    and is exact; a value given is kept, and after a context was made it is too late (ggml
+    reads the variable once), so the model says it is not exact."""
+    environ = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    if tiled is not None:
+        environ["GGML_CPU_TILED_MM"] = tiled
+    done, lines = run_child(
+        UNTILE, str(tiny[FTYPE_Q6_K]), order, prefixes=("EXACT", "ENV"), env=environ
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = dict(line.split(maxsplit=1) for line in lines)
+    assert said["EXACT"].startswith(exact)
+    assert said["ENV"] == str(env)

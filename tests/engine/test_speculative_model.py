@@ -389,14 +389,18 @@ def test_n_choices_after_earlier_requests_are_plain_decodings_with_q8_0_kv() -> 
             assert all(done.stats.accepted_tokens > 0 for done in spec)
 
 
-def test_gemma_3_is_not_exact_and_does_not_speculate(gemma_path: str) -> None:
+def test_gemma_3_is_not_exact_and_does_not_speculate(
+    gemma_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Gemma 3 270M's Q4_K and Q6_K weights take llama.cpp's tiled kernel in passes of 8 rows
     or more and ``vec_dot`` in one-token passes (on x86, while ``GGML_CPU_TILED_MM`` is not
-    0), so its verify rows differ from one-token passes at any length and whatever the KV
-    cells (14-16 of 16 rows at 100 and 300 cells): the model does not speculate and says why;
-    ``spec_exact=False`` speculates (only inside its window), and says it is not exact."""
+    0: here the user's 1, which kvwarm keeps), so its verify rows differ from one-token passes
+    at any length and whatever the KV cells (14-16 of 16 rows at 100 and 300 cells): the
+    model does not speculate and says why; ``spec_exact=False`` speculates (only inside its
+    window), and says it is not exact."""
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "1")
     if not model_file.tiled_kernel_on():
-        pytest.skip("the tiled kernel is off here (the next test covers that)")
+        pytest.skip("the tiled kernel is an x86 kernel")
     context = ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2)
     with make_engine() as engine:
         config = ModelConfig(context=context, spec_type="ngram-simple", chat_template="gemma")
@@ -440,17 +444,21 @@ with make_engine() as engine:
 """
 
 
-def test_gemma_3_speculates_exactly_with_the_tiled_kernel_off(gemma_path: str) -> None:
-    """With ``GGML_CPU_TILED_MM=0`` in its environment (a child process: ggml reads it once)
-    Gemma 3 270M's only other kernel change is repacking its Q4_K weights, which a speculating
-    model gives up (``ModelParams.exact_rows``): it speculates exactly at any length (inside
-    its window), and a greedy reply that copies is plain decoding's, drafts accepted."""
+@pytest.mark.parametrize("tiled", ["0", None])
+def test_gemma_3_speculates_exactly_with_the_tiled_kernel_off(
+    gemma_path: str, tiled: str | None
+) -> None:
+    """With ``GGML_CPU_TILED_MM=0`` in its environment, or unset in a process whose first
+    model speculates (which then turns the kernel off: ``native.untile_for_exact_rows``; a
+    child process, since ggml reads the variable once), Gemma 3 270M's only other kernel
+    change is repacking its Q4_K weights, which a speculating model gives up
+    (``ModelParams.exact_rows``): it speculates exactly at any length (inside its window),
+    and a greedy reply that copies is plain decoding's, drafts accepted."""
     env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    if tiled is not None:
+        env["GGML_CPU_TILED_MM"] = tiled
     done, lines = run_child(
-        GEMMA_UNTILED,
-        gemma_path,
-        prefixes=("EXACT", "SAME", "ACCEPTED"),
-        env={**env, "GGML_CPU_TILED_MM": "0"},
+        GEMMA_UNTILED, gemma_path, prefixes=("EXACT", "SAME", "ACCEPTED"), env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
     said = dict(line.split(maxsplit=1) for line in lines)

@@ -180,6 +180,8 @@ class LlamaModel:
         #: A weight multiplied by another kernel for several rows than for one ("" if none):
         #: read here, where the file is the one that loads (``verify_exactness``), its
         #: repacked types only where the weights load into the extra buffer types.
+        if params.exact_rows and model_file.tiled_kernel_on() and model_file.tiled_weights(path):
+            _native.untile_for_exact_rows(f"{Path(path).name} speculates, with K-quant weights")
         extra = params.use_extra_bufts
         repacked = (not _native.amx_in_use()) if extra is None else extra
         self._row_kernels = model_file.several_row_kernels(path, repacked=repacked)

@@ -603,6 +603,29 @@ def _atoi(text: str) -> int:
     return int(digits.group(1)) if digits else 0
 
 
+def _matrix_weights(path: str | os.PathLike[str], *, adapter: bool) -> list[gguf_meta.TensorInfo]:
+    """The GGUF's matrix weights (``several_row_kernels``); none if it cannot be read."""
+    try:
+        with gguf_meta.tensors_of(path) as tensors:
+            table = [t for t in tensors if len(t.shape) >= 2 and t.shape[1] > 1]
+    except (OSError, ValueError):
+        return []
+    names = {t.name for t in table}
+    return [
+        t
+        for t in table
+        if adapter
+        or not (t.name in _LOOKUPS or t.name.endswith("_token_embd.weight"))
+        or (t.name == "token_embd.weight" and "output.weight" not in names)
+    ]
+
+
+def tiled_weights(path: str | os.PathLike[str]) -> bool:
+    """Whether the model GGUF at ``path`` has a matrix weight of a type the tiled kernel
+    multiplies (``_TILED_TYPES``), whether or not the kernel is on."""
+    return any(t.ggml_type in _TILED_TYPES for t in _matrix_weights(path, adapter=False))
+
+
 def several_row_kernels(
     path: str | os.PathLike[str], *, adapter: bool = False, repacked: bool = False
 ) -> str:
@@ -614,21 +637,8 @@ def several_row_kernels(
     repacked ones (``_REPACK_TYPES``). A model's weights are its 2-D tensors other than row
     lookups (``token_embd`` is one only where an ``output.weight`` exists: a tied output
     multiplies it); ``adapter``: a LoRA adapter's, each of its 2-D tensors."""
-    try:
-        with gguf_meta.tensors_of(path) as tensors:
-            table = [t for t in tensors if len(t.shape) >= 2 and t.shape[1] > 1]
-    except (OSError, ValueError):
-        return ""
-    names = {t.name for t in table}
     tiled = tiled_kernel_on()
-    for t in table:
-        lookup = t.name in _LOOKUPS or t.name.endswith("_token_embd.weight")
-        if (
-            not adapter
-            and lookup
-            and not (t.name == "token_embd.weight" and "output.weight" not in names)
-        ):
-            continue
+    for t in _matrix_weights(path, adapter=adapter):
         if (kind := _ROW_KERNEL_TYPES.get(t.ggml_type)) is not None:
             return f"{t.name} ({kind}), which llamafile's tinyBLAS multiplies for several rows"
         if tiled and (kind := _TILED_TYPES.get(t.ggml_type)) is not None:
@@ -638,18 +648,4 @@ def several_row_kernels(
             )
         if repacked and (kind := _REPACK_TYPES.get(t.ggml_type)) is not None:
             return f"{t.name} ({kind}), repacked for llama.cpp's GEMM kernel for several rows"
-    return ""
-    names = {t.name for t in table}
-    for t in table:
-        kind = _ROW_KERNEL_TYPES.get(t.ggml_type)
-        if kind is None:
-            continue
-        lookup = t.name in _LOOKUPS or t.name.endswith("_token_embd.weight")
-        if (
-            not adapter
-            and lookup
-            and not (t.name == "token_embd.weight" and "output.weight" not in names)
-        ):
-            continue
-        return f"{t.name} ({kind})"
     return ""
