@@ -139,32 +139,40 @@ if sys.argv[2] == "context-first":  # another model's context before: ggml may h
 model = backend.load_model(sys.argv[1], ModelParams(exact_rows=True))
 print("EXACT", model.verify_exactness(params))
 print("ENV", os.environ.get("GGML_CPU_TILED_MM"))
+print("KERNELS", repr(model.kernels))
 """
 
 
 @pytest.mark.skipif(not X86, reason="the tiled kernel is an x86 kernel")
 @pytest.mark.parametrize(
-    ("tiled", "order", "exact", "env"),
+    ("tiled", "order", "exact", "env", "kernels"),
     [
-        (None, "first", "at any length", "0"),  # turned off for the process, and exact
-        ("1", "first", "no: its weight", "1"),  # the user's choice is kept
-        (None, "context-first", "no: its weight", None),  # too late: ggml may have read it
+        (None, "first", "at any length", "0", "'untiled'"),  # off for the process, and exact
+        ("1", "first", "no: its weight", "1", "''"),  # the user's choice is kept
+        (None, "context-first", "no: its weight", None, "''"),  # too late: ggml may have read it
     ],
 )
 def test_a_speculating_k_quant_model_turns_the_tiled_kernel_off_while_it_still_can(
-    tiny: dict[int, Path], tiled: str | None, order: str, exact: str, env: str | None
+    tiny: dict[int, Path],
+    tiled: str | None,
+    order: str,
+    exact: str,
+    env: str | None,
+    kernels: str,
 ) -> None:
     """The first model of a process that will verify drafts (``exact_rows``) with K-quant
     weights sets ``GGML_CPU_TILED_MM=0`` where nobody set it (``native.untile_for_exact_rows``)
     and is exact; a value given is kept, and after a context was made it is too late (ggml
-    reads the variable once), so the model says it is not exact."""
+    reads the variable once), so the model says it is not exact. ``kernels`` says which way
+    it computes, for its cache keys."""
     environ = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
     if tiled is not None:
         environ["GGML_CPU_TILED_MM"] = tiled
     done, lines = run_child(
-        UNTILE, str(tiny[FTYPE_Q6_K]), order, prefixes=("EXACT", "ENV"), env=environ
+        UNTILE, str(tiny[FTYPE_Q6_K]), order, prefixes=("EXACT", "ENV", "KERNELS"), env=environ
     )
     assert done.returncode == 0, done.stderr[-3000:]
     said = dict(line.split(maxsplit=1) for line in lines)
     assert said["EXACT"].startswith(exact)
     assert said["ENV"] == str(env)
+    assert said["KERNELS"] == kernels

@@ -437,6 +437,8 @@ config = ModelConfig(context=context, spec_type="ngram-simple")
 with make_engine() as engine:
     model = engine.load_model(sys.argv[1], config=config)
     print("EXACT", model.info().speculation_exact)
+    keyed = model.namespace().ctx_hash == model.config.context.kv_hash("untiled,unrepacked")
+    print("KEYED", keyed)
     plain = model.complete(prompt, opts, spec_type="none")
     spec = model.complete(prompt, opts, cache_salt="again")
     print("SAME", spec.completion_tokens == plain.completion_tokens)
@@ -453,16 +455,18 @@ def test_gemma_3_speculates_exactly_with_the_tiled_kernel_off(
     child process, since ggml reads the variable once), Gemma 3 270M's only other kernel
     change is repacking its Q4_K weights, which a speculating model gives up
     (``ModelParams.exact_rows``): it speculates exactly at any length (inside its window),
-    and a greedy reply that copies is plain decoding's, drafts accepted."""
+    and a greedy reply that copies is plain decoding's, drafts accepted; both kernel changes
+    are hashed into its cache keys (``BackendModel.kernels``)."""
     env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
     if tiled is not None:
         env["GGML_CPU_TILED_MM"] = tiled
     done, lines = run_child(
-        GEMMA_UNTILED, gemma_path, prefixes=("EXACT", "SAME", "ACCEPTED"), env=env
+        GEMMA_UNTILED, gemma_path, prefixes=("EXACT", "KEYED", "SAME", "ACCEPTED"), env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
     said = dict(line.split(maxsplit=1) for line in lines)
     assert (said.get("EXACT"), said.get("SAME")) == ("at any length", "True"), said
+    assert said["KEYED"] == "True"  # rows of other kernels are never restored as its own
     assert int(said["ACCEPTED"]) > 0
 
 

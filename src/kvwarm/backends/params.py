@@ -231,8 +231,10 @@ class ContextParams:
                 f"yarn_orig_ctx must be >= 0 (0: the model's own), got {self.yarn_orig_ctx}"
             )
 
-    def kv_hash(self) -> bytes:
-        """32 bytes identifying every parameter that shapes the KV state or its numerics.
+    def kv_hash(self, kernels: str = "") -> bytes:
+        """32 bytes identifying every parameter that shapes the KV state or its numerics, and
+        ``kernels``: the model's matrix kernels where they are not the machine's defaults
+        (``BackendModel.kernels``; hashed only when not "", so default rows keep their keys).
 
         ``n_seq_max``, ``kv_unified`` and thread counts are excluded: a sequence's KV bytes
         (in the one-stream form rows are stored in) do not depend on them, and rows must be
@@ -258,6 +260,8 @@ class ContextParams:
         for name, default in _HASHED_IF_CHANGED.items():
             if fields[name] == default:
                 fields.pop(name)
+        if kernels:
+            fields["kernels"] = kernels
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(b"kvwarm-ctx-v1\0" + blob).digest()
 

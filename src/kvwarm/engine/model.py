@@ -286,7 +286,8 @@ class Model:
                 fingerprint = model_fingerprint(path, self.fingerprint_mode, None)
                 # Its own namespace even where the draft model is the model itself: the draft
                 # context's rows are whole blobs of its prompts, never mixed with the model's.
-                ctx_hash = hashlib.sha256(b"kvwarm draft context\0" + ran.kv_hash()).digest()
+                kv_hash = ran.kv_hash(bmodel.kernels)
+                ctx_hash = hashlib.sha256(b"kvwarm draft context\0" + kv_hash).digest()
                 namespace = Namespace(fingerprint, bmodel.facts.file_type & 0xFF, ctx_hash)
                 log.info("model %s drafts with %s", self.id, path.name)
                 return DraftModel(
@@ -372,7 +373,7 @@ class Model:
                 except BaseException:
                     self._ctx.close()
                     raise
-        self._ctx_hash = cfg.context.kv_hash()
+        self._ctx_hash = cfg.context.kv_hash(self._bmodel.kernels)
         self._namespace = Namespace(self._fingerprint, facts.file_type & 0xFF, self._ctx_hash)
         self._links = _Links(self)
         self._worker = Worker(

@@ -185,6 +185,7 @@ class LlamaModel:
         extra = params.use_extra_bufts
         repacked = (not _native.amx_in_use()) if extra is None else extra
         self._row_kernels = model_file.several_row_kernels(path, repacked=repacked)
+        unrepacked = False
         if repacked and extra is None and params.exact_rows:
             unpacked = model_file.several_row_kernels(path)
             if not unpacked and self._row_kernels:
@@ -193,6 +194,15 @@ class LlamaModel:
                 log.info("%s: weights not repacked, so verify rows stay exact", path)
                 params = replace(params, use_extra_bufts=False)
                 self._row_kernels = unpacked
+                unrepacked = True
+        #: ``kernels``: where they are not this machine's defaults (the process's tiled
+        #: kernel off, this load's weights not repacked where they would be).
+        tags = []
+        if model_file.tiled_weights(path) and model_file.tiled_kernel_turned_off():
+            tags.append("untiled")
+        if unrepacked:
+            tags.append("unrepacked")
+        self._kernels = ",".join(tags)
         lib = _native.lib()
         self._lib = lib
         self._params = params
@@ -558,6 +568,10 @@ class LlamaModel:
             else:
                 v = _EXACT_KV_TYPE  # K was given f16 or f32: V of another type takes it out
         return replace(params, type_k=k, type_v=v)
+
+    @property
+    def kernels(self) -> str:
+        return self._kernels
 
     def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:
         if self._offloaded():

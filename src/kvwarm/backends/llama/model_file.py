@@ -597,6 +597,12 @@ def tiled_kernel_on() -> bool:
     return value is None or _atoi(value) != 0
 
 
+def tiled_kernel_turned_off() -> bool:
+    """Whether ``GGML_CPU_TILED_MM`` turns off a tiled kernel this machine has (x86): the
+    process computes K-quant products otherwise than by default (``LlamaModel.kernels``)."""
+    return platform.machine().lower() in _X86 and not tiled_kernel_on()
+
+
 def _atoi(text: str) -> int:
     """C's ``atoi``: optional leading whitespace and sign, then digits; 0 if none."""
     digits = re.match(r"\s*([+-]?\d+)", text)
