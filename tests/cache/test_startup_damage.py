@@ -5,13 +5,16 @@ set aside as fixed instead of reporting the manifests as bad."""
 
 from __future__ import annotations
 
+import struct
+import time
 from pathlib import Path
 
+import pytest
 from tests.cache.chunkkit import blob, chunked_request, join
 from tests.cache.tierkit import NS
 
 from kvwarm.cache import Cache, CacheConfig, TierConfig
-from kvwarm.cache.formats import chunkfmt
+from kvwarm.cache.formats import chunkfmt, kvc
 from kvwarm.cache.formats.key import cache_key
 
 C = 256
@@ -91,3 +94,32 @@ def test_a_read_only_open_reports_the_damage_and_moves_nothing(tmp_path: Path) -
     bad = {Path(where).name for where, _ in report.bad}
     assert {row_path(root, rows[n]).name for n in ("manifest_trailer", "appended")} <= bad
     assert {chunk_path(root, rows["truncated_chunk"], 1).name} <= bad
+
+
+def test_a_last_used_field_damaged_into_the_future_is_taken_as_now(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The hit fields sit outside every CRC (rewritten in place on hits), so a flipped bit
+    there reads as valid. A last use far in the future made ``kvwarm cache ls`` crash
+    (``time.localtime``: value too large) and kept the row from LRU eviction and its TTL
+    forever; it is now taken as the scan's time."""
+    from kvwarm.cli import main
+
+    top = tmp_path / "cache"
+    root = top / "rows"
+    rows = {name: run(10_000 * i) for i, name in enumerate(("far", "near", "sound"))}
+    with Cache(config(root), background=False) as cache:
+        for tokens in rows.values():
+            assert cache.save(chunked_request(NS, tokens, tier="disk"), sync=True)
+    for name, when in (("far", 1 << 62), ("near", int(time.time()) + 10 * 365 * 86400)):
+        victim = row_path(root, rows[name])
+        data = bytearray(victim.read_bytes())
+        struct.pack_into("<Q", data, kvc.LAST_USED_OFFSET, when)
+        victim.write_bytes(bytes(data))
+    before = time.time()
+    with Cache(config(root), background=False) as cache:
+        listed = {info.key: info.last_used for info in cache.rows()}
+        assert len(listed) == 3 and all(t <= time.time() for t in listed.values())
+        assert listed[cache_key(NS, rows["far"])] >= before
+    assert main(["cache", "ls", "--cache-dir", str(top)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 4  # the header and three rows

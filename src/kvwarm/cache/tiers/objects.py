@@ -486,6 +486,13 @@ class ObjectTier:
         hits, last_used = _int_meta(user_meta, META_HITS), _int_meta(user_meta, META_LAST_USED)
         if hits is not None and last_used is not None:
             info = replace(info, hits=hits, last_used=float(last_used))
+        now = time.time()
+        if info.last_used > now:
+            # The last-used field is outside every CRC (rewritten in place on hits): one in
+            # the future is damage (or another host's clock), and would keep the row from
+            # LRU eviction and its TTL forever. It was used at most now.
+            log.info("%s: %s was last used in the future; taking it as now", self._name, key.hex())
+            info = replace(info, last_used=now)
         fields = meta.fields
         return StoredRow(
             info,
