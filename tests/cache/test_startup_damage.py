@@ -123,3 +123,31 @@ def test_a_last_used_field_damaged_into_the_future_is_taken_as_now(
         assert listed[cache_key(NS, rows["far"])] >= before
     assert main(["cache", "ls", "--cache-dir", str(top)]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 4  # the header and three rows
+
+
+def test_a_directory_named_like_a_row_or_chunk_is_reported_not_hidden(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory where a row or chunk file belongs was skipped by every listing without a
+    word: ``verify`` said 0 bad while every save of that key failed on it (the link finds it
+    in the way and cannot delete it). It is left where it is (not ours to remove), but each
+    scan logs it and ``verify`` reports it, with and without ``--repair``."""
+    root = tmp_path / "kvc"
+    rows = {name: run(10_000 * i) for i, name in enumerate(("row_dir", "chunk_dir", "sound"))}
+    with Cache(config(root), background=False) as cache:
+        for tokens in rows.values():
+            assert cache.save(chunked_request(NS, tokens, tier="disk"), sync=True)
+    in_place = [row_path(root, rows["row_dir"]), chunk_path(root, rows["chunk_dir"], 1)]
+    for path in in_place:
+        path.unlink()
+        path.mkdir()
+    for repair in (False, True):
+        caplog.clear()
+        with Cache(config(root), background=False, repair=repair) as cache:
+            report = cache.verify(repair=repair)
+            with cache.open_row(cache_key(NS, rows["sound"])) as row:
+                assert join(row.chunks) == blob(rows["sound"])
+        assert {Path(where) for where, _ in report.bad} >= set(in_place), report
+        assert all(path.is_dir() for path in in_place)
+        logged = " ".join(r.getMessage() for r in caplog.records)
+        assert all(str(path) in logged for path in in_place), logged

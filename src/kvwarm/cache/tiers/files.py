@@ -308,7 +308,8 @@ class FileStore:
         return filescan.quarantined(self._dir, str(self._root))
 
     def reap_temps(self, names: Sequence[str], remove: bool) -> builtins.list[tuple[str, str]]:
-        return filescan.reap_temps(
+        misplaced = filescan.misplaced_dirs(self._dir, self._root, self._tier)
+        return misplaced + filescan.reap_temps(
             self._dir,
             names,
             self._root,

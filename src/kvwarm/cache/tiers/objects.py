@@ -252,7 +252,9 @@ class ReapsTemps(Protocol):
 
     def reap_temps(self, names: Sequence[str], remove: bool) -> list[tuple[str, str]]:
         """Remove the temp objects among ``names`` (a listing) that nobody may still be
-        writing (``remove=False``: keep them); (location, why) of those left in place."""
+        writing (``remove=False``: keep them); (location, why) of those left in place, and
+        of anything else in the way of the store's names that a scan must report (files: a
+        directory named like a row or chunk file)."""
         ...
 
 
