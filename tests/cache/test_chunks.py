@@ -259,6 +259,39 @@ def test_a_damaged_chunk_drops_the_row(tmp_path: Path, damage: str) -> None:
         assert not [p for p in root.iterdir() if p.suffix == ".kvc"]
 
 
+def test_a_chunk_a_read_finds_damaged_is_set_aside_so_the_next_save_heals_its_rows(
+    tmp_path: Path,
+) -> None:
+    """A chunk whose payload is damaged (its head intact, so the startup scan keeps it) is
+    named by two rows. A read of one found it bad and dropped that row, but the chunk stayed
+    (the other row named it): the cold prefill's save of the same tokens reused it, and so
+    every restart read it, dropped the row and prefilled cold again, for good (found on Gemma
+    3 270M, whose checkpoints share their window chunks). The read now sets the chunk aside:
+    the save writes it afresh, and the other row reads again too."""
+    root = tmp_path / "kvc"
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=C)
+    tokens = list(range(700))
+    with Cache(cfg, background=False) as cache:
+        short, long = _save(cache, tokens[:600]), _save(cache, tokens)
+    first = chunkfmt.chunk_keys(NS, tokens, (C,))[0]  # named by both rows
+    path = root / f"{first.hex()}.kvk"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(data)
+    for _ in range(2):  # each a restart: the damage persists only while the chunk does
+        with Cache(cfg, background=False) as cache:
+            with pytest.raises(CacheFormatError), cache.open_row(short):
+                pass
+            assert _save(cache, tokens[:600]) == short  # the cold prefill's save
+            assert _restored(cache, short) == blob(tokens[:600])
+            assert _restored(cache, long) == blob(tokens)
+            assert cache.verify().bad == ()
+        assert [p.name for p in (root / "quarantine").iterdir()] == [path.name]
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(data)
+
+
 def test_unchunked_config_stores_whole_blobs(make_cache: CacheFactory) -> None:
     cache = make_cache(chunk_tokens=0)
     tokens = list(range(1000))

@@ -34,7 +34,14 @@ from kvwarm.buffers import grown
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.explain import MissReason
 from kvwarm.cache.index.index import STATE_KINDS, Index
-from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, SyncsDeletes, Tier
+from kvwarm.cache.protocols import (
+    Cotenanted,
+    RowBytes,
+    SetsAside,
+    StoredRow,
+    SyncsDeletes,
+    Tier,
+)
 from kvwarm.cache.store.chunking import Freshness, HoldRoom, store_row
 from kvwarm.cache.store.quota import QuotaCaps
 from kvwarm.cache.store.writer import WriterPool
@@ -46,7 +53,7 @@ from kvwarm.cache.types import (
     TierName,
     TierSizes,
 )
-from kvwarm.errors import CacheError, CacheIOError, CacheKeyError, ConfigError
+from kvwarm.errors import CacheError, CacheIOError, CacheKeyError, ChunkFormatError, ConfigError
 
 __all__ = ["CacheCore", "ScratchBuffers"]
 
@@ -295,6 +302,18 @@ class CacheCore:
         if not tier.capabilities.local:
             return False
         return not (isinstance(tier, Cotenanted) and tier.cotenanted())
+
+    def set_aside_chunk(self, tier: Tier, exc: ChunkFormatError) -> None:
+        """A chunk whose bytes a read found bad: every row naming it fails alike, and while
+        its file stays a save of the same tokens reuses it (the index counts it stored; a
+        head that is still valid is adopted by ``commit_chunk``), so its prefix would never
+        be served again. In a local tier that sets aside it goes to ``quarantine/`` and the
+        index stops counting it stored: the next save writes it afresh (the rows naming it
+        then read again). A shared tier's chunk is left to the others (``drop_unreadable``)."""
+        if not tier.capabilities.local or not isinstance(tier, SetsAside):
+            return
+        if tier.set_aside_chunk(exc.key, str(exc)):
+            self.index.chunk_lost(tier.name, exc.key)
 
     def drop_unreadable(self, tier: Tier, key: bytes, exc: CacheError) -> None:
         """A row could not be read (corrupt, a chunk missing, gone): never restore it again.

@@ -415,6 +415,11 @@ class FileTier(ObjectTier):
         whose chunks are gone). False if it is only reported (read-only, multi-host)."""
         return self._set_aside_row(key, why)
 
+    def set_aside_chunk(self, key: bytes, why: str) -> bool:
+        """Quarantine chunk ``key``'s file, whose bytes a read found bad (its head may be
+        valid: a save would adopt it). False if it is only reported (read-only, multi-host)."""
+        return self._set_aside_chunk(key, why)
+
     def quarantined(self) -> tuple[int, int]:
         """(row files, chunk files) in ``quarantine/``: what scans have set aside so far."""
         return self._files.quarantined()

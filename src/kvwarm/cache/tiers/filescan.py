@@ -83,8 +83,7 @@ def misplaced_dirs(dir_fd: int, root: Path, tier: str) -> list[tuple[str, str]]:
             names = sorted(
                 e.name
                 for e in entries
-                if e.name.endswith((ROW_SUFFIX, CHUNK_SUFFIX))
-                and e.is_dir(follow_symlinks=False)
+                if e.name.endswith((ROW_SUFFIX, CHUNK_SUFFIX)) and e.is_dir(follow_symlinks=False)
             )
     except OSError as exc:
         log.warning("%s: cannot list %s: %s", tier, root, exc)

@@ -57,6 +57,7 @@ from kvwarm.errors import (
     CacheIOError,
     CacheKeyError,
     CacheNetworkError,
+    ChunkFormatError,
     ConfigError,
 )
 
@@ -595,6 +596,14 @@ class ObjectTier:
         log.warning("%s: set aside %s: %s", self._name, row_name(key), why)
         return True
 
+    def _set_aside_chunk(self, key: bytes, why: str) -> bool:
+        """``SetsAside.set_aside_chunk``, as ``_set_aside_row`` for a chunk object."""
+        name = chunk_name(key)
+        if not self._repair or self._aside is None or not self._aside.set_aside(name):
+            return False
+        log.warning("%s: set aside %s: %s", self._name, name, why)
+        return True
+
     # ---- chunks: chunks/<hex>.kvk, published once like rows -------------------------------
 
     def store_chunk(self, key: bytes, head: bytes, payload: bytes) -> int:
@@ -632,14 +641,19 @@ class ObjectTier:
 
     def load_chunk(self, key: bytes, buffer: memoryview | None = None) -> memoryview:
         """The verified payload; with ``LocalReads``, read into ``buffer`` when the chunk is
-        exactly that long."""
+        exactly that long. Bad bytes are ``ChunkFormatError``, naming the chunk."""
         name = chunk_name(key)
-        if self._local is None:
-            return chunkfmt.parse(self._store.get(name).data, key)
-        data = self._local.read_exact_into(name, buffer) if buffer is not None else None
-        if data is None:
-            data, _ = self._local.read_into(name, None)
-        return chunkfmt.parse(data, key)
+        try:
+            if self._local is None:
+                return chunkfmt.parse(self._store.get(name).data, key)
+            data = self._local.read_exact_into(name, buffer) if buffer is not None else None
+            if data is None:
+                data, _ = self._local.read_into(name, None)
+            return chunkfmt.parse(data, key)
+        except ChunkFormatError:
+            raise
+        except CacheFormatError as exc:
+            raise ChunkFormatError(str(exc), key=key) from exc
 
     def delete_chunk(self, key: bytes) -> None:
         self._store.delete(chunk_name(key))

@@ -37,7 +37,13 @@ from kvwarm.cache.protocols import SetsAside, StoredRow, Tier
 from kvwarm.cache.store.core import CacheCore
 from kvwarm.cache.types import EvictResult
 from kvwarm.cache.upkeep.sharedgc import SharedSweep
-from kvwarm.errors import CacheError, CacheFormatError, CacheIOError, CacheKeyError
+from kvwarm.errors import (
+    CacheError,
+    CacheFormatError,
+    CacheIOError,
+    CacheKeyError,
+    ChunkFormatError,
+)
 
 __all__ = ["CacheUpkeep"]
 
@@ -183,7 +189,11 @@ class CacheUpkeep:
                 bad.append((stored.location or info.key.hex(), f"unreadable: {exc}"))
             finally:
                 self._core.index.checkin(info.key, gen)
+        aside: set[tuple[str, bytes]] = set()
         for tier, key, error in failed:  # as a failed read: deleted if local, else forgotten
+            if isinstance(error, ChunkFormatError) and (tier.name, error.key) not in aside:
+                aside.add((tier.name, error.key))
+                self._core.set_aside_chunk(tier, error)
             self._core.drop_unreadable(tier, key, error)
         rows = chunks = 0
         for tier in self._core.tiers.values():
