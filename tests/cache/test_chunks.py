@@ -267,18 +267,24 @@ def test_a_chunk_a_read_finds_damaged_is_set_aside_so_the_next_save_heals_its_ro
     (the other row named it): the cold prefill's save of the same tokens reused it, and so
     every restart read it, dropped the row and prefilled cold again, for good (found on Gemma
     3 270M, whose checkpoints share their window chunks). The read now sets the chunk aside:
-    the save writes it afresh, and the other row reads again too."""
+    the save writes it afresh, and the other row reads again too. The read stops at the first
+    bad chunk; the row's others are checked then, so one save heals them all."""
     root = tmp_path / "kvc"
     cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=C)
     tokens = list(range(700))
     with Cache(cfg, background=False) as cache:
         short, long = _save(cache, tokens[:600]), _save(cache, tokens)
-    first = chunkfmt.chunk_keys(NS, tokens, (C,))[0]  # named by both rows
-    path = root / f"{first.hex()}.kvk"
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 1
-    path.write_bytes(data)
-    for _ in range(2):  # each a restart: the damage persists only while the chunk does
+    shared = chunkfmt.chunk_keys(NS, tokens, (C, C))  # both named by both rows
+    paths = [root / f"{key.hex()}.kvk" for key in shared]
+
+    def damage() -> None:
+        for path in paths:
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 1
+            path.write_bytes(data)
+
+    damage()
+    for _ in range(2):  # each a restart: the damage persists only while the chunks do
         with Cache(cfg, background=False) as cache:
             with pytest.raises(CacheFormatError), cache.open_row(short):
                 pass
@@ -286,10 +292,10 @@ def test_a_chunk_a_read_finds_damaged_is_set_aside_so_the_next_save_heals_its_ro
             assert _restored(cache, short) == blob(tokens[:600])
             assert _restored(cache, long) == blob(tokens)
             assert cache.verify().bad == ()
-        assert [p.name for p in (root / "quarantine").iterdir()] == [path.name]
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 1
-        path.write_bytes(data)
+        assert sorted(p.name for p in (root / "quarantine").iterdir()) == sorted(
+            p.name for p in paths
+        )
+        damage()
 
 
 def test_unchunked_config_stores_whole_blobs(make_cache: CacheFactory) -> None:
@@ -317,7 +323,8 @@ def test_verify_reads_every_chunk_and_repair_drops_rows_naming_a_bad_one(tmp_pat
         assert len(report.bad) == 2 and cache.lookup_exact(short) is not None  # only reported
         assert len(cache.verify(repair=True).bad) == 2
         assert cache.lookup_exact(short) is None and cache.lookup_exact(long) is None
-        assert not path.exists()  # its last reference went with the rows
+        assert not path.exists()  # set aside, as a failed read does
+        assert (root / "quarantine" / path.name).exists()
 
 
 def test_verify_repair_only_forgets_bad_rows_of_a_shared_directory(tmp_path: Path) -> None:

@@ -303,17 +303,31 @@ class CacheCore:
             return False
         return not (isinstance(tier, Cotenanted) and tier.cotenanted())
 
-    def set_aside_chunk(self, tier: Tier, exc: ChunkFormatError) -> None:
+    def set_aside_chunk(
+        self, tier: Tier, exc: ChunkFormatError, others: Sequence[bytes] = ()
+    ) -> None:
         """A chunk whose bytes a read found bad: every row naming it fails alike, and while
         its file stays a save of the same tokens reuses it (the index counts it stored; a
         head that is still valid is adopted by ``commit_chunk``), so its prefix would never
         be served again. In a local tier that sets aside it goes to ``quarantine/`` and the
         index stops counting it stored: the next save writes it afresh (the rows naming it
-        then read again). A shared tier's chunk is left to the others (``drop_unreadable``)."""
+        then read again). ``others``: the rest of its row's chunks, read (the failure path
+        only) and set aside too where bad, so one save heals a row whatever else was
+        damaged. A shared tier's chunk is left to the others (``drop_unreadable``)."""
         if not tier.capabilities.local or not isinstance(tier, SetsAside):
             return
-        if tier.set_aside_chunk(exc.key, str(exc)):
-            self.index.chunk_lost(tier.name, exc.key)
+        bad = [exc]
+        for key in others:
+            if key != exc.key:
+                try:
+                    tier.load_chunk(key)
+                except ChunkFormatError as other:
+                    bad.append(other)
+                except CacheError:
+                    continue  # gone, or unreadable (EIO): nothing proves its bytes bad
+        for found in bad:
+            if tier.set_aside_chunk(found.key, str(found)):
+                self.index.chunk_lost(tier.name, found.key)
 
     def drop_unreadable(self, tier: Tier, key: bytes, exc: CacheError) -> None:
         """A row could not be read (corrupt, a chunk missing, gone): never restore it again.

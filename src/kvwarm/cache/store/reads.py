@@ -210,7 +210,7 @@ class RowReads:
             # shared tier only forget it: ``CacheCore.drop_unreadable``), and a corrupt
             # chunk itself, which a save of its tokens would otherwise reuse.
             if isinstance(exc, ChunkFormatError):
-                self._core.set_aside_chunk(tier, exc)
+                self._core.set_aside_chunk(tier, exc, refs)
             self._core.drop_unreadable(tier, key, exc)
             raise
         except CacheIOError:

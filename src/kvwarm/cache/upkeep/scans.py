@@ -163,7 +163,7 @@ class CacheUpkeep:
         checked = len(self._scan_problems)
         bad = list(self._scan_problems)
         good_chunks: set[tuple[str, bytes]] = set()  # a chunk many rows share is read once
-        failed: list[tuple[Tier, bytes, CacheError]] = []
+        failed: list[tuple[Tier, bytes, CacheError, tuple[bytes, ...]]] = []
         for info in self._core.index.rows():
             leased = self._core.index.lease(info.key, touch=False)
             if leased is None:
@@ -182,7 +182,7 @@ class CacheUpkeep:
             except (CacheFormatError, CacheKeyError) as exc:
                 bad.append((stored.location or info.key.hex(), str(exc)))
                 if repair:
-                    failed.append((tier, info.key, exc))
+                    failed.append((tier, info.key, exc, stored.chunk_refs))
             except CacheIOError as exc:
                 # Could not be read at all (EIO, EACCES, a store down): reported, the verify
                 # goes on to the other rows, and nothing is repaired on an I/O failure.
@@ -190,10 +190,10 @@ class CacheUpkeep:
             finally:
                 self._core.index.checkin(info.key, gen)
         aside: set[tuple[str, bytes]] = set()
-        for tier, key, error in failed:  # as a failed read: deleted if local, else forgotten
+        for tier, key, error, refs in failed:  # as a failed read: deleted if local, else forgotten
             if isinstance(error, ChunkFormatError) and (tier.name, error.key) not in aside:
                 aside.add((tier.name, error.key))
-                self._core.set_aside_chunk(tier, error)
+                self._core.set_aside_chunk(tier, error, refs)
             self._core.drop_unreadable(tier, key, error)
         rows = chunks = 0
         for tier in self._core.tiers.values():
