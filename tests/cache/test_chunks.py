@@ -31,6 +31,7 @@ from kvwarm.cache.formats.chunkfmt import head_size
 from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.tiers.files import FileTier
 from kvwarm.cache.tiers.s3 import S3Tier
+from kvwarm.cache.types import SaveReason, SaveRequest
 from kvwarm.errors import CacheFormatError, CacheKeyError, StateRestoreError
 
 C = 256
@@ -345,6 +346,38 @@ def test_verify_repair_only_forgets_bad_rows_of_a_shared_directory(tmp_path: Pat
         assert cache.rows() == []  # forgotten (a lookup may discover them again, as after a read)
         assert path.exists()
         assert {p.name for p in root.glob("*.kvc")} == {f"{k.hex()}.kvc" for k in (short, long)}
+
+
+def test_a_save_replaces_what_a_read_of_a_shared_directory_found_damaged(tmp_path: Path) -> None:
+    """In a directory other hosts share a row that fails its read is only forgotten, its bytes
+    left in place. A chunk or a whole row whose payload fails its CRC has a valid head, so
+    the next save of the same tokens adopted it (the save reported success) and every read
+    failed again: the prefix was never served from that tier again. The tier remembers what
+    its loads found bad and a save replaces it, as it replaces junk."""
+    root = tmp_path / "kvc"
+    tiers = (TierConfig("disk", 1 << 30, root=root, shared=True),)
+    cfg = CacheConfig(tiers=tiers, chunk_tokens=C)
+    chunked, whole = list(range(600)), list(range(5000, 5040))
+
+    def whole_request() -> SaveRequest:
+        return SaveRequest(NS, tuple(whole), blob(whole), SaveReason.COLD, "disk")
+
+    with Cache(cfg, background=False) as cache:
+        assert _save(cache, chunked) and cache.save(whole_request(), sync=True)
+    first = chunkfmt.chunk_keys(NS, chunked, (C,))[0]
+    for path in (root / f"{first.hex()}.kvk", root / f"{cache_key(NS, whole).hex()}.kvc"):
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(data)
+    with Cache(cfg, background=False) as cache:
+        for tokens in (chunked, whole):
+            with pytest.raises(CacheFormatError), cache.open_row(cache_key(NS, tokens)):
+                pass
+        assert _save(cache, chunked) and cache.save(whole_request(), sync=True)
+        assert _restored(cache, cache_key(NS, chunked)) == blob(chunked)
+        assert _restored(cache, cache_key(NS, whole)) == blob(whole)
+    with Cache(cfg, background=False) as cache:  # another host, or a restart
+        assert cache.verify().bad == ()
 
 
 def test_saves_queued_together_line_up(make_cache: CacheFactory) -> None:

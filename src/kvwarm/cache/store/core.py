@@ -313,11 +313,12 @@ class CacheCore:
         index stops counting it stored: the next save writes it afresh (the rows naming it
         then read again). ``others``: the rest of its row's chunks, read (the failure path
         only) and set aside too where bad, so one save heals a row whatever else was
-        damaged. A shared tier's chunk is left to the others (``drop_unreadable``)."""
-        if not tier.capabilities.local or not isinstance(tier, SetsAside):
-            return
+        damaged. In a tier other processes share the object stays for them to judge
+        (``drop_unreadable``), but the index stops counting it stored all the same: the
+        next save writes it, replacing the object the tier saw fail (``ObjectTier``)."""
+        aside = tier if isinstance(tier, SetsAside) and tier.capabilities.local else None
         bad = [exc]
-        for key in others:
+        for key in others if aside is not None else ():
             if key != exc.key:
                 try:
                     tier.load_chunk(key)
@@ -326,8 +327,9 @@ class CacheCore:
                 except CacheError:
                     continue  # gone, or unreadable (EIO): nothing proves its bytes bad
         for found in bad:
-            if tier.set_aside_chunk(found.key, str(found)):
-                self.index.chunk_lost(tier.name, found.key)
+            if aside is not None and not aside.set_aside_chunk(found.key, str(found)):
+                continue  # a read-only open: changes nothing
+            self.index.chunk_lost(tier.name, found.key)
 
     def drop_unreadable(self, tier: Tier, key: bytes, exc: CacheError) -> None:
         """A row could not be read (corrupt, a chunk missing, gone): never restore it again.

@@ -305,6 +305,10 @@ class _Staged:
         row = self._tier.probe(self._key)
         if row is None:
             return None
+        if self._tier._found_bad(row_name(self._key)):
+            log.info("%s: the row in the way of %s failed a load: replacing it",
+                     self._tier.name, self._key.hex())  # fmt: skip
+            return None
         request = self._request
         ours = set(request.chunk_keys or ())
         if request.rest_chunks is not None:
@@ -330,6 +334,7 @@ class _Staged:
         self._put.settle(adopted is not None)
         if adopted is not None:
             return adopted
+        self._tier._found_bad(row_name(self._key), False)
         tier, key, request = self._tier, self._key, self._request
         n = memoryview(request.payload).nbytes
         info = row_info(key, tier.name, self._fields, n, stored_bytes=self._prefix_len + n)
@@ -373,6 +378,11 @@ class ObjectTier:
         self._on_step = on_step  # publish steps, for the fault-injection tests
         self._problems: list[tuple[str, str]] = []
         self._chunk_problems: list[tuple[str, str]] = []
+        # Objects a load found bad (a payload failing its CRC: the metadata or head that
+        # decides whether a save adopts an object already there may still be valid). A save
+        # of one replaces it rather than adopting it, then forgets it (``_found_bad``).
+        self._bad: set[str] = set()
+        self._bad_lock = threading.Lock()
         # What the store offers beyond the seam, asked once.
         self._stages = store if isinstance(store, StagesPuts) else None
         self._local = store if isinstance(store, LocalReads) else None
@@ -433,7 +443,11 @@ class ObjectTier:
             data, backing = self._local.read_into(row_name(key), buffer)
         else:
             data = self._store.get(row_name(key)).data
-        f = kvc.parse(data, expected_key=key, known_tokens=row.tokens)
+        try:
+            f = kvc.parse(data, expected_key=key, known_tokens=row.tokens)
+        except CacheFormatError:
+            self._found_bad(row_name(key), True)
+            raise
         fields = f.meta.fields
         return RowBytes(fields.tokens, f.payload, fields.logits, backing, fields)
 
@@ -618,10 +632,15 @@ class ObjectTier:
                 put.link,
                 # Kept: touched, as young as one just written (another process may have
                 # orphaned it long ago, and a sweep's grace protects only young chunks).
-                lambda: self._chunk_head(key) is not None and self._store.touch(name),
+                lambda: (
+                    not self._found_bad(name)
+                    and self._chunk_head(key) is not None
+                    and self._store.touch(name)
+                ),
                 lambda: self._store.delete(name),
             )
             put.settle(False)
+            self._found_bad(name, False)
         except BaseException:
             put.undo()
             raise
@@ -651,9 +670,21 @@ class ObjectTier:
                 data, _ = self._local.read_into(name, None)
             return chunkfmt.parse(data, key)
         except ChunkFormatError:
+            self._found_bad(name, True)
             raise
         except CacheFormatError as exc:
+            self._found_bad(name, True)
             raise ChunkFormatError(str(exc), key=key) from exc
+
+    def _found_bad(self, name: str, bad: bool | None = None) -> bool:
+        """Whether a load found object ``name`` bad (since a save last replaced it); with
+        ``bad``, first record that it did (True) or that a save replaced it (False)."""
+        with self._bad_lock:
+            if bad is True:
+                self._bad.add(name)
+            elif bad is False:
+                self._bad.discard(name)
+            return name in self._bad
 
     def delete_chunk(self, key: bytes) -> None:
         self._store.delete(chunk_name(key))
