@@ -322,6 +322,7 @@ def test_verify_reads_every_chunk_and_repair_drops_rows_naming_a_bad_one(tmp_pat
         path.write_bytes(data)
         report = cache.verify()
         assert len(report.bad) == 2 and cache.lookup_exact(short) is not None  # only reported
+        assert all(why.startswith(f"chunk {first.hex()}: ") for _, why in report.bad)
         assert len(cache.verify(repair=True).bad) == 2
         assert cache.lookup_exact(short) is None and cache.lookup_exact(long) is None
         assert not path.exists()  # set aside, as a failed read does

@@ -180,7 +180,10 @@ class CacheUpkeep:
                         tier.load_chunk(chunk)  # head, key replay and payload CRC32C
                         good_chunks.add((tier.name, chunk))
             except (CacheFormatError, CacheKeyError) as exc:
-                bad.append((stored.location or info.key.hex(), str(exc)))
+                why = str(exc)
+                if isinstance(exc, ChunkFormatError):  # say which file is bad
+                    why = f"chunk {exc.key.hex()}: {why}"
+                bad.append((stored.location or info.key.hex(), why))
                 if repair:
                     failed.append((tier, info.key, exc, stored.chunk_refs))
             except CacheIOError as exc:
