@@ -151,3 +151,32 @@ def test_a_directory_named_like_a_row_or_chunk_is_reported_not_hidden(
         assert all(path.is_dir() for path in in_place)
         logged = " ".join(r.getMessage() for r in caplog.records)
         assert all(str(path) in logged for path in in_place), logged
+
+
+def test_an_orphan_chunk_with_a_damaged_payload_is_set_aside_at_startup(tmp_path: Path) -> None:
+    """A row's manifest and one of its chunks damaged together (a payload byte: the chunk's
+    head is intact). The scan set the manifest aside and adopted the chunk as an orphan on
+    its head alone, so the save of the same tokens reused it as stored and published a row
+    that failed its first read. The scan now reads the orphans whole: a bad one is set aside
+    (a read-only open reports it), and the save writes it afresh."""
+    root = tmp_path / "kvc"
+    tokens = run(0)
+    with Cache(config(root), background=False) as cache:
+        key = cache.save(chunked_request(NS, tokens, tier="disk"), sync=True)
+        assert key is not None
+    for path, at in ((row_path(root, tokens), 60), (chunk_path(root, tokens, 1), -1)):
+        data = bytearray(path.read_bytes())
+        data[at] ^= 0x01
+        path.write_bytes(bytes(data))
+    with Cache(config(root), background=False, repair=False) as cache:
+        bad = {where for where, _ in cache.verify().bad}
+    assert f"chunk {chunk_path(root, tokens, 1).stem}" in bad
+    with Cache(config(root), background=False) as cache:
+        assert cache.lookup_exact(key) is None
+        assert cache.save(chunked_request(NS, tokens, tier="disk"), sync=True) == key
+        with cache.open_row(key) as row:
+            assert join(row.chunks) == blob(tokens)
+    assert {p.name for p in (root / "quarantine").iterdir()} == {
+        row_path(root, tokens).name,
+        chunk_path(root, tokens, 1).name,
+    }

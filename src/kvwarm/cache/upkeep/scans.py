@@ -92,6 +92,24 @@ class CacheUpkeep:
                         "%s: cannot read a chunk of %s, leaving it: %s", tier.name, where, exc
                     )
                     self._scan_problems.append((where, f"unreadable: {exc}"))
+            if isinstance(tier, SetsAside) and tier.capabilities.local:
+                # The orphans' payloads: the chunk scan read only heads, and a save of an
+                # orphan's tokens reuses it as stored. Orphans are few (crash leftovers, the
+                # chunks of a manifest set aside above, often damaged with it): read whole.
+                for key in self._core.index.orphan_chunks(tier.name):
+                    try:
+                        tier.load_chunk(key)
+                    except ChunkFormatError as bad:
+                        if tier.set_aside_chunk(key, str(bad)):
+                            self._core.index.chunk_swept(tier.name, key)
+                        else:  # a read-only open: reported
+                            self._scan_problems.append((f"chunk {key.hex()}", str(bad)))
+                    except CacheKeyError:
+                        continue  # deleted meanwhile (another process's sweep)
+                    except CacheIOError as failed:
+                        if failed.exhausted:
+                            raise
+                        self._scan_problems.append((f"chunk {key.hex()}", f"unreadable: {failed}"))
         except CacheError as exc:  # e.g. an s3 store down at start: its rows come by probing
             self._core.counters.incr("store_errors")
             log.warning("%s: scan stopped early: %s", tier.name, exc)
