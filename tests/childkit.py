@@ -7,21 +7,26 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_child(
-    code: str, *args: str, stdin: str | None = None, prefixes: tuple[str, ...]
+    code: str,
+    *args: str,
+    stdin: str | None = None,
+    prefixes: tuple[str, ...],
+    env: Mapping[str, str] | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
-    """Run ``code`` with ``args``; (the finished process, its stdout lines starting with one
-    of ``prefixes``)."""
+    """Run ``code`` with ``args`` (in ``env``, by default this process's environment); (the
+    finished process, its stdout lines starting with one of ``prefixes``)."""
     src = str(ROOT / "src")
     done = subprocess.run(
         [sys.executable, "-c", code, *args],
         input=stdin,
-        env={**os.environ, "PYTHONPATH": f"{src}:{ROOT}"},
+        env={**(os.environ if env is None else env), "PYTHONPATH": f"{src}:{ROOT}"},
         capture_output=True,
         text=True,
         timeout=600,

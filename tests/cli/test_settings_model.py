@@ -182,6 +182,9 @@ def test_kv_types_flash_attention_and_rope_are_folded_into_the_cache_namespace()
     assert len(hashes) == len(changed) and base.kv_hash() not in hashes
     # Where a layer runs and how many threads run it do not change a row's bytes.
     assert ContextParams(n_threads=3, n_threads_batch=5).kv_hash() == base.kv_hash()
+    # A model's kernels where they are not the machine's defaults: hashed only then.
+    assert base.kv_hash("") == base.kv_hash()
+    assert len({base.kv_hash(), base.kv_hash("untiled"), base.kv_hash("untiled,unrepacked")}) == 3
 
 
 def test_help_lists_the_model_settings_in_their_own_group() -> None:

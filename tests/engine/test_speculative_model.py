@@ -8,6 +8,7 @@ Short prompts: prefill is ~200 tokens/s on 2 cores."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,9 +18,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tests.childkit import run_child
 from tests.engine.conftest import make_engine
 
 from kvwarm.backends.base import BackendContext, BatchToken, ContextParams
+from kvwarm.backends.llama import model_file
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import MAX_DRAFT_TOKENS, Completion, GenerationOptions
@@ -386,18 +389,25 @@ def test_n_choices_after_earlier_requests_are_plain_decodings_with_q8_0_kv() -> 
             assert all(done.stats.accepted_tokens > 0 for done in spec)
 
 
-def test_gemma_3_is_not_exact_and_does_not_speculate(gemma_path: str) -> None:
-    """Gemma 3 270M's Q5_0 weights take llamafile's tinyBLAS in passes of two rows or more and
-    ``vec_dot`` in one-token passes, so its verify rows differ from one-token passes at any
-    length and whatever the KV cells (13 of 16 rows at 100 cells, ``bench/kv_types.py``): the
-    load measures it and the model does not speculate; ``spec_exact=False`` speculates (only
-    inside its window), and says the model is not exact."""
+def test_gemma_3_is_not_exact_and_does_not_speculate(
+    gemma_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3 270M's Q4_K and Q6_K weights take llama.cpp's tiled kernel in passes of 8 rows
+    or more and ``vec_dot`` in one-token passes (on x86, while ``GGML_CPU_TILED_MM`` is not
+    0: here the user's 1, which kvwarm keeps), so its verify rows differ from one-token passes
+    at any length and whatever the KV cells (14-16 of 16 rows at 100 and 300 cells): the
+    model does not speculate and says why; ``spec_exact=False`` speculates (only inside its
+    window), and says it is not exact."""
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "1")
+    if not model_file.tiled_kernel_on():
+        pytest.skip("the tiled kernel is an x86 kernel")
     context = ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2)
     with make_engine() as engine:
         config = ModelConfig(context=context, spec_type="ngram-simple", chat_template="gemma")
         model = engine.load_model(gemma_path, config=config)
         info = model.info()
         assert info.speculation.startswith("off: a verify pass's rows differ from one-token")
+        assert "tiled kernel" in info.speculation
         assert info.speculation_exact is None
         loose = engine.load_model(
             gemma_path, model_id="loose", config=replace(config, spec_exact=False)
@@ -405,6 +415,59 @@ def test_gemma_3_is_not_exact_and_does_not_speculate(gemma_path: str) -> None:
         info = loose.info()
         assert "512-token sliding window" in info.speculation
         assert (info.speculation_exact or "").startswith("no: ")
+
+
+GEMMA_UNTILED = r"""
+import sys
+from kvwarm.backends.base import ContextParams
+from kvwarm.engine.api import ModelConfig
+from kvwarm.engine.types import GenerationOptions
+from tests.engine.conftest import make_engine
+source = (
+    "def merge(left, right):\n"
+    "    result = []\n"
+    "    while left and right:\n"
+    "        result.append(left.pop(0) if left[0] <= right[0] else right.pop(0))\n"
+    "    return result + left + right\n"
+)
+prompt = "Original:\n\n" + source + "\nThe same function, renamed to join:\n\ndef join("
+opts = GenerationOptions(max_tokens=40, temperature=0.0)
+context = ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2)
+config = ModelConfig(context=context, spec_type="ngram-simple")
+with make_engine() as engine:
+    model = engine.load_model(sys.argv[1], config=config)
+    print("EXACT", model.info().speculation_exact)
+    keyed = model.namespace().ctx_hash == model.config.context.kv_hash("untiled,unrepacked")
+    print("KEYED", keyed)
+    plain = model.complete(prompt, opts, spec_type="none")
+    spec = model.complete(prompt, opts, cache_salt="again")
+    print("SAME", spec.completion_tokens == plain.completion_tokens)
+    print("ACCEPTED", spec.stats.accepted_tokens)
+"""
+
+
+@pytest.mark.parametrize("tiled", ["0", None])
+def test_gemma_3_speculates_exactly_with_the_tiled_kernel_off(
+    gemma_path: str, tiled: str | None
+) -> None:
+    """With ``GGML_CPU_TILED_MM=0`` in its environment, or unset in a process whose first
+    model speculates (which then turns the kernel off: ``native.untile_for_exact_rows``; a
+    child process, since ggml reads the variable once), Gemma 3 270M's only other kernel
+    change is repacking its Q4_K weights, which a speculating model gives up
+    (``ModelParams.exact_rows``): it speculates exactly at any length (inside its window),
+    and a greedy reply that copies is plain decoding's, drafts accepted; both kernel changes
+    are hashed into its cache keys (``BackendModel.kernels``)."""
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    if tiled is not None:
+        env["GGML_CPU_TILED_MM"] = tiled
+    done, lines = run_child(
+        GEMMA_UNTILED, gemma_path, prefixes=("EXACT", "KEYED", "SAME", "ACCEPTED"), env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = dict(line.split(maxsplit=1) for line in lines)
+    assert (said.get("EXACT"), said.get("SAME")) == ("at any length", "True"), said
+    assert said["KEYED"] == "True"  # rows of other kernels are never restored as its own
+    assert int(said["ACCEPTED"]) > 0
 
 
 @pytest.fixture(scope="module")

@@ -560,6 +560,14 @@ class BackendModel(Protocol):
         cache keys from these, so a key names what ran."""
         ...
 
+    @property
+    def kernels(self) -> str:
+        """The matrix kernels this load computes with, where they are not what the backend
+        takes by default on this machine, as a short tag ("" where they are): another kernel
+        changes a KV state's last bits, so the engine hashes a tag into the model's cache keys,
+        and rows computed one way are never restored as the other's."""
+        ...
+
     def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:
         """Where a verify pass's rows are bit for bit what one-token passes compute, in a
         context run with ``params`` (``context_params``' result, its ``n_ctx`` every slot's

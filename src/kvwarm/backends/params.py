@@ -77,6 +77,11 @@ class ModelParams:
     #: unless the CPU build uses AMX, whose matmul in the pinned llama.cpp segfaults on the
     #: first multi-token batch (docs/architecture.md, "Layers": the AMX fault).
     use_extra_bufts: bool | None = None
+    #: The model will verify drafts (it speculates): where ``use_extra_bufts`` is None and
+    #: repacking is all that would make a verify pass's rows differ from one-token passes'
+    #: (a repacked product takes a GEMM for several rows and a GEMV for one), its weights load
+    #: without the extra buffer types (``LlamaModel``; ``BackendModel.verify_exactness``).
+    exact_rows: bool = False
     progress: ProgressCallback | None = field(default=None, compare=False, hash=False)
 
     def validate(self) -> None:
@@ -226,8 +231,10 @@ class ContextParams:
                 f"yarn_orig_ctx must be >= 0 (0: the model's own), got {self.yarn_orig_ctx}"
             )
 
-    def kv_hash(self) -> bytes:
-        """32 bytes identifying every parameter that shapes the KV state or its numerics.
+    def kv_hash(self, kernels: str = "") -> bytes:
+        """32 bytes identifying every parameter that shapes the KV state or its numerics, and
+        ``kernels``: the model's matrix kernels where they are not the machine's defaults
+        (``BackendModel.kernels``; hashed only when not "", so default rows keep their keys).
 
         ``n_seq_max``, ``kv_unified`` and thread counts are excluded: a sequence's KV bytes
         (in the one-stream form rows are stored in) do not depend on them, and rows must be
@@ -253,6 +260,8 @@ class ContextParams:
         for name, default in _HASHED_IF_CHANGED.items():
             if fields[name] == default:
                 fields.pop(name)
+        if kernels:
+            fields["kernels"] = kernels
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(b"kvwarm-ctx-v1\0" + blob).digest()
 

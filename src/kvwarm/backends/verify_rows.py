@@ -3,11 +3,12 @@
 Speculative decoding is exact (a greedy reply is plain decoding's, token for token) only where
 each row of a verify pass has bit for bit the logits of the one-token pass at its position.
 That depends on kernels the backend chooses by the number of rows in a pass: llama.cpp's CPU
-attention (``BackendModel.verify_exactness``) and its matrix products, which take llamafile's
-tinyBLAS for two rows or more and ``vec_dot`` for one with weights of some types (found: Gemma 3
-270M's Q5_0 tensors gave 13 of 16 rows that differ at 100 cells, whatever the KV type; SmolLM2's
-Q4_1 and Q8_0 none). ``differing_rows`` measures it on a context; ``probe_tokens`` picks tokens
-that any vocabulary spells.
+attention (``BackendModel.verify_exactness``) and its matrix products, which take another
+kernel for several rows than ``vec_dot`` for one with weights of some types
+(``model_file.several_row_kernels``: found, Gemma 3 270M's K-quants in the tiled kernel gave
+14-16 of 16 rows that differ, whatever the KV type; SmolLM2's Q4_1 and Q8_0 none).
+``differing_rows`` measures it on a context; ``probe_tokens`` picks tokens that any vocabulary
+spells.
 """
 
 from __future__ import annotations

@@ -123,7 +123,10 @@ def run_explain(args: argparse.Namespace) -> int:
     if tenant is not None or args.anonymous:
         salt = scoped_by_id(salt, tenant)
     require_dirs(settings)  # before loading a model: a mistyped --cache-dir is the answer
-    bmodel = backend.load_model(str(path), dataclasses.replace(cfg.model_params, vocab_only=True))
+    # Loaded as the server loads it to speculate: its kernels (``BackendModel.kernels``) are
+    # hashed into the namespace.
+    vocab = dataclasses.replace(cfg.model_params, vocab_only=True, exact_rows=cfg.speculative)
+    bmodel = backend.load_model(str(path), vocab)
     try:
         facts = bmodel.facts
         tokens = _tokens(bmodel, args.prompt, body, cfg.chat_template)
@@ -133,10 +136,11 @@ def run_explain(args: argparse.Namespace) -> int:
             deterministic=cfg.deterministic,
             speculative=cfg.speculates_with(facts.pooling),
         )
+        kernels = bmodel.kernels
     finally:
         bmodel.close()
     fingerprint = model_fingerprint(path, parse_mode(cfg.fingerprint_mode), cfg.fingerprint)
-    base = Namespace(fingerprint, facts.file_type & 0xFF, context.kv_hash())
+    base = Namespace(fingerprint, facts.file_type & 0xFF, context.kv_hash(kernels))
     namespace = salted_namespace(base, None if salt is None else salt.encode("utf-8"))
     memory = MemoryKind(facts.memory_kind, facts.n_swa, cfg.context.swa_full)
     with open_cache(settings, repair=False) as cache:

@@ -139,7 +139,8 @@ class Model:
         self.backend = get_backend(backend_spec) if isinstance(backend_spec, str) else backend_spec
         phases = LoadProgress(progress, mode, path.is_file())
         self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint, phases.hashing())
-        params = replace(cfg.model_params, progress=phases.weights())
+        # A speculating model's weights load where its verify rows can be exact.
+        params = replace(cfg.model_params, progress=phases.weights(), exact_rows=cfg.speculative)
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
         self._projector: Projector | None = None
         self._draft: DraftModel | None = None
@@ -285,7 +286,8 @@ class Model:
                 fingerprint = model_fingerprint(path, self.fingerprint_mode, None)
                 # Its own namespace even where the draft model is the model itself: the draft
                 # context's rows are whole blobs of its prompts, never mixed with the model's.
-                ctx_hash = hashlib.sha256(b"kvwarm draft context\0" + ran.kv_hash()).digest()
+                kv_hash = ran.kv_hash(bmodel.kernels)
+                ctx_hash = hashlib.sha256(b"kvwarm draft context\0" + kv_hash).digest()
                 namespace = Namespace(fingerprint, bmodel.facts.file_type & 0xFF, ctx_hash)
                 log.info("model %s drafts with %s", self.id, path.name)
                 return DraftModel(
@@ -371,7 +373,7 @@ class Model:
                 except BaseException:
                     self._ctx.close()
                     raise
-        self._ctx_hash = cfg.context.kv_hash()
+        self._ctx_hash = cfg.context.kv_hash(self._bmodel.kernels)
         self._namespace = Namespace(self._fingerprint, facts.file_type & 0xFF, self._ctx_hash)
         self._links = _Links(self)
         self._worker = Worker(

@@ -89,6 +89,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
             lib, params, scratch_seqs=0 if self._scratch is None else 1
         )
         model.lifetime.acquire()
+        _native.graphs_may_run()
         try:
             with model.lifetime.using(), _native.captured_log() as lines:
                 ptr = lib.llama_init_from_model(model.native, cp)

@@ -178,8 +178,31 @@ class LlamaModel:
         check_gguf_magic(path)  # before llama.cpp parses it (issue 23)
         model_file.check_path(path)  # metadata llama.cpp would abort the process on
         #: A weight multiplied by another kernel for several rows than for one ("" if none):
-        #: read here, where the file is the one that loads (``verify_exactness``).
-        self._row_kernels = model_file.several_row_kernels(path)
+        #: read here, where the file is the one that loads (``verify_exactness``), its
+        #: repacked types only where the weights load into the extra buffer types.
+        if params.exact_rows and model_file.tiled_kernel_on() and model_file.tiled_weights(path):
+            _native.untile_for_exact_rows(f"{Path(path).name} speculates, with K-quant weights")
+        extra = params.use_extra_bufts
+        repacked = (not _native.amx_in_use()) if extra is None else extra
+        self._row_kernels = model_file.several_row_kernels(path, repacked=repacked)
+        unrepacked = False
+        if repacked and extra is None and params.exact_rows:
+            unpacked = model_file.several_row_kernels(path)
+            if not unpacked and self._row_kernels:
+                # Repacking is the only kernel change: a speculating model gives it up
+                # (``ModelParams.exact_rows``), as its KV cells give up f16 (``_kv_cells``).
+                log.info("%s: weights not repacked, so verify rows stay exact", path)
+                params = replace(params, use_extra_bufts=False)
+                self._row_kernels = unpacked
+                unrepacked = True
+        #: ``kernels``: where they are not this machine's defaults (the process's tiled
+        #: kernel off, this load's weights not repacked where they would be).
+        tags = []
+        if model_file.tiled_weights(path) and model_file.tiled_kernel_turned_off():
+            tags.append("untiled")
+        if unrepacked:
+            tags.append("unrepacked")
+        self._kernels = ",".join(tags)
         lib = _native.lib()
         self._lib = lib
         self._params = params
@@ -546,6 +569,10 @@ class LlamaModel:
                 v = _EXACT_KV_TYPE  # K was given f16 or f32: V of another type takes it out
         return replace(params, type_k=k, type_v=v)
 
+    @property
+    def kernels(self) -> str:
+        return self._kernels
+
     def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:
         if self._offloaded():
             return "not measured on a GPU (its kernels change with the number of rows in a pass)"
@@ -557,9 +584,8 @@ class LlamaModel:
         )
         if weight:
             return (
-                f"no: {'an adapter' if not self._row_kernels else 'its'} weight {weight} is "
-                "multiplied with another kernel in a pass of several rows than in a one-token "
-                "pass (llamafile's tinyBLAS against vec_dot)"
+                f"no: {'an adapter' if not self._row_kernels else 'its'} weight {weight}, is "
+                "multiplied with vec_dot in a one-token pass"
             )
         try:
             differ = self._probe_verify_rows(params, adapters)

@@ -33,6 +33,8 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import platform
+import re
 from collections.abc import Sequence
 from typing import BinaryIO, cast
 
@@ -558,40 +560,98 @@ def _spm_bytes_problem(names: set[bytes]) -> str:
 # --- Weights multiplied by another kernel in passes of several rows than in one -------------
 
 #: ggml types whose matrix products llama.cpp's CPU backend computes with llamafile's tinyBLAS
-#: for two rows or more and with ``vec_dot`` for one (``ggml-cpu/llamafile/sgemm.cpp``: F32,
-#: F16, BF16, Q4_0, Q5_0, IQ4_NL; ``n < 2`` returns to ggml). The two sum in other orders:
-#: Gemma 3 270M's Q5_0 tensors made 13 of 16 verify rows differ from one-token passes, an F32
-#: or F16 LoRA adapter made up to 11 of 11 probe rows differ on SmolLM2, by the KV cells. Q8_0
-#: is tinyBLAS's too but sums as ``vec_dot`` does on this x86 CPU (SmolLM2's tied Q8_0 output:
-#: every logit of every verify row equal), so it is left to the load's probe.
-_ROW_KERNEL_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 6: "Q5_0", 20: "IQ4_NL"}
+#: for two rows or more and with ``vec_dot`` for one (``ggml-cpu/llamafile/sgemm.cpp``; ``n < 2``
+#: returns to ggml), which sum in other orders: F16 or F32 weights made 11 of 11 probe rows
+#: differ, an F32 or F16 LoRA adapter up to 11 of 11 on SmolLM2 (by the KV cells). tinyBLAS
+#: takes Q8_0, Q4_0, Q5_0 and IQ4_NL too, but those sum as ``vec_dot`` does on these x86 CPUs
+#: (measured 2026-11-29 with the tiled kernel below off: Q4_0 and Q5_0 models 0 of 11 probe
+#: rows, Gemma 3 270M's Q5_0 and Q8_0 tensors 0 of 16 rows at 100 and 300 cells; SmolLM2's tied
+#: Q8_0 output every logit equal), so they are left to the load's probe.
+_ROW_KERNEL_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+#: ggml types llama.cpp's CPU backend multiplies with its tiled kernel (``ggml-cpu/tiled``) in
+#: passes of 8 rows or more and with ``vec_dot`` in fewer, in every x86 build (AVX and up),
+#: unless ``GGML_CPU_TILED_MM`` in the environment is 0 (read once, at its first product): a
+#: Q4_K_S model made 9 of 11 probe rows differ, a Q6_K one 9, Gemma 3 270M (Q4_K_M) 14-16 of
+#: 16; with the variable 0, none (``tiled_kernel_on``).
+_TILED_TYPES = {
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 16: "IQ2_XXS", 17: "IQ2_XS",
+    18: "IQ3_XXS", 19: "IQ1_S", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M",
+}  # fmt: skip
+#: ggml types llama.cpp repacks for its CPU GEMM/GEMV kernels (``ggml-cpu/repack.cpp``, x86
+#: with AVX2) where weights load into its extra buffer types (``ModelParams.use_extra_bufts``):
+#: a repacked product takes a GEMM for several rows and a GEMV for one; Gemma 3 270M's
+#: repacked Q4_K made 14-16 of 16 rows differ with the tiled kernel off, none without repacking.
+_REPACK_TYPES = {2: "Q4_0", 12: "Q4_K", 20: "IQ4_NL", 39: "MXFP4"}
 #: Tensors read by row (``ggml_get_rows``), never multiplied: a lookup, not a matrix product.
 _LOOKUPS = ("token_embd.weight", "position_embd.weight", "token_types.weight")
+_X86 = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
 
 
-def several_row_kernels(path: str | os.PathLike[str], *, adapter: bool = False) -> str:
-    """The first matrix weight of the GGUF at ``path`` that llama.cpp multiplies with another
-    kernel in a pass of several rows than in a one-token pass, as "name (TYPE)"; "" if none
-    (``_ROW_KERNEL_TYPES``), or if the file cannot be read (the load's probe still runs).
-    A model's weights are its 2-D tensors other than row lookups (``token_embd`` is one only
-    where an ``output.weight`` exists: a tied output multiplies it); ``adapter``: a LoRA
-    adapter's, each of its 2-D tensors."""
+def tiled_kernel_on() -> bool:
+    """Whether llama.cpp's CPU backend multiplies K-quant and IQ weights with its tiled kernel
+    in passes of 8 rows or more (``_TILED_TYPES``): on x86, unless ``GGML_CPU_TILED_MM`` is
+    0, as ggml reads it (``atoi``: an unparsable value is 0)."""
+    if platform.machine().lower() not in _X86:
+        return False
+    value = os.environ.get("GGML_CPU_TILED_MM")
+    return value is None or _atoi(value) != 0
+
+
+def tiled_kernel_turned_off() -> bool:
+    """Whether ``GGML_CPU_TILED_MM`` turns off a tiled kernel this machine has (x86): the
+    process computes K-quant products otherwise than by default (``LlamaModel.kernels``)."""
+    return platform.machine().lower() in _X86 and not tiled_kernel_on()
+
+
+def _atoi(text: str) -> int:
+    """C's ``atoi``: optional leading whitespace and sign, then digits; 0 if none."""
+    digits = re.match(r"\s*([+-]?\d+)", text)
+    return int(digits.group(1)) if digits else 0
+
+
+def _matrix_weights(path: str | os.PathLike[str], *, adapter: bool) -> list[gguf_meta.TensorInfo]:
+    """The GGUF's matrix weights (``several_row_kernels``); none if it cannot be read."""
     try:
         with gguf_meta.tensors_of(path) as tensors:
             table = [t for t in tensors if len(t.shape) >= 2 and t.shape[1] > 1]
     except (OSError, ValueError):
-        return ""
+        return []
     names = {t.name for t in table}
-    for t in table:
-        kind = _ROW_KERNEL_TYPES.get(t.ggml_type)
-        if kind is None:
-            continue
-        lookup = t.name in _LOOKUPS or t.name.endswith("_token_embd.weight")
-        if (
-            not adapter
-            and lookup
-            and not (t.name == "token_embd.weight" and "output.weight" not in names)
-        ):
-            continue
-        return f"{t.name} ({kind})"
+    return [
+        t
+        for t in table
+        if adapter
+        or not (t.name in _LOOKUPS or t.name.endswith("_token_embd.weight"))
+        or (t.name == "token_embd.weight" and "output.weight" not in names)
+    ]
+
+
+def tiled_weights(path: str | os.PathLike[str]) -> bool:
+    """Whether the model GGUF at ``path`` has a matrix weight of a type the tiled kernel
+    multiplies (``_TILED_TYPES``), whether or not the kernel is on."""
+    return any(t.ggml_type in _TILED_TYPES for t in _matrix_weights(path, adapter=False))
+
+
+def several_row_kernels(
+    path: str | os.PathLike[str], *, adapter: bool = False, repacked: bool = False
+) -> str:
+    """The first matrix weight of the GGUF at ``path`` that llama.cpp multiplies with another
+    kernel in a pass of several rows than in a one-token pass, as "name (TYPE), what kernel";
+    "" if none, or if the file cannot be read (the load's probe still runs). The kernels:
+    tinyBLAS (``_ROW_KERNEL_TYPES``), the tiled one while it is on (``_TILED_TYPES``,
+    ``tiled_kernel_on``) and, with ``repacked`` (weights in the extra buffer types), the
+    repacked ones (``_REPACK_TYPES``). A model's weights are its 2-D tensors other than row
+    lookups (``token_embd`` is one only where an ``output.weight`` exists: a tied output
+    multiplies it); ``adapter``: a LoRA adapter's, each of its 2-D tensors."""
+    tiled = tiled_kernel_on()
+    for t in _matrix_weights(path, adapter=adapter):
+        if (kind := _ROW_KERNEL_TYPES.get(t.ggml_type)) is not None:
+            return f"{t.name} ({kind}), which llamafile's tinyBLAS multiplies for several rows"
+        if tiled and (kind := _TILED_TYPES.get(t.ggml_type)) is not None:
+            return (
+                f"{t.name} ({kind}), which llama.cpp's tiled kernel multiplies in passes of 8 "
+                "rows or more (GGML_CPU_TILED_MM=0 in kvwarm's environment turns it off)"
+            )
+        if repacked and (kind := _REPACK_TYPES.get(t.ggml_type)) is not None:
+            return f"{t.name} ({kind}), repacked for llama.cpp's GEMM kernel for several rows"
     return ""

@@ -177,6 +177,35 @@ def route_mtmd_log(mtmd: ModuleType) -> None:
         _MTMD_ROUTED = True
 
 
+#: A context or projector was made in this process: ggml may have read ``GGML_CPU_TILED_MM``
+#: (once, at its first product), so setting the variable now would not reach it.
+_GRAPHS_MAY_HAVE_RUN = False
+
+
+def graphs_may_run() -> None:
+    """Called before a context or projector is made (``untile_for_exact_rows``)."""
+    global _GRAPHS_MAY_HAVE_RUN
+    _GRAPHS_MAY_HAVE_RUN = True
+
+
+def untile_for_exact_rows(why: str) -> bool:
+    """Turn llama.cpp's tiled K-quant kernel off for this process (``GGML_CPU_TILED_MM=0``;
+    ``model_file.tiled_kernel_on``) where nobody set the variable and ggml cannot have read
+    it yet; True if it did. A model that speculates needs it off to be exact with K-quant
+    weights; it costs every model of the process the kernel's speed in passes of 8 rows or
+    more (a cold prefill ~1.2x on Gemma 3 270M), as a q8_0 K costs the speculating model's."""
+    with _LOCK:
+        if "GGML_CPU_TILED_MM" in os.environ or _GRAPHS_MAY_HAVE_RUN:
+            return False
+        os.environ["GGML_CPU_TILED_MM"] = "0"
+    log.info(
+        "llama.cpp's tiled K-quant kernel turned off for this process (GGML_CPU_TILED_MM=0): "
+        "%s; set GGML_CPU_TILED_MM=1 to keep it (such a model then does not speculate)",
+        why,
+    )
+    return True
+
+
 def amx_in_use() -> bool:
     """Whether llama.cpp's CPU backend would put weights in its AMX buffer type: built with AMX
     (``ggml_cpu_has_amx_int8``) and running on a CPU whose kernel reports ``amx_int8``."""

@@ -86,6 +86,7 @@ class LlamaProjector:
         cp.media_marker = _MARKER
         self._params = cp  # C keeps the marker's pointer for the context's life
         model.lifetime.acquire()
+        _native.graphs_may_run()  # its warmup runs the encoder's graph
         try:
             with model.lifetime.using(), _native.captured_log() as lines:
                 ptr = mt.mtmd_init_from_file(os.fsencode(path), model.native, cp)

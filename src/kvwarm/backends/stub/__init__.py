@@ -322,6 +322,10 @@ class StubModel:
         # No attention kernels to choose between: every cell type is exact; ``auto`` is f16.
         return replace(params, type_k=concrete_kv(params.type_k), type_v=concrete_kv(params.type_v))
 
+    @property
+    def kernels(self) -> str:
+        return ""  # one way to compute
+
     def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:
         return EXACT_AT_ANY_LENGTH  # its logits are a function of the prefix alone
 

@@ -1,0 +1,178 @@
+"""Which weights llama.cpp multiplies with another kernel in a pass of several rows than in a
+one-token pass (``model_file.several_row_kernels``), so a speculating model's verify rows
+would differ from plain decoding's: tinyBLAS for F32/F16/BF16, the tiled kernel for K-quant
+and IQ weights in passes of 8 rows or more (on x86 unless ``GGML_CPU_TILED_MM`` is 0), the
+repacked GEMM for repacked weights; and that a model whose only such kernel is repacking
+gives repacking up when it will verify drafts (``ModelParams.exact_rows``). Tiny random-weight
+llama GGUFs quantised by llama.cpp (``tests/tinymodels.py``), 512 wide so K-quants apply."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+from tests.childkit import run_child
+from tests.tinymodels import write_tiny_model
+
+from kvwarm.backends.llama import model_file
+
+pytestmark = pytest.mark.model
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+from flash_attn import shape_keys  # noqa: E402  (bench/ is not a package)
+
+X86 = platform.machine().lower() in {"x86_64", "amd64"}
+#: ``llama_ftype`` values: all F16, mostly Q6_K, mostly Q4_K (Q4_K_S: Q5_K and Q6_K besides).
+FTYPE_F16, FTYPE_Q6_K, FTYPE_Q4_K_S = 1, 18, 14
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    out = tmp_path_factory.mktemp("rowkernels")
+    keys = shape_keys((512, 8, 4, 1024, 64))
+    return {
+        ftype: write_tiny_model(out / f"{ftype}.gguf", "llama", stdev=0.02, keys=keys, ftype=ftype)
+        for ftype in (FTYPE_F16, FTYPE_Q6_K, FTYPE_Q4_K_S)
+    }
+
+
+@pytest.mark.parametrize(
+    ("value", "on"), [(None, True), ("1", True), ("0", False), (" 0", False), ("off", False)]
+)
+def test_the_tiled_kernel_is_on_as_ggml_reads_its_switch(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, on: bool
+) -> None:
+    """ggml reads ``GGML_CPU_TILED_MM`` with ``atoi``: unset is on, anything that parses to 0
+    (an unparsable word included) is off."""
+    if value is None:
+        monkeypatch.delenv("GGML_CPU_TILED_MM", raising=False)
+    else:
+        monkeypatch.setenv("GGML_CPU_TILED_MM", value)
+    assert model_file.tiled_kernel_on() == (on and X86)
+
+
+@pytest.mark.skipif(not X86, reason="the tiled kernel is an x86 kernel")
+def test_each_kernel_is_named_where_it_applies(
+    tiny: dict[int, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GGML_CPU_TILED_MM", raising=False)
+    assert "(F16), which llamafile's tinyBLAS" in model_file.several_row_kernels(tiny[FTYPE_F16])
+    assert "(Q6_K), which llama.cpp's tiled kernel" in model_file.several_row_kernels(
+        tiny[FTYPE_Q6_K]
+    )
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "0")
+    assert model_file.several_row_kernels(tiny[FTYPE_Q6_K]) == ""
+    assert model_file.several_row_kernels(tiny[FTYPE_Q4_K_S]) == ""
+    repacked = model_file.several_row_kernels(tiny[FTYPE_Q4_K_S], repacked=True)
+    assert "(Q4_K), repacked" in repacked
+    assert "tinyBLAS" in model_file.several_row_kernels(tiny[FTYPE_F16])  # whatever the switch
+
+
+PROBE = """
+import sys
+from kvwarm.backends.base import ContextParams, ModelParams
+from kvwarm.backends.llama import LlamaBackend
+params = ContextParams(n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2, flash_attn="on",
+                       type_k="q8_0", type_v="f16")
+for exact_rows in (False, True):
+    model = LlamaBackend().load_model(sys.argv[1], ModelParams(exact_rows=exact_rows))
+    print("EXACT", exact_rows, model.verify_exactness(params))
+    print("PROBE", exact_rows, model._probe_verify_rows(params, ()))
+    model.close()
+"""
+
+
+def _exactness(path: Path, tiled: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("GGML_CPU_TILED_MM", None)
+    if tiled is not None:
+        env["GGML_CPU_TILED_MM"] = tiled
+    done, lines = run_child(PROBE, str(path), prefixes=("EXACT", "PROBE"), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {" ".join(line.split()[:2]): line.split(maxsplit=2)[2] for line in lines}
+
+
+@pytest.mark.skipif(not X86, reason="the tiled kernel is an x86 kernel")
+def test_a_k_quant_models_rows_differ_while_the_tiled_kernel_is_on(tiny: dict[int, Path]) -> None:
+    """Measured by the load's probe as the static rule says: a Q6_K model's verify rows differ
+    from one-token passes while the tiled kernel is on (a child process: ggml reads the switch
+    once); with ``GGML_CPU_TILED_MM=0`` they are exact, and the model says so."""
+    on = _exactness(tiny[FTYPE_Q6_K], None)
+    assert int(on["PROBE False"]) > 0
+    assert on["EXACT False"].startswith("no: its weight") and "tiled kernel" in on["EXACT False"]
+    off = _exactness(tiny[FTYPE_Q6_K], "0")
+    assert off["PROBE False"] == "0"
+    assert off["EXACT False"] == "at any length"
+
+
+@pytest.mark.skipif(not X86, reason="repacking is measured on x86")
+def test_a_speculating_model_gives_up_repacking_where_it_is_the_only_kernel_change(
+    tiny: dict[int, Path],
+) -> None:
+    """With the tiled kernel off, a Q4_K model's only kernel change is repacking (where the
+    CPU repacks, as it does without AMX): loaded to verify drafts (``exact_rows``) its weights
+    are not repacked, and it is exact; loaded otherwise it keeps repacking, and the static
+    rule names it."""
+    from kvwarm.backends.llama import native
+
+    if native.amx_in_use():
+        pytest.skip("weights are never repacked where AMX is in use")
+    off = _exactness(tiny[FTYPE_Q4_K_S], "0")
+    assert "(Q4_K), repacked" in off["EXACT False"]
+    assert off["EXACT True"] == "at any length"
+    assert off["PROBE True"] == "0"
+
+
+UNTILE = """
+import os, sys
+from kvwarm.backends.base import ContextParams, ModelParams
+from kvwarm.backends.llama import LlamaBackend
+params = ContextParams(n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2, flash_attn="on",
+                       type_k="q8_0", type_v="f16")
+backend = LlamaBackend()
+if sys.argv[2] == "context-first":  # another model's context before: ggml may have read it
+    other = backend.load_model(sys.argv[1])
+    other.new_context(params).close()
+model = backend.load_model(sys.argv[1], ModelParams(exact_rows=True))
+print("EXACT", model.verify_exactness(params))
+print("ENV", os.environ.get("GGML_CPU_TILED_MM"))
+print("KERNELS", repr(model.kernels))
+"""
+
+
+@pytest.mark.skipif(not X86, reason="the tiled kernel is an x86 kernel")
+@pytest.mark.parametrize(
+    ("tiled", "order", "exact", "env", "kernels"),
+    [
+        (None, "first", "at any length", "0", "'untiled'"),  # off for the process, and exact
+        ("1", "first", "no: its weight", "1", "''"),  # the user's choice is kept
+        (None, "context-first", "no: its weight", None, "''"),  # too late: ggml may have read it
+    ],
+)
+def test_a_speculating_k_quant_model_turns_the_tiled_kernel_off_while_it_still_can(
+    tiny: dict[int, Path],
+    tiled: str | None,
+    order: str,
+    exact: str,
+    env: str | None,
+    kernels: str,
+) -> None:
+    """The first model of a process that will verify drafts (``exact_rows``) with K-quant
+    weights sets ``GGML_CPU_TILED_MM=0`` where nobody set it (``native.untile_for_exact_rows``)
+    and is exact; a value given is kept, and after a context was made it is too late (ggml
+    reads the variable once), so the model says it is not exact. ``kernels`` says which way
+    it computes, for its cache keys."""
+    environ = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    if tiled is not None:
+        environ["GGML_CPU_TILED_MM"] = tiled
+    done, lines = run_child(
+        UNTILE, str(tiny[FTYPE_Q6_K]), order, prefixes=("EXACT", "ENV", "KERNELS"), env=environ
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = dict(line.split(maxsplit=1) for line in lines)
+    assert said["EXACT"].startswith(exact)
+    assert said["ENV"] == str(env)
+    assert said["KERNELS"] == kernels
