@@ -35,6 +35,7 @@ the server maps exception *types* to HTTP statuses, never message text.
     ├── KeepAliveFullError                        keep-alive holds as many prefixes as allowed
     └── CacheError
         ├── CacheFormatError                      a malformed or foreign KVC file / blob
+        │   └── ChunkFormatError                  ... a chunk object's, naming it (set aside)
         ├── CacheIOError                          the file system refused a save (ENOSPC, EIO…)
         │   └── CacheNetworkError                 a remote store (s3) did not answer in time
         └── CacheKeyError          (also KeyError) a key the cache does not hold
@@ -54,6 +55,7 @@ __all__ = [
     "CacheKeyError",
     "CacheNetworkError",
     "CapabilityError",
+    "ChunkFormatError",
     "ConfigError",
     "ContextOverflowError",
     "EngineClosedError",
@@ -250,6 +252,15 @@ class CacheError(KvwarmError):
 
 class CacheFormatError(CacheError):
     """A KVC file or blob is malformed, truncated, corrupt or for another key."""
+
+
+class ChunkFormatError(CacheFormatError):
+    """A chunk object is malformed, truncated, corrupt or for another key. ``key`` names it:
+    every row naming it fails alike, so the cache sets the object itself aside."""
+
+    def __init__(self, message: str, *, key: bytes) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class CacheIOError(CacheError):

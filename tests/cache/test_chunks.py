@@ -31,6 +31,7 @@ from kvwarm.cache.formats.chunkfmt import head_size
 from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.tiers.files import FileTier
 from kvwarm.cache.tiers.s3 import S3Tier
+from kvwarm.cache.types import SaveReason, SaveRequest
 from kvwarm.errors import CacheFormatError, CacheKeyError, StateRestoreError
 
 C = 256
@@ -259,6 +260,45 @@ def test_a_damaged_chunk_drops_the_row(tmp_path: Path, damage: str) -> None:
         assert not [p for p in root.iterdir() if p.suffix == ".kvc"]
 
 
+def test_a_chunk_a_read_finds_damaged_is_set_aside_so_the_next_save_heals_its_rows(
+    tmp_path: Path,
+) -> None:
+    """A chunk whose payload is damaged (its head intact, so the startup scan keeps it) is
+    named by two rows. A read of one found it bad and dropped that row, but the chunk stayed
+    (the other row named it): the cold prefill's save of the same tokens reused it, and so
+    every restart read it, dropped the row and prefilled cold again, for good (found on Gemma
+    3 270M, whose checkpoints share their window chunks). The read now sets the chunk aside:
+    the save writes it afresh, and the other row reads again too. The read stops at the first
+    bad chunk; the row's others are checked then, so one save heals them all."""
+    root = tmp_path / "kvc"
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=C)
+    tokens = list(range(700))
+    with Cache(cfg, background=False) as cache:
+        short, long = _save(cache, tokens[:600]), _save(cache, tokens)
+    shared = chunkfmt.chunk_keys(NS, tokens, (C, C))  # both named by both rows
+    paths = [root / f"{key.hex()}.kvk" for key in shared]
+
+    def damage() -> None:
+        for path in paths:
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 1
+            path.write_bytes(data)
+
+    damage()
+    for _ in range(2):  # each a restart: the damage persists only while the chunks do
+        with Cache(cfg, background=False) as cache:
+            with pytest.raises(CacheFormatError), cache.open_row(short):
+                pass
+            assert _save(cache, tokens[:600]) == short  # the cold prefill's save
+            assert _restored(cache, short) == blob(tokens[:600])
+            assert _restored(cache, long) == blob(tokens)
+            assert cache.verify().bad == ()
+        assert sorted(p.name for p in (root / "quarantine").iterdir()) == sorted(
+            p.name for p in paths
+        )
+        damage()
+
+
 def test_unchunked_config_stores_whole_blobs(make_cache: CacheFactory) -> None:
     cache = make_cache(chunk_tokens=0)
     tokens = list(range(1000))
@@ -282,9 +322,11 @@ def test_verify_reads_every_chunk_and_repair_drops_rows_naming_a_bad_one(tmp_pat
         path.write_bytes(data)
         report = cache.verify()
         assert len(report.bad) == 2 and cache.lookup_exact(short) is not None  # only reported
+        assert all(why.startswith(f"chunk {first.hex()}: ") for _, why in report.bad)
         assert len(cache.verify(repair=True).bad) == 2
         assert cache.lookup_exact(short) is None and cache.lookup_exact(long) is None
-        assert not path.exists()  # its last reference went with the rows
+        assert not path.exists()  # set aside, as a failed read does
+        assert (root / "quarantine" / path.name).exists()
 
 
 def test_verify_repair_only_forgets_bad_rows_of_a_shared_directory(tmp_path: Path) -> None:
@@ -305,6 +347,38 @@ def test_verify_repair_only_forgets_bad_rows_of_a_shared_directory(tmp_path: Pat
         assert cache.rows() == []  # forgotten (a lookup may discover them again, as after a read)
         assert path.exists()
         assert {p.name for p in root.glob("*.kvc")} == {f"{k.hex()}.kvc" for k in (short, long)}
+
+
+def test_a_save_replaces_what_a_read_of_a_shared_directory_found_damaged(tmp_path: Path) -> None:
+    """In a directory other hosts share a row that fails its read is only forgotten, its bytes
+    left in place. A chunk or a whole row whose payload fails its CRC has a valid head, so
+    the next save of the same tokens adopted it (the save reported success) and every read
+    failed again: the prefix was never served from that tier again. The tier remembers what
+    its loads found bad and a save replaces it, as it replaces junk."""
+    root = tmp_path / "kvc"
+    tiers = (TierConfig("disk", 1 << 30, root=root, shared=True),)
+    cfg = CacheConfig(tiers=tiers, chunk_tokens=C)
+    chunked, whole = list(range(600)), list(range(5000, 5040))
+
+    def whole_request() -> SaveRequest:
+        return SaveRequest(NS, tuple(whole), blob(whole), SaveReason.COLD, "disk")
+
+    with Cache(cfg, background=False) as cache:
+        assert _save(cache, chunked) and cache.save(whole_request(), sync=True)
+    first = chunkfmt.chunk_keys(NS, chunked, (C,))[0]
+    for path in (root / f"{first.hex()}.kvk", root / f"{cache_key(NS, whole).hex()}.kvc"):
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(data)
+    with Cache(cfg, background=False) as cache:
+        for tokens in (chunked, whole):
+            with pytest.raises(CacheFormatError), cache.open_row(cache_key(NS, tokens)):
+                pass
+        assert _save(cache, chunked) and cache.save(whole_request(), sync=True)
+        assert _restored(cache, cache_key(NS, chunked)) == blob(chunked)
+        assert _restored(cache, cache_key(NS, whole)) == blob(whole)
+    with Cache(cfg, background=False) as cache:  # another host, or a restart
+        assert cache.verify().bad == ()
 
 
 def test_saves_queued_together_line_up(make_cache: CacheFactory) -> None:

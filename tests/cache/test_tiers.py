@@ -138,10 +138,10 @@ def test_record_hit_persists(make: TierFactory) -> None:
     key, req = request((21, 22, 23))
     row = tier.store(key, req, book)
     assert row is not None
-    tier.record_hit(row, 7, 1_900_000_000.0)
+    tier.record_hit(row, 7, 1_700_000_000.0)  # in the past: a future one reads as now
     seen = tier.probe(key)
     assert seen is not None
-    assert (seen.info.hits, seen.info.last_used) == (7, 1_900_000_000.0)
+    assert (seen.info.hits, seen.info.last_used) == (7, 1_700_000_000.0)
     assert bytes(tier.load(row).payload) == req.payload  # hit fields stay outside the CRC
 
 

@@ -147,3 +147,52 @@ def test_windows_are_shared_and_every_restore_is_exact(tmp_path: Path, gemma_pat
         assert eng.cache.counters()["promotions"] >= 1
     finally:
         eng.close()
+
+
+def test_damaged_window_chunks_fall_back_cold_and_the_next_save_heals_them(
+    tmp_path: Path, gemma_path: str
+) -> None:
+    """Every window chunk of a conversation's checkpoints damaged on disk (a payload byte:
+    their heads are intact, so the startup scan keeps them). After a restart the restore
+    meets the damage: a cold prefill, the same reply as before; the bad chunks go to
+    ``quarantine/``, the save writes them again, and the next restart restores the prompt
+    bit for bit. (Before, the checkpoints sharing those chunks kept them: the save reused
+    them and every restart prefilled cold again.)"""
+    disk = tmp_path / "disk"
+    nb = 64
+
+    def engine() -> Engine:
+        tiers = (TierConfig("ram", 256 << 20), TierConfig("disk", 1 << 30, disk))
+        cache = CacheConfig(tiers=tiers, chunk_tokens=nb)
+        return Engine(EngineConfig(cache=cache, policy=memkit.exact_policy(nb)))
+
+    def run(tokens: list[int] | None = None) -> tuple[list[int], Completion]:
+        eng = engine()
+        try:
+            model = memkit.load(eng, gemma_path, n_ctx=1024, n_batch=nb)
+            if tokens is None:
+                tokens = model.tokenize(SYSTEM * 4, add_special=True)[:250]
+            out = model.complete(tokens, OPTS)
+            model.evict()
+            assert eng.cache.flush()
+            return tokens, out
+        finally:
+            eng.close()
+
+    tokens, first = run()
+    rest_keys = {k for f in _manifests(disk).values() if f.rest_chunks for k in f.rest_chunks.keys}
+    assert len(rest_keys) >= 8
+    for key in rest_keys:
+        path = disk / f"{key.hex()}.kvk"
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 1
+        path.write_bytes(bytes(data))
+    _, damaged = run(tokens)
+    assert damaged.stats.cached_tokens == 0
+    assert damaged.stats.reuse is not None and damaged.stats.reuse.detail == "corrupt"
+    same(damaged, first)
+    aside = {p.name for p in (disk / "quarantine").iterdir()}
+    assert aside and aside <= {f"{k.hex()}.kvk" for k in rest_keys}
+    _, healed = run(tokens)
+    assert healed.stats.cached_tokens > 0
+    same(healed, first)

@@ -234,6 +234,10 @@ class SetsAside(Protocol):
         """Quarantine row ``key``'s file; False if it is only reported (read-only open)."""
         ...
 
+    def set_aside_chunk(self, key: bytes, why: str) -> bool:
+        """Quarantine chunk ``key``'s file, found bad by a read; False as ``set_aside_row``."""
+        ...
+
     def quarantined(self) -> tuple[int, int]:
         """(row files, chunk files) set aside so far."""
         ...

@@ -490,6 +490,12 @@ class Index:
         with self._lock:
             self._rows.chunks.lost(tier, key)
 
+    def orphan_chunks(self, tier: TierName) -> list[bytes]:
+        """The chunks stored in ``tier`` that no row names and no save pins: left by an
+        interrupted save, or by a manifest a scan set aside."""
+        with self._lock:
+            return [key for _, key in self._rows.chunks.orphans((tier,))]
+
     def chunk_swept(self, tier: TierName, key: bytes) -> None:
         """The shared-tier sweep deleted an unreferenced chunk: stop counting it stored."""
         with self._lock:

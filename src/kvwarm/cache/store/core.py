@@ -34,7 +34,14 @@ from kvwarm.buffers import grown
 from kvwarm.cache.counters import Counters
 from kvwarm.cache.explain import MissReason
 from kvwarm.cache.index.index import STATE_KINDS, Index
-from kvwarm.cache.protocols import Cotenanted, RowBytes, StoredRow, SyncsDeletes, Tier
+from kvwarm.cache.protocols import (
+    Cotenanted,
+    RowBytes,
+    SetsAside,
+    StoredRow,
+    SyncsDeletes,
+    Tier,
+)
 from kvwarm.cache.store.chunking import Freshness, HoldRoom, store_row
 from kvwarm.cache.store.quota import QuotaCaps
 from kvwarm.cache.store.writer import WriterPool
@@ -46,7 +53,7 @@ from kvwarm.cache.types import (
     TierName,
     TierSizes,
 )
-from kvwarm.errors import CacheError, CacheIOError, CacheKeyError, ConfigError
+from kvwarm.errors import CacheError, CacheIOError, CacheKeyError, ChunkFormatError, ConfigError
 
 __all__ = ["CacheCore", "ScratchBuffers"]
 
@@ -295,6 +302,34 @@ class CacheCore:
         if not tier.capabilities.local:
             return False
         return not (isinstance(tier, Cotenanted) and tier.cotenanted())
+
+    def set_aside_chunk(
+        self, tier: Tier, exc: ChunkFormatError, others: Sequence[bytes] = ()
+    ) -> None:
+        """A chunk whose bytes a read found bad: every row naming it fails alike, and while
+        its file stays a save of the same tokens reuses it (the index counts it stored; a
+        head that is still valid is adopted by ``commit_chunk``), so its prefix would never
+        be served again. In a local tier that sets aside it goes to ``quarantine/`` and the
+        index stops counting it stored: the next save writes it afresh (the rows naming it
+        then read again). ``others``: the rest of its row's chunks, read (the failure path
+        only) and set aside too where bad, so one save heals a row whatever else was
+        damaged. In a tier other processes share the object stays for them to judge
+        (``drop_unreadable``), but the index stops counting it stored all the same: the
+        next save writes it, replacing the object the tier saw fail (``ObjectTier``)."""
+        aside = tier if isinstance(tier, SetsAside) and tier.capabilities.local else None
+        bad = [exc]
+        for key in others if aside is not None else ():
+            if key != exc.key:
+                try:
+                    tier.load_chunk(key)
+                except ChunkFormatError as other:
+                    bad.append(other)
+                except CacheError:
+                    continue  # gone, or unreadable (EIO): nothing proves its bytes bad
+        for found in bad:
+            if aside is not None and not aside.set_aside_chunk(found.key, str(found)):
+                continue  # a read-only open: changes nothing
+            self.index.chunk_lost(tier.name, found.key)
 
     def drop_unreadable(self, tier: Tier, key: bytes, exc: CacheError) -> None:
         """A row could not be read (corrupt, a chunk missing, gone): never restore it again.

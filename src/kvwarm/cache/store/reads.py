@@ -27,7 +27,7 @@ from kvwarm.cache.api import LoadedRow
 from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
 from kvwarm.cache.store.chunking import load_chunks
 from kvwarm.cache.store.core import CacheCore, ScratchBuffers
-from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError
+from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError, ChunkFormatError
 from kvwarm.tokens import tail_of
 
 __all__ = ["LOCAL_READ_HELPERS", "READ_PARALLEL", "Promote", "RowReads"]
@@ -207,7 +207,10 @@ class RowReads:
                 chunks = load_chunks(tier, refs, arena, sizes, helper, self._local_helpers)
         except (CacheFormatError, CacheKeyError) as exc:
             # A chunk is corrupt or gone: the row cannot be restored. Drop the row (in a
-            # shared tier only forget it: ``CacheCore.drop_unreadable``).
+            # shared tier only forget it: ``CacheCore.drop_unreadable``), and a corrupt
+            # chunk itself, which a save of its tokens would otherwise reuse.
+            if isinstance(exc, ChunkFormatError):
+                self._core.set_aside_chunk(tier, exc, refs)
             self._core.drop_unreadable(tier, key, exc)
             raise
         except CacheIOError:

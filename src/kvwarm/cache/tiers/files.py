@@ -308,7 +308,8 @@ class FileStore:
         return filescan.quarantined(self._dir, str(self._root))
 
     def reap_temps(self, names: Sequence[str], remove: bool) -> builtins.list[tuple[str, str]]:
-        return filescan.reap_temps(
+        misplaced = filescan.misplaced_dirs(self._dir, self._root, self._tier)
+        return misplaced + filescan.reap_temps(
             self._dir,
             names,
             self._root,
@@ -413,6 +414,11 @@ class FileTier(ObjectTier):
         """Quarantine row ``key``'s file as the startup scan does an invalid one (a manifest
         whose chunks are gone). False if it is only reported (read-only, multi-host)."""
         return self._set_aside_row(key, why)
+
+    def set_aside_chunk(self, key: bytes, why: str) -> bool:
+        """Quarantine chunk ``key``'s file, whose bytes a read found bad (its head may be
+        valid: a save would adopt it). False if it is only reported (read-only, multi-host)."""
+        return self._set_aside_chunk(key, why)
 
     def quarantined(self) -> tuple[int, int]:
         """(row files, chunk files) in ``quarantine/``: what scans have set aside so far."""

@@ -12,6 +12,9 @@ Invariants:
 - ``set_aside`` moves an invalid file to ``quarantine/`` (or deletes it), never a directory
   named like a cache file, so ``kvwarm cache verify`` later counts what the scans fixed; a
   file it cannot move (``quarantine/`` unusable) is left and reported, the scan goes on.
+- A directory named like a cache file (``<hex>.kvc``, ``<hex>.kvk``) is never
+  moved or removed, but every scan logs and reports it (``misplaced_dirs``): it stands where a
+  save of that key must link its file, so every such save fails until it is gone.
 - One bad file never stops a scan: every error is confined to its file.
 """
 
@@ -34,7 +37,7 @@ from kvwarm.cache.tiers.layout import (
 )
 from kvwarm.errors import UnsafeCacheDirError
 
-__all__ = ["quarantined", "reap_temps", "set_aside"]
+__all__ = ["misplaced_dirs", "quarantined", "reap_temps", "set_aside"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,27 @@ def reap_temps(
             continue
         log.info("%s: removing interrupted temp file %s", tier, name)
         unlink_quiet(dir_fd, name)
+    return problems
+
+
+def misplaced_dirs(dir_fd: int, root: Path, tier: str) -> list[tuple[str, str]]:
+    """(path, why) of each directory below ``dir_fd`` named like a row or chunk file,
+    each logged: left where it is (not ours to remove), yet never silent."""
+    problems: list[tuple[str, str]] = []
+    try:
+        with os.scandir(dir_fd) as entries:
+            names = sorted(
+                e.name
+                for e in entries
+                if e.name.endswith((ROW_SUFFIX, CHUNK_SUFFIX)) and e.is_dir(follow_symlinks=False)
+            )
+    except OSError as exc:
+        log.warning("%s: cannot list %s: %s", tier, root, exc)
+        return problems
+    for name in names:
+        why = "a directory where a cache file belongs: saves of this key fail until it is removed"
+        log.warning("%s: %s is %s", tier, root / name, why)
+        problems.append((str(root / name), why))
     return problems
 
 

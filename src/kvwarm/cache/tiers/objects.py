@@ -57,6 +57,7 @@ from kvwarm.errors import (
     CacheIOError,
     CacheKeyError,
     CacheNetworkError,
+    ChunkFormatError,
     ConfigError,
 )
 
@@ -252,7 +253,9 @@ class ReapsTemps(Protocol):
 
     def reap_temps(self, names: Sequence[str], remove: bool) -> list[tuple[str, str]]:
         """Remove the temp objects among ``names`` (a listing) that nobody may still be
-        writing (``remove=False``: keep them); (location, why) of those left in place."""
+        writing (``remove=False``: keep them); (location, why) of those left in place, and
+        of anything else in the way of the store's names that a scan must report (files: a
+        directory named like a row or chunk file)."""
         ...
 
 
@@ -302,6 +305,10 @@ class _Staged:
         row = self._tier.probe(self._key)
         if row is None:
             return None
+        if self._tier._found_bad(row_name(self._key)):
+            log.info("%s: the row in the way of %s failed a load: replacing it",
+                     self._tier.name, self._key.hex())  # fmt: skip
+            return None
         request = self._request
         ours = set(request.chunk_keys or ())
         if request.rest_chunks is not None:
@@ -327,6 +334,7 @@ class _Staged:
         self._put.settle(adopted is not None)
         if adopted is not None:
             return adopted
+        self._tier._found_bad(row_name(self._key), False)
         tier, key, request = self._tier, self._key, self._request
         n = memoryview(request.payload).nbytes
         info = row_info(key, tier.name, self._fields, n, stored_bytes=self._prefix_len + n)
@@ -370,6 +378,11 @@ class ObjectTier:
         self._on_step = on_step  # publish steps, for the fault-injection tests
         self._problems: list[tuple[str, str]] = []
         self._chunk_problems: list[tuple[str, str]] = []
+        # Objects a load found bad (a payload failing its CRC: the metadata or head that
+        # decides whether a save adopts an object already there may still be valid). A save
+        # of one replaces it rather than adopting it, then forgets it (``_found_bad``).
+        self._bad: set[str] = set()
+        self._bad_lock = threading.Lock()
         # What the store offers beyond the seam, asked once.
         self._stages = store if isinstance(store, StagesPuts) else None
         self._local = store if isinstance(store, LocalReads) else None
@@ -430,7 +443,11 @@ class ObjectTier:
             data, backing = self._local.read_into(row_name(key), buffer)
         else:
             data = self._store.get(row_name(key)).data
-        f = kvc.parse(data, expected_key=key, known_tokens=row.tokens)
+        try:
+            f = kvc.parse(data, expected_key=key, known_tokens=row.tokens)
+        except CacheFormatError:
+            self._found_bad(row_name(key), True)
+            raise
         fields = f.meta.fields
         return RowBytes(fields.tokens, f.payload, fields.logits, backing, fields)
 
@@ -486,6 +503,13 @@ class ObjectTier:
         hits, last_used = _int_meta(user_meta, META_HITS), _int_meta(user_meta, META_LAST_USED)
         if hits is not None and last_used is not None:
             info = replace(info, hits=hits, last_used=float(last_used))
+        now = time.time()
+        if info.last_used > now:
+            # The last-used field is outside every CRC (rewritten in place on hits): one in
+            # the future is damage (or another host's clock), and would keep the row from
+            # LRU eviction and its TTL forever. It was used at most now.
+            log.info("%s: %s was last used in the future; taking it as now", self._name, key.hex())
+            info = replace(info, last_used=now)
         fields = meta.fields
         return StoredRow(
             info,
@@ -586,6 +610,14 @@ class ObjectTier:
         log.warning("%s: set aside %s: %s", self._name, row_name(key), why)
         return True
 
+    def _set_aside_chunk(self, key: bytes, why: str) -> bool:
+        """``SetsAside.set_aside_chunk``, as ``_set_aside_row`` for a chunk object."""
+        name = chunk_name(key)
+        if not self._repair or self._aside is None or not self._aside.set_aside(name):
+            return False
+        log.warning("%s: set aside %s: %s", self._name, name, why)
+        return True
+
     # ---- chunks: chunks/<hex>.kvk, published once like rows -------------------------------
 
     def store_chunk(self, key: bytes, head: bytes, payload: bytes) -> int:
@@ -600,10 +632,15 @@ class ObjectTier:
                 put.link,
                 # Kept: touched, as young as one just written (another process may have
                 # orphaned it long ago, and a sweep's grace protects only young chunks).
-                lambda: self._chunk_head(key) is not None and self._store.touch(name),
+                lambda: (
+                    not self._found_bad(name)
+                    and self._chunk_head(key) is not None
+                    and self._store.touch(name)
+                ),
                 lambda: self._store.delete(name),
             )
             put.settle(False)
+            self._found_bad(name, False)
         except BaseException:
             put.undo()
             raise
@@ -623,14 +660,31 @@ class ObjectTier:
 
     def load_chunk(self, key: bytes, buffer: memoryview | None = None) -> memoryview:
         """The verified payload; with ``LocalReads``, read into ``buffer`` when the chunk is
-        exactly that long."""
+        exactly that long. Bad bytes are ``ChunkFormatError``, naming the chunk."""
         name = chunk_name(key)
-        if self._local is None:
-            return chunkfmt.parse(self._store.get(name).data, key)
-        data = self._local.read_exact_into(name, buffer) if buffer is not None else None
-        if data is None:
-            data, _ = self._local.read_into(name, None)
-        return chunkfmt.parse(data, key)
+        try:
+            if self._local is None:
+                return chunkfmt.parse(self._store.get(name).data, key)
+            data = self._local.read_exact_into(name, buffer) if buffer is not None else None
+            if data is None:
+                data, _ = self._local.read_into(name, None)
+            return chunkfmt.parse(data, key)
+        except ChunkFormatError:
+            self._found_bad(name, True)
+            raise
+        except CacheFormatError as exc:
+            self._found_bad(name, True)
+            raise ChunkFormatError(str(exc), key=key) from exc
+
+    def _found_bad(self, name: str, bad: bool | None = None) -> bool:
+        """Whether a load found object ``name`` bad (since a save last replaced it); with
+        ``bad``, first record that it did (True) or that a save replaced it (False)."""
+        with self._bad_lock:
+            if bad is True:
+                self._bad.add(name)
+            elif bad is False:
+                self._bad.discard(name)
+            return name in self._bad
 
     def delete_chunk(self, key: bytes) -> None:
         self._store.delete(chunk_name(key))

@@ -37,7 +37,13 @@ from kvwarm.cache.protocols import SetsAside, StoredRow, Tier
 from kvwarm.cache.store.core import CacheCore
 from kvwarm.cache.types import EvictResult
 from kvwarm.cache.upkeep.sharedgc import SharedSweep
-from kvwarm.errors import CacheError, CacheFormatError, CacheIOError, CacheKeyError
+from kvwarm.errors import (
+    CacheError,
+    CacheFormatError,
+    CacheIOError,
+    CacheKeyError,
+    ChunkFormatError,
+)
 
 __all__ = ["CacheUpkeep"]
 
@@ -86,6 +92,24 @@ class CacheUpkeep:
                         "%s: cannot read a chunk of %s, leaving it: %s", tier.name, where, exc
                     )
                     self._scan_problems.append((where, f"unreadable: {exc}"))
+            if isinstance(tier, SetsAside) and tier.capabilities.local:
+                # The orphans' payloads: the chunk scan read only heads, and a save of an
+                # orphan's tokens reuses it as stored. Orphans are few (crash leftovers, the
+                # chunks of a manifest set aside above, often damaged with it): read whole.
+                for key in self._core.index.orphan_chunks(tier.name):
+                    try:
+                        tier.load_chunk(key)
+                    except ChunkFormatError as bad:
+                        if tier.set_aside_chunk(key, str(bad)):
+                            self._core.index.chunk_swept(tier.name, key)
+                        else:  # a read-only open: reported
+                            self._scan_problems.append((f"chunk {key.hex()}", str(bad)))
+                    except CacheKeyError:
+                        continue  # deleted meanwhile (another process's sweep)
+                    except CacheIOError as failed:
+                        if failed.exhausted:
+                            raise
+                        self._scan_problems.append((f"chunk {key.hex()}", f"unreadable: {failed}"))
         except CacheError as exc:  # e.g. an s3 store down at start: its rows come by probing
             self._core.counters.incr("store_errors")
             log.warning("%s: scan stopped early: %s", tier.name, exc)
@@ -157,7 +181,7 @@ class CacheUpkeep:
         checked = len(self._scan_problems)
         bad = list(self._scan_problems)
         good_chunks: set[tuple[str, bytes]] = set()  # a chunk many rows share is read once
-        failed: list[tuple[Tier, bytes, CacheError]] = []
+        failed: list[tuple[Tier, bytes, CacheError, tuple[bytes, ...]]] = []
         for info in self._core.index.rows():
             leased = self._core.index.lease(info.key, touch=False)
             if leased is None:
@@ -174,16 +198,23 @@ class CacheUpkeep:
                         tier.load_chunk(chunk)  # head, key replay and payload CRC32C
                         good_chunks.add((tier.name, chunk))
             except (CacheFormatError, CacheKeyError) as exc:
-                bad.append((stored.location or info.key.hex(), str(exc)))
+                why = str(exc)
+                if isinstance(exc, ChunkFormatError):  # say which file is bad
+                    why = f"chunk {exc.key.hex()}: {why}"
+                bad.append((stored.location or info.key.hex(), why))
                 if repair:
-                    failed.append((tier, info.key, exc))
+                    failed.append((tier, info.key, exc, stored.chunk_refs))
             except CacheIOError as exc:
                 # Could not be read at all (EIO, EACCES, a store down): reported, the verify
                 # goes on to the other rows, and nothing is repaired on an I/O failure.
                 bad.append((stored.location or info.key.hex(), f"unreadable: {exc}"))
             finally:
                 self._core.index.checkin(info.key, gen)
-        for tier, key, error in failed:  # as a failed read: deleted if local, else forgotten
+        aside: set[tuple[str, bytes]] = set()
+        for tier, key, error, refs in failed:  # as a failed read: deleted if local, else forgotten
+            if isinstance(error, ChunkFormatError) and (tier.name, error.key) not in aside:
+                aside.add((tier.name, error.key))
+                self._core.set_aside_chunk(tier, error, refs)
             self._core.drop_unreadable(tier, key, error)
         rows = chunks = 0
         for tier in self._core.tiers.values():
