@@ -155,3 +155,18 @@ def gemma_path() -> str:
     if not path.is_file():
         pytest.fail(f"Gemma 3 270M is missing at {path}: run `make gemma` (or set {GEMMA_ENV})")
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _process_limits_kept() -> Generator[None, None, None]:
+    """A test that bounds this process's address space (a danger case run in process) must
+    put the bound back: every later test's allocations would fail under it, at random and far
+    from the cause (found: a whole run failed that way and aborted)."""
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    yield
+    after = resource.getrlimit(resource.RLIMIT_AS)
+    if after != before:
+        resource.setrlimit(resource.RLIMIT_AS, before)
+        pytest.fail(f"the test left RLIMIT_AS at {after} (was {before})")
