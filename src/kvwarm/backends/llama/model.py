@@ -180,25 +180,29 @@ class LlamaModel:
         #: A weight multiplied by another kernel for several rows than for one ("" if none):
         #: read here, where the file is the one that loads (``verify_exactness``), its
         #: repacked types only where the weights load into the extra buffer types.
-        if params.exact_rows and model_file.tiled_kernel_on() and model_file.tiled_weights(path):
+        weights = model_file.WeightKernels.of(path)
+        if params.exact_rows and weights.tiled and model_file.tiled_kernel_on():
             _native.untile_for_exact_rows(f"{Path(path).name} speculates, with K-quant weights")
         extra = params.use_extra_bufts
         repacked = (not _native.amx_in_use()) if extra is None else extra
-        self._row_kernels = model_file.several_row_kernels(path, repacked=repacked)
-        unrepacked = False
-        if repacked and extra is None and params.exact_rows:
-            unpacked = model_file.several_row_kernels(path)
-            if not unpacked and self._row_kernels:
-                # Repacking is the only kernel change: a speculating model gives it up
-                # (``ModelParams.exact_rows``), as its KV cells give up f16 (``_kv_cells``).
-                log.info("%s: weights not repacked, so verify rows stay exact", path)
-                params = replace(params, use_extra_bufts=False)
-                self._row_kernels = unpacked
-                unrepacked = True
+        self._row_kernels = weights.first(repacked=repacked)
+        # Repacking is the only kernel change: a speculating model gives it up
+        # (``ModelParams.exact_rows``), as its KV cells give up f16 (``_kv_cells``).
+        unrepacked = (
+            repacked
+            and extra is None
+            and params.exact_rows
+            and bool(self._row_kernels)
+            and not weights.first(repacked=False)
+        )
+        if unrepacked:
+            log.info("%s: weights not repacked, so verify rows stay exact", path)
+            params = replace(params, use_extra_bufts=False)
+            self._row_kernels = ""
         #: ``kernels``: where they are not this machine's defaults (the process's tiled
         #: kernel off, this load's weights not repacked where they would be).
         tags = []
-        if model_file.tiled_weights(path) and model_file.tiled_kernel_turned_off():
+        if weights.tiled and model_file.tiled_kernel_turned_off():
             tags.append("untiled")
         if unrepacked:
             tags.append("unrepacked")

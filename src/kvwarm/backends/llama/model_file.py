@@ -36,6 +36,7 @@ import os
 import platform
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import BinaryIO, cast
 
 from kvwarm import gguf_meta
@@ -626,32 +627,47 @@ def _matrix_weights(path: str | os.PathLike[str], *, adapter: bool) -> list[gguf
     ]
 
 
-def tiled_weights(path: str | os.PathLike[str]) -> bool:
-    """Whether the model GGUF at ``path`` has a matrix weight of a type the tiled kernel
-    multiplies (``_TILED_TYPES``), whether or not the kernel is on."""
-    return any(t.ggml_type in _TILED_TYPES for t in _matrix_weights(path, adapter=False))
-
-
 def several_row_kernels(
     path: str | os.PathLike[str], *, adapter: bool = False, repacked: bool = False
 ) -> str:
-    """The first matrix weight of the GGUF at ``path`` that llama.cpp multiplies with another
-    kernel in a pass of several rows than in a one-token pass, as "name (TYPE), what kernel";
-    "" if none, or if the file cannot be read (the load's probe still runs). The kernels:
-    tinyBLAS (``_ROW_KERNEL_TYPES``), the tiled one while it is on (``_TILED_TYPES``,
-    ``tiled_kernel_on``) and, with ``repacked`` (weights in the extra buffer types), the
-    repacked ones (``_REPACK_TYPES``). A model's weights are its 2-D tensors other than row
-    lookups (``token_embd`` is one only where an ``output.weight`` exists: a tied output
-    multiplies it); ``adapter``: a LoRA adapter's, each of its 2-D tensors."""
-    tiled = tiled_kernel_on()
-    for t in _matrix_weights(path, adapter=adapter):
-        if (kind := _ROW_KERNEL_TYPES.get(t.ggml_type)) is not None:
-            return f"{t.name} ({kind}), which llamafile's tinyBLAS multiplies for several rows"
-        if tiled and (kind := _TILED_TYPES.get(t.ggml_type)) is not None:
-            return (
-                f"{t.name} ({kind}), which llama.cpp's tiled kernel multiplies in passes of 8 "
-                "rows or more (GGML_CPU_TILED_MM=0 in kvwarm's environment turns it off)"
-            )
-        if repacked and (kind := _REPACK_TYPES.get(t.ggml_type)) is not None:
-            return f"{t.name} ({kind}), repacked for llama.cpp's GEMM kernel for several rows"
-    return ""
+    """``WeightKernels.first`` of the GGUF at ``path``: "" if it cannot be read (the load's
+    probe still runs); ``adapter``: a LoRA adapter's, each of its 2-D tensors a weight."""
+    return WeightKernels.of(path, adapter=adapter).first(repacked=repacked)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightKernels:
+    """A GGUF's matrix weights, read once from its tensor table: what kernels llama.cpp
+    multiplies them with in passes of several rows."""
+
+    weights: tuple[gguf_meta.TensorInfo, ...]
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str], *, adapter: bool = False) -> WeightKernels:
+        return cls(tuple(_matrix_weights(path, adapter=adapter)))
+
+    @property
+    def tiled(self) -> bool:
+        """Whether a weight is of a type the tiled kernel multiplies, on or not."""
+        return any(t.ggml_type in _TILED_TYPES for t in self.weights)
+
+    def first(self, *, repacked: bool = False) -> str:
+        """The first weight llama.cpp multiplies with another kernel in a pass of several
+        rows than in a one-token pass, as "name (TYPE), what kernel"; "" if none. The
+        kernels: tinyBLAS (``_ROW_KERNEL_TYPES``), the tiled one while it is on
+        (``_TILED_TYPES``, ``tiled_kernel_on``) and, with ``repacked`` (weights in the extra
+        buffer types), the repacked ones (``_REPACK_TYPES``). A model's weights are its 2-D
+        tensors other than row lookups (``token_embd`` is one only where an ``output.weight``
+        exists: a tied output multiplies it)."""
+        tiled = tiled_kernel_on()
+        for t in self.weights:
+            if (kind := _ROW_KERNEL_TYPES.get(t.ggml_type)) is not None:
+                return f"{t.name} ({kind}), which llamafile's tinyBLAS multiplies for several rows"
+            if tiled and (kind := _TILED_TYPES.get(t.ggml_type)) is not None:
+                return (
+                    f"{t.name} ({kind}), which llama.cpp's tiled kernel multiplies in passes of "
+                    "8 rows or more (GGML_CPU_TILED_MM=0 in kvwarm's environment turns it off)"
+                )
+            if repacked and (kind := _REPACK_TYPES.get(t.ggml_type)) is not None:
+                return f"{t.name} ({kind}), repacked for llama.cpp's GEMM kernel for several rows"
+        return ""
