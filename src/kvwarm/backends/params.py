@@ -42,6 +42,9 @@ SPLIT_MODES: tuple[str, ...] = get_args(SplitMode)
 FLASH_ATTN_MODES: tuple[str, ...] = get_args(FlashAttn)
 ROPE_SCALINGS: tuple[str, ...] = get_args(RopeScaling)
 POOLING_TYPES: tuple[str, ...] = get_args(PoolingType)
+#: The pooling types by llama.cpp's ``llama_pooling_type`` id, the value of a GGUF's
+#: ``{arch}.pooling_type``.
+POOLING_BY_ID: tuple[PoolingType, ...] = ("none", "mean", "cls", "last", "rank")
 
 _MAX_THREADS = 512
 _INT32_MAX = 2**31 - 1
