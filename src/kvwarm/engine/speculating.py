@@ -86,3 +86,13 @@ def untile_at_start(
         if untile_for_verifying(str(located)):
             return True
     return False
+
+
+def kernel_environment() -> dict[str, str]:
+    """This process's kernel switch as environment variables (``GGML_CPU_TILED_MM``, where it
+    is set), for a process it starts to load its models (a ``kvwarm cluster`` replica): set
+    there before anything runs, as ``untile_at_start`` set it here."""
+    from kvwarm.backends.llama.native import TILED_SWITCH
+
+    value = os.environ.get(TILED_SWITCH)
+    return {} if value is None else {TILED_SWITCH: value}

@@ -178,6 +178,10 @@ def route_mtmd_log(mtmd: ModuleType) -> None:
         _MTMD_ROUTED = True
 
 
+#: The environment variable that turns llama.cpp's tiled K-quant kernel off (0) or keeps it;
+#: ggml reads it once, at its first matrix product (``model_file.tiled_kernel_on``).
+TILED_SWITCH = "GGML_CPU_TILED_MM"
+
 #: A context or projector was made in this process: ggml may have read ``GGML_CPU_TILED_MM``
 #: (once, at its first product), so setting the variable now would not reach it.
 _GRAPHS_MAY_HAVE_RUN = False
@@ -205,11 +209,11 @@ def untile_for_exact_rows(why: str) -> bool:
     did not, and it refuses while other Python threads run (an engine's cache threads do;
     llama.cpp starts none before its first context, which ends the chance anyway)."""
     with _LOCK:
-        if "GGML_CPU_TILED_MM" in os.environ or _GRAPHS_MAY_HAVE_RUN:
+        if TILED_SWITCH in os.environ or _GRAPHS_MAY_HAVE_RUN:
             return False
         others = threading.active_count() - 1
         if others == 0:
-            os.environ["GGML_CPU_TILED_MM"] = "0"
+            os.environ[TILED_SWITCH] = "0"
     if others:
         log.warning(
             "llama.cpp's tiled K-quant kernel left on: %s, but %d other threads run in this "
