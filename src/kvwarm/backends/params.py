@@ -80,10 +80,14 @@ class ModelParams:
     #: unless the CPU build uses AMX, whose matmul in the pinned llama.cpp segfaults on the
     #: first multi-token batch (docs/architecture.md, "Layers": the AMX fault).
     use_extra_bufts: bool | None = None
-    #: The model will verify drafts (it speculates): where ``use_extra_bufts`` is None and
-    #: repacking is all that would make a verify pass's rows differ from one-token passes'
-    #: (a repacked product takes a GEMM for several rows and a GEMV for one), its weights load
-    #: without the extra buffer types (``LlamaModel``; ``BackendModel.verify_exactness``).
+    #: The model will verify drafts (it speculates and generates: the engine reads that from
+    #: its GGUF header, ``engine/speculating.verifies_drafts``): where ``use_extra_bufts`` is
+    #: None and repacking is all that would make a verify pass's rows differ from one-token
+    #: passes' (a repacked product takes a GEMM for several rows and a GEMV for one), its
+    #: weights load without the extra buffer types (``LlamaModel``;
+    #: ``BackendModel.verify_exactness``). A llama.cpp load with it also turns the tiled
+    #: kernel off where its process did not decide at its start and still can
+    #: (``backends/llama/model.untile_for_verifying``).
     exact_rows: bool = False
     progress: ProgressCallback | None = field(default=None, compare=False, hash=False)
 
