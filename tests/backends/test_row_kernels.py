@@ -264,3 +264,28 @@ def test_only_a_model_that_generates_pays_for_exact_kernels(
         assert got["SPECULATION"].startswith("off: a verify pass's rows differ"), got
         assert "tiled kernel" in got["SPECULATION"]
         assert "tiled K-quant kernel left on" in done.stderr
+
+
+DEFAULT_ENGINE = """
+import os, sys
+import kvwarm
+model = kvwarm.load_model(sys.argv[1], spec_type="ngram-simple", n_ctx=512, n_batch=64)
+print("ENV", os.environ.get("GGML_CPU_TILED_MM"))
+print("EXACT", model.info().speculation_exact)
+kvwarm.default_engine().close()
+"""
+
+
+@pytest.mark.skipif(not X86, reason="the tiled kernel is an x86 kernel")
+def test_the_default_engines_first_model_decides_before_the_engine_starts(
+    tiny: dict[int, Path],
+) -> None:
+    """``kvwarm.load_model``'s first call decides the process's kernels for its model before
+    it makes the default engine (whose cache threads would make its load's fallback refuse),
+    so the five-line example speculates exactly with a K-quant model too."""
+    environ = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    done, lines = run_child(
+        DEFAULT_ENGINE, str(tiny[FTYPE_Q6_K]), prefixes=("ENV", "EXACT"), env=environ
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert dict(line.split(maxsplit=1) for line in lines) == {"ENV": "0", "EXACT": "at any length"}
