@@ -151,17 +151,47 @@ def write_tiny_model(
         ggml_base.gguf_free(gctx)
         meta.unlink(missing_ok=True)
     if ftype is not None:
-        whole = path.with_suffix(".f32.gguf")
-        path.rename(whole)
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = ftype
-        rc = llama_cpp.llama_model_quantize(
-            str(whole).encode(), str(path).encode(), ctypes.byref(params)
-        )
-        whole.unlink()
-        if rc != 0:
-            raise RuntimeError(f"llama.cpp could not quantise {path} to ftype {ftype}: {rc}")
+        quantize(path, ftype)
     return path
+
+
+def quantize(path: Path, ftype: int) -> Path:
+    """The GGUF at ``path`` quantised in place by llama.cpp to ``ftype`` (a ``llama_ftype``:
+    ``LLAMA_FTYPE_MOSTLY_Q6_K`` is 18); a tensor whose rows do not fill the type's blocks (256
+    values for a K-quant) keeps another type, as llama.cpp chooses."""
+    import llama_cpp
+
+    whole = path.with_suffix(".f32.gguf")
+    path.rename(whole)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    rc = llama_cpp.llama_model_quantize(
+        str(whole).encode(), str(path).encode(), ctypes.byref(params)
+    )
+    whole.unlink()
+    if rc != 0:
+        raise RuntimeError(f"llama.cpp could not quantise {path} to ftype {ftype}: {rc}")
+    return path
+
+
+#: ``llama_ftype`` values: mostly Q6_K, mostly Q4_K (Q4_K_S: Q5_K and Q6_K besides).
+FTYPE_Q6_K, FTYPE_Q4_K_S = 18, 14
+#: A width whose rows fill K-quant blocks (256 values), so that quantising keeps K-quants.
+K_QUANT_EMBD, K_QUANT_HEADS = 512, 8
+
+
+def k_quant_keys(w: Any, arch: str) -> None:
+    """A ``keys`` for ``write_tiny_model``: a llama-like model K_QUANT_EMBD wide (two layers,
+    heads of 64), so that its weights quantise to K-quants."""
+    k = f"{arch}."
+    w.add_uint32(k + "vocab_size", N_VOCAB)
+    w.add_uint32(k + "context_length", 4096)
+    w.add_uint32(k + "embedding_length", K_QUANT_EMBD)
+    w.add_uint32(k + "block_count", N_LAYER)
+    w.add_uint32(k + "feed_forward_length", 2 * K_QUANT_EMBD)
+    w.add_uint32(k + "attention.head_count", K_QUANT_HEADS)
+    w.add_uint32(k + "attention.head_count_kv", K_QUANT_HEADS)
+    w.add_float32(k + "attention.layer_norm_rms_epsilon", 1e-5)
 
 
 # --- A tiny random-weight vision projector (llama.cpp's ``clip`` GGUF, projector ``gemma3``) ---
@@ -342,10 +372,13 @@ def write_reranker(
     tokenizer: Callable[[Any], int] | None = None,
     template: str | None = QWEN3_RERANK_TEMPLATE,
     split_max_tensors: int = 0,
+    pooling: int = 4,
 ) -> Path:
     """A random-weight reranker at ``path``: ``kind`` "decoder" (``qwen3`` with pooling rank,
     labels yes/no and a ``cls.output`` head: scores are p("yes")) or "encoder" (a ``bert``
     cross-encoder: attention not causal, ``cls`` and ``cls.output`` heads, one raw score).
+    ``pooling``: its ``pooling_type`` (4, rank; an encoder of 1, mean, is an embedding model,
+    its heads unused).
     ``tokenizer`` adds the vocabulary's keys and returns its size (default: ``test``, with
     BOS/EOS/SEP for the encoder); ``template`` is the decoder's rerank prompt. With
     ``split_max_tensors``, a model split into parts of that many tensors, named as
@@ -365,7 +398,7 @@ def write_reranker(
     w.add_uint32(k + "block_count", n_layer)
     w.add_uint32(k + "feed_forward_length", n_ff)
     w.add_uint32(k + "attention.head_count", n_head)
-    w.add_uint32(k + "pooling_type", 4)  # rank
+    w.add_uint32(k + "pooling_type", pooling)
     if decoder:
         w.add_uint32(k + "attention.head_count_kv", n_head)
         w.add_uint32(k + "attention.key_length", head)

@@ -6,8 +6,9 @@ the settings' check that a configured LoRA adapter is an adapter made for its mo
 architecture (``settings/model.py``), and the shapes and types of a LoRA adapter's tensors,
 which llama.cpp does not check before its graph asserts on them (``read_tensors``,
 ``backends/llama/adapter.py``), and the values a model or projector file is checked by before
-llama.cpp loads it (``read_values``, ``backends/llama/model_file.py``). Imports nothing of
-kvwarm.
+llama.cpp loads it (``read_values``, ``backends/llama/model_file.py``), and whether a model
+will generate, which its pooling and attention say before it loads (``arch_values``,
+``engine/speculating.py``). Imports nothing of kvwarm.
 
 Invariant: only the values of the keys asked for are decoded (strings and unsigned ints);
 every other value is skipped by its declared size, and a size that points past the file's end
@@ -257,6 +258,27 @@ def read_values(buf: Buffer, wanted: Callable[[str], bool]) -> Values:
         return Values(values, n_tensors, pos)
     finally:
         view.release()  # an mmap cannot close while a view of it lives
+
+
+def arch_values(path: str | os.PathLike[str], names: Collection[str]) -> dict[str, Value]:
+    """The values of the keys ``ARCH.NAME`` of the GGUF file at ``path`` for ``names``, by
+    ``NAME``, ``ARCH`` its ``general.architecture`` (none if it names none), as
+    ``read_values`` decodes them; ``ValueError`` if it is not a GGUF, ``OSError`` if it
+    cannot be read. The file is mapped, not read."""
+    ends = tuple(f".{name}" for name in names)
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise ValueError("empty file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            found = read_values(buf, lambda key: key == _ARCH or key.endswith(ends)).values
+    arch = found.get(_ARCH)
+    if not isinstance(arch, bytes):
+        return {}
+    prefix = arch.decode("utf-8", "replace") + "."
+    return {name: found[prefix + name] for name in names if prefix + name in found}
+
+
+_ARCH = "general.architecture"
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ llama GGUFs quantised by llama.cpp (``tests/tinymodels.py``), 512 wide so K-quan
 
 from __future__ import annotations
 
+import ast
 import os
 import platform
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from tests.childkit import run_child
-from tests.tinymodels import write_tiny_model
+from tests.tinymodels import K_QUANT_EMBD, K_QUANT_HEADS, quantize, write_reranker, write_tiny_model
 
 from kvwarm.backends.llama import model_file
 
@@ -136,6 +137,10 @@ backend = LlamaBackend()
 if sys.argv[2] == "context-first":  # another model's context before: ggml may have read it
     other = backend.load_model(sys.argv[1])
     other.new_context(params).close()
+if sys.argv[2] == "thread-first":  # another thread runs: setting the variable is not safe
+    import threading
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, daemon=True).start()
 model = backend.load_model(sys.argv[1], ModelParams(exact_rows=True))
 print("EXACT", model.verify_exactness(params))
 print("ENV", os.environ.get("GGML_CPU_TILED_MM"))
@@ -150,6 +155,7 @@ print("KERNELS", repr(model.kernels))
         (None, "first", "at any length", "0", "'untiled'"),  # off for the process, and exact
         ("1", "first", "no: its weight", "1", "''"),  # the user's choice is kept
         (None, "context-first", "no: its weight", None, "''"),  # too late: ggml may have read it
+        (None, "thread-first", "no: its weight", None, "''"),  # not safe: another thread runs
     ],
 )
 def test_a_speculating_k_quant_model_turns_the_tiled_kernel_off_while_it_still_can(
@@ -161,10 +167,11 @@ def test_a_speculating_k_quant_model_turns_the_tiled_kernel_off_while_it_still_c
     kernels: str,
 ) -> None:
     """The first model of a process that will verify drafts (``exact_rows``) with K-quant
-    weights sets ``GGML_CPU_TILED_MM=0`` where nobody set it (``native.untile_for_exact_rows``)
-    and is exact; a value given is kept, and after a context was made it is too late (ggml
-    reads the variable once), so the model says it is not exact. ``kernels`` says which way
-    it computes, for its cache keys."""
+    weights sets ``GGML_CPU_TILED_MM=0`` where nobody set it (``native.untile_for_exact_rows``,
+    the fallback of a process that did not decide at its start) and is exact; a value given
+    is kept, after a context was made it is too late (ggml reads the variable once), and
+    while another thread runs it is not safe (C's ``setenv`` beside a ``getenv``), so the
+    model says it is not exact. ``kernels`` says which way it computes, for its cache keys."""
     environ = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
     if tiled is not None:
         environ["GGML_CPU_TILED_MM"] = tiled
@@ -176,3 +183,109 @@ def test_a_speculating_k_quant_model_turns_the_tiled_kernel_off_while_it_still_c
     assert said["EXACT"].startswith(exact)
     assert said["ENV"] == str(env)
     assert said["KERNELS"] == kernels
+
+
+ENGINE = """
+import os, sys
+from kvwarm.engine.api import ModelConfig
+from tests.engine.conftest import make_engine
+config = ModelConfig(spec_type="ngram-simple")
+if sys.argv[2] == "start":  # as kvwarm serve does, before its threads start
+    from kvwarm.engine.api import untile_at_start
+    print("TURNED", untile_at_start([(sys.argv[1], config)]))
+with make_engine() as engine:
+    model = engine.load_model(sys.argv[1], config=config)
+    print("ENV", os.environ.get("GGML_CPU_TILED_MM"))
+    print("KERNELS", repr(model._bmodel.kernels))
+    tags = ("", "untiled", "unrepacked", "untiled,unrepacked")
+    keyed = [t for t in tags if model.config.context.kv_hash(t) == model.namespace().ctx_hash]
+    print("KEYED", repr(keyed))
+    print("EXACT", model.info().speculation_exact)
+    print("SPECULATION", model.info().speculation)
+"""
+
+
+@pytest.fixture(scope="module")
+def pooled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Q4_K_S model that cannot generate: a reranker (qwen3, pooling rank), 512 wide so
+    K-quants apply. (A BERT embedding model, the other kind, loads into no engine: it keeps
+    no KV cache; ``tests/engine/test_speculating.py`` reads its header.)"""
+    out = tmp_path_factory.mktemp("pooled")
+    wide = {"n_embd": K_QUANT_EMBD, "n_head": K_QUANT_HEADS}
+    return {"reranker": quantize(write_reranker(out / "rr.gguf", "decoder", **wide), FTYPE_Q4_K_S)}
+
+
+@pytest.mark.skipif(not X86, reason="the tiled kernel is an x86 kernel")
+@pytest.mark.parametrize(
+    ("name", "tiled", "start", "said"),
+    [
+        # Cannot generate: neither repacking nor the process's kernel given up.
+        ("reranker", None, "start", {"TURNED": "False", "ENV": "None", "KERNELS": "''"}),
+        ("reranker", "0", "no", {"ENV": "0", "KERNELS": "'untiled'"}),  # repacked all the same
+        # Generates: the kernel off at the start, the weights unrepacked; exact.
+        ("generator", None, "start", {"TURNED": "True", "ENV": "0", "EXACT": "at any length",
+                                      "KERNELS": "'untiled,unrepacked'"}),
+        # Nothing decided at the start: the engine's load finds its cache threads running
+        # and leaves the switch alone, so the model is not exact (and says why).
+        ("generator", None, "no", {"ENV": "None", "KERNELS": "''"}),
+    ],
+)  # fmt: skip
+def test_only_a_model_that_generates_pays_for_exact_kernels(
+    tiny: dict[int, Path],
+    pooled: dict[str, Path],
+    name: str,
+    tiled: str | None,
+    start: str,
+    said: dict[str, str],
+) -> None:
+    """A reranker given a ``spec_type`` never verifies a draft, which its GGUF header says
+    before it loads (``engine/speculating.verifies_drafts``): it loads its weights repacked
+    and leaves llama.cpp's tiled kernel on for the process, and its cache keys hash the
+    kernels it was loaded with (found by review: it loaded unrepacked and, first in a
+    process, turned the kernel off for every model). A model that generates gets both where
+    its process decided at its start (``untile_at_start``: a child process, as ggml reads the
+    switch once); an engine's own load no longer sets the variable, as other threads (the
+    cache's) run by then."""
+    from kvwarm.backends.llama import native
+
+    if native.amx_in_use():
+        pytest.skip("weights are never repacked where AMX is in use")
+    path = tiny[FTYPE_Q4_K_S] if name == "generator" else pooled[name]
+    environ = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    if tiled is not None:
+        environ["GGML_CPU_TILED_MM"] = tiled
+    prefixes = ("TURNED", "ENV", "KERNELS", "KEYED", "EXACT", "SPECULATION")
+    done, lines = run_child(ENGINE, str(path), start, prefixes=prefixes, env=environ)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = dict(line.split(maxsplit=1) for line in lines)
+    assert {k: got.get(k) for k in said} == said, got
+    assert got["KEYED"] == repr([ast.literal_eval(got["KERNELS"])])  # what it loaded with
+    if name == "generator" and start == "no":
+        assert got["SPECULATION"].startswith("off: a verify pass's rows differ"), got
+        assert "tiled kernel" in got["SPECULATION"]
+        assert "tiled K-quant kernel left on" in done.stderr
+
+
+DEFAULT_ENGINE = """
+import os, sys
+import kvwarm
+model = kvwarm.load_model(sys.argv[1], spec_type="ngram-simple", n_ctx=512, n_batch=64)
+print("ENV", os.environ.get("GGML_CPU_TILED_MM"))
+print("EXACT", model.info().speculation_exact)
+kvwarm.default_engine().close()
+"""
+
+
+@pytest.mark.skipif(not X86, reason="the tiled kernel is an x86 kernel")
+def test_the_default_engines_first_model_decides_before_the_engine_starts(
+    tiny: dict[int, Path],
+) -> None:
+    """``kvwarm.load_model``'s first call decides the process's kernels for its model before
+    it makes the default engine (whose cache threads would make its load's fallback refuse),
+    so the five-line example speculates exactly with a K-quant model too."""
+    environ = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    done, lines = run_child(
+        DEFAULT_ENGINE, str(tiny[FTYPE_Q6_K]), prefixes=("ENV", "EXACT"), env=environ
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert dict(line.split(maxsplit=1) for line in lines) == {"ENV": "0", "EXACT": "at any length"}

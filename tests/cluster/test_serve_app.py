@@ -35,3 +35,17 @@ def test_the_application_comes_from_the_environment(monkeypatch: pytest.MonkeyPa
 def test_a_bad_routing_policy_fails_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="unknown routing policy"):
         build(monkeypatch, KVWARM_BACKEND="stub", KVWARM_CLUSTER_ROUTING="nope")
+
+
+@pytest.mark.parametrize("switch", ["0", None])
+def test_each_replica_gets_the_kernels_its_command_decided(
+    monkeypatch: pytest.MonkeyPatch, switch: str | None
+) -> None:
+    """A replica loads its models in a Ray actor, where other threads run and its load may
+    not set llama.cpp's kernel switch (``GGML_CPU_TILED_MM``); ``kvwarm cluster`` decides it
+    at its start (``cli/common.decide_kernels``) and each replica's process starts with it."""
+    monkeypatch.delenv("GGML_CPU_TILED_MM", raising=False)
+    env = {} if switch is None else {"GGML_CPU_TILED_MM": switch}
+    app = build(monkeypatch, KVWARM_BACKEND="stub", KVWARM_MODEL="stub-a", **env)
+    engine = app._bound_deployment.init_args[1]._bound_deployment  # type: ignore[attr-defined]
+    assert engine.ray_actor_options.get("runtime_env", {}).get("env_vars", {}) == env

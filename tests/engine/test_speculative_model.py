@@ -420,7 +420,7 @@ def test_gemma_3_is_not_exact_and_does_not_speculate(
 GEMMA_UNTILED = r"""
 import sys
 from kvwarm.backends.base import ContextParams
-from kvwarm.engine.api import ModelConfig
+from kvwarm.engine.api import ModelConfig, untile_at_start
 from kvwarm.engine.types import GenerationOptions
 from tests.engine.conftest import make_engine
 source = (
@@ -434,6 +434,8 @@ prompt = "Original:\n\n" + source + "\nThe same function, renamed to join:\n\nde
 opts = GenerationOptions(max_tokens=40, temperature=0.0)
 context = ContextParams(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2)
 config = ModelConfig(context=context, spec_type="ngram-simple")
+if sys.argv[2] == "start":  # what kvwarm serve does before its threads start
+    untile_at_start([(sys.argv[1], config)])
 with make_engine() as engine:
     model = engine.load_model(sys.argv[1], config=config)
     print("EXACT", model.info().speculation_exact)
@@ -446,14 +448,15 @@ with make_engine() as engine:
 """
 
 
-@pytest.mark.parametrize("tiled", ["0", None])
+@pytest.mark.parametrize(("tiled", "start"), [("0", "no"), (None, "start")])
 def test_gemma_3_speculates_exactly_with_the_tiled_kernel_off(
-    gemma_path: str, tiled: str | None
+    gemma_path: str, tiled: str | None, start: str
 ) -> None:
-    """With ``GGML_CPU_TILED_MM=0`` in its environment, or unset in a process whose first
-    model speculates (which then turns the kernel off: ``native.untile_for_exact_rows``; a
-    child process, since ggml reads the variable once), Gemma 3 270M's only other kernel
-    change is repacking its Q4_K weights, which a speculating model gives up
+    """With ``GGML_CPU_TILED_MM=0`` in its environment, or unset in a process that decided
+    its kernels at its start, before its engine's threads (``untile_at_start``, as ``kvwarm
+    serve`` does, which turns the kernel off for a speculating K-quant model; a child
+    process, since ggml reads the variable once), Gemma 3 270M's only other kernel change is
+    repacking its Q4_K weights, which a speculating model gives up
     (``ModelParams.exact_rows``): it speculates exactly at any length (inside its window),
     and a greedy reply that copies is plain decoding's, drafts accepted; both kernel changes
     are hashed into its cache keys (``BackendModel.kernels``)."""
@@ -461,7 +464,7 @@ def test_gemma_3_speculates_exactly_with_the_tiled_kernel_off(
     if tiled is not None:
         env["GGML_CPU_TILED_MM"] = tiled
     done, lines = run_child(
-        GEMMA_UNTILED, gemma_path, prefixes=("EXACT", "KEYED", "SAME", "ACCEPTED"), env=env
+        GEMMA_UNTILED, gemma_path, start, prefixes=("EXACT", "KEYED", "SAME", "ACCEPTED"), env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
     said = dict(line.split(maxsplit=1) for line in lines)

@@ -42,6 +42,9 @@ SPLIT_MODES: tuple[str, ...] = get_args(SplitMode)
 FLASH_ATTN_MODES: tuple[str, ...] = get_args(FlashAttn)
 ROPE_SCALINGS: tuple[str, ...] = get_args(RopeScaling)
 POOLING_TYPES: tuple[str, ...] = get_args(PoolingType)
+#: The pooling types by llama.cpp's ``llama_pooling_type`` id, the value of a GGUF's
+#: ``{arch}.pooling_type``.
+POOLING_BY_ID: tuple[PoolingType, ...] = ("none", "mean", "cls", "last", "rank")
 
 _MAX_THREADS = 512
 _INT32_MAX = 2**31 - 1
@@ -77,10 +80,14 @@ class ModelParams:
     #: unless the CPU build uses AMX, whose matmul in the pinned llama.cpp segfaults on the
     #: first multi-token batch (docs/architecture.md, "Layers": the AMX fault).
     use_extra_bufts: bool | None = None
-    #: The model will verify drafts (it speculates): where ``use_extra_bufts`` is None and
-    #: repacking is all that would make a verify pass's rows differ from one-token passes'
-    #: (a repacked product takes a GEMM for several rows and a GEMV for one), its weights load
-    #: without the extra buffer types (``LlamaModel``; ``BackendModel.verify_exactness``).
+    #: The model will verify drafts (it speculates and generates: the engine reads that from
+    #: its GGUF header, ``engine/speculating.verifies_drafts``): where ``use_extra_bufts`` is
+    #: None and repacking is all that would make a verify pass's rows differ from one-token
+    #: passes' (a repacked product takes a GEMM for several rows and a GEMV for one), its
+    #: weights load without the extra buffer types (``LlamaModel``;
+    #: ``BackendModel.verify_exactness``). A llama.cpp load with it also turns the tiled
+    #: kernel off where its process did not decide at its start and still can
+    #: (``backends/llama/model.untile_for_verifying``).
     exact_rows: bool = False
     progress: ProgressCallback | None = field(default=None, compare=False, hash=False)
 

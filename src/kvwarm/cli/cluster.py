@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import threading
 
-from kvwarm.cli.common import add_settings, settings_from, stop_signals
+from kvwarm.cli.common import add_settings, decide_kernels, settings_from, stop_signals
 from kvwarm.errors import ConfigError
 from kvwarm.settings import Settings
 
@@ -44,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
             f"kvwarm cluster needs the cluster extra (kvwarm[cluster]): {exc}"
         ) from exc
     deploy.routing_config(settings)  # an unknown routing policy fails before Ray starts
+    # Before Ray's threads: the kernels the replicas' models compute with, handed to each
+    # replica's process (``deploy.build_app``), which loads them where it cannot decide.
+    decide_kernels(settings, settings.models)
     deploy.start_ray(settings.ray_address, node_ip=settings.node_ip)
     stop = threading.Event()
     deploying = True

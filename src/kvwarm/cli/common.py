@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvwarm.errors import ConfigError
 from kvwarm.settings import (
+    ModelSpec,
     Settings,
     add_settings_arguments,
     load_settings,
@@ -104,6 +105,26 @@ def stop_signals(handler: Callable[[int, FrameType | None], object]) -> Iterator
             signal.signal(sig, old)
 
 
+def decide_kernels(settings: Settings, specs: Sequence[ModelSpec] | None = None) -> bool:
+    """A command's start, in its main thread before any other thread starts: llama.cpp's
+    tiled K-quant kernel off for the process where a model it will load verifies drafts with
+    weights that kernel multiplies (``engine/speculating.untile_at_start``; True if it turned
+    it off). ``specs``: those models; by default every model ``kvwarm serve`` may load under
+    ``settings``: the configured ones and the models_dir's files as they are now.
+    ``kvwarm cache explain`` decides over its server's, so its cache keys are the server's."""
+    from kvwarm import models_dir
+    from kvwarm.engine.api import untile_at_start
+
+    if specs is None:
+        specs = list(settings.models)
+        if settings.models_dir is not None:
+            taken = {spec.model_id for spec in specs} | set(dict(settings.aliases))
+            found = models_dir.scan(settings.models_dir)
+            specs += [ModelSpec(str(p), mid) for mid, p in found.items() if mid not in taken]
+    models = [(spec.path, model_config(settings, spec)) for spec in specs]
+    return untile_at_start(models, backend=settings.backend)
+
+
 def open_engine(settings: Settings) -> Engine:
     from kvwarm.engine.api import Engine, EngineConfig
 
@@ -120,6 +141,7 @@ def loaded_model(settings: Settings) -> Iterator[Model]:
     if not settings.models:
         raise ConfigError("no model to load: give --model (a models_dir is only for serve)")
     spec = settings.models[0]
+    decide_kernels(settings, [spec])
     engine = open_engine(settings)
     try:
         # Log lines (llama.cpp's warnings included) print above the bar, never inside it.

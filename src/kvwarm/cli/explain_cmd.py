@@ -12,6 +12,13 @@ remembers no eviction (``MissHistory`` is per process), so a row evicted by the 
 as ``no_prefix`` or ``new_tokens``. As the operator's tool it looks in *every* namespace of the
 cache (other models, adapter sets, contexts and salts), which the server never tells a client.
 
+The namespace hashes the matrix kernels the server's model computes with
+(``BackendModel.kernels``), which depend on every model the server may load: ``kvwarm serve``
+turns llama.cpp's tiled kernel off for its whole process where one of them will speculate with
+K-quant weights. So explain takes the server's whole configuration, decides the kernels with
+the function ``serve`` calls (``common.decide_kernels``), and explains the model ``--model-id``
+names. A model an admin loaded later, by path, is not in the configuration.
+
 A tenant of a server with ``cache_salt_from_auth`` (``--tenant-key-env``, ``--tenant-key-stdin``,
 ``--tenant-id``, ``--anonymous``) is named as the server names it (``kvwarm.tenants``); a key
 is never taken from the command line.
@@ -28,11 +35,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvwarm.cli.common import MODEL_SETTINGS, add_settings, settings_from
+from kvwarm.cli.common import MODEL_SETTINGS, add_settings, decide_kernels, settings_from
 from kvwarm.errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
     from kvwarm.backends.base import BackendModel
+    from kvwarm.settings import ModelSpec
 
 
 def register(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,6 +60,14 @@ def register(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "'prompt'; its 'cache_salt' unless --salt is given",
     )
     parser.add_argument("--salt", default=None, help="the request's cache salt")
+    parser.add_argument(
+        "--model-id",
+        metavar="ID",
+        default=None,
+        help="which configured model the request is for (its id; default: the first, the "
+        "server's default); give the server's whole configuration, every model of it: its "
+        "cache keys depend on what else the server loads",
+    )
     tenant = parser.add_argument_group(
         "tenant (a server with cache_salt_from_auth: each API key's requests run in a scope "
         "of their own, and --salt partitions it further); never give a key on the command line"
@@ -100,6 +116,7 @@ def run_explain(args: argparse.Namespace) -> int:
     from kvwarm.cache.types import Namespace
     from kvwarm.cli.cache_cmd import open_cache, require_dirs
     from kvwarm.engine.fingerprint import model_fingerprint, parse_mode
+    from kvwarm.engine.speculating import verifies_drafts
     from kvwarm.engine.worker.explain import explain_prompt
     from kvwarm.memory import MemoryKind
     from kvwarm.settings.model import model_config
@@ -111,7 +128,7 @@ def run_explain(args: argparse.Namespace) -> int:
         raise ConfigError("give a prompt or --body FILE (one of them)")
     if not settings.models:
         raise ConfigError("no model to explain against: give --model")
-    spec = settings.models[0]
+    spec = _chosen(settings.models, args.model_id)
     cfg = model_config(settings, spec)
     chosen = cfg.backend or settings.backend
     backend = get_backend(chosen) if isinstance(chosen, str) else chosen
@@ -123,9 +140,13 @@ def run_explain(args: argparse.Namespace) -> int:
     if tenant is not None or args.anonymous:
         salt = scoped_by_id(salt, tenant)
     require_dirs(settings)  # before loading a model: a mistyped --cache-dir is the answer
-    # Loaded as the server loads it to speculate: its kernels (``BackendModel.kernels``) are
-    # hashed into the namespace.
-    vocab = dataclasses.replace(cfg.model_params, vocab_only=True, exact_rows=cfg.speculative)
+    # Loaded as the server loads it: its kernels (``BackendModel.kernels``) are hashed into
+    # the namespace, and they are the process's (decided over every model the server may
+    # load, by the function ``kvwarm serve`` calls) and the load's (unrepacked where it will
+    # verify drafts).
+    decide_kernels(settings)
+    exact_rows = verifies_drafts(cfg, path)
+    vocab = dataclasses.replace(cfg.model_params, vocab_only=True, exact_rows=exact_rows)
     bmodel = backend.load_model(str(path), vocab)
     try:
         facts = bmodel.facts
@@ -172,6 +193,17 @@ def run_explain(args: argparse.Namespace) -> int:
     print(f"prompt: {len(tokens)} tokens; {n_rows} rows in its namespace ({spaces_text})")
     print(describe(report))
     return 0
+
+
+def _chosen(specs: Sequence[ModelSpec], model_id: str | None) -> ModelSpec:
+    """The configured model ``--model-id`` names (None: the first, the server's default)."""
+    if model_id is None:
+        return specs[0]
+    for spec in specs:
+        if spec.model_id == model_id:
+            return spec
+    known = ", ".join(spec.model_id for spec in specs)
+    raise ConfigError(f"--model-id {model_id}: no such configured model (models: {known})")
 
 
 def _tenant(args: argparse.Namespace) -> str | None:

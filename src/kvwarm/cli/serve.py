@@ -1,7 +1,9 @@
 """``kvwarm serve``: the OpenAI-compatible server under uvicorn.
 
 Invariant: the socket is bound before any model loads (loading happens in the app's background
-thread), so ``/health`` answers 503 while loading instead of refusing connections. A server
+thread), so ``/health`` answers 503 while loading instead of refusing connections. Before any
+thread starts, the process's matrix kernels are decided over every model it may load
+(``common.decide_kernels``). A server
 none of whose models loaded stops and exits 1 with the reason; one with some models left keeps
 serving them.
 """
@@ -16,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-from kvwarm.cli.common import add_settings, settings_from, stop_signals
+from kvwarm.cli.common import add_settings, decide_kernels, settings_from, stop_signals
 from kvwarm.errors import ModelLoadError
 
 
@@ -65,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
             os._exit(128 + sig)
 
     settings = settings_from(args)
+    # Here, in the main thread before the server's threads: the kernels every model it may
+    # load computes with (a speculating K-quant model needs llama.cpp's tiled kernel off).
+    decide_kernels(settings)
     fatal: list[str] = []
 
     def on_fatal(reason: str) -> None:  # from the loader thread: nothing can be served

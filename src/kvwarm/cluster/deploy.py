@@ -42,6 +42,7 @@ from kvwarm.cluster.replica import EngineReplica
 from kvwarm.cluster.routing import ClusterIndex, RoutingConfig, check_policy, index_for
 from kvwarm.cluster.routing.index import index_name
 from kvwarm.engine.cancel import Cancellation
+from kvwarm.engine.speculating import kernel_environment
 from kvwarm.errors import KvwarmError, ReplicaTimeoutError, RequestCancelledError
 from kvwarm.settings import Settings
 from kvwarm.settings.model import max_queue
@@ -163,6 +164,12 @@ def build_app(
     (``ceil(replicas / nodes)``): Serve's own spread is best effort, and replicas reserving no
     CPU may all land on one node."""
     options: dict[str, object] = {"num_cpus": 0, **(actor_options or {})}
+    if switch := kernel_environment():
+        # The kernels the command decided at its start (``cli/common.decide_kernels``), set
+        # in each replica's process before it runs: its own load could not set them safely.
+        given = dict(cast(Mapping[str, Any], options.get("runtime_env") or {}))
+        given["env_vars"] = {**switch, **given.get("env_vars", {})}
+        options["runtime_env"] = given
     spread: dict[str, Any] = {}
     if nodes is not None and nodes > 1:
         spread["max_replicas_per_node"] = -(-settings.replicas // nodes)

@@ -12,15 +12,18 @@ engine is created once, on first use (``docs/architecture.md``, "Engine").
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Unpack
 
-from kvwarm.engine.config import EngineConfig, LoraSpec, ModelConfig, ModelOptions
+from kvwarm.engine.config import EngineConfig, LoraSpec, ModelConfig, ModelOptions, with_options
 from kvwarm.engine.engine import Engine
 from kvwarm.engine.model import Model, PromptInput
 from kvwarm.engine.ops import Message
+from kvwarm.engine.speculating import untile_at_start
 from kvwarm.engine.types import ModelInfo
+from kvwarm.errors import KvwarmError
 from kvwarm.tokens import Prompt, Span
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "list_models",
     "load_model",
     "unload_model",
+    "untile_at_start",
 ]
 
 _default: Engine | None = None
@@ -61,7 +65,14 @@ def load_model(
     **options: Unpack[ModelOptions],
 ) -> Model:
     """Load a model into the default engine: ``kvwarm.load_model("m.gguf", n_ctx=4096,
-    n_gpu_layers=99, n_parallel=4)``. Flat ``options`` override ``config`` (``ModelOptions``)."""
+    n_gpu_layers=99, n_parallel=4)``. Flat ``options`` override ``config`` (``ModelOptions``).
+    The first call, before the default engine (and its threads) exists, decides the process's
+    kernels for this model (``untile_at_start``)."""
+    with _default_lock:
+        first = _default is None
+    if first:
+        with contextlib.suppress(KvwarmError):  # a bad argument: the load below says so
+            untile_at_start([(path, with_options(config or ModelConfig(), options))])
     return default_engine().load_model(path, model_id=model_id, config=config, **options)
 
 

@@ -66,6 +66,7 @@ from kvwarm.engine.prompts import (
 )
 from kvwarm.engine.request import RequestKind, check_tokens
 from kvwarm.engine.rerank import Ranker, RerankLimits
+from kvwarm.engine.speculating import verifies_drafts
 from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.submit import Submitter
 from kvwarm.engine.types import (
@@ -139,8 +140,11 @@ class Model:
         self.backend = get_backend(backend_spec) if isinstance(backend_spec, str) else backend_spec
         phases = LoadProgress(progress, mode, path.is_file())
         self._fingerprint = model_fingerprint(path, mode, cfg.fingerprint, phases.hashing())
-        # A speculating model's weights load where its verify rows can be exact.
-        params = replace(cfg.model_params, progress=phases.weights(), exact_rows=cfg.speculative)
+        # A model that will verify drafts (its header says it generates) loads its weights
+        # where its verify rows can be exact; a reranker or an encoder given a spec_type does
+        # not pay for that.
+        exact_rows = verifies_drafts(cfg, path)
+        params = replace(cfg.model_params, progress=phases.weights(), exact_rows=exact_rows)
         self._bmodel: BackendModel = self.backend.load_model(str(path), params)
         self._projector: Projector | None = None
         self._draft: DraftModel | None = None

@@ -31,6 +31,7 @@ from typing import Any
 from kvwarm.backends import _checks
 from kvwarm.backends.base import (
     EXACT_AT_ANY_LENGTH,
+    POOLING_BY_ID,
     QUANTIZED_KV_TYPES,
     AdapterSet,
     ContextParams,
@@ -69,9 +70,7 @@ log = logging.getLogger(__name__)
 
 _INT32_MIN = -(2**31)
 #: ``{arch}.pooling_type`` values (llama.cpp's ``llama_pooling_type``) by name.
-_POOLING_NAMES: dict[str, PoolingType] = {
-    "0": "none", "1": "mean", "2": "cls", "3": "last", "4": "rank",
-}  # fmt: skip
+_POOLING_NAMES: dict[str, PoolingType] = {str(i): name for i, name in enumerate(POOLING_BY_ID)}
 _MAX_TEXT = 2**31 - 1
 
 #: llama.cpp's CPU flash attention (ggml-cpu ``ops.cpp``) computes a one-token pass over a KV
@@ -151,6 +150,18 @@ class LlamaBackend:
         return LlamaModel(str(path), params or ModelParams())
 
 
+def untile_for_verifying(path: str, weights: model_file.WeightKernels | None = None) -> bool:
+    """Turn llama.cpp's tiled kernel off for this process where the model at ``path`` (its
+    matrix ``weights``, read from its file if not given) will verify drafts with weights that
+    kernel multiplies while it is on (``native.untile_for_exact_rows``, which refuses where
+    it is too late or not safe); True if it did. ``engine/speculating.untile_at_start``
+    calls it at a process's start; a load with ``ModelParams.exact_rows``, as a fallback."""
+    weights = model_file.WeightKernels.of(path) if weights is None else weights
+    if not (weights.tiled and model_file.tiled_kernel_on()):
+        return False
+    return _native.untile_for_exact_rows(f"{Path(path).name} speculates, with K-quant weights")
+
+
 def _bridge(
     user_progress: Callable[[float], bool], failure: list[BaseException]
 ) -> Callable[[float, object], bool]:
@@ -181,8 +192,8 @@ class LlamaModel:
         #: read here, where the file is the one that loads (``verify_exactness``), its
         #: repacked types only where the weights load into the extra buffer types.
         weights = model_file.WeightKernels.of(path)
-        if params.exact_rows and weights.tiled and model_file.tiled_kernel_on():
-            _native.untile_for_exact_rows(f"{Path(path).name} speculates, with K-quant weights")
+        if params.exact_rows:  # the fallback of a process that did not decide at its start
+            untile_for_verifying(path, weights)
         extra = params.use_extra_bufts
         repacked = (not _native.amx_in_use()) if extra is None else extra
         self._row_kernels = weights.first(repacked=repacked)

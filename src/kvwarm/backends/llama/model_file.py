@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, cast
 
 from kvwarm import gguf_meta
+from kvwarm.backends.llama.native import TILED_SWITCH
 from kvwarm.errors import ModelLoadError
 
 #: llama.cpp's LLAMA_MAX_LAYERS and LLAMA_MAX_EXPERTS (``llama-hparams.h``).
@@ -594,7 +595,7 @@ def tiled_kernel_on() -> bool:
     0, as ggml reads it (``atoi``: an unparsable value is 0)."""
     if platform.machine().lower() not in _X86:
         return False
-    value = os.environ.get("GGML_CPU_TILED_MM")
+    value = os.environ.get(TILED_SWITCH)
     return value is None or _atoi(value) != 0
 
 

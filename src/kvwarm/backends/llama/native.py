@@ -25,6 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import cast
 
+from kvwarm.backends.params import POOLING_BY_ID
 from kvwarm.errors import ModelLoadError
 
 log = logging.getLogger("kvwarm.llama_cpp")
@@ -53,7 +54,7 @@ GGML_TYPES = {
 }
 
 #: llama_pooling_type ids.
-POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
+POOLING = {name: i for i, name in enumerate(POOLING_BY_ID)}
 
 # Nominal bits per weight of LLAMA_FTYPE_* values; the cache key's quant byte is the ftype.
 _FTYPE_BITS = {
@@ -177,6 +178,10 @@ def route_mtmd_log(mtmd: ModuleType) -> None:
         _MTMD_ROUTED = True
 
 
+#: The environment variable that turns llama.cpp's tiled K-quant kernel off (0) or keeps it;
+#: ggml reads it once, at its first matrix product (``model_file.tiled_kernel_on``).
+TILED_SWITCH = "GGML_CPU_TILED_MM"
+
 #: A context or projector was made in this process: ggml may have read ``GGML_CPU_TILED_MM``
 #: (once, at its first product), so setting the variable now would not reach it.
 _GRAPHS_MAY_HAVE_RUN = False
@@ -190,14 +195,35 @@ def graphs_may_run() -> None:
 
 def untile_for_exact_rows(why: str) -> bool:
     """Turn llama.cpp's tiled K-quant kernel off for this process (``GGML_CPU_TILED_MM=0``;
-    ``model_file.tiled_kernel_on``) where nobody set the variable and ggml cannot have read
-    it yet; True if it did. A model that speculates needs it off to be exact with K-quant
-    weights; it costs every model of the process the kernel's speed in passes of 8 rows or
-    more (a cold prefill ~1.2x on Gemma 3 270M), as a q8_0 K costs the speculating model's."""
+    ``model_file.tiled_kernel_on``) where nobody set the variable, ggml cannot have read it
+    yet and no other thread runs; True if it did. A model that speculates needs it off to be
+    exact with K-quant weights; it costs every model of the process the kernel's speed in
+    passes of 8 rows or more (a cold prefill ~1.2x on Gemma 3 270M), as a q8_0 K costs the
+    speculating model's.
+
+    Setting a variable (C's ``setenv``) while another thread may read the environment
+    (``getenv``: a time zone lookup, a library's settings) is not safe, so a process decides
+    at its start, in its main thread before any other starts (``engine/speculating.py``:
+    ``kvwarm serve``, ``complete``, ``chat``, ``cache explain``, or a library user before
+    making an ``Engine``); a model's load calls this only as the fallback of a process that
+    did not, and it refuses while other Python threads run (an engine's cache threads do;
+    llama.cpp starts none before its first context, which ends the chance anyway)."""
     with _LOCK:
-        if "GGML_CPU_TILED_MM" in os.environ or _GRAPHS_MAY_HAVE_RUN:
+        if TILED_SWITCH in os.environ or _GRAPHS_MAY_HAVE_RUN:
             return False
-        os.environ["GGML_CPU_TILED_MM"] = "0"
+        others = threading.active_count() - 1
+        if others == 0:
+            os.environ[TILED_SWITCH] = "0"
+    if others:
+        log.warning(
+            "llama.cpp's tiled K-quant kernel left on: %s, but %d other threads run in this "
+            "process, and setting GGML_CPU_TILED_MM now is not safe; set GGML_CPU_TILED_MM=0 "
+            "before starting (a library user: or call kvwarm.engine.api.untile_at_start before "
+            "making an Engine)",
+            why,
+            others,
+        )
+        return False
     log.info(
         "llama.cpp's tiled K-quant kernel turned off for this process (GGML_CPU_TILED_MM=0): "
         "%s; set GGML_CPU_TILED_MM=1 to keep it (such a model then does not speculate)",
