@@ -570,6 +570,14 @@ class BackendModel(Protocol):
         and rows computed one way are never restored as the other's."""
         ...
 
+    def kv_tag(self, params: ContextParams) -> str:
+        """What the engine hashes beside ``params`` into this model's cache keys
+        (``ContextParams.kv_hash``): ``kernels``, and whatever else of the process makes a
+        context of ``params`` made now store other KV bytes or attend otherwise (llama.cpp:
+        quantized cells left unrotated, ``LLAMA_ATTN_ROT_DISABLE``), as a short tag; "" where
+        all are the backend's defaults, so default rows keep their keys."""
+        ...
+
     def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:
         """Where a verify pass's rows are bit for bit what one-token passes compute, in a
         context run with ``params`` (``context_params``' result, its ``n_ctx`` every slot's

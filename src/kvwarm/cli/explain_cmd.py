@@ -157,7 +157,7 @@ def run_explain(args: argparse.Namespace) -> int:
             deterministic=cfg.deterministic,
             speculative=cfg.speculates_with(facts.pooling),
         )
-        kernels = bmodel.kernels
+        kernels = bmodel.kv_tag(context)
     finally:
         bmodel.close()
     fingerprint = model_fingerprint(path, parse_mode(cfg.fingerprint_mode), cfg.fingerprint)

@@ -280,6 +280,7 @@ class Model:
             total = replace(
                 ran, n_ctx=ran.n_ctx * cfg.n_parallel, n_seq_max=cfg.n_parallel, kv_unified=True
             )
+            kv_tag = bmodel.kv_tag(ran)
             ctx = bmodel.new_context(total)
             try:
                 if not ctx.memory.trimmable:
@@ -290,7 +291,7 @@ class Model:
                 fingerprint = model_fingerprint(path, self.fingerprint_mode, None)
                 # Its own namespace even where the draft model is the model itself: the draft
                 # context's rows are whole blobs of its prompts, never mixed with the model's.
-                kv_hash = ran.kv_hash(bmodel.kernels)
+                kv_hash = ran.kv_hash(kv_tag)
                 ctx_hash = hashlib.sha256(b"kvwarm draft context\0" + kv_hash).digest()
                 namespace = Namespace(fingerprint, bmodel.facts.file_type & 0xFF, ctx_hash)
                 log.info("model %s drafts with %s", self.id, path.name)
@@ -352,6 +353,8 @@ class Model:
             n_seq_max=cfg.n_parallel,
             kv_unified=not (cfg.deterministic and cfg.n_parallel > 1),
         )
+        # Read as the context is made (llama.cpp reads its rotation switch then).
+        kv_tag = self._bmodel.kv_tag(cfg.context)
         self._ctx = self._bmodel.new_context(total)
         #: Where a verify pass's rows are one-token passes (and so a greedy speculative reply
         #: plain decoding's): ``BackendModel.verify_exactness``, asked (it may measure) only
@@ -377,7 +380,7 @@ class Model:
                 except BaseException:
                     self._ctx.close()
                     raise
-        self._ctx_hash = cfg.context.kv_hash(self._bmodel.kernels)
+        self._ctx_hash = cfg.context.kv_hash(kv_tag)
         self._namespace = Namespace(self._fingerprint, facts.file_type & 0xFF, self._ctx_hash)
         self._links = _Links(self)
         self._worker = Worker(

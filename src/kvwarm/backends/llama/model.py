@@ -588,6 +588,12 @@ class LlamaModel:
     def kernels(self) -> str:
         return self._kernels
 
+    def kv_tag(self, params: ContextParams) -> str:
+        tags = [self._kernels] if self._kernels else []
+        if model_file.kv_rotation_off(params):
+            tags.append("unrotated")
+        return ",".join(tags)
+
     def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:
         if self._offloaded():
             return "not measured on a GPU (its kernels change with the number of rows in a pass)"

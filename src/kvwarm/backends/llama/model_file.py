@@ -41,6 +41,7 @@ from typing import BinaryIO, cast
 
 from kvwarm import gguf_meta
 from kvwarm.backends.llama.native import TILED_SWITCH
+from kvwarm.backends.params import QUANTIZED_KV_TYPES, ContextParams, concrete_kv
 from kvwarm.errors import ModelLoadError
 
 #: llama.cpp's LLAMA_MAX_LAYERS and LLAMA_MAX_EXPERTS (``llama-hparams.h``).
@@ -603,6 +604,28 @@ def tiled_kernel_turned_off() -> bool:
     """Whether ``GGML_CPU_TILED_MM`` turns off a tiled kernel this machine has (x86): the
     process computes K-quant products otherwise than by default (``LlamaModel.kernels``)."""
     return platform.machine().lower() in _X86 and not tiled_kernel_on()
+
+
+#: llama.cpp's switch for the Hadamard rotation of quantized KV cells, read (``atoi``) each time
+#: a context's KV cache is made.
+ROTATION_SWITCH = "LLAMA_ATTN_ROT_DISABLE"
+
+
+def kv_rotation_off(params: ContextParams) -> bool:
+    """Whether a context of ``params`` made now keeps its quantized KV cells unrotated.
+
+    llama.cpp multiplies K by a Hadamard matrix before it quantizes K into cells of a
+    quantized type (V likewise, and the attention's output back), and the queries by the same
+    matrix, unless ``LLAMA_ATTN_ROT_DISABLE`` parses to nonzero when the context is made. A
+    state saved one way and restored into the other attends with rotated keys and unrotated
+    queries: a wrong answer, silently. So where the switch is set and a cell type is quantized,
+    the tag ``unrotated`` goes into the cache keys (``LlamaModel.kv_tag``); unset (llama.cpp's
+    default), rows keep their keys. Conservative: a head size llama.cpp does not rotate (not a
+    multiple of 64) is tagged too, which only keeps such rows apart."""
+    value = os.environ.get(ROTATION_SWITCH)
+    if value is None or _atoi(value) == 0:
+        return False
+    return any(concrete_kv(t) in QUANTIZED_KV_TYPES for t in (params.type_k, params.type_v))
 
 
 def _atoi(text: str) -> int:

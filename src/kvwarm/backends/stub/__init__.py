@@ -326,6 +326,9 @@ class StubModel:
     def kernels(self) -> str:
         return ""  # one way to compute
 
+    def kv_tag(self, params: ContextParams) -> str:
+        return ""  # one way to compute and store
+
     def verify_exactness(self, params: ContextParams, adapters: AdapterSet = ()) -> str:
         return EXACT_AT_ANY_LENGTH  # its logits are a function of the prefix alone
 
