@@ -193,6 +193,15 @@ def test_two_host_headers_are_a_400_whatever_the_parser() -> None:
     assert guard.refusal(scope) is None
 
 
+#: The warning each needle below is from, where it is not the no-api_key one.
+_WARNING_OF = {
+    "DNS-rebinding defence is off": "hosts",
+    "allowed_origins '*'": "origins",
+    "no api_key to stop it": "origins",
+    "lets every web page": "origins",
+}
+
+
 @pytest.mark.parametrize(
     ("overrides", "needles"),
     [
@@ -207,16 +216,21 @@ def test_two_host_headers_are_a_400_whatever_the_parser() -> None:
             {"host": "::", "allowed_hosts": ("*",)},
             ["DNS-rebinding defence is off", "listening on ::"],
         ),
+        ({"allowed_origins": ("*",)}, ["allowed_origins '*'", "no api_key to stop it"]),
+        ({"allowed_origins": ("*",), "api_key": "k"}, ["lets every web page"]),
+        ({"allowed_origins": ("http://app.example:3000",)}, []),
     ],
 )
 def test_startup_warns_of_defences_switched_off(
     overrides: dict[str, object], needles: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``--allowed-host '*'`` (no DNS-rebinding defence) and a non-loopback address without
-    ``--api-key`` (anyone on the network may use the server) were silent (found by review)."""
+    """``--allowed-host '*'`` (no DNS-rebinding defence), ``--allowed-origin '*'`` (any page
+    may call the server) and a non-loopback address without ``--api-key`` (anyone on the
+    network may use the server) were silent (found by review)."""
     with caplog.at_level(logging.WARNING, logger="kvwarm.server"):
         create_app(stub_settings(**{"allowed_hosts": (), **overrides}))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == len({"rebinding" if "DNS" in n else "key" for n in needles})
+    # One warning per setting: needles from the same warning count once.
+    assert len(warnings) == len({_WARNING_OF.get(n, "key") for n in needles})
     for needle in needles:
         assert any(needle in w for w in warnings), (needle, warnings)

@@ -156,6 +156,15 @@ def exposure_warnings(settings: Settings) -> list[str]:
             "web page can drive this server through a name it points at this address; list "
             "the names clients use (--allowed-host) instead"
         )
+    if "*" in settings.allowed_origins:
+        # Found by review: as open as allowed_hosts '*' (every page, not only a rebinding one),
+        # and said nothing.
+        out.append(
+            "allowed_origins '*' lets every web page the user's browser opens call this server "
+            "and read its answers (the Origin check and CORS let any origin through)"
+            + ("" if settings.api_key else ", with no api_key to stop it")
+            + "; list the origins of the pages that need it (--allowed-origin) instead"
+        )
     if not settings.api_key and not _is_loopback(settings.host):
         out.append(
             f"listening on {settings.host}, not a loopback address, with no api_key: anyone "
