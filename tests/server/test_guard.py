@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from kvwarm.server import create_app
 
@@ -91,6 +92,35 @@ def test_own_origin_and_configured_origin_allowed(client: TestClient) -> None:
     )
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == "http://app.example:3000"
+
+
+def test_a_websocket_route_is_guarded_too() -> None:
+    """The guard saw HTTP requests only: a WebSocket handshake (which any page may open to any
+    address, naming its own origin) reached the app untouched (found by review). The server
+    has no socket route; one added gets the Host and Origin checks as every route does."""
+    app = create_app(stub_settings())
+
+    async def echo(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.send_text("open")
+        await websocket.close()
+
+    app.add_api_websocket_route("/ws-probe", echo)
+    with TestClient(app) as test_client:
+        with test_client.websocket_connect("/ws-probe") as socket:  # this origin: served
+            assert socket.receive_text() == "open"
+        refusals = (
+            {"Origin": "http://evil.example"},
+            {"Origin": "null"},
+            {"Host": "rebound.attacker.example"},
+        )
+        for headers in refusals:
+            with (
+                pytest.raises(WebSocketDisconnect) as refused,
+                test_client.websocket_connect("/ws-probe", headers=headers) as socket,
+            ):
+                socket.receive_text()
+            assert refused.value.code == 1008, headers
 
 
 def test_host_rules() -> None:

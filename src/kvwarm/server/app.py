@@ -51,7 +51,8 @@ log = logging.getLogger("kvwarm.server")
 
 class _Observe:
     """Pure ASGI (streaming- and disconnect-transparent): counts requests by route template and
-    status, and refuses what the ``Guard`` refuses (Host, Origin, content type, keys)."""
+    status, and refuses what the ``Guard`` refuses (Host, Origin, content type, keys), for
+    WebSocket handshakes too (the app has no socket route; one added would be guarded)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -59,6 +60,16 @@ class _Observe:
         self.guard = Guard(state.settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            # Found by review: a WebSocket handshake went by the guard untouched, so a socket
+            # route added later would take any page's connection (browsers let every page
+            # open one, and a rebinding page names its own Host). Its handshake is a GET.
+            refused = self.guard.refusal({**scope, "method": "GET"})
+            if refused is not None:
+                # Closing before accepting: the server answers the handshake with a 403.
+                await send({"type": "websocket.close", "code": 1008, "reason": refused[1]})
+                self.state.counters.record("refused", refused[0])
+                return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

@@ -1,6 +1,7 @@
 """Who may drive the server: Host and Origin checks (browser defence) and API/admin keys.
 
-Invariants, checked in this order before any route runs:
+Invariants, checked in this order before any route runs (a WebSocket handshake's too, as a
+GET: ``app._Observe``):
 
 1. ``Host`` must be given once (two are a 400, as RFC 9112 requires: servers disagree on
    which one counts, so the check below must not see one and a route another) and name this
