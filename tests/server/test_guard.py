@@ -229,6 +229,7 @@ _WARNING_OF = {
     "allowed_origins '*'": "origins",
     "no api_key to stop it": "origins",
     "lets every web page": "origins",
+    "every tenant may call the admin endpoints": "tenants",
 }
 
 
@@ -249,14 +250,17 @@ _WARNING_OF = {
         ({"allowed_origins": ("*",)}, ["allowed_origins '*'", "no api_key to stop it"]),
         ({"allowed_origins": ("*",), "api_key": "k"}, ["lets every web page"]),
         ({"allowed_origins": ("http://app.example:3000",)}, []),
+        ({"cache_salt_from_auth": True}, ["every tenant may call the admin endpoints"]),
+        ({"cache_salt_from_auth": True, "admin_key": "a"}, []),
     ],
 )
 def test_startup_warns_of_defences_switched_off(
     overrides: dict[str, object], needles: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     """``--allowed-host '*'`` (no DNS-rebinding defence), ``--allowed-origin '*'`` (any page
-    may call the server) and a non-loopback address without ``--api-key`` (anyone on the
-    network may use the server) were silent (found by review)."""
+    may call the server), tenants without ``--admin-key`` (each may act on the others' rows)
+    and a non-loopback address without ``--api-key`` (anyone on the network may use the
+    server) were silent (found by review)."""
     with caplog.at_level(logging.WARNING, logger="kvwarm.server"):
         create_app(stub_settings(**{"allowed_hosts": (), **overrides}))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -166,6 +166,15 @@ def exposure_warnings(settings: Settings) -> list[str]:
             + ("" if settings.api_key else ", with no api_key to stop it")
             + "; list the origins of the pages that need it (--allowed-origin) instead"
         )
+    if settings.cache_salt_from_auth and not settings.admin_key:
+        # Found by review: documented (docs/cache.md), never said. Every key is a tenant, and
+        # with no admin key the admin paths take any key (or none) as the admin's.
+        out.append(
+            "cache_salt_from_auth makes each API key a tenant, but with no admin_key every "
+            "tenant may call the admin endpoints: list every tenant's cached rows and slots, "
+            "evict them, drop their keep-alive, unload models and set the LoRA scales all "
+            "tenants run under; set --admin-key"
+        )
     if not settings.api_key and not _is_loopback(settings.host):
         out.append(
             f"listening on {settings.host}, not a loopback address, with no api_key: anyone "
