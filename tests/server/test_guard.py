@@ -123,6 +123,50 @@ def test_a_websocket_route_is_guarded_too() -> None:
             assert refused.value.code == 1008, headers
 
 
+def test_under_a_root_path_admin_paths_still_need_the_admin_key() -> None:
+    """Served under a prefix (an ASGI mount, uvicorn's ``root_path``), ``scope["path"]`` holds
+    the prefix and the router strips it: the guard saw ``/kv/cache/evict``, no admin path,
+    and the admin endpoints answered with no key at all (found by review)."""
+    app = create_app(stub_settings(admin_key="root", api_key="k"))
+    with TestClient(app, root_path="/kv") as mounted:
+        admin, api = {"Authorization": "Bearer root"}, {"Authorization": "Bearer k"}
+        wait_ready(lambda path: mounted.get("/kv" + path, headers=api))
+        for headers in ({}, api):
+            evict = mounted.post("/kv/cache/evict", json={"bytes": 1}, headers=headers)
+            assert evict.status_code == 401 and _code(evict) == "invalid_admin_key", evict.json()
+            unload = mounted.post("/kv/admin/models/unload", json={"model": "b"}, headers=headers)
+            assert unload.status_code == 401, unload.json()
+            lora = mounted.post("/kv/lora-adapters", json=[], headers=headers)
+            assert lora.status_code == 401, lora.json()
+        assert mounted.post("/kv/cache/evict", json={"bytes": 1}, headers=admin).status_code == 200
+        # The open paths stay open and the API keyed, as without the prefix.
+        assert mounted.get("/kv/health").status_code == 200
+        assert mounted.get("/kv/").status_code == 200
+        assert mounted.get("/kv/v1/models").status_code == 401
+        assert mounted.get("/kv/v1/models", headers=api).status_code == 200
+        # Anthropic's paths keep their error shape under the prefix too.
+        refused = mounted.post("/kv/v1/messages", json={})
+        assert refused.status_code == 401 and refused.json()["type"] == "error"
+
+
+def test_route_path_strips_the_root_path_as_the_router_does() -> None:
+    from starlette._utils import get_route_path
+
+    from kvwarm.server.guard import route_path
+
+    cases = [
+        ("/cache/evict", ""),
+        ("/kv/cache/evict", "/kv"),
+        ("/kv", "/kv"),
+        ("/kvx/cache/evict", "/kv"),
+        ("/other/cache/evict", "/kv"),
+        ("/kv/", "/kv"),
+    ]
+    for path, root in cases:
+        scope = {"type": "http", "path": path, "root_path": root}
+        assert route_path(scope) == get_route_path(scope), (path, root)
+
+
 def test_host_rules() -> None:
     from kvwarm.server.guard import Guard
 

@@ -27,6 +27,11 @@ GET: ``app._Observe``):
    no data, and a browser opening a page cannot send a header; the Swagger page's "Authorize"
    button and the web page's key dialog then send the key with every call they make.
 
+Paths are compared as the routes match them (``route_path``): less the ``root_path`` the app
+is served under (an ASGI mount, uvicorn's ``root_path``), where ``scope["path"]`` still holds
+it. Found by review: under ``/kv`` the guard saw ``/kv/cache/evict``, no admin path, while
+the router ran ``/cache/evict``: the admin endpoints answered with no key at all.
+
 Refusals are OpenAI-shaped errors, answered by the app's outer middleware before any route.
 Settings that switch a defence off are said at startup, as WARNINGs (``exposure_warnings``).
 """
@@ -78,6 +83,19 @@ def _is_ip(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def route_path(scope: Scope) -> str:
+    """The path the app's routes match for ``scope``: its ``path`` less the ``root_path``
+    the app is served under, by the rule Starlette's router applies (``get_route_path``),
+    so what the guard classifies is what runs."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root) :] if path[len(root)] == "/" else path
 
 
 def is_admin_path(path: str) -> bool:
@@ -132,7 +150,7 @@ class Guard:
             return 415, "the request body must be application/json", "unsupported_media_type"
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
             return None  # a CORS preflight from an allowed origin never carries credentials
-        return self._auth(scope["method"], scope["path"], presented_key(headers))
+        return self._auth(scope["method"], route_path(scope), presented_key(headers))
 
     def _auth(self, method: str, path: str, token: str | None) -> tuple[int, str, str] | None:
         if (is_admin_path(path) or (method, path) in ADMIN_ROUTES) and self.admin_key:
