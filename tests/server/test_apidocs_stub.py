@@ -48,6 +48,28 @@ def test_the_docs_page_runs_only_its_cdn_files_and_its_own_bootstrap() -> None:
     assert client.get("/openapi.json").status_code == 200
 
 
+def test_the_cdn_files_are_pinned_to_one_release_and_its_bytes() -> None:
+    """The CDN's script runs with this server's origin (it could call every endpoint), and
+    the page named ``swagger-ui-dist@5``: whatever 5.x release came next ran, unchecked
+    (found by review). Now one release, and the browser checks each file's digest."""
+    with TestClient(create_app(stub_settings())) as client:
+        page = client.get("/docs").text
+    version = re.escape(apidocs.SWAGGER_UI_VERSION)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", apidocs.SWAGGER_UI_VERSION)
+    for url in (apidocs.SCRIPT_URL, apidocs.STYLE_URL):
+        assert re.search(rf"/swagger-ui-dist@{version}/", url), url
+    tags = re.findall(r"<(?:script|link)\b[^>]*cdn\.jsdelivr\.net[^>]*>", page)
+    assert len(tags) == 2, tags
+    for tag, digest in zip(tags, (apidocs.STYLE_SRI, apidocs.SCRIPT_SRI), strict=True):
+        assert f'integrity="{digest}"' in tag and 'crossorigin="anonymous"' in tag, tag
+        assert re.fullmatch(r"sha384-[A-Za-z0-9+/]{64}", digest)
+
+
+def test_a_page_without_the_tags_to_pin_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="to pin"):
+        apidocs.with_integrity("<html><script src='elsewhere.js'></script></html>")
+
+
 def test_api_docs_off_serves_no_page_but_keeps_the_schema() -> None:
     with TestClient(create_app(stub_settings(api_docs=False))) as client:
         assert client.get("/docs").status_code == 404

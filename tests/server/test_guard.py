@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from kvwarm.server import create_app
 
@@ -91,6 +92,79 @@ def test_own_origin_and_configured_origin_allowed(client: TestClient) -> None:
     )
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == "http://app.example:3000"
+
+
+def test_a_websocket_route_is_guarded_too() -> None:
+    """The guard saw HTTP requests only: a WebSocket handshake (which any page may open to any
+    address, naming its own origin) reached the app untouched (found by review). The server
+    has no socket route; one added gets the Host and Origin checks as every route does."""
+    app = create_app(stub_settings())
+
+    async def echo(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.send_text("open")
+        await websocket.close()
+
+    app.add_api_websocket_route("/ws-probe", echo)
+    with TestClient(app) as test_client:
+        with test_client.websocket_connect("/ws-probe") as socket:  # this origin: served
+            assert socket.receive_text() == "open"
+        refusals = (
+            {"Origin": "http://evil.example"},
+            {"Origin": "null"},
+            {"Host": "rebound.attacker.example"},
+        )
+        for headers in refusals:
+            with (
+                pytest.raises(WebSocketDisconnect) as refused,
+                test_client.websocket_connect("/ws-probe", headers=headers) as socket,
+            ):
+                socket.receive_text()
+            assert refused.value.code == 1008, headers
+
+
+def test_under_a_root_path_admin_paths_still_need_the_admin_key() -> None:
+    """Served under a prefix (an ASGI mount, uvicorn's ``root_path``), ``scope["path"]`` holds
+    the prefix and the router strips it: the guard saw ``/kv/cache/evict``, no admin path,
+    and the admin endpoints answered with no key at all (found by review)."""
+    app = create_app(stub_settings(admin_key="root", api_key="k"))
+    with TestClient(app, root_path="/kv") as mounted:
+        admin, api = {"Authorization": "Bearer root"}, {"Authorization": "Bearer k"}
+        wait_ready(lambda path: mounted.get("/kv" + path, headers=api))
+        for headers in ({}, api):
+            evict = mounted.post("/kv/cache/evict", json={"bytes": 1}, headers=headers)
+            assert evict.status_code == 401 and _code(evict) == "invalid_admin_key", evict.json()
+            unload = mounted.post("/kv/admin/models/unload", json={"model": "b"}, headers=headers)
+            assert unload.status_code == 401, unload.json()
+            lora = mounted.post("/kv/lora-adapters", json=[], headers=headers)
+            assert lora.status_code == 401, lora.json()
+        assert mounted.post("/kv/cache/evict", json={"bytes": 1}, headers=admin).status_code == 200
+        # The open paths stay open and the API keyed, as without the prefix.
+        assert mounted.get("/kv/health").status_code == 200
+        assert mounted.get("/kv/").status_code == 200
+        assert mounted.get("/kv/v1/models").status_code == 401
+        assert mounted.get("/kv/v1/models", headers=api).status_code == 200
+        # Anthropic's paths keep their error shape under the prefix too.
+        refused = mounted.post("/kv/v1/messages", json={})
+        assert refused.status_code == 401 and refused.json()["type"] == "error"
+
+
+def test_route_path_strips_the_root_path_as_the_router_does() -> None:
+    from starlette._utils import get_route_path
+
+    from kvwarm.server.guard import route_path
+
+    cases = [
+        ("/cache/evict", ""),
+        ("/kv/cache/evict", "/kv"),
+        ("/kv", "/kv"),
+        ("/kvx/cache/evict", "/kv"),
+        ("/other/cache/evict", "/kv"),
+        ("/kv/", "/kv"),
+    ]
+    for path, root in cases:
+        scope = {"type": "http", "path": path, "root_path": root}
+        assert route_path(scope) == get_route_path(scope), (path, root)
 
 
 def test_host_rules() -> None:
@@ -193,6 +267,16 @@ def test_two_host_headers_are_a_400_whatever_the_parser() -> None:
     assert guard.refusal(scope) is None
 
 
+#: The warning each needle below is from, where it is not the no-api_key one.
+_WARNING_OF = {
+    "DNS-rebinding defence is off": "hosts",
+    "allowed_origins '*'": "origins",
+    "no api_key to stop it": "origins",
+    "lets every web page": "origins",
+    "every tenant may call the admin endpoints": "tenants",
+}
+
+
 @pytest.mark.parametrize(
     ("overrides", "needles"),
     [
@@ -207,16 +291,24 @@ def test_two_host_headers_are_a_400_whatever_the_parser() -> None:
             {"host": "::", "allowed_hosts": ("*",)},
             ["DNS-rebinding defence is off", "listening on ::"],
         ),
+        ({"allowed_origins": ("*",)}, ["allowed_origins '*'", "no api_key to stop it"]),
+        ({"allowed_origins": ("*",), "api_key": "k"}, ["lets every web page"]),
+        ({"allowed_origins": ("http://app.example:3000",)}, []),
+        ({"cache_salt_from_auth": True}, ["every tenant may call the admin endpoints"]),
+        ({"cache_salt_from_auth": True, "admin_key": "a"}, []),
     ],
 )
 def test_startup_warns_of_defences_switched_off(
     overrides: dict[str, object], needles: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``--allowed-host '*'`` (no DNS-rebinding defence) and a non-loopback address without
-    ``--api-key`` (anyone on the network may use the server) were silent (found by review)."""
+    """``--allowed-host '*'`` (no DNS-rebinding defence), ``--allowed-origin '*'`` (any page
+    may call the server), tenants without ``--admin-key`` (each may act on the others' rows)
+    and a non-loopback address without ``--api-key`` (anyone on the network may use the
+    server) were silent (found by review)."""
     with caplog.at_level(logging.WARNING, logger="kvwarm.server"):
         create_app(stub_settings(**{"allowed_hosts": (), **overrides}))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == len({"rebinding" if "DNS" in n else "key" for n in needles})
+    # One warning per setting: needles from the same warning count once.
+    assert len(warnings) == len({_WARNING_OF.get(n, "key") for n in needles})
     for needle in needles:
         assert any(needle in w for w in warnings), (needle, warnings)

@@ -74,6 +74,9 @@ def test_root_serves_the_page_with_a_strict_csp(client: TestClient) -> None:
     for name in ("script-src", "style-src", "connect-src"):
         assert directives[name] == "'self'", name  # no 'unsafe-inline', no other origin
     assert directives["frame-ancestors"] == "'none'"
+    # No sink takes a string (innerHTML...), and no policy may be made to pass one.
+    assert directives["require-trusted-types-for"] == "'script'"
+    assert directives["trusted-types"] == "'none'"
     assert response.headers["x-content-type-options"] == "nosniff"
     refs = _page_refs(response.text)
     # No inline script, style or handler: the CSP would block them, so none may exist.

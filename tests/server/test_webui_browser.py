@@ -254,6 +254,41 @@ def test_keys_are_asked_once_per_session(browser: Browser, tmp_path: Path) -> No
         live.stop()
 
 
+def test_no_string_becomes_markup_or_script_on_the_page(browser: Browser, tmp_path: Path) -> None:
+    """The page is the server's origin: a model's reply or a cached row's name that became
+    markup there could drive every endpoint. Beyond its own rule (text by ``textContent``),
+    its CSP requires Trusted Types with no policy allowed, so the browser refuses any string
+    sink, whatever a later change to the page does. (``eval`` is refused by the CSP too, but
+    not to code the test runs through the DevTools protocol, so it is not checked here.)"""
+    live = LiveServer(stub_settings()).start()
+    try:
+        page, _console = open_page(browser, live.base_url + "/")
+        with screenshot_on_failure(page, tmp_path / "trusted-types.png"):
+            page.wait_for_selector("body[data-ready='true']")
+            outcome = page.evaluate(
+                """() => {
+                    const attempt = (f) => {
+                        try { f(); return "ran"; } catch (e) { return e.name; }
+                    };
+                    const box = document.createElement("div");
+                    return {
+                        html: attempt(() => { box.innerHTML = "<img src=x>"; }),
+                        adjacent: attempt(() => box.insertAdjacentHTML("beforeend", "<b>x</b>")),
+                        policy: attempt(() => trustedTypes.createPolicy("p", {})),
+                        text: attempt(() => { box.textContent = "<b>x</b>"; }),
+                    };
+                }"""
+            )
+            assert outcome == {
+                "html": "TypeError",
+                "adjacent": "TypeError",
+                "policy": "TypeError",
+                "text": "ran",
+            }, outcome
+    finally:
+        live.stop()
+
+
 def test_a_declined_admin_key_is_not_asked_again_and_the_keys_button_sets_it(
     browser: Browser, tmp_path: Path
 ) -> None:

@@ -3,10 +3,15 @@
 Invariants:
 
 - The page is where a user types an API key (its "Authorize" button), and it runs a script
-  from a CDN (FastAPI's choice: jsDelivr's ``swagger-ui-dist@5``). Its CSP lets the page run
-  that one script file and its own bootstrap (by the hash of that inline script, computed from
-  the page as served), load that one stylesheet, and talk to this origin alone: no other
-  script, no key sent elsewhere, no framing, no Referer to the CDN.
+  from a CDN (FastAPI's choice: jsDelivr's ``swagger-ui-dist``). That script runs with this
+  server's origin, so it could drive every endpoint: it is pinned to one release
+  (``SWAGGER_UI_VERSION``) and to its bytes, by Subresource Integrity (``SCRIPT_SRI``,
+  ``STYLE_SRI``: sha384 of the files of that release's npm package, which jsDelivr serves
+  as they are), so a later release or a changed file never runs here (found by review: the
+  page loaded ``swagger-ui-dist@5``, whatever 5.x its publisher released next). Its CSP lets
+  the page run that one script file and its own bootstrap (by the hash of that inline script,
+  computed from the page as served), load that one stylesheet, and talk to this origin alone:
+  no other script, no key sent elsewhere, no framing, no Referer to the CDN.
 - Swagger UI sets inline styles, so ``style-src`` allows them (styles run no code); its
   stylesheet's icons are data: images. Swagger's online validator (which would send the
   schema's URL to swagger.io) is off.
@@ -26,10 +31,18 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-#: The files FastAPI's page loads from jsDelivr (``get_swagger_ui_html``'s defaults), named
-#: whole in the CSP (a path, so no other package of the same CDN may run).
-SCRIPT_URL = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"
-STYLE_URL = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"
+#: The Swagger UI release the page runs. To move to another: its npm package's
+#: ``swagger-ui-bundle.js`` and ``swagger-ui.css`` give the new hashes below
+#: (``npm pack swagger-ui-dist@VERSION``; ``openssl dgst -sha384 -binary FILE | base64``).
+SWAGGER_UI_VERSION = "5.35.0"
+_CDN = f"https://cdn.jsdelivr.net/npm/swagger-ui-dist@{SWAGGER_UI_VERSION}"
+#: The files FastAPI's page loads from jsDelivr (``get_swagger_ui_html``'s), named whole in
+#: the CSP (a path, so no other package of the same CDN may run), and their bytes' digests,
+#: which the browser checks before it runs or applies them.
+SCRIPT_URL = f"{_CDN}/swagger-ui-bundle.js"
+SCRIPT_SRI = "sha384-gjRm0bEPMeTmMh5jT2cHccIwCUZSTd8YC+j0d0sXw0MdGEfScduGpSyF3ZSSLkX9"
+STYLE_URL = f"{_CDN}/swagger-ui.css"
+STYLE_SRI = "sha384-WlYgdmXYOOBWL5apwjDEZwN+U3HmXSSu5R6V5aGxEcf7z+KuRNwBhoxKVN1i3D5I"
 ICON_URL = "https://fastapi.tiangolo.com/img/favicon.png"
 PATH = "/docs"
 
@@ -56,6 +69,25 @@ def csp(html: str) -> str:
     )
 
 
+def with_integrity(html: str) -> str:
+    """``html`` (``get_swagger_ui_html``'s page) with the CDN's script and stylesheet tags
+    carrying their ``integrity`` digests (and ``crossorigin``, which SRI needs). A page whose
+    tags are not where FastAPI put them is an error, never a page served without them."""
+    tags = (
+        (f'<script src="{SCRIPT_URL}">', f'<script src="{SCRIPT_URL}"', SCRIPT_SRI),
+        (
+            f'rel="stylesheet" href="{STYLE_URL}">',
+            f'rel="stylesheet" href="{STYLE_URL}"',
+            STYLE_SRI,
+        ),
+    )
+    for whole, start, digest in tags:
+        if html.count(whole) != 1:
+            raise RuntimeError(f"the Swagger UI page has no single {whole!r} to pin")
+        html = html.replace(whole, f'{start} integrity="{digest}" crossorigin="anonymous">')
+    return html
+
+
 def router(openapi_url: str, title: str) -> APIRouter:
     routes = APIRouter()
 
@@ -71,7 +103,7 @@ def router(openapi_url: str, title: str) -> APIRouter:
             swagger_favicon_url=ICON_URL,
             swagger_ui_parameters={"validatorUrl": None},
         )
-        html = bytes(page.body).decode()
+        html = with_integrity(bytes(page.body).decode())
         headers = {
             "Content-Security-Policy": csp(html),
             "X-Content-Type-Options": "nosniff",

@@ -37,7 +37,7 @@ from kvwarm.server.admin import models as admin_models
 from kvwarm.server.admin import routes as admin_routes
 from kvwarm.server.anthropic import routes as anthropic_routes
 from kvwarm.server.errors import ERROR_RESPONSES, HTTPError, error_response, shaped_body
-from kvwarm.server.guard import Guard, exposure_warnings, send_json
+from kvwarm.server.guard import Guard, exposure_warnings, route_path, send_json
 from kvwarm.server.openai import chat as openai_chat
 from kvwarm.server.openai import completions as openai_completions
 from kvwarm.server.openai import embeddings as openai_embeddings
@@ -51,7 +51,8 @@ log = logging.getLogger("kvwarm.server")
 
 class _Observe:
     """Pure ASGI (streaming- and disconnect-transparent): counts requests by route template and
-    status, and refuses what the ``Guard`` refuses (Host, Origin, content type, keys)."""
+    status, and refuses what the ``Guard`` refuses (Host, Origin, content type, keys), for
+    WebSocket handshakes too (the app has no socket route; one added would be guarded)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -59,13 +60,23 @@ class _Observe:
         self.guard = Guard(state.settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            # Found by review: a WebSocket handshake went by the guard untouched, so a socket
+            # route added later would take any page's connection (browsers let every page
+            # open one, and a rebinding page names its own Host). Its handshake is a GET.
+            refused = self.guard.refusal({**scope, "method": "GET"})
+            if refused is not None:
+                # Closing before accepting: the server answers the handshake with a 403.
+                await send({"type": "websocket.close", "code": 1008, "reason": refused[1]})
+                self.state.counters.record("refused", refused[0])
+                return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         refused = self.guard.refusal(scope)
         if refused is not None:
             status, message, code = refused
-            body = shaped_body(scope["path"], status, message, "invalid_request_error", code)
+            body = shaped_body(route_path(scope), status, message, "invalid_request_error", code)
             await send_json(send, status, body)
             self.state.counters.record("refused", status)
             return
@@ -89,7 +100,7 @@ class _Observe:
                 status = 503
                 message = "the server is shutting down; retry on another instance or later"
                 body = shaped_body(
-                    scope["path"], status, message, "service_unavailable", "shutting_down"
+                    route_path(scope), status, message, "service_unavailable", "shutting_down"
                 )
                 with contextlib.suppress(Exception):
                     await send_json(send, status, body)
@@ -158,14 +169,14 @@ def create_app(
 
 
 async def _on_error(request: Request, exc: Exception) -> Response:
-    return error_response(exc, request.url.path)
+    return error_response(exc, route_path(request.scope))
 
 
 async def _on_http(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     error = HTTPError(exc.status_code, str(exc.detail), code=code)
-    return error_response(error, request.url.path)
+    return error_response(error, route_path(request.scope))
 
 
 async def _on_validation(request: Request, exc: Exception) -> Response:
@@ -176,7 +187,7 @@ async def _on_validation(request: Request, exc: Exception) -> Response:
     param = ".".join(loc) or None
     message = f"{param or 'request'}: {first.get('msg', 'invalid value')}"
     error = HTTPError(400, message, code="invalid_type", param=param)
-    return error_response(error, request.url.path)
+    return error_response(error, route_path(request.scope))
 
 
 def _add_error_handlers(app: FastAPI) -> None:

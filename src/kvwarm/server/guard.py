@@ -1,6 +1,7 @@
 """Who may drive the server: Host and Origin checks (browser defence) and API/admin keys.
 
-Invariants, checked in this order before any route runs:
+Invariants, checked in this order before any route runs (a WebSocket handshake's too, as a
+GET: ``app._Observe``):
 
 1. ``Host`` must be given once (two are a 400, as RFC 9112 requires: servers disagree on
    which one counts, so the check below must not see one and a route another) and name this
@@ -25,6 +26,11 @@ Invariants, checked in this order before any route runs:
    (``/docs``, ``/openapi.json``) and the web page (``/``, ``/ui/*``, ``webui.py``): they hold
    no data, and a browser opening a page cannot send a header; the Swagger page's "Authorize"
    button and the web page's key dialog then send the key with every call they make.
+
+Paths are compared as the routes match them (``route_path``): less the ``root_path`` the app
+is served under (an ASGI mount, uvicorn's ``root_path``), where ``scope["path"]`` still holds
+it. Found by review: under ``/kv`` the guard saw ``/kv/cache/evict``, no admin path, while
+the router ran ``/cache/evict``: the admin endpoints answered with no key at all.
 
 Refusals are OpenAI-shaped errors, answered by the app's outer middleware before any route.
 Settings that switch a defence off are said at startup, as WARNINGs (``exposure_warnings``).
@@ -79,6 +85,19 @@ def _is_ip(name: str) -> bool:
     return True
 
 
+def route_path(scope: Scope) -> str:
+    """The path the app's routes match for ``scope``: its ``path`` less the ``root_path``
+    the app is served under, by the rule Starlette's router applies (``get_route_path``),
+    so what the guard classifies is what runs."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root) :] if path[len(root)] == "/" else path
+
+
 def is_admin_path(path: str) -> bool:
     return path.startswith(ADMIN_PREFIXES)
 
@@ -131,7 +150,7 @@ class Guard:
             return 415, "the request body must be application/json", "unsupported_media_type"
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
             return None  # a CORS preflight from an allowed origin never carries credentials
-        return self._auth(scope["method"], scope["path"], presented_key(headers))
+        return self._auth(scope["method"], route_path(scope), presented_key(headers))
 
     def _auth(self, method: str, path: str, token: str | None) -> tuple[int, str, str] | None:
         if (is_admin_path(path) or (method, path) in ADMIN_ROUTES) and self.admin_key:
@@ -155,6 +174,24 @@ def exposure_warnings(settings: Settings) -> list[str]:
             "allowed_hosts '*' accepts any Host header: the DNS-rebinding defence is off, so a "
             "web page can drive this server through a name it points at this address; list "
             "the names clients use (--allowed-host) instead"
+        )
+    if "*" in settings.allowed_origins:
+        # Found by review: as open as allowed_hosts '*' (every page, not only a rebinding one),
+        # and said nothing.
+        out.append(
+            "allowed_origins '*' lets every web page the user's browser opens call this server "
+            "and read its answers (the Origin check and CORS let any origin through)"
+            + ("" if settings.api_key else ", with no api_key to stop it")
+            + "; list the origins of the pages that need it (--allowed-origin) instead"
+        )
+    if settings.cache_salt_from_auth and not settings.admin_key:
+        # Found by review: documented (docs/cache.md), never said. Every key is a tenant, and
+        # with no admin key the admin paths take any key (or none) as the admin's.
+        out.append(
+            "cache_salt_from_auth makes each API key a tenant, but with no admin_key every "
+            "tenant may call the admin endpoints: list every tenant's cached rows and slots, "
+            "evict them, drop their keep-alive, unload models and set the LoRA scales all "
+            "tenants run under; set --admin-key"
         )
     if not settings.api_key and not _is_loopback(settings.host):
         out.append(

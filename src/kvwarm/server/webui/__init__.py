@@ -6,7 +6,12 @@ Invariants:
   path, so nothing outside the directory can be reached (``..``, ``%2F``, links: all a 404).
 - Every page response carries a strict Content-Security-Policy (this origin only; no inline
   script or style, no frames, no plugins), ``nosniff`` and no referrer: the page runs only its
-  own modules and talks only to this server (``docs/architecture.md``, "The web page").
+  own modules and talks only to this server (``docs/architecture.md``, "The web page"). It
+  also requires Trusted Types and allows no policy, so no string can become markup or script
+  (``innerHTML``, ``insertAdjacentHTML``, ``document.write``, ``eval``... throw): the page
+  puts text in by ``textContent`` only (``format.js``), and a change that did otherwise, with
+  a model's reply or a cached row's name, fails at once in the browser instead of being an
+  XSS on the origin that drives the server.
 - The page and its files need no key (they hold no data); the API calls it makes do.
   ``/ui/config.json`` says which keys the server wants (never the keys), so the page asks for
   one before its first call instead of learning it from a 401.
@@ -45,6 +50,9 @@ CSP = "; ".join(
         "base-uri 'none'",
         "form-action 'none'",
         "frame-ancestors 'none'",
+        # No HTML or script from strings, whatever a later change to the page does.
+        "require-trusted-types-for 'script'",
+        "trusted-types 'none'",
     )
 )
 
