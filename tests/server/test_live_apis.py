@@ -112,6 +112,14 @@ def test_stop_sequences(claude: Anthropic) -> None:
     )
     assert done.stop_reason == "stop_sequence" and done.stop_sequence == " "
     assert all(" " not in b.text for b in done.content if b.type == "text")
+    # An empty one is the client's mistake, refused by its name (it was silently dropped).
+    with pytest.raises(anthropic.BadRequestError, match="stop_sequences must not hold an empty"):
+        claude.messages.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=2,
+            stop_sequences=[" ", ""],
+        )
 
 
 def test_forced_tool_use_streamed_then_answered(claude: Anthropic) -> None:
