@@ -237,7 +237,46 @@ _LOGGED = {
         False,
         "mmap failed",
     ),
+    "threw-bad-alloc": (
+        ["llama_model_load: error loading model: std::bad_alloc\n"],
+        False,
+        "std::bad_alloc",
+    ),
 }
+
+
+_NO_MEMORY = """
+import dataclasses, resource
+import psutil
+from kvwarm.backends.llama import native
+from kvwarm.backends.llama.model import LlamaModel
+from kvwarm.backends.params import ModelParams
+from kvwarm.embedded import default_model_path
+from kvwarm.errors import InvalidModelFileError, ModelLoadError
+native.lib()
+# Room for some 20 MB more than this process holds: the weights (~96 MB, not mapped) cannot
+# be allocated.
+room = psutil.Process().memory_info().vms + (20 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (room, resource.getrlimit(resource.RLIMIT_AS)[1]))
+params = dataclasses.replace(ModelParams(), use_mmap=False)
+try:
+    LlamaModel(str(default_model_path()), params)
+except InvalidModelFileError as exc:
+    raise SystemExit(f"the machine's failure blamed on the file: {exc}")
+except ModelLoadError as exc:
+    assert "unable to allocate" in str(exc), exc
+    print("refused:", exc, flush=True)
+else:
+    raise SystemExit("it loaded within the limit")
+print("CASE-OK")
+"""
+
+
+@pytest.mark.model
+def test_a_load_out_of_memory_stays_the_machine_s_failure() -> None:
+    """The real llama.cpp's words when it cannot allocate the weights: a plain
+    ``ModelLoadError`` (the server's 503), not the file's ``InvalidModelFileError``."""
+    assert_case_ok("-c", _NO_MEMORY, timeout=120)
 
 
 @pytest.mark.parametrize("name", sorted(_LOGGED))

@@ -197,10 +197,11 @@ def check_path(path: str | os.PathLike[str]) -> None:
 #: What llama.cpp says when the machine, not the file, stopped a load: a buffer it could not
 #: allocate (``llama-model.cpp``: "unable to allocate CPU buffer"; a GPU's "out of memory"),
 #: a file it could not open, map or read (``llama-mmap.cpp``: "failed to open", "mmap
-#: failed", "read error"; ``gguf.cpp``: "failed to open GGUF file").
+#: failed", "read error"; ``gguf.cpp``: "failed to open GGUF file"); a C++ allocation that
+#: threw (``std::bad_alloc``).
 _MACHINE = re.compile(
-    r"unable to allocate|failed to allocate|out of memory|cannot allocate|mmap failed"
-    r"|failed to mmap|failed to open|read error|no space left",
+    r"unable to allocate|failed to allocate|out of memory|cannot allocate|bad_alloc"
+    r"|mmap failed|failed to mmap|failed to open|read error|no space left",
     re.IGNORECASE,
 )
 _ERROR = "error loading model: "
