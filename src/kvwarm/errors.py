@@ -13,6 +13,11 @@ the server maps exception *types* to HTTP statuses, never message text.
     │   ├── ContextOverflowError                  prompt (+ generation) exceeds n_ctx
     │   ├── GrammarError                          GBNF / JSON schema that does not compile
     │   ├── FimNotSupportedError                  fill-in-the-middle on a model without FIM tokens
+    │   ├── InvalidModelFileError (also ModelLoadError)  a file given as a model that is not
+    │   │   │                                     one the backend loads: a header that is
+    │   │   │                                     not GGUF's, cut short, an architecture or
+    │   │   │                                     metadata llama.cpp refuses
+    │   │   └── NotAModelError                    ... no GGUF magic at all
     │   ├── MediaError                            an image or audio part over a limit, of a
     │   │                                         format not allowed, truncated or hostile
     │   └── CapabilityError                       an operation the model cannot do (rerank on a
@@ -22,7 +27,9 @@ the server maps exception *types* to HTTP statuses, never message text.
     ├── ModelExistsError                          a model id loaded twice
     ├── ModelBusyError                            unloading a model that has requests in flight
     ├── ModelCapacityError                        max_loaded_models reached, every model busy
-    ├── ModelLoadError                            llama.cpp refused the file
+    ├── ModelLoadError                            the model could not be loaded here (out of
+    │                                             memory, a file it cannot read; a file that
+    │                                             is no loadable model: InvalidModelFileError)
     ├── BackendError                              any other native failure
     │   ├── NoLogitsError                         decode/sample with no logits available
     │   ├── StateRestoreError                     KV blob of wrong size / from another model
@@ -62,6 +69,7 @@ __all__ = [
     "FimNotSupportedError",
     "GrammarError",
     "HandleClosedError",
+    "InvalidModelFileError",
     "InvalidRequestError",
     "JoinBufferTooSmallError",
     "KeepAliveFullError",
@@ -133,10 +141,6 @@ class GrammarError(InvalidRequestError):
     """A GBNF grammar or JSON schema could not be compiled."""
 
 
-class NotAModelError(InvalidRequestError):
-    """A file given as a model is not a GGUF file (no ``GGUF`` magic): the caller's to fix."""
-
-
 class FimNotSupportedError(InvalidRequestError):
     """Fill-in-the-middle was asked of a model whose vocabulary has no FIM tokens."""
 
@@ -180,7 +184,23 @@ class MemoryBudgetError(ConfigError):
 
 
 class ModelLoadError(KvwarmError):
-    """llama.cpp could not load the model or create its context."""
+    """The model could not be loaded or its context created: the machine's failure (memory,
+    a file it cannot read), or, as ``InvalidModelFileError``, the file's."""
+
+
+class InvalidModelFileError(ModelLoadError, InvalidRequestError):
+    """A file given as a model is not one the backend can load: a GGUF header cut short or
+    malformed, metadata or tensors llama.cpp refuses (an unknown architecture, a missing
+    key, a wrong shape, data past the file's end), or metadata it would abort the process on
+    (refused before it sees the file). The caller's to fix, not the server's: the message
+    names the file and why; ``param`` is ``path``. Still a ``ModelLoadError``."""
+
+    def __init__(self, message: str, *, param: str | None = "path") -> None:
+        super().__init__(message, param=param)
+
+
+class NotAModelError(InvalidModelFileError):
+    """A file given as a model is not a GGUF file (no ``GGUF`` magic): the caller's to fix."""
 
 
 class BackendError(KvwarmError):

@@ -25,7 +25,7 @@ from tests.tinymodels import (
 )
 
 from kvwarm.backends.llama import model_file
-from kvwarm.errors import ModelLoadError
+from kvwarm.errors import InvalidModelFileError, ModelLoadError
 
 _BYTES = [f"<0x{i:02X}>" for i in range(256)]
 
@@ -194,18 +194,98 @@ def _deeply_nested(path: Path, depth: int = 5000) -> Path:
     return path
 
 
-def test_arrays_nested_deep_are_left_to_gguf_cpp_s_refusal(tmp_path: Path) -> None:
+def test_arrays_nested_deep_are_refused_as_the_file_s_fault(tmp_path: Path) -> None:
     """Found by review: the check's walk recursed into each level of an array of arrays,
     and 5000 levels raised RecursionError out of LlamaModel's load, no ModelLoadError; the
-    chunked fingerprint's walk (read_metadata) did the same. Now the check leaves the file
-    to gguf.cpp, which refuses it, and the fingerprint refuses it."""
+    chunked fingerprint's walk (read_metadata) did the same. Now both refuse the file (as
+    gguf.cpp would) as the file's fault: an ``InvalidModelFileError``, a 400 from the server."""
     from kvwarm.cache.types import FingerprintMode
     from kvwarm.engine.fingerprint import fingerprint
 
     path = _deeply_nested(tmp_path / "nested.gguf")
-    model_file.check_path(path)  # gguf.cpp's refusal, not an abort: nothing to say here
-    with pytest.raises(ModelLoadError, match="array of arrays"):
+    with pytest.raises(InvalidModelFileError, match="array of arrays"):
+        model_file.check_path(path)
+    with pytest.raises(InvalidModelFileError, match="array of arrays"):
         fingerprint(path, FingerprintMode.GGUF_CHUNKED)
+
+
+#: What the pinned llama.cpp logged when it refused a load: the file's fault, or the
+#: machine's (an allocation it could not make, a file it could not open).
+_LOGGED = {
+    "unknown-arch": (
+        ["llama_model_load: error loading model: unknown model architecture: 'llamz'\n"],
+        True,
+        "unknown model architecture: 'llamz'",
+    ),
+    "gguf-refused": (
+        [
+            "gguf_init_from_reader: tensor 'x' has invalid ggml type 99\n",
+            "gguf_init_from_reader: failed to read tensor info\n",
+            "llama_model_load: error loading model: llama_model_loader: failed to load model "
+            "from /m.gguf\n",
+        ],
+        True,
+        "tensor 'x' has invalid ggml type 99; failed to read tensor info",
+    ),
+    "no-memory": (
+        ["llama_model_load: error loading model: unable to allocate CPU buffer\n"],
+        False,
+        "unable to allocate CPU buffer",
+    ),
+    "cannot-map": (
+        ["llama_model_load: error loading model: mmap failed: Cannot allocate memory\n"],
+        False,
+        "mmap failed",
+    ),
+    "threw-bad-alloc": (
+        ["llama_model_load: error loading model: std::bad_alloc\n"],
+        False,
+        "std::bad_alloc",
+    ),
+}
+
+
+_NO_MEMORY = """
+import dataclasses, resource
+import psutil
+from kvwarm.backends.llama import native
+from kvwarm.backends.llama.model import LlamaModel
+from kvwarm.backends.params import ModelParams
+from kvwarm.embedded import default_model_path
+from kvwarm.errors import InvalidModelFileError, ModelLoadError
+native.lib()
+# Room for some 20 MB more than this process holds: the weights (~96 MB, not mapped) cannot
+# be allocated.
+room = psutil.Process().memory_info().vms + (20 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (room, resource.getrlimit(resource.RLIMIT_AS)[1]))
+params = dataclasses.replace(ModelParams(), use_mmap=False)
+try:
+    LlamaModel(str(default_model_path()), params)
+except InvalidModelFileError as exc:
+    raise SystemExit(f"the machine's failure blamed on the file: {exc}")
+except ModelLoadError as exc:
+    assert "unable to allocate" in str(exc), exc
+    print("refused:", exc, flush=True)
+else:
+    raise SystemExit("it loaded within the limit")
+print("CASE-OK")
+"""
+
+
+@pytest.mark.model
+def test_a_load_out_of_memory_stays_the_machine_s_failure() -> None:
+    """The real llama.cpp's words when it cannot allocate the weights: a plain
+    ``ModelLoadError`` (the server's 503), not the file's ``InvalidModelFileError``."""
+    assert_case_ok("-c", _NO_MEMORY, timeout=120)
+
+
+@pytest.mark.parametrize("name", sorted(_LOGGED))
+def test_a_refused_load_is_the_file_s_fault_or_the_machine_s(name: str) -> None:
+    lines, the_file, reason = _LOGGED[name]
+    error = model_file.refusal("'/m.gguf'", lines)
+    assert isinstance(error, ModelLoadError) and reason in str(error), error
+    assert isinstance(error, InvalidModelFileError) is the_file
+    assert model_file.refusal("'/m.gguf'", ["llama_model_load: cancelled model load\n"]) is None
 
 
 @pytest.mark.model

@@ -40,6 +40,22 @@ def test_serve_exits_1_with_the_reason_when_no_model_loads(env: dict[str, str]) 
     no_traceback(result)
 
 
+def test_serve_names_the_file_and_why_when_it_is_no_loadable_model(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """A GGUF magic over a header cut short: the reason reaches the user (it was "loading
+    ... failed or was cancelled", llama.cpp's reason lost)."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 5) + b"\x07")
+    result = kvwarm(env, "serve", "--port", str(_free_port()), "--model", f"m={bad}", timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert (
+        f"kvwarm: error: no model could be loaded: m: InvalidModelFileError: '{bad}' is not a "
+        "readable GGUF file (its header is malformed or cut short): truncated header"
+    ) in result.stderr
+    no_traceback(result)
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

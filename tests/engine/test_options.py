@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -36,6 +37,22 @@ def test_non_finite_floats_are_rejected(name: str, value: float) -> None:
 def test_repeat_penalty_range(value: float) -> None:
     with pytest.raises(InvalidRequestError):
         GenerationOptions(repeat_penalty=value).validate()
+
+
+@pytest.mark.parametrize(
+    ("stop", "says"),
+    [
+        (("",), "stop must not hold an empty string (item 0)"),
+        (("ok", ""), "stop must not hold an empty string (item 1)"),
+        (tuple("abcdefghijklmnopq"), "stop must be at most 16 strings, not 17"),
+        (("ok", 5), "stop must be strings: item 1 is int"),
+    ],
+)
+def test_stop_strings_are_at_most_16_none_empty(stop: tuple[object, ...], says: str) -> None:
+    options = dataclasses.replace(GenerationOptions(), stop=stop)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match=re.escape(says)) as info:
+        options.validate()
+    assert info.value.param == "stop"
 
 
 def test_non_finite_logit_bias_is_rejected() -> None:

@@ -122,6 +122,50 @@ def test_stop_sequence_ends_the_text_before_it(client: TestClient) -> None:
     assert cut["finish_reason"] == "stop"
 
 
+_MESSAGES = [{"role": "user", "content": "hi"}]
+#: Every API that takes stop strings: (path, body without them, the field's name there).
+_STOPPING = {
+    "completions": ("/v1/completions", {"model": "a", "prompt": PROMPT}, "stop"),
+    "chat": ("/v1/chat/completions", {"model": "a", "messages": _MESSAGES}, "stop"),
+    "infill": ("/infill", {"model": "fim", "input_prefix": "def f(", "input_suffix": "):"}, "stop"),
+    "messages": (
+        "/v1/messages",
+        {"model": "a", "max_tokens": 8, "messages": _MESSAGES},
+        "stop_sequences",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def stopping() -> Iterator[TestClient]:
+    models = (ModelSpec(path="stub-a", id="a"), ModelSpec(path="stub-fim", id="fim"))
+    with TestClient(create_app(stub_settings(models=models))) as test_client:
+        wait_ready(test_client.get)
+        yield test_client
+
+
+@pytest.mark.parametrize("api", sorted(_STOPPING))
+@pytest.mark.parametrize("stop", [[""], ["ok", ""], ""], ids=["alone", "second", "string"])
+def test_an_empty_stop_string_is_a_400_naming_the_field(
+    stopping: TestClient, api: str, stop: object
+) -> None:
+    """An empty stop string was dropped silently (it matches everywhere: the client's
+    mistake, never a stop); each API refuses it by its own field's name."""
+    client = stopping
+    path, body, field = _STOPPING[api]
+    if api == "messages" and isinstance(stop, str):
+        stop = [stop]  # Anthropic's is a list only
+    response = client.post(path, json={**body, "max_tokens": 4, field: stop})
+    assert response.status_code == 400, response.json()
+    message = response.json()["error"]["message"]
+    assert message.startswith(f"{field} must not hold an empty string"), message
+    if api != "messages":  # Anthropic's error shape has no param
+        assert_error(response, 400, "invalid_value", field)
+    # No stop at all (null, an empty list) is still fine.
+    for none in (None, []):
+        assert client.post(path, json={**body, "max_tokens": 4, field: none}).status_code == 200
+
+
 def test_seed_makes_sampling_repeatable(client: TestClient) -> None:
     body = {"model": "a", "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 7}
     a = client.post("/v1/completions", json=body).json()["choices"][0]["text"]

@@ -7,6 +7,7 @@ Short prompts and few tokens: prefill is ~200 tok/s on 2 cores.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import anthropic
@@ -112,6 +113,14 @@ def test_stop_sequences(claude: Anthropic) -> None:
     )
     assert done.stop_reason == "stop_sequence" and done.stop_sequence == " "
     assert all(" " not in b.text for b in done.content if b.type == "text")
+    # An empty one is the client's mistake, refused by its name (it was silently dropped).
+    with pytest.raises(anthropic.BadRequestError, match="stop_sequences must not hold an empty"):
+        claude.messages.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=2,
+            stop_sequences=[" ", ""],
+        )
 
 
 def test_forced_tool_use_streamed_then_answered(claude: Anthropic) -> None:
@@ -238,6 +247,50 @@ def test_previous_response_id_is_served_from_the_cache(oai: OpenAI) -> None:
     assert streamed.usage.input_tokens_details.cached_tokens >= second.usage.input_tokens
     with pytest.raises(openai.NotFoundError):
         oai.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+
+
+def _until_done(oai: OpenAI, response_id: str) -> openai.types.responses.Response:
+    """Poll a background response as a client does, until it leaves queued/in_progress
+    (bounded; a wait for readiness, not synchronisation by sleep)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        polled = oai.responses.retrieve(response_id)
+        if polled.status not in ("queued", "in_progress"):
+            return polled
+        time.sleep(0.05)
+    raise AssertionError(f"{response_id} still {polled.status}")
+
+
+def test_responses_in_the_background_polled_and_cancelled(oai: OpenAI) -> None:
+    """OpenAI's background mode on the real model: the create answers queued at once, the
+    poll ends completed, a follow-up continues from its cached reply; a cancel ends one."""
+    made = oai.responses.create(
+        model=MODEL, input="Name a colour.", max_output_tokens=8, temperature=0, background=True
+    )
+    assert made.status == "queued" and made.background is True and not made.output
+    done = _until_done(oai, made.id)
+    assert done.status in ("completed", "incomplete") and done.output_text
+    assert done.usage is not None and 0 < done.usage.output_tokens <= 8
+    after = oai.responses.create(
+        model=MODEL,
+        input="Another.",
+        previous_response_id=made.id,
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert after.usage is not None and after.usage.input_tokens_details.cached_tokens > 0
+    long = oai.responses.create(
+        model=MODEL,
+        input="Count from 1 to 500, one number a line.",
+        max_output_tokens=512,
+        temperature=0,
+        background=True,
+    )
+    cancelled = oai.responses.cancel(long.id)  # answered once its generation has ended
+    assert cancelled.status == "cancelled", cancelled
+    assert oai.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError, match="store"):
+        oai.responses.create(model=MODEL, input="x", background=True, store=False)
 
 
 def test_responses_function_call_and_its_output(oai: OpenAI) -> None:

@@ -302,7 +302,11 @@ def test_a_path_that_fails_to_load_is_forgotten(tmp_path: Path) -> None:
             failed = client.post(
                 "/admin/models/load", json={"path": str(broken), "id": "x"}, headers=ADMIN
             )
-            assert _code(failed) == (503, "model_load_failed")  # not 409 the second time
+            # The file's fault, not the server's: a 400 (it was a 503 model_load_failed),
+            # naming the file and why; and not a 409 the second time.
+            assert _code(failed) == (400, "invalid_model_file")
+            assert str(broken) in failed.json()["error"]["message"]
+            assert "malformed or cut short" in failed.json()["error"]["message"]
             assert "x" not in _states(client)
             assert client.get("/health").json()["status"] == "ok"
 

@@ -15,7 +15,13 @@ import pytest
 
 from kvwarm import models_dir
 from kvwarm.engine.api import Model
-from kvwarm.errors import ConfigError, ModelBusyError, ModelCapacityError, ModelLoadError
+from kvwarm.errors import (
+    ConfigError,
+    InvalidModelFileError,
+    ModelBusyError,
+    ModelCapacityError,
+    ModelLoadError,
+)
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.registry import (
     ModelEntry,
@@ -46,6 +52,7 @@ class Loads:
 
     def __init__(self, fail: frozenset[str] = frozenset()) -> None:
         self.fail = set(fail)
+        self.bad_file: set[str] = set()  # raise InvalidModelFileError: the file's fault
         self.die: set[str] = set()  # raise a BaseException, not an Exception
         self.loaded: list[str] = []
         self.unloaded: list[str] = []
@@ -58,6 +65,8 @@ class Loads:
             assert self.gate.wait(10)
         if entry.id in self.fail:
             raise ModelLoadError(f"{entry.id} is broken")
+        if entry.id in self.bad_file:
+            raise InvalidModelFileError(f"{entry.id}.gguf is cut short")
         if entry.id in self.die:
             raise SystemExit(f"{entry.id} ended its thread")
         self.loaded.append(entry.id)
@@ -114,6 +123,47 @@ async def test_startup_loads_answer_503_and_failures_stay_failed() -> None:
     loads.fail.clear()
     assert await reg.admin_load("b", None, None) == "b"  # an admin load retries it
     assert reg.entries["b"].state == "ready"
+
+
+async def test_a_file_that_is_no_model_is_every_waiter_s_400_and_tried_again(
+    tmp_path: Path,
+) -> None:
+    """A models_dir file llama.cpp refuses is the caller's to fix: each request that waited
+    on the load gets the 400 naming the model (it was a 503 model_load_failed, sticky until
+    an admin reloaded it), the entry stays available (``/health`` not degraded), and the
+    next request tries the file again."""
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    loads = Loads()
+    loads.bad_file.add("x")
+    reg = registry(loads, models=(), models_dir=tmp_path)
+    loads.gate = threading.Event()
+    first = asyncio.create_task(reg.acquire("x"))
+    second = asyncio.create_task(reg.acquire("x"))
+    assert await asyncio.to_thread(loads.started.wait, 10)
+    loads.gate.set()
+    errors = await asyncio.gather(first, second, return_exceptions=True)
+    for error in errors:
+        assert isinstance(error, InvalidModelFileError), error
+        assert str(error) == "the model 'x' cannot be loaded: x.gguf is cut short"
+    assert errors[0] is not errors[1]  # each its own copy
+    entry = reg.entries["x"]
+    assert entry.state == "available" and "cut short" in (entry.error or "")
+    loads.bad_file.clear()  # the file fixed
+    assert _fake(await reg.acquire("x")).id == "x"
+    assert entry.state == "ready" and entry.error is None
+
+
+async def test_a_configured_model_whose_file_is_no_model_fails_as_any_load() -> None:
+    """At startup nobody asked for the file but the operator: it fails (503), as before."""
+    loads = Loads()
+    loads.bad_file.add("b")
+    reg = registry(loads)
+    for entry in list(reg.entries.values()):
+        reg.load_now(entry)
+    with pytest.raises(HTTPError) as info:
+        await reg.acquire("b")
+    assert (info.value.status, info.value.code) == (503, "model_load_failed")
+    assert "cut short" in info.value.message
 
 
 async def test_a_load_thread_ended_by_a_base_exception_fails_the_load_and_wakes_waiters(

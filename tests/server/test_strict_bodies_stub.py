@@ -336,6 +336,7 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "max_output_tokens": 2,
                 "tools": RESPONSES_TOOLS,
                 "tool_choice": {"type": "function", "name": "f"},
+                "background": True,  # answered at once, status queued
             },
             {
                 "model": "a",

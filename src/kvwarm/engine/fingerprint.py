@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kvwarm.cache.types import FingerprintMode
-from kvwarm.errors import ConfigError, ModelLoadError
+from kvwarm.errors import ConfigError, InvalidModelFileError
 from kvwarm.gguf_meta import read_metadata, unpack_from_file
 
 _CHUNK = 4 << 20
@@ -102,7 +102,7 @@ def _gguf_chunked(path: Path) -> bytes:
         try:
             data_start, first_tensor_len = _gguf_layout(f, size)
         except (struct.error, ValueError) as exc:
-            raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+            raise InvalidModelFileError(f"{path} is not a readable GGUF file: {exc}") from exc
         digest = hashlib.sha256(b"kvwarm-gguf-chunked-v1\0")
         digest.update(size.to_bytes(8, "little"))
         f.seek(0)

@@ -83,6 +83,8 @@ def sampler_seed(seed: int | None) -> int | None:
 
 
 _MIN_REPEAT_PENALTY = 1e-6
+#: The most stop strings a request may give (OpenAI's own limit is 4).
+_MAX_STOP = 16
 #: Largest per-request LoRA scale magnitude: llama.cpp takes a float32, and a scale this large
 #: already overflows a model's activations (NaN logits, which fail the request, never the model).
 MAX_LORA_SCALE = 1e6
@@ -188,8 +190,7 @@ class GenerationOptions:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise InvalidRequestError(f"{name} must be in [-2, 2]", param=name)
-        if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError("stop must be at most 16 non-empty strings", param="stop")
+        self._check_stop()
         if self.grammar is not None and self.json_schema is not None:
             raise InvalidRequestError("give grammar or json_schema, not both", param="grammar")
         self._check_text()
@@ -237,6 +238,27 @@ class GenerationOptions:
             if isinstance(bias, bool) or not isinstance(bias, int | float):
                 raise InvalidRequestError(
                     f"logit_bias of token {token!r} must be a number", param="logit_bias"
+                )
+
+    def _check_stop(self) -> None:
+        """At most 16 stop strings, none empty: an empty one would match at every position,
+        and dropping it silently (as the server did) hid the client's mistake."""
+        from kvwarm.errors import InvalidRequestError
+
+        if len(self.stop) > _MAX_STOP:
+            raise InvalidRequestError(
+                f"stop must be at most {_MAX_STOP} strings, not {len(self.stop)}", param="stop"
+            )
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str):
+                raise InvalidRequestError(
+                    f"stop must be strings: item {i} is {type(s).__name__}", param="stop"
+                )
+            if not s:
+                raise InvalidRequestError(
+                    f"stop must not hold an empty string (item {i}): an empty stop sequence "
+                    "would match everywhere; leave it out",
+                    param="stop",
                 )
 
     def _check_text(self) -> None:

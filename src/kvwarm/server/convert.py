@@ -75,11 +75,13 @@ def options(
     ``calls``: tool_choice auto's call grammar (``chat.call_grammar``), unless the request
     constrains the whole reply itself (``grammar``, a response format). ``preserved``: the
     special tokens whose text the reply keeps (``ChatPlan.preserved``: tool-call markers)."""
+    # Every stop string as sent: an empty one is the engine's 400 naming the field
+    # (``GenerationOptions.validate``), not a string silently dropped.
     stop: tuple[str, ...] = ()
     if isinstance(req.stop, str):
-        stop = (req.stop,) if req.stop else ()
+        stop = (req.stop,)
     elif req.stop:
-        stop = tuple(s for s in req.stop if s)
+        stop = tuple(req.stop)
     if json_schema is not None and req.grammar is not None:
         raise HTTPError(400, "give grammar or response_format, not both", param="grammar")
     bias: dict[int, float] | None = None

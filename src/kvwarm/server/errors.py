@@ -82,6 +82,8 @@ _KINDS: dict[type[BaseException], ErrorKind] = {
     e.ContextOverflowError: ErrorKind(400, _INVALID, "context_length_exceeded"),
     e.GrammarError: ErrorKind(400, _INVALID, "invalid_grammar"),
     e.NotAModelError: ErrorKind(400, _INVALID, "not_a_model"),
+    # A file given as a model that llama.cpp cannot load (before ModelLoadError in the MRO).
+    e.InvalidModelFileError: ErrorKind(400, _INVALID, "invalid_model_file"),
     e.RequestTimeoutError: ErrorKind(503, "service_unavailable", "request_timeout"),
     # nginx's "client closed request": the client that asked is gone; nobody reads it.
     e.RequestCancelledError: ErrorKind(499, _INVALID, "client_closed_request"),

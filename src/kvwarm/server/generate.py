@@ -343,7 +343,7 @@ def log_request(
     )
 
 
-def _as_kvwarm(exc: Exception) -> KvwarmError:
+def as_kvwarm(exc: Exception) -> KvwarmError:
     """A stream's error as the ``KvwarmError`` its error event reports: itself, or for any
     other exception (a bug, logged with its traceback here) an internal error, so a client
     gets an error event rather than a stream cut off mid-reply."""
@@ -371,7 +371,7 @@ async def sse(
             async for event in events:
                 yield sse_line(event)
         except Exception as exc:
-            err = _as_kvwarm(exc)
+            err = as_kvwarm(exc)
             kind = kind_of(err)
             # The field at fault, as the same error before the stream began names it.
             param = err.param if isinstance(err, InvalidRequestError) else None
@@ -401,7 +401,7 @@ async def named_sse(
             async for name, data in events:
                 yield named_line(name, data)
         except Exception as exc:
-            for name, data in on_error(_as_kvwarm(exc)):
+            for name, data in on_error(as_kvwarm(exc)):
                 yield named_line(name, data)
     finally:
         on_close()

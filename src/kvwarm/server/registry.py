@@ -15,6 +15,12 @@ Invariants:
   model loading at startup answers 503 with Retry-After, as before (``docs/architecture.md``).
 - A failed load stays failed (503 with its reason) until an admin loads it again; a file an
   admin loads by path and that fails is forgotten instead (the admin got the error).
+- A load a request or an admin asked for whose file is no loadable model
+  (``InvalidModelFileError``: a header cut short, an unknown architecture...) is the asker's
+  400 naming the file and why, given to every request that waited on it, and leaves the entry
+  ``available`` (its ``error`` kept for the listing), not failed: the file is the caller's to
+  fix, ``/health`` is not degraded by it, and the next request tries the file again. A
+  configured model's (loaded at start) fails as any load does: the server was misconfigured.
 - A loaded model whose worker thread died is failed too, from the first lookup or listing that
   notices (``_notice_death``): ``/v1/models``, the page and ``/health`` say so, its requests get
   a 503 ``worker_died``, and an admin load starts it again (its dead engine model is unloaded
@@ -46,6 +52,7 @@ from kvwarm import models_dir
 from kvwarm.embedded import model_id_for
 from kvwarm.errors import (
     ConfigError,
+    InvalidModelFileError,
     KvwarmError,
     ModelBusyError,
     ModelCapacityError,
@@ -399,10 +406,14 @@ class ModelRegistry:
         # Whatever ends the load (a backend's bug, even a BaseException such as SystemExit),
         # the entry fails and its waiters wake: a request must never wait on a dead thread.
         except BaseException as exc:
+            # A file a request or an admin named that is no model: their 400, not a failure
+            # of this server (the entry stays loadable, /health unchanged).
+            refused = isinstance(exc, InvalidModelFileError) and entry.on_demand
             with self._lock:
-                entry.state, entry.error = "failed", f"{type(exc).__name__}: {exc}"
+                entry.state = "available" if refused else "failed"
+                entry.error = f"{type(exc).__name__}: {exc}"
                 entry.in_progress = False
-                self._wake(entry)
+                self._wake(entry, exc if refused else None)
             if isinstance(exc, KvwarmError):
                 log.error("model %s failed to load: %s", entry.id, exc)
             else:
@@ -426,11 +437,14 @@ class ModelRegistry:
         log.info("model %s unloaded", entry.id)
 
     @staticmethod
-    def _wake(entry: ModelEntry) -> None:
+    def _wake(entry: ModelEntry, refused: BaseException | None = None) -> None:
+        """Wake every request waiting on ``entry``'s load; with ``refused`` (the file's
+        ``InvalidModelFileError``), each raises a copy of it naming the model."""
         waiters, entry.waiters = entry.waiters, []
         for waiter in waiters:
+            error = None if refused is None else _refusal(entry, refused)
             with contextlib.suppress(RuntimeError):  # the loop already closed: nobody waits
-                waiter.get_loop().call_soon_threadsafe(_resolve_waiter, waiter)
+                waiter.get_loop().call_soon_threadsafe(_resolve_waiter, waiter, error)
 
     def keep_alive(self, entry: ModelEntry) -> float:
         """How long ``entry`` stays loaded once idle, in seconds (inf: for ever): pinned, the
@@ -569,6 +583,17 @@ class ModelRegistry:
             thread.join(timeout=timeout_s)
 
 
-def _resolve_waiter(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
+def _resolve_waiter(waiter: asyncio.Future[None], error: BaseException | None = None) -> None:
+    if waiter.done():
+        return
+    if error is None:
         waiter.set_result(None)
+    else:
+        waiter.set_exception(error)
+
+
+def _refusal(entry: ModelEntry, exc: BaseException) -> InvalidModelFileError:
+    """A waiter's own copy of a load's ``InvalidModelFileError`` (its class kept: its error
+    code), naming the model it was loaded as."""
+    assert isinstance(exc, InvalidModelFileError)
+    return type(exc)(f"the model {entry.id!r} cannot be loaded: {exc}", param=exc.param)

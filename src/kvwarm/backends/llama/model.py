@@ -57,6 +57,7 @@ from kvwarm.backends.verify_rows import PROBE_PROMPT, PROBE_ROWS, differing_rows
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import (
     BackendError,
+    InvalidModelFileError,
     InvalidRequestError,
     KvwarmError,
     ModelLoadError,
@@ -227,12 +228,17 @@ class LlamaModel:
         # Kept on the instance too (the callback, the tensor-split array), in case llama.cpp
         # ever reads them after load returns.
         self._native_params = native
-        ptr = lib.llama_model_load_from_file(os.fsencode(path), native.struct)
+        with _native.captured_log() as logged:
+            ptr = lib.llama_model_load_from_file(os.fsencode(path), native.struct)
         if not ptr:
             if failure:
                 raise ModelLoadError(f"loading {path!r} failed in the progress callback") from (
                     failure[0]
                 )
+            # The file's fault (a 400 from the server) or the machine's, as llama.cpp said.
+            refused = model_file.refusal(repr(path), logged)
+            if refused is not None:
+                raise refused
             if params.progress is not None:
                 raise ModelLoadError(f"loading {path!r} failed or was cancelled")
             raise ModelLoadError(f"llama.cpp could not load {path!r}")
@@ -243,12 +249,12 @@ class LlamaModel:
         # prompt sent to one an engine had loaded aborted the process.
         if not self._vocab or int(lib.llama_vocab_type(self._vocab)) == _VOCAB_NONE:
             lib.llama_model_free(ptr)
-            raise ModelLoadError(f"{path!r} has no vocabulary: it cannot read or write text")
+            raise InvalidModelFileError(f"{path!r} has no vocabulary: it cannot read or write text")
         self._n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
         missing = _missing_specials(lib, self._vocab, self._n_vocab)
         if missing:
             lib.llama_model_free(ptr)
-            raise ModelLoadError(
+            raise InvalidModelFileError(
                 f"{path!r}: its vocabulary adds {missing} to every prompt but has no such "
                 "token (check the GGUF's tokenizer.ggml.*_token_id and add_*_token keys)"
             )

@@ -24,8 +24,11 @@ those named (ultravox's, voxtral's...), and the widths of the matrices each grap
 
 Invariant: ``check`` reads only the key/value section and the tensor table, bounded by the
 file's size (``gguf_meta.read_values``, ``read_tensors``; an mmap, never a copy of the file),
-and raises ``ModelLoadError`` naming the key or tensor at fault. What it cannot read is left
-to llama.cpp's own refusal.
+and raises ``InvalidModelFileError`` (a ``ModelLoadError``: the file's fault, a 400 from the
+server) naming the key or tensor at fault, or what in its key/value section gguf.cpp would
+refuse. A tensor table it cannot read is left to llama.cpp's own refusal, which ``refusal``
+turns into the same error with llama.cpp's reason; a load that failed for want of memory or
+of a readable file stays a plain ``ModelLoadError`` (the machine's fault).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import BinaryIO, cast
 from kvwarm import gguf_meta
 from kvwarm.backends.llama.native import TILED_SWITCH
 from kvwarm.backends.params import QUANTIZED_KV_TYPES, ContextParams, concrete_kv
-from kvwarm.errors import ModelLoadError
+from kvwarm.errors import InvalidModelFileError, ModelLoadError
 
 #: llama.cpp's LLAMA_MAX_LAYERS and LLAMA_MAX_EXPERTS (``llama-hparams.h``).
 MAX_LAYERS = 512
@@ -149,29 +152,92 @@ def _wanted(key: str) -> bool:
 
 
 def check(buf: gguf_meta.Buffer, name: str) -> None:
-    """``ModelLoadError`` if the GGUF whose bytes are ``buf`` is one the pinned llama.cpp
-    would abort the process on; nothing for a file that is not a GGUF at all (llama.cpp
-    refuses those itself). ``name`` is what the error calls it."""
+    """``InvalidModelFileError`` if the GGUF whose bytes are ``buf`` has a key/value section
+    gguf.cpp would refuse (cut short, a length past the file's end, an unknown value type, an
+    array of arrays, a version before 2: each a refusal of gguf.cpp's own, named here) or is
+    one the pinned llama.cpp would abort the process on; nothing for a file without the GGUF
+    magic (``models_dir.check_gguf_magic`` refuses those). ``name`` is what the error calls
+    it."""
+    if bytes(buf[:4]) != gguf_meta.MAGIC:
+        return
     try:
         found = gguf_meta.read_values(buf, _wanted)
+    except ValueError as exc:
+        raise InvalidModelFileError(
+            f"{name} is not a readable GGUF file (its header is malformed or cut short): {exc}"
+        ) from None
+    try:
         problem = _problem(found.values) or _tensors_problem(buf, found)
     except ValueError:
-        return  # gguf.cpp refuses what this walk cannot read: its refusal, not an abort
+        # A tensor table this walk cannot read: gguf.cpp refuses it too (a refusal, not an
+        # abort, whose reason ``refusal`` reports), save a 0-dimension entry it takes.
+        return
     if problem:
-        raise ModelLoadError(f"{name} is a GGUF file llama.cpp cannot load safely: {problem}")
+        raise InvalidModelFileError(
+            f"{name} is a GGUF file llama.cpp cannot load safely: {problem}"
+        )
 
 
 def check_path(path: str | os.PathLike[str]) -> None:
-    """``check`` of the file at ``path`` (mapped, not read); a file that cannot be read is
-    left to llama.cpp."""
+    """``check`` of the file at ``path`` (mapped, not read); a file that cannot be opened or
+    mapped is left to llama.cpp."""
     try:
-        with open(path, "rb") as f:
+        f = open(path, "rb")  # noqa: SIM115 (closed below, after the check)
+    except OSError:
+        return
+    with f:
+        try:
             if os.fstat(f.fileno()).st_size == 0:
                 return
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                check(buf, repr(os.fspath(path)))
-    except (OSError, ValueError):
-        return
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return
+        with buf:
+            check(buf, repr(os.fspath(path)))
+
+
+#: What llama.cpp says when the machine, not the file, stopped a load: a buffer it could not
+#: allocate (``llama-model.cpp``: "unable to allocate CPU buffer"; a GPU's "out of memory"),
+#: a file it could not open, map or read (``llama-mmap.cpp``: "failed to open", "mmap
+#: failed", "read error"; ``gguf.cpp``: "failed to open GGUF file"); a C++ allocation that
+#: threw (``std::bad_alloc``).
+_MACHINE = re.compile(
+    r"unable to allocate|failed to allocate|out of memory|cannot allocate|bad_alloc"
+    r"|mmap failed|failed to mmap|failed to open|read error|no space left",
+    re.IGNORECASE,
+)
+_ERROR = "error loading model: "
+#: ``llama_model_loader``'s line when ``gguf.cpp`` refused the file: the reason is in the
+#: lines gguf.cpp logged before it.
+_GGUF_REFUSED = "failed to load model from "
+
+
+def refusal(name: str, lines: Sequence[str]) -> ModelLoadError | None:
+    """The error for a model load llama.cpp refused, from the lines it logged meanwhile
+    (``native.captured_log``): ``InvalidModelFileError`` with llama.cpp's reason where the
+    file is at fault (an unknown architecture, a missing key, a tensor of the wrong shape or
+    past the file's end, a header gguf.cpp refuses), a plain ``ModelLoadError`` where the
+    machine is (``_MACHINE``: memory, a file it could not open or read); None when it logged
+    no reason (a cancelled load)."""
+    reason = ""
+    for line in lines:
+        at = line.find(_ERROR)
+        if at >= 0:
+            reason = line[at + len(_ERROR) :].strip()
+    if not reason:
+        return None
+    if _GGUF_REFUSED in reason:
+        said = [_unprefixed(line) for line in lines if line.startswith(("gguf_", "read:"))]
+        reason = "; ".join(s for s in said if s) or reason
+    if _MACHINE.search(reason):
+        return ModelLoadError(f"llama.cpp could not load {name}: {reason}")
+    return InvalidModelFileError(f"{name} is not a model llama.cpp can load: {reason}")
+
+
+def _unprefixed(line: str) -> str:
+    """A log line without its ``function:`` prefix."""
+    head, sep, rest = line.strip().partition(": ")
+    return rest if sep and " " not in head else line.strip()
 
 
 #: ggml's integer and f64 types (I8, I16, I32, I64, F64): no model weight is one, and no op

@@ -1,5 +1,5 @@
 """The OpenAI Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
-``GET /v1/responses/{id}/input_items``.
+``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel``.
 
 Invariants: a request is translated (``server/responses/translate.py``) and runs the chat path every
 chat-shaped API shares (``server/chat.py``). A follow-up naming ``previous_response_id``
@@ -9,10 +9,23 @@ the conversation instead of prefilling it. It runs in the stored conversation's 
 for the key's tenant that made it (``cache_salt_from_auth``); any other follow-up runs in the salt
 it presents, so holding a response id never opens another salt's namespace. Only finished (not
 cancelled) replies are stored, and only with ``store`` true.
+
+``background: true`` (OpenAI's background mode; needs ``store``, not with ``stream``): the
+request is checked and queued on its model as any other (its 4xx come from the ``POST``), then
+the ``POST`` answers at once with status ``queued``; the generation runs on a task of the
+server's, watched by no client (a client going away does not cancel it; the server's deadline,
+``request_timeout_s``, and shutdown end it as any generation), ``GET`` shows it ``queued``,
+``in_progress`` from its first token, then its final response, stored with status
+``completed``, ``incomplete``, ``failed`` (with its ``error``) or ``cancelled``. ``POST
+.../cancel`` cancels it (its slot freed, or it is taken out of its model's queue) and answers
+once it has ended; on a background response already ended it answers it unchanged, on any
+other response it is a 400. A failed or cancelled response cannot be continued
+(``previous_response_id``: a 400), nor one still running.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -21,14 +34,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvwarm.server import chat, convert, tenancy
-from kvwarm.server.errors import HTTPError
-from kvwarm.server.generate import SSE_HEADERS, Event, Generation, named_sse, start_stream
+from kvwarm.server.errors import HTTPError, kind_of
+from kvwarm.server.generate import (
+    SSE_HEADERS,
+    Event,
+    Generation,
+    as_kvwarm,
+    named_sse,
+    start_stream,
+)
 from kvwarm.server.guard import presented_key
 from kvwarm.server.responses import translate as responses
 from kvwarm.server.responses.schemas import ResponsesRequest
-from kvwarm.server.responses.store import StoredResponse
+from kvwarm.server.responses.store import Pending, StoredResponse
 from kvwarm.server.schemas import ChatMessage, check_count, json_body, parse_body, read_json
 from kvwarm.server.state import ServerState, server_state
+from kvwarm.server.tools import ChatPlan
 from kvwarm.settings import Settings
 
 router = APIRouter()
@@ -52,7 +73,33 @@ def _lookup(request: Request, response_id: str, param: str | None = None) -> Sto
     state = server_state(request)
     found = state.responses.get(response_id)
     if found is None or found.owner != _owner(request, state.settings):
+        if param is not None and _find(request, response_id) is not None:
+            raise HTTPError(  # a background response still running: nothing to continue yet
+                400,
+                f"Response with id {response_id!r} is still running (background); wait until "
+                "it has completed to continue it.",
+                param=param,
+            )
         raise _not_found(response_id, param)
+    return found
+
+
+def _find(request: Request, response_id: str) -> StoredResponse | Pending | None:
+    """The requesting tenant's response ``response_id``, stored or running in the
+    background (another tenant's is None)."""
+    state = server_state(request)
+    found: StoredResponse | Pending | None = state.responses.running(response_id)
+    if found is None:
+        found = state.responses.get(response_id)
+    if found is None or found.owner != _owner(request, state.settings):
+        return None
+    return found
+
+
+def _found(request: Request, response_id: str) -> StoredResponse | Pending:
+    found = _find(request, response_id)
+    if found is None:
+        raise _not_found(response_id)
     return found
 
 
@@ -70,20 +117,30 @@ class _Turn:
     ) -> dict[str, object]:
         body = shape.final(reply, text)
         if reply.done.stats.finish_reason != "cancelled":
-            turns = (*self.history, responses.reply_turn(reply, text))
-            key = reply.done.stats.key
-            stored = StoredResponse(
-                shape.id,
-                shape.model_id,
-                turns,
-                key,
-                body,
-                self.cache_salt,
-                self.owner,
-                self.input_items,
-            )
-            state.responses.put(stored)
+            state.responses.put(self.stored(shape, body, reply, text))
         return body
+
+    def stored(
+        self,
+        shape: responses.ResponseShape,
+        body: Json,
+        reply: chat.ChatReply | None = None,
+        text: str = "",
+    ) -> StoredResponse:
+        """The response as stored: with its reply's turn and finish row, or (a background
+        response that failed or was cancelled: ``reply`` None) its input turns alone."""
+        turns = (*self.history, responses.reply_turn(reply, text)) if reply else self.history
+        key = reply.done.stats.key if reply else None
+        return StoredResponse(
+            shape.id,
+            shape.model_id,
+            tuple(turns),
+            key,
+            body,
+            self.cache_salt,
+            self.owner,
+            self.input_items,
+        )
 
 
 @router.post(
@@ -95,9 +152,30 @@ async def create_response(request: Request) -> Response:
     body = await read_json(request, state.settings)
     check_count(body, "input", state.settings.max_chat_messages, "max_chat_messages")
     req = parse_body(body, ResponsesRequest)
+    if req.background and not req.store:
+        raise HTTPError(
+            400,
+            "background mode needs store: a background response is polled from the store "
+            "(GET /v1/responses/{id}); set store to true",
+            param="background",
+        )
+    if req.background and req.stream:
+        raise HTTPError(
+            400,
+            "background with stream is not supported by this server: create it without "
+            "stream and poll GET /v1/responses/{id}",
+            param="stream",
+        )
     previous = None
     if req.previous_response_id is not None:
         previous = _lookup(request, req.previous_response_id, "previous_response_id")
+        if not previous.continuable:
+            raise HTTPError(
+                400,
+                f"Response with id {req.previous_response_id!r} {previous.body.get('status')}: "
+                "it has no reply to continue from",
+                param="previous_response_id",
+            )
     # A key's tenant (``owner``, checked by ``_lookup``) continues in its conversation's
     # namespace unless it names a salt itself: every salt under its key is its own. Without a
     # key, knowing a salt is what shares its namespace, so a follow-up runs in the salt it
@@ -145,7 +223,9 @@ async def create_response(request: Request) -> Response:
     )
     opts = chat.with_parent(opts, previous.key if previous else None)
     stream = await start_stream(chat.submit(model, plan, opts))
-    gen = Generation(request, stream, "responses", model.id, state, user=req.user)
+    # A background response's generation is watched by no client: it outlives the POST.
+    watch = not req.background
+    gen = Generation(request, stream, "responses", model.id, state, watch=watch, user=req.user)
     # An adapter's name, when one was asked for: a follow-up naming no model stays on it.
     shape = responses.ResponseShape(req, state.lora.reply_name(requested, model))
     given = body.get("input") if isinstance(body, dict) else None
@@ -156,6 +236,8 @@ async def create_response(request: Request) -> Response:
         earlier = (*previous.input_items, *_output_items(previous.body)) if previous else ()
         items = (*earlier, *responses.input_items(given))
     turn = _Turn(history, salt, _owner(request, state.settings), items)
+    if req.background:
+        return JSONResponse(_start_background(state, gen, plan, shape, turn))
     if not req.stream:
         reply = await chat.whole_reply(gen, plan)
         if req.store:
@@ -179,6 +261,91 @@ async def create_response(request: Request) -> Response:
     )
 
 
+def _start_background(
+    state: ServerState,
+    gen: Generation,
+    plan: ChatPlan,
+    shape: responses.ResponseShape,
+    turn: _Turn,
+) -> Json:
+    """Run ``gen`` on a task of the server's as the background response ``shape`` (pending
+    in the store until it ends); its body as ``POST`` answers it (status ``queued``)."""
+    pending = Pending(
+        shape.id, turn.owner, shape.body("queued", []), turn.input_items, gen.stream.cancel
+    )
+    state.responses.start(pending)
+    task = asyncio.ensure_future(_run_background(state, gen, plan, shape, turn, pending))
+    state.background.add(task)
+    task.add_done_callback(state.background.discard)
+    return pending.body
+
+
+async def _run_background(
+    state: ServerState,
+    gen: Generation,
+    plan: ChatPlan,
+    shape: responses.ResponseShape,
+    turn: _Turn,
+    pending: Pending,
+) -> None:
+    """A background response's generation, to its final response in the store."""
+    stored: StoredResponse | None = None
+    try:
+        try:
+            await gen.prime()  # its first token (or its end): it is running
+            if not pending.cancelled:
+                pending.body = shape.body("in_progress", [])
+            reply = await chat.whole_reply(gen, plan)
+        finally:
+            gen.close()  # its slot is free whatever ended it
+    except Exception as exc:
+        error = as_kvwarm(exc)  # a bug is logged there, with its traceback
+        body = shape.body("failed", [])
+        body["error"] = {"code": kind_of(error).code, "message": str(error) or type(error).__name__}
+        stored = turn.stored(shape, body)
+    else:
+        if reply.done.stats.finish_reason == "cancelled":
+            stored = turn.stored(shape, shape.cancelled(reply))
+        else:
+            body = shape.final(reply, reply.content)
+            stored = turn.stored(shape, body, reply, reply.content)
+    finally:
+        if stored is None:  # cancelled itself (the loop closing): nobody polls any more
+            stored = turn.stored(shape, shape.body("cancelled", []))
+        state.responses.finish(pending, stored)
+
+
+#: How long ``POST .../cancel`` waits for a background response's generation to end: between
+#: two tokens (a running one), or at once (a queued one); past it, it answers ``cancelled``
+#: and the generation ends on its own.
+CANCEL_WAIT_S = 30.0
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(request: Request, response_id: str) -> Response:
+    """OpenAI's ``responses.cancel``: a background response still running is cancelled (its
+    generation ended, its slot freed) and answered once it has ended, status ``cancelled``
+    (or how it ended, if it ended first); one that has ended is answered unchanged. Any other
+    response is a 400: only background responses can be cancelled."""
+    found = _found(request, response_id)
+    if isinstance(found, Pending):
+        found.cancelled = True
+        found.cancel()
+        try:
+            await asyncio.wait_for(asyncio.shield(found.ended.wait()), CANCEL_WAIT_S)
+        except TimeoutError:
+            return JSONResponse({**found.body, "status": "cancelled"})
+        found = _found(request, response_id)
+    if isinstance(found, Pending) or not found.body.get("background"):
+        raise HTTPError(
+            400,
+            f"Response with id {response_id!r} was not created with background: only "
+            "background responses can be cancelled.",
+            param="response_id",
+        )
+    return JSONResponse(found.body)
+
+
 def _output_items(body: Json) -> list[Json]:
     """A stored response's ``output`` items (each with its ``id``)."""
     output = body.get("output")
@@ -187,12 +354,18 @@ def _output_items(body: Json) -> list[Json]:
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(request: Request, response_id: str) -> Response:
-    return JSONResponse(_lookup(request, response_id).body)
+    """A stored response, or a background one as it stands (``queued``, ``in_progress``)."""
+    return JSONResponse(_found(request, response_id).body)
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str) -> Response:
-    _lookup(request, response_id)
+    """Forget a stored response; a background one still running is cancelled and then not
+    stored."""
+    found = _found(request, response_id)
+    if isinstance(found, Pending):
+        found.deleted = found.cancelled = True
+        found.cancel()
     server_state(request).responses.delete(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
@@ -230,7 +403,7 @@ async def list_input_items(request: Request, response_id: str) -> Response:
     ``previous_response_id``, the earlier turns' inputs and outputs first), a page at a
     time (``order`` desc by default, ``limit`` 1-100, default 20, ``after``/``before`` item
     ids), for the tenant that made the response only."""
-    found = _lookup(request, response_id)
+    found = _found(request, response_id)
     query = request.query_params
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):

@@ -174,6 +174,9 @@ class ResponsesRequest(_Body):
     top_p: StrictNumber | None = None
     stream: bool = False
     store: bool = True
+    # OpenAI's background mode: the POST answers at once (status queued), GET polls, POST
+    # .../cancel ends it (server/responses/routes.py). Needs store; not with stream.
+    background: bool = False
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool = True

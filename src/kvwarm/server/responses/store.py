@@ -1,5 +1,5 @@
 """Stored responses, for ``previous_response_id``, ``GET /v1/responses/{id}`` and its
-``input_items``.
+``input_items``; and background responses still running (``background: true``).
 
 Invariants: the store is in memory and bounded (``max_items`` responses and roughly
 ``max_chars`` characters of conversation and body together); past either bound a response
@@ -20,14 +20,22 @@ namespace (salt) it ran in when a key's tenant asks (without one, in the salt th
 presents). The routes show a response only to the tenant that made it (``owner``;
 ``server/tenancy.py``). Losing an entry loses only the ability to refer to it: the cache rows
 stay.
+
+A background response is *pending* from its ``POST`` until its generation ends: held apart
+from the stored ones (``Pending``), never evicted (it is running), and bounded by what runs:
+each is a request queued or active on its model, whose queue is bounded (``max_queue``; past
+it the ``POST`` is a 429). When it ends it is stored as any response is (``finish``), its
+status ``completed``, ``incomplete``, ``failed`` or ``cancelled``, under the bounds above.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvwarm.server.schemas import ChatMessage
 
@@ -47,10 +55,33 @@ class StoredResponse:
     # output items first (what OpenAI's input_items lists).
     input_items: tuple[Json, ...] = ()
 
+    @property
+    def continuable(self) -> bool:
+        """Whether a follow-up may name it (``previous_response_id``): a background response
+        that failed or was cancelled has no reply to continue from."""
+        return self.body.get("status") in ("completed", "incomplete")
+
     def size(self) -> int:
         """Approximate footprint in characters (what the store's budget counts)."""
         turns = sum(len(m.model_dump_json()) for m in self.conversation)
         return turns + len(json.dumps(self.body)) + len(json.dumps(self.input_items))
+
+
+@dataclass(slots=True, eq=False)
+class Pending:
+    """A background response whose generation still runs: the body ``GET`` shows meanwhile
+    (status ``queued``, then ``in_progress``), and how to end it (``cancel``: its generation
+    stops between tokens, or is taken out of its model's queue, freeing its slot)."""
+
+    id: str
+    owner: str | None
+    body: Json
+    input_items: tuple[Json, ...]
+    cancel: Callable[[], None]
+    cancelled: bool = False  # cancel() was called: it ends cancelled (unless it ended first)
+    deleted: bool = False  # DELETE while it ran: it is not stored when it ends
+    #: Set once it has ended and its final response is stored (or dropped, if deleted).
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass(slots=True, eq=False)
@@ -68,6 +99,7 @@ class ResponseStore:
         self.max_items = max_items
         self.max_chars = max_chars
         self._items: dict[str, StoredResponse] = {}
+        self._pending: dict[str, Pending] = {}  # background responses still running
         self._tenants: dict[str | None, _Tenant] = {}
         self._chars = 0
         self._lock = threading.Lock()  # handlers run on the loop, but tests and tools may not
@@ -124,6 +156,30 @@ class ResponseStore:
             if best is None or rank > best:
                 best, found = rank, oldest
         return found
+
+    def start(self, pending: Pending) -> None:
+        """A background response begins: ``GET`` shows ``pending.body`` until ``finish``."""
+        with self._lock:
+            self._pending[pending.id] = pending
+
+    def running(self, response_id: str) -> Pending | None:
+        """The background response ``response_id`` if it still runs."""
+        with self._lock:
+            return self._pending.get(response_id)
+
+    def finish(self, pending: Pending, stored: StoredResponse) -> None:
+        """A background response ended: ``stored`` (its final body) replaces it, unless it
+        was deleted meanwhile; whoever waits on ``pending.ended`` wakes."""
+        with self._lock:
+            self._pending.pop(pending.id, None)
+        if not pending.deleted:
+            self.put(stored)
+        pending.ended.set()
+
+    @property
+    def pending_count(self) -> int:
+        with self._lock:
+            return len(self._pending)
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:

@@ -318,6 +318,7 @@ class ResponseShape:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
+            "background": req.background,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete"
@@ -348,6 +349,13 @@ class ResponseShape:
 
     def final(self, reply: ChatReply, text: str) -> Json:
         return self.body(_status(reply), self.output(reply, text), reply.done.stats)
+
+    def cancelled(self, reply: ChatReply) -> Json:
+        """A background response cancelled while it ran: the text it had made, if any, in
+        an ``incomplete`` message item (a tool call cut off is lost)."""
+        text, lp = reply.content, reply.done.logprobs
+        output = [self.message_item(text, "incomplete", lp)] if text else []
+        return self.body("cancelled", output, reply.done.stats)
 
 
 def _status(reply: ChatReply) -> str:
