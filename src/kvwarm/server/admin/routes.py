@@ -42,7 +42,10 @@ from kvwarm.server.tools import openai_tools, template_messages
 router = APIRouter()
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])
+# Two routes, not one of two methods: FastAPI names both methods' operations alike, and the
+# schema then held one operation id twice (a warning on every schema build).
+@router.get("/health")
+@router.head("/health", include_in_schema=False)
 async def health(request: Request) -> Response:
     """200 once startup loading is over and some model can be served ("degraded" if some
     failed: requests naming those get a 503 with the reason); 503 before, or if none can.
