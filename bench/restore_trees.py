@@ -10,8 +10,10 @@ window whole in the row; after: in shared chunks), per tier.
 
 Each measurement runs in a child process whose ``PYTHONPATH`` is one tree's ``src``: it
 loads the model, prefills the tokens, saves the row to every tier (ram, ram_file on
-/dev/shm, disk, s3 on one moto server in its own process that both trees share, and s3 with
-``--s3-rtt-ms`` slept before every GET, as a remote store's round trip) and
+/dev/shm, disk, s3 on one moto server in its own process that both trees share, s3 with
+``--s3-rtt-ms`` slept before every GET, as a remote store's round trip, and redis on one
+Debian redis-server both trees share: an object store whose own cost a request is C's, where
+moto's is Python's) and
 restores it ``--reps`` times the engine's way (``open_row``, the chunks and the window or
 payload joined into a reused ``JoinBuffer``, ``kv_unpack``; what ``Admission._restore_whole``
 does in both trees), printing per tier the median wall ms and the restoring process's CPU
@@ -47,7 +49,7 @@ TEXT = (
     "The history of the lighthouse begins with fires lit on hills to guide ships home. "
     "Keepers trimmed wicks, polished lenses and logged every passing vessel in ledgers. "
 )
-TIERS = ("ram", "ram_file", "disk", "s3", "s3+rtt")
+TIERS = ("ram", "ram_file", "disk", "s3", "s3+rtt", "redis")
 
 
 def child(args: argparse.Namespace) -> None:
@@ -101,6 +103,10 @@ def child(args: argparse.Namespace) -> None:
             if name == "s3+rtt":
                 _delay(tier_obj._s3, args.s3_rtt_ms / 1e3)
             base = TierConfig("ram", 1 << 34)
+        elif name == "redis":
+            # A real store's own cost a request (redis-server, C), where moto's is Python's.
+            url = f"{args.redis_url}?prefix=bench-{os.getpid()}-{time.monotonic_ns()}/"
+            base = TierConfig("redis", 1 << 34, url=url)
         elif name == "ram":
             base = TierConfig("ram", 1 << 34)
         elif name == "ram_file":
@@ -200,6 +206,7 @@ def main() -> None:
     ap.add_argument("--shm", default="", help=argparse.SUPPRESS)
     ap.add_argument("--s3-endpoint", default="", help=argparse.SUPPRESS)
     ap.add_argument("--s3-pid", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--redis-url", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -207,6 +214,7 @@ def main() -> None:
     if not args.model:
         ap.error("--model (or KVWARM_GEMMA): a sliding-window GGUF, e.g. Gemma 3 270M")
     sys.path.insert(0, str(HERE))
+    from tests.rediskit import RedisServer
     from tests.s3kit import MotoServer, aws_env
 
     trees = {"base": Path(args.base_tree).resolve(), "this": HERE}
@@ -215,6 +223,7 @@ def main() -> None:
     with aws_env(), tempfile.TemporaryDirectory(prefix="kvwarm-trees-") as tmp:
         shm = tempfile.mkdtemp(prefix="kvwarm-trees-", dir="/dev/shm")
         server = MotoServer(own_process=True)
+        redis_server = RedisServer()
         try:
             for r in range(args.rounds):
                 for label, tree in trees.items():
@@ -224,6 +233,7 @@ def main() -> None:
                         "--tokens", str(args.tokens), "--flash-attn", args.flash_attn,
                         "--root", tmp, "--shm", shm, "--s3-endpoint", server.endpoint,
                         "--s3-rtt-ms", str(args.s3_rtt_ms), "--s3-pid", str(server.pid),
+                        "--redis-url", f"redis://127.0.0.1:{redis_server.port}/0",
                     ]  # fmt: skip
                     if args.threads is not None:
                         cmd += ["--threads", str(args.threads)]
@@ -240,6 +250,7 @@ def main() -> None:
                         f"{t} {result[t]['ms']:.2f}" for t in TIERS), flush=True)  # fmt: skip
         finally:
             server.stop()
+            redis_server.stop()
             subprocess.run(["rm", "-rf", shm], check=False)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     base, this = runs["base"][0], runs["this"][0]
