@@ -55,6 +55,7 @@ __all__ = [
     "decode_data_uri",
     "decode_image",
     "load_media",
+    "too_many",
 ]
 
 MediaKind = Literal["image", "audio"]
@@ -190,6 +191,15 @@ class MediaBudget:
                 param=where,
             )
         self.used += n
+
+
+def too_many(where: str, limit: int) -> MediaError:
+    """The error for a request's medium ``where`` past its ``limit`` (``max_items``)."""
+    return MediaError(
+        f"{where}: a request may hold at most {limit} images and audio clips (setting "
+        "media_max_items)",
+        param=where,
+    )
 
 
 def _check_size(data: bytes, limits: MediaLimits, where: str) -> None:
