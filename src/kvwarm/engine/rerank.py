@@ -39,11 +39,13 @@ Invariants: every input is checked on the caller's thread before anything is que
 rerank's requests are queued together or not at all and end together (the first failure
 cancels the rest, and is raised; so do a deadline, ``timeout_s``: the server's
 ``request_timeout_s``, and a ``Cancellation``: the server's, on its client's disconnect);
-results are sorted by score, ties in document order.
+results are sorted by score, ties in document order; every score is a finite number (one
+that is not, from weights or adapters that overflow, fails the rerank: ``BackendError``).
 """
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -56,6 +58,7 @@ from kvwarm.engine.request import Done, Failed, Request, RequestKind
 from kvwarm.engine.types import GenerationOptions, Reranking, RerankResult
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.errors import (
+    BackendError,
     ContextOverflowError,
     EngineClosedError,
     InvalidRequestError,
@@ -394,6 +397,14 @@ class Ranker:
                 raise EngineClosedError(
                     "the rerank was cancelled before every document was scored (the model "
                     "is unloading)"
+                )
+            if not math.isfinite(done.score):
+                # Found by review: weights or adapters that overflow gave NaN scores, sorted
+                # as if numbers (NaN compares false) and an untyped 500 as JSON.
+                raise BackendError(
+                    f"the model computed a score that is not a finite number ({done.score}) "
+                    "for a document: its weights or its adapters overflow (is a LoRA scale "
+                    "far too large?)"
                 )
             scores.append(done.score)
             cached += done.stats.cached_tokens
