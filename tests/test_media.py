@@ -93,6 +93,48 @@ def test_hostile_images_are_refused_before_their_pixels_are_decoded() -> None:
         decode_image(png(1), MediaLimits(formats=("jpeg",)), "p")
 
 
+def test_a_png_whose_pixel_data_ends_early_is_refused() -> None:
+    """Found by review: a PNG whose zlib stream ended before its rows did (IDAT chunks whole,
+    CRCs right) was decoded by Pillow with the missing rows black: a 200 for a picture that
+    is not the file's, where llama.cpp's loader refuses it ("not enough pixels"). Every row
+    must be there, interlaced (Adam7) or not; an image whose rows are all there passes."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
+    def encoded(width: int, height: int, raw: bytes, interlace: int = 0) -> bytes:
+        header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, interlace)
+        return (
+            b"\x89PNG\r\n\x1a\n"
+            + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(raw))
+            + chunk(b"IEND", b"")
+        )
+
+    rows = bytes(range(1, 49))  # each row: filter 0, then 4 RGB pixels
+    whole = b"".join(b"\0" + rows[i * 12 : i * 12 + 12] for i in range(4))
+    picture = decode_image(encoded(4, 4, whole), LIMITS, "p")
+    assert picture.rgb == rows
+    # The stream ends with a row: Pillow took the image, its last row black.
+    with pytest.raises(MediaError, match="pixel data ends after 39 of the 52") as info:
+        decode_image(encoded(4, 4, whole[:39]), LIMITS, "messages.0.content.1")
+    assert info.value.param == "messages.0.content.1"
+    for short in (whole[:40], whole[:1]):  # inside a row: Pillow finds it itself
+        with pytest.raises(MediaError, match="not a whole image"):
+            decode_image(encoded(4, 4, short), LIMITS, "p")
+    # Adam7: a 3x2 image is passes 1 (pixel 0,0), 4 (2,0), 6 (1,0) and 7 (row 1), each row
+    # of the pass behind its filter byte.
+    pixels = bytes(range(18))  # row 0: p0 p1 p2, row 1: p3 p4 p5 (3 bytes each)
+    interlaced = (
+        b"\0" + pixels[0:3] + b"\0" + pixels[6:9] + b"\0" + pixels[3:6] + b"\0" + pixels[9:18]
+    )
+    assert decode_image(encoded(3, 2, interlaced, 1), LIMITS, "p").rgb == pixels
+    with pytest.raises(MediaError, match="pixel data ends after 12 of the 22 bytes"):
+        decode_image(encoded(3, 2, interlaced[:12], 1), LIMITS, "p")  # no pass 7
+
+
 def test_a_requests_media_are_bounded_together_before_they_are_decoded() -> None:
     """Found by review: media were bounded per item only, so one request of 16 images of 32M
     pixels decoded ~1.5 GB. ``max_request_bytes`` bounds them together."""

@@ -27,6 +27,7 @@ import os
 import re
 import struct
 import wave
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,7 +220,8 @@ def decode_image(
     """The RGB pixels of an encoded image; ``MediaError`` naming ``where`` for anything that is
     not a whole image of an allowed format within the limits. Pillow reads the header first:
     an image over ``max_pixels``, or past what ``budget`` (its request's) has left, is refused
-    before its pixels are decoded. Alpha is dropped and
+    before its pixels are decoded; a PNG must hold every row its header names
+    (``_check_png_rows``). Alpha is dropped and
     a palette expanded (as llama.cpp's own loader does), an animation gives its first frame."""
     _check_size(data, limits, where)
     import warnings
@@ -247,6 +249,8 @@ def decode_image(
                 if budget is not None:
                     budget.take(3 * width * height, where, f"{width}x{height} pixels")
                 img.load()  # decodes every byte now: a truncated file fails here
+                if img.format == "PNG":
+                    _check_png_rows(data, where)
                 pixels = _rgb(img)
     except MediaError:
         raise
@@ -259,6 +263,50 @@ def decode_image(
     except (OSError, SyntaxError, ValueError, EOFError, struct.error, MemoryError) as exc:
         raise MediaError(f"{where} is not a whole image: {exc}", param=where) from exc
     return Image(width, height, pixels)
+
+
+#: Adam7's passes: (first column, first row, column step, row step).
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2),
+          (0, 1, 1, 2))  # fmt: skip
+#: Samples per pixel of each PNG colour type.
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+
+
+def _check_png_rows(data: bytes, where: str) -> None:
+    """``MediaError`` if the pixel data (IDAT) of the PNG ``data``, which Pillow decoded,
+    inflates to fewer bytes than its header's rows take. Found by review: Pillow takes a
+    zlib stream that ends early as the image's end and leaves the rows it lacks black, a
+    picture that is silently not the file's (llama.cpp's own loader refuses it: "not enough
+    pixels"). Not checked: an animated PNG (acTL), whose first frame may be another's."""
+    width, height, depth, colour, interlace = struct.unpack_from(">IIBBxxB", data, 16)
+    bits = _PNG_CHANNELS.get(colour, 0) * depth
+    passes = _ADAM7 if interlace else ((0, 0, 1, 1),)
+    wanted = 0
+    for x0, y0, dx, dy in passes:
+        cols, rows = -(-(width - x0) // dx), -(-(height - y0) // dy)
+        if cols > 0 and rows > 0:
+            wanted += rows * (1 + -(-cols * bits // 8))
+    inflate = zlib.decompressobj()
+    got, at = 0, 8
+    while at + 8 <= len(data) and got < wanted:
+        size, kind = struct.unpack_from(">I4s", data, at)
+        if kind == b"acTL":
+            return
+        if kind == b"IDAT":
+            chunk = data[at + 8 : at + 8 + size]
+            while chunk and got < wanted:  # a MiB at a time: counted, never all held
+                try:
+                    got += len(inflate.decompress(chunk, min(wanted - got, 1 << 20)))
+                except zlib.error as exc:
+                    raise MediaError(f"{where} is not a whole image: {exc}", param=where) from exc
+                chunk = inflate.unconsumed_tail
+        at += 12 + size
+    if got < wanted:
+        raise MediaError(
+            f"{where} is not a whole image: its pixel data ends after {got} of the {wanted} "
+            "bytes its rows take",
+            param=where,
+        )
 
 
 def _rgb(img: PilPicture) -> bytes:
