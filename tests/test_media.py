@@ -191,6 +191,44 @@ def test_audio_of_every_common_wav_shape_becomes_float_mono() -> None:
         decode_audio(cases[0][:30], LIMITS, "p", 16000)
 
 
+def extensible_wav(raw: bytes, bits: int, channels: int, tag: int = 1) -> bytes:
+    """A WAVE_FORMAT_EXTENSIBLE WAV of ``raw`` frames: its subformat's GUID starts with
+    ``tag`` (1 integer PCM, 3 IEEE float)."""
+    width = (bits + 7) // 8
+    fmt = struct.pack(
+        "<HHIIHH", 0xFFFE, channels, 16000, 16000 * channels * width, channels * width, bits
+    )
+    guid = struct.pack("<H", tag) + bytes.fromhex("000000001000800000aa00389b71")
+    fmt += struct.pack("<HHI", 22, bits, 0) + guid
+    body = b"WAVEfmt " + struct.pack("<I", len(fmt)) + fmt
+    body += b"data" + struct.pack("<I", len(raw)) + raw
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def test_an_extensible_wav_is_read_whatever_its_samples() -> None:
+    """Found by review: an extensible WAV of integer samples (what many tools write for
+    24-bit or multichannel audio) was a 400 "not a whole WAV file: unknown format: 65534":
+    it was read by Python's ``wave``, which before 3.12 (kvwarm runs on 3.11) knows no
+    extensible format. Every such file is read as its plain twin is."""
+    tone = np.sin(np.arange(1600) / 10)
+    ints = (tone * 32767).astype("<i2")
+    stereo24 = np.repeat((tone * (2**23 - 1)).astype("<i4"), 2)
+    packed24 = b"".join(int(v).to_bytes(4, "little", signed=True)[:3] for v in stereo24)
+    for data in [
+        extensible_wav(ints.tobytes(), 16, 1),
+        extensible_wav(packed24, 24, 2),
+        extensible_wav((tone * (2**31 - 1)).astype("<i4").tobytes(), 32, 1),
+        extensible_wav(((tone + 1) * 127.5).astype(np.uint8).tobytes(), 8, 1),
+        extensible_wav(tone.astype("<f4").tobytes(), 32, 1, tag=3),
+    ]:
+        got = np.frombuffer(decode_audio(data, LIMITS, "p", 16000).samples, "<f4")
+        assert got.shape == (1600,) and np.abs(got - tone).max() < 0.02
+    plain = decode_audio(wav(ints), LIMITS, "p", 16000)
+    assert decode_audio(extensible_wav(ints.tobytes(), 16, 1), LIMITS, "p", 16000) == plain
+    with pytest.raises(MediaError, match=r"format 0x7 \(integer PCM and IEEE float"):
+        decode_audio(extensible_wav(ints.tobytes(), 16, 1, tag=7), LIMITS, "p", 16000)  # mu-law
+
+
 def test_a_16_bit_grey_png_is_read_as_llama_cpp_reads_it() -> None:
     """Pillow opens a 16-bit greyscale PNG as mode I;16, whose conversion to RGB clips every
     value above 255 (a picture all but white); llama.cpp's loader keeps each value's high

@@ -26,7 +26,6 @@ import io
 import os
 import re
 import struct
-import wave
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -339,7 +338,7 @@ def decode_audio(
         raise MediaError(f"{where} is not a WAV file (the audio format read)", param=where)
     try:
         samples, rate, channels = _read_wav(data)
-    except (wave.Error, EOFError, ValueError, struct.error) as exc:
+    except (ValueError, struct.error) as exc:
         raise MediaError(f"{where} is not a whole WAV file: {exc}", param=where) from exc
     frames = samples.size // channels
     if frames == 0:
@@ -380,34 +379,63 @@ def _clip_at(mono: npt.NDArray[np.floating], rate: int, sample_rate: int, where:
 
 
 def _read_wav(data: bytes) -> tuple[npt.NDArray[np.float64], int, int]:
-    """(samples as float in [-1, 1], flat; rate; channels) of integer PCM (``wave``) or
-    IEEE float (format 3, which ``wave`` refuses) WAV data."""
-    fmt = _wav_format(data)
-    if fmt == 3:
-        rate, channels, bits, payload = _float_wav(data)
+    """(samples as float in [-1, 1], flat; rate; channels) of integer PCM (8-bit unsigned,
+    16, 24 or 32-bit signed) or IEEE float (32, 64-bit) WAV data, plain or
+    WAVE_FORMAT_EXTENSIBLE. Read from its chunks here, not by ``wave``: found by review, the
+    ``wave`` of Python 3.11 (the oldest kvwarm runs on) refuses an extensible integer WAV
+    ("unknown format: 65534"), what many tools write for 24-bit or multichannel audio, and
+    refuses float WAVs on every version."""
+    fmt: tuple[int, int, int, int] | None = None
+    payload: bytes | None = None
+    for name, body in _chunks(data):
+        if name == b"fmt " and fmt is None:
+            if len(body) < 16:
+                raise ValueError("fmt chunk too short")
+            tag, channels, rate = struct.unpack_from("<HHI", body, 0)
+            bits: int = struct.unpack_from("<H", body, 14)[0]
+            if tag == 0xFFFE:  # WAVE_FORMAT_EXTENSIBLE: its subformat's first two bytes
+                if len(body) < 26:
+                    raise ValueError("extensible fmt chunk too short")
+                tag = struct.unpack_from("<H", body, 24)[0]
+            fmt = (tag, channels, rate, bits)
+        elif name == b"data" and payload is None:
+            payload = body
+    if fmt is None:
+        raise ValueError("no fmt chunk")
+    if payload is None:
+        raise ValueError("no data chunk")
+    tag, channels, rate, bits = fmt
+    if rate < 1 or channels < 1:
+        raise ValueError(f"{rate} Hz, {channels} channels")
+    if tag == 3:
         dtype = {32: "<f4", 64: "<f8"}.get(bits)
         if dtype is None:
             raise ValueError(f"{bits}-bit float samples")
-        return np.frombuffer(payload, dtype=dtype).astype(np.float64), rate, channels
-    with wave.open(io.BytesIO(data), "rb") as w:
-        rate, channels, width = w.getframerate(), w.getnchannels(), w.getsampwidth()
-        if rate < 1 or channels < 1:
-            raise ValueError(f"{rate} Hz, {channels} channels")
-        raw = w.readframes(w.getnframes())
+        raw = _whole_frames(payload, channels * bits // 8)
+        return np.frombuffer(raw, dtype=dtype).astype(np.float64), rate, channels
+    if tag != 1:
+        raise ValueError(f"format {tag:#x} (integer PCM and IEEE float are read)")
+    width = (bits + 7) // 8
+    raw = _whole_frames(payload, channels * width) if 1 <= width <= 4 else b""
     if width == 1:
         unsigned = np.frombuffer(raw, dtype=np.uint8).astype(np.float64)
         return (unsigned - 128.0) / 128.0, rate, channels
     if width == 2:
         return np.frombuffer(raw, dtype="<i2").astype(np.float64) / 32768.0, rate, channels
     if width == 3:
-        b = np.frombuffer(raw[: len(raw) - len(raw) % 3], dtype=np.uint8).reshape(-1, 3)
+        b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3)
         packed = b[:, 0].astype(np.int64) | (b[:, 1].astype(np.int64) << 8)
         packed = packed | (b[:, 2].astype(np.int64) << 16)
         signed = np.where(packed >= 1 << 23, packed - (1 << 24), packed)
         return signed.astype(np.float64) / float(1 << 23), rate, channels
     if width == 4:
         return np.frombuffer(raw, dtype="<i4").astype(np.float64) / float(1 << 31), rate, channels
-    raise ValueError(f"{8 * width}-bit samples")
+    raise ValueError(f"{bits}-bit samples")
+
+
+def _whole_frames(payload: bytes, frame: int) -> bytes:
+    """``payload`` cut to whole frames of ``frame`` bytes (a last frame cut short dropped)."""
+    return payload[: len(payload) - len(payload) % max(frame, 1)]
 
 
 def _chunks(data: bytes) -> list[tuple[bytes, bytes]]:
@@ -421,33 +449,6 @@ def _chunks(data: bytes) -> list[tuple[bytes, bytes]]:
         out.append((name, body))
         at += 8 + size + (size & 1)
     return out
-
-
-def _wav_format(data: bytes) -> int:
-    for name, body in _chunks(data):
-        if name == b"fmt ":
-            if len(body) < 16:
-                raise ValueError("fmt chunk too short")
-            fmt: int = struct.unpack_from("<H", body, 0)[0]
-            if fmt == 0xFFFE and len(body) >= 26:  # WAVE_FORMAT_EXTENSIBLE: its subformat
-                fmt = struct.unpack_from("<H", body, 24)[0]
-            return fmt
-    raise ValueError("no fmt chunk")
-
-
-def _float_wav(data: bytes) -> tuple[int, int, int, bytes]:
-    rate = channels = bits = 0
-    payload = b""
-    for name, body in _chunks(data):
-        if name == b"fmt ":
-            channels, rate = struct.unpack_from("<HI", body, 2)
-            bits = struct.unpack_from("<H", body, 14)[0]
-        elif name == b"data":
-            payload = body
-    if rate < 1 or channels < 1:
-        raise ValueError(f"{rate} Hz, {channels} channels")
-    frame = channels * bits // 8
-    return rate, channels, bits, payload[: len(payload) - len(payload) % max(frame, 1)]
 
 
 _DATA_URI = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,", re.I)
