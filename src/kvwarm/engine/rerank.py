@@ -57,6 +57,7 @@ from kvwarm.engine.cancel import Cancellation, check_cancel, check_timeout
 from kvwarm.engine.request import Done, Failed, Request, RequestKind
 from kvwarm.engine.types import GenerationOptions, Reranking, RerankResult
 from kvwarm.engine.worker.loop import Worker
+from kvwarm.engine.worker.runtime import LoraChoice
 from kvwarm.errors import (
     BackendError,
     ContextOverflowError,
@@ -117,13 +118,14 @@ class Ranker:
         top_n: int | None = None,
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
+        lora: LoraChoice | None = None,
         timeout_s: float | None = None,
         cancel: Cancellation | None = None,
     ) -> Reranking:
         docs = self._check(query, documents, top_n, max_tokens_per_doc)
         check_timeout(timeout_s)
         check_cancel(cancel)
-        options = GenerationOptions(max_tokens=0, temperature=0.0, cache_salt=cache_salt)
+        options = GenerationOptions(max_tokens=0, temperature=0.0, cache_salt=cache_salt, lora=lora)
         options.validate()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         prompts = self._prompts(query, docs, max_tokens_per_doc)
