@@ -216,7 +216,7 @@ def test_a_rerank_runs_under_the_global_lora_scales(tmp_path: Path) -> None:
         lora=(("domain", str(adapter)),),
         n_batch=256,
     )
-    body = {"model": "ranker", "query": QUERY, "documents": DOCS}
+    body: dict[str, object] = {"model": "ranker", "query": QUERY, "documents": DOCS}
 
     def scores(client: TestClient) -> list[float]:
         response = client.post("/v1/rerank", json=body)
@@ -233,6 +233,13 @@ def test_a_rerank_runs_under_the_global_lora_scales(tmp_path: Path) -> None:
         assert scores(client) == base
         assert client.post("/lora-adapters", json=[{"id": 0, "scale": 1.0}]).status_code == 200
         assert scores(client) == under  # its own namespace: the same scores again
+        assert client.post("/lora-adapters", json=[]).status_code == 200
+        # A rerank's own lora list (as a completion's; it was ignored): that set alone.
+        body["lora"] = [{"id": 0, "scale": 1.0}]
+        assert scores(client) == under
+        body["lora"] = [{"id": 3, "scale": 1.0}]
+        bad = client.post("/v1/rerank", json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora", bad.text
 
 
 def _index(result: dict[str, object]) -> int:

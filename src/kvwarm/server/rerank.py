@@ -21,7 +21,14 @@ from kvwarm.engine.types import Reranking
 from kvwarm.server import tenancy
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import request_log, run_cancellable
-from kvwarm.server.schemas import RerankRequest, check_count, json_body, parse_body, read_json
+from kvwarm.server.schemas import (
+    RerankRequest,
+    check_count,
+    json_body,
+    lora_pairs,
+    parse_body,
+    read_json,
+)
 from kvwarm.server.state import server_state
 from kvwarm.settings import Settings
 
@@ -61,7 +68,9 @@ async def rerank(request: Request) -> Response:
     # The model's global LoRA scales (POST /lora-adapters), as llama-server reranks under
     # them (its rerank tasks run under the server's adapters); found by review: they were
     # dropped here, so a reranker with an adapter on scored with the base model alone.
-    model, lora = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
+    model, lora = await state.acquire_generation(
+        req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
+    )
     texts = [d if isinstance(d, str) else d.text for d in req.documents]
     salt = tenancy.cache_salt(request, req.cache_salt, state.settings)
 
