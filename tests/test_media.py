@@ -14,6 +14,7 @@ from tests.engine.mediakit import png
 
 from kvwarm.errors import MediaError
 from kvwarm.media import (
+    MAX_JPEG_SCANS,
     Audio,
     Image,
     MediaBudget,
@@ -133,6 +134,32 @@ def test_a_png_whose_pixel_data_ends_early_is_refused() -> None:
     assert decode_image(encoded(3, 2, interlaced, 1), LIMITS, "p").rgb == pixels
     with pytest.raises(MediaError, match="pixel data ends after 12 of the 22 bytes"):
         decode_image(encoded(3, 2, interlaced[:12], 1), LIMITS, "p")  # no pass 7
+
+
+def test_a_jpeg_of_too_many_scans_is_refused_before_it_is_decoded() -> None:
+    """Found by review: libjpeg goes over every block of the image at each scan, so a JPEG of
+    many empty scans is a CPU bomb: 50,000 scans of 10 bytes (a 1.4 MB file, 1024x1024)
+    took 5 s, 8 MB of them at 16M pixels minutes, on a thread of the server. Past
+    ``MAX_JPEG_SCANS`` it is refused before a scan is decoded; what encoders write passes."""
+    from PIL import Image as Pil
+
+    rng = np.random.default_rng(5)
+    out = io.BytesIO()
+    Pil.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(
+        out, "JPEG", progressive=True
+    )
+    progressive = out.getvalue()
+    assert decode_image(progressive, LIMITS, "p").width == 64
+    empty_scan = b"\xff\xda\x00\x08\x01\x01\x00\x00\x00\x10"  # a DC refinement of nothing
+    assert progressive.endswith(b"\xff\xd9")
+    for extra, refused in [(MAX_JPEG_SCANS - 20, False), (MAX_JPEG_SCANS + 1, True)]:
+        bomb = progressive[:-2] + empty_scan * extra + b"\xff\xd9"
+        if not refused:
+            assert decode_image(bomb, LIMITS, "p").width == 64
+            continue
+        with pytest.raises(MediaError, match=r"JPEG of \d+ scans, more than the 500") as info:
+            decode_image(bomb, LIMITS, "messages.0.content.1")
+        assert info.value.param == "messages.0.content.1"
 
 
 def test_a_requests_media_are_bounded_together_before_they_are_decoded() -> None:
