@@ -14,6 +14,7 @@ from tests.engine.mediakit import png
 
 from kvwarm.errors import MediaError
 from kvwarm.media import (
+    MAX_JPEG_SCANS,
     Audio,
     Image,
     MediaBudget,
@@ -93,6 +94,74 @@ def test_hostile_images_are_refused_before_their_pixels_are_decoded() -> None:
         decode_image(png(1), MediaLimits(formats=("jpeg",)), "p")
 
 
+def test_a_png_whose_pixel_data_ends_early_is_refused() -> None:
+    """Found by review: a PNG whose zlib stream ended before its rows did (IDAT chunks whole,
+    CRCs right) was decoded by Pillow with the missing rows black: a 200 for a picture that
+    is not the file's, where llama.cpp's loader refuses it ("not enough pixels"). Every row
+    must be there, interlaced (Adam7) or not; an image whose rows are all there passes."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
+    def encoded(width: int, height: int, raw: bytes, interlace: int = 0) -> bytes:
+        header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, interlace)
+        return (
+            b"\x89PNG\r\n\x1a\n"
+            + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(raw))
+            + chunk(b"IEND", b"")
+        )
+
+    rows = bytes(range(1, 49))  # each row: filter 0, then 4 RGB pixels
+    whole = b"".join(b"\0" + rows[i * 12 : i * 12 + 12] for i in range(4))
+    picture = decode_image(encoded(4, 4, whole), LIMITS, "p")
+    assert picture.rgb == rows
+    # The stream ends with a row: Pillow took the image, its last row black.
+    with pytest.raises(MediaError, match="pixel data ends after 39 of the 52") as info:
+        decode_image(encoded(4, 4, whole[:39]), LIMITS, "messages.0.content.1")
+    assert info.value.param == "messages.0.content.1"
+    for short in (whole[:40], whole[:1]):  # inside a row: Pillow finds it itself
+        with pytest.raises(MediaError, match="not a whole image"):
+            decode_image(encoded(4, 4, short), LIMITS, "p")
+    # Adam7: a 3x2 image is passes 1 (pixel 0,0), 4 (2,0), 6 (1,0) and 7 (row 1), each row
+    # of the pass behind its filter byte.
+    pixels = bytes(range(18))  # row 0: p0 p1 p2, row 1: p3 p4 p5 (3 bytes each)
+    interlaced = (
+        b"\0" + pixels[0:3] + b"\0" + pixels[6:9] + b"\0" + pixels[3:6] + b"\0" + pixels[9:18]
+    )
+    assert decode_image(encoded(3, 2, interlaced, 1), LIMITS, "p").rgb == pixels
+    with pytest.raises(MediaError, match="pixel data ends after 12 of the 22 bytes"):
+        decode_image(encoded(3, 2, interlaced[:12], 1), LIMITS, "p")  # no pass 7
+
+
+def test_a_jpeg_of_too_many_scans_is_refused_before_it_is_decoded() -> None:
+    """Found by review: libjpeg goes over every block of the image at each scan, so a JPEG of
+    many empty scans is a CPU bomb: 50,000 scans of 10 bytes (a 1.4 MB file, 1024x1024)
+    took 5 s, 8 MB of them at 16M pixels minutes, on a thread of the server. Past
+    ``MAX_JPEG_SCANS`` it is refused before a scan is decoded; what encoders write passes."""
+    from PIL import Image as Pil
+
+    rng = np.random.default_rng(5)
+    out = io.BytesIO()
+    Pil.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(
+        out, "JPEG", progressive=True
+    )
+    progressive = out.getvalue()
+    assert decode_image(progressive, LIMITS, "p").width == 64
+    empty_scan = b"\xff\xda\x00\x08\x01\x01\x00\x00\x00\x10"  # a DC refinement of nothing
+    assert progressive.endswith(b"\xff\xd9")
+    for extra, refused in [(MAX_JPEG_SCANS - 20, False), (MAX_JPEG_SCANS + 1, True)]:
+        bomb = progressive[:-2] + empty_scan * extra + b"\xff\xd9"
+        if not refused:
+            assert decode_image(bomb, LIMITS, "p").width == 64
+            continue
+        with pytest.raises(MediaError, match=r"JPEG of \d+ scans, more than the 500") as info:
+            decode_image(bomb, LIMITS, "messages.0.content.1")
+        assert info.value.param == "messages.0.content.1"
+
+
 def test_a_requests_media_are_bounded_together_before_they_are_decoded() -> None:
     """Found by review: media were bounded per item only, so one request of 16 images of 32M
     pixels decoded ~1.5 GB. ``max_request_bytes`` bounds them together."""
@@ -147,6 +216,44 @@ def test_audio_of_every_common_wav_shape_becomes_float_mono() -> None:
         decode_audio(b"ID3" + bytes(100), LIMITS, "p", 16000)
     with pytest.raises(MediaError, match="not a whole WAV file"):
         decode_audio(cases[0][:30], LIMITS, "p", 16000)
+
+
+def extensible_wav(raw: bytes, bits: int, channels: int, tag: int = 1) -> bytes:
+    """A WAVE_FORMAT_EXTENSIBLE WAV of ``raw`` frames: its subformat's GUID starts with
+    ``tag`` (1 integer PCM, 3 IEEE float)."""
+    width = (bits + 7) // 8
+    fmt = struct.pack(
+        "<HHIIHH", 0xFFFE, channels, 16000, 16000 * channels * width, channels * width, bits
+    )
+    guid = struct.pack("<H", tag) + bytes.fromhex("000000001000800000aa00389b71")
+    fmt += struct.pack("<HHI", 22, bits, 0) + guid
+    body = b"WAVEfmt " + struct.pack("<I", len(fmt)) + fmt
+    body += b"data" + struct.pack("<I", len(raw)) + raw
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def test_an_extensible_wav_is_read_whatever_its_samples() -> None:
+    """Found by review: an extensible WAV of integer samples (what many tools write for
+    24-bit or multichannel audio) was a 400 "not a whole WAV file: unknown format: 65534":
+    it was read by Python's ``wave``, which before 3.12 (kvwarm runs on 3.11) knows no
+    extensible format. Every such file is read as its plain twin is."""
+    tone = np.sin(np.arange(1600) / 10)
+    ints = (tone * 32767).astype("<i2")
+    stereo24 = np.repeat((tone * (2**23 - 1)).astype("<i4"), 2)
+    packed24 = b"".join(int(v).to_bytes(4, "little", signed=True)[:3] for v in stereo24)
+    for data in [
+        extensible_wav(ints.tobytes(), 16, 1),
+        extensible_wav(packed24, 24, 2),
+        extensible_wav((tone * (2**31 - 1)).astype("<i4").tobytes(), 32, 1),
+        extensible_wav(((tone + 1) * 127.5).astype(np.uint8).tobytes(), 8, 1),
+        extensible_wav(tone.astype("<f4").tobytes(), 32, 1, tag=3),
+    ]:
+        got = np.frombuffer(decode_audio(data, LIMITS, "p", 16000).samples, "<f4")
+        assert got.shape == (1600,) and np.abs(got - tone).max() < 0.02
+    plain = decode_audio(wav(ints), LIMITS, "p", 16000)
+    assert decode_audio(extensible_wav(ints.tobytes(), 16, 1), LIMITS, "p", 16000) == plain
+    with pytest.raises(MediaError, match=r"format 0x7 \(integer PCM and IEEE float"):
+        decode_audio(extensible_wav(ints.tobytes(), 16, 1, tag=7), LIMITS, "p", 16000)  # mu-law
 
 
 def test_a_16_bit_grey_png_is_read_as_llama_cpp_reads_it() -> None:

@@ -23,7 +23,7 @@ import os
 import struct
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -31,6 +31,11 @@ MAGIC = b"GGUF"
 # Byte sizes of fixed-size GGUF metadata value types (uint8 … float64, bool).
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _UINT32, _STRING, _ARRAY = 4, 8, 9
+#: GGUF's value types by id (``gguf_type``), for messages.
+TYPE_NAMES = {
+    0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32",
+    7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64",
+}  # fmt: skip
 #: ggml's GGML_MAX_DIMS: a tensor of more dimensions is no GGUF llama.cpp reads.
 _MAX_DIMS = 4
 #: ggml's GGML_MAX_NAME: llama.cpp's GGUF reader refuses a tensor name this long or longer.
@@ -149,11 +154,14 @@ _U64 = struct.Struct("<Q")
 @dataclass(frozen=True, slots=True)
 class Values:
     """What ``read_values`` found: the values decoded, and where the tensor table starts and
-    how many entries it has (``read_tensors`` reads it from there)."""
+    how many entries it has (``read_tensors`` reads it from there); ``types``: each decoded
+    value's GGUF type id (``GGUF_TYPE_*``: 6 float32, 8 string, 9 array ...), which its
+    Python value does not tell (a float32 and a float64 are both floats)."""
 
     values: dict[str, Value]
     n_tensors: int
     tensors_at: int
+    types: dict[str, int] = field(default_factory=dict)
 
 
 def read_values(buf: Buffer, wanted: Callable[[str], bool]) -> Values:
@@ -248,16 +256,29 @@ def read_values(buf: Buffer, wanted: Callable[[str], bool]) -> Values:
             raise ValueError(f"GGUF version {version} is not supported")
         n_tensors, n_kv = take("<QQ")
         values: dict[str, Value] = {}
+        types: dict[str, int] = {}
         for _ in range(n_kv):
             key = string().decode("utf-8", "replace")
             (vtype,) = take("<I")
             keep = wanted(key)
             got = value(vtype, keep)
-            if keep and got is not None:
-                values[key] = got
-        return Values(values, n_tensors, pos)
+            if keep:
+                types[key] = vtype
+                if got is not None:
+                    values[key] = got
+        return Values(values, n_tensors, pos, types)
     finally:
         view.release()  # an mmap cannot close while a view of it lives
+
+
+def values_of(path: str | os.PathLike[str], wanted: Callable[[str], bool]) -> Values:
+    """``read_values`` of the GGUF file at ``path`` (mapped, not read); ``ValueError`` if it
+    is not a GGUF, ``OSError`` if it cannot be read."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise ValueError("empty file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return read_values(buf, wanted)
 
 
 def arch_values(path: str | os.PathLike[str], names: Collection[str]) -> dict[str, Value]:
@@ -266,11 +287,7 @@ def arch_values(path: str | os.PathLike[str], names: Collection[str]) -> dict[st
     ``read_values`` decodes them; ``ValueError`` if it is not a GGUF, ``OSError`` if it
     cannot be read. The file is mapped, not read."""
     ends = tuple(f".{name}" for name in names)
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            raise ValueError("empty file")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            found = read_values(buf, lambda key: key == _ARCH or key.endswith(ends)).values
+    found = values_of(path, lambda key: key == _ARCH or key.endswith(ends)).values
     arch = found.get(_ARCH)
     if not isinstance(arch, bytes):
         return {}

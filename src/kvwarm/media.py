@@ -26,7 +26,7 @@ import io
 import os
 import re
 import struct
-import wave
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AUDIO_FORMATS",
     "IMAGE_FORMATS",
+    "MAX_JPEG_SCANS",
     "MIN_AUDIO_SAMPLES",
     "Audio",
     "Image",
@@ -55,6 +56,7 @@ __all__ = [
     "decode_data_uri",
     "decode_image",
     "load_media",
+    "too_many",
 ]
 
 MediaKind = Literal["image", "audio"]
@@ -65,6 +67,11 @@ IMAGE_FORMATS = ("png", "jpeg", "webp", "gif", "bmp")
 AUDIO_FORMATS = ("wav",)
 #: The fewest samples a clip may have: mtmd asserts (GGML_ASSERT, an abort) more than one.
 MIN_AUDIO_SAMPLES = 2
+#: The most scans (SOS markers) a JPEG may have. libjpeg goes over every block of the image
+#: at each scan, so a file of many empty scans is a CPU bomb (found by review: 50,000 scans
+#: of 10 bytes, a 1.4 MB file of 1024x1024 pixels, took 5 s to decode; 8 MB of them at 16M
+#: pixels, minutes). Encoders write about 10 (progressive) or 1 (baseline).
+MAX_JPEG_SCANS = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +199,15 @@ class MediaBudget:
         self.used += n
 
 
+def too_many(where: str, limit: int) -> MediaError:
+    """The error for a request's medium ``where`` past its ``limit`` (``max_items``)."""
+    return MediaError(
+        f"{where}: a request may hold at most {limit} images and audio clips (setting "
+        "media_max_items)",
+        param=where,
+    )
+
+
 def _check_size(data: bytes, limits: MediaLimits, where: str) -> None:
     if not data:
         raise MediaError(f"{where} is empty", param=where)
@@ -209,7 +225,8 @@ def decode_image(
     """The RGB pixels of an encoded image; ``MediaError`` naming ``where`` for anything that is
     not a whole image of an allowed format within the limits. Pillow reads the header first:
     an image over ``max_pixels``, or past what ``budget`` (its request's) has left, is refused
-    before its pixels are decoded. Alpha is dropped and
+    before its pixels are decoded; a PNG must hold every row its header names
+    (``_check_png_rows``). Alpha is dropped and
     a palette expanded (as llama.cpp's own loader does), an animation gives its first frame."""
     _check_size(data, limits, where)
     import warnings
@@ -236,7 +253,19 @@ def decode_image(
                     )
                 if budget is not None:
                     budget.take(3 * width * height, where, f"{width}x{height} pixels")
+                # Counted in the whole file: FF DA only ever starts a scan in entropy-coded
+                # data (an FF there is written FF 00), so only a segment's payload (an
+                # EXIF thumbnail's scans) can count more than the image has.
+                scans = data.count(b"\xff\xda") if img.format in ("JPEG", "MPO") else 0
+                if scans > MAX_JPEG_SCANS:
+                    raise MediaError(
+                        f"{where} is a JPEG of {scans} scans, more than the {MAX_JPEG_SCANS} "
+                        "this server decodes (each scan goes over the whole image)",
+                        param=where,
+                    )
                 img.load()  # decodes every byte now: a truncated file fails here
+                if img.format == "PNG":
+                    _check_png_rows(data, where)
                 pixels = _rgb(img)
     except MediaError:
         raise
@@ -249,6 +278,50 @@ def decode_image(
     except (OSError, SyntaxError, ValueError, EOFError, struct.error, MemoryError) as exc:
         raise MediaError(f"{where} is not a whole image: {exc}", param=where) from exc
     return Image(width, height, pixels)
+
+
+#: Adam7's passes: (first column, first row, column step, row step).
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2),
+          (0, 1, 1, 2))  # fmt: skip
+#: Samples per pixel of each PNG colour type.
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+
+
+def _check_png_rows(data: bytes, where: str) -> None:
+    """``MediaError`` if the pixel data (IDAT) of the PNG ``data``, which Pillow decoded,
+    inflates to fewer bytes than its header's rows take. Found by review: Pillow takes a
+    zlib stream that ends early as the image's end and leaves the rows it lacks black, a
+    picture that is silently not the file's (llama.cpp's own loader refuses it: "not enough
+    pixels"). Not checked: an animated PNG (acTL), whose first frame may be another's."""
+    width, height, depth, colour, interlace = struct.unpack_from(">IIBBxxB", data, 16)
+    bits = _PNG_CHANNELS.get(colour, 0) * depth
+    passes = _ADAM7 if interlace else ((0, 0, 1, 1),)
+    wanted = 0
+    for x0, y0, dx, dy in passes:
+        cols, rows = -(-(width - x0) // dx), -(-(height - y0) // dy)
+        if cols > 0 and rows > 0:
+            wanted += rows * (1 + -(-cols * bits // 8))
+    inflate = zlib.decompressobj()
+    got, at = 0, 8
+    while at + 8 <= len(data) and got < wanted:
+        size, kind = struct.unpack_from(">I4s", data, at)
+        if kind == b"acTL":
+            return
+        if kind == b"IDAT":
+            chunk = data[at + 8 : at + 8 + size]
+            while chunk and got < wanted:  # a MiB at a time: counted, never all held
+                try:
+                    got += len(inflate.decompress(chunk, min(wanted - got, 1 << 20)))
+                except zlib.error as exc:
+                    raise MediaError(f"{where} is not a whole image: {exc}", param=where) from exc
+                chunk = inflate.unconsumed_tail
+        at += 12 + size
+    if got < wanted:
+        raise MediaError(
+            f"{where} is not a whole image: its pixel data ends after {got} of the {wanted} "
+            "bytes its rows take",
+            param=where,
+        )
 
 
 def _rgb(img: PilPicture) -> bytes:
@@ -281,7 +354,7 @@ def decode_audio(
         raise MediaError(f"{where} is not a WAV file (the audio format read)", param=where)
     try:
         samples, rate, channels = _read_wav(data)
-    except (wave.Error, EOFError, ValueError, struct.error) as exc:
+    except (ValueError, struct.error) as exc:
         raise MediaError(f"{where} is not a whole WAV file: {exc}", param=where) from exc
     frames = samples.size // channels
     if frames == 0:
@@ -322,34 +395,63 @@ def _clip_at(mono: npt.NDArray[np.floating], rate: int, sample_rate: int, where:
 
 
 def _read_wav(data: bytes) -> tuple[npt.NDArray[np.float64], int, int]:
-    """(samples as float in [-1, 1], flat; rate; channels) of integer PCM (``wave``) or
-    IEEE float (format 3, which ``wave`` refuses) WAV data."""
-    fmt = _wav_format(data)
-    if fmt == 3:
-        rate, channels, bits, payload = _float_wav(data)
+    """(samples as float in [-1, 1], flat; rate; channels) of integer PCM (8-bit unsigned,
+    16, 24 or 32-bit signed) or IEEE float (32, 64-bit) WAV data, plain or
+    WAVE_FORMAT_EXTENSIBLE. Read from its chunks here, not by ``wave``: found by review, the
+    ``wave`` of Python 3.11 (the oldest kvwarm runs on) refuses an extensible integer WAV
+    ("unknown format: 65534"), what many tools write for 24-bit or multichannel audio, and
+    refuses float WAVs on every version."""
+    fmt: tuple[int, int, int, int] | None = None
+    payload: bytes | None = None
+    for name, body in _chunks(data):
+        if name == b"fmt " and fmt is None:
+            if len(body) < 16:
+                raise ValueError("fmt chunk too short")
+            tag, channels, rate = struct.unpack_from("<HHI", body, 0)
+            bits: int = struct.unpack_from("<H", body, 14)[0]
+            if tag == 0xFFFE:  # WAVE_FORMAT_EXTENSIBLE: its subformat's first two bytes
+                if len(body) < 26:
+                    raise ValueError("extensible fmt chunk too short")
+                tag = struct.unpack_from("<H", body, 24)[0]
+            fmt = (tag, channels, rate, bits)
+        elif name == b"data" and payload is None:
+            payload = body
+    if fmt is None:
+        raise ValueError("no fmt chunk")
+    if payload is None:
+        raise ValueError("no data chunk")
+    tag, channels, rate, bits = fmt
+    if rate < 1 or channels < 1:
+        raise ValueError(f"{rate} Hz, {channels} channels")
+    if tag == 3:
         dtype = {32: "<f4", 64: "<f8"}.get(bits)
         if dtype is None:
             raise ValueError(f"{bits}-bit float samples")
-        return np.frombuffer(payload, dtype=dtype).astype(np.float64), rate, channels
-    with wave.open(io.BytesIO(data), "rb") as w:
-        rate, channels, width = w.getframerate(), w.getnchannels(), w.getsampwidth()
-        if rate < 1 or channels < 1:
-            raise ValueError(f"{rate} Hz, {channels} channels")
-        raw = w.readframes(w.getnframes())
+        raw = _whole_frames(payload, channels * bits // 8)
+        return np.frombuffer(raw, dtype=dtype).astype(np.float64), rate, channels
+    if tag != 1:
+        raise ValueError(f"format {tag:#x} (integer PCM and IEEE float are read)")
+    width = (bits + 7) // 8
+    raw = _whole_frames(payload, channels * width) if 1 <= width <= 4 else b""
     if width == 1:
         unsigned = np.frombuffer(raw, dtype=np.uint8).astype(np.float64)
         return (unsigned - 128.0) / 128.0, rate, channels
     if width == 2:
         return np.frombuffer(raw, dtype="<i2").astype(np.float64) / 32768.0, rate, channels
     if width == 3:
-        b = np.frombuffer(raw[: len(raw) - len(raw) % 3], dtype=np.uint8).reshape(-1, 3)
+        b = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 3)
         packed = b[:, 0].astype(np.int64) | (b[:, 1].astype(np.int64) << 8)
         packed = packed | (b[:, 2].astype(np.int64) << 16)
         signed = np.where(packed >= 1 << 23, packed - (1 << 24), packed)
         return signed.astype(np.float64) / float(1 << 23), rate, channels
     if width == 4:
         return np.frombuffer(raw, dtype="<i4").astype(np.float64) / float(1 << 31), rate, channels
-    raise ValueError(f"{8 * width}-bit samples")
+    raise ValueError(f"{bits}-bit samples")
+
+
+def _whole_frames(payload: bytes, frame: int) -> bytes:
+    """``payload`` cut to whole frames of ``frame`` bytes (a last frame cut short dropped)."""
+    return payload[: len(payload) - len(payload) % max(frame, 1)]
 
 
 def _chunks(data: bytes) -> list[tuple[bytes, bytes]]:
@@ -363,33 +465,6 @@ def _chunks(data: bytes) -> list[tuple[bytes, bytes]]:
         out.append((name, body))
         at += 8 + size + (size & 1)
     return out
-
-
-def _wav_format(data: bytes) -> int:
-    for name, body in _chunks(data):
-        if name == b"fmt ":
-            if len(body) < 16:
-                raise ValueError("fmt chunk too short")
-            fmt: int = struct.unpack_from("<H", body, 0)[0]
-            if fmt == 0xFFFE and len(body) >= 26:  # WAVE_FORMAT_EXTENSIBLE: its subformat
-                fmt = struct.unpack_from("<H", body, 24)[0]
-            return fmt
-    raise ValueError("no fmt chunk")
-
-
-def _float_wav(data: bytes) -> tuple[int, int, int, bytes]:
-    rate = channels = bits = 0
-    payload = b""
-    for name, body in _chunks(data):
-        if name == b"fmt ":
-            channels, rate = struct.unpack_from("<HI", body, 2)
-            bits = struct.unpack_from("<H", body, 14)[0]
-        elif name == b"data":
-            payload = body
-    if rate < 1 or channels < 1:
-        raise ValueError(f"{rate} Hz, {channels} channels")
-    frame = channels * bits // 8
-    return rate, channels, bits, payload[: len(payload) - len(payload) % max(frame, 1)]
 
 
 _DATA_URI = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,", re.I)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import gguf
@@ -122,11 +122,14 @@ def make_odd_lora(
     dtype: type[np.generic] = np.float32,
     outer: int = 1,
     which: str = "lora_a",
+    keys: Mapping[str, tuple[object, gguf.GGUFValueType]] = {},
 ) -> Path:
     """An adapter llama.cpp's loader takes (names, first two dimensions right) that no forward
     pass can run: one pair for ``blk.0.attn_q.weight`` of numpy type ``dtype`` (an integer
     type, f64), or with ``which`` (``lora_a`` or ``lora_b``) given a third dimension of
-    ``outer``. Under llama.cpp alone the first decode under it aborts or crashes."""
+    ``outer``. Under llama.cpp alone the first decode under it aborts or crashes. ``keys``:
+    metadata written as (value, GGUF type) instead of the adapter's own (``general.type``,
+    ``adapter.type``, ``adapter.lora.alpha``), an array's elements as float32."""
     arch, shapes = _read_base(str(base_model_path))
     name = "blk.0.attn_q.weight"
     n_in, n_out = shapes[name]
@@ -140,9 +143,14 @@ def make_odd_lora(
             b = np.ones((outer, n_out, rank), dtype=dtype)
     out = Path(out_path)
     writer = gguf.GGUFWriter(str(out), arch=arch)
-    writer.add_type(gguf.GGUFType.ADAPTER)
-    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
-    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(rank))
+    own: dict[str, tuple[object, gguf.GGUFValueType]] = {
+        gguf.Keys.General.TYPE: (gguf.GGUFType.ADAPTER, gguf.GGUFValueType.STRING),
+        gguf.Keys.Adapter.TYPE: ("lora", gguf.GGUFValueType.STRING),
+        gguf.Keys.Adapter.LORA_ALPHA: (float(rank), gguf.GGUFValueType.FLOAT32),
+    }
+    for key, (value, vtype) in {**own, **keys}.items():
+        sub = gguf.GGUFValueType.FLOAT32 if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, vtype, sub_type=sub)
     writer.add_tensor(f"{name}.lora_a", a)
     writer.add_tensor(f"{name}.lora_b", b)
     writer.write_header_to_file()

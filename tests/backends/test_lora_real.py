@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 from tests.backends.lora_fixture import make_lora, make_odd_lora
@@ -346,6 +347,42 @@ def test_an_adapter_llama_cpp_takes_but_cannot_run_is_refused_at_load(
         assert np.isfinite(np.frombuffer(last_logits(bmodel, ctx), dtype=np.float32)).all()
     finally:
         ctx.close()
+
+
+_T = gguf.GGUFValueType
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "vtype", "match"),
+    [
+        ("adapter.lora.alpha", 4.0, _T.FLOAT64, "alpha is a GGUF float64, not the float32"),
+        ("adapter.lora.alpha", 4, _T.UINT32, "alpha is a GGUF uint32"),
+        ("adapter.lora.alpha", "4", _T.STRING, "alpha is a GGUF string"),
+        ("adapter.lora.alpha", [4.0, 4.0], _T.ARRAY, "alpha is a GGUF array"),
+        ("general.type", 7, _T.UINT32, "general.type is a GGUF uint32, not the string"),
+        ("adapter.type", 1, _T.UINT32, "adapter.type is a GGUF uint32"),
+        ("adapter.lora.alpha", math.nan, _T.FLOAT32, "alpha is nan, not a finite number"),
+        ("adapter.lora.alpha", math.inf, _T.FLOAT32, "alpha is inf, not a finite number"),
+    ],
+)
+def test_adapter_keys_llama_cpp_would_abort_on_or_run_as_nan_are_refused(
+    bmodel: BackendModel, tmp_path: Path, key: str, value: object, vtype: object, match: str
+) -> None:
+    """Found by review: an adapter whose alpha was a float64 (or a uint32, a string, an
+    array), or whose general.type or adapter.type was no string, aborted the process as
+    llama.cpp loaded it (``GGML_ASSERT(type_to_gguf_type<T>::value == type)``: gguf.cpp's
+    typed getters assert); one whose alpha was NaN or infinite loaded, and every logit and
+    embedding under it was NaN. Each is an ``AdapterError`` before llama.cpp reads the file,
+    and the model goes on."""
+    bad = make_odd_lora(
+        default_model_path(),
+        tmp_path / "keys.gguf",
+        keys={key: (value, vtype)},  # type: ignore[dict-item]
+    )
+    with pytest.raises(AdapterError, match=match):
+        bmodel.load_adapter(str(bad))
+    ok = make_odd_lora(default_model_path(), tmp_path / "ok.gguf", dtype=np.float32)
+    bmodel.load_adapter(str(ok)).close()
 
 
 def test_an_activated_lora_is_refused_not_run_over_whole_prompts(

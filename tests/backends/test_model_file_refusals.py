@@ -40,6 +40,17 @@ def _patch_u32(path: Path, key: str, value: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def _retype(path: Path, key: str, old: int, new: int) -> None:
+    """Give ``key`` of the GGUF at ``path`` GGUF type ``new`` (a type of ``old``'s size) in
+    place, its value's bytes kept."""
+    data = bytearray(path.read_bytes())
+    needle = struct.pack("<Q", len(key)) + key.encode()
+    at = data.index(needle) + len(needle)
+    assert struct.unpack_from("<I", data, at)[0] == old, f"{key} is not of type {old}"
+    struct.pack_into("<I", data, at, new)
+    path.write_bytes(bytes(data))
+
+
 def _retype_first_tensor(path: Path, ggml_type: int) -> None:
     """Give the tensor table's first entry (token_embd.weight, f32) another type of the same
     size in place."""
@@ -320,6 +331,14 @@ def _projector(*edits: tuple[str, int], **kw: Any) -> Callable[[Path], Path]:
     return build
 
 
+def _retyped(key: str, old: int, new: int) -> Callable[[Path], Path]:
+    def build(path: Path) -> Path:
+        _retype(_projector()(path), key, old, new)
+        return path
+
+    return build
+
+
 def _audio(**kw: Any) -> Callable[[Path], Path]:
     return lambda path: write_tiny_audio_projector(path, 576, **kw)
 
@@ -382,6 +401,22 @@ PROJECTOR_CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "qwen2a-without-attn-v": (
         _audio_without("a.blk.0.attn_v.weight"), "needs tensor 'a.blk.0.attn_v.weight'",
     ),
+    # A key of another GGUF type than mtmd reads it as (its typed getters assert the type):
+    # u32 4, i32 5, f32 6, bool 7, u8 0, i8 1.
+    "image-size-a-float32": (
+        _retyped("clip.vision.image_size", 4, 6), "image_size is a GGUF float32, not the uint32",
+    ),
+    "patch-size-an-int32": (
+        _retyped("clip.vision.patch_size", 4, 5), "patch_size is a GGUF int32, not the uint32",
+    ),
+    "epsilon-a-uint32": (
+        _retyped("clip.vision.attention.layer_norm_epsilon", 6, 4),
+        "epsilon is a GGUF uint32, not the float32",
+    ),
+    "has-vision-encoder-a-uint8": (
+        _retyped("clip.has_vision_encoder", 7, 0), "encoder is a GGUF uint8, not the bool",
+    ),
+    "use-gelu-an-int8": (_retyped("clip.use_gelu", 7, 1), "gelu is a GGUF int8, not the bool"),
 }  # fmt: skip
 
 #: Projectors llama.cpp loads and encodes an image with, at the edges of the rules above (a

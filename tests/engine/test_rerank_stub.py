@@ -9,10 +9,12 @@ exactly iff the KV it was read from is right.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +26,8 @@ from kvwarm.engine.cancel import Cancellation
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.errors import (
+    AdapterError,
+    BackendError,
     CapabilityError,
     ContextOverflowError,
     EngineClosedError,
@@ -259,6 +263,50 @@ def test_bad_input_is_a_typed_error(engine: Engine) -> None:
         model.rerank(QUERY, ["a"], cache_salt="")
     assert salt.value.param == "cache_salt"
     assert model.status().queued == 0 and model.status().requests == 0  # nothing queued
+
+
+def test_a_score_that_is_not_finite_is_a_typed_error(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: weights or adapters that overflow gave NaN scores, sorted as if they
+    were numbers (NaN compares false) and an untyped 500 as JSON. The rerank fails with a
+    ``BackendError`` saying why, its other documents cancelled; the model goes on ranking."""
+    from kvwarm.backends.stub.context import StubContext
+
+    model = load(engine, "stub-reranker.gguf")
+    good = model.rerank(QUERY, DOCS[:3])
+    real = StubContext._pooled
+
+    def overflowing(self: StubContext, seq: int) -> tuple[float, ...] | None:
+        values = real(self, seq)
+        return None if values is None else (math.nan, *values[1:])
+
+    monkeypatch.setattr(StubContext, "_pooled", overflowing)
+    with pytest.raises(BackendError, match="not a finite number"):
+        model.rerank(QUERY, DOCS[:3])
+    monkeypatch.undo()
+    assert model.rerank(QUERY, DOCS[:3]).results == good.results
+    assert model.status().active == 0 and model.status().queued == 0
+
+
+def test_a_rerank_runs_under_the_lora_set_it_names(engine: Engine, tmp_path: Path) -> None:
+    """``Model.rerank(lora=...)``, as ``Model.embed``'s: the documents are scored under that
+    set (the stub's scores are salted by the adapters a pass runs under), in its namespace;
+    an adapter the model lacks or a scale that is no number is refused before anything is
+    queued."""
+    adapter = tmp_path / "domain.gguf"
+    adapter.write_bytes(b"stub adapter: domain")
+    model = load(engine, "stub-reranker.gguf")
+    handle = model.load_adapter(str(adapter), 0.0).handle
+    base = model.rerank(QUERY, DOCS[:3]).results
+    under = model.rerank(QUERY, DOCS[:3], lora=((handle, 1.0),)).results
+    assert under != base
+    assert model.rerank(QUERY, DOCS[:3], lora=((handle, 0.0),)).results == base
+    with pytest.raises(AdapterError, match="no LoRA adapter 99"):
+        model.rerank(QUERY, DOCS[:3], lora=((99, 1.0),))
+    with pytest.raises(InvalidRequestError, match="finite"):
+        model.rerank(QUERY, DOCS[:3], lora=((handle, math.inf),))
+    assert model.status().queued == 0 and model.status().active == 0
 
 
 def test_a_document_longer_than_the_context_is_refused_or_cut(engine: Engine) -> None:

@@ -109,3 +109,30 @@ def test_an_embedding_runs_under_request_timeout_s(
         wait_ready(client.get)
         assert client.post("/v1/embeddings", json={"model": "a", "input": "hey"}).is_success
     assert seen == [passed]
+
+
+def test_an_embedding_that_is_not_finite_is_a_typed_error(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: weights or adapters that overflow (a LoRA scale of 1e4 on SmolLM2, an
+    adapter whose alpha is NaN) gave NaN vectors, returned as they were: a 200 of NaN under
+    base64, an untyped 500 ``internal_error`` as JSON floats. Now a typed 500 saying why,
+    as a generation's NaN logits are, and the model goes on embedding."""
+    from kvwarm.backends.stub.context import StubContext
+
+    body = {"model": "a", "input": ["hey", "you"]}
+    good = client.post("/v1/embeddings", json=body).json()["data"]
+    real = StubContext._embed
+
+    def overflowing(self: StubContext, tokens: object, *, normalize: bool) -> list[float]:
+        vector = real(self, tokens, normalize=normalize)  # type: ignore[arg-type]
+        return [math.nan, *vector[1:]]
+
+    monkeypatch.setattr(StubContext, "_embed", overflowing)
+    for encoding in ("float", "base64"):
+        bad = client.post("/v1/embeddings", json={**body, "encoding_format": encoding})
+        assert bad.status_code == 500, (encoding, bad.text)
+        error = bad.json()["error"]
+        assert error["code"] == "backend_error" and "not all finite" in error["message"], error
+    monkeypatch.undo()
+    assert client.post("/v1/embeddings", json=body).json()["data"] == good

@@ -219,6 +219,34 @@ def test_embeddings_run_under_the_global_scales(client: TestClient) -> None:
     assert embed() == base
 
 
+def test_an_embeddings_own_lora_list_is_what_it_runs_under(client: TestClient) -> None:
+    """Found by review: ``/v1/embeddings`` took no ``lora`` list (unknown to its body, the
+    field was ignored), so ``"lora": [{"id": 1, "scale": 1}]`` embedded under the global
+    scales: the base model's vector, silently. It runs that request under exactly those
+    adapters, as a completion's list does, and a bad list is a 400 naming ``lora``."""
+
+    def embed(**fields: object) -> list[float]:
+        body = {"model": "a", "input": "hello", **fields}
+        response = client.post("/v1/embeddings", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["data"][0]["embedding"]  # type: ignore[no-any-return]
+
+    base = embed()
+    pirate = embed(lora=[{"id": 1, "scale": 1.0}])
+    assert pirate != base
+    try:
+        assert client.post("/lora-adapters", json=[{"id": 1, "scale": 1.0}]).status_code == 200
+        assert embed() == pirate  # the same set, by the global scales
+        assert embed(lora=[]) == pirate  # an empty list: the global scales
+        assert embed(lora=[{"id": 1, "scale": 0.0}]) == base  # listed off: off
+    finally:
+        assert client.post("/lora-adapters", json=[]).status_code == 200
+    bad = client.post(
+        "/v1/embeddings", json={"model": "a", "input": "x", "lora": [{"id": 9, "scale": 1}]}
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora", bad.text
+
+
 def test_an_adapter_name_cannot_prewarm(client: TestClient) -> None:
     """Found by review: ``/cache/prewarm`` with an adapter's name answered 200 and filled its
     model's own rows, which a request naming the adapter (a namespace of its own) never

@@ -364,6 +364,29 @@ def test_an_allowed_host_is_fetched_once_without_redirects(
     assert "answered 302" in caplog.text  # why: in the log, not in the answer
 
 
+def test_a_request_past_media_max_items_fetches_nothing(client: TestClient, png_port: int) -> None:
+    """Found by review: every image URL of a request was fetched (each up to media_max_bytes,
+    held as base64) before the engine refused the request past media_max_items, so one body
+    of thousands of URLs had the server fetch them all. The media are counted first, as the
+    engine counts them (a data: URI and a clip too), and nothing is fetched."""
+    url = f"http://127.0.0.1:{png_port}/many.png"
+    body = chat_body(url)
+    parts = body["messages"][1]["content"]  # type: ignore[index]
+    parts += [{"type": "image_url", "image_url": {"url": data_uri(png(2))}}]
+    parts += [{"type": "image_url", "image_url": {"url": url}}] * 40
+    before = len(_PngHandler.hosts)
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.json()
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_media", "messages.1.content.3"), error
+    assert "at most 2 images" in error["message"], error
+    assert len(_PngHandler.hosts) == before  # not one fetch
+    # Within the limit, the URL is fetched (once) as before.
+    del parts[3:]
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert len(_PngHandler.hosts) == before + 1
+
+
 def test_a_fetch_that_fails_or_drags_on_is_a_400_that_says_no_more(
     client: TestClient,
     png_port: int,

@@ -4,6 +4,7 @@ Cohere request forms, what ``/v1/models`` says a model can do, and every refusal
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -201,3 +202,47 @@ def test_a_rerank_runs_under_request_timeout_s(
         body = {"model": "ranker", "query": QUERY, "documents": DOCS}
         assert client.post("/v1/rerank", json=body).status_code == 200
     assert seen == [passed]
+
+
+def test_a_rerank_runs_under_the_global_lora_scales(tmp_path: Path) -> None:
+    """llama-server runs a rerank's documents under its adapters' global scales
+    (``POST /lora-adapters``), as it embeds; found by review: kvwarm dropped them for a
+    rerank (not for an embedding), so a reranker with an adapter on scored with the base
+    model alone. (The stub's scores are salted by the adapters a pass runs under.)"""
+    adapter = tmp_path / "domain.gguf"
+    adapter.write_bytes(b"stub adapter: domain")
+    settings = stub_settings(
+        models=(ModelSpec(path="stub-reranker.gguf", id="ranker"),),
+        lora=(("domain", str(adapter)),),
+        n_batch=256,
+    )
+    body: dict[str, object] = {"model": "ranker", "query": QUERY, "documents": DOCS}
+
+    def scores(client: TestClient) -> list[float]:
+        response = client.post("/v1/rerank", json=body)
+        assert response.status_code == 200, response.json()
+        return [r["relevance_score"] for r in sorted(response.json()["results"], key=_index)]
+
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        base = scores(client)
+        assert client.post("/lora-adapters", json=[{"id": 0, "scale": 1.0}]).status_code == 200
+        under = scores(client)
+        assert under != base
+        assert client.post("/lora-adapters", json=[]).status_code == 200
+        assert scores(client) == base
+        assert client.post("/lora-adapters", json=[{"id": 0, "scale": 1.0}]).status_code == 200
+        assert scores(client) == under  # its own namespace: the same scores again
+        assert client.post("/lora-adapters", json=[]).status_code == 200
+        # A rerank's own lora list (as a completion's; it was ignored): that set alone.
+        body["lora"] = [{"id": 0, "scale": 1.0}]
+        assert scores(client) == under
+        body["lora"] = [{"id": 3, "scale": 1.0}]
+        bad = client.post("/v1/rerank", json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora", bad.text
+
+
+def _index(result: dict[str, object]) -> int:
+    index = result["index"]
+    assert isinstance(index, int)
+    return index

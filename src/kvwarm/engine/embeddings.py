@@ -11,7 +11,8 @@ cancels it (``engine.cancel``: the server's, on a disconnect), the pieces not ye
 never run. Before each embedding job the context takes the LoRA set the embedding runs under
 (``Adapters.resolve``): the one it names (the server's global scales, as llama-server embeds),
 else the model's own, so a model with an adapter attached embeds with it, as it generates with
-it.
+it. Every vector returned is finite numbers (one that is not, from weights or adapters that
+overflow, fails the embedding: ``BackendError``).
 
 The embedding context is sized to the inputs it has embedded (found by review): pooling needs a
 whole input in one ubatch, so its ``n_ubatch`` (and ``n_ctx``) must hold the longest input, and
@@ -24,6 +25,7 @@ longer input comes; ``memory_bytes`` reports what it holds (the model counts it 
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError
@@ -41,6 +43,7 @@ from kvwarm.engine.request import check_tokens
 from kvwarm.engine.worker.loop import Worker
 from kvwarm.engine.worker.runtime import LoraChoice
 from kvwarm.errors import (
+    BackendError,
     ContextOverflowError,
     InvalidRequestError,
     RequestCancelledError,
@@ -134,7 +137,7 @@ class Embedder:
             if wanted != self._ctx_adapters:
                 ctx.set_adapters(wanted)
                 self._ctx_adapters = wanted
-            return [ctx.embed(toks, normalize=normalize) for toks in piece]
+            return [_finite(ctx.embed(toks, normalize=normalize)) for toks in piece]
 
         vectors: list[list[float]] = []
 
@@ -209,6 +212,19 @@ class Embedder:
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx.close()
+
+
+def _finite(vector: list[float]) -> list[float]:
+    """``vector``, if every value is a finite number; else ``BackendError``. Found by review:
+    weights or adapters that overflow (a LoRA scale of 1e4 on SmolLM2, an adapter whose alpha
+    is NaN) gave a vector of NaN, returned as it was: a 200 of NaN vectors under base64, an
+    untyped 500 as JSON floats (which JSON cannot hold). As a generation's NaN logits are."""
+    if not all(map(math.isfinite, vector)):
+        raise BackendError(
+            "the model computed an embedding whose values are not all finite numbers (NaN or "
+            "infinite): its weights or its adapters overflow (is a LoRA scale far too large?)"
+        )
+    return vector
 
 
 def _is_sequence(value: object) -> bool:

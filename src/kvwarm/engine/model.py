@@ -949,6 +949,7 @@ class Model:
         top_n: int | None = None,
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
+        lora: LoraChoice | None = None,
         timeout_s: float | None = None,
         cancel: Cancellation | None = None,
     ) -> Reranking:
@@ -960,15 +961,20 @@ class Model:
         document whose prompt does not fit ``n_ctx`` is ``ContextOverflowError``, or cut to
         fit with ``rerank_truncate``. Past ``timeout_s`` seconds (None: no deadline) the
         documents not yet scored are cancelled and ``RequestTimeoutError`` is raised; once
-        ``cancel`` is cancelled (from any thread), ``RequestCancelledError``."""
+        ``cancel`` is cancelled (from any thread), ``RequestCancelledError``. ``lora``: the
+        adapters to score under, as ``GenerationOptions.lora`` (None: the model's own set);
+        its documents' KV lives in that set's namespace."""
         self._check_ready()
         self._require("rerank")
+        check_lora(lora)
+        self._adapters.check(lora)
         return self._ranker.rerank(
             query,
             documents,
             top_n=top_n,
             max_tokens_per_doc=max_tokens_per_doc,
             cache_salt=cache_salt,
+            lora=lora,
             timeout_s=timeout_s,
             cancel=cancel,
         )

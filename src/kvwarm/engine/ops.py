@@ -167,12 +167,14 @@ class ModelCalls(Protocol):
         top_n: int | None = None,
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
+        lora: tuple[tuple[int, float], ...] | None = None,
         timeout_s: float | None = None,
         cancel: Cancellation | None = None,
     ) -> Reranking:
-        """The documents by relevance to ``query``, best first (a reranker only); past
-        ``timeout_s`` the documents not yet scored are cancelled (``RequestTimeoutError``),
-        and once ``cancel`` is cancelled (``RequestCancelledError``)."""
+        """The documents by relevance to ``query``, best first (a reranker only), under the
+        LoRA set ``lora`` (as ``embed``'s); past ``timeout_s`` the documents not yet scored
+        are cancelled (``RequestTimeoutError``), and once ``cancel`` is cancelled
+        (``RequestCancelledError``)."""
         ...
 
 

@@ -52,7 +52,15 @@ from dataclasses import dataclass
 
 from kvwarm.backends.base import BackendModel, MediaSpan, Projector
 from kvwarm.errors import ContextOverflowError, FimNotSupportedError, InvalidRequestError
-from kvwarm.media import Media, MediaBudget, MediaError, MediaKind, MediaLimits, load_media
+from kvwarm.media import (
+    Media,
+    MediaBudget,
+    MediaError,
+    MediaKind,
+    MediaLimits,
+    load_media,
+    too_many,
+)
 from kvwarm.tokens import Prompt
 from kvwarm.unicode import find_lone_surrogate
 
@@ -378,11 +386,7 @@ def _read_part(
             param=where,
         )
     if count >= media.limits.max_items:
-        raise MediaError(
-            f"{where}: a request may hold at most {media.limits.max_items} images and audio "
-            "clips (setting media_max_items)",
-            param=where,
-        )
+        raise too_many(where, media.limits.max_items)
     value = part.get(key)
     if kind == "image_url":
         url = value.get("url") if isinstance(value, Mapping) else value

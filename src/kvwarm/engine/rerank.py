@@ -39,11 +39,13 @@ Invariants: every input is checked on the caller's thread before anything is que
 rerank's requests are queued together or not at all and end together (the first failure
 cancels the rest, and is raised; so do a deadline, ``timeout_s``: the server's
 ``request_timeout_s``, and a ``Cancellation``: the server's, on its client's disconnect);
-results are sorted by score, ties in document order.
+results are sorted by score, ties in document order; every score is a finite number (one
+that is not, from weights or adapters that overflow, fails the rerank: ``BackendError``).
 """
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -55,7 +57,9 @@ from kvwarm.engine.cancel import Cancellation, check_cancel, check_timeout
 from kvwarm.engine.request import Done, Failed, Request, RequestKind
 from kvwarm.engine.types import GenerationOptions, Reranking, RerankResult
 from kvwarm.engine.worker.loop import Worker
+from kvwarm.engine.worker.runtime import LoraChoice
 from kvwarm.errors import (
+    BackendError,
     ContextOverflowError,
     EngineClosedError,
     InvalidRequestError,
@@ -114,13 +118,14 @@ class Ranker:
         top_n: int | None = None,
         max_tokens_per_doc: int | None = None,
         cache_salt: str | None = None,
+        lora: LoraChoice | None = None,
         timeout_s: float | None = None,
         cancel: Cancellation | None = None,
     ) -> Reranking:
         docs = self._check(query, documents, top_n, max_tokens_per_doc)
         check_timeout(timeout_s)
         check_cancel(cancel)
-        options = GenerationOptions(max_tokens=0, temperature=0.0, cache_salt=cache_salt)
+        options = GenerationOptions(max_tokens=0, temperature=0.0, cache_salt=cache_salt, lora=lora)
         options.validate()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         prompts = self._prompts(query, docs, max_tokens_per_doc)
@@ -394,6 +399,14 @@ class Ranker:
                 raise EngineClosedError(
                     "the rerank was cancelled before every document was scored (the model "
                     "is unloading)"
+                )
+            if not math.isfinite(done.score):
+                # Found by review: weights or adapters that overflow gave NaN scores, sorted
+                # as if numbers (NaN compares false) and an untyped 500 as JSON.
+                raise BackendError(
+                    f"the model computed a score that is not a finite number ({done.score}) "
+                    "for a document: its weights or its adapters overflow (is a LoRA scale "
+                    "far too large?)"
                 )
             scores.append(done.score)
             cached += done.stats.cached_tokens

@@ -15,7 +15,8 @@ Invariants:
   once, without redirects, within ``media_max_bytes`` and one deadline (``FETCH_TIMEOUT_S``,
   from the name's lookup to the last byte), and goes on as bytes.
   Nothing else is fetched (``file:`` and every other scheme are refused), and no environment
-  proxy is used (the check must be of the address connected to).
+  proxy is used (the check must be of the address connected to). A request's media are
+  counted before any of its URLs is fetched: past ``media_max_items`` nothing is.
 - A fetch that fails tells the client only that (``invalid_media``, "could not fetch the
   image at <url>"); why (refused connection, timeout, status, what a name resolved to) is
   logged, so a client cannot map the server's network through error messages.
@@ -38,7 +39,7 @@ from urllib.parse import urlsplit
 
 from starlette.concurrency import run_in_threadpool
 
-from kvwarm.media import MediaError
+from kvwarm.media import MediaError, too_many
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.schemas import ChatMessage, ContentPart, ImageUrl
 from kvwarm.settings import Settings
@@ -133,9 +134,46 @@ def engine_parts(parts: Sequence[ContentPart], where: str) -> str | list[Part]:
     return items
 
 
+def _url_of(part: ContentPart) -> str | None:
+    """The URL of an ``image_url`` part that is not a data: URI (None for any other part)."""
+    url = (
+        part.image_url
+        if isinstance(part.image_url, str)
+        else (part.image_url.url if part.image_url is not None else None)
+    )
+    if part.type != "image_url" or url is None or url.startswith("data:"):
+        return None
+    return url
+
+
+def _check_count(messages: Sequence[ChatMessage], limit: int) -> None:
+    """400 for a request holding more than ``limit`` media (``media_max_items``), counted as
+    the engine counts them, naming the first part past it: checked before anything is
+    fetched. Found by review: every URL was fetched first (each up to ``media_max_bytes``,
+    held as base64), and only the engine refused the request past its eighth image, so one
+    body of thousands of URLs had the server fetch them all."""
+    count = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            if has_media(part):
+                if count >= limit:
+                    raise too_many(part._where or f"messages.{i}.content.{j}", limit)
+                count += 1
+
+
 async def fetch_images(messages: Sequence[ChatMessage], settings: Settings) -> list[ChatMessage]:
     """``messages`` with each image given by an http(s) URL fetched (``media_fetch_hosts``
-    must allow it, ``_target``) and put in as a data: URI; 400 for any other URL."""
+    must allow it, ``_target``) and put in as a data: URI; 400 for any other URL, and for
+    more media than ``media_max_items`` before any is fetched."""
+    if any(
+        _url_of(part) is not None
+        for message in messages
+        if isinstance(message.content, list)
+        for part in message.content
+    ):
+        _check_count(messages, settings.media_max_items)
     out: list[ChatMessage] = []
     for i, message in enumerate(messages):
         content = message.content
@@ -145,12 +183,8 @@ async def fetch_images(messages: Sequence[ChatMessage], settings: Settings) -> l
         parts: list[ContentPart] = []
         changed = False
         for j, part in enumerate(content):
-            url = (
-                part.image_url
-                if isinstance(part.image_url, str)
-                else (part.image_url.url if part.image_url is not None else None)
-            )
-            if part.type != "image_url" or url is None or url.startswith("data:"):
+            url = _url_of(part)
+            if url is None:
                 parts.append(part)
                 continue
             at = part._where or f"messages.{i}.content.{j}"

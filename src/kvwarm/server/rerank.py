@@ -21,7 +21,14 @@ from kvwarm.engine.types import Reranking
 from kvwarm.server import tenancy
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import request_log, run_cancellable
-from kvwarm.server.schemas import RerankRequest, check_count, json_body, parse_body, read_json
+from kvwarm.server.schemas import (
+    RerankRequest,
+    check_count,
+    json_body,
+    lora_pairs,
+    parse_body,
+    read_json,
+)
 from kvwarm.server.state import server_state
 from kvwarm.settings import Settings
 
@@ -58,7 +65,12 @@ async def rerank(request: Request) -> Response:
             param="model",
             code="unsupported_by_model",
         )
-    model, _ = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
+    # The model's global LoRA scales (POST /lora-adapters), as llama-server reranks under
+    # them (its rerank tasks run under the server's adapters); found by review: they were
+    # dropped here, so a reranker with an adapter on scored with the base model alone.
+    model, lora = await state.acquire_generation(
+        req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
+    )
     texts = [d if isinstance(d, str) else d.text for d in req.documents]
     salt = tenancy.cache_salt(request, req.cache_salt, state.settings)
 
@@ -69,6 +81,7 @@ async def rerank(request: Request) -> Response:
             top_n=req.top_n,
             max_tokens_per_doc=req.max_tokens_per_doc,
             cache_salt=salt,
+            lora=lora,
             # A generation's deadline (found by review: a rerank had none, so one of a
             # thousand long documents held the model's queue as long as it took, its client
             # long gone; under kvwarm cluster the replica went on after the ingress gave up).

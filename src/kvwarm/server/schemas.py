@@ -382,6 +382,9 @@ class EmbeddingRequest(_Body):
     encoding_format: Literal["float", "base64"] = "float"
     # OpenAI's shortened embeddings: the first ``dimensions`` values, scaled to unit length.
     dimensions: JsonInt | None = Field(default=None, ge=1)
+    # llama-server's per-request adapters, as a completion's (found by review: the field was
+    # ignored, unknown to the body, and the embedding ran under the global scales).
+    lora: list[LoraItem] | None = Field(default=None, max_length=64)
 
 
 class RerankDocument(_Body):
@@ -410,6 +413,7 @@ class RerankRequest(_Body):
         default=None, ge=1, description="cut each document to this many tokens (Cohere v2)"
     )
     cache_salt: str | None = _salt_field()
+    lora: list[LoraItem] | None = Field(default=None, max_length=64)  # as a completion's
 
 
 class TokenizeRequest(_Body):

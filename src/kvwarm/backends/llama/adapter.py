@@ -4,12 +4,14 @@ Invariant: an adapter is one of its model's dependents (``_lifetime``): it holds
 and is freed before it. Its digest is of the file's bytes, folded into the cache namespace.
 Its tensors' types and outer dimensions are checked before llama.cpp loads it
 (``_check_tensors``): llama.cpp checks only the first two dimensions, and a tensor it takes
-but cannot multiply aborts or crashes the process at the first forward pass.
+but cannot multiply aborts or crashes the process at the first forward pass. So are the types
+of the keys llama.cpp reads (``_check_keys``): its typed getters abort on any other.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,6 +42,7 @@ class LlamaAdapter:
         except OSError as exc:
             raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
         _check_tensors(path, model.facts.metadata)
+        _check_keys(path)
         #: A weight of it multiplied by another kernel for several rows than for one ("" if
         #: none): requests under it do not speculate (``LlamaModel.verify_exactness``).
         self.row_kernels = model_file.several_row_kernels(path, adapter=True)
@@ -126,6 +129,48 @@ def _why(lines: list[str]) -> str:
         if "failed to apply lora adapter:" in text:
             return ": " + text.split("failed to apply lora adapter:", 1)[1].strip()
     return ""
+
+
+#: The keys ``llama_adapter_lora_init`` reads, with the GGUF type it reads each as
+#: (``gguf_get_val_str``, ``gguf_get_val_f32``): those assert the type (a GGML_ASSERT, an
+#: abort of the whole process) where a mismatch is no error it could report.
+_KEY_TYPES = {
+    "general.type": 8,
+    "general.architecture": 8,
+    "adapter.type": 8,
+    "adapter.lora.alpha": 6,
+}
+
+
+def _check_keys(path: str) -> None:
+    """``AdapterError`` for an adapter whose keys llama.cpp reads are of another type than
+    it reads them as, or whose ``adapter.lora.alpha`` is not a finite number. Found by
+    review: an adapter whose alpha was a float64 (or a uint32, a string, an array), or whose
+    ``general.type`` or ``adapter.type`` was no string, aborted the process as it loaded
+    (``GGML_ASSERT(type_to_gguf_type<T>::value == type)`` in gguf.cpp); one whose alpha was
+    NaN or infinite loaded, and every output under it was NaN."""
+    try:
+        found = gguf_meta.values_of(path, _KEY_TYPES.__contains__)
+    except ValueError as exc:
+        raise AdapterError(
+            f"adapter {path!r} is not a GGUF file llama.cpp can read: {exc}"
+        ) from exc
+    except OSError as exc:
+        raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
+    for key, wanted in _KEY_TYPES.items():
+        got = found.types.get(key)
+        if got is not None and got != wanted:
+            names = gguf_meta.TYPE_NAMES
+            raise AdapterError(
+                f"adapter {path!r}: {key} is a GGUF {names.get(got, str(got))}, not the "
+                f"{names[wanted]} llama.cpp reads it as (it would abort the process)"
+            )
+    alpha = found.values.get("adapter.lora.alpha")
+    if isinstance(alpha, float) and not math.isfinite(alpha):
+        raise AdapterError(
+            f"adapter {path!r}: adapter.lora.alpha is {alpha}, not a finite number (every "
+            "output under it would be NaN)"
+        )
 
 
 #: ggml type ids a LoRA tensor may have: those ``convert_lora_to_gguf.py`` writes, which every

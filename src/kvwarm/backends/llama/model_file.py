@@ -9,18 +9,20 @@ llama.cpp (0.3.36), found by loading hostile files in a child process
 (``tests/backends/test_model_file_refusals.py``); the rule is llama.cpp's own condition, so
 every file it loads without aborting still passes.
 
-Projectors (``general.architecture`` ``clip``) get the generic rules of ``_clip_problem``
-and, for the vision projector types ``gemma3`` and ``mlp`` (LLaVA; ``mlp_norm`` when it has
-``mm.3.weight``), ``_clip_tensors_problem``: the tensors clip.cpp loads as optional and its
-graph then dereferences (a ``gemma3`` projector relabelled ``mlp`` had no ``mm.0.weight``:
-SIGSEGV at load), a position embedding the encoder's input cannot take (GGML_ASSERT at load),
-and ``gemma3``'s pooling factor not dividing the patch grid (GGML_ASSERT at the first image);
-for the audio types of whisper's encoder (``qwen2a``, ``ultravox``, ``voxtral``, ``glma``,
-``meralion``, ``musicflamingo``), ``_whisper_tensors_problem``: the position embedding (missing:
-SIGSEGV; under 1500 rows: GGML_ASSERT) and the first layer's norms and biases it asserts.
-Not covered, known: every other projector type's own tensors and asserts (clip.cpp builds
-some 60 graphs; tests can write only gemma3, mlp and qwen2a), each type's head tensors past
-those named (ultravox's, voxtral's...), and the widths of the matrices each graph multiplies.
+Projectors (``general.architecture`` ``clip``, or any file loaded as one) get the types of
+the keys mtmd reads (``_CLIP_TYPES``: its typed getters assert them), the generic rules of
+``_clip_problem`` and, for the vision projector types ``gemma3`` and ``mlp`` (LLaVA;
+``mlp_norm`` when it has ``mm.3.weight``), ``_clip_tensors_problem``: the tensors clip.cpp
+loads as optional and its graph then dereferences (a ``gemma3`` projector relabelled ``mlp``
+had no ``mm.0.weight``: SIGSEGV at load), a position embedding the encoder's input cannot
+take (GGML_ASSERT at load), and ``gemma3``'s pooling factor not dividing the patch grid
+(GGML_ASSERT at the first image); for the audio types of whisper's encoder (``qwen2a``,
+``ultravox``, ``voxtral``, ``glma``, ``meralion``, ``musicflamingo``),
+``_whisper_tensors_problem``: the position embedding (missing: SIGSEGV; under 1500 rows:
+GGML_ASSERT) and the first layer's norms and biases it asserts. Not covered, known: every
+other projector type's own tensors and asserts (clip.cpp builds some 60 graphs; tests can
+write only gemma3, mlp and qwen2a), each type's head tensors past those named (ultravox's,
+voxtral's...), and the widths of the matrices each graph multiplies.
 
 Invariant: ``check`` reads only the key/value section and the tensor table, bounded by the
 file's size (``gguf_meta.read_values``, ``read_tensors``; an mmap, never a copy of the file),
@@ -147,17 +149,60 @@ _ARCH_KEYS = frozenset({
 })  # fmt: skip
 
 
+_U32, _I32, _F32, _BOOL, _STR = 4, 5, 6, 7, 8
+_TOWERS = ("vision", "audio", "gen.audio")
+#: The scalar keys mtmd's ``clip_model_loader`` reads (its ``get_u32``, ``get_i32``,
+#: ``get_f32``, ``get_bool``, ``get_string``), by the GGUF type it reads each as: gguf.cpp's
+#: typed getters assert it (``GGML_ASSERT(type_to_gguf_type<T>::value == type)``), so a key
+#: of another type aborted the process as the projector loaded. (Its arrays it checks itself.)
+_CLIP_TYPES: dict[str, int] = {
+    **{f"clip.{tower}.{key}": _U32 for tower in _TOWERS for key in (
+        "embedding_length", "feed_forward_length", "block_count", "projection_dim",
+        "attention.head_count", "attention.head_count_kv", "attention.head_dim",
+    )},
+    **{f"clip.{tower}.attention.layer_norm_epsilon": _F32 for tower in _TOWERS},
+    **dict.fromkeys((
+        "clip.audio.chunk_size", "clip.audio.conv_kernel_size", "clip.audio.local_block_count",
+        "clip.audio.local_group_size", "clip.audio.max_pos_emb", "clip.audio.num_mel_bins",
+        "clip.audio.projector.downsample_rate", "clip.audio.projector.head_count",
+        "clip.audio.projector.stack_factor", "clip.audio.projector.window_size",
+        "clip.audio.rvq.num_quantizers", "clip.audio.subsampling_factor",
+        "clip.audio.window_size", "clip.minicpmv_query_num", "clip.vision.expert_used_count",
+        "clip.vision.image_max_pixels", "clip.vision.image_min_pixels",
+        "clip.vision.image_size", "clip.vision.n_wa_pattern", "clip.vision.patch_size",
+        "clip.vision.preproc_image_size", "clip.vision.preproc_max_tiles",
+        "clip.vision.preproc_min_tiles", "clip.vision.projector.query_side",
+        "clip.vision.projector.scale_factor", "clip.vision.projector.window_side",
+        "clip.vision.sam.block_count", "clip.vision.sam.embedding_length",
+        "clip.vision.sam.head_count", "clip.vision.spatial_merge_size",
+        "clip.vision.window_size",
+    ), _U32),
+    "clip.minicpmv_version": _I32,
+    "clip.vision.swiglu_clamp": _F32,
+    **dict.fromkeys((
+        "clip.has_vision_encoder", "clip.has_audio_encoder", "clip.has_gen_audio_encoder",
+        "clip.use_gelu", "clip.use_silu",
+    ), _BOOL),
+    **dict.fromkeys((
+        "clip.projector_type", "clip.vision.projector_type", "clip.audio.projector_type",
+        "clip.gen.audio.projector_type", "clip.gen.audio.model_variant",
+        "clip.vision.mm_patch_merge_type", "general.name", "general.description",
+    ), _STR),
+}  # fmt: skip
+
+
 def _wanted(key: str) -> bool:
-    return key in _KEYS or key.partition(".")[2] in _ARCH_KEYS
+    return key in _KEYS or key in _CLIP_TYPES or key.partition(".")[2] in _ARCH_KEYS
 
 
-def check(buf: gguf_meta.Buffer, name: str) -> None:
+def check(buf: gguf_meta.Buffer, name: str, *, projector: bool = False) -> None:
     """``InvalidModelFileError`` if the GGUF whose bytes are ``buf`` has a key/value section
     gguf.cpp would refuse (cut short, a length past the file's end, an unknown value type, an
     array of arrays, a version before 2: each a refusal of gguf.cpp's own, named here) or is
     one the pinned llama.cpp would abort the process on; nothing for a file without the GGUF
     magic (``models_dir.check_gguf_magic`` refuses those). ``name`` is what the error calls
-    it."""
+    it; ``projector``: it is loaded as a projector (mtmd reads it whatever its architecture):
+    its keys must be of the types mtmd reads them as (``_CLIP_TYPES``), as a ``clip`` file's."""
     if bytes(buf[:4]) != gguf_meta.MAGIC:
         return
     try:
@@ -167,7 +212,11 @@ def check(buf: gguf_meta.Buffer, name: str) -> None:
             f"{name} is not a readable GGUF file (its header is malformed or cut short): {exc}"
         ) from None
     try:
-        problem = _problem(found.values) or _tensors_problem(buf, found)
+        problem = (
+            _clip_types_problem(found, projector)
+            or _problem(found.values)
+            or _tensors_problem(buf, found)
+        )
     except ValueError:
         # A tensor table this walk cannot read: gguf.cpp refuses it too (a refusal, not an
         # abort, whose reason ``refusal`` reports), save a 0-dimension entry it takes.
@@ -178,7 +227,7 @@ def check(buf: gguf_meta.Buffer, name: str) -> None:
         )
 
 
-def check_path(path: str | os.PathLike[str]) -> None:
+def check_path(path: str | os.PathLike[str], *, projector: bool = False) -> None:
     """``check`` of the file at ``path`` (mapped, not read); a file that cannot be opened or
     mapped is left to llama.cpp."""
     try:
@@ -193,7 +242,7 @@ def check_path(path: str | os.PathLike[str]) -> None:
         except (OSError, ValueError):
             return
         with buf:
-            check(buf, repr(os.fspath(path)))
+            check(buf, repr(os.fspath(path)), projector=projector)
 
 
 #: What llama.cpp says when the machine, not the file, stopped a load: a buffer it could not
@@ -303,6 +352,24 @@ def _problem(values: dict[str, gguf_meta.Value]) -> str:
     if arch == "clip":
         return _clip_problem(values)
     return _hparams_problem(arch, values) or _vocab_problem(values)
+
+
+def _clip_types_problem(found: gguf_meta.Values, projector: bool) -> str:
+    """A key mtmd reads as another GGUF type than the file's (``_CLIP_TYPES``), in a file
+    loaded as a ``projector`` or whose architecture is ``clip``. Found by review: a projector
+    whose ``clip.vision.image_size`` was a float32 (or whose ``clip.has_vision_encoder`` was
+    no bool, its layer norm epsilon no float32 ...) aborted the process as it loaded."""
+    if not projector and _text(found.values.get("general.architecture")) != "clip":
+        return ""
+    names = gguf_meta.TYPE_NAMES
+    for key, wanted in _CLIP_TYPES.items():
+        got = found.types.get(key)
+        if got is not None and got != wanted:
+            return (
+                f"{key} is a GGUF {names.get(got, str(got))}, not the {names[wanted]} mtmd "
+                "reads it as"
+            )
+    return ""
 
 
 def _clip_problem(values: dict[str, gguf_meta.Value]) -> str:

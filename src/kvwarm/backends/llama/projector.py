@@ -73,7 +73,8 @@ class LlamaProjector:
             check_gguf_magic(path)
         except InvalidRequestError as exc:
             raise ModelLoadError(f"the projector {path!r} is not a GGUF file") from exc
-        model_file.check_path(path)  # keys mtmd's encoder graph would abort the process on
+        # Keys mtmd's loader or encoder graph would abort the process on.
+        model_file.check_path(path, projector=True)
         mt = _mtmd()
         self._mt = mt
         self._model = model

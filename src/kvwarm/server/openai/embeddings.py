@@ -19,7 +19,14 @@ from starlette.responses import JSONResponse, Response
 from kvwarm.engine.cancel import Cancellation
 from kvwarm.server.errors import HTTPError
 from kvwarm.server.generate import request_log, run_cancellable
-from kvwarm.server.schemas import EmbeddingRequest, check_count, json_body, parse_body, read_json
+from kvwarm.server.schemas import (
+    EmbeddingRequest,
+    check_count,
+    json_body,
+    lora_pairs,
+    parse_body,
+    read_json,
+)
 from kvwarm.server.state import server_state
 
 router = APIRouter()
@@ -43,7 +50,9 @@ async def embeddings(request: Request) -> Response:
         )
     # The model's global LoRA scales (POST /lora-adapters), as llama-server embeds under them;
     # found by review: they were dropped here, so embeddings ran the base model alone.
-    model, lora = await state.acquire_generation(req.model, keep_alive=req.keep_alive)
+    model, lora = await state.acquire_generation(
+        req.model, keep_alive=req.keep_alive, lora=lora_pairs(req.lora)
+    )
     raw = req.input
     # Token ids go to the model as they are: no detokenize / re-tokenize round trip.
     items: list[str | list[int]]
