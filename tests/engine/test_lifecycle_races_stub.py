@@ -1,0 +1,61 @@
+"""A request's lifecycle under concurrency (review "races"), on the stub: what other threads
+see of a request between its queue and its slot, and how requests end when their model is
+unloaded under them. Every wait is on an event the worker reaches, never on time."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+from tests.engine.conftest import make_engine, stub_config
+
+from kvwarm.engine.model import Model
+from kvwarm.engine.request import Request
+from kvwarm.engine.worker.admission import Admission, Planned, Restored
+
+PROMPT = "The system prompt says: be brief and kind. Question: what is a cache? " * 2
+
+
+class _HeldAdmission:
+    """Holds the worker inside ``Admission.restore`` (where a row is read from a tier and
+    unpacked: milliseconds to seconds) until ``release`` is set; ``entered`` is set as it
+    waits."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        real = Admission.restore
+
+        def held(admission: Admission, planned: Planned, req: Request) -> Restored:
+            self.entered.set()
+            assert self.release.wait(60)
+            return real(admission, planned, req)
+
+        monkeypatch.setattr(Admission, "restore", held)
+
+
+@pytest.fixture
+def model() -> Iterator[Model]:
+    with make_engine() as eng:
+        yield eng.load_model(config=stub_config(n_parallel=2))
+
+
+def test_a_request_being_admitted_counts_as_queued(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a request the worker had taken off the queue and was admitting (its
+    prompt's row looked up, read and unpacked) was neither ``queued`` nor ``active``, so the
+    server's registry took its model for idle (``ModelRegistry._idle``) and could unload it
+    under a background response or a keep-alive prewarm, which hold no lease."""
+    held = _HeldAdmission(monkeypatch)
+    stream = model.submit(PROMPT, max_tokens=4, temperature=0.0)
+    try:
+        assert held.entered.wait(10)
+        status = model.status()
+        assert (status.queued, status.active) == (1, 0)
+    finally:
+        held.release.set()
+    assert stream.result().stats.finish_reason in ("length", "stop")
+    status = model.status()
+    assert (status.queued, status.active) == (0, 0)
