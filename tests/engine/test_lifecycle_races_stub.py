@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from tests.engine.conftest import make_engine, stub_config
+from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
 from kvwarm.engine.model import Model
 from kvwarm.engine.request import Request
 from kvwarm.engine.worker.admission import Admission, Planned, Restored
+from kvwarm.errors import EngineClosedError
 
 PROMPT = "The system prompt says: be brief and kind. Question: what is a cache? " * 2
 
@@ -59,3 +61,33 @@ def test_a_request_being_admitted_counts_as_queued(
     assert stream.result().stats.finish_reason in ("length", "stop")
     status = model.status()
     assert (status.queued, status.active) == (0, 0)
+
+
+def _closing(model: Model) -> None:
+    """Wait until ``model``'s worker has been told to stop (``Worker.stop`` notifies its
+    condition as it sets the flag)."""
+    worker = model._worker
+    with worker._cond:
+        assert worker._cond.wait_for(lambda: worker._closing, 10)
+
+
+def test_a_prewarm_cut_short_by_an_unload_raises_instead_of_answering_stats() -> None:
+    """Found by review: a prewarm whose model was unloaded in the middle of its prefill
+    returned its stats (finish ``cancelled``, no key) as a success; keep-alive then counted
+    the entry warm and ``POST /cache/prewarm`` answered 200, though its prompt was not saved."""
+    with make_engine() as eng:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(backend=backend))  # type: ignore[arg-type]
+        tokens = model.tokenize(PROMPT)
+        assert len(tokens) > 2 * 16  # several chunks of n_batch 16
+        key = eng.cache.key_for(model.namespace(), tokens)
+        with ThreadPoolExecutor(2) as pool:
+            prewarm = pool.submit(model.prewarm, PROMPT)
+            backend.gate.step(1)  # one chunk in; the worker waits before the next
+            unload = pool.submit(model.unload)
+            _closing(model)
+            backend.gate.set()
+            with pytest.raises(EngineClosedError, match="unloaded before its prewarm"):
+                prewarm.result(60)
+            unload.result(60)
+        assert not eng.cache.has(key)  # indeed nothing of the whole prompt was saved
