@@ -5,12 +5,14 @@ unloaded under them. Every wait is on an event the worker reaches, never on time
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
+from kvwarm.backends.stub.context import StubContext
 from kvwarm.engine.model import Model
 from kvwarm.engine.request import Request
 from kvwarm.engine.worker.admission import Admission, Planned, Restored
@@ -91,3 +93,39 @@ def test_a_prewarm_cut_short_by_an_unload_raises_instead_of_answering_stats() ->
                 prewarm.result(60)
             unload.result(60)
         assert not eng.cache.has(key)  # indeed nothing of the whole prompt was saved
+
+
+def test_a_change_of_the_model_s_adapters_never_reaches_an_embedding_half_done(
+    model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: each piece of an embedding resolved the model's LoRA set anew, and a
+    change of that set (a job waiting only for idle slots, which an embedding holds none of)
+    ran between two pieces: the vectors of one call came from two sets, silently. Every
+    piece now embeds under the set its first resolved."""
+    adapter = tmp_path / "a.gguf"
+    adapter.write_bytes(b"adapter a")
+    handle = model.load_adapter(adapter, scale=1.0).handle
+    first, second = "one input of about twelve tokens here", "and another of twelve or so"
+    assert sum(len(model.tokenize(t)) for t in (first, second)) > 16  # two pieces (n_batch)
+    alone = [model.embed(first), model.embed(second)]
+    entered, release = threading.Event(), threading.Event()
+    real = StubContext._embed
+
+    def held(ctx: StubContext, tokens: Sequence[int], *, normalize: bool) -> list[float]:
+        if not entered.is_set():  # the first piece waits until the change is queued
+            entered.set()
+            assert release.wait(60)
+        return real(ctx, tokens, normalize=normalize)
+
+    monkeypatch.setattr(StubContext, "_embed", held)
+    worker = model._worker
+    with ThreadPoolExecutor(2) as pool:
+        vectors = pool.submit(model.embed, [first, second])
+        assert entered.wait(10)
+        scaled = pool.submit(model.set_adapter_scale, handle, 0.5)
+        with worker._cond:  # the change is queued behind the first piece
+            assert worker._cond.wait_for(lambda: any(j.needs_idle for j in worker._jobs), 10)
+        release.set()
+        assert vectors.result(60) == [alone[0][0], alone[1][0]]
+        assert scaled.result(60).scale == 0.5
+    assert model.embed(second) != alone[1]  # the change did happen, for later calls
