@@ -11,11 +11,15 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from kvwarm.engine.request import Request
+from kvwarm.engine.request import Done, Request
+from kvwarm.engine.stream import CompletionStream
 from kvwarm.engine.worker.admission import Admission, Planned, Restored
+from kvwarm.errors import ServerShuttingDownError
 from kvwarm.server import create_app
+from kvwarm.server.generate import Generation
 from kvwarm.server.state import ServerState
 
+from ..engine.conftest import GatedBackend, make_engine, stub_config
 from .conftest import stub_settings, wait_ready
 
 BODY: dict[str, object] = {
@@ -78,3 +82,47 @@ def test_keep_alive_zero_never_unloads_a_background_response_s_model_while_it_is
         _ended(client, rid)
         done = client.get(f"/v1/responses/{rid}").json()
         assert done["status"] in ("completed", "incomplete"), done
+
+
+def _answered(stream: CompletionStream) -> None:
+    """Wait until the worker has put ``stream``'s final event, unread, on its channel."""
+    channel = stream.request.channel
+    with channel._cond:
+        assert channel._cond.wait_for(lambda: any(isinstance(e, Done) for e in channel._items), 10)
+
+
+def test_a_reply_answered_whole_before_the_server_s_cut_is_read_keeps_its_result() -> None:
+    """Found by review: ``Generation.cut`` (the deadline, the shutdown's drain) decided by
+    ``stream.done``, which only the reader sets: a reply the worker had already answered in
+    full, its ``Done`` not yet read, was thrown away for the cut's error (a background
+    response stored ``failed``, a stream ended with an error event)."""
+    with make_engine() as eng:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(backend=backend))  # type: ignore[arg-type]
+        state = ServerState(stub_settings())
+
+        def generation(stream: CompletionStream) -> Generation:
+            return Generation(None, stream, "test", model.id, state, watch=False)  # type: ignore[arg-type]
+
+        async def run() -> None:
+            backend.gate.set()
+            for read in ("result", "fragments"):
+                stream = model.stream("a short prompt to answer", max_tokens=3, temperature=0)
+                _answered(stream)
+                gen = generation(stream)
+                gen.cut(ServerShuttingDownError("shutting down"))
+                if read == "fragments":
+                    assert "".join([f.text async for f in gen.fragments()])
+                done = await gen.result()
+                assert done.stats.finish_reason in ("length", "stop")
+                gen.close()
+            # A reply the cut did end still raises the cut's error.
+            backend.gate.clear()
+            gen = generation(model.stream("a short prompt to answer", max_tokens=8))
+            gen.cut(ServerShuttingDownError("shutting down"))
+            backend.gate.set()
+            with pytest.raises(ServerShuttingDownError):
+                await gen.result()
+            gen.close()
+
+        asyncio.run(run())
