@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -126,3 +127,37 @@ def test_a_reply_answered_whole_before_the_server_s_cut_is_read_keeps_its_result
             gen.close()
 
         asyncio.run(run())
+
+
+def test_a_background_response_s_keep_alive_counts_from_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a background response held no lease once its ``POST`` was answered,
+    so its model's ``keep_alive`` ran from the ``POST``: a response running longer than that
+    had its model unloaded the moment it ended (and an admin saw it unleased meanwhile). It
+    now holds its model's lease until it ends."""
+    entered, release = threading.Event(), threading.Event()
+    real = Admission.restore
+
+    def held(admission: Admission, planned: Planned, req: Request) -> Restored:
+        entered.set()
+        assert release.wait(60)
+        return real(admission, planned, req)
+
+    monkeypatch.setattr(Admission, "restore", held)
+    with TestClient(create_app(stub_settings())) as client:
+        wait_ready(client.get)
+        registry = _state(client).registry
+        entry = registry.entries["a"]
+        try:
+            created = client.post("/v1/responses", json={**BODY, "keep_alive": 3600})
+            assert created.status_code == 200, created.json()
+            assert entered.wait(10)
+            assert entry.leases == 1  # the POST is over; the response holds its model
+            before = time.monotonic()
+        finally:
+            release.set()
+        _ended(client, created.json()["id"])
+        assert entry.leases == 0
+        due = registry.due(entry)
+        assert due is not None and due >= before + 3600  # from its end, not its POST
