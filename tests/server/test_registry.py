@@ -406,3 +406,20 @@ def test_pinned_is_a_setting_global_or_per_model(tmp_path: Path) -> None:
     )
     reg = ModelRegistry(everything, Loads().load, Loads().unload)
     assert reg.entries["b"].pinned
+
+
+async def test_the_threads_of_finished_loads_are_not_kept() -> None:
+    """Found by review: the registry kept every load's thread for ``join`` for the server's
+    life, one more per reload (``keep_alive`` 0 reloads a model for each request)."""
+    loads = Loads()
+    reg = registry(loads)
+    for entry in list(reg.entries.values()):
+        reg.load_now(entry)
+    for _ in range(4):
+        entry = reg.begin_unload("a")
+        assert entry is not None
+        reg.finish_unload(entry)
+        await reg.acquire("a", lease=False)  # loaded again, on a thread of its own
+        reg.join(10)  # that thread has ended
+    assert loads.loaded.count("a") == 5
+    assert len(reg._threads) == 1  # the last load's; the others were let go

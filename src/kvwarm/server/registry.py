@@ -371,6 +371,10 @@ class ModelRegistry:
         thread = threading.Thread(
             target=self._load, args=(entry, victim), name=f"kvwarm-load-{entry.id}", daemon=True
         )
+        # Only the loads that may still run are kept for ``join`` (found by review: every
+        # load's thread was kept for the server's life, one more per reload: keep_alive 0
+        # reloads a model per request).
+        self._threads = [t for t in self._threads if t.is_alive()]
         self._threads.append(thread)
         thread.start()
 
