@@ -16,6 +16,7 @@ from kvwarm.backends.stub.context import StubContext
 from kvwarm.engine.model import Model
 from kvwarm.engine.request import Request
 from kvwarm.engine.worker.admission import Admission, Planned, Restored
+from kvwarm.engine.worker.slots import Slot
 from kvwarm.errors import EngineClosedError
 
 PROMPT = "The system prompt says: be brief and kind. Question: what is a cache? " * 2
@@ -129,3 +130,41 @@ def test_a_change_of_the_model_s_adapters_never_reaches_an_embedding_half_done(
         assert vectors.result(60) == [alone[0][0], alone[1][0]]
         assert scaled.result(60).scale == 0.5
     assert model.embed(second) != alone[1]  # the change did happen, for later calls
+
+
+def test_a_finish_save_that_raises_at_unload_fails_no_other_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a slot's finish save raising anything but a ``KvwarmError`` as an
+    unload drained the slots escaped the drain: a clean unload became the worker's death
+    (``Worker.failure`` set) and the other running requests were failed "worker died"
+    instead of ending cancelled with their text. A tick confines it to its slot; so does the
+    drain now."""
+    from kvwarm.engine.worker.cacheport import CachePort
+
+    real = CachePort.finished
+    broken: list[int] = []
+
+    def finished(port: CachePort, slot: Slot, held: bool, logits: bytes | None) -> None:
+        if not broken:
+            broken.append(slot.seq)
+            raise RuntimeError("a save bug")
+        real(port, slot, held, logits)
+
+    with make_engine() as eng:
+        backend = GatedBackend()
+        model = eng.load_model(config=stub_config(n_parallel=2, backend=backend))  # type: ignore[arg-type]
+        streams = [
+            model.stream(p, max_tokens=64, temperature=0.0)
+            for p in ("one prompt here, please", "another prompt, different")
+        ]
+        backend.gate.step(2)  # both prefilled and generating
+        monkeypatch.setattr(CachePort, "finished", finished)
+        with ThreadPoolExecutor(1) as pool:
+            unload = pool.submit(model.unload)
+            _closing(model)
+            backend.gate.set()
+            unload.result(60)
+        assert broken
+        assert [s.result().stats.finish_reason for s in streams] == ["cancelled", "cancelled"]
+        assert model._worker.failure is None

@@ -45,7 +45,7 @@ from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.draftmodel import DraftModel
 from kvwarm.engine.worker.encoder import Encoder
 from kvwarm.engine.worker.forks import Forks
-from kvwarm.engine.worker.outcomes import Outcomes
+from kvwarm.engine.worker.outcomes import Outcomes, unexpected
 from kvwarm.engine.worker.runtime import Resolver, Runtime, WorkerConfig, WorkerStats
 from kvwarm.engine.worker.sampling import Sampling
 from kvwarm.engine.worker.slots import Slot
@@ -488,6 +488,11 @@ class Worker:
     def _drain_on_close(self) -> None:
         for slot in self.slots:
             if slot.active is not None:
-                self.outcomes.finish(slot, "cancelled", None)
+                try:
+                    self.outcomes.finish(slot, "cancelled", None)
+                except Exception as exc:  # its finish save: this slot's alone, as in a tick
+                    # Found by review: it escaped, and a clean unload became the worker's
+                    # death (``failure`` set, the other slots failed "worker died").
+                    self.outcomes.fail(slot, unexpected(exc, self.name))
         self._fail_waiting(EngineClosedError(f"model {self.name!r} was unloaded"))
         self._shutdown_save_once()
