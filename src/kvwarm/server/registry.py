@@ -445,6 +445,12 @@ class ModelRegistry:
         with self._lock:
             entry.model, entry.state, entry.last_used = model, "ready", time.monotonic()
             entry.in_progress = False
+            # A request of an earlier load said how long that one stayed; this one stays by
+            # the server's rule until a request on it says otherwise. Found by review: a
+            # keep_alive of 0 left from the request that had the model unloaded made the
+            # reload due at once, and the reaper could unload it again before the request
+            # that waited for it had taken its lease (another load, for nothing).
+            entry.keep_alive_s = None
             self._wake(entry)
 
     def _unload_now(self, entry: ModelEntry) -> None:
