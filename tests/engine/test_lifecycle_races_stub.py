@@ -168,3 +168,45 @@ def test_a_finish_save_that_raises_at_unload_fails_no_other_request(
         assert broken
         assert [s.result().stats.finish_reason for s in streams] == ["cancelled", "cancelled"]
         assert model._worker.failure is None
+
+
+def test_a_change_of_the_model_s_adapters_never_reaches_a_rerank_half_done(
+    tmp_path: Path,
+) -> None:
+    """Found by review: each document of a rerank took the model's LoRA set when it was
+    admitted, and a change of that set (a job that waits only for the slots then active)
+    ran between two documents: one ranking scored under two sets, silently. A rerank now
+    names the set it began under for all its documents."""
+    from tests.engine.test_rerank_stub import QUERY, RecordingBackend
+    from tests.engine.test_rerank_stub import config as rerank_config
+
+    docs = [f"document number {i} about the sea" for i in range(4)]
+    adapter = tmp_path / "a.gguf"
+    adapter.write_bytes(b"adapter a")
+    with make_engine() as eng:
+        backend = RecordingBackend()
+        model = eng.load_model(
+            "stub-reranker.gguf",
+            model_id="r",
+            config=rerank_config(1, backend=backend),  # one document at a time
+        )
+        handle = model.load_adapter(adapter, scale=1.0).handle
+
+        def scores() -> list[float]:
+            ranked = model.rerank(QUERY, docs)
+            return [s for _, s in sorted((r.index, r.relevance_score) for r in ranked.results)]
+
+        before = scores()
+        backend.gate = threading.Event()  # every pass waits until the change is queued
+        backend.entered.clear()
+        worker = model._worker
+        with ThreadPoolExecutor(2) as pool:
+            ranking = pool.submit(scores)
+            assert backend.entered.wait(10)
+            scaled = pool.submit(model.set_adapter_scale, handle, 0.5)
+            with worker._cond:
+                assert worker._cond.wait_for(lambda: any(j.needs_idle for j in worker._jobs), 10)
+            backend.gate.set()
+            assert ranking.result(60) == before
+            assert scaled.result(60).scale == 0.5
+        assert scores() != before  # the change did happen, for later calls

@@ -981,6 +981,7 @@ class Model:
             cache_salt=cache_salt,
             timeout_s=timeout_s,
             cancel=cancel,
+            lora=self._adapters.applied_choice(),  # every document under one set
         )
 
     # ---- adapters -----------------------------------------------------------------------

@@ -55,6 +55,7 @@ from kvwarm.engine.cancel import Cancellation, check_cancel, check_timeout
 from kvwarm.engine.request import Done, Failed, Request, RequestKind
 from kvwarm.engine.types import GenerationOptions, Reranking, RerankResult
 from kvwarm.engine.worker.loop import Worker
+from kvwarm.engine.worker.runtime import LoraChoice
 from kvwarm.errors import (
     ContextOverflowError,
     EngineClosedError,
@@ -116,11 +117,14 @@ class Ranker:
         cache_salt: str | None = None,
         timeout_s: float | None = None,
         cancel: Cancellation | None = None,
+        lora: LoraChoice | None = None,
     ) -> Reranking:
+        """``lora``: the adapter set every document runs under (``GenerationOptions.lora``;
+        the model's own set as the call begins, ``Adapters.applied_choice``)."""
         docs = self._check(query, documents, top_n, max_tokens_per_doc)
         check_timeout(timeout_s)
         check_cancel(cancel)
-        options = GenerationOptions(max_tokens=0, temperature=0.0, cache_salt=cache_salt)
+        options = GenerationOptions(max_tokens=0, temperature=0.0, cache_salt=cache_salt, lora=lora)
         options.validate()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         prompts = self._prompts(query, docs, max_tokens_per_doc)

@@ -155,7 +155,9 @@ class StubContext(ContextFront["StubModel", StubAdapter]):
                 if self._model.copy_bias:
                     self._copy(self._row_logits[row], cells, item.pos)
             if self._params.embeddings:
-                self._pooled_h[item.seq] = h  # a sequence's last position in the call
+                # A sequence's last position in the call, under the adapters attached (a
+                # score changes with them, as logits and vectors do).
+                self._pooled_h[item.seq] = h ^ self._salt
         for seq in {item.seq for item in batch}:
             self._forget(self._windows[seq] if windowed else self._seqs[seq])
             if self._stateless:
