@@ -6,14 +6,17 @@ Every wait is on an event the worker reaches or on the app's own loop, never on 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 
 import pytest
 from fastapi.testclient import TestClient
 
+from kvwarm.cache.types import TtlClass
 from kvwarm.engine.request import Done, Request
 from kvwarm.engine.stream import CompletionStream
+from kvwarm.engine.types import CompletionStats
 from kvwarm.engine.worker.admission import Admission, Planned, Restored
 from kvwarm.errors import ServerShuttingDownError
 from kvwarm.server import create_app
@@ -161,3 +164,29 @@ def test_a_background_response_s_keep_alive_counts_from_its_end(
         assert entry.leases == 0
         due = registry.due(entry)
         assert due is not None and due >= before + 3600  # from its end, not its POST
+
+
+def test_a_keep_alive_tick_re_warms_nothing_more_once_the_server_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a keep-alive tick went on through every due entry (a prefill each)
+    after shutdown began, while ``ServerState.close`` waited up to 60 s for its thread
+    before it closed the engine."""
+    state = ServerState(stub_settings())
+    warmed: list[str] = []
+
+    class Model:
+        def prewarm(self, prompt: str, **_: object) -> CompletionStats:
+            warmed.append(prompt)
+            state._closing.set()  # shutdown begins during the first re-warm
+            return CompletionStats(0, 0, 0, 0.0, 0.0, 0.0, "cold", "length", None)
+
+        prewarm_chat = prewarm
+
+    monkeypatch.setattr(state, "ready_model", lambda _id: Model())
+    for prompt in ("first", "second", "third"):
+        state.keepalive.register("a", prompt, TtlClass.SHORT)
+    for entry in state.keepalive.entries():
+        entry.last_warm = -math.inf  # due
+    state._keepalive_tick()
+    assert warmed == ["first"]
