@@ -15,6 +15,7 @@ from tests.engine.conftest import GatedBackend, make_engine, stub_config
 from kvwarm.backends.stub.context import StubContext
 from kvwarm.engine.model import Model
 from kvwarm.engine.request import Request
+from kvwarm.engine.types import GenerationOptions
 from kvwarm.engine.worker.admission import Admission, Planned, Restored
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.errors import EngineClosedError
@@ -30,9 +31,11 @@ class _HeldAdmission:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
+        self.kinds: list[str] = []  # the plans' kinds (``Plan.kind``)
         real = Admission.restore
 
         def held(admission: Admission, planned: Planned, req: Request) -> Restored:
+            self.kinds.append(planned.plan.kind)
             self.entered.set()
             assert self.release.wait(60)
             return real(admission, planned, req)
@@ -210,3 +213,31 @@ def test_a_change_of_the_model_s_adapters_never_reaches_a_rerank_half_done(
             assert ranking.result(60) == before
             assert scaled.result(60).scale == 0.5
         assert scores() != before  # the change did happen, for later calls
+
+
+def test_a_request_cancelled_while_its_row_is_restored_leaves_its_slot_clean(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked in review (no bug): a cancel that comes while the worker restores the
+    request's row (admission, off the queue and not yet in a slot) is answered cancelled
+    once it is seated, saves nothing of a partial prompt, frees the slot, and the slot's KV
+    then serves the same prompt exactly as a cold run (the stub poisons wrongly kept
+    cells)."""
+    greedy = GenerationOptions(max_tokens=6, temperature=0.0)
+    longer = PROMPT + "And one more question after that?"
+    cold = model.complete(longer, greedy).text
+    model.evict()  # the slots' KV saved and let go: the next request restores a row
+    held = _HeldAdmission(monkeypatch)
+    stream = model.stream(longer, greedy)
+    try:
+        assert held.entered.wait(10)
+        assert held.kinds == ["row"]
+        stream.cancel()
+    finally:
+        held.release.set()
+    done = stream.result()
+    assert done.stats.finish_reason == "cancelled" and done.stats.key is None
+    status = model.status()
+    assert (status.queued, status.active) == (0, 0)
+    monkeypatch.undo()
+    assert model.complete(longer, greedy).text == cold
