@@ -359,7 +359,10 @@ class ModelRegistry:
         a background response held none, so its ``keep_alive`` ran from its ``POST`` (a
         model unloaded the moment a long response ended, not ``keep_alive`` after)."""
         with self._lock:
-            return self._leased(self.entries[model_id])
+            entry = self.entries.get(model_id)
+            if entry is None:  # never for a model a request got from ``acquire``
+                return lambda: None
+            return self._leased(entry)
 
     # --- loading and unloading -------------------------------------------------------------
 
