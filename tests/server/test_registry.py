@@ -406,3 +406,42 @@ def test_pinned_is_a_setting_global_or_per_model(tmp_path: Path) -> None:
     )
     reg = ModelRegistry(everything, Loads().load, Loads().unload)
     assert reg.entries["b"].pinned
+
+
+async def test_the_threads_of_finished_loads_are_not_kept() -> None:
+    """Found by review: the registry kept every load's thread for ``join`` for the server's
+    life, one more per reload (``keep_alive`` 0 reloads a model for each request)."""
+    loads = Loads()
+    reg = registry(loads)
+    for entry in list(reg.entries.values()):
+        reg.load_now(entry)
+    for _ in range(4):
+        entry = reg.begin_unload("a")
+        assert entry is not None
+        reg.finish_unload(entry)
+        await reg.acquire("a", lease=False)  # loaded again, on a thread of its own
+        reg.join(10)  # that thread has ended
+    assert loads.loaded.count("a") == 5
+    assert len(reg._threads) == 1  # the last load's; the others were let go
+
+
+async def test_a_reload_is_not_due_at_once_for_the_keep_alive_of_the_last_load() -> None:
+    """Found by review: the ``keep_alive`` 0 of the request that had a model unloaded stayed
+    on its entry, so the model loaded again for the next request was due at once: the reaper
+    could unload it between the load's end and that request's lease (its waiter woken, not yet
+    run), and the request then loaded it once more."""
+    loads = Loads()
+    reg = registry(loads, models=(), models_dir=None)
+    reg.entries["a"] = ModelEntry(ModelSpec(path="stub-a", id="a"), "a", "admin", "available")
+    with request_leases():
+        await reg.acquire("a", keep_alive=0.0, generation=True)
+    reg.join(10)
+    assert reg.reap_idle() == ["a"]  # keep_alive 0: unloaded as its request ended
+    loads.gate, loads.started = threading.Event(), threading.Event()
+    again = asyncio.create_task(reg.acquire("a", generation=True))
+    assert await asyncio.to_thread(loads.started.wait, 10)
+    loads.gate.set()
+    reg.join(10)  # loaded; the waiting request is woken but has not run yet (this loop)
+    assert reg.reap_idle() == []
+    assert await again is reg.entries["a"].model
+    assert loads.loaded == ["a", "a"]

@@ -147,6 +147,17 @@ class Adapters:
         use); read on the worker thread."""
         return self._applied
 
+    def applied_choice(self) -> LoraChoice:
+        """The model's set as a request's own choice ((handle, scale) pairs; empty: no
+        adapter): what a call of several requests (a rerank's documents) names, so that each
+        runs under the set the call began under. Found by review: each document took the
+        model's set when it was admitted, and a change of it (which waits only for the slots
+        then active) ran between two of them: one ranking scored under two sets."""
+        applied = self._applied
+        with self._lock:
+            handles = {id(adapter): handle for handle, (adapter, _) in self._adapters.items()}
+        return tuple((handles[id(a)], s) for a, s in applied if id(a) in handles)
+
     def check(self, choice: LoraChoice | None) -> None:
         """``AdapterError`` for a request's set naming an adapter this model has not loaded:
         the caller's error, before its request is queued."""

@@ -9,10 +9,11 @@ job held a concurrent chat for 168 s), as a batch of completion prompts shares t
 Past its deadline (``timeout_s``: the server's ``request_timeout_s``) or once its caller
 cancels it (``engine.cancel``: the server's, on a disconnect), the pieces not yet begun are
 never run. Before each embedding job the context takes the LoRA set the embedding runs under
-(``Adapters.resolve``): the one it names (the server's global scales, as llama-server embeds),
-else the model's own, so a model with an adapter attached embeds with it, as it generates with
-it. Every vector returned is finite numbers (one that is not, from weights or adapters that
-overflow, fails the embedding: ``BackendError``).
+(``Adapters.resolve``, by its first piece, for all of them): the one it names (the server's
+global scales, as llama-server embeds), else the model's own, so a model with an adapter
+attached embeds with it, as it generates with it; a change of the model's set while it runs
+never reaches its later pieces. Every vector returned is finite numbers (one that is not, from
+weights or adapters that overflow, fails the embedding: ``BackendError``).
 
 The embedding context is sized to the inputs it has embedded (found by review): pooling needs a
 whole input in one ubatch, so its ``n_ubatch`` (and ``n_ctx``) must hold the longest input, and
@@ -115,6 +116,12 @@ class Embedder:
         limit = self._params.n_ctx
 
         size = context_tokens(max(len(t) for t in token_lists), limit)
+        # The set every piece embeds under, resolved by the first (as a generation's is at
+        # admission). Found by review: each piece resolved it anew, and a change of the
+        # model's set is a job that waits only for idle slots, which an embedding holds none
+        # of, so it ran between two pieces: one response's vectors came from two adapter
+        # sets, silently. (An adapter detached meanwhile is closed: its next piece fails.)
+        fixed: list[AdapterSet] = []
 
         def run(piece: list[list[int]]) -> list[list[float]]:
             ctx = self._ctx
@@ -133,7 +140,9 @@ class Embedder:
                     )
                 )
                 self._ctx, self._ctx_adapters = ctx, ()
-            wanted = self._adapters(lora)
+            if not fixed:
+                fixed.append(self._adapters(lora))
+            wanted = fixed[0]
             if wanted != self._ctx_adapters:
                 ctx.set_adapters(wanted)
                 self._ctx_adapters = wanted

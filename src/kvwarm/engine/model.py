@@ -693,7 +693,8 @@ class Model:
         cache_salt: str | None = None,
     ) -> CompletionStats:
         """Prefill ``prompt`` and save it (with its final logits), generating nothing. With a
-        ``cache_salt`` the row serves only requests with the same salt."""
+        ``cache_salt`` the row serves only requests with the same salt. ``EngineClosedError``
+        if the model is unloaded before it is done."""
         self._check_ready()
         self._require("generate")
         if not isinstance(ttl_class, TtlClass):
@@ -725,7 +726,16 @@ class Model:
                 param="prompt",
             )
         stream = self._submit(ids, opts, text, kind="prewarm", ttl=ttl_class, fragments=False)
-        return stream.result().stats
+        stats = stream.result().stats
+        if stats.finish_reason == "cancelled":
+            # Only an unload cancels a prewarm (its stream is this call's). Found by review:
+            # its stats came back as a success although no row of the prompt was saved, and
+            # keep-alive counted the entry warm (a rerank raises the same for its documents).
+            raise EngineClosedError(
+                f"model {self.id!r} was unloaded before its prewarm finished: the prompt was "
+                "not saved"
+            )
+        return stats
 
     def prewarm_chat(
         self,
@@ -974,7 +984,8 @@ class Model:
             top_n=top_n,
             max_tokens_per_doc=max_tokens_per_doc,
             cache_salt=cache_salt,
-            lora=lora,
+            # Every document under one set: the one named, else the model's as the call begins.
+            lora=lora if lora is not None else self._adapters.applied_choice(),
             timeout_s=timeout_s,
             cancel=cancel,
         )

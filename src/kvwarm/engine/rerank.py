@@ -122,6 +122,8 @@ class Ranker:
         timeout_s: float | None = None,
         cancel: Cancellation | None = None,
     ) -> Reranking:
+        """``lora``: the adapter set every document runs under (``GenerationOptions.lora``;
+        the model's own set as the call begins, ``Adapters.applied_choice``)."""
         docs = self._check(query, documents, top_n, max_tokens_per_doc)
         check_timeout(timeout_s)
         check_cancel(cancel)

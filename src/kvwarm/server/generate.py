@@ -150,8 +150,12 @@ class Generation:
     def timed_out(self) -> bool:
         return isinstance(self._cut, RequestTimeoutError)
 
-    def _check_deadline(self) -> None:
-        if self._cut is not None:
+    def _check_cut(self, done: Completion) -> None:
+        """Raise why the server ended the stream, if it did: only a reply it cut short. Found
+        by review: a reply the worker had answered whole, its answer not yet read when the
+        deadline or the shutdown's cut came (``stream.done`` is set by the reader), was
+        thrown away for that error (a background response stored ``failed``)."""
+        if self._cut is not None and done.stats.finish_reason == "cancelled":
             raise self._cut
 
     async def __aexit__(
@@ -219,7 +223,8 @@ class Generation:
             yield first
         async for fragment in self._iter:
             yield fragment
-        self._check_deadline()
+        if self._cut is not None:
+            self._check_cut(await self.stream.aresult())  # the stream is done: at once
 
     async def result(self) -> Completion:
         """Wait for the completion (``Completion.stats.finish_reason`` 'cancelled' if the
@@ -233,7 +238,7 @@ class Generation:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
-        self._check_deadline()
+        self._check_cut(done)
         return done
 
     def _record(self, done: Completion) -> None:

@@ -8,9 +8,10 @@ Invariants:
 - Every state change of an entry happens under the registry lock. Loads and unloads run on
   threads of their own, never on the event loop, and wake every request waiting on them.
 - A request holds a *lease* on its model from the lookup until its response is fully sent
-  (``request_leases``, opened by the app's outer middleware). A model with a lease, or with
-  queued or running requests, is never unloaded, by the cap or by the idle timer; an admin
-  unload of one is a ``ModelBusyError``.
+  (``request_leases``, opened by the app's outer middleware); work that outlives its request
+  (a background response) holds one of its own until it ends (``hold``). A model with a
+  lease, or with queued or running requests, is never unloaded, by the cap or by the idle
+  timer; an admin unload of one is a ``ModelBusyError``.
 - A request for a model that is loading because a request asked for it waits for the load; a
   model loading at startup answers 503 with Retry-After, as before (``docs/architecture.md``).
 - A failed load stays failed (503 with its reason) until an admin loads it again; a file an
@@ -332,15 +333,36 @@ class ModelRegistry:
         held = _HELD.get()
         if held is None:
             return
+        held.append(self._leased(entry))
+
+    def _leased(self, entry: ModelEntry) -> Callable[[], None]:
+        """Under the lock: one more lease on ``entry``, and what releases it (once)."""
         entry.leases += 1
+        released = False
 
         def release() -> None:
+            nonlocal released
             with self._lock:
+                if released:
+                    return
+                released = True
                 entry.leases -= 1
                 entry.last_used = time.monotonic()
             self.reaper_wake.set()  # keep_alive 0: due now
 
-        held.append(release)
+        return release
+
+    def hold(self, model_id: str) -> Callable[[], None]:
+        """A lease on the loaded model ``model_id`` (its id, as ``ServedModel.id``), for work
+        that outlives the request that started it (a background response): taken while that
+        request still holds its own, released by calling what this returns. Found by review:
+        a background response held none, so its ``keep_alive`` ran from its ``POST`` (a
+        model unloaded the moment a long response ended, not ``keep_alive`` after)."""
+        with self._lock:
+            entry = self.entries.get(model_id)
+            if entry is None:  # never for a model a request got from ``acquire``
+                return lambda: None
+            return self._leased(entry)
 
     # --- loading and unloading -------------------------------------------------------------
 
@@ -352,6 +374,10 @@ class ModelRegistry:
         thread = threading.Thread(
             target=self._load, args=(entry, victim), name=f"kvwarm-load-{entry.id}", daemon=True
         )
+        # Only the loads that may still run are kept for ``join`` (found by review: every
+        # load's thread was kept for the server's life, one more per reload: keep_alive 0
+        # reloads a model per request).
+        self._threads = [t for t in self._threads if t.is_alive()]
         self._threads.append(thread)
         thread.start()
 
@@ -422,6 +448,12 @@ class ModelRegistry:
         with self._lock:
             entry.model, entry.state, entry.last_used = model, "ready", time.monotonic()
             entry.in_progress = False
+            # A request of an earlier load said how long that one stayed; this one stays by
+            # the server's rule until a request on it says otherwise. Found by review: a
+            # keep_alive of 0 left from the request that had the model unloaded made the
+            # reload due at once, and the reaper could unload it again before the request
+            # that waited for it had taken its lease (another load, for nothing).
+            entry.keep_alive_s = None
             self._wake(entry)
 
     def _unload_now(self, entry: ModelEntry) -> None:

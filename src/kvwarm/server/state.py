@@ -346,7 +346,17 @@ class ServerState:
     def _keepalive_loop(self) -> None:
         # Event.wait doubles as an interruptible timer: close() wakes it at once.
         while not self._closing.wait(self.settings.keepalive_interval_s):
-            self.keepalive.tick(self.ready_model)
+            self._keepalive_tick()
+
+    def _keepalive_tick(self) -> None:
+        """Re-warm what is due, but nothing more once the server is closing. Found by
+        review: a tick went on through every due entry (a prefill each) while ``close``
+        waited up to 60 s for this thread before it closed the engine."""
+
+        def model(model_id: str) -> ServedModel | None:
+            return None if self._closing.is_set() else self.ready_model(model_id)
+
+        self.keepalive.tick(model)
 
     def _idle_loop(self) -> None:
         """Unload models whose keep-alive ran out: sleeps until the next one may come due

@@ -45,7 +45,7 @@ from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.draftmodel import DraftModel
 from kvwarm.engine.worker.encoder import Encoder
 from kvwarm.engine.worker.forks import Forks
-from kvwarm.engine.worker.outcomes import Outcomes
+from kvwarm.engine.worker.outcomes import Outcomes, unexpected
 from kvwarm.engine.worker.runtime import Resolver, Runtime, WorkerConfig, WorkerStats
 from kvwarm.engine.worker.sampling import Sampling
 from kvwarm.engine.worker.slots import Slot
@@ -116,6 +116,9 @@ class Worker:
         self.admission = Admission(self.rt, forks, self.outcomes, self.port)
         self.tick = Tick(self.rt, forks, self.outcomes, self.port)
         self._queue: deque[Request] = deque()
+        # Requests taken off the queue and not yet shown in a slot (under _cond): still
+        # waiting for their slot, so ``queued`` counts them (``_admit``).
+        self._admitting = 0
         self._jobs: deque[_Job] = deque()
         self._closing = False
         self._shutdown_save: Callable[[], object] | None = None
@@ -211,7 +214,13 @@ class Worker:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Requests waiting for a slot: queued, or being admitted (their prompt KV looked up
+        and restored) and not yet shown in one. With ``active`` read after it, a request is
+        counted by one or the other from ``submit`` to its answer (found by review: while a
+        request was admitted, a restore from disk among it, it was in neither, so the
+        registry took its model for idle and unloaded it under a background response)."""
+        with self._cond:
+            return len(self._queue) + self._admitting
 
     @property
     def active(self) -> int:
@@ -289,8 +298,7 @@ class Worker:
                 waiting = False
                 try:
                     self._run_jobs()
-                    if self._admit():
-                        self.rt.publish()  # what was seated shows busy during a long pass
+                    self._admit()
                     waiting = self.tick.run() == "waiting"
                 except Exception as exc:  # never let the loop die: fail what is in flight
                     log.exception("worker %s: unexpected error; failing active requests", self.name)
@@ -409,7 +417,8 @@ class Worker:
 
     def _admit(self) -> bool:
         """Seat queued requests, FIFO, while a slot is free (not while a job needs idle);
-        whether any was seated."""
+        whether any was seated. Each is counted as ``queued`` until its slot is published
+        (what was seated shows busy during a long pass)."""
         seated = False
         if self._blocked_by_idle_job():
             return seated
@@ -422,11 +431,17 @@ class Worker:
                     return seated
                 req = self._queue.popleft()
                 after = req.after
-            if req.cancelled.is_set() or (after is not None and not after.finished):
-                self.outcomes.ended_like(req, after)
-                continue
-            self.admission.admit(req, free)
-            seated = True
+                self._admitting += 1
+            try:
+                if req.cancelled.is_set() or (after is not None and not after.finished):
+                    self.outcomes.ended_like(req, after)
+                    continue
+                self.admission.admit(req, free)
+                seated = True
+                self.rt.publish()
+            finally:
+                with self._cond:
+                    self._admitting -= 1
 
     def _fail_on_death(self, exc: BaseException) -> None:
         """The thread is dying of ``exc``: every request in a slot, queued or waiting on a job
@@ -473,6 +488,11 @@ class Worker:
     def _drain_on_close(self) -> None:
         for slot in self.slots:
             if slot.active is not None:
-                self.outcomes.finish(slot, "cancelled", None)
+                try:
+                    self.outcomes.finish(slot, "cancelled", None)
+                except Exception as exc:  # its finish save: this slot's alone, as in a tick
+                    # Found by review: it escaped, and a clean unload became the worker's
+                    # death (``failure`` set, the other slots failed "worker died").
+                    self.outcomes.fail(slot, unexpected(exc, self.name))
         self._fail_waiting(EngineClosedError(f"model {self.name!r} was unloaded"))
         self._shutdown_save_once()

@@ -26,7 +26,7 @@ other response it is a 400. A failed or cancelled response cannot be continued
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import APIRouter
@@ -273,8 +273,12 @@ def _start_background(
     pending = Pending(
         shape.id, turn.owner, shape.body("queued", []), turn.input_items, gen.stream.cancel
     )
+    # Its model stays leased until it ends (the POST's lease ends with the POST): its
+    # keep_alive counts from its end, as a synchronous request's does.
+    release = state.registry.hold(gen.model_id)
     state.responses.start(pending)
-    task = asyncio.ensure_future(_run_background(state, gen, plan, shape, turn, pending))
+    task = asyncio.ensure_future(_run_background(state, gen, plan, shape, turn, pending, release))
+    task.add_done_callback(lambda _: release())  # also if it never ran (the loop closed)
     state.background.add(task)
     task.add_done_callback(state.background.discard)
     return pending.body
@@ -287,8 +291,10 @@ async def _run_background(
     shape: responses.ResponseShape,
     turn: _Turn,
     pending: Pending,
+    release: Callable[[], None],
 ) -> None:
-    """A background response's generation, to its final response in the store."""
+    """A background response's generation, to its final response in the store; then its
+    model's lease is released (``release``)."""
     stored: StoredResponse | None = None
     try:
         try:
@@ -312,6 +318,7 @@ async def _run_background(
     finally:
         if stored is None:  # cancelled itself (the loop closing): nobody polls any more
             stored = turn.stored(shape, shape.body("cancelled", []))
+        release()
         state.responses.finish(pending, stored)
 
 
