@@ -97,7 +97,9 @@ def test_every_operation_id_in_the_schema_is_its_own() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         schema = app.openapi()
-    assert [str(w.message) for w in caught] == []
+    # Only the schema's own warnings: the record is the process's, and another thread's may land
+    # in it (a stray warning of an earlier test's thread made this flaky).
+    assert [str(w.message) for w in caught if "Operation ID" in str(w.message)] == []
     ids = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
     assert len(ids) == len(set(ids))
     assert "head" not in schema["paths"]["/health"]
