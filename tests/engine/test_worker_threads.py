@@ -8,11 +8,13 @@ backend: the thread mechanics."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
 from tests.engine.conftest import make_engine, stub_config
 
+from kvwarm.engine import engine as engine_module
 from kvwarm.engine.types import GenerationOptions
 from kvwarm.engine.worker import loop
 from kvwarm.errors import EngineClosedError
@@ -69,7 +71,22 @@ def test_a_job_on_an_idle_worker_runs(monkeypatch: pytest.MonkeyPatch) -> None:
         engine.close()
 
 
+def _no_other_workers() -> None:
+    """What "lone" needs: no other worker alive in the process. An engine an earlier test
+    dropped unclosed is closed by a thread of its own (``engine._DROPPING``), and its worker
+    counted as another until then (this test failed after the library lifecycle tests)."""
+    gc.collect()
+    with engine_module._DROPPING_LOCK:
+        dropping = list(engine_module._DROPPING)
+    for thread in dropping:
+        thread.join(60)
+    with loop._WORKERS_LOCK:
+        alive = [w.name for w in loop._WORKERS]
+    assert not alive, f"workers of earlier tests still alive: {alive}"
+
+
 def test_a_lone_models_thread_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_other_workers()
     monkeypatch.setattr(loop, "IDLE_EXIT_S", 0.01)
     engine = make_engine()
     try:
