@@ -70,8 +70,13 @@ class DirectCalls:
         return [self.replica.replica_id]
 
 
+# What Ray's errors carry about the process that failed (its address, pid, files): never the
+# client's to read (``remote.unavailable``).
+INTERNALS = "ip: 10.0.0.7, pid: 4242, /srv/kvwarm/secret.py"
+
+
 async def _dies() -> AsyncIterator[object]:
-    raise RuntimeError("ActorDiedError: the replica's process died")
+    raise RuntimeError(f"ActorDiedError: the replica's process died ({INTERNALS})")
     yield  # an async generator
 
 
@@ -244,6 +249,28 @@ def test_a_dead_replica_is_a_503(replica: EngineReplica) -> None:
         response = c.post("/v1/chat/completions", json=body)
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "replica_unavailable"
+    # The error's type, never Ray's message (found by review).
+    assert "RuntimeError" in response.text and INTERNALS not in response.text
+
+
+def test_an_unexpected_replica_error_is_a_500_naming_no_internals(
+    replica: EngineReplica, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As ``kvwarm serve`` answers an unexpected error: 500 ``internal_error``, the details
+    in the replica's log only (found by review: its message reached the client)."""
+
+    def broken(call: Generate) -> object:
+        raise OSError(f"[Errno 5] {INTERNALS}")
+
+    monkeypatch.setattr(replica, "_start", broken)
+    with TestClient(create_ingress_app(stub_settings(), DirectCalls(replica))) as c:
+        wait_ready(c.get)
+        for stream in (False, True):
+            body = {"model": "a", "messages": [SYSTEM], "max_tokens": 3, "stream": stream}
+            response = c.post("/v1/chat/completions", json=body)
+            assert response.status_code == 500, response.text
+            assert response.json()["error"]["code"] == "internal_error"
+            assert INTERNALS not in response.text
 
 
 class DyingCalls(DirectCalls):

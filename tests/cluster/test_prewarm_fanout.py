@@ -148,7 +148,7 @@ def test_a_prewarm_every_replica_fails_is_the_first_error(replicas: list[EngineR
         wait_ready(client.get)
         calls.broken = {"replica-1", "replica-2"}
         model = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
-        with pytest.raises(Exception, match="ActorDiedError"):
+        with pytest.raises(ReplicaUnavailableError, match=r"replica replica-1 .*RuntimeError"):
             model.prewarm("hello there")
 
 

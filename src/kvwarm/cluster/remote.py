@@ -148,6 +148,16 @@ def replica_lost(exc: BaseException) -> bool:
     return isinstance(exc, lost)
 
 
+def unavailable(exc: BaseException, replica: str | None = None) -> ReplicaUnavailableError:
+    """What the client is told of a replica call that failed in Ray (the replica lost, the
+    call refused): the error's type, never its message, which is logged here (found by
+    review: Ray's messages, the dead worker's address, pid and traceback, reached the
+    client)."""
+    where = f"replica {replica}" if replica else "a replica"
+    log.warning("a call to %s failed: %s: %s", where, type(exc).__name__, exc)
+    return ReplicaUnavailableError(f"{where} could not serve the request ({type(exc).__name__})")
+
+
 class RemoteStream:
     """One replica generation, consumed once (async), ending in a ``Completion``.
 
@@ -285,7 +295,7 @@ class RemoteStream:
                 if self._cancelled:
                     self._completion = _cancelled()
                 elif not self._retry(exc):
-                    self._error = ReplicaUnavailableError(f"{type(exc).__name__}: {exc}")
+                    self._error = unavailable(exc, self.replica_id)
             else:
                 text = self._route(item)
                 if text:
@@ -644,7 +654,7 @@ class RemoteModel(ModelOps):
         except KvwarmError:
             raise
         except Exception as exc:
-            raise ReplicaUnavailableError(f"{type(exc).__name__}: {exc}") from exc
+            raise unavailable(exc, replica) from exc
         if isinstance(result, Failed):
             raise result.error
         return result

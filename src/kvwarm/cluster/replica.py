@@ -127,8 +127,14 @@ def _cancel_started(starting: asyncio.Future[CompletionStream]) -> None:
 
 
 def _portable(exc: BaseException) -> BaseException:
-    """An error the ingress can unpickle and map by type (``server/errors.py``)."""
-    return exc if isinstance(exc, KvwarmError) else KvwarmError(f"{type(exc).__name__}: {exc}")
+    """An error the ingress can unpickle and map by type (``server/errors.py``). An
+    unexpected one is logged here, with its traceback, and crosses as a 500 that names no
+    internals, as ``kvwarm serve`` answers it (found by review: its message, paths and all,
+    reached the client)."""
+    if isinstance(exc, KvwarmError):
+        return exc
+    log.error("unexpected error in a replica call", exc_info=exc)
+    return KvwarmError(f"internal server error ({type(exc).__name__} in a replica; see its log)")
 
 
 def _not_here(op: str, meant_for: str, replica_id: str) -> ReplicaUnavailableError:
