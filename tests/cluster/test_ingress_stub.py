@@ -249,6 +249,8 @@ def test_a_dead_replica_is_a_503(replica: EngineReplica) -> None:
         response = c.post("/v1/chat/completions", json=body)
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "replica_unavailable"
+    # Transient: Serve starts a replacement (the 429's header, found by review: none).
+    assert response.headers["retry-after"] == "1"
     # The error's type, never Ray's message (found by review).
     assert "RuntimeError" in response.text and INTERNALS not in response.text
 
