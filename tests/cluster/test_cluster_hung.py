@@ -1,49 +1,40 @@
-"""A replica that hangs mid-reply, under Ray: its process stopped (``SIGSTOP``), alive to Ray
-until its health checks give up on it (30 s and more). The request it was serving ends at
-the server's deadline (``request_timeout_s``) with its error event, as under ``kvwarm
-serve``, not when Ray kills the replica (found by review: the ingress waited for the stopped
-replica to acknowledge the cancel)."""
+"""A cluster's generations end when the server or the client ends them, under Ray, on the
+stub backend paced like a small model. A replica that hangs mid-reply (its process stopped,
+``SIGSTOP``: alive to Ray until its health checks give up on it, 30 s and more) ends the
+request at the server's deadline (``request_timeout_s``) with its error event, as under
+``kvwarm serve`` (found by review: the ingress waited for the stopped replica to acknowledge
+the cancel, 119.6 s for a 4 s deadline); a client that leaves mid-reply frees its replica's
+slot at once (its generation is cancelled through Serve's proxy and the ingress)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
-from tests.cluster.conftest import Deployed, free_port
+from tests.cluster.conftest import Deployed
 from tests.cluster.test_cluster_live import stub_cluster_settings
 
 DELAY = "KVWARM_STUB_DECODE_DELAY_S"
 DEADLINE_S = 4.0
 
 
-@pytest.fixture(scope="module")
-def ray_port() -> Iterator[int]:
-    """A local Ray for the module whose replicas decode at a small model's pace (set before
-    Ray starts: its workers inherit it), so a reply is still running when it is stopped."""
+@pytest.fixture
+def paced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas that decode at a small model's pace (each process gets it from Ray's
+    runtime environment), so a reply of 200 tokens runs 10 s: past the deadline."""
     from kvwarm.cluster import deploy
 
-    saved = os.environ.get(DELAY)
-    os.environ[DELAY] = "0.05"  # 200 tokens: 10 s, past the deadline
-    temp = Path(tempfile.mkdtemp(prefix="kvray-", dir="/tmp"))
-    try:
-        deploy.start_ray(None, temp_dir=temp, num_cpus=2)
-        try:
-            yield free_port()
-        finally:
-            deploy.shutdown()
-    finally:
-        if saved is None:
-            os.environ.pop(DELAY, None)
-        else:
-            os.environ[DELAY] = saved
-        shutil.rmtree(temp, ignore_errors=True)
+    build = deploy.build_app
+    env = {"runtime_env": {"env_vars": {DELAY: "0.05"}}}
+
+    def paced_app(*args: Any, **kwargs: Any) -> Any:
+        return build(*args, **kwargs, actor_options=env)
+
+    monkeypatch.setattr(deploy, "build_app", paced_app)
 
 
 def _replica_pid(deployed: Deployed) -> int:
@@ -58,6 +49,7 @@ def _replica_pid(deployed: Deployed) -> int:
     raise AssertionError("no replica reported its pid")
 
 
+@pytest.mark.usefixtures("paced")
 def test_a_replica_that_hangs_mid_reply_ends_the_stream_at_its_deadline(ray_port: int) -> None:
     deployed = Deployed(stub_cluster_settings(replicas=1, request_timeout_s=DEADLINE_S), ray_port)
     pid, stopped, events = 0, False, []
@@ -65,7 +57,13 @@ def test_a_replica_that_hangs_mid_reply_ends_the_stream_at_its_deadline(ray_port
         deployed.wait_ready()
         pid = _replica_pid(deployed)
         messages = [{"role": "user", "content": "Tell me a long story about the sea."}]
-        body = {"model": "a", "messages": messages, "max_tokens": 200, "stream": True}
+        body = {
+            "model": "a",
+            "messages": messages,
+            "max_tokens": 200,
+            "stream": True,
+            "ignore_eos": True,
+        }
         started = time.monotonic()
         with deployed.http.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
@@ -87,3 +85,29 @@ def test_a_replica_that_hangs_mid_reply_ends_the_stream_at_its_deadline(ray_port
     assert events[-1]["error"]["code"] == "request_timeout", events[-1]
     # At the deadline, not at Ray's health checks' (30 s and more, then a replacement).
     assert elapsed < DEADLINE_S + 10, elapsed
+
+
+@pytest.mark.usefixtures("paced")
+def test_a_client_that_leaves_mid_reply_frees_its_replicas_slot(ray_port: int) -> None:
+    """The client's disconnect reaches the replica through Serve's proxy and the ingress: its
+    generation is cancelled there, so the one slot is free for the next request at once,
+    not after the abandoned reply's 10 s."""
+    deployed = Deployed(stub_cluster_settings(replicas=1, n_parallel=1), ray_port)
+    try:
+        deployed.wait_ready()
+        messages = [{"role": "user", "content": "Tell me a long story about the hills."}]
+        body = {"model": "a", "messages": messages, "max_tokens": 200, "ignore_eos": True}
+        with deployed.http.stream(
+            "POST", "/v1/chat/completions", json={**body, "stream": True}
+        ) as response:
+            for line in response.iter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    break  # text is coming; leaving the read closes the connection
+        left = time.monotonic()
+        quick = deployed.http.post("/v1/chat/completions", json={**body, "max_tokens": 5})
+        waited = time.monotonic() - left
+    finally:
+        deployed.stop()
+    assert quick.status_code == 200, quick.text
+    assert quick.json()["usage"]["completion_tokens"] == 5
+    assert waited < 6, waited  # the abandoned reply would hold the slot ~9.5 s more
