@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Iterator
 import pytest
 from fastapi.testclient import TestClient
 from ray.exceptions import ActorDiedError
+from tests.cluster.test_remote_ops import Hung
 from tests.server.conftest import sse_events, stub_settings, wait_ready
 
 from kvwarm.cluster.calls import Failed, Generate, ModelOp, Served, SnapshotCall
@@ -69,8 +70,13 @@ class DirectCalls:
         return [self.replica.replica_id]
 
 
+# What Ray's errors carry about the process that failed (its address, pid, files): never the
+# client's to read (``remote.unavailable``).
+INTERNALS = "ip: 10.0.0.7, pid: 4242, /srv/kvwarm/secret.py"
+
+
 async def _dies() -> AsyncIterator[object]:
-    raise RuntimeError("ActorDiedError: the replica's process died")
+    raise RuntimeError(f"ActorDiedError: the replica's process died ({INTERNALS})")
     yield  # an async generator
 
 
@@ -243,6 +249,30 @@ def test_a_dead_replica_is_a_503(replica: EngineReplica) -> None:
         response = c.post("/v1/chat/completions", json=body)
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "replica_unavailable"
+    # Transient: Serve starts a replacement (the 429's header, found by review: none).
+    assert response.headers["retry-after"] == "1"
+    # The error's type, never Ray's message (found by review).
+    assert "RuntimeError" in response.text and INTERNALS not in response.text
+
+
+def test_an_unexpected_replica_error_is_a_500_naming_no_internals(
+    replica: EngineReplica, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As ``kvwarm serve`` answers an unexpected error: 500 ``internal_error``, the details
+    in the replica's log only (found by review: its message reached the client)."""
+
+    def broken(call: Generate) -> object:
+        raise OSError(f"[Errno 5] {INTERNALS}")
+
+    monkeypatch.setattr(replica, "_start", broken)
+    with TestClient(create_ingress_app(stub_settings(), DirectCalls(replica))) as c:
+        wait_ready(c.get)
+        for stream in (False, True):
+            body = {"model": "a", "messages": [SYSTEM], "max_tokens": 3, "stream": stream}
+            response = c.post("/v1/chat/completions", json=body)
+            assert response.status_code == 500, response.text
+            assert response.json()["error"]["code"] == "internal_error"
+            assert INTERNALS not in response.text
 
 
 class DyingCalls(DirectCalls):
@@ -418,3 +448,30 @@ def test_a_replica_lost_while_probing_the_template_for_tools_is_a_503(
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "replica_unavailable"
     assert calls.calls == []  # nothing generated with a prompt the model would not render
+
+
+class HungCalls(DirectCalls):
+    """Generations reach a replica that stops answering after it said it serves them."""
+
+    def stream(self, call: Generate) -> Hung:  # type: ignore[override]
+        self.calls.append(call)
+        return Hung()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_hung_replica_ends_at_the_servers_deadline(replica: EngineReplica, stream: bool) -> None:
+    """``request_timeout_s`` holds at the ingress as at ``kvwarm serve``: a replica that
+    hangs (alive to Ray, answering nothing) is a ``request_timeout`` at the deadline, not a
+    hang until Ray's health checks kill it (found by review)."""
+    settings = stub_settings(request_timeout_s=0.5)
+    with TestClient(create_ingress_app(settings, HungCalls(replica))) as c:
+        wait_ready(c.get)
+        body = {"model": "a", "messages": [SYSTEM], "max_tokens": 3, "stream": stream}
+        response = c.post("/v1/chat/completions", json=body)
+    if stream:  # its head went out when the cut ended the wait for a first fragment, as serve's
+        assert response.status_code == 200, response.text
+        error = sse_events(response.text)[-1]["error"]  # type: ignore[index]
+    else:
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+    assert error["code"] == "request_timeout"

@@ -15,11 +15,11 @@ from fastapi.testclient import TestClient
 from tests.cluster.test_ingress_stub import DirectStream
 from tests.server.conftest import stub_settings, wait_ready
 
-from kvwarm.cluster.calls import Generate, ModelOp
+from kvwarm.cluster.calls import Generate, ModelOp, SnapshotCall
 from kvwarm.cluster.ingress import create_ingress_app
 from kvwarm.cluster.replica import EngineReplica
 from kvwarm.cluster.routing import ClusterIndex
-from kvwarm.errors import InvalidRequestError
+from kvwarm.errors import ReplicaUnavailableError
 
 PROMPT = "You are a terse assistant. Answer in one word whenever you can."
 SETTINGS = stub_settings(prewarm_system=(PROMPT,))
@@ -148,14 +148,17 @@ def test_a_prewarm_every_replica_fails_is_the_first_error(replicas: list[EngineR
         wait_ready(client.get)
         calls.broken = {"replica-1", "replica-2"}
         model = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
-        with pytest.raises(Exception, match="ActorDiedError"):
+        with pytest.raises(ReplicaUnavailableError, match=r"replica replica-1 .*RuntimeError"):
             model.prewarm("hello there")
 
 
 def test_a_replica_refuses_an_op_meant_for_another(replicas: list[EngineReplica]) -> None:
+    # The router sends it here only once its own replica is gone (``router._pinned``).
     op = ModelOp("a", "tokenize", ("hi",), replica="replica-2")
     failed = asyncio.run(replicas[0].call(op))
-    assert isinstance(getattr(failed, "error", None), InvalidRequestError)
+    assert isinstance(getattr(failed, "error", None), ReplicaUnavailableError)
+    with pytest.raises(ReplicaUnavailableError, match="not running"):
+        asyncio.run(replicas[0].snapshot(SnapshotCall("replica-2")))
 
 
 def _joins_done(client: TestClient) -> None:

@@ -188,3 +188,58 @@ def test_a_call_sent_again_cancels_the_attempt_it_gave_up() -> None:
     assert done.text == "yo" and stream.lost == ["r-lost"]
     first = attempts[0]
     assert isinstance(first, Unreachable) and first.cancelled
+
+
+class Hung:
+    """A replica that stopped answering (its process stopped, its node cut off): a read of
+    its next item never returns, and a cancel is never acknowledged."""
+
+    def __init__(self, served: bool = True) -> None:
+        self.reading = asyncio.Event()  # a read is waiting on it
+        self.cancelled = False
+        self._items: list[object] = [Served("r-hung")] if served else []
+
+    def __anext__(self) -> Awaitable[object]:
+        async def step() -> object:
+            if self._items:
+                return self._items.pop(0)
+            self.reading.set()
+            await asyncio.get_running_loop().create_future()  # never set
+            raise AssertionError("a hung replica answered")
+
+        return step()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_cancel_ends_a_read_its_hung_replica_never_answers(streamed: bool) -> None:
+    """The server's deadline (``request_timeout_s``), shutdown and a client's disconnect end
+    a generation by cancelling its stream; the read waiting for the replica's next item must
+    end then, not when Ray acknowledges the cancel, which a hung replica never does (found
+    by review: the request hung on past its deadline until Ray's health checks killed the
+    replica)."""
+
+    async def run() -> tuple[Completion | list[str], Hung, list[int]]:
+        hung, ended = Hung(), []
+        stream = RemoteStream(
+            lambda _avoid: hung, lambda _replica: None, on_end=lambda: ended.append(1)
+        )
+
+        async def read() -> Completion | list[str]:
+            if streamed:
+                return [text async for text in stream]
+            return await stream.aresult()
+
+        reading = asyncio.ensure_future(read())
+        await hung.reading.wait()
+        stream.cancel()
+        return await asyncio.wait_for(reading, 30), hung, ended
+
+    out, hung, ended = asyncio.run(run())
+    if streamed:
+        assert out == []
+    else:
+        assert isinstance(out, Completion) and out.stats.finish_reason == "cancelled"
+    assert hung.cancelled and ended  # cancelled on the replica, its admission given back

@@ -276,8 +276,19 @@ async def test_a_snapshot_call_goes_to_its_replica_only() -> None:
     call = FakePending([SnapshotCall(full_id(b))])
     groups = await r.choose_replicas([a, b], call)  # type: ignore[arg-type]
     assert [[x.name for x in g] for g in groups] == [["b"]]
-    gone = FakePending([SnapshotCall("nobody")])
-    assert await r.choose_replicas([a, b], gone) == [[]]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "call", [SnapshotCall("gone"), ModelOp("m", "prewarm", ("hi",), replica="gone")]
+)
+async def test_a_call_for_a_replica_gone_goes_to_one_that_refuses_it(call: object) -> None:
+    """No replica at all (``[[]]``) made Ray retry, with backoff, until the call's deadline
+    (600 s for a prewarm), holding one of its few routing tasks and the fan-out that waits
+    for every replica (found by review); another replica refuses it at once instead."""
+    a, b = FakeReplica("a"), FakeReplica("b")
+    r = router("events")
+    groups = await r.choose_replicas([a, b], FakePending([call]))  # type: ignore[arg-type]
+    assert [[x.name for x in g] for g in groups] == [["a", "b"]]
 
 
 async def test_a_prewarm_fanned_out_goes_to_its_replica_only() -> None:

@@ -48,6 +48,9 @@ def test_param_queue_retry_and_internal_details() -> None:
     body = json.loads(bytes(error_response(e.InvalidRequestError("x", param="stop")).body))
     assert body["error"]["param"] == "stop"
     assert error_response(e.QueueFullError("busy")).headers["retry-after"] == "1"
+    # A cluster's replica lost is worth asking again; one stuck past its deadline is not.
+    assert error_response(e.ReplicaUnavailableError("lost")).headers["retry-after"] == "1"
+    assert "retry-after" not in error_response(e.ReplicaTimeoutError("stuck")).headers
     hidden = json.loads(bytes(error_response(RuntimeError("secret path /x")).body))
     assert "secret" not in hidden["error"]["message"]
     custom = error_response(HTTPError(413, "too big", code="request_too_large"))

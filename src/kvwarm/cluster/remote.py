@@ -18,6 +18,7 @@ replica; a model's generations in flight are bounded (``max_in_flight``: past it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -147,6 +148,16 @@ def replica_lost(exc: BaseException) -> bool:
     return isinstance(exc, lost)
 
 
+def unavailable(exc: BaseException, replica: str | None = None) -> ReplicaUnavailableError:
+    """What the client is told of a replica call that failed in Ray (the replica lost, the
+    call refused): the error's type, never its message, which is logged here (found by
+    review: Ray's messages, the dead worker's address, pid and traceback, reached the
+    client)."""
+    where = f"replica {replica}" if replica else "a replica"
+    log.warning("a call to %s failed: %s: %s", where, type(exc).__name__, exc)
+    return ReplicaUnavailableError(f"{where} could not serve the request ({type(exc).__name__})")
+
+
 class RemoteStream:
     """One replica generation, consumed once (async), ending in a ``Completion``.
 
@@ -181,6 +192,9 @@ class RemoteStream:
         self._error: BaseException | None = None
         self._cancelled = False
         self._yielded = False
+        # While a read waits for the replica's next item: the future ``cancel`` sets (on the
+        # reading loop), so a cut never waits on a replica that stopped answering.
+        self._wake: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
         self.replica_id: str | None = None
         self.attempts = 1
         self.lost: list[str | None] = []  # the replicas lost under this call, in order
@@ -190,9 +204,19 @@ class RemoteStream:
         return self._completion is not None or self._error is not None
 
     def cancel(self) -> None:
+        """End the call: cancel it on its replica, and end a read waiting for its next item
+        at once, as a cancelled completion (found by review: a read waited for Ray to
+        acknowledge the cancel, which a replica that hangs, its process stopped or its
+        node cut off, never does until Ray's health checks kill it, so a request cut by its
+        deadline, ``request_timeout_s``, or by shutdown hung on well past it)."""
         if not self.done and not self._cancelled:
             self._cancelled = True
             self._response.cancel()
+        wake = self._wake
+        if wake is not None:  # called from any thread: the reader's loop sets it
+            loop, woken = wake
+            with contextlib.suppress(RuntimeError):  # its loop closed: nobody reads
+                loop.call_soon_threadsafe(_set_once, woken)
         self._on_end()
 
     def _retry(self, exc: BaseException) -> bool:
@@ -231,10 +255,33 @@ class RemoteStream:
             if self.done or self._cancelled:
                 self._on_end()
 
+    async def _next(self) -> object:
+        """The replica's next item; ``_WokenError`` once the stream is cancelled, whether or not
+        the replica acknowledges it."""
+        if self._cancelled:
+            raise _WokenError
+        loop = asyncio.get_running_loop()
+        step = asyncio.ensure_future(self._response.__anext__())
+        woken: asyncio.Future[None] = loop.create_future()
+        self._wake = (loop, woken)
+        try:
+            await asyncio.wait((step, woken), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            _abandon(step)
+            raise
+        finally:
+            self._wake = None
+        if step.done():
+            return step.result()
+        _abandon(step)  # what the replica says now reaches nobody
+        raise _WokenError
+
     async def _read(self, *, forwarded: bool) -> AsyncIterator[str]:
         while not self.done:
             try:
-                item = await self._response.__anext__()
+                item = await self._next()
+            except _WokenError:
+                self._completion = _cancelled()
             except StopAsyncIteration:
                 self._error = ReplicaUnavailableError("the replica ended the call without a result")
             except KvwarmError as exc:
@@ -248,7 +295,7 @@ class RemoteStream:
                 if self._cancelled:
                     self._completion = _cancelled()
                 elif not self._retry(exc):
-                    self._error = ReplicaUnavailableError(f"{type(exc).__name__}: {exc}")
+                    self._error = unavailable(exc, self.replica_id)
             else:
                 text = self._route(item)
                 if text:
@@ -607,7 +654,7 @@ class RemoteModel(ModelOps):
         except KvwarmError:
             raise
         except Exception as exc:
-            raise ReplicaUnavailableError(f"{type(exc).__name__}: {exc}") from exc
+            raise unavailable(exc, replica) from exc
         if isinstance(result, Failed):
             raise result.error
         return result
@@ -699,6 +746,22 @@ class RemoteModel(ModelOps):
         )
         assert isinstance(out, CompletionStats)
         return out
+
+
+class _WokenError(Exception):
+    """A read ended by ``RemoteStream.cancel``, not by its replica."""
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _abandon(step: asyncio.Future[object]) -> None:
+    """Cancel a read nobody waits for any more; its outcome is retrieved (asyncio logs one
+    never retrieved)."""
+    step.cancel()
+    step.add_done_callback(lambda done: None if done.cancelled() else done.exception())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

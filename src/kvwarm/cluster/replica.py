@@ -44,7 +44,12 @@ from kvwarm.cluster.routing import WarmSet
 from kvwarm.cluster.routing.facts import encode_namespace, place
 from kvwarm.engine.cancel import Cancellation
 from kvwarm.engine.ops import CALLS, CANCELLABLE
-from kvwarm.errors import InvalidRequestError, KvwarmError, UnknownModelError
+from kvwarm.errors import (
+    InvalidRequestError,
+    KvwarmError,
+    ReplicaUnavailableError,
+    UnknownModelError,
+)
 from kvwarm.server import budget
 from kvwarm.settings import Settings, model_config
 from kvwarm.settings.cache import save_tier
@@ -122,8 +127,22 @@ def _cancel_started(starting: asyncio.Future[CompletionStream]) -> None:
 
 
 def _portable(exc: BaseException) -> BaseException:
-    """An error the ingress can unpickle and map by type (``server/errors.py``)."""
-    return exc if isinstance(exc, KvwarmError) else KvwarmError(f"{type(exc).__name__}: {exc}")
+    """An error the ingress can unpickle and map by type (``server/errors.py``). An
+    unexpected one is logged here, with its traceback, and crosses as a 500 that names no
+    internals, as ``kvwarm serve`` answers it (found by review: its message, paths and all,
+    reached the client)."""
+    if isinstance(exc, KvwarmError):
+        return exc
+    log.error("unexpected error in a replica call", exc_info=exc)
+    return KvwarmError(f"internal server error ({type(exc).__name__} in a replica; see its log)")
+
+
+def _not_here(op: str, meant_for: str, replica_id: str) -> ReplicaUnavailableError:
+    """A call meant for another replica: the router sends one here only when Ray no longer
+    runs that one (``router._pinned``)."""
+    return ReplicaUnavailableError(
+        f"{op} for replica {meant_for} reached {replica_id}: {meant_for} is not running"
+    )
 
 
 class EngineReplica:
@@ -250,8 +269,8 @@ class EngineReplica:
         new operation declared there needs nothing here."""
         if op.op not in CALLS:
             raise InvalidRequestError(f"a replica has no operation {op.op!r}")
-        if op.replica is not None and op.replica != self.replica_id:  # the router routes it here
-            raise InvalidRequestError(f"{op.op} for {op.replica} asked of {self.replica_id}")
+        if op.replica is not None and op.replica != self.replica_id:  # its replica is gone
+            raise _not_here(op.op, op.replica, self.replica_id)
         model = self._model(op.model_id)
         result = getattr(model, op.op)(*op.args, **op.kwargs)
         if op.op in ("prewarm", "prewarm_chat"):
@@ -262,8 +281,8 @@ class EngineReplica:
 
     async def snapshot(self, call: SnapshotCall) -> dict[str, object]:
         """Everything this replica's cache events add up to (a router missed some)."""
-        if call.replica_id != self.replica_id:  # the router routes it here only
-            raise InvalidRequestError(f"snapshot of {call.replica_id} asked of {self.replica_id}")
+        if call.replica_id != self.replica_id:  # its replica is gone
+            raise _not_here("snapshot", call.replica_id, self.replica_id)
         return self.events.snapshot()
 
     def record_routing_stats(self) -> dict[str, object]:

@@ -16,7 +16,8 @@ When a replica's events show a gap (reports missed, this router new), the router
 that replica's snapshot on a thread of its own, one at a time per replica, through a handle
 to its deployment; until it arrives the index keeps what it had. Dead replicas leave the
 candidates through Ray (health checks, ``ActorDiedError`` on a probe) and leave the table
-and the index here.
+and the index here; a call for one that is gone (a fan-out that read the running replicas
+just before it died) goes to another, which refuses it at once.
 """
 
 from __future__ import annotations
@@ -218,10 +219,13 @@ class AffinityRouter(RequestRouter):
         self._ensure_state()
         if pending_request is not None and pending_request.args:
             target = pending_request.args[0]
+            pinned = None
             if isinstance(target, SnapshotCall):
-                return [[r for r in candidate_replicas if _rid(r) == target.replica_id]]
-            if isinstance(target, ModelOp) and target.replica is not None:  # a fan-out's call
-                return [[r for r in candidate_replicas if _rid(r) == target.replica]]
+                pinned = target.replica_id
+            elif isinstance(target, ModelOp) and target.replica is not None:  # a fan-out's call
+                pinned = target.replica
+            if pinned is not None:
+                return [_pinned(candidate_replicas, pinned)]
             if isinstance(target, Generate) and target.avoid:
                 # A retry after its replica was lost: anywhere else (Ray may not know yet).
                 others = [r for r in candidate_replicas if _rid(r) not in target.avoid]
@@ -295,3 +299,12 @@ class AffinityRouter(RequestRouter):
 
 def _rid(replica: RunningReplica) -> str:
     return replica.replica_id.to_full_id_str()
+
+
+def _pinned(candidates: list[RunningReplica], replica_id: str) -> list[RunningReplica]:
+    """Where a call for one replica goes: that replica; if Ray no longer runs it, any other,
+    which refuses the call at once (``EngineReplica``: ``ReplicaUnavailableError``). Found
+    by review: no replica at all made Ray retry, with backoff, until the call's deadline
+    (600 s for a prewarm), holding one of its routing tasks (two per replica at most) and
+    the caller (a fan-out waits for every replica) all that time."""
+    return [r for r in candidates if _rid(r) == replica_id] or candidates

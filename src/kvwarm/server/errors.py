@@ -173,7 +173,11 @@ def error_response(exc: BaseException, path: str = "") -> JSONResponse:
         param = exc.param if isinstance(exc, e.InvalidRequestError) else None
         if kind.status >= 500:
             log.error("request failed: %s: %s", type(exc).__name__, exc)
-        retry = isinstance(exc, e.QueueFullError | e.ModelCapacityError)
+        # Worth asking again in a moment: a full queue, or (a cluster) a replica lost, whose
+        # replacement Serve starts; a replica past its deadline (504) is stuck, not gone.
+        retry = isinstance(
+            exc, e.QueueFullError | e.ModelCapacityError | e.ReplicaUnavailableError
+        ) and not isinstance(exc, e.ReplicaTimeoutError)
         headers = {"Retry-After": "1"} if retry else None
         message = str(exc) or type(exc).__name__
         body = shaped_body(path, kind.status, message, kind.type, kind.code, param)
