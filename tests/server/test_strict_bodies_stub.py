@@ -200,6 +200,7 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "dimensions": 2,
             },
             {"model": "a", "input": [[1, 2]]},
+            {"model": "fim", "input": "x", "lora": [{"id": 0, "scale": 0.5}]},
         ],
     ),
     "/v1/rerank": (
@@ -214,6 +215,7 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "return_documents": True,
                 "max_tokens_per_doc": 8,
                 "cache_salt": "s",
+                "lora": [],  # the reranker has no adapters: none, explicitly
             }
         ],
     ),
