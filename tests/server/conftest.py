@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -17,6 +18,7 @@ from fastapi.testclient import TestClient
 from kvwarm.cache.types import PolicyConfig
 from kvwarm.server import create_app
 from kvwarm.server.connections import Server, uvicorn_config
+from kvwarm.server.state import ServerState
 from kvwarm.settings import ModelSpec, Settings
 
 # Low gates so that short test prompts are cached.
@@ -233,3 +235,23 @@ class LiveServer:
 @pytest.fixture
 def tmp_cache(tmp_path: Path) -> Path:
     return tmp_path / "cache"
+
+
+def server_state(client: TestClient) -> ServerState:
+    """The app's ``ServerState`` (its registry, its stored and running responses)."""
+    state = client.app.state.kvwarm  # type: ignore[attr-defined]
+    assert isinstance(state, ServerState)
+    return state
+
+
+def background_ended(client: TestClient, response_id: str) -> None:
+    """Wait (on the app's loop, bounded) until the background response has ended."""
+    pending = server_state(client).responses.running(response_id)
+    if pending is None:
+        return
+    assert client.portal is not None
+
+    async def wait() -> None:
+        await asyncio.wait_for(pending.ended.wait(), 60)
+
+    client.portal.call(wait)

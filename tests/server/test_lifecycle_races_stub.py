@@ -24,7 +24,7 @@ from kvwarm.server.generate import Generation
 from kvwarm.server.state import ServerState
 
 from ..engine.conftest import GatedBackend, make_engine, stub_config
-from .conftest import stub_settings, wait_ready
+from .conftest import background_ended, server_state, stub_settings, wait_ready
 
 BODY: dict[str, object] = {
     "model": "a",
@@ -36,32 +36,9 @@ BODY: dict[str, object] = {
 }
 
 
-def _state(client: TestClient) -> ServerState:
-    state = client.app.state.kvwarm  # type: ignore[attr-defined]
-    assert isinstance(state, ServerState)
-    return state
-
-
-def _ended(client: TestClient, response_id: str) -> None:
-    """Wait (on the app's loop, bounded) until the background response has ended."""
-    pending = _state(client).responses.running(response_id)
-    if pending is None:
-        return
-    assert client.portal is not None
-
-    async def wait() -> None:
-        await asyncio.wait_for(pending.ended.wait(), 60)
-
-    client.portal.call(wait)
-
-
-def test_keep_alive_zero_never_unloads_a_background_response_s_model_while_it_is_admitted(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Found by review: while the worker admitted a request (looked up, read and unpacked its
-    prompt's row: a disk read), the request was neither queued nor active, so the reaper took
-    a model whose only work was a background response for idle and unloaded it: the response
-    ended ``cancelled`` though nobody cancelled it."""
+def _hold_restores(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Hold each request the worker admits in its restore: ``entered`` is set once one is
+    there (out of the queue, not yet in a slot), and it goes on once ``release`` is set."""
     entered, release = threading.Event(), threading.Event()
     real = Admission.restore
 
@@ -71,6 +48,17 @@ def test_keep_alive_zero_never_unloads_a_background_response_s_model_while_it_is
         return real(admission, planned, req)
 
     monkeypatch.setattr(Admission, "restore", held)
+    return entered, release
+
+
+def test_keep_alive_zero_never_unloads_a_background_response_s_model_while_it_is_admitted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: while the worker admitted a request (looked up, read and unpacked its
+    prompt's row: a disk read), the request was neither queued nor active, so the reaper took
+    a model whose only work was a background response for idle and unloaded it: the response
+    ended ``cancelled`` though nobody cancelled it."""
+    entered, release = _hold_restores(monkeypatch)
     with TestClient(create_app(stub_settings())) as client:
         wait_ready(client.get)
         try:
@@ -78,12 +66,12 @@ def test_keep_alive_zero_never_unloads_a_background_response_s_model_while_it_is
             assert created.status_code == 200, created.json()
             rid = created.json()["id"]
             assert entered.wait(10)  # its POST (and lease) over, the worker admitting it
-            registry = _state(client).registry
+            registry = server_state(client).registry
             assert registry.reap_idle() == []
             assert registry.entries["a"].state == "ready"
         finally:
             release.set()
-        _ended(client, rid)
+        background_ended(client, rid)
         done = client.get(f"/v1/responses/{rid}").json()
         assert done["status"] in ("completed", "incomplete"), done
 
@@ -139,18 +127,10 @@ def test_a_background_response_s_keep_alive_counts_from_its_end(
     so its model's ``keep_alive`` ran from the ``POST``: a response running longer than that
     had its model unloaded the moment it ended (and an admin saw it unleased meanwhile). It
     now holds its model's lease until it ends."""
-    entered, release = threading.Event(), threading.Event()
-    real = Admission.restore
-
-    def held(admission: Admission, planned: Planned, req: Request) -> Restored:
-        entered.set()
-        assert release.wait(60)
-        return real(admission, planned, req)
-
-    monkeypatch.setattr(Admission, "restore", held)
+    entered, release = _hold_restores(monkeypatch)
     with TestClient(create_app(stub_settings())) as client:
         wait_ready(client.get)
-        registry = _state(client).registry
+        registry = server_state(client).registry
         entry = registry.entries["a"]
         try:
             created = client.post("/v1/responses", json={**BODY, "keep_alive": 3600})
@@ -160,7 +140,7 @@ def test_a_background_response_s_keep_alive_counts_from_its_end(
             before = time.monotonic()
         finally:
             release.set()
-        _ended(client, created.json()["id"])
+        background_ended(client, created.json()["id"])
         assert entry.leases == 0
         due = registry.due(entry)
         assert due is not None and due >= before + 3600  # from its end, not its POST

@@ -20,11 +20,10 @@ from fastapi.testclient import TestClient
 from kvwarm.backends.stub import StubBackend
 from kvwarm.errors import ServerShuttingDownError
 from kvwarm.server import create_app
-from kvwarm.server.state import ServerState
 from kvwarm.settings import ModelSpec
 
 from ..engine.test_rerank_stub import RecordingBackend
-from .conftest import stub_settings, wait_ready
+from .conftest import background_ended, server_state, stub_settings, wait_ready
 from .test_api_stub import assert_error
 
 BODY: dict[str, object] = {
@@ -75,27 +74,8 @@ def gated(
             backend.gate.set()
 
 
-def _state(client: TestClient) -> ServerState:
-    state = client.app.state.kvwarm  # type: ignore[attr-defined]
-    assert isinstance(state, ServerState)
-    return state
-
-
-def _ended(client: TestClient, response_id: str) -> None:
-    """Wait (on the app's loop, bounded) until the background response has ended."""
-    pending = _state(client).responses.running(response_id)
-    if pending is None:
-        return
-    assert client.portal is not None
-
-    async def wait() -> None:
-        await asyncio.wait_for(pending.ended.wait(), 60)
-
-    client.portal.call(wait)
-
-
 def _active(client: TestClient) -> int:
-    model = _state(client).entries["a"].model
+    model = server_state(client).entries["a"].model
     assert model is not None
     return model.status().active + model.status().queued
 
@@ -114,7 +94,7 @@ def test_post_answers_queued_at_once_and_get_polls_it_to_completed(
     polled = client.get(f"/v1/responses/{body['id']}").json()
     assert polled["status"] == "queued" and polled["id"] == body["id"]
     backend.gate.set()
-    _ended(client, body["id"])
+    background_ended(client, body["id"])
     done = client.get(f"/v1/responses/{body['id']}").json()
     assert done["status"] in ("completed", "incomplete") and done["background"] is True
     (item,) = done["output"]
@@ -136,7 +116,7 @@ def test_in_progress_once_its_first_token_is_out(gated: tuple[TestClient, Gated]
     backend.free = 1  # the prefill's pass (its first token sampled), then held
     rid = client.post("/v1/responses", json=BODY).json()["id"]
     assert backend.entered.wait(10)
-    pending = _state(client).responses.running(rid)
+    pending = server_state(client).responses.running(rid)
     assert pending is not None
     assert client.portal is not None
 
@@ -147,7 +127,7 @@ def test_in_progress_once_its_first_token_is_out(gated: tuple[TestClient, Gated]
     client.portal.call(lambda: asyncio.wait_for(started(), 10))
     assert client.get(f"/v1/responses/{rid}").json()["status"] == "in_progress"
     backend.gate.set()
-    _ended(client, rid)
+    background_ended(client, rid)
     assert client.get(f"/v1/responses/{rid}").json()["status"] in ("completed", "incomplete")
 
 
@@ -157,7 +137,7 @@ def test_cancel_ends_a_running_one_and_frees_its_slot(gated: tuple[TestClient, G
     rid = client.post("/v1/responses", json={**BODY, "max_output_tokens": 64}).json()["id"]
     assert backend.entered.wait(10)  # generating, held between two tokens
     assert _active(client) == 1
-    (gen,) = _state(client).streams
+    (gen,) = server_state(client).streams
     asked = gen.stream.request.cancelled  # type: ignore[attr-defined]
     with ThreadPoolExecutor(1) as pool:
         # The cancel answers once the generation has ended: between two tokens, so after
@@ -195,7 +175,7 @@ def test_cancel_takes_a_queued_one_out_of_its_model_s_queue(
     assert cancelled.json()["output"] == []
     assert _active(client) == 1
     backend.gate.set()
-    _ended(client, first)
+    background_ended(client, first)
     assert client.get(f"/v1/responses/{first}").json()["status"] in ("completed", "incomplete")
 
 
@@ -206,14 +186,14 @@ def test_delete_while_running_cancels_it_and_keeps_nothing(
     backend.free = 0
     rid = client.post("/v1/responses", json=BODY).json()["id"]
     assert backend.entered.wait(10)
-    pending = _state(client).responses.running(rid)
+    pending = server_state(client).responses.running(rid)
     deleted = client.delete(f"/v1/responses/{rid}")
     assert deleted.status_code == 200 and deleted.json()["deleted"] is True
     backend.gate.set()
     assert pending is not None and client.portal is not None
     client.portal.call(lambda: asyncio.wait_for(pending.ended.wait(), 60))
     assert_error(client.get(f"/v1/responses/{rid}"), 404, "response_not_found")
-    assert _active(client) == 0 and len(_state(client).responses) == 0
+    assert _active(client) == 0 and len(server_state(client).responses) == 0
 
 
 def test_failed_generation_is_stored_failed_with_its_error(
@@ -225,11 +205,11 @@ def test_failed_generation_is_stored_failed_with_its_error(
     backend.free = 0
     rid = client.post("/v1/responses", json=BODY).json()["id"]
     assert backend.entered.wait(10)
-    (gen,) = _state(client).streams
+    (gen,) = server_state(client).streams
     assert client.portal is not None
     client.portal.call(gen.cut, ServerShuttingDownError("the server is shutting down"))
     backend.gate.set()
-    _ended(client, rid)
+    background_ended(client, rid)
     body = client.get(f"/v1/responses/{rid}").json()
     assert body["status"] == "failed"
     assert body["error"] == {"code": "shutting_down", "message": "the server is shutting down"}
@@ -246,7 +226,7 @@ def test_background_needs_store_and_no_stream(
     client, _ = gated
     refused = client.post("/v1/responses", json={**BODY, **extra})
     assert_error(refused, 400, None, param)
-    assert _active(client) == 0 and len(_state(client).responses) == 0
+    assert _active(client) == 0 and len(server_state(client).responses) == 0
 
 
 def test_cancel_of_a_response_made_without_background_is_400(
@@ -267,7 +247,7 @@ def test_a_running_one_cannot_be_continued_yet(gated: tuple[TestClient, Gated]) 
     assert_error(follow, 400, None, "previous_response_id")
     assert "still running" in follow.json()["error"]["message"]
     backend.gate.set()
-    _ended(client, rid)
+    background_ended(client, rid)
 
 
 @pytest.mark.parametrize(
@@ -290,5 +270,5 @@ def test_another_tenant_can_neither_see_nor_cancel_it(gated: tuple[TestClient, G
     assert_error(refused, 404, "previous_response_not_found")
     assert client.get(f"/v1/responses/{rid}", headers=user).json()["status"] == "queued"
     backend.gate.set()
-    _ended(client, rid)
+    background_ended(client, rid)
     assert client.get(f"/v1/responses/{rid}", headers=user).json()["status"] != "queued"

@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -142,6 +143,20 @@ _KEY_TYPES = {
 }
 
 
+@contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """Reading the adapter file at ``path``: a file that is no GGUF, or that cannot be read,
+    is the caller's ``AdapterError``."""
+    try:
+        yield
+    except ValueError as exc:
+        raise AdapterError(
+            f"adapter {path!r} is not a GGUF file llama.cpp can read: {exc}"
+        ) from exc
+    except OSError as exc:
+        raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
+
+
 def _check_keys(path: str) -> None:
     """``AdapterError`` for an adapter whose keys llama.cpp reads are of another type than
     it reads them as, or whose ``adapter.lora.alpha`` is not a finite number. Found by
@@ -149,14 +164,8 @@ def _check_keys(path: str) -> None:
     ``general.type`` or ``adapter.type`` was no string, aborted the process as it loaded
     (``GGML_ASSERT(type_to_gguf_type<T>::value == type)`` in gguf.cpp); one whose alpha was
     NaN or infinite loaded, and every output under it was NaN."""
-    try:
+    with _reading(path):
         found = gguf_meta.values_of(path, _KEY_TYPES.__contains__)
-    except ValueError as exc:
-        raise AdapterError(
-            f"adapter {path!r} is not a GGUF file llama.cpp can read: {exc}"
-        ) from exc
-    except OSError as exc:
-        raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
     for key, wanted in _KEY_TYPES.items():
         got = found.types.get(key)
         if got is not None and got != wanted:
@@ -189,16 +198,9 @@ def _check_tensors(path: str, metadata: Mapping[str, str]) -> None:
     every other LoRA tensor is a matrix. Tensors llama.cpp skips (norms) are not checked."""
     arch = metadata.get("general.architecture", "")
     experts = metadata.get(f"{arch}.expert_count", "")
-    try:
-        with gguf_meta.tensors_of(path) as tensors:
-            for tensor in tensors:
-                _check_tensor(path, tensor, experts)
-    except ValueError as exc:
-        raise AdapterError(
-            f"adapter {path!r} is not a GGUF file llama.cpp can read: {exc}"
-        ) from exc
-    except OSError as exc:
-        raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
+    with _reading(path), gguf_meta.tensors_of(path) as tensors:
+        for tensor in tensors:
+            _check_tensor(path, tensor, experts)
 
 
 def _check_tensor(path: str, tensor: gguf_meta.TensorInfo, experts: str) -> None:
