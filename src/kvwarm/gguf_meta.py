@@ -21,7 +21,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,6 +269,17 @@ def read_values(buf: Buffer, wanted: Callable[[str], bool]) -> Values:
         return Values(values, n_tensors, pos, types)
     finally:
         view.release()  # an mmap cannot close while a view of it lives
+
+
+def mistyped(found: Values, types: Mapping[str, int]) -> str:
+    """The first key of ``types`` (key: the GGUF type id a reader reads it as) that ``found``
+    holds as another type, as "KEY is a GGUF FOUND, not the WANTED"; "" if none. gguf.cpp's
+    typed getters assert the type, so such a key aborts the process that reads it."""
+    for key, wanted in types.items():
+        got = found.types.get(key)
+        if got is not None and got != wanted:
+            return f"{key} is a GGUF {TYPE_NAMES.get(got, str(got))}, not the {TYPE_NAMES[wanted]}"
+    return ""
 
 
 def values_of(path: str | os.PathLike[str], wanted: Callable[[str], bool]) -> Values:

@@ -166,14 +166,10 @@ def _check_keys(path: str) -> None:
     NaN or infinite loaded, and every output under it was NaN."""
     with _reading(path):
         found = gguf_meta.values_of(path, _KEY_TYPES.__contains__)
-    for key, wanted in _KEY_TYPES.items():
-        got = found.types.get(key)
-        if got is not None and got != wanted:
-            names = gguf_meta.TYPE_NAMES
-            raise AdapterError(
-                f"adapter {path!r}: {key} is a GGUF {names.get(got, str(got))}, not the "
-                f"{names[wanted]} llama.cpp reads it as (it would abort the process)"
-            )
+    if problem := gguf_meta.mistyped(found, _KEY_TYPES):
+        raise AdapterError(
+            f"adapter {path!r}: {problem} llama.cpp reads it as (it would abort the process)"
+        )
     alpha = found.values.get("adapter.lora.alpha")
     if isinstance(alpha, float) and not math.isfinite(alpha):
         raise AdapterError(

@@ -361,15 +361,8 @@ def _clip_types_problem(found: gguf_meta.Values, projector: bool) -> str:
     no bool, its layer norm epsilon no float32 ...) aborted the process as it loaded."""
     if not projector and _text(found.values.get("general.architecture")) != "clip":
         return ""
-    names = gguf_meta.TYPE_NAMES
-    for key, wanted in _CLIP_TYPES.items():
-        got = found.types.get(key)
-        if got is not None and got != wanted:
-            return (
-                f"{key} is a GGUF {names.get(got, str(got))}, not the {names[wanted]} mtmd "
-                "reads it as"
-            )
-    return ""
+    problem = gguf_meta.mistyped(found, _CLIP_TYPES)
+    return f"{problem} mtmd reads it as" if problem else ""
 
 
 def _clip_problem(values: dict[str, gguf_meta.Value]) -> str:
