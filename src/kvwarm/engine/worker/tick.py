@@ -208,7 +208,7 @@ class Tick:
         rows = self.port.drafts(cfg.spec_ngram_n)
         ns = act.namespace  # the salted one: drafts come from this tenant's rows only
         rows.refresh(ns, tenant_of(opts.cache_salt))  # its tenant's share of the index
-        if self.rt.sentence_ends is None:  # once per model: its pieces (Gemma 3's in ~0.3 s)
+        if self.rt.sentence_ends is None:  # a model whose spec_type is none: made here, once
             self.rt.sentence_ends = SentenceEnds(self.rt.model.vocabulary()[0])
         return Drafter(
             cast(SpecType, kind),
