@@ -297,13 +297,22 @@ def arch_values(path: str | os.PathLike[str], names: Collection[str]) -> dict[st
     ``NAME``, ``ARCH`` its ``general.architecture`` (none if it names none), as
     ``read_values`` decodes them; ``ValueError`` if it is not a GGUF, ``OSError`` if it
     cannot be read. The file is mapped, not read."""
+    return architecture(path, names)[1]
+
+
+def architecture(
+    path: str | os.PathLike[str], names: Collection[str] = ()
+) -> tuple[str | None, dict[str, Value]]:
+    """The GGUF file's ``general.architecture`` (None if it names none) and ``arch_values``
+    for ``names``, in one read."""
     ends = tuple(f".{name}" for name in names)
-    found = values_of(path, lambda key: key == _ARCH or key.endswith(ends)).values
+    found = values_of(path, lambda key: key == _ARCH or bool(ends and key.endswith(ends))).values
     arch = found.get(_ARCH)
     if not isinstance(arch, bytes):
-        return {}
-    prefix = arch.decode("utf-8", "replace") + "."
-    return {name: found[prefix + name] for name in names if prefix + name in found}
+        return None, {}
+    name = arch.decode("utf-8", "replace")
+    prefix = name + "."
+    return name, {n: found[prefix + n] for n in names if prefix + n in found}
 
 
 _ARCH = "general.architecture"

@@ -19,6 +19,7 @@ from kvwarm.backends.base import ContextParams
 from kvwarm.engine.api import Engine
 from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.model import Model
+from kvwarm.engine.speculating import verifies_drafts
 from kvwarm.engine.types import Completion, GenerationOptions
 from kvwarm.errors import StateRestoreError
 
@@ -90,7 +91,9 @@ def test_the_kind_is_read_from_the_model(tiny: str) -> None:
 def test_a_spec_type_gives_no_exact_kv_cells_to_a_state_that_cannot_roll_back(tiny: str) -> None:
     """``auto`` KV cells become q8_0 only in a model that speculates: a recurrent or hybrid
     state cannot roll a rejected draft back, so with a ``spec_type`` it still runs (and
-    keys its rows) as f16, not paying q8_0's prefill for drafts it never verifies."""
+    keys its rows) as f16, not paying q8_0's prefill for drafts it never verifies, and its
+    weights load as any model's (``speculating.RECURRENT_ARCHS``, checked here against
+    llama.cpp's own memory kind)."""
     eng = engine(None)
     try:
         cfg = ModelConfig(
@@ -99,6 +102,9 @@ def test_a_spec_type_gives_no_exact_kv_cells_to_a_state_that_cannot_roll_back(ti
         )
         model = eng.load_model(tiny, config=cfg)
         assert model.info().speculation.startswith("off")
+        # Known from the header before the load too: its weights loaded as any model's
+        # (repacked where the CPU repacks), not for verify rows it never has.
+        assert not verifies_drafts(cfg, tiny)
         ran = model.config.context
         assert (ran.type_k, ran.type_v) == ("f16", "f16")
     finally:

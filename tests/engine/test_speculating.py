@@ -23,11 +23,11 @@ from kvwarm.engine.speculating import untile_at_start, verifies_drafts
 SPECULATING = ModelConfig(spec_type="ngram-simple")
 
 
-def _generator(path: Path) -> Path:
+def _generator(path: Path, arch: str = "llama") -> Path:
     """A GGUF header as most generating models' are: neither a pooling nor a causal key."""
     import gguf
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -46,6 +46,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "embedder": write_reranker(out / "embedder.gguf", "encoder", pooling=1),
         # A causal model pooling its last token (Qwen3-Embedding's shape): it can generate.
         "causal embedder": write_reranker(out / "causal.gguf", "decoder", pooling=3),
+        # Generating models whose state cannot roll a rejected draft back.
+        "recurrent": _generator(out / "mamba2.gguf", "mamba2"),
+        "hybrid": _generator(out / "lfm2.gguf", "lfm2"),
     }
 
 
@@ -62,6 +65,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ("embedder", SPECULATING, False),
         ("embedder", replace(SPECULATING, pooling="last"), False),  # still not causal
         ("causal embedder", SPECULATING, True),
+        ("recurrent", SPECULATING, False),
+        ("hybrid", SPECULATING, False),
     ],
 )
 def test_a_model_verifies_drafts_only_where_it_speculates_and_generates(
@@ -91,6 +96,7 @@ class _Recording(StubBackend):
 
 
 @pytest.mark.parametrize(("name", "exact_rows"), [("reranker", False), ("embedder", False),
+                                                  ("recurrent", False), ("hybrid", False),
                                                   ("generator", True)])  # fmt: skip
 def test_the_engine_loads_for_exact_rows_only_a_model_that_verifies_drafts(
     files: dict[str, Path], name: str, exact_rows: bool
@@ -98,7 +104,8 @@ def test_the_engine_loads_for_exact_rows_only_a_model_that_verifies_drafts(
     """Found by review: a reranker given a ``spec_type`` loaded with ``exact_rows`` (its
     pooling was known only after the load), so its weights were not repacked and its first
     load could turn llama.cpp's tiled kernel off for every model of the process, for drafts
-    it never verifies."""
+    it never verifies. A recurrent or hybrid model did the same: its speculation is off (it
+    cannot roll a draft back), known only from its memory once loaded."""
     backend = _Recording()
     with make_engine() as engine:
         engine.load_model(files[name], config=replace(SPECULATING, backend=backend))

@@ -3,11 +3,13 @@
 A model verifies drafts only where it speculates and generates: a reranker (pooling ``rank``,
 its GGUF's or its config's) and an encoder (``{arch}.attention.causal`` false: an embedding
 model such as BERT's) never generate, so they never verify a draft whatever their
-``spec_type``. That is known from the header before the weights load (``verifies_drafts``),
-and it decides the load: a model that verifies drafts loads its weights where its verify rows
-can be exact (``ModelParams.exact_rows``: unrepacked), and may need llama.cpp's tiled K-quant
-kernel off for the whole process (``GGML_CPU_TILED_MM=0``; docs/configuration.md, "Exact, or
-off"). A model that cannot generate pays for neither.
+``spec_type``; nor does a model whose state cannot roll a rejected draft back (a recurrent
+or hybrid architecture: speculation is off for it, ``describe.speculation``). That is known
+from the header before the weights load (``verifies_drafts``), and it decides the load: a
+model that verifies drafts loads its weights where its verify rows can be exact
+(``ModelParams.exact_rows``: unrepacked), and may need llama.cpp's tiled K-quant kernel off
+for the whole process (``GGML_CPU_TILED_MM=0``; docs/configuration.md, "Exact, or off").
+A model that cannot generate pays for neither.
 
 The kernel switch is the process's, read by ggml once, at its first matrix product, and set
 through the environment, which is not safe to change while another thread may read it. So a
@@ -29,7 +31,7 @@ from kvwarm.backends import get_backend
 from kvwarm.backends.base import POOLING_BY_ID, Backend
 from kvwarm.engine.config import ModelConfig
 from kvwarm.errors import ModelNotFoundError
-from kvwarm.gguf_meta import arch_values
+from kvwarm.gguf_meta import architecture
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +39,35 @@ log = logging.getLogger(__name__)
 _KEYS = ("pooling_type", "attention.causal")
 
 
+#: The architectures whose memory holds a recurrent state (llama.cpp's
+#: ``llm_arch_is_recurrent`` and ``llm_arch_is_hybrid``, the pinned 0.3.36's names): a verify
+#: pass would move it past the draft's rejected tokens with no way back, so such a model never
+#: verifies one (``MemoryKind.lookahead`` is 0 for it once loaded).
+RECURRENT_ARCHS = frozenset(
+    {
+        *("mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"),
+        *("jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h"),
+        *("nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next"),
+        *("qwen35", "qwen35moe", "qwen4exp", "deepseek4", "minimax-01"),
+    }
+)
+
+
 def verifies_drafts(cfg: ModelConfig, path: str | os.PathLike[str]) -> bool:
     """Whether the model at ``path``, loaded with ``cfg``, will verify drafts: it speculates
-    (``cfg.speculative``, not deterministic) and generates (its pooling, ``cfg``'s or its
-    GGUF's, is not ``rank``; its attention is causal). Read from the GGUF's header, before
+    (``cfg.speculative``, not deterministic), generates (its pooling, ``cfg``'s or its
+    GGUF's, is not ``rank``; its attention is causal) and can roll a draft back (its
+    architecture is not in ``RECURRENT_ARCHS``). Read from the GGUF's header, before
     anything loads; a file whose header cannot be read (a stub backend's name) is taken at
     its configuration's word, as llama.cpp would refuse it anyway."""
     if not cfg.speculative or cfg.deterministic:
         return False
     try:
-        header = arch_values(path, _KEYS)
+        arch, header = architecture(path, _KEYS)
     except (OSError, ValueError):
-        header = {}
+        arch, header = None, {}
+    if arch in RECURRENT_ARCHS:
+        return False
     found = header.get("pooling_type")
     pooling = None
     if isinstance(found, int) and 0 <= found < len(POOLING_BY_ID):
