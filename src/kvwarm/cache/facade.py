@@ -33,6 +33,7 @@ See docs/architecture.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -59,6 +60,7 @@ from kvwarm.cache.types import (
     EvictResult,
     Namespace,
     PrefixMatch,
+    PressureConfig,
     RowInfo,
     SaveRequest,
     SweepResult,
@@ -69,7 +71,7 @@ from kvwarm.cache.upkeep.scans import CacheUpkeep
 from kvwarm.cache.upkeep.shared import SharedTiers
 from kvwarm.cache.upkeep.sharedgc import SharedSweep, SweepStep
 from kvwarm.cache.validate import validate_cache_config
-from kvwarm.errors import InvalidRequestError
+from kvwarm.errors import ConfigError, InvalidRequestError
 
 __all__ = ["Cache"]
 
@@ -125,6 +127,7 @@ class Cache:
             source = make_source(
                 pressure_source if pressure_source is not None else self.config.pressure.source
             )
+        own_tiers = tiers is None
         if tiers is None:
             options = TierOptions(repair=repair)
             built: list[Tier] = []
@@ -137,6 +140,15 @@ class Cache:
                 raise
             tiers = built
         self._tiers: dict[TierName, Tier] = {tier.name: tier for tier in tiers}
+        pressure = self.config.pressure
+        if source is not None:
+            try:
+                pressure = self._pressure_config()
+            except ConfigError:
+                if own_tiers:
+                    for tier in tiers:
+                        tier.close()
+                raise
         self._closed = False
         self._scratch = ScratchBuffers()
         self._close_lock = threading.Lock()
@@ -191,7 +203,7 @@ class Cache:
                 self._core.enforce_quota(tier)
         self.pressure: PressureScheduler | None = None
         if source is not None:
-            self.pressure = PressureScheduler(self.config.pressure, source, self.evict_bytes)
+            self.pressure = PressureScheduler(pressure, source, self.evict_bytes)
         self._sweeper: threading.Thread | None = None
         if background and repair:
             self._sweeper = threading.Thread(
@@ -200,6 +212,20 @@ class Cache:
             self._sweeper.start()
             if self.pressure is not None:
                 self.pressure.start()
+
+    def _pressure_config(self) -> PressureConfig:
+        """The pressure settings with ``evict_tiers`` cut to the tiers this cache has: a
+        built-in name it lacks (the default names ``ram`` and ``ram_file``) made every
+        eviction an ``InvalidRequestError``, so no tick ever freed a byte (found by review).
+        ``ConfigError`` when none is left (tiers given to the constructor under other names)."""
+        cfg = self.config.pressure
+        present = tuple(name for name in cfg.evict_tiers if name in self._tiers)
+        if not present:
+            raise ConfigError(
+                f"pressure.evict_tiers ({', '.join(cfg.evict_tiers)}) names none of this "
+                f"cache's tiers ({', '.join(self._tiers)}): the scheduler could evict nothing"
+            )
+        return dataclasses.replace(cfg, evict_tiers=present)
 
     # ------------------------------------------------------------------ lookups
 

@@ -2,7 +2,9 @@
 
 Invariant: a tick evicts only when ``used / total >= high_watermark``, and then asks for
 ``max(used - low_watermark * total, min_evict_bytes)`` bytes from the configured tiers, so one
-tick brings the ratio under the low mark if the cache holds enough evictable bytes. A sample
+tick brings the ratio under the low mark if the cache holds enough evictable bytes. The
+``evict_tiers`` it is given are those of the cache's tiers that ``PressureConfig.evict_tiers``
+names (``Cache`` drops the others: the default names ``ram`` and ``ram_file``). A sample
 that fails or reports ``total <= 0`` never evicts. The scheduler never raises into its thread:
 a failing source or evictor is logged and retried next interval.
 
