@@ -204,7 +204,7 @@ class CacheApi(Protocol):
     def evict_bytes(self, n_bytes: int, tiers: Sequence[TierName] | None = None) -> EvictResult:
         """Remove not-checked-out rows, first victim first by the eviction policy (LRU unless
         ``CacheConfig.eviction`` says otherwise), until ``n_bytes`` are freed; only from
-        ``tiers`` when given (``InvalidRequestError`` for a tier not configured)."""
+        ``tiers`` when given (``InvalidRequestError`` for a tier not configured, or for none)."""
         ...
 
     def gc(self) -> EvictResult:

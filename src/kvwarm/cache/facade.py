@@ -365,6 +365,12 @@ class Cache:
 
     def evict_bytes(self, n_bytes: int, tiers: Sequence[TierName] | None = None) -> EvictResult:
         # A tier not configured here (a typo) freed nothing and said so as "0 rows": refused.
+        # So is an empty list, which did the same (found by review): None means every tier.
+        if tiers is not None and not tiers:
+            raise InvalidRequestError(
+                "tiers is empty: name at least one tier, or leave it out for every tier",
+                param="tiers",
+            )
         unknown = [t for t in tiers or () if t not in self._tiers]
         if unknown:
             raise InvalidRequestError(
