@@ -116,6 +116,32 @@ def test_a_sampling_flag_out_of_range_is_a_usage_error(
     assert err.startswith(f"kvwarm: error: {said}") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("grace", ["-1", "nan", "inf", "soon"])
+def test_cache_gc_refuses_a_bad_grace_before_it_changes_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], grace: str
+) -> None:
+    """Found by review: ``gc --shared --grace-s -1`` opened the cache for repair first (its
+    scan set damaged files aside, it registered in ``procs/``, ran the TTL sweep) and only
+    then refused the grace; ``--grace-s`` without ``--shared`` was ignored without a word.
+    Both are usage errors now, before the cache is opened."""
+    from kvwarm.cli import main
+
+    rows = tmp_path / "rows"
+    rows.mkdir(mode=0o700)
+    damaged = rows / f"{'ab' * 32}.kvc"
+    damaged.write_bytes(b"garbage")
+    argv = ["cache", "gc", "--cache-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--shared", "--grace-s", grace])
+    assert exited.value.code == 2
+    assert "argument --grace-s: " in capsys.readouterr().err
+    assert main([*argv, "--grace-s", "60"]) == 2
+    assert "--grace-s applies to the sweep of --shared" in capsys.readouterr().err
+    assert damaged.exists() and not (rows / "quarantine").exists()
+    assert main([*argv, "--shared", "--grace-s", "0"]) == 0
+    assert not damaged.exists() and (rows / "quarantine" / damaged.name).exists()
+
+
 @pytest.mark.parametrize("limit", ["-3", "0"])
 def test_cache_ls_refuses_a_limit_below_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], limit: str

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -67,11 +68,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             )
             parser.add_argument(
                 "--grace-s",
-                type=float,
-                default=DEFAULT_GRACE_S,
+                type=_grace,
+                default=None,
                 metavar="S",
-                help="with --shared: keep unreferenced chunks younger than S seconds (a save "
-                "writes its chunks before its row; default %(default)s)",
+                help="with --shared: keep unreferenced chunks younger than S seconds, 0 or "
+                f"more (a save writes its chunks before its row; default {DEFAULT_GRACE_S:g})",
             )
         if name == "verify":
             parser.add_argument(
@@ -98,6 +99,19 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"must be 1 or more (leave --limit out for every row), got {value}"
         )
+    return value
+
+
+def _grace(text: str) -> float:
+    """``--grace-s``: a finite number of seconds, 0 or more, refused before anything runs
+    (found by review: ``gc`` removed expired rows first, then refused it; a negative grace
+    would take the chunks of saves in flight)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text}")
     return value
 
 
@@ -299,10 +313,16 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_gc(args: argparse.Namespace) -> int:
+    from kvwarm.errors import ConfigError
+
+    if args.grace_s is not None and not args.shared:
+        # Without --shared no chunk is swept: the grace was ignored without a word.
+        raise ConfigError("--grace-s applies to the sweep of --shared; give both, or neither")
+    grace_s = DEFAULT_GRACE_S if args.grace_s is None else args.grace_s
     settings = settings_from(args)
     with open_cache(settings) as cache:
         result = cache.gc()
-        swept = cache.gc_shared(args.grace_s) if args.shared else []
+        swept = cache.gc_shared(grace_s) if args.shared else []
     if args.json:
         out: dict[str, object] = {"rows": result.rows, "bytes": result.bytes}
         if args.shared:
