@@ -142,6 +142,36 @@ def test_cache_gc_refuses_a_bad_grace_before_it_changes_anything(
     assert not damaged.exists() and (rows / "quarantine" / damaged.name).exists()
 
 
+def test_cache_gc_removes_the_rows_idle_past_their_ttl(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: idle time counted no earlier than the cache's opening (so a server's
+    restart after downtime expires nothing at once), which for ``kvwarm cache gc``, a process
+    that has just opened it, meant no row could ever expire: "removed 0 rows", always. It
+    counts from each row's last use; a row used within its TTL stays."""
+    from tests.cache.facadekit import req
+
+    from kvwarm.cache import Cache, CacheConfig, TierConfig
+    from kvwarm.cache.formats import kvc
+    from kvwarm.cli import main
+
+    rows = tmp_path / "rows"
+    config = CacheConfig(tiers=(TierConfig("disk", 1 << 30, rows),))
+    fields = kvc.fields_from_request
+    ago = time.time() - 10 * 86_400  # ten days: past every TTL class
+    with monkeypatch.context() as m:
+        m.setattr(kvc, "fields_from_request", lambda r, now: fields(r, now=ago))
+        with Cache(config) as c:
+            stale = c.save(req((1,) * 8, tier="disk"), sync=True)
+    with Cache(config) as c:
+        fresh = c.save(req((2,) * 8, tier="disk"), sync=True)
+        assert c.gc().rows == 0  # a server's own sweep: idle time from its start
+    assert stale is not None and fresh is not None
+    assert main(["cache", "gc", "--json", "--cache-dir", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 1
+    assert [p.name for p in rows.glob("*.kvc")] == [f"{fresh.hex()}.kvc"]
+
+
 @pytest.mark.parametrize("limit", ["-3", "0"])
 def test_cache_ls_refuses_a_limit_below_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], limit: str

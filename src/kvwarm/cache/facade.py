@@ -432,9 +432,9 @@ class Cache:
     # ------------------------------------------------------------------ upkeep (upkeep.py,
     # sharedgc.py)
 
-    def gc(self) -> EvictResult:
+    def gc(self, *, count_downtime: bool = False) -> EvictResult:
         """Remove expired (TTL) rows and reap stale reservations now."""
-        return self._upkeep.gc()
+        return self._upkeep.gc(count_downtime=count_downtime)
 
     def verify(self, *, repair: bool = False) -> VerifyReport:
         return self._upkeep.verify(repair=repair)

@@ -352,16 +352,22 @@ class Index:
             else:
                 self._room.pop(tier, None)
 
-    def expire(self, forget_only: Collection[TierName] = ()) -> list[StoredRow]:
+    def expire(
+        self, forget_only: Collection[TierName] = (), *, count_downtime: bool = False
+    ) -> list[StoredRow]:
         """Retire every not-checked-out row unused for longer than its TTL class allows.
         Rows of ``forget_only`` tiers are only forgotten: their chunks' bytes are not freed
-        (``FreedChunk.keep``), other processes may still use them."""
+        (``FreedChunk.keep``), other processes may still use them. Idle time is counted from
+        a row's last use, but no earlier than this index's creation unless ``count_downtime``
+        (a restart after downtime expires nothing at once; ``kvwarm cache gc``, a process of
+        its own, would otherwise never expire anything)."""
         now = self._clock()
+        since = 0.0 if count_downtime else self._started
         with self._lock:
             victims = [
                 i
                 for i in self._rows.unpinned()
-                if now - max(i.last_used, self._started) > self._ttl[i.ttl_class]
+                if now - max(i.last_used, since) > self._ttl[i.ttl_class]
             ]
             removed = [
                 self._rows.remove(i.key, keep_chunk_bytes=i.tier in forget_only) for i in victims

@@ -141,12 +141,12 @@ class CacheUpkeep:
                     return False
         return self._core.index.adopt(row)
 
-    def gc(self) -> EvictResult:
+    def gc(self, *, count_downtime: bool = False) -> EvictResult:
         _, orphans = self._core.index.reap_reservations()
         for orphan in orphans:
             self._adopt_orphan(orphan)
         remote = [n for n, t in self._core.tiers.items() if not t.capabilities.local]
-        expired = self._core.index.expire(forget_only=remote)
+        expired = self._core.index.expire(forget_only=remote, count_downtime=count_downtime)
         # A remote shared tier (s3, a multi-host directory) serves other processes too: our
         # idle timer only makes us forget its rows (discovery finds them again); deleting
         # them is left to the quota's eviction and to the store's own lifecycle rules.
