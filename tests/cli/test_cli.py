@@ -172,6 +172,32 @@ def test_cache_gc_removes_the_rows_idle_past_their_ttl(
     assert [p.name for p in rows.glob("*.kvc")] == [f"{fresh.hex()}.kvc"]
 
 
+@pytest.mark.parametrize("command", [["verify", "--repair"], ["gc"]])
+def test_cache_maintenance_evicts_no_sound_row_for_its_quota(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """Found by review: ``verify --repair`` and ``gc`` open the cache for repair, which
+    enforced the quota their own settings gave (``--disk-quota-bytes``, or the 20 GiB default
+    beside a server given more) and deleted sound rows down to it, reported nowhere."""
+    from tests.cache.chunkkit import chunked_request
+    from tests.cache.tierkit import NS
+
+    from kvwarm.cache import Cache, CacheConfig, TierConfig
+    from kvwarm.cli import main
+
+    rows = tmp_path / "rows"
+    with Cache(CacheConfig(tiers=(TierConfig("disk", 1 << 30, rows),))) as c:
+        for start in range(3):
+            assert c.save(chunked_request(NS, range(start, start + 300), tier="disk"), sync=True)
+    before = sorted(p.name for p in rows.glob("*.kv?"))
+    (rows / f"{'ab' * 32}.kvc").write_bytes(b"garbage")  # what makes verify --repair repair
+    argv = ["cache", *command, "--cache-dir", str(tmp_path), "--disk-quota-bytes", "100000"]
+    assert main(argv) == (1 if command[0] == "verify" else 0)
+    capsys.readouterr()
+    assert sorted(p.name for p in rows.glob("*.kv?")) == before  # the garbage set aside
+    assert (rows / "quarantine" / f"{'ab' * 32}.kvc").exists()
+
+
 @pytest.mark.parametrize("limit", ["-3", "0"])
 def test_cache_ls_refuses_a_limit_below_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], limit: str

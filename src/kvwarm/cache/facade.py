@@ -98,11 +98,15 @@ class Cache:
         monotonic: Callable[[], float] = time.monotonic,
         background: bool = True,
         repair: bool = True,
+        quotas: bool = True,
     ) -> None:
         """``tiers`` replaces the tiers built from ``config.tiers`` (tests, custom storage);
         ``clock``/``monotonic`` drive TTLs and reservation deadlines; ``background=False``
         starts no sweeper or pressure thread (call ``gc()``/``pressure.tick()`` yourself);
-        ``repair=False`` opens the cache read-only for inspection (see the module invariants).
+        ``repair=False`` opens the cache read-only for inspection (see the module invariants);
+        ``quotas=False`` evicts nothing to meet a tier's quota (``kvwarm cache gc`` and
+        ``verify --repair``: the quotas their settings give may not be the server's, and a
+        row they evicted for it was deleted without a word).
         """
         self.config = config if config is not None else CacheConfig()
         validate_cache_config(self.config)
@@ -154,7 +158,9 @@ class Cache:
         self._close_lock = threading.Lock()
         self._stop = threading.Event()
         self._writer = WriterPool(self.config.writer_threads, self.config.writer_queue)
-        self._core = CacheCore(self._index, self._tiers, self._counters, self._writer)
+        self._core = CacheCore(
+            self._index, self._tiers, self._counters, self._writer, quota_evictions=quotas
+        )
         self._tiers = self._core.tiers  # one dict: the collaborators see the same tiers
         # Probes and chunk reads of a remote tier run concurrently; local directories are
         # read inline (a failed open costs microseconds, a thread hand-off more).

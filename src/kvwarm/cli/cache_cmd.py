@@ -10,7 +10,9 @@ missing tier directory otherwise (``rows/`` under an existing one, or under the 
 ``cache_dir`` not created yet) is reported (stderr; ``missing_dirs`` in ``--json``) and
 counts as empty, exit 0. What a server's startup scan already
 set aside (``quarantine/``: damaged rows and chunks, manifests whose chunks were gone) is
-reported as fixed, and alone does not make it exit 1. ``stats`` reports what the tiers hold,
+reported as fixed, and alone does not make it exit 1. No command evicts a row to meet a
+quota (``gc`` and ``verify --repair`` included: the quota their settings give may be smaller
+than the server's) or runs the cache's background sweeps. ``stats`` reports what the tiers hold,
 never the event counters (hits, misses, saves): those count what the opening process did, and
 this one served nothing.
 """
@@ -138,7 +140,10 @@ def open_cache(
         config = dataclasses.replace(config, tiers=tiers or (TierConfig("ram", 1 << 30),))
     while True:
         try:
-            cache = Cache(config, repair=repair, background=repair)
+            # No quota is enforced, and no sweeper runs: a maintenance command's settings may
+            # give a tier a smaller quota than the server writing it has (found by review:
+            # `verify --repair`, `gc` deleted sound rows down to it without a word).
+            cache = Cache(config, repair=repair, background=False, quotas=False)
             break
         except CacheDirMissingError as exc:
             print(f"kvwarm: {exc}; nothing is cached there", file=sys.stderr)

@@ -126,8 +126,13 @@ class CacheCore:
         counters: Counters,
         writer: WriterPool,
         quota_caps: QuotaCaps | None = None,
+        *,
+        quota_evictions: bool = True,
     ) -> None:
         self.index = index
+        # False: nothing is evicted to meet a quota (a maintenance command's cache, whose
+        # settings' quotas may not be those of the server writing the directory).
+        self.quota_evictions = quota_evictions
         self.tiers: dict[TierName, Tier] = dict(tiers)
         self.counters = counters
         self.writer = writer
@@ -428,6 +433,8 @@ class CacheCore:
             self.counters.incr("retention_bytes", freed.bytes)
 
     def enforce_quota(self, tier: Tier) -> None:
+        if not self.quota_evictions:
+            return
         used, _ = self.index.usage().get(tier.name, (0, 0))
         quota, _ = self.quota_caps.effective(tier, used)
         self.retire(self.index.enforce_quota(tier.name, quota), count=True)
