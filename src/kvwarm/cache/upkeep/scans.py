@@ -5,7 +5,8 @@ persistence and verification. A collaborator of ``Cache`` (facade.py), handed th
 Invariants:
 
 - One bad row never stops a scan, a sweep or a verify.
-- ``verify`` reports every bad file, the ones a read-only startup scan rejected included, and
+- ``verify`` reports every bad file, the ones a startup scan rejected and left in place
+  included (less those whose path is gone since: removed by hand), and
   deletes nothing unless asked to ``repair``; what repairing scans already set aside
   (``quarantine/``) it counts apart, as fixed. Repairing drops a bad row as a failed read
   does (``CacheCore.drop_unreadable``): its bytes are deleted in a local tier, and in one
@@ -29,6 +30,7 @@ See docs/architecture.md.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from kvwarm.cache.api import VerifyReport
@@ -48,6 +50,12 @@ from kvwarm.errors import (
 __all__ = ["CacheUpkeep"]
 
 log = logging.getLogger(__name__)
+
+
+def _still_there(where: str) -> bool:
+    """Whether a problem a scan reported at ``where`` may still stand: not if ``where`` is a
+    file path where nothing is any longer. An object's URL or a chunk's key is kept."""
+    return not os.path.isabs(where) or os.path.lexists(where)
 
 
 class CacheUpkeep:
@@ -178,6 +186,10 @@ class CacheUpkeep:
                 log.warning("%s: cannot remove orphan %s: %s", tier.name, orphan.location, exc)
 
     def verify(self, *, repair: bool = False) -> VerifyReport:
+        # What the startup scan left in place and reported, less the files removed since (an
+        # operator deleting the directory a message said to delete; found by review: a
+        # server's /cache/verify reported it as bad until the server stopped).
+        self._scan_problems = [p for p in self._scan_problems if _still_there(p[0])]
         checked = len(self._scan_problems)
         bad = list(self._scan_problems)
         good_chunks: set[tuple[str, bytes]] = set()  # a chunk many rows share is read once
