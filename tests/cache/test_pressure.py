@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Sequence
@@ -202,3 +203,32 @@ def test_the_default_evict_tiers_evict_from_a_cache_without_ram_file() -> None:
     )
     with pytest.raises(ConfigError, match="names no configured tier"):
         Cache(refused, pressure_source=lambda: (0, 1), background=False)
+
+
+def test_a_source_that_stays_broken_logs_one_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by review: each failing tick logged its traceback, so a source that stayed
+    broken (NVML after a driver reset) wrote one every interval for as long as the process
+    ran. The first failure of a run is an error with its traceback; the rest are DEBUG, and
+    a tick that works again says so."""
+    calls = [0]
+    recovered = threading.Event()
+
+    def broken_for_a_while() -> tuple[int, int]:
+        calls[0] += 1
+        if calls[0] <= 5:
+            raise OSError("NVML: GPU is lost")
+        recovered.set()
+        return 0, 1
+
+    caplog.set_level(logging.DEBUG, logger="kvwarm.cache.upkeep.pressure")
+    cfg = PressureConfig(enabled=True, interval_ms=1)
+    s = PressureScheduler(cfg, CallableSource(broken_for_a_while), Recorder())
+    s.start()
+    try:
+        assert recovered.wait(5)
+    finally:
+        s.stop()
+    failed = [r for r in caplog.records if "tick failed" in r.getMessage()]
+    assert [r.levelno for r in failed] == [logging.ERROR] + [logging.DEBUG] * 4
+    assert failed[0].exc_info is not None
+    assert any("succeed again" in r.getMessage() for r in caplog.records)
