@@ -198,6 +198,28 @@ def test_cache_maintenance_evicts_no_sound_row_for_its_quota(
     assert (rows / "quarantine" / f"{'ab' * 32}.kvc").exists()
 
 
+def test_cache_gc_leaves_a_lone_server_deleting_its_evicted_chunks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: ``kvwarm cache gc`` registered in ``procs/`` as a co-tenant, so a
+    server alone in the directory counted as co-tenanted from then on until it stopped: its
+    evictions only forgot their chunks (left on disk, over its quota, for the hourly sweep).
+    A maintenance command writes no row; it registers as such, and the server is not told."""
+    from tests.cache.chunkkit import chunked_request
+    from tests.cache.tierkit import NS
+
+    from kvwarm.cache import Cache, CacheConfig, TierConfig
+    from kvwarm.cli import main
+
+    rows = tmp_path / "rows"
+    with Cache(CacheConfig(tiers=(TierConfig("disk", 1 << 30, rows),)), background=False) as server:
+        assert server.save(chunked_request(NS, range(600), tier="disk"), sync=True)
+        assert main(["cache", "gc", "--cache-dir", str(tmp_path)]) == 0
+        capsys.readouterr()
+        assert server.evict_bytes(1 << 40).rows == 1
+        assert not list(rows.glob("*.kv?"))  # its chunks deleted with their last row
+
+
 @pytest.mark.parametrize("limit", ["-3", "0"])
 def test_cache_ls_refuses_a_limit_below_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], limit: str

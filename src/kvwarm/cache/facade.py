@@ -98,15 +98,17 @@ class Cache:
         monotonic: Callable[[], float] = time.monotonic,
         background: bool = True,
         repair: bool = True,
-        quotas: bool = True,
+        maintenance: bool = False,
     ) -> None:
         """``tiers`` replaces the tiers built from ``config.tiers`` (tests, custom storage);
         ``clock``/``monotonic`` drive TTLs and reservation deadlines; ``background=False``
         starts no sweeper or pressure thread (call ``gc()``/``pressure.tick()`` yourself);
         ``repair=False`` opens the cache read-only for inspection (see the module invariants);
-        ``quotas=False`` evicts nothing to meet a tier's quota (``kvwarm cache gc`` and
-        ``verify --repair``: the quotas their settings give may not be the server's, and a
-        row they evicted for it was deleted without a word).
+        ``maintenance=True`` opens it for a process that saves nothing (``kvwarm cache gc``,
+        ``verify --repair``): it evicts nothing to meet a tier's quota (the quotas its settings
+        give may not be the server's, and a row it evicted for one was deleted without a word),
+        and its file tiers register as maintenance, which the processes writing them do not
+        count as a co-tenant (``tiers/cotenants.py``).
         """
         self.config = config if config is not None else CacheConfig()
         validate_cache_config(self.config)
@@ -133,7 +135,7 @@ class Cache:
             )
         own_tiers = tiers is None
         if tiers is None:
-            options = TierOptions(repair=repair)
+            options = TierOptions(repair=repair, maintenance=maintenance)
             built: list[Tier] = []
             try:
                 for tc in self.config.tiers:
@@ -159,7 +161,7 @@ class Cache:
         self._stop = threading.Event()
         self._writer = WriterPool(self.config.writer_threads, self.config.writer_queue)
         self._core = CacheCore(
-            self._index, self._tiers, self._counters, self._writer, quota_evictions=quotas
+            self._index, self._tiers, self._counters, self._writer, quota_evictions=not maintenance
         )
         self._tiers = self._core.tiers  # one dict: the collaborators see the same tiers
         # Probes and chunk reads of a remote tier run concurrently; local directories are

@@ -12,7 +12,9 @@ counts as empty, exit 0. What a server's startup scan already
 set aside (``quarantine/``: damaged rows and chunks, manifests whose chunks were gone) is
 reported as fixed, and alone does not make it exit 1. No command evicts a row to meet a
 quota (``gc`` and ``verify --repair`` included: the quota their settings give may be smaller
-than the server's) or runs the cache's background sweeps. ``stats`` reports what the tiers hold,
+than the server's) or runs the cache's background sweeps, and the two that repair register
+in a file tier's ``procs/`` as maintenance, which a server writing it does not count as a
+co-tenant. ``stats`` reports what the tiers hold,
 never the event counters (hits, misses, saves): those count what the opening process did, and
 this one served nothing.
 """
@@ -142,8 +144,9 @@ def open_cache(
         try:
             # No quota is enforced, and no sweeper runs: a maintenance command's settings may
             # give a tier a smaller quota than the server writing it has (found by review:
-            # `verify --repair`, `gc` deleted sound rows down to it without a word).
-            cache = Cache(config, repair=repair, background=False, quotas=False)
+            # `verify --repair`, `gc` deleted sound rows down to it without a word); and its
+            # registration leaves a lone server writing the directory lone.
+            cache = Cache(config, repair=repair, background=False, maintenance=True)
             break
         except CacheDirMissingError as exc:
             print(f"kvwarm: {exc}; nothing is cached there", file=sys.stderr)

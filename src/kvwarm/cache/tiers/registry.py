@@ -41,9 +41,12 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class TierOptions:
     """How the cache opens its tiers: ``repair=False`` means a scan moves and deletes nothing
-    (``kvwarm cache verify``)."""
+    (``kvwarm cache verify``); ``maintenance``, a process that writes no row (``kvwarm cache
+    gc``, ``verify --repair``): a file tier registers as such, so the processes writing the
+    directory do not count it as a co-tenant (``cotenants.py``)."""
 
     repair: bool = True
+    maintenance: bool = False
 
 
 TierFactory = Callable[[TierConfig, TierOptions], Tier]
@@ -154,6 +157,7 @@ def _file(config: TierConfig, options: TierOptions) -> Tier:
         config.quota_bytes,
         repair=options.repair,
         shared_dir=config.shared,
+        maintenance=options.maintenance,
     )
 
 
@@ -179,7 +183,14 @@ def _file_url(config: TierConfig, options: TierOptions) -> Tier:
         raise ConfigError(f"tier {config.name}: a file URL names an absolute local path")
     shared = _query(config.url).get("shared", "0").lower() in ("1", "true", "yes", "on")
     root = Path(unquote(parts.path))
-    return FileTier(config.name, root, config.quota_bytes, repair=options.repair, shared_dir=shared)
+    return FileTier(
+        config.name,
+        root,
+        config.quota_bytes,
+        repair=options.repair,
+        shared_dir=shared,
+        maintenance=options.maintenance,
+    )
 
 
 def _ram_url(config: TierConfig, options: TierOptions) -> Tier:
