@@ -458,12 +458,14 @@ class CacheCore:
         other tiers' quotas are enforced after each store."""
         counters = self.counters if count_chunks else None
         hold = None if tier.capabilities.persistent else self._holder(tier)
+        used, _ = self.index.usage().get(tier.name, (0, 0))
+        limit, _ = self.quota_caps.effective(tier, used)
         # Other processes sweep its chunks: reused ones are touched before a manifest.
         fresh = self.fresh if self.swept_elsewhere(tier) else None
         try:
             return store_row(
                 key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold,
-                fresh=fresh,
+                fresh=fresh, limit=limit,
             )  # fmt: skip
         except CacheIOError as exc:
             if exc.errno != errno.ENOSPC:
@@ -487,7 +489,7 @@ class CacheCore:
         self.counters.incr("saves_retried_after_enospc")
         return store_row(
             key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold,
-            fresh=fresh,
+            fresh=fresh, limit=limit,
         )  # fmt: skip
 
     def _holder(self, tier: Tier) -> HoldRoom:
