@@ -60,3 +60,18 @@ def test_a_chunked_row_counts_the_chunks_it_reuses(tmp_path: Path) -> None:
         assert c.save(chunked_request(NS, prefix + [7] * 500, tier="disk"), sync=True) is None
         assert [r.n_tokens for r in c.rows()] == [600]
         assert c.counters()["evictions"] == 0
+
+
+def test_a_save_the_checked_out_rows_leave_no_room_for_evicts_nothing() -> None:
+    """Found by review: the ram tier evicted every row it could for a save's room, then
+    refused the save, as the rest of its quota was a row being restored: the evicted rows
+    were lost for nothing. It refuses first; once the restore is done the save has room."""
+    with Cache(CacheConfig(tiers=(TierConfig("ram", QUOTA),)), background=False) as c:
+        restoring = c.save(req((1,) * 10, 600_000), sync=True)
+        others = [c.save(req((i,) * 10, 150_000), sync=True) for i in (2, 3)]
+        assert restoring is not None and all(others)
+        with c.open_row(restoring):
+            assert c.save(req((4,) * 10, 500_000), sync=True) is None
+            assert len(c.rows()) == 3 and c.counters()["evictions"] == 0
+        assert c.save(req((4,) * 10, 500_000), sync=True) is not None
+        assert c.lookup_exact(restoring) is None  # the oldest went, now that it could

@@ -332,10 +332,13 @@ class Index:
         evicts (in policy order; the caller retires them) and whether the room is held. The
         room counts against the quota until ``give_room``, so N saves in flight at once
         cannot overshoot it by N rows; a save that cannot have it (everything left is checked
-        out, or it is larger than the quota) is refused."""
+        out, or it is larger than the quota) is refused, evicting nothing: found by review,
+        the rows it could evict went first, then the save was refused all the same."""
         with self._lock:
             held = self._room.get(tier, 0)
             excess = self._rows.tier_bytes(tier) + held + n_bytes - quota_bytes
+            if excess > 0 and self._rows.pinned_bytes(tier) + held + n_bytes > quota_bytes:
+                return False, []  # what is checked out or held leaves it no room
             victims = self._evict(excess, (tier,)) if excess > 0 else []
             if self._rows.tier_bytes(tier) + held + n_bytes > quota_bytes:
                 return False, victims
