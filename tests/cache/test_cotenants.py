@@ -67,6 +67,29 @@ def test_a_clean_close_is_seen_by_those_running_and_cleared_by_the_next_opener(
     c.close()
 
 
+def test_a_maintenance_process_is_not_counted_but_counts_the_others(
+    root: int, tmp_path: Path
+) -> None:
+    """``kvwarm cache gc`` and ``verify --repair`` write no row: a server alone in its
+    directory stays alone while they run (found by review: one ``gc`` made it co-tenanted
+    until it stopped), while they see the server, as any process does."""
+    server = Cotenants(root, "server")
+    gc = Cotenants(root, "gc", maintenance=True)
+    assert gc.seen(root)
+    assert not server.seen(root)
+    gc.close()
+    assert not server.seen(root)
+    assert len(_entries(tmp_path)) == 2  # gc's file stays, unlocked, until the next opener
+    server.close()
+    later = Cotenants(root, "later")
+    assert not later.seen(root)
+    assert len(_entries(tmp_path)) == 1  # both finished registrations cleared
+    later.close()
+    alone = Cotenants(root, "gc again", maintenance=True)
+    assert not alone.seen(root)  # nobody else: it decides as a lone process
+    alone.close()
+
+
 def test_a_process_killed_with_sigkill_drops_its_lock(root: int, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     child = subprocess.Popen(

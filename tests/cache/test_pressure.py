@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Sequence
@@ -175,3 +176,59 @@ def test_the_system_source_says_what_it_watches(
     messages = [r.getMessage() for r in caplog.records]
     assert any("cgroup limit" in m and "1000 bytes" in m for m in messages)
     assert any("watching the machine's memory" in m for m in messages)
+
+
+def test_the_default_evict_tiers_evict_from_a_cache_without_ram_file() -> None:
+    """Found by review: the default ``evict_tiers`` names ``ram`` and ``ram_file``, and a
+    cache with no ``ram_file`` tier (the library's default, one ``ram`` tier) refused every
+    eviction as naming a tier it lacks: each tick failed (logged) and none ever freed a byte.
+    The tiers the cache lacks are skipped; naming none of its tiers is a ``ConfigError``."""
+    from tests.cache.facadekit import req
+
+    from kvwarm.cache import Cache, CacheConfig, TierConfig
+
+    cfg = CacheConfig(
+        tiers=(TierConfig("ram", 1 << 20),),
+        pressure=PressureConfig(enabled=True, high_watermark=0.8, low_watermark=0.5),
+    )
+    with Cache(cfg, pressure_source=lambda: (90, 100), background=False) as c:
+        assert c.save(req((1,) * 3, 1000), sync=True)
+        assert c.pressure is not None
+        result = c.pressure.tick()
+        assert result.evicted is not None and result.evicted.rows == 1
+        assert c.rows() == []
+    refused = CacheConfig(
+        tiers=(TierConfig("ram", 1 << 20),),
+        pressure=PressureConfig(enabled=True, evict_tiers=("ram_file",)),
+    )
+    with pytest.raises(ConfigError, match="names no configured tier"):
+        Cache(refused, pressure_source=lambda: (0, 1), background=False)
+
+
+def test_a_source_that_stays_broken_logs_one_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by review: each failing tick logged its traceback, so a source that stayed
+    broken (NVML after a driver reset) wrote one every interval for as long as the process
+    ran. The first failure of a run is an error with its traceback; the rest are DEBUG, and
+    a tick that works again says so."""
+    calls = [0]
+    recovered = threading.Event()
+
+    def broken_for_a_while() -> tuple[int, int]:
+        calls[0] += 1
+        if calls[0] <= 5:
+            raise OSError("NVML: GPU is lost")
+        recovered.set()
+        return 0, 1
+
+    caplog.set_level(logging.DEBUG, logger="kvwarm.cache.upkeep.pressure")
+    cfg = PressureConfig(enabled=True, interval_ms=1)
+    s = PressureScheduler(cfg, CallableSource(broken_for_a_while), Recorder())
+    s.start()
+    try:
+        assert recovered.wait(5)
+    finally:
+        s.stop()
+    failed = [r for r in caplog.records if "tick failed" in r.getMessage()]
+    assert [r.levelno for r in failed] == [logging.ERROR] + [logging.DEBUG] * 4
+    assert failed[0].exc_info is not None
+    assert any("succeed again" in r.getMessage() for r in caplog.records)

@@ -153,6 +153,22 @@ def test_a_directory_named_like_a_row_or_chunk_is_reported_not_hidden(
         assert all(str(path) in logged for path in in_place), logged
 
 
+def test_a_problem_removed_since_the_startup_scan_is_no_longer_reported(tmp_path: Path) -> None:
+    """Found by review: what the startup scan reported and left in place stayed in every
+    later ``verify`` of that process (a server's ``POST /cache/verify``), even after an
+    operator removed it as the message said to: reported as bad until the server stopped."""
+    root = tmp_path / "kvc"
+    with Cache(config(root), background=False) as cache:
+        assert cache.save(chunked_request(NS, run(0), tier="disk"), sync=True)
+    in_the_way = root / f"{'cd' * 32}.kvc"
+    in_the_way.mkdir()
+    with Cache(config(root), background=False) as server:
+        assert [Path(where) for where, _ in server.verify().bad] == [in_the_way]
+        in_the_way.rmdir()
+        report = server.verify()
+    assert report.bad == () and report.checked == 1
+
+
 def test_an_orphan_chunk_with_a_damaged_payload_is_set_aside_at_startup(tmp_path: Path) -> None:
     """A row's manifest and one of its chunks damaged together (a payload byte: the chunk's
     head is intact). The scan set the manifest aside and adopted the chunk as an orphan on

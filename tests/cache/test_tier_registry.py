@@ -73,3 +73,28 @@ def test_file_tiers_state_their_capabilities(tmp_path: Path) -> None:
     tier = FileTier("ram_file", tmp_path, 1)
     assert tier.capabilities == FILE_CAPABILITIES and FILE_CAPABILITIES.shared
     assert not RamTier(1).capabilities.shared and not RamTier(1).capabilities.persistent
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("file://{root}?shraed=1", "unknown URL option 'shraed'"),
+        ("file://{root}?shared=ture", "shared='ture': expected 1 or 0"),
+        ("file://{root}?shared=1&prefix=x", "unknown URL option 'prefix'"),
+        ("ram://?qouta=1G", "unknown URL option 'qouta'"),
+    ],
+)
+def test_a_file_or_ram_url_refuses_options_it_does_not_take(
+    tmp_path: Path, url: str, said: str
+) -> None:
+    """Found by review: file:// and ram:// URLs ignored every option but ``shared``, and
+    ``shared`` any value but a true one: ``?shraed=1`` or ``?shared=ture`` opened a
+    directory several hosts share as one process's own (whose evictions delete the chunks
+    the other hosts' rows name), without a word. The s3 URL already refused them."""
+    config = TierConfig("x", 1 << 20, url=url.format(root=tmp_path / "rows"))
+    with pytest.raises(ConfigError, match=said):
+        Cache(CacheConfig(tiers=(TierConfig("ram", 1 << 20), config)), background=False)
+    assert not (tmp_path / "rows").exists()
+    shared = TierConfig("x", 1 << 20, url=f"file://{tmp_path / 'rows'}?shared=true")
+    with Cache(CacheConfig(tiers=(shared,)), background=False) as c:
+        assert c.tier_capabilities()["x"].shared

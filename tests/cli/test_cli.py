@@ -116,6 +116,110 @@ def test_a_sampling_flag_out_of_range_is_a_usage_error(
     assert err.startswith(f"kvwarm: error: {said}") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("grace", ["-1", "nan", "inf", "soon"])
+def test_cache_gc_refuses_a_bad_grace_before_it_changes_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], grace: str
+) -> None:
+    """Found by review: ``gc --shared --grace-s -1`` opened the cache for repair first (its
+    scan set damaged files aside, it registered in ``procs/``, ran the TTL sweep) and only
+    then refused the grace; ``--grace-s`` without ``--shared`` was ignored without a word.
+    Both are usage errors now, before the cache is opened."""
+    from kvwarm.cli import main
+
+    rows = tmp_path / "rows"
+    rows.mkdir(mode=0o700)
+    damaged = rows / f"{'ab' * 32}.kvc"
+    damaged.write_bytes(b"garbage")
+    argv = ["cache", "gc", "--cache-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--shared", "--grace-s", grace])
+    assert exited.value.code == 2
+    assert "argument --grace-s: " in capsys.readouterr().err
+    assert main([*argv, "--grace-s", "60"]) == 2
+    assert "--grace-s applies to the sweep of --shared" in capsys.readouterr().err
+    assert damaged.exists() and not (rows / "quarantine").exists()
+    assert main([*argv, "--shared", "--grace-s", "0"]) == 0
+    assert not damaged.exists() and (rows / "quarantine" / damaged.name).exists()
+
+
+def test_cache_gc_removes_the_rows_idle_past_their_ttl(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: idle time counted no earlier than the cache's opening (so a server's
+    restart after downtime expires nothing at once), which for ``kvwarm cache gc``, a process
+    that has just opened it, meant no row could ever expire: "removed 0 rows", always. It
+    counts from each row's last use; a row used within its TTL stays."""
+    from tests.cache.facadekit import req
+
+    from kvwarm.cache import Cache, CacheConfig, TierConfig
+    from kvwarm.cache.formats import kvc
+    from kvwarm.cli import main
+
+    rows = tmp_path / "rows"
+    config = CacheConfig(tiers=(TierConfig("disk", 1 << 30, rows),))
+    fields = kvc.fields_from_request
+    ago = time.time() - 10 * 86_400  # ten days: past every TTL class
+    with monkeypatch.context() as m:
+        m.setattr(kvc, "fields_from_request", lambda r, now: fields(r, now=ago))
+        with Cache(config) as c:
+            stale = c.save(req((1,) * 8, tier="disk"), sync=True)
+    with Cache(config) as c:
+        fresh = c.save(req((2,) * 8, tier="disk"), sync=True)
+        assert c.gc().rows == 0  # a server's own sweep: idle time from its start
+    assert stale is not None and fresh is not None
+    assert main(["cache", "gc", "--json", "--cache-dir", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 1
+    assert [p.name for p in rows.glob("*.kvc")] == [f"{fresh.hex()}.kvc"]
+
+
+@pytest.mark.parametrize("command", [["verify", "--repair"], ["gc"]])
+def test_cache_maintenance_evicts_no_sound_row_for_its_quota(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """Found by review: ``verify --repair`` and ``gc`` open the cache for repair, which
+    enforced the quota their own settings gave (``--disk-quota-bytes``, or the 20 GiB default
+    beside a server given more) and deleted sound rows down to it, reported nowhere."""
+    from tests.cache.chunkkit import chunked_request
+    from tests.cache.tierkit import NS
+
+    from kvwarm.cache import Cache, CacheConfig, TierConfig
+    from kvwarm.cli import main
+
+    rows = tmp_path / "rows"
+    with Cache(CacheConfig(tiers=(TierConfig("disk", 1 << 30, rows),))) as c:
+        for start in range(3):
+            assert c.save(chunked_request(NS, range(start, start + 300), tier="disk"), sync=True)
+    before = sorted(p.name for p in rows.glob("*.kv?"))
+    (rows / f"{'ab' * 32}.kvc").write_bytes(b"garbage")  # what makes verify --repair repair
+    argv = ["cache", *command, "--cache-dir", str(tmp_path), "--disk-quota-bytes", "100000"]
+    assert main(argv) == (1 if command[0] == "verify" else 0)
+    capsys.readouterr()
+    assert sorted(p.name for p in rows.glob("*.kv?")) == before  # the garbage set aside
+    assert (rows / "quarantine" / f"{'ab' * 32}.kvc").exists()
+
+
+def test_cache_gc_leaves_a_lone_server_deleting_its_evicted_chunks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: ``kvwarm cache gc`` registered in ``procs/`` as a co-tenant, so a
+    server alone in the directory counted as co-tenanted from then on until it stopped: its
+    evictions only forgot their chunks (left on disk, over its quota, for the hourly sweep).
+    A maintenance command writes no row; it registers as such, and the server is not told."""
+    from tests.cache.chunkkit import chunked_request
+    from tests.cache.tierkit import NS
+
+    from kvwarm.cache import Cache, CacheConfig, TierConfig
+    from kvwarm.cli import main
+
+    rows = tmp_path / "rows"
+    with Cache(CacheConfig(tiers=(TierConfig("disk", 1 << 30, rows),)), background=False) as server:
+        assert server.save(chunked_request(NS, range(600), tier="disk"), sync=True)
+        assert main(["cache", "gc", "--cache-dir", str(tmp_path)]) == 0
+        capsys.readouterr()
+        assert server.evict_bytes(1 << 40).rows == 1
+        assert not list(rows.glob("*.kv?"))  # its chunks deleted with their last row
+
+
 @pytest.mark.parametrize("limit", ["-3", "0"])
 def test_cache_ls_refuses_a_limit_below_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], limit: str

@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvwarm.errors import InvalidRequestError
 from kvwarm.server import create_app
 from kvwarm.settings import ModelSpec
 
@@ -692,6 +693,16 @@ def test_evict_from_a_tier_not_configured_is_a_400(client: TestClient) -> None:
     response = client.post("/cache/evict", json={"bytes": 1 << 40, "tiers": ["ram", "dsik"]})
     assert_error(response, 400, "invalid_value", "tiers")
     assert "'dsik'" in response.json()["error"]["message"]
+
+
+def test_evict_from_an_empty_list_of_tiers_is_a_400(client: TestClient) -> None:
+    """An empty ``tiers`` evicted nothing and answered 200 with 0 rows (found by review), as
+    a typo'd tier did; the library's ``evict_bytes`` refuses it too."""
+    response = client.post("/cache/evict", json={"bytes": 1 << 40, "tiers": []})
+    assert_error(response, 400, "invalid_type", "tiers")
+    cache = client.app.state.kvwarm.require_engine().cache
+    with pytest.raises(InvalidRequestError, match="tiers is empty"):
+        cache.evict_bytes(1 << 40, [])
 
 
 # 0 too: it meant "no rows" here and "all rows" in `kvwarm cache ls`; both refuse it now.

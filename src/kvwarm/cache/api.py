@@ -204,11 +204,14 @@ class CacheApi(Protocol):
     def evict_bytes(self, n_bytes: int, tiers: Sequence[TierName] | None = None) -> EvictResult:
         """Remove not-checked-out rows, first victim first by the eviction policy (LRU unless
         ``CacheConfig.eviction`` says otherwise), until ``n_bytes`` are freed; only from
-        ``tiers`` when given (``InvalidRequestError`` for a tier not configured)."""
+        ``tiers`` when given (``InvalidRequestError`` for a tier not configured, or for none)."""
         ...
 
-    def gc(self) -> EvictResult:
-        """Remove expired (TTL) rows and reap stale reservations now."""
+    def gc(self, *, count_downtime: bool = False) -> EvictResult:
+        """Remove expired (TTL) rows and reap stale reservations now. A row's idle time runs
+        from its last use, but no earlier than this cache's opening (a restart after downtime
+        expires nothing at once) unless ``count_downtime`` (``kvwarm cache gc``: an
+        operator's collection, in a process that has just opened the cache)."""
         ...
 
     def gc_shared(self, grace_s: float = DEFAULT_GRACE_S) -> list[SweepResult]:

@@ -33,6 +33,7 @@ See docs/architecture.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -59,6 +60,7 @@ from kvwarm.cache.types import (
     EvictResult,
     Namespace,
     PrefixMatch,
+    PressureConfig,
     RowInfo,
     SaveRequest,
     SweepResult,
@@ -69,7 +71,7 @@ from kvwarm.cache.upkeep.scans import CacheUpkeep
 from kvwarm.cache.upkeep.shared import SharedTiers
 from kvwarm.cache.upkeep.sharedgc import SharedSweep, SweepStep
 from kvwarm.cache.validate import validate_cache_config
-from kvwarm.errors import InvalidRequestError
+from kvwarm.errors import ConfigError, InvalidRequestError
 
 __all__ = ["Cache"]
 
@@ -96,11 +98,17 @@ class Cache:
         monotonic: Callable[[], float] = time.monotonic,
         background: bool = True,
         repair: bool = True,
+        maintenance: bool = False,
     ) -> None:
         """``tiers`` replaces the tiers built from ``config.tiers`` (tests, custom storage);
         ``clock``/``monotonic`` drive TTLs and reservation deadlines; ``background=False``
         starts no sweeper or pressure thread (call ``gc()``/``pressure.tick()`` yourself);
-        ``repair=False`` opens the cache read-only for inspection (see the module invariants).
+        ``repair=False`` opens the cache read-only for inspection (see the module invariants);
+        ``maintenance=True`` opens it for a process that saves nothing (``kvwarm cache gc``,
+        ``verify --repair``): it evicts nothing to meet a tier's quota (the quotas its settings
+        give may not be the server's, and a row it evicted for one was deleted without a word),
+        and its file tiers register as maintenance, which the processes writing them do not
+        count as a co-tenant (``tiers/cotenants.py``).
         """
         self.config = config if config is not None else CacheConfig()
         validate_cache_config(self.config)
@@ -125,8 +133,9 @@ class Cache:
             source = make_source(
                 pressure_source if pressure_source is not None else self.config.pressure.source
             )
+        own_tiers = tiers is None
         if tiers is None:
-            options = TierOptions(repair=repair)
+            options = TierOptions(repair=repair, maintenance=maintenance)
             built: list[Tier] = []
             try:
                 for tc in self.config.tiers:
@@ -137,12 +146,23 @@ class Cache:
                 raise
             tiers = built
         self._tiers: dict[TierName, Tier] = {tier.name: tier for tier in tiers}
+        pressure = self.config.pressure
+        if source is not None:
+            try:
+                pressure = self._pressure_config()
+            except ConfigError:
+                if own_tiers:
+                    for tier in tiers:
+                        tier.close()
+                raise
         self._closed = False
         self._scratch = ScratchBuffers()
         self._close_lock = threading.Lock()
         self._stop = threading.Event()
         self._writer = WriterPool(self.config.writer_threads, self.config.writer_queue)
-        self._core = CacheCore(self._index, self._tiers, self._counters, self._writer)
+        self._core = CacheCore(
+            self._index, self._tiers, self._counters, self._writer, quota_evictions=not maintenance
+        )
         self._tiers = self._core.tiers  # one dict: the collaborators see the same tiers
         # Probes and chunk reads of a remote tier run concurrently; local directories are
         # read inline (a failed open costs microseconds, a thread hand-off more).
@@ -191,7 +211,7 @@ class Cache:
                 self._core.enforce_quota(tier)
         self.pressure: PressureScheduler | None = None
         if source is not None:
-            self.pressure = PressureScheduler(self.config.pressure, source, self.evict_bytes)
+            self.pressure = PressureScheduler(pressure, source, self.evict_bytes)
         self._sweeper: threading.Thread | None = None
         if background and repair:
             self._sweeper = threading.Thread(
@@ -200,6 +220,20 @@ class Cache:
             self._sweeper.start()
             if self.pressure is not None:
                 self.pressure.start()
+
+    def _pressure_config(self) -> PressureConfig:
+        """The pressure settings with ``evict_tiers`` cut to the tiers this cache has: a
+        built-in name it lacks (the default names ``ram`` and ``ram_file``) made every
+        eviction an ``InvalidRequestError``, so no tick ever freed a byte (found by review).
+        ``ConfigError`` when none is left (tiers given to the constructor under other names)."""
+        cfg = self.config.pressure
+        present = tuple(name for name in cfg.evict_tiers if name in self._tiers)
+        if not present:
+            raise ConfigError(
+                f"pressure.evict_tiers ({', '.join(cfg.evict_tiers)}) names none of this "
+                f"cache's tiers ({', '.join(self._tiers)}): the scheduler could evict nothing"
+            )
+        return dataclasses.replace(cfg, evict_tiers=present)
 
     # ------------------------------------------------------------------ lookups
 
@@ -339,6 +373,12 @@ class Cache:
 
     def evict_bytes(self, n_bytes: int, tiers: Sequence[TierName] | None = None) -> EvictResult:
         # A tier not configured here (a typo) freed nothing and said so as "0 rows": refused.
+        # So is an empty list, which did the same (found by review): None means every tier.
+        if tiers is not None and not tiers:
+            raise InvalidRequestError(
+                "tiers is empty: name at least one tier, or leave it out for every tier",
+                param="tiers",
+            )
         unknown = [t for t in tiers or () if t not in self._tiers]
         if unknown:
             raise InvalidRequestError(
@@ -400,9 +440,9 @@ class Cache:
     # ------------------------------------------------------------------ upkeep (upkeep.py,
     # sharedgc.py)
 
-    def gc(self) -> EvictResult:
+    def gc(self, *, count_downtime: bool = False) -> EvictResult:
         """Remove expired (TTL) rows and reap stale reservations now."""
-        return self._upkeep.gc()
+        return self._upkeep.gc(count_downtime=count_downtime)
 
     def verify(self, *, repair: bool = False) -> VerifyReport:
         return self._upkeep.verify(repair=repair)

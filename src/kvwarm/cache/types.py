@@ -156,6 +156,8 @@ class PressureConfig:
     high_watermark: float = 0.85
     low_watermark: float = 0.75
     min_evict_bytes: int = 1 << 20
+    # Evicted from: those of these the cache has (the others are skipped); naming none of its
+    # tiers is a ``ConfigError``.
     evict_tiers: tuple[TierName, ...] = ("ram", "ram_file")
 
 

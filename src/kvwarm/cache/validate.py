@@ -120,6 +120,14 @@ def validate_pressure_config(cfg: PressureConfig, configured: Collection[str] = 
     for name in cfg.evict_tiers:
         if name not in registered_tiers() and name not in configured:
             raise ConfigError(f"pressure.evict_tiers names unknown tier {name!r}")
+    # A built-in name not configured (the default names both memory tiers, ``ram`` and
+    # ``ram_file``) is skipped by the scheduler; with none configured it could free nothing
+    # (found by review: every tick failed on the tier it lacked, and none ever evicted).
+    if cfg.enabled and configured and not any(name in configured for name in cfg.evict_tiers):
+        raise ConfigError(
+            f"pressure.evict_tiers ({', '.join(cfg.evict_tiers)}) names no configured tier "
+            f"(tiers: {', '.join(configured)}): the scheduler could evict nothing"
+        )
 
 
 def _check_counter_names(name: str, others: Collection[str]) -> None:

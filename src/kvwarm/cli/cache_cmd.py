@@ -10,7 +10,11 @@ missing tier directory otherwise (``rows/`` under an existing one, or under the 
 ``cache_dir`` not created yet) is reported (stderr; ``missing_dirs`` in ``--json``) and
 counts as empty, exit 0. What a server's startup scan already
 set aside (``quarantine/``: damaged rows and chunks, manifests whose chunks were gone) is
-reported as fixed, and alone does not make it exit 1. ``stats`` reports what the tiers hold,
+reported as fixed, and alone does not make it exit 1. No command evicts a row to meet a
+quota (``gc`` and ``verify --repair`` included: the quota their settings give may be smaller
+than the server's) or runs the cache's background sweeps, and the two that repair register
+in a file tier's ``procs/`` as maintenance, which a server writing it does not count as a
+co-tenant. ``stats`` reports what the tiers hold,
 never the event counters (hits, misses, saves): those count what the opening process did, and
 this one served nothing.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -67,11 +72,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             )
             parser.add_argument(
                 "--grace-s",
-                type=float,
-                default=DEFAULT_GRACE_S,
+                type=_grace,
+                default=None,
                 metavar="S",
-                help="with --shared: keep unreferenced chunks younger than S seconds (a save "
-                "writes its chunks before its row; default %(default)s)",
+                help="with --shared: keep unreferenced chunks younger than S seconds, 0 or "
+                f"more (a save writes its chunks before its row; default {DEFAULT_GRACE_S:g})",
             )
         if name == "verify":
             parser.add_argument(
@@ -101,6 +106,19 @@ def _count(text: str) -> int:
     return value
 
 
+def _grace(text: str) -> float:
+    """``--grace-s``: a finite number of seconds, 0 or more, refused before anything runs
+    (found by review: ``gc`` removed expired rows first, then refused it; a negative grace
+    would take the chunks of saves in flight)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text}")
+    return value
+
+
 @contextmanager
 def open_cache(
     settings: Settings, *, repair: bool = True, missing: list[str] | None = None
@@ -124,7 +142,11 @@ def open_cache(
         config = dataclasses.replace(config, tiers=tiers or (TierConfig("ram", 1 << 30),))
     while True:
         try:
-            cache = Cache(config, repair=repair, background=repair)
+            # No quota is enforced, and no sweeper runs: a maintenance command's settings may
+            # give a tier a smaller quota than the server writing it has (found by review:
+            # `verify --repair`, `gc` deleted sound rows down to it without a word); and its
+            # registration leaves a lone server writing the directory lone.
+            cache = Cache(config, repair=repair, background=False, maintenance=True)
             break
         except CacheDirMissingError as exc:
             print(f"kvwarm: {exc}; nothing is cached there", file=sys.stderr)
@@ -299,10 +321,19 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_gc(args: argparse.Namespace) -> int:
+    from kvwarm.errors import ConfigError
+
+    if args.grace_s is not None and not args.shared:
+        # Without --shared no chunk is swept: the grace was ignored without a word.
+        raise ConfigError("--grace-s applies to the sweep of --shared; give both, or neither")
+    grace_s = DEFAULT_GRACE_S if args.grace_s is None else args.grace_s
     settings = settings_from(args)
     with open_cache(settings) as cache:
-        result = cache.gc()
-        swept = cache.gc_shared(args.grace_s) if args.shared else []
+        # Idle time from each row's last use: this process opened the cache a moment ago, and
+        # counted from then (a server's rule after a restart) no row could ever have expired
+        # (found by review: "removed 0 rows", always).
+        result = cache.gc(count_downtime=True)
+        swept = cache.gc_shared(grace_s) if args.shared else []
     if args.json:
         out: dict[str, object] = {"rows": result.rows, "bytes": result.bytes}
         if args.shared:

@@ -453,7 +453,10 @@ class PrewarmRequest(_Body):
 class EvictRequest(_Body):
     bytes: JsonInt = Field(ge=0)
     # Tier names as configured (any store may be configured by URL under any name).
-    tiers: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_]{1,64}$")]] | None = None
+    # At least one (left out: every tier); an empty list freed nothing and answered 200.
+    tiers: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_]{1,64}$")]] | None = Field(
+        default=None, min_length=1
+    )
 
 
 def json_body(model: type[BaseModel], *, streams: bool = False) -> dict[str, Any]:

@@ -332,10 +332,13 @@ class Index:
         evicts (in policy order; the caller retires them) and whether the room is held. The
         room counts against the quota until ``give_room``, so N saves in flight at once
         cannot overshoot it by N rows; a save that cannot have it (everything left is checked
-        out, or it is larger than the quota) is refused."""
+        out, or it is larger than the quota) is refused, evicting nothing: found by review,
+        the rows it could evict went first, then the save was refused all the same."""
         with self._lock:
             held = self._room.get(tier, 0)
             excess = self._rows.tier_bytes(tier) + held + n_bytes - quota_bytes
+            if excess > 0 and self._rows.pinned_bytes(tier) + held + n_bytes > quota_bytes:
+                return False, []  # what is checked out or held leaves it no room
             victims = self._evict(excess, (tier,)) if excess > 0 else []
             if self._rows.tier_bytes(tier) + held + n_bytes > quota_bytes:
                 return False, victims
@@ -352,16 +355,22 @@ class Index:
             else:
                 self._room.pop(tier, None)
 
-    def expire(self, forget_only: Collection[TierName] = ()) -> list[StoredRow]:
+    def expire(
+        self, forget_only: Collection[TierName] = (), *, count_downtime: bool = False
+    ) -> list[StoredRow]:
         """Retire every not-checked-out row unused for longer than its TTL class allows.
         Rows of ``forget_only`` tiers are only forgotten: their chunks' bytes are not freed
-        (``FreedChunk.keep``), other processes may still use them."""
+        (``FreedChunk.keep``), other processes may still use them. Idle time is counted from
+        a row's last use, but no earlier than this index's creation unless ``count_downtime``
+        (a restart after downtime expires nothing at once; ``kvwarm cache gc``, a process of
+        its own, would otherwise never expire anything)."""
         now = self._clock()
+        since = 0.0 if count_downtime else self._started
         with self._lock:
             victims = [
                 i
                 for i in self._rows.unpinned()
-                if now - max(i.last_used, self._started) > self._ttl[i.ttl_class]
+                if now - max(i.last_used, since) > self._ttl[i.ttl_class]
             ]
             removed = [
                 self._rows.remove(i.key, keep_chunk_bytes=i.tier in forget_only) for i in victims

@@ -218,6 +218,19 @@ class RowTable:
     def order(self, tier: TierName) -> list[bytes]:
         return self._policy.order(tier)
 
+    def pinned_bytes(self, tier: TierName) -> int:
+        """Bytes of ``tier`` no eviction can free now: its checked-out rows' own, and the
+        chunks they name (each once)."""
+        own = 0
+        named: set[bytes] = set()
+        for entry in self._entries.values():
+            if entry.refcount and entry.info.tier == tier:
+                own += entry.info.size
+                named.update(entry.chunks)
+                if entry.rest is not None:
+                    named.update(entry.rest.keys)
+        return own + sum(self.chunks.size(tier, k) or 0 for k in named)
+
     def stored(self, key: bytes) -> StoredRow:
         entry = self._entries[key]
         tokens = self._prefix.tokens(key)

@@ -150,6 +150,7 @@ def store_row(
     wait_s: float = 30.0,
     hold: HoldRoom | None = None,
     fresh: Freshness | None = None,
+    limit: int | None = None,
 ) -> StoredRow | None:
     """Store ``request`` in ``tier`` as a manifest over chunks when it comes with a splitter
     and holds at least one full chunk, else whole. Returns the published row, or None.
@@ -158,7 +159,9 @@ def store_row(
     what gives the room back once the row is stored or failed. ``fresh``: given where other
     processes sweep the tier's chunks (``sharedgc.py``): before the manifest, every chunk it
     names that this process has not written or touched in the last ``REFRESH_AFTER_S`` is
-    touched (``_refresh``)."""
+    touched (``_refresh``). ``limit``: the tier's quota; a row that would occupy more (its
+    chunks, stored or new, and its manifest) is refused before anything is written, as no
+    eviction could make room for it (``CacheError``)."""
     split, ns, tokens = request.split, request.namespace, request.tokens
     lens = request.chunk_lens
     lead = request.payload_from  # the payload is a tail: chunks before it must be stored
@@ -167,7 +170,7 @@ def store_row(
     if split is None or (not lens and (chunk_tokens <= 0 or len(tokens) < chunk_tokens)):
         if lead:
             raise CacheError(f"{tier.name}: {key.hex()} holds positions from {lead} only")
-        return _store_whole(key, request, tier, index, hold)
+        return _store_whole(key, request, tier, index, hold, limit)
     if not lens:
         lens = plan_lens(len(tokens), chunk_tokens, *index.chunk_base(ns, tokens))
     chain = chain_of(request, lens)
@@ -212,7 +215,7 @@ def store_row(
             # A blob the codec cannot cut (several KV streams, a sliding-window cache): the
             # row is stored whole, as before chunks existed.
             log.info("%s: storing %s whole: %s", tier.name, key.hex(), exc)
-            return _store_whole(key, request, tier, index, hold)
+            return _store_whole(key, request, tier, index, hold, limit)
         if len(parts) != len(keys) - first:
             raise ValueError(f"splitter returned {len(parts)} parts for {len(keys) - first}")
         rest_parts = _cut_rest(request, rest, tier, need) if rest is not None else []
@@ -220,6 +223,9 @@ def store_row(
             len(part) for i, part in enumerate(parts, start=first) if keys[i] in need
         )
         size += sum(len(part) for _, part in rest_parts)
+        if limit is not None:
+            stored = index.chunk_sizes(tier.name, [k for k in pinned if k not in need])
+            _check_fits(tier, key, request, size + sum(s or 0 for s in stored), limit)
         give_back = hold(size) if hold is not None else _nothing
         try:
             for i, part in enumerate(parts, start=first):
@@ -528,8 +534,15 @@ def _write_chunk(
 
 
 def _store_whole(
-    key: bytes, request: SaveRequest, tier: Tier, index: Index, hold: HoldRoom | None
+    key: bytes,
+    request: SaveRequest,
+    tier: Tier,
+    index: Index,
+    hold: HoldRoom | None,
+    limit: int | None = None,
 ) -> StoredRow | None:
+    if limit is not None:
+        _check_fits(tier, key, request, memoryview(request.payload).nbytes, limit)
     give_back = hold(memoryview(request.payload).nbytes) if hold is not None else _nothing
     try:
         return tier.store(key, _whole(request), index)
@@ -539,6 +552,18 @@ def _store_whole(
 
 def _nothing() -> None:
     pass
+
+
+def _check_fits(tier: Tier, key: bytes, request: SaveRequest, n_bytes: int, limit: int) -> None:
+    """``CacheError`` when a row of ``n_bytes`` (its KV; its tokens and logits added here)
+    exceeds ``limit``, its tier's quota: found by review, such a save was stored (or its
+    room held) first, evicting every other row of the tier, then itself: nothing kept."""
+    total = n_bytes + 4 * len(request.tokens) + len(request.logits or b"")
+    if total > limit:
+        raise CacheError(
+            f"{tier.name}: {key.hex()} ({total} bytes) is larger than the tier's quota "
+            f"({limit} bytes): not saved"
+        )
 
 
 def chain_of(request: SaveRequest, lens: Sequence[int]) -> list[tuple[bytes, bytes]]:

@@ -126,8 +126,13 @@ class CacheCore:
         counters: Counters,
         writer: WriterPool,
         quota_caps: QuotaCaps | None = None,
+        *,
+        quota_evictions: bool = True,
     ) -> None:
         self.index = index
+        # False: nothing is evicted to meet a quota (a maintenance command's cache, whose
+        # settings' quotas may not be those of the server writing the directory).
+        self.quota_evictions = quota_evictions
         self.tiers: dict[TierName, Tier] = dict(tiers)
         self.counters = counters
         self.writer = writer
@@ -428,6 +433,8 @@ class CacheCore:
             self.counters.incr("retention_bytes", freed.bytes)
 
     def enforce_quota(self, tier: Tier) -> None:
+        if not self.quota_evictions:
+            return
         used, _ = self.index.usage().get(tier.name, (0, 0))
         quota, _ = self.quota_caps.effective(tier, used)
         self.retire(self.index.enforce_quota(tier.name, quota), count=True)
@@ -451,12 +458,14 @@ class CacheCore:
         other tiers' quotas are enforced after each store."""
         counters = self.counters if count_chunks else None
         hold = None if tier.capabilities.persistent else self._holder(tier)
+        used, _ = self.index.usage().get(tier.name, (0, 0))
+        limit, _ = self.quota_caps.effective(tier, used)
         # Other processes sweep its chunks: reused ones are touched before a manifest.
         fresh = self.fresh if self.swept_elsewhere(tier) else None
         try:
             return store_row(
                 key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold,
-                fresh=fresh,
+                fresh=fresh, limit=limit,
             )  # fmt: skip
         except CacheIOError as exc:
             if exc.errno != errno.ENOSPC:
@@ -480,7 +489,7 @@ class CacheCore:
         self.counters.incr("saves_retried_after_enospc")
         return store_row(
             key, request, tier, self.index, chunk_tokens, counters=counters, hold=hold,
-            fresh=fresh,
+            fresh=fresh, limit=limit,
         )  # fmt: skip
 
     def _holder(self, tier: Tier) -> HoldRoom:

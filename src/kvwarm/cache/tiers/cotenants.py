@@ -18,6 +18,12 @@ its file (unlocked) for the others to see, and a later opener removes it. A regi
 killed before its rename to its listed name leaves ``<pid>-<random>.lock.new``: an opener
 removes it once that pid is gone (found by the crash harness: it stayed forever).
 
+A maintenance process (``kvwarm cache gc``, ``verify --repair``: it writes no row and no
+chunk) registers as ``<pid>-<random>.maint``, which the others do not count: no row of its
+can name a chunk theirs stopped naming, so it changes nothing of theirs (found by review: one
+``kvwarm cache gc`` turned a lone server's directory co-tenanted until it stopped, its evicted
+chunks left to the hourly sweep, over its quota meanwhile). It counts them as any process does.
+
 Invariants: every name is opened below the private directory fd without following links; a
 registration holds one descriptor (its lock file); nothing blocks (``LOCK_NB``); ``seen()`` is
 sticky: once true it stays true until close; an entry it cannot probe counts as a process.
@@ -40,6 +46,7 @@ log = logging.getLogger(__name__)
 
 PROCS = "procs"
 _SUFFIX = ".lock"
+_MAINT = ".maint"  # a maintenance process's registration: not counted by the others
 _FRESH = ".lock.new"  # a registration before its rename to its listed name
 _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -47,10 +54,11 @@ _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 class Cotenants:
     """This process's registration in one directory. Thread-safe."""
 
-    def __init__(self, dir_fd: int, where: str) -> None:
+    def __init__(self, dir_fd: int, where: str, *, maintenance: bool = False) -> None:
         self._where = where
         self._lock = threading.Lock()
-        self._name = f"{os.getpid()}-{secrets.token_hex(8)}{_SUFFIX}"
+        suffix = _MAINT if maintenance else _SUFFIX
+        self._name = f"{os.getpid()}-{secrets.token_hex(8)}{suffix}"
         self._fd: int | None = None  # our lock file: the only descriptor held
         procs = open_private_subdir(dir_fd, PROCS)
         try:
@@ -112,6 +120,8 @@ class Cotenants:
             for name in listed:
                 if name.endswith(_FRESH) and _dead(name) and not _held(procs, name):
                     unlink_quiet(procs, name)  # a registration killed before its rename
+                elif name.endswith(_MAINT) and name != self._name and not _held(procs, name):
+                    unlink_quiet(procs, name)  # a finished maintenance process's
         for name in names:
             if name == self._name:
                 continue

@@ -102,6 +102,7 @@ class FileStore:
         stale_tmp_s: float = 3600.0,
         multi_host: bool = False,
         register: bool = True,
+        maintenance: bool = False,
         create: bool = True,
         on_step: StepHook | None = None,
     ) -> None:
@@ -131,7 +132,7 @@ class FileStore:
         self._cotenants: Cotenants | None = None
         if register:
             try:
-                self._cotenants = Cotenants(self._dir, f"{tier} {root}")
+                self._cotenants = Cotenants(self._dir, f"{tier} {root}", maintenance=maintenance)
             except OSError as exc:
                 os.close(self._dir)
                 raise ConfigError(f"cannot register in {root}/{PROCS}: {exc}") from exc
@@ -355,6 +356,7 @@ class FileTier(ObjectTier):
         stale_tmp_s: float = 3600.0,
         on_step: StepHook | None = None,
         shared_dir: bool = False,
+        maintenance: bool = False,
     ) -> None:
         if name in registered_tiers() and not tier_spec(name).needs_root:
             raise ConfigError(f"tier {name!r} is not a file tier (it takes no root directory)")
@@ -367,6 +369,7 @@ class FileTier(ObjectTier):
             stale_tmp_s=stale_tmp_s,
             multi_host=shared_dir,
             register=repair and not shared_dir,
+            maintenance=maintenance,
             create=repair,
             on_step=on_step,
         )

@@ -649,10 +649,15 @@ class ObjectTier:
     def _chunk_head(self, key: bytes) -> chunkfmt.ChunkHead | None:
         """The valid head of chunk ``key`` (payload not read); None if it is gone or junk."""
         try:
-            got = self._store.get(chunk_name(key), CHUNK_HEAD_BYTES)
-            head = chunkfmt.parse_head(got.data, size=got.size)
+            return self._stored_chunk_head(key)
         except CacheKeyError:
             return None
+
+    def _stored_chunk_head(self, key: bytes) -> chunkfmt.ChunkHead | None:
+        """``_chunk_head``, with a chunk that is gone a ``CacheKeyError``: None is junk."""
+        try:
+            got = self._store.get(chunk_name(key), CHUNK_HEAD_BYTES)
+            head = chunkfmt.parse_head(got.data, size=got.size)
         except CacheFormatError as exc:
             log.info("%s: chunk %s is unusable: %s", self._name, key.hex(), exc)
             return None
@@ -702,7 +707,11 @@ class ObjectTier:
         for name in self._store.names(CHUNK_DIR):
             chunk = layout.chunk_key_of(name[len(CHUNK_DIR) :])
             try:
-                head = None if chunk is None else self._chunk_head(chunk)
+                head = None if chunk is None else self._stored_chunk_head(chunk)
+            except CacheKeyError:
+                # Deleted since the listing (another process's eviction or sweep; found by
+                # review: reported, or set aside, as an invalid chunk): nothing to scan.
+                continue
             except CacheIOError as exc:  # as ``_examine_local``: left, or the scan stops
                 if exc.exhausted:
                     raise

@@ -41,9 +41,12 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class TierOptions:
     """How the cache opens its tiers: ``repair=False`` means a scan moves and deletes nothing
-    (``kvwarm cache verify``)."""
+    (``kvwarm cache verify``); ``maintenance``, a process that writes no row (``kvwarm cache
+    gc``, ``verify --repair``): a file tier registers as such, so the processes writing the
+    directory do not count it as a co-tenant (``cotenants.py``)."""
 
     repair: bool = True
+    maintenance: bool = False
 
 
 TierFactory = Callable[[TierConfig, TierOptions], Tier]
@@ -154,6 +157,7 @@ def _file(config: TierConfig, options: TierOptions) -> Tier:
         config.quota_bytes,
         repair=options.repair,
         shared_dir=config.shared,
+        maintenance=options.maintenance,
     )
 
 
@@ -165,8 +169,29 @@ def _s3(config: TierConfig, options: TierOptions) -> Tier:
     return S3Tier(config.s3, config.quota_bytes, name=config.name, repair=options.repair)
 
 
-def _query(url: str) -> dict[str, str]:
-    return dict(parse_qsl(urlsplit(url).query))
+def _query(url: str, name: str, known: tuple[str, ...] = ()) -> dict[str, str]:
+    """The URL's options, ``ConfigError`` for one not in ``known`` (found by review: a file
+    tier's ``?shraed=1`` was ignored, and a directory several hosts share opened as one
+    process's own, as the s3 store's URL already refused)."""
+    query = dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
+    unknown = sorted(set(query) - set(known))
+    if unknown:
+        takes = f"takes only {', '.join(known)}" if known else "takes none"
+        raise ConfigError(
+            f"tier {name}: unknown URL option {unknown[0]!r} ({urlsplit(url).scheme}:// {takes}; "
+            "the quota is given as ?quota=SIZE in the setting, or TierConfig.quota_bytes)"
+        )
+    return query
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _switch(query: dict[str, str], option: str, name: str) -> bool:
+    value = query.get(option, "0").lower()
+    if value not in _TRUE + _FALSE:
+        raise ConfigError(f"tier {name}: {option}={query[option]!r}: expected 1 or 0 (true/false)")
+    return value in _TRUE
 
 
 def _file_url(config: TierConfig, options: TierOptions) -> Tier:
@@ -177,14 +202,23 @@ def _file_url(config: TierConfig, options: TierOptions) -> Tier:
     parts = urlsplit(config.url)
     if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
         raise ConfigError(f"tier {config.name}: a file URL names an absolute local path")
-    shared = _query(config.url).get("shared", "0").lower() in ("1", "true", "yes", "on")
+    shared = _switch(_query(config.url, config.name, ("shared",)), "shared", config.name)
     root = Path(unquote(parts.path))
-    return FileTier(config.name, root, config.quota_bytes, repair=options.repair, shared_dir=shared)
+    return FileTier(
+        config.name,
+        root,
+        config.quota_bytes,
+        repair=options.repair,
+        shared_dir=shared,
+        maintenance=options.maintenance,
+    )
 
 
 def _ram_url(config: TierConfig, options: TierOptions) -> Tier:
     from kvwarm.cache.tiers.ram import RamTier
 
+    assert config.url is not None
+    _query(config.url, config.name)
     return RamTier(config.quota_bytes, name=config.name)
 
 

@@ -2,9 +2,12 @@
 
 Invariant: a tick evicts only when ``used / total >= high_watermark``, and then asks for
 ``max(used - low_watermark * total, min_evict_bytes)`` bytes from the configured tiers, so one
-tick brings the ratio under the low mark if the cache holds enough evictable bytes. A sample
+tick brings the ratio under the low mark if the cache holds enough evictable bytes. The
+``evict_tiers`` it is given are those of the cache's tiers that ``PressureConfig.evict_tiers``
+names (``Cache`` drops the others: the default names ``ram`` and ``ram_file``). A sample
 that fails or reports ``total <= 0`` never evicts. The scheduler never raises into its thread:
-a failing source or evictor is logged and retried next interval.
+a failing source or evictor is logged (its traceback once while it keeps failing) and retried
+next interval.
 
 Sources: ``noop`` (no pressure), ``system`` (psutil, tightened by a cgroup's memory limit, v2
 or v1: inside a container psutil reports the host), ``nvidia`` (NVML via the optional
@@ -292,11 +295,21 @@ class PressureScheduler:
 
     def _run(self) -> None:
         interval = self._cfg.interval_ms / 1000.0
+        failing = False
         while not self._stop.wait(interval):
             try:
                 self.tick()
             except Exception:
-                log.exception("pressure tick failed; retrying next interval")
+                # The first failure of a run with its traceback, the others at DEBUG (found
+                # by review: a source that stays broken, NVML after a driver reset, logged a
+                # traceback every interval for as long as the process ran).
+                level = logging.DEBUG if failing else logging.ERROR
+                log.log(level, "pressure tick failed; retrying each interval", exc_info=True)
+                failing = True
+            else:
+                if failing:
+                    log.warning("pressure ticks succeed again")
+                failing = False
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
