@@ -33,6 +33,9 @@ R1 = tuple(range(64))
 R2 = tuple(range(48)) + (999,) * 16  # shares R1's first three chunks
 LATER = 7200.0  # seconds after now: every chunk written so far is past the grace period
 
+# Chunks as their own objects (an older kvwarm's rows); packs: test_packs.py.
+pytestmark = pytest.mark.usefixtures("chunk_objects")
+
 
 @pytest.fixture(params=["shared_dir", "s3", "redis"])
 def remote(request: pytest.FixtureRequest, tmp_path: Path) -> TierConfig:

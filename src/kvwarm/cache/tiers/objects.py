@@ -51,7 +51,7 @@ from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCap
 from kvwarm.cache.tiers import layout
 from kvwarm.cache.tiers.common import StepHook, commit_chunk, publish_row, row_info
 from kvwarm.cache.tiers.layout import ROW_SUFFIX, key_of, name_for
-from kvwarm.cache.types import SaveRequest, TierName
+from kvwarm.cache.types import PackLoc, SaveRequest, TierName
 from kvwarm.errors import (
     CacheFormatError,
     CacheIOError,
@@ -76,9 +76,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Outlives us, other processes and hosts publish into it, and every byte crosses a network.
-REMOTE_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=False)
+# Outlives us, other processes and hosts publish into it, and every byte crosses a network:
+# a save's new chunks go into one pack object (``PacksChunks``).
+REMOTE_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=False, packs=True)
 CHUNK_DIR = "chunks/"  # chunk objects: chunks/<hex key>.kvk beside the <hex key>.kvc rows
+PACK_DIR = "packs/"  # packs of chunk objects: packs/<hex id>.kvp
 # A probe reads this much first: a miss costs nothing more, and a hit's header, TLV, tokens
 # and stored logits (4 B x vocab: 196 KiB for a 49k vocab) come in one round trip for most
 # models; longer metadata (a 128k vocab's logits) takes a second ranged read.
@@ -313,8 +315,19 @@ class _Staged:
         ours = set(request.chunk_keys or ())
         if request.rest_chunks is not None:
             ours.update(request.rest_chunks.keys)
+        locs = row.locs or (None,) * len(row.chunk_refs)
+        packs: dict[bytes, bool] = {}  # each pack asked after once
         gone = next(
-            (k for k in row.chunk_refs if k not in ours and self._tier.chunk_age(k) is None),
+            (
+                k
+                for k, loc in zip(row.chunk_refs, locs, strict=True)
+                if k not in ours
+                and (
+                    self._tier.chunk_age(k) is None
+                    if loc is None
+                    else not packs.setdefault(loc.pack, self._tier.pack_age(loc.pack) is not None)
+                )
+            ),
             None,
         )
         if gone is not None:
@@ -346,6 +359,7 @@ class _Staged:
             request.chunk_keys,
             request.chunk_lens,
             request.rest_chunks,
+            request.chunk_locs,
         )
 
     def undo(self) -> None:
@@ -518,6 +532,7 @@ class ObjectTier:
             fields.chunks,
             fields.chunk_lens,
             fields.rest_chunks,
+            fields.chunk_locs,
         )
 
     def delete(self, key: bytes) -> None:
@@ -731,6 +746,68 @@ class ObjectTier:
             if key is not None:
                 yield key, size, mtime
 
+    # ---- packs: packs/<hex>.kvp, chunk objects one after another (``PacksChunks``) ------
+
+    def store_pack(self, pack: bytes, parts: list[bytes]) -> int:
+        """Put once, visible whole or not at all. A pack of the same id already there holds
+        the same chunk heads at the same offsets (its id hashes them), each chunk verifiable
+        alone: it is kept and touched, unless a read found it bad since (then replaced)."""
+        if not self._capabilities.packs:
+            raise CacheIOError(f"{self._name}: this tier stores no packs")
+        name = pack_name(pack)
+        put = self._stage(name, parts, 0)
+        try:
+            commit_chunk(
+                self._name,
+                pack,
+                put.link,
+                lambda: not self._found_bad(name) and self._store.touch(name),
+                lambda: self._store.delete(name),
+            )
+            put.settle(False)
+            self._found_bad(name, False)
+        except BaseException:
+            put.undo()
+            raise
+        return sum(memoryview(p).nbytes for p in parts)
+
+    def load_packed(self, pack: bytes, pieces: list[tuple[bytes, PackLoc]]) -> list[memoryview]:
+        """One ranged read of ``pieces`` (adjacent, in offset order), each chunk verified as
+        a chunk object is (``chunkfmt.parse``). A pack gone is ``CacheKeyError``; bytes short
+        or bad are ``ChunkFormatError`` naming the first chunk they fail."""
+        name = pack_name(pack)
+        start, end = pieces[0][1].offset, pieces[-1][1].end
+        data = self._store.get_range(name, start, end)
+        if not data:  # redis answers a missing key's GETRANGE with nothing
+            raise CacheKeyError(f"{self._name}: no pack {name}")
+        view = memoryview(data)
+        out: list[memoryview] = []
+        for key, loc in pieces:
+            at = loc.offset - start
+            try:
+                if at + loc.length > len(data):
+                    raise CacheFormatError(f"the pack ends at {start + len(data)}")
+                out.append(chunkfmt.parse(view[at : at + loc.length], key))
+            except CacheFormatError as exc:
+                self._found_bad(name, True)
+                raise ChunkFormatError(f"{self._name}: in pack {name}: {exc}", key=key) from exc
+        return out
+
+    def touch_pack(self, pack: bytes) -> bool:
+        return self._store.touch(pack_name(pack))
+
+    def pack_ages(self) -> Iterator[tuple[bytes, int, float]]:
+        for name, size, mtime in self._store.list(PACK_DIR):
+            pack = layout.pack_id_of(name[len(PACK_DIR) :])
+            if pack is not None:
+                yield pack, size, mtime
+
+    def pack_age(self, pack: bytes) -> float | None:
+        return self._store.age(pack_name(pack))
+
+    def delete_pack(self, pack: bytes) -> None:
+        self._store.delete(pack_name(pack))
+
     def close(self) -> None:
         self._store.close()
 
@@ -741,6 +818,10 @@ def row_name(key: bytes) -> str:
 
 def chunk_name(key: bytes) -> str:
     return CHUNK_DIR + layout.chunk_name(key)
+
+
+def pack_name(pack: bytes) -> str:
+    return PACK_DIR + layout.pack_name(pack)
 
 
 def _int_meta(meta: Mapping[str, str], name: str) -> int | None:
