@@ -48,17 +48,18 @@ def remote(request: pytest.FixtureRequest, tmp_path: Path) -> TierConfig:
     return TierConfig("disk", 1 << 30, tmp_path / "nfs", shared=True)
 
 
-def _backdate_chunks(tier: TierConfig, seconds: float) -> None:
-    """Every chunk in the store last modified ``seconds`` earlier, as if written long ago."""
+def backdate_chunks(tier: TierConfig, seconds: float, where: str = CHUNK_DIR) -> None:
+    """Every chunk (``where``: or pack) in the store last modified ``seconds`` earlier, as if
+    written long ago."""
     store = build_tier(tier, TierOptions())
     try:
         assert isinstance(store, ObjectTier)
         objects = store.objects
-        names = objects.names(CHUNK_DIR)
+        names = objects.names(where)
         assert names
         if isinstance(objects, FileStore):
             for name in names:
-                path = objects.root / name[len(CHUNK_DIR) :]
+                path = objects.root / name[len(where) :]
                 then = path.stat().st_mtime - seconds
                 os.utime(path, (then, then))
         elif isinstance(objects, RedisStore):
@@ -76,7 +77,7 @@ def _backdate_chunks(tier: TierConfig, seconds: float) -> None:
                 for partition in list(s3_backends[account].keys()):
                     found = s3_backends[account][partition].buckets.get(bucket)
                     for obj in [] if found is None else list(found.keys.values()):
-                        if CHUNK_DIR in obj.name:
+                        if where in obj.name:
                             obj.last_modified -= datetime.timedelta(seconds=seconds)
     finally:
         store.close()
@@ -129,7 +130,7 @@ def _orphan_r1(tier: TierConfig) -> None:
     with Cache(_config(tier), background=False) as w:
         assert w.save(chunked_request(NS, R1, tier=tier.name), sync=True)
         assert w.evict_bytes(1 << 40, [tier.name]).rows == 1
-    _backdate_chunks(tier, LATER)
+    backdate_chunks(tier, LATER)
 
 
 def test_a_sweep_keeps_an_old_chunk_a_save_reuses_meanwhile(remote: TierConfig) -> None:

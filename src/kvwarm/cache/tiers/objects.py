@@ -81,6 +81,7 @@ log = logging.getLogger(__name__)
 REMOTE_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=False, packs=True)
 CHUNK_DIR = "chunks/"  # chunk objects: chunks/<hex key>.kvk beside the <hex key>.kvc rows
 PACK_DIR = "packs/"  # packs of chunk objects: packs/<hex id>.kvp
+PACK_STEP = "pack_linked"  # reported to ``on_step`` once a pack is put (fault tests)
 # A probe reads this much first: a miss costs nothing more, and a hit's header, TLV, tokens
 # and stored logits (4 B x vocab: 196 KiB for a 49k vocab) come in one round trip for most
 # models; longer metadata (a 128k vocab's logits) takes a second ranged read.
@@ -769,6 +770,8 @@ class ObjectTier:
         except BaseException:
             put.undo()
             raise
+        if self._on_step is not None:
+            self._on_step(PACK_STEP)
         return sum(memoryview(p).nbytes for p in parts)
 
     def load_packed(self, pack: bytes, pieces: list[tuple[bytes, PackLoc]]) -> list[memoryview]:
@@ -777,7 +780,11 @@ class ObjectTier:
         or bad are ``ChunkFormatError`` naming the first chunk they fail."""
         name = pack_name(pack)
         start, end = pieces[0][1].offset, pieces[-1][1].end
-        data = self._store.get_range(name, start, end)
+        try:
+            data = self._store.get_range(name, start, end)
+        except CacheFormatError as exc:  # s3: a range past the pack's end (416)
+            self._found_bad(name, True)
+            raise ChunkFormatError(f"{self._name}: pack {name}: {exc}", key=pieces[0][0]) from exc
         if not data:  # redis answers a missing key's GETRANGE with nothing
             raise CacheKeyError(f"{self._name}: no pack {name}")
         view = memoryview(data)
