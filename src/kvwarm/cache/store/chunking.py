@@ -26,7 +26,12 @@ Invariants:
 - A memory of two parts (``SaveRequest.rest``: an iSWA window, a hybrid's recurrent state)
   is chunked in its first KV cache only; the manifest carries the rest as its payload, taken
   before any chunk is written, so every manifest holds exactly the blob it was cut from.
-See docs/architecture.md ("Chunks") and docs/internals.md ("Chunks in detail").
+- In a tier with packs (``TierCapabilities.packs``: s3, redis) the chunks a save writes are
+  one pack object, put (durable) before the manifest; the manifest names each chunk's place
+  as the index knows it (a reused chunk keeps its pack, offset and length; one of its own
+  object has none), and a restore reads each run of adjacent chunks in one ranged GET
+  (``chunk_reads``), each chunk verified as a chunk object is.
+See docs/architecture.md ("Chunks") and docs/internals.md ("Chunks in detail", "Chunk packs").
 """
 
 from __future__ import annotations
@@ -641,6 +646,7 @@ def _whole(request: SaveRequest) -> SaveRequest:
         chunk_lens=(),
         chunk_keys=(),
         rest_chunks=None,
+        chunk_locs=(),
     )
 
 

@@ -32,6 +32,10 @@ Invariants:
   is kept (and touched: its age restarts, as a sweep sees it) if its head is valid, replaced
   if not (``common.commit_chunk``); the payload CRC
   is checked on load (``chunkfmt.parse``), the head at scan where the store can set aside.
+- With ``TierCapabilities.packs`` (s3, redis) a save's new chunks are one *pack*,
+  ``packs/<hex id>.kvp`` (``PacksChunks``), put once like a chunk: chunk objects one after
+  another, each verified alone when a ranged read fetches it (``load_packed``); a pack a
+  load found bad is replaced, not kept, by the next put of its id.
 - Network faults surface as ``CacheNetworkError`` from the store; nothing here retries.
 See docs/architecture.md (the cache).
 """
