@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from tests.cache.chunkkit import (
@@ -30,7 +30,7 @@ from tests.s3kit import MotoServer
 from kvwarm.cache import Cache, CacheConfig, TierConfig
 from kvwarm.cache.formats import kvc
 from kvwarm.cache.formats.key import cache_key
-from kvwarm.cache.protocols import PacksChunks, StoredRow, TierCapabilities
+from kvwarm.cache.protocols import PacksChunks, StoredRow, Tier, TierCapabilities
 from kvwarm.cache.tiers.objects import CHUNK_DIR, PACK_DIR, ObjectStore, ObjectTier, row_name
 from kvwarm.cache.tiers.registry import TierOptions, build_tier
 from kvwarm.cache.types import PackLoc
@@ -358,3 +358,57 @@ def test_a_promoted_copy_in_a_local_tier_is_chunk_files_without_pack_places(
     fields = kvc.parse(manifest).meta.fields
     assert len(fields.chunks) == 4 and fields.chunk_locs == ()
     assert len(list((tmp_path / "kvc").glob("**/*.kvk"))) == 4
+
+
+class _FakePacks:
+    """Records the reads ``chunk_reads`` makes: each chunk object, each pack run."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[str, object]] = []
+
+    def load_chunk(self, key: bytes, buffer: memoryview | None = None) -> memoryview:
+        self.reads.append(("own", key))
+        return memoryview(key)
+
+    def load_packed(self, pack: bytes, pieces: list[tuple[bytes, PackLoc]]) -> list[memoryview]:
+        self.reads.append(("run", (pack, [loc.offset for _, loc in pieces])))
+        return [memoryview(key) for key, _ in pieces]
+
+    def touch_pack(self, pack: bytes) -> bool:
+        raise NotImplementedError
+
+    def pack_ages(self) -> Iterator[tuple[bytes, int, float]]:
+        raise NotImplementedError
+
+    def pack_age(self, pack: bytes) -> float | None:
+        raise NotImplementedError
+
+    def delete_pack(self, pack: bytes) -> None:
+        raise NotImplementedError
+
+    def store_pack(self, pack: bytes, parts: list[bytes]) -> int:
+        raise NotImplementedError
+
+
+def test_a_rows_reads_are_one_per_run_of_adjacent_chunks_in_a_pack() -> None:
+    from kvwarm.cache.store.chunking import chunk_reads, gather_reads
+
+    p, q = b"p" * 32, b"q" * 32
+    keys = [bytes([i]) * 32 for i in range(6)]
+    locs = (
+        PackLoc(p, 10, 5),  # p [10, 15)
+        PackLoc(p, 0, 10),  # p [0, 10): before it in the pack, adjacent
+        None,  # an object of its own
+        PackLoc(q, 0, 7),
+        PackLoc(p, 20, 4),  # p [20, 24): a gap after 15, another run
+        PackLoc(q, 7, 3),
+    )
+    fake = _FakePacks()
+    tier = cast(Tier, fake)
+    reads = chunk_reads(tier, keys, locs)
+    assert gather_reads((read() for read in reads), len(keys)) == keys  # in the row's order
+    assert sorted(fake.reads, key=repr) == sorted(
+        [("own", keys[2]), ("run", (p, [0, 10])), ("run", (p, [20])), ("run", (q, [0, 7]))],
+        key=repr,
+    )
+    assert len(chunk_reads(tier, keys, ())) == len(keys)  # no places: one read each
