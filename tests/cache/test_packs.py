@@ -412,3 +412,18 @@ def test_a_rows_reads_are_one_per_run_of_adjacent_chunks_in_a_pack() -> None:
         key=repr,
     )
     assert len(chunk_reads(tier, keys, ())) == len(keys)  # no places: one read each
+
+
+def test_a_long_run_is_cut_into_gets_of_at_most_max_run_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvwarm.cache.store import chunking
+
+    monkeypatch.setattr(chunking, "MAX_RUN_BYTES", 25)
+    p = b"p" * 32
+    keys = [bytes([i]) * 32 for i in range(5)]
+    locs = tuple(PackLoc(p, 10 * i, 10) for i in range(5))
+    fake = _FakePacks()
+    reads = chunking.chunk_reads(cast(Tier, fake), keys, locs)
+    assert chunking.gather_reads((read() for read in reads), len(keys)) == keys
+    assert fake.reads == [("run", (p, [0, 10])), ("run", (p, [20, 30])), ("run", (p, [40]))]

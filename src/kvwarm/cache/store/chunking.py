@@ -682,6 +682,13 @@ def load_chunks(
     return _load_shared(tier, keys, into, helper, helpers)
 
 
+#: The most bytes one ranged GET of a pack reads: a longer run of adjacent chunks is cut at a
+#: chunk boundary into GETs issued together. One connection's throughput bounds a single GET
+#: (AWS advises ranged GETs of 8-16 MB to read a large object at several connections' speed),
+#: so a 45 MiB row reads as three GETs at once, not one; a 1,000-token Gemma 3 270M row
+#: (10.4 MiB) is still one. Not measured against real S3 here (moto and redis only).
+MAX_RUN_BYTES = 16 << 20
+
 #: One read of a remote row's chunks: (index among the row's chunks, verified payload) of
 #: each chunk it fetched.
 ChunkRead = Callable[[], list[tuple[int, memoryview]]]
@@ -692,7 +699,8 @@ def chunk_reads(
 ) -> list[ChunkRead]:
     """The reads that fetch the chunks ``refs`` of a row of a remote tier, to be issued
     together: one GET per chunk stored as its own object, one ranged GET per run of chunks
-    adjacent in a pack (``locs``: the row's ``StoredRow.locs``). Each read verifies every
+    adjacent in a pack (``locs``: the row's ``StoredRow.locs``), a run cut where it would
+    pass ``MAX_RUN_BYTES``. Each read verifies every
     chunk it fetched exactly as ``Tier.load_chunk`` does, and raises as it does."""
     packs = tier if locs and isinstance(tier, PacksChunks) else None
     reads: list[ChunkRead] = []
@@ -708,7 +716,8 @@ def chunk_reads(
         pieces.sort(key=lambda piece: piece[2].offset)
         run = [pieces[0]]
         for piece in pieces[1:]:
-            if piece[2].offset != run[-1][2].end:
+            loc = piece[2]
+            if loc.offset != run[-1][2].end or loc.end - run[0][2].offset > MAX_RUN_BYTES:
                 reads.append(functools.partial(_read_run, packs, pack, run))
                 run = []
             run.append(piece)
