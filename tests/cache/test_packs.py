@@ -427,3 +427,32 @@ def test_a_long_run_is_cut_into_gets_of_at_most_max_run_bytes(
     reads = chunking.chunk_reads(cast(Tier, fake), keys, locs)
     assert chunking.gather_reads((read() for read in reads), len(keys)) == keys
     assert fake.reads == [("run", (p, [0, 10])), ("run", (p, [20, 30])), ("run", (p, [40]))]
+
+
+def test_a_save_replaces_a_manifest_whose_pack_is_gone(
+    packed: TierConfig, store: ObjectTier
+) -> None:
+    """A manifest naming a pack that is gone is a miss for everyone: a replica cutting the
+    row otherwise (another ``chunk_tokens``: none of its chunks) saves the key again, and its
+    manifest replaces the broken one instead of adopting it (``_Staged.existing`` asks
+    after the pack, once). While the pack is there, the row there is adopted."""
+    other = _config(packed, chunk_tokens=C // 2)
+    with Cache(other, background=False) as early, Cache(_config(packed), background=False) as a:
+        assert a.save(chunked_request(NS, R1, tier=packed.name), sync=True)
+        assert early.save(chunked_request(NS, R1, tier=packed.name), sync=True)  # in the way
+        assert len(_stored(early, R1, packed.name).chunks) == len(R1) // C  # adopted
+        assert _restores(early, R1)
+    [pack] = [
+        p
+        for p, _, _ in store.pack_ages()
+        if p in {loc.pack for loc in _stored(a, R1, packed.name).locs if loc is not None}
+    ]
+    store.delete_pack(pack)
+    with Cache(other, background=False) as b:
+        if b.rows():  # adopted at start: its read misses, and it is forgotten
+            with pytest.raises(CacheKeyError), b.open_row(cache_key(NS, R1)):
+                pass
+        assert b.save(chunked_request(NS, R1, tier=packed.name), sync=True)
+    with Cache(_config(packed), background=False) as reader:
+        assert _restores(reader, R1)
+        assert len(_stored(reader, R1, packed.name).chunks) == len(R1) // (C // 2)
