@@ -456,3 +456,22 @@ def test_a_save_replaces_a_manifest_whose_pack_is_gone(
     with Cache(_config(packed), background=False) as reader:
         assert _restores(reader, R1)
         assert len(_stored(reader, R1, packed.name).chunks) == len(R1) // (C // 2)
+
+
+def test_a_tier_without_packs_reads_no_places_from_a_manifest(tmp_path: Path) -> None:
+    """A manifest copied into a directory tier with its pack places (by hand, or a bug):
+    the tier reads it as a manifest over chunk files, as a kvwarm before packs would, and
+    learns no place from it."""
+    disk = TierConfig("disk", 1 << 30, root=tmp_path / "kvc")
+    with Cache(_config(disk), background=False) as w:
+        assert w.save(chunked_request(NS, R1, tier="disk"), sync=True)
+    name = row_name(cache_key(NS, R1))
+    manifest = tmp_path / "kvc" / name
+    fields = kvc.parse(manifest.read_bytes()).meta.fields
+    places = tuple(PackLoc(b"\x09" * 32, 100 * i, 100) for i in range(4))
+    body = kvc.build_prefix(replace(fields, chunk_locs=places), b"")
+    manifest.write_bytes(body)
+    assert kvc.parse(body).meta.fields.chunk_locs == places
+    with Cache(_config(disk), background=False) as cache:
+        assert _stored(cache, R1, "disk").locs == ()
+        assert _restores(cache, R1)

@@ -537,7 +537,9 @@ class ObjectTier:
             fields.chunks,
             fields.chunk_lens,
             fields.rest_chunks,
-            fields.chunk_locs,
+            # A tier without packs (a directory) reads none, as a kvwarm before packs would:
+            # its chunks are files of their own, whatever a manifest there says.
+            fields.chunk_locs if self.capabilities.packs else (),
         )
 
     def delete(self, key: bytes) -> None:
