@@ -33,9 +33,6 @@ R1 = tuple(range(64))
 R2 = tuple(range(48)) + (999,) * 16  # shares R1's first three chunks
 LATER = 7200.0  # seconds after now: every chunk written so far is past the grace period
 
-# Chunks as their own objects (an older kvwarm's rows); packs: test_packs.py.
-pytestmark = pytest.mark.usefixtures("chunk_objects")
-
 
 @pytest.fixture(params=["shared_dir", "s3", "redis"])
 def remote(request: pytest.FixtureRequest, tmp_path: Path) -> TierConfig:
@@ -102,6 +99,7 @@ def _restores(cache: Cache, tokens: tuple[int, ...]) -> bool:
         return join(row.chunks) == blob(tokens)
 
 
+@pytest.mark.usefixtures("chunk_objects")  # chunk objects of their own; packs: test_packs.py
 def test_a_chunk_another_replica_swept_is_written_again_not_named(
     remote: TierConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -133,6 +131,7 @@ def _orphan_r1(tier: TierConfig) -> None:
     backdate_chunks(tier, LATER)
 
 
+@pytest.mark.usefixtures("chunk_objects")  # chunk objects of their own; packs: test_packs.py
 def test_a_sweep_keeps_an_old_chunk_a_save_reuses_meanwhile(remote: TierConfig) -> None:
     """The sweep listed R1's orphaned chunks as old and unreferenced and checked every
     manifest; then another replica saves R1, finds its chunks already there (kept, not
@@ -179,6 +178,7 @@ def test_a_chunk_swept_while_a_slow_save_uploads_the_next_is_written_again(
             assert _restores(reader, R1)
 
 
+@pytest.mark.usefixtures("chunk_objects")  # chunk objects of their own; packs: test_packs.py
 def test_a_save_replaces_a_manifest_naming_a_gone_chunk(remote: TierConfig) -> None:
     """A manifest whose chunk vanished (swept, evicted) is a miss for everyone. A replica
     cutting the row differently (another ``chunk_tokens``) saves the key again: its manifest
@@ -271,6 +271,7 @@ def test_replicas_in_processes_publishing_the_same_rows_at_once(
             assert _restores(reader, tokens)
 
 
+@pytest.mark.usefixtures("chunk_objects")  # chunk objects of their own; packs: test_packs.py
 def test_adopting_a_row_cut_alike_asks_after_no_chunk(
     remote: TierConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
