@@ -122,8 +122,13 @@ def child(args: argparse.Namespace) -> None:
             ns, tuple(tokens), blob, SaveReason.CONTINUED, cache.tier_names()[0],
             split=codec.split, rest=codec.rest, **extra,
         )  # fmt: skip
+        store = getattr(cache._tiers[cache.tier_names()[0]], "_store", None)
+        requests = _count_requests(store) if name in ("s3", "s3+rtt", "redis") else None
         key = cache.save(req, sync=True)
         assert key is not None, f"{name}: the save failed"
+        puts = dict(requests) if requests is not None else {}
+        if requests is not None:
+            requests.clear()
         walls: list[float] = []
         cpus: list[float] = []
         store0 = _store_cpu(args.s3_pid) if name.startswith("s3") else None
@@ -146,7 +151,15 @@ def child(args: argparse.Namespace) -> None:
             cpus.append(time.process_time() - c0)
             assert restored == len(tokens), f"{name}: restored {restored} of {len(tokens)}"
         store1 = _store_cpu(args.s3_pid) if store0 is not None else None
+        gets = (
+            None
+            if requests is None
+            else (requests.get("get", 0) + requests.get("get_range", 0)) / args.reps
+        )
         out[name] = {
+            # requests to the store: PUTs of the save, GETs (whole and ranged) a restore
+            "puts": puts.get("put_if_absent"),
+            "gets": gets,
             "ms": statistics.median(walls) * 1e3,
             "cpu_ms": statistics.median(cpus) * 1e3,
             "chunks": pieces,
@@ -161,6 +174,20 @@ def child(args: argparse.Namespace) -> None:
     ctx.close()
     model.close()
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def _count_requests(store: Any) -> dict[str, int]:
+    """Count the calls of ``store``'s (an ``ObjectStore``'s) puts and GETs, by name."""
+    counts: dict[str, int] = {}
+    for method in ("put_if_absent", "get", "get_range"):
+        real = getattr(store, method)
+
+        def counted(*a: Any, _real: Any = real, _name: str = method, **k: Any) -> Any:
+            counts[_name] = counts.get(_name, 0) + 1
+            return _real(*a, **k)
+
+        setattr(store, method, counted)
+    return counts
 
 
 def _store_cpu(pid: int) -> float | None:
@@ -277,6 +304,12 @@ def main() -> None:
             f"  {t:8s} base {b:6.2f} (cpu {bc:5.2f}, {base[t]['chunks']:2d} pieces)   "
             f"this {n:6.2f} (cpu {nc:5.2f}, {this[t]['chunks']:2d} pieces)   {n / b:.2f}x"
         )
+        if base[t].get("gets") is not None:
+            print(
+                f"  {t:8s} requests: a save's PUTs base {base[t]['puts']}, this "
+                f"{this[t]['puts']}; a restore's GETs base {base[t]['gets']:.1f}, this "
+                f"{this[t]['gets']:.1f}"
+            )
     print("command: " + shlex.join([sys.executable, *sys.argv]))
 
 

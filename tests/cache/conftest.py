@@ -47,3 +47,19 @@ def make_cache(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cache
     yield build
     for c in made:
         c.close()
+
+
+@pytest.fixture
+def chunk_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiers with packs (s3, redis) write each chunk as its own object, as kvwarm did before
+    packs: the rows an older kvwarm left in a shared store (``tests/cache/test_packs.py``
+    tests packs themselves). Only this process: a child process writes packs."""
+    from dataclasses import replace
+
+    from kvwarm.cache.protocols import TierCapabilities
+    from kvwarm.cache.tiers.objects import ObjectTier
+
+    def unpacked(self: ObjectTier) -> TierCapabilities:
+        return replace(self._capabilities, packs=False)
+
+    monkeypatch.setattr(ObjectTier, "capabilities", property(unpacked))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvwarm.cache.formats import kvc
 from kvwarm.cache.formats.key import cache_key
-from kvwarm.cache.types import FingerprintMode, Namespace, SaveReason, TtlClass
+from kvwarm.cache.types import FingerprintMode, Namespace, PackLoc, SaveReason, TtlClass
 from kvwarm.errors import CacheFormatError
 
 NS = Namespace(fingerprint=b"\x11" * 32, quant=2, ctx_hash=b"\x22" * 32)
@@ -189,9 +189,12 @@ def _records(buf: bytes) -> list[tuple[int, bytes]]:
     return out
 
 
-def _with_records(records: list[tuple[int, bytes]], payload: bytes = PAYLOAD) -> bytearray:
-    """A file whose TLV section is exactly ``records`` (lengths and CRCs made consistent)."""
-    good = _file()
+def _with_records(
+    records: list[tuple[int, bytes]], payload: bytes = PAYLOAD, good: bytes | None = None
+) -> bytearray:
+    """A file whose TLV section is exactly ``records`` (lengths and CRCs made consistent),
+    its header ``good``'s (default ``_file()``'s, whose payload is ``PAYLOAD``)."""
+    good = _file() if good is None else good
     t = _tlv_start(good)
     tlv = b"".join(struct.pack("<BI", tag, len(v)) + v for tag, v in records)
     buf = bytearray(good[: t - 4]) + struct.pack("<I", len(tlv)) + tlv
@@ -337,3 +340,81 @@ def test_software_crc_fallback_is_announced(mode: str, warns: bool) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
     assert ("hardware acceleration unavailable" in proc.stderr) == warns
+
+
+# --- pack locations (TAG_PACKS): a manifest of a tier with packs.
+
+_KEYS = tuple(bytes([i]) * 32 for i in range(1, 5))
+_P, _Q = b"\xaa" * 32, b"\xbb" * 32
+_LOCS = (PackLoc(_P, 0, 900), PackLoc(_P, 900, 700), None, PackLoc(_Q, 5, 80))
+PACKED = replace(
+    FIELDS, chunk_lens=(1, 1, 1, 1), chunks=_KEYS, chunk_locs=_LOCS, canonical_tokens=None
+)
+
+
+def test_pack_locations_round_trip() -> None:
+    f = kvc.parse(_file(PACKED, b""), expected_key=KEY).meta.fields
+    assert f == PACKED and f.chunk_locs == _LOCS
+
+
+def test_a_reader_without_the_pack_tag_reads_the_same_chunks_with_no_places(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An older kvwarm skips the tag (unknown tags are a newer writer's business): the same
+    chunks, looked for as objects of their own -- a miss where they are not, never other
+    bytes (a chunk verifies against its key)."""
+    monkeypatch.setattr(kvc, "_KNOWN", kvc._KNOWN - {kvc.TAG_PACKS})
+    f = kvc.parse(_file(PACKED, b""), expected_key=KEY).meta.fields
+    assert f == replace(PACKED, chunk_locs=())
+
+
+def _packs_value(n_packs: int, ids: bytes, entries: list[tuple[int, int, int]]) -> bytes:
+    return struct.pack("<I", n_packs) + ids + b"".join(struct.pack("<IIQ", *e) for e in entries)
+
+
+_OWN = 0xFFFF_FFFF
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"",  # too short
+        _packs_value(1, _P, [(0, 9, 0)] * 3),  # one entry short
+        _packs_value(1, _P, [(0, 9, 0)] * 5),  # one entry too many
+        _packs_value(1, _P, [(1, 9, 0)] * 4),  # a pack index out of range
+        _packs_value(1, _P, [(0, 0, 0)] * 4),  # an empty chunk
+        _packs_value(1, _P, [(_OWN, 9, 0)] * 4),  # its own object, with a length
+        _packs_value(2, _P + _Q, [(0, 9, 0)] * 4),  # a pack no chunk lies in
+        _packs_value(2, _P + _P, [(0, 9, 0), (1, 9, 9), (0, 9, 18), (1, 9, 27)]),  # twice
+        _packs_value(0, b"", [(_OWN, 0, 0)] * 4),  # none packed
+        _packs_value(1, _P, [(0, 9, 1 << 62)] * 4),  # an offset out of range
+    ],
+)
+def test_bad_pack_locations_rejected(value: bytes) -> None:
+    with pytest.raises(CacheFormatError, match="pack"):
+        kvc.parse(_packed_with(value), expected_key=KEY)
+
+
+def _packed_with(value: bytes) -> bytearray:
+    """``PACKED``'s file with ``value`` as its ``TAG_PACKS``."""
+    base = _file(PACKED, b"")
+    recs = [(t, v) for t, v in _records(base) if t != kvc.TAG_PACKS]
+    return _with_records([*recs, (kvc.TAG_PACKS, value)], payload=b"", good=base)
+
+
+def test_pack_locations_rebuilt_by_hand_parse() -> None:
+    """The control of ``test_bad_pack_locations_rejected``: the same construction, valid."""
+    value = _packs_value(2, _P + _Q, [(0, 900, 0), (0, 700, 900), (_OWN, 0, 0), (1, 80, 5)])
+    assert kvc.parse(_packed_with(value), expected_key=KEY).meta.fields.chunk_locs == _LOCS
+
+
+def test_pack_locations_name_each_chunk_and_only_in_a_manifest() -> None:
+    with pytest.raises(ValueError):
+        _file(replace(PACKED, chunk_locs=_LOCS[:3]), b"")
+    assert kvc.parse(_file(replace(PACKED, chunk_locs=(None,) * 4), b"")).meta.fields == (
+        replace(PACKED, chunk_locs=())  # nothing packed: no tag
+    )
+    blob_row = _records(_file())
+    value = _packs_value(1, _P, [(0, 9, 0)])
+    with pytest.raises(CacheFormatError, match="names no chunk"):
+        kvc.parse(_with_records([*blob_row, (kvc.TAG_PACKS, value)]), expected_key=KEY)

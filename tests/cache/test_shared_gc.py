@@ -79,6 +79,7 @@ def test_evicting_a_row_leaves_chunks_another_process_row_names(shared: TierConf
         assert _restores(b, R2)  # B's row names chunks A's evicted row named
 
 
+@pytest.mark.usefixtures("chunk_objects")  # a chunk of its own object deleted; packs: test_packs
 def test_a_failed_read_only_forgets_the_row(remote: TierConfig) -> None:
     shared = remote
     cfg = _config(shared)
@@ -116,6 +117,7 @@ def _orphan_r1(shared: TierConfig) -> tuple[bytes, ...]:
     return stored.chunks
 
 
+@pytest.mark.usefixtures("chunk_objects")  # chunks of their own objects; packs: test_packs
 def test_gc_shared_sweeps_only_unreferenced_old_chunks(shared: TierConfig) -> None:
     r1_chunks = _orphan_r1(shared)
     store = _store(shared)
@@ -132,6 +134,7 @@ def test_gc_shared_sweeps_only_unreferenced_old_chunks(shared: TierConfig) -> No
     store.close()
 
 
+@pytest.mark.usefixtures("chunk_objects")  # chunks of their own objects; packs: test_packs
 def test_gc_shared_keeps_chunks_of_a_manifest_published_during_the_sweep(
     shared: TierConfig,
 ) -> None:

@@ -45,17 +45,18 @@ def remote(request: pytest.FixtureRequest, tmp_path: Path) -> TierConfig:
     return TierConfig("disk", 1 << 30, tmp_path / "nfs", shared=True)
 
 
-def _backdate_chunks(tier: TierConfig, seconds: float) -> None:
-    """Every chunk in the store last modified ``seconds`` earlier, as if written long ago."""
+def backdate_chunks(tier: TierConfig, seconds: float, where: str = CHUNK_DIR) -> None:
+    """Every chunk (``where``: or pack) in the store last modified ``seconds`` earlier, as if
+    written long ago."""
     store = build_tier(tier, TierOptions())
     try:
         assert isinstance(store, ObjectTier)
         objects = store.objects
-        names = objects.names(CHUNK_DIR)
+        names = objects.names(where)
         assert names
         if isinstance(objects, FileStore):
             for name in names:
-                path = objects.root / name[len(CHUNK_DIR) :]
+                path = objects.root / name[len(where) :]
                 then = path.stat().st_mtime - seconds
                 os.utime(path, (then, then))
         elif isinstance(objects, RedisStore):
@@ -73,7 +74,7 @@ def _backdate_chunks(tier: TierConfig, seconds: float) -> None:
                 for partition in list(s3_backends[account].keys()):
                     found = s3_backends[account][partition].buckets.get(bucket)
                     for obj in [] if found is None else list(found.keys.values()):
-                        if CHUNK_DIR in obj.name:
+                        if where in obj.name:
                             obj.last_modified -= datetime.timedelta(seconds=seconds)
     finally:
         store.close()
@@ -98,6 +99,7 @@ def _restores(cache: Cache, tokens: tuple[int, ...]) -> bool:
         return join(row.chunks) == blob(tokens)
 
 
+@pytest.mark.usefixtures("chunk_objects")  # chunk objects of their own; packs: test_packs.py
 def test_a_chunk_another_replica_swept_is_written_again_not_named(
     remote: TierConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -126,9 +128,10 @@ def _orphan_r1(tier: TierConfig) -> None:
     with Cache(_config(tier), background=False) as w:
         assert w.save(chunked_request(NS, R1, tier=tier.name), sync=True)
         assert w.evict_bytes(1 << 40, [tier.name]).rows == 1
-    _backdate_chunks(tier, LATER)
+    backdate_chunks(tier, LATER)
 
 
+@pytest.mark.usefixtures("chunk_objects")  # chunk objects of their own; packs: test_packs.py
 def test_a_sweep_keeps_an_old_chunk_a_save_reuses_meanwhile(remote: TierConfig) -> None:
     """The sweep listed R1's orphaned chunks as old and unreferenced and checked every
     manifest; then another replica saves R1, finds its chunks already there (kept, not
@@ -175,6 +178,7 @@ def test_a_chunk_swept_while_a_slow_save_uploads_the_next_is_written_again(
             assert _restores(reader, R1)
 
 
+@pytest.mark.usefixtures("chunk_objects")  # chunk objects of their own; packs: test_packs.py
 def test_a_save_replaces_a_manifest_naming_a_gone_chunk(remote: TierConfig) -> None:
     """A manifest whose chunk vanished (swept, evicted) is a miss for everyone. A replica
     cutting the row differently (another ``chunk_tokens``) saves the key again: its manifest
@@ -267,6 +271,7 @@ def test_replicas_in_processes_publishing_the_same_rows_at_once(
             assert _restores(reader, tokens)
 
 
+@pytest.mark.usefixtures("chunk_objects")  # chunk objects of their own; packs: test_packs.py
 def test_adopting_a_row_cut_alike_asks_after_no_chunk(
     remote: TierConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

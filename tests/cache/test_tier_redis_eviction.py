@@ -24,6 +24,9 @@ from kvwarm.errors import CacheKeyError
 
 C = 16
 
+# Chunks as their own objects (an older kvwarm's rows); packs: test_packs.py.
+pytestmark = pytest.mark.usefixtures("chunk_objects")
+
 
 @pytest.fixture
 def own_redis() -> Iterator[RedisServer]:

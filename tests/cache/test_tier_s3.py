@@ -22,6 +22,7 @@ from kvwarm.cache.formats.kvc import parse
 from kvwarm.cache.protocols import RowBytes, StoredRow
 from kvwarm.cache.tiers.s3 import S3Tier
 from kvwarm.cache.tiers.s3client import S3Client
+from kvwarm.cache.types import PackLoc
 from kvwarm.errors import CacheFormatError, CacheNetworkError
 
 
@@ -328,6 +329,10 @@ class _ManifestAfterChunks(S3Tier):
         self.chunk_started.set()
         return super().load_chunk(key, buffer)
 
+    def load_packed(self, pack: bytes, pieces: list[tuple[bytes, PackLoc]]) -> list[memoryview]:
+        self.chunk_started.set()
+        return super().load_packed(pack, pieces)
+
 
 def test_a_remote_rows_chunk_reads_start_before_its_manifest_is_read(
     moto_server: MotoServer,
@@ -379,7 +384,7 @@ def test_a_conflicting_conditional_put_is_a_lost_race_not_a_failed_save(
     tokens = tuple(range(64))
     with Cache(cfg, tiers=[tier], background=False) as cache:
         key = cache.save(chunked_request(NS, tokens, tier="s3"), sync=True)
-        assert key is not None and len(client.conflicted) == 5  # 4 chunks, the manifest
+        assert key is not None and len(client.conflicted) == 2  # the pack of 4 chunks, the manifest
         with cache.open_row(key) as row:
             assert join(row.chunks) == blob(tokens)
 
@@ -395,6 +400,7 @@ class _NoSelfCopy(FaultyClient):
         raise ClientError({"Error": error, "ResponseMetadata": meta}, "CopyObject")
 
 
+@pytest.mark.usefixtures("chunk_objects")  # a chunk object of its own is touched (packs too)
 def test_a_store_refusing_a_copy_onto_itself_still_takes_saves_reusing_chunks(
     moto_server: MotoServer,
 ) -> None:

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,11 @@ from tests.cache.chunkkit import blob, join
 from tests.cache.tierkit import NS
 from tests.faults.test_kill9 import CHILD, child_env
 from tests.faults.writer_child import chunked_rows
+from tests.rediskit import RedisServer
 
 from kvwarm.cache import Cache, CacheConfig, TierConfig
 from kvwarm.cache.formats.key import cache_key
+from kvwarm.cache.protocols import PacksChunks
 from kvwarm.cache.tiers.files import PUBLISH_STEPS
 from kvwarm.cache.tiers.publish import CHUNK_STEPS
 
@@ -97,3 +100,52 @@ def test_orphans_go_before_rows(tmp_path: Path, step: str) -> None:
             for tokens in rows[:N_ACKED]:
                 with cache.open_row(cache_key(NS, tokens)) as row:
                     assert join(row.chunks) == blob(tokens)
+
+
+#: The steps of a save into a tier with packs (redis): its pack put, the manifest checked
+#: (not yet put), then put (``marked_linked``) and published.
+PACK_STEPS = ("pack_linked", "checked", "marked_linked", "published")
+
+
+@pytest.mark.parametrize("step", PACK_STEPS)
+def test_kill9_between_a_pack_and_its_manifest(redis_server: RedisServer, step: str) -> None:
+    """A save into a tier with packs killed after its pack is put and before its manifest
+    (or after it): every acknowledged row restores byte-exactly; the victim is absent, its
+    pack an orphan no manifest names (the sweep's), or it is whole."""
+    url = redis_server.url()
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), "packed", url, step, str(N_ACKED)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    lines = proc.stdout.split("\n")
+    assert "SURVIVED" not in lines
+    rows = chunked_rows(N_ACKED)
+    acked = [bytes.fromhex(ln.split()[1]) for ln in lines if ln.startswith("ACK ")]
+    assert acked == [cache_key(NS, t) for t in rows[:N_ACKED]]
+    victim = cache_key(NS, rows[N_ACKED])
+    cfg = CacheConfig(tiers=(TierConfig("shared", 1 << 30, url=url),), chunk_tokens=256)
+    with Cache(cfg, background=False) as cache:  # the restart: another process
+        packs = cache._tiers["shared"]
+        assert isinstance(packs, PacksChunks)
+        # One pack per save, the victim's put before any of these steps.
+        assert len(list(packs.pack_ages())) == N_ACKED + 1
+        for key, tokens in zip(acked, rows, strict=False):
+            with cache.open_row(key) as row:
+                assert join(row.chunks) == blob(tokens)
+        linked = step in ("marked_linked", "published")
+        assert (cache.lookup_exact(victim) is not None) == linked
+        if linked:
+            with cache.open_row(victim) as row:
+                assert join(row.chunks) == blob(rows[N_ACKED])
+            return
+        # The victim's pack is an orphan: no manifest names it, the sweep takes it once old.
+        [swept] = cache.gc_shared(grace_s=3600.0, now=time.time() + 7200.0)
+        assert (swept.packs, swept.packs_deleted) == (N_ACKED + 1, 1)
+        for key, tokens in zip(acked, rows, strict=False):
+            with cache.open_row(key) as row:
+                assert join(row.chunks) == blob(tokens)

@@ -6,6 +6,8 @@ writer_child.py race  ROOT TIER ID          store the race row; pause at "checke
 writer_child.py enospc ROOT                 on a tiny tmpfs: a fitting row, then one too big
 writer_child.py chunked ROOT TIER STEP N    through a Cache: save N chunked rows (ACK each),
                                       then SIGKILL self at STEP of the victim's save
+writer_child.py packed URL STEP N          as chunked, into a redis tier (``URL``) with packs:
+                                      each save's new chunks in one pack object
 writer_child.py windowed ROOT STEP K        through a Cache: save two checkpoints of a window
                                       model (ACK each), then SIGKILL self at the K-th STEP of
                                       a third one's save (its window in chunks)
@@ -135,6 +137,36 @@ def chunked_mode(root: str, tier: str, step: str, n: int) -> None:
         say("SURVIVED")
 
 
+def packed_mode(url: str, step: str, n: int) -> None:
+    from tests.cache.chunkkit import chunked_request
+    from tests.cache.tierkit import NS
+
+    from kvwarm.cache import Cache, CacheConfig, TierConfig
+    from kvwarm.cache.tiers.objects import ObjectTier
+    from kvwarm.cache.tiers.redis import RedisStore
+
+    armed = False
+
+    def hook(s: str) -> None:
+        if armed and s == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    tier = ObjectTier(RedisStore(url), 1 << 30, name="shared", on_step=hook)
+    assert tier.capabilities.packs
+    cfg = CacheConfig(tiers=(TierConfig("shared", 1 << 30, url=url),), chunk_tokens=256)
+    rows = chunked_rows(n)
+    with Cache(cfg, tiers=[tier], background=False) as cache:
+        for tokens in rows[:n]:
+            key = cache.save(chunked_request(NS, tokens, tier="shared"), sync=True)
+            assert key is not None
+            say(f"ACK {key.hex()}")
+        armed = True
+        victim = chunked_request(NS, rows[n], tier="shared")
+        say(f"VICTIM {cache.key_for(NS, victim.tokens).hex()}")
+        cache.save(victim, sync=True)
+        say("SURVIVED")
+
+
 #: The windowed kill test's checkpoints of one conversation: two acknowledged, then the victim,
 #: whose save writes one first-cache chunk and three window chunks (then its manifest).
 WINDOWED = (600, 700, 900)
@@ -179,6 +211,8 @@ if __name__ == "__main__":
         race_mode(args[0], args[1], int(args[2]))
     elif mode == "chunked":
         chunked_mode(args[0], args[1], args[2], int(args[3]))
+    elif mode == "packed":
+        packed_mode(args[0], args[1], int(args[2]))
     elif mode == "windowed":
         windowed_mode(args[0], args[1], int(args[2]))
     elif mode == "enospc":

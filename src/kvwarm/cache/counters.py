@@ -20,8 +20,9 @@ Names in the snapshot:
   ``saves_<reason>`` (one per ``SaveReason``), ``saves_dropped``, ``save_failures``,
   ``evictions``, ``evicted_bytes``, ``hits_shared``, ``probes``, ``probe_rounds``,
   ``promotions``, ``promotions_dropped``, ``store_errors``, ``chunks_written``,
-  ``chunk_bytes_written``, ``chunks_reused``, ``shared_rows_forgotten``, ``shared_chunks_swept``,
-  ``retention_drops``, ``retention_bytes``, plus anything else ``incr`` was asked to count;
+  ``chunk_bytes_written``, ``chunks_reused``, ``packs_written``, ``shared_rows_forgotten``,
+  ``shared_chunks_swept``, ``shared_packs_swept``, ``retention_drops``, ``retention_bytes``,
+  plus anything else ``incr`` was asked to count;
 - latencies: ``latency_<name>_count`` and ``latency_<name>_seconds`` for ``pack``, ``unpack``,
   ``restore`` (a row read and unpacked), ``load``, ``lookup``, ``save`` and any other name
   recorded;
@@ -88,9 +89,13 @@ BASE_COUNTERS: tuple[str, ...] = (
     "chunks_written",
     "chunk_bytes_written",
     "chunks_reused",
-    # shared tiers: rows forgotten (not deleted) after a failed read, chunks gc_shared deleted
+    # packs written (a tier with packs: a save's new chunks in one object)
+    "packs_written",
+    # shared tiers: rows forgotten (not deleted) after a failed read, chunks and packs
+    # gc_shared deleted
     "shared_rows_forgotten",
     "shared_chunks_swept",
+    "shared_packs_swept",
     # recurrent and hybrid states a conversation no longer needs, retired when a newer one
     # of it was saved (``CacheConfig.state_history``), and their bytes
     "retention_drops",

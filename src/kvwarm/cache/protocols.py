@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvwarm.cache.formats.kvc import KvcFields
-from kvwarm.cache.types import RestChunks, RowInfo, SaveRequest, TierName
+from kvwarm.cache.types import PackLoc, RestChunks, RowInfo, SaveRequest, TierName
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,10 @@ class TierCapabilities:
     shared: bool  # other processes publish into it: probe on a miss, rescan, adopt orphans
     local: bool  # bytes live on this machine (ram, /dev/shm, local disk); s3 does not, and a
     # hit in a tier that is not local is promoted (copied) to a local one
+    packs: bool = False  # a save writes the chunks it lacks as one pack object, a restore
+    # reads them in ranged GETs (``PacksChunks``): a tier that is neither local nor a
+    # directory (s3, redis), where every object costs a request and this process never
+    # deletes a chunk itself (``CacheCore.retire`` only forgets them; ``sharedgc`` sweeps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,8 @@ class StoredRow:
     chunk_lens: tuple[int, ...] = ()
     # A manifest's rest in chunks of the same tier (an iSWA window), or None.
     rest: RestChunks | None = None
+    # Where each of ``chunk_refs`` lies in a pack (None: its own object); () if none does.
+    locs: tuple[PackLoc | None, ...] = ()
 
     @property
     def chunk_refs(self) -> tuple[bytes, ...]:
@@ -240,6 +246,43 @@ class SetsAside(Protocol):
 
     def quarantined(self) -> tuple[int, int]:
         """(row files, chunk files) set aside so far."""
+        ...
+
+
+@runtime_checkable
+class PacksChunks(Protocol):
+    """A tier with ``TierCapabilities.packs``: a save's new chunks go into one *pack* object
+    (``packs/<hex id>.kvp``, the chunk objects one after another), a restore reads each run of
+    adjacent chunks with one ranged read; the sweep lists, ages and deletes packs as it does
+    chunks (``cache/upkeep/sharedgc.py``)."""
+
+    def store_pack(self, pack: bytes, parts: list[bytes]) -> int:
+        """Put pack ``pack`` (the concatenation of ``parts``) once, visible whole or not at
+        all; one already there (the same id: the same chunk heads, so the same offsets) is
+        kept and touched, unless a read found it bad (then replaced). Returns its bytes;
+        ``CacheIOError`` if storage failed."""
+        ...
+
+    def load_packed(self, pack: bytes, pieces: list[tuple[bytes, PackLoc]]) -> list[memoryview]:
+        """The verified payloads of ``pieces`` (chunk key, location), adjacent in ``pack``
+        and in offset order, read with one ranged read. ``CacheKeyError`` if the pack is
+        gone, ``ChunkFormatError`` naming the first chunk whose bytes are bad."""
+        ...
+
+    def touch_pack(self, pack: bytes) -> bool:
+        """Refresh the pack's last-modified time; False if it is gone."""
+        ...
+
+    def pack_ages(self) -> Iterator[tuple[bytes, int, float]]:
+        """(id, stored bytes, last-modified epoch seconds) of every pack, listed."""
+        ...
+
+    def pack_age(self, pack: bytes) -> float | None:
+        """The pack's last-modified time now; None if it is gone."""
+        ...
+
+    def delete_pack(self, pack: bytes) -> None:
+        """Remove the pack; missing is fine."""
         ...
 
 

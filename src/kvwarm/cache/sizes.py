@@ -6,8 +6,10 @@ Two measures (docs/internals.md, "Refcounts and eviction"):
 - *physical* (``bytes``): what a tier stores, each chunk once: its rows' own files or objects
   (manifests, whole-blob rows) plus its chunks, orphans included. For a file tier, the sum of
   the apparent sizes of its ``.kvc`` and ``.kvk`` files (``du --apparent-size``, less temp
-  files and the quarantine). From the counters ``tier_<name>_bytes``, as ``/metrics`` reports
-  them (``kvwarm_cache_tier_bytes{tier}``).
+  files and the quarantine). In a tier with packs (s3, redis) a chunk counts its bytes in its
+  pack, and the chunks of a pack no row this process indexes names are not counted (their
+  pack stays until the sweep takes it whole). From the counters ``tier_<name>_bytes``, as
+  ``/metrics`` reports them (``kvwarm_cache_tier_bytes{tier}``).
 - *logical* (``logical_bytes``): what the rows restore, each row counting every chunk it names.
   ``dedup_ratio`` = logical / physical.
 

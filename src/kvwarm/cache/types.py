@@ -282,6 +282,22 @@ class RestChunks:
 
 
 @dataclass(frozen=True, slots=True)
+class PackLoc:
+    """Where a chunk lies inside a *pack* (a tier with ``TierCapabilities.packs``): the
+    pack's id (``sha256`` of the heads of the chunks it was written with; its object is
+    ``packs/<hex id>.kvp``) and the chunk object's bytes ``[offset, offset + length)`` in
+    it, exactly what a ``chunks/<hex key>.kvk`` object would hold (``chunkfmt.parse``)."""
+
+    pack: bytes
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True, slots=True)
 class SaveRequest:
     """A row to write. ``payload`` is handed over: the caller must not mutate it afterwards."""
 
@@ -327,6 +343,10 @@ class SaveRequest:
     # With ``chunk_keys``: the manifest's rest in chunks (its ``payload`` is then empty), or
     # with ``split_rest`` too, a copied manifest's, stored under those keys.
     rest_chunks: RestChunks | None = None
+    # With ``chunk_keys``: where each chunk the manifest names (its first cache's, then its
+    # rest's) lies in a pack, None for one stored as its own object; () when none is packed.
+    # Set by the save for a tier with packs (``chunking.store_row``), never by a caller.
+    chunk_locs: tuple[PackLoc | None, ...] = ()
     # Instead of ``payload`` (then empty): the cache calls ``pack(start)`` on the saving
     # thread once it knows the first planned chunk its tier lacks, so the tokens a tier holds
     # are never copied out of the context again. Needs ``split``.
@@ -350,9 +370,10 @@ DEFAULT_GRACE_S = 3600.0
 
 @dataclass(frozen=True, slots=True)
 class SweepResult:
-    """One tier's sweep: chunks listed, manifests read, chunks deleted (and their bytes),
-    unreferenced chunks kept because they were younger than the grace period, and why the
-    tier was left alone ("" if it was not)."""
+    """One tier's sweep: chunks listed, manifests read, chunks deleted (and the bytes of
+    the chunks and packs deleted), unreferenced chunks and packs kept because they were
+    younger than the grace period, why the tier was left alone ("" if it was not), and
+    packs listed and deleted (a tier with packs)."""
 
     tier: TierName
     chunks: int = 0
@@ -361,3 +382,5 @@ class SweepResult:
     deleted_bytes: int = 0
     young: int = 0
     refused: str = ""
+    packs: int = 0
+    packs_deleted: int = 0

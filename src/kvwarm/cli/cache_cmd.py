@@ -343,7 +343,9 @@ def run_gc(args: argparse.Namespace) -> int:
         print(f"removed {result.rows} rows ({_size(result.bytes)})")
         for s in swept:
             print(
-                f"{s.tier}: {s.deleted} of {s.chunks} chunks swept ({_size(s.deleted_bytes)}), "
+                f"{s.tier}: {s.deleted} of {s.chunks} chunks"
+                + (f" and {s.packs_deleted} of {s.packs} packs" if s.packs else "")
+                + f" swept ({_size(s.deleted_bytes)}), "
                 f"{s.young} unreferenced but younger than the grace period, {s.manifests} rows"
                 + (f"; left alone: {s.refused}" if s.refused else "")
             )

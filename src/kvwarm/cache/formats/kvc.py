@@ -56,6 +56,7 @@ from kvwarm.cache.formats.key import encode_tokens, namespace_prefix
 from kvwarm.cache.types import (
     FingerprintMode,
     Namespace,
+    PackLoc,
     RestChunks,
     SaveReason,
     SaveRequest,
@@ -83,6 +84,12 @@ TAG_REST_SPAN = 0x0F  # kvwarm v4: u32 the rest's first position, u32 its first 
 TAG_REST_LENS = 0x10  # kvwarm v4: u32 token count of each of the rest's chunks
 TAG_REST_CHUNKS = 0x11  # kvwarm v4: the rest's chunk keys, 32 bytes each, in token order
 TAG_MEMORY = 0x12  # kvwarm: u8, the saving model's memory kind (``MEMORY_CODES``)
+#: kvwarm, optional, in a manifest of a tier with packs: where its chunks lie in packs
+#: (``pack_records``). A reader that does not know it skips it and looks for each chunk as
+#: its own object: not there (a miss), or there and verified under its key (a chunk is
+#: content-addressed: any object that verifies is its bytes). Never a wrong restore, so no
+#: version bump.
+TAG_PACKS = 0x13
 #: Memory kinds by their ``TAG_MEMORY`` byte (``kvwarm.memory``); a code this table does not
 #: know (a newer writer's kind) reads as "", as a row that does not say.
 MEMORY_CODES = {1: "full", 2: "swa", 3: "recurrent", 4: "hybrid"}
@@ -97,7 +104,7 @@ REQUIRED = (
 )
 _KNOWN = frozenset((*REQUIRED, TAG_HOSTNAME, TAG_VERSION, TAG_REASON_DETAIL, TAG_LOGITS,
                     TAG_TTL_CLASS, TAG_CANONICAL, TAG_CHUNK_LENS, TAG_CHUNKS, TAG_REST_SPAN,
-                    TAG_REST_LENS, TAG_REST_CHUNKS, TAG_MEMORY))  # fmt: skip
+                    TAG_REST_LENS, TAG_REST_CHUNKS, TAG_MEMORY, TAG_PACKS))  # fmt: skip
 _HEAD = struct.Struct("<BI")
 _U32 = struct.Struct("<I")
 U32_MAX = 0xFFFF_FFFF
@@ -290,6 +297,66 @@ def chunk_tags(
     return lens, chunks
 
 
+_PACK_ENTRY = struct.Struct("<IIQ")  # pack index (``U32_MAX``: its own object), length, offset
+_OWN = U32_MAX
+
+
+def pack_records(locs: tuple[PackLoc | None, ...], n_refs: int) -> list[bytes]:
+    """The ``TAG_PACKS`` record of a manifest naming ``n_refs`` chunks (none if no chunk is
+    packed): u32 pack count, their 32-byte ids, then per chunk (the first cache's, then the
+    rest's) u32 pack index (``U32_MAX``: stored as its own object), u32 length, u64 offset."""
+    if not any(loc is not None for loc in locs):
+        return []
+    if len(locs) != n_refs:
+        raise ValueError(f"{len(locs)} pack locations for {n_refs} chunks")
+    ids: dict[bytes, int] = {}
+    entries = []
+    for loc in locs:
+        if loc is None:
+            entries.append(_PACK_ENTRY.pack(_OWN, 0, 0))
+            continue
+        if len(loc.pack) != 32 or not 0 < loc.length <= U32_MAX or not 0 <= loc.offset < 1 << 62:
+            raise ValueError(f"bad pack location {loc}")
+        entries.append(_PACK_ENTRY.pack(ids.setdefault(loc.pack, len(ids)), loc.length, loc.offset))
+    value = _U32.pack(len(ids)) + b"".join(ids) + b"".join(entries)
+    return [record(TAG_PACKS, value)]
+
+
+def pack_tags(tags: dict[int, memoryview], n_refs: int) -> tuple[PackLoc | None, ...]:
+    """A manifest's pack locations, checked against the ``n_refs`` chunks it names; () when
+    it has none."""
+    v = tags.get(TAG_PACKS)
+    if v is None:
+        return ()
+    if not n_refs:
+        raise bad("pack locations in a row that names no chunk")
+    if v.nbytes < 4:
+        raise bad("pack locations too short")
+    (n_packs,) = _U32.unpack_from(v, 0)
+    if not 0 < n_packs <= n_refs or v.nbytes != 4 + 32 * n_packs + _PACK_ENTRY.size * n_refs:
+        raise bad("pack locations have the wrong size")
+    raw = bytes(v[4 : 4 + 32 * n_packs])
+    ids = [raw[i : i + 32] for i in range(0, len(raw), 32)]
+    if len(set(ids)) != n_packs:
+        raise bad("a pack listed twice")
+    used: set[int] = set()
+    locs: list[PackLoc | None] = []
+    for at in range(4 + 32 * n_packs, v.nbytes, _PACK_ENTRY.size):
+        index, length, offset = _PACK_ENTRY.unpack_from(v, at)
+        if index == _OWN:
+            if length or offset:
+                raise bad("a chunk of its own object with a pack location")
+            locs.append(None)
+            continue
+        if index >= n_packs or not length or offset >= 1 << 62:
+            raise bad("a pack location out of range")
+        used.add(index)
+        locs.append(PackLoc(ids[index], offset, length))
+    if len(used) != n_packs:
+        raise bad("a pack no chunk lies in")
+    return tuple(locs)
+
+
 # collections.abc.Buffer is 3.12+; these are the buffers the cache actually passes around.
 Buffer = bytes | bytearray | memoryview
 
@@ -371,6 +438,8 @@ class KvcFields:
     chunks: tuple[bytes, ...] = ()
     # A version-4 manifest's rest, in chunks (None: in the payload, or no rest).
     rest_chunks: RestChunks | None = None
+    # Where each chunk it names lies in a pack (``TAG_PACKS``; () if none does).
+    chunk_locs: tuple[PackLoc | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +479,7 @@ def fields_from_request(req: SaveRequest, *, now: float) -> KvcFields:
         chunk_lens=req.chunk_lens,
         chunks=req.chunk_keys,
         rest_chunks=req.rest_chunks,
+        chunk_locs=req.chunk_locs,
     )
 
 
@@ -451,6 +521,8 @@ def build_prefix(fields: KvcFields, payload: Buffer) -> bytes:
             raise ValueError("a rest in chunks needs chunks of its own, and no payload")
         rest.check(len(fields.tokens))
     records += chunk_records(fields.chunk_lens, fields.chunks, rest)
+    n_refs = len(fields.chunks) + (len(rest.keys) if rest is not None else 0)
+    records += pack_records(fields.chunk_locs, n_refs)
     section = b"".join(records)
     prompt = fields.prompt_text.encode("utf-8", "replace")
     body = _U32.pack(len(prompt)) + prompt + _U32.pack(len(section)) + section
@@ -596,6 +668,8 @@ def _parse_meta(
     ttl, logits, canonical = optional_fields(tags, count)
     chunk_lens, chunks = chunk_tags(tags, version, count, length)
     rest_chunks = rest_tags(tags, version, count, length)
+    n_refs = len(chunks) + (len(rest_chunks.keys) if rest_chunks is not None else 0)
+    chunk_locs = pack_tags(tags, n_refs)
     ns = Namespace(fingerprint=bytes(fp), quant=quant_v[0], ctx_hash=bytes(ctx))
     key_hash = hashlib.sha256(namespace_prefix(ns))
     key_hash.update(tok_v)
@@ -627,6 +701,7 @@ def _parse_meta(
         chunk_lens=chunk_lens,
         chunks=chunks,
         rest_chunks=rest_chunks,
+        chunk_locs=chunk_locs,
     )
     return KvcMeta(key, fields, offset, length, payload_crc)
 

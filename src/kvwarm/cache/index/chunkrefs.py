@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
-from kvwarm.cache.types import TierName
+from kvwarm.cache.types import PackLoc, TierName
 
 __all__ = ["ChunkRefs", "FreedChunk"]
 
@@ -35,6 +35,7 @@ class _Chunk:
     refs: int = 0
     pins: int = 0
     dying: bool = False
+    loc: PackLoc | None = None  # where it lies in a pack (None: its own object), if stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,19 @@ class ChunkRefs:
     def size(self, tier: TierName, key: bytes) -> int | None:
         c = self._chunks.get((tier, key))
         return None if c is None or c.dying else c.size
+
+    def loc(self, tier: TierName, key: bytes) -> PackLoc | None:
+        """Where a stored chunk lies in a pack; None if it is its own object or not stored."""
+        c = self._chunks.get((tier, key))
+        return None if c is None or c.size is None or c.dying else c.loc
+
+    def learn(self, tier: TierName, keys: Iterable[bytes], locs: Iterable[PackLoc | None]) -> None:
+        """A row naming ``keys`` at ``locs`` is indexed (published, adopted): each packed
+        chunk not known stored is taken as stored there (a save reusing it touches its pack
+        first, and writes it again if the pack is gone: ``chunking._refresh``)."""
+        for key, loc in zip(keys, locs, strict=True):
+            if loc is not None:
+                self.stored(tier, key, loc.length, loc)
 
     def known(self, tier: TierName, key: bytes) -> bool:
         c = self._chunks.get((tier, key))
@@ -172,11 +186,12 @@ class ChunkRefs:
         c = self._chunks.get((tier, key))
         return c is not None and c.dying
 
-    def stored(self, tier: TierName, key: bytes, size: int) -> None:
-        """A chunk's bytes are durable in ``tier`` (written, or found by a scan)."""
+    def stored(self, tier: TierName, key: bytes, size: int, loc: PackLoc | None = None) -> None:
+        """A chunk's bytes are durable in ``tier`` (written, or found by a scan), as its own
+        object or at ``loc`` in a pack."""
         c = self._chunks.setdefault((tier, key), _Chunk(None))
         if c.size is None and not c.dying:
-            c.size = size
+            c.size, c.loc = size, loc
             self._add(tier, size, 1, size * c.refs)
 
     def unpin(self, tier: TierName, keys: Iterable[bytes]) -> None:
@@ -193,7 +208,7 @@ class ChunkRefs:
         if c is None or not c.dying:
             return
         if c.pins or c.refs:
-            c.dying, c.size = False, None
+            c.dying, c.size, c.loc = False, None, None
         else:
             del self._chunks[(tier, key)]
 
@@ -207,7 +222,7 @@ class ChunkRefs:
         if c is None or c.size is None or c.dying:
             return
         self._add(tier, -c.size, -1, -c.size * c.refs)
-        c.size = None
+        c.size, c.loc = None, None
 
     def forget_unused(self, tier: TierName, key: bytes) -> None:
         """Its bytes are gone (swept by ``gc_shared``); only an unused chunk is forgotten."""
@@ -217,6 +232,26 @@ class ChunkRefs:
         if c.size is not None:
             self._add(tier, -c.size, -1, 0)
         del self._chunks[(tier, key)]
+
+    # ---- packs
+
+    def packs_in_use(self, tier: TierName) -> set[bytes]:
+        """The packs holding a chunk of ``tier`` a row names or a save pins."""
+        return {
+            c.loc.pack
+            for (t, _), c in self._chunks.items()
+            if t == tier and c.loc is not None and (c.refs or c.pins)
+        }
+
+    def packs_gone(self, tier: TierName, packs: Collection[bytes]) -> None:
+        """``packs`` were deleted (swept): their chunks are not stored any more."""
+        if not packs:
+            return
+        for (t, key), c in list(self._chunks.items()):
+            if t == tier and c.loc is not None and c.loc.pack in packs:
+                self.lost(tier, key)
+                if not (c.refs or c.pins or c.dying):
+                    del self._chunks[(tier, key)]
 
     # ---- eviction
 

@@ -54,7 +54,7 @@ from kvwarm.cache.index.inflight import InFlight
 from kvwarm.cache.index.reservations import Orphan, Reservations
 from kvwarm.cache.index.rows import RowTable
 from kvwarm.cache.protocols import RowEvents, StoredRow
-from kvwarm.cache.types import Namespace, PrefixMatch, RowInfo, TierName, TierSizes
+from kvwarm.cache.types import Namespace, PackLoc, PrefixMatch, RowInfo, TierName, TierSizes
 
 #: Memory kinds whose saved states are whole (a recurrent state, with a hybrid's attention
 #: chunks): kept per conversation by ``retention_victims``, not every one ever written.
@@ -479,9 +479,17 @@ class Index:
                     return None
             return write
 
-    def chunk_stored(self, tier: TierName, key: bytes, size: int) -> None:
+    def chunk_stored(
+        self, tier: TierName, key: bytes, size: int, loc: PackLoc | None = None
+    ) -> None:
+        """Chunk ``key`` is durable in ``tier``: its own object, or at ``loc`` in a pack."""
         with self._lock:
-            self._rows.chunks.stored(tier, key, size)
+            self._rows.chunks.stored(tier, key, size, loc)
+
+    def chunk_locs(self, tier: TierName, keys: Sequence[bytes]) -> list[PackLoc | None]:
+        """Where each stored chunk lies in a pack (None: its own object, or not stored)."""
+        with self._lock:
+            return [self._rows.chunks.loc(tier, k) for k in keys]
 
     def unpin_chunks(self, tier: TierName, keys: Sequence[bytes]) -> None:
         """End of a save. A chunk no published row names is left as an orphan (evictable)."""
@@ -504,6 +512,18 @@ class Index:
         interrupted save, or by a manifest a scan set aside."""
         with self._lock:
             return [key for _, key in self._rows.chunks.orphans((tier,))]
+
+    def packs_in_use(self, tier: TierName) -> set[bytes]:
+        """The packs of ``tier`` holding a chunk a row this process indexes names, or a save
+        pins: never swept."""
+        with self._lock:
+            return self._rows.chunks.packs_in_use(tier)
+
+    def packs_swept(self, tier: TierName, packs: Collection[bytes]) -> None:
+        """The shared-tier sweep deleted ``packs`` (or found them gone): the chunks in them
+        are not stored any more."""
+        with self._lock:
+            self._rows.chunks.packs_gone(tier, packs)
 
     def chunk_swept(self, tier: TierName, key: bytes) -> None:
         """The shared-tier sweep deleted an unreferenced chunk: stop counting it stored."""

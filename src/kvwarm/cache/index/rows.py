@@ -28,7 +28,15 @@ from kvwarm.cache.eviction.base import EvictionPolicy
 from kvwarm.cache.index.chunkrefs import ChunkRefs
 from kvwarm.cache.index.prefix import PrefixIndex
 from kvwarm.cache.protocols import RowEvents, StoredRow
-from kvwarm.cache.types import Namespace, PrefixMatch, RestChunks, RowInfo, TierName, TierSizes
+from kvwarm.cache.types import (
+    Namespace,
+    PackLoc,
+    PrefixMatch,
+    RestChunks,
+    RowInfo,
+    TierName,
+    TierSizes,
+)
 
 __all__ = ["RowTable"]
 
@@ -41,6 +49,7 @@ class _Entry:
     chunks: tuple[bytes, ...] = ()
     chunk_lens: tuple[int, ...] = ()
     rest: RestChunks | None = None
+    locs: tuple[PackLoc | None, ...] = ()  # where its chunks lie in packs (StoredRow.locs)
     # Which stored copy the pins count: a reader's check-in of a copy since removed must not
     # release the pin of a copy published later under the same key.
     gen: int = 0
@@ -236,7 +245,13 @@ class RowTable:
         tokens = self._prefix.tokens(key)
         assert tokens is not None, "row present without tokens"
         return StoredRow(
-            entry.info, tokens, entry.location, entry.chunks, entry.chunk_lens, entry.rest
+            entry.info,
+            tokens,
+            entry.location,
+            entry.chunks,
+            entry.chunk_lens,
+            entry.rest,
+            entry.locs,
         )
 
     # ----------------------------------------------------------------- membership
@@ -257,9 +272,11 @@ class RowTable:
                 self.events.row_dropped(dropped, bytes_kept=True)
         self._prefix.insert(info.namespace, key, row.tokens, info.size)
         self._entries[key] = _Entry(
-            info, row.location, refcount, row.chunks, row.chunk_lens, row.rest, gen
+            info, row.location, refcount, row.chunks, row.chunk_lens, row.rest, row.locs, gen
         )
         self.chunks.ref(info.tier, row.chunk_refs)
+        if row.locs:  # a save reusing its chunks names the same places (``chunking``)
+            self.chunks.learn(info.tier, row.chunk_refs, row.locs)
         self._bytes[info.tier] = self._bytes.get(info.tier, 0) + info.size
         self._count[info.tier] = self._count.get(info.tier, 0) + 1
         self._policy.insert(key, info)

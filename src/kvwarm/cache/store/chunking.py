@@ -26,11 +26,18 @@ Invariants:
 - A memory of two parts (``SaveRequest.rest``: an iSWA window, a hybrid's recurrent state)
   is chunked in its first KV cache only; the manifest carries the rest as its payload, taken
   before any chunk is written, so every manifest holds exactly the blob it was cut from.
-See docs/architecture.md ("Chunks") and docs/internals.md ("Chunks in detail").
+- In a tier with packs (``TierCapabilities.packs``: s3, redis) the chunks a save writes are
+  one pack object, put (durable) before the manifest; the manifest names each chunk's place
+  as the index knows it (a reused chunk keeps its pack, offset and length; one of its own
+  object has none), and a restore reads each run of adjacent chunks in one ranged GET
+  (``chunk_reads``), each chunk verified as a chunk object is.
+See docs/architecture.md ("Chunks") and docs/internals.md ("Chunks in detail", "Chunk packs").
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
 import logging
 import threading
@@ -48,15 +55,25 @@ from kvwarm.cache.formats.chunkfmt import (
     rest_cuts,
 )
 from kvwarm.cache.index.index import Index
-from kvwarm.cache.protocols import ChunkAges, StoredRow, Tier
-from kvwarm.cache.types import Namespace, RestChunks, SaveRequest
+from kvwarm.cache.protocols import ChunkAges, PacksChunks, StoredRow, Tier
+from kvwarm.cache.types import Namespace, PackLoc, RestChunks, SaveRequest
 from kvwarm.errors import CacheError, CacheFormatError, CacheIOError, KvwarmError
 from kvwarm.tokens import common_prefix
 
 #: Room for bytes about to enter a tier: raises to refuse, returns what gives it back.
 HoldRoom = Callable[[int], Callable[[], None]]
 
-__all__ = ["Freshness", "PlanBook", "load_chunks", "pack_request", "plan_lens", "store_row"]
+__all__ = [
+    "ChunkRead",
+    "Freshness",
+    "PlanBook",
+    "chunk_reads",
+    "gather_reads",
+    "load_chunks",
+    "pack_request",
+    "plan_lens",
+    "store_row",
+]
 
 log = logging.getLogger(__name__)
 
@@ -228,25 +245,26 @@ def store_row(
             _check_fits(tier, key, request, size + sum(s or 0 for s in stored), limit)
         give_back = hold(size) if hold is not None else _nothing
         try:
+            writes = _Writes(tier, index, counters, ns, fresh)
             for i, part in enumerate(parts, start=first):
                 if keys[i] in need:
-                    _write_chunk(tier, index, counters, ns, keys[i], chain[i][0], tokens[
-                        bounds[i] : bounds[i + 1]], part, fresh)  # fmt: skip
+                    writes.add(keys[i], chain[i][0], tokens[bounds[i] : bounds[i + 1]], part)
             if rest is not None:
                 rest_bounds = rest.bounds()
                 for i, part in rest_parts:
                     span = tokens[rest_bounds[i] : rest_bounds[i + 1]]
-                    _write_chunk(tier, index, counters, ns, rest.keys[i], rest.parents[i],
-                                 span, part, fresh)  # fmt: skip
+                    writes.add(rest.keys[i], rest.parents[i], span, part)
+            writes.flush()  # one pack, where the tier packs; else one object each
             if fresh is not None and isinstance(tier, ChunkAges):
-                lost = _refresh(tier, tier.name, pinned, fresh)
+                packed = index if tier.capabilities.packs else None
+                lost = _refresh(tier, tier.name, pinned, fresh, packed)
                 for i, k in enumerate(keys):
                     if k in lost and bounds[i] >= lead:  # swept elsewhere; its bytes are here
                         index.chunk_lost(tier.name, k)
                         [part] = split(request.payload, bounds[i : i + 2])
-                        _write_chunk(tier, index, counters, ns, k, chain[i][0], tokens[
-                            bounds[i] : bounds[i + 1]], part, fresh)  # fmt: skip
+                        writes.add(k, chain[i][0], tokens[bounds[i] : bounds[i + 1]], part)
                         lost.discard(k)
+                writes.flush()
                 if lost:
                     for gone in lost:
                         index.chunk_lost(tier.name, gone)
@@ -268,6 +286,7 @@ def store_row(
                 chunk_lens=lens,
                 chunk_keys=keys,
                 rest_chunks=None if rest is None else rest.chunks,
+                chunk_locs=_locs(tier, index, pinned),
             )
             return tier.store(key, manifest, index)
         finally:
@@ -467,28 +486,51 @@ class Freshness:
         return at is not None and time.monotonic() - at < REFRESH_AFTER_S
 
 
-def _refresh(tier: ChunkAges, name: str, keys: Sequence[bytes], fresh: Freshness) -> set[bytes]:
+def _refresh(
+    tier: ChunkAges,
+    name: str,
+    keys: Sequence[bytes],
+    fresh: Freshness,
+    index: Index | None = None,
+) -> set[bytes]:
     """Touch each chunk of ``keys`` this process has not written or touched within
     ``REFRESH_AFTER_S``: one another process published, or this process's index knows from
     an earlier row, may be old and unreferenced in the store right now (its manifests
-    evicted elsewhere), and a sweep deletes old unreferenced chunks. Touched, it is young
-    until the manifest names it. The chunks found gone."""
+    evicted elsewhere), and a sweep deletes old unreferenced chunks (and packs). Touched, it
+    is young until the manifest names it. A chunk in a pack is touched by touching its pack,
+    once however many of the due chunks it holds. The chunks found gone (every due chunk of
+    a pack found gone). ``index``: where the chunks lie, for a tier with packs."""
     due = [key for key in dict.fromkeys(keys) if not fresh.recent(name, key)]
+    by_pack: dict[bytes, list[bytes]] = {}
+    alone: list[bytes] = []
+    packs = tier if index is not None and isinstance(tier, PacksChunks) else None
+    locs = index.chunk_locs(name, due) if index is not None else [None] * len(due)
+    for key, loc in zip(due, locs, strict=True):
+        if loc is None:
+            alone.append(key)
+        else:
+            by_pack.setdefault(loc.pack, []).append(key)
+    touches: list[tuple[Callable[[bytes], bool], bytes, list[bytes]]] = [
+        (tier.touch_chunk, key, [key]) for key in alone
+    ]
+    if packs is not None:
+        touches += [(packs.touch_pack, pack, held) for pack, held in by_pack.items()]
     # A remote touch is a round trip (s3: a CopyObject): a long conversation saved after a
     # pause has a hundred due, which one after another held the writer thread for seconds
     # and filled its queue (found by review). Several go to a pool of their own (not the
     # read pools: restores must not wait behind them); the first failure still raises.
     found = (
-        list(_touch_pool().map(tier.touch_chunk, due))
-        if len(due) > TOUCH_ALONE
-        else [tier.touch_chunk(key) for key in due]
+        list(_touch_pool().map(lambda t: t[0](t[1]), touches))
+        if len(touches) > TOUCH_ALONE
+        else [touch(what) for touch, what, _ in touches]
     )
     lost: set[bytes] = set()
-    for key, there in zip(due, found, strict=True):
-        if there:
-            fresh.note(name, key)
-        else:
-            lost.add(key)
+    for (_, _, held), there in zip(touches, found, strict=True):
+        for key in held:
+            if there:
+                fresh.note(name, key)
+            else:
+                lost.add(key)
     return lost
 
 
@@ -508,29 +550,71 @@ def _touch_pool() -> ThreadPoolExecutor:
         return _touch_executor
 
 
-def _write_chunk(
-    tier: Tier,
-    index: Index,
-    counters: Counters | None,
-    ns: Namespace,
-    key: bytes,
-    parent: bytes,
-    tokens: Sequence[int],
-    part: bytes,
-    fresh: Freshness | None,
-) -> None:
-    """One chunk of ``tokens`` after ``parent`` through the tier's publish, under ``key``;
-    noted in ``fresh`` (a tier others sweep) as written now."""
-    made, head = build_head(ns, parent, tokens, part)
-    if made != key:  # the plan and the head disagree: a bug, never a mislabelled chunk
-        raise ValueError(f"chunk {key.hex()} would be stored under {made.hex()}")
-    stored = tier.store_chunk(key, head, part)
-    index.chunk_stored(tier.name, key, stored)
-    if fresh is not None:
-        fresh.note(tier.name, key)
-    if counters is not None:
-        counters.incr("chunks_written")
-        counters.incr("chunk_bytes_written", stored)
+class _Writes:
+    """The chunks a save writes: gathered (``add``), then written by ``flush`` -- in a tier
+    with packs as ONE pack object (its id the sha256 of their heads, which name each chunk's
+    key, length and payload CRC32C: the same id is the same layout), else one object each
+    through the tier's publish. Each is noted in the index where it lies, and in ``fresh``
+    (a tier others sweep) as written now."""
+
+    def __init__(
+        self,
+        tier: Tier,
+        index: Index,
+        counters: Counters | None,
+        ns: Namespace,
+        fresh: Freshness | None,
+    ) -> None:
+        self._tier = tier
+        self._index = index
+        self._counters = counters
+        self._ns = ns
+        self._fresh = fresh
+        self._packs = tier if isinstance(tier, PacksChunks) and tier.capabilities.packs else None
+        self._pending: list[tuple[bytes, bytes, bytes]] = []
+
+    def add(self, key: bytes, parent: bytes, tokens: Sequence[int], part: bytes) -> None:
+        """Chunk ``key``: ``tokens`` after ``parent``, its payload ``part``."""
+        made, head = build_head(self._ns, parent, tokens, part)
+        if made != key:  # the plan and the head disagree: a bug, never a mislabelled chunk
+            raise ValueError(f"chunk {key.hex()} would be stored under {made.hex()}")
+        self._pending.append((key, head, part))
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        tier = self._tier
+        if self._packs is not None:
+            pack = hashlib.sha256(b"".join(head for _, head, _ in pending)).digest()
+            self._packs.store_pack(pack, [b for _, head, part in pending for b in (head, part)])
+            offset = 0
+            for key, head, part in pending:
+                size = len(head) + memoryview(part).nbytes
+                self._done(key, size, PackLoc(pack, offset, size))
+                offset += size
+            if self._counters is not None:
+                self._counters.incr("packs_written")
+            return
+        for key, head, part in pending:
+            self._done(key, tier.store_chunk(key, head, part), None)
+
+    def _done(self, key: bytes, size: int, loc: PackLoc | None) -> None:
+        self._index.chunk_stored(self._tier.name, key, size, loc)
+        if self._fresh is not None:
+            self._fresh.note(self._tier.name, key)
+        if self._counters is not None:
+            self._counters.incr("chunks_written")
+            self._counters.incr("chunk_bytes_written", size)
+
+
+def _locs(tier: Tier, index: Index, refs: Sequence[bytes]) -> tuple[PackLoc | None, ...]:
+    """A manifest's pack locations (``SaveRequest.chunk_locs``): () unless the tier packs
+    and one of ``refs`` lies in a pack."""
+    if not tier.capabilities.packs:
+        return ()
+    locs = tuple(index.chunk_locs(tier.name, refs))
+    return locs if any(loc is not None for loc in locs) else ()
 
 
 def _store_whole(
@@ -587,6 +671,7 @@ def _whole(request: SaveRequest) -> SaveRequest:
         chunk_lens=(),
         chunk_keys=(),
         rest_chunks=None,
+        chunk_locs=(),
     )
 
 
@@ -620,6 +705,74 @@ def load_chunks(
     if helper is None or len(keys) < 2:
         return [tier.load_chunk(k, b) for k, b in zip(keys, into, strict=True)]
     return _load_shared(tier, keys, into, helper, helpers)
+
+
+#: The most bytes one ranged GET of a pack reads: a longer run of adjacent chunks is cut at a
+#: chunk boundary into GETs issued together. One connection's throughput bounds a single GET
+#: (AWS advises ranged GETs of 8-16 MB to read a large object at several connections' speed),
+#: so a 45 MiB row reads as three GETs at once, not one; a 1,000-token Gemma 3 270M row
+#: (10.4 MiB) is still one. Not measured against real S3 here (moto and redis only).
+MAX_RUN_BYTES = 16 << 20
+
+#: One read of a remote row's chunks: (index among the row's chunks, verified payload) of
+#: each chunk it fetched.
+ChunkRead = Callable[[], list[tuple[int, memoryview]]]
+
+
+def chunk_reads(
+    tier: Tier, refs: Sequence[bytes], locs: Sequence[PackLoc | None] = ()
+) -> list[ChunkRead]:
+    """The reads that fetch the chunks ``refs`` of a row of a remote tier, to be issued
+    together: one GET per chunk stored as its own object, one ranged GET per run of chunks
+    adjacent in a pack (``locs``: the row's ``StoredRow.locs``), a run cut where it would
+    pass ``MAX_RUN_BYTES``. Each read verifies every
+    chunk it fetched exactly as ``Tier.load_chunk`` does, and raises as it does."""
+    packs = tier if locs and isinstance(tier, PacksChunks) else None
+    reads: list[ChunkRead] = []
+    runs: dict[bytes, list[tuple[int, bytes, PackLoc]]] = {}
+    for i, key in enumerate(refs):
+        loc = locs[i] if packs is not None else None
+        if loc is None:
+            reads.append(functools.partial(_read_own, tier, i, key))
+        else:
+            runs.setdefault(loc.pack, []).append((i, key, loc))
+    assert packs is not None or not runs
+    for pack, pieces in runs.items():
+        pieces.sort(key=lambda piece: piece[2].offset)
+        run = [pieces[0]]
+        for piece in pieces[1:]:
+            loc = piece[2]
+            if loc.offset != run[-1][2].end or loc.end - run[0][2].offset > MAX_RUN_BYTES:
+                reads.append(functools.partial(_read_run, packs, pack, run))
+                run = []
+            run.append(piece)
+        reads.append(functools.partial(_read_run, packs, pack, run))
+    return reads
+
+
+def _read_own(tier: Tier, i: int, key: bytes) -> list[tuple[int, memoryview]]:
+    return [(i, tier.load_chunk(key))]
+
+
+def _read_run(
+    packs: PacksChunks | None, pack: bytes, run: list[tuple[int, bytes, PackLoc]]
+) -> list[tuple[int, memoryview]]:
+    assert packs is not None
+    views = packs.load_packed(pack, [(key, loc) for _, key, loc in run])
+    return [(i, view) for (i, _, _), view in zip(run, views, strict=True)]
+
+
+def gather_reads(done: Iterable[list[tuple[int, memoryview]]], n: int) -> list[memoryview]:
+    """The payloads of ``n`` chunks in their row's order, from the results of its
+    ``chunk_reads`` (the first read that raised raises here)."""
+    out: list[memoryview | None] = [None] * n
+    for got in done:
+        for i, view in got:
+            out[i] = view
+    views = [view for view in out if view is not None]
+    if len(views) != n:
+        raise AssertionError("a chunk no read fetched")
+    return views
 
 
 def _load_shared(

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from kvwarm.cache.api import LoadedRow
 from kvwarm.cache.protocols import RowBytes, StoredRow, Tier
-from kvwarm.cache.store.chunking import load_chunks
+from kvwarm.cache.store.chunking import ChunkRead, chunk_reads, gather_reads, load_chunks
 from kvwarm.cache.store.core import CacheCore, ScratchBuffers
 from kvwarm.errors import CacheFormatError, CacheIOError, CacheKeyError, ChunkFormatError
 from kvwarm.tokens import tail_of
@@ -89,7 +89,10 @@ class RowReads:
         skip, chunks_from = tail_of(stored.chunk_lens, from_token) if chunks else (0, 0)
         if skip:
             stored = replace(
-                stored, chunks=stored.chunks[skip:], chunk_lens=stored.chunk_lens[skip:]
+                stored,
+                chunks=stored.chunks[skip:],
+                chunk_lens=stored.chunk_lens[skip:],
+                locs=stored.locs[skip:],
             )
         tier = self._core.tiers[stored.info.tier]
         local = tier.capabilities.local
@@ -102,9 +105,10 @@ class RowReads:
         arena = None
         # A remote row's chunks are named by the index: their GETs start before the
         # manifest's, so a row costs one round trip, not two (a tail read waits for the
-        # manifest, which may send it back to the whole row).
+        # manifest, which may send it back to the whole row). In a tier with packs, one
+        # ranged GET per run of adjacent chunks in a pack (``chunking.chunk_reads``).
         ahead = (
-            [self._pool.submit(tier.load_chunk, ref) for ref in stored.chunk_refs]
+            [self._pool.submit(read) for read in chunk_reads(tier, stored.chunk_refs, stored.locs)]
             if chunks and not skip and not local and self._pool is not None
             else None
         )
@@ -184,7 +188,7 @@ class RowReads:
         tier: Tier,
         stored: StoredRow,
         arena: bytearray | None,
-        ahead: list[Future[memoryview]] | None = None,
+        ahead: list[Future[list[tuple[int, memoryview]]]] | None = None,
     ) -> tuple[memoryview, ...]:
         """A manifest's chunks, verified, in order (its first cache's, then its rest's); ()
         for a whole-blob row. ``ahead``: their reads, already started on the remote pool."""
@@ -195,10 +199,16 @@ class RowReads:
         try:
             pool = self._pool
             if ahead is not None:
-                chunks = [future.result() for future in ahead]
-            elif not tier.capabilities.local and pool is not None and len(refs) > 1:
+                chunks = gather_reads((future.result() for future in ahead), len(refs))
+            elif not tier.capabilities.local:
                 # A remote store answers several GETs at once: one round trip, not one each.
-                chunks = list(pool.map(tier.load_chunk, refs))
+                reads = chunk_reads(tier, refs, stored.locs)
+                done = (
+                    pool.map(_run, reads)
+                    if pool is not None and len(reads) > 1
+                    else map(_run, reads)
+                )
+                chunks = gather_reads(done, len(refs))
             else:
                 sizes = self._core.index.chunk_sizes(tier.name, refs) if arena else []
                 # Local files: read and checked by this thread and a helper together (ram
@@ -217,6 +227,10 @@ class RowReads:
             self._core.counters.incr("store_errors")
             raise
         return tuple(chunks)
+
+
+def _run(read: ChunkRead) -> list[tuple[int, memoryview]]:
+    return read()
 
 
 def _release(data: RowBytes) -> None:

@@ -18,6 +18,7 @@ import os
 
 __all__ = [
     "CHUNK_SUFFIX",
+    "PACK_SUFFIX",
     "QUARANTINE",
     "ROW_SUFFIX",
     "TMP_SUFFIX",
@@ -25,12 +26,15 @@ __all__ = [
     "chunk_name",
     "key_of",
     "name_for",
+    "pack_id_of",
+    "pack_name",
     "tmp_name",
     "tmp_owner_pid",
 ]
 
 ROW_SUFFIX = ".kvc"
 CHUNK_SUFFIX = ".kvk"
+PACK_SUFFIX = ".kvp"  # a pack of chunk objects (object tiers with packs: s3, redis)
 TMP_SUFFIX = ".tmp"
 QUARANTINE = "quarantine"  # subdirectory invalid files are moved to
 _HEX = frozenset("0123456789abcdef")
@@ -55,8 +59,21 @@ def chunk_name(key: bytes) -> str:
 
 def chunk_key_of(name: str) -> bytes | None:
     """The key a chunk object name stands for; None if ``name`` is not a chunk name."""
-    stem = name[: -len(CHUNK_SUFFIX)]
-    if not name.endswith(CHUNK_SUFFIX) or len(stem) != 64 or not _HEX.issuperset(stem):
+    return _hex_stem(name, CHUNK_SUFFIX)
+
+
+def pack_name(pack: bytes) -> str:
+    return pack.hex() + PACK_SUFFIX
+
+
+def pack_id_of(name: str) -> bytes | None:
+    """The id a pack object name stands for; None if ``name`` is not a pack name."""
+    return _hex_stem(name, PACK_SUFFIX)
+
+
+def _hex_stem(name: str, suffix: str) -> bytes | None:
+    stem = name[: -len(suffix)]
+    if not name.endswith(suffix) or len(stem) != 64 or not _HEX.issuperset(stem):
         return None
     return bytes.fromhex(stem)
 

@@ -32,6 +32,10 @@ Invariants:
   is kept (and touched: its age restarts, as a sweep sees it) if its head is valid, replaced
   if not (``common.commit_chunk``); the payload CRC
   is checked on load (``chunkfmt.parse``), the head at scan where the store can set aside.
+- With ``TierCapabilities.packs`` (s3, redis) a save's new chunks are one *pack*,
+  ``packs/<hex id>.kvp`` (``PacksChunks``), put once like a chunk: chunk objects one after
+  another, each verified alone when a ranged read fetches it (``load_packed``); a pack a
+  load found bad is replaced, not kept, by the next put of its id.
 - Network faults surface as ``CacheNetworkError`` from the store; nothing here retries.
 See docs/architecture.md (the cache).
 """
@@ -51,7 +55,7 @@ from kvwarm.cache.protocols import ReservationBook, RowBytes, StoredRow, TierCap
 from kvwarm.cache.tiers import layout
 from kvwarm.cache.tiers.common import StepHook, commit_chunk, publish_row, row_info
 from kvwarm.cache.tiers.layout import ROW_SUFFIX, key_of, name_for
-from kvwarm.cache.types import SaveRequest, TierName
+from kvwarm.cache.types import PackLoc, SaveRequest, TierName
 from kvwarm.errors import (
     CacheFormatError,
     CacheIOError,
@@ -76,9 +80,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Outlives us, other processes and hosts publish into it, and every byte crosses a network.
-REMOTE_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=False)
+# Outlives us, other processes and hosts publish into it, and every byte crosses a network:
+# a save's new chunks go into one pack object (``PacksChunks``).
+REMOTE_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=False, packs=True)
 CHUNK_DIR = "chunks/"  # chunk objects: chunks/<hex key>.kvk beside the <hex key>.kvc rows
+PACK_DIR = "packs/"  # packs of chunk objects: packs/<hex id>.kvp
+PACK_STEP = "pack_linked"  # reported to ``on_step`` once a pack is put (fault tests)
 # A probe reads this much first: a miss costs nothing more, and a hit's header, TLV, tokens
 # and stored logits (4 B x vocab: 196 KiB for a 49k vocab) come in one round trip for most
 # models; longer metadata (a 128k vocab's logits) takes a second ranged read.
@@ -313,8 +320,19 @@ class _Staged:
         ours = set(request.chunk_keys or ())
         if request.rest_chunks is not None:
             ours.update(request.rest_chunks.keys)
+        locs = row.locs or (None,) * len(row.chunk_refs)
+        packs: dict[bytes, bool] = {}  # each pack asked after once
         gone = next(
-            (k for k in row.chunk_refs if k not in ours and self._tier.chunk_age(k) is None),
+            (
+                k
+                for k, loc in zip(row.chunk_refs, locs, strict=True)
+                if k not in ours
+                and (
+                    self._tier.chunk_age(k) is None
+                    if loc is None
+                    else not packs.setdefault(loc.pack, self._tier.pack_age(loc.pack) is not None)
+                )
+            ),
             None,
         )
         if gone is not None:
@@ -346,6 +364,7 @@ class _Staged:
             request.chunk_keys,
             request.chunk_lens,
             request.rest_chunks,
+            request.chunk_locs,
         )
 
     def undo(self) -> None:
@@ -518,6 +537,9 @@ class ObjectTier:
             fields.chunks,
             fields.chunk_lens,
             fields.rest_chunks,
+            # A tier without packs (a directory) reads none, as a kvwarm before packs would:
+            # its chunks are files of their own, whatever a manifest there says.
+            fields.chunk_locs if self.capabilities.packs else (),
         )
 
     def delete(self, key: bytes) -> None:
@@ -740,6 +762,74 @@ class ObjectTier:
             if key is not None:
                 yield key, size, mtime
 
+    # ---- packs: packs/<hex>.kvp, chunk objects one after another (``PacksChunks``) ------
+
+    def store_pack(self, pack: bytes, parts: list[bytes]) -> int:
+        """Put once, visible whole or not at all. A pack of the same id already there holds
+        the same chunk heads at the same offsets (its id hashes them), each chunk verifiable
+        alone: it is kept and touched, unless a read found it bad since (then replaced)."""
+        if not self._capabilities.packs:
+            raise CacheIOError(f"{self._name}: this tier stores no packs")
+        name = pack_name(pack)
+        put = self._stage(name, parts, 0)
+        try:
+            commit_chunk(
+                self._name,
+                pack,
+                put.link,
+                lambda: not self._found_bad(name) and self._store.touch(name),
+                lambda: self._store.delete(name),
+            )
+            put.settle(False)
+            self._found_bad(name, False)
+        except BaseException:
+            put.undo()
+            raise
+        if self._on_step is not None:
+            self._on_step(PACK_STEP)
+        return sum(memoryview(p).nbytes for p in parts)
+
+    def load_packed(self, pack: bytes, pieces: list[tuple[bytes, PackLoc]]) -> list[memoryview]:
+        """One ranged read of ``pieces`` (adjacent, in offset order), each chunk verified as
+        a chunk object is (``chunkfmt.parse``). A pack gone is ``CacheKeyError``; bytes short
+        or bad are ``ChunkFormatError`` naming the first chunk they fail."""
+        name = pack_name(pack)
+        start, end = pieces[0][1].offset, pieces[-1][1].end
+        try:
+            data = self._store.get_range(name, start, end)
+        except CacheFormatError as exc:  # s3: a range past the pack's end (416)
+            self._found_bad(name, True)
+            raise ChunkFormatError(f"{self._name}: pack {name}: {exc}", key=pieces[0][0]) from exc
+        if not data:  # redis answers a missing key's GETRANGE with nothing
+            raise CacheKeyError(f"{self._name}: no pack {name}")
+        view = memoryview(data)
+        out: list[memoryview] = []
+        for key, loc in pieces:
+            at = loc.offset - start
+            try:
+                if at + loc.length > len(data):
+                    raise CacheFormatError(f"the pack ends at {start + len(data)}")
+                out.append(chunkfmt.parse(view[at : at + loc.length], key))
+            except CacheFormatError as exc:
+                self._found_bad(name, True)
+                raise ChunkFormatError(f"{self._name}: in pack {name}: {exc}", key=key) from exc
+        return out
+
+    def touch_pack(self, pack: bytes) -> bool:
+        return self._store.touch(pack_name(pack))
+
+    def pack_ages(self) -> Iterator[tuple[bytes, int, float]]:
+        for name, size, mtime in self._store.list(PACK_DIR):
+            pack = layout.pack_id_of(name[len(PACK_DIR) :])
+            if pack is not None:
+                yield pack, size, mtime
+
+    def pack_age(self, pack: bytes) -> float | None:
+        return self._store.age(pack_name(pack))
+
+    def delete_pack(self, pack: bytes) -> None:
+        self._store.delete(pack_name(pack))
+
     def close(self) -> None:
         self._store.close()
 
@@ -750,6 +840,10 @@ def row_name(key: bytes) -> str:
 
 def chunk_name(key: bytes) -> str:
     return CHUNK_DIR + layout.chunk_name(key)
+
+
+def pack_name(pack: bytes) -> str:
+    return PACK_DIR + layout.pack_name(pack)
 
 
 def _int_meta(meta: Mapping[str, str], name: str) -> int | None:

@@ -36,6 +36,7 @@ import threading
 from kvwarm.cache.api import VerifyReport
 from kvwarm.cache.index.index import Orphan
 from kvwarm.cache.protocols import SetsAside, StoredRow, Tier
+from kvwarm.cache.store.chunking import chunk_reads
 from kvwarm.cache.store.core import CacheCore
 from kvwarm.cache.types import EvictResult
 from kvwarm.cache.upkeep.sharedgc import SharedSweep
@@ -205,10 +206,13 @@ class CacheUpkeep:
                 data = tier.load(stored)
                 if data.tokens != stored.tokens:
                     raise CacheFormatError("tokens differ from the index")
-                for chunk in stored.chunk_refs:
-                    if (tier.name, chunk) not in good_chunks:
-                        tier.load_chunk(chunk)  # head, key replay and payload CRC32C
-                        good_chunks.add((tier.name, chunk))
+                refs, locs = stored.chunk_refs, stored.locs or (None,) * len(stored.chunk_refs)
+                todo = [i for i, k in enumerate(refs) if (tier.name, k) not in good_chunks]
+                # Head, key replay and payload CRC32C; a pack's run in one ranged read.
+                for read in chunk_reads(
+                    tier, [refs[i] for i in todo], [locs[i] for i in todo] if stored.locs else ()
+                ):
+                    good_chunks.update((tier.name, refs[todo[i]]) for i, _ in read())
             except (CacheFormatError, CacheKeyError) as exc:
                 if isinstance(exc, CacheKeyError) and self._gone(tier, info.key):
                     # Removed meanwhile, manifest and all (another process's eviction beside

@@ -10,6 +10,10 @@ reclaimed here instead, from what the store itself holds.
 
 Invariants:
 
+- Packs (a tier with ``TierCapabilities.packs``: a save's chunks in one object) follow the
+  chunks' rules: listed with the chunks, marked by the pack locations of the manifests
+  (``StoredRow.locs``), kept while a chunk this process uses lies in one, aged again right
+  before the delete (a save reusing a packed chunk touches its pack).
 - Order: list the chunks (with their ages) first, then mark every chunk any manifest in the
   store names, then list the manifests again and mark the ones published meanwhile, and
   only then delete. The publish protocol writes a manifest's chunks before the manifest, so
@@ -41,7 +45,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 
-from kvwarm.cache.protocols import ChunkAges, Tier
+from kvwarm.cache.protocols import ChunkAges, PacksChunks, Tier
 from kvwarm.cache.store.chunking import REFRESH_AFTER_S
 from kvwarm.cache.store.core import CacheCore
 from kvwarm.cache.types import DEFAULT_GRACE_S, SweepResult, TierName
@@ -132,16 +136,19 @@ class SharedSweep:
     ) -> SweepResult:
         step: SweepStep = on_step if on_step is not None else (lambda _s, _t: None)
         shift = 0.0 if now is None else now - time.time()  # ``now``: the clock, moved
+        packs = tier if tier.capabilities.packs and isinstance(tier, PacksChunks) else None
         listed = list(ages.chunk_ages())  # first: any chunk written after this is not swept
+        packs_listed = list(packs.pack_ages()) if packs is not None else []
         t_list = time.time() + shift
         step("chunks_listed", tier.name)
         marked: set[bytes] = set()
+        marked_packs: set[bytes] = set()
         seen: set[bytes] = set()
-        bad = self._mark(tier, dict(ages.row_sizes()), seen, marked)
+        bad = self._mark(tier, dict(ages.row_sizes()), seen, marked, marked_packs)
         step("manifests_marked", tier.name)
         # Manifests published since the first listing may reuse old chunks: mark them too.
         again = {k: n for k, n in ages.row_sizes() if k not in seen}
-        bad |= self._mark(tier, again, seen, marked)
+        bad |= self._mark(tier, again, seen, marked, marked_packs)
         bad &= set(tier.stored_keys())  # gone meanwhile: it names nothing any more
         if bad:
             log.warning(
@@ -150,7 +157,13 @@ class SharedSweep:
                 len(bad),
                 next(iter(bad)).hex(),
             )
-            return SweepResult(tier.name, len(listed), len(seen), refused="unreadable manifests")
+            return SweepResult(
+                tier.name,
+                len(listed),
+                len(seen),
+                refused="unreadable manifests",
+                packs=len(packs_listed),
+            )
         step("remarked", tier.name)
         deleted = freed = young = 0
         for key, size, mtime in listed:
@@ -174,15 +187,58 @@ class SharedSweep:
             self._core.index.chunk_swept(tier.name, key)
             deleted += 1
             freed += size
+        packs_deleted = 0
+        if packs is not None and packs_listed:
+            in_use = self._core.index.packs_in_use(tier.name)
+            gone: set[bytes] = set()
+            for pack, size, mtime in packs_listed:
+                if pack in marked_packs or pack in in_use:
+                    continue
+                if t_list - mtime < grace_s:
+                    young += 1
+                    continue
+                mtime_now = packs.pack_age(pack)  # as a chunk's: a save may have touched it
+                if mtime_now is None:
+                    gone.add(pack)
+                    continue
+                if time.time() + shift - mtime_now < grace_s:
+                    young += 1
+                    continue
+                packs.delete_pack(pack)
+                gone.add(pack)
+                packs_deleted += 1
+                freed += size
+            self._core.index.packs_swept(tier.name, gone)
+            self._core.counters.incr("shared_packs_swept", packs_deleted)
         self._core.counters.incr("shared_chunks_swept", deleted)
-        log.info("%s: swept %d unreferenced chunks (%d bytes)", tier.name, deleted, freed)
-        return SweepResult(tier.name, len(listed), len(seen), deleted, freed, young)
+        log.info(
+            "%s: swept %d unreferenced chunks and %d packs (%d bytes)",
+            tier.name,
+            deleted,
+            packs_deleted,
+            freed,
+        )
+        return SweepResult(
+            tier.name,
+            len(listed),
+            len(seen),
+            deleted,
+            freed,
+            young,
+            packs=len(packs_listed),
+            packs_deleted=packs_deleted,
+        )
 
     def _mark(
-        self, tier: Tier, sizes: Mapping[bytes, int], seen: set[bytes], marked: set[bytes]
+        self,
+        tier: Tier,
+        sizes: Mapping[bytes, int],
+        seen: set[bytes],
+        marked: set[bytes],
+        marked_packs: set[bytes],
     ) -> set[bytes]:
-        """Mark the chunks of each manifest listed (key: its size); the keys whose manifest
-        could not be read."""
+        """Mark the chunks (and packs) of each manifest listed (key: its size); the keys
+        whose manifest could not be read."""
         bad: set[bytes] = set()
         for key, size in sizes.items():
             seen.add(key)
@@ -196,4 +252,5 @@ class SharedSweep:
                 bad.add(key)
                 continue
             marked.update(stored.chunk_refs)
+            marked_packs.update(loc.pack for loc in stored.locs if loc is not None)
         return bad
