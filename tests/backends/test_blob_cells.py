@@ -150,7 +150,8 @@ def _table(cells: list[tuple[int, int, int]]) -> npt.NDArray[np.int32]:
         ([(p, 1, 0) for p in range(7, 12)], 7),
         ([(p, 1, 0) for p in range(2000)], 0),  # grows the ramp past the shorter ones
         ([(p, 1, 0) for p in range(3, 40)], 3),  # a slice of the grown ramp
-        ([(p, 1, 3) for p in range(5)], None),  # one sequence, but not 0: the walk's to judge
+        ([(p, 1, 3) for p in range(4, 9)], 4),  # one sequence's, not 0's (a slot's pack)
+        ([(0, 1, 3), (1, 1, 0), (2, 1, 3)], None),  # two sequence ids
         ([(1, 1, 0), (0, 1, 0), (2, 1, 0)], None),  # out of position order
         ([(0, 1, 0), (1, 2, 0), (2, 1, 0)], None),  # two sequences
         ([(0, 1, 0), (2, 1, 0), (3, 1, 0)], None),  # a gap
@@ -162,8 +163,9 @@ def _table(cells: list[tuple[int, int, int]]) -> npt.NDArray[np.int32]:
 def test_only_canonical_cells_take_the_short_path(
     cells: list[tuple[int, int, int]], first: int | None
 ) -> None:
-    """``_cell_order`` compares cells in the form kvwarm packs and joins with that form in one
-    step; any other metadata gets the walk's checks, as every blob did before."""
+    """``_cell_order`` compares cells in the form llama.cpp packs one sequence's and kvwarm
+    joins them with that form in one step; any other metadata gets the walk's checks, as
+    every blob did before."""
     table = _table(cells)
     assert _canonical_first(table, PLAIN) == first
     meta = np.frombuffer(table.tobytes(), dtype=np.uint8)

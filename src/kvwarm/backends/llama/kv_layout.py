@@ -261,24 +261,24 @@ _I32_MAX = (1 << 31) - 1
 _ramp: npt.NDArray[np.int32] = np.zeros((0, 3), dtype="<i4")
 
 
-def _canonical(first: int, n: int) -> npt.NDArray[np.int32]:
-    """The cells of positions ``first..first+n-1`` of sequence 0 (``canonical_meta``) as an
-    ``(n, 3)`` table, from one read-only ramp of positions from 0, grown (at least doubled,
-    at most to ``_CANONICAL_MAX``) when a longer one is asked for (``first + n - 1`` must
-    fit an i32)."""
+def _canonical(first: int, n: int, seq: int) -> npt.NDArray[np.int32]:
+    """The cells of positions ``first..first+n-1`` of sequence ``seq`` (``canonical_meta``'s
+    form) as an ``(n, 3)`` table, from one read-only ramp of positions from 0 of sequence 0,
+    grown (at least doubled, at most to ``_CANONICAL_MAX``) when a longer one is asked for
+    (``first + n - 1`` must fit an i32)."""
     global _ramp
     ramp = _ramp
     if len(ramp) < n:
         ramp = _cells_from(0, min(max(n, 2 * len(ramp)), _CANONICAL_MAX))
         ramp.flags.writeable = False
         _ramp = ramp  # replaced whole, never changed in place
-    return ramp[:n] + np.array((first, 0, 0), dtype="<i4") if first else ramp[:n]
+    return ramp[:n] + np.array((first, 0, seq), dtype="<i4") if first or seq else ramp[:n]
 
 
 @functools.lru_cache(maxsize=256)
 def canonical_meta(start: int, n: int) -> bytes:
     """The metadata of cells holding positions ``start..start+n-1`` of sequence 0: the form
-    kvwarm writes (chunks, joins) and llama.cpp packs for one sequence."""
+    kvwarm writes (chunks, joins) and llama.cpp packs for sequence 0."""
     return _cells_from(start, n).tobytes()
 
 
@@ -290,18 +290,19 @@ def _cells_from(start: int, n: int) -> npt.NDArray[np.int32]:
 
 
 def _canonical_first(table: npt.NDArray[np.int32], cells: CellFormat) -> int | None:
-    """The first position of cells (``table``: one row a cell) in the form every blob
-    kvwarm packs or joins has (``canonical_meta``: sequence 0, in position order, positions
-    from one at least 0), or None for any other (``_cell_order`` then walks them: its
-    checks cost ~12 us a cache, this comparison ~3). Only 12-byte cells, and at most
-    ``_CANONICAL_MAX`` of them."""
+    """The first position of cells (``table``: one row a cell) in the form llama.cpp packs
+    one sequence's and kvwarm joins them (``canonical_meta``'s, of any one sequence id:
+    positions in order from one at least 0), or None for any other (``_cell_order`` then
+    walks them: its checks cost ~12 us a cache, this comparison ~3). Only 12-byte cells,
+    and at most ``_CANONICAL_MAX`` of them."""
     n_cells = len(table)
     if cells.ext or not 0 < n_cells <= _CANONICAL_MAX:
         return None
     first = int(table[0, 0])
     if not 0 <= first <= _I32_MAX - n_cells + 1:
         return None
-    return first if bool((table == _canonical(first, n_cells)).all()) else None
+    want = _canonical(first, n_cells, int(table[0, 2]))
+    return first if bool((table == want).all()) else None
 
 
 def _cell_order(
