@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from tests.childkit import assert_case_ok
 from tests.tinymodels import write_tiny_model
@@ -20,6 +21,8 @@ from kvwarm.backends.llama.kv_layout import (
     IO_MAGIC,
     PLAIN,
     CellFormat,
+    _canonical_first,
+    _cell_order,
     check_cells,
     one_stream,
     widen,
@@ -134,6 +137,48 @@ def test_check_cells_refuses(
 ) -> None:
     with pytest.raises(StateRestoreError):
         check_cells(blob, caches=caches, recurrent=recurrent, n_ctx=16)
+
+
+def _table(cells: list[tuple[int, int, int]]) -> npt.NDArray[np.int32]:
+    return np.array(cells, dtype="<i4").reshape(len(cells), 3)
+
+
+@pytest.mark.parametrize(
+    ("cells", "first"),
+    [
+        ([(p, 1, 0) for p in range(5)], 0),
+        ([(p, 1, 0) for p in range(7, 12)], 7),
+        ([(p, 1, 0) for p in range(2000)], 0),  # grows the ramp past the shorter ones
+        ([(p, 1, 0) for p in range(3, 40)], 3),  # a slice of the grown ramp
+        ([(p, 1, 3) for p in range(4, 9)], 4),  # one sequence's, not 0's (a slot's pack)
+        ([(0, 1, 3), (1, 1, 0), (2, 1, 3)], None),  # two sequence ids
+        ([(1, 1, 0), (0, 1, 0), (2, 1, 0)], None),  # out of position order
+        ([(0, 1, 0), (1, 2, 0), (2, 1, 0)], None),  # two sequences
+        ([(0, 1, 0), (2, 1, 0), (3, 1, 0)], None),  # a gap
+        ([(-1, 1, 0), (0, 1, 0)], None),
+        ([(2**31 - 2, 1, 0), (2**31 - 1, 1, 0)], 2**31 - 2),
+        ([(2**31 - 1, 1, 0), (-(2**31), 1, 0)], None),  # i32 wraps past the last position
+    ],
+)
+def test_only_canonical_cells_take_the_short_path(
+    cells: list[tuple[int, int, int]], first: int | None
+) -> None:
+    """``_cell_order`` compares cells in the form llama.cpp packs one sequence's and kvwarm
+    joins them with that form in one step; any other metadata gets the walk's checks, as
+    every blob did before."""
+    table = _table(cells)
+    assert _canonical_first(table, PLAIN) == first
+    meta = np.frombuffer(table.tobytes(), dtype=np.uint8)
+    if first is not None:
+        assert _cell_order(meta, len(cells)) == (first, None)
+
+
+def test_cells_with_ext_never_take_the_short_path() -> None:
+    """24-byte cells carry a 2-D position and a token the walk checks (``_check_ext``)."""
+    table = np.zeros((3, 6), dtype="<i4")
+    table[:, 0] = table[:, 2] = table[:, 3] = np.arange(3)
+    table[:, 1] = 1
+    assert _canonical_first(table, MROPE) is None
 
 
 def _layers(positions: list[int], units: list[int], *, v_trans: bool = False) -> bytes:

@@ -61,6 +61,7 @@ from kvwarm.backends.llama.kv_layout import (
     IO_MAGIC,
     BlobLayout,
     Structure,
+    canonical_meta,
     parse_blob,
     parse_descriptor,
     parse_second_cache,
@@ -560,7 +561,7 @@ def _rest_plan(
     n_cells = spans[-1][0] + spans[-1][1]
     target = _geometry(structure, n_cells, _CACHE)
     pieces = _skeleton(descriptor, structure, n_cells, CACHE_HEAD)
-    head = pieces[0][1] + _canonical_meta(0, n_cells) + pieces[1][1]
+    head = pieces[0][1] + canonical_meta(0, n_cells) + pieces[1][1]
     headers = pieces[2:]
     header_at = np.concatenate([np.arange(at, at + len(piece)) for at, piece in headers])
     header_at.flags.writeable = False
@@ -658,21 +659,12 @@ def _check_body(view: kv_chunk.ChunkView, structure: Structure, i: int) -> None:
             f"KV chunk {i} body is {view.body.size} bytes; {n} cells need {need}"
         )
     meta_at = HEAD.size if blob else 0
-    if view.body[meta_at : meta_at + n * CELL].tobytes() != _canonical_meta(view.start, n):
+    if view.body[meta_at : meta_at + n * CELL].tobytes() != canonical_meta(view.start, n):
         raise StateRestoreError(f"KV chunk {i} has corrupt cell metadata")
     if blob:
         where, expected = _skeleton_bytes(view.descriptor, n)
         if not np.array_equal(view.body[where], expected):
             raise StateRestoreError(f"KV chunk {i} has a corrupt blob header")
-
-
-@functools.lru_cache(maxsize=256)
-def _canonical_meta(start: int, n: int) -> bytes:
-    """The metadata of cells holding positions ``start..start+n-1`` of sequence 0."""
-    meta = np.zeros((n, 3), dtype="<i4")
-    meta[:, 0] = np.arange(start, start + n, dtype=np.int32)
-    meta[:, 1] = 1
-    return meta.tobytes()
 
 
 def _skeleton(

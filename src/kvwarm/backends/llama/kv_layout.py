@@ -255,6 +255,56 @@ def _parse_cache(blob: U8, at: int, *, positions: str, trailing: bool) -> BlobLa
     return BlobLayout(parse_descriptor(descriptor), descriptor, n_cells, order, first, at)
 
 
+#: The most cells ``_cell_order`` compares with ``_canonical`` (3 MiB of them at most).
+_CANONICAL_MAX = 1 << 18
+_I32_MAX = (1 << 31) - 1
+_ramp: npt.NDArray[np.int32] = np.zeros((0, 3), dtype="<i4")
+
+
+def _canonical(first: int, n: int, seq: int) -> npt.NDArray[np.int32]:
+    """The cells of positions ``first..first+n-1`` of sequence ``seq`` (``canonical_meta``'s
+    form) as an ``(n, 3)`` table, from one read-only ramp of positions from 0 of sequence 0,
+    grown (at least doubled, at most to ``_CANONICAL_MAX``) when a longer one is asked for
+    (``first + n - 1`` must fit an i32)."""
+    global _ramp
+    ramp = _ramp
+    if len(ramp) < n:
+        ramp = _cells_from(0, min(max(n, 2 * len(ramp)), _CANONICAL_MAX))
+        ramp.flags.writeable = False
+        _ramp = ramp  # replaced whole, never changed in place
+    return ramp[:n] + np.array((first, 0, seq), dtype="<i4") if first or seq else ramp[:n]
+
+
+@functools.lru_cache(maxsize=256)
+def canonical_meta(start: int, n: int) -> bytes:
+    """The metadata of cells holding positions ``start..start+n-1`` of sequence 0: the form
+    kvwarm writes (chunks, joins) and llama.cpp packs for sequence 0."""
+    return _cells_from(start, n).tobytes()
+
+
+def _cells_from(start: int, n: int) -> npt.NDArray[np.int32]:
+    meta = np.zeros((n, 3), dtype="<i4")
+    meta[:, 0] = np.arange(start, start + n, dtype=np.int32)
+    meta[:, 1] = 1
+    return meta
+
+
+def _canonical_first(table: npt.NDArray[np.int32], cells: CellFormat) -> int | None:
+    """The first position of cells (``table``: one row a cell) in the form llama.cpp packs
+    one sequence's and kvwarm joins them (``canonical_meta``'s, of any one sequence id:
+    positions in order from one at least 0), or None for any other (``_cell_order`` then
+    walks them: its checks cost ~12 us a cache, this comparison ~3). Only 12-byte cells,
+    and at most ``_CANONICAL_MAX`` of them."""
+    n_cells = len(table)
+    if cells.ext or not 0 < n_cells <= _CANONICAL_MAX:
+        return None
+    first = int(table[0, 0])
+    if not 0 <= first <= _I32_MAX - n_cells + 1:
+        return None
+    want = _canonical(first, n_cells, int(table[0, 2]))
+    return first if bool((table == want).all()) else None
+
+
 def _cell_order(
     meta: U8, n_cells: int, cells: CellFormat = PLAIN
 ) -> tuple[int, npt.NDArray[np.intp] | None]:
@@ -262,6 +312,9 @@ def _cell_order(
     order). Refuses anything but one sequence holding exactly ``first..first+n_cells-1``,
     and ext cells (``cells.ext``) that do not hold what ``CellFormat`` says."""
     table = meta.view("<i4").reshape(n_cells, cells.size // 4)
+    canonical = _canonical_first(table, cells)
+    if canonical is not None:
+        return canonical, None
     if not np.all(table[:, 1] == 1):
         raise StateRestoreError("KV blob cells belong to several sequences")
     if not np.all(table[:, -1] == table[0, -1]):
@@ -461,9 +514,10 @@ def _sections_end(
         head = _section(raw, at, first, transposed=transposed)
         step = _SECTION_HEAD + n_cells * head.cell_bytes
         if at + count * step <= size:
-            # numpy checks these strides against the buffer's length
+            # numpy checks these strides against the buffer's length; the headers compared
+            # as bytes (a numpy comparison and reduction took 2 us of the 3.6 here)
             heads = np.ndarray((count, _SECTION_HEAD), np.uint8, raw, at, (step, 1))
-            if bool((heads == heads[0]).all()):
+            if heads.tobytes() == bytes(raw[at : at + _SECTION_HEAD]) * count:
                 return at + count * step
     for i in range(first, first + count):
         if at + _SECTION_HEAD > size:
