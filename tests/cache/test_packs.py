@@ -429,6 +429,35 @@ def test_a_long_run_is_cut_into_gets_of_at_most_max_run_bytes(
     assert fake.reads == [("run", (p, [0, 10])), ("run", (p, [20, 30])), ("run", (p, [40]))]
 
 
+def test_a_saves_chunks_past_max_pack_bytes_go_into_further_packs(
+    packed: TierConfig, store: ObjectTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pack is one PUT whose body is joined in memory: a long row of a large model in one
+    pack would hold a second copy of the row and pass S3's 5 GB limit on a PUT. Packs are
+    cut at chunk boundaries, and the row still restores bit for bit from another process."""
+    from kvwarm.cache.store import chunking
+
+    one = len(blob(R1)) // (len(R1) // C)  # about one chunk object's bytes
+    monkeypatch.setattr(chunking, "MAX_PACK_BYTES", 2 * one + one // 2)
+    with Cache(_config(packed), background=False) as a:
+        assert a.save(chunked_request(NS, R1, tier=packed.name), sync=True)
+        assert a.counters()["packs_written"] == 2  # four chunks: two packs of two
+        sizes = [n for _, n, _ in cast(PacksChunks, store).pack_ages()]
+        assert len(sizes) == 2 and max(sizes) <= chunking.MAX_PACK_BYTES
+    with Cache(_config(packed), background=False) as b:
+        assert _restores(b, R1)
+
+
+def test_pack_groups_cut_at_chunk_boundaries() -> None:
+    from kvwarm.cache.store.chunking import _pack_groups
+
+    chunks = [(bytes([i]) * 32, b"h" * 4, b"p" * n) for i, n in enumerate((6, 6, 20, 1, 1))]
+    groups = _pack_groups(chunks, limit=12)
+    assert [[c[0][0] for c in g] for g in groups] == [[0], [1], [2], [3, 4]]  # 10+10 > 12
+    assert _pack_groups(chunks, limit=1 << 20) == [chunks]
+    assert _pack_groups([], limit=12) == []
+
+
 def test_a_save_replaces_a_manifest_whose_pack_is_gone(
     packed: TierConfig, store: ObjectTier
 ) -> None:

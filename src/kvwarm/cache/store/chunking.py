@@ -586,18 +586,22 @@ class _Writes:
             return
         tier = self._tier
         if self._packs is not None:
-            pack = hashlib.sha256(b"".join(head for _, head, _ in pending)).digest()
-            self._packs.store_pack(pack, [b for _, head, part in pending for b in (head, part)])
-            offset = 0
-            for key, head, part in pending:
-                size = len(head) + memoryview(part).nbytes
-                self._done(key, size, PackLoc(pack, offset, size))
-                offset += size
-            if self._counters is not None:
-                self._counters.incr("packs_written")
+            for group in _pack_groups(pending):
+                self._store_pack(self._packs, group)
             return
         for key, head, part in pending:
             self._done(key, tier.store_chunk(key, head, part), None)
+
+    def _store_pack(self, packs: PacksChunks, group: list[tuple[bytes, bytes, bytes]]) -> None:
+        pack = hashlib.sha256(b"".join(head for _, head, _ in group)).digest()
+        packs.store_pack(pack, [b for _, head, part in group for b in (head, part)])
+        offset = 0
+        for key, head, part in group:
+            size = len(head) + memoryview(part).nbytes
+            self._done(key, size, PackLoc(pack, offset, size))
+            offset += size
+        if self._counters is not None:
+            self._counters.incr("packs_written")
 
     def _done(self, key: bytes, size: int, loc: PackLoc | None) -> None:
         self._index.chunk_stored(self._tier.name, key, size, loc)
@@ -606,6 +610,33 @@ class _Writes:
         if self._counters is not None:
             self._counters.incr("chunks_written")
             self._counters.incr("chunk_bytes_written", size)
+
+
+#: The most bytes one pack holds: a save's new chunks past it go into further packs, cut at a
+#: chunk boundary (a chunk larger than it is a pack of its own). A pack is one PUT, and its
+#: body is joined in memory for it: a long row of a large model (a 70B model's 128k tokens
+#: are ~40 GB of f16 KV) as one pack would hold a second copy of the row and pass S3's 5 GB
+#: limit on one PUT, where chunk objects were each a few MB. Four ranged GETs of
+#: ``MAX_RUN_BYTES`` read a full pack, at once.
+MAX_PACK_BYTES = 64 << 20
+
+
+def _pack_groups(
+    pending: Sequence[tuple[bytes, bytes, bytes]], limit: int | None = None
+) -> list[list[tuple[bytes, bytes, bytes]]]:
+    """``pending`` chunks (key, head, payload), in order, cut into packs of at most ``limit``
+    bytes (``MAX_PACK_BYTES``) each."""
+    limit = MAX_PACK_BYTES if limit is None else limit
+    groups: list[list[tuple[bytes, bytes, bytes]]] = []
+    size = 0
+    for chunk in pending:
+        n = len(chunk[1]) + memoryview(chunk[2]).nbytes
+        if not groups or size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(chunk)
+        size += n
+    return groups
 
 
 def _locs(tier: Tier, index: Index, refs: Sequence[bytes]) -> tuple[PackLoc | None, ...]:
