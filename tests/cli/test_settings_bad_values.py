@@ -198,3 +198,14 @@ def test_a_path_naming_a_user_with_no_home_is_a_literal_path(name: str) -> None:
     except ConfigError:
         return  # refused as a path that does not exist, say: typed, named
     assert str(getattr(loaded, name)) == "~0/x"
+
+
+@pytest.mark.parametrize(
+    ("tier", "needle"),
+    [("x=foo://bar", "unknown scheme"), ("a b=ram://", "tier names are")],
+)
+def test_a_bad_tier_url_is_refused_while_the_settings_load(tier: str, needle: str) -> None:
+    """Found by review: the engine refused these only once the server had bound its port and
+    started (``no model could be loaded``, exit status 1)."""
+    with pytest.raises(ConfigError, match=f"tiers: .*{needle}.*tiers from --tiers"):
+        load_settings({"tiers": [tier], "backend": "stub"}, {})

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvwarm.cache.types import CacheConfig, S3Config, TierConfig, TierName
+from kvwarm.cache.validate import validate_cache_config
 from kvwarm.errors import ConfigError
 from kvwarm.settings.types import path_kind
 
@@ -132,6 +133,13 @@ def check(s: Settings) -> None:
         )
     if tier not in names:
         raise ConfigError(f"save_tier {tier} is not a configured tier ({', '.join(names)})")
+    # The cache's own checks (a tier URL's scheme, a tier's name, two tiers on one directory),
+    # here, before the server binds. Found by review: ``--tiers x=foo://bar`` or a tier named
+    # ``a b`` was refused only once the server had started, by the engine (exit status 1).
+    try:
+        validate_cache_config(cache_config(s))
+    except ConfigError as exc:
+        raise ConfigError(f"tiers: {exc}") from exc
     if s.s3_bucket is None:
         return
     if not s.s3_bucket.strip():
