@@ -209,3 +209,66 @@ def test_a_bad_tier_url_is_refused_while_the_settings_load(tier: str, needle: st
     started (``no model could be loaded``, exit status 1)."""
     with pytest.raises(ConfigError, match=f"tiers: .*{needle}.*tiers from --tiers"):
         load_settings({"tiers": [tier], "backend": "stub"}, {})
+
+
+# --- an empty value is refused, not read as false or as "not given" (found by review) ------
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("cache_dir", ""),  # the disk tier silently off: nothing survived a restart
+        ("spec_exact", ""),  # a boolean silently false
+        ("api_docs", "  "),
+        ("s3_endpoint_url", ""),  # the s3 tier silently on AWS instead of the endpoint meant
+        ("save_tier", ""),
+        ("n_threads", ""),
+        ("rope_scaling", ""),
+        ("models_dir", ""),
+    ],
+)
+def test_an_empty_value_is_refused_not_read_as_false_or_unset(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"environment setting {name}: is empty"):
+        load_settings({}, {env_var(name): value, "KVWARM_BACKEND": "stub"})
+
+
+def test_the_words_for_off_and_default_still_say_it() -> None:
+    env = {
+        "KVWARM_CACHE_DIR": "none",
+        "KVWARM_SPEC_EXACT": "false",
+        "KVWARM_N_THREADS": "none",
+        "KVWARM_ROPE_SCALING": "model",
+    }
+    settings = load_settings({}, env)
+    assert settings.cache_dir is None and settings.spec_exact is False
+    assert settings.n_threads is None and settings.rope_scaling is None
+
+
+def test_an_empty_key_of_a_models_table_is_refused_naming_it(tmp_path: Path) -> None:
+    config = tmp_path / "kvwarm.toml"
+    config.write_text('[[models]]\npath = "a.gguf"\n\n[[models]]\nid = ""\npath = "b.gguf"\n')
+    with pytest.raises(ConfigError, match="setting models: model 2: id: is empty"):
+        load_settings({"config": str(config)}, {})
+
+
+@pytest.mark.parametrize("where", ["flag", "env"])
+def test_an_empty_config_path_is_refused_not_read_as_none_given(tmp_path: Path, where: str) -> None:
+    """The user's config file was read instead (here: one that sets port 9009)."""
+    user = tmp_path / "kvwarm" / "config.toml"
+    user.parent.mkdir()
+    user.write_text("port = 9009\n")
+    env = {"XDG_CONFIG_HOME": str(tmp_path)}
+    flags: dict[str, object] = {}
+    if where == "flag":
+        flags["config"] = ""
+    else:
+        env["KVWARM_CONFIG"] = " "
+    name = "--config" if where == "flag" else "KVWARM_CONFIG"
+    with pytest.raises(ConfigError, match=f"{name} is empty"):
+        load_settings(flags, env)
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_host_is_refused_not_bound_to_every_interface(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"host is empty.*host from --host"):
+        load_settings({"host": value, "backend": "stub"}, {})

@@ -485,6 +485,9 @@ class Settings(ModelSettings, ServingSettings):
                 f"log_level must be one of debug, info, warning, error, critical; "
                 f"got {self.log_level!r}"
             )
+        if not self.host.strip():
+            # Found by review: uvicorn binds "" to every interface, as 0.0.0.0 says openly.
+            raise ConfigError("host is empty; give an address (0.0.0.0: every interface)")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         for name in ("n_ctx", "n_batch", "n_parallel", "max_queue", "max_body_bytes"):
@@ -589,7 +592,14 @@ def load_settings(
     flags = dict(flags or {})
     env = os.environ if env is None else env
     unknown_env(env, {env_var(name) for name in Settings.model_fields} | {CONFIG_ENV}, ENV_PREFIX)
-    explicit = flags.pop("config", None) or env.get(CONFIG_ENV)
+    explicit = flags.pop("config", None)
+    where = "--config"
+    if explicit is None:
+        explicit, where = env.get(CONFIG_ENV), CONFIG_ENV
+    if explicit is not None and not str(explicit).strip():
+        # Found by review: an empty --config or KVWARM_CONFIG read as not given, and the
+        # user's config file (if any) was read instead of the one meant.
+        raise ConfigError(f"{where} is empty; give the config file's path")
     file_values: dict[str, object] = {}
     config_file: Path | None = None
     if explicit:
