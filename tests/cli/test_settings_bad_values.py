@@ -272,3 +272,12 @@ def test_an_empty_config_path_is_refused_not_read_as_none_given(tmp_path: Path, 
 def test_an_empty_host_is_refused_not_bound_to_every_interface(value: str) -> None:
     with pytest.raises(ConfigError, match=r"host is empty.*host from --host"):
         load_settings({"host": value, "backend": "stub"}, {})
+
+
+@pytest.mark.parametrize("name", ["keepalive_interval_s", "model_idle_unload_s"])
+def test_seconds_past_what_a_thread_can_wait_are_refused(name: str) -> None:
+    """Found by review: ``keepalive_interval_s = 1e10`` loaded, and the keep-alive thread died
+    at its first ``Event.wait`` (OverflowError), leaving the keep-alive silently off."""
+    with pytest.raises(ConfigError, match=f"{name} must be at most"):
+        load_settings({name: "1e10", "backend": "stub"}, {})
+    load_settings({name: "86400", "backend": "stub"}, {})

@@ -32,6 +32,7 @@ import dataclasses
 import math
 import os
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,8 @@ __all__ = [
 ENV_PREFIX = "KVWARM_"
 CONFIG_ENV = "KVWARM_CONFIG"
 _GIB = 1 << 30
+#: The longest wait a thread can be told (``threading.TIMEOUT_MAX``, about 292 years).
+MAX_SECONDS = threading.TIMEOUT_MAX
 
 
 # erllama's gates (min_tokens 512, align 2048) suit big models on GPUs. A local CPU server
@@ -480,6 +483,10 @@ class Settings(ModelSettings, ServingSettings):
             # overflows where a wait is converted: a number setting must be finite.
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{field_name} must be finite, got {value}")
+            # Found by review: keepalive_interval_s = 1e10 passed, and the keep-alive thread
+            # died at once of Event.wait's OverflowError (the keep-alive silently off).
+            if field_name.endswith("_s") and isinstance(value, float) and value > MAX_SECONDS:
+                raise ConfigError(f"{field_name} must be at most {MAX_SECONDS:.0f}, got {value:g}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(
                 f"log_level must be one of debug, info, warning, error, critical; "
