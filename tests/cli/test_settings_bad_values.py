@@ -281,3 +281,35 @@ def test_seconds_past_what_a_thread_can_wait_are_refused(name: str) -> None:
     with pytest.raises(ConfigError, match=f"{name} must be at most"):
         load_settings({name: "1e10", "backend": "stub"}, {})
     load_settings({name: "86400", "backend": "stub"}, {})
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("KVWARM_ALLOWED_ORIGINS", "http://a.example:3000,http://b.example:3000"),
+        ("KVWARM_ALLOWED_ORIGINS", "a.example:3000"),  # a host, not an origin
+        ("KVWARM_ALLOWED_ORIGINS", "http://a.example/app"),  # an origin has no path
+        ("KVWARM_ALLOWED_ORIGINS", "null"),  # never allowed by the guard
+        ("KVWARM_ALLOWED_HOSTS", "a.example,b.example"),
+        ("KVWARM_ALLOWED_HOSTS", "http://a.example"),  # a URL, not a Host name
+        ("KVWARM_MEDIA_FETCH_HOSTS", "a.example,b.example"),
+    ],
+)
+def test_a_list_in_one_entry_of_a_host_or_origin_setting_is_refused(var: str, value: str) -> None:
+    """Found by review: each of these was one entry that no request could ever match, so the
+    pages, hosts or image hosts meant were refused at request time, and nothing said why at
+    start-up."""
+    name = var.removeprefix("KVWARM_").lower()
+    with pytest.raises(ConfigError, match=f"{name}: .* is not"):
+        load_settings({}, {var: value, "KVWARM_BACKEND": "stub"})
+
+
+def test_good_hosts_and_origins_still_load() -> None:
+    flags: dict[str, object] = {
+        "allowed_origins": ["http://a.example:3000", "https://b.example/", "*"],
+        "allowed_hosts": ["kv.lan", "kv.lan:8000", "[::1]:8000", "*"],
+        "media_fetch_hosts": ["img.example", "img.example:8443", "*"],
+        "backend": "stub",
+    }
+    settings = load_settings(flags, {})
+    assert settings.allowed_origins[0] == "http://a.example:3000"

@@ -98,6 +98,8 @@ __all__ = [
 ENV_PREFIX = "KVWARM_"
 CONFIG_ENV = "KVWARM_CONFIG"
 _GIB = 1 << 30
+#: What no origin or host name holds: a list separator, blanks, a user part.
+_LIST_JUNK = re.compile(r"[,;\s@]")
 #: The longest wait a thread can be told (``threading.TIMEOUT_MAX``, about 292 years).
 MAX_SECONDS = threading.TIMEOUT_MAX
 
@@ -466,6 +468,7 @@ class Settings(ModelSettings, ServingSettings):
             if (
                 not host
                 or "/" in host
+                or _LIST_JUNK.search(host)
                 or (port and not (port.isdigit() and 0 < int(port) < 65536))
                 or (value.startswith("[") and not value[1:].partition("]")[1])
             ):
@@ -474,6 +477,34 @@ class Settings(ModelSettings, ServingSettings):
                 )
             rules.append((host, int(port) if port else None))
         return tuple(rules)
+
+    def _check_browser_lists(self) -> None:
+        """``allowed_origins`` and ``allowed_hosts``: each entry one origin (``scheme://host
+        [:port]``) or one Host name (``name[:port]``), or ``*``. Found by review: these are
+        lists, one entry a flag, and ``KVWARM_ALLOWED_ORIGINS=http://a:3000,http://b:3000``
+        was one origin that no browser sends, so both pages were refused with no word at
+        start-up (likewise a URL given as a host)."""
+        for entry in self.allowed_origins:
+            scheme, sep, rest = entry.strip().partition("://")
+            if entry == "*":
+                continue
+            if (
+                _LIST_JUNK.search(entry)
+                or not sep
+                or not scheme
+                or not rest.rstrip("/")
+                or ("/" in rest.rstrip("/"))
+            ):
+                raise ConfigError(
+                    f"allowed_origins: {entry!r} is not an origin (scheme://host[:port], or *); "
+                    "give each origin as its own --allowed-origin"
+                )
+        for entry in self.allowed_hosts:
+            if entry != "*" and (not entry.strip() or _LIST_JUNK.search(entry) or "/" in entry):
+                raise ConfigError(
+                    f"allowed_hosts: {entry!r} is not a host name (name[:port], or *); give "
+                    "each host as its own --allowed-host"
+                )
 
     def check(self) -> None:
         """Range and cross-setting rules; raises ``ConfigError``."""
@@ -540,6 +571,7 @@ class Settings(ModelSettings, ServingSettings):
             known = ", ".join(registered_policies())
             raise ConfigError(f"cache_eviction must be one of {known}, got {self.cache_eviction!r}")
         self.media_fetch_rules()
+        self._check_browser_lists()
         settings_cache.check(self)
         check_models(self)  # the model list, aliases and every model's parameters
 
