@@ -12,11 +12,12 @@ are imported only when a tier is built. See docs/architecture.md.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from kvwarm.cache.protocols import Tier
 from kvwarm.cache.types import TierConfig
@@ -103,18 +104,28 @@ def registered_schemes() -> tuple[str, ...]:
         return tuple(_schemes)
 
 
+#: URL options whose values are secrets: redis-py takes ``?password=`` as the password.
+_SECRET_OPTION = re.compile(r"password|secret|token|key", re.IGNORECASE)
+
+
 def shown_url(url: str) -> str:
-    """``url`` as messages and logs may show it: a password in it is masked."""
+    """``url`` as messages and logs may show it: a password in it is masked, in its user
+    part or as an option (found by review: ``redis://host/0?password=...``, which redis-py
+    takes, was shown whole in every error about the URL)."""
     try:
         parts = urlsplit(url)
         password = parts.password
     except ValueError:  # not a URL urlsplit can read (a bad port...): show no part of it
         return "<unreadable URL>"
-    if password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any(_SECRET_OPTION.search(k) for k, _ in query):
+        masked = [(k, "***" if _SECRET_OPTION.search(k) else v) for k, v in query]
+        parts = parts._replace(query=urlencode(masked, safe="*"))
+    if password is not None:
+        user = parts.username or ""
+        host = parts.netloc.rpartition("@")[2]
+        parts = parts._replace(netloc=f"{user}:***@{host}")
+    return parts.geturl()
 
 
 def url_scheme(url: str) -> str:
