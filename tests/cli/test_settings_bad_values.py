@@ -313,3 +313,29 @@ def test_good_hosts_and_origins_still_load() -> None:
     }
     settings = load_settings(flags, {})
     assert settings.allowed_origins[0] == "http://a.example:3000"
+
+
+@pytest.mark.parametrize(
+    ("given", "needle"),
+    [
+        ({"cache_dir": "none", "cache_dir_shared": "true"}, "cache_dir_shared has no effect"),
+        ({"cache_dir": "none", "disk_quota_bytes": "1G"}, "disk_quota_bytes has no effect"),
+        ({"shm_quota_bytes": "4G"}, "shm_quota_bytes has no effect"),
+        ({"s3_endpoint_url": "http://minio:9000"}, "s3_endpoint_url has no effect"),
+        ({"memory_budget": "8G", "ram_quota_bytes": "1G"}, "ram_quota_bytes has no effect"),
+    ],
+)
+def test_a_setting_the_others_make_do_nothing_is_refused(
+    tmp_path: Path, given: dict[str, str], needle: str
+) -> None:
+    """Found by review: each was taken and silently ignored (a shared directory that is no
+    tier, a quota of a tier that is off, a budget that overrides the RAM quota given)."""
+    env = {"XDG_CONFIG_HOME": str(tmp_path), "KVWARM_BACKEND": "stub"}
+    with pytest.raises(ConfigError, match=needle):
+        load_settings({}, {**env, **{env_var(k): v for k, v in given.items()}})
+    # With what turns them on, they load.
+    on = {"cache_dir": str(tmp_path / "c"), "shm_dir": str(tmp_path / "shm"), "s3_bucket": "b"}
+    fixed = {k: v for k, v in {**on, **given}.items() if k != "memory_budget"}
+    if "cache_dir" in given:
+        fixed["cache_dir"] = on["cache_dir"]
+    load_settings({}, {**env, **{env_var(k): v for k, v in fixed.items()}})

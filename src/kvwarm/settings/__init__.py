@@ -678,9 +678,47 @@ def load_settings(
     settings = defaults.replace(**values)
     try:
         settings.check()
+        _check_given(settings, origin)
     except ConfigError as exc:
         raise _with_origin(exc, origin) from exc
     return settings
+
+
+#: Settings that do nothing unless another is set: (settings, what turns them on, the check).
+_NEEDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
+    (
+        ("disk_quota_bytes", "cache_dir_shared"),
+        "cache_dir",
+        "the disk tier is off (cache_dir none)",
+    ),
+    (("shm_quota_bytes",), "shm_dir", "the ram_file tier is off (no shm_dir)"),
+    (
+        (
+            "s3_prefix", "s3_endpoint_url", "s3_region", "s3_quota_bytes",
+            "s3_connect_timeout_s", "s3_read_timeout_s", "s3_max_attempts",
+        ),
+        "s3_bucket",
+        "the s3 tier is off (no s3_bucket)",
+    ),
+)  # fmt: skip
+
+
+def _check_given(settings: Settings, given: Mapping[str, str]) -> None:
+    """``ConfigError`` for a setting given (from any source) that the others make do
+    nothing. Found by review: ``cache_dir_shared`` with the disk tier off, ``shm_quota_bytes``
+    with no ``shm_dir``, an s3 endpoint with no bucket, and ``ram_quota_bytes`` beside a
+    ``memory_budget`` (which sizes the RAM tier itself) were all taken and ignored."""
+    for names, needed, why in _NEEDS:
+        if getattr(settings, needed) is not None:
+            continue
+        for name in names:
+            if name in given:
+                raise ConfigError(f"{name} has no effect: {why}; set {needed}, or drop {name}")
+    if settings.memory_budget and "ram_quota_bytes" in given:
+        raise ConfigError(
+            "ram_quota_bytes has no effect with memory_budget, which sizes the RAM tier to "
+            "what the models and the other tiers leave of it; drop one of them"
+        )
 
 
 def _with_origin(exc: ConfigError, origin: Mapping[str, str]) -> ConfigError:
