@@ -339,3 +339,19 @@ def test_a_setting_the_others_make_do_nothing_is_refused(
     if "cache_dir" in given:
         fixed["cache_dir"] = on["cache_dir"]
     load_settings({}, {**env, **{env_var(k): v for k, v in fixed.items()}})
+
+
+@pytest.mark.parametrize(
+    ("tier", "needle"),
+    [
+        ("x=ram://?quotaa=1G", "unknown URL option 'quotaa'"),
+        ("x=file://relative/dir", "absolute local path"),
+        ("x=file:///srv/kv?shraed=1", "unknown URL option 'shraed'"),
+        ("x=s3://bucket/p/?regoin=eu", "unknown options regoin"),
+    ],
+)
+def test_a_tier_url_option_is_checked_while_the_settings_load(tier: str, needle: str) -> None:
+    """Found by review: what a tier's factory refuses of its URL was refused only when the
+    engine built the tiers, after the server had started (exit status 1)."""
+    with pytest.raises(ConfigError, match=f"tiers: .*{needle}.*tiers from --tiers"):
+        load_settings({"tiers": [tier], "backend": "stub"}, {})
