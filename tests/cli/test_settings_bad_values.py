@@ -355,3 +355,17 @@ def test_a_tier_url_option_is_checked_while_the_settings_load(tier: str, needle:
     engine built the tiers, after the server had started (exit status 1)."""
     with pytest.raises(ConfigError, match=f"tiers: .*{needle}.*tiers from --tiers"):
         load_settings({"tiers": [tier], "backend": "stub"}, {})
+
+
+@pytest.mark.parametrize("name", ["cache_dir", "shm_dir"])
+def test_a_tier_directory_that_cannot_be_created_is_refused(tmp_path: Path, name: str) -> None:
+    """Found by review: a dangling link, or a path under a file, passed as "does not exist
+    yet", and the engine failed to create it once the server had started (exit status 1)."""
+    dangling = tmp_path / "link"
+    dangling.symlink_to(tmp_path / "nowhere")
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for root, needle in ((dangling, "which does not exist"), (a_file / "sub", "cannot be created")):
+        with pytest.raises(ConfigError, match=f"{name} .*{needle}"):
+            load_settings({name: str(root), "backend": "stub"}, {})
+    load_settings({name: str(tmp_path / "new" / "deeper"), "backend": "stub"}, {})
