@@ -146,6 +146,9 @@ def test_bad_tier_urls_are_config_errors(tmp_path: Path) -> None:
         "redis://user:s3cret@127.0.0.1/0?db=zero",  # the client's own refusal
         "http://user:s3cret@127.0.0.1/",  # not a redis URL
         "gopher://user:s3cret@127.0.0.1/",  # no store of that scheme
+        # The password as an option, which redis-py takes (found by review: shown whole).
+        "redis://127.0.0.1:6379/0?password=s3cret&timeout_s=soon",
+        "redis://127.0.0.1/0?db=zero&password=s3cret",
     ],
 )
 def test_a_bad_tier_url_is_a_config_error_that_does_not_show_its_password(url: str) -> None:

@@ -198,3 +198,174 @@ def test_a_path_naming_a_user_with_no_home_is_a_literal_path(name: str) -> None:
     except ConfigError:
         return  # refused as a path that does not exist, say: typed, named
     assert str(getattr(loaded, name)) == "~0/x"
+
+
+@pytest.mark.parametrize(
+    ("tier", "needle"),
+    [("x=foo://bar", "unknown scheme"), ("a b=ram://", "tier names are")],
+)
+def test_a_bad_tier_url_is_refused_while_the_settings_load(tier: str, needle: str) -> None:
+    """Found by review: the engine refused these only once the server had bound its port and
+    started (``no model could be loaded``, exit status 1)."""
+    with pytest.raises(ConfigError, match=f"tiers: .*{needle}.*tiers from --tiers"):
+        load_settings({"tiers": [tier], "backend": "stub"}, {})
+
+
+# --- an empty value is refused, not read as false or as "not given" (found by review) ------
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("cache_dir", ""),  # the disk tier silently off: nothing survived a restart
+        ("spec_exact", ""),  # a boolean silently false
+        ("api_docs", "  "),
+        ("s3_endpoint_url", ""),  # the s3 tier silently on AWS instead of the endpoint meant
+        ("save_tier", ""),
+        ("n_threads", ""),
+        ("rope_scaling", ""),
+        ("models_dir", ""),
+    ],
+)
+def test_an_empty_value_is_refused_not_read_as_false_or_unset(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"environment setting {name}: is empty"):
+        load_settings({}, {env_var(name): value, "KVWARM_BACKEND": "stub"})
+
+
+def test_the_words_for_off_and_default_still_say_it() -> None:
+    env = {
+        "KVWARM_CACHE_DIR": "none",
+        "KVWARM_SPEC_EXACT": "false",
+        "KVWARM_N_THREADS": "none",
+        "KVWARM_ROPE_SCALING": "model",
+    }
+    settings = load_settings({}, env)
+    assert settings.cache_dir is None and settings.spec_exact is False
+    assert settings.n_threads is None and settings.rope_scaling is None
+
+
+def test_an_empty_key_of_a_models_table_is_refused_naming_it(tmp_path: Path) -> None:
+    config = tmp_path / "kvwarm.toml"
+    config.write_text('[[models]]\npath = "a.gguf"\n\n[[models]]\nid = ""\npath = "b.gguf"\n')
+    with pytest.raises(ConfigError, match="setting models: model 2: id: is empty"):
+        load_settings({"config": str(config)}, {})
+
+
+@pytest.mark.parametrize("where", ["flag", "env"])
+def test_an_empty_config_path_is_refused_not_read_as_none_given(tmp_path: Path, where: str) -> None:
+    """The user's config file was read instead (here: one that sets port 9009)."""
+    user = tmp_path / "kvwarm" / "config.toml"
+    user.parent.mkdir()
+    user.write_text("port = 9009\n")
+    env = {"XDG_CONFIG_HOME": str(tmp_path)}
+    flags: dict[str, object] = {}
+    if where == "flag":
+        flags["config"] = ""
+    else:
+        env["KVWARM_CONFIG"] = " "
+    name = "--config" if where == "flag" else "KVWARM_CONFIG"
+    with pytest.raises(ConfigError, match=f"{name} is empty"):
+        load_settings(flags, env)
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_host_is_refused_not_bound_to_every_interface(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"host is empty.*host from --host"):
+        load_settings({"host": value, "backend": "stub"}, {})
+
+
+@pytest.mark.parametrize("name", ["keepalive_interval_s", "model_idle_unload_s"])
+def test_seconds_past_what_a_thread_can_wait_are_refused(name: str) -> None:
+    """Found by review: ``keepalive_interval_s = 1e10`` loaded, and the keep-alive thread died
+    at its first ``Event.wait`` (OverflowError), leaving the keep-alive silently off."""
+    with pytest.raises(ConfigError, match=f"{name} must be at most"):
+        load_settings({name: "1e10", "backend": "stub"}, {})
+    load_settings({name: "86400", "backend": "stub"}, {})
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("KVWARM_ALLOWED_ORIGINS", "http://a.example:3000,http://b.example:3000"),
+        ("KVWARM_ALLOWED_ORIGINS", "a.example:3000"),  # a host, not an origin
+        ("KVWARM_ALLOWED_ORIGINS", "http://a.example/app"),  # an origin has no path
+        ("KVWARM_ALLOWED_ORIGINS", "null"),  # never allowed by the guard
+        ("KVWARM_ALLOWED_HOSTS", "a.example,b.example"),
+        ("KVWARM_ALLOWED_HOSTS", "http://a.example"),  # a URL, not a Host name
+        ("KVWARM_MEDIA_FETCH_HOSTS", "a.example,b.example"),
+    ],
+)
+def test_a_list_in_one_entry_of_a_host_or_origin_setting_is_refused(var: str, value: str) -> None:
+    """Found by review: each of these was one entry that no request could ever match, so the
+    pages, hosts or image hosts meant were refused at request time, and nothing said why at
+    start-up."""
+    name = var.removeprefix("KVWARM_").lower()
+    with pytest.raises(ConfigError, match=f"{name}: .* is not"):
+        load_settings({}, {var: value, "KVWARM_BACKEND": "stub"})
+
+
+def test_good_hosts_and_origins_still_load() -> None:
+    flags: dict[str, object] = {
+        "allowed_origins": ["http://a.example:3000", "https://b.example/", "*"],
+        "allowed_hosts": ["kv.lan", "kv.lan:8000", "[::1]:8000", "*"],
+        "media_fetch_hosts": ["img.example", "img.example:8443", "*"],
+        "backend": "stub",
+    }
+    settings = load_settings(flags, {})
+    assert settings.allowed_origins[0] == "http://a.example:3000"
+
+
+@pytest.mark.parametrize(
+    ("given", "needle"),
+    [
+        ({"cache_dir": "none", "cache_dir_shared": "true"}, "cache_dir_shared has no effect"),
+        ({"cache_dir": "none", "disk_quota_bytes": "1G"}, "disk_quota_bytes has no effect"),
+        ({"shm_quota_bytes": "4G"}, "shm_quota_bytes has no effect"),
+        ({"s3_endpoint_url": "http://minio:9000"}, "s3_endpoint_url has no effect"),
+        ({"memory_budget": "8G", "ram_quota_bytes": "1G"}, "ram_quota_bytes has no effect"),
+    ],
+)
+def test_a_setting_the_others_make_do_nothing_is_refused(
+    tmp_path: Path, given: dict[str, str], needle: str
+) -> None:
+    """Found by review: each was taken and silently ignored (a shared directory that is no
+    tier, a quota of a tier that is off, a budget that overrides the RAM quota given)."""
+    env = {"XDG_CONFIG_HOME": str(tmp_path), "KVWARM_BACKEND": "stub"}
+    with pytest.raises(ConfigError, match=needle):
+        load_settings({}, {**env, **{env_var(k): v for k, v in given.items()}})
+    # With what turns them on, they load.
+    on = {"cache_dir": str(tmp_path / "c"), "shm_dir": str(tmp_path / "shm"), "s3_bucket": "b"}
+    fixed = {k: v for k, v in {**on, **given}.items() if k != "memory_budget"}
+    if "cache_dir" in given:
+        fixed["cache_dir"] = on["cache_dir"]
+    load_settings({}, {**env, **{env_var(k): v for k, v in fixed.items()}})
+
+
+@pytest.mark.parametrize(
+    ("tier", "needle"),
+    [
+        ("x=ram://?quotaa=1G", "unknown URL option 'quotaa'"),
+        ("x=file://relative/dir", "absolute local path"),
+        ("x=file:///srv/kv?shraed=1", "unknown URL option 'shraed'"),
+        ("x=s3://bucket/p/?regoin=eu", "unknown options regoin"),
+    ],
+)
+def test_a_tier_url_option_is_checked_while_the_settings_load(tier: str, needle: str) -> None:
+    """Found by review: what a tier's factory refuses of its URL was refused only when the
+    engine built the tiers, after the server had started (exit status 1)."""
+    with pytest.raises(ConfigError, match=f"tiers: .*{needle}.*tiers from --tiers"):
+        load_settings({"tiers": [tier], "backend": "stub"}, {})
+
+
+@pytest.mark.parametrize("name", ["cache_dir", "shm_dir"])
+def test_a_tier_directory_that_cannot_be_created_is_refused(tmp_path: Path, name: str) -> None:
+    """Found by review: a dangling link, or a path under a file, passed as "does not exist
+    yet", and the engine failed to create it once the server had started (exit status 1)."""
+    dangling = tmp_path / "link"
+    dangling.symlink_to(tmp_path / "nowhere")
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for root, needle in ((dangling, "which does not exist"), (a_file / "sub", "cannot be created")):
+        with pytest.raises(ConfigError, match=f"{name} .*{needle}"):
+            load_settings({name: str(root), "backend": "stub"}, {})
+    load_settings({name: str(tmp_path / "new" / "deeper"), "backend": "stub"}, {})

@@ -277,3 +277,16 @@ def test_draft_model_globally_per_model_and_checked(tmp_path: Path) -> None:
         load_settings(_flags("--draft-model", str(tmp_path / "missing.gguf")), ENV).check()
     with pytest.raises(ConfigError, match="needs a draft_model"):
         load_settings(_flags("--spec-type", "draft-simple"), ENV).check()
+
+
+@pytest.mark.parametrize("key", ["n_ctx", "n_parallel"])
+def test_a_per_model_zero_is_refused_not_read_as_the_global_value(tmp_path: Path, key: str) -> None:
+    """Found by review: ``n_ctx = 0`` (or ``n_parallel = 0``) in a [[models]] table read as
+    "not given" (``spec.n_ctx or settings.n_ctx``): the model ran with the global value."""
+    config = tmp_path / "kvwarm.toml"
+    config.write_text(f'backend = "stub"\n[[models]]\nid = "m"\npath = "m.gguf"\n{key} = 0\n')
+    with pytest.raises(ConfigError, match=f"model m: {key} must be >= 1, got 0"):
+        load_settings({"config": str(config)}, {})
+    config.write_text(f'backend = "stub"\n[[models]]\nid = "m"\npath = "m.gguf"\n{key} = 32\n')
+    context, _ = _config(load_settings({"config": str(config)}, {}))
+    assert getattr(context, "n_seq_max" if key == "n_parallel" else key) == 32

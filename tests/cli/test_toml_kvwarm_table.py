@@ -39,3 +39,12 @@ def test_top_level_keys_beside_a_kvwarm_table_are_not_silently_ignored(
     settings = _load(path)
     if settings is not None:
         assert getattr(settings, key) == attr
+
+
+def test_a_kvwarm_table_inside_the_kvwarm_table_is_not_silently_ignored(tmp_path: Path) -> None:
+    """Found by review: ``kvwarm`` was taken out of the unknown keys of the [kvwarm] table
+    itself, so ``[kvwarm.kvwarm]`` (a section written twice) and its settings did nothing."""
+    path = tmp_path / "config.toml"
+    path.write_text("[kvwarm]\nmax_queue = 8\n\n[kvwarm.kvwarm]\nport = 9003\n")
+    with pytest.raises(ConfigError, match="unknown settings kvwarm"):
+        load_settings({"config": str(path)}, {})

@@ -8,6 +8,7 @@ import base64
 import hashlib
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -82,11 +83,12 @@ def test_api_docs_off_serves_no_page_but_keeps_the_schema() -> None:
     ("argv", "expected"),
     [((), True), (("--no-api-docs",), False), (("--api-docs", "false"), False)],
 )
-def test_no_api_docs_flag(argv: tuple[str, ...], expected: bool) -> None:
+def test_no_api_docs_flag(tmp_path: Path, argv: tuple[str, ...], expected: bool) -> None:
     parser = argparse.ArgumentParser()
     add_settings_arguments(parser)
     flags = settings_flags(parser.parse_args(list(argv)))
-    assert load_settings(flags, {"KVWARM_CONFIG": ""}).api_docs is expected
+    # No config file: the user's is under an empty directory.
+    assert load_settings(flags, {"XDG_CONFIG_HOME": str(tmp_path)}).api_docs is expected
 
 
 def test_every_operation_id_in_the_schema_is_its_own() -> None:

@@ -412,3 +412,16 @@ def test_a_long_reply_is_not_parsed_again_per_token(monkeypatch: pytest.MonkeyPa
     assert sum(isinstance(p, ToolCall) for p in whole) == 20
     assert len(made) <= 2 * 20, len(made)  # each call parsed once as it closes (+ finish)
     assert len(parses) <= 4 * 20, len(parses)
+
+
+def test_a_broken_invariant_logs_no_reply_text_at_error(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by review: a streamed reply that differed from the whole reply was logged whole,
+    a user's text, at ERROR; the text is now logged at DEBUG alone."""
+    stream = ToolStream(frozenset(), forced=False)
+    secret = "my card number is 4111"
+    stream.feed(secret)
+    stream._sent = ["something else"]  # what a broken parser would have sent before
+    with caplog.at_level(logging.ERROR, logger="kvwarm.server.tool_stream"):
+        stream._extend(["entirely different"], 0)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors and all(secret not in r.getMessage() for r in errors)

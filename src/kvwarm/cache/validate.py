@@ -10,7 +10,7 @@ import math
 from collections.abc import Collection
 
 from kvwarm.cache.eviction.base import registered_policies
-from kvwarm.cache.tiers.registry import check_name, registered_tiers, tier_spec, url_scheme
+from kvwarm.cache.tiers.registry import check_name, check_url, registered_tiers, tier_spec
 from kvwarm.cache.types import (
     TIER_SERIES,
     TIER_TOTALS,
@@ -82,7 +82,7 @@ def validate_s3_config(cfg: S3Config, obj: str = "s3") -> None:
 def validate_tier_config(tier: TierConfig) -> None:
     if tier.url is not None:
         check_name(tier.name)
-        url_scheme(tier.url)  # ConfigError for a scheme no store registered
+        check_url(tier)  # ConfigError for a scheme no store registered, or a URL it refuses
         _need_int(f"tier {tier.name}", "quota_bytes", tier.quota_bytes, minimum=0)
         if tier.root is not None or tier.s3 is not None or tier.shared:
             raise ConfigError(f"tier {tier.name}: a URL names the store; root/shared/s3 go")

@@ -45,7 +45,7 @@ from kvwarm.engine.cancel import Cancellation
 from kvwarm.engine.speculating import kernel_environment
 from kvwarm.errors import KvwarmError, ReplicaTimeoutError, RequestCancelledError
 from kvwarm.settings import Settings
-from kvwarm.settings.model import max_queue
+from kvwarm.settings.model import max_queue, model_slots
 
 log = logging.getLogger("kvwarm.cluster")
 
@@ -141,7 +141,7 @@ def ingress_max_ongoing(settings: Settings) -> int:
     away and for the other routes): a request past this cap would wait in Serve's proxy
     instead, with no answer."""
     per_model = [
-        max_in_flight(settings, spec.n_parallel or settings.n_parallel, max_queue(settings, spec))
+        max_in_flight(settings, model_slots(settings, spec), max_queue(settings, spec))
         for spec in settings.models
     ]
     return 2 * max(sum(per_model), 1) + 64

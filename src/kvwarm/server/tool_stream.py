@@ -194,7 +194,7 @@ class ToolStream:
                 sent = self._sent[i]
                 if isinstance(sent, ToolCall) and isinstance(part, ToolCall):
                     if (sent.name, sent.arguments) != (part.name, part.arguments):
-                        log.error("streamed tool calls differ from the reply's: %r", self._text)
+                        self._diverged("streamed tool calls differ from the reply's")
                     continue
                 if isinstance(sent, str) and isinstance(part, str) and part.startswith(sent):
                     if len(part) > len(sent):
@@ -202,11 +202,17 @@ class ToolStream:
                         self._sent[i] = part
                     continue
                 # Cannot happen while the parser keeps what it parsed of a reply's start.
-                log.error("streamed reply differs from the whole reply: %r", self._text)
+                self._diverged("streamed reply differs from the whole reply")
                 return out
             out.append(part)
             self._sent.append(part)
         return out
+
+    def _diverged(self, what: str) -> None:
+        """A broken invariant: said at ERROR without the reply (found by review: the whole
+        reply, a user's text, was logged at ERROR), which DEBUG adds."""
+        log.error("%s (a reply of %d characters; DEBUG logs it)", what, len(self._text))
+        log.debug("%s: %r", what, self._text)
 
     def finish(self) -> tuple[list[Part], list[Part]]:
         """(the parts not yet sent, the whole reply's parts with calls as they were sent)."""

@@ -32,6 +32,7 @@ import dataclasses
 import math
 import os
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,10 @@ __all__ = [
 ENV_PREFIX = "KVWARM_"
 CONFIG_ENV = "KVWARM_CONFIG"
 _GIB = 1 << 30
+#: What no origin or host name holds: a list separator, blanks, a user part.
+_LIST_JUNK = re.compile(r"[,;\s@]")
+#: The longest wait a thread can be told (``threading.TIMEOUT_MAX``, about 292 years).
+MAX_SECONDS = threading.TIMEOUT_MAX
 
 
 # erllama's gates (min_tokens 512, align 2048) suit big models on GPUs. A local CPU server
@@ -463,6 +468,7 @@ class Settings(ModelSettings, ServingSettings):
             if (
                 not host
                 or "/" in host
+                or _LIST_JUNK.search(host)
                 or (port and not (port.isdigit() and 0 < int(port) < 65536))
                 or (value.startswith("[") and not value[1:].partition("]")[1])
             ):
@@ -472,6 +478,34 @@ class Settings(ModelSettings, ServingSettings):
             rules.append((host, int(port) if port else None))
         return tuple(rules)
 
+    def _check_browser_lists(self) -> None:
+        """``allowed_origins`` and ``allowed_hosts``: each entry one origin (``scheme://host
+        [:port]``) or one Host name (``name[:port]``), or ``*``. Found by review: these are
+        lists, one entry a flag, and ``KVWARM_ALLOWED_ORIGINS=http://a:3000,http://b:3000``
+        was one origin that no browser sends, so both pages were refused with no word at
+        start-up (likewise a URL given as a host)."""
+        for entry in self.allowed_origins:
+            scheme, sep, rest = entry.strip().partition("://")
+            if entry == "*":
+                continue
+            if (
+                _LIST_JUNK.search(entry)
+                or not sep
+                or not scheme
+                or not rest.rstrip("/")
+                or ("/" in rest.rstrip("/"))
+            ):
+                raise ConfigError(
+                    f"allowed_origins: {entry!r} is not an origin (scheme://host[:port], or *); "
+                    "give each origin as its own --allowed-origin"
+                )
+        for entry in self.allowed_hosts:
+            if entry != "*" and (not entry.strip() or _LIST_JUNK.search(entry) or "/" in entry):
+                raise ConfigError(
+                    f"allowed_hosts: {entry!r} is not a host name (name[:port], or *); give "
+                    "each host as its own --allowed-host"
+                )
+
     def check(self) -> None:
         """Range and cross-setting rules; raises ``ConfigError``."""
         for field_name in type(self).model_fields:
@@ -480,11 +514,18 @@ class Settings(ModelSettings, ServingSettings):
             # overflows where a wait is converted: a number setting must be finite.
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{field_name} must be finite, got {value}")
+            # Found by review: keepalive_interval_s = 1e10 passed, and the keep-alive thread
+            # died at once of Event.wait's OverflowError (the keep-alive silently off).
+            if field_name.endswith("_s") and isinstance(value, float) and value > MAX_SECONDS:
+                raise ConfigError(f"{field_name} must be at most {MAX_SECONDS:.0f}, got {value:g}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(
                 f"log_level must be one of debug, info, warning, error, critical; "
                 f"got {self.log_level!r}"
             )
+        if not self.host.strip():
+            # Found by review: uvicorn binds "" to every interface, as 0.0.0.0 says openly.
+            raise ConfigError("host is empty; give an address (0.0.0.0: every interface)")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         for name in ("n_ctx", "n_batch", "n_parallel", "max_queue", "max_body_bytes"):
@@ -530,6 +571,7 @@ class Settings(ModelSettings, ServingSettings):
             known = ", ".join(registered_policies())
             raise ConfigError(f"cache_eviction must be one of {known}, got {self.cache_eviction!r}")
         self.media_fetch_rules()
+        self._check_browser_lists()
         settings_cache.check(self)
         check_models(self)  # the model list, aliases and every model's parameters
 
@@ -589,7 +631,14 @@ def load_settings(
     flags = dict(flags or {})
     env = os.environ if env is None else env
     unknown_env(env, {env_var(name) for name in Settings.model_fields} | {CONFIG_ENV}, ENV_PREFIX)
-    explicit = flags.pop("config", None) or env.get(CONFIG_ENV)
+    explicit = flags.pop("config", None)
+    where = "--config"
+    if explicit is None:
+        explicit, where = env.get(CONFIG_ENV), CONFIG_ENV
+    if explicit is not None and not str(explicit).strip():
+        # Found by review: an empty --config or KVWARM_CONFIG read as not given, and the
+        # user's config file (if any) was read instead of the one meant.
+        raise ConfigError(f"{where} is empty; give the config file's path")
     file_values: dict[str, object] = {}
     config_file: Path | None = None
     if explicit:
@@ -629,9 +678,47 @@ def load_settings(
     settings = defaults.replace(**values)
     try:
         settings.check()
+        _check_given(settings, origin)
     except ConfigError as exc:
         raise _with_origin(exc, origin) from exc
     return settings
+
+
+#: Settings that do nothing unless another is set: (settings, what turns them on, the check).
+_NEEDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
+    (
+        ("disk_quota_bytes", "cache_dir_shared"),
+        "cache_dir",
+        "the disk tier is off (cache_dir none)",
+    ),
+    (("shm_quota_bytes",), "shm_dir", "the ram_file tier is off (no shm_dir)"),
+    (
+        (
+            "s3_prefix", "s3_endpoint_url", "s3_region", "s3_quota_bytes",
+            "s3_connect_timeout_s", "s3_read_timeout_s", "s3_max_attempts",
+        ),
+        "s3_bucket",
+        "the s3 tier is off (no s3_bucket)",
+    ),
+)  # fmt: skip
+
+
+def _check_given(settings: Settings, given: Mapping[str, str]) -> None:
+    """``ConfigError`` for a setting given (from any source) that the others make do
+    nothing. Found by review: ``cache_dir_shared`` with the disk tier off, ``shm_quota_bytes``
+    with no ``shm_dir``, an s3 endpoint with no bucket, and ``ram_quota_bytes`` beside a
+    ``memory_budget`` (which sizes the RAM tier itself) were all taken and ignored."""
+    for names, needed, why in _NEEDS:
+        if getattr(settings, needed) is not None:
+            continue
+        for name in names:
+            if name in given:
+                raise ConfigError(f"{name} has no effect: {why}; set {needed}, or drop {name}")
+    if settings.memory_budget and "ram_quota_bytes" in given:
+        raise ConfigError(
+            "ram_quota_bytes has no effect with memory_budget, which sizes the RAM tier to "
+            "what the models and the other tiers leave of it; drop one of them"
+        )
 
 
 def _with_origin(exc: ConfigError, origin: Mapping[str, str]) -> ConfigError:

@@ -10,11 +10,13 @@ scheme picks it (``cache/tiers/registry.py``). See docs/architecture.md ("The ca
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvwarm.cache.types import CacheConfig, S3Config, TierConfig, TierName
+from kvwarm.cache.validate import validate_cache_config
 from kvwarm.errors import ConfigError
 from kvwarm.settings.types import path_kind
 
@@ -89,6 +91,24 @@ def url_tier(spec: str) -> TierConfig:
     return TierConfig(name, quota_bytes, url=urlunsplit(parts._replace(query=rest)))
 
 
+def _check_creatable(root: Path, name: str) -> None:
+    """``ConfigError`` unless ``root``, which does not exist, can be made as a directory:
+    its nearest existing ancestor is one, and it is no symbolic link to nowhere. Found by
+    review: ``cache_dir`` a dangling link, or under a file, stopped the engine only once the
+    server had started ("cannot create cache root", exit status 1)."""
+    path = Path(os.path.expanduser(root))
+    for part in (path, *path.parents):
+        if part.is_symlink() and path_kind(part, name) == "missing":
+            target = os.readlink(part)
+            raise ConfigError(f"{name} {root}: {part} is a link to {target}, which does not exist")
+        kind = path_kind(part, name)
+        if kind == "missing":
+            continue
+        if kind != "dir":
+            raise ConfigError(f"{name} {root} cannot be created: {part} is not a directory")
+        return
+
+
 def check(s: Settings) -> None:
     """``ConfigError`` for a save tier that is not configured, a chunk size that does not
     line up with n_batch, a state history below -1, or bad s3 settings."""
@@ -108,7 +128,12 @@ def check(s: Settings) -> None:
         # ("cache root /etc/passwd/rows is not a directory", exit status 1). One that does not
         # exist yet is created.
         root: Path | None = getattr(s, name)
-        if root is not None and path_kind(root, name) not in ("dir", "missing"):
+        if root is None:
+            continue
+        kind = path_kind(root, name)
+        if kind == "missing":
+            _check_creatable(root, name)
+        elif kind != "dir":
             raise ConfigError(f"{name} {root} is not a directory")
     tier = save_tier(s)
     if tier == "disk" and s.cache_dir is None:
@@ -132,6 +157,13 @@ def check(s: Settings) -> None:
         )
     if tier not in names:
         raise ConfigError(f"save_tier {tier} is not a configured tier ({', '.join(names)})")
+    # The cache's own checks (a tier URL's scheme, a tier's name, two tiers on one directory),
+    # here, before the server binds. Found by review: ``--tiers x=foo://bar`` or a tier named
+    # ``a b`` was refused only once the server had started, by the engine (exit status 1).
+    try:
+        validate_cache_config(cache_config(s))
+    except ConfigError as exc:
+        raise ConfigError(f"tiers: {exc}") from exc
     if s.s3_bucket is None:
         return
     if not s.s3_bucket.strip():

@@ -324,11 +324,16 @@ def is_pinned(settings: Settings, spec: ModelSpec) -> bool:
     return bool(_value(settings, spec, "pinned"))
 
 
+def model_slots(settings: Settings, spec: ModelSpec) -> int:
+    """``spec``'s ``n_parallel``: its ``[[models]]`` table's, else the global one."""
+    return settings.n_parallel if spec.n_parallel is None else spec.n_parallel
+
+
 def hardware_params(settings: Settings, spec: ModelSpec) -> tuple[ContextParams, ModelParams]:
     """The per-slot ``ContextParams`` and the ``ModelParams`` of ``spec`` under ``settings``."""
-    n_parallel = spec.n_parallel or settings.n_parallel
+    n_parallel = model_slots(settings, spec)
     context = ContextParams(
-        n_ctx=spec.n_ctx or settings.n_ctx,
+        n_ctx=settings.n_ctx if spec.n_ctx is None else spec.n_ctx,
         n_batch=settings.n_batch,
         n_ubatch=min(settings.n_batch, 512),
         n_seq_max=n_parallel,
@@ -433,6 +438,12 @@ def check_models(settings: Settings) -> None:
             which = f"model {spec.model_id}: backend" if spec.backend else "backend"
             raise ConfigError(f"{which} {backend!r} is not one of {', '.join(BACKEND_NAMES)}")
     for spec in settings.models:
+        for name in ("n_ctx", "n_parallel"):
+            # Found by review: ``n_ctx = 0`` in a [[models]] table read as "not given" and the
+            # model silently ran with the global value.
+            own = getattr(spec, name)
+            if own is not None and own < 1:
+                raise ConfigError(f"model {spec.model_id}: {name} must be >= 1, got {own}")
         try:
             cfg = model_config(settings, spec)
             cfg.validate()  # its context and model params included

@@ -75,7 +75,7 @@ def read_toml(path: Path, known: set[str]) -> dict[str, object]:
                 f"config file {path}: {', '.join(outside)} outside the [kvwarm] table would be "
                 "ignored; move them into it (models as [[kvwarm.models]])"
             )
-    unknown = set(section) - known - {"kvwarm"}
+    unknown = set(section) - known
     if unknown:
         raise ConfigError(f"config file {path}: unknown settings {', '.join(sorted(unknown))}")
     return {k: v for k, v in section.items() if k in known}

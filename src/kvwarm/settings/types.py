@@ -18,7 +18,7 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BeforeValidator
 from pydantic_settings import NoDecode
@@ -146,13 +146,24 @@ def as_float(value: object) -> float:
     return number
 
 
+def _not_empty(text: str, hint: str) -> str:
+    """``text`` stripped; ``ValueError`` if nothing is left. Found by review: an empty value
+    (``KVWARM_CACHE_DIR=`` from a variable never filled in, ``--spec-exact ""``) read as
+    false, or as not given: the disk tier was silently off, a boolean silently false, an s3
+    endpoint silently AWS's. The words for those (``none``, ``false``) still say it."""
+    stripped = text.strip()
+    if not stripped:
+        raise ValueError(f"is empty; {hint}")
+    return stripped
+
+
 def as_bool(value: object) -> bool:
     if isinstance(value, bool):
         return value
-    text = _text(value, "a boolean").strip().lower()
+    text = _not_empty(_text(value, "a boolean"), "give true or false").lower()
     if text in ("1", "true", "yes", "on"):
         return True
-    if text in ("0", "false", "no", "off", ""):
+    if text in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"expected a boolean, got {value!r}")
 
@@ -175,7 +186,9 @@ def as_size(value: object) -> int:
 
 
 def as_opt_int(value: object) -> int | None:
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+    if value is None:
+        return None
+    if isinstance(value, str) and _not_empty(value, "give a number, or none").lower() == "none":
         return None
     return as_int(value)
 
@@ -184,7 +197,8 @@ def as_opt_str(value: object) -> str | None:
     if value is None:
         return None
     text = as_str(value)
-    return text or None
+    _not_empty(text, "give a value, or leave the setting out for its default")
+    return text
 
 
 def as_key(value: object) -> str | None:
@@ -207,8 +221,8 @@ def as_opt_path(value: object) -> Path | None:
         return None
     if isinstance(value, Path):
         return value
-    text = as_str(value).strip()
-    if text.lower() in ("", "none", "off"):
+    text = _not_empty(as_str(value), "give a path, or none to turn it off")
+    if text.lower() in ("none", "off"):
         return None
     return Path(os.path.expanduser(text))
 
@@ -235,6 +249,19 @@ def as_str_tuple(value: object) -> tuple[str, ...]:
 _MODEL_KEYS = {f.name for f in dataclasses.fields(ModelSpec)} - {"options"}
 
 
+_T = TypeVar("_T")
+
+
+def _table_key(
+    item: Mapping[str, object], name: str, number: int, parse: Callable[[object], _T]
+) -> _T:
+    """Key ``name`` of the ``number``th ``[[models]]`` table, parsed; the error names both."""
+    try:
+        return parse(item.get(name))
+    except ValueError as exc:
+        raise ValueError(f"model {number}: {name}: {exc}") from None
+
+
 def as_models(value: object) -> tuple[ModelSpec, ...]:
     """A comma-separated string of ``[ID=]PATH`` (env), a list of those (flags), or a list of
     tables with path/id/backend/n_ctx/n_parallel and any model setting (TOML)."""
@@ -250,16 +277,17 @@ def as_models(value: object) -> tuple[ModelSpec, ...]:
             # Imported here: settings_model builds on this module's types.
             from kvwarm.settings.model import model_options
 
-            model_id = as_opt_str(item.get("id"))
+            number = len(specs) + 1
+            model_id = _table_key(item, "id", number, as_opt_str)
             extra = {str(k): v for k, v in item.items() if k not in _MODEL_KEYS}
             specs.append(
                 ModelSpec(
-                    path=as_opt_str(item.get("path")),
+                    path=_table_key(item, "path", number, as_opt_str),
                     id=model_id,
-                    backend=as_opt_str(item.get("backend")),
-                    n_ctx=as_opt_int(item.get("n_ctx")),
-                    n_parallel=as_opt_int(item.get("n_parallel")),
-                    options=model_options(extra, model_id or str(item.get("path"))),
+                    backend=_table_key(item, "backend", number, as_opt_str),
+                    n_ctx=_table_key(item, "n_ctx", number, as_opt_int),
+                    n_parallel=_table_key(item, "n_parallel", number, as_opt_int),
+                    options=model_options(extra, str(model_id or item.get("path"))),
                 )
             )
         elif isinstance(item, ModelSpec):
@@ -300,11 +328,14 @@ def choice(
 
 
 def opt_choice(allowed: tuple[str, ...]) -> Callable[[object], str | None]:
-    """Like ``choice``; ``model`` (or empty, none given) means None: the model's own value."""
+    """Like ``choice``; ``model`` means None: the model's own value."""
     strict = choice(allowed)
 
     def parse(value: object) -> str | None:
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "model")):
+        if value is None:
+            return None
+        hint = "give one, or model for the model's own"
+        if isinstance(value, str) and _not_empty(value, hint).lower() == "model":
             return None
         return strict(value)
 

@@ -12,11 +12,12 @@ are imported only when a tier is built. See docs/architecture.md.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from kvwarm.cache.protocols import Tier
 from kvwarm.cache.types import TierConfig
@@ -27,6 +28,7 @@ __all__ = [
     "TierSpec",
     "build_tier",
     "check_name",
+    "check_url",
     "register_scheme",
     "register_tier",
     "registered_schemes",
@@ -90,12 +92,33 @@ def registered_tiers() -> tuple[str, ...]:
         return tuple(_specs)
 
 
-def register_scheme(scheme: str, factory: TierFactory) -> None:
-    """Make tiers configurable by URLs of ``scheme`` (``redis`` for ``redis://...``)."""
+TierCheck = Callable[[TierConfig], None]
+_checks: dict[str, TierCheck] = {}
+
+
+def register_scheme(scheme: str, factory: TierFactory, check: TierCheck | None = None) -> None:
+    """Make tiers configurable by URLs of ``scheme`` (``redis`` for ``redis://...``).
+    ``check``: what ``factory`` would refuse of a URL (its options), raised as a
+    ``ConfigError`` without opening anything, so configuration checks it before a server
+    starts (``check_url``)."""
     if not scheme or not scheme.replace("+", "").isalnum():
         raise ConfigError(f"URL schemes are [A-Za-z0-9+]+: {scheme!r}")
     with _lock:
         _schemes[scheme.lower()] = factory
+        if check is None:
+            _checks.pop(scheme.lower(), None)
+        else:
+            _checks[scheme.lower()] = check
+
+
+def check_url(config: TierConfig) -> None:
+    """``ConfigError`` for a URL tier's unknown scheme or, where its scheme registered a
+    check, a URL its factory would refuse. Found by review: ``?quotaa=1G`` or a relative
+    ``file://`` path was refused only when the tiers were built, after the server started."""
+    assert config.url is not None
+    check = _checks.get(url_scheme(config.url))
+    if check is not None:
+        check(config)
 
 
 def registered_schemes() -> tuple[str, ...]:
@@ -103,18 +126,28 @@ def registered_schemes() -> tuple[str, ...]:
         return tuple(_schemes)
 
 
+#: URL options whose values are secrets: redis-py takes ``?password=`` as the password.
+_SECRET_OPTION = re.compile(r"password|secret|token|key", re.IGNORECASE)
+
+
 def shown_url(url: str) -> str:
-    """``url`` as messages and logs may show it: a password in it is masked."""
+    """``url`` as messages and logs may show it: a password in it is masked, in its user
+    part or as an option (found by review: ``redis://host/0?password=...``, which redis-py
+    takes, was shown whole in every error about the URL)."""
     try:
         parts = urlsplit(url)
         password = parts.password
     except ValueError:  # not a URL urlsplit can read (a bad port...): show no part of it
         return "<unreadable URL>"
-    if password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any(_SECRET_OPTION.search(k) for k, _ in query):
+        masked = [(k, "***" if _SECRET_OPTION.search(k) else v) for k, v in query]
+        parts = parts._replace(query=urlencode(masked, safe="*"))
+    if password is not None:
+        user = parts.username or ""
+        host = parts.netloc.rpartition("@")[2]
+        parts = parts._replace(netloc=f"{user}:***@{host}")
+    return parts.geturl()
 
 
 def url_scheme(url: str) -> str:
@@ -194,16 +227,21 @@ def _switch(query: dict[str, str], option: str, name: str) -> bool:
     return value in _TRUE
 
 
-def _file_url(config: TierConfig, options: TierOptions) -> Tier:
-    """``file:///abs/path[?shared=1]``: a directory of crash-safe row files."""
-    from kvwarm.cache.tiers.files import FileTier
-
+def _file_url_parts(config: TierConfig) -> tuple[Path, bool]:
+    """A file URL's root directory and ``shared`` option; ``ConfigError`` for anything else."""
     assert config.url is not None
     parts = urlsplit(config.url)
     if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
         raise ConfigError(f"tier {config.name}: a file URL names an absolute local path")
     shared = _switch(_query(config.url, config.name, ("shared",)), "shared", config.name)
-    root = Path(unquote(parts.path))
+    return Path(unquote(parts.path)), shared
+
+
+def _file_url(config: TierConfig, options: TierOptions) -> Tier:
+    """``file:///abs/path[?shared=1]``: a directory of crash-safe row files."""
+    from kvwarm.cache.tiers.files import FileTier
+
+    root, shared = _file_url_parts(config)
     return FileTier(
         config.name,
         root,
@@ -214,11 +252,15 @@ def _file_url(config: TierConfig, options: TierOptions) -> Tier:
     )
 
 
+def _ram_url_check(config: TierConfig) -> None:
+    assert config.url is not None
+    _query(config.url, config.name)
+
+
 def _ram_url(config: TierConfig, options: TierOptions) -> Tier:
     from kvwarm.cache.tiers.ram import RamTier
 
-    assert config.url is not None
-    _query(config.url, config.name)
+    _ram_url_check(config)
     return RamTier(config.quota_bytes, name=config.name)
 
 
@@ -239,9 +281,20 @@ def _redis_url(config: TierConfig, options: TierOptions) -> Tier:
     return ObjectTier(store, config.quota_bytes, name=config.name, repair=options.repair)
 
 
-register_scheme("file", _file_url)
-register_scheme("ram", _ram_url)
-register_scheme("s3", _s3_url)
+def _s3_url_check(config: TierConfig) -> None:
+    from kvwarm.cache.tiers.s3 import s3_config_from_url
+
+    assert config.url is not None
+    s3_config_from_url(config.url)
+
+
+def _file_url_check(config: TierConfig) -> None:
+    _file_url_parts(config)
+
+
+register_scheme("file", _file_url, _file_url_check)
+register_scheme("ram", _ram_url, _ram_url_check)
+register_scheme("s3", _s3_url, _s3_url_check)
 register_scheme("redis", _redis_url)
 register_scheme("rediss", _redis_url)
 register_tier("ram", _ram, needs_root=False)
