@@ -26,6 +26,7 @@ from kvwarm.engine.worker.drafts import (
     RowTrust,
     SentenceEnds,
     match_prior,
+    overlapping,
 )
 from kvwarm.errors import ConfigError
 from kvwarm.tenants import scoped, tenant_id, tenant_of
@@ -794,3 +795,40 @@ def test_a_row_reply_to_the_same_material_is_drafted_whole_while_such_drafts_hol
         row_trust=trust,
     )
     assert len(short.propose([], 62, cpu)) < 30
+
+
+def test_a_continuation_that_reaches_the_present_goes_on_as_the_loop_it_is() -> None:
+    """What followed a match, once it reaches the text's end, repeats with the distance
+    between the two occurrences (an overlapping copy); one that stops short is as it was."""
+    assert overlapping([7, 8, 9], 3, 8) == [7, 8, 9, 7, 8, 9, 7, 8]
+    assert overlapping([7, 8], 3, 8) == [7, 8]  # stopped short of the end: no loop
+    assert overlapping([7, 8, 9], 3, 3) == [7, 8, 9]  # as long as asked already
+    assert overlapping([], 0, 5) == []
+
+
+def test_a_reply_caught_in_a_loop_is_drafted_past_one_period_by_a_budget_of_its_own() -> None:
+    """A base model's reply looping "<|im_end|>user\n" (Gemma 3 270M on the bench's JSON
+    prompt) was drafted one period a pass at most; its early failed copies of the prompt
+    kept the request's budget from drafting the loop at all for a dozen passes."""
+    loop = [50, 51, 52, 53, 54]
+    prompt = [1, 2, 3, 50, 51, 52, 53, 99, 4, 5]  # the loop's start, then something else
+    drafter = Drafter("ngram-simple", 4, 48, prompt)
+    cheap = Cost(0.0, 0.01)
+    # The reply's first copy of the prompt fails, twice: the request's budget falls.
+    for _ in range(2):
+        assert drafter.propose(loop[:4], 16, cheap)[:3] == [99, 4, 5]
+        drafter.verified(3, 0)
+    main = drafter.budget.acceptance()
+    reply = loop * 4  # the loop, repeated: its match goes back more than two periods
+    draft = drafter.propose(reply, 24, cheap)
+    assert len(draft) > len(loop) and draft == (loop * 6)[: len(draft)]
+    drafter.verified(len(draft), len(draft))
+    assert drafter.budget.acceptance() == main  # the loop's evidence is its own
+    assert drafter.loop_budget.acceptance() > DraftBudget().acceptance()
+    # Once the loop breaks, a rejected loop draft leaves the request's budget as it was.
+    drafter.propose(reply + loop, 24, cheap)
+    drafter.verified(10, 2)
+    assert drafter.budget.acceptance() == main
+    # Repeated only once so far: one period, as before (no evidence of a loop yet).
+    fresh = Drafter("ngram-simple", 4, 48, [9, 9])
+    assert fresh.propose(loop * 2, 24, cheap) == loop
