@@ -33,6 +33,24 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": SRC}
 
 
+def killed(*args: str) -> tuple[list[str], list[bytes]]:
+    """Run the writer child with ``args`` until it kills itself at its step: its output's
+    lines and the keys it acknowledged, in order (it must have died by SIGKILL, not
+    survived its step)."""
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), *args],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    lines = proc.stdout.split("\n")
+    assert "SURVIVED" not in lines
+    return lines, [bytes.fromhex(ln.split()[1]) for ln in lines if ln.startswith("ACK ")]
+
+
 @pytest.fixture(params=["ram_file", "disk"])
 def tier_root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     if request.param == "ram_file":
@@ -50,18 +68,7 @@ def _expected(i: int) -> tuple[bytes, bytes, tuple[int, ...]]:
 @pytest.mark.parametrize("step", STEPS)
 def test_kill9_at_every_publish_step(tier_root: tuple[str, Path], step: str) -> None:
     name, root = tier_root
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), "kill", str(root), name, step, str(N_ACKED)],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    lines = proc.stdout.split("\n")
-    acked = [bytes.fromhex(ln.split()[1]) for ln in lines if ln.startswith("ACK ")]
-    assert "SURVIVED" not in lines
+    lines, acked = killed("kill", str(root), name, step, str(N_ACKED))
     victim_key, victim_payload, victim_tokens = _expected(N_ACKED)
     assert f"VICTIM {victim_key.hex()}" in lines
     assert len(acked) == N_ACKED

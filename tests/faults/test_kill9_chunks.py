@@ -9,16 +9,13 @@ adopted unreferenced and evicted before any row.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from tests.cache.chunkkit import blob, join
 from tests.cache.tierkit import NS
-from tests.faults.test_kill9 import CHILD, child_env
+from tests.faults.test_kill9 import killed
 from tests.faults.writer_child import chunked_rows
 from tests.rediskit import RedisServer
 
@@ -35,19 +32,8 @@ N_ACKED = 2
 @pytest.mark.parametrize("step", STEPS)
 def test_kill9_at_every_chunk_and_manifest_step(tmp_path: Path, step: str) -> None:
     root = tmp_path / "kvc"
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), "chunked", str(root), "disk", step, str(N_ACKED)],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    lines = proc.stdout.split("\n")
-    assert "SURVIVED" not in lines
+    lines, acked = killed("chunked", str(root), "disk", step, str(N_ACKED))
     rows = chunked_rows(N_ACKED)
-    acked = [bytes.fromhex(ln.split()[1]) for ln in lines if ln.startswith("ACK ")]
     assert acked == [cache_key(NS, t) for t in rows[:N_ACKED]]
     victim = cache_key(NS, rows[N_ACKED])
     assert f"VICTIM {victim.hex()}" in lines
@@ -77,15 +63,7 @@ def test_kill9_at_every_chunk_and_manifest_step(tmp_path: Path, step: str) -> No
 @pytest.mark.parametrize("step", CHUNK_STEPS)
 def test_orphans_go_before_rows(tmp_path: Path, step: str) -> None:
     root = tmp_path / "kvc"
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), "chunked", str(root), "disk", step, str(N_ACKED)],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    killed("chunked", str(root), "disk", step, str(N_ACKED))
     rows = chunked_rows(N_ACKED)
     cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=256)
     with Cache(cfg, background=False) as cache:
@@ -113,19 +91,8 @@ def test_kill9_between_a_pack_and_its_manifest(redis_server: RedisServer, step: 
     (or after it): every acknowledged row restores byte-exactly; the victim is absent, its
     pack an orphan no manifest names (the sweep's), or it is whole."""
     url = redis_server.url()
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), "packed", url, step, str(N_ACKED)],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    lines = proc.stdout.split("\n")
-    assert "SURVIVED" not in lines
+    _, acked = killed("packed", url, step, str(N_ACKED))
     rows = chunked_rows(N_ACKED)
-    acked = [bytes.fromhex(ln.split()[1]) for ln in lines if ln.startswith("ACK ")]
     assert acked == [cache_key(NS, t) for t in rows[:N_ACKED]]
     victim = cache_key(NS, rows[N_ACKED])
     cfg = CacheConfig(tiers=(TierConfig("shared", 1 << 30, url=url),), chunk_tokens=256)

@@ -11,15 +11,12 @@ the window chunks that reached their names unnamed are orphans, evicted before a
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from tests.cache.chunkkit import blob, join, join_rest, window_cells
 from tests.cache.tierkit import NS
-from tests.faults.test_kill9 import CHILD, child_env
+from tests.faults.test_kill9 import killed
 from tests.faults.writer_child import WINDOWED, WINDOWED_TOKENS
 
 from kvwarm.cache import Cache, CacheConfig, TierConfig
@@ -53,18 +50,7 @@ def _restored(cache: Cache, key: bytes) -> bytes:
 @pytest.mark.parametrize(("step", "nth"), CASES)
 def test_kill9_at_every_step_of_a_windowed_save(tmp_path: Path, step: str, nth: int) -> None:
     root = tmp_path / "kvc"
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), "windowed", str(root), step, str(nth)],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    lines = proc.stdout.split("\n")
-    assert "SURVIVED" not in lines
-    acked = [bytes.fromhex(ln.split()[1]) for ln in lines if ln.startswith("ACK ")]
+    _, acked = killed("windowed", str(root), step, str(nth))
     assert acked == [cache_key(NS, WINDOWED_TOKENS[:n]) for n in WINDOWED[:-1]]
     victim = cache_key(NS, WINDOWED_TOKENS[: WINDOWED[-1]])
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
@@ -757,10 +757,17 @@ class ObjectTier:
         return self._store.touch(chunk_name(key))
 
     def chunk_ages(self) -> Iterator[tuple[bytes, int, float]]:
-        for name, size, mtime in self._store.list(CHUNK_DIR):
-            key = layout.chunk_key_of(name[len(CHUNK_DIR) :])
-            if key is not None:
-                yield key, size, mtime
+        return self._listed(CHUNK_DIR, layout.chunk_key_of)
+
+    def _listed(
+        self, where: str, id_of: Callable[[str], bytes | None]
+    ) -> Iterator[tuple[bytes, int, float]]:
+        """(id, stored bytes, last-modified epoch seconds) of each object under ``where``
+        whose name ``id_of`` reads as one (chunks, packs), listed."""
+        for name, size, mtime in self._store.list(where):
+            found = id_of(name[len(where) :])
+            if found is not None:
+                yield found, size, mtime
 
     # ---- packs: packs/<hex>.kvp, chunk objects one after another (``PacksChunks``) ------
 
@@ -819,10 +826,7 @@ class ObjectTier:
         return self._store.touch(pack_name(pack))
 
     def pack_ages(self) -> Iterator[tuple[bytes, int, float]]:
-        for name, size, mtime in self._store.list(PACK_DIR):
-            pack = layout.pack_id_of(name[len(PACK_DIR) :])
-            if pack is not None:
-                yield pack, size, mtime
+        return self._listed(PACK_DIR, layout.pack_id_of)
 
     def pack_age(self, pack: bytes) -> float | None:
         return self._store.age(pack_name(pack))
