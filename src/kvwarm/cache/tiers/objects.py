@@ -646,19 +646,24 @@ class ObjectTier:
         """Staged, then put once (visible whole or not at all); a chunk already there is
         kept if its head is valid for ``key``, replaced if not (``commit_chunk``)."""
         name = chunk_name(key)
-        put = self._stage(name, (head, payload), 0)
+        # Kept: touched, as young as one just written (another process may have orphaned it
+        # long ago, and a sweep's grace protects only young chunks).
+        self._put_once(name, key, (head, payload), lambda: self._chunk_head(key) is not None)
+        return len(head) + memoryview(payload).nbytes
+
+    def _put_once(
+        self, name: str, key: bytes, parts: Sequence[kvc.Buffer], sound: Callable[[], bool]
+    ) -> None:
+        """Object ``name`` (a chunk or a pack, ``key`` its id) staged from ``parts`` and put
+        once (``commit_chunk``): one already there is kept, and touched, where no read found
+        it bad since and ``sound`` says it is whole; else replaced."""
+        put = self._stage(name, parts, 0)
         try:
             commit_chunk(
                 self._name,
                 key,
                 put.link,
-                # Kept: touched, as young as one just written (another process may have
-                # orphaned it long ago, and a sweep's grace protects only young chunks).
-                lambda: (
-                    not self._found_bad(name)
-                    and self._chunk_head(key) is not None
-                    and self._store.touch(name)
-                ),
+                lambda: not self._found_bad(name) and sound() and self._store.touch(name),
                 lambda: self._store.delete(name),
             )
             put.settle(False)
@@ -666,7 +671,6 @@ class ObjectTier:
         except BaseException:
             put.undo()
             raise
-        return len(head) + memoryview(payload).nbytes
 
     def _chunk_head(self, key: bytes) -> chunkfmt.ChunkHead | None:
         """The valid head of chunk ``key`` (payload not read); None if it is gone or junk."""
@@ -777,21 +781,7 @@ class ObjectTier:
         alone: it is kept and touched, unless a read found it bad since (then replaced)."""
         if not self._capabilities.packs:
             raise CacheIOError(f"{self._name}: this tier stores no packs")
-        name = pack_name(pack)
-        put = self._stage(name, parts, 0)
-        try:
-            commit_chunk(
-                self._name,
-                pack,
-                put.link,
-                lambda: not self._found_bad(name) and self._store.touch(name),
-                lambda: self._store.delete(name),
-            )
-            put.settle(False)
-            self._found_bad(name, False)
-        except BaseException:
-            put.undo()
-            raise
+        self._put_once(pack_name(pack), pack, parts, lambda: True)
         if self._on_step is not None:
             self._on_step(PACK_STEP)
         return sum(memoryview(p).nbytes for p in parts)
