@@ -12,22 +12,12 @@ from pathlib import Path
 
 import pytest
 from tests.cache.chunkkit import chunked_request
+from tests.cache.test_startup_damage import C, N, config, run
 from tests.cache.tierkit import NS
 
-from kvwarm.cache import Cache, CacheConfig, TierConfig
+from kvwarm.cache import Cache
 from kvwarm.cache.formats import chunkfmt
 from kvwarm.cache.tiers.files import FileStore
-
-C = 256
-N = 600  # three chunks: 256 + 256 + 88 tokens
-
-
-def run(start: int) -> list[int]:
-    return list(range(start, start + N))
-
-
-def config(root: Path) -> CacheConfig:
-    return CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=C)
 
 
 def filled(root: Path, starts: range) -> None:

@@ -505,9 +505,8 @@ class Drafter:
                     source, prior, self._trusting = further, TRUSTED_PRIOR, True
                 else:
                     period = len(toks) - start - n
-                    looped = overlapping(source, period, limit)
-                    if len(looped) > len(source) and matched >= LOOP_REPEATS * period:
-                        source, self._looping = looped, True
+                    if len(source) == period < limit and matched >= LOOP_REPEATS * period:
+                        source, self._looping = overlapping(source, period, limit), True
         elif self.elsewhere is not None and len(toks) >= n:
             source, matched, whole = self.elsewhere(toks, limit)
             if whole or self._copies_own(source):
