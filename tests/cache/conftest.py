@@ -60,6 +60,6 @@ def chunk_objects(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvwarm.cache.tiers.objects import ObjectTier
 
     def unpacked(self: ObjectTier) -> TierCapabilities:
-        return replace(self._capabilities, packs=False)
+        return replace(self._capabilities, packs=False, pack_writes=False)
 
     monkeypatch.setattr(ObjectTier, "capabilities", property(unpacked))

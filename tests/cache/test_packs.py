@@ -323,7 +323,7 @@ def test_rows_of_chunk_objects_still_read_and_are_reused(
     three of them as they are and packs only its own."""
 
     def unpacked(self: ObjectTier) -> TierCapabilities:
-        return replace(self._capabilities, packs=False)
+        return replace(self._capabilities, packs=False, pack_writes=False)
 
     cfg = _config(packed)
     with monkeypatch.context() as old:
@@ -340,6 +340,52 @@ def test_rows_of_chunk_objects_still_read_and_are_reused(
         assert _restores(b, R1) and _restores(b, R2)
         assert len(got.ranges) == 1  # R2's own chunk; the rest are whole-object GETs
         assert b.verify().bad == ()
+
+
+def _packs_off(tier: TierConfig) -> TierConfig:
+    """The same store with ``packs=0`` (TierCapabilities.pack_writes off)."""
+    if tier.s3 is not None:
+        return replace(tier, s3=replace(tier.s3, packs=False))
+    assert tier.url is not None
+    return replace(tier, url=tier.url + "&packs=0")
+
+
+def test_with_packs_off_a_save_writes_chunk_objects_a_kvwarm_before_packs_reads(
+    packed: TierConfig, store: ObjectTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rolling upgrade: the new replicas save with packs off, the old ones keep hitting."""
+    with Cache(_config(_packs_off(packed)), background=False) as new:
+        assert not new._tiers[packed.name].capabilities.pack_writes
+        assert new.save(chunked_request(NS, R1, tier=packed.name), sync=True)
+        assert new.counters()["packs_written"] == 0
+        assert _stored(new, R1, packed.name).locs == ()
+    assert _names(store, PACK_DIR) == [] and len(_names(store, CHUNK_DIR)) == 4
+
+    def before_packs(self: ObjectTier) -> TierCapabilities:
+        return replace(self._capabilities, packs=False, pack_writes=False)
+
+    with monkeypatch.context() as old:
+        old.setattr(ObjectTier, "capabilities", property(before_packs))
+        with Cache(_config(packed), background=False) as older:
+            assert _restores(older, R1)
+
+
+def test_with_packs_off_packs_other_replicas_wrote_are_still_read_and_named(
+    packed: TierConfig, store: ObjectTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with Cache(_config(packed), background=False) as a:  # packs on
+        assert a.save(chunked_request(NS, R1, tier=packed.name), sync=True)
+    [pack] = _names(store, PACK_DIR)
+    with Cache(_config(_packs_off(packed)), background=False) as b:
+        got = _Requests(_objects(b, packed.name), monkeypatch)
+        assert _restores(b, R1)
+        assert got.ranges == [pack]  # R1's chunks read from a's pack
+        assert b.save(chunked_request(NS, R2, tier=packed.name), sync=True)
+        locs = _stored(b, R2, packed.name).locs
+        assert all(isinstance(loc, PackLoc) for loc in locs[:3]) and locs[3] is None
+    assert _names(store, PACK_DIR) == [pack] and len(_names(store, CHUNK_DIR)) == 1
+    with Cache(_config(packed), background=False) as c:
+        assert _restores(c, R2) and c.verify().bad == ()
 
 
 def test_a_promoted_copy_in_a_local_tier_is_chunk_files_without_pack_places(

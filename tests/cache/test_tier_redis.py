@@ -136,6 +136,23 @@ def test_bad_tier_urls_are_config_errors(tmp_path: Path) -> None:
         Cache(CacheConfig(tiers=(bad,)), background=False)
     with pytest.raises(ConfigError, match="unknown options"):
         s3_config_from_url("s3://bkt/p/?endpiont=http://x")
+    with pytest.raises(ConfigError, match="packs='sometimes': expected 1 or 0"):
+        s3_config_from_url("s3://bkt/p/?packs=sometimes")
+
+
+@pytest.mark.parametrize(
+    ("option", "packs"), [("", True), ("&packs=1", True), ("&packs=off", False)]
+)
+def test_packs_is_a_switch_of_s3_and_redis_urls(option: str, packs: bool) -> None:
+    """``packs=0`` keeps saves to chunk objects (a rolling upgrade); reads take packs either way."""
+    assert s3_config_from_url(f"s3://bkt/p/?region=eu-1{option}").packs is packs
+    tier = build_tier(
+        TierConfig("shared", 1, url=f"redis://127.0.0.1:1/0?prefix=x/{option}"), TierOptions()
+    )
+    try:
+        assert tier.capabilities.packs and tier.capabilities.pack_writes is packs
+    finally:
+        tier.close()
 
 
 @pytest.mark.parametrize(
@@ -149,6 +166,7 @@ def test_bad_tier_urls_are_config_errors(tmp_path: Path) -> None:
         # The password as an option, which redis-py takes (found by review: shown whole).
         "redis://127.0.0.1:6379/0?password=s3cret&timeout_s=soon",
         "redis://127.0.0.1/0?db=zero&password=s3cret",
+        "redis://:s3cret@127.0.0.1:6379/0?packs=sometimes",  # our switch's bad value
     ],
 )
 def test_a_bad_tier_url_is_a_config_error_that_does_not_show_its_password(url: str) -> None:

@@ -31,6 +31,14 @@ class TierCapabilities:
     # reads them in ranged GETs (``PacksChunks``): a tier that is neither local nor a
     # directory (s3, redis), where every object costs a request and this process never
     # deletes a chunk itself (``CacheCore.retire`` only forgets them; ``sharedgc`` sweeps)
+    pack_writes: bool = False  # with ``packs``: this process's saves write packs. Off (the
+    # tier option ``packs=0``) a save writes each chunk as its own object, which a kvwarm from
+    # before packs reads, while packs other replicas wrote are still read and swept: a rolling
+    # upgrade keeps the old replicas hitting until every one reads packs
+
+    def __post_init__(self) -> None:
+        if self.pack_writes and not self.packs:
+            raise ValueError("a tier that writes packs reads them: pack_writes needs packs")
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,6 +123,10 @@ class S3Config:
     # After a network fault the tier answers "miss" without calling the store for this long,
     # so a dead store costs one timeout per interval, not one per lookup.
     down_for_s: float = 5.0
+    # A save's new chunks go into one pack object (``TierCapabilities.pack_writes``). False:
+    # each chunk is its own object, as a kvwarm from before packs writes and reads (a rolling
+    # upgrade); packs others wrote are read either way.
+    packs: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,6 +197,11 @@ class Settings(ModelSettings, ServingSettings):
     s3_max_attempts: Int = Field(
         default=2, description="s3 attempts per request, the first included"
     )
+    s3_packs: Bool = Field(
+        default=True,
+        description="a save's new chunks in one pack object; off: one object each, which a "
+        "kvwarm from before packs reads (a rolling upgrade)",
+    )
     # Any store by URL, after the tiers above: NAME=URL, the quota as the URL's quota=SIZE.
     tiers: StrTuple = Field(
         default=(),
@@ -695,7 +700,7 @@ _NEEDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (
         (
             "s3_prefix", "s3_endpoint_url", "s3_region", "s3_quota_bytes",
-            "s3_connect_timeout_s", "s3_read_timeout_s", "s3_max_attempts",
+            "s3_connect_timeout_s", "s3_read_timeout_s", "s3_max_attempts", "s3_packs",
         ),
         "s3_bucket",
         "the s3 tier is off (no s3_bucket)",

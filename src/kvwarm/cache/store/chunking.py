@@ -570,7 +570,9 @@ class _Writes:
         self._counters = counters
         self._ns = ns
         self._fresh = fresh
-        self._packs = tier if isinstance(tier, PacksChunks) and tier.capabilities.packs else None
+        self._packs = (
+            tier if isinstance(tier, PacksChunks) and tier.capabilities.pack_writes else None
+        )
         self._pending: list[tuple[bytes, bytes, bytes]] = []
 
     def add(self, key: bytes, parent: bytes, tokens: Sequence[int], part: bytes) -> None:

@@ -67,6 +67,7 @@ from kvwarm.errors import (
 
 __all__ = [
     "REMOTE_CAPABILITIES",
+    "REMOTE_NO_PACK_WRITES",
     "Breaker",
     "Got",
     "LocalReads",
@@ -82,7 +83,11 @@ log = logging.getLogger(__name__)
 
 # Outlives us, other processes and hosts publish into it, and every byte crosses a network:
 # a save's new chunks go into one pack object (``PacksChunks``).
-REMOTE_CAPABILITIES = TierCapabilities(persistent=True, shared=True, local=False, packs=True)
+REMOTE_CAPABILITIES = TierCapabilities(
+    persistent=True, shared=True, local=False, packs=True, pack_writes=True
+)
+#: A remote tier whose saves write chunk objects only (the option ``packs=0``).
+REMOTE_NO_PACK_WRITES = replace(REMOTE_CAPABILITIES, pack_writes=False)
 CHUNK_DIR = "chunks/"  # chunk objects: chunks/<hex key>.kvk beside the <hex key>.kvc rows
 PACK_DIR = "packs/"  # packs of chunk objects: packs/<hex id>.kvp
 PACK_STEP = "pack_linked"  # reported to ``on_step`` once a pack is put (fault tests)
@@ -779,8 +784,8 @@ class ObjectTier:
         """Put once, visible whole or not at all. A pack of the same id already there holds
         the same chunk heads at the same offsets (its id hashes them), each chunk verifiable
         alone: it is kept and touched, unless a read found it bad since (then replaced)."""
-        if not self._capabilities.packs:
-            raise CacheIOError(f"{self._name}: this tier stores no packs")
+        if not self._capabilities.pack_writes:
+            raise CacheIOError(f"{self._name}: this tier writes no packs")
         self._put_once(pack_name(pack), pack, parts, lambda: True)
         if self._on_step is not None:
             self._on_step(PACK_STEP)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvwarm.cache.tiers.objects import Breaker, Got
-from kvwarm.cache.tiers.registry import shown_url
+from kvwarm.cache.tiers.registry import shown_url, url_switch
 from kvwarm.errors import (
     CacheFormatError,
     CacheIOError,
@@ -47,7 +47,7 @@ __all__ = ["RedisStore"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_OURS = ("prefix", "timeout_s", "down_for_s")
+_OURS = ("prefix", "timeout_s", "down_for_s", "packs")
 # Set the hit fields only while the object exists (a deleted row must not grow a hash back).
 _SET_META = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
@@ -114,6 +114,8 @@ class RedisStore:
         ours = {k: v for k, v in parse_qsl(parts.query) if k in _OURS}
         rest = [(k, v) for k, v in parse_qsl(parts.query) if k not in _OURS]
         self._prefix = ours.get("prefix", "kvwarm/")
+        # False: saves write each chunk as its own object (TierCapabilities.pack_writes)
+        self.packs = url_switch(ours, "packs", f"redis tier URL {shown!r}", default=True)
         try:
             timeout = float(ours.get("timeout_s", "2"))
             self._down_for_s = float(ours.get("down_for_s", "5"))

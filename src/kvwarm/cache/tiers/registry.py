@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
@@ -35,6 +35,7 @@ __all__ = [
     "registered_tiers",
     "shown_url",
     "url_scheme",
+    "url_switch",
     "tier_spec",
     "unregister_tier",
 ]
@@ -220,10 +221,14 @@ def _query(url: str, name: str, known: tuple[str, ...] = ()) -> dict[str, str]:
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def _switch(query: dict[str, str], option: str, name: str) -> bool:
-    value = query.get(option, "0").lower()
+def url_switch(query: Mapping[str, str], option: str, where: str, *, default: bool) -> bool:
+    """A URL's on/off option (1/0, true/false, yes/no, on/off), ``default`` when absent;
+    ``ConfigError`` naming ``where`` for any other value."""
+    if option not in query:
+        return default
+    value = query[option].lower()
     if value not in _TRUE + _FALSE:
-        raise ConfigError(f"tier {name}: {option}={query[option]!r}: expected 1 or 0 (true/false)")
+        raise ConfigError(f"{where}: {option}={query[option]!r}: expected 1 or 0 (true/false)")
     return value in _TRUE
 
 
@@ -233,7 +238,8 @@ def _file_url_parts(config: TierConfig) -> tuple[Path, bool]:
     parts = urlsplit(config.url)
     if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
         raise ConfigError(f"tier {config.name}: a file URL names an absolute local path")
-    shared = _switch(_query(config.url, config.name, ("shared",)), "shared", config.name)
+    query = _query(config.url, config.name, ("shared",))
+    shared = url_switch(query, "shared", f"tier {config.name}", default=False)
     return Path(unquote(parts.path)), shared
 
 
@@ -273,12 +279,19 @@ def _s3_url(config: TierConfig, options: TierOptions) -> Tier:
 
 
 def _redis_url(config: TierConfig, options: TierOptions) -> Tier:
-    from kvwarm.cache.tiers.objects import ObjectTier
+    from kvwarm.cache.tiers.objects import REMOTE_CAPABILITIES, REMOTE_NO_PACK_WRITES, ObjectTier
     from kvwarm.cache.tiers.redis import RedisStore
 
     assert config.url is not None
     store = RedisStore(config.url)
-    return ObjectTier(store, config.quota_bytes, name=config.name, repair=options.repair)
+    capabilities = REMOTE_CAPABILITIES if store.packs else REMOTE_NO_PACK_WRITES
+    return ObjectTier(
+        store,
+        config.quota_bytes,
+        name=config.name,
+        repair=options.repair,
+        capabilities=capabilities,
+    )
 
 
 def _s3_url_check(config: TierConfig) -> None:

@@ -18,7 +18,13 @@ import logging
 from collections.abc import Mapping
 from urllib.parse import parse_qsl, urlsplit
 
-from kvwarm.cache.tiers.objects import REMOTE_CAPABILITIES, Got, ObjectTier
+from kvwarm.cache.tiers.objects import (
+    REMOTE_CAPABILITIES,
+    REMOTE_NO_PACK_WRITES,
+    Got,
+    ObjectTier,
+)
+from kvwarm.cache.tiers.registry import url_switch
 from kvwarm.cache.tiers.s3client import (
     LeanGets,
     PublishRaceLost,
@@ -202,7 +208,8 @@ class S3Tier(ObjectTier):
         wire = S3Wire(raw, label=label, down_for_s=config.down_for_s, lean=lean)
         self._s3 = S3Store(config, wire)
         self._cfg = config
-        super().__init__(self._s3, quota_bytes, name=name, repair=repair)
+        capabilities = REMOTE_CAPABILITIES if config.packs else REMOTE_NO_PACK_WRITES
+        super().__init__(self._s3, quota_bytes, name=name, repair=repair, capabilities=capabilities)
 
     @property
     def config(self) -> S3Config:
@@ -246,7 +253,7 @@ def s3_config_from_url(url: str) -> S3Config:
     if parts.scheme != "s3" or not parts.netloc:
         raise ConfigError(f"an s3 tier URL is s3://bucket/prefix/, got {url!r}")
     query = dict(parse_qsl(parts.query))
-    known = {"endpoint", "region", "connect_timeout_s", "read_timeout_s", "max_attempts"}
+    known = {"endpoint", "region", "connect_timeout_s", "read_timeout_s", "max_attempts", "packs"}
     unknown = set(query) - known - {"down_for_s"}
     if unknown:
         raise ConfigError(f"s3 tier URL {url!r}: unknown options {', '.join(sorted(unknown))}")
@@ -261,6 +268,7 @@ def s3_config_from_url(url: str) -> S3Config:
             read_timeout_s=float(query.get("read_timeout_s", 10.0)),
             max_attempts=int(query.get("max_attempts", 2)),
             down_for_s=float(query.get("down_for_s", 5.0)),
+            packs=url_switch(query, "packs", f"s3 tier URL {url!r}", default=True),
         )
     except ValueError as exc:
         raise ConfigError(f"s3 tier URL {url!r}: {exc}") from None
