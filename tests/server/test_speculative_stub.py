@@ -73,6 +73,28 @@ def test_timings_and_metrics_count_drafts(client: TestClient) -> None:
     assert after["kvwarm_spec_verify_passes_total"] > 0
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_timings_count_the_drafts_of_every_choice(client: TestClient, path: str) -> None:
+    """``n`` choices: ``draft_n`` and ``draft_n_accepted`` are every choice's, as
+    ``completion_tokens`` and the ``/metrics`` counters are (found by review: the first
+    choice's alone)."""
+    body: dict[str, object] = {"model": "spec", "max_tokens": 24, "temperature": 0.7, "n": 3}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    else:
+        body["prompt"] = PROMPT
+    before = counters(client, "spec")
+    out = client.post(path, json={**body, "seed": 4, "cache_salt": f"choices{path}"}).json()
+    after = counters(client, "spec")
+    timings = out["timings"]
+    for name, metric in (
+        ("draft_n", "kvwarm_spec_draft_tokens_total"),
+        ("draft_n_accepted", "kvwarm_spec_accepted_tokens_total"),
+    ):
+        assert timings[name] == after[metric] - before.get(metric, 0), name
+    assert len(out["choices"]) == 3 and timings["draft_n_accepted"] > 0
+
+
 def test_timings_time_the_decode_steps_as_llama_server_does(client: TestClient) -> None:
     """``predicted_n``/``predicted_ms``/``predicted_per_second``: tokens sampled, the time
     from the first one's sampling to the last one's, and the tokens after the first a second
