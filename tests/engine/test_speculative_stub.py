@@ -313,6 +313,31 @@ def test_finish_row_restores_to_plain_output(engine: Engine) -> None:
     assert restored.completion_tokens == cold.completion_tokens
 
 
+def test_finish_row_after_rejected_drafts_holds_the_accepted_tokens_and_restores_cold(
+    engine: Engine,
+) -> None:
+    """A sampled reply whose drafts were partly rejected: its finish row holds the prompt and
+    the reply's decoded tokens, nothing of a rejected draft, and a prompt continuing it,
+    restored from that row with the live KV gone, answers as a cold run does."""
+    model = engine.load_model(config=spec_config())
+    first = model.complete(PROMPT, SAMPLED, logprobs=1)
+    assert 0 < first.stats.accepted_tokens < first.stats.drafted_tokens
+    assert first.stats.key is not None and engine.cache.flush()
+    # An end-of-generation token ended it: every reply token was decoded (the end is none).
+    assert first.stats.finish_reason == "stop" and first.stats.stop_sequence is None
+    assert engine.cache.row_tokens(first.stats.key) == first.tokens
+    model.evict()  # the live KV goes; the finish row remains
+    follow = [*first.tokens, *model.tokenize(" Next:", add_special=False)]
+    restored = model.complete(follow, SAMPLED, logprobs=2, spec_type="none")
+    assert restored.stats.cached_tokens == len(first.tokens)
+    with make_engine() as other:
+        cold = other.load_model(config=spec_config()).complete(
+            follow, SAMPLED, logprobs=2, spec_type="none"
+        )
+    assert restored.completion_tokens == cold.completion_tokens
+    assert restored.logprobs == cold.logprobs
+
+
 def test_a_refused_removal_fails_the_request_and_clears_its_slot(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
