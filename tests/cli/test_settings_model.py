@@ -259,6 +259,21 @@ def test_speculative_decoding_settings_globally_per_model_and_checked(tmp_path: 
         load_settings(_flags("--spec-type", "ngram-simple", "-fa", "off"), ENV)
 
 
+def test_a_draft_model_drafts_by_default_and_not_where_spec_type_none_is_given(
+    tmp_path: Path,
+) -> None:
+    """Found by review: ``--spec-type none`` beside ``--draft-model`` read as not given, and
+    every request drafted from the draft model."""
+    draft = tmp_path / "draft.gguf"
+    draft.write_bytes(b"GGUF")
+    given = load_settings(_flags("--draft-model", str(draft)), ENV)
+    assert model_config(given, given.models[0]).default_spec_type == "draft-simple"
+    off = load_settings(_flags("--draft-model", str(draft), "--spec-type", "none"), ENV)
+    cfg = model_config(off, off.models[0])
+    assert (cfg.spec_type, cfg.default_spec_type, cfg.speculative) == ("none", "none", True)
+    assert model_config(load_settings({}, ENV), given.models[0]).default_spec_type == "none"
+
+
 def test_draft_model_globally_per_model_and_checked(tmp_path: Path) -> None:
     draft = tmp_path / "draft.gguf"
     draft.write_bytes(b"GGUF")

@@ -313,6 +313,31 @@ def test_finish_row_restores_to_plain_output(engine: Engine) -> None:
     assert restored.completion_tokens == cold.completion_tokens
 
 
+def test_finish_row_after_rejected_drafts_holds_the_accepted_tokens_and_restores_cold(
+    engine: Engine,
+) -> None:
+    """A sampled reply whose drafts were partly rejected: its finish row holds the prompt and
+    the reply's decoded tokens, nothing of a rejected draft, and a prompt continuing it,
+    restored from that row with the live KV gone, answers as a cold run does."""
+    model = engine.load_model(config=spec_config())
+    first = model.complete(PROMPT, SAMPLED, logprobs=1)
+    assert 0 < first.stats.accepted_tokens < first.stats.drafted_tokens
+    assert first.stats.key is not None and engine.cache.flush()
+    # An end-of-generation token ended it: every reply token was decoded (the end is none).
+    assert first.stats.finish_reason == "stop" and first.stats.stop_sequence is None
+    assert engine.cache.row_tokens(first.stats.key) == first.tokens
+    model.evict()  # the live KV goes; the finish row remains
+    follow = [*first.tokens, *model.tokenize(" Next:", add_special=False)]
+    restored = model.complete(follow, SAMPLED, logprobs=2, spec_type="none")
+    assert restored.stats.cached_tokens == len(first.tokens)
+    with make_engine() as other:
+        cold = other.load_model(config=spec_config()).complete(
+            follow, SAMPLED, logprobs=2, spec_type="none"
+        )
+    assert restored.completion_tokens == cold.completion_tokens
+    assert restored.logprobs == cold.logprobs
+
+
 def test_a_refused_removal_fails_the_request_and_clears_its_slot(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -629,7 +654,7 @@ def test_a_draft_model_drafts_and_the_output_is_plain_decodings(engine: Engine) 
     """The stub drafting for itself (the same vocabulary): its greedy tokens are drafts, the
     reply is plain decoding's; a request may still choose n-grams or none."""
     model = engine.load_model(
-        config=replace(spec_config(), spec_type="none", draft_model="draft-stub.gguf")
+        config=replace(spec_config(), spec_type=None, draft_model="draft-stub.gguf")
     )
     assert model.info().spec_type == "draft-simple"  # a draft model drafts unless told otherwise
     assert model.info().draft_model == "draft-stub.gguf"
@@ -640,6 +665,25 @@ def test_a_draft_model_drafts_and_the_output_is_plain_decodings(engine: Engine) 
     assert draft is not None and len(draft.held[0]) > len(spec.prompt_tokens)  # it decoded
     ngram = model.complete(PROMPT, GREEDY, spec_type="ngram-simple")
     assert ngram.completion_tokens == plain.completion_tokens
+
+
+def test_a_draft_model_told_spec_type_none_drafts_only_for_requests_that_ask(
+    engine: Engine,
+) -> None:
+    """``spec_type = "none"`` beside a ``draft_model`` is said: requests decode plainly unless
+    they choose a draft source (found by review: it became draft-simple as if not given, so
+    ``--spec-type none --draft-model X`` drafted every request)."""
+    model = engine.load_model(
+        config=replace(spec_config(), spec_type="none", draft_model="draft-stub.gguf")
+    )
+    assert model.info().spec_type == "none"
+    assert model.info().speculation == "on" and model.info().draft_model == "draft-stub.gguf"
+    plain = model.complete(PROMPT, GREEDY)
+    assert plain.stats.drafted_tokens == 0
+    model.evict()
+    asked = model.complete(PROMPT, GREEDY, spec_type="draft-simple")
+    assert asked.completion_tokens == plain.completion_tokens
+    assert asked.stats.accepted_tokens > 20
 
 
 def test_a_model_with_a_draft_model_describes_itself_while_it_unloads(engine: Engine) -> None:
@@ -667,7 +711,7 @@ def test_draft_model_catches_up_a_chunk_a_tick_and_restores_its_prompt(
     """A long prompt is prefilled into the draft context one n_batch chunk per tick (no draft
     meanwhile, the slot decodes plainly), saved whole under the draft namespace, and a later
     request of the same prompt restores it rather than prefilling it again."""
-    config = replace(spec_config(), spec_type="none", draft_model="draft-stub.gguf")
+    config = replace(spec_config(), spec_type=None, draft_model="draft-stub.gguf")
     model = engine.load_model(config=config)
     draft = model._draft
     assert draft is not None

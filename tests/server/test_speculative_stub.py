@@ -73,6 +73,28 @@ def test_timings_and_metrics_count_drafts(client: TestClient) -> None:
     assert after["kvwarm_spec_verify_passes_total"] > 0
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_timings_count_the_drafts_of_every_choice(client: TestClient, path: str) -> None:
+    """``n`` choices: ``draft_n`` and ``draft_n_accepted`` are every choice's, as
+    ``completion_tokens`` and the ``/metrics`` counters are (found by review: the first
+    choice's alone)."""
+    body: dict[str, object] = {"model": "spec", "max_tokens": 24, "temperature": 0.7, "n": 3}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    else:
+        body["prompt"] = PROMPT
+    before = counters(client, "spec")
+    out = client.post(path, json={**body, "seed": 4, "cache_salt": f"choices{path}"}).json()
+    after = counters(client, "spec")
+    timings = out["timings"]
+    for name, metric in (
+        ("draft_n", "kvwarm_spec_draft_tokens_total"),
+        ("draft_n_accepted", "kvwarm_spec_accepted_tokens_total"),
+    ):
+        assert timings[name] == after[metric] - before.get(metric, 0), name
+    assert len(out["choices"]) == 3 and timings["draft_n_accepted"] > 0
+
+
 def test_timings_time_the_decode_steps_as_llama_server_does(client: TestClient) -> None:
     """``predicted_n``/``predicted_ms``/``predicted_per_second``: tokens sampled, the time
     from the first one's sampling to the last one's, and the tokens after the first a second
@@ -138,6 +160,30 @@ def test_bad_values_are_400s_naming_the_field(
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 400
     assert field.split(".", maxsplit=1)[0] in response.text
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs"),
+    [
+        ({"spec_type": "none"}, {"speculative.type": "ngram-mod"}),
+        ({"spec_type": None}, {"speculative.type": "ngram-mod"}),
+        ({"spec_draft_max": 2}, {"speculative.n_max": 40}),
+        ({"spec_draft_max": 1}, {"speculative.n_max": True}),  # JSON's true is not 1
+    ],
+)
+def test_both_names_of_a_field_with_other_values_are_a_400(
+    client: TestClient, mine: dict[str, object], theirs: dict[str, object]
+) -> None:
+    """kvwarm's name and llama-server's for one field, given different values: a 400 naming
+    them (found by review: the first name silently won and the other was dropped)."""
+    body = {"model": "spec", "prompt": "x", "max_tokens": 2, **mine, **theirs}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == next(iter(theirs))
+    assert next(iter(mine)) in error["message"] and next(iter(theirs)) in error["message"]
+    same = {**body, next(iter(theirs)): next(iter(mine.values()))}
+    assert client.post("/v1/completions", json=same).status_code == 200  # one value: fine
 
 
 def test_models_say_whether_and_how_they_speculate(client: TestClient) -> None:

@@ -75,9 +75,10 @@ class ModelConfig:
     #: (True) or the rerank refused (False: ``ContextOverflowError``).
     rerank_truncate: bool = False
     #: Speculative decoding (``engine/worker/drafts.py``): the draft source of requests that
-    #: do not choose one (``SpecType``; llama-server's ``--spec-type``), the n-gram size its
+    #: do not choose one (``SpecType``; llama-server's ``--spec-type``; None: "draft-simple"
+    #: with a ``draft_model``, else "none", ``default_spec_type``), the n-gram size its
     #: lookups match, and the most tokens one draft may hold. Off in deterministic mode.
-    spec_type: SpecType = "none"
+    spec_type: SpecType | None = None
     spec_ngram_n: int = 4
     spec_draft_max: int = 48
     #: Speculate only where a verify pass's rows are bit for bit one-token passes, so that a
@@ -93,9 +94,20 @@ class ModelConfig:
     lora: tuple[LoraSpec, ...] = ()
 
     @property
+    def default_spec_type(self) -> SpecType:
+        """The draft source of requests that do not choose one: ``spec_type`` where given
+        ("none" included: a draft model is then only for requests that ask for it), else
+        "draft-simple" with a draft model (found by review: a "none" given was taken for
+        not given, and ``--spec-type none --draft-model X`` drafted every request)."""
+        if self.spec_type is not None:
+            return self.spec_type
+        return "none" if self.draft_model is None else "draft-simple"
+
+    @property
     def speculative(self) -> bool:
-        """Whether requests of this model speculate unless they choose otherwise."""
-        return self.spec_type != "none" or self.draft_model is not None
+        """Whether requests of this model may speculate: it has a draft source, its own or
+        a draft model that requests may choose."""
+        return self.default_spec_type != "none" or self.draft_model is not None
 
     def speculates_with(self, gguf_pooling: PoolingType | None) -> bool:
         """``speculative`` for a model whose GGUF pools as given: a reranker (pooling rank,
@@ -133,7 +145,7 @@ class ModelConfig:
             )
         if self.rerank_max_documents < 1:
             raise ConfigError("rerank_max_documents must be >= 1")
-        if self.spec_type not in SPEC_TYPES:
+        if self.spec_type is not None and self.spec_type not in SPEC_TYPES:
             raise ConfigError(
                 f"spec_type must be one of {', '.join(SPEC_TYPES)}; got {self.spec_type!r}"
             )

@@ -93,7 +93,7 @@ def model_info(
         projector_bytes=projector.memory_bytes if projector else 0,
         capabilities=capabilities,
         pooling=pooling,
-        spec_type=cfg.spec_type,
+        spec_type=cfg.default_spec_type,
         draft_model=draft_model,
         draft_bytes=draft_bytes,
         speculation=spec,

@@ -120,10 +120,6 @@ class Model:
         policy: PolicyConfig,
         progress: Callable[[float], bool] | None,
     ) -> None:
-        if cfg.draft_model is not None and cfg.spec_type == "none":
-            cfg = replace(
-                cfg, spec_type="draft-simple"
-            )  # a draft model drafts unless told otherwise
         self._engine = engine
         self.id = model_id
         self.path = path
@@ -400,7 +396,7 @@ class Model:
                 max_queue=cfg.max_queue,
                 strategy=strategy(cfg.batch_strategy),
                 whole=self.pooling == "rank" and not facts.causal,
-                spec_type=cfg.spec_type,
+                spec_type=cfg.default_spec_type,
                 spec_ngram_n=cfg.spec_ngram_n,
                 spec_draft_max=cfg.spec_draft_max,
                 speculates=not spec.startswith("off"),

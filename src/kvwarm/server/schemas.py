@@ -637,10 +637,43 @@ def check_count(data: object, field: str, limit: int, setting: str) -> None:
         )
 
 
+@functools.cache
+def _alias_groups(model: type[BaseModel]) -> tuple[tuple[str, ...], ...]:
+    """The body keys of each of ``model``'s fields that has several (``AliasChoices``)."""
+    groups = []
+    for field in model.model_fields.values():
+        alias = field.validation_alias
+        if isinstance(alias, AliasChoices):
+            names = tuple(c for c in alias.choices if isinstance(c, str))
+            if len(names) > 1:
+                groups.append(names)
+    return tuple(groups)
+
+
+def _one_value_per_field(data: dict[str, Any], model: type[BaseModel]) -> None:
+    """A 400 where a body gives one field under two of its names with other values (kvwarm's
+    ``spec_type`` and llama-server's ``speculative.type``): pydantic takes the first name
+    given and drops the other (found by review: silently)."""
+    for names in _alias_groups(model):
+        given = [name for name in names if name in data]
+        first = data[given[0]] if given else None
+        for other in given[1:]:
+            value = data[other]
+            # JSON's true is not 1 (Python's is): a boolean and a number differ.
+            if value != first or isinstance(value, bool) != isinstance(first, bool):
+                raise HTTPError(
+                    400,
+                    f"{given[0]} and {other} name one field: give one of them, or the same "
+                    "value to both",
+                    param=other,
+                )
+
+
 def parse_body(data: object, model: type[_M]) -> _M:
     """Validate ``data``; the first problem becomes a 400 naming the offending field."""
     if not isinstance(data, dict):
         raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
+    _one_value_per_field(data, model)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -754,6 +754,8 @@ def default_text(name: str) -> str:
         return "info for serve and cluster, warning for the other commands"
     if name == "cache_dir":
         return "$XDG_CACHE_HOME/kvwarm, else ~/.cache/kvwarm"
+    if name == "spec_type":  # ModelConfig.default_spec_type
+        return "none; draft-simple with a draft_model"
     if name == "policy":
         changed = [
             f"{f.name}={getattr(SERVER_POLICY, f.name)}"

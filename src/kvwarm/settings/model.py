@@ -39,8 +39,8 @@ from kvwarm.settings.types import (
     OptPath,
     OptPooling,
     OptRopeScaling,
+    OptSpecType,
     OptStr,
-    SpecTypeName,
     SplitModeName,
     TensorSplit,
     path_kind,
@@ -179,8 +179,8 @@ class ModelSettings(BaseSettings):
         description="cut a rerank document whose prompt does not fit n_ctx to fit (default: "
         "refuse the rerank with a 400)",
     )
-    spec_type: SpecTypeName = Field(
-        default="none",
+    spec_type: OptSpecType = Field(
+        default=None,
         description="speculative decoding from n-grams of each request's own prompt and reply "
         "(ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache) or from the draft "
         "model (draft-simple), "
@@ -192,7 +192,8 @@ class ModelSettings(BaseSettings):
         default=None,
         description="draft model GGUF for speculative decoding (llama-server's --model-draft): "
         "same vocabulary as the model (checked at load), its greedy tokens are drafts, its "
-        "prompt KV cached like the model's; spec_type becomes draft-simple unless set",
+        "prompt KV cached like the model's; spec_type becomes draft-simple unless set (set "
+        "to none, only requests that ask for draft-simple use it)",
         json_schema_extra=_flags("-md", "--model-draft"),
     )
     spec_ngram_n: Int = Field(

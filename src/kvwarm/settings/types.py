@@ -327,6 +327,15 @@ def choice(
     return parse
 
 
+def or_none(parse: Callable[[object], str]) -> Callable[[object], str | None]:
+    """``parse``, with None (a default not given) passed through."""
+
+    def parse_or_none(value: object) -> str | None:
+        return None if value is None else parse(value)
+
+    return parse_or_none
+
+
 def opt_choice(allowed: tuple[str, ...]) -> Callable[[object], str | None]:
     """Like ``choice``; ``model`` means None: the model's own value."""
     strict = choice(allowed)
@@ -478,7 +487,8 @@ FlashAttnMode = Annotated[
         )
     ),
 ]
-SpecTypeName = Annotated[SpecType, BeforeValidator(choice(SPEC_TYPES))]
+#: None: not given (``ModelConfig.spec_type``: draft-simple with a draft model, else none).
+OptSpecType = Annotated[SpecType | None, BeforeValidator(or_none(choice(SPEC_TYPES)))]
 OptRopeScaling = Annotated[RopeScaling | None, BeforeValidator(opt_choice(ROPE_SCALINGS))]
 OptPooling = Annotated[PoolingType | None, BeforeValidator(opt_choice(POOLING_TYPES))]
 TensorSplit = Annotated[tuple[float, ...], BeforeValidator(as_tensor_split), NoDecode]

@@ -150,6 +150,13 @@ def best_of(results: Sequence[Completion], n: int) -> list[Completion]:
 
 def group_stats(all_stats: Sequence[CompletionStats]) -> CompletionStats:
     """One usage for the choices of one prompt: its tokens once (it was prefilled once), the
-    first choice's cache figures and timings, every choice's completion tokens."""
+    first choice's cache figures and timings, every choice's completion tokens and drafted
+    and accepted tokens (found by review: ``draft_n`` was the first choice's alone, where
+    ``/metrics`` counts every choice's)."""
     first = all_stats[0]
-    return dataclasses.replace(first, completion_tokens=sum(s.completion_tokens for s in all_stats))
+    return dataclasses.replace(
+        first,
+        completion_tokens=sum(s.completion_tokens for s in all_stats),
+        drafted_tokens=sum(s.drafted_tokens for s in all_stats),
+        accepted_tokens=sum(s.accepted_tokens for s in all_stats),
+    )
