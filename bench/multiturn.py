@@ -242,22 +242,27 @@ def checkpoint_bytes(cache_dir: Path) -> list[str]:
 
 
 def kv_bytes_per_token(model: Path) -> int:
-    """A token's K and V in f16, every layer, from the GGUF's attention shape."""
-    from gguf import GGUFReader
+    """A token's K and V in f16, every layer, from the GGUF's attention shape (read with
+    kvwarm's own GGUF reader: the ``gguf`` package is a dev dependency, absent where only
+    kvwarm's runtime is installed, such as the GPU machine of docs/operations.md)."""
+    from kvwarm.gguf_meta import arch_values
 
-    fields = GGUFReader(str(model)).fields
+    names = (
+        "block_count", "attention.head_count", "attention.head_count_kv", "embedding_length",
+        "attention.key_length", "attention.value_length",
+    )  # fmt: skip
+    found = arch_values(model, names)
 
     def value(name: str) -> int | None:
-        f = fields.get(name)
-        return None if f is None else int(f.parts[f.data[0]][0])
+        v = found.get(name)
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
 
-    arch = bytes(fields["general.architecture"].parts[-1]).decode()
-    n_layer = value(f"{arch}.block_count") or 0
-    n_head = value(f"{arch}.attention.head_count") or 1
-    n_kv = value(f"{arch}.attention.head_count_kv") or n_head
-    head = (value(f"{arch}.embedding_length") or 0) // n_head
-    k = value(f"{arch}.attention.key_length") or head
-    v = value(f"{arch}.attention.value_length") or head
+    n_layer = value("block_count") or 0
+    n_head = value("attention.head_count") or 1
+    n_kv = value("attention.head_count_kv") or n_head
+    head = (value("embedding_length") or 0) // n_head
+    k = value("attention.key_length") or head
+    v = value("attention.value_length") or head
     return n_layer * n_kv * (k + v) * 2
 
 

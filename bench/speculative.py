@@ -24,7 +24,9 @@ alike; each load runs ``--rounds`` times, each round's prompt beginning with its
 round). ``--base-tree DIR`` adds ``kvwarm-spec-base``: ``kvwarm-spec`` run from another source tree
 (an A/B in one run). ``--kv-type T`` runs every server with K and V cells of type ``T`` (f16:
 kvwarm then does not speculate where it is not exact, so ``--spec-exact false`` with it speculates
-anyway).
+anyway). ``--gpu-layers N`` offloads N layers on every server (llama-server's ``-ngl``, whose
+own default is not 0, is then always given); on a GPU kvwarm does not speculate unless
+``--spec-exact false`` (a verify pass's exactness is measured on the CPU only).
 
 Prints per load and server the median decode speed by the server's own timings, on one clock:
 ``predicted_n - 1`` tokens in ``predicted_ms`` (from the first token's sampling to the last one's;
@@ -149,6 +151,8 @@ class Server:
     kv_type: str | None = None
     #: kvwarm's ``--spec-exact`` (``--spec-exact``; None: its default, true).
     spec_exact: str | None = None
+    #: Layers offloaded to a GPU, every server alike (``--gpu-layers``).
+    gpu_layers: int = 0
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -175,7 +179,8 @@ class Server:
                 sys.executable, "-m", "kvwarm", "serve", "--host", "127.0.0.1",
                 "--port", str(self.port), "--model", f"m={self.model}", "--n-ctx", "4096",
                 "--n-threads", str(self.threads), "--n-threads-batch", str(self.threads),
-                "--cache-dir", str(self.work / self.name), "--n-parallel", "1", *extra,
+                "--cache-dir", str(self.work / self.name), "--n-parallel", "1",
+                "--n-gpu-layers", str(self.gpu_layers), *extra,
             ]  # fmt: skip
         extra = ["--spec-type", self.name.removeprefix("llama-")] if self.name != "llama" else []
         if self.name == "llama-draft":
@@ -185,7 +190,8 @@ class Server:
         return [
             str(llama_server()), "--host", "127.0.0.1", "--port", str(self.port),
             "-m", str(self.model), "-c", "4096", "-t", str(self.threads),
-            "-tb", str(self.threads), "-np", "1", "--no-webui", *extra,
+            "-tb", str(self.threads), "-np", "1", "--no-webui", "-ngl", str(self.gpu_layers),
+            *extra,
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -266,6 +272,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--gpu-layers",
+        type=int,
+        default=0,
+        help="layers offloaded, every server (kvwarm on a GPU speculates only with "
+        "--spec-exact false: its verify passes are not measured exact there)",
+    )
+    parser.add_argument(
         "--kv-type",
         default=None,
         help="every server's K and V cell type (q8_0, bf16 ...; kvwarm's speculation is exact "
@@ -326,6 +339,7 @@ def main() -> None:
             tree=args.base_tree if name == "kvwarm-spec-base" else None,
             kv_type=args.kv_type,
             spec_exact=args.spec_exact,
+            gpu_layers=args.gpu_layers,
         )
         for name in names
     ]  # fmt: skip
