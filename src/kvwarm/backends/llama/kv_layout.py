@@ -429,6 +429,34 @@ def check_cells(
             )
 
 
+def check_joined(blob: U8, head: int, window: int | None, *, n_ctx: int) -> None:
+    """``check_cells``'s rule for a blob ``LlamaKvCodec`` joined (``kv_codec.join_row``):
+    its first cache (``head`` bytes) then, when ``window`` is a position, the window
+    joined from it (``join_rest``). The joins write each cache's cells in canonical form
+    (``canonical_meta``: sequence 0, positions in order, from 0 and from ``window``) and
+    its headers from the chunks' checked descriptor, so what is left of the rule is the
+    positions against the context: each cache's last one below ``n_ctx``. Only for a blob
+    of 12-byte cells whose memory is exactly those caches (the context checks any other
+    with ``check_cells``)."""
+    raw = blob.data
+    size = blob.size
+    if size < HEAD.size or _U32.unpack_from(raw, 0)[0] != IO_MAGIC:
+        raise StateRestoreError("KV blob has no llama.cpp state header")
+    ends = [HEAD.unpack_from(raw, 0)[3]]
+    if window is not None:
+        if head + 8 > size:
+            raise StateRestoreError("KV blob ends before its window cache")
+        if window < 0:
+            raise StateRestoreError(f"KV blob's window starts at position {window}")
+        ends.append(window + struct.unpack_from("<II", raw, head)[1])
+    for cache, end in enumerate(ends):
+        if end > n_ctx:
+            raise StateRestoreError(
+                f"KV cache {cache} of the blob holds positions up to {end - 1}, "
+                f"beyond the context (n_ctx={n_ctx})"
+            )
+
+
 #: A recurrent state's cell in a sequence's blob: i32 pos, u32 n_seq_id (0: the sequence's).
 _REC_CELL = struct.Struct("<iI")
 
