@@ -348,14 +348,13 @@ def window_restores(
                     ctx.seq_rm(0)
                     c0 = time.process_time()
                     t0 = time.perf_counter()
-                    with cache.open_row(key) as row:
+                    with cache.open_row(key) as row:  # as Admission._restore_whole does
                         if row.rest_chunks:
-                            joined = join_buf.join(ctx, row.chunks, rest_chunks=row.rest_chunks,
+                            got = join_buf.restore(ctx, 0, row.chunks, rest_chunks=row.rest_chunks,
                                                    rest_from=row.rest_from)  # fmt: skip
                         else:
-                            joined = join_buf.join(ctx, row.chunks, row.payload)
-                        assert ctx.kv_unpack(0, joined) == 1000
-                        joined.release()
+                            got = join_buf.restore(ctx, 0, row.chunks, row.payload)
+                        assert got == 1000
                     runs[mode].append(time.perf_counter() - t0)
                     cpus[mode].append(time.process_time() - c0)
             times[name] = {m: statistics.median(t) * 1e3 for m, t in runs.items()}

@@ -15,8 +15,9 @@ loads the model, prefills the tokens, saves the row to every tier (ram, ram_file
 Debian redis-server both trees share: an object store whose own cost a request is C's, where
 moto's is Python's) and
 restores it ``--reps`` times the engine's way (``open_row``, the chunks and the window or
-payload joined into a reused ``JoinBuffer``, ``kv_unpack``; what ``Admission._restore_whole``
-does in both trees), printing per tier the median wall ms and the restoring process's CPU
+payload joined into a reused ``JoinBuffer`` and restored: ``JoinBuffer.restore`` where the tree
+has it, else ``join`` then ``kv_unpack``; what ``Admission._restore_whole`` does in each
+tree), printing per tier the median wall ms and the restoring process's CPU
 ms (and, for s3, the moto process's CPU a restore: the store's share, which a client cannot
 shrink). The trees' children alternate ``--rounds`` times (base, this, base, this...), so a
 drift of the machine's speed falls on both; the figures printed are the medians over rounds.
@@ -139,14 +140,22 @@ def child(args: argparse.Namespace) -> None:
             with cache.open_row(key) as row:
                 rest_chunks = getattr(row, "rest_chunks", ())
                 pieces = len(row.chunks) + len(rest_chunks)
-                if rest_chunks:
-                    joined = join_buf.join(
-                        ctx, row.chunks, rest_chunks=rest_chunks, rest_from=row.rest_from
-                    )
+                if hasattr(join_buf, "restore"):  # the join and the restore in one call
+                    if rest_chunks:
+                        restored = join_buf.restore(
+                            ctx, 0, row.chunks, rest_chunks=rest_chunks, rest_from=row.rest_from
+                        )
+                    else:
+                        restored = join_buf.restore(ctx, 0, row.chunks, row.payload)
                 else:
-                    joined = join_buf.join(ctx, row.chunks, row.payload)
-                restored = ctx.kv_unpack(0, joined)
-                joined.release()
+                    if rest_chunks:
+                        joined = join_buf.join(
+                            ctx, row.chunks, rest_chunks=rest_chunks, rest_from=row.rest_from
+                        )
+                    else:
+                        joined = join_buf.join(ctx, row.chunks, row.payload)
+                    restored = ctx.kv_unpack(0, joined)
+                    joined.release()
             walls.append(time.perf_counter() - t0)
             cpus.append(time.process_time() - c0)
             assert restored == len(tokens), f"{name}: restored {restored} of {len(tokens)}"

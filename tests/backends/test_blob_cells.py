@@ -24,6 +24,7 @@ from kvwarm.backends.llama.kv_layout import (
     _canonical_first,
     _cell_order,
     check_cells,
+    check_joined,
     one_stream,
     widen,
 )
@@ -368,3 +369,24 @@ def test_mrope_blob_round_trips(qwen2vl: str) -> None:
     """A Qwen2-VL blob restores into another sequence, unified or one stream a sequence, and
     the next token's logits are the packed sequence's."""
     assert_case_ok("-c", _ROUND_TRIP, qwen2vl)
+
+
+def test_a_joined_blob_is_checked_for_its_positions_against_n_ctx() -> None:
+    """``check_joined``: what is left of ``check_cells``'s rule for a blob the codec joined
+    (its cells canonical by construction): each cache's positions below ``n_ctx``."""
+    first = _cache(list(range(6)))
+    blob = _blob(first, _cache(list(range(2, 6))))
+    head = 8 + len(first)  # where the window cache starts
+    check_joined(blob, head, 2, n_ctx=6)
+    check_joined(_blob(first), len(blob), None, n_ctx=6)
+    check_joined(_blob(_cache([])), 16, None, n_ctx=1)
+    for joined, window, n_ctx in [
+        (_blob(first), None, 5),  # the first cache past n_ctx
+        (blob, 2, 5),
+        (blob, 3, 6),  # the window [3, 7) past n_ctx, the first cache inside it
+        (blob, -1, 6),
+        (_blob(first), 2, 6),  # no window cache where one is said to start
+        (np.frombuffer(b"\0" * 32, dtype=np.uint8), None, 6),
+    ]:
+        with pytest.raises(StateRestoreError):
+            check_joined(joined, head, window, n_ctx=n_ctx)

@@ -58,12 +58,17 @@ def _meta_at(chunk: bytes) -> int:
 
 
 def _refused(ctx: BackendContext, chunks: list[Buffer]) -> None:
-    """Both ways of restoring ``chunks`` refuse them before touching the sequence."""
+    """Every way of restoring ``chunks`` refuses them before touching the sequence: in
+    place, and joined and restored in one call (``kv_unpack_joined``, which checks only the
+    positions of what its join wrote, so the chunks' own checks are what refuse them)."""
     with pytest.raises(StateRestoreError):
         ctx.kv_join(chunks)
     before = ctx.kv_pack(1)
     with pytest.raises(StateRestoreError):
         ctx.kv_unpack_chunks(1, chunks)
+    assert ctx.kv_pack(1) == before
+    with pytest.raises(StateRestoreError):
+        ctx.kv_unpack_joined(1, chunks, bytearray(1 << 22))
     assert ctx.kv_pack(1) == before
 
 

@@ -310,3 +310,56 @@ def test_a_view_of_a_memoless_part_of_a_held_chunk_is_parsed_as_any_buffer() -> 
     for view in (memoryview(chunk[:]), memoryview(chunk[8:]), memoryview(chunk)[::-1]):
         with pytest.raises(StateRestoreError):
             llama_kv_codec._parse_all([view])
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_window_row_is_joined_and_restored_in_one_call(
+    gemma: tuple[BackendContext, bytes, bytes], gemma_path: str
+) -> None:
+    """``kv_unpack_joined`` (the engine's restore of a window row through its ``JoinBuffer``)
+    restores exactly the saved state; since the join writes only canonical cells it checks
+    only their positions against ``n_ctx``, and a context too short for either cache still
+    refuses the row, leaving the sequence empty and usable. A payload beside the join (stored
+    bytes, not the join's) is checked whole, as ``kv_unpack`` checks any blob."""
+    from kvwarm.engine.worker.joinbuf import JoinBuffer
+
+    ctx, _, blob = gemma
+    codec = ctx.kv_codec
+    first = codec.rest_span(blob)[0]
+    main = codec.split(blob, [0, 256, 512, 530])
+    rest = codec.split_rest(blob, [first, 32, 256, 512, 530])
+    buf = JoinBuffer()
+    ctx.seq_rm(1, 0, -1)
+    assert buf.restore(ctx, 1, main, rest_chunks=rest, rest_from=first) == 530
+    again = ctx.kv_pack(1)
+    rejoined = bytes(codec.join(codec.split(again, [0, 530])))
+    assert rejoined + bytes(codec.join_rest(codec.split_rest(again, [first, 530]), first)) == blob
+    # The window whole as a payload, one of its cells moved to a position past n_ctx.
+    window = bytearray(codec.rest(blob))
+    window[8 : 8 + 4] = (5000).to_bytes(4, "little")  # the window's first cell's position
+    with pytest.raises(StateRestoreError):
+        buf.restore(ctx, 1, main, bytes(window))
+    assert (ctx.seq_pos_min(1), ctx.seq_pos_max(1)) == (-1, -1)
+
+    model = get_backend("llama_cpp").load_model(gemma_path)
+    small = model.new_context(
+        model.context_params(
+            ContextParams(n_ctx=512, n_batch=128, n_ubatch=128, n_threads=2), deterministic=False
+        )
+    )
+    try:
+        cases = [
+            (main, rest),  # both caches past n_ctx = 512
+            (main[:1], rest),  # the first cache [0, 256) inside it, the window [18, 530) not
+        ]
+        for head, window_chunks in cases:
+            small.prefill(0, [5, 6, 7], 0)
+            with pytest.raises(StateRestoreError, match="beyond the context"):
+                buf.restore(small, 0, head, rest_chunks=window_chunks, rest_from=first)
+            assert (small.seq_pos_min(0), small.seq_pos_max(0)) == (-1, -1)
+        small.prefill(0, [5, 6, 7], 0)  # still usable
+        assert small.seq_pos_max(0) == 2
+    finally:
+        small.close()
+        model.close()

@@ -118,6 +118,7 @@ def test_an_exact_repeat_in_a_warm_slot_reads_only_the_rows_logits(
 
         monkeypatch.setattr(ctx, "kv_unpack", no_restore)
         monkeypatch.setattr(ctx, "kv_unpack_chunks", no_restore)
+        monkeypatch.setattr(ctx, "kv_unpack_joined", no_restore)
         again = model.complete(prompt, opts)
         assert again.stats.cached_tokens == len(prompt) and again.stats.cache_hit == "exact"
         assert again.completion_tokens == first.completion_tokens

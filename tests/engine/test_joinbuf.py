@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import ContextParams
 from kvwarm.engine.worker.joinbuf import JoinBuffer
@@ -93,6 +95,42 @@ def test_a_window_row_joins_both_caches_and_the_buffer_grows_once() -> None:
             sizes.append(buf.capacity)
             got.release()
         assert sizes[0] == sizes[1] < sizes[2]  # the shorter row fit; the longer one grew it
+    finally:
+        ctx.close()
+        model.close()
+
+
+def test_restore_joins_into_the_buffer_and_restores_in_one_call() -> None:
+    """``restore`` (``kv_unpack_joined``): the row joined into the buffer, grown only when a
+    row needs more, and restored exactly; bad chunks are refused with the sequence as it
+    was, a refused blob leaves it empty."""
+    from kvwarm.backends.stub import StubBackend
+    from kvwarm.errors import StateRestoreError
+
+    model = StubBackend(memory_kind="swa", n_swa=24).load_model("stub-window")
+    ctx = model.new_context(ContextParams(n_ctx=256, n_batch=16, n_ubatch=16, n_seq_max=2))
+    try:
+        codec = ctx.kv_codec
+        buf = JoinBuffer()
+        sizes = []
+        for n in (60, 40, 90):
+            ctx.seq_rm(0)
+            ctx.prefill(0, [1 + (i * 5) % 200 for i in range(n)], 0)
+            blob = ctx.kv_pack(0)
+            first, end = codec.rest_span(blob)
+            main = codec.split(blob, [0, 32, n])
+            rest = codec.split_rest(blob, [first, *(b for b in (48,) if first < b < end), end])
+            assert buf.restore(ctx, 1, main, rest_chunks=rest, rest_from=first) == n
+            assert ctx.kv_pack(1) == blob
+            sizes.append(buf.capacity)
+        assert sizes[0] == sizes[1] < sizes[2]
+        held = ctx.seq_pos_max(1)
+        with pytest.raises(StateRestoreError):  # a window that does not start in its chunks
+            buf.restore(ctx, 1, main, rest_chunks=rest, rest_from=first - 1)
+        assert ctx.seq_pos_max(1) == held  # refused before the sequence was touched
+        with pytest.raises(StateRestoreError):  # a payload that is no window cache
+            buf.restore(ctx, 1, main, b"\x00" * 40)
+        assert ctx.seq_pos_max(1) == -1  # a refused blob leaves the sequence empty
     finally:
         ctx.close()
         model.close()

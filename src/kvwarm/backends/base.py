@@ -414,6 +414,28 @@ class BackendContext(Protocol):
         else; on any failure the caller must reset ``seq``."""
         ...
 
+    def kv_unpack_joined(
+        self,
+        seq: int,
+        chunks: Sequence[Buffer],
+        out: WritableBuffer,
+        *,
+        rest: Buffer = b"",
+        rest_chunks: Sequence[Buffer] = (),
+        rest_from: int = 0,
+    ) -> int:
+        """Join a row into ``out`` (``kv_codec.join(chunks)`` followed by ``rest``, a row's
+        state kept whole after its chunked first cache, or by its window joined from
+        ``rest_chunks`` from position ``rest_from``: ``kv_codec.join_rest``) and restore that
+        blob into ``seq`` (cleared first); the number of positions it now holds. As
+        ``kv_unpack`` of the joined blob, but a backend may check only what its codec's join
+        does not guarantee (llama.cpp: the cells' positions against ``n_ctx``, since a join
+        writes only the checked chunks' canonical cells). ``JoinBufferTooSmallError`` (with
+        the size needed) when ``out`` is too short, and ``StateRestoreError`` for bad chunks,
+        both with ``seq`` untouched; ``StateRestoreError`` with ``seq`` left empty when the
+        joined blob is refused."""
+        ...
+
     @property
     def restores_tails(self) -> bool:
         """Whether ``kv_unpack_chunks`` can put a row's later chunks on live KV of its

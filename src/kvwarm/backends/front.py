@@ -12,9 +12,10 @@ Invariants:
   llama.cpp clamps it), prefills, embedding inputs, logits rows that were requested, adapters (this
   model's, finite scales). So the stub refuses exactly what llama.cpp's context refuses, with
   the same error types and messages, and no argument reaches a llama.cpp ``GGML_ASSERT``.
-- Every public method runs inside ``Lifetime.using()`` (``kv_split``/``kv_join`` only check
-  it: the codec is pure and takes no lock), so a close from another thread waits for the call
-  in flight; ``_free`` runs once, after ``close()`` and the last dependent.
+- Every public method runs inside ``Lifetime.using()`` (``kv_split``/``kv_join``, and the
+  join of ``kv_unpack_joined``, only check it: the codec is pure and takes no lock), so a
+  close from another thread waits for the call in flight; ``_free`` runs once, after
+  ``close()`` and the last dependent.
 - The ``logits()`` views handed out are released before the next decode (``_release_views``)
   and at close, so a stale view raises ``ValueError`` instead of reading freed memory.
 - A context holds each attached adapter (``acquire``); ``set_adapters`` acquires the new ones
@@ -38,7 +39,7 @@ from typing import Generic, Protocol, TypeVar, cast, overload
 
 from kvwarm.backends import _checks
 from kvwarm.backends.base import Adapter, BatchToken, Buffer, ContextParams, WritableBuffer
-from kvwarm.backends.kv_codec import KvCodec
+from kvwarm.backends.kv_codec import KvCodec, join_row
 from kvwarm.backends.lifetime import Lifetime
 from kvwarm.errors import AdapterError, InvalidRequestError, NoLogitsError, StateRestoreError
 
@@ -269,6 +270,28 @@ class ContextFront(ABC, Generic[M, A]):
             self._stateful()
             return self._kv_unpack_chunks(seq, chunks, base)
 
+    def kv_unpack_joined(
+        self,
+        seq: int,
+        chunks: Sequence[Buffer],
+        out: WritableBuffer,
+        *,
+        rest: Buffer = b"",
+        rest_chunks: Sequence[Buffer] = (),
+        rest_from: int = 0,
+    ) -> int:
+        _checks.check_seq(seq, self._params.n_seq_max)
+        self._life.check()
+        # The join is pure and takes no lock (as kv_join); the restore holds it.
+        blob, head = join_row(
+            self.kv_codec, chunks, out, rest=rest, rest_chunks=rest_chunks, rest_from=rest_from
+        )
+        with self._life.using():
+            self._stateful()
+            if memoryview(rest).nbytes:  # stored bytes besides the join's: checked as any blob
+                return self._kv_unpack(seq, blob)
+            return self._kv_unpack_joined(seq, blob, head, rest_from if rest_chunks else None)
+
     def kv_split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
         # No lock: the codec is pure, so a writer thread never waits for a decode.
         self._life.check()
@@ -428,6 +451,13 @@ class ContextFront(ABC, Generic[M, A]):
 
     @abstractmethod
     def _kv_unpack_chunks(self, seq: int, chunks: Sequence[Buffer], base: int) -> int | None: ...
+
+    def _kv_unpack_joined(self, seq: int, blob: memoryview, head: int, window: int | None) -> int:
+        """Restore ``blob``, written by this context's codec alone (``join_row``: its first
+        cache's ``head`` bytes, then, when ``window`` is a position, the window joined from
+        it). By default as any blob (``_kv_unpack``); a backend whose codec's joins are
+        known to write only cells it accepts may check less."""
+        return self._kv_unpack(seq, blob)
 
     @abstractmethod
     def _seq_rm(self, seq: int, p0: int, p1: int) -> None: ...

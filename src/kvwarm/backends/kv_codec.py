@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from typing import Protocol, overload, runtime_checkable
 
 from kvwarm.backends.params import Buffer, WritableBuffer
+from kvwarm.errors import JoinBufferTooSmallError
 
-__all__ = ["KvCodec"]
+__all__ = ["KvCodec", "join_row"]
 
 
 @runtime_checkable
@@ -124,3 +125,39 @@ class KvCodec(Protocol):
     def chunk_range(self, chunk: Buffer) -> tuple[int, int]:
         """``(start, n_cells)`` of one chunk, after checking its envelope and layout."""
         ...
+
+
+def join_row(
+    codec: KvCodec,
+    chunks: Sequence[Buffer],
+    out: WritableBuffer,
+    *,
+    rest: Buffer = b"",
+    rest_chunks: Sequence[Buffer] = (),
+    rest_from: int = 0,
+) -> tuple[memoryview, int]:
+    """A row's blob written into ``out``: ``codec.join(chunks)`` followed by ``rest`` (a row's
+    state after its chunked first cache, kept whole: ``KvCodec.rest``) or by the window
+    joined from ``rest_chunks`` from position ``rest_from`` (``join_rest``). Returns a view of
+    the blob in ``out`` and the first cache's length (where the rest starts).
+    ``JoinBufferTooSmallError`` with the whole blob's size when it does not fit (``out``'s
+    bytes are then unspecified); ``StateRestoreError`` for bad chunks."""
+    view = memoryview(out)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    extra = memoryview(rest).cast("B")
+    try:
+        head = codec.join(chunks, view).nbytes
+        if rest_chunks:
+            tail = codec.join_rest(rest_chunks, rest_from, view[head:]).nbytes
+            return view[: head + tail], head
+        if head + extra.nbytes <= view.nbytes:
+            view[head : head + extra.nbytes] = extra
+            return view[: head + extra.nbytes], head
+    except JoinBufferTooSmallError:
+        pass
+    rest_bytes = codec.rest_size(rest_chunks, rest_from) if rest_chunks else extra.nbytes
+    need = codec.joined_size(chunks) + rest_bytes
+    raise JoinBufferTooSmallError(
+        f"the buffer holds {view.nbytes} bytes; the joined row needs {need}", needed=need
+    )

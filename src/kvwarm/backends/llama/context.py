@@ -15,8 +15,12 @@ Invariants:
 - ``kv_pack`` / ``kv_unpack`` / ``kv_unpack_chunks`` keep the invariants of ``_kv_state`` (one
   copy out, none in; a blob that does not restore leaves the sequence empty); a whole blob's
   cells are checked first (``kv_layout.check_cells``: none llama.cpp could not remove again,
-  no recurrent state it would assert on). ``kv_split`` /
-  ``kv_join`` are the pure ``LlamaKvCodec``: they take no lock and touch no native state.
+  no recurrent state it would assert on). ``kv_unpack_joined`` restores a blob the codec
+  joined from checked chunks, whose cells the join wrote canonical, so it checks only their
+  positions against ``n_ctx`` (``kv_layout.check_joined``); a blob with stored bytes beside
+  the join (a recurrent state), ext cells or another memory shape gets ``check_cells``.
+  ``kv_split`` / ``kv_join`` are the pure ``LlamaKvCodec``: they take no lock and touch no
+  native state.
 - The native context has one sequence more than ``params.n_seq_max`` when llama.cpp allows it:
   the scratch sequence ``kv_unpack_chunks`` restores chunks through. No caller can name it
   (every seq id is checked against ``params.n_seq_max``) and it is empty between calls.
@@ -33,7 +37,7 @@ from __future__ import annotations
 import ctypes
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -49,7 +53,7 @@ from kvwarm.backends.llama import params as llama_params
 from kvwarm.backends.llama.adapter import LlamaAdapter
 from kvwarm.backends.llama.kv_codec import LlamaKvCodec
 from kvwarm.backends.llama.kv_layout import HEAD
-from kvwarm.buffers import u8
+from kvwarm.buffers import U8, u8
 from kvwarm.errors import (
     AdapterError,
     BackendError,
@@ -333,14 +337,41 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
 
     def _kv_unpack(self, seq: int, data: bytes | bytearray | memoryview) -> int:
         memory = self._memory
-        try:
-            kv_layout.check_cells(
-                u8(data),
+        return self._unpack_checked(
+            seq,
+            data,
+            lambda blob: kv_layout.check_cells(
+                blob,
                 caches=memory.kv_caches,
                 recurrent=memory.kind in ("recurrent", "hybrid"),
                 n_ctx=self._n_ctx,
                 cells=self._cells,
-            )
+            ),
+        )
+
+    def _kv_unpack_joined(self, seq: int, blob: memoryview, head: int, window: int | None) -> int:
+        # The codec's joins write only canonical cells (sequence 0, positions in order from 0,
+        # a window's from ``window``: ``LlamaKvCodec``), so of ``check_cells``'s rule only the
+        # positions against n_ctx are left to check; that holds for 12-byte cells of a KV
+        # memory whose blob is exactly the caches joined. Anything else is checked whole.
+        memory = self._memory
+        caches = 1 if window is None else 2
+        if self._cells.ext or memory.kind in ("recurrent", "hybrid") or memory.kv_caches != caches:
+            return self._kv_unpack(seq, blob)
+        return self._unpack_checked(
+            seq,
+            blob,
+            lambda data: kv_layout.check_joined(data, head, window, n_ctx=self._n_ctx),
+        )
+
+    def _unpack_checked(
+        self, seq: int, data: bytes | bytearray | memoryview, check: Callable[[U8], None]
+    ) -> int:
+        """``check`` the blob's cells, then restore it (widened to this context's streams);
+        a blob refused here, as one llama.cpp refuses, leaves the sequence empty."""
+        memory = self._memory
+        try:
+            check(u8(data))
             if self._streams:
                 data = kv_layout.widen(u8(data), memory.kv_caches, self._streams, self._cells)
         except StateRestoreError:

@@ -37,7 +37,11 @@ caller's ``out`` buffer (the engine's reused, already-faulted one); both
 check the layout against the context's cell types and layer count, and ``join`` and ``blobs``
 check every chunk's envelope, place in the sequence, metadata and (in-place chunks) every
 header llama.cpp will read before a byte is copied, so nothing malformed reaches
-``llama_state_seq_set_data``.
+``llama_state_seq_set_data``. The cells a join writes are therefore always canonical
+(``canonical_meta``: sequence 0, positions in order from 0, a window's from ``first``), and
+its headers those of the chunks' checked descriptor: ``LlamaContext.kv_unpack_joined`` relies
+on this and checks of such a blob only its positions against ``n_ctx``
+(``kv_layout.check_joined``).
 """
 
 from __future__ import annotations

@@ -456,19 +456,18 @@ class Admission:
         chunks, payload = row.chunks, row.payload
         # A manifest's chunks are restored each from the buffer it was read into; chunks the
         # context cannot restore in place (an older chunk format) are joined (each byte
-        # copied once) into the worker's reused buffer, which kv_unpack reads in place, and so
-        # are those of a manifest with a rest, followed by it: its payload (a hybrid's
-        # recurrent state), or its rest chunks joined after them (an iSWA window). A
-        # whole-blob row is unpacked from its view directly. No view is kept.
+        # copied once) into the worker's reused buffer and restored from it in one call
+        # (kv_unpack_joined), and so are those of a manifest with a rest, followed by it:
+        # its payload (a hybrid's recurrent state), or its rest chunks joined after them (an
+        # iSWA window). A whole-blob row is unpacked from its view directly.
         if not chunks:
             return rt.ctx.kv_unpack(slot.seq, payload)
         if row.rest_chunks:
-            joined = rt.join_buf.join(rt.ctx, chunks, rest_chunks=row.rest_chunks,
-                                      rest_from=row.rest_from)  # fmt: skip
-            return rt.ctx.kv_unpack(slot.seq, joined)
+            return rt.join_buf.restore(rt.ctx, slot.seq, chunks, rest_chunks=row.rest_chunks,
+                                       rest_from=row.rest_from)  # fmt: skip
         n_restored = None if payload.nbytes else rt.ctx.kv_unpack_chunks(slot.seq, chunks)
         if n_restored is None:
-            n_restored = rt.ctx.kv_unpack(slot.seq, rt.join_buf.join(rt.ctx, chunks, payload))
+            n_restored = rt.join_buf.restore(rt.ctx, slot.seq, chunks, payload)
         return n_restored
 
     def _restore_tail(
