@@ -884,9 +884,11 @@ def test_a_row_that_replays_the_request_is_followed_where_its_own_text_matches_t
 
 def test_two_earlier_replies_that_went_different_ways_draft_only_what_they_share() -> None:
     """Two rows whose context matches the request's (two earlier rounds of the same prompt)
-    and whose replies part after a few tokens draft those few only; once the request's next
-    token tells which one it follows, that one is drafted whole (the latest, drafted whole
-    before, was rejected after 3 tokens: a 48-token pass for 4 tokens on a CPU)."""
+    and whose replies part after a few tokens draft those few only (the latest, drafted whole
+    before, was rejected after 3 tokens: a 48-token pass for 4 tokens on a CPU); once the
+    request's next token tells which one it follows, that one is drafted, but not trusted
+    whole: replies to this place have gone different ways, and the request may yet go its
+    own."""
     cpu = Cost(0.33, 0.34)
     ctx = list(range(100, 100 + TRUST_CONTEXT + 8))
     first = [*range(300, 310), *range(400, 460)]
@@ -898,7 +900,20 @@ def test_two_earlier_replies_that_went_different_ways_draft_only_what_they_share
     drafts = _drafts(cache, 4)
     drafts.refresh(ns)
     own = [*first, *second, 3]  # the request holds both replies' text: sure drafts
+    # Another tenant's request in the same place replays nothing of this namespace's rows.
+    other = _replaying(drafts, _ns(b"b"), [*own, *ctx], RowTrust())
+    assert other.propose(first[:1], 48, cpu) == [] and not drafts.matches(_ns(b"b"), ctx)
     drafter = _replaying(drafts, ns, [*own, *ctx], RowTrust())
     assert drafter.propose(first[:1], 48, cpu) == first[1:10]
     drafter.verified(9, 9, first[10])
-    assert drafter.propose(first[:11], 48, cpu) == first[11:59]
+    draft = drafter.propose(first[:11], 48, cpu)
+    assert 0 < len(draft) < 40 and draft == first[11 : 11 + len(draft)]
+    # One row alone, the same place: trusted whole.
+    alone = _Rows()
+    alone.add(ns, [1, *ctx, *first])
+    drafts = _drafts(alone, 4)
+    drafts.refresh(ns)
+    assert (
+        _replaying(drafts, ns, [*own, *ctx], RowTrust()).propose(first[:1], 48, cpu)
+        == (first[1:49])
+    )

@@ -431,8 +431,9 @@ class Drafter:
 
     __slots__ = (
         "_breaks", "_caps", "_counts", "_cut", "_fed", "_last_key", "_last_value", "_looping",
-        "_replays", "_row_counts", "_synced", "_trusting", "_values", "budget", "copy_ends",
-        "draft_max", "elsewhere", "index", "kind", "loop_budget", "row_trust", "sentence_ends",
+        "_parted", "_prompt", "_replays", "_row_counts", "_synced", "_trusting", "_values",
+        "budget", "copy_ends", "draft_max", "elsewhere", "index", "kind", "loop_budget",
+        "row_trust", "sentence_ends",
     )  # fmt: skip
 
     def __init__(
@@ -454,10 +455,13 @@ class Drafter:
         #: The cached rows of the request's namespace: asked while no row replays (below).
         self.elsewhere = elsewhere
         #: The rows that replay this request (``_follow_rows``): each one's tokens, where its
-        #: next token is, and how much of the request's text it matched; and the length of
-        #: the text they are aligned with.
+        #: next token is, how much of the request's text it matched and whether it begins
+        #: with all of it; the length of the text they are aligned with; the prompt's length;
+        #: and whether some of them parted from the request's text while others went on.
         self._replays: list[tuple[tuple[int, ...], int, int, bool]] = []
         self._synced = 0
+        self._prompt = len(prompt)
+        self._parted = False
         self.index = NgramIndex(n, prompt)
         self.budget = DraftBudget()
         self._fed = 0  # generated tokens already in the index
@@ -514,13 +518,14 @@ class Drafter:
         if replay is not None and (replay[2] or own < TRUST_CONTEXT):
             # An earlier reply given in the same place: it wins over the request's own text
             # where it copies that text too (or is a retry), else only over a shorter match,
-            # and then a few tokens at a time (``ROW_UNSURE_MAX``).
+            # and then a few tokens at a time (``ROW_UNSURE_MAX``); it is trusted whole
+            # (``RowTrust``) unless earlier replies to this place went different ways.
             source, matched, sure = replay
             if not sure:
                 source = source[:ROW_UNSURE_MAX]
             elif self.row_trust is not None:
                 self._trusting = True
-                prior = TRUSTED_PRIOR if self.row_trust.trusted else None
+                prior = TRUSTED_PRIOR if self.row_trust.trusted and not self._parted else None
         elif self.kind == "ngram-cache":
             source, matched = self._from_counts(start, limit)
         elif start is not None:
@@ -577,28 +582,48 @@ class Drafter:
     def _follow_rows(self) -> list[RowMatch] | None:
         """Keep the rows that replay this request in step with its text, and where none is
         left, look its last ``n`` tokens up in the rows (returned: the matches, the longest
-        first). A row replays the request from where its context matches the request's last
-        ``TRUST_CONTEXT`` tokens or more, for as long as the request then writes what the row
-        holds: an earlier reply given in the same place, followed token for token wherever
-        the request's own text has matches too (a loop's period, a document's lines), which
-        a lookup of the last ``n`` tokens alone loses (Gemma 3 270M's looping reply: rows
-        were asked only where the request's own text had no match, 3 times a reply)."""
+        first). A row replays the request where it holds the request's whole reply so far
+        and at least ``TRUST_CONTEXT`` tokens of its prompt before it (or begins with all of
+        its text, a retry): an earlier reply given in the same place, followed token for token
+        for as long as the request writes what it holds, wherever the request's own text has
+        matches too (a loop's period, a document's lines). Rows were asked only where the
+        request's own text had no match, 3 or 4 times a Gemma 3 270M reply looping through
+        the chat template's tags that its prompt holds too. A row that matches only the
+        reply's later tokens (the request's reply went another way before) replays nothing:
+        it is one more n-gram match (``propose``)."""
         toks = self.index.tokens
         new = tuple(toks[self._synced :])
         self._synced = len(toks)
         if self._replays and new:
             step = len(new)
+            before = len(self._replays)
             self._replays = [
                 (seq, at + step, min(MATCH_MAX, matched + step), whole)
                 for seq, at, matched, whole in self._replays
                 if seq[at : at + step] == new
             ]
+            if 0 < len(self._replays) < before:
+                # Earlier replies to this place went different ways: the request may yet
+                # go a way of its own (SmolLM2's rename: two replies shared 4 tokens, the
+                # one it followed 19 more, then a trusted 48-token draft kept 3).
+                self._parted = True
         if self._replays or self.elsewhere is None or len(toks) < self.index.n:
             return None
         found = self.elsewhere(toks)
-        self._replays = [
-            (m.seq, m.at, m.matched, m.whole) for m in found if m.matched >= TRUST_CONTEXT
-        ]
+        need = len(toks) - self._prompt + TRUST_CONTEXT  # the reply and the context before it
+        tail: tuple[int, ...] | None = None
+        replays = []
+        for m in found:
+            if not m.whole:
+                if m.matched < min(need, MATCH_MAX) or m.at < need or need > len(toks):
+                    continue
+                if need > m.matched:  # matched stops counting at MATCH_MAX
+                    tail = tail or tuple(toks[len(toks) - need :])
+                    if m.seq[m.at - need : m.at] != tail:
+                        continue
+            replays.append((m.seq, m.at, m.matched, m.whole))
+        self._replays = replays
+        self._parted = False
         return found
 
     def _replay(self, limit: int) -> tuple[list[int], int, bool] | None:
