@@ -864,7 +864,7 @@ def test_a_row_that_replays_the_request_is_followed_where_its_own_text_matches_t
     tag = [50, 51, 52, 53]  # a chat template's tag: in the prompt, then looped in the reply
     ctx = list(range(100, 100 + TRUST_CONTEXT + 8))
     prompt = [*tag, 60, *tag, 70, *tag, 61, *ctx]  # the tag, and other tokens after it
-    reply = [*tag, 70] * 12
+    reply = [*tag, 70] * 20
     cache = _Rows()
     ns = _ns(b"a")
     cache.add(ns, [9, *prompt[1:], *reply])  # the earlier request: its prompt differs early
@@ -880,6 +880,19 @@ def test_a_row_that_replays_the_request_is_followed_where_its_own_text_matches_t
     drafter.verified(48, 48)
     # Where the request leaves the row's reply, the row stops replaying it.
     assert drafter.propose([*reply[:53], 71], 48, cpu)[:1] != [reply[54]]
+    # Found late (a request's first proposal 70 tokens into its reply, past what a match
+    # length counts): the row holds that whole reply and the prompt's end, so it replays it.
+    late = _replaying(drafts, ns, prompt, RowTrust())
+    assert late.propose(reply[:70], 3, cpu) == reply[70:73] and late._replays
+    # A row whose reply began otherwise matches the loop as far back as a match counts, but
+    # holds not this reply: it replays nothing.
+    other = _Rows()
+    other.add(ns, [9, *prompt[1:], 99, *reply[1:]])
+    drafts = _drafts(other, 4)
+    drafts.refresh(ns)
+    late = _replaying(drafts, ns, prompt, RowTrust())
+    late.propose(reply[:70], 3, cpu)
+    assert drafts.matches(ns, [*prompt, *reply[:70]])[0].matched == 64 and not late._replays
 
 
 def test_two_earlier_replies_that_went_different_ways_draft_only_what_they_share() -> None:

@@ -618,8 +618,14 @@ class Drafter:
                 if m.matched < min(need, MATCH_MAX) or m.at < need or need > len(toks):
                     continue
                 if need > m.matched:  # matched stops counting at MATCH_MAX
-                    tail = tail or tuple(toks[len(toks) - need :])
-                    if m.seq[m.at - need : m.at] != tail:
+                    # Where the context and the reply begin first: a row that matches a long
+                    # loop's later periods (each one does) fails there, not after a whole
+                    # reply's comparison per candidate and token.
+                    lo, at = len(toks) - need, m.at - need
+                    if m.seq[at] != toks[lo] or m.seq[at + TRUST_CONTEXT] != toks[self._prompt]:
+                        continue
+                    tail = tail or tuple(toks[lo:])
+                    if m.seq[at : m.at] != tail:
                         continue
             replays.append((m.seq, m.at, m.matched, m.whole))
         self._replays = replays
