@@ -28,7 +28,9 @@ anyway). ``--gpu-layers N`` offloads N layers on every server (llama-server's ``
 own default is not 0, is then always given); on a GPU kvwarm does not speculate unless
 ``--spec-exact false`` (a verify pass's exactness is measured on the CPU only).
 
-Prints per load and server the median decode speed by the server's own timings, on one clock:
+Prints per load and server the median decode speed by the server's own timings (and each
+round's, in order: a server drafting from its earlier replies is faster from the second on), on
+one clock:
 ``predicted_n - 1`` tokens in ``predicted_ms`` (from the first token's sampling to the last one's;
 the first token comes from the prompt's pass), llama-server's own ``predicted_per_second``
 (measured 2026-11-29: kvwarm's ``generation_ms`` is within 0.3 ms of its ``predicted_ms``, so the
@@ -390,10 +392,11 @@ def main() -> None:
             same = all(r[0] == ref for r, ref in zip(rs, refs, strict=True))
             drafted = sum(r[3] for r in rs)
             accepted = sum(r[4] for r in rs)
+            rounds = "/".join(f"{r[2] / r[1]:.0f}" for r in rs if r[1] > 0)
             print(
                 f"{load:11} {name:20} {speed:8.1f} {speed / base_speed:10.2f} {speed / plain:8.2f} "
                 f"{accepted:5}/{drafted:<5}  {'same as' if same else 'DIFFERS from'}"
-                f" {same_as[name]} ({rs[0][5]} tokens)"
+                f" {same_as[name]} ({rs[0][5]} tokens; rounds {rounds} tok/s)"
             )
     shutil.rmtree(work, ignore_errors=True)
 

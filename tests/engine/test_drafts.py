@@ -23,6 +23,7 @@ from kvwarm.engine.worker.drafts import (
     NgramIndex,
     PassCost,
     RowDrafts,
+    RowMatch,
     RowTrust,
     SentenceEnds,
     match_prior,
@@ -227,8 +228,8 @@ def _cont(drafts: RowDrafts, ns: Namespace, tail: tuple[int, ...], limit: int) -
     return drafts.continuation(ns, tail, limit)[0]
 
 
-def _drafts(cache: _Rows, **kw: object) -> RowDrafts:
-    return RowDrafts(cache.rows_of, cache.row_tokens, 2, **kw)  # type: ignore[arg-type]
+def _drafts(cache: _Rows, n: int = 2, **kw: object) -> RowDrafts:
+    return RowDrafts(cache.rows_of, cache.row_tokens, n, **kw)  # type: ignore[arg-type]
 
 
 def test_row_drafts_come_from_the_namespace_alone() -> None:
@@ -387,18 +388,17 @@ def test_a_namespaces_tenant_is_its_salts_key() -> None:
     assert tenant_of("plain salt") is None and tenant_of("key:notanid") is None
 
 
-def test_drafter_asks_elsewhere_only_when_its_own_text_has_no_match() -> None:
+def test_drafter_drafts_from_a_row_with_a_short_match_only_when_its_own_text_has_none() -> None:
     asked: list[tuple[int, ...]] = []
 
-    def elsewhere(text: Sequence[int], limit: int) -> tuple[list[int], int, bool]:
+    def elsewhere(text: Sequence[int]) -> list[RowMatch]:
         asked.append(tuple(text))
-        return [42, 43][:limit], 32, False
+        return [RowMatch((5, 7, 42, 43), 2, 2, False)]  # a short match: no replay
 
     drafter = Drafter("ngram-simple", 2, 8, [1, 2, 3, 1, 2], elsewhere)
     assert drafter.propose([], 8, Cost(0.0, 0.01))[:1] == [3]  # its own prompt has [1, 2] earlier
-    assert asked == []
     assert drafter.propose([7], 8, Cost(0.0, 0.01))[:1] == [42]
-    assert asked == [(1, 2, 3, 1, 2, 7)]  # its whole text
+    assert asked == [(1, 2, 3, 1, 2), (1, 2, 3, 1, 2, 7)]  # its whole text, each time
 
 
 def test_a_draft_stops_before_a_media_span() -> None:
@@ -413,7 +413,7 @@ def test_a_draft_stops_before_a_media_span() -> None:
     draft = Drafter("ngram-simple", 2, 16, prompt).propose([], 16, Cost(0.0, 0.01))
     assert draft == [7]  # what followed [5, 6], up to the picture
     rows = Drafter(
-        "ngram-simple", 2, 16, [1, 2], lambda text, limit: ([9, *image][:limit], 32, False)
+        "ngram-simple", 2, 16, [1, 2], lambda text: [RowMatch((1, 2, 9, *image), 2, 2, False)]
     )
     assert rows.propose([], 16, Cost(0.0, 0.01)) == [9]
 
@@ -574,9 +574,7 @@ def test_a_row_draft_that_copies_nothing_of_the_request_is_drafted_a_few_tokens_
     drafts.refresh(ns)
 
     def drafter(own: list[int]) -> Drafter:
-        return Drafter(
-            "ngram-simple", 2, 62, own, lambda text, limit: drafts.continuation(ns, text, limit)
-        )
+        return Drafter("ngram-simple", 2, 62, own, lambda text: drafts.matches(ns, text))
 
     assert drafter(prompt).propose([], 62, free) == story[:ROW_UNSURE_MAX]
     # The row's continuation where this request holds those tokens itself: not capped.
@@ -769,7 +767,7 @@ def test_a_row_reply_to_the_same_material_is_drafted_whole_while_such_drafts_hol
             2,
             62,
             [8, *doc, *ctx],
-            lambda text, limit: drafts.continuation(ns, text, limit),
+            lambda text: drafts.matches(ns, text),
             row_trust=trust,
         )
 
@@ -791,7 +789,7 @@ def test_a_row_reply_to_the_same_material_is_drafted_whole_while_such_drafts_hol
         2,
         62,
         [8, *doc, *ctx[-TRUST_CONTEXT + 4 :]],
-        lambda text, limit: drafts.continuation(ns, text, limit),
+        lambda text: drafts.matches(ns, text),
         row_trust=trust,
     )
     assert len(short.propose([], 62, cpu)) < 30
@@ -832,3 +830,103 @@ def test_a_reply_caught_in_a_loop_is_drafted_past_one_period_by_a_budget_of_its_
     # Repeated only once so far: one period, as before (no evidence of a loop yet).
     fresh = Drafter("ngram-simple", 4, 48, [9, 9])
     assert fresh.propose(loop * 2, 24, cheap) == loop
+
+
+def test_row_drafts_draft_the_occurrence_whose_context_is_the_requests() -> None:
+    """An n-gram that occurs many times in a row (a loop's, a template's tag) drafts what
+    followed the occurrence that matches most of the request's text, the latest among
+    equals: the first occurrence, the only one kept before, sat in the row's prompt and
+    drafted the prompt's text (Gemma 3 270M's looping reply: 1 token of 3 kept)."""
+    cache = _Rows()
+    a = _ns(b"a")
+    cache.add(a, [1, 50, 51, 3, 4, 5, 7, 8, 60, 61, 50, 51, 52, 50, 51, 52, 50, 51, 9])
+    drafts = _drafts(cache)
+    drafts.refresh(a)
+    assert drafts.continuation(a, (0, 7, 8, 60, 61, 50, 51), 4) == ([52, 50, 51, 52], 6, False)
+    # Two of the loop's periods match as much: the latest first.
+    found = drafts.matches(a, (50, 51, 52, 50, 51))
+    assert [(m.at, m.matched) for m in found] == [(18, 5), (15, 5), (12, 2), (3, 2)]
+
+
+def _replaying(drafts: RowDrafts, ns: Namespace, prompt: list[int], trust: RowTrust) -> Drafter:
+    return Drafter(
+        "ngram-simple", 4, 48, prompt, lambda text: drafts.matches(ns, text), row_trust=trust
+    )
+
+
+def test_a_row_that_replays_the_request_is_followed_where_its_own_text_matches_too() -> None:
+    """An earlier reply given in the same place (the row's context matches the request's last
+    ``TRUST_CONTEXT`` tokens or more, and the request has written what the row holds since)
+    drafts the rest of that reply, though the request's own text has a match for its last
+    tokens: rows were asked only where it had none, so a looping reply whose tags the
+    prompt holds too was drafted from the prompt, a few tokens a pass, every time."""
+    cpu = Cost(0.33, 0.34)  # Gemma 3 270M's verify passes on 2 cores, measured
+    tag = [50, 51, 52, 53]  # a chat template's tag: in the prompt, then looped in the reply
+    ctx = list(range(100, 100 + TRUST_CONTEXT + 8))
+    prompt = [*tag, 60, *tag, 70, *tag, 61, *ctx]  # the tag, and other tokens after it
+    reply = [*tag, 70] * 20
+    cache = _Rows()
+    ns = _ns(b"a")
+    cache.add(ns, [9, *prompt[1:], *reply])  # the earlier request: its prompt differs early
+    drafts = _drafts(cache, 4)
+    drafts.refresh(ns)
+    drafter = _replaying(drafts, ns, prompt, RowTrust())
+    assert drafter.propose(reply[:1], 3, cpu) == reply[1:4]  # room for 3 tokens only
+    drafter.verified(3, 3, reply[4])
+    # Its own text now matches [51, 52, 53, 70] in the prompt (followed by the tag and 61):
+    # the row's reply, which the request has followed token for token, is drafted instead.
+    assert NgramIndex(4, [*prompt, *reply[:5]]).lookup() is not None
+    assert drafter.propose(reply[:5], 48, cpu) == reply[5:53]
+    drafter.verified(48, 48)
+    # Where the request leaves the row's reply, the row stops replaying it.
+    assert drafter.propose([*reply[:53], 71], 48, cpu)[:1] != [reply[54]]
+    # Found late (a request's first proposal 70 tokens into its reply, past what a match
+    # length counts): the row holds that whole reply and the prompt's end, so it replays it.
+    late = _replaying(drafts, ns, prompt, RowTrust())
+    assert late.propose(reply[:70], 3, cpu) == reply[70:73] and late._replays
+    # A row whose reply began otherwise matches the loop as far back as a match counts, but
+    # holds not this reply: it replays nothing.
+    other = _Rows()
+    other.add(ns, [9, *prompt[1:], 99, *reply[1:]])
+    drafts = _drafts(other, 4)
+    drafts.refresh(ns)
+    late = _replaying(drafts, ns, prompt, RowTrust())
+    late.propose(reply[:70], 3, cpu)
+    assert drafts.matches(ns, [*prompt, *reply[:70]])[0].matched == 64 and not late._replays
+
+
+def test_two_earlier_replies_that_went_different_ways_draft_only_what_they_share() -> None:
+    """Two rows whose context matches the request's (two earlier rounds of the same prompt)
+    and whose replies part after a few tokens draft those few only (the latest, drafted whole
+    before, was rejected after 3 tokens: a 48-token pass for 4 tokens on a CPU); once the
+    request's next token tells which one it follows, that one is drafted, but not trusted
+    whole: replies to this place have gone different ways, and the request may yet go its
+    own."""
+    cpu = Cost(0.33, 0.34)
+    ctx = list(range(100, 100 + TRUST_CONTEXT + 8))
+    first = [*range(300, 310), *range(400, 460)]
+    second = [*range(300, 310), *range(500, 560)]
+    cache = _Rows()
+    ns = _ns(b"a")
+    cache.add(ns, [1, *ctx, *first])
+    cache.add(ns, [2, *ctx, *second])
+    drafts = _drafts(cache, 4)
+    drafts.refresh(ns)
+    own = [*first, *second, 3]  # the request holds both replies' text: sure drafts
+    # Another tenant's request in the same place replays nothing of this namespace's rows.
+    other = _replaying(drafts, _ns(b"b"), [*own, *ctx], RowTrust())
+    assert other.propose(first[:1], 48, cpu) == [] and not drafts.matches(_ns(b"b"), ctx)
+    drafter = _replaying(drafts, ns, [*own, *ctx], RowTrust())
+    assert drafter.propose(first[:1], 48, cpu) == first[1:10]
+    drafter.verified(9, 9, first[10])
+    draft = drafter.propose(first[:11], 48, cpu)
+    assert 0 < len(draft) < 40 and draft == first[11 : 11 + len(draft)]
+    # One row alone, the same place: trusted whole.
+    alone = _Rows()
+    alone.add(ns, [1, *ctx, *first])
+    drafts = _drafts(alone, 4)
+    drafts.refresh(ns)
+    assert (
+        _replaying(drafts, ns, [*own, *ctx], RowTrust()).propose(first[:1], 48, cpu)
+        == (first[1:49])
+    )

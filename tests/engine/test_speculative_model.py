@@ -92,6 +92,23 @@ def test_seeded_reply_and_logprobs_are_plain_decodings(model: Model) -> None:
     assert spec.stats.drafted_tokens > 0
 
 
+def test_an_earlier_reply_replayed_from_its_row_keeps_plain_decodings_text(model: Model) -> None:
+    """A request whose prompt differs from an earlier one's only at its start (the bench's
+    "Request N.") is replayed the earlier reply from its cached row (``Drafter._follow_rows``)
+    for as long as it writes the same, and its text is plain decoding's where the two replies
+    part ("This function takes two parameters" against "... takes a width")."""
+    opts = GenerationOptions(max_tokens=40, temperature=0.0)
+
+    def ask(r: int) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"Request {r}. Repeat this code exactly:\n\n{CODE}"}]
+
+    plain = model.chat(ask(2), options=opts, spec_type="none", cache_salt="replay-plain")
+    model.chat(ask(1), options=opts, cache_salt="replay")  # its finish row: the earlier reply
+    spec = model.chat(ask(2), options=opts, cache_salt="replay")
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.accepted_tokens >= 24
+
+
 def _assert_verify_rows_are_one_token_passes(
     ctx: BackendContext, prompt: list[int], follow: list[int], redo: int
 ) -> None:

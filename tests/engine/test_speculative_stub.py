@@ -60,8 +60,14 @@ def engine() -> Iterator[Engine]:
     eng.close()
 
 
+#: The plain runs' cache salt: a speculating run of the same prompt must not replay the plain
+#: run's reply from its cached row (drafted whole and never rejected, it would leave the
+#: paths these tests exercise, the request's own drafts and their rejection, untested).
+PLAIN_SALT = "plain run"
+
+
 def both(model: Model, prompt: str, opts: GenerationOptions, **kw: object):  # type: ignore[no-untyped-def]
-    plain = model.complete(prompt, opts, spec_type="none", **kw)  # type: ignore[arg-type]
+    plain = model.complete(prompt, opts, **{"spec_type": "none", "cache_salt": PLAIN_SALT, **kw})  # type: ignore[arg-type]
     model.evict()
     spec = model.complete(prompt, opts, **kw)  # type: ignore[arg-type]
     model.evict()
@@ -189,10 +195,11 @@ def test_end_of_generation_inside_an_accepted_draft(engine: Engine) -> None:
     prompt = "Say: abcdefgh! ijklm. Again: abcd"
     past = []
     for opts in (GREEDY, SAMPLED):
-        plain = model.complete(prompt, opts, spec_type="none", logprobs=1)
+        plain = model.complete(prompt, opts, spec_type="none", logprobs=1, cache_salt=PLAIN_SALT)
         plain_held = held(model)
         model.evict()
-        spec = model.complete(prompt, opts, logprobs=1)
+        # Each its own salt: the greedy run's row would be replayed, ending right at "!".
+        spec = model.complete(prompt, opts, logprobs=1, cache_salt=f"t={opts.temperature}")
         assert spec.completion_tokens == plain.completion_tokens and spec.text == "efgh!"
         assert spec.logprobs == plain.logprobs and spec.stats.finish_reason == "stop"
         assert spec.stats.accepted_tokens > 0
@@ -285,7 +292,7 @@ def test_reply_kv_is_the_accepted_tokens_only(engine: Engine) -> None:
     an accepted one, would change every later logit. A follow-up prompt that continues the
     speculative reply, reusing its live KV, must answer as a cold run of the same prompt."""
     model = engine.load_model(config=spec_config())
-    plain = model.complete(PROMPT, SAMPLED, spec_type="none")
+    plain = model.complete(PROMPT, SAMPLED, spec_type="none", cache_salt=PLAIN_SALT)
     plain_held = held(model)
     model.evict()
     first = model.complete(PROMPT, SAMPLED)

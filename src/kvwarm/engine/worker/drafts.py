@@ -50,11 +50,24 @@ from kvwarm.cache.types import Namespace, RowInfo
 from kvwarm.engine.types import SpecType
 from kvwarm.tokens import is_span_id
 
-#: A request's second source of drafts: ``(its text, limit)`` to what followed its last ``n``
-#: tokens elsewhere (``RowDrafts.continuation`` of its namespace), at most ``limit`` tokens;
-#: how many of its last tokens matched there (at most ``MATCH_MAX``); and whether that text
-#: holds all of the request's (a retry of the same request).
-Elsewhere = Callable[[Sequence[int], int], tuple[list[int], int, bool]]
+
+@dataclass(frozen=True, slots=True)
+class RowMatch:
+    """Where a request's last ``n`` tokens occur in a cached row (``RowDrafts.matches``): the
+    row's tokens, where what followed them begins (``seq[at:]``), how many of the request's
+    last tokens the row has there too (at most ``MATCH_MAX``), and whether the row begins with
+    all of the request's text (a retry of the same request)."""
+
+    seq: tuple[int, ...]
+    at: int
+    matched: int
+    whole: bool
+
+
+#: A request's second source of drafts: its text (prompt and reply so far) to where its last
+#: ``n`` tokens occur in the cached rows of its namespace (``RowDrafts.matches``), the longest
+#: match first.
+Elsewhere = Callable[[Sequence[int]], list[RowMatch]]
 
 #: How many of an n-gram's latest occurrences ``NgramIndex.lookup`` compares.
 CANDIDATES = 8
@@ -418,8 +431,9 @@ class Drafter:
 
     __slots__ = (
         "_breaks", "_caps", "_counts", "_cut", "_fed", "_last_key", "_last_value", "_looping",
-        "_row_counts", "_trusting", "_values", "budget", "copy_ends", "draft_max", "elsewhere",
-        "index", "kind", "loop_budget", "row_trust", "sentence_ends",
+        "_parted", "_prompt", "_replays", "_row_counts", "_synced", "_trusting", "_values",
+        "budget", "copy_ends", "draft_max", "elsewhere", "index", "kind", "loop_budget",
+        "row_trust", "sentence_ends",
     )  # fmt: skip
 
     def __init__(
@@ -438,8 +452,16 @@ class Drafter:
             raise ValueError("an n-gram drafter needs an n-gram draft source")
         self.kind = kind
         self.draft_max = draft_max
-        #: Asked when the request's own text has no match (the cached rows of its namespace).
+        #: The cached rows of the request's namespace: asked while no row replays (below).
         self.elsewhere = elsewhere
+        #: The rows that replay this request (``_follow_rows``): each one's tokens, where its
+        #: next token is, how much of the request's text it matched and whether it begins
+        #: with all of it; the length of the text they are aligned with; the prompt's length;
+        #: and whether some of them parted from the request's text while others went on.
+        self._replays: list[tuple[tuple[int, ...], int, int, bool]] = []
+        self._synced = 0
+        self._prompt = len(prompt)
+        self._parted = False
         self.index = NgramIndex(n, prompt)
         self.budget = DraftBudget()
         self._fed = 0  # generated tokens already in the index
@@ -490,30 +512,37 @@ class Drafter:
         index = self.index
         toks, n = index.tokens, index.n
         start = index.lookup()
-        if self.kind == "ngram-cache":
+        found = self._follow_rows() if self.kind != "ngram-cache" else None
+        replay = self._replay(limit)
+        own = index.match_length(start) if start is not None else 0
+        if replay is not None and (replay[2] or own < TRUST_CONTEXT):
+            # An earlier reply given in the same place: it wins over the request's own text
+            # where it copies that text too (or is a retry), else only over a shorter match,
+            # and then a few tokens at a time (``ROW_UNSURE_MAX``); it is trusted whole
+            # (``RowTrust``) unless earlier replies to this place went different ways.
+            source, matched, sure = replay
+            if not sure:
+                source = source[:ROW_UNSURE_MAX]
+            elif self.row_trust is not None:
+                self._trusting = True
+                prior = TRUSTED_PRIOR if self.row_trust.trusted and not self._parted else None
+        elif self.kind == "ngram-cache":
             source, matched = self._from_counts(start, limit)
         elif start is not None:
-            matched = index.match_length(start)
+            matched = own
             if self.kind == "ngram-mod":
                 source = self._chain(start, limit)
             elif self.kind == "ngram-map-k4v":
                 source, matched = self._dominant(limit)
             else:
                 source = toks[start + n : start + n + limit]
-                further = self._further(source, limit)
-                if further is not None:
-                    source, prior, self._trusting = further, TRUSTED_PRIOR, True
-                else:
-                    period = len(toks) - start - n
-                    if len(source) == period < limit and matched >= LOOP_REPEATS * period:
-                        source, self._looping = overlapping(source, period, limit), True
-        elif self.elsewhere is not None and len(toks) >= n:
-            source, matched, whole = self.elsewhere(toks, limit)
-            if whole or self._copies_own(source):
-                if matched >= TRUST_CONTEXT and self.row_trust is not None:
-                    self._trusting = True
-                    prior = TRUSTED_PRIOR if self.row_trust.trusted else prior
-            elif len(source) > ROW_UNSURE_MAX:
+                period = len(toks) - start - n
+                if len(source) == period < limit and matched >= LOOP_REPEATS * period:
+                    source, self._looping = overlapping(source, period, limit), True
+        elif found:
+            best = found[0]
+            source, matched = list(best.seq[best.at : best.at + limit]), best.matched
+            if not (best.whole or self._copies_own(source)):
                 source = source[:ROW_UNSURE_MAX]
         else:
             return []
@@ -550,19 +579,83 @@ class Drafter:
         self._cut = source[k] if k in breaks else None
         return source[:k]
 
-    def _further(self, own: Sequence[int], limit: int) -> list[int] | None:
-        """Where the request's own text runs out before ``limit`` (its draft ``own`` copies
-        the end of what it holds: a document's last lines), a trusted row's continuation that
-        begins with ``own`` and goes on (an earlier reply to the same material, which went on
-        past it: the JSON's closing lines); None where there is none, or rows are not trusted
-        now."""
-        trust = self.row_trust
-        if self.elsewhere is None or trust is None or not trust.trusted or len(own) >= limit:
+    def _follow_rows(self) -> list[RowMatch] | None:
+        """Keep the rows that replay this request in step with its text, and where none is
+        left, look its last ``n`` tokens up in the rows (returned: the matches, the longest
+        first). A row replays the request where it holds the request's whole reply so far
+        and at least ``TRUST_CONTEXT`` tokens of its prompt before it (or begins with all of
+        its text, a retry): an earlier reply given in the same place, followed token for token
+        for as long as the request writes what it holds, wherever the request's own text has
+        matches too (a loop's period, a document's lines). Rows were asked only where the
+        request's own text had no match, 3 or 4 times a Gemma 3 270M reply looping through
+        the chat template's tags that its prompt holds too. A row that matches only the
+        reply's later tokens (the request's reply went another way before) replays nothing:
+        it is one more n-gram match (``propose``)."""
+        toks = self.index.tokens
+        new = tuple(toks[self._synced :])
+        self._synced = len(toks)
+        if self._replays and new:
+            step = len(new)
+            before = len(self._replays)
+            self._replays = [
+                (seq, at + step, min(MATCH_MAX, matched + step), whole)
+                for seq, at, matched, whole in self._replays
+                if seq[at : at + step] == new
+            ]
+            if 0 < len(self._replays) < before:
+                # Earlier replies to this place went different ways: the request may yet
+                # go a way of its own (SmolLM2's rename: two replies shared 4 tokens, the
+                # one it followed 19 more, then a trusted 48-token draft kept 3).
+                self._parted = True
+        if self._replays or self.elsewhere is None or len(toks) < self.index.n:
             return None
-        rows, matched, whole = self.elsewhere(self.index.tokens, limit)
-        if len(rows) <= len(own) or matched < TRUST_CONTEXT or rows[: len(own)] != list(own):
+        found = self.elsewhere(toks)
+        need = len(toks) - self._prompt + TRUST_CONTEXT  # the reply and the context before it
+        tail: tuple[int, ...] | None = None
+        replays = []
+        for m in found:
+            if not m.whole:
+                if m.matched < min(need, MATCH_MAX) or m.at < need or need > len(toks):
+                    continue
+                if need > m.matched:  # matched stops counting at MATCH_MAX
+                    # Where the context and the reply begin first: a row that matches a long
+                    # loop's later periods (each one does) fails there, not after a whole
+                    # reply's comparison per candidate and token.
+                    lo, at = len(toks) - need, m.at - need
+                    if m.seq[at] != toks[lo] or m.seq[at + TRUST_CONTEXT] != toks[self._prompt]:
+                        continue
+                    tail = tail or tuple(toks[lo:])
+                    if m.seq[at : m.at] != tail:
+                        continue
+            replays.append((m.seq, m.at, m.matched, m.whole))
+        self._replays = replays
+        self._parted = False
+        return found
+
+    def _replay(self, limit: int) -> tuple[list[int], int, bool] | None:
+        """What the rows that replay this request (``_follow_rows``) hold next, as far as
+        they all agree (two earlier replies to the same prompt that went different ways
+        draft only what they share, until the request's next tokens tell which it follows),
+        at most ``limit`` tokens; the longest of their matches; and whether the draft is
+        sure: a row is a retry of the whole request, or the draft copies the request's own
+        text (``_copies_own``). None where no row replays it or they agree on nothing."""
+        replays = self._replays
+        if not replays:
             return None
-        return rows if whole or self._copies_own(rows) else None
+        seq, at, matched, whole = replays[0]
+        first = seq[at : at + limit]
+        common = len(first)
+        for other, other_at, other_matched, other_whole in replays[1:]:
+            cont = other[other_at : other_at + common]
+            same = 0
+            while same < len(cont) and cont[same] == first[same]:
+                same += 1
+            common = same
+            matched, whole = max(matched, other_matched), whole or other_whole
+        if common == 0:
+            return None
+        source = list(first[:common])
+        return source, matched, whole or self._copies_own(source)
 
     def _copies_own(self, draft: Sequence[int]) -> bool:
         """Whether at least half of the n-grams that end in the first ``_OWN_CHECK`` tokens of
@@ -695,8 +788,10 @@ class _Rows:
     #: The keys of the cache's rows of it already looked at (indexed or not): only those
     #: the cache still lists.
     keys: set[bytes] = field(default_factory=set)
-    #: hash of an n-gram -> (index into ``seqs``) << 32 | its start; checked on use.
-    starts: dict[int, int] = field(default_factory=dict)
+    #: hash of an n-gram -> (index into ``seqs``) << 32 | its start, or a list of the
+    #: latest ``CANDIDATES`` of them, oldest first, where it occurs more than once; checked
+    #: on use.
+    starts: dict[int, int | list[int]] = field(default_factory=dict)
     tokens: int = 0
     refreshed: float = float("-inf")
     #: Its namespace, and when it was last drafted from (``RowDrafts._touch``: the order of
@@ -712,8 +807,10 @@ class _Rows:
 
 class RowDrafts:
     """Drafts from the cache: n-grams of the token sequences of the cached rows of each
-    namespace, for what a request's own text cannot suggest (the reply an earlier request of
-    the same namespace got: a retried question, a file sent again). A namespace includes
+    namespace (each one's latest ``CANDIDATES`` occurrences), for what a request's own text
+    cannot suggest (the reply an earlier request of the same namespace got: a retried
+    question, a file sent again; ``Drafter`` follows a row that replays the request token for
+    token, ``Drafter._follow_rows``). A namespace includes
     the cache salt, so a request drafts from its own tenant's rows only
     (``docs/architecture.md``, "Tenants"); drafts change no token either way.
 
@@ -887,18 +984,27 @@ class RowDrafts:
             self._add(space, seq)
 
     def _add(self, space: _Rows, tokens: tuple[int, ...]) -> None:
+        """Index a row that holds any n-gram not indexed yet (one that does not, a prefix or
+        a copy of a row indexed, would only repeat its occurrences): each of its n-grams'
+        occurrences, the latest ``CANDIDATES`` of each kept."""
         n, starts = self.n, space.starts
+        hashes = [hash(tokens[start : start + n]) for start in range(len(tokens) - n)]
+        if all(h in starts for h in hashes):
+            return
         seq = len(space.seqs) << 32
-        added = 0
-        for start in range(len(tokens) - n):
-            h = hash(tokens[start : start + n])
-            if h not in starts:
+        for start, h in enumerate(hashes):
+            at = starts.get(h)
+            if at is None:
                 starts[h] = seq | start
-                added += 1
-        if added:
-            space.seqs.append(tokens)
-            self._counted(space, len(tokens))
-            space.tokens += len(tokens)
+            elif isinstance(at, int):
+                starts[h] = [at, seq | start]
+            else:
+                at.append(seq | start)
+                if len(at) > CANDIDATES:
+                    del at[0]
+        space.seqs.append(tokens)
+        self._counted(space, len(tokens))
+        space.tokens += len(tokens)
 
     def _bound(self, keep: Namespace) -> None:
         """Back within ``max_tokens``, taking from the tenant holding the most (on a tie, the
@@ -974,30 +1080,48 @@ class RowDrafts:
                 total -= other.counted_tokens
                 other.counts, other.counted, other.counted_tokens = None, 0, 0
 
-    def continuation(
-        self, ns: Namespace, text: Sequence[int], limit: int
-    ) -> tuple[list[int], int, bool]:
-        """What followed the last ``n`` tokens of ``text`` (a request's prompt and reply so
-        far) in a row of ``ns`` (at most ``limit`` tokens); how many of ``text``'s last tokens
-        that row has there too (``NgramIndex.match_length``, at most ``MATCH_MAX``); and
-        whether the row begins with all of ``text`` (a retry of the same request).
-        ``([], 0, False)`` when no row has them."""
+    def matches(self, ns: Namespace, text: Sequence[int]) -> list[RowMatch]:
+        """Where the last ``n`` tokens of ``text`` (a request's prompt and reply so far)
+        occur in the rows of ``ns`` (the latest ``CANDIDATES`` occurrences), the longest
+        match first (``RowMatch.matched``), the latest among equals. A loop's n-grams occur
+        many times a row, the first of them in a prompt: only the occurrence whose context is
+        the request's drafts what the request will write (Gemma 3 270M's looping reply: the
+        first occurrence, the only one kept before, drafted the prompt's JSON, 1 token of 3
+        kept)."""
         space = self._spaces.get(ns)
         n = self.n
         if space is None or len(text) < n:
-            return [], 0, False
+            return []
         key = tuple(text[len(text) - n :])
         packed = space.starts.get(hash(key))
         if packed is None:
+            return []
+        found: list[tuple[int, int, RowMatch]] = []
+        for order, at in enumerate([packed] if isinstance(packed, int) else packed):
+            seq, start = space.seqs[at >> 32], at & 0xFFFF_FFFF
+            if seq[start : start + n] != key:
+                continue  # another n-gram with the same hash
+            a, b, matched = start - 1, len(text) - n - 1, n
+            while a >= 0 and b >= 0 and matched < MATCH_MAX and seq[a] == text[b]:
+                a, b, matched = a - 1, b - 1, matched + 1
+            whole = start == len(text) - n and seq[: len(text)] == tuple(text)
+            found.append((matched, order, RowMatch(seq, start + n, matched, whole)))
+        found.sort(key=lambda item: (item[0], item[1]), reverse=True)
+        return [match for _, _, match in found]
+
+    def continuation(
+        self, ns: Namespace, text: Sequence[int], limit: int
+    ) -> tuple[list[int], int, bool]:
+        """What followed the last ``n`` tokens of ``text`` in the row of ``ns`` that matches
+        most of it (``matches``), at most ``limit`` tokens; how many of ``text``'s last
+        tokens that row has there too (at most ``MATCH_MAX``); and whether the row begins
+        with all of ``text`` (a retry of the same request). ``([], 0, False)`` when no row
+        has them."""
+        found = self.matches(ns, text)
+        if not found:
             return [], 0, False
-        seq, start = space.seqs[packed >> 32], packed & 0xFFFF_FFFF
-        if seq[start : start + n] != key:
-            return [], 0, False  # another n-gram with the same hash
-        a, b, matched = start - 1, len(text) - n - 1, n
-        while a >= 0 and b >= 0 and matched < MATCH_MAX and seq[a] == text[b]:
-            a, b, matched = a - 1, b - 1, matched + 1
-        whole = start == len(text) - n and seq[: len(text)] == tuple(text)
-        return list(seq[start + n : start + n + limit]), matched, whole
+        best = found[0]
+        return list(best.seq[best.at : best.at + limit]), best.matched, best.whole
 
 
 @dataclass(frozen=True, slots=True)

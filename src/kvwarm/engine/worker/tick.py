@@ -215,7 +215,7 @@ class Tick:
             cfg.spec_ngram_n,
             draft_max,
             act.req.prompt_tokens,
-            lambda text, limit: rows.continuation(ns, text, limit),
+            lambda text: rows.matches(ns, text),
             lambda ngram: rows.counts(ns, ngram),
             self.rt.sentence_ends,
             self.rt.copy_ends,
