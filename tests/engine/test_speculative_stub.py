@@ -835,3 +835,28 @@ def test_the_vocabulary_is_read_once_as_a_speculating_model_loads(
     assert calls["vocabulary"] == 1  # the request read none of it
     plain = engine.load_model(config=stub_config(1), model_id="plain")
     assert calls["vocabulary"] == 2 and plain._worker.rt.sentence_ends is None  # type: ignore[attr-defined]
+
+
+def test_a_failing_ngram_drafter_ends_drafting_and_the_request_decodes_plainly(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fault in the n-gram drafter (a bug) was the request's failure; its drafts change no
+    token, so the request now goes on without them, the fault logged."""
+    from kvwarm.engine.worker.drafts import Drafter
+
+    model = engine.load_model(config=spec_config())
+    plain = model.complete(PROMPT, GREEDY, spec_type="none", cache_salt=PLAIN_SALT)
+    model.evict()
+    calls: list[int] = []
+
+    def broken(self: Drafter, *args: object, **kw: object) -> list[int]:
+        calls.append(1)
+        raise RuntimeError("drafter bug")
+
+    monkeypatch.setattr(Drafter, "propose", broken)
+    with caplog.at_level("ERROR", logger="kvwarm.engine.worker.tick"):
+        spec = model.complete(PROMPT, GREEDY)
+    assert spec.text == plain.text and spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.drafted_tokens == 0
+    assert calls == [1]  # asked once, then the request decodes plainly
+    assert any("drafting failed" in r.getMessage() and r.exc_info for r in caplog.records)

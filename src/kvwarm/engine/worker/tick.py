@@ -19,6 +19,7 @@ usual; a round in which nothing but such waits remained reports ``"waiting"``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Literal, cast
@@ -40,6 +41,8 @@ from kvwarm.engine.worker.slots import Active, Slot
 from kvwarm.errors import BackendError, KvwarmError
 from kvwarm.tenants import tenant_of
 from kvwarm.tokens import Span
+
+log = logging.getLogger(__name__)
 
 TickResult = Literal["ran", "idle", "waiting"]
 
@@ -156,8 +159,15 @@ class Tick:
                 if act.drafter is None or room <= 0:
                     continue
                 drafted = self._propose(slot, act, room)
-            except Exception as exc:  # this slot's drafter: its request fails, no other
-                self.outcomes.fail(slot, unexpected(exc, self.rt.name))
+            except Exception as exc:
+                if isinstance(act.drafter, Drafter):
+                    # An n-gram drafter's state is its request's alone and its drafts change
+                    # no token: its fault (a bug) ends the request's drafting, logged, and
+                    # the request decodes plainly, as a draft model's failure does.
+                    log.exception("%s: drafting failed; decoding plainly", self.rt.name)
+                    act.drafter, act.draft = None, []
+                else:  # this slot's drafter: its request fails, no other
+                    self.outcomes.fail(slot, unexpected(exc, self.rt.name))
                 continue
             room -= drafted
             total += drafted
