@@ -124,6 +124,24 @@ def test_pass_cost_fits_its_fixed_and_per_token_parts_from_pairs_of_passes() -> 
     assert cost.cost == PassCost.PRIOR
 
 
+def test_pass_cost_priced_out_by_stalled_passes_comes_back_after_plain_passes() -> None:
+    """Verify passes stalled by another process (0.7-2.4 s against ~31 ms plain, seen in a
+    bench run at load 2-5) fit a cost that drafts nothing; with nothing drafted no sample
+    came to correct it, and drafting stayed off for the two minutes the samples lived."""
+    cost = PassCost(clock=lambda: 0.0)
+    for _ in range(5):
+        cost.observe(1, 0, 0.031)
+    for k in (8, 16, 32, 48) * 3:
+        cost.observe(1, k, 0.031 * 40 * Cost(0.4, 0.3).of(k))
+    stalled = cost.cost
+    assert stalled.of(8) > 16  # 8 drafted tokens cost more passes than they could save
+    for _ in range(PassCost._STALE_PLAIN - 1):
+        cost.observe(1, 0, 0.031)
+    assert cost.cost == stalled
+    cost.observe(1, 0, 0.031)
+    assert cost.cost == PassCost.PRIOR  # drafts are tried and timed again
+
+
 def test_pass_cost_fit_is_theil_sen_with_the_lower_quartile_intercept() -> None:
     """The fit (a loop over the pairs since numpy's calls cost ~0.74 ms cold right after a
     pass) against the numpy formulation it replaced, over random samples with repeated

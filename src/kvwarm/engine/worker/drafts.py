@@ -1153,18 +1153,23 @@ class PassCost:
     stalls only add, and with the median a host busy half the time fitted a fixed part of 3
     and more against a true 0.4, which drafts nothing short), so a pass stalled by another
     process moves it little; a few samples move it a little, many all the way; and
-    with no recent sample (a cost estimated so high that nothing was drafted) the prior comes
-    back, drafts are tried again and measured afresh."""
+    with no recent sample (a cost estimated so high that nothing was drafted: no sample for
+    ``_WINDOW_S`` seconds, or ``_STALE_PLAIN`` plain passes since the last one) the prior
+    comes back, drafts are tried again and measured afresh. The pass count bounds how long a
+    burst of stalled verify passes (another process on the cores: 0.7-2.4 s against ~31 ms,
+    seen in a bench run at load 2-5) can price every draft out: by time alone, two minutes,
+    longer than a whole reply."""
 
     #: What a pass costs until passes have been timed: a CPU-like guess.
     PRIOR = Cost(0.5, 0.3)
     _KEEP = 31  # recent plain passes per slot count; recent samples
     _MIN_PLAIN = 3  # plain passes of as many slots a sample needs
     _WINDOW_S = 120.0
+    _STALE_PLAIN = 48  # plain passes with no verify pass since the last sample
     _PRIOR_AT = (1, 16)  # the prior's two pseudo-samples
     _MAX_FIXED, _MAX_PER_TOKEN = 4.0, 2.0
 
-    __slots__ = ("_clock", "_fit", "_fitted_at", "_plain", "_samples")
+    __slots__ = ("_clock", "_fit", "_fitted_at", "_plain", "_plain_since", "_samples")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -1172,6 +1177,7 @@ class PassCost:
         self._samples: deque[tuple[float, int, float]] = deque(maxlen=self._KEEP)
         self._fit = self.PRIOR
         self._fitted_at: float | None = None  # None: refit at the next read
+        self._plain_since = 0  # plain passes since the last verify pass
 
     def observe(self, slots: int, drafted: int, seconds: float) -> None:
         """A decode-only pass of ``slots`` slots' next tokens and ``drafted`` draft tokens
@@ -1183,7 +1189,12 @@ class PassCost:
             if plain is None:
                 plain = self._plain[slots] = deque(maxlen=self._KEEP)
             plain.append(seconds)
+            self._plain_since += 1
+            if self._samples and self._plain_since >= self._STALE_PLAIN:
+                self._samples.clear()
+                self._fitted_at = None
             return
+        self._plain_since = 0
         if plain is not None and len(plain) >= self._MIN_PLAIN:
             ratio = seconds / sorted(plain)[len(plain) // 4]
             self._samples.append((self._clock(), drafted, ratio))
