@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvwarm.backends import get_backend
-from kvwarm.backends.base import ContextParams
+from kvwarm.backends.base import BackendContext, ContextParams
 from kvwarm.engine.worker.joinbuf import JoinBuffer
 
 PARAMS = ContextParams(n_ctx=256, n_batch=32, n_ubatch=32, n_seq_max=2)
@@ -72,6 +72,19 @@ def test_a_rest_follows_the_joined_chunks_and_grows_the_buffer_when_it_does_not_
         model.close()
 
 
+def _window_row(ctx: BackendContext, n: int) -> tuple[bytes, list[bytes], list[bytes], int]:
+    """Sequence 0 prefilled with ``n`` tokens of a window model: its blob, its first cache in
+    chunks (cut at 32), its window in chunks (cut at 48 where inside it), the window's start."""
+    codec = ctx.kv_codec
+    ctx.seq_rm(0)
+    ctx.prefill(0, [1 + (i * 5) % 200 for i in range(n)], 0)
+    blob = ctx.kv_pack(0)
+    first, end = codec.rest_span(blob)
+    main = codec.split(blob, [0, 32, n])
+    rest = codec.split_rest(blob, [first, *(b for b in (48,) if first < b < end), end])
+    return blob, main, rest, first
+
+
 def test_a_window_row_joins_both_caches_and_the_buffer_grows_once() -> None:
     """A row whose window is in chunks: its first cache's chunks then its window's, joined
     into one blob the context restores, in a buffer that grows only when a row needs more."""
@@ -80,16 +93,10 @@ def test_a_window_row_joins_both_caches_and_the_buffer_grows_once() -> None:
     model = StubBackend(memory_kind="swa", n_swa=24).load_model("stub-window")
     ctx = model.new_context(ContextParams(n_ctx=256, n_batch=16, n_ubatch=16))
     try:
-        codec = ctx.kv_codec
         buf = JoinBuffer()
         sizes = []
         for n in (60, 40, 90):
-            ctx.seq_rm(0)
-            ctx.prefill(0, [1 + (i * 5) % 200 for i in range(n)], 0)
-            blob = ctx.kv_pack(0)
-            first, end = codec.rest_span(blob)
-            main = codec.split(blob, [0, 32, n])
-            rest = codec.split_rest(blob, [first, *(b for b in (48,) if first < b < end), end])
+            blob, main, rest, first = _window_row(ctx, n)
             got = buf.join(ctx, main, rest_chunks=rest, rest_from=first)
             assert bytes(got) == blob
             sizes.append(buf.capacity)
@@ -110,16 +117,10 @@ def test_restore_joins_into_the_buffer_and_restores_in_one_call() -> None:
     model = StubBackend(memory_kind="swa", n_swa=24).load_model("stub-window")
     ctx = model.new_context(ContextParams(n_ctx=256, n_batch=16, n_ubatch=16, n_seq_max=2))
     try:
-        codec = ctx.kv_codec
         buf = JoinBuffer()
         sizes = []
         for n in (60, 40, 90):
-            ctx.seq_rm(0)
-            ctx.prefill(0, [1 + (i * 5) % 200 for i in range(n)], 0)
-            blob = ctx.kv_pack(0)
-            first, end = codec.rest_span(blob)
-            main = codec.split(blob, [0, 32, n])
-            rest = codec.split_rest(blob, [first, *(b for b in (48,) if first < b < end), end])
+            blob, main, rest, first = _window_row(ctx, n)
             assert buf.restore(ctx, 1, main, rest_chunks=rest, rest_from=first) == n
             assert ctx.kv_pack(1) == blob
             sizes.append(buf.capacity)
