@@ -242,8 +242,21 @@ def _ns(salt: bytes) -> Namespace:
     return Namespace(b"f" * 32, 1, salt.ljust(32, b"\0"))
 
 
+def _continuation(
+    drafts: RowDrafts, ns: Namespace, text: Sequence[int], limit: int
+) -> tuple[list[int], int, bool]:
+    """What followed ``text``'s last ``n`` tokens in the row that matches most of it
+    (``RowDrafts.matches``' first), at most ``limit`` tokens; how many of ``text``'s last
+    tokens it matched; whether the row begins with all of ``text``."""
+    found = drafts.matches(ns, text)
+    if not found:
+        return [], 0, False
+    best = found[0]
+    return list(best.seq[best.at : best.at + limit]), best.matched, best.whole
+
+
 def _cont(drafts: RowDrafts, ns: Namespace, tail: tuple[int, ...], limit: int) -> list[int]:
-    return drafts.continuation(ns, tail, limit)[0]
+    return _continuation(drafts, ns, tail, limit)[0]
 
 
 def _drafts(cache: _Rows, n: int = 2, **kw: object) -> RowDrafts:
@@ -566,11 +579,11 @@ def test_row_drafts_say_how_long_the_match_is() -> None:
     cache.add(a, [1, 2, 3, 4, 5, 6])
     drafts = _drafts(cache)
     drafts.refresh(a)
-    assert drafts.continuation(a, (9, 2, 3, 4), 8) == ([5, 6], 3, False)
+    assert _continuation(drafts, a, (9, 2, 3, 4), 8) == ([5, 6], 3, False)
     # The row begins with all of this text: a retry of the same request.
-    assert drafts.continuation(a, (1, 2, 3, 4), 1) == ([5], 4, True)
-    assert drafts.continuation(a, (3,), 8) == ([], 0, False)  # shorter than n
-    assert drafts.continuation(a, [0, 1, 2, 3, 4], 8) == ([5, 6], 4, False)  # not from its start
+    assert _continuation(drafts, a, (1, 2, 3, 4), 1) == ([5], 4, True)
+    assert _continuation(drafts, a, (3,), 8) == ([], 0, False)  # shorter than n
+    assert _continuation(drafts, a, [0, 1, 2, 3, 4], 8) == ([5, 6], 4, False)  # not from its start
 
 
 def test_a_row_draft_that_copies_nothing_of_the_request_is_drafted_a_few_tokens_at_a_time() -> None:
@@ -860,7 +873,7 @@ def test_row_drafts_draft_the_occurrence_whose_context_is_the_requests() -> None
     cache.add(a, [1, 50, 51, 3, 4, 5, 7, 8, 60, 61, 50, 51, 52, 50, 51, 52, 50, 51, 9])
     drafts = _drafts(cache)
     drafts.refresh(a)
-    assert drafts.continuation(a, (0, 7, 8, 60, 61, 50, 51), 4) == ([52, 50, 51, 52], 6, False)
+    assert _continuation(drafts, a, (0, 7, 8, 60, 61, 50, 51), 4) == ([52, 50, 51, 52], 6, False)
     # Two of the loop's periods match as much: the latest first.
     found = drafts.matches(a, (50, 51, 52, 50, 51))
     assert [(m.at, m.matched) for m in found] == [(18, 5), (15, 5), (12, 2), (3, 2)]

@@ -1109,20 +1109,6 @@ class RowDrafts:
         found.sort(key=lambda item: (item[0], item[1]), reverse=True)
         return [match for _, _, match in found]
 
-    def continuation(
-        self, ns: Namespace, text: Sequence[int], limit: int
-    ) -> tuple[list[int], int, bool]:
-        """What followed the last ``n`` tokens of ``text`` in the row of ``ns`` that matches
-        most of it (``matches``), at most ``limit`` tokens; how many of ``text``'s last
-        tokens that row has there too (at most ``MATCH_MAX``); and whether the row begins
-        with all of ``text`` (a retry of the same request). ``([], 0, False)`` when no row
-        has them."""
-        found = self.matches(ns, text)
-        if not found:
-            return [], 0, False
-        best = found[0]
-        return list(best.seq[best.at : best.at + limit]), best.matched, best.whole
-
 
 @dataclass(frozen=True, slots=True)
 class Cost:
