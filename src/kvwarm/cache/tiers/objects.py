@@ -67,7 +67,6 @@ from kvwarm.errors import (
 
 __all__ = [
     "REMOTE_CAPABILITIES",
-    "REMOTE_NO_PACK_WRITES",
     "Breaker",
     "Got",
     "LocalReads",
@@ -77,6 +76,7 @@ __all__ = [
     "ReapsTemps",
     "StagedPut",
     "StagesPuts",
+    "remote_capabilities",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,8 +86,14 @@ log = logging.getLogger(__name__)
 REMOTE_CAPABILITIES = TierCapabilities(
     persistent=True, shared=True, local=False, packs=True, pack_writes=True
 )
-#: A remote tier whose saves write chunk objects only (the option ``packs=0``).
-REMOTE_NO_PACK_WRITES = replace(REMOTE_CAPABILITIES, pack_writes=False)
+
+
+def remote_capabilities(*, packs: bool) -> TierCapabilities:
+    """A remote tier's capabilities; ``packs=False`` (the tier option ``packs=0``): its saves
+    write chunk objects only, while packs others wrote are still read and swept."""
+    return REMOTE_CAPABILITIES if packs else replace(REMOTE_CAPABILITIES, pack_writes=False)
+
+
 CHUNK_DIR = "chunks/"  # chunk objects: chunks/<hex key>.kvk beside the <hex key>.kvc rows
 PACK_DIR = "packs/"  # packs of chunk objects: packs/<hex id>.kvp
 PACK_STEP = "pack_linked"  # reported to ``on_step`` once a pack is put (fault tests)

@@ -279,18 +279,17 @@ def _s3_url(config: TierConfig, options: TierOptions) -> Tier:
 
 
 def _redis_url(config: TierConfig, options: TierOptions) -> Tier:
-    from kvwarm.cache.tiers.objects import REMOTE_CAPABILITIES, REMOTE_NO_PACK_WRITES, ObjectTier
+    from kvwarm.cache.tiers.objects import ObjectTier, remote_capabilities
     from kvwarm.cache.tiers.redis import RedisStore
 
     assert config.url is not None
     store = RedisStore(config.url)
-    capabilities = REMOTE_CAPABILITIES if store.packs else REMOTE_NO_PACK_WRITES
     return ObjectTier(
         store,
         config.quota_bytes,
         name=config.name,
         repair=options.repair,
-        capabilities=capabilities,
+        capabilities=remote_capabilities(packs=store.packs),
     )
 
 

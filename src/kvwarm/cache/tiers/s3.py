@@ -20,9 +20,9 @@ from urllib.parse import parse_qsl, urlsplit
 
 from kvwarm.cache.tiers.objects import (
     REMOTE_CAPABILITIES,
-    REMOTE_NO_PACK_WRITES,
     Got,
     ObjectTier,
+    remote_capabilities,
 )
 from kvwarm.cache.tiers.registry import url_switch
 from kvwarm.cache.tiers.s3client import (
@@ -208,8 +208,13 @@ class S3Tier(ObjectTier):
         wire = S3Wire(raw, label=label, down_for_s=config.down_for_s, lean=lean)
         self._s3 = S3Store(config, wire)
         self._cfg = config
-        capabilities = REMOTE_CAPABILITIES if config.packs else REMOTE_NO_PACK_WRITES
-        super().__init__(self._s3, quota_bytes, name=name, repair=repair, capabilities=capabilities)
+        super().__init__(
+            self._s3,
+            quota_bytes,
+            name=name,
+            repair=repair,
+            capabilities=remote_capabilities(packs=config.packs),
+        )
 
     @property
     def config(self) -> S3Config:
