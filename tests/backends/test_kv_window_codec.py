@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -362,4 +363,121 @@ def test_a_window_row_is_joined_and_restored_in_one_call(
         assert small.seq_pos_max(0) == 2
     finally:
         small.close()
+        model.close()
+
+
+class _RefusesWindows:
+    """llama.cpp's bindings, except that a restore of a window alone
+    (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) reads nothing: a window llama.cpp refuses after
+    the first cache restored."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._lib, name)
+
+    def llama_state_seq_set_data_ext(
+        self, ctx: object, src: object, size: int, seq: int, flags: int
+    ) -> int:
+        if flags == self._lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY:
+            return 0
+        return int(self._lib.llama_state_seq_set_data_ext(ctx, src, size, seq, flags))
+
+
+def _pos(ctx: BackendContext, seq: int) -> tuple[int, int]:
+    return ctx.seq_pos_min(seq), ctx.seq_pos_max(seq)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_window_row_restores_one_cache_at_a_time_or_not_at_all(
+    gemma: tuple[BackendContext, bytes, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An iSWA context restores a window row one cache at a time (``WindowJoin``: the first
+    cache with an empty window, then the window alone), each joined into the buffer just
+    before llama.cpp reads it: the state is the one the whole blob restores, from a buffer
+    that holds only the larger of the two blobs. Chunks that are refused, and a buffer too
+    small, leave the sequence untouched; a window that does not end where the first cache
+    does, or that llama.cpp refuses once the first cache is in, leaves it empty and usable."""
+    ctx, _, blob = gemma
+    codec = ctx.kv_codec
+    first = codec.rest_span(blob)[0]
+    main = codec.split(blob, [0, 256, 512, 530])
+    rest = codec.split_rest(blob, [first, 32, 256, 512, 530])
+    assert isinstance(codec, llama_kv_codec.LlamaKvCodec)
+    row = codec.join_apart(main, rest, first)
+    assert (row.first_end, row.window_end) == (530, 530)
+    assert max(len(blob) - len(codec.rest(blob)), len(codec.rest(blob))) < row.size < len(blob)
+    ctx.seq_rm(1, 0, -1)
+    assert (
+        ctx.kv_unpack_joined(1, main, bytearray(row.size), rest_chunks=rest, rest_from=first) == 530
+    )
+    apart = ctx.kv_pack(1)
+    ctx.seq_rm(1, 0, -1)
+    assert ctx.kv_unpack(1, blob) == 530
+    assert ctx.kv_pack(1) == apart  # cell for cell the whole blob's state
+
+    with pytest.raises(JoinBufferTooSmallError) as small:
+        ctx.kv_unpack_joined(1, main, bytearray(row.size - 1), rest_chunks=rest, rest_from=first)
+    assert small.value.needed == row.size
+    assert ctx.kv_pack(1) == apart
+    bad = bytearray(rest[2])
+    meta = len(bad) - kv_chunk.parse(u8(rest[2]), bad[5]).body.size  # a window chunk: no head
+    bad[meta : meta + 4] = (10_000).to_bytes(4, "little")  # its first cell's position
+    with pytest.raises(StateRestoreError, match="corrupt cell metadata"):
+        ctx.kv_unpack_joined(
+            1,
+            main,
+            bytearray(row.size),
+            rest_chunks=[*rest[:2], bytes(bad), *rest[3:]],
+            rest_from=first,
+        )
+    assert ctx.kv_pack(1) == apart
+
+    with pytest.raises(StateRestoreError, match="window ends at 530, its first cache at 512"):
+        ctx.kv_unpack_joined(1, main[:2], bytearray(row.size), rest_chunks=rest, rest_from=first)
+    assert _pos(ctx, 1) == (-1, -1)
+
+    assert ctx.kv_unpack(1, blob) == 530
+    monkeypatch.setattr(ctx, "_lib", _RefusesWindows(ctx._lib))
+    with pytest.raises(StateRestoreError, match="refused the row's window"):
+        ctx.kv_unpack_joined(1, main, bytearray(row.size), rest_chunks=rest, rest_from=first)
+    assert _pos(ctx, 1) == (-1, -1)  # its first cache, restored, is gone again
+    monkeypatch.undo()
+    assert (
+        ctx.kv_unpack_joined(1, main, bytearray(row.size), rest_chunks=rest, rest_from=first) == 530
+    )
+    assert ctx.kv_pack(1) == apart
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_window_row_of_transposed_v_restores_one_cache_at_a_time(gemma_path: str) -> None:
+    """Without flash attention (V transposed in both caches) the two restores are the whole
+    blob's state too."""
+    model = get_backend("llama_cpp").load_model(gemma_path)
+    ctx = model.new_context(
+        model.context_params(
+            ContextParams(n_ctx=1024, n_batch=128, n_ubatch=128, n_threads=2, flash_attn="off"),
+            deterministic=False,
+        )
+    )
+    try:
+        ctx.prefill(
+            0, model.tokenize("A lamp in every window, a ship on every tide. " * 50)[:530], 0
+        )
+        blob = ctx.kv_pack(0)
+        codec = ctx.kv_codec
+        first = codec.rest_span(blob)[0]
+        main = codec.split(blob, [0, 256, 530])
+        rest = codec.split_rest(blob, [first, 64, 128, 192, 256, 320, 384, 448, 512, 530])
+        ctx.seq_rm(0, 0, -1)
+        assert (
+            ctx.kv_unpack_joined(0, main, bytearray(len(blob)), rest_chunks=rest, rest_from=first)
+            == 530
+        )
+        assert ctx.kv_pack(0) == blob
+    finally:
+        ctx.close()
         model.close()

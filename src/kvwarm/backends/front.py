@@ -282,6 +282,12 @@ class ContextFront(ABC, Generic[M, A]):
     ) -> int:
         _checks.check_seq(seq, self._params.n_seq_max)
         self._life.check()
+        if rest_chunks and not memoryview(rest).nbytes:
+            with self._life.using():
+                self._stateful()
+                restored = self._kv_unpack_apart(seq, chunks, out, rest_chunks, rest_from)
+            if restored is not None:
+                return restored
         # The join is pure and takes no lock (as kv_join); the restore holds it.
         blob, head = join_row(
             self.kv_codec, chunks, out, rest=rest, rest_chunks=rest_chunks, rest_from=rest_from
@@ -458,6 +464,21 @@ class ContextFront(ABC, Generic[M, A]):
         it). By default as any blob (``_kv_unpack``); a backend whose codec's joins are
         known to write only cells it accepts may check less."""
         return self._kv_unpack(seq, blob)
+
+    def _kv_unpack_apart(
+        self,
+        seq: int,
+        chunks: Sequence[Buffer],
+        out: WritableBuffer,
+        rest_chunks: Sequence[Buffer],
+        rest_from: int,
+    ) -> int | None:
+        """Restore a window row (``chunks`` of its first cache, ``rest_chunks`` of its window
+        from ``rest_from``) one cache at a time through ``out``, as ``kv_unpack_joined``
+        promises: chunks refused before the sequence is touched, ``JoinBufferTooSmallError``
+        before anything is restored. None where this context restores a row only whole (the
+        default): the caller then joins it and restores the blob."""
+        return None
 
     @abstractmethod
     def _seq_rm(self, seq: int, p0: int, p1: int) -> None: ...

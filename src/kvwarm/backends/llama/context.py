@@ -44,7 +44,14 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwarm.backends import _checks
-from kvwarm.backends.base import BatchToken, Buffer, ContextMemory, ContextParams, concrete_kv
+from kvwarm.backends.base import (
+    BatchToken,
+    Buffer,
+    ContextMemory,
+    ContextParams,
+    WritableBuffer,
+    concrete_kv,
+)
 from kvwarm.backends.front import ContextFront
 from kvwarm.backends.llama import kv_layout
 from kvwarm.backends.llama import kv_state as _kv_state
@@ -53,7 +60,7 @@ from kvwarm.backends.llama import params as llama_params
 from kvwarm.backends.llama.adapter import LlamaAdapter
 from kvwarm.backends.llama.kv_codec import LlamaKvCodec
 from kvwarm.backends.llama.kv_layout import HEAD
-from kvwarm.buffers import U8, u8
+from kvwarm.buffers import U8, join_target, u8
 from kvwarm.errors import (
     AdapterError,
     BackendError,
@@ -363,6 +370,34 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
             blob,
             lambda data: kv_layout.check_joined(data, head, window, n_ctx=self._n_ctx),
         )
+
+    def _kv_unpack_apart(
+        self,
+        seq: int,
+        chunks: Sequence[Buffer],
+        out: WritableBuffer,
+        rest_chunks: Sequence[Buffer],
+        rest_from: int,
+    ) -> int | None:
+        # An iSWA memory (two caches of 12-byte cells, one stream) restores a window row one
+        # cache at a time, each joined just before llama.cpp reads it (``WindowJoin``); any
+        # other memory, per-sequence streams or ext cells restore the joined blob.
+        memory = self._memory
+        if self._streams or self._cells.ext or not memory.rest_chunkable or memory.kv_caches != 2:
+            return None
+        row = self._codec.join_apart(chunks, rest_chunks, rest_from)  # refused: untouched
+        _, view = join_target(row.size, out)  # too small: JoinBufferTooSmallError, untouched
+        assert isinstance(view, memoryview)
+        try:
+            kv_layout.check_ends((row.first_end, row.window_end), n_ctx=self._n_ctx)
+            if row.window_end != row.first_end:
+                raise StateRestoreError(
+                    f"the row's window ends at {row.window_end}, its first cache at {row.first_end}"
+                )
+        except StateRestoreError:
+            self._forget(seq, 0)  # refused here as by check_joined: the sequence is left empty
+            raise
+        return _kv_state.unpack_apart(self._lib, self._ptr, self._mem, seq, row, view, self._n_ctx)
 
     def _unpack_checked(
         self, seq: int, data: bytes | bytearray | memoryview, check: Callable[[U8], None]

@@ -51,7 +51,7 @@ import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import TypeAlias, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -144,6 +144,19 @@ class LlamaKvCodec:
         _, _, structure, end = self._checked_rest(chunks, first)
         return structure.blob_size(end - first, CACHE_HEAD)
 
+    def join_apart(
+        self, chunks: Sequence[Buffer], rest_chunks: Sequence[Buffer], first: int
+    ) -> WindowJoin:
+        """A window row (``chunks`` of its first cache, ``rest_chunks`` of its window from
+        position ``first``), every chunk checked as ``join`` and ``join_rest`` check them,
+        to be joined one cache at a time (``WindowJoin``)."""
+        if not self._rest_cells:
+            raise StateRestoreError("this context's KV blobs have no window cache to join")
+        main = self._checked(chunks)
+        if main is None:
+            raise StateRestoreError("a window row needs at least one chunk of its first cache")
+        return WindowJoin(self, main, self._checked_rest(rest_chunks, first), first)
+
     @overload
     def join_rest(self, chunks: Sequence[Buffer], first: int, out: None = None) -> bytearray: ...
     @overload
@@ -153,7 +166,12 @@ class LlamaKvCodec:
     def join_rest(
         self, chunks: Sequence[Buffer], first: int, out: WritableBuffer | None = None
     ) -> bytearray | memoryview:
-        views, known, structure, _ = self._checked_rest(chunks, first)
+        return self._join_rest(self._checked_rest(chunks, first), first, out)
+
+    def _join_rest(
+        self, checked: _Checked, first: int, out: WritableBuffer | None
+    ) -> bytearray | memoryview:
+        views, known, structure, _ = checked
         # Spans relative to the window: rows whose ends lie alike on the chunk grid share one.
         spans = tuple((view.start - first, view.n_cells, view.flags) for view in views)
         plan = _rest_plan(views[0].descriptor, structure, spans)
@@ -183,9 +201,7 @@ class LlamaKvCodec:
         self._check(window.structure, "KV blob window")
         return first, window
 
-    def _checked_rest(
-        self, chunks: Sequence[Buffer], first: int
-    ) -> tuple[list[kv_chunk.ChunkView], list[_Known | None], Structure, int]:
+    def _checked_rest(self, chunks: Sequence[Buffer], first: int) -> _Checked:
         """Rest chunks' views, their memos (``_Known``: held chunks only), layout and end
         position, every one checked: they tile positions in order from the first one's start,
         which holds ``first``."""
@@ -222,7 +238,9 @@ class LlamaKvCodec:
     def join(
         self, chunks: Sequence[Buffer], out: WritableBuffer | None = None
     ) -> bytearray | memoryview:
-        checked = self._checked(chunks)
+        return self._join(self._checked(chunks), out)
+
+    def _join(self, checked: _Checked | None, out: WritableBuffer | None) -> bytearray | memoryview:
         if checked is None:
             dst, result = join_target(HEAD.size, out)
             HEAD.pack_into(dst.data, 0, IO_MAGIC, 0, 1, 0)
@@ -264,9 +282,7 @@ class LlamaKvCodec:
         checked = self._checked(chunks)
         return HEAD.size if checked is None else checked[2].blob_size(checked[3])
 
-    def _checked(
-        self, chunks: Sequence[Buffer], start: int = 0
-    ) -> tuple[list[kv_chunk.ChunkView], list[_Known | None], Structure, int] | None:
+    def _checked(self, chunks: Sequence[Buffer], start: int = 0) -> _Checked | None:
         """The chunks' views, their memos (``_Known``: held chunks only), layout and end
         position, every one checked; None for no chunks."""
         views, known, todo = _parse_all(chunks)
@@ -352,6 +368,58 @@ class LlamaKvCodec:
                 # ``cells`` is a permutation of valid indices, checked by parse_blob.
                 np.take(source, cells, axis=1, out=dst, mode="clip")
         return out
+
+
+class WindowJoin:
+    """A window row's two caches, checked (``LlamaKvCodec.join_apart``), each written as a
+    blob llama.cpp restores alone: ``first`` is the blob head and the first cache followed
+    by an empty window cache (``u32 n_stream = 1, u32 n_cells = 0``), which
+    ``llama_state_seq_set_data`` restores leaving the window alone; ``window`` is the blob
+    head and the window cache, which ``llama_state_seq_set_data_ext`` restores with
+    ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` leaving the first cache alone. Restored one after
+    the other they are the joined row's state; each is written into the caller's buffer
+    just before its restore, so the bytes of one cache are joined and read back while they
+    are still in the CPU's cache (the whole row at once is the chunks, the blob and the KV
+    tensors of both caches: more than this CPU's 32 MiB L3 for a 1,000-token Gemma 3 270M
+    row). ``first_end`` and ``window_end``: the position after each cache's last cell."""
+
+    __slots__ = ("_codec", "_first", "_main", "_rest", "first_end", "window_end")
+
+    def __init__(self, codec: LlamaKvCodec, main: _Checked, rest: _Checked, first: int) -> None:
+        self._codec = codec
+        self._main = main
+        self._rest = rest
+        self._first = first
+        self.first_end = main[3]
+        self.window_end = rest[3]
+
+    @property
+    def size(self) -> int:
+        """The bytes the larger of the two blobs needs (the buffer both are written into)."""
+        main, rest = self._main, self._rest
+        return max(
+            main[2].blob_size(main[3]) + CACHE_HEAD,
+            _HEAD_PREFIX.size + rest[2].blob_size(rest[3] - self._first, CACHE_HEAD),
+        )
+
+    def first(self, out: memoryview) -> memoryview:
+        """The first cache's blob with an empty window cache, written into ``out`` (bytes)."""
+        at = len(self._codec._join(self._main, out))
+        _EMPTY_CACHE.pack_into(out, at, 1, 0)
+        return out[: at + _EMPTY_CACHE.size]
+
+    def window(self, out: memoryview) -> memoryview:
+        """The window's blob (the blob head, then the window cache), written into ``out``."""
+        _HEAD_PREFIX.pack_into(out, 0, IO_MAGIC, 0)
+        at = _HEAD_PREFIX.size
+        return out[: at + len(self._codec._join_rest(self._rest, self._first, out[at:]))]
+
+
+#: A blob's head before its first cache: llama.cpp's magic and the sequence id it was read
+#: from (``HEAD`` without the cache's own ``n_stream, n_cells``).
+_HEAD_PREFIX = struct.Struct("<Ii")
+#: A KV cache of one stream holding no cells.
+_EMPTY_CACHE = struct.Struct("<II")
 
 
 def _sections(data: U8, structure: Structure, n_cells: int, head: int = HEAD.size) -> list[U8]:
@@ -488,6 +556,11 @@ class _Known:
     def __init__(self, view: kv_chunk.ChunkView) -> None:
         self.view = view
         self.made: tuple[_Geometry, tuple[U8, ...]] | None = None
+
+
+#: Chunks' views, their memos (``_Known``: held chunks only), their layout and the position
+#: after their last cell, every one checked (``LlamaKvCodec._checked``, ``_checked_rest``).
+_Checked: TypeAlias = tuple[list[kv_chunk.ChunkView], list[_Known | None], Structure, int]
 
 
 def _pairs(

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -449,6 +450,12 @@ def check_joined(blob: U8, head: int, window: int | None, *, n_ctx: int) -> None
         if window < 0:
             raise StateRestoreError(f"KV blob's window starts at position {window}")
         ends.append(window + struct.unpack_from("<II", raw, head)[1])
+    check_ends(ends, n_ctx=n_ctx)
+
+
+def check_ends(ends: Sequence[int], *, n_ctx: int) -> None:
+    """Each KV cache's cells (the position after its last one: ``ends``, in the blob's
+    order) lie inside the context."""
     for cache, end in enumerate(ends):
         if end > n_ctx:
             raise StateRestoreError(
