@@ -433,7 +433,10 @@ class BackendContext(Protocol):
         writes only the checked chunks' canonical cells). ``JoinBufferTooSmallError`` (with
         the size needed) when ``out`` is too short, and ``StateRestoreError`` for bad chunks,
         both with ``seq`` untouched; ``StateRestoreError`` with ``seq`` left empty when the
-        joined blob is refused."""
+        joined blob is refused. A backend may restore a window row one cache at a time, each
+        joined into ``out`` just before it is read (llama.cpp's iSWA memory: ``WindowJoin``);
+        ``out`` then needs only the larger of the two caches' blobs, and the state is the
+        joined blob's."""
         ...
 
     @property

@@ -283,6 +283,8 @@ class ContextFront(ABC, Generic[M, A]):
         _checks.check_seq(seq, self._params.n_seq_max)
         self._life.check()
         if rest_chunks and not memoryview(rest).nbytes:
+            # A window row restored one cache at a time is joined under the lock, each cache
+            # between the restores.
             with self._life.using():
                 self._stateful()
                 restored = self._kv_unpack_apart(seq, chunks, out, rest_chunks, rest_from)
