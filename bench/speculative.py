@@ -7,8 +7,10 @@
 Loads (issue 39), greedy, each a chat rendered once with the GGUF's template and sent as the same
 text to every server's ``/v1/completions``: three that copy (return a function with one rename;
 answer a question by quoting a passage; rewrite a JSON document with one key changed) and a plain
-chat that copies nothing. ``rename-base`` is the rename as a raw completion (the start of a
-document that goes on with the renamed function), for a base model such as Gemma 3 270M. Servers:
+chat that copies nothing. ``rename-base`` and ``json-base`` are the rename and the JSON rewrite
+as raw completions (the start of a document that goes on with the renamed function, the
+rewritten JSON), for a base model such as Gemma 3 270M, which answers the chat turns with a loop
+of its fallback template's tags. Servers:
 kvwarm plain (its defaults: flash attention off on the CPU, f16 KV), ``kvwarm-fa``: kvwarm plain as
 a speculating kvwarm runs (its server is ``kvwarm-spec``'s, each request ``spec_type`` none: flash
 attention on, and the KV cells a speculating model's ``auto`` gives, q8_0 on the CPU), kvwarm
@@ -111,6 +113,14 @@ RAW_LOADS: dict[str, str] = {
     + FUNCTION
     + "```\n\nThe same function, renamed from merge_sorted to merge_lists:\n\n```python\n"
     "def merge_lists(",
+    # The JSON load as a document: a base model given it as a chat turn (Gemma 3 270M has no
+    # chat template: chatml) answers with a loop of the template's own tags, where as the
+    # start of a document it goes on copying the document. (The quote as a document: Gemma
+    # 3 270M repeats one sentence of the passage, in a loop, rather than quoting it.)
+    "json-base": "Original:\n\n"
+    + json.dumps(DOCUMENT, indent=2)
+    + '\n\nThe same document with the key "city" renamed to "town":\n\n'
+    + '{\n  "name": "Alice Smith",\n',
 }
 SERVERS = (
     "kvwarm",
