@@ -380,8 +380,9 @@ class WindowJoin:
     the other they are the joined row's state; each is written into the caller's buffer
     just before its restore, so the bytes of one cache are joined and read back while they
     are still in the CPU's cache (the whole row at once is the chunks, the blob and the KV
-    tensors of both caches: more than this CPU's 32 MiB L3 for a 1,000-token Gemma 3 270M
-    row). ``first_end`` and ``window_end``: the position after each cache's last cell."""
+    tensors of both caches: 31 MiB for a 1,000-token Gemma 3 270M row, as much as the L3
+    cache of the CPU it was measured on; docs/internals.md, "Each cache restored apart").
+    ``first_end`` and ``window_end``: the position after each cache's last cell."""
 
     __slots__ = ("_codec", "_first", "_main", "_rest", "first_end", "window_end")
 
