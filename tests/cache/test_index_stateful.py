@@ -97,9 +97,14 @@ class CacheMachine(RuleBasedStateMachine):
             self._forget(key)
 
     def _room(self, size: int) -> bool:
-        """Evict unpinned ram rows, oldest first, until ``size`` more bytes fit its quota."""
-        excess = sum(self.rows[k][2] for k in self.order["ram"]) + size - QUOTA["ram"]
-        for key in list(self.order["ram"]):
+        """Evict unpinned ram rows, oldest first, until ``size`` more bytes fit its quota;
+        where the checked-out rows alone leave too little, evict nothing (``hold_room``)."""
+        ram = list(self.order["ram"])
+        excess = sum(self.rows[k][2] for k in ram) + size - QUOTA["ram"]
+        pinned = sum(self.rows[k][2] for k in ram if self._pinned(k))
+        if excess > 0 and pinned + size > QUOTA["ram"]:
+            return False
+        for key in ram:
             if excess <= 0:
                 break
             if self._pinned(key):
@@ -119,8 +124,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.cache.save(req, sync=True, timeout_s=30) == key
             return
         if tier == "ram" and not self._room(size):
-            # The ram tier holds a save's room before copying it in; what it evicted for the
-            # room is gone even when the pinned rest leaves too little (issue 41).
+            # The ram tier holds a save's room before copying it in (issue 41); a save the
+            # checked-out rows leave no room for is refused evicting nothing (``hold_room``).
             assert self.cache.save(req, sync=True, timeout_s=30) is None
             return
         assert self.cache.save(req, sync=True, timeout_s=30)
