@@ -282,14 +282,12 @@ class ContextFront(ABC, Generic[M, A]):
     ) -> int:
         _checks.check_seq(seq, self._params.n_seq_max)
         self._life.check()
-        if rest_chunks and not memoryview(rest).nbytes:
+        if rest_chunks and not memoryview(rest).nbytes and self._restores_apart:
             # A window row restored one cache at a time is joined under the lock, each cache
             # between the restores.
             with self._life.using():
                 self._stateful()
-                restored = self._kv_unpack_apart(seq, chunks, out, rest_chunks, rest_from)
-            if restored is not None:
-                return restored
+                return self._kv_unpack_apart(seq, chunks, out, rest_chunks, rest_from)
         # The join is pure and takes no lock (as kv_join); the restore holds it.
         blob, head = join_row(
             self.kv_codec, chunks, out, rest=rest, rest_chunks=rest_chunks, rest_from=rest_from
@@ -467,6 +465,12 @@ class ContextFront(ABC, Generic[M, A]):
         known to write only cells it accepts may check less."""
         return self._kv_unpack(seq, blob)
 
+    @property
+    def _restores_apart(self) -> bool:
+        """Whether this context restores a window row one cache at a time
+        (``_kv_unpack_apart``); by default it joins the row and restores the blob."""
+        return False
+
     def _kv_unpack_apart(
         self,
         seq: int,
@@ -474,13 +478,12 @@ class ContextFront(ABC, Generic[M, A]):
         out: WritableBuffer,
         rest_chunks: Sequence[Buffer],
         rest_from: int,
-    ) -> int | None:
+    ) -> int:
         """Restore a window row (``chunks`` of its first cache, ``rest_chunks`` of its window
         from ``rest_from``) one cache at a time through ``out``, as ``kv_unpack_joined``
         promises: chunks refused before the sequence is touched, ``JoinBufferTooSmallError``
-        before anything is restored. None where this context restores a row only whole (the
-        default): the caller then joins it and restores the blob."""
-        return None
+        before anything is restored. Called only where ``_restores_apart``."""
+        raise NotImplementedError
 
     @abstractmethod
     def _seq_rm(self, seq: int, p0: int, p1: int) -> None: ...

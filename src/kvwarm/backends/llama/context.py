@@ -371,6 +371,19 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
             lambda data: kv_layout.check_joined(data, head, window, n_ctx=self._n_ctx),
         )
 
+    @property
+    def _restores_apart(self) -> bool:
+        # An iSWA memory (two caches of 12-byte cells, one stream) restores a window row one
+        # cache at a time, each joined just before llama.cpp reads it (``WindowJoin``); any
+        # other memory, per-sequence streams or ext cells restore the joined blob.
+        memory = self._memory
+        return (
+            not self._streams
+            and not self._cells.ext
+            and memory.rest_chunkable
+            and memory.kv_caches == 2
+        )
+
     def _kv_unpack_apart(
         self,
         seq: int,
@@ -378,13 +391,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         out: WritableBuffer,
         rest_chunks: Sequence[Buffer],
         rest_from: int,
-    ) -> int | None:
-        # An iSWA memory (two caches of 12-byte cells, one stream) restores a window row one
-        # cache at a time, each joined just before llama.cpp reads it (``WindowJoin``); any
-        # other memory, per-sequence streams or ext cells restore the joined blob.
-        memory = self._memory
-        if self._streams or self._cells.ext or not memory.rest_chunkable or memory.kv_caches != 2:
-            return None
+    ) -> int:
         row = self._codec.join_apart(chunks, rest_chunks, rest_from)  # refused: untouched
         _, view = join_target(row.size, out)  # too small: JoinBufferTooSmallError, untouched
         assert isinstance(view, memoryview)

@@ -399,7 +399,7 @@ class WindowJoin:
         """The bytes the larger of the two blobs needs (the buffer both are written into)."""
         main, rest = self._main, self._rest
         return max(
-            main[2].blob_size(main[3]) + CACHE_HEAD,
+            main[2].blob_size(main[3]) + _EMPTY_CACHE.size,
             _HEAD_PREFIX.size + rest[2].blob_size(rest[3] - self._first, CACHE_HEAD),
         )
 
