@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -294,8 +294,8 @@ def test_a_copy_that_fails_is_a_restore_error(
     first = codec.rest_span(blob)[0]
     chunks = codec.split_rest(blob, [first, 64, 530])
 
-    def misshapen(body: np.ndarray, copies: object) -> tuple[np.ndarray, ...]:
-        return (np.zeros((1, 1, 3), dtype=np.uint8),) * 2
+    def misshapen(body: np.ndarray, copies: Sequence[object]) -> tuple[np.ndarray, ...]:
+        return (np.zeros((1, 1, 3), dtype=np.uint8),) * len(copies)
 
     monkeypatch.setattr(llama_kv_codec, "_sources", misshapen)
     with pytest.raises(StateRestoreError, match="copying KV cells failed"):

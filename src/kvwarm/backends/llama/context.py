@@ -60,7 +60,7 @@ from kvwarm.backends.llama import params as llama_params
 from kvwarm.backends.llama.adapter import LlamaAdapter
 from kvwarm.backends.llama.kv_codec import LlamaKvCodec
 from kvwarm.backends.llama.kv_layout import HEAD
-from kvwarm.buffers import U8, join_target, u8
+from kvwarm.buffers import U8, u8
 from kvwarm.errors import (
     AdapterError,
     BackendError,
@@ -393,8 +393,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         rest_from: int,
     ) -> int:
         row = self._codec.join_apart(chunks, rest_chunks, rest_from)  # refused: untouched
-        _, view = join_target(row.size, out)  # too small: JoinBufferTooSmallError, untouched
-        assert isinstance(view, memoryview)
+        staged = row.stage(memoryview(out))  # too small: JoinBufferTooSmallError, untouched
         try:
             kv_layout.check_ends((row.first_end, row.window_end), n_ctx=self._n_ctx)
             if row.window_end != row.first_end:
@@ -404,7 +403,9 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         except StateRestoreError:
             self._forget(seq, 0)  # refused here as by check_joined: the sequence is left empty
             raise
-        return _kv_state.unpack_apart(self._lib, self._ptr, self._mem, seq, row, view, self._n_ctx)
+        return _kv_state.unpack_apart(
+            self._lib, self._ptr, self._mem, seq, row, staged, self._n_ctx
+        )
 
     def _unpack_checked(
         self, seq: int, data: bytes | bytearray | memoryview, check: Callable[[U8], None]

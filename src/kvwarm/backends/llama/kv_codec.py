@@ -91,7 +91,15 @@ class LlamaKvCodec:
     check at ``kv_unpack`` (a ``StateRestoreError`` too). Row sizes are checked there as well.
     """
 
-    __slots__ = ("_n_layer", "_rest_cells", "_type_k", "_type_v", "_v_trans", "_with_rest")
+    __slots__ = (
+        "_fits",
+        "_n_layer",
+        "_rest_cells",
+        "_type_k",
+        "_type_v",
+        "_v_trans",
+        "_with_rest",
+    )
 
     def __init__(
         self,
@@ -111,6 +119,9 @@ class LlamaKvCodec:
         # The rest is a KV cache of cells (an iSWA window), not a recurrent state: its bytes
         # are parsed only then, since a recurrent state may happen to parse as one.
         self._rest_cells = rest_cells
+        # Structures ``_check`` passed (it depends on nothing else), so a restore's chunks,
+        # which share one or two, are not walked section by section on every restore.
+        self._fits: set[Structure] = set()
 
     def split(self, blob: Buffer, bounds: Sequence[int]) -> list[bytes]:
         data = u8(blob)
@@ -155,7 +166,7 @@ class LlamaKvCodec:
         main = self._checked(chunks)
         if main is None:
             raise StateRestoreError("a window row needs at least one chunk of its first cache")
-        return WindowJoin(self, main, self._checked_rest(rest_chunks, first), first)
+        return WindowJoin(main, self._checked_rest(rest_chunks, first), first)
 
     @overload
     def join_rest(self, chunks: Sequence[Buffer], first: int, out: None = None) -> bytearray: ...
@@ -171,18 +182,10 @@ class LlamaKvCodec:
     def _join_rest(
         self, checked: _Checked, first: int, out: WritableBuffer | None
     ) -> bytearray | memoryview:
-        views, known, structure, _ = checked
-        # Spans relative to the window: rows whose ends lie alike on the chunk grid share one.
-        spans = tuple((view.start - first, view.n_cells, view.flags) for view in views)
-        plan = _rest_plan(views[0].descriptor, structure, spans)
+        plan = _plan_rest(checked, first)
         dst, result = join_target(plan.size, out)
-        dst[: plan.head.size] = plan.head
-        positions = dst[CACHE_HEAD : CACHE_HEAD + plan.n_cells * CELL].view("<i4")[::3]
-        np.add(positions, first, out=positions)  # the head holds positions from 0
-        dst[plan.header_at] = plan.headers
-        pairs: list[tuple[U8, U8]] = []
-        for view, memo, copies, whole in zip(views, known, plan.copies, plan.wholes, strict=True):
-            _pairs(pairs, dst, view.body, copies, memo, whole)
+        pairs = _stage(dst, checked, plan.copies, plan.wholes)
+        _write_rest_head(dst, plan, first)
         _copy_all(pairs)
         return result
 
@@ -245,23 +248,10 @@ class LlamaKvCodec:
             dst, result = join_target(HEAD.size, out)
             HEAD.pack_into(dst.data, 0, IO_MAGIC, 0, 1, 0)
             return result
-        views, known, structure, n_cells = checked
-        dst, result = join_target(structure.blob_size(n_cells), out)
-        _write_skeleton(dst, views[0].descriptor, structure, n_cells)
-        target = _geometry(structure, n_cells, _BLOB)
-        meta = dst[HEAD.size : HEAD.size + n_cells * CELL]
-        pairs: list[tuple[U8, U8]] = []
-        for view, memo in zip(views, known, strict=True):
-            a, b = view.start, view.end
-            source = _geometry(structure, b - a, _body_kind(view.flags))
-            meta_at = source.meta_at
-            meta[a * CELL : b * CELL] = view.body[meta_at : meta_at + (b - a) * CELL]
-            if view.body.size < source.size:
-                raise StateRestoreError(
-                    f"KV chunk body is {view.body.size} bytes; its cells need {source.size}"
-                )
-            copies = _copies(target, a, source, 0, b - a)
-            _pairs(pairs, dst, view.body, copies, memo, source)
+        plan = _plan_main(checked)
+        dst, result = join_target(plan.size, out)
+        pairs = _stage(dst, checked, plan.copies, plan.wholes)
+        dst[plan.header_at] = plan.headers
         _copy_all(pairs)
         return result
 
@@ -305,6 +295,8 @@ class LlamaKvCodec:
 
     def _check(self, structure: Structure, what: str) -> None:
         """Refuse a layout this context cannot restore (another cell type or model shape)."""
+        if structure in self._fits:
+            return
         if structure.n_layer > self._n_layer or (
             structure.n_layer != self._n_layer and not self._with_rest
         ):
@@ -325,6 +317,9 @@ class LlamaKvCodec:
                     f"{what} holds {_type_name(section.ggml_type)} {kind} cells; this context "
                     f"uses {_type_name(want)}"
                 )
+        if len(self._fits) >= _FITS_MAX:
+            self._fits.clear()
+        self._fits.add(structure)
 
     @staticmethod
     def _cut(layout: BlobLayout, sources: list[U8], a: int, b: int, *, rest: bool = False) -> bytes:
@@ -371,50 +366,94 @@ class LlamaKvCodec:
 
 
 class WindowJoin:
-    """A window row's two caches, checked (``LlamaKvCodec.join_apart``), each written as a
-    blob llama.cpp restores alone: ``first`` is the blob head and the first cache followed
+    """A window row's two caches, checked (``LlamaKvCodec.join_apart``), each to be written as
+    a blob llama.cpp restores alone: the first is the blob head and the first cache followed
     by an empty window cache (``u32 n_stream = 1, u32 n_cells = 0``), which
-    ``llama_state_seq_set_data`` restores leaving the window alone; ``window`` is the blob
+    ``llama_state_seq_set_data`` restores leaving the window alone; the second is the blob
     head and the window cache, which ``llama_state_seq_set_data_ext`` restores with
     ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` leaving the first cache alone. Restored one after
-    the other they are the joined row's state; each is written into the caller's buffer
-    just before its restore, so the bytes of one cache are joined and read back while they
-    are still in the CPU's cache (the whole row at once is the chunks, the blob and the KV
-    tensors of both caches: 31 MiB for a 1,000-token Gemma 3 270M row, as much as the L3
-    cache of the CPU it was measured on; docs/internals.md, "Each cache restored apart").
-    ``first_end`` and ``window_end``: the position after each cache's last cell."""
+    the other they are the joined row's state. ``stage`` makes every view both joins copy
+    through before a byte is written (``StagedWindow``); each blob is then written into the
+    caller's buffer just before its restore, so the bytes of one cache are joined and read
+    back while they are still in the CPU's cache (the whole row at once is the chunks, the
+    blob and the KV tensors of both caches: 31 MiB for a 1,000-token Gemma 3 270M row, as
+    much as the L3 cache of the CPU it was measured on; docs/internals.md, "Each cache
+    restored apart"), and no Python runs between a copy and its restore but the few
+    writes of the blob's head. ``first_end`` and ``window_end``: the position after each
+    cache's last cell; ``size``: the bytes the larger of the two blobs needs (the buffer
+    both are written into), the first with the empty cache it ends with."""
 
-    __slots__ = ("_codec", "_first", "_main", "_rest", "first_end", "window_end")
+    __slots__ = ("_first", "_main", "_main_plan", "_rest", "_rest_plan", "first_end", "size",
+                 "window_end")  # fmt: skip
 
-    def __init__(self, codec: LlamaKvCodec, main: _Checked, rest: _Checked, first: int) -> None:
-        self._codec = codec
+    def __init__(self, main: _Checked, rest: _Checked, first: int) -> None:
         self._main = main
         self._rest = rest
         self._first = first
+        self._main_plan = _plan_main(main)
+        self._rest_plan = _plan_rest(rest, first)
         self.first_end = main[3]
         self.window_end = rest[3]
-
-    @property
-    def size(self) -> int:
-        """The bytes the larger of the two blobs needs (the buffer both are written into)."""
-        main, rest = self._main, self._rest
-        return max(
-            main[2].blob_size(main[3]) + _EMPTY_CACHE.size,
-            _HEAD_PREFIX.size + rest[2].blob_size(rest[3] - self._first, CACHE_HEAD),
+        self.size = max(
+            self._main_plan.size + _EMPTY_CACHE.size, _HEAD_PREFIX.size + self._rest_plan.size
         )
 
-    def first(self, out: memoryview) -> memoryview:
-        """The first cache's blob with an empty window cache, written into ``out`` (bytes)."""
-        at = len(self._codec._join(self._main, out))
-        _EMPTY_CACHE.pack_into(out, at, 1, 0)
-        return out[: at + _EMPTY_CACHE.size]
+    def stage(self, out: memoryview) -> StagedWindow:
+        """Every copy of both joins into ``out`` (``size`` bytes at least: else
+        ``JoinBufferTooSmallError``), as views; nothing is written yet."""
+        dst, _ = join_target(self.size, out)
+        main, rest = self._main_plan, self._rest_plan
+        window = dst[_HEAD_PREFIX.size :]
+        return StagedWindow(
+            self,
+            dst,
+            _stage(dst, self._main, main.copies, main.wholes),
+            _stage(window, self._rest, rest.copies, rest.wholes),
+        )
 
-    def window(self, out: memoryview) -> memoryview:
-        """The window's blob (the blob head, then the window cache), written into ``out``."""
-        _HEAD_PREFIX.pack_into(out, 0, IO_MAGIC, 0)
-        at = _HEAD_PREFIX.size
-        return out[: at + len(self._codec._join_rest(self._rest, self._first, out[at:]))]
 
+class StagedWindow:
+    """A ``WindowJoin`` staged into a buffer: ``first()`` writes the first cache's blob with
+    an empty window cache, ``window()`` then the window's blob (the blob head, then the
+    window cache) over it; each returns its blob's length from the buffer's start."""
+
+    __slots__ = ("_dst", "_first_pairs", "_row", "_window_pairs")
+
+    def __init__(
+        self,
+        row: WindowJoin,
+        dst: U8,
+        first_pairs: list[tuple[U8, U8]],
+        window_pairs: list[tuple[U8, U8]],
+    ) -> None:
+        self._row = row
+        self._dst = dst
+        self._first_pairs = first_pairs
+        self._window_pairs = window_pairs
+
+    @property
+    def address(self) -> int:
+        """The buffer's address (both blobs start there)."""
+        return int(self._dst.ctypes.data)
+
+    def first(self) -> int:
+        dst, plan = self._dst, self._row._main_plan
+        dst[plan.header_at] = plan.headers
+        _EMPTY_CACHE.pack_into(dst.data, plan.size, 1, 0)
+        _copy_all(self._first_pairs)
+        return plan.size + _EMPTY_CACHE.size
+
+    def window(self) -> int:
+        dst, row = self._dst, self._row
+        plan = row._rest_plan
+        _HEAD_PREFIX.pack_into(dst.data, 0, IO_MAGIC, 0)
+        _write_rest_head(dst[_HEAD_PREFIX.size :], plan, row._first)
+        _copy_all(self._window_pairs)
+        return _HEAD_PREFIX.size + plan.size
+
+
+#: The most structures a codec remembers as checked (a context's chunks have one or two).
+_FITS_MAX = 16
 
 #: A blob's head before its first cache: llama.cpp's magic and the sequence id it was read
 #: from (``HEAD`` without the cache's own ``n_stream, n_cells``).
@@ -607,6 +646,92 @@ def _copy_all(pairs: Sequence[tuple[U8, U8]]) -> None:
         raise StateRestoreError(f"copying KV cells failed: {exc!r}") from exc
 
 
+def _stage(
+    dst: U8,
+    checked: _Checked,
+    copies: Sequence[tuple[_Copy, ...]],
+    wholes: Sequence[_Geometry | None],
+) -> list[tuple[U8, U8]]:
+    """Each checked chunk's ``copies`` into ``dst`` as (target, source) views (``_pairs``)."""
+    views, known, _, _ = checked
+    pairs: list[tuple[U8, U8]] = []
+    for view, memo, chunk_copies, whole in zip(views, known, copies, wholes, strict=True):
+        _pairs(pairs, dst, view.body, chunk_copies, memo, whole)
+    return pairs
+
+
+def _spans(checked: _Checked, first: int = 0) -> tuple[tuple[int, int, int], ...]:
+    """Each checked chunk's start (relative to ``first``), cell count and flags."""
+    return tuple((view.start - first, view.n_cells, view.flags) for view in checked[0])
+
+
+def _plan_main(checked: _Checked) -> _MainPlan:
+    views, _, structure, _ = checked
+    return _main_plan(views[0].descriptor, structure, _spans(checked))
+
+
+def _plan_rest(checked: _Checked, first: int) -> _RestPlan:
+    # Spans relative to the window: rows whose ends lie alike on the chunk grid share one.
+    views, _, structure, _ = checked
+    return _rest_plan(views[0].descriptor, structure, _spans(checked, first))
+
+
+def _write_rest_head(dst: U8, plan: _RestPlan, first: int) -> None:
+    """A joined window's head, metadata (positions from ``first``) and section headers."""
+    dst[: plan.head.size] = plan.head
+    positions = dst[CACHE_HEAD : CACHE_HEAD + plan.n_cells * CELL].view("<i4")[::3]
+    np.add(positions, first, out=positions)  # the head holds positions from 0
+    dst[plan.header_at] = plan.headers
+
+
+@dataclass(frozen=True, slots=True)
+class _MainPlan:
+    """How ``join`` writes a blob from chunks of one geometry: its size, where its head and
+    section headers go and their bytes, and each chunk's copies (its metadata first: the
+    chunks' metadata, checked canonical, is the blob's) with its geometry."""
+
+    size: int
+    header_at: npt.NDArray[np.intp]
+    headers: U8
+    copies: tuple[tuple[_Copy, ...], ...]
+    wholes: tuple[_Geometry, ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _main_plan(
+    descriptor: bytes, structure: Structure, spans: tuple[tuple[int, int, int], ...]
+) -> _MainPlan:
+    """The plan of a blob joined from chunks of ``spans`` (each chunk's start, cell count and
+    flags, already checked to tile positions from 0: ``_checked``), computed once per
+    geometry: chunks lie on a grid, so rows whose ends fall alike in a grid step join the
+    same plan, and a join builds only its numpy views. The metadata is copied from the
+    chunks, not kept here: a plan's size does not grow with its row's."""
+    n_cells = spans[-1][0] + spans[-1][1]
+    target = _geometry(structure, n_cells, _BLOB)
+    header_at, headers = _scatter(_skeleton(descriptor, structure, n_cells))
+    copies, wholes = [], []
+    for start, cells, flags in spans:
+        source = _geometry(structure, cells, _body_kind(flags))
+        meta = _Copy(
+            (1, 1),
+            _item(cells * CELL),
+            HEAD.size + start * CELL,
+            (0, 0),
+            source.meta_at,
+            (0, 0),
+        )
+        copies.append((meta, *_copies(target, start, source, 0, cells)))
+        wholes.append(source)
+    return _MainPlan(target.size, header_at, headers, tuple(copies), tuple(wholes))
+
+
+def _scatter(pieces: Sequence[tuple[int, bytes]]) -> tuple[npt.NDArray[np.intp], U8]:
+    """(offset, bytes) pieces as the indices and bytes of one read-only scatter."""
+    where = np.concatenate([np.arange(at, at + len(piece)) for at, piece in pieces])
+    where.flags.writeable = False
+    return where, _frozen(b"".join(piece for _, piece in pieces))
+
+
 @dataclass(frozen=True, slots=True)
 class _RestPlan:
     """How ``join_rest`` writes a window of ``n_cells`` cells from chunks of one geometry:
@@ -640,9 +765,7 @@ def _rest_plan(
     target = _geometry(structure, n_cells, _CACHE)
     pieces = _skeleton(descriptor, structure, n_cells, CACHE_HEAD)
     head = pieces[0][1] + canonical_meta(0, n_cells) + pieces[1][1]
-    headers = pieces[2:]
-    header_at = np.concatenate([np.arange(at, at + len(piece)) for at, piece in headers])
-    header_at.flags.writeable = False
+    header_at, headers = _scatter(pieces[2:])
     copies, wholes = [], []
     for start, cells, flags in spans:
         skip = max(0, -start)  # cells of a wider chunk before the window
@@ -655,7 +778,7 @@ def _rest_plan(
         target.size,
         _frozen(head),
         header_at,
-        _frozen(b"".join(piece for _, piece in headers)),
+        headers,
         tuple(copies),
         tuple(wholes),
     )
@@ -764,11 +887,7 @@ def _skeleton(
 def _skeleton_bytes(descriptor: bytes, n_cells: int) -> tuple[npt.NDArray[np.intp], U8]:
     """Where a blob of ``n_cells`` cells' head and section headers lie, and their bytes (both
     read-only: shared by every chunk of that length)."""
-    pieces = _skeleton(descriptor, parse_descriptor(descriptor), n_cells)
-    where = np.concatenate([np.arange(at, at + len(piece)) for at, piece in pieces])
-    expected = np.frombuffer(b"".join(piece for _, piece in pieces), dtype=np.uint8)
-    where.flags.writeable = False
-    return where, expected
+    return _scatter(_skeleton(descriptor, parse_descriptor(descriptor), n_cells))
 
 
 def _write_skeleton(dst: U8, descriptor: bytes, structure: Structure, n_cells: int) -> None:

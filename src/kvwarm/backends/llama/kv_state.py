@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvwarm.backends.llama.kv_codec import WindowJoin
+from kvwarm.backends.llama.kv_codec import StagedWindow, WindowJoin
 from kvwarm.buffers import U8, u8, uninitialised_bytes
 from kvwarm.errors import BackendError, StateRestoreError
 
@@ -155,26 +155,23 @@ def unpack_chunks(
 
 
 def unpack_apart(
-    lib: Any, ctx: object, mem: object, seq: int, row: WindowJoin, out: memoryview, n_ctx: int
+    lib: Any, ctx: object, mem: object, seq: int, row: WindowJoin, staged: StagedWindow, n_ctx: int
 ) -> int:
-    """Restore a window row into ``seq`` one cache at a time through ``out`` (which holds
-    ``row.size`` bytes): its first cache with an empty window
+    """Restore a window row into ``seq`` one cache at a time through the buffer it is staged
+    in (``WindowJoin.stage``): its first cache with an empty window
     (``llama_state_seq_set_data``'s read of an iSWA memory then restores no window cell), then
     its window alone (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``: llama.cpp's iSWA memory then
     reads only its window cache, clearing only that cache's cells of the sequence first).
     The result is the state the joined row restores whole, cell for cell. The number of
     positions the sequence holds; a refusal leaves it empty."""
-    src = ctypes.cast(
-        ctypes.c_void_p(np.frombuffer(out, dtype=np.uint8).ctypes.data),
-        ctypes.POINTER(ctypes.c_uint8),
-    )
+    src = ctypes.cast(ctypes.c_void_p(staged.address), ctypes.POINTER(ctypes.c_uint8))
     lib.llama_memory_seq_rm(mem, seq, -1, -1)
     try:
-        for what, blob, flags in (
-            ("first KV cache", row.first, lib.LLAMA_STATE_SEQ_FLAGS_NONE),
-            ("window", row.window, lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY),
+        for what, write, flags in (
+            ("first KV cache", staged.first, lib.LLAMA_STATE_SEQ_FLAGS_NONE),
+            ("window", staged.window, lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY),
         ):
-            size = len(blob(out))
+            size = write()
             read = int(lib.llama_state_seq_set_data_ext(ctx, src, size, seq, flags))
             if read != size:
                 raise StateRestoreError(
