@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -105,3 +108,29 @@ def test_the_ram_tier_hands_out_its_chunks_held() -> None:
     assert list(tier.scan_chunks()) == [(b"k", 11)]
     view.release()  # a lease releases its views: the held chunk stays
     assert bytes(tier.load_chunk(b"k")) == b"chunk bytes"
+
+
+def test_a_staging_buffer_is_found_through_whole_views_and_its_memo_does_not_keep_it() -> None:
+    """A codec keeps views of a ``Staging`` (a worker's join buffer) in its memo, made at
+    offsets from its start: it is found through a view of all of it only, and a memo of
+    views of ``plain`` does not keep it alive (no cycle: it goes when its owner drops it)."""
+    staging = _buffers.grown_staging(64, 0)
+    assert len(staging) == 64 and staging.memo == {} and staging.flags.writeable
+    assert _buffers.staging_of(staging) is staging
+    assert _buffers.staging_of(staging.data) is staging
+    assert _buffers.staging_of(memoryview(staging.data)) is staging
+    assert _buffers.staging_of(staging.data[1:]) is None
+    assert _buffers.staging_of(staging[:]) is None  # a numpy slice has no memo
+    assert _buffers.staging_of(bytearray(64)) is None
+    assert _buffers.held_of(staging.data) is None
+    plain = staging.plain
+    assert type(plain) is np.ndarray and plain.ctypes.data == staging.ctypes.data
+    staging.memo["views"] = [plain[8:16], plain[16:]]
+    gone = weakref.ref(staging)
+    gc.disable()
+    try:
+        del staging
+        assert gone() is None  # freed at once, not by the collector
+    finally:
+        gc.enable()
+    assert _buffers.grown_staging(100, 100).size == int(100 * _buffers.GROWTH)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -176,15 +176,53 @@ def held_of(chunk: object) -> Held | None:
     a memo describes all of its bytes, so a view of a part of them (a slice of the
     ``memoryview``, or of the array: numpy makes that a ``Held`` without a memo) is not
     one."""
-    if isinstance(chunk, memoryview):
-        obj: object = chunk.obj
+    return _memo_owner(chunk, Held)
+
+
+class Staging(np.ndarray[Any, np.dtype[np.uint8]]):
+    """A reusable writable buffer that joins are written into (a worker's ``JoinBuffer``), as
+    a uint8 array, with ``memo``: views of its bytes a codec made once for a join plan (the
+    targets of the plan's copies, which depend on nothing else), kept for the next join of
+    that plan into the same buffer. As for ``Held``, a memo keeps views of ``plain`` only,
+    never of the ``Staging``, so the buffer goes when its owner drops it."""
+
+    memo: dict[object, object]
+
+    @property
+    def plain(self) -> U8:
+        """A plain array over the same bytes, which does not reference this ``Staging``."""
+        base = self.base
+        assert type(base) is np.ndarray, "made by grown_staging()"
+        return cast(U8, base)
+
+
+def grown_staging(need: int, old: int) -> Staging:
+    """``grown``'s buffer as a ``Staging`` with an empty memo."""
+    out = np.frombuffer(grown(need, old), dtype=np.uint8).view(Staging)
+    out.memo = {}
+    return out
+
+
+def staging_of(out: object) -> Staging | None:
+    """The ``Staging`` a buffer is or views whole (a ``memoryview`` of all of one), else
+    None: a memo's views lie at offsets from the buffer's start."""
+    return _memo_owner(out, Staging)
+
+
+_Owner = TypeVar("_Owner", Held, Staging)
+
+
+def _memo_owner(buffer: object, kind: type[_Owner]) -> _Owner | None:
+    """The array of ``kind`` with a memo that ``buffer`` is or views whole, else None."""
+    if isinstance(buffer, memoryview):
+        obj: object = buffer.obj
         if (
-            type(obj) is Held
-            and chunk.nbytes == obj.nbytes
-            and chunk.c_contiguous  # its bytes in their order (not ``[::-1]``)
-            and hasattr(obj, "memo")  # not a numpy slice's memo-less ``Held``
+            type(obj) is kind
+            and buffer.nbytes == obj.nbytes
+            and buffer.c_contiguous  # its bytes in their order (not ``[::-1]``)
+            and hasattr(obj, "memo")  # not a numpy slice's memo-less array
         ):
             return obj
-    elif type(chunk) is Held and hasattr(chunk, "memo"):
-        return chunk
+    elif type(buffer) is kind and hasattr(buffer, "memo"):
+        return buffer
     return None

@@ -18,7 +18,7 @@ from kvwarm.backends.base import BackendContext, BackendModel, ContextParams
 from kvwarm.backends.llama import kv_codec as llama_kv_codec
 from kvwarm.backends.llama.kv_codec import _MEMO, _Known, _rest_plan
 from kvwarm.backends.stub import StubBackend
-from kvwarm.buffers import Held, held, u8
+from kvwarm.buffers import Held, grown_staging, held, u8
 from kvwarm.errors import JoinBufferTooSmallError, StateRestoreError
 
 N_SWA = 24
@@ -417,6 +417,12 @@ def test_a_window_row_restores_one_cache_at_a_time_or_not_at_all(
     ctx.seq_rm(1, 0, -1)
     assert ctx.kv_unpack(1, blob) == 530
     assert ctx.kv_pack(1) == apart  # cell for cell the whole blob's state
+    staging = grown_staging(row.size, 0)  # a worker's buffer: both caches' targets kept
+    for _ in range(2):
+        ctx.seq_rm(1, 0, -1)
+        assert ctx.kv_unpack_joined(1, main, staging.data, rest_chunks=rest, rest_from=first) == 530
+        assert ctx.kv_pack(1) == apart
+    assert len(staging.memo) == 2
 
     with pytest.raises(JoinBufferTooSmallError) as small:
         ctx.kv_unpack_joined(1, main, bytearray(row.size - 1), rest_chunks=rest, rest_from=first)

@@ -20,7 +20,7 @@ from kvwarm.backends.base import BackendContext, BatchToken, ContextParams, Flas
 from kvwarm.backends.kv_chunk import header_size
 from kvwarm.backends.llama import LlamaBackend, LlamaModel
 from kvwarm.backends.llama.kv_layout import CELL, HEAD, parse_blob, parse_descriptor
-from kvwarm.buffers import held, u8
+from kvwarm.buffers import grown_staging, held, u8
 from kvwarm.embedded import default_model_path
 from kvwarm.errors import ConfigError, InvalidRequestError, StateRestoreError
 
@@ -480,5 +480,42 @@ def test_held_chunks_are_checked_once_and_other_buffers_on_every_join(
             with pytest.raises(StateRestoreError, match="metadata"):
                 ctx.kv_join([memoryview(kept[0]), memoryview(spoilt)])
         assert spoilt.memo == {}
+    finally:
+        ctx.close()
+
+
+def test_joins_into_a_reused_staging_buffer_keep_each_plans_targets(
+    llama: LlamaModel, short: list[int]
+) -> None:
+    """A join into a worker's ``Staging`` buffer makes its copies' target views once per
+    plan and keeps them in the buffer's memo: rows of other geometries joined in turn into
+    one buffer each come out as a join into a fresh buffer does, whatever was joined before
+    (their plans' targets are told apart), and a join into a part of the buffer makes its
+    own."""
+    ctx = llama.new_context(_params("off", "f16", "f16"))
+    try:
+        ctx.prefill(0, short[:12], 0)
+        blob = ctx.kv_pack(0)
+        rows = [
+            ctx.kv_split(blob, [0, 4, 12]),
+            ctx.kv_split(blob, [0, 12]),
+            ctx.kv_split(blob, [0, 4, 8]),
+        ]
+        alone = [bytes(ctx.kv_join(chunks)) for chunks in rows]
+        staging = grown_staging(len(blob) + 64, 0)
+        for _ in range(2):
+            for chunks, want in zip(rows, alone, strict=True):
+                assert bytes(ctx.kv_join(chunks, staging.data)) == want
+                assert bytes(staging[: len(want)]) == want
+        assert len(staging.memo) == 3  # one plan a geometry, made once
+        kept = dict(staging.memo)
+        assert bytes(ctx.kv_join(rows[0], staging.data)) == alone[0]
+        assert all(staging.memo[k] is v for k, v in kept.items())  # reused, not remade
+        part = staging.data[8:]  # not the buffer from its start: no memo
+        assert bytes(ctx.kv_join(rows[1], part)) == alone[1]
+        assert len(staging.memo) == 3
+        staging.memo.clear()
+        staging[:] = 0xAA  # nothing is left of an earlier join but what a join writes
+        assert bytes(ctx.kv_join(rows[2], staging.data)) == alone[2]
     finally:
         ctx.close()

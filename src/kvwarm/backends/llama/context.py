@@ -393,7 +393,7 @@ class LlamaContext(ContextFront["LlamaModel", LlamaAdapter]):
         rest_from: int,
     ) -> int:
         row = self._codec.join_apart(chunks, rest_chunks, rest_from)  # refused: untouched
-        staged = row.stage(memoryview(out))  # too small: JoinBufferTooSmallError, untouched
+        staged = row.stage(out)  # too small: JoinBufferTooSmallError, untouched
         try:
             kv_layout.check_ends((row.first_end, row.window_end), n_ctx=self._n_ctx)
             if row.window_end != row.first_end:

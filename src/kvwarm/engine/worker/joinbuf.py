@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from kvwarm.backends.base import BackendContext, Buffer
+from kvwarm.backends.base import BackendContext, Buffer, WritableBuffer
 from kvwarm.backends.kv_codec import join_row
-from kvwarm.buffers import grown
+from kvwarm.buffers import Staging, grown_staging
 from kvwarm.errors import JoinBufferTooSmallError
 
 T = TypeVar("T")
@@ -36,7 +36,8 @@ class JoinBuffer:
     __slots__ = ("_buf",)
 
     def __init__(self) -> None:
-        self._buf: bytearray | None = None
+        # A ``Staging``: a codec keeps the views a join plan copies into in its memo.
+        self._buf: Staging | None = None
 
     @property
     def capacity(self) -> int:
@@ -80,18 +81,18 @@ class JoinBuffer:
             )[0]
         )
 
-    def _fitted(self, fill: Callable[[bytearray], T]) -> T:
+    def _fitted(self, fill: Callable[[WritableBuffer], T]) -> T:
         """``fill(buffer)``; when the row does not fit (``JoinBufferTooSmallError``, raised
         before anything is restored), the buffer grown to what it needs, and ``fill`` again."""
         try:
-            return fill(self._buf if self._buf is not None else bytearray())
+            return fill(self._buf.data if self._buf is not None else bytearray())
         except JoinBufferTooSmallError as exc:
             need = exc.needed
         old = self.capacity
         # Drop the old one first: holding both would briefly double the footprint.
         self._buf = None
-        self._buf = grown(need, old)
-        return fill(self._buf)
+        self._buf = grown_staging(need, old)
+        return fill(self._buf.data)
 
     def release(self) -> None:
         """Give the memory back (the worker is unloading)."""
