@@ -661,8 +661,9 @@ def _stage(
         targets = _targets(dst, 0, plan.copies)
     else:
         key = (_TARGETS, id(plan), at)
+        # The entry keeps its plan, so no other plan can have the id while it is there.
         entry = cast("tuple[object, list[U8]] | None", staging.memo.get(key))
-        if entry is None or entry[0] is not plan:  # another plan may have had the id
+        if entry is None:
             if len(staging.memo) >= _STAGED_PLANS:
                 staging.memo.clear()
             entry = (plan, _targets(staging.plain, at, plan.copies))
@@ -723,9 +724,9 @@ def _main_plan(
     descriptor: bytes, structure: Structure, spans: tuple[tuple[int, int, int], ...]
 ) -> _MainPlan:
     """The plan of a blob joined from chunks of ``spans`` (each chunk's start, cell count and
-    flags, already checked to tile positions from 0: ``_checked``), computed once per
-    geometry: chunks lie on a grid, so rows whose ends fall alike in a grid step join the
-    same plan, and a join builds only its numpy views. The metadata is copied from the
+    flags, already checked to tile positions from 0: ``_checked``), computed once per row
+    length (chunks lie on a grid), so a row restored again builds only its numpy views, or
+    none when joined into a ``Staging`` (``_stage``). The metadata is copied from the
     chunks, not kept here: a plan's size does not grow with its row's."""
     n_cells = spans[-1][0] + spans[-1][1]
     target = _geometry(structure, n_cells, _BLOB)
