@@ -18,7 +18,8 @@ from kvwarm.backends.base import BackendContext, BackendModel, ContextParams
 from kvwarm.backends.llama import kv_codec as llama_kv_codec
 from kvwarm.backends.llama.kv_codec import _MEMO, _Known, _rest_plan
 from kvwarm.backends.stub import StubBackend
-from kvwarm.buffers import Held, grown_staging, held, u8
+from kvwarm.buffers import Held, held, u8
+from kvwarm.engine.worker.joinbuf import JoinBuffer
 from kvwarm.errors import JoinBufferTooSmallError, StateRestoreError
 
 N_SWA = 24
@@ -286,9 +287,10 @@ def test_held_chunks_keep_their_copies_sources_and_still_join_every_byte(
 def test_a_copy_that_fails_is_a_restore_error(
     gemma: tuple[BackendContext, bytes, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No copy of a join should fail (views of one shape and type, bounds-checked when made);
-    if one did, the join raises ``StateRestoreError`` (the engine's restore is then a miss and
-    prefills cold), not numpy's error."""
+    """No copy of a join should fail (views of one shape and type, bounds-checked when made),
+    nor should a join's sources and targets differ in number; if either did, the join raises
+    ``StateRestoreError`` (the engine's restore is then a miss and prefills cold), not
+    numpy's or Python's error."""
     ctx, _, blob = gemma
     codec = ctx.kv_codec
     first = codec.rest_span(blob)[0]
@@ -301,6 +303,13 @@ def test_a_copy_that_fails_is_a_restore_error(
     with pytest.raises(StateRestoreError, match="copying KV cells failed"):
         codec.join_rest(chunks, first)
     with pytest.raises(StateRestoreError, match="copying KV cells failed"):
+        codec.join(codec.split(blob, [0, 256, 530]))
+
+    def short(body: np.ndarray, copies: Sequence[object]) -> tuple[np.ndarray, ...]:
+        return misshapen(body, copies)[1:]  # one source fewer than the plan's targets
+
+    monkeypatch.setattr(llama_kv_codec, "_sources", short)
+    with pytest.raises(StateRestoreError, match="copies' sources"):
         codec.join(codec.split(blob, [0, 256, 530]))
 
 
@@ -417,12 +426,6 @@ def test_a_window_row_restores_one_cache_at_a_time_or_not_at_all(
     ctx.seq_rm(1, 0, -1)
     assert ctx.kv_unpack(1, blob) == 530
     assert ctx.kv_pack(1) == apart  # cell for cell the whole blob's state
-    staging = grown_staging(row.size, 0)  # a worker's buffer: both caches' targets kept
-    for _ in range(2):
-        ctx.seq_rm(1, 0, -1)
-        assert ctx.kv_unpack_joined(1, main, staging.data, rest_chunks=rest, rest_from=first) == 530
-        assert ctx.kv_pack(1) == apart
-    assert len(staging.memo) == 2
 
     with pytest.raises(JoinBufferTooSmallError) as small:
         ctx.kv_unpack_joined(1, main, bytearray(row.size - 1), rest_chunks=rest, rest_from=first)
@@ -455,6 +458,50 @@ def test_a_window_row_restores_one_cache_at_a_time_or_not_at_all(
         ctx.kv_unpack_joined(1, main, bytearray(row.size), rest_chunks=rest, rest_from=first) == 530
     )
     assert ctx.kv_pack(1) == apart
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_window_rows_restored_through_a_workers_join_buffer_keep_each_plans_targets(
+    gemma: tuple[BackendContext, bytes, bytes],
+) -> None:
+    """A worker's ``JoinBuffer`` is a ``Staging`` whose memo keeps each join plan's target
+    views. Rows restored through it in turn, the buffer poisoned before each, are each the
+    state their whole blob restores: two rows whose windows share one plan from other
+    first positions (8 and 18) included. A row that needs more grows a new buffer, whose
+    memo holds the plans used since only; a plan used again keeps its views."""
+    ctx, lower, blob = gemma
+    codec = ctx.kv_codec
+    rows = []
+    for state, n in ((lower, 520), (blob, 530)):
+        first = codec.rest_span(state)[0]
+        main = codec.split(state, [0, 256, 512, n])
+        rest = codec.split_rest(state, [first, first + 32, first + 256, n])  # cut alike
+        ctx.seq_rm(1, 0, -1)
+        assert ctx.kv_unpack(1, state) == n
+        rows.append((main, rest, first, n, ctx.kv_pack(1)))
+    buf = JoinBuffer()
+
+    def restore(i: int) -> None:
+        main, rest, first, n, want = rows[i]
+        if buf._buf is not None:
+            buf._buf[:] = 0xAA  # nothing left of an earlier restore but what this one writes
+        ctx.seq_rm(1, 0, -1)
+        assert buf.restore(ctx, 1, main, rest_chunks=rest, rest_from=first) == n
+        assert ctx.kv_pack(1) == want
+
+    buf.join(ctx, rows[0][0][:1]).release()  # a one-chunk blob: a small buffer
+    small = buf._buf
+    assert small is not None and len(small.memo) == 1
+    restore(0)  # needs more: a new, larger buffer
+    assert buf._buf is not small and buf.capacity > len(small)
+    assert len(buf._buf.memo) == 2  # this row's first cache and its window
+    kept = dict(buf._buf.memo)
+    for i in (1, 0, 1):
+        restore(i)
+    assert len(buf._buf.memo) == 3  # one window plan for both rows
+    assert all(buf._buf.memo[k] is v for k, v in kept.items())  # reused, not remade
+    buf.release()
 
 
 @pytest.mark.model

@@ -664,8 +664,9 @@ def _stage(
         # The entry keeps its plan, so no other plan can have the id while it is there.
         entry = cast("tuple[object, list[U8]] | None", staging.memo.get(key))
         if entry is None:
+            # The oldest goes: a chat's row grows each turn, a new plan a turn.
             if len(staging.memo) >= _STAGED_PLANS:
-                staging.memo.clear()
+                del staging.memo[next(iter(staging.memo))]
             entry = (plan, _targets(staging.plain, at, plan.copies))
             staging.memo[key] = entry
         targets = entry[1]
@@ -673,6 +674,10 @@ def _stage(
     sources: list[U8] = []
     for view, memo, copies, whole in zip(views, known, plan.copies, plan.wholes, strict=True):
         sources.extend(_chunk_sources(view.body, copies, memo, whole))
+    if len(targets) != len(sources):  # none should differ: one plan made both
+        raise StateRestoreError(
+            f"a join has {len(sources)} copies' sources, {len(targets)} targets"
+        )
     return list(zip(targets, sources, strict=True))
 
 
