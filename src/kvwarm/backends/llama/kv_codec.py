@@ -342,7 +342,8 @@ class LlamaKvCodec:
         body = view[at:]
         meta_at = 0 if rest else HEAD.size
         if not rest:
-            _write_skeleton(body, layout.descriptor, structure, n)
+            where, skeleton = _skeleton_bytes(layout.descriptor, n)
+            body[where] = skeleton
         meta = body[meta_at : meta_at + n * CELL].view("<i4").reshape(n, 3)
         meta[:, 0] = np.arange(a, b, dtype=np.int32)
         meta[:, 1] = 1
@@ -735,7 +736,7 @@ def _main_plan(
     chunks, not kept here: a plan's size does not grow with its row's."""
     n_cells = spans[-1][0] + spans[-1][1]
     target = _geometry(structure, n_cells, _BLOB)
-    header_at, headers = _scatter(_skeleton(descriptor, structure, n_cells))
+    header_at, headers = _skeleton_bytes(descriptor, n_cells)
     copies, wholes = [], []
     for start, cells, flags in spans:
         source = _geometry(structure, cells, _body_kind(flags))
@@ -913,12 +914,6 @@ def _skeleton(
 @functools.lru_cache(maxsize=64)
 def _skeleton_bytes(descriptor: bytes, n_cells: int) -> tuple[npt.NDArray[np.intp], U8]:
     """Where a blob of ``n_cells`` cells' head and section headers lie, and their bytes (both
-    read-only: shared by every chunk of that length)."""
+    read-only: shared by every chunk and joined blob of that length): what ``split`` writes
+    into a chunk, ``_check_body`` finds in one, and a join plan writes (``_main_plan``)."""
     return _scatter(_skeleton(descriptor, parse_descriptor(descriptor), n_cells))
-
-
-def _write_skeleton(dst: U8, descriptor: bytes, structure: Structure, n_cells: int) -> None:
-    """The blob's header and every section header, from the descriptor."""
-    raw = dst.data
-    for at, piece in _skeleton(descriptor, structure, n_cells):
-        raw[at : at + len(piece)] = piece
