@@ -26,7 +26,7 @@ Usage (the base tree is a ``git archive`` of the commit before the change)::
 
     mkdir -p /tmp/base && git archive b03a9ee | tar -x -C /tmp/base
     PYTHONPATH=src:. .venv/bin/python bench/restore_trees.py --base-tree /tmp/base \\
-        [--model GGUF] [--reps 40] [--rounds 3] [--flash-attn off|on]
+        [--model GGUF] [--reps 40] [--rounds 3] [--flash-attn off|on] [--tiers ram,disk]
 
 Run it alone: a second process decoding or copying beside it moves every figure.
 """
@@ -90,7 +90,7 @@ def child(args: argparse.Namespace) -> None:
     s3 = boto3.client("s3", endpoint_url=args.s3_endpoint, region_name="us-east-1")
     out: dict[str, Any] = {"tree": kvwarm.__file__, "window_in_chunks": windowed}
     join_buf = JoinBuffer()
-    for name in TIERS:
+    for name in args.tiers:
         tier_obj = None
         if name.startswith("s3"):
             bucket = f"kvwarm-bench-{os.getpid()}-{time.monotonic_ns()}"
@@ -185,6 +185,14 @@ def child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def _tiers(text: str) -> tuple[str, ...]:
+    names = tuple(t for t in text.split(",") if t)
+    unknown = [t for t in names if t not in TIERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"tiers are among {','.join(TIERS)}; got {text!r}")
+    return names
+
+
 def _count_requests(store: Any) -> dict[str, int]:
     """Count the calls of ``store``'s (an ``ObjectStore``'s) puts and GETs, by name."""
     counts: dict[str, int] = {}
@@ -237,6 +245,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--flash-attn", default="off", choices=("off", "on"))
     ap.add_argument("--s3-rtt-ms", type=float, default=20.0, help="the s3+rtt tier's round trip")
+    ap.add_argument(
+        "--tiers",
+        type=_tiers,
+        default=TIERS,
+        help=f"comma-separated, of {','.join(TIERS)} (default: all)",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--root", default="", help=argparse.SUPPRESS)
     ap.add_argument("--shm", default="", help=argparse.SUPPRESS)
@@ -270,6 +284,7 @@ def main() -> None:
                         "--root", tmp, "--shm", shm, "--s3-endpoint", server.endpoint,
                         "--s3-rtt-ms", str(args.s3_rtt_ms), "--s3-pid", str(server.pid),
                         "--redis-url", f"redis://127.0.0.1:{redis_server.port}/0",
+                        "--tiers", ",".join(args.tiers),
                     ]  # fmt: skip
                     if args.threads is not None:
                         cmd += ["--threads", str(args.threads)]
@@ -283,7 +298,7 @@ def main() -> None:
                     result = json.loads(lines[-1][len("RESULT ") :])
                     runs[label].append(result)
                     print(f"round {r} {label:4s} " + "  ".join(
-                        f"{t} {result[t]['ms']:.2f}" for t in TIERS), flush=True)  # fmt: skip
+                        f"{t} {result[t]['ms']:.2f}" for t in args.tiers), flush=True)  # fmt: skip
         finally:
             server.stop()
             redis_server.stop()
@@ -298,7 +313,7 @@ def main() -> None:
         f"of {args.reps} restores (wall ms, CPU ms of the restoring process)"
     )
     print(f"  (s3+rtt: s3 with {args.s3_rtt_ms:g} ms slept before every GET)")
-    for t in TIERS:
+    for t in args.tiers:
         if t.startswith("s3"):
             store = [
                 statistics.median(x[t].get("store_cpu_ms") or 0.0 for x in runs[label])
@@ -312,6 +327,12 @@ def main() -> None:
         print(
             f"  {t:8s} base {b:6.2f} (cpu {bc:5.2f}, {base[t]['chunks']:2d} pieces)   "
             f"this {n:6.2f} (cpu {nc:5.2f}, {this[t]['chunks']:2d} pieces)   {n / b:.2f}x"
+        )
+        # Each round's children ran one after the other: their ratio, paired.
+        paired = [y[t]["ms"] / x[t]["ms"] for x, y in zip(runs["base"], runs["this"], strict=True)]
+        print(
+            f"  {t:8s} paired rounds: this/base median {statistics.median(paired):.3f}, "
+            f"this faster in {sum(r < 1 for r in paired)} of {len(paired)}"
         )
         if base[t].get("gets") is not None:
             print(
