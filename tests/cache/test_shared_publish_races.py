@@ -302,3 +302,31 @@ def test_adopting_a_row_cut_alike_asks_after_no_chunk(
         assert d.save(chunked_request(NS, R2, tier=remote.name), sync=True)
         assert asked, "the chunks only the row there names were not checked"
         assert _restores(d, R2)
+
+
+def test_a_sweep_marks_the_manifest_in_the_store_when_a_new_cut_has_the_same_size(
+    remote: TierConfig,
+) -> None:
+    """As above, but the writer cuts 17 tokens at a time: R1 is again four chunks, so its new
+    manifest has exactly the size of the copy the sweeper indexed (found by review: a listed
+    size equal to the index copy's was taken as the same manifest, and the new chunks were
+    swept, so the republished row was lost)."""
+    cfg = _config(remote)
+    with Cache(cfg, background=False) as sweeper:
+        assert sweeper.save(chunked_request(NS, R1, tier=remote.name), sync=True)
+        key = cache_key(NS, R1)
+        old = sweeper._index.stored_in(key, remote.name)
+        assert old is not None
+        with Cache(cfg, background=False) as evicter:
+            assert evicter.evict_bytes(1 << 40, [remote.name]).rows == 1
+        other = CacheConfig(tiers=(remote,), chunk_tokens=C + 1)
+        with Cache(other, background=False) as writer:
+            assert writer.save(chunked_request(NS, R1, tier=remote.name), sync=True)
+            new = writer._index.stored_in(key, remote.name)
+            assert new is not None
+        # The premise: another cut, the same count of chunks, the same stored size.
+        assert new.chunks != old.chunks and len(new.chunks) == len(old.chunks)
+        assert new.info.size == old.info.size
+        sweeper.gc_shared(grace_s=3600.0, now=time.time() + LATER)
+    with Cache(cfg, background=False) as reader:
+        assert _restores(reader, R1)

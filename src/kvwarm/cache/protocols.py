@@ -304,10 +304,6 @@ class ChunkAges(Protocol):
         stored right now, listed cheaply (no chunk is read)."""
         ...
 
-    def row_sizes(self) -> Iterator[tuple[bytes, int]]:
-        """(key, stored bytes) of every row (manifest) stored right now, listed (none read)."""
-        ...
-
     def chunk_age(self, key: bytes) -> float | None:
         """Chunk ``key``'s last-modified time now (one request, no read); None if it is
         gone. The sweep asks again just before it deletes: a publish may have refreshed it

@@ -759,12 +759,6 @@ class ObjectTier:
             else:
                 self._reject(name, "invalid chunk", problems)
 
-    def row_sizes(self) -> Iterator[tuple[bytes, int]]:
-        for name, size, _ in self._store.list(""):
-            key = key_of(name) if name.endswith(ROW_SUFFIX) else None
-            if key is not None:
-                yield key, size
-
     def chunk_age(self, key: bytes) -> float | None:
         return self._store.age(chunk_name(key))
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 
 from kvwarm.cache.protocols import ChunkAges, PacksChunks, Tier
 from kvwarm.cache.store.chunking import REFRESH_AFTER_S
@@ -144,10 +144,10 @@ class SharedSweep:
         marked: set[bytes] = set()
         marked_packs: set[bytes] = set()
         seen: set[bytes] = set()
-        bad = self._mark(tier, dict(ages.row_sizes()), seen, marked, marked_packs)
+        bad = self._mark(tier, tier.stored_keys(), seen, marked, marked_packs)
         step("manifests_marked", tier.name)
         # Manifests published since the first listing may reuse old chunks: mark them too.
-        again = {k: n for k, n in ages.row_sizes() if k not in seen}
+        again = [k for k in tier.stored_keys() if k not in seen]
         bad |= self._mark(tier, again, seen, marked, marked_packs)
         bad &= set(tier.stored_keys())  # gone meanwhile: it names nothing any more
         if bad:
@@ -232,22 +232,23 @@ class SharedSweep:
     def _mark(
         self,
         tier: Tier,
-        sizes: Mapping[bytes, int],
+        keys: Iterable[bytes],
         seen: set[bytes],
         marked: set[bytes],
         marked_packs: set[bytes],
     ) -> set[bytes]:
-        """Mark the chunks (and packs) of each manifest listed (key: its size); the keys
-        whose manifest could not be read."""
+        """Mark the chunks (and packs) of each manifest listed, as the store holds it now;
+        the keys whose manifest could not be read."""
         bad: set[bytes] = set()
-        for key, size in sizes.items():
+        for key in keys:
             seen.add(key)
-            # The index's copy, if it is of the same size: a manifest is immutable, but its
-            # key may have been evicted and published again since, by a replica cutting it
-            # otherwise (another ``chunk_tokens``): then its chunks are not the copy's.
-            stored = self._core.index.stored_in(key, tier.name)
-            if stored is None or stored.info.size != size:
-                stored = tier.probe(key)
+            # Always the manifest in the store, never the index's copy: a manifest is
+            # immutable, but its key may have been evicted and published again since by a
+            # replica cutting it otherwise (another ``chunk_tokens``, another chunk base), and
+            # the same count of chunks gives the same size, so no listing tells the two apart
+            # (found by review: the new manifest's chunks were swept). The copy's own chunks
+            # need no mark: the index references them (``chunk_in_use``).
+            stored = tier.probe(key)
             if stored is None:
                 bad.add(key)
                 continue
