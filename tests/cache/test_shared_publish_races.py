@@ -330,3 +330,74 @@ def test_a_sweep_marks_the_manifest_in_the_store_when_a_new_cut_has_the_same_siz
         sweeper.gc_shared(grace_s=3600.0, now=time.time() + LATER)
     with Cache(cfg, background=False) as reader:
         assert _restores(reader, R1)
+
+
+@pytest.fixture(params=["local_dir", "shared_dir", "s3", "redis"])
+def beside(request: pytest.FixtureRequest, tmp_path: Path) -> TierConfig:
+    """A tier two processes use at once: one host's directory, or the ``remote`` ones."""
+    if request.param == "local_dir":
+        return TierConfig("disk", 1 << 30, tmp_path / "local")
+    if request.param == "s3":
+        server: MotoServer = request.getfixturevalue("moto_server")
+        return TierConfig("s3", 1 << 30, s3=server.config(server.new_bucket()))
+    if request.param == "redis":
+        redis_server: RedisServer = request.getfixturevalue("redis_server")
+        return TierConfig("shared", 1 << 30, url=redis_server.url())
+    return TierConfig("disk", 1 << 30, tmp_path / "nfs", shared=True)
+
+
+def test_a_stale_indexed_copy_is_replaced_never_dropped_with_the_row_now_there(
+    beside: TierConfig,
+) -> None:
+    """A indexes R1 cut in 16-token chunks; B evicts it and publishes R1 again cut 17 at a
+    time, then sweeps: A's copy's chunks are gone, the manifest under the key is B's. A's
+    read of its stale copy must be a miss that adopts B's row, never a failed read that
+    drops the key (in a local directory: deletes B's valid manifest; found by review)."""
+    cfg = _config(beside)
+    key = cache_key(NS, R1)
+    with Cache(cfg, background=False) as a:
+        assert a.save(chunked_request(NS, R1, tier=beside.name), sync=True)
+        other = CacheConfig(tiers=(beside,), chunk_tokens=C + 1)
+        with Cache(other, background=False) as b:
+            assert b.lookup_exact(key) is not None
+            assert b.evict_bytes(1 << 40, [beside.name]).rows == 1
+            assert b.save(chunked_request(NS, R1, tier=beside.name), sync=True)
+            [swept] = b.gc_shared(grace_s=3600.0, now=time.time() + LATER)
+            # A's copy's chunks (or their pack): no manifest names them
+            assert swept.deleted + swept.packs_deleted > 0
+            with pytest.raises(CacheKeyError), a.open_row(key):  # a miss, this once
+                pass
+            assert key in set(_store_keys(beside))  # B's row stays
+            assert _restores(b, R1)
+            assert _restores(a, R1)  # A now holds B's manifest
+            assert a.counters()["shared_rows_forgotten"] == 0
+
+
+def test_a_repairing_verify_of_a_stale_indexed_copy_keeps_the_row_now_there(
+    beside: TierConfig,
+) -> None:
+    """As above, A's ``verify(repair=True)`` instead of a read: the copy's chunks are gone,
+    but the row under the key is B's, whole. Nothing is bad and nothing is deleted."""
+    cfg = _config(beside)
+    key = cache_key(NS, R1)
+    with Cache(cfg, background=False) as a:
+        assert a.save(chunked_request(NS, R1, tier=beside.name), sync=True)
+        other = CacheConfig(tiers=(beside,), chunk_tokens=C + 1)
+        with Cache(other, background=False) as b:
+            assert b.lookup_exact(key) is not None
+            assert b.evict_bytes(1 << 40, [beside.name]).rows == 1
+            assert b.save(chunked_request(NS, R1, tier=beside.name), sync=True)
+            b.gc_shared(grace_s=3600.0, now=time.time() + LATER)
+            report = a.verify(repair=True)
+            assert report.bad == ()
+            assert key in set(_store_keys(beside))
+            assert _restores(b, R1) and _restores(a, R1)
+            assert a.verify().bad == ()
+
+
+def _store_keys(tier: TierConfig) -> list[bytes]:
+    store = build_tier(tier, TierOptions())
+    try:
+        return list(store.stored_keys())
+    finally:
+        store.close()

@@ -370,6 +370,40 @@ class CacheCore:
             self.forgotten.add(key)  # the rescans skip it; only discovery adopts it again
             self.retire([])  # its chunks: forgotten, never deleted (see ``retire``)
 
+    @staticmethod
+    def stale(tier: Tier, indexed: StoredRow, data: RowBytes) -> bool:
+        """Whether the manifest just read (``data``) names other chunks than the index's copy
+        of its row: a persistent tier's key evicted and published again by another process,
+        cut otherwise (another ``chunk_tokens``, another chunk base). Its tokens are the
+        same (the key says so) and its chunks verify, so nothing is wrong with it; the copy's
+        chunks may be swept, and reading them must not drop the row there now."""
+        fields = data.fields
+        if not tier.capabilities.persistent or fields is None:
+            return False
+        rest = fields.rest_chunks
+        names = fields.chunks if rest is None else fields.chunks + rest.keys
+        return names != indexed.chunk_refs
+
+    def replace_stale(self, tier: Tier, key: bytes) -> None:
+        """The row of ``key`` in ``tier`` holds another manifest than the index's copy (a
+        process sharing the tier evicted the key and published it again, cut otherwise): the
+        copy is forgotten, never deleted (the bytes under the key are that other row), and
+        its chunks only forgotten (the process that published the new manifest sweeps what
+        none names); the row there now is adopted in its place."""
+        log.info("%s: %s was published again since it was indexed: re-reading it", tier.name,
+                 key.hex())  # fmt: skip
+        row = self.index.forget(key, tier.name)
+        if row is not None:
+            self.fresh.forget(tier.name, row.chunk_refs)
+            self.retire([])  # its chunks: forgotten, never deleted (see ``retire``)
+        try:
+            current = tier.probe(key)
+        except CacheError as exc:
+            log.info("%s: cannot re-read %s: %s", tier.name, key.hex(), exc)
+            return
+        if current is not None:
+            self.adopt(tier, current)
+
     def resize_tier(self, name: TierName, quota_bytes: int) -> None:
         """Give the ram tier ``name`` a new quota and evict down to it now (the server's
         memory budget). ``ConfigError`` for a tier whose quota is fixed at construction."""

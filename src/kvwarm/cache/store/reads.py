@@ -5,7 +5,9 @@ I/O pool and the shared tiers' promotion).
 Invariants: a row is read only while it is checked out of the index (its bytes cannot be
 retired under the reader), and checked in when the lease ends; every chunk is verified (head,
 key replay, payload CRC32C) before a caller sees it; a missing or corrupt row or chunk drops
-the row that names it (in a shared tier only forgets it: a miss, never a wrong restore);
+the row that names it (in a shared tier only forgets it: a miss, never a wrong restore); a
+manifest that is not the indexed copy (the key evicted and published again by another process,
+cut otherwise) is a miss that indexes the row there now, never a drop of it;
 reads from local storage land in the thread's reusable buffers (``ScratchBuffers``), whose
 views end with the lease; a local row's chunk files are read by the restoring thread and
 helper threads together, each into its own slice of that thread's arena, all done before the
@@ -114,6 +116,13 @@ class RowReads:
         )
         try:
             data = self._load(tier, stored, scratch, payload=payload)
+            if self._core.stale(tier, whole, data):
+                # The manifest under the key is not the one indexed: another process evicted
+                # it and published the key again, cut otherwise. Our copy's chunks may be
+                # swept by now, and a failed read of them would drop (in a local tier,
+                # delete) the valid row there: the copy is replaced by it, and this is a miss.
+                self._core.replace_stale(tier, key)
+                raise CacheKeyError(f"row {key.hex()} was published again since it was indexed")
             if skip and (data.payload.nbytes or stored.rest is not None):
                 # A manifest's rest (an iSWA window, a recurrent state) belongs to the whole
                 # row: it is read whole.

@@ -206,6 +206,13 @@ class CacheUpkeep:
                 data = tier.load(stored)
                 if data.tokens != stored.tokens:
                     raise CacheFormatError("tokens differ from the index")
+                if self._core.stale(tier, stored, data):
+                    # Published again by another process, cut otherwise: the copy is not
+                    # what is stored, and its chunks failing to read proves nothing bad
+                    # (a repair would delete the row there now). Indexed afresh, unchecked.
+                    checked -= 1
+                    self._core.replace_stale(tier, info.key)
+                    continue
                 refs, locs = stored.chunk_refs, stored.locs or (None,) * len(stored.chunk_refs)
                 todo = [i for i, k in enumerate(refs) if (tier.name, k) not in good_chunks]
                 # Head, key replay and payload CRC32C; a pack's run in one ranged read.
