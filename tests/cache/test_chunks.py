@@ -305,6 +305,28 @@ def test_a_chunk_a_read_finds_damaged_is_set_aside_so_the_next_save_heals_its_ro
         damage()
 
 
+def test_a_chunk_a_read_finds_gone_is_written_by_the_next_save(tmp_path: Path) -> None:
+    """As above, but the shared chunks' files are removed behind the cache's back (by hand,
+    a tmp cleaner) while it runs. The read of one row is a miss; the other row still names
+    the chunks, so the index went on counting them stored: every save of the same tokens
+    reused them and published a manifest naming files that were gone, and the prefix was
+    never served again (found by review). The next save now writes them again, and both
+    rows read."""
+    root = tmp_path / "kvc"
+    cfg = CacheConfig(tiers=(TierConfig("disk", 1 << 30, root=root),), chunk_tokens=C)
+    tokens = list(range(700))
+    with Cache(cfg, background=False) as cache:
+        short, long = _save(cache, tokens[:600]), _save(cache, tokens)
+        for key in chunkfmt.chunk_keys(NS, tokens, (C, C)):  # both named by both rows
+            os.unlink(root / f"{key.hex()}.kvk")
+        with pytest.raises(CacheKeyError), cache.open_row(short):
+            pass
+        assert _save(cache, tokens[:600]) == short  # the cold prefill's save
+        assert _restored(cache, short) == blob(tokens[:600])
+        assert _restored(cache, long) == blob(tokens)
+        assert cache.verify().bad == ()
+
+
 def test_unchunked_config_stores_whole_blobs(make_cache: CacheFactory) -> None:
     cache = make_cache(chunk_tokens=0)
     tokens = list(range(1000))

@@ -349,6 +349,8 @@ class CacheCore:
             removed = self.index.remove(key)
             if removed is not None:
                 self.remember_unreadable(removed, detail)
+                if isinstance(exc, CacheKeyError):
+                    self._chunks_gone(tier, removed.chunk_refs)
             self.retire([r for r in (removed,) if r is not None], bad=True)
             return
         self.counters.incr("shared_rows_forgotten")
@@ -383,6 +385,25 @@ class CacheCore:
         rest = fields.rest_chunks
         names = fields.chunks if rest is None else fields.chunks + rest.keys
         return names != indexed.chunk_refs
+
+    def _chunks_gone(self, tier: Tier, refs: Sequence[bytes]) -> None:
+        """A local row's read found something missing: each of its chunks that is not in
+        the tier (removed behind our back: by hand, a tmp cleaner) is no longer counted
+        stored, so the next save of its tokens writes it again. Counted, a save would reuse
+        it and publish a manifest naming it, and every later save of that prefix alike,
+        until each other row naming it had failed a read (found by review: a prefix never
+        served again). The failure path only: one head read per chunk."""
+        if not isinstance(tier, SetsAside):
+            return
+        for chunk in dict.fromkeys(refs):
+            try:
+                if tier.chunk_size(chunk) is not None:
+                    continue
+            except CacheError:
+                continue  # unreadable (EIO): nothing proves it gone
+            log.info("%s: chunk %s is gone: it is written again by the next save", tier.name,
+                     chunk.hex())  # fmt: skip
+            self.index.chunk_lost(tier.name, chunk)
 
     def replace_stale(self, tier: Tier, key: bytes) -> None:
         """The row of ``key`` in ``tier`` holds another manifest than the index's copy (a
