@@ -82,11 +82,20 @@ class _Observe:
             return
         status = 500
         started = False
+        head = scope["method"] == "HEAD"
+        if head:
+            # HEAD wherever GET answers, as RFC 9110 requires: the GET's status and headers,
+            # no body. Found by review: FastAPI's GET routes take no HEAD, so the web page,
+            # /docs, /v1/models and /metrics answered curl -I and uptime checks with a 405.
+            # The guard above saw the HEAD; the server's own scope still says HEAD.
+            scope = {**scope, "method": "GET"}
 
         async def observed_send(message: Message) -> None:
             nonlocal status, started
             if message["type"] == "http.response.start":
                 status, started = int(message["status"]), True
+            elif head and message["type"] == "http.response.body":
+                message = {**message, "body": b""}
             await send(message)
 
         try:
