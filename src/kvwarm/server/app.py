@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm._version import __version__
@@ -167,12 +168,13 @@ def create_app(
     )
     app.openapi = functools.partial(_openapi_with_keys, app)  # type: ignore[method-assign]
     app.state.kvwarm = state
-    for router in ROUTERS:
-        app.include_router(router)
+    routers = [*ROUTERS]
     if settings.api_docs:
-        app.include_router(apidocs.router("/openapi.json", app.title))
-    app.include_router(webui.router())
-    _add_error_handlers(app)
+        routers.append(apidocs.router("/openapi.json", app.title))
+    routers.append(webui.router())
+    for router in routers:
+        app.include_router(router)
+    _add_error_handlers(app, [*app.router.routes, *(r for x in routers for r in x.routes)])
     _add_middleware(app, state, settings)
     return app
 
@@ -181,11 +183,33 @@ async def _on_error(request: Request, exc: Exception) -> Response:
     return error_response(exc, route_path(request.scope))
 
 
-async def _on_http(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StarletteHTTPException)
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    error = HTTPError(exc.status_code, str(exc.detail), code=code)
-    return error_response(error, route_path(request.scope))
+def _allow(routes: Sequence[BaseRoute], scope: Scope) -> str | None:
+    """The methods the routes matching ``scope``'s path take, HEAD wherever GET is
+    (``_Observe``): a 405's ``Allow``. Starlette's names the first matching route's alone (a
+    path of two routes, as ``GET``/``DELETE /v1/responses/{id}``, said ``GET``)."""
+    methods: set[str] = set()
+    for route in routes:
+        if isinstance(route, Route) and route.methods and route.matches(scope)[0] != Match.NONE:
+            methods |= route.methods
+    if "GET" in methods:
+        methods.add("HEAD")
+    return ", ".join(sorted(methods)) if methods else None
+
+
+def _on_http(routes: Sequence[BaseRoute]) -> Callable[[Request, Exception], Awaitable[Response]]:
+    async def handle(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        # Starlette's headers too: found by review, a 405 had no Allow (RFC 9110 15.5.6: it
+        # names the methods the route takes), dropped as the error was put in the API's shape.
+        headers = dict(exc.headers or {})
+        allow = _allow(routes, request.scope) if exc.status_code == 405 else None
+        if allow is not None:
+            headers["Allow"] = allow
+        error = HTTPError(exc.status_code, str(exc.detail), code=code, headers=headers or None)
+        return error_response(error, route_path(request.scope))
+
+    return handle
 
 
 async def _on_validation(request: Request, exc: Exception) -> Response:
@@ -199,11 +223,12 @@ async def _on_validation(request: Request, exc: Exception) -> Response:
     return error_response(error, route_path(request.scope))
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    """Every error in the OpenAI shape (Anthropic's under its paths)."""
+def _add_error_handlers(app: FastAPI, routes: Sequence[BaseRoute]) -> None:
+    """Every error in the OpenAI shape (Anthropic's under its paths); ``routes``: every route
+    the app serves (a 405 names their methods)."""
     app.add_exception_handler(HTTPError, _on_error)
     app.add_exception_handler(KvwarmError, _on_error)
-    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(StarletteHTTPException, _on_http(routes))
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(Exception, _on_error)
 
