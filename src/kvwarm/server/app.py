@@ -37,7 +37,13 @@ from kvwarm.server import rerank as rerank_routes
 from kvwarm.server.admin import models as admin_models
 from kvwarm.server.admin import routes as admin_routes
 from kvwarm.server.anthropic import routes as anthropic_routes
-from kvwarm.server.errors import ERROR_RESPONSES, HTTPError, error_response, shaped_body
+from kvwarm.server.errors import (
+    ERROR_RESPONSES,
+    HTTPError,
+    error_response,
+    shaped_body,
+    speaks_anthropic,
+)
 from kvwarm.server.guard import Guard, exposure_warnings, route_path, send_json
 from kvwarm.server.openai import chat as openai_chat
 from kvwarm.server.openai import completions as openai_completions
@@ -48,6 +54,11 @@ from kvwarm.server.state import ServerState
 from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.server")
+
+
+def _anthropic(scope: Scope) -> bool:
+    """Whether a request's errors are in Anthropic's shape (``errors.speaks_anthropic``)."""
+    return speaks_anthropic(route_path(scope), scope["headers"])
 
 
 class _Observe:
@@ -77,7 +88,10 @@ class _Observe:
         refused = self.guard.refusal(scope)
         if refused is not None:
             status, message, code = refused
-            body = shaped_body(route_path(scope), status, message, "invalid_request_error", code)
+            path, anthropic = route_path(scope), _anthropic(scope)
+            body = shaped_body(
+                path, status, message, "invalid_request_error", code, anthropic=anthropic
+            )
             await send_json(send, status, body)
             self.state.counters.record("refused", status)
             return
@@ -110,7 +124,12 @@ class _Observe:
                 status = 503
                 message = "the server is shutting down; retry on another instance or later"
                 body = shaped_body(
-                    route_path(scope), status, message, "service_unavailable", "shutting_down"
+                    route_path(scope),
+                    status,
+                    message,
+                    "service_unavailable",
+                    "shutting_down",
+                    anthropic=_anthropic(scope),
                 )
                 with contextlib.suppress(Exception):
                     await send_json(send, status, body)
@@ -180,7 +199,7 @@ def create_app(
 
 
 async def _on_error(request: Request, exc: Exception) -> Response:
-    return error_response(exc, route_path(request.scope))
+    return error_response(exc, route_path(request.scope), anthropic=_anthropic(request.scope))
 
 
 def _allow(routes: Sequence[BaseRoute], scope: Scope) -> str | None:
@@ -207,7 +226,7 @@ def _on_http(routes: Sequence[BaseRoute]) -> Callable[[Request, Exception], Awai
         if allow is not None:
             headers["Allow"] = allow
         error = HTTPError(exc.status_code, str(exc.detail), code=code, headers=headers or None)
-        return error_response(error, route_path(request.scope))
+        return error_response(error, route_path(request.scope), anthropic=_anthropic(request.scope))
 
     return handle
 
@@ -220,7 +239,7 @@ async def _on_validation(request: Request, exc: Exception) -> Response:
     param = ".".join(loc) or None
     message = f"{param or 'request'}: {first.get('msg', 'invalid value')}"
     error = HTTPError(400, message, code="invalid_type", param=param)
-    return error_response(error, route_path(request.scope))
+    return error_response(error, route_path(request.scope), anthropic=_anthropic(request.scope))
 
 
 def _add_error_handlers(app: FastAPI, routes: Sequence[BaseRoute]) -> None:
