@@ -6,7 +6,8 @@ Invariant: the HTTP status, ``type`` and ``code`` of an error come from the exce
 operation's 4XX and 5XX in ``/openapi.json`` (``ERROR_RESPONSES``), where the schema-driven tests
 check each error against it. Under ``ANTHROPIC_PATHS`` the body is Anthropic's
 ``{"type": "error", "error": {"type", "message"}}`` instead (same status), which the same schema
-admits.
+admits, and so it is under ``SHARED_PATHS`` (``/v1/models``) to a request with an
+``anthropic-version`` header (``speaks_anthropic``).
 """
 
 from __future__ import annotations
