@@ -44,7 +44,7 @@ from kvwarm.server.errors import (
     shaped_body,
     speaks_anthropic,
 )
-from kvwarm.server.guard import Guard, exposure_warnings, route_path, send_json
+from kvwarm.server.guard import Guard, exposure_warnings, normal_origin, route_path, send_json
 from kvwarm.server.openai import chat as openai_chat
 from kvwarm.server.openai import completions as openai_completions
 from kvwarm.server.openai import embeddings as openai_embeddings
@@ -255,7 +255,13 @@ def _add_error_handlers(app: FastAPI, routes: Sequence[BaseRoute]) -> None:
 class _Cors(CORSMiddleware):
     """Starlette's CORS for the allowed origins alone. A request of any other origin goes on
     to the guard untouched: a preflight is then refused in the API's own error shape (403
-    ``origin_not_allowed``), not with Starlette's plain-text 400, as with no origins set."""
+    ``origin_not_allowed``), not with Starlette's plain-text 400, as with no origins set.
+    Origins are compared as the guard compares them (``guard.normal_origin``): found by
+    review, an origin configured with a trailing slash or capitals was the guard's (its POSTs
+    ran) but not Starlette's (no CORS headers, its preflights a 405)."""
+
+    def is_allowed_origin(self, origin: str) -> bool:
+        return super().is_allowed_origin(normal_origin(origin))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -274,7 +280,7 @@ def _add_middleware(app: FastAPI, state: ServerState, settings: Settings) -> Non
         # no CORS headers, and their real requests are refused by the guard.
         app.add_middleware(
             _Cors,
-            allow_origins=list(settings.allowed_origins),
+            allow_origins=[normal_origin(o) for o in settings.allowed_origins],
             allow_methods=["GET", "POST", "DELETE"],
             # Any header a page of an allowed origin asks for: the official JS clients send
             # their own on every request (x-stainless-*, anthropic-version, anthropic-beta,
