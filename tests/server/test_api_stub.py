@@ -626,6 +626,29 @@ def test_unknown_routes_and_methods_have_the_error_shape(client: TestClient) -> 
     assert_error(client.get("/v1/completions"), 405, "method_not_allowed")
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("GET", "/v1/completions", "POST"),
+        ("PUT", "/v1/messages", "POST"),
+        ("POST", "/v1/models", "GET, HEAD"),
+        ("POST", "/v1/responses/resp_x", "GET, HEAD, DELETE"),
+        ("PATCH", "/cache/keepalive", "GET, HEAD, DELETE"),
+        ("GET", "/v1/responses/resp_x/cancel", "POST"),
+    ],
+)
+def test_a_405_says_which_methods_the_route_takes(
+    client: TestClient, method: str, path: str, allow: str
+) -> None:
+    """RFC 9110 (15.5.6): a 405 names the methods the resource takes in ``Allow``. Found by
+    review: the error handler rebuilt Starlette's 405 in the API's shape and dropped its
+    headers, ``Allow`` with them. Every route of the path counts (``GET`` and ``DELETE
+    /v1/responses/{id}`` are two), and HEAD is named wherever GET is (``test_head_stub``)."""
+    response = client.request(method, path)
+    assert response.status_code == 405
+    assert sorted(response.headers["allow"].split(", ")) == sorted(allow.split(", "))
+
+
 def test_health_is_503_while_loading_and_when_a_load_failed() -> None:
     # Without entering the client the lifespan never runs: every model is still "loading".
     loading = TestClient(create_app(stub_settings()))

@@ -8,6 +8,7 @@ limit. Every wait here is a socket read with a deadline, never a sleep.
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -171,6 +172,34 @@ def test_two_host_headers_are_a_400(live: LiveServer) -> None:
         sock.sendall(_request(extra="Connection: close\r\n"))
         data, _ = _until_eof(sock, 10)
     assert data.startswith(b"HTTP/1.1 200 "), data
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+        b"\r\nzz\r\n{}\r\n0\r\n\r\n",  # a chunk size that is no number
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n"
+        b"Content-Length: 3\r\n\r\n{}",  # two lengths
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header: x\r\n\r\n",
+        b"NOT HTTP AT ALL\r\n\r\n",
+    ],
+    ids=["bad-chunk", "two-lengths", "bad-header-name", "garbage"],
+)
+def test_a_request_that_is_not_http_is_a_400_in_the_apis_shape(
+    live: LiveServer, raw: bytes
+) -> None:
+    """Found by review: what the parser refuses got uvicorn's own text/plain "Invalid HTTP
+    request received.", where every other refusal is the API's JSON error."""
+    with _connect(live) as sock:
+        sock.sendall(raw)
+        data, _ = _until_eof(sock, 10)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), data
+    assert b"content-type: application/json" in head.lower(), head
+    error = json.loads(body)["error"]
+    assert error["code"] == "invalid_http" and error["type"] == "invalid_request_error"
+    assert error["message"]
 
 
 def test_the_cap_stays_below_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -48,3 +48,28 @@ def test_foreign_preflight_is_anthropic_shaped_under_v1_messages(client: TestCli
     response = client.options("/v1/messages", headers=PREFLIGHT)
     assert response.status_code == 403, (response.status_code, response.text)
     assert response.json()["type"] == "error"
+
+
+@pytest.mark.parametrize("configured", ["http://app.example:3000/", "HTTP://App.Example:3000"])
+def test_an_origin_configured_as_the_guard_reads_it_gets_cors_too(configured: str) -> None:
+    """Found by review: the guard read ``allowed_origins`` lower-cased and without a trailing
+    slash, Starlette's CORS as written: with ``http://app.example:3000/`` (the address bar's
+    form) the page's POSTs ran but it could read no answer, and its preflights were a 405."""
+    origin = "http://app.example:3000"
+    with TestClient(create_app(stub_settings(allowed_origins=(configured,)))) as client:
+        wait_ready(client.get)
+        preflight = client.options(
+            "/v1/completions",
+            headers={
+                "Origin": origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "content-type",
+            },
+        )
+        assert preflight.status_code == 200, preflight.text
+        assert preflight.headers["access-control-allow-origin"] == origin
+        real = client.post("/cache/gc", headers={"Origin": origin})
+        assert real.status_code == 200
+        assert real.headers["access-control-allow-origin"] == origin
+        other = client.post("/cache/gc", headers={"Origin": "http://app.example:3001"})
+        assert other.status_code == 403 and "access-control-allow-origin" not in other.headers

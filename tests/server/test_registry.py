@@ -312,7 +312,17 @@ def test_keep_alive_reads_as_ollama_reads_it(value: float | str, seconds: float)
     assert keep_alive_seconds(value) == seconds
 
 
-@pytest.mark.parametrize("value", ["", "5 minutes", "m", "5mm", "1h-30m", "nan", True, "5d"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        *("", "5 minutes", "m", "5mm", "1h-30m", "nan", True, "5d"),
+        # Found by review: the string was read by Python's float() and \d, so these were
+        # durations (docs/server.md: "anything else is a 400"): "--5m" kept the model loaded
+        # for ever, "1_0" was 10 s, Arabic-Indic and full-width digits were digits.
+        *("--5m", "+-5", "-+5m", "1_0", "1_0m", "inf", "-Infinity", "1e3", "\u0663m"),
+        *("\uff11\uff10", "\uff11\uff10m", "1e400"),
+    ],
+)
 def test_a_keep_alive_that_is_no_duration_is_a_400(value: object) -> None:
     with pytest.raises(HTTPError) as caught:
         keep_alive_seconds(value)  # type: ignore[arg-type]

@@ -272,3 +272,32 @@ def test_another_tenant_can_neither_see_nor_cancel_it(gated: tuple[TestClient, G
     backend.gate.set()
     background_ended(client, rid)
     assert client.get(f"/v1/responses/{rid}", headers=user).json()["status"] != "queued"
+
+
+def test_a_deleted_one_is_gone_at_once_though_it_still_winds_down(
+    gated: tuple[TestClient, Gated],
+) -> None:
+    """Found by review: between its DELETE and its generation's end, GET still showed it
+    (``in_progress``), a second DELETE deleted it again and ``.../cancel`` waited on it, and a
+    follow-up was told it was still running: a deleted response is gone to every route."""
+    client, backend = gated
+    backend.free = 0
+    rid = client.post("/v1/responses", json=BODY).json()["id"]
+    assert backend.entered.wait(10)
+    pending = server_state(client).responses.running(rid)
+    assert client.delete(f"/v1/responses/{rid}").status_code == 200
+    try:  # the gate still holds it: it has not ended yet
+        assert server_state(client).responses.running(rid) is pending
+        assert_error(client.get(f"/v1/responses/{rid}"), 404, "response_not_found")
+        assert_error(client.get(f"/v1/responses/{rid}/input_items"), 404, "response_not_found")
+        assert_error(client.delete(f"/v1/responses/{rid}"), 404, "response_not_found")
+        assert_error(client.post(f"/v1/responses/{rid}/cancel"), 404, "response_not_found")
+        follow_up = {**BODY, "background": False, "previous_response_id": rid}
+        assert_error(
+            client.post("/v1/responses", json=follow_up), 404, "previous_response_not_found"
+        )
+    finally:
+        backend.gate.set()
+    assert pending is not None and client.portal is not None
+    client.portal.call(lambda: asyncio.wait_for(pending.ended.wait(), 60))
+    assert len(server_state(client).responses) == 0

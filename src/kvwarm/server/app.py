@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvwarm._version import __version__
@@ -36,8 +37,14 @@ from kvwarm.server import rerank as rerank_routes
 from kvwarm.server.admin import models as admin_models
 from kvwarm.server.admin import routes as admin_routes
 from kvwarm.server.anthropic import routes as anthropic_routes
-from kvwarm.server.errors import ERROR_RESPONSES, HTTPError, error_response, shaped_body
-from kvwarm.server.guard import Guard, exposure_warnings, route_path, send_json
+from kvwarm.server.errors import (
+    ERROR_RESPONSES,
+    HTTPError,
+    error_response,
+    shaped_body,
+    speaks_anthropic,
+)
+from kvwarm.server.guard import Guard, exposure_warnings, normal_origin, route_path, send_json
 from kvwarm.server.openai import chat as openai_chat
 from kvwarm.server.openai import completions as openai_completions
 from kvwarm.server.openai import embeddings as openai_embeddings
@@ -47,6 +54,11 @@ from kvwarm.server.state import ServerState
 from kvwarm.settings import Settings
 
 log = logging.getLogger("kvwarm.server")
+
+
+def _anthropic(scope: Scope) -> bool:
+    """Whether a request's errors are in Anthropic's shape (``errors.speaks_anthropic``)."""
+    return speaks_anthropic(route_path(scope), scope["headers"])
 
 
 class _Observe:
@@ -76,17 +88,29 @@ class _Observe:
         refused = self.guard.refusal(scope)
         if refused is not None:
             status, message, code = refused
-            body = shaped_body(route_path(scope), status, message, "invalid_request_error", code)
+            path, anthropic = route_path(scope), _anthropic(scope)
+            body = shaped_body(
+                path, status, message, "invalid_request_error", code, anthropic=anthropic
+            )
             await send_json(send, status, body)
             self.state.counters.record("refused", status)
             return
         status = 500
         started = False
+        head = scope["method"] == "HEAD"
+        if head:
+            # HEAD wherever GET answers, as RFC 9110 requires: the GET's status and headers,
+            # no body. Found by review: FastAPI's GET routes take no HEAD, so the web page,
+            # /docs, /v1/models and /metrics answered curl -I and uptime checks with a 405.
+            # The guard above saw the HEAD; the server's own scope still says HEAD.
+            scope = {**scope, "method": "GET"}
 
         async def observed_send(message: Message) -> None:
             nonlocal status, started
             if message["type"] == "http.response.start":
                 status, started = int(message["status"]), True
+            elif head and message["type"] == "http.response.body":
+                message = {**message, "body": b""}
             await send(message)
 
         try:
@@ -100,7 +124,12 @@ class _Observe:
                 status = 503
                 message = "the server is shutting down; retry on another instance or later"
                 body = shaped_body(
-                    route_path(scope), status, message, "service_unavailable", "shutting_down"
+                    route_path(scope),
+                    status,
+                    message,
+                    "service_unavailable",
+                    "shutting_down",
+                    anthropic=_anthropic(scope),
                 )
                 with contextlib.suppress(Exception):
                     await send_json(send, status, body)
@@ -158,25 +187,48 @@ def create_app(
     )
     app.openapi = functools.partial(_openapi_with_keys, app)  # type: ignore[method-assign]
     app.state.kvwarm = state
-    for router in ROUTERS:
-        app.include_router(router)
+    routers = [*ROUTERS]
     if settings.api_docs:
-        app.include_router(apidocs.router("/openapi.json", app.title))
-    app.include_router(webui.router())
-    _add_error_handlers(app)
+        routers.append(apidocs.router("/openapi.json", app.title))
+    routers.append(webui.router())
+    for router in routers:
+        app.include_router(router)
+    _add_error_handlers(app, [*app.router.routes, *(r for x in routers for r in x.routes)])
     _add_middleware(app, state, settings)
     return app
 
 
 async def _on_error(request: Request, exc: Exception) -> Response:
-    return error_response(exc, route_path(request.scope))
+    return error_response(exc, route_path(request.scope), anthropic=_anthropic(request.scope))
 
 
-async def _on_http(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StarletteHTTPException)
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    error = HTTPError(exc.status_code, str(exc.detail), code=code)
-    return error_response(error, route_path(request.scope))
+def _allow(routes: Sequence[BaseRoute], scope: Scope) -> str | None:
+    """The methods the routes matching ``scope``'s path take, HEAD wherever GET is
+    (``_Observe``): a 405's ``Allow``. Starlette's names the first matching route's alone (a
+    path of two routes, as ``GET``/``DELETE /v1/responses/{id}``, said ``GET``)."""
+    methods: set[str] = set()
+    for route in routes:
+        if isinstance(route, Route) and route.methods and route.matches(scope)[0] != Match.NONE:
+            methods |= route.methods
+    if "GET" in methods:
+        methods.add("HEAD")
+    return ", ".join(sorted(methods)) if methods else None
+
+
+def _on_http(routes: Sequence[BaseRoute]) -> Callable[[Request, Exception], Awaitable[Response]]:
+    async def handle(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        # Starlette's headers too: found by review, a 405 had no Allow (RFC 9110 15.5.6: it
+        # names the methods the route takes), dropped as the error was put in the API's shape.
+        headers = dict(exc.headers or {})
+        allow = _allow(routes, request.scope) if exc.status_code == 405 else None
+        if allow is not None:
+            headers["Allow"] = allow
+        error = HTTPError(exc.status_code, str(exc.detail), code=code, headers=headers or None)
+        return error_response(error, route_path(request.scope), anthropic=_anthropic(request.scope))
+
+    return handle
 
 
 async def _on_validation(request: Request, exc: Exception) -> Response:
@@ -187,14 +239,15 @@ async def _on_validation(request: Request, exc: Exception) -> Response:
     param = ".".join(loc) or None
     message = f"{param or 'request'}: {first.get('msg', 'invalid value')}"
     error = HTTPError(400, message, code="invalid_type", param=param)
-    return error_response(error, route_path(request.scope))
+    return error_response(error, route_path(request.scope), anthropic=_anthropic(request.scope))
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    """Every error in the OpenAI shape (Anthropic's under its paths)."""
+def _add_error_handlers(app: FastAPI, routes: Sequence[BaseRoute]) -> None:
+    """Every error in the OpenAI shape (Anthropic's under its paths); ``routes``: every route
+    the app serves (a 405 names their methods)."""
     app.add_exception_handler(HTTPError, _on_error)
     app.add_exception_handler(KvwarmError, _on_error)
-    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(StarletteHTTPException, _on_http(routes))
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(Exception, _on_error)
 
@@ -202,7 +255,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 class _Cors(CORSMiddleware):
     """Starlette's CORS for the allowed origins alone. A request of any other origin goes on
     to the guard untouched: a preflight is then refused in the API's own error shape (403
-    ``origin_not_allowed``), not with Starlette's plain-text 400, as with no origins set."""
+    ``origin_not_allowed``), not with Starlette's plain-text 400, as with no origins set.
+    Origins are compared as the guard compares them (``guard.normal_origin``): found by
+    review, an origin configured with a trailing slash or capitals was the guard's (its POSTs
+    ran) but not Starlette's (no CORS headers, its preflights a 405)."""
+
+    def is_allowed_origin(self, origin: str) -> bool:
+        return super().is_allowed_origin(normal_origin(origin))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -221,7 +280,7 @@ def _add_middleware(app: FastAPI, state: ServerState, settings: Settings) -> Non
         # no CORS headers, and their real requests are refused by the guard.
         app.add_middleware(
             _Cors,
-            allow_origins=list(settings.allowed_origins),
+            allow_origins=[normal_origin(o) for o in settings.allowed_origins],
             allow_methods=["GET", "POST", "DELETE"],
             # Any header a page of an allowed origin asks for: the official JS clients send
             # their own on every request (x-stainless-*, anthropic-version, anthropic-beta,

@@ -14,6 +14,8 @@ or httptools, as uvicorn picks) extended by ``_Limits``:
 - **Body timeout** (``body_timeout_s``): once a request's head is in, its whole body must be in
   within that long; then a 408 (if no response began) and the connection is closed, which the
   route sees as a disconnect.
+- **Not HTTP**: what uvicorn's parser refuses (a malformed chunk, two ``Content-Length``
+  headers, a header name with a space) is a 400 ``invalid_http``, and the connection is closed.
 - **Connection cap** (``max_connections``, kept below the open-file limit less
   ``FD_RESERVE``): a connection past it is answered 503 at once and closed, so the server never
   runs out of file descriptors to clients.
@@ -125,6 +127,12 @@ _HEAD_TOO_LARGE = (
     f"the request's headers are larger than {MAX_HEADER_BYTES} bytes",
     "headers_too_large",
 )
+_NOT_HTTP = (
+    400,
+    "Bad Request",
+    "the request is not valid HTTP/1.1 (its request line, headers or body framing)",
+    "invalid_http",
+)
 _TOO_MANY = (
     503,
     "Service Unavailable",
@@ -157,8 +165,8 @@ def protocol_class(limits: ConnectionLimits, http: str = "auto") -> type[asyncio
     class _Limits(base):  # type: ignore[misc, valid-type]
         """Reads only what uvicorn's protocols share: ``cycle`` (the request being served, its
         ``more_body`` and ``response_complete``), ``connections``, ``transport`` and ``loop``;
-        the hooks are ``connection_made``, ``data_received``, ``on_response_complete`` and
-        ``connection_lost``, which both implementations have."""
+        the hooks are ``connection_made``, ``data_received``, ``on_response_complete``,
+        ``connection_lost`` and ``send_400_response``, which both implementations have."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
@@ -192,6 +200,11 @@ def protocol_class(limits: ConnectionLimits, http: str = "auto") -> type[asyncio
         def connection_lost(self, exc: Exception | None) -> None:
             self._kv_cancel()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            # What the parser refuses (a bad chunk, two lengths, a header name with a space):
+            # found by review, uvicorn's own text/plain "Invalid HTTP request received.".
+            self._kv_refuse(_NOT_HTTP)
 
         def _kv_check(self) -> None:
             cycle = self.cycle

@@ -6,12 +6,15 @@ Invariant: the HTTP status, ``type`` and ``code`` of an error come from the exce
 operation's 4XX and 5XX in ``/openapi.json`` (``ERROR_RESPONSES``), where the schema-driven tests
 check each error against it. Under ``ANTHROPIC_PATHS`` the body is Anthropic's
 ``{"type": "error", "error": {"type", "message"}}`` instead (same status), which the same schema
-admits.
+admits, and so it is under ``SHARED_PATHS`` (``/v1/models``) to a request with an
+``anthropic-version`` header (``speaks_anthropic``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,20 +156,48 @@ def anthropic_body(status: int, message: str) -> dict[str, object]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def shaped_body(
-    path: str, status: int, message: str, type: str, code: str | None, param: str | None = None
-) -> dict[str, object]:
-    """The error body in the dialect of the API that ``path`` belongs to."""
+#: Paths both APIs share, answered in the client's dialect: Anthropic's to a request with an
+#: ``anthropic-version`` header, which every Anthropic SDK sends (``admin/models.py``).
+SHARED_PATHS: tuple[str, ...] = ("/v1/models",)
+
+
+def speaks_anthropic(path: str, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether a request's errors are Anthropic's: under ``ANTHROPIC_PATHS``, or under
+    ``SHARED_PATHS`` with an ``anthropic-version`` header. Found by review: ``/v1/models``
+    answered an Anthropic client in Anthropic's shape, and its errors (a 404, a bad
+    ``limit``, a missing key) in OpenAI's."""
     if path.startswith(ANTHROPIC_PATHS):
+        return True
+    shared = any(path == p or path.startswith(p + "/") for p in SHARED_PATHS)
+    return shared and any(name.lower() == b"anthropic-version" for name, _ in headers)
+
+
+def shaped_body(
+    path: str,
+    status: int,
+    message: str,
+    type: str,
+    code: str | None,
+    param: str | None = None,
+    *,
+    anthropic: bool | None = None,
+) -> dict[str, object]:
+    """The error body in the dialect of the API that ``path`` belongs to (``anthropic``:
+    the dialect ``speaks_anthropic`` chose, where the request's headers are known)."""
+    if path.startswith(ANTHROPIC_PATHS) if anthropic is None else anthropic:
         return anthropic_body(status, message)
     return dict(error_body(message, type, code, param))
 
 
-def error_response(exc: BaseException, path: str = "") -> JSONResponse:
-    """The response for any exception, shaped for the API of ``path``; unexpected ones are
-    logged with their traceback and answered without internals."""
+def error_response(
+    exc: BaseException, path: str = "", *, anthropic: bool | None = None
+) -> JSONResponse:
+    """The response for any exception, shaped for the API of ``path`` (``anthropic``: as
+    ``shaped_body``); unexpected ones are logged with their traceback and answered without
+    internals."""
+    shaped = functools.partial(shaped_body, anthropic=anthropic)
     if isinstance(exc, HTTPError):
-        body = shaped_body(path, exc.status, exc.message, exc.type, exc.code, exc.param)
+        body = shaped(path, exc.status, exc.message, exc.type, exc.code, exc.param)
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
     kind = kind_of(exc)
     if isinstance(exc, e.KvwarmError):
@@ -180,8 +211,8 @@ def error_response(exc: BaseException, path: str = "") -> JSONResponse:
         ) and not isinstance(exc, e.ReplicaTimeoutError)
         headers = {"Retry-After": "1"} if retry else None
         message = str(exc) or type(exc).__name__
-        body = shaped_body(path, kind.status, message, kind.type, kind.code, param)
+        body = shaped(path, kind.status, message, kind.type, kind.code, param)
         return JSONResponse(body, status_code=kind.status, headers=headers)
     log.exception("unexpected error", exc_info=exc)
-    body = shaped_body(path, 500, "internal server error", _SERVER, "internal_error")
+    body = shaped(path, 500, "internal server error", _SERVER, "internal_error")
     return JSONResponse(body, status_code=500)

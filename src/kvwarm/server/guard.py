@@ -77,6 +77,13 @@ def host_name(value: str) -> str:
     return value
 
 
+def normal_origin(origin: str) -> str:
+    """An origin as it is compared: trimmed, lower-cased, without a trailing slash (a browser's
+    ``Origin`` header is already so; a configured one may be written as an address bar shows
+    it). The guard and the CORS middleware (``app._Cors``) both compare by it."""
+    return origin.strip().rstrip("/").lower()
+
+
 def _is_ip(name: str) -> bool:
     try:
         ipaddress.ip_address(name)
@@ -115,7 +122,7 @@ class Guard:
         self.wildcard_bind = bound in ("0.0.0.0", "::", "")
         self.hosts = LOOPBACK_NAMES | {bound} | {host_name(h) for h in settings.allowed_hosts}
         self.any_origin = "*" in settings.allowed_origins
-        self.origins = frozenset(o.rstrip("/").lower() for o in settings.allowed_origins)
+        self.origins = frozenset(normal_origin(o) for o in settings.allowed_origins)
         self.api_key = settings.api_key or None
         self.admin_key = settings.admin_key or None
 
@@ -126,7 +133,7 @@ class Guard:
         return self.wildcard_bind and _is_ip(name)
 
     def origin_ok(self, origin: str, host: str) -> bool:
-        origin = origin.strip().rstrip("/").lower()
+        origin = normal_origin(origin)
         if origin == "null":
             return False
         if self.any_origin or origin in self.origins:

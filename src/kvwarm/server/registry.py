@@ -90,7 +90,11 @@ def request_leases() -> Iterator[None]:
             release()
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+# ASCII digits only (found by review: \d and float() read Arabic-Indic and full-width digits,
+# "1_0", "1e3" and "inf" as numbers, and "--5m" as negative: kept loaded for ever).
+_NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+_SECONDS = re.compile(_NUMBER)
+_DURATION = re.compile(rf"({_NUMBER})(ns|us|µs|ms|s|m|h)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -106,10 +110,10 @@ def keep_alive_seconds(value: float | str, *, param: str = "keep_alive") -> floa
     else:
         text = value.strip()
         sign = -1.0 if text.startswith("-") else 1.0
-        body = text.lstrip("+-")
-        try:
+        body = text[1:] if text[:1] in ("+", "-") else text  # one sign, as Go's
+        if _SECONDS.fullmatch(body):
             seconds = sign * float(body)
-        except ValueError:
+        else:
             parts = _DURATION.findall(body)
             if not body or "".join(n + u for n, u in parts) != body:
                 raise HTTPError(
@@ -119,7 +123,7 @@ def keep_alive_seconds(value: float | str, *, param: str = "keep_alive") -> floa
                     "negative: keep loaded)",
                     param=param,
                     code="invalid_value",
-                ) from None
+                )
             seconds = sign * sum(float(n) * _UNITS[u] for n, u in parts)
     if math.isnan(seconds):
         raise HTTPError(400, "keep_alive is not a number", param=param, code="invalid_value")

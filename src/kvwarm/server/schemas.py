@@ -539,17 +539,36 @@ async def read_json(request: Request, settings: Settings) -> object:
 
 #: Bodies up to this size are decoded on the event loop (a thread hop costs more than that).
 _PARSE_INLINE_BYTES = 64 << 10
-# A lone surrogate can enter only through a \uD800-\uDFFF escape: the bytes of a body that
-# json.loads accepts are valid UTF-8, which never encodes one.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+# A lone surrogate can enter only through a \uD800-\uDFFF escape: the body's text is decoded
+# strictly (``_text``), and no strictly decoded text holds one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _text(raw: bytes) -> str:
+    """A body's text, in the encoding ``json.loads`` detects (RFC 8259's UTF-8, or UTF-16/32),
+    decoded strictly. Found by review: ``json.loads`` of bytes decodes with ``surrogatepass``,
+    so a lone surrogate sent as raw bytes (UTF-8's ``ED A0 80``, or in a UTF-16/32 body) went
+    past the escape check below: a Responses body's ``metadata`` ran a whole generation, was
+    stored, then failed to serialise (a 500)."""
+    encoding = json.detect_encoding(raw)
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise HTTPError(
+            400,
+            f"the request body is not valid {encoding.removesuffix('-sig').upper()} text: "
+            f"{exc.reason} at byte {exc.start}",
+            code="invalid_json",
+        ) from None
 
 
 def _decoded(raw: bytes, settings: Settings) -> object:
     """``read_json``'s decoding and checks of a whole body."""
+    text = _text(raw)
     try:
-        data = json.loads(raw, parse_constant=_not_json)  # bytes: strict_loads takes text
+        data = strict_loads(text)
     # ValueError too: an integer literal of more than 4,300 digits is refused by int() itself.
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise HTTPError(
             400, f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from exc
@@ -558,7 +577,7 @@ def _decoded(raw: bytes, settings: Settings) -> object:
     if json_depth(data) > settings.max_json_depth:
         raise _too_deep(settings.max_json_depth)
     # JSON escapes can spell lone surrogates ("\ud800"), which no text field can carry on.
-    where = find_lone_surrogate(data) if _SURROGATE_ESCAPE.search(raw) else None
+    where = find_lone_surrogate(data) if _SURROGATE_ESCAPE.search(text) else None
     if where is not None:
         raise HTTPError(
             400,

@@ -88,7 +88,12 @@ def _find(request: Request, response_id: str) -> StoredResponse | Pending | None
     """The requesting tenant's response ``response_id``, stored or running in the
     background (another tenant's is None)."""
     state = server_state(request)
-    found: StoredResponse | Pending | None = state.responses.running(response_id)
+    running = state.responses.running(response_id)
+    if running is not None and running.deleted:
+        # Deleted: gone to every route at once, though its generation may still be winding
+        # down (found by review: GET showed it queued, DELETE and cancel took it again).
+        return None
+    found: StoredResponse | Pending | None = running
     if found is None:
         found = state.responses.get(response_id)
     if found is None or found.owner != _owner(request, state.settings):
