@@ -14,6 +14,7 @@ from tests.cache.tierkit import NS, data_names, request
 
 from kvwarm.cache.formats.key import cache_key
 from kvwarm.cache.tiers.files import PUBLISH_STEPS, FileTier
+from kvwarm.cache.tiers.layout import PID_NAMESPACE, tmp_name, tmp_owner
 from kvwarm.errors import CacheFormatError, ConfigError
 
 STEPS = list(PUBLISH_STEPS)
@@ -109,6 +110,38 @@ def test_scan_reaps_temp_files_but_not_live_ones(tmp_path: Path) -> None:
     assert tier.store(key, req, FakeBook()) is not None
     assert any(n.startswith(key.hex()) and n.endswith(".tmp") for n in seen_during[0])
     assert sorted(data_names(tmp_path)) == sorted([live_other.name, f"{key.hex()}.kvc"])
+
+
+def test_scan_keeps_another_pid_namespaces_young_temp_files(tmp_path: Path) -> None:
+    """A container beside ours on one host, sharing the directory, writes its pid namespace
+    into its temp names: its pids mean nothing here (its pid may be dead here, or ours), so
+    age alone decides whether its temp file is reaped. Before, a scan took such a file in
+    progress for a dead process's and removed it, failing the other container's save. A name
+    from this namespace, or one with no namespace (an older kvwarm's), is judged by its pid
+    as before."""
+    tier = FileTier("disk", tmp_path, 1 << 20, stale_tmp_s=60)
+    k = "cd" * 32
+    other = "0" if PID_NAMESPACE != "0" else "1"
+    assert PID_NAMESPACE, "this machine names its pid namespace"
+    foreign_dead = tmp_path / f"{k}.kvc.{_dead_pid()}.1.1.p{other}.tmp"
+    foreign_ours = tmp_path / f"{k}.kvc.{os.getpid()}.2.1.p{other}.tmp"
+    foreign_stale = tmp_path / f"{k}.kvc.{_dead_pid()}.3.1.p{other}.tmp"
+    here_dead = tmp_path / f"{k}.kvc.{_dead_pid()}.4.1.p{PID_NAMESPACE}.tmp"
+    here_live = tmp_path / f"{k}.kvc.{os.getppid()}.5.1.p{PID_NAMESPACE}.tmp"
+    unnamed_dead = tmp_path / f"{k}.kvc.{_dead_pid()}.6.1.tmp"
+    for p in (foreign_dead, foreign_ours, foreign_stale, here_dead, here_live, unnamed_dead):
+        p.write_bytes(b"partial")
+    os.utime(foreign_stale, (1, 1))
+    assert list(tier.scan()) == []
+    assert sorted(data_names(tmp_path)) == sorted(
+        [foreign_dead.name, foreign_ours.name, here_live.name]
+    )
+    # What this process writes carries its namespace, and reads back as its own.
+    written = tmp_name(f"{k}.kvc", 7)
+    assert tmp_owner(written) == (os.getpid(), PID_NAMESPACE)
+    assert tmp_owner(f"{k}.kvc.12.1.1.tmp") == (12, PID_NAMESPACE)
+    assert tmp_owner(f"{k}.kvc.12.1.1.pab.tmp") == (12, "ab")
+    assert tmp_owner("junk.tmp") is None
 
 
 @pytest.mark.parametrize("quarantine", [True, False])

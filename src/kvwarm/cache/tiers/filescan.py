@@ -6,7 +6,8 @@ Invariants:
 
 - A temp file is reaped only if nobody may still be writing it: not one of ours in progress,
   and not another live process's younger than ``stale_tmp_s`` (a shared root); on a directory
-  several hosts share (``multi_host``) a pid says nothing about liveness, so age decides.
+  several hosts share (``multi_host``), and for a temp file another pid namespace wrote (a
+  container beside ours on one host), a pid says nothing about liveness, so age decides.
 - With ``remove=False`` (``repair=False``: ``kvwarm cache verify``) no temp file is removed;
   each is reported.
 - ``set_aside`` moves an invalid file to ``quarantine/`` (or deletes it), never a directory
@@ -30,10 +31,11 @@ from pathlib import Path
 from kvwarm.cache.tiers.fsutil import open_private_subdir, unlink_quiet
 from kvwarm.cache.tiers.layout import (
     CHUNK_SUFFIX,
+    PID_NAMESPACE,
     QUARANTINE,
     ROW_SUFFIX,
     TMP_SUFFIX,
-    tmp_owner_pid,
+    tmp_owner,
 )
 from kvwarm.errors import UnsafeCacheDirError
 
@@ -97,13 +99,19 @@ def misplaced_dirs(dir_fd: int, root: Path, tier: str) -> list[tuple[str, str]]:
 
 def _live(dir_fd: int, name: str, stale_tmp_s: float, multi_host: bool) -> bool:
     """Whether another process may still be writing temp file ``name``: its owner is alive
-    (any owner, on a directory several hosts mount) and it is younger than ``stale_tmp_s``."""
-    pid = tmp_owner_pid(name)
-    return (
-        pid is not None
-        and (multi_host or (pid != os.getpid() and _pid_alive(pid)))
-        and time.time() - os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mtime < stale_tmp_s
-    )
+    (any owner, on a directory several hosts mount, or from another pid namespace) and it is
+    younger than ``stale_tmp_s``. A pid is another process's only in our namespace: two
+    containers sharing a directory each reaped the other's temp files in progress, found
+    dead by a pid that meant another process here, or none, or ours (found by review: the
+    other's save then failed)."""
+    owner = tmp_owner(name)
+    if owner is None:
+        return False
+    pid, namespace = owner
+    foreign = multi_host or namespace != PID_NAMESPACE
+    return (foreign or (pid != os.getpid() and _pid_alive(pid))) and time.time() - os.stat(
+        name, dir_fd=dir_fd, follow_symlinks=False
+    ).st_mtime < stale_tmp_s
 
 
 def quarantined(dir_fd: int, where: str) -> tuple[int, int]:

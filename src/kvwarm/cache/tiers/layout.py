@@ -7,8 +7,11 @@ Invariants:
   (rows are MB-sized, so even a large quota holds thousands, not millions, of files), so
   another process sharing the directory finds a row it did not write.
 - Temp files live in the same directory (``link(2)`` cannot cross file systems), named
-  ``<hex>.kvc.<pid>.<token>.<n>.tmp`` so a scan knows whose they are and never mistakes one
-  for a row.
+  ``<hex>.kvc.<pid>.<token>.<n>.p<ns>.tmp`` so a scan knows whose they are and never mistakes
+  one for a row: ``<ns>`` is the writer's pid namespace (``PID_NAMESPACE``), since a pid means
+  something only inside its own (two containers sharing a directory on one host each have a
+  pid 1). A name without it (``<hex>.kvc.<pid>.<token>.<n>.tmp``, written by a kvwarm before
+  it) is taken as this namespace's.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ __all__ = [
     "name_for",
     "pack_id_of",
     "pack_name",
+    "PID_NAMESPACE",
     "tmp_name",
-    "tmp_owner_pid",
+    "tmp_owner",
 ]
 
 ROW_SUFFIX = ".kvc"
@@ -39,6 +43,19 @@ TMP_SUFFIX = ".tmp"
 QUARANTINE = "quarantine"  # subdirectory invalid files are moved to
 _HEX = frozenset("0123456789abcdef")
 _tmp_serial = itertools.count(1)  # next() on a count is atomic under the GIL
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace, as the hex inode of ``/proc/self/ns/pid`` (unique among
+    the namespaces of one running kernel); "" where it cannot be read (no ``/proc``)."""
+    try:
+        return format(os.stat("/proc/self/ns/pid").st_ino, "x")
+    except OSError:
+        return ""
+
+
+#: This process's pid namespace (``_pid_namespace``), written into its temp file names.
+PID_NAMESPACE = _pid_namespace()
 
 
 def name_for(key: bytes) -> str:
@@ -80,10 +97,16 @@ def _hex_stem(name: str, suffix: str) -> bytes | None:
 
 def tmp_name(final: str, token: int) -> str:
     """A temp name for ``final`` unique to this process, reservation and attempt."""
-    return f"{final}.{os.getpid()}.{token}.{next(_tmp_serial)}{TMP_SUFFIX}"
+    return f"{final}.{os.getpid()}.{token}.{next(_tmp_serial)}.p{PID_NAMESPACE}{TMP_SUFFIX}"
 
 
-def tmp_owner_pid(name: str) -> int | None:
-    """The pid that created temp file ``name``; None if the name does not say."""
+def tmp_owner(name: str) -> tuple[int, str] | None:
+    """The pid that created temp file ``name`` and its pid namespace (``PID_NAMESPACE``'s
+    form; this process's for a name written before namespaces were named); None if the name
+    does not say."""
     parts = name.split(".")
-    return int(parts[2]) if len(parts) == 6 and parts[2].isdigit() else None
+    if len(parts) == 6 and parts[2].isdigit():
+        return int(parts[2]), PID_NAMESPACE
+    if len(parts) == 7 and parts[2].isdigit() and parts[5].startswith("p"):
+        return int(parts[2]), parts[5][1:]
+    return None
