@@ -21,6 +21,7 @@ import pytest
 from tests.tinymodels import QWEN3_RERANK_TEMPLATE, write_reranker
 
 from kvwarm.backends.base import ContextParams
+from kvwarm.embedded import default_model_path
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.model import Model
 
@@ -187,6 +188,23 @@ def test_a_reranker_given_a_spec_type_keeps_f16_cells(engine: Engine, decoder: P
     info = model.info()
     assert (info.type_k, info.type_v) == ("f16", "f16")
     assert info.capabilities == ("rerank",)
+
+
+def test_a_reranker_loads_no_draft_model_even_of_another_vocabulary(
+    engine: Engine, reranker: Path
+) -> None:
+    """A reranker never generates, so a ``draft_model`` (a server's ``--draft-model`` applies
+    to every model it loads) is not loaded for it, whatever its vocabulary: with flash
+    attention on, the draft model was loaded and its vocabulary (SmolLM2's 49,152 tokens
+    against the tiny reranker's) failed the reranker's load (found by review)."""
+    context = ContextParams(n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, flash_attn="on")
+    config = ModelConfig(context=context, draft_model=str(default_model_path()))
+    model = engine.load_model(reranker, model_id="drafted-rank", config=config)
+    info = model.info()
+    assert info.draft_model is None and info.draft_bytes == 0
+    assert info.speculation.startswith("off: this model does not generate"), info.speculation
+    assert info.speculation_exact is None
+    assert len(model.rerank(QUERY, DOCS[:2]).results) == 2
 
 
 def test_a_forged_marker_in_a_document_is_text(engine: Engine, tmp_path: Path) -> None:

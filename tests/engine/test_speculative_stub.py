@@ -860,3 +860,40 @@ def test_a_failing_ngram_drafter_ends_drafting_and_the_request_decodes_plainly(
     assert spec.stats.drafted_tokens == 0
     assert calls == [1]  # asked once, then the request decodes plainly
     assert any("drafting failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_an_unexpected_draft_model_fault_ends_drafting_and_the_request_decodes_plainly(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A draft model's failure ends its request's drafting, never the request
+    (``draftmodel.py``'s invariant): that held for a ``KvwarmError`` only, and anything else
+    (a bug) failed the request, a 500 for a speed hint (found by review); now it is logged,
+    the request decodes plainly and the draft context's sequence is cleared (its state is
+    unknown)."""
+    from kvwarm.engine.worker.draftmodel import DraftModel
+
+    config = replace(spec_config(), spec_type=None, draft_model="draft-stub.gguf")
+    model = engine.load_model(config=config)
+    plain = model.complete(PROMPT, GREEDY, spec_type="none", cache_salt=PLAIN_SALT)
+    model.evict()
+    calls: list[int] = []
+    original = DraftModel._propose
+
+    def broken(self: DraftModel, *args: object, **kw: object) -> list[int]:
+        calls.append(1)
+        self.held[0].append(0)  # what it holds is no longer known
+        raise RuntimeError("draft model bug")
+
+    monkeypatch.setattr(DraftModel, "_propose", broken)
+    with caplog.at_level("ERROR", logger="kvwarm.engine.worker.draftmodel"):
+        spec = model.complete(PROMPT, GREEDY)
+    assert spec.text == plain.text and spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.drafted_tokens == 0
+    assert calls == [1]  # asked once, then the request decodes plainly
+    assert any("draft model bug" in str(r.exc_info) for r in caplog.records if r.exc_info)
+    draft = model._draft
+    assert draft is not None and draft.held[0] == []  # cleared with the context's sequence
+    monkeypatch.setattr(DraftModel, "_propose", original)
+    model.evict()
+    again = model.complete(PROMPT, GREEDY)  # the next request drafts again
+    assert again.completion_tokens == plain.completion_tokens and again.stats.accepted_tokens > 0

@@ -215,3 +215,27 @@ def test_a_deterministic_model_says_its_draft_model_is_not_loaded() -> None:
     assert meta["speculative"]["exact"] is None  # it cannot speculate
     assert available.startswith("off: deterministic mode")
     assert available.endswith("; the draft model draft-stub.gguf was not loaded")
+
+
+@pytest.mark.parametrize("path", ["stub-reranker.gguf", "stub-cross-encoder.gguf"])
+def test_a_reranker_says_it_does_not_speculate_and_loads_no_draft_model(path: str) -> None:
+    """A reranker (a decoder pooling by rank, or a cross-encoder) never generates, so it never
+    verifies a draft: given a ``spec_type`` and a ``draft_model`` (a server-wide one applies
+    to every model) ``/v1/models`` says speculation is off and why, and the draft model is not
+    loaded (found by review: "on", and the draft model's weights and context were loaded for
+    drafts never asked for; a draft model of another vocabulary failed the reranker's load,
+    every ``/v1/rerank`` a 503)."""
+    options = (("spec_type", "ngram-simple"), ("draft_model", "draft-stub.gguf"))
+    settings = stub_settings(models=(ModelSpec(path=path, id="ranker", options=options),))
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        [meta] = [m["meta"] for m in client.get("/v1/models").json()["data"]]
+        ranked = client.post(
+            "/v1/rerank", json={"model": "ranker", "query": "a", "documents": ["b"]}
+        )
+    assert ranked.status_code == 200, ranked.text
+    speculative = meta["speculative"]
+    assert speculative["available"].startswith("off: this model does not generate"), speculative
+    assert speculative["available"].endswith("; the draft model draft-stub.gguf was not loaded")
+    assert speculative["exact"] is None and speculative["draft_model"] is None
+    assert meta["draft_bytes"] == 0

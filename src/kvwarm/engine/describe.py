@@ -56,7 +56,7 @@ def model_info(
     backend's ``verify_exactness`` of the model's context (None: not asked, speculation being
     off for another reason)."""
     memory = MemoryKind(facts.memory_kind, facts.n_swa, cfg.context.swa_full)
-    spec = speculation(cfg, memory, verify_exactness)
+    spec = speculation(cfg, memory, verify_exactness, not_generating(facts, capabilities))
     spec_exact = None if spec.startswith("off") else verify_exactness
     if cfg.draft_model is not None and draft_model is None:
         spec += f"; the draft model {Path(cfg.draft_model).name} was not loaded"
@@ -101,12 +101,32 @@ def model_info(
     )
 
 
-def speculation(cfg: ModelConfig, memory: MemoryKind, exactness: str | None) -> str:
+def not_generating(facts: ModelFacts, capabilities: Sequence[Capability]) -> str | None:
+    """What a model that never generates is ("a reranker", "an encoder"), None for one that
+    generates: such a model never verifies a draft (``engine/speculating.py``)."""
+    if "generate" not in capabilities:
+        return "a reranker"
+    if not facts.causal:
+        return "an encoder: its attention is not causal"
+    return None
+
+
+def speculation(
+    cfg: ModelConfig, memory: MemoryKind, exactness: str | None, never_generates: str | None
+) -> str:
     """Whether requests of this model can speculate (``ModelInfo.speculation``): "on", "on
     while a sequence is shorter than its window", or "off: " and why. ``exactness``: where a
     verify pass's rows are one-token passes (``BackendModel.verify_exactness``; None: not
     known yet, so not a reason); short of "at any length", speculation is off unless
-    ``cfg.spec_exact`` is false. The other reasons come first: they need no measurement."""
+    ``cfg.spec_exact`` is false. ``never_generates``: what the model is where it never
+    generates (``not_generating``), the first reason of all (found by review: a reranker
+    said "on", or with its flash attention left off was told to turn it on, and loaded a
+    draft model, which failed its load where the draft model's vocabulary was another).
+    The configuration's reasons come before the measurement's: they need none."""
+    if never_generates is not None:
+        return (
+            f"off: this model does not generate ({never_generates}), so it never verifies a draft"
+        )
     if cfg.deterministic:
         return (
             "off: deterministic mode (a verify pass is a batch of another shape than a "

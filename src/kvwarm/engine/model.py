@@ -47,6 +47,7 @@ from kvwarm.engine.describe import (
     ModelState,
     model_info,
     model_status,
+    not_generating,
     speculation,
     warn_if_past_training,
 )
@@ -307,10 +308,12 @@ class Model:
             bmodel.close()
             raise
 
-    def _log_speculation(self, spec: str) -> None:
-        """Say at load what speculation chose where the configuration did not say it."""
+    def _log_speculation(self, spec: str, *, generates: bool) -> None:
+        """Say at load what speculation chose where the configuration did not say it (a
+        model that never generates, given a ``spec_type`` shared by every model, is no news:
+        no warning)."""
         cfg, given = self.config, self._context_given
-        if not cfg.speculative:
+        if not cfg.speculative or not generates:
             return
         if spec.startswith("off"):
             log.warning("model %s: speculative decoding is %s", self.id, spec)
@@ -356,15 +359,19 @@ class Model:
         #: plain decoding's): ``BackendModel.verify_exactness``, asked (it may measure) only
         #: where nothing else turns speculation off; None elsewhere.
         self._verify_exactness: str | None = None
-        generates = facts.causal and "generate" in self.capabilities
-        if generates and not speculation(cfg, self._ctx.memory, None).startswith("off"):
+        never = not_generating(facts, self.capabilities)
+        if not speculation(cfg, self._ctx.memory, None, never).startswith("off"):
             self._verify_exactness = self._bmodel.verify_exactness(total)
-        spec = speculation(cfg, self._ctx.memory, self._verify_exactness)
-        self._log_speculation(spec)
+        spec = speculation(cfg, self._ctx.memory, self._verify_exactness, never)
+        self._log_speculation(spec, generates=never is None)
         if cfg.draft_model is not None:
             if spec.startswith("off"):
-                # Its weights and its context would take memory for drafts never asked for.
-                log.warning(
+                # Its weights and its context would take memory for drafts never asked for
+                # (and a reranker's vocabulary need not be the draft model's: a server's
+                # --draft-model applies to every model it loads). Said as a warning only
+                # where the model could have speculated.
+                log.log(
+                    logging.WARNING if never is None else logging.INFO,
                     "model %s: not loading the draft model %s: speculation is %s",
                     self.id,
                     Path(cfg.draft_model).name,

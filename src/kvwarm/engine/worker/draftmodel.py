@@ -137,10 +137,11 @@ class DraftModel:
         """Up to ``limit`` greedy tokens of the draft model after ``text`` (a request's prompt
         of ``prompt_len`` tokens and its reply so far, whose last token is about to be
         decoded by the target; ``first``: the request's first draft). ``KvwarmError`` on a
-        failure of the draft context (the sequence is then cleared)."""
+        failure of the draft context, any other exception on a bug: the sequence is then
+        cleared either way (what it holds is no longer known)."""
         try:
             return self._propose(store, seq, ns, text, prompt_len, limit, first)
-        except KvwarmError:
+        except Exception:
             self.reset(seq)
             raise
 
@@ -311,6 +312,15 @@ class ModelDrafter:
         except KvwarmError as exc:
             log.warning(
                 "draft model %s failed (%s): this request decodes plainly", self.model.path, exc
+            )
+            self.stopped = True
+            return []
+        except Exception:
+            # A bug: its drafts change no token, so the request goes on without them, as an
+            # n-gram drafter's fault does (found by review: it failed the request, a 500 for
+            # a speed hint).
+            log.exception(
+                "draft model %s: drafting failed; this request decodes plainly", self.model.path
             )
             self.stopped = True
             return []

@@ -166,7 +166,9 @@ class Tick:
                     # the request decodes plainly, as a draft model's failure does.
                     log.exception("%s: drafting failed; decoding plainly", self.rt.name)
                     act.drafter, act.draft = None, []
-                else:  # this slot's drafter: its request fails, no other
+                else:  # making its drafter failed, or this loop around a draft model's draft
+                    # (the draft model's own faults end only its drafting, in
+                    # ``ModelDrafter.propose``): its request fails, no other
                     self.outcomes.fail(slot, unexpected(exc, self.rt.name))
                 continue
             room -= drafted
