@@ -239,3 +239,45 @@ def test_a_reranker_says_it_does_not_speculate_and_loads_no_draft_model(path: st
     assert speculative["available"].endswith("; the draft model draft-stub.gguf was not loaded")
     assert speculative["exact"] is None and speculative["draft_model"] is None
     assert meta["draft_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 40},
+        ),
+        ("/v1/responses", {"input": PROMPT, "max_output_tokens": 40, "store": False}),
+    ],
+)
+def test_anthropic_and_responses_bodies_choose_their_speculation(
+    client: TestClient, path: str, body: dict[str, object]
+) -> None:
+    """``spec_type`` and ``spec_draft_max`` (and llama-server's names) on Anthropic's and the
+    Responses API's bodies, as on the OpenAI ones: a per-request switch on every generating
+    route (they were ignored there, so only the model's default applied), the text the same
+    either way; a bad value is a 400 naming the field."""
+    base = {**body, "temperature": 0}
+
+    def drafted(model: str, extra: dict[str, object], salt: str) -> tuple[float, str]:
+        before = counters(client, model).get("kvwarm_spec_draft_tokens_total", 0)
+        reply = client.post(path, json={**base, "model": model, "cache_salt": salt, **extra})
+        assert reply.status_code == 200, reply.text
+        after = counters(client, model).get("kvwarm_spec_draft_tokens_total", 0)
+        return after - before, reply.text
+
+    n, _ = drafted("spec", {}, f"{path}a")
+    assert n > 0  # the model's default: it drafts
+    n, _ = drafted("spec", {"spec_type": "none"}, f"{path}b")
+    assert n == 0
+    n, _ = drafted("spec", {"speculative.n_max": 0}, f"{path}c")
+    assert n == 0
+    n, _ = drafted("plain", {}, f"{path}d")
+    assert n == 0  # a model that does not speculate by default ...
+    n, _ = drafted("plain", {"speculative.type": "ngram-simple"}, f"{path}e")
+    assert n > 0  # ... does for a request that asks
+    for bad in ({"spec_type": "ngram-fast"}, {"spec_draft_max": -1}, {"spec_type": 3}):
+        reply = client.post(path, json={**base, "model": "spec", **bad})
+        assert reply.status_code == 400, reply.text
+        assert next(iter(bad)) in reply.text

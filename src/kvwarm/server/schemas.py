@@ -51,6 +51,31 @@ def keep_alive_field() -> Any:
     )
 
 
+def spec_type_field() -> Any:
+    """A request's speculative decoding (``engine/worker/drafts.py``), on every generating
+    body (the OpenAI ones, and as kvwarm's extension Anthropic's and the Responses API's);
+    llama-server's "speculative.type" is accepted too. None: the model's."""
+    return Field(
+        default=None,
+        validation_alias=AliasChoices("spec_type", "speculative.type"),
+        description="speculative decoding: none, ngram-simple, ngram-map-k, ngram-map-k4v, "
+        "ngram-mod, ngram-cache or draft-simple (default: the model's spec_type); a speed "
+        "hint, the output is the same",
+    )
+
+
+def spec_draft_max_field() -> Any:
+    """The most tokens one of a request's drafts holds (``spec_type_field``'s bodies);
+    llama-server's "speculative.n_max" is accepted too."""
+    return Field(
+        default=None,
+        ge=0,
+        le=MAX_DRAFT_TOKENS,
+        validation_alias=AliasChoices("spec_draft_max", "speculative.n_max"),
+        description="speculative decoding: the most tokens one draft holds (0: none)",
+    )
+
+
 def _salt_field() -> Any:
     return Field(
         default=None,
@@ -183,20 +208,8 @@ class SamplingFields(_Body):
     cache_salt: str | None = _salt_field()  # vLLM's field (server/tenancy.py)
     # Speculative decoding for this request (engine/worker/drafts.py); llama-server's
     # "speculative.type" and "speculative.n_max" are accepted too. None: the model's.
-    spec_type: SpecType | None = Field(
-        default=None,
-        validation_alias=AliasChoices("spec_type", "speculative.type"),
-        description="speculative decoding: none, ngram-simple, ngram-map-k, ngram-map-k4v, "
-        "ngram-mod, ngram-cache or draft-simple (default: the model's spec_type); a speed "
-        "hint, the output is the same",
-    )
-    spec_draft_max: JsonInt | None = Field(
-        default=None,
-        ge=0,
-        le=MAX_DRAFT_TOKENS,
-        validation_alias=AliasChoices("spec_draft_max", "speculative.n_max"),
-        description="speculative decoding: the most tokens one draft holds (0: none)",
-    )
+    spec_type: SpecType | None = spec_type_field()
+    spec_draft_max: JsonInt | None = spec_draft_max_field()
     # llama-server's: the adapters this request runs under (others off); server/lora.py.
     lora: list[LoraItem] | None = Field(default=None, max_length=64)
     keep_alive: float | str | None = keep_alive_field()  # Ollama's (server/registry.py)

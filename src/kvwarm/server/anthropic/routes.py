@@ -78,6 +78,8 @@ async def messages(request: Request) -> Response:
         top_p=req.top_p,
         top_k=req.top_k,
         stop=req.stop_sequences,
+        spec_type=req.spec_type,
+        spec_draft_max=req.spec_draft_max,
     )
     opts = convert.options(
         fields,

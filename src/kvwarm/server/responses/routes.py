@@ -213,6 +213,8 @@ async def create_response(request: Request) -> Response:
         over_limit=state.settings.max_tokens_over_limit,
         temperature=req.temperature,
         top_p=req.top_p,
+        spec_type=req.spec_type,
+        spec_draft_max=req.spec_draft_max,
     )
     opts = convert.options(
         fields,

@@ -13,12 +13,15 @@ from typing import Annotated, Literal
 
 from pydantic import Discriminator, Field, Tag
 
+from kvwarm.engine.types import SpecType
 from kvwarm.server.schemas import (
     JsonInt,
     NullMeansDefault,
     StrictNumber,
     choice_type,
     keep_alive_field,
+    spec_draft_max_field,
+    spec_type_field,
 )
 from kvwarm.server.tenancy import MAX_SALT_CHARS
 
@@ -188,3 +191,6 @@ class ResponsesRequest(_Body):
     user: str | None = None
     # kvwarm's extension, as on the OpenAI bodies (server/tenancy.py); X-Cache-Salt works too.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
+    # kvwarm's extensions, as on the OpenAI bodies: this request's speculative decoding.
+    spec_type: SpecType | None = spec_type_field()
+    spec_draft_max: JsonInt | None = spec_draft_max_field()
