@@ -4,11 +4,11 @@ A save of ``n`` tokens is cut into chunks of at most ``C`` tokens (``plan_lens``
 up with the row sharing its longest prefix: that row's chunks are reused as far as the shared
 prefix reaches, one chunk ends exactly where the two diverge, and fixed ``C``-token chunks
 follow, the last one shorter; a cut that would fall inside a media span is dropped, the chunk
-holding the span's start then holding all of it (``off_spans``). Every chunk's key chains its parent's (``chunkfmt``), so a
-conversation's next turn reuses all of the previous turn's chunks and the second
-conversation over a system prompt cuts a chunk at the prompt's end that every later one
-reuses. The cache pins the chunks in the index, asks the backend's codec
-(``SaveRequest.split``) for only those the tier lacks, writes them, then publishes the
+holding the span's start then holding all of it (``off_spans``). Every chunk's key chains
+its parent's (``chunkfmt``), so a conversation's next turn reuses all of the previous turn's
+chunks and the second conversation over a system prompt cuts a chunk at the prompt's end
+that every later one reuses. The cache pins the chunks in the index, asks the backend's
+codec (``SaveRequest.split``) for only those the tier lacks, writes them, then publishes the
 manifest through the tier's row protocol.
 
 Invariants:
@@ -402,9 +402,11 @@ def _plan_rest(
     if not 0 <= first < end == len(tokens):
         return None
     grid = max(1, chunk_tokens // REST_GRID_PARTS)
-    # No window chunk ends inside a span either (``off_spans``): a grid point may fall there.
+    # No window chunk ends inside a span either (``off_spans``): a grid point may fall there
+    # (the first cache's cuts stay: a window chunk lies within one of its chunks).
     cuts = rest_cuts(lens, first, end, grid)
-    cuts = [cuts[0], *(c for c in cuts[1:] if c == end or not _inside_span(tokens, c))]
+    kept = {end, *itertools.accumulate(lens)}
+    cuts = [cuts[0], *(c for c in cuts[1:] if c in kept or not _inside_span(tokens, c))]
     if wide:
         # A chunk from below the window's first position to the next cut, stored by a lower
         # window, holds these cells too: one from the grid point or chunk cut at or below it,
