@@ -7,6 +7,7 @@ import io
 import struct
 import wave
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -134,6 +135,53 @@ def test_a_png_whose_pixel_data_ends_early_is_refused() -> None:
     assert decode_image(encoded(3, 2, interlaced, 1), LIMITS, "p").rgb == pixels
     with pytest.raises(MediaError, match="pixel data ends after 12 of the 22 bytes"):
         decode_image(encoded(3, 2, interlaced[:12], 1), LIMITS, "p")  # no pass 7
+
+
+def test_an_animated_png_whose_first_frame_ends_early_is_refused() -> None:
+    """The check above skipped animated PNGs (acTL), whose first frame Pillow decodes from the
+    IDAT stream: found by review, an APNG whose IDAT stream ended half-way was a 200 for a
+    first frame half black. Its IDAT must hold the canvas's rows too, as llama.cpp's loader
+    (stb_image, which reads IDAT alone) wants them: a first fcTL smaller than the canvas,
+    which the format forbids, is refused with it; a whole APNG still passes."""
+    from PIL import Image as Pil
+
+    rng = np.random.default_rng(3)
+    frames = [Pil.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8)) for _ in range(2)]
+    out = io.BytesIO()
+    frames[0].save(out, format="PNG", save_all=True, append_images=frames[1:])
+    data = out.getvalue()
+    assert b"acTL" in data and decode_image(data, LIMITS, "p").rgb == frames[0].tobytes()
+
+    def rewritten(idat: Callable[[bytes], bytes], fctl: Callable[[bytes], bytes]) -> bytes:
+        out, at = bytearray(data[:8]), 8
+        while at < len(data):
+            size, kind = struct.unpack_from(">I4s", data, at)
+            body = data[at + 8 : at + 8 + size]
+            body = idat(body) if kind == b"IDAT" else fctl(body) if kind == b"fcTL" else body
+            out += struct.pack(">I", len(body)) + kind + body
+            out += struct.pack(">I", zlib.crc32(kind + body))
+            at += 12 + size
+        return bytes(out)
+
+    def half(body: bytes) -> bytes:
+        raw = zlib.decompress(body)
+        return zlib.compress(raw[: len(raw) // 2])
+
+    with pytest.raises(MediaError, match="pixel data ends after"):
+        decode_image(rewritten(half, lambda b: b), LIMITS, "p")
+    # A first frame of 12x8 in a 24x16 canvas: Pillow draws it in a corner of a blank canvas.
+    small = frames[0].crop((0, 0, 12, 8))
+    raw = b"".join(b"\0" + small.tobytes()[r * 36 : r * 36 + 36] for r in range(8))
+    first = {"seen": False}
+
+    def smaller(body: bytes) -> bytes:
+        if first["seen"]:
+            return body
+        first["seen"] = True
+        return body[:4] + struct.pack(">II", 12, 8) + body[12:]
+
+    with pytest.raises(MediaError, match="pixel data ends after"):
+        decode_image(rewritten(lambda b: zlib.compress(raw), smaller), LIMITS, "p")
 
 
 def test_a_jpeg_of_too_many_scans_is_refused_before_it_is_decoded() -> None:

@@ -292,7 +292,10 @@ def _check_png_rows(data: bytes, where: str) -> None:
     inflates to fewer bytes than its header's rows take. Found by review: Pillow takes a
     zlib stream that ends early as the image's end and leaves the rows it lacks black, a
     picture that is silently not the file's (llama.cpp's own loader refuses it: "not enough
-    pixels"). Not checked: an animated PNG (acTL), whose first frame may be another's."""
+    pixels"). An animated PNG's too (acTL; once skipped, found by review: a half-black first
+    frame passed): Pillow's first frame is its IDAT image, which llama.cpp's loader reads as
+    the whole canvas, so its rows are counted as this one's (a first fcTL smaller than the
+    canvas, which the format forbids, is refused with it)."""
     width, height, depth, colour, interlace = struct.unpack_from(">IIBBxxB", data, 16)
     bits = _PNG_CHANNELS.get(colour, 0) * depth
     passes = _ADAM7 if interlace else ((0, 0, 1, 1),)
@@ -305,8 +308,6 @@ def _check_png_rows(data: bytes, where: str) -> None:
     got, at = 0, 8
     while at + 8 <= len(data) and got < wanted:
         size, kind = struct.unpack_from(">I4s", data, at)
-        if kind == b"acTL":
-            return
         if kind == b"IDAT":
             chunk = data[at + 8 : at + 8 + size]
             while chunk and got < wanted:  # a MiB at a time: counted, never all held

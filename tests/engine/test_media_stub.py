@@ -302,3 +302,36 @@ def test_a_cancelled_request_leaves_no_encode_behind(
     # Encodes run in order: this one's ends after whatever the cancelled request left.
     assert model.chat(image_chat(png(25), "What is it?"), options=GREEDY).completion_tokens
     assert model._projector.encoded == 2  # type: ignore[union-attr]
+
+
+def test_a_media_prompt_carrying_a_clip_at_another_rate_is_refused(engine: Engine) -> None:
+    """mtmd takes a clip's samples without their rate: it reads them at its own (16 kHz for
+    Whisper), so a ``MediaPrompt`` whose clip was at 8 kHz was decoded as a clip twice as
+    long at half the pitch, and its KV saved under that clip's name. Chats resample every
+    clip to the projector's rate (``load_media``); a prompt a caller builds is refused."""
+    import numpy as np
+
+    from kvwarm.engine.prompts import SpanMedia, span_digest
+    from kvwarm.media import Audio
+
+    model = engine.load_model(config=replace(media_config(), mmproj="stub-audio-mmproj.gguf"))
+    projector = model._projector
+    assert projector is not None and projector.facts.audio_sample_rate == 16000
+    tone = np.sin(np.arange(8000) / 5).astype("<f4").tobytes()
+    opts = replace(GREEDY, max_tokens=2)
+    for rate, refused in ((8000, True), (16000, False)):
+        clip = Audio(tone, rate)
+        pieces = projector.layout(clip)
+        parts: list[object] = [[1, 2, 3]]
+        for piece in pieces:
+            if isinstance(piece, tuple):
+                parts.append(list(piece))
+            else:
+                parts.append((span_digest(clip, 0), piece.n_tokens, "audio"))
+        prompt = MediaPrompt(Prompt.build(parts), (SpanMedia(clip),))  # type: ignore[arg-type]
+        if refused:
+            with pytest.raises(InvalidRequestError, match="8000 Hz") as info:
+                model.complete(prompt, options=opts)
+            assert info.value.param == "prompt"
+        else:
+            assert model.complete(prompt, options=opts).stats.prompt_tokens == len(prompt.prompt)

@@ -92,6 +92,7 @@ from kvwarm.errors import (
     EngineClosedError,
     InvalidRequestError,
 )
+from kvwarm.media import Audio
 from kvwarm.tokens import Prompt, span_ids
 
 if TYPE_CHECKING:
@@ -801,6 +802,15 @@ class Model:
             if span.kind not in projector.facts.kinds or shown.media.kind != span.kind:
                 raise InvalidRequestError(
                     f"a {span.kind} span this model's projector cannot decode", param="prompt"
+                )
+            rate = projector.facts.audio_sample_rate
+            if isinstance(shown.media, Audio) and shown.media.sample_rate != rate:
+                # mtmd takes samples without their rate and reads them at its own: a clip at
+                # another was encoded as another sound, and saved under this clip's name.
+                raise InvalidRequestError(
+                    f"span {i} shows a clip at {shown.media.sample_rate} Hz; this model's "
+                    f"projector reads clips at {rate} Hz (kvwarm.media.load_media resamples)",
+                    param="prompt",
                 )
             # The span's ids are the cache's name for its content: ids naming other content
             # than the media decoded there would save that KV under the other's name.

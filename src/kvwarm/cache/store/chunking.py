@@ -3,11 +3,12 @@
 A save of ``n`` tokens is cut into chunks of at most ``C`` tokens (``plan_lens``) that line
 up with the row sharing its longest prefix: that row's chunks are reused as far as the shared
 prefix reaches, one chunk ends exactly where the two diverge, and fixed ``C``-token chunks
-follow, the last one shorter. Every chunk's key chains its parent's (``chunkfmt``), so a
-conversation's next turn reuses all of the previous turn's chunks and the second
-conversation over a system prompt cuts a chunk at the prompt's end that every later one
-reuses. The cache pins the chunks in the index, asks the backend's codec
-(``SaveRequest.split``) for only those the tier lacks, writes them, then publishes the
+follow, the last one shorter; a cut that would fall inside a media span is dropped, the chunk
+holding the span's start then holding all of it (``off_spans``). Every chunk's key chains
+its parent's (``chunkfmt``), so a conversation's next turn reuses all of the previous turn's
+chunks and the second conversation over a system prompt cuts a chunk at the prompt's end
+that every later one reuses. The cache pins the chunks in the index, asks the backend's
+codec (``SaveRequest.split``) for only those the tier lacks, writes them, then publishes the
 manifest through the tier's row protocol.
 
 Invariants:
@@ -58,7 +59,7 @@ from kvwarm.cache.index.index import Index
 from kvwarm.cache.protocols import ChunkAges, PacksChunks, StoredRow, Tier
 from kvwarm.cache.types import Namespace, PackLoc, RestChunks, SaveRequest
 from kvwarm.errors import CacheError, CacheFormatError, CacheIOError, KvwarmError
-from kvwarm.tokens import common_prefix
+from kvwarm.tokens import common_prefix, is_span_id
 
 #: Room for bytes about to enter a tier: raises to refuse, returns what gives it back.
 HoldRoom = Callable[[int], Callable[[], None]]
@@ -78,10 +79,44 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def plan_lens(n: int, size: int, base: Sequence[int], shared: int) -> tuple[int, ...]:
+def plan_lens(
+    n: int, size: int, base: Sequence[int], shared: int, tokens: Sequence[int] = ()
+) -> tuple[int, ...]:
     """Chunk lengths for ``n`` tokens: ``base``'s chunks (the chunk lengths of a row sharing
     ``shared`` tokens; () for fixed cuts) while they end within the shared prefix, one chunk
-    up to the shared length, then chunks of ``size`` tokens."""
+    up to the shared length, then chunks of ``size`` tokens; with the row's ``tokens``, no
+    cut inside a run of span ids (``off_spans``)."""
+    return off_spans(_plan_lens(n, size, base, shared), tokens)
+
+
+def off_spans(lens: Sequence[int], tokens: Sequence[int]) -> tuple[int, ...]:
+    """``lens`` with every cut that falls inside a run of span ids (``kvwarm.tokens``: an
+    image's or a clip's positions) dropped, the chunks on either side joined: a chunk holding
+    any of a span holds the rest of it. Its KV depends on the whole span (Gemma 3's images
+    attend both ways), but a chunk's key names only the ids up to its end, and a span's
+    first id is 31 bits of its content's digest: cut one position in, a chunk named a
+    picture by 31 bits, and a picture crafted to share that id (2^31 tries) put its KV under
+    the key every save of the other's prompt then reused (found by review)."""
+    out: list[int] = []
+    end = held = 0
+    for length in lens:
+        end += length
+        held += length
+        if _inside_span(tokens, end):
+            continue
+        out.append(held)
+        held = 0
+    if held:
+        out.append(held)
+    return tuple(out)
+
+
+def _inside_span(tokens: Sequence[int], at: int) -> bool:
+    """Whether a cut at ``at`` falls inside a run of span ids of ``tokens``."""
+    return 0 < at < len(tokens) and is_span_id(tokens[at - 1]) and is_span_id(tokens[at])
+
+
+def _plan_lens(n: int, size: int, base: Sequence[int], shared: int) -> tuple[int, ...]:
     shared = min(shared, n)
     if not base:
         base = (size,) * (shared // size)
@@ -124,7 +159,7 @@ class PlanBook:
             common = common_prefix(other, tokens)
             if common > shared:
                 base, shared = lens, common
-        lens = plan_lens(len(tokens), size, base, shared)
+        lens = plan_lens(len(tokens), size, base, shared, tokens)
         with self._lock:
             self._plans[key] = (ns, tokens, lens)
         return lens
@@ -189,7 +224,7 @@ def store_row(
             raise CacheError(f"{tier.name}: {key.hex()} holds positions from {lead} only")
         return _store_whole(key, request, tier, index, hold, limit)
     if not lens:
-        lens = plan_lens(len(tokens), chunk_tokens, *index.chunk_base(ns, tokens))
+        lens = plan_lens(len(tokens), chunk_tokens, *index.chunk_base(ns, tokens), tokens)
     chain = chain_of(request, lens)
     keys = tuple(key for _, key in chain)
     bounds = [0]
@@ -367,7 +402,11 @@ def _plan_rest(
     if not 0 <= first < end == len(tokens):
         return None
     grid = max(1, chunk_tokens // REST_GRID_PARTS)
+    # No window chunk ends inside a span either (``off_spans``): a grid point may fall there
+    # (the first cache's cuts stay: a window chunk lies within one of its chunks).
     cuts = rest_cuts(lens, first, end, grid)
+    kept = {end, *itertools.accumulate(lens)}
+    cuts = [cuts[0], *(c for c in cuts[1:] if c in kept or not _inside_span(tokens, c))]
     if wide:
         # A chunk from below the window's first position to the next cut, stored by a lower
         # window, holds these cells too: one from the grid point or chunk cut at or below it,
