@@ -267,6 +267,8 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "metadata": {"user_id": "u"},
                 "stream": False,
                 "cache_salt": "s",
+                "spec_type": "none",
+                "spec_draft_max": 4,
                 "keep_alive": 300,
             },
             {
@@ -317,6 +319,8 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "top_logprobs": 1,
                 "user": "u",
                 "cache_salt": "s",
+                "spec_type": "none",
+                "spec_draft_max": 4,
             },
             {
                 "model": "a",
