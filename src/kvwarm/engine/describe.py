@@ -167,11 +167,13 @@ def _where(exactness: str) -> str:
 
 
 def model_status(model_id: str, state: ModelState, cfg: ModelConfig, worker: Worker) -> ModelStatus:
-    """The model's live counters, read from its worker."""
+    """The model's live counters, read from its worker; ``failed`` for a ready model whose
+    worker died (found by review: it said "ready" for good, so ``/cache/slots`` and the
+    page's Cache view did, and a cluster replica's health check, which reads it, passed)."""
     s = worker.stats
     return ModelStatus(
         id=model_id,
-        state=state,
+        state="failed" if state == "ready" and worker.failure is not None else state,
         queued=worker.queued,
         active=worker.active,
         n_parallel=cfg.n_parallel,

@@ -565,8 +565,12 @@ class SlotStatus:
 
 @dataclass(frozen=True, slots=True)
 class ModelStatus:
+    """A model's live counters and slots (``Model.status``). ``state`` is ``failed`` once its
+    worker thread died (``Model.worker_failure``): it serves nothing from then on, and offers
+    no free slot."""
+
     id: str
-    state: Literal["loading", "ready", "unloading", "closed"]
+    state: Literal["loading", "ready", "unloading", "closed", "failed"]
     queued: int
     active: int
     n_parallel: int
@@ -588,7 +592,9 @@ class ModelStatus:
 
     @property
     def free_slots(self) -> int:
-        return max(0, self.n_parallel - self.active)
+        """Slots a request could take now: none unless the model is ready (found by review: a
+        model whose worker died offered all its slots, to a cluster's router among others)."""
+        return max(0, self.n_parallel - self.active) if self.state == "ready" else 0
 
     @property
     def kv_cache_usage(self) -> float:
