@@ -184,7 +184,9 @@ def model_status(model_id: str, state: ModelState, cfg: ModelConfig, worker: Wor
         prefill_ms=s.prefill_ms,
         generation_ms=s.generation_ms,
         kv_cells_used=worker.kv_cells_used,
-        kv_cells=cfg.context.n_ctx,
+        # The context's cells: n_ctx for each slot (``Model._start_worker``). Found by review:
+        # one slot's n_ctx, so the slots together used up to n_parallel times "all" of them.
+        kv_cells=cfg.context.n_ctx * cfg.n_parallel,
         slots=worker.slot_statuses(),
         prefilled_tokens=s.prefilled_tokens,
         drafted_tokens=s.drafted_tokens,

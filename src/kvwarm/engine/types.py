@@ -581,7 +581,7 @@ class ModelStatus:
     prefill_ms: float
     generation_ms: float
     kv_cells_used: int = 0  # context cells the slots hold (an external router's load signal)
-    kv_cells: int = 0  # the context's cells (n_ctx)
+    kv_cells: int = 0  # the context's cells: n_ctx for each of the n_parallel slots
     slots: tuple[SlotStatus, ...] = ()
     prefilled_tokens: int = 0  # prompt tokens run through the model (not restored or forked)
     #: Speculative decoding: tokens drafted and accepted (finished requests), and the slots'
