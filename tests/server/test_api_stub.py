@@ -366,7 +366,8 @@ def test_metrics_parse_and_count(client: TestClient) -> None:
         for s in f.samples
     }
     assert values[("kvwarm_model_kv_cells_used", "a")] > 0
-    assert values[("kvwarm_model_kv_cells", "a")] == 1024
+    # n_ctx for each slot: the context's cells (found by review: one slot's n_ctx).
+    assert values[("kvwarm_model_kv_cells", "a")] == 1024 * values[("kvwarm_model_slots", "a")]
     assert values[("kvwarm_model_free_slots", "a")] == values[("kvwarm_model_slots", "a")]
 
 

@@ -478,6 +478,20 @@ def test_any_host_refuses_addresses_that_are_not_public(host: str) -> None:
     )
 
 
+def test_a_refused_url_cannot_forge_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by review: a refused or failed fetch logged the client's URL as it came, and a
+    URL's CR and LF (which ``urlsplit`` drops before it parses, so the host still passed its
+    checks) started a line of the client's own in the server's log, as the request log's
+    ``user=`` is kept from doing. The URL is logged quoted, its control characters escaped."""
+    forged = "2026-01-01 00:00:00 ERROR kvwarm.server: forged"
+    url = f"http://127.0.0.1/cat.png\r\n{forged}"
+    with caplog.at_level(logging.INFO, logger="kvwarm.server.media"):
+        assert _refused_code(url, _settings("*")) == "media_fetch_refused"
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all("\n" not in line and "\r" not in line for line in lines), lines
+    assert any(forged in line for line in lines), lines  # still said, on the same line
+
+
 def test_unsafe_reason_passes_public_addresses() -> None:
     for address in ("93.184.216.34", "2606:4700::1", "64:ff9b::5db8:d822", "2002:5db8:d822::"):
         assert media._unsafe_reason(address) is None, address

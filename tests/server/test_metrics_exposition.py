@@ -127,3 +127,27 @@ def test_metrics_parse_whole_and_counters_survive_an_unload_and_a_reload(
     assert stats["model_totals"]["a"]["requests"] == 3
     prompt_tokens = reloaded[("kvwarm_prompt_tokens_total", (("model", "a"),))]
     assert stats["model_totals"]["a"]["prompt_tokens"] == prompt_tokens
+
+
+def test_kv_cache_usage_is_a_share_of_every_slot_s_cells(client: TestClient) -> None:
+    """Found by review: ``kvwarm_model_kv_cells`` was one slot's ``n_ctx`` while the context
+    holds ``n_ctx`` cells for each of the ``n_parallel`` slots and ``kv_cells_used`` counts
+    them all, so four slots holding 203 tokens each in a 256-token model read as 812 of 256
+    cells, ``kvwarm_model_kv_cache_usage_ratio`` 3.17 (documented 0..1, what a Gateway API
+    endpoint picker reads as the server's KV load); ``/cache/slots`` said the same."""
+    info = {m["id"]: m for m in client.get("/v1/models", headers=ADMIN).json()["data"]}
+    meta = info[ODD]["meta"]
+    cells = meta["n_ctx"] * meta["n_parallel"]
+    assert meta["n_parallel"] > 1
+    prompt = "word " * (meta["n_ctx"] * 3 // 4 // 5)  # 3/4 of one slot, in every slot
+    body = {"model": ODD, "prompt": prompt, "max_tokens": 3, "n": meta["n_parallel"]}
+    assert client.post("/v1/completions", json=body, headers=ADMIN).status_code == 200
+    series, _ = checked(scrape(client))
+    labels = (("model", ODD),)
+    used = series[("kvwarm_model_kv_cells_used", labels)]
+    assert used > meta["n_ctx"]  # the slots together hold more than one slot's n_ctx
+    assert series[("kvwarm_model_kv_cells", labels)] == cells
+    ratio = series[("kvwarm_model_kv_cache_usage_ratio", labels)]
+    assert 0 < ratio <= 1 and ratio == pytest.approx(used / cells)
+    slots = {m["id"]: m for m in client.get("/cache/slots", headers=ADMIN).json()["data"]}
+    assert slots[ODD]["kv_cells"] == cells and slots[ODD]["kv_cells_used"] <= cells

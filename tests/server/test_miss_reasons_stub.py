@@ -68,3 +68,30 @@ def test_a_streamed_chat_carries_the_reason_with_its_usage(fresh: TestClient) ->
     events = [e for e in sse_events(response.text) if isinstance(e, dict) and e.get("usage")]
     assert events, "no usage chunk"
     assert events[-1]["timings"]["cache_reason"]["reason"] == "no_prefix"
+
+
+def generations(client: TestClient) -> dict[str, float]:
+    text = client.get("/metrics").text
+    out: dict[str, float] = {}
+    for f in text_string_to_metric_families(text):
+        for s in f.samples:
+            if s.name == "kvwarm_generations_total":
+                out[s.labels["model"]] = out.get(s.labels["model"], 0.0) + s.value
+    return out
+
+
+def test_every_choice_of_n_has_a_reason(
+    fresh: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: the other choices of an ``n > 1`` request (forks of the first, their
+    whole prompt's KV its) carried no reason, so ``kvwarm_cache_reasons_total`` counted one
+    generation where ``kvwarm_generations_total`` counted ``n``, and their log lines said
+    ``reason=-``: every completion says why, as the docs promise ("none": all of it reused)."""
+    body = {"model": "a", "prompt": PROMPT, "max_tokens": 2, "n": 3}
+    with caplog.at_level(logging.INFO, logger="kvwarm.server.requests"):
+        assert fresh.post("/v1/completions", json=body).status_code == 200
+    counted = reasons(fresh)
+    assert sum(n for (model, _), n in counted.items() if model == "a") == generations(fresh)["a"]
+    assert counted[("a", "none")] == 2  # the two forks: the first choice's prompt KV, whole
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvwarm.server.requests"]
+    assert len(lines) == 3 and not [line for line in lines if "reason=-" in line], lines

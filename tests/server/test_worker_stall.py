@@ -8,6 +8,7 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvwarm.server import create_app
 
@@ -171,3 +172,43 @@ def test_unloading_a_model_whose_worker_died_frees_it() -> None:
         # Its next request loads it again, as for any unloaded model.
         done = client.post("/v1/completions", json={"model": "a", "prompt": "x"})
         assert done.status_code == 200, done.json()
+
+
+def _sample(text: str, name: str, labels: dict[str, str]) -> float:
+    """One sample of a /metrics scrape, read by prometheus_client's own parser."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    raise AssertionError(f"no {name}{labels} in the scrape")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_metrics_and_the_slots_view_say_a_dead_worker_s_model_is_failed() -> None:
+    """Found by review: once a model's worker died, /metrics still said
+    ``kvwarm_model_ready{model="a"} 1`` until a request or /health happened to look at the
+    registry, and /cache/slots (the page's Cache view) said ``"state": "ready"`` for good,
+    while /v1/models and the Models view said failed. Scraped first, before anything else
+    looks, all three agree."""
+    with TestClient(create_app(stub_settings())) as client:
+        wait_ready(client.get)
+        dead = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
+
+        def die() -> None:
+            raise _Died()
+
+        dead._worker.tick.run = die
+        response = client.post("/v1/completions", json={"model": "a", "prompt": "x"})
+        assert response.status_code == 503, response.json()
+        assert dead._worker._closed.wait(10)
+        scrape = client.get("/metrics").text  # before /health or /v1/models notice it
+        assert _sample(scrape, "kvwarm_model_ready", {"model": "a"}) == 0.0
+        assert _sample(scrape, "kvwarm_model_ready", {"model": "b"}) == 1.0
+        slots = {m["id"]: m for m in client.get("/cache/slots").json()["data"]}
+        assert slots["a"]["state"] == "failed", slots["a"]
+        assert slots["b"]["state"] == "ready"
+        listed = {m["id"]: m["status"] for m in client.get("/v1/models").json()["data"]}
+        assert listed == {"a": "failed", "b": "ready"}
+        # Still so once the registry has noticed (the slots view said "ready" for good).
+        slots = {m["id"]: m for m in client.get("/cache/slots").json()["data"]}
+        assert slots["a"]["state"] == "failed", slots["a"]

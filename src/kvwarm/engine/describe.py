@@ -167,11 +167,13 @@ def _where(exactness: str) -> str:
 
 
 def model_status(model_id: str, state: ModelState, cfg: ModelConfig, worker: Worker) -> ModelStatus:
-    """The model's live counters, read from its worker."""
+    """The model's live counters, read from its worker; ``failed`` for a ready model whose
+    worker died (found by review: it said "ready" for good, so ``/cache/slots`` and the
+    page's Cache view did, and a cluster replica's health check, which reads it, passed)."""
     s = worker.stats
     return ModelStatus(
         id=model_id,
-        state=state,
+        state="failed" if state == "ready" and worker.failure is not None else state,
         queued=worker.queued,
         active=worker.active,
         n_parallel=cfg.n_parallel,
@@ -182,7 +184,9 @@ def model_status(model_id: str, state: ModelState, cfg: ModelConfig, worker: Wor
         prefill_ms=s.prefill_ms,
         generation_ms=s.generation_ms,
         kv_cells_used=worker.kv_cells_used,
-        kv_cells=cfg.context.n_ctx,
+        # The context's cells: n_ctx for each slot (``Model._start_worker``). Found by review:
+        # one slot's n_ctx, so the slots together used up to n_parallel times "all" of them.
+        kv_cells=cfg.context.n_ctx * cfg.n_parallel,
         slots=worker.slot_statuses(),
         prefilled_tokens=s.prefilled_tokens,
         drafted_tokens=s.drafted_tokens,

@@ -565,8 +565,12 @@ class SlotStatus:
 
 @dataclass(frozen=True, slots=True)
 class ModelStatus:
+    """A model's live counters and slots (``Model.status``). ``state`` is ``failed`` once its
+    worker thread died (``Model.worker_failure``): it serves nothing from then on, and offers
+    no free slot."""
+
     id: str
-    state: Literal["loading", "ready", "unloading", "closed"]
+    state: Literal["loading", "ready", "unloading", "closed", "failed"]
     queued: int
     active: int
     n_parallel: int
@@ -577,7 +581,7 @@ class ModelStatus:
     prefill_ms: float
     generation_ms: float
     kv_cells_used: int = 0  # context cells the slots hold (an external router's load signal)
-    kv_cells: int = 0  # the context's cells (n_ctx)
+    kv_cells: int = 0  # the context's cells: n_ctx for each of the n_parallel slots
     slots: tuple[SlotStatus, ...] = ()
     prefilled_tokens: int = 0  # prompt tokens run through the model (not restored or forked)
     #: Speculative decoding: tokens drafted and accepted (finished requests), and the slots'
@@ -588,7 +592,9 @@ class ModelStatus:
 
     @property
     def free_slots(self) -> int:
-        return max(0, self.n_parallel - self.active)
+        """Slots a request could take now: none unless the model is ready (found by review: a
+        model whose worker died offered all its slots, to a cluster's router among others)."""
+        return max(0, self.n_parallel - self.active) if self.state == "ready" else 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -347,7 +347,9 @@ def _target(
         )
     literal_refused = None if listed or not _is_ip(host) else _unsafe_reason(host)
     if literal_refused is not None:
-        log.warning("refused to fetch an image from %s: %s", url, literal_refused)
+        # The URL as the client sent it, quoted (%r): found by review, its CR and LF, which
+        # urlsplit drops before it parses, started lines of the client's own in the log.
+        log.warning("refused to fetch an image from %r: %s", url, literal_refused)
         raise _refused(where, f"this server does not fetch images from {host!r}: not public")
     found = _resolve_by(host, port, deadline)
     addresses = [address for _, address in found]
@@ -359,7 +361,7 @@ def _target(
             if refused is not None:
                 # Not told to the client: what a name resolves to is the server's network's.
                 log.warning(
-                    "refused to fetch an image from %s: %s resolves to %s", url, host, refused
+                    "refused to fetch an image from %r: %s resolves to %s", url, host, refused
                 )
                 raise _FetchError(f"{host} resolves to a non-public address")
     return host, port, addresses
@@ -375,7 +377,7 @@ def _fetch(url: str, where: str, settings: Settings) -> bytes:
         host, port, addresses = _target(url, where, settings, deadline)
         data = _get(url, host, port, addresses, settings.media_max_bytes, deadline)
     except _FetchError as exc:
-        log.info("could not fetch the image at %s: %s", url, exc)
+        log.info("could not fetch the image at %r: %s", url, exc)
         raise MediaError(f"{where}: could not fetch the image at {url}", param=where) from None
     log.info("fetched an image of %d bytes from %s", len(data), host)
     return data

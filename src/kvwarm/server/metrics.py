@@ -153,7 +153,13 @@ _MODEL_SERIES: tuple[tuple[str, str, str, str, float], ...] = (
     ("kvwarm_model_slots", "gauge", "slots (n_parallel)", "n_parallel", 1),
     ("kvwarm_model_free_slots", "gauge", "slots free for the next request", "free_slots", 1),
     ("kvwarm_model_kv_cells_used", "gauge", "context (KV) cells in use", "kv_cells_used", 1),
-    ("kvwarm_model_kv_cells", "gauge", "context (KV) cells in all (n_ctx)", "kv_cells", 1),
+    (
+        "kvwarm_model_kv_cells",
+        "gauge",
+        "context (KV) cells in all (n_ctx for each of the n_parallel slots)",
+        "kv_cells",
+        1,
+    ),
     (
         "kvwarm_model_kv_cache_usage_ratio",
         "gauge",

@@ -398,6 +398,10 @@ class ServerState:
 
     def metrics_snapshot(self) -> Snapshot:
         """What ``/metrics`` reports of the engine; snapshots only, no worker lock."""
+        # A model whose worker died is failed from here on (``kvwarm_model_ready`` 0), as
+        # /health and /v1/models notice it: found by review, a scrape said 1 until one of
+        # them, or a request, happened to look.
+        self.registry.notice_deaths()
         engine = self.engine
         entries = list(self.entries.values())  # a snapshot: a rescan may add entries meanwhile
         models = self.totals.snapshot(_loaded(entries))

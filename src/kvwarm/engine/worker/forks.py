@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 
 from kvwarm.backends.base import AdapterSet, Sampler
+from kvwarm.cache.explain import MissReason, ReuseReport
 from kvwarm.cache.types import Namespace
 from kvwarm.engine.request import Prefilled, Request
 from kvwarm.engine.text import TextAssembler
@@ -68,6 +69,9 @@ class Forks:
                 # The whole prompt's KV comes from the first choice: none is prefilled here.
                 cached_tokens=n,
                 hit_kind="exact",
+                # Why no more was reused: nothing was left (found by review: no report, so
+                # kvwarm_cache_reasons_total counted one of n choices and the log said "-").
+                reuse=ReuseReport(MissReason.NONE, found_tokens=n, reused_tokens=n),
                 admitted=now,
                 last_continued=n,
                 adapters=adapters,  # the first choice's: they share its prompt's KV
