@@ -1,5 +1,6 @@
-"""What ``kvwarm complete`` and ``kvwarm chat`` read from stdin that is not UTF-8 (stub backend,
-in process; found by the library and CLI review)."""
+"""What ``kvwarm complete`` and ``kvwarm chat`` read from stdin: text that is not UTF-8, lines
+that look like the chat's commands (stub backend, in process; found by the library and CLI
+review)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,18 @@ def test_a_chat_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(
     assert re.findall(r"\[turn (\d):", err) == ["1", "2"], err
     refused = [line for line in err.splitlines() if line.startswith("kvwarm: error:")]
     assert len(refused) == 1 and "not sent" in refused[0], err
+
+
+def test_a_chat_message_that_starts_like_a_command_is_a_message(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A message such as "/systemd will not boot" was taken for "/system d will not boot":
+    the system prompt replaced and the conversation reset, the message never sent. Only the
+    word ``/system`` (alone, or before its text) is the command."""
+    _strict_stdin(monkeypatch, b"hello\n/systemd will not boot\n/system   be terse \nhi\n")
+    assert main(["chat", *STUB, "--max-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert re.findall(r"\[turn (\d):", err) == ["1", "2", "3"], err
+    assert err.count("(system prompt set; conversation reset)") == 1, err
+    cached = [int(n) for n in re.findall(r"cached (\d+)/", err)]
+    assert cached[1] > 0, err  # turn 2 extended turn 1's conversation: nothing was reset

@@ -157,8 +157,11 @@ def run_chat(args: argparse.Namespace) -> int:
                 history.clear()
                 print("(conversation reset)", file=sys.stderr)
                 continue
-            if text.startswith("/system"):
-                system = text[len("/system") :].strip() or None
+            command, _, rest = text.partition(" ")
+            if command == "/system":
+                # The word alone: a message such as "/systemd will not boot" was taken for
+                # "/system d will not boot", the conversation reset (found by review).
+                system = rest.strip() or None
                 history.clear()
                 print("(system prompt set; conversation reset)", file=sys.stderr)
                 continue
