@@ -94,3 +94,25 @@ def test_the_engine_refuses_what_its_lookups_and_loads_do_not_take() -> None:
         assert eng.list_models() == []
     finally:
         eng.close()
+
+
+def test_token_ids_of_any_integer_type_are_taken_and_a_float_is_named() -> None:
+    """``complete([np.int64(5)])`` was refused as "token 5 is not a valid id for this
+    vocabulary (0..264)", a message that named no fault, while ``detokenize`` took the same
+    ids: a tokenizer's arrays hold numpy integers."""
+    np = pytest.importorskip("numpy")
+    eng = make_engine()
+    try:
+        model = eng.load_model(config=stub_config())
+        ids = model.tokenize("a prompt of several tokens")
+        as_numpy = [np.int64(t) for t in ids]
+        plain = model.complete(ids, SHORT)
+        out = model.complete(as_numpy, SHORT)
+        assert out.prompt_tokens == plain.prompt_tokens == tuple(ids)
+        assert all(type(t) is int for t in out.prompt_tokens)
+        assert out.text == plain.text
+        assert model.embed([as_numpy]) == model.embed([ids])
+        with pytest.raises(InvalidRequestError, match=r"token 5\.0 is not a token id: a float"):
+            model.complete([1, 5.0], SHORT)
+    finally:
+        eng.close()
