@@ -139,6 +139,25 @@ def test_bad_config_files(tmp_path: Path) -> None:
         load_settings({"config": str(tmp_path / "missing.toml")}, {})
 
 
+def test_a_config_file_that_is_not_utf8_is_a_config_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tomllib decodes the file before parsing it and lets ``UnicodeDecodeError`` escape: a
+    config saved as Latin-1 (or a model given as ``--config``) was a traceback, exit 1, from
+    every command (found by review). Now a ``ConfigError`` naming the file: one line, exit 2."""
+    from kvwarm.cli import main
+
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b"n_ctx = 512\n# caf\xe9 au lait\n")
+    with pytest.raises(ConfigError, match=r"latin1\.toml is not valid TOML: .*not UTF-8.*0xe9"):
+        load_settings({"config": str(latin1)}, {})
+    code = main(["cache", "stats", "--cache-dir", "none", "--config", str(latin1)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"kvwarm: error: config file {latin1} is not valid TOML"), err
+    assert err.count("\n") == 1, err
+
+
 def test_default_config_file_is_read_when_present(tmp_path: Path) -> None:
     (tmp_path / "kvwarm").mkdir()
     (tmp_path / "kvwarm" / "config.toml").write_text("[kvwarm]\nport = 4321\n")

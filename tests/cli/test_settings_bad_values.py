@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,7 +76,7 @@ def test_a_float_setting_that_is_not_finite_names_its_source_and_setting(
 ) -> None:
     flags: dict[str, object] = {}
     env = {"XDG_CONFIG_HOME": str(tmp_path)}
-    label = name
+    label, where = name, source
     if source == "flag":
         flags[name] = value
         label = "--" + name.replace("_", "-")
@@ -86,7 +87,8 @@ def test_a_float_setting_that_is_not_finite_names_its_source_and_setting(
         # TOML spells them nan, inf, -inf; 1e400 is a float literal too large for a double.
         config.write_text(f"{name} = {value}\n")
         flags["config"] = str(config)
-    with pytest.raises(ConfigError, match=f"{source} setting {label}: expected a finite"):
+        where = f"config file {config}"  # which one: the default, $KVWARM_CONFIG's, --config
+    with pytest.raises(ConfigError, match=re.escape(f"{where} setting {label}: expected a finite")):
         load_settings(flags, env)
 
 

@@ -73,9 +73,9 @@ def test_every_setting_is_still_read_from_its_variable(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("toml", "message"),
     [
-        ("n_ctx = 4096.5", "config file setting n_ctx: expected an integer, got 4096.5"),
-        ('n_ctx = "lots"', "config file setting n_ctx: expected an integer, got 'lots'"),
-        ("port = nan", "config file setting port: expected an integer, got nan"),
+        ("n_ctx = 4096.5", "{config} setting n_ctx: expected an integer, got 4096.5"),
+        ('n_ctx = "lots"', "{config} setting n_ctx: expected an integer, got 'lots'"),
+        ("port = nan", "{config} setting port: expected an integer, got nan"),
         ('request_timeout_s = "soon"', "request_timeout_s: expected a number, got 'soon'"),
         ("request_timeout_s = [1]", "request_timeout_s: expected a number, got [1]"),
         ("deterministic = 1", "deterministic: expected a boolean, got 1"),
@@ -87,12 +87,14 @@ def test_a_value_of_the_wrong_type_says_what_the_setting_takes(
     tmp_path: Path, toml: str, message: str
 ) -> None:
     """They said "expected a string, got float" (of an integer setting) or Python's "invalid
-    literal for int() with base 10"."""
+    literal for int() with base 10"; and "config file setting ...", not which file (found by
+    review: the default one, or $KVWARM_CONFIG's, had to be guessed)."""
     config = tmp_path / "kvwarm.toml"
     config.write_text(toml + "\n")
     with pytest.raises(ConfigError) as caught:
         load_settings({"config": str(config)}, {})
-    assert message in str(caught.value)
+    assert message.format(config=f"config file {config}") in str(caught.value)
+    assert f"config file {config} setting " in str(caught.value)
 
 
 def test_a_models_dir_that_does_not_exist_is_refused_at_start(tmp_path: Path) -> None:

@@ -109,6 +109,17 @@ def test_find_lone_surrogate_names_the_path() -> None:
         ("min_p", False),
         ("logit_bias", {5: "x"}),
         ("logit_bias", [(5, 1.0)]),
+        # Switches were taken for their truth (found by review): "false" generated to
+        # max_tokens, "no" added BOS or asked for a bit-identical request.
+        ("ignore_eos", "false"),
+        ("add_special", "no"),
+        ("parse_special", None),
+        ("deterministic", "no"),
+        ("deterministic", 0),
+        # A number or a list was a TypeError; a str of 32 characters was waited for as a key.
+        ("parent_key", 5),
+        ("parent_key", [0] * 32),
+        ("parent_key", "0" * 32),
     ],
 )
 def test_ill_typed_options_are_rejected(name: str, value: object) -> None:
@@ -122,6 +133,8 @@ def test_well_typed_options_pass() -> None:
     GenerationOptions(
         top_k=(1 << 31) - 1, seed=2**64 - 1, temperature=1, top_p=1, logit_bias={5: -1}
     ).validate()
+    GenerationOptions(deterministic=True, ignore_eos=True, parent_key=bytes(32)).validate()
+    GenerationOptions(deterministic=None, add_special=False, parse_special=False).validate()
 
 
 def test_seeds_are_32_bit_and_the_random_one_draws_on_every_backend() -> None:

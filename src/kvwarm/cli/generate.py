@@ -100,9 +100,22 @@ def _stream_to(out: TextIO, fragments: Iterable[str]) -> None:
         out.flush()
 
 
+def _lenient_stdin() -> None:
+    """Bytes on stdin that are not UTF-8 reach the text as lone surrogates, as they do from
+    the command line (``sys.argv``): the prompt's own check then refuses them with a typed
+    error naming where (``kvwarm.unicode``). Found by review: under a locale whose stdin
+    decodes strictly (en_US.UTF-8, Python's default) one Latin-1 byte was a traceback, and in
+    ``chat`` it ended the REPL with its conversation."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="surrogateescape")
+
+
 def run_complete(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     opts = _options(args)
+    if args.prompt == "-":
+        _lenient_stdin()
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     with loaded_model(settings) as model:
         stream = model.stream(prompt, opts)
@@ -120,6 +133,7 @@ def run_complete(args: argparse.Namespace) -> int:
 def run_chat(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     opts = _options(args)
+    _lenient_stdin()
     interactive = sys.stdin.isatty()
     system: str | None = args.system
     history: list[dict[str, object]] = []
@@ -143,8 +157,11 @@ def run_chat(args: argparse.Namespace) -> int:
                 history.clear()
                 print("(conversation reset)", file=sys.stderr)
                 continue
-            if text.startswith("/system"):
-                system = text[len("/system") :].strip() or None
+            command, _, rest = text.partition(" ")
+            if command == "/system":
+                # The word alone: a message such as "/systemd will not boot" was taken for
+                # "/system d will not boot", the conversation reset (found by review).
+                system = rest.strip() or None
                 history.clear()
                 print("(system prompt set; conversation reset)", file=sys.stderr)
                 continue

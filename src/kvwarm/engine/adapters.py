@@ -63,6 +63,14 @@ class Adapters:
         self, path: str | os.PathLike[str], scale: float = 1.0, *, name: str = ""
     ) -> AdapterInfo:
         value = _scale(scale)  # before the native load: a bad scale must not leak the adapter
+        if not isinstance(path, str | os.PathLike):  # None was a TypeError from Path()
+            raise InvalidRequestError(
+                f"an adapter's path is a file path, not {type(path).__name__}", param="path"
+            )
+        if not isinstance(name, str):
+            raise InvalidRequestError(
+                f"an adapter's name is a string, not {type(name).__name__}", param="name"
+            )
         if not Path(path).is_file():
             raise AdapterError(f"adapter file not found: {path}")
         adapter = self._bmodel.load_adapter(str(path))

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from kvwarm.errors import InvalidRequestError
 
-__all__ = ["Cancellation", "check_cancel", "check_timeout"]
+__all__ = ["Cancellation", "check_cancel", "check_timeout", "check_wait"]
 
 
 def check_timeout(timeout_s: object) -> None:
@@ -38,6 +38,26 @@ def check_timeout(timeout_s: object) -> None:
     ):
         raise InvalidRequestError(
             f"timeout_s must be a finite number of seconds > 0 (or None), got {timeout_s!r}",
+            param="timeout_s",
+        )
+
+
+def check_wait(timeout_s: object) -> None:
+    """``InvalidRequestError`` unless ``timeout_s`` is None or a finite number >= 0: how long a
+    close or an unload waits for its shutdown saves (0: not at all). Found by review: a string
+    was a TypeError with the model half unloaded (its worker stopping, its native state never
+    freed), and NaN or a negative bound was taken for no wait, warning that the worker did
+    not stop "within nan s"."""
+    if timeout_s is None:
+        return
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not math.isfinite(timeout_s)
+        or timeout_s < 0
+    ):
+        raise InvalidRequestError(
+            f"timeout_s must be a finite number of seconds >= 0 (or None), got {timeout_s!r}",
             param="timeout_s",
         )
 

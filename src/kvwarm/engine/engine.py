@@ -22,6 +22,7 @@ from kvwarm.cache import Cache
 from kvwarm.cache.types import TierName
 from kvwarm.cache.validate import validate_policy
 from kvwarm.embedded import model_id_for
+from kvwarm.engine.cancel import check_wait
 from kvwarm.engine.config import EngineConfig, ModelConfig, ModelOptions, with_options
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import ModelInfo
@@ -84,6 +85,11 @@ class Engine:
             raise ConfigError(f"model_id must be a string, got {model_id!r}")
         if path is not None and not isinstance(path, str | os.PathLike):
             raise ConfigError(f"path must be a file path, got {path!r}")
+        if progress is not None and not callable(progress):
+            # It was a TypeError from inside the load ('int' object is not callable).
+            raise ConfigError(
+                f"progress must be a function of the fraction loaded, got {progress!r}"
+            )
         cfg = with_options(config or ModelConfig(), options)
         cfg.validate()
         if self._closed:
@@ -133,6 +139,8 @@ class Engine:
             self._models[model_id] = _LOADING
 
     def get_model(self, model_id: str) -> Model:
+        if not isinstance(model_id, str):  # a list was a TypeError (unhashable)
+            raise UnknownModelError(f"no loaded model with id {model_id!r}: an id is a string")
         model = self._models.get(model_id)
         if model is None or model is _LOADING:
             raise UnknownModelError(f"no loaded model with id {model_id!r}")
@@ -160,6 +168,7 @@ class Engine:
         """Unload every model (bounded shutdown saves), then drain and close the cache.
         Idempotent and thread-safe: a call while another thread is closing the engine returns
         once that close has finished."""
+        check_wait(timeout_s)  # before anything changes: the engine stays open to close again
         with self._close_lock:
             with self._lock:
                 if self._closed:

@@ -40,7 +40,7 @@ from kvwarm.backends.chat_template import BUILTIN_TEMPLATES, FALLBACK_TEMPLATE, 
 from kvwarm.cache.formats.key import effective_fingerprint
 from kvwarm.cache.types import Namespace, PolicyConfig, SaveReason, TierName, TtlClass
 from kvwarm.engine.adapters import Adapters
-from kvwarm.engine.cancel import Cancellation
+from kvwarm.engine.cancel import Cancellation, check_wait
 from kvwarm.engine.config import ModelConfig
 from kvwarm.engine.describe import (
     LoadProgress,
@@ -538,7 +538,11 @@ class Model:
         self, text: str, *, add_special: bool = True, parse_special: bool = False
     ) -> list[int]:
         self._check_ready()
-        return self._bmodel.tokenize(text, add_special=add_special, parse_special=parse_special)
+        return self._bmodel.tokenize(
+            text,
+            add_special=_flag(add_special, "add_special"),
+            parse_special=_flag(parse_special, "parse_special"),
+        )
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         self._check_ready()
@@ -560,7 +564,7 @@ class Model:
         return self._bmodel.apply_chat_template(
             messages,
             tools=tools,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=_flag(add_generation_prompt, "add_generation_prompt"),
             template=self._template,
         )
 
@@ -718,6 +722,7 @@ class Model:
         elif isinstance(prompt, Prompt | MediaPrompt):
             ids, text = self._checked(prompt), ""
         else:
+            _check_prompt_type(prompt)
             ids, text = MediaPrompt(Prompt.text(check_tokens(prompt, self.facts.n_vocab))), ""
         n = len(ids.prompt)
         if n < self.policy.min_tokens:
@@ -761,12 +766,7 @@ class Model:
         self._check_ready()
         if isinstance(prompt, Prompt | MediaPrompt):
             return self._checked(prompt), ""
-        if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
-            # Found by review: None or a number raised TypeError; bytes passed as token ids.
-            raise InvalidRequestError(
-                f"the prompt is a text or a list of token ids, not {type(prompt).__name__}",
-                param="prompt",
-            )
+        _check_prompt_type(prompt)
         if isinstance(prompt, str):
             tokens = self._bmodel.tokenize(
                 prompt, add_special=opts.add_special, parse_special=opts.parse_special
@@ -889,7 +889,7 @@ class Model:
             self._bmodel,
             messages,
             tools=tools,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=_flag(add_generation_prompt, "add_generation_prompt"),
             template=self._template,
             media=ChatMedia(self._projector, self.config.media),
         )
@@ -906,6 +906,7 @@ class Model:
     ) -> list[CompletionStream]:
         self._check_ready()
         self._require("generate")
+        fragments = _flag(fragments, "fragments")
         return [s.keep(self) for s in self._submitter.group(prompt, opts, text, n, fragments)]
 
     def infill_tokens(
@@ -959,7 +960,11 @@ class Model:
         check_lora(lora)
         self._adapters.check(lora)
         return self._embedder.embed(
-            inputs, normalize=normalize, lora=lora, timeout_s=timeout_s, cancel=cancel
+            inputs,
+            normalize=_flag(normalize, "normalize"),
+            lora=lora,
+            timeout_s=timeout_s,
+            cancel=cancel,
         )
 
     # ---- reranking ----------------------------------------------------------------------
@@ -1039,6 +1044,7 @@ class Model:
         """Cancel queued and running requests, save live KV (bounded), free native state.
         Idempotent and thread-safe: a call while another thread unloads the model returns
         once that unload has finished."""
+        check_wait(timeout_s)  # before anything changes: a bad one leaves the model as it was
         with self._unload_lock:
             if self._state in ("unloading", "closed"):
                 return
@@ -1142,6 +1148,26 @@ class _Links:
 
 if TYPE_CHECKING:
     _IMPLEMENTS: type[ModelOps] = Model  # every operation of ``engine.ops``, in-process
+
+
+def _check_prompt_type(prompt: object) -> None:
+    """``InvalidRequestError`` unless ``prompt`` is a text or a sequence (of token ids, checked
+    later). Found by review: None or a number raised TypeError (``prewarm`` too); bytes passed
+    as token ids."""
+    if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+        raise InvalidRequestError(
+            f"the prompt is a text or a list of token ids, not {type(prompt).__name__}",
+            param="prompt",
+        )
+
+
+def _flag(value: object, name: str) -> bool:
+    """A call's switch, which must be a bool (``InvalidRequestError``): found by review,
+    ``embed(..., normalize="no")`` normalized and ``tokenize(..., add_special="no")`` added BOS,
+    taken for their truth without a word."""
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be true or false, not {value!r}", param=name)
+    return value
 
 
 def _token_ids(tokens: object) -> list[int]:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import TYPE_CHECKING, Literal
 
 from kvwarm.cache.types import TtlClass
@@ -123,15 +124,23 @@ class Request:
 
 
 def check_tokens(tokens: Sequence[int], n_vocab: int, *, param: str = "prompt") -> list[int]:
-    """``tokens`` as a list, if every one is a valid id of an ``n_vocab`` vocabulary."""
-    out = []
+    """``tokens`` as a list of ``int``, if every one is a valid id of an ``n_vocab``
+    vocabulary. Any integer type is taken (numpy's, as a tokenizer's arrays hold them, and as
+    ``detokenize`` takes them); found by review: ``complete([np.int64(5)])`` was refused as
+    "token 5 is not a valid id for this vocabulary (0..264)", a message that named no fault."""
+    out: list[int] = []
     for t in tokens:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n_vocab:
+        if isinstance(t, bool) or not isinstance(t, Integral):
+            raise InvalidRequestError(
+                f"token {t!r} is not a token id: a {type(t).__name__}, not an integer",
+                param=param,
+            )
+        if not 0 <= t < n_vocab:
             raise InvalidRequestError(
                 f"token {t!r} is not a valid id for this vocabulary (0..{n_vocab - 1})",
                 param=param,
             )
-        out.append(t)
+        out.append(int(t))
     return out
 
 

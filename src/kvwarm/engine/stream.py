@@ -1,7 +1,9 @@
 """``CompletionStream``: text fragments of one request, consumed sync or async, ending in stats.
 
 Invariant: every stream ends, exactly once, with either a ``Completion`` (also after
-``cancel()``, with ``finish_reason == "cancelled"``) or the exception that failed it. The
+``cancel()``, with ``finish_reason == "cancelled"``) or the exception that failed it; read from
+several threads (or tasks) at once, each fragment goes to one of them and every one sees the
+end. The
 fragments' logprobs, concatenated, are the completion's logprobs. A stream nobody holds any
 more (a ``for`` loop left with ``break``, a stream dropped unread) cancels its request, so an
 abandoned generation frees its slot instead of running to ``max_tokens``.
@@ -112,11 +114,16 @@ class CompletionStream:
         return self._completion
 
     def _route(self, item: Event) -> Fragment | None:
-        if isinstance(item, Done):
-            self._completion = item.completion
-            return None
-        if isinstance(item, Failed):
-            self._error = item.error
+        if isinstance(item, Done | Failed):
+            # The end is put back for any other reader of this stream (a thread waiting in
+            # ``result()`` while another iterates, or an ``async for`` beside it): the worker
+            # answers once, and a reader that did not take that answer waited for another
+            # event for ever (found by review). A reader taking it again changes nothing.
+            self._req.channel.put(item)
+            if isinstance(item, Done):
+                self._completion = item.completion
+            else:
+                self._error = item.error
             return None
         if isinstance(item, Prefilled):
             self._prompt_logprobs = item.prompt_logprobs

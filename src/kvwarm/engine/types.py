@@ -65,7 +65,9 @@ SAMPLING_OPTIONS: tuple[str, ...] = (
 )
 
 _INT_OPTIONS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "spec_draft_max")
-_OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs", "spec_draft_max"})  # None allowed
+_BOOL_OPTIONS = ("deterministic", "add_special", "parse_special", "ignore_eos")
+# None allowed
+_OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs", "spec_draft_max", "deterministic"})
 _FLOAT_OPTIONS = tuple(name for name in SAMPLING_OPTIONS if name != "top_k")
 _INT32_MAX = (1 << 31) - 1
 # llama.cpp's LLAMA_DEFAULT_SEED: its sampler draws a fresh seed for it (so -1 means random,
@@ -234,6 +236,23 @@ class GenerationOptions:
             raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
         if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
             raise InvalidRequestError("logit_bias must map token ids to biases", param="logit_bias")
+        # Found by review: these were taken for their truth, so ignore_eos="false" generated
+        # to max_tokens, add_special="no" added BOS, and deterministic="no" asked for a
+        # bit-identical request; all without a word.
+        for name in _BOOL_OPTIONS:
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name in _OPTIONAL):
+                raise InvalidRequestError(
+                    f"{name} must be true or false, not {value!r}", param=name
+                )
+        if self.parent_key is not None and not isinstance(self.parent_key, bytes):
+            # It was a TypeError for a number or a list, and a 32-character str passed and was
+            # waited for (session_resume_wait_ms) as a key no row can have.
+            raise InvalidRequestError(
+                "parent_key must be bytes: a previous completion's stats.key (bytes.fromhex "
+                f"of its hex), not {type(self.parent_key).__name__}",
+                param="parent_key",
+            )
         for token, bias in (self.logit_bias or {}).items():
             if isinstance(bias, bool) or not isinstance(bias, int | float):
                 raise InvalidRequestError(

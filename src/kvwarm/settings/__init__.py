@@ -663,7 +663,10 @@ def load_settings(
     )
     for source, raw in sources:
         for name, value in raw.items():
-            parsed = _parse(name, value, source)
+            # The file by its path (found by review: "config file setting n_ctx: expected an
+            # integer" left the user to find which file: the default one, $KVWARM_CONFIG's).
+            where = f"config file {config_file}" if source == "config file" else source
+            parsed = _parse(name, value, where)
             if source == "config file":
                 origin[name] = f"config file {config_file}"
             elif source == "environment":

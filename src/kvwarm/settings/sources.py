@@ -62,6 +62,14 @@ def read_toml(path: Path, known: set[str]) -> dict[str, object]:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        # tomllib decodes the whole file before parsing it, and lets this escape: a config
+        # file saved as Latin-1, or a model given as --config by mistake, was a traceback
+        # (found by review).
+        raise ConfigError(
+            f"config file {path} is not valid TOML: it is not UTF-8 text (byte 0x"
+            f"{exc.object[exc.start]:02x} at offset {exc.start}); TOML files are UTF-8"
+        ) from exc
     # A [kvwarm] table is accepted so the settings can live in a shared file; other tools' keys
     # beside it are theirs. A kvwarm setting beside it would be silently ignored: TOML puts a
     # [[models]] written after [kvwarm] at the top level ([[kvwarm.models]] is inside it).

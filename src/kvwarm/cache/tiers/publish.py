@@ -18,7 +18,9 @@ Invariants:
 - ``O_EXCL`` creates and no-follow links: a name planted in the way fails the save instead of
   being written through.
 - Temp names follow ``layout.tmp_name`` (a chunk's with token 0), and while one is being
-  written the startup scan leaves it alone (``Publisher.writing``).
+  written the startup scan leaves it alone (``Publisher.writing``), whichever of this
+  process's publishers writes it: two caches of one process may share a directory (two
+  engines; a new engine opened while one dropped unclosed still writes its shutdown saves).
 
 ``PUBLISH_STEPS`` names a row's steps in order (an EEXIST adoption reports "adopted" in place
 of "linked"), ``CHUNK_STEPS`` a chunk's; fault-injection tests (tests/faults/) kill a writer
@@ -84,19 +86,26 @@ _CHUNK = _Steps(
 )  # fmt: skip
 
 
+#: The temp files this process is writing, every publisher's (``layout.tmp_name`` makes each
+#: name unique in the process). Found by review: each publisher knew only its own, so a second
+#: cache on the same directory in this process (another engine's; a new engine opened while one
+#: dropped unclosed still wrote its shutdown saves) took the first's temp files in progress for
+#: leftovers of an earlier process with this pid, removed them, and failed those saves.
+_WRITING: set[str] = set()
+_WRITING_LOCK = threading.Lock()
+
+
 class Publisher:
     """Stages puts in one tier directory. Thread-safe: each put has its own temp file;
-    ``writing`` tells the scan which temp files are ours and still being written."""
+    ``writing`` tells the scan which temp files this process is still writing."""
 
     def __init__(self, tier: str, on_step: StepHook | None) -> None:
         self.tier = tier
         self._on_step = on_step
-        self._lock = threading.Lock()
-        self._writing: set[str] = set()
 
     def writing(self, name: str) -> bool:
-        with self._lock:
-            return name in self._writing
+        with _WRITING_LOCK:
+            return name in _WRITING
 
     def step(self, name: str | None) -> None:
         if name is not None and self._on_step is not None:
@@ -107,8 +116,8 @@ class Publisher:
         ``CacheIOError`` (after removing it) if that fails."""
         steps = _CHUNK if final.endswith(CHUNK_SUFFIX) else _ROW
         put = FilePut(self, dir_fd, final, tmp_name(final, token), steps)
-        with self._lock:
-            self._writing.add(put.tmp)
+        with _WRITING_LOCK:
+            _WRITING.add(put.tmp)
         try:
             put.write(parts)
         except BaseException:
@@ -117,8 +126,8 @@ class Publisher:
         return put
 
     def done(self, tmp: str) -> None:
-        with self._lock:
-            self._writing.discard(tmp)
+        with _WRITING_LOCK:
+            _WRITING.discard(tmp)
 
 
 class FilePut:
@@ -178,6 +187,7 @@ class FilePut:
         if self._linked_ours:
             unlink_quiet(self._dir, self.final)  # linked but not durably: never leave it visible
             self._linked_ours = False
+        self._p.done(self.tmp)  # gone: no longer written (a failed save's name is not kept)
         self._p.done(self.tmp)
 
     @contextmanager
