@@ -302,34 +302,6 @@ def test_a_tier_name_must_be_ascii_letters_digits_and_underscores(name: str) -> 
             as_tier(name)
 
 
-def _tier_labels(name: str) -> set[str]:
-    """The tier labels /metrics gives every counter of a tier named ``name``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from kvwarm.cache.types import TIER_SERIES, TIER_TOTALS
-    from kvwarm.server.metrics import Families, add_cache
-
-    out = Families()
-    add_cache(out, {f"tier_{name}_{series}": 1.0 for series in (*TIER_SERIES, *TIER_TOTALS)})
-    return {
-        sample.labels.get("tier", "")
-        for family in text_string_to_metric_families(out.render())
-        for sample in family.samples
-    }
-
-
-@pytest.mark.parametrize("name", ["x_quota", "hot_logical", "s3_effective", "a_effective_quota"])
-def test_a_tier_name_whose_counters_read_as_another_tier_s_is_refused(name: str) -> None:
-    """Found by review: ``tier_x_quota_bytes`` is tier ``x_quota``'s stored bytes and tier
-    ``x``'s quota alike, so /metrics labelled that tier's bytes as the quota of a tier "x"
-    (and /cache/stats, beside a tier "x", read one's counter as the other's)."""
-    assert _tier_labels(name) != {name}  # why: some of its counters go to another name
-    with pytest.raises(ConfigError, match="would read as another tier"):
-        check_name(name)
-    check_name(name + "s")  # "x_quotas" reads one way only
-    assert _tier_labels(name + "s") == {name + "s"}
-
-
 def test_pressure_scheduler_evicts_through_facade() -> None:
     used = [0]
     cfg = CacheConfig(

@@ -20,7 +20,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from kvwarm.cache.protocols import Tier
-from kvwarm.cache.types import TIER_SERIES, TIER_TOTALS, TierConfig
+from kvwarm.cache.types import TierConfig
 from kvwarm.errors import ConfigError
 
 __all__ = [
@@ -168,37 +168,11 @@ def build_tier(config: TierConfig, options: TierOptions) -> Tier:
     return tier_spec(config.name).factory(config, options)
 
 
-def _ambiguous_endings() -> tuple[str, ...]:
-    """Name endings that make a tier's counter keys (``tier_<name>_<series>``) read as another
-    tier's: ``x_quota``'s ``bytes`` is ``tier_x_quota_bytes``, also tier ``x``'s
-    ``quota_bytes``."""
-    series = {*TIER_SERIES, *TIER_TOTALS}
-    out: set[str] = set()
-    for whole in series:
-        parts = whole.split("_")
-        for cut in range(1, len(parts)):
-            if "_".join(parts[cut:]) in series:
-                out.add("_" + "_".join(parts[:cut]))
-    return tuple(sorted(out))
-
-
-_AMBIGUOUS_ENDINGS = _ambiguous_endings()
-
-
 def check_name(name: str) -> None:
     # ASCII only: str.isalnum() takes "disqué" or "²", which /metrics's tier pattern does not
     # match, so such a tier's sizes were exposed as counters of a mangled name, unlabelled.
     if not name or not name.isascii() or not name.replace("_", "").isalnum():
         raise ConfigError(f"tier names are [A-Za-z0-9_]+ (they appear in metric names): {name!r}")
-    # Found by review: a tier named "x_quota" had its stored bytes shown on /metrics as the
-    # quota of a tier "x" (and beside a tier "x", /cache/stats took one's counter for the
-    # other's): its keys read both ways.
-    ending = next((e for e in _AMBIGUOUS_ENDINGS if name.endswith(e)), None)
-    if ending is not None:
-        raise ConfigError(
-            f"tier name {name!r} ends in {ending!r}: its counters would read as another "
-            f"tier's (tier_<name>_<series>); names may not end in {', '.join(_AMBIGUOUS_ENDINGS)}"
-        )
 
 
 def _ram(config: TierConfig, options: TierOptions) -> Tier:
