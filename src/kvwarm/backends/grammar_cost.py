@@ -68,6 +68,8 @@ MAX_GRAMMAR_BYTES = 2 << 20
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 _RULE_START = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*::=", re.MULTILINE)
+#: What ends a comment in llama.cpp's grammar parser: either line-end byte.
+_LINE_END = re.compile(r"[\r\n]")
 
 # An expression: list of alternatives; an alternative: list of items; an item: ("ref", name,
 # repeat) or ("term", empty, repeat), ``empty`` true for the literal "". A group is a rule of
@@ -90,11 +92,19 @@ def _skip(text: str, i: int) -> int:
         if c in " \t\r\n":
             i += 1
         elif c == "#":
-            while i < n and text[i] != "\n":
-                i += 1
+            i = _comment_end(text, i)
         else:
             break
     return i
+
+
+def _comment_end(text: str, i: int) -> int:
+    """Where the comment starting at ``i`` ends: at the next CR or LF, as in llama.cpp's
+    ``parse_space``, which resumes parsing after a CR (found by review: ending a comment at
+    LF alone hid what follows a CR on that line from every check here, while llama.cpp
+    compiled it: ``# \\r x ::= "a"{5,2}`` ran the process out of memory)."""
+    m = _LINE_END.search(text, i)
+    return len(text) if m is None else m.start()
 
 
 def _quoted(text: str, i: int, close: str) -> int:
@@ -126,8 +136,7 @@ def _syntax(text: str) -> Iterator[tuple[int, str]]:
                 return
             continue
         if c == "#":
-            j = text.find("\n", i)
-            i = n if j < 0 else j
+            i = _comment_end(text, i)
         else:
             yield i, c
         i += 1
@@ -440,8 +449,7 @@ def _bad_code_point(text: str) -> tuple[int, int] | None:
     while i < n:
         c = text[i]
         if c == "#":
-            j = text.find("\n", i)
-            i = n if j < 0 else j
+            i = _comment_end(text, i)
         elif c == '"':
             i += 1
             while i < n and text[i] != '"':
