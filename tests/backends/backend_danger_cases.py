@@ -358,6 +358,16 @@ def case_grammar_after_a_comment_ended_by_a_carriage_return(backend: str) -> Non
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
+def case_repetition_past_llama_cpps_bound(backend: str) -> None:
+    """llama.cpp's grammar parser reads a repetition's most past 2,000 as no most at all:
+    ``"a"{0,5000}`` compiled as ``"a"*``, a grammar that let the model write any number of
+    letters (found by review, by feeding the compiled grammar 6,000 of them). Refused."""
+    model = load(backend)
+    for grammar in ('root ::= "a"{0,5000}', 'root ::= "a"{3,2001} "b"'):
+        expect(GrammarError, lambda g=grammar: model.new_sampler(SamplingParams(grammar=g)))
+    model.new_sampler(SamplingParams(temperature=0, grammar='root ::= "a"{0,2000}')).close()
+
+
 def case_grammar_then_accept(backend: str) -> None:
     # accept() feeds penalty history only: a token the grammar forbids must not reach it.
     model = load(backend)

@@ -244,6 +244,30 @@ def test_escapes_naming_text_pass(grammar: str) -> None:
     check_grammar_cost(grammar)
 
 
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        'root ::= "a"{0,5000}',  # llama.cpp read it as "a"*: any number of letters
+        'root ::= "a"{0,2001} "b"',
+        "root ::= [a-z]{3,100000}",
+        'root ::= "a"{2001}',  # llama.cpp refuses these itself, unsaid ("does not compile")
+        'root ::= ("ab"){2001,}',
+        'root ::= "a"{ 2500 }',
+    ],
+)
+def test_a_repetition_count_llama_cpp_bounds_is_refused(grammar: str) -> None:
+    with pytest.raises(GrammarError, match="more than 2000") as info:
+        cheap_grammar(grammar)
+    assert info.value.param == "grammar"
+
+
+@pytest.mark.parametrize(
+    "grammar", ['root ::= "a"{0,2000}', "root ::= [a]{2000,}", 'root ::= ("a"{2000}){3}']
+)
+def test_a_repetition_count_within_llama_cpps_bound_passes(grammar: str) -> None:
+    cheap_grammar(grammar)
+
+
 #: What each check refuses, after a comment that a CR ends: llama.cpp's parser ends a comment
 #: at CR or LF and compiles what follows a CR (a rule of its own at the top level; more of the
 #: group inside one), so the checks must read it too (found by review: they ended a comment at
@@ -331,7 +355,7 @@ def test_bounded_or_delimited_repeats_pass(grammar: str) -> None:
         'root ::= ("a"?){0,16}',
         'root ::= x{0,16}\nx ::= "a"{0,300}',
         'root ::= ("a"?)*',  # one recursive rule: no stack per repetition
-        'root ::= "a"{0,100000} [a-z]{0,999}',  # parts that cannot be empty
+        'root ::= "a"{0,2000} [a-z]{0,999}',  # parts that cannot be empty
         'root ::= (ws item){0,100}\nws ::= [ ]*\nitem ::= "x"',
         "deep ::= " + "(" * 300 + '"a"' + ")?" * 300,
         schema_to_gbnf({"type": "string", "pattern": "^(a?){0,16}$"}),

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import cast
 
+from kvwarm.backends.grammar_cost import MAX_GRAMMAR_REPEATS
 from kvwarm.errors import GrammarError
 
 _MODULE_NAME = "kvwarm.backends._llama_grammar"
@@ -30,6 +31,10 @@ _MODULE_NAME = "kvwarm.backends._llama_grammar"
 #: seconds of CPU. No reply of a few thousand tokens needs more; nesting is bounded further by
 #: ``grammar_cost.MAX_GRAMMAR_DEPTH``.
 MAX_SCHEMA_REPEATS = 10_000
+#: The most a ``pattern``'s quantifier may count: it is written as GBNF's ``{m,n}``, whose
+#: counts llama.cpp's parser bounds (``grammar_cost.MAX_GRAMMAR_REPEATS``: a most past it was
+#: read as no most at all, so ``^a{0,5000}$`` let the model write any number of ``a``).
+MAX_PATTERN_REPEATS = MAX_GRAMMAR_REPEATS
 _REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
 
 
@@ -95,9 +100,9 @@ def _pattern_problem(pattern: str) -> str | None:
                 return None
             for part in pattern[i + 1 : end].split(","):
                 bound = part.strip()
-                if bound.isascii() and bound.isdigit() and int(bound) > MAX_SCHEMA_REPEATS:
+                if bound.isascii() and bound.isdigit() and int(bound) > MAX_PATTERN_REPEATS:
                     return (
-                        f"a quantifier of {bound} is more than the {MAX_SCHEMA_REPEATS} "
+                        f"a quantifier of {bound} is more than the {MAX_PATTERN_REPEATS} "
                         "repeats a grammar is built for"
                     )
             i = end + 1
@@ -219,7 +224,7 @@ def _fix_visits(module: ModuleType) -> None:
         if not isinstance(pattern, str):
             raise _fail("pattern must be a string")
         add_rule = cast(Callable[[str, str], str], self._add_rule)  # type: ignore[attr-defined]
-        return pattern_rule(pattern, name, add_rule, MAX_SCHEMA_REPEATS)
+        return pattern_rule(pattern, name, add_rule, MAX_PATTERN_REPEATS)
 
     setattr(converter, "visit", visit_node)  # noqa: B010
     setattr(converter, "_visit_pattern", visit_pattern)  # noqa: B010
