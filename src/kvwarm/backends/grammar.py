@@ -129,6 +129,7 @@ def _converter_module() -> ModuleType:
             sys.modules[_MODULE_NAME] = module
             file_spec.loader.exec_module(module)
             _fix_literal_escapes(module)
+            _fix_string_chars(module)
             _fix_visits(module)
             return module
     raise GrammarError("llama-cpp-python ships no llama_grammar.py; cannot convert JSON schemas")
@@ -151,6 +152,20 @@ def _fix_literal_escapes(module: ModuleType) -> None:
     setattr(module, "GRAMMAR_LITERAL_ESCAPES", escapes)  # noqa: B010
     # Only the converter's own ``json.dumps`` calls (values and property names) see this.
     setattr(module, "json", SimpleNamespace(loads=json.loads, dumps=_dumps_unicode))  # noqa: B010
+
+
+def _fix_string_chars(module: ModuleType) -> None:
+    """The converter's ``char``, a character of a JSON string (every ``string``, every
+    property name of a free object, ``json_object``'s and each length-bounded string's), was
+    ``[^"\\]``: it let the model write a raw newline, tab or other control character inside a
+    string, which JSON forbids (RFC 8259: U+0000 to U+001F must be escaped), so the reply was
+    no JSON at all (found by review: SmolLM2 under ``{"type": "string", "minLength": 60}``
+    wrote ``".\\n\\nThe original..."``, a raw newline). Held to JSON's characters, as
+    llama.cpp's own converter holds it; an escape (``\\n``, ``\\u0009``) still writes any of
+    them."""
+    rules = module.PRIMITIVE_RULES
+    hexes = " ".join(["[0-9a-fA-F]"] * 4)
+    rules["char"] = module.BuiltinRule(rf'[^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" {hexes})', [])
 
 
 #: Every JSON type: the items of an array schema that names none (``{"minItems": 2}``).
