@@ -3,12 +3,14 @@ grammar reads a control token as its special text (``<|im_start|>``), but a repl
 it out, so under ``root ::= "<|im_start|>" "x"`` the model wrote that token and the reply was
 ``x``, and a string's ``minLength`` could be met by text the reply never held. While a grammar
 holds, the llama.cpp backend masks control tokens other than a request's preserved ones (a tool
-call's markers, whose text the reply keeps)."""
+call's markers, whose text the reply keeps). And where the chain's biases ban every token the
+grammar allows (``ignore_eos`` once its text is complete), the error says that."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from kvwarm.backends.base import BackendContext, BackendModel, BatchToken, SamplingParams
@@ -102,3 +104,18 @@ def test_a_preserved_token_is_still_the_grammars_to_match(
     )
     out, _ = _generate(model, ctx, params, 4)
     assert out[0] == IM_START
+
+
+def test_banning_every_token_the_grammar_allows_says_so(
+    model: BackendModel, ctx: BackendContext
+) -> None:
+    """ignore_eos bans the end of generation, the only token a complete grammar admits: the
+    error named the sampler as breaking the grammar."""
+    from kvwarm.errors import GrammarError
+
+    eog = sorted(model.vocabulary()[1])
+    params = SamplingParams(
+        temperature=0.0, grammar='root ::= ""', logit_bias=tuple((t, -np.inf) for t in eog)
+    )
+    with pytest.raises(GrammarError, match="ignore_eos where the grammar's text is complete"):
+        _generate(model, ctx, params, 2)

@@ -368,7 +368,14 @@ class LlamaSampler:
             raise NoLogitsError("the sampler chain selected no token")
         token = int(view["id"][selected])
         if not 0 <= token < self._n_vocab or not np.isfinite(view["logit"][selected]):
-            raise GrammarError("the sampler chose a token the grammar forbids", param="grammar")
+            # The grammar left tokens (checked above), and the chain's biases took them all:
+            # say so, not that the sampler broke the grammar (found by review).
+            raise GrammarError(
+                "every token the grammar allows here is banned: a logit_bias of -inf, or "
+                "ignore_eos where the grammar's text is complete (it admits only an end of "
+                "generation)",
+                param="grammar",
+            )
         if held:
             lib.llama_sampler_accept(self._grammar, token)
         lib.llama_sampler_accept(self._chain, token)
