@@ -338,11 +338,6 @@ class LlamaSampler:
             # review). The grammar's work runs natively on this thread.
             start = time.thread_time()
             lib.llama_sampler_apply(self._grammar, ref)
-            if self._unspoken.size:
-                # llama.cpp's grammar reads a control token as its special text, which a
-                # reply leaves out: under root ::= "<|im_start|>" "x" the reply was "x"
-                # (found by review). The candidates are in id order; the grammar only masks.
-                self._view(arr)["logit"][self._unspoken] = -np.inf
             spent = time.thread_time() - start
             if spent > GRAMMAR_TOKEN_BUDGET_S:
                 # A grammar ambiguous in a way ``grammar_cost`` does not weigh: its next
@@ -353,6 +348,11 @@ class LlamaSampler:
                     "grammar engine (repeats of repeats, recursion inside repeats); simplify it",
                     param="grammar",
                 )
+            if self._unspoken.size:
+                # llama.cpp's grammar reads a control token as its special text, which a
+                # reply leaves out: under root ::= "<|im_start|>" "x" the reply was "x"
+                # (found by review). The candidates are in id order; the grammar only masks.
+                self._view(arr)["logit"][self._unspoken] = -np.inf
             if not np.isfinite(self._view(arr)["logit"]).any():
                 raise GrammarError("the grammar admits no further token", param="grammar")
             if self._watch is not None and not self._params.grammar_once and self._done(arr):
