@@ -334,6 +334,40 @@ def case_repeat_below_its_least(backend: str) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
+def case_grammar_after_a_comment_ended_by_a_carriage_return(backend: str) -> None:
+    """llama.cpp's grammar parser ends a comment at a CR as at an LF and compiles what follows
+    the CR; kvwarm's checks ended it at LF alone, so a group nesting 200,000 deep (a segfault)
+    or a ``{5,2}`` (rules until out of memory) after ``# ...\\r`` reached llama.cpp unchecked
+    (found by review). Memory is bounded as in ``case_repeat_below_its_least``."""
+    import resource
+
+    model = load(backend)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as statm:
+        used = int(statm.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (used + (2 << 30), hard))
+    try:
+        for grammar in (
+            'root ::= "a" # a comment\rx ::= "a"{5,2}\n',
+            'root ::= "a" # a comment\rx ::= ' + "(" * 200_000 + '"a"' + ")" * 200_000,
+        ):
+            expect(GrammarError, lambda g=grammar: model.new_sampler(SamplingParams(grammar=g)))
+        fine = 'root ::= "a" # a comment {5,2} ((((\rx ::= "b"\n'
+        model.new_sampler(SamplingParams(temperature=0, grammar=fine)).close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def case_repetition_past_llama_cpps_bound(backend: str) -> None:
+    """llama.cpp's grammar parser reads a repetition's most past 2,000 as no most at all:
+    ``"a"{0,5000}`` compiled as ``"a"*``, a grammar that let the model write any number of
+    letters (found by review, by feeding the compiled grammar 6,000 of them). Refused."""
+    model = load(backend)
+    for grammar in ('root ::= "a"{0,5000}', 'root ::= "a"{3,2001} "b"'):
+        expect(GrammarError, lambda g=grammar: model.new_sampler(SamplingParams(grammar=g)))
+    model.new_sampler(SamplingParams(temperature=0, grammar='root ::= "a"{0,2000}')).close()
+
+
 def case_grammar_then_accept(backend: str) -> None:
     # accept() feeds penalty history only: a token the grammar forbids must not reach it.
     model = load(backend)

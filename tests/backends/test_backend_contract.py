@@ -332,6 +332,7 @@ OPTION_CASES: dict[str, dict[str, object]] = {
         "grammar_once": True,
     },
     "logit_bias": {"logit_bias": ((1, -5.0), (2, 3.0))},
+    "preserved_tokens": {"grammar": 'root ::= ("yes" | "no")', "preserved_tokens": (1,)},
 }
 
 

@@ -55,6 +55,35 @@ def test_a_pattern_never_accepts_text_that_is_not_its_json(pattern: str) -> None
             assert isinstance(json.loads(text), str), (pattern, text)
 
 
+#: Schemas whose strings are the converter's ``char`` rule (no ``pattern``): a plain string, a
+#: bounded one, a nullable one, an object's property, ``json_object``'s free object.
+CHAR_SCHEMAS = {
+    "string": ({"type": "string"}, "{}"),
+    "bounded": ({"type": "string", "minLength": 1, "maxLength": 3}, "{}"),
+    "nullable": ({"type": ["string", "null"]}, "{}"),
+    "property": (
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+        '{{"a": {}}}',
+    ),
+    "json_object": ({"type": "object"}, '{{"k": {}}}'),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHAR_SCHEMAS))
+def test_a_string_is_written_as_json_text(case: str) -> None:
+    """The converter's ``char`` let the model write a raw newline or other control character
+    inside a string: no JSON at all (found by review, SmolLM2 wrote one unprompted)."""
+    schema, around = CHAR_SCHEMAS[case]
+    grammar = schema_to_gbnf(schema)
+    bounded = "maxLength" in schema
+    for value in SAMPLES:
+        if not bounded or 1 <= len(value) <= 3:
+            text = around.format(json.dumps(value, ensure_ascii=False))
+            assert accepts(grammar, text), (case, value, grammar)
+    for raw in ["a\nb", "\n", "\t", "\r", "\x01", "\x1f", "\x00"]:
+        assert not accepts(grammar, around.format(f'"{raw}"')), (case, raw, grammar)
+
+
 @pytest.mark.parametrize(
     ("pattern", "why"),
     [
@@ -346,6 +375,50 @@ def test_llama_cpp_reads_these_grammars_and_holds_the_model_to_them() -> None:
                 sampler.close()
             text = model.detokenize(out).strip()
             assert re.search(pattern, json.loads(text)), text
+        finally:
+            ctx.close()
+    finally:
+        model.close()
+
+
+@pytest.mark.model
+def test_llama_cpp_holds_a_string_to_json_text_when_the_model_wants_a_newline() -> None:
+    """On the real model, a string's grammar masks a raw newline however much the model wants
+    one (its tokens biased up): the converter's ``char`` let it through, and the reply was
+    no JSON (found by review)."""
+    from kvwarm.backends import get_backend
+    from kvwarm.backends.base import BatchToken, ContextParams, SamplingParams
+    from kvwarm.embedded import default_model_path
+
+    small = ContextParams(n_ctx=256, n_batch=32, n_ubatch=32, n_seq_max=1, n_threads=2)
+    model = get_backend("llama_cpp").load_model(str(default_model_path()))
+    try:
+        pieces, _ = model.vocabulary()
+        raw = [t for t, piece in enumerate(pieces) if piece and piece.strip(b"\n\t") == b""]
+        assert raw  # "\n", "\n\n", "\t"...: the tokens a string must not hold
+        ctx = model.new_context(model.context_params(small, deterministic=False))
+        try:
+            prompt = model.tokenize("A poem in two lines:")
+            ctx.prefill(0, prompt, 0)
+            params = SamplingParams(
+                temperature=0.0,
+                grammar=schema_to_gbnf({"type": "string", "maxLength": 8}),
+                logit_bias=tuple((t, 50.0) for t in raw),
+            )
+            sampler = model.new_sampler(params)
+            out: list[int] = []
+            try:
+                for _ in range(16):
+                    token = sampler.sample(ctx, -1)
+                    if model.is_eog(token):
+                        break
+                    out.append(token)
+                    ctx.decode([BatchToken(token, len(prompt) + len(out) - 1, 0, logits=True)])
+            finally:
+                sampler.close()
+            text = model.detokenize(out)
+            assert not set(text) & {"\n", "\t"}, text
+            assert isinstance(json.loads(text), str), text
         finally:
             ctx.close()
     finally:

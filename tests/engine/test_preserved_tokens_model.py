@@ -36,15 +36,24 @@ def test_a_preserved_control_token_is_text_and_others_are_not(model: Model) -> N
     kept = model.complete("hi", max_tokens=64, temperature=0, grammar=GRAMMAR,
                           preserved_tokens=MARKERS)  # fmt: skip
     assert kept.text == "Sure." + CALL
-    # Then a request that preserves nothing: the worker's pieces are not the last one's.
-    plain = model.complete("hi", max_tokens=64, temperature=0, grammar=GRAMMAR)
-    assert plain.text == 'Sure.get_weather{"q": "x"}'
-    assert plain.stats.completion_tokens == kept.stats.completion_tokens
-    # Only the named ones: [ARGS] is left out, and EOS (which ended both) is never text.
+    # Free, the model writes [TOOL_CALLS] over and over: text only where it is preserved, and
+    # a request that preserves nothing gets none (the worker's pieces are not the last one's).
+    free = model.complete("hi", max_tokens=3, temperature=0, preserved_tokens=MARKERS)
+    assert free.text == "[TOOL_CALLS]" * 3
+    plain = model.complete("hi", max_tokens=3, temperature=0)
+    assert plain.text == "" and plain.stats.completion_tokens == 3
+    # Under the grammar, a marker not preserved is never its control token (the grammar
+    # would match its text, which the reply leaves out: found by review, the reply was
+    # 'Sure.get_weather{"q": "x"}'): it is spelled in bytes, and the reply is the grammar's.
+    # EOS, which ends each, is never text.
+    bare = model.complete("hi", max_tokens=64, temperature=0, grammar=GRAMMAR)
+    assert bare.text == "Sure." + CALL
     one = model.complete("hi", max_tokens=64, temperature=0, grammar=GRAMMAR,
                          preserved_tokens=("[TOOL_CALLS]",))  # fmt: skip
-    assert one.text == 'Sure.[TOOL_CALLS]get_weather{"q": "x"}'
-    assert one.stats.finish_reason == "stop"
+    assert one.text == "Sure." + CALL
+    tokens = [r.stats.completion_tokens for r in (kept, one, bare)]
+    assert tokens == sorted(set(tokens)), tokens  # each marker spelled costs tokens
+    assert one.stats.finish_reason == bare.stats.finish_reason == "stop"
 
 
 @pytest.mark.model

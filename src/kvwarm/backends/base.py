@@ -129,6 +129,10 @@ class SamplingParams:
     #: (a format without an opener: Llama 3.x's bare-JSON call); see ``lazy_grammar``.
     grammar_start_patterns: tuple[str, ...] = ()
     grammar_once: bool = False
+    #: Special tokens a grammar may match (a tool call's markers, whose text the reply keeps:
+    #: ``Request.preserved``). Any other control token is masked while a grammar holds: the
+    #: grammar matches its text (``<|im_start|>``), but a reply's text leaves it out.
+    preserved_tokens: tuple[int, ...] = ()
     # (token, bias) added to the raw logits before any other step; -inf bans a token.
     logit_bias: tuple[tuple[int, float], ...] = ()
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import cast
 
+from kvwarm.backends.grammar_cost import MAX_GRAMMAR_REPEATS
 from kvwarm.errors import GrammarError
 
 _MODULE_NAME = "kvwarm.backends._llama_grammar"
@@ -30,6 +31,10 @@ _MODULE_NAME = "kvwarm.backends._llama_grammar"
 #: seconds of CPU. No reply of a few thousand tokens needs more; nesting is bounded further by
 #: ``grammar_cost.MAX_GRAMMAR_DEPTH``.
 MAX_SCHEMA_REPEATS = 10_000
+#: The most a ``pattern``'s quantifier may count: it is written as GBNF's ``{m,n}``, whose
+#: counts llama.cpp's parser bounds (``grammar_cost.MAX_GRAMMAR_REPEATS``: a most past it was
+#: read as no most at all, so ``^a{0,5000}$`` let the model write any number of ``a``).
+MAX_PATTERN_REPEATS = MAX_GRAMMAR_REPEATS
 _REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
 
 
@@ -95,9 +100,9 @@ def _pattern_problem(pattern: str) -> str | None:
                 return None
             for part in pattern[i + 1 : end].split(","):
                 bound = part.strip()
-                if bound.isascii() and bound.isdigit() and int(bound) > MAX_SCHEMA_REPEATS:
+                if bound.isascii() and bound.isdigit() and int(bound) > MAX_PATTERN_REPEATS:
                     return (
-                        f"a quantifier of {bound} is more than the {MAX_SCHEMA_REPEATS} "
+                        f"a quantifier of {bound} is more than the {MAX_PATTERN_REPEATS} "
                         "repeats a grammar is built for"
                     )
             i = end + 1
@@ -124,6 +129,7 @@ def _converter_module() -> ModuleType:
             sys.modules[_MODULE_NAME] = module
             file_spec.loader.exec_module(module)
             _fix_literal_escapes(module)
+            _fix_string_chars(module)
             _fix_visits(module)
             return module
     raise GrammarError("llama-cpp-python ships no llama_grammar.py; cannot convert JSON schemas")
@@ -146,6 +152,20 @@ def _fix_literal_escapes(module: ModuleType) -> None:
     setattr(module, "GRAMMAR_LITERAL_ESCAPES", escapes)  # noqa: B010
     # Only the converter's own ``json.dumps`` calls (values and property names) see this.
     setattr(module, "json", SimpleNamespace(loads=json.loads, dumps=_dumps_unicode))  # noqa: B010
+
+
+def _fix_string_chars(module: ModuleType) -> None:
+    """The converter's ``char``, a character of a JSON string (every ``string``, every
+    property name of a free object, ``json_object``'s and each length-bounded string's), was
+    ``[^"\\]``: it let the model write a raw newline, tab or other control character inside a
+    string, which JSON forbids (RFC 8259: U+0000 to U+001F must be escaped), so the reply was
+    no JSON at all (found by review: SmolLM2 under ``{"type": "string", "minLength": 60}``
+    wrote ``".\\n\\nThe original..."``, a raw newline). Held to JSON's characters, as
+    llama.cpp's own converter holds it; an escape (``\\n``, ``\\u0009``) still writes any of
+    them."""
+    rules = module.PRIMITIVE_RULES
+    hexes = " ".join(["[0-9a-fA-F]"] * 4)
+    rules["char"] = module.BuiltinRule(rf'[^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" {hexes})', [])
 
 
 #: Every JSON type: the items of an array schema that names none (``{"minItems": 2}``).
@@ -219,7 +239,7 @@ def _fix_visits(module: ModuleType) -> None:
         if not isinstance(pattern, str):
             raise _fail("pattern must be a string")
         add_rule = cast(Callable[[str, str], str], self._add_rule)  # type: ignore[attr-defined]
-        return pattern_rule(pattern, name, add_rule, MAX_SCHEMA_REPEATS)
+        return pattern_rule(pattern, name, add_rule, MAX_PATTERN_REPEATS)
 
     setattr(converter, "visit", visit_node)  # noqa: B010
     setattr(converter, "_visit_pattern", visit_pattern)  # noqa: B010

@@ -32,6 +32,7 @@ __all__ = [
     "MAX_EMPTY_REPEATS",
     "MAX_GRAMMAR_BYTES",
     "MAX_GRAMMAR_DEPTH",
+    "MAX_GRAMMAR_REPEATS",
     "MAX_GRAMMAR_WIDTH",
     "check_grammar_cost",
     "cheap_grammar",
@@ -62,12 +63,20 @@ MAX_GRAMMAR_DEPTH = 1000
 #: is factored into a prefix tree first (``grammar_factor``), which opens one per distinct
 #: next character, so even a 100,000-value enum passes.
 MAX_GRAMMAR_WIDTH = 128
+#: The most a repetition ``{m,n}`` may count: llama.cpp's grammar parser
+#: (``MAX_REPETITION_THRESHOLD``) refuses a least past it, and silently reads a most past it
+#: as no most at all (``"a"{0,5000}`` as ``"a"*``: the compiled grammar took 6,000 letters,
+#: and a JSON schema ``pattern`` ``^a{0,3000}$`` a string of 7,000; found by review). Refused
+#: before llama.cpp sees it, with a message saying why.
+MAX_GRAMMAR_REPEATS = 2000
 #: The longest grammar text accepted: its parse and checks here are Python (~0.4 s a MiB) and
 #: llama.cpp compiles it twice (once here, once on the worker).
 MAX_GRAMMAR_BYTES = 2 << 20
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+")
 _RULE_START = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*::=", re.MULTILINE)
+#: What ends a comment in llama.cpp's grammar parser: either line-end byte.
+_LINE_END = re.compile(r"[\r\n]")
 
 # An expression: list of alternatives; an alternative: list of items; an item: ("ref", name,
 # repeat) or ("term", empty, repeat), ``empty`` true for the literal "". A group is a rule of
@@ -90,11 +99,19 @@ def _skip(text: str, i: int) -> int:
         if c in " \t\r\n":
             i += 1
         elif c == "#":
-            while i < n and text[i] != "\n":
-                i += 1
+            i = _comment_end(text, i)
         else:
             break
     return i
+
+
+def _comment_end(text: str, i: int) -> int:
+    """Where the comment starting at ``i`` ends: at the next CR or LF, as in llama.cpp's
+    ``parse_space``, which resumes parsing after a CR (found by review: ending a comment at
+    LF alone hid what follows a CR on that line from every check here, while llama.cpp
+    compiled it: ``# \\r x ::= "a"{5,2}`` ran the process out of memory)."""
+    m = _LINE_END.search(text, i)
+    return len(text) if m is None else m.start()
 
 
 def _quoted(text: str, i: int, close: str) -> int:
@@ -126,8 +143,7 @@ def _syntax(text: str) -> Iterator[tuple[int, str]]:
                 return
             continue
         if c == "#":
-            j = text.find("\n", i)
-            i = n if j < 0 else j
+            i = _comment_end(text, i)
         else:
             yield i, c
         i += 1
@@ -398,15 +414,28 @@ def check_grammar_repeats(text: str) -> None:
     (``root ::= "a"{5,2}``): llama.cpp's parser counts the optional repeats as ``n - m``
     unsigned, so it wrapped to 2**64 and added rules until the process ran out of memory
     (found by fuzzing: 4 minutes, then the kernel killed the server). Every backend's sampler
-    checks it, as it checks the depth."""
+    checks it, as it checks the depth. Also for a count past ``MAX_GRAMMAR_REPEATS`` (see
+    there)."""
     for i, c in _syntax(text):
         if c != "{":
             continue
         counts = _repeat_counts(text, i)
-        if counts is not None and counts[1] is not None and counts[1] < counts[0]:
+        if counts is None:
+            continue
+        low, high = counts
+        shown = f"{{{low}}}" if high == low else f"{{{low},{'' if high is None else high}}}"
+        if high is not None and high < low:
             raise GrammarError(
-                f"grammar repetition {{{counts[0]},{counts[1]}}} (at character {i}) has its "
+                f"grammar repetition {{{low},{high}}} (at character {i}) has its "
                 "most below its least",
+                param="grammar",
+            )
+        if max(low, high or 0) > MAX_GRAMMAR_REPEATS:
+            raise GrammarError(
+                f"grammar repetition {shown} (at character {i}) counts more than "
+                f"{MAX_GRAMMAR_REPEATS}: llama.cpp refuses such a least, and reads such a most "
+                "as no most at all; repeat a repeated group instead ((x{1000}){5}), or use "
+                "* or +",
                 param="grammar",
             )
 
@@ -440,8 +469,7 @@ def _bad_code_point(text: str) -> tuple[int, int] | None:
     while i < n:
         c = text[i]
         if c == "#":
-            j = text.find("\n", i)
-            i = n if j < 0 else j
+            i = _comment_end(text, i)
         elif c == '"':
             i += 1
             while i < n and text[i] != '"':

@@ -31,7 +31,7 @@ _LIT = r'"(?:[^"\\\r\n]|\\.)*"'
 _TOKEN = re.compile(
     rf"({_LIT}(?:\s*\|\s*{_LIT})*)"  # group 1: literals, one or more, joined by "|"
     r"|\[(?:[^\]\\]|\\.)*\]"  # a character class
-    r"|#[^\n]*"  # a comment
+    r"|#[^\r\n]*"  # a comment: to the next CR or LF, as llama.cpp's parser reads one
     r"|([A-Za-z0-9_-]+)[ \t]*::="  # a rule head (group 2: its name)
     r"|([A-Za-z0-9_-]+)"  # a name (group 3)
     r"|\s+"

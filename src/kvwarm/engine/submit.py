@@ -160,7 +160,7 @@ class Submitter:
         req = request(opts, tuple(request(f) for f in forks))
         if grammar is not None or opts.logit_bias:
             # Build once here so a bad grammar or bias is the caller's error, not the worker's.
-            self.bmodel.new_sampler(opts.sampling(grammar)).close()
+            self.bmodel.new_sampler(opts.sampling(grammar, preserved=preserved)).close()
         self.worker.submit(req)
         return CompletionStream(req, self.worker.cancel)
 

@@ -7,7 +7,7 @@ written once, there, and ``GenerationOptions`` reads them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
@@ -372,8 +372,11 @@ class GenerationOptions:
         """The salt as the cache folds it into a namespace (``cache.key.salted_namespace``)."""
         return None if self.cache_salt is None else self.cache_salt.encode("utf-8")
 
-    def sampling(self, grammar: str | None, banned: tuple[int, ...] = ()) -> SamplingParams:
-        """The sampler chain for these options; ``banned`` tokens get a bias of -inf."""
+    def sampling(
+        self, grammar: str | None, banned: tuple[int, ...] = (), preserved: Iterable[int] = ()
+    ) -> SamplingParams:
+        """The sampler chain for these options; ``banned`` tokens get a bias of -inf;
+        ``preserved``: the special tokens whose text the reply keeps (``Request.preserved``)."""
         bias = dict(self.logit_bias or {})
         for token in banned:
             bias[token] = float("-inf")
@@ -385,6 +388,7 @@ class GenerationOptions:
             grammar_triggers=tuple(self.grammar_triggers),
             grammar_start_patterns=tuple(self.grammar_start_patterns),
             grammar_once=self.grammar_once,
+            preserved_tokens=tuple(sorted(preserved)),
             **knobs,
         )
 

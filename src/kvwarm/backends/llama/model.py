@@ -260,6 +260,7 @@ class LlamaModel:
             )
         self._facts = self._read_facts(path)
         self._grammar_tokens: tuple[tuple[int | None, ...], tuple[int, ...]] | None = None
+        self._unspoken: tuple[int, ...] | None = None
         self._byte_lock = threading.Lock()
         self._life = Lifetime("model", self._free)
 
@@ -461,6 +462,9 @@ class LlamaModel:
             return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
 
     def vocabulary(self) -> tuple[tuple[bytes, ...], frozenset[int]]:
+        return self._pieces(special=True)
+
+    def _pieces(self, *, special: bool) -> tuple[tuple[bytes, ...], frozenset[int]]:
         # One buffer, one lock, two plain calls a token: Gemma 3's 262,144 tokens in ~0.3 s,
         # where token_to_piece and is_eog per token took ~1 s a model (measured).
         lib, vocab = self._lib, self._vocab
@@ -471,10 +475,10 @@ class LlamaModel:
         eog: list[int] = []
         with self._life.using():
             for token in range(self._n_vocab):
-                n = int(to_piece(vocab, token, buf, capacity, 0, True))
+                n = int(to_piece(vocab, token, buf, capacity, 0, special))
                 if n < 0:  # longer than the buffer: asked again with room for it
                     big = ctypes.create_string_buffer(-n)
-                    n = int(to_piece(vocab, token, big, -n, 0, True))
+                    n = int(to_piece(vocab, token, big, -n, 0, special))
                     if n < 0:
                         raise BackendError(f"token {token}'s piece could not be read")
                     pieces.append(big.raw[:n])
@@ -483,6 +487,21 @@ class LlamaModel:
                 if eog_of(vocab, token):
                     eog.append(token)
         return tuple(pieces), frozenset(eog)
+
+    def unspoken_tokens(self) -> tuple[int, ...]:
+        """The tokens whose text in a reply (their piece) is not the text llama.cpp's grammar
+        matches for them (their piece with special text): control tokens, which a reply
+        leaves out, other than the end-of-generation ones. Read once a model (a pass over the
+        vocabulary), when the first grammar's sampler is built."""
+        with self._byte_lock:
+            if self._unspoken is None:
+                shown, eog = self._pieces(special=True)
+                plain, _ = self._pieces(special=False)
+                self._unspoken = tuple(
+                    t for t, (a, b) in enumerate(zip(shown, plain, strict=True))
+                    if a != b and t not in eog
+                )  # fmt: skip
+            return self._unspoken
 
     def grammar_tokens(self) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
         """What a lazy grammar (``backends/lazy_grammar.py``) needs of the vocabulary: for

@@ -12,6 +12,9 @@ Invariants:
   end-of-generation token mid-grammar, so ``accept()`` feeds the chain (penalty history) only.
 - Without a grammar, ``sample`` is ``llama_sampler_sample`` on a row the context has verified.
 - A grammar step slower than ``GRAMMAR_TOKEN_BUDGET_S`` fails the sample (``GrammarError``).
+- While a grammar holds, it never chooses a control token (``LlamaModel.unspoken_tokens``)
+  other than the request's preserved ones: llama.cpp's grammar matches such a token's special
+  text, which the reply's text leaves out, so the reply would not be what the grammar held.
 - A lazy grammar (``grammar_triggers``) is that same grammar, held only from a trigger on
   (``backends/lazy_grammar.py``): until then the reply is sampled as without one; the text a
   trigger came in is given to the grammar a byte at a time, each byte checked by the grammar
@@ -76,6 +79,10 @@ class LlamaSampler:
         self._holding = self._watch is None
         self._bytes, eog = model.grammar_tokens() if self._watch is not None else ((), ())
         self._eog = np.array(eog, dtype=np.int64)
+        # Control tokens a grammar must not match: their text is the grammar's, not the reply's.
+        unspoken = model.unspoken_tokens() if params.grammar is not None else ()
+        kept = frozenset(params.preserved_tokens)
+        self._unspoken = np.array([t for t in unspoken if t not in kept], dtype=np.int64)
         lib = model._lib
         self._lib = lib
         self._model = model
@@ -341,6 +348,11 @@ class LlamaSampler:
                     "grammar engine (repeats of repeats, recursion inside repeats); simplify it",
                     param="grammar",
                 )
+            if self._unspoken.size:
+                # llama.cpp's grammar reads a control token as its special text, which a
+                # reply leaves out: under root ::= "<|im_start|>" "x" the reply was "x"
+                # (found by review). The candidates are in id order; the grammar only masks.
+                self._view(arr)["logit"][self._unspoken] = -np.inf
             if not np.isfinite(self._view(arr)["logit"]).any():
                 raise GrammarError("the grammar admits no further token", param="grammar")
             if self._watch is not None and not self._params.grammar_once and self._done(arr):
@@ -356,7 +368,14 @@ class LlamaSampler:
             raise NoLogitsError("the sampler chain selected no token")
         token = int(view["id"][selected])
         if not 0 <= token < self._n_vocab or not np.isfinite(view["logit"][selected]):
-            raise GrammarError("the sampler chose a token the grammar forbids", param="grammar")
+            # The grammar left tokens (checked above), and the chain's biases took them all:
+            # say so, not that the sampler broke the grammar (found by review).
+            raise GrammarError(
+                "every token the grammar allows here is banned: a logit_bias of -inf, or "
+                "ignore_eos where the grammar's text is complete (it admits only an end of "
+                "generation)",
+                param="grammar",
+            )
         if held:
             lib.llama_sampler_accept(self._grammar, token)
         lib.llama_sampler_accept(self._chain, token)

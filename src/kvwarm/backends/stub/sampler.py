@@ -99,10 +99,11 @@ class LiteralGrammar:
         self.prefix = b""
 
 
-# Rule names as llama.cpp's parser reads them: letters, digits, '-' and '_', in any order.
-_RULE_HEAD = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*::=", re.MULTILINE)
+# Rule names as llama.cpp's parser reads them: letters, digits, '-' and '_', in any order; a
+# rule starts a line, which a CR ends as an LF does.
+_RULE_HEAD = re.compile(r"(?:^|(?<=\r))\s*([A-Za-z0-9_-]+)\s*::=", re.MULTILINE)
 # Literals, classes, comments and repetition counts ({0,4}): none of them names a rule.
-_NOISE = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*|\{[^}]*\}')
+_NOISE = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\r\n]*|\{[^}]*\}')
 _IDENT = re.compile(r"[A-Za-z0-9_-]+")
 
 

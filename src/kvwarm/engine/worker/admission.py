@@ -102,7 +102,7 @@ class Admission:
             try:
                 for one in req.group:
                     banned = self.rt.eog_tokens() if one.options.ignore_eos else ()
-                    params = one.options.sampling(one.grammar, banned)
+                    params = one.options.sampling(one.grammar, banned, one.preserved)
                     samplers.append(self.rt.model.new_sampler(params))
                 restored = self.restore(planned, req)
             except Exception:

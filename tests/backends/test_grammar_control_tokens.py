@@ -1,0 +1,121 @@
+"""A grammar holds the reply's text, control tokens included (found by review): llama.cpp's
+grammar reads a control token as its special text (``<|im_start|>``), but a reply's text leaves
+it out, so under ``root ::= "<|im_start|>" "x"`` the model wrote that token and the reply was
+``x``, and a string's ``minLength`` could be met by text the reply never held. While a grammar
+holds, the llama.cpp backend masks control tokens other than a request's preserved ones (a tool
+call's markers, whose text the reply keeps). And where the chain's biases ban every token the
+grammar allows (``ignore_eos`` once its text is complete), the error says that."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvwarm.backends.base import BackendContext, BackendModel, BatchToken, SamplingParams
+
+pytestmark = pytest.mark.model
+
+IM_START = 1  # SmolLM2's <|im_start|>: a control token, not an end of generation
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[BackendModel]:
+    from kvwarm.backends import get_backend
+    from kvwarm.embedded import default_model_path
+
+    loaded = get_backend("llama_cpp").load_model(str(default_model_path()))
+    try:
+        yield loaded
+    finally:
+        loaded.close()
+
+
+@pytest.fixture
+def ctx(model: BackendModel) -> Iterator[BackendContext]:
+    from kvwarm.backends.base import ContextParams
+
+    small = ContextParams(n_ctx=256, n_batch=32, n_ubatch=32, n_seq_max=1, n_threads=2)
+    context = model.new_context(model.context_params(small, deterministic=False))
+    try:
+        yield context
+    finally:
+        context.close()
+
+
+def _generate(
+    model: BackendModel, ctx: BackendContext, params: SamplingParams, n: int
+) -> tuple[list[int], bool]:
+    prompt = model.tokenize("Say something:")
+    ctx.prefill(0, prompt, 0)
+    sampler = model.new_sampler(params)
+    out: list[int] = []
+    try:
+        for _ in range(n):
+            token = sampler.sample(ctx, -1)
+            if model.is_eog(token):
+                return out, True
+            out.append(token)
+            ctx.decode([BatchToken(token, len(prompt) + len(out) - 1, 0, logits=True)])
+    finally:
+        sampler.close()
+    return out, False
+
+
+def test_the_special_tokens_text_is_the_grammars_and_the_control_tokens_are_known(
+    model: BackendModel,
+) -> None:
+    assert model.token_to_piece(IM_START, special=True) == b"<|im_start|>"
+    assert model.token_to_piece(IM_START) == b""  # what a reply's text holds of it
+    assert IM_START in model.unspoken_tokens()  # type: ignore[attr-defined]
+    assert not set(model.unspoken_tokens()) & model.vocabulary()[1]  # type: ignore[attr-defined]
+
+
+def test_a_grammar_spelling_a_control_tokens_text_gets_that_text(
+    model: BackendModel, ctx: BackendContext
+) -> None:
+    grammar = 'root ::= "<|im_start|>" "x"'
+    params = SamplingParams(temperature=0.0, grammar=grammar, logit_bias=((IM_START, 50.0),))
+    out, ended = _generate(model, ctx, params, 16)
+    assert IM_START not in out
+    assert ended and b"".join(model.token_to_piece(t) for t in out) == b"<|im_start|>x"
+
+
+def test_a_control_token_the_model_wants_is_never_sampled_under_a_grammar(
+    model: BackendModel, ctx: BackendContext
+) -> None:
+    unspoken: tuple[int, ...] = model.unspoken_tokens()  # type: ignore[attr-defined]
+    bias = tuple((t, 30.0) for t in unspoken)
+    params = SamplingParams(temperature=0.0, grammar="root ::= [^\\n]{1,24}", logit_bias=bias)
+    out, _ = _generate(model, ctx, params, 8)
+    assert out and not set(out) & set(unspoken)
+
+
+def test_a_preserved_token_is_still_the_grammars_to_match(
+    model: BackendModel, ctx: BackendContext
+) -> None:
+    grammar = 'root ::= "<|im_start|>" "x"'
+    params = SamplingParams(
+        temperature=0.0,
+        grammar=grammar,
+        logit_bias=((IM_START, 50.0),),
+        preserved_tokens=(IM_START,),
+    )
+    out, _ = _generate(model, ctx, params, 4)
+    assert out[0] == IM_START
+
+
+def test_banning_every_token_the_grammar_allows_says_so(
+    model: BackendModel, ctx: BackendContext
+) -> None:
+    """ignore_eos bans the end of generation, the only token a complete grammar admits: the
+    error named the sampler as breaking the grammar."""
+    from kvwarm.errors import GrammarError
+
+    eog = sorted(model.vocabulary()[1])
+    params = SamplingParams(
+        temperature=0.0, grammar='root ::= ""', logit_bias=tuple((t, -np.inf) for t in eog)
+    )
+    with pytest.raises(GrammarError, match="ignore_eos where the grammar's text is complete"):
+        _generate(model, ctx, params, 2)
