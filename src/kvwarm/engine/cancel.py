@@ -28,18 +28,7 @@ __all__ = ["Cancellation", "check_cancel", "check_timeout", "check_wait"]
 
 def check_timeout(timeout_s: object) -> None:
     """``InvalidRequestError`` unless ``timeout_s`` is None or a finite number > 0."""
-    if timeout_s is None:
-        return
-    if (
-        isinstance(timeout_s, bool)
-        or not isinstance(timeout_s, int | float)
-        or not math.isfinite(timeout_s)
-        or timeout_s <= 0
-    ):
-        raise InvalidRequestError(
-            f"timeout_s must be a finite number of seconds > 0 (or None), got {timeout_s!r}",
-            param="timeout_s",
-        )
+    _check_seconds(timeout_s, zero=False)
 
 
 def check_wait(timeout_s: object) -> None:
@@ -48,6 +37,12 @@ def check_wait(timeout_s: object) -> None:
     was a TypeError with the model half unloaded (its worker stopping, its native state never
     freed), and NaN or a negative bound was taken for no wait, warning that the worker did
     not stop "within nan s"."""
+    _check_seconds(timeout_s, zero=True)
+
+
+def _check_seconds(timeout_s: object, *, zero: bool) -> None:
+    """``InvalidRequestError`` unless ``timeout_s`` is None or a finite number of seconds
+    above 0 (or 0 itself where ``zero``)."""
     if timeout_s is None:
         return
     if (
@@ -55,9 +50,11 @@ def check_wait(timeout_s: object) -> None:
         or not isinstance(timeout_s, int | float)
         or not math.isfinite(timeout_s)
         or timeout_s < 0
+        or (timeout_s == 0 and not zero)
     ):
+        bound = ">= 0" if zero else "> 0"
         raise InvalidRequestError(
-            f"timeout_s must be a finite number of seconds >= 0 (or None), got {timeout_s!r}",
+            f"timeout_s must be a finite number of seconds {bound} (or None), got {timeout_s!r}",
             param="timeout_s",
         )
 
