@@ -79,6 +79,7 @@ from kvwarm.engine.types import (
     ModelInfo,
     ModelStatus,
     Reranking,
+    check_flag,
     check_lora,
 )
 from kvwarm.engine.worker.batching import strategy
@@ -540,8 +541,8 @@ class Model:
         self._check_ready()
         return self._bmodel.tokenize(
             text,
-            add_special=_flag(add_special, "add_special"),
-            parse_special=_flag(parse_special, "parse_special"),
+            add_special=check_flag(add_special, "add_special"),
+            parse_special=check_flag(parse_special, "parse_special"),
         )
 
     def detokenize(self, tokens: Sequence[int]) -> str:
@@ -564,7 +565,7 @@ class Model:
         return self._bmodel.apply_chat_template(
             messages,
             tools=tools,
-            add_generation_prompt=_flag(add_generation_prompt, "add_generation_prompt"),
+            add_generation_prompt=check_flag(add_generation_prompt, "add_generation_prompt"),
             template=self._template,
         )
 
@@ -889,7 +890,7 @@ class Model:
             self._bmodel,
             messages,
             tools=tools,
-            add_generation_prompt=_flag(add_generation_prompt, "add_generation_prompt"),
+            add_generation_prompt=check_flag(add_generation_prompt, "add_generation_prompt"),
             template=self._template,
             media=ChatMedia(self._projector, self.config.media),
         )
@@ -906,7 +907,7 @@ class Model:
     ) -> list[CompletionStream]:
         self._check_ready()
         self._require("generate")
-        fragments = _flag(fragments, "fragments")
+        fragments = check_flag(fragments, "fragments")
         return [s.keep(self) for s in self._submitter.group(prompt, opts, text, n, fragments)]
 
     def infill_tokens(
@@ -961,7 +962,7 @@ class Model:
         self._adapters.check(lora)
         return self._embedder.embed(
             inputs,
-            normalize=_flag(normalize, "normalize"),
+            normalize=check_flag(normalize, "normalize"),
             lora=lora,
             timeout_s=timeout_s,
             cancel=cancel,
@@ -1159,15 +1160,6 @@ def _check_prompt_type(prompt: object) -> None:
             f"the prompt is a text or a list of token ids, not {type(prompt).__name__}",
             param="prompt",
         )
-
-
-def _flag(value: object, name: str) -> bool:
-    """A call's switch, which must be a bool (``InvalidRequestError``): found by review,
-    ``embed(..., normalize="no")`` normalized and ``tokenize(..., add_special="no")`` added BOS,
-    taken for their truth without a word."""
-    if not isinstance(value, bool):
-        raise InvalidRequestError(f"{name} must be true or false, not {value!r}", param=name)
-    return value
 
 
 def _token_ids(tokens: object) -> list[int]:

@@ -241,10 +241,8 @@ class GenerationOptions:
         # bit-identical request; all without a word.
         for name in _BOOL_OPTIONS:
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (value is None and name in _OPTIONAL):
-                raise InvalidRequestError(
-                    f"{name} must be true or false, not {value!r}", param=name
-                )
+            if not (value is None and name in _OPTIONAL):
+                check_flag(value, name)
         if self.parent_key is not None and not isinstance(self.parent_key, bytes):
             # It was a TypeError for a number or a list, and a 32-character str passed and was
             # waited for (session_resume_wait_ms) as a key no row can have.
@@ -652,3 +650,14 @@ def check_lora(lora: object) -> None:
                 f"lora scale {scale!r} must be finite and within +-{MAX_LORA_SCALE:g}",
                 param="lora",
             )
+
+
+def check_flag(value: object, name: str) -> bool:
+    """A switch, which must be a bool (``InvalidRequestError``): found by review, strings were
+    taken for their truth without a word (``ignore_eos="false"`` generated to ``max_tokens``,
+    ``embed(..., normalize="no")`` normalized, ``add_special="no"`` added BOS)."""
+    from kvwarm.errors import InvalidRequestError
+
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be true or false, not {value!r}", param=name)
+    return value

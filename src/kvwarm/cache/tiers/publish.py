@@ -188,7 +188,6 @@ class FilePut:
             unlink_quiet(self._dir, self.final)  # linked but not durably: never leave it visible
             self._linked_ours = False
         self._p.done(self.tmp)  # gone: no longer written (a failed save's name is not kept)
-        self._p.done(self.tmp)
 
     @contextmanager
     def _errors(self, doing: str) -> Iterator[None]:
