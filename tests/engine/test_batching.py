@@ -35,6 +35,15 @@ def test_prefill_first_holds_decoding_while_prompts_wait() -> None:
     assert plan.shared_chunks == (Chunk(1, 0, 8),)
 
 
+def test_prefill_first_decodes_a_slot_held_aging_ticks_beside_prefill() -> None:
+    want = [PrefillWant(1, 0, 40, False)]
+    held = PrefillFirst().plan([0], want, 16, 16, decode_waited=AGING_TICKS - 1)
+    assert held.decode_slots == ()
+    aged = PrefillFirst().plan([0, 2], want, 16, 16, 3, decode_waited=AGING_TICKS)
+    assert aged.decode_slots == (0, 2)  # with their drafts, the budget's first claim
+    assert aged.shared_chunks == (Chunk(1, 0, 16 - 2 - 3),)
+
+
 def test_balanced_takes_one_chunk_per_tick() -> None:
     wants = [PrefillWant(1, 0, 4, False), PrefillWant(2, 0, 4, False)]
     plan = Balanced().plan([0], wants, n_batch=16, n_ubatch=16)

@@ -208,3 +208,48 @@ def test_a_seated_long_prompt_is_prefilled_while_short_prompts_keep_arriving(
         assert last <= chunks * (AGING_TICKS + 2) < len(passes) - 20, (last, len(passes))
     finally:
         eng.close()
+
+
+def test_a_generating_request_is_not_starved_by_prompts_arriving_under_prefill_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """prefill_first held every decode while any prompt was prefilling, so a generating
+    request beside a queue of prompts (each seated the moment a slot freed, the same
+    iteration) got no token until the queue was empty: with arrivals that never stop, never
+    (found by review). A generating slot passed over for AGING_TICKS ticks now decodes, as
+    a prompt passed over that long gets its chunk."""
+    passes: list[list[tuple[int, int, int]]] = []
+    decode = _GatedContext.decode
+
+    def recording(self: _GatedContext, batch: Sequence[BatchToken]) -> None:
+        passes.append([(t.seq, t.pos, t.token) for t in batch])
+        decode(self, batch)
+
+    monkeypatch.setattr(_GatedContext, "decode", recording)
+    eng = make_engine()
+    try:
+        backend = GatedBackend()
+        cfg = stub_config(n_parallel=2, backend=backend, strategy="prefill_first")  # type: ignore[arg-type]
+        model = eng.load_model(config=cfg)
+        writer = model.submit("a story", GenerationOptions(max_tokens=6, temperature=0.0))
+        # Bounded: the worker seats it without decoding, then waits at the closed gate.
+        while not model.status().active:
+            pass
+        (seq,) = [s.seq for s in model._worker.slots if s.active is not None]
+        one = GenerationOptions(max_tokens=1, temperature=0.0)
+        # Two chunks each (n_batch 16): a prompt is prefilling in every pass until the last.
+        prompts = [model.submit(f"prompt number {i} " + "y" * 20, one) for i in range(60)]
+        backend.gate.set()  # every request is queued before the first pass runs
+        done = writer.result()
+        for p in prompts:
+            p.result()
+        assert done.stats.completion_tokens == 6
+        n = len(done.prompt_tokens)
+        # The pass in which the writer decoded each generated token but the last (which
+        # reaches max_tokens and is never decoded).
+        mine = {(seq, n + k, t) for k, t in enumerate(done.completion_tokens[:-1])}
+        decoded = [i for i, p in enumerate(passes) if mine & set(p)]
+        assert len(decoded) == 5
+        assert decoded[-1] <= 6 * (AGING_TICKS + 2) < len(passes) - 20, (decoded, len(passes))
+    finally:
+        eng.close()

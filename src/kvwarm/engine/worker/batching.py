@@ -15,7 +15,10 @@ beside a long one gets its first token soon, except that a prompt passed over fo
 a ``whole`` prompt that does not fit keeps the room (nothing is placed after it) until it
 does. Without that, shorter prompts arriving in the other slots could keep a seated long
 prompt from any prefill forever; with it, a seated prompt waits at most about
-``AGING_TICKS`` ticks per chunk.
+``AGING_TICKS`` ticks per chunk. Likewise a generating slot: ``prefill_first`` holds decodes
+while prompts prefill, but not once a slot has been passed over for ``AGING_TICKS`` ticks in a
+row (``decode_waited``, kept by the tick): prompts seated one after another in the other slots
+held it for as long as they kept coming.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ class BatchStrategy(Protocol):
         n_batch: int,
         n_ubatch: int,
         drafted: int = 0,
+        *,
+        decode_waited: int = 0,
     ) -> TickPlan: ...
 
 
@@ -137,6 +142,8 @@ class DecodeFirst:
         n_batch: int,
         n_ubatch: int,
         drafted: int = 0,
+        *,
+        decode_waited: int = 0,
     ) -> TickPlan:
         used = len(decoding) + drafted
         shared, isolated, _ = _fill(prefilling, n_batch, used, n_batch, n_ubatch)
@@ -144,7 +151,10 @@ class DecodeFirst:
 
 
 class PrefillFirst:
-    """Admitted prompts are prefilled before anyone decodes: lowest time to first token."""
+    """Admitted prompts are prefilled before anyone decodes: lowest time to first token.
+    Except that once a generating slot has been held ``AGING_TICKS`` ticks in a row
+    (``decode_waited``, the most of any decoding slot), every generating slot decodes this
+    tick and prefill fills what is left, as under ``decode_first``."""
 
     def plan(
         self,
@@ -153,9 +163,11 @@ class PrefillFirst:
         n_batch: int,
         n_ubatch: int,
         drafted: int = 0,
+        *,
+        decode_waited: int = 0,
     ) -> TickPlan:
-        if not prefilling:
-            return TickPlan(tuple(decoding), (), ())
+        if not prefilling or (decoding and decode_waited >= AGING_TICKS):
+            return DecodeFirst().plan(decoding, prefilling, n_batch, n_ubatch, drafted)
         shared, isolated, _ = _fill(prefilling, n_batch, 0, n_batch, n_ubatch)
         return TickPlan((), tuple(shared), tuple(isolated))
 
@@ -170,6 +182,8 @@ class Balanced:
         n_batch: int,
         n_ubatch: int,
         drafted: int = 0,
+        *,
+        decode_waited: int = 0,
     ) -> TickPlan:
         shared, isolated, _ = _fill(
             prefilling, n_batch, len(decoding) + drafted, n_batch, n_ubatch, max_chunks=1

@@ -69,6 +69,9 @@ class Active:
     encodes: dict[int, Future[bytes]] = field(default_factory=dict)
     #: Ticks in a row it wanted prefill room and got none (``batching.PrefillWant.waited``).
     prefill_waited: int = 0
+    #: Ticks in a row it had a token to decode and the plan left it out
+    #: (``batching``'s ``decode_waited``).
+    decode_waited: int = 0
 
     def unsent_logprobs(self, upto: int | None = None) -> tuple[TokenLogprob, ...]:
         """The logprobs not yet sent with a fragment (of the first ``upto`` tokens: those

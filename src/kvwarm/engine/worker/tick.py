@@ -107,11 +107,17 @@ class Tick:
         cfg = self.rt.cfg
         drafted = self._draft(decoding, prefilling=bool(prefilling))
         decoding = [i for i in decoding if self.rt.slots[i].active is not None]
-        plan = cfg.strategy.plan(decoding, prefilling, cfg.n_batch, cfg.n_ubatch, drafted)
+        held = max((self._active(i).decode_waited for i in decoding), default=0)
+        plan = cfg.strategy.plan(
+            decoding, prefilling, cfg.n_batch, cfg.n_ubatch, drafted, decode_waited=held
+        )
         for i, waited in waited_after(plan, prefilling).items():
             act = self.rt.slots[i].active
             if act is not None:
                 act.prefill_waited = waited
+        for i in decoding:
+            act = self._active(i)
+            act.decode_waited = 0 if i in plan.decode_slots else act.decode_waited + 1
         if drafted:
             for i in set(decoding) - set(plan.decode_slots):
                 act = self.rt.slots[i].active
@@ -135,6 +141,11 @@ class Tick:
             self._run_call((i,), ())
         for chunk in plan.isolated_chunks:
             self._run_call((), (chunk,))
+
+    def _active(self, i: int) -> Active:
+        act = self.rt.slots[i].active
+        assert act is not None
+        return act
 
     def _draft(self, decoding: Sequence[int], *, prefilling: bool = False) -> int:
         """Give each generating slot that speculates a draft to verify with its next token;
