@@ -386,6 +386,27 @@ def test_n_choices_logprobs_and_infill_through_the_ingress(client: TestClient) -
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "fim_not_supported"
 
 
+def test_a_streamed_echo_carries_its_prompts_logprobs_through_the_ingress(
+    client: TestClient,
+) -> None:
+    """Found by review: the prompt's tokens and logprobs came only with the reply's end, so the
+    first chunk of a streamed ``echo`` with ``logprobs`` held the first token alone (the
+    prompt's others missing, as ``kvwarm serve`` writes them); the replica now sends them
+    before the first fragment."""
+    body = {"model": "a", "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0}
+    body |= {"echo": True, "logprobs": 1}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    response = client.post("/v1/completions", json={**body, "stream": True})
+    assert response.status_code == 200
+    first = sse_events(response.text)[0]["choices"][0]  # type: ignore[index]
+    assert first["text"] == "Once upon a time"
+    echoed = first["logprobs"]
+    n = len("Once upon a time") + 1  # BOS included
+    assert len(echoed["tokens"]) == n
+    for field in ("tokens", "token_logprobs", "text_offset"):
+        assert echoed[field] == whole[field][:n], field
+
+
 def test_startup_prompts_reach_the_api_key_tenant_through_the_replicas() -> None:
     """``--prewarm-system`` with ``cache_salt_from_auth``: the ingress warms the key's
     namespace on the replicas too, not only the unsalted one (as ``serve`` does)."""

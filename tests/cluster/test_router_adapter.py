@@ -461,3 +461,56 @@ def test_a_stop_signal_while_the_application_deploys_stops_kvwarm_cluster(
     assert main(["cluster", "--backend", "stub", "--model", "a=stub-a"]) == 0
     assert removed == [True]  # the application (and an own Ray) removed on the way out
     assert "kvwarm cluster: http://" not in capsys.readouterr().out
+
+
+async def test_its_own_route_stops_counting_once_the_replica_reports_the_slot_reused() -> None:
+    """The router's record of where it sent a conversation bridges the time until the
+    replica reports it; once the replica reports that slot reused and the row gone, the
+    record must not keep drawing the conversation there at the ``live`` weight (found by
+    review: it counted the whole earlier prompt there for good, over a replica that
+    holds most of the prompt in its RAM)."""
+    from kvwarm.cache.formats.chunkfmt import chunk_keys
+    from kvwarm.cluster.routing.facts import encode_namespace
+
+    document = tuple(range(1000, 1256))  # a long document both conversations start with
+    first = chat("hello")
+    first.args[0] = dataclasses.replace(first.args[0], tokens=(*document, *range(44)))
+    chain = request_chain(first)  # type: ignore[arg-type]
+    r = router("events")
+    namespaces = {"m": encode_namespace(NS)}
+    log_a, log_b = EventLog(places(), epoch="a", slots=1), EventLog(places(), epoch="b")
+    a = FakeReplica("a", {"events": log_a.report(), "namespaces": namespaces})
+    b = FakeReplica("b", {"events": log_b.report(), "namespaces": namespaces}, node_id="node-2")
+    r.update_replicas([a, b])  # type: ignore[list-item]
+    r.on_request_routed(first, a.replica_id, None)  # type: ignore[arg-type]
+    # It ran on a; the ingress noted it there as its response ended.
+    key = b"turn1".ljust(32, b".")
+    r.index.note_served(full_id(a), chain, key, 300)
+    log_a.served(chain, key, 300)
+    turn1 = stored("turn1", "ram", 300)
+    log_a.row_stored(turn1)
+    # Then a's one slot went to another conversation and its RAM let the row go.
+    log_a.served(("other",), None, 50)
+    log_a.row_dropped(turn1, bytes_kept=False)
+    # Meanwhile b served another conversation over the document: its chunks are in b's RAM.
+    info = RowInfo(
+        b"doc".ljust(32, b"."), "ram", 1, 256, 0, 0.0, 0.0, SaveReason.FINISH, TtlClass.SHORT,
+        False, NS,
+    )  # fmt: skip
+    log_b.row_stored(StoredRow(info, document, None, chunk_keys(NS, document, (256,)), (256,)))
+    a.routing_stats = {"events": log_a.report(), "namespaces": namespaces}
+    b.routing_stats = {"events": log_b.report(), "namespaces": namespaces}
+    r.update_replicas([a, b])  # type: ignore[list-item]
+    assert r.index.reach(chain, None, {full_id(a): "node-1"}) == {}  # a holds none of it
+    follow_up = chat("hello", "more")
+    follow_up.args[0] = dataclasses.replace(follow_up.args[0], tokens=(*document, *range(84)))
+    groups = await r.choose_replicas([a, b], follow_up)  # type: ignore[arg-type]
+    assert [g[0].name for g in groups] == ["b", "a"]  # 256 x 0.95 in b's RAM; nothing on a
+    # While its slot still holds the conversation (reported, or only sent there), a keeps it.
+    second = chat("hello", "again")
+    second.args[0] = dataclasses.replace(second.args[0], tokens=(*document, *range(44)))
+    r.on_request_routed(second, a.replica_id, None)  # type: ignore[arg-type]
+    again = chat("hello", "again", "and more")
+    again.args[0] = dataclasses.replace(again.args[0], tokens=(*document, *range(84)))
+    groups = await r.choose_replicas([a, b], again)  # type: ignore[arg-type]
+    assert [g[0].name for g in groups] == ["a", "b"]

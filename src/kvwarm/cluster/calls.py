@@ -4,8 +4,9 @@ Invariants: every call names its model (a ``SnapshotCall`` names its replica ins
 ``ModelOp`` may name one too); a
 ``Generate`` carries the request's ``chain`` (``chains``) so the router can place it without
 the body; a replica answers a ``Generate`` with
-a ``Served`` marker first (which replica, so the ingress can say), then text fragments, then
-exactly one ``Finished`` or ``Failed``. Errors travel as ``Failed(exc)`` rather than as Ray's
+a ``Served`` marker first (which replica, so the ingress can say), then text fragments (the
+first one after a ``Prompted``, when prompt logprobs were asked for), then exactly one
+``Finished`` or ``Failed``. Errors travel as ``Failed(exc)`` rather than as Ray's
 wrapped exceptions, so the ingress re-raises the engine's own typed error and maps it by type.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvwarm.engine.ops import OpName
-from kvwarm.engine.types import Completion, GenerationOptions
+from kvwarm.engine.types import Completion, GenerationOptions, TokenLogprob
 
 GenerateKind = Literal["chat", "text", "text_quiet"]  # text_quiet: Model.submit (no fragments)
 
@@ -69,6 +70,16 @@ class Served:
 
 
 @dataclass(frozen=True, slots=True)
+class Prompted:
+    """The prompt's tokens and their logprobs, before the first fragment (sent only when
+    prompt logprobs were asked for): a streamed ``echo`` with ``logprobs`` writes them in its
+    first chunk, as ``kvwarm serve`` does, before the reply's end brings the ``Completion``."""
+
+    prompt_tokens: tuple[int, ...]
+    prompt_logprobs: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     completion: Completion
 
@@ -78,4 +89,4 @@ class Failed:
     error: BaseException
 
 
-StreamItem = Served | str | Finished | Failed
+StreamItem = Served | Prompted | str | Finished | Failed

@@ -35,6 +35,7 @@ from kvwarm.cluster.calls import (
     Generate,
     GenerateKind,
     ModelOp,
+    Prompted,
     Served,
 )
 from kvwarm.engine.cancel import Cancellation, check_cancel
@@ -189,6 +190,7 @@ class RemoteStream:
         self._retries = retries
         self._on_retry = on_retry
         self._completion: Completion | None = None
+        self._prompted: Prompted | None = None  # before the first text, if asked for
         self._error: BaseException | None = None
         self._cancelled = False
         self._yielded = False
@@ -310,6 +312,8 @@ class RemoteStream:
         if isinstance(item, Served):
             self.replica_id = item.replica_id
             self._on_served(item.replica_id)
+        elif isinstance(item, Prompted):
+            self._prompted = item
         elif isinstance(item, Finished):
             self._completion = item.completion
             self._on_finished(self.replica_id, item.completion)
@@ -325,11 +329,18 @@ class RemoteStream:
 
     @property
     def prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
-        return self._completion.prompt_logprobs if self._completion is not None else None
+        """Known before the first text when asked for (``Prompted``), as on a local stream
+        (found by review: only the end brought them, so a streamed ``echo`` with ``logprobs``
+        through the ingress wrote its prompt without them)."""
+        if self._completion is not None:
+            return self._completion.prompt_logprobs
+        return self._prompted.prompt_logprobs if self._prompted is not None else None
 
     @property
     def prompt_tokens(self) -> tuple[int, ...]:
-        return self._completion.prompt_tokens if self._completion is not None else ()
+        if self._completion is not None:
+            return self._completion.prompt_tokens
+        return self._prompted.prompt_tokens if self._prompted is not None else ()
 
     async def aresult(self) -> Completion:
         """The completion; text read only here reaches nobody, so a lost replica's call is

@@ -34,6 +34,7 @@ from kvwarm.cluster.calls import (
     Finished,
     Generate,
     ModelOp,
+    Prompted,
     Served,
     SnapshotCall,
     StreamItem,
@@ -223,7 +224,12 @@ class EngineReplica:
                 yield Failed(_portable(exc))
                 return
             try:
+                prompted = False
                 async for fragment in stream:
+                    # Prefilled before the first fragment: its prompt logprobs, if asked for.
+                    if not prompted and stream.prompt_logprobs is not None:
+                        prompted = True
+                        yield Prompted(tuple(stream.prompt_tokens), stream.prompt_logprobs)
                     yield fragment
                 done = await stream.aresult()
             except Exception as exc:
