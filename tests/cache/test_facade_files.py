@@ -164,3 +164,30 @@ def test_read_only_open_reports_every_bad_file_and_changes_nothing(root: Path) -
         assert found == sorted(map(str, (truncated, garbage, tmp)))
         assert report.checked == 4 and len(ro.rows()) == 1
     assert sorted(p.name for p in root.iterdir()) == listing
+
+
+def test_a_delete_the_disk_refuses_says_so(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row whose file cannot be removed (a disk gone read-only) stays stored and indexed, as
+    for an eviction: ``delete`` answered True all the same (found by review), so a caller
+    deleting a prompt's KV was told it was gone while it was still served."""
+    from kvwarm.cache.tiers.files import FileStore
+    from kvwarm.errors import CacheIOError
+
+    def refused(self: FileStore, name: str) -> None:
+        raise CacheIOError(f"deleting {name} failed", errno=30)  # EROFS
+
+    with disk_cache(root) as c:
+        stray = req((5,) * 12, 100, tier="disk")
+        with disk_cache(root) as other:  # another process's row, never adopted here
+            assert other.save(stray, sync=True)
+        assert c.save(req(tuple(range(40)), 200, tier="disk"), sync=True)
+        key = c.key_for(NS, tuple(range(40)))
+        monkeypatch.setattr(FileStore, "delete", refused)
+        assert c.delete(key) is False
+        assert c.lookup_exact(key) is not None
+        with c.open_row(key) as row:
+            assert len(row.tokens) == 40
+        assert c.delete(c.key_for(NS, (5,) * 12)) is False
+        monkeypatch.undo()
+        assert c.delete(key) is True
+        assert c.lookup_exact(key) is None

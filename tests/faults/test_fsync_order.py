@@ -69,13 +69,19 @@ def journal(monkeypatch: pytest.MonkeyPatch) -> Iterator[Journal]:
     j = Journal()
     real: dict[str, Callable[..., Any]] = {
         n: getattr(os, n)
-        for n in ("open", "close", "fsync", "fdatasync", "link", "unlink", "mkdir", "writev")
+        for n in ("open", "dup", "close", "fsync", "fdatasync", "link", "unlink", "mkdir", "writev")
     }
 
     def open_(name: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
         fd: int = real["open"](name, flags, mode, dir_fd=dir_fd)
         j.fds[fd] = _path(name, dir_fd, j)
         return fd
+
+    def dup(fd: int) -> int:  # a staged put's own descriptor of the tier's directory
+        new: int = real["dup"](fd)
+        if fd in j.fds:
+            j.fds[new] = j.fds[fd]
+        return new
 
     def close(fd: int) -> None:
         j.fds.pop(fd, None)
@@ -109,7 +115,7 @@ def journal(monkeypatch: pytest.MonkeyPatch) -> Iterator[Journal]:
         j.events.append(("write", j.fds.get(fd, f"fd {fd}")))
         return n
 
-    for name, fake in (("open", open_), ("close", close), ("fsync", sync("fsync")),
+    for name, fake in (("open", open_), ("dup", dup), ("close", close), ("fsync", sync("fsync")),
                        ("fdatasync", sync("fdatasync")), ("link", link), ("unlink", unlink),
                        ("mkdir", mkdir), ("writev", writev)):  # fmt: skip
         monkeypatch.setattr(os, name, fake)

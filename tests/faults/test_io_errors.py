@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from tests.faults.test_kill9 import CHILD, child_env
 
 from kvwarm.cache.tiers import files as files_mod
 from kvwarm.cache.tiers.files import FileTier
+from kvwarm.cache.types import SaveRequest
 from kvwarm.errors import CacheIOError
 
 
@@ -150,3 +152,43 @@ def test_enospc_on_a_real_tiny_tmpfs(tmp_path: Path) -> None:
     assert result["listing"] == [f"{result['small']}.kvc"]  # no temp file, no partial row
     assert result["reservations"] == 0
     assert os.listdir(mnt) == []  # the mount lived only in the child's namespace
+
+
+def test_a_put_staged_before_close_finishes_in_its_own_directory(tmp_path: Path) -> None:
+    """A save still running when its cache closes (``Cache.close`` gives up on it after its
+    timeout, then closes the tiers): the put keeps its own descriptor of the tier's directory.
+    It held the tier's number, closed under it and taken by the next open, so its link, temp
+    unlink and directory fsync went to whatever that number then named (found by review:
+    ENOENT in another directory, the temp file left behind in the tier's)."""
+    root, other = tmp_path / "kvc", tmp_path / "other"
+    other.mkdir(mode=0o700)
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(step: str) -> None:
+        if step == "tmp_synced":
+            entered.set()
+            assert go.wait(10)
+
+    tier = FileTier("disk", root, 1 << 30, on_step=hold)
+    key, req = request((7, 8, 9), payload=b"y" * 10_000)
+    out: list[object] = []
+    saver = threading.Thread(target=lambda: out.append(_store_or_error(tier, key, req)))
+    saver.start()
+    assert entered.wait(10)
+    tier.close()
+    fd = os.open(other, os.O_RDONLY | os.O_DIRECTORY)  # the lowest free number: likely its
+    try:
+        go.set()
+        saver.join(10)
+    finally:
+        os.close(fd)
+    assert not isinstance(out[0], BaseException), out[0]
+    assert data_names(root) == [f"{key.hex()}.kvc"]  # published there, no temp file left
+    assert os.listdir(other) == []
+
+
+def _store_or_error(tier: FileTier, key: bytes, req: SaveRequest) -> object:
+    try:
+        return tier.store(key, req, FakeBook())
+    except BaseException as exc:  # handed to the test's thread
+        return exc

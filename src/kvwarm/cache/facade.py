@@ -388,19 +388,20 @@ class Cache:
         return self._core.retire(self._index.evict(n_bytes, tiers), count=True)
 
     def delete(self, key: bytes) -> bool:
+        # True only where a row's bytes were removed: one whose delete the tier refused (a
+        # disk gone read-only) stays stored and indexed (``CacheCore.retire``), and was
+        # reported deleted all the same (found by review).
         row = self._index.remove(key)
         if row is not None:
             info = row.info
             self._history.gone(
                 info.namespace, key, row.tokens, MissReason.EVICTED, info.tier, "deleted"
             )
-            self._core.retire([row])
-            return True
+            return self._core.retire([row]).rows > 0
         found = False
         for tier in self._core.shared_tiers():
             stray = tier.probe(key)  # another process's row we never adopted
-            if stray is not None:
-                self._core.retire([stray])
+            if stray is not None and self._core.retire([stray]).rows:
                 found = True
         return found
 

@@ -151,7 +151,14 @@ class FileStore:
     # ---- puts (``publish.py``) -------------------------------------------------------------
 
     def stage(self, name: str, parts: Sequence[kvc.Buffer], token: int) -> FilePut:
-        return self._publisher.stage(self._dir, _file(name), parts, token)
+        # The put owns a descriptor of its own: a save still running when the tier closes
+        # (``Cache.close`` gives up waiting) must not link, unlink and fsync through a number
+        # closed under it and reused by the next open (found by review).
+        with self._lock:
+            if self._dir < 0:
+                raise CacheIOError(f"{self._tier}: {self._root} is closed", errno=errno.EBADF)
+            dir_fd = os.dup(self._dir)
+        return self._publisher.stage(dir_fd, _file(name), parts, token)
 
     def put_if_absent(self, name: str, body: bytes) -> bool:
         put = self.stage(name, (body,), 0)

@@ -17,6 +17,10 @@ Invariants:
   left untouched.
 - ``O_EXCL`` creates and no-follow links: a name planted in the way fails the save instead of
   being written through.
+- A put owns a ``dup`` of its directory's descriptor until it is settled or undone, so a save
+  still running when its tier closes finishes (or is undone) in that directory, never through
+  a closed number the next open reused. Undoing a settled put changes nothing: its file is
+  durable and complete, left for the index or a scan to decide (as ``lost``).
 - Temp names follow ``layout.tmp_name`` (a chunk's with token 0), and while one is being
   written the startup scan leaves it alone (``Publisher.writing``), whichever of this
   process's publishers writes it: two caches of one process may share a directory (two
@@ -113,9 +117,14 @@ class Publisher:
 
     def stage(self, dir_fd: int, final: str, parts: Sequence[kvc.Buffer], token: int) -> FilePut:
         """Write ``parts`` to a durable temp file for ``final`` below ``dir_fd``; raises
-        ``CacheIOError`` (after removing it) if that fails."""
+        ``CacheIOError`` (after removing it) if that fails. The put owns ``dir_fd`` and
+        closes it once settled or undone."""
         steps = _CHUNK if final.endswith(CHUNK_SUFFIX) else _ROW
-        put = FilePut(self, dir_fd, final, tmp_name(final, token), steps)
+        try:
+            put = FilePut(self, dir_fd, final, tmp_name(final, token), steps)
+        except BaseException:
+            os.close(dir_fd)
+            raise
         with _WRITING_LOCK:
             _WRITING.add(put.tmp)
         try:
@@ -133,7 +142,8 @@ class Publisher:
 class FilePut:
     """One staged file (``objects.StagedPut``): link(2) with no link followed makes it
     visible; settling drops the temp name and fsyncs the directory; undoing removes the temp
-    file and, for a row, a link that was ours."""
+    file and, for a row, a link that was ours. It owns its directory descriptor (a ``dup``
+    of the store's), closed once it is settled or undone."""
 
     def __init__(
         self, publisher: Publisher, dir_fd: int, final: str, tmp: str, steps: _Steps
@@ -181,13 +191,22 @@ class FilePut:
             os.fsync(self._dir)
         self._p.step(self._steps.dir_synced)
         self._p.done(self.tmp)
+        self._release()
 
     def undo(self) -> None:
+        if self._dir < 0:
+            return  # settled or undone already
         unlink_quiet(self._dir, self.tmp)
         if self._linked_ours:
             unlink_quiet(self._dir, self.final)  # linked but not durably: never leave it visible
             self._linked_ours = False
         self._p.done(self.tmp)  # gone: no longer written (a failed save's name is not kept)
+        self._release()
+
+    def _release(self) -> None:
+        fd, self._dir = self._dir, -1
+        if fd >= 0:
+            os.close(fd)
 
     @contextmanager
     def _errors(self, doing: str) -> Iterator[None]:
