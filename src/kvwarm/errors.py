@@ -152,7 +152,8 @@ class MediaError(InvalidRequestError):
 
 class CapabilityError(InvalidRequestError):
     """The model cannot do what was asked: rerank with a model whose pooling is not rank, or
-    generate (or embed) with a reranker (``ModelInfo.capabilities`` says what it can do)."""
+    generate (or embed) with a reranker, generate with an encoder (``ModelInfo.capabilities``
+    says what it can do)."""
 
 
 class ModelNotFoundError(KvwarmError):

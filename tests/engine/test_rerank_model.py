@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.childkit import run_child
 from tests.tinymodels import QWEN3_RERANK_TEMPLATE, write_reranker
 
 from kvwarm.backends.base import ContextParams
@@ -250,3 +251,37 @@ def test_a_marker_spelled_across_a_documents_edge_is_text(engine: Engine, tmp_pa
         add_special=False,
         parse_special=True,
     )
+
+
+_PAST_POSITIONS = r"""
+import sys
+from pathlib import Path
+from tests.tinymodels import write_reranker
+from kvwarm.backends.base import ContextParams
+from kvwarm.engine.api import Engine, EngineConfig, ModelConfig
+from kvwarm.cache.types import CacheConfig, TierConfig
+from kvwarm.errors import ContextOverflowError
+
+path = write_reranker(Path(sys.argv[1]) / "short.gguf", "encoder", n_ctx=64)
+engine = Engine(EngineConfig(cache=CacheConfig(tiers=(TierConfig("ram", 64 << 20),))))
+context = ContextParams(n_ctx=512, n_batch=512, n_ubatch=512)
+model = engine.load_model(path, model_id="short", config=ModelConfig(context=context))
+print("N_CTX", model.info().n_ctx)
+try:
+    model.rerank("q", ["hello world " * 60])
+except ContextOverflowError as e:
+    print("REFUSED", e.param)
+print("SCORED", len(model.rerank("q", ["hello world " * 10]).results))
+engine.close()
+"""
+
+
+def test_a_document_past_the_position_table_is_refused_not_an_abort(tmp_path: Path) -> None:
+    """Found by review: a cross-encoder reads its positions from a table of ``n_ctx_train``
+    rows (BERT's ``position_embd``: 512 in bge-reranker), while n_ctx defaults to 4096; a
+    document of more tokens than the table reached ggml_get_rows' GGML_ASSERT and aborted the
+    process. n_ctx is now cut to the table (with a warning), so such a document is a
+    ``ContextOverflowError`` (a 400), and a short one is scored."""
+    done, lines = run_child(_PAST_POSITIONS, str(tmp_path), prefixes=("N_CTX", "REFUSED", "SCORED"))
+    assert done.returncode == 0, f"rc={done.returncode} {lines} {done.stderr[-1500:]}"
+    assert lines == ["N_CTX 64", "REFUSED documents", "SCORED 1"], lines

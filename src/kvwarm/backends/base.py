@@ -203,6 +203,10 @@ class ModelFacts:
     sep: int | None = None  # the separator token, if the vocabulary has one
     add_eos: bool = False  # whether the vocabulary ends a text with EOS (BERT's [SEP])
     add_sep: bool = False  # whether it puts a separator between two texts
+    #: The most positions one sequence may hold where the model reads its positions from a
+    #: table (a ``position_embd.weight``: BERT, GPT-2; its rows, ``n_ctx_train``): llama.cpp
+    #: GGML_ASSERTs on a position past it. None: positions are unbounded (RoPE, ALiBi).
+    n_pos: int | None = None
 
 
 @runtime_checkable

@@ -104,7 +104,7 @@ def model_info(
 def not_generating(facts: ModelFacts, capabilities: Sequence[Capability]) -> str | None:
     """What a model that never generates is ("a reranker", "an encoder"), None for one that
     generates: such a model never verifies a draft (``engine/speculating.py``)."""
-    if "generate" not in capabilities:
+    if "rerank" in capabilities:
         return "a reranker"
     if not facts.causal:
         return "an encoder: its attention is not causal"

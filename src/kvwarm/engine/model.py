@@ -163,6 +163,11 @@ class Model:
             ran = replace(ran, embeddings=True, pooling="rank")
             if not facts.causal:
                 ran = replace(ran, n_ubatch=ran.n_batch)
+        elif not facts.causal:
+            # An encoder (a BERT embedding model) keeps no KV cache: it only embeds, and its
+            # worker's context pools too (stateless). Found by review: it was made as a
+            # generator's, which llama.cpp cannot give such a model, and the load failed.
+            ran = replace(ran, embeddings=True, pooling=self.pooling)
         self.config = cfg = replace(cfg, context=ran)
         #: The projector's file as ``info()`` shows it (the server's models_dir loads read it
         #: through another path, ``models_dir.pinned``, and set its name here).
@@ -489,8 +494,11 @@ class Model:
 
     @property
     def capabilities(self) -> tuple[Capability, ...]:
-        """What it can be asked to do: a reranker only ranks (its slots pool by rank)."""
-        return ("rerank",) if self.pooling == "rank" else ("generate", "embed")
+        """What it can be asked to do: a reranker only ranks (its slots pool by rank), an
+        encoder (attention not causal) only embeds."""
+        if self.pooling == "rank":
+            return ("rerank",)
+        return ("generate", "embed") if self.facts.causal else ("embed",)
 
     def _require(self, capability: Capability) -> None:
         if capability in self.capabilities:
@@ -499,6 +507,12 @@ class Model:
             raise CapabilityError(
                 f"model {self.id!r} is not a reranker (its pooling is {self.pooling}; a "
                 "reranker's is rank: set pooling to rank to rank with it)",
+                param="model",
+            )
+        if "embed" in self.capabilities:
+            raise CapabilityError(
+                f"model {self.id!r} is an encoder (its attention is not causal): it can only "
+                "embed (/v1/embeddings), not generate text",
                 param="model",
             )
         raise CapabilityError(

@@ -258,7 +258,7 @@ class LlamaModel:
                 f"{path!r}: its vocabulary adds {missing} to every prompt but has no such "
                 "token (check the GGUF's tokenizer.ggml.*_token_id and add_*_token keys)"
             )
-        self._facts = self._read_facts(path)
+        self._facts = replace(self._read_facts(path), n_pos=model_file.position_rows(path))
         self._grammar_tokens: tuple[tuple[int | None, ...], tuple[int, ...]] | None = None
         self._unspoken: tuple[int, ...] | None = None
         self._byte_lock = threading.Lock()
@@ -571,7 +571,24 @@ class LlamaModel:
         on at ~1,100 positions, 2 models and 6 layer shapes from 135M to 8B: decode up to 35%
         less time, 20-40-token prefills 18-63% less, a cold prefill 3-33% more (the real
         models 5-10%). Explicit ``on``/``off`` are kept as given.
+
+        ``n_ctx`` is cut to the model's position table (``ModelFacts.n_pos``), with a
+        warning: a sequence can hold no position past it.
         """
+        n_pos = self._facts.n_pos
+        if n_pos is not None and params.n_ctx > n_pos:
+            # Found by review: a position past the table reached ggml_get_rows' GGML_ASSERT
+            # and aborted the process (a cross-encoder's document of 600 tokens, at the
+            # default n_ctx of 4096, with bge-reranker's 512 positions).
+            log.warning(
+                "%s: n_ctx %d is more than the %d positions its position embedding holds: "
+                "a sequence holds at most %d tokens",
+                self._facts.path,
+                params.n_ctx,
+                n_pos,
+                n_pos,
+            )
+            params = replace(params, n_ctx=n_pos)
         params = self._kv_cells(params, speculative=speculative and not deterministic)
         if params.flash_attn != "auto" or params.type_v in QUANTIZED_KV_TYPES:
             return params

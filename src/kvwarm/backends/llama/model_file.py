@@ -777,6 +777,20 @@ def _matrix_weights(path: str | os.PathLike[str], *, adapter: bool) -> list[gguf
     ]
 
 
+def position_rows(path: str | os.PathLike[str]) -> int | None:
+    """The rows of the GGUF's position table (``position_embd.weight``, ``[n_embd, rows]``:
+    an absolute position embedding, BERT's or GPT-2's), the most positions one sequence may
+    hold; None without one, or if the table cannot be read."""
+    try:
+        with gguf_meta.tensors_of(path) as tensors:
+            for t in tensors:
+                if t.name == "position_embd.weight" and len(t.shape) >= 2:
+                    return t.shape[1]
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def several_row_kernels(
     path: str | os.PathLike[str], *, adapter: bool = False, repacked: bool = False
 ) -> str:
