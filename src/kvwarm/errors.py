@@ -42,7 +42,9 @@ the server maps exception *types* to HTTP statuses, never message text.
     ├── KeepAliveFullError                        keep-alive holds as many prefixes as allowed
     └── CacheError
         ├── CacheFormatError                      a malformed or foreign KVC file / blob
-        │   └── ChunkFormatError                  ... a chunk object's, naming it (set aside)
+        │   ├── ChunkFormatError                  ... a chunk object's, naming it (set aside)
+        │   └── CacheNewerFormatError             ... a newer kvwarm's format version: not
+        │                                         damage, a miss here, never set aside
         ├── CacheIOError                          the file system refused a save (ENOSPC, EIO…)
         │   └── CacheNetworkError                 a remote store (s3) did not answer in time
         └── CacheKeyError          (also KeyError) a key the cache does not hold
@@ -61,6 +63,7 @@ __all__ = [
     "CacheIOError",
     "CacheKeyError",
     "CacheNetworkError",
+    "CacheNewerFormatError",
     "CapabilityError",
     "ChunkFormatError",
     "ConfigError",
@@ -282,6 +285,13 @@ class ChunkFormatError(CacheFormatError):
     def __init__(self, message: str, *, key: bytes) -> None:
         super().__init__(message)
         self.key = key
+
+
+class CacheNewerFormatError(CacheFormatError):
+    """A row or chunk written in a format version newer than this kvwarm reads (a newer
+    kvwarm sharing the directory or store, or one before a rollback). Nothing proves its bytes
+    bad: it is a miss here, and no scan, sweep or save of this kvwarm sets it aside, deletes
+    it or replaces it (the newer kvwarm reads it)."""
 
 
 class CacheIOError(CacheError):

@@ -7,9 +7,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from tests.cli.test_cli import clean_env
 
 from kvwarm.backends.base import ContextParams, ModelParams
 from kvwarm.errors import ConfigError
@@ -305,3 +308,25 @@ def test_a_per_model_zero_is_refused_not_read_as_the_global_value(tmp_path: Path
     config.write_text(f'backend = "stub"\n[[models]]\nid = "m"\npath = "m.gguf"\n{key} = 32\n')
     context, _ = _config(load_settings({"config": str(config)}, {}))
     assert getattr(context, "n_seq_max" if key == "n_parallel" else key) == 32
+
+
+@pytest.mark.parametrize(
+    ("models", "dupe"),
+    [
+        (["a=stub-x", "a=stub-y"], "a"),  # the same id given twice
+        (["stub-x", "stub-x"], "stub-x"),  # the same file: the same id, its stem
+        (["/tmp/x.gguf", "/tmp/y/x.gguf"], "x"),  # two files of one stem
+    ],
+)
+def test_serve_refuses_one_model_id_twice_naming_it(
+    tmp_path: Path, models: list[str], dupe: str
+) -> None:
+    """``serve --model`` twice under one id is a usage error naming the id (exit status 2),
+    never the first model served and the second dropped."""
+    args = [sys.executable, "-m", "kvwarm", "serve", "--backend", "stub", "--port", "0"]
+    for model in models:
+        args += ["--model", model]
+    env = clean_env(tmp_path)
+    result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert result.returncode == 2, (result.returncode, result.stderr[-600:])
+    assert f"duplicate model ids: {dupe} " in result.stderr, result.stderr

@@ -368,3 +368,32 @@ def test_a_load_by_a_path_no_stat_can_answer_is_a_404(tmp_path: Path) -> None:
             assert _code(refused) == (404, "model_not_found"), refused.json()
             assert refused.json()["error"]["param"] == "path"
         assert client.get("/health").status_code == 200
+
+
+def test_model_ids_with_slashes_reach_their_own_model_on_every_model_route() -> None:
+    """Hugging Face style ids (``org/model``), one a prefix of another's: the path route
+    (``/v1/models/{id}``) and the routes naming a model in their body or query act on that
+    model and no other (checked by review: none 404s or picks the wrong one)."""
+    ids = ("org", "org/model", "org/model/v2")
+    settings = stub_settings(
+        models=tuple(ModelSpec(path=f"stub-{i}", id=mid) for i, mid in enumerate(ids))
+    )
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        for mid in ids:
+            assert client.get(f"/v1/models/{mid}").json()["id"] == mid
+        assert client.get("/v1/models/org%2Fmodel").json()["id"] == "org/model"
+        assert _code(client.get("/v1/models/org/model/"))[0] == 404  # no such id
+        body = {"model": "org/model", "prompt": "hello " * 40}
+        assert client.post("/cache/prewarm", json=body).json()["model"] == "org/model"
+        assert client.get("/lora-adapters", params={"model": "org/model/v2"}).status_code == 200
+        unloaded = client.post("/admin/models/unload", json={"model": "org/model"}).json()
+        assert unloaded["id"] == "org/model"
+        assert _states(client) == {
+            "org": "ready",
+            "org/model": "available",
+            "org/model/v2": "ready",
+        }
+        body = {"model": "org/model", "prompt": "hi", "max_tokens": 2}
+        assert client.post("/v1/completions", json=body).json()["model"] == "org/model"
+        assert _states(client)["org/model"] == "ready"  # loaded again by its request

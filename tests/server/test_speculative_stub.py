@@ -281,3 +281,30 @@ def test_anthropic_and_responses_bodies_choose_their_speculation(
         reply = client.post(path, json={**base, "model": "spec", **bad})
         assert reply.status_code == 400, reply.text
         assert next(iter(bad)) in reply.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/responses", {"input": "x"}),
+    ],
+)
+@pytest.mark.parametrize("field", ["spec_type", "speculative.type"])
+def test_draft_simple_without_a_draft_model_names_the_field_as_sent(
+    client: TestClient, path: str, body: dict[str, object], field: str
+) -> None:
+    """The check that needs the model (it has no draft model) runs at submit, past the body's
+    validation: its 400 named kvwarm's ``spec_type`` to a client that sent llama-server's
+    ``speculative.type`` (found by review)."""
+    sent = {**body, "model": "spec", "max_tokens": 2, field: "draft-simple"}
+    response = client.post(path, json=sent)
+    assert response.status_code == 400, response.text
+    text = response.text
+    assert f"{field} 'draft-simple' needs a draft model" in text
+    if field != "spec_type":
+        assert "spec_type" not in text
+    if path != "/v1/messages":  # Anthropic's error shape has no param
+        assert response.json()["error"]["param"] == field

@@ -24,7 +24,7 @@ from kvwarm.engine.types import (
     TokenLogprob,
 )
 from kvwarm.errors import InvalidRequestError
-from kvwarm.server.errors import HTTPError
+from kvwarm.server.errors import HTTPError, rename_param
 from kvwarm.server.schemas import ResponseFormat, SamplingFields
 from kvwarm.server.tools import CallGrammar, ToolCall
 
@@ -133,20 +133,9 @@ def options(
     try:
         opts.validate()
     except InvalidRequestError as exc:
-        _rename(exc, names or {})
+        rename_param(exc, {**req.sent_as(), **(names or {})})
         raise
     return opts
-
-
-def _rename(exc: InvalidRequestError, names: Mapping[str, str]) -> None:
-    """Make ``exc`` name its field as the client spelled it (its message starts with it)."""
-    sent = names.get(exc.param or "")
-    if sent is None or exc.param is None:
-        return
-    message = str(exc)
-    if message.startswith(exc.param + " "):
-        exc.args = (sent + message[len(exc.param) :],)
-    exc.param = sent
 
 
 def length_within(value: object, param: str, limit: int, over_limit: str) -> None:

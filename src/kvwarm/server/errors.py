@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,6 +187,19 @@ def shaped_body(
     if path.startswith(ANTHROPIC_PATHS) if anthropic is None else anthropic:
         return anthropic_body(status, message)
     return dict(error_body(message, type, code, param))
+
+
+def rename_param(exc: e.InvalidRequestError, names: Mapping[str, str]) -> None:
+    """Make ``exc`` name its field as the client spelled it (``names``: the engine's name of a
+    field to the client's; its message starts with it): Anthropic's ``stop_sequences`` for
+    ``stop``, llama-server's ``speculative.type`` for ``spec_type``."""
+    sent = names.get(exc.param or "")
+    if sent is None or exc.param is None:
+        return
+    message = str(exc)
+    if message.startswith(exc.param + " "):
+        exc.args = (sent + message[len(exc.param) :],)
+    exc.param = sent
 
 
 def error_response(

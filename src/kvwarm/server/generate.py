@@ -31,7 +31,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
@@ -47,7 +47,7 @@ from kvwarm.errors import (
     RequestCancelledError,
     RequestTimeoutError,
 )
-from kvwarm.server.errors import error_body, kind_of
+from kvwarm.server.errors import error_body, kind_of, rename_param
 
 if TYPE_CHECKING:
     from kvwarm.server.served import ServedStream
@@ -65,13 +65,19 @@ _DONE = object()
 _S = TypeVar("_S", "ServedStream", "Sequence[ServedStream]")
 
 
-async def start_stream(submit: Callable[[], _S]) -> _S:
+async def start_stream(submit: Callable[[], _S], names: Mapping[str, str] | None = None) -> _S:
     """Run ``submit`` (tokenizing, maybe waiting on the cache) off the event loop. If this
     handler is cancelled meanwhile (the client went away), the request may still have been
-    queued: cancel it as soon as it exists, so it never runs unobserved to max_tokens."""
+    queued: cancel it as soon as it exists, so it never runs unobserved to max_tokens.
+    ``names``: the fields the client sent under another name (``JsonBody.sent_as``), which a
+    check of the model's at submit names as sent (``rename_param``; found by review: a
+    client's ``speculative.type`` was called ``spec_type``)."""
     fut = asyncio.ensure_future(run_in_threadpool(submit))
     try:
         return await asyncio.shield(fut)
+    except InvalidRequestError as exc:
+        rename_param(exc, names or {})
+        raise
     except asyncio.CancelledError:
         fut.add_done_callback(_cancel_orphan)
         raise

@@ -120,6 +120,14 @@ class JsonBody(BaseModel):
     (``extra="ignore"``) unless a body says otherwise (the admin bodies forbid them)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+    # {field: the name the body gave it}, for each field given under another of its names
+    # (llama-server's ``speculative.type`` for ``spec_type``): set by ``parse_body``.
+    _sent_as: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def sent_as(self) -> dict[str, str]:
+        """The fields the client gave under another of their names, each with that name: an
+        error about one names what the client sent (``convert.rename``)."""
+        return dict(self._sent_as)
 
 
 class NullMeansDefault(JsonBody):
@@ -707,7 +715,7 @@ def parse_body(data: object, model: type[_M]) -> _M:
         raise HTTPError(400, "the request body must be a JSON object", code="invalid_json")
     _one_value_per_field(data, model)
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
         param = _param(tuple(errors[0]["loc"]))
@@ -721,3 +729,9 @@ def parse_body(data: object, model: type[_M]) -> _M:
         raise HTTPError(
             400, f"{param or 'body'}: {first['msg']}{more}", code="invalid_type", param=param
         ) from exc
+    if isinstance(body, JsonBody):
+        for names in _alias_groups(model):
+            given = next((name for name in names if name in data), names[0])
+            if given != names[0]:
+                body._sent_as[names[0]] = given
+    return body

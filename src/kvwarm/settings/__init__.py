@@ -142,7 +142,8 @@ class Settings(ModelSettings, ServingSettings):
     port: Int = Field(default=8000, description="port to listen on (0: any free port)")
     models: Models = Field(
         default=(ModelSpec(),),
-        description="a model to serve, [ID=]PATH (repeatable; PATH 'default' = embedded)",
+        description="a model to serve, [ID=]PATH (repeatable; PATH 'default' = embedded; ID "
+        "defaults to the file's stem; one id twice is an error)",
         json_schema_extra={"flag": "--model", **_REPEAT},
     )
     backend: Str = Field(default="llama_cpp", description="default backend: llama_cpp or stub")

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from kvwarm.cache.formats.key import encode_tokens, namespace_prefix
 from kvwarm.cache.formats.kvc import Buffer, crc32c
 from kvwarm.cache.types import Namespace
-from kvwarm.errors import CacheFormatError
+from kvwarm.errors import CacheFormatError, CacheNewerFormatError
 
 __all__ = [
     "ROOT_PARENT",
@@ -309,6 +309,11 @@ def _head_fields(
     magic, version, count, pcrc, plen, key, parent, ns_b = _HEAD.unpack_from(mv, 0)
     if magic != MAGIC:
         raise _bad("bad magic")
+    if version > VERSION:  # a newer kvwarm's chunk: not damage, not ours to set aside
+        raise CacheNewerFormatError(
+            f"unsupported chunk version {version} (this kvwarm reads {VERSION}): "
+            "written by a newer kvwarm"
+        )
     if version != VERSION:
         raise _bad(f"unsupported chunk version {version}")
     if count == 0 or count > MAX_CHUNK_TOKENS:

@@ -62,7 +62,7 @@ from kvwarm.cache.types import (
     SaveRequest,
     TtlClass,
 )
-from kvwarm.errors import CacheFormatError
+from kvwarm.errors import CacheFormatError, CacheNewerFormatError
 
 # --- The TLV section: its tags, their records and their checks.
 
@@ -612,6 +612,11 @@ def _parse_meta(
      payload_bytes) = _HEADER.unpack_from(mv, 0)  # fmt: skip
     if magic != MAGIC:
         raise bad("bad magic")
+    if version > max(_READABLE_VERSIONS):  # a newer kvwarm's row: not damage, not ours
+        raise CacheNewerFormatError(
+            f"unsupported version {version} (this kvwarm reads 1 to "
+            f"{max(_READABLE_VERSIONS)}): written by a newer kvwarm"
+        )
     if version not in _READABLE_VERSIONS:
         raise bad(f"unsupported version {version} (this kvwarm reads 1 to 4)")
     if res1 != b"\0\0" or res2 != b"\0\0\0\0":

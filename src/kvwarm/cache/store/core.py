@@ -53,7 +53,14 @@ from kvwarm.cache.types import (
     TierName,
     TierSizes,
 )
-from kvwarm.errors import CacheError, CacheIOError, CacheKeyError, ChunkFormatError, ConfigError
+from kvwarm.errors import (
+    CacheError,
+    CacheIOError,
+    CacheKeyError,
+    CacheNewerFormatError,
+    ChunkFormatError,
+    ConfigError,
+)
 
 __all__ = ["CacheCore", "ScratchBuffers"]
 
@@ -344,6 +351,12 @@ class CacheCore:
         may be read fine by a newer kvwarm elsewhere; deleting would spread one process's
         failure to all. A truly dead object is left to ``gc_shared`` and lifecycle rules."""
         detail = "missing" if isinstance(exc, CacheKeyError) else "corrupt"
+        if isinstance(exc, CacheNewerFormatError):
+            # Not damage: a newer kvwarm's bytes (which it reads), so only forgotten, in a
+            # local tier too, its chunks with it (none deleted).
+            log.warning("%s: forgetting row %s: %s", tier.name, key.hex(), exc)
+            self._forget_unreadable(tier, key, "newer format")
+            return
         if tier.capabilities.local:
             log.warning("%s: dropping row %s: %s", tier.name, key.hex(), exc)
             removed = self.index.remove(key)
@@ -365,6 +378,11 @@ class CacheCore:
             )
         else:
             log.info("%s: forgetting unreadable shared row %s: %s", tier.name, key.hex(), exc)
+        self._forget_unreadable(tier, key, detail)
+
+    def _forget_unreadable(self, tier: Tier, key: bytes, detail: str) -> None:
+        """Forget the row of ``key`` (its bytes and chunks left where they are), remembered
+        as unreadable (``detail``) and skipped by the rescans."""
         row = self.index.forget(key, tier.name)
         if row is not None:
             self.fresh.forget(tier.name, row.chunk_refs)

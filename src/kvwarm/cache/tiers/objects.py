@@ -26,6 +26,10 @@ Invariants:
   an object whose bytes are bad (``CacheFormatError``) is set aside: a read that failed
   (``CacheIOError``: EIO, EMFILE, ENOMEM on our side) leaves it in place, reported; out of
   descriptors or memory (``CacheIOError.exhausted``) the scan stops there.
+- A row or chunk in a format version newer than this kvwarm reads (``CacheNewerFormatError``:
+  a newer kvwarm sharing the store, or one before a rollback) is nobody's damage: a scan
+  leaves it where it is (not set aside, not reported as bad), a probe or load is a miss, and
+  a save whose name it holds fails rather than replacing it.
 - Hit counts and last-used times are user metadata outside the KVC bytes' CRCs (a file keeps
   them in its header's hit fields, an object store beside the object).
 - Chunks are ``chunks/<hex>.kvk`` objects, content-addressed and put once; one already there
@@ -61,6 +65,7 @@ from kvwarm.errors import (
     CacheIOError,
     CacheKeyError,
     CacheNetworkError,
+    CacheNewerFormatError,
     ChunkFormatError,
     ConfigError,
 )
@@ -320,7 +325,12 @@ class _Staged:
         touched ours just before (``chunking.store_row``), and were one of them gone, ours
         would name it too. Replicas cutting alike name the same chunks, so adopting costs
         no request per chunk (it cost one per chunk of the row; found by review)."""
-        row = self._tier.probe(self._key)
+        found = self._tier._examine(row_name(self._key), self._key)
+        if isinstance(found, CacheNewerFormatError):
+            # A newer kvwarm's row under our key: not junk, not ours to replace (found by
+            # review: an older kvwarm's save deleted it). This save fails; the row stays.
+            raise found
+        row = None if isinstance(found, str) else found
         if row is None:
             return None
         if self._tier._found_bad(row_name(self._key)):
@@ -475,6 +485,8 @@ class ObjectTier:
             data = self._store.get(row_name(key)).data
         try:
             f = kvc.parse(data, expected_key=key, known_tokens=row.tokens)
+        except CacheNewerFormatError:
+            raise  # not bad: a newer kvwarm's, which a save must not replace
         except CacheFormatError:
             self._found_bad(row_name(key), True)
             raise
@@ -494,17 +506,20 @@ class ObjectTier:
         exactly the metadata with ``LocalReads``). None if missing or invalid;
         ``CacheNetworkError`` if the store cannot say."""
         found = self._examine(row_name(key), key)
-        if isinstance(found, str):
+        if isinstance(found, (str, CacheNewerFormatError)):
             log.info("%s: probe of %s found an unusable object: %s", self._name, key.hex(), found)
             return None
         return found
 
-    def _examine(self, name: str, key: bytes) -> StoredRow | str | None:
-        """The valid row ``name`` holds, why it is unusable, or None if it is gone."""
+    def _examine(self, name: str, key: bytes) -> StoredRow | str | CacheNewerFormatError | None:
+        """The valid row ``name`` holds, why it is unusable, the error saying it is a newer
+        kvwarm's (to be left alone), or None if it is gone."""
         try:
             meta, user_meta = self._checked_meta(name, key)
         except CacheKeyError:
             return None
+        except CacheNewerFormatError as exc:
+            return exc
         except CacheFormatError as exc:
             return str(exc)
         return self._row(key, meta, user_meta)
@@ -593,22 +608,34 @@ class ObjectTier:
             else:
                 named.append((name, key))
         if self._local is not None:
-            found: Iterator[StoredRow | str | CacheIOError | None] = (
+            found: Iterator[StoredRow | str | CacheNewerFormatError | CacheIOError | None] = (
                 self._examine_local(n, k) for n, k in named
             )
         else:
             pool = ThreadPoolExecutor(_SCAN_PARALLEL, thread_name_prefix="kvwarm-obj-scan")
             with pool:
                 found = iter(list(pool.map(lambda nk: self._examine(*nk), named)))
+        newer = 0
         for (name, _), row in zip(named, found, strict=True):
             if isinstance(row, str):
                 self._reject(name, row, problems)
+            elif isinstance(row, CacheNewerFormatError):
+                newer += 1
+                log.info("%s: leaving %s alone: %s", self._name, name, row)
             elif isinstance(row, CacheIOError):
                 self._unreadable(name, row, problems)
             elif row is not None:
                 yield row
+        if newer:
+            log.warning(
+                "%s: left %d row(s) in a newer kvwarm's format alone (a miss here, kept for it)",
+                self._name,
+                newer,
+            )
 
-    def _examine_local(self, name: str, key: bytes) -> StoredRow | str | CacheIOError | None:
+    def _examine_local(
+        self, name: str, key: bytes
+    ) -> StoredRow | str | CacheNewerFormatError | CacheIOError | None:
         """``_examine`` of a local store, with a read that failed (EIO, EACCES: a fault that
         says nothing of the bytes) returned, for the scan to leave the file and go on; a
         process out of descriptors or memory raises, stopping the scan (each other file
@@ -684,7 +711,8 @@ class ObjectTier:
             raise
 
     def _chunk_head(self, key: bytes) -> chunkfmt.ChunkHead | None:
-        """The valid head of chunk ``key`` (payload not read); None if it is gone or junk."""
+        """The valid head of chunk ``key`` (payload not read); None if it is gone or junk;
+        ``CacheNewerFormatError`` if it is a newer kvwarm's (neither ours to use nor junk)."""
         try:
             return self._stored_chunk_head(key)
         except CacheKeyError:
@@ -695,6 +723,8 @@ class ObjectTier:
         try:
             got = self._store.get(chunk_name(key), CHUNK_HEAD_BYTES)
             head = chunkfmt.parse_head(got.data, size=got.size)
+        except CacheNewerFormatError:
+            raise
         except CacheFormatError as exc:
             log.info("%s: chunk %s is unusable: %s", self._name, key.hex(), exc)
             return None
@@ -711,6 +741,8 @@ class ObjectTier:
             if data is None:
                 data, _ = self._local.read_into(name, None)
             return chunkfmt.parse(data, key)
+        except CacheNewerFormatError:
+            raise  # a newer kvwarm's chunk: a miss, never set aside (not a ChunkFormatError)
         except ChunkFormatError:
             self._found_bad(name, True)
             raise
@@ -748,6 +780,9 @@ class ObjectTier:
             except CacheKeyError:
                 # Deleted since the listing (another process's eviction or sweep; found by
                 # review: reported, or set aside, as an invalid chunk): nothing to scan.
+                continue
+            except CacheNewerFormatError as exc:  # a newer kvwarm's: left, not counted stored
+                log.info("%s: leaving %s alone: %s", self._name, name, exc)
                 continue
             except CacheIOError as exc:  # as ``_examine_local``: left, or the scan stops
                 if exc.exhausted:
@@ -812,6 +847,8 @@ class ObjectTier:
                 if at + loc.length > len(data):
                     raise CacheFormatError(f"the pack ends at {start + len(data)}")
                 out.append(chunkfmt.parse(view[at : at + loc.length], key))
+            except CacheNewerFormatError:
+                raise  # a newer kvwarm's chunk: a miss, the pack not bad
             except CacheFormatError as exc:
                 self._found_bad(name, True)
                 raise ChunkFormatError(f"{self._name}: in pack {name}: {exc}", key=key) from exc

@@ -15,6 +15,9 @@ Invariants:
   (a damaged one is set aside), and a manifest naming one that is neither indexed nor on disk
   with a valid head is quarantined, so a damaged chunk costs its rows at startup, not at
   their next read (``_adopt_scanned``).
+- A row or chunk in a newer kvwarm's format (``CacheNewerFormatError``) is not bad: left
+  where it is, neither adopted nor set aside, nor reported by ``verify`` (a newer kvwarm
+  sharing the directory, or the one before a rollback, reads it).
 - Only bytes proven bad are set aside: a read that failed on our side (``CacheIOError``:
   EIO, EACCES; EMFILE or ENOMEM stop the scan) leaves the row or chunk where it is, logged
   and reported, for a later scan.
@@ -45,6 +48,7 @@ from kvwarm.errors import (
     CacheFormatError,
     CacheIOError,
     CacheKeyError,
+    CacheNewerFormatError,
     ChunkFormatError,
 )
 
@@ -88,6 +92,10 @@ class CacheUpkeep:
             for row in tier.scan():
                 try:
                     adopted += self._adopt_scanned(tier, row)
+                except CacheNewerFormatError as exc:
+                    # A chunk it names is a newer kvwarm's (which may read the row): left
+                    # alone, neither adopted nor set aside, and not reported as bad.
+                    log.info("%s: leaving %s alone: %s", tier.name, row.info.key.hex(), exc)
                 except ValueError as exc:
                     log.warning("%s: skipping %s: %s", tier.name, row.info.key.hex(), exc)
                     self._scan_problems.append((row.location or row.info.key.hex(), str(exc)))

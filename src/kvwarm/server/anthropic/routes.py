@@ -89,11 +89,11 @@ async def messages(request: Request) -> Response:
         json_schema=plan.json_schema or schema,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
         lora=lora,
-        names={"stop": "stop_sequences"},
+        names={"stop": "stop_sequences", **req.sent_as()},
         calls=await chat.call_grammar(plan, whole=schema is not None),
         preserved=plan.preserved,
     )
-    stream = await start_stream(chat.submit(model, plan, opts, prefill))
+    stream = await start_stream(chat.submit(model, plan, opts, prefill), req.sent_as())
     user = req.metadata.user_id if req.metadata is not None else None
     gen = Generation(request, stream, "messages", model.id, state, user=user)
     msg_id = anthropic.new_id("msg")

@@ -117,6 +117,7 @@ async def chat_completions(request: Request) -> Response:
         model.id,
         state,
         user=req.user,
+        names=req.sent_as(),
     )
     ids = convert.ResponseIds("chatcmpl", state.lora.reply_name(req.model, model))
     if not req.stream:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -61,9 +61,11 @@ class Choices:
         state: ServerState,
         *,
         user: str | None = None,
+        names: Mapping[str, str] | None = None,
     ) -> Choices:
-        """Queue the choices off the event loop (``start_stream``'s cancellation rule)."""
-        streams = await start_stream(submit)
+        """Queue the choices off the event loop (``start_stream``'s cancellation rule and
+        ``names``)."""
+        streams = await start_stream(submit, names)
         return cls(request, streams, endpoint, model_id, state, user=user)
 
     async def __aenter__(self) -> Choices:

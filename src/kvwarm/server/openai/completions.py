@@ -169,7 +169,9 @@ async def completions(request: Request) -> Response:
     all_stats = []
     for p_index, prompt in enumerate(prompts):
         submit = functools.partial(model.streams, prompt, opts, n=candidates, fragments=False)
-        group = await Choices.start(request, submit, "completion", model.id, state, user=req.user)
+        group = await Choices.start(
+            request, submit, "completion", model.id, state, user=req.user, names=req.sent_as()
+        )
         async with group:
             results = await group.results()
         if group.disconnected:
@@ -253,7 +255,9 @@ async def _streamed(
 
     def start(prompt: Prompt) -> Awaitable[Choices]:
         submit = functools.partial(model.streams, prompt, opts, n=req.n)
-        return Choices.start(request, submit, "completion", model.id, state, user=req.user)
+        return Choices.start(
+            request, submit, "completion", model.id, state, user=req.user, names=req.sent_as()
+        )
 
     current = [await start(prompts[0])]  # the group streaming now, closed however it ends
     await current[0].open_streaming()
@@ -368,7 +372,9 @@ async def infill(request: Request) -> Response:
         lora=lora,
     )
     submit = functools.partial(model.streams, tokens, opts, n=1, fragments=req.stream)
-    group = await Choices.start(request, submit, "infill", model.id, state, user=req.user)
+    group = await Choices.start(
+        request, submit, "infill", model.id, state, user=req.user, names=req.sent_as()
+    )
     if not req.stream:
         async with group:
             (done,) = await group.results()

@@ -227,9 +227,10 @@ async def create_response(request: Request) -> Response:
         lora=lora,
         calls=await chat.call_grammar(plan, whole=schema is not None),
         preserved=plan.preserved,
+        names=req.sent_as(),
     )
     opts = chat.with_parent(opts, previous.key if previous else None)
-    stream = await start_stream(chat.submit(model, plan, opts))
+    stream = await start_stream(chat.submit(model, plan, opts), req.sent_as())
     # A background response's generation is watched by no client: it outlives the POST.
     watch = not req.background
     gen = Generation(request, stream, "responses", model.id, state, watch=watch, user=req.user)
