@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import typing
+
+import pydantic
 import pytest
 from fastapi.testclient import TestClient
+from openai.types.responses import Response, ResponseStreamEvent
 
 from kvwarm.engine.types import Completion, CompletionStats
 from kvwarm.server import create_app
@@ -44,10 +48,16 @@ def test_response_shape_and_usage(client: TestClient) -> None:
     usage = data["usage"]
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
     assert 0 < usage["output_tokens"] <= 12
-    assert set(usage["input_tokens_details"]) == {"cached_tokens"}
+    assert set(usage["input_tokens_details"]) == {"cached_tokens", "cache_write_tokens"}
     again = client.post("/v1/responses", json=BASE).json()
     assert again["output"][0]["content"] == item["content"]  # greedy: the same reply
-    assert again["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    details = again["usage"]["input_tokens_details"]
+    assert details["cached_tokens"] > 0
+    # Written: the rest of the prompt, saved with the reply's row (as Anthropic's
+    # cache_creation_input_tokens: tests/server/test_anthropic_stub.py).
+    assert (
+        details["cache_write_tokens"] == again["usage"]["input_tokens"] - details["cached_tokens"]
+    )
 
 
 def test_stream_events_in_order_end_with_the_stored_response(client: TestClient) -> None:
@@ -81,6 +91,37 @@ def test_stream_events_in_order_end_with_the_stored_response(client: TestClient)
     assert final["output"][0]["id"] == events[2][1]["item"]["id"]  # type: ignore[index]
     stored = client.get(f"/v1/responses/{final['id']}")
     assert stored.status_code == 200 and stored.json() == final
+
+
+def _sdk_event_types() -> dict[str, type[pydantic.BaseModel]]:
+    """The openai SDK's class of each Responses stream event, by its ``type``."""
+    union = typing.get_args(ResponseStreamEvent)[0]
+    out: dict[str, type[pydantic.BaseModel]] = {}
+    for cls in typing.get_args(union):
+        (kind,) = typing.get_args(cls.model_fields["type"].annotation)
+        out[kind] = cls
+    return out
+
+
+def test_bodies_and_events_validate_against_the_sdk_schemas(client: TestClient) -> None:
+    # The SDK builds its objects without validation, so a required field left out reads as
+    # None, silently: usage.input_tokens_details.cache_write_tokens was missing (found by
+    # review). Here every body and event is validated against the SDK's models, strictly.
+    whole = client.post("/v1/responses", json=BASE)
+    assert whole.status_code == 200, whole.text
+    Response.model_validate(whole.json())
+    with client.stream("POST", "/v1/responses", json={**BASE, "stream": True}) as response:
+        streamed = [event for _, event in named_events(response.read().decode())]
+    # A reply with a call (the stub holds no model to a tool's JSON: the events are made here).
+    shape = responses.ResponseShape(ResponsesRequest.model_validate({"input": "hi"}), "a")
+    events = responses.ResponseEvents(shape)
+    call = ToolCall("call_x", "f", '{"q": 1}')
+    made = [*events.start(), *events.part("Let me look."), *events.part(call)]
+    made += events.finish(_reply("Let me look.", [call]))
+    classes = _sdk_event_types()
+    for event in [*streamed, *(data for _, data in made)]:
+        classes[str(event["type"])].model_validate(event)
+    assert "response.function_call_arguments.done" in {n for n, _ in made}
 
 
 def test_logprobs_come_when_included_streamed_or_not(client: TestClient) -> None:
@@ -242,7 +283,7 @@ def test_function_call_output_and_events() -> None:
     ]
     assert body["usage"] == {
         "input_tokens": 10,
-        "input_tokens_details": {"cached_tokens": 4},
+        "input_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 0},  # no row saved
         "output_tokens": 3,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 13,
