@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typing
 
+import openai
 import pydantic
 import pytest
 from fastapi.testclient import TestClient
@@ -461,3 +462,20 @@ def test_a_response_id_alone_never_opens_its_salt_to_a_keyless_follow_up(from_au
         own = fresh.post("/v1/responses", json={**follow, "cache_salt": "alice"}).json()
         resumed = own["usage"]["input_tokens_details"]["cached_tokens"]
         assert resumed >= first["usage"]["input_tokens"]
+
+
+def test_retrieving_a_response_as_a_stream_is_a_400_naming_stream(client: TestClient) -> None:
+    # OpenAI's resumable background streams are not served: the SDK's
+    # responses.retrieve(id, stream=True) got the JSON body and read it as a stream of no
+    # events, silently (found by review).
+    sdk = openai.OpenAI(
+        base_url="http://testserver/v1", api_key="k", http_client=client, max_retries=0
+    )
+    made = sdk.responses.create(model="a", input="hi", max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError) as caught:
+        list(sdk.responses.retrieve(made.id, stream=True))
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "stream"
+    assert sdk.responses.retrieve(made.id).id == made.id
+    assert client.get(f"/v1/responses/{made.id}", params={"stream": "false"}).status_code == 200
+    missing = client.get("/v1/responses/resp_nope", params={"stream": "true"})
+    assert_error(missing, 404, "response_not_found")

@@ -368,8 +368,20 @@ def _output_items(body: Json) -> list[Json]:
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(request: Request, response_id: str) -> Response:
-    """A stored response, or a background one as it stands (``queued``, ``in_progress``)."""
-    return JSONResponse(_found(request, response_id).body)
+    """A stored response, or a background one as it stands (``queued``, ``in_progress``).
+    ``stream=true`` (the SDK's ``responses.retrieve(id, stream=True)``, OpenAI's resumable
+    background stream) is a 400: answered as JSON, the SDK read it as a stream of no events,
+    silently (found by review)."""
+    found = _found(request, response_id)
+    stream = request.query_params.get("stream")
+    if stream is not None and stream.lower() != "false":
+        raise HTTPError(
+            400,
+            "stream: streaming a response again (OpenAI's resumable background streams) is "
+            "not supported by this server; GET it without stream and poll its status",
+            param="stream",
+        )
+    return JSONResponse(found.body)
 
 
 @router.delete("/v1/responses/{response_id}")
