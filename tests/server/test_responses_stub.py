@@ -215,6 +215,11 @@ def test_store_get_delete_and_unknown_ids(client: TestClient) -> None:
         ({"tools": [{"type": "function"}]}, "tools.0.name"),
         ({"temperature": -1}, "temperature"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        # References to objects the server does not keep were ignored: the model answered
+        # without the conversation's history or the prompt's instructions (found by review).
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"conversation": {"id": "conv_1"}}, "conversation"),
+        ({"prompt": {"id": "pmpt_1", "variables": {"x": "y"}}}, "prompt"),
         ({"tool_choice": "required"}, "tool_choice"),  # a forced call needs tools
         ({"tool_choice": {"type": "function", "name": "w"}}, "tool_choice"),
     ],

@@ -157,6 +157,15 @@ async def create_response(request: Request) -> Response:
     body = await read_json(request, state.settings)
     check_count(body, "input", state.settings.max_chat_messages, "max_chat_messages")
     req = parse_body(body, ResponsesRequest)
+    for field, instead in (("conversation", "previous_response_id"), ("prompt", "instructions")):
+        if getattr(req, field) is not None:
+            raise HTTPError(
+                400,
+                f"{field}: OpenAI's stored {field}s are not supported by this server; use "
+                f"{instead} instead",
+                code="unsupported_parameter",
+                param=field,
+            )
     if req.background and not req.store:
         raise HTTPError(
             400,
