@@ -381,3 +381,21 @@ def test_cache_salt_separates_namespaces(client: TestClient) -> None:
     other = client.post("/v1/messages", json={**body, "cache_salt": "tenant-b"}).json()
     assert other["usage"]["cache_read_input_tokens"] == 0
     assert salted["usage"]["cache_read_input_tokens"] == 0
+
+
+def test_thinking_is_ignored_and_unknown_blocks_are_400s(client: TestClient) -> None:
+    # As docs/server.md says: extended thinking (Claude Code sends it) is accepted, its reply
+    # has no thinking blocks; a block of a type kvwarm does not read is a 400 naming it.
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    done = client.post("/v1/messages", json={**BASE, "thinking": thinking})
+    assert done.status_code == 200, done.text
+    assert {block["type"] for block in done.json()["content"]} <= {"text"}
+    counted = client.post("/v1/messages/count_tokens", json={**BASE, "thinking": thinking})
+    assert counted.status_code == 200
+    for block in ({"type": "search_result", "source": "s", "title": "t", "content": []},
+                  {"type": "bogus"}):  # fmt: skip
+        bad = {**BASE, "messages": [{"role": "user", "content": [block]}]}
+        message = assert_anthropic_error(
+            client.post("/v1/messages", json=bad), 400, "invalid_request_error"
+        )
+        assert message.startswith("messages.0.content.0: ") and repr(block["type"]) in message

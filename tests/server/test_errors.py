@@ -55,3 +55,23 @@ def test_param_queue_retry_and_internal_details() -> None:
     assert "secret" not in hidden["error"]["message"]
     custom = error_response(HTTPError(413, "too big", code="request_too_large"))
     assert custom.status_code == 413
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "kind"),
+    [
+        (e.UnknownModelError("nope"), 404, "not_found_error"),
+        (e.QueueFullError("busy"), 429, "rate_limit_error"),
+        (e.ModelCapacityError("full"), 503, "overloaded_error"),
+        # Anthropic's type for a 504 (its SDK's gateway timeout error); it said api_error.
+        (e.ReplicaTimeoutError("stuck"), 504, "timeout_error"),
+        (e.KvwarmError("other"), 500, "api_error"),
+    ],
+)
+def test_anthropic_error_types_follow_the_status(
+    exc: BaseException, status: int, kind: str
+) -> None:
+    response = error_response(exc, "/v1/messages")
+    assert response.status_code == status
+    body = json.loads(bytes(response.body))
+    assert body == {"type": "error", "error": {"type": kind, "message": str(exc)}}

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import typing
+
+import openai
+import pydantic
 import pytest
 from fastapi.testclient import TestClient
+from openai.types.responses import Response, ResponseStreamEvent
 
 from kvwarm.engine.types import Completion, CompletionStats
 from kvwarm.server import create_app
@@ -44,10 +49,16 @@ def test_response_shape_and_usage(client: TestClient) -> None:
     usage = data["usage"]
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
     assert 0 < usage["output_tokens"] <= 12
-    assert set(usage["input_tokens_details"]) == {"cached_tokens"}
+    assert set(usage["input_tokens_details"]) == {"cached_tokens", "cache_write_tokens"}
     again = client.post("/v1/responses", json=BASE).json()
     assert again["output"][0]["content"] == item["content"]  # greedy: the same reply
-    assert again["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    details = again["usage"]["input_tokens_details"]
+    assert details["cached_tokens"] > 0
+    # Written: the rest of the prompt, saved with the reply's row (as Anthropic's
+    # cache_creation_input_tokens: tests/server/test_anthropic_stub.py).
+    assert (
+        details["cache_write_tokens"] == again["usage"]["input_tokens"] - details["cached_tokens"]
+    )
 
 
 def test_stream_events_in_order_end_with_the_stored_response(client: TestClient) -> None:
@@ -81,6 +92,37 @@ def test_stream_events_in_order_end_with_the_stored_response(client: TestClient)
     assert final["output"][0]["id"] == events[2][1]["item"]["id"]  # type: ignore[index]
     stored = client.get(f"/v1/responses/{final['id']}")
     assert stored.status_code == 200 and stored.json() == final
+
+
+def _sdk_event_types() -> dict[str, type[pydantic.BaseModel]]:
+    """The openai SDK's class of each Responses stream event, by its ``type``."""
+    union = typing.get_args(ResponseStreamEvent)[0]
+    out: dict[str, type[pydantic.BaseModel]] = {}
+    for cls in typing.get_args(union):
+        (kind,) = typing.get_args(cls.model_fields["type"].annotation)
+        out[kind] = cls
+    return out
+
+
+def test_bodies_and_events_validate_against_the_sdk_schemas(client: TestClient) -> None:
+    # The SDK builds its objects without validation, so a required field left out reads as
+    # None, silently: usage.input_tokens_details.cache_write_tokens was missing (found by
+    # review). Here every body and event is validated against the SDK's models, strictly.
+    whole = client.post("/v1/responses", json=BASE)
+    assert whole.status_code == 200, whole.text
+    Response.model_validate(whole.json())
+    with client.stream("POST", "/v1/responses", json={**BASE, "stream": True}) as response:
+        streamed = [event for _, event in named_events(response.read().decode())]
+    # A reply with a call (the stub holds no model to a tool's JSON: the events are made here).
+    shape = responses.ResponseShape(ResponsesRequest.model_validate({"input": "hi"}), "a")
+    events = responses.ResponseEvents(shape)
+    call = ToolCall("call_x", "f", '{"q": 1}')
+    made = [*events.start(), *events.part("Let me look."), *events.part(call)]
+    made += events.finish(_reply("Let me look.", [call]))
+    classes = _sdk_event_types()
+    for event in [*streamed, *(data for _, data in made)]:
+        classes[str(event["type"])].model_validate(event)
+    assert "response.function_call_arguments.done" in {n for n, _ in made}
 
 
 def test_logprobs_come_when_included_streamed_or_not(client: TestClient) -> None:
@@ -173,6 +215,11 @@ def test_store_get_delete_and_unknown_ids(client: TestClient) -> None:
         ({"tools": [{"type": "function"}]}, "tools.0.name"),
         ({"temperature": -1}, "temperature"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        # References to objects the server does not keep were ignored: the model answered
+        # without the conversation's history or the prompt's instructions (found by review).
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"conversation": {"id": "conv_1"}}, "conversation"),
+        ({"prompt": {"id": "pmpt_1", "variables": {"x": "y"}}}, "prompt"),
         ({"tool_choice": "required"}, "tool_choice"),  # a forced call needs tools
         ({"tool_choice": {"type": "function", "name": "w"}}, "tool_choice"),
     ],
@@ -242,7 +289,7 @@ def test_function_call_output_and_events() -> None:
     ]
     assert body["usage"] == {
         "input_tokens": 10,
-        "input_tokens_details": {"cached_tokens": 4},
+        "input_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 0},  # no row saved
         "output_tokens": 3,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 13,
@@ -420,3 +467,20 @@ def test_a_response_id_alone_never_opens_its_salt_to_a_keyless_follow_up(from_au
         own = fresh.post("/v1/responses", json={**follow, "cache_salt": "alice"}).json()
         resumed = own["usage"]["input_tokens_details"]["cached_tokens"]
         assert resumed >= first["usage"]["input_tokens"]
+
+
+def test_retrieving_a_response_as_a_stream_is_a_400_naming_stream(client: TestClient) -> None:
+    # OpenAI's resumable background streams are not served: the SDK's
+    # responses.retrieve(id, stream=True) got the JSON body and read it as a stream of no
+    # events, silently (found by review).
+    sdk = openai.OpenAI(
+        base_url="http://testserver/v1", api_key="k", http_client=client, max_retries=0
+    )
+    made = sdk.responses.create(model="a", input="hi", max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError) as caught:
+        list(sdk.responses.retrieve(made.id, stream=True))
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "stream"
+    assert sdk.responses.retrieve(made.id).id == made.id
+    assert client.get(f"/v1/responses/{made.id}", params={"stream": "false"}).status_code == 200
+    missing = client.get("/v1/responses/resp_nope", params={"stream": "true"})
+    assert_error(missing, 404, "response_not_found")

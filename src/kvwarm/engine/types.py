@@ -432,6 +432,13 @@ class CompletionStats:
     def ttft_ms(self) -> float:
         return self.queue_ms + self.prefill_ms
 
+    @property
+    def written_tokens(self) -> int:
+        """Prompt tokens this request prefilled and saved with its reply's finish row (``key``),
+        0 where no row was saved: what the wire formats report as written to the cache
+        (Anthropic's ``cache_creation_input_tokens``, Responses' ``cache_write_tokens``)."""
+        return self.prompt_tokens - self.cached_tokens if self.key is not None else 0
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:

@@ -146,6 +146,7 @@ _ANTHROPIC_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
+    504: "timeout_error",  # Anthropic's for a 504 (found by review: it said api_error)
 }
 
 

@@ -261,7 +261,7 @@ def tool_choice(choice: ToolChoice | None, declared: Sequence[Tool] | None) -> C
 
 def usage(stats: CompletionStats) -> Json:
     cached = stats.cached_tokens
-    created = stats.prompt_tokens - cached if stats.key is not None else 0
+    created = stats.written_tokens
     return {
         "input_tokens": stats.prompt_tokens - cached - created,
         "output_tokens": stats.completion_tokens,

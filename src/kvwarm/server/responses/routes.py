@@ -157,6 +157,15 @@ async def create_response(request: Request) -> Response:
     body = await read_json(request, state.settings)
     check_count(body, "input", state.settings.max_chat_messages, "max_chat_messages")
     req = parse_body(body, ResponsesRequest)
+    for field, instead in (("conversation", "previous_response_id"), ("prompt", "instructions")):
+        if getattr(req, field) is not None:
+            raise HTTPError(
+                400,
+                f"{field}: OpenAI's stored {field}s are not supported by this server; use "
+                f"{instead} instead",
+                code="unsupported_parameter",
+                param=field,
+            )
     if req.background and not req.store:
         raise HTTPError(
             400,
@@ -369,8 +378,20 @@ def _output_items(body: Json) -> list[Json]:
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(request: Request, response_id: str) -> Response:
-    """A stored response, or a background one as it stands (``queued``, ``in_progress``)."""
-    return JSONResponse(_found(request, response_id).body)
+    """A stored response, or a background one as it stands (``queued``, ``in_progress``).
+    ``stream=true`` (the SDK's ``responses.retrieve(id, stream=True)``, OpenAI's resumable
+    background stream) is a 400: answered as JSON, the SDK read it as a stream of no events,
+    silently (found by review)."""
+    found = _found(request, response_id)
+    stream = request.query_params.get("stream")
+    if stream is not None and stream.lower() != "false":
+        raise HTTPError(
+            400,
+            "stream: streaming a response again (OpenAI's resumable background streams) is "
+            "not supported by this server; GET it without stream and poll its status",
+            param="stream",
+        )
+    return JSONResponse(found.body)
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -181,6 +181,11 @@ class ResponsesRequest(_Body):
     # .../cancel ends it (server/responses/routes.py). Needs store; not with stream.
     background: bool = False
     previous_response_id: str | None = None
+    # OpenAI's references to objects this server does not keep (a Conversations API
+    # conversation, a stored prompt template): parsed only to be refused, since ignoring
+    # them left the model without the history or instructions they stand for.
+    conversation: object | None = None
+    prompt: object | None = None
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None

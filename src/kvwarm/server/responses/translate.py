@@ -10,7 +10,9 @@ Invariants:
   ``function_call`` item per call; a stream emits exactly these items, with the same
   ids, before ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut
   the reply) carries the same object a non-streamed request returns.
-- ``usage.input_tokens_details.cached_tokens`` counts the prompt tokens the cache restored.
+- ``usage.input_tokens_details.cached_tokens`` counts the prompt tokens the cache restored,
+  ``cache_write_tokens`` those prefilled and saved with the reply's row (Anthropic's
+  ``cache_creation_input_tokens``).
 - Asked for (``include`` "message.output_text.logprobs", or ``top_logprobs``), the output
   text's ``logprobs`` are the reply's tokens' (as chat's ``logprobs.content``); a stream's
   text deltas carry those of the tokens whose text they begin, its done events all of them.
@@ -233,7 +235,12 @@ def text_schema(config: TextConfig | None) -> dict[str, object] | None:
 def usage(stats: CompletionStats) -> Json:
     return {
         "input_tokens": stats.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": stats.cached_tokens},
+        # cache_write_tokens: required by OpenAI's schema (the SDK's ``InputTokensDetails``);
+        # absent, a client read None (found by review).
+        "input_tokens_details": {
+            "cached_tokens": stats.cached_tokens,
+            "cache_write_tokens": stats.written_tokens,
+        },
         "output_tokens": stats.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
