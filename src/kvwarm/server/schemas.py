@@ -306,6 +306,9 @@ class ToolCallIn(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
+    # An assistant's refusal, as OpenAI returns it ({"content": null, "refusal": "..."}): the
+    # text it said, after its content (found by review: dropped, the turn shown empty).
+    refusal: str | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
