@@ -227,7 +227,10 @@ def test_audio_output_is_refused_not_ignored(client: OpenAI) -> None:
         )
     assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "audio"
     text = client.chat.completions.create(
-        model="a", messages=MESSAGES, modalities=["text"], max_tokens=1  # type: ignore[arg-type]
+        model="a",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        modalities=["text"],
+        max_tokens=1,
     )
     assert text.choices[0].message.audio is None
 

@@ -389,6 +389,11 @@ class ChatRequest(SamplingFields):
     # The legacy completions' best_of, which OpenAI's chat API does not have: read only to
     # refuse it (a client sending it would get n choices, none chosen from more).
     best_of: object | None = None
+    # OpenAI's output modalities: "text" is what every reply is; "audio" (and ``audio``, the
+    # voice and format of an audio reply) is refused, not ignored: a client asking for audio
+    # would get a text reply whose message.audio is null (found by review).
+    modalities: list[str] | None = None
+    audio: object | None = None
 
 
 class EmbeddingRequest(_Body):
