@@ -68,7 +68,7 @@ CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "
 CHAT_MESSAGES: list[object] = [
     {"role": "system", "content": "be brief"},
     {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "u"},
-    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "assistant", "content": "", "refusal": "no", "tool_calls": [CALL]},
     {"role": "tool", "content": "42", "tool_call_id": "c1"},
 ]
 TOOLS = [
@@ -133,6 +133,7 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "top_logprobs": 2,
                 "max_completion_tokens": 3,
                 "n": 2,
+                "modalities": ["text"],
             },
             {
                 **SAMPLING,
@@ -362,7 +363,7 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
 #: Declared fields no valid body above sets, and why.
 UNSET = {
     # Read only to be refused by name (typed ``object``): never valid.
-    "/v1/chat/completions": {"functions", "function_call", "best_of"},
+    "/v1/chat/completions": {"functions", "function_call", "best_of", "audio"},
     # A stored response's id: a string, which lax mode already held to one; a conversation
     # and a prompt template are read only to be refused by name (typed ``object``).
     "/v1/responses": {"previous_response_id", "conversation", "prompt"},

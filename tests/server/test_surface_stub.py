@@ -165,6 +165,76 @@ def test_an_assistant_refusal_part_is_its_text(client: OpenAI) -> None:
     assert refused == reply_to([{"type": "text", "text": "No: I can't share that."}])
 
 
+def test_an_assistant_messages_refusal_is_its_text(client: OpenAI) -> None:
+    # OpenAI's reply to a refused request is {"content": null, "refusal": "..."}; a client
+    # replaying it (the SDK's message, dumped) sent a history whose assistant turn was empty,
+    # the refusal dropped as an unknown field.
+    def prompt_and_reply(assistant: dict[str, object]) -> tuple[int, str | None]:
+        done = client.chat.completions.create(
+            model="a",
+            messages=[
+                {"role": "user", "content": "Tell me a secret"},
+                {"role": "assistant", **assistant},  # type: ignore[list-item]
+                {"role": "user", "content": "Why not?"},
+            ],
+            max_tokens=4,
+            temperature=0,
+        )
+        assert done.usage is not None
+        return done.usage.prompt_tokens, done.choices[0].message.content
+
+    said = "I can't share that."
+    refused = prompt_and_reply({"content": None, "refusal": said})
+    assert refused == prompt_and_reply({"content": said})
+    assert prompt_and_reply({"content": "No: ", "refusal": said}) == prompt_and_reply(
+        {"content": "No: " + said}
+    )
+
+
+def test_a_text_part_without_text_is_named_as_such(client: OpenAI) -> None:
+    # It was "content part of type 'text' is not supported (text, image_url or input_audio)".
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="a",
+            messages=[{"role": "user", "content": [{"type": "text"}]}],  # type: ignore[list-item]
+            max_tokens=1,
+        )
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == "messages.0.content.0"
+    assert error["code"] == "invalid_value"
+    assert "needs text" in error["message"]
+
+
+def test_audio_output_is_refused_not_ignored(client: OpenAI) -> None:
+    # kvwarm writes text only: a request for audio output (modalities "audio", the audio
+    # parameter) got a text reply whose message.audio was null, without a word.
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="a",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"},
+            max_tokens=1,
+        )
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "modalities"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="a",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            audio={"voice": "alloy", "format": "wav"},
+            max_tokens=1,
+        )
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "audio"
+    text = client.chat.completions.create(
+        model="a",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        modalities=["text"],
+        max_tokens=1,
+    )
+    assert text.choices[0].message.audio is None
+
+
 def test_top_p_zero_is_in_range_and_keeps_the_likeliest_token(
     client: OpenAI, live: LiveServer
 ) -> None:

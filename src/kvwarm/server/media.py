@@ -78,6 +78,8 @@ def engine_parts(parts: Sequence[ContentPart], where: str) -> str | list[Part]:
     if not any(has_media(p) for p in parts):
         out: list[str] = []
         for j, part in enumerate(parts):
+            if part.type == "text" and part.text is None:
+                raise _no_text(part._where or f"{where}.{j}")
             if part.type != "text" or part.text is None:
                 raise HTTPError(
                     400,
@@ -92,7 +94,9 @@ def engine_parts(parts: Sequence[ContentPart], where: str) -> str | list[Part]:
     for j, part in enumerate(parts):
         at = part._where or f"{where}.{j}"
         if part.type == "text":
-            items.append({"type": "text", "text": part.text or ""})
+            if part.text is None:
+                raise _no_text(at)
+            items.append({"type": "text", "text": part.text})
         elif part.type == "image_url":
             url = (
                 part.image_url.url
@@ -132,6 +136,12 @@ def engine_parts(parts: Sequence[ContentPart], where: str) -> str | list[Part]:
                 param=at,
             )
     return items
+
+
+def _no_text(at: str) -> HTTPError:
+    """A ``text`` part without its ``text`` (found by review: its 400 said parts of type
+    'text' were not supported)."""
+    return HTTPError(400, f"{at}: a text part needs text", param=at, code="invalid_value")
 
 
 def _url_of(part: ContentPart) -> str | None:

@@ -314,6 +314,9 @@ class ToolCallIn(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
+    # An assistant's refusal, as OpenAI returns it ({"content": null, "refusal": "..."}): the
+    # text it said, after its content (found by review: dropped, the turn shown empty).
+    refusal: str | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -394,6 +397,11 @@ class ChatRequest(SamplingFields):
     # The legacy completions' best_of, which OpenAI's chat API does not have: read only to
     # refuse it (a client sending it would get n choices, none chosen from more).
     best_of: object | None = None
+    # OpenAI's output modalities: "text" is what every reply is; "audio" (and ``audio``, the
+    # voice and format of an audio reply) is refused, not ignored: a client asking for audio
+    # would get a text reply whose message.audio is null (found by review).
+    modalities: list[str] | None = None
+    audio: object | None = None
 
 
 class EmbeddingRequest(_Body):

@@ -256,13 +256,20 @@ class ChatPlan:
 
 
 def _content(message: ChatMessage, index: int) -> str | list[dict[str, object]]:
-    """A message's content as the engine takes it: text, or parts with images and audio."""
+    """A message's content as the engine takes it: text, or parts with images and audio; an
+    assistant's ``refusal`` is text it said, after its content (as a refusal part is)."""
     content = message.content
+    refusal = message.refusal or ""
     if content is None:
-        return ""
+        return refusal
     if isinstance(content, str):
-        return content
-    return engine_parts(content, f"messages.{index}.content")
+        return content + refusal
+    parts = engine_parts(content, f"messages.{index}.content")
+    if not refusal:
+        return parts
+    if isinstance(parts, str):
+        return parts + refusal
+    return [*parts, {"type": "text", "text": refusal}]
 
 
 def _arguments_object(arguments: str | Mapping[str, object]) -> object:

@@ -71,6 +71,21 @@ async def chat_completions(request: Request) -> Response:
             "(as OpenAI's): ask for n choices",
             param="best_of",
         )
+    other = [m for m in req.modalities or () if m != "text"]
+    if other:
+        raise HTTPError(
+            400,
+            f"modalities {other[0]!r} is not supported: kvwarm replies in text only",
+            param="modalities",
+            code="invalid_value",
+        )
+    if req.audio is not None:
+        raise HTTPError(
+            400,
+            "audio output is not supported: kvwarm replies in text only",
+            param="audio",
+            code="invalid_value",
+        )
     if req.top_logprobs and not req.logprobs:
         # OpenAI's rule; the request would otherwise get no logprobs at all, silently.
         raise HTTPError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
