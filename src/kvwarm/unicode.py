@@ -10,6 +10,8 @@ silently rewritten: the caller learns which field is wrong.
 
 from __future__ import annotations
 
+import json
+
 from kvwarm.errors import InvalidRequestError
 
 
@@ -62,6 +64,15 @@ def _dotted(path: _Path) -> str:
         path, key = path
         parts.append(key)
     return ".".join(reversed(parts)) or "body"
+
+
+def json_text(value: object) -> str:
+    """``value`` as JSON text whose characters are written as they are, not as ``\\u``
+    escapes (as a model writes them, and a template's ``tojson``), except where that text
+    would hold a lone surrogate (a ``\\ud800`` a model or a client wrote in JSON): it stays
+    escaped, so the text always encodes as UTF-8."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if _encodable(text) else json.dumps(value)
 
 
 def _encodable(text: str) -> bool:

@@ -116,6 +116,51 @@ def test_history_with_calls_round_trips_through_non_native_templates() -> None:
     assert native[1]["tool_call_id"] == calls[0]["id"] == template_id("c1")
 
 
+#: A plain template (the stub's): a turn's content as it is, so a prompt's text is the reply's.
+PLAIN = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("city", ["Oslo", "Zürich", "東京"])
+def test_a_described_call_sent_back_renders_as_the_model_wrote_it(city: str) -> None:
+    # The next turn's prompt holds the reply as generated, so it shares the cached reply's
+    # tokens. Before, a call's non-ASCII arguments came back as "Z\u00fcrich" (json.dumps),
+    # and a tool's description reached the model as escapes too.
+    tool = WEATHER.model_copy(
+        update={"function": WEATHER.function.model_copy(update={"description": "Météo, 天気"})}
+    )
+    ask = [ChatMessage(role="user", content="Weather?")]
+    first = plan_chat(ask, [tool], "auto", renders_tools=False)
+    prompt = render_chat(PLAIN, first.messages, bos_token="", eos_token="")
+    assert "Météo, 天気" in prompt
+    reply = (
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>'
+    )
+    content, calls = first.split(reply)
+    assert json.loads(calls[0].arguments) == {"city": city}
+    assert city in calls[0].arguments  # as written, as OpenAI's own arguments are
+    turn = {"role": "assistant", "content": content or None, "tool_calls": [calls[0].to_openai()]}
+    result = ChatMessage(role="tool", content="sunny", tool_call_id=calls[0].id)
+    follow_up = [*ask, ChatMessage.model_validate(turn), result]
+    second = plan_chat(follow_up, [tool], "auto", renders_tools=False)
+    assert render_chat(PLAIN, second.messages, bos_token="", eos_token="").startswith(
+        prompt + reply + "\n"
+    )
+
+
+def test_a_lone_surrogate_in_arguments_stays_escaped() -> None:
+    # A model (or a client's arguments string) may write "\ud800": the text must still encode.
+    _, calls = parse_tool_calls(
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud800 Zürich"}}</tool_call>',
+        NAMES,
+    )
+    assert calls[0].arguments.encode() == b'{"city": "\\ud800 Z\\u00fcrich"}'
+    turn = ChatMessage.model_validate({"role": "assistant", "tool_calls": [calls[0].to_openai()]})
+    str(template_messages([turn], native=False)[0]["content"]).encode()
+
+
 # The check Gemma's and Mistral's templates make: user and assistant turns alternate.
 ALTERNATING = (
     "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"

@@ -41,6 +41,7 @@ from kvwarm.server.schemas import (
     json_depth,
     strict_loads,
 )
+from kvwarm.unicode import json_text
 
 MAX_ARGUMENT_DEPTH = 64
 
@@ -285,7 +286,11 @@ def _arguments_object(arguments: str | Mapping[str, object]) -> object:
 
 
 def _call_text(name: str, arguments: object) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+    """A call of the history as the described tools' format writes it, and as a model writes
+    it: its characters as they are (``json_text``), so the turn renders as it was generated
+    and the next prompt shares the cached reply's tokens. Found by review: ``json.dumps``
+    wrote ``"Zürich"`` as ``"Z\\u00fcrich"``, unlike the reply the cache held."""
+    return "<tool_call>\n" + json_text({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
 _TEMPLATE_ID = re.compile(r"[A-Za-z0-9]{9}")
@@ -397,7 +402,9 @@ def openai_tools(tools: Sequence[Tool]) -> list[Message]:
 
 
 def tools_system_prompt(tools: Sequence[Tool]) -> str:
-    signatures = "\n".join(json.dumps(t.model_dump(mode="json", exclude_none=True)) for t in tools)
+    # Their text as written (found by review: a description in French or Chinese reached the
+    # model as ``\u`` escapes, unreadable and several tokens a character).
+    signatures = "\n".join(json_text(t.model_dump(mode="json", exclude_none=True)) for t in tools)
     return (
         "You may call one or more functions to assist with the user query. The available "
         f"functions are:\n<tools>\n{signatures}\n</tools>\nTo call a function, reply with a JSON "
@@ -582,7 +589,7 @@ def _as_call(obj: object, names: frozenset[str]) -> ToolCall | None:
             args = strict_loads(args)
         except (ValueError, RecursionError):  # not JSON, NaN, more than 4,300 digits
             return None
-    return ToolCall(_new_id(), name, json.dumps(args))
+    return ToolCall(_new_id(), name, json_text(args))  # its characters as the model wrote them
 
 
 _SEPARATORS = " \t\r\n;,"
