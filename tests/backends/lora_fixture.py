@@ -158,3 +158,27 @@ def make_odd_lora(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def make_embd_lora(
+    base_model_path: str | Path, out_path: str | Path, *, rank_a: int = 4, rank_b: int = 4
+) -> Path:
+    """An adapter of one pair for ``token_embd.weight``, laid out as llama.cpp reads it there
+    (``llm_graph_context::build_inp_embd``: A and B flipped, B not transposed): ``lora_a``
+    ``[rank_a, n_vocab]``, ``lora_b`` ``[rank_b, n_embd]`` in ggml order. llama.cpp's loader
+    checks only the ``n_vocab`` and ``n_embd`` sides: ranks that differ load and abort the
+    first forward pass; so does any such pair on a model whose output is ``token_embd``
+    (tied), whose product takes the pair as a plain one."""
+    arch, shapes = _read_base(str(base_model_path))
+    n_embd, n_vocab = shapes["token_embd.weight"]
+    writer = gguf.GGUFWriter(str(out_path), arch=arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(rank_a))
+    writer.add_tensor("token_embd.weight.lora_a", np.full((n_vocab, rank_a), 0.01, np.float32))
+    writer.add_tensor("token_embd.weight.lora_b", np.full((n_embd, rank_b), 0.01, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out_path)
