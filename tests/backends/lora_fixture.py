@@ -123,17 +123,19 @@ def make_odd_lora(
     outer: int = 1,
     which: str = "lora_a",
     keys: Mapping[str, tuple[object, gguf.GGUFValueType]] = {},
+    rank: int = 4,
 ) -> Path:
     """An adapter llama.cpp's loader takes (names, first two dimensions right) that no forward
     pass can run: one pair for ``blk.0.attn_q.weight`` of numpy type ``dtype`` (an integer
     type, f64), or with ``which`` (``lora_a`` or ``lora_b``) given a third dimension of
     ``outer``. Under llama.cpp alone the first decode under it aborts or crashes. ``keys``:
     metadata written as (value, GGUF type) instead of the adapter's own (``general.type``,
-    ``adapter.type``, ``adapter.lora.alpha``), an array's elements as float32."""
+    ``adapter.type``, ``adapter.lora.alpha``), an array's elements as float32. ``rank``: 0
+    makes both tensors empty (no elements), which llama.cpp loads too where a pair beside
+    them has elements (one of rank 4 for ``blk.1.attn_q.weight`` is added)."""
     arch, shapes = _read_base(str(base_model_path))
     name = "blk.0.attn_q.weight"
     n_in, n_out = shapes[name]
-    rank = 4
     a = np.ones((rank, n_in), dtype=dtype)
     b = np.ones((n_out, rank), dtype=dtype)
     if outer > 1:
@@ -146,13 +148,16 @@ def make_odd_lora(
     own: dict[str, tuple[object, gguf.GGUFValueType]] = {
         gguf.Keys.General.TYPE: (gguf.GGUFType.ADAPTER, gguf.GGUFValueType.STRING),
         gguf.Keys.Adapter.TYPE: ("lora", gguf.GGUFValueType.STRING),
-        gguf.Keys.Adapter.LORA_ALPHA: (float(rank), gguf.GGUFValueType.FLOAT32),
+        gguf.Keys.Adapter.LORA_ALPHA: (float(max(rank, 1)), gguf.GGUFValueType.FLOAT32),
     }
     for key, (value, vtype) in {**own, **keys}.items():
         sub = gguf.GGUFValueType.FLOAT32 if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, vtype, sub_type=sub)
     writer.add_tensor(f"{name}.lora_a", a)
     writer.add_tensor(f"{name}.lora_b", b)
+    if rank == 0:  # llama.cpp refuses an adapter of no bytes at all (an empty buffer)
+        writer.add_tensor("blk.1.attn_q.weight.lora_a", np.ones((4, n_in), dtype=dtype))
+        writer.add_tensor("blk.1.attn_q.weight.lora_b", np.ones((n_out, 4), dtype=dtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

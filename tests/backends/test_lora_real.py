@@ -349,6 +349,23 @@ def test_an_adapter_llama_cpp_takes_but_cannot_run_is_refused_at_load(
         ctx.close()
 
 
+def test_an_adapter_with_an_empty_tensor_is_refused_at_load(
+    bmodel: BackendModel, tmp_path: Path
+) -> None:
+    """Found by review: a LoRA pair of rank 0 (tensors with no elements) beside a pair of
+    rank 4 loaded and attached, and the first decode under it aborted the process
+    (``GGML_ASSERT(!ggml_is_transposed(a))``: an empty tensor's strides read as
+    transposed). It is refused before llama.cpp sees it, and the model still serves."""
+    empty = make_odd_lora(default_model_path(), tmp_path / "empty.gguf", rank=0)
+    with pytest.raises(AdapterError, match=r"has shape 576x0; .*no elements"):
+        bmodel.load_adapter(str(empty))
+    ctx = bmodel.new_context(CTX)
+    try:
+        assert np.isfinite(np.frombuffer(last_logits(bmodel, ctx), dtype=np.float32)).all()
+    finally:
+        ctx.close()
+
+
 _T = gguf.GGUFValueType
 
 

@@ -257,6 +257,13 @@ def _check_tensor(path: str, tensor: gguf_meta.TensorInfo, experts: str) -> None
             f"{tensor.ggml_type}; a LoRA tensor is {', '.join(_LORA_TYPES.values())} "
             "(as convert_lora_to_gguf.py writes them)"
         )
+    if 0 in tensor.shape:
+        # Found by review: a pair of rank 0 loaded, and the first decode under it aborted the
+        # process (GGML_ASSERT(!ggml_is_transposed(a)): an empty tensor's strides).
+        raise AdapterError(
+            f"adapter {path!r}: LoRA tensor {tensor.name!r} has shape "
+            f"{'x'.join(map(str, tensor.shape))}; it has no elements"
+        )
     outer = list(tensor.shape[2:])
     while outer and outer[-1] == 1:
         outer.pop()
