@@ -4,7 +4,8 @@ Invariant: an adapter is one of its model's dependents (``_lifetime``): it holds
 and is freed before it. Its digest is of the file's bytes, folded into the cache namespace.
 Its tensors' types and outer dimensions are checked before llama.cpp loads it
 (``_check_tensors``): llama.cpp checks only the first two dimensions, and a tensor it takes
-but cannot multiply aborts or crashes the process at the first forward pass. So are the types
+but cannot multiply aborts or crashes the process at the first forward pass (an empty tensor,
+a token embedding pair that cannot run: ``_check_token_embd``). So are the types
 of the keys llama.cpp reads (``_check_keys``): its typed getters abort on any other.
 """
 
