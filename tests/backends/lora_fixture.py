@@ -123,17 +123,19 @@ def make_odd_lora(
     outer: int = 1,
     which: str = "lora_a",
     keys: Mapping[str, tuple[object, gguf.GGUFValueType]] = {},
+    rank: int = 4,
 ) -> Path:
     """An adapter llama.cpp's loader takes (names, first two dimensions right) that no forward
     pass can run: one pair for ``blk.0.attn_q.weight`` of numpy type ``dtype`` (an integer
     type, f64), or with ``which`` (``lora_a`` or ``lora_b``) given a third dimension of
     ``outer``. Under llama.cpp alone the first decode under it aborts or crashes. ``keys``:
     metadata written as (value, GGUF type) instead of the adapter's own (``general.type``,
-    ``adapter.type``, ``adapter.lora.alpha``), an array's elements as float32."""
+    ``adapter.type``, ``adapter.lora.alpha``), an array's elements as float32. ``rank``: 0
+    makes both tensors empty (no elements), which llama.cpp loads too where a pair beside
+    them has elements (one of rank 4 for ``blk.1.attn_q.weight`` is added)."""
     arch, shapes = _read_base(str(base_model_path))
     name = "blk.0.attn_q.weight"
     n_in, n_out = shapes[name]
-    rank = 4
     a = np.ones((rank, n_in), dtype=dtype)
     b = np.ones((n_out, rank), dtype=dtype)
     if outer > 1:
@@ -146,15 +148,42 @@ def make_odd_lora(
     own: dict[str, tuple[object, gguf.GGUFValueType]] = {
         gguf.Keys.General.TYPE: (gguf.GGUFType.ADAPTER, gguf.GGUFValueType.STRING),
         gguf.Keys.Adapter.TYPE: ("lora", gguf.GGUFValueType.STRING),
-        gguf.Keys.Adapter.LORA_ALPHA: (float(rank), gguf.GGUFValueType.FLOAT32),
+        gguf.Keys.Adapter.LORA_ALPHA: (float(max(rank, 1)), gguf.GGUFValueType.FLOAT32),
     }
     for key, (value, vtype) in {**own, **keys}.items():
         sub = gguf.GGUFValueType.FLOAT32 if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, vtype, sub_type=sub)
     writer.add_tensor(f"{name}.lora_a", a)
     writer.add_tensor(f"{name}.lora_b", b)
+    if rank == 0:  # llama.cpp refuses an adapter of no bytes at all (an empty buffer)
+        writer.add_tensor("blk.1.attn_q.weight.lora_a", np.ones((4, n_in), dtype=dtype))
+        writer.add_tensor("blk.1.attn_q.weight.lora_b", np.ones((n_out, 4), dtype=dtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def make_embd_lora(
+    base_model_path: str | Path, out_path: str | Path, *, rank_a: int = 4, rank_b: int = 4
+) -> Path:
+    """An adapter of one pair for ``token_embd.weight``, laid out as llama.cpp reads it there
+    (``llm_graph_context::build_inp_embd``: A and B flipped, B not transposed): ``lora_a``
+    ``[rank_a, n_vocab]``, ``lora_b`` ``[rank_b, n_embd]`` in ggml order. llama.cpp's loader
+    checks only the ``n_vocab`` and ``n_embd`` sides: ranks that differ load and abort the
+    first forward pass; so does any such pair on a model whose output is ``token_embd``
+    (tied), whose product takes the pair as a plain one."""
+    arch, shapes = _read_base(str(base_model_path))
+    n_embd, n_vocab = shapes["token_embd.weight"]
+    writer = gguf.GGUFWriter(str(out_path), arch=arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(rank_a))
+    writer.add_tensor("token_embd.weight.lora_a", np.full((n_vocab, rank_a), 0.01, np.float32))
+    writer.add_tensor("token_embd.weight.lora_b", np.full((n_embd, rank_b), 0.01, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out_path)

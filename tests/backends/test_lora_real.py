@@ -17,7 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from tests.backends.lora_fixture import make_lora, make_odd_lora
+from tests.backends.lora_fixture import make_embd_lora, make_lora, make_odd_lora
 from tests.engine.conftest import make_engine
 
 from kvwarm.backends import get_backend
@@ -349,6 +349,23 @@ def test_an_adapter_llama_cpp_takes_but_cannot_run_is_refused_at_load(
         ctx.close()
 
 
+def test_an_adapter_with_an_empty_tensor_is_refused_at_load(
+    bmodel: BackendModel, tmp_path: Path
+) -> None:
+    """Found by review: a LoRA pair of rank 0 (tensors with no elements) beside a pair of
+    rank 4 loaded and attached, and the first decode under it aborted the process
+    (``GGML_ASSERT(!ggml_is_transposed(a))``: an empty tensor's strides read as
+    transposed). It is refused before llama.cpp sees it, and the model still serves."""
+    empty = make_odd_lora(default_model_path(), tmp_path / "empty.gguf", rank=0)
+    with pytest.raises(AdapterError, match=r"has shape 576x0; .*no elements"):
+        bmodel.load_adapter(str(empty))
+    ctx = bmodel.new_context(CTX)
+    try:
+        assert np.isfinite(np.frombuffer(last_logits(bmodel, ctx), dtype=np.float32)).all()
+    finally:
+        ctx.close()
+
+
 _T = gguf.GGUFValueType
 
 
@@ -441,12 +458,50 @@ def test_an_adapter_file_replaced_while_it_loads_is_refused(
     other = make_lora(default_model_path(), tmp_path / "other.gguf", seed=7)
     checked = adapter_module._check_tensors
 
-    def swap_then_check(p: str, metadata: object) -> None:
+    def swap_then_check(p: str, facts: object) -> None:
         os.replace(other, path)  # between the digest and llama.cpp's read
-        checked(p, metadata)  # type: ignore[arg-type]
+        checked(p, facts)  # type: ignore[arg-type]
 
     monkeypatch.setattr(adapter_module, "_check_tensors", swap_then_check)
     with pytest.raises(AdapterError, match="changed while it was loading"):
         bmodel.load_adapter(str(path))
     monkeypatch.undo()
     bmodel.load_adapter(str(path)).close()  # loads once it holds still
+
+
+@pytest.fixture(scope="module")
+def untied_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackendModel]:
+    """A tiny random llama whose output is a weight of its own (``output.weight``)."""
+    from tests.tinymodels import write_tiny_model
+
+    path = write_tiny_model(tmp_path_factory.mktemp("untied") / "llama.gguf", "llama")
+    m = get_backend("llama_cpp").load_model(str(path))
+    yield m
+    m.close()
+
+
+def test_a_token_embedding_adapter_llama_cpp_cannot_run_is_refused_at_load(
+    bmodel: BackendModel, untied_model: BackendModel, tmp_path: Path
+) -> None:
+    """Found by review: llama.cpp checks a ``token_embd.weight`` pair only on its ``n_vocab``
+    and ``n_embd`` sides, so one whose two ranks differed loaded, and the first decode under
+    it aborted the process (``GGML_ASSERT(ggml_can_mul_mat(a, b))``); on a model whose output
+    is its token embedding (SmolLM2: no ``output.weight``) the output's product takes the
+    flipped pair as a plain one and aborted likewise, whatever the ranks. Both are refused
+    before llama.cpp sees them; a well-formed one on an untied model loads and runs."""
+    untied_path = untied_model.facts.path
+    ranks = make_embd_lora(untied_path, tmp_path / "ranks.gguf", rank_a=4, rank_b=8)
+    with pytest.raises(AdapterError, match=r"token_embd.weight.lora_a has rank 4.* lora_b 8"):
+        untied_model.load_adapter(str(ranks))
+    tied = make_embd_lora(default_model_path(), tmp_path / "tied.gguf")
+    with pytest.raises(AdapterError, match="output is its token embedding"):
+        bmodel.load_adapter(str(tied))
+    ok = untied_model.load_adapter(str(make_embd_lora(untied_path, tmp_path / "ok.gguf")))
+    ctx = untied_model.new_context(CTX)
+    try:
+        ctx.set_adapters([(ok, 1.0)])
+        ctx.prefill(0, [1, 2, 3], 0)
+        assert np.isfinite(np.frombuffer(bytes(ctx.logits()), dtype=np.float32)).all()
+    finally:
+        ctx.close()
+        ok.close()

@@ -4,7 +4,8 @@ Invariant: an adapter is one of its model's dependents (``_lifetime``): it holds
 and is freed before it. Its digest is of the file's bytes, folded into the cache namespace.
 Its tensors' types and outer dimensions are checked before llama.cpp loads it
 (``_check_tensors``): llama.cpp checks only the first two dimensions, and a tensor it takes
-but cannot multiply aborts or crashes the process at the first forward pass. So are the types
+but cannot multiply aborts or crashes the process at the first forward pass (an empty tensor,
+a token embedding pair that cannot run: ``_check_token_embd``). So are the types
 of the keys llama.cpp reads (``_check_keys``): its typed getters abort on any other.
 """
 
@@ -23,8 +24,10 @@ from kvwarm.backends.lifetime import Lifetime
 from kvwarm.backends.llama import model_file
 from kvwarm.backends.llama import native as _native
 from kvwarm.errors import AdapterError
+from kvwarm.models_dir import parts
 
 if TYPE_CHECKING:
+    from kvwarm.backends.base import ModelFacts
     from kvwarm.backends.llama.model import LlamaModel
 
 
@@ -42,7 +45,7 @@ class LlamaAdapter:
                     digest.update(chunk)
         except OSError as exc:
             raise AdapterError(f"cannot read adapter {path!r}: {exc}") from exc
-        _check_tensors(path, model.facts.metadata)
+        _check_tensors(path, model.facts)
         _check_keys(path)
         #: A weight of it multiplied by another kernel for several rows than for one ("" if
         #: none): requests under it do not speculate (``LlamaModel.verify_exactness``).
@@ -184,19 +187,65 @@ def _check_keys(path: str) -> None:
 _LORA_TYPES = {0: "f32", 1: "f16", 8: "q8_0", 30: "bf16"}
 
 
-def _check_tensors(path: str, metadata: Mapping[str, str]) -> None:
+def _check_tensors(path: str, facts: ModelFacts) -> None:
     """``AdapterError`` for an adapter llama.cpp would load but could not run: a LoRA tensor
     of a type no matmul takes, or of dimensions past the two llama.cpp checks that the
     weight it adapts lacks. Found by review: an adapter whose ``lora_a`` was ``[n_in, rank,
     2]`` loaded and attached, and the first decode under it died on
     ``GGML_ASSERT(ggml_can_mul_mat(a, b))``. A mixture-of-experts weight (``*_exps``) is one
     matrix per expert, so its LoRA tensors have the model's expert count as third dimension;
-    every other LoRA tensor is a matrix. Tensors llama.cpp skips (norms) are not checked."""
-    arch = metadata.get("general.architecture", "")
-    experts = metadata.get(f"{arch}.expert_count", "")
+    every other LoRA tensor is a matrix. Tensors llama.cpp skips (norms) are not checked.
+    A pair for the token embedding is checked as ``_check_token_embd`` says."""
+    arch = facts.metadata.get("general.architecture", "")
+    experts = facts.metadata.get(f"{arch}.expert_count", "")
+    embd: dict[str, gguf_meta.TensorInfo] = {}
     with _reading(path), gguf_meta.tensors_of(path) as tensors:
         for tensor in tensors:
             _check_tensor(path, tensor, experts)
+            if tensor.name in _EMBD_PAIR:
+                embd[tensor.name] = tensor
+    if embd:
+        _check_token_embd(path, embd, facts.path)
+
+
+#: The LoRA pair of the token embedding, which llama.cpp reads flipped (``build_inp_embd``).
+_EMBD_PAIR = ("token_embd.weight.lora_a", "token_embd.weight.lora_b")
+
+
+def _check_token_embd(path: str, pair: Mapping[str, gguf_meta.TensorInfo], model_path: str) -> None:
+    """``AdapterError`` for a ``token_embd.weight`` pair no forward pass can run. llama.cpp
+    looks A's rows up by token and multiplies them by B, so A is ``[rank, n_vocab]`` and B
+    ``[rank, n_embd]``, and its loader checks only their ``n_vocab`` and ``n_embd`` sides.
+    Found by review: a pair whose two ranks differed loaded, and the first decode under it
+    aborted the process (``GGML_ASSERT(ggml_can_mul_mat(a, b))``); so did any such pair on a
+    model whose output is its token embedding (no ``output.weight``: SmolLM2, Gemma), whose
+    output product is named ``token_embd.weight`` too and takes the flipped pair as a plain
+    one, which can fit only where ``n_vocab`` is ``n_embd``."""
+    a, b = pair.get(_EMBD_PAIR[0]), pair.get(_EMBD_PAIR[1])
+    if a is not None and b is not None and a.shape[0] != b.shape[0]:
+        raise AdapterError(
+            f"adapter {path!r}: token_embd.weight.lora_a has rank {a.shape[0]} and its "
+            f"lora_b {b.shape[0]}; they must be equal (llama.cpp would abort the process)"
+        )
+    if not _has_tensor(model_path, "output.weight"):
+        raise AdapterError(
+            f"adapter {path!r} adapts token_embd.weight, but this model's output is its token "
+            "embedding (no output.weight), which llama.cpp cannot run under such an adapter "
+            "(it would abort the process)"
+        )
+
+
+def _has_tensor(model_path: str, name: str) -> bool:
+    """Whether the model at ``model_path`` (its split parts too) has a tensor ``name``; a
+    table that cannot be read says no."""
+    for part in (Path(model_path), *parts(Path(model_path))):
+        try:
+            with gguf_meta.tensors_of(part) as tensors:
+                if any(t.name == name for t in tensors):
+                    return True
+        except (OSError, ValueError):
+            return False
+    return False
 
 
 def _check_tensor(path: str, tensor: gguf_meta.TensorInfo, experts: str) -> None:
@@ -208,6 +257,13 @@ def _check_tensor(path: str, tensor: gguf_meta.TensorInfo, experts: str) -> None
             f"adapter {path!r}: LoRA tensor {tensor.name!r} is of ggml type "
             f"{tensor.ggml_type}; a LoRA tensor is {', '.join(_LORA_TYPES.values())} "
             "(as convert_lora_to_gguf.py writes them)"
+        )
+    if 0 in tensor.shape:
+        # Found by review: a pair of rank 0 loaded, and the first decode under it aborted the
+        # process (GGML_ASSERT(!ggml_is_transposed(a)): an empty tensor's strides).
+        raise AdapterError(
+            f"adapter {path!r}: LoRA tensor {tensor.name!r} has shape "
+            f"{'x'.join(map(str, tensor.shape))}; it has no elements"
         )
     outer = list(tensor.shape[2:])
     while outer and outer[-1] == 1:
