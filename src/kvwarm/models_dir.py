@@ -174,12 +174,24 @@ GGUF_MAGIC = b"GGUF"
 def check_gguf_magic(path: str | Path) -> None:
     """``NotAModelError`` (a 400) unless ``path`` starts with the 4-byte GGUF magic; checked
     before llama.cpp sees the file (``/etc/passwd`` or a garbage ``.gguf`` was a 503 that
-    degraded health). A file that cannot be opened is left to the loader's own error."""
+    degraded health). A file that cannot be opened is left to the loader's own error.
+
+    Opened without blocking (found by review: it runs on the server's event loop, and a file
+    swapped for a FIFO after the caller's ``is_file`` had ``open`` wait for a writer, and the
+    whole server with it): what is no regular file by then is no model either."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(4)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotAModelError(
+                f"{Path(path).name!r} is not a GGUF model file (not a regular file)", param="path"
+            )
+        try:
+            head = f.read(4)
+        except OSError:
+            return
     if head != GGUF_MAGIC:
         raise NotAModelError(
             f"{Path(path).name!r} is not a GGUF model file (no GGUF magic)", param="path"

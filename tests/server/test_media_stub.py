@@ -703,6 +703,60 @@ def test_a_refused_connection_is_not_told_to_the_client(caplog: pytest.LogCaptur
 
 
 @pytest.mark.parametrize(
+    ("head", "drip"),
+    [
+        (b"HTTP/1.1 200 OK\r\nX-Slow: ", b"a"),  # its headers, a byte at a time
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1", b"0"),  # a chunk's size
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n", b"a"),  # a body of no length: cut,
+        # it is not taken for a whole file
+    ],
+)
+def test_a_host_trickling_its_headers_is_cut_at_the_deadline(
+    head: bytes, drip: bytes, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The deadline was checked between a body's reads only: a host sending its headers (or a
+    chunked body's size line) a byte at a time, each well within a read's timeout, held the
+    fetch, and a thread of the server's pool, for as long as it kept sending (found by
+    review: 4 s of a 0.5 s deadline, the host's choice). The connection is now cut at the
+    deadline wherever the fetch is reading."""
+    monkeypatch.setattr(media, "FETCH_TIMEOUT_S", 0.5)
+    stop = threading.Event()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+
+        def serve() -> None:
+            connection, _ = listener.accept()
+            with connection:
+                connection.recv(65536)
+                connection.sendall(head)
+                give_up = time.monotonic() + 5.0  # the old code's fetch ended only here
+                while not stop.wait(0.02) and time.monotonic() < give_up:  # pacing the drip
+                    try:
+                        connection.sendall(drip)
+                    except OSError:
+                        return
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{port}/cat.png"
+        started = time.monotonic()
+        try:
+            with (
+                caplog.at_level(logging.INFO, logger="kvwarm.server.media"),
+                pytest.raises(MediaError),
+            ):
+                media._fetch(url, "image", _settings(f"127.0.0.1:{port}"))
+            took = time.monotonic() - started
+        finally:
+            stop.set()
+            thread.join(10)
+    assert took < 3.0, took  # the deadline's 0.5 s and some slack; it dripped until stopped
+    assert "took longer than 0.5 s" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize(
     ("entry", "rule"),
     [
         ("Example.com", ("example.com", None)),

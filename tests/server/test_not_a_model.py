@@ -5,10 +5,13 @@ llama.cpp refuses to load (an unknown architecture, data past the file's end): t
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -52,6 +55,39 @@ def test_garbage_gguf_in_models_dir_is_400_and_health_stays_ok(client: TestClien
     assert by_name.status_code == 400, by_name.json()
     used = client.post("/v1/completions", json={"model": "garbage", "prompt": "x"})
     assert used.status_code == 400 and used.json()["error"]["code"] == "not_a_model"
+    assert client.get("/health").status_code == 200
+
+
+def test_a_models_dir_file_swapped_for_a_fifo_is_refused_not_waited_on(
+    client: TestClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The magic check ran on the event loop, under the registry's lock, and opened the file
+    as a blocking open: a models_dir file swapped for a FIFO between its ``is_file`` check and
+    that open (docs/server.md: swaps after the check are what models_dir is guarded against)
+    had ``open`` wait for a writer for ever, and with it every request of the server (found
+    by review). The swap is made certain here by having ``is_file`` see the regular file it
+    replaced. The check now opens without blocking and refuses what is no regular file."""
+    target = tmp_path / "models" / "swapped.gguf"
+    target.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert "swapped" in {m["id"] for m in client.get("/v1/models").json()["data"]}
+    target.unlink()
+    os.mkfifo(target)
+    is_file = Path.is_file
+    monkeypatch.setattr(Path, "is_file", lambda self: self == target or is_file(self))
+    answers: list[httpx.Response] = []
+    body = {"model": "swapped", "prompt": "x", "max_tokens": 1}
+    asking = threading.Thread(
+        target=lambda: answers.append(client.post("/v1/completions", json=body)), daemon=True
+    )
+    asking.start()
+    asking.join(10)
+    hung = asking.is_alive()
+    if hung:  # the old code: the open waits for a writer; give it one, so the test ends
+        os.close(os.open(target, os.O_WRONLY | os.O_NONBLOCK))
+        asking.join(10)
+    assert not hung, "the server waited on the FIFO"
+    assert answers[0].status_code == 400, answers[0].json()
+    assert answers[0].json()["error"]["code"] == "not_a_model"
     assert client.get("/health").status_code == 200
 
 

@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import ipaddress
 import logging
@@ -292,11 +293,53 @@ def _resolve_by(host: str, port: int, deadline: float) -> list[tuple[int, str]]:
         raise _FetchError(f"cannot resolve {host}: {exc}") from exc
 
 
-def _connector(addresses: Sequence[str], deadline: float) -> Callable[..., socket.socket]:
+class _Cutoff:
+    """Cuts a fetch's connection at its deadline (``time.monotonic``), whatever it is blocked
+    in. A socket's timeout bounds each read, not a response: found by review, a host sending
+    its status line and headers (or a chunked body's size lines) a byte every few seconds held
+    ``getresponse`` (and a thread of the server's pool) for as long as it liked, past the
+    10 s the docs promise. The connection's socket is shut down at the deadline (through a
+    duplicate, so TLS's wrapping of it does not matter): every read blocked on it ends."""
+
+    def __init__(self, deadline: float) -> None:
+        self._lock = threading.Lock()
+        self._socket: socket.socket | None = None
+        self.expired = False
+        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            if self._socket is not None:
+                with contextlib.suppress(OSError):
+                    self._socket.shutdown(socket.SHUT_RDWR)
+
+    def watch(self, sock: socket.socket) -> None:
+        """Cut ``sock`` at the deadline (at once if it has passed)."""
+        with self._lock:
+            if self.expired:
+                sock.close()
+                raise TimeoutError("the fetch's deadline passed while connecting")
+            self._socket = sock.dup()
+
+    def close(self) -> None:
+        self._timer.cancel()
+        with self._lock:
+            if self._socket is not None:
+                self._socket.close()
+                self._socket = None
+
+
+def _connector(
+    addresses: Sequence[str], deadline: float, cutoff: _Cutoff | None = None
+) -> Callable[..., socket.socket]:
     """``http.client``'s ``_create_connection`` for addresses already checked: the socket goes
     to one of them whatever the name resolves to by now (no second lookup a rebinding DNS
     server could answer differently), while the Host header and TLS's server name stay the
-    URL's host. All the tries end by ``deadline`` (``time.monotonic``)."""
+    URL's host. All the tries end by ``deadline`` (``time.monotonic``); the socket made is
+    handed to ``cutoff`` to be cut there."""
 
     def connect(
         address: tuple[str, int], timeout: float | None = None, source: object = None
@@ -307,9 +350,13 @@ def _connector(addresses: Sequence[str], deadline: float) -> Callable[..., socke
             if left <= 0:
                 break
             try:
-                return socket.create_connection((ip, address[1]), min(left, timeout or left))
+                sock = socket.create_connection((ip, address[1]), min(left, timeout or left))
             except OSError as exc:
                 error = exc
+                continue
+            if cutoff is not None:
+                cutoff.watch(sock)
+            return sock
         raise error or TimeoutError(f"no connection to {address[0]} in time")
 
     return connect
@@ -406,9 +453,10 @@ def _get(
     else:
         connection = http.client.HTTPConnection(host, port, timeout=FETCH_TIMEOUT_S)
     # The deadline bounds the whole fetch (the name's lookup and connecting included), not
-    # only each read: a host trickling its bytes never trips a read's timeout. (The last
-    # read may take up to FETCH_TIMEOUT_S once more.)
-    connection._create_connection = _connector(addresses, deadline)  # type: ignore[attr-defined]
+    # only each read: a host trickling its bytes never trips a read's timeout, so the
+    # connection is cut at the deadline (_Cutoff), wherever http.client is reading.
+    cutoff = _Cutoff(deadline)
+    connection._create_connection = _connector(addresses, deadline, cutoff)  # type: ignore[attr-defined]
     target = split.path or "/"
     if split.query:
         target += "?" + split.query
@@ -431,6 +479,8 @@ def _get(
                 break
             parts.append(part)
             got += len(part)
+        if cutoff.expired:  # its reads ended as the deadline cut them: not the file's end
+            raise _FetchError(f"it took longer than {FETCH_TIMEOUT_S:g} s")
         if announced is not None and got < announced <= limit:
             raise _FetchError(f"it sent {got} of the {announced} bytes it announced")
         if got > limit:
@@ -438,6 +488,9 @@ def _get(
         return b"".join(parts)
     except (http.client.HTTPException, OSError, ValueError) as exc:
         # HTTPException: a response cut short (IncompleteRead) or malformed: no OSError.
+        if cutoff.expired:
+            raise _FetchError(f"it took longer than {FETCH_TIMEOUT_S:g} s") from exc
         raise _FetchError(str(exc) or repr(exc)) from exc
     finally:
+        cutoff.close()
         connection.close()
