@@ -127,3 +127,21 @@ def test_a_slow_reader_that_keeps_reading_is_served_whole(live: LiveServer) -> N
             time.sleep(SEND_S / 10)  # a slow reader, not synchronisation
     assert data.startswith(b"HTTP/1.1 200 "), data[:200]
     assert b"data: [DONE]" in data[-100:] and b'"finish_reason":"length"' in data
+
+
+def test_an_unread_reply_below_the_high_water_mark_does_not_hold_its_connection(
+    live: LiveServer,
+) -> None:
+    """A whole reply the socket buffers cannot take but whose rest is under the transport's
+    high-water mark (64 KiB) never pauses writing: its handler is done, and the close that
+    follows (keep-alive's end, the header timer) waits for bytes the client never reads.
+    The connection must still end within the send timeout."""
+    connections = live.server.server_state.connections
+    body = {**BIG, "max_tokens": 300, "stream": False}  # some 45 KB
+    with _stalled(live, body) as sock:
+        _until("the request never began", lambda: bool(connections))
+        took = _until("an unread reply kept its connection open", lambda: not connections)
+        assert took < SEND_S + 15, took
+        sock.settimeout(10)
+        left = _drained(sock)
+    assert len(left) < 40_000, len(left)  # not its whole reply

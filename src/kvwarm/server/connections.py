@@ -14,14 +14,16 @@ or httptools, as uvicorn picks) extended by ``_Limits``:
 - **Body timeout** (``body_timeout_s``): once a request's head is in, its whole body must be in
   within that long; then a 408 (if no response began) and the connection is closed, which the
   route sees as a disconnect.
-- **Send timeout** (``send_timeout_s``): a response waiting on a client that takes none of
-  it (the connection's send buffers full: the transport paused writing) for that long has
-  its connection aborted (its buffered bytes dropped: a close would wait on them for ever),
-  which the route sees as a disconnect, so its generation is cancelled and its lease freed.
-  Any progress (the buffer shrank) restarts the wait, so a slow reader is served; found by
-  review, a client that stopped reading held its connection, its reply's memory and its
+- **Send timeout** (``send_timeout_s``): bytes waiting on a client that takes none of them
+  for that long (the connection's send buffers full: while the transport has paused
+  writing, or once a response is complete with some of it unsent) get the connection
+  aborted (its buffered bytes dropped: a close would wait on them for ever), which the
+  route sees as a disconnect, so its generation is cancelled and its lease freed. Any
+  progress (the buffer shrank) restarts the wait, so a slow reader is served. Found by
+  review: a client that stopped reading held its connection, its reply's memory and its
   model's lease for ever (uvicorn has no write timer; ``request_timeout_s`` ends only a
-  generation still running).
+  generation still running), and a reply too small to pause writing, left unread, kept
+  its connection open for ever behind the close that followed it.
 - **Not HTTP**: what uvicorn's parser refuses (a malformed chunk, two ``Content-Length``
   headers, a header name with a space) is a 400 ``invalid_http``, and the connection is closed.
 - **Connection cap** (``max_connections``, kept below the open-file limit less
@@ -202,6 +204,10 @@ def protocol_class(limits: ConnectionLimits, http: str = "auto") -> type[asyncio
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            # Nothing more is written until the next request: what is left in the buffer
+            # must drain, or the close that may follow (keep-alive's end, the header timer,
+            # Connection: close) waits on it for ever.
+            self._kv_wait_send()
             self._kv_check()  # a pipelined request may have begun
             cycle = self.cycle
             if self._kv_body is not None:  # answered before its body was read
@@ -217,16 +223,22 @@ def protocol_class(limits: ConnectionLimits, http: str = "auto") -> type[asyncio
 
         def pause_writing(self) -> None:
             super().pause_writing()
-            if limits.send_timeout_s > 0 and self._kv_send is None:
-                self._kv_wait_send()
+            self._kv_wait_send()
 
         def resume_writing(self) -> None:
             self._kv_stop_send()
             super().resume_writing()
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:  # a close may wait on the rest
+                self._kv_wait_send()
 
         def _kv_wait_send(self) -> None:
+            """Start the send timer, unless it runs or nothing waits to be sent."""
+            if limits.send_timeout_s <= 0 or self._kv_send is not None:
+                return
             self._kv_unsent = self.transport.get_write_buffer_size()
-            self._kv_send = self.loop.call_later(limits.send_timeout_s, self._kv_late_send)
+            if self._kv_unsent > 0:
+                self._kv_send = self.loop.call_later(limits.send_timeout_s, self._kv_late_send)
 
         def _kv_stop_send(self) -> None:
             if self._kv_send is not None:
@@ -255,6 +267,8 @@ def protocol_class(limits: ConnectionLimits, http: str = "auto") -> type[asyncio
                     self._kv_head.cancel()
                     self._kv_head = None
                 self._kv_head_bytes = 0
+                if not self.flow.write_paused:  # its reply's writes would look like no progress
+                    self._kv_stop_send()
                 if cycle.more_body and limits.body_timeout_s > 0 and self._kv_body is None:
                     self._kv_body = self.loop.call_later(limits.body_timeout_s, self._kv_late_body)
             if self._kv_body is not None and (cycle is None or not cycle.more_body):
@@ -290,6 +304,7 @@ def protocol_class(limits: ConnectionLimits, http: str = "auto") -> type[asyncio
             log.info("closing a connection from %s: %s", _peer(self.transport), message)
             self.transport.write(_response(status, reason, message, code))
             self.transport.close()
+            self._kv_wait_send()  # the close waits for the client to take the rest
 
         def _kv_cancel(self) -> None:
             for timer in (self._kv_head, self._kv_body):
