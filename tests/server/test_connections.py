@@ -108,6 +108,20 @@ def test_a_second_request_that_stalls_is_closed_too(live: LiveServer) -> None:
     assert took < HEADER_S + 3, took
 
 
+def test_an_idle_keep_alive_connection_is_closed(live: LiveServer) -> None:
+    """A client that keeps its connection open after a response, sending nothing, holds it
+    no longer than the header timeout (uvicorn's own keep-alive timeout may close it first):
+    idle keep-alive connections are bounded in time, as well as by the cap."""
+    with _connect(live) as sock:
+        sock.sendall(_request())
+        sock.settimeout(10)
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 "), first
+        data, took = _until_eof(sock, 10)
+    assert data == b"" or data.startswith(b"HTTP/1.1 408 "), data
+    assert took < HEADER_S + 3, took
+
+
 def test_a_huge_head_is_a_431(live: LiveServer) -> None:
     with _connect(live) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")

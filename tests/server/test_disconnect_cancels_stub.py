@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -146,3 +147,58 @@ def test_shutdown_cancels_a_rerank_or_an_embedding_as_it_ends_generations(
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
         later = http.post(path, json=body)
     assert later.status_code == 503 and later.json()["error"]["code"] == "shutting_down"
+
+
+LONG = "word " * 60  # some 300 tokens: prefilled in several passes of n_batch 64
+GENERATIONS = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}], "stream": True}),
+    ("/v1/completions", {"prompt": [LONG, LONG + "again"]}),  # the second is never started
+    ("/v1/completions", {"prompt": LONG, "stream": True}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 32}),
+    ("/v1/responses", {"input": LONG}),
+    ("/v1/responses", {"input": LONG, "stream": True}),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    GENERATIONS,
+    ids=["chat", "chat-stream", "completions", "completions-stream", "messages", "responses",
+         "responses-stream"],
+)  # fmt: skip
+def test_a_disconnect_mid_prefill_cancels_the_generation(
+    live: tuple[LiveServer, RecordingBackend], path: str, body: dict[str, object]
+) -> None:
+    """A client that leaves while its prompt is prefilled (streamed, before any header was
+    sent, or not) ends its generation there: the pass under way finishes, no other runs for
+    it, and its slot and its model's lease are free."""
+    server, backend = live
+    assert backend.gate is not None
+    state = server.server.config.app.state.kvwarm
+    entry = state.entries["embedder"]
+    before = len(backend.calls)
+    raw = json.dumps({"model": "embedder", "max_tokens": 32, **body}).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head + raw)
+        assert backend.entered.wait(60), "the request never reached the model"
+    # Its first pass is still held: only the disconnect can have cancelled it.
+    _until(lambda: any(g.stream.request.cancelled.is_set() for g in list(state.streams)))
+    backend.gate.set()
+    _until(lambda: not state.streams and entry.leases == 0)
+    assert len(backend.calls) == before + 1, "the abandoned prompt went on being prefilled"
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:  # the slot is free
+        probe = {"model": "embedder", "prompt": "x", "max_tokens": 2}
+        assert http.post("/v1/completions", json=probe).status_code == 200
+
+
+def _until(ready: Callable[[], bool], deadline_s: float = 30.0) -> None:
+    """Poll the server's state, bounded."""
+    end = time.monotonic() + deadline_s
+    while not ready():
+        assert time.monotonic() < end, "the server did not get there in time"
+        time.sleep(0.02)

@@ -14,13 +14,23 @@ or httptools, as uvicorn picks) extended by ``_Limits``:
 - **Body timeout** (``body_timeout_s``): once a request's head is in, its whole body must be in
   within that long; then a 408 (if no response began) and the connection is closed, which the
   route sees as a disconnect.
+- **Send timeout** (``send_timeout_s``): bytes waiting on a client that takes none of them
+  for that long (the connection's send buffers full: while the transport has paused
+  writing, or once a response is complete with some of it unsent) get the connection
+  aborted (its buffered bytes dropped: a close would wait on them for ever), which the
+  route sees as a disconnect, so its generation is cancelled and its lease freed. Any
+  progress (the buffer shrank) restarts the wait, so a slow reader is served. Found by
+  review: a client that stopped reading held its connection, its reply's memory and its
+  model's lease for ever (uvicorn has no write timer; ``request_timeout_s`` ends only a
+  generation still running), and a reply too small to pause writing, left unread, kept
+  its connection open for ever behind the close that followed it.
 - **Not HTTP**: what uvicorn's parser refuses (a malformed chunk, two ``Content-Length``
   headers, a header name with a space) is a 400 ``invalid_http``, and the connection is closed.
 - **Connection cap** (``max_connections``, kept below the open-file limit less
   ``FD_RESERVE``): a connection past it is answered 503 at once and closed, so the server never
   runs out of file descriptors to clients.
 
-Timers only: a request being served (its head and body in) is never cut by them; generation
+Timers only: a request being served (its head and body in) is never cut by the first two; generation
 time is bounded by ``request_timeout_s`` instead (``server/generate.py``). The refusals are
 OpenAI-shaped JSON errors. Invariants: every timer is cancelled when its connection is lost;
 nothing here runs a route.
@@ -72,6 +82,7 @@ class ConnectionLimits:
     header_timeout_s: float  # 0: none
     body_timeout_s: float  # 0: none
     max_connections: int
+    send_timeout_s: float = 0.0  # 0: none
 
 
 def connection_cap(max_connections: int) -> int:
@@ -127,6 +138,7 @@ _HEAD_TOO_LARGE = (
     f"the request's headers are larger than {MAX_HEADER_BYTES} bytes",
     "headers_too_large",
 )
+_SEND_TIMEOUT = "its client took none of the response in time (send_timeout_s)"
 _NOT_HTTP = (
     400,
     "Bad Request",
@@ -166,7 +178,8 @@ def protocol_class(limits: ConnectionLimits, http: str = "auto") -> type[asyncio
         """Reads only what uvicorn's protocols share: ``cycle`` (the request being served, its
         ``more_body`` and ``response_complete``), ``connections``, ``transport`` and ``loop``;
         the hooks are ``connection_made``, ``data_received``, ``on_response_complete``,
-        ``connection_lost`` and ``send_400_response``, which both implementations have."""
+        ``connection_lost``, ``pause_writing``, ``resume_writing`` and
+        ``send_400_response``, which both implementations have."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
@@ -174,6 +187,8 @@ def protocol_class(limits: ConnectionLimits, http: str = "auto") -> type[asyncio
             self._kv_head: asyncio.TimerHandle | None = None
             self._kv_body: asyncio.TimerHandle | None = None
             self._kv_head_bytes = 0
+            self._kv_send: asyncio.TimerHandle | None = None
+            self._kv_unsent = 0  # the send buffer's size when the send timer last started
             if len(self.connections) > limits.max_connections:
                 self._kv_refuse(_TOO_MANY)
                 return
@@ -189,6 +204,10 @@ def protocol_class(limits: ConnectionLimits, http: str = "auto") -> type[asyncio
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            # Nothing more is written until the next request: what is left in the buffer
+            # must drain, or the close that may follow (keep-alive's end, the header timer,
+            # Connection: close) waits on it for ever.
+            self._kv_wait_send()
             self._kv_check()  # a pipelined request may have begun
             cycle = self.cycle
             if self._kv_body is not None:  # answered before its body was read
@@ -199,7 +218,41 @@ def protocol_class(limits: ConnectionLimits, http: str = "auto") -> type[asyncio
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._kv_cancel()
+            self._kv_stop_send()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._kv_wait_send()
+
+        def resume_writing(self) -> None:
+            self._kv_stop_send()
+            super().resume_writing()
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:  # a close may wait on the rest
+                self._kv_wait_send()
+
+        def _kv_wait_send(self) -> None:
+            """Start the send timer, unless it runs or nothing waits to be sent."""
+            if limits.send_timeout_s <= 0 or self._kv_send is not None:
+                return
+            self._kv_unsent = self.transport.get_write_buffer_size()
+            if self._kv_unsent > 0:
+                self._kv_send = self.loop.call_later(limits.send_timeout_s, self._kv_late_send)
+
+        def _kv_stop_send(self) -> None:
+            if self._kv_send is not None:
+                self._kv_send.cancel()
+                self._kv_send = None
+
+        def _kv_late_send(self) -> None:
+            self._kv_send = None
+            if self.transport.get_write_buffer_size() < self._kv_unsent:
+                self._kv_wait_send()  # the client took some: a slow reader, not a stalled one
+                return
+            log.info("closing a connection from %s: %s", _peer(self.transport), _SEND_TIMEOUT)
+            # Not close(): it waits until the buffered bytes are sent, which they never are.
+            self.transport.abort()
 
         def send_400_response(self, msg: str) -> None:
             # What the parser refuses (a bad chunk, two lengths, a header name with a space):
@@ -214,6 +267,8 @@ def protocol_class(limits: ConnectionLimits, http: str = "auto") -> type[asyncio
                     self._kv_head.cancel()
                     self._kv_head = None
                 self._kv_head_bytes = 0
+                if not self.flow.write_paused:  # its reply's writes would look like no progress
+                    self._kv_stop_send()
                 if cycle.more_body and limits.body_timeout_s > 0 and self._kv_body is None:
                     self._kv_body = self.loop.call_later(limits.body_timeout_s, self._kv_late_body)
             if self._kv_body is not None and (cycle is None or not cycle.more_body):
@@ -249,6 +304,7 @@ def protocol_class(limits: ConnectionLimits, http: str = "auto") -> type[asyncio
             log.info("closing a connection from %s: %s", _peer(self.transport), message)
             self.transport.write(_response(status, reason, message, code))
             self.transport.close()
+            self._kv_wait_send()  # the close waits for the client to take the rest
 
         def _kv_cancel(self) -> None:
             for timer in (self._kv_head, self._kv_body):
@@ -270,11 +326,13 @@ def uvicorn_config(
 ) -> uvicorn.Config:
     """The uvicorn configuration ``kvwarm serve`` runs ``app`` under: the settings' address,
     kvwarm's own logging, and the connection limits (``header_timeout_s``,
-    ``body_timeout_s``, ``max_connections``). ``options`` are passed on to uvicorn."""
+    ``body_timeout_s``, ``send_timeout_s``, ``max_connections``). ``options`` are passed on
+    to uvicorn."""
     limits = ConnectionLimits(
         header_timeout_s=settings.header_timeout_s,
         body_timeout_s=settings.body_timeout_s,
         max_connections=connection_cap(settings.max_connections),
+        send_timeout_s=settings.send_timeout_s,
     )
     defaults: dict[str, Any] = {
         "host": settings.host,

@@ -375,6 +375,14 @@ class Settings(ModelSettings, ServingSettings):
         description="seconds a client has to send a request's whole body once its headers "
         "are in; then the connection is closed (0: no limit)",
     )
+    # A client that stopped reading held its connection, its reply and its model's lease for
+    # ever: uvicorn waits on a full send buffer with no timer (server/connections.py).
+    send_timeout_s: Float = Field(
+        default=60.0,
+        description="seconds a response may wait with none of it taken by its client (the "
+        "connection's send buffers full); then the connection is closed and its generation "
+        "cancelled (0: no limit)",
+    )
     max_connections: Int = Field(
         default=1000,
         description="open HTTP connections at most; more are answered 503 and closed (also "
@@ -568,7 +576,7 @@ class Settings(ModelSettings, ServingSettings):
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
-        for name in ("header_timeout_s", "body_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
         if self.fingerprint_mode not in ("safe", "gguf_chunked", "fast_unsafe"):
