@@ -371,3 +371,39 @@ def test_a_tier_directory_that_cannot_be_created_is_refused(tmp_path: Path, name
         with pytest.raises(ConfigError, match=f"{name} .*{needle}"):
             load_settings({name: str(root), "backend": "stub"}, {})
     load_settings({name: str(tmp_path / "new" / "deeper"), "backend": "stub"}, {})
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "media_formats",  # no format at all: every image and clip refused
+        "allowed_origins",
+        "allowed_hosts",
+        "media_fetch_hosts",
+        "tiers",
+        "prewarm_system",
+        "aliases",
+        "lora",
+        "tensor_split",
+        "models",
+    ],
+)
+def test_an_empty_list_variable_is_refused_not_read_as_no_entries(
+    tmp_path: Path, name: str
+) -> None:
+    """Found by review: ``KVWARM_MEDIA_FORMATS=`` (a variable never filled in) loaded as no
+    format at all, so every image and audio clip was refused at request time; the other list
+    settings silently dropped what the config file listed. An empty value is refused, as the
+    scalar settings' are (docs/configuration.md)."""
+    for value in ("", " "):
+        with pytest.raises(ConfigError, match=f"environment setting {name}: is empty"):
+            load_settings({}, {env_var(name): value, "KVWARM_BACKEND": "stub"})
+    config = tmp_path / "kvwarm.toml"
+    config.write_text(f'{name} = ""\n')
+    with pytest.raises(ConfigError, match=f"config file {config} setting {name}: is empty"):
+        load_settings({"config": str(config)}, {"KVWARM_BACKEND": "stub"})
+    # An explicit empty TOML list is no slip: it says "none".
+    if name not in ("models", "aliases", "lora"):
+        config.write_text(f"{name} = []\n")
+        loaded = load_settings({"config": str(config)}, {"KVWARM_BACKEND": "stub"})
+        assert getattr(loaded, name) == ()

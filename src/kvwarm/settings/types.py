@@ -238,9 +238,18 @@ def as_tier(value: object) -> TierName | None:
     return text
 
 
+#: What an empty list value is told (``_not_empty``): a list setting has no word for "none".
+_LIST_HINT = "give an entry (a flag each), or leave the setting out"
+
+
 def as_str_tuple(value: object) -> tuple[str, ...]:
+    """One entry (a string: a flag, a variable), or a list of them (repeated flags, TOML). An
+    empty string is refused (found by review: ``KVWARM_MEDIA_FORMATS=`` loaded as no format
+    at all, every image then refused; the other lists dropped what the config file listed);
+    an explicit empty TOML list still says "none"."""
     if isinstance(value, str):
-        return (value,) if value else ()
+        _not_empty(value, _LIST_HINT)
+        return (value,)
     if isinstance(value, list | tuple):
         return tuple(as_str(v) for v in value)
     raise ValueError("expected a string or a list of strings")
@@ -266,6 +275,7 @@ def as_models(value: object) -> tuple[ModelSpec, ...]:
     """A comma-separated string of ``[ID=]PATH`` (env), a list of those (flags), or a list of
     tables with path/id/backend/n_ctx/n_parallel and any model setting (TOML)."""
     if isinstance(value, str):
+        _not_empty(value, "give [ID=]PATH, or leave the setting out for the default model")
         return tuple(ModelSpec.parse(part) for part in value.split(",") if part.strip())
     if not isinstance(value, list | tuple):
         raise ValueError("expected a list of models")
@@ -354,6 +364,7 @@ def opt_choice(allowed: tuple[str, ...]) -> Callable[[object], str | None]:
 def as_float_tuple(value: object) -> tuple[float, ...]:
     """Numbers: ``3,1`` (flags, env) or a TOML list."""
     if isinstance(value, str):
+        _not_empty(value, "give shares like 3,1, or leave the setting out")
         parts: list[object] = [p for p in value.replace("/", ",").split(",") if p.strip()]
     elif isinstance(value, list | tuple):
         parts = list(value)
