@@ -9,7 +9,8 @@ directory of one model and one projector pairs them whatever their names (``proj
 
 Invariant: a listed model is a regular file (never a symlink) directly inside the directory,
 named ``*.gguf``; a model split into parts (``x-00001-of-00003.gguf``) is listed once, as its
-first part, under the name without the part suffix. ``checked_path`` refuses, at load time, a
+first part, under the name without the part suffix; of two files of one id the first by
+name is listed, and a warning names the other. ``checked_path`` refuses, at load time, a
 file that has since become a symlink or moved out of the directory, so a name can only ever
 open a file the directory holds: the model, every other part of a split one (``parts``) and
 its projector are each checked so. ``pinned`` then opens each of them once, without following
@@ -58,8 +59,31 @@ def scan(directory: Path) -> dict[str, Path]:
             if int(part["n"]) != 1:
                 continue  # llama.cpp finds the other parts from the first
             stem = part["stem"]
-        found.setdefault(stem, directory / entry.name)
+        if stem in found:
+            _said_hidden(directory, entry.name, found[stem].name, stem)
+            continue
+        found[stem] = directory / entry.name
     return found
+
+
+#: (directory, file) already warned of as hidden by another file of its id: a scan runs on
+#: every request for a name the registry does not know, and the warning is said once.
+_HIDDEN: set[tuple[str, str]] = set()
+
+
+def _said_hidden(directory: Path, name: str, served: str, model_id: str) -> None:
+    """Warn, once per file, that ``name`` is not served: ``served`` has its model id. Found
+    by review: ``x.gguf`` beside a split ``x-00001-of-00002.gguf`` (or ``x.GGUF``) was
+    neither listed nor loadable, without a word."""
+    key = (str(directory), name)
+    if key not in _HIDDEN:
+        _HIDDEN.add(key)
+        log.warning(
+            "models_dir: %s is not served: model %r is %s (rename one to serve both)",
+            name,
+            model_id,
+            served,
+        )
 
 
 def _is_projector(name: str) -> bool:
