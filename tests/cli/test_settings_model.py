@@ -305,3 +305,12 @@ def test_a_per_model_zero_is_refused_not_read_as_the_global_value(tmp_path: Path
     config.write_text(f'backend = "stub"\n[[models]]\nid = "m"\npath = "m.gguf"\n{key} = 32\n')
     context, _ = _config(load_settings({"config": str(config)}, {}))
     assert getattr(context, "n_seq_max" if key == "n_parallel" else key) == 32
+
+
+def test_a_typo_in_a_models_table_of_no_id_or_path_names_the_table(tmp_path: Path) -> None:
+    """Found by review: a ``[[models]]`` table of the default model (no id, no path) with a
+    misspelled key said ``model None: unknown keys ...``; its number names it instead."""
+    config = tmp_path / "c.toml"
+    config.write_text('[[models]]\nid = "a"\npath = "/m/a.gguf"\n[[models]]\nn_gpu_layer = 9\n')
+    with pytest.raises(ConfigError, match=r"setting models: model 2: unknown keys n_gpu_layer "):
+        load_settings({"config": str(config)}, ENV)

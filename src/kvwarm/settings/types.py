@@ -297,7 +297,7 @@ def as_models(value: object) -> tuple[ModelSpec, ...]:
                     backend=_table_key(item, "backend", number, as_opt_str),
                     n_ctx=_table_key(item, "n_ctx", number, as_opt_int),
                     n_parallel=_table_key(item, "n_parallel", number, as_opt_int),
-                    options=model_options(extra, str(model_id or item.get("path"))),
+                    options=model_options(extra, str(model_id or item.get("path") or number)),
                 )
             )
         elif isinstance(item, ModelSpec):
