@@ -91,3 +91,15 @@ def test_tiers_by_url_follow_the_built_in_ones_and_may_take_the_saves(tmp_path: 
 def test_bad_url_tiers_are_config_errors(tmp_path: Path, extra: dict[str, str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         load_settings({}, _env(tmp_path, **extra))
+
+
+def test_a_bad_tier_quota_names_the_setting_and_where_it_came_from(tmp_path: Path) -> None:
+    """Found by review: ``tier x: quota: expected a size ...`` named neither the setting nor
+    its source, unlike every other broken rule (``(tiers from KVWARM_TIERS)``)."""
+    env = _env(tmp_path, KVWARM_TIERS="x=ram://?quota=10 parsecs")
+    with pytest.raises(ConfigError) as caught:
+        load_settings({}, env)
+    assert str(caught.value) == (
+        "tiers: tier x: quota: expected a size like 512M or 20G, got '10 parsecs' "
+        "(tiers from KVWARM_TIERS)"
+    )
