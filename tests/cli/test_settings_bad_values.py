@@ -407,3 +407,13 @@ def test_an_empty_list_variable_is_refused_not_read_as_no_entries(
         config.write_text(f"{name} = []\n")
         loaded = load_settings({"config": str(config)}, {"KVWARM_BACKEND": "stub"})
         assert getattr(loaded, name) == ()
+
+
+def test_sizes_read_as_docs_configuration_md_says() -> None:
+    """The size syntax was documented nowhere; the page now says what these show."""
+    for text in ("20G", "20GB", "20GiB", "20 G", "20g"):
+        assert load_settings({"disk_quota_bytes": text}, {}).disk_quota_bytes == 20 << 30
+    assert load_settings({"disk_quota_bytes": "1.5G"}, {}).disk_quota_bytes == 3 << 29
+    for text in ("-1G", "1e9", "20 parsecs", "8P"):
+        with pytest.raises(ConfigError, match="flag setting --disk-quota-bytes: expected a size"):
+            load_settings({"disk_quota_bytes": text}, {})
