@@ -280,3 +280,11 @@ def test_an_empty_key_is_refused_not_read_as_no_key(name: str, value: str) -> No
         load_settings({}, {env_var(name): value})
     assert getattr(load_settings({}, {env_var(name): "s3cret"}), name) == "s3cret"
     assert getattr(load_settings({}, {}), name) is None
+
+
+def test_log_levels_help_names_every_level_it_accepts() -> None:
+    """``--help`` said "debug, info, warning, error"; critical loads too."""
+    description = Settings.model_fields["log_level"].description or ""
+    for level in ("debug", "info", "warning", "error", "critical"):
+        assert load_settings({"log_level": level}, {}).log_level == level
+        assert level in description, level

@@ -379,7 +379,9 @@ class Settings(ModelSettings, ServingSettings):
         description="open HTTP connections at most; more are answered 503 and closed (also "
         "kept below the open-file limit)",
     )
-    log_level: Str = Field(default="info", description="logging level: debug, info, warning, error")
+    log_level: Str = Field(
+        default="info", description="logging level: debug, info, warning, error, critical"
+    )
     # `kvwarm cluster` only (kvwarm.cluster; not flags of the other commands: CLUSTER_ONLY).
     replicas: Int = Field(default=2, description="cluster: engine replicas to run")
     ray_address: OptStr = Field(
