@@ -288,3 +288,19 @@ def test_log_levels_help_names_every_level_it_accepts() -> None:
     for level in ("debug", "info", "warning", "error", "critical"):
         assert load_settings({"log_level": level}, {}).log_level == level
         assert level in description, level
+
+
+def test_a_policy_variable_without_its_key_says_how_to_give_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by review: ``KVWARM_POLICY=min_tokens=64`` was logged as "not a kvwarm setting;
+    ignored", then stopped the command with "environment setting policy: expected a table of
+    policy values": neither true, nor a word of ``KVWARM_POLICY_<KEY>``."""
+    needle = r"KVWARM_POLICY_<KEY> \(KVWARM_POLICY_MIN_TOKENS="
+    with (
+        caplog.at_level(logging.WARNING, logger="kvwarm.settings.sources"),
+        pytest.raises(ConfigError, match=needle),
+    ):
+        load_settings({}, {"KVWARM_POLICY": "min_tokens=64"})
+    assert not caplog.records
+    assert load_settings({}, {"KVWARM_POLICY_MIN_TOKENS": "64"}).policy.min_tokens == 64

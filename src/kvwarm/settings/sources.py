@@ -127,6 +127,13 @@ def unknown_env(env: Mapping[str, str], known: Collection[str], prefix: str) -> 
             continue
         if name.startswith((prefix + "POLICY_", prefix + "TEST_")):
             continue
+        if name == prefix + "POLICY":
+            # Found by review: logged as ignored, then read as the policy table it cannot be
+            # ("expected a table of policy values"), with no word of the variables that are.
+            raise ConfigError(
+                f"environment variable {var} is not a kvwarm setting; give each policy value "
+                f"as {prefix}POLICY_<KEY> ({prefix}POLICY_MIN_TOKENS=64)"
+            )
         close = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
         if close:
             raise ConfigError(
