@@ -103,3 +103,18 @@ def test_a_bad_tier_quota_names_the_setting_and_where_it_came_from(tmp_path: Pat
         "tiers: tier x: quota: expected a size like 512M or 20G, got '10 parsecs' "
         "(tiers from KVWARM_TIERS)"
     )
+
+
+def test_tiers_take_one_flag_each_as_every_list_setting(tmp_path: Path) -> None:
+    """Found by review: ``tiers`` is a list (a TOML list, docs/cache.md: "adds tiers ...,
+    each NAME=URL"), yet ``--tiers`` kept only its last value: ``--tiers a=... --tiers
+    b=...`` served tier b alone, tier a dropped without a word."""
+    from kvwarm.cli import build_parser
+    from kvwarm.settings import settings_flags
+
+    for words in (["serve"], ["cache", "stats"]):
+        args = build_parser().parse_args(
+            [*words, "--tiers", "a=ram://?quota=1M", "--tiers", "b=ram://?quota=2M"]
+        )
+        s = load_settings(settings_flags(args), _env(tmp_path))
+        assert [t.name for t in s.cache_config().tiers][-2:] == ["a", "b"], words

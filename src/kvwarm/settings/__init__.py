@@ -206,7 +206,9 @@ class Settings(ModelSettings, ServingSettings):
     tiers: StrTuple = Field(
         default=(),
         description="more tiers, each NAME=URL with ?quota=SIZE, e.g. "
-        "shared=redis://10.0.0.5:6379/0?quota=8G (file://, s3://, ram://, redis://)",
+        "shared=redis://10.0.0.5:6379/0?quota=8G (file://, s3://, ram://, redis://; "
+        "repeatable)",
+        json_schema_extra=_REPEAT,
     )
     save_tier: OptTier = Field(
         default=None,
