@@ -417,3 +417,13 @@ def test_sizes_read_as_docs_configuration_md_says() -> None:
     for text in ("-1G", "1e9", "20 parsecs", "8P"):
         with pytest.raises(ConfigError, match="flag setting --disk-quota-bytes: expected a size"):
             load_settings({"disk_quota_bytes": text}, {})
+
+
+@pytest.mark.parametrize(("name", "flag"), [("lora", "--lora"), ("aliases", "--alias")])
+def test_an_empty_flag_of_a_pair_list_is_refused(name: str, flag: str) -> None:
+    """Found by review: ``--lora ""`` and ``--alias ""`` (a shell variable never filled in)
+    loaded as no adapter, no alias, without a word: their one value was split on commas
+    into nothing."""
+    for value in ("", " ", ","):
+        with pytest.raises(ConfigError, match=f"flag setting {flag}: is empty"):
+            load_settings({name: [value], "backend": "stub"}, {})

@@ -379,6 +379,17 @@ def as_tensor_split(value: object) -> tuple[float, ...]:
     return shares
 
 
+def _split_one(items: tuple[str, ...]) -> tuple[str, ...]:
+    """A list setting's one value (a variable, a flag given once) split on commas; refused
+    if that leaves nothing (found by review: ``--lora ""`` loaded as no adapter, silently)."""
+    if len(items) != 1:
+        return items
+    split = tuple(i for i in items[0].split(",") if i.strip())
+    if not split:
+        raise ValueError(f"is empty; {_LIST_HINT}")
+    return split
+
+
 def as_loras(value: object) -> tuple[tuple[str, str], ...]:
     """LoRA adapters as (name, path): ``NAME=PATH`` strings (a flag each, or comma-separated
     in the environment), a list of those, or a TOML table ``{NAME = "PATH"}``. A bare
@@ -390,9 +401,7 @@ def as_loras(value: object) -> tuple[tuple[str, str], ...]:
             raise ValueError("expected NAME=PATH pairs")
         pairs = [(as_str(v[0]).strip(), as_str(v[1]).strip()) for v in value]
     else:
-        items = as_str_tuple(value)
-        if len(items) == 1:
-            items = tuple(i for i in items[0].split(",") if i.strip())
+        items = _split_one(as_str_tuple(value))
         pairs = []
         for item in items:
             name, sep, path = item.partition("=")
@@ -419,9 +428,7 @@ def as_aliases(value: object) -> tuple[tuple[str, str], ...]:
         if len(pairs) != len(value):
             raise ValueError("expected ALIAS=MODEL pairs")
     else:
-        items = as_str_tuple(value)
-        if len(items) == 1:
-            items = tuple(i for i in items[0].split(",") if i.strip())
+        items = _split_one(as_str_tuple(value))
         pairs = []
         for item in items:
             alias, sep, target = item.partition("=")
