@@ -304,3 +304,12 @@ def test_a_policy_variable_without_its_key_says_how_to_give_one(
         load_settings({}, {"KVWARM_POLICY": "min_tokens=64"})
     assert not caplog.records
     assert load_settings({}, {"KVWARM_POLICY_MIN_TOKENS": "64"}).policy.min_tokens == 64
+
+
+def test_help_names_the_config_file_read_by_default() -> None:
+    """``--config``'s help said "TOML file ($KVWARM_CONFIG)": not that a file is read
+    without it (``user_config_file``), whose settings then apply unasked."""
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert "default: $XDG_CONFIG_HOME/kvwarm/config.toml, else ~/.config/kvwarm/config.toml" in text
