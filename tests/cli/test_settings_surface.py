@@ -313,3 +313,22 @@ def test_help_names_the_config_file_read_by_default() -> None:
     add_settings_arguments(parser)
     text = " ".join(parser.format_help().split())
     assert "default: $XDG_CONFIG_HOME/kvwarm/config.toml, else ~/.config/kvwarm/config.toml" in text
+
+
+@pytest.mark.parametrize(
+    ("var", "meant"),
+    [
+        ("KVWARM_CACHE_TYPE_K", "KVWARM_TYPE_K"),  # the flag --cache-type-k as a variable
+        ("KVWARM_CACHE_TYPE_V", "KVWARM_TYPE_V"),
+        ("KVWARM_MODEL_DRAFT", "KVWARM_DRAFT_MODEL"),
+        ("KVWARM_ADDRESS", "KVWARM_RAY_ADDRESS"),
+    ],
+)
+def test_a_flags_name_as_a_variable_is_refused_naming_the_settings(var: str, meant: str) -> None:
+    """Found by review: the Model settings table leads with ``--cache-type-k``, and
+    ``KVWARM_CACHE_TYPE_K=q8_0`` was only logged as ignored: the server ran f16 cells. A
+    variable spelled after one of a setting's flags is that setting's name misspelled."""
+    with pytest.raises(ConfigError, match=f"{var} is not a kvwarm setting; did you mean {meant}"):
+        load_settings({}, {var: "q8_0"})
+    # KVWARM_MODEL (the flag --model's spelling) is the default model's path, read elsewhere.
+    load_settings({}, {"KVWARM_MODEL": "x.gguf"})

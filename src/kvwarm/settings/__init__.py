@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -611,6 +612,20 @@ def add_settings_arguments(parser: argparse.ArgumentParser, names: Sequence[str]
     )
 
 
+@functools.cache
+def _flag_variables() -> dict[str, str]:
+    """``KVWARM_`` + a long flag's name, where it is not the setting's variable: that
+    variable (``KVWARM_CACHE_TYPE_K``: ``KVWARM_TYPE_K``). Found by review: such a variable,
+    spelled after the flag the docs lead with, was only logged as ignored."""
+    out: dict[str, str] = {}
+    for name in Settings.model_fields:
+        for flag in (_flag(name), *field_extra(Settings, name).get("aliases", ())):
+            var = ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
+            if flag.startswith("--") and var != env_var(name):
+                out[var] = env_var(name)
+    return out
+
+
 def settings_flags(namespace: argparse.Namespace) -> dict[str, object]:
     """The settings given on the command line, as raw values for ``load_settings``."""
     return {k: v for k, v in vars(namespace).items() if k in Settings.model_fields or k == "config"}
@@ -639,7 +654,8 @@ def load_settings(
     """
     flags = dict(flags or {})
     env = os.environ if env is None else env
-    unknown_env(env, {env_var(name) for name in Settings.model_fields} | {CONFIG_ENV}, ENV_PREFIX)
+    known = {env_var(name) for name in Settings.model_fields} | {CONFIG_ENV}
+    unknown_env(env, known, ENV_PREFIX, _flag_variables())
     explicit = flags.pop("config", None)
     where = "--config"
     if explicit is None:
