@@ -314,3 +314,15 @@ def test_a_typo_in_a_models_table_of_no_id_or_path_names_the_table(tmp_path: Pat
     config.write_text('[[models]]\nid = "a"\npath = "/m/a.gguf"\n[[models]]\nn_gpu_layer = 9\n')
     with pytest.raises(ConfigError, match=r"setting models: model 2: unknown keys n_gpu_layer "):
         load_settings({"config": str(config)}, ENV)
+
+
+def test_path_default_in_a_models_table_is_the_embedded_model(tmp_path: Path) -> None:
+    """Found by review: ``--model m=default``, ``KVWARM_MODELS=m=default`` and ``models =
+    ["m=default"]`` serve the embedded model (the help: "PATH 'default' = embedded"), but
+    ``path = "default"`` in a ``[[models]]`` table named a file called ``default``, and the
+    model failed to load."""
+    config = tmp_path / "c.toml"
+    config.write_text('[[models]]\nid = "m"\npath = "default"\nn_ctx = 1024\n')
+    (spec,) = load_settings({"config": str(config)}, ENV).models
+    assert (spec.path, spec.model_id, spec.n_ctx) == (None, "m", 1024)
+    assert load_settings({"models": ["m=default"]}, ENV).models[0].path is None

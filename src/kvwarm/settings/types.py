@@ -289,15 +289,19 @@ def as_models(value: object) -> tuple[ModelSpec, ...]:
 
             number = len(specs) + 1
             model_id = _table_key(item, "id", number, as_opt_str)
+            path = _table_key(item, "path", number, as_opt_str)
+            if path is not None and path.strip() == "default":
+                # The embedded model, as in ``[ID=]PATH`` (found by review: a file named so).
+                path = None
             extra = {str(k): v for k, v in item.items() if k not in _MODEL_KEYS}
             specs.append(
                 ModelSpec(
-                    path=_table_key(item, "path", number, as_opt_str),
+                    path=path,
                     id=model_id,
                     backend=_table_key(item, "backend", number, as_opt_str),
                     n_ctx=_table_key(item, "n_ctx", number, as_opt_int),
                     n_parallel=_table_key(item, "n_parallel", number, as_opt_int),
-                    options=model_options(extra, str(model_id or item.get("path") or number)),
+                    options=model_options(extra, str(model_id or path or number)),
                 )
             )
         elif isinstance(item, ModelSpec):
