@@ -332,3 +332,53 @@ def test_a_flags_name_as_a_variable_is_refused_naming_the_settings(var: str, mea
         load_settings({}, {var: "q8_0"})
     # KVWARM_MODEL (the flag --model's spelling) is the default model's path, read elsewhere.
     load_settings({}, {"KVWARM_MODEL": "x.gguf"})
+
+
+# One setting of each kind: (name, TOML value, env value, flag value, what each loads as).
+_KINDS = [
+    ("spec_exact", "false", "true", "false", (False, True, False)),  # bool
+    ("n_batch", "256", "128", "64", (256, 128, 64)),  # int
+    ("request_timeout_s", "11.5", "12", "13.25", (11.5, 12.0, 13.25)),  # float
+    ("ram_quota_bytes", '"2G"', "3G", "4M", (2 << 30, 3 << 30, 4 << 20)),  # size
+    (
+        "allowed_origins",
+        '["http://a:1", "http://b:2"]',
+        "http://c:3",
+        ["http://d:4"],
+        (("http://a:1", "http://b:2"), ("http://c:3",), ("http://d:4",)),
+    ),  # list
+    ("aliases", '{ x = "m" }', "y=m", ["z=m"], ((("x", "m"),), (("y", "m"),), (("z", "m"),))),
+]
+
+
+@pytest.mark.parametrize(("name", "toml", "env", "flag", "loaded"), _KINDS)
+def test_precedence_holds_for_every_kind_of_setting(
+    tmp_path: Path, name: str, toml: str, env: str, flag: object, loaded: tuple[object, ...]
+) -> None:
+    """flags > environment > config file > default, whatever the setting's type (the
+    property test above draws integers only); a list or a table is replaced whole, not
+    merged (only the policy merges, key by key)."""
+    config = tmp_path / "kvwarm.toml"
+    config.write_text(f'{name} = {toml}\n[[models]]\nid = "m"\npath = "stub-m"\nbackend = "stub"\n')
+    environ = {"KVWARM_CONFIG": str(config), "XDG_CACHE_HOME": str(tmp_path)}
+    assert getattr(load_settings({}, environ), name) == loaded[0]
+    environ[env_var(name)] = env
+    assert getattr(load_settings({}, environ), name) == loaded[1]
+    assert getattr(load_settings({name: flag}, environ), name) == loaded[2]
+
+
+def test_a_models_tables_value_wins_over_every_global_source(tmp_path: Path) -> None:
+    """docs/configuration.md: a [[models]] table's value wins (the flag's included) for that
+    model; the global value, from whichever source, applies to the others."""
+    from kvwarm.settings.model import hardware_params
+
+    config = tmp_path / "kvwarm.toml"
+    config.write_text(
+        'n_gpu_layers = 7\n[[models]]\nid = "a"\npath = "stub-a"\nn_gpu_layers = 3\n'
+        'n_ctx = 512\n[[models]]\nid = "b"\npath = "stub-b"\n'
+    )
+    environ = {"KVWARM_CONFIG": str(config), "KVWARM_BACKEND": "stub", "KVWARM_N_GPU_LAYERS": "9"}
+    loaded = load_settings({"n_gpu_layers": "11", "n_ctx": "2048"}, environ)
+    a, b = (hardware_params(loaded, spec) for spec in loaded.models)
+    assert (a[1].n_gpu_layers, a[0].n_ctx) == (3, 512)
+    assert (b[1].n_gpu_layers, b[0].n_ctx) == (11, 2048)
