@@ -382,3 +382,19 @@ def test_a_models_tables_value_wins_over_every_global_source(tmp_path: Path) -> 
     a, b = (hardware_params(loaded, spec) for spec in loaded.models)
     assert (a[1].n_gpu_layers, a[0].n_ctx) == (3, 512)
     assert (b[1].n_gpu_layers, b[0].n_ctx) == (11, 2048)
+
+
+def test_list_variables_split_on_commas_where_the_docs_say_so() -> None:
+    """docs/configuration.md: a list setting's variable takes one entry, but models, lora,
+    aliases (several, separated by commas) and tensor_split (its shares)."""
+    env = {
+        "KVWARM_BACKEND": "stub",
+        "KVWARM_MODELS": "a=stub-a,b=stub-b",
+        "KVWARM_ALIASES": "x=a,y=b",
+        "KVWARM_TENSOR_SPLIT": "3,1",
+        "KVWARM_PREWARM_SYSTEM": "Be brief, and kind.",
+    }
+    loaded = load_settings({}, env)
+    assert [m.model_id for m in loaded.models] == ["a", "b"]
+    assert loaded.aliases == (("x", "a"), ("y", "b")) and loaded.tensor_split == (3.0, 1.0)
+    assert loaded.prewarm_system == ("Be brief, and kind.",)
