@@ -53,6 +53,16 @@ def scan(directory: Path) -> dict[str, Path]:
         if not entry.is_file(follow_symlinks=False):
             log.debug("models_dir: skipping %s (not a regular file)", entry.name)
             continue
+        if not _is_utf8(entry.name):
+            # Found by review: the id held a lone surrogate (os.fsdecode's), which no JSON
+            # response encodes: /health and /v1/models answered 500 while the file was there.
+            _say_once(
+                directory,
+                entry.name,
+                "models_dir: skipping %r: its name is not UTF-8, so no request can name it",
+                entry.name,
+            )
+            continue
         stem = entry.name[: -len(".gguf")]
         part = _PART.match(stem)
         if part is not None:
@@ -66,24 +76,38 @@ def scan(directory: Path) -> dict[str, Path]:
     return found
 
 
-#: (directory, file) already warned of as hidden by another file of its id: a scan runs on
-#: every request for a name the registry does not know, and the warning is said once.
-_HIDDEN: set[tuple[str, str]] = set()
+#: (directory, file) already warned of: a scan runs on every request for a name the
+#: registry does not know, and each warning is said once.
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _say_once(directory: Path, name: str, message: str, *args: object) -> None:
+    key = (str(directory), name)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message, *args)
+
+
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _said_hidden(directory: Path, name: str, served: str, model_id: str) -> None:
     """Warn, once per file, that ``name`` is not served: ``served`` has its model id. Found
     by review: ``x.gguf`` beside a split ``x-00001-of-00002.gguf`` (or ``x.GGUF``) was
     neither listed nor loadable, without a word."""
-    key = (str(directory), name)
-    if key not in _HIDDEN:
-        _HIDDEN.add(key)
-        log.warning(
-            "models_dir: %s is not served: model %r is %s (rename one to serve both)",
-            name,
-            model_id,
-            served,
-        )
+    _say_once(
+        directory,
+        name,
+        "models_dir: %s is not served: model %r is %s (rename one to serve both)",
+        name,
+        model_id,
+        served,
+    )
 
 
 def _is_projector(name: str) -> bool:
@@ -104,6 +128,7 @@ def projector_for(directory: Path, model: Path, models: int) -> Path | None:
             if e.name.lower().endswith(".gguf")
             and _is_projector(e.name)
             and e.is_file(follow_symlinks=False)
+            and _is_utf8(e.name)  # a model's meta names it: JSON must encode it
         }
     except OSError:
         return None
