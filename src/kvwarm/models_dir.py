@@ -53,7 +53,7 @@ def scan(directory: Path) -> dict[str, Path]:
         if not entry.is_file(follow_symlinks=False):
             log.debug("models_dir: skipping %s (not a regular file)", entry.name)
             continue
-        if not _is_utf8(entry.name):
+        if not is_utf8(entry.name):
             # Found by review: the id held a lone surrogate (os.fsdecode's), which no JSON
             # response encodes: /health and /v1/models answered 500 while the file was there.
             _say_once(
@@ -88,7 +88,8 @@ def _say_once(directory: Path, name: str, message: str, *args: object) -> None:
         log.warning(message, *args)
 
 
-def _is_utf8(name: str) -> bool:
+def is_utf8(name: str) -> bool:
+    """Whether ``name`` (``os.fsdecode``'s, perhaps with lone surrogates) is UTF-8 text."""
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
@@ -128,7 +129,7 @@ def projector_for(directory: Path, model: Path, models: int) -> Path | None:
             if e.name.lower().endswith(".gguf")
             and _is_projector(e.name)
             and e.is_file(follow_symlinks=False)
-            and _is_utf8(e.name)  # a model's meta names it: JSON must encode it
+            and is_utf8(e.name)  # a model's meta names it: JSON must encode it
         }
     except OSError:
         return None

@@ -326,3 +326,19 @@ def test_path_default_in_a_models_table_is_the_embedded_model(tmp_path: Path) ->
     (spec,) = load_settings({"config": str(config)}, ENV).models
     assert (spec.path, spec.model_id, spec.n_ctx) == (None, "m", 1024)
     assert load_settings({"models": ["m=default"]}, ENV).models[0].path is None
+
+
+def test_a_model_name_that_is_not_utf8_is_refused_at_start() -> None:
+    """Found by review: ``--model`` of a file named in Latin-1 (``stub-\\xe9``) gave a model
+    id holding a lone surrogate (os.fsdecode's), which no JSON response encodes: the model
+    failed to load with a UnicodeEncodeError and /health and /v1/models answered 500. Such
+    an id, alias or adapter name is refused before anything starts; the path may stay."""
+    import os
+
+    bad = os.fsdecode(b"stub-\xe9")
+    env = {**ENV, "KVWARM_BACKEND": "stub"}
+    with pytest.raises(ConfigError, match=r"model id 'stub-\\udce9' is not UTF-8 text"):
+        load_settings({"models": [bad]}, env)
+    with pytest.raises(ConfigError, match=r"alias 'a\\udce9' is not UTF-8 text"):
+        load_settings({"models": ["m=stub-m"], "aliases": [f"a{bad[-1]}=m"]}, env)
+    assert load_settings({"models": [f"m={bad}"]}, env).models[0].path == bad
