@@ -471,3 +471,91 @@ def test_the_curl_examples_answer_as_shown(tmp_path: Path) -> None:
             ):
                 wrong.append(f"{page}: {method} {path}: {answer.status_code} {answer.text}")
     assert not wrong, "\n".join(wrong)
+
+
+def _setting_of_flag() -> dict[str, str]:
+    """Every settings flag of ``kvwarm serve`` and ``kvwarm cluster`` (short ones and
+    ``--no-api-docs`` included): the setting it sets."""
+    known = parsers()
+    return {
+        flag: action.dest
+        for words in (("serve",), ("cluster",))
+        for action in known[words]._actions
+        for flag in action.option_strings
+        if flag != "--config" and action.dest not in ("help", "verbose")
+    }
+
+
+def test_configuration_md_tables_pair_each_setting_with_its_own_flags_and_default() -> None:
+    """Besides "Every setting" (``settings_reference``, checked in tests/cli), the pages'
+    tables of settings name a setting, its flags, or both, and its default: each flag must set
+    that row's setting (not merely exist), each default be the code's, and each flag of the
+    "Model settings" table (which says each may be set per model) a per-model setting's."""
+    from kvwarm.settings import Settings, default_text
+    from kvwarm.settings.model import ModelSettings
+
+    of_flag = _setting_of_flag()
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    wrong: list[str] = []
+    checked = 0
+    for section in re.split(r"^## ", page, flags=re.M)[1:]:
+        title = section.splitlines()[0]
+        if title == "Every setting":
+            continue
+        for line in section.splitlines():
+            if not line.startswith("| `"):
+                continue
+            first, second = (c.strip() for c in line.strip().strip("|").split(" | ")[:2])
+            spans = INLINE.findall(first)
+            names = [s for s in spans if re.fullmatch(r"[a-z][a-z0-9_]*", s)]
+            flags = [w for s in spans for w in s.split() if re.fullmatch(r"--?[a-z][a-z-]*", w)]
+            for flag in flags:
+                checked += 1
+                setting = of_flag.get(flag)
+                if setting is None:
+                    wrong.append(f"{title}: {flag} is no flag of kvwarm serve or cluster")
+                elif names and setting not in names:
+                    wrong.append(f"{title}: {flag} sets {setting}, not {names}")
+                elif title == "Model settings" and setting not in ModelSettings.model_fields:
+                    wrong.append(f"{title}: {flag} ({setting}) is not a per-model setting")
+            for name in names:
+                checked += 1
+                if name not in Settings.model_fields:
+                    wrong.append(f"{title}: {name} is no setting")
+                elif second.strip("`") != default_text(name):
+                    wrong.append(f"{title}: {name}'s default is {default_text(name)}, not {second}")
+    assert checked > 60, checked  # the tables were found
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_flag_given_with_its_variable_or_toml_key_is_that_settings() -> None:
+    """Prose that spells one setting three ways, ```--mmproj PATH` (`KVWARM_MMPROJ`, TOML
+    `mmproj`...)`` or ```draft_model = "..."` (`--draft-model` ...)``: the spellings must be
+    one setting's."""
+    from kvwarm.settings import env_var
+
+    of_flag = _setting_of_flag()
+    pairs = [
+        (r"`(--[a-z-]+)[^`]*` \(`(KVWARM_[A-Z0-9_]+)`", "env"),
+        (r"`([a-z][a-z0-9_]*) = [^`]*` \(`(--[a-z-]+)`", "toml-flag"),
+        (r"`(--[a-z-]+)[^`]*` \(`([a-z][a-z0-9_]*)` in TOML", "flag-toml"),
+        (r"`(--[a-z-]+)[^`]*` \(`KVWARM_[A-Z0-9_]+`, TOML `([a-z][a-z0-9_]*)`", "flag-toml"),
+    ]
+    wrong: list[str] = []
+    found = 0
+    for page in PAGES:
+        text = text_of(page)
+        for pattern, kind in pairs:
+            for a, b in re.findall(pattern, text):
+                found += 1
+                if kind == "env":
+                    setting = of_flag.get(a)
+                    if setting is None or env_var(setting) != b:
+                        wrong.append(f"{page.name}: {a} and {b}")
+                elif kind == "toml-flag":
+                    if of_flag.get(b) != a:
+                        wrong.append(f"{page.name}: {a} and {b}")
+                elif of_flag.get(a) != b:
+                    wrong.append(f"{page.name}: {a} and {b}")
+    assert found >= 3, found
+    assert not wrong, "\n".join(wrong)

@@ -9,7 +9,8 @@ directory of one model and one projector pairs them whatever their names (``proj
 
 Invariant: a listed model is a regular file (never a symlink) directly inside the directory,
 named ``*.gguf``; a model split into parts (``x-00001-of-00003.gguf``) is listed once, as its
-first part, under the name without the part suffix. ``checked_path`` refuses, at load time, a
+first part, under the name without the part suffix; of two files of one id the first by
+name is listed, and a warning names the other. ``checked_path`` refuses, at load time, a
 file that has since become a symlink or moved out of the directory, so a name can only ever
 open a file the directory holds: the model, every other part of a split one (``parts``) and
 its projector are each checked so. ``pinned`` then opens each of them once, without following
@@ -52,14 +53,62 @@ def scan(directory: Path) -> dict[str, Path]:
         if not entry.is_file(follow_symlinks=False):
             log.debug("models_dir: skipping %s (not a regular file)", entry.name)
             continue
+        if not is_utf8(entry.name):
+            # Found by review: the id held a lone surrogate (os.fsdecode's), which no JSON
+            # response encodes: /health and /v1/models answered 500 while the file was there.
+            _say_once(
+                directory,
+                entry.name,
+                "models_dir: skipping %r: its name is not UTF-8, so no request can name it",
+                entry.name,
+            )
+            continue
         stem = entry.name[: -len(".gguf")]
         part = _PART.match(stem)
         if part is not None:
             if int(part["n"]) != 1:
                 continue  # llama.cpp finds the other parts from the first
             stem = part["stem"]
-        found.setdefault(stem, directory / entry.name)
+        if stem in found:
+            _said_hidden(directory, entry.name, found[stem].name, stem)
+            continue
+        found[stem] = directory / entry.name
     return found
+
+
+#: (directory, file) already warned of: a scan runs on every request for a name the
+#: registry does not know, and each warning is said once.
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _say_once(directory: Path, name: str, message: str, *args: object) -> None:
+    key = (str(directory), name)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message, *args)
+
+
+def is_utf8(name: str) -> bool:
+    """Whether ``name`` (``os.fsdecode``'s, perhaps with lone surrogates) is UTF-8 text."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _said_hidden(directory: Path, name: str, served: str, model_id: str) -> None:
+    """Warn, once per file, that ``name`` is not served: ``served`` has its model id. Found
+    by review: ``x.gguf`` beside a split ``x-00001-of-00002.gguf`` (or ``x.GGUF``) was
+    neither listed nor loadable, without a word."""
+    _say_once(
+        directory,
+        name,
+        "models_dir: %s is not served: model %r is %s (rename one to serve both)",
+        name,
+        model_id,
+        served,
+    )
 
 
 def _is_projector(name: str) -> bool:
@@ -80,6 +129,7 @@ def projector_for(directory: Path, model: Path, models: int) -> Path | None:
             if e.name.lower().endswith(".gguf")
             and _is_projector(e.name)
             and e.is_file(follow_symlinks=False)
+            and is_utf8(e.name)  # a model's meta names it: JSON must encode it
         }
     except OSError:
         return None

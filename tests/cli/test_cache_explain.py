@@ -175,3 +175,18 @@ def test_explain_without_a_prompt_is_a_usage_error(
     argv = ["cache", "explain", "--backend", "stub", "--model", "stub-a"]
     assert main([*argv, "--cache-dir", str(tmp_path / "c")]) == 2
     assert "give a prompt or --body" in capsys.readouterr().err
+
+
+def test_explain_takes_the_servers_models_dir_and_aliases(
+    cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: explain decides the matrix kernels over every model the server may
+    load, its ``models_dir``'s files (less those an alias names) included, as ``serve`` does,
+    yet ``--models-dir`` and ``--alias`` were refused as unknown options (exit status 2): the
+    server's command line could not be given, as ``--model-id``'s help asks."""
+    models = tmp_path / "models"
+    models.mkdir()
+    out = explain(
+        capsys, cache, "--models-dir", str(models), "--alias", "a=stub-a", PROMPT + "and more"
+    )
+    assert out["reason"] == "new_tokens"

@@ -182,3 +182,24 @@ def test_models_scan_of_a_missing_directory_is_a_usage_error(
     assert main(["models", "--json", "--scan", str(tmp_path)]) == 0
     listed = [m for m in json.loads(capsys.readouterr().out) if m["source"].startswith("scan")]
     assert [m["id"] for m in listed] == ["m"]
+
+
+@pytest.mark.parametrize("command", ["serve", "cluster"])
+def test_the_servers_log_at_info_by_default(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: ``kvwarm cluster`` took ``-v`` and logged warnings only, as the
+    one-shot commands do, while its help and docs/configuration.md say log_level's default
+    is "info for serve and cluster"."""
+    from kvwarm.cli import build_parser
+    from kvwarm.cli.common import settings_from
+
+    for name in list(os.environ):
+        if name.startswith("KVWARM_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    parser = build_parser()
+    assert settings_from(parser.parse_args([command])).log_level == "info"
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "-v"])

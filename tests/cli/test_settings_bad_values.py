@@ -371,3 +371,59 @@ def test_a_tier_directory_that_cannot_be_created_is_refused(tmp_path: Path, name
         with pytest.raises(ConfigError, match=f"{name} .*{needle}"):
             load_settings({name: str(root), "backend": "stub"}, {})
     load_settings({name: str(tmp_path / "new" / "deeper"), "backend": "stub"}, {})
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "media_formats",  # no format at all: every image and clip refused
+        "allowed_origins",
+        "allowed_hosts",
+        "media_fetch_hosts",
+        "tiers",
+        "prewarm_system",
+        "aliases",
+        "lora",
+        "tensor_split",
+        "models",
+    ],
+)
+def test_an_empty_list_variable_is_refused_not_read_as_no_entries(
+    tmp_path: Path, name: str
+) -> None:
+    """Found by review: ``KVWARM_MEDIA_FORMATS=`` (a variable never filled in) loaded as no
+    format at all, so every image and audio clip was refused at request time; the other list
+    settings silently dropped what the config file listed. An empty value is refused, as the
+    scalar settings' are (docs/configuration.md)."""
+    for value in ("", " "):
+        with pytest.raises(ConfigError, match=f"environment setting {name}: is empty"):
+            load_settings({}, {env_var(name): value, "KVWARM_BACKEND": "stub"})
+    config = tmp_path / "kvwarm.toml"
+    config.write_text(f'{name} = ""\n')
+    with pytest.raises(ConfigError, match=f"config file {config} setting {name}: is empty"):
+        load_settings({"config": str(config)}, {"KVWARM_BACKEND": "stub"})
+    # An explicit empty TOML list is no slip: it says "none".
+    if name not in ("models", "aliases", "lora"):
+        config.write_text(f"{name} = []\n")
+        loaded = load_settings({"config": str(config)}, {"KVWARM_BACKEND": "stub"})
+        assert getattr(loaded, name) == ()
+
+
+def test_sizes_read_as_docs_configuration_md_says() -> None:
+    """The size syntax was documented nowhere; the page now says what these show."""
+    for text in ("20G", "20GB", "20GiB", "20 G", "20g"):
+        assert load_settings({"disk_quota_bytes": text}, {}).disk_quota_bytes == 20 << 30
+    assert load_settings({"disk_quota_bytes": "1.5G"}, {}).disk_quota_bytes == 3 << 29
+    for text in ("-1G", "1e9", "20 parsecs", "8P"):
+        with pytest.raises(ConfigError, match="flag setting --disk-quota-bytes: expected a size"):
+            load_settings({"disk_quota_bytes": text}, {})
+
+
+@pytest.mark.parametrize(("name", "flag"), [("lora", "--lora"), ("aliases", "--alias")])
+def test_an_empty_flag_of_a_pair_list_is_refused(name: str, flag: str) -> None:
+    """Found by review: ``--lora ""`` and ``--alias ""`` (a shell variable never filled in)
+    loaded as no adapter, no alias, without a word: their one value was split on commas
+    into nothing."""
+    for value in ("", " ", ","):
+        with pytest.raises(ConfigError, match=f"flag setting {flag}: is empty"):
+            load_settings({name: [value], "backend": "stub"}, {})

@@ -330,3 +330,40 @@ def test_serve_refuses_one_model_id_twice_naming_it(
     result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120, check=False)
     assert result.returncode == 2, (result.returncode, result.stderr[-600:])
     assert f"duplicate model ids: {dupe} " in result.stderr, result.stderr
+
+
+def test_a_typo_in_a_models_table_of_no_id_or_path_names_the_table(tmp_path: Path) -> None:
+    """Found by review: a ``[[models]]`` table of the default model (no id, no path) with a
+    misspelled key said ``model None: unknown keys ...``; its number names it instead."""
+    config = tmp_path / "c.toml"
+    config.write_text('[[models]]\nid = "a"\npath = "/m/a.gguf"\n[[models]]\nn_gpu_layer = 9\n')
+    with pytest.raises(ConfigError, match=r"setting models: model 2: unknown keys n_gpu_layer "):
+        load_settings({"config": str(config)}, ENV)
+
+
+def test_path_default_in_a_models_table_is_the_embedded_model(tmp_path: Path) -> None:
+    """Found by review: ``--model m=default``, ``KVWARM_MODELS=m=default`` and ``models =
+    ["m=default"]`` serve the embedded model (the help: "PATH 'default' = embedded"), but
+    ``path = "default"`` in a ``[[models]]`` table named a file called ``default``, and the
+    model failed to load."""
+    config = tmp_path / "c.toml"
+    config.write_text('[[models]]\nid = "m"\npath = "default"\nn_ctx = 1024\n')
+    (spec,) = load_settings({"config": str(config)}, ENV).models
+    assert (spec.path, spec.model_id, spec.n_ctx) == (None, "m", 1024)
+    assert load_settings({"models": ["m=default"]}, ENV).models[0].path is None
+
+
+def test_a_model_name_that_is_not_utf8_is_refused_at_start() -> None:
+    """Found by review: ``--model`` of a file named in Latin-1 (``stub-\\xe9``) gave a model
+    id holding a lone surrogate (os.fsdecode's), which no JSON response encodes: the model
+    failed to load with a UnicodeEncodeError and /health and /v1/models answered 500. Such
+    an id, alias or adapter name is refused before anything starts; the path may stay."""
+    import os
+
+    bad = os.fsdecode(b"stub-\xe9")
+    env = {**ENV, "KVWARM_BACKEND": "stub"}
+    with pytest.raises(ConfigError, match=r"model id 'stub-\\udce9' is not UTF-8 text"):
+        load_settings({"models": [bad]}, env)
+    with pytest.raises(ConfigError, match=r"alias 'a\\udce9' is not UTF-8 text"):
+        load_settings({"models": ["m=stub-m"], "aliases": [f"a{bad[-1]}=m"]}, env)
+    assert load_settings({"models": [f"m={bad}"]}, env).models[0].path == bad

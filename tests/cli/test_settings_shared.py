@@ -91,3 +91,30 @@ def test_tiers_by_url_follow_the_built_in_ones_and_may_take_the_saves(tmp_path: 
 def test_bad_url_tiers_are_config_errors(tmp_path: Path, extra: dict[str, str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         load_settings({}, _env(tmp_path, **extra))
+
+
+def test_a_bad_tier_quota_names_the_setting_and_where_it_came_from(tmp_path: Path) -> None:
+    """Found by review: ``tier x: quota: expected a size ...`` named neither the setting nor
+    its source, unlike every other broken rule (``(tiers from KVWARM_TIERS)``)."""
+    env = _env(tmp_path, KVWARM_TIERS="x=ram://?quota=10 parsecs")
+    with pytest.raises(ConfigError) as caught:
+        load_settings({}, env)
+    assert str(caught.value) == (
+        "tiers: tier x: quota: expected a size like 512M or 20G, got '10 parsecs' "
+        "(tiers from KVWARM_TIERS)"
+    )
+
+
+def test_tiers_take_one_flag_each_as_every_list_setting(tmp_path: Path) -> None:
+    """Found by review: ``tiers`` is a list (a TOML list, docs/cache.md: "adds tiers ...,
+    each NAME=URL"), yet ``--tiers`` kept only its last value: ``--tiers a=... --tiers
+    b=...`` served tier b alone, tier a dropped without a word."""
+    from kvwarm.cli import build_parser
+    from kvwarm.settings import settings_flags
+
+    for words in (["serve"], ["cache", "stats"]):
+        args = build_parser().parse_args(
+            [*words, "--tiers", "a=ram://?quota=1M", "--tiers", "b=ram://?quota=2M"]
+        )
+        s = load_settings(settings_flags(args), _env(tmp_path))
+        assert [t.name for t in s.cache_config().tiers][-2:] == ["a", "b"], words

@@ -280,3 +280,121 @@ def test_an_empty_key_is_refused_not_read_as_no_key(name: str, value: str) -> No
         load_settings({}, {env_var(name): value})
     assert getattr(load_settings({}, {env_var(name): "s3cret"}), name) == "s3cret"
     assert getattr(load_settings({}, {}), name) is None
+
+
+def test_log_levels_help_names_every_level_it_accepts() -> None:
+    """``--help`` said "debug, info, warning, error"; critical loads too."""
+    description = Settings.model_fields["log_level"].description or ""
+    for level in ("debug", "info", "warning", "error", "critical"):
+        assert load_settings({"log_level": level}, {}).log_level == level
+        assert level in description, level
+
+
+def test_a_policy_variable_without_its_key_says_how_to_give_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by review: ``KVWARM_POLICY=min_tokens=64`` was logged as "not a kvwarm setting;
+    ignored", then stopped the command with "environment setting policy: expected a table of
+    policy values": neither true, nor a word of ``KVWARM_POLICY_<KEY>``."""
+    needle = r"KVWARM_POLICY_<KEY> \(KVWARM_POLICY_MIN_TOKENS="
+    with (
+        caplog.at_level(logging.WARNING, logger="kvwarm.settings.sources"),
+        pytest.raises(ConfigError, match=needle),
+    ):
+        load_settings({}, {"KVWARM_POLICY": "min_tokens=64"})
+    assert not caplog.records
+    assert load_settings({}, {"KVWARM_POLICY_MIN_TOKENS": "64"}).policy.min_tokens == 64
+
+
+def test_help_names_the_config_file_read_by_default() -> None:
+    """``--config``'s help said "TOML file ($KVWARM_CONFIG)": not that a file is read
+    without it (``user_config_file``), whose settings then apply unasked."""
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert "default: $XDG_CONFIG_HOME/kvwarm/config.toml, else ~/.config/kvwarm/config.toml" in text
+
+
+@pytest.mark.parametrize(
+    ("var", "meant"),
+    [
+        ("KVWARM_CACHE_TYPE_K", "KVWARM_TYPE_K"),  # the flag --cache-type-k as a variable
+        ("KVWARM_CACHE_TYPE_V", "KVWARM_TYPE_V"),
+        ("KVWARM_MODEL_DRAFT", "KVWARM_DRAFT_MODEL"),
+        ("KVWARM_ADDRESS", "KVWARM_RAY_ADDRESS"),
+    ],
+)
+def test_a_flags_name_as_a_variable_is_refused_naming_the_settings(var: str, meant: str) -> None:
+    """Found by review: the Model settings table leads with ``--cache-type-k``, and
+    ``KVWARM_CACHE_TYPE_K=q8_0`` was only logged as ignored: the server ran f16 cells. A
+    variable spelled after one of a setting's flags is that setting's name misspelled."""
+    with pytest.raises(ConfigError, match=f"{var} is not a kvwarm setting; did you mean {meant}"):
+        load_settings({}, {var: "q8_0"})
+    # KVWARM_MODEL (the flag --model's spelling) is the default model's path, read elsewhere.
+    load_settings({}, {"KVWARM_MODEL": "x.gguf"})
+
+
+# One setting of each kind: (name, TOML value, env value, flag value, what each loads as).
+_KINDS = [
+    ("spec_exact", "false", "true", "false", (False, True, False)),  # bool
+    ("n_batch", "256", "128", "64", (256, 128, 64)),  # int
+    ("request_timeout_s", "11.5", "12", "13.25", (11.5, 12.0, 13.25)),  # float
+    ("ram_quota_bytes", '"2G"', "3G", "4M", (2 << 30, 3 << 30, 4 << 20)),  # size
+    (
+        "allowed_origins",
+        '["http://a:1", "http://b:2"]',
+        "http://c:3",
+        ["http://d:4"],
+        (("http://a:1", "http://b:2"), ("http://c:3",), ("http://d:4",)),
+    ),  # list
+    ("aliases", '{ x = "m" }', "y=m", ["z=m"], ((("x", "m"),), (("y", "m"),), (("z", "m"),))),
+]
+
+
+@pytest.mark.parametrize(("name", "toml", "env", "flag", "loaded"), _KINDS)
+def test_precedence_holds_for_every_kind_of_setting(
+    tmp_path: Path, name: str, toml: str, env: str, flag: object, loaded: tuple[object, ...]
+) -> None:
+    """flags > environment > config file > default, whatever the setting's type (the
+    property test above draws integers only); a list or a table is replaced whole, not
+    merged (only the policy merges, key by key)."""
+    config = tmp_path / "kvwarm.toml"
+    config.write_text(f'{name} = {toml}\n[[models]]\nid = "m"\npath = "stub-m"\nbackend = "stub"\n')
+    environ = {"KVWARM_CONFIG": str(config), "XDG_CACHE_HOME": str(tmp_path)}
+    assert getattr(load_settings({}, environ), name) == loaded[0]
+    environ[env_var(name)] = env
+    assert getattr(load_settings({}, environ), name) == loaded[1]
+    assert getattr(load_settings({name: flag}, environ), name) == loaded[2]
+
+
+def test_a_models_tables_value_wins_over_every_global_source(tmp_path: Path) -> None:
+    """docs/configuration.md: a [[models]] table's value wins (the flag's included) for that
+    model; the global value, from whichever source, applies to the others."""
+    from kvwarm.settings.model import hardware_params
+
+    config = tmp_path / "kvwarm.toml"
+    config.write_text(
+        'n_gpu_layers = 7\n[[models]]\nid = "a"\npath = "stub-a"\nn_gpu_layers = 3\n'
+        'n_ctx = 512\n[[models]]\nid = "b"\npath = "stub-b"\n'
+    )
+    environ = {"KVWARM_CONFIG": str(config), "KVWARM_BACKEND": "stub", "KVWARM_N_GPU_LAYERS": "9"}
+    loaded = load_settings({"n_gpu_layers": "11", "n_ctx": "2048"}, environ)
+    a, b = (hardware_params(loaded, spec) for spec in loaded.models)
+    assert (a[1].n_gpu_layers, a[0].n_ctx) == (3, 512)
+    assert (b[1].n_gpu_layers, b[0].n_ctx) == (11, 2048)
+
+
+def test_list_variables_split_on_commas_where_the_docs_say_so() -> None:
+    """docs/configuration.md: a list setting's variable takes one entry, but models, lora,
+    aliases (several, separated by commas) and tensor_split (its shares)."""
+    env = {
+        "KVWARM_BACKEND": "stub",
+        "KVWARM_MODELS": "a=stub-a,b=stub-b",
+        "KVWARM_ALIASES": "x=a,y=b",
+        "KVWARM_TENSOR_SPLIT": "3,1",
+        "KVWARM_PREWARM_SYSTEM": "Be brief, and kind.",
+    }
+    loaded = load_settings({}, env)
+    assert [m.model_id for m in loaded.models] == ["a", "b"]
+    assert loaded.aliases == (("x", "a"), ("y", "b")) and loaded.tensor_split == (3.0, 1.0)
+    assert loaded.prewarm_system == ("Be brief, and kind.",)

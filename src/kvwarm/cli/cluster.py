@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import threading
 
-from kvwarm.cli.common import add_settings, decide_kernels, settings_from, stop_signals
+from kvwarm.cli.common import decide_kernels, settings_from, stop_signals
 from kvwarm.errors import ConfigError
-from kvwarm.settings import Settings
+from kvwarm.settings import Settings, add_settings_arguments
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -26,7 +26,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "go to the replica holding their conversation's longest prefix warm. Give replicas a "
         "shared cache tier so any of them restores what another saved.",
     )
-    add_settings(parser, tuple(Settings.model_fields))
+    # Every setting, its own (CLUSTER_ONLY) included; a server, so no -v: it logs at INFO as
+    # serve does (found by review: add_settings made it a quiet one-shot command).
+    add_settings_arguments(parser, tuple(Settings.model_fields))
     parser.set_defaults(run=run)
 
 

@@ -95,7 +95,9 @@ def register(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="a request presenting no key (its --salt is scoped as anonymous)",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    add_settings(parser, MODEL_SETTINGS)
+    # The kernels are decided over the server's models_dir too (``decide_kernels``): found by
+    # review, its flags were refused here, so the server's command line could not be given.
+    add_settings(parser, (*MODEL_SETTINGS, "models_dir", "aliases"))
     parser.set_defaults(run=run_explain)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -207,7 +208,9 @@ class Settings(ModelSettings, ServingSettings):
     tiers: StrTuple = Field(
         default=(),
         description="more tiers, each NAME=URL with ?quota=SIZE, e.g. "
-        "shared=redis://10.0.0.5:6379/0?quota=8G (file://, s3://, ram://, redis://)",
+        "shared=redis://10.0.0.5:6379/0?quota=8G (file://, s3://, ram://, redis://; "
+        "repeatable)",
+        json_schema_extra=_REPEAT,
     )
     save_tier: OptTier = Field(
         default=None,
@@ -388,7 +391,9 @@ class Settings(ModelSettings, ServingSettings):
         description="open HTTP connections at most; more are answered 503 and closed (also "
         "kept below the open-file limit)",
     )
-    log_level: Str = Field(default="info", description="logging level: debug, info, warning, error")
+    log_level: Str = Field(
+        default="info", description="logging level: debug, info, warning, error, critical"
+    )
     # `kvwarm cluster` only (kvwarm.cluster; not flags of the other commands: CLUSTER_ONLY).
     replicas: Int = Field(default=2, description="cluster: engine replicas to run")
     ray_address: OptStr = Field(
@@ -616,6 +621,20 @@ def add_settings_arguments(parser: argparse.ArgumentParser, names: Sequence[str]
     )
 
 
+@functools.cache
+def _flag_variables() -> dict[str, str]:
+    """``KVWARM_`` + a long flag's name, where it is not the setting's variable: that
+    variable (``KVWARM_CACHE_TYPE_K``: ``KVWARM_TYPE_K``). Found by review: such a variable,
+    spelled after the flag the docs lead with, was only logged as ignored."""
+    out: dict[str, str] = {}
+    for name in Settings.model_fields:
+        for flag in (_flag(name), *field_extra(Settings, name).get("aliases", ())):
+            var = ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
+            if flag.startswith("--") and var != env_var(name):
+                out[var] = env_var(name)
+    return out
+
+
 def settings_flags(namespace: argparse.Namespace) -> dict[str, object]:
     """The settings given on the command line, as raw values for ``load_settings``."""
     return {k: v for k, v in vars(namespace).items() if k in Settings.model_fields or k == "config"}
@@ -644,7 +663,8 @@ def load_settings(
     """
     flags = dict(flags or {})
     env = os.environ if env is None else env
-    unknown_env(env, {env_var(name) for name in Settings.model_fields} | {CONFIG_ENV}, ENV_PREFIX)
+    known = {env_var(name) for name in Settings.model_fields} | {CONFIG_ENV}
+    unknown_env(env, known, ENV_PREFIX, _flag_variables())
     explicit = flags.pop("config", None)
     where = "--config"
     if explicit is None:

@@ -87,7 +87,7 @@ def url_tier(spec: str) -> TierConfig:
     try:
         quota_bytes = as_size(quota[-1]) if quota else 1 << 30
     except ValueError as exc:
-        raise ConfigError(f"tier {name}: quota: {exc}") from None
+        raise ConfigError(f"tiers: tier {name}: quota: {exc}") from None
     rest = urlencode([(k, v) for k, v in query if k != "quota"])
     return TierConfig(name, quota_bytes, url=urlunsplit(parts._replace(query=rest)))
 

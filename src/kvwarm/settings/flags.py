@@ -44,7 +44,11 @@ def add_arguments(
     ``default(name)`` tells it (found by review: ``--help`` showed no defaults)."""
     group = parser.add_argument_group("settings (flags > KVWARM_* env > config file)")
     group.add_argument(
-        "--config", default=argparse.SUPPRESS, metavar="PATH", help=f"TOML file (${config_env})"
+        "--config",
+        default=argparse.SUPPRESS,
+        metavar="PATH",
+        help=f"TOML file (${config_env}; default: $XDG_CONFIG_HOME/kvwarm/config.toml, else "
+        "~/.config/kvwarm/config.toml, if it exists)",
     )
     model_group = parser.add_argument_group(
         "model settings (also per model, as keys of a [[models]] table in the config file)"

@@ -26,6 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from kvwarm.backends.base import ContextParams, ModelParams
 from kvwarm.backends.chat_template import resolve_template
 from kvwarm.errors import ConfigError
+from kvwarm.models_dir import is_utf8
 from kvwarm.settings.types import (
     Aliases,
     Bool,
@@ -421,6 +422,19 @@ def check_models(settings: Settings) -> None:
         what = "does not exist" if kind == "missing" else "is not a directory"
         raise ConfigError(f"models_dir {models_dir} {what}")
     ids = [m.model_id for m in settings.models]
+    names = [
+        *(("model id", i) for i in ids),
+        *(("alias", alias) for alias, _ in settings.aliases),
+        *(("LoRA adapter", a) for spec in settings.models for a, _ in model_lora(settings, spec)),
+    ]
+    for what, name in names:
+        if not is_utf8(name):
+            # Found by review: a file named in Latin-1 gave an id holding a lone surrogate
+            # (os.fsdecode's), which no JSON response encodes: /health answered 500.
+            raise ConfigError(
+                f"{what} {name!r} is not UTF-8 text, which no request can name; give it a "
+                "name that is (ID=PATH for a model)"
+            )
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
         raise ConfigError(f"duplicate model ids: {', '.join(dupes)} (give each an id)")

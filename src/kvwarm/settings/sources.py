@@ -116,10 +116,17 @@ def read_env(
     return out
 
 
-def unknown_env(env: Mapping[str, str], known: Collection[str], prefix: str) -> None:
+def unknown_env(
+    env: Mapping[str, str],
+    known: Collection[str],
+    prefix: str,
+    meant: Mapping[str, str] | None = None,
+) -> None:
     """Refuse a ``<PREFIX>*`` variable that names no setting but is close to one (a typo:
-    ``KVWARM_N_CTXX``), and log any other that kvwarm does not read. ``known``: the
-    settings' variables, upper case; ``<PREFIX>POLICY_<KEY>`` is checked with the policy."""
+    ``KVWARM_N_CTXX``), or is in ``meant`` (another spelling of a setting's variable: a flag's
+    name, ``KVWARM_CACHE_TYPE_K`` for ``KVWARM_TYPE_K``), and log any other that kvwarm does
+    not read. ``known``: the settings' variables, upper case; ``<PREFIX>POLICY_<KEY>`` is
+    checked with the policy."""
     names = set(known) | OTHER_ENV
     for var in sorted(env):
         name = var.upper()
@@ -127,6 +134,17 @@ def unknown_env(env: Mapping[str, str], known: Collection[str], prefix: str) -> 
             continue
         if name.startswith((prefix + "POLICY_", prefix + "TEST_")):
             continue
+        if name == prefix + "POLICY":
+            # Found by review: logged as ignored, then read as the policy table it cannot be
+            # ("expected a table of policy values"), with no word of the variables that are.
+            raise ConfigError(
+                f"environment variable {var} is not a kvwarm setting; give each policy value "
+                f"as {prefix}POLICY_<KEY> ({prefix}POLICY_MIN_TOKENS=64)"
+            )
+        if meant and name in meant:
+            raise ConfigError(
+                f"environment variable {var} is not a kvwarm setting; did you mean {meant[name]}?"
+            )
         close = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
         if close:
             raise ConfigError(

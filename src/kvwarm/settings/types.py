@@ -238,9 +238,18 @@ def as_tier(value: object) -> TierName | None:
     return text
 
 
+#: What an empty list value is told (``_not_empty``): a list setting has no word for "none".
+_LIST_HINT = "give an entry (a flag each), or leave the setting out"
+
+
 def as_str_tuple(value: object) -> tuple[str, ...]:
+    """One entry (a string: a flag, a variable), or a list of them (repeated flags, TOML). An
+    empty string is refused (found by review: ``KVWARM_MEDIA_FORMATS=`` loaded as no format
+    at all, every image then refused; the other lists dropped what the config file listed);
+    an explicit empty TOML list still says "none"."""
     if isinstance(value, str):
-        return (value,) if value else ()
+        _not_empty(value, _LIST_HINT)
+        return (value,)
     if isinstance(value, list | tuple):
         return tuple(as_str(v) for v in value)
     raise ValueError("expected a string or a list of strings")
@@ -266,6 +275,7 @@ def as_models(value: object) -> tuple[ModelSpec, ...]:
     """A comma-separated string of ``[ID=]PATH`` (env), a list of those (flags), or a list of
     tables with path/id/backend/n_ctx/n_parallel and any model setting (TOML)."""
     if isinstance(value, str):
+        _not_empty(value, "give [ID=]PATH, or leave the setting out for the default model")
         return tuple(ModelSpec.parse(part) for part in value.split(",") if part.strip())
     if not isinstance(value, list | tuple):
         raise ValueError("expected a list of models")
@@ -279,15 +289,19 @@ def as_models(value: object) -> tuple[ModelSpec, ...]:
 
             number = len(specs) + 1
             model_id = _table_key(item, "id", number, as_opt_str)
+            path = _table_key(item, "path", number, as_opt_str)
+            if path is not None and path.strip() == "default":
+                # The embedded model, as in ``[ID=]PATH`` (found by review: a file named so).
+                path = None
             extra = {str(k): v for k, v in item.items() if k not in _MODEL_KEYS}
             specs.append(
                 ModelSpec(
-                    path=_table_key(item, "path", number, as_opt_str),
+                    path=path,
                     id=model_id,
                     backend=_table_key(item, "backend", number, as_opt_str),
                     n_ctx=_table_key(item, "n_ctx", number, as_opt_int),
                     n_parallel=_table_key(item, "n_parallel", number, as_opt_int),
-                    options=model_options(extra, str(model_id or item.get("path"))),
+                    options=model_options(extra, str(model_id or path or number)),
                 )
             )
         elif isinstance(item, ModelSpec):
@@ -354,6 +368,7 @@ def opt_choice(allowed: tuple[str, ...]) -> Callable[[object], str | None]:
 def as_float_tuple(value: object) -> tuple[float, ...]:
     """Numbers: ``3,1`` (flags, env) or a TOML list."""
     if isinstance(value, str):
+        _not_empty(value, "give shares like 3,1, or leave the setting out")
         parts: list[object] = [p for p in value.replace("/", ",").split(",") if p.strip()]
     elif isinstance(value, list | tuple):
         parts = list(value)
@@ -368,6 +383,17 @@ def as_tensor_split(value: object) -> tuple[float, ...]:
     return shares
 
 
+def _split_one(items: tuple[str, ...]) -> tuple[str, ...]:
+    """A list setting's one value (a variable, a flag given once) split on commas; refused
+    if that leaves nothing (found by review: ``--lora ""`` loaded as no adapter, silently)."""
+    if len(items) != 1:
+        return items
+    split = tuple(i for i in items[0].split(",") if i.strip())
+    if not split:
+        raise ValueError(f"is empty; {_LIST_HINT}")
+    return split
+
+
 def as_loras(value: object) -> tuple[tuple[str, str], ...]:
     """LoRA adapters as (name, path): ``NAME=PATH`` strings (a flag each, or comma-separated
     in the environment), a list of those, or a TOML table ``{NAME = "PATH"}``. A bare
@@ -379,9 +405,7 @@ def as_loras(value: object) -> tuple[tuple[str, str], ...]:
             raise ValueError("expected NAME=PATH pairs")
         pairs = [(as_str(v[0]).strip(), as_str(v[1]).strip()) for v in value]
     else:
-        items = as_str_tuple(value)
-        if len(items) == 1:
-            items = tuple(i for i in items[0].split(",") if i.strip())
+        items = _split_one(as_str_tuple(value))
         pairs = []
         for item in items:
             name, sep, path = item.partition("=")
@@ -408,9 +432,7 @@ def as_aliases(value: object) -> tuple[tuple[str, str], ...]:
         if len(pairs) != len(value):
             raise ValueError("expected ALIAS=MODEL pairs")
     else:
-        items = as_str_tuple(value)
-        if len(items) == 1:
-            items = tuple(i for i in items[0].split(",") if i.strip())
+        items = _split_one(as_str_tuple(value))
         pairs = []
         for item in items:
             alias, sep, target = item.partition("=")
