@@ -6,7 +6,8 @@ another tool's on a short list), each ``KVWARM_*`` variable, each key of a TOML 
 file named in backticks and each server route (with its method); and ``/metrics`` exports
 exactly the metric names the pages list, so a renamed or new metric cannot go undocumented.
 The examples run: the `openai`/`anthropic` client snippets and every `curl` of an `sh` block,
-against a stub server, with the responses the pages show."""
+against a stub server, with the responses the pages show. The other way round, every flag of
+every command is named somewhere."""
 
 from __future__ import annotations
 
@@ -178,6 +179,25 @@ def test_every_flag_named_exists() -> None:
         }
     )
     assert not unknown, unknown
+
+
+def test_every_flag_of_every_command_is_documented() -> None:
+    """The other way round: each option of each ``kvwarm`` command (``complete --temperature``,
+    ``models --scan``, ``cache ls --limit``...) is named in the pages by one of its spellings
+    (``-v`` for ``--verbose``), settings' flags by the table of every setting. Found by the docs
+    review: ``complete``'s and ``chat``'s sampling flags, ``chat --system``, ``models --scan``
+    and ``--json``, ``bench --script`` and ``--version`` were in no page."""
+    text = "\n".join(text_of(page) for page in PAGES)
+    missing = sorted(
+        {
+            " ".join(("kvwarm", *words, action.option_strings[-1]))
+            for words, parser in parsers().items()
+            for action in parser._actions
+            if action.option_strings and not isinstance(action, argparse._HelpAction)
+            if not any(re.search(re.escape(s) + r"(?![\w-])", text) for s in action.option_strings)
+        }
+    )
+    assert not missing, missing
 
 
 def test_every_kvwarm_variable_named_exists() -> None:
