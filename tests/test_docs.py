@@ -335,6 +335,56 @@ def test_every_file_named_exists() -> None:
     assert not missing, missing
 
 
+# Files the pages name that are other projects': Python's startup hook, llama.cpp's script.
+FOREIGN_FILES = {"sitecustomize.py", "convert_lora_to_gguf.py"}
+
+
+def test_every_bare_file_name_named_exists() -> None:
+    """A file named without its directory (`engine.py` beside `engine/api.py`, `chat.js`,
+    `test_tier_chunks.py`) is the name of some file of ``src/``, ``tests/`` or ``bench/``."""
+    names = {p.name for top in ("src", "tests", "bench") for p in (ROOT / top).rglob("*")}
+    bare = re.compile(r"(?<![\w./-])([\w.-]+\.(?:py|js|css|html))(?![\w/])")
+    missing = sorted(
+        {
+            f"{page.name}: {name}"
+            for page in PAGES
+            for span in INLINE.findall(FENCE.sub("", text_of(page)))
+            for name in bare.findall(span)
+            if name not in names and name not in FOREIGN_FILES
+        }
+    )
+    assert not missing, missing
+
+
+def test_architecture_md_places_every_module() -> None:
+    """docs/architecture.md's map names every module of ``src/kvwarm``: a line of it names the
+    module's file with its directory (`engine/worker/tick.py`, or `tick.py` on a line naming
+    `engine/worker/`; a package by its directory, `cli/*.py` for all of one), so a module
+    added without a place on the map fails here."""
+    src = ROOT / "src" / "kvwarm"
+    lines = text_of(ROOT / "docs" / "architecture.md").splitlines()
+    unplaced = []
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        folder, _, name = rel.rpartition("/")
+        if name in ("__main__.py", "_version.py") and not folder:
+            continue
+        if name == "__init__.py":
+            wanted = [f"`{folder}/" if folder else "kvwarm"]
+        else:
+            wanted = [rel, f"{folder}/*.py"] if folder else [name]
+        placed = any(w in line for w in wanted for line in lines) or (
+            name != "__init__.py"
+            and folder
+            and any(
+                f"{folder}/" in line and re.search(rf"`{re.escape(name)}`", line) for line in lines
+            )
+        )
+        if not placed:
+            unplaced.append(rel)
+    assert not unplaced, unplaced
+
+
 def test_every_route_named_exists() -> None:
     """A path the pages name under one of the server's top-level segments (`/v1/...`,
     `/cache/...`, `curl localhost:8000/...`) is a route of ``create_app`` (or a family of
