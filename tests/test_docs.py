@@ -278,6 +278,74 @@ def test_metrics_exported_are_the_documented_ones(tmp_path: Path) -> None:
     assert not documented - exported, f"not exported: {sorted(documented - exported)}"
 
 
+def sent_errors() -> set[tuple[int, str]]:
+    """Each (status, code) the server and the cluster's ingress may answer, read from their
+    source: ``ErrorKind(status, type, code)``, ``HTTPError(status, ..., code=...)``, a refusal
+    tuple ``(status, ..., code)`` and a ``{status: code}`` table (Anthropic's error types, which
+    no OpenAI-shaped body carries as its code, left out)."""
+    import ast
+
+    from kvwarm.server.errors import _ANTHROPIC_TYPES
+
+    code = re.compile(r"[a-z]+(?:_[a-z]+)+")
+
+    def status(node: ast.expr) -> int | None:
+        value = node.value if isinstance(node, ast.Constant) else None
+        return value if isinstance(value, int) and 400 <= value < 600 else None
+
+    def word(node: ast.expr | None) -> str | None:
+        value = node.value if isinstance(node, ast.Constant) else None
+        return value if isinstance(value, str) and code.fullmatch(value) else None
+
+    found: set[tuple[int, str]] = set()
+    for top in ("server", "cluster"):
+        for path in (ROOT / "src" / "kvwarm" / top).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                pair: list[tuple[int | None, str | None]] = []
+                if isinstance(node, ast.Call) and node.args:
+                    given = next((k.value for k in node.keywords if k.arg == "code"), None)
+                    pair.append((status(node.args[0]), word(given)))
+                    if isinstance(node.func, ast.Name) and node.func.id == "ErrorKind":
+                        pair.append((status(node.args[0]), word(node.args[-1])))
+                elif isinstance(node, ast.Tuple) and len(node.elts) >= 3:
+                    pair.append((status(node.elts[0]), word(node.elts[-1])))
+                elif isinstance(node, ast.Dict):
+                    pair += [
+                        (status(k), word(v))
+                        for k, v in zip(node.keys, node.values, strict=True)
+                        if k
+                    ]
+                found |= {(s, c) for s, c in pair if s is not None and c is not None}
+    return found - {item for item in _ANTHROPIC_TYPES.items() if item[1].endswith("_error")}
+
+
+def test_every_error_code_is_documented() -> None:
+    """server.md's table of errors holds exactly the (status, code) pairs the server sends,
+    and every "503 `code`" a page names is one of them. Found by the docs review: 20 codes
+    (`json_too_deep`, `key_required`, `not_supported_in_cluster`, `row_not_found`...) were in
+    no page, so a client could not tell what they meant."""
+    sent = sent_errors()
+    assert {(404, "model_not_found"), (421, "host_not_allowed"), (408, "body_timeout")} <= sent
+    text = text_of(ROOT / "docs" / "server.md")
+    table = text[text.index("## Errors") :]
+    table = table[: table.index("\n## ")]
+    listed = {
+        (int(status), name)
+        for status, codes in re.findall(r"^\| (\d{3}) \| ([^|]+) \|", table, re.M)
+        for name in re.findall(r"`(\w+)`", codes)
+    }
+    assert not sent - listed, f"not in server.md's errors: {sorted(sent - listed)}"
+    assert not listed - sent, f"never sent: {sorted(listed - sent)}"
+    named = {
+        (int(status), name)
+        for page in PAGES
+        for status, name in re.findall(
+            r"\b([45]\d\d)\)? `([a-z]+(?:_[a-z]+)+)`", text_of(page).replace("\n", " ")
+        )
+    }
+    assert not named - sent, f"no such status for the code: {sorted(named - sent)}"
+
+
 # Inline `name = value` spans that are no setting: formulas in formats.md and internals.md, and
 # Ray Serve's own option.
 NOT_SETTINGS = {"first", "k", "chunk_key", "max_replicas_per_node"}
