@@ -6,7 +6,8 @@ another tool's on a short list), each ``KVWARM_*`` variable, each key of a TOML 
 file named in backticks and each server route (with its method); and ``/metrics`` exports
 exactly the metric names the pages list, so a renamed or new metric cannot go undocumented.
 The examples run: the `openai`/`anthropic` client snippets and every `curl` of an `sh` block,
-against a stub server, with the responses the pages show."""
+against a stub server, with the responses the pages show. The other way round, every flag of
+every command is named somewhere."""
 
 from __future__ import annotations
 
@@ -180,6 +181,25 @@ def test_every_flag_named_exists() -> None:
     assert not unknown, unknown
 
 
+def test_every_flag_of_every_command_is_documented() -> None:
+    """The other way round: each option of each ``kvwarm`` command (``complete --temperature``,
+    ``models --scan``, ``cache ls --limit``...) is named in the pages by one of its spellings
+    (``-v`` for ``--verbose``), settings' flags by the table of every setting. Found by the docs
+    review: ``complete``'s and ``chat``'s sampling flags, ``chat --system``, ``models --scan``
+    and ``--json``, ``bench --script`` and ``--version`` were in no page."""
+    text = "\n".join(text_of(page) for page in PAGES)
+    missing = sorted(
+        {
+            " ".join(("kvwarm", *words, action.option_strings[-1]))
+            for words, parser in parsers().items()
+            for action in parser._actions
+            if action.option_strings and not isinstance(action, argparse._HelpAction)
+            if not any(re.search(re.escape(s) + r"(?![\w-])", text) for s in action.option_strings)
+        }
+    )
+    assert not missing, missing
+
+
 def test_every_kvwarm_variable_named_exists() -> None:
     """``KVWARM_X`` is a setting's variable (``kvwarm.settings.env_var``), ``KVWARM_CONFIG``, or
     one the code reads by that literal name (``KVWARM_MODEL``, the tests' and benches')."""
@@ -258,6 +278,74 @@ def test_metrics_exported_are_the_documented_ones(tmp_path: Path) -> None:
     assert not documented - exported, f"not exported: {sorted(documented - exported)}"
 
 
+def sent_errors() -> set[tuple[int, str]]:
+    """Each (status, code) the server and the cluster's ingress may answer, read from their
+    source: ``ErrorKind(status, type, code)``, ``HTTPError(status, ..., code=...)``, a refusal
+    tuple ``(status, ..., code)`` and a ``{status: code}`` table (Anthropic's error types, which
+    no OpenAI-shaped body carries as its code, left out)."""
+    import ast
+
+    from kvwarm.server.errors import _ANTHROPIC_TYPES
+
+    code = re.compile(r"[a-z]+(?:_[a-z]+)+")
+
+    def status(node: ast.expr) -> int | None:
+        value = node.value if isinstance(node, ast.Constant) else None
+        return value if isinstance(value, int) and 400 <= value < 600 else None
+
+    def word(node: ast.expr | None) -> str | None:
+        value = node.value if isinstance(node, ast.Constant) else None
+        return value if isinstance(value, str) and code.fullmatch(value) else None
+
+    found: set[tuple[int, str]] = set()
+    for top in ("server", "cluster"):
+        for path in (ROOT / "src" / "kvwarm" / top).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                pair: list[tuple[int | None, str | None]] = []
+                if isinstance(node, ast.Call) and node.args:
+                    given = next((k.value for k in node.keywords if k.arg == "code"), None)
+                    pair.append((status(node.args[0]), word(given)))
+                    if isinstance(node.func, ast.Name) and node.func.id == "ErrorKind":
+                        pair.append((status(node.args[0]), word(node.args[-1])))
+                elif isinstance(node, ast.Tuple) and len(node.elts) >= 3:
+                    pair.append((status(node.elts[0]), word(node.elts[-1])))
+                elif isinstance(node, ast.Dict):
+                    pair += [
+                        (status(k), word(v))
+                        for k, v in zip(node.keys, node.values, strict=True)
+                        if k
+                    ]
+                found |= {(s, c) for s, c in pair if s is not None and c is not None}
+    return found - {item for item in _ANTHROPIC_TYPES.items() if item[1].endswith("_error")}
+
+
+def test_every_error_code_is_documented() -> None:
+    """server.md's table of errors holds exactly the (status, code) pairs the server sends,
+    and every "503 `code`" a page names is one of them. Found by the docs review: 20 codes
+    (`json_too_deep`, `key_required`, `not_supported_in_cluster`, `row_not_found`...) were in
+    no page, so a client could not tell what they meant."""
+    sent = sent_errors()
+    assert {(404, "model_not_found"), (421, "host_not_allowed"), (408, "body_timeout")} <= sent
+    text = text_of(ROOT / "docs" / "server.md")
+    table = text[text.index("## Errors") :]
+    table = table[: table.index("\n## ")]
+    listed = {
+        (int(status), name)
+        for status, codes in re.findall(r"^\| (\d{3}) \| ([^|]+) \|", table, re.M)
+        for name in re.findall(r"`(\w+)`", codes)
+    }
+    assert not sent - listed, f"not in server.md's errors: {sorted(sent - listed)}"
+    assert not listed - sent, f"never sent: {sorted(listed - sent)}"
+    named = {
+        (int(status), name)
+        for page in PAGES
+        for status, name in re.findall(
+            r"\b([45]\d\d)\)? `([a-z]+(?:_[a-z]+)+)`", text_of(page).replace("\n", " ")
+        )
+    }
+    assert not named - sent, f"no such status for the code: {sorted(named - sent)}"
+
+
 # Inline `name = value` spans that are no setting: formulas in formats.md and internals.md, and
 # Ray Serve's own option.
 NOT_SETTINGS = {"first", "k", "chunk_key", "max_replicas_per_node"}
@@ -313,6 +401,56 @@ def test_every_file_named_exists() -> None:
         }
     )
     assert not missing, missing
+
+
+# Files the pages name that are other projects': Python's startup hook, llama.cpp's script.
+FOREIGN_FILES = {"sitecustomize.py", "convert_lora_to_gguf.py"}
+
+
+def test_every_bare_file_name_named_exists() -> None:
+    """A file named without its directory (`engine.py` beside `engine/api.py`, `chat.js`,
+    `test_tier_chunks.py`) is the name of some file of ``src/``, ``tests/`` or ``bench/``."""
+    names = {p.name for top in ("src", "tests", "bench") for p in (ROOT / top).rglob("*")}
+    bare = re.compile(r"(?<![\w./-])([\w.-]+\.(?:py|js|css|html))(?![\w/])")
+    missing = sorted(
+        {
+            f"{page.name}: {name}"
+            for page in PAGES
+            for span in INLINE.findall(FENCE.sub("", text_of(page)))
+            for name in bare.findall(span)
+            if name not in names and name not in FOREIGN_FILES
+        }
+    )
+    assert not missing, missing
+
+
+def test_architecture_md_places_every_module() -> None:
+    """docs/architecture.md's map names every module of ``src/kvwarm``: a line of it names the
+    module's file with its directory (`engine/worker/tick.py`, or `tick.py` on a line naming
+    `engine/worker/`; a package by its directory, `cli/*.py` for all of one), so a module
+    added without a place on the map fails here."""
+    src = ROOT / "src" / "kvwarm"
+    lines = text_of(ROOT / "docs" / "architecture.md").splitlines()
+    unplaced = []
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        folder, _, name = rel.rpartition("/")
+        if name in ("__main__.py", "_version.py") and not folder:
+            continue
+        if name == "__init__.py":
+            wanted = [f"`{folder}/" if folder else "kvwarm"]
+        else:
+            wanted = [rel, f"{folder}/*.py"] if folder else [name]
+        placed = any(w in line for w in wanted for line in lines) or (
+            name != "__init__.py"
+            and folder
+            and any(
+                f"{folder}/" in line and re.search(rf"`{re.escape(name)}`", line) for line in lines
+            )
+        )
+        if not placed:
+            unplaced.append(rel)
+    assert not unplaced, unplaced
 
 
 def test_every_route_named_exists() -> None:

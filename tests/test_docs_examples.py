@@ -2,7 +2,8 @@
 review: tests/test_docs.py checks links only, so an example could drift from the API). The
 README's ten lines run on the embedded model, in a process of their own; its placeholders
 become real: ``model.gguf`` the embedded model's file, ``system_prompt`` a prompt long enough
-to be saved (``min_tokens``, 512 by default)."""
+to be saved (``min_tokens``, 512 by default). docs/python.md's "The whole API" block runs
+on the stub backend, and its options paragraph names every ``GenerationOptions`` field."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,3 +49,60 @@ def test_the_readmes_ten_lines_run() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     stats = re.compile(r"(cold|partial|exact) \d+ [\d.]+$")  # print(out.stats.cache_hit, ...)
     assert any(stats.match(line) for line in done.stdout.splitlines()), done.stdout
+
+
+def test_python_md_names_every_generation_option() -> None:
+    """docs/python.md's "Options" paragraph names each field of ``GenerationOptions`` (found by
+    the docs review: ``add_special`` and ``parse_special``, whose defaults differ from
+    ``Model.tokenize``'s, were in no page), so a new option cannot go undocumented."""
+    import dataclasses
+
+    from kvwarm import GenerationOptions
+
+    text = (ROOT / "docs" / "python.md").read_text()
+    options = text[text.index("Options (`GenerationOptions`)") :]
+    options = options[: options.index("\n\n")]
+    named = set(re.findall(r"`(\w+)`", options))
+    missing = [f.name for f in dataclasses.fields(GenerationOptions) if f.name not in named]
+    assert not missing, missing
+
+
+def test_python_mds_whole_api_runs_on_the_stub(tmp_path: Path) -> None:
+    """docs/python.md's "The whole API" block runs as written on the stub backend (found by
+    the docs review: nothing ran it, so a renamed method or keyword could linger there). Its
+    placeholders become real: the model files stub ones (``fim`` for ``infill_tokens``, a
+    reranker), the tier directories under ``tmp_path``, the adapters small files, the long
+    system prompt one past ``min_tokens``, and ``docs``, ``texts`` and the reranker's adapter
+    ``handle`` defined before their lines."""
+    from kvwarm.errors import EngineClosedError
+
+    blocks = python_blocks(ROOT / "docs" / "python.md")
+    block = next(b for b in blocks if "Engine(EngineConfig" in b)
+    swaps = {
+        'Path("/dev/shm/kvwarm")': repr(str(tmp_path / "shm")),
+        'Path.home() / ".cache/kvwarm/kv"': repr(str(tmp_path / "disk")),
+        'engine.load_model("model.gguf", ': 'engine.load_model("stub-fim.gguf", backend="stub", ',
+        'engine.load_model("reranker.gguf", ': (
+            'engine.load_model("stub-reranker.gguf", backend="stub", '
+        ),
+        '"a long system prompt"': '"You are terse. " * 200',
+        'ranker.rerank("q", docs, lora=': (
+            'handle = ranker.load_adapter(LORA, scale=0.0).handle\nranker.rerank("q", docs, lora='
+        ),
+        '"lora.gguf"': "LORA",
+        '"sql.gguf"': "SQL",
+    }
+    code = block
+    for old, new in swaps.items():
+        assert old in code, f"docs/python.md's example no longer has {old}"
+        code = code.replace(old, new)
+    ns: dict[str, Any] = {"docs": ["doc a", "doc b"], "texts": ["a", "b"]}
+    for name in ("lora", "sql"):
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(f"a stub adapter: {name}".encode())
+        ns[name.upper()] = str(path)
+    exec("from kvwarm import Cancellation", ns)
+    exec(compile(code, "docs/python.md", "exec"), ns)
+    assert ns["info"].scale == 0.0  # the adapter loaded off
+    with pytest.raises(EngineClosedError):  # as the page says of a closed engine's models
+        ns["ranker"].rerank("q", ns["docs"])
