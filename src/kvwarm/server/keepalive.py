@@ -324,10 +324,16 @@ class KeepAlive:
             )
 
     def tick(self, resolve: Callable[[str], ServedModel | None]) -> int:
-        """Re-warm every due entry whose model is ready; the number re-warmed."""
+        """Re-warm every due entry whose model is ready; the number re-warmed. ``resolve``
+        gives the ready model, None while it is not ready, or raises a ``KvwarmError`` when
+        it is gone (``UnknownModelError``: the entry's failure, which drops it)."""
         done = 0
         for entry in self.due():
-            model = resolve(entry.model_id)
+            try:
+                model = resolve(entry.model_id)
+            except KvwarmError as exc:
+                self._failed(entry, exc)
+                continue
             if model is None:
                 continue
             try:

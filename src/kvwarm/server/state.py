@@ -24,7 +24,13 @@ from starlette.requests import Request
 
 from kvwarm import models_dir
 from kvwarm.cache.types import TtlClass
-from kvwarm.errors import KvwarmError, MemoryBudgetError, ModelLoadError, ServerShuttingDownError
+from kvwarm.errors import (
+    KvwarmError,
+    MemoryBudgetError,
+    ModelLoadError,
+    ServerShuttingDownError,
+    UnknownModelError,
+)
 from kvwarm.server import budget, tenancy
 from kvwarm.server.budget import ModelMemory
 from kvwarm.server.errors import HTTPError
@@ -354,7 +360,14 @@ class ServerState:
         waited up to 60 s for this thread before it closed the engine."""
 
         def model(model_id: str) -> ServedModel | None:
-            return None if self._closing.is_set() else self.ready_model(model_id)
+            if self._closing.is_set():
+                return None
+            if model_id not in self.entries:
+                # Found by review: an entry of a model the server no longer knows (its
+                # models_dir file deleted) was skipped as "not ready" by every tick, never
+                # dropped. One merely unloaded stays: it re-warms once the model loads.
+                raise UnknownModelError(f"the server no longer knows the model {model_id!r}")
+            return self.ready_model(model_id)
 
         self.keepalive.tick(model)
 
