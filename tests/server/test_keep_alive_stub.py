@@ -191,3 +191,20 @@ def test_a_model_the_budget_refuses_while_the_others_are_busy_loads_once_one_is_
         _complete(client, "beta")  # alpha is idle now: it makes room
         listed = _models(client)
         assert (listed["alpha"]["status"], listed["beta"]["status"]) == ("available", "ready")
+
+
+def test_a_model_that_can_never_fit_unloads_nothing() -> None:
+    """Found by review (memrev): a model larger than the budget on its own unloaded every idle
+    model to make room, then was refused all the same: the server lost a model it served for
+    nothing. It is refused with the arithmetic and the others stay loaded."""
+    models = (ModelSpec(path="stub-a", id="a"), ModelSpec(path="stub-b", id="b", n_ctx=1 << 21))
+    settings = stub_settings(models=models, memory_budget=100 * MIB)  # b: 256 MiB of KV
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        load = client.post("/admin/models/load", json={"name": "b"})
+        assert load.status_code == 507, load.json()
+        message = load.json()["error"]["message"]
+        assert "memory budget 100.0 MiB < weights 64.0 MiB + KV 256.0 MiB" in message
+        listed = _models(client)
+        assert (listed["a"]["status"], listed["b"]["status"]) == ("ready", "available")
+        _complete(client, "a")

@@ -531,15 +531,25 @@ class ModelRegistry:
             self._unload_now(entry)
         return [e.id for e in stale]
 
+    def _memory_candidates(self, incoming: ModelEntry) -> list[ModelEntry]:
+        """Under the lock: the models the budget may unload for ``incoming`` (ready, idle,
+        not pinned)."""
+        return [
+            e
+            for e in self.entries.values()
+            if e is not incoming and e.state == "ready" and self._idle(e) and not e.pinned
+        ]
+
+    def memory_candidates(self, incoming: ModelEntry) -> set[str]:
+        """The ids of the models the budget may unload for ``incoming`` now."""
+        with self._lock:
+            return {e.id for e in self._memory_candidates(incoming)}
+
     def memory_victim(self, incoming: ModelEntry) -> ModelEntry | None:
         """The least recently used idle model, not pinned, to unload so that ``incoming``
         fits the memory budget (marked unloading); None if there is none."""
         with self._lock:
-            idle = [
-                e
-                for e in self.entries.values()
-                if e is not incoming and e.state == "ready" and self._idle(e) and not e.pinned
-            ]
+            idle = self._memory_candidates(incoming)
             if not idle:
                 return None
             victim = min(idle, key=lambda e: e.last_used)

@@ -282,10 +282,23 @@ class ServerState:
                 self._admit(engine, entry.id, model)
                 return
             except MemoryBudgetError:
-                victim = self.registry.memory_victim(entry) if entry.on_demand else None
+                if not entry.on_demand:
+                    raise
+                self._fits_without_idle(entry, model)
+                victim = self.registry.memory_victim(entry)
                 if victim is None:
                     raise
                 self.registry.finish_unload(victim)
+
+    def _fits_without_idle(self, entry: ModelEntry, model: ServedModel) -> None:
+        """``MemoryBudgetError`` (the arithmetic of what would stay) unless ``model`` fits
+        once every model the budget may unload for it is unloaded. Found by review: a model
+        that could never fit (larger than the budget alone, or beside the pinned and busy
+        ones) unloaded every idle model first, then was refused all the same."""
+        idle = self.registry.memory_candidates(entry)
+        with self._budget_lock:
+            staying = [m for mid, m in self._admitted.items() if mid not in idle | {entry.id}]
+        self._plan([*staying, budget.memory_of(entry.id, model)])
 
     def remeasure(self, model_id: str, model: ServedModel) -> None:
         """Count a loaded model's memory again: its embedding context is created on its first
