@@ -7,6 +7,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -232,3 +233,26 @@ def test_a_source_that_stays_broken_logs_one_traceback(caplog: pytest.LogCapture
     assert [r.levelno for r in failed] == [logging.ERROR] + [logging.DEBUG] * 4
     assert failed[0].exc_info is not None
     assert any("succeed again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_cgroups_reclaimable_page_cache_is_not_pressure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (memrev): the cgroup's usage (``memory.current``) counts its page cache,
+    which the kernel fills up to the limit and reclaims at will (a disk tier's reads), so a
+    container whose cache files were read looked ~100 % used and every tick evicted the RAM
+    tiers. Its inactive file pages are taken off, as the machine's reclaimable cache is (and as
+    kubelet's working set does)."""
+    import psutil
+
+    host = SimpleNamespace(total=1 << 40, available=(1 << 40) - (1 << 30))  # 0.1 % used
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: host)
+    (tmp_path / "memory.max").write_text("1000\n")
+    (tmp_path / "memory.current").write_text("950\n")
+    (tmp_path / "memory.stat").write_text("anon 300\nfile 640\ninactive_file 600\n")
+    assert SystemMemorySource(cgroup_dir=tmp_path).sample() == (350, 1000)
+    # Without memory.stat (or the key in it): the usage as it is.
+    (tmp_path / "memory.stat").write_text("anon 300\n")
+    assert SystemMemorySource(cgroup_dir=tmp_path).sample() == (950, 1000)
+    (tmp_path / "memory.stat").unlink()
+    assert SystemMemorySource(cgroup_dir=tmp_path).sample() == (950, 1000)

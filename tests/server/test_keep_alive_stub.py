@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -133,9 +134,10 @@ def test_the_budget_unloads_an_idle_model_for_the_one_a_request_names_never_a_pi
             load = client.post("/admin/models/load", json={"name": "b"})
             listed = _models(client)
             if pinned:
-                assert load.status_code == 503
-                assert "MemoryBudgetError" in load.json()["error"]["message"]
-                assert listed["a"]["status"] == "ready"
+                assert load.status_code == 507  # no room now: b stays loadable
+                assert load.json()["error"]["code"] == "memory_budget"
+                assert "memory budget 100.0 MiB" in load.json()["error"]["message"]
+                assert (listed["a"]["status"], listed["b"]["status"]) == ("ready", "available")
             else:
                 assert load.status_code == 200, load.json()
                 assert (listed["a"]["status"], listed["b"]["status"]) == ("available", "ready")
@@ -159,3 +161,50 @@ def test_each_models_memory_includes_its_share_of_the_cache() -> None:
         assert b["cache_bytes"] == 0  # b served nothing
         assert a["cache_bytes"] <= ram
         assert a["total_bytes"] == a["weights_bytes"] + a["context_bytes"] + a["cache_bytes"]
+
+
+def test_a_model_the_budget_refuses_while_the_others_are_busy_loads_once_one_is_idle(
+    tmp_path: Path,
+) -> None:
+    """Found by review (memrev): a models_dir model a request asked for, refused by the budget
+    because the loaded model was in use, stayed ``failed``: every later request was a 503
+    ``model_load_failed`` and /health degraded until an admin loaded it, though the other
+    model went idle a moment later (the cap, refusing alike, left the model loadable)."""
+    d = tmp_path / "models"
+    d.mkdir()
+    for name in ("alpha.gguf", "beta.gguf"):
+        (d / name).write_bytes(b"GGUF stub weights " + name.encode())
+    # Room for one stub model (64 MiB of weights and its context), not two.
+    settings = stub_settings(models=(), models_dir=d, memory_budget=100 * MIB)
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        _complete(client, "alpha")
+        release = _state(client).registry.hold("alpha")  # alpha busy: nothing to unload
+        refused = client.post("/v1/completions", json={"model": "beta", "prompt": PROMPT})
+        assert refused.status_code == 507, refused.json()
+        error = refused.json()["error"]
+        assert error["code"] == "memory_budget" and "memory budget 100.0 MiB" in error["message"]
+        listed = _models(client)
+        assert (listed["alpha"]["status"], listed["beta"]["status"]) == ("ready", "available")
+        assert client.get("/health").json()["status"] == "ok"
+        release()
+        _complete(client, "beta")  # alpha is idle now: it makes room
+        listed = _models(client)
+        assert (listed["alpha"]["status"], listed["beta"]["status"]) == ("available", "ready")
+
+
+def test_a_model_that_can_never_fit_unloads_nothing() -> None:
+    """Found by review (memrev): a model larger than the budget on its own unloaded every idle
+    model to make room, then was refused all the same: the server lost a model it served for
+    nothing. It is refused with the arithmetic and the others stay loaded."""
+    models = (ModelSpec(path="stub-a", id="a"), ModelSpec(path="stub-b", id="b", n_ctx=1 << 21))
+    settings = stub_settings(models=models, memory_budget=100 * MIB)  # b: 256 MiB of KV
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        load = client.post("/admin/models/load", json={"name": "b"})
+        assert load.status_code == 507, load.json()
+        message = load.json()["error"]["message"]
+        assert "memory budget 100.0 MiB < weights 64.0 MiB + KV 256.0 MiB" in message
+        listed = _models(client)
+        assert (listed["a"]["status"], listed["b"]["status"]) == ("ready", "available")
+        _complete(client, "a")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -297,3 +298,59 @@ def test_the_listing_shows_an_entry_backing_off(app_clock: tuple[TestClient, Clo
     entry.failing, entry.failures, entry.retry_at = 3, 3, clock.now + 40
     listed = client.get("/cache/keepalive").json()["data"][0]
     assert (listed["failing"], listed["failures"], listed["retry_in_s"]) == (3, 3, 40)
+
+
+@pytest.mark.parametrize("kind", ["prompt", "messages"])
+def test_a_prewarm_past_the_token_limit_is_refused_before_its_prefill(kind: str) -> None:
+    """Found by review (memrev): only a prompt of token ids was measured before the prefill;
+    a text prompt or a chat passed ``check_room`` as 0 tokens, was prefilled and saved, and
+    only then answered 409 (a prefill of any length, for a refusal)."""
+    settings = stub_settings(keepalive_max_tokens=40)
+    text = "a long system prompt that keeps going " * 10
+    chat = [{"role": "system", "content": text}]
+    body: dict[str, object] = {"prompt": text} if kind == "prompt" else {"messages": chat}
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        refused = client.post("/cache/prewarm", json=body)
+        assert refused.status_code == 409, refused.json()
+        assert "over its limit of 40" in refused.json()["error"]["message"]
+        counters = client.get("/cache/stats").json()["counters"]
+        assert counters.get("saves_prewarm", 0) == 0  # nothing was prefilled or saved
+        assert client.get("/cache/keepalive").json()["data"] == []
+        kept = client.post("/cache/prewarm", json={**body, "keep_alive": False})
+        n_tokens = kept.json()["prompt_tokens"]
+        assert kept.status_code == 200 and n_tokens > 40
+        # Measured exactly: a limit of just its length keeps it.
+        state = client.app.state.kvwarm  # type: ignore[attr-defined]
+        state.keepalive.limits = KeepAliveLimits(max_tokens=n_tokens)
+        assert client.post("/cache/prewarm", json=body).status_code == 200
+        assert [e["n_tokens"] for e in client.get("/cache/keepalive").json()["data"]] == [n_tokens]
+
+
+def test_a_kept_prefix_of_a_model_that_is_gone_is_dropped(tmp_path: Path) -> None:
+    """Found by review (memrev): an entry whose model the server no longer knows (its
+    models_dir file deleted, the model unloaded) was skipped by every tick as "not ready",
+    never dropped: it held one of ``max_entries`` and was listed as kept for up to
+    ``max_age_s`` (for ever with 0), although operations.md says an entry whose model is gone
+    is dropped. An entry of a model merely unloaded stays (it re-warms once it loads)."""
+    d = tmp_path / "models"
+    d.mkdir()
+    for name in ("alpha.gguf", "beta.gguf"):
+        (d / name).write_bytes(b"GGUF stub weights " + name.encode())
+    with TestClient(create_app(stub_settings(models=(), models_dir=d))) as client:
+        wait_ready(client.get)
+        state = client.app.state.kvwarm  # type: ignore[attr-defined]
+        clock = Clock()
+        state.keepalive = KeepAlive((100.0,) * 3, 0.8, clock, state.keepalive.limits)
+        for model in ("alpha", "beta"):
+            body = {"model": model, "prompt": "a system prompt kept warm " * 6}
+            assert client.post("/cache/prewarm", json=body).status_code == 200
+        for model in ("alpha", "beta"):
+            unloaded = client.post("/admin/models/unload", json={"model": model})
+            assert unloaded.status_code == 200, unloaded.json()
+        (d / "alpha.gguf").unlink()
+        state.registry.rescan()
+        clock.now += 80  # both due: alpha's is dropped, beta's waits for its model
+        state._keepalive_tick()
+        listed = client.get("/cache/keepalive").json()["data"]
+        assert [e["model"] for e in listed] == ["beta"]

@@ -169,3 +169,20 @@ def test_an_embedding_context_past_the_budget_empties_the_ram_tier_and_says_so(
     assert memory["tiers"]["ram"]["quota_bytes"] == 0
     assert memory["total_bytes"] > memory["budget_bytes"]
     assert any("the RAM tier is emptied" in rec.getMessage() for rec in caplog.records)
+
+
+def test_a_ram_url_tier_counts_against_the_budget_as_shm_does() -> None:
+    """Found by review (memrev): a tier added by URL as ``ram://`` is process memory, but the
+    budget counted only ``ram_file`` beside the RAM tier, so ``--memory-budget 4G --tiers
+    fast=ram://?quota=8G`` planned 4 GiB while the cache alone could hold 9."""
+    settings = stub_settings(
+        memory_budget=3 * GIB,
+        tiers=("fast=ram://?quota=2G", "far=file:///srv/kvwarm?quota=8G"),
+    )
+    tiers = settings.cache_config().tiers
+    p = plan(settings.memory_budget, [], tiers)
+    assert p.ram_quota_bytes == GIB  # what the 2 GiB ram:// tier leaves; a file tier is disk
+    assert p.total_bytes == 3 * GIB
+    assert p.report({"fast": 5})["tiers"]["fast"] == {"quota_bytes": 2 * GIB, "bytes": 5}
+    with pytest.raises(MemoryBudgetError, match=r"fast tier 2\.0 GiB = 2\.0 GiB"):
+        plan(GIB, [], tiers)

@@ -3,10 +3,10 @@
 A server holds, in memory: each loaded model's weights (``ModelInfo.size_bytes``, llama.cpp's
 ``llama_model_size``, and its projector's, ``ModelInfo.projector_bytes``) and context
 (``ModelInfo.context_bytes``: its KV buffers and the rest llama.cpp allocated for it), the RAM
-tier and the ``ram_file`` tier (files on /dev/shm are
-memory). With ``memory_budget`` set, the RAM tier's quota is what the others leave:
+tier, the ``ram_file`` tier (files on /dev/shm are memory) and any tier added as a ``ram://``
+URL. With ``memory_budget`` set, the RAM tier's quota is what the others leave:
 
-    ram = budget - sum(weights) - sum(contexts) - ram_file quota
+    ram = budget - sum(weights) - sum(contexts) - ram_file quota - ram:// tiers' quotas
 
 and a configuration that leaves less than nothing is refused with ``MemoryBudgetError``,
 whose message shows that sum. Pure arithmetic; the server applies it at startup and after
@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from kvwarm.cache.types import RowInfo, TierConfig, TierName
 from kvwarm.errors import MemoryBudgetError
@@ -40,9 +41,21 @@ __all__ = [
     "plan",
 ]
 
-# Tiers whose bytes are memory besides the RAM tier itself (the one the budget sizes).
+# Tiers whose bytes are memory besides the RAM tier itself (the one the budget sizes): the
+# built-in ram_file tier, and any tier added by a ``ram://`` URL (``in_memory``).
 MEMORY_TIERS: tuple[TierName, ...] = ("ram_file",)
+_MEMORY_SCHEMES = ("ram",)
 _LABELS = {"ram_file": "shm"}
+
+
+def in_memory(tier: TierConfig) -> bool:
+    """Whether ``tier``'s bytes are memory the budget counts at its quota (the RAM tier
+    aside, which it sizes): ``ram_file``, or a tier by URL whose store is process memory
+    (``ram://``). Found by review: a ``ram://`` tier was counted nowhere, so the budget
+    planned less memory than the cache could hold."""
+    if tier.url is not None:
+        return urlsplit(tier.url).scheme.lower() in _MEMORY_SCHEMES
+    return tier.name in MEMORY_TIERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +93,11 @@ class MemoryPlan:
         is its part of the in-memory tiers (ram, ram_file), ``total_bytes`` that plus its
         weights and context."""
         tiers = {"ram": self.ram_quota_bytes, **self.tiers}
-        in_memory = ("ram", *MEMORY_TIERS)
+        memory_tiers = ("ram", *self.tiers)
         shares = shares or {}
 
         def cache_bytes(model: str) -> int:
-            return sum(n for t, n in shares.get(model, {}).items() if t in in_memory)
+            return sum(n for t, n in shares.get(model, {}).items() if t in memory_tiers)
 
         return {
             "budget_bytes": self.budget_bytes,
@@ -110,6 +123,11 @@ class MemoryPlan:
         }
 
 
+def _others(tiers: Sequence[TierConfig]) -> dict[TierName, int]:
+    """The in-memory tiers' quotas, the RAM tier's aside."""
+    return {t.name: t.quota_bytes for t in tiers if t.name != "ram" and in_memory(t)}
+
+
 def _fixed(models: Iterable[ModelMemory], tiers: Mapping[TierName, int]) -> int:
     return sum(m.weights_bytes + m.context_bytes for m in models) + sum(tiers.values())
 
@@ -129,7 +147,7 @@ def plan(
     what is left, and ``MemoryBudgetError`` says why nothing is; without one, the RAM tier
     keeps its configured quota."""
     quotas = {t.name: t.quota_bytes for t in tiers}
-    others = {name: quotas[name] for name in MEMORY_TIERS if name in quotas}
+    others = _others(tiers)
     ram = quotas.get("ram", 0)
     if budget_bytes > 0:
         fixed = _fixed(models, others)
@@ -144,9 +162,7 @@ def overcommitted(
 ) -> MemoryPlan:
     """The plan of a server already past its budget (memory a loaded model allocated since it
     was admitted): the RAM tier gets nothing, and ``total_bytes`` shows the excess."""
-    quotas = {t.name: t.quota_bytes for t in tiers}
-    others = {name: quotas[name] for name in MEMORY_TIERS if name in quotas}
-    return MemoryPlan(budget_bytes, tuple(models), others, 0)
+    return MemoryPlan(budget_bytes, tuple(models), _others(tiers), 0)
 
 
 def _arithmetic(

@@ -79,6 +79,26 @@ class ChatPrefix:
 Prompt = str | tuple[int, ...] | ChatPrefix
 
 
+def prompt_tokens(model: ServedModel, prompt: str | Sequence[int] | ChatPrefix) -> int:
+    """How many tokens a prewarm of ``prompt`` prefills (at least), measured without
+    prefilling it, so that a prewarm past ``max_tokens`` is refused before its prefill (found
+    by review: a text prompt or a chat counted as 0 then, was prefilled and saved, and only
+    then refused). Text is tokenized as ``prewarm`` tokenizes it; a chat rendered as
+    ``prewarm_chat`` renders it, but one with images or audio, whose positions only its
+    prefill counts, as 0 (``register`` measures it after)."""
+    if isinstance(prompt, str):
+        return len(model.tokenize(prompt, add_special=True, parse_special=True))
+    if not isinstance(prompt, ChatPrefix):
+        return len(prompt)
+    messages = json.loads(prompt.messages)
+    tools = json.loads(prompt.tools)
+    try:
+        tokens, _ = model.chat_tokens(messages, tools=tools, add_generation_prompt=False)
+    except InvalidRequestError:  # images or audio (or a chat the prewarm itself refuses)
+        return 0
+    return len(tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class KeepAliveLimits:
     max_entries: int = 16
@@ -304,10 +324,16 @@ class KeepAlive:
             )
 
     def tick(self, resolve: Callable[[str], ServedModel | None]) -> int:
-        """Re-warm every due entry whose model is ready; the number re-warmed."""
+        """Re-warm every due entry whose model is ready; the number re-warmed. ``resolve``
+        gives the ready model, None while it is not ready, or raises a ``KvwarmError`` when
+        it is gone (``UnknownModelError``: the entry's failure, which drops it)."""
         done = 0
         for entry in self.due():
-            model = resolve(entry.model_id)
+            try:
+                model = resolve(entry.model_id)
+            except KvwarmError as exc:
+                self._failed(entry, exc)
+                continue
             if model is None:
                 continue
             try:

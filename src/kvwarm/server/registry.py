@@ -22,6 +22,9 @@ Invariants:
   ``available`` (its ``error`` kept for the listing), not failed: the file is the caller's to
   fix, ``/health`` is not degraded by it, and the next request tries the file again. A
   configured model's (loaded at start) fails as any load does: the server was misconfigured.
+  Likewise a load a request or an admin asked for that the memory budget has no room for
+  (``MemoryBudgetError``: the models in its way are busy or pinned) is a 507 to every request
+  that waited on it and leaves the entry ``available``: the next request tries again.
 - A loaded model whose worker thread died is failed too, from the first lookup or listing that
   notices (``_notice_death``): ``/v1/models``, the page and ``/health`` say so, its requests get
   a 503 ``worker_died``, and an admin load starts it again (its dead engine model is unloaded
@@ -55,6 +58,7 @@ from kvwarm.errors import (
     ConfigError,
     InvalidModelFileError,
     KvwarmError,
+    MemoryBudgetError,
     ModelBusyError,
     ModelCapacityError,
     ModelExistsError,
@@ -437,8 +441,10 @@ class ModelRegistry:
         # the entry fails and its waiters wake: a request must never wait on a dead thread.
         except BaseException as exc:
             # A file a request or an admin named that is no model: their 400, not a failure
-            # of this server (the entry stays loadable, /health unchanged).
-            refused = isinstance(exc, InvalidModelFileError) and entry.on_demand
+            # of this server (the entry stays loadable, /health unchanged). So is a model the
+            # memory budget has no room for now (507): found by review, it stayed failed, so
+            # once the models in its way went idle it was still refused until an admin load.
+            refused = isinstance(exc, InvalidModelFileError | MemoryBudgetError) and entry.on_demand
             with self._lock:
                 entry.state = "available" if refused else "failed"
                 entry.error = f"{type(exc).__name__}: {exc}"
@@ -475,7 +481,8 @@ class ModelRegistry:
     @staticmethod
     def _wake(entry: ModelEntry, refused: BaseException | None = None) -> None:
         """Wake every request waiting on ``entry``'s load; with ``refused`` (the file's
-        ``InvalidModelFileError``), each raises a copy of it naming the model."""
+        ``InvalidModelFileError``, the budget's ``MemoryBudgetError``), each raises a copy of
+        it naming the model."""
         waiters, entry.waiters = entry.waiters, []
         for waiter in waiters:
             error = None if refused is None else _refusal(entry, refused)
@@ -524,15 +531,25 @@ class ModelRegistry:
             self._unload_now(entry)
         return [e.id for e in stale]
 
+    def _memory_candidates(self, incoming: ModelEntry) -> list[ModelEntry]:
+        """Under the lock: the models the budget may unload for ``incoming`` (ready, idle,
+        not pinned)."""
+        return [
+            e
+            for e in self.entries.values()
+            if e is not incoming and e.state == "ready" and self._idle(e) and not e.pinned
+        ]
+
+    def memory_candidates(self, incoming: ModelEntry) -> set[str]:
+        """The ids of the models the budget may unload for ``incoming`` now."""
+        with self._lock:
+            return {e.id for e in self._memory_candidates(incoming)}
+
     def memory_victim(self, incoming: ModelEntry) -> ModelEntry | None:
         """The least recently used idle model, not pinned, to unload so that ``incoming``
         fits the memory budget (marked unloading); None if there is none."""
         with self._lock:
-            idle = [
-                e
-                for e in self.entries.values()
-                if e is not incoming and e.state == "ready" and self._idle(e) and not e.pinned
-            ]
+            idle = self._memory_candidates(incoming)
             if not idle:
                 return None
             victim = min(idle, key=lambda e: e.last_used)
@@ -628,8 +645,11 @@ def _resolve_waiter(waiter: asyncio.Future[None], error: BaseException | None = 
         waiter.set_exception(error)
 
 
-def _refusal(entry: ModelEntry, exc: BaseException) -> InvalidModelFileError:
-    """A waiter's own copy of a load's ``InvalidModelFileError`` (its class kept: its error
-    code), naming the model it was loaded as."""
+def _refusal(entry: ModelEntry, exc: BaseException) -> KvwarmError:
+    """A waiter's own copy of a load's ``InvalidModelFileError`` or ``MemoryBudgetError``
+    (its class kept: its error code), naming the model it was loaded as."""
+    message = f"the model {entry.id!r} cannot be loaded: {exc}"
+    if isinstance(exc, MemoryBudgetError):
+        return type(exc)(message)
     assert isinstance(exc, InvalidModelFileError)
-    return type(exc)(f"the model {entry.id!r} cannot be loaded: {exc}", param=exc.param)
+    return type(exc)(message, param=exc.param)

@@ -24,7 +24,13 @@ from starlette.requests import Request
 
 from kvwarm import models_dir
 from kvwarm.cache.types import TtlClass
-from kvwarm.errors import KvwarmError, MemoryBudgetError, ModelLoadError, ServerShuttingDownError
+from kvwarm.errors import (
+    KvwarmError,
+    MemoryBudgetError,
+    ModelLoadError,
+    ServerShuttingDownError,
+    UnknownModelError,
+)
 from kvwarm.server import budget, tenancy
 from kvwarm.server.budget import ModelMemory
 from kvwarm.server.errors import HTTPError
@@ -276,10 +282,23 @@ class ServerState:
                 self._admit(engine, entry.id, model)
                 return
             except MemoryBudgetError:
-                victim = self.registry.memory_victim(entry) if entry.on_demand else None
+                if not entry.on_demand:
+                    raise
+                self._fits_without_idle(entry, model)
+                victim = self.registry.memory_victim(entry)
                 if victim is None:
                     raise
                 self.registry.finish_unload(victim)
+
+    def _fits_without_idle(self, entry: ModelEntry, model: ServedModel) -> None:
+        """``MemoryBudgetError`` (the arithmetic of what would stay) unless ``model`` fits
+        once every model the budget may unload for it is unloaded. Found by review: a model
+        that could never fit (larger than the budget alone, or beside the pinned and busy
+        ones) unloaded every idle model first, then was refused all the same."""
+        idle = self.registry.memory_candidates(entry)
+        with self._budget_lock:
+            staying = [m for mid, m in self._admitted.items() if mid not in idle | {entry.id}]
+        self._plan([*staying, budget.memory_of(entry.id, model)])
 
     def remeasure(self, model_id: str, model: ServedModel) -> None:
         """Count a loaded model's memory again: its embedding context is created on its first
@@ -354,7 +373,14 @@ class ServerState:
         waited up to 60 s for this thread before it closed the engine."""
 
         def model(model_id: str) -> ServedModel | None:
-            return None if self._closing.is_set() else self.ready_model(model_id)
+            if self._closing.is_set():
+                return None
+            if model_id not in self.entries:
+                # Found by review: an entry of a model the server no longer knows (its
+                # models_dir file deleted) was skipped as "not ready" by every tick, never
+                # dropped. One merely unloaded stays: it re-warms once the model loads.
+                raise UnknownModelError(f"the server no longer knows the model {model_id!r}")
+            return self.ready_model(model_id)
 
         self.keepalive.tick(model)
 

@@ -83,6 +83,26 @@ _UNLIMITED = 1 << 62
 # (limit, usage) file names: cgroup v2, then v1's memory controller.
 _V2_FILES = ("memory.max", "memory.current")
 _V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+# The usage's reclaimable page cache, in the memory.stat beside it: v1's hierarchical total
+# first (its plain ``inactive_file`` is the cgroup's own pages only), then v2's.
+_INACTIVE_FILE_KEYS = ("total_inactive_file", "inactive_file")
+
+
+def _inactive_file(stat: Path) -> int:
+    """The inactive file pages ``stat`` (a cgroup's memory.stat) counts, which the kernel
+    reclaims before it would OOM-kill: 0 if it cannot be read or has no such key."""
+    try:
+        text = stat.read_text()
+    except OSError:
+        return 0
+    values: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        values[key] = value.strip()
+    for key in _INACTIVE_FILE_KEYS:
+        if values.get(key, "").isdigit():
+            return int(values[key])
+    return 0
 
 
 def _own_cgroup_files(root: Path, proc_cgroup: str | None = None) -> tuple[Path, Path] | None:
@@ -116,9 +136,10 @@ class SystemMemorySource:
 
     ``used`` is total minus available (reclaimable page cache does not count as pressure). If a
     cgroup (v2 ``memory.max``, else v1 ``memory.limit_in_bytes``) sets a limit below the
-    machine's memory, the cgroup's usage against its limit is used instead when it is the
-    higher ratio. What is watched is logged at construction; a cgroup file that cannot be read
-    is a warning (once), never a silent fallback to the machine's numbers.
+    machine's memory, the cgroup's usage (less its inactive page cache, ``memory.stat``'s
+    ``inactive_file``: reclaimable, as the machine's is) against its limit is used instead
+    when it is the higher ratio. What is watched is logged at construction; a cgroup file that
+    cannot be read is a warning (once), never a silent fallback to the machine's numbers.
     """
 
     def __init__(self, cgroup_dir: Path | None = None) -> None:
@@ -184,7 +205,11 @@ class SystemMemorySource:
             return None
         if limit is None or current is None or limit <= 0:
             return None
-        return current, limit
+        # The usage counts page cache that the kernel fills up to the limit and reclaims at
+        # will: its inactive part is no more pressure than the machine's reclaimable cache is
+        # (found by review: a container that had read its disk tier looked full, and every
+        # tick evicted the RAM tiers). kubelet's working set is the same difference.
+        return max(0, current - _inactive_file(usage_path.parent / "memory.stat")), limit
 
     def sample(self) -> tuple[int, int]:
         vm = self._psutil.virtual_memory()

@@ -24,7 +24,7 @@ from kvwarm.errors import ContextOverflowError
 from kvwarm.server import tenancy
 from kvwarm.server.budget import cache_shares
 from kvwarm.server.errors import HTTPError, error_body
-from kvwarm.server.keepalive import ChatPrefix
+from kvwarm.server.keepalive import ChatPrefix, prompt_tokens
 from kvwarm.server.media import fetch_images
 from kvwarm.server.schemas import (
     DetokenizeRequest,
@@ -352,7 +352,7 @@ async def cache_prewarm(request: Request) -> Response:
         assert req.prompt is not None
         prompt = req.prompt
     if req.keep_alive:  # refuse before the prefill, not after it
-        known = len(prompt) if isinstance(prompt, list) else 0
+        known = await run_in_threadpool(prompt_tokens, model, prompt)
         state.keepalive.check_room(model.id, prompt, known, cache_salt=salt)
 
     def work() -> CompletionStats:
