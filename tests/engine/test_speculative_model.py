@@ -109,6 +109,31 @@ def test_an_earlier_reply_replayed_from_its_row_keeps_plain_decodings_text(model
     assert spec.stats.accepted_tokens >= 24
 
 
+def test_a_prediction_is_drafted_and_greedy_and_seeded_replies_are_plain_decodings(
+    model: Model,
+) -> None:
+    """OpenAI's predicted outputs on llama.cpp: a reply that copies nothing of its prompt is
+    drafted from its prediction (the plain reply with a word changed, an edit the model does
+    not make), greedy and seeded; each reply, and a seeded one's logprobs, are plain
+    decoding's."""
+    messages = [{"role": "user", "content": "Write four short lines about rain in a city."}]
+    opts = GenerationOptions(max_tokens=40, temperature=0.0)
+    plain = model.chat(messages, options=opts, spec_type="none", cache_salt="pred-plain")
+    alone = model.chat(messages, options=opts, cache_salt="pred-alone")
+    words = plain.text.split(" ")
+    assert len(words) > 8, plain.text
+    edited = " ".join([*words[:4], "umbrella" if words[4] != "umbrella" else "street", *words[5:]])
+    spec = model.chat(messages, options=opts, prediction=edited, cache_salt="pred-spec")
+    assert spec.completion_tokens == plain.completion_tokens
+    assert spec.stats.accepted_tokens >= alone.stats.accepted_tokens + 16
+    seeded = GenerationOptions(max_tokens=32, temperature=0.8, seed=3, logprobs=2)
+    plain_s = model.chat(messages, options=seeded, spec_type="none", cache_salt="pred-plain-s")
+    spec_s = model.chat(messages, options=seeded, prediction=plain_s.text, cache_salt="pred-s")
+    assert spec_s.completion_tokens == plain_s.completion_tokens
+    assert spec_s.logprobs == plain_s.logprobs
+    assert spec_s.stats.accepted_tokens > 0
+
+
 def _assert_verify_rows_are_one_token_passes(
     ctx: BackendContext, prompt: list[int], follow: list[int], redo: int
 ) -> None:

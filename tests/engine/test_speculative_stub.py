@@ -897,3 +897,73 @@ def test_an_unexpected_draft_model_fault_ends_drafting_and_the_request_decodes_p
     model.evict()
     again = model.complete(PROMPT, GREEDY)  # the next request drafts again
     assert again.completion_tokens == plain.completion_tokens and again.stats.accepted_tokens > 0
+
+
+# ---- a prediction (OpenAI's predicted outputs) ------------------------------------------------
+
+
+def _reply(model: Model, prompt: str, opts: GenerationOptions, salt: str):  # type: ignore[no-untyped-def]
+    done = model.complete(prompt, opts, spec_type="none", cache_salt=salt)
+    model.evict()
+    return done
+
+
+def test_a_prediction_is_drafted_and_the_output_is_plain_decodings(engine: Engine) -> None:
+    """A stub that never copies: its reply's own text suggests nothing and no cached row of
+    the request's salt holds it, so every draft comes from the prediction. The whole reply as
+    the prediction is replayed token for token; one with a character changed (an edit the
+    model does not make) drafts, has that draft rejected, and picks the copy up again after
+    it; the output is plain decoding's either way, and an unrelated prediction changes
+    nothing."""
+    model = engine.load_model(config=spec_config(backend=StubBackend()))
+    prompt = "Tell me about the harbour, the lighthouse and the keeper's family."
+    opts = replace(GREEDY, max_tokens=48)
+    plain = _reply(model, prompt, opts, "plain")
+    text = plain.text
+    assert len(text) > 40, text
+    assert model.complete(prompt, opts, cache_salt="none").stats.drafted_tokens == 0
+    model.evict()
+
+    whole = model.complete(prompt, opts, prediction=plain.text, cache_salt="whole")
+    assert whole.completion_tokens == plain.completion_tokens
+    assert whole.stats.accepted_tokens >= 40
+    model.evict()
+
+    at = len(text) // 3
+    edited = text[:at] + ("Z" if text[at] != "Z" else "Y") + text[at + 1 :]
+    edit = model.complete(prompt, opts, prediction=edited, cache_salt="edit")
+    assert edit.completion_tokens == plain.completion_tokens
+    assert edit.stats.drafted_tokens > edit.stats.accepted_tokens  # the edit's draft failed
+    assert edit.stats.accepted_tokens >= 20  # the copy before it, and after it
+    model.evict()
+
+    other = model.complete(prompt, opts, prediction="Nothing like it at all.", cache_salt="o")
+    assert other.completion_tokens == plain.completion_tokens
+
+
+def test_a_prediction_follows_the_switch_and_the_models_ability(engine: Engine) -> None:
+    """A model whose own spec_type is none drafts from a prediction (as ngram-simple); a
+    request's spec_type none turns that off; a model that cannot speculate (deterministic)
+    decodes plainly, the prediction unused; a prediction that is no text is a 400."""
+    prompt = "Tell me about the harbour, the lighthouse and the keeper's family."
+    opts = replace(GREEDY, max_tokens=40)
+    model = engine.load_model(config=spec_config(backend=StubBackend(), spec_type="none"))
+    plain = _reply(model, prompt, opts, "plain")
+    drafted = model.complete(prompt, opts, prediction=plain.text, cache_salt="p1")
+    assert drafted.completion_tokens == plain.completion_tokens
+    assert drafted.stats.accepted_tokens >= 30
+    model.evict()
+    off = model.complete(prompt, opts, prediction=plain.text, spec_type="none", cache_salt="p2")
+    assert off.completion_tokens == plain.completion_tokens
+    assert off.stats.drafted_tokens == 0
+    for bad in (5, ["a"], "x\ud800"):
+        with pytest.raises(InvalidRequestError) as info:
+            model.complete(prompt, opts, prediction=bad)  # type: ignore[arg-type]
+        assert info.value.param == "prediction"
+    engine.unload_model(model.id)
+    exact = engine.load_model(
+        config=spec_config(backend=StubBackend(), spec_type="none", deterministic=True)
+    )
+    kept = exact.complete(prompt, opts, prediction=plain.text, cache_salt="p3")
+    assert kept.completion_tokens == plain.completion_tokens
+    assert kept.stats.drafted_tokens == 0

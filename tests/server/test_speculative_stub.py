@@ -308,3 +308,48 @@ def test_draft_simple_without_a_draft_model_names_the_field_as_sent(
         assert "spec_type" not in text
     if path != "/v1/messages":  # Anthropic's error shape has no param
         assert response.json()["error"]["param"] == field
+
+
+def test_a_chat_prediction_is_drafted_and_the_reply_is_the_same(cheap_passes: None) -> None:
+    """OpenAI's ``prediction`` (predicted outputs): the reply predicted, as a string or as text
+    parts, is drafted and kept, on a model that speculates and on one whose spec_type is none;
+    the reply is what it is without one. A prediction of another shape is a 400 naming it.
+    Stub models that do not copy: a reply's own text drafts next to nothing."""
+    settings = stub_settings(
+        models=(
+            ModelSpec(path="stub-x", id="spec", options=(("spec_type", "ngram-simple"),)),
+            ModelSpec(path="stub-y", id="plain"),
+        )
+    )
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        _predictions(client)
+
+
+def _predictions(client: TestClient) -> None:
+    messages = [{"role": "user", "content": "Tell me about the harbour and the lighthouse."}]
+    for model in ("spec", "plain"):
+        body = {"model": model, "messages": messages, "max_tokens": 40, "temperature": 0}
+        first = client.post("/v1/chat/completions", json={**body, "cache_salt": "p0"}).json()
+        text = first["choices"][0]["message"]["content"]
+        alone = client.post("/v1/chat/completions", json={**body, "cache_salt": "p1"}).json()
+        parts = [{"type": "text", "text": text[:9]}, {"type": "text", "text": text[9:]}]
+        for salt, content in (("p2", text), ("p3", parts)):
+            predicted = client.post(
+                "/v1/chat/completions",
+                json={
+                    **body,
+                    "cache_salt": salt,
+                    "prediction": {"type": "content", "content": content},
+                },
+            ).json()
+            assert predicted["choices"][0]["message"]["content"] == text
+            kept = predicted["timings"]["draft_n_accepted"]
+            assert kept >= 30 > alone["timings"]["draft_n_accepted"], (model, kept, alone)
+    for bad in ({"type": "content", "content": 5}, {"type": "file", "content": "x"}, "x"):
+        res = client.post(
+            "/v1/chat/completions",
+            json={"model": "spec", "messages": messages, "max_tokens": 2, "prediction": bad},
+        )
+        assert res.status_code == 400, res.text
+        assert res.json()["error"]["param"].startswith("prediction"), res.text

@@ -134,6 +134,7 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "max_completion_tokens": 3,
                 "n": 2,
                 "modalities": ["text"],
+                "prediction": {"type": "content", "content": [{"type": "text", "text": "a"}]},
             },
             {
                 **SAMPLING,

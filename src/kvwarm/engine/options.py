@@ -46,6 +46,7 @@ class GenerationOverrides(TypedDict, total=False):
     cache_salt: str | None
     spec_type: str | None
     spec_draft_max: int | None
+    prediction: str | None
     lora: tuple[tuple[int, float], ...] | None
 
 

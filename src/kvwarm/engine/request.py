@@ -93,6 +93,9 @@ class Request:
     #: The tokens whose text its reply keeps although they are special
     #: (``GenerationOptions.preserved_tokens``, resolved by ``engine/submit.py``).
     preserved: frozenset[int] = frozenset()
+    #: ``GenerationOptions.prediction``'s tokens (plain text, no BOS), at most the context's:
+    #: what its drafter may replay (``engine/worker/drafts.Predicted``).
+    predicted: tuple[int, ...] = ()
     channel: Channel[Event] = field(default_factory=Channel)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)

@@ -141,6 +141,12 @@ class Submitter:
             )
 
         preserved = preserved_ids(self.bmodel, opts.preserved_tokens)
+        predicted: tuple[int, ...] = ()
+        if opts.prediction:
+            # Plain text (its special-token text stays text, as a reply's would read), cut
+            # to the context: a draft never reaches past it.
+            ids = self.bmodel.tokenize(opts.prediction, add_special=False, parse_special=False)
+            predicted = tuple(ids[: self.config.context.n_ctx])
 
         def request(options: GenerationOptions, others: tuple[Request, ...] = ()) -> Request:
             return Request(
@@ -155,6 +161,7 @@ class Submitter:
                 forks=others,
                 media=given.media,
                 preserved=preserved,
+                predicted=predicted,
             )
 
         req = request(opts, tuple(request(f) for f in forks))

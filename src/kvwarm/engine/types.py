@@ -149,6 +149,15 @@ class GenerationOptions:
     # cannot speculate (``ModelInfo.speculation``) it decodes plainly.
     spec_type: str | None = None
     spec_draft_max: int | None = None
+    #: Text the reply is expected to repeat for the most part (OpenAI's predicted outputs: a
+    #: file sent back with a few lines changed). Where the request speculates with an n-gram
+    #: ``spec_type`` other than ngram-cache, it is drafted as an earlier reply given in the
+    #: same place would be (``engine/worker/drafts.py``, ``Predicted``), with "ngram-simple"
+    #: where the model's own ``spec_type`` is "none"; a ``spec_type`` "none" given with it
+    #: turns that off. A speed hint only, as at OpenAI: the reply is what the model writes
+    #: either way, and where the model cannot speculate it is not used. Its tokens past the
+    #: model's context are not used either.
+    prediction: str | None = None
     #: The LoRA adapters this request runs under, as (handle, scale) pairs of the model's
     #: loaded adapters (``Model.list_adapters``); an adapter not listed is off for it (scale
     #: 0, as llama-server's per-request ``lora``). None: the model's adapters at their own
@@ -279,12 +288,15 @@ class GenerationOptions:
                 )
 
     def _check_text(self) -> None:
-        """Stop strings, grammar and schema reach ``str.encode``: no lone surrogates."""
+        """Stop strings, grammar, schema and prediction reach ``str.encode``: no lone
+        surrogates."""
         from kvwarm.errors import InvalidRequestError
         from kvwarm.unicode import encode_utf8, find_lone_surrogate
 
         for s in self.stop:
             encode_utf8(s, param="stop")
+        if self.prediction is not None:
+            encode_utf8(self.prediction, param="prediction")
         if self.grammar is not None:
             encode_utf8(self.grammar, param="grammar")
         if self.json_schema is not None and find_lone_surrogate(self.json_schema) is not None:

@@ -66,6 +66,7 @@ def options(
     names: Mapping[str, str] | None = None,
     calls: CallGrammar | None = None,
     preserved: tuple[str, ...] = (),
+    prediction: str | None = None,
 ) -> GenerationOptions:
     """``req``'s engine options; ``cache_salt`` is the one ``server.tenancy`` resolved (the
     body's field is only one of its inputs), ``lora`` the adapters ``server.lora`` chose;
@@ -74,7 +75,8 @@ def options(
     ``stop_sequences`` for ``stop``), so an error about it names what the client sent.
     ``calls``: tool_choice auto's call grammar (``chat.call_grammar``), unless the request
     constrains the whole reply itself (``grammar``, a response format). ``preserved``: the
-    special tokens whose text the reply keeps (``ChatPlan.preserved``: tool-call markers)."""
+    special tokens whose text the reply keeps (``ChatPlan.preserved``: tool-call markers).
+    ``prediction``: chat's predicted output, as text (``GenerationOptions.prediction``)."""
     # Every stop string as sent: an empty one is the engine's 400 naming the field
     # (``GenerationOptions.validate``), not a string silently dropped.
     stop: tuple[str, ...] = ()
@@ -116,6 +118,7 @@ def options(
         "spec_draft_max": req.spec_draft_max,
         "lora": lora,
         "preserved_tokens": preserved,
+        "prediction": prediction,
     }
     if calls is not None and json_schema is None and req.grammar is None:
         overrides |= {

@@ -381,6 +381,25 @@ ToolChoiceObject = Annotated[
 ]
 
 
+class PredictionPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(_Body):
+    """OpenAI's predicted output (``{"type": "content", "content": ...}``): text the reply
+    is expected to repeat for the most part, drafted where the model speculates
+    (``GenerationOptions.prediction``)."""
+
+    type: Literal["content"]
+    content: str | list[PredictionPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: JsonInt | None = Field(default=None, ge=0)
@@ -402,6 +421,7 @@ class ChatRequest(SamplingFields):
     # would get a text reply whose message.audio is null (found by review).
     modalities: list[str] | None = None
     audio: object | None = None
+    prediction: Prediction | None = None
 
 
 class EmbeddingRequest(_Body):

@@ -805,6 +805,70 @@ class _Rows:
     counted_tokens: int = 0
 
 
+class Predicted:
+    """A request's prediction (``GenerationOptions.prediction``, OpenAI's predicted outputs) as
+    one more row to draft from: its prompt followed by the predicted tokens, the reply an
+    earlier request would have got in the same place. While the reply is the prediction's
+    first tokens, the row begins with all of the request's text, so ``Drafter`` replays it
+    token for token as it does such a row (a retry's, ``Drafter._follow_rows``), trusted while
+    ``RowTrust`` says such drafts hold; once the reply goes its own way (an edit the
+    prediction did not have), the row is one more n-gram match, where what follows the reply's
+    last ``n`` tokens in the prediction resumes the copy. It changes no token: every draft is
+    verified."""
+
+    __slots__ = ("_starts", "n", "seq")
+
+    def __init__(self, n: int, prompt: Sequence[int], predicted: Sequence[int]) -> None:
+        self.n = n
+        self.seq = (*prompt, *predicted)
+        #: n-gram -> the starts of its latest ``CANDIDATES`` occurrences, oldest first, of
+        #: those with a token after them.
+        starts: dict[tuple[int, ...], list[int]] = {}
+        for start in range(len(self.seq) - n):
+            found = starts.setdefault(self.seq[start : start + n], [])
+            found.append(start)
+            if len(found) > CANDIDATES:
+                del found[0]
+        self._starts = starts
+
+    def matches(self, text: Sequence[int]) -> list[RowMatch]:
+        """Where the last ``n`` tokens of ``text`` (the request's prompt and reply so far)
+        occur in the row, the longest match first, the latest among equals (as
+        ``RowDrafts.matches``)."""
+        seq, n, size = self.seq, self.n, len(text)
+        if size < n:
+            return []
+        found: list[tuple[int, int, RowMatch]] = []
+        # The row as a retry of the request, wherever else its last n-gram occurs (the
+        # latest ``CANDIDATES`` starts may all come after it, in a repetitive prediction).
+        if size < len(seq) and seq[:size] == tuple(text):
+            whole = RowMatch(seq, size, min(size, MATCH_MAX), True)
+            found.append((whole.matched, size - n, whole))
+        for start in self._starts.get(tuple(text[size - n :]), ()):
+            if start == size - n and found:
+                continue  # the retry's own occurrence, found above
+            a, b, matched = start - 1, size - n - 1, n
+            while a >= 0 and b >= 0 and matched < MATCH_MAX and seq[a] == text[b]:
+                a, b, matched = a - 1, b - 1, matched + 1
+            found.append((matched, start, RowMatch(seq, start + n, matched, False)))
+        found.sort(key=lambda item: (item[0], item[1]), reverse=True)
+        return [match for _, _, match in found]
+
+
+def with_predicted(predicted: Predicted, rows: Elsewhere | None) -> Elsewhere:
+    """``rows`` (a request's matches in its namespace's cached rows) and ``predicted``'s,
+    the longest first; the prediction's first among equals (the request's own)."""
+
+    def matches(text: Sequence[int]) -> list[RowMatch]:
+        found = predicted.matches(text)
+        if rows is not None:
+            found += rows(text)
+            found.sort(key=lambda m: m.matched, reverse=True)  # stable: ties keep the order
+        return found
+
+    return matches
+
+
 class RowDrafts:
     """Drafts from the cache: n-grams of the token sequences of the cached rows of each
     namespace (each one's latest ``CANDIDATES`` occurrences), for what a request's own text

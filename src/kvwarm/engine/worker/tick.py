@@ -19,6 +19,7 @@ usual; a round in which nothing but such waits remained reports ``"waiting"``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -32,7 +33,13 @@ from kvwarm.engine.types import SpecType
 from kvwarm.engine.worker.batching import Chunk, PrefillWant, isolate, waited_after
 from kvwarm.engine.worker.cacheport import CachePort
 from kvwarm.engine.worker.draftmodel import ModelDrafter
-from kvwarm.engine.worker.drafts import Drafter, SentenceEnds
+from kvwarm.engine.worker.drafts import (
+    Drafter,
+    Elsewhere,
+    Predicted,
+    SentenceEnds,
+    with_predicted,
+)
 from kvwarm.engine.worker.forks import Forks
 from kvwarm.engine.worker.outcomes import Outcomes, unexpected
 from kvwarm.engine.worker.runtime import Runtime
@@ -215,6 +222,8 @@ class Tick:
         cfg = self.rt.cfg
         opts = act.req.options
         kind = cfg.spec_type if opts.spec_type is None else opts.spec_type
+        if kind == "none" and opts.spec_type is None and act.req.predicted:
+            kind = "ngram-simple"  # a prediction drafts where the model's own type is none
         draft_max = cfg.spec_draft_max if opts.spec_draft_max is None else opts.spec_draft_max
         if kind == "none" or draft_max <= 0 or act.deterministic or not cfg.speculates:
             return None
@@ -233,12 +242,16 @@ class Tick:
         rows.refresh(ns, tenant_of(opts.cache_salt))  # its tenant's share of the index
         if self.rt.sentence_ends is None:  # a model whose spec_type is none: made here, once
             self.rt.sentence_ends = SentenceEnds(self.rt.model.vocabulary()[0])
+        elsewhere: Elsewhere = functools.partial(rows.matches, ns)
+        if act.req.predicted:
+            predicted = Predicted(cfg.spec_ngram_n, act.req.prompt_tokens, act.req.predicted)
+            elsewhere = with_predicted(predicted, elsewhere)
         return Drafter(
             cast(SpecType, kind),
             cfg.spec_ngram_n,
             draft_max,
             act.req.prompt_tokens,
-            lambda text: rows.matches(ns, text),
+            elsewhere,
             lambda ngram: rows.counts(ns, ngram),
             self.rt.sentence_ends,
             self.rt.copy_ends,

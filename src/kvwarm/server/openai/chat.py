@@ -122,6 +122,7 @@ async def chat_completions(request: Request) -> Response:
         lora=lora,
         calls=await chat.call_grammar(plan, whole=schema is not None or req.grammar is not None),
         preserved=plan.preserved,
+        prediction=req.prediction.text() if req.prediction is not None else None,
     )
     choices = await Choices.start(
         request,
