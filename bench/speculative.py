@@ -402,11 +402,11 @@ def main() -> None:
             same = all(r[0] == ref for r, ref in zip(rs, refs, strict=True))
             drafted = sum(r[3] for r in rs)
             accepted = sum(r[4] for r in rs)
-            rounds = "/".join(f"{r[2] / r[1]:.0f}" for r in rs if r[1] > 0)
+            per_round = "/".join(f"{r[2] / r[1]:.0f}" for r in rs if r[1] > 0)
             print(
                 f"{load:11} {name:20} {speed:8.1f} {speed / base_speed:10.2f} {speed / plain:8.2f} "
                 f"{accepted:5}/{drafted:<5}  {'same as' if same else 'DIFFERS from'}"
-                f" {same_as[name]} ({rs[0][5]} tokens; rounds {rounds} tok/s)"
+                f" {same_as[name]} ({rs[0][5]} tokens; rounds {per_round} tok/s)"
             )
     shutil.rmtree(work, ignore_errors=True)
 
