@@ -1018,3 +1018,22 @@ def test_infill_timings_tokens_probs_and_response_fields(http: httpx.Client) -> 
     cut = http.post("/infill", json={**body, "response_fields": fields}, headers=headers).json()
     assert set(cut) == {"content", "timings/prompt_n", "timings/predicted_n", "tokens_cached"}
     assert cut["content"] == data["content"] and isinstance(cut["timings/prompt_n"], int)
+
+
+def test_infill_keeps_the_latest_extra_context_that_fits(http: httpx.Client) -> None:
+    # An editor's ring of extra chunks (llama.vim's) past the context was a 400
+    # context_length_exceeded; llama-server cuts it to its latest tokens and answers.
+    headers = {"x-api-key": KEY}
+    chunks = [{"filename": f"f{i}.py", "text": f"# file {i}\n" + "x = 1\n" * 60} for i in range(8)]
+    body = {
+        "model": "coder",
+        "input_prefix": "def h(",
+        "input_suffix": ")\n",
+        "input_extra": chunks,
+        "n_predict": 4,
+        "temperature": 0,
+    }
+    response = http.post("/infill", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    # n_ctx 1024, n_batch 64: the extra files' last 1024 - 64 - 2 * 4 tokens, then the FIM part.
+    assert 1024 - 64 - 8 < response.json()["tokens_evaluated"] <= 1024 - 4

@@ -356,12 +356,6 @@ async def infill(request: Request) -> Response:
         raise HTTPError(400, "/infill makes one completion (n=1)", param="n")
     limit, over_limit = state.settings.max_tokens_limit, state.settings.max_tokens_over_limit
     convert.length_within(req.n_predict, "n_predict", limit, over_limit)
-    extra = [ExtraFile(c.text, c.filename) for c in req.input_extra]
-    tokens = await run_in_threadpool(
-        functools.partial(
-            model.infill_tokens, req.input_prefix, req.input_suffix, prompt=req.prompt, extra=extra
-        )
-    )
     opts = convert.options(
         req,
         default_max_tokens=state.settings.default_max_tokens,
@@ -371,6 +365,19 @@ async def infill(request: Request) -> Response:
         logprobs=req.n_probs or None,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
         lora=lora,
+    )
+    # Cut as llama-server cuts (its prefix, suffix and extra files' shares), leaving the
+    # context room for this reply (llama-server's: for its server-wide -n).
+    extra = [ExtraFile(c.text, c.filename) for c in req.input_extra]
+    tokens = await run_in_threadpool(
+        functools.partial(
+            model.infill_tokens,
+            req.input_prefix,
+            req.input_suffix,
+            prompt=req.prompt,
+            extra=extra,
+            n_predict=opts.max_tokens,
+        )
     )
     submit = functools.partial(model.streams, tokens, opts, n=1, fragments=req.stream)
     group = await Choices.start(
