@@ -112,22 +112,19 @@ def test_prompt_logprobs_score_every_prompt_token_without_reuse(engine: Engine) 
 
 
 def test_infill_tokens_on_a_model_with_fim_tokens(engine: Engine) -> None:
-    model = engine.load_model("stub-fim", model_id="coder", config=stub_config())
+    model = engine.load_model("stub-fim", model_id="coder", config=stub_config(n_batch=64))
     fim = model.facts.fim
     assert fim is not None
     toks = model.infill_tokens("def f(", "):\n", prompt="x")
     text = lambda s: model.tokenize(s, add_special=False)  # noqa: E731
     bos = [model.facts.bos] if model.facts.add_bos else []
-    assert fim.rep is not None and fim.sep is not None
-    # llama-server's layout: its repository header and last file separator even without
-    # extra files (they came only with extra files, another prompt than llama-server's).
+    assert toks == [*bos, fim.pre, *text("def f("), *text("x"), fim.suf, *text("):\n"), fim.mid]
+    # llama-server's /infill prompt (n_predict): its repository header and last file
+    # separator even without extra files (they came only with extra files before).
     header = [fim.rep, *text("myproject\n"), fim.sep, *text("filename\n")]
-    assert toks == [
-        *header,
-        *bos,
-        *[fim.pre, *text("def f("), *text("x"), fim.suf, *text("):\n"), fim.mid],
-    ]
+    assert model.infill_tokens("def f(", "):\n", prompt="x", n_predict=4) == header + toks
     extra = model.infill_tokens("a", "b", extra=[ExtraFile("import os", "util.py")])
+    assert fim.rep is not None and fim.sep is not None
     assert extra[0] == fim.rep and extra.count(fim.sep) == 2
     assert extra[-1] == fim.mid and extra.index(fim.pre) > extra.index(fim.sep)
     # Special-token text in the code stays text.

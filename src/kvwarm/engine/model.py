@@ -936,9 +936,10 @@ class Model:
     ) -> list[int]:
         """The fill-in-the-middle prompt for the text between ``prefix`` (then ``prompt``)
         and ``suffix``, with ``extra`` files as context (``engine/prompts.py``); generate from
-        it with ``complete``/``stream``. ``n_predict``: cut for a reply of that many tokens
-        as llama-server's ``/infill`` cuts (``FimFit``, this model's context and batch);
-        None: nothing cut. ``FimNotSupportedError`` if the model has no FIM tokens."""
+        it with ``complete``/``stream``. ``n_predict``: llama-server's ``/infill`` prompt for
+        a reply of that many tokens (its repository header always, cut as it cuts:
+        ``FimFit``, this model's context and batch); None: nothing cut, the header only with
+        ``extra``. ``FimNotSupportedError`` if the model has no FIM tokens."""
         self._check_ready()
         fit = None
         if n_predict is not None:

@@ -487,9 +487,10 @@ def fim_tokens(
     fit: FimFit | None = None,
 ) -> list[int]:
     """The prompt tokens that ask ``model`` for the text between ``prefix`` (+ ``prompt``,
-    the start of the middle already written) and ``suffix``: llama-server's layout (its
-    repository header and file separator where the model has them, with or without extra
-    files). ``fit``: cut as llama-server's ``/infill`` cuts (``FimFit``); None: whole."""
+    the start of the middle already written) and ``suffix``, in llama-server's layout.
+    ``fit``: llama-server's ``/infill`` prompt, its repository header and last file separator
+    (where the model has those tokens) always and cut as it cuts (``FimFit``); None (OpenAI's
+    ``suffix``, which llama-server refuses): whole, the header only with extra files."""
     fim = model.facts.fim
     if fim is None:
         raise FimNotSupportedError(
@@ -502,10 +503,11 @@ def fim_tokens(
         return model.tokenize(value, add_special=False, parse_special=False)
 
     # Found by review: the header and the last separator came only with extra files, where
-    # llama-server writes them always, so a code model (Qwen2.5-Coder's repo tokens) read
-    # another prompt than llama-server's for the same /infill.
+    # llama-server's /infill writes them always, so a code model (Qwen2.5-Coder's repo
+    # tokens) read another prompt than llama-server's for the same /infill.
+    header = fit is not None or bool(extra)
     extra_tokens: list[int] = []
-    if fim.rep is not None:
+    if fim.rep is not None and header:
         extra_tokens += [fim.rep, *text("myproject\n")]
     for item in extra:
         if fim.sep is not None:
@@ -513,7 +515,7 @@ def fim_tokens(
         else:
             extra_tokens += text("\n\n--- snippet ---\n\n")
         extra_tokens += text(item.text)
-    if fim.sep is not None:
+    if fim.sep is not None and header:
         extra_tokens += [fim.sep, *text("filename\n")]
     before, middle, after = text(prefix), text(prompt), text(suffix)
     if fit is not None:
