@@ -112,13 +112,17 @@ def test_prompt_logprobs_score_every_prompt_token_without_reuse(engine: Engine) 
 
 
 def test_infill_tokens_on_a_model_with_fim_tokens(engine: Engine) -> None:
-    model = engine.load_model("stub-fim", model_id="coder", config=stub_config())
+    model = engine.load_model("stub-fim", model_id="coder", config=stub_config(n_batch=64))
     fim = model.facts.fim
     assert fim is not None
     toks = model.infill_tokens("def f(", "):\n", prompt="x")
     text = lambda s: model.tokenize(s, add_special=False)  # noqa: E731
     bos = [model.facts.bos] if model.facts.add_bos else []
     assert toks == [*bos, fim.pre, *text("def f("), *text("x"), fim.suf, *text("):\n"), fim.mid]
+    # llama-server's /infill prompt (n_predict): its repository header and last file
+    # separator even without extra files (they came only with extra files before).
+    header = [fim.rep, *text("myproject\n"), fim.sep, *text("filename\n")]
+    assert model.infill_tokens("def f(", "):\n", prompt="x", n_predict=4) == header + toks
     extra = model.infill_tokens("a", "b", extra=[ExtraFile("import os", "util.py")])
     assert fim.rep is not None and fim.sep is not None
     assert extra[0] == fim.rep and extra.count(fim.sep) == 2
@@ -127,6 +131,34 @@ def test_infill_tokens_on_a_model_with_fim_tokens(engine: Engine) -> None:
     assert fim.mid not in model.infill_tokens("<fim_middle>", "")[:-1]
     out = model.complete(toks, GenerationOptions(max_tokens=4, temperature=0.0))
     assert out.stats.prompt_tokens == len(toks)
+
+
+def test_infill_cuts_as_llama_server_for_a_reply(engine: Engine) -> None:
+    # llama-server's format_prompt_infill: the prefix's last 3/4 of a batch, the suffix's
+    # first quarter less the prompt and 2, the extra files' last n_ctx - n_batch - 2 n_predict.
+    # Uncut, extra context past the context was a 400 where llama-server keeps its latest.
+    model = engine.load_model("stub-fim", model_id="coder", config=stub_config(n_batch=64))
+    fim = model.facts.fim
+    assert fim is not None and fim.rep is not None and fim.sep is not None
+    text = lambda s: model.tokenize(s, add_special=False)  # noqa: E731
+    bos = [model.facts.bos] if model.facts.add_bos else []
+    prefix, suffix, prompt = "p" * 100 + "P" * 48, "S" * 12 + "s" * 100, "mm"
+    files = [ExtraFile("x" * 300, "a.py"), ExtraFile("y" * 300, "b.py")]
+    whole = model.infill_tokens(prefix, suffix, prompt=prompt, extra=files)
+    assert len(whole) > model.info().n_ctx  # uncut, it could not be served
+    cut = model.infill_tokens(prefix, suffix, prompt=prompt, extra=files, n_predict=10)
+    extra_tokens = whole[: whole.index(fim.pre) - len(bos)]
+    kept = 512 - 64 - 2 * 10
+    assert cut == [
+        *extra_tokens[-kept:],
+        *bos,
+        *[fim.pre, *text("P" * 48), *text(prompt), fim.suf, *text("S" * 12), fim.mid],
+    ]
+    out = model.complete(cut, GenerationOptions(max_tokens=10, temperature=0.0))
+    assert out.stats.completion_tokens == 10
+    with pytest.raises(InvalidRequestError) as caught:
+        model.infill_tokens("a", "b", n_predict=-1)
+    assert caught.value.param == "n_predict"
 
 
 def test_infill_without_fim_tokens_is_refused(engine: Engine) -> None:

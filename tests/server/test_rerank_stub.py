@@ -35,7 +35,9 @@ def client() -> Iterator[TestClient]:
         yield test_client
 
 
-@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank", "/v2/rerank"])
+@pytest.mark.parametrize(
+    "path", ["/v1/rerank", "/rerank", "/v2/rerank", "/reranking", "/v1/reranking"]
+)
 @pytest.mark.parametrize("model", ["ranker", "cross"])
 def test_rerank_shape(client: TestClient, path: str, model: str) -> None:
     response = client.post(path, json={"model": model, "query": QUERY, "documents": DOCS})

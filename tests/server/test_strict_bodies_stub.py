@@ -181,6 +181,9 @@ BODIES: dict[str, tuple[type[BaseModel], list[Any]]] = {
                 "prompt": "a",
                 "n_predict": 2,
                 "n": 1,  # /infill makes one completion
+                "n_probs": 1,
+                "return_tokens": True,
+                "response_fields": ["content", "timings/prompt_n"],
             },
             {
                 **STREAMED,

@@ -946,3 +946,94 @@ def test_infill_endpoint(http: httpx.Client) -> None:
     assert "".join(x["content"] for x in lines) == data["content"]
     refused = http.post("/infill", json={**body, "model": "a"}, headers=headers)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "fim_not_supported"
+
+
+def _sse(text: str) -> list[dict[str, object]]:
+    return [json.loads(x[6:]) for x in text.split("\n") if x.startswith("data: ")]
+
+
+def test_infill_says_which_stop_ended_it_as_llama_server(http: httpx.Client) -> None:
+    # A stop string's end said stop_type "eos" and named no word; llama-server says "word"
+    # and names it in stopping_word ("limit" at n_predict, "" without a word).
+    headers = {"x-api-key": KEY}
+    body = {"model": "coder", "input_prefix": "def f(", "input_suffix": ")\n", "temperature": 0}
+    plain = http.post("/infill", json={**body, "n_predict": 8}, headers=headers).json()
+    assert plain["stop_type"] == "limit" and plain["stopping_word"] == ""
+    assert plain["tokens_predicted"] == 8 and plain["truncated"] is False
+    assert plain["index"] == 0 and plain["tokens"] == []  # return_tokens off
+    word = plain["content"][2:4]
+    assert len(word) == 2 and word not in plain["content"][:3]
+    stopped = http.post("/infill", json={**body, "n_predict": 8, "stop": [word]}, headers=headers)
+    data = stopped.json()
+    assert data["content"] == plain["content"][:2]
+    assert data["stop_type"] == "word" and data["stopping_word"] == word
+    streamed = http.post(
+        "/infill", json={**body, "n_predict": 8, "stop": [word], "stream": True}, headers=headers
+    )
+    events = _sse(streamed.text)
+    assert "".join(str(e["content"]) for e in events) == data["content"]
+    last = events[-1]
+    assert last["stop"] is True and last["content"] == "" and last["tokens"] == []
+    assert last["stop_type"] == "word" and last["stopping_word"] == word
+
+
+def test_infill_timings_tokens_probs_and_response_fields(http: httpx.Client) -> None:
+    headers = {"x-api-key": KEY}
+    body = {
+        "model": "coder",
+        "input_prefix": "def g(",
+        "input_suffix": ")\n",
+        "temperature": 0,
+        "n_predict": 4,
+    }
+    data = http.post("/infill", json={**body, "return_tokens": True}, headers=headers).json()
+    # llama-server's timings, under its names (a client reading timings.prompt_n found none).
+    t = data["timings"]
+    assert t["cache_n"] + t["prompt_n"] == data["tokens_evaluated"]
+    for name in ("prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_per_token_ms"):
+        assert isinstance(t[name], float | int) and t[name] >= 0
+    assert len(data["tokens"]) == data["tokens_predicted"] == 4
+    assert (
+        http.post(
+            "/detokenize", json={"model": "coder", "tokens": data["tokens"]}, headers=headers
+        ).json()["content"]
+        == data["content"]
+    )
+    # n_probs: llama-server's completion_probabilities, each token with its top n_probs.
+    probs = http.post("/infill", json={**body, "n_probs": 2}, headers=headers).json()
+    rows = probs["completion_probabilities"]
+    assert [r["id"] for r in rows] == data["tokens"]
+    assert "".join(r["token"] for r in rows) == data["content"]
+    for r in rows:
+        assert r["logprob"] <= 0 and isinstance(r["bytes"], list)
+        assert len(r["top_logprobs"]) == 2
+        assert {"id", "token", "bytes", "logprob"} <= set(r["top_logprobs"][0])
+    streamed = _sse(
+        http.post("/infill", json={**body, "n_probs": 2, "stream": True}, headers=headers).text
+    )
+    ids = [r["id"] for e in streamed[:-1] for r in e["completion_probabilities"]]  # type: ignore[attr-defined]
+    assert ids == data["tokens"] and "completion_probabilities" not in streamed[-1]
+    # response_fields: only those fields, "a/b" unnested under its path (llama.vim's request).
+    fields = ["content", "timings/prompt_n", "timings/predicted_n", "tokens_cached", "nope/x"]
+    cut = http.post("/infill", json={**body, "response_fields": fields}, headers=headers).json()
+    assert set(cut) == {"content", "timings/prompt_n", "timings/predicted_n", "tokens_cached"}
+    assert cut["content"] == data["content"] and isinstance(cut["timings/prompt_n"], int)
+
+
+def test_infill_keeps_the_latest_extra_context_that_fits(http: httpx.Client) -> None:
+    # An editor's ring of extra chunks (llama.vim's) past the context was a 400
+    # context_length_exceeded; llama-server cuts it to its latest tokens and answers.
+    headers = {"x-api-key": KEY}
+    chunks = [{"filename": f"f{i}.py", "text": f"# file {i}\n" + "x = 1\n" * 60} for i in range(8)]
+    body = {
+        "model": "coder",
+        "input_prefix": "def h(",
+        "input_suffix": ")\n",
+        "input_extra": chunks,
+        "n_predict": 4,
+        "temperature": 0,
+    }
+    response = http.post("/infill", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    # n_ctx 1024, n_batch 64: the extra files' last 1024 - 64 - 2 * 4 tokens, then the FIM part.
+    assert 1024 - 64 - 8 < response.json()["tokens_evaluated"] <= 1024 - 4

@@ -58,6 +58,7 @@ from kvwarm.engine.options import GenerationOverrides, merge_options
 from kvwarm.engine.prompts import (
     ChatMedia,
     ExtraFile,
+    FimFit,
     MediaPrompt,
     chat_prompt,
     check_chat_size,
@@ -925,14 +926,29 @@ class Model:
         return [s.keep(self) for s in self._submitter.group(prompt, opts, text, n, fragments)]
 
     def infill_tokens(
-        self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
+        self,
+        prefix: str,
+        suffix: str,
+        *,
+        prompt: str = "",
+        extra: Sequence[ExtraFile] = (),
+        n_predict: int | None = None,
     ) -> list[int]:
         """The fill-in-the-middle prompt for the text between ``prefix`` (then ``prompt``)
         and ``suffix``, with ``extra`` files as context (``engine/prompts.py``); generate from
-        it with ``complete``/``stream``. ``FimNotSupportedError`` if the model has no FIM
-        tokens."""
+        it with ``complete``/``stream``. ``n_predict``: llama-server's ``/infill`` prompt for
+        a reply of that many tokens (its repository header always, cut as it cuts:
+        ``FimFit``, this model's context and batch); None: nothing cut, the header only with
+        ``extra``. ``FimNotSupportedError`` if the model has no FIM tokens."""
         self._check_ready()
-        return fim_tokens(self._bmodel, prefix, suffix, prompt=prompt, extra=extra)
+        fit = None
+        if n_predict is not None:
+            if isinstance(n_predict, bool) or not isinstance(n_predict, int) or n_predict < 0:
+                raise InvalidRequestError(
+                    f"n_predict must be a count (0 or more), not {n_predict!r}", param="n_predict"
+                )
+            fit = FimFit(self.config.context.n_ctx, self.config.context.n_batch, n_predict)
+        return fim_tokens(self._bmodel, prefix, suffix, prompt=prompt, extra=extra, fit=fit)
 
     def _check_ready(self) -> None:
         if self._state != "ready":

@@ -116,7 +116,13 @@ class ModelCalls(Protocol):
         ...
 
     def infill_tokens(
-        self, prefix: str, suffix: str, *, prompt: str = "", extra: Sequence[ExtraFile] = ()
+        self,
+        prefix: str,
+        suffix: str,
+        *,
+        prompt: str = "",
+        extra: Sequence[ExtraFile] = (),
+        n_predict: int | None = None,
     ) -> list[int]:
         """The fill-in-the-middle prompt for the text between ``prefix`` and ``suffix``."""
         ...

@@ -484,9 +484,13 @@ def fim_tokens(
     *,
     prompt: str = "",
     extra: Sequence[ExtraFile] = (),
+    fit: FimFit | None = None,
 ) -> list[int]:
     """The prompt tokens that ask ``model`` for the text between ``prefix`` (+ ``prompt``,
-    the start of the middle already written) and ``suffix``."""
+    the start of the middle already written) and ``suffix``, in llama-server's layout.
+    ``fit``: llama-server's ``/infill`` prompt, its repository header and last file separator
+    (where the model has those tokens) always and cut as it cuts (``FimFit``); None (OpenAI's
+    ``suffix``, which llama-server refuses): whole, the header only with extra files."""
     fim = model.facts.fim
     if fim is None:
         raise FimNotSupportedError(
@@ -498,20 +502,54 @@ def fim_tokens(
     def text(value: str) -> list[int]:
         return model.tokenize(value, add_special=False, parse_special=False)
 
-    tokens: list[int] = []
-    if extra:
-        if fim.rep is not None:
-            tokens += [fim.rep, *text("myproject\n")]
-        for item in extra:
-            if fim.sep is not None:
-                tokens += [fim.sep, *text(item.filename + "\n")]
-            else:
-                tokens += text("\n\n--- snippet ---\n\n")
-            tokens += text(item.text)
+    # Found by review: the header and the last separator came only with extra files, where
+    # llama-server's /infill writes them always, so a code model (Qwen2.5-Coder's repo
+    # tokens) read another prompt than llama-server's for the same /infill.
+    header = fit is not None or bool(extra)
+    extra_tokens: list[int] = []
+    if fim.rep is not None and header:
+        extra_tokens += [fim.rep, *text("myproject\n")]
+    for item in extra:
         if fim.sep is not None:
-            tokens += [fim.sep, *text("filename\n")]
+            extra_tokens += [fim.sep, *text(item.filename + "\n")]
+        else:
+            extra_tokens += text("\n\n--- snippet ---\n\n")
+        extra_tokens += text(item.text)
+    if fim.sep is not None and header:
+        extra_tokens += [fim.sep, *text("filename\n")]
+    before, middle, after = text(prefix), text(prompt), text(suffix)
+    if fit is not None:
+        before, after, extra_tokens = fit.cut(before, middle, after, extra_tokens)
+    tokens = extra_tokens
     bos = model.facts.bos
     if model.facts.add_bos and bos is not None:
         tokens.append(bos)
-    tokens += [fim.pre, *text(prefix), *text(prompt), fim.suf, *text(suffix), fim.mid]
+    tokens += [fim.pre, *before, *middle, fim.suf, *after, fim.mid]
     return tokens
+
+
+@dataclass(frozen=True, slots=True)
+class FimFit:
+    """llama-server's ``/infill`` cut (``format_prompt_infill``), for a context of ``n_ctx``
+    tokens, prefill batches of ``n_batch`` and a reply of ``n_predict``: the prefix's last
+    3/4 of a batch, the suffix's first quarter less the prompt (and 2), and the extra files'
+    last ``n_ctx - n_batch - 2 * n_predict`` tokens. Found by review: uncut, an editor's
+    extra context (llama.vim's ring of chunks) past the context was a 400 where
+    llama-server keeps the latest of it."""
+
+    n_ctx: int
+    n_batch: int
+    n_predict: int
+
+    def cut(
+        self, prefix: list[int], prompt: list[int], suffix: list[int], extra: list[int]
+    ) -> tuple[list[int], list[int], list[int]]:
+        quarter = self.n_batch // 4
+        n_prefix = min(len(prefix), 3 * quarter)
+        n_suffix = min(len(suffix), max(0, quarter - (2 + len(prompt))))
+        n_extra = min(max(0, self.n_ctx - self.n_batch - 2 * self.n_predict), len(extra))
+        return (
+            prefix[len(prefix) - n_prefix :],
+            suffix[:n_suffix],
+            extra[len(extra) - n_extra :],
+        )

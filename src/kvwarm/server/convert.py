@@ -167,7 +167,8 @@ def usage(stats: CompletionStats) -> Json:
 
 
 def timings(stats: CompletionStats) -> Json:
-    """kvwarm's extension (llama-server has a similar ``timings``)."""
+    """kvwarm's extension, with llama-server's ``timings`` fields under its names."""
+    prefilled = max(stats.prompt_tokens - stats.cached_tokens, 0)
     return {
         "queue_ms": round(stats.queue_ms, 3),
         "prefill_ms": round(stats.prefill_ms, 3),
@@ -180,13 +181,27 @@ def timings(stats: CompletionStats) -> Json:
         # Speculative decoding, under llama-server's names: tokens drafted, and accepted.
         "draft_n": stats.drafted_tokens,
         "draft_n_accepted": stats.accepted_tokens,
+        # The prompt's pass under llama-server's names (found by review: a llama-server
+        # client reading timings.prompt_n, as llama.vim and llama-server's web page do, found
+        # none): tokens reused, tokens prefilled, and the prefill's time.
+        "cache_n": stats.cached_tokens,
+        "prompt_n": prefilled,
+        "prompt_ms": round(stats.prefill_ms, 3),
+        "prompt_per_token_ms": round(_per(stats.prefill_ms, prefilled), 3),
+        "prompt_per_second": round(_per(prefilled * 1e3, stats.prefill_ms), 3),
         # The decode steps alone, as llama-server times them: tokens sampled (an end of
         # generation included), ms from the first one's sampling to the last one's, and the
         # tokens after the first a second over that time.
         "predicted_n": stats.sampled_tokens,
         "predicted_ms": round(stats.decode_ms, 3),
+        "predicted_per_token_ms": round(_per(stats.decode_ms, stats.decode_steps), 3),
         "predicted_per_second": round(stats.decode_per_second, 3),
     }
+
+
+def _per(amount: float, count: float) -> float:
+    """``amount / count``, 0 where ``count`` is not positive (llama-server's rates then)."""
+    return amount / count if count > 0 else 0.0
 
 
 def finish_reason(stats: CompletionStats, calls: bool = False) -> str:
@@ -201,20 +216,21 @@ def finish_reason(stats: CompletionStats, calls: bool = False) -> str:
 def chat_logprobs(items: Sequence[TokenLogprob] | None) -> Json | None:
     if items is None:
         return None
-    return {
-        "content": [
-            {
-                "token": t.text,
-                "logprob": t.logprob,
-                "bytes": list(piece_bytes(t.text)),
-                "top_logprobs": [
-                    {"token": text, "logprob": lp, "bytes": list(piece_bytes(text))}
-                    for _, text, lp in t.top
-                ],
-            }
-            for t in items
-        ]
-    }
+    return {"content": token_logprobs(items)}
+
+
+def token_logprobs(items: Sequence[TokenLogprob], *, ids: bool = False) -> list[Json]:
+    """Each token's text, logprob, bytes and top alternatives (OpenAI chat's ``content``);
+    ``ids``: with each token's ``id`` too (llama-server's ``completion_probabilities``)."""
+
+    def one(token: int, text: str, logprob: float) -> Json:
+        out: Json = {"id": token} if ids else {}
+        return out | {"token": text, "logprob": logprob, "bytes": list(piece_bytes(text))}
+
+    return [
+        one(t.token, t.text, t.logprob) | {"top_logprobs": [one(*top) for top in t.top]}
+        for t in items
+    ]
 
 
 class TextOffsets:

@@ -1,5 +1,5 @@
-"""``/v1/rerank`` (and ``/rerank``, ``/v2/rerank``): Jina's and Cohere's rerank API, as
-llama-server serves it with ``--rerank``, on a model whose pooling is rank.
+"""``/v1/rerank`` (and ``/rerank``, ``/v2/rerank``, llama-server's ``/reranking``): Jina's and
+Cohere's rerank API, as llama-server serves it with ``--rerank``, on a model whose pooling is rank.
 
 Invariant: the handler never blocks the event loop: the rerank (tokenizing, then waiting for
 every document's score from the worker) runs in the thread pool, as ``/v1/embeddings`` does,
@@ -49,6 +49,10 @@ def most_documents(settings: Settings) -> int:
 @router.post("/v1/rerank", openapi_extra=json_body(RerankRequest) | tenancy.openapi_header())
 @router.post("/rerank", openapi_extra=json_body(RerankRequest) | tenancy.openapi_header())
 @router.post("/v2/rerank", openapi_extra=json_body(RerankRequest) | tenancy.openapi_header())
+# llama-server's own name for it (its README's), and its /v1 twin: a client written for
+# llama-server's /reranking got a 404 (found by review).
+@router.post("/reranking", openapi_extra=json_body(RerankRequest) | tenancy.openapi_header())
+@router.post("/v1/reranking", openapi_extra=json_body(RerankRequest) | tenancy.openapi_header())
 async def rerank(request: Request) -> Response:
     """The documents by relevance to the query, best first."""
     state = server_state(request)

@@ -274,6 +274,11 @@ class InfillRequest(SamplingFields):
     input_extra: list[ExtraChunk] = Field(default_factory=list)
     prompt: str = ""
     n_predict: JsonInt | None = Field(default=None, ge=-1)  # llama-server's max_tokens; -1: default
+    # llama-server's: the top tokens' logprobs of each token (completion_probabilities), the
+    # generated ids in ``tokens``, and the final body cut to these fields ("a/b" unnested).
+    n_probs: JsonInt = Field(default=0, ge=0, le=20)
+    return_tokens: bool = False
+    response_fields: list[str] | None = Field(default=None, max_length=256)
 
 
 class ImageUrl(_Body):

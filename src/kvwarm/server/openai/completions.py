@@ -356,37 +356,52 @@ async def infill(request: Request) -> Response:
         raise HTTPError(400, "/infill makes one completion (n=1)", param="n")
     limit, over_limit = state.settings.max_tokens_limit, state.settings.max_tokens_over_limit
     convert.length_within(req.n_predict, "n_predict", limit, over_limit)
-    extra = [ExtraFile(c.text, c.filename) for c in req.input_extra]
-    tokens = await run_in_threadpool(
-        functools.partial(
-            model.infill_tokens, req.input_prefix, req.input_suffix, prompt=req.prompt, extra=extra
-        )
-    )
     opts = convert.options(
         req,
         default_max_tokens=state.settings.default_max_tokens,
         max_tokens_limit=limit,
         over_limit=over_limit,
         max_tokens=req.n_predict if req.n_predict is not None and req.n_predict >= 0 else None,
+        logprobs=req.n_probs or None,
         cache_salt=tenancy.cache_salt(request, req.cache_salt, state.settings),
         lora=lora,
+    )
+    # Cut as llama-server cuts (its prefix, suffix and extra files' shares), leaving the
+    # context room for this reply (llama-server's: for its server-wide -n).
+    extra = [ExtraFile(c.text, c.filename) for c in req.input_extra]
+    tokens = await run_in_threadpool(
+        functools.partial(
+            model.infill_tokens,
+            req.input_prefix,
+            req.input_suffix,
+            prompt=req.prompt,
+            extra=extra,
+            n_predict=opts.max_tokens,
+        )
     )
     submit = functools.partial(model.streams, tokens, opts, n=1, fragments=req.stream)
     group = await Choices.start(
         request, submit, "infill", model.id, state, user=req.user, names=req.sent_as()
     )
+    model_id = state.lora.reply_name(req.model, model)
     if not req.stream:
         async with group:
             (done,) = await group.results()
-        return JSONResponse(_infill_body(state.lora.reply_name(req.model, model), done))
+        return JSONResponse(_infill_body(model_id, done, req, opts.max_tokens))
     await group.open_streaming()
 
     async def events() -> AsyncIterator[dict[str, object]]:
         async for _, fragment in group.merged():
-            if fragment is not None and fragment.text:
-                yield {"content": fragment.text, "stop": False}
+            if fragment is None or not (fragment.text or fragment.logprobs):
+                continue
+            chunk: dict[str, object] = {"index": 0, "content": fragment.text, "stop": False}
+            if req.n_probs:
+                chunk["completion_probabilities"] = convert.token_logprobs(
+                    fragment.logprobs, ids=True
+                )
+            yield chunk
         (done,) = await group.results()
-        yield {**_infill_body(state.lora.reply_name(req.model, model), done), "content": ""}
+        yield _infill_body(model_id, done, req, opts.max_tokens, streamed=True)
 
     return StreamingResponse(
         sse(events(), group.close, done_line=False),
@@ -395,15 +410,53 @@ async def infill(request: Request) -> Response:
     )
 
 
-def _infill_body(model_id: str, done: Completion) -> dict[str, object]:
+def _infill_body(
+    model_id: str, done: Completion, req: InfillRequest, max_tokens: int, *, streamed: bool = False
+) -> dict[str, object]:
+    """llama-server's final ``/infill`` body (its ``/completion``'s): a streamed reply's text
+    and tokens went out in its chunks, so its last has none, as llama-server's."""
     s = done.stats
-    return {
-        "content": done.text,
-        "model": model_id,
+    # Found by review: a reply a stop string ended said "eos" and named no word; llama-server
+    # says "word" and names it (a FIM client tells a stop string from the model's end by it).
+    if s.finish_reason == "length":
+        stop_type = "limit"
+    elif s.stop_sequence is not None:
+        stop_type = "word"
+    else:
+        stop_type = "eos"
+    body: dict[str, object] = {
+        "index": 0,
+        "content": "" if streamed else done.text,
+        "tokens": list(done.completion_tokens) if req.return_tokens and not streamed else [],
         "stop": True,
-        "stop_type": "limit" if s.finish_reason == "length" else "eos",
+        "model": model_id,
         "tokens_predicted": s.completion_tokens,
         "tokens_evaluated": s.prompt_tokens,
+        "has_new_line": "\n" in done.text,
+        # The context ran out before n_predict (the engine ends a reply there: no shift).
+        "truncated": s.finish_reason == "length" and s.completion_tokens < max_tokens,
+        "stop_type": stop_type,
+        "stopping_word": s.stop_sequence or "",
         "tokens_cached": s.cached_tokens,
         "timings": convert.timings(s),
     }
+    if req.n_probs and not streamed:
+        body["completion_probabilities"] = convert.token_logprobs(done.logprobs or (), ids=True)
+    if req.response_fields is not None:
+        return _fields(body, req.response_fields)
+    return body
+
+
+def _fields(body: dict[str, object], paths: Sequence[str]) -> dict[str, object]:
+    """llama-server's ``response_fields``: only these fields, a path ``a/b`` naming ``b`` of
+    object ``a`` under the key ``"a/b"``; a path that names nothing is left out."""
+    out: dict[str, object] = {}
+    for path in paths:
+        value: object = body
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
