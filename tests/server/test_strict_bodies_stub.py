@@ -474,7 +474,12 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
 
 
 #: Routes that take another's body (the same model).
-SAME_BODY = {"/rerank": "/v1/rerank", "/v2/rerank": "/v1/rerank"}
+SAME_BODY = {
+    "/rerank": "/v1/rerank",
+    "/v2/rerank": "/v1/rerank",
+    "/reranking": "/v1/rerank",
+    "/v1/reranking": "/v1/rerank",
+}
 
 
 def test_every_json_body_is_here_and_strict(client: TestClient) -> None:
