@@ -4,9 +4,9 @@ Invariants:
 
 - The chain (logit biases → penalties → top-k → typical → top-p → min-p → temperature →
   seeded dist, or greedy: llama-server's order; typical after a floor that drops the
-  candidates of no probability, whose NaN entropy disabled it) and the optional grammar sampler are each
-  freed exactly once, when the sampler closes; the sampler holds its model (``acquire``)
-  because both reference the model's vocabulary.
+  candidates of no probability, whose NaN entropy disabled it) and the optional grammar
+  sampler are each freed exactly once, when the sampler closes; the sampler holds its model
+  (``acquire``) because both reference the model's vocabulary.
 - The grammar never sees a token it rejected: with a grammar, candidates are built in Python,
   the grammar masks them, ``GrammarError`` is raised if nothing is left, and only the chosen
   (hence allowed) token is accepted. llama.cpp aborts on accepting a disallowed token or an
