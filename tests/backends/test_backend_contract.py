@@ -442,7 +442,8 @@ def test_typical_p_keeps_the_tokens_nearest_the_entropy(model: BackendModel, top
     # llama-server's typical_p was ignored (an unknown field; found by review). Four tokens of
     # logits 2, 1, 0, -1 (p .644 .237 .087 .032, entropy .946 nats; surprises .44 1.44 2.44
     # 3.44): the most typical is the second, whose .237 passes typical_p .2 alone. Every
-    # other token is -inf, as a grammar or a ban leaves them (probability 0: no NaN entropy).
+    # other token is -inf, as a grammar or a ban leaves them (probability 0, whose NaN entropy
+    # llama.cpp's typical sampler never saw: test_sampler_distributions.py).
     row = np.full(model.facts.n_vocab, -np.inf, dtype=np.float32)
     row[[11, 12, 13, 14]] = [2.0, 1.0, 0.0, -1.0]
     for seed in range(5):

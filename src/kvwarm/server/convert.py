@@ -269,7 +269,12 @@ def completion_logprobs(
     for t in [*(prompt.rest if prompt is not None else ()), *(items or ())]:
         tokens.append(t.text)
         logprobs.append(t.logprob)
-        tops.append({text: lp for _, text, lp in t.top})
+        # Best first: of two tokens of one text (Gemma's byte token <0x0A> and its "\n"), the
+        # better one's logprob, not the later one's (found by review: it overwrote it).
+        top: dict[str, float] = {}
+        for _, text, lp in t.top:
+            top.setdefault(text, lp)
+        tops.append(top)
         at.append(offsets.take(t.text))
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": at}
 

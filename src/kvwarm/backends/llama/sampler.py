@@ -3,9 +3,10 @@
 Invariants:
 
 - The chain (logit biases → penalties → top-k → typical → top-p → min-p → temperature →
-  seeded dist, or greedy: llama-server's order) and the optional grammar sampler are each
-  freed exactly once, when the sampler closes; the sampler holds its model (``acquire``)
-  because both reference the model's vocabulary.
+  seeded dist, or greedy: llama-server's order; typical after a floor that drops the
+  candidates of no probability, whose NaN entropy disabled it) and the optional grammar
+  sampler are each freed exactly once, when the sampler closes; the sampler holds its model
+  (``acquire``) because both reference the model's vocabulary.
 - The grammar never sees a token it rejected: with a grammar, candidates are built in Python,
   the grammar masks them, ``GrammarError`` is raised if nothing is left, and only the chosen
   (hence allowed) token is accepted. llama.cpp aborts on accepting a disallowed token or an
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import secrets
 import time
 from typing import TYPE_CHECKING, Any, cast
@@ -61,6 +63,11 @@ log = logging.getLogger(__name__)
 #: fails: an ambiguous grammar's cost grows with every token, and its model's other requests
 #: wait on each of them.
 GRAMMAR_TOKEN_BUDGET_S = 2.0
+
+#: The probability, relative to the best candidate's, below which candidates are dropped before
+#: llama.cpp's typical sampler (``_build_chain``): e^-80, where e^-104 is a float's 0 and a
+#: candidate's probability is divided by at most a vocabulary's size (e^13) on top.
+_TYPICAL_FLOOR = math.exp(-80.0)
 
 # Mirrors llama_token_data {int32 id; float logit; float p;} (12 bytes, no padding).
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
@@ -177,6 +184,12 @@ class LlamaSampler:
         if params.top_k > 0:
             self._add(lib.llama_sampler_init_top_k(params.top_k))
         if params.typical_p < 1.0:
+            # llama.cpp's typical sums -p log p over the candidates: one of probability 0 (a
+            # ban's or a grammar's -inf, a logit 104 below the best) makes the entropy NaN,
+            # and it then kept every candidate (typical_p 0.5 sampled all of four tokens where
+            # two are typical; found by review). Those candidates go first: ones this far
+            # below the best keep a probability above 0, and those dropped weigh under e^-80.
+            self._add(lib.llama_sampler_init_min_p(_TYPICAL_FLOOR, 1))
             self._add(lib.llama_sampler_init_typical(params.typical_p, 1))
         if params.top_p < 1.0:
             self._add(lib.llama_sampler_init_top_p(params.top_p, 1))

@@ -1,0 +1,18 @@
+"""How the server turns the engine's sampling results into OpenAI's shapes."""
+
+from __future__ import annotations
+
+from kvwarm.engine.types import TokenLogprob
+from kvwarm.server.convert import TextOffsets, completion_logprobs
+
+
+def test_completions_top_logprobs_keep_the_best_of_tokens_of_one_text() -> None:
+    """Completions' ``top_logprobs`` is a text -> logprob object; two alternatives of one
+    text (Gemma 3 has 110 such texts: its byte token <0x0A> and "\\n", 6250 unused tokens of
+    no text) are one entry, whose logprob is the better one's, as the list is best first
+    (found by review: the worse one overwrote it)."""
+    top = ((10, "\n", -0.5), (11, "a", -1.0), (12, "\n", -3.0), (13, "", -4.0), (14, "", -5.0))
+    item = TokenLogprob(10, "\n", -0.5, top)
+    out = completion_logprobs([item], TextOffsets())
+    assert out is not None
+    assert out["top_logprobs"] == [{"\n": -0.5, "a": -1.0, "": -4.0}]
