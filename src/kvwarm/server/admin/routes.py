@@ -343,14 +343,15 @@ async def cache_prewarm(request: Request) -> Response:
     # What keep-alive would hold: the prompt, or a chat as its messages (images given by an
     # http(s) URL fetched first, if their host is allowed, as a chat's are), whose images and
     # audio its ids alone could not prefill again.
-    prompt: str | list[int] | ChatPrefix
+    prompt: str | tuple[int, ...] | ChatPrefix
     tools = openai_tools(req.tools) if req.tools else None
     if req.messages is not None:
         messages = await fetch_images(req.messages, state.settings)
         prompt = ChatPrefix.of(template_messages(messages, native=tools is not None), tools)
     else:
         assert req.prompt is not None
-        prompt = req.prompt
+        # Ids as a tuple: keep-alive keys its entries by the prompt, which must be hashable.
+        prompt = req.prompt if isinstance(req.prompt, str) else tuple(req.prompt)
     if req.keep_alive:  # refuse before the prefill, not after it
         known = await run_in_threadpool(prompt_tokens, model, prompt)
         state.keepalive.check_room(model.id, prompt, known, cache_salt=salt)
