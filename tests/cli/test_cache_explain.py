@@ -241,8 +241,8 @@ def test_explain_renders_a_chat_body_with_tools_as_the_server_does(
     """Found by review: a body's ``tools`` reached the template raw, so a model whose
     template does not show tools (the stub's) was explained without them (this body's 1089
     prompt tokens counted as 679), where the server describes them in the system message and
-    renders a call in the history as text (``server/chat.plan``). explain plans the chat as the server
-    does: its prompt is the request's."""
+    renders a call in the history as text (``server/chat.plan``). explain plans the chat as
+    the server does: its prompt is the request's."""
     from fastapi.testclient import TestClient
     from tests.server.conftest import wait_ready
 
