@@ -333,13 +333,15 @@ async def cache_prewarm(request: Request) -> Response:
             param="model",
             code="invalid_value",
         )
-    model = await state.acquire(req.model)
+    # The body's own faults before its model is acquired (found by review: the model was
+    # loaded, and stayed, for a body then refused).
     if (req.prompt is None) == (req.messages is None):
         raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")
     ttl = TtlClass[req.ttl_class.upper()]
     salt = tenancy.prewarm_salt(
         request, req.cache_salt, state.settings, tenant_key=req.tenant_key, shared=req.shared
     )
+    model = await state.acquire(req.model)
     # What keep-alive would hold: the prompt, or a chat as its messages (images given by an
     # http(s) URL fetched first, if their host is allowed, as a chat's are), whose images and
     # audio its ids alone could not prefill again.
