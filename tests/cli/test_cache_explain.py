@@ -190,3 +190,95 @@ def test_explain_takes_the_servers_models_dir_and_aliases(
         capsys, cache, "--models-dir", str(models), "--alias", "a=stub-a", PROMPT + "and more"
     )
     assert out["reason"] == "new_tokens"
+
+
+def test_explain_answers_what_a_request_then_does_when_a_prewarmed_prompt_is_asked_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: a prompt prewarmed (its row holds its final logits) and then answered
+    (a finish row past it, smaller, which the prefix lookup names) was explained as
+    ``last_token`` (its last token decoded again), while a request for it reuses every token
+    from the prewarm row (``none``): explain lacked the lookup's rule for an exact row."""
+    from fastapi.testclient import TestClient
+    from tests.server.conftest import wait_ready
+
+    from kvwarm.server import create_app
+    from kvwarm.settings import ModelSpec, Settings
+
+    settings = Settings(
+        backend="stub",
+        models=(ModelSpec(path="stub-a"),),
+        cache_dir=tmp_path / "c",
+        keepalive_interval_s=0,
+        allowed_hosts=("testserver",),
+    )
+    body = {"model": "stub-a", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+
+    def serve(*calls: tuple[str, dict[str, object]]) -> list[dict[str, object]]:
+        out = []
+        with TestClient(create_app(settings)) as client:  # closing it flushes every save
+            wait_ready(client.get)
+            for path, call in calls:
+                response = client.post(path, json=call)
+                assert response.status_code == 200, response.json()
+                out.append(response.json())
+        return out
+
+    serve(("/cache/prewarm", {"prompt": PROMPT, "keep_alive": False}), ("/v1/completions", body))
+    said = explain(capsys, tmp_path / "c", PROMPT)
+    # A fresh server: no slot holds the prompt's KV, only the rows explain read.
+    timings = serve(("/v1/completions", body))[0]["timings"]
+    assert isinstance(timings, dict)
+    did = timings["cache_reason"]
+    n = len(PROMPT.encode()) + 1
+    assert did == {"reason": "none", "found_tokens": n, "reused_tokens": n}
+    assert {k: said[k] for k in did} == did
+
+
+def test_explain_renders_a_chat_body_with_tools_as_the_server_does(
+    cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: a body's ``tools`` reached the template raw, so a model whose
+    template does not show tools (the stub's) was explained without them (this body's 1089
+    prompt tokens counted as 679), where the server describes them in the system message and
+    renders a call in the history as text (``server/chat.plan``). explain plans the chat as
+    the server does: its prompt is the request's."""
+    from fastapi.testclient import TestClient
+    from tests.server.conftest import wait_ready
+
+    from kvwarm.server import create_app
+    from kvwarm.settings import ModelSpec, Settings
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    tool = {"type": "function", "function": {"name": "f", "description": "look it up"}}
+    body = {
+        "messages": [
+            {"role": "system", "content": PROMPT},
+            {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        ],
+        "tools": [tool],
+    }
+    path = tmp_path / "body.json"
+    path.write_text(json.dumps(body))
+    said = explain(capsys, cache, "--body", str(path))
+    settings = Settings(
+        backend="stub",
+        models=(ModelSpec(path="stub-a"),),
+        cache_dir=cache,
+        keepalive_interval_s=0,
+        allowed_hosts=("testserver",),
+    )
+    with TestClient(create_app(settings)) as client:
+        wait_ready(client.get)
+        reply = client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+        assert reply.status_code == 200, reply.json()
+    assert said["prompt_tokens"] == reply.json()["usage"]["prompt_tokens"]
+    # A tool_choice is the server's too: "none" shows no tools.
+    path.write_text(json.dumps({**body, "tool_choice": "none"}))
+    assert explain(capsys, cache, "--body", str(path))["prompt_tokens"] < said["prompt_tokens"]
+    path.write_text(json.dumps({**body, "tools": [{"type": "function"}]}))
+    argv = ["cache", "explain", "--backend", "stub", "--model", "stub-a", "--cache-dir"]
+    assert main([*argv, str(cache), "--body", str(path)]) == 1
+    assert "tools.0.function" in capsys.readouterr().err

@@ -231,6 +231,24 @@ def test_replica_errors_keep_their_type(client: TestClient) -> None:
     assert bad.status_code == 400
 
 
+@pytest.mark.parametrize("bad_id", [-1, 1 << 40])
+def test_a_token_id_out_of_any_vocabulary_is_the_replicas_400(
+    client: TestClient, bad_id: int
+) -> None:
+    """Found by review: the ingress hashed a token prompt's ids as 4 unsigned bytes each to
+    route it (``chains.text_chain``), so a negative or huge id was an OverflowError there, a
+    500, where a server answers the 400 naming the prompt; a prewarm's ids (``/cache/prewarm``
+    takes ids) too."""
+    ids = [bad_id, *range(5, 45)]
+    for path, body in (
+        ("/v1/completions", {"model": "a", "prompt": ids, "max_tokens": 1}),
+        ("/cache/prewarm", {"model": "a", "prompt": ids, "keep_alive": False}),
+    ):
+        response = client.post(path, json=body)
+        assert response.status_code == 400, (path, response.text)
+        assert response.json()["error"]["param"] == "prompt"
+
+
 def test_cache_administration_is_per_replica(client: TestClient) -> None:
     response = client.get("/cache/stats")
     assert response.status_code == 501

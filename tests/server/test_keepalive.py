@@ -271,6 +271,31 @@ def test_a_prewarm_shorter_than_min_tokens_is_a_400_and_is_not_kept_alive(
     assert len(client.get("/cache/keepalive").json()["data"]) == 1
 
 
+def test_a_prewarm_takes_token_ids_as_documented_and_keeps_them_alive(
+    app_clock: tuple[TestClient, Clock],
+) -> None:
+    """Found by review: docs/operations.md says ``/cache/prewarm`` takes ``prompt`` as text
+    or token ids (as ``Model.prewarm`` and keep-alive do), but the body refused ids with a 400
+    ("Input should be a valid string"). Ids are taken as a completion takes them: as they
+    are, checked against the vocabulary."""
+    client, clock = app_clock
+    ids = [ord(c) for c in "a system prompt given as ids "]
+    warm = client.post("/cache/prewarm", json={"prompt": ids})
+    assert warm.status_code == 200, warm.json()
+    assert warm.json()["prompt_tokens"] == len(ids) and warm.json()["key"] is not None
+    (entry,) = client.get("/cache/keepalive").json()["data"]
+    assert entry["n_tokens"] == len(ids)
+    body = {"model": "a", "prompt": ids, "max_tokens": 1}
+    done = client.post("/v1/completions", json=body)
+    assert done.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids)
+    clock.now += 90  # past the re-warm point of its TTL (100 s): re-warmed from its ids
+    client.app.state.kvwarm._keepalive_tick()  # type: ignore[attr-defined]
+    (entry,) = client.get("/cache/keepalive").json()["data"]
+    assert (entry["warms"], entry["failures"]) == (2, 0)
+    bad = client.post("/cache/prewarm", json={"prompt": [*ids, 1 << 20]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+
+
 def test_entries_rewarm_under_their_own_salt_and_one_prompt_per_salt_is_kept() -> None:
     clock = Clock()
     keep = KeepAlive((100.0, 1000.0, 10_000.0), 0.8, clock)

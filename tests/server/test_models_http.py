@@ -397,3 +397,22 @@ def test_model_ids_with_slashes_reach_their_own_model_on_every_model_route() -> 
         body = {"model": "org/model", "prompt": "hi", "max_tokens": 2}
         assert client.post("/v1/completions", json=body).json()["model"] == "org/model"
         assert _states(client)["org/model"] == "ready"  # loaded again by its request
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "alpha"}, "prompt"),
+        ({"model": "alpha", "prompt": "x " * 40, "messages": []}, "prompt"),
+        ({"model": "alpha", "prompt": "x " * 40, "shared": True}, "shared"),
+    ],
+)
+def test_a_bad_prewarm_is_refused_before_its_model_loads(
+    dir_client: TestClient, body: dict[str, object], param: str
+) -> None:
+    """Found by review: ``/cache/prewarm`` loaded the model its body named (and kept it
+    loaded) before it found the body wanting (neither or both of prompt and messages, a
+    tenant target without cache_salt_from_auth), then answered the 400."""
+    refused = dir_client.post("/cache/prewarm", json=body, headers=ADMIN)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    assert _states(dir_client)["alpha"] == "available"  # not loaded

@@ -71,7 +71,7 @@ from kvwarm.cache.upkeep.scans import CacheUpkeep
 from kvwarm.cache.upkeep.shared import SharedTiers
 from kvwarm.cache.upkeep.sharedgc import SharedSweep, SweepStep
 from kvwarm.cache.validate import validate_cache_config
-from kvwarm.errors import ConfigError, InvalidRequestError
+from kvwarm.errors import CacheError, ConfigError, InvalidRequestError
 
 __all__ = ["Cache"]
 
@@ -392,15 +392,30 @@ class Cache:
         # disk gone read-only) stays stored and indexed (``CacheCore.retire``), and was
         # reported deleted all the same (found by review).
         row = self._index.remove(key)
+        found = False
         if row is not None:
             info = row.info
             self._history.gone(
                 info.namespace, key, row.tokens, MissReason.EVICTED, info.tier, "deleted"
             )
-            return self._core.retire([row]).rows > 0
-        found = False
+            found = self._core.retire([row]).rows > 0
+        # Also a copy in a shared tier: another process's row we never adopted, or the one
+        # a promotion copied into ram from (found by review: deleting the ram copy alone
+        # answered True, and the next lookup found the row in the shared store again).
         for tier in self._core.shared_tiers():
-            stray = tier.probe(key)  # another process's row we never adopted
+            if row is not None and tier.name == row.info.tier:
+                continue
+            try:
+                stray = tier.probe(key)
+            except CacheError as exc:
+                if row is None:
+                    raise
+                # The row itself is gone; a store that is down keeps its copy for now.
+                self._counters.incr("store_errors")
+                log.warning(
+                    "%s: deleted %s, but cannot look for its copy: %s", tier.name, key.hex(), exc
+                )
+                continue
             if stray is not None and self._core.retire([stray]).rows:
                 found = True
         return found

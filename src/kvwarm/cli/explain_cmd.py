@@ -40,6 +40,7 @@ from kvwarm.errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
     from kvwarm.backends.base import BackendModel
+    from kvwarm.server.tools import ChatPlan
     from kvwarm.settings import ModelSpec
 
 
@@ -56,8 +57,9 @@ def register(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--body",
         type=Path,
         metavar="FILE",
-        help="a request body (JSON): its 'messages' (rendered with the chat template) or "
-        "'prompt'; its 'cache_salt' unless --salt is given",
+        help="a request body (JSON): its 'messages' with its 'tools' and 'tool_choice' (a "
+        "chat, rendered as the server renders it) or 'prompt'; its 'cache_salt' unless --salt "
+        "is given",
     )
     parser.add_argument("--salt", default=None, help="the request's cache salt")
     parser.add_argument(
@@ -233,6 +235,46 @@ def _tenant(args: argparse.Namespace) -> str | None:
     return tenant_id(key)
 
 
+class _Template:
+    """The model's chat template as the server's chat planning asks it (``ChatTemplate``)."""
+
+    def __init__(self, bmodel: BackendModel, template: str | None) -> None:
+        self._bmodel = bmodel
+        self._template = template
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        return self._bmodel.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            template=self._template,
+        )
+
+
+def _chat_plan(template: _Template, body: Mapping[str, object]) -> ChatPlan:
+    """The chat a body's ``messages``, ``tools`` and ``tool_choice`` make, planned as the
+    server's chat completions plan it (``server/chat.plan_messages``): tools the template does
+    not show are described in the system message, calls in the history rendered as text."""
+    from kvwarm.server.chat import plan_messages
+    from kvwarm.server.errors import HTTPError
+    from kvwarm.server.schemas import ChatRequest, parse_body
+
+    fields = ("messages", "tools", "tool_choice", "parallel_tool_calls")
+    try:
+        req = parse_body({k: body[k] for k in fields if k in body}, ChatRequest)
+        return plan_messages(
+            template, req.messages, req.tools, req.tool_choice, parallel=req.parallel_tool_calls
+        )
+    except HTTPError as exc:
+        raise InvalidRequestError(f"--body: {exc.message}", param=exc.param) from None
+
+
 def _tokens(
     bmodel: BackendModel, prompt: str | None, body: Mapping[str, object], chosen: str | None
 ) -> Sequence[int]:
@@ -242,19 +284,14 @@ def _tokens(
 
     if prompt is not None:
         return bmodel.tokenize(prompt, add_special=True, parse_special=True)
-    messages = body.get("messages")
-    if messages is not None:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise InvalidRequestError("messages must be a list of objects", param="messages")
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise InvalidRequestError("tools must be a list", param="tools")
+    if body.get("messages") is not None:
         template: str | None = None
         if chosen is not None:
             template = resolve_template(chosen)[1]
         elif not bmodel.facts.chat_template:
             template = BUILTIN_TEMPLATES[FALLBACK_TEMPLATE]
-        tokens, _ = chat_tokens(bmodel, messages, tools=tools, template=template)
+        plan = _chat_plan(_Template(bmodel, template), body)
+        tokens, _ = chat_tokens(bmodel, plan.messages, tools=plan.tools, template=template)
         return tokens
     text = body.get("prompt")
     if not isinstance(text, str):

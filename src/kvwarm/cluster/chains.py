@@ -97,7 +97,11 @@ def text_chain(
     if isinstance(prompt, str):
         data, size, kind = prompt.encode(), block, "text"
     else:
-        data, size, kind = b"".join(t.to_bytes(4, "little") for t in prompt), block, "tokens"
+        # Modulo 2**32: a valid id as before, and one no vocabulary has (negative, huge) is
+        # hashed too, for the replica to refuse as a 400 (found by review: an OverflowError
+        # here, a 500).
+        ids = b"".join((t % (1 << 32)).to_bytes(4, "little") for t in prompt)
+        data, size, kind = ids, block, "tokens"
     units = [data[i : i + size] for i in range(0, len(data) - size + 1, size)]
     return _chain(_seed(model_id, cache_salt, kind, lora), units)
 

@@ -18,9 +18,9 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from starlette.concurrency import run_in_threadpool
 
@@ -62,6 +62,19 @@ log = logging.getLogger(__name__)
 ToolChoice = str | NamedToolChoice | AllowedToolsChoice | None
 
 
+class ChatTemplate(Protocol):
+    """What planning a chat asks of a model: its chat template rendered (a served model, or
+    ``kvwarm cache explain``'s vocabulary-only one)."""
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        tools: Sequence[Mapping[str, object]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ChatReply:
     """A finished reply: its texts and tool calls in the order the model wrote them."""
@@ -83,14 +96,14 @@ class ChatReply:
 # answers start afresh) and tool set: two template renders a request with tools, which under
 # ``kvwarm cluster`` are two replica round trips, are paid once per tool set (an agent sends
 # the same tools every turn).
-_PROBED: weakref.WeakKeyDictionary[ServedModel, OrderedDict[str, bool]] = (
+_PROBED: weakref.WeakKeyDictionary[ChatTemplate, OrderedDict[str, bool]] = (
     weakref.WeakKeyDictionary()
 )
 _PROBED_LOCK = threading.Lock()
 PROBED_TOOL_SETS = 64  # per model, least recently used first out
 
 
-def renders_tools(model: ServedModel, tools: Sequence[Tool]) -> bool:
+def renders_tools(model: ChatTemplate, tools: Sequence[Tool]) -> bool:
     """Whether the model's template shows the tools it is given (native tool support);
     remembered per model and tool set."""
     defs = openai_tools(tools)
@@ -121,7 +134,7 @@ _SYSTEM_PROBE = "\0system"  # the key of ``accepts_system``'s answer among a mod
 _SYSTEM_TEXT = "kvwarm-system-probe"
 
 
-def accepts_system(model: ServedModel) -> bool:
+def accepts_system(model: ChatTemplate) -> bool:
     """Whether the model's template shows a system message: Gemma 2's, Mistral's first ones
     refuse it, some drop it without a word; where emulated tools are described. Remembered
     per model."""
@@ -148,7 +161,7 @@ def accepts_system(model: ServedModel) -> bool:
 
 
 # ``call_format``'s answer per model object (a tuple: None is an answer too).
-_PROBED_FORMATS: weakref.WeakKeyDictionary[ServedModel, tuple[CallFormat | None]] = (
+_PROBED_FORMATS: weakref.WeakKeyDictionary[ChatTemplate, tuple[CallFormat | None]] = (
     weakref.WeakKeyDictionary()
 )
 _PROBE_TOOL: dict[str, object] = {
@@ -192,7 +205,7 @@ _SHOWN: tuple[tuple[CallFormat, re.Pattern[str]], ...] = (
 )
 
 
-def call_format(model: ServedModel) -> CallFormat | None:
+def call_format(model: ChatTemplate) -> CallFormat | None:
     """The format a template that renders tools writes a call in, where a lazy grammar can
     hold it (``tools.LazyCalls``), as the template shows a call in the history; None for
     any other, or a template that refuses the probe. Remembered per model."""
@@ -229,16 +242,35 @@ async def plan(
     http(s) URL is fetched if its host is allowed, else refused (``server/media.py``)."""
     if settings is not None:
         messages = await fetch_images(messages, settings)
+    if not tools:  # no template probe to run
+        return plan_messages(model, messages, tools, tool_choice, parallel=parallel)
+    # The template probes render: off the loop.
+    return await run_in_threadpool(
+        plan_messages, model, messages, tools, tool_choice, parallel=parallel
+    )
+
+
+def plan_messages(
+    model: ChatTemplate,
+    messages: Sequence[ChatMessage],
+    tools: Sequence[Tool] | None,
+    tool_choice: ToolChoice,
+    *,
+    parallel: bool = True,
+) -> ChatPlan:
+    """``plan`` of messages whose images are fetched already, blocking (the template is
+    probed): one function for the server and ``kvwarm cache explain``, which rendered a
+    request's tools otherwise (found by review)."""
     check_tools(tools or ())  # every tool declared, before allowed_tools picks some
     if isinstance(tool_choice, AllowedToolsChoice):
         tools, tool_choice = allowed_tools(tools, tool_choice)
     native, system, calls = False, True, None
     if tools and tool_choice != "none":
-        native = await run_in_threadpool(renders_tools, model, tools)
+        native = renders_tools(model, tools)
         if not native:
-            system = await run_in_threadpool(accepts_system, model)
+            system = accepts_system(model)
         elif tool_choice in (None, "auto"):
-            calls = await run_in_threadpool(call_format, model)
+            calls = call_format(model)
     return plan_chat(
         messages,
         tools,

@@ -485,7 +485,8 @@ class DetokenizeRequest(_Body):
 
 class PrewarmRequest(_Body):
     model: str | None = None
-    prompt: str | None = None
+    # Text or token ids, as documented (found by review: ids were refused, a 400).
+    prompt: str | TokenIds | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
     ttl_class: Literal["short", "long", "extended"] = "long"

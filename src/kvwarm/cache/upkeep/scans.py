@@ -80,6 +80,9 @@ class CacheUpkeep:
         self._sweep_interval_s = sweep_interval_s
         self._stop = stop
         self._scan_problems: list[tuple[str, str]] = []
+        # Tiers whose last scan stopped before the end (a store down, no descriptors left):
+        # rows of theirs may be unindexed, so unchecked. Until a scan completes (a rescan).
+        self._unscanned: dict[str, str] = {}
 
     def scan(self, tier: Tier) -> None:
         """Adopt every valid row a tier already holds; one bad file never stops the scan."""
@@ -130,6 +133,7 @@ class CacheUpkeep:
         except CacheError as exc:  # e.g. an s3 store down at start: its rows come by probing
             self._core.counters.incr("store_errors")
             log.warning("%s: scan stopped early: %s", tier.name, exc)
+            self._unscanned[tier.name] = str(exc)
         except Exception:
             log.exception("%s: scan stopped early", tier.name)
         self._scan_problems.extend(tier.problems())
@@ -201,6 +205,12 @@ class CacheUpkeep:
         self._scan_problems = [p for p in self._scan_problems if _still_there(p[0])]
         checked = len(self._scan_problems)
         bad = list(self._scan_problems)
+        # Found by review: a tier the scan could not read whole (a store down) was checked
+        # as far as it got, and "0 bad" said all was well of rows it never saw.
+        bad += [
+            (name, f"unreadable: the scan stopped early, its rows unchecked: {why}")
+            for name, why in self._unscanned.items()
+        ]
         good_chunks: set[tuple[str, bytes]] = set()  # a chunk many rows share is read once
         failed: list[tuple[Tier, bytes, CacheError, tuple[bytes, ...]]] = []
         for info in self._core.index.rows():
@@ -293,6 +303,7 @@ class CacheUpkeep:
                         continue
                     if row is not None and self._core.adopt(tier, row):
                         adopted += 1
+                self._unscanned.pop(tier.name, None)  # listed whole: none unseen
             except CacheError as exc:  # e.g. the s3 store is down: try again next sweep
                 self._core.counters.incr("store_errors")
                 log.info("%s: rescan stopped: %s", tier.name, exc)

@@ -30,7 +30,7 @@ from kvwarm.cache.formats.key import salted_namespace
 from kvwarm.cache.types import Namespace, PrefixMatch, SaveReason, SaveRequest, TtlClass
 from kvwarm.engine.request import RequestKind
 from kvwarm.engine.worker.drafts import RowDrafts
-from kvwarm.engine.worker.explain import Found, explain, same_tenant
+from kvwarm.engine.worker.explain import Found, explain, prefix_rows, same_tenant
 from kvwarm.engine.worker.planner import SourceKind
 from kvwarm.engine.worker.runtime import Runtime
 from kvwarm.engine.worker.savegates import (
@@ -71,18 +71,9 @@ class CachePort:
         rt = self.rt
         t0 = time.perf_counter()
         probes = probe_lengths(len(prompt), rt.cfg.policy, rt.cfg.n_batch, turn_ends=turn_ends)
-        match = rt.cache.longest_prefix(ns, prompt, probe_lengths=probes)
-        whole = [] if rt.memory.trimmable else rt.cache.whole_prefixes(ns, prompt)
-        n = len(prompt)
-        if match is not None and match.n_shared == n and match.row.n_tokens > n and not whole:
-            # Every row under the prompt shares all of it, and the lookup names the smallest;
-            # a row of exactly the prompt (a prompt's end, a prewarm) is the one whose final
-            # logits serve it with no decode: finish rows past it keep none
-            # (``finish_keeps_logits``), and are often the smaller.
-            key = rt.cache.key_for(ns, prompt)
-            exact = rt.cache.lookup_exact(key) if rt.cache.has(key) else None
-            if exact is not None and exact.has_logits:
-                whole = [PrefixMatch(exact, n)]
+        # The rows the planner chooses among: one function with ``kvwarm cache explain``,
+        # which explained a prewarmed prompt as its last token decoded again (found by review).
+        match, whole = prefix_rows(rt.cache, ns, prompt, rt.memory, probes)
         rt.cache.record_latency("lookup", time.perf_counter() - t0)
         return match, whole
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from kvwarm.cache.api import CacheApi
 from kvwarm.cache.explain import MissReason, ReuseReport
 from kvwarm.cache.formats.key import salted_namespace
-from kvwarm.cache.types import Namespace
+from kvwarm.cache.types import Namespace, PrefixMatch
 from kvwarm.engine.worker.planner import RowCandidate, trim_reason, usable_length
 from kvwarm.engine.worker.slots import Slot
 from kvwarm.memory import MemoryKind
@@ -125,6 +125,32 @@ def same_tenant(cache: CacheApi, base: Namespace, salt: bytes | None) -> list[Na
     return [salted_namespace(b, salt) for b in cache.noted_namespaces() if b != base]
 
 
+def prefix_rows(
+    cache: CacheApi,
+    namespace: Namespace,
+    tokens: Sequence[int],
+    memory: MemoryKind,
+    probe_lengths: Sequence[int] = (),
+) -> tuple[PrefixMatch | None, list[PrefixMatch]]:
+    """The row sharing the most with ``tokens`` and, for a memory that cannot be trimmed (of
+    use only whole), the rows that are all a prefix of it: what the planner chooses among
+    (``CachePort.lookup``, and ``explain_prompt`` as it). ``probe_lengths``: the prefix
+    lengths shared tiers are asked for (``CacheApi.longest_prefix``)."""
+    match = cache.longest_prefix(namespace, tokens, probe_lengths=probe_lengths)
+    whole = [] if memory.trimmable else cache.whole_prefixes(namespace, tokens)
+    n = len(tokens)
+    if match is not None and match.n_shared == n and match.row.n_tokens > n and not whole:
+        # Every row under the prompt shares all of it, and the lookup names the smallest;
+        # a row of exactly the prompt (a prompt's end, a prewarm) is the one whose final
+        # logits serve it with no decode: finish rows past it keep none
+        # (``finish_keeps_logits``), and are often the smaller.
+        key = cache.key_for(namespace, tokens)
+        exact = cache.lookup_exact(key) if cache.has(key) else None
+        if exact is not None and exact.has_logits:
+            whole = [PrefixMatch(exact, n)]
+    return match, whole
+
+
 def explain_prompt(
     cache: CacheApi,
     tokens: Sequence[int],
@@ -137,8 +163,7 @@ def explain_prompt(
 ) -> ReuseReport:
     """The planner's reasoning for ``tokens`` against ``cache`` alone (no slots, no model):
     what ``kvwarm cache explain`` prints. Reads no row's bytes and probes no shared tier."""
-    match = cache.longest_prefix(namespace, tokens)
-    whole = [] if memory.trimmable else cache.whole_prefixes(namespace, tokens)
+    match, whole = prefix_rows(cache, namespace, tokens, memory)
     rows = [RowCandidate.of(m, memory) for m in (match, *whole) if m is not None]
     n = len(tokens)
     reused = 0

@@ -333,24 +333,27 @@ async def cache_prewarm(request: Request) -> Response:
             param="model",
             code="invalid_value",
         )
-    model = await state.acquire(req.model)
+    # The body's own faults before its model is acquired (found by review: the model was
+    # loaded, and stayed, for a body then refused).
     if (req.prompt is None) == (req.messages is None):
         raise HTTPError(400, "give exactly one of prompt or messages", param="prompt")
     ttl = TtlClass[req.ttl_class.upper()]
     salt = tenancy.prewarm_salt(
         request, req.cache_salt, state.settings, tenant_key=req.tenant_key, shared=req.shared
     )
+    model = await state.acquire(req.model)
     # What keep-alive would hold: the prompt, or a chat as its messages (images given by an
     # http(s) URL fetched first, if their host is allowed, as a chat's are), whose images and
     # audio its ids alone could not prefill again.
-    prompt: str | list[int] | ChatPrefix
+    prompt: str | tuple[int, ...] | ChatPrefix
     tools = openai_tools(req.tools) if req.tools else None
     if req.messages is not None:
         messages = await fetch_images(req.messages, state.settings)
         prompt = ChatPrefix.of(template_messages(messages, native=tools is not None), tools)
     else:
         assert req.prompt is not None
-        prompt = req.prompt
+        # Ids as a tuple: keep-alive keys its entries by the prompt, which must be hashable.
+        prompt = req.prompt if isinstance(req.prompt, str) else tuple(req.prompt)
     if req.keep_alive:  # refuse before the prefill, not after it
         known = await run_in_threadpool(prompt_tokens, model, prompt)
         state.keepalive.check_room(model.id, prompt, known, cache_salt=salt)
