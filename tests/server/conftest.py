@@ -8,8 +8,9 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import pytest
@@ -230,6 +231,27 @@ class LiveServer:
         self.thread.join(timeout=60)
         assert not self.thread.is_alive(), "server thread did not stop"
         self.sock.close()
+
+
+class GateHolder(Protocol):
+    """A stub backend whose forward passes wait at ``gate`` (``RecordingBackend``'s)."""
+
+    entered: threading.Event
+    gate: threading.Event | None
+
+
+@contextmanager
+def gated_live(settings: Settings, backend: GateHolder) -> Iterator[LiveServer]:
+    """A live server on ``settings`` whose stub's forward passes wait at a fresh gate until
+    the test opens it (opened at the end, so the server can stop)."""
+    server = LiveServer(settings).start()
+    backend.entered.clear()
+    backend.gate = threading.Event()
+    try:
+        yield server
+    finally:
+        backend.gate.set()
+        server.stop()
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from kvwarm.server import generate
 from kvwarm.settings import ModelSpec
 
 from ..engine.test_rerank_stub import RecordingBackend
-from .conftest import LiveServer, stub_settings
+from .conftest import LiveServer, gated_live, stub_settings
 
 MARK = OFFSET + ord("Z")  # only the work the client abandons holds this byte
 
@@ -51,20 +51,24 @@ def live(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LiveServer, Recordin
         allowed_hosts=(),
         n_parallel=1,
     )
-    server = LiveServer(settings).start()
-    backend.entered.clear()
-    backend.gate = threading.Event()
-    try:
+    with gated_live(settings, backend) as server:
         yield server, backend
-    finally:
-        backend.gate.set()
-        server.stop()
 
 
 def _abandon(server: LiveServer, backend: RecordingBackend, path: str, body: object) -> None:
     """Send ``body`` to ``path``, wait until its first pass is under way, hang up, wait until
     the server cancelled the work, and let the passes go."""
     assert backend.gate is not None
+    _hang_up_in_first_pass(server, backend, path, body)
+    assert _Watched.cancelled_event.wait(60), "the disconnect did not cancel the work"
+    backend.gate.set()
+
+
+def _hang_up_in_first_pass(
+    server: LiveServer, backend: RecordingBackend, path: str, body: object
+) -> None:
+    """POST ``body`` to ``path`` over a raw socket and close it once the request's first
+    forward pass has reached the (gated) model."""
     raw = json.dumps(body).encode()
     head = (
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
@@ -73,8 +77,6 @@ def _abandon(server: LiveServer, backend: RecordingBackend, path: str, body: obj
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(head + raw)
         assert backend.entered.wait(60), "the request never reached the model"
-    assert _Watched.cancelled_event.wait(60), "the disconnect did not cancel the work"
-    backend.gate.set()
 
 
 def test_a_disconnect_cancels_a_rerank(live: tuple[LiveServer, RecordingBackend]) -> None:
@@ -178,14 +180,7 @@ def test_a_disconnect_mid_prefill_cancels_the_generation(
     state = server.server.config.app.state.kvwarm
     entry = state.entries["embedder"]
     before = len(backend.calls)
-    raw = json.dumps({"model": "embedder", "max_tokens": 32, **body}).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
-    ).encode()
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(head + raw)
-        assert backend.entered.wait(60), "the request never reached the model"
+    _hang_up_in_first_pass(server, backend, path, {"model": "embedder", "max_tokens": 32, **body})
     # Its first pass is still held: only the disconnect can have cancelled it.
     _until(lambda: any(g.stream.request.cancelled.is_set() for g in list(state.streams)))
     backend.gate.set()

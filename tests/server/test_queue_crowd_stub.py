@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import select
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -21,7 +20,7 @@ from kvwarm.backends.stub import StubBackend
 from kvwarm.settings import ModelSpec
 
 from ..engine.test_rerank_stub import RecordingBackend
-from .conftest import LiveServer, stub_settings
+from .conftest import LiveServer, gated_live, stub_settings
 
 QUEUE = 3
 CROWD = 10
@@ -38,14 +37,8 @@ def live(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[LiveServer, Recordin
         max_queue=QUEUE,
         request_timeout_s=0,
     )
-    server = LiveServer(settings).start()
-    backend.entered.clear()
-    backend.gate = threading.Event()
-    try:
+    with gated_live(settings, backend) as server:
         yield server, backend
-    finally:
-        backend.gate.set()
-        server.stop()
 
 
 def _post(server: LiveServer, prompt: str) -> socket.socket:
