@@ -816,11 +816,14 @@ class Predicted:
     last ``n`` tokens in the prediction resumes the copy. It changes no token: every draft is
     verified."""
 
-    __slots__ = ("_starts", "n", "seq")
+    __slots__ = ("_agreed", "_starts", "n", "seq")
 
     def __init__(self, n: int, prompt: Sequence[int], predicted: Sequence[int]) -> None:
         self.n = n
         self.seq = (*prompt, *predicted)
+        #: How many of the first tokens of the text ``matches`` is given (the request's, which
+        #: only grows) are known to be the row's; -1 once they part (``_retry``).
+        self._agreed = 0
         #: n-gram -> the starts of its latest ``CANDIDATES`` occurrences, oldest first, of
         #: those with a token after them.
         starts: dict[tuple[int, ...], list[int]] = {}
@@ -841,7 +844,7 @@ class Predicted:
         found: list[tuple[int, int, RowMatch]] = []
         # The row as a retry of the request, wherever else its last n-gram occurs (the
         # latest ``CANDIDATES`` starts may all come after it, in a repetitive prediction).
-        if size < len(seq) and seq[:size] == tuple(text):
+        if self._retry(text):
             whole = RowMatch(seq, size, min(size, MATCH_MAX), True)
             found.append((whole.matched, size - n, whole))
         for start in self._starts.get(tuple(text[size - n :]), ()):
@@ -853,6 +856,23 @@ class Predicted:
             found.append((matched, start, RowMatch(seq, start + n, matched, False)))
         found.sort(key=lambda item: (item[0], item[1]), reverse=True)
         return [match for _, _, match in found]
+
+    def _retry(self, text: Sequence[int]) -> bool:
+        """Whether the row begins with all of ``text`` and goes on past it. ``text`` only
+        grows (the request's prompt and reply so far), so what agreed before agrees still, and
+        once it parts from the row it never is the row's again: each of its tokens is compared
+        once. Compared whole at each call, it cost 0.6 ms a token behind a 120,000-token
+        prompt (found by review), the drafter asking each token the reply does not follow
+        the prediction."""
+        size, agreed = len(text), self._agreed
+        if agreed < 0 or size >= len(self.seq):
+            return False
+        if size > agreed:
+            if self.seq[agreed:size] != tuple(text[agreed:size]):
+                self._agreed = -1
+                return False
+            self._agreed = size
+        return True
 
 
 def with_predicted(predicted: Predicted, rows: Elsewhere | None) -> Elsewhere:
