@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +29,7 @@ from kvwarm.engine.worker.drafts import (
     SentenceEnds,
     match_prior,
     overlapping,
+    with_predicted,
 )
 from kvwarm.errors import ConfigError
 from kvwarm.tenants import scoped, tenant_id, tenant_of
@@ -1002,3 +1003,33 @@ def test_a_prediction_compares_each_token_of_the_requests_text_once() -> None:
         assert not any(m.whole for m in found)
     assert found[0].seq[found[0].at] == predicted[60]  # the copy resumes after the edit
     assert text.reads < 57 * 200, text.reads  # its last n tokens, and a few matched back
+
+
+def test_a_prediction_is_the_clients_word_and_teaches_the_models_row_trust_nothing() -> None:
+    """A prediction is drafted whole as a retry's row is, while the model's ``RowTrust`` says
+    such drafts hold, but its outcome is not counted there: the trust is shared by every
+    client of the model, and a prediction is whatever one client sent (a few that failed at
+    once took it from every other client's retries). A retry's row that drafts beside it
+    still counts."""
+    cpu = Cost(0.9, 0.42)
+    prompt = list(range(100, 140))
+    predicted = list(range(500, 560))
+    trust = RowTrust()
+
+    def drafter(rows: Callable[[Sequence[int]], list[RowMatch]] | None = None) -> Drafter:
+        row = with_predicted(Predicted(3, prompt, predicted), rows)
+        return Drafter("ngram-simple", 3, 48, prompt, row, row_trust=trust)
+
+    for _ in range(3):  # predictions the model parted from after two tokens
+        bad = drafter()
+        draft = bad.propose(predicted[:1], 48, cpu)
+        assert draft == predicted[1:49]  # drafted whole: the trust holds
+        bad.verified(len(draft), 2)
+    assert (trust.yes, trust.no) == (0.0, 0.0) and trust.trusted
+    # An earlier reply to the same request, cached, drafts beside the prediction: counted.
+    cached = (*prompt, *predicted)
+    retry = drafter(lambda text: [RowMatch(cached, len(text), min(len(text), 64), True)])
+    draft = retry.propose(predicted[:1], 48, cpu)
+    assert draft == predicted[1:49]
+    retry.verified(len(draft), 2)
+    assert trust.no == 1.0
