@@ -93,11 +93,11 @@ _FADE = 0.8
 #: to the prior, so a request whose early matches failed tries again later).
 _IDLE_FADE = 0.95
 #: Most tokens a draft from a cached row takes when it is no copy of the request's own text
-#: (``Drafter._copies_own``) and the row is not a retry of the whole request: another request's
-#: reply, which this one follows only as long as the model happens to write the same (a chat's
-#: second story began as the first for 20 tokens; the 25-token draft after them was rejected
-#: outright, ~12 passes' worth of a 96-token reply on 2 CPU cores). Its drafts still grow with
-#: what they keep, 8 tokens at a time.
+#: (``Drafter._copies_own``) and the row is not a retry of the whole request (nor the request's
+#: prediction, ``Predicted``): another request's reply, which this one follows only as long as
+#: the model happens to write the same (a chat's second story began as the first for 20
+#: tokens; the 25-token draft after them was rejected outright, ~12 passes' worth of a 96-token
+#: reply on 2 CPU cores). Its drafts still grow with what they keep, 8 tokens at a time.
 ROW_UNSURE_MAX = 8
 #: How many of a row draft's first tokens ``Drafter._copies_own`` checks.
 _OWN_CHECK = 16
@@ -547,7 +547,9 @@ class Drafter:
         elif found:
             best = found[0]
             source, matched = list(best.seq[best.at : best.at + limit]), best.matched
-            if not (best.whole or self._copies_own(source)):
+            # The request's prediction is the client's word for what the reply repeats: after
+            # an edit its drafts grow with what they keep, as the request's own copies do.
+            if not (best.whole or best.predicted or self._copies_own(source)):
                 source = source[:ROW_UNSURE_MAX]
         else:
             return []
