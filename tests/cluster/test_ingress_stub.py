@@ -404,6 +404,25 @@ def test_n_choices_logprobs_and_infill_through_the_ingress(client: TestClient) -
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "fim_not_supported"
 
 
+def test_a_chats_prediction_reaches_the_replica_and_is_drafted_there(
+    client: TestClient, calls: DirectCalls
+) -> None:
+    """OpenAI's ``prediction`` crosses the handle with the chat's options: the replica drafts
+    from it (its own salt, so no cached row of the plain reply drafts instead), and the
+    reply is the plain one."""
+    turn = [SYSTEM, {"role": "user", "content": "Name three birds of the coast."}]
+    body = {"model": "a", "messages": turn, "max_tokens": 16, "temperature": 0}
+    plain = client.post("/v1/chat/completions", json={**body, "cache_salt": "pred-0"}).json()
+    text = plain["choices"][0]["message"]["content"]
+    prediction = {"type": "content", "content": [{"type": "text", "text": text}]}
+    predicted = client.post(
+        "/v1/chat/completions", json={**body, "cache_salt": "pred-1", "prediction": prediction}
+    ).json()
+    assert calls.calls[-1].options.prediction == text
+    assert predicted["choices"][0]["message"]["content"] == text
+    assert predicted["timings"]["draft_n_accepted"] > plain["timings"]["draft_n_accepted"]
+
+
 def test_a_streamed_echo_carries_its_prompts_logprobs_through_the_ingress(
     client: TestClient,
 ) -> None:

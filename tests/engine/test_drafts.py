@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 
 import pytest
@@ -22,12 +22,14 @@ from kvwarm.engine.worker.drafts import (
     Drafter,
     NgramIndex,
     PassCost,
+    Predicted,
     RowDrafts,
     RowMatch,
     RowTrust,
     SentenceEnds,
     match_prior,
     overlapping,
+    with_predicted,
 )
 from kvwarm.errors import ConfigError
 from kvwarm.tenants import scoped, tenant_id, tenant_of
@@ -961,3 +963,113 @@ def test_two_earlier_replies_that_went_different_ways_draft_only_what_they_share
         _replaying(drafts, ns, [*own, *ctx], RowTrust()).propose(first[:1], 48, cpu)
         == (first[1:49])
     )
+
+
+class _Reads(list[int]):
+    """A request's text that counts the tokens read from it (iterated, sliced or indexed)."""
+
+    reads = 0
+
+    def __iter__(self) -> Iterator[int]:
+        self.reads += len(self)
+        return super().__iter__()
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        got = super().__getitem__(i)
+        self.reads += len(got) if isinstance(i, slice) else 1
+        return got
+
+
+def test_a_prediction_compares_each_token_of_the_requests_text_once() -> None:
+    """A prediction is the request's retry while the reply is its first tokens, and never
+    again once the reply parts from it; the drafter asks it each token the reply does not
+    follow it (``Drafter._follow_rows``). It compared the whole text (prompt and reply) with
+    its own at each: 0.6 ms a token behind a 120,000-token prompt, quadratic in the reply.
+    Now each of the text's tokens is compared once."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(1000, 50_000) for _ in range(5000)]
+    predicted = [rng.randrange(1000, 50_000) for _ in range(200)]
+    row = Predicted(3, prompt, predicted)
+    text = _Reads([*prompt, *predicted[:2]])
+    assert [m.whole for m in row.matches(text)] == [True]  # the reply so far is predicted
+    text.append(predicted[2])
+    assert row.matches(text)[0].whole
+    text.append(7)  # the reply parts from the prediction
+    assert not any(m.whole for m in row.matches(text))
+    text.reads = 0
+    for token in predicted[3:60]:  # ... and writes it on: an n-gram match, never a retry
+        text.append(token)
+        found = row.matches(text)
+        assert not any(m.whole for m in found)
+    assert found[0].seq[found[0].at] == predicted[60]  # the copy resumes after the edit
+    assert text.reads < 57 * 200, text.reads  # its last n tokens, and a few matched back
+
+
+def test_a_prediction_is_the_clients_word_and_teaches_the_models_row_trust_nothing() -> None:
+    """A prediction is drafted whole as a retry's row is, while the model's ``RowTrust`` says
+    such drafts hold, but its outcome is not counted there: the trust is shared by every
+    client of the model, and a prediction is whatever one client sent (a few that failed at
+    once took it from every other client's retries). A retry's row that drafts beside it
+    still counts."""
+    cpu = Cost(0.9, 0.42)
+    prompt = list(range(100, 140))
+    predicted = list(range(500, 560))
+    trust = RowTrust()
+
+    def drafter(rows: Callable[[Sequence[int]], list[RowMatch]] | None = None) -> Drafter:
+        row = with_predicted(Predicted(3, prompt, predicted), rows)
+        return Drafter("ngram-simple", 3, 48, prompt, row, row_trust=trust)
+
+    for _ in range(3):  # predictions the model parted from after two tokens
+        bad = drafter()
+        draft = bad.propose(predicted[:1], 48, cpu)
+        assert draft == predicted[1:49]  # drafted whole: the trust holds
+        bad.verified(len(draft), 2)
+    assert (trust.yes, trust.no) == (0.0, 0.0) and trust.trusted
+    # An earlier reply to the same request, cached, drafts beside the prediction: counted.
+    cached = (*prompt, *predicted)
+    retry = drafter(lambda text: [RowMatch(cached, len(text), min(len(text), 64), True)])
+    draft = retry.propose(predicted[:1], 48, cpu)
+    assert draft == predicted[1:49]
+    retry.verified(len(draft), 2)
+    assert trust.no == 1.0
+
+
+def _follow(drafter: Drafter, reply: Sequence[int], cost: Cost) -> list[tuple[int, int, int]]:
+    """Drive ``drafter`` through ``reply`` as a verify loop would: (where, drafted, kept) per
+    pass."""
+    passes = []
+    done = 1
+    while done < len(reply):
+        draft = drafter.propose(reply[:done], min(48, len(reply) - done), cost)
+        kept = 0
+        while kept < len(draft) and draft[kept] == reply[done + kept]:
+            kept += 1
+        drafter.verified(len(draft), kept, None)
+        passes.append((done, len(draft), kept))
+        done += kept + 1
+    return passes
+
+
+def test_a_prediction_resumes_whole_after_an_edit_it_did_not_have() -> None:
+    """After the reply parts from its prediction (an edit), the prediction is one more n-gram
+    match, and it was drafted as another request's reply is, ``ROW_UNSURE_MAX`` tokens at a
+    time, however long the reply had followed it again: 300 predicted tokens with one changed
+    took 44 passes, against 13 for the whole prediction. It is the client's word for what
+    the reply repeats, so its drafts now grow with what they keep, as the request's own
+    copies do."""
+    gpu = Cost(0.0, 0.05)
+    rng = random.Random(3)
+    predicted = [rng.randrange(1000, 50_000) for _ in range(300)]
+    reply = [*predicted[:100], 5, *predicted[101:]]  # prompt: nothing the prediction holds
+    prompt = list(range(20_000, 20_040))
+
+    def drafter() -> Drafter:
+        row = with_predicted(Predicted(4, prompt, predicted), None)
+        return Drafter("ngram-simple", 4, 48, prompt, row, row_trust=RowTrust())
+
+    whole = _follow(drafter(), predicted, gpu)
+    edited = _follow(drafter(), reply, gpu)
+    after = [drafted for at, drafted, _ in edited if at > 110]
+    assert max(after) > ROW_UNSURE_MAX, edited
+    assert len(edited) <= len(whole) + 6, (len(whole), edited)

@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 from tests.engine.conftest import GatedBackend, make_engine, stub_config
 
+import kvwarm.engine.worker.tick as tick_module
 from kvwarm.backends.base import AdapterSet, BatchToken, ContextParams, ModelParams
 from kvwarm.backends.stub import StubBackend, StubModel
 from kvwarm.backends.stub.vocab import EOS
 from kvwarm.engine.api import Engine, ModelConfig
 from kvwarm.engine.model import Model
 from kvwarm.engine.types import GenerationOptions
-from kvwarm.engine.worker.drafts import Cost, PassCost
+from kvwarm.engine.worker.drafts import Cost, PassCost, Predicted
 from kvwarm.errors import ConfigError, InvalidRequestError, StateRestoreError
 from kvwarm.memory import MemoryKindName
 from kvwarm.server.budget import memory_of
@@ -967,3 +968,28 @@ def test_a_prediction_follows_the_switch_and_the_models_ability(engine: Engine) 
     kept = exact.complete(prompt, opts, prediction=plain.text, cache_salt="p3")
     assert kept.completion_tokens == plain.completion_tokens
     assert kept.stats.drafted_tokens == 0
+
+
+def test_a_prediction_is_indexed_only_where_its_request_drafts_from_rows(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ngram-cache drafts from next-token counts, never from a row: a prediction is not used
+    there, and was indexed all the same (its prompt and predicted tokens, on the worker
+    thread: ~80 ms and ~30 MB behind a 120,000-token prompt, held for the whole request)."""
+    made: list[int] = []
+
+    class Counted(Predicted):
+        __slots__ = ()
+
+        def __init__(self, n: int, prompt: Sequence[int], predicted: Sequence[int]) -> None:
+            made.append(len(predicted))
+            super().__init__(n, prompt, predicted)
+
+    monkeypatch.setattr(tick_module, "Predicted", Counted)
+    model = engine.load_model(config=spec_config(backend=StubBackend()))
+    prompt = "Tell me about the harbour, the lighthouse and the keeper's family."
+    opts = replace(GREEDY, max_tokens=8)
+    model.complete(prompt, opts, prediction="The harbour", spec_type="ngram-cache")
+    assert made == []
+    model.complete(prompt, opts, prediction="The harbour", spec_type="ngram-simple")
+    assert len(made) == 1

@@ -56,12 +56,14 @@ class RowMatch:
     """Where a request's last ``n`` tokens occur in a cached row (``RowDrafts.matches``): the
     row's tokens, where what followed them begins (``seq[at:]``), how many of the request's
     last tokens the row has there too (at most ``MATCH_MAX``), and whether the row begins with
-    all of the request's text (a retry of the same request)."""
+    all of the request's text (a retry of the same request). ``predicted``: the row is the
+    request's prediction (``Predicted``), the client's word, not an earlier reply."""
 
     seq: tuple[int, ...]
     at: int
     matched: int
     whole: bool
+    predicted: bool = False
 
 
 #: A request's second source of drafts: its text (prompt and reply so far) to where its last
@@ -91,11 +93,11 @@ _FADE = 0.8
 #: to the prior, so a request whose early matches failed tries again later).
 _IDLE_FADE = 0.95
 #: Most tokens a draft from a cached row takes when it is no copy of the request's own text
-#: (``Drafter._copies_own``) and the row is not a retry of the whole request: another request's
-#: reply, which this one follows only as long as the model happens to write the same (a chat's
-#: second story began as the first for 20 tokens; the 25-token draft after them was rejected
-#: outright, ~12 passes' worth of a 96-token reply on 2 CPU cores). Its drafts still grow with
-#: what they keep, 8 tokens at a time.
+#: (``Drafter._copies_own``) and the row is not a retry of the whole request (nor the request's
+#: prediction, ``Predicted``): another request's reply, which this one follows only as long as
+#: the model happens to write the same (a chat's second story began as the first for 20
+#: tokens; the 25-token draft after them was rejected outright, ~12 passes' worth of a 96-token
+#: reply on 2 CPU cores). Its drafts still grow with what they keep, 8 tokens at a time.
 ROW_UNSURE_MAX = 8
 #: How many of a row draft's first tokens ``Drafter._copies_own`` checks.
 _OWN_CHECK = 16
@@ -456,9 +458,10 @@ class Drafter:
         self.elsewhere = elsewhere
         #: The rows that replay this request (``_follow_rows``): each one's tokens, where its
         #: next token is, how much of the request's text it matched and whether it begins
-        #: with all of it; the length of the text they are aligned with; the prompt's length;
-        #: and whether some of them parted from the request's text while others went on.
-        self._replays: list[tuple[tuple[int, ...], int, int, bool]] = []
+        #: with all of it, and whether it is the request's prediction; the length of the text
+        #: they are aligned with; the prompt's length; and whether some of them parted from
+        #: the request's text while others went on.
+        self._replays: list[tuple[tuple[int, ...], int, int, bool, bool]] = []
         self._synced = 0
         self._prompt = len(prompt)
         self._parted = False
@@ -519,12 +522,14 @@ class Drafter:
             # An earlier reply given in the same place: it wins over the request's own text
             # where it copies that text too (or is a retry), else only over a shorter match,
             # and then a few tokens at a time (``ROW_UNSURE_MAX``); it is trusted whole
-            # (``RowTrust``) unless earlier replies to this place went different ways.
-            source, matched, sure = replay
+            # (``RowTrust``) unless earlier replies to this place went different ways. A
+            # draft only the request's prediction makes is trusted as the model's trust says,
+            # and teaches it nothing: it is one client's word, and the trust every client's.
+            source, matched, sure, replied = replay
             if not sure:
                 source = source[:ROW_UNSURE_MAX]
             elif self.row_trust is not None:
-                self._trusting = True
+                self._trusting = replied
                 prior = TRUSTED_PRIOR if self.row_trust.trusted and not self._parted else None
         elif self.kind == "ngram-cache":
             source, matched = self._from_counts(start, limit)
@@ -542,7 +547,9 @@ class Drafter:
         elif found:
             best = found[0]
             source, matched = list(best.seq[best.at : best.at + limit]), best.matched
-            if not (best.whole or self._copies_own(source)):
+            # The request's prediction is the client's word for what the reply repeats: after
+            # an edit its drafts grow with what they keep, as the request's own copies do.
+            if not (best.whole or best.predicted or self._copies_own(source)):
                 source = source[:ROW_UNSURE_MAX]
         else:
             return []
@@ -598,8 +605,8 @@ class Drafter:
             step = len(new)
             before = len(self._replays)
             self._replays = [
-                (seq, at + step, min(MATCH_MAX, matched + step), whole)
-                for seq, at, matched, whole in self._replays
+                (seq, at + step, min(MATCH_MAX, matched + step), whole, predicted)
+                for seq, at, matched, whole, predicted in self._replays
                 if seq[at : at + step] == new
             ]
             if 0 < len(self._replays) < before:
@@ -627,35 +634,39 @@ class Drafter:
                     tail = tail or tuple(toks[lo:])
                     if m.seq[at : m.at] != tail:
                         continue
-            replays.append((m.seq, m.at, m.matched, m.whole))
+            replays.append((m.seq, m.at, m.matched, m.whole, m.predicted))
         self._replays = replays
         self._parted = False
         return found
 
-    def _replay(self, limit: int) -> tuple[list[int], int, bool] | None:
+    def _replay(self, limit: int) -> tuple[list[int], int, bool, bool] | None:
         """What the rows that replay this request (``_follow_rows``) hold next, as far as
         they all agree (two earlier replies to the same prompt that went different ways
         draft only what they share, until the request's next tokens tell which it follows),
         at most ``limit`` tokens; the longest of their matches; and whether the draft is
         sure: a row is a retry of the whole request, or the draft copies the request's own
-        text (``_copies_own``). None where no row replays it or they agree on nothing."""
+        text (``_copies_own``); and whether an earlier reply drafts it, not only the request's
+        prediction (``RowMatch.predicted``). None where no row replays it or they agree on
+        nothing."""
         replays = self._replays
         if not replays:
             return None
-        seq, at, matched, whole = replays[0]
+        seq, at, matched, whole, predicted = replays[0]
+        replied = not predicted
         first = seq[at : at + limit]
         common = len(first)
-        for other, other_at, other_matched, other_whole in replays[1:]:
+        for other, other_at, other_matched, other_whole, other_predicted in replays[1:]:
             cont = other[other_at : other_at + common]
             same = 0
             while same < len(cont) and cont[same] == first[same]:
                 same += 1
             common = same
             matched, whole = max(matched, other_matched), whole or other_whole
+            replied = replied or not other_predicted
         if common == 0:
             return None
         source = list(first[:common])
-        return source, matched, whole or self._copies_own(source)
+        return source, matched, whole or self._copies_own(source), replied
 
     def _copies_own(self, draft: Sequence[int]) -> bool:
         """Whether at least half of the n-grams that end in the first ``_OWN_CHECK`` tokens of
@@ -811,16 +822,20 @@ class Predicted:
     earlier request would have got in the same place. While the reply is the prediction's
     first tokens, the row begins with all of the request's text, so ``Drafter`` replays it
     token for token as it does such a row (a retry's, ``Drafter._follow_rows``), trusted while
-    ``RowTrust`` says such drafts hold; once the reply goes its own way (an edit the
-    prediction did not have), the row is one more n-gram match, where what follows the reply's
-    last ``n`` tokens in the prediction resumes the copy. It changes no token: every draft is
-    verified."""
+    ``RowTrust`` says such drafts hold, its own outcomes not counted there
+    (``RowMatch.predicted``: one client's word, where the trust is all of the model's
+    clients'); once the reply goes its own way (an edit the prediction did not have), the row
+    is one more n-gram match, where what follows the reply's last ``n`` tokens in the
+    prediction resumes the copy. It changes no token: every draft is verified."""
 
-    __slots__ = ("_starts", "n", "seq")
+    __slots__ = ("_agreed", "_starts", "n", "seq")
 
     def __init__(self, n: int, prompt: Sequence[int], predicted: Sequence[int]) -> None:
         self.n = n
         self.seq = (*prompt, *predicted)
+        #: How many of the first tokens of the text ``matches`` is given (the request's, which
+        #: only grows) are known to be the row's; -1 once they part (``_retry``).
+        self._agreed = 0
         #: n-gram -> the starts of its latest ``CANDIDATES`` occurrences, oldest first, of
         #: those with a token after them.
         starts: dict[tuple[int, ...], list[int]] = {}
@@ -841,8 +856,8 @@ class Predicted:
         found: list[tuple[int, int, RowMatch]] = []
         # The row as a retry of the request, wherever else its last n-gram occurs (the
         # latest ``CANDIDATES`` starts may all come after it, in a repetitive prediction).
-        if size < len(seq) and seq[:size] == tuple(text):
-            whole = RowMatch(seq, size, min(size, MATCH_MAX), True)
+        if self._retry(text):
+            whole = RowMatch(seq, size, min(size, MATCH_MAX), True, True)
             found.append((whole.matched, size - n, whole))
         for start in self._starts.get(tuple(text[size - n :]), ()):
             if start == size - n and found:
@@ -850,9 +865,26 @@ class Predicted:
             a, b, matched = start - 1, size - n - 1, n
             while a >= 0 and b >= 0 and matched < MATCH_MAX and seq[a] == text[b]:
                 a, b, matched = a - 1, b - 1, matched + 1
-            found.append((matched, start, RowMatch(seq, start + n, matched, False)))
+            found.append((matched, start, RowMatch(seq, start + n, matched, False, True)))
         found.sort(key=lambda item: (item[0], item[1]), reverse=True)
         return [match for _, _, match in found]
+
+    def _retry(self, text: Sequence[int]) -> bool:
+        """Whether the row begins with all of ``text`` and goes on past it. ``text`` only
+        grows (the request's prompt and reply so far), so what agreed before agrees still, and
+        once it parts from the row it never is the row's again: each of its tokens is compared
+        once. Compared whole at each call, it cost 0.6 ms a token behind a 120,000-token
+        prompt (found by review), the drafter asking each token the reply does not follow
+        the prediction."""
+        size, agreed = len(text), self._agreed
+        if agreed < 0 or size >= len(self.seq):
+            return False
+        if size > agreed:
+            if self.seq[agreed:size] != tuple(text[agreed:size]):
+                self._agreed = -1
+                return False
+            self._agreed = size
+        return True
 
 
 def with_predicted(predicted: Predicted, rows: Elsewhere | None) -> Elsewhere:

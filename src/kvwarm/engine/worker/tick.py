@@ -243,7 +243,7 @@ class Tick:
         if self.rt.sentence_ends is None:  # a model whose spec_type is none: made here, once
             self.rt.sentence_ends = SentenceEnds(self.rt.model.vocabulary()[0])
         elsewhere: Elsewhere = functools.partial(rows.matches, ns)
-        if act.req.predicted:
+        if act.req.predicted and kind != "ngram-cache":  # which drafts from no row
             predicted = Predicted(cfg.spec_ngram_n, act.req.prompt_tokens, act.req.predicted)
             elsewhere = with_predicted(predicted, elsewhere)
         return Drafter(
