@@ -180,6 +180,26 @@ FTYPE_Q6_K, FTYPE_Q4_K_S = 18, 14
 K_QUANT_EMBD, K_QUANT_HEADS = 512, 8
 
 
+def gemma3_keys(window: int, n_layer: int = N_LAYER) -> Callable[[Any, str], None]:
+    """A ``keys`` for ``write_tiny_model(..., "gemma3")``: a tiny Gemma 3 whose sliding window
+    is ``window`` tokens. llama.cpp makes five of every six layers sliding-window ones, so
+    ``n_layer`` below 6 gives a model with no full-attention layer at all."""
+
+    def keys(w: Any, arch: str) -> None:
+        for key, value in {
+            "vocab_size": N_VOCAB, "context_length": N_CTX, "embedding_length": N_EMBD,
+            "block_count": n_layer, "feed_forward_length": 4 * N_EMBD,
+            "attention.head_count": N_HEAD, "attention.head_count_kv": N_HEAD,
+            "attention.key_length": 32, "attention.value_length": 32,
+            "attention.sliding_window": window,
+        }.items():  # fmt: skip
+            w.add_uint32(f"{arch}.{key}", value)
+        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+        w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+
+    return keys
+
+
 def k_quant_keys(w: Any, arch: str) -> None:
     """A ``keys`` for ``write_tiny_model``: a llama-like model K_QUANT_EMBD wide (two layers,
     heads of 64), so that its weights quantise to K-quants."""

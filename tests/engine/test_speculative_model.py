@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -519,22 +518,10 @@ def test_gemma_3_speculates_exactly_with_the_tiled_kernel_off(
 def tiny_swa(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random-weight Gemma 3 with a 32-token window, its weights Q4_1 (no tinyBLAS
     kernel for several rows): a sliding-window model whose verify rows are exact."""
-    from tests.tinymodels import N_CTX, N_EMBD, N_HEAD, N_LAYER, N_VOCAB, write_tiny_model
-
-    def keys(w: Any, arch: str) -> None:
-        for key, value in {
-            "vocab_size": N_VOCAB, "context_length": N_CTX, "embedding_length": N_EMBD,
-            "block_count": N_LAYER, "feed_forward_length": 4 * N_EMBD,
-            "attention.head_count": N_HEAD, "attention.head_count_kv": N_HEAD,
-            "attention.key_length": 32, "attention.value_length": 32,
-            "attention.sliding_window": 32,
-        }.items():  # fmt: skip
-            w.add_uint32(f"{arch}.{key}", value)
-        w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-        w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    from tests.tinymodels import gemma3_keys, write_tiny_model
 
     path = tmp_path_factory.mktemp("swa") / "gemma3-swa32.gguf"
-    return str(write_tiny_model(path, "gemma3", keys=keys, ftype=3))  # LLAMA_FTYPE_MOSTLY_Q4_1
+    return str(write_tiny_model(path, "gemma3", keys=gemma3_keys(32), ftype=3))  # Q4_1
 
 
 def test_sliding_window_model_speculates_inside_its_window_exactly(tiny_swa: str) -> None:
