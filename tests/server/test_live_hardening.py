@@ -105,6 +105,10 @@ def test_every_api_sampling_option_has_a_case() -> None:
         "functions",  # refused (400): test_api_stub.py, bad chat requests
         "function_call",
         "best_of",  # refused (400) on chat: a completions parameter
+        # ["text"] served, audio refused (400): test_surface_stub.py, audio output
+        "modalities",
+        "audio",
+        "prediction",  # live: test_a_chat_prediction_is_served below
     }
 
 
@@ -117,6 +121,23 @@ def test_each_sampling_option_is_served(http: httpx.Client, option: str) -> None
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, option: value}
     response = http.post("/v1/chat/completions", json=chat)
     assert response.status_code == 200, response.text
+
+
+def test_a_chat_prediction_is_served(http: httpx.Client) -> None:
+    """OpenAI's ``prediction`` through HTTP on the real model, as text and as parts: served,
+    the reply the one without it. This model does not speculate (flash attention is off on
+    the CPU), so nothing is drafted; drafting from a prediction on llama.cpp, and its reply
+    plain decoding's: test_speculative_model.py's prediction test."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
+    plain = http.post("/v1/chat/completions", json=chat).json()
+    text = plain["choices"][0]["message"]["content"]
+    for content in (text, [{"type": "text", "text": text}]):
+        body = {**chat, "prediction": {"type": "content", "content": content}}
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        done = response.json()
+        assert done["choices"][0]["message"]["content"] == text
+        assert done["timings"]["draft_n"] == 0
 
 
 def test_best_of_is_served(http: httpx.Client) -> None:
