@@ -233,7 +233,7 @@ class AffinityRouter(RequestRouter):
         request = route_request(pending_request)
         for replica in candidate_replicas:
             self._ingest(replica)
-        routed = self._claims(request.chain)
+        routed = self._table.warm_of(request.chain)
         running = {_rid(r): r.node_id for r in candidate_replicas}
         if request.tokens and pending_request is not None:
             call = pending_request.args[0]
@@ -264,22 +264,6 @@ class AffinityRouter(RequestRouter):
             )
         decision = self._policy.rank(request, views)
         return [[by_id[i] for i in group] for group in decision.groups]
-
-    def _claims(self, chain: Sequence[str]) -> dict[str, set[str]]:
-        """Where this router's record places ``chain``'s hashes, per replica, less what that
-        replica reported since: a conversation whose slot there was reused (its chain end
-        ``reused`` in the index) is the index's to place, by what the replica still holds.
-        The record bridges the time until the replica's report speaks, not past it (found by
-        review: it counted the earlier prompt at the ``live`` weight there for good, over a
-        replica holding much of the prompt)."""
-        out: dict[str, set[str]] = {}
-        for rid, held in self._table.warm_of(chain).items():
-            ends = self._table.ends_in(held)
-            gone = self._index.reused(rid, ends) if ends else set()
-            if ends and gone == ends:
-                continue
-            out[rid] = held - gone
-        return out
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: object

@@ -74,7 +74,6 @@ Reach = dict[str, int]  # tokens a replica could serve of a request, per source 
 LINKS = 262144
 UNVOUCHED = 65536
 DEAD_KEPT = 16  # dead replicas listed by ``describe``
-REUSED_KEPT = 4096  # per replica: chain ends whose slot it reported reused (``reused``)
 # Report fields ``describe`` leaves out: events are applied, the rest is the router's
 # (``warm``: chain hashes; ``namespaces``: bytes, read off the report where it routes).
 _NOT_DESCRIBED = ("events", "warm", "namespaces")
@@ -171,9 +170,6 @@ class _Replica:
     slots: int = 1
     vouches: set[tuple[bytes, Store]] = field(default_factory=set)
     live: OrderedDict[str, tuple[bytes | None, int]] = field(default_factory=OrderedDict)
-    # Chain ends whose slot no longer holds them (reported reused, or pushed out by newer
-    # ones), not live again since: the most recent ``REUSED_KEPT``.
-    reused: OrderedDict[str, None] = field(default_factory=OrderedDict)
     stats: Mapping[str, object] = field(default_factory=dict)
     reported_at: float | None = None
     resyncs: int = 0
@@ -467,17 +463,6 @@ class ClusterIndex:
                     give_store(store, copy.source, copy.n_tokens)
         return out
 
-    def reused(self, replica: str, ends: Iterable[str]) -> set[str]:
-        """Of ``ends``, the chain ends whose slot on ``replica`` this index learned no longer
-        holds them (its ``LiveGone``, a newer conversation pushing it out, a restart) and
-        that were not live there again since: where a router's own record of sending a
-        conversation there is stale."""
-        with self._lock:
-            state = self._replicas.get(replica)
-            if state is None:
-                return set()
-            return {end for end in ends if end in state.reused}
-
     def held(self, replica: str) -> int:
         """Facts a replica vouches for (rows and live slots): how much it holds."""
         with self._lock:
@@ -662,7 +647,6 @@ class ClusterIndex:
 
     def _set_live(self, replica: str, state: _Replica, fact: Live) -> None:
         state.live.pop(fact.chain_end, None)
-        state.reused.pop(fact.chain_end, None)
         state.live[fact.chain_end] = (fact.key, fact.n_tokens)
         self._live.setdefault(fact.chain_end, {})[replica] = fact.n_tokens
         while len(state.live) > max(1, state.slots):
@@ -671,10 +655,6 @@ class ClusterIndex:
 
     def _unset_live(self, replica: str, state: _Replica, end: str) -> None:
         state.live.pop(end, None)
-        state.reused[end] = None
-        state.reused.move_to_end(end)
-        while len(state.reused) > REUSED_KEPT:
-            state.reused.popitem(last=False)
         holders = self._live.get(end)
         if holders is not None:
             holders.pop(replica, None)
