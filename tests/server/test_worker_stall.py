@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from httpx import Response
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvwarm.server import create_app
@@ -96,20 +98,27 @@ class _Died(BaseException):
     """Stands in for whatever kills a worker thread outright (escaping its error handling)."""
 
 
+def _kill_worker(client: TestClient) -> tuple[Any, Response]:
+    """Kill model a's worker thread (its next tick raises past its error handling) with a
+    request, and wait until the thread has ended: the model and that request's response."""
+    dead = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
+
+    def die() -> None:
+        raise _Died()
+
+    dead._worker.tick.run = die
+    response = client.post("/v1/completions", json={"model": "a", "prompt": "x"})
+    assert dead._worker._closed.wait(10)
+    return dead, response
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_health_names_a_model_whose_worker_died() -> None:
     """/health said ok while a model whose worker thread had died refused every request."""
     with TestClient(create_app(stub_settings(models=stub_settings().models[:1]))) as client:
         wait_ready(client.get)
-        model = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
-
-        def die() -> None:
-            raise _Died()
-
-        model._worker.tick.run = die
-        response = client.post("/v1/completions", json={"model": "a", "prompt": "x"})
+        _, response = _kill_worker(client)
         assert response.status_code == 503, response.json()
-        assert model._worker._closed.wait(10)
         health = client.get("/health")
         assert health.status_code == 503, health.json()
         body = health.json()
@@ -123,15 +132,8 @@ def test_a_model_whose_worker_died_is_failed_everywhere_and_loads_again() -> Non
     which lists its status); it could be brought back only by restarting the server."""
     with TestClient(create_app(stub_settings())) as client:
         wait_ready(client.get)
-        dead = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
-
-        def die() -> None:
-            raise _Died()
-
-        dead._worker.tick.run = die
-        response = client.post("/v1/completions", json={"model": "a", "prompt": "x"})
+        dead, response = _kill_worker(client)
         assert response.status_code == 503, response.json()
-        assert dead._worker._closed.wait(10)
         listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
         assert listed["a"]["status"] == "failed", listed["a"]
         assert "worker died" in listed["a"]["error"] and "meta" not in listed["a"]
@@ -157,14 +159,7 @@ def test_a_model_whose_worker_died_is_failed_everywhere_and_loads_again() -> Non
 def test_unloading_a_model_whose_worker_died_frees_it() -> None:
     with TestClient(create_app(stub_settings())) as client:
         wait_ready(client.get)
-        dead = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
-
-        def die() -> None:
-            raise _Died()
-
-        dead._worker.tick.run = die
-        client.post("/v1/completions", json={"model": "a", "prompt": "x"})
-        assert dead._worker._closed.wait(10)
+        dead, _ = _kill_worker(client)
         unloaded = client.post("/admin/models/unload", json={"model": "a"})
         assert unloaded.status_code == 200, unloaded.json()
         assert unloaded.json()["status"] == "available"
@@ -192,15 +187,8 @@ def test_metrics_and_the_slots_view_say_a_dead_worker_s_model_is_failed() -> Non
     looks, all three agree."""
     with TestClient(create_app(stub_settings())) as client:
         wait_ready(client.get)
-        dead = client.app.state.kvwarm.entries["a"].model  # type: ignore[attr-defined]
-
-        def die() -> None:
-            raise _Died()
-
-        dead._worker.tick.run = die
-        response = client.post("/v1/completions", json={"model": "a", "prompt": "x"})
+        _, response = _kill_worker(client)
         assert response.status_code == 503, response.json()
-        assert dead._worker._closed.wait(10)
         scrape = client.get("/metrics").text  # before /health or /v1/models notice it
         assert _sample(scrape, "kvwarm_model_ready", {"model": "a"}) == 0.0
         assert _sample(scrape, "kvwarm_model_ready", {"model": "b"}) == 1.0
