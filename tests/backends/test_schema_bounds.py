@@ -13,6 +13,7 @@ import re
 import pytest
 from tests.backends.gbnfkit import accepts
 
+from kvwarm.backends.base import BackendContext, BackendModel, BatchToken, Sampler
 from kvwarm.backends.grammar import schema_to_gbnf
 from kvwarm.errors import GrammarError
 
@@ -347,7 +348,7 @@ def test_llama_cpp_reads_these_grammars_and_holds_the_model_to_them() -> None:
     """The grammars parse in llama.cpp (its classes' ``\\U`` escapes, ``{m,n}``), and what
     the real model writes under a pattern's is a JSON string the pattern matches."""
     from kvwarm.backends import get_backend
-    from kvwarm.backends.base import BatchToken, ContextParams, SamplingParams
+    from kvwarm.backends.base import ContextParams, SamplingParams
     from kvwarm.embedded import default_model_path
 
     small = ContextParams(n_ctx=256, n_batch=32, n_ubatch=32, n_seq_max=1, n_threads=2)
@@ -363,16 +364,7 @@ def test_llama_cpp_reads_these_grammars_and_holds_the_model_to_them() -> None:
             prompt = model.tokenize('Write a quote: "')
             ctx.prefill(0, prompt, 0)
             sampler = model.new_sampler(SamplingParams(temperature=0.9, seed=3, grammar=grammar))
-            out: list[int] = []
-            try:
-                for _ in range(64):
-                    token = sampler.sample(ctx, -1)
-                    if model.is_eog(token):
-                        break
-                    out.append(token)
-                    ctx.decode([BatchToken(token, len(prompt) + len(out) - 1, 0, logits=True)])
-            finally:
-                sampler.close()
+            out = _sample_reply(model, ctx, sampler, len(prompt), 64)
             text = model.detokenize(out).strip()
             assert re.search(pattern, json.loads(text)), text
         finally:
@@ -381,13 +373,31 @@ def test_llama_cpp_reads_these_grammars_and_holds_the_model_to_them() -> None:
         model.close()
 
 
+def _sample_reply(
+    model: BackendModel, ctx: BackendContext, sampler: Sampler, n_prompt: int, limit: int
+) -> list[int]:
+    """Up to ``limit`` tokens sampled after a prompt of ``n_prompt`` tokens (prefilled in
+    sequence 0), each decoded after it, until an end-of-generation token; closes ``sampler``."""
+    out: list[int] = []
+    try:
+        for _ in range(limit):
+            token = sampler.sample(ctx, -1)
+            if model.is_eog(token):
+                break
+            out.append(token)
+            ctx.decode([BatchToken(token, n_prompt + len(out) - 1, 0, logits=True)])
+    finally:
+        sampler.close()
+    return out
+
+
 @pytest.mark.model
 def test_llama_cpp_holds_a_string_to_json_text_when_the_model_wants_a_newline() -> None:
     """On the real model, a string's grammar masks a raw newline however much the model wants
     one (its tokens biased up): the converter's ``char`` let it through, and the reply was
     no JSON (found by review)."""
     from kvwarm.backends import get_backend
-    from kvwarm.backends.base import BatchToken, ContextParams, SamplingParams
+    from kvwarm.backends.base import ContextParams, SamplingParams
     from kvwarm.embedded import default_model_path
 
     small = ContextParams(n_ctx=256, n_batch=32, n_ubatch=32, n_seq_max=1, n_threads=2)
@@ -405,17 +415,7 @@ def test_llama_cpp_holds_a_string_to_json_text_when_the_model_wants_a_newline() 
                 grammar=schema_to_gbnf({"type": "string", "maxLength": 8}),
                 logit_bias=tuple((t, 50.0) for t in raw),
             )
-            sampler = model.new_sampler(params)
-            out: list[int] = []
-            try:
-                for _ in range(16):
-                    token = sampler.sample(ctx, -1)
-                    if model.is_eog(token):
-                        break
-                    out.append(token)
-                    ctx.decode([BatchToken(token, len(prompt) + len(out) - 1, 0, logits=True)])
-            finally:
-                sampler.close()
+            out = _sample_reply(model, ctx, model.new_sampler(params), len(prompt), 16)
             text = model.detokenize(out)
             assert not set(text) & {"\n", "\t"}, text
             assert isinstance(json.loads(text), str), text
