@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from kvwarm.backends import get_backend
 from kvwarm.backends.base import BackendModel, BatchToken, ContextParams, SamplingParams
@@ -316,20 +317,26 @@ def case_repeat_below_its_least(backend: str) -> None:
     ``{5,2}`` it added rules until the kernel killed the process (found by fuzzing the
     server). Under a bound on the address space the old code died here at once (an uncaught
     ``bad_alloc``) instead of taking the machine's memory with it."""
-    import resource
-
     model = load(backend)
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    with open("/proc/self/statm") as statm:
-        used = int(statm.read().split()[0]) * resource.getpagesize()
-    # Bounded for this case only: the stub's cases run in the test process itself, whose
-    # every later allocation a bound left behind would fail (found: a whole run then failed
-    # at random and aborted).
-    resource.setrlimit(resource.RLIMIT_AS, (used + (2 << 30), hard))
-    try:
+    with _memory_bounded():
         for grammar in ('root ::= "a"{5,2}', 'root ::= ("a" | "b"){3, 0}'):
             expect(GrammarError, lambda g=grammar: model.new_sampler(SamplingParams(grammar=g)))
         model.new_sampler(SamplingParams(temperature=0, grammar='root ::= "a"{2,5}')).close()
+
+
+@contextmanager
+def _memory_bounded(extra: int = 2 << 30) -> Iterator[None]:
+    """The process's address space bounded to what it uses now and ``extra`` more, for the
+    block only: the stub's cases run in the test process itself, whose every later allocation
+    a bound left behind would fail (found: a whole run then failed at random and aborted)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as statm:
+        used = int(statm.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (used + extra, hard))
+    try:
+        yield
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
@@ -339,14 +346,8 @@ def case_grammar_after_a_comment_ended_by_a_carriage_return(backend: str) -> Non
     the CR; kvwarm's checks ended it at LF alone, so a group nesting 200,000 deep (a segfault)
     or a ``{5,2}`` (rules until out of memory) after ``# ...\\r`` reached llama.cpp unchecked
     (found by review). Memory is bounded as in ``case_repeat_below_its_least``."""
-    import resource
-
     model = load(backend)
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    with open("/proc/self/statm") as statm:
-        used = int(statm.read().split()[0]) * resource.getpagesize()
-    resource.setrlimit(resource.RLIMIT_AS, (used + (2 << 30), hard))
-    try:
+    with _memory_bounded():
         for grammar in (
             'root ::= "a" # a comment\rx ::= "a"{5,2}\n',
             'root ::= "a" # a comment\rx ::= ' + "(" * 200_000 + '"a"' + ")" * 200_000,
@@ -354,8 +355,6 @@ def case_grammar_after_a_comment_ended_by_a_carriage_return(backend: str) -> Non
             expect(GrammarError, lambda g=grammar: model.new_sampler(SamplingParams(grammar=g)))
         fine = 'root ::= "a" # a comment {5,2} ((((\rx ::= "b"\n'
         model.new_sampler(SamplingParams(temperature=0, grammar=fine)).close()
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def case_repetition_past_llama_cpps_bound(backend: str) -> None:
